@@ -1,0 +1,112 @@
+"""The ``dflash-torch`` command line.
+
+Subcommands: ``generate`` (here), and the ones registered by their own modules
+(``serve``, ``train``, ``bench``). A user error prints one line to stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import DFlashError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by every subcommand that loads a target + drafter pair."""
+    p.add_argument("--target", help="target checkpoint dir or cached HF id (default: the shipped default target)")
+    p.add_argument("--draft", help="DFlash drafter checkpoint dir or cached HF id (default: the shipped drafter)")
+    p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per draft block (default: the drafter's)")
+    p.add_argument("--draft-mode", default="inject", choices=["inject", "recompute"], help="drafter context: persistent injected KV cache (default) or cache-less recompute")
+    p.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256, help="maximum generated tokens (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+
+
+def load_engine(args: argparse.Namespace):
+    """A :class:`DFlashEngine` from the model options of ``args``."""
+    from .engine import DFlashEngine
+
+    return DFlashEngine.from_pretrained(
+        args.target, args.draft, dtype=args.dtype, device=args.device,
+        block_size=args.block_size, draft_mode=args.draft_mode, no_draft=args.no_draft,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.prompt is not None and args.prompt_text is not None:
+        raise DFlashError("give the prompt either as an argument or with --prompt, not both")
+    prompt = args.prompt if args.prompt is not None else args.prompt_text
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise DFlashError("no prompt: pass --prompt TEXT, a positional prompt, or pipe it on stdin")
+        prompt = sys.stdin.read()
+    engine = load_engine(args)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat)
+    if args.json:
+        out = engine.generate(prompt, **kwargs)
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "stats": out.stats.to_dict()}))
+        return 0
+    stats, finish = None, None
+    for chunk in engine.stream(prompt, **kwargs):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        stats, finish = chunk.stats, chunk.finish_reason
+    sys.stdout.write("\n")
+    print(
+        f"[{stats.generated_tokens} tokens, finish={finish}, mean tau {stats.mean_acceptance_length:.2f}, "
+        f"decode {stats.decode_tokens_per_second:.1f} tok/s, prefill {stats.prefill_time * 1000:.0f} ms]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-torch", description="DFlash speculative decoding with KV injection")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("prompt", nargs="?", default=None, help="prompt text (or --prompt, or stdin)")
+    g.add_argument("--prompt", dest="prompt_text", default=None, help="prompt text")
+    g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_model_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=_generate)
+    for module in ("serving.cli", "training.cli", "bench.cli"):
+        try:
+            mod = __import__(f"dflash_torch.{module}", fromlist=["register"])
+        except ImportError:
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except DFlashError as exc:
+        print(f"dflash-torch: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

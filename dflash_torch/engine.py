@@ -1,0 +1,340 @@
+"""The Python API: load a target (+ drafter) once, generate many times.
+
+    >>> from dflash_torch import DFlashEngine
+    >>> engine = DFlashEngine.from_pretrained()          # the shipped default pair
+    >>> out = engine.generate("def fibonacci(n):", max_new_tokens=64)
+    >>> out.text, out.finish_reason, out.stats.mean_acceptance_length
+
+Stopping is decided on committed tokens, token by token inside each block: the
+first stop token id, the first stop string, or ``max_new_tokens``, whichever comes
+first; nothing past it is emitted.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from .checkpoint import load_config, resolve_dtype, resolve_model_dir
+from .decoding import SpeculativeDecoder
+from .errors import DFlashError
+from .models.config import DrafterConfig, TargetConfig, validate_pair
+from .models.drafter import DFlashDrafter
+from .models.target import TargetModel
+from .sampling import SamplingParams
+
+ASSETS = Path(__file__).parent / "assets" / "default"
+DEFAULT_TARGET = ASSETS / "target"
+DEFAULT_DRAFTER = ASSETS / "drafter"
+
+
+@dataclass
+class GenerationStats:
+    """Measurements of one request. Times are in seconds.
+
+    ``acceptance_lengths`` has one tau per decoding round (tokens committed by the
+    round, bonus token included); ``acceptance_histogram`` maps tau -> rounds.
+    ``decode_tokens_per_second`` counts the tokens after the first (which prefill
+    produces) over ``decode_time``.
+    """
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    block_size: int = 1
+    draft_mode: str | None = None
+    acceptance_lengths: list[int] = field(default_factory=list)
+    mean_acceptance_length: float = 0.0
+    acceptance_histogram: dict[int, int] = field(default_factory=dict)
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    propose_times: list[float] = field(default_factory=list)
+    verify_times: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["acceptance_histogram"] = {str(k): v for k, v in self.acceptance_histogram.items()}
+        d["mean_propose_time"] = sum(self.propose_times) / len(self.propose_times) if self.propose_times else 0.0
+        d["mean_verify_time"] = sum(self.verify_times) / len(self.verify_times) if self.verify_times else 0.0
+        return d
+
+
+@dataclass
+class GenerationResult:
+    """A finished request.
+
+    Attributes:
+        text: the generated text (without a stop token's text, cut before a stop string).
+        token_ids: generated token ids, up to and including the stop token (or the token
+            that completed a stop string); never past it.
+        finish_reason: ``"stop"`` (stop token or string) or ``"length"`` (max_new_tokens).
+        stats: :class:`GenerationStats`.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+
+@dataclass
+class StreamChunk:
+    """One streamed piece: a text delta and the token ids committed with it.
+    ``finish_reason`` and ``stats`` are set on the last chunk only."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise DFlashError("stop must be a string or a list of strings")
+    if any(s == "" for s in stop):
+        raise DFlashError("stop strings must not be empty")
+    return list(stop)
+
+
+class DFlashEngine:
+    """A loaded target (+ optional DFlash drafter) and its tokenizer.
+
+    One request runs at a time (a lock serialises callers); each request starts
+    from clean caches.
+    """
+
+    def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
+                 block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash"):
+        self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
+        self.decoder = SpeculativeDecoder(target, drafter, block_size=block_size, draft_mode=draft_mode)
+        self.lock = threading.Lock()
+        self.stop_token_ids = set(target.config.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            self.stop_token_ids.add(int(tokenizer.eos_token_id))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | Path | None = None,
+        draft: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        block_size: int | None = None,
+        draft_mode: str = "inject",
+        no_draft: bool = False,
+    ) -> "DFlashEngine":
+        """Load a target and a DFlash drafter from local directories or cached Hugging Face ids.
+
+        Args:
+            target: target checkpoint (default: the shipped default target).
+            draft: drafter checkpoint (default: the shipped drafter when the target is
+                the default one; otherwise required unless ``no_draft``).
+            dtype: ``float32`` or ``bfloat16``.
+            device: ``cpu``, ``cuda``, ``cuda:N``.
+            block_size: tokens per block (default: the drafter's trained block size).
+            draft_mode: ``inject`` (persistent drafter KV cache) or ``recompute``.
+            no_draft: target-only decoding.
+
+        Raises:
+            DFlashError: missing files, incompatible pair, bad dtype/device/block size.
+        """
+        torch_dtype = resolve_dtype(dtype)
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise DFlashError(f"invalid device {device!r}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise DFlashError(f"device {device!r} requested but CUDA is not available")
+        if dev.type not in ("cpu", "cuda"):
+            raise DFlashError(f"unsupported device {device!r}; use cpu or cuda")
+        if target is None:
+            target = DEFAULT_TARGET
+            if draft is None and not no_draft:
+                draft = DEFAULT_DRAFTER
+        target_dir = resolve_model_dir(target)
+        target_cfg = TargetConfig.from_dict(load_config(target_dir))
+        drafter = None
+        if not no_draft:
+            if draft is None:
+                raise DFlashError("no drafter given: pass --draft DIR (or --no-draft for target-only decoding)")
+            draft_dir = resolve_model_dir(draft)
+            validate_pair(target_cfg, DrafterConfig.from_dict(load_config(draft_dir)))
+            drafter = DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
+        model = TargetModel.from_pretrained(target_dir, torch_dtype, dev)
+        tokenizer = _load_tokenizer(target_dir)
+        engine = cls(model, tokenizer, drafter, block_size=block_size, draft_mode=draft_mode, name=Path(str(target)).name)
+        gen_cfg = target_dir / "generation_config.json"
+        if gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            engine.stop_token_ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return engine
+
+    @property
+    def block_size(self) -> int:
+        return self.decoder.block_size
+
+    @property
+    def max_context(self) -> int:
+        """Prompt + generated tokens the target supports."""
+        return self.decoder.max_context
+
+    def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = False) -> list[int]:
+        """Token ids of a prompt: text, chat messages (``[{"role", "content"}]``) or ids.
+
+        Raises:
+            DFlashError: ``chat`` without a tokenizer chat template, or a malformed prompt.
+        """
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt) and prompt:
+            return list(prompt)
+        if isinstance(prompt, list) or chat:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+                raise DFlashError("chat messages must be a list of {'role': str, 'content': str}")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise DFlashError("this tokenizer has no chat template; drop --chat")
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if not isinstance(prompt, str):
+            raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages")
+        return self.tokenizer.encode(prompt)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of token ids (special tokens kept, no space clean-up)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def generate(self, prompt, **kwargs) -> GenerationResult:
+        """Generate to completion; arguments as :meth:`stream`. Returns a :class:`GenerationResult`."""
+        text, ids, last = [], [], None
+        for chunk in self.stream(prompt, **kwargs):
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            last = chunk
+        return GenerationResult("".join(text), ids, last.finish_reason, last.stats)
+
+    def stream(
+        self,
+        prompt: str | list[dict] | list[int],
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        chat: bool = False,
+    ) -> Iterator[StreamChunk]:
+        """Generate, yielding text deltas as rounds commit tokens.
+
+        Args:
+            prompt: text, chat messages, or token ids.
+            max_new_tokens: at most this many generated tokens (>= 1).
+            temperature, top_k, top_p, seed: see :class:`SamplingParams`.
+            stop: stop string(s): output ends before the first occurrence.
+            stop_token_ids: extra stop token ids (EOS ids are included unless ``ignore_eos``).
+            ignore_eos: do not stop at the model's EOS tokens.
+            chat: apply the tokenizer's chat template to a text prompt.
+
+        Yields:
+            :class:`StreamChunk`; the last one has ``finish_reason`` and ``stats``.
+
+        Raises:
+            DFlashError: invalid parameters or a prompt that does not fit the context.
+        """
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise DFlashError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        stops = _stop_strings(stop)
+        stop_ids = set() if ignore_eos else set(self.stop_token_ids)
+        for t in stop_token_ids or ():
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise DFlashError(f"stop token ids must be integers, got {t!r}")
+            stop_ids.add(t)
+        prompt_ids = self.encode_prompt(prompt, chat)
+        with self.lock:
+            yield from self._stream(prompt_ids, params, max_new_tokens, stops, stop_ids)
+
+    def _stream(self, prompt_ids, params, max_new_tokens, stops, stop_ids) -> Iterator[StreamChunk]:
+        stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.block_size,
+                                draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
+        hold = max((len(s) for s in stops), default=1) - 1
+        ids: list[int] = []
+        emitted = 0  # characters of text already yielded
+        prev_len = 0
+        rounds = self.decoder.rounds(prompt_ids, params, max_new_tokens)
+        try:
+            for rnd in rounds:
+                if rnd.acceptance_length is None:
+                    stats.prefill_time = rnd.total_time
+                else:
+                    stats.acceptance_lengths.append(rnd.acceptance_length)
+                    stats.propose_times.append(rnd.propose_time)
+                    stats.verify_times.append(rnd.verify_time)
+                    stats.decode_time += rnd.total_time
+                start = len(ids)
+                finish, text_ids_end = None, None
+                for tok in rnd.tokens:
+                    ids.append(tok)
+                    if tok in stop_ids:
+                        finish, text_ids_end = "stop", len(ids) - 1
+                        break
+                    if len(ids) >= max_new_tokens:
+                        finish = "length"
+                        break
+                text_ids_end = len(ids) if text_ids_end is None else text_ids_end
+                text = self.decode(ids[:text_ids_end])
+                if stops:
+                    search_from = max(0, min(prev_len, emitted) - hold - 2)
+                    hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
+                    if hits:
+                        cut, k = min(hits), text_ids_end
+                        for k in range(start + 1, text_ids_end + 1):
+                            if any(s in self.decode(ids[:k])[search_from:] for s in stops):
+                                break
+                        del ids[k:]
+                        text, finish = text[:cut], "stop"
+                prev_len = len(text)
+                if finish:
+                    end = len(text)
+                else:
+                    end = max(emitted, len(text) - hold)
+                    while end > emitted and text[end - 1] == "\ufffd":
+                        end -= 1
+                delta, emitted = text[emitted:end], max(emitted, end)
+                if finish:
+                    stats.generated_tokens = len(ids)
+                    self._finish_stats(stats)
+                    yield StreamChunk(delta, ids[start:], finish, stats)
+                    return
+                yield StreamChunk(delta, ids[start:])
+        finally:
+            rounds.close()
+
+    @staticmethod
+    def _finish_stats(stats: GenerationStats) -> None:
+        taus = stats.acceptance_lengths
+        stats.mean_acceptance_length = sum(taus) / len(taus) if taus else 0.0
+        stats.acceptance_histogram = dict(sorted(Counter(taus).items()))
+        if stats.decode_time > 0:
+            stats.decode_tokens_per_second = (stats.generated_tokens - 1) / stats.decode_time
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
+        raise DFlashError(f"cannot load the tokenizer of {model_dir}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None

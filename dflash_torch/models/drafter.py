@@ -1,0 +1,204 @@
+"""The DFlash drafter: a small stack of Qwen3-style layers that denoises a block of
+mask tokens in one forward pass, conditioned on target features through its K/V.
+
+Follows the DFlash paper (arXiv 2602.06036) and the reference implementation
+(z-lab/dflash, ``dflash/model.py``): context features ``c_p = hidden_norm(fc(f_p))``
+enter every layer only as keys/values (``k_norm(k_proj(c_p))`` with RoPE at ``p``,
+``v_proj(c_p)``); queries come from the block only; attention is non-causal.
+
+Two ways to hold the context (the ``draft_mode``):
+
+* :class:`InjectedContext` (``inject``): a persistent KV cache. Each round only the
+  newly committed positions are projected and written (KV injection); the block's own
+  K/V are written at the block positions and overwritten by later rounds.
+* :class:`RecomputedContext` (``recompute``): keeps every committed feature row and
+  re-projects all of them each round (the cache-less workaround from the llama.cpp
+  discussion in ``shared/seed``); a test oracle and a baseline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..cache import KVCache
+from ..checkpoint import load_config, load_state_dict
+from ..errors import DFlashError
+from .attention import Attention
+from .config import DrafterConfig
+from .layers import MLP, RMSNorm, Rotary, attend
+
+
+class DraftLayer(nn.Module):
+    """One drafter layer: non-causal attention over context K/V + block, then SwiGLU MLP."""
+
+    def __init__(self, cfg: DrafterConfig, sliding_window: int | None):
+        super().__init__()
+        self.self_attn = Attention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.attention_bias, True, cfg.rms_norm_eps,
+        )
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sliding_window = sliding_window
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash draft model. Parameter names match published checkpoints:
+    ``layers.*``, ``fc``, ``hidden_norm``, ``norm``. It has no embedding and no LM
+    head: callers embed the block with the target's ``embed_tokens`` and apply the
+    target's ``lm_head`` to the output.
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(DraftLayer(cfg, w) for w in cfg.sliding_windows)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> "DFlashDrafter":
+        """Load a published-format DFlash drafter checkpoint directory.
+
+        Raises:
+            DFlashError: not a DFlash config, or weights missing / of the wrong shape.
+        """
+        cfg = DrafterConfig.from_dict(load_config(model_dir))
+        with torch.device("meta"):
+            model = cls(cfg)
+        state = load_state_dict(model_dir, dtype, device)
+        expected = model.state_dict()
+        missing = sorted(expected.keys() - state.keys())
+        if missing:
+            raise DFlashError(f"drafter checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        for k, v in expected.items():
+            if tuple(state[k].shape) != tuple(v.shape):
+                raise DFlashError(f"drafter weight {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
+        model.load_state_dict({k: state[k] for k in expected}, strict=True, assign=True)
+        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+        return model.eval()
+
+    def new_cache(self) -> KVCache:
+        """An empty drafter KV cache (one entry per drafter layer)."""
+        w = self.fc.weight
+        c = self.config
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, w.dtype, w.device)
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features ``[n, k * hidden]`` -> context rows ``c`` ``[n, hidden]``."""
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer context keys/values ``[kv_heads, n, head_dim]`` of feature rows at ``positions`` ``[n]``."""
+        c = self.project_context(features)
+        cos, sin = self.rotary.cos_sin(positions, c.dtype)
+        return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
+
+    def _mask(self, layer: DraftLayer, positions: torch.Tensor, n_keys: int, static: bool) -> torch.Tensor | None:
+        """Key visibility ``[B, n_keys]``: keys at positions ``[0, n_keys)``, all before the
+        block end visible (non-causal), optionally limited to a sliding window."""
+        if not static and layer.sliding_window is None:
+            return None
+        k_pos = torch.arange(n_keys, device=positions.device)[None, :]
+        mask = k_pos <= positions[-1]
+        if layer.sliding_window is not None:
+            mask = mask & (k_pos > positions[:, None] - layer.sliding_window)
+        return mask.expand(positions.shape[0], n_keys)
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, context: "InjectedContext | RecomputedContext") -> torch.Tensor:
+        """Denoise one block.
+
+        Args:
+            block_embeds: ``[B, hidden]``, the target's embeddings of ``[last, mask, ...]``.
+            positions: int64 ``[B]``, the block's absolute positions ``[s, s + B)``.
+            context: holds the context K/V of positions ``[0, s)``.
+
+        Returns:
+            final-normed hidden states ``[B, hidden]``; row j predicts the token at ``s + j``.
+        """
+        x = block_embeds
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        recomputed = context.layer_kv(self) if isinstance(context, RecomputedContext) else None
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            attn = layer.self_attn
+            kb, vb = attn.key_value(h, cos, sin)
+            if recomputed is None:
+                k, v = context.block_kv(i, positions, kb, vb)
+                static = context.static
+            else:
+                ck, cv = recomputed[i]
+                k, v = torch.cat([ck, kb], dim=1), torch.cat([cv, vb], dim=1)
+                static = False
+            out = attend(attn.query(h, cos, sin), k, v, self._mask(layer, positions, k.shape[1], static))
+            x = x + attn.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+
+class InjectedContext:
+    """Drafter context as a persistent KV cache updated by injection.
+
+    Args:
+        drafter: the drafter whose projections fill the cache.
+        static: attend over the whole preallocated buffer under a mask (fixed shapes
+            for compiled graphs) instead of a slice of the committed length.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, static: bool = False):
+        self.cache = drafter.new_cache()
+        self.static = static
+
+    def reset(self, capacity: int) -> None:
+        """Forget all context; room for ``capacity`` positions."""
+        self.cache.reset(capacity)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def inject(self, drafter: DFlashDrafter, features: torch.Tensor, positions: torch.Tensor, n_valid: int) -> None:
+        """Project ``features`` ``[n, k * hidden]`` of ``positions`` ``[n]`` and write their
+        K/V for every layer. Only the first ``n_valid`` rows are committed; the rest are
+        written but lie past the new length and are overwritten by the next block."""
+        for i, (k, v) in enumerate(drafter.context_kv(features, positions)):
+            self.cache.write(i, positions, k, v)
+        self.cache.length = int(positions[0]) + n_valid
+
+    def block_kv(self, layer: int, positions: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the block's K/V at its positions and return keys/values to attend over."""
+        self.cache.write(layer, positions, kb, vb)
+        return self.cache.view(layer, None if self.static else self.cache.length + positions.shape[0])
+
+
+class RecomputedContext:
+    """Cache-less drafter context: every committed feature row is kept and re-projected
+    through ``fc``, ``hidden_norm`` and every layer's ``k_proj``/``v_proj`` each round."""
+
+    static = False
+
+    def __init__(self, drafter: DFlashDrafter):
+        self.features: list[torch.Tensor] = []
+        self.length = 0
+
+    def reset(self, capacity: int) -> None:
+        self.features, self.length = [], 0
+
+    def inject(self, drafter: DFlashDrafter, features: torch.Tensor, positions: torch.Tensor, n_valid: int) -> None:
+        """Append the first ``n_valid`` feature rows (``positions`` must continue the context)."""
+        if int(positions[0]) != self.length:
+            raise RuntimeError(f"recompute context expects position {self.length}, got {int(positions[0])}")
+        self.features.append(features[:n_valid])
+        self.length += n_valid
+
+    def layer_kv(self, drafter: DFlashDrafter) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Re-project all accumulated features into per-layer context K/V."""
+        feats = torch.cat(self.features, dim=0)
+        self.features = [feats]
+        return drafter.context_kv(feats, torch.arange(feats.shape[0], device=feats.device))

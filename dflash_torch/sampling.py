@@ -1,0 +1,146 @@
+"""Sampling parameters, logits processing and the acceptance rules of speculative decoding.
+
+Acceptance rules (both lossless, see DESIGN.md):
+
+* greedy: the longest prefix of draft tokens equal to the target's argmax, then the
+  target's argmax at the first mismatch (the bonus / correction token);
+* sampling: speculative rejection sampling (Leviathan et al., "Fast Inference from
+  Transformers via Speculative Decoding", 2023; Chen et al., 2023): draft token
+  ``d_j ~ q_j`` is accepted with probability ``min(1, p_j(d_j) / q_j(d_j))``; at the
+  first rejection a token is drawn from ``normalize(max(p_j - q_j, 0))``; if all are
+  accepted the bonus token is drawn from ``p_B``. ``p`` and ``q`` are the target's and
+  the drafter's distributions after temperature, top-k and top-p.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DFlashError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to choose tokens.
+
+    Attributes:
+        temperature: 0 for greedy decoding, else > 0 (logits are divided by it).
+        top_k: keep the k most likely tokens (0 = no limit).
+        top_p: keep the smallest set of tokens whose probability reaches top_p (1 = off).
+        seed: seed of the request's random generator (None = nondeterministic).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise DFlashError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise DFlashError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
+            raise DFlashError(f"top_p must be in (0, 1], got {p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise DFlashError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device: torch.device | str) -> torch.Generator | None:
+        """A random generator for one request (None for greedy decoding)."""
+        if self.greedy:
+            return None
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits ``[N, V]`` -> float32 probabilities ``[N, V]`` after temperature, top-k, top-p.
+
+    Only for ``params.temperature > 0``. Top-k keeps every token tied with the k-th.
+    """
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p
+        drop_sorted = before >= params.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` ``[N, V]`` -> int64 ``[N]``."""
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The target's token for each row of ``logits`` ``[N, V]`` -> int64 ``[N]``."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return sample(probabilities(logits, params), generator)
+
+
+def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """Greedy acceptance.
+
+    Args:
+        draft: int64 ``[B-1]`` draft tokens for positions ``s+1 .. s+B-1``.
+        target_logits: ``[B, V]`` target logits of the verify block (row j predicts ``s+j+1``).
+
+    Returns:
+        ``(a, token)``: a accepted draft tokens (0 <= a <= B-1) and the target's token
+        for position ``s+a+1``.
+    """
+    choice = target_logits.argmax(dim=-1)
+    a = int((draft == choice[:-1]).int().cumprod(0).sum())
+    return a, int(choice[a])
+
+
+def accept_sampling(
+    draft: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Speculative rejection sampling (lossless).
+
+    Args:
+        draft: int64 ``[B-1]``, drawn from ``draft_probs``.
+        draft_probs: float32 ``[B-1, V]`` drafter distributions q.
+        target_probs: float32 ``[B, V]`` target distributions p (row j for position ``s+j+1``).
+
+    Returns:
+        ``(a, token)`` as in :func:`accept_greedy`.
+    """
+    n = draft.shape[0]
+    rows = torch.arange(n, device=draft.device)
+    p_d = target_probs[rows, draft]
+    q_d = draft_probs[rows, draft]
+    u = torch.rand(n, generator=generator, device=draft.device)
+    ok = u * q_d < p_d
+    a = int(ok.int().cumprod(0).sum())
+    if a == n:
+        return a, int(sample(target_probs[n:n + 1], generator)[0])
+    residual = (target_probs[a] - draft_probs[a]).clamp_min(0.0)
+    if float(residual.sum()) <= 0.0:
+        residual = target_probs[a]
+    return a, int(sample((residual / residual.sum())[None], generator)[0])
