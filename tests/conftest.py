@@ -1,0 +1,119 @@
+"""Shared fixtures: tiny real checkpoints (safetensors + config.json) and a real
+byte-level BPE tokenizer, built inside the tests with transformers' own model classes."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dflash_torch.models.config import DrafterConfig, default_target_layer_ids
+
+VOCAB = 320
+MASK_ID = 1
+EOS_ID = 0
+
+
+def corpus_texts(limit_chars: int = 200_000) -> list[str]:
+    """Real text for the test tokenizer: a few standard-library sources."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for name in ["textwrap.py", "string.py", "bisect.py", "heapq.py", "fnmatch.py", "colorsys.py"]:
+        t = (stdlib / name).read_text(encoding="utf-8")
+        texts.append(t)
+        total += len(t)
+        if total > limit_chars:
+            break
+    return texts
+
+
+def make_tokenizer(out_dir: Path, vocab_size: int = VOCAB) -> None:
+    """Train and save a byte-level BPE tokenizer (``<|endoftext|>`` = 0, ``<|MASK|>`` = 1)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|MASK|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus_texts(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", mask_token="<|MASK|>", pad_token="<|endoftext|>")
+    fast.chat_template = "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}"
+    fast.save_pretrained(str(out_dir))
+
+
+def make_target(out_dir: Path, family: str = "qwen3", *, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
+    """Save a tiny random target of ``family`` (qwen3, llama, qwen2) with transformers' class."""
+    import transformers
+
+    torch.manual_seed(seed)
+    base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, max_position_embeddings=1024, tie_word_embeddings=True,
+                eos_token_id=EOS_ID, bos_token_id=EOS_ID, pad_token_id=EOS_ID)
+    if family == "qwen3":
+        base["head_dim"] = 16
+    base.update(overrides)
+    cfg_cls, model_cls = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[family]
+    model = model_cls(cfg_cls(**base)).eval()
+    with torch.no_grad():  # larger-than-default weights give peaked, less tie-prone logits
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.05)
+    model.save_pretrained(str(out_dir))
+    if tokenizer:
+        make_tokenizer(out_dir)
+    return Path(out_dir)
+
+
+def drafter_config(target_dir: Path, *, num_layers: int = 2, block_size: int = 16, mask_token_id: int = MASK_ID,
+                   target_layer_ids: list[int] | None = None) -> DrafterConfig:
+    tcfg = json.loads((Path(target_dir) / "config.json").read_text())
+    L = tcfg["num_hidden_layers"]
+    heads = tcfg["num_attention_heads"]
+    return DrafterConfig(
+        hidden_size=tcfg["hidden_size"], num_hidden_layers=num_layers, num_attention_heads=heads,
+        num_key_value_heads=tcfg.get("num_key_value_heads", heads), head_dim=tcfg.get("head_dim") or tcfg["hidden_size"] // heads,
+        intermediate_size=tcfg["intermediate_size"], rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+        attention_bias=False, block_size=block_size, mask_token_id=mask_token_id,
+        target_layer_ids=target_layer_ids or default_target_layer_ids(L, num_layers), num_target_layers=L,
+        vocab_size=tcfg["vocab_size"], sliding_windows=[None] * num_layers,
+    )
+
+
+def save_drafter(out_dir: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor] | None = None, *, seed: int = 0) -> Path:
+    """Save a drafter in the published DFlash format (random weights unless ``state``)."""
+    from dflash_torch.models.drafter import DFlashDrafter
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if state is None:
+        torch.manual_seed(seed)
+        model = DFlashDrafter(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, 0.08)
+        state = model.state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(target_dir, drafter_dir): a tiny Qwen3 target with tokenizer and a random B=16 drafter."""
+    root = tmp_path_factory.mktemp("pair")
+    target = make_target(root / "target")
+    drafter = save_drafter(root / "drafter", drafter_config(target))
+    return target, drafter
