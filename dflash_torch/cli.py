@@ -22,6 +22,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft block (default: the drafter's)")
     p.add_argument("--draft-mode", default="inject", choices=["inject", "recompute"], help="drafter context: persistent injected KV cache (default) or cache-less recompute")
     p.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
+    p.add_argument("--compile", action="store_true", help="fixed-shape rounds compiled with torch.compile")
+    p.add_argument("--max-context", type=int, default=None, help="longest prompt + generation in tokens (default: the target's limit)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +43,7 @@ def load_engine(args: argparse.Namespace):
     return DFlashEngine.from_pretrained(
         args.target, args.draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, draft_mode=args.draft_mode, no_draft=args.no_draft,
+        compile=args.compile, max_context=args.max_context,
     )
 
 

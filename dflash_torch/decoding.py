@@ -51,10 +51,20 @@ class SpeculativeDecoder:
         drafter: a DFlash drafter, or None for target-only decoding.
         block_size: tokens per block B (default: the drafter's); at most the drafter's.
         draft_mode: ``"inject"`` (persistent drafter KV cache) or ``"recompute"``.
-        prefill_chunk: prompt tokens per prefill forward.
+        prefill_chunk: prompt tokens per prefill forward (the last chunk is padded in
+            fixed-shape mode).
+        static: fixed-shape rounds: caches preallocated for ``max_context`` tokens,
+            the committed length enters as a device tensor and attention runs over the
+            whole buffer under a mask, inject always takes the B rows of the verify
+            block, prefill runs in fixed-size chunks. Implied by ``compile``.
+        compile: wrap prefill, propose, verify and inject with ``torch.compile``
+            (CUDA: mode "reduce-overhead", i.e. CUDA graphs).
+        max_context: longest prompt + generation (tokens); default: the target's
+            ``max_position_embeddings``.
+        compile_backend: torch.compile backend (default "inductor").
 
     Raises:
-        DFlashError: invalid block size or draft mode.
+        DFlashError: invalid block size, draft mode, or a mode combination that cannot work.
     """
 
     def __init__(
@@ -63,7 +73,11 @@ class SpeculativeDecoder:
         drafter: DFlashDrafter | None = None,
         block_size: int | None = None,
         draft_mode: str = "inject",
-        prefill_chunk: int = 512,
+        prefill_chunk: int = 256,
+        static: bool = False,
+        compile: bool = False,
+        max_context: int | None = None,
+        compile_backend: str = "inductor",
     ):
         if draft_mode not in DRAFT_MODES:
             raise DFlashError(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}")
@@ -77,6 +91,13 @@ class SpeculativeDecoder:
             block_size = trained if block_size is None else block_size
             if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= trained:
                 raise DFlashError(f"block size must be an integer in [1, {trained}] (the drafter's trained block size), got {block_size!r}")
+        self.static = static or compile
+        if self.static and drafter is not None and draft_mode == "recompute":
+            raise DFlashError("the recompute draft mode grows every round; it cannot run with fixed shapes / --compile")
+        limit = target.config.max_position_embeddings
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int) or not 1 <= max_context <= limit):
+            raise DFlashError(f"max_context must be an integer in [1, {limit}], got {max_context!r}")
+        self.max_context = max_context or limit
         self.block_size = block_size
         self.prefill_chunk = prefill_chunk
         self.target_cache = target.new_cache()
@@ -88,15 +109,69 @@ class SpeculativeDecoder:
         else:
             self.context = RecomputedContext(drafter)
         self.device = target.model.embed_tokens.weight.device
+        self._arange_block = torch.arange(block_size, device=self.device)
+        self._arange_chunk = torch.arange(prefill_chunk, device=self.device)
+        mask_id = drafter.config.mask_token_id if drafter is not None else 0
+        self._mask_tail = torch.full((block_size - 1,), mask_id, dtype=torch.long, device=self.device)
+        if self.static:  # preallocate once: buffer shapes never change afterwards
+            capacity = self.max_context + max(block_size, prefill_chunk) + 1
+            self.target_cache.reset(capacity)
+            if self.context is not None:
+                self.context.reset(capacity)
+        self._prefill_fn, self._draft_fn = self._prefill_step, self._draft_step
+        self._verify_fn, self._inject_fn = self._verify_step, self._inject_step
+        self.compiled = compile
+        if compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            opts = dict(dynamic=False, mode=mode, backend=compile_backend) if mode else dict(dynamic=False, backend=compile_backend)
+            self._prefill_fn = torch.compile(self._prefill_step, **opts)
+            self._draft_fn = torch.compile(self._draft_step, **opts)
+            self._verify_fn = torch.compile(self._verify_step, **opts)
+            self._inject_fn = torch.compile(self._inject_step, **opts)
 
-    @property
-    def max_context(self) -> int:
-        """Longest sequence (prompt + generated tokens) the target supports."""
-        return self.target.config.max_position_embeddings
+    # --- the per-round steps (fixed shapes when ``s`` is a tensor and ``kv_len`` None) ---
+
+    def _prefill_step(self, ids: torch.Tensor, start, kv_len: int | None):
+        positions = start + self._arange_chunk[: ids.shape[0]]
+        return self.target(ids, positions, self.target_cache, kv_len, self.feature_layers)
+
+    def _draft_step(self, token: torch.Tensor, s, kv_len: int | None) -> torch.Tensor:
+        """propose: the drafter denoises ``[token, mask, ...]`` at ``[s, s+B)`` -> draft logits ``[B-1, V]``."""
+        block = torch.cat([token.view(1), self._mask_tail])
+        hidden = self.drafter(self.target.embed(block), s + self._arange_block, self.context, kv_len)
+        return self.target.logits(hidden[1:])
+
+    def _verify_step(self, block: torch.Tensor, s, kv_len: int | None):
+        """verify: the target reads the block at ``[s, s+B)`` -> logits ``[B, V]``, features ``[B, k*H]``."""
+        return self.target(block, s + self._arange_block[: block.shape[0]], self.target_cache, kv_len, self.feature_layers)
+
+    def _inject_step(self, features: torch.Tensor, s) -> None:
+        """inject: write the drafter K/V of feature rows at ``[s, s + rows)``."""
+        self.context.inject(self.drafter, features, s + self._arange_block[: features.shape[0]])
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _prefill(self, ids: torch.Tensor, n_prompt: int) -> torch.Tensor:
+        """Run the prompt through the target chunk by chunk, injecting every row's
+        features; returns the logits ``[V]`` of the last prompt row."""
+        C = self.prefill_chunk
+        for c0 in range(0, n_prompt, C):
+            c1 = min(c0 + C, n_prompt)
+            if self.static:  # fixed chunk shape: pad; pad rows land past the prompt and get overwritten
+                chunk = torch.zeros(C, dtype=torch.long, device=self.device)
+                chunk[: c1 - c0] = ids[c0:c1]
+                logits, feats = self._prefill_fn(chunk, torch.tensor(c0, device=self.device), None)
+                last = logits[c1 - c0 - 1]
+                if self.context is not None:
+                    self.context.inject(self.drafter, feats, c0 + self._arange_chunk)
+            else:
+                logits, feats = self._prefill_fn(ids[c0:c1], c0, c1)
+                last = logits[-1]
+                if self.context is not None:
+                    self.context.inject(self.drafter, feats, c0 + self._arange_chunk[: c1 - c0])
+        return last
 
     @torch.inference_mode()
     def rounds(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int) -> Iterator[Round]:
@@ -109,11 +184,12 @@ class SpeculativeDecoder:
                 more than needed and the caller cuts.
 
         Yields:
-            one :class:`Round` for the prefill, then one per decoding round.
+            one :class:`Round` for the prefill, then one per decoding round. Each round
+            reads the device once (the accepted count and tokens, in one transfer).
 
         Raises:
             DFlashError: empty prompt, token ids outside the vocabulary, or a prompt plus
-                ``max_new_tokens`` longer than the target's context.
+                ``max_new_tokens`` longer than the context.
         """
         n_prompt = len(prompt_ids)
         vocab = self.target.config.vocab_size
@@ -123,64 +199,64 @@ class SpeculativeDecoder:
             raise DFlashError(f"prompt token ids must be in [0, {vocab})")
         if n_prompt + max_new_tokens > self.max_context:
             raise DFlashError(
-                f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's context of {self.max_context} tokens"
+                f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of {self.max_context} tokens"
             )
-        B = self.block_size
-        capacity = n_prompt + max_new_tokens + B + 1
-        self.target_cache.reset(capacity)
-        if self.context is not None:
-            self.context.reset(capacity)
-        generator = params.generator(self.device)
-        dev = self.device
-        ids = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
-
-        # prefill: the target reads the prompt in chunks; every row's features are injected
-        t0 = time.perf_counter()
-        for c0 in range(0, n_prompt, self.prefill_chunk):
-            c1 = min(c0 + self.prefill_chunk, n_prompt)
-            positions = torch.arange(c0, c1, device=dev)
-            logits, feats = self.target(ids[c0:c1], positions, self.target_cache, c1, self.feature_layers, logits_from=c1 - c0 - 1)
+        B, dev, static = self.block_size, self.device, self.static
+        if not static:
+            capacity = n_prompt + max_new_tokens + B + 1
+            self.target_cache.reset(capacity)
             if self.context is not None:
-                self.context.inject(self.drafter, feats, positions, c1 - c0)
-        self.target_cache.length = n_prompt
-        token = int(choose(logits[-1:], params, generator)[0])
-        self._sync()
-        t1 = time.perf_counter()
-        yield Round([token], None, 0.0, t1 - t0, t1 - t0)
+                self.context.reset(capacity)
+        else:
+            self.target_cache.length = 0
+        generator = params.generator(dev)
 
-        s, committed = n_prompt, 1
-        mask_id = self.drafter.config.mask_token_id if self.drafter is not None else 0
+        t0 = time.perf_counter()
+        last_logits = self._prefill(torch.tensor(prompt_ids, dtype=torch.long, device=dev), n_prompt)
+        token = choose(last_logits[None], params, generator)[0]
+        first = int(token)
+        t1 = time.perf_counter()
+        yield Round([first], None, 0.0, t1 - t0, t1 - t0)
+
+        s = n_prompt  # position of ``token``: committed, its features not yet known
+        s_dev = torch.tensor(s, device=dev)
+        committed = 1
         while committed < max_new_tokens:
             t0 = time.perf_counter()
-            positions = torch.arange(s, s + B, device=dev)
-            block = torch.full((B,), mask_id, dtype=torch.long, device=dev)
-            block[0] = token
+            pos = s_dev if static else s
+            kv_len = None if static else s + B
             draft_probs = None
             if B > 1:
-                hidden = self.drafter(self.target.embed(block), positions, self.context)
-                draft_logits = self.target.logits(hidden[1:])
+                draft_logits = self._draft_fn(token, pos, kv_len)
                 if params.greedy:
-                    block[1:] = draft_logits.argmax(dim=-1)
+                    draft = draft_logits.argmax(dim=-1)
                 else:
                     draft_probs = probabilities(draft_logits, params)
-                    block[1:] = sample(draft_probs, generator)
+                    draft = sample(draft_probs, generator)
+                block = torch.cat([token.view(1), draft])
+            else:
+                block = token.view(1)
             self._sync()
             t1 = time.perf_counter()
-            logits, feats = self.target(block, positions, self.target_cache, s + B, self.feature_layers)
+            logits, feats = self._verify_fn(block, pos, kv_len)
             if B == 1:
-                a, bonus = 0, int(choose(logits, params, generator)[0])
+                a_dev, bonus = torch.zeros((), dtype=torch.long, device=dev), choose(logits, params, generator)[0]
             elif params.greedy:
-                a, bonus = accept_greedy(block[1:], logits)
+                a_dev, bonus = accept_greedy(block[1:], logits)
             else:
-                a, bonus = accept_sampling(block[1:], draft_probs, probabilities(logits, params), generator)
+                a_dev, bonus = accept_sampling(block[1:], draft_probs, probabilities(logits, params), generator)
+            if static and self.context is not None:
+                self._inject_fn(feats, s_dev)  # all B rows; rows past the accepted ones are overwritten next round
+            out = torch.cat([a_dev.view(1).to(block.dtype), block[1:], bonus.view(1)]).tolist()  # the one host sync
+            a = out[0]
             t2 = time.perf_counter()
-            tokens = block[1:a + 1].tolist() + [bonus]
+            if not static and self.context is not None:
+                self._inject_fn(feats[: a + 1], s)
             self.target_cache.length = s + a + 1  # rollback: rows past the accepted prefix are stale
-            if self.context is not None:
-                self.context.inject(self.drafter, feats[:a + 1], positions[:a + 1], a + 1)
             self._sync()
             t3 = time.perf_counter()
             s += a + 1
+            s_dev = s_dev + (a_dev + 1)
             committed += a + 1
             token = bonus
-            yield Round(tokens, a + 1, t1 - t0, t2 - t1, t3 - t0)
+            yield Round(out[1:a + 1] + [out[-1]], a + 1, t1 - t0, t2 - t1, t3 - t0)

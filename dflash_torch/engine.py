@@ -114,9 +114,9 @@ class DFlashEngine:
     """
 
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
-                 block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash"):
+                 block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash", **decoder_options):
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
-        self.decoder = SpeculativeDecoder(target, drafter, block_size=block_size, draft_mode=draft_mode)
+        self.decoder = SpeculativeDecoder(target, drafter, block_size=block_size, draft_mode=draft_mode, **decoder_options)
         self.lock = threading.Lock()
         self.stop_token_ids = set(target.config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -133,6 +133,9 @@ class DFlashEngine:
         block_size: int | None = None,
         draft_mode: str = "inject",
         no_draft: bool = False,
+        compile: bool = False,
+        static: bool = False,
+        max_context: int | None = None,
     ) -> "DFlashEngine":
         """Load a target and a DFlash drafter from local directories or cached Hugging Face ids.
 
@@ -145,6 +148,11 @@ class DFlashEngine:
             block_size: tokens per block (default: the drafter's trained block size).
             draft_mode: ``inject`` (persistent drafter KV cache) or ``recompute``.
             no_draft: target-only decoding.
+            compile: fixed-shape rounds compiled with ``torch.compile`` (see
+                :class:`~dflash_torch.decoding.SpeculativeDecoder`).
+            static: fixed-shape rounds without compiling.
+            max_context: longest prompt + generation in tokens (default: the target's
+                ``max_position_embeddings``); fixed-shape modes preallocate it.
 
         Raises:
             DFlashError: missing files, incompatible pair, bad dtype/device/block size.
@@ -173,7 +181,8 @@ class DFlashEngine:
             drafter = DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev)
         tokenizer = _load_tokenizer(target_dir)
-        engine = cls(model, tokenizer, drafter, block_size=block_size, draft_mode=draft_mode, name=Path(str(target)).name)
+        engine = cls(model, tokenizer, drafter, block_size=block_size, draft_mode=draft_mode, name=Path(str(target)).name,
+                     compile=compile, static=static, max_context=max_context)
         gen_cfg = target_dir / "generation_config.json"
         if gen_cfg.is_file():
             eos = json.loads(gen_cfg.read_text()).get("eos_token_id")

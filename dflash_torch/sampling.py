@@ -99,20 +99,20 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return sample(probabilities(logits, params), generator)
 
 
-def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """Greedy acceptance.
+def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance, on the device (no host sync).
 
     Args:
         draft: int64 ``[B-1]`` draft tokens for positions ``s+1 .. s+B-1``.
         target_logits: ``[B, V]`` target logits of the verify block (row j predicts ``s+j+1``).
 
     Returns:
-        ``(a, token)``: a accepted draft tokens (0 <= a <= B-1) and the target's token
-        for position ``s+a+1``.
+        0-dim int64 tensors ``(a, token)``: a accepted draft tokens (0 <= a <= B-1) and
+        the target's token for position ``s+a+1``.
     """
     choice = target_logits.argmax(dim=-1)
-    a = int((draft == choice[:-1]).int().cumprod(0).sum())
-    return a, int(choice[a])
+    a = (draft == choice[:-1]).int().cumprod(0).sum()
+    return a, choice[a]
 
 
 def accept_sampling(
@@ -120,8 +120,8 @@ def accept_sampling(
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     generator: torch.Generator | None,
-) -> tuple[int, int]:
-    """Speculative rejection sampling (lossless).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative rejection sampling (lossless), on the device (no host sync).
 
     Args:
         draft: int64 ``[B-1]``, drawn from ``draft_probs``.
@@ -129,18 +129,20 @@ def accept_sampling(
         target_probs: float32 ``[B, V]`` target distributions p (row j for position ``s+j+1``).
 
     Returns:
-        ``(a, token)`` as in :func:`accept_greedy`.
+        0-dim int64 tensors ``(a, token)`` as in :func:`accept_greedy`. One candidate
+        token is drawn per row from ``normalize(max(p - q, 0))`` (``p_B`` for the last
+        row, where q is 0) and the one at row ``a`` is kept; those draws are independent
+        of the acceptance draws, so the result is exactly distributed as the target's.
     """
     n = draft.shape[0]
     rows = torch.arange(n, device=draft.device)
     p_d = target_probs[rows, draft]
     q_d = draft_probs[rows, draft]
     u = torch.rand(n, generator=generator, device=draft.device)
-    ok = u * q_d < p_d
-    a = int(ok.int().cumprod(0).sum())
-    if a == n:
-        return a, int(sample(target_probs[n:n + 1], generator)[0])
-    residual = (target_probs[a] - draft_probs[a]).clamp_min(0.0)
-    if float(residual.sum()) <= 0.0:
-        residual = target_probs[a]
-    return a, int(sample((residual / residual.sum())[None], generator)[0])
+    a = (u * q_d < p_d).int().cumprod(0).sum()
+    q_pad = torch.cat([draft_probs, torch.zeros_like(draft_probs[:1])], dim=0)
+    residual = (target_probs - q_pad).clamp_min(0.0)
+    total = residual.sum(dim=-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), target_probs)
+    candidates = sample(residual, generator)
+    return a, candidates[a]

@@ -111,13 +111,16 @@ class DFlashDrafter(nn.Module):
             mask = mask & (k_pos > positions[:, None] - layer.sliding_window)
         return mask.expand(positions.shape[0], n_keys)
 
-    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, context: "InjectedContext | RecomputedContext") -> torch.Tensor:
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
+                context: "InjectedContext | RecomputedContext", kv_len: int | None) -> torch.Tensor:
         """Denoise one block.
 
         Args:
             block_embeds: ``[B, hidden]``, the target's embeddings of ``[last, mask, ...]``.
             positions: int64 ``[B]``, the block's absolute positions ``[s, s + B)``.
             context: holds the context K/V of positions ``[0, s)``.
+            kv_len: ``s + B`` to attend over a slice of the injected cache, or ``None`` to
+                attend over the whole preallocated buffer under a mask (fixed shapes).
 
         Returns:
             final-normed hidden states ``[B, hidden]``; row j predicts the token at ``s + j``.
@@ -130,12 +133,11 @@ class DFlashDrafter(nn.Module):
             attn = layer.self_attn
             kb, vb = attn.key_value(h, cos, sin)
             if recomputed is None:
-                k, v = context.block_kv(i, positions, kb, vb)
-                static = context.static
+                k, v = context.block_kv(i, positions, kb, vb, kv_len)
             else:
                 ck, cv = recomputed[i]
                 k, v = torch.cat([ck, kb], dim=1), torch.cat([cv, vb], dim=1)
-                static = False
+            static = recomputed is None and kv_len is None
             out = attend(attn.query(h, cos, sin), k, v, self._mask(layer, positions, k.shape[1], static))
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -143,45 +145,34 @@ class DFlashDrafter(nn.Module):
 
 
 class InjectedContext:
-    """Drafter context as a persistent KV cache updated by injection.
+    """Drafter context as a persistent, preallocated KV cache updated by injection."""
 
-    Args:
-        drafter: the drafter whose projections fill the cache.
-        static: attend over the whole preallocated buffer under a mask (fixed shapes
-            for compiled graphs) instead of a slice of the committed length.
-    """
-
-    def __init__(self, drafter: DFlashDrafter, static: bool = False):
+    def __init__(self, drafter: DFlashDrafter):
         self.cache = drafter.new_cache()
-        self.static = static
 
     def reset(self, capacity: int) -> None:
         """Forget all context; room for ``capacity`` positions."""
         self.cache.reset(capacity)
 
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
-    def inject(self, drafter: DFlashDrafter, features: torch.Tensor, positions: torch.Tensor, n_valid: int) -> None:
-        """Project ``features`` ``[n, k * hidden]`` of ``positions`` ``[n]`` and write their
-        K/V for every layer. Only the first ``n_valid`` rows are committed; the rest are
-        written but lie past the new length and are overwritten by the next block."""
+    def inject(self, drafter: DFlashDrafter, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """KV injection: project ``features`` ``[n, k * hidden]`` of ``positions`` ``[n]``
+        through ``fc``, ``hidden_norm`` and each layer's ``k_proj``/``k_norm``/RoPE and
+        ``v_proj``, and write them into the cache. Rows past the committed length may be
+        written too (fixed shapes): the next block overwrites them before they are read."""
         for i, (k, v) in enumerate(drafter.context_kv(features, positions)):
             self.cache.write(i, positions, k, v)
-        self.cache.length = int(positions[0]) + n_valid
 
-    def block_kv(self, layer: int, positions: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the block's K/V at its positions and return keys/values to attend over."""
+    def block_kv(self, layer: int, positions: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
+                 kv_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the block's K/V at its positions (they never survive as context: the
+        next injection or block overwrites them) and return the keys/values to attend over."""
         self.cache.write(layer, positions, kb, vb)
-        return self.cache.view(layer, None if self.static else self.cache.length + positions.shape[0])
+        return self.cache.view(layer, kv_len)
 
 
 class RecomputedContext:
     """Cache-less drafter context: every committed feature row is kept and re-projected
     through ``fc``, ``hidden_norm`` and every layer's ``k_proj``/``v_proj`` each round."""
-
-    static = False
 
     def __init__(self, drafter: DFlashDrafter):
         self.features: list[torch.Tensor] = []
@@ -190,12 +181,12 @@ class RecomputedContext:
     def reset(self, capacity: int) -> None:
         self.features, self.length = [], 0
 
-    def inject(self, drafter: DFlashDrafter, features: torch.Tensor, positions: torch.Tensor, n_valid: int) -> None:
-        """Append the first ``n_valid`` feature rows (``positions`` must continue the context)."""
+    def inject(self, drafter: DFlashDrafter, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append feature rows ``[n, k * hidden]``; ``positions`` must continue the context."""
         if int(positions[0]) != self.length:
             raise RuntimeError(f"recompute context expects position {self.length}, got {int(positions[0])}")
-        self.features.append(features[:n_valid])
-        self.length += n_valid
+        self.features.append(features)
+        self.length += features.shape[0]
 
     def layer_kv(self, drafter: DFlashDrafter) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Re-project all accumulated features into per-layer context K/V."""
