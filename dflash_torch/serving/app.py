@@ -1,0 +1,339 @@
+"""An OpenAI-compatible HTTP server for a :class:`DFlashEngine`.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+
+Generation runs on one worker thread (see :mod:`.worker`); requests queue in front of
+it in arrival order. Errors use OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``: 400 for any invalid or
+unsupported input, 401 for a missing or wrong API key, 404 for an unknown model or
+route; a 500 means a server bug.
+
+Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
+completions and the rest of the context for chat. Extensions: ``top_k``,
+``ignore_eos``, ``stop_token_ids``; responses carry a ``dflash`` object with the
+request's speculative-decoding statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import DFlashError
+from .metrics import MetricsMiddleware, ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error, unsupported_field
+from .worker import EngineWorker, Event, GenerationJob
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DISCONNECT_POLL_S = 0.5
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _stats_summary(stats) -> dict | None:
+    if stats is None:
+        return None
+    return {
+        "mean_acceptance_length": stats.mean_acceptance_length,
+        "acceptance_histogram": {str(k): v for k, v in stats.acceptance_histogram.items()},
+        "block_size": stats.block_size,
+        "draft_mode": stats.draft_mode,
+        "prefill_time": stats.prefill_time,
+        "decode_time": stats.decode_time,
+        "decode_tokens_per_second": stats.decode_tokens_per_second,
+    }
+
+
+class _JobStreamingResponse(StreamingResponse):
+    """A streaming response that cancels its job however the stream ends (a client
+    disconnect, a failed send, or the normal end, where cancelling is a no-op)."""
+
+    def __init__(self, content, job: GenerationJob, **kwargs):
+        super().__init__(content, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
+def create_app(engine, api_key: str | None = None, model_name: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``.
+
+    Args:
+        engine: a loaded :class:`~dflash_torch.engine.DFlashEngine`.
+        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``
+            (``/health`` and ``/metrics`` stay open).
+        model_name: the model id clients must use (default: ``engine.name``).
+    """
+    model_id = model_name or engine.name
+    metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
+    worker = EngineWorker(engine, metrics)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.shutdown()
+
+    app = FastAPI(title="dflash-torch", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine, app.state.metrics, app.state.worker, app.state.model_id = engine, metrics, worker, model_id
+    app.add_middleware(MetricsMiddleware, metrics=metrics, endpoints=ENDPOINTS)
+
+    # ---- errors -------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(DFlashError)
+    async def _dflash_error(request: Request, exc: DFlashError):
+        return error_response(400, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        err = (exc.errors() or [{}])[0]
+        param = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or None
+        return error_response(400, f"invalid value for {param}: {err.get('msg', 'invalid request')}", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, message, code=code)
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, exc: Exception):
+        return error_response(500, f"internal server error: {type(exc).__name__}", type="server_error")
+
+    # ---- helpers ------------------------------------------------------------------------
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+    async def parse(request: Request, schema):
+        body = await request.body()
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            req = schema.model_validate(data)
+        except ValidationError as exc:
+            message, param = describe_validation_error(exc)
+            raise APIError(400, message, param=param) from None
+        if req.model is not None and req.model != model_id:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_id!r}",
+                           param="model", code="model_not_found")
+        bad = unsupported_field(req)
+        if bad is not None:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        return req
+
+    async def next_event(job: GenerationJob, request: Request | None) -> Event | None:
+        """The job's next event; None when the client went away (``request`` given)."""
+        if request is None:
+            return await job.queue.get()
+        while True:
+            try:
+                return await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    return None
+
+    def raise_job_error(ev: Event) -> None:
+        if ev.kind == "error":
+            message, param = ev.value
+            raise APIError(400, message, param=param)
+        if ev.kind == "fatal":
+            raise APIError(500, f"generation failed: {ev.value}", type="server_error")
+
+    async def run(request: Request, req, prompt, chat: bool, default_max_tokens: int | None, kind: str):
+        loop = asyncio.get_running_loop()
+        job = GenerationJob(prompt=prompt, chat=chat, max_tokens=req.requested_max_tokens(),
+                            default_max_tokens=default_max_tokens, kwargs=req.sampling_kwargs(), loop=loop)
+        worker.submit(job)
+        try:
+            ev = await next_event(job, request)  # waits in the queue, then for prefill
+            if ev is None:
+                return Response(status_code=499)
+            raise_job_error(ev)
+            if ev.kind == "done":  # cancelled before it started
+                return Response(status_code=499)
+            prompt_tokens = ev.value
+            rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+            if req.stream:
+                return _JobStreamingResponse(stream_events(job, req, rid, kind, prompt_tokens), job,
+                                             media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await complete(job, request, req, rid, kind, prompt_tokens)
+        except BaseException:
+            job.cancel()
+            raise
+
+    async def complete(job, request, req, rid, kind, prompt_tokens):
+        text, n_tokens, finish, stats = [], 0, None, None
+        while True:
+            ev = await next_event(job, request)
+            if ev is None:
+                return Response(status_code=499)
+            raise_job_error(ev)
+            if ev.kind == "done":
+                break
+            chunk = ev.value
+            text.append(chunk.text)
+            n_tokens += len(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                finish, stats = chunk.finish_reason, chunk.stats
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens, "total_tokens": prompt_tokens + n_tokens}
+        content = "".join(text)
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                      "finish_reason": finish}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
+                             "system_fingerprint": None, "choices": [choice], "usage": usage,
+                             "dflash": _stats_summary(stats)})
+
+    async def stream_events(job: GenerationJob, req, rid: str, kind: str, prompt_tokens: int):
+        created_at = int(time.time())
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        include_usage = req.include_usage
+
+        def frame(choices, **extra):
+            d = {"id": rid, "object": obj, "created": created_at, "model": model_id, "system_fingerprint": None,
+                 "choices": choices}
+            if include_usage:
+                d["usage"] = None
+            d.update(extra)
+            return _sse(d)
+
+        def choice(text=None, finish=None, role=False):
+            if kind == "chat":
+                delta = {}
+                if role:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+        n_tokens = 0
+        if kind == "chat":
+            yield frame([choice("", role=True)])
+        while True:
+            ev = await job.queue.get()
+            if ev.kind == "done":
+                break
+            if ev.kind == "error":
+                yield _sse(error_body(ev.value[0], param=ev.value[1]))
+                return
+            if ev.kind == "fatal":
+                yield _sse(error_body(f"generation failed: {ev.value}", "server_error"))
+                return
+            chunk = ev.value
+            n_tokens += len(chunk.token_ids)
+            if chunk.finish_reason is None:
+                if chunk.text:
+                    yield frame([choice(chunk.text)])
+                continue
+            summary = _stats_summary(chunk.stats)
+            if kind == "chat":
+                if chunk.text:
+                    yield frame([choice(chunk.text)])
+                yield frame([choice(finish=chunk.finish_reason)], dflash=summary)
+            else:
+                yield frame([choice(chunk.text, chunk.finish_reason)], dflash=summary)
+        if include_usage:
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
+                     "total_tokens": prompt_tokens + n_tokens}
+            yield frame([], usage=usage)
+        yield "data: [DONE]\n\n"
+
+    # ---- routes -------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_auth(request)
+        req = await parse(request, CompletionRequest)
+        try:
+            prompt = req.single_prompt()
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt") from None
+        if isinstance(prompt, list) and not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return await run(request, req, prompt, False, COMPLETIONS_DEFAULT_MAX_TOKENS, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_auth(request)
+        req = await parse(request, ChatCompletionRequest)
+        return await run(request, req, req.engine_messages(), True, None, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                            "owned_by": "dflash-torch", "max_model_len": engine.max_context}]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        check_auth(request)
+        if name != model_id:
+            raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "dflash-torch",
+                "max_model_len": engine.max_context}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_id}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    return app

@@ -1,0 +1,45 @@
+"""``dflash-torch serve``: load a target + drafter pair and serve the OpenAI-compatible
+API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..errors import DFlashError
+
+
+def register(sub) -> None:
+    from ..cli import add_model_args
+
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)",
+                       description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DFLASH_API_KEY, else no key)")
+    p.add_argument("--model-name", default=None, help="model id clients use (default: the target directory's name)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn log level (default info)")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..cli import load_engine
+    from .app import create_app
+
+    if not 1 <= args.port <= 65535:
+        raise DFlashError(f"--port must be in [1, 65535], got {args.port}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise DFlashError("--api-key must not be empty")
+    engine = load_engine(args)
+    app = create_app(engine, api_key=args.api_key, model_name=args.model_name)
+    print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "
+          f"(block size {engine.block_size}, context {engine.max_context})", flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1

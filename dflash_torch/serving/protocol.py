@@ -1,0 +1,197 @@
+"""Request schemas of the OpenAI-compatible API and the checks for what the engine
+cannot honour.
+
+Parsing is strict about types (``"5"`` is not an integer, ``true`` is not a number)
+and about ranges; fields the server does not know are ignored, as OpenAI's own API
+ignores them. Fields it knows but cannot honour with a non-default value (``n``,
+``logprobs``, penalties, tools, ...) are refused with a 400 by
+:func:`unsupported_field`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+MAX_STOP_STRINGS = 16
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _Request(BaseModel):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=-1)  # extension; -1 and 0 mean off
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: StrictStr | list[StrictStr] | None = Field(None)
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    # extensions (vLLM-style)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    # known but only their defaults are honoured
+    n: StrictInt | None = 1
+    best_of: StrictInt | None = None
+    presence_penalty: StrictFloat | None = 0.0
+    frequency_penalty: StrictFloat | None = 0.0
+    repetition_penalty: StrictFloat | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: StrictStr | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def sampling_kwargs(self) -> dict:
+        """Keyword arguments of :meth:`DFlashEngine.stream` (``max_new_tokens`` excluded)."""
+        return dict(
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=max(0, self.top_k or 0),
+            seed=self.seed,
+            stop=self.stop_list() or None,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Request):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    echo: StrictBool | None = False
+    suffix: StrictStr | None = None
+    logprobs: StrictInt | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of the request (a string or token ids)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError(f"batched prompts are not supported ({len(p)} given); send one prompt per request")
+            p = p[0]
+        return p
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[Any] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: StrictStr
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: ResponseFormat | None = None
+    modalities: list[StrictStr] | None = None
+    audio: Any = None
+
+    def engine_messages(self) -> list[dict]:
+        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+def unsupported_field(req: _Request) -> tuple[str, str] | None:
+    """``(param, message)`` for the first field whose value the engine cannot honour."""
+    checks: list[tuple[str, bool, str]] = [
+        ("n", req.n not in (None, 1), "only n=1 is supported (one sequence per request)"),
+        ("best_of", req.best_of not in (None, 1), "best_of > 1 is not supported"),
+        ("presence_penalty", (req.presence_penalty or 0.0) != 0.0, "presence_penalty is not supported (must be 0)"),
+        ("frequency_penalty", (req.frequency_penalty or 0.0) != 0.0, "frequency_penalty is not supported (must be 0)"),
+        ("repetition_penalty", req.repetition_penalty not in (None, 1.0), "repetition_penalty is not supported (must be 1)"),
+        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
+        ("stop", len(req.stop_list()) > MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are supported"),
+    ]
+    if isinstance(req, CompletionRequest):
+        checks += [
+            ("logprobs", req.logprobs is not None, "logprobs are not supported"),
+            ("echo", bool(req.echo), "echo is not supported"),
+            ("suffix", bool(req.suffix), "suffix is not supported"),
+        ]
+    if isinstance(req, ChatCompletionRequest):
+        rf = req.response_format.type if req.response_format is not None else "text"
+        checks += [
+            ("logprobs", bool(req.logprobs), "logprobs are not supported"),
+            ("top_logprobs", req.top_logprobs is not None, "top_logprobs are not supported"),
+            ("tools", bool(req.tools), "tools are not supported"),
+            ("tool_choice", req.tool_choice not in (None, "none"), "tool_choice is not supported"),
+            ("functions", bool(req.functions), "functions are not supported"),
+            ("function_call", req.function_call not in (None, "none"), "function_call is not supported"),
+            ("response_format", rf != "text", f"response_format {rf!r} is not supported (only 'text')"),
+            ("modalities", req.modalities not in (None, ["text"]), "only the text modality is supported"),
+            ("audio", req.audio is not None, "audio output is not supported"),
+            ("messages", any(m.tool_calls for m in req.messages), "tool calls in messages are not supported"),
+        ]
+    for param, bad, message in checks:
+        if bad:
+            return param, message
+    return None
+
+
+def _is_union_tag(x) -> bool:
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "none") or "[" in x)
+
+
+def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
+    """A one-line message and the offending parameter (dotted path) of a pydantic error."""
+    errors = exc.errors(include_url=False)
+    err = errors[0]
+    loc = err.get("loc", ())
+    param = ".".join(str(x) for x in loc if not _is_union_tag(x)) or None
+    if err.get("type") == "missing":
+        return f"missing required parameter: {param}", param
+    tags = [x for x in loc if _is_union_tag(x)]
+    if tags:  # a union: list what it accepts instead of the first member's complaint
+        depth = loc.index(tags[0])
+        accepted = []
+        for e in errors:
+            eloc = e.get("loc", ())
+            if eloc[:depth] == loc[:depth] and len(eloc) > depth and _is_union_tag(eloc[depth]) and eloc[depth] not in accepted:
+                accepted.append(eloc[depth])
+        param = ".".join(str(x) for x in loc[:depth]) or None
+        return f"invalid value for {param}: expected one of {', '.join(accepted)}", param
+    msg = err.get("msg", "invalid value")
+    return (f"invalid value for {param}: {msg}" if param else msg), param

@@ -1,0 +1,142 @@
+"""The engine's single worker thread and the jobs it runs.
+
+The engine is synchronous and runs one sequence at a time, so every generation runs
+as one job on a single-thread executor: jobs wait their turn in the executor's FIFO
+queue, and all tokenizer and model work happens on that one thread. A job encodes
+the prompt, checks it against the context, and pulls chunks from
+:meth:`DFlashEngine.stream`, handing each one to the request's asyncio queue. A
+request that goes away sets the job's ``cancelled`` event: a waiting job is skipped,
+a running one closes the engine's generator after the current round, which frees the
+engine for the next job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..errors import DFlashError
+from .metrics import ServerMetrics
+
+log = logging.getLogger("dflash_torch.serving")
+
+# The request parameter an engine error message is about, from its first word.
+_PARAM_OF_MESSAGE = {"stop token ids": "stop_token_ids", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed",
+                     "stop": "stop", "max_new_tokens": "max_tokens", "prompt": "prompt", "the prompt": "prompt",
+                     "chat messages": "messages"}
+
+
+class ParamError(DFlashError):
+    """A user error about one request parameter."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+def param_of(exc: DFlashError) -> str | None:
+    if isinstance(exc, ParamError):
+        return exc.param
+    msg = str(exc)
+    for prefix, param in _PARAM_OF_MESSAGE.items():
+        if msg.startswith(prefix + " ") or msg.startswith(prefix + "("):
+            return param
+    return None
+
+
+@dataclass
+class Event:
+    """What a job reports: ``start`` (prompt_tokens), ``chunk`` (a StreamChunk),
+    ``error`` (a user error: ``(message, param)``), ``fatal`` (a server error: message), ``done``."""
+
+    kind: str
+    value: object = None
+
+
+@dataclass
+class GenerationJob:
+    prompt: object                     # text, chat messages or token ids
+    chat: bool
+    max_tokens: int | None             # None: default_max_tokens, clamped to the context
+    default_max_tokens: int | None     # None: the whole remaining context
+    kwargs: dict                       # sampling / stop arguments of engine.stream
+    loop: asyncio.AbstractEventLoop
+    arrived: float = field(default_factory=time.perf_counter)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def put(self, kind: str, value: object = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, Event(kind, value))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancelled.set()
+
+
+class EngineWorker:
+    """Runs :class:`GenerationJob` s one at a time on a dedicated thread."""
+
+    def __init__(self, engine, metrics: ServerMetrics):
+        self.engine, self.metrics = engine, metrics
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-engine")
+
+    def submit(self, job: GenerationJob) -> None:
+        self.metrics.queue_depth.inc()
+        self.executor.submit(self._run, job)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self, job: GenerationJob) -> None:
+        try:
+            if not job.cancelled.is_set():
+                self._generate(job)
+        except DFlashError as exc:
+            job.put("error", (str(exc), param_of(exc)))
+        except Exception as exc:  # a bug, not the user's input: report a 500
+            log.exception("generation failed")
+            job.put("fatal", f"{type(exc).__name__}: {exc}")
+        finally:
+            self.metrics.queue_depth.dec()
+            job.put("done")
+
+    def _generate(self, job: GenerationJob) -> None:
+        engine = self.engine
+        ids = engine.encode_prompt(job.prompt, job.chat)
+        room = engine.max_context - len(ids)
+        if room < 1:
+            raise ParamError(f"the prompt ({len(ids)} tokens) does not fit the model's context of "
+                             f"{engine.max_context} tokens (at least one token must be generated)", "prompt")
+        max_tokens = job.max_tokens
+        if max_tokens is None:
+            max_tokens = room if job.default_max_tokens is None else min(job.default_max_tokens, room)
+        elif max_tokens > room:
+            raise ParamError(f"max_tokens ({max_tokens}) + the prompt ({len(ids)} tokens) exceed the model's "
+                             f"context of {engine.max_context} tokens; use at most {room}", "max_tokens")
+        gen = engine.stream(ids, max_new_tokens=max_tokens, **job.kwargs)
+        try:
+            first, ttft_seen = True, False
+            for chunk in gen:
+                if first:  # the engine validated the request: it has started
+                    job.put("start", len(ids))
+                    self.metrics.prompt_tokens.inc(len(ids))
+                    first = False
+                if chunk.token_ids:
+                    self.metrics.generated_tokens.inc(len(chunk.token_ids))
+                if chunk.stats is not None:
+                    self.metrics.observe_rounds(list(chunk.stats.acceptance_lengths))
+                if chunk.token_ids and not ttft_seen:
+                    ttft_seen = True
+                    self.metrics.ttft.observe(time.perf_counter() - job.arrived)
+                job.put("chunk", chunk)
+                if job.cancelled.is_set() and chunk.finish_reason is None:
+                    self.metrics.cancelled.inc()
+                    break
+        finally:
+            gen.close()  # releases the engine's lock and its decoding state
