@@ -1,0 +1,76 @@
+"""``dflash-torch train``: train a DFlash drafter for a target model."""
+
+from __future__ import annotations
+
+import argparse
+
+from .trainer import TrainConfig, Trainer
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def register(sub) -> None:
+    """Add the ``train`` subcommand to the ``dflash-torch`` parser."""
+    p = sub.add_parser(
+        "train", help="train a DFlash drafter for a target model",
+        description="Train a DFlash drafter (random anchors, block attention mask, decay-weighted loss; "
+                    "DFlash paper sec. 4.2) and save it in the published DFlash checkpoint format.",
+    )
+    d = TrainConfig.__dataclass_fields__
+    p.add_argument("--target", required=True, help="target checkpoint dir or cached HF id")
+    p.add_argument("--data", required=True, nargs="+", help="text files, directories, or JSONL ({'text'} / {'messages'})")
+    p.add_argument("--out", required=True, help="output drafter directory (config.json + model.safetensors)")
+    p.add_argument("--work-dir", default=None, help="data cache and resumable checkpoint (default: OUT/train_work)")
+    p.add_argument("--num-layers", type=int, default=d["num_layers"].default, help="drafter layers (default 2)")
+    p.add_argument("--block-size", type=int, default=d["block_size"].default, help="block size B (default 16)")
+    p.add_argument("--target-layer-ids", type=_int_list, default=None, help="target layers to read, e.g. 1,3 (default: the DFlash rule)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP size (default: the target's)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="mask token id (default: the tokenizer's mask token or <|MASK|>)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (and/or --time-budget-min)")
+    p.add_argument("--time-budget-min", type=float, default=None, help="stop after this many minutes of training (cumulative over resumes)")
+    p.add_argument("--batch", type=int, default=d["batch"].default, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=int, default=d["seq_len"].default, help="tokens per sequence (default 512)")
+    p.add_argument("--anchors-per-seq", type=int, default=d["anchors_per_seq"].default, help="blocks per sequence (default 64)")
+    p.add_argument("--lr", type=float, default=d["lr"].default, help="peak learning rate (default 1e-3)")
+    p.add_argument("--warmup-steps", type=int, default=d["warmup_steps"].default)
+    p.add_argument("--weight-decay", type=float, default=d["weight_decay"].default)
+    p.add_argument("--grad-clip", type=float, default=d["grad_clip"].default)
+    p.add_argument("--gamma", type=float, default=None, help="loss decay of slot k: exp(-(k-1)/gamma) (default 7 * B / 16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
+    p.add_argument("--self-distill", type=int, default=0, metavar="N",
+                   help="add N sequences continued greedily by the target itself from prompts of the data")
+    p.add_argument("--self-distill-batch", type=int, default=d["self_distill_batch"].default)
+    p.add_argument("--prefix-min", type=int, default=d["prefix_min"].default, help="shortest self-distill prompt (tokens)")
+    p.add_argument("--prefix-max", type=int, default=d["prefix_max"].default, help="longest self-distill prompt (tokens)")
+    p.add_argument("--raw-fraction", type=float, default=d["raw_fraction"].default,
+                   help="share of batch rows from the raw corpus when examples exist (default 0.25)")
+    p.add_argument("--val-seqs", type=int, default=d["val_seqs"].default, help="sequences set apart for the acceptance estimate")
+    p.add_argument("--eval-every", type=int, default=d["eval_every"].default)
+    p.add_argument("--ckpt-every", type=int, default=d["ckpt_every"].default)
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-autocast", action="store_true", help="train in float32 instead of bf16 autocast")
+    p.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved weights (bfloat16 or float32)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = TrainConfig(
+        target=args.target, data=args.data, out=args.out, work_dir=args.work_dir, num_layers=args.num_layers,
+        block_size=args.block_size, target_layer_ids=args.target_layer_ids, intermediate_size=args.intermediate_size,
+        mask_token_id=args.mask_token_id, steps=args.steps, time_budget_min=args.time_budget_min, batch=args.batch,
+        seq_len=args.seq_len, anchors_per_seq=args.anchors_per_seq, lr=args.lr, warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed, resume=args.resume,
+        self_distill=args.self_distill, self_distill_batch=args.self_distill_batch, prefix_min=args.prefix_min,
+        prefix_max=args.prefix_max, raw_fraction=args.raw_fraction, val_seqs=args.val_seqs, eval_every=args.eval_every,
+        ckpt_every=args.ckpt_every, num_threads=args.num_threads, autocast=not args.no_autocast,
+        save_dtype=args.save_dtype, progress=not args.no_progress,
+    )
+    Trainer(cfg).run()
+    return 0

@@ -1,0 +1,150 @@
+"""Self-distillation: training sequences whose continuations are the target's own
+greedy output, so the drafter learns to predict what the target will actually say.
+
+Prompts come from the training data only: chat conversations (everything before the
+last assistant turn) and prefixes of text documents (a random line start, 
+``prefix_min..prefix_max`` tokens, cut back to a line end). The target then extends
+each prompt greedily up to ``seq_len`` tokens in total.
+
+Generation is batched with the target's Hugging Face model class (``transformers``,
+left padding, KV cache); this is data preparation, not the inference path, which
+stays in :mod:`dflash_torch.decoding`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import torch
+
+from .data import Corpus, Example, chat_prompt
+
+
+def text_prompts(tokenizer, documents: list[str], n: int, prefix_min: int, prefix_max: int, rng: random.Random) -> list[list[int]]:
+    """``n`` prompts cut from random line starts of ``documents`` (picked by length)."""
+    docs = [d for d in documents if d.strip()]
+    if not docs or n <= 0:
+        return []
+    weights = [len(d) for d in docs]
+    line_starts: dict[int, list[int]] = {}
+    out: list[list[int]] = []
+    tries = 0
+    while len(out) < n and tries < 20 * n:
+        tries += 1
+        k = rng.choices(range(len(docs)), weights)[0]
+        doc = docs[k]
+        if k not in line_starts:
+            line_starts[k] = [0] + [m.end() for m in re.finditer("\n", doc) if m.end() < len(doc)]
+        start = rng.choice(line_starts[k])
+        want = rng.randint(prefix_min, prefix_max)
+        ids = tokenizer.encode(doc[start:start + 16 * want], add_special_tokens=False)[:want]
+        piece = tokenizer.decode(ids)
+        cut = piece.rfind("\n")
+        if cut > 0:
+            piece = piece[:cut + 1]
+        prompt = tokenizer.encode(piece)
+        if len(prompt) >= max(1, prefix_min // 2) and piece.strip():
+            out.append(prompt)
+    return out
+
+
+@torch.no_grad()
+def greedy_continuations(model, prompts: list[list[int]], max_new: list[int], pad_id: int,
+                         stop_ids: list[set[int] | None] | None = None, batch_size: int = 32, progress: bool = True) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` with a Hugging Face causal LM.
+
+    Prompts are sorted by length and run ``batch_size`` at a time with left padding.
+    ``stop_ids[i]`` (optional): cut continuation ``i`` after its first stop token.
+    EOS does not stop generation otherwise.
+    """
+    import inspect
+
+    from tqdm import tqdm
+
+    # transformers renamed ``past_key_values`` to ``cache`` during the 5.x series
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    bar = tqdm(total=len(prompts), desc="self-distill", unit="seq", disable=not progress, dynamic_ncols=True)
+    for c in range(0, len(order), batch_size):
+        chunk = order[c:c + batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for r, i in enumerate(chunk):
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]):] = 1
+        steps = max(max_new[i] for i in chunk)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        nxt = res.logits[:, -1].argmax(-1)
+        last = pos[:, -1]
+        gen = [nxt]
+        for _ in range(steps - 1):
+            mask = torch.cat([mask, torch.ones(len(chunk), 1, dtype=torch.long)], dim=1)
+            last = last + 1
+            past = getattr(res, cache_arg, None)
+            res = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
+                        use_cache=True, **{cache_arg: past})
+            nxt = res.logits[:, -1].argmax(-1)
+            gen.append(nxt)
+        gen_t = torch.stack(gen, dim=1)
+        for r, i in enumerate(chunk):
+            toks = gen_t[r, :max_new[i]].tolist()
+            stops = stop_ids[i] if stop_ids is not None else None
+            if stops:
+                for j, t in enumerate(toks):
+                    if t in stops:
+                        toks = toks[:j + 1]
+                        break
+            out[i] = toks
+        bar.update(len(chunk))
+    bar.close()
+    return out
+
+
+def self_distill(target_dir: Path, tokenizer, corpus: Corpus, n: int, seq_len: int, *, prefix_min: int = 32,
+                 prefix_max: int = 256, batch_size: int = 32, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 progress: bool = True) -> list[Example]:
+    """``n`` self-distilled examples: prompt + the target's greedy continuation up to
+    ``seq_len`` tokens, loss on the continuation only.
+
+    Text prompts are continued for the full length (EOS does not stop them: the
+    continuation past it is still the target's greedy output); chat prompts stop at EOS.
+    """
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(seed)
+    prefix_max = min(prefix_max, seq_len - 16)
+    prefix_min = min(prefix_min, prefix_max)
+    n_chat = 0
+    if corpus.conversations:
+        share = len(corpus.conversations) / (len(corpus.conversations) + len(corpus.documents))
+        n_chat = round(n * share)
+    prompts: list[list[int]] = []
+    kinds: list[bool] = []  # True = chat
+    for _ in range(n_chat):
+        p = chat_prompt(tokenizer, rng.choice(corpus.conversations))
+        if 0 < len(p) <= seq_len - 16:
+            prompts.append(p)
+            kinds.append(True)
+    texts = text_prompts(tokenizer, corpus.documents, n - len(prompts), prefix_min, prefix_max, rng)
+    prompts += texts
+    kinds += [False] * len(texts)
+    if not prompts:
+        return []
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    stops = [({eos} if chat and eos is not None else None) for chat in kinds]
+    conts = greedy_continuations(model, prompts, [seq_len - len(p) for p in prompts], pad, stops, batch_size, progress)
+    del model
+    examples = []
+    for p, c in zip(prompts, conts):
+        ids = torch.tensor(p + c, dtype=torch.long)
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[len(p):] = True
+        examples.append(Example(ids, mask))
+    return examples

@@ -1,0 +1,227 @@
+"""The DFlash training objective (DFlash paper, arXiv 2602.06036, sec. 4.2).
+
+Per sequence, ``n`` random **anchor** positions are drawn. Anchor ``a`` starts a block
+``[token at a, mask x (B - 1)]`` at positions ``[a, a + B)``. Its context is the target
+features of every position strictly before ``a`` (the tokens the target would have
+committed when the drafter proposes at ``a``). All blocks of a sequence go through
+*one* drafter forward under the **block attention mask**:
+
+* keys ``[0, T)`` are the context rows, projected by ``drafter.context_kv`` exactly as
+  at inference (RoPE at their absolute positions);
+* keys ``[T, T + n * B)`` are the block rows (RoPE at ``a .. a + B - 1``);
+* a row of block ``i`` sees the context keys at positions ``< a_i`` and all ``B`` keys of
+  its own block (non-causal), nothing of another block.
+
+Slot ``k`` (``1 <= k < B``) of a block goes through the drafter's final norm and the
+target's frozen LM head and predicts the token at ``a + k`` (no shift); its
+cross-entropy is weighted by ``exp(-(k - 1) / gamma)`` (early slots matter most: a miss
+there ends the accepted prefix).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..models.drafter import DFlashDrafter
+from ..models.target import TargetModel
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay: 7 for B = 16 (the paper's value), scaled linearly with B otherwise."""
+    return 7.0 * block_size / 16.0
+
+
+def sample_anchors(lengths: torch.Tensor, loss_mask: torch.Tensor, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw ``n`` distinct anchors per sequence.
+
+    A position ``a`` may anchor a block when it has context (``a >= 1``) and its first
+    label ``a + 1`` lies in the sequence and carries loss.
+
+    Returns:
+        anchors int64 ``[b, n]`` (sorted; unusable slots hold 0) and ``valid`` bool ``[b, n]``
+        (False where a sequence has fewer than ``n`` possible anchors).
+    """
+    b, T = loss_mask.shape
+    pos = torch.arange(T)
+    nxt = torch.zeros_like(loss_mask)
+    nxt[:, :-1] = loss_mask[:, 1:]
+    ok = (pos[None, :] >= 1) & (pos[None, :] + 1 < lengths[:, None]) & nxt
+    score = torch.rand(b, T, generator=gen).masked_fill(~ok, 2.0)
+    n = min(n, T)
+    picked = score.topk(n, dim=1, largest=False).indices
+    valid = ok.gather(1, picked)
+    anchors = torch.where(valid, picked, torch.zeros_like(picked))
+    anchors, order = anchors.sort(dim=1)
+    return anchors, valid.gather(1, order)
+
+
+def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Bool ``[b, n * B, context_len + n * B]`` (True = may attend); see the module docstring."""
+    b, n = anchors.shape
+    B = block_size
+    row_anchor = anchors.repeat_interleave(B, dim=1)  # [b, nB]
+    ctx = torch.arange(context_len, device=anchors.device)[None, None, :] < row_anchor[:, :, None]
+    blk_id = torch.arange(n * B, device=anchors.device) // B
+    own = (blk_id[:, None] == blk_id[None, :]).expand(b, n * B, n * B)
+    return torch.cat([ctx, own], dim=2)
+
+
+def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block token ids ``[b, n, B]`` (``[token at a, mask, ...]``) and positions ``[b, n, B]``."""
+    positions = anchors[..., None] + torch.arange(block_size, device=anchors.device)
+    tokens = torch.full_like(positions, mask_token_id)
+    tokens[..., 0] = ids.gather(1, anchors)
+    return tokens, positions
+
+
+def drafter_blocks_forward(drafter: DFlashDrafter, target: TargetModel, features: torch.Tensor,
+                           block_tokens: torch.Tensor, block_positions: torch.Tensor,
+                           mask: torch.Tensor) -> torch.Tensor:
+    """All blocks of a batch of sequences in one drafter forward.
+
+    Args:
+        features: target features ``[b, T, k * H]`` of every position.
+        block_tokens, block_positions: ``[b, n, B]`` from :func:`block_inputs`.
+        mask: ``[b, n * B, T + n * B]`` from :func:`block_attention_mask`.
+
+    Returns:
+        final-normed drafter hidden states ``[b, n, B, H]``.
+    """
+    b, T, _ = features.shape
+    _, n, B = block_tokens.shape
+    rows = n * B
+    # context K/V of all positions, per layer: [b, kv_heads, T, head_dim]
+    ctx_pos = torch.arange(T, device=features.device).repeat(b)
+    ctx_kv = [
+        (k.view(k.shape[0], b, T, -1).transpose(0, 1), v.view(v.shape[0], b, T, -1).transpose(0, 1))
+        for k, v in drafter.context_kv(features.reshape(b * T, -1), ctx_pos)
+    ]
+    x = target.embed(block_tokens.reshape(-1))  # [b * rows, H]
+    cos, sin = drafter.rotary.cos_sin(block_positions.reshape(-1), x.dtype)
+    attn_mask = mask[:, None]  # broadcast over heads
+    for i, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.query(h, cos, sin)  # [heads, b * rows, hd]
+        kb, vb = attn.key_value(h, cos, sin)  # [kv_heads, b * rows, hd]
+        q = q.view(q.shape[0], b, rows, -1).transpose(0, 1)
+        kb = kb.view(kb.shape[0], b, rows, -1).transpose(0, 1)
+        vb = vb.view(vb.shape[0], b, rows, -1).transpose(0, 1)
+        kc, vc = ctx_kv[i]
+        k = torch.cat([kc.to(kb.dtype), kb], dim=2)
+        v = torch.cat([vc.to(vb.dtype), vb], dim=2)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=attn_mask)
+        out = out.transpose(1, 2).reshape(b * rows, -1)
+        x = x + attn.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.norm(x).view(b, n, B, -1)
+
+
+@dataclass
+class BlockLoss:
+    """The weighted loss of a batch of blocks and its diagnostics.
+
+    ``loss`` (with grad) is the weighted mean cross-entropy over valid slots;
+    ``accepted`` ``[blocks]`` counts the leading slots whose argmax equals the label,
+    for blocks whose ``B - 1`` labels are all valid; ``tau`` estimates the acceptance
+    length as ``1 + mean(accepted)`` (teacher-forced: exact when the labels are the
+    target's greedy output).
+    """
+
+    loss: torch.Tensor
+    ce_sum: float
+    weight_sum: float
+    accepted: torch.Tensor
+    slot_correct: torch.Tensor
+    slot_count: torch.Tensor
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + float(self.accepted.float().mean()) if self.accepted.numel() else float("nan")
+
+
+def block_labels(ids: torch.Tensor, lengths: torch.Tensor, loss_mask: torch.Tensor, block_positions: torch.Tensor,
+                 valid_anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels ``[b, n, B - 1]`` (token at ``a + k``) and their validity."""
+    b, n, B = block_positions.shape
+    T = ids.shape[1]
+    pos = block_positions[..., 1:]
+    inside = pos < lengths[:, None, None]
+    flat = pos.clamp(max=T - 1).reshape(b, -1)
+    labels = ids.gather(1, flat).view(b, n, B - 1)
+    carries = loss_mask.gather(1, flat).view(b, n, B - 1)
+    return labels, inside & carries & valid_anchor[..., None]
+
+
+def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, gamma: float) -> BlockLoss:
+    """Decay-weighted cross-entropy of draft slots. ``logits`` ``[b, n, B - 1, V]``."""
+    S = logits.shape[2]
+    w = torch.exp(-torch.arange(S, dtype=torch.float32, device=logits.device) / gamma)
+    weights = w * valid.float()
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
+    wsum = weights.sum()
+    loss = (ce * weights).sum() / wsum.clamp(min=1e-9)
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == labels) & valid
+        full = valid.all(dim=-1)
+        accepted = correct.long().cumprod(dim=-1).sum(dim=-1)[full]
+        slot_correct = correct.sum(dim=(0, 1))
+        slot_count = valid.sum(dim=(0, 1))
+    return BlockLoss(loss, float((ce.detach() * weights).sum()), float(wsum), accepted, slot_correct, slot_count)
+
+
+@torch.no_grad()
+@torch.autocast("cpu", enabled=False)
+def target_features(target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """Target features ``[b, T, k * H]`` of every position (padding rows are zero).
+
+    Computed with the inference path's own :class:`TargetModel` forward, in the
+    target's dtype (autocast off), one sequence at a time."""
+    b, T = ids.shape
+    out = None
+    for i in range(b):
+        L = int(lengths[i])
+        cache = target.new_cache()
+        cache.reset(L)
+        _, feats = target(ids[i, :L], torch.arange(L, device=ids.device), cache, L, layer_ids, logits_from=L)
+        if out is None:
+            out = torch.zeros(b, T, feats.shape[-1], dtype=feats.dtype, device=feats.device)
+        out[i, :L] = feats
+    return out
+
+
+def batch_loss(drafter: DFlashDrafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor, loss_mask: torch.Tensor,
+               anchors: torch.Tensor, valid_anchor: torch.Tensor, gamma: float,
+               features: torch.Tensor | None = None) -> BlockLoss:
+    """Target features (no grad) -> all blocks in one drafter forward -> weighted loss."""
+    cfg = drafter.config
+    B = cfg.block_size
+    if features is None:
+        features = target_features(target, ids, lengths, cfg.target_layer_ids)
+    tokens, positions = block_inputs(ids, anchors, B, cfg.mask_token_id)
+    mask = block_attention_mask(anchors, ids.shape[1], B)
+    hidden = drafter_blocks_forward(drafter, target, features, tokens, positions, mask)
+    logits = target.logits(hidden[:, :, 1:])
+    labels, valid = block_labels(ids, lengths, loss_mask, positions, valid_anchor)
+    return weighted_block_loss(logits, labels, valid, gamma)
+
+
+def init_drafter_weights(drafter: DFlashDrafter, std: float = 0.02) -> None:
+    """Normal(0, std) linear weights (output projections scaled by 1/sqrt(2N)), zero biases, unit norms."""
+    scaled = std / math.sqrt(2 * len(drafter.layers))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 2:
+                p.normal_(0.0, scaled if name.endswith(("o_proj.weight", "down_proj.weight")) else std)
+            else:
+                p.zero_()

@@ -1,0 +1,399 @@
+"""The drafter training loop: AdamW, linear warm-up then cosine decay, gradient
+clipping, bf16 autocast, resumable checkpoints, a held-out acceptance estimate,
+and export in the published DFlash checkpoint format.
+
+The target is frozen (its embedding and LM head are shared with the drafter, which
+has none of its own); its features are computed on the fly without gradients.
+Everything random in a step (batch rows, anchors) comes from a generator seeded by
+``(seed, step)``, so a resumed run continues exactly as an uninterrupted one would
+(with ``--steps`` alone; a wall-clock budget makes the schedule depend on time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import load_config, resolve_model_dir
+from ..errors import DFlashError
+from ..models.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from ..models.drafter import DFlashDrafter
+from ..models.layers import Rotary
+from ..models.target import TargetModel
+from .data import Example, TrainingData, collate, read_corpus, step_generator, tokenize_conversation, tokenize_documents
+from .objective import batch_loss, default_gamma, init_drafter_weights, sample_anchors
+
+MASK_TOKEN = "<|MASK|>"
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a training run (the CLI flags, one to one)."""
+
+    target: str
+    data: list[str]
+    out: str
+    work_dir: str | None = None
+    num_layers: int = 2
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None
+    intermediate_size: int | None = None
+    mask_token_id: int | None = None
+    steps: int | None = None
+    time_budget_min: float | None = None
+    batch: int = 8
+    seq_len: int = 512
+    anchors_per_seq: int = 64
+    lr: float = 1e-3
+    min_lr_frac: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float | None = None
+    seed: int = 0
+    resume: bool = False
+    self_distill: int = 0
+    self_distill_batch: int = 32
+    prefix_min: int = 32
+    prefix_max: int = 256
+    raw_fraction: float = 0.25
+    val_seqs: int = 32
+    eval_every: int = 100
+    ckpt_every: int = 200
+    log_every: int = 10
+    num_threads: int | None = None
+    autocast: bool = True
+    save_dtype: str = "bfloat16"
+    progress: bool = True
+
+    def work_path(self) -> Path:
+        return Path(self.work_dir) if self.work_dir else Path(self.out) / "train_work"
+
+
+def resolve_mask_token_id(tokenizer, vocab_size: int, override: int | None) -> tuple[int, str]:
+    """The block mask token id and how it was chosen.
+
+    Order: ``override``; the tokenizer's ``mask_token_id``; a ``<|MASK|>`` token in its
+    vocabulary; else the first embedding row past the tokenizer's vocabulary (rows
+    ``len(tokenizer) .. vocab_size - 1`` exist in the model but no text maps to them).
+
+    Raises:
+        DFlashError: none of these exists (pass ``--mask-token-id`` with an unused id).
+    """
+    if override is not None:
+        if not 0 <= override < vocab_size:
+            raise DFlashError(f"--mask-token-id {override} is outside the target vocabulary of {vocab_size}")
+        return override, "given"
+    mid = getattr(tokenizer, "mask_token_id", None)
+    if mid is not None and 0 <= mid < vocab_size:
+        return int(mid), "tokenizer mask token"
+    mid = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
+    if mid is not None and 0 <= mid < vocab_size:
+        return int(mid), f"tokenizer token {MASK_TOKEN}"
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer), "first embedding row unused by the tokenizer"
+    raise DFlashError(
+        "the target tokenizer has no mask token and no unused embedding row; "
+        "pass --mask-token-id with a token id the data never uses"
+    )
+
+
+def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_id: int) -> DrafterConfig:
+    """A drafter shaped like the target's layers (hidden size, heads, RoPE), ``num_layers`` deep."""
+    L = target_cfg.num_hidden_layers
+    layer_ids = cfg.target_layer_ids or default_target_layer_ids(L, cfg.num_layers)
+    bad = [i for i in layer_ids if not 0 <= i < L]
+    if bad:
+        raise DFlashError(f"--target-layer-ids {bad} outside the target's {L} layers")
+    if cfg.block_size < 2:
+        raise DFlashError(f"--block-size must be >= 2, got {cfg.block_size}")
+    return DrafterConfig(
+        hidden_size=target_cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
+        head_dim=target_cfg.head_dim, intermediate_size=cfg.intermediate_size or target_cfg.intermediate_size,
+        rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta, rope_scaling=target_cfg.rope_scaling,
+        attention_bias=False, block_size=cfg.block_size, mask_token_id=mask_token_id,
+        target_layer_ids=list(layer_ids), num_target_layers=L, vocab_size=target_cfg.vocab_size,
+        sliding_windows=[None] * cfg.num_layers,
+    )
+
+
+def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine from ``lr`` to ``lr * min_lr_frac``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    p = min(max(progress, 0.0), 1.0)
+    floor = cfg.lr * cfg.min_lr_frac
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def _data_key(cfg: TrainConfig, target_dir: Path) -> str:
+    parts = {"target": str(target_dir.resolve()), "data": [str(Path(p).resolve()) for p in cfg.data],
+             "seq_len": cfg.seq_len, "self_distill": cfg.self_distill, "prefix": [cfg.prefix_min, cfg.prefix_max],
+             "seed": cfg.seed, "val_seqs": cfg.val_seqs}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[TrainingData, list, dict]:
+    """Tokenized (and self-distilled) data, cached in the work dir, and a validation set.
+
+    Validation rows are set apart before training: the last ``val_seqs`` examples
+    (self-distilled ones first) or, without examples, windows from the stream's tail.
+    """
+    work = cfg.work_path()
+    cache = work / f"data-{_data_key(cfg, target_dir)}.pt"
+    if cache.is_file():
+        blob = torch.load(cache, weights_only=False)
+        log(f"data: loaded {cache}")
+    else:
+        t0 = time.time()
+        corpus = read_corpus(cfg.data)
+        stream = tokenize_documents(tokenizer, corpus.documents) if corpus.documents else torch.zeros(0, dtype=torch.long)
+        chat = [tokenize_conversation(tokenizer, m) for m in corpus.conversations]
+        distilled: list[Example] = []
+        if cfg.self_distill > 0:
+            from .distill import self_distill
+
+            t1 = time.time()
+            distilled = self_distill(target_dir, tokenizer, corpus, cfg.self_distill, cfg.seq_len,
+                                     prefix_min=cfg.prefix_min, prefix_max=cfg.prefix_max,
+                                     batch_size=cfg.self_distill_batch, seed=cfg.seed, progress=cfg.progress)
+            log(f"data: self-distilled {len(distilled)} sequences in {time.time() - t1:.0f}s")
+        blob = {"stream": stream, "chat": [(e.ids, e.loss_mask) for e in chat],
+                "distilled": [(e.ids, e.loss_mask) for e in distilled],
+                "stats": {"documents": len(corpus.documents), "conversations": len(corpus.conversations),
+                          "stream_tokens": int(stream.numel()), "distilled_sequences": len(distilled),
+                          "distilled_tokens": sum(int(e.loss_mask.sum()) for e in distilled),
+                          "prepare_time_s": round(time.time() - t0, 1)}}
+        work.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        torch.save(blob, tmp)
+        os.replace(tmp, cache)
+    stream = blob["stream"]
+    distilled = [Example(i, m) for i, m in blob["distilled"]]
+    chat = [Example(i, m) for i, m in blob["chat"]]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    val_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+    n_val = cfg.val_seqs
+    if distilled and n_val:
+        k = min(n_val, len(distilled) // 5)
+        val_rows += [(e.ids, e.loss_mask) for e in distilled[len(distilled) - k:]]
+        distilled = distilled[:len(distilled) - k]
+    elif chat and n_val:
+        k = min(n_val, len(chat) // 5)
+        val_rows += [(e.ids, e.loss_mask) for e in chat[len(chat) - k:]]
+        chat = chat[:len(chat) - k]
+    elif n_val and stream.numel() >= 4 * cfg.seq_len:
+        k = min(n_val, stream.numel() // (10 * cfg.seq_len)) or 1
+        tail = stream[stream.numel() - k * cfg.seq_len:]
+        stream = stream[:stream.numel() - k * cfg.seq_len]
+        val_rows += [(w, torch.ones(w.numel(), dtype=torch.bool)) for w in tail.split(cfg.seq_len)]
+    data = TrainingData(stream, chat + distilled, cfg.seq_len, pad, cfg.raw_fraction)
+    stats = dict(blob["stats"], val_sequences=len(val_rows), train_examples=len(chat) + len(distilled))
+    return data, val_rows, stats
+
+
+class Trainer:
+    """One training run; :meth:`run` trains and exports, returning the training log dict."""
+
+    def __init__(self, cfg: TrainConfig, log=None):
+        self.cfg = cfg
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.autocast else nullcontext()
+
+    @torch.no_grad()
+    def evaluate(self, drafter, target, rows, gamma) -> dict:
+        """Validation loss and teacher-forced acceptance estimate on fixed anchors."""
+        if not rows:
+            return {}
+        cfg = self.cfg
+        drafter.eval()
+        ce, w, accepted = 0.0, 0.0, []
+        slot_c = slot_n = None
+        gen = torch.Generator().manual_seed(12345)
+        for s in range(0, len(rows), cfg.batch):
+            batch = collate(rows[s:s + cfg.batch], cfg.seq_len, 0)
+            anchors, valid = sample_anchors(batch.lengths, batch.loss_mask, cfg.anchors_per_seq, gen)
+            with self._autocast():
+                out = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid, gamma)
+            ce += out.ce_sum
+            w += out.weight_sum
+            accepted.append(out.accepted)
+            slot_c = out.slot_correct if slot_c is None else slot_c + out.slot_correct
+            slot_n = out.slot_count if slot_n is None else slot_n + out.slot_count
+        drafter.train()
+        acc = torch.cat(accepted)
+        return {"val_loss": round(ce / max(w, 1e-9), 4),
+                "val_tau": round(1.0 + float(acc.float().mean()), 3) if acc.numel() else None,
+                "val_slot_acc": [round(float(c) / max(int(n), 1), 3) for c, n in zip(slot_c, slot_n)]}
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        t_start = time.time()
+        if cfg.steps is None and cfg.time_budget_min is None:
+            raise DFlashError("give --steps, --time-budget-min, or both")
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        target_dir = resolve_model_dir(cfg.target)
+        target_cfg = TargetConfig.from_dict(load_config(target_dir))
+        target = TargetModel.from_pretrained(target_dir, torch.float32)
+        target.requires_grad_(False)
+        from ..engine import _load_tokenizer
+
+        tokenizer = _load_tokenizer(target_dir)
+        mask_id, how = resolve_mask_token_id(tokenizer, target_cfg.vocab_size, cfg.mask_token_id)
+        dcfg = make_drafter_config(target_cfg, cfg, mask_id)
+        gamma = cfg.gamma or default_gamma(cfg.block_size)
+        self.log(f"drafter: {cfg.num_layers} layers, B={cfg.block_size}, target_layer_ids={dcfg.target_layer_ids}, "
+                 f"mask_token_id={mask_id} ({how}), gamma={gamma:g}")
+
+        data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log)
+        self.log(f"data: {data_stats}")
+
+        drafter = DFlashDrafter(dcfg)
+        drafter.rotary = Rotary(dcfg.head_dim, dcfg.rope_theta, dcfg.rope_scaling)
+        init_drafter_weights(drafter)
+        drafter.train()
+        n_params = sum(p.numel() for p in drafter.parameters())
+        decay = [p for p in drafter.parameters() if p.dim() >= 2]
+        no_decay = [p for p in drafter.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+        work = cfg.work_path()
+        work.mkdir(parents=True, exist_ok=True)
+        ckpt_path = work / CHECKPOINT
+        step, elapsed_prev, history, evals = 0, 0.0, [], []
+        if cfg.resume:
+            if not ckpt_path.is_file():
+                raise DFlashError(f"--resume: no checkpoint at {ckpt_path}")
+            st = torch.load(ckpt_path, weights_only=False)
+            if st["drafter_config"] != dcfg.to_dict():
+                raise DFlashError(f"--resume: {ckpt_path} was trained with a different drafter configuration")
+            drafter.load_state_dict(st["drafter"])
+            opt.load_state_dict(st["optimizer"])
+            step, elapsed_prev, history, evals = st["step"], st["elapsed"], st["history"], st["evals"]
+            self.log(f"resume: step {step}, {elapsed_prev / 60:.1f} min trained")
+
+        budget = cfg.time_budget_min * 60 if cfg.time_budget_min is not None else None
+        t_train = time.time()
+
+        def elapsed() -> float:
+            return elapsed_prev + time.time() - t_train
+
+        def progress() -> float:
+            p = 0.0
+            if cfg.steps:
+                p = step / cfg.steps
+            if budget:
+                p = max(p, elapsed() / budget)
+            return p
+
+        def save_checkpoint() -> None:
+            tmp = ckpt_path.with_suffix(".tmp")
+            torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                        "elapsed": elapsed(), "history": history, "evals": evals,
+                        "drafter_config": dcfg.to_dict(), "train_config": asdict(cfg)}, tmp)
+            os.replace(tmp, ckpt_path)
+
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not cfg.progress, dynamic_ncols=True)
+        loss_acc, tau_acc, n_acc = 0.0, 0.0, 0
+        last_eval = evals[-1] if evals else {}
+        if not evals:
+            last_eval = {"step": 0, **self.evaluate(drafter, target, val_rows, gamma)}
+            if last_eval.get("val_loss") is not None:
+                evals.append(last_eval)
+                self.log(f"eval step 0: {last_eval}")
+        loss_ema = None
+        while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed() < budget):
+            lr = lr_at(step, progress(), cfg)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            gen = step_generator(cfg.seed, step)
+            batch = data.sample(cfg.batch, gen)
+            anchors, valid = sample_anchors(batch.lengths, batch.loss_mask, cfg.anchors_per_seq, gen)
+            with self._autocast():
+                out = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid, gamma)
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
+            opt.step()
+            step += 1
+            loss = float(out.loss.detach())
+            loss_ema = loss if loss_ema is None else 0.95 * loss_ema + 0.05 * loss
+            loss_acc += loss
+            tau_acc += out.tau if out.accepted.numel() else 0.0
+            n_acc += 1
+            if step % cfg.log_every == 0 or step == 1:
+                history.append({"step": step, "loss": round(loss_acc / n_acc, 4), "train_tau": round(tau_acc / n_acc, 3),
+                                "lr": lr, "grad_norm": round(gnorm, 3), "elapsed_s": round(elapsed(), 1)})
+                loss_acc, tau_acc, n_acc = 0.0, 0.0, 0
+            if step % cfg.eval_every == 0 and val_rows:
+                last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
+                evals.append(last_eval)
+                self.log(f"eval step {step}: val_loss {last_eval['val_loss']} val_tau {last_eval['val_tau']}")
+            if step % cfg.ckpt_every == 0:
+                save_checkpoint()
+            post = {"loss": f"{loss_ema:.3f}", "lr": f"{lr:.1e}"}
+            if last_eval.get("val_tau") is not None:
+                post["val_tau"] = f"{last_eval['val_tau']:.2f}"
+            if budget:
+                post["min"] = f"{elapsed() / 60:.1f}"
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+        bar.close()
+        if n_acc:
+            history.append({"step": step, "loss": round(loss_acc / n_acc, 4), "train_tau": round(tau_acc / n_acc, 3),
+                            "lr": lr, "grad_norm": round(gnorm, 3), "elapsed_s": round(elapsed(), 1)})
+        if val_rows and (not evals or evals[-1]["step"] != step):
+            last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
+            evals.append(last_eval)
+        save_checkpoint()
+        train_time = elapsed()
+        out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype)
+        info = {
+            "command": "dflash-torch train " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "train" else None,
+            "config": asdict(cfg), "drafter_config": dcfg.to_dict(), "mask_token_id_source": how, "gamma": gamma,
+            "params": n_params, "steps": step, "train_time_s": round(train_time, 1),
+            "wall_time_s": round(time.time() - t_start, 1), "data": data_stats,
+            "final_train_loss": history[-1]["loss"] if history else None,
+            "final_eval": evals[-1] if evals else None, "eval_history": evals, "loss_history": history,
+            "torch_version": torch.__version__,
+        }
+        (out_dir / "training_log.json").write_text(json.dumps(info, indent=2) + "\n")
+        self.log(f"saved drafter to {out_dir} (step {step}, train loss {info['final_train_loss']}, "
+                 f"eval {info['final_eval']}, {train_time / 60:.1f} min)")
+        return info
+
+
+def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, dtype: str = "bfloat16") -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in the published DFlash drafter format."""
+    from safetensors.torch import save_file
+
+    from ..checkpoint import resolve_dtype
+
+    torch_dtype = resolve_dtype(dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch_dtype).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = dcfg.to_dict()
+    cfg["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out_dir

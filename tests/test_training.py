@@ -1,0 +1,152 @@
+"""Drafter training: the block mask, the batched training forward against the
+inference path, loss going down, export -> loader -> engine, deterministic resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_torch import DFlashEngine
+from dflash_torch.models.drafter import DFlashDrafter, InjectedContext
+from dflash_torch.models.target import TargetModel
+from dflash_torch.training.data import collate, read_corpus, tokenize_conversation
+from dflash_torch.training.objective import (
+    batch_loss, block_attention_mask, block_inputs, drafter_blocks_forward, sample_anchors, target_features,
+)
+from dflash_torch.training.trainer import TrainConfig, Trainer
+
+from conftest import corpus_texts, drafter_config, save_drafter
+
+
+def dense_reference_mask(anchors: list[int], T: int, B: int) -> torch.Tensor:
+    """The block attention mask built key by key."""
+    n = len(anchors)
+    m = torch.zeros(n * B, T + n * B, dtype=torch.bool)
+    for i, a in enumerate(anchors):
+        for k in range(B):
+            row = i * B + k
+            for p in range(T):
+                m[row, p] = p < a
+            for j in range(n):
+                for kk in range(B):
+                    m[row, T + j * B + kk] = j == i
+    return m
+
+
+def test_block_mask_matches_dense_reference():
+    T, B = 23, 4
+    anchors = torch.tensor([[1, 5, 6, 20], [3, 3, 9, 12]])
+    got = block_attention_mask(anchors, T, B)
+    for s in range(anchors.shape[0]):
+        assert torch.equal(got[s], dense_reference_mask(anchors[s].tolist(), T, B))
+
+
+def test_sample_anchors_respects_lengths_and_loss_mask():
+    lengths = torch.tensor([10, 4])
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[0, 6:10] = True
+    mask[1, :4] = True
+    anchors, valid = sample_anchors(lengths, mask, 8, torch.Generator().manual_seed(0))
+    assert sorted(anchors[0][valid[0]].tolist()) == [5, 6, 7, 8]
+    assert sorted(anchors[1][valid[1]].tolist()) == [1, 2]
+
+
+@pytest.mark.parametrize("B", [16, 5])
+def test_training_forward_equals_inference_path(tiny_pair, B):
+    target_dir, _ = tiny_pair
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    cfg = drafter_config(target_dir, num_layers=2, block_size=B)
+    drafter = DFlashDrafter.from_pretrained(save_drafter(target_dir.parent / f"eq-drafter-{B}", cfg, seed=3), torch.float32)
+    g = torch.Generator().manual_seed(1)
+    T = 40
+    ids = torch.randint(2, 320, (2, T), generator=g)
+    lengths = torch.tensor([T, 31])
+    loss_mask = torch.arange(T)[None, :] < lengths[:, None]
+    anchors, valid = sample_anchors(lengths, loss_mask, 6, g)
+    assert valid.all()
+    with torch.no_grad():
+        feats = target_features(target, ids, lengths, cfg.target_layer_ids)
+        tokens, positions = block_inputs(ids, anchors, B, cfg.mask_token_id)
+        hidden = drafter_blocks_forward(drafter, target, feats, tokens, positions, block_attention_mask(anchors, T, B))
+        train_logits = target.logits(hidden)
+        for s in range(2):
+            for i, a in enumerate(anchors[s].tolist()):
+                ctx = InjectedContext(drafter)
+                ctx.reset(a + B)
+                ctx.inject(drafter, feats[s, :a], torch.arange(a))
+                h = drafter(target.embed(tokens[s, i]), torch.arange(a, a + B), ctx, a + B)
+                ref = target.logits(h)
+                torch.testing.assert_close(train_logits[s, i], ref, atol=1e-5, rtol=0)
+
+
+def _jsonl(path: Path) -> Path:
+    texts = corpus_texts(60_000)
+    with open(path, "w") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "sort a list"},
+                                         {"role": "assistant", "content": "def f(x):\n    return sorted(x)\n"}]}) + "\n")
+    return path
+
+
+def _cfg(tmp: Path, target: Path, data: Path, **kw) -> TrainConfig:
+    base = dict(target=str(target), data=[str(data)], out=str(tmp / "out"), work_dir=str(tmp / "work"), num_layers=1,
+                block_size=8, steps=6, batch=2, seq_len=64, anchors_per_seq=8, lr=3e-3, warmup_steps=2,
+                eval_every=1000, ckpt_every=1000, log_every=1, val_seqs=2, num_threads=2, progress=False, seed=7)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_read_corpus_and_chat_loss_mask(tiny_pair, tmp_path):
+    target_dir, _ = tiny_pair
+    corpus = read_corpus([_jsonl(tmp_path / "d.jsonl")])
+    assert len(corpus.documents) >= 1 and len(corpus.conversations) == 1
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    ex = tokenize_conversation(tok, corpus.conversations[0])
+    answer = tok.decode(ex.ids[ex.loss_mask].tolist())
+    assert "sorted(x)" in answer and "sort a list" not in answer
+
+
+def test_training_reduces_loss_and_exports_loadable_drafter(tiny_pair, tmp_path):
+    target_dir, _ = tiny_pair
+    cfg = _cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=30, self_distill=6, self_distill_batch=4,
+               prefix_min=8, prefix_max=24, warmup_steps=3, lr=5e-3)
+    info = Trainer(cfg, log=lambda m: None).run()
+    losses = [h["loss"] for h in info["loss_history"]]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:3]) / 3, losses
+    assert info["data"]["distilled_sequences"] == 6
+    out = Path(cfg.out)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["DFlashDraftModel"] and conf["block_size"] == 8
+    assert conf["dflash_config"] == {"mask_token_id": 1, "target_layer_ids": [2]}
+    assert all(v.dtype == torch.bfloat16 for v in load_file(str(out / "model.safetensors")).values())
+    spec = DFlashEngine.from_pretrained(target_dir, out)
+    base = DFlashEngine.from_pretrained(target_dir, no_draft=True)
+    for prompt in ["def f(x):", "import os\n"]:
+        a = spec.generate(prompt, max_new_tokens=30, ignore_eos=True)
+        b = base.generate(prompt, max_new_tokens=30, ignore_eos=True)
+        assert a.token_ids == b.token_ids
+
+
+def test_resume_continues_identically(tiny_pair, tmp_path):
+    target_dir, _ = tiny_pair
+    data = _jsonl(tmp_path / "d.jsonl")
+    full = _cfg(tmp_path / "a", target_dir, data, steps=4)
+    Trainer(full, log=lambda m: None).run()
+    half = _cfg(tmp_path / "b", target_dir, data, steps=4)
+    half.steps = 2
+    Trainer(half, log=lambda m: None).run()
+    half.steps, half.resume = 4, True
+    info = Trainer(half, log=lambda m: None).run()
+    assert info["steps"] == 4
+    a = torch.load(Path(full.work_dir) / "checkpoint.pt", weights_only=False)
+    b = torch.load(Path(half.work_dir) / "checkpoint.pt", weights_only=False)
+    for k in a["drafter"]:
+        assert torch.equal(a["drafter"][k], b["drafter"][k]), k
+    assert [h["loss"] for h in a["history"]] == [h["loss"] for h in b["history"]]
