@@ -181,6 +181,8 @@ class DFlashEngine:
             drafter = DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev)
         tokenizer = _load_tokenizer(target_dir)
+        if len(tokenizer) > target_cfg.vocab_size:
+            raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {target_cfg.vocab_size}")
         engine = cls(model, tokenizer, drafter, block_size=block_size, draft_mode=draft_mode, name=Path(str(target)).name,
                      compile=compile, static=static, max_context=max_context)
         gen_cfg = target_dir / "generation_config.json"
@@ -340,9 +342,19 @@ class DFlashEngine:
             stats.decode_tokens_per_second = (stats.generated_tokens - 1) / stats.decode_time
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def _load_tokenizer(model_dir: Path):
+    """The target's tokenizer via ``AutoTokenizer``.
+
+    Raises:
+        DFlashError: no tokenizer files in the checkpoint, or a tokenizer that fails to load.
+    """
     from transformers import AutoTokenizer
 
+    if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+        raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises many types for a missing/broken tokenizer

@@ -1,0 +1,171 @@
+"""``dflash-torch bench``: decoding modes side by side, the context sweep and
+large-shape timing, in one process. Writes ``bench.json`` and PNG plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..errors import DFlashError
+
+
+def register(sub) -> None:
+    from ..cli import add_model_args
+
+    p = sub.add_parser("bench", help="benchmark target-only vs DFlash (inject / recompute, eager / compiled)")
+    add_model_args(p)
+    p.add_argument("--prompts", default=None, help="JSONL prompt file (default: the shipped held-out code prompts)")
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts to use (default 16; 0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--modes", default="target-only,inject,recompute,target-only-compiled,inject-compiled",
+                   help="comma-separated: target-only, inject, recompute, target-only-compiled, inject-compiled")
+    p.add_argument("--sweep", default="128,512,2048,8192", help="context lengths of the propose-time sweep ('' = skip)")
+    p.add_argument("--shapes", default="", help="large-shape timing, e.g. qwen3-1.7b,qwen3-4b ('' = skip)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--out", default="bench_out", help="output directory for bench.json and plots")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _table(rows: list[dict]) -> str:
+    head = ["mode", "tok/s", "x target", "tau", "propose ms", "verify ms", "other ms", "recompiles", "peak MB", "lossless"]
+    lines = [head]
+    for r in rows:
+        lines.append([
+            r["name"], f"{r['decode_tokens_per_second']:.1f}",
+            "-" if r["speedup_vs_target_only"] is None else f"{r['speedup_vs_target_only']:.2f}",
+            f"{r['mean_acceptance_length']:.2f}", f"{r['propose_time_per_round'] * 1e3:.2f}",
+            f"{r['verify_time_per_round'] * 1e3:.2f}", f"{r['other_time_per_round'] * 1e3:.2f}",
+            "-" if r["recompiles_after_warmup"] is None else str(r["recompiles_after_warmup"]),
+            f"{r['peak_memory_mb']:.0f}",
+            "-" if r["outputs_identical_to_target_only"] is None else str(r["outputs_identical_to_target_only"]),
+        ])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
+    return "\n".join([fmt(lines[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(r) for r in lines[1:]])
+
+
+def _plots(report: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    modes = report["modes"]
+    if modes:
+        fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+        names = [m["name"] for m in modes]
+        ax[0].bar(names, [m["decode_tokens_per_second"] for m in modes], color="tab:blue")
+        ax[0].set_ylabel("decode tokens/s")
+        ax[0].set_title("Decode throughput")
+        ax[0].tick_params(axis="x", rotation=30)
+        for m in modes:
+            if m["acceptance_histogram"] and m["name"] != "target-only":
+                h = m["acceptance_histogram"]
+                ks = sorted(int(k) for k in h)
+                ax[1].plot(ks, [h[k] if k in h else h[str(k)] for k in ks], marker="o", label=m["name"])
+        ax[1].set_xlabel("acceptance length tau (tokens per round)")
+        ax[1].set_ylabel("rounds")
+        ax[1].set_title("Acceptance histogram")
+        ax[1].legend()
+        fig.tight_layout()
+        fig.savefig(out / "modes.png", dpi=110)
+        plt.close(fig)
+        files.append(str(out / "modes.png"))
+    sweep = report.get("sweep")
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(sweep["lengths"], [t * 1e3 for t in sweep["inject"]], marker="o", label="inject (persistent KV cache)")
+        ax.plot(sweep["lengths"], [t * 1e3 for t in sweep["recompute"]], marker="s", label="recompute (cache-less)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("committed context (tokens)")
+        ax.set_ylabel("propose time (ms)")
+        ax.set_title("Drafter propose time vs context")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "sweep.png", dpi=110)
+        plt.close(fig)
+        files.append(str(out / "sweep.png"))
+    return files
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..checkpoint import resolve_dtype
+    from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
+    from .modes import ALL_MODES, load_prompts, run_mode
+    from .shapes import SHAPES, round_vs_step
+    from .sweep import context_sweep
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in ALL_MODES]
+    if unknown:
+        raise DFlashError(f"unknown bench mode(s) {unknown}; choose from {', '.join(ALL_MODES)}")
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        raise DFlashError(f"unknown shape(s) {bad}; choose from {', '.join(SHAPES)}")
+    try:
+        lengths = [int(x) for x in args.sweep.split(",") if x.strip()]
+    except ValueError:
+        raise DFlashError(f"--sweep must be comma-separated integers, got {args.sweep!r}") from None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    engine = DFlashEngine.from_pretrained(args.target, args.draft, dtype=args.dtype, device=args.device,
+                                          block_size=args.block_size)
+    prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl", args.num_prompts or None)
+    prompt_ids = [engine.encode_prompt(p) for p in prompts]
+    max_context = min(engine.target.config.max_position_embeddings, max(map(len, prompt_ids)) + args.max_new_tokens + 1)
+    report = {
+        "target": str(args.target or DEFAULT_TARGET), "draft": str(args.draft or DEFAULT_DRAFTER),
+        "dtype": args.dtype, "device": args.device, "block_size": engine.block_size,
+        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "greedy": True, "ignore_eos": True,
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": [], "sweep": None, "shapes": [],
+    }
+    reference = None
+    for name in modes:
+        spec = ALL_MODES[name]
+        res, outputs = run_mode(spec, engine.target, engine.drafter, prompt_ids, block_size=args.block_size,
+                                max_new_tokens=args.max_new_tokens, max_context=max_context, progress=not args.no_progress)
+        if name == "target-only":
+            reference = (res, outputs)
+        elif reference is not None:
+            res.speedup_vs_target_only = res.decode_tokens_per_second / reference[0].decode_tokens_per_second
+            res.outputs_identical_to_target_only = outputs == reference[1]
+        report["modes"].append(asdict(res))
+        print(f"{name}: {res.decode_tokens_per_second:.1f} tok/s, tau {res.mean_acceptance_length:.2f}", flush=True)
+    if lengths and engine.drafter is not None:
+        report["sweep"] = context_sweep(engine.drafter, engine.target.model.embed_tokens, lengths, engine.block_size)
+        s = report["sweep"]
+        report["sweep"]["ratio_longest_over_shortest"] = {m: s[m][-1] / s[m][0] for m in ("inject", "recompute")}
+    for shape in shapes:
+        report["shapes"].append(round_vs_step(shape, resolve_dtype(args.dtype), args.device, block_size=engine.block_size))
+        print(f"{shape}: round/step {report['shapes'][-1]['round_over_step']:.2f}", flush=True)
+    report["plots"] = _plots(report, out)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    print()
+    print(_table(report["modes"]))
+    if report["sweep"]:
+        s = report["sweep"]
+        print("\npropose time (ms) vs committed context:")
+        print("| context | inject | recompute |\n|---|---|---|")
+        for n, a, b in zip(s["lengths"], s["inject"], s["recompute"]):
+            print(f"| {n} | {a * 1e3:.2f} | {b * 1e3:.2f} |")
+        r = s["ratio_longest_over_shortest"]
+        print(f"ratio {s['lengths'][-1]}/{s['lengths'][0]}: inject {r['inject']:.2f}, recompute {r['recompute']:.2f}")
+    for sh in report["shapes"]:
+        proj = ", ".join(f"{k}: {v:.2f}x" for k, v in sh["projected_speedup"].items())
+        print(f"\n{sh['shape']} ({sh['dtype']}, random weights, context {sh['context']}): target step {sh['target_step_s'] * 1e3:.1f} ms, "
+              f"round {sh['round_s'] * 1e3:.1f} ms (propose {sh['propose_s'] * 1e3:.1f} ms), round/step {sh['round_over_step']:.2f}; "
+              f"PROJECTED speedup at published tau: {proj}")
+    print(f"\nwrote {out / 'bench.json'} and {', '.join(report['plots'])}")
+    return 0

@@ -1,0 +1,145 @@
+"""Time decoding modes on one model pair and one prompt set, in one process."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..decoding import SpeculativeDecoder
+from ..errors import DFlashError
+from ..sampling import SamplingParams
+
+
+@dataclass
+class ModeSpec:
+    """One decoding configuration: ``drafter`` False means target-only."""
+
+    name: str
+    drafter: bool
+    draft_mode: str = "inject"
+    compile: bool = False
+
+
+ALL_MODES = {
+    "target-only": ModeSpec("target-only", False),
+    "inject": ModeSpec("inject", True, "inject"),
+    "recompute": ModeSpec("recompute", True, "recompute"),
+    "target-only-compiled": ModeSpec("target-only-compiled", False, compile=True),
+    "inject-compiled": ModeSpec("inject-compiled", True, "inject", compile=True),
+}
+
+
+@dataclass
+class ModeResult:
+    """Figures of one mode over the prompt set (times in seconds)."""
+
+    name: str
+    prompts: int = 0
+    generated_tokens: int = 0
+    decode_time: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    speedup_vs_target_only: float | None = None
+    rounds: int = 0
+    mean_acceptance_length: float = 0.0
+    acceptance_histogram: dict[int, int] = field(default_factory=dict)
+    propose_time_per_round: float = 0.0
+    verify_time_per_round: float = 0.0
+    other_time_per_round: float = 0.0
+    warmup_time: float = 0.0
+    recompiles_after_warmup: int | None = None
+    peak_memory_mb: float = 0.0
+    outputs_identical_to_target_only: bool | None = None
+
+
+def load_prompts(path: Path, limit: int | None) -> list[str]:
+    """Prompts from a JSONL file (objects with a ``prompt`` or ``text`` field).
+
+    Raises:
+        DFlashError: missing or malformed file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DFlashError(f"prompt file {path} does not exist")
+    prompts = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            prompts.append(obj["prompt"] if "prompt" in obj else obj["text"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise DFlashError(f"{path}:{i + 1}: expected a JSON object with a 'prompt' field") from None
+    if not prompts:
+        raise DFlashError(f"{path} has no prompts")
+    return prompts[:limit] if limit else prompts
+
+
+def _graph_count() -> int:
+    import torch._dynamo.utils as du
+
+    return int(du.counters["stats"]["unique_graphs"])
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def run_mode(spec: ModeSpec, target, drafter, prompt_ids: list[list[int]], *, block_size: int | None,
+             max_new_tokens: int, max_context: int, warmup_prompts: int = 1, progress: bool = True) -> tuple[ModeResult, list[list[int]]]:
+    """Greedy-decode every prompt with ``max_new_tokens`` (EOS ignored) in one mode.
+
+    Returns the figures and the generated ids of each prompt.
+    """
+    dev = target.model.embed_tokens.weight.device
+    decoder = SpeculativeDecoder(target, drafter if spec.drafter else None, block_size=block_size if spec.drafter else None,
+                                 draft_mode=spec.draft_mode, compile=spec.compile, max_context=max_context)
+    params = SamplingParams()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    def decode(ids):
+        out, rounds = [], []
+        for rnd in decoder.rounds(ids, params, max_new_tokens):
+            out.extend(rnd.tokens)
+            rounds.append(rnd)
+        return out[:max_new_tokens], rounds
+
+    t0 = time.perf_counter()
+    for ids in prompt_ids[:warmup_prompts]:
+        decode(ids)
+    res = ModeResult(spec.name, warmup_time=time.perf_counter() - t0)
+    graphs_before = _graph_count()
+    taus, outputs = [], []
+    propose = verify = total = 0.0
+    for ids in tqdm(prompt_ids, desc=f"{spec.name:>22}", disable=not progress, leave=False):
+        out, rounds = decode(ids)
+        outputs.append(out)
+        for r in rounds[1:]:
+            taus.append(r.acceptance_length)
+            propose += r.propose_time
+            verify += r.verify_time
+            total += r.total_time
+        res.generated_tokens += len(out) - 1
+    res.prompts = len(prompt_ids)
+    res.decode_time = total
+    res.decode_tokens_per_second = res.generated_tokens / total if total else 0.0
+    res.rounds = len(taus)
+    res.mean_acceptance_length = sum(taus) / len(taus) if taus else 0.0
+    res.acceptance_histogram = dict(sorted(Counter(taus).items()))
+    if taus:
+        res.propose_time_per_round = propose / len(taus)
+        res.verify_time_per_round = verify / len(taus)
+        res.other_time_per_round = (total - propose - verify) / len(taus)
+    if spec.compile:
+        res.recompiles_after_warmup = _graph_count() - graphs_before
+    res.peak_memory_mb = _peak_memory_mb(dev)
+    return res, outputs

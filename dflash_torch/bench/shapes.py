@@ -1,0 +1,106 @@
+"""Round-vs-step timing at the shapes of real target/drafter pairs, with randomly
+initialised weights (the timing of a forward does not depend on the weight values).
+
+Reports the time of one DFlash round (propose + verify + inject) against one
+target-only decoding step, and the speedup that follows at the published DFlash
+acceptance lengths. That speedup is a *projection*: tau is taken from the DFlash
+paper (arXiv 2602.06036, Qwen3-8B, greedy), not measured on these random models.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from ..decoding import SpeculativeDecoder
+from ..models.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from ..models.drafter import DFlashDrafter
+from ..models.target import TargetModel
+
+# Shapes from the public Qwen3 configs (hidden, layers, heads, kv heads, head dim, MLP).
+SHAPES = {
+    "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072),
+    "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144),
+    "qwen3-4b": (2560, 36, 32, 8, 128, 9728),
+    "qwen3-8b": (4096, 36, 32, 8, 128, 12288),
+}
+VOCAB = 151936
+PUBLISHED_TAU = {"mean (paper, Qwen3-8B)": 6.49, "MT-Bench": 4.24, "MATH-500": 7.87}
+
+
+def _random_init(module: torch.nn.Module, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    module.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02, generator=g)
+    return module.to(dtype)
+
+
+def build_pair(shape: str, dtype: torch.dtype, device: str, draft_layers: int = 5, block_size: int = 16):
+    """A random target of ``shape`` and a random DFlash drafter for it."""
+    hidden, layers, heads, kv, hd, inter = SHAPES[shape]
+    tcfg = TargetConfig("qwen3", VOCAB, hidden, layers, heads, kv, hd, inter, 1e-6, 1e6, None, 40960, True, False, True, [])
+    dcfg = DrafterConfig(hidden, draft_layers, heads, kv, hd, inter, 1e-6, 1e6, None, False, block_size, VOCAB - 1,
+                         default_target_layer_ids(layers, draft_layers), layers, VOCAB, [None] * draft_layers)
+    with torch.device("meta"):
+        target, drafter = TargetModel(tcfg), DFlashDrafter(dcfg)
+    target = _random_init(target, dtype, device).eval()
+    target.lm_head.weight = target.model.embed_tokens.weight
+    drafter = _random_init(drafter, dtype, device).eval()
+    return target, drafter
+
+
+@torch.inference_mode()
+def round_vs_step(shape: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", context: int = 512,
+                  block_size: int = 16, repeats: int = 5) -> dict:
+    """Median seconds of one target-only step and of one DFlash round at ``context`` tokens."""
+    target, drafter = build_pair(shape, dtype, device, block_size=block_size)
+    prompt = torch.randint(0, VOCAB - 2, (context,)).tolist()
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def median(fn):
+        times = []
+        for _ in range(repeats + 1):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        times = sorted(times[1:])
+        return times[len(times) // 2]
+
+    base = SpeculativeDecoder(target, None, max_context=context + 64)
+    base.target_cache.reset(context + 64)
+    base._prefill(torch.tensor(prompt, device=device), context)
+    tok = torch.tensor(1, device=device)
+    step = median(lambda: base._verify_fn(tok.view(1), context, context + 1))
+
+    spec = SpeculativeDecoder(target, drafter, block_size=block_size, max_context=context + 64)
+    spec.target_cache.reset(context + 64)
+    spec.context.reset(context + 64)
+    spec._prefill(torch.tensor(prompt, device=device), context)
+    B = block_size
+
+    def one_round():
+        draft = spec._draft_fn(tok, context, context + B).argmax(-1)
+        logits, feats = spec._verify_fn(torch.cat([tok.view(1), draft]), context, context + B)
+        spec._inject_fn(feats, context)  # all B rows: the worst case (every draft accepted)
+        logits.argmax(-1).tolist()
+
+    rnd = median(one_round)
+    propose = median(lambda: spec._draft_fn(tok, context, context + B))
+    result = {
+        "shape": shape, "dtype": str(dtype).removeprefix("torch."), "device": device, "context": context,
+        "block_size": B, "draft_layers": drafter.config.num_hidden_layers,
+        "target_step_s": step, "round_s": rnd, "propose_s": propose, "round_over_step": rnd / step,
+        "projected_speedup": {k: tau * step / rnd for k, tau in PUBLISHED_TAU.items()},
+    }
+    del target, drafter, base, spec
+    gc.collect()
+    return result

@@ -1,0 +1,58 @@
+"""Propose time against the committed context length: injected KV cache vs recompute.
+
+The drafter runs alone on synthetic context features (random rows of the right
+width), so lengths beyond the target's own context limit can be measured.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
+
+
+@torch.inference_mode()
+def propose_time(drafter: DFlashDrafter, embed: torch.nn.Module, mode: str, context_len: int,
+                 block_size: int, repeats: int = 5, seed: int = 0) -> float:
+    """Median seconds of one propose (drafter forward over a block of ``block_size``) at
+    ``context_len`` committed tokens, with the context held as ``mode`` (inject | recompute).
+
+    In ``recompute`` mode each propose re-projects all ``context_len`` feature rows
+    (as the cache-less drafter must); in ``inject`` mode the rows were injected once
+    and each propose reads the cache.
+    """
+    cfg = drafter.config
+    w = drafter.fc.weight
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(context_len, w.shape[1], generator=g).to(w.device, w.dtype)
+    ctx = InjectedContext(drafter) if mode == "inject" else RecomputedContext(drafter)
+    ctx.reset(context_len + block_size + 1)
+    for c0 in range(0, context_len, 1024):
+        c1 = min(c0 + 1024, context_len)
+        ctx.inject(drafter, feats[c0:c1], torch.arange(c0, c1, device=w.device))
+    block = torch.full((block_size,), cfg.mask_token_id, dtype=torch.long, device=w.device)
+    x = embed(block)
+    positions = torch.arange(context_len, context_len + block_size, device=w.device)
+    times = []
+    for _ in range(repeats + 1):
+        if w.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        drafter(x, positions, ctx, context_len + block_size)
+        if w.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[1:])
+    return times[len(times) // 2]
+
+
+def context_sweep(drafter: DFlashDrafter, embed: torch.nn.Module, lengths: list[int], block_size: int,
+                  repeats: int = 5) -> dict:
+    """``{"lengths": [...], "inject": [s...], "recompute": [s...]}`` median propose seconds."""
+    out = {"lengths": list(lengths), "inject": [], "recompute": []}
+    for n in lengths:
+        for mode in ("inject", "recompute"):
+            out[mode].append(propose_time(drafter, embed, mode, n, block_size, repeats))
+    return out
