@@ -42,12 +42,14 @@ def _random_init(module: torch.nn.Module, dtype: torch.dtype, device: str) -> to
     return module.to(dtype)
 
 
-def build_pair(shape: str, dtype: torch.dtype, device: str, draft_layers: int = 5, block_size: int = 16):
-    """A random target of ``shape`` and a random DFlash drafter for it."""
-    hidden, layers, heads, kv, hd, inter = SHAPES[shape]
-    tcfg = TargetConfig("qwen3", VOCAB, hidden, layers, heads, kv, hd, inter, 1e-6, 1e6, None, 40960, True, False, True, [])
-    dcfg = DrafterConfig(hidden, draft_layers, heads, kv, hd, inter, 1e-6, 1e6, None, False, block_size, VOCAB - 1,
-                         default_target_layer_ids(layers, draft_layers), layers, VOCAB, [None] * draft_layers)
+def build_pair(shape: str | tuple, dtype: torch.dtype, device: str, draft_layers: int = 5, block_size: int = 16,
+               vocab: int = VOCAB):
+    """A random target of ``shape`` (a name of :data:`SHAPES` or its tuple) and a random
+    DFlash drafter of ``draft_layers`` layers for it."""
+    hidden, layers, heads, kv, hd, inter = SHAPES[shape] if isinstance(shape, str) else shape
+    tcfg = TargetConfig("qwen3", vocab, hidden, layers, heads, kv, hd, inter, 1e-6, 1e6, None, 40960, True, False, True, [])
+    dcfg = DrafterConfig(hidden, draft_layers, heads, kv, hd, inter, 1e-6, 1e6, None, False, block_size, vocab - 1,
+                         default_target_layer_ids(layers, draft_layers), layers, vocab, [None] * draft_layers)
     with torch.device("meta"):
         target, drafter = TargetModel(tcfg), DFlashDrafter(dcfg)
     target = _random_init(target, dtype, device).eval()
@@ -57,11 +59,11 @@ def build_pair(shape: str, dtype: torch.dtype, device: str, draft_layers: int = 
 
 
 @torch.inference_mode()
-def round_vs_step(shape: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", context: int = 512,
-                  block_size: int = 16, repeats: int = 5) -> dict:
+def round_vs_step(shape: str | tuple, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", context: int = 512,
+                  block_size: int = 16, repeats: int = 5, vocab: int = VOCAB, draft_layers: int = 5) -> dict:
     """Median seconds of one target-only step and of one DFlash round at ``context`` tokens."""
-    target, drafter = build_pair(shape, dtype, device, block_size=block_size)
-    prompt = torch.randint(0, VOCAB - 2, (context,)).tolist()
+    target, drafter = build_pair(shape, dtype, device, draft_layers=draft_layers, block_size=block_size, vocab=vocab)
+    prompt = torch.randint(0, vocab - 2, (context,)).tolist()
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def median(fn):

@@ -1,0 +1,57 @@
+"""The bench command end to end on a tiny pair, and the large-shape timing helper."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from dflash_torch.bench.shapes import round_vs_step
+from dflash_torch.bench.sweep import context_sweep
+from dflash_torch.models.drafter import DFlashDrafter
+
+
+def test_bench_cli_writes_report(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_torch.cli", "bench", "--target", str(target), "--draft", str(drafter),
+         "--prompts", str(prompts), "--max-new-tokens", "12", "--modes", "target-only,inject,recompute",
+         "--sweep", "16,64", "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "bench.json").read_text())
+    names = [m["name"] for m in report["modes"]]
+    assert names == ["target-only", "inject", "recompute"]
+    for m in report["modes"]:
+        assert m["generated_tokens"] == 2 * 11  # 12 tokens per prompt, the first from prefill
+        assert m["decode_tokens_per_second"] > 0
+    for m in report["modes"][1:]:
+        assert m["outputs_identical_to_target_only"] is True
+        assert sum(m["acceptance_histogram"].values()) == m["rounds"]
+    assert report["sweep"]["lengths"] == [16, 64] and len(report["sweep"]["inject"]) == 2
+    assert (out / "modes.png").stat().st_size > 0 and (out / "sweep.png").stat().st_size > 0
+    assert "| inject" in proc.stdout
+
+
+def test_bench_rejects_unknown_mode(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_torch.cli", "bench", "--target", str(target), "--draft", str(drafter),
+         "--modes", "warp-speed", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown bench mode" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sweep_and_round_vs_step_small_shape(tiny_pair):
+    _, drafter_dir = tiny_pair
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    embed = torch.nn.Embedding(drafter.config.vocab_size, drafter.config.hidden_size)
+    sweep = context_sweep(drafter, embed, [8, 32], block_size=4, repeats=1)
+    assert all(t > 0 for t in sweep["inject"] + sweep["recompute"])
+    r = round_vs_step((64, 4, 4, 2, 16, 128), torch.float32, context=16, block_size=4, repeats=1, vocab=128, draft_layers=2)
+    assert r["target_step_s"] > 0 and r["round_s"] > 0
+    assert r["projected_speedup"]["mean (paper, Qwen3-8B)"] == 6.49 * r["target_step_s"] / r["round_s"]
