@@ -171,16 +171,21 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         return req
 
     async def next_event(job: GenerationJob, request: Request | None) -> Event | None:
-        """The job's next event; None when the client went away (``request`` given)."""
+        """The job's next event; None when the client went away (checked every
+        DISCONNECT_POLL_S seconds, whether events flow or not)."""
         if request is None:
             return await job.queue.get()
         while True:
-            try:
-                return await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            now = time.monotonic()
+            if now - job.last_disconnect_check >= DISCONNECT_POLL_S:
+                job.last_disconnect_check = now
                 if await request.is_disconnected():
                     job.cancel()
                     return None
+            try:
+                return await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                continue
 
     def raise_job_error(ev: Event) -> None:
         if ev.kind == "error":

@@ -8,7 +8,7 @@ name                                   type       meaning
 dflash_requests_total                  counter    HTTP requests by ``endpoint`` and ``status``
 dflash_request_latency_seconds         histogram  request latency (whole stream included) by endpoint
 dflash_time_to_first_token_seconds     histogram  from arrival to the first generated token
-dflash_requests_cancelled_total        counter    generations stopped early by a client disconnect
+dflash_requests_cancelled_total        counter    generations dropped or stopped early: the client went away
 dflash_prompt_tokens_total             counter    prompt tokens of started generations
 dflash_generated_tokens_total          counter    generated (committed, emitted) tokens
 dflash_acceptance_length               histogram  tokens committed per decoding round (tau)

@@ -57,7 +57,7 @@ class Event:
     value: object = None
 
 
-@dataclass
+@dataclass(eq=False)
 class GenerationJob:
     prompt: object                     # text, chat messages or token ids
     chat: bool
@@ -68,6 +68,7 @@ class GenerationJob:
     arrived: float = field(default_factory=time.perf_counter)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    last_disconnect_check: float = field(default_factory=time.monotonic)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -85,17 +86,27 @@ class EngineWorker:
     def __init__(self, engine, metrics: ServerMetrics):
         self.engine, self.metrics = engine, metrics
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-engine")
+        self._jobs: set[GenerationJob] = set()
+        self._jobs_lock = threading.Lock()
 
     def submit(self, job: GenerationJob) -> None:
+        with self._jobs_lock:
+            self._jobs.add(job)
         self.metrics.queue_depth.inc()
         self.executor.submit(self._run, job)
 
     def shutdown(self) -> None:
+        """Cancel every job (a running one stops after its current round) and drop the queue."""
+        with self._jobs_lock:
+            for job in self._jobs:
+                job.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def _run(self, job: GenerationJob) -> None:
         try:
-            if not job.cancelled.is_set():
+            if job.cancelled.is_set():  # the client left while it waited
+                self.metrics.cancelled.inc()
+            else:
                 self._generate(job)
         except DFlashError as exc:
             job.put("error", (str(exc), param_of(exc)))
@@ -103,12 +114,16 @@ class EngineWorker:
             log.exception("generation failed")
             job.put("fatal", f"{type(exc).__name__}: {exc}")
         finally:
+            with self._jobs_lock:
+                self._jobs.discard(job)
             self.metrics.queue_depth.dec()
             job.put("done")
 
     def _generate(self, job: GenerationJob) -> None:
         engine = self.engine
         ids = engine.encode_prompt(job.prompt, job.chat)
+        if not ids:  # (engine.stream([]) would read [] as an empty chat conversation)
+            raise ParamError("the prompt is empty (0 tokens)", "prompt")
         room = engine.max_context - len(ids)
         if room < 1:
             raise ParamError(f"the prompt ({len(ids)} tokens) does not fit the model's context of "
