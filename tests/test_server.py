@@ -265,6 +265,8 @@ BAD_REQUESTS = [
     ("malformed json", "/v1/completions", '{"prompt": "x", ', 400, None),
     ("body not an object", "/v1/completions", "[1, 2]", 400, None),
     ("empty body", "/v1/completions", "", 400, None),
+    ("lone surrogate", "/v1/completions", '{"prompt": "a\\ud800b"}', 400, None),
+    ("invalid utf-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
     ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("missing messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     ("prompt wrong type", "/v1/completions", {"prompt": 5}, 400, "prompt"),
@@ -314,7 +316,7 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_input(server, name, path, body, status, param):
-    r = server.post(path, body, raw=isinstance(body, str))
+    r = server.post(path, body, raw=isinstance(body, (str, bytes)))
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}

@@ -157,6 +157,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
+        try:  # JSON escapes can smuggle in lone surrogates, which no tokenizer accepts
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the request contains invalid Unicode (a lone surrogate escape)") from None
         try:
             req = schema.model_validate(data)
         except ValidationError as exc:
