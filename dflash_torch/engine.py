@@ -206,7 +206,9 @@ class DFlashEngine:
         Raises:
             DFlashError: ``chat`` without a tokenizer chat template, or a malformed prompt.
         """
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt) and prompt:
+        if isinstance(prompt, list) and not prompt:
+            raise DFlashError("the prompt is empty (no tokens or messages)")
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         if isinstance(prompt, list) or chat:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -215,10 +217,17 @@ class DFlashEngine:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise DFlashError("this tokenizer has no chat template; drop --chat")
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self._encode(text, add_special_tokens=False)
         if not isinstance(prompt, str):
             raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages")
-        return self.tokenizer.encode(prompt)
+        return self._encode(prompt)
+
+    def _encode(self, text: str, **kwargs) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise DFlashError("the prompt is not valid Unicode text (it contains a lone surrogate)") from None
+        return self.tokenizer.encode(text, **kwargs)
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of token ids (special tokens kept, no space clean-up)."""
