@@ -71,8 +71,8 @@ def test_training_forward_equals_inference_path(tiny_pair, B):
     with torch.no_grad():
         feats = target_features(target, ids, lengths, cfg.target_layer_ids)
         tokens, positions = block_inputs(ids, anchors, B, cfg.mask_token_id)
-        hidden = drafter_blocks_forward(drafter, target, feats, tokens, positions, block_attention_mask(anchors, T, B))
-        train_logits = target.logits(hidden)
+        dense = target.logits(drafter_blocks_forward(drafter, target, feats, tokens, positions, block_attention_mask(anchors, T, B)))
+        train_logits = target.logits(drafter_blocks_forward(drafter, target, feats, tokens, positions))
         for s in range(2):
             for i, a in enumerate(anchors[s].tolist()):
                 ctx = InjectedContext(drafter)
@@ -81,6 +81,7 @@ def test_training_forward_equals_inference_path(tiny_pair, B):
                 h = drafter(target.embed(tokens[s, i]), torch.arange(a, a + B), ctx, a + B)
                 ref = target.logits(h)
                 torch.testing.assert_close(train_logits[s, i], ref, atol=1e-5, rtol=0)
+                torch.testing.assert_close(dense[s, i], ref, atol=1e-5, rtol=0)
 
 
 def _jsonl(path: Path) -> Path:
@@ -96,7 +97,7 @@ def _jsonl(path: Path) -> Path:
 def _cfg(tmp: Path, target: Path, data: Path, **kw) -> TrainConfig:
     base = dict(target=str(target), data=[str(data)], out=str(tmp / "out"), work_dir=str(tmp / "work"), num_layers=1,
                 block_size=8, steps=6, batch=2, seq_len=64, anchors_per_seq=8, lr=3e-3, warmup_steps=2,
-                eval_every=1000, ckpt_every=1000, log_every=1, val_seqs=2, num_threads=2, progress=False, seed=7)
+                eval_every=1000, ckpt_every=1000, log_every=1, val_seqs=2, progress=False, seed=7)
     base.update(kw)
     return TrainConfig(**base)
 

@@ -59,15 +59,19 @@ def sample_anchors(lengths: torch.Tensor, loss_mask: torch.Tensor, n: int, gen: 
     return anchors, valid.gather(1, order)
 
 
+def context_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Bool ``[b, n * B, context_len]``: block row of anchor ``a`` sees context positions ``< a``."""
+    row_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, nB]
+    return torch.arange(context_len, device=anchors.device)[None, None, :] < row_anchor[:, :, None]
+
+
 def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """Bool ``[b, n * B, context_len + n * B]`` (True = may attend); see the module docstring."""
+    """The dense mask, bool ``[b, n * B, context_len + n * B]`` (True = may attend): context
+    keys first, then every block's keys; see the module docstring."""
     b, n = anchors.shape
-    B = block_size
-    row_anchor = anchors.repeat_interleave(B, dim=1)  # [b, nB]
-    ctx = torch.arange(context_len, device=anchors.device)[None, None, :] < row_anchor[:, :, None]
-    blk_id = torch.arange(n * B, device=anchors.device) // B
-    own = (blk_id[:, None] == blk_id[None, :]).expand(b, n * B, n * B)
-    return torch.cat([ctx, own], dim=2)
+    blk_id = torch.arange(n * block_size, device=anchors.device) // block_size
+    own = (blk_id[:, None] == blk_id[None, :]).expand(b, n * block_size, n * block_size)
+    return torch.cat([context_mask(anchors, context_len, block_size), own], dim=2)
 
 
 def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,15 +82,38 @@ def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
     return tokens, positions
 
 
+def _block_attention(q, kc, vc, kb, vb, ctx_mask: torch.Tensor, n: int, B: int) -> torch.Tensor:
+    """Attention of block rows over context keys (under ``ctx_mask``) and their own block.
+
+    The dense mask is block diagonal over the block keys, so each row's scores are
+    ``[context (T) | own block (B)]``: a joint softmax over ``T + B`` keys instead of
+    ``T + n * B``. ``q`` ``[b, h, nB, d]``; ``kc``/``vc`` ``[b, h, T, d]``;
+    ``kb``/``vb`` ``[b, h, nB, d]``; returns ``[b, h, nB, d]``.
+    """
+    b, h, rows, d = q.shape
+    T = kc.shape[2]
+    scale = d ** -0.5
+    s_ctx = torch.matmul(q, kc.transpose(-1, -2)).view(b, h, n, B, T)
+    qb = q.view(b, h, n, B, d)
+    s_blk = torch.matmul(qb, kb.view(b, h, n, B, d).transpose(-1, -2))  # [b, h, n, B, B]
+    scores = torch.cat([s_ctx, s_blk], dim=-1).float() * scale
+    keep = torch.cat([ctx_mask.view(b, 1, n, B, T), ctx_mask.new_ones(b, 1, n, B, B)], dim=-1)
+    p = scores.masked_fill(~keep, float("-inf")).softmax(dim=-1).to(q.dtype)
+    out = torch.matmul(p[..., :T].reshape(b, h, rows, T), vc)
+    return out + torch.matmul(p[..., T:], vb.view(b, h, n, B, d)).view(b, h, rows, d)
+
+
 def drafter_blocks_forward(drafter: DFlashDrafter, target: TargetModel, features: torch.Tensor,
                            block_tokens: torch.Tensor, block_positions: torch.Tensor,
-                           mask: torch.Tensor) -> torch.Tensor:
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
     """All blocks of a batch of sequences in one drafter forward.
 
     Args:
         features: target features ``[b, T, k * H]`` of every position.
         block_tokens, block_positions: ``[b, n, B]`` from :func:`block_inputs`.
-        mask: ``[b, n * B, T + n * B]`` from :func:`block_attention_mask`.
+        mask: the dense ``[b, n * B, T + n * B]`` mask of :func:`block_attention_mask`
+            (plain SDPA over all keys: the reference), or None for the equivalent
+            block-structured attention that skips the other blocks' keys (training).
 
     Returns:
         final-normed drafter hidden states ``[b, n, B, H]``.
@@ -94,15 +121,15 @@ def drafter_blocks_forward(drafter: DFlashDrafter, target: TargetModel, features
     b, T, _ = features.shape
     _, n, B = block_tokens.shape
     rows = n * B
-    # context K/V of all positions, per layer: [b, kv_heads, T, head_dim]
+    # context K/V of all positions, per layer, exactly as injected at inference: [b, kv_heads, T, head_dim]
     ctx_pos = torch.arange(T, device=features.device).repeat(b)
     ctx_kv = [
         (k.view(k.shape[0], b, T, -1).transpose(0, 1), v.view(v.shape[0], b, T, -1).transpose(0, 1))
         for k, v in drafter.context_kv(features.reshape(b * T, -1), ctx_pos)
     ]
+    ctx_mask = context_mask(block_positions[:, :, 0], T, B) if mask is None else None
     x = target.embed(block_tokens.reshape(-1))  # [b * rows, H]
     cos, sin = drafter.rotary.cos_sin(block_positions.reshape(-1), x.dtype)
-    attn_mask = mask[:, None]  # broadcast over heads
     for i, layer in enumerate(drafter.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
@@ -112,13 +139,14 @@ def drafter_blocks_forward(drafter: DFlashDrafter, target: TargetModel, features
         kb = kb.view(kb.shape[0], b, rows, -1).transpose(0, 1)
         vb = vb.view(vb.shape[0], b, rows, -1).transpose(0, 1)
         kc, vc = ctx_kv[i]
-        k = torch.cat([kc.to(kb.dtype), kb], dim=2)
-        v = torch.cat([vc.to(vb.dtype), vb], dim=2)
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=attn_mask)
+        groups = q.shape[1] // kb.shape[1]
+        kc, vc, kb, vb = (t.to(q.dtype).repeat_interleave(groups, dim=1) if groups > 1 else t.to(q.dtype)
+                          for t in (kc, vc, kb, vb))
+        if mask is None:
+            out = _block_attention(q, kc, vc, kb, vb, ctx_mask, n, B)
+        else:
+            k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         out = out.transpose(1, 2).reshape(b * rows, -1)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -161,14 +189,19 @@ def block_labels(ids: torch.Tensor, lengths: torch.Tensor, loss_mask: torch.Tens
     return labels, inside & carries & valid_anchor[..., None]
 
 
-def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, gamma: float) -> BlockLoss:
-    """Decay-weighted cross-entropy of draft slots. ``logits`` ``[b, n, B - 1, V]``."""
+def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, gamma: float,
+                        stats: bool = True) -> BlockLoss:
+    """Decay-weighted cross-entropy of draft slots. ``logits`` ``[b, n, B - 1, V]``.
+    ``stats=False`` skips the acceptance diagnostics (an argmax over all logits)."""
     S = logits.shape[2]
     w = torch.exp(-torch.arange(S, dtype=torch.float32, device=logits.device) / gamma)
     weights = w * valid.float()
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
     wsum = weights.sum()
     loss = (ce * weights).sum() / wsum.clamp(min=1e-9)
+    if not stats:
+        empty = torch.zeros(0, dtype=torch.long)
+        return BlockLoss(loss, float((ce.detach() * weights).sum()), float(wsum), empty, empty, empty)
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels) & valid
         full = valid.all(dim=-1)
@@ -200,18 +233,17 @@ def target_features(target: TargetModel, ids: torch.Tensor, lengths: torch.Tenso
 
 def batch_loss(drafter: DFlashDrafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor, loss_mask: torch.Tensor,
                anchors: torch.Tensor, valid_anchor: torch.Tensor, gamma: float,
-               features: torch.Tensor | None = None) -> BlockLoss:
+               features: torch.Tensor | None = None, stats: bool = True) -> BlockLoss:
     """Target features (no grad) -> all blocks in one drafter forward -> weighted loss."""
     cfg = drafter.config
     B = cfg.block_size
     if features is None:
         features = target_features(target, ids, lengths, cfg.target_layer_ids)
     tokens, positions = block_inputs(ids, anchors, B, cfg.mask_token_id)
-    mask = block_attention_mask(anchors, ids.shape[1], B)
-    hidden = drafter_blocks_forward(drafter, target, features, tokens, positions, mask)
+    hidden = drafter_blocks_forward(drafter, target, features, tokens, positions)
     logits = target.logits(hidden[:, :, 1:])
     labels, valid = block_labels(ids, lengths, loss_mask, positions, valid_anchor)
-    return weighted_block_loss(logits, labels, valid, gamma)
+    return weighted_block_loss(logits, labels, valid, gamma, stats)
 
 
 def init_drafter_weights(drafter: DFlashDrafter, std: float = 0.02) -> None:

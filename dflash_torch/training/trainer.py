@@ -314,7 +314,7 @@ class Trainer:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not cfg.progress, dynamic_ncols=True)
-        loss_acc, tau_acc, n_acc = 0.0, 0.0, 0
+        loss_acc, n_acc = 0.0, 0
         last_eval = evals[-1] if evals else {}
         if not evals:
             last_eval = {"step": 0, **self.evaluate(drafter, target, val_rows, gamma)}
@@ -329,8 +329,10 @@ class Trainer:
             gen = step_generator(cfg.seed, step)
             batch = data.sample(cfg.batch, gen)
             anchors, valid = sample_anchors(batch.lengths, batch.loss_mask, cfg.anchors_per_seq, gen)
+            logging = (step + 1) % cfg.log_every == 0 or step == 0
             with self._autocast():
-                out = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid, gamma)
+                out = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid, gamma,
+                                 stats=logging)
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
@@ -339,12 +341,12 @@ class Trainer:
             loss = float(out.loss.detach())
             loss_ema = loss if loss_ema is None else 0.95 * loss_ema + 0.05 * loss
             loss_acc += loss
-            tau_acc += out.tau if out.accepted.numel() else 0.0
             n_acc += 1
-            if step % cfg.log_every == 0 or step == 1:
-                history.append({"step": step, "loss": round(loss_acc / n_acc, 4), "train_tau": round(tau_acc / n_acc, 3),
+            if logging:
+                history.append({"step": step, "loss": round(loss_acc / n_acc, 4),
+                                "train_tau": round(out.tau, 3) if out.accepted.numel() else None,
                                 "lr": lr, "grad_norm": round(gnorm, 3), "elapsed_s": round(elapsed(), 1)})
-                loss_acc, tau_acc, n_acc = 0.0, 0.0, 0
+                loss_acc, n_acc = 0.0, 0
             if step % cfg.eval_every == 0 and val_rows:
                 last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
                 evals.append(last_eval)
@@ -360,7 +362,7 @@ class Trainer:
             bar.update(1)
         bar.close()
         if n_acc:
-            history.append({"step": step, "loss": round(loss_acc / n_acc, 4), "train_tau": round(tau_acc / n_acc, 3),
+            history.append({"step": step, "loss": round(loss_acc / n_acc, 4), "train_tau": None,
                             "lr": lr, "grad_norm": round(gnorm, 3), "elapsed_s": round(elapsed(), 1)})
         if val_rows and (not evals or evals[-1]["step"] != step):
             last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
