@@ -92,7 +92,8 @@ class TargetConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type != "llama")),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            # Qwen2 always has q/k/v biases (transformers' Qwen2Config saves attention_bias: null)
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias")),
             qk_norm=model_type == "qwen3",
             eos_token_ids=eos,
         )

@@ -110,7 +110,8 @@ class TargetModel(nn.Module):
             kv_len: attend over cache entries ``[0, kv_len)`` (eager: ``positions[-1] + 1``);
                 ``None`` attends over the whole buffer under the causal mask (fixed shapes).
             feature_layers: target layer ids whose outputs to return (layer ``l`` is
-                Hugging Face ``hidden_states[l + 1]``).
+                Hugging Face ``hidden_states[l + 1]``; for the last layer that is the
+                output after the final norm, as in transformers).
             logits_from: compute logits only for rows ``[logits_from, T)``.
 
         Returns:
@@ -134,6 +135,12 @@ class TargetModel(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in wanted:
                 captured[i] = x
+        last = len(self.model.layers) - 1
+        if last in wanted:  # Hugging Face's hidden_states[L] is the final-normed output
+            captured[last] = self.model.norm(x)
+            normed = captured[last][logits_from:]
+        else:
+            normed = self.model.norm(x[logits_from:])
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
-        logits = self.lm_head(self.model.norm(x[logits_from:]))
+        logits = self.lm_head(normed)
         return logits, features
