@@ -4,6 +4,7 @@ byte-level BPE tokenizer, built inside the tests with transformers' own model cl
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -12,6 +13,12 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_torch.models.config import DrafterConfig, default_target_layer_ids
+
+# One intra-op thread: the test models are tiny, and on a shared, loaded machine two
+# spinning OpenMP threads per process slow every forward pass down by orders of magnitude.
+# Subprocesses (CLI tests) inherit OMP_NUM_THREADS.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 VOCAB = 320
 MASK_ID = 1
@@ -47,8 +54,10 @@ def make_tokenizer(out_dir: Path, vocab_size: int = VOCAB) -> None:
     fast.save_pretrained(str(out_dir))
 
 
-def make_target(out_dir: Path, family: str = "qwen3", *, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
-    """Save a tiny random target of ``family`` (qwen3, llama, qwen2) with transformers' class."""
+def make_target(out_dir: Path, family: str = "qwen3", *, seed: int = 0, tokenizer: bool = True,
+                max_shard_size: str | None = None, **overrides) -> Path:
+    """Save a tiny random target of ``family`` (qwen3, llama, qwen2) with transformers' class
+    (sharded safetensors when ``max_shard_size`` is given, e.g. ``"100KB"``)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -70,7 +79,7 @@ def make_target(out_dir: Path, family: str = "qwen3", *, seed: int = 0, tokenize
                 p.normal_(0, 0.08)
             elif name.endswith("bias"):
                 p.normal_(0, 0.05)
-    model.save_pretrained(str(out_dir))
+    model.save_pretrained(str(out_dir), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tokenizer:
         make_tokenizer(out_dir)
     return Path(out_dir)
@@ -117,3 +126,77 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     target = make_target(root / "target")
     drafter = save_drafter(root / "drafter", drafter_config(target))
     return target, drafter
+
+
+# --- helpers added for the core-engine suite -------------------------------------------
+
+
+def copy_tokenizer(src_dir: Path, dst_dir: Path) -> None:
+    """Copy the tokenizer files of ``src_dir`` (saved by :func:`make_tokenizer`) into ``dst_dir``."""
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (Path(src_dir) / name).is_file():
+            shutil.copy(Path(src_dir) / name, Path(dst_dir) / name)
+
+
+def load_hf(target_dir: Path):
+    """The target checkpoint loaded by transformers itself (float32, eval): the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+
+
+AGREE_TOKEN = 42  # the token c that the agreeable target predicts often
+
+
+def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16, alpha: float = 0.5,
+                        beta: float = 2.5) -> tuple[Path, Path]:
+    """A (target, drafter) pair whose random drafter agrees with the target often.
+
+    Every token embedding of an untied Qwen3 target gets a shared direction ``u``
+    (a random multiple in [0, 2 * alpha) of it), except token c = ``AGREE_TOKEN`` whose
+    embedding carries ``-alpha * u`` (so runs of c end); the lm_head row of c is
+    ``beta * u``. The target then predicts c often but not always. The drafter has small
+    random weights, so its output stays close to the (u-heavy) mask embedding and it
+    proposes c nearly everywhere: it is accepted whenever the target predicts c.
+    """
+    from safetensors.torch import load_file
+
+    from dflash_torch.models.drafter import DFlashDrafter
+
+    root = Path(root)
+    target = make_target(root / "target", "qwen3", seed=1, tokenizer=False, tie_word_embeddings=False)
+    state = load_file(str(target / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(state["lm_head.weight"].shape[1], generator=g)
+    u /= u.norm()
+    scale = torch.rand(state["lm_head.weight"].shape[0], 1, generator=g) * 2
+    scale[AGREE_TOKEN] = -1.0
+    state["model.embed_tokens.weight"] += alpha * scale * u
+    state["lm_head.weight"][AGREE_TOKEN] = beta * u
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    copy_tokenizer(tokenizer_dir, target)
+    cfg = drafter_config(target, block_size=block_size)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    drafter = save_drafter(root / "drafter", cfg, model.state_dict())
+    return target, drafter
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """One trained test tokenizer, to copy into targets saved without one."""
+    out = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def agree_pair(tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
+    """(target_dir, drafter_dir) from :func:`make_agreeable_pair` (B = 16)."""
+    return make_agreeable_pair(tmp_path_factory.mktemp("agree"), tokenizer_dir)

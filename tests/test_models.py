@@ -1,0 +1,127 @@
+"""The target model against transformers' own classes (the oracle), float32.
+
+For each tiny random checkpoint (saved by transformers' Qwen3ForCausalLM,
+LlamaForCausalLM or Qwen2ForCausalLM) our TargetModel must reproduce the logits and
+every layer's output (layer l == Hugging Face ``hidden_states[l + 1]``) within a
+relative error of 1e-4, in a full forward and through the static KV cache
+(prefill, one-token steps, rollback and overwrite, fixed-shape attention).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import load_hf, make_target
+from dflash_torch.models.config import TargetConfig
+from dflash_torch.models.target import TargetModel
+
+RTOL = 1e-4
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+# name: (family, make_target overrides, prompt length)
+CASES = {
+    "qwen3-gqa-tied": ("qwen3", {}, 48),
+    "qwen3-mha-untied": ("qwen3", {"num_key_value_heads": 4, "tie_word_embeddings": False}, 48),
+    # positions up to 3x original_max_position_embeddings: the scaled low/medium frequencies matter
+    "llama3-rope-scaling-untied-gqa": ("llama", {"rope_scaling": LLAMA3_SCALING, "num_key_value_heads": 1,
+                                                 "tie_word_embeddings": False}, 192),
+    "llama-tied": ("llama", {}, 48),
+    "qwen2-bias-sharded-untied": ("qwen2", {"tie_word_embeddings": False, "max_shard_size": "150KB"}, 48),
+}
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    family, overrides, length = CASES[request.param]
+    path = make_target(tmp_path_factory.mktemp(request.param), family, tokenizer=False, **overrides)
+    hf = load_hf(path)
+    ours = TargetModel.from_pretrained(path, torch.float32)
+    g = torch.Generator().manual_seed(len(request.param))
+    ids = torch.randint(0, hf.config.vocab_size, (length,), generator=g)
+    return request.param, path, hf, ours, ids
+
+
+def hf_forward(hf, ids: torch.Tensor):
+    with torch.no_grad():
+        out = hf(ids[None], output_hidden_states=True)
+    return out.logits[0], [h[0] for h in out.hidden_states]
+
+
+def test_checkpoint_layout_is_what_the_case_claims(case):
+    name, path, hf, ours, _ = case
+    cfg = TargetConfig.from_dict(json.loads((path / "config.json").read_text()))
+    if "sharded" in name:
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1
+        assert not (path / "model.safetensors").exists()
+    if "bias" in name:
+        assert cfg.attention_bias and ours.model.layers[0].self_attn.q_proj.bias is not None
+    if "rope-scaling" in name:
+        assert cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3"
+    tied = ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+    assert tied == ("untied" not in name)
+    assert cfg.num_key_value_heads == hf.config.num_key_value_heads
+
+
+def test_full_forward_logits_and_every_layer_match_transformers(case):
+    name, _, hf, ours, ids = case
+    ref_logits, ref_hidden = hf_forward(hf, ids)
+    L, H = ours.config.num_hidden_layers, ours.config.hidden_size
+    cache = ours.new_cache()
+    cache.reset(len(ids))
+    with torch.no_grad():
+        logits, feats = ours(ids, torch.arange(len(ids)), cache, len(ids), list(range(L)))
+    assert logits.dtype == torch.float32
+    assert rel_err(logits, ref_logits) <= RTOL, name
+    assert feats.shape == (len(ids), L * H)
+    for layer in range(L):
+        err = rel_err(feats[:, layer * H:(layer + 1) * H], ref_hidden[layer + 1])
+        assert err <= RTOL, f"{name}: layer {layer} vs hidden_states[{layer + 1}]: rel err {err:.2e}"
+    # a sparse, unordered choice of layers is concatenated in the order asked for
+    pick = [L - 2, 0]
+    with torch.no_grad():
+        _, two = ours(ids, torch.arange(len(ids)), cache, len(ids), pick)
+    assert torch.equal(two, torch.cat([feats[:, l * H:(l + 1) * H] for l in pick], dim=-1))
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["sliced", "fixed-shape"])
+def test_static_cache_incremental_decoding_and_rollback(case, static):
+    """Prefill, one-token steps, then a rollback and an overwrite with different tokens:
+    every step's logits equal transformers' full forward of the sequence so far."""
+    name, _, hf, ours, ids = case
+    T = len(ids)
+    P, steps = T - 6, 6
+    L = ours.config.num_hidden_layers
+    cache = ours.new_cache()
+    cache.reset(T + 16)
+    kv = (lambda end: None) if static else (lambda end: end)
+    ref_logits, ref_hidden = hf_forward(hf, ids)
+    with torch.no_grad():
+        logits, _ = ours(ids[:P], torch.arange(P), cache, kv(P), logits_from=P - 1)
+        assert logits.shape[0] == 1
+        assert rel_err(logits, ref_logits[P - 1:P]) <= RTOL
+        for t in range(P, P + steps):
+            logits, feats = ours(ids[t:t + 1], torch.tensor([t]), cache, kv(t + 1), [L // 2])
+            assert rel_err(logits, ref_logits[t:t + 1]) <= RTOL, f"{name}: step at position {t}"
+            assert rel_err(feats, ref_hidden[L // 2 + 1][t:t + 1]) <= RTOL
+        # rollback to P + 2 committed positions, then overwrite P+2.. with other tokens in one block
+        keep = P + 2
+        new_tail = (ids[keep:keep + 4] + 7) % ours.config.vocab_size
+        seq2 = torch.cat([ids[:keep], new_tail])
+        ref2, _ = hf_forward(hf, seq2)
+        logits, _ = ours(new_tail, torch.arange(keep, keep + 4), cache, kv(keep + 4))
+        assert rel_err(logits, ref2[keep:]) <= RTOL, f"{name}: block after rollback"
+        # and a single step after that block
+        nxt = torch.tensor([int(ref2[-1].argmax())])
+        ref3, _ = hf_forward(hf, torch.cat([seq2, nxt]))
+        logits, _ = ours(nxt, torch.tensor([keep + 4]), cache, kv(keep + 5))
+        assert rel_err(logits, ref3[-1:]) <= RTOL
