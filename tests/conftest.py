@@ -200,3 +200,14 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 def agree_pair(tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
     """(target_dir, drafter_dir) from :func:`make_agreeable_pair` (B = 16)."""
     return make_agreeable_pair(tmp_path_factory.mktemp("agree"), tokenizer_dir)
+
+
+def varied_prompts(target_model, n: int, *, seed: int = 0, length: int = 5) -> list[list[int]]:
+    """Token-id prompts for the agreeable target whose greedy continuations are varied:
+    made of the 40 tokens whose embeddings point least along the lm_head row of c, so the
+    target does not start with c and switches between c and other tokens later."""
+    with torch.no_grad():
+        u = target_model.lm_head.weight[AGREE_TOKEN]
+        low = (target_model.model.embed_tokens.weight @ u).argsort()[:40].tolist()
+    g = torch.Generator().manual_seed(seed)
+    return [[low[i] for i in torch.randint(0, 40, (length,), generator=g).tolist()] for _ in range(n)]

@@ -1,0 +1,203 @@
+"""Stopping is decided on committed tokens, inside a block: stop token ids, stop strings
+and max_new_tokens cut exactly where they occur, even when the round that committed the
+token committed more after it; tokens are never stripped by value; requests on one
+engine are independent; streamed deltas add up to the final text; stats add up."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import AGREE_TOKEN, varied_prompts
+from dflash_torch import DFlashEngine
+
+PROMPTS = ["def f(x):", "class Stack:\n    def push(self, item):\n", "import os\nimport sys\n", "x",
+           "    return self._data[index]\n", "for i in range(10):\n"]
+N = 48
+
+
+@pytest.fixture(scope="module")
+def engines(agree_pair):
+    """Engines of the agreeable pair (many multi-token rounds) for B = 4 and 16."""
+    target, drafter = agree_pair
+    e16 = DFlashEngine.from_pretrained(target, drafter)
+    return {16: e16, 4: DFlashEngine(e16.target, e16.tokenizer, e16.drafter, block_size=4)}
+
+
+def round_spans(out) -> list[tuple[int, int]]:
+    """[start, end) token index ranges of the prefill step and of each decoding round."""
+    spans, i = [(0, 1)], 1
+    for tau in out.stats.acceptance_lengths:
+        spans.append((i, i + tau))
+        i += tau
+    return spans
+
+
+def mid_block_indices(out) -> list[int]:
+    """Indices of tokens that are not the last of their round (excluding the last round, which
+    a max_new_tokens cut may have shortened): stopping there must drop the rest of the round."""
+    return [i for start, end in round_spans(out)[1:-1] for i in range(start, end - 1)]
+
+
+@pytest.fixture(scope="module")
+def references(engines):
+    """(prompt, greedy output without stops) for text prompts and varied token-id prompts."""
+    prompts = PROMPTS[:2] + varied_prompts(engines[16].target, 6)
+    return {B: [(p, e.generate(p, max_new_tokens=N, ignore_eos=True)) for p in prompts] for B, e in engines.items()}
+
+
+@pytest.mark.parametrize("B", [4, 16])
+def test_stop_token_inside_an_accepted_block(engines, references, B):
+    engine, found = engines[B], 0
+    for prompt, ref in references[B]:
+        ids = ref.token_ids
+        for i in mid_block_indices(ref):
+            if ids[i] in ids[:i]:
+                continue  # only a token's first occurrence decides where it stops
+            out = engine.generate(prompt, max_new_tokens=N, ignore_eos=True, stop_token_ids=[ids[i]])
+            assert out.token_ids == ids[:i + 1]  # up to and including the stop token, nothing after
+            assert out.finish_reason == "stop"
+            assert out.text == engine.decode(ids[:i])  # the stop token's text is not in the text
+            assert out.stats.generated_tokens == i + 1
+            assert sum(out.stats.acceptance_lengths) > i  # the round that committed it committed more
+            found += 1
+            break
+    assert found >= 2, "no prompt put a token's first occurrence inside a block"
+
+
+@pytest.mark.parametrize("B", [4, 16])
+def test_stop_string_inside_a_block(engines, references, B):
+    engine, found = engines[B], 0
+    for prompt, ref in references[B]:
+        ids, full = ref.token_ids, ref.text
+        for i in mid_block_indices(ref):
+            upto = engine.decode(ids[:i + 1])
+            before = engine.decode(ids[:i])
+            if not full.startswith(upto) or len(upto) < 2 or upto == before:
+                continue
+            # a stop string ending inside token i's text; with one character of the token before
+            # it, so it spans a token boundary too
+            for stop in {upto[len(before) - 1:], upto[-1:]}:
+                at = full.find(stop)
+                if "\ufffd" in stop or at + len(stop) != len(upto):
+                    continue  # it must first complete with token i
+                out = engine.generate(prompt, max_new_tokens=N, ignore_eos=True, stop=["\x00never", stop])
+                assert out.finish_reason == "stop"
+                assert out.text == full[:at]
+                assert stop not in out.text
+                assert out.token_ids == ids[:i + 1]  # the token completing it, never past it
+                assert out.stats.generated_tokens == i + 1
+                found += 1
+        if found >= 4:
+            break
+    assert found >= 2, "no stop string completed inside a block"
+
+
+@pytest.mark.parametrize("B", [4, 16])
+def test_max_new_tokens_landing_mid_block(engines, references, B):
+    engine, checked = engines[B], 0
+    for prompt, ref in references[B][:3]:
+        for i in mid_block_indices(ref)[:4]:
+            n = i + 1
+            out = engine.generate(prompt, max_new_tokens=n, ignore_eos=True)
+            assert out.token_ids == ref.token_ids[:n] and len(out.token_ids) == n
+            assert out.finish_reason == "length" and out.stats.generated_tokens == n
+            assert out.text == engine.decode(ref.token_ids[:n])
+            assert sum(out.stats.acceptance_lengths) + 1 > n  # the last round committed more than was kept
+            checked += 1
+    assert checked >= 4
+    out = engine.generate(PROMPTS[0], max_new_tokens=1, ignore_eos=True)  # the prefill token only
+    assert out.token_ids == references[B][0][1].token_ids[:1] and out.stats.acceptance_lengths == []
+
+
+def test_generated_mask_id_is_kept(agree_pair, tmp_path):
+    """A drafter whose mask token id is c, a token the target generates often."""
+    target, drafter = agree_pair
+    d = tmp_path / "mask-is-c"
+    shutil.copytree(drafter, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["dflash_config"]["mask_token_id"] = AGREE_TOKEN
+    (d / "config.json").write_text(json.dumps(cfg))
+    spec = DFlashEngine.from_pretrained(target, d)
+    assert spec.drafter.config.mask_token_id == AGREE_TOKEN
+    base = DFlashEngine(spec.target, spec.tokenizer)
+    for prompt in PROMPTS[:3]:
+        ref = base.generate(prompt, max_new_tokens=N, ignore_eos=True)
+        out = spec.generate(prompt, max_new_tokens=N, ignore_eos=True)
+        assert AGREE_TOKEN in ref.token_ids
+        assert out.token_ids == ref.token_ids and len(out.token_ids) == N
+        assert out.text == ref.text == spec.decode(ref.token_ids)
+        chunks = list(spec.stream(prompt, max_new_tokens=N, ignore_eos=True))
+        assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+
+
+@pytest.mark.parametrize("mode", ["inject", "recompute", "fixed-shape"])
+def test_back_to_back_requests_match_a_fresh_engine(agree_pair, tiny_pair, mode):
+    opts = dict(draft_mode="recompute") if mode == "recompute" else dict(static=(mode == "fixed-shape"))
+    long_prompt = "import heapq\nimport bisect\n\nclass PriorityQueue:\n    def __init__(self):\n        self._heap = []\n"
+    for target, drafter in (agree_pair, tiny_pair):
+        used = DFlashEngine.from_pretrained(target, drafter, **opts)
+        first = used.generate(long_prompt, max_new_tokens=40, ignore_eos=True)
+        second = used.generate("x", max_new_tokens=30, ignore_eos=True)
+        third = used.generate("def f(x):", max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=2)
+        fresh = DFlashEngine.from_pretrained(target, drafter, **opts)
+        assert second.token_ids == fresh.generate("x", max_new_tokens=30, ignore_eos=True).token_ids
+        fresh3 = DFlashEngine.from_pretrained(target, drafter, **opts)
+        assert third.token_ids == fresh3.generate("def f(x):", max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=2).token_ids
+        again = used.generate(long_prompt, max_new_tokens=40, ignore_eos=True)
+        assert again.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("stop_at", [None, 0.5, 0.8], ids=["no-stop", "stop-string-mid", "two-stop-strings"])
+def test_streaming_deltas_concatenate_to_the_final_text(agree_pair, tiny_pair, stop_at):
+    for target, drafter in (agree_pair, tiny_pair):
+        engine = DFlashEngine.from_pretrained(target, drafter)
+        for prompt in PROMPTS[:2] + varied_prompts(engine.target, 2, seed=1):
+            stop = None
+            if stop_at is not None:  # stop strings that do occur in this output
+                full = engine.generate(prompt, max_new_tokens=40, ignore_eos=True).text
+                k = int(len(full) * stop_at)
+                stop = [full[k:k + 2]] if stop_at == 0.5 else ["\x00never", full[k:k + 3], full[-1:]]
+            out = engine.generate(prompt, max_new_tokens=40, ignore_eos=True, stop=stop)
+            chunks = list(engine.stream(prompt, max_new_tokens=40, ignore_eos=True, stop=stop))
+            assert len(chunks) > 1 or len(out.token_ids) == 1
+            assert "".join(c.text for c in chunks) == out.text
+            assert [t for c in chunks for t in c.token_ids] == out.token_ids
+            assert all(c.finish_reason is None and c.stats is None for c in chunks[:-1])
+            assert chunks[-1].finish_reason == out.finish_reason and chunks[-1].stats is not None
+            if stop is None:
+                assert out.text == engine.decode(out.token_ids) and out.finish_reason == "length"
+            else:
+                assert out.finish_reason == "stop"
+                assert not any(s in out.text for s in stop)
+                assert engine.decode(out.token_ids).startswith(out.text)
+
+
+def test_stats_are_consistent(engines, references, tiny_pair):
+    target, _ = tiny_pair
+    outs = [(engines[B], ref) for B in (4, 16) for _, ref in references[B]]
+    no_draft = DFlashEngine.from_pretrained(target, no_draft=True)
+    outs.append((no_draft, no_draft.generate("def f(x):", max_new_tokens=20, ignore_eos=True)))
+    prompt, ref = references[16][-1]
+    stopped = engines[16].generate(prompt, max_new_tokens=N, ignore_eos=True, stop=[ref.text[10:12]])
+    outs.append((engines[16], stopped))
+    for engine, out in outs:
+        st, B = out.stats, engine.block_size
+        taus = st.acceptance_lengths
+        assert st.generated_tokens == len(out.token_ids)
+        assert st.block_size == B
+        assert all(1 <= t <= B for t in taus)
+        assert sum(taus) >= st.generated_tokens - 1
+        assert sum(taus) - (st.generated_tokens - 1) < B  # only the last round can overshoot
+        assert sum(st.acceptance_histogram.values()) == len(taus)
+        assert all(st.acceptance_histogram[t] == taus.count(t) for t in set(taus))
+        assert st.mean_acceptance_length == pytest.approx(sum(taus) / len(taus))
+        assert len(st.propose_times) == len(st.verify_times) == len(taus)
+        assert st.decode_tokens_per_second > 0 and st.prefill_time > 0
+        assert st.prompt_tokens > 0
+        d = st.to_dict()
+        assert json.loads(json.dumps(d))["acceptance_lengths"] == taus
+    assert set(outs[-2][1].stats.acceptance_lengths) == {1}  # target-only: one token per step
+    assert stopped.finish_reason == "stop" and stopped.stats.prompt_tokens == len(prompt)
