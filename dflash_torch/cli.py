@@ -77,8 +77,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line too (no usage dump), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"dflash-torch: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-torch", description="DFlash speculative decoding with KV injection")
+    parser = _Parser(prog="dflash-torch", description="DFlash speculative decoding with KV injection")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt", nargs="?", default=None, help="prompt text (or --prompt, or stdin)")
