@@ -1,0 +1,180 @@
+"""Every bad input gives a clear, one-line DFlashError from the Python API, and the
+command line prints that one line (no traceback) and exits non-zero. The CLI runs
+in-process here (``dflash_torch.cli.main``); tests/test_cli.py runs a few of the same
+errors as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import copy_tokenizer, drafter_config, make_target, save_drafter
+from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.cli import main as cli_main
+
+
+@pytest.fixture(scope="module")
+def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
+    """Broken or mismatched checkpoints next to the good tiny pair."""
+    target, drafter = tiny_pair
+    root = tmp_path_factory.mktemp("bad")
+    paths = {"target": target, "drafter": drafter, "missing": root / "does-not-exist"}
+
+    def drafter_with(name, **changes):
+        cfg = drafter_config(target, block_size=16)
+        for k, v in changes.items():
+            setattr(cfg, k, v)
+        paths[name] = save_drafter(root / name, cfg)
+
+    drafter_with("hidden", hidden_size=32, num_attention_heads=2, num_key_value_heads=2)
+    drafter_with("num_layers", num_target_layers=6)
+    drafter_with("layer_ids", target_layer_ids=[1, 4])
+    drafter_with("mask_id", mask_token_id=320)
+
+    (root / "no-config").mkdir()
+    (root / "no-config" / "model.safetensors").write_bytes(b"")
+    paths["no_config"] = root / "no-config"
+
+    no_weights = root / "no-weights"
+    no_weights.mkdir()
+    shutil.copy(target / "config.json", no_weights / "config.json")
+    copy_tokenizer(tokenizer_dir, no_weights)
+    paths["no_weights"] = no_weights
+
+    sharded = make_target(root / "sharded", "qwen3", tokenizer=False, max_shard_size="150KB")
+    copy_tokenizer(tokenizer_dir, sharded)
+    shards = sorted(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    (sharded / shards[-1]).unlink()
+    paths["missing_shard"] = sharded
+
+    from safetensors.torch import load_file, save_file
+    lacking = root / "lacking-tensor"
+    shutil.copytree(target, lacking)
+    state = load_file(str(lacking / "model.safetensors"))
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, str(lacking / "model.safetensors"))
+    paths["lacking_tensor"] = lacking
+    return paths
+
+
+# (name, from_pretrained keyword arguments or None, generate kwargs or None, words the message must contain)
+LOAD_CASES = [
+    ("hidden-size", dict(draft="hidden"), "hidden_size"),
+    ("num-target-layers", dict(draft="num_layers"), "num_target_layers"),
+    ("layer-ids-out-of-range", dict(draft="layer_ids"), "target_layer_ids"),
+    ("mask-id-outside-vocab", dict(draft="mask_id"), "mask_token_id"),
+    ("missing-target-dir", dict(target="missing"), "does not exist"),
+    ("missing-drafter-dir", dict(draft="missing"), "does not exist"),
+    ("missing-config", dict(target="no_config"), "config.json"),
+    ("missing-weights", dict(target="no_weights"), "safetensors"),
+    ("missing-shard", dict(target="missing_shard"), "missing"),
+    ("missing-tensor", dict(target="lacking_tensor"), "up_proj"),
+    ("float16", dict(dtype="float16"), "float16"),
+    ("unknown-dtype", dict(dtype="int8"), "dtype"),
+    ("block-size-too-large", dict(block_size=32), "block size"),
+    ("block-size-zero", dict(block_size=0), "block size"),
+    ("unknown-draft-mode", dict(draft_mode="magic"), "draft mode"),
+    ("no-drafter-given", dict(draft=None), "no drafter"),
+]
+
+
+def _load_kwargs(bad, spec):
+    kw = dict(spec)
+    target = bad[kw.pop("target", "target")]
+    draft = kw.pop("draft", "drafter")
+    return target, (bad[draft] if draft else None), kw
+
+
+@pytest.mark.parametrize("name,spec,words", LOAD_CASES, ids=[c[0] for c in LOAD_CASES])
+def test_bad_checkpoints_and_options_raise_one_line_errors(bad, name, spec, words):
+    target, draft, kw = _load_kwargs(bad, spec)
+    with pytest.raises(DFlashError) as err:
+        DFlashEngine.from_pretrained(target, draft, **kw)
+    msg = str(err.value)
+    assert "\n" not in msg and words in msg, msg
+
+
+GENERATE_CASES = [
+    ("context-overflow", dict(max_new_tokens=2000), "exceeds the context"),
+    ("negative-temperature", dict(temperature=-0.5), "temperature"),
+    ("top-p-zero", dict(top_p=0.0), "top_p"),
+    ("top-p-above-one", dict(top_p=1.5), "top_p"),
+    ("negative-top-k", dict(top_k=-1), "top_k"),
+    ("zero-max-new-tokens", dict(max_new_tokens=0), "max_new_tokens"),
+    ("empty-prompt", dict(prompt=""), "empty"),
+    ("empty-stop-string", dict(stop=[""]), "stop"),
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    return DFlashEngine.from_pretrained(*tiny_pair)
+
+
+@pytest.mark.parametrize("name,kw,words", GENERATE_CASES, ids=[c[0] for c in GENERATE_CASES])
+def test_bad_requests_raise_one_line_errors(engine, name, kw, words):
+    kw = dict(kw)
+    prompt = kw.pop("prompt", "def f(x):")
+    with pytest.raises(DFlashError) as err:
+        engine.generate(prompt, **kw)
+    msg = str(err.value)
+    assert "\n" not in msg and words in msg, msg
+    # the engine is still usable after a rejected request
+    assert len(engine.generate("def f(x):", max_new_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_context_limit_is_exact(engine, tiny_pair):
+    prompt = engine.encode_prompt("def f(x):")
+    assert engine.max_context == 1024  # the target's max_position_embeddings
+    small = DFlashEngine(engine.target, engine.tokenizer, engine.drafter, max_context=len(prompt) + 8)
+    assert len(small.generate(prompt, max_new_tokens=8, ignore_eos=True).token_ids) == 8
+    with pytest.raises(DFlashError, match="exceeds the context"):
+        small.generate(prompt, max_new_tokens=9, ignore_eos=True)
+
+
+# --- the same errors through the command line ----------------------------------------------
+
+def _cli_args(bad, spec):
+    target, draft, kw = _load_kwargs(bad, spec)
+    args = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "4", "--target", str(target)]
+    args += ["--draft", str(draft)] if draft else []
+    for k, v in kw.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+CLI_CASES = [(n, _spec, w) for n, _spec, w in LOAD_CASES if n not in ("unknown-draft-mode", "unknown-dtype")] + [
+    ("context-overflow", dict(max_new_tokens=2000), "exceeds the context"),
+    ("negative-temperature", dict(temperature=-0.5), "temperature"),
+    ("top-p-zero", dict(top_p=0.0), "top_p"),
+    ("top-p-above-one", dict(top_p=1.5), "top_p"),
+    ("negative-top-k", dict(top_k=-1), "top_k"),
+    ("empty-prompt", dict(prompt=""), "empty"),
+    ("unknown-draft-mode", dict(draft_mode="magic"), "draft-mode"),
+    ("not-a-number", dict(temperature="hot"), "temperature"),
+]
+
+
+@pytest.mark.parametrize("name,spec,words", CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_cli_prints_one_line_and_exits_nonzero(bad, capsys, name, spec, words):
+    spec = dict(spec)
+    prompt = spec.pop("prompt", None)
+    args = _cli_args(bad, spec)
+    if prompt is not None:
+        args[args.index("--prompt") + 1] = prompt
+    if "max_new_tokens" in spec:  # the later option wins in argparse
+        args.remove("4")
+        args.remove("--max-new-tokens")
+    try:
+        rc = cli_main(args)
+    except SystemExit as exc:  # argparse usage errors
+        rc = exc.code
+    captured = capsys.readouterr()
+    assert rc not in (0, None)
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dflash-torch: error:"), captured.err
+    assert words in lines[0] and "Traceback" not in captured.err
+    assert captured.out == ""
