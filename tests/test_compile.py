@@ -1,0 +1,68 @@
+"""Fixed-shape rounds: same output as the eager loop, and zero recompilations after
+warm-up under torch.compile while acceptance lengths and the context length vary.
+
+Recompilation is decided by TorchDynamo's guards, before any backend runs, so the
+test uses the cheap "eager" backend; the inductor backend sees the same graphs.
+"""
+
+import torch
+import torch._dynamo
+import torch._dynamo.utils as dynamo_utils
+
+from dflash_torch.decoding import SpeculativeDecoder
+from dflash_torch.models.drafter import DFlashDrafter
+from dflash_torch.models.target import TargetModel
+from dflash_torch.sampling import SamplingParams
+
+
+def _run(decoder, prompt, n, params=SamplingParams()):
+    tokens, taus = [], []
+    for rnd in decoder.rounds(prompt, params, n):
+        tokens.extend(rnd.tokens)
+        if rnd.acceptance_length is not None:
+            taus.append(rnd.acceptance_length)
+    return tokens[:n], taus
+
+
+def _load(pair):
+    target_dir, drafter_dir = pair
+    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+
+
+def test_static_rounds_match_eager(agree_pair):
+    target, drafter = _load(agree_pair)
+    prompts = [[5, 17, 99, 3], list(range(2, 40)), [7] * 70]
+    for B in (4, 16):
+        eager = SpeculativeDecoder(target, drafter, block_size=B)
+        static = SpeculativeDecoder(target, drafter, block_size=B, static=True, max_context=256, prefill_chunk=32)
+        for p in prompts:
+            assert _run(static, p, 60) == _run(eager, p, 60)
+
+
+def test_compiled_rounds_do_not_recompile(agree_pair):
+    target, drafter = _load(agree_pair)
+    torch._dynamo.reset()
+    compiled = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=512, prefill_chunk=32)
+    eager = SpeculativeDecoder(target, drafter)
+    _run(compiled, [5, 17, 99, 3], 40)  # warm-up: compiles prefill, propose, verify, inject
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    frames = dynamo_utils.counters["frames"]["total"]
+    assert graphs >= 4
+    all_taus = []
+    for prompt in ([11, 12, 13], list(range(2, 80)), [9] * 33):
+        out, taus = _run(compiled, prompt, 200)
+        assert out == _run(eager, prompt, 200)[0]
+        all_taus += taus
+    assert len(set(all_taus)) >= 3, f"acceptance lengths should vary, got {sorted(set(all_taus))}"
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
+    assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
+
+
+def test_recompute_mode_refuses_fixed_shapes(tiny_pair):
+    import pytest
+
+    from dflash_torch.errors import DFlashError
+
+    target, drafter = _load(tiny_pair)
+    with pytest.raises(DFlashError, match="recompute"):
+        SpeculativeDecoder(target, drafter, draft_mode="recompute", compile=True)
