@@ -1,0 +1,96 @@
+"""The ``dflash-torch generate`` command, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dflash_torch import DFlashEngine
+
+PROMPT = "def f(x):"
+
+
+def run_cli(*args: str, stdin: str | None = None, module: str = "dflash_torch.cli") -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, "-m", module, *args], input=stdin if stdin is not None else "",
+                          capture_output=True, text=True, timeout=240, env=env)
+
+
+@pytest.fixture(scope="module")
+def pair_args(agree_pair):
+    target, drafter = agree_pair
+    return ["--target", str(target), "--draft", str(drafter)]
+
+
+@pytest.fixture(scope="module")
+def api(agree_pair):
+    return DFlashEngine.from_pretrained(*agree_pair)
+
+
+def parse_single_json(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, stdout
+    obj = json.loads(lines[0])
+    assert isinstance(obj, dict)
+    return obj
+
+
+@pytest.fixture(scope="module")
+def json_output(pair_args):
+    proc = run_cli("generate", *pair_args, "--prompt", PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return parse_single_json(proc.stdout)
+
+
+def test_json_is_one_object_with_the_documented_keys(json_output, api):
+    out = json_output
+    assert {"text", "token_ids", "finish_reason", "stats"} <= out.keys()
+    assert {"acceptance_lengths", "mean_acceptance_length", "decode_tokens_per_second"} <= out["stats"].keys()
+    ref = api.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+    assert out["token_ids"] == ref.token_ids and len(out["token_ids"]) == 24
+    assert out["text"] == ref.text
+    assert out["finish_reason"] == "length"
+    taus = out["stats"]["acceptance_lengths"]
+    assert taus == ref.stats.acceptance_lengths
+    assert out["stats"]["mean_acceptance_length"] == pytest.approx(sum(taus) / len(taus))
+    assert out["stats"]["decode_tokens_per_second"] > 0
+
+
+def test_prompt_on_stdin_through_python_m_dflash_torch(json_output, pair_args):
+    proc = run_cli("generate", *pair_args, "--max-new-tokens", "24", "--ignore-eos", "--json", stdin=PROMPT,
+                   module="dflash_torch")
+    assert proc.returncode == 0, proc.stderr
+    assert parse_single_json(proc.stdout)["token_ids"] == json_output["token_ids"]
+
+
+def test_no_draft_equals_speculative_output(json_output, pair_args):
+    proc = run_cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json", "--no-draft")
+    assert proc.returncode == 0, proc.stderr
+    out = parse_single_json(proc.stdout)
+    assert out["token_ids"] == json_output["token_ids"] and out["text"] == json_output["text"]
+    assert set(out["stats"]["acceptance_lengths"]) == {1}
+    assert json_output["stats"]["mean_acceptance_length"] > 1
+
+
+def test_chat_and_streaming_text(pair_args, api):
+    proc = run_cli("generate", *pair_args, "--prompt", "Explain heaps.", "--chat", "--max-new-tokens", "16",
+                   "--ignore-eos", "--block-size", "8", "--draft-mode", "recompute")
+    assert proc.returncode == 0, proc.stderr
+    ref = api.generate("Explain heaps.", chat=True, max_new_tokens=16, ignore_eos=True)
+    assert ref.stats.prompt_tokens == len(api.encode_prompt("# user: Explain heaps.\n# assistant:\n"))
+    assert proc.stdout == ref.text + "\n"  # streamed text, then a newline
+    stats_line = proc.stderr.strip().splitlines()[-1]
+    assert "16 tokens" in stats_line and "finish=length" in stats_line and "tau" in stats_line
+
+
+def test_error_is_one_line_without_traceback(pair_args, tmp_path):
+    """(every error case runs in-process in test_errors.py; this one is a real process)"""
+    proc = run_cli("generate", "--target", str(tmp_path / "missing"), pair_args[2], pair_args[3], "--prompt", PROMPT)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dflash-torch: error:") and "does not exist" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
