@@ -93,3 +93,14 @@ def test_fixed_shape_rounds_are_token_identical(setup, block_size):
     engine = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, block_size=block_size, static=True)
     for prompt, ref in list(zip(prompts, refs))[::2]:
         assert engine.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids == ref, name
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["sliced", "fixed-shape"])
+def test_chunked_prefill_is_token_identical(setup, static):
+    """Prompts longer than the prefill chunk (several chunks, the last one partial)."""
+    name, spec, _, _, prompts, refs = setup
+    engine = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, block_size=8, static=static, prefill_chunk=8)
+    long_prompts = [(p, r) for p, r in zip(prompts, refs) if len(p) > 8]
+    assert len(long_prompts) >= 2
+    for prompt, ref in long_prompts:
+        assert engine.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids == ref, name

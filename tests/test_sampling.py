@@ -148,6 +148,17 @@ def test_speculative_sampling_matches_the_exact_target_distribution(case, agree_
         assert chi_square_pvalue(counts, exact_joint(load_hf(target), prompt, 3, temperature=0.4), SAMPLES) < ALPHA
 
 
+def test_top_k_1_sampling_equals_greedy(agree_pair):
+    """One-hot target and draft distributions: rejection sampling must reproduce greedy decoding."""
+    spec = DFlashEngine.from_pretrained(*agree_pair)
+    base = DFlashEngine(spec.target, spec.tokenizer)
+    for seed, prompt in enumerate(["def f(x):", "class Stack:\n", "import os\n"]):
+        ref = base.generate(prompt, max_new_tokens=32, ignore_eos=True)
+        out = spec.generate(prompt, max_new_tokens=32, ignore_eos=True, temperature=0.7, top_k=1, seed=seed)
+        assert out.token_ids == ref.token_ids
+        assert out.stats.mean_acceptance_length > 1.5
+
+
 def test_sampling_is_reproducible_with_a_seed(tiny_pair):
     """Seeds make requests reproducible; different seeds give different samples."""
     target, drafter = tiny_pair

@@ -65,6 +65,9 @@ def test_stop_token_inside_an_accepted_block(engines, references, B):
             found += 1
             break
     assert found >= 2, "no prompt put a token's first occurrence inside a block"
+    prompt, ref = references[B][0]  # the very first (prefill) token is a stop token
+    out = engine.generate(prompt, max_new_tokens=N, ignore_eos=True, stop_token_ids=[ref.token_ids[0]])
+    assert out.token_ids == ref.token_ids[:1] and out.text == "" and out.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("B", [4, 16])
