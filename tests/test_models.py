@@ -31,6 +31,7 @@ CASES = {
     "llama3-rope-scaling-untied-gqa": ("llama", {"rope_scaling": LLAMA3_SCALING, "num_key_value_heads": 1,
                                                  "tie_word_embeddings": False}, 192),
     "llama-tied": ("llama", {}, 48),
+    "llama-attention-bias": ("llama", {"attention_bias": True}, 48),  # q/k/v and o_proj biases
     "qwen2-bias-sharded-untied": ("qwen2", {"tie_word_embeddings": False, "max_shard_size": "150KB"}, 48),
 }
 
@@ -65,6 +66,7 @@ def test_checkpoint_layout_is_what_the_case_claims(case):
         assert not (path / "model.safetensors").exists()
     if "bias" in name:
         assert cfg.attention_bias and ours.model.layers[0].self_attn.q_proj.bias is not None
+        assert (ours.model.layers[0].self_attn.o_proj.bias is not None) == (cfg.model_type == "llama")
     if "rope-scaling" in name:
         assert cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3"
     tied = ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()

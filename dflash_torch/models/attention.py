@@ -9,19 +9,21 @@ from .layers import RMSNorm, apply_rope
 
 
 class Attention(nn.Module):
-    """q/k/v/o projections, optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (Qwen2).
+    """q/k/v/o projections, optional per-head q/k RMSNorm (Qwen3), q/k/v bias (Qwen2) and
+    o bias (Llama with ``attention_bias``).
 
     Hugging Face parameter names: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
     ``q_norm``, ``k_norm``.
     """
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, qk_norm: bool, eps: float):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, qk_norm: bool, eps: float,
+                 o_bias: bool = False):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 

@@ -72,6 +72,8 @@ class TargetConfig:
         if model_type not in TARGET_FAMILIES:
             raise DFlashError(f"unsupported target model_type {model_type!r}; supported: {', '.join(TARGET_FAMILIES)}")
         _require(cfg, ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"], "target")
+        if cfg.get("mlp_bias"):
+            raise DFlashError("target configs with mlp_bias=true are not supported")
         if cfg.get("use_sliding_window"):
             raise DFlashError("target configs with use_sliding_window=true are not supported")
         heads = cfg["num_attention_heads"]

@@ -24,6 +24,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
             cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps,
+            o_bias=cfg.attention_bias and cfg.model_type == "llama",  # Llama's attention_bias covers o_proj too
         )
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
