@@ -76,14 +76,14 @@ def test_speculative_greedy_is_token_identical(setup, block_size):
             assert any(1 < t < block_size for t in taus), taus
 
 
-def test_agreeable_target_predicts_c_often_but_not_always(setup):
-    name, _, _, _, _, refs = setup
-    if name != "agree":
-        pytest.skip("property of the agreeable pair only")
+def test_agreeable_target_predicts_c_often_but_not_always(agree_pair):
+    base = DFlashEngine.from_pretrained(agree_pair[0], no_draft=True)
+    prompts = [base.encode_prompt(p) for p in TEXT_PROMPTS] + id_prompts(base.target.config.vocab_size)
+    refs = [base.generate(p, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids for p in prompts]
     frac = [sum(t == AGREE_TOKEN for t in ref) / len(ref) for ref in refs]
     overall = sum(frac) / len(frac)
     assert 0.3 <= overall <= 0.95, frac
-    assert min(frac) < 0.9  # at least one prompt where the target mostly goes elsewhere
+    assert min(frac) < 0.9  # at least one prompt where the target often goes elsewhere
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
