@@ -178,3 +178,28 @@ def test_cli_prints_one_line_and_exits_nonzero(bad, capsys, name, spec, words):
     assert len(lines) == 1 and lines[0].startswith("dflash-torch: error:"), captured.err
     assert words in lines[0] and "Traceback" not in captured.err
     assert captured.out == ""
+
+
+def test_target_with_unused_or_misshaped_weights_is_refused(tmp_path):
+    """Tensors the model would silently ignore (e.g. biases the config does not announce)
+    or of the wrong shape are a clear error, never silently wrong logits."""
+    import pytest
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from conftest import make_target
+    from dflash_torch.errors import DFlashError
+    from dflash_torch.models.target import TargetModel
+
+    target = make_target(tmp_path / "t", "qwen3", tokenizer=False)
+    state = load_file(str(target / "model.safetensors"))
+    extra = dict(state)
+    extra["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(state["model.layers.0.self_attn.q_proj.weight"].shape[0])
+    save_file(extra, str(target / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(DFlashError, match="does not use"):
+        TargetModel.from_pretrained(target, torch.float32)
+    bad = dict(state)
+    bad["model.norm.weight"] = torch.ones(3)
+    save_file(bad, str(target / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(DFlashError, match="shape"):
+        TargetModel.from_pretrained(target, torch.float32)

@@ -60,7 +60,8 @@ class TargetModel(nn.Module):
         """Load a Hugging Face checkpoint directory.
 
         Raises:
-            DFlashError: unsupported config, or weights missing from the checkpoint.
+            DFlashError: unsupported config; weights missing, unused (an unsupported
+                variant, e.g. biases the config does not announce) or of the wrong shape.
         """
         cfg = TargetConfig.from_dict(load_config(model_dir))
         with torch.device("meta"):
@@ -72,6 +73,16 @@ class TargetModel(nn.Module):
         missing = sorted(expected - state.keys())
         if missing:
             raise DFlashError(f"target checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        unused = sorted(k for k in state.keys() - expected if not k.endswith("rotary_emb.inv_freq"))
+        if unused:
+            raise DFlashError(
+                f"target checkpoint {model_dir} has weights this {cfg.model_type} model does not use "
+                f"(an unsupported variant?): {', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}"
+            )
+        shapes = model.state_dict()
+        for k in expected:
+            if tuple(state[k].shape) != tuple(shapes[k].shape):
+                raise DFlashError(f"target weight {k} has shape {tuple(state[k].shape)}, config.json implies {tuple(shapes[k].shape)}")
         state = {k: v for k, v in state.items() if k in expected}
         model.load_state_dict(state, strict=False, assign=True)
         if cfg.tie_word_embeddings:
