@@ -24,6 +24,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
     p.add_argument("--compile", action="store_true", help="fixed-shape rounds compiled with torch.compile")
     p.add_argument("--max-context", type=int, default=None, help="longest prompt + generation in tokens (default: the target's limit)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -38,8 +39,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def load_engine(args: argparse.Namespace):
     """A :class:`DFlashEngine` from the model options of ``args``."""
+    import torch
+
     from .engine import DFlashEngine
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise DFlashError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     return DFlashEngine.from_pretrained(
         args.target, args.draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, draft_mode=args.draft_mode, no_draft=args.no_draft,

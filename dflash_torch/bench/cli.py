@@ -27,7 +27,6 @@ def register(sub) -> None:
                    help="comma-separated: target-only, inject, recompute, target-only-compiled, inject-compiled")
     p.add_argument("--sweep", default="128,512,2048,8192", help="context lengths of the propose-time sweep ('' = skip)")
     p.add_argument("--shapes", default="", help="large-shape timing, e.g. qwen3-1.7b,qwen3-4b ('' = skip)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", default="bench_out", help="output directory for bench.json and plots")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
