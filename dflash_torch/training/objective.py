@@ -257,3 +257,38 @@ def init_drafter_weights(drafter: DFlashDrafter, std: float = 0.02) -> None:
                 p.normal_(0.0, scaled if name.endswith(("o_proj.weight", "down_proj.weight")) else std)
             else:
                 p.zero_()
+
+
+@torch.no_grad()
+def greedy_walk(drafter: DFlashDrafter, target: TargetModel, ids: torch.Tensor, start: int,
+                features: torch.Tensor | None = None, chunk: int = 128) -> list[int]:
+    """Acceptance lengths of greedy speculative decoding replayed on a known greedy sequence.
+
+    When ``ids[start:]`` is the target's own greedy continuation of ``ids[:start]``,
+    the rounds of real decoding are: propose the block at ``s`` (first ``s = start``),
+    accept the leading draft tokens equal to ``ids[s + 1 ...]``, commit ``tau``
+    tokens, ``s += tau``. The drafter is run at every position (teacher forcing, the
+    same context features the engine would hold) and the walk is replayed; it stops
+    when a block would run past the sequence. Returns the tau of each round.
+    """
+    B = drafter.config.block_size
+    T = ids.shape[0]
+    if T - start < B:
+        return []
+    if features is None:
+        features = target_features(target, ids[None], torch.tensor([T]), drafter.config.target_layer_ids)
+    accepted = torch.zeros(T, dtype=torch.long)
+    positions_all = torch.arange(start, T - B + 1)
+    for c in range(0, positions_all.numel(), chunk):
+        anchors = positions_all[c:c + chunk][None]
+        tokens, positions = block_inputs(ids[None], anchors, B, drafter.config.mask_token_id)
+        hidden = drafter_blocks_forward(drafter, target, features, tokens, positions)
+        pred = target.logits(hidden[:, :, 1:]).argmax(-1)[0]  # [n, B - 1]
+        labels = ids[positions[0, :, 1:]]
+        accepted[anchors[0]] = (pred == labels).long().cumprod(dim=-1).sum(dim=-1)
+    taus, s = [], start
+    while s + B <= T:
+        tau = 1 + int(accepted[s])
+        taus.append(tau)
+        s += tau
+    return taus

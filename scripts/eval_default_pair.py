@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Measure a target + drafter pair on the held-out prompts: acceptance length tau
+(mean and histogram) and token-for-token identity with target-only decoding.
+
+Greedy, float32, ``--max-new-tokens`` (default 256) with ``ignore_eos=True`` so every
+prompt generates the same number of tokens. Writes a JSON report.
+
+    python scripts/eval_default_pair.py --out /tmp/eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+from collections import Counter
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from dflash_torch import DFlashEngine  # noqa: E402
+
+DEFAULT = REPO / "dflash_torch" / "assets" / "default"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=str(DEFAULT / "target"))
+    ap.add_argument("--draft", default=str(DEFAULT / "drafter"))
+    ap.add_argument("--prompts", default=str(DEFAULT / "prompts.jsonl"))
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--no-identity", action="store_true", help="skip the target-only comparison")
+    ap.add_argument("--out", default=None, help="JSON report path")
+    args = ap.parse_args()
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+
+    prompts = [json.loads(line) for line in open(args.prompts, encoding="utf-8") if line.strip()]
+    prompts = prompts[:args.num_prompts] if args.num_prompts else prompts
+    spec = DFlashEngine.from_pretrained(args.target, args.draft, dtype=args.dtype, block_size=args.block_size)
+    base = None if args.no_identity else DFlashEngine.from_pretrained(args.target, dtype=args.dtype, no_draft=True)
+    hist: Counter = Counter()
+    per_prompt, mismatches = [], []
+    t0 = time.time()
+    for i, rec in enumerate(prompts):
+        out = spec.generate(rec["prompt"], max_new_tokens=args.max_new_tokens, ignore_eos=True)
+        hist.update(out.stats.acceptance_lengths)
+        row = {"id": rec["id"], "module": rec["module"], "tau": round(out.stats.mean_acceptance_length, 3),
+               "rounds": len(out.stats.acceptance_lengths), "tokens": len(out.token_ids)}
+        if base is not None:
+            ref = base.generate(rec["prompt"], max_new_tokens=args.max_new_tokens, ignore_eos=True)
+            same = ref.token_ids == out.token_ids
+            row["identical"] = same
+            if not same:
+                first = next((j for j, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)) if a != b),
+                             min(len(ref.token_ids), len(out.token_ids)))
+                mismatches.append({"id": rec["id"], "first_divergence": first})
+        per_prompt.append(row)
+        print(f"[{i + 1}/{len(prompts)}] {rec['id']} tau {row['tau']:.2f}"
+              + (f" identical={row.get('identical')}" if base is not None else ""), file=sys.stderr, flush=True)
+    rounds = sum(hist.values())
+    report = {
+        "target": args.target, "draft": args.draft, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "block_size": args.block_size, "dtype": args.dtype, "greedy": True, "ignore_eos": True,
+        "mean_tau": round(sum(k * v for k, v in hist.items()) / rounds, 3),
+        "mean_tau_per_prompt": round(sum(r["tau"] for r in per_prompt) / len(per_prompt), 3),
+        "histogram": {str(k): hist[k] for k in sorted(hist)},
+        "identical": None if base is None else not mismatches, "mismatches": mismatches,
+        "wall_s": round(time.time() - t0, 1), "per_prompt": per_prompt,
+    }
+    text = json.dumps(report, indent=2)
+    if args.out:
+        pathlib.Path(args.out).write_text(text + "\n")
+    summary = {k: report[k] for k in ("mean_tau", "mean_tau_per_prompt", "histogram", "identical", "wall_s")}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
