@@ -109,8 +109,9 @@ def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
 class DFlashEngine:
     """A loaded target (+ optional DFlash drafter) and its tokenizer.
 
-    One request runs at a time (a lock serialises callers); each request starts
-    from clean caches.
+    One request runs at a time: a lock serialises threads, and a second request
+    from the thread that holds an unfinished stream raises :class:`DFlashError`
+    (it could never proceed). Each request starts from clean caches.
     """
 
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
@@ -118,6 +119,7 @@ class DFlashEngine:
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
         self.decoder = SpeculativeDecoder(target, drafter, block_size=block_size, draft_mode=draft_mode, **decoder_options)
         self.lock = threading.Lock()
+        self._owner: int | None = None  # thread id of the open stream, if any
         self.stop_token_ids = set(target.config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.stop_token_ids.add(int(tokenizer.eos_token_id))
@@ -212,7 +214,9 @@ class DFlashEngine:
             return list(prompt)
         if isinstance(prompt, list) or chat:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+            if not all(isinstance(m, dict) for m in messages):
+                raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})")
+            if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
                 raise DFlashError("chat messages must be a list of {'role': str, 'content': str}")
             if not getattr(self.tokenizer, "chat_template", None):
                 raise DFlashError("this tokenizer has no chat template; drop --chat")
@@ -283,8 +287,15 @@ class DFlashEngine:
                 raise DFlashError(f"stop token ids must be integers, got {t!r}")
             stop_ids.add(t)
         prompt_ids = self.encode_prompt(prompt, chat)
-        with self.lock:
-            yield from self._stream(prompt_ids, params, max_new_tokens, stops, stop_ids)
+        if self._owner == threading.get_ident():
+            raise DFlashError("another stream of this engine is still open in this thread; "
+                              "consume it to the end or close() it before starting a new request")
+        with self.lock:  # other threads wait their turn
+            self._owner = threading.get_ident()
+            try:
+                yield from self._stream(prompt_ids, params, max_new_tokens, stops, stop_ids)
+            finally:
+                self._owner = None
 
     def _stream(self, prompt_ids, params, max_new_tokens, stops, stop_ids) -> Iterator[StreamChunk]:
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.block_size,

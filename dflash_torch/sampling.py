@@ -47,8 +47,9 @@ class SamplingParams:
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
             raise DFlashError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise DFlashError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise DFlashError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -204,3 +204,21 @@ def test_stats_are_consistent(engines, references, tiny_pair):
         assert json.loads(json.dumps(d))["acceptance_lengths"] == taus
     assert set(outs[-2][1].stats.acceptance_lengths) == {1}  # target-only: one token per step
     assert stopped.finish_reason == "stop" and stopped.stats.prompt_tokens == len(prompt)
+
+
+def test_unfinished_stream_in_same_thread_is_an_error_not_a_hang(tiny_pair):
+    """A second request while this thread still holds an open stream can never run:
+    it must raise at once; after close() the engine serves again."""
+    import pytest
+
+    from dflash_torch import DFlashEngine, DFlashError
+
+    target, drafter = tiny_pair
+    engine = DFlashEngine.from_pretrained(target, drafter)
+    first = engine.stream("def f(x):", max_new_tokens=20, ignore_eos=True)
+    next(first)
+    with pytest.raises(DFlashError, match="still open"):
+        engine.generate("def f(x):", max_new_tokens=5)
+    first.close()
+    out = engine.generate("def f(x):", max_new_tokens=5, ignore_eos=True)
+    assert len(out.token_ids) == 5

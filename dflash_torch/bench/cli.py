@@ -104,6 +104,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.max_new_tokens < 1:
+        raise DFlashError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.num_prompts < 0:
+        raise DFlashError(f"--num-prompts must be >= 0 (0 = all), got {args.num_prompts}")
+    if args.no_draft or args.compile or args.draft_mode != "inject":
+        raise DFlashError("bench picks target-only / inject / recompute / compiled runs with --modes; "
+                          "drop --no-draft, --compile and --draft-mode")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from ..errors import DFlashError
 from .trainer import TrainConfig, Trainer
 
 
@@ -28,6 +30,7 @@ def register(sub) -> None:
     p.add_argument("--work-dir", default=None, help="data cache and resumable checkpoint (default: OUT/train_work)")
     p.add_argument("--num-layers", type=int, default=d["num_layers"].default, help="drafter layers (default 2)")
     p.add_argument("--block-size", type=int, default=d["block_size"].default, help="block size B (default 16)")
+    p.add_argument("--init-from-target", action="store_true", help="start the drafter layers from the target's last layers")
     p.add_argument("--target-layer-ids", type=_int_list, default=None, help="target layers to read, e.g. 1,3 (default: the DFlash rule)")
     p.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP size (default: the target's)")
     p.add_argument("--mask-token-id", type=int, default=None, help="mask token id (default: the tokenizer's mask token or <|MASK|>)")
@@ -53,16 +56,40 @@ def register(sub) -> None:
     p.add_argument("--val-seqs", type=int, default=d["val_seqs"].default, help="sequences set apart for the acceptance estimate")
     p.add_argument("--eval-every", type=int, default=d["eval_every"].default)
     p.add_argument("--ckpt-every", type=int, default=d["ckpt_every"].default)
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", "--num-threads", dest="num_threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-autocast", action="store_true", help="train in float32 instead of bf16 autocast")
     p.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved weights (bfloat16 or float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_train)
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Refuse option values that cannot train anything, with one line."""
+    positive = {"--batch": args.batch, "--seq-len": args.seq_len, "--anchors-per-seq": args.anchors_per_seq,
+                "--num-layers": args.num_layers, "--eval-every": args.eval_every, "--ckpt-every": args.ckpt_every}
+    if args.steps is not None:
+        positive["--steps"] = args.steps
+    if args.num_threads is not None:
+        positive["--threads"] = args.num_threads
+    for name, value in positive.items():
+        if value < 1:
+            raise DFlashError(f"{name} must be >= 1, got {value}")
+    for name, value in {"--lr": args.lr, "--time-budget-min": args.time_budget_min, "--gamma": args.gamma}.items():
+        if value is not None and not value > 0:
+            raise DFlashError(f"{name} must be > 0, got {value}")
+    if args.weight_decay < 0 or args.grad_clip <= 0 or args.warmup_steps < 0 or args.val_seqs < 0 or args.self_distill < 0:
+        raise DFlashError("--weight-decay, --warmup-steps, --val-seqs and --self-distill must be >= 0 and --grad-clip > 0")
+    if not 0 <= args.raw_fraction <= 1:
+        raise DFlashError(f"--raw-fraction must be in [0, 1], got {args.raw_fraction}")
+    for name, path in {"--out": args.out, "--work-dir": args.work_dir}.items():
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            raise DFlashError(f"{name} {path} is a file; give a directory")
+
+
 def _train(args: argparse.Namespace) -> int:
+    _check(args)
     cfg = TrainConfig(
-        target=args.target, data=args.data, out=args.out, work_dir=args.work_dir, num_layers=args.num_layers,
+        target=args.target, data=args.data, out=args.out, work_dir=args.work_dir, num_layers=args.num_layers, init_from_target=args.init_from_target,
         block_size=args.block_size, target_layer_ids=args.target_layer_ids, intermediate_size=args.intermediate_size,
         mask_token_id=args.mask_token_id, steps=args.steps, time_budget_min=args.time_budget_min, batch=args.batch,
         seq_len=args.seq_len, anchors_per_seq=args.anchors_per_seq, lr=args.lr, warmup_steps=args.warmup_steps,

@@ -260,6 +260,23 @@ def init_drafter_weights(drafter: DFlashDrafter, std: float = 0.02) -> None:
 
 
 @torch.no_grad()
+def copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
+    """Start the drafter from the target's last N decoder layers and its final norm.
+
+    Drafter layer i takes the weights of target layer ``L - N + i`` (the shapes match:
+    the drafter is shaped like the target's layers); ``fc`` and ``hidden_norm`` keep
+    their fresh initialisation. Layers whose shapes differ are left as they are.
+    """
+    n, layers = len(drafter.layers), target.model.layers
+    for i, d_layer in enumerate(drafter.layers):
+        src = layers[len(layers) - n + i].state_dict()
+        dst = d_layer.state_dict()
+        if all(k in src and src[k].shape == v.shape for k, v in dst.items()):
+            d_layer.load_state_dict({k: src[k].to(v.dtype) for k, v in dst.items()})
+    drafter.norm.weight.copy_(target.model.norm.weight)
+
+
+@torch.no_grad()
 def greedy_walk(drafter: DFlashDrafter, target: TargetModel, ids: torch.Tensor, start: int,
                 features: torch.Tensor | None = None, chunk: int = 128) -> list[int]:
     """Acceptance lengths of greedy speculative decoding replayed on a known greedy sequence.

@@ -31,7 +31,7 @@ from ..models.drafter import DFlashDrafter
 from ..models.layers import Rotary
 from ..models.target import TargetModel
 from .data import Example, TrainingData, collate, read_corpus, step_generator, tokenize_conversation, tokenize_documents
-from .objective import batch_loss, default_gamma, greedy_walk, init_drafter_weights, sample_anchors
+from .objective import batch_loss, copy_target_layers, default_gamma, greedy_walk, init_drafter_weights, sample_anchors
 
 MASK_TOKEN = "<|MASK|>"
 CHECKPOINT = "checkpoint.pt"
@@ -46,6 +46,7 @@ class TrainConfig:
     out: str
     work_dir: str | None = None
     num_layers: int = 2
+    init_from_target: bool = False
     block_size: int = 16
     target_layer_ids: list[int] | None = None
     intermediate_size: int | None = None
@@ -257,6 +258,8 @@ class Trainer:
         random.seed(cfg.seed)
         target_dir = resolve_model_dir(cfg.target)
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
+        if cfg.seq_len > target_cfg.max_position_embeddings:
+            raise DFlashError(f"--seq-len {cfg.seq_len} exceeds the target's context of {target_cfg.max_position_embeddings} tokens")
         target = TargetModel.from_pretrained(target_dir, torch.float32)
         target.requires_grad_(False)
         from ..engine import _load_tokenizer
@@ -274,6 +277,8 @@ class Trainer:
         drafter = DFlashDrafter(dcfg)
         drafter.rotary = Rotary(dcfg.head_dim, dcfg.rope_theta, dcfg.rope_scaling)
         init_drafter_weights(drafter)
+        if cfg.init_from_target:
+            copy_target_layers(drafter, target)
         drafter.train()
         n_params = sum(p.numel() for p in drafter.parameters())
         decay = [p for p in drafter.parameters() if p.dim() >= 2]
