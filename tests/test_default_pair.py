@@ -1,0 +1,42 @@
+"""The shipped default pair: present, small, in the published formats, and lossless."""
+
+import json
+import subprocess
+import sys
+
+from dflash_torch import DFlashEngine
+from dflash_torch.engine import ASSETS, DEFAULT_DRAFTER, DEFAULT_TARGET
+
+
+def test_shipped_files_are_small_and_in_published_formats():
+    total = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
+    assert total < 40 * 2**20, f"shipped assets take {total / 2**20:.1f} MiB"
+    drafter_cfg = json.loads((DEFAULT_DRAFTER / "config.json").read_text())
+    assert drafter_cfg["architectures"] == ["DFlashDraftModel"]
+    assert set(drafter_cfg["dflash_config"]) >= {"mask_token_id", "target_layer_ids"}
+    target_cfg = json.loads((DEFAULT_TARGET / "config.json").read_text())
+    assert target_cfg["model_type"] == "qwen3"
+    assert drafter_cfg["num_target_layers"] == target_cfg["num_hidden_layers"]
+    assert (ASSETS / "README.md").is_file()
+    prompts = [json.loads(line) for line in (ASSETS / "prompts.jsonl").read_text().splitlines()]
+    heldout = set((ASSETS / "heldout_modules.txt").read_text().split())
+    assert len(prompts) >= 50 and all(p["module"].split(".")[0] in heldout for p in prompts)
+
+
+def test_default_pair_is_lossless_on_heldout_prompts():
+    spec = DFlashEngine.from_pretrained()
+    base = DFlashEngine.from_pretrained(no_draft=True)
+    prompts = [json.loads(line)["prompt"] for line in (ASSETS / "prompts.jsonl").read_text().splitlines()[:3]]
+    for prompt in prompts:
+        a = spec.generate(prompt, max_new_tokens=48, ignore_eos=True)
+        b = base.generate(prompt, max_new_tokens=48, ignore_eos=True)
+        assert a.token_ids == b.token_ids
+        assert a.stats.block_size == 16 and len(a.stats.acceptance_lengths) >= 1
+
+
+def test_quickstart_command_prints_code():
+    proc = subprocess.run([sys.executable, "-m", "dflash_torch", "generate", "def fibonacci(n):", "--max-new-tokens", "32"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.strip()) > 0
+    assert "mean tau" in proc.stderr
