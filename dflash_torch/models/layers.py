@@ -90,6 +90,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads.
 
+    Query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``. The query
+    heads of one group are folded into the row axis (``[n_kv, groups * Tq, d]``), so
+    the keys and values are read in place, never repeated per query head.
+
     Args:
         q: ``[n_heads, Tq, head_dim]``.
         k, v: ``[n_kv_heads, Tk, head_dim]``; ``n_heads`` is a multiple of ``n_kv_heads``.
@@ -98,9 +102,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     Returns:
         ``[Tq, n_heads * head_dim]``.
     """
-    groups = q.shape[0] // k.shape[0]
+    heads, tq, d = q.shape
+    groups = heads // k.shape[0]
     if groups > 1:
-        k = k.repeat_interleave(groups, dim=0)
-        v = v.repeat_interleave(groups, dim=0)
+        q = q.reshape(k.shape[0], groups * tq, d)
+        if mask is not None:
+            mask = mask.repeat(groups, 1)
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)
-    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+    return out[0].reshape(heads, tq, d).transpose(0, 1).reshape(tq, heads * d)
