@@ -15,7 +15,8 @@ from dflash_torch.models.drafter import DFlashDrafter, InjectedContext
 from dflash_torch.models.target import TargetModel
 from dflash_torch.training.data import collate, read_corpus, tokenize_conversation
 from dflash_torch.training.objective import (
-    batch_loss, block_attention_mask, block_inputs, drafter_blocks_forward, greedy_walk, sample_anchors, target_features,
+    batch_loss, block_attention_mask, block_inputs, copy_target_layers, drafter_blocks_forward, greedy_walk, sample_anchors,
+    target_features,
 )
 from dflash_torch.training.trainer import TrainConfig, Trainer
 
@@ -159,3 +160,22 @@ def test_resume_continues_identically(tiny_pair, tmp_path):
     for k in a["drafter"]:
         assert torch.equal(a["drafter"][k], b["drafter"][k]), k
     assert [h["loss"] for h in a["history"]] == [h["loss"] for h in b["history"]]
+
+
+def test_init_from_target_reproduces_target_layer_context_kv(tiny_pair):
+    target_dir, _ = tiny_pair
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    cfg = drafter_config(target_dir, num_layers=2)  # L = 4: ids [1, 1], copies layers 2 and 3
+    drafter = DFlashDrafter(cfg)
+    copy_target_layers(drafter, target)
+    ids = torch.randint(2, 320, (1, 12), generator=torch.Generator().manual_seed(0))
+    feats = target_features(target, ids, torch.tensor([12]), cfg.target_layer_ids)[0]
+    # the input of target layer 2 is the output of layer 1
+    h1 = target_features(target, ids, torch.tensor([12]), [1])[0]
+    layer = target.model.layers[2]
+    pos = torch.arange(12)
+    cos, sin = target.rotary.cos_sin(pos, torch.float32)
+    k_ref, v_ref = layer.self_attn.key_value(layer.input_layernorm(h1), cos, sin)
+    k, v = drafter.context_kv(feats, pos)[0]
+    torch.testing.assert_close(k, k_ref)
+    torch.testing.assert_close(v, v_ref)

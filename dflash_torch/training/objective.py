@@ -263,17 +263,30 @@ def init_drafter_weights(drafter: DFlashDrafter, std: float = 0.02) -> None:
 def copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
     """Start the drafter from the target's last N decoder layers and its final norm.
 
-    Drafter layer i takes the weights of target layer ``L - N + i`` (the shapes match:
-    the drafter is shaped like the target's layers); ``fc`` and ``hidden_norm`` keep
-    their fresh initialisation. Layers whose shapes differ are left as they are.
+    Drafter layer i takes the weights of target layer ``l0 + i`` with ``l0 = L - N`` (the
+    shapes match: the drafter is shaped like the target's layers). When the features
+    include layer ``l0 - 1`` (the input of layer ``l0``), ``fc`` starts as the selection
+    of that feature slice and ``hidden_norm`` as layer ``l0``'s input norm, so the first
+    drafter layer's context keys/values start equal to the target layer's own (its
+    attention over the context, induction heads included, works from step 0);
+    otherwise ``fc`` and ``hidden_norm`` keep their fresh initialisation. Layers whose
+    shapes differ are left as they are.
     """
     n, layers = len(drafter.layers), target.model.layers
+    l0 = len(layers) - n
     for i, d_layer in enumerate(drafter.layers):
-        src = layers[len(layers) - n + i].state_dict()
+        src = layers[l0 + i].state_dict()
         dst = d_layer.state_dict()
         if all(k in src and src[k].shape == v.shape for k, v in dst.items()):
             d_layer.load_state_dict({k: src[k].to(v.dtype) for k, v in dst.items()})
     drafter.norm.weight.copy_(target.model.norm.weight)
+    ids = drafter.config.target_layer_ids
+    H = drafter.config.hidden_size
+    if l0 >= 1 and (l0 - 1) in ids and drafter.fc.weight.shape == (H, len(ids) * H):
+        j = ids.index(l0 - 1)
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, j * H:(j + 1) * H] = torch.eye(H)
+        drafter.hidden_norm.weight.copy_(layers[l0].input_layernorm.weight)
 
 
 @torch.no_grad()
