@@ -55,3 +55,24 @@ def test_sweep_and_round_vs_step_small_shape(tiny_pair):
     r = round_vs_step((64, 4, 4, 2, 16, 128), torch.float32, context=16, block_size=4, repeats=1, vocab=128, draft_layers=2)
     assert r["target_step_s"] > 0 and r["round_s"] > 0
     assert r["projected_speedup"]["mean (paper, Qwen3-8B)"] == 6.49 * r["target_step_s"] / r["round_s"]
+
+
+def test_shape_drafter_is_usable_for_the_sweep():
+    from dflash_torch.bench.shapes import build_drafter
+    from dflash_torch.models.layers import rope_inv_freq
+
+    drafter, embed = build_drafter((64, 6, 4, 2, 16, 128), torch.float32, "cpu", draft_layers=2, block_size=4)
+    assert drafter.config.num_hidden_layers == 2 and drafter.config.target_layer_ids == [1, 3]
+    # the rope table is rebuilt after the meta-device init (to_empty leaves buffers unset)
+    assert torch.equal(drafter.rotary.inv_freq, rope_inv_freq(16, 1e6, None))
+    sweep = context_sweep(drafter, embed, [8, 32], block_size=4, repeats=1)
+    assert all(t > 0 for t in sweep["inject"] + sweep["recompute"])
+
+
+def test_bench_rejects_unknown_sweep_shape(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_torch.cli", "bench", "--target", str(target), "--draft", str(drafter),
+         "--sweep-shapes", "qwen9-huge", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown shape" in proc.stderr and "Traceback" not in proc.stderr

@@ -26,6 +26,8 @@ def register(sub) -> None:
     p.add_argument("--modes", default="target-only,inject,recompute,target-only-compiled,inject-compiled",
                    help="comma-separated: target-only, inject, recompute, target-only-compiled, inject-compiled")
     p.add_argument("--sweep", default="128,512,2048,8192", help="context lengths of the propose-time sweep ('' = skip)")
+    p.add_argument("--sweep-shapes", default="",
+                   help="also sweep a randomly initialised 5-layer drafter of these target shapes, e.g. qwen3-1.7b ('' = skip)")
     p.add_argument("--shapes", default="", help="large-shape timing, e.g. qwen3-1.7b,qwen3-4b ('' = skip)")
     p.add_argument("--out", default="bench_out", help="output directory for bench.json and plots")
     p.add_argument("--no-progress", action="store_true")
@@ -78,16 +80,18 @@ def _plots(report: dict, out: Path) -> list[str]:
         fig.savefig(out / "modes.png", dpi=110)
         plt.close(fig)
         files.append(str(out / "modes.png"))
-    sweep = report.get("sweep")
-    if sweep:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(sweep["lengths"], [t * 1e3 for t in sweep["inject"]], marker="o", label="inject (persistent KV cache)")
-        ax.plot(sweep["lengths"], [t * 1e3 for t in sweep["recompute"]], marker="s", label="recompute (cache-less)")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("committed context (tokens)")
-        ax.set_ylabel("propose time (ms)")
-        ax.set_title("Drafter propose time vs context")
-        ax.legend()
+    sweeps = [("loaded drafter", report["sweep"])] if report.get("sweep") else []
+    sweeps += [(f"{sw['shape']}-shaped drafter (random)", sw) for sw in report.get("shape_sweeps", [])]
+    if sweeps:
+        fig, axes = plt.subplots(1, len(sweeps), figsize=(6 * len(sweeps), 4), squeeze=False)
+        for ax, (title, sweep) in zip(axes[0], sweeps):
+            ax.plot(sweep["lengths"], [t * 1e3 for t in sweep["inject"]], marker="o", label="inject (persistent KV cache)")
+            ax.plot(sweep["lengths"], [t * 1e3 for t in sweep["recompute"]], marker="s", label="recompute (cache-less)")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("committed context (tokens)")
+            ax.set_ylabel("propose time (ms)")
+            ax.set_title(f"Propose time vs context: {title}")
+            ax.legend()
         fig.tight_layout()
         fig.savefig(out / "sweep.png", dpi=110)
         plt.close(fig)
@@ -99,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from ..checkpoint import resolve_dtype
     from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
     from .modes import ALL_MODES, load_prompts, run_mode
-    from .shapes import SHAPES, round_vs_step
+    from .shapes import SHAPES, build_drafter, round_vs_step
     from .sweep import context_sweep
 
     if args.threads:
@@ -116,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise DFlashError(f"unknown bench mode(s) {unknown}; choose from {', '.join(ALL_MODES)}")
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    bad = [s for s in shapes if s not in SHAPES]
+    sweep_shapes = [s.strip() for s in args.sweep_shapes.split(",") if s.strip()]
+    bad = [s for s in shapes + sweep_shapes if s not in SHAPES]
     if bad:
         raise DFlashError(f"unknown shape(s) {bad}; choose from {', '.join(SHAPES)}")
     try:
@@ -135,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype, "device": args.device, "block_size": engine.block_size,
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "greedy": True, "ignore_eos": True,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": [], "sweep": None, "shapes": [],
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": [], "sweep": None, "shape_sweeps": [], "shapes": [],
     }
     reference = None
     for name in modes:
@@ -153,6 +158,13 @@ def run(args: argparse.Namespace) -> int:
         report["sweep"] = context_sweep(engine.drafter, engine.target.model.embed_tokens, lengths, engine.block_size)
         s = report["sweep"]
         report["sweep"]["ratio_longest_over_shortest"] = {m: s[m][-1] / s[m][0] for m in ("inject", "recompute")}
+    for shape in sweep_shapes if lengths else []:
+        drafter, embed = build_drafter(shape, resolve_dtype(args.dtype), args.device, block_size=engine.block_size)
+        s = {"shape": shape, "draft_layers": drafter.config.num_hidden_layers,
+             **context_sweep(drafter, embed, lengths, engine.block_size)}
+        s["ratio_longest_over_shortest"] = {m: s[m][-1] / s[m][0] for m in ("inject", "recompute")}
+        report["shape_sweeps"].append(s)
+        del drafter, embed
     for shape in shapes:
         report["shapes"].append(round_vs_step(shape, resolve_dtype(args.dtype), args.device, block_size=engine.block_size))
         print(f"{shape}: round/step {report['shapes'][-1]['round_over_step']:.2f}", flush=True)
@@ -160,9 +172,10 @@ def run(args: argparse.Namespace) -> int:
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     print()
     print(_table(report["modes"]))
-    if report["sweep"]:
-        s = report["sweep"]
-        print("\npropose time (ms) vs committed context:")
+    labelled = ([("the loaded drafter", report["sweep"])] if report["sweep"] else [])
+    labelled += [(f"a {sw['shape']}-shaped {sw['draft_layers']}-layer drafter (random weights)", sw) for sw in report["shape_sweeps"]]
+    for label, s in labelled:
+        print(f"\npropose time (ms) vs committed context, {label}:")
         print("| context | inject | recompute |\n|---|---|---|")
         for n, a, b in zip(s["lengths"], s["inject"], s["recompute"]):
             print(f"| {n} | {a * 1e3:.2f} | {b * 1e3:.2f} |")

@@ -17,6 +17,7 @@ import torch
 from ..decoding import SpeculativeDecoder
 from ..models.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from ..models.drafter import DFlashDrafter
+from ..models.layers import Rotary
 from ..models.target import TargetModel
 
 # Shapes from the public Qwen3 configs (hidden, layers, heads, kv heads, head dim, MLP).
@@ -39,7 +40,30 @@ def _random_init(module: torch.nn.Module, dtype: torch.dtype, device: str) -> to
                 p.fill_(1.0)
             else:
                 p.normal_(0, 0.02, generator=g)
-    return module.to(dtype)
+    module = module.to(dtype)
+    if isinstance(module, (TargetModel, DFlashDrafter)):  # to_empty left the (non-persistent) rope table unset
+        cfg = module.config
+        module.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    return module
+
+
+def drafter_config(shape: str | tuple, draft_layers: int = 5, block_size: int = 16, vocab: int = VOCAB) -> DrafterConfig:
+    """The config of a DFlash drafter for a target of ``shape`` (layers shaped like the target's)."""
+    hidden, layers, heads, kv, hd, inter = SHAPES[shape] if isinstance(shape, str) else shape
+    return DrafterConfig(hidden, draft_layers, heads, kv, hd, inter, 1e-6, 1e6, None, False, block_size, vocab - 1,
+                         default_target_layer_ids(layers, draft_layers), layers, vocab, [None] * draft_layers)
+
+
+def build_drafter(shape: str | tuple, dtype: torch.dtype, device: str, draft_layers: int = 5,
+                  block_size: int = 16) -> tuple[DFlashDrafter, torch.nn.Embedding]:
+    """A random drafter for a target of ``shape`` and a small random embedding of its width
+    (enough to embed mask blocks for propose timing; the target itself is not built)."""
+    cfg = drafter_config(shape, draft_layers, block_size, vocab=1024)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    drafter = _random_init(drafter, dtype, device).eval()
+    embed = torch.nn.Embedding(1024, cfg.hidden_size, device=device, dtype=dtype)
+    return drafter, embed
 
 
 def build_pair(shape: str | tuple, dtype: torch.dtype, device: str, draft_layers: int = 5, block_size: int = 16,
@@ -48,8 +72,7 @@ def build_pair(shape: str | tuple, dtype: torch.dtype, device: str, draft_layers
     DFlash drafter of ``draft_layers`` layers for it."""
     hidden, layers, heads, kv, hd, inter = SHAPES[shape] if isinstance(shape, str) else shape
     tcfg = TargetConfig("qwen3", vocab, hidden, layers, heads, kv, hd, inter, 1e-6, 1e6, None, 40960, True, False, True, [])
-    dcfg = DrafterConfig(hidden, draft_layers, heads, kv, hd, inter, 1e-6, 1e6, None, False, block_size, vocab - 1,
-                         default_target_layer_ids(layers, draft_layers), layers, vocab, [None] * draft_layers)
+    dcfg = drafter_config(shape, draft_layers, block_size, vocab)
     with torch.device("meta"):
         target, drafter = TargetModel(tcfg), DFlashDrafter(dcfg)
     target = _random_init(target, dtype, device).eval()
