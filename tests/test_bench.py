@@ -76,3 +76,25 @@ def test_bench_rejects_unknown_sweep_shape(tiny_pair, tmp_path):
          "--sweep-shapes", "qwen9-huge", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "unknown shape" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_divergences_report_first_index_and_logit_gap(tiny_pair):
+    from conftest import load_hf
+
+    from dflash_torch.bench.modes import divergences
+    from dflash_torch.models.target import TargetModel
+
+    target_dir, _ = tiny_pair
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    prompt = [5, 9, 13, 2]
+    hf = load_hf(target_dir)
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    assert divergences(target, [prompt], [ref], [list(ref)]) == []
+    other = (ref[3] + 1) % target.config.vocab_size
+    changed = ref[:3] + [other] + ref[4:]
+    (d,) = divergences(target, [prompt], [ref], [changed])
+    assert (d["prompt"], d["index"], d["reference_token"], d["token"]) == (0, 3, ref[3], other)
+    with torch.no_grad():  # oracle: transformers' logits after prompt + the common prefix
+        logits = hf(torch.tensor([prompt + ref[:3]])).logits[0, -1]
+    assert abs(d["logit_gap"] - float(logits[ref[3]] - logits[other])) < 1e-4
+    assert d["logit_gap"] > 0  # the reference token is the greedy choice

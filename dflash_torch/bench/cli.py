@@ -34,8 +34,17 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _lossless(r: dict) -> str:
+    if r["outputs_identical_to_target_only"] is None:
+        return "-"
+    if not r["divergences"]:
+        return "identical"
+    gap = max(abs(d["logit_gap"]) for d in r["divergences"])
+    return f"{len(r['divergences'])} differ (max gap {gap:.3f})"
+
+
 def _table(rows: list[dict]) -> str:
-    head = ["mode", "tok/s", "x target", "tau", "propose ms", "verify ms", "other ms", "recompiles", "peak MB", "lossless"]
+    head = ["mode", "tok/s", "x target", "tau", "propose ms", "verify ms", "other ms", "recompiles", "peak MB", "vs target-only"]
     lines = [head]
     for r in rows:
         lines.append([
@@ -45,7 +54,7 @@ def _table(rows: list[dict]) -> str:
             f"{r['verify_time_per_round'] * 1e3:.2f}", f"{r['other_time_per_round'] * 1e3:.2f}",
             "-" if r["recompiles_after_warmup"] is None else str(r["recompiles_after_warmup"]),
             f"{r['peak_memory_mb']:.0f}",
-            "-" if r["outputs_identical_to_target_only"] is None else str(r["outputs_identical_to_target_only"]),
+            _lossless(r),
         ])
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
@@ -102,7 +111,7 @@ def _plots(report: dict, out: Path) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import resolve_dtype
     from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
-    from .modes import ALL_MODES, load_prompts, run_mode
+    from .modes import ALL_MODES, divergences, load_prompts, run_mode
     from .shapes import SHAPES, build_drafter, round_vs_step
     from .sweep import context_sweep
 
@@ -152,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         elif reference is not None:
             res.speedup_vs_target_only = res.decode_tokens_per_second / reference[0].decode_tokens_per_second
             res.outputs_identical_to_target_only = outputs == reference[1]
+            res.divergences = divergences(engine.target, prompt_ids, reference[1], outputs)
         report["modes"].append(asdict(res))
         print(f"{name}: {res.decode_tokens_per_second:.1f} tok/s, tau {res.mean_acceptance_length:.2f}", flush=True)
     if lengths and engine.drafter is not None:

@@ -56,6 +56,7 @@ class ModeResult:
     recompiles_after_warmup: int | None = None
     peak_memory_mb: float = 0.0
     outputs_identical_to_target_only: bool | None = None
+    divergences: list[dict] = field(default_factory=list)
 
 
 def load_prompts(path: Path, limit: int | None) -> list[str]:
@@ -143,3 +144,30 @@ def run_mode(spec: ModeSpec, target, drafter, prompt_ids: list[list[int]], *, bl
         res.recompiles_after_warmup = _graph_count() - graphs_before
     res.peak_memory_mb = _peak_memory_mb(dev)
     return res, outputs
+
+
+@torch.inference_mode()
+def divergences(target, prompt_ids: list[list[int]], reference: list[list[int]], outputs: list[list[int]]) -> list[dict]:
+    """Where greedy outputs differ from the target-only reference (DESIGN.md: in bf16 a
+    batched verify can flip near-ties; report them instead of hiding them).
+
+    For each differing prompt: the first differing index (generated tokens), both tokens
+    and the logit gap ``logit[reference token] - logit[other token]`` of a fresh target
+    forward over prompt + the common prefix, in the model's dtype. A gap near zero (a few
+    bf16 ulps) is a near-tie flip; a large gap would be a bug.
+
+    Returns:
+        ``[{"prompt": i, "index": j, "reference_token": a, "token": b, "logit_gap": g}, ...]``.
+    """
+    found = []
+    for i, (ids, ref, out) in enumerate(zip(prompt_ids, reference, outputs)):
+        j = next((k for k, (a, b) in enumerate(zip(ref, out)) if a != b), None)
+        if j is None:
+            continue
+        seq = torch.tensor(ids + ref[:j], dtype=torch.long, device=target.model.embed_tokens.weight.device)
+        cache = target.new_cache()
+        cache.reset(seq.shape[0])
+        logits, _ = target(seq, torch.arange(seq.shape[0], device=seq.device), cache, seq.shape[0], logits_from=seq.shape[0] - 1)
+        gap = float(logits[-1, ref[j]].float() - logits[-1, out[j]].float())
+        found.append({"prompt": i, "index": j, "reference_token": ref[j], "token": out[j], "logit_gap": gap})
+    return found
