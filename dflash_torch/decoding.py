@@ -58,7 +58,8 @@ class SpeculativeDecoder:
             whole buffer under a mask, inject always takes the B rows of the verify
             block, prefill runs in fixed-size chunks. Implied by ``compile``.
         compile: wrap prefill, propose, verify and inject with ``torch.compile``
-            (CUDA: mode "reduce-overhead", i.e. CUDA graphs).
+            (CPU: inductor with freezing, i.e. the weights are compiled in as constants and
+            must not change afterwards; CUDA: mode "reduce-overhead", i.e. CUDA graphs).
         max_context: longest prompt + generation (tokens); default: the target's
             ``max_position_embeddings``.
         compile_backend: torch.compile backend (default "inductor").
@@ -122,8 +123,14 @@ class SpeculativeDecoder:
         self._verify_fn, self._inject_fn = self._verify_step, self._inject_step
         self.compiled = compile
         if compile:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            opts = dict(dynamic=False, mode=mode, backend=compile_backend) if mode else dict(dynamic=False, backend=compile_backend)
+            if self.device.type == "cuda":
+                opts = dict(dynamic=False, backend=compile_backend, mode="reduce-overhead")
+            elif compile_backend == "inductor":
+                # freezing: weights become constants, so linears run as prepacked oneDNN
+                # kernels (bf16 on CPU: about 2x faster rounds on the default pair)
+                opts = dict(dynamic=False, backend=compile_backend, options={"freezing": True})
+            else:
+                opts = dict(dynamic=False, backend=compile_backend)
             self._prefill_fn = torch.compile(self._prefill_step, **opts)
             self._draft_fn = torch.compile(self._draft_step, **opts)
             self._verify_fn = torch.compile(self._verify_step, **opts)

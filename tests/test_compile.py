@@ -66,3 +66,15 @@ def test_recompute_mode_refuses_fixed_shapes(tiny_pair):
     target, drafter = _load(tiny_pair)
     with pytest.raises(DFlashError, match="recompute"):
         SpeculativeDecoder(target, drafter, draft_mode="recompute", compile=True)
+
+
+def test_inductor_compiled_rounds_are_lossless(agree_pair):
+    """The real CPU path of ``--compile``: inductor with frozen (constant) weights."""
+    target, drafter = _load(agree_pair)
+    torch._dynamo.reset()
+    compiled = SpeculativeDecoder(target, drafter, compile=True, max_context=256, prefill_chunk=32)
+    baseline = SpeculativeDecoder(target, None)  # target-only, eager
+    for prompt in ([5, 17, 99, 3], list(range(2, 40))):
+        out, taus = _run(compiled, prompt, 60)
+        assert out == _run(baseline, prompt, 60)[0]
+        assert max(taus) > 1
