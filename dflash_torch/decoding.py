@@ -54,9 +54,12 @@ class SpeculativeDecoder:
         prefill_chunk: prompt tokens per prefill forward (the last chunk is padded in
             fixed-shape mode).
         static: fixed-shape rounds: caches preallocated for ``max_context`` tokens,
-            the committed length enters as a device tensor and attention runs over the
-            whole buffer under a mask, inject always takes the B rows of the verify
-            block, prefill runs in fixed-size chunks. Implied by ``compile``.
+            the committed length enters as a device tensor, attention runs under a mask
+            over a length bucket of the buffer (the smallest of 256, 512, 1024, ... tokens,
+            capped at the buffer, that holds the block), inject always takes the B rows
+            of the verify block, prefill runs in fixed-size chunks. Implied by
+            ``compile``; a compiled step gets one graph per bucket, built the first time
+            a sequence reaches that bucket.
         compile: wrap prefill, propose, verify and inject with ``torch.compile``
             (CPU: inductor with freezing, i.e. the weights are compiled in as constants and
             must not change afterwards; CUDA: mode "reduce-overhead", i.e. CUDA graphs).
@@ -136,7 +139,15 @@ class SpeculativeDecoder:
             self._verify_fn = torch.compile(self._verify_step, **opts)
             self._inject_fn = torch.compile(self._inject_step, **opts)
 
-    # --- the per-round steps (fixed shapes when ``s`` is a tensor and ``kv_len`` None) ---
+    def kv_bucket(self, n: int) -> int:
+        """Keys to attend over when ``n`` positions must be visible (fixed shapes): the
+        smallest power of two >= max(n, 256), capped at the buffer capacity."""
+        b = 256
+        while b < n:
+            b *= 2
+        return min(b, self.target_cache.capacity)
+
+    # --- the per-round steps (fixed shapes when ``s`` is a tensor and ``kv_len`` a bucket) ---
 
     def _prefill_step(self, ids: torch.Tensor, start, kv_len: int | None):
         positions = start + self._arange_chunk[: ids.shape[0]]
@@ -145,7 +156,7 @@ class SpeculativeDecoder:
     def _draft_step(self, token: torch.Tensor, s, kv_len: int | None) -> torch.Tensor:
         """propose: the drafter denoises ``[token, mask, ...]`` at ``[s, s+B)`` -> draft logits ``[B-1, V]``."""
         block = torch.cat([token.view(1), self._mask_tail])
-        hidden = self.drafter(self.target.embed(block), s + self._arange_block, self.context, kv_len)
+        hidden = self.drafter(self.target.embed(block), s + self._arange_block, self.context, kv_len, mask_keys=self.static)
         return self.target.logits(hidden[1:])
 
     def _verify_step(self, block: torch.Tensor, s, kv_len: int | None):
@@ -169,7 +180,7 @@ class SpeculativeDecoder:
             if self.static:  # fixed chunk shape: pad; pad rows land past the prompt and get overwritten
                 chunk = torch.zeros(C, dtype=torch.long, device=self.device)
                 chunk[: c1 - c0] = ids[c0:c1]
-                logits, feats = self._prefill_fn(chunk, torch.tensor(c0, device=self.device), None)
+                logits, feats = self._prefill_fn(chunk, torch.tensor(c0, device=self.device), self.kv_bucket(c0 + C))
                 last = logits[c1 - c0 - 1]
                 if self.context is not None:
                     self.context.inject(self.drafter, feats, c0 + self._arange_chunk)
@@ -231,7 +242,7 @@ class SpeculativeDecoder:
         while committed < max_new_tokens:
             t0 = time.perf_counter()
             pos = s_dev if static else s
-            kv_len = None if static else s + B
+            kv_len = self.kv_bucket(s + B) if static else s + B
             draft_probs = None
             if B > 1:
                 draft_logits = self._draft_fn(token, pos, kv_len)

@@ -37,6 +37,9 @@ def test_static_rounds_match_eager(agree_pair):
         static = SpeculativeDecoder(target, drafter, block_size=B, static=True, max_context=256, prefill_chunk=32)
         for p in prompts:
             assert _run(static, p, 60) == _run(eager, p, 60)
+        # up to the context limit: the rounds cross from the 256-key bucket into the 512 one
+        assert static.kv_bucket(200) == 256 and static.kv_bucket(257) == 512
+        assert _run(static, prompts[1], 256 - 38) == _run(eager, prompts[1], 256 - 38)
 
 
 def test_compiled_rounds_do_not_recompile(agree_pair):
@@ -44,7 +47,9 @@ def test_compiled_rounds_do_not_recompile(agree_pair):
     torch._dynamo.reset()
     compiled = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=512, prefill_chunk=32)
     eager = SpeculativeDecoder(target, drafter)
-    _run(compiled, [5, 17, 99, 3], 40)  # warm-up: compiles prefill, propose, verify, inject
+    # warm-up to the context limit: compiles prefill, propose, verify and inject, the
+    # rounds once per length bucket (256, 512 and the 768-token buffer)
+    _run(compiled, [5, 17, 99, 3], 500)
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     frames = dynamo_utils.counters["frames"]["total"]
     assert graphs >= 4

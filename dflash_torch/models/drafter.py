@@ -112,7 +112,8 @@ class DFlashDrafter(nn.Module):
         return mask.expand(positions.shape[0], n_keys)
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
-                context: "InjectedContext | RecomputedContext", kv_len: int | None) -> torch.Tensor:
+                context: "InjectedContext | RecomputedContext", kv_len: int | None,
+                mask_keys: bool = False) -> torch.Tensor:
         """Denoise one block.
 
         Args:
@@ -121,6 +122,8 @@ class DFlashDrafter(nn.Module):
             context: holds the context K/V of positions ``[0, s)``.
             kv_len: ``s + B`` to attend over a slice of the injected cache, or ``None`` to
                 attend over the whole preallocated buffer under a mask (fixed shapes).
+            mask_keys: ``kv_len`` is a length bucket that may exceed ``s + B``: mask the
+                cache entries past the block (implied by ``kv_len=None``).
 
         Returns:
             final-normed hidden states ``[B, hidden]``; row j predicts the token at ``s + j``.
@@ -137,7 +140,7 @@ class DFlashDrafter(nn.Module):
             else:
                 ck, cv = recomputed[i]
                 k, v = torch.cat([ck, kb], dim=1), torch.cat([cv, vb], dim=1)
-            static = recomputed is None and kv_len is None
+            static = recomputed is None and (kv_len is None or mask_keys)
             out = attend(attn.query(h, cos, sin), k, v, self._mask(layer, positions, k.shape[1], static))
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))

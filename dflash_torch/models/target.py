@@ -119,8 +119,9 @@ class TargetModel(nn.Module):
             input_ids: int64 ``[T]``.
             positions: int64 ``[T]``, consecutive absolute positions.
             cache: the KV cache; positions before ``positions[0]`` must be filled.
-            kv_len: attend over cache entries ``[0, kv_len)`` (eager: ``positions[-1] + 1``);
-                ``None`` attends over the whole buffer under the causal mask (fixed shapes).
+            kv_len: attend over cache entries ``[0, kv_len)`` under the causal mask (eager:
+                ``positions[-1] + 1``; fixed shapes: a length bucket, entries past
+                ``positions`` are masked); ``None`` attends over the whole buffer.
             feature_layers: target layer ids whose outputs to return (layer ``l`` is
                 Hugging Face ``hidden_states[l + 1]``; for the last layer that is the
                 output after the final norm, as in transformers).
