@@ -89,8 +89,8 @@ def test_inject_recompute_and_reference_agree_round_after_round(models):
     for ctx in (inj, fixed, rec):
         ctx.reset(capacity)
     fixed.reset(capacity + 64)  # stale rows past the context must stay masked out
-    fixed.cache.k.normal_()
-    fixed.cache.v.normal_()
+    for t in fixed.cache.k + fixed.cache.v:
+        t.normal_()
 
     logits, feats = target(prompt, torch.arange(P), tcache, P, layers)
     all_feats = [feats]
