@@ -115,11 +115,13 @@ def run_mode(spec: ModeSpec, target, drafter, prompt_ids: list[list[int]], *, bl
         return out[:max_new_tokens], rounds
 
     t0 = time.perf_counter()
-    # warm-up: the longest prompt decoded to the context limit reaches every length bucket
-    # of the fixed-shape modes, so compiled modes build all their graphs here
-    longest = max(prompt_ids, key=len)
+    # warm-up: the longest prompt's prefill and the shortest prompt decoded to the context
+    # limit reach every length bucket of the fixed-shape modes, so compiled modes build
+    # all their graphs here
+    longest, shortest = max(prompt_ids, key=len), min(prompt_ids, key=len)
     for _ in range(warmup_prompts):
-        list(decoder.rounds(longest, params, max_context - len(longest)))
+        list(decoder.rounds(longest, params, 2 * (block_size or 16)))
+        list(decoder.rounds(shortest, params, max_context - len(shortest)))
     res = ModeResult(spec.name, warmup_time=time.perf_counter() - t0)
     graphs_before = _graph_count()
     taus, outputs = [], []
