@@ -120,7 +120,7 @@ def run_mode(spec: ModeSpec, target, drafter, prompt_ids: list[list[int]], *, bl
     # all their graphs here
     longest, shortest = max(prompt_ids, key=len), min(prompt_ids, key=len)
     for _ in range(warmup_prompts):
-        list(decoder.rounds(longest, params, 2 * (block_size or 16)))
+        list(decoder.rounds(longest, params, min(2 * decoder.block_size, max_context - len(longest))))
         list(decoder.rounds(shortest, params, max_context - len(shortest)))
     res = ModeResult(spec.name, warmup_time=time.perf_counter() - t0)
     graphs_before = _graph_count()
