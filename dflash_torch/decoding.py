@@ -61,8 +61,7 @@ class SpeculativeDecoder:
             ``compile``; a compiled step gets one graph per bucket, built the first time
             a sequence reaches that bucket.
         compile: wrap prefill, propose, verify and inject with ``torch.compile``
-            (CPU: inductor with freezing, i.e. the weights are compiled in as constants and
-            must not change afterwards; CUDA: mode "reduce-overhead", i.e. CUDA graphs).
+            (CPU: inductor; CUDA: mode "reduce-overhead", i.e. CUDA graphs).
         max_context: longest prompt + generation (tokens); default: the target's
             ``max_position_embeddings``.
         compile_backend: torch.compile backend (default "inductor").
@@ -128,10 +127,6 @@ class SpeculativeDecoder:
         if compile:
             if self.device.type == "cuda":
                 opts = dict(dynamic=False, backend=compile_backend, mode="reduce-overhead")
-            elif compile_backend == "inductor":
-                # freezing: weights become constants, so linears run as prepacked oneDNN
-                # kernels (bf16 on CPU: about 2x faster rounds on the default pair)
-                opts = dict(dynamic=False, backend=compile_backend, options={"freezing": True})
             else:
                 opts = dict(dynamic=False, backend=compile_backend)
             self._prefill_fn = torch.compile(self._prefill_step, **opts)

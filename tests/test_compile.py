@@ -74,7 +74,7 @@ def test_recompute_mode_refuses_fixed_shapes(tiny_pair):
 
 
 def test_inductor_compiled_rounds_are_lossless(agree_pair):
-    """The real CPU path of ``--compile``: inductor with frozen (constant) weights."""
+    """The real CPU path of ``--compile``: the inductor backend."""
     target, drafter = _load(agree_pair)
     torch._dynamo.reset()
     compiled = SpeculativeDecoder(target, drafter, compile=True, max_context=256, prefill_chunk=32)
