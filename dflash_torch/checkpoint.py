@@ -30,7 +30,7 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     """
     if isinstance(name, torch.dtype):
         name = str(name).removeprefix("torch.")
-    name = _DTYPE_ALIASES.get(name, name)
+    name = _DTYPE_ALIASES.get(name.lower(), name.lower())
     if name == "float16":
         raise DFlashError("dtype float16 is not supported (activations can overflow); use bfloat16 or float32")
     if name not in SUPPORTED_DTYPES:
@@ -101,11 +101,20 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Load every tensor of a checkpoint, cast to ``dtype``, onto ``device``."""
+    """Load every tensor of a checkpoint, cast to ``dtype``, onto ``device``.
+
+    Raises:
+        DFlashError: a weight file that is not valid safetensors (corrupt or truncated).
+    """
+    from safetensors import SafetensorError
+
     state = {}
     for file in weight_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                t = f.get_tensor(key)
-                state[key] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    t = f.get_tensor(key)
+                    state[key] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+        except SafetensorError as e:
+            raise DFlashError(f"{file} is not a valid safetensors file (corrupt or truncated?): {e}") from None
     return state

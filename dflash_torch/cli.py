@@ -43,6 +43,8 @@ def load_engine(args: argparse.Namespace):
 
     from .engine import DFlashEngine
 
+    if args.no_draft and args.draft:
+        raise DFlashError("--no-draft decodes with the target alone; drop --draft (or --no-draft)")
     if args.threads is not None:
         if args.threads < 1:
             raise DFlashError(f"--threads must be >= 1, got {args.threads}")
@@ -78,7 +80,8 @@ def _generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     print(
         f"[{stats.generated_tokens} tokens, finish={finish}, mean tau {stats.mean_acceptance_length:.2f}, "
-        f"decode {stats.decode_tokens_per_second:.1f} tok/s, prefill {stats.prefill_time * 1000:.0f} ms]",
+        f"decode {stats.decode_tokens_per_second:.1f} tok/s, prefill {stats.prefill_time * 1000:.0f} ms"
+        f"{' (times include the one-off compilation)' if args.compile else ''}]",
         file=sys.stderr,
     )
     return 0
@@ -93,6 +96,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dflash-torch", description="DFlash speculative decoding with KV injection")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"dflash-torch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt", nargs="?", default=None, help="prompt text (or --prompt, or stdin)")

@@ -98,3 +98,18 @@ def test_divergences_report_first_index_and_logit_gap(tiny_pair):
         logits = hf(torch.tensor([prompt + ref[:3]])).logits[0, -1]
     assert abs(d["logit_gap"] - float(logits[ref[3]] - logits[other])) < 1e-4
     assert d["logit_gap"] > 0  # the reference token is the greedy choice
+
+
+def test_bench_refuses_bad_options_with_one_line(tiny_pair, tmp_path, capsys):
+    from dflash_torch.cli import main as cli_main
+
+    target, drafter = tiny_pair
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    base = ["bench", "--target", str(target), "--draft", str(drafter), "--out", str(tmp_path / "o")]
+    cases = [(["--modes", ""], "--modes is empty"), (["--sweep", "0"], "--sweep"), (["--sweep", "128,-5"], "--sweep"),
+             (["--max-context", "100"], "--max-context"), (["--out", str(a_file)], "--out")]
+    for extra, words in cases:
+        assert cli_main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], (extra, err)

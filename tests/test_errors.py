@@ -57,6 +57,16 @@ def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, str(lacking / "model.safetensors"))
     paths["lacking_tensor"] = lacking
+
+    corrupt = root / "corrupt"
+    shutil.copytree(target, corrupt)
+    data = (corrupt / "model.safetensors").read_bytes()
+    (corrupt / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated download
+    paths["corrupt"] = corrupt
+    garbage = root / "garbage"
+    shutil.copytree(target, garbage)
+    (garbage / "model.safetensors").write_bytes(b"garbage\n")
+    paths["garbage"] = garbage
     return paths
 
 
@@ -72,6 +82,8 @@ LOAD_CASES = [
     ("missing-weights", dict(target="no_weights"), "safetensors"),
     ("missing-shard", dict(target="missing_shard"), "missing"),
     ("missing-tensor", dict(target="lacking_tensor"), "up_proj"),
+    ("truncated-weights", dict(target="corrupt"), "not a valid safetensors"),
+    ("garbage-weights", dict(target="garbage"), "not a valid safetensors"),
     ("float16", dict(dtype="float16"), "float16"),
     ("unknown-dtype", dict(dtype="int8"), "dtype"),
     ("block-size-too-large", dict(block_size=32), "block size"),
@@ -142,7 +154,7 @@ def _cli_args(bad, spec):
     args = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "4", "--target", str(target)]
     args += ["--draft", str(draft)] if draft else []
     for k, v in kw.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
+        args += [f"--{k.replace('_', '-')}"] + ([str(v)] if v != "" else [])  # "" = a flag
     return args
 
 
@@ -155,6 +167,7 @@ CLI_CASES = [(n, _spec, w) for n, _spec, w in LOAD_CASES if n not in ("unknown-d
     ("empty-prompt", dict(prompt=""), "empty"),
     ("unknown-draft-mode", dict(draft_mode="magic"), "draft-mode"),
     ("not-a-number", dict(temperature="hot"), "temperature"),
+    ("draft-and-no-draft", dict(no_draft=""), "--no-draft"),
 ]
 
 

@@ -443,3 +443,15 @@ def test_metrics(server):
     assert m[("dflash_acceptance_length_count", ())] > 0
     assert m[("dflash_request_latency_seconds_count", (("endpoint", "/v1/completions"),))] >= 5
     assert m[("dflash_time_to_first_token_seconds_count", ())] > 0
+
+
+def test_serve_refuses_a_busy_port_before_loading_models(capsys):
+    import socket
+
+    from dflash_torch.cli import main as cli_main
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        assert cli_main(["serve", "--port", str(port), "--target", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot listen on 127.0.0.1" in err[0], err

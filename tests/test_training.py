@@ -4,6 +4,7 @@ inference path, loss going down, export -> loader -> engine, deterministic resum
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,35 @@ def test_init_from_target_reproduces_target_layer_context_kv(tiny_pair):
     k, v = drafter.context_kv(feats, pos)[0]
     torch.testing.assert_close(k, k_ref)
     torch.testing.assert_close(v, v_ref)
+
+
+@pytest.mark.parametrize("case", ["out-is-target", "out-holds-drafter", "work-holds-checkpoint", "short-seq", "save-float16"])
+def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_path, capsys, case):
+    from dflash_torch.cli import main as cli_main
+
+    target, drafter = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    out = tmp_path / "out"
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--steps", "1", "--no-progress"]
+    words = {"out-is-target": "target's directory", "out-holds-drafter": "--overwrite",
+             "work-holds-checkpoint": "--resume", "short-seq": "--seq-len", "save-float16": "float16"}[case]
+    if case == "out-is-target":
+        args[args.index("--out") + 1] = str(target)
+    elif case == "out-holds-drafter":
+        shutil.copytree(drafter, out)
+    elif case == "work-holds-checkpoint":
+        (out / "train_work").mkdir(parents=True)
+        (out / "train_work" / "checkpoint.pt").write_bytes(b"x")
+    elif case == "short-seq":
+        args += ["--seq-len", "16", "--block-size", "16"]
+    else:
+        args += ["--save-dtype", "float16"]
+    target_files = {p.name: p.read_bytes() for p in Path(target).iterdir() if p.is_file()}
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert {p.name: p.read_bytes() for p in Path(target).iterdir() if p.is_file()} == target_files
+    if case == "out-holds-drafter":  # and --overwrite is the way through
+        assert cli_main(args + ["--overwrite", "--batch", "2", "--seq-len", "64", "--val-seqs", "0"]) == 0
+        assert (out / "model.safetensors").stat().st_mode & 0o644 == 0o644

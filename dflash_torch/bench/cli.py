@@ -124,7 +124,11 @@ def run(args: argparse.Namespace) -> int:
     if args.no_draft or args.compile or args.draft_mode != "inject":
         raise DFlashError("bench picks target-only / inject / recompute / compiled runs with --modes; "
                           "drop --no-draft, --compile and --draft-mode")
+    if args.max_context is not None:
+        raise DFlashError("bench sizes the context from the prompts and --max-new-tokens; drop --max-context")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        raise DFlashError("--modes is empty; choose from target-only, inject, recompute, target-only-compiled, inject-compiled")
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
         raise DFlashError(f"unknown bench mode(s) {unknown}; choose from {', '.join(ALL_MODES)}")
@@ -137,8 +141,13 @@ def run(args: argparse.Namespace) -> int:
         lengths = [int(x) for x in args.sweep.split(",") if x.strip()]
     except ValueError:
         raise DFlashError(f"--sweep must be comma-separated integers, got {args.sweep!r}") from None
+    if any(n < 1 for n in lengths):
+        raise DFlashError(f"--sweep context lengths must be >= 1, got {args.sweep!r}")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DFlashError(f"cannot use --out {out} as the output directory: {e.strerror}") from None
     engine = DFlashEngine.from_pretrained(args.target, args.draft, dtype=args.dtype, device=args.device,
                                           block_size=args.block_size)
     prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl", args.num_prompts or None)

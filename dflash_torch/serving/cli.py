@@ -35,6 +35,13 @@ def _serve(args: argparse.Namespace) -> int:
         raise DFlashError(f"--port must be in [1, 65535], got {args.port}")
     if args.api_key is not None and not args.api_key.strip():
         raise DFlashError("--api-key must not be empty")
+    import socket
+
+    try:  # fail before loading models when the address is taken
+        with socket.create_server((args.host, args.port)):
+            pass
+    except OSError as e:
+        raise DFlashError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     engine = load_engine(args)
     app = create_app(engine, api_key=args.api_key, model_name=args.model_name)
     print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..checkpoint import resolve_dtype
 from ..errors import DFlashError
 from .trainer import TrainConfig, Trainer
 
@@ -46,6 +47,7 @@ def register(sub) -> None:
     p.add_argument("--gamma", type=float, default=None, help="loss decay of slot k: exp(-(k-1)/gamma) (default 7 * B / 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
+    p.add_argument("--overwrite", action="store_true", help="replace a drafter already in --out / a checkpoint in the work dir")
     p.add_argument("--self-distill", type=int, default=0, metavar="N",
                    help="add N sequences continued greedily by the target itself from prompts of the data")
     p.add_argument("--self-distill-batch", type=int, default=d["self_distill_batch"].default)
@@ -84,6 +86,18 @@ def _check(args: argparse.Namespace) -> None:
     for name, path in {"--out": args.out, "--work-dir": args.work_dir}.items():
         if path is not None and Path(path).exists() and not Path(path).is_dir():
             raise DFlashError(f"{name} {path} is a file; give a directory")
+    if args.seq_len <= args.block_size:
+        raise DFlashError(f"--seq-len ({args.seq_len}) must be longer than the block size ({args.block_size})")
+    resolve_dtype(args.save_dtype)
+    out = Path(args.out)
+    if Path(args.target).is_dir() and out.exists() and out.resolve() == Path(args.target).resolve():
+        raise DFlashError(f"--out {args.out} is the target's directory; give the drafter its own directory")
+    work = Path(args.work_dir) if args.work_dir else out / "train_work"
+    if not args.overwrite:
+        if not args.resume and (work / "checkpoint.pt").exists():
+            raise DFlashError(f"{work} holds a training checkpoint: pass --resume to continue it or --overwrite to start over")
+        if not args.resume and any((out / f).exists() for f in ("config.json", "model.safetensors")):
+            raise DFlashError(f"--out {args.out} already holds a checkpoint: pass --overwrite to replace it")
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -333,44 +333,50 @@ class Trainer:
                 evals.append(last_eval)
                 self.log(f"eval step 0: {last_eval}")
         loss_ema = None
-        while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed() < budget):
-            lr = lr_at(step, progress(), cfg)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            gen = step_generator(cfg.seed, step)
-            batch = data.sample(cfg.batch, gen)
-            anchors, valid = sample_anchors(batch.lengths, batch.loss_mask, cfg.anchors_per_seq, gen)
-            logging = (step + 1) % cfg.log_every == 0 or step == 0
-            with self._autocast():
-                out = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid, gamma,
-                                 stats=logging)
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
-            opt.step()
-            step += 1
-            loss = float(out.loss.detach())
-            loss_ema = loss if loss_ema is None else 0.95 * loss_ema + 0.05 * loss
-            loss_acc += loss
-            n_acc += 1
-            if logging:
-                history.append({"step": step, "loss": round(loss_acc / n_acc, 4),
-                                "train_tau": round(out.tau, 3) if out.accepted.numel() else None,
-                                "lr": lr, "grad_norm": round(gnorm, 3), "elapsed_s": round(elapsed(), 1)})
-                loss_acc, n_acc = 0.0, 0
-            if step % cfg.eval_every == 0 and val_rows:
-                last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
-                evals.append(last_eval)
-                self.log(f"eval step {step}: val_loss {last_eval['val_loss']} val_tau {last_eval['val_tau']}")
-            if step % cfg.ckpt_every == 0:
-                save_checkpoint()
-            post = {"loss": f"{loss_ema:.3f}", "lr": f"{lr:.1e}"}
-            if last_eval.get("val_tau") is not None:
-                post["val_tau"] = f"{last_eval['val_tau']:.2f}"
-            if budget:
-                post["min"] = f"{elapsed() / 60:.1f}"
-            bar.set_postfix(post, refresh=False)
-            bar.update(1)
+        try:
+            while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed() < budget):
+                lr = lr_at(step, progress(), cfg)
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                gen = step_generator(cfg.seed, step)
+                batch = data.sample(cfg.batch, gen)
+                anchors, valid = sample_anchors(batch.lengths, batch.loss_mask, cfg.anchors_per_seq, gen)
+                logging = (step + 1) % cfg.log_every == 0 or step == 0
+                with self._autocast():
+                    out = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid, gamma,
+                                     stats=logging)
+                opt.zero_grad(set_to_none=True)
+                out.loss.backward()
+                gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
+                opt.step()
+                step += 1
+                loss = float(out.loss.detach())
+                loss_ema = loss if loss_ema is None else 0.95 * loss_ema + 0.05 * loss
+                loss_acc += loss
+                n_acc += 1
+                if logging:
+                    history.append({"step": step, "loss": round(loss_acc / n_acc, 4),
+                                    "train_tau": round(out.tau, 3) if out.accepted.numel() else None,
+                                    "lr": lr, "grad_norm": round(gnorm, 3), "elapsed_s": round(elapsed(), 1)})
+                    loss_acc, n_acc = 0.0, 0
+                if step % cfg.eval_every == 0 and val_rows:
+                    last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
+                    evals.append(last_eval)
+                    self.log(f"eval step {step}: val_loss {last_eval['val_loss']} val_tau {last_eval['val_tau']}")
+                if step % cfg.ckpt_every == 0:
+                    save_checkpoint()
+                post = {"loss": f"{loss_ema:.3f}", "lr": f"{lr:.1e}"}
+                if last_eval.get("val_tau") is not None:
+                    post["val_tau"] = f"{last_eval['val_tau']:.2f}"
+                if budget:
+                    post["min"] = f"{elapsed() / 60:.1f}"
+                bar.set_postfix(post, refresh=False)
+                bar.update(1)
+        except KeyboardInterrupt:  # Ctrl-C: keep what was trained
+            bar.close()
+            save_checkpoint()
+            self.log(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with --resume")
+            raise SystemExit(130) from None
         bar.close()
         if n_acc:
             history.append({"step": step, "loss": round(loss_acc / n_acc, 4), "train_tau": None,
@@ -406,6 +412,7 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch_dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out_dir / "model.safetensors", 0o644)  # safetensors creates it owner-only
     cfg = dcfg.to_dict()
     cfg["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
