@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_torch import DFlashEngine
+from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models.drafter import DFlashDrafter, InjectedContext
 from dflash_torch.models.target import TargetModel
 from dflash_torch.training.data import collate, read_corpus, tokenize_conversation
@@ -114,6 +114,15 @@ def test_read_corpus_and_chat_loss_mask(tiny_pair, tmp_path):
     ex = tokenize_conversation(tok, corpus.conversations[0])
     answer = tok.decode(ex.ids[ex.loss_mask].tolist())
     assert "sorted(x)" in answer and "sort a list" not in answer
+    # a directory reads its .jsonl files as records too (and refuses malformed ones)
+    (tmp_path / "dir").mkdir()
+    _jsonl(tmp_path / "dir" / "d.jsonl")
+    (tmp_path / "dir" / "notes.txt").write_text("plain text")
+    in_dir = read_corpus([tmp_path / "dir"])
+    assert len(in_dir.conversations) == 1 and "plain text" in in_dir.documents
+    (tmp_path / "dir" / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(DFlashError):
+        read_corpus([tmp_path / "dir"])
 
 
 def test_training_reduces_loss_and_exports_loadable_drafter(tiny_pair, tmp_path):

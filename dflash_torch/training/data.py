@@ -3,7 +3,8 @@
 Inputs (``--data``, any mix):
 
 * a plain text file (any extension but ``.jsonl``): one document;
-* a directory: every regular, non-hidden, UTF-8 file below it (sorted), one document each;
+* a directory: every regular, non-hidden file below it (sorted): ``.jsonl`` files as
+  below, other UTF-8 files one document each;
 * a ``.jsonl`` file: one record per line, either ``{"text": str}`` (a document) or
   ``{"messages": [{"role", "content"}, ...]}`` (a chat conversation, rendered with the
   target tokenizer's chat template).
@@ -83,6 +84,9 @@ def read_corpus(paths: list[str | Path]) -> Corpus:
             for f in sorted(path.rglob("*")):
                 rel = f.relative_to(path)
                 if f.is_file() and not any(part.startswith(".") for part in rel.parts):
+                    if f.suffix == ".jsonl":
+                        _read_jsonl(f, corpus)
+                        continue
                     text = _read_text(f)
                     if text:
                         corpus.documents.append(text)
