@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -201,6 +202,18 @@ class DFlashEngine:
     def max_context(self) -> int:
         """Prompt + generated tokens the target supports."""
         return self.decoder.max_context
+
+    def warmup(self, max_new_tokens: int = 32) -> float:
+        """Run one short greedy generation so that a compiled engine builds its graphs
+        for the first length bucket (256 keys) now rather than in the first request.
+
+        Returns:
+            seconds it took.
+        """
+        t0 = time.perf_counter()
+        prompt = [getattr(self.tokenizer, "eos_token_id", None) or 0] * 8
+        self.generate(prompt, max_new_tokens=min(max_new_tokens, max(1, self.max_context - len(prompt))), ignore_eos=True)
+        return time.perf_counter() - t0
 
     def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = False) -> list[int]:
         """Token ids of a prompt: text, chat messages (``[{"role", "content"}]``) or ids.

@@ -83,3 +83,18 @@ def test_inductor_compiled_rounds_are_lossless(agree_pair):
         out, taus = _run(compiled, prompt, 60)
         assert out == _run(baseline, prompt, 60)[0]
         assert max(taus) > 1
+
+
+def test_engine_warmup_builds_the_graphs_of_short_requests(agree_pair):
+    from dflash_torch import DFlashEngine
+
+    target_dir, drafter_dir = agree_pair
+    torch._dynamo.reset()
+    engine = DFlashEngine.from_pretrained(target_dir, drafter_dir, compile=True, max_context=256)
+    assert engine.warmup() > 0
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    assert graphs >= 4  # prefill, propose, verify, inject
+    out = engine.generate([5, 17, 99, 3], max_new_tokens=40, ignore_eos=True)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    reference = DFlashEngine.from_pretrained(target_dir, no_draft=True)
+    assert out.token_ids == reference.generate([5, 17, 99, 3], max_new_tokens=40, ignore_eos=True).token_ids

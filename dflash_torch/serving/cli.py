@@ -43,6 +43,9 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise DFlashError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     engine = load_engine(args)
+    if args.compile:
+        print("dflash-torch: compiling the decoding graphs (one-off) ...", flush=True)
+        print(f"dflash-torch: compiled in {engine.warmup():.1f} s", flush=True)
     app = create_app(engine, api_key=args.api_key, model_name=args.model_name)
     print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "
           f"(block size {engine.block_size}, context {engine.max_context})", flush=True)
