@@ -68,7 +68,7 @@ def test_prompt_on_stdin_through_python_m_dflash_torch(json_output, pair_args):
 
 
 def test_no_draft_equals_speculative_output(json_output, pair_args):
-    proc = run_cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json", "--no-draft")
+    proc = run_cli("generate", *pair_args[:2], PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json", "--no-draft")
     assert proc.returncode == 0, proc.stderr
     out = parse_single_json(proc.stdout)
     assert out["token_ids"] == json_output["token_ids"] and out["text"] == json_output["text"]
