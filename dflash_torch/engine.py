@@ -27,6 +27,7 @@ from .decoding import SpeculativeDecoder
 from .errors import DFlashError
 from .models.config import DrafterConfig, TargetConfig, validate_pair
 from .models.drafter import DFlashDrafter
+from .models.packing import pack_linears, packing_supported
 from .models.target import TargetModel
 from .sampling import SamplingParams
 
@@ -137,6 +138,7 @@ class DFlashEngine:
         draft_mode: str = "inject",
         no_draft: bool = False,
         compile: bool = False,
+        pack: bool = True,
         static: bool = False,
         max_context: int | None = None,
     ) -> "DFlashEngine":
@@ -151,6 +153,9 @@ class DFlashEngine:
             block_size: tokens per block (default: the drafter's trained block size).
             draft_mode: ``inject`` (persistent drafter KV cache) or ``recompute``.
             no_draft: target-only decoding.
+            pack: on CPU in bfloat16, prepack the linear weights for oneDNN
+                (:mod:`dflash_torch.models.packing`; faster eager decoding, a second
+                copy of the weights in memory).
             compile: fixed-shape rounds compiled with ``torch.compile`` (see
                 :class:`~dflash_torch.decoding.SpeculativeDecoder`).
             static: fixed-shape rounds without compiling.
@@ -183,6 +188,10 @@ class DFlashEngine:
             validate_pair(target_cfg, DrafterConfig.from_dict(load_config(draft_dir)))
             drafter = DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev)
+        if pack and packing_supported(torch_dtype, dev):
+            pack_linears(model)
+            if drafter is not None:
+                pack_linears(drafter)
         tokenizer = _load_tokenizer(target_dir)
         if len(tokenizer) > target_cfg.vocab_size:
             raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {target_cfg.vocab_size}")

@@ -18,6 +18,7 @@ from ..decoding import SpeculativeDecoder
 from ..models.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from ..models.drafter import DFlashDrafter
 from ..models.layers import Rotary
+from ..models.packing import pack_linears, packing_supported
 from ..models.target import TargetModel
 
 # Shapes from the public Qwen3 configs (hidden, layers, heads, kv heads, head dim, MLP).
@@ -62,6 +63,8 @@ def build_drafter(shape: str | tuple, dtype: torch.dtype, device: str, draft_lay
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
     drafter = _random_init(drafter, dtype, device).eval()
+    if packing_supported(dtype, device):  # as the engine loads models
+        pack_linears(drafter)
     embed = torch.nn.Embedding(1024, cfg.hidden_size, device=device, dtype=dtype)
     return drafter, embed
 
@@ -78,6 +81,9 @@ def build_pair(shape: str | tuple, dtype: torch.dtype, device: str, draft_layers
     target = _random_init(target, dtype, device).eval()
     target.lm_head.weight = target.model.embed_tokens.weight
     drafter = _random_init(drafter, dtype, device).eval()
+    if packing_supported(dtype, device):  # as the engine loads models
+        pack_linears(target)
+        pack_linears(drafter)
     return target, drafter
 
 
