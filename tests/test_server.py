@@ -455,3 +455,46 @@ def test_serve_refuses_a_busy_port_before_loading_models(capsys):
         assert cli_main(["serve", "--port", str(port), "--target", "/nonexistent"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot listen on 127.0.0.1" in err[0], err
+
+
+def test_sigint_during_a_stream_ends_it_cleanly(tmp_path):
+    """Ctrl-C while a client streams: the stream ends with [DONE], the server exits
+    promptly and logs no traceback."""
+    import signal
+
+    port = _free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            # the shipped pair, block size 1, the whole 4096-token context: a stream that would
+            # run for many seconds, longer than uvicorn's 5 s graceful-shutdown time
+            [sys.executable, "-m", "dflash_torch.cli", "serve", "--port", str(port), "--model-name", "x", "--block-size", "1"],
+            stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, log.read_text()
+            time.sleep(0.2)
+        body = {"model": "x", "prompt": PROMPT, "stream": True, "temperature": 0}  # no max_tokens: the whole context
+        events = []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        proc.send_signal(signal.SIGINT)
+        assert events[-1] == "[DONE]"
+        assert len(events) < 1000  # cut short, not run to the end of the context
+        assert proc.wait(20) in (0, 130)  # 130: the conventional status after Ctrl-C
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "Traceback" not in text and "CancelledError" not in text, text
