@@ -61,6 +61,13 @@ def _table(rows: list[dict]) -> str:
     return "\n".join([fmt(lines[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(r) for r in lines[1:]])
 
 
+def _labelled_sweeps(report: dict) -> list[tuple[str, dict]]:
+    """(label, sweep) for the loaded drafter's context sweep and each --sweep-shapes one."""
+    sweeps = [("the loaded drafter", report["sweep"])] if report["sweep"] else []
+    return sweeps + [(f"a {sw['shape']}-shaped {sw['draft_layers']}-layer drafter (random weights)", sw)
+                     for sw in report["shape_sweeps"]]
+
+
 def _plots(report: dict, out: Path) -> list[str]:
     import matplotlib
 
@@ -89,8 +96,7 @@ def _plots(report: dict, out: Path) -> list[str]:
         fig.savefig(out / "modes.png", dpi=110)
         plt.close(fig)
         files.append(str(out / "modes.png"))
-    sweeps = [("loaded drafter", report["sweep"])] if report.get("sweep") else []
-    sweeps += [(f"{sw['shape']}-shaped drafter (random)", sw) for sw in report.get("shape_sweeps", [])]
+    sweeps = _labelled_sweeps(report)
     if sweeps:
         fig, axes = plt.subplots(1, len(sweeps), figsize=(6 * len(sweeps), 4), squeeze=False)
         for ax, (title, sweep) in zip(axes[0], sweeps):
@@ -99,7 +105,7 @@ def _plots(report: dict, out: Path) -> list[str]:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("committed context (tokens)")
             ax.set_ylabel("propose time (ms)")
-            ax.set_title(f"Propose time vs context: {title}")
+            ax.set_title(f"Propose time vs context:\n{title}")
             ax.legend()
         fig.tight_layout()
         fig.savefig(out / "sweep.png", dpi=110)
@@ -175,14 +181,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name}: {res.decode_tokens_per_second:.1f} tok/s, tau {res.mean_acceptance_length:.2f}", flush=True)
     if lengths and engine.drafter is not None:
         report["sweep"] = context_sweep(engine.drafter, engine.target.model.embed_tokens, lengths, engine.block_size)
-        s = report["sweep"]
-        report["sweep"]["ratio_longest_over_shortest"] = {m: s[m][-1] / s[m][0] for m in ("inject", "recompute")}
     for shape in sweep_shapes if lengths else []:
         drafter, embed = build_drafter(shape, resolve_dtype(args.dtype), args.device, block_size=engine.block_size)
-        s = {"shape": shape, "draft_layers": drafter.config.num_hidden_layers,
-             **context_sweep(drafter, embed, lengths, engine.block_size)}
-        s["ratio_longest_over_shortest"] = {m: s[m][-1] / s[m][0] for m in ("inject", "recompute")}
-        report["shape_sweeps"].append(s)
+        report["shape_sweeps"].append({"shape": shape, "draft_layers": drafter.config.num_hidden_layers,
+                                       **context_sweep(drafter, embed, lengths, engine.block_size)})
         del drafter, embed
     for shape in shapes:
         report["shapes"].append(round_vs_step(shape, resolve_dtype(args.dtype), args.device, block_size=engine.block_size))
@@ -191,9 +193,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     print()
     print(_table(report["modes"]))
-    labelled = ([("the loaded drafter", report["sweep"])] if report["sweep"] else [])
-    labelled += [(f"a {sw['shape']}-shaped {sw['draft_layers']}-layer drafter (random weights)", sw) for sw in report["shape_sweeps"]]
-    for label, s in labelled:
+    for label, s in _labelled_sweeps(report):
         print(f"\npropose time (ms) vs committed context, {label}:")
         print("| context | inject | recompute |\n|---|---|---|")
         for n, a, b in zip(s["lengths"], s["inject"], s["recompute"]):

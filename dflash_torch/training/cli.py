@@ -93,10 +93,10 @@ def _check(args: argparse.Namespace) -> None:
     if Path(args.target).is_dir() and out.exists() and out.resolve() == Path(args.target).resolve():
         raise DFlashError(f"--out {args.out} is the target's directory; give the drafter its own directory")
     work = Path(args.work_dir) if args.work_dir else out / "train_work"
-    if not args.overwrite:
-        if not args.resume and (work / "checkpoint.pt").exists():
+    if not (args.overwrite or args.resume):
+        if (work / "checkpoint.pt").exists():
             raise DFlashError(f"{work} holds a training checkpoint: pass --resume to continue it or --overwrite to start over")
-        if not args.resume and any((out / f).exists() for f in ("config.json", "model.safetensors")):
+        if any((out / f).exists() for f in ("config.json", "model.safetensors")):
             raise DFlashError(f"--out {args.out} already holds a checkpoint: pass --overwrite to replace it")
 
 
