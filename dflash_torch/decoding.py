@@ -18,7 +18,7 @@ import torch
 from .errors import DFlashError
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.target import TargetModel
-from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, probabilities, sample
+from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, greedy_tokens, probabilities, sample
 
 DRAFT_MODES = ("inject", "recompute")
 
@@ -242,7 +242,7 @@ class SpeculativeDecoder:
             if B > 1:
                 draft_logits = self._draft_fn(token, pos, kv_len)
                 if params.greedy:
-                    draft = draft_logits.argmax(dim=-1)
+                    draft = greedy_tokens(draft_logits)
                 else:
                     draft_probs = probabilities(draft_logits, params)
                     draft = sample(draft_probs, generator)

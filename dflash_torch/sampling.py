@@ -93,10 +93,17 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax of each row of ``logits`` ``[N, V]`` -> int64 ``[N]`` (the first index of
+    the maximum, as ``torch.argmax``). Computed in float32: the upcast is exact, and on
+    CPU a bfloat16 argmax is about 3x slower than upcast plus float32 argmax."""
+    return logits.float().argmax(dim=-1)
+
+
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """The target's token for each row of ``logits`` ``[N, V]`` -> int64 ``[N]``."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     return sample(probabilities(logits, params), generator)
 
 
@@ -111,7 +118,7 @@ def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[tor
         0-dim int64 tensors ``(a, token)``: a accepted draft tokens (0 <= a <= B-1) and
         the target's token for position ``s+a+1``.
     """
-    choice = target_logits.argmax(dim=-1)
+    choice = greedy_tokens(target_logits)
     a = (draft == choice[:-1]).int().cumprod(0).sum()
     return a, choice[a]
 

@@ -28,7 +28,7 @@ from ..checkpoint import load_config, load_state_dict
 from ..errors import DFlashError
 from .attention import Attention
 from .config import DrafterConfig
-from .layers import MLP, RMSNorm, Rotary, attend
+from .layers import MLP, RMSNorm, Rotary, attend, attention_bias
 
 
 class DraftLayer(nn.Module):
@@ -100,16 +100,19 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, c.dtype)
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
 
-    def _mask(self, layer: DraftLayer, positions: torch.Tensor, n_keys: int, static: bool) -> torch.Tensor | None:
-        """Key visibility ``[B, n_keys]``: keys at positions ``[0, n_keys)``, all before the
-        block end visible (non-causal), optionally limited to a sliding window."""
+    def _bias(self, layer: DraftLayer, positions: torch.Tensor, n_keys: int, static: bool,
+              dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive key mask (:func:`attention_bias`): keys at positions ``[0, n_keys)``,
+        all before the block end visible (non-causal), optionally limited to a sliding
+        window; None when every key is visible."""
         if not static and layer.sliding_window is None:
             return None
         k_pos = torch.arange(n_keys, device=positions.device)[None, :]
-        mask = k_pos <= positions[-1]
+        visible = k_pos <= positions[-1]
         if layer.sliding_window is not None:
-            mask = mask & (k_pos > positions[:, None] - layer.sliding_window)
-        return mask.expand(positions.shape[0], n_keys)
+            visible = visible & (k_pos > positions[:, None] - layer.sliding_window)
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        return attention_bias(visible.expand(positions.shape[0], n_keys), groups, dtype)
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
                 context: "InjectedContext | RecomputedContext", kv_len: int | None,
@@ -131,6 +134,7 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         recomputed = context.layer_kv(self) if isinstance(context, RecomputedContext) else None
+        biases = {}
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             attn = layer.self_attn
@@ -141,7 +145,10 @@ class DFlashDrafter(nn.Module):
                 ck, cv = recomputed[i]
                 k, v = torch.cat([ck, kb], dim=1), torch.cat([cv, vb], dim=1)
             static = recomputed is None and (kv_len is None or mask_keys)
-            out = attend(attn.query(h, cos, sin), k, v, self._mask(layer, positions, k.shape[1], static))
+            key = (layer.sliding_window, k.shape[1])
+            if key not in biases:  # one mask per window size and key count, shared by layers
+                biases[key] = self._bias(layer, positions, k.shape[1], static, x.dtype)
+            out = attend(attn.query(h, cos, sin), k, v, biases[key])
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)

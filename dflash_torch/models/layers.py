@@ -87,7 +87,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def attention_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask for :func:`attend`, built once per forward and shared by
+    all layers: 0 where ``visible`` (bool ``[Tq, Tk]``) is True, -inf elsewhere, rows
+    repeated for the ``groups`` query heads of a key/value head -> ``[groups * Tq, Tk]``
+    in ``dtype``. (On CPU, SDPA converts a bool mask to this form on every call; doing it
+    once saves about a third of a small attention's time.)"""
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+    return bias.repeat(groups, 1) if groups > 1 else bias
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads.
 
     Query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``. The query
@@ -97,7 +107,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     Args:
         q: ``[n_heads, Tq, head_dim]``.
         k, v: ``[n_kv_heads, Tk, head_dim]``; ``n_heads`` is a multiple of ``n_kv_heads``.
-        mask: bool ``[Tq, Tk]`` (True = may attend) or None for full attention.
+        bias: additive mask ``[groups * Tq, Tk]`` from :func:`attention_bias`, or None
+            for full attention.
 
     Returns:
         ``[Tq, n_heads * head_dim]``.
@@ -106,7 +117,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     groups = heads // k.shape[0]
     if groups > 1:
         q = q.reshape(k.shape[0], groups * tq, d)
-        if mask is not None:
-            mask = mask.repeat(groups, 1)
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias)
     return out[0].reshape(heads, tq, d).transpose(0, 1).reshape(tq, heads * d)

@@ -13,7 +13,7 @@ from ..checkpoint import load_config, load_state_dict
 from ..errors import DFlashError
 from .attention import Attention
 from .config import TargetConfig
-from .layers import MLP, RMSNorm, Rotary, attend
+from .layers import MLP, RMSNorm, Rotary, attend, attention_bias
 
 
 class DecoderLayer(nn.Module):
@@ -134,7 +134,8 @@ class TargetModel(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         k_pos = torch.arange(cache.capacity if kv_len is None else kv_len, device=x.device)
-        mask = k_pos[None, :] <= positions[:, None]
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        bias = attention_bias(k_pos[None, :] <= positions[:, None], groups, x.dtype)
         wanted = set(feature_layers or ())
         captured = {}
         for i, layer in enumerate(self.model.layers):
@@ -143,7 +144,7 @@ class TargetModel(nn.Module):
             k, v = attn.key_value(h, cos, sin)
             cache.write(i, positions, k, v)
             ck, cv = cache.view(i, kv_len)
-            out = attend(attn.query(h, cos, sin), ck, cv, mask)
+            out = attend(attn.query(h, cos, sin), ck, cv, bias)
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in wanted:
