@@ -60,7 +60,8 @@ class SpeculativeDecoder:
             of the verify block, prefill runs in fixed-size chunks. Implied by
             ``compile``; a compiled step gets one graph per bucket, built the first time
             a sequence reaches that bucket.
-        compile: wrap prefill, propose, verify and inject with ``torch.compile``
+        compile: wrap prefill, propose (which injects the previous verify's features in
+            the same pass) and verify with ``torch.compile``
             (CPU: inductor; CUDA: mode "reduce-overhead", i.e. CUDA graphs).
         max_context: longest prompt + generation (tokens); default: the target's
             ``max_position_embeddings``.
@@ -121,8 +122,7 @@ class SpeculativeDecoder:
             self.target_cache.reset(capacity)
             if self.context is not None:
                 self.context.reset(capacity)
-        self._prefill_fn, self._draft_fn = self._prefill_step, self._draft_step
-        self._verify_fn, self._inject_fn = self._verify_step, self._inject_step
+        self._prefill_fn, self._draft_fn, self._verify_fn = self._prefill_step, self._draft_step, self._verify_step
         self.compiled = compile
         if compile:
             if self.device.type == "cuda":
@@ -132,7 +132,6 @@ class SpeculativeDecoder:
             self._prefill_fn = torch.compile(self._prefill_step, **opts)
             self._draft_fn = torch.compile(self._draft_step, **opts)
             self._verify_fn = torch.compile(self._verify_step, **opts)
-            self._inject_fn = torch.compile(self._inject_step, **opts)
 
     def kv_bucket(self, n: int) -> int:
         """Keys to attend over when ``n`` positions must be visible (fixed shapes): the
@@ -148,19 +147,22 @@ class SpeculativeDecoder:
         positions = start + self._arange_chunk[: ids.shape[0]]
         return self.target(ids, positions, self.target_cache, kv_len, self.feature_layers)
 
-    def _draft_step(self, token: torch.Tensor, s, kv_len: int | None) -> torch.Tensor:
-        """propose: the drafter denoises ``[token, mask, ...]`` at ``[s, s+B)`` -> draft logits ``[B-1, V]``."""
+    def _draft_step(self, token: torch.Tensor, s, kv_len: int | None, features: torch.Tensor | None = None,
+                    feature_start=None) -> torch.Tensor:
+        """propose: the drafter denoises ``[token, mask, ...]`` at ``[s, s+B)`` -> draft logits
+        ``[B-1, V]``; first, in the same pass, inject the last verify's ``features`` rows
+        at ``[feature_start, feature_start + rows)`` (inject mode; None in the first round)."""
         block = torch.cat([token.view(1), self._mask_tail])
-        hidden = self.drafter(self.target.embed(block), s + self._arange_block, self.context, kv_len, mask_keys=self.static)
+        inject = None
+        if features is not None:
+            inject = (features, feature_start + self._arange_block[: features.shape[0]])
+        hidden = self.drafter(self.target.embed(block), s + self._arange_block, self.context, kv_len,
+                              mask_keys=self.static, inject=inject)
         return self.target.logits(hidden[1:])
 
     def _verify_step(self, block: torch.Tensor, s, kv_len: int | None):
         """verify: the target reads the block at ``[s, s+B)`` -> logits ``[B, V]``, features ``[B, k*H]``."""
         return self.target(block, s + self._arange_block[: block.shape[0]], self.target_cache, kv_len, self.feature_layers)
-
-    def _inject_step(self, features: torch.Tensor, s) -> None:
-        """inject: write the drafter K/V of feature rows at ``[s, s + rows)``."""
-        self.context.inject(self.drafter, features, s + self._arange_block[: features.shape[0]])
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -234,13 +236,22 @@ class SpeculativeDecoder:
         s = n_prompt  # position of ``token``: committed, its features not yet known
         s_dev = torch.tensor(s, device=dev)
         committed = 1
+        # inject mode: the last verify's feature rows, injected by the next propose (fold);
+        # fixed shapes always carry B rows, the first round B zero rows at the block's own
+        # positions (the block's K/V overwrite them in the same pass)
+        folded = isinstance(self.context, InjectedContext)
+        pending, pending_start = None, None
+        if folded and static:
+            pending = torch.zeros(B, len(self.feature_layers) * self.target.config.hidden_size,
+                                  dtype=self.target.model.embed_tokens.weight.dtype, device=dev)
+            pending_start = s_dev
         while committed < max_new_tokens:
             t0 = time.perf_counter()
             pos = s_dev if static else s
             kv_len = self.kv_bucket(s + B) if static else s + B
             draft_probs = None
             if B > 1:
-                draft_logits = self._draft_fn(token, pos, kv_len)
+                draft_logits = self._draft_fn(token, pos, kv_len, pending, pending_start)
                 if params.greedy:
                     draft = greedy_tokens(draft_logits)
                 else:
@@ -258,13 +269,13 @@ class SpeculativeDecoder:
                 a_dev, bonus = accept_greedy(block[1:], logits)
             else:
                 a_dev, bonus = accept_sampling(block[1:], draft_probs, probabilities(logits, params), generator)
-            if static and self.context is not None:
-                self._inject_fn(feats, s_dev)  # all B rows; rows past the accepted ones are overwritten next round
             out = torch.cat([a_dev.view(1).to(block.dtype), block[1:], bonus.view(1)]).tolist()  # the one host sync
             a = out[0]
             t2 = time.perf_counter()
-            if not static and self.context is not None:
-                self._inject_fn(feats[: a + 1], s)
+            if folded:  # all B rows with fixed shapes: rows past the accepted ones are overwritten next round
+                pending, pending_start = (feats, s_dev) if static else (feats[: a + 1], s)
+            elif self.context is not None:
+                self.context.inject(self.drafter, feats[: a + 1], s + self._arange_block[: a + 1])
             self.target_cache.length = s + a + 1  # rollback: rows past the accepted prefix are stale
             self._sync()
             t3 = time.perf_counter()

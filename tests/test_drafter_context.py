@@ -1,5 +1,5 @@
 """KV injection is exact: the drafter's logits with the persistent injected KV cache
-(sliced or fixed-shape) equal those of the cache-less drafter that re-projects every
+(sliced or fixed-shape, injected on its own or folded into the next propose) equal those of the cache-less drafter that re-projects every
 committed feature each round, and a from-scratch reference of the DFlash drafter
 (written here from DESIGN.md), round after round with varying accepted counts; and
 both draft modes generate identical tokens."""
@@ -86,18 +86,22 @@ def test_inject_recompute_and_reference_agree_round_after_round(models):
     tcache = target.new_cache()
     tcache.reset(capacity)
     inj, fixed, rec = InjectedContext(drafter), InjectedContext(drafter), RecomputedContext(drafter)
-    for ctx in (inj, fixed, rec):
+    # folded: the verify's rows are injected by the next propose (accepted rows / all B rows)
+    folded, folded_fixed = InjectedContext(drafter), InjectedContext(drafter)
+    for ctx in (inj, fixed, rec, folded, folded_fixed):
         ctx.reset(capacity)
-    fixed.reset(capacity + 64)  # stale rows past the context must stay masked out
-    for t in fixed.cache.k + fixed.cache.v:
-        t.normal_()
+    for ctx in (fixed, folded_fixed):
+        ctx.reset(capacity + 64)  # stale rows past the context must stay masked out
+        for t in ctx.cache.k + ctx.cache.v:
+            t.normal_()
 
     logits, feats = target(prompt, torch.arange(P), tcache, P, layers)
     all_feats = [feats]
-    for ctx in (inj, fixed, rec):
+    for ctx in (inj, fixed, rec, folded, folded_fixed):
         ctx.inject(drafter, feats, torch.arange(P))
     token = int(logits[-1].argmax())
     s = P
+    pending = pending_fixed = None
     for rnd, a in enumerate(ACCEPTED):
         positions = torch.arange(s, s + B)
         block = torch.full((B,), mask_id, dtype=torch.long)
@@ -106,6 +110,11 @@ def test_inject_recompute_and_reference_agree_round_after_round(models):
         out_inj = target.logits(drafter(emb, positions, inj, s + B)[1:])
         out_fixed = target.logits(drafter(emb, positions, fixed, None)[1:])
         out_rec = target.logits(drafter(emb, positions, rec, s + B)[1:])
+        out_folded = target.logits(drafter(emb, positions, folded, s + B, inject=pending)[1:])
+        out_folded_fixed = target.logits(drafter(emb, positions, folded_fixed, None, inject=pending_fixed)[1:])
+        torch.testing.assert_close(out_folded, out_rec, atol=ATOL, rtol=ATOL, msg=f"{name}: round {rnd} folded vs recompute")
+        torch.testing.assert_close(out_folded_fixed, out_rec, atol=ATOL, rtol=ATOL,
+                                   msg=f"{name}: round {rnd} folded fixed-shape vs recompute")
         assert out_inj.shape == (B - 1, target.config.vocab_size)
         torch.testing.assert_close(out_inj, out_rec, atol=ATOL, rtol=ATOL, msg=f"{name}: round {rnd} inject vs recompute")
         torch.testing.assert_close(out_fixed, out_rec, atol=ATOL, rtol=ATOL, msg=f"{name}: round {rnd} fixed-shape vs recompute")
@@ -118,6 +127,7 @@ def test_inject_recompute_and_reference_agree_round_after_round(models):
         inj.inject(drafter, vfeats[:a + 1], positions[:a + 1])
         fixed.inject(drafter, vfeats, positions)  # all B rows; rows past a + 1 are overwritten later
         rec.inject(drafter, vfeats[:a + 1], positions[:a + 1])
+        pending, pending_fixed = (vfeats[:a + 1], positions[:a + 1]), (vfeats, positions)
         all_feats.append(vfeats[:a + 1])
         token = int(vlogits[a].argmax())
         s += a + 1

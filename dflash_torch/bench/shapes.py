@@ -118,14 +118,17 @@ def round_vs_step(shape: str | tuple, dtype: torch.dtype = torch.bfloat16, devic
     spec._prefill(torch.tensor(prompt, device=device), context)
     B = block_size
 
+    # the propose injects the previous verify's B feature rows (the fixed-shape worst
+    # case); placed at the block's own positions, where the block's K/V overwrite them
+    feats = [torch.zeros(B, len(drafter.config.target_layer_ids) * target.config.hidden_size, dtype=dtype, device=device)]
+
     def one_round():
-        draft = spec._draft_fn(tok, context, context + B).argmax(-1)
-        logits, feats = spec._verify_fn(torch.cat([tok.view(1), draft]), context, context + B)
-        spec._inject_fn(feats, context)  # all B rows: the worst case (every draft accepted)
+        draft = spec._draft_fn(tok, context, context + B, feats[0], context).argmax(-1)
+        logits, feats[0] = spec._verify_fn(torch.cat([tok.view(1), draft]), context, context + B)
         logits.argmax(-1).tolist()
 
     rnd = median(one_round)
-    propose = median(lambda: spec._draft_fn(tok, context, context + B))
+    propose = median(lambda: spec._draft_fn(tok, context, context + B, feats[0], context))
     result = {
         "shape": shape, "dtype": str(dtype).removeprefix("torch."), "device": device, "context": context,
         "block_size": B, "draft_layers": drafter.config.num_hidden_layers,

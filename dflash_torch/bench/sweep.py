@@ -20,8 +20,10 @@ def propose_time(drafter: DFlashDrafter, embed: torch.nn.Module, mode: str, cont
     ``context_len`` committed tokens, with the context held as ``mode`` (inject | recompute).
 
     In ``recompute`` mode each propose re-projects all ``context_len`` feature rows
-    (as the cache-less drafter must); in ``inject`` mode the rows were injected once
-    and each propose reads the cache.
+    (as the cache-less drafter must); in ``inject`` mode the rows before the last
+    ``block_size`` were injected once, and each propose injects the last ``block_size``
+    rows (a full round's worth, as the decoding loop folds them into the propose) and
+    reads the cache.
     """
     cfg = drafter.config
     w = drafter.fc.weight
@@ -29,9 +31,13 @@ def propose_time(drafter: DFlashDrafter, embed: torch.nn.Module, mode: str, cont
     feats = torch.randn(context_len, w.shape[1], generator=g).to(w.device, w.dtype)
     ctx = InjectedContext(drafter) if mode == "inject" else RecomputedContext(drafter)
     ctx.reset(context_len + block_size + 1)
-    for c0 in range(0, context_len, 1024):
-        c1 = min(c0 + 1024, context_len)
+    fresh = max(context_len - block_size, 0) if mode == "inject" else context_len
+    for c0 in range(0, fresh, 1024):
+        c1 = min(c0 + 1024, fresh)
         ctx.inject(drafter, feats[c0:c1], torch.arange(c0, c1, device=w.device))
+    inject = None
+    if fresh < context_len:
+        inject = (feats[fresh:], torch.arange(fresh, context_len, device=w.device))
     block = torch.full((block_size,), cfg.mask_token_id, dtype=torch.long, device=w.device)
     x = embed(block)
     positions = torch.arange(context_len, context_len + block_size, device=w.device)
@@ -40,7 +46,7 @@ def propose_time(drafter: DFlashDrafter, embed: torch.nn.Module, mode: str, cont
         if w.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        drafter(x, positions, ctx, context_len + block_size)
+        drafter(x, positions, ctx, context_len + block_size, inject=inject)
         if w.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)

@@ -116,7 +116,7 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
                 context: "InjectedContext | RecomputedContext", kv_len: int | None,
-                mask_keys: bool = False) -> torch.Tensor:
+                mask_keys: bool = False, inject: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Denoise one block.
 
         Args:
@@ -127,18 +127,36 @@ class DFlashDrafter(nn.Module):
                 attend over the whole preallocated buffer under a mask (fixed shapes).
             mask_keys: ``kv_len`` is a length bucket that may exceed ``s + B``: mask the
                 cache entries past the block (implied by ``kv_len=None``).
+            inject: optional ``(features [n, k * hidden], feature_positions [n])`` to
+                inject in the same pass (:class:`InjectedContext` only): each layer
+                projects those context rows and the block rows through one
+                ``k_proj``/``v_proj`` call and writes the context rows first, so a block
+                position that is also a feature position ends up holding the block's K/V.
+                Same cache contents as :meth:`InjectedContext.inject` followed by this call.
 
         Returns:
             final-normed hidden states ``[B, hidden]``; row j predicts the token at ``s + j``.
         """
         x = block_embeds
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
         recomputed = context.layer_kv(self) if isinstance(context, RecomputedContext) else None
+        n_ctx = 0
+        if inject is None:
+            cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        else:
+            ctx_rows, ctx_positions = self.project_context(inject[0]), inject[1]
+            n_ctx = ctx_positions.shape[0]
+            cos_all, sin_all = self.rotary.cos_sin(torch.cat([ctx_positions, positions]), x.dtype)
+            cos, sin = cos_all[n_ctx:], sin_all[n_ctx:]
         biases = {}
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             attn = layer.self_attn
-            kb, vb = attn.key_value(h, cos, sin)
+            if n_ctx:
+                k_all, v_all = attn.key_value(torch.cat([ctx_rows, h]), cos_all, sin_all)
+                context.cache.write(i, ctx_positions, k_all[:, :n_ctx], v_all[:, :n_ctx])
+                kb, vb = k_all[:, n_ctx:], v_all[:, n_ctx:]
+            else:
+                kb, vb = attn.key_value(h, cos, sin)
             if recomputed is None:
                 k, v = context.block_kv(i, positions, kb, vb, kv_len)
             else:
