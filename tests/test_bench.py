@@ -32,6 +32,9 @@ def test_bench_cli_writes_report(tiny_pair, tmp_path):
     for m in report["modes"][1:]:
         assert m["outputs_identical_to_target_only"] is True
         assert sum(m["acceptance_histogram"].values()) == m["rounds"]
+        # eager modes: the like-for-like baseline is eager target-only itself
+        assert m["speedup_vs_target_only_same_compile"] == m["speedup_vs_target_only"]
+    assert report["modes"][0]["speedup_vs_target_only_same_compile"] is None
     assert report["sweep"]["lengths"] == [16, 64] and len(report["sweep"]["inject"]) == 2
     assert (out / "modes.png").stat().st_size > 0 and (out / "sweep.png").stat().st_size > 0
     assert "| inject" in proc.stdout

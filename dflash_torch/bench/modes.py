@@ -46,6 +46,7 @@ class ModeResult:
     decode_time: float = 0.0
     decode_tokens_per_second: float = 0.0
     speedup_vs_target_only: float | None = None
+    speedup_vs_target_only_same_compile: float | None = None
     rounds: int = 0
     mean_acceptance_length: float = 0.0
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
