@@ -244,7 +244,7 @@ class SpeculativeDecoder:
         if folded and static:
             pending = torch.zeros(B, len(self.feature_layers) * self.target.config.hidden_size,
                                   dtype=self.target.model.embed_tokens.weight.dtype, device=dev)
-            pending_start = s_dev
+            pending_start = s_dev.clone()  # not ``s_dev`` itself: aliased inputs would compile a second graph
         while committed < max_new_tokens:
             t0 = time.perf_counter()
             pos = s_dev if static else s
