@@ -118,7 +118,7 @@ def _plots(report: dict, out: Path) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import resolve_dtype
     from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
-    from .modes import ALL_MODES, divergences, load_prompts, run_mode
+    from .modes import ALL_MODES, divergences, load_prompts, run_modes
     from .shapes import SHAPES, build_drafter, round_vs_step
     from .sweep import context_sweep
 
@@ -167,19 +167,17 @@ def run(args: argparse.Namespace) -> int:
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": [], "sweep": None, "shape_sweeps": [], "shapes": [],
     }
-    reference = None
-    for name in modes:
-        spec = ALL_MODES[name]
-        res, outputs = run_mode(spec, engine.target, engine.drafter, prompt_ids, block_size=args.block_size,
-                                max_new_tokens=args.max_new_tokens, max_context=max_context, progress=not args.no_progress)
-        if name == "target-only":
-            reference = (res, outputs)
-        elif reference is not None:
+    runs = run_modes([ALL_MODES[name] for name in modes], engine.target, engine.drafter, prompt_ids,
+                     block_size=args.block_size, max_new_tokens=args.max_new_tokens, max_context=max_context,
+                     progress=not args.no_progress)
+    reference = next(((res, outputs) for res, outputs in runs if res.name == "target-only"), None)
+    for res, outputs in runs:
+        if reference is not None and res.name != "target-only":
             res.speedup_vs_target_only = res.decode_tokens_per_second / reference[0].decode_tokens_per_second
             res.outputs_identical_to_target_only = outputs == reference[1]
             res.divergences = divergences(engine.target, prompt_ids, reference[1], outputs)
         report["modes"].append(asdict(res))
-        print(f"{name}: {res.decode_tokens_per_second:.1f} tok/s, tau {res.mean_acceptance_length:.2f}", flush=True)
+        print(f"{res.name}: {res.decode_tokens_per_second:.1f} tok/s, tau {res.mean_acceptance_length:.2f}", flush=True)
     # like-for-like: each DFlash mode against target-only run with the same compile setting
     by_name = {m["name"]: m for m in report["modes"]}
     for m in report["modes"]:

@@ -38,7 +38,11 @@ ALL_MODES = {
 
 @dataclass
 class ModeResult:
-    """Figures of one mode over the prompt set (times in seconds)."""
+    """Figures of one mode over the prompt set (times in seconds).
+
+    ``peak_memory_mb``: on CUDA the most memory allocated while this mode decoded; on
+    CPU the process's peak resident set so far (it covers every mode built before).
+    """
 
     name: str
     prompts: int = 0
@@ -95,61 +99,69 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def run_mode(spec: ModeSpec, target, drafter, prompt_ids: list[list[int]], *, block_size: int | None,
-             max_new_tokens: int, max_context: int, warmup_prompts: int = 1, progress: bool = True) -> tuple[ModeResult, list[list[int]]]:
-    """Greedy-decode every prompt with ``max_new_tokens`` (EOS ignored) in one mode.
+def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]], *, block_size: int | None,
+              max_new_tokens: int, max_context: int, warmup_prompts: int = 1,
+              progress: bool = True) -> list[tuple[ModeResult, list[list[int]]]]:
+    """Greedy-decode every prompt with ``max_new_tokens`` (EOS ignored) in each mode.
 
-    Returns the figures and the generated ids of each prompt.
+    Every mode is built and warmed up first; then each prompt is decoded in every mode
+    in turn, so a slow spell of a shared machine hits all modes alike and the ratios
+    between modes hold even when absolute speeds drift. Recompiles are counted per
+    mode around its own decodes.
+
+    Returns:
+        per mode, in the order of ``specs``: its figures and the generated ids of each prompt.
     """
     dev = target.model.embed_tokens.weight.device
-    decoder = SpeculativeDecoder(target, drafter if spec.drafter else None, block_size=block_size if spec.drafter else None,
-                                 draft_mode=spec.draft_mode, compile=spec.compile, max_context=max_context)
     params = SamplingParams()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-
-    def decode(ids):
-        out, rounds = [], []
-        for rnd in decoder.rounds(ids, params, max_new_tokens):
-            out.extend(rnd.tokens)
-            rounds.append(rnd)
-        return out[:max_new_tokens], rounds
-
-    t0 = time.perf_counter()
-    # warm-up: the longest prompt's prefill and the shortest prompt decoded to the context
-    # limit reach every length bucket of the fixed-shape modes, so compiled modes build
-    # all their graphs here
-    longest, shortest = max(prompt_ids, key=len), min(prompt_ids, key=len)
-    for _ in range(warmup_prompts):
-        list(decoder.rounds(longest, params, min(2 * decoder.block_size, max_context - len(longest))))
-        list(decoder.rounds(shortest, params, max_context - len(shortest)))
-    res = ModeResult(spec.name, warmup_time=time.perf_counter() - t0)
-    graphs_before = _graph_count()
-    taus, outputs = [], []
-    propose = verify = total = 0.0
-    for ids in tqdm(prompt_ids, desc=f"{spec.name:>22}", disable=not progress, leave=False):
-        out, rounds = decode(ids)
-        outputs.append(out)
-        for r in rounds[1:]:
-            taus.append(r.acceptance_length)
-            propose += r.propose_time
-            verify += r.verify_time
-            total += r.total_time
-        res.generated_tokens += len(out) - 1
-    res.prompts = len(prompt_ids)
-    res.decode_time = total
-    res.decode_tokens_per_second = res.generated_tokens / total if total else 0.0
-    res.rounds = len(taus)
-    res.mean_acceptance_length = sum(taus) / len(taus) if taus else 0.0
-    res.acceptance_histogram = dict(sorted(Counter(taus).items()))
-    if taus:
-        res.propose_time_per_round = propose / len(taus)
-        res.verify_time_per_round = verify / len(taus)
-        res.other_time_per_round = (total - propose - verify) / len(taus)
-    if spec.compile:
-        res.recompiles_after_warmup = _graph_count() - graphs_before
-    res.peak_memory_mb = _peak_memory_mb(dev)
-    return res, outputs
+    decoders, results = [], []
+    for spec in specs:
+        decoder = SpeculativeDecoder(target, drafter if spec.drafter else None,
+                                     block_size=block_size if spec.drafter else None,
+                                     draft_mode=spec.draft_mode, compile=spec.compile, max_context=max_context)
+        t0 = time.perf_counter()
+        # warm-up: the longest prompt's prefill and the shortest prompt decoded to the
+        # context limit reach every length bucket of the fixed-shape modes, so compiled
+        # modes build all their graphs here
+        longest, shortest = max(prompt_ids, key=len), min(prompt_ids, key=len)
+        for _ in range(warmup_prompts):
+            list(decoder.rounds(longest, params, min(2 * decoder.block_size, max_context - len(longest))))
+            list(decoder.rounds(shortest, params, max_context - len(shortest)))
+        decoders.append(decoder)
+        results.append(ModeResult(spec.name, warmup_time=time.perf_counter() - t0,
+                                  recompiles_after_warmup=0 if spec.compile else None))
+    outputs = [[] for _ in specs]
+    rounds = [[] for _ in specs]
+    for ids in tqdm(prompt_ids, desc="decode", disable=not progress, leave=False):
+        for i, (spec, decoder, res) in enumerate(zip(specs, decoders, results)):
+            graphs = _graph_count()
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            out, rnds = [], []
+            for rnd in decoder.rounds(ids, params, max_new_tokens):
+                out.extend(rnd.tokens)
+                rnds.append(rnd)
+            if spec.compile:
+                res.recompiles_after_warmup += _graph_count() - graphs
+            outputs[i].append(out[:max_new_tokens])
+            rounds[i].append(rnds)
+            res.peak_memory_mb = max(res.peak_memory_mb, _peak_memory_mb(dev))
+    for res, mode_rounds, mode_outputs in zip(results, rounds, outputs):
+        decoding = [r for rnds in mode_rounds for r in rnds[1:]]  # without the prefill steps
+        taus = [r.acceptance_length for r in decoding]
+        total = sum(r.total_time for r in decoding)
+        res.prompts = len(prompt_ids)
+        res.generated_tokens = sum(len(out) - 1 for out in mode_outputs)
+        res.decode_time = total
+        res.decode_tokens_per_second = res.generated_tokens / total if total else 0.0
+        res.rounds = len(taus)
+        res.mean_acceptance_length = sum(taus) / len(taus) if taus else 0.0
+        res.acceptance_histogram = dict(sorted(Counter(taus).items()))
+        if taus:
+            res.propose_time_per_round = sum(r.propose_time for r in decoding) / len(taus)
+            res.verify_time_per_round = sum(r.verify_time for r in decoding) / len(taus)
+            res.other_time_per_round = total / len(taus) - res.propose_time_per_round - res.verify_time_per_round
+    return list(zip(results, outputs))
 
 
 @torch.inference_mode()
