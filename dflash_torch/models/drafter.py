@@ -136,9 +136,14 @@ class DFlashDrafter(nn.Module):
 
         Returns:
             final-normed hidden states ``[B, hidden]``; row j predicts the token at ``s + j``.
+
+        Raises:
+            ValueError: ``inject`` given with a :class:`RecomputedContext`.
         """
         x = block_embeds
         recomputed = context.layer_kv(self) if isinstance(context, RecomputedContext) else None
+        if inject is not None and recomputed is not None:
+            raise ValueError("inject= needs an InjectedContext (the recompute context re-projects all features)")
         n_ctx = 0
         if inject is None:
             cos, sin = self.rotary.cos_sin(positions, x.dtype)
