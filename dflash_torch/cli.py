@@ -78,9 +78,11 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         stats, finish = chunk.stats, chunk.finish_reason
     sys.stdout.write("\n")
+    # the first token comes from the prefill: with one token there was no decoding round
+    decode = (f"mean tau {stats.mean_acceptance_length:.2f}, decode {stats.decode_tokens_per_second:.1f} tok/s, "
+              if stats.acceptance_lengths else "no decoding round, ")
     print(
-        f"[{stats.generated_tokens} tokens, finish={finish}, mean tau {stats.mean_acceptance_length:.2f}, "
-        f"decode {stats.decode_tokens_per_second:.1f} tok/s, prefill {stats.prefill_time * 1000:.0f} ms"
+        f"[{stats.generated_tokens} tokens, finish={finish}, {decode}prefill {stats.prefill_time * 1000:.0f} ms"
         f"{' (times include the one-off compilation)' if args.compile else ''}]",
         file=sys.stderr,
     )

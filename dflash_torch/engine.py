@@ -163,7 +163,8 @@ class DFlashEngine:
                 ``max_position_embeddings``); fixed-shape modes preallocate it.
 
         Raises:
-            DFlashError: missing files, incompatible pair, bad dtype/device/block size.
+            DFlashError: missing files, incompatible pair, bad dtype/device/block size,
+                ``compile=True`` with ``draft_mode="recompute"`` (its shapes grow every round).
         """
         torch_dtype = resolve_dtype(dtype)
         try:

@@ -103,7 +103,7 @@ def test_bench_refuses_bad_options_with_one_line(tiny_pair, tmp_path, capsys):
     base = ["bench", "--target", str(target), "--draft", str(drafter), "--out", str(tmp_path / "o")]
     cases = [(["--modes", ""], "--modes is empty"), (["--sweep", "0"], "--sweep"), (["--sweep", "128,-5"], "--sweep"),
              (["--max-context", "100"], "--max-context"), (["--out", str(a_file)], "--out"),
-             (["--sweep-shapes", "qwen9-huge"], "unknown shape")]
+             (["--sweep-shapes", "qwen9-huge"], "unknown shape"), (["--modes", "inject,target-only,inject"], "more than once")]
     for extra, words in cases:
         assert cli_main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()

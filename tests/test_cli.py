@@ -87,6 +87,13 @@ def test_chat_and_streaming_text(pair_args, api):
     assert "16 tokens" in stats_line and "finish=length" in stats_line and "tau" in stats_line
 
 
+def test_one_token_stats_line_reports_no_decoding_round(pair_args):
+    proc = run_cli("generate", *pair_args, "--prompt", PROMPT, "--max-new-tokens", "1", "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    stats_line = proc.stderr.strip().splitlines()[-1]
+    assert "1 tokens" in stats_line and "no decoding round" in stats_line and "tau" not in stats_line
+
+
 def test_error_is_one_line_without_traceback(pair_args, tmp_path):
     """(every error case runs in-process in test_errors.py; this one is a real process)"""
     proc = run_cli("generate", "--target", str(tmp_path / "missing"), pair_args[2], pair_args[3], "--prompt", PROMPT)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -139,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
         raise DFlashError(f"unknown bench mode(s) {unknown}; choose from {', '.join(ALL_MODES)}")
+    repeated = sorted({m for m in modes if modes.count(m) > 1})
+    if repeated:
+        raise DFlashError(f"--modes lists {', '.join(repeated)} more than once")
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     sweep_shapes = [s.strip() for s in args.sweep_shapes.split(",") if s.strip()]
     bad = [s for s in shapes + sweep_shapes if s not in SHAPES]
@@ -171,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
                      block_size=args.block_size, max_new_tokens=args.max_new_tokens, max_context=max_context,
                      progress=not args.no_progress)
     reference = next(((res, outputs) for res, outputs in runs if res.name == "target-only"), None)
+    if reference is None:
+        print("note: no eager target-only mode in --modes: no speedup over it and no output identity check",
+              file=sys.stderr, flush=True)
     for res, outputs in runs:
         if reference is not None and res.name != "target-only":
             res.speedup_vs_target_only = res.decode_tokens_per_second / reference[0].decode_tokens_per_second
