@@ -242,8 +242,7 @@ class SpeculativeDecoder:
         folded = isinstance(self.context, InjectedContext)
         pending, pending_start = None, None
         if folded and static:
-            pending = torch.zeros(B, len(self.feature_layers) * self.target.config.hidden_size,
-                                  dtype=self.target.model.embed_tokens.weight.dtype, device=dev)
+            pending = self.drafter.fc.weight.new_zeros(B, self.drafter.fc.in_features)
             pending_start = s_dev.clone()  # not ``s_dev`` itself: aliased inputs would compile a second graph
         while committed < max_new_tokens:
             t0 = time.perf_counter()

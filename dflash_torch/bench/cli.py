@@ -174,23 +174,23 @@ def run(args: argparse.Namespace) -> int:
     runs = run_modes([ALL_MODES[name] for name in modes], engine.target, engine.drafter, prompt_ids,
                      block_size=args.block_size, max_new_tokens=args.max_new_tokens, max_context=max_context,
                      progress=not args.no_progress)
-    reference = next(((res, outputs) for res, outputs in runs if res.name == "target-only"), None)
+    by_name = {res.name: (res, outputs) for res, outputs in runs}
+    reference = by_name.get("target-only")
     if reference is None:
         print("note: no eager target-only mode in --modes: no speedup over it and no output identity check",
               file=sys.stderr, flush=True)
     for res, outputs in runs:
+        spec = ALL_MODES[res.name]
         if reference is not None and res.name != "target-only":
             res.speedup_vs_target_only = res.decode_tokens_per_second / reference[0].decode_tokens_per_second
             res.outputs_identical_to_target_only = outputs == reference[1]
             res.divergences = divergences(engine.target, prompt_ids, reference[1], outputs)
+        # like-for-like: a DFlash mode against target-only run with the same compile setting
+        base = by_name.get("target-only-compiled" if spec.compile else "target-only")
+        if spec.drafter and base is not None:
+            res.speedup_vs_target_only_same_compile = res.decode_tokens_per_second / base[0].decode_tokens_per_second
         report["modes"].append(asdict(res))
         print(f"{res.name}: {res.decode_tokens_per_second:.1f} tok/s, tau {res.mean_acceptance_length:.2f}", flush=True)
-    # like-for-like: each DFlash mode against target-only run with the same compile setting
-    by_name = {m["name"]: m for m in report["modes"]}
-    for m in report["modes"]:
-        base = by_name.get("target-only-compiled" if ALL_MODES[m["name"]].compile else "target-only")
-        if ALL_MODES[m["name"]].drafter and base is not None:
-            m["speedup_vs_target_only_same_compile"] = m["decode_tokens_per_second"] / base["decode_tokens_per_second"]
     if lengths and engine.drafter is not None:
         report["sweep"] = context_sweep(engine.drafter, engine.target.model.embed_tokens, lengths, engine.block_size)
     for shape in sweep_shapes if lengths else []:

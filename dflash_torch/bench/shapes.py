@@ -120,7 +120,7 @@ def round_vs_step(shape: str | tuple, dtype: torch.dtype = torch.bfloat16, devic
 
     # the propose injects the previous verify's B feature rows (the fixed-shape worst
     # case); placed at the block's own positions, where the block's K/V overwrite them
-    feats = [torch.zeros(B, len(drafter.config.target_layer_ids) * target.config.hidden_size, dtype=dtype, device=device)]
+    feats = [drafter.fc.weight.new_zeros(B, drafter.fc.in_features)]
 
     def one_round():
         draft = spec._draft_fn(tok, context, context + B, feats[0], context).argmax(-1)

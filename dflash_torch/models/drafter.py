@@ -152,7 +152,8 @@ class DFlashDrafter(nn.Module):
             n_ctx = ctx_positions.shape[0]
             cos_all, sin_all = self.rotary.cos_sin(torch.cat([ctx_positions, positions]), x.dtype)
             cos, sin = cos_all[n_ctx:], sin_all[n_ctx:]
-        biases = {}
+        static = recomputed is None and (kv_len is None or mask_keys)
+        biases = {}  # one mask per sliding-window size (every layer attends over the same keys)
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             attn = layer.self_attn
@@ -167,11 +168,9 @@ class DFlashDrafter(nn.Module):
             else:
                 ck, cv = recomputed[i]
                 k, v = torch.cat([ck, kb], dim=1), torch.cat([cv, vb], dim=1)
-            static = recomputed is None and (kv_len is None or mask_keys)
-            key = (layer.sliding_window, k.shape[1])
-            if key not in biases:  # one mask per window size and key count, shared by layers
-                biases[key] = self._bias(layer, positions, k.shape[1], static, x.dtype)
-            out = attend(attn.query(h, cos, sin), k, v, biases[key])
+            if layer.sliding_window not in biases:
+                biases[layer.sliding_window] = self._bias(layer, positions, k.shape[1], static, x.dtype)
+            out = attend(attn.query(h, cos, sin), k, v, biases[layer.sliding_window])
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..checkpoint import resolve_dtype
 from ..errors import DFlashError
-from .trainer import TrainConfig, Trainer
+from .trainer import CHECKPOINT, TrainConfig, Trainer
 
 
 def _int_list(text: str) -> list[int]:
@@ -65,7 +65,7 @@ def register(sub) -> None:
     p.set_defaults(func=_train)
 
 
-def _check(args: argparse.Namespace) -> None:
+def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
     """Refuse option values that cannot train anything, with one line."""
     positive = {"--batch": args.batch, "--seq-len": args.seq_len, "--anchors-per-seq": args.anchors_per_seq,
                 "--num-layers": args.num_layers, "--eval-every": args.eval_every, "--ckpt-every": args.ckpt_every}
@@ -92,16 +92,15 @@ def _check(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if Path(args.target).is_dir() and out.exists() and out.resolve() == Path(args.target).resolve():
         raise DFlashError(f"--out {args.out} is the target's directory; give the drafter its own directory")
-    work = Path(args.work_dir) if args.work_dir else out / "train_work"
+    work = cfg.work_path()
     if not (args.overwrite or args.resume):
-        if (work / "checkpoint.pt").exists():
+        if (work / CHECKPOINT).exists():
             raise DFlashError(f"{work} holds a training checkpoint: pass --resume to continue it or --overwrite to start over")
         if any((out / f).exists() for f in ("config.json", "model.safetensors")):
             raise DFlashError(f"--out {args.out} already holds a checkpoint: pass --overwrite to replace it")
 
 
 def _train(args: argparse.Namespace) -> int:
-    _check(args)
     cfg = TrainConfig(
         target=args.target, data=args.data, out=args.out, work_dir=args.work_dir, num_layers=args.num_layers, init_from_target=args.init_from_target,
         block_size=args.block_size, target_layer_ids=args.target_layer_ids, intermediate_size=args.intermediate_size,
@@ -113,5 +112,6 @@ def _train(args: argparse.Namespace) -> int:
         ckpt_every=args.ckpt_every, num_threads=args.num_threads, autocast=not args.no_autocast,
         save_dtype=args.save_dtype, progress=not args.no_progress,
     )
+    _check(args, cfg)
     Trainer(cfg).run()
     return 0
