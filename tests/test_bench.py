@@ -62,7 +62,7 @@ def test_sweep_and_round_vs_step_small_shape(tiny_pair):
 
 def test_shape_drafter_is_usable_for_the_sweep():
     from dflash_torch.bench.shapes import build_drafter
-    from dflash_torch.models.layers import rope_inv_freq
+    from dflash_torch.models.rope import rope_inv_freq
 
     drafter, embed = build_drafter((64, 6, 4, 2, 16, 128), torch.float32, "cpu", draft_layers=2, block_size=4)
     assert drafter.config.num_hidden_layers == 2 and drafter.config.target_layer_ids == [1, 3]

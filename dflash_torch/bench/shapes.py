@@ -17,7 +17,7 @@ import torch
 from ..decoding import SpeculativeDecoder
 from ..models.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from ..models.drafter import DFlashDrafter
-from ..models.layers import Rotary
+from ..models.rope import Rotary
 from ..models.packing import pack_linears, packing_supported
 from ..models.target import TargetModel
 
@@ -44,7 +44,7 @@ def _random_init(module: torch.nn.Module, dtype: torch.dtype, device: str) -> to
     module = module.to(dtype)
     if isinstance(module, (TargetModel, DFlashDrafter)):  # to_empty left the (non-persistent) rope table unset
         cfg = module.config
-        module.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+        module.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings).to(device)
     return module
 
 

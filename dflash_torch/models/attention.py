@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import RMSNorm, apply_rope
+from .layers import RMSNorm
+from .rope import apply_rope
 
 
 class Attention(nn.Module):

@@ -15,19 +15,48 @@ from ..errors import DFlashError
 TARGET_FAMILIES = ("qwen3", "llama", "qwen2")
 
 
+# required keys of each supported rope scaling rule (besides rope_type)
+ROPE_SCALING_KEYS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",)}
+# keys that transformers 5 keeps in rope_parameters next to the scaling rule, but are not scaling
+_NOT_SCALING = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
 def _rope(cfg: dict) -> tuple[float, dict | None]:
-    """(rope_theta, scaling dict or None) from either the v4 or the v5 transformers layout."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or None
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    if scaling is None and params.get("rope_type", "default") != "default":
-        scaling = params
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind == "default":
-            scaling = None
-        elif kind not in ("llama3", "linear"):
-            raise DFlashError(f"unsupported rope scaling type {kind!r}; supported: llama3, linear")
+    """RoPE base and scaling rule from either the v4 (``rope_theta`` + ``rope_scaling``)
+    or the v5 (``rope_parameters``) transformers layout.
+
+    Returns:
+        ``(rope_theta, scaling)``. ``rope_theta`` comes from the rope dict if it has one,
+        else the top level, else 10000. ``scaling`` is None for plain RoPE (no dict,
+        ``rope_type`` default, or ``mrope``: multimodal RoPE with equal text positions is
+        plain RoPE), else a new dict holding ``rope_type`` (linear, llama3, yarn) and that
+        rule's parameters only: ``rope_theta``, ``partial_rotary_factor``,
+        ``mrope_section`` and ``mrope_interleaved`` are dropped (the caller reads
+        ``partial_rotary_factor`` itself). For llama3/yarn, a top-level
+        ``original_max_position_embeddings`` overrides the dict's (as transformers'
+        config standardisation does); when neither has it, it stays absent and
+        :class:`~dflash_torch.models.rope.Rotary` uses ``max_position_embeddings``.
+
+    Raises:
+        DFlashError: an unsupported rope type (names the supported ones), or a rule's
+            required key missing.
+    """
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("default", "mrope"):
+        return float(theta), None
+    if kind not in ROPE_SCALING_KEYS:
+        raise DFlashError(f"unsupported rope scaling type {kind!r}; supported: {', '.join(ROPE_SCALING_KEYS)}")
+    scaling = {k: v for k, v in params.items() if k not in _NOT_SCALING and k != "type"}
+    scaling["rope_type"] = kind
+    if kind in ("llama3", "yarn") and cfg.get("original_max_position_embeddings") is not None:
+        scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    missing = [k for k in ROPE_SCALING_KEYS[kind] if k not in scaling]
+    if kind in ("llama3", "yarn") and not (scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")):
+        missing.append("original_max_position_embeddings (or max_position_embeddings)")
+    if missing:
+        raise DFlashError(f"rope scaling type {kind!r} lacks {', '.join(missing)}")
     return float(theta), scaling
 
 
@@ -133,6 +162,7 @@ class DrafterConfig:
     num_target_layers: int | None
     vocab_size: int | None
     sliding_windows: list[int | None]
+    max_position_embeddings: int | None = None  # the fallback of yarn/llama3's original_max_position_embeddings
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DrafterConfig":
@@ -188,6 +218,7 @@ class DrafterConfig:
             num_target_layers=num_target_layers,
             vocab_size=cfg.get("vocab_size"),
             sliding_windows=windows,
+            max_position_embeddings=cfg.get("max_position_embeddings"),
         )
 
     def to_dict(self) -> dict:
@@ -214,6 +245,8 @@ class DrafterConfig:
         }
         if self.rope_scaling:
             cfg["rope_scaling"] = self.rope_scaling
+        if self.max_position_embeddings is not None:
+            cfg["max_position_embeddings"] = self.max_position_embeddings
         windows = [w for w in self.sliding_windows if w]
         if windows:
             cfg["sliding_window"] = windows[0]

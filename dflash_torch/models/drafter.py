@@ -28,7 +28,8 @@ from ..checkpoint import load_config, load_state_dict
 from ..errors import DFlashError
 from .attention import Attention
 from .config import DrafterConfig
-from .layers import MLP, RMSNorm, Rotary, attend, attention_bias
+from .layers import MLP, RMSNorm, attend, attention_bias
+from .rope import Rotary
 
 
 class DraftLayer(nn.Module):
@@ -60,7 +61,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings)
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> "DFlashDrafter":
@@ -81,7 +82,7 @@ class DFlashDrafter(nn.Module):
             if tuple(state[k].shape) != tuple(v.shape):
                 raise DFlashError(f"drafter weight {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
         model.load_state_dict({k: state[k] for k in expected}, strict=True, assign=True)
-        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings).to(device)
         return model.eval()
 
     def new_cache(self) -> KVCache:

@@ -1,12 +1,10 @@
-"""Building blocks shared by the target and the drafter: RMSNorm, rotary position
-embedding (RoPE, with Llama-3 and linear scaling), the SwiGLU MLP and attention.
+"""Building blocks shared by the target and the drafter: RMSNorm, the SwiGLU MLP and
+attention (rotary position embedding lives in :mod:`dflash_torch.models.rope`).
 
 All tensors are for a single sequence (batch size 1): hidden states are ``[T, H]``.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -39,52 +37,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse RoPE frequencies, ``[head_dim // 2]`` float32.
-
-    ``scaling`` may be ``{"rope_type": "linear", "factor"}`` or the Llama-3.1 rule
-    ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}`` (Meta's Llama 3.1 release).
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        factor = float(scaling["factor"])
-        if kind == "linear":
-            inv_freq = inv_freq / factor
-        elif kind == "llama3":
-            low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-            old_len = float(scaling["original_max_position_embeddings"])
-            wavelen = 2 * math.pi / inv_freq
-            scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-            smooth = (old_len / wavelen - low) / (high - low)
-            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-            medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-            inv_freq = torch.where(medium, smoothed, scaled)
-    return inv_freq.float()
-
-
-class Rotary(nn.Module):
-    """Rotary position embedding in the "rotate half" layout used by Llama/Qwen."""
-
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None):
-        super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin tables ``[T, head_dim]`` in ``dtype`` for int64 ``positions`` ``[T]``."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[heads, T, head_dim]`` by per-position ``cos``/``sin`` ``[T, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 def attention_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:

@@ -13,7 +13,8 @@ from ..checkpoint import load_config, load_state_dict
 from ..errors import DFlashError
 from .attention import Attention
 from .config import TargetConfig
-from .layers import MLP, RMSNorm, Rotary, attend, attention_bias
+from .layers import MLP, RMSNorm, attend, attention_bias
+from .rope import Rotary
 
 
 class DecoderLayer(nn.Module):
@@ -53,7 +54,7 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings)
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> "TargetModel":
@@ -87,7 +88,7 @@ class TargetModel(nn.Module):
         model.load_state_dict(state, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings).to(device)
         return model.eval()
 
     def new_cache(self) -> KVCache:

@@ -28,7 +28,7 @@ from ..checkpoint import load_config, resolve_model_dir
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from ..models.drafter import DFlashDrafter
-from ..models.layers import Rotary
+from ..models.rope import Rotary
 from ..models.target import TargetModel
 from .data import Example, TrainingData, collate, read_corpus, step_generator, tokenize_conversation, tokenize_documents
 from .objective import batch_loss, copy_target_layers, default_gamma, greedy_walk, init_drafter_weights, sample_anchors
@@ -126,7 +126,7 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
         rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta, rope_scaling=target_cfg.rope_scaling,
         attention_bias=False, block_size=cfg.block_size, mask_token_id=mask_token_id,
         target_layer_ids=list(layer_ids), num_target_layers=L, vocab_size=target_cfg.vocab_size,
-        sliding_windows=[None] * cfg.num_layers,
+        sliding_windows=[None] * cfg.num_layers, max_position_embeddings=target_cfg.max_position_embeddings,
     )
 
 
@@ -275,7 +275,8 @@ class Trainer:
         self.log(f"data: {data_stats}")
 
         drafter = DFlashDrafter(dcfg)
-        drafter.rotary = Rotary(dcfg.head_dim, dcfg.rope_theta, dcfg.rope_scaling)
+        drafter.rotary = Rotary(dcfg.head_dim, dcfg.rope_theta, dcfg.rope_scaling,
+                                 max_position_embeddings=dcfg.max_position_embeddings)
         init_drafter_weights(drafter)
         if cfg.init_from_target:
             copy_target_layers(drafter, target)

@@ -1,0 +1,264 @@
+"""RoPE (dflash_torch.models.rope) against transformers' own rotary embeddings (the oracle):
+default, linear, llama3 and yarn frequencies and attention factors, parsed from
+config dicts by our ``_rope``; partial rotary (Qwen3-Next, Qwen3.5); apply_rope on a
+partial head; a yarn target and a yarn drafter end to end."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+import transformers
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as qwen3_apply_rotary_pos_emb
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding
+from transformers.models.qwen3_next.modeling_qwen3_next import apply_rotary_pos_emb as next_apply_rotary_pos_emb
+
+from conftest import drafter_config, load_hf, make_target, save_drafter
+from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.models.config import DrafterConfig, TargetConfig, _rope
+from dflash_torch.models.rope import Rotary, apply_rope, rope_attention_factor, rope_inv_freq
+from dflash_torch.models.target import TargetModel
+
+# inv_freq: we compute in float64 then round, transformers in float32 (a few ulp apart)
+INV_FREQ_RTOL = 5e-7
+
+BASE = dict(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=131072)
+
+YARN_CASES = {
+    "qwen3-4x": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6},
+    "betas": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 16.0,
+              "beta_slow": 2.0, "rope_theta": 10000.0},
+    "truncate-false": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0},
+    "mscale-equal": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "rope_theta": 10000.0},
+    "mscale-ratio": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 0.707,
+                     "mscale_all_dim": 1.0, "rope_theta": 10000.0},
+    "mscale-only": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 8192, "mscale": 0.5,
+                    "rope_theta": 10000.0},
+    "attention-factor": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                         "attention_factor": 0.8, "rope_theta": 1e6},
+    # transformers' config standardisation fills original_max_position_embeddings from
+    # max_position_embeddings: a ramp over 131072 positions
+    "no-original": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+    "v4-type-key": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16384},
+}
+OTHER_CASES = {
+    "default": {"rope_type": "default", "rope_theta": 1e6},
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 500000.0},
+}
+
+
+def ours(cfg: dict, head_dim: int) -> Rotary:
+    """Our Rotary built from a config.json dict the way the model loaders do."""
+    theta, scaling = _rope(copy.deepcopy(cfg))
+    params = cfg.get("rope_parameters") or {}
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    return Rotary(head_dim, theta, scaling, partial, max_position_embeddings=cfg.get("max_position_embeddings"))
+
+
+def compare_tables(hf_emb, rotary: Rotary, positions: torch.Tensor, hf_positions: torch.Tensor) -> None:
+    assert rotary.inv_freq.shape == hf_emb.inv_freq.shape
+    torch.testing.assert_close(rotary.inv_freq, hf_emb.inv_freq, rtol=INV_FREQ_RTOL, atol=0)
+    assert rotary.attention_factor == pytest.approx(hf_emb.attention_scaling, rel=1e-12)
+    with torch.no_grad():
+        ref_cos, ref_sin = hf_emb(torch.zeros(1), hf_positions)
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    assert cos.shape == (len(positions), rotary.rotary_dim) and cos.dtype == torch.float32
+    # the angles (position * inv_freq, rounded to float32) differ by at most position times
+    # (the inv_freq difference + one float32 ulp of inv_freq <= 1): bound each row by that
+    d_inv = float((rotary.inv_freq - hf_emb.inv_freq).abs().max())
+    tol = (positions.double() * (d_inv + 2.0 ** -23) + 1e-6)[:, None] * max(1.0, rotary.attention_factor)
+    assert ((cos - ref_cos.reshape(cos.shape)).abs() <= tol).all()
+    assert ((sin - ref_sin.reshape(sin.shape)).abs() <= tol).all()
+    # bfloat16 tables are the float32 ones (attention factor included) rounded once
+    cos16, _ = rotary.cos_sin(positions, torch.bfloat16)
+    assert torch.equal(cos16, cos.to(torch.bfloat16))
+
+
+POSITIONS = torch.cat([torch.arange(0, 300), torch.tensor([1023, 2048, 4095])])
+
+
+@pytest.mark.parametrize("name", list(YARN_CASES) + list(OTHER_CASES))
+def test_frequencies_attention_factor_and_tables_match_transformers(name):
+    params = {**YARN_CASES, **OTHER_CASES}[name]
+    cfg = {**BASE, "rope_parameters": params}
+    if name == "v4-type-key":  # transformers 4 layout: rope_theta at the top, rope_scaling with "type"
+        cfg = {**BASE, "rope_theta": 10000.0, "rope_scaling": params}
+    hf_cfg = transformers.Qwen3Config(**copy.deepcopy(cfg))
+    hf_emb = Qwen3RotaryEmbedding(hf_cfg)
+    rotary = ours(cfg, BASE["head_dim"])
+    compare_tables(hf_emb, rotary, POSITIONS, POSITIONS[None])
+    kind = params.get("rope_type", params.get("type"))
+    assert hf_cfg.rope_parameters["rope_type"] == kind
+    if kind == "yarn" and name != "mscale-equal":
+        assert rotary.attention_factor != 1.0  # the factor really is applied in these cases
+    # the functions behind Rotary agree with it
+    _, scaling = _rope(copy.deepcopy(cfg))
+    assert torch.equal(rope_inv_freq(64, hf_emb.config.rope_parameters["rope_theta"], scaling,
+                                     max_position_embeddings=BASE["max_position_embeddings"]), rotary.inv_freq)
+    assert rope_attention_factor(scaling, BASE["max_position_embeddings"]) == rotary.attention_factor
+
+
+def test_top_level_original_max_position_embeddings_wins_like_transformers():
+    """transformers' standardisation gives a top-level original_max_position_embeddings
+    priority over the one inside the rope dict (Phi-3 style configs)."""
+    cfg = {**BASE, "original_max_position_embeddings": 8192, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}}
+    hf_emb = Qwen3RotaryEmbedding(transformers.Qwen3Config(**copy.deepcopy(cfg)))
+    assert hf_emb.config.rope_parameters["original_max_position_embeddings"] == 8192
+    rotary = ours(cfg, 64)
+    compare_tables(hf_emb, rotary, POSITIONS, POSITIONS[None])
+    # and it is not the same table as the in-dict value would give
+    inner = Rotary(64, 1e6, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    assert not torch.allclose(inner.inv_freq, rotary.inv_freq, rtol=1e-3)
+
+
+PARTIAL_CASES = {
+    "qwen3-next-default": (transformers.Qwen3NextConfig, Qwen3NextRotaryEmbedding, {"rope_theta": 1e7}),
+    "qwen3-next-yarn": (transformers.Qwen3NextConfig, Qwen3NextRotaryEmbedding,
+                        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                         "rope_theta": 1e7}),
+    "qwen3.5-mrope": (transformers.Qwen3_5TextConfig, Qwen3_5TextRotaryEmbedding,
+                      {"rope_type": "default", "mrope_section": [11, 11, 10], "mrope_interleaved": True,
+                       "rope_theta": 1e7}),
+    "qwen3.5-moe-mrope": (transformers.Qwen3_5MoeTextConfig,
+                          transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeTextRotaryEmbedding,
+                          {"rope_type": "default", "mrope_section": [11, 11, 10], "mrope_interleaved": True,
+                           "rope_theta": 1e7}),
+}
+
+
+@pytest.mark.parametrize("name", list(PARTIAL_CASES))
+def test_partial_rotary_tables_match_transformers(name):
+    """partial_rotary_factor 0.25 (in rope_parameters, as transformers 5 saves it): a
+    64-wide rotary slice of a 256-wide head. Qwen3.5's multimodal RoPE with equal
+    temporal/height/width positions (text) is plain RoPE."""
+    cfg_cls, emb_cls, params = PARTIAL_CASES[name]
+    hf_cfg = cfg_cls(hidden_size=512, num_attention_heads=2, head_dim=256, max_position_embeddings=131072,
+                     rope_parameters=copy.deepcopy(params))
+    assert hf_cfg.rope_parameters["partial_rotary_factor"] == 0.25
+    saved = hf_cfg.to_dict()  # what config.json holds
+    hf_emb = emb_cls(hf_cfg)
+    rotary = ours(saved, 256)
+    assert rotary.rotary_dim == 64
+    hf_positions = POSITIONS[None] if "next" in name else POSITIONS[None, None].expand(3, 1, -1)
+    compare_tables(hf_emb, rotary, POSITIONS, hf_positions)
+
+
+def test_rope_scaling_dict_holds_only_the_scaling_rule():
+    theta, scaling = _rope({"max_position_embeddings": 1024, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True}})
+    assert (theta, scaling) == (1e7, None)
+    assert _rope({"rope_theta": 5e5, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}) == (5e5, None)
+    assert _rope({"rope_theta": 5e5, "partial_rotary_factor": 0.5}) == (5e5, None)
+    assert _rope({}) == (10000.0, None)
+    theta, scaling = _rope({"max_position_embeddings": 1024, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10], "mrope_interleaved": True}})
+    assert theta == 1e7 and scaling == {"rope_type": "yarn", "factor": 4.0}
+    # v4 "type" key becomes rope_type
+    assert _rope({"rope_theta": 1.0e4, "rope_scaling": {"type": "linear", "factor": 2.0}}) == (
+        1.0e4, {"rope_type": "linear", "factor": 2.0})
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "unsupported rope scaling type 'dynamic'; supported: linear, llama3, yarn"),
+    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0]}}, "unsupported rope scaling type 'longrope'"),
+    ({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 1024}},
+     "rope scaling type 'yarn' lacks factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     "rope scaling type 'yarn' lacks original_max_position_embeddings (or max_position_embeddings)"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}},
+     "rope scaling type 'llama3' lacks low_freq_factor, high_freq_factor"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "rope scaling type 'linear' lacks factor"),
+])
+def test_bad_rope_configs_give_one_line_errors(cfg, message):
+    with pytest.raises(DFlashError) as err:
+        _rope(cfg)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_odd_or_empty_rotary_dim_is_refused():
+    with pytest.raises(DFlashError, match="even rotary dimension"):
+        Rotary(64, 1e4, None, partial_rotary_factor=0.3)  # 19 channels
+    with pytest.raises(DFlashError, match="even rotary dimension"):
+        Rotary(64, 1e4, None, partial_rotary_factor=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rope_partial_and_full_match_transformers(dtype):
+    g = torch.Generator().manual_seed(0)
+    heads, t, head_dim = 3, 17, 32
+    positions = torch.arange(40, 40 + t)
+    q = torch.randn(heads, t, head_dim, generator=g).to(dtype)
+    k = torch.randn(1, t, head_dim, generator=g).to(dtype)
+    for factor, reference in [(0.25, next_apply_rotary_pos_emb), (0.5, next_apply_rotary_pos_emb),
+                              (1.0, qwen3_apply_rotary_pos_emb)]:
+        rotary = Rotary(head_dim, 10000.0, None, partial_rotary_factor=factor)
+        cos, sin = rotary.cos_sin(positions, dtype)
+        ref_q, ref_k = reference(q[None], k[None], cos[None], sin[None])
+        out_q, out_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        assert out_q.shape == q.shape and out_q.dtype == dtype
+        assert torch.equal(out_q, ref_q[0]) and torch.equal(out_k, ref_k[0]), factor
+        d = rotary.rotary_dim
+        assert torch.equal(out_q[..., d:], q[..., d:])  # channels past rotary_dim pass through
+        if factor < 1:
+            assert not torch.equal(out_q[..., :d], q[..., :d])
+
+
+YARN_TARGET = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+
+
+def test_yarn_target_matches_transformers(tmp_path):
+    """A Qwen3 target with yarn rope_parameters (positions up to 3x the original length)."""
+    path = make_target(tmp_path / "t", "qwen3", tokenizer=False, max_position_embeddings=128,
+                       rope_parameters=dict(YARN_TARGET))
+    cfg = TargetConfig.from_dict(json.loads((path / "config.json").read_text()))
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    hf = load_hf(path)
+    model = TargetModel.from_pretrained(path, torch.float32)
+    assert model.rotary.attention_factor == pytest.approx(hf.model.rotary_emb.attention_scaling)
+    ids = torch.randint(0, cfg.vocab_size, (96,), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache()
+    cache.reset(len(ids))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        logits, _ = model(ids, torch.arange(len(ids)), cache, len(ids), [0])
+    assert float((logits - ref).norm() / ref.norm()) <= 1e-4
+
+
+@pytest.mark.parametrize("scaling, max_positions", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}, None),
+    ({"rope_type": "yarn", "factor": 8.0, "beta_fast": 8.0, "mscale": 0.707, "mscale_all_dim": 1.0}, 64),
+], ids=["yarn", "yarn-from-max-positions"])
+def test_yarn_drafter_loads_and_decodes_losslessly(tmp_path, tiny_pair, scaling, max_positions):
+    target, _ = tiny_pair
+    cfg = dataclasses.replace(drafter_config(target, num_layers=2, block_size=4), rope_scaling=dict(scaling),
+                              max_position_embeddings=max_positions)
+    saved = cfg.to_dict()
+    assert saved["rope_scaling"] == scaling
+    assert saved.get("max_position_embeddings") == max_positions
+    assert DrafterConfig.from_dict(saved) == cfg
+    drafter_dir = save_drafter(tmp_path / "drafter", cfg, seed=3)
+
+    spec = DFlashEngine.from_pretrained(target, drafter_dir)
+    rotary = spec.drafter.rotary
+    assert rotary.attention_factor == rope_attention_factor(scaling, max_positions) != 1.0
+    expected = rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, max_position_embeddings=max_positions)
+    assert torch.equal(rotary.inv_freq, expected)
+    assert not torch.allclose(expected, rope_inv_freq(cfg.head_dim, cfg.rope_theta, None))
+    base = DFlashEngine(spec.target, spec.tokenizer)
+    for prompt in [spec.encode_prompt("def f(x):"), list(range(2, 40))]:
+        ref = base.generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids
+        out = spec.generate(prompt, max_new_tokens=30, ignore_eos=True)
+        assert out.token_ids == ref
+        assert len(out.stats.acceptance_lengths) > 1
