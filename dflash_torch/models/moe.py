@@ -1,0 +1,216 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE, and the
+conversion of per-expert checkpoint weights to the stacked layout it holds.
+
+A router (``gate``, Linear hidden -> num_experts) scores every expert; softmax in float32,
+the top-k experts per token, optionally renormalised to sum to 1 (``norm_topk_prob``;
+Qwen3.5-MoE always renormalises), weights cast back to the activation dtype. Each chosen
+expert is a SwiGLU MLP; its output, scaled by the routing weight, is summed per token in
+increasing expert order (the order transformers' eager expert loop adds them in). Qwen3-Next
+and Qwen3.5-MoE add a shared expert (a SwiGLU MLP every token goes through) scaled by
+``sigmoid(shared_expert_gate(x))``.
+
+Experts are held stacked, as transformers 5 holds them in memory:
+``experts.gate_up_proj`` ``[E, 2 * I, H]`` (the gate rows, then the up rows) and
+``experts.down_proj`` ``[E, H, I]``. Published checkpoints store them per expert
+(``...experts.{e}.gate_proj.weight`` ``[I, H]``, ``up_proj`` ``[I, H]``, ``down_proj``
+``[H, I]``): :func:`fuse_expert_weights` rewrites those into the stacked keys.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import DFlashError
+from .layers import MLP
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+class Experts(nn.Module):
+    """Stacked SwiGLU expert weights (uninitialised: loaded from a checkpoint).
+
+    Parameters: ``gate_up_proj`` ``[num_experts, 2 * intermediate, hidden]`` and
+    ``down_proj`` ``[num_experts, hidden, intermediate]``.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+
+@torch.compiler.disable
+def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                     down_proj: torch.Tensor) -> torch.Tensor:
+    """Run each token through its chosen experts and sum the weighted outputs.
+
+    Only the experts that some token chose are computed: the ``T * k`` (token, expert)
+    pairs are sorted by expert, their per-expert counts are read to the host once, and
+    each hit expert runs on the rows that chose it. That loop depends on the data, so
+    this function is an eager island under ``torch.compile`` (``torch.compiler.disable``):
+    the compiled graphs around it keep fixed shapes and are not re-traced when the
+    routing changes.
+
+    Args:
+        x: ``[T, hidden]`` activations.
+        experts: int64 ``[T, k]`` expert ids (distinct per row).
+        weights: ``[T, k]`` routing weights in ``x.dtype``.
+        gate_up_proj: ``[E, 2 * I, hidden]``; down_proj: ``[E, hidden, I]``.
+
+    Returns:
+        ``[T, hidden]`` in ``x.dtype``.
+    """
+    t, k = experts.shape
+    out = torch.zeros_like(x)
+    # pairs in (slot, token) order, grouped by expert (stable sort): the row order of
+    # transformers' eager loop, so each expert's matmul sees the same rows
+    by_slot = experts.t().reshape(-1)
+    order = torch.argsort(by_slot, stable=True)
+    counts = torch.bincount(by_slot, minlength=gate_up_proj.shape[0]).tolist()
+    pair_weights = weights.t().reshape(-1)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tokens = pairs % t
+        gate, up = F.linear(x[tokens], gate_up_proj[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, down_proj[e])
+        out.index_add_(0, tokens, h * pair_weights[pairs, None])
+    return out
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed mixture of SwiGLU experts, with an optional gated shared expert.
+
+    Hugging Face parameter names: ``gate.weight`` ``[E, H]`` (the router),
+    ``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``, and with a
+    shared expert ``shared_expert.{gate,up,down}_proj.weight`` and
+    ``shared_expert_gate.weight`` ``[1, H]``.
+
+    Args:
+        hidden: hidden size H.
+        num_experts: E.
+        top_k: experts per token (``num_experts_per_tok``), 1 <= top_k <= E.
+        intermediate: per-expert intermediate size I (``moe_intermediate_size``).
+        norm_topk_prob: renormalise the top-k probabilities to sum to 1.
+        shared_intermediate: intermediate size of the shared expert
+            (``shared_expert_intermediate_size``), or None for none (Qwen3-MoE).
+
+    Raises:
+        DFlashError: ``top_k`` outside ``[1, num_experts]``.
+    """
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, norm_topk_prob: bool,
+                 shared_intermediate: int | None = None):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise DFlashError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, intermediate)
+        self.shared_expert = MLP(hidden, shared_intermediate) if shared_intermediate else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_intermediate else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router: ``x`` ``[T, H]`` -> (weights ``[T, k]`` in ``x.dtype``, int64 expert ids
+        ``[T, k]``, highest probability first). Softmax and renormalisation in float32."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, H]`` -> ``[T, H]`` in ``x.dtype``."""
+        weights, experts = self.route(x)
+        out = dispatch_experts(x, experts, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def fuse_expert_weights(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Rewrite per-expert checkpoint weights into the stacked layout of :class:`Experts`.
+
+    Every group ``P.{e}.gate_proj.weight`` ``[I, H]``, ``P.{e}.up_proj.weight`` ``[I, H]``,
+    ``P.{e}.down_proj.weight`` ``[H, I]`` (``P`` ending in ``.experts``, ``e`` in
+    ``0..num_experts-1``) becomes ``P.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up
+    rows) and ``P.down_proj`` ``[E, H, I]``. Already stacked keys and all other keys are
+    left as they are. Works layer by layer, in place: each layer's per-expert entries are
+    dropped from ``state`` as soon as its stacked tensors are built, so at most one layer
+    is held twice.
+
+    Args:
+        state: name -> tensor; modified in place.
+        num_experts: E.
+
+    Returns:
+        ``state``.
+
+    Raises:
+        DFlashError: one line naming the layer's prefix: an expert missing or missing a
+            matrix, an expert id >= E, inconsistent shapes or dtypes, or a layer holding
+            both the per-expert and the stacked layout.
+    """
+    groups: dict[str, dict[int, dict[str, str]]] = {}
+    for key in state:
+        m = _PER_EXPERT.match(key)
+        if m:
+            groups.setdefault(m["prefix"], {}).setdefault(int(m["expert"]), {})[m["proj"]] = key
+    for prefix, experts in groups.items():
+        keys = _check_expert_group(state, prefix, experts, num_experts)
+        gate0 = state[keys[0]["gate_proj"]]
+        inter = gate0.shape[0]
+        gate_up = gate0.new_empty(num_experts, 2 * inter, gate0.shape[1])
+        down = gate0.new_empty(num_experts, *state[keys[0]["down_proj"]].shape)
+        for e in range(num_experts):
+            gate_up[e, :inter] = state.pop(keys[e]["gate_proj"])
+            gate_up[e, inter:] = state.pop(keys[e]["up_proj"])
+            down[e] = state.pop(keys[e]["down_proj"])
+        state[f"{prefix}.gate_up_proj"] = gate_up
+        state[f"{prefix}.down_proj"] = down
+    return state
+
+
+def _check_expert_group(state: dict[str, torch.Tensor], prefix: str, experts: dict[int, dict[str, str]],
+                        num_experts: int) -> list[dict[str, str]]:
+    """The keys of experts ``0..E-1`` of one layer, after checking they are complete and consistent."""
+    where = f"expert weights of {prefix}"
+    extra = sorted(e for e in experts if e >= num_experts)
+    if extra:
+        raise DFlashError(f"{where}: expert ids {extra} are outside num_experts {num_experts}")
+    absent = [e for e in range(num_experts) if e not in experts]
+    if absent:
+        raise DFlashError(f"{where}: experts {_ids(absent)} are missing (num_experts {num_experts})")
+    for e in range(num_experts):
+        lacking = [p for p in _PROJS if p not in experts[e]]
+        if lacking:
+            raise DFlashError(f"{where}: expert {e} lacks {', '.join(p + '.weight' for p in lacking)}")
+    for stacked in ("gate_up_proj", "down_proj"):
+        if f"{prefix}.{stacked}" in state:
+            raise DFlashError(f"{where}: both per-expert weights and the stacked {prefix}.{stacked}")
+    gate0, down0 = state[experts[0]["gate_proj"]], state[experts[0]["down_proj"]]
+    expected = {"gate_proj": tuple(gate0.shape), "up_proj": tuple(gate0.shape), "down_proj": tuple(gate0.shape[::-1])}
+    if gate0.dim() != 2 or tuple(down0.shape) != expected["down_proj"]:
+        raise DFlashError(f"{where}: expert 0 has gate_proj {tuple(gate0.shape)} and down_proj {tuple(down0.shape)}, "
+                          "expected [I, H] and [H, I]")
+    for e in range(num_experts):
+        for p in _PROJS:
+            t = state[experts[e][p]]
+            if tuple(t.shape) != expected[p] or t.dtype != gate0.dtype:
+                raise DFlashError(f"{where}: expert {e} {p}.weight is {tuple(t.shape)} {t.dtype}, "
+                                  f"expected {expected[p]} {gate0.dtype} like expert 0")
+    return [experts[e] for e in range(num_experts)]
+
+
+def _ids(ids: list[int]) -> str:
+    return ", ".join(map(str, ids[:8])) + (" ..." if len(ids) > 8 else "")
