@@ -44,7 +44,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
 
-@torch.compiler.disable
+@torch.library.custom_op("dflash_torch::dispatch_experts", mutates_args=())
 def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
                      down_proj: torch.Tensor) -> torch.Tensor:
     """Run each token through its chosen experts and sum the weighted outputs.
@@ -52,9 +52,9 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     Only the experts that some token chose are computed: the ``T * k`` (token, expert)
     pairs are sorted by expert, their per-expert counts are read to the host once, and
     each hit expert runs on the rows that chose it. That loop depends on the data, so
-    this function is an eager island under ``torch.compile`` (``torch.compiler.disable``):
-    the compiled graphs around it keep fixed shapes and are not re-traced when the
-    routing changes.
+    this function is a custom operator (``torch.library.custom_op``) that
+    ``torch.compile`` keeps as one opaque node of fixed output shape: the compiled graph
+    around it neither breaks nor is re-traced when the routing changes.
 
     Args:
         x: ``[T, hidden]`` activations.
@@ -84,6 +84,12 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         h = F.linear(F.silu(gate) * up, down_proj[e])
         out.index_add_(0, tokens, h * pair_weights[pairs, None])
     return out
+
+
+@dispatch_experts.register_fake
+def _(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+      down_proj: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 class SparseMoE(nn.Module):
