@@ -1,6 +1,7 @@
-"""Static, preallocated KV cache for one sequence.
+"""Per-sequence caches: a static, preallocated KV cache (attention layers of the target
+and the drafter) and the recurrent state of linear-attention layers (Gated DeltaNet).
 
-Both the target and the drafter keep one. Entries are written at absolute
+Both the target and the drafter keep a KV cache. Entries are written at absolute
 positions by index assignment (so positions may be a device tensor and shapes never
 depend on the sequence length); ``length`` says how many positions are committed.
 Rollback is just moving ``length``: entries past it are stale and are overwritten
@@ -56,3 +57,78 @@ class KVCache:
         if end is None:
             return self.k[layer], self.v[layer]
         return self.k[layer][:, :end], self.v[layer][:, :end]
+
+
+class RecurrentState:
+    """The per-sequence state of a target's linear-attention (Gated DeltaNet) layers.
+
+    For each layer (a *slot*): ``conv[slot]`` ``[kernel - 1, conv_dim]`` (model dtype), the
+    last projected inputs of the causal convolution, and ``ssm[slot]`` ``[heads, d_k, d_v]``
+    (float32), the recurrent state. Both always describe the committed tokens only: a
+    verify block leaves them unchanged and records (``stash``) what its layer needs to
+    advance them over the accepted prefix afterwards.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device | str):
+        self.dtype, self.device = dtype, torch.device(device)
+        self.conv: list[torch.Tensor] = []
+        self.ssm: list[torch.Tensor] = []
+        self._stash: list[tuple | None] = []
+
+    def add_layer(self, width: int, conv_dim: int, heads: int, key_dim: int, value_dim: int) -> int:
+        """Allocate one layer's (zero) state; returns its slot."""
+        self.conv.append(torch.zeros(width, conv_dim, dtype=self.dtype, device=self.device))
+        self.ssm.append(torch.zeros(heads, key_dim, value_dim, dtype=torch.float32, device=self.device))
+        self._stash.append(None)
+        return len(self.conv) - 1
+
+    def clear(self) -> None:
+        """Back to the state before any token (in place: the buffers keep their addresses)."""
+        for t in self.conv + self.ssm:
+            t.zero_()
+        self._stash = [None] * len(self._stash)
+
+    def stash(self, slot: int, *tensors: torch.Tensor) -> None:
+        """Record a deferred block's tensors for ``slot`` (see ``GatedDeltaNet.commit``)."""
+        self._stash[slot] = tensors
+
+    def stashed(self, slot: int) -> tuple:
+        """The tensors of the last deferred block of ``slot``.
+
+        Raises:
+            RuntimeError: no block was deferred since the last commit.
+        """
+        if self._stash[slot] is None:
+            raise RuntimeError("commit without a deferred verify block")
+        return self._stash[slot]
+
+
+class TargetCache:
+    """Everything a target keeps per sequence: a :class:`KVCache` over its attention
+    layers and, for hybrid targets, a :class:`RecurrentState` over its linear-attention
+    layers (None for pure-attention targets).
+
+    ``length``, ``capacity`` and ``reset`` are those of the KV cache; ``reset`` also clears
+    the recurrent state.
+    """
+
+    def __init__(self, kv: KVCache, recurrent: RecurrentState | None = None):
+        self.kv, self.recurrent = kv, recurrent
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.kv.length = value
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.capacity
+
+    def reset(self, capacity: int) -> None:
+        """Start a new sequence (see :meth:`KVCache.reset`); the recurrent state is zeroed."""
+        self.kv.reset(capacity)
+        if self.recurrent is not None:
+            self.recurrent.clear()

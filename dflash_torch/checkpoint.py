@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -100,8 +101,13 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise DFlashError(f"{model_dir} has no safetensors weights (model.safetensors or model.safetensors.index.json)")
 
 
-def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Load every tensor of a checkpoint, cast to ``dtype``, onto ``device``.
+def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+                    keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """Load the tensors of a checkpoint, cast to ``dtype``, onto ``device``.
+
+    Args:
+        keep: read only the tensors whose name it accepts (the others are never
+            materialized); None reads all.
 
     Raises:
         DFlashError: a weight file that is not valid safetensors (corrupt or truncated).
@@ -113,6 +119,8 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in f.keys():
+                    if keep is not None and not keep(key):
+                        continue
                     t = f.get_tensor(key)
                     state[key] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
         except SafetensorError as e:

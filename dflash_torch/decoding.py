@@ -17,6 +17,7 @@ import torch
 
 from .errors import DFlashError
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
+from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, greedy_tokens, probabilities, sample
 
@@ -122,7 +123,13 @@ class SpeculativeDecoder:
             self.target_cache.reset(capacity)
             if self.context is not None:
                 self.context.reset(capacity)
+        # hybrid targets: a verify leaves the recurrent layers' state as it was and the
+        # accepted prefix is committed into it afterwards (their rollback)
+        self.defer_commit = target.recurrent and block_size > 1
+        if self.defer_commit and block_size > CHUNK:
+            raise DFlashError(f"block size {block_size} exceeds {CHUNK}, the longest verify block of a hybrid target")
         self._prefill_fn, self._draft_fn, self._verify_fn = self._prefill_step, self._draft_step, self._verify_step
+        self._commit_fn = self._commit_step
         self.compiled = compile
         if compile:
             if self.device.type == "cuda":
@@ -132,6 +139,7 @@ class SpeculativeDecoder:
             self._prefill_fn = torch.compile(self._prefill_step, **opts)
             self._draft_fn = torch.compile(self._draft_step, **opts)
             self._verify_fn = torch.compile(self._verify_step, **opts)
+            self._commit_fn = torch.compile(self._commit_step, **opts)
 
     def kv_bucket(self, n: int) -> int:
         """Keys to attend over when ``n`` positions must be visible (fixed shapes): the
@@ -143,9 +151,11 @@ class SpeculativeDecoder:
 
     # --- the per-round steps (fixed shapes when ``s`` is a tensor and ``kv_len`` a bucket) ---
 
-    def _prefill_step(self, ids: torch.Tensor, start, kv_len: int | None):
+    def _prefill_step(self, ids: torch.Tensor, start, kv_len: int | None, valid=None):
+        """prefill: the target reads a prompt chunk at ``[start, start + len(ids))``; recurrent
+        layers advance over its first ``valid`` rows (all when None)."""
         positions = start + self._arange_chunk[: ids.shape[0]]
-        return self.target(ids, positions, self.target_cache, kv_len, self.feature_layers)
+        return self.target(ids, positions, self.target_cache, kv_len, self.feature_layers, commit=valid)
 
     def _draft_step(self, token: torch.Tensor, s, kv_len: int | None, features: torch.Tensor | None = None,
                     feature_start=None) -> torch.Tensor:
@@ -162,7 +172,12 @@ class SpeculativeDecoder:
 
     def _verify_step(self, block: torch.Tensor, s, kv_len: int | None):
         """verify: the target reads the block at ``[s, s+B)`` -> logits ``[B, V]``, features ``[B, k*H]``."""
-        return self.target(block, s + self._arange_block[: block.shape[0]], self.target_cache, kv_len, self.feature_layers)
+        return self.target(block, s + self._arange_block[: block.shape[0]], self.target_cache, kv_len, self.feature_layers,
+                           defer_commit=self.defer_commit)
+
+    def _commit_step(self, rows: torch.Tensor) -> None:
+        """rollback of recurrent layers: advance their state over the first ``rows`` tokens of the last verify."""
+        self.target.commit(self.target_cache, rows)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -177,7 +192,8 @@ class SpeculativeDecoder:
             if self.static:  # fixed chunk shape: pad; pad rows land past the prompt and get overwritten
                 chunk = torch.zeros(C, dtype=torch.long, device=self.device)
                 chunk[: c1 - c0] = ids[c0:c1]
-                logits, feats = self._prefill_fn(chunk, torch.tensor(c0, device=self.device), self.kv_bucket(c0 + C))
+                logits, feats = self._prefill_fn(chunk, torch.tensor(c0, device=self.device), self.kv_bucket(c0 + C),
+                                                 torch.tensor(c1 - c0, device=self.device))
                 last = logits[c1 - c0 - 1]
                 if self.context is not None:
                     self.context.inject(self.drafter, feats, c0 + self._arange_chunk)
@@ -222,8 +238,8 @@ class SpeculativeDecoder:
             self.target_cache.reset(capacity)
             if self.context is not None:
                 self.context.reset(capacity)
-        else:
-            self.target_cache.length = 0
+        else:  # the preallocated buffers stay; recurrent states are zeroed in place
+            self.target_cache.reset(self.target_cache.capacity)
         generator = params.generator(dev)
 
         t0 = time.perf_counter()
@@ -276,6 +292,8 @@ class SpeculativeDecoder:
             elif self.context is not None:
                 self.context.inject(self.drafter, feats[: a + 1], s + self._arange_block[: a + 1])
             self.target_cache.length = s + a + 1  # rollback: rows past the accepted prefix are stale
+            if self.defer_commit:
+                self._commit_fn(a_dev + 1)
             self._sync()
             t3 = time.perf_counter()
             s += a + 1

@@ -85,9 +85,63 @@ def make_target(out_dir: Path, family: str = "qwen3", *, seed: int = 0, tokenize
     return Path(out_dir)
 
 
+HYBRID_FAMILIES = ("qwen3_moe", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+
+
+def make_hybrid_target(out_dir: Path, model_type: str, *, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
+    """Save a tiny random target of a hybrid / mixture-of-experts ``model_type`` (one of
+    :data:`HYBRID_FAMILIES`) with transformers' own class: 6 layers (hybrids: linear
+    attention except layer 3), 4 experts with top-2 routing where the family has experts,
+    and for the multimodal wrappers ``qwen3_5`` / ``qwen3_5_moe`` a small vision tower."""
+    import transformers
+
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=128, max_position_embeddings=1024, tie_word_embeddings=False,
+                eos_token_id=EOS_ID, bos_token_id=EOS_ID, pad_token_id=EOS_ID)
+    if model_type != "qwen3_moe":
+        text.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=4)
+    if "moe" in model_type or model_type == "qwen3_next":
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        if model_type != "qwen3_moe":
+            text["shared_expert_intermediate_size"] = 48
+        if model_type != "qwen3_5_moe_text" and model_type != "qwen3_5_moe":
+            text["norm_topk_prob"] = True
+    text.update(overrides)
+    classes = {
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen3_5_text": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+    }
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
+        moe = model_type == "qwen3_5_moe"
+        config = (transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config)(
+            text_config=text, tie_word_embeddings=text["tie_word_embeddings"],
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               patch_size=4, num_position_embeddings=16))
+        model = (transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration)(config)
+    else:
+        cfg_cls, model_cls = classes[model_type]
+        model = model_cls(cfg_cls(**text))
+    model.eval()
+    with torch.no_grad():  # larger-than-default weights give peaked, less tie-prone logits
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or (p.dim() == 3 and "experts" in name):
+                p.normal_(0, 0.08)
+            elif name.endswith(("q_norm.weight", "k_norm.weight", "layernorm.weight", "model.norm.weight")) and model_type != "qwen3_moe":
+                p.normal_(0, 0.1)  # (1 + weight) norms: exercise the offset
+    model.save_pretrained(str(out_dir))
+    if tokenizer:
+        make_tokenizer(out_dir)
+    return Path(out_dir)
+
+
 def drafter_config(target_dir: Path, *, num_layers: int = 2, block_size: int = 16, mask_token_id: int = MASK_ID,
                    target_layer_ids: list[int] | None = None) -> DrafterConfig:
     tcfg = json.loads((Path(target_dir) / "config.json").read_text())
+    tcfg = tcfg.get("text_config", tcfg)  # multimodal wrappers
     L = tcfg["num_hidden_layers"]
     heads = tcfg["num_attention_heads"]
     return DrafterConfig(
@@ -141,38 +195,45 @@ def copy_tokenizer(src_dir: Path, dst_dir: Path) -> None:
 
 
 def load_hf(target_dir: Path):
-    """The target checkpoint loaded by transformers itself (float32, eval): the oracle."""
-    from transformers import AutoModelForCausalLM
+    """The target checkpoint loaded by transformers itself (float32, eval), with the class
+    its config names (e.g. the multimodal wrapper of Qwen3.5): the oracle."""
+    import transformers
 
-    return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    arch = json.loads((Path(target_dir) / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, arch).from_pretrained(str(target_dir), dtype=torch.float32).eval()
 
 
 AGREE_TOKEN = 42  # the token c that the agreeable target predicts often
 
 
 def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16, alpha: float = 0.5,
-                        beta: float = 2.5) -> tuple[Path, Path]:
+                        beta: float = 2.5, model_type: str = "qwen3", self_scale: float = -1.0) -> tuple[Path, Path]:
     """A (target, drafter) pair whose random drafter agrees with the target often.
 
     Every token embedding of an untied Qwen3 target gets a shared direction ``u``
     (a random multiple in [0, 2 * alpha) of it), except token c = ``AGREE_TOKEN`` whose
-    embedding carries ``-alpha * u`` (so runs of c end); the lm_head row of c is
+    embedding carries ``self_scale * alpha * u`` (negative: runs of c end); the lm_head row of c is
     ``beta * u``. The target then predicts c often but not always. The drafter has small
     random weights, so its output stays close to the (u-heavy) mask embedding and it
     proposes c nearly everywhere: it is accepted whenever the target predicts c.
+    ``model_type``: ``qwen3`` or a text family of :data:`HYBRID_FAMILIES`; ``self_scale``:
+    c's own multiple of ``u`` (higher: longer runs of c).
     """
     from safetensors.torch import load_file
 
     from dflash_torch.models.drafter import DFlashDrafter
 
     root = Path(root)
-    target = make_target(root / "target", "qwen3", seed=1, tokenizer=False, tie_word_embeddings=False)
+    if model_type == "qwen3":
+        target = make_target(root / "target", "qwen3", seed=1, tokenizer=False, tie_word_embeddings=False)
+    else:
+        target = make_hybrid_target(root / "target", model_type, seed=1, tokenizer=False)
     state = load_file(str(target / "model.safetensors"))
     g = torch.Generator().manual_seed(0)
     u = torch.randn(state["lm_head.weight"].shape[1], generator=g)
     u /= u.norm()
     scale = torch.rand(state["lm_head.weight"].shape[0], 1, generator=g) * 2
-    scale[AGREE_TOKEN] = -1.0
+    scale[AGREE_TOKEN] = self_scale
     state["model.embed_tokens.weight"] += alpha * scale * u
     state["lm_head.weight"][AGREE_TOKEN] = beta * u
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})

@@ -45,6 +45,7 @@ def test_static_rounds_match_eager(agree_pair):
 def test_compiled_rounds_do_not_recompile(agree_pair):
     target, drafter = _load(agree_pair)
     torch._dynamo.reset()
+    dynamo_utils.counters.clear()  # (reset() leaves the counters of earlier tests)
     compiled = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=512, prefill_chunk=32)
     eager = SpeculativeDecoder(target, drafter)
     # warm-up to the context limit: compiles the prefill once (one chunk, 256-key bucket)

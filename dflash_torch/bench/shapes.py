@@ -19,6 +19,7 @@ from ..models.config import DrafterConfig, TargetConfig, default_target_layer_id
 from ..models.drafter import DFlashDrafter
 from ..models.rope import Rotary
 from ..models.packing import pack_linears, packing_supported
+from ..models.registry import family
 from ..models.target import TargetModel
 
 # Shapes from the public Qwen3 configs (hidden, layers, heads, kv heads, head dim, MLP).
@@ -77,7 +78,7 @@ def build_pair(shape: str | tuple, dtype: torch.dtype, device: str, draft_layers
     tcfg = TargetConfig("qwen3", vocab, hidden, layers, heads, kv, hd, inter, 1e-6, 1e6, None, 40960, True, False, True, [])
     dcfg = drafter_config(shape, draft_layers, block_size, vocab)
     with torch.device("meta"):
-        target, drafter = TargetModel(tcfg), DFlashDrafter(dcfg)
+        target, drafter = family(tcfg.model_type).Model(tcfg), DFlashDrafter(dcfg)
     target = _random_init(target, dtype, device).eval()
     target.lm_head.weight = target.model.embed_tokens.weight
     drafter = _random_init(drafter, dtype, device).eval()

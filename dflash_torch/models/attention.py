@@ -1,4 +1,5 @@
-"""The attention projections shared by target and drafter layers (Llama/Qwen2/Qwen3)."""
+"""The attention projections shared by target and drafter layers (Llama, Qwen2, Qwen3,
+and the gated attention of Qwen3-Next / Qwen3.5)."""
 
 from __future__ import annotations
 
@@ -10,30 +11,49 @@ from .rope import apply_rope
 
 
 class Attention(nn.Module):
-    """q/k/v/o projections, optional per-head q/k RMSNorm (Qwen3), q/k/v bias (Qwen2) and
-    o bias (Llama with ``attention_bias``).
+    """q/k/v/o projections, optional per-head q/k norm (Qwen3 and later), q/k/v bias
+    (Qwen2), o bias (Llama with ``attention_bias``) and an optional output gate.
+
+    With ``output_gate`` (Qwen3-Next, Qwen3.5), ``q_proj`` also produces a gate per
+    query channel, interleaved per head as ``[query (head_dim), gate (head_dim)]``, and
+    the attention output is multiplied by ``sigmoid(gate)`` before ``o_proj``.
 
     Hugging Face parameter names: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
     ``q_norm``, ``k_norm``.
+
+    Args:
+        norm: the class of the q/k norms (``RMSNorm`` or ``ZeroCenteredRMSNorm``).
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, qk_norm: bool, eps: float,
-                 o_bias: bool = False):
+                 o_bias: bool = False, output_gate: bool = False, norm: type[nn.Module] = RMSNorm):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.output_gate = output_gate
+        self.q_proj = nn.Linear(hidden, heads * head_dim * (2 if output_gate else 1), bias=bias)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
-        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.q_norm = norm(head_dim, eps) if qk_norm else None
+        self.k_norm = norm(head_dim, eps) if qk_norm else None
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, hidden]`` -> rotated queries ``[heads, T, head_dim]``."""
-        q = self.q_proj(x).view(x.shape[0], self.heads, self.head_dim)
+        """``x`` ``[T, hidden]`` -> rotated queries ``[heads, T, head_dim]`` (no output gate)."""
+        return self.query_gate(x, cos, sin)[0]
+
+    def query_gate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` ``[T, hidden]`` -> rotated queries ``[heads, T, head_dim]`` and the output
+        gate ``[T, heads * head_dim]`` (None without ``output_gate``)."""
+        t = x.shape[0]
+        q = self.q_proj(x)
+        gate = None
+        if self.output_gate:
+            q = q.view(t, self.heads, 2 * self.head_dim)
+            q, gate = q[..., : self.head_dim], q[..., self.head_dim:].reshape(t, self.heads * self.head_dim)
+        q = q.reshape(t, self.heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rope(q.transpose(0, 1), cos, sin)
+        return apply_rope(q.transpose(0, 1), cos, sin), gate
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[T, hidden]`` -> rotated keys and values, each ``[kv_heads, T, head_dim]``."""
@@ -43,3 +63,9 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         return apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)
+
+    def output(self, attended: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """``o_proj`` of the attention output ``[T, heads * head_dim]``, gated when ``gate`` is given."""
+        if gate is not None:
+            attended = attended * torch.sigmoid(gate)
+        return self.o_proj(attended)

@@ -1,7 +1,7 @@
 """Model configurations parsed from Hugging Face ``config.json`` dicts.
 
-Target families: ``qwen3`` (q/k RMSNorm), ``llama`` (optionally ``rope_scaling``
-type ``llama3``) and ``qwen2`` (bias on q/k/v projections). Drafters: the published
+Targets: :class:`TargetConfig`, filled by the parser of each family module (see
+:mod:`dflash_torch.models.registry`) from the helpers here. Drafters: the published
 DFlash format (``architectures: ["DFlashDraftModel"]``, see the DFlash reference
 implementation z-lab/dflash, ``dflash/model.py``).
 """
@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import DFlashError
-
-TARGET_FAMILIES = ("qwen3", "llama", "qwen2")
 
 
 # required keys of each supported rope scaling rule (besides rope_type)
@@ -67,8 +65,39 @@ def _require(cfg: dict, keys: list[str], what: str) -> None:
 
 
 @dataclass
+class LinearAttentionConfig:
+    """Shape of the Gated DeltaNet layers of a hybrid target (Hugging Face ``linear_*`` keys)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+
+@dataclass
+class MoEConfig:
+    """A target's sparse mixture-of-experts MLP (Hugging Face ``num_experts``,
+    ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``,
+    ``shared_expert_intermediate_size``; 0 = no shared expert)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0
+
+
+@dataclass
 class TargetConfig:
-    """Shape and hyper-parameters of a target model (one decoder-only LLM)."""
+    """Shape and hyper-parameters of a target model (one decoder-only LLM).
+
+    The common fields come first; hybrid and mixture-of-experts families add
+    ``layer_types`` (``"full_attention"`` / ``"linear_attention"`` per layer, default all
+    attention), ``linear_attention``, ``moe`` with ``moe_layers`` (which layers use it),
+    ``attention_output_gate`` and ``partial_rotary_factor``. :meth:`from_dict` hands a
+    ``config.json`` to the parser of its family module (:mod:`.registry`).
+    """
 
     model_type: str
     vocab_size: int
@@ -86,48 +115,148 @@ class TargetConfig:
     attention_bias: bool
     qk_norm: bool
     eos_token_ids: list[int] = field(default_factory=list)
+    partial_rotary_factor: float = 1.0
+    layer_types: list[str] = field(default_factory=list)
+    attention_output_gate: bool = False
+    linear_attention: LinearAttentionConfig | None = None
+    moe: MoEConfig | None = None
+    moe_layers: list[bool] = field(default_factory=list)
+    checkpoint_prefix: str = "model."  # where the decoder's weights live in the checkpoint
+
+    def __post_init__(self):
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if not self.moe_layers:
+            self.moe_layers = [self.moe is not None] * self.num_hidden_layers
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "TargetConfig":
-        """Parse a target ``config.json``.
+        """Parse a target ``config.json`` with the parser of its family.
 
         Raises:
-            DFlashError: unsupported family, a DFlash drafter passed as target, or missing keys.
+            DFlashError: unsupported family, a DFlash drafter passed as target, a quantized
+                checkpoint, or missing / inconsistent keys.
         """
+        from .registry import family
+
         archs = cfg.get("architectures") or []
-        if "DFlashDraftModel" in archs:
+        if any(a.startswith("DFlash") for a in archs):
             raise DFlashError("the target checkpoint is a DFlash drafter; pass the target LLM as --target")
-        model_type = cfg.get("model_type")
-        if model_type not in TARGET_FAMILIES:
-            raise DFlashError(f"unsupported target model_type {model_type!r}; supported: {', '.join(TARGET_FAMILIES)}")
-        _require(cfg, ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"], "target")
-        if cfg.get("mlp_bias"):
-            raise DFlashError("target configs with mlp_bias=true are not supported")
-        if cfg.get("use_sliding_window"):
-            raise DFlashError("target configs with use_sliding_window=true are not supported")
-        heads = cfg["num_attention_heads"]
-        theta, scaling = _rope(cfg)
-        eos = cfg.get("eos_token_id")
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(
-            model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type != "llama")),
-            # Qwen2 always has q/k/v biases (transformers' Qwen2Config saves attention_bias: null)
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias")),
-            qk_norm=model_type == "qwen3",
-            eos_token_ids=eos,
-        )
+        quant = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+            raise DFlashError(f"the target checkpoint is quantized (quant_method {method!r}); "
+                              "dflash-torch reads unquantized float32/bfloat16/float16 weights only")
+        return family(cfg.get("model_type")).parse_config(cfg)
+
+
+def base_target_fields(cfg: dict, model_type: str) -> dict:
+    """The common :class:`TargetConfig` fields of a (text) ``config.json`` dict.
+
+    Raises:
+        DFlashError: missing keys, unsupported rope scaling.
+    """
+    _require(cfg, ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"], "target")
+    heads = cfg["num_attention_heads"]
+    theta, scaling = _rope(cfg)
+    eos = cfg.get("eos_token_id")
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return dict(
+        model_type=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        intermediate_size=cfg.get("intermediate_size") or 0,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias")),
+        qk_norm=False,
+        eos_token_ids=eos,
+        partial_rotary_factor=rotary_fraction(cfg),
+    )
+
+
+def rotary_fraction(cfg: dict, default: float = 1.0) -> float:
+    """``partial_rotary_factor`` (the fraction of each head that RoPE rotates) from
+    ``rope_parameters`` (transformers 5 layout) or the top level (older layout)."""
+    params = cfg.get("rope_parameters") or {}
+    value = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default))
+    if not 0 < float(value) <= 1:
+        raise DFlashError(f"target partial_rotary_factor must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+def layer_types(cfg: dict) -> list[str]:
+    """Per-layer token mixer of a hybrid config: ``layer_types``, or every
+    ``full_attention_interval``-th layer (default 4) full attention, the rest linear.
+
+    Raises:
+        DFlashError: a ``layer_types`` of the wrong length or with an unknown type.
+    """
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    if len(types) != n:
+        raise DFlashError(f"target layer_types has {len(types)} entries but num_hidden_layers is {n}")
+    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
+    if unknown:
+        raise DFlashError(f"target layer_types {unknown} are not supported (full_attention, linear_attention)")
+    return list(types)
+
+
+def linear_attention_config(cfg: dict) -> LinearAttentionConfig:
+    """The Gated DeltaNet shape of a hybrid config.
+
+    Raises:
+        DFlashError: missing keys, or value heads not a multiple of key heads.
+    """
+    keys = ["linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"]
+    _require(cfg, keys, "target")
+    la = LinearAttentionConfig(*(int(cfg[k]) for k in keys), conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
+    if la.num_value_heads % la.num_key_heads:
+        raise DFlashError(f"target linear_num_value_heads {la.num_value_heads} is not a multiple of "
+                          f"linear_num_key_heads {la.num_key_heads}")
+    return la
+
+
+def moe_config(cfg: dict, *, norm_topk_prob: bool | None = None, shared_expert: bool = False) -> MoEConfig:
+    """The mixture-of-experts MLP of a config (``norm_topk_prob`` forced when the family
+    always renormalises; ``shared_expert`` reads ``shared_expert_intermediate_size``).
+
+    Raises:
+        DFlashError: missing keys or a top-k larger than the number of experts.
+    """
+    cfg = dict(cfg)
+    if "num_experts" not in cfg and "num_local_experts" in cfg:  # transformers 5 writes Qwen3-MoE's under this name
+        cfg["num_experts"] = cfg["num_local_experts"]
+    _require(cfg, ["num_experts", "num_experts_per_tok", "moe_intermediate_size"], "target")
+    moe = MoEConfig(
+        num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if norm_topk_prob is None else norm_topk_prob,
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if shared_expert else 0,
+    )
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise DFlashError(f"target num_experts_per_tok {moe.top_k} must be in [1, num_experts={moe.num_experts}]")
+    if shared_expert and not moe.shared_expert_intermediate_size:
+        raise DFlashError("target config.json lacks shared_expert_intermediate_size")
+    return moe
+
+
+def sparse_layers(cfg: dict, num_experts: int) -> list[bool]:
+    """Which layers use the MoE MLP (Qwen3-MoE / Qwen3-Next rule): layer i unless it is in
+    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``."""
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return [num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg["num_hidden_layers"])]
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

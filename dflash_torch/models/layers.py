@@ -26,6 +26,22 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose weight is stored as an offset from one (Qwen3-Next, Qwen3.5): the
+    output is ``norm(x) * (1 + weight)``, scaled in float32 before the cast back (the
+    order of transformers' ``Qwen3_5RMSNorm``, unlike :class:`RMSNorm`)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 

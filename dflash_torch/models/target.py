@@ -1,73 +1,138 @@
-"""The target LLM (Qwen3, Llama / Llama-3, Qwen2) with a static KV cache and
-capture of intermediate layer outputs (the DFlash context features)."""
+"""The target LLM: a decoder stack with a static KV cache (attention layers), an exactly
+rolled-back recurrent state (linear-attention layers of hybrid targets) and capture of
+intermediate layer outputs (the DFlash context features).
+
+:class:`TargetModel` is the shared decoder; each family module (``llama.py``,
+``qwen3_moe.py``, ``qwen3_5.py``, ``qwen3_next.py``) says how its config reads, which
+layers it builds and how its checkpoint's weight names map onto them.
+:func:`dflash_torch.models.registry.family` finds the module of a ``model_type``.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..cache import KVCache
+from ..cache import KVCache, RecurrentState, TargetCache
 from ..checkpoint import load_config, load_state_dict
 from ..errors import DFlashError
-from .attention import Attention
 from .config import TargetConfig
-from .layers import MLP, RMSNorm, attend, attention_bias
+from .gated_deltanet import GatedDeltaNet
+from .layers import RMSNorm, attend, attention_bias
 from .rope import Rotary
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder layer: causal self-attention then SwiGLU MLP, both residual."""
+    """Pre-norm decoder layer: a token mixer (``self_attn`` or, in hybrid targets,
+    ``linear_attn``) then the MLP (``mlp``: dense or mixture of experts), both residual.
 
-    def __init__(self, cfg: TargetConfig):
+    Attributes:
+        kind: ``"full_attention"`` or ``"linear_attention"``.
+        slot: this layer's index in the KV cache or in the recurrent state.
+    """
+
+    def __init__(self, kind: str, mixer: nn.Module, mlp: nn.Module, norm: nn.Module, post_norm: nn.Module, slot: int):
         super().__init__()
-        self.self_attn = Attention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps,
-            o_bias=cfg.attention_bias and cfg.model_type == "llama",  # Llama's attention_bias covers o_proj too
-        )
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.kind, self.slot = kind, slot
+        if kind == "linear_attention":
+            self.linear_attn = mixer
+        else:
+            self.self_attn = mixer
+        self.mlp = mlp
+        self.input_layernorm = norm
+        self.post_attention_layernorm = post_norm
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, embed: nn.Embedding, layers: list[DecoderLayer], norm: nn.Module):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = embed
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+@dataclass
+class _Step:
+    """What every attention layer of one forward shares."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    bias: torch.Tensor
+    kv_len: int | None
 
 
 class TargetModel(nn.Module):
     """A decoder-only LLM that returns logits and the outputs of chosen layers.
 
     Parameter names follow Hugging Face (``model.embed_tokens``, ``model.layers.*``,
-    ``model.norm``, ``lm_head``), so checkpoints load as they are.
+    ``model.norm``, ``lm_head``), so text checkpoints load as they are; family modules
+    rename the rest (multimodal wrappers, fused projections, per-expert weights).
+    Subclasses implement :meth:`make_layer` and may override :attr:`norm_class`,
+    :meth:`checkpoint_keys` and :meth:`convert_checkpoint`.
     """
+
+    norm_class: type[nn.Module] = RMSNorm
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.config = cfg
-        self.model = _Backbone(cfg)
+        layers, kv_slots, linear_slots = [], 0, 0
+        for i, kind in enumerate(cfg.layer_types):
+            slot = linear_slots if kind == "linear_attention" else kv_slots
+            layers.append(self.make_layer(i, kind, slot))
+            linear_slots += kind == "linear_attention"
+            kv_slots += kind != "linear_attention"
+        self.num_kv_layers = kv_slots
+        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model = _Backbone(embed, layers, self.norm_class(cfg.hidden_size, cfg.rms_norm_eps))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings)
+        self.rotary = self.make_rotary()
+
+    def make_layer(self, index: int, kind: str, slot: int) -> DecoderLayer:
+        """The decoder layer ``index`` of type ``kind`` (``cfg.layer_types[index]``), using
+        cache slot ``slot``."""
+        raise NotImplementedError
+
+    def make_rotary(self) -> Rotary:
+        cfg = self.config
+        return Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, partial_rotary_factor=cfg.partial_rotary_factor,
+                      max_position_embeddings=cfg.max_position_embeddings)
+
+    # --- loading ---
+
+    @classmethod
+    def checkpoint_keys(cls, cfg: TargetConfig, key: str) -> bool:
+        """Whether a checkpoint tensor is read at all (False for known parts a text target
+        never runs, e.g. a vision tower: they are not materialized)."""
+        return True
+
+    @classmethod
+    def convert_checkpoint(cls, cfg: TargetConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Map checkpoint tensor names/layouts onto this model's parameters (in place)."""
+        return state
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> "TargetModel":
-        """Load a Hugging Face checkpoint directory.
+        """Load a Hugging Face checkpoint directory with the class of its family.
 
         Raises:
-            DFlashError: unsupported config; weights missing, unused (an unsupported
+            DFlashError: unsupported config; weights missing, unknown (an unsupported
                 variant, e.g. biases the config does not announce) or of the wrong shape.
         """
+        from .registry import family
+
         cfg = TargetConfig.from_dict(load_config(model_dir))
+        model_cls = family(cfg.model_type).Model if cls is TargetModel else cls
         with torch.device("meta"):
-            model = cls(cfg)
-        state = load_state_dict(model_dir, dtype, device)
+            model = model_cls(cfg)
+        state = load_state_dict(model_dir, dtype, device, keep=lambda k: model_cls.checkpoint_keys(cfg, k))
+        state = model_cls.convert_checkpoint(cfg, state)
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
@@ -84,18 +149,45 @@ class TargetModel(nn.Module):
         for k in expected:
             if tuple(state[k].shape) != tuple(shapes[k].shape):
                 raise DFlashError(f"target weight {k} has shape {tuple(state[k].shape)}, config.json implies {tuple(shapes[k].shape)}")
-        state = {k: v for k, v in state.items() if k in expected}
-        model.load_state_dict(state, strict=False, assign=True)
+        model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings).to(device)
+        model.rotary = model.make_rotary().to(device)
         return model.eval()
 
-    def new_cache(self) -> KVCache:
-        """An empty KV cache matching this model's layers, heads, dtype and device."""
+    # --- per-sequence state ---
+
+    @property
+    def recurrent(self) -> bool:
+        """True for hybrid targets (linear-attention layers with a recurrent state)."""
+        return any(kind == "linear_attention" for kind in self.config.layer_types)
+
+    def new_cache(self) -> TargetCache:
+        """An empty cache matching this model's layers, heads, dtype and device."""
         w = self.model.embed_tokens.weight
         c = self.config
-        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, w.dtype, w.device)
+        kv = KVCache(self.num_kv_layers, c.num_key_value_heads, c.head_dim, w.dtype, w.device)
+        recurrent = None
+        if self.recurrent:
+            recurrent = RecurrentState(w.dtype, w.device)
+            for layer in self.model.layers:  # slots are handed out in layer order
+                if layer.kind == "linear_attention":
+                    layer.linear_attn.new_state(recurrent)
+        return TargetCache(kv, recurrent)
+
+    def commit(self, cache: TargetCache, rows) -> None:
+        """Advance every linear-attention layer's state over the first ``rows`` tokens of
+        the last block run with ``defer_commit`` (the rollback of recurrent layers; a
+        no-op for pure-attention targets).
+
+        Args:
+            rows: accepted tokens + 1, in ``[1, T]`` (int or 0-dim int64 tensor).
+        """
+        for layer in self.model.layers:
+            if layer.kind == "linear_attention":
+                layer.linear_attn.commit(cache.recurrent, layer.slot, rows)
+
+    # --- forward ---
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, hidden]`` for ``input_ids`` ``[T]``."""
@@ -109,17 +201,20 @@ class TargetModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache,
+        cache: TargetCache,
         kv_len: int | None,
         feature_layers: list[int] | None = None,
         logits_from: int = 0,
+        commit=None,
+        defer_commit: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run ``T`` tokens at ``positions``, writing their K/V into ``cache``.
+        """Run ``T`` tokens at ``positions``, writing their K/V into ``cache`` and advancing
+        the recurrent state of linear-attention layers.
 
         Args:
             input_ids: int64 ``[T]``.
             positions: int64 ``[T]``, consecutive absolute positions.
-            cache: the KV cache; positions before ``positions[0]`` must be filled.
+            cache: the target cache; positions before ``positions[0]`` must be filled.
             kv_len: attend over cache entries ``[0, kv_len)`` under the causal mask (eager:
                 ``positions[-1] + 1``; fixed shapes: a length bucket, entries past
                 ``positions`` are masked); ``None`` attends over the whole buffer.
@@ -127,6 +222,10 @@ class TargetModel(nn.Module):
                 Hugging Face ``hidden_states[l + 1]``; for the last layer that is the
                 output after the final norm, as in transformers).
             logits_from: compute logits only for rows ``[logits_from, T)``.
+            commit: recurrent layers advance over the first ``commit`` rows only (int or
+                0-dim tensor; a padded prefill chunk); None: over all rows.
+            defer_commit: recurrent layers keep their state and record the block, to be
+                advanced by :meth:`commit` once acceptance is known (a verify).
 
         Returns:
             logits ``[T - logits_from, vocab]`` (model dtype) and the concatenated layer
@@ -134,19 +233,20 @@ class TargetModel(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        k_pos = torch.arange(cache.capacity if kv_len is None else kv_len, device=x.device)
-        groups = self.config.num_attention_heads // self.config.num_key_value_heads
-        bias = attention_bias(k_pos[None, :] <= positions[:, None], groups, x.dtype)
+        bias = None
+        if self.num_kv_layers:
+            k_pos = torch.arange(cache.capacity if kv_len is None else kv_len, device=x.device)
+            groups = self.config.num_attention_heads // self.config.num_key_value_heads
+            bias = attention_bias(k_pos[None, :] <= positions[:, None], groups, x.dtype)
+        step = _Step(positions, cos, sin, bias, kv_len)
         wanted = set(feature_layers or ())
         captured = {}
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
-            attn = layer.self_attn
-            k, v = attn.key_value(h, cos, sin)
-            cache.write(i, positions, k, v)
-            ck, cv = cache.view(i, kv_len)
-            out = attend(attn.query(h, cos, sin), ck, cv, bias)
-            x = x + attn.o_proj(out)
+            if layer.kind == "linear_attention":
+                x = x + layer.linear_attn(h, cache.recurrent, layer.slot, commit, defer_commit)
+            else:
+                x = x + self._self_attention(layer.self_attn, layer.slot, h, cache.kv, step)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in wanted:
                 captured[i] = x
@@ -159,3 +259,27 @@ class TargetModel(nn.Module):
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         logits = self.lm_head(normed)
         return logits, features
+
+    @staticmethod
+    def _self_attention(attn, slot: int, h: torch.Tensor, kv: KVCache, step: _Step) -> torch.Tensor:
+        q, gate = attn.query_gate(h, step.cos, step.sin)
+        k, v = attn.key_value(h, step.cos, step.sin)
+        kv.write(slot, step.positions, k, v)
+        ck, cv = kv.view(slot, step.kv_len)
+        return attn.output(attend(q, ck, cv, step.bias), gate)
+
+
+def gated_deltanet(cfg: TargetConfig) -> GatedDeltaNet:
+    """The linear-attention mixer of a hybrid target (``cfg.linear_attention``)."""
+    la = cfg.linear_attention
+    return GatedDeltaNet(cfg.hidden_size, la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim,
+                         la.conv_kernel, cfg.rms_norm_eps)
+
+
+def sparse_moe(cfg: TargetConfig) -> nn.Module:
+    """The mixture-of-experts MLP of a target (``cfg.moe``)."""
+    from .moe import SparseMoE
+
+    m = cfg.moe
+    return SparseMoE(cfg.hidden_size, m.num_experts, m.top_k, m.intermediate_size, m.norm_topk_prob,
+                     m.shared_expert_intermediate_size)

@@ -1,0 +1,45 @@
+"""Dense Llama-architecture targets: ``llama`` (Llama 2/3, optionally Llama-3.1 RoPE
+scaling), ``qwen2`` (bias on q/k/v) and ``qwen3`` (per-head q/k RMSNorm)."""
+
+from __future__ import annotations
+
+from ..errors import DFlashError
+from .attention import Attention
+from .config import TargetConfig, base_target_fields
+from .layers import MLP, RMSNorm
+from .target import DecoderLayer, TargetModel
+
+
+def parse_config(cfg: dict) -> TargetConfig:
+    """A ``qwen3`` / ``llama`` / ``qwen2`` ``config.json`` -> :class:`TargetConfig`.
+
+    Raises:
+        DFlashError: missing keys, MLP biases or sliding-window attention (not supported).
+    """
+    model_type = cfg["model_type"]
+    if "intermediate_size" not in cfg:
+        raise DFlashError("target config.json lacks intermediate_size")
+    if cfg.get("mlp_bias"):
+        raise DFlashError("target configs with mlp_bias=true are not supported")
+    if cfg.get("use_sliding_window"):
+        raise DFlashError("target configs with use_sliding_window=true are not supported")
+    fields = base_target_fields(cfg, model_type)
+    fields.update(
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type != "llama")),
+        # Qwen2 always has q/k/v biases (transformers' Qwen2Config saves attention_bias: null)
+        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias")),
+        qk_norm=model_type == "qwen3",
+    )
+    return TargetConfig(**fields)
+
+
+class Model(TargetModel):
+    """Pre-norm decoder layers: causal self-attention then a SwiGLU MLP."""
+
+    def make_layer(self, index: int, kind: str, slot: int) -> DecoderLayer:
+        cfg = self.config
+        attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps,
+                         o_bias=cfg.attention_bias and cfg.model_type == "llama")  # Llama's attention_bias covers o_proj too
+        return DecoderLayer(kind, attn, MLP(cfg.hidden_size, cfg.intermediate_size),
+                            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), slot)

@@ -1,0 +1,35 @@
+"""Which module implements each target ``model_type`` (as transformers 5.x writes it).
+
+A family module defines ``parse_config(cfg: dict) -> TargetConfig`` and ``Model``, a
+:class:`~dflash_torch.models.target.TargetModel` subclass.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ..errors import DFlashError
+
+FAMILIES = {
+    "qwen3": "llama",
+    "llama": "llama",
+    "qwen2": "llama",
+    "qwen3_moe": "qwen3_moe",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
+    "qwen3_next": "qwen3_next",
+}
+
+
+def family(model_type: str | None) -> ModuleType:
+    """The family module of a target ``model_type``.
+
+    Raises:
+        DFlashError: a ``model_type`` no family supports.
+    """
+    if model_type not in FAMILIES:
+        raise DFlashError(f"unsupported target model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
+    return importlib.import_module(f"{__package__}.{FAMILIES[model_type]}")

@@ -1,0 +1,260 @@
+"""Hybrid (Gated DeltaNet + attention) and mixture-of-experts targets: Qwen3-MoE, Qwen3.5
+(text, MoE and the multimodal wrappers) and Qwen3-Next, against transformers' own classes.
+
+* our forward == transformers' (logits and every layer's output, float32);
+* rollback: the recurrent state after a verify block and a commit of its first n rows
+  == the state after feeding only those n rows, for every n;
+* greedy speculative decoding == transformers' greedy ``generate`` token for token, for
+  block sizes 2..16, inject and recompute, eager and fixed shapes, with random drafters
+  and with agreeable pairs that accept many tokens per round (partial rollbacks);
+* compiled rounds do not recompile; the inductor path is lossless;
+* the multimodal wrapper decodes text only, without reading its vision tower.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.utils as dynamo_utils
+from safetensors import safe_open
+
+from conftest import (HYBRID_FAMILIES, copy_tokenizer, drafter_config, load_hf, make_agreeable_pair,
+                      make_hybrid_target, save_drafter)
+from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.decoding import SpeculativeDecoder
+from dflash_torch.models.drafter import DFlashDrafter
+from dflash_torch.models.config import TargetConfig
+from dflash_torch.models.target import TargetModel
+from dflash_torch.sampling import SamplingParams
+
+RTOL = 1e-4
+NEW_TOKENS = 24
+PROMPTS = ["def f(x):", "import os\nimport sys\n"]
+RECURRENT = [f for f in HYBRID_FAMILIES if f != "qwen3_moe"]
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer_dir) -> dict:
+    """model_type -> (target_dir, random drafter_dir) for every hybrid / MoE family."""
+    out = {}
+    for i, family in enumerate(HYBRID_FAMILIES):
+        root = tmp_path_factory.mktemp(family)
+        target = make_hybrid_target(root / "target", family, seed=i, tokenizer=False)
+        copy_tokenizer(tokenizer_dir, target)
+        out[family] = target, save_drafter(root / "drafter", drafter_config(target, block_size=16), seed=i)
+    return out
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_forward_matches_transformers(checkpoints, family):
+    target_dir, _ = checkpoints[family]
+    hf, ours = load_hf(target_dir), TargetModel.from_pretrained(target_dir, torch.float32)
+    wrapped = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # the wrappers decode their text model
+    assert ours.config.model_type == wrapped.get(family, family)
+    ids = torch.randint(2, 320, (90,), generator=torch.Generator().manual_seed(1))  # > one 64-token chunk
+    with torch.no_grad():
+        ref = hf(ids[None], output_hidden_states=True)
+        cache = ours.new_cache()
+        cache.reset(128)
+        logits, feats = ours(ids, torch.arange(90), cache, 90, list(range(6)))
+    assert rel_err(logits, ref.logits[0]) < RTOL
+    for layer in range(6):
+        assert rel_err(feats[:, layer * 64:(layer + 1) * 64], ref.hidden_states[layer + 1][0]) < RTOL
+    # the incremental path: a prefill chunk, a deferred verify block committed in part, single tokens
+    with torch.no_grad():
+        cache.reset(128)
+        steps = [ours(ids[:40], torch.arange(40), cache, 40)[0]]
+        block, _ = ours(ids[40:56], torch.arange(40, 56), cache, 56, defer_commit=True)
+        steps.append(block[:7])
+        ours.commit(cache, torch.tensor(7))
+        for p in range(47, 60):
+            steps.append(ours(ids[p:p + 1], torch.tensor([p]), cache, p + 1)[0])
+    assert rel_err(torch.cat(steps), ref.logits[0, :60]) < RTOL
+
+
+@pytest.mark.parametrize("family", RECURRENT)
+def test_rollback_equals_feeding_only_the_accepted_tokens(checkpoints, family):
+    target_dir, _ = checkpoints[family]
+    model = TargetModel.from_pretrained(target_dir, torch.float32)
+    ids = torch.randint(2, 320, (52,), generator=torch.Generator().manual_seed(2))
+    B = 16
+    with torch.no_grad():
+        for n in range(1, B + 1):
+            verified, fed = model.new_cache(), model.new_cache()
+            for cache in (verified, fed):
+                cache.reset(64)  # room for the prefix and two blocks
+                model(ids[:20], torch.arange(20), cache, 20)
+            model(ids[20:20 + B], torch.arange(20, 20 + B), verified, 20 + B, defer_commit=True)
+            model.commit(verified, torch.tensor(n))
+            model(ids[20:20 + n], torch.arange(20, 20 + n), fed, 20 + n)
+            for a, b in zip(verified.recurrent.conv + verified.recurrent.ssm, fed.recurrent.conv + fed.recurrent.ssm):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # float32 rounding of batched vs shorter inputs
+            # a deferred block leaves the state as it was until committed
+            before = [t.clone() for t in fed.recurrent.ssm]
+            model(ids[20 + n:20 + n + B], torch.arange(20 + n, 20 + n + B), fed, 20 + n + B, defer_commit=True)
+            assert all(torch.equal(x, y) for x, y in zip(before, fed.recurrent.ssm))
+
+
+def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_greedy_speculative_equals_transformers_generate(checkpoints, family):
+    target_dir, drafter_dir = checkpoints[family]
+    hf = load_hf(target_dir)
+    spec = DFlashEngine.from_pretrained(target_dir, drafter_dir)
+    target_only = DFlashEngine(spec.target, spec.tokenizer)
+    engines = [target_only] + [DFlashEngine(spec.target, spec.tokenizer, spec.drafter, block_size=B) for B in (2, 3, 8, 16)]
+    engines += [DFlashEngine(spec.target, spec.tokenizer, spec.drafter, draft_mode="recompute", block_size=5),
+                DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=300)]
+    for prompt in PROMPTS:
+        ids = spec.encode_prompt(prompt)
+        ref = _hf_greedy(hf, ids, NEW_TOKENS)
+        for engine in engines:
+            assert engine.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids == ref, \
+                (engine.block_size, engine.decoder.draft_mode, engine.decoder.static)
+
+
+AGREE_SETTINGS = {"qwen3_5_text": dict(alpha=0.5, self_scale=0.0), "qwen3_next": dict(alpha=1.0, self_scale=0.0)}
+
+
+@pytest.fixture(scope="module", params=list(AGREE_SETTINGS))
+def agree_hybrid(request, tmp_path_factory, tokenizer_dir):
+    """An agreeable pair (conftest.make_agreeable_pair) tuned so that the acceptance length
+    varies over 1..5: the recurrent state is rolled back to many points of a block."""
+    return request.param, make_agreeable_pair(tmp_path_factory.mktemp("agree-" + request.param), tokenizer_dir,
+                                              model_type=request.param, **AGREE_SETTINGS[request.param])
+
+
+def test_partial_acceptance_rounds_are_lossless(agree_hybrid):
+    """Many tokens accepted per round, at every acceptance length: the recurrent state is
+    rolled back to the middle of the verify block over and over."""
+    family, (target_dir, drafter_dir) = agree_hybrid
+    hf = load_hf(target_dir)
+    spec = DFlashEngine.from_pretrained(target_dir, drafter_dir)
+    static = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=256, prefill_chunk=32)
+    taus = []
+    for prompt in ([5, 17, 99, 3], list(range(2, 45))):
+        ref = _hf_greedy(hf, prompt, 80)
+        for engine in (spec, static):
+            out = engine.generate(prompt, max_new_tokens=80, ignore_eos=True)
+            assert out.token_ids == ref
+            taus += out.stats.acceptance_lengths
+    assert sum(taus) / len(taus) > 1.5 and len(set(taus)) >= 4, sorted(set(taus))
+
+
+def _run(decoder, prompt, n):
+    tokens = []
+    for rnd in decoder.rounds(prompt, SamplingParams(), n):
+        tokens.extend(rnd.tokens)
+    return tokens[:n]
+
+
+def test_compiled_hybrid_rounds_do_not_recompile(agree_hybrid):
+    family, (target_dir, drafter_dir) = agree_hybrid
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()  # (reset() leaves the counters of earlier tests)
+    compiled = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=256, prefill_chunk=32)
+    eager = SpeculativeDecoder(target, drafter)
+    _run(compiled, [5, 17, 99, 3], 40)
+    graphs, frames = dynamo_utils.counters["stats"]["unique_graphs"], dynamo_utils.counters["frames"]["total"]
+    assert graphs == 1 + 2 + 1  # prefill, propose, verify, commit (one length bucket)
+    for prompt in ([11, 12, 13], list(range(2, 60))):
+        assert _run(compiled, prompt, 100) == _run(eager, prompt, 100)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
+    assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
+
+
+def test_inductor_compiled_hybrid_moe_rounds_are_lossless(tmp_path, tokenizer_dir):
+    """The real CPU path of ``--compile`` on a (2-layer) hybrid mixture-of-experts target."""
+    target_dir = make_hybrid_target(tmp_path / "target", "qwen3_next", seed=3, tokenizer=False, num_hidden_layers=2,
+                                    layer_types=["linear_attention", "full_attention"])
+    drafter_dir = save_drafter(tmp_path / "drafter", drafter_config(target_dir, num_layers=1, block_size=8))
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    torch._dynamo.reset()
+    compiled = SpeculativeDecoder(target, drafter, compile=True, max_context=128, prefill_chunk=32)
+    reference = _hf_greedy(load_hf(target_dir), list(range(2, 40)), 30)
+    assert _run(compiled, list(range(2, 40)), 30) == reference
+
+
+def test_wrapper_reads_no_vision_weights(checkpoints, monkeypatch):
+    target_dir, _ = checkpoints["qwen3_5"]
+    with safe_open(str(target_dir / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any(k.startswith("model.visual.") for k in keys) and any(k.startswith("model.language_model.") for k in keys)
+    import dflash_torch.checkpoint as checkpoint
+
+    read = []
+    original = checkpoint.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.inner = original(*args, **kwargs)
+
+        def __enter__(self):
+            handle = self.inner.__enter__()
+            outer = self
+
+            class Handle:
+                def keys(self):
+                    return handle.keys()
+
+                def get_tensor(self, key):
+                    read.append(key)
+                    return handle.get_tensor(key)
+            outer.handle = Handle()
+            return outer.handle
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(checkpoint, "safe_open", Recording)
+    model = TargetModel.from_pretrained(target_dir, torch.float32)
+    assert read and not any(k.startswith("model.visual.") for k in read)
+    assert not any("visual" in name for name, _ in model.named_parameters())
+
+
+def test_unknown_weights_in_a_hybrid_checkpoint_are_refused(checkpoints, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target_dir, _ = checkpoints["qwen3_5_text"]
+    bad = tmp_path / "bad"
+    shutil.copytree(target_dir, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    state["model.layers.0.linear_attn.extra_bias"] = torch.zeros(4)
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(DFlashError, match="extra_bias"):
+        TargetModel.from_pretrained(bad, torch.float32)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "qwen3_vl"}, "unsupported target model_type 'qwen3_vl'"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
+    ({"layer_types": ["linear_attention"] * 5}, "layer_types has 5 entries"),
+    ({"layer_types": ["sliding_attention"] * 6}, "sliding_attention"),
+    ({"linear_num_value_heads": 3}, "not a multiple"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok 9"),
+])
+def test_bad_hybrid_configs_are_refused_in_one_line(checkpoints, change, message):
+    target_dir, _ = checkpoints["qwen3_next"]
+    cfg = json.loads((target_dir / "config.json").read_text())
+    cfg.update(change)
+    with pytest.raises(DFlashError, match=message) as err:
+        TargetConfig.from_dict(cfg)
+    assert "\n" not in str(err.value)
