@@ -221,3 +221,222 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
     if case == "out-holds-drafter":  # and --overwrite is the way through
         assert cli_main(args + ["--overwrite", "--batch", "2", "--seq-len", "64", "--val-seqs", "0"]) == 0
         assert (out / "model.safetensors").stat().st_mode & 0o644 == 0o644
+
+
+# --- the training data: validation, cache, size, bounded tokenization ---------------------
+
+
+def _tok(target_dir: Path):
+    from dflash_torch.engine import _load_tokenizer
+
+    return _load_tokenizer(target_dir)
+
+
+def _prepare(cfg: TrainConfig, tokenizer, target_dir: Path):
+    from dflash_torch.training.trainer import prepare_data
+
+    return prepare_data(cfg, Path(target_dir), tokenizer, lambda m: None)
+
+
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                   "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+                   "# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}")
+
+
+@pytest.mark.parametrize("case", ["jsonl-not-utf8", "jsonl-in-dir-not-utf8", "text-not-utf8", "text-surrogate",
+                                  "chat-surrogate", "chat-template-refuses"])
+def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
+    target_dir, _ = tiny_pair
+    tok = _tok(target_dir)
+    good = json.dumps({"text": "def f(x):\n    return x\n" * 40}).encode() + b"\n"
+    name, line, body, words = {
+        "jsonl-not-utf8": ("d.jsonl", 2, good + b'{"text": "caf\xe9"}\n', "not UTF-8"),
+        "jsonl-in-dir-not-utf8": ("dir/d.jsonl", 3, good + b"\n" + b'{"text": "caf\xe9"}\n', "not UTF-8"),
+        "text-not-utf8": ("t.txt", 2, b"def f(x):\n    return 'caf\xe9'\n", "not UTF-8"),
+        "text-surrogate": ("d.jsonl", 2, good + b'{"text": "a \\ud800 b"}\n', "surrogate \\ud800"),
+        "chat-surrogate": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "user", "content": "hi \udfff"}]}).encode()
+                           + b"\n", "surrogate \\udfff"),
+        "chat-template-refuses": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "robot", "content": "hi"}]}).encode()
+                                  + b"\n", "unknown role robot"),
+    }[case]
+    path = tmp_path / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(body)
+    if case == "chat-template-refuses":
+        tok.chat_template = STRICT_TEMPLATE
+    cfg = _cfg(tmp_path, target_dir, path.parent if case.startswith("jsonl-in-dir") else path, val_seqs=0, batch=1)
+    with pytest.raises(DFlashError) as err:
+        _prepare(cfg, tok, target_dir)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}:{line}: ") and words in msg and "\n" not in msg, msg
+
+
+def test_directory_skips_files_that_are_not_text(tiny_pair, tmp_path):
+    target_dir, _ = tiny_pair
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.py").write_text("def f(x):\n    return x\n" * 40)
+    (tmp_path / "dir" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    corpus = read_corpus([tmp_path / "dir"])
+    assert corpus.skipped == [tmp_path / "dir" / "logo.png"] and len(corpus.documents) == 1
+    (tmp_path / "dir" / "a.py").unlink()
+    with pytest.raises(DFlashError, match="holds no text .1 files skipped as not UTF-8"):
+        read_corpus([tmp_path / "dir"])
+
+
+def test_data_cache_follows_contents_not_paths_or_mtimes(tiny_pair, tmp_path):
+    import os
+
+    target_dir, _ = tiny_pair
+    target = tmp_path / "target"  # a copy whose chat template can change
+    target.mkdir()
+    for f in Path(target_dir).iterdir():
+        shutil.copy(f, target / f.name)
+    data = tmp_path / "dir"
+    data.mkdir()
+    a = data / "a.txt"
+    a.write_text("def f(x):\n    return x + 1\n" * 60)
+    (data / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "add one"},
+                                                               {"role": "assistant", "content": "x + 1"}]}) + "\n")
+    cfg = _cfg(tmp_path, target, data, val_seqs=0, batch=1, seq_len=32)
+    first, _, _ = _prepare(cfg, _tok(target), target)
+    # an edit that keeps the size and the mtime
+    st = a.stat()
+    a.write_text("def g(y):\n    return y * 2\n" * 60)
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert a.stat().st_size == st.st_size and a.stat().st_mtime_ns == st.st_mtime_ns
+    tok = _tok(target)
+    second, _, _ = _prepare(cfg, tok, target)
+    expect = tok(a.read_text(), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert second.stream.tolist() == expect and first.stream.tolist() != expect
+    # the tokenizer's chat template is part of the data too
+    (target / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}")
+    tok = _tok(target)
+    third, _, _ = _prepare(cfg, tok, target)
+    assert third.examples[0].ids.tolist() == tok.encode("<user> add one\n<assistant> x + 1\n", add_special_tokens=False)
+    assert third.examples[0].ids.tolist() != second.examples[0].ids.tolist()
+    assert len(list(Path(cfg.work_dir).glob("data-*"))) == 1  # the superseded caches are gone
+
+
+def test_too_little_data_is_refused_with_the_counts(tiny_pair, tmp_path):
+    target_dir, _ = tiny_pair
+    tok = _tok(target_dir)
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 20)
+    n = len(tok(text.read_text(), add_special_tokens=False)["input_ids"]) + 1  # + EOS
+    windows = n // 16
+    assert windows >= 3
+    ok = _cfg(tmp_path, target_dir, text, seq_len=16, batch=windows - 1, val_seqs=4)
+    data, val_rows, _ = _prepare(ok, tok, target_dir)
+    assert len(val_rows) == 1 and data.stream.numel() // 16 == windows - 1
+    with pytest.raises(DFlashError) as err:
+        _prepare(_cfg(tmp_path, target_dir, text, seq_len=16, batch=windows, val_seqs=4), tok, target_dir)
+    msg = str(err.value)
+    assert f"{n} tokens of text ({windows} windows of --seq-len 16) make {windows} sequences" in msg, msg
+    assert f"--batch {windows} needs {windows} and the eval split (--val-seqs 4) 1 more" in msg, msg
+    _prepare(_cfg(tmp_path, target_dir, text, seq_len=16, batch=windows, val_seqs=0), tok, target_dir)  # no eval: fits
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("ab")
+    with pytest.raises(DFlashError, match=r"\b[23] tokens of text \(0 windows of --seq-len 64\) make 0 sequences"):
+        _prepare(_cfg(tmp_path, target_dir, tiny, val_seqs=0, batch=1), tok, target_dir)
+
+
+def test_self_distill_that_finds_too_little_is_refused(tiny_pair, tmp_path):
+    target_dir, _ = tiny_pair
+    tok = _tok(target_dir)
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("ab")
+    cfg = _cfg(tmp_path, target_dir, tiny, val_seqs=0, batch=1, self_distill=3, prefix_min=8, prefix_max=16)
+    with pytest.raises(DFlashError, match="--self-distill 3 found no prompt in the data: no text passage of 4 tokens"):
+        _prepare(cfg, tok, target_dir)
+    # too little even if every requested sequence were made: refused before generating
+    cfg = _cfg(tmp_path, target_dir, tiny, val_seqs=2, batch=4, self_distill=2, prefix_min=8, prefix_max=16)
+    with pytest.raises(DFlashError, match="make 2 sequences; one step of --batch 4 needs 4 and the eval split"):
+        _prepare(cfg, tok, target_dir)
+
+
+class RecordingTokenizer:
+    """The real tokenizer, noting the longest text it is asked to tokenize in one go."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def _note(self, text):
+        self.longest = max([self.longest, *map(len, [text] if isinstance(text, str) else text)])
+
+    def __call__(self, text, **kw):
+        self._note(text)
+        return self.tok(text, **kw)
+
+    def encode(self, text, **kw):
+        self._note(text)
+        return self.tok.encode(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_long_documents_are_tokenized_in_bounded_pieces_with_unchanged_ids(tiny_pair, tmp_path, monkeypatch):
+    from dflash_torch.training import data as data_mod
+
+    target_dir, _ = tiny_pair
+    tok = _tok(target_dir)
+    monkeypatch.setattr(data_mod, "PIECE_CHARS", 2000, raising=False)
+    monkeypatch.setattr(data_mod, "CALL_CHARS", 5000, raising=False)
+    source = "".join(corpus_texts(60_000))
+    assert len(source) > 20 * 2000
+    docs = {"lines.txt": source, "one-line.txt": source.replace("\n", " "), "no-space.txt": "ab" * 5000}
+    for name, doc in docs.items():
+        (tmp_path / name).write_text(doc)
+    cfg = _cfg(tmp_path, target_dir, tmp_path / "lines.txt", val_seqs=0, batch=1)
+    cfg.data = [str(tmp_path / name) for name in docs]
+    rec = RecordingTokenizer(tok)
+    data, _, _ = _prepare(cfg, rec, target_dir)
+    assert rec.longest <= 2000
+    ids = data.stream.tolist()
+    eos = tok.eos_token_id
+    for doc in list(docs.values())[:2]:  # cut at line ends / lone spaces: the ids of one call
+        plain = tok(doc, add_special_tokens=False)["input_ids"] + [eos]
+        assert ids[:len(plain)] == plain
+        ids = ids[len(plain):]
+    assert tok.decode(ids[:-1]) == docs["no-space.txt"] and ids[-1] == eos  # hard cuts: same text back
+    # a chat conversation: only the first --seq-len tokens are made, in bounded pieces
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "explain"},
+                                             {"role": "assistant", "content": source}]}) + "\n")
+    rec = RecordingTokenizer(tok)
+    data, _, _ = _prepare(_cfg(tmp_path / "c", target_dir, chat, val_seqs=0, batch=1), rec, target_dir)
+    ex = data.examples[0]
+    full = tok.apply_chat_template(json.loads(chat.read_text())["messages"], tokenize=False)
+    assert rec.longest <= 2000 and ex.ids.tolist() == tok(full, add_special_tokens=False)["input_ids"][:64]
+    assert not ex.loss_mask[:5].any() and ex.loss_mask[-5:].all()
+
+
+def test_normal_files_tokenize_as_the_tokenizer_does(tiny_pair):
+    from dflash_torch.training.data import tokenize_documents
+
+    target_dir, _ = tiny_pair
+    tok = _tok(target_dir)
+    docs = corpus_texts() + ["", "x", "tab\tand  spaces \n\n  trailing  \r\nend"]
+    expect = []
+    for doc in docs:
+        expect += tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert tokenize_documents(tok, docs).tolist() == expect
+
+
+@pytest.mark.parametrize("case", ["jsonl-not-utf8", "two-tokens", "distill-finds-nothing"])
+def test_train_cli_refuses_bad_or_too_little_data_in_one_line(tiny_pair, tmp_path, capsys, case):
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    data = tmp_path / ("d.jsonl" if case == "jsonl-not-utf8" else "d.txt")
+    data.write_bytes(b'{"text": "caf\xe9"}\n' if case == "jsonl-not-utf8" else b"ab")
+    args = ["train", "--target", str(target), "--data", str(data), "--out", str(tmp_path / "out"), "--steps", "2",
+            "--batch", "2", "--seq-len", "64", "--no-progress"]
+    if case == "distill-finds-nothing":
+        args += ["--self-distill", "4"]
+    words = {"jsonl-not-utf8": f"{data}:1: not UTF-8 text (byte 0xe9)",
+             "two-tokens": "too little training data: 3 tokens of text", "distill-finds-nothing": "found no prompt"}[case]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"dflash-torch: error: ") and words in err, err
+    assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -55,7 +55,7 @@ def register(sub) -> None:
     p.add_argument("--prefix-max", type=int, default=d["prefix_max"].default, help="longest self-distill prompt (tokens)")
     p.add_argument("--raw-fraction", type=float, default=d["raw_fraction"].default,
                    help="share of batch rows from the raw corpus when examples exist (default 0.25)")
-    p.add_argument("--val-seqs", type=int, default=d["val_seqs"].default, help="sequences set apart for the acceptance estimate")
+    p.add_argument("--val-seqs", type=int, default=d["val_seqs"].default, help="sequences set apart for the acceptance estimate (0: none)")
     p.add_argument("--eval-every", type=int, default=d["eval_every"].default)
     p.add_argument("--ckpt-every", type=int, default=d["ckpt_every"].default)
     p.add_argument("--threads", "--num-threads", dest="num_threads", type=int, default=None, help="torch CPU threads")

@@ -9,6 +9,11 @@ Inputs (``--data``, any mix):
   ``{"messages": [{"role", "content"}, ...]}`` (a chat conversation, rendered with the
   target tokenizer's chat template).
 
+A file given must be UTF-8 text; in a directory, files that are not are skipped. Bad
+bytes, bad JSON and strings that are not valid Unicode are refused naming the file and
+line. Text is tokenized in bounded pieces (:func:`text_pieces`): the memory it takes
+grows with the corpus, not with its longest line.
+
 Two kinds of training sequences come out of it:
 
 * **raw windows**: documents are tokenized, each followed by the EOS token, and
@@ -28,6 +33,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -36,73 +42,122 @@ from ..errors import DFlashError
 
 @dataclass
 class Corpus:
-    """Raw inputs: plain documents and chat conversations."""
+    """Raw inputs: plain documents and chat conversations.
+
+    ``conversation_sources[i]`` names where conversation ``i`` comes from (``path:line``);
+    ``skipped`` lists the files of directories that were left out as not UTF-8 text.
+    """
 
     documents: list[str] = field(default_factory=list)
     conversations: list[list[dict]] = field(default_factory=list)
+    conversation_sources: list[str] = field(default_factory=list)
+    skipped: list[Path] = field(default_factory=list)
+
+    def source(self, i: int) -> str:
+        """Where conversation ``i`` comes from, for error messages."""
+        return self.conversation_sources[i] if i < len(self.conversation_sources) else f"conversation {i}"
 
 
-def _read_text(path: Path) -> str | None:
+def corpus_files(paths: list[str | Path]) -> list[tuple[Path, bool]]:
+    """The files :func:`read_corpus` reads for ``paths``, in reading order, each with
+    whether it was given itself (``True``) or found in a given directory (``False``).
+
+    Raises:
+        DFlashError: a path that does not exist.
+    """
+    files: list[tuple[Path, bool]] = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if path.is_dir():
+            for f in sorted(path.rglob("*")):
+                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts):
+                    files.append((f, False))
+        elif path.is_file():
+            files.append((path, True))
+        else:
+            raise DFlashError(f"training data {path} does not exist")
+    return files
+
+
+def _decode(data: bytes, path: Path, line: int = 1) -> str:
+    """``data`` (the bytes of ``path`` from line ``line`` on) as text; a leading BOM is dropped.
+
+    Raises:
+        DFlashError: bytes that are not UTF-8, naming the file and line.
+    """
     try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        return None
+        return data.decode("utf-8-sig" if line == 1 else "utf-8")
+    except UnicodeDecodeError as exc:
+        n = line + data.count(b"\n", 0, exc.start)
+        raise DFlashError(f"{path}:{n}: not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
+
+
+def _check_unicode(text: str, where: str) -> str:
+    """``text`` unchanged; JSON can spell lone UTF-16 surrogates, which no tokenizer takes.
+
+    Raises:
+        DFlashError: ``text`` holds an unpaired surrogate.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DFlashError(f"{where}: the text holds an unpaired surrogate \\u{ord(text[exc.start]):04x} "
+                          "(not valid Unicode)") from None
+    return text
 
 
 def _read_jsonl(path: Path, corpus: Corpus) -> None:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = _decode(raw, path, n).strip()
             if not line:
                 continue
+            where = f"{path}:{n}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DFlashError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+                raise DFlashError(f"{where}: not valid JSON ({exc.msg})") from None
             if isinstance(rec, dict) and isinstance(rec.get("text"), str):
-                corpus.documents.append(rec["text"])
+                corpus.documents.append(_check_unicode(rec["text"], where))
             elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
                 msgs = rec["messages"]
                 if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
-                    raise DFlashError(f"{path}:{n}: messages must be a list of {{'role': str, 'content': str}}")
+                    raise DFlashError(f"{where}: messages must be a list of {{'role': str, 'content': str}}")
                 if msgs:
-                    corpus.conversations.append([{"role": m["role"], "content": m["content"]} for m in msgs])
+                    corpus.conversations.append([{"role": _check_unicode(m["role"], where),
+                                                  "content": _check_unicode(m["content"], where)} for m in msgs])
+                    corpus.conversation_sources.append(where)
             else:
-                raise DFlashError(f"{path}:{n}: expected an object with a 'text' string or a 'messages' list")
+                raise DFlashError(f"{where}: expected an object with a 'text' string or a 'messages' list")
 
 
 def read_corpus(paths: list[str | Path]) -> Corpus:
     """Read text files, directories and JSONL files (see the module docstring).
 
+    A file given itself must be UTF-8; in a directory, files that are not UTF-8 text
+    are skipped (listed in ``Corpus.skipped``), but its ``.jsonl`` files must be valid.
+
     Raises:
-        DFlashError: a missing path, malformed JSONL, or no usable text at all.
+        DFlashError: a missing path, a file given that is not UTF-8, malformed JSONL
+            (naming the file and line), or no usable text at all.
     """
     corpus = Corpus()
-    for p in paths:
-        path = Path(p).expanduser()
-        if path.is_dir():
-            for f in sorted(path.rglob("*")):
-                rel = f.relative_to(path)
-                if f.is_file() and not any(part.startswith(".") for part in rel.parts):
-                    if f.suffix == ".jsonl":
-                        _read_jsonl(f, corpus)
-                        continue
-                    text = _read_text(f)
-                    if text:
-                        corpus.documents.append(text)
-        elif path.is_file():
-            if path.suffix == ".jsonl":
-                _read_jsonl(path, corpus)
-            else:
-                text = _read_text(path)
-                if text is None:
-                    raise DFlashError(f"{path} is not UTF-8 text")
-                if text:
-                    corpus.documents.append(text)
-        else:
-            raise DFlashError(f"training data {path} does not exist")
+    for path, given in corpus_files(paths):
+        if path.suffix == ".jsonl":
+            _read_jsonl(path, corpus)
+            continue
+        try:
+            text = _decode(path.read_bytes(), path)
+        except DFlashError:
+            if given:
+                raise
+            corpus.skipped.append(path)
+            continue
+        if text:
+            corpus.documents.append(text)
     if not corpus.documents and not corpus.conversations:
-        raise DFlashError("the training data holds no text")
+        skipped = f" ({len(corpus.skipped)} files skipped as not UTF-8 text)" if corpus.skipped else ""
+        raise DFlashError(f"the training data {' '.join(map(str, paths))} holds no text{skipped}")
     return corpus
 
 
@@ -114,45 +169,128 @@ class Example:
     loss_mask: torch.Tensor
 
 
-def tokenize_documents(tokenizer, documents: list[str]) -> torch.Tensor:
-    """All documents as one int64 token stream, each followed by EOS (when the tokenizer has one)."""
-    eos = tokenizer.eos_token_id
+PIECE_CHARS = 1 << 16
+"""Longest text handed to the tokenizer in one piece (characters); see :func:`text_pieces`."""
+
+CALL_CHARS = 1 << 18
+"""Most characters of text per tokenizer call (pieces of several documents are batched)."""
+
+
+def _cut(text: str, lo: int, hi: int) -> int:
+    """The last cut in ``[lo, hi)`` just after a line end or just before a space that stands
+    alone between two non-space characters; ``hi`` when there is none."""
+    for sep, after in (("\n", 1), (" ", 0)):
+        i = text.rfind(sep, lo, hi)
+        while i > lo:
+            if not text[i - 1].isspace() and not text[i + 1].isspace():
+                return i + after
+            i = text.rfind(sep, lo, i)
+    return hi
+
+
+def text_pieces(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
+    """``text`` in consecutive pieces of at most ``piece_chars`` characters (one piece when it fits).
+
+    A piece ends after a line end, else before a space, that stands alone between two
+    non-space characters (the last such place in the second half of the piece). The
+    byte-level BPE tokenizers of the supported families (GPT-2, Qwen and Llama 3
+    pre-tokenizer patterns) end a pre-token there whatever follows, so for them the
+    pieces' token ids, concatenated, are those of the whole text. With no such place
+    (a very long word) the piece is cut at ``piece_chars``; tokens next to that cut may differ.
+    """
+    start = 0
+    while len(text) - start > piece_chars:
+        end = _cut(text, start + piece_chars // 2, start + piece_chars)
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
+def encode_text(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
+    """Token ids of ``text`` (no special tokens added), tokenized in :func:`text_pieces` of
+    :data:`PIECE_CHARS`; with ``max_tokens``, only the first ``max_tokens`` (later pieces
+    are not tokenized)."""
     ids: list[int] = []
-    for start in range(0, len(documents), 256):
-        for doc in tokenizer(documents[start:start + 256], add_special_tokens=False)["input_ids"]:
-            ids.extend(doc)
-            if eos is not None:
-                ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
+    for piece in text_pieces(text, PIECE_CHARS):
+        ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+        if max_tokens is not None and len(ids) >= max_tokens:
+            return ids[:max_tokens]
+    return ids
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    return tokenizer.encode(text, add_special_tokens=False)
+def tokenize_documents(tokenizer, documents: list[str]) -> torch.Tensor:
+    """All documents as one int64 token stream ``[n]``, each followed by EOS (when the tokenizer has one).
+
+    Documents are tokenized in :func:`text_pieces` of :data:`PIECE_CHARS`, at most :data:`CALL_CHARS` characters
+    (and 256 pieces) per tokenizer call, so memory stays bounded for any document size.
+    """
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    chunks: list[torch.Tensor] = []
+    pieces: list[str] = []
+    ends: list[bool] = []  # whether a piece ends its document
+    chars = 0
+
+    def flush() -> None:
+        ids: list[int] = []
+        for piece_ids, end in zip(tokenizer(pieces, add_special_tokens=False)["input_ids"], ends):
+            ids += piece_ids + eos if end else piece_ids
+        chunks.append(torch.tensor(ids, dtype=torch.long))
+        pieces.clear()
+        ends.clear()
+
+    for doc in documents:
+        for piece in text_pieces(doc, PIECE_CHARS):
+            if pieces and (chars + len(piece) > CALL_CHARS or len(pieces) == 256):
+                flush()
+                chars = 0
+            pieces.append(piece)
+            ends.append(False)
+            chars += len(piece)
+        ends[-1] = True
+    if pieces:
+        flush()
+    return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.long)
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of the prompt that precedes the last assistant turn (all turns if none)."""
+def _render(tokenizer, messages: list[dict], generation_prompt: bool, max_tokens: int | None, where: str) -> list[int]:
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except TemplateError as exc:
+        raise DFlashError(f"{where}: the target's chat template refuses this conversation ({' '.join(str(exc).split())})") from None
+    return encode_text(tokenizer, text, max_tokens)
+
+
+def chat_prompt(tokenizer, messages: list[dict], max_tokens: int | None = None, where: str = "a conversation") -> list[int]:
+    """Token ids of the prompt that precedes the last assistant turn (all turns if none),
+    cut to its first ``max_tokens``."""
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
-    return _render(tokenizer, messages[:last], True)
+    return _render(tokenizer, messages[:last], True, max_tokens, where)
 
 
-def tokenize_conversation(tokenizer, messages: list[dict]) -> Example:
-    """A chat conversation with loss on its assistant turns.
+def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None = None, where: str = "a conversation") -> Example:
+    """A chat conversation with loss on its assistant turns, cut to its first ``max_len``
+    tokens (the part a training sequence can hold; the rest is not tokenized).
 
     Assistant spans are found by rendering the conversation turn by turn; when the
     template is not prefix-consistent the loss covers every token instead.
+
+    Raises:
+        DFlashError: no chat template, or one that refuses the conversation (naming ``where``).
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise DFlashError("chat ('messages') training data needs a tokenizer with a chat template")
-    full = _render(tokenizer, messages, False)
+        raise DFlashError(f"{where}: chat ('messages') training data needs a tokenizer with a chat template")
+    full = _render(tokenizer, messages, False, max_len, where)
     mask = torch.zeros(len(full), dtype=torch.bool)
     consistent = True
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = len(_render(tokenizer, messages[:i], True))
-        end = len(_render(tokenizer, messages[:i + 1], False))
+        start = len(_render(tokenizer, messages[:i], True, max_len, where))
+        if start == max_len:  # this turn and all later ones lie past the cut
+            break
+        end = len(_render(tokenizer, messages[:i + 1], False, max_len, where))
         if not (start <= end <= len(full)):
             consistent = False
             break

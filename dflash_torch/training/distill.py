@@ -105,17 +105,16 @@ def greedy_continuations(model, prompts: list[list[int]], max_new: list[int], pa
     return out
 
 
-def self_distill(target_dir: Path, tokenizer, corpus: Corpus, n: int, seq_len: int, *, prefix_min: int = 32,
-                 prefix_max: int = 256, batch_size: int = 32, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 progress: bool = True) -> list[Example]:
-    """``n`` self-distilled examples: prompt + the target's greedy continuation up to
-    ``seq_len`` tokens, loss on the continuation only.
+def distill_prompts(tokenizer, corpus: Corpus, n: int, seq_len: int, *, prefix_min: int = 32, prefix_max: int = 256,
+                    seed: int = 0) -> tuple[list[list[int]], list[bool]]:
+    """Up to ``n`` prompts (token ids) for self-distillation and whether each is a chat prompt.
 
-    Text prompts are continued for the full length (EOS does not stop them: the
-    continuation past it is still the target's greedy output); chat prompts stop at EOS.
+    Chat prompts (everything before a conversation's last assistant turn) are drawn in
+    proportion to the conversations' share of the corpus and kept when shorter than
+    ``seq_len - 16`` tokens; text prompts are cut by :func:`text_prompts` from
+    ``prefix_min..prefix_max`` tokens (at most ``seq_len - 16``). Fewer than ``n`` come
+    back when the data is too short to cut them.
     """
-    from transformers import AutoModelForCausalLM
-
     rng = random.Random(seed)
     prefix_max = min(prefix_max, seq_len - 16)
     prefix_min = min(prefix_min, prefix_max)
@@ -124,21 +123,33 @@ def self_distill(target_dir: Path, tokenizer, corpus: Corpus, n: int, seq_len: i
         share = len(corpus.conversations) / (len(corpus.conversations) + len(corpus.documents))
         n_chat = round(n * share)
     prompts: list[list[int]] = []
-    kinds: list[bool] = []  # True = chat
     for _ in range(n_chat):
-        p = chat_prompt(tokenizer, rng.choice(corpus.conversations))
+        k = rng.randrange(len(corpus.conversations))
+        p = chat_prompt(tokenizer, corpus.conversations[k], seq_len - 15, corpus.source(k))
         if 0 < len(p) <= seq_len - 16:
             prompts.append(p)
-            kinds.append(True)
+    chat = [True] * len(prompts)
     texts = text_prompts(tokenizer, corpus.documents, n - len(prompts), prefix_min, prefix_max, rng)
-    prompts += texts
-    kinds += [False] * len(texts)
+    return prompts + texts, chat + [False] * len(texts)
+
+
+def self_distill(target_dir: Path, tokenizer, prompts: list[list[int]], chat: list[bool], seq_len: int, *,
+                 batch_size: int = 32, dtype: torch.dtype = torch.float32, progress: bool = True) -> list[Example]:
+    """One self-distilled example per prompt (see :func:`distill_prompts`): prompt + the
+    target's greedy continuation up to ``seq_len`` tokens, loss on the continuation only.
+
+    Text prompts are continued for the full length (EOS does not stop them: the
+    continuation past it is still the target's greedy output); chat prompts
+    (``chat[i]``) stop at EOS.
+    """
+    from transformers import AutoModelForCausalLM
+
     if not prompts:
         return []
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
-    stops = [({eos} if chat and eos is not None else None) for chat in kinds]
+    stops = [({eos} if c and eos is not None else None) for c in chat]
     conts = greedy_continuations(model, prompts, [seq_len - len(p) for p in prompts], pad, stops, batch_size, progress)
     del model
     examples = []

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from contextlib import nullcontext
@@ -30,7 +31,9 @@ from ..models.config import DrafterConfig, TargetConfig, default_target_layer_id
 from ..models.drafter import DFlashDrafter
 from ..models.rope import Rotary
 from ..models.target import TargetModel
-from .data import Example, TrainingData, collate, read_corpus, step_generator, tokenize_conversation, tokenize_documents
+from .data import (
+    Example, TrainingData, collate, corpus_files, read_corpus, step_generator, tokenize_conversation, tokenize_documents,
+)
 from .objective import batch_loss, copy_target_layers, default_gamma, greedy_walk, init_drafter_weights, sample_anchors
 
 MASK_TOKEN = "<|MASK|>"
@@ -139,67 +142,159 @@ def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def _data_key(cfg: TrainConfig, target_dir: Path) -> str:
-    parts = {"target": str(target_dir.resolve()), "data": [str(Path(p).resolve()) for p in cfg.data],
+CACHE_FORMAT = 2
+"""Version of the tokenized-data cache; part of its key (bump when tokenization changes)."""
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def data_key(cfg: TrainConfig, target_dir: Path) -> str:
+    """Key of the tokenized-data cache: a hash of everything the data is made from.
+
+    It holds the SHA-256 of the content of every data file and of every file at the top
+    of the target directory (tokenizer, chat template, config; the weight files only
+    with ``--self-distill``, which runs the target), plus the settings that shape the
+    data. Sizes and mtimes would miss edits that keep both (a same-size edit within the
+    file system's timestamp granularity; a file copied or unpacked with its old mtime);
+    hashing reads each byte once, about 1 s per GB, far less than tokenizing it.
+
+    Raises:
+        DFlashError: a data path that does not exist.
+    """
+    target = [[f.name, _file_digest(f)] for f in sorted(target_dir.iterdir())
+              if f.is_file() and (cfg.self_distill or not f.name.endswith(WEIGHT_SUFFIXES))]
+    parts = {"format": CACHE_FORMAT, "target": target, "data": [str(Path(p).expanduser().resolve()) for p in cfg.data],
+             "files": [[str(f.resolve()), _file_digest(f)] for f, _ in corpus_files(cfg.data)],
              "seq_len": cfg.seq_len, "self_distill": cfg.self_distill, "prefix": [cfg.prefix_min, cfg.prefix_max],
-             "seed": cfg.seed, "val_seqs": cfg.val_seqs}
+             "seed": cfg.seed}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[TrainingData, list, dict]:
-    """Tokenized (and self-distilled) data, cached in the work dir, and a validation set.
+def check_data_size(cfg: TrainConfig, stream_tokens: int, n_chat: int, n_distilled: int) -> None:
+    """Refuse data that cannot fill one training step of ``batch`` sequences plus, with
+    ``val_seqs``, one held-out sequence. A window of ``seq_len`` tokens of the text
+    stream, a chat conversation and a self-distilled sequence count as one sequence each.
 
-    Validation rows are set apart before training: the last ``val_seqs`` examples
-    (self-distilled ones first) or, without examples, windows from the stream's tail.
+    Raises:
+        DFlashError: too little data, with the counts and what is needed.
+    """
+    windows = stream_tokens // cfg.seq_len
+    have = windows + n_chat + n_distilled
+    if have >= cfg.batch + (1 if cfg.val_seqs else 0):
+        return
+    parts = [f"{stream_tokens} tokens of text ({windows} windows of --seq-len {cfg.seq_len})"]
+    if n_chat:
+        parts.append(f"{n_chat} chat conversations")
+    if cfg.self_distill:
+        parts.append(f"{n_distilled} self-distilled sequences")
+    val = f" and the eval split (--val-seqs {cfg.val_seqs}) 1 more" if cfg.val_seqs else ""
+    fixes = "add data, or lower --batch or --seq-len" + (", or pass --val-seqs 0" if cfg.val_seqs else "")
+    raise DFlashError(f"too little training data: {', '.join(parts)} make {have} sequences; "
+                      f"one step of --batch {cfg.batch} needs {cfg.batch}{val}: {fixes}")
+
+
+def split_eval(cfg: TrainConfig, stream: torch.Tensor, chat: list[Example], distilled: list[Example]):
+    """Set apart up to ``val_seqs`` sequences for the acceptance estimate.
+
+    They come from the self-distilled sequences, else the chat ones, else windows of
+    the stream's tail: the first kind with at least 5 sequences (the largest kind
+    otherwise); at least one, at most a fifth of that kind (a tenth of the windows), and
+    never so many that fewer than ``batch`` sequences are left to train on (see
+    :func:`check_data_size`).
+
+    Returns:
+        ``(stream, chat, distilled, val_rows)``: what is left to train on and the
+        held-out ``(ids, loss_mask)`` rows.
+    """
+    if not cfg.val_seqs:
+        return stream, chat, distilled, []
+    counts = {"distilled": len(distilled), "chat": len(chat), "text": stream.numel() // cfg.seq_len}
+    kind = next((k for k, c in counts.items() if c >= 5), max(counts, key=counts.get))
+    k = min(cfg.val_seqs, max(1, counts[kind] // (10 if kind == "text" else 5)), sum(counts.values()) - cfg.batch)
+    if kind == "text":
+        cut = stream.numel() - k * cfg.seq_len
+        rows = [(w, torch.ones(w.numel(), dtype=torch.bool)) for w in stream[cut:].split(cfg.seq_len)]
+        return stream[:cut], chat, distilled, rows
+    examples = distilled if kind == "distilled" else chat
+    rows = [(e.ids, e.loss_mask) for e in examples[len(examples) - k:]]
+    kept = examples[:len(examples) - k]
+    return (stream, chat, kept, rows) if kind == "distilled" else (stream, kept, distilled, rows)
+
+
+def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> dict:
+    """Read, tokenize and self-distill the data (the blob :func:`prepare_data` caches)."""
+    t0 = time.time()
+    corpus = read_corpus(cfg.data)
+    if corpus.skipped:
+        log(f"data: skipped {len(corpus.skipped)} files that are not UTF-8 text, e.g. {corpus.skipped[0]}")
+    stream = tokenize_documents(tokenizer, corpus.documents)
+    chat = [tokenize_conversation(tokenizer, m, cfg.seq_len, corpus.source(i)) for i, m in enumerate(corpus.conversations)]
+    distilled: list[Example] = []
+    if cfg.self_distill > 0:
+        from .distill import distill_prompts, self_distill
+
+        check_data_size(cfg, stream.numel(), len(chat), cfg.self_distill)  # before the costly part
+        prompts, is_chat = distill_prompts(tokenizer, corpus, cfg.self_distill, cfg.seq_len, prefix_min=cfg.prefix_min,
+                                           prefix_max=cfg.prefix_max, seed=cfg.seed)
+        if not prompts:
+            shortest = max(1, min(cfg.prefix_min, cfg.prefix_max, cfg.seq_len - 16) // 2)
+            chat_too = f", and no chat prompt is shorter than --seq-len - 16 = {cfg.seq_len - 16} tokens" if chat else ""
+            raise DFlashError(f"--self-distill {cfg.self_distill} found no prompt in the data: no text passage of "
+                              f"{shortest} tokens (half of --prefix-min) follows a line start{chat_too}; "
+                              "add data or lower --prefix-min")
+        if len(prompts) < cfg.self_distill:
+            log(f"data: self-distill found only {len(prompts)} of {cfg.self_distill} prompts in the data")
+            check_data_size(cfg, stream.numel(), len(chat), len(prompts))
+        t1 = time.time()
+        distilled = self_distill(target_dir, tokenizer, prompts, is_chat, cfg.seq_len,
+                                 batch_size=cfg.self_distill_batch, progress=cfg.progress)
+        log(f"data: self-distilled {len(distilled)} sequences in {time.time() - t1:.0f}s")
+    return {"stream": stream, "chat": [(e.ids, e.loss_mask) for e in chat],
+            "distilled": [(e.ids, e.loss_mask) for e in distilled],
+            "stats": {"documents": len(corpus.documents), "conversations": len(corpus.conversations),
+                      "skipped_files": len(corpus.skipped), "stream_tokens": int(stream.numel()),
+                      "distilled_sequences": len(distilled),
+                      "distilled_tokens": sum(int(e.loss_mask.sum()) for e in distilled),
+                      "prepare_time_s": round(time.time() - t0, 1)}}
+
+
+def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[TrainingData, list, dict]:
+    """Tokenized (and self-distilled) data, cached in the work dir under :func:`data_key`
+    (a new cache replaces the work dir's older ones), and a validation set (:func:`split_eval`).
+
+    Raises:
+        DFlashError: unreadable or malformed data (naming the file), or too little of it
+            (:func:`check_data_size`; checked before self-distillation too).
     """
     work = cfg.work_path()
-    cache = work / f"data-{_data_key(cfg, target_dir)}.pt"
+    cache = work / f"data-{data_key(cfg, target_dir)}.pt"
     if cache.is_file():
         blob = torch.load(cache, weights_only=False)
         log(f"data: loaded {cache}")
     else:
-        t0 = time.time()
-        corpus = read_corpus(cfg.data)
-        stream = tokenize_documents(tokenizer, corpus.documents) if corpus.documents else torch.zeros(0, dtype=torch.long)
-        chat = [tokenize_conversation(tokenizer, m) for m in corpus.conversations]
-        distilled: list[Example] = []
-        if cfg.self_distill > 0:
-            from .distill import self_distill
-
-            t1 = time.time()
-            distilled = self_distill(target_dir, tokenizer, corpus, cfg.self_distill, cfg.seq_len,
-                                     prefix_min=cfg.prefix_min, prefix_max=cfg.prefix_max,
-                                     batch_size=cfg.self_distill_batch, seed=cfg.seed, progress=cfg.progress)
-            log(f"data: self-distilled {len(distilled)} sequences in {time.time() - t1:.0f}s")
-        blob = {"stream": stream, "chat": [(e.ids, e.loss_mask) for e in chat],
-                "distilled": [(e.ids, e.loss_mask) for e in distilled],
-                "stats": {"documents": len(corpus.documents), "conversations": len(corpus.conversations),
-                          "stream_tokens": int(stream.numel()), "distilled_sequences": len(distilled),
-                          "distilled_tokens": sum(int(e.loss_mask.sum()) for e in distilled),
-                          "prepare_time_s": round(time.time() - t0, 1)}}
+        blob = _tokenize_data(cfg, target_dir, tokenizer, log)
         work.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
         torch.save(blob, tmp)
         os.replace(tmp, cache)
+        for old in work.glob("data-*"):
+            if old != cache and re.fullmatch(r"data-[0-9a-f]{16}\.(pt|tmp)", old.name):
+                old.unlink()
+                log(f"data: removed {old} (made from other data or settings)")
     stream = blob["stream"]
-    distilled = [Example(i, m) for i, m in blob["distilled"]]
     chat = [Example(i, m) for i, m in blob["chat"]]
+    distilled = [Example(i, m) for i, m in blob["distilled"]]
+    check_data_size(cfg, stream.numel(), len(chat), len(distilled))
+    stream, chat, distilled, val_rows = split_eval(cfg, stream, chat, distilled)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    val_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
-    n_val = cfg.val_seqs
-    if distilled and n_val:
-        k = min(n_val, len(distilled) // 5)
-        val_rows += [(e.ids, e.loss_mask) for e in distilled[len(distilled) - k:]]
-        distilled = distilled[:len(distilled) - k]
-    elif chat and n_val:
-        k = min(n_val, len(chat) // 5)
-        val_rows += [(e.ids, e.loss_mask) for e in chat[len(chat) - k:]]
-        chat = chat[:len(chat) - k]
-    elif n_val and stream.numel() >= 4 * cfg.seq_len:
-        k = min(n_val, stream.numel() // (10 * cfg.seq_len)) or 1
-        tail = stream[stream.numel() - k * cfg.seq_len:]
-        stream = stream[:stream.numel() - k * cfg.seq_len]
-        val_rows += [(w, torch.ones(w.numel(), dtype=torch.bool)) for w in tail.split(cfg.seq_len)]
     data = TrainingData(stream, chat + distilled, cfg.seq_len, pad, cfg.raw_fraction)
     stats = dict(blob["stats"], val_sequences=len(val_rows), train_examples=len(chat) + len(distilled))
     return data, val_rows, stats
