@@ -258,6 +258,20 @@ def test_seeded_sampling_reproducible(server):
         c.chat.completions.create(**chat).choices[0].message.content
 
 
+def test_extreme_sampling_values_are_answered_not_500(server, cli_reference):
+    """temperature 1e-40 and top_p 1e-9 keep only the most likely token: greedy output (issue 14)."""
+    c = server.client()
+    for params in (dict(temperature=1e-40), dict(temperature=1.0, top_p=1e-9)):
+        kw = dict(model=MODEL, prompt=PROMPT, max_tokens=REF_TOKENS, seed=0, extra_body={"ignore_eos": True}, **params)
+        r = c.completions.create(**kw)
+        assert r.choices[0].text == cli_reference["text"], params
+        s_text, finish, usage, _ = _stream_completion(c, **kw)
+        assert s_text == cli_reference["text"] and finish == "length" and usage.completion_tokens == REF_TOKENS
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                     temperature=1e-40, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 8
+
+
 LONG_PROMPT = "def f(x):\n    return x\n" * 300  # far more tokens than the 1024-token context
 
 BAD_REQUESTS = [
