@@ -215,6 +215,23 @@ def test_stop_strings(server, cli_reference, local_engine):
     assert r3.choices[0].text == text and r3.usage.completion_tokens == REF_TOKENS
 
 
+def test_overlapping_stop_strings_end_where_the_first_completes(server, cli_reference, local_engine):
+    """Issue 14: an outer stop string that starts first but completes later does not win
+    over an inner one that completes first; streamed and not, as target-only decoding."""
+    text = cli_reference["text"]
+    inner = _stop_for(text)
+    cut = text.find(inner)
+    outer = text[max(0, cut - 3):cut + len(inner) + 8]
+    want = local_engine.generate(PROMPT, max_new_tokens=REF_TOKENS, ignore_eos=True, stop=[outer, inner])
+    assert want.text == text[:cut] and want.finish_reason == "stop"
+    c = server.client()
+    r = c.completions.create(prompt=PROMPT, max_tokens=REF_TOKENS, stop=[outer, inner], **_greedy())
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(want.token_ids)
+    s_text, finish, usage, _ = _stream_completion(c, prompt=PROMPT, max_tokens=REF_TOKENS, stop=[outer, inner], **_greedy())
+    assert s_text == want.text and finish == "stop" and usage.completion_tokens == len(want.token_ids)
+
+
 def test_chat_stream_and_not(server, local_engine):
     c = server.client()
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def f(x):"}]
