@@ -5,9 +5,10 @@
     >>> out = engine.generate("def fibonacci(n):", max_new_tokens=64)
     >>> out.text, out.finish_reason, out.stats.mean_acceptance_length
 
-Stopping is decided on committed tokens, token by token inside each block: the
-first stop token id, the first stop string, or ``max_new_tokens``, whichever comes
-first; nothing past it is emitted.
+Stopping is decided on committed tokens, token by token inside each block, exactly
+as one-token-at-a-time decoding decides it (:mod:`dflash_torch.stopping`): the first
+stop token id, the first token that completes a stop string, or ``max_new_tokens``,
+whichever comes first; nothing past it is emitted.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .models.drafter import DFlashDrafter
 from .models.packing import pack_linears, packing_supported
 from .models.target import TargetModel
 from .sampling import SamplingParams
+from .stopping import Stopper
 
 ASSETS = Path(__file__).parent / "assets" / "default"
 DEFAULT_TARGET = ASSETS / "target"
@@ -289,7 +291,8 @@ class DFlashEngine:
             prompt: text, chat messages, or token ids.
             max_new_tokens: at most this many generated tokens (>= 1).
             temperature, top_k, top_p, seed: see :class:`SamplingParams`.
-            stop: stop string(s): output ends before the first occurrence.
+            stop: stop string(s): generation ends after the first token that completes
+                one, and the text is cut at the start of that occurrence.
             stop_token_ids: extra stop token ids (EOS ids are included unless ``ignore_eos``).
             ignore_eos: do not stop at the model's EOS tokens.
             chat: apply the tokenizer's chat template to a text prompt.
@@ -323,10 +326,7 @@ class DFlashEngine:
     def _stream(self, prompt_ids, params, max_new_tokens, stops, stop_ids) -> Iterator[StreamChunk]:
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.block_size,
                                 draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
-        hold = max((len(s) for s in stops), default=1) - 1
-        ids: list[int] = []
-        emitted = 0  # characters of text already yielded
-        prev_len = 0
+        stopper = Stopper(self.decode, stops, stop_ids, max_new_tokens)
         rounds = self.decoder.rounds(prompt_ids, params, max_new_tokens)
         try:
             for rnd in rounds:
@@ -337,42 +337,13 @@ class DFlashEngine:
                     stats.propose_times.append(rnd.propose_time)
                     stats.verify_times.append(rnd.verify_time)
                     stats.decode_time += rnd.total_time
-                start = len(ids)
-                finish, text_ids_end = None, None
-                for tok in rnd.tokens:
-                    ids.append(tok)
-                    if tok in stop_ids:
-                        finish, text_ids_end = "stop", len(ids) - 1
-                        break
-                    if len(ids) >= max_new_tokens:
-                        finish = "length"
-                        break
-                text_ids_end = len(ids) if text_ids_end is None else text_ids_end
-                text = self.decode(ids[:text_ids_end])
-                if stops:
-                    search_from = max(0, min(prev_len, emitted) - hold - 2)
-                    hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
-                    if hits:
-                        cut, k = min(hits), text_ids_end
-                        for k in range(start + 1, text_ids_end + 1):
-                            if any(s in self.decode(ids[:k])[search_from:] for s in stops):
-                                break
-                        del ids[k:]
-                        text, finish = text[:cut], "stop"
-                prev_len = len(text)
+                text, kept, finish = stopper.feed(rnd.tokens)
                 if finish:
-                    end = len(text)
-                else:
-                    end = max(emitted, len(text) - hold)
-                    while end > emitted and text[end - 1] == "\ufffd":
-                        end -= 1
-                delta, emitted = text[emitted:end], max(emitted, end)
-                if finish:
-                    stats.generated_tokens = len(ids)
+                    stats.generated_tokens = stopper.generated
                     self._finish_stats(stats)
-                    yield StreamChunk(delta, ids[start:], finish, stats)
+                    yield StreamChunk(text, rnd.tokens[:kept], finish, stats)
                     return
-                yield StreamChunk(delta, ids[start:])
+                yield StreamChunk(text, rnd.tokens)
         finally:
             rounds.close()
 

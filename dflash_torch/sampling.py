@@ -22,14 +22,26 @@ import torch
 from .errors import DFlashError
 
 
+def _real(x) -> float | None:
+    """``x`` as a float; None for a non-number, a bool, or an int too large for a float."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        return float(x)
+    except OverflowError:
+        return None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to choose tokens.
 
     Attributes:
-        temperature: 0 for greedy decoding, else > 0 (logits are divided by it).
+        temperature: 0 for greedy decoding, else any finite value > 0 (logits are divided
+            by it; see :func:`probabilities`). Stored as a float.
         top_k: keep the k most likely tokens (0 = no limit).
-        top_p: keep the smallest set of tokens whose probability reaches top_p (1 = off).
+        top_p: keep the smallest set of tokens whose probability reaches top_p (1 = off);
+            the most likely token is always kept. Stored as a float.
         seed: seed of the request's random generator (None = nondeterministic).
     """
 
@@ -39,14 +51,16 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise DFlashError(f"temperature must be a finite number >= 0, got {t!r}")
+        t = _real(self.temperature)
+        if t is None or not math.isfinite(t) or t < 0:
+            raise DFlashError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise DFlashError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
-            raise DFlashError(f"top_p must be in (0, 1], got {p!r}")
+        p = _real(self.top_p)
+        if p is None or not (0 < p <= 1):
+            raise DFlashError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        object.__setattr__(self, "temperature", t)  # floats from here on (an int such as 10**30 would overflow torch)
+        object.__setattr__(self, "top_p", p)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(2**63) <= self.seed < 2**64):
             raise DFlashError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
@@ -67,18 +81,39 @@ class SamplingParams:
         return g
 
 
-def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits ``[N, V]`` -> float32 probabilities ``[N, V]`` after temperature, top-k, top-p.
+_F32 = torch.finfo(torch.float32)
 
-    Only for ``params.temperature > 0``. Top-k keeps every token tied with the k-th.
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits ``[N, V]`` (any float dtype, finite) -> float32 probabilities ``[N, V]``
+    after top-k, temperature and top-p. Only for ``params.temperature > 0``.
+
+    Top-k keeps every token tied with the k-th. Well defined for every accepted
+    temperature: the row maximum is subtracted before scaling, so the most likely
+    token's scaled logit is exactly 0 and nothing overflows to +inf; a temperature
+    outside float32's normal range (below ~1.2e-38 or above ~3.4e38) is applied in
+    float64. A temperature small enough that every gap to the maximum, scaled, is
+    beyond exp's range gives the limit distribution: uniform over the tokens tied for
+    the maximum (one-hot without ties); a huge one gives the uniform distribution.
+    Top-p ranks equally likely tokens by id (lower first) and always keeps the most
+    likely token.
     """
-    x = logits.float() / params.temperature
+    x = logits.float()
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
+    gaps = x - x.amax(dim=-1, keepdim=True)  # <= 0, exactly 0 at the maximum and its ties
+    t = params.temperature
+    if _F32.tiny <= t <= _F32.max:
+        scaled = gaps.div_(t)
+    else:  # not a normal float32: 1e-40 would lose precision, 1e-46 or 1e39 would become 0 or inf
+        scaled = (gaps.double() / t).float()
+    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # most likely first, ordered by the logits: probabilities that round to equal values
+        # (a huge temperature) still put the true maximum first
+        order = x.argsort(dim=-1, descending=True, stable=True)
+        sorted_p = probs.gather(-1, order)
         before = sorted_p.cumsum(dim=-1) - sorted_p
         drop_sorted = before >= params.top_p
         drop_sorted[..., 0] = False

@@ -76,6 +76,15 @@ def test_no_draft_equals_speculative_output(json_output, pair_args):
     assert json_output["stats"]["mean_acceptance_length"] > 1
 
 
+def test_tiny_temperature_decodes_as_greedy(json_output, pair_args):
+    """A temperature of 1e-40 is the greedy limit, not a traceback (issue 14)."""
+    proc = run_cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json",
+                   "--temperature", "1e-40", "--seed", "0")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    out = parse_single_json(proc.stdout)
+    assert out["token_ids"] == json_output["token_ids"] and out["text"] == json_output["text"]
+
+
 def test_chat_and_streaming_text(pair_args, api):
     proc = run_cli("generate", *pair_args, "--prompt", "Explain heaps.", "--chat", "--max-new-tokens", "16",
                    "--ignore-eos", "--block-size", "8", "--draft-mode", "recompute")

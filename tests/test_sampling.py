@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from conftest import load_hf
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams
-from dflash_torch.sampling import accept_greedy, accept_sampling, probabilities
+from dflash_torch.sampling import accept_greedy, accept_sampling, probabilities, sample
 
 ALPHA = 0.001  # significance level of every chi-square test here
 
@@ -88,13 +90,14 @@ def test_accept_greedy_prefix_and_bonus():
 
 def processed(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Target distribution after temperature, then top-k (ties kept), then top-p (the smallest
-    set of most likely tokens whose probability reaches top_p), in float64."""
+    set of most likely tokens whose probability reaches top_p; among equally likely tokens
+    the lower id counts as more likely), in float64."""
     x = logits.double() / temperature
-    if top_k:
+    if 0 < top_k < x.shape[-1]:
         x = x.masked_fill(x < x.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
     p = x.softmax(-1)
     if top_p < 1:
-        sp, order = p.sort(-1, descending=True)
+        sp, order = p.sort(dim=-1, descending=True, stable=True)
         drop = (sp.cumsum(-1) - sp) >= top_p
         drop[..., 0] = False
         p = torch.zeros_like(p).scatter(-1, order, sp.masked_fill(drop, 0.0))
@@ -182,8 +185,150 @@ def test_probabilities_match_the_oracle_processing():
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
-                                dict(top_p=1.5), dict(top_k=-1), dict(top_k=2.5)])
+                                dict(top_p=1.5), dict(top_k=-1), dict(top_k=2.5), dict(temperature=10**400),
+                                dict(top_p=10**400)])
 def test_invalid_sampling_parameters(kw):
     with pytest.raises(DFlashError) as err:
         SamplingParams(**kw)
     assert "\n" not in str(err.value)
+
+
+# --- every accepted parameter value decodes: extreme temperatures, top-p, top-k, logits ----
+# (deterministic: hypothesis runs derandomized, without an example database)
+PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None)
+TINY_TEMPERATURES = [5e-324, 1e-300, 1e-46, 1e-40, 1e-20]  # below float32's range included
+HUGE_TEMPERATURES = [1e39, 1e300, 10**30]                   # above float32's range, and an int
+temperatures = st.one_of(st.sampled_from(TINY_TEMPERATURES + HUGE_TEMPERATURES + [1e-6, 1e6]),
+                         st.floats(min_value=5e-324, max_value=1e308))
+top_ps = st.one_of(st.sampled_from([5e-324, 1e-9, 1.0]), st.floats(min_value=0, max_value=1, exclude_min=True))
+
+
+@st.composite
+def logit_rows(draw, max_scale: float = 1e30, min_rows: int = 1):
+    """Logits ``[N, V]``: random, peaked (one token far above), flat (all equal) or with a
+    three-way tie at the top, at scales from 1e-6 to 1e30, in float32 or bfloat16."""
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    rows, vocab = draw(st.integers(min_rows, 3)), draw(st.integers(2, 40))
+    scale = draw(st.sampled_from([s for s in (1e-6, 1.0, 30.0, 1e4, 1e30) if s <= max_scale]))
+    x = torch.randn(rows, vocab, generator=g) * scale
+    shape = draw(st.sampled_from(["random", "peaked", "flat", "ties"]))
+    if shape == "peaked":
+        x[:, draw(st.integers(0, vocab - 1))] = scale * 1000
+    elif shape == "flat":
+        x = torch.full_like(x, scale)
+    elif shape == "ties":
+        x[:, : min(3, vocab)] = x.amax() + scale
+    return x.to(draw(st.sampled_from([torch.float32, torch.bfloat16])))
+
+
+def is_max(logits: torch.Tensor) -> torch.Tensor:
+    x = logits.float()
+    return x == x.amax(dim=-1, keepdim=True)
+
+
+@PROPERTY
+@given(logits=logit_rows(), t=temperatures, top_k=st.integers(0, 50), top_p=top_ps, seed=st.integers(0, 2**31))
+def test_probabilities_are_a_distribution_for_every_accepted_value(logits, t, top_k, top_p, seed):
+    p = probabilities(logits, SamplingParams(temperature=t, top_k=top_k, top_p=top_p))
+    assert p.dtype == torch.float32 and p.shape == logits.shape
+    assert torch.isfinite(p).all() and (p >= 0).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(len(p)), atol=1e-5, rtol=0)
+    assert ((p > 0) & is_max(logits)).any(-1).all()  # a most likely token is always kept
+    if 0 < top_k < logits.shape[-1]:
+        x = logits.float()
+        assert (p[x < x.topk(top_k, dim=-1).values[:, -1:]] == 0).all()
+    token = sample(p, torch.Generator().manual_seed(seed))
+    assert (p[torch.arange(len(p)), token] > 0).all()
+
+
+@PROPERTY
+@given(logits=logit_rows(), t=temperatures, top_k=st.integers(0, 50))
+def test_probabilities_match_the_float64_oracle_wherever_it_is_defined(logits, t, top_k):
+    """Away from the limits where float64 itself overflows, the values are the oracle's."""
+    want = processed(logits.float(), float(t), top_k)
+    if torch.isfinite(want).all():
+        got = probabilities(logits, SamplingParams(temperature=t, top_k=top_k))
+        torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-4)
+
+
+@PROPERTY
+@given(logits=logit_rows(), t=st.sampled_from(TINY_TEMPERATURES), top_k=st.integers(0, 50))
+def test_tiny_temperature_is_uniform_over_the_maximum(logits, t, top_k):
+    """The limit T -> 0+: one-hot on the argmax, uniform over tied maxima; never NaN."""
+    top = is_max(logits)
+    p = probabilities(logits, SamplingParams(temperature=t, top_k=top_k))
+    assert torch.equal(p, top.float() / top.sum(-1, keepdim=True))
+
+
+@PROPERTY
+@given(logits=logit_rows(max_scale=1e4), t=st.sampled_from(HUGE_TEMPERATURES), top_k=st.integers(0, 50))
+def test_huge_temperature_is_uniform_over_the_kept_tokens(logits, t, top_k):
+    x = logits.float()
+    kept = x >= x.topk(top_k, dim=-1).values[:, -1:] if 0 < top_k < x.shape[-1] else torch.ones_like(x, dtype=torch.bool)
+    p = probabilities(logits, SamplingParams(temperature=t, top_k=top_k))
+    torch.testing.assert_close(p, kept.float() / kept.sum(-1, keepdim=True), atol=1e-7, rtol=0)
+
+
+@PROPERTY
+@given(target=logit_rows(min_rows=2), draft=logit_rows(), t=temperatures, top_k=st.integers(0, 50), top_p=top_ps,
+       seed=st.integers(0, 2**31))
+def test_accept_sampling_stays_valid_for_every_accepted_value(target, draft, t, top_k, top_p, seed):
+    """Drafts and the bonus / correction token always have positive target probability;
+    at the T -> 0+ limit the committed tokens are the target's argmax (greedy decoding)."""
+    rows = min(len(target), len(draft) + 1)
+    vocab = min(target.shape[1], draft.shape[1])
+    target, draft = target[:rows, :vocab], draft[:rows - 1, :vocab]
+    params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p)
+    g = torch.Generator().manual_seed(seed)
+    p, q = probabilities(target, params), probabilities(draft, params)
+    d = sample(q, g)
+    a, tok = accept_sampling(d, q, p, g)
+    a, tok = int(a), int(tok)
+    committed = d[:a].tolist() + [tok]
+    assert 0 <= a < rows
+    assert all(p[i, c] > 0 for i, c in enumerate(committed))
+    if t in TINY_TEMPERATURES and (is_max(target).sum(-1) == 1).all():
+        assert committed == target.float().argmax(-1)[: a + 1].tolist()
+
+
+# --- end to end: extreme values through generate (drafter on and off, float32 and bfloat16) ---
+
+EXTREMES = {
+    # name: (sampling params, True where the output must equal greedy decoding token for token)
+    "temperature-1e-40": (dict(temperature=1e-40), True),
+    "temperature-5e-324": (dict(temperature=5e-324), True),
+    "top-p-1e-9": (dict(temperature=1.0, top_p=1e-9), True),
+    "top-k-1-temperature-1e6": (dict(temperature=1e6, top_k=1), True),
+    "temperature-1e-6": (dict(temperature=1e-6), False),
+    "temperature-1e6": (dict(temperature=1e6), False),
+    "temperature-1e300-top-p-0.5": (dict(temperature=1e300, top_p=0.5), False),
+}
+
+
+@pytest.fixture(scope="module")
+def extreme_engines(agree_pair):
+    """{(dtype, drafter on?): engine} for the agreeable pair (drafts are often accepted)."""
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        spec = DFlashEngine.from_pretrained(*agree_pair, dtype=dtype)
+        out[dtype, True], out[dtype, False] = spec, DFlashEngine(spec.target, spec.tokenizer)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("draft", [True, False], ids=["draft", "no-draft"])
+def test_extreme_sampling_values_decode(extreme_engines, dtype, draft):
+    """With T -> 0+ (or top-k 1, or a top-p below the top token's probability) the draft
+    distributions are one-hot too, so speculative decoding proposes exactly the greedy drafts
+    and, in either dtype, must give this engine's greedy output."""
+    engine = extreme_engines[dtype, draft]
+    prompt = "def f(x):"
+    greedy = engine.generate(prompt, max_new_tokens=16, ignore_eos=True)
+    for name, (params, is_greedy) in EXTREMES.items():
+        out = engine.generate(prompt, max_new_tokens=16, ignore_eos=True, seed=0, **params)
+        assert len(out.token_ids) == 16 and out.finish_reason == "length", name
+        assert all(0 <= t < engine.target.config.vocab_size for t in out.token_ids), name
+        assert out.text == engine.decode(out.token_ids), name
+        if is_greedy:
+            assert out.token_ids == greedy.token_ids, name
+            assert out.stats.acceptance_lengths == greedy.stats.acceptance_lengths, name

@@ -215,6 +215,23 @@ def test_stop_strings(server, cli_reference, local_engine):
     assert r3.choices[0].text == text and r3.usage.completion_tokens == REF_TOKENS
 
 
+def test_overlapping_stop_strings_end_where_the_first_completes(server, cli_reference, local_engine):
+    """Issue 14: an outer stop string that starts first but completes later does not win
+    over an inner one that completes first; streamed and not, as target-only decoding."""
+    text = cli_reference["text"]
+    inner = _stop_for(text)
+    cut = text.find(inner)
+    outer = text[max(0, cut - 3):cut + len(inner) + 8]
+    want = local_engine.generate(PROMPT, max_new_tokens=REF_TOKENS, ignore_eos=True, stop=[outer, inner])
+    assert want.text == text[:cut] and want.finish_reason == "stop"
+    c = server.client()
+    r = c.completions.create(prompt=PROMPT, max_tokens=REF_TOKENS, stop=[outer, inner], **_greedy())
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(want.token_ids)
+    s_text, finish, usage, _ = _stream_completion(c, prompt=PROMPT, max_tokens=REF_TOKENS, stop=[outer, inner], **_greedy())
+    assert s_text == want.text and finish == "stop" and usage.completion_tokens == len(want.token_ids)
+
+
 def test_chat_stream_and_not(server, local_engine):
     c = server.client()
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def f(x):"}]
@@ -256,6 +273,20 @@ def test_seeded_sampling_reproducible(server):
                 extra_body={"ignore_eos": True})
     assert c.chat.completions.create(**chat).choices[0].message.content == \
         c.chat.completions.create(**chat).choices[0].message.content
+
+
+def test_extreme_sampling_values_are_answered_not_500(server, cli_reference):
+    """temperature 1e-40 and top_p 1e-9 keep only the most likely token: greedy output (issue 14)."""
+    c = server.client()
+    for params in (dict(temperature=1e-40), dict(temperature=1.0, top_p=1e-9)):
+        kw = dict(model=MODEL, prompt=PROMPT, max_tokens=REF_TOKENS, seed=0, extra_body={"ignore_eos": True}, **params)
+        r = c.completions.create(**kw)
+        assert r.choices[0].text == cli_reference["text"], params
+        s_text, finish, usage, _ = _stream_completion(c, **kw)
+        assert s_text == cli_reference["text"] and finish == "length" and usage.completion_tokens == REF_TOKENS
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                     temperature=1e-40, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 8
 
 
 LONG_PROMPT = "def f(x):\n    return x\n" * 300  # far more tokens than the 1024-token context

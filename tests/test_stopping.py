@@ -1,7 +1,9 @@
 """Stopping is decided on committed tokens, inside a block: stop token ids, stop strings
 and max_new_tokens cut exactly where they occur, even when the round that committed the
-token committed more after it; tokens are never stripped by value; requests on one
-engine are independent; streamed deltas add up to the final text; stats add up."""
+token committed more after it; the decision is the one token-at-a-time decoding makes,
+whatever the round boundaries (property tests against a brute-force oracle and against
+target-only decoding); tokens are never stripped by value; requests on one engine are
+independent; streamed deltas add up to the final text; stats add up."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import json
 import shutil
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from conftest import AGREE_TOKEN, varied_prompts
+from conftest import AGREE_TOKEN, corpus_texts, varied_prompts
 from dflash_torch import DFlashEngine
+from dflash_torch.stopping import IncrementalText, Stopper, find_stop, partial_stop
 
 PROMPTS = ["def f(x):", "class Stack:\n    def push(self, item):\n", "import os\nimport sys\n", "x",
            "    return self._data[index]\n", "for i in range(10):\n"]
@@ -222,3 +227,195 @@ def test_unfinished_stream_in_same_thread_is_an_error_not_a_hang(tiny_pair):
     first.close()
     out = engine.generate("def f(x):", max_new_tokens=5, ignore_eos=True)
     assert len(out.token_ids) == 5
+
+
+# --- the token-at-a-time decision, whatever the round boundaries -------------------------
+# (hypothesis runs derandomized, without an example database: the suite stays deterministic)
+PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None)
+
+
+def hf_decode(tokenizer):
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+@pytest.fixture(scope="module")
+def decoders(tokenizer_dir):
+    """name -> (decode, vocabulary size): the byte-level BPE test tokenizer (its single-byte
+    tokens make incomplete and invalid UTF-8 common), the shipped default pair's, and a
+    SentencePiece-style one (Metaspace: a word-start marker whose space is dropped at the
+    start of a decode, so a token's text depends on the token before it)."""
+    from tokenizers import Tokenizer, decoders as dec, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from dflash_torch.engine import DEFAULT_TARGET
+
+    meta = Tokenizer(models.BPE(unk_token="<unk>"))
+    meta.pre_tokenizer, meta.decoder = pre_tokenizers.Metaspace(), dec.Metaspace()
+    meta.train_from_iterator(corpus_texts(), trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>"],
+                                                                 show_progress=False))
+    toks = {"byte-level": AutoTokenizer.from_pretrained(str(tokenizer_dir)),
+            "default": AutoTokenizer.from_pretrained(str(DEFAULT_TARGET)),
+            "metaspace": PreTrainedTokenizerFast(tokenizer_object=meta, unk_token="<unk>", eos_token="</s>")}
+    return {name: (hf_decode(t), len(t)) for name, t in toks.items()}
+
+
+@st.composite
+def token_runs(draw, vocab: int, max_size: int = 40):
+    """Token ids drawn from a small random subset of the vocabulary (repetitive text, so
+    stop strings overlap and recur), or from all of it."""
+    ids = st.integers(0, vocab - 1)
+    alphabet = draw(st.lists(ids, min_size=1, max_size=8, unique=True))
+    return draw(st.lists(st.one_of(st.sampled_from(alphabet), ids) if draw(st.booleans()) else st.sampled_from(alphabet),
+                         min_size=1, max_size=max_size))
+
+
+@st.composite
+def overlapping_stops(draw, text: str):
+    """Stop strings cut from ``text`` around one place, in any order: an inner one and an
+    outer one around it (the outer starts first, the inner completes first), 0-2 more
+    overlapping them, and sometimes one that may not occur at all."""
+    m = draw(st.integers(0, max(0, len(text) - 1)))
+    n = m + draw(st.integers(1, 4))
+    i, j = max(0, m - draw(st.integers(0, 4))), n + draw(st.integers(0, 8))
+    stops = [text[m:n], text[i:j]]
+    for _ in range(draw(st.integers(0, 2))):
+        a = draw(st.integers(i, max(i, min(j, len(text)) - 1)))
+        stops.append(text[a:a + draw(st.integers(1, 10))])
+    if draw(st.booleans()):
+        stops.append(draw(st.text(alphabet="os\n i()I", min_size=1, max_size=6)))
+    return draw(st.permutations([s for s in stops if s] or ["\x00never"]))
+
+
+def reference_stop(decode, ids, stops, stop_ids, max_new_tokens):
+    """The definition, by brute force: one token at a time, the whole text decoded again.
+    Returns (text, number of tokens kept, finish reason)."""
+
+    def end(text, k, reason):  # trailing U+FFFD characters are final at the end
+        starts = [text.find(s) for s in stops if s in text]
+        return (text[:min(starts)], k, "stop") if starts else (text, k, reason)
+
+    for k in range(1, len(ids) + 1):
+        if ids[k - 1] in stop_ids:
+            return end(decode(ids[:k - 1]), k, "stop")
+        text = decode(ids[:k]).rstrip("\ufffd")  # complete text after token k
+        starts = [text.find(s) for s in stops if s in text]  # none was complete before token k
+        if starts:
+            return text[:min(starts)], k, "stop"
+        if k == max_new_tokens:
+            return end(decode(ids[:k]), k, "length")
+    raise AssertionError("max_new_tokens is past the tokens")
+
+
+def run_stopper(decode, ids, stops, stop_ids, max_new_tokens, sizes):
+    """Feed ``ids`` to a :class:`Stopper` in rounds of ``sizes`` tokens (cycled) until it finishes."""
+    stopper, deltas, kept, i, r = Stopper(decode, stops, stop_ids, max_new_tokens), [], 0, 0, 0
+    while True:
+        tokens = ids[i:i + sizes[r % len(sizes)]]
+        text, k, finish = stopper.feed(tokens)
+        assert 0 < k <= len(tokens) and (finish is not None or k == len(tokens))
+        deltas.append(text)
+        kept, i, r = kept + k, i + len(tokens), r + 1
+        if finish:
+            assert stopper.generated == kept
+            return "".join(deltas), kept, finish
+
+
+def test_find_stop_and_partial_stop_examples():
+    # the issue's example: "\nimp" completes with the token " import"; "os\nimport os" does not
+    assert find_stop("import os\nimport", len("import os\n"), ["os\nimport os", "\nimp"]) == len("import os")
+    # two stop strings completed by the same new text: the earliest start wins
+    assert find_stop("xxabcd", 3, ["cd", "abc"]) == 2
+    # an occurrence that ended before the new text is not new
+    assert find_stop("ab--ab", 4, ["ab"]) == 4 and find_stop("ab--", 3, ["ab"]) is None
+    assert partial_stop("foo\nim", ["\nimport", "xyz"]) == 3
+    assert partial_stop("foo\n", ["\n\n", "o\n\n"]) == 2
+    assert partial_stop("abc", ["abc"]) == 0  # a complete occurrence is not a partial one
+    assert partial_stop("", ["a"]) == 0 and partial_stop("abc", []) == 0
+
+
+@PROPERTY
+@given(text=st.text(alphabet="ab\n", max_size=12), cut=st.integers(0, 12),
+       stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=5), min_size=1, max_size=4))
+def test_find_stop_and_partial_stop_match_their_definitions(text, cut, stops):
+    new_from = min(cut, len(text))
+    ends_after = [i for s in stops for i in range(len(text)) if text.startswith(s, i) and i + len(s) > new_from]
+    assert find_stop(text, new_from, stops) == min(ends_after, default=None)
+    assert partial_stop(text, stops) == max([k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
+
+
+@PROPERTY
+@given(data=st.data(), name=st.sampled_from(["byte-level", "default", "metaspace"]))
+def test_incremental_text_is_the_decoded_text(decoders, data, name):
+    decode, vocab = decoders[name]
+    ids = data.draw(token_runs(vocab))
+    text, pieces = IncrementalText(decode), []
+    for k, t in enumerate(ids, 1):
+        pieces.append(text.push(t))
+        assert "".join(pieces) == decode(ids[:k]).rstrip("\ufffd")
+    assert "".join(pieces) + text.flush() == decode(ids)
+
+
+@PROPERTY
+@given(data=st.data(), name=st.sampled_from(["byte-level", "default", "metaspace"]))
+def test_stopper_decides_as_token_at_a_time_whatever_the_rounds(decoders, data, name):
+    """Random token sequences, overlapping stop strings cut from their text, a stop token
+    id, max_new_tokens and round sizes: the text, the kept tokens and the finish reason
+    are the brute-force oracle's (rounds of one token: target-only decoding)."""
+    decode, vocab = decoders[name]
+    ids = data.draw(token_runs(vocab))
+    stops = data.draw(overlapping_stops(decode(ids)))
+    stop_ids = set(data.draw(st.lists(st.sampled_from(ids), max_size=1)))
+    max_new_tokens = data.draw(st.integers(1, len(ids)))
+    sizes = data.draw(st.lists(st.integers(1, 16), min_size=1, max_size=6))
+    want = reference_stop(decode, ids, stops, stop_ids, max_new_tokens)
+    assert run_stopper(decode, ids, stops, stop_ids, max_new_tokens, [1]) == want
+    assert run_stopper(decode, ids, stops, stop_ids, max_new_tokens, sizes) == want
+    assert not any(s in want[0] for s in stops)
+
+
+def test_overlapping_stop_strings_of_the_issue_on_the_default_pair():
+    """Issue 14: the stop string that completes first wins, not the one that starts first."""
+    spec = DFlashEngine.from_pretrained()
+    base = DFlashEngine(spec.target, spec.tokenizer)
+    kw = dict(stop=["os\nimport os", "\nimp"], max_new_tokens=32)
+    want = base.generate("import os\n", **kw)
+    assert want.text == "import os" and want.finish_reason == "stop"
+    got = spec.generate("import os\n", **kw)
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+    assert max(got.stats.acceptance_lengths) > 1  # a round committed several tokens
+    chunks = list(spec.stream("import os\n", **kw))
+    assert "".join(c.text for c in chunks) == want.text
+
+
+@pytest.fixture(scope="module")
+def stop_pairs(engines):
+    """name -> (speculative engine, target-only engine, [(prompt, target-only output)]): the
+    shipped default pair (real code text, several tokens per round) and the agreeable pair
+    (many tokens per round)."""
+    default = DFlashEngine.from_pretrained()
+    code = ["import os\n", "def fibonacci(n):", "class Stack:\n    def push(self, item):\n", "for i in range(10):\n"]
+    out = {}
+    for name, spec, prompts in (("default", default, code),
+                                ("agree", engines[16], PROMPTS[:3] + varied_prompts(engines[16].target, 4, seed=2))):
+        base = DFlashEngine(spec.target, spec.tokenizer)
+        out[name] = spec, base, [(p, base.generate(p, max_new_tokens=N, ignore_eos=True)) for p in prompts]
+    return out
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(data=st.data(), name=st.sampled_from(["default", "agree"]), B=st.integers(2, 16))
+def test_overlapping_stop_strings_match_target_only_decoding(stop_pairs, data, name, B):
+    """Block sizes 2..16, overlapping stop strings cut from the target-only output:
+    generate and the streamed deltas give target-only decoding's text, token ids and
+    finish reason."""
+    spec, base, refs = stop_pairs[name]
+    prompt, ref = data.draw(st.sampled_from(refs))
+    stops = data.draw(overlapping_stops(ref.text))
+    kw = dict(max_new_tokens=N, ignore_eos=True, stop=stops)
+    want = base.generate(prompt, **kw)
+    engine = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, block_size=B)
+    got = engine.generate(prompt, **kw)
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+    chunks = list(engine.stream(prompt, **kw))
+    assert "".join(c.text for c in chunks) == want.text
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids

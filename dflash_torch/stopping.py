@@ -1,0 +1,155 @@
+"""Stopping, decided on committed tokens one at a time (DESIGN.md, "Stopping").
+
+A decoding round commits several tokens at once. :class:`Stopper` walks them in order
+and decides exactly as one-token-at-a-time decoding would, whatever the round
+boundaries:
+
+* a stop token id ends generation at that token (kept in the token ids; its text is
+  not part of the output text);
+* otherwise, after each token, the text it completed is checked for stop strings: the
+  first token after which a stop string occurs in the text ends generation, and the
+  text is cut at the start of that occurrence. Only an occurrence that ends in the
+  token's own text can be new; if the token completes several (of the same or of
+  different stop strings), the cut is at the earliest start among them;
+* otherwise generation ends after ``max_new_tokens`` tokens (a stop string completed
+  by that last token still counts as a stop).
+
+Text is decoded incrementally (:class:`IncrementalText`), so a round costs decodes of a
+few tokens, not of the whole output. Stop strings are matched against complete text:
+a token that ends inside a multi-byte character adds no text until a later token
+completes it (trailing U+FFFD characters count when a character follows them, or at
+the end of generation). Streamed text never contains characters that a later token
+could still turn into the start of a stop string (:func:`partial_stop`), and the
+output text never contains a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+
+def find_stop(text: str, new_from: int, stops: Sequence[str]) -> int | None:
+    """Where to cut ``text`` because ``text[new_from:]`` completed a stop string.
+
+    Args:
+        text: text that holds every character a new occurrence can start at (at least
+            the last ``len(s) - 1`` characters before ``new_from`` for each stop string s).
+        new_from: index in ``text`` where the newly produced characters start.
+        stops: non-empty stop strings.
+
+    Returns:
+        The earliest start (index in ``text``) among the occurrences of any stop string
+        that end after ``new_from``, or None when there is none.
+    """
+    starts = [i for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
+    return min(starts, default=None)
+
+
+def partial_stop(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string
+    (0 if none): the characters that more text could turn into the start of one."""
+    n, longest = len(text), 0
+    for s in stops:
+        # candidate starts i give suffixes longer than ``longest`` and shorter than s
+        i = text.find(s[0], max(0, n - len(s) + 1), n - longest)
+        while i >= 0:
+            if s.startswith(text[i:]):
+                longest = n - i  # the first candidate is the longest suffix for this s
+                break
+            i = text.find(s[0], i + 1, n - longest)
+    return longest
+
+
+class IncrementalText:
+    """The text of a growing token sequence, decoded over a short window of tokens.
+
+    Each :meth:`push` decodes the tokens since the last clean character boundary plus,
+    as context, the tokens of the text piece before them (for tokenizers whose decoding
+    of a token depends on the one before, such as a SentencePiece word-start marker),
+    and returns the text the new token added. The text is complete up to its trailing
+    U+FFFD characters: those may be an incomplete multi-byte character that a later
+    token completes, so they are returned only once a later character follows them, or
+    by :meth:`flush`. UTF-8 is decoded left to right, so everything before them is final.
+    The pieces, plus :meth:`flush` at the end, concatenate to ``decode(all tokens)``.
+    Cost: two decodes of a few tokens per token.
+
+    Args:
+        decode: token ids -> text (the engine's ``decode``).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.window: list[int] = []  # context tokens, then the tokens since the last clean boundary
+        self.context = 0  # leading tokens of the window that are context
+        self.returned = 0  # characters of decode(window) already returned (the context's included)
+
+    def push(self, token: int) -> str:
+        """Append a token; return the complete text it added (possibly '')."""
+        self.window.append(token)
+        text = self.decode(self.window)
+        complete = text.rstrip("\ufffd")
+        new, self.returned = complete[self.returned:], len(complete)
+        if len(complete) == len(text):  # a clean boundary: the new tokens become the next context
+            del self.window[: self.context]
+            self.context = len(self.window)
+            self.returned = len(self.decode(self.window))
+        return new
+
+    def flush(self) -> str:
+        """The text not returned yet: trailing U+FFFD characters ('' if none)."""
+        if len(self.window) == self.context:
+            return ""
+        return self.decode(self.window)[self.returned:]
+
+
+class Stopper:
+    """Token-at-a-time stop decisions over the tokens of whole rounds (see the module).
+
+    Args:
+        decode: token ids -> text.
+        stops: stop strings (non-empty).
+        stop_ids: stop token ids.
+        max_new_tokens: most tokens to generate (>= 1).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], stop_ids, max_new_tokens: int):
+        self.text = IncrementalText(decode)
+        self.stops, self.stop_ids, self.max_new_tokens = list(stops), stop_ids, max_new_tokens
+        self.generated = 0  # tokens kept so far
+        self.unsent = ""  # text decided but not yet returned (held back: a stop string may start in it)
+
+    def feed(self, tokens: Sequence[int]) -> tuple[str, int, str | None]:
+        """Walk one round's committed tokens in order.
+
+        Returns:
+            ``(text, kept, finish)``: the text to emit now, how many of ``tokens`` are
+            kept (all of them unless generation ends in this round) and the finish
+            reason (``"stop"``, ``"length"``, or None while generation goes on).
+        """
+        for kept, token in enumerate(tokens, 1):
+            self.generated += 1
+            if token in self.stop_ids:
+                return self._finish(kept, "stop")
+            new = self.text.push(token)
+            if new:
+                new_from = len(self.unsent)
+                self.unsent += new
+                cut = find_stop(self.unsent, new_from, self.stops)
+                if cut is not None:
+                    text, self.unsent = self.unsent[:cut], ""
+                    return text, kept, "stop"
+            if self.generated >= self.max_new_tokens:
+                return self._finish(kept, "length")
+        hold = partial_stop(self.unsent, self.stops)
+        text, self.unsent = self.unsent[: len(self.unsent) - hold], self.unsent[len(self.unsent) - hold:]
+        return text, len(tokens), None
+
+    def _finish(self, kept: int, reason: str) -> tuple[str, int, str]:
+        """The rest of the text. Trailing U+FFFD characters become final here, so a stop
+        string that contains U+FFFD may complete in them."""
+        new_from = len(self.unsent)
+        text, self.unsent = self.unsent + self.text.flush(), ""
+        cut = find_stop(text, new_from, self.stops)
+        if cut is not None:
+            text, reason = text[:cut], "stop"
+        return text, kept, reason
