@@ -147,7 +147,7 @@ def drafter_config(target_dir: Path, *, num_layers: int = 2, block_size: int = 1
     return DrafterConfig(
         hidden_size=tcfg["hidden_size"], num_hidden_layers=num_layers, num_attention_heads=heads,
         num_key_value_heads=tcfg.get("num_key_value_heads", heads), head_dim=tcfg.get("head_dim") or tcfg["hidden_size"] // heads,
-        intermediate_size=tcfg["intermediate_size"], rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+        intermediate_size=tcfg.get("intermediate_size") or 2 * tcfg["hidden_size"], rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
         attention_bias=False, block_size=block_size, mask_token_id=mask_token_id,
         target_layer_ids=target_layer_ids or default_target_layer_ids(L, num_layers), num_target_layers=L,
         vocab_size=tcfg["vocab_size"], sliding_windows=[None] * num_layers,

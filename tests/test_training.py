@@ -21,7 +21,7 @@ from dflash_torch.training.objective import (
 )
 from dflash_torch.training.trainer import TrainConfig, Trainer
 
-from conftest import corpus_texts, drafter_config, save_drafter
+from conftest import copy_tokenizer, corpus_texts, drafter_config, make_hybrid_target, save_drafter
 
 
 def dense_reference_mask(anchors: list[int], T: int, B: int) -> torch.Tensor:
@@ -189,6 +189,32 @@ def test_init_from_target_reproduces_target_layer_context_kv(tiny_pair):
     k, v = drafter.context_kv(feats, pos)[0]
     torch.testing.assert_close(k, k_ref)
     torch.testing.assert_close(v, v_ref)
+
+
+def test_training_a_drafter_for_a_hybrid_moe_target(tmp_path, tokenizer_dir):
+    """A Qwen3.5-MoE target (Gated DeltaNet + gated attention, (1 + w) norms, experts only):
+    --init-from-target copies no layer of another kind and takes its norms as the scale they
+    apply; the drafter's MLP width is the routed width; training runs and the exported
+    drafter decodes losslessly."""
+    text = dict(intermediate_size=None)  # every MLP is a mixture of experts
+    target_dir = make_hybrid_target(tmp_path / "target", "qwen3_5_moe_text", tokenizer=False, **text)
+    copy_tokenizer(tokenizer_dir, target_dir)
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    drafter = DFlashDrafter(drafter_config(target_dir, num_layers=1))
+    fresh = {k: v.clone() for k, v in drafter.layers[0].state_dict().items()}
+    copy_target_layers(drafter, target)
+    assert all(torch.equal(v, fresh[k]) for k, v in drafter.layers[0].state_dict().items())
+    torch.testing.assert_close(drafter.norm.weight, 1 + target.model.norm.weight)
+    assert target.model.norm.weight.abs().max() > 0.01  # the offset is really there
+    cfg = _cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), init_from_target=True)
+    Trainer(cfg, log=lambda m: None).run()
+    conf = json.loads((Path(cfg.out) / "config.json").read_text())
+    assert conf["intermediate_size"] == 2 * 32 + 48  # top_k * moe_intermediate_size + shared expert
+    spec = DFlashEngine.from_pretrained(target_dir, cfg.out)
+    base = DFlashEngine(spec.target, spec.tokenizer)
+    for prompt in ("def f(x):", "import os\n"):
+        assert spec.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids == \
+            base.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
 
 
 @pytest.mark.parametrize("case", ["out-is-target", "out-holds-drafter", "work-holds-checkpoint", "short-seq", "save-float16"])

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.drafter import DFlashDrafter
+from ..models.layers import RMSNorm, ZeroCenteredRMSNorm
 from ..models.target import TargetModel
 
 
@@ -269,24 +270,34 @@ def copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
     of that feature slice and ``hidden_norm`` as layer ``l0``'s input norm, so the first
     drafter layer's context keys/values start equal to the target layer's own (its
     attention over the context, induction heads included, works from step 0);
-    otherwise ``fc`` and ``hidden_norm`` keep their fresh initialisation. Layers whose
-    shapes differ are left as they are.
+    otherwise ``fc`` and ``hidden_norm`` keep their fresh initialisation. Layers of
+    another kind (linear attention, gated attention, mixture of experts, ``(1 + weight)``
+    norms: hybrid and MoE targets) or shape are left as they are; norms are copied as the
+    scale they apply.
     """
     n, layers = len(drafter.layers), target.model.layers
     l0 = len(layers) - n
     for i, d_layer in enumerate(drafter.layers):
-        src = layers[l0 + i].state_dict()
-        dst = d_layer.state_dict()
-        if all(k in src and src[k].shape == v.shape for k, v in dst.items()):
+        src_layer = layers[l0 + i]
+        src, dst = src_layer.state_dict(), d_layer.state_dict()
+        attn = getattr(src_layer, "self_attn", None)
+        plain = attn is not None and not attn.output_gate and type(src_layer.input_layernorm) is RMSNorm
+        if plain and all(k in src and src[k].shape == v.shape for k, v in dst.items()):
             d_layer.load_state_dict({k: src[k].to(v.dtype) for k, v in dst.items()})
-    drafter.norm.weight.copy_(target.model.norm.weight)
+    drafter.norm.weight.copy_(norm_scale(target.model.norm))
     ids = drafter.config.target_layer_ids
     H = drafter.config.hidden_size
     if l0 >= 1 and (l0 - 1) in ids and drafter.fc.weight.shape == (H, len(ids) * H):
         j = ids.index(l0 - 1)
         drafter.fc.weight.zero_()
         drafter.fc.weight[:, j * H:(j + 1) * H] = torch.eye(H)
-        drafter.hidden_norm.weight.copy_(layers[l0].input_layernorm.weight)
+        drafter.hidden_norm.weight.copy_(norm_scale(layers[l0].input_layernorm))
+
+
+def norm_scale(norm: torch.nn.Module) -> torch.Tensor:
+    """The per-channel scale an RMSNorm applies: ``weight``, or ``1 + weight`` for a
+    :class:`ZeroCenteredRMSNorm` (as the drafter's plain RMSNorm weight)."""
+    return 1.0 + norm.weight if isinstance(norm, ZeroCenteredRMSNorm) else norm.weight
 
 
 @torch.no_grad()

@@ -114,7 +114,11 @@ def resolve_mask_token_id(tokenizer, vocab_size: int, override: int | None) -> t
 
 
 def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_id: int) -> DrafterConfig:
-    """A drafter shaped like the target's layers (hidden size, heads, RoPE), ``num_layers`` deep."""
+    """A drafter shaped like the target's layers (hidden size, heads, RoPE), ``num_layers`` deep.
+
+    Its MLP width is ``--intermediate-size``, else the target's dense MLP width, else (a
+    target whose every MLP is a mixture of experts) the width a token passes through:
+    ``top_k * moe_intermediate_size + shared_expert_intermediate_size``."""
     L = target_cfg.num_hidden_layers
     layer_ids = cfg.target_layer_ids or default_target_layer_ids(L, cfg.num_layers)
     bad = [i for i in layer_ids if not 0 <= i < L]
@@ -125,12 +129,19 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
     return DrafterConfig(
         hidden_size=target_cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
-        head_dim=target_cfg.head_dim, intermediate_size=cfg.intermediate_size or target_cfg.intermediate_size,
+        head_dim=target_cfg.head_dim, intermediate_size=cfg.intermediate_size or _mlp_width(target_cfg),
         rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta, rope_scaling=target_cfg.rope_scaling,
         attention_bias=False, block_size=cfg.block_size, mask_token_id=mask_token_id,
         target_layer_ids=list(layer_ids), num_target_layers=L, vocab_size=target_cfg.vocab_size,
         sliding_windows=[None] * cfg.num_layers, max_position_embeddings=target_cfg.max_position_embeddings,
     )
+
+
+def _mlp_width(target_cfg: TargetConfig) -> int:
+    moe = target_cfg.moe
+    if target_cfg.intermediate_size or moe is None:
+        return target_cfg.intermediate_size
+    return moe.top_k * moe.intermediate_size + moe.shared_expert_intermediate_size
 
 
 def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
