@@ -263,6 +263,14 @@ def agree_pair(tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
     return make_agreeable_pair(tmp_path_factory.mktemp("agree"), tokenizer_dir)
 
 
+@pytest.fixture(scope="session")
+def agree_hybrid_pair(tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
+    """(target_dir, drafter_dir): an agreeable pair (:func:`make_agreeable_pair`) whose target
+    is a hybrid mixture-of-experts Qwen3-Next (Gated DeltaNet + attention, experts), B = 16."""
+    return make_agreeable_pair(tmp_path_factory.mktemp("agree-hybrid"), tokenizer_dir, model_type="qwen3_next",
+                               alpha=1.0, self_scale=0.0)
+
+
 def varied_prompts(target_model, n: int, *, seed: int = 0, length: int = 5) -> list[list[int]]:
     """Token-id prompts for the agreeable target whose greedy continuations are varied:
     made of the 40 tokens whose embeddings point least along the lm_head row of c, so the

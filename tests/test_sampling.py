@@ -123,14 +123,17 @@ CASES = {
     "top-k": ("agree", "def f(x):", dict(temperature=0.5, top_k=4)),
     "top-p": ("agree", "import os\n", dict(temperature=0.4, top_p=0.9)),
     "temperature-random-drafter": ("random", "def f(x):", dict(temperature=0.1)),
+    # a hybrid MoE target, blocks of 2 so that most samples span two rounds: a rejected
+    # draft rolls the recurrent state back mid-block before the next round
+    "temperature-hybrid-moe": ("agree-hybrid", "def f(x):", dict(temperature=0.5)),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_speculative_sampling_matches_the_exact_target_distribution(case, agree_pair, tiny_pair):
+def test_speculative_sampling_matches_the_exact_target_distribution(case, agree_pair, tiny_pair, agree_hybrid_pair):
     pair, text, params = CASES[case]
-    target, drafter = agree_pair if pair == "agree" else tiny_pair
-    engine = DFlashEngine.from_pretrained(target, drafter, block_size=4)
+    target, drafter = {"agree": agree_pair, "random": tiny_pair, "agree-hybrid": agree_hybrid_pair}[pair]
+    engine = DFlashEngine.from_pretrained(target, drafter, block_size=2 if pair == "agree-hybrid" else 4)
     prompt = engine.encode_prompt(text)
     exact = exact_joint(load_hf(target), prompt, 3, **params)
     counts, taus = {}, []
@@ -143,7 +146,7 @@ def test_speculative_sampling_matches_the_exact_target_distribution(case, agree_
     assert chi_square_pvalue(counts, exact, SAMPLES) > ALPHA
     # the drafter path really ran: rejected drafts always, accepted drafts with the agreeable pair
     assert sum(t < 4 for t in taus) > SAMPLES // 10
-    if pair == "agree":
+    if pair.startswith("agree"):
         assert sum(t > 1 for t in taus) > SAMPLES // 10
         # and the same samples are far from what "accept every draft" would give (c, c, c)
         assert counts.get((42, 42, 42), 0) < 0.9 * SAMPLES
