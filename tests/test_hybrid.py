@@ -14,7 +14,14 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 
+import httpx
+import openai
 import pytest
 import torch
 import torch._dynamo
@@ -258,3 +265,46 @@ def test_bad_hybrid_configs_are_refused_in_one_line(checkpoints, change, message
     with pytest.raises(DFlashError, match=message) as err:
         TargetConfig.from_dict(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_cli_and_server_decode_a_hybrid_target_losslessly(checkpoints, tmp_path):
+    """The multimodal Qwen3.5 wrapper through ``dflash-torch generate`` and a real
+    ``dflash-torch serve`` with the official openai client: both equal transformers."""
+    target_dir, drafter_dir = checkpoints["qwen3_5"]
+    target_only = DFlashEngine.from_pretrained(target_dir, no_draft=True)
+    ids = target_only.encode_prompt(PROMPTS[0])
+    ref = _hf_greedy(load_hf(target_dir), ids, NEW_TOKENS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    models = ["--target", str(target_dir), "--draft", str(drafter_dir)]
+    cli = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "generate", *models, "--prompt", PROMPTS[0], "--json",
+                          "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["token_ids"] == ref
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", *models, "--port", str(port),
+                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt=ids, max_tokens=NEW_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.choices[0].text == target_only.decode(ref)
+        assert out.usage.completion_tokens == NEW_TOKENS
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
