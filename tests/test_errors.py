@@ -58,6 +58,19 @@ def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     save_file(state, str(lacking / "model.safetensors"))
     paths["lacking_tensor"] = lacking
 
+    extra = root / "drafter-extra-weights"  # e.g. a DFlash 2 drafter's convolution weights
+    shutil.copytree(drafter, extra)
+    dstate = load_file(str(extra / "model.safetensors"))
+    dstate["layers.0.attention_conv.base_kernel"] = dstate["norm.weight"][:4].clone()
+    save_file(dstate, str(extra / "model.safetensors"))
+    paths["drafter_extra"] = extra
+    v2 = root / "dflash2"
+    shutil.copytree(drafter, v2)
+    cfg = json.loads((v2 / "config.json").read_text())
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    (v2 / "config.json").write_text(json.dumps(cfg))
+    paths["dflash2"] = v2
+
     corrupt = root / "corrupt"
     shutil.copytree(target, corrupt)
     data = (corrupt / "model.safetensors").read_bytes()
@@ -82,6 +95,8 @@ LOAD_CASES = [
     ("missing-weights", dict(target="no_weights"), "safetensors"),
     ("missing-shard", dict(target="missing_shard"), "missing"),
     ("missing-tensor", dict(target="lacking_tensor"), "up_proj"),
+    ("drafter-unknown-weights", dict(draft="drafter_extra"), "attention_conv"),
+    ("dflash2-drafter", dict(draft="dflash2"), "DFlash 2"),
     ("truncated-weights", dict(target="corrupt"), "not a valid safetensors"),
     ("garbage-weights", dict(target="garbage"), "not a valid safetensors"),
     ("float16", dict(dtype="float16"), "float16"),

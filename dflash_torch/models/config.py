@@ -302,6 +302,9 @@ class DrafterConfig:
         """
         archs = cfg.get("architectures") or []
         dflash = cfg.get("dflash_config") or {}
+        if "DFlash2DraftModel" in archs:
+            raise DFlashError("DFlash 2 drafters (architectures ['DFlash2DraftModel']: grouped dynamic convolution and "
+                              "candidate selector) are not supported yet; use a DFlash (v1) drafter")
         if "DFlashDraftModel" not in archs and not dflash:
             raise DFlashError(
                 f"the drafter checkpoint is not a DFlash drafter (architectures={archs}); "

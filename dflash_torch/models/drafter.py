@@ -68,7 +68,8 @@ class DFlashDrafter(nn.Module):
         """Load a published-format DFlash drafter checkpoint directory.
 
         Raises:
-            DFlashError: not a DFlash config, or weights missing / of the wrong shape.
+            DFlashError: not a DFlash (v1) config, or weights missing, unknown or of the
+                wrong shape.
         """
         cfg = DrafterConfig.from_dict(load_config(model_dir))
         with torch.device("meta"):
@@ -78,10 +79,14 @@ class DFlashDrafter(nn.Module):
         missing = sorted(expected.keys() - state.keys())
         if missing:
             raise DFlashError(f"drafter checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        unknown = sorted(state.keys() - expected.keys())
+        if unknown:  # never run a checkpoint in part: weights we do not know would be silently dropped
+            raise DFlashError(f"drafter checkpoint {model_dir} has weights a DFlash drafter does not use "
+                              f"(an unsupported variant?): {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
         for k, v in expected.items():
             if tuple(state[k].shape) != tuple(v.shape):
                 raise DFlashError(f"drafter weight {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
-        model.load_state_dict({k: state[k] for k in expected}, strict=True, assign=True)
+        model.load_state_dict(state, strict=True, assign=True)
         model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings).to(device)
         return model.eval()
 
