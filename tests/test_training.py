@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models.drafter import DFlashDrafter, InjectedContext
 from dflash_torch.models.target import TargetModel
-from dflash_torch.training.data import collate, read_corpus, tokenize_conversation
+from dflash_torch.training.data import read_corpus, tokenize_conversation
 from dflash_torch.training.objective import (
-    batch_loss, block_attention_mask, block_inputs, copy_target_layers, drafter_blocks_forward, greedy_walk, sample_anchors,
+    block_attention_mask, block_inputs, copy_target_layers, drafter_blocks_forward, greedy_walk, sample_anchors,
     target_features,
 )
 from dflash_torch.training.trainer import TrainConfig, Trainer
@@ -464,5 +464,5 @@ def test_train_cli_refuses_bad_or_too_little_data_in_one_line(tiny_pair, tmp_pat
              "two-tokens": "too little training data: 3 tokens of text", "distill-finds-nothing": "found no prompt"}[case]
     assert cli_main(args) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"dflash-torch: error: ") and words in err, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("dflash-torch: error: ") and words in err, err
     assert not (tmp_path / "out" / "model.safetensors").exists()
