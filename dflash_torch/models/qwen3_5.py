@@ -55,7 +55,7 @@ def parse_config(cfg: dict) -> TargetConfig:
     fields = base_target_fields(text, model_type)
     fields.update(
         qk_norm=True,
-        attention_output_gate=True,
+        attention_output_gate=bool(text.get("attn_output_gate", True)),  # published configs say true
         layer_types=layer_types(text),
         linear_attention=linear_attention_config(text),
         tie_word_embeddings=bool(text.get("tie_word_embeddings", False)) if wrapper_tie is None else wrapper_tie,

@@ -31,7 +31,7 @@ def parse_config(cfg: dict) -> TargetConfig:
     moe = moe_config(cfg, shared_expert=True)
     fields.update(
         qk_norm=True,
-        attention_output_gate=True,
+        attention_output_gate=bool(cfg.get("attn_output_gate", True)),  # published configs say true
         layer_types=layer_types(cfg),
         linear_attention=linear_attention_config(cfg),
         partial_rotary_factor=rotary_fraction(cfg, default=0.25),
