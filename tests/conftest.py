@@ -88,11 +88,13 @@ def make_target(out_dir: Path, family: str = "qwen3", *, seed: int = 0, tokenize
 HYBRID_FAMILIES = ("qwen3_moe", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
 
 
-def make_hybrid_target(out_dir: Path, model_type: str, *, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
+def make_hybrid_target(out_dir: Path, model_type: str, *, seed: int = 0, tokenizer: bool = True,
+                       max_shard_size: str | None = None, **overrides) -> Path:
     """Save a tiny random target of a hybrid / mixture-of-experts ``model_type`` (one of
     :data:`HYBRID_FAMILIES`) with transformers' own class: 6 layers (hybrids: linear
     attention except layer 3), 4 experts with top-2 routing where the family has experts,
-    and for the multimodal wrappers ``qwen3_5`` / ``qwen3_5_moe`` a small vision tower."""
+    and for the multimodal wrappers ``qwen3_5`` / ``qwen3_5_moe`` a small vision tower
+    (sharded safetensors when ``max_shard_size`` is given)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -132,7 +134,7 @@ def make_hybrid_target(out_dir: Path, model_type: str, *, seed: int = 0, tokeniz
                 p.normal_(0, 0.08)
             elif name.endswith(("q_norm.weight", "k_norm.weight", "layernorm.weight", "model.norm.weight")) and model_type != "qwen3_moe":
                 p.normal_(0, 0.1)  # (1 + weight) norms: exercise the offset
-    model.save_pretrained(str(out_dir))
+    model.save_pretrained(str(out_dir), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tokenizer:
         make_tokenizer(out_dir)
     return Path(out_dir)

@@ -86,6 +86,20 @@ def test_forward_matches_transformers(checkpoints, family):
     assert rel_err(torch.cat(steps), ref.logits[0, :60]) < RTOL
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_sharded_checkpoint_with_tied_embeddings(tmp_path, family):
+    target_dir = make_hybrid_target(tmp_path / family, family, tokenizer=False, tie_word_embeddings=True,
+                                    max_shard_size="100KB")
+    assert (target_dir / "model.safetensors.index.json").is_file()
+    hf, ours = load_hf(target_dir), TargetModel.from_pretrained(target_dir, torch.float32)
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    ids = torch.randint(2, 320, (20,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cache = ours.new_cache()
+        cache.reset(32)
+        assert rel_err(ours(ids, torch.arange(20), cache, 20)[0], hf(ids[None]).logits[0]) < RTOL
+
+
 @pytest.mark.parametrize("family", RECURRENT)
 def test_rollback_equals_feeding_only_the_accepted_tokens(checkpoints, family):
     target_dir, _ = checkpoints[family]
