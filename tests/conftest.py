@@ -201,6 +201,29 @@ def save_drafter(out_dir: Path, cfg: DrafterConfig, state: dict[str, torch.Tenso
     return out_dir
 
 
+def make_dflash2_from(drafter_dir: Path, out_dir: Path, *, conv_std: float = 0.0, selector_std: float = 0.0,
+                      seed: int = 0, **settings) -> Path:
+    """A DFlash 2 drafter on the backbone of the DFlash drafter in ``drafter_dir``: the same
+    backbone weights, convolutions = identity (+ Normal noise, :func:`randomize_dflash2_modules`,
+    when ``conv_std`` > 0) and codebooks / hidden projection Normal(0, ``selector_std``)
+    (all zero when 0). ``settings``: ``taps``, ``group_size``, ``rank``, ``top_k`` (default 2, 16, 16, 8)."""
+    from safetensors.torch import load_file
+
+    from dflash_torch.models.dflash2 import DFlash2Drafter
+
+    cfg = DrafterConfig.from_dict(json.loads((Path(drafter_dir) / "config.json").read_text()))
+    opts = dict(taps=2, group_size=16, rank=16, top_k=8)
+    opts.update(settings)
+    cfg.dflash2 = DFlash2Settings(conv_kernel_size=opts["taps"], conv_group_size=opts["group_size"],
+                                  selector_rank=opts["rank"], selector_top_k=opts["top_k"])
+    torch.manual_seed(seed)
+    model = DFlash2Drafter(cfg)
+    missing, unexpected = model.load_state_dict(load_file(str(Path(drafter_dir) / "model.safetensors")), strict=False)
+    assert not unexpected and all(k.startswith("candidate_selector.") or "_conv." in k for k in missing)
+    randomize_dflash2_modules(model, conv_std=conv_std, selector_std=selector_std)
+    return save_drafter(out_dir, cfg, model.state_dict())
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     """(target_dir, drafter_dir): a tiny Qwen3 target with tokenizer and a random B=16 drafter."""
@@ -308,3 +331,13 @@ def varied_prompts(target_model, n: int, *, seed: int = 0, length: int = 5) -> l
         low = (target_model.model.embed_tokens.weight @ u).argsort()[:40].tolist()
     g = torch.Generator().manual_seed(seed)
     return [[low[i] for i in torch.randint(0, 40, (length,), generator=g).tolist()] for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def agree_dflash2_pair(agree_pair, tmp_path_factory) -> tuple[Path, Path]:
+    """(target_dir, drafter_dir): the agreeable target and a DFlash 2 drafter on the agreeable
+    drafter's backbone with random convolutions and codebooks (:func:`make_dflash2_from`,
+    conv_std 0.2, selector_std 0.6): its walk departs from the backbone's argmax often, and
+    is still accepted over multi-token paths (greedy mean tau about 1.9 at B = 16)."""
+    target, drafter = agree_pair
+    return target, make_dflash2_from(drafter, tmp_path_factory.mktemp("agree-dflash2"), conv_std=0.2, selector_std=0.6, seed=3)
