@@ -197,15 +197,15 @@ def reference_walk(unary, h, P, S, anchor, K):
     return tokens
 
 
-def random_drafter(tiny_pair, tmp_path, seed=0, **kw) -> tuple[TargetModel, DFlash2Drafter]:
-    target_dir, _ = tiny_pair
-    d = save_drafter(tmp_path / f"v2-{seed}", dflash2_config(target_dir, **kw), seed=seed)
-    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(d, torch.float32)
-
-
 @torch.no_grad()
-def test_greedy_walk_equals_the_brute_force_reference(tiny_pair, tmp_path):
-    target, drafter = random_drafter(tiny_pair, tmp_path, top_k=6)
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain-logits", "multiplier-and-softcap"])
+def test_greedy_walk_equals_the_brute_force_reference(tiny_pair, tmp_path, scaled):
+    target_dir, _ = tiny_pair
+    cfg = dflash2_config(target_dir, top_k=6)
+    if scaled:
+        cfg.dflash2.output_multiplier, cfg.dflash2.final_logit_softcapping = 3.0, 2.0
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(save_drafter(tmp_path / "v2", cfg), torch.float32)
     sel = drafter.candidate_selector
     g = torch.Generator().manual_seed(3)
     departures = 0
@@ -215,7 +215,9 @@ def test_greedy_walk_equals_the_brute_force_reference(tiny_pair, tmp_path):
         ids, scores = drafter.draft_scores(hidden, anchor, target)
         tokens, q = drafter.choose_draft((ids, scores), SamplingParams(), None)
         assert q is None
-        unary = drafter.unary_scores(target.logits(hidden[1:])).double()
+        unary = (hidden[1:] @ target.lm_head.weight.T).double()
+        if scaled:  # times the multiplier, then the soft cap
+            unary = torch.tanh(unary * 3.0 / 2.0) * 2.0
         h = (hidden[1:] @ sel.hidden_projection.weight.T).double()
         want = reference_walk(unary, h, sel.predecessor_codebook.double(), sel.successor_codebook.double(), int(anchor), 6)
         assert tokens.tolist() == want
