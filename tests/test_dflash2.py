@@ -232,6 +232,8 @@ def test_ties_go_to_the_lower_id_then_the_lower_rank():
     unary = torch.tensor([[0.0, 1.0, 5.0, 0.0, 5.0, 2.0, 0.0, 0.0, 0.0, 5.0]])
     values, ids = sel.candidates(unary)
     assert ids.tolist() == [[2, 4, 9]] and values.tolist() == [[5.0, 5.0, 5.0]]
+    wide = CandidateSelector(8, 4096, 2, 16)  # (topk returns the tied ids of a flat row in no particular order)
+    assert wide.candidates(torch.zeros(3, 4096))[1].tolist() == [list(range(16))] * 3
     # equal edge scores: the walk takes the lower rank
     choice = torch.tensor([[1, 1, 1], [2, 0, 1]])
     assert walk(choice).tolist() == [1, 0]
@@ -364,6 +366,20 @@ def test_greedy_speculative_equals_target_only(dflash2_setup, mode, B):
         taus += t
     if name == "agree" and B == 16:
         assert max(taus) > 3 and sum(taus) / len(taus) > 1.3, taus
+
+
+def test_engine_rounds_equal_the_training_replay(dflash2_setup):
+    """The acceptance lengths of real decoding equal those replayed by training's batched
+    forward and walk (:func:`greedy_walk`, the anchor of each block its true token)."""
+    from dflash_torch.training.objective import greedy_walk
+
+    name, target, drafter, prompts, refs = dflash2_setup
+    decoder = SpeculativeDecoder(target, drafter)
+    for prompt, ref in zip(prompts, refs):
+        _, taus = _run(decoder, prompt, 48)
+        with torch.no_grad():
+            replay = greedy_walk(drafter, target, torch.tensor(prompt + ref), len(prompt))
+        assert replay and replay == taus[:len(replay)], (name, replay, taus)
 
 
 def test_compiled_rounds_equal_target_only_without_recompiling(dflash2_setup):
