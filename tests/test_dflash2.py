@@ -94,6 +94,18 @@ def test_published_checkpoint_loads_with_every_weight(tiny_pair, tmp_path):
     # the exported config reads back the same
     from dflash_torch.models.config import DrafterConfig
     assert DrafterConfig.from_dict(drafter.config.to_dict()) == drafter.config
+    # input_embedding_scale multiplies the block's embeddings
+    unscaled = write_checkpoint(tmp_path / "v2-unscaled", published_config(input_embedding_scale=1.0), tensors)
+    plain = DFlashDrafter.from_pretrained(unscaled, torch.float32)
+    block, positions = torch.tensor([7] + [1] * 7), torch.arange(9, 17)
+    outs = []
+    for d, scale in ((drafter, 1.0), (plain, 1.5)):
+        ctx = InjectedContext(d)
+        ctx.reset(17)
+        ctx.inject(d, torch.ones(9, 128), torch.arange(9))
+        with torch.no_grad():
+            outs.append(d(engine.target.embed(block) * scale, positions, ctx, 17))
+    torch.testing.assert_close(outs[0], outs[1])
 
 
 CONFIG_ERRORS = {
