@@ -19,7 +19,7 @@ from .errors import DFlashError
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
-from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, greedy_tokens, probabilities, sample
+from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, probabilities
 
 DRAFT_MODES = ("inject", "recompute")
 
@@ -158,17 +158,20 @@ class SpeculativeDecoder:
         return self.target(ids, positions, self.target_cache, kv_len, self.feature_layers, commit=valid)
 
     def _draft_step(self, token: torch.Tensor, s, kv_len: int | None, features: torch.Tensor | None = None,
-                    feature_start=None) -> torch.Tensor:
-        """propose: the drafter denoises ``[token, mask, ...]`` at ``[s, s+B)`` -> draft logits
-        ``[B-1, V]``; first, in the same pass, inject the last verify's ``features`` rows
-        at ``[feature_start, feature_start + rows)`` (inject mode; None in the first round)."""
+                    feature_start=None):
+        """propose: the drafter denoises ``[token, mask, ...]`` at ``[s, s+B)`` -> its draft
+        scores (:meth:`~dflash_torch.models.drafter.DFlashDrafter.draft_scores`: the draft
+        logits ``[B-1, V]`` of a DFlash drafter, the candidate lattice of a DFlash 2 one);
+        first, in the same pass, inject the last verify's ``features`` rows at
+        ``[feature_start, feature_start + rows)`` (inject mode; None in the first round).
+        No sampling parameter enters this step, so a compiled graph serves every request."""
         block = torch.cat([token.view(1), self._mask_tail])
         inject = None
         if features is not None:
             inject = (features, feature_start + self._arange_block[: features.shape[0]])
         hidden = self.drafter(self.target.embed(block), s + self._arange_block, self.context, kv_len,
                               mask_keys=self.static, inject=inject)
-        return self.target.logits(hidden[1:])
+        return self.drafter.draft_scores(hidden, token, self.target)
 
     def _verify_step(self, block: torch.Tensor, s, kv_len: int | None):
         """verify: the target reads the block at ``[s, s+B)`` -> logits ``[B, V]``, features ``[B, k*H]``."""
@@ -266,12 +269,8 @@ class SpeculativeDecoder:
             kv_len = self.kv_bucket(s + B) if static else s + B
             draft_probs = None
             if B > 1:
-                draft_logits = self._draft_fn(token, pos, kv_len, pending, pending_start)
-                if params.greedy:
-                    draft = greedy_tokens(draft_logits)
-                else:
-                    draft_probs = probabilities(draft_logits, params)
-                    draft = sample(draft_probs, generator)
+                scores = self._draft_fn(token, pos, kv_len, pending, pending_start)
+                draft, draft_probs = self.drafter.choose_draft(scores, params, generator)
                 block = torch.cat([token.view(1), draft])
             else:
                 block = token.view(1)

@@ -446,6 +446,12 @@ def main() -> None:
     model.config.dtype = torch.bfloat16
     model.save_pretrained(args.out_dir, safe_serialization=True)
     tok.save_pretrained(args.out_dir)
+    # transformers 5 names its class TokenizersBackend, unknown to transformers 4.x (the public
+    # DFlash reference among its users); PreTrainedTokenizerFast loads the same tokenizer in both
+    tok_cfg_path = pathlib.Path(args.out_dir) / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text())
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
     # verify the saved artefacts load back
     from transformers import AutoModelForCausalLM
 

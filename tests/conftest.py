@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_torch.models.config import DrafterConfig, default_target_layer_ids
+from dflash_torch.models.config import DFlash2Settings, DrafterConfig, default_target_layer_ids
 
 # One intra-op thread: the test models are tiny, and on a shared, loaded machine two
 # spinning OpenMP threads per process slow every forward pass down by orders of magnitude.
@@ -156,23 +156,74 @@ def drafter_config(target_dir: Path, *, num_layers: int = 2, block_size: int = 1
     )
 
 
+def dflash2_config(target_dir: Path, *, taps: int = 2, group_size: int = 16, rank: int = 16, top_k: int = 8,
+                   **kw) -> DrafterConfig:
+    """:func:`drafter_config` of a DFlash 2 drafter (small selector: rank 16, top-8)."""
+    cfg = drafter_config(target_dir, **kw)
+    cfg.dflash2 = DFlash2Settings(conv_kernel_size=taps, conv_group_size=group_size, selector_rank=rank, selector_top_k=top_k)
+    return cfg
+
+
+def randomize_dflash2_modules(model, *, conv_std: float = 0.3, selector_std: float = 0.5) -> None:
+    """Non-trivial DFlash 2 modules: base kernels = identity + Normal(0, conv_std), kernel
+    projections Normal(0, conv_std / 4), codebooks and hidden projection Normal(0, selector_std)
+    (the pairwise term then changes the walk's choices)."""
+    from dflash_torch.models.dflash2 import GroupedDynamicConv
+
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, GroupedDynamicConv):
+                m.reset_to_identity()
+                m.base_kernel.add_(torch.randn_like(m.base_kernel) * conv_std)
+                m.kernel_projection.weight.normal_(0, conv_std / 4)
+        sel = model.candidate_selector
+        for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
+            p.normal_(0, selector_std)
+
+
 def save_drafter(out_dir: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor] | None = None, *, seed: int = 0) -> Path:
-    """Save a drafter in the published DFlash format (random weights unless ``state``)."""
-    from dflash_torch.models.drafter import DFlashDrafter
+    """Save a drafter in the published DFlash (or, for a config with ``dflash2``, DFlash 2)
+    format (random weights unless ``state``: see :func:`randomize_dflash2_modules`)."""
+    from dflash_torch.models.drafter import drafter_class
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if state is None:
         torch.manual_seed(seed)
-        model = DFlashDrafter(cfg)
+        model = drafter_class(cfg)(cfg)
         with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() == 2:
+            for name, p in model.named_parameters():
+                if p.dim() == 2 and not name.startswith("candidate_selector."):
                     p.normal_(0, 0.08)
+        if cfg.dflash2 is not None:
+            randomize_dflash2_modules(model)
         state = model.state_dict()
     save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"))
     (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     return out_dir
+
+
+def make_dflash2_from(drafter_dir: Path, out_dir: Path, *, conv_std: float = 0.0, selector_std: float = 0.0,
+                      seed: int = 0, **settings) -> Path:
+    """A DFlash 2 drafter on the backbone of the DFlash drafter in ``drafter_dir``: the same
+    backbone weights, convolutions = identity (+ Normal noise, :func:`randomize_dflash2_modules`,
+    when ``conv_std`` > 0) and codebooks / hidden projection Normal(0, ``selector_std``)
+    (all zero when 0). ``settings``: ``taps``, ``group_size``, ``rank``, ``top_k`` (default 2, 16, 16, 8)."""
+    from safetensors.torch import load_file
+
+    from dflash_torch.models.dflash2 import DFlash2Drafter
+
+    cfg = DrafterConfig.from_dict(json.loads((Path(drafter_dir) / "config.json").read_text()))
+    opts = dict(taps=2, group_size=16, rank=16, top_k=8)
+    opts.update(settings)
+    cfg.dflash2 = DFlash2Settings(conv_kernel_size=opts["taps"], conv_group_size=opts["group_size"],
+                                  selector_rank=opts["rank"], selector_top_k=opts["top_k"])
+    torch.manual_seed(seed)
+    model = DFlash2Drafter(cfg)
+    missing, unexpected = model.load_state_dict(load_file(str(Path(drafter_dir) / "model.safetensors")), strict=False)
+    assert not unexpected and all(k.startswith("candidate_selector.") or "_conv." in k for k in missing)
+    randomize_dflash2_modules(model, conv_std=conv_std, selector_std=selector_std)
+    return save_drafter(out_dir, cfg, model.state_dict())
 
 
 @pytest.fixture(scope="session")
@@ -282,3 +333,13 @@ def varied_prompts(target_model, n: int, *, seed: int = 0, length: int = 5) -> l
         low = (target_model.model.embed_tokens.weight @ u).argsort()[:40].tolist()
     g = torch.Generator().manual_seed(seed)
     return [[low[i] for i in torch.randint(0, 40, (length,), generator=g).tolist()] for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def agree_dflash2_pair(agree_pair, tmp_path_factory) -> tuple[Path, Path]:
+    """(target_dir, drafter_dir): the agreeable target and a DFlash 2 drafter on the agreeable
+    drafter's backbone with random convolutions and codebooks (:func:`make_dflash2_from`,
+    conv_std 0.2, selector_std 0.6): its walk departs from the backbone's argmax often, and
+    is still accepted over multi-token paths (greedy mean tau about 1.9 at B = 16)."""
+    target, drafter = agree_pair
+    return target, make_dflash2_from(drafter, tmp_path_factory.mktemp("agree-dflash2"), conv_std=0.2, selector_std=0.6, seed=3)

@@ -23,6 +23,20 @@ def test_shipped_files_are_small_and_in_published_formats():
     assert len(prompts) >= 50 and all(p["module"].split(".")[0] in heldout for p in prompts)
 
 
+def test_shipped_tokenizer_names_a_class_transformers_4_and_5_both_load():
+    """transformers 5 saves ``TokenizersBackend``, a class transformers 4.x lacks (it cannot
+    load such a tokenizer); ``PreTrainedTokenizerFast`` exists in both and loads this one
+    (checked with 4.57.6 and 5.24: the same ids on the held-out prompts)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    name = json.loads((DEFAULT_TARGET / "tokenizer_config.json").read_text())["tokenizer_class"]
+    assert name == "PreTrainedTokenizerFast" and hasattr(transformers, name)
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_TARGET))
+    assert isinstance(tok, transformers.PreTrainedTokenizerFast) and len(tok) == 4096
+    assert (tok.eos_token_id, tok.mask_token_id, tok.pad_token_id) == (0, 1, 0)
+
+
 def test_default_pair_is_lossless_on_heldout_prompts():
     spec = DFlashEngine.from_pretrained()
     base = DFlashEngine.from_pretrained(no_draft=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_tokenizer, drafter_config, make_target, save_drafter
+from conftest import copy_tokenizer, dflash2_config, drafter_config, make_target, save_drafter
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.cli import main as cli_main
 
@@ -64,12 +64,17 @@ def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     dstate["layers.0.attention_conv.base_kernel"] = dstate["norm.weight"][:4].clone()
     save_file(dstate, str(extra / "model.safetensors"))
     paths["drafter_extra"] = extra
-    v2 = root / "dflash2"
-    shutil.copytree(drafter, v2)
-    cfg = json.loads((v2 / "config.json").read_text())
+    paths["dflash2"] = save_drafter(root / "dflash2", dflash2_config(target, block_size=16))  # a valid DFlash 2 drafter
+    v2_lacking = root / "dflash2-lacking"  # a DFlash 2 config over DFlash (v1) weights: its modules are missing
+    shutil.copytree(drafter, v2_lacking)
+    (v2_lacking / "config.json").write_text(json.dumps(dflash2_config(target, block_size=16).to_dict()))
+    paths["dflash2_lacking"] = v2_lacking
+    v2_bare = root / "dflash2-bare"  # architectures DFlash2DraftModel without the DFlash 2 settings
+    shutil.copytree(drafter, v2_bare)
+    cfg = json.loads((v2_bare / "config.json").read_text())
     cfg["architectures"] = ["DFlash2DraftModel"]
-    (v2 / "config.json").write_text(json.dumps(cfg))
-    paths["dflash2"] = v2
+    (v2_bare / "config.json").write_text(json.dumps(cfg))
+    paths["dflash2_bare"] = v2_bare
 
     corrupt = root / "corrupt"
     shutil.copytree(target, corrupt)
@@ -96,7 +101,8 @@ LOAD_CASES = [
     ("missing-shard", dict(target="missing_shard"), "missing"),
     ("missing-tensor", dict(target="lacking_tensor"), "up_proj"),
     ("drafter-unknown-weights", dict(draft="drafter_extra"), "attention_conv"),
-    ("dflash2-drafter", dict(draft="dflash2"), "DFlash 2"),
+    ("dflash2-without-its-weights", dict(draft="dflash2_lacking"), "lacks weights: candidate_selector.hidden_projection.weight"),
+    ("dflash2-without-its-settings", dict(draft="dflash2_bare"), "lacks dflash_config.conv_kernel_size"),
     ("truncated-weights", dict(target="corrupt"), "not a valid safetensors"),
     ("garbage-weights", dict(target="garbage"), "not a valid safetensors"),
     ("float16", dict(dtype="float16"), "float16"),
@@ -160,6 +166,21 @@ def test_context_limit_is_exact(engine, tiny_pair):
     assert len(small.generate(prompt, max_new_tokens=8, ignore_eos=True).token_ids) == 8
     with pytest.raises(DFlashError, match="exceeds the context"):
         small.generate(prompt, max_new_tokens=9, ignore_eos=True)
+
+
+def test_dflash2_drafter_loads_and_decodes(bad, capsys):
+    """A DFlash 2 drafter (architectures DFlash2DraftModel) is loaded in full, not refused:
+    through the API and the command line."""
+    from dflash_torch.models.dflash2 import DFlash2Drafter
+
+    engine = DFlashEngine.from_pretrained(bad["target"], bad["dflash2"])
+    assert isinstance(engine.drafter, DFlash2Drafter)
+    assert len(engine.generate("def f(x):", max_new_tokens=4).token_ids) >= 1
+    rc = cli_main(["generate", "--prompt", "def f(x):", "--max-new-tokens", "4", "--ignore-eos", "--target", str(bad["target"]),
+                   "--draft", str(bad["dflash2"]), "--json"])
+    out = capsys.readouterr()
+    assert rc in (0, None) and "error" not in out.err
+    assert len(json.loads(out.out)["token_ids"]) == 4
 
 
 # --- the same errors through the command line ----------------------------------------------

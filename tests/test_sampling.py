@@ -126,13 +126,19 @@ CASES = {
     # a hybrid MoE target, blocks of 2 so that most samples span two rounds: a rejected
     # draft rolls the recurrent state back mid-block before the next round
     "temperature-hybrid-moe": ("agree-hybrid", "def f(x):", dict(temperature=0.5)),
+    # a DFlash 2 drafter: drafts come from the candidate walk, q is the walk's own
+    # distribution (zero outside each slot's top-K candidates)
+    "temperature-dflash2": ("agree-dflash2", "def f(x):", dict(temperature=0.5)),
+    "top-p-dflash2": ("agree-dflash2", "import os\n", dict(temperature=0.4, top_p=0.9)),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_speculative_sampling_matches_the_exact_target_distribution(case, agree_pair, tiny_pair, agree_hybrid_pair):
+def test_speculative_sampling_matches_the_exact_target_distribution(case, agree_pair, tiny_pair, agree_hybrid_pair,
+                                                                    agree_dflash2_pair):
     pair, text, params = CASES[case]
-    target, drafter = {"agree": agree_pair, "random": tiny_pair, "agree-hybrid": agree_hybrid_pair}[pair]
+    target, drafter = {"agree": agree_pair, "random": tiny_pair, "agree-hybrid": agree_hybrid_pair,
+                       "agree-dflash2": agree_dflash2_pair}[pair]
     engine = DFlashEngine.from_pretrained(target, drafter, block_size=2 if pair == "agree-hybrid" else 4)
     prompt = engine.encode_prompt(text)
     exact = exact_joint(load_hf(target), prompt, 3, **params)

@@ -21,7 +21,7 @@ from dflash_torch.training.objective import (
 )
 from dflash_torch.training.trainer import TrainConfig, Trainer
 
-from conftest import copy_tokenizer, corpus_texts, drafter_config, make_hybrid_target, save_drafter
+from conftest import copy_tokenizer, corpus_texts, dflash2_config, drafter_config, make_hybrid_target, save_drafter
 
 
 def dense_reference_mask(anchors: list[int], T: int, B: int) -> torch.Tensor:
@@ -57,12 +57,20 @@ def test_sample_anchors_respects_lengths_and_loss_mask():
     assert sorted(anchors[1][valid[1]].tolist()) == [1, 2]
 
 
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
 @pytest.mark.parametrize("B", [16, 5])
-def test_training_forward_equals_inference_path(tiny_pair, B):
+def test_training_forward_equals_inference_path(tiny_pair, B, arch):
+    """All blocks of a batch in one forward (block mask; DFlash 2: convolutions within each
+    block, the embedding scale) give the logits of the inference path, block by block."""
     target_dir, _ = tiny_pair
     target = TargetModel.from_pretrained(target_dir, torch.float32)
-    cfg = drafter_config(target_dir, num_layers=2, block_size=B)
-    drafter = DFlashDrafter.from_pretrained(save_drafter(target_dir.parent / f"eq-drafter-{B}", cfg, seed=3), torch.float32)
+    if arch == "dflash":
+        cfg = drafter_config(target_dir, num_layers=2, block_size=B)
+    else:
+        cfg = dflash2_config(target_dir, num_layers=2, block_size=B, taps=3)
+        cfg.dflash2.input_embedding_scale = 1.25
+    path = save_drafter(target_dir.parent / f"eq-drafter-{arch}-{B}", cfg, seed=3)
+    drafter = DFlashDrafter.from_pretrained(path, torch.float32)
     g = torch.Generator().manual_seed(1)
     T = 40
     ids = torch.randint(2, 320, (2, T), generator=g)
@@ -84,6 +92,42 @@ def test_training_forward_equals_inference_path(tiny_pair, B):
                 ref = target.logits(h)
                 torch.testing.assert_close(train_logits[s, i], ref, atol=1e-5, rtol=0)
                 torch.testing.assert_close(dense[s, i], ref, atol=1e-5, rtol=0)
+
+
+def test_selector_loss_matches_a_loop_reference(tiny_pair, tmp_path):
+    from dflash_torch.training.objective import selector_loss, slot_weights
+
+    target_dir, _ = tiny_pair
+    drafter = DFlashDrafter.from_pretrained(save_drafter(tmp_path / "v2", dflash2_config(target_dir, top_k=5), seed=1),
+                                            torch.float32)
+    sel = drafter.candidate_selector
+    g = torch.Generator().manual_seed(0)
+    b, n, S = 2, 3, 4
+    hidden = torch.randn(b, n, S, 64, generator=g)
+    unary = torch.randn(b, n, S, 320, generator=g)
+    anchors = torch.randint(0, 320, (b, n), generator=g)
+    labels = torch.randint(0, 320, (b, n, S), generator=g)
+    top = unary.topk(5, dim=-1).indices
+    labels[..., ::2] = top[..., ::2, 2]  # every other slot's label is a candidate (rank 2)
+    labels[0, 0, 1] = top[0, 0, 1, 0]
+    valid = torch.rand(b, n, S, generator=g) > 0.2
+    got = selector_loss(drafter, hidden, unary, anchors, labels, valid, gamma=3.0)
+    w = slot_weights(S, 3.0)
+    num = den = 0.0
+    for i in range(b):
+        for j in range(n):
+            for k in range(S):
+                cands = unary[i, j, k].topk(5).indices.tolist()
+                if not valid[i, j, k] or int(labels[i, j, k]) not in cands:
+                    continue
+                pred = int(anchors[i, j]) if k == 0 else int(labels[i, j, k - 1])
+                h = sel.hidden_projection.weight @ hidden[i, j, k]
+                scores = torch.stack([unary[i, j, k, c] + (sel.predecessor_codebook[pred] * h * sel.successor_codebook[c]).sum()
+                                      for c in cands])
+                ce = -torch.log_softmax(scores, 0)[cands.index(int(labels[i, j, k]))]
+                num, den = num + w[k] * ce, den + w[k]
+    assert den > 0
+    torch.testing.assert_close(got, num / den)
 
 
 def _jsonl(path: Path) -> Path:
@@ -217,7 +261,17 @@ def test_training_a_drafter_for_a_hybrid_moe_target(tmp_path, tokenizer_dir):
             base.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
 
 
-@pytest.mark.parametrize("case", ["out-is-target", "out-holds-drafter", "work-holds-checkpoint", "short-seq", "save-float16"])
+REFUSED_TRAIN_OPTIONS = {
+    "out-is-target": "target's directory", "out-holds-drafter": "--overwrite", "work-holds-checkpoint": "--resume",
+    "short-seq": "--seq-len", "save-float16": "float16",
+    "init-from-with-shape": "--num-layers cannot be combined with --init-from",
+    "init-from-dflash2-as-dflash": "is a DFlash 2 drafter; train it with --arch dflash2",
+    "conv-group-size": "--conv-group-size 24 does not divide the hidden size 64",
+    "top-k-above-vocab": "--selector-top-k 400 exceeds the vocabulary of 320",
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_TRAIN_OPTIONS))
 def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_path, capsys, case):
     from dflash_torch.cli import main as cli_main
 
@@ -226,9 +280,16 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
     text.write_text("def f(x):\n    return x\n" * 50)
     out = tmp_path / "out"
     args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--steps", "1", "--no-progress"]
-    words = {"out-is-target": "target's directory", "out-holds-drafter": "--overwrite",
-             "work-holds-checkpoint": "--resume", "short-seq": "--seq-len", "save-float16": "float16"}[case]
-    if case == "out-is-target":
+    words = REFUSED_TRAIN_OPTIONS[case]
+    if case == "init-from-with-shape":
+        args += ["--init-from", str(drafter), "--num-layers", "2"]
+    elif case == "init-from-dflash2-as-dflash":
+        args += ["--init-from", str(save_drafter(tmp_path / "v2", dflash2_config(target)))]
+    elif case == "conv-group-size":
+        args += ["--arch", "dflash2", "--conv-group-size", "24"]
+    elif case == "top-k-above-vocab":
+        args += ["--arch", "dflash2", "--selector-top-k", "400"]
+    elif case == "out-is-target":
         args[args.index("--out") + 1] = str(target)
     elif case == "out-holds-drafter":
         shutil.copytree(drafter, out)
@@ -247,6 +308,67 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
     if case == "out-holds-drafter":  # and --overwrite is the way through
         assert cli_main(args + ["--overwrite", "--batch", "2", "--seq-len", "64", "--val-seqs", "0"]) == 0
         assert (out / "model.safetensors").stat().st_mode & 0o644 == 0o644
+
+
+def test_train_dflash2_from_a_dflash_drafter_round_trips(tiny_pair, tmp_path, capsys):
+    """``train --arch dflash2 --init-from`` a DFlash drafter: the backbone starts as the
+    source's (identity convolutions, small random codebooks), the selector loss falls, and
+    the exported DFlash 2 drafter loads with exactly the trained weights, decodes
+    losslessly, and proposes what training's acceptance replay proposes."""
+    from dflash_torch.cli import main as cli_main
+    from dflash_torch.models.dflash2 import DFlash2Drafter
+    from dflash_torch.training.trainer import copy_drafter, load_init_drafter
+    from dflash_torch.training.objective import init_drafter_weights
+
+    target_dir, source_dir = tiny_pair  # a random B = 16, 2-layer DFlash drafter
+    # the start: the source's backbone, identity convolutions, small random codebooks
+    cfg = _cfg(tmp_path, target_dir, tmp_path / "unused", arch="dflash2", init_from=str(source_dir), selector_rank=8)
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    source, dcfg = load_init_drafter(cfg, target.config)
+    assert dcfg.dflash2.selector_rank == 8 and dcfg.block_size == 16 and dcfg.num_hidden_layers == 2
+    start = DFlash2Drafter(dcfg)
+    init_drafter_weights(start)
+    assert copy_drafter(start, source) == sorted(k for k in start.state_dict() if "_conv." in k or "selector" in k)
+    for k, v in source.state_dict().items():
+        assert torch.equal(start.state_dict()[k], v), k
+    codebook = start.candidate_selector.predecessor_codebook
+    assert 0 < float(codebook.detach().std()) < 0.05
+    ctx = [InjectedContext(d) for d in (source, start)]
+    feats, block = torch.randn(9, source.fc.in_features), torch.tensor([5] + [1] * 15)
+    hidden = []
+    for c, d in zip(ctx, (source, start)):
+        c.reset(25)
+        c.inject(d, feats, torch.arange(9))
+        hidden.append(d(target.embed(block), torch.arange(9, 25), c, 25))
+    assert torch.equal(hidden[0], hidden[1])  # identity convolutions: the source's forward exactly
+
+    out = tmp_path / "out"
+    args = ["train", "--target", str(target_dir), "--data", str(_jsonl(tmp_path / "d.jsonl")), "--out", str(out),
+            "--arch", "dflash2", "--init-from", str(source_dir), "--selector-rank", "8", "--selector-top-k", "8",
+            "--steps", "40", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "8", "--lr", "3e-3",
+            "--warmup-steps", "2", "--val-seqs", "2", "--eval-every", "1000", "--save-dtype", "float32", "--no-progress"]
+    assert cli_main(args) == 0
+    capsys.readouterr()
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["DFlash2DraftModel"]
+    assert {k: conf["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")} \
+        == {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 8}
+    log = json.loads((out / "training_log.json").read_text())
+    sel = [h["selector_loss"] for h in log["loss_history"] if "selector_loss" in h]
+    assert len(sel) >= 4 and sum(sel[-2:]) < sum(sel[:2]), sel
+    trained = torch.load(out / "train_work" / "checkpoint.pt", weights_only=False)["drafter"]
+    spec = DFlashEngine.from_pretrained(target_dir, out)
+    assert isinstance(spec.drafter, DFlash2Drafter)
+    loaded = spec.drafter.state_dict()
+    assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
+    base = DFlashEngine(spec.target, spec.tokenizer)
+    for prompt in ("def f(x):", "import os\n"):
+        ids = spec.encode_prompt(prompt)
+        a = spec.generate(ids, max_new_tokens=40, ignore_eos=True)
+        b = base.generate(ids, max_new_tokens=40, ignore_eos=True)
+        assert a.token_ids == b.token_ids
+        taus = greedy_walk(spec.drafter, spec.target, torch.tensor(ids + b.token_ids), len(ids))
+        assert taus and taus == a.stats.acceptance_lengths[:len(taus)]
 
 
 # --- the training data: validation, cache, size, bounded tokenization ---------------------

@@ -3,11 +3,13 @@
 Targets: :class:`TargetConfig`, filled by the parser of each family module (see
 :mod:`dflash_torch.models.registry`) from the helpers here. Drafters: the published
 DFlash format (``architectures: ["DFlashDraftModel"]``, see the DFlash reference
-implementation z-lab/dflash, ``dflash/model.py``).
+implementation z-lab/dflash, ``dflash/model.py``) and the DFlash 2 format
+(``architectures: ["DFlash2DraftModel"]``, :class:`DFlash2Settings`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..errors import DFlashError
@@ -271,6 +273,95 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+# DFlash 2 keys of ``dflash_config`` (a top-level key of the same name is read too)
+DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# keys of DFlash 2 training variants that change the drafter's math, with the value we run
+# (a config that sets another value is refused rather than run wrongly)
+DFLASH2_VARIANT_KEYS = {"attention_mode": "gqa", "shift_label": False, "pure_draft_prefix_len": 0, "projector_type": None,
+                        "is_causal": False}
+
+
+@dataclass
+class DFlash2Settings:
+    """The two modules a DFlash 2 drafter adds to the DFlash backbone
+    (:mod:`dflash_torch.models.dflash2`).
+
+    Attributes:
+        conv_kernel_size: taps of the grouped dynamic convolutions (2 in the published one).
+        conv_group_size: channels per group sharing one dynamic tap weight (16);
+            divides ``hidden_size``.
+        selector_rank: rank of the candidate selector's codebooks (256).
+        selector_top_k: candidates kept per draft slot (16), at most the vocabulary.
+        input_embedding_scale: factor on the block's token embeddings (default 1).
+        output_multiplier: factor on the draft logits before the selector (default 1).
+        final_logit_softcapping: ``cap`` of ``tanh(v / cap) * cap`` on the draft logits
+            after ``output_multiplier``, or None (default).
+    """
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_dict(cls, cfg: dict, hidden_size: int, vocab_size: int | None) -> "DFlash2Settings":
+        """Read the DFlash 2 keys of a drafter ``config.json`` (``dflash_config`` first, then
+        the top level, as the public DFlash 2 ports do).
+
+        Raises:
+            DFlashError: a required key missing, a value out of range, no ``vocab_size``
+                (the codebooks have one row per token), or a variant key we do not run.
+        """
+        dflash = cfg.get("dflash_config") or {}
+
+        def value(key, default=None):
+            return dflash.get(key, cfg.get(key, default))
+
+        missing = [k for k in DFLASH2_REQUIRED if value(k) is None]
+        if missing:
+            raise DFlashError(f"DFlash 2 drafter config.json lacks dflash_config.{', dflash_config.'.join(missing)}")
+        for key, runs in DFLASH2_VARIANT_KEYS.items():
+            got = value(key, runs)
+            if got != runs and not (runs is False and got is None):
+                raise DFlashError(f"DFlash 2 drafter config sets {key}={got!r}; only {key}={runs!r} is supported")
+        ints = {k: value(k) for k in DFLASH2_REQUIRED}
+        bad = [k for k, v in ints.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise DFlashError(f"DFlash 2 drafter {bad[0]} must be an integer >= 1, got {ints[bad[0]]!r}")
+        if hidden_size % ints["conv_group_size"]:
+            raise DFlashError(f"DFlash 2 drafter conv_group_size {ints['conv_group_size']} does not divide hidden_size {hidden_size}")
+        if vocab_size is None:
+            raise DFlashError("DFlash 2 drafter config.json lacks vocab_size (the selector codebooks have one row per token)")
+        if ints["selector_top_k"] > vocab_size:
+            raise DFlashError(f"DFlash 2 drafter selector_top_k {ints['selector_top_k']} exceeds vocab_size {vocab_size}")
+        floats = {k: value(k, 1.0) for k in ("input_embedding_scale", "output_multiplier")}
+        cap = value("final_logit_softcapping")
+        if cap is not None:
+            floats["final_logit_softcapping"] = cap
+        for k, v in floats.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise DFlashError(f"DFlash 2 drafter {k} must be a finite number, got {v!r}")
+        if cap is not None and cap <= 0:
+            raise DFlashError(f"DFlash 2 drafter final_logit_softcapping must be > 0 (or null for none), got {cap!r}")
+        return cls(**ints, input_embedding_scale=float(floats["input_embedding_scale"]),
+                   output_multiplier=float(floats["output_multiplier"]),
+                   final_logit_softcapping=None if cap is None else float(cap))
+
+    def to_dict(self) -> dict:
+        """The ``dflash_config`` entries (optional ones only when not the default)."""
+        out = {k: getattr(self, k) for k in DFLASH2_REQUIRED}
+        if self.input_embedding_scale != 1.0:
+            out["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            out["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            out["final_logit_softcapping"] = self.final_logit_softcapping
+        return out
+
+
 @dataclass
 class DrafterConfig:
     """Shape and DFlash settings of a drafter (no embedding, no LM head of its own)."""
@@ -292,20 +383,19 @@ class DrafterConfig:
     vocab_size: int | None
     sliding_windows: list[int | None]
     max_position_embeddings: int | None = None  # the fallback of yarn/llama3's original_max_position_embeddings
+    dflash2: DFlash2Settings | None = None  # set for a DFlash 2 drafter (architectures DFlash2DraftModel)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DrafterConfig":
-        """Parse a DFlash drafter ``config.json``.
+        """Parse a DFlash (``DFlashDraftModel``) or DFlash 2 (``DFlash2DraftModel``) drafter ``config.json``.
 
         Raises:
-            DFlashError: not a DFlash drafter, no mask token id, no block size, missing keys.
+            DFlashError: not a DFlash drafter, no mask token id, no block size, missing keys,
+                bad DFlash 2 settings (:meth:`DFlash2Settings.from_dict`).
         """
         archs = cfg.get("architectures") or []
         dflash = cfg.get("dflash_config") or {}
-        if "DFlash2DraftModel" in archs:
-            raise DFlashError("DFlash 2 drafters (architectures ['DFlash2DraftModel']: grouped dynamic convolution and "
-                              "candidate selector) are not supported yet; use a DFlash (v1) drafter")
-        if "DFlashDraftModel" not in archs and not dflash:
+        if "DFlash2DraftModel" not in archs and "DFlashDraftModel" not in archs and not dflash:
             raise DFlashError(
                 f"the drafter checkpoint is not a DFlash drafter (architectures={archs}); "
                 "expected architectures ['DFlashDraftModel'] with a dflash_config"
@@ -333,6 +423,7 @@ class DrafterConfig:
         if any(t == "sliding_attention" for t in layer_types) and not cfg.get("sliding_window"):
             raise DFlashError("drafter layer_types uses sliding_attention but sliding_window is not set")
         theta, scaling = _rope(cfg)
+        v2 = DFlash2Settings.from_dict(cfg, cfg["hidden_size"], cfg.get("vocab_size")) if "DFlash2DraftModel" in archs else None
         return cls(
             hidden_size=cfg["hidden_size"],
             num_hidden_layers=n,
@@ -351,12 +442,13 @@ class DrafterConfig:
             vocab_size=cfg.get("vocab_size"),
             sliding_windows=windows,
             max_position_embeddings=cfg.get("max_position_embeddings"),
+            dflash2=v2,
         )
 
     def to_dict(self) -> dict:
-        """A ``config.json`` dict in the published DFlash drafter format."""
+        """A ``config.json`` dict in the published DFlash (or, with ``dflash2``, DFlash 2) drafter format."""
         cfg = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": ["DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -375,6 +467,9 @@ class DrafterConfig:
             "layer_types": ["sliding_attention" if w else "full_attention" for w in self.sliding_windows],
             "torch_dtype": "bfloat16",
         }
+        if self.dflash2:
+            cfg["dflash_config"] = {"block_size": self.block_size, **cfg["dflash_config"], **self.dflash2.to_dict()}
+            cfg["is_causal"] = False
         if self.rope_scaling:
             cfg["rope_scaling"] = self.rope_scaling
         if self.max_position_embeddings is not None:

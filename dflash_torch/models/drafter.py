@@ -26,14 +26,31 @@ from torch import nn
 from ..cache import KVCache
 from ..checkpoint import load_config, load_state_dict
 from ..errors import DFlashError
+from ..sampling import SamplingParams, greedy_tokens, probabilities, sample
 from .attention import Attention
 from .config import DrafterConfig
 from .layers import MLP, RMSNorm, attend, attention_bias
 from .rope import Rotary
 
 
+def drafter_class(cfg: DrafterConfig) -> type["DFlashDrafter"]:
+    """The module class of a drafter config: :class:`DFlashDrafter`, or
+    :class:`~dflash_torch.models.dflash2.DFlash2Drafter` for a DFlash 2 config."""
+    if cfg.dflash2 is not None:
+        from .dflash2 import DFlash2Drafter
+
+        return DFlash2Drafter
+    return DFlashDrafter
+
+
 class DraftLayer(nn.Module):
-    """One drafter layer: non-causal attention over context K/V + block, then SwiGLU MLP."""
+    """One drafter layer: non-causal attention over context K/V + block, then SwiGLU MLP.
+
+    The block rows pass through three steps, which the DFlash 2 layer
+    (:class:`~dflash_torch.models.dflash2.DFlash2Layer`) extends; context rows never do.
+    ``block_len`` is the number of rows of one block: the rows ``[T, hidden]`` are whole
+    blocks in order (one block at inference, many in training).
+    """
 
     def __init__(self, cfg: DrafterConfig, sliding_window: int | None):
         super().__init__()
@@ -46,34 +63,55 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sliding_window = sliding_window
 
+    def attention_input(self, x: torch.Tensor, block_len: int) -> tuple[torch.Tensor, object]:
+        """Residual stream ``x`` ``[T, hidden]`` -> the attention's input (queries and the
+        block's keys/values come from it) and a state for :meth:`attention_output`."""
+        return self.input_layernorm(x), None
+
+    def attention_output(self, attended: torch.Tensor, state: object, block_len: int) -> torch.Tensor:
+        """Attention output ``[T, heads * head_dim]`` -> what is added to the residual stream."""
+        return self.self_attn.o_proj(attended)
+
+    def mlp_output(self, x: torch.Tensor, block_len: int) -> torch.Tensor:
+        """Residual stream ``[T, hidden]`` -> the MLP branch added to it."""
+        return self.mlp(self.post_attention_layernorm(x))
+
 
 class DFlashDrafter(nn.Module):
     """DFlash draft model. Parameter names match published checkpoints:
     ``layers.*``, ``fc``, ``hidden_norm``, ``norm``. It has no embedding and no LM
     head: callers embed the block with the target's ``embed_tokens`` and apply the
     target's ``lm_head`` to the output.
+
+    Drafting is split in two so that the decoding loop serves every drafter family
+    alike: :meth:`draft_scores` (tensor work only, no sampling parameters: the part a
+    compiled step runs) and :meth:`choose_draft` (greedy choice or sampling with the
+    request's parameters and random generator).
     """
+
+    layer_class = DraftLayer
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
-        self.layers = nn.ModuleList(DraftLayer(cfg, w) for w in cfg.sliding_windows)
+        self.layers = nn.ModuleList(self.layer_class(cfg, w) for w in cfg.sliding_windows)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings)
 
-    @classmethod
-    def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> "DFlashDrafter":
-        """Load a published-format DFlash drafter checkpoint directory.
+    @staticmethod
+    def from_pretrained(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> "DFlashDrafter":
+        """Load a published-format drafter checkpoint directory: a DFlash drafter, or a
+        DFlash 2 one (then a :class:`~dflash_torch.models.dflash2.DFlash2Drafter`).
 
         Raises:
-            DFlashError: not a DFlash (v1) config, or weights missing, unknown or of the
+            DFlashError: not a DFlash config, or weights missing, unknown or of the
                 wrong shape.
         """
         cfg = DrafterConfig.from_dict(load_config(model_dir))
         with torch.device("meta"):
-            model = cls(cfg)
+            model = drafter_class(cfg)(cfg)
         state = load_state_dict(model_dir, dtype, device)
         expected = model.state_dict()
         missing = sorted(expected.keys() - state.keys())
@@ -81,7 +119,8 @@ class DFlashDrafter(nn.Module):
             raise DFlashError(f"drafter checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
         unknown = sorted(state.keys() - expected.keys())
         if unknown:  # never run a checkpoint in part: weights we do not know would be silently dropped
-            raise DFlashError(f"drafter checkpoint {model_dir} has weights a DFlash drafter does not use "
+            kind = "DFlash 2" if cfg.dflash2 else "DFlash"
+            raise DFlashError(f"drafter checkpoint {model_dir} has weights a {kind} drafter does not use "
                               f"(an unsupported variant?): {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
         for k, v in expected.items():
             if tuple(state[k].shape) != tuple(v.shape):
@@ -105,6 +144,10 @@ class DFlashDrafter(nn.Module):
         c = self.project_context(features)
         cos, sin = self.rotary.cos_sin(positions, c.dtype)
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
+
+    def block_input(self, block_embeds: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start from the block's token embeddings ``[T, hidden]`` (as is)."""
+        return block_embeds
 
     def _bias(self, layer: DraftLayer, positions: torch.Tensor, n_keys: int, static: bool,
               dtype: torch.dtype) -> torch.Tensor | None:
@@ -146,7 +189,8 @@ class DFlashDrafter(nn.Module):
         Raises:
             ValueError: ``inject`` given with a :class:`RecomputedContext`.
         """
-        x = block_embeds
+        x = self.block_input(block_embeds)
+        B = x.shape[0]
         recomputed = context.layer_kv(self) if isinstance(context, RecomputedContext) else None
         if inject is not None and recomputed is not None:
             raise ValueError("inject= needs an InjectedContext (the recompute context re-projects all features)")
@@ -161,7 +205,7 @@ class DFlashDrafter(nn.Module):
         static = recomputed is None and (kv_len is None or mask_keys)
         biases = {}  # one mask per sliding-window size (every layer attends over the same keys)
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
+            h, state = layer.attention_input(x, B)
             attn = layer.self_attn
             if n_ctx:
                 k_all, v_all = attn.key_value(torch.cat([ctx_rows, h]), cos_all, sin_all)
@@ -177,9 +221,32 @@ class DFlashDrafter(nn.Module):
             if layer.sliding_window not in biases:
                 biases[layer.sliding_window] = self._bias(layer, positions, k.shape[1], static, x.dtype)
             out = attend(attn.query(h, cos, sin), k, v, biases[layer.sliding_window])
-            x = x + attn.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.attention_output(out, state, B)
+            x = x + layer.mlp_output(x, B)
         return self.norm(x)
+
+    def draft_scores(self, hidden: torch.Tensor, anchor: torch.Tensor, target) -> torch.Tensor:
+        """What :meth:`choose_draft` picks the draft from: the draft logits ``[..., B-1, V]``
+        of the final hidden rows ``hidden`` ``[..., B, hidden]`` of :meth:`forward` (row 0,
+        the anchor's, is not a draft slot), through the target's LM head
+        (``target.logits``). ``anchor`` (the block's first token, int64 ``[...]``) is
+        unused here. Leading dimensions are blocks (training and evaluation)."""
+        return target.logits(hidden[..., 1:, :])
+
+    def choose_draft(self, scores: torch.Tensor, params: SamplingParams,
+                     generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens from :meth:`draft_scores`.
+
+        Returns:
+            ``(tokens, q)``: int64 ``[B-1]`` and, when sampling, the float32 ``[B-1, V]``
+            distributions they were drawn from (None for greedy decoding): the argmax of
+            each slot, or a sample of each slot's :func:`~dflash_torch.sampling.probabilities`.
+            Greedy decoding also takes leading block dimensions (``[..., B-1]`` tokens).
+        """
+        if params.greedy:
+            return greedy_tokens(scores), None
+        probs = probabilities(scores, params)
+        return sample(probs, generator), probs
 
 
 class InjectedContext:

@@ -7,7 +7,11 @@ from pathlib import Path
 
 from ..checkpoint import resolve_dtype
 from ..errors import DFlashError
-from .trainer import CHECKPOINT, TrainConfig, Trainer
+from .trainer import ARCHS, CHECKPOINT, TrainConfig, Trainer
+
+# the drafter's shape: with --init-from it comes from the source drafter
+SHAPE_OPTIONS = {"num_layers": "--num-layers", "block_size": "--block-size", "target_layer_ids": "--target-layer-ids",
+                 "intermediate_size": "--intermediate-size", "mask_token_id": "--mask-token-id"}
 
 
 def _int_list(text: str) -> list[int]:
@@ -22,16 +26,30 @@ def register(sub) -> None:
     p = sub.add_parser(
         "train", help="train a DFlash drafter for a target model",
         description="Train a DFlash drafter (random anchors, block attention mask, decay-weighted loss; "
-                    "DFlash paper sec. 4.2) and save it in the published DFlash checkpoint format.",
+                    "DFlash paper sec. 4.2), or with --arch dflash2 a DFlash 2 drafter (grouped dynamic convolutions "
+                    "and a candidate selector, plus the selector loss), and save it in the published checkpoint format.",
     )
     d = TrainConfig.__dataclass_fields__
     p.add_argument("--target", required=True, help="target checkpoint dir or cached HF id")
     p.add_argument("--data", required=True, nargs="+", help="text files, directories, or JSONL ({'text'} / {'messages'})")
     p.add_argument("--out", required=True, help="output drafter directory (config.json + model.safetensors)")
     p.add_argument("--work-dir", default=None, help="data cache and resumable checkpoint (default: OUT/train_work)")
-    p.add_argument("--num-layers", type=int, default=d["num_layers"].default, help="drafter layers (default 2)")
-    p.add_argument("--block-size", type=int, default=d["block_size"].default, help="block size B (default 16)")
+    p.add_argument("--arch", choices=ARCHS, default=d["arch"].default,
+                   help="dflash (DFlashDraftModel, default) or dflash2 (DFlash2DraftModel)")
+    p.add_argument("--num-layers", type=int, default=None, help="drafter layers (default 2)")
+    p.add_argument("--block-size", type=int, default=None, help="block size B (default 16)")
     p.add_argument("--init-from-target", action="store_true", help="start the drafter layers from the target's last layers")
+    p.add_argument("--init-from", default=None, metavar="DRAFTER",
+                   help="start from this DFlash drafter (its shape and weights; with --arch dflash2 a DFlash (v1) drafter's "
+                        "backbone, with identity convolutions and small random codebooks)")
+    p.add_argument("--selector-loss-weight", type=float, default=d["selector_loss_weight"].default,
+                   help="dflash2: weight of the selector loss (default 1)")
+    p.add_argument("--conv-kernel-size", type=int, default=d["conv_kernel_size"].default, help="dflash2: convolution taps (default 2)")
+    p.add_argument("--conv-group-size", type=int, default=d["conv_group_size"].default,
+                   help="dflash2: channels per dynamic-tap group (default 16)")
+    p.add_argument("--selector-rank", type=int, default=d["selector_rank"].default, help="dflash2: codebook rank (default 256)")
+    p.add_argument("--selector-top-k", type=int, default=d["selector_top_k"].default,
+                   help="dflash2: candidates per draft slot (default 16)")
     p.add_argument("--target-layer-ids", type=_int_list, default=None, help="target layers to read, e.g. 1,3 (default: the DFlash rule)")
     p.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP size (default: the target's)")
     p.add_argument("--mask-token-id", type=int, default=None, help="mask token id (default: the tokenizer's mask token or <|MASK|>)")
@@ -67,8 +85,16 @@ def register(sub) -> None:
 
 def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
     """Refuse option values that cannot train anything, with one line."""
+    if args.init_from is not None:
+        given = [flag for key, flag in SHAPE_OPTIONS.items() if getattr(args, key) is not None]
+        if args.init_from_target:
+            given.append("--init-from-target")
+        if given:
+            raise DFlashError(f"{given[0]} cannot be combined with --init-from (the drafter's shape and weights come from it)")
+    if args.selector_loss_weight < 0:
+        raise DFlashError(f"--selector-loss-weight must be >= 0, got {args.selector_loss_weight}")
     positive = {"--batch": args.batch, "--seq-len": args.seq_len, "--anchors-per-seq": args.anchors_per_seq,
-                "--num-layers": args.num_layers, "--eval-every": args.eval_every, "--ckpt-every": args.ckpt_every}
+                "--num-layers": cfg.num_layers, "--eval-every": args.eval_every, "--ckpt-every": args.ckpt_every}
     if args.steps is not None:
         positive["--steps"] = args.steps
     if args.num_threads is not None:
@@ -86,8 +112,8 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
     for name, path in {"--out": args.out, "--work-dir": args.work_dir}.items():
         if path is not None and Path(path).exists() and not Path(path).is_dir():
             raise DFlashError(f"{name} {path} is a file; give a directory")
-    if args.seq_len <= args.block_size:
-        raise DFlashError(f"--seq-len ({args.seq_len}) must be longer than the block size ({args.block_size})")
+    if args.init_from is None and args.seq_len <= cfg.block_size:
+        raise DFlashError(f"--seq-len ({args.seq_len}) must be longer than the block size ({cfg.block_size})")
     resolve_dtype(args.save_dtype)
     out = Path(args.out)
     if Path(args.target).is_dir() and out.exists() and out.resolve() == Path(args.target).resolve():
@@ -101,16 +127,22 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    d = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(
-        target=args.target, data=args.data, out=args.out, work_dir=args.work_dir, num_layers=args.num_layers, init_from_target=args.init_from_target,
-        block_size=args.block_size, target_layer_ids=args.target_layer_ids, intermediate_size=args.intermediate_size,
+        target=args.target, data=args.data, out=args.out, work_dir=args.work_dir, arch=args.arch,
+        num_layers=d["num_layers"].default if args.num_layers is None else args.num_layers,
+        init_from_target=args.init_from_target, init_from=args.init_from,
+        block_size=d["block_size"].default if args.block_size is None else args.block_size,
+        target_layer_ids=args.target_layer_ids, intermediate_size=args.intermediate_size,
         mask_token_id=args.mask_token_id, steps=args.steps, time_budget_min=args.time_budget_min, batch=args.batch,
         seq_len=args.seq_len, anchors_per_seq=args.anchors_per_seq, lr=args.lr, warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed, resume=args.resume,
         self_distill=args.self_distill, self_distill_batch=args.self_distill_batch, prefix_min=args.prefix_min,
         prefix_max=args.prefix_max, raw_fraction=args.raw_fraction, val_seqs=args.val_seqs, eval_every=args.eval_every,
         ckpt_every=args.ckpt_every, num_threads=args.num_threads, autocast=not args.no_autocast,
-        save_dtype=args.save_dtype, progress=not args.no_progress,
+        save_dtype=args.save_dtype, progress=not args.no_progress, selector_loss_weight=args.selector_loss_weight,
+        conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
+        selector_top_k=args.selector_top_k,
     )
     _check(args, cfg)
     Trainer(cfg).run()

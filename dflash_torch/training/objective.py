@@ -16,6 +16,11 @@ Slot ``k`` (``1 <= k < B``) of a block goes through the drafter's final norm and
 target's frozen LM head and predicts the token at ``a + k`` (no shift); its
 cross-entropy is weighted by ``exp(-(k - 1) / gamma)`` (early slots matter most: a miss
 there ends the accepted prefix).
+
+A DFlash 2 drafter runs its convolutions inside the same forward (they act within each
+block) and adds the **selector loss** (:func:`selector_loss`): for each slot whose true
+token is among the slot's top-K candidates, the cross-entropy of the edge scores from the
+true predecessor against the true token, with the same slot weights.
 """
 
 from __future__ import annotations
@@ -26,9 +31,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..models.dflash2 import GroupedDynamicConv
 from ..models.drafter import DFlashDrafter
 from ..models.layers import RMSNorm, ZeroCenteredRMSNorm
 from ..models.target import TargetModel
+from ..sampling import SamplingParams
+
+GREEDY = SamplingParams()
 
 
 def default_gamma(block_size: int) -> float:
@@ -129,11 +138,11 @@ def drafter_blocks_forward(drafter: DFlashDrafter, target: TargetModel, features
         for k, v in drafter.context_kv(features.reshape(b * T, -1), ctx_pos)
     ]
     ctx_mask = context_mask(block_positions[:, :, 0], T, B) if mask is None else None
-    x = target.embed(block_tokens.reshape(-1))  # [b * rows, H]
+    x = drafter.block_input(target.embed(block_tokens.reshape(-1)))  # [b * rows, H]
     cos, sin = drafter.rotary.cos_sin(block_positions.reshape(-1), x.dtype)
     for i, layer in enumerate(drafter.layers):
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
+        h, state = layer.attention_input(x, B)
         q = attn.query(h, cos, sin)  # [heads, b * rows, hd]
         kb, vb = attn.key_value(h, cos, sin)  # [kv_heads, b * rows, hd]
         q = q.view(q.shape[0], b, rows, -1).transpose(0, 1)
@@ -149,8 +158,8 @@ def drafter_blocks_forward(drafter: DFlashDrafter, target: TargetModel, features
             k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         out = out.transpose(1, 2).reshape(b * rows, -1)
-        x = x + attn.o_proj(out)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + layer.attention_output(out, state, B)
+        x = x + layer.mlp_output(x, B)
     return drafter.norm(x).view(b, n, B, -1)
 
 
@@ -158,11 +167,12 @@ def drafter_blocks_forward(drafter: DFlashDrafter, target: TargetModel, features
 class BlockLoss:
     """The weighted loss of a batch of blocks and its diagnostics.
 
-    ``loss`` (with grad) is the weighted mean cross-entropy over valid slots;
-    ``accepted`` ``[blocks]`` counts the leading slots whose argmax equals the label,
-    for blocks whose ``B - 1`` labels are all valid; ``tau`` estimates the acceptance
-    length as ``1 + mean(accepted)`` (teacher-forced: exact when the labels are the
-    target's greedy output).
+    ``loss`` (with grad) is the weighted mean cross-entropy over valid slots (plus, for
+    a DFlash 2 drafter, the weighted selector loss, whose value is ``selector_loss``);
+    ``accepted`` ``[blocks]`` counts the leading slots whose greedy draft (argmax, or the
+    DFlash 2 walk) equals the label, for blocks whose ``B - 1`` labels are all valid;
+    ``tau`` estimates the acceptance length as ``1 + mean(accepted)`` (teacher-forced:
+    exact when the labels are the target's greedy output).
     """
 
     loss: torch.Tensor
@@ -171,6 +181,7 @@ class BlockLoss:
     accepted: torch.Tensor
     slot_correct: torch.Tensor
     slot_count: torch.Tensor
+    selector_loss: float | None = None
 
     @property
     def tau(self) -> float:
@@ -190,13 +201,17 @@ def block_labels(ids: torch.Tensor, lengths: torch.Tensor, loss_mask: torch.Tens
     return labels, inside & carries & valid_anchor[..., None]
 
 
+def slot_weights(slots: int, gamma: float, device=None) -> torch.Tensor:
+    """``exp(-(k - 1) / gamma)`` for slots ``k = 1 .. slots`` -> float32 ``[slots]``."""
+    return torch.exp(-torch.arange(slots, dtype=torch.float32, device=device) / gamma)
+
+
 def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, gamma: float,
-                        stats: bool = True) -> BlockLoss:
+                        stats: bool = True, drafts: torch.Tensor | None = None) -> BlockLoss:
     """Decay-weighted cross-entropy of draft slots. ``logits`` ``[b, n, B - 1, V]``.
-    ``stats=False`` skips the acceptance diagnostics (an argmax over all logits)."""
-    S = logits.shape[2]
-    w = torch.exp(-torch.arange(S, dtype=torch.float32, device=logits.device) / gamma)
-    weights = w * valid.float()
+    ``stats=False`` skips the acceptance diagnostics; they compare ``drafts``
+    ``[b, n, B - 1]`` (default: the argmax of ``logits``) with the labels."""
+    weights = slot_weights(logits.shape[2], gamma, logits.device) * valid.float()
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(labels.shape)
     wsum = weights.sum()
     loss = (ce * weights).sum() / wsum.clamp(min=1e-9)
@@ -204,7 +219,7 @@ def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch
         empty = torch.zeros(0, dtype=torch.long)
         return BlockLoss(loss, float((ce.detach() * weights).sum()), float(wsum), empty, empty, empty)
     with torch.no_grad():
-        correct = (logits.argmax(-1) == labels) & valid
+        correct = ((logits.argmax(-1) if drafts is None else drafts) == labels) & valid
         full = valid.all(dim=-1)
         accepted = correct.long().cumprod(dim=-1).sum(dim=-1)[full]
         slot_correct = correct.sum(dim=(0, 1))
@@ -232,10 +247,40 @@ def target_features(target: TargetModel, ids: torch.Tensor, lengths: torch.Tenso
     return out
 
 
+def selector_loss(drafter, hidden: torch.Tensor, unary: torch.Tensor, anchor_tokens: torch.Tensor,
+                  labels: torch.Tensor, valid: torch.Tensor, gamma: float) -> torch.Tensor:
+    """The DFlash 2 selector loss of a batch of blocks.
+
+    For each valid slot whose label is among the slot's top-K candidates (of ``unary``),
+    the cross-entropy over the K candidates of the edge scores from the *true*
+    predecessor (the anchor token for slot 1, else the previous label) against the
+    label; weighted by :func:`slot_weights` and averaged (0 when no slot qualifies).
+
+    Args:
+        hidden: final hidden rows of the draft slots ``[b, n, B - 1, H]``.
+        unary: their unary scores ``[b, n, B - 1, V]`` (float32).
+        anchor_tokens: int64 ``[b, n]``; labels, valid: ``[b, n, B - 1]``.
+
+    Returns:
+        a 0-dim float32 tensor (with grad).
+    """
+    sel = drafter.candidate_selector
+    values, ids = sel.candidates(unary)
+    predecessors = torch.cat([anchor_tokens[..., None], labels[..., :-1]], dim=-1)
+    scores = values + sel.pair_term(hidden, predecessors[..., None], ids)[..., 0, :]  # [b, n, B - 1, K]
+    hit = ids == labels[..., None]
+    weights = slot_weights(labels.shape[-1], gamma, labels.device) * (hit.any(-1) & valid).float()
+    ce = F.cross_entropy(scores.reshape(-1, scores.shape[-1]), hit.float().argmax(-1).reshape(-1), reduction="none")
+    return (ce.view(labels.shape) * weights).sum() / weights.sum().clamp(min=1e-9)
+
+
 def batch_loss(drafter: DFlashDrafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor, loss_mask: torch.Tensor,
                anchors: torch.Tensor, valid_anchor: torch.Tensor, gamma: float,
-               features: torch.Tensor | None = None, stats: bool = True) -> BlockLoss:
-    """Target features (no grad) -> all blocks in one drafter forward -> weighted loss."""
+               features: torch.Tensor | None = None, stats: bool = True, selector_weight: float = 1.0) -> BlockLoss:
+    """Target features (no grad) -> all blocks in one drafter forward -> weighted loss
+    (plus ``selector_weight`` times :func:`selector_loss` for a DFlash 2 drafter, whose
+    cross-entropy is on its unary scores: the logits after ``output_multiplier`` and the
+    soft cap)."""
     cfg = drafter.config
     B = cfg.block_size
     if features is None:
@@ -243,12 +288,26 @@ def batch_loss(drafter: DFlashDrafter, target: TargetModel, ids: torch.Tensor, l
     tokens, positions = block_inputs(ids, anchors, B, cfg.mask_token_id)
     hidden = drafter_blocks_forward(drafter, target, features, tokens, positions)
     logits = target.logits(hidden[:, :, 1:])
+    if cfg.dflash2 is not None:
+        logits = drafter.unary_scores(logits)
     labels, valid = block_labels(ids, lengths, loss_mask, positions, valid_anchor)
-    return weighted_block_loss(logits, labels, valid, gamma, stats)
+    drafts = None
+    if stats and cfg.dflash2 is not None:
+        with torch.no_grad():
+            drafts, _ = drafter.choose_draft(drafter.draft_scores(hidden, tokens[..., 0], target), GREEDY, None)
+    out = weighted_block_loss(logits, labels, valid, gamma, stats, drafts)
+    if cfg.dflash2 is not None:
+        sel = selector_loss(drafter, hidden[:, :, 1:], logits, tokens[..., 0], labels, valid, gamma)
+        out.selector_loss = float(sel.detach())
+        if selector_weight:
+            out.loss = out.loss + selector_weight * sel
+    return out
 
 
 def init_drafter_weights(drafter: DFlashDrafter, std: float = 0.02) -> None:
-    """Normal(0, std) linear weights (output projections scaled by 1/sqrt(2N)), zero biases, unit norms."""
+    """Normal(0, std) linear weights (output projections scaled by 1/sqrt(2N)), zero biases,
+    unit norms; DFlash 2: identity convolutions (:meth:`GroupedDynamicConv.reset_to_identity`)
+    and small random selector codebooks and projection (Normal(0, std))."""
     scaled = std / math.sqrt(2 * len(drafter.layers))
     with torch.no_grad():
         for name, p in drafter.named_parameters():
@@ -258,6 +317,9 @@ def init_drafter_weights(drafter: DFlashDrafter, std: float = 0.02) -> None:
                 p.normal_(0.0, scaled if name.endswith(("o_proj.weight", "down_proj.weight")) else std)
             else:
                 p.zero_()
+    for m in drafter.modules():
+        if isinstance(m, GroupedDynamicConv):
+            m.reset_to_identity()
 
 
 @torch.no_grad()
@@ -273,17 +335,18 @@ def copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
     otherwise ``fc`` and ``hidden_norm`` keep their fresh initialisation. Layers of
     another kind (linear attention, gated attention, mixture of experts, ``(1 + weight)``
     norms: hybrid and MoE targets) or shape are left as they are; norms are copied as the
-    scale they apply.
+    scale they apply. A DFlash 2 drafter's convolutions and selector are left as they are.
     """
     n, layers = len(drafter.layers), target.model.layers
     l0 = len(layers) - n
     for i, d_layer in enumerate(drafter.layers):
         src_layer = layers[l0 + i]
-        src, dst = src_layer.state_dict(), d_layer.state_dict()
+        src = src_layer.state_dict()
+        dst = {k: v for k, v in d_layer.state_dict().items() if not k.startswith(("attention_conv.", "mlp_conv."))}
         attn = getattr(src_layer, "self_attn", None)
         plain = attn is not None and not attn.output_gate and type(src_layer.input_layernorm) is RMSNorm
         if plain and all(k in src and src[k].shape == v.shape for k, v in dst.items()):
-            d_layer.load_state_dict({k: src[k].to(v.dtype) for k, v in dst.items()})
+            d_layer.load_state_dict({k: src[k].to(v.dtype) for k, v in dst.items()}, strict=False)
     drafter.norm.weight.copy_(norm_scale(target.model.norm))
     ids = drafter.config.target_layer_ids
     H = drafter.config.hidden_size
@@ -309,8 +372,10 @@ def greedy_walk(drafter: DFlashDrafter, target: TargetModel, ids: torch.Tensor, 
     the rounds of real decoding are: propose the block at ``s`` (first ``s = start``),
     accept the leading draft tokens equal to ``ids[s + 1 ...]``, commit ``tau``
     tokens, ``s += tau``. The drafter is run at every position (teacher forcing, the
-    same context features the engine would hold) and the walk is replayed; it stops
-    when a block would run past the sequence. Returns the tau of each round.
+    same context features the engine would hold; its greedy drafts are those of the
+    engine: :meth:`~dflash_torch.models.drafter.DFlashDrafter.choose_draft`) and the
+    walk is replayed; it stops when a block would run past the sequence. Returns the
+    tau of each round.
     """
     B = drafter.config.block_size
     T = ids.shape[0]
@@ -324,7 +389,7 @@ def greedy_walk(drafter: DFlashDrafter, target: TargetModel, ids: torch.Tensor, 
         anchors = positions_all[c:c + chunk][None]
         tokens, positions = block_inputs(ids[None], anchors, B, drafter.config.mask_token_id)
         hidden = drafter_blocks_forward(drafter, target, features, tokens, positions)
-        pred = target.logits(hidden[:, :, 1:]).argmax(-1)[0]  # [n, B - 1]
+        pred = drafter.choose_draft(drafter.draft_scores(hidden, tokens[..., 0], target), GREEDY, None)[0][0]  # [n, B - 1]
         labels = ids[positions[0, :, 1:]]
         accepted[anchors[0]] = (pred == labels).long().cumprod(dim=-1).sum(dim=-1)
     taus, s = [], start

@@ -1,6 +1,6 @@
 """The drafter training loop: AdamW, linear warm-up then cosine decay, gradient
 clipping, bf16 autocast, resumable checkpoints, a held-out acceptance estimate,
-and export in the published DFlash checkpoint format.
+and export in the published DFlash (or DFlash 2) checkpoint format.
 
 The target is frozen (its embedding and LM head are shared with the drafter, which
 has none of its own); its features are computed on the fly without gradients.
@@ -20,15 +20,15 @@ import re
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..checkpoint import load_config, resolve_model_dir
 from ..errors import DFlashError
-from ..models.config import DrafterConfig, TargetConfig, default_target_layer_ids
-from ..models.drafter import DFlashDrafter
+from ..models.config import DFlash2Settings, DrafterConfig, TargetConfig, default_target_layer_ids, validate_pair
+from ..models.drafter import DFlashDrafter, drafter_class
 from ..models.rope import Rotary
 from ..models.target import TargetModel
 from .data import (
@@ -38,6 +38,7 @@ from .objective import batch_loss, copy_target_layers, default_gamma, greedy_wal
 
 MASK_TOKEN = "<|MASK|>"
 CHECKPOINT = "checkpoint.pt"
+ARCHS = ("dflash", "dflash2")
 
 
 @dataclass
@@ -48,8 +49,10 @@ class TrainConfig:
     data: list[str]
     out: str
     work_dir: str | None = None
+    arch: str = "dflash"
     num_layers: int = 2
     init_from_target: bool = False
+    init_from: str | None = None
     block_size: int = 16
     target_layer_ids: list[int] | None = None
     intermediate_size: int | None = None
@@ -80,6 +83,11 @@ class TrainConfig:
     autocast: bool = True
     save_dtype: str = "bfloat16"
     progress: bool = True
+    selector_loss_weight: float = 1.0
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
     def work_path(self) -> Path:
         return Path(self.work_dir) if self.work_dir else Path(self.out) / "train_work"
@@ -113,8 +121,32 @@ def resolve_mask_token_id(tokenizer, vocab_size: int, override: int | None) -> t
     )
 
 
+def dflash2_settings(cfg: TrainConfig, hidden_size: int, vocab_size: int) -> DFlash2Settings | None:
+    """The DFlash 2 modules of ``--arch dflash2`` (None for ``dflash``).
+
+    Raises:
+        DFlashError: an unknown arch, or convolution / selector sizes that do not fit.
+    """
+    if cfg.arch not in ARCHS:
+        raise DFlashError(f"--arch must be one of {', '.join(ARCHS)}, got {cfg.arch!r}")
+    if cfg.arch == "dflash":
+        return None
+    sizes = {"--conv-kernel-size": cfg.conv_kernel_size, "--conv-group-size": cfg.conv_group_size,
+             "--selector-rank": cfg.selector_rank, "--selector-top-k": cfg.selector_top_k}
+    for name, value in sizes.items():
+        if value < 1:
+            raise DFlashError(f"{name} must be >= 1, got {value}")
+    if hidden_size % cfg.conv_group_size:
+        raise DFlashError(f"--conv-group-size {cfg.conv_group_size} does not divide the hidden size {hidden_size}")
+    if cfg.selector_top_k > vocab_size:
+        raise DFlashError(f"--selector-top-k {cfg.selector_top_k} exceeds the vocabulary of {vocab_size}")
+    return DFlash2Settings(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
+                           selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
+
+
 def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_id: int) -> DrafterConfig:
-    """A drafter shaped like the target's layers (hidden size, heads, RoPE), ``num_layers`` deep.
+    """A drafter shaped like the target's layers (hidden size, heads, RoPE), ``num_layers`` deep,
+    with the DFlash 2 modules for ``--arch dflash2`` (:func:`dflash2_settings`).
 
     Its MLP width is ``--intermediate-size``, else the target's dense MLP width, else (a
     target whose every MLP is a mixture of experts) the width a token passes through:
@@ -134,7 +166,41 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
         attention_bias=False, block_size=cfg.block_size, mask_token_id=mask_token_id,
         target_layer_ids=list(layer_ids), num_target_layers=L, vocab_size=target_cfg.vocab_size,
         sliding_windows=[None] * cfg.num_layers, max_position_embeddings=target_cfg.max_position_embeddings,
+        dflash2=dflash2_settings(cfg, target_cfg.hidden_size, target_cfg.vocab_size),
     )
+
+
+def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig) -> tuple[DFlashDrafter, DrafterConfig]:
+    """The ``--init-from`` drafter (float32) and the config of the drafter to train: the
+    source's shape (layers, block size, target layers, mask token, MLP width, RoPE) with
+    the modules of ``--arch`` (a DFlash 2 source keeps its own convolution and selector sizes).
+
+    Raises:
+        DFlashError: a checkpoint that does not load or does not fit the target, or a
+            DFlash 2 source with ``--arch dflash`` (its modules would be dropped).
+    """
+    src_dir = resolve_model_dir(cfg.init_from)
+    src_cfg = DrafterConfig.from_dict(load_config(src_dir))
+    validate_pair(target_cfg, src_cfg)
+    if src_cfg.dflash2 is not None and cfg.arch != "dflash2":
+        raise DFlashError(f"--init-from {cfg.init_from} is a DFlash 2 drafter; train it with --arch dflash2")
+    source = DFlashDrafter.from_pretrained(src_dir, torch.float32)
+    dcfg = replace(src_cfg, vocab_size=target_cfg.vocab_size, num_target_layers=target_cfg.num_hidden_layers)
+    if src_cfg.dflash2 is None:
+        dcfg.dflash2 = dflash2_settings(cfg, target_cfg.hidden_size, target_cfg.vocab_size)
+    return source, dcfg
+
+
+@torch.no_grad()
+def copy_drafter(drafter: DFlashDrafter, source: DFlashDrafter) -> list[str]:
+    """Copy every weight of ``source`` into ``drafter`` (same backbone shape); returns the
+    names ``drafter`` has that ``source`` lacks (a DFlash 2 drafter's modules, left as they
+    are: identity convolutions and small random codebooks after :func:`init_drafter_weights`)."""
+    dst = drafter.state_dict()
+    src = source.state_dict()
+    for k, v in src.items():
+        dst[k].copy_(v)
+    return sorted(dst.keys() - src.keys())
 
 
 def _mlp_width(target_cfg: TargetConfig) -> int:
@@ -330,7 +396,7 @@ class Trainer:
             return {}
         cfg = self.cfg
         drafter.eval()
-        ce, w = 0.0, 0.0
+        ce, w, sel = 0.0, 0.0, []
         slot_c = slot_n = None
         gen = torch.Generator().manual_seed(12345)
         taus: list[int] = []
@@ -341,6 +407,8 @@ class Trainer:
                 out = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid, gamma)
             ce += out.ce_sum
             w += out.weight_sum
+            if out.selector_loss is not None:
+                sel.append(out.selector_loss)
             slot_c = out.slot_correct if slot_c is None else slot_c + out.slot_correct
             slot_n = out.slot_count if slot_n is None else slot_n + out.slot_count
         for ids, mask in rows[:walk_rows]:
@@ -349,9 +417,12 @@ class Trainer:
                 with self._autocast():
                     taus += greedy_walk(drafter, target, ids, max(int(mask.float().argmax()), 1))
         drafter.train()
-        return {"val_loss": round(ce / max(w, 1e-9), 4),
-                "val_tau": round(sum(taus) / len(taus), 3) if taus else None,
-                "val_slot_acc": [round(float(c) / max(int(n), 1), 3) for c, n in zip(slot_c, slot_n)]}
+        result = {"val_loss": round(ce / max(w, 1e-9), 4),
+                  "val_tau": round(sum(taus) / len(taus), 3) if taus else None,
+                  "val_slot_acc": [round(float(c) / max(int(n), 1), 3) for c, n in zip(slot_c, slot_n)]}
+        if sel:
+            result["val_selector_loss"] = round(sum(sel) / len(sel), 4)
+        return result
 
     def run(self) -> dict:
         cfg = self.cfg
@@ -371,21 +442,33 @@ class Trainer:
         from ..engine import _load_tokenizer
 
         tokenizer = _load_tokenizer(target_dir)
-        mask_id, how = resolve_mask_token_id(tokenizer, target_cfg.vocab_size, cfg.mask_token_id)
-        dcfg = make_drafter_config(target_cfg, cfg, mask_id)
-        gamma = cfg.gamma or default_gamma(cfg.block_size)
-        self.log(f"drafter: {cfg.num_layers} layers, B={cfg.block_size}, target_layer_ids={dcfg.target_layer_ids}, "
-                 f"mask_token_id={mask_id} ({how}), gamma={gamma:g}")
+        source = None
+        if cfg.init_from:
+            source, dcfg = load_init_drafter(cfg, target_cfg)
+            how = f"from --init-from {cfg.init_from}"
+        else:
+            mask_id, how = resolve_mask_token_id(tokenizer, target_cfg.vocab_size, cfg.mask_token_id)
+            dcfg = make_drafter_config(target_cfg, cfg, mask_id)
+        if cfg.seq_len <= dcfg.block_size:
+            raise DFlashError(f"--seq-len ({cfg.seq_len}) must be longer than the block size ({dcfg.block_size})")
+        gamma = cfg.gamma or default_gamma(dcfg.block_size)
+        extra = f", DFlash 2 modules {dcfg.dflash2}" if dcfg.dflash2 else ""
+        self.log(f"drafter: {dcfg.num_hidden_layers} layers, B={dcfg.block_size}, target_layer_ids={dcfg.target_layer_ids}, "
+                 f"mask_token_id={dcfg.mask_token_id} ({how}), gamma={gamma:g}{extra}")
 
         data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log)
         self.log(f"data: {data_stats}")
 
-        drafter = DFlashDrafter(dcfg)
+        drafter = drafter_class(dcfg)(dcfg)
         drafter.rotary = Rotary(dcfg.head_dim, dcfg.rope_theta, dcfg.rope_scaling,
                                  max_position_embeddings=dcfg.max_position_embeddings)
         init_drafter_weights(drafter)
         if cfg.init_from_target:
             copy_target_layers(drafter, target)
+        if source is not None:
+            fresh = copy_drafter(drafter, source)
+            self.log(f"init: weights of {cfg.init_from}" + (f"; new: {len(fresh)} tensors of the DFlash 2 modules" if fresh else ""))
+            del source
         drafter.train()
         n_params = sum(p.numel() for p in drafter.parameters())
         decay = [p for p in drafter.parameters() if p.dim() >= 2]
@@ -451,7 +534,7 @@ class Trainer:
                 logging = (step + 1) % cfg.log_every == 0 or step == 0
                 with self._autocast():
                     out = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid, gamma,
-                                     stats=logging)
+                                     stats=logging, selector_weight=cfg.selector_loss_weight)
                 opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
@@ -465,6 +548,8 @@ class Trainer:
                     history.append({"step": step, "loss": round(loss_acc / n_acc, 4),
                                     "train_tau": round(out.tau, 3) if out.accepted.numel() else None,
                                     "lr": lr, "grad_norm": round(gnorm, 3), "elapsed_s": round(elapsed(), 1)})
+                    if out.selector_loss is not None:
+                        history[-1]["selector_loss"] = round(out.selector_loss, 4)
                     loss_acc, n_acc = 0.0, 0
                 if step % cfg.eval_every == 0 and val_rows:
                     last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
@@ -510,7 +595,7 @@ class Trainer:
 
 
 def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, dtype: str = "bfloat16") -> Path:
-    """Write ``config.json`` + ``model.safetensors`` in the published DFlash drafter format."""
+    """Write ``config.json`` + ``model.safetensors`` in the published DFlash (or DFlash 2) drafter format."""
     from safetensors.torch import save_file
 
     from ..checkpoint import resolve_dtype
