@@ -84,7 +84,7 @@ def _finite_positive(*values):
 def test_round_vs_step_hybrid_moe_full_and_layer_subset():
     """A hybrid MoE target end to end, built whole and (forced by a 1-byte memory budget)
     as one period of its layer pattern, whose per-layer time is scaled to the full depth."""
-    kw = dict(dtype=torch.float32, context=32, block_size=4, repeats=3, draft_layers=2)
+    kw = dict(dtype=torch.float32, context=32, block_size=4, repeats=5, draft_layers=2)
     full = round_vs_step(TINY_HYBRID_MOE, **kw)
     part = round_vs_step(TINY_HYBRID_MOE, memory_budget=1, **kw)
     assert (full["layers"], full["layers_timed"], full["scaled"]) == (8, 8, False)
@@ -99,9 +99,10 @@ def test_round_vs_step_hybrid_moe_full_and_layer_subset():
     # the scaled times are the measured ones plus one more period's per-layer part
     assert part["target_step_s"] == m["target_step_s"] + (m["target_step_s"] - m["head_step_s"])
     assert part["round_s"] == m["round_s"] + (m["verify_accept_commit_s"] - m["head_verify_s"])
-    # ... and agree with the full build within a loose factor (no timing thresholds beyond sanity)
+    # ... and agree with the full build within a loose factor (a shared machine's noise; no
+    # timing thresholds beyond sanity)
     for key in ("target_step_s", "round_s"):
-        assert full[key] / 4 < part[key] < full[key] * 4, (key, full[key], part[key])
+        assert full[key] / 5 < part[key] < full[key] * 5, (key, full[key], part[key])
 
 
 def test_hybrid_round_commits_the_accepted_rows(monkeypatch):
