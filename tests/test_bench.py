@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_torch import DFlashError
+from dflash_torch.bench.cli import _shapes_table
 from dflash_torch.bench.shapes import round_vs_step
 from dflash_torch.bench.sweep import context_sweep
 from dflash_torch.models.drafter import DFlashDrafter
@@ -103,6 +104,10 @@ def test_round_vs_step_hybrid_moe_full_and_layer_subset():
     # timing thresholds beyond sanity)
     for key in ("target_step_s", "round_s"):
         assert full[key] / 5 < part[key] < full[key] * 5, (key, full[key], part[key])
+    table = _shapes_table([full, part]).splitlines()
+    rows = [line for line in table if line.startswith("| custom | qwen3_5_moe_text |")]
+    assert len(rows) == 2 and "| all 8 |" in rows[0] and "| 4 of 8, SCALED |" in rows[1]
+    assert any(line.startswith("SCALED rows") for line in table)
 
 
 def test_hybrid_round_commits_the_accepted_rows(monkeypatch):
