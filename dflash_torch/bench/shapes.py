@@ -230,8 +230,10 @@ def layers_to_build(fixed: int, per_layer: list[int], period: int, budget: int) 
     return n
 
 
-def machine_memory() -> int:
-    """Physical memory of this machine in bytes."""
+def device_memory(device: str) -> int:
+    """Bytes of memory the weights live in: the GPU's for ``cuda``, else this machine's RAM."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -290,7 +292,8 @@ def _experts_hit(target: TargetModel, run) -> float | None:
 def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", context: int = 512,
                   block_size: int = 16, repeats: int = 5, draft_layers: int = 5,
                   memory_budget: int | None = None) -> dict:
-    """Median seconds of one target-only step and of one DFlash round at ``context`` tokens.
+    """Median seconds of one target-only step and of one DFlash round after ``context``
+    committed tokens.
 
     The step is a 1-token verify that advances a hybrid target's recurrent state
     directly (target-only decoding). The round is a propose, a verify of B tokens (B
@@ -322,19 +325,18 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
     """
     cfg = target_config(shape)
     L = cfg.num_hidden_layers
-    budget = int(MEMORY_FRACTION * machine_memory()) if memory_budget is None else memory_budget
+    memory = device_memory(device)
+    budget = int(MEMORY_FRACTION * memory) if memory_budget is None else memory_budget
     fixed, per_layer = weight_bytes(cfg, dtype, device)
     n = layers_to_build(fixed, per_layer, pattern_period(cfg), budget)
     need = fixed + sum(per_layer[:n])
-    if need > 0.8 * machine_memory():
+    if need > 0.8 * memory:
         raise DFlashError(f"shape {shape if isinstance(shape, str) else cfg.model_type} needs {need / 2**30:.1f} GiB "
-                          f"for {n} of its {L} layers; this machine has {machine_memory() / 2**30:.1f} GiB")
+                          f"for {n} of its {L} layers; {device} has {memory / 2**30:.1f} GiB")
     target, drafter = build_pair(shape, dtype, device, draft_layers=draft_layers, block_size=block_size,
                                  layers=n)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, cfg.vocab_size - 2, (context,), generator=g).to(device)
     B = block_size
-    block = torch.randint(0, cfg.vocab_size - 2, (B,), generator=g).to(device)
+    block = torch.randint(0, cfg.vocab_size - 2, (B,), generator=torch.Generator().manual_seed(0)).to(device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def median(fn):
@@ -348,14 +350,16 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         times = sorted(times[1:])
         return times[len(times) // 2]
 
+    # The committed context is the caches' zero-filled first ``context`` positions (and a
+    # zero recurrent state): a forward's time does not depend on the values it reads,
+    # and a prefill, which would only fill them, takes minutes at large shapes on a CPU.
     spec = SpeculativeDecoder(target, drafter, block_size=B, max_context=context + 64)
     if n < L:  # feature layers of the full depth -> the built layer at the same place in the pattern
         spec.feature_layers = [i % n for i in spec.feature_layers]
     spec.target_cache.reset(context + 64)
     spec.context.reset(context + 64)
-    spec._prefill(prompt, context)
     base = SpeculativeDecoder(target, None, max_context=context + 64)  # block size 1: verifies commit directly
-    base.target_cache = spec.target_cache  # the same prefilled context (one prefill, not two)
+    base.target_cache = spec.target_cache
     tok = block[:1]
     step = median(lambda: base._verify_fn(tok, context, context + 1))
 
