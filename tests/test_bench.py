@@ -97,9 +97,10 @@ def test_round_vs_step_hybrid_moe_full_and_layer_subset():
         assert 2 <= r["experts_hit_per_moe_layer"] <= 8 and r["moe"] == {"num_experts": 8, "top_k": 2}
     m = part["measured"]
     assert _finite_positive(*m.values())
-    # the scaled times are the measured ones plus one more period's per-layer part
-    assert part["target_step_s"] == m["target_step_s"] + (m["target_step_s"] - m["head_step_s"])
-    assert part["round_s"] == m["round_s"] + (m["verify_accept_commit_s"] - m["head_verify_s"])
+    # the layers (and commits) are a part of each measured time; scaling adds that part
+    # once more for the 4 layers not built
+    assert m["target_step_layers_s"] < m["target_step_s"] < part["target_step_s"]
+    assert m["round_layers_and_commit_s"] < m["round_s"] < part["round_s"]
     # ... and agree with the full build within a loose factor (a shared machine's noise; no
     # timing thresholds beyond sanity)
     for key in ("target_step_s", "round_s"):

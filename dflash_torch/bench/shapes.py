@@ -20,7 +20,6 @@ import dataclasses
 import gc
 import os
 import time
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -259,18 +258,6 @@ def build_pair(shape: str | dict, dtype: torch.dtype, device: str, draft_layers:
     return target, drafter
 
 
-@contextmanager
-def _without_layers(target: TargetModel):
-    """The target with no decoder layers: a forward is then only what every forward pays
-    once (embedding, rope tables, attention mask, final norm, LM head)."""
-    layers = target.model.layers
-    target.model.layers = nn.ModuleList()
-    try:
-        yield
-    finally:
-        target.model.layers = layers
-
-
 def _experts_hit(target: TargetModel, run) -> float | None:
     """Mean number of distinct experts the router picks per MoE layer during ``run()``
     (None for a target without MoE layers)."""
@@ -304,14 +291,14 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
 
     Args:
         shape: a name of :data:`SHAPES` or a ``config.json`` dict.
-        memory_budget: bytes the target's weights may take (default: 40% of this
-            machine's RAM). Over it, only whole periods of the layer pattern are built
-            and timed (at least one), and the per-layer part of the step and of the
-            verify + commit (measured time minus that of the same forward without its
-            layers) is scaled to the full depth; the propose is timed in full.
-            ``measured`` keeps the raw times: ``head_*`` is the part every forward
-            pays once (embedding, rope tables, mask, final norm, LM head; the verify's
-            with its acceptance and host sync).
+        memory_budget: bytes the target's weights may take (default: 40% of the
+            memory of ``device``). Over it, only whole periods of the layer pattern are
+            built and timed (at least one), and the time a step or a round spends in
+            decoder layers and commits (read by hooks at the first layer's input norm
+            and at the final norm, in the same call) is scaled to the full depth; what
+            every forward pays once (embedding, rope tables, mask, final norm, LM head,
+            acceptance) and the propose are timed as they are. ``measured`` keeps the
+            unscaled medians and their layer parts.
 
     Returns:
         a dict: times in seconds (``target_step_s``, ``round_s``, ``propose_s``),
@@ -338,17 +325,34 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
     B = block_size
     block = torch.randint(0, cfg.vocab_size - 2, (B,), generator=torch.Generator().manual_seed(0)).to(device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    more = L / n - 1  # the layers not built, in units of the built ones
+    clock = {"start": 0.0, "layers": 0.0}  # seconds in decoder layers and commits during the current call
 
-    def median(fn):
-        times = []
+    def layers_start(*_):
+        sync()
+        clock["start"] = time.perf_counter()
+
+    def layers_stop(*_):
+        sync()
+        clock["layers"] += time.perf_counter() - clock["start"]
+
+    def timed(fn) -> tuple[float, float, float]:
+        """Medians over ``repeats`` calls of ``fn`` (after one warm-up) of its seconds, of
+        the part spent in decoder layers and commits, and of the first plus ``more`` times
+        the second: each call's own layer time scales it, so the scaling never subtracts
+        times measured in different calls."""
+        total, layers = [], []
         for _ in range(repeats + 1):
+            clock["layers"] = 0.0
             sync()
             t0 = time.perf_counter()
             fn()
             sync()
-            times.append(time.perf_counter() - t0)
-        times = sorted(times[1:])
-        return times[len(times) // 2]
+            total.append(time.perf_counter() - t0)
+            layers.append(clock["layers"])
+        total, layers = total[1:], layers[1:]
+        scaled = [t + more * lt for t, lt in zip(total, layers)]
+        return tuple(sorted(x)[len(x) // 2] for x in (total, layers, scaled))
 
     # The committed context is the caches' zero-filled first ``context`` positions (and a
     # zero recurrent state): a forward's time does not depend on the values it reads,
@@ -361,43 +365,38 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
     base = SpeculativeDecoder(target, None, max_context=context + 64)  # block size 1: verifies commit directly
     base.target_cache = spec.target_cache
     tok = block[:1]
-    step = median(lambda: base._verify_fn(tok, context, context + 1))
+    # the layers run from the first layer's input norm to the final norm
+    hooks = [target.model.layers[0].input_layernorm.register_forward_pre_hook(layers_start),
+             target.model.norm.register_forward_pre_hook(layers_stop)] if n < L else []
+    step_measured, step_layers, step = timed(lambda: base._verify_fn(tok, context, context + 1))
 
     # the propose injects the previous verify's B feature rows (the fixed-shape worst
     # case); placed at the block's own positions, where the block's K/V overwrite them
     feats = [drafter.fc.weight.new_zeros(B, drafter.fc.in_features)]
 
-    def accept(logits):
-        accepted, bonus = accept_greedy(block[1:], logits)
-        torch.cat([accepted.view(1), block[1:], bonus.view(1)]).tolist()  # the round's one host sync
-        return accepted
-
     def verify_accept_commit():
         logits, feats[0] = spec._verify_fn(block, context, context + B)
-        accepted = accept(logits)
+        accepted, bonus = accept_greedy(block[1:], logits)
+        torch.cat([accepted.view(1), block[1:], bonus.view(1)]).tolist()  # the round's one host sync
         if spec.defer_commit:  # hybrid target: the rollback of its recurrent layers
+            t0 = time.perf_counter()
             spec._commit_fn(accepted + 1)
+            sync()
+            clock["layers"] += time.perf_counter() - t0
 
     def one_round():
         greedy_tokens(spec._draft_fn(tok[0], context, context + B, feats[0], context))
         verify_accept_commit()
 
-    rnd = median(one_round)
-    propose = median(lambda: spec._draft_fn(tok[0], context, context + B, feats[0], context))
+    round_measured, round_layers, rnd = timed(one_round)
+    for h in hooks:
+        h.remove()
+    propose = timed(lambda: spec._draft_fn(tok[0], context, context + B, feats[0], context))[0]
     hits = _experts_hit(target, verify_accept_commit)
     measured = None
     if n < L:
-        verify = median(verify_accept_commit)
-        cache = spec.target_cache
-        with _without_layers(target):
-            head_step = median(lambda: target(tok, context + torch.arange(1, device=device), cache, context + 1))
-            head_verify = median(lambda: accept(target(block, context + torch.arange(B, device=device), cache,
-                                                       context + B)[0]))
-        measured = {"target_step_s": step, "round_s": rnd, "verify_accept_commit_s": verify,
-                    "head_step_s": head_step, "head_verify_s": head_verify}
-        more = L / n - 1  # the unbuilt layers, in units of the built ones
-        step = step + more * (step - head_step)
-        rnd = rnd + more * (verify - head_verify)
+        measured = {"target_step_s": step_measured, "target_step_layers_s": step_layers,
+                    "round_s": round_measured, "round_layers_and_commit_s": round_layers}
     result = {
         "shape": shape if isinstance(shape, str) else "custom", "model_type": cfg.model_type,
         "dtype": str(dtype).removeprefix("torch."), "device": device, "context": context, "block_size": B,
