@@ -1,11 +1,15 @@
 """The bench command end to end on a tiny pair, and the large-shape timing helper."""
 
 import json
+import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
+from dflash_torch import DFlashError
+from dflash_torch.bench.cli import _shapes_table
 from dflash_torch.bench.shapes import round_vs_step
 from dflash_torch.bench.sweep import context_sweep
 from dflash_torch.models.drafter import DFlashDrafter
@@ -49,22 +53,134 @@ def test_bench_rejects_unknown_mode(tiny_pair, tmp_path):
     assert "unknown bench mode" in proc.stderr and "Traceback" not in proc.stderr
 
 
+# tiny config.json dicts, parsed by each family's own parser like the named shapes
+TINY_QWEN3 = {"model_type": "qwen3", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+              "rope_theta": 1000000.0, "max_position_embeddings": 512, "tie_word_embeddings": True}
+# Qwen3.5-MoE text: two periods of 3 Gated DeltaNet + 1 gated attention layer, every MLP routed
+TINY_HYBRID_MOE = {"model_type": "qwen3_5_moe_text", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 8,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "full_attention_interval": 4,
+                   "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 8, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "max_position_embeddings": 512}
+
+
 def test_sweep_and_round_vs_step_small_shape(tiny_pair):
     _, drafter_dir = tiny_pair
     drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
     embed = torch.nn.Embedding(drafter.config.vocab_size, drafter.config.hidden_size)
     sweep = context_sweep(drafter, embed, [8, 32], block_size=4, repeats=1)
     assert all(t > 0 for t in sweep["inject"] + sweep["recompute"])
-    r = round_vs_step((64, 4, 4, 2, 16, 128), torch.float32, context=16, block_size=4, repeats=1, vocab=128, draft_layers=2)
+    r = round_vs_step(TINY_QWEN3, torch.float32, context=16, block_size=4, repeats=1, draft_layers=2)
     assert r["target_step_s"] > 0 and r["round_s"] > 0
+    assert (r["layers"], r["layers_timed"], r["scaled"], r["measured"]) == (4, 4, False, None)
+    assert r["experts_hit_per_moe_layer"] is None and r["moe"] is None
     assert r["projected_speedup"]["mean (paper, Qwen3-8B)"] == 6.49 * r["target_step_s"] / r["round_s"]
+
+
+def _finite_positive(*values):
+    return all(math.isfinite(v) and v > 0 for v in values)
+
+
+def test_round_vs_step_hybrid_moe_full_and_layer_subset():
+    """A hybrid MoE target end to end, built whole and (forced by a 1-byte memory budget)
+    as one period of its layer pattern, whose per-layer time is scaled to the full depth."""
+    kw = dict(dtype=torch.float32, context=32, block_size=4, repeats=5, draft_layers=2)
+    full = round_vs_step(TINY_HYBRID_MOE, **kw)
+    part = round_vs_step(TINY_HYBRID_MOE, memory_budget=1, **kw)
+    assert (full["layers"], full["layers_timed"], full["scaled"]) == (8, 8, False)
+    assert (part["layers"], part["layers_timed"], part["scaled"]) == (8, 4, True)
+    assert full["model_type"] == part["model_type"] == "qwen3_5_moe_text"
+    for r in (full, part):
+        assert _finite_positive(r["target_step_s"], r["round_s"], r["propose_s"])
+        # every MoE layer of a 4-token verify hits between top-k and all of the 8 experts
+        assert 2 <= r["experts_hit_per_moe_layer"] <= 8 and r["moe"] == {"num_experts": 8, "top_k": 2}
+    m = part["measured"]
+    assert _finite_positive(*m.values())
+    # the layers (and commits) are a part of each measured time; scaling adds that part
+    # once more for the 4 layers not built
+    assert m["target_step_layers_s"] < m["target_step_s"] < part["target_step_s"]
+    assert m["round_layers_and_commit_s"] < m["round_s"] < part["round_s"]
+    # ... and agree with the full build within a loose factor (a shared machine's noise; no
+    # timing thresholds beyond sanity)
+    for key in ("target_step_s", "round_s"):
+        assert full[key] / 5 < part[key] < full[key] * 5, (key, full[key], part[key])
+    table = _shapes_table([full, part]).splitlines()
+    rows = [line for line in table if line.startswith("| custom | qwen3_5_moe_text |")]
+    assert len(rows) == 2 and "| all 8 |" in rows[0] and "| 4 of 8, SCALED |" in rows[1]
+    assert any(line.startswith("SCALED rows") for line in table)
+
+
+def test_hybrid_round_commits_the_accepted_rows(monkeypatch):
+    """A hybrid target's round ends with the rollback of its recurrent state (the commit
+    of the accepted rows), as the decoding loop does; its target-only step commits in
+    the verify itself; a pure-attention target never commits."""
+    from dflash_torch.models.target import TargetModel
+
+    rows = []
+    real_commit = TargetModel.commit
+
+    def observed_commit(self, cache, n):
+        rows.append(int(n))
+        real_commit(self, cache, n)
+
+    monkeypatch.setattr(TargetModel, "commit", observed_commit)
+    round_vs_step(TINY_HYBRID_MOE, torch.float32, context=16, block_size=4, repeats=1, draft_layers=2)
+    assert len(rows) == 2 + 1  # the timed rounds (repeats + 1 warm-up), then the verify counting expert hits
+    assert all(1 <= n <= 4 for n in rows)
+    rows.clear()
+    round_vs_step(TINY_QWEN3, torch.float32, context=16, block_size=4, repeats=1, draft_layers=2)
+    assert rows == []
+
+
+def test_layer_subset_keeps_the_layer_pattern():
+    from dflash_torch.bench.shapes import SHAPES, layers_to_build, pattern_period, target_config
+
+    assert pattern_period(target_config(TINY_HYBRID_MOE)) == 4
+    assert [pattern_period(target_config(SHAPES[n])) for n in ("qwen3-1.7b", "qwen3-30b-a3b", "qwen3.5-9b",
+                                                             "qwen3.5-35b-a3b", "qwen3-next-80b-a3b")] == [1, 1, 4, 4, 4]
+    # whole periods that fit; at least one; all layers when everything fits
+    assert layers_to_build(10, [5] * 8, 4, budget=1) == 4
+    assert layers_to_build(10, [5] * 12, 4, budget=10 + 5 * 8) == 8
+    assert layers_to_build(10, [5] * 8, 4, budget=10 + 5 * 8) == 8
+    assert layers_to_build(10, [5] * 8, 8, budget=1) == 8  # no shorter period: the whole stack
+
+
+def test_named_shapes_parse_with_their_family_parsers():
+    from dflash_torch.bench.shapes import SHAPES, drafter_config, target_config
+
+    kinds = {name: target_config(name) for name in SHAPES}
+    assert {"qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b", "qwen3-30b-a3b", "qwen3.5-35b-a3b",
+            "qwen3-next-80b-a3b"} <= set(SHAPES)
+    assert kinds["qwen3-next-80b-a3b"].moe.num_experts == 512 and kinds["qwen3-next-80b-a3b"].layer_types[:4] == [
+        "linear_attention"] * 3 + ["full_attention"]
+    assert kinds["qwen3.5-35b-a3b"].model_type == "qwen3_5_moe_text" and kinds["qwen3.5-35b-a3b"].moe.top_k == 8
+    assert kinds["qwen3.5-9b"].partial_rotary_factor == 0.25 and kinds["qwen3.5-9b"].linear_attention.num_value_heads == 32
+    # drafters are dense: the MoE targets' drafter MLP is the width a token passes through
+    assert drafter_config(kinds["qwen3.5-35b-a3b"]).intermediate_size == 8 * 512 + 512
+    assert drafter_config(kinds["qwen3-1.7b"]).intermediate_size == 6144
+    with pytest.raises(DFlashError, match="unknown shape 'qwen9-huge'; choose from qwen3-0.6b, .*qwen3-next-80b-a3b"):
+        target_config("qwen9-huge")
+
+
+def test_random_init_keeps_norms_and_recurrence_sane():
+    from dflash_torch.bench.shapes import build_pair
+
+    target, _ = build_pair(TINY_HYBRID_MOE, torch.float32, "cpu", draft_layers=2, block_size=4)
+    gdn = target.model.layers[0].linear_attn
+    decay = (-gdn.A_log.exp() * torch.nn.functional.softplus(gdn.dt_bias)).exp()  # per-token decay at a = 0
+    assert bool(((decay > 0) & (decay < 1)).all()) and bool((gdn.dt_bias == 1).all())
+    assert bool((target.model.norm.weight == 0).all())  # (1 + w) norms: scale 1
+    assert bool((gdn.norm.weight == 1).all())
+    assert target.model.layers[0].mlp.gate.weight.std() > 0  # a random router
 
 
 def test_shape_drafter_is_usable_for_the_sweep():
     from dflash_torch.bench.shapes import build_drafter
     from dflash_torch.models.rope import rope_inv_freq
 
-    drafter, embed = build_drafter((64, 6, 4, 2, 16, 128), torch.float32, "cpu", draft_layers=2, block_size=4)
+    drafter, embed = build_drafter({**TINY_QWEN3, "num_hidden_layers": 6}, torch.float32, "cpu", draft_layers=2,
+                                   block_size=4)
     assert drafter.config.num_hidden_layers == 2 and drafter.config.target_layer_ids == [1, 3]
     # the rope table is rebuilt after the meta-device init (to_empty leaves buffers unset)
     assert torch.equal(drafter.rotary.inv_freq, rope_inv_freq(16, 1e6, None))
@@ -103,7 +219,8 @@ def test_bench_refuses_bad_options_with_one_line(tiny_pair, tmp_path, capsys):
     base = ["bench", "--target", str(target), "--draft", str(drafter), "--out", str(tmp_path / "o")]
     cases = [(["--modes", ""], "--modes is empty"), (["--sweep", "0"], "--sweep"), (["--sweep", "128,-5"], "--sweep"),
              (["--max-context", "100"], "--max-context"), (["--out", str(a_file)], "--out"),
-             (["--sweep-shapes", "qwen9-huge"], "unknown shape"), (["--modes", "inject,target-only,inject"], "more than once")]
+             (["--sweep-shapes", "qwen9-huge"], "unknown shape"), (["--shapes", "qwen3-1.7b,qwen9-huge"], "qwen3-next-80b-a3b"),
+             (["--modes", "inject,target-only,inject"], "more than once")]
     for extra, words in cases:
         assert cli_main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()

@@ -29,7 +29,9 @@ def register(sub) -> None:
     p.add_argument("--sweep", default="128,512,2048,8192", help="context lengths of the propose-time sweep ('' = skip)")
     p.add_argument("--sweep-shapes", default="",
                    help="also sweep a randomly initialised 5-layer drafter of these target shapes, e.g. qwen3-1.7b ('' = skip)")
-    p.add_argument("--shapes", default="", help="large-shape timing, e.g. qwen3-1.7b,qwen3-4b ('' = skip)")
+    p.add_argument("--shapes", default="",
+                   help="large-shape timing on random weights, e.g. qwen3-1.7b,qwen3.5-9b,qwen3-30b-a3b ('' = skip); "
+                        "targets too large for this machine time a layer subset, scaled to full depth")
     p.add_argument("--out", default="bench_out", help="output directory for bench.json and plots")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
@@ -61,6 +63,37 @@ def _table(rows: list[dict]) -> str:
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
     return "\n".join([fmt(lines[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(r) for r in lines[1:]])
+
+
+def _layers_timed(sh: dict) -> str:
+    if sh["scaled"]:
+        return f"layers timed: {sh['layers_timed']} of {sh['layers']}, SCALED"
+    return f"layers timed: {sh['layers']} of {sh['layers']}"
+
+
+def _shapes_table(shapes: list[dict]) -> str:
+    """The --shapes results as a markdown table, with the caveats spelled out under it."""
+    from .shapes import PUBLISHED_TAU
+
+    first = shapes[0]
+    tau = "mean (paper, Qwen3-8B)"
+    lines = [f"\nround vs step on random weights ({first['dtype']}, {first['device']}, context {first['context']}, "
+             f"B={first['block_size']}, {first['draft_layers']}-layer drafter):",
+             "| shape | model_type | step ms | round ms | propose ms | round/step | layers timed | experts hit / MoE layer "
+             f"(verify of {first['block_size']}) | PROJECTED speedup at tau {PUBLISHED_TAU[tau]} |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for sh in shapes:
+        hits = "-" if sh["experts_hit_per_moe_layer"] is None else \
+            f"{sh['experts_hit_per_moe_layer']:.1f} of {sh['moe']['num_experts']} (top-{sh['moe']['top_k']})"
+        timed = f"{sh['layers_timed']} of {sh['layers']}, SCALED" if sh["scaled"] else f"all {sh['layers']}"
+        lines.append(f"| {sh['shape']} | {sh['model_type']} | {sh['target_step_s'] * 1e3:.1f} | {sh['round_s'] * 1e3:.1f} | "
+                     f"{sh['propose_s'] * 1e3:.1f} | {sh['round_over_step']:.2f} | {timed} | {hits} | "
+                     f"{sh['projected_speedup'][tau]:.2f}x |")
+    if any(sh["scaled"] for sh in shapes):
+        lines.append("SCALED rows: only whole periods of the layer pattern were built (the weights would not fit "
+                     "comfortably in RAM); their per-layer time is scaled to the full depth (bench.json: 'measured').")
+    lines.append(f"PROJECTED = tau x step / round at the paper's tau ({tau}); the random models accept nothing.")
+    return "\n".join(lines)
 
 
 def _labelled_sweeps(report: dict) -> list[tuple[str, dict]]:
@@ -200,7 +233,8 @@ def run(args: argparse.Namespace) -> int:
         del drafter, embed
     for shape in shapes:
         report["shapes"].append(round_vs_step(shape, resolve_dtype(args.dtype), args.device, block_size=engine.block_size))
-        print(f"{shape}: round/step {report['shapes'][-1]['round_over_step']:.2f}", flush=True)
+        sh = report["shapes"][-1]
+        print(f"{shape}: round/step {sh['round_over_step']:.2f} ({_layers_timed(sh)})", flush=True)
     report["plots"] = _plots(report, out)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     print()
@@ -212,10 +246,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"| {n} | {a * 1e3:.2f} | {b * 1e3:.2f} |")
         r = s["ratio_longest_over_shortest"]
         print(f"ratio {s['lengths'][-1]}/{s['lengths'][0]}: inject {r['inject']:.2f}, recompute {r['recompute']:.2f}")
-    for sh in report["shapes"]:
-        proj = ", ".join(f"{k}: {v:.2f}x" for k, v in sh["projected_speedup"].items())
-        print(f"\n{sh['shape']} ({sh['dtype']}, random weights, context {sh['context']}): target step {sh['target_step_s'] * 1e3:.1f} ms, "
-              f"round {sh['round_s'] * 1e3:.1f} ms (propose {sh['propose_s'] * 1e3:.1f} ms), round/step {sh['round_over_step']:.2f}; "
-              f"PROJECTED speedup at published tau: {proj}")
+    if report["shapes"]:
+        print(_shapes_table(report["shapes"]))
     print(f"\nwrote {out / 'bench.json'} and {', '.join(report['plots'])}")
     return 0

@@ -1,139 +1,410 @@
 """Round-vs-step timing at the shapes of real target/drafter pairs, with randomly
 initialised weights (the timing of a forward does not depend on the weight values).
 
-Reports the time of one DFlash round (propose + verify + inject) against one
-target-only decoding step, and the speedup that follows at the published DFlash
-acceptance lengths. That speedup is a *projection*: tau is taken from the DFlash
-paper (arXiv 2602.06036, Qwen3-8B, greedy), not measured on these random models.
+Reports the time of one DFlash round (propose + verify + accept + the rollback of a
+hybrid target's recurrent state) against one target-only decoding step, and the
+speedup that follows at the published DFlash acceptance lengths. That speedup is a
+*projection*: tau is taken from the DFlash paper (arXiv 2602.06036, Qwen3-8B, greedy),
+not measured on these random models.
+
+A target whose weights would not fit comfortably in memory is built with only a
+whole number of periods of its layer pattern (e.g. 3 linear-attention + 1
+full-attention layer, every expert of each MoE layer kept); the per-layer part of
+its times is scaled to the full depth and the result says so (``scaled``,
+``layers_timed``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import os
 import time
 
 import torch
+from torch import nn
 
 from ..decoding import SpeculativeDecoder
-from ..models.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from ..errors import DFlashError
+from ..models.config import DrafterConfig, TargetConfig
 from ..models.drafter import DFlashDrafter
-from ..models.rope import Rotary
+from ..models.gated_deltanet import GatedDeltaNet, GatedRMSNorm
+from ..models.layers import RMSNorm, ZeroCenteredRMSNorm
+from ..models.moe import SparseMoE
 from ..models.packing import pack_linears, packing_supported
 from ..models.registry import family
+from ..models.rope import Rotary
 from ..models.target import TargetModel
+from ..sampling import accept_greedy, greedy_tokens
+from ..training.trainer import TrainConfig, make_drafter_config
 
-# Shapes from the public Qwen3 configs (hidden, layers, heads, kv heads, head dim, MLP).
-SHAPES = {
-    "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072),
-    "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144),
-    "qwen3-4b": (2560, 36, 32, 8, 128, 9728),
-    "qwen3-8b": (4096, 36, 32, 8, 128, 12288),
+# The text-model fields of each public Hugging Face config.json (Qwen/<name>/config.json);
+# keys the decoder ignores (bos/eos ids, dropout, vision tower) are left out. Where
+# each number was read (public copies of the configs, model cards, training recipes):
+_QWEN3 = {  # Qwen3 dense: Qwen/Qwen3-{0.6B,1.7B,4B,8B} config.json (their values are also in
+    # transformers' Qwen3Config docs and many public finetune configs, e.g. copies of Qwen3-8B's)
+    "model_type": "qwen3", "vocab_size": 151936, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960, "attention_bias": False,
 }
-VOCAB = 151936
+# Qwen3.5 (multimodal wrapper, text under text_config). Hidden/layers/heads/kv heads/
+# head_dim 256/FFN width/vocab 248320/rope_theta 1e7 with 25% partial rotary/3:1 layout
+# from the Qwen3.5 model cards and public transcriptions of the configs (Qwen3.5-4B-Base
+# text config in public fine-tuning tests; Qwen3.5-9B dense config in public serving
+# tests; Qwen3.5/3.6-27B config fixtures; THUDM/slime scripts/models/qwen3.5-27B.sh);
+# linear_* (Gated DeltaNet) dims from the same configs and the cards ("Number of Linear
+# Attention Heads: 32 for V and 16 for QK, Head Dimension 128"; 48 for V for the 27B).
+_QWEN3_5_TEXT = {
+    "vocab_size": 248320, "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "attn_output_gate": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+
+
+def _qwen3_5(model_type: str, tie: bool, **text) -> dict:
+    return {"model_type": model_type, "tie_word_embeddings": tie,
+            "text_config": {**_QWEN3_5_TEXT, "model_type": f"{model_type}_text", **text}}
+
+
+SHAPES: dict[str, dict] = {
+    "qwen3-0.6b": {**_QWEN3, "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "intermediate_size": 3072, "tie_word_embeddings": True},
+    "qwen3-1.7b": {**_QWEN3, "hidden_size": 2048, "num_hidden_layers": 28, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "intermediate_size": 6144, "tie_word_embeddings": True},
+    "qwen3-4b": {**_QWEN3, "hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "intermediate_size": 9728, "tie_word_embeddings": True},
+    "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "intermediate_size": 12288, "tie_word_embeddings": False},
+    # Qwen3.5-4B: tied embeddings per the small Qwen3.5 releases (not confirmed for the 4B itself)
+    "qwen3.5-4b": _qwen3_5("qwen3_5", True, hidden_size=2560, num_hidden_layers=32, num_attention_heads=16,
+                           num_key_value_heads=4, intermediate_size=9216, linear_num_value_heads=32),
+    "qwen3.5-9b": _qwen3_5("qwen3_5", False, hidden_size=4096, num_hidden_layers=32, num_attention_heads=16,
+                           num_key_value_heads=4, intermediate_size=12288, linear_num_value_heads=32),
+    "qwen3.5-27b": _qwen3_5("qwen3_5", False, hidden_size=5120, num_hidden_layers=64, num_attention_heads=24,
+                            num_key_value_heads=4, intermediate_size=17408, linear_num_value_heads=48),
+    # Qwen3-30B-A3B (Qwen3-Coder-30B-A3B has the same layer shapes; rope_theta 1e7, 256K
+    # context): 48 layers of 128 experts, 8 per token, width 768, all layers sparse. From
+    # THUDM/slime scripts/models/qwen3-30B-A3B.sh, Ascend MindSpeed-RL qwen3_30b_a3b.yaml,
+    # transformers' Qwen3MoeConfig defaults (which describe it) and public finetune configs.
+    "qwen3-30b-a3b": {**_QWEN3, "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "intermediate_size": 6144,
+                      "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "tie_word_embeddings": False},
+    # Qwen3.5-35B-A3B: 40 layers, 10 x (3 Gated DeltaNet + 1 gated attention), 256 experts,
+    # 8 routed + 1 shared, width 512 (model card; transformers' Qwen3_5MoeTextConfig
+    # defaults name this checkpoint; public configs of its finetunes)
+    "qwen3.5-35b-a3b": _qwen3_5("qwen3_5_moe", False, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                                num_key_value_heads=2, linear_num_value_heads=32, num_experts=256,
+                                num_experts_per_tok=8, moe_intermediate_size=512,
+                                shared_expert_intermediate_size=512),
+    # Qwen3-Next-80B-A3B-Instruct config.json (public transcriptions of the release
+    # config; transformers' Qwen3NextConfig names this checkpoint); layer_types unset in
+    # the release, i.e. every 4th layer full attention
+    "qwen3-next-80b-a3b": {
+        "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 5120,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+        "max_position_embeddings": 262144, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "tie_word_embeddings": False,
+    },
+}
 PUBLISHED_TAU = {"mean (paper, Qwen3-8B)": 6.49, "MT-Bench": 4.24, "MATH-500": 7.87}
+MEMORY_FRACTION = 0.4  # targets whose weights take more of the machine's RAM are built as a layer subset
 
 
-def _random_init(module: torch.nn.Module, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    module.to_empty(device=device)
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0, 0.02, generator=g)
-    module = module.to(dtype)
-    if isinstance(module, (TargetModel, DFlashDrafter)):  # to_empty left the (non-persistent) rope table unset
+def target_config(shape: str | dict) -> TargetConfig:
+    """The target config of ``shape``: a name of :data:`SHAPES` or a ``config.json`` dict.
+
+    Raises:
+        DFlashError: an unknown name (the message lists the known ones) or a config its
+            family's parser refuses.
+    """
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise DFlashError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+        shape = SHAPES[shape]
+    return TargetConfig.from_dict(shape)
+
+
+def drafter_config(target: TargetConfig, draft_layers: int = 5, block_size: int = 16) -> DrafterConfig:
+    """The drafter ``dflash-torch train`` would build for ``target``: its attention
+    layers' hidden size, heads and RoPE base, ``draft_layers`` deep; for a target whose
+    every MLP is a mixture of experts, a dense MLP of the width a token passes through."""
+    train = TrainConfig(target="", data=[], out="", num_layers=draft_layers, block_size=block_size)
+    return make_drafter_config(target, train, mask_token_id=target.vocab_size - 1)
+
+
+def _random_init(module: nn.Module, dtype: torch.dtype, device: str) -> nn.Module:
+    """Materialise a meta-device model in ``dtype`` on ``device`` with random weights:
+    linears, embeddings, convolutions, experts and routers ~ N(0, 0.02); RMSNorm scales 1
+    (zero-centred norms, which scale by ``1 + weight``, get 0); Gated DeltaNet
+    ``dt_bias`` = 1 and ``A_log`` = log U(0.01, 16), as transformers initialises them
+    (decays in (0, 1): the recurrence stays bounded). Seeded, and leaves the global RNG
+    as it was."""
+    module = module.to(dtype).to_empty(device=device)  # cast while on meta: no float32 copy is ever allocated
+    seen = set()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for m in module.modules():
+            for name, p in m.named_parameters(recurse=False):
+                if id(p) in seen:  # tied embedding / LM head
+                    continue
+                seen.add(id(p))
+                if isinstance(m, ZeroCenteredRMSNorm):
+                    p.zero_()
+                elif isinstance(m, (RMSNorm, GatedRMSNorm)) or (isinstance(m, GatedDeltaNet) and name == "dt_bias"):
+                    p.fill_(1.0)
+                elif isinstance(m, GatedDeltaNet) and name == "A_log":
+                    p.copy_(torch.empty(p.shape).uniform_(0.01, 16).log_())
+                else:
+                    p.normal_(0, 0.02)
+    # to_empty left the (non-persistent) rope tables unset
+    if isinstance(module, TargetModel):
+        module.rotary = module.make_rotary().to(device)
+    elif isinstance(module, DFlashDrafter):
         cfg = module.config
-        module.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings).to(device)
-    return module
+        module.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                               max_position_embeddings=cfg.max_position_embeddings).to(device)
+    return module.eval()
 
 
-def drafter_config(shape: str | tuple, draft_layers: int = 5, block_size: int = 16, vocab: int = VOCAB) -> DrafterConfig:
-    """The config of a DFlash drafter for a target of ``shape`` (layers shaped like the target's)."""
-    hidden, layers, heads, kv, hd, inter = SHAPES[shape] if isinstance(shape, str) else shape
-    return DrafterConfig(hidden, draft_layers, heads, kv, hd, inter, 1e-6, 1e6, None, False, block_size, vocab - 1,
-                         default_target_layer_ids(layers, draft_layers), layers, vocab, [None] * draft_layers)
-
-
-def build_drafter(shape: str | tuple, dtype: torch.dtype, device: str, draft_layers: int = 5,
-                  block_size: int = 16) -> tuple[DFlashDrafter, torch.nn.Embedding]:
+def build_drafter(shape: str | dict, dtype: torch.dtype, device: str, draft_layers: int = 5,
+                  block_size: int = 16) -> tuple[DFlashDrafter, nn.Embedding]:
     """A random drafter for a target of ``shape`` and a small random embedding of its width
     (enough to embed mask blocks for propose timing; the target itself is not built)."""
-    cfg = drafter_config(shape, draft_layers, block_size, vocab=1024)
+    dcfg = drafter_config(target_config(shape), draft_layers, block_size)
     with torch.device("meta"):
-        drafter = DFlashDrafter(cfg)
-    drafter = _random_init(drafter, dtype, device).eval()
+        drafter = DFlashDrafter(dcfg)
+    drafter = _random_init(drafter, dtype, device)
     if packing_supported(dtype, device):  # as the engine loads models
         pack_linears(drafter)
-    embed = torch.nn.Embedding(1024, cfg.hidden_size, device=device, dtype=dtype)
+    embed = nn.Embedding(1024, dcfg.hidden_size, device=device, dtype=dtype)
     return drafter, embed
 
 
-def build_pair(shape: str | tuple, dtype: torch.dtype, device: str, draft_layers: int = 5, block_size: int = 16,
-               vocab: int = VOCAB):
-    """A random target of ``shape`` (a name of :data:`SHAPES` or its tuple) and a random
-    DFlash drafter of ``draft_layers`` layers for it."""
-    hidden, layers, heads, kv, hd, inter = SHAPES[shape] if isinstance(shape, str) else shape
-    tcfg = TargetConfig("qwen3", vocab, hidden, layers, heads, kv, hd, inter, 1e-6, 1e6, None, 40960, True, False, True, [])
-    dcfg = drafter_config(shape, draft_layers, block_size, vocab)
+def weight_bytes(cfg: TargetConfig, dtype: torch.dtype, device: str) -> tuple[int, list[int]]:
+    """Bytes the weights of a target take once built as the engine builds it (in
+    ``dtype``, plus the prepacked copy of every linear weight where packing applies):
+    ``(embedding + final norm + LM head, [each decoder layer])``. Counted on the meta
+    device (nothing is allocated)."""
     with torch.device("meta"):
-        target, drafter = family(tcfg.model_type).Model(tcfg), DFlashDrafter(dcfg)
-    target = _random_init(target, dtype, device).eval()
-    target.lm_head.weight = target.model.embed_tokens.weight
-    drafter = _random_init(drafter, dtype, device).eval()
+        model = family(cfg.model_type).Model(cfg)
+    size = torch.empty((), dtype=dtype).element_size()
+    packed = packing_supported(dtype, device)
+
+    def nbytes(module: nn.Module) -> int:
+        n = sum(p.numel() for p in module.parameters())
+        if packed:
+            n += sum(m.weight.numel() for m in module.modules() if type(m) is nn.Linear)
+        return n * size
+
+    layers = [nbytes(layer) for layer in model.model.layers]
+    return nbytes(model) - sum(layers), layers
+
+
+def pattern_period(cfg: TargetConfig) -> int:
+    """The shortest run of layers that repeats to make the whole stack (same token mixer
+    and same dense/MoE MLP at every position): 4 for a 3:1 hybrid, 1 for a uniform
+    stack, ``num_hidden_layers`` when nothing repeats."""
+    kinds = list(zip(cfg.layer_types, cfg.moe_layers))
+    n = len(kinds)
+    return next(p for p in range(1, n + 1) if n % p == 0 and kinds == kinds[:p] * (n // p))
+
+
+def layers_to_build(fixed: int, per_layer: list[int], period: int, budget: int) -> int:
+    """How many decoder layers to build: all of them when the weights (``fixed`` bytes
+    plus ``per_layer``, see :func:`weight_bytes`) fit in ``budget`` bytes, else the most
+    whole periods of the layer pattern that fit (at least one)."""
+    total = len(per_layer)
+    if fixed + sum(per_layer) <= budget:
+        return total
+    n = period
+    while n + period < total and fixed + sum(per_layer[:n + period]) <= budget:
+        n += period
+    return n
+
+
+def device_memory(device: str) -> int:
+    """Bytes of memory the weights live in: the GPU's for ``cuda``, else this machine's RAM."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def build_pair(shape: str | dict, dtype: torch.dtype, device: str, draft_layers: int = 5, block_size: int = 16,
+               layers: int | None = None) -> tuple[TargetModel, DFlashDrafter]:
+    """A random target of ``shape`` (a name of :data:`SHAPES` or a ``config.json`` dict)
+    and a random DFlash drafter of ``draft_layers`` layers for it (shaped for the full
+    target). ``layers``: build only the first ``layers`` decoder layers (None: all)."""
+    cfg = target_config(shape)
+    dcfg = drafter_config(cfg, draft_layers, block_size)
+    if layers is not None and layers < cfg.num_hidden_layers:
+        cfg = dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers],
+                                  moe_layers=cfg.moe_layers[:layers])
+    with torch.device("meta"):
+        target, drafter = family(cfg.model_type).Model(cfg), DFlashDrafter(dcfg)
+    target = _random_init(target, dtype, device)
+    if cfg.tie_word_embeddings:
+        target.lm_head.weight = target.model.embed_tokens.weight
+    drafter = _random_init(drafter, dtype, device)
     if packing_supported(dtype, device):  # as the engine loads models
         pack_linears(target)
         pack_linears(drafter)
     return target, drafter
 
 
-@torch.inference_mode()
-def round_vs_step(shape: str | tuple, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", context: int = 512,
-                  block_size: int = 16, repeats: int = 5, vocab: int = VOCAB, draft_layers: int = 5) -> dict:
-    """Median seconds of one target-only step and of one DFlash round at ``context`` tokens."""
-    target, drafter = build_pair(shape, dtype, device, draft_layers=draft_layers, block_size=block_size, vocab=vocab)
-    prompt = torch.randint(0, vocab - 2, (context,)).tolist()
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+def _experts_hit(target: TargetModel, run) -> float | None:
+    """Mean number of distinct experts the router picks per MoE layer during ``run()``
+    (None for a target without MoE layers)."""
+    counts = []
 
-    def median(fn):
-        times = []
+    def count(module, args):
+        counts.append(module.route(args[0])[1].unique().numel())
+
+    hooks = [m.register_forward_pre_hook(count) for m in target.modules() if isinstance(m, SparseMoE)]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return sum(counts) / len(counts) if counts else None
+
+
+@torch.inference_mode()
+def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", context: int = 512,
+                  block_size: int = 16, repeats: int = 5, draft_layers: int = 5,
+                  memory_budget: int | None = None) -> dict:
+    """Median seconds of one target-only step and of one DFlash round after ``context``
+    committed tokens.
+
+    The step is a 1-token verify that advances a hybrid target's recurrent state
+    directly (target-only decoding). The round is a propose, a verify of B tokens (B
+    random token ids: a random drafter's own argmax repeats tokens, which would route
+    every row of an MoE verify to the same experts), the greedy acceptance with its one
+    host sync, and, for a hybrid target, the commit of the accepted rows into the
+    recurrent state, as :meth:`SpeculativeDecoder.rounds` runs them.
+
+    Args:
+        shape: a name of :data:`SHAPES` or a ``config.json`` dict.
+        memory_budget: bytes the target's weights may take (default: 40% of the
+            memory of ``device``). Over it, only whole periods of the layer pattern are
+            built and timed (at least one), and the time a step or a round spends in
+            decoder layers and commits (read by hooks at the first layer's input norm
+            and at the final norm, in the same call) is scaled to the full depth; what
+            every forward pays once (embedding, rope tables, mask, final norm, LM head,
+            acceptance) and the propose are timed as they are. ``measured`` keeps the
+            unscaled medians and their layer parts.
+
+    Returns:
+        a dict: times in seconds (``target_step_s``, ``round_s``, ``propose_s``),
+        ``round_over_step``, ``layers``, ``layers_timed``, ``scaled``, the measured
+        pieces of a scaled result (``measured``), ``experts_hit_per_moe_layer`` (distinct
+        experts in one verify, None without MoE) and ``projected_speedup``.
+
+    Raises:
+        DFlashError: an unknown shape name, a config its parser refuses, or a target of
+            which even one period of layers does not fit in this machine's memory.
+    """
+    cfg = target_config(shape)
+    L = cfg.num_hidden_layers
+    memory = device_memory(device)
+    budget = int(MEMORY_FRACTION * memory) if memory_budget is None else memory_budget
+    fixed, per_layer = weight_bytes(cfg, dtype, device)
+    n = layers_to_build(fixed, per_layer, pattern_period(cfg), budget)
+    need = fixed + sum(per_layer[:n])
+    if need > 0.8 * memory:
+        raise DFlashError(f"shape {shape if isinstance(shape, str) else cfg.model_type} needs {need / 2**30:.1f} GiB "
+                          f"for {n} of its {L} layers; {device} has {memory / 2**30:.1f} GiB")
+    target, drafter = build_pair(shape, dtype, device, draft_layers=draft_layers, block_size=block_size,
+                                 layers=n)
+    B = block_size
+    block = torch.randint(0, cfg.vocab_size - 2, (B,), generator=torch.Generator().manual_seed(0)).to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    more = L / n - 1  # the layers not built, in units of the built ones
+    clock = {"start": 0.0, "layers": 0.0}  # seconds in decoder layers and commits during the current call
+
+    def layers_start(*_):
+        sync()
+        clock["start"] = time.perf_counter()
+
+    def layers_stop(*_):
+        sync()
+        clock["layers"] += time.perf_counter() - clock["start"]
+
+    def timed(fn) -> tuple[float, float, float]:
+        """Medians over ``repeats`` calls of ``fn`` (after one warm-up) of its seconds, of
+        the part spent in decoder layers and commits, and of the first plus ``more`` times
+        the second: each call's own layer time scales it, so the scaling never subtracts
+        times measured in different calls."""
+        total, layers = [], []
         for _ in range(repeats + 1):
+            clock["layers"] = 0.0
             sync()
             t0 = time.perf_counter()
             fn()
             sync()
-            times.append(time.perf_counter() - t0)
-        times = sorted(times[1:])
-        return times[len(times) // 2]
+            total.append(time.perf_counter() - t0)
+            layers.append(clock["layers"])
+        total, layers = total[1:], layers[1:]
+        scaled = [t + more * lt for t, lt in zip(total, layers)]
+        return tuple(sorted(x)[len(x) // 2] for x in (total, layers, scaled))
 
-    base = SpeculativeDecoder(target, None, max_context=context + 64)
-    base.target_cache.reset(context + 64)
-    base._prefill(torch.tensor(prompt, device=device), context)
-    tok = torch.tensor(1, device=device)
-    step = median(lambda: base._verify_fn(tok.view(1), context, context + 1))
-
-    spec = SpeculativeDecoder(target, drafter, block_size=block_size, max_context=context + 64)
+    # The committed context is the caches' zero-filled first ``context`` positions (and a
+    # zero recurrent state): a forward's time does not depend on the values it reads,
+    # and a prefill, which would only fill them, takes minutes at large shapes on a CPU.
+    spec = SpeculativeDecoder(target, drafter, block_size=B, max_context=context + 64)
+    if n < L:  # feature layers of the full depth -> the built layer at the same place in the pattern
+        spec.feature_layers = [i % n for i in spec.feature_layers]
     spec.target_cache.reset(context + 64)
     spec.context.reset(context + 64)
-    spec._prefill(torch.tensor(prompt, device=device), context)
-    B = block_size
+    base = SpeculativeDecoder(target, None, max_context=context + 64)  # block size 1: verifies commit directly
+    base.target_cache = spec.target_cache
+    tok = block[:1]
+    # the layers run from the first layer's input norm to the final norm
+    hooks = [target.model.layers[0].input_layernorm.register_forward_pre_hook(layers_start),
+             target.model.norm.register_forward_pre_hook(layers_stop)] if n < L else []
+    step_measured, step_layers, step = timed(lambda: base._verify_fn(tok, context, context + 1))
 
     # the propose injects the previous verify's B feature rows (the fixed-shape worst
     # case); placed at the block's own positions, where the block's K/V overwrite them
     feats = [drafter.fc.weight.new_zeros(B, drafter.fc.in_features)]
 
-    def one_round():
-        draft = spec._draft_fn(tok, context, context + B, feats[0], context).argmax(-1)
-        logits, feats[0] = spec._verify_fn(torch.cat([tok.view(1), draft]), context, context + B)
-        logits.argmax(-1).tolist()
+    def verify_accept_commit():
+        logits, feats[0] = spec._verify_fn(block, context, context + B)
+        accepted, bonus = accept_greedy(block[1:], logits)
+        torch.cat([accepted.view(1), block[1:], bonus.view(1)]).tolist()  # the round's one host sync
+        if spec.defer_commit:  # hybrid target: the rollback of its recurrent layers
+            t0 = time.perf_counter()
+            spec._commit_fn(accepted + 1)
+            sync()
+            clock["layers"] += time.perf_counter() - t0
 
-    rnd = median(one_round)
-    propose = median(lambda: spec._draft_fn(tok, context, context + B, feats[0], context))
+    def one_round():
+        greedy_tokens(spec._draft_fn(tok[0], context, context + B, feats[0], context))
+        verify_accept_commit()
+
+    round_measured, round_layers, rnd = timed(one_round)
+    for h in hooks:
+        h.remove()
+    propose = timed(lambda: spec._draft_fn(tok[0], context, context + B, feats[0], context))[0]
+    hits = _experts_hit(target, verify_accept_commit)
+    measured = None
+    if n < L:
+        measured = {"target_step_s": step_measured, "target_step_layers_s": step_layers,
+                    "round_s": round_measured, "round_layers_and_commit_s": round_layers}
     result = {
-        "shape": shape, "dtype": str(dtype).removeprefix("torch."), "device": device, "context": context,
-        "block_size": B, "draft_layers": drafter.config.num_hidden_layers,
+        "shape": shape if isinstance(shape, str) else "custom", "model_type": cfg.model_type,
+        "dtype": str(dtype).removeprefix("torch."), "device": device, "context": context, "block_size": B,
+        "draft_layers": drafter.config.num_hidden_layers, "layers": L, "layers_timed": n, "scaled": n < L,
+        "weights_gib": (fixed + sum(per_layer)) / 2**30, "built_gib": need / 2**30,
         "target_step_s": step, "round_s": rnd, "propose_s": propose, "round_over_step": rnd / step,
+        "measured": measured, "experts_hit_per_moe_layer": hits,
+        "moe": None if cfg.moe is None else {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k},
         "projected_speedup": {k: tau * step / rnd for k, tau in PUBLISHED_TAU.items()},
     }
     del target, drafter, base, spec
