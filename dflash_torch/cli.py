@@ -39,8 +39,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def load_engine(args: argparse.Namespace):
     """A :class:`DFlashEngine` from the model options of ``args``."""
-    import torch
-
+    from . import compute
     from .engine import DFlashEngine
 
     if args.no_draft and args.draft:
@@ -48,7 +47,7 @@ def load_engine(args: argparse.Namespace):
     if args.threads is not None:
         if args.threads < 1:
             raise DFlashError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+        compute.set_num_threads(args.threads)
     return DFlashEngine.from_pretrained(
         args.target, args.draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, draft_mode=args.draft_mode, no_draft=args.no_draft,

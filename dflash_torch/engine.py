@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from . import compute
 from .checkpoint import load_config, resolve_dtype, resolve_model_dir
 from .decoding import SpeculativeDecoder
 from .errors import DFlashError
@@ -114,12 +115,17 @@ class DFlashEngine:
     One request runs at a time: a lock serialises threads, and a second request
     from the thread that holds an unfinished stream raises :class:`DFlashError`
     (it could never proceed). Each request starts from clean caches.
+
+    Any thread may call it: the torch work (loading, every decoding round) runs on the
+    process's one compute thread (:mod:`dflash_torch.compute`), so calls from several
+    threads never split torch across thread teams; tokenizing runs in the caller's thread.
     """
 
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
                  block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash", **decoder_options):
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
-        self.decoder = SpeculativeDecoder(target, drafter, block_size=block_size, draft_mode=draft_mode, **decoder_options)
+        self.decoder = compute.run(SpeculativeDecoder, target, drafter, block_size=block_size, draft_mode=draft_mode,
+                                   **decoder_options)
         self.lock = threading.Lock()
         self._owner: int | None = None  # thread id of the open stream, if any
         self.stop_token_ids = set(target.config.eos_token_ids)
@@ -166,6 +172,14 @@ class DFlashEngine:
             DFlashError: missing files, incompatible pair, bad dtype/device/block size,
                 ``compile=True`` with ``draft_mode="recompute"`` (its shapes grow every round).
         """
+        # the weights are read, converted and packed on the compute thread, like every round
+        return compute.run(cls._load, target, draft, dtype=dtype, device=device, block_size=block_size,
+                           draft_mode=draft_mode, no_draft=no_draft, compile=compile, pack=pack, static=static,
+                           max_context=max_context)
+
+    @classmethod
+    def _load(cls, target, draft, *, dtype, device, block_size, draft_mode, no_draft, compile, pack, static,
+              max_context) -> "DFlashEngine":
         torch_dtype = resolve_dtype(dtype)
         try:
             dev = torch.device(device)
@@ -315,9 +329,14 @@ class DFlashEngine:
                               "consume it to the end or close() it before starting a new request")
         with self.lock:  # other threads wait their turn
             self._owner = threading.get_ident()
+            # every round runs on the compute thread (see dflash_torch.compute), whichever
+            # thread iterates this stream
+            chunks = self._stream(prompt_ids, params, max_new_tokens, stops, stop_ids)
             try:
-                yield from self._stream(prompt_ids, params, max_new_tokens, stops, stop_ids)
+                while (chunk := compute.run(next, chunks, None)) is not None:
+                    yield chunk
             finally:
+                compute.run(chunks.close)
                 self._owner = None
 
     def _stream(self, prompt_ids, params, max_new_tokens, stops, stop_ids) -> Iterator[StreamChunk]:

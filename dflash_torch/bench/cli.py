@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .. import compute
 from ..errors import DFlashError
 
 
@@ -117,14 +118,11 @@ def _plots(report: dict, out: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import resolve_dtype
-    from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
-    from .modes import ALL_MODES, divergences, load_prompts, run_modes
-    from .shapes import SHAPES, build_drafter, round_vs_step
-    from .sweep import context_sweep
+    from .modes import ALL_MODES
+    from .shapes import SHAPES
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        compute.set_num_threads(args.threads)
     if args.max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.num_prompts < 0:
@@ -159,6 +157,18 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DFlashError(f"cannot use --out {out} as the output directory: {e.strerror}") from None
+    # all torch work on the engine's compute thread: one OpenMP thread team (see dflash_torch.compute)
+    return compute.run(_bench, args, out, modes, shapes, sweep_shapes, lengths)
+
+
+def _bench(args: argparse.Namespace, out: Path, modes: list[str], shapes: list[str], sweep_shapes: list[str],
+           lengths: list[int]) -> int:
+    from ..checkpoint import resolve_dtype
+    from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
+    from .modes import ALL_MODES, divergences, load_prompts, run_modes
+    from .shapes import build_drafter, round_vs_step
+    from .sweep import context_sweep
+
     engine = DFlashEngine.from_pretrained(args.target, args.draft, dtype=args.dtype, device=args.device,
                                           block_size=args.block_size)
     prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl", args.num_prompts or None)

@@ -1,0 +1,98 @@
+"""The process's one torch compute thread.
+
+The torch CPU wheel runs its parallel ops with GNU OpenMP (libgomp), which gives every
+thread that runs a parallel op its own team of worker threads, kept until that thread
+exits. libgomp counts the threads of all teams; once they outnumber the cores (two
+Python threads that each ran torch ops with 2 threads, on 2 cores), every team's
+threads stop spinning between parallel regions ("throttled" spin) and sleep instead,
+so each op pays a futex wake-up. On a 2-core CPU a 16x256 @ 256x768 linear takes about
+80 us when one thread owns a team and about 200 us on either thread once two do.
+
+So all of the engine's torch work (loading, warm-up, every decoding round) runs on one
+thread per process, whichever thread calls the engine: :func:`run` hands a function to
+it and returns its result. Tokenizing and stop handling stay wherever they are called.
+Code that mixes its own torch work with an engine's in one process should run it
+through :func:`run` too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_tasks: queue.SimpleQueue = queue.SimpleQueue()
+_closed = False
+
+
+def _loop() -> None:
+    while True:
+        item = _tasks.get()
+        if item is None:
+            return
+        fn, args, kwargs, future = item
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # handed to the caller, which re-raises it
+            future.set_exception(exc)
+        del item, fn, args, kwargs, future  # no reference to the task outlives it
+
+
+def _start() -> threading.Thread | None:
+    global _thread
+    with _lock:
+        if _thread is None and not _closed:
+            _thread = threading.Thread(target=_loop, name="dflash-compute", daemon=True)
+            _thread.start()
+        return _thread
+
+
+@atexit.register
+def _stop() -> None:
+    """At exit (after every non-daemon thread ended): later calls run inline."""
+    global _closed
+    with _lock:
+        _closed = True
+        if _thread is not None:
+            _tasks.put(None)
+
+
+def on_compute_thread() -> bool:
+    """Whether the calling thread is the compute thread."""
+    return _thread is not None and threading.current_thread() is _thread
+
+
+def run(fn: Callable[..., T], *args, **kwargs) -> T:
+    """Call ``fn(*args, **kwargs)`` on the compute thread and return its result.
+
+    Calls run one at a time in arrival order; a call made on the compute thread itself
+    (or after interpreter shutdown began) runs inline. An exception raised by ``fn`` is
+    raised here. An interrupted caller (Ctrl-C) does not stop a call already running.
+    """
+    thread = _thread or _start()
+    future: Future = Future()
+    with _lock:  # (a task queued after _stop's sentinel would never run)
+        inline = _closed or threading.current_thread() is thread
+        if not inline:
+            _tasks.put((fn, args, kwargs, future))
+    if inline:
+        return fn(*args, **kwargs)
+    try:
+        return future.result()
+    finally:
+        del future  # a raised exception's traceback would keep the result alive
+
+
+def set_num_threads(n: int) -> None:
+    """``torch.set_num_threads(n)`` for the compute thread (and torch's default for new threads)."""
+    run(torch.set_num_threads, n)

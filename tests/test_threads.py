@@ -1,0 +1,52 @@
+"""All of an engine's torch work runs on one thread, whichever threads call it.
+
+(torch's OpenMP runtime gives every thread that runs parallel ops its own thread team;
+two teams on the same cores slow every op of both: see dflash_torch/compute.py.) The
+threads are observed with torch's own global module hooks: the thread that registers
+the models' parameters (loading) and the thread of every forward pass (warm-up and
+decoding)."""
+
+from __future__ import annotations
+
+import threading
+
+from torch.nn.modules.module import register_module_forward_pre_hook, register_module_parameter_registration_hook
+
+from dflash_torch import DFlashEngine
+
+PROMPT = "def f(x):"
+
+
+def _in_thread(fn):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(value=fn()))
+    t.start()
+    t.join(120)
+    assert not t.is_alive()
+    return out["value"]
+
+
+def test_loading_warmup_and_every_round_run_on_one_thread_whoever_calls(tiny_pair):
+    seen: dict[str, set[int]] = {"load": set(), "forward": set()}
+    hooks = [
+        register_module_parameter_registration_hook(lambda m, name, p: seen["load"].add(threading.get_ident())),
+        register_module_forward_pre_hook(lambda m, args: seen["forward"].add(threading.get_ident())),
+    ]
+    try:
+        engine = DFlashEngine.from_pretrained(*tiny_pair)  # from this thread
+        engine.warmup(max_new_tokens=4)
+        ref = engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True)
+        from_thread = _in_thread(lambda: engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True))
+        # a stream opened here and finished in another thread
+        stream = engine.stream(PROMPT, max_new_tokens=12, ignore_eos=True)
+        first = next(stream)
+        rest = _in_thread(lambda: list(stream))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert from_thread.token_ids == ref.token_ids
+    assert first.token_ids + [t for c in rest for t in c.token_ids] == ref.token_ids
+    assert seen["load"] and seen["forward"]
+    assert seen["load"] == seen["forward"], seen  # decoding runs where the weights were loaded
+    assert len(seen["forward"]) == 1 and threading.get_ident() not in seen["forward"], seen
+
