@@ -25,6 +25,8 @@ from typing import Callable, TypeVar
 
 import torch
 
+from .options import check_threads
+
 T = TypeVar("T")
 
 _lock = threading.Lock()
@@ -93,6 +95,10 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
         del future  # a raised exception's traceback would keep the result alive
 
 
-def set_num_threads(n: int) -> None:
-    """``torch.set_num_threads(n)`` for the compute thread (and torch's default for new threads)."""
-    run(torch.set_num_threads, n)
+def set_num_threads(n: int, name: str = "threads") -> None:
+    """``torch.set_num_threads(n)`` for the compute thread (and torch's default for new threads).
+
+    Raises:
+        DFlashError: ``n`` is not an integer >= 1 (``name`` is the option's name in the message).
+    """
+    run(torch.set_num_threads, check_threads(n, name))

@@ -22,8 +22,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import compute
-from .checkpoint import load_config, resolve_dtype, resolve_model_dir
+from . import compute, options
+from .checkpoint import load_config, resolve_model_dir
 from .decoding import SpeculativeDecoder
 from .errors import DFlashError
 from .models.config import DrafterConfig, TargetConfig, validate_pair
@@ -97,18 +97,6 @@ class StreamChunk:
     stats: GenerationStats | None = None
 
 
-def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise DFlashError("stop must be a string or a list of strings")
-    if any(s == "" for s in stop):
-        raise DFlashError("stop strings must not be empty")
-    return list(stop)
-
-
 class DFlashEngine:
     """A loaded target (+ optional DFlash drafter) and its tokenizer.
 
@@ -172,36 +160,31 @@ class DFlashEngine:
             DFlashError: missing files, incompatible pair, bad dtype/device/block size,
                 ``compile=True`` with ``draft_mode="recompute"`` (its shapes grow every round).
         """
-        # the weights are read, converted and packed on the compute thread, like every round
-        return compute.run(cls._load, target, draft, dtype=dtype, device=device, block_size=block_size,
-                           draft_mode=draft_mode, no_draft=no_draft, compile=compile, pack=pack, static=static,
-                           max_context=max_context)
-
-    @classmethod
-    def _load(cls, target, draft, *, dtype, device, block_size, draft_mode, no_draft, compile, pack, static,
-              max_context) -> "DFlashEngine":
-        torch_dtype = resolve_dtype(dtype)
-        try:
-            dev = torch.device(device)
-        except RuntimeError:
-            raise DFlashError(f"invalid device {device!r}") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise DFlashError(f"device {device!r} requested but CUDA is not available")
-        if dev.type not in ("cpu", "cuda"):
-            raise DFlashError(f"unsupported device {device!r}; use cpu or cuda")
+        torch_dtype, dev = options.resolve_dtype(dtype), options.resolve_device(device)
         if target is None:
             target = DEFAULT_TARGET
             if draft is None and not no_draft:
                 draft = DEFAULT_DRAFTER
         target_dir = resolve_model_dir(target)
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
-        drafter = None
+        draft_dir, draft_cfg = None, None
         if not no_draft:
             if draft is None:
                 raise DFlashError("no drafter given: pass --draft DIR (or --no-draft for target-only decoding)")
             draft_dir = resolve_model_dir(draft)
-            validate_pair(target_cfg, DrafterConfig.from_dict(load_config(draft_dir)))
-            drafter = DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
+            draft_cfg = DrafterConfig.from_dict(load_config(draft_dir))
+            validate_pair(target_cfg, draft_cfg)
+        options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
+        options.check_max_context(max_context, target_cfg.max_position_embeddings)
+        # the weights are read, converted and packed on the compute thread, like every round
+        return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, pack=pack,
+                           block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
+                           max_context=max_context)
+
+    @classmethod
+    def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
+              dev: torch.device, *, pack: bool, **engine_options) -> "DFlashEngine":
+        drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev)
         if pack and packing_supported(torch_dtype, dev):
             pack_linears(model)
@@ -210,8 +193,7 @@ class DFlashEngine:
         tokenizer = _load_tokenizer(target_dir)
         if len(tokenizer) > target_cfg.vocab_size:
             raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {target_cfg.vocab_size}")
-        engine = cls(model, tokenizer, drafter, block_size=block_size, draft_mode=draft_mode, name=Path(str(target)).name,
-                     compile=compile, static=static, max_context=max_context)
+        engine = cls(model, tokenizer, drafter, name=Path(str(target)).name, **engine_options)
         gen_cfg = target_dir / "generation_config.json"
         if gen_cfg.is_file():
             eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
@@ -230,13 +212,16 @@ class DFlashEngine:
     def warmup(self, max_new_tokens: int = 32) -> float:
         """Run one short greedy generation so that a compiled engine builds its graphs
         for the first length bucket (256 keys) now rather than in the first request.
+        Prompt (up to 8 tokens) and generation (up to ``max_new_tokens``) are cut to fit
+        ``max_context``.
 
         Returns:
             seconds it took.
         """
+        options.check_max_new_tokens(max_new_tokens)
         t0 = time.perf_counter()
-        prompt = [getattr(self.tokenizer, "eos_token_id", None) or 0] * 8
-        self.generate(prompt, max_new_tokens=min(max_new_tokens, max(1, self.max_context - len(prompt))), ignore_eos=True)
+        prompt = [getattr(self.tokenizer, "eos_token_id", None) or 0] * min(8, self.max_context - 1)
+        self.generate(prompt, max_new_tokens=min(max_new_tokens, self.max_context - len(prompt)), ignore_eos=True)
         return time.perf_counter() - t0
 
     def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = False) -> list[int]:
@@ -293,7 +278,7 @@ class DFlashEngine:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
+        stop_token_ids: int | Sequence[int] | None = None,
         ignore_eos: bool = False,
         chat: bool = False,
     ) -> Iterator[StreamChunk]:
@@ -304,7 +289,8 @@ class DFlashEngine:
             max_new_tokens: at most this many generated tokens (>= 1).
             temperature, top_k, top_p, seed: see :class:`SamplingParams`.
             stop: stop string(s): output ends before the first occurrence.
-            stop_token_ids: extra stop token ids (EOS ids are included unless ``ignore_eos``).
+            stop_token_ids: an extra stop token id or a list of them, in [0, vocab size)
+                (EOS ids are included unless ``ignore_eos``).
             ignore_eos: do not stop at the model's EOS tokens.
             chat: apply the tokenizer's chat template to a text prompt.
 
@@ -315,14 +301,10 @@ class DFlashEngine:
             DFlashError: invalid parameters or a prompt that does not fit the context.
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise DFlashError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        stops = _stop_strings(stop)
+        options.check_max_new_tokens(max_new_tokens)
+        stops = options.check_stop(stop)
         stop_ids = set() if ignore_eos else set(self.stop_token_ids)
-        for t in stop_token_ids or ():
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise DFlashError(f"stop token ids must be integers, got {t!r}")
-            stop_ids.add(t)
+        stop_ids.update(options.check_stop_token_ids(stop_token_ids, self.target.config.vocab_size))
         prompt_ids = self.encode_prompt(prompt, chat)
         if self._owner == threading.get_ident():
             raise DFlashError("another stream of this engine is still open in this thread; "

@@ -70,8 +70,9 @@ def server(tiny_pair, tmp_path_factory):
     with open(log, "w") as fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target), "--draft", str(drafter),
-             "--port", str(port), "--api-key", API_KEY, "--model-name", MODEL, "--log-level", "warning"],
-            stdout=fh, stderr=subprocess.STDOUT, env=_env())
+             "--port", str(port), "--model-name", MODEL, "--log-level", "warning"],
+            # the key as read from a file, with its newline: clients send it without
+            stdout=fh, stderr=subprocess.STDOUT, env={**_env(), "DFLASH_API_KEY": API_KEY + "\n"})
     # The CLI reference runs while the server loads (both mostly import torch).
     cli = subprocess.Popen(
         [sys.executable, "-m", "dflash_torch.cli", "generate", "--target", str(target), "--draft", str(drafter),

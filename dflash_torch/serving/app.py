@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import DFlashError
+from ..options import check_api_key
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error, unsupported_field
 from .worker import EngineWorker, Event, GenerationJob
@@ -95,9 +96,13 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     Args:
         engine: a loaded :class:`~dflash_torch.engine.DFlashEngine`.
         api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``
-            (``/health`` and ``/metrics`` stay open).
+            (``/health`` and ``/metrics`` stay open); surrounding whitespace is dropped.
+
+    Raises:
+        DFlashError: an empty API key or one that is not printable ASCII.
         model_name: the model id clients must use (default: ``engine.name``).
     """
+    api_key = check_api_key(api_key)
     model_id = model_name or engine.name
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
     worker = EngineWorker(engine, metrics)
