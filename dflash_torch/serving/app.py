@@ -206,7 +206,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     async def run(request: Request, req, prompt, chat: bool, default_max_tokens: int | None, kind: str):
         loop = asyncio.get_running_loop()
         job = GenerationJob(prompt=prompt, chat=chat, max_tokens=req.requested_max_tokens(),
-                            default_max_tokens=default_max_tokens, kwargs=req.sampling_kwargs(), loop=loop)
+                            default_max_tokens=default_max_tokens, kwargs=req.sampling_kwargs(), loop=loop,
+                            stream=bool(req.stream))
         worker.submit(job)
         try:
             ev = await next_event(job, request)  # waits in the queue, then for prefill

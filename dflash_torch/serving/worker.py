@@ -2,9 +2,11 @@
 
 The engine is synchronous and runs one sequence at a time, so every generation runs
 as one job on a single-thread executor: jobs wait their turn in the executor's FIFO
-queue, and all tokenizer and model work happens on that one thread. A job encodes
-the prompt, checks it against the context, and pulls chunks from
-:meth:`DFlashEngine.stream`, handing each one to the request's asyncio queue. A
+queue (the engine runs each round on its compute thread, see :mod:`dflash_torch.compute`).
+A job encodes the prompt, checks it against the context, and pulls chunks from
+:meth:`DFlashEngine.stream`, handing each one to the request's asyncio queue (a
+request that does not stream gets its whole output in one event: the event loop wakes
+once, not once per round, and leaves the cores to the decoding). A
 request that goes away sets the job's ``cancelled`` event: a waiting job is skipped,
 a running one closes the engine's generator after the current round, which frees the
 engine for the next job.
@@ -19,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..engine import StreamChunk
 from ..errors import DFlashError
 from .metrics import ServerMetrics
 
@@ -65,6 +68,7 @@ class GenerationJob:
     default_max_tokens: int | None     # None: the whole remaining context
     kwargs: dict                       # sampling / stop arguments of engine.stream
     loop: asyncio.AbstractEventLoop
+    stream: bool = True                # False: one chunk event with the whole output
     arrived: float = field(default_factory=time.perf_counter)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -135,6 +139,7 @@ class EngineWorker:
             raise ParamError(f"max_tokens ({max_tokens}) + the prompt ({len(ids)} tokens) exceed the model's "
                              f"context of {engine.max_context} tokens; use at most {room}", "max_tokens")
         gen = engine.stream(ids, max_new_tokens=max_tokens, **job.kwargs)
+        text, token_ids = [], []  # a non-streamed request's output so far
         try:
             first, ttft_seen = True, False
             for chunk in gen:
@@ -149,7 +154,13 @@ class EngineWorker:
                 if chunk.token_ids and not ttft_seen:
                     ttft_seen = True
                     self.metrics.ttft.observe(time.perf_counter() - job.arrived)
-                job.put("chunk", chunk)
+                if job.stream:
+                    job.put("chunk", chunk)
+                else:  # one event (one wake-up of the event loop) for the whole output
+                    text.append(chunk.text)
+                    token_ids += chunk.token_ids
+                    if chunk.finish_reason is not None:
+                        job.put("chunk", StreamChunk("".join(text), token_ids, chunk.finish_reason, chunk.stats))
                 if job.cancelled.is_set() and chunk.finish_reason is None:
                     self.metrics.cancelled.inc()
                     break
