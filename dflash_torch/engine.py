@@ -107,6 +107,9 @@ class DFlashEngine:
     Any thread may call it: the torch work (loading, every decoding round) runs on the
     process's one compute thread (:mod:`dflash_torch.compute`), so calls from several
     threads never split torch across thread teams; tokenizing runs in the caller's thread.
+
+    ``max_prompt_chars``: the longest text prompt (characters) that could fit
+    ``max_context`` tokens; a longer one is refused without being tokenized.
     """
 
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
@@ -114,6 +117,7 @@ class DFlashEngine:
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
         self.decoder = compute.run(SpeculativeDecoder, target, drafter, block_size=block_size, draft_mode=draft_mode,
                                    **decoder_options)
+        self.max_prompt_chars = _max_prompt_chars(tokenizer, self.max_context)
         self.lock = threading.Lock()
         self._owner: int | None = None  # thread id of the open stream, if any
         self.stop_token_ids = set(target.config.eos_token_ids)
@@ -227,8 +231,12 @@ class DFlashEngine:
     def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = False) -> list[int]:
         """Token ids of a prompt: text, chat messages (``[{"role", "content"}]``) or ids.
 
+        A text (or messages' contents) longer than :attr:`max_prompt_chars` characters
+        cannot fit the context and is refused before it is tokenized.
+
         Raises:
-            DFlashError: ``chat`` without a tokenizer chat template, or a malformed prompt.
+            DFlashError: ``chat`` without a tokenizer chat template, a malformed prompt, or
+                one longer than ``max_prompt_chars``.
         """
         if isinstance(prompt, list) and not prompt:
             raise DFlashError("the prompt is empty (no tokens or messages)")
@@ -242,11 +250,18 @@ class DFlashEngine:
                 raise DFlashError("chat messages must be a list of {'role': str, 'content': str}")
             if not getattr(self.tokenizer, "chat_template", None):
                 raise DFlashError("this tokenizer has no chat template; drop --chat")
+            self._check_length(sum(len(m["content"]) for m in messages))
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return self._encode(text, add_special_tokens=False)
         if not isinstance(prompt, str):
             raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages")
+        self._check_length(len(prompt))
         return self._encode(prompt)
+
+    def _check_length(self, chars: int) -> None:
+        if chars > self.max_prompt_chars:
+            raise DFlashError(f"the prompt has {chars} characters: more than the context of {self.max_context} tokens "
+                              f"can hold (at most {self.max_prompt_chars} characters with this tokenizer)")
 
     def _encode(self, text: str, **kwargs) -> list[int]:
         try:
@@ -384,6 +399,24 @@ class DFlashEngine:
         stats.acceptance_histogram = dict(sorted(Counter(taus).items()))
         if stats.decode_time > 0:
             stats.decode_tokens_per_second = (stats.generated_tokens - 1) / stats.decode_time
+
+
+NORMALIZATION_SHRINK = 4  # Unicode normalization (NFC, NFKC) composes at most 4 code points into one
+
+
+def _max_prompt_chars(tokenizer, max_context: int) -> int:
+    """Characters beyond which a text cannot fit ``max_context`` tokens.
+
+    No token stands for more input characters than the length of its string in the
+    vocabulary (byte-level BPE spells a token with one character per byte: bytes >=
+    characters), so a text of more than ``max_context * L`` characters, L the longest
+    token string, has more than ``max_context`` tokens. A tokenizer that normalizes its
+    input first may compose characters (NFC: up to 4 into 1), hence the margin then.
+    """
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    shrink = 1 if backend is not None and backend.normalizer is None else NORMALIZATION_SHRINK
+    return max_context * longest * shrink
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

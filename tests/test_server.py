@@ -81,19 +81,8 @@ def server(tiny_pair, tmp_path_factory):
     base = f"http://127.0.0.1:{port}"
     srv = Server(base, proc, log)
     srv.cli = cli
-    deadline = time.time() + 180
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"the server did not come up:\n{log.read_text()}")
-            time.sleep(0.2)
+        _wait_until_up(proc, base, log)
         yield srv
     finally:
         proc.terminate()
@@ -333,6 +322,37 @@ def test_bad_input_streaming_is_a_4xx_not_a_broken_stream(server):
     assert r.status_code == 400
 
 
+def test_oversized_prompts_are_refused_before_tokenizing_and_others_are_served(server, local_engine):
+    """A prompt that cannot fit the context is refused from its length in characters
+    (the body from its size), before any tokenizing, while another client is served."""
+    c = server.client()
+    big = "def f(x):\n    return x\n" * 10_000  # 230 kB: more characters than 1024 tokens can cover
+    huge = big * 30  # 7 MB: over the body limit
+    outcome = {}
+
+    def small():
+        outcome["small"] = c.completions.create(prompt=PROMPT, max_tokens=8, **_greedy())
+
+    t = threading.Thread(target=small)
+    t.start()
+    r_huge = server.post("/v1/completions", {"prompt": huge, "max_tokens": 4})
+    r_big = server.post("/v1/completions", {"prompt": big, "max_tokens": 4})
+    r_chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]})
+    t.join(120)
+    err = _assert_openai_error(r_huge, 413)
+    assert err["code"] == "request_too_large" and "bytes" in err["message"], err
+    for r in (r_big, r_chat):
+        err = _assert_openai_error(r, 400)
+        assert err["param"] == "prompt" and f"{len(big)} characters" in err["message"], err
+    assert outcome["small"].usage.completion_tokens == 8
+    # the bound is safe: a prompt just under it is tokenized, and refused by its token count
+    limit = local_engine.max_prompt_chars
+    assert limit == 1024 * max(map(len, local_engine.tokenizer.get_vocab()))
+    r = server.post("/v1/completions", {"prompt": "x" * limit, "max_tokens": 4})
+    err = _assert_openai_error(r, 400)
+    assert "tokens" in err["message"] and "characters" not in err["message"], err
+
+
 def test_auth_and_routes(server):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     for key in (None, "sk-wrong"):
@@ -456,6 +476,27 @@ def test_serve_refuses_a_busy_port_before_loading_models(capsys):
         assert cli_main(["serve", "--port", str(port), "--target", "/nonexistent"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot listen on 127.0.0.1" in err[0], err
+
+
+def _wait_until_up(proc: subprocess.Popen, base: str, log: Path, timeout_s: float = 180) -> None:
+    deadline = time.time() + timeout_s
+    while True:
+        assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{log.read_text()}"
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, f"the server did not come up:\n{log.read_text()}"
+        time.sleep(0.2)
+
+
+def _assert_openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and "\n" not in err["message"], err
+    return err
 
 
 def test_sigint_during_a_stream_ends_it_cleanly(tmp_path):

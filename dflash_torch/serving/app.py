@@ -4,10 +4,13 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
 
 Generation runs on one worker thread (see :mod:`.worker`); requests queue in front of
-it in arrival order. Errors use OpenAI's shape
+it in arrival order, once their prompt is tokenized and fits the context (tokenizing
+runs in a thread of its own, so it holds neither the engine nor the event loop). A
+prompt longer than the engine's ``max_prompt_chars`` cannot fit and is refused untokenized,
+a body larger than 12 bytes per such character + 1 MiB is dropped as it arrives. Errors use OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for any invalid or
 unsupported input, 401 for a missing or wrong API key, 404 for an unknown model or
-route; a 500 means a server bug.
+route, 413 for a body over that limit; a 500 means a server bug.
 
 Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
 completions and the rest of the context for chat. Extensions: ``top_k``,
@@ -34,7 +37,7 @@ from ..errors import DFlashError
 from ..options import check_api_key
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error, unsupported_field
-from .worker import EngineWorker, Event, GenerationJob
+from .worker import EngineWorker, Event, GenerationJob, fit_max_tokens, param_of
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5
@@ -107,6 +110,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
     worker = EngineWorker(engine, metrics)
     created = int(time.time())
+    # no prompt longer than max_prompt_chars characters fits the context, and JSON spells a
+    # character in at most 12 bytes (an escaped surrogate pair); 1 MiB for everything else
+    max_body = 12 * engine.max_prompt_chars + 2**20
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -154,8 +160,22 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
+    async def read_body(request: Request) -> bytes:
+        """The body, unless it is larger than ``max_body``: then the rest is read and dropped
+        (a client still sending would get a reset instead of the answer) and it is a 413."""
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= max_body:
+                chunks.append(chunk)
+        if size > max_body:
+            raise APIError(413, f"the request body ({size} bytes) is larger than this server accepts ({max_body} bytes: "
+                                f"no longer prompt fits the model's context of {engine.max_context} tokens)",
+                           code="request_too_large")
+        return b"".join(chunks)
+
     async def parse(request: Request, schema):
-        body = await request.body()
+        body = await read_body(request)
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -204,10 +224,14 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise APIError(500, f"generation failed: {ev.value}", type="server_error")
 
     async def run(request: Request, req, prompt, chat: bool, default_max_tokens: int | None, kind: str):
-        loop = asyncio.get_running_loop()
-        job = GenerationJob(prompt=prompt, chat=chat, max_tokens=req.requested_max_tokens(),
-                            default_max_tokens=default_max_tokens, kwargs=req.sampling_kwargs(), loop=loop,
-                            stream=bool(req.stream))
+        arrived = time.perf_counter()
+        try:  # in a thread, before the job queues for the engine: a long prompt holds neither
+            ids = await asyncio.to_thread(engine.encode_prompt, prompt, chat)
+            max_new_tokens = fit_max_tokens(engine, len(ids), req.requested_max_tokens(), default_max_tokens)
+        except DFlashError as exc:
+            raise APIError(400, str(exc), param=param_of(exc)) from None
+        job = GenerationJob(prompt_ids=ids, max_new_tokens=max_new_tokens, kwargs=req.sampling_kwargs(),
+                            loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived)
         worker.submit(job)
         try:
             ev = await next_event(job, request)  # waits in the queue, then for prefill

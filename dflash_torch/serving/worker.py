@@ -3,10 +3,11 @@
 The engine is synchronous and runs one sequence at a time, so every generation runs
 as one job on a single-thread executor: jobs wait their turn in the executor's FIFO
 queue (the engine runs each round on its compute thread, see :mod:`dflash_torch.compute`).
-A job encodes the prompt, checks it against the context, and pulls chunks from
-:meth:`DFlashEngine.stream`, handing each one to the request's asyncio queue (a
-request that does not stream gets its whole output in one event: the event loop wakes
-once, not once per round, and leaves the cores to the decoding). A
+A job arrives tokenized and checked against the context (:func:`fit_max_tokens`: the
+app does both before it queues the job, so a long prompt never holds the engine) and
+pulls chunks from :meth:`DFlashEngine.stream`, handing each one to the request's
+asyncio queue (a request that does not stream gets its whole output in one event: the
+event loop wakes once, not once per round, and leaves the cores to the decoding). A
 request that goes away sets the job's ``cancelled`` event: a waiting job is skipped,
 a running one closes the engine's generator after the current round, which frees the
 engine for the next job.
@@ -60,12 +61,31 @@ class Event:
     value: object = None
 
 
+def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: int | None) -> int:
+    """Tokens to generate for a prompt of ``prompt_tokens``: ``requested``, else ``default``
+    cut to the context, else the whole rest of the context.
+
+    Raises:
+        ParamError: an empty prompt, or a prompt (+ ``requested``) that does not fit.
+    """
+    if prompt_tokens == 0:  # (engine.stream([]) would read [] as an empty chat conversation)
+        raise ParamError("the prompt is empty (0 tokens)", "prompt")
+    room = engine.max_context - prompt_tokens
+    if room < 1:
+        raise ParamError(f"the prompt ({prompt_tokens} tokens) does not fit the model's context of "
+                         f"{engine.max_context} tokens (at least one token must be generated)", "prompt")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise ParamError(f"max_tokens ({requested}) + the prompt ({prompt_tokens} tokens) exceed the model's "
+                         f"context of {engine.max_context} tokens; use at most {room}", "max_tokens")
+    return requested
+
+
 @dataclass(eq=False)
 class GenerationJob:
-    prompt: object                     # text, chat messages or token ids
-    chat: bool
-    max_tokens: int | None             # None: default_max_tokens, clamped to the context
-    default_max_tokens: int | None     # None: the whole remaining context
+    prompt_ids: list[int]
+    max_new_tokens: int
     kwargs: dict                       # sampling / stop arguments of engine.stream
     loop: asyncio.AbstractEventLoop
     stream: bool = True                # False: one chunk event with the whole output
@@ -124,21 +144,8 @@ class EngineWorker:
             job.put("done")
 
     def _generate(self, job: GenerationJob) -> None:
-        engine = self.engine
-        ids = engine.encode_prompt(job.prompt, job.chat)
-        if not ids:  # (engine.stream([]) would read [] as an empty chat conversation)
-            raise ParamError("the prompt is empty (0 tokens)", "prompt")
-        room = engine.max_context - len(ids)
-        if room < 1:
-            raise ParamError(f"the prompt ({len(ids)} tokens) does not fit the model's context of "
-                             f"{engine.max_context} tokens (at least one token must be generated)", "prompt")
-        max_tokens = job.max_tokens
-        if max_tokens is None:
-            max_tokens = room if job.default_max_tokens is None else min(job.default_max_tokens, room)
-        elif max_tokens > room:
-            raise ParamError(f"max_tokens ({max_tokens}) + the prompt ({len(ids)} tokens) exceed the model's "
-                             f"context of {engine.max_context} tokens; use at most {room}", "max_tokens")
-        gen = engine.stream(ids, max_new_tokens=max_tokens, **job.kwargs)
+        ids = job.prompt_ids
+        gen = self.engine.stream(ids, max_new_tokens=job.max_new_tokens, **job.kwargs)
         text, token_ids = [], []  # a non-streamed request's output so far
         try:
             first, ttft_seen = True, False
