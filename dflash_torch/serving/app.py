@@ -32,12 +32,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import DFlashError
 from ..options import check_api_key
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error, unsupported_field
-from .worker import EngineWorker, Event, GenerationJob, fit_max_tokens, param_of
+from .worker import EngineWorker, Event, GenerationJob, ShuttingDown, fit_max_tokens, param_of
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5
@@ -49,6 +50,15 @@ class APIError(Exception):
                  type: str = "invalid_request_error"):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry the request later", type="server_error",
+                    code="server_shutting_down")
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
@@ -128,6 +138,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     async def _api_error(request: Request, exc: APIError):
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)  # (nginx's "client closed request"; only the metrics see it)
+
     @app.exception_handler(DFlashError)
     async def _dflash_error(request: Request, exc: DFlashError):
         return error_response(400, str(exc))
@@ -164,10 +178,13 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         """The body, unless it is larger than ``max_body``: then the rest is read and dropped
         (a client still sending would get a reset instead of the answer) and it is a 413."""
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size <= max_body:
-                chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size <= max_body:
+                    chunks.append(chunk)
+        except ClientDisconnect:  # it left while sending: nobody to answer
+            raise ClientGone() from None
         if size > max_body:
             raise APIError(413, f"the request body ({size} bytes) is larger than this server accepts ({max_body} bytes: "
                                 f"no longer prompt fits the model's context of {engine.max_context} tokens)",
@@ -216,12 +233,20 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             except asyncio.TimeoutError:
                 continue
 
-    def raise_job_error(ev: Event) -> None:
+    def job_error(ev: Event) -> APIError | None:
+        """The error a job's ``error`` / ``fatal`` / ``unavailable`` event stands for."""
         if ev.kind == "error":
             message, param = ev.value
-            raise APIError(400, message, param=param)
+            return APIError(400, message, param=param)
         if ev.kind == "fatal":
-            raise APIError(500, f"generation failed: {ev.value}", type="server_error")
+            return APIError(500, f"generation failed: {ev.value}", type="server_error")
+        if ev.kind == "unavailable":
+            return shutting_down()
+        return None
+
+    def raise_job_error(ev: Event) -> None:
+        if (err := job_error(ev)) is not None:
+            raise err
 
     async def run(request: Request, req, prompt, chat: bool, default_max_tokens: int | None, kind: str):
         arrived = time.perf_counter()
@@ -232,7 +257,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise APIError(400, str(exc), param=param_of(exc)) from None
         job = GenerationJob(prompt_ids=ids, max_new_tokens=max_new_tokens, kwargs=req.sampling_kwargs(),
                             loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived)
-        worker.submit(job)
+        try:
+            worker.submit(job)
+        except ShuttingDown:
+            raise shutting_down() from None
         try:
             ev = await next_event(job, request)  # waits in the queue, then for prefill
             if ev is None:
@@ -308,11 +336,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             ev = await job.queue.get()
             if ev.kind == "done":
                 break
-            if ev.kind == "error":
-                yield _sse(error_body(ev.value[0], param=ev.value[1]))
-                return
-            if ev.kind == "fatal":
-                yield _sse(error_body(f"generation failed: {ev.value}", "server_error"))
+            if (err := job_error(ev)) is not None:  # the status is sent: an error event, then the end
+                yield _sse(error_body(err.message, err.type, err.param, err.code))
+                yield "data: [DONE]\n\n"
                 return
             chunk = ev.value
             n_tokens += len(chunk.token_ids)

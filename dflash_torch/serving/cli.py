@@ -49,7 +49,17 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(engine, api_key=api_key, model_name=args.model_name)
     print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "
           f"(block size {engine.block_size}, context {engine.max_context})", flush=True)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # Ctrl-C / SIGTERM: end the generations first (a queued request gets a 503, a stream an
+            # error event and [DONE], a running round finishes) rather than when uvicorn's graceful
+            # time runs out and it cancels them (a bare 500, a stream cut short, a traceback)
+            app.state.worker.shutdown()
+            await super().shutdown(sockets=sockets)
+
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = Server(config)
     server.run()
     return 0 if server.started else 1
+

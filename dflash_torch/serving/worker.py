@@ -52,10 +52,15 @@ def param_of(exc: DFlashError) -> str | None:
     return None
 
 
+class ShuttingDown(Exception):
+    """The server is shutting down: no new jobs."""
+
+
 @dataclass
 class Event:
     """What a job reports: ``start`` (prompt_tokens), ``chunk`` (a StreamChunk),
-    ``error`` (a user error: ``(message, param)``), ``fatal`` (a server error: message), ``done``."""
+    ``error`` (a user error: ``(message, param)``), ``fatal`` (a server error: message),
+    ``unavailable`` (the server is shutting down), ``done``."""
 
     kind: str
     value: object = None
@@ -112,18 +117,31 @@ class EngineWorker:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-engine")
         self._jobs: set[GenerationJob] = set()
         self._jobs_lock = threading.Lock()
+        self.closed = False
 
     def submit(self, job: GenerationJob) -> None:
+        """Queue ``job``.
+
+        Raises:
+            ShuttingDown: after :meth:`shutdown`.
+        """
         with self._jobs_lock:
+            if self.closed:
+                raise ShuttingDown()
             self._jobs.add(job)
         self.metrics.queue_depth.inc()
         self.executor.submit(self._run, job)
 
     def shutdown(self) -> None:
-        """Cancel every job (a running one stops after its current round) and drop the queue."""
+        """Refuse new jobs and end every job now: each gets an ``unavailable`` event at once
+        (its request answers without waiting for the engine); a waiting job is dropped, a
+        running one stops after its current round. Idempotent."""
         with self._jobs_lock:
-            for job in self._jobs:
-                job.cancel()
+            self.closed = True
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.cancel()
+            job.put("unavailable")
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def _run(self, job: GenerationJob) -> None:
