@@ -10,7 +10,7 @@ so each op pays a futex wake-up. On a 2-core CPU a 16x256 @ 256x768 linear takes
 
 So all of the engine's torch work (loading, warm-up, every decoding round) runs on one
 thread per process, whichever thread calls the engine: :func:`run` hands a function to
-it and returns its result. Tokenizing and stop handling stay wherever they are called.
+it and returns its result (a prompt is still tokenized in the calling thread).
 Code that mixes its own torch work with an engine's in one process should run it
 through :func:`run` too.
 """
@@ -80,6 +80,7 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
     Calls run one at a time in arrival order; a call made on the compute thread itself
     (or after interpreter shutdown began) runs inline. An exception raised by ``fn`` is
     raised here. An interrupted caller (Ctrl-C) does not stop a call already running.
+    ``fn`` must not wait for another thread's engine call: that call waits for ``fn``.
     """
     thread = _thread or _start()
     future: Future = Future()
