@@ -60,6 +60,13 @@ def load_engine(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from . import compute
+
+    with compute.this_thread():  # loading and decoding on this thread, interrupted by Ctrl-C as usual
+        return _generate_here(args)
+
+
+def _generate_here(args: argparse.Namespace) -> int:
     if args.prompt is not None and args.prompt_text is not None:
         raise DFlashError("give the prompt either as an argument or with --prompt, not both")
     prompt = args.prompt if args.prompt is not None else args.prompt_text

@@ -12,16 +12,20 @@ So all of the engine's torch work (loading, warm-up, every decoding round) runs 
 thread per process, whichever thread calls the engine: :func:`run` hands a function to
 it and returns its result (a prompt is still tokenized in the calling thread).
 Code that mixes its own torch work with an engine's in one process should run it
-through :func:`run` too.
+through :func:`run` too. That thread is a dedicated one, or, inside
+``with this_thread():``, the calling thread itself: a program whose torch work all
+starts from one thread (``generate``, ``bench``) then runs it there, and Ctrl-C
+interrupts it as usual.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -33,6 +37,7 @@ _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _tasks: queue.SimpleQueue = queue.SimpleQueue()
 _closed = False
+_claimed: threading.Thread | None = None  # the thread inside ``this_thread()``, if any
 
 
 def _loop() -> None:
@@ -69,23 +74,34 @@ def _stop() -> None:
             _tasks.put(None)
 
 
-def on_compute_thread() -> bool:
-    """Whether the calling thread is the compute thread."""
-    return _thread is not None and threading.current_thread() is _thread
+@contextlib.contextmanager
+def this_thread() -> Iterator[None]:
+    """Within the block, :func:`run` called from this thread runs inline: this thread is
+    the compute thread (calls from other threads still go to the dedicated one)."""
+    global _claimed
+    previous, _claimed = _claimed, threading.current_thread()
+    try:
+        yield
+    finally:
+        _claimed = previous
 
 
 def run(fn: Callable[..., T], *args, **kwargs) -> T:
     """Call ``fn(*args, **kwargs)`` on the compute thread and return its result.
 
     Calls run one at a time in arrival order; a call made on the compute thread itself
-    (or after interpreter shutdown began) runs inline. An exception raised by ``fn`` is
-    raised here. An interrupted caller (Ctrl-C) does not stop a call already running.
-    ``fn`` must not wait for another thread's engine call: that call waits for ``fn``.
+    (see :func:`this_thread`), or after interpreter shutdown began, runs inline. An
+    exception raised by ``fn`` is raised here. An interrupted caller (Ctrl-C) does not
+    stop a call already running. ``fn`` must not wait for another thread's engine call:
+    that call waits for ``fn``.
     """
+    current = threading.current_thread()
+    if current is _claimed:
+        return fn(*args, **kwargs)
     thread = _thread or _start()
     future: Future = Future()
     with _lock:  # (a task queued after _stop's sentinel would never run)
-        inline = _closed or threading.current_thread() is thread
+        inline = _closed or current is thread
         if not inline:
             _tasks.put((fn, args, kwargs, future))
     if inline:

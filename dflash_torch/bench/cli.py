@@ -119,9 +119,17 @@ def _plots(report: dict, out: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # all of bench's torch work (its engine's too) on this thread: one OpenMP thread team
+    with compute.this_thread():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from ..cli import set_threads
-    from .modes import ALL_MODES
-    from .shapes import SHAPES
+    from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
+    from .modes import ALL_MODES, divergences, load_prompts, run_modes
+    from .shapes import SHAPES, build_drafter, round_vs_step
+    from .sweep import context_sweep
 
     set_threads(args)
     check_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
@@ -159,17 +167,6 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DFlashError(f"cannot use --out {out} as the output directory: {e.strerror}") from None
-    # all torch work on the engine's compute thread: one OpenMP thread team (see dflash_torch.compute)
-    return compute.run(_bench, args, out, modes, shapes, sweep_shapes, lengths)
-
-
-def _bench(args: argparse.Namespace, out: Path, modes: list[str], shapes: list[str], sweep_shapes: list[str],
-           lengths: list[int]) -> int:
-    from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
-    from .modes import ALL_MODES, divergences, load_prompts, run_modes
-    from .shapes import build_drafter, round_vs_step
-    from .sweep import context_sweep
-
     engine = DFlashEngine.from_pretrained(args.target, args.draft, dtype=args.dtype, device=args.device,
                                           block_size=args.block_size)
     prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl", args.num_prompts or None)
