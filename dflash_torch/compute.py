@@ -24,6 +24,7 @@ import atexit
 import contextlib
 import queue
 import threading
+from concurrent import futures
 from concurrent.futures import Future
 from typing import Callable, Iterator, TypeVar
 
@@ -91,9 +92,9 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
 
     Calls run one at a time in arrival order; a call made on the compute thread itself
     (see :func:`this_thread`), or after interpreter shutdown began, runs inline. An
-    exception raised by ``fn`` is raised here. An interrupted caller (Ctrl-C) does not
-    stop a call already running. ``fn`` must not wait for another thread's engine call:
-    that call waits for ``fn``.
+    exception raised by ``fn`` is raised here. A caller interrupted by Ctrl-C waits for
+    ``fn`` to end (a second Ctrl-C stops waiting), then raises ``KeyboardInterrupt``.
+    ``fn`` must not wait for another thread's engine call: that call waits for ``fn``.
     """
     current = threading.current_thread()
     if current is _claimed:
@@ -108,6 +109,11 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
         return fn(*args, **kwargs)
     try:
         return future.result()
+    except BaseException:  # interrupted (Ctrl-C) while fn runs: let fn end before the interrupt
+        # unwinds (an interpreter that exits under a running torch op aborts the process)
+        with contextlib.suppress(BaseException):  # a second Ctrl-C stops waiting
+            futures.wait([future])
+        raise
     finally:
         del future  # a raised exception's traceback would keep the result alive
 

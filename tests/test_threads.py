@@ -50,3 +50,37 @@ def test_loading_warmup_and_every_round_run_on_one_thread_whoever_calls(tiny_pai
     assert seen["load"] == seen["forward"], seen  # decoding runs where the weights were loaded
     assert len(seen["forward"]) == 1 and threading.get_ident() not in seen["forward"], seen
 
+
+
+def test_ctrl_c_while_the_compute_thread_loads_waits_for_it(tiny_pair):
+    """Ctrl-C in a caller waiting for the compute thread: the running step ends first, then
+    the caller gets KeyboardInterrupt (an interpreter exiting under a running torch op
+    would abort the process)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, signal
+        from torch.nn.modules.module import register_module_parameter_registration_hook
+        from dflash_torch import DFlashEngine, compute
+
+        registered = []
+        def hook(module, name, param):  # on the compute thread, while it loads
+            registered.append(name)
+            if len(registered) == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+        register_module_parameter_registration_hook(hook)
+        try:
+            DFlashEngine.from_pretrained({str(tiny_pair[0])!r}, {str(tiny_pair[1])!r})
+        except KeyboardInterrupt:
+            at_interrupt = len(registered)
+            compute.run(lambda: None)  # the compute thread is idle after this
+            print("interrupted", at_interrupt, len(registered))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    word, at_interrupt, total = proc.stdout.split()
+    assert word == "interrupted" and int(at_interrupt) == int(total) > 1, proc.stdout
