@@ -2,7 +2,7 @@
 """Decode speed of ``dflash-torch serve`` against ``generate`` on the same prompt, in one run.
 
 Starts ``dflash-torch serve`` as a subprocess and loads the same engine in this process
-(what ``dflash-torch generate`` runs), then alternates greedy ``--max-new-tokens``
+the way ``dflash-torch generate`` does (all torch work on this thread), then alternates greedy ``--max-new-tokens``
 requests (EOS ignored) between the two, ``--reps`` times each, switching which goes
 first every repetition so that a slow spell of a shared machine hits both alike. It
 prints, per repetition and as medians, the decode tokens/s that each reports
@@ -17,6 +17,7 @@ serve / generate. Both outputs must be the same tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import socket
@@ -26,6 +27,7 @@ import sys
 import time
 
 import httpx
+import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -39,6 +41,15 @@ def _free_port() -> int:
 
 
 def main() -> int:
+    try:  # what the generate command does (older versions ran everything on the calling thread anyway)
+        from dflash_torch.compute import this_thread
+    except ImportError:
+        this_thread = contextlib.nullcontext
+    with this_thread():
+        return _main()
+
+
+def _main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt", default="def fibonacci(n):")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -57,9 +68,7 @@ def main() -> int:
     base = f"http://127.0.0.1:{port}"
     try:
         if args.threads:
-            from dflash_torch import compute
-
-            compute.set_num_threads(args.threads)
+            torch.set_num_threads(args.threads)
         engine = DFlashEngine.from_pretrained(dtype=args.dtype, compile=args.compile)
         if args.compile:
             engine.warmup()
