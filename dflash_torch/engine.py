@@ -411,7 +411,9 @@ def _max_prompt_chars(tokenizer, max_context: int) -> int:
     vocabulary (byte-level BPE spells a token with one character per byte: bytes >=
     characters), so a text of more than ``max_context * L`` characters, L the longest
     token string, has more than ``max_context`` tokens. A tokenizer that normalizes its
-    input first may compose characters (NFC: up to 4 into 1), hence the margin then.
+    input first may compose characters (NFC, NFKC: up to 4 into 1, U+1F82), hence the
+    margin then. (A normalizer that deletes characters, such as BERT's clean-up, is not
+    covered; the supported families use none: Qwen NFC, Llama 2 replace/prepend, Llama 3 none.)
     """
     longest = max(map(len, tokenizer.get_vocab()), default=1)
     backend = getattr(tokenizer, "backend_tokenizer", None)

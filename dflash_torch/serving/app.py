@@ -6,11 +6,13 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 Generation runs on one worker thread (see :mod:`.worker`); requests queue in front of
 it in arrival order, once their prompt is tokenized and fits the context (tokenizing
 runs in a thread of its own, so it holds neither the engine nor the event loop). A
-prompt longer than the engine's ``max_prompt_chars`` cannot fit and is refused untokenized,
-a body larger than 12 bytes per such character + 1 MiB is dropped as it arrives. Errors use OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``: 400 for any invalid or
-unsupported input, 401 for a missing or wrong API key, 404 for an unknown model or
-route, 413 for a body over that limit; a 500 means a server bug.
+prompt longer than the engine's ``max_prompt_chars`` cannot fit and is refused before
+it is tokenized; a body larger than 12 bytes per such character + 1 MiB is dropped as
+it arrives. Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
+400 for any invalid or unsupported input, 401 for a missing or wrong API key, 404 for
+an unknown model or route, 413 for a body over that limit, 503 once the server shuts
+down (a stream that fails after it started ends with an error event and ``[DONE]``);
+a 500 means a server bug.
 
 Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
 completions and the rest of the context for chat. Extensions: ``top_k``,
@@ -110,10 +112,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         engine: a loaded :class:`~dflash_torch.engine.DFlashEngine`.
         api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``
             (``/health`` and ``/metrics`` stay open); surrounding whitespace is dropped.
+        model_name: the model id clients must use (default: ``engine.name``).
 
     Raises:
         DFlashError: an empty API key or one that is not printable ASCII.
-        model_name: the model id clients must use (default: ``engine.name``).
     """
     api_key = check_api_key(api_key)
     model_id = model_name or engine.name
