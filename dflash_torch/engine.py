@@ -161,8 +161,9 @@ class DFlashEngine:
                 ``max_position_embeddings``); fixed-shape modes preallocate it.
 
         Raises:
-            DFlashError: missing files, incompatible pair, bad dtype/device/block size,
-                ``compile=True`` with ``draft_mode="recompute"`` (its shapes grow every round).
+            DFlashError: missing files, incompatible pair, bad dtype / device / block size /
+                max_context (see :mod:`dflash_torch.options`; checked before any weight is
+                read), ``compile=True`` with ``draft_mode="recompute"`` (its shapes grow every round).
         """
         torch_dtype, dev = options.resolve_dtype(dtype), options.resolve_device(device)
         if target is None:
