@@ -39,9 +39,12 @@ _thread: threading.Thread | None = None
 _tasks: queue.SimpleQueue = queue.SimpleQueue()
 _closed = False
 _claimed: threading.Thread | None = None  # the thread inside ``this_thread()``, if any
+_running: Future | None = None  # the call running on the dedicated thread
+_interrupted: set[Future] = set()  # calls whose caller got Ctrl-C and waits for them to end
 
 
 def _loop() -> None:
+    global _running
     while True:
         item = _tasks.get()
         if item is None:
@@ -49,10 +52,12 @@ def _loop() -> None:
         fn, args, kwargs, future = item
         if not future.set_running_or_notify_cancel():
             continue
+        _running = future
         try:
             future.set_result(fn(*args, **kwargs))
         except BaseException as exc:  # handed to the caller, which re-raises it
             future.set_exception(exc)
+        _running = None
         del item, fn, args, kwargs, future  # no reference to the task outlives it
 
 
@@ -93,7 +98,8 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
     Calls run one at a time in arrival order; a call made on the compute thread itself
     (see :func:`this_thread`), or after interpreter shutdown began, runs inline. An
     exception raised by ``fn`` is raised here. A caller interrupted by Ctrl-C waits for
-    ``fn`` to end (a second Ctrl-C stops waiting), then raises ``KeyboardInterrupt``.
+    ``fn`` to end (see :func:`interrupted`; a second Ctrl-C stops waiting), then raises
+    ``KeyboardInterrupt``.
     ``fn`` must not wait for another thread's engine call: that call waits for ``fn``.
     """
     current = threading.current_thread()
@@ -111,11 +117,19 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
         return future.result()
     except BaseException:  # interrupted (Ctrl-C) while fn runs: let fn end before the interrupt
         # unwinds (an interpreter that exits under a running torch op aborts the process)
+        _interrupted.add(future)
         with contextlib.suppress(BaseException):  # a second Ctrl-C stops waiting
             futures.wait([future])
+        _interrupted.discard(future)
         raise
     finally:
         del future  # a raised exception's traceback would keep the result alive
+
+
+def interrupted() -> bool:
+    """Whether the caller of the running call was interrupted (Ctrl-C) and waits for it to
+    end: a long call should check it between steps and stop."""
+    return _running is not None and _running in _interrupted and threading.current_thread() is _thread
 
 
 def set_num_threads(n: int, name: str = "threads") -> None:

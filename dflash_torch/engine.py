@@ -12,13 +12,14 @@ first; nothing past it is emitted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -275,13 +276,28 @@ class DFlashEngine:
         """Text of token ids (special tokens kept, no space clean-up)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def generate(self, prompt, **kwargs) -> GenerationResult:
-        """Generate to completion; arguments as :meth:`stream`. Returns a :class:`GenerationResult`."""
+    def generate(self, prompt, *, on_chunk: Callable[[StreamChunk], None] | None = None, **kwargs) -> GenerationResult:
+        """Generate to completion; arguments as :meth:`stream`. Returns a :class:`GenerationResult`.
+
+        The whole generation is one call on the compute thread (no hand-off per round).
+        ``on_chunk``, if given, is called there with each :class:`StreamChunk` as its round
+        commits it; an exception it raises stops the generation and is raised here. It
+        must not call the engine.
+        """
+        with self._request(prompt, **kwargs) as chunks:
+            return compute.run(self._collect, chunks, on_chunk)
+
+    @staticmethod
+    def _collect(chunks: Iterator[StreamChunk], on_chunk) -> GenerationResult:
         text, ids, last = [], [], None
-        for chunk in self.stream(prompt, **kwargs):
+        for chunk in chunks:
+            if on_chunk is not None:
+                on_chunk(chunk)
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             last = chunk
+            if compute.interrupted():  # the caller got Ctrl-C: stop after this round
+                raise KeyboardInterrupt
         return GenerationResult("".join(text), ids, last.finish_reason, last.stats)
 
     def stream(
@@ -316,6 +332,19 @@ class DFlashEngine:
         Raises:
             DFlashError: invalid parameters or a prompt that does not fit the context.
         """
+        with self._request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                           seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chat=chat) as chunks:
+            # each round runs on the compute thread (see dflash_torch.compute), whichever
+            # thread iterates this stream
+            while (chunk := compute.run(next, chunks, None)) is not None:
+                yield chunk
+
+    @contextlib.contextmanager
+    def _request(self, prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop=None, stop_token_ids=None, ignore_eos: bool = False,
+                 chat: bool = False) -> Iterator[Iterator[StreamChunk]]:
+        """Check a request, tokenize its prompt, take the engine (see the class docstring) and
+        give the request's chunks, to be pulled on the compute thread; frees the engine on exit."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         options.check_max_new_tokens(max_new_tokens)
         stops = options.check_stop(stop)
@@ -327,12 +356,9 @@ class DFlashEngine:
                               "consume it to the end or close() it before starting a new request")
         with self.lock:  # other threads wait their turn
             self._owner = threading.get_ident()
-            # every round runs on the compute thread (see dflash_torch.compute), whichever
-            # thread iterates this stream
             chunks = self._stream(prompt_ids, params, max_new_tokens, stops, stop_ids)
             try:
-                while (chunk := compute.run(next, chunks, None)) is not None:
-                    yield chunk
+                yield chunks
             finally:
                 compute.run(chunks.close)
                 self._owner = None

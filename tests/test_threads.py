@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from torch.nn.modules.module import register_module_forward_pre_hook, register_module_parameter_registration_hook
 
 from dflash_torch import DFlashEngine
@@ -84,3 +85,60 @@ def test_ctrl_c_while_the_compute_thread_loads_waits_for_it(tiny_pair):
     assert proc.returncode == 0, proc.stderr
     word, at_interrupt, total = proc.stdout.split()
     assert word == "interrupted" and int(at_interrupt) == int(total) > 1, proc.stdout
+
+
+def test_generate_runs_whole_on_the_compute_thread_and_on_chunk_sees_every_chunk(tiny_pair):
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    ref = list(engine.stream(PROMPT, max_new_tokens=20, ignore_eos=True))
+    seen, threads = [], set()
+
+    def on_chunk(chunk):
+        seen.append(chunk)
+        threads.add(threading.get_ident())
+
+    out = engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True, on_chunk=on_chunk)
+    assert [c.token_ids for c in seen] == [c.token_ids for c in ref] and [c.text for c in seen] == [c.text for c in ref]
+    assert out.token_ids == [t for c in ref for t in c.token_ids] and seen[-1].finish_reason == out.finish_reason
+    assert len(threads) == 1 and threading.get_ident() not in threads  # the compute thread
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_third(chunk):
+        seen.append(chunk)
+        if len(seen) == 3:
+            raise Stop()
+
+    seen.clear()
+    with pytest.raises(Stop):
+        engine.generate(PROMPT, max_new_tokens=200, ignore_eos=True, on_chunk=stop_at_third)
+    assert len(seen) == 3
+    assert engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True).token_ids == out.token_ids  # the engine is free
+
+
+def test_ctrl_c_stops_a_generate_after_the_current_round(tiny_pair):
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, signal
+        from dflash_torch import DFlashEngine
+
+        engine = DFlashEngine.from_pretrained({str(tiny_pair[0])!r}, {str(tiny_pair[1])!r}, block_size=1)
+        chunks = []
+        def on_chunk(chunk):  # on the compute thread
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+        try:
+            engine.generate("def f(x):", max_new_tokens=900, ignore_eos=True, on_chunk=on_chunk)
+        except KeyboardInterrupt:
+            print("interrupted", len(chunks), len(engine.generate("def f(x):", max_new_tokens=4).token_ids))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    word, chunks, after = proc.stdout.split()
+    assert word == "interrupted" and 3 <= int(chunks) < 10 and after == "4", proc.stdout  # not 900 rounds

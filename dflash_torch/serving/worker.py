@@ -5,12 +5,12 @@ as one job on a single-thread executor: jobs wait their turn in the executor's F
 queue (the engine runs each round on its compute thread, see :mod:`dflash_torch.compute`).
 A job arrives tokenized and checked against the context (:func:`fit_max_tokens`: the
 app does both before it queues the job, so a long prompt never holds the engine) and
-pulls chunks from :meth:`DFlashEngine.stream`, handing each one to the request's
-asyncio queue (a request that does not stream gets its whole output in one event: the
-event loop wakes once, not once per round, and leaves the cores to the decoding). A
-request that goes away sets the job's ``cancelled`` event: a waiting job is skipped,
-a running one closes the engine's generator after the current round, which frees the
-engine for the next job.
+runs :meth:`DFlashEngine.generate` (the whole generation one call on the compute thread,
+no hand-off per round), whose chunk callback hands each chunk to the request's asyncio
+queue (a request that does not stream gets its whole output in one event: the event
+loop wakes once, not once per round, and leaves the cores to the decoding). A request
+that goes away sets the job's ``cancelled`` event: a waiting job is skipped, a running
+one stops after the current round, which frees the engine for the next job.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ def param_of(exc: DFlashError) -> str | None:
 
 class ShuttingDown(Exception):
     """The server is shutting down: no new jobs."""
+
+
+class _Cancelled(Exception):
+    """Raised by a job's chunk callback: its request went away."""
 
 
 @dataclass
@@ -163,31 +167,32 @@ class EngineWorker:
 
     def _generate(self, job: GenerationJob) -> None:
         ids = job.prompt_ids
-        gen = self.engine.stream(ids, max_new_tokens=job.max_new_tokens, **job.kwargs)
         text, token_ids = [], []  # a non-streamed request's output so far
-        try:
-            first, ttft_seen = True, False
-            for chunk in gen:
-                if first:  # the engine validated the request: it has started
-                    job.put("start", len(ids))
-                    self.metrics.prompt_tokens.inc(len(ids))
-                    first = False
-                if chunk.token_ids:
-                    self.metrics.generated_tokens.inc(len(chunk.token_ids))
-                if chunk.stats is not None:
-                    self.metrics.observe_rounds(list(chunk.stats.acceptance_lengths))
-                if chunk.token_ids and not ttft_seen:
-                    ttft_seen = True
+        seen = {"start": False, "token": False}
+
+        def on_chunk(chunk: StreamChunk) -> None:  # on the engine's compute thread, as rounds commit
+            if not seen["start"]:  # the engine validated the request: it has started
+                seen["start"] = True
+                job.put("start", len(ids))
+                self.metrics.prompt_tokens.inc(len(ids))
+            if chunk.token_ids:
+                self.metrics.generated_tokens.inc(len(chunk.token_ids))
+                if not seen["token"]:
+                    seen["token"] = True
                     self.metrics.ttft.observe(time.perf_counter() - job.arrived)
-                if job.stream:
-                    job.put("chunk", chunk)
-                else:  # one event (one wake-up of the event loop) for the whole output
-                    text.append(chunk.text)
-                    token_ids += chunk.token_ids
-                    if chunk.finish_reason is not None:
-                        job.put("chunk", StreamChunk("".join(text), token_ids, chunk.finish_reason, chunk.stats))
-                if job.cancelled.is_set() and chunk.finish_reason is None:
-                    self.metrics.cancelled.inc()
-                    break
-        finally:
-            gen.close()  # releases the engine's lock and its decoding state
+            if chunk.stats is not None:
+                self.metrics.observe_rounds(list(chunk.stats.acceptance_lengths))
+            if job.stream:
+                job.put("chunk", chunk)
+            else:  # one event (one wake-up of the event loop) for the whole output
+                text.append(chunk.text)
+                token_ids.extend(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    job.put("chunk", StreamChunk("".join(text), token_ids, chunk.finish_reason, chunk.stats))
+            if job.cancelled.is_set() and chunk.finish_reason is None:
+                raise _Cancelled()  # stops the generation after this round
+
+        try:  # the whole generation is one call on the compute thread: no hand-off per round
+            self.engine.generate(ids, on_chunk=on_chunk, max_new_tokens=job.max_new_tokens, **job.kwargs)
+        except _Cancelled:
+            self.metrics.cancelled.inc()
