@@ -17,26 +17,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import DFlashError
-
-SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
-
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Map a dtype name (``float32``, ``bfloat16``, or aliases) to a torch dtype.
-
-    Raises:
-        DFlashError: for float16 (its range overflows in these models' activations
-            on CPU; use bfloat16) and for any other unsupported name.
-    """
-    if isinstance(name, torch.dtype):
-        name = str(name).removeprefix("torch.")
-    name = _DTYPE_ALIASES.get(name.lower(), name.lower())
-    if name == "float16":
-        raise DFlashError("dtype float16 is not supported (activations can overflow); use bfloat16 or float32")
-    if name not in SUPPORTED_DTYPES:
-        raise DFlashError(f"unsupported dtype {name!r}; choose one of {', '.join(SUPPORTED_DTYPES)}")
-    return SUPPORTED_DTYPES[name]
+from .options import resolve_dtype  # noqa: F401  (imported from here by training)
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:

@@ -37,18 +37,21 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
 
 
+def set_threads(args: argparse.Namespace) -> None:
+    """Apply ``--threads`` (when given) to the engine's compute thread."""
+    from . import compute
+
+    if args.threads is not None:
+        compute.set_num_threads(args.threads, name="--threads")
+
+
 def load_engine(args: argparse.Namespace):
     """A :class:`DFlashEngine` from the model options of ``args``."""
-    import torch
-
     from .engine import DFlashEngine
 
     if args.no_draft and args.draft:
         raise DFlashError("--no-draft decodes with the target alone; drop --draft (or --no-draft)")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise DFlashError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     return DFlashEngine.from_pretrained(
         args.target, args.draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, draft_mode=args.draft_mode, no_draft=args.no_draft,
@@ -57,6 +60,13 @@ def load_engine(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from . import compute
+
+    with compute.this_thread():  # loading and decoding on this thread, interrupted by Ctrl-C as usual
+        return _generate_here(args)
+
+
+def _generate_here(args: argparse.Namespace) -> int:
     if args.prompt is not None and args.prompt_text is not None:
         raise DFlashError("give the prompt either as an argument or with --prompt, not both")
     prompt = args.prompt if args.prompt is not None else args.prompt_text

@@ -19,6 +19,7 @@ from .errors import DFlashError
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
+from .options import check_block_size, check_max_context
 from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, probabilities
 
 DRAFT_MODES = ("inject", "recompute")
@@ -87,22 +88,13 @@ class SpeculativeDecoder:
         if draft_mode not in DRAFT_MODES:
             raise DFlashError(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}")
         self.target, self.drafter, self.draft_mode = target, drafter, draft_mode
-        if drafter is None:
-            if block_size not in (None, 1):
-                raise DFlashError("a block size needs a drafter (target-only decoding commits one token per step)")
-            block_size = 1
-        else:
-            trained = drafter.config.block_size
-            block_size = trained if block_size is None else block_size
-            if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= trained:
-                raise DFlashError(f"block size must be an integer in [1, {trained}] (the drafter's trained block size), got {block_size!r}")
+        trained = drafter.config.block_size if drafter is not None else None
+        block_size = check_block_size(block_size, trained) or trained or 1
         self.static = static or compile
         if self.static and drafter is not None and draft_mode == "recompute":
             raise DFlashError("the recompute draft mode grows every round; it cannot run with fixed shapes / --compile")
         limit = target.config.max_position_embeddings
-        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int) or not 1 <= max_context <= limit):
-            raise DFlashError(f"max_context must be an integer in [1, {limit}], got {max_context!r}")
-        self.max_context = max_context or limit
+        self.max_context = check_max_context(max_context, limit) or limit
         self.block_size = block_size
         self.prefill_chunk = prefill_chunk
         self.target_cache = target.new_cache()

@@ -13,17 +13,19 @@ whichever comes first; nothing past it is emitted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .checkpoint import load_config, resolve_dtype, resolve_model_dir
+from . import compute, options
+from .checkpoint import load_config, resolve_model_dir
 from .decoding import SpeculativeDecoder
 from .errors import DFlashError
 from .models.config import DrafterConfig, TargetConfig, validate_pair
@@ -98,30 +100,27 @@ class StreamChunk:
     stats: GenerationStats | None = None
 
 
-def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise DFlashError("stop must be a string or a list of strings")
-    if any(s == "" for s in stop):
-        raise DFlashError("stop strings must not be empty")
-    return list(stop)
-
-
 class DFlashEngine:
     """A loaded target (+ optional DFlash drafter) and its tokenizer.
 
     One request runs at a time: a lock serialises threads, and a second request
     from the thread that holds an unfinished stream raises :class:`DFlashError`
     (it could never proceed). Each request starts from clean caches.
+
+    Any thread may call it: the torch work (loading, every decoding round) runs on the
+    process's one compute thread (:mod:`dflash_torch.compute`), so calls from several
+    threads never split torch across thread teams; tokenizing runs in the caller's thread.
+
+    ``max_prompt_chars``: the longest text prompt (characters) that could fit
+    ``max_context`` tokens; a longer one is refused without being tokenized.
     """
 
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
                  block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash", **decoder_options):
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
-        self.decoder = SpeculativeDecoder(target, drafter, block_size=block_size, draft_mode=draft_mode, **decoder_options)
+        self.decoder = compute.run(SpeculativeDecoder, target, drafter, block_size=block_size, draft_mode=draft_mode,
+                                   **decoder_options)
+        self.max_prompt_chars = _max_prompt_chars(tokenizer, self.max_context)
         self.lock = threading.Lock()
         self._owner: int | None = None  # thread id of the open stream, if any
         self.stop_token_ids = set(target.config.eos_token_ids)
@@ -165,31 +164,35 @@ class DFlashEngine:
                 ``max_position_embeddings``); fixed-shape modes preallocate it.
 
         Raises:
-            DFlashError: missing files, incompatible pair, bad dtype/device/block size,
-                ``compile=True`` with ``draft_mode="recompute"`` (its shapes grow every round).
+            DFlashError: missing files, incompatible pair, bad dtype / device / block size /
+                max_context (see :mod:`dflash_torch.options`; checked before any weight is
+                read), ``compile=True`` with ``draft_mode="recompute"`` (its shapes grow every round).
         """
-        torch_dtype = resolve_dtype(dtype)
-        try:
-            dev = torch.device(device)
-        except RuntimeError:
-            raise DFlashError(f"invalid device {device!r}") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise DFlashError(f"device {device!r} requested but CUDA is not available")
-        if dev.type not in ("cpu", "cuda"):
-            raise DFlashError(f"unsupported device {device!r}; use cpu or cuda")
+        torch_dtype, dev = options.resolve_dtype(dtype), options.resolve_device(device)
         if target is None:
             target = DEFAULT_TARGET
             if draft is None and not no_draft:
                 draft = DEFAULT_DRAFTER
         target_dir = resolve_model_dir(target)
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
-        drafter = None
+        draft_dir, draft_cfg = None, None
         if not no_draft:
             if draft is None:
                 raise DFlashError("no drafter given: pass --draft DIR (or --no-draft for target-only decoding)")
             draft_dir = resolve_model_dir(draft)
-            validate_pair(target_cfg, DrafterConfig.from_dict(load_config(draft_dir)))
-            drafter = DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
+            draft_cfg = DrafterConfig.from_dict(load_config(draft_dir))
+            validate_pair(target_cfg, draft_cfg)
+        options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
+        options.check_max_context(max_context, target_cfg.max_position_embeddings)
+        # the weights are read, converted and packed on the compute thread, like every round
+        return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, pack=pack,
+                           block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
+                           max_context=max_context)
+
+    @classmethod
+    def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
+              dev: torch.device, *, pack: bool, **engine_options) -> "DFlashEngine":
+        drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev)
         if pack and packing_supported(torch_dtype, dev):
             pack_linears(model)
@@ -198,8 +201,7 @@ class DFlashEngine:
         tokenizer = _load_tokenizer(target_dir)
         if len(tokenizer) > target_cfg.vocab_size:
             raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {target_cfg.vocab_size}")
-        engine = cls(model, tokenizer, drafter, block_size=block_size, draft_mode=draft_mode, name=Path(str(target)).name,
-                     compile=compile, static=static, max_context=max_context)
+        engine = cls(model, tokenizer, drafter, name=Path(str(target)).name, **engine_options)
         gen_cfg = target_dir / "generation_config.json"
         if gen_cfg.is_file():
             eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
@@ -218,20 +220,27 @@ class DFlashEngine:
     def warmup(self, max_new_tokens: int = 32) -> float:
         """Run one short greedy generation so that a compiled engine builds its graphs
         for the first length bucket (256 keys) now rather than in the first request.
+        Prompt (up to 8 tokens) and generation (up to ``max_new_tokens``) are cut to fit
+        ``max_context``.
 
         Returns:
             seconds it took.
         """
+        options.check_max_new_tokens(max_new_tokens)
         t0 = time.perf_counter()
-        prompt = [getattr(self.tokenizer, "eos_token_id", None) or 0] * 8
-        self.generate(prompt, max_new_tokens=min(max_new_tokens, max(1, self.max_context - len(prompt))), ignore_eos=True)
+        prompt = [getattr(self.tokenizer, "eos_token_id", None) or 0] * min(8, self.max_context - 1)
+        self.generate(prompt, max_new_tokens=min(max_new_tokens, self.max_context - len(prompt)), ignore_eos=True)
         return time.perf_counter() - t0
 
     def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = False) -> list[int]:
         """Token ids of a prompt: text, chat messages (``[{"role", "content"}]``) or ids.
 
+        A text (or messages' contents) longer than :attr:`max_prompt_chars` characters
+        cannot fit the context and is refused before it is tokenized.
+
         Raises:
-            DFlashError: ``chat`` without a tokenizer chat template, or a malformed prompt.
+            DFlashError: ``chat`` without a tokenizer chat template, a malformed prompt, or
+                one longer than ``max_prompt_chars``.
         """
         if isinstance(prompt, list) and not prompt:
             raise DFlashError("the prompt is empty (no tokens or messages)")
@@ -245,11 +254,18 @@ class DFlashEngine:
                 raise DFlashError("chat messages must be a list of {'role': str, 'content': str}")
             if not getattr(self.tokenizer, "chat_template", None):
                 raise DFlashError("this tokenizer has no chat template; drop --chat")
+            self._check_length(sum(len(m["content"]) for m in messages))
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return self._encode(text, add_special_tokens=False)
         if not isinstance(prompt, str):
             raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages")
+        self._check_length(len(prompt))
         return self._encode(prompt)
+
+    def _check_length(self, chars: int) -> None:
+        if chars > self.max_prompt_chars:
+            raise DFlashError(f"the prompt has {chars} characters: more than the context of {self.max_context} tokens "
+                              f"can hold (at most {self.max_prompt_chars} characters with this tokenizer)")
 
     def _encode(self, text: str, **kwargs) -> list[int]:
         try:
@@ -262,13 +278,28 @@ class DFlashEngine:
         """Text of token ids (special tokens kept, no space clean-up)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def generate(self, prompt, **kwargs) -> GenerationResult:
-        """Generate to completion; arguments as :meth:`stream`. Returns a :class:`GenerationResult`."""
+    def generate(self, prompt, *, on_chunk: Callable[[StreamChunk], None] | None = None, **kwargs) -> GenerationResult:
+        """Generate to completion; arguments as :meth:`stream`. Returns a :class:`GenerationResult`.
+
+        The whole generation is one call on the compute thread (no hand-off per round).
+        ``on_chunk``, if given, is called there with each :class:`StreamChunk` as its round
+        commits it; an exception it raises stops the generation and is raised here. It
+        must not call the engine.
+        """
+        with self._request(prompt, **kwargs) as chunks:
+            return compute.run(self._collect, chunks, on_chunk)
+
+    @staticmethod
+    def _collect(chunks: Iterator[StreamChunk], on_chunk) -> GenerationResult:
         text, ids, last = [], [], None
-        for chunk in self.stream(prompt, **kwargs):
+        for chunk in chunks:
+            if on_chunk is not None:
+                on_chunk(chunk)
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             last = chunk
+            if compute.interrupted():  # the caller got Ctrl-C: stop after this round
+                raise KeyboardInterrupt
         return GenerationResult("".join(text), ids, last.finish_reason, last.stats)
 
     def stream(
@@ -281,7 +312,7 @@ class DFlashEngine:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
+        stop_token_ids: int | Sequence[int] | None = None,
         ignore_eos: bool = False,
         chat: bool = False,
     ) -> Iterator[StreamChunk]:
@@ -293,7 +324,8 @@ class DFlashEngine:
             temperature, top_k, top_p, seed: see :class:`SamplingParams`.
             stop: stop string(s): generation ends after the first token that completes
                 one, and the text is cut at the start of that occurrence.
-            stop_token_ids: extra stop token ids (EOS ids are included unless ``ignore_eos``).
+            stop_token_ids: an extra stop token id or a list of them, in [0, vocab size)
+                (EOS ids are included unless ``ignore_eos``).
             ignore_eos: do not stop at the model's EOS tokens.
             chat: apply the tokenizer's chat template to a text prompt.
 
@@ -303,24 +335,35 @@ class DFlashEngine:
         Raises:
             DFlashError: invalid parameters or a prompt that does not fit the context.
         """
+        with self._request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                           seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chat=chat) as chunks:
+            # each round runs on the compute thread (see dflash_torch.compute), whichever
+            # thread iterates this stream
+            while (chunk := compute.run(next, chunks, None)) is not None:
+                yield chunk
+
+    @contextlib.contextmanager
+    def _request(self, prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop=None, stop_token_ids=None, ignore_eos: bool = False,
+                 chat: bool = False) -> Iterator[Iterator[StreamChunk]]:
+        """Check a request, tokenize its prompt, take the engine (see the class docstring) and
+        give the request's chunks, to be pulled on the compute thread; frees the engine on exit."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise DFlashError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        stops = _stop_strings(stop)
+        options.check_max_new_tokens(max_new_tokens)
+        stops = options.check_stop(stop)
         stop_ids = set() if ignore_eos else set(self.stop_token_ids)
-        for t in stop_token_ids or ():
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise DFlashError(f"stop token ids must be integers, got {t!r}")
-            stop_ids.add(t)
+        stop_ids.update(options.check_stop_token_ids(stop_token_ids, self.target.config.vocab_size))
         prompt_ids = self.encode_prompt(prompt, chat)
         if self._owner == threading.get_ident():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
         with self.lock:  # other threads wait their turn
             self._owner = threading.get_ident()
+            chunks = self._stream(prompt_ids, params, max_new_tokens, stops, stop_ids)
             try:
-                yield from self._stream(prompt_ids, params, max_new_tokens, stops, stop_ids)
+                yield chunks
             finally:
+                compute.run(chunks.close)
                 self._owner = None
 
     def _stream(self, prompt_ids, params, max_new_tokens, stops, stop_ids) -> Iterator[StreamChunk]:
@@ -354,6 +397,26 @@ class DFlashEngine:
         stats.acceptance_histogram = dict(sorted(Counter(taus).items()))
         if stats.decode_time > 0:
             stats.decode_tokens_per_second = (stats.generated_tokens - 1) / stats.decode_time
+
+
+NORMALIZATION_SHRINK = 4  # Unicode normalization (NFC, NFKC) composes at most 4 code points into one
+
+
+def _max_prompt_chars(tokenizer, max_context: int) -> int:
+    """Characters beyond which a text cannot fit ``max_context`` tokens.
+
+    No token stands for more input characters than the length of its string in the
+    vocabulary (byte-level BPE spells a token with one character per byte: bytes >=
+    characters), so a text of more than ``max_context * L`` characters, L the longest
+    token string, has more than ``max_context`` tokens. A tokenizer that normalizes its
+    input first may compose characters (NFC, NFKC: up to 4 into 1, U+1F82), hence the
+    margin then. (A normalizer that deletes characters, such as BERT's clean-up, is not
+    covered; the supported families use none: Qwen NFC, Llama 2 replace/prepend, Llama 3 none.)
+    """
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    shrink = 1 if backend is not None and backend.normalizer is None else NORMALIZATION_SHRINK
+    return max_context * longest * shrink
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

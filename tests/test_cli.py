@@ -110,3 +110,30 @@ def test_error_is_one_line_without_traceback(pair_args, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dflash-torch: error:") and "does not exist" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_ctrl_c_while_decoding_exits_130_without_a_traceback(pair_args, tmp_path, command):
+    import signal
+
+    if command == "generate":  # interrupted once text streams
+        args, marker, pipe = ["generate", *pair_args, PROMPT, "--max-new-tokens", "900", "--ignore-eos"], "", "stdout"
+    else:  # interrupted once the timed decoding starts (its progress bar appears)
+        args = ["bench", *pair_args, "--num-prompts", "2", "--max-new-tokens", "600", "--modes", "target-only,inject",
+                "--sweep", "", "--out", str(tmp_path / "bench")]
+        marker, pipe = "decode", "stderr"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    seen = b""
+    while True:
+        data = os.read(getattr(proc, pipe).fileno(), 4096)
+        assert data, (proc.wait(), seen)  # the command ended before it was interrupted
+        seen += data
+        if marker.encode() in seen and (marker or seen.strip()):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    err = (seen if pipe == "stderr" else b"").decode() + err.decode()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "terminate called" not in err, err

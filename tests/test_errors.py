@@ -252,3 +252,117 @@ def test_target_with_unused_or_misshaped_weights_is_refused(tmp_path):
     save_file(bad, str(target / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(DFlashError, match="shape"):
         TargetModel.from_pretrained(target, torch.float32)
+
+
+# --- options several commands share: one validation, the same refusal everywhere -----------
+
+ALL_COMMANDS = ("generate", "serve", "bench", "train")
+MODEL_COMMANDS = ("generate", "serve", "bench")  # the ones that take the model options
+BAD_OPTIONS = [
+    # (option, value, commands that take it, pattern the one line must contain)
+    ("--threads", "-1", ALL_COMMANDS, "threads"),
+    ("--threads", "0", ALL_COMMANDS, "threads"),
+    ("--block-size", "0", ALL_COMMANDS, "block.size"),
+    ("--block-size", "-2", ALL_COMMANDS, "block.size"),
+    ("--block-size", "99", MODEL_COMMANDS, "block.size"),  # above the drafter's 16 (train: a new drafter's B)
+    ("--max-context", "0", MODEL_COMMANDS, "max.context"),
+    ("--max-context", "1", MODEL_COMMANDS, "max.context"),  # no room for a prompt token and a generated one
+    ("--max-context", "100000", MODEL_COMMANDS, "max.context"),
+    ("--dtype", "int8", MODEL_COMMANDS, "dtype"),
+    ("--dtype", "float16", MODEL_COMMANDS, "float16"),
+    ("--device", "tpu", MODEL_COMMANDS, "device"),
+    ("--device", "cuda:99", MODEL_COMMANDS, "cuda:99"),
+    ("--api-key", " ", ("serve",), "api-key"),
+    ("--api-key", "sk with spaces", ("serve",), "api-key"),
+]
+OPTION_CASES = [(cmd, opt, value, words) for opt, value, cmds, words in BAD_OPTIONS for cmd in cmds]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command_line(command: str, tiny_pair, tmp_path: Path) -> list[str]:
+    """A command line of ``command`` that would run (and finish quickly) on the tiny pair."""
+    target, drafter = tiny_pair
+    pair = ["--target", str(target), "--draft", str(drafter)]
+    if command == "generate":
+        return ["generate", "--prompt", "def f(x):", "--max-new-tokens", "2", *pair]
+    if command == "serve":
+        return ["serve", "--port", str(_free_port()), *pair]
+    if command == "bench":
+        return ["bench", *pair, "--num-prompts", "1", "--max-new-tokens", "2", "--modes", "target-only", "--sweep", "",
+                "--out", str(tmp_path / "bench"), "--no-progress"]
+    data = tmp_path / "data.txt"
+    data.write_text("def f(x):\n    return x + 1\n" * 50)
+    return ["train", "--target", str(target), "--data", str(data), "--out", str(tmp_path / "drafter"), "--steps", "1",
+            "--no-progress"]
+
+
+@pytest.mark.parametrize("command,option,value,words", OPTION_CASES,
+                         ids=[f"{c}{o}={v.strip() or 'blank'}" for c, o, v, _ in OPTION_CASES])
+def test_shared_options_are_refused_alike_by_every_command(tiny_pair, tmp_path, capsys, command, option, value, words):
+    import re
+
+    args = _command_line(command, tiny_pair, tmp_path) + [option, value]
+    rc = cli_main(args)
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2, captured.err
+    assert len(lines) == 1 and lines[0].startswith("dflash-torch: error:"), captured.err
+    assert re.search(words, lines[0]) and "Traceback" not in captured.err, lines[0]
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(dtype=None), "dtype"), (dict(dtype=5), "dtype"), (dict(device=None), "device"), (dict(device="tpu"), "device"),
+    (dict(max_context=1), "max_context"), (dict(max_context=2.5), "max_context"), (dict(block_size=True), "block size"),
+    (dict(block_size="4"), "block size"),
+], ids=lambda x: str(x))
+def test_python_api_refuses_the_same_values(tiny_pair, kw, words):
+    with pytest.raises(DFlashError) as err:
+        DFlashEngine.from_pretrained(*tiny_pair, **kw)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_threads_are_validated_in_python_too():
+    from dflash_torch import compute
+
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(DFlashError, match="threads"):
+            compute.set_num_threads(bad)
+
+
+def test_stop_token_ids_take_one_id_or_a_list(engine):
+    ref = engine.generate("def f(x):", max_new_tokens=12, ignore_eos=True)
+    stop = ref.token_ids[5]
+    first = ref.token_ids.index(stop)
+    for value in (stop, [stop], (stop,)):
+        out = engine.generate("def f(x):", max_new_tokens=12, ignore_eos=True, stop_token_ids=value)
+        assert out.token_ids == ref.token_ids[:first + 1] and out.finish_reason == "stop"
+    vocab = engine.target.config.vocab_size
+    for bad in ("5", [1.5], [True], [-1], [vocab], {"a": 1}):
+        with pytest.raises(DFlashError, match="stop token ids") as err:
+            engine.generate("def f(x):", max_new_tokens=3, stop_token_ids=bad)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-shape"])
+def test_warmup_fits_any_context_the_user_chose(engine, static):
+    for max_context in (2, 5, 8, 9, 40):
+        small = DFlashEngine(engine.target, engine.tokenizer, engine.drafter, max_context=max_context, static=static)
+        assert small.warmup() > 0
+    with pytest.raises(DFlashError, match="max_context"):
+        DFlashEngine(engine.target, engine.tokenizer, engine.drafter, max_context=1)
+
+
+def test_api_key_is_validated_and_stripped(engine):
+    from dflash_torch.serving import create_app
+
+    for bad in ("", "  \n", "sk with space", "sk-\u00e9t\u00e9", 42):
+        with pytest.raises(DFlashError, match="api_key"):
+            create_app(engine, api_key=bad)

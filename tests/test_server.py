@@ -70,8 +70,9 @@ def server(tiny_pair, tmp_path_factory):
     with open(log, "w") as fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target), "--draft", str(drafter),
-             "--port", str(port), "--api-key", API_KEY, "--model-name", MODEL, "--log-level", "warning"],
-            stdout=fh, stderr=subprocess.STDOUT, env=_env())
+             "--port", str(port), "--model-name", MODEL, "--log-level", "warning"],
+            # the key as read from a file, with its newline: clients send it without
+            stdout=fh, stderr=subprocess.STDOUT, env={**_env(), "DFLASH_API_KEY": API_KEY + "\n"})
     # The CLI reference runs while the server loads (both mostly import torch).
     cli = subprocess.Popen(
         [sys.executable, "-m", "dflash_torch.cli", "generate", "--target", str(target), "--draft", str(drafter),
@@ -80,19 +81,8 @@ def server(tiny_pair, tmp_path_factory):
     base = f"http://127.0.0.1:{port}"
     srv = Server(base, proc, log)
     srv.cli = cli
-    deadline = time.time() + 180
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"the server did not come up:\n{log.read_text()}")
-            time.sleep(0.2)
+        _wait_until_up(proc, base, log)
         yield srv
     finally:
         proc.terminate()
@@ -363,6 +353,58 @@ def test_bad_input_streaming_is_a_4xx_not_a_broken_stream(server):
     assert r.status_code == 400
 
 
+def test_oversized_prompts_are_refused_before_tokenizing_and_others_are_served(server, local_engine):
+    """A prompt that cannot fit the context is refused from its length in characters
+    (the body from its size), before any tokenizing, while another client is served."""
+    c = server.client()
+    big = "def f(x):\n    return x\n" * 10_000  # 230 kB: more characters than 1024 tokens can cover
+    huge = big * 30  # 7 MB: over the body limit
+    outcome = {}
+
+    def small():
+        outcome["small"] = c.completions.create(prompt=PROMPT, max_tokens=8, **_greedy())
+
+    t = threading.Thread(target=small)
+    t.start()
+    r_huge = server.post("/v1/completions", {"prompt": huge, "max_tokens": 4})
+    r_big = server.post("/v1/completions", {"prompt": big, "max_tokens": 4})
+    r_chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]})
+    t.join(120)
+    err = _assert_openai_error(r_huge, 413)
+    assert err["code"] == "request_too_large" and "bytes" in err["message"], err
+    for r in (r_big, r_chat):
+        err = _assert_openai_error(r, 400)
+        assert err["param"] == "prompt" and f"{len(big)} characters" in err["message"], err
+    assert outcome["small"].usage.completion_tokens == 8
+    # the bound is safe: a prompt just under it is tokenized, and refused by its token count
+    limit = local_engine.max_prompt_chars
+    assert limit == 1024 * max(map(len, local_engine.tokenizer.get_vocab()))
+    r = server.post("/v1/completions", {"prompt": "x" * limit, "max_tokens": 4})
+    err = _assert_openai_error(r, 400)
+    assert "tokens" in err["message"] and "characters" not in err["message"], err
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_no_error(server):
+    """Half a body, then the connection closes: no 5xx, no traceback in the log."""
+    def completions_requests() -> float:
+        return sum(v for (name, labels), v in server.metrics().items()
+                   if name == "dflash_requests_total" and dict(labels)["endpoint"] == "/v1/completions")
+
+    before = completions_requests()
+    port = int(server.base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n"
+                     b'{"prompt": "' + b"x" * 100)
+    while completions_requests() == before:  # until the server has finished with it
+        time.sleep(0.05)
+    m = server.metrics()
+    statuses = {dict(labels)["status"] for (name, labels) in m if name == "dflash_requests_total"}
+    assert not [s for s in statuses if s.startswith("5")], statuses
+    assert server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+    assert "Traceback" not in server.log.read_text(), server.log.read_text()
+
+
 def test_auth_and_routes(server):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     for key in (None, "sk-wrong"):
@@ -450,6 +492,7 @@ def test_concurrent_streams_with_disconnects(server, cli_reference, capsys):
     leaver_tokens = generated - stayed_tokens
     assert 0 < leaver_tokens < len(leavers) * 400 / 2, leaver_tokens  # cut long before their 400 tokens
     assert m[("dflash_queue_depth", ())] == 0
+    assert "Traceback" not in server.log.read_text()  # clients that leave are no server error
     times = ", ".join(f"{results[i]['time']:.2f}" for i in range(n_clients))
     with capsys.disabled():
         print(f"\n[concurrency] {n_clients} clients: {n_clients - len(leavers)} full streams, 2 streams that disconnect "
@@ -488,44 +531,79 @@ def test_serve_refuses_a_busy_port_before_loading_models(capsys):
     assert len(err) == 1 and "cannot listen on 127.0.0.1" in err[0], err
 
 
-def test_sigint_during_a_stream_ends_it_cleanly(tmp_path):
-    """Ctrl-C while a client streams: the stream ends with [DONE], the server exits
-    promptly and logs no traceback."""
+def _wait_until_up(proc: subprocess.Popen, base: str, log: Path, timeout_s: float = 180) -> None:
+    deadline = time.time() + timeout_s
+    while True:
+        assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{log.read_text()}"
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, f"the server did not come up:\n{log.read_text()}"
+        time.sleep(0.2)
+
+
+def _assert_openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and "\n" not in err["message"], err
+    return err
+
+
+def test_sigint_ends_every_request_cleanly(tmp_path):
+    """Ctrl-C while one client streams and another waits in the queue: the stream ends
+    with an error event and [DONE], the queued request gets a 503 with OpenAI's error
+    JSON, the server exits promptly and logs no traceback."""
     import signal
 
     port = _free_port()
     log = tmp_path / "server.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            # the shipped pair, block size 1, the whole 4096-token context: a stream that would
-            # run for many seconds, longer than uvicorn's 5 s graceful-shutdown time
+            # the shipped pair, block size 1, 4000 tokens: a stream that would run for many
+            # seconds, longer than uvicorn's 5 s graceful-shutdown time
             [sys.executable, "-m", "dflash_torch.cli", "serve", "--port", str(port), "--model-name", "x", "--block-size", "1"],
             stdout=fh, stderr=subprocess.STDOUT, env=_env())
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, log.read_text()
-            time.sleep(0.2)
-        body = {"model": "x", "prompt": PROMPT, "stream": True, "temperature": 0}  # no max_tokens: the whole context
-        events = []
+    events, queued = [], {}
+    streaming = threading.Event()
+
+    def stream():
+        body = {"model": "x", "prompt": PROMPT, "stream": True, "temperature": 0, "max_tokens": 4000, "ignore_eos": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if len(events) == 3:
-                        proc.send_signal(signal.SIGINT)
-        assert events[-1] == "[DONE]"
-        assert len(events) < 1000  # cut short, not run to the end of the context
+                        streaming.set()
+
+    def wait_in_queue():
+        body = {"model": "x", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        queued["response"] = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+
+    try:
+        _wait_until_up(proc, base, log, 120)
+        clients = [threading.Thread(target=stream)]
+        clients[0].start()
+        assert streaming.wait(60), log.read_text()
+        clients.append(threading.Thread(target=wait_in_queue))
+        clients[1].start()
+        while "dflash_queue_depth 2.0" not in httpx.get(f"{base}/metrics", timeout=10).text:
+            time.sleep(0.05)  # until the second request waits behind the stream
+        proc.send_signal(signal.SIGINT)
+        for t in clients:
+            t.join(60)
         assert proc.wait(20) in (0, 130)  # 130: the conventional status after Ctrl-C
     finally:
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
+    assert events[-1] == "[DONE]" and len(events) < 1000, events[-3:]  # cut short, not run to the end
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "server_error" and err["code"] == "server_shutting_down", err
+    assert all("choices" in json.loads(e) for e in events[:-2])
+    err = _assert_openai_error(queued["response"], 503)
+    assert err["code"] == "server_shutting_down", err
     assert "Traceback" not in text and "CancelledError" not in text, text

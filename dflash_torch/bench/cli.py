@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
+from .. import compute
 from ..errors import DFlashError
+from ..options import check_max_new_tokens, resolve_device, resolve_dtype
 
 
 def register(sub) -> None:
@@ -150,16 +152,22 @@ def _plots(report: dict, out: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import resolve_dtype
+    # all of bench's torch work (its engine's too) on this thread: one OpenMP thread team
+    with compute.this_thread():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..cli import set_threads
     from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
     from .modes import ALL_MODES, divergences, load_prompts, run_modes
     from .shapes import SHAPES, build_drafter, round_vs_step
     from .sweep import context_sweep
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.max_new_tokens < 1:
-        raise DFlashError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    set_threads(args)
+    check_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
+    resolve_dtype(args.dtype)  # (checked again by from_pretrained; here before --out is created)
+    resolve_device(args.device)
     if args.num_prompts < 0:
         raise DFlashError(f"--num-prompts must be >= 0 (0 = all), got {args.num_prompts}")
     if args.no_draft or args.compile or args.draft_mode != "inject":

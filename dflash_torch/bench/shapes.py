@@ -407,6 +407,6 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         "moe": None if cfg.moe is None else {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k},
         "projected_speedup": {k: tau * step / rnd for k, tau in PUBLISHED_TAU.items()},
     }
-    del target, drafter, base, spec
+    target = drafter = base = spec = None  # free the large weights before the next shape is built
     gc.collect()
     return result

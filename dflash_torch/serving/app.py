@@ -4,10 +4,15 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
 
 Generation runs on one worker thread (see :mod:`.worker`); requests queue in front of
-it in arrival order. Errors use OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``: 400 for any invalid or
-unsupported input, 401 for a missing or wrong API key, 404 for an unknown model or
-route; a 500 means a server bug.
+it in arrival order, once their prompt is tokenized and fits the context (tokenizing
+runs in a thread of its own, so it holds neither the engine nor the event loop). A
+prompt longer than the engine's ``max_prompt_chars`` cannot fit and is refused before
+it is tokenized; a body larger than 12 bytes per such character + 1 MiB is dropped as
+it arrives. Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
+400 for any invalid or unsupported input, 401 for a missing or wrong API key, 404 for
+an unknown model or route, 413 for a body over that limit, 503 once the server shuts
+down (a stream that fails after it started ends with an error event and ``[DONE]``);
+a 500 means a server bug.
 
 Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
 completions and the rest of the context for chat. Extensions: ``top_k``,
@@ -29,11 +34,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import DFlashError
+from ..options import check_api_key
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error, unsupported_field
-from .worker import EngineWorker, Event, GenerationJob
+from .worker import EngineWorker, Event, GenerationJob, ShuttingDown, fit_max_tokens, param_of
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5
@@ -45,6 +52,15 @@ class APIError(Exception):
                  type: str = "invalid_request_error"):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry the request later", type="server_error",
+                    code="server_shutting_down")
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
@@ -95,13 +111,20 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     Args:
         engine: a loaded :class:`~dflash_torch.engine.DFlashEngine`.
         api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``
-            (``/health`` and ``/metrics`` stay open).
+            (``/health`` and ``/metrics`` stay open); surrounding whitespace is dropped.
         model_name: the model id clients must use (default: ``engine.name``).
+
+    Raises:
+        DFlashError: an empty API key or one that is not printable ASCII.
     """
+    api_key = check_api_key(api_key)
     model_id = model_name or engine.name
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
     worker = EngineWorker(engine, metrics)
     created = int(time.time())
+    # no prompt longer than max_prompt_chars characters fits the context, and JSON spells a
+    # character in at most 12 bytes (an escaped surrogate pair); 1 MiB for everything else
+    max_body = 12 * engine.max_prompt_chars + 2**20
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -116,6 +139,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)  # (nginx's "client closed request"; only the metrics see it)
 
     @app.exception_handler(DFlashError)
     async def _dflash_error(request: Request, exc: DFlashError):
@@ -149,8 +176,25 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
+    async def read_body(request: Request) -> bytes:
+        """The body, unless it is larger than ``max_body``: then the rest is read and dropped
+        (a client still sending would get a reset instead of the answer) and it is a 413."""
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size <= max_body:
+                    chunks.append(chunk)
+        except ClientDisconnect:  # it left while sending: nobody to answer
+            raise ClientGone() from None
+        if size > max_body:
+            raise APIError(413, f"the request body ({size} bytes) is larger than this server accepts ({max_body} bytes: "
+                                f"no longer prompt fits the model's context of {engine.max_context} tokens)",
+                           code="request_too_large")
+        return b"".join(chunks)
+
     async def parse(request: Request, schema):
-        body = await request.body()
+        body = await read_body(request)
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -191,18 +235,34 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             except asyncio.TimeoutError:
                 continue
 
-    def raise_job_error(ev: Event) -> None:
+    def job_error(ev: Event) -> APIError | None:
+        """The error a job's ``error`` / ``fatal`` / ``unavailable`` event stands for."""
         if ev.kind == "error":
             message, param = ev.value
-            raise APIError(400, message, param=param)
+            return APIError(400, message, param=param)
         if ev.kind == "fatal":
-            raise APIError(500, f"generation failed: {ev.value}", type="server_error")
+            return APIError(500, f"generation failed: {ev.value}", type="server_error")
+        if ev.kind == "unavailable":
+            return shutting_down()
+        return None
+
+    def raise_job_error(ev: Event) -> None:
+        if (err := job_error(ev)) is not None:
+            raise err
 
     async def run(request: Request, req, prompt, chat: bool, default_max_tokens: int | None, kind: str):
-        loop = asyncio.get_running_loop()
-        job = GenerationJob(prompt=prompt, chat=chat, max_tokens=req.requested_max_tokens(),
-                            default_max_tokens=default_max_tokens, kwargs=req.sampling_kwargs(), loop=loop)
-        worker.submit(job)
+        arrived = time.perf_counter()
+        try:  # in a thread, before the job queues for the engine: a long prompt holds neither
+            ids = await asyncio.to_thread(engine.encode_prompt, prompt, chat)
+            max_new_tokens = fit_max_tokens(engine, len(ids), req.requested_max_tokens(), default_max_tokens)
+        except DFlashError as exc:
+            raise APIError(400, str(exc), param=param_of(exc)) from None
+        job = GenerationJob(prompt_ids=ids, max_new_tokens=max_new_tokens, kwargs=req.sampling_kwargs(),
+                            loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived)
+        try:
+            worker.submit(job)
+        except ShuttingDown:
+            raise shutting_down() from None
         try:
             ev = await next_event(job, request)  # waits in the queue, then for prefill
             if ev is None:
@@ -278,11 +338,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             ev = await job.queue.get()
             if ev.kind == "done":
                 break
-            if ev.kind == "error":
-                yield _sse(error_body(ev.value[0], param=ev.value[1]))
-                return
-            if ev.kind == "fatal":
-                yield _sse(error_body(f"generation failed: {ev.value}", "server_error"))
+            if (err := job_error(ev)) is not None:  # the status is sent: an error event, then the end
+                yield _sse(error_body(err.message, err.type, err.param, err.code))
+                yield "data: [DONE]\n\n"
                 return
             chunk = ev.value
             n_tokens += len(chunk.token_ids)

@@ -7,6 +7,7 @@ import argparse
 import os
 
 from ..errors import DFlashError
+from ..options import check_api_key
 
 
 def register(sub) -> None:
@@ -33,8 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not 1 <= args.port <= 65535:
         raise DFlashError(f"--port must be in [1, 65535], got {args.port}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise DFlashError("--api-key must not be empty")
+    api_key = check_api_key(args.api_key, "--api-key (or $DFLASH_API_KEY)")
     import socket
 
     try:  # fail before loading models when the address is taken
@@ -46,10 +46,20 @@ def _serve(args: argparse.Namespace) -> int:
     if args.compile:
         print("dflash-torch: compiling the decoding graphs (one-off) ...", flush=True)
         print(f"dflash-torch: compiled in {engine.warmup():.1f} s", flush=True)
-    app = create_app(engine, api_key=args.api_key, model_name=args.model_name)
+    app = create_app(engine, api_key=api_key, model_name=args.model_name)
     print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "
           f"(block size {engine.block_size}, context {engine.max_context})", flush=True)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # Ctrl-C / SIGTERM: end the generations first (a queued request gets a 503, a stream an
+            # error event and [DONE], a running round finishes) rather than when uvicorn's graceful
+            # time runs out and it cancels them (a bare 500, a stream cut short, a traceback)
+            app.state.worker.shutdown()
+            await super().shutdown(sockets=sockets)
+
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = Server(config)
     server.run()
     return 0 if server.started else 1
+

@@ -2,12 +2,15 @@
 
 The engine is synchronous and runs one sequence at a time, so every generation runs
 as one job on a single-thread executor: jobs wait their turn in the executor's FIFO
-queue, and all tokenizer and model work happens on that one thread. A job encodes
-the prompt, checks it against the context, and pulls chunks from
-:meth:`DFlashEngine.stream`, handing each one to the request's asyncio queue. A
-request that goes away sets the job's ``cancelled`` event: a waiting job is skipped,
-a running one closes the engine's generator after the current round, which frees the
-engine for the next job.
+queue (the engine runs each round on its compute thread, see :mod:`dflash_torch.compute`).
+A job arrives tokenized and checked against the context (:func:`fit_max_tokens`: the
+app does both before it queues the job, so a long prompt never holds the engine) and
+runs :meth:`DFlashEngine.generate` (the whole generation one call on the compute thread,
+no hand-off per round), whose chunk callback hands each chunk to the request's asyncio
+queue (a request that does not stream gets its whole output in one event: the event
+loop wakes once, not once per round, and leaves the cores to the decoding). A request
+that goes away sets the job's ``cancelled`` event: a waiting job is skipped, a running
+one stops after the current round, which frees the engine for the next job.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..engine import StreamChunk
 from ..errors import DFlashError
 from .metrics import ServerMetrics
 
@@ -48,23 +52,52 @@ def param_of(exc: DFlashError) -> str | None:
     return None
 
 
+class ShuttingDown(Exception):
+    """The server is shutting down: no new jobs."""
+
+
+class _Cancelled(Exception):
+    """Raised by a job's chunk callback: its request went away."""
+
+
 @dataclass
 class Event:
     """What a job reports: ``start`` (prompt_tokens), ``chunk`` (a StreamChunk),
-    ``error`` (a user error: ``(message, param)``), ``fatal`` (a server error: message), ``done``."""
+    ``error`` (a user error: ``(message, param)``), ``fatal`` (a server error: message),
+    ``unavailable`` (the server is shutting down), ``done``."""
 
     kind: str
     value: object = None
 
 
+def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: int | None) -> int:
+    """Tokens to generate for a prompt of ``prompt_tokens``: ``requested``, else ``default``
+    cut to the context, else the whole rest of the context.
+
+    Raises:
+        ParamError: an empty prompt, or a prompt (+ ``requested``) that does not fit.
+    """
+    if prompt_tokens == 0:  # (engine.stream([]) would read [] as an empty chat conversation)
+        raise ParamError("the prompt is empty (0 tokens)", "prompt")
+    room = engine.max_context - prompt_tokens
+    if room < 1:
+        raise ParamError(f"the prompt ({prompt_tokens} tokens) does not fit the model's context of "
+                         f"{engine.max_context} tokens (at least one token must be generated)", "prompt")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise ParamError(f"max_tokens ({requested}) + the prompt ({prompt_tokens} tokens) exceed the model's "
+                         f"context of {engine.max_context} tokens; use at most {room}", "max_tokens")
+    return requested
+
+
 @dataclass(eq=False)
 class GenerationJob:
-    prompt: object                     # text, chat messages or token ids
-    chat: bool
-    max_tokens: int | None             # None: default_max_tokens, clamped to the context
-    default_max_tokens: int | None     # None: the whole remaining context
+    prompt_ids: list[int]
+    max_new_tokens: int
     kwargs: dict                       # sampling / stop arguments of engine.stream
     loop: asyncio.AbstractEventLoop
+    stream: bool = True                # False: one chunk event with the whole output
     arrived: float = field(default_factory=time.perf_counter)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -88,18 +121,31 @@ class EngineWorker:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-engine")
         self._jobs: set[GenerationJob] = set()
         self._jobs_lock = threading.Lock()
+        self.closed = False
 
     def submit(self, job: GenerationJob) -> None:
+        """Queue ``job``.
+
+        Raises:
+            ShuttingDown: after :meth:`shutdown`.
+        """
         with self._jobs_lock:
+            if self.closed:
+                raise ShuttingDown()
             self._jobs.add(job)
         self.metrics.queue_depth.inc()
         self.executor.submit(self._run, job)
 
     def shutdown(self) -> None:
-        """Cancel every job (a running one stops after its current round) and drop the queue."""
+        """Refuse new jobs and end every job now: each gets an ``unavailable`` event at once
+        (its request answers without waiting for the engine); a waiting job is dropped, a
+        running one stops after its current round. Idempotent."""
         with self._jobs_lock:
-            for job in self._jobs:
-                job.cancel()
+            self.closed = True
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.cancel()
+            job.put("unavailable")
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def _run(self, job: GenerationJob) -> None:
@@ -120,38 +166,33 @@ class EngineWorker:
             job.put("done")
 
     def _generate(self, job: GenerationJob) -> None:
-        engine = self.engine
-        ids = engine.encode_prompt(job.prompt, job.chat)
-        if not ids:  # (engine.stream([]) would read [] as an empty chat conversation)
-            raise ParamError("the prompt is empty (0 tokens)", "prompt")
-        room = engine.max_context - len(ids)
-        if room < 1:
-            raise ParamError(f"the prompt ({len(ids)} tokens) does not fit the model's context of "
-                             f"{engine.max_context} tokens (at least one token must be generated)", "prompt")
-        max_tokens = job.max_tokens
-        if max_tokens is None:
-            max_tokens = room if job.default_max_tokens is None else min(job.default_max_tokens, room)
-        elif max_tokens > room:
-            raise ParamError(f"max_tokens ({max_tokens}) + the prompt ({len(ids)} tokens) exceed the model's "
-                             f"context of {engine.max_context} tokens; use at most {room}", "max_tokens")
-        gen = engine.stream(ids, max_new_tokens=max_tokens, **job.kwargs)
-        try:
-            first, ttft_seen = True, False
-            for chunk in gen:
-                if first:  # the engine validated the request: it has started
-                    job.put("start", len(ids))
-                    self.metrics.prompt_tokens.inc(len(ids))
-                    first = False
-                if chunk.token_ids:
-                    self.metrics.generated_tokens.inc(len(chunk.token_ids))
-                if chunk.stats is not None:
-                    self.metrics.observe_rounds(list(chunk.stats.acceptance_lengths))
-                if chunk.token_ids and not ttft_seen:
-                    ttft_seen = True
+        ids = job.prompt_ids
+        text, token_ids = [], []  # a non-streamed request's output so far
+        seen = {"start": False, "token": False}
+
+        def on_chunk(chunk: StreamChunk) -> None:  # on the engine's compute thread, as rounds commit
+            if not seen["start"]:  # the engine validated the request: it has started
+                seen["start"] = True
+                job.put("start", len(ids))
+                self.metrics.prompt_tokens.inc(len(ids))
+            if chunk.token_ids:
+                self.metrics.generated_tokens.inc(len(chunk.token_ids))
+                if not seen["token"]:
+                    seen["token"] = True
                     self.metrics.ttft.observe(time.perf_counter() - job.arrived)
+            if chunk.stats is not None:
+                self.metrics.observe_rounds(list(chunk.stats.acceptance_lengths))
+            if job.stream:
                 job.put("chunk", chunk)
-                if job.cancelled.is_set() and chunk.finish_reason is None:
-                    self.metrics.cancelled.inc()
-                    break
-        finally:
-            gen.close()  # releases the engine's lock and its decoding state
+            else:  # one event (one wake-up of the event loop) for the whole output
+                text.append(chunk.text)
+                token_ids.extend(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    job.put("chunk", StreamChunk("".join(text), token_ids, chunk.finish_reason, chunk.stats))
+            if job.cancelled.is_set() and chunk.finish_reason is None:
+                raise _Cancelled()  # stops the generation after this round
+
+        try:  # the whole generation is one call on the compute thread: no hand-off per round
+            self.engine.generate(ids, on_chunk=on_chunk, max_new_tokens=job.max_new_tokens, **job.kwargs)
+        except _Cancelled:
+            self.metrics.cancelled.inc()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..checkpoint import resolve_dtype
 from ..errors import DFlashError
+from ..options import check_threads
 from .trainer import ARCHS, CHECKPOINT, TrainConfig, Trainer
 
 # the drafter's shape: with --init-from it comes from the source drafter
@@ -97,11 +98,11 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
                 "--num-layers": cfg.num_layers, "--eval-every": args.eval_every, "--ckpt-every": args.ckpt_every}
     if args.steps is not None:
         positive["--steps"] = args.steps
-    if args.num_threads is not None:
-        positive["--threads"] = args.num_threads
     for name, value in positive.items():
         if value < 1:
             raise DFlashError(f"{name} must be >= 1, got {value}")
+    if args.num_threads is not None:
+        check_threads(args.num_threads, "--threads")
     for name, value in {"--lr": args.lr, "--time-budget-min": args.time_budget_min, "--gamma": args.gamma}.items():
         if value is not None and not value > 0:
             raise DFlashError(f"{name} must be > 0, got {value}")

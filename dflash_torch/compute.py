@@ -1,0 +1,141 @@
+"""The process's one torch compute thread.
+
+The torch CPU wheel runs its parallel ops with GNU OpenMP (libgomp), which gives every
+thread that runs a parallel op its own team of worker threads, kept until that thread
+exits. libgomp counts the threads of all teams; once they outnumber the cores (two
+Python threads that each ran torch ops with 2 threads, on 2 cores), every team's
+threads stop spinning between parallel regions ("throttled" spin) and sleep instead,
+so each op pays a futex wake-up. On a 2-core CPU a 16x256 @ 256x768 linear takes about
+80 us when one thread owns a team and about 200 us on either thread once two do.
+
+So all of the engine's torch work (loading, warm-up, every decoding round) runs on one
+thread per process, whichever thread calls the engine: :func:`run` hands a function to
+it and returns its result (a prompt is still tokenized in the calling thread).
+Code that mixes its own torch work with an engine's in one process should run it
+through :func:`run` too. That thread is a dedicated one, or, inside
+``with this_thread():``, the calling thread itself: a program whose torch work all
+starts from one thread (``generate``, ``bench``) then runs it there, and Ctrl-C
+interrupts it as usual.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import queue
+import threading
+from concurrent import futures
+from concurrent.futures import Future
+from typing import Callable, Iterator, TypeVar
+
+import torch
+
+from .options import check_threads
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_tasks: queue.SimpleQueue = queue.SimpleQueue()
+_closed = False
+_claimed: threading.Thread | None = None  # the thread inside ``this_thread()``, if any
+_running: Future | None = None  # the call running on the dedicated thread
+_interrupted: set[Future] = set()  # calls whose caller got Ctrl-C and waits for them to end
+
+
+def _loop() -> None:
+    global _running
+    while True:
+        item = _tasks.get()
+        if item is None:
+            return
+        fn, args, kwargs, future = item
+        if not future.set_running_or_notify_cancel():
+            continue
+        _running = future
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # handed to the caller, which re-raises it
+            future.set_exception(exc)
+        _running = None
+        del item, fn, args, kwargs, future  # no reference to the task outlives it
+
+
+def _start() -> threading.Thread | None:
+    global _thread
+    with _lock:
+        if _thread is None and not _closed:
+            _thread = threading.Thread(target=_loop, name="dflash-compute", daemon=True)
+            _thread.start()
+        return _thread
+
+
+@atexit.register
+def _stop() -> None:
+    """At exit (after every non-daemon thread ended): later calls run inline."""
+    global _closed
+    with _lock:
+        _closed = True
+        if _thread is not None:
+            _tasks.put(None)
+
+
+@contextlib.contextmanager
+def this_thread() -> Iterator[None]:
+    """Within the block, :func:`run` called from this thread runs inline: this thread is
+    the compute thread (calls from other threads still go to the dedicated one)."""
+    global _claimed
+    previous, _claimed = _claimed, threading.current_thread()
+    try:
+        yield
+    finally:
+        _claimed = previous
+
+
+def run(fn: Callable[..., T], *args, **kwargs) -> T:
+    """Call ``fn(*args, **kwargs)`` on the compute thread and return its result.
+
+    Calls run one at a time in arrival order; a call made on the compute thread itself
+    (see :func:`this_thread`), or after interpreter shutdown began, runs inline. An
+    exception raised by ``fn`` is raised here. A caller interrupted by Ctrl-C waits for
+    ``fn`` to end (see :func:`interrupted`; a second Ctrl-C stops waiting), then raises
+    ``KeyboardInterrupt``.
+    ``fn`` must not wait for another thread's engine call: that call waits for ``fn``.
+    """
+    current = threading.current_thread()
+    if current is _claimed:
+        return fn(*args, **kwargs)
+    thread = _thread or _start()
+    future: Future = Future()
+    with _lock:  # (a task queued after _stop's sentinel would never run)
+        inline = _closed or current is thread
+        if not inline:
+            _tasks.put((fn, args, kwargs, future))
+    if inline:
+        return fn(*args, **kwargs)
+    try:
+        return future.result()
+    except BaseException:  # interrupted (Ctrl-C) while fn runs: let fn end before the interrupt
+        # unwinds (an interpreter that exits under a running torch op aborts the process)
+        _interrupted.add(future)
+        with contextlib.suppress(BaseException):  # a second Ctrl-C stops waiting
+            futures.wait([future])
+        _interrupted.discard(future)
+        raise
+    finally:
+        del future  # a raised exception's traceback would keep the result alive
+
+
+def interrupted() -> bool:
+    """Whether the caller of the running call was interrupted (Ctrl-C) and waits for it to
+    end: a long call should check it between steps and stop."""
+    return _running is not None and _running in _interrupted and threading.current_thread() is _thread
+
+
+def set_num_threads(n: int, name: str = "threads") -> None:
+    """``torch.set_num_threads(n)`` for the compute thread (and torch's default for new threads).
+
+    Raises:
+        DFlashError: ``n`` is not an integer >= 1 (``name`` is the option's name in the message).
+    """
+    run(torch.set_num_threads, check_threads(n, name))

@@ -1,0 +1,139 @@
+"""One validation for each option that several commands and the Python API share.
+
+``generate``, ``serve``, ``bench`` and ``train`` (where they take the option), the
+Python API (:meth:`DFlashEngine.from_pretrained`, :meth:`DFlashEngine.stream`,
+:func:`dflash_torch.compute.set_num_threads`, :func:`dflash_torch.serving.create_app`)
+and the server check these values here and nowhere else. Each function returns the
+normalised value or raises :class:`DFlashError` with one line; ``name`` is how the
+caller spells the option (``--threads`` on the command line, ``threads`` in Python).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .errors import DFlashError
+
+SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+MIN_CONTEXT = 2  # one prompt token and one generated token
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_threads(value, name: str = "threads") -> int:
+    """CPU threads for torch: an integer >= 1."""
+    if not _is_int(value) or value < 1:
+        raise DFlashError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def check_max_context(value, limit: int, name: str = "max_context") -> int | None:
+    """Longest prompt + generation in tokens: None (the target's ``limit``) or an integer in
+    [2, limit] (a prompt token and a generated token need 2)."""
+    if value is not None and (not _is_int(value) or not MIN_CONTEXT <= value <= limit):
+        raise DFlashError(f"{name} must be an integer in [{MIN_CONTEXT}, {limit}] (the target's "
+                          f"max_position_embeddings), got {value!r}")
+    return value
+
+
+def check_block_size(value, trained: int | None, name: str = "block size") -> int | None:
+    """Tokens per draft block: None (the drafter's ``trained`` block size) or an integer in
+    [1, trained]; ``trained`` None means target-only decoding, where only None or 1 fit."""
+    if trained is None:
+        if value not in (None, 1) or isinstance(value, bool):
+            raise DFlashError(f"{name} {value!r} needs a drafter (target-only decoding commits one token per step)")
+        return value
+    if value is not None and (not _is_int(value) or not 1 <= value <= trained):
+        raise DFlashError(f"{name} must be an integer in [1, {trained}] (the drafter's trained block size), got {value!r}")
+    return value
+
+
+def resolve_dtype(value: str | torch.dtype, name: str = "dtype") -> torch.dtype:
+    """A dtype name (``float32``, ``bfloat16`` or an alias such as ``bf16``) or torch dtype.
+
+    Raises:
+        DFlashError: float16 (its range overflows in these models' activations on CPU;
+            use bfloat16) and any other unsupported value.
+    """
+    if isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")
+    if not isinstance(value, str):
+        raise DFlashError(f"{name} must be a name such as 'float32' or 'bfloat16', got {value!r}")
+    key = _DTYPE_ALIASES.get(value.strip().lower(), value.strip().lower())
+    if key == "float16":
+        raise DFlashError(f"{name} float16 is not supported (activations can overflow); use bfloat16 or float32")
+    if key not in SUPPORTED_DTYPES:
+        raise DFlashError(f"unsupported {name} {value!r}; choose one of {', '.join(SUPPORTED_DTYPES)}")
+    return SUPPORTED_DTYPES[key]
+
+
+def resolve_device(value: str | torch.device, name: str = "device") -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N`` (CUDA must be available)."""
+    if not isinstance(value, (str, torch.device)):
+        raise DFlashError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    try:
+        dev = torch.device(value)
+    except RuntimeError:
+        raise DFlashError(f"invalid {name} {value!r}; use cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise DFlashError(f"unsupported {name} {value!r}; use cpu or cuda")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DFlashError(f"{name} {value!r} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DFlashError(f"{name} {value!r}: there are {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def check_api_key(value: str | None, name: str = "api_key") -> str | None:
+    """An API key without its surrounding whitespace (a key read from a file keeps its
+    newline); None means no key. It must be visible ASCII (an HTTP header carries it)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise DFlashError(f"{name} must be a string, got {type(value).__name__}")
+    key = value.strip()
+    if not key:
+        raise DFlashError(f"{name} must not be empty")
+    if not all("!" <= c <= "~" for c in key):
+        raise DFlashError(f"{name} must be printable ASCII without spaces (it is sent in an HTTP header)")
+    return key
+
+
+def check_stop(value: str | Sequence[str] | None, name: str = "stop") -> list[str]:
+    """Stop strings: a non-empty string or a list of them; None means none."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+        raise DFlashError(f"{name} must be a string or a list of strings")
+    if any(s == "" for s in value):
+        raise DFlashError(f"{name} strings must not be empty")
+    return list(value)
+
+
+def check_stop_token_ids(value: int | Sequence[int] | None, vocab_size: int, name: str = "stop token ids") -> list[int]:
+    """Stop token ids: an id or a list of ids in [0, vocab_size); None means none."""
+    if value is None:
+        return []
+    if _is_int(value):
+        value = [value]
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(_is_int(t) for t in value):
+        raise DFlashError(f"{name} must be an integer or a list of integers, got {value!r}")
+    bad = [t for t in value if not 0 <= t < vocab_size]
+    if bad:
+        raise DFlashError(f"{name} must be in [0, {vocab_size}) (the vocabulary), got {bad[0]}")
+    return list(value)
+
+
+def check_max_new_tokens(value, name: str = "max_new_tokens") -> int:
+    """Generated tokens: an integer >= 1."""
+    if not _is_int(value) or value < 1:
+        raise DFlashError(f"{name} must be an integer >= 1, got {value!r}")
+    return value

@@ -1,0 +1,144 @@
+"""All of an engine's torch work runs on one thread, whichever threads call it.
+
+(torch's OpenMP runtime gives every thread that runs parallel ops its own thread team;
+two teams on the same cores slow every op of both: see dflash_torch/compute.py.) The
+threads are observed with torch's own global module hooks: the thread that registers
+the models' parameters (loading) and the thread of every forward pass (warm-up and
+decoding)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from torch.nn.modules.module import register_module_forward_pre_hook, register_module_parameter_registration_hook
+
+from dflash_torch import DFlashEngine
+
+PROMPT = "def f(x):"
+
+
+def _in_thread(fn):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(value=fn()))
+    t.start()
+    t.join(120)
+    assert not t.is_alive()
+    return out["value"]
+
+
+def test_loading_warmup_and_every_round_run_on_one_thread_whoever_calls(tiny_pair):
+    seen: dict[str, set[int]] = {"load": set(), "forward": set()}
+    hooks = [
+        register_module_parameter_registration_hook(lambda m, name, p: seen["load"].add(threading.get_ident())),
+        register_module_forward_pre_hook(lambda m, args: seen["forward"].add(threading.get_ident())),
+    ]
+    try:
+        engine = DFlashEngine.from_pretrained(*tiny_pair)  # from this thread
+        engine.warmup(max_new_tokens=4)
+        ref = engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True)
+        from_thread = _in_thread(lambda: engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True))
+        # a stream opened here and finished in another thread
+        stream = engine.stream(PROMPT, max_new_tokens=12, ignore_eos=True)
+        first = next(stream)
+        rest = _in_thread(lambda: list(stream))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert from_thread.token_ids == ref.token_ids
+    assert first.token_ids + [t for c in rest for t in c.token_ids] == ref.token_ids
+    assert seen["load"] and seen["forward"]
+    assert seen["load"] == seen["forward"], seen  # decoding runs where the weights were loaded
+    assert len(seen["forward"]) == 1 and threading.get_ident() not in seen["forward"], seen
+
+
+
+def test_ctrl_c_while_the_compute_thread_loads_waits_for_it(tiny_pair):
+    """Ctrl-C in a caller waiting for the compute thread: the running step ends first, then
+    the caller gets KeyboardInterrupt (an interpreter exiting under a running torch op
+    would abort the process)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, signal
+        from torch.nn.modules.module import register_module_parameter_registration_hook
+        from dflash_torch import DFlashEngine, compute
+
+        registered = []
+        def hook(module, name, param):  # on the compute thread, while it loads
+            registered.append(name)
+            if len(registered) == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+        register_module_parameter_registration_hook(hook)
+        try:
+            DFlashEngine.from_pretrained({str(tiny_pair[0])!r}, {str(tiny_pair[1])!r})
+        except KeyboardInterrupt:
+            at_interrupt = len(registered)
+            compute.run(lambda: None)  # the compute thread is idle after this
+            print("interrupted", at_interrupt, len(registered))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    word, at_interrupt, total = proc.stdout.split()
+    assert word == "interrupted" and int(at_interrupt) == int(total) > 1, proc.stdout
+
+
+def test_generate_runs_whole_on_the_compute_thread_and_on_chunk_sees_every_chunk(tiny_pair):
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    ref = list(engine.stream(PROMPT, max_new_tokens=20, ignore_eos=True))
+    seen, threads = [], set()
+
+    def on_chunk(chunk):
+        seen.append(chunk)
+        threads.add(threading.get_ident())
+
+    out = engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True, on_chunk=on_chunk)
+    assert [c.token_ids for c in seen] == [c.token_ids for c in ref] and [c.text for c in seen] == [c.text for c in ref]
+    assert out.token_ids == [t for c in ref for t in c.token_ids] and seen[-1].finish_reason == out.finish_reason
+    assert len(threads) == 1 and threading.get_ident() not in threads  # the compute thread
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_third(chunk):
+        seen.append(chunk)
+        if len(seen) == 3:
+            raise Stop()
+
+    seen.clear()
+    with pytest.raises(Stop):
+        engine.generate(PROMPT, max_new_tokens=200, ignore_eos=True, on_chunk=stop_at_third)
+    assert len(seen) == 3
+    assert engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True).token_ids == out.token_ids  # the engine is free
+
+
+def test_ctrl_c_stops_a_generate_after_the_current_round(tiny_pair):
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, signal
+        from dflash_torch import DFlashEngine
+
+        engine = DFlashEngine.from_pretrained({str(tiny_pair[0])!r}, {str(tiny_pair[1])!r}, block_size=1)
+        chunks = []
+        def on_chunk(chunk):  # on the compute thread
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+        try:
+            engine.generate("def f(x):", max_new_tokens=900, ignore_eos=True, on_chunk=on_chunk)
+        except KeyboardInterrupt:
+            print("interrupted", len(chunks), len(engine.generate("def f(x):", max_new_tokens=4).token_ids))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    word, chunks, after = proc.stdout.split()
+    assert word == "interrupted" and 3 <= int(chunks) < 10 and after == "4", proc.stdout  # not 900 rounds
