@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sysconfig
 from pathlib import Path
 
@@ -13,6 +14,13 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_torch.models.config import DFlash2Settings, DrafterConfig, default_target_layer_ids
+
+# A shell that runs a job in the background without job control (``cmd &`` in a script)
+# starts it with SIGINT ignored, and every child inherits that: the Ctrl-C tests'
+# subprocesses would never get a KeyboardInterrupt. Python's own handler here makes the
+# children start with the default disposition (a handler does not survive exec; "ignore" does).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # One intra-op thread: the test models are tiny, and on a shared, loaded machine two
 # spinning OpenMP threads per process slow every forward pass down by orders of magnitude.
