@@ -268,6 +268,8 @@ REFUSED_TRAIN_OPTIONS = {
     "init-from-dflash2-as-dflash": "is a DFlash 2 drafter; train it with --arch dflash2",
     "conv-group-size": "--conv-group-size 24 does not divide the hidden size 64",
     "top-k-above-vocab": "--selector-top-k 400 exceeds the vocabulary of 320",
+    "self-distill-batch-0": "--self-distill-batch must be >= 1, got 0",
+    "negative-prefix": "--prefix-min must be >= 1, got -5",
 }
 
 
@@ -298,6 +300,11 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
         (out / "train_work" / "checkpoint.pt").write_bytes(b"x")
     elif case == "short-seq":
         args += ["--seq-len", "16", "--block-size", "16"]
+    elif case == "self-distill-batch-0":
+        args += ["--self-distill", "2", "--self-distill-batch", "0", "--seq-len", "64", "--batch", "2", "--val-seqs", "0"]
+    elif case == "negative-prefix":  # (sliced the prompts from the wrong end)
+        args += ["--self-distill", "2", "--prefix-min", "-5", "--prefix-max", "-1", "--seq-len", "64", "--batch", "2",
+                 "--val-seqs", "0"]
     else:
         args += ["--save-dtype", "float16"]
     target_files = {p.name: p.read_bytes() for p in Path(target).iterdir() if p.is_file()}
