@@ -595,3 +595,23 @@ def test_train_cli_refuses_bad_or_too_little_data_in_one_line(tiny_pair, tmp_pat
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("dflash-torch: error: ") and words in err, err
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_training_that_diverges_stops_with_one_line_and_writes_no_drafter(tiny_pair, tmp_path, capsys):
+    """A learning rate that blows the weights up ends training at the first non-finite loss
+    or gradient, before the update reaches the weights: exit 2 with one line, no drafter
+    written (it saved a drafter of NaN weights, which decoded greedily at tau 1 and made
+    sampled decoding raise a torch traceback)."""
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("\n".join(corpus_texts(20_000)))
+    out = tmp_path / "out"
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--steps", "8", "--batch", "2",
+            "--seq-len", "64", "--anchors-per-seq", "4", "--val-seqs", "0", "--warmup-steps", "0", "--lr", "1e8",
+            "--no-progress"]
+    assert cli_main(args) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "dflash-torch: error: training diverged at step" in errors[0] and "--lr" in errors[0], errors
+    assert not (out / "model.safetensors").exists()
