@@ -92,10 +92,11 @@ def test_engine_warmup_builds_the_graphs_of_short_requests(agree_pair):
 
     target_dir, drafter_dir = agree_pair
     torch._dynamo.reset()
+    dynamo_utils.counters.clear()  # (reset() leaves the counters of earlier tests)
     engine = DFlashEngine.from_pretrained(target_dir, drafter_dir, compile=True, max_context=256)
     assert engine.warmup() > 0
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
-    assert graphs >= 4  # prefill, propose, verify, inject
+    assert graphs >= 3  # prefill, propose (with the injection of the last round's rows), verify
     out = engine.generate([5, 17, 99, 3], max_new_tokens=40, ignore_eos=True)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
     reference = DFlashEngine.from_pretrained(target_dir, no_draft=True)
