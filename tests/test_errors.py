@@ -252,6 +252,27 @@ def test_target_with_unused_or_misshaped_weights_is_refused(tmp_path):
     save_file(bad, str(target / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(DFlashError, match="shape"):
         TargetModel.from_pretrained(target, torch.float32)
+    quantized = dict(state)  # integer weights without a quantization_config: a RuntimeError traceback
+    quantized["model.layers.0.self_attn.q_proj.weight"] = state["model.layers.0.self_attn.q_proj.weight"].to(torch.int8)
+    save_file(quantized, str(target / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(DFlashError, match="q_proj.weight has dtype int8"):
+        TargetModel.from_pretrained(target, torch.float32)
+
+
+def test_drafter_with_integer_weights_is_refused(tiny_pair, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dflash_torch.models.drafter import DFlashDrafter
+
+    drafter = tmp_path / "d"
+    shutil.copytree(tiny_pair[1], drafter)
+    state = load_file(str(drafter / "model.safetensors"))
+    state["fc.weight"] = state["fc.weight"].to(torch.int8)
+    save_file(state, str(drafter / "model.safetensors"))
+    with pytest.raises(DFlashError, match="drafter weight fc.weight has dtype int8") as err:
+        DFlashDrafter.from_pretrained(drafter, torch.float32)
+    assert "\n" not in str(err.value)
 
 
 # --- options several commands share: one validation, the same refusal everywhere -----------
