@@ -387,3 +387,16 @@ def test_api_key_is_validated_and_stripped(engine):
     for bad in ("", "  \n", "sk with space", "sk-\u00e9t\u00e9", 42):
         with pytest.raises(DFlashError, match="api_key"):
             create_app(engine, api_key=bad)
+
+
+def test_quantized_drafter_is_refused_like_a_quantized_target(tiny_pair, tmp_path):
+    """A drafter whose config.json has a quantization_config is refused in one line (it
+    loaded its weights as if they were unquantized)."""
+    drafter = tmp_path / "d"
+    shutil.copytree(tiny_pair[1], drafter)
+    cfg = json.loads((drafter / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq"}
+    (drafter / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match="the drafter checkpoint is quantized \\(quant_method 'awq'\\)") as err:
+        DFlashEngine.from_pretrained(tiny_pair[0], drafter)
+    assert "\n" not in str(err.value)
