@@ -148,6 +148,24 @@ def _cfg(tmp: Path, target: Path, data: Path, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def test_a_conversation_that_opens_with_the_assistant_trains_and_self_distills(tiny_pair):
+    """An assistant turn with no turn before it: its whole rendering carries the loss, and
+    its self-distill prompt is empty (skipped); both raised transformers' "Cannot apply
+    chat template to an empty conversation" ValueError traceback."""
+    from transformers import AutoTokenizer
+
+    from dflash_torch.training.data import Corpus, chat_prompt
+    from dflash_torch.training.distill import distill_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    messages = [{"role": "assistant", "content": "def f(x):\n    return sorted(x)\n"}]
+    ex = tokenize_conversation(tok, messages)
+    assert ex.loss_mask.all() and "sorted(x)" in tok.decode(ex.ids.tolist())
+    assert chat_prompt(tok, messages) == []
+    prompts, _ = distill_prompts(tok, Corpus(documents=[], conversations=[messages]), 2, 64)
+    assert prompts == []
+
+
 def test_read_corpus_and_chat_loss_mask(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair
     corpus = read_corpus([_jsonl(tmp_path / "d.jsonl")])
