@@ -221,14 +221,15 @@ class DFlashEngine:
         """Run one short greedy generation so that a compiled engine builds its graphs
         for the first length bucket (256 keys) now rather than in the first request.
         Prompt (up to 8 tokens) and generation (up to ``max_new_tokens``) are cut to fit
-        ``max_context``.
+        ``max_context``, leaving room for two generated tokens (the first comes from the
+        prefill, the second from a decoding round) whenever the context has it.
 
         Returns:
             seconds it took.
         """
         options.check_max_new_tokens(max_new_tokens)
         t0 = time.perf_counter()
-        prompt = [getattr(self.tokenizer, "eos_token_id", None) or 0] * min(8, self.max_context - 1)
+        prompt = [getattr(self.tokenizer, "eos_token_id", None) or 0] * max(1, min(8, self.max_context - 2))
         self.generate(prompt, max_new_tokens=min(max_new_tokens, self.max_context - len(prompt)), ignore_eos=True)
         return time.perf_counter() - t0
 

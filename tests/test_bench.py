@@ -225,3 +225,18 @@ def test_bench_refuses_bad_options_with_one_line(tiny_pair, tmp_path, capsys):
         assert cli_main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], (extra, err)
+
+
+def test_modes_plot_of_target_only_alone_warns_nothing(tmp_path):
+    """``bench --modes target-only``: the acceptance panel has no curve; the plot is written
+    without matplotlib's "No artists with labels found to put in legend" warning."""
+    import warnings
+
+    from dflash_torch.bench.cli import _plots
+
+    report = {"modes": [{"name": "target-only", "decode_tokens_per_second": 100.0, "acceptance_histogram": {"1": 10}}],
+              "sweep": None, "shape_sweeps": []}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _plots(report, tmp_path) == [str(tmp_path / "modes.png")]
+    assert (tmp_path / "modes.png").stat().st_size > 0

@@ -92,11 +92,33 @@ def test_engine_warmup_builds_the_graphs_of_short_requests(agree_pair):
 
     target_dir, drafter_dir = agree_pair
     torch._dynamo.reset()
+    dynamo_utils.counters.clear()  # (reset() leaves the counters of earlier tests)
     engine = DFlashEngine.from_pretrained(target_dir, drafter_dir, compile=True, max_context=256)
     assert engine.warmup() > 0
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
-    assert graphs >= 4  # prefill, propose, verify, inject
+    assert graphs >= 3  # prefill, propose (with the injection of the last round's rows), verify
     out = engine.generate([5, 17, 99, 3], max_new_tokens=40, ignore_eos=True)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
     reference = DFlashEngine.from_pretrained(target_dir, no_draft=True)
     assert out.token_ids == reference.generate([5, 17, 99, 3], max_new_tokens=40, ignore_eos=True).token_ids
+
+
+def test_warmup_builds_the_round_graphs_even_in_a_tiny_context(agree_pair):
+    """``warmup`` runs a decoding round whenever the context has room for one (3 tokens:
+    a prompt token and two generated): with ``--max-context 3`` its prompt filled the
+    context but one token, so no round ran, and ``serve --compile``'s first request
+    compiled the round graphs (10-20 s on this CPU)."""
+    from dflash_torch import DFlashEngine
+
+    target, drafter = _load(agree_pair)
+    spec = DFlashEngine.from_pretrained(agree_pair[0], no_draft=True)
+    for max_context in (3, 9):
+        torch._dynamo.reset()
+        dynamo_utils.counters.clear()
+        engine = DFlashEngine(target, spec.tokenizer, drafter, max_context=max_context, compile=True,
+                              compile_backend="eager")
+        engine.warmup()
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        out = engine.generate([5], max_new_tokens=2, ignore_eos=True)
+        assert out.stats.acceptance_lengths  # a round ran
+        assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, f"max_context {max_context}: compiled after warm-up"

@@ -137,8 +137,11 @@ def test_malformed_dflash2_configs_are_refused_in_one_line(tiny_pair, tmp_path, 
     assert "\n" not in str(err.value) and words in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("case", ["lacks-codebook", "extra-tensor", "wrong-kernel-shape"])
+@pytest.mark.parametrize("case", ["lacks-codebook", "extra-tensor", "wrong-kernel-shape", "nan-codebook"])
 def test_dflash2_weights_must_match_exactly(tiny_pair, tmp_path, case):
+    """Missing, unknown, misshaped and non-finite weights are refused in one line (a NaN
+    codebook, as a diverged training run leaves, made sampled rounds raise torch's
+    "probability tensor contains either inf, nan" from the walk)."""
     target, _ = tiny_pair
     tensors = published_tensors()
     if case == "lacks-codebook":
@@ -147,6 +150,9 @@ def test_dflash2_weights_must_match_exactly(tiny_pair, tmp_path, case):
     elif case == "extra-tensor":
         tensors["candidate_selector.bias"] = torch.zeros(V)
         words = "DFlash 2 drafter does not use"
+    elif case == "nan-codebook":
+        tensors["candidate_selector.predecessor_codebook"][3, 1] = float("nan")
+        words = "drafter weight candidate_selector.predecessor_codebook holds NaN or infinite values"
     else:
         tensors["layers.1.mlp_conv.base_kernel"] = torch.zeros(2, 3, H)
         words = "layers.1.mlp_conv.base_kernel has shape (2, 3, 64)"

@@ -252,6 +252,27 @@ def test_target_with_unused_or_misshaped_weights_is_refused(tmp_path):
     save_file(bad, str(target / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(DFlashError, match="shape"):
         TargetModel.from_pretrained(target, torch.float32)
+    quantized = dict(state)  # integer weights without a quantization_config: a RuntimeError traceback
+    quantized["model.layers.0.self_attn.q_proj.weight"] = state["model.layers.0.self_attn.q_proj.weight"].to(torch.int8)
+    save_file(quantized, str(target / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(DFlashError, match="q_proj.weight has dtype int8"):
+        TargetModel.from_pretrained(target, torch.float32)
+
+
+def test_drafter_with_integer_weights_is_refused(tiny_pair, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dflash_torch.models.drafter import DFlashDrafter
+
+    drafter = tmp_path / "d"
+    shutil.copytree(tiny_pair[1], drafter)
+    state = load_file(str(drafter / "model.safetensors"))
+    state["fc.weight"] = state["fc.weight"].to(torch.int8)
+    save_file(state, str(drafter / "model.safetensors"))
+    with pytest.raises(DFlashError, match="drafter weight fc.weight has dtype int8") as err:
+        DFlashDrafter.from_pretrained(drafter, torch.float32)
+    assert "\n" not in str(err.value)
 
 
 # --- options several commands share: one validation, the same refusal everywhere -----------
@@ -366,3 +387,16 @@ def test_api_key_is_validated_and_stripped(engine):
     for bad in ("", "  \n", "sk with space", "sk-\u00e9t\u00e9", 42):
         with pytest.raises(DFlashError, match="api_key"):
             create_app(engine, api_key=bad)
+
+
+def test_quantized_drafter_is_refused_like_a_quantized_target(tiny_pair, tmp_path):
+    """A drafter whose config.json has a quantization_config is refused in one line (it
+    loaded its weights as if they were unquantized)."""
+    drafter = tmp_path / "d"
+    shutil.copytree(tiny_pair[1], drafter)
+    cfg = json.loads((drafter / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq"}
+    (drafter / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match="the drafter checkpoint is quantized \\(quant_method 'awq'\\)") as err:
+        DFlashEngine.from_pretrained(tiny_pair[0], drafter)
+    assert "\n" not in str(err.value)

@@ -279,6 +279,21 @@ def test_extreme_sampling_values_are_answered_not_500(server, cli_reference):
     assert chat.usage.completion_tokens == 8
 
 
+def test_stop_token_ids_take_one_id_or_a_list_like_the_python_api(server, cli_reference):
+    """``stop_token_ids`` is an id or a list of ids, as in ``DFlashEngine.generate`` (one
+    id was a 400 "Input should be a valid list"); out-of-vocabulary ids are a 400."""
+    stop = cli_reference["token_ids"][3]
+    first = cli_reference["token_ids"].index(stop)
+    c = server.client()
+    for value in (stop, [stop]):
+        r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=REF_TOKENS, temperature=0,
+                                 extra_body={"ignore_eos": True, "stop_token_ids": value})
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1, value
+    for bad in (10**9, [-1], "5", [1.5]):
+        r = server.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "stop_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", (bad, r.text)
+
+
 LONG_PROMPT = "def f(x):\n    return x\n" * 300  # far more tokens than the 1024-token context
 
 BAD_REQUESTS = [

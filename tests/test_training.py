@@ -148,6 +148,24 @@ def _cfg(tmp: Path, target: Path, data: Path, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def test_a_conversation_that_opens_with_the_assistant_trains_and_self_distills(tiny_pair):
+    """An assistant turn with no turn before it: its whole rendering carries the loss, and
+    its self-distill prompt is empty (skipped); both raised transformers' "Cannot apply
+    chat template to an empty conversation" ValueError traceback."""
+    from transformers import AutoTokenizer
+
+    from dflash_torch.training.data import Corpus, chat_prompt
+    from dflash_torch.training.distill import distill_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    messages = [{"role": "assistant", "content": "def f(x):\n    return sorted(x)\n"}]
+    ex = tokenize_conversation(tok, messages)
+    assert ex.loss_mask.all() and "sorted(x)" in tok.decode(ex.ids.tolist())
+    assert chat_prompt(tok, messages) == []
+    prompts, _ = distill_prompts(tok, Corpus(documents=[], conversations=[messages]), 2, 64)
+    assert prompts == []
+
+
 def test_read_corpus_and_chat_loss_mask(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair
     corpus = read_corpus([_jsonl(tmp_path / "d.jsonl")])
@@ -268,6 +286,8 @@ REFUSED_TRAIN_OPTIONS = {
     "init-from-dflash2-as-dflash": "is a DFlash 2 drafter; train it with --arch dflash2",
     "conv-group-size": "--conv-group-size 24 does not divide the hidden size 64",
     "top-k-above-vocab": "--selector-top-k 400 exceeds the vocabulary of 320",
+    "self-distill-batch-0": "--self-distill-batch must be >= 1, got 0",
+    "negative-prefix": "--prefix-min must be >= 1, got -5",
 }
 
 
@@ -298,6 +318,11 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
         (out / "train_work" / "checkpoint.pt").write_bytes(b"x")
     elif case == "short-seq":
         args += ["--seq-len", "16", "--block-size", "16"]
+    elif case == "self-distill-batch-0":
+        args += ["--self-distill", "2", "--self-distill-batch", "0", "--seq-len", "64", "--batch", "2", "--val-seqs", "0"]
+    elif case == "negative-prefix":  # (sliced the prompts from the wrong end)
+        args += ["--self-distill", "2", "--prefix-min", "-5", "--prefix-max", "-1", "--seq-len", "64", "--batch", "2",
+                 "--val-seqs", "0"]
     else:
         args += ["--save-dtype", "float16"]
     target_files = {p.name: p.read_bytes() for p in Path(target).iterdir() if p.is_file()}
@@ -588,3 +613,23 @@ def test_train_cli_refuses_bad_or_too_little_data_in_one_line(tiny_pair, tmp_pat
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("dflash-torch: error: ") and words in err, err
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_training_that_diverges_stops_with_one_line_and_writes_no_drafter(tiny_pair, tmp_path, capsys):
+    """A learning rate that blows the weights up ends training at the first non-finite loss
+    or gradient, before the update reaches the weights: exit 2 with one line, no drafter
+    written (it saved a drafter of NaN weights, which decoded greedily at tau 1 and made
+    sampled decoding raise a torch traceback)."""
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("\n".join(corpus_texts(20_000)))
+    out = tmp_path / "out"
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--steps", "8", "--batch", "2",
+            "--seq-len", "64", "--anchors-per-seq", "4", "--val-seqs", "0", "--warmup-steps", "0", "--lr", "1e8",
+            "--no-progress"]
+    assert cli_main(args) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "dflash-torch: error: training diverged at step" in errors[0] and "--lr" in errors[0], errors
+    assert not (out / "model.safetensors").exists()

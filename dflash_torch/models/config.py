@@ -144,12 +144,18 @@ class TargetConfig:
         archs = cfg.get("architectures") or []
         if any(a.startswith("DFlash") for a in archs):
             raise DFlashError("the target checkpoint is a DFlash drafter; pass the target LLM as --target")
-        quant = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-            raise DFlashError(f"the target checkpoint is quantized (quant_method {method!r}); "
-                              "dflash-torch reads unquantized float32/bfloat16/float16 weights only")
+        refuse_quantized(cfg, "target")
         return family(cfg.get("model_type")).parse_config(cfg)
+
+
+def refuse_quantized(cfg: dict, what: str) -> None:
+    """Raise :class:`DFlashError` when the ``what`` (target / drafter) ``config.json`` has a
+    ``quantization_config`` (top level or in ``text_config``)."""
+    quant = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise DFlashError(f"the {what} checkpoint is quantized (quant_method {method!r}); "
+                          "dflash-torch reads unquantized float32/bfloat16/float16 weights only")
 
 
 def base_target_fields(cfg: dict, model_type: str) -> dict:
@@ -390,16 +396,17 @@ class DrafterConfig:
         """Parse a DFlash (``DFlashDraftModel``) or DFlash 2 (``DFlash2DraftModel``) drafter ``config.json``.
 
         Raises:
-            DFlashError: not a DFlash drafter, no mask token id, no block size, missing keys,
-                bad DFlash 2 settings (:meth:`DFlash2Settings.from_dict`).
+            DFlashError: not a DFlash drafter, a quantized checkpoint, no mask token id, no
+                block size, missing keys, bad DFlash 2 settings (:meth:`DFlash2Settings.from_dict`).
         """
         archs = cfg.get("architectures") or []
         dflash = cfg.get("dflash_config") or {}
         if "DFlash2DraftModel" not in archs and "DFlashDraftModel" not in archs and not dflash:
             raise DFlashError(
                 f"the drafter checkpoint is not a DFlash drafter (architectures={archs}); "
-                "expected architectures ['DFlashDraftModel'] with a dflash_config"
+                "expected architectures ['DFlashDraftModel'] or ['DFlash2DraftModel'] with a dflash_config"
             )
+        refuse_quantized(cfg, "drafter")
         _require(cfg, ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"], "drafter")
         if "mask_token_id" not in dflash:
             raise DFlashError("drafter config.json lacks dflash_config.mask_token_id")

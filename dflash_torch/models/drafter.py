@@ -106,8 +106,8 @@ class DFlashDrafter(nn.Module):
         DFlash 2 one (then a :class:`~dflash_torch.models.dflash2.DFlash2Drafter`).
 
         Raises:
-            DFlashError: not a DFlash config, or weights missing, unknown or of the
-                wrong shape.
+            DFlashError: not a DFlash config, or weights missing, unknown, of the
+                wrong shape, not floating point (e.g. int8) or not finite (NaN / inf).
         """
         cfg = DrafterConfig.from_dict(load_config(model_dir))
         with torch.device("meta"):
@@ -125,6 +125,11 @@ class DFlashDrafter(nn.Module):
         for k, v in expected.items():
             if tuple(state[k].shape) != tuple(v.shape):
                 raise DFlashError(f"drafter weight {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
+            if not state[k].is_floating_point():
+                raise DFlashError(f"drafter weight {k} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
+                                  "dflash-torch reads float32/bfloat16/float16 weights only (a quantized checkpoint?)")
+            if not torch.isfinite(state[k]).all():  # e.g. a diverged training run
+                raise DFlashError(f"drafter weight {k} holds NaN or infinite values (a corrupt or diverged checkpoint)")
         model.load_state_dict(state, strict=True, assign=True)
         model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings).to(device)
         return model.eval()

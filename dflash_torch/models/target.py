@@ -123,7 +123,8 @@ class TargetModel(nn.Module):
 
         Raises:
             DFlashError: unsupported config; weights missing, unknown (an unsupported
-                variant, e.g. biases the config does not announce) or of the wrong shape.
+                variant, e.g. biases the config does not announce), of the wrong shape or
+                not floating point (e.g. int8: quantized).
         """
         from .registry import family
 
@@ -149,6 +150,9 @@ class TargetModel(nn.Module):
         for k in expected:
             if tuple(state[k].shape) != tuple(shapes[k].shape):
                 raise DFlashError(f"target weight {k} has shape {tuple(state[k].shape)}, config.json implies {tuple(shapes[k].shape)}")
+            if not state[k].is_floating_point():
+                raise DFlashError(f"target weight {k} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
+                                  "dflash-torch reads float32/bfloat16/float16 weights only (a quantized checkpoint?)")
         model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight

@@ -40,7 +40,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     # extensions (vLLM-style)
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: StrictInt | list[StrictInt] | None = None  # an id or a list, as in DFlashEngine.generate
     # known but only their defaults are honoured
     n: StrictInt | None = 1
     best_of: StrictInt | None = None

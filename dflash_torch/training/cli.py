@@ -95,7 +95,9 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
     if args.selector_loss_weight < 0:
         raise DFlashError(f"--selector-loss-weight must be >= 0, got {args.selector_loss_weight}")
     positive = {"--batch": args.batch, "--seq-len": args.seq_len, "--anchors-per-seq": args.anchors_per_seq,
-                "--num-layers": cfg.num_layers, "--eval-every": args.eval_every, "--ckpt-every": args.ckpt_every}
+                "--num-layers": cfg.num_layers, "--eval-every": args.eval_every, "--ckpt-every": args.ckpt_every,
+                "--self-distill-batch": args.self_distill_batch, "--prefix-min": args.prefix_min,
+                "--prefix-max": args.prefix_max}
     if args.steps is not None:
         positive["--steps"] = args.steps
     for name, value in positive.items():

@@ -255,6 +255,8 @@ def tokenize_documents(tokenizer, documents: list[str]) -> torch.Tensor:
 def _render(tokenizer, messages: list[dict], generation_prompt: bool, max_tokens: int | None, where: str) -> list[int]:
     from jinja2 import TemplateError
 
+    if not messages:  # (the turns before an opening assistant turn; transformers refuses to render none)
+        return []
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except TemplateError as exc:

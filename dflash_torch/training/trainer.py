@@ -535,12 +535,15 @@ class Trainer:
                 with self._autocast():
                     out = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid, gamma,
                                      stats=logging, selector_weight=cfg.selector_loss_weight)
+                loss = float(out.loss.detach())
                 opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
+                if not (math.isfinite(loss) and math.isfinite(gnorm)):  # before the update spreads it to the weights
+                    raise DFlashError(f"training diverged at step {step + 1} (loss {loss}, gradient norm {gnorm}); "
+                                      f"lower --lr (now {cfg.lr:g})")
                 opt.step()
                 step += 1
-                loss = float(out.loss.detach())
                 loss_ema = loss if loss_ema is None else 0.95 * loss_ema + 0.05 * loss
                 loss_acc += loss
                 n_acc += 1
