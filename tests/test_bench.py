@@ -227,6 +227,24 @@ def test_bench_refuses_bad_options_with_one_line(tiny_pair, tmp_path, capsys):
         assert len(err) == 1 and words in err[0], (extra, err)
 
 
+def test_a_shape_that_cannot_fit_is_refused_before_anything_is_timed(tiny_pair, tmp_path, capsys, monkeypatch):
+    """``--shapes a,b`` where b cannot fit: one line, before the modes or shape a are timed
+    (it used to time a for minutes, then end in the error and write no report)."""
+    from dflash_torch.bench import shapes
+    from dflash_torch.cli import main as cli_main
+
+    monkeypatch.setattr(shapes, "device_memory", lambda device: 2**30)  # a 1 GiB machine
+    target, drafter = tiny_pair
+    out = tmp_path / "o"
+    rc = cli_main(["bench", "--target", str(target), "--draft", str(drafter), "--out", str(out), "--dtype", "float32",
+                   "--shapes", "qwen3-0.6b,qwen3-8b", "--sweep", "", "--no-progress"])
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "shape qwen3-8b needs" in err[0] and "GiB in float32" in err[0] and "cpu has 1.0 GiB" in err[0], err
+    assert "target-only" not in captured.out and not out.exists()
+
+
 def test_modes_plot_of_target_only_alone_warns_nothing(tmp_path):
     """``bench --modes target-only``: the acceptance panel has no curve; the plot is written
     without matplotlib's "No artists with labels found to put in legend" warning."""

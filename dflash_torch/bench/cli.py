@@ -162,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..cli import set_threads
     from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
     from .modes import ALL_MODES, divergences, load_prompts, run_modes
-    from .shapes import SHAPES, build_drafter, round_vs_step
+    from .shapes import SHAPES, build_drafter, layers_that_fit, round_vs_step
     from .sweep import context_sweep
 
     set_threads(args)
@@ -190,6 +190,8 @@ def _run(args: argparse.Namespace) -> int:
     bad = [s for s in shapes + sweep_shapes if s not in SHAPES]
     if bad:
         raise DFlashError(f"unknown shape(s) {bad}; choose from {', '.join(SHAPES)}")
+    for shape in shapes:  # a shape that cannot fit is refused before anything is timed
+        layers_that_fit(shape, resolve_dtype(args.dtype), args.device)
     try:
         lengths = [int(x) for x in args.sweep.split(",") if x.strip()]
     except ValueError:

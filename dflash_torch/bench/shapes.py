@@ -236,6 +236,28 @@ def device_memory(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def layers_that_fit(shape: str | dict, dtype: torch.dtype, device: str,
+                    memory_budget: int | None = None) -> tuple[int, int, list[int]]:
+    """How many target layers :func:`round_vs_step` builds for ``shape`` (see its
+    ``memory_budget``), with the bytes of :func:`weight_bytes`: ``(layers, fixed, per_layer)``.
+
+    Raises:
+        DFlashError: an unknown shape name, a config its parser refuses, or a target of
+            which even one period of layers does not fit in 80% of the memory of ``device``.
+    """
+    cfg = target_config(shape)
+    memory = device_memory(device)
+    budget = int(MEMORY_FRACTION * memory) if memory_budget is None else memory_budget
+    fixed, per_layer = weight_bytes(cfg, dtype, device)
+    n = layers_to_build(fixed, per_layer, pattern_period(cfg), budget)
+    need = fixed + sum(per_layer[:n])
+    if need > 0.8 * memory:
+        raise DFlashError(f"shape {shape if isinstance(shape, str) else cfg.model_type} needs {need / 2**30:.1f} GiB "
+                          f"in {str(dtype).removeprefix('torch.')} for {n} of its {cfg.num_hidden_layers} layers; "
+                          f"{device} has {memory / 2**30:.1f} GiB")
+    return n, fixed, per_layer
+
+
 def build_pair(shape: str | dict, dtype: torch.dtype, device: str, draft_layers: int = 5, block_size: int = 16,
                layers: int | None = None) -> tuple[TargetModel, DFlashDrafter]:
     """A random target of ``shape`` (a name of :data:`SHAPES` or a ``config.json`` dict)
@@ -312,14 +334,8 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
     """
     cfg = target_config(shape)
     L = cfg.num_hidden_layers
-    memory = device_memory(device)
-    budget = int(MEMORY_FRACTION * memory) if memory_budget is None else memory_budget
-    fixed, per_layer = weight_bytes(cfg, dtype, device)
-    n = layers_to_build(fixed, per_layer, pattern_period(cfg), budget)
+    n, fixed, per_layer = layers_that_fit(shape, dtype, device, memory_budget)
     need = fixed + sum(per_layer[:n])
-    if need > 0.8 * memory:
-        raise DFlashError(f"shape {shape if isinstance(shape, str) else cfg.model_type} needs {need / 2**30:.1f} GiB "
-                          f"for {n} of its {L} layers; {device} has {memory / 2**30:.1f} GiB")
     target, drafter = build_pair(shape, dtype, device, draft_layers=draft_layers, block_size=block_size,
                                  layers=n)
     B = block_size
