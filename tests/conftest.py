@@ -351,3 +351,16 @@ def agree_dflash2_pair(agree_pair, tmp_path_factory) -> tuple[Path, Path]:
     is still accepted over multi-token paths (greedy mean tau about 1.9 at B = 16)."""
     target, drafter = agree_pair
     return target, make_dflash2_from(drafter, tmp_path_factory.mktemp("agree-dflash2"), conv_std=0.2, selector_std=0.6, seed=3)
+
+
+def run_rounds(decoder, prompt, n, params=None):
+    """The first ``n`` tokens a :class:`SpeculativeDecoder` commits for ``prompt`` (greedy
+    unless ``params``), and the acceptance length of each drafted round."""
+    from dflash_torch.sampling import SamplingParams
+
+    tokens, taus = [], []
+    for rnd in decoder.rounds(prompt, params or SamplingParams(), n):
+        tokens.extend(rnd.tokens)
+        if rnd.acceptance_length is not None:
+            taus.append(rnd.acceptance_length)
+    return tokens[:n], taus

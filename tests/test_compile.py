@@ -9,19 +9,11 @@ import torch
 import torch._dynamo
 import torch._dynamo.utils as dynamo_utils
 
+from conftest import run_rounds
+
 from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.models.drafter import DFlashDrafter
 from dflash_torch.models.target import TargetModel
-from dflash_torch.sampling import SamplingParams
-
-
-def _run(decoder, prompt, n, params=SamplingParams()):
-    tokens, taus = [], []
-    for rnd in decoder.rounds(prompt, params, n):
-        tokens.extend(rnd.tokens)
-        if rnd.acceptance_length is not None:
-            taus.append(rnd.acceptance_length)
-    return tokens[:n], taus
 
 
 def _load(pair):
@@ -36,10 +28,10 @@ def test_static_rounds_match_eager(agree_pair):
         eager = SpeculativeDecoder(target, drafter, block_size=B)
         static = SpeculativeDecoder(target, drafter, block_size=B, static=True, max_context=256, prefill_chunk=32)
         for p in prompts:
-            assert _run(static, p, 60) == _run(eager, p, 60)
+            assert run_rounds(static, p, 60) == run_rounds(eager, p, 60)
         # up to the context limit: the rounds cross from the 256-key bucket into the 512 one
         assert static.kv_bucket(200) == 256 and static.kv_bucket(257) == 512
-        assert _run(static, prompts[1], 256 - 38) == _run(eager, prompts[1], 256 - 38)
+        assert run_rounds(static, prompts[1], 256 - 38) == run_rounds(eager, prompts[1], 256 - 38)
 
 
 def test_compiled_rounds_do_not_recompile(agree_pair):
@@ -51,14 +43,14 @@ def test_compiled_rounds_do_not_recompile(agree_pair):
     # warm-up to the context limit: compiles the prefill once (one chunk, 256-key bucket)
     # and propose and verify once per length bucket (256, 512 and the 768-token buffer):
     # the first round (no verify yet) must reuse the steady-state graphs
-    _run(compiled, [5, 17, 99, 3], 500)
+    run_rounds(compiled, [5, 17, 99, 3], 500)
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     frames = dynamo_utils.counters["frames"]["total"]
     assert graphs == 1 + 2 * 3
     all_taus = []
     for prompt in ([11, 12, 13], list(range(2, 80)), [9] * 33):
-        out, taus = _run(compiled, prompt, 200)
-        assert out == _run(eager, prompt, 200)[0]
+        out, taus = run_rounds(compiled, prompt, 200)
+        assert out == run_rounds(eager, prompt, 200)[0]
         all_taus += taus
     assert len(set(all_taus)) >= 3, f"acceptance lengths should vary, got {sorted(set(all_taus))}"
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
@@ -82,8 +74,8 @@ def test_inductor_compiled_rounds_are_lossless(agree_pair):
     compiled = SpeculativeDecoder(target, drafter, compile=True, max_context=256, prefill_chunk=32)
     baseline = SpeculativeDecoder(target, None)  # target-only, eager
     for prompt in ([5, 17, 99, 3], list(range(2, 40))):
-        out, taus = _run(compiled, prompt, 60)
-        assert out == _run(baseline, prompt, 60)[0]
+        out, taus = run_rounds(compiled, prompt, 60)
+        assert out == run_rounds(baseline, prompt, 60)[0]
         assert max(taus) > 1
 
 

@@ -19,7 +19,7 @@ import torch._dynamo.utils as dynamo_utils
 from safetensors.torch import save_file
 from scipy.stats import chisquare
 
-from conftest import dflash2_config, make_dflash2_from, save_drafter
+from conftest import dflash2_config, make_dflash2_from, run_rounds, save_drafter
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams
 from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.models.dflash2 import DFlash2Drafter, GroupedDynamicConv, walk
@@ -340,15 +340,6 @@ def test_identity_convolutions_and_zero_codebooks_propose_what_the_backbone_prop
 
 # --- greedy speculative decoding == target-only decoding -----------------------------------
 
-def _run(decoder, prompt, n, params=SamplingParams()):
-    tokens, taus = [], []
-    for rnd in decoder.rounds(prompt, params, n):
-        tokens.extend(rnd.tokens)
-        if rnd.acceptance_length is not None:
-            taus.append(rnd.acceptance_length)
-    return tokens[:n], taus
-
-
 @pytest.fixture(scope="module", params=["random", "agree"])
 def dflash2_setup(request, tiny_pair, agree_dflash2_pair, tmp_path_factory):
     """A random DFlash 2 drafter with every optional setting (embedding scale, output
@@ -367,7 +358,7 @@ def dflash2_setup(request, tiny_pair, agree_dflash2_pair, tmp_path_factory):
     assert isinstance(drafter, DFlash2Drafter)
     prompts = [[5, 17, 99, 3], list(range(2, 40)), [7] * 20]
     baseline = SpeculativeDecoder(target, None)
-    refs = [_run(baseline, p, 48)[0] for p in prompts]
+    refs = [run_rounds(baseline, p, 48)[0] for p in prompts]
     return request.param, target, drafter, prompts, refs
 
 
@@ -379,7 +370,7 @@ def test_greedy_speculative_equals_target_only(dflash2_setup, mode, B):
                                  static=mode == "fixed-shape", max_context=256, prefill_chunk=16)
     taus = []
     for prompt, ref in zip(prompts, refs):
-        out, t = _run(decoder, prompt, 48)
+        out, t = run_rounds(decoder, prompt, 48)
         assert out == ref, f"{name} {mode} B={B} prompt {prompt[:6]}"
         taus += t
     if name == "agree" and B == 16:
@@ -394,7 +385,7 @@ def test_engine_rounds_equal_the_training_replay(dflash2_setup):
     name, target, drafter, prompts, refs = dflash2_setup
     decoder = SpeculativeDecoder(target, drafter)
     for prompt, ref in zip(prompts, refs):
-        _, taus = _run(decoder, prompt, 48)
+        _, taus = run_rounds(decoder, prompt, 48)
         with torch.no_grad():
             replay = greedy_walk(drafter, target, torch.tensor(prompt + ref), len(prompt))
         assert replay and replay == taus[:len(replay)], (name, replay, taus)
@@ -405,12 +396,12 @@ def test_compiled_rounds_equal_target_only_without_recompiling(dflash2_setup):
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
     compiled = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=320, prefill_chunk=32)
-    _run(compiled, [5, 17, 99, 3], 300)  # warm-up to the context limit: every bucket's graphs
+    run_rounds(compiled, [5, 17, 99, 3], 300)  # warm-up to the context limit: every bucket's graphs
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     frames = dynamo_utils.counters["frames"]["total"]
     for prompt, ref in zip(prompts, refs):
-        assert _run(compiled, prompt, 48)[0] == ref, name
-    out, _ = _run(compiled, [9, 8, 7], 40, SamplingParams(temperature=0.8, seed=1))  # sampling reuses the graphs
+        assert run_rounds(compiled, prompt, 48)[0] == ref, name
+    out, _ = run_rounds(compiled, [9, 8, 7], 40, SamplingParams(temperature=0.8, seed=1))  # sampling reuses the graphs
     assert len(out) == 40
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
     assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
