@@ -12,7 +12,9 @@ def test_shipped_files_are_small_and_in_published_formats():
     total = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
     assert total < 40 * 2**20, f"shipped assets take {total / 2**20:.1f} MiB"
     drafter_cfg = json.loads((DEFAULT_DRAFTER / "config.json").read_text())
-    assert drafter_cfg["architectures"] == ["DFlashDraftModel"]
+    assert drafter_cfg["architectures"] == ["DFlash2DraftModel"]
+    v1_cfg = json.loads((ASSETS / "drafter-dflash1" / "config.json").read_text())  # kept for comparison
+    assert v1_cfg["architectures"] == ["DFlashDraftModel"]
     assert set(drafter_cfg["dflash_config"]) >= {"mask_token_id", "target_layer_ids"}
     target_cfg = json.loads((DEFAULT_TARGET / "config.json").read_text())
     assert target_cfg["model_type"] == "qwen3"
@@ -38,14 +40,15 @@ def test_shipped_tokenizer_names_a_class_transformers_4_and_5_both_load():
 
 
 def test_default_pair_is_lossless_on_heldout_prompts():
-    spec = DFlashEngine.from_pretrained()
+    """The shipped DFlash 2 drafter (the default) and the DFlash (v1) one kept beside it."""
     base = DFlashEngine.from_pretrained(no_draft=True)
     prompts = [json.loads(line)["prompt"] for line in (ASSETS / "prompts.jsonl").read_text().splitlines()[:3]]
-    for prompt in prompts:
-        a = spec.generate(prompt, max_new_tokens=48, ignore_eos=True)
-        b = base.generate(prompt, max_new_tokens=48, ignore_eos=True)
-        assert a.token_ids == b.token_ids
-        assert a.stats.block_size == 16 and len(a.stats.acceptance_lengths) >= 1
+    for spec in (DFlashEngine.from_pretrained(), DFlashEngine.from_pretrained(draft=ASSETS / "drafter-dflash1")):
+        for prompt in prompts:
+            a = spec.generate(prompt, max_new_tokens=48, ignore_eos=True)
+            b = base.generate(prompt, max_new_tokens=48, ignore_eos=True)
+            assert a.token_ids == b.token_ids
+            assert a.stats.block_size == 16 and len(a.stats.acceptance_lengths) >= 1
 
 
 def test_quickstart_command_prints_code():
