@@ -17,7 +17,6 @@ import torch
 from safetensors import safe_open
 
 from .errors import DFlashError
-from .options import resolve_dtype  # noqa: F401  (imported from here by training)
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:

@@ -167,7 +167,7 @@ def _run(args: argparse.Namespace) -> int:
 
     set_threads(args)
     check_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
-    resolve_dtype(args.dtype)  # (checked again by from_pretrained; here before --out is created)
+    dtype = resolve_dtype(args.dtype)  # (checked again by from_pretrained; here before --out is created)
     resolve_device(args.device)
     if args.num_prompts < 0:
         raise DFlashError(f"--num-prompts must be >= 0 (0 = all), got {args.num_prompts}")
@@ -191,7 +191,7 @@ def _run(args: argparse.Namespace) -> int:
     if bad:
         raise DFlashError(f"unknown shape(s) {bad}; choose from {', '.join(SHAPES)}")
     for shape in shapes:  # a shape that cannot fit is refused before anything is timed
-        layers_that_fit(shape, resolve_dtype(args.dtype), args.device)
+        layers_that_fit(shape, dtype, args.device)
     try:
         lengths = [int(x) for x in args.sweep.split(",") if x.strip()]
     except ValueError:
@@ -238,12 +238,12 @@ def _run(args: argparse.Namespace) -> int:
     if lengths and engine.drafter is not None:
         report["sweep"] = context_sweep(engine.drafter, engine.target.model.embed_tokens, lengths, engine.block_size)
     for shape in sweep_shapes if lengths else []:
-        drafter, embed = build_drafter(shape, resolve_dtype(args.dtype), args.device, block_size=engine.block_size)
+        drafter, embed = build_drafter(shape, dtype, args.device, block_size=engine.block_size)
         report["shape_sweeps"].append({"shape": shape, "draft_layers": drafter.config.num_hidden_layers,
                                        **context_sweep(drafter, embed, lengths, engine.block_size)})
         del drafter, embed
     for shape in shapes:
-        report["shapes"].append(round_vs_step(shape, resolve_dtype(args.dtype), args.device, block_size=engine.block_size))
+        report["shapes"].append(round_vs_step(shape, dtype, args.device, block_size=engine.block_size))
         sh = report["shapes"][-1]
         print(f"{shape}: round/step {sh['round_over_step']:.2f} ({_layers_timed(sh)})", flush=True)
     report["plots"] = _plots(report, out)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..checkpoint import resolve_dtype
 from ..errors import DFlashError
-from ..options import check_threads
+from ..options import check_threads, resolve_dtype
 from .trainer import ARCHS, CHECKPOINT, TrainConfig, Trainer
 
 # the drafter's shape: with --init-from it comes from the source drafter

@@ -601,7 +601,7 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
     """Write ``config.json`` + ``model.safetensors`` in the published DFlash (or DFlash 2) drafter format."""
     from safetensors.torch import save_file
 
-    from ..checkpoint import resolve_dtype
+    from ..options import resolve_dtype
 
     torch_dtype = resolve_dtype(dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
