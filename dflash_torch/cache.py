@@ -6,11 +6,27 @@ positions by index assignment (so positions may be a device tensor and shapes ne
 depend on the sequence length); ``length`` says how many positions are committed.
 Rollback is just moving ``length``: entries past it are stale and are overwritten
 before they can be read.
+
+Every buffer a compiled step writes in place is marked as a static address for
+``torch.compile`` (:func:`static_buffer`). Without that, inductor sees a graph input
+that is mutated and, on CUDA, skips CUDA graphs for the whole graph ("skipping
+cudagraphs due to mutated inputs"), so ``--compile`` ran without graphs.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def static_buffer(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` as a static address for ``torch.compile`` (its storage stays at one place
+    for its whole life, so a CUDA graph may write it in place) and return it.
+
+    Source: ``torch._dynamo.mark_static_address``. Unguarded: a graph is not rebuilt
+    for another buffer of the same shape, it reads whichever buffer it is given.
+    """
+    torch._dynamo.mark_static_address(t)
+    return t
 
 
 class KVCache:
@@ -26,9 +42,15 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
         self.shape = (num_layers, num_kv_heads, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
-        self.k = [torch.zeros(num_kv_heads, 0, head_dim, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros_like(t) for t in self.k]
+        self.k = self.v = []
+        self._allocate(0)
         self.length = 0
+
+    def _allocate(self, capacity: int) -> None:
+        layers, heads, hd = self.shape
+        new = lambda: static_buffer(torch.zeros(heads, capacity, hd, dtype=self.dtype, device=self.device))
+        self.k = [new() for _ in range(layers)]
+        self.v = [new() for _ in range(layers)]
 
     @property
     def capacity(self) -> int:
@@ -41,10 +63,7 @@ class KVCache:
         The buffers are reallocated only when they must grow (to a multiple of 256).
         """
         if capacity > self.capacity:
-            capacity = -(-capacity // 256) * 256
-            layers, heads, hd = self.shape
-            self.k = [torch.zeros(heads, capacity, hd, dtype=self.dtype, device=self.device) for _ in range(layers)]
-            self.v = [torch.zeros_like(t) for t in self.k]
+            self._allocate(-(-capacity // 256) * 256)
         self.length = 0
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -77,8 +96,8 @@ class RecurrentState:
 
     def add_layer(self, width: int, conv_dim: int, heads: int, key_dim: int, value_dim: int) -> int:
         """Allocate one layer's (zero) state; returns its slot."""
-        self.conv.append(torch.zeros(width, conv_dim, dtype=self.dtype, device=self.device))
-        self.ssm.append(torch.zeros(heads, key_dim, value_dim, dtype=torch.float32, device=self.device))
+        self.conv.append(static_buffer(torch.zeros(width, conv_dim, dtype=self.dtype, device=self.device)))
+        self.ssm.append(static_buffer(torch.zeros(heads, key_dim, value_dim, dtype=torch.float32, device=self.device)))
         self._stash.append(None)
         return len(self.conv) - 1
 
@@ -91,6 +110,10 @@ class RecurrentState:
     def stash(self, slot: int, *tensors: torch.Tensor) -> None:
         """Record a deferred block's tensors for ``slot`` (see ``GatedDeltaNet.commit``)."""
         self._stash[slot] = tensors
+
+    def copy_stash(self) -> None:
+        """Replace every stashed tensor by a copy (see ``SpeculativeDecoder._carry``)."""
+        self._stash = [None if t is None else tuple(x.clone() for x in t) for t in self._stash]
 
     def stashed(self, slot: int) -> tuple:
         """The tensors of the last deferred block of ``slot``.

@@ -9,11 +9,13 @@ same loop is plain autoregressive target-only decoding.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .errors import DFlashError
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
@@ -23,6 +25,35 @@ from .options import check_block_size, check_max_context
 from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, probabilities
 
 DRAFT_MODES = ("inject", "recompute")
+
+
+# SDPA backends for eager CUDA decoding: all but cuDNN attention, which builds (and
+# caches) an execution plan for every new shape. Eager rounds attend over a key length
+# that changes every round, so with cuDNN each round paid for a new plan: the first
+# decode of a prompt ran ~9x slower than a repeat of it (issue 12).
+EAGER_CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def without_shape_plans(step: Callable) -> Callable:
+    """``step`` run with SDPA restricted to :data:`EAGER_CUDA_SDPA` (eager CUDA steps)."""
+
+    @functools.wraps(step)
+    def run(*args, **kwargs):
+        with sdpa_kernel(EAGER_CUDA_SDPA):
+            return step(*args, **kwargs)
+
+    return run
+
+
+def compile_counts() -> tuple[int, int]:
+    """(frames traced, CUDA graphs skipped) so far in this process, from torch's compile
+    counters. Every compile or recompile traces a frame (also a re-trace that gives a
+    graph identical to one built before); a skipped CUDA graph is a compiled graph that
+    inductor runs without CUDA graphs (e.g. "mutated inputs"), paying every kernel
+    launch on the host again."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"]), int(counters["inductor"]["cudagraph_skips"])
 
 
 @dataclass
@@ -122,7 +153,11 @@ class SpeculativeDecoder:
             raise DFlashError(f"block size {block_size} exceeds {CHUNK}, the longest verify block of a hybrid target")
         self._prefill_fn, self._draft_fn, self._verify_fn = self._prefill_step, self._draft_step, self._verify_step
         self._commit_fn = self._commit_step
+        if self.device.type == "cuda" and not compile:
+            self._prefill_fn, self._draft_fn, self._verify_fn = map(
+                without_shape_plans, (self._prefill_step, self._draft_step, self._verify_step))
         self.compiled = compile
+        self.graphed = compile and self.device.type == "cuda"  # mode "reduce-overhead": CUDA graphs
         if compile:
             if self.device.type == "cuda":
                 opts = dict(dynamic=False, backend=compile_backend, mode="reduce-overhead")
@@ -173,6 +208,20 @@ class SpeculativeDecoder:
     def _commit_step(self, rows: torch.Tensor) -> None:
         """rollback of recurrent layers: advance their state over the first ``rows`` tokens of the last verify."""
         self.target.commit(self.target_cache, rows)
+
+    def _carry(self, feats: torch.Tensor) -> torch.Tensor:
+        """Right after a verify: its feature rows as the next propose reads them.
+
+        A CUDA graph's outputs live in its memory pool, where the next graph's replay may
+        overwrite them. Two outputs of a CUDA-graphed verify are read by another graph: the
+        feature rows (by the next propose, the folded injection) and, for a hybrid target,
+        the recurrent layers' stash (by the commit). Both are copied out of the pool here.
+        Elsewhere the rows are passed on as they are."""
+        if not self.graphed:
+            return feats
+        if self.defer_commit:
+            self.target_cache.recurrent.copy_stash()
+        return feats.clone()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -279,7 +328,7 @@ class SpeculativeDecoder:
             a = out[0]
             t2 = time.perf_counter()
             if folded:  # all B rows with fixed shapes: rows past the accepted ones are overwritten next round
-                pending, pending_start = (feats, s_dev) if static else (feats[: a + 1], s)
+                pending, pending_start = (self._carry(feats), s_dev) if static else (feats[: a + 1], s)
             elif self.context is not None:
                 self.context.inject(self.drafter, feats[: a + 1], s + self._arange_block[: a + 1])
             self.target_cache.length = s + a + 1  # rollback: rows past the accepted prefix are stale

@@ -248,3 +248,22 @@ def test_fuse_expert_weights_refuses_incomplete_or_inconsistent_groups(edit, mes
 def test_top_k_outside_the_experts_is_refused():
     with pytest.raises(DFlashError, match="num_experts_per_tok 9 must be between 1 and num_experts 8"):
         SparseMoE(HIDDEN, 8, 9, INTER, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_experts_match_the_sparse_dispatch(dtype):
+    """The CUDA-graph path (no host read) computes what the sparse dispatch computes, for
+    routings with repeated and with unused experts."""
+    from dflash_torch.models.moe import dispatch_experts, gathered_experts
+
+    g = torch.Generator().manual_seed(0)
+    E, H, I, T, k = 6, 32, 16, 5, 2
+    x = torch.randn(T, H, generator=g).to(dtype)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
+    down = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
+    weights = torch.rand(T, k, generator=g).to(dtype)
+    for experts in (torch.tensor([[0, 1], [1, 0], [0, 5], [1, 5], [0, 1]]), torch.randperm(E, generator=g)[:k].repeat(T, 1)):
+        sparse = dispatch_experts(x, experts, weights, gate_up, down)
+        gathered = gathered_experts(x, experts, weights, gate_up, down)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(gathered, sparse, rtol=tol, atol=tol)

@@ -62,9 +62,15 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         weights: ``[T, k]`` routing weights in ``x.dtype``.
         gate_up_proj: ``[E, 2 * I, hidden]``; down_proj: ``[E, hidden, I]``.
 
+    While a CUDA graph is being captured (``--compile`` on CUDA), where nothing may be
+    read to the host, it runs :func:`gathered_experts` instead, which the graph's replays
+    then run.
+
     Returns:
         ``[T, hidden]`` in ``x.dtype``.
     """
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return gathered_experts(x, experts, weights, gate_up_proj, down_proj)
     t, k = experts.shape
     out = torch.zeros_like(x)
     # pairs in (slot, token) order, grouped by expert (stable sort): the row order of
@@ -84,6 +90,22 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         h = F.linear(F.silu(gate) * up, down_proj[e])
         out.index_add_(0, tokens, h * pair_weights[pairs, None])
     return out
+
+
+def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                     down_proj: torch.Tensor) -> torch.Tensor:
+    """:func:`dispatch_experts` (same arguments and result) with no data-dependent shape
+    and no host read, so that a CUDA graph can capture it: every (token, expert) pair
+    gathers its expert's weights and the ``T * k`` pairs run as two batched matmuls. It
+    reads an expert's weights once per pair that chose it (``T * k`` expert reads against
+    the distinct experts hit), and sums a token's ``k`` outputs in slot order.
+    """
+    t, k = experts.shape
+    ids = experts.reshape(-1)  # token-major pairs
+    rows = x.repeat_interleave(k, dim=0)[:, :, None]  # [T * k, hidden, 1]
+    gate, up = torch.bmm(gate_up_proj[ids], rows)[..., 0].chunk(2, dim=-1)
+    h = torch.bmm(down_proj[ids], (F.silu(gate) * up)[:, :, None])[..., 0]  # [T * k, hidden]
+    return (h * weights.reshape(-1, 1)).view(t, k, -1).sum(dim=1)
 
 
 @dispatch_experts.register_fake

@@ -1,0 +1,143 @@
+"""GPU decoding (issue 12): what CUDA graphs and eager CUDA need from the decoder.
+
+The CPU-side tests run everywhere: every buffer a compiled step writes in place is a
+static address for torch.compile (else inductor skips CUDA graphs: "mutated inputs"),
+the verify rows that a CUDA-graphed loop carries into the next propose are copies, not
+graph outputs, and eager CUDA steps run SDPA without cuDNN attention (which builds a
+plan per new shape). The tests marked ``cuda`` need a GPU and are skipped without one
+(``scripts/gpu_check.sh`` runs them there).
+"""
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.utils as dynamo_utils
+
+from conftest import run_rounds, varied_prompts
+
+from dflash_torch.cache import KVCache
+from dflash_torch.decoding import SpeculativeDecoder, compile_counts, without_shape_plans
+from dflash_torch.models.drafter import DFlashDrafter
+from dflash_torch.models.target import TargetModel
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs it)")
+
+
+def _load(pair, device="cpu", dtype=torch.float32):
+    target_dir, drafter_dir = pair
+    return TargetModel.from_pretrained(target_dir, dtype, device), DFlashDrafter.from_pretrained(drafter_dir, dtype, device)
+
+
+def _static(t: torch.Tensor) -> bool:
+    return getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+def test_cache_buffers_are_static_addresses(agree_hybrid_pair):
+    target, drafter = _load(agree_hybrid_pair)
+    decoder = SpeculativeDecoder(target, drafter, static=True, max_context=128)
+    kv, recurrent = decoder.target_cache.kv, decoder.target_cache.recurrent
+    buffers = kv.k + kv.v + recurrent.conv + recurrent.ssm + decoder.context.cache.k + decoder.context.cache.v
+    assert len(buffers) > 4 and all(_static(t) for t in buffers)
+    cache = KVCache(2, 2, 8, torch.float32, "cpu")
+    cache.reset(300)  # grows: new buffers, marked too
+    assert cache.capacity == 512 and all(_static(t) for t in cache.k + cache.v)
+
+
+@pytest.mark.parametrize("pair", ["agree_pair", "agree_hybrid_pair"])
+def test_carried_verify_outputs_are_copies(pair, request):
+    """With CUDA graphs, a verify's outputs live in the graph's pool until a later replay
+    overwrites them: the feature rows the next propose injects, and a hybrid target's
+    stash that the commit reads, must be copies. Forced on (``graphed``) in an eager
+    fixed-shape loop, what the propose and the commit get is checked against the storage
+    of the last verify's outputs (a graph returns the stash as outputs too); the output
+    is unchanged."""
+    target, drafter = _load(request.getfixturevalue(pair))
+    prompt = varied_prompts(target, 1)[0]
+    reference = run_rounds(SpeculativeDecoder(target, drafter), prompt, 40)[0]
+    decoder = SpeculativeDecoder(target, drafter, static=True, max_context=128)
+    decoder.graphed = True
+    recurrent = decoder.target_cache.recurrent
+    verify, draft, commit = decoder._verify_fn, decoder._draft_fn, decoder._commit_fn
+    last_outputs, shared = [], []
+
+    def ptrs(tensors):
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
+    def recorded_verify(*args):
+        out = verify(*args)
+        stash = [t for slot in range(len(recurrent.conv)) for t in recurrent.stashed(slot)] if recurrent else []
+        last_outputs[:] = list(out) + stash  # kept alive: their storage cannot be reused meanwhile
+        return out
+
+    def recorded_draft(token, s, kv_len, features=None, feature_start=None):
+        if last_outputs:
+            shared.append(bool(ptrs([features]) & ptrs(last_outputs)))
+        return draft(token, s, kv_len, features, feature_start)
+
+    def recorded_commit(rows):
+        stash = [t for slot in range(len(recurrent.conv)) for t in recurrent.stashed(slot)]
+        shared.append(bool(ptrs(stash) & ptrs(last_outputs)))
+        return commit(rows)
+
+    decoder._verify_fn, decoder._draft_fn, decoder._commit_fn = recorded_verify, recorded_draft, recorded_commit
+    assert run_rounds(decoder, prompt, 40)[0] == reference
+    assert len(shared) > 3 and not any(shared)
+    assert (recurrent is not None) == (pair == "agree_hybrid_pair") == decoder.defer_commit
+
+
+def test_eager_cuda_sdpa_leaves_out_cudnn():
+    backends = without_shape_plans(lambda: (torch.backends.cuda.cudnn_sdp_enabled(),
+                                            torch.backends.cuda.flash_sdp_enabled(),
+                                            torch.backends.cuda.mem_efficient_sdp_enabled()))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    assert backends() == (False, True, True)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before  # restored
+
+
+# --- on a GPU ---------------------------------------------------------------------------
+
+
+def _modes(target, drafter):
+    return {
+        "target-only": SpeculativeDecoder(target, None),
+        "inject": SpeculativeDecoder(target, drafter),
+        "inject-static": SpeculativeDecoder(target, drafter, static=True, max_context=512),
+        "target-only-compiled": SpeculativeDecoder(target, None, compile=True, max_context=512),
+        "inject-compiled": SpeculativeDecoder(target, drafter, compile=True, max_context=512),
+    }
+
+
+@cuda
+@pytest.mark.parametrize("pair", ["agree_pair", "agree_hybrid_pair", "agree_dflash2_pair"])
+def test_cuda_modes_equal_target_only_with_cuda_graphs(pair, request):
+    """float32 on CUDA: every mode commits exactly the target-only tokens; compiled modes
+    run every graph as a CUDA graph (none skipped) and recompile nothing after warm-up."""
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    target, drafter = _load(request.getfixturevalue(pair), "cuda")
+    prompts = varied_prompts(target, 3)
+    modes = _modes(target, drafter)
+    for name, decoder in modes.items():  # warm-up: every length bucket the prompts reach
+        run_rounds(decoder, prompts[0], 150)
+    frames, skips = compile_counts()
+    assert skips == 0, "a compiled graph ran without CUDA graphs"
+    for prompt in prompts:
+        reference = run_rounds(modes["target-only"], prompt, 120)[0]
+        for name, decoder in modes.items():
+            assert run_rounds(decoder, prompt, 120)[0] == reference, name
+    assert compile_counts() == (frames, 0), "recompiled after warm-up, or skipped CUDA graphs"
+
+
+@cuda
+def test_eager_cuda_rounds_never_reach_cudnn_attention(agree_pair):
+    """Eager rounds attend over a key length that changes every round; none of them may
+    run cuDNN attention (a plan per new shape)."""
+    target, drafter = _load(agree_pair, "cuda", torch.bfloat16)
+    decoder = SpeculativeDecoder(target, drafter)
+    prompt = varied_prompts(target, 1)[0]
+    run_rounds(decoder, prompt, 20)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run_rounds(decoder, prompt, 60)
+    names = {e.key for e in prof.key_averages()}
+    assert any("scaled_dot_product" in n for n in names)
+    assert not [n for n in names if "cudnn_attention" in n]
