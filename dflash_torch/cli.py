@@ -81,6 +81,7 @@ def _generate_here(args: argparse.Namespace) -> int:
         out = engine.generate(prompt, **kwargs)
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                           "stats": out.stats.to_dict()}))
+        warn_skipped_cudagraphs(args)
         return 0
     stats, finish = None, None
     for chunk in engine.stream(prompt, **kwargs):
@@ -96,7 +97,29 @@ def _generate_here(args: argparse.Namespace) -> int:
         f"{' (times include the one-off compilation)' if args.compile else ''}]",
         file=sys.stderr,
     )
+    warn_skipped_cudagraphs(args)
     return 0
+
+
+def warn_skipped_cudagraphs(args: argparse.Namespace) -> None:
+    """With ``--compile`` on CUDA: :func:`warn_compile` for the graphs of this process
+    that ran without CUDA graphs."""
+    from .decoding import compile_counts
+
+    if args.compile and args.device.startswith("cuda"):
+        warn_compile("--compile", skipped=compile_counts()[1])
+
+
+def warn_compile(name: str, recompiles: int | None = None, skipped: int | None = None) -> None:
+    """A loud line on stderr when compiled decoding recompiled after its warm-up or ran
+    graphs without CUDA graphs (inductor skipped them): either costs most of the speed
+    that compiling is for, and figures measured so are not what they claim."""
+    if skipped:
+        print(f"WARNING: {name}: {skipped} compiled graph(s) ran WITHOUT CUDA graphs (skipped by inductor; "
+              "run with TORCH_LOGS=perf_hints to see why)", file=sys.stderr, flush=True)
+    if recompiles:
+        print(f"WARNING: {name}: {recompiles} recompile(s) after warm-up (run with TORCH_LOGS=recompiles to see why)",
+              file=sys.stderr, flush=True)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch._dynamo
 
 from dflash_torch import DFlashError
 from dflash_torch.bench.cli import _shapes_table
@@ -32,6 +33,7 @@ def test_bench_cli_writes_report(tiny_pair, tmp_path):
     assert names == ["target-only", "inject", "recompute"]
     for m in report["modes"]:
         assert m["generated_tokens"] == 2 * 11  # 12 tokens per prompt, the first from prefill
+        assert m["cudagraphs_skipped"] is None  # (eager, and no CUDA)
         assert m["decode_tokens_per_second"] > 0
     for m in report["modes"][1:]:
         assert m["outputs_identical_to_target_only"] is True
@@ -186,6 +188,10 @@ def test_shape_drafter_is_usable_for_the_sweep():
     assert torch.equal(drafter.rotary.inv_freq, rope_inv_freq(16, 1e6, None))
     sweep = context_sweep(drafter, embed, [8, 32], block_size=4, repeats=1)
     assert all(t > 0 for t in sweep["inject"] + sweep["recompute"])
+    # a named shape: its mask token id (151935) is embedded too
+    drafter, embed = build_drafter("qwen3-0.6b", torch.float32, "cpu", draft_layers=1, block_size=4)
+    assert drafter.config.mask_token_id == 151935
+    assert all(t > 0 for t in context_sweep(drafter, embed, [8], block_size=4, repeats=1)["inject"])
 
 
 def test_divergences_report_first_index_and_logit_gap(tiny_pair):
@@ -258,3 +264,29 @@ def test_modes_plot_of_target_only_alone_warns_nothing(tmp_path):
         warnings.simplefilter("error")
         assert _plots(report, tmp_path) == [str(tmp_path / "modes.png")]
     assert (tmp_path / "modes.png").stat().st_size > 0
+
+
+def test_acceptance_plot_draws_drafting_modes_only():
+    from dflash_torch.bench.cli import drafting_modes
+
+    names = ["target-only", "inject", "recompute", "target-only-compiled", "inject-compiled"]
+    assert [m["name"] for m in drafting_modes([{"name": n} for n in names])] == ["inject", "recompute", "inject-compiled"]
+
+
+def test_round_vs_step_compiled_builds_its_graphs_in_warm_up():
+    """The compiled step and round as --compile runs them: fixed shapes, every graph built
+    during the warm-up calls (none after), no CUDA graph skipped (none on a CPU)."""
+    torch._dynamo.reset()
+    r = round_vs_step(TINY_QWEN3, torch.float32, context=16, block_size=4, repeats=2, draft_layers=2, compiled=True)
+    assert r["compiled"] is True and (r["recompiles"], r["cudagraph_skips"]) == (0, 0)
+    assert _finite_positive(r["target_step_s"], r["round_s"], r["propose_s"])
+    assert r["experts_hit_per_moe_layer"] is None
+    table = _shapes_table([round_vs_step(TINY_QWEN3, torch.float32, context=16, block_size=4, repeats=1,
+                                         draft_layers=2), r])
+    assert "| custom (compiled) | qwen3 |" in table
+
+
+def test_round_vs_step_compiled_needs_every_layer():
+    with pytest.raises(DFlashError, match="needs all 8 layers"):
+        round_vs_step(TINY_HYBRID_MOE, torch.float32, context=16, block_size=4, repeats=1, draft_layers=2,
+                      memory_budget=1, compiled=True)

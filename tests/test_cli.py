@@ -137,3 +137,13 @@ def test_ctrl_c_while_decoding_exits_130_without_a_traceback(pair_args, tmp_path
     err = (seen if pipe == "stderr" else b"").decode() + err.decode()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "terminate called" not in err, err
+
+
+def test_cli_imports_no_http_stack_until_serve_runs():
+    """generate / bench / train run where FastAPI and uvicorn are not installed (e.g. a GPU
+    machine used only to benchmark): building the CLI imports neither."""
+    code = ("import sys; from dflash_torch.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -34,6 +34,9 @@ def register(sub) -> None:
     p.add_argument("--shapes", default="",
                    help="large-shape timing on random weights, e.g. qwen3-1.7b,qwen3.5-9b,qwen3-30b-a3b ('' = skip); "
                         "targets too large for this machine time a layer subset, scaled to full depth")
+    p.add_argument("--shapes-compiled", action="store_true",
+                   help="also time each --shapes shape's step and round compiled as --compile runs them "
+                        "(CUDA: CUDA graphs); needs every layer in memory")
     p.add_argument("--out", default="bench_out", help="output directory for bench.json and plots")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
@@ -49,7 +52,8 @@ def _lossless(r: dict) -> str:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ["mode", "tok/s", "x target", "x target same compile", "tau", "propose ms", "verify ms", "other ms", "recompiles", "peak MB", "vs target-only"]
+    head = ["mode", "tok/s", "x target", "x target same compile", "tau", "propose ms", "verify ms", "other ms", "recompiles",
+            "CUDA graphs skipped", "peak MB", "vs target-only"]
     lines = [head]
     for r in rows:
         lines.append([
@@ -59,6 +63,7 @@ def _table(rows: list[dict]) -> str:
             f"{r['mean_acceptance_length']:.2f}", f"{r['propose_time_per_round'] * 1e3:.2f}",
             f"{r['verify_time_per_round'] * 1e3:.2f}", f"{r['other_time_per_round'] * 1e3:.2f}",
             "-" if r["recompiles_after_warmup"] is None else str(r["recompiles_after_warmup"]),
+            "-" if r["cudagraphs_skipped"] is None else str(r["cudagraphs_skipped"]),
             f"{r['peak_memory_mb']:.0f}",
             _lossless(r),
         ])
@@ -88,8 +93,9 @@ def _shapes_table(shapes: list[dict]) -> str:
         hits = "-" if sh["experts_hit_per_moe_layer"] is None else \
             f"{sh['experts_hit_per_moe_layer']:.1f} of {sh['moe']['num_experts']} (top-{sh['moe']['top_k']})"
         timed = f"{sh['layers_timed']} of {sh['layers']}, SCALED" if sh["scaled"] else f"all {sh['layers']}"
-        lines.append(f"| {sh['shape']} | {sh['model_type']} | {sh['target_step_s'] * 1e3:.1f} | {sh['round_s'] * 1e3:.1f} | "
-                     f"{sh['propose_s'] * 1e3:.1f} | {sh['round_over_step']:.2f} | {timed} | {hits} | "
+        name = f"{sh['shape']} (compiled)" if sh.get("compiled") else sh["shape"]
+        lines.append(f"| {name} | {sh['model_type']} | {sh['target_step_s'] * 1e3:.2f} | {sh['round_s'] * 1e3:.2f} | "
+                     f"{sh['propose_s'] * 1e3:.2f} | {sh['round_over_step']:.2f} | {timed} | {hits} | "
                      f"{sh['projected_speedup'][tau]:.2f}x |")
     if any(sh["scaled"] for sh in shapes):
         lines.append("SCALED rows: only whole periods of the layer pattern were built (the weights would not fit "
@@ -103,6 +109,14 @@ def _labelled_sweeps(report: dict) -> list[tuple[str, dict]]:
     sweeps = [("the loaded drafter", report["sweep"])] if report["sweep"] else []
     return sweeps + [(f"a {sw['shape']}-shaped {sw['draft_layers']}-layer drafter (random weights)", sw)
                      for sw in report["shape_sweeps"]]
+
+
+def drafting_modes(modes: list[dict]) -> list[dict]:
+    """The modes of a report that draft (their acceptance histograms are plotted; a
+    target-only mode's tau is always 1, one spike that would flatten every other curve)."""
+    from .modes import ALL_MODES
+
+    return [m for m in modes if ALL_MODES[m["name"]].drafter]
 
 
 def _plots(report: dict, out: Path) -> list[str]:
@@ -120,15 +134,15 @@ def _plots(report: dict, out: Path) -> list[str]:
         ax[0].set_ylabel("decode tokens/s")
         ax[0].set_title("Decode throughput")
         ax[0].tick_params(axis="x", rotation=30)
-        for m in modes:
-            if m["acceptance_histogram"] and m["name"] != "target-only":
+        for m in drafting_modes(modes):
+            if m["acceptance_histogram"]:
                 h = m["acceptance_histogram"]
                 ks = sorted(int(k) for k in h)
                 ax[1].plot(ks, [h[k] if k in h else h[str(k)] for k in ks], marker="o", label=m["name"])
         ax[1].set_xlabel("acceptance length tau (tokens per round)")
         ax[1].set_ylabel("rounds")
         ax[1].set_title("Acceptance histogram")
-        if ax[1].get_legend_handles_labels()[0]:  # (target-only alone draws no curve)
+        if ax[1].get_legend_handles_labels()[0]:  # (target-only modes alone draw no curve)
             ax[1].legend()
         fig.tight_layout()
         fig.savefig(out / "modes.png", dpi=110)
@@ -159,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..cli import set_threads
+    from ..cli import set_threads, warn_compile
     from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
     from .modes import ALL_MODES, divergences, load_prompts, run_modes
     from .shapes import SHAPES, build_drafter, layers_that_fit, round_vs_step
@@ -235,6 +249,7 @@ def _run(args: argparse.Namespace) -> int:
             res.speedup_vs_target_only_same_compile = res.decode_tokens_per_second / base[0].decode_tokens_per_second
         report["modes"].append(asdict(res))
         print(f"{res.name}: {res.decode_tokens_per_second:.1f} tok/s, tau {res.mean_acceptance_length:.2f}", flush=True)
+        warn_compile(res.name, res.recompiles_after_warmup, res.cudagraphs_skipped)
     if lengths and engine.drafter is not None:
         report["sweep"] = context_sweep(engine.drafter, engine.target.model.embed_tokens, lengths, engine.block_size)
     for shape in sweep_shapes if lengths else []:
@@ -243,9 +258,14 @@ def _run(args: argparse.Namespace) -> int:
                                        **context_sweep(drafter, embed, lengths, engine.block_size)})
         del drafter, embed
     for shape in shapes:
-        report["shapes"].append(round_vs_step(shape, dtype, args.device, block_size=engine.block_size))
-        sh = report["shapes"][-1]
-        print(f"{shape}: round/step {sh['round_over_step']:.2f} ({_layers_timed(sh)})", flush=True)
+        for compiled in (False, True) if args.shapes_compiled else (False,):
+            report["shapes"].append(round_vs_step(shape, dtype, args.device, block_size=engine.block_size,
+                                                  compiled=compiled))
+            sh = report["shapes"][-1]
+            label = f"{shape} compiled" if compiled else shape
+            print(f"{label}: round/step {sh['round_over_step']:.2f} ({_layers_timed(sh)})", flush=True)
+            if compiled:
+                warn_compile(label, sh["recompiles"], sh["cudagraph_skips"] if args.device.startswith("cuda") else None)
     report["plots"] = _plots(report, out)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     print()

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..decoding import SpeculativeDecoder
+from ..decoding import SpeculativeDecoder, compile_counts
 from ..errors import DFlashError
 from ..sampling import SamplingParams
 
@@ -42,6 +42,9 @@ class ModeResult:
 
     ``peak_memory_mb``: on CUDA the most memory allocated while this mode decoded; on
     CPU the process's peak resident set so far (it covers every mode built before).
+    ``recompiles_after_warmup``: frames traced while decoding after the warm-up (compiled
+    modes). ``cudagraphs_skipped``: compiled graphs of this mode that run without CUDA
+    graphs (compiled modes on CUDA; None elsewhere): anything but 0 is a defect.
     """
 
     name: str
@@ -59,6 +62,7 @@ class ModeResult:
     other_time_per_round: float = 0.0
     warmup_time: float = 0.0
     recompiles_after_warmup: int | None = None
+    cudagraphs_skipped: int | None = None
     peak_memory_mb: float = 0.0
     outputs_identical_to_target_only: bool | None = None
     divergences: list[dict] = field(default_factory=list)
@@ -85,12 +89,6 @@ def load_prompts(path: Path, limit: int | None) -> list[str]:
     if not prompts:
         raise DFlashError(f"{path} has no prompts")
     return prompts[:limit] if limit else prompts
-
-
-def _graph_count() -> int:
-    import torch._dynamo.utils as du
-
-    return int(du.counters["stats"]["unique_graphs"])
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -120,6 +118,7 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
                                      block_size=block_size if spec.drafter else None,
                                      draft_mode=spec.draft_mode, compile=spec.compile, max_context=max_context)
         t0 = time.perf_counter()
+        skips = compile_counts()[1]
         # warm-up: the longest prompt's prefill and the shortest prompt decoded to the
         # context limit reach every length bucket of the fixed-shape modes, so compiled
         # modes build all their graphs here
@@ -128,13 +127,15 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
             list(decoder.rounds(longest, params, min(2 * decoder.block_size, max_context - len(longest))))
             list(decoder.rounds(shortest, params, max_context - len(shortest)))
         decoders.append(decoder)
+        graphed = spec.compile and dev.type == "cuda"
         results.append(ModeResult(spec.name, warmup_time=time.perf_counter() - t0,
-                                  recompiles_after_warmup=0 if spec.compile else None))
+                                  recompiles_after_warmup=0 if spec.compile else None,
+                                  cudagraphs_skipped=compile_counts()[1] - skips if graphed else None))
     outputs = [[] for _ in specs]
     rounds = [[] for _ in specs]
     for ids in tqdm(prompt_ids, desc="decode", disable=not progress, leave=False):
         for i, (spec, decoder, res) in enumerate(zip(specs, decoders, results)):
-            graphs = _graph_count()
+            graphs, skips = compile_counts()
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             out, rnds = [], []
@@ -142,7 +143,9 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
                 out.extend(rnd.tokens)
                 rnds.append(rnd)
             if spec.compile:
-                res.recompiles_after_warmup += _graph_count() - graphs
+                res.recompiles_after_warmup += compile_counts()[0] - graphs
+            if res.cudagraphs_skipped is not None:
+                res.cudagraphs_skipped += compile_counts()[1] - skips
             outputs[i].append(out[:max_new_tokens])
             rounds[i].append(rnds)
             res.peak_memory_mb = max(res.peak_memory_mb, _peak_memory_mb(dev))

@@ -24,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-from ..decoding import SpeculativeDecoder
+from ..decoding import SpeculativeDecoder, compile_counts
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig
 from ..models.drafter import DFlashDrafter
@@ -175,16 +175,27 @@ def _random_init(module: nn.Module, dtype: torch.dtype, device: str) -> nn.Modul
 
 def build_drafter(shape: str | dict, dtype: torch.dtype, device: str, draft_layers: int = 5,
                   block_size: int = 16) -> tuple[DFlashDrafter, nn.Embedding]:
-    """A random drafter for a target of ``shape`` and a small random embedding of its width
-    (enough to embed mask blocks for propose timing; the target itself is not built)."""
+    """A random drafter for a target of ``shape`` and an embedding of its width that gives
+    every token id one random row (enough to embed mask blocks for propose timing, whatever
+    the mask token id; the target itself is not built)."""
     dcfg = drafter_config(target_config(shape), draft_layers, block_size)
     with torch.device("meta"):
         drafter = DFlashDrafter(dcfg)
     drafter = _random_init(drafter, dtype, device)
     if packing_supported(dtype, device):  # as the engine loads models
         pack_linears(drafter)
-    embed = nn.Embedding(1024, dcfg.hidden_size, device=device, dtype=dtype)
-    return drafter, embed
+    return drafter, OneRowEmbedding(dcfg.hidden_size, dtype, device)
+
+
+class OneRowEmbedding(nn.Module):
+    """Embeds every token id ``[T]`` as the same random row -> ``[T, hidden]``."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, device: str):
+        super().__init__()
+        self.row = nn.Parameter(torch.randn(1, hidden, dtype=dtype, device=device) * 0.02, requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.row.expand(ids.shape[0], -1)
 
 
 def weight_bytes(cfg: TargetConfig, dtype: torch.dtype, device: str) -> tuple[int, list[int]]:
@@ -300,7 +311,7 @@ def _experts_hit(target: TargetModel, run) -> float | None:
 @torch.inference_mode()
 def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", context: int = 512,
                   block_size: int = 16, repeats: int = 5, draft_layers: int = 5,
-                  memory_budget: int | None = None) -> dict:
+                  memory_budget: int | None = None, compiled: bool = False) -> dict:
     """Median seconds of one target-only step and of one DFlash round after ``context``
     committed tokens.
 
@@ -321,6 +332,11 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
             every forward pays once (embedding, rope tables, mask, final norm, LM head,
             acceptance) and the propose are timed as they are. ``measured`` keeps the
             unscaled medians and their layer parts.
+        compiled: time the fixed-shape steps as ``--compile`` runs them (``torch.compile``;
+            on CUDA with CUDA graphs), after warm-up calls that build the graphs, instead
+            of eager steps. Needs every layer in memory (no scaling through compiled
+            graphs). Adds ``recompiles`` (graphs built after the warm-up) and
+            ``cudagraph_skips`` (graphs that ran without CUDA graphs, CUDA only).
 
     Returns:
         a dict: times in seconds (``target_step_s``, ``round_s``, ``propose_s``),
@@ -330,11 +346,15 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
 
     Raises:
         DFlashError: an unknown shape name, a config its parser refuses, or a target of
-            which even one period of layers does not fit in this machine's memory.
+            which even one period of layers does not fit in this machine's memory (with
+            ``compiled``: of which not all layers fit).
     """
     cfg = target_config(shape)
     L = cfg.num_hidden_layers
     n, fixed, per_layer = layers_that_fit(shape, dtype, device, memory_budget)
+    if compiled and n < L:
+        raise DFlashError(f"compiled timing of shape {shape if isinstance(shape, str) else cfg.model_type} needs all "
+                          f"{L} layers in memory; only {n} fit on {device}")
     need = fixed + sum(per_layer[:n])
     target, drafter = build_pair(shape, dtype, device, draft_layers=draft_layers, block_size=block_size,
                                  layers=n)
@@ -353,11 +373,14 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         clock["layers"] += time.perf_counter() - clock["start"]
 
     def timed(fn) -> tuple[float, float, float]:
-        """Medians over ``repeats`` calls of ``fn`` (after one warm-up) of its seconds, of
+        """Medians over ``repeats`` calls of ``fn`` (after ``warmups`` warm-up calls) of its seconds, of
         the part spent in decoder layers and commits, and of the first plus ``more`` times
         the second: each call's own layer time scales it, so the scaling never subtracts
         times measured in different calls."""
         total, layers = [], []
+        for _ in range(warmups - 1):  # compiled: the graphs are built and recorded here
+            fn()
+        graphs = compile_counts()[0]
         for _ in range(repeats + 1):
             clock["layers"] = 0.0
             sync()
@@ -367,31 +390,42 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
             total.append(time.perf_counter() - t0)
             layers.append(clock["layers"])
         total, layers = total[1:], layers[1:]
+        rebuilt["graphs"] += compile_counts()[0] - graphs
         scaled = [t + more * lt for t, lt in zip(total, layers)]
         return tuple(sorted(x)[len(x) // 2] for x in (total, layers, scaled))
 
     # The committed context is the caches' zero-filled first ``context`` positions (and a
     # zero recurrent state): a forward's time does not depend on the values it reads,
     # and a prefill, which would only fill them, takes minutes at large shapes on a CPU.
-    spec = SpeculativeDecoder(target, drafter, block_size=B, max_context=context + 64)
+    spec = SpeculativeDecoder(target, drafter, block_size=B, max_context=context + 64, compile=compiled)
     if n < L:  # feature layers of the full depth -> the built layer at the same place in the pattern
         spec.feature_layers = [i % n for i in spec.feature_layers]
     spec.target_cache.reset(context + 64)
     spec.context.reset(context + 64)
-    base = SpeculativeDecoder(target, None, max_context=context + 64)  # block size 1: verifies commit directly
+    base = SpeculativeDecoder(target, None, max_context=context + 64, compile=compiled)  # B = 1: verifies commit directly
     base.target_cache = spec.target_cache
     tok = block[:1]
+    rebuilt = {"graphs": 0}  # graphs built after the warm-up calls
+    skips = compile_counts()[1]
+    warmups = 3 if compiled else 1  # reduce-overhead: compile, warm up, record; then replays
+    if compiled:  # fixed shapes, as the decoding loop calls the compiled steps
+        pos, start = torch.tensor(context, device=device), torch.tensor(context, device=device)
+        kv_step, kv_round = spec.kv_bucket(context + 1), spec.kv_bucket(context + B)
+    else:
+        pos = start = context
+        kv_step, kv_round = context + 1, context + B
     # the layers run from the first layer's input norm to the final norm
     hooks = [target.model.layers[0].input_layernorm.register_forward_pre_hook(layers_start),
              target.model.norm.register_forward_pre_hook(layers_stop)] if n < L else []
-    step_measured, step_layers, step = timed(lambda: base._verify_fn(tok, context, context + 1))
+    step_measured, step_layers, step = timed(lambda: base._verify_fn(tok, pos, kv_step))
 
     # the propose injects the previous verify's B feature rows (the fixed-shape worst
     # case); placed at the block's own positions, where the block's K/V overwrite them
     feats = [drafter.fc.weight.new_zeros(B, drafter.fc.in_features)]
 
     def verify_accept_commit():
-        logits, feats[0] = spec._verify_fn(block, context, context + B)
+        logits, out = spec._verify_fn(block, pos, kv_round)
+        feats[0] = spec._carry(out)
         accepted, bonus = accept_greedy(block[1:], logits)
         torch.cat([accepted.view(1), block[1:], bonus.view(1)]).tolist()  # the round's one host sync
         if spec.defer_commit:  # hybrid target: the rollback of its recurrent layers
@@ -401,27 +435,32 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
             clock["layers"] += time.perf_counter() - t0
 
     def one_round():
-        greedy_tokens(spec._draft_fn(tok[0], context, context + B, feats[0], context))
+        greedy_tokens(spec._draft_fn(tok[0], pos, kv_round, feats[0], start))
         verify_accept_commit()
 
     round_measured, round_layers, rnd = timed(one_round)
     for h in hooks:
         h.remove()
-    propose = timed(lambda: spec._draft_fn(tok[0], context, context + B, feats[0], context))[0]
-    hits = _experts_hit(target, verify_accept_commit)
+    propose = timed(lambda: spec._draft_fn(tok[0], pos, kv_round, feats[0], start))[0]
+    counts = {}
+    if compiled:  # the hooks that count experts cannot run inside graphs
+        hits = None
+        counts = {"recompiles": rebuilt["graphs"], "cudagraph_skips": compile_counts()[1] - skips}
+    else:
+        hits = _experts_hit(target, verify_accept_commit)
     measured = None
     if n < L:
         measured = {"target_step_s": step_measured, "target_step_layers_s": step_layers,
                     "round_s": round_measured, "round_layers_and_commit_s": round_layers}
     result = {
-        "shape": shape if isinstance(shape, str) else "custom", "model_type": cfg.model_type,
+        "shape": shape if isinstance(shape, str) else "custom", "model_type": cfg.model_type, "compiled": compiled,
         "dtype": str(dtype).removeprefix("torch."), "device": device, "context": context, "block_size": B,
         "draft_layers": drafter.config.num_hidden_layers, "layers": L, "layers_timed": n, "scaled": n < L,
         "weights_gib": (fixed + sum(per_layer)) / 2**30, "built_gib": need / 2**30,
         "target_step_s": step, "round_s": rnd, "propose_s": propose, "round_over_step": rnd / step,
         "measured": measured, "experts_hit_per_moe_layer": hits,
         "moe": None if cfg.moe is None else {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k},
-        "projected_speedup": {k: tau * step / rnd for k, tau in PUBLISHED_TAU.items()},
+        "projected_speedup": {k: tau * step / rnd for k, tau in PUBLISHED_TAU.items()}, **counts,
     }
     target = drafter = base = spec = None  # free the large weights before the next shape is built
     gc.collect()

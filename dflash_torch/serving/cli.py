@@ -29,7 +29,7 @@ def register(sub) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..cli import load_engine
+    from ..cli import load_engine, warn_skipped_cudagraphs
     from .app import create_app
 
     if not 1 <= args.port <= 65535:
@@ -46,6 +46,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.compile:
         print("dflash-torch: compiling the decoding graphs (one-off) ...", flush=True)
         print(f"dflash-torch: compiled in {engine.warmup():.1f} s", flush=True)
+        warn_skipped_cudagraphs(args)
     app = create_app(engine, api_key=api_key, model_name=args.model_name)
     print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "
           f"(block size {engine.block_size}, context {engine.max_context})", flush=True)
