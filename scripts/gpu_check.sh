@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU checks of GPU decoding (CUDA graphs, eager CUDA, large-shape timing), in one run
+# of under 8 minutes on an H200. Needs only torch with CUDA, transformers, safetensors,
+# tokenizers, tqdm and matplotlib (no install, no download). Prints one summary table at
+# the end and writes probe.json, pair_bf16.json, qwen3_8b.json, pair_fp32.json and gpu_check.log
+# into OUT_DIR.
+#
+# Usage: scripts/gpu_check.sh [OUT_DIR] [PARTS]
+#   PARTS: comma-separated, default all: probe,pair,shapes,tests,fp32
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu_out}
+PARTS=${2:-probe,pair,shapes,tests,fp32}
+WORK=$(mktemp -d)
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+LOG="$OUT/gpu_check.log"
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+step() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; }
+
+bench() {  # bench NAME ARGS...: the bench CLI into $WORK/NAME, its bench.json copied to $OUT/NAME.json
+    local name=$1; shift
+    $PY -m dflash_torch bench --device "${DEVICE:-cuda}" --no-progress --out "$WORK/$name" "$@" 2>&1 | tee -a "$LOG"
+    cp "$WORK/$name/bench.json" "$OUT/$name.json" 2>/dev/null || echo "($name wrote no bench.json)" | tee -a "$LOG"
+}
+
+if has probe; then
+    step "probe: device, copy bandwidth, eager decoding with and without cuDNN attention"
+    $PY scripts/gpu_probe.py --json "$OUT/probe.json" 2>&1 | tee -a "$LOG"
+fi
+if has pair; then
+    step "shipped pair, bf16, 8 held-out prompts x 256 tokens, propose-time sweep"
+    bench pair_bf16 --dtype bfloat16 --num-prompts 8 --max-new-tokens 256 \
+        --modes target-only,inject,target-only-compiled,inject-compiled --sweep 128,512,2048,8192
+fi
+if has shapes; then
+    step "Qwen3-8B shape, random weights, bf16: eager and compiled step/round, drafter sweep"
+    bench qwen3_8b --dtype bfloat16 --num-prompts 1 --max-new-tokens 8 --modes target-only \
+        --sweep 128,512,2048,8192 --sweep-shapes qwen3-8b --shapes qwen3-8b --shapes-compiled
+fi
+if has tests; then
+    step "CUDA tests"
+    $PY -m pytest -p no:cacheprovider -rN -x tests/test_cuda.py 2>&1 | tee -a "$LOG"
+fi
+if has fp32; then
+    step "shipped pair, float32: every mode against target-only"
+    bench pair_fp32 --dtype float32 --num-prompts 4 --max-new-tokens 128 \
+        --modes target-only,inject,recompute,target-only-compiled,inject-compiled --sweep ""
+fi
+step "summary"
+$PY scripts/gpu_summary.py "$OUT" 2>&1 | tee -a "$LOG"
