@@ -194,3 +194,24 @@ def test_hybrid_generate_batch_decodes_one_at_a_time(agree_hybrid_pair):
     prompts = [[5, 6, 7], [9] * 12]
     got = engine.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
     assert [g.token_ids for g in got] == [engine.generate(p, max_new_tokens=12, ignore_eos=True).token_ids for p in prompts]
+
+
+def test_random_drafter_batch_proposes_as_alone(tiny_pair):
+    """A random drafter whose attention matters (unlike the agreeable one's small weights):
+    with sampling, every sequence's tokens and acceptance lengths equal its decode alone,
+    so each block attends to its own context only."""
+    target = TargetModel.from_pretrained(tiny_pair[0], torch.float32)
+    drafter = DFlashDrafter.from_pretrained(tiny_pair[1], torch.float32)
+    prompts = [[5, 6, 7], list(range(10, 50)), [9] * 17]
+    batch = BatchDecoder(target, drafter, block_size=8, max_batch_size=3, max_context=128)
+    params = [SamplingParams(temperature=1.5, seed=20 + i) for i in range(3)]
+    out = {i: list(batch.add(i, p, params[i], 40).tokens) for i, p in enumerate(prompts)}
+    taus = {i: [] for i in out}
+    while rounds := batch.step():
+        for sid, rnd in rounds.items():
+            out[sid] += rnd.tokens
+            taus[sid].append(rnd.acceptance_length)
+    for i, p in enumerate(prompts):
+        tokens, expected_taus = run_rounds(SpeculativeDecoder(target, drafter, block_size=8), p, 40, params[i])
+        assert (out[i][:40], taus[i]) == (tokens, expected_taus), f"sequence {i}"
+    assert max(max(t) for t in taus.values()) > 1
