@@ -168,6 +168,13 @@ class BatchDecoder:
         max_context: longest prompt + generation per sequence (tokens); default: the
             target's ``max_position_embeddings``.
         prefill_chunk: prompt tokens per prefill forward.
+        static: fixed-shape rounds: the N sequences run as a batch bucket (the smallest
+            power of two >= N, capped at ``max_batch_size``; padding rows decode a
+            dummy block in free slots and are ignored) over a length bucket of keys
+            (:meth:`kv_bucket`). Implied by ``compile``; prefills stay eager.
+        compile: wrap propose and verify with ``torch.compile`` (one graph per batch
+            bucket x length bucket, built the first time a round needs it).
+        compile_backend: torch.compile backend (default "inductor").
 
     The caches (``max_batch_size`` slots of ``max_context + max(2 B, prefill_chunk) + 1``
     positions, target and drafter) are allocated here, once.
@@ -178,7 +185,8 @@ class BatchDecoder:
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, block_size: int | None = None,
-                 max_batch_size: int = 8, max_context: int | None = None, prefill_chunk: int = 256):
+                 max_batch_size: int = 8, max_context: int | None = None, prefill_chunk: int = 256,
+                 static: bool = False, compile: bool = False, compile_backend: str = "inductor"):
         if target.recurrent:
             raise DFlashError("batched decoding does not support hybrid targets (Gated DeltaNet layers keep a "
                               "recurrent state per sequence); decode their requests one at a time")
@@ -214,7 +222,73 @@ class BatchDecoder:
         self._arange_block = torch.arange(B, device=self.device)
         self._arange_chunk = torch.arange(prefill_chunk, device=self.device)
         mask_id = drafter.config.mask_token_id if drafter is not None else 0
-        self._mask_id = mask_id
+        self._mask_tail = torch.full((max(B - 1, 0),), mask_id, dtype=torch.long, device=self.device)
+        self.static = static or compile
+        # one cache view object per batch size (a compiled step sees the same objects every round)
+        self._target_views: dict[int, TargetCache] = {}
+        self._draft_views: dict[int, InjectedContext] = {}
+        self._draft_fn, self._verify_fn = self._draft_step, self._verify_step
+        if compile:
+            opts = dict(dynamic=False, backend=compile_backend)
+            if self.device.type == "cuda":
+                opts["mode"] = "reduce-overhead"
+            self._draft_fn = torch.compile(self._draft_step, **opts)
+            self._verify_fn = torch.compile(self._verify_step, **opts)
+
+    def batch_bucket(self, n: int) -> int:
+        """Rows of a round of ``n`` sequences: ``n``, or with fixed shapes the smallest
+        power of two >= n, capped at ``max_batch_size``."""
+        if not self.static:
+            return n
+        b = 1
+        while b < n:
+            b *= 2
+        return min(b, self.max_batch_size)
+
+    def kv_bucket(self, n: int) -> int:
+        """Keys to attend over when ``n`` positions must be visible: ``n``, or with fixed
+        shapes the smallest power of two >= max(n, 256), capped at the cache capacity."""
+        if not self.static:
+            return n
+        b = 256
+        while b < n:
+            b *= 2
+        return min(b, self.target_kv.capacity)
+
+    @torch.inference_mode()
+    def warmup(self, context: int | None = None) -> int:
+        """Run a dummy round at every batch bucket and every length bucket up to ``context``
+        tokens (default: the whole cache), so that a compiled decoder builds those graphs now
+        rather than in a request. Only while no sequence is held (it writes into every slot).
+
+        Returns:
+            the rounds run.
+
+        Raises:
+            DFlashError: sequences are held.
+        """
+        if self._seqs:
+            raise DFlashError("warmup() needs an empty batch (it overwrites every slot)")
+        B, cap = self.block_size, self.target_kv.capacity
+        sizes = sorted({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
+        lengths = sorted({self.kv_bucket(n) for n in range(B, min(context or cap, cap) + 1)})
+        for rows in sizes:
+            for kv_len in lengths:
+                positions = (kv_len - B) + self._arange_block.expand(rows, B)  # the last block that fits
+                tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
+                block = torch.zeros(rows, B, dtype=torch.long, device=self.device)
+                if B > 1:
+                    feats = self.drafter.fc.weight.new_zeros(rows * B, self.drafter.fc.in_features)
+                    self._draft_fn(tokens, positions, feats, positions.clone(), kv_len, self._views(rows)[1])
+                self._verify_fn(block.reshape(-1), positions, kv_len, self._views(rows)[0])
+        return len(sizes) * len(lengths)
+
+    def _views(self, n: int) -> tuple[TargetCache, InjectedContext | None]:
+        if n not in self._target_views:
+            self._target_views[n] = TargetCache(self.target_kv.first(n))
+            if self.draft_kv is not None:
+                self._draft_views[n] = InjectedContext(self.drafter, self.draft_kv.first(n))
+        return self._target_views[n], self._draft_views.get(n)
 
     # --- the step-level API ---
 
@@ -308,21 +382,21 @@ class BatchDecoder:
         if not any(not q.done for q in seqs):
             return {}
         n, B, dev = len(seqs), self.block_size, self.device
+        rows = self.batch_bucket(n)  # rows past n: padding in free slots, at position 0
         t0 = time.perf_counter()
-        starts = torch.tensor([q.s for q in seqs], device=dev)
-        positions = starts[:, None] + self._arange_block  # [n, B]
-        kv_len = max(q.s for q in seqs) + B
-        tokens = torch.stack([q.token for q in seqs])  # [n]
-        draft_probs = [None] * n
+        starts = torch.tensor([q.s for q in seqs] + [0] * (rows - n), device=dev)
+        positions = starts[:, None] + self._arange_block  # [rows, B]
+        kv_len = self.kv_bucket(max(q.s for q in seqs) + B)
+        tokens = torch.stack([q.token for q in seqs] + [self._arange_block[0]] * (rows - n))  # [rows]
+        draft_probs = [None] * rows
         if B > 1:
             drafts, draft_probs = self._propose(seqs, tokens, positions, kv_len)
-            block = torch.cat([tokens[:, None], drafts], dim=1)  # [n, B]
+            block = torch.cat([tokens[:, None], drafts], dim=1)  # [rows, B]
         else:
             block = tokens[:, None]
         t1 = time.perf_counter()
-        logits, feats = self.target(block.reshape(-1), positions, TargetCache(self.target_kv.first(n)), kv_len,
-                                    self.feature_layers)
-        accepted, bonus = self._accept(seqs, block, draft_probs, logits.view(n, B, -1))
+        logits, feats = self._verify_fn(block.reshape(-1), positions, kv_len, self._views(rows)[0])
+        accepted, bonus = self._accept(seqs, block, draft_probs, logits.view(rows, B, -1))
         out = torch.cat([accepted[:, None], block[:, 1:], bonus[:, None]], dim=1).tolist()  # the one host sync
         t2 = time.perf_counter()
         rounds = {}
@@ -343,6 +417,21 @@ class BatchDecoder:
 
     # --- the parts of a round ---
 
+    def _draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
+                    feature_positions: torch.Tensor, kv_len: int, context: InjectedContext):
+        """propose: inject ``features`` ``[n * B, k * H]`` at ``feature_positions`` ``[n, B]``,
+        then denoise the n blocks ``[token, mask, ...]`` at ``positions`` ``[n, B]`` -> the
+        draft scores with a leading dimension n (no sampling parameter enters here)."""
+        n, B = positions.shape
+        block = torch.cat([tokens[:, None], self._mask_tail.expand(n, B - 1)], dim=1)
+        hidden = self.drafter(self.target.embed(block.reshape(-1)), positions, context, kv_len, mask_keys=True,
+                              inject=(features, feature_positions))
+        return self.drafter.draft_scores(hidden.view(n, B, -1), tokens, self.target)
+
+    def _verify_step(self, block: torch.Tensor, positions: torch.Tensor, kv_len: int, cache: TargetCache):
+        """verify: the target reads the n blocks -> logits ``[n * B, V]``, features ``[n * B, k * H]``."""
+        return self.target(block, positions, cache, kv_len, self.feature_layers)
+
     def _prefill(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
         """The target reads the prompt into ``slot`` chunk by chunk; every row's features are
         injected into the slot's drafter cache. Returns the last row's logits ``[V]``."""
@@ -360,22 +449,17 @@ class BatchDecoder:
     def _propose(self, seqs: list[_Sequence], tokens: torch.Tensor, positions: torch.Tensor, kv_len: int):
         """The drafter over the n blocks ``[token, mask, ...]``, injecting each sequence's
         pending features first -> draft tokens ``[n, B-1]`` and each sequence's q (None when greedy)."""
-        n, B = len(seqs), self.block_size
-        width = self.drafter.fc.in_features
-        feats = torch.cat([q.pending if q.pending is not None else self.drafter.fc.weight.new_zeros(B, width)
-                           for q in seqs])
-        # a sequence without a verify yet injects zero rows at its block's own positions
-        # (the block's K/V overwrite them in the same pass)
-        feat_starts = torch.tensor([q.pending_start if q.pending is not None else q.s for q in seqs], device=self.device)
-        block = torch.full((n, B), self._mask_id, dtype=torch.long, device=self.device)
-        block[:, 0] = tokens
-        context = InjectedContext(self.drafter, self.draft_kv.first(n))
-        hidden = self.drafter(self.target.embed(block.reshape(-1)), positions, context, kv_len, mask_keys=True,
-                              inject=(feats, feat_starts[:, None] + self._arange_block))
-        scores = self.drafter.draft_scores(hidden.view(n, B, -1), tokens, self.target)
+        rows, B = tokens.shape[0], self.block_size
+        zeros = self.drafter.fc.weight.new_zeros(B, self.drafter.fc.in_features)
+        feats = torch.cat([q.pending if q.pending is not None else zeros for q in seqs] + [zeros] * (rows - len(seqs)))
+        # a sequence without a verify yet (and a padding row) injects zero rows at its block's
+        # own positions (the block's K/V overwrite them in the same pass)
+        feat_starts = [q.pending_start if q.pending is not None else q.s for q in seqs] + [0] * (rows - len(seqs))
+        feat_positions = torch.tensor(feat_starts, device=self.device)[:, None] + self._arange_block
+        scores = self._draft_fn(tokens, positions, feats, feat_positions, kv_len, self._views(rows)[1])
         greedy = SamplingParams()
         drafts, _ = self.drafter.choose_draft(scores, greedy, None)  # [n, B-1]: every greedy sequence's
-        probs = [None] * n
+        probs = [None] * rows
         sampled = [i for i, q in enumerate(seqs) if not q.params.greedy and not q.done]
         if sampled:
             rows = list(drafts)

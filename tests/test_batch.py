@@ -215,3 +215,37 @@ def test_random_drafter_batch_proposes_as_alone(tiny_pair):
         tokens, expected_taus = run_rounds(SpeculativeDecoder(target, drafter, block_size=8), p, 40, params[i])
         assert (out[i][:40], taus[i]) == (tokens, expected_taus), f"sequence {i}"
     assert max(max(t) for t in taus.values()) > 1
+
+
+def test_compiled_batch_rounds_do_not_recompile(agree_models):
+    """Fixed shapes: batch buckets (1, 2, 4) x length buckets (256 keys, the 333-position
+    cache); after warmup() every round of sequences joining and leaving (batch sizes 1 to
+    4, contexts past 256) reuses a graph, and each output equals its decode alone.
+    TorchDynamo's guards decide recompilation, so the cheap "eager" backend is enough."""
+    import torch._dynamo
+    import torch._dynamo.utils as dynamo_utils
+
+    target, drafter = agree_models
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    batch = BatchDecoder(target, drafter, max_batch_size=4, max_context=300, prefill_chunk=32, compile=True,
+                         compile_backend="eager")
+    assert batch.warmup() == 3 * 2
+    graphs, frames = dynamo_utils.counters["stats"]["unique_graphs"], dynamo_utils.counters["frames"]["total"]
+    assert graphs == 2 * 3 * 2  # propose and verify per bucket pair
+    prompts = mixed_prompts(target, 6)
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.9, seed=4)
+    budgets = [250, 40, 30, 200, 60, 20]
+    params = [greedy, sampled, greedy, sampled, greedy, greedy]
+    plan = [(0, "add", 0, prompts[0], params[0], budgets[0]), (3, "add", 1, prompts[1], params[1], budgets[1]),
+            (4, "add", 2, prompts[2], params[2], budgets[2]), (5, "add", 3, prompts[3], params[3], budgets[3]),
+            (6, "add", 4, prompts[4], params[4], budgets[4]), (8, "remove", 3, None, None, None),
+            (9, "add", 5, prompts[5], params[5], budgets[5])]
+    out = drive(batch, plan)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
+    assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
+    for sid in (0, 1, 2, 4, 5):
+        assert out[sid] == alone(target, drafter, prompts[sid], budgets[sid], params[sid]), f"sequence {sid}"
+    with pytest.raises(DFlashError, match="empty batch"):
+        batch.add("x", [5], greedy, 3)
+        batch.warmup()
