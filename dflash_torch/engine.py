@@ -410,8 +410,9 @@ class DFlashEngine:
 
     def batch_decoder(self) -> BatchDecoder:
         """The engine's :class:`~dflash_torch.batch.BatchDecoder` (``max_batch_size`` slots,
-        the engine's block size, ``max_context`` and prefill chunk), created on the first
-        call; call it and drive it on the compute thread (:func:`dflash_torch.compute.run`).
+        the engine's block size, ``max_context``, prefill chunk and fixed-shape / compile
+        setting), created on the first call; call it and drive it on the compute thread
+        (:func:`dflash_torch.compute.run`).
 
         Raises:
             DFlashError: a hybrid target, or caches that do not fit (see ``BatchDecoder``).
@@ -419,7 +420,8 @@ class DFlashEngine:
         if self._batch is None:
             self._batch = BatchDecoder(self.target, self.drafter, block_size=self.block_size,
                                        max_batch_size=self.max_batch_size, max_context=self.max_context,
-                                       prefill_chunk=self.decoder.prefill_chunk)
+                                       prefill_chunk=self.decoder.prefill_chunk, static=self.decoder.static,
+                                       compile=self.decoder.compiled)
         return self._batch
 
     def new_stopper(self, max_new_tokens: int, stop=None, stop_token_ids=None, ignore_eos: bool = False) -> Stopper:
