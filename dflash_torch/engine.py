@@ -25,8 +25,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from . import compute, options
+from .batch import BatchDecoder, check_max_batch_size
 from .checkpoint import load_config, resolve_model_dir
-from .decoding import SpeculativeDecoder
+from .decoding import Round, SpeculativeDecoder
 from .errors import DFlashError
 from .models.config import DrafterConfig, TargetConfig, validate_pair
 from .models.drafter import DFlashDrafter
@@ -113,11 +114,17 @@ class DFlashEngine:
 
     ``max_prompt_chars``: the longest text prompt (characters) that could fit
     ``max_context`` tokens; a longer one is refused without being tokenized.
+
+    ``max_batch_size``: sequences :meth:`generate_batch` decodes together (the slots of
+    :meth:`batch_decoder`, whose caches are allocated on first use).
     """
 
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
-                 block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash", **decoder_options):
+                 block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash",
+                 max_batch_size: int = 8, **decoder_options):
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
+        self.max_batch_size = check_max_batch_size(max_batch_size)
+        self._batch: BatchDecoder | None = None
         self.decoder = compute.run(SpeculativeDecoder, target, drafter, block_size=block_size, draft_mode=draft_mode,
                                    **decoder_options)
         self.max_prompt_chars = _max_prompt_chars(tokenizer, self.max_context)
@@ -142,6 +149,7 @@ class DFlashEngine:
         pack: bool = True,
         static: bool = False,
         max_context: int | None = None,
+        max_batch_size: int = 8,
     ) -> "DFlashEngine":
         """Load a target and a DFlash drafter from local directories or cached Hugging Face ids.
 
@@ -162,6 +170,8 @@ class DFlashEngine:
             static: fixed-shape rounds without compiling.
             max_context: longest prompt + generation in tokens (default: the target's
                 ``max_position_embeddings``); fixed-shape modes preallocate it.
+            max_batch_size: sequences decoded together by :meth:`generate_batch`
+                (its caches hold ``max_batch_size`` x ``max_context`` positions).
 
         Raises:
             DFlashError: missing files, incompatible pair, bad dtype / device / block size /
@@ -184,10 +194,11 @@ class DFlashEngine:
             validate_pair(target_cfg, draft_cfg)
         options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
         options.check_max_context(max_context, target_cfg.max_position_embeddings)
+        check_max_batch_size(max_batch_size)
         # the weights are read, converted and packed on the compute thread, like every round
         return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, pack=pack,
                            block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
-                           max_context=max_context)
+                           max_context=max_context, max_batch_size=max_batch_size)
 
     @classmethod
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
@@ -350,46 +361,183 @@ class DFlashEngine:
         """Check a request, tokenize its prompt, take the engine (see the class docstring) and
         give the request's chunks, to be pulled on the compute thread; frees the engine on exit."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        options.check_max_new_tokens(max_new_tokens)
-        stops = options.check_stop(stop)
-        stop_ids = set() if ignore_eos else set(self.stop_token_ids)
-        stop_ids.update(options.check_stop_token_ids(stop_token_ids, self.target.config.vocab_size))
+        stopper = self.new_stopper(max_new_tokens, stop, stop_token_ids, ignore_eos)
         prompt_ids = self.encode_prompt(prompt, chat)
         if self._owner == threading.get_ident():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
         with self.lock:  # other threads wait their turn
             self._owner = threading.get_ident()
-            chunks = self._stream(prompt_ids, params, max_new_tokens, stops, stop_ids)
+            chunks = self._stream(prompt_ids, params, stopper)
             try:
                 yield chunks
             finally:
                 compute.run(chunks.close)
                 self._owner = None
 
-    def _stream(self, prompt_ids, params, max_new_tokens, stops, stop_ids) -> Iterator[StreamChunk]:
+    def _stream(self, prompt_ids, params, stopper: Stopper) -> Iterator[StreamChunk]:
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.block_size,
                                 draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
-        stopper = Stopper(self.decode, stops, stop_ids, max_new_tokens)
-        rounds = self.decoder.rounds(prompt_ids, params, max_new_tokens)
+        rounds = self.decoder.rounds(prompt_ids, params, stopper.max_new_tokens)
         try:
             for rnd in rounds:
-                if rnd.acceptance_length is None:
-                    stats.prefill_time = rnd.total_time
-                else:
-                    stats.acceptance_lengths.append(rnd.acceptance_length)
-                    stats.propose_times.append(rnd.propose_time)
-                    stats.verify_times.append(rnd.verify_time)
-                    stats.decode_time += rnd.total_time
-                text, kept, finish = stopper.feed(rnd.tokens)
-                if finish:
-                    stats.generated_tokens = stopper.generated
-                    self._finish_stats(stats)
-                    yield StreamChunk(text, rnd.tokens[:kept], finish, stats)
+                chunk = self._record(rnd, stats, stopper)
+                yield chunk
+                if chunk.finish_reason is not None:
                     return
-                yield StreamChunk(text, rnd.tokens)
         finally:
             rounds.close()
+
+    @classmethod
+    def _record(cls, rnd: Round, stats: GenerationStats, stopper: Stopper) -> StreamChunk:
+        """Account one committed :class:`Round` of a request: its stats and the chunk it streams
+        (with ``finish_reason`` and the finished ``stats`` when the stopper ends the request)."""
+        if rnd.acceptance_length is None:
+            stats.prefill_time = rnd.total_time
+        else:
+            stats.acceptance_lengths.append(rnd.acceptance_length)
+            stats.propose_times.append(rnd.propose_time)
+            stats.verify_times.append(rnd.verify_time)
+            stats.decode_time += rnd.total_time
+        text, kept, finish = stopper.feed(rnd.tokens)
+        if finish:
+            stats.generated_tokens = stopper.generated
+            cls._finish_stats(stats)
+            return StreamChunk(text, rnd.tokens[:kept], finish, stats)
+        return StreamChunk(text, rnd.tokens)
+
+    # --- many requests at once ---
+
+    def batch_decoder(self) -> BatchDecoder:
+        """The engine's :class:`~dflash_torch.batch.BatchDecoder` (``max_batch_size`` slots,
+        the engine's block size, ``max_context``, prefill chunk and fixed-shape / compile
+        setting), created on the first call; call it and drive it on the compute thread
+        (:func:`dflash_torch.compute.run`).
+
+        Raises:
+            DFlashError: a hybrid target, or caches that do not fit (see ``BatchDecoder``).
+        """
+        if self._batch is None:
+            self._batch = BatchDecoder(self.target, self.drafter, block_size=self.block_size,
+                                       max_batch_size=self.max_batch_size, max_context=self.max_context,
+                                       prefill_chunk=self.decoder.prefill_chunk, static=self.decoder.static,
+                                       compile=self.decoder.compiled)
+        return self._batch
+
+    def new_stopper(self, max_new_tokens: int, stop=None, stop_token_ids=None, ignore_eos: bool = False) -> Stopper:
+        """A checked :class:`~dflash_torch.stopping.Stopper` of one request, as :meth:`stream` makes it.
+
+        Raises:
+            DFlashError: invalid ``max_new_tokens``, ``stop`` or ``stop_token_ids``.
+        """
+        options.check_max_new_tokens(max_new_tokens)
+        stops = options.check_stop(stop)
+        stop_ids = set() if ignore_eos else set(self.stop_token_ids)
+        stop_ids.update(options.check_stop_token_ids(stop_token_ids, self.target.config.vocab_size))
+        return Stopper(self.decode, stops, stop_ids, max_new_tokens)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | list[dict] | list[int]],
+        *,
+        max_new_tokens: int | Sequence[int] = 256,
+        temperature: float | Sequence[float] = 0.0,
+        top_k: int | Sequence[int] = 0,
+        top_p: float | Sequence[float] = 1.0,
+        seed: int | None | Sequence[int | None] = None,
+        stop: str | Sequence[str] | Sequence[str | Sequence[str] | None] | None = None,
+        stop_token_ids: int | Sequence[int] | Sequence[int | Sequence[int] | None] | None = None,
+        ignore_eos: bool | Sequence[bool] = False,
+        chat: bool = False,
+    ) -> list[GenerationResult]:
+        """Generate for many prompts at once: up to ``max_batch_size`` sequences per
+        decoding round; a finished one leaves at a round boundary and the next prompt
+        takes its slot. Each result equals what :meth:`generate` gives for that prompt
+        alone with the same arguments (greedy: the same tokens; sampling: the same tokens
+        for the same seed, up to float rounding of the batched forwards).
+
+        Args:
+            prompts: a non-empty list of prompts (text, chat messages, or token ids).
+            max_new_tokens, temperature, top_k, top_p, seed, ignore_eos: one value for all
+                prompts, or a list with one value per prompt.
+            stop: stop string(s) for all prompts (a string or a list of strings), or per
+                prompt a list whose items are each None or a list of strings.
+            stop_token_ids: an id or a list of ids for all prompts, or per prompt a list
+                whose items are each None or a list of ids.
+            chat: apply the chat template to every text prompt.
+
+        Returns:
+            one :class:`GenerationResult` per prompt, in order. ``decode_time`` counts the
+            rounds the request was in (each round's time is the whole batch's).
+
+        Raises:
+            DFlashError: an invalid prompt or parameter (checked for every prompt before any
+                decoding), a per-prompt list of the wrong length, or batch caches that do
+                not fit.
+        """
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise DFlashError("prompts must be a non-empty list")
+        n = len(prompts)
+        per = dict(max_new_tokens=_per_prompt(max_new_tokens, n, "max_new_tokens"),
+                   temperature=_per_prompt(temperature, n, "temperature"), top_k=_per_prompt(top_k, n, "top_k"),
+                   top_p=_per_prompt(top_p, n, "top_p"), seed=_per_prompt(seed, n, "seed"),
+                   ignore_eos=_per_prompt(ignore_eos, n, "ignore_eos"),
+                   stop=_per_prompt(stop, n, "stop", nested=(str,)),
+                   stop_token_ids=_per_prompt(stop_token_ids, n, "stop_token_ids", nested=(int,)))
+        requests = []
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=per["temperature"][i], top_k=per["top_k"][i], top_p=per["top_p"][i],
+                                    seed=per["seed"][i])
+            stopper = self.new_stopper(per["max_new_tokens"][i], per["stop"][i], per["stop_token_ids"][i],
+                                       per["ignore_eos"][i])
+            ids = self.encode_prompt(prompt, chat)
+            if len(ids) + stopper.max_new_tokens > self.max_context:  # (refused before any prompt is decoded)
+                raise DFlashError(f"prompt {i}: {len(ids)} tokens + max_new_tokens ({stopper.max_new_tokens}) "
+                                  f"exceeds the context of {self.max_context} tokens")
+            requests.append((ids, params, stopper))
+        if self._owner == threading.get_ident():
+            raise DFlashError("another stream of this engine is still open in this thread; "
+                              "consume it to the end or close() it before starting a new request")
+        with self.lock:
+            return compute.run(self._run_batch, requests)
+
+    def _run_batch(self, requests: list) -> list[GenerationResult]:
+        """Decode ``requests`` (prompt ids, params, stopper) through the batch decoder; on
+        the compute thread. Hybrid targets (no batched decoding) go one at a time."""
+        if self.target.recurrent:
+            return [self._collect(self._stream(ids, params, stopper), None) for ids, params, stopper in requests]
+        batch = self.batch_decoder()
+        results: list[GenerationResult | None] = [None] * len(requests)
+        state = {}  # request index -> (stats, stopper, text pieces, token ids)
+        waiting = list(range(len(requests)))
+        try:
+            while waiting or state:
+                while waiting and batch.free_slots:
+                    i = waiting.pop(0)
+                    ids, params, stopper = requests[i]
+                    stats = GenerationStats(prompt_tokens=len(ids), block_size=self.block_size,
+                                            draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
+                    rnd = batch.add(i, ids, params, stopper.max_new_tokens)
+                    state[i] = (stats, stopper, [], [])
+                    self._batch_round(batch, i, rnd, state, results)
+                for i, rnd in batch.step().items():
+                    self._batch_round(batch, i, rnd, state, results)
+                if compute.interrupted():
+                    raise KeyboardInterrupt
+        finally:
+            for i in state:  # an error or interrupt: free the slots
+                batch.remove(i)
+        return results
+
+    def _batch_round(self, batch: BatchDecoder, i: int, rnd: Round, state: dict, results: list) -> None:
+        stats, stopper, text, ids = state[i]
+        chunk = self._record(rnd, stats, stopper)
+        text.append(chunk.text)
+        ids.extend(chunk.token_ids)
+        if chunk.finish_reason is not None:
+            results[i] = GenerationResult("".join(text), ids, chunk.finish_reason, stats)
+            batch.remove(i)
+            del state[i]
 
     @staticmethod
     def _finish_stats(stats: GenerationStats) -> None:
@@ -398,6 +546,23 @@ class DFlashEngine:
         stats.acceptance_histogram = dict(sorted(Counter(taus).items()))
         if stats.decode_time > 0:
             stats.decode_tokens_per_second = (stats.generated_tokens - 1) / stats.decode_time
+
+
+def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list:
+    """One value per prompt: ``value`` repeated ``n`` times, or ``value`` itself when it is a
+    per-prompt list. With ``nested`` (the item types of a shared list, e.g. ``(str,)`` for
+    ``stop``), a list is per prompt only when none of its items is of those types.
+
+    Raises:
+        DFlashError: a per-prompt list whose length is not ``n``.
+    """
+    if not isinstance(value, (list, tuple)):
+        return [value] * n
+    if nested and (not value or any(isinstance(v, nested) and not isinstance(v, bool) for v in value)):
+        return [value] * n
+    if len(value) != n:
+        raise DFlashError(f"{name} has {len(value)} values for {n} prompts (give one value, or one per prompt)")
+    return list(value)
 
 
 NORMALIZATION_SHRINK = 4  # Unicode normalization (NFC, NFKC) composes at most 4 code points into one

@@ -290,3 +290,37 @@ def test_round_vs_step_compiled_needs_every_layer():
     with pytest.raises(DFlashError, match="needs all 8 layers"):
         round_vs_step(TINY_HYBRID_MOE, torch.float32, context=16, block_size=4, repeats=1, draft_layers=2,
                       memory_budget=1, compiled=True)
+
+
+def test_bench_batch_sizes_writes_table_plot_and_fields(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n", "class A:", "x = 1"]))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_torch.cli", "bench", "--target", str(target), "--draft", str(drafter),
+         "--prompts", str(prompts), "--max-new-tokens", "10", "--modes", "", "--sweep", "", "--batch-sizes", "1,3",
+         "--block-size", "4", "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((out / "bench.json").read_text())["batch_sizes"]
+    assert [(r["batch_size"], r["mode"]) for r in rows] == [(1, "target-only"), (1, "dflash"), (3, "target-only"), (3, "dflash")]
+    for r in rows:
+        assert r["generated_tokens"] == 4 * 10 and r["decode_tokens"] == 4 * 9
+        assert r["aggregate_decode_tokens_per_second"] > 0 and 0 < r["p50_latency_s"] <= r["p95_latency_s"]
+        assert r["scaling_vs_batch_1"] is not None
+    assert rows[2]["mean_batch"] > 1  # three streams decode together
+    for r in rows[1::2]:
+        assert r["outputs_identical_to_target_only"] is True and r["speedup_vs_target_only"] > 0
+    assert (out / "batch_sizes.png").stat().st_size > 0
+    assert "| 3 | dflash |" in proc.stdout
+
+
+def test_bench_rejects_bad_batch_sizes(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_torch.cli", "bench", "--target", str(target), "--draft", str(drafter),
+         "--batch-sizes", "1,0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--batch-sizes must be distinct integers >= 1" in proc.stderr and "Traceback" not in proc.stderr

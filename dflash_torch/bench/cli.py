@@ -37,6 +37,9 @@ def register(sub) -> None:
     p.add_argument("--shapes-compiled", action="store_true",
                    help="also time each --shapes shape's step and round compiled as --compile runs them "
                         "(CUDA: CUDA graphs); needs every layer in memory")
+    p.add_argument("--batch-sizes", default="",
+                   help="batched decoding at these batch sizes, e.g. 1,2,4,8: aggregate tok/s and p50/p95 latency, "
+                        "DFlash vs batched target-only ('' = skip; with it, --modes may be '')")
     p.add_argument("--out", default="bench_out", help="output directory for bench.json and plots")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
@@ -175,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from ..cli import set_threads, warn_compile
     from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
+    from .batching import batch_plot, batch_size_bench, batch_table
     from .modes import ALL_MODES, divergences, load_prompts, run_modes
     from .shapes import SHAPES, build_drafter, layers_that_fit, round_vs_step
     from .sweep import context_sweep
@@ -191,7 +195,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_context is not None:
         raise DFlashError("bench sizes the context from the prompts and --max-new-tokens; drop --max-context")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes:
+    try:
+        batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    except ValueError:
+        raise DFlashError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
+    if any(n < 1 for n in batch_sizes) or len(set(batch_sizes)) != len(batch_sizes):
+        raise DFlashError(f"--batch-sizes must be distinct integers >= 1, got {args.batch_sizes!r}")
+    if not modes and not batch_sizes:
         raise DFlashError("--modes is empty; choose from target-only, inject, recompute, target-only-compiled, inject-compiled")
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
@@ -228,13 +238,16 @@ def _run(args: argparse.Namespace) -> int:
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "greedy": True, "ignore_eos": True,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": [], "sweep": None, "shape_sweeps": [], "shapes": [],
+        "batch_sizes": [],
     }
-    runs = run_modes([ALL_MODES[name] for name in modes], engine.target, engine.drafter, prompt_ids,
+    if batch_sizes and engine.target.recurrent:
+        raise DFlashError("--batch-sizes: batched decoding does not support hybrid targets")
+    runs = [] if not modes else run_modes([ALL_MODES[name] for name in modes], engine.target, engine.drafter, prompt_ids,
                      block_size=args.block_size, max_new_tokens=args.max_new_tokens, max_context=max_context,
                      progress=not args.no_progress)
     by_name = {res.name: (res, outputs) for res, outputs in runs}
     reference = by_name.get("target-only")
-    if reference is None:
+    if reference is None and modes:
         print("note: no eager target-only mode in --modes: no speedup over it and no output identity check",
               file=sys.stderr, flush=True)
     for res, outputs in runs:
@@ -266,10 +279,21 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{label}: round/step {sh['round_over_step']:.2f} ({_layers_timed(sh)})", flush=True)
             if compiled:
                 warn_compile(label, sh["recompiles"], sh["cudagraph_skips"] if args.device.startswith("cuda") else None)
+    if batch_sizes:
+        report["batch_sizes"] = batch_size_bench(engine.target, engine.drafter, prompt_ids, batch_sizes,
+                                                 args.max_new_tokens, block_size=args.block_size,
+                                                 progress=not args.no_progress)
     report["plots"] = _plots(report, out)
+    if batch_sizes:
+        batch_plot(report["batch_sizes"], out / "batch_sizes.png")
+        report["plots"].append(str(out / "batch_sizes.png"))
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     print()
-    print(_table(report["modes"]))
+    if report["modes"]:
+        print(_table(report["modes"]))
+    if report["batch_sizes"]:
+        print(f"\nbatched decoding ({len(prompt_ids)} requests of {args.max_new_tokens} tokens per batch size, greedy):")
+        print(batch_table(report["batch_sizes"]))
     for label, s in _labelled_sweeps(report):
         print(f"\npropose time (ms) vs committed context, {label}:")
         print("| context | inject | recompute |\n|---|---|---|")

@@ -161,12 +161,12 @@ class DFlashDrafter(nn.Module):
         window; None when every key is visible."""
         if not static and layer.sliding_window is None:
             return None
-        k_pos = torch.arange(n_keys, device=positions.device)[None, :]
-        visible = k_pos <= positions[-1]
+        k_pos = torch.arange(n_keys, device=positions.device)
+        visible = k_pos <= positions[..., -1:, None]  # each block sees up to its own end
         if layer.sliding_window is not None:
-            visible = visible & (k_pos > positions[:, None] - layer.sliding_window)
+            visible = visible & (k_pos > positions[..., None] - layer.sliding_window)
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
-        return attention_bias(visible.expand(positions.shape[0], n_keys), groups, dtype)
+        return attention_bias(visible.expand(*positions.shape, n_keys), groups, dtype)
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
                 context: "InjectedContext | RecomputedContext", kv_len: int | None,
@@ -176,6 +176,10 @@ class DFlashDrafter(nn.Module):
         Args:
             block_embeds: ``[B, hidden]``, the target's embeddings of ``[last, mask, ...]``.
             positions: int64 ``[B]``, the block's absolute positions ``[s, s + B)``.
+                Batched decoding: ``[N, B]``, the blocks of N sequences (their rows follow
+                one another in ``block_embeds`` ``[N * B, hidden]``; ``inject`` positions
+                ``[N, n]``), with ``context`` holding a
+                :class:`~dflash_torch.batch.SlotKVCache` view of N slots.
             context: holds the context K/V of positions ``[0, s)``.
             kv_len: ``s + B`` to attend over a slice of the injected cache, or ``None`` to
                 attend over the whole preallocated buffer under a mask (fixed shapes).
@@ -195,17 +199,17 @@ class DFlashDrafter(nn.Module):
             ValueError: ``inject`` given with a :class:`RecomputedContext`.
         """
         x = self.block_input(block_embeds)
-        B = x.shape[0]
+        B = positions.shape[-1]  # rows of one block
         recomputed = context.layer_kv(self) if isinstance(context, RecomputedContext) else None
         if inject is not None and recomputed is not None:
             raise ValueError("inject= needs an InjectedContext (the recompute context re-projects all features)")
         n_ctx = 0
         if inject is None:
-            cos, sin = self.rotary.cos_sin(positions, x.dtype)
+            cos, sin = self.rotary.cos_sin(positions.reshape(-1), x.dtype)
         else:
             ctx_rows, ctx_positions = self.project_context(inject[0]), inject[1]
-            n_ctx = ctx_positions.shape[0]
-            cos_all, sin_all = self.rotary.cos_sin(torch.cat([ctx_positions, positions]), x.dtype)
+            n_ctx = ctx_positions.numel()
+            cos_all, sin_all = self.rotary.cos_sin(torch.cat([ctx_positions.reshape(-1), positions.reshape(-1)]), x.dtype)
             cos, sin = cos_all[n_ctx:], sin_all[n_ctx:]
         static = recomputed is None and (kv_len is None or mask_keys)
         biases = {}  # one mask per sliding-window size (every layer attends over the same keys)
@@ -224,7 +228,7 @@ class DFlashDrafter(nn.Module):
                 ck, cv = recomputed[i]
                 k, v = torch.cat([ck, kb], dim=1), torch.cat([cv, vb], dim=1)
             if layer.sliding_window not in biases:
-                biases[layer.sliding_window] = self._bias(layer, positions, k.shape[1], static, x.dtype)
+                biases[layer.sliding_window] = self._bias(layer, positions, k.shape[-2], static, x.dtype)
             out = attend(attn.query(h, cos, sin), k, v, biases[layer.sliding_window])
             x = x + layer.attention_output(out, state, B)
             x = x + layer.mlp_output(x, B)
@@ -257,8 +261,8 @@ class DFlashDrafter(nn.Module):
 class InjectedContext:
     """Drafter context as a persistent, preallocated KV cache updated by injection."""
 
-    def __init__(self, drafter: DFlashDrafter):
-        self.cache = drafter.new_cache()
+    def __init__(self, drafter: DFlashDrafter, cache: KVCache | None = None):
+        self.cache = drafter.new_cache() if cache is None else cache  # (batched decoding passes its own)
 
     def reset(self, capacity: int) -> None:
         """Forget all context; room for ``capacity`` positions."""

@@ -1,7 +1,8 @@
 """Building blocks shared by the target and the drafter: RMSNorm, the SwiGLU MLP and
 attention (rotary position embedding lives in :mod:`dflash_torch.models.rope`).
 
-All tensors are for a single sequence (batch size 1): hidden states are ``[T, H]``.
+Hidden states are rows ``[T, H]``: one sequence, or the blocks of several sequences one
+after another (batched decoding: :func:`attend` then takes per-sequence keys/values).
 """
 
 from __future__ import annotations
@@ -57,12 +58,13 @@ class MLP(nn.Module):
 
 def attention_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive attention mask for :func:`attend`, built once per forward and shared by
-    all layers: 0 where ``visible`` (bool ``[Tq, Tk]``) is True, -inf elsewhere, rows
-    repeated for the ``groups`` query heads of a key/value head -> ``[groups * Tq, Tk]``
-    in ``dtype``. (On CPU, SDPA converts a bool mask to this form on every call; doing it
-    once saves about a third of a small attention's time.)"""
+    all layers: 0 where ``visible`` (bool ``[..., Tq, Tk]``; a leading dimension is one
+    per sequence of a batch) is True, -inf elsewhere, rows repeated for the ``groups``
+    query heads of a key/value head -> ``[..., groups * Tq, Tk]`` in ``dtype``. (On CPU,
+    SDPA converts a bool mask to this form on every call; doing it once saves about a
+    third of a small attention's time.)"""
     bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
-    return bias.repeat(groups, 1) if groups > 1 else bias
+    return bias.repeat(*([1] * (bias.dim() - 2)), groups, 1) if groups > 1 else bias
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -75,15 +77,30 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     Args:
         q: ``[n_heads, Tq, head_dim]``.
         k, v: ``[n_kv_heads, Tk, head_dim]``; ``n_heads`` is a multiple of ``n_kv_heads``.
-        bias: additive mask ``[groups * Tq, Tk]`` from :func:`attention_bias`, or None
-            for full attention.
+            Batched: ``[N, n_kv_heads, Tk, head_dim]``, the keys of N sequences, whose
+            queries are the N consecutive groups of ``Tq / N`` rows of ``q``.
+        bias: additive mask ``[groups * Tq, Tk]`` (batched: ``[N, groups * Tq / N, Tk]``)
+            from :func:`attention_bias`, or None for full attention.
 
     Returns:
         ``[Tq, n_heads * head_dim]``.
     """
+    if k.dim() == 4:
+        return _attend_batched(q, k, v, bias)
     heads, tq, d = q.shape
     groups = heads // k.shape[0]
     if groups > 1:
         q = q.reshape(k.shape[0], groups * tq, d)
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias)
     return out[0].reshape(heads, tq, d).transpose(0, 1).reshape(tq, heads * d)
+
+
+def _attend_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`attend` for N sequences: ``q`` ``[n_heads, N * Tq, d]``, ``k``/``v``
+    ``[N, n_kv_heads, Tk, d]``, ``bias`` ``[N, groups * Tq, Tk]`` -> ``[N * Tq, n_heads * d]``."""
+    heads, rows, d = q.shape
+    n, kv_heads = k.shape[0], k.shape[1]
+    tq, groups = rows // n, heads // kv_heads
+    q = q.view(heads, n, tq, d).transpose(0, 1).reshape(n, kv_heads, groups * tq, d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias[:, None])
+    return out.reshape(n, heads, tq, d).transpose(1, 2).reshape(rows, heads * d)

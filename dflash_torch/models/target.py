@@ -217,7 +217,10 @@ class TargetModel(nn.Module):
 
         Args:
             input_ids: int64 ``[T]``.
-            positions: int64 ``[T]``, consecutive absolute positions.
+            positions: int64 ``[T]``, consecutive absolute positions. Batched decoding
+                (pure-attention targets): ``[N, T / N]``, the positions of N sequences
+                whose rows follow one another in ``input_ids``, with ``cache`` a
+                :class:`~dflash_torch.batch.SlotKVCache` view of N slots.
             cache: the target cache; positions before ``positions[0]`` must be filled.
             kv_len: attend over cache entries ``[0, kv_len)`` under the causal mask (eager:
                 ``positions[-1] + 1``; fixed shapes: a length bucket, entries past
@@ -236,12 +239,12 @@ class TargetModel(nn.Module):
             outputs ``[T, len(feature_layers) * hidden]`` (or None).
         """
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions.reshape(-1), x.dtype)
         bias = None
         if self.num_kv_layers:
             k_pos = torch.arange(cache.capacity if kv_len is None else kv_len, device=x.device)
             groups = self.config.num_attention_heads // self.config.num_key_value_heads
-            bias = attention_bias(k_pos[None, :] <= positions[:, None], groups, x.dtype)
+            bias = attention_bias(k_pos <= positions[..., None], groups, x.dtype)
         step = _Step(positions, cos, sin, bias, kv_len)
         wanted = set(feature_layers or ())
         captured = {}

@@ -1,0 +1,497 @@
+"""Batched speculative decoding: many sequences per round (DESIGN.md, "Many sequences per round").
+
+:class:`BatchDecoder` keeps up to ``max_batch_size`` sequences, each in a *slot* of
+preallocated caches. One :meth:`~BatchDecoder.step` runs one round for all of them at
+once: one drafter forward over the N blocks ``[N, B]`` (which also injects each
+sequence's last verify features into its own drafter cache region), one target verify
+over the N blocks, then acceptance, rollback and the choice of the next block per
+sequence, each with its own committed length, positions and random generator.
+Sequences join with :meth:`~BatchDecoder.add` (their prefill runs then, alone) and
+leave with :meth:`~BatchDecoder.remove` (their slot is free at once), both between
+rounds; what stops a sequence (EOS, stop strings, its token budget) is the caller's
+decision, as with :class:`~dflash_torch.decoding.SpeculativeDecoder`.
+
+How the models run N sequences: every projection, MLP and LM head sees the N blocks as
+``N * B`` rows (that is where batching pays); attention reads each sequence's own keys
+(:class:`SlotKVCache`, ``[slots, kv_heads, capacity, head_dim]`` per layer) under a
+mask of its own length, with its own rotary positions. Live sequences always occupy the
+first slots: a sequence that leaves is replaced by the last one (its cache rows are
+moved), so a round reads slots ``[0, N)`` as plain views.
+
+Hybrid targets (Gated DeltaNet layers with a recurrent state per sequence) are refused.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+from .cache import KVCache, TargetCache, static_buffer
+from .decoding import Round, without_shape_plans
+from .errors import DFlashError
+from .models.drafter import DFlashDrafter, InjectedContext
+from .models.target import TargetModel
+from .options import check_block_size, check_max_context
+from .sampling import SamplingParams, accept_sampling, choose, greedy_tokens, probabilities
+
+
+def check_max_batch_size(value, name: str = "max_batch_size") -> int:
+    """Sequences decoded together: an integer >= 1.
+
+    Raises:
+        DFlashError: anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DFlashError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+class SlotKVCache:
+    """Keys and values of many sequences: ``k[layer]``/``v[layer]`` of shape
+    ``[slots, kv_heads, capacity, head_dim]``, one slot per sequence.
+
+    :meth:`first` gives a view of slots ``[0, n)`` that the models use as their cache in a
+    batched forward (positions ``[n, T]``); :meth:`slot` gives one slot as a
+    :class:`~dflash_torch.cache.KVCache` (a prefill runs on it as on a single sequence).
+    """
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
+        self.k, self.v = [static_buffer(t) for t in k], [static_buffer(t) for t in v]  # (views too: see cache.py)
+        self._rows = torch.arange(k[0].shape[0], device=k[0].device)
+        self._views: dict[int, SlotKVCache] = {}
+
+    @classmethod
+    def allocate(cls, num_layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> "SlotKVCache":
+        shape = (slots, kv_heads, capacity, head_dim)
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return cls(k, [torch.zeros_like(t) for t in k])
+
+    @property
+    def capacity(self) -> int:
+        """Positions per slot (tokens)."""
+        return self.k[0].shape[2]
+
+    def first(self, n: int) -> "SlotKVCache":
+        """A view of slots ``[0, n)`` (the same object for the same ``n``)."""
+        if n not in self._views:
+            self._views[n] = SlotKVCache([t[:n] for t in self.k], [t[:n] for t in self.v])
+        return self._views[n]
+
+    def slot(self, i: int) -> KVCache:
+        """Slot ``i`` as a single-sequence :class:`KVCache` (views: writes land in this cache)."""
+        layers, heads, _, hd = len(self.k), *self.k[0].shape[1:]
+        kv = KVCache(layers, heads, hd, self.k[0].dtype, self.k[0].device)
+        kv.k, kv.v = [t[i] for t in self.k], [t[i] for t in self.v]
+        return kv
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` ``[kv_heads, n * T, head_dim]`` (the rows of n sequences in
+        order) at int64 ``positions`` ``[n, T]`` of slots ``[0, n)``."""
+        n, t = positions.shape
+        index = (self._rows[:n, None], slice(None), positions)
+        heads, _, hd = k.shape
+        self.k[layer][index] = k.view(heads, n, t, hd).permute(1, 2, 0, 3)
+        self.v[layer][index] = v.view(heads, n, t, hd).permute(1, 2, 0, 3)
+
+    def view(self, layer: int, end: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[slots, kv_heads, end, head_dim]`` of positions ``[0, end)``."""
+        if end is None:
+            return self.k[layer], self.v[layer]
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def move(self, src: int, dst: int, end: int) -> None:
+        """Copy positions ``[0, end)`` of slot ``src`` into slot ``dst``."""
+        for t in self.k + self.v:
+            t[dst, :, :end] = t[src, :, :end]
+
+
+def cache_bytes(target: TargetModel, drafter: DFlashDrafter | None, slots: int, capacity: int) -> int:
+    """Bytes of the K/V caches of ``slots`` sequences of ``capacity`` positions (target and drafter)."""
+    c = target.config
+    size = target.model.embed_tokens.weight.element_size()
+    per_position = target.num_kv_layers * c.num_key_value_heads * c.head_dim * 2
+    if drafter is not None:
+        d = drafter.config
+        per_position += d.num_hidden_layers * d.num_key_value_heads * d.head_dim * 2
+    return slots * capacity * per_position * size
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Free memory in bytes: the GPU's for CUDA, else this machine's available RAM (None if unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@dataclass
+class _Sequence:
+    """One live sequence (its slot is its index in ``BatchDecoder._seqs``)."""
+
+    seq_id: Hashable
+    params: SamplingParams
+    generator: torch.Generator | None
+    max_new_tokens: int
+    s: int  # position of ``token``: committed, its features not yet known
+    token: torch.Tensor  # 0-dim int64
+    committed: int
+    pending: torch.Tensor | None = None  # the last verify's B feature rows (inject at the next propose)
+    pending_start: int = 0  # position of pending row 0
+
+    @property
+    def done(self) -> bool:
+        return self.committed >= self.max_new_tokens
+
+
+class BatchDecoder:
+    """DFlash speculative decoding of up to ``max_batch_size`` sequences per round.
+
+    Args:
+        target: the target model (pure attention; hybrid targets are refused).
+        drafter: a DFlash (or DFlash 2) drafter, or None for batched target-only decoding.
+        block_size: tokens per block B (default: the drafter's); 1 = target-only.
+        max_batch_size: sequences held at once (slots).
+        max_context: longest prompt + generation per sequence (tokens); default: the
+            target's ``max_position_embeddings``.
+        prefill_chunk: prompt tokens per prefill forward.
+        static: fixed-shape rounds: the N sequences run as a batch bucket (the smallest
+            power of two >= N, capped at ``max_batch_size``; padding rows decode a
+            dummy block in free slots and are ignored) over a length bucket of keys
+            (:meth:`kv_bucket`). Implied by ``compile``; prefills stay eager.
+        compile: wrap propose and verify with ``torch.compile`` (one graph per batch
+            bucket x length bucket, built the first time a round needs it).
+        compile_backend: torch.compile backend (default "inductor").
+
+    The caches (``max_batch_size`` slots of ``max_context + max(2 B, prefill_chunk) + 1``
+    positions, target and drafter) are allocated here, once.
+
+    Raises:
+        DFlashError: hybrid target, invalid block size / max_batch_size / max_context, or
+            caches that do not fit the device's free memory.
+    """
+
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, block_size: int | None = None,
+                 max_batch_size: int = 8, max_context: int | None = None, prefill_chunk: int = 256,
+                 static: bool = False, compile: bool = False, compile_backend: str = "inductor"):
+        if target.recurrent:
+            raise DFlashError("batched decoding does not support hybrid targets (Gated DeltaNet layers keep a "
+                              "recurrent state per sequence); decode their requests one at a time")
+        trained = drafter.config.block_size if drafter is not None else None
+        B = check_block_size(block_size, trained) or trained or 1
+        self.target, self.drafter, self.block_size = target, drafter, B
+        self.max_batch_size = check_max_batch_size(max_batch_size)
+        limit = target.config.max_position_embeddings
+        self.max_context = check_max_context(max_context, limit) or limit
+        self.prefill_chunk = prefill_chunk
+        self.device = target.model.embed_tokens.weight.device
+        self.feature_layers = drafter.config.target_layer_ids if drafter is not None and B > 1 else None
+        capacity = self.max_context + max(2 * B, prefill_chunk) + 1  # a finished sequence still held runs one block past its budget
+        drafts = drafter if self.feature_layers is not None else None
+        need, free = cache_bytes(target, drafts, self.max_batch_size, capacity), available_memory(self.device)
+        if free is not None and need > 0.9 * free:
+            raise DFlashError(f"the caches of max_batch_size {self.max_batch_size} x max_context {self.max_context} "
+                              f"need {need / 2**30:.2f} GiB but {self.device.type} has {free / 2**30:.2f} GiB free; "
+                              "lower max_batch_size or max_context")
+        c, w = target.config, target.model.embed_tokens.weight
+        try:
+            self.target_kv = SlotKVCache.allocate(target.num_kv_layers, self.max_batch_size, c.num_key_value_heads,
+                                                  capacity, c.head_dim, w.dtype, self.device)
+            self.draft_kv = None
+            if drafts is not None:
+                d = drafter.config
+                self.draft_kv = SlotKVCache.allocate(d.num_hidden_layers, self.max_batch_size, d.num_key_value_heads,
+                                                     capacity, d.head_dim, drafter.fc.weight.dtype, self.device)
+        except torch.OutOfMemoryError:
+            raise DFlashError(f"out of memory allocating the caches of max_batch_size {self.max_batch_size} x "
+                              f"max_context {self.max_context}; lower either") from None
+        self._seqs: list[_Sequence] = []
+        self._arange_block = torch.arange(B, device=self.device)
+        self._arange_chunk = torch.arange(prefill_chunk, device=self.device)
+        mask_id = drafter.config.mask_token_id if drafter is not None else 0
+        self._mask_tail = torch.full((max(B - 1, 0),), mask_id, dtype=torch.long, device=self.device)
+        self.static = static or compile
+        # one cache view object per batch size (a compiled step sees the same objects every round)
+        self._target_views: dict[int, TargetCache] = {}
+        self._draft_views: dict[int, InjectedContext] = {}
+        self._draft_fn, self._verify_fn = self._draft_step, self._verify_step
+        if self.device.type == "cuda" and not compile:
+            self._draft_fn, self._verify_fn = without_shape_plans(self._draft_step), without_shape_plans(self._verify_step)
+        if compile:
+            opts = dict(dynamic=False, backend=compile_backend)
+            if self.device.type == "cuda":
+                opts["mode"] = "reduce-overhead"
+            self._draft_fn = torch.compile(self._draft_step, **opts)
+            self._verify_fn = torch.compile(self._verify_step, **opts)
+
+    def batch_bucket(self, n: int) -> int:
+        """Rows of a round of ``n`` sequences: ``n``, or with fixed shapes the smallest
+        power of two >= n, capped at ``max_batch_size``."""
+        if not self.static:
+            return n
+        b = 1
+        while b < n:
+            b *= 2
+        return min(b, self.max_batch_size)
+
+    def kv_bucket(self, n: int) -> int:
+        """Keys to attend over when ``n`` positions must be visible: ``n``, or with fixed
+        shapes the smallest power of two >= max(n, 256), capped at the cache capacity."""
+        if not self.static:
+            return n
+        b = 256
+        while b < n:
+            b *= 2
+        return min(b, self.target_kv.capacity)
+
+    @torch.inference_mode()
+    def warmup(self, context: int | None = None) -> int:
+        """Run a dummy round at every batch bucket and every length bucket up to ``context``
+        tokens (default: the whole cache), so that a compiled decoder builds those graphs now
+        rather than in a request. Only while no sequence is held (it writes into every slot).
+
+        Returns:
+            the rounds run.
+
+        Raises:
+            DFlashError: sequences are held.
+        """
+        if self._seqs:
+            raise DFlashError("warmup() needs an empty batch (it overwrites every slot)")
+        B, cap = self.block_size, self.target_kv.capacity
+        sizes = sorted({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
+        lengths = sorted({self.kv_bucket(n) for n in range(B, min(context or cap, cap) + 1)})
+        for rows in sizes:
+            for kv_len in lengths:
+                positions = (kv_len - B) + self._arange_block.expand(rows, B)  # the last block that fits
+                tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
+                block = torch.zeros(rows, B, dtype=torch.long, device=self.device)
+                if B > 1:
+                    feats = self.drafter.fc.weight.new_zeros(rows * B, self.drafter.fc.in_features)
+                    self._draft_fn(tokens, positions, feats, positions.clone(), kv_len, self._views(rows)[1])
+                self._verify_fn(block.reshape(-1), positions, kv_len, self._views(rows)[0])
+        return len(sizes) * len(lengths)
+
+    def _views(self, n: int) -> tuple[TargetCache, InjectedContext | None]:
+        if n not in self._target_views:
+            self._target_views[n] = TargetCache(self.target_kv.first(n))
+            if self.draft_kv is not None:
+                self._draft_views[n] = InjectedContext(self.drafter, self.draft_kv.first(n))
+        return self._target_views[n], self._draft_views.get(n)
+
+    # --- the step-level API ---
+
+    @property
+    def free_slots(self) -> int:
+        """Sequences that can still be added."""
+        return self.max_batch_size - len(self._seqs)
+
+    @property
+    def seq_ids(self) -> list[Hashable]:
+        """Ids of the sequences held, in slot order."""
+        return [q.seq_id for q in self._seqs]
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return any(q.seq_id == seq_id for q in self._seqs)
+
+    @torch.inference_mode()
+    def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int) -> Round:
+        """Take a sequence into a free slot and run its prefill (alone, now).
+
+        Args:
+            seq_id: any hashable id, unique among the sequences held.
+            prompt_ids: the prompt's token ids (at least one).
+            params: sampling parameters; a seed gives the same tokens as decoding alone.
+            max_new_tokens: the sequence's token budget (>= 1); rounds stop decoding it
+                once it has committed that many (the last round may commit more: the
+                caller cuts, as with :meth:`SpeculativeDecoder.rounds`).
+
+        Returns:
+            the prefill's :class:`~dflash_torch.decoding.Round` (one committed token).
+
+        Raises:
+            DFlashError: no free slot, a duplicate ``seq_id``, an empty prompt, token ids
+                outside the vocabulary, or prompt + ``max_new_tokens`` beyond ``max_context``.
+        """
+        if seq_id in self:
+            raise DFlashError(f"sequence {seq_id!r} is already in the batch")
+        if not self.free_slots:
+            raise DFlashError(f"the batch is full ({self.max_batch_size} sequences)")
+        n_prompt, vocab = len(prompt_ids), self.target.config.vocab_size
+        if n_prompt == 0:
+            raise DFlashError("the prompt is empty (0 tokens)")
+        if any(not 0 <= int(t) < vocab for t in prompt_ids):
+            raise DFlashError(f"prompt token ids must be in [0, {vocab})")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise DFlashError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if n_prompt + max_new_tokens > self.max_context:
+            raise DFlashError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
+                              f"of {self.max_context} tokens")
+        t0 = time.perf_counter()
+        slot = len(self._seqs)
+        last = self._prefill(slot, torch.tensor(prompt_ids, dtype=torch.long, device=self.device))
+        generator = params.generator(self.device)
+        token = choose(last[None], params, generator)[0]
+        self._seqs.append(_Sequence(seq_id, params, generator, max_new_tokens, n_prompt, token, 1))
+        first = int(token)
+        t1 = time.perf_counter()
+        return Round([first], None, 0.0, t1 - t0, t1 - t0)
+
+    def remove(self, seq_id: Hashable) -> None:
+        """Drop a sequence; its slot is free at once (the last slot's sequence moves into it).
+
+        Raises:
+            DFlashError: no such sequence.
+        """
+        index = next((i for i, q in enumerate(self._seqs) if q.seq_id == seq_id), None)
+        if index is None:
+            raise DFlashError(f"sequence {seq_id!r} is not in the batch")
+        last = len(self._seqs) - 1
+        if index != last:
+            moved = self._seqs[last]
+            end = min(moved.s + self.block_size + 1, self.target_kv.capacity)
+            self.target_kv.move(last, index, end)
+            if self.draft_kv is not None:
+                self.draft_kv.move(last, index, end)
+            self._seqs[index] = moved
+        self._seqs.pop()
+
+    @torch.inference_mode()
+    def step(self) -> dict[Hashable, Round]:
+        """One decoding round for every sequence held whose budget is not used up.
+
+        Sequences that have used their budget and are still held run as padding (same
+        positions every round, nothing committed) until the caller removes them.
+
+        Returns:
+            ``{seq_id: Round}`` of the sequences decoded (empty when there are none);
+            ``Round`` times are the whole batch's. One host sync per round.
+        """
+        seqs = self._seqs
+        if not any(not q.done for q in seqs):
+            return {}
+        n, B, dev = len(seqs), self.block_size, self.device
+        rows = self.batch_bucket(n)  # rows past n: padding in free slots, at position 0
+        t0 = time.perf_counter()
+        starts = torch.tensor([q.s for q in seqs] + [0] * (rows - n), device=dev)
+        positions = starts[:, None] + self._arange_block  # [rows, B]
+        kv_len = self.kv_bucket(max(q.s for q in seqs) + B)
+        tokens = torch.stack([q.token for q in seqs] + [self._arange_block[0]] * (rows - n))  # [rows]
+        draft_probs = [None] * rows
+        if B > 1:
+            drafts, draft_probs = self._propose(seqs, tokens, positions, kv_len)
+            block = torch.cat([tokens[:, None], drafts], dim=1)  # [rows, B]
+        else:
+            block = tokens[:, None]
+        t1 = time.perf_counter()
+        logits, feats = self._verify_fn(block.reshape(-1), positions, kv_len, self._views(rows)[0])
+        accepted, bonus = self._accept(seqs, block, draft_probs, logits.view(rows, B, -1))
+        out = torch.cat([accepted[:, None], block[:, 1:], bonus[:, None]], dim=1).tolist()  # the one host sync
+        t2 = time.perf_counter()
+        rounds = {}
+        for i, q in enumerate(seqs):
+            if q.done:  # padding: nothing moves
+                continue
+            a = out[i][0]
+            if feats is not None:
+                q.pending, q.pending_start = feats[i * B:(i + 1) * B], q.s
+            q.s += a + 1
+            q.committed += a + 1
+            q.token = bonus[i]
+            rounds[q.seq_id] = Round(out[i][1:a + 1] + [out[i][-1]], a + 1, t1 - t0, t2 - t1, 0.0)
+        t3 = time.perf_counter()
+        for r in rounds.values():
+            r.total_time = t3 - t0
+        return rounds
+
+    # --- the parts of a round ---
+
+    def _draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
+                    feature_positions: torch.Tensor, kv_len: int, context: InjectedContext):
+        """propose: inject ``features`` ``[n * B, k * H]`` at ``feature_positions`` ``[n, B]``,
+        then denoise the n blocks ``[token, mask, ...]`` at ``positions`` ``[n, B]`` -> the
+        draft scores with a leading dimension n (no sampling parameter enters here)."""
+        n, B = positions.shape
+        block = torch.cat([tokens[:, None], self._mask_tail.expand(n, B - 1)], dim=1)
+        hidden = self.drafter(self.target.embed(block.reshape(-1)), positions, context, kv_len, mask_keys=True,
+                              inject=(features, feature_positions))
+        return self.drafter.draft_scores(hidden.view(n, B, -1), tokens, self.target)
+
+    def _verify_step(self, block: torch.Tensor, positions: torch.Tensor, kv_len: int, cache: TargetCache):
+        """verify: the target reads the n blocks -> logits ``[n * B, V]``, features ``[n * B, k * H]``."""
+        return self.target(block, positions, cache, kv_len, self.feature_layers)
+
+    def _prefill(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
+        """The target reads the prompt into ``slot`` chunk by chunk; every row's features are
+        injected into the slot's drafter cache. Returns the last row's logits ``[V]``."""
+        cache = TargetCache(self.target_kv.slot(slot))
+        context = InjectedContext(self.drafter, self.draft_kv.slot(slot)) if self.draft_kv is not None else None
+        n, C = ids.shape[0], self.prefill_chunk
+        for c0 in range(0, n, C):
+            c1 = min(c0 + C, n)
+            positions = c0 + self._arange_chunk[: c1 - c0]
+            logits, feats = self.target(ids[c0:c1], positions, cache, c1, self.feature_layers)
+            if context is not None:
+                context.inject(self.drafter, feats, positions)
+        return logits[-1]
+
+    def _propose(self, seqs: list[_Sequence], tokens: torch.Tensor, positions: torch.Tensor, kv_len: int):
+        """The drafter over the n blocks ``[token, mask, ...]``, injecting each sequence's
+        pending features first -> draft tokens ``[n, B-1]`` and each sequence's q (None when greedy)."""
+        rows, B = tokens.shape[0], self.block_size
+        zeros = self.drafter.fc.weight.new_zeros(B, self.drafter.fc.in_features)
+        feats = torch.cat([q.pending if q.pending is not None else zeros for q in seqs] + [zeros] * (rows - len(seqs)))
+        # a sequence without a verify yet (and a padding row) injects zero rows at its block's
+        # own positions (the block's K/V overwrite them in the same pass)
+        feat_starts = [q.pending_start if q.pending is not None else q.s for q in seqs] + [0] * (rows - len(seqs))
+        feat_positions = torch.tensor(feat_starts, device=self.device)[:, None] + self._arange_block
+        scores = self._draft_fn(tokens, positions, feats, feat_positions, kv_len, self._views(rows)[1])
+        greedy = SamplingParams()
+        drafts, _ = self.drafter.choose_draft(scores, greedy, None)  # [n, B-1]: every greedy sequence's
+        probs = [None] * rows
+        sampled = [i for i, q in enumerate(seqs) if not q.params.greedy and not q.done]
+        if sampled:
+            rows = list(drafts)
+            for i in sampled:
+                q = seqs[i]
+                rows[i], probs[i] = self.drafter.choose_draft(_row(scores, i), q.params, q.generator)
+            drafts = torch.stack(rows)
+        return drafts, probs
+
+    def _accept(self, seqs: list[_Sequence], block: torch.Tensor, draft_probs: list, logits: torch.Tensor):
+        """Acceptance of each sequence's block -> accepted counts ``[n]`` and the tokens that
+        follow them ``[n]`` (int64, on the device)."""
+        n, B = block.shape
+        choice = greedy_tokens(logits.reshape(n * B, -1)).view(n, B)
+        accepted = (block[:, 1:] == choice[:, :-1]).int().cumprod(1).sum(1)
+        bonus = choice.gather(1, accepted[:, None])[:, 0]
+        sampled = [i for i, q in enumerate(seqs) if not q.params.greedy and not q.done]
+        if not sampled:
+            return accepted, bonus
+        a_rows, b_rows = list(accepted), list(bonus)
+        for i in sampled:
+            q = seqs[i]
+            if B == 1:
+                a_rows[i], b_rows[i] = accepted[i], choose(logits[i], q.params, q.generator)[0]
+            else:
+                a_rows[i], b_rows[i] = accept_sampling(block[i, 1:], draft_probs[i], probabilities(logits[i], q.params),
+                                                       q.generator)
+        return torch.stack(a_rows).to(torch.long), torch.stack(b_rows)
+
+
+def _row(scores, i: int):
+    """Sequence ``i``'s part of the draft scores (a tensor, or a DFlash 2 lattice tuple)."""
+    return tuple(t[i] for t in scores) if isinstance(scores, tuple) else scores[i]

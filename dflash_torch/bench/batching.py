@@ -1,0 +1,161 @@
+"""``bench --batch-sizes``: aggregate throughput and per-request latency of batched
+decoding (:class:`~dflash_torch.batch.BatchDecoder`), DFlash against batched target-only,
+at each batch size.
+
+At batch size N the prompts are served as N concurrent streams: N requests run at once
+and, whenever one finishes, the next prompt joins at the round boundary (continuous
+batching). Greedy decoding, EOS ignored, every request generates exactly
+``max_new_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..batch import BatchDecoder
+from ..models.drafter import DFlashDrafter
+from ..models.target import TargetModel
+from ..sampling import SamplingParams
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def serve_all(batch: BatchDecoder, prompt_ids: list[list[int]], max_new_tokens: int) -> dict:
+    """Decode every prompt through ``batch`` as ``batch.max_batch_size`` concurrent streams.
+
+    Returns:
+        ``wall_s`` (first prefill to last token), ``decode_s`` (time in decoding rounds),
+        ``generated_tokens`` (all requests), ``decode_tokens`` (those the rounds committed,
+        i.e. without each request's first token, which its prefill makes),
+        ``latencies_s`` (per request, its prefill start to its last token), ``rounds``,
+        ``mean_batch`` (sequences decoded per round), ``mean_acceptance_length`` and
+        ``outputs`` (token ids per prompt).
+    """
+    params = SamplingParams()
+    waiting = list(range(len(prompt_ids)))
+    tokens: dict[int, list[int]] = {}
+    started: dict[int, float] = {}
+    latencies, taus, decode_s, rounds, batch_rows = [], [], 0.0, 0, 0
+    t_start = time.perf_counter()
+    while waiting or batch.seq_ids:
+        while waiting and batch.free_slots:
+            i = waiting.pop(0)
+            started[i] = time.perf_counter()
+            tokens[i] = list(batch.add(i, prompt_ids[i], params, max_new_tokens).tokens)
+        t0 = time.perf_counter()
+        step = batch.step()
+        decode_s += time.perf_counter() - t0
+        rounds += 1
+        batch_rows += len(step)
+        for i, rnd in step.items():
+            tokens[i] += rnd.tokens
+            taus.append(rnd.acceptance_length)
+        now = time.perf_counter()
+        for i in list(batch.seq_ids):
+            if len(tokens[i]) >= max_new_tokens:
+                tokens[i] = tokens[i][:max_new_tokens]
+                latencies.append(now - started[i])
+                batch.remove(i)
+    wall = time.perf_counter() - t_start
+    generated = sum(len(t) for t in tokens.values())
+    return {"wall_s": wall, "decode_s": decode_s, "generated_tokens": generated,
+            "decode_tokens": generated - len(prompt_ids), "latencies_s": latencies, "rounds": rounds,
+            "mean_batch": batch_rows / rounds if rounds else 0.0,
+            "mean_acceptance_length": sum(taus) / len(taus) if taus else 0.0,
+            "outputs": [tokens[i] for i in range(len(prompt_ids))]}
+
+
+@torch.inference_mode()
+def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_ids: list[list[int]],
+                     batch_sizes: list[int], max_new_tokens: int, block_size: int | None = None,
+                     progress: bool = True) -> list[dict]:
+    """One row per (batch size, mode): ``mode`` ``"dflash"`` or ``"target-only"``,
+    ``batch_size``, ``aggregate_decode_tokens_per_second`` (decode tokens / decode time),
+    ``aggregate_tokens_per_second`` (all generated tokens / wall time, prefills
+    included), ``p50_latency_s`` / ``p95_latency_s`` per request, ``mean_batch``,
+    ``mean_acceptance_length``, ``speedup_vs_target_only`` (dflash rows: over target-only
+    at the same batch size), ``scaling_vs_batch_1`` (aggregate decode tok/s over the same
+    mode's at batch size 1, when 1 is measured) and ``outputs_identical_to_target_only``.
+    A short warm-up run precedes each measurement."""
+    max_context = max(map(len, prompt_ids)) + max_new_tokens + 1
+    rows = []
+    for n in batch_sizes:
+        outputs = {}
+        for mode, d in (("target-only", None), ("dflash", drafter)):
+            if mode == "dflash" and drafter is None:
+                continue
+            batch = BatchDecoder(target, d, block_size=block_size if d is not None else None, max_batch_size=n,
+                                 max_context=max_context)
+            serve_all(batch, prompt_ids[:n], min(8, max_new_tokens))  # warm-up
+            r = serve_all(batch, prompt_ids, max_new_tokens)
+            outputs[mode] = r.pop("outputs")
+            lat = r.pop("latencies_s")
+            row = {"mode": mode, "batch_size": n, **r,
+                   "aggregate_decode_tokens_per_second": r["decode_tokens"] / r["decode_s"],
+                   "aggregate_tokens_per_second": r["generated_tokens"] / r["wall_s"],
+                   "p50_latency_s": _percentile(lat, 0.5), "p95_latency_s": _percentile(lat, 0.95),
+                   "speedup_vs_target_only": None, "scaling_vs_batch_1": None,
+                   "outputs_identical_to_target_only": None}
+            rows.append(row)
+            if progress:
+                print(f"batch {n} {mode}: {row['aggregate_decode_tokens_per_second']:.1f} tok/s, "
+                      f"p50 {row['p50_latency_s']:.2f} s, tau {row['mean_acceptance_length']:.2f}", flush=True)
+        if "dflash" in outputs:
+            base = next(r for r in rows if r["batch_size"] == n and r["mode"] == "target-only")
+            rows[-1]["speedup_vs_target_only"] = (rows[-1]["aggregate_decode_tokens_per_second"]
+                                                  / base["aggregate_decode_tokens_per_second"])
+            rows[-1]["outputs_identical_to_target_only"] = outputs["dflash"] == outputs["target-only"]
+    for row in rows:
+        one = next((r for r in rows if r["batch_size"] == 1 and r["mode"] == row["mode"]), None)
+        if one is not None:
+            row["scaling_vs_batch_1"] = row["aggregate_decode_tokens_per_second"] / one["aggregate_decode_tokens_per_second"]
+    return rows
+
+
+def batch_table(rows: list[dict]) -> str:
+    """The rows of :func:`batch_size_bench` as a markdown table."""
+    lines = ["| batch | mode | decode tok/s (aggregate) | x batch 1 | tok/s incl. prefill | p50 latency s | "
+             "p95 latency s | tau | DFlash / target-only |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)
+        lines.append(f"| {r['batch_size']} | {r['mode']} | {r['aggregate_decode_tokens_per_second']:.1f} | "
+                     f"{fmt(r['scaling_vs_batch_1'], '.2f')} | {r['aggregate_tokens_per_second']:.1f} | "
+                     f"{r['p50_latency_s']:.2f} | {r['p95_latency_s']:.2f} | {r['mean_acceptance_length']:.2f} | "
+                     f"{fmt(r['speedup_vs_target_only'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def batch_plot(rows: list[dict], path) -> None:
+    """Aggregate decode tok/s and p50 latency against batch size, one curve per mode (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, marker in (("dflash", "o"), ("target-only", "s")):
+        rs = [r for r in rows if r["mode"] == mode]
+        if not rs:
+            continue
+        sizes = [r["batch_size"] for r in rs]
+        ax[0].plot(sizes, [r["aggregate_decode_tokens_per_second"] for r in rs], marker=marker, label=mode)
+        ax[1].plot(sizes, [r["p50_latency_s"] for r in rs], marker=marker, label=f"{mode} p50")
+        ax[1].plot(sizes, [r["p95_latency_s"] for r in rs], marker=marker, linestyle="--", label=f"{mode} p95")
+    ax[0].set_xlabel("batch size (concurrent streams)")
+    ax[0].set_ylabel("aggregate decode tokens/s")
+    ax[0].set_title("Batched decoding throughput")
+    ax[1].set_xlabel("batch size (concurrent streams)")
+    ax[1].set_ylabel("per-request latency (s)")
+    ax[1].set_title("Per-request latency")
+    for a in ax:
+        a.set_xscale("log", base=2)
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

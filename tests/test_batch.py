@@ -1,0 +1,251 @@
+"""Batched decoding (dflash_torch.batch): every sequence's output in a batch equals its
+output decoded alone (float32 greedy token for token; sampling with the same seed), for
+mixed prompt lengths, budgets and stops, with sequences joining and leaving mid-run,
+freed slots reused, finished sequences held as padding, target-only and DFlash 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_rounds, varied_prompts
+
+from dflash_torch import DFlashEngine, DFlashError, SamplingParams
+from dflash_torch.batch import BatchDecoder
+from dflash_torch.decoding import SpeculativeDecoder
+from dflash_torch.models.drafter import DFlashDrafter
+from dflash_torch.models.target import TargetModel
+
+
+@pytest.fixture(scope="module")
+def agree_models(agree_pair):
+    target_dir, drafter_dir = agree_pair
+    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def agree_engine(agree_pair):
+    return DFlashEngine.from_pretrained(*agree_pair, max_batch_size=3, max_context=256)
+
+
+def mixed_prompts(target, n=5):
+    """Prompts of lengths 3 to 40 whose continuations switch between the drafter's token
+    and others (so acceptance lengths differ between sequences and rounds)."""
+    lengths = [3, 12, 5, 40, 7, 20, 9]
+    return [varied_prompts(target, 1, seed=i, length=lengths[i % len(lengths)])[0] for i in range(n)]
+
+
+def drive(batch: BatchDecoder, plan: list[tuple], n_rounds: int = 200) -> dict:
+    """Run the step API: ``plan`` holds ``(round, action, seq_id, prompt, params, budget)``
+    with action ``"add"`` or ``"remove"``, applied before that round (an add waits for a
+    free slot); a sequence is also removed once it has ``budget`` tokens. Returns
+    ``{seq_id: committed tokens}`` (cut to budget)."""
+    out, budgets, todo = {}, {}, list(plan)
+    for r in range(n_rounds):
+        for item in list(todo):
+            when, action, sid, prompt, params, budget = item
+            if when > r or (action == "add" and not batch.free_slots):
+                continue
+            todo.remove(item)
+            if action == "add":
+                out[sid], budgets[sid] = list(batch.add(sid, prompt, params, budget).tokens), budget
+            elif sid in batch:
+                batch.remove(sid)
+        for sid, rnd in batch.step().items():
+            out[sid] += rnd.tokens
+        for sid in batch.seq_ids:
+            if len(out[sid]) >= budgets[sid]:
+                batch.remove(sid)
+        if not batch.seq_ids and not todo:
+            break
+    return {sid: toks[:budgets[sid]] for sid, toks in out.items()}
+
+
+def alone(target, drafter, prompt, n, params=None, block_size=None):
+    return run_rounds(SpeculativeDecoder(target, drafter, block_size=block_size), prompt, n, params)[0]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_k=50, seed=7)],
+                         ids=["greedy", "sampling"])
+def test_sequences_joining_and_leaving_decode_as_alone(agree_models, params):
+    """Mixed lengths and budgets; a sequence joins after others ran, one is cancelled
+    mid-run, its slot (and a finished one's) is reused; each equals its decode alone."""
+    target, drafter = agree_models
+    prompts = mixed_prompts(target, 6)
+    seeded = lambda i: params if params.greedy else SamplingParams(temperature=0.9, top_k=50, seed=100 + i)
+    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=256)
+    budgets = [30, 55, 12, 40, 25, 33]
+    plan = [(0, "add", 0, prompts[0], seeded(0), budgets[0]), (0, "add", 1, prompts[1], seeded(1), budgets[1]),
+            (2, "add", 2, prompts[2], seeded(2), budgets[2]),
+            (3, "remove", 1, None, None, None),  # cancelled mid-run: frees a slot for 3
+            (3, "add", 3, prompts[3], seeded(3), budgets[3]),
+            (6, "add", 4, prompts[4], seeded(4), budgets[4])]
+    out = drive(batch, plan)
+    plan2 = [(0, "add", 5, prompts[5], seeded(5), budgets[5])]  # after everything left: slot 0 again
+    out.update(drive(batch, plan2))
+    assert batch.free_slots == 3
+    for sid in (0, 2, 3, 4, 5):
+        assert out[sid] == alone(target, drafter, prompts[sid], budgets[sid], seeded(sid)), f"sequence {sid}"
+    assert len(out[1]) < budgets[1]  # (it was cancelled)
+    assert out[1] == alone(target, drafter, prompts[1], budgets[1], seeded(1))[:len(out[1])]
+
+
+def test_finished_sequences_held_as_padding_change_nothing(agree_models):
+    """A sequence whose budget is used but which stays in the batch runs as padding
+    (same positions, nothing committed): the others still decode as alone."""
+    target, drafter = agree_models
+    prompts = mixed_prompts(target, 3)
+    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=128)
+    out = {i: list(batch.add(i, p, SamplingParams(), n).tokens) for i, (p, n) in enumerate(zip(prompts, (2, 50, 40)))}
+    for _ in range(100):
+        rounds = batch.step()
+        if not rounds:
+            break
+        assert (0 in rounds) == (len(out[0]) < 2)  # decoded only until its budget (2) is used
+        for sid, rnd in rounds.items():
+            out[sid] += rnd.tokens
+    assert batch.seq_ids == [0, 1, 2]
+    for i, n in ((1, 50), (2, 40)):
+        assert out[i][:n] == alone(target, drafter, prompts[i], n)
+
+
+def test_target_only_batch_equals_target_only_alone(agree_models):
+    target, _ = agree_models
+    prompts = mixed_prompts(target, 4)
+    for params in (SamplingParams(), SamplingParams(temperature=1.1, seed=3)):
+        batch = BatchDecoder(target, None, max_batch_size=4, max_context=128)
+        assert batch.block_size == 1
+        plan = [(i, "add", i, p, params, 20 + 5 * i) for i, p in enumerate(prompts)]
+        out = drive(batch, plan)
+        for i, p in enumerate(prompts):
+            assert out[i] == alone(target, None, p, 20 + 5 * i, params), f"sequence {i}"
+
+
+def test_dflash2_batch_equals_alone(agree_dflash2_pair):
+    target = TargetModel.from_pretrained(agree_dflash2_pair[0], torch.float32)
+    drafter = DFlashDrafter.from_pretrained(agree_dflash2_pair[1], torch.float32)
+    prompts = mixed_prompts(target, 3)
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=11)):
+        batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=128)
+        out = drive(batch, [(i, "add", i, p, params, 30) for i, p in enumerate(prompts)])
+        for i, p in enumerate(prompts):
+            assert out[i] == alone(target, drafter, p, 30, params), f"sequence {i}"
+
+
+def test_generate_batch_equals_generate(agree_engine):
+    """More prompts than slots (they queue and join as others finish), per-prompt budgets,
+    stops that fire at different rounds, per-prompt sampling seeds."""
+    engine = agree_engine
+    prompts = mixed_prompts(engine.target, 5)
+    budgets = [40, 17, 60, 9, 33]
+    greedy = [engine.generate(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, budgets)]
+    # a stop token from each greedy output, at a different place in each
+    stops = [[g.token_ids[k]] for g, k in zip(greedy, (30, 3, 45, 8, 1))]
+    expected = [engine.generate(p, max_new_tokens=n, stop_token_ids=s, ignore_eos=True)
+                for p, n, s in zip(prompts, budgets, stops)]
+    assert len({len(e.token_ids) for e in expected}) >= 4 and any(e.finish_reason == "stop" for e in expected)
+    got = engine.generate_batch(prompts, max_new_tokens=budgets, stop_token_ids=stops, ignore_eos=True)
+    for e, g in zip(expected, got):
+        assert (g.token_ids, g.text, g.finish_reason) == (e.token_ids, e.text, e.finish_reason)
+        assert g.stats.generated_tokens == len(g.token_ids) and g.stats.prompt_tokens == e.stats.prompt_tokens
+    # a stop string for all, cut as alone
+    text_stop = greedy[2].text[20:23]
+    expected = [engine.generate(p, max_new_tokens=n, stop=text_stop, ignore_eos=True) for p, n in zip(prompts, budgets)]
+    got = engine.generate_batch(prompts, max_new_tokens=budgets, stop=text_stop, ignore_eos=True)
+    assert [(g.text, g.token_ids, g.finish_reason) for g in got] == [(e.text, e.token_ids, e.finish_reason) for e in expected]
+    seeds = [5, 6, 7, 8, 9]
+    expected = [engine.generate(p, max_new_tokens=n, temperature=0.9, seed=s, ignore_eos=True)
+                for p, n, s in zip(prompts, budgets, seeds)]
+    got = engine.generate_batch(prompts, max_new_tokens=budgets, temperature=0.9, seed=seeds, ignore_eos=True)
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    assert engine.batch_decoder().free_slots == 3  # every slot was freed
+
+
+def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models, agree_hybrid_pair):
+    engine = agree_engine
+    with pytest.raises(DFlashError, match="3 values for 2 prompts"):
+        engine.generate_batch([[5, 6], [7]], max_new_tokens=[1, 2, 3])
+    with pytest.raises(DFlashError, match="non-empty list"):
+        engine.generate_batch([])
+    with pytest.raises(DFlashError, match="temperature"):
+        engine.generate_batch([[5], [6]], temperature=[0.0, -1.0], max_new_tokens=4)
+    with pytest.raises(DFlashError, match="exceeds the context"):
+        engine.generate_batch([[5], [6] * 250], max_new_tokens=10)
+    with pytest.raises(DFlashError, match="max_batch_size must be an integer >= 1"):
+        DFlashEngine.from_pretrained(*agree_pair, max_batch_size=0)
+    target, drafter = agree_models
+    with pytest.raises(DFlashError, match="lower max_batch_size or max_context"):
+        BatchDecoder(target, drafter, max_batch_size=10**9)
+    batch = BatchDecoder(target, drafter, max_batch_size=1, max_context=64)
+    batch.add("a", [5, 6], SamplingParams(), 4)
+    with pytest.raises(DFlashError, match="already in the batch"):
+        batch.add("a", [5], SamplingParams(), 4)
+    with pytest.raises(DFlashError, match="full"):
+        batch.add("b", [5], SamplingParams(), 4)
+    with pytest.raises(DFlashError, match="not in the batch"):
+        batch.remove("b")
+    hybrid = TargetModel.from_pretrained(agree_hybrid_pair[0], torch.float32)
+    with pytest.raises(DFlashError, match="hybrid targets"):
+        BatchDecoder(hybrid, None)
+
+
+def test_hybrid_generate_batch_decodes_one_at_a_time(agree_hybrid_pair):
+    engine = DFlashEngine.from_pretrained(*agree_hybrid_pair, max_context=64)
+    prompts = [[5, 6, 7], [9] * 12]
+    got = engine.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
+    assert [g.token_ids for g in got] == [engine.generate(p, max_new_tokens=12, ignore_eos=True).token_ids for p in prompts]
+
+
+def test_random_drafter_batch_proposes_as_alone(tiny_pair):
+    """A random drafter whose attention matters (unlike the agreeable one's small weights):
+    with sampling, every sequence's tokens and acceptance lengths equal its decode alone,
+    so each block attends to its own context only."""
+    target = TargetModel.from_pretrained(tiny_pair[0], torch.float32)
+    drafter = DFlashDrafter.from_pretrained(tiny_pair[1], torch.float32)
+    prompts = [[5, 6, 7], list(range(10, 50)), [9] * 17]
+    batch = BatchDecoder(target, drafter, block_size=8, max_batch_size=3, max_context=128)
+    params = [SamplingParams(temperature=1.5, seed=20 + i) for i in range(3)]
+    out = {i: list(batch.add(i, p, params[i], 40).tokens) for i, p in enumerate(prompts)}
+    taus = {i: [] for i in out}
+    while rounds := batch.step():
+        for sid, rnd in rounds.items():
+            out[sid] += rnd.tokens
+            taus[sid].append(rnd.acceptance_length)
+    for i, p in enumerate(prompts):
+        tokens, expected_taus = run_rounds(SpeculativeDecoder(target, drafter, block_size=8), p, 40, params[i])
+        assert (out[i][:40], taus[i]) == (tokens, expected_taus), f"sequence {i}"
+    assert max(max(t) for t in taus.values()) > 1
+
+
+def test_compiled_batch_rounds_do_not_recompile(agree_models):
+    """Fixed shapes: batch buckets (1, 2, 4) x length buckets (256 keys, the 333-position
+    cache); after warmup() every round of sequences joining and leaving (batch sizes 1 to
+    4, contexts past 256) reuses a graph, and each output equals its decode alone.
+    TorchDynamo's guards decide recompilation, so the cheap "eager" backend is enough."""
+    import torch._dynamo
+    import torch._dynamo.utils as dynamo_utils
+
+    target, drafter = agree_models
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    batch = BatchDecoder(target, drafter, max_batch_size=4, max_context=300, prefill_chunk=32, compile=True,
+                         compile_backend="eager")
+    assert batch.warmup() == 3 * 2
+    graphs, frames = dynamo_utils.counters["stats"]["unique_graphs"], dynamo_utils.counters["frames"]["total"]
+    assert graphs == 2 * 3 * 2  # propose and verify per bucket pair
+    prompts = mixed_prompts(target, 6)
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.9, seed=4)
+    budgets = [250, 40, 30, 200, 60, 20]
+    params = [greedy, sampled, greedy, sampled, greedy, greedy]
+    plan = [(0, "add", 0, prompts[0], params[0], budgets[0]), (3, "add", 1, prompts[1], params[1], budgets[1]),
+            (4, "add", 2, prompts[2], params[2], budgets[2]), (5, "add", 3, prompts[3], params[3], budgets[3]),
+            (6, "add", 4, prompts[4], params[4], budgets[4]), (8, "remove", 3, None, None, None),
+            (9, "add", 5, prompts[5], params[5], budgets[5])]
+    out = drive(batch, plan)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
+    assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
+    for sid in (0, 1, 2, 4, 5):
+        assert out[sid] == alone(target, drafter, prompts[sid], budgets[sid], params[sid]), f"sequence {sid}"
+    with pytest.raises(DFlashError, match="empty batch"):
+        batch.add("x", [5], greedy, 3)
+        batch.warmup()
