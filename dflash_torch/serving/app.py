@@ -72,6 +72,11 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
     return JSONResponse(error_body(message, type, param, code), status_code=status)
 
 
+def _one_line(exc: Exception) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] or type(exc).__name__
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -196,9 +201,19 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     async def parse(request: Request, schema):
         body = await read_body(request)
         try:
+            return validate_body(body, schema)
+        except APIError:
+            raise
+        except RecursionError:  # the JSON parser, the Unicode check or pydantic went too deep
+            raise APIError(400, "the request body is nested too deeply") from None
+        except Exception as exc:  # whatever else a parser raises on a body is the body's fault
+            raise APIError(400, f"the request body cannot be parsed: {type(exc).__name__}") from None
+
+    def validate_body(body: bytes, schema):
+        try:
             data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of over 4300 digits
+            raise APIError(400, f"the request body is not valid JSON: {_one_line(exc)}") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
         try:  # JSON escapes can smuggle in lone surrogates, which no tokenizer accepts
