@@ -348,10 +348,14 @@ BAD_REQUESTS = [
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("empty token list", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("token id out of vocab", "/v1/completions", {"prompt": [5, 10**6]}, 400, "prompt"),
-    ("batched prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("an empty prompt in a list", "/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
+    ("token id out of vocab in a list", "/v1/completions", {"prompt": [[5], [5, 10**6]]}, 400, "prompt"),
+    ("a list of mixed prompts", "/v1/completions", {"prompt": ["a", [5]]}, 400, "prompt"),
     ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
-    ("n=2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-    ("n=2 chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+    ("n=0", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("n=129", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 129}, 400, "n"),
+    ("n more than the queue", "/v1/completions", {"prompt": "x", "n": 65}, 400, "n"),
+    ("prompts x n more than the queue", "/v1/completions", {"prompt": ["x"] * 17, "n": 4}, 400, "prompt"),
     ("best_of", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("logprobs", "/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ("chat logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
@@ -448,7 +452,7 @@ def test_auth_and_routes(server):
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="no-such-model", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
-        server.client().completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+        server.client().completions.create(model=MODEL, prompt="x", max_tokens=2, n=0)
     assert httpx.get(f"{server.base}/v1/nope").status_code == 404
     assert httpx.get(f"{server.base}/v1/completions",
                      headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 405
