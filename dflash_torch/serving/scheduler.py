@@ -114,14 +114,15 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     """The sampling seed of choice ``choice`` (0-based, within one prompt) of a request with ``seed``.
 
     Choice 0 uses ``seed`` itself (so ``n=1`` samples as before); choice ``j > 0`` uses the
-    first 8 bytes (little-endian, in ``[0, 2**64)``) of BLAKE2b (digest size 8) of the ASCII
-    text ``f"{seed}/{j}"``. Each choice thus has its own random stream, reproducible from the
-    request's seed, and equal to a request of ``n=1`` with that seed. No seed: None (every
+    BLAKE2b digest (digest size 8) of the ASCII text ``f"{seed}/{j}"`` read as a little-endian
+    integer, its top bit cleared (a seed in ``[0, 2**63)``, which the API accepts). Each choice
+    thus has its own random stream, reproducible from the request's seed, and samples exactly
+    as a request of ``n=1`` with its derived seed. No seed: None (every
     choice draws its own nondeterministic seed).
     """
     if seed is None or choice == 0:
         return seed
-    return int.from_bytes(hashlib.blake2b(f"{seed}/{choice}".encode(), digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{choice}".encode(), digest_size=8).digest(), "little") & (2**63 - 1)
 
 
 def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: int | None) -> int:
