@@ -3,21 +3,22 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
 
-Generation runs on one worker thread (see :mod:`.worker`); requests queue in front of
-it in arrival order, once their prompt is tokenized and fits the context (tokenizing
-runs in a thread of its own, so it holds neither the engine nor the event loop). A
-prompt longer than the engine's ``max_prompt_chars`` cannot fit and is refused before
-it is tokenized; a body larger than 12 bytes per such character + 1 MiB is dropped as
-it arrives. Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
-400 for any invalid or unsupported input, 401 for a missing or wrong API key, 404 for
-an unknown model or route, 413 for a body over that limit, 503 once the server shuts
-down (a stream that fails after it started ends with an error event and ``[DONE]``);
-a 500 means a server bug.
+Requests go through a scheduler (see :mod:`.scheduler`): once its prompts are tokenized
+and fit the context (tokenizing runs in a thread of its own, so it holds neither the
+engine nor the event loop), a request's choices (one per prompt of a list, times ``n``)
+wait in a bounded queue and run in the engine's slots. A prompt longer than the engine's
+``max_prompt_chars`` cannot fit and is refused before it is tokenized; a body larger than
+12 bytes per such character + 1 MiB is dropped as it arrives. Errors use OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``: 400 for any invalid or unsupported
+input (any body the JSON parser or the validation cannot take included), 401 for a missing
+or wrong API key, 404 for an unknown model or route, 413 for a body over that limit, 503
+with ``Retry-After`` when the queue is full, 503 once the server shuts down (a stream that
+fails after it started ends with an error event and ``[DONE]``); a 500 means a server bug.
 
 Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
 completions and the rest of the context for chat. Extensions: ``top_k``,
 ``ignore_eos``, ``stop_token_ids``; responses carry a ``dflash`` object with the
-request's speculative-decoding statistics.
+request's speculative-decoding statistics (with several choices, each choice has its own).
 """
 
 from __future__ import annotations
