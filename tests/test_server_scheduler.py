@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from test_server import (API_KEY, MODEL, PROMPT, Server, _assert_openai_error, _env, _free_port, _wait_until_up,
-                         local_engine)
+                         local_engine)  # noqa: F401  (a fixture)
 
 from dflash_torch.serving.scheduler import choice_seed
 
