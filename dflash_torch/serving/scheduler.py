@@ -38,9 +38,11 @@ and three methods, all called on the compute thread:
 ``remove(seq)``
     drop an unfinished sequence (its client went away), freeing its slot.
 
-:class:`SerialBackend` runs today's engine, which decodes one sequence at a time (one
-slot), through :meth:`DFlashEngine.stream`. A step-level batched engine plugs in with an
-adapter of the same three methods (see :func:`make_backend`).
+:class:`SerialBackend` runs an engine that decodes one sequence at a time (one slot)
+through :meth:`DFlashEngine.stream`; :class:`BatchedBackend` runs the slots of an engine
+with a step-level batch decoder (``DFlashEngine.batch_decoder()``: ``add`` / ``step`` /
+``remove`` of ids, one :class:`~dflash_torch.decoding.Round` per sequence per step).
+:func:`make_backend` picks one.
 """
 
 from __future__ import annotations
@@ -250,13 +252,61 @@ class SerialBackend:
             chunks.close()  # frees the engine
 
 
+class BatchedBackend:
+    """``max_batch_size`` slots of the engine's step-level batch decoder
+    (:meth:`DFlashEngine.batch_decoder`), each sequence with its own stopper and stats."""
+
+    def __init__(self, engine, max_batch_size: int):
+        self.engine = engine
+        self.max_batch_size = min(max_batch_size, engine.max_batch_size)
+        self._state: dict[Sequence, tuple] = {}  # seq -> (stats, stopper)
+        self._prefilled: list[tuple[Sequence, object]] = []  # prefill rounds, returned by the next step
+
+    def add(self, seq: Sequence) -> None:
+        from ..engine import GenerationStats
+        from ..sampling import SamplingParams
+
+        e, kw = self.engine, seq.kwargs
+        params = SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"], seed=kw["seed"])
+        stopper = e.new_stopper(seq.max_new_tokens, kw["stop"], kw["stop_token_ids"], kw["ignore_eos"])
+        stats = GenerationStats(prompt_tokens=len(seq.prompt_ids), block_size=e.block_size,
+                                draft_mode=e.decoder.draft_mode if e.drafter is not None else None)
+        rnd = e.batch_decoder().add(seq, seq.prompt_ids, params, stopper.max_new_tokens)
+        self._state[seq] = (stats, stopper)
+        self._prefilled.append((seq, rnd))
+
+    def step(self) -> list[tuple[Sequence, StreamChunk]]:
+        out = []
+        prefilled, self._prefilled = self._prefilled, []
+        for seq, rnd in prefilled:  # (a sequence that ends at its prefill leaves before the round)
+            out.append(self._chunk(seq, rnd))
+        for seq, rnd in self.engine.batch_decoder().step().items():
+            out.append(self._chunk(seq, rnd))
+        return out
+
+    def _chunk(self, seq: Sequence, rnd) -> tuple[Sequence, StreamChunk]:
+        stats, stopper = self._state[seq]
+        chunk = self.engine._record(rnd, stats, stopper)
+        if chunk.finish_reason is not None:
+            self.remove(seq)
+        return seq, chunk
+
+    def remove(self, seq: Sequence) -> None:
+        if self._state.pop(seq, None) is not None:
+            self._prefilled = [(s, r) for s, r in self._prefilled if s is not seq]
+            self.engine.batch_decoder().remove(seq)
+
+
 def make_backend(engine, max_batch_size: int):
     """The backend that runs ``engine`` with at most ``max_batch_size`` slots.
 
-    Today every engine decodes one sequence at a time: :class:`SerialBackend`, one slot
-    (``max_batch_size`` is an upper bound). A step-level batched engine gets its adapter here.
+    :class:`BatchedBackend` (``min(max_batch_size, engine.max_batch_size)`` slots) for an
+    engine with a batch decoder and a target without recurrent layers, else
+    :class:`SerialBackend` (one slot).
     """
     check_slots(max_batch_size, "max_batch_size")
+    if max_batch_size > 1 and hasattr(engine, "batch_decoder") and not engine.target.recurrent:
+        return BatchedBackend(engine, max_batch_size)
     return SerialBackend(engine)
 
 
