@@ -56,6 +56,7 @@ def load_engine(args: argparse.Namespace):
         args.target, args.draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, draft_mode=args.draft_mode, no_draft=args.no_draft,
         compile=args.compile, max_context=args.max_context,
+        **({"max_batch_size": args.max_batch_size} if hasattr(args, "max_batch_size") else {}),
     )
 
 

@@ -228,12 +228,15 @@ class DFlashEngine:
         """Prompt + generated tokens the target supports."""
         return self.decoder.max_context
 
-    def warmup(self, max_new_tokens: int = 32) -> float:
+    def warmup(self, max_new_tokens: int = 32, batch: bool = False) -> float:
         """Run one short greedy generation so that a compiled engine builds its graphs
         for the first length bucket (256 keys) now rather than in the first request.
         Prompt (up to 8 tokens) and generation (up to ``max_new_tokens``) are cut to fit
         ``max_context``, leaving room for two generated tokens (the first comes from the
         prefill, the second from a decoding round) whenever the context has it.
+
+        ``batch``: also build the batch decoder's graphs (every batch-size bucket) for the
+        first length bucket (:meth:`BatchDecoder.warmup`), as a server that batches needs.
 
         Returns:
             seconds it took.
@@ -242,6 +245,8 @@ class DFlashEngine:
         t0 = time.perf_counter()
         prompt = [getattr(self.tokenizer, "eos_token_id", None) or 0] * max(1, min(8, self.max_context - 2))
         self.generate(prompt, max_new_tokens=min(max_new_tokens, self.max_context - len(prompt)), ignore_eos=True)
+        if batch and not self.target.recurrent:
+            compute.run(lambda: self.batch_decoder().warmup(256))
         return time.perf_counter() - t0
 
     def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = False) -> list[int]:
@@ -381,7 +386,7 @@ class DFlashEngine:
         rounds = self.decoder.rounds(prompt_ids, params, stopper.max_new_tokens)
         try:
             for rnd in rounds:
-                chunk = self._record(rnd, stats, stopper)
+                chunk = self.record_round(rnd, stats, stopper)
                 yield chunk
                 if chunk.finish_reason is not None:
                     return
@@ -389,7 +394,7 @@ class DFlashEngine:
             rounds.close()
 
     @classmethod
-    def _record(cls, rnd: Round, stats: GenerationStats, stopper: Stopper) -> StreamChunk:
+    def record_round(cls, rnd: Round, stats: GenerationStats, stopper: Stopper) -> StreamChunk:
         """Account one committed :class:`Round` of a request: its stats and the chunk it streams
         (with ``finish_reason`` and the finished ``stats`` when the stopper ends the request)."""
         if rnd.acceptance_length is None:
@@ -531,7 +536,7 @@ class DFlashEngine:
 
     def _batch_round(self, batch: BatchDecoder, i: int, rnd: Round, state: dict, results: list) -> None:
         stats, stopper, text, ids = state[i]
-        chunk = self._record(rnd, stats, stopper)
+        chunk = self.record_round(rnd, stats, stopper)
         text.append(chunk.text)
         ids.extend(chunk.token_ids)
         if chunk.finish_reason is not None:

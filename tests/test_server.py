@@ -304,6 +304,23 @@ BAD_REQUESTS = [
     ("lone surrogate", "/v1/completions", '{"prompt": "a\\ud800b"}', 400, None),
     ("invalid utf-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
     ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
+    # issue 13: whatever the JSON parser or the validation raises is a 4xx, never a 500
+    ("nested 100000 deep", "/v1/completions", '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None),
+    ("nested 100000 deep chat", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": ' + '{"a": ' * 100_000 + "1" + "}" * 100_000 + "}]}", 400, None),
+    ("nested 100000 deep object", "/v1/completions", '{"prompt": "x", "user": ' + '{"a": ' * 100_000 + "1" + "}" * 100_000 + "}",
+     400, None),
+    ("nested 900 deep", "/v1/completions", '{"prompt": ' + "[" * 900 + "]" * 900 + "}", 400, "prompt"),
+    ("integer of 5000 digits", "/v1/completions", '{"prompt": "x", "max_tokens": 1' + "0" * 5000 + "}", 400, None),
+    ("seed of 5000 digits", "/v1/completions", '{"prompt": "x", "seed": 1' + "0" * 5000 + "}", 400, None),
+    ("number 1e999", "/v1/completions", '{"prompt": "x", "max_tokens": 1e999}', 400, "max_tokens"),
+    ("temperature NaN", "/v1/completions", '{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("top_p Infinity", "/v1/completions", '{"prompt": "x", "top_p": Infinity}', 400, "top_p"),
+    ("presence_penalty NaN", "/v1/completions", '{"prompt": "x", "presence_penalty": NaN}', 400, "presence_penalty"),
+    ("body null", "/v1/completions", "null", 400, None),
+    ("body a string", "/v1/chat/completions", '"hello"', 400, None),
+    ("body a number", "/v1/completions", "12", 400, None),
+    ("invalid utf-8 in a key", "/v1/chat/completions", b'{"mes\xc3sages": []}', 400, None),
     ("missing messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     ("prompt wrong type", "/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("max_tokens string", "/v1/completions", {"prompt": "x", "max_tokens": "10"}, 400, "max_tokens"),
@@ -331,10 +348,14 @@ BAD_REQUESTS = [
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("empty token list", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("token id out of vocab", "/v1/completions", {"prompt": [5, 10**6]}, 400, "prompt"),
-    ("batched prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("an empty prompt in a list", "/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
+    ("token id out of vocab in a list", "/v1/completions", {"prompt": [[5], [5, 10**6]]}, 400, "prompt"),
+    ("a list of mixed prompts", "/v1/completions", {"prompt": ["a", [5]]}, 400, "prompt"),
     ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
-    ("n=2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-    ("n=2 chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+    ("n=0", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("n=129", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 129}, 400, "n"),
+    ("n more than the queue", "/v1/completions", {"prompt": "x", "n": 65}, 400, "n"),
+    ("prompts x n more than the queue", "/v1/completions", {"prompt": ["x"] * 17, "n": 4}, 400, "prompt"),
     ("best_of", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("logprobs", "/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ("chat logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
@@ -431,7 +452,7 @@ def test_auth_and_routes(server):
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="no-such-model", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
-        server.client().completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+        server.client().completions.create(model=MODEL, prompt="x", max_tokens=2, n=0)
     assert httpx.get(f"{server.base}/v1/nope").status_code == 404
     assert httpx.get(f"{server.base}/v1/completions",
                      headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 405

@@ -3,21 +3,22 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
 
-Generation runs on one worker thread (see :mod:`.worker`); requests queue in front of
-it in arrival order, once their prompt is tokenized and fits the context (tokenizing
-runs in a thread of its own, so it holds neither the engine nor the event loop). A
-prompt longer than the engine's ``max_prompt_chars`` cannot fit and is refused before
-it is tokenized; a body larger than 12 bytes per such character + 1 MiB is dropped as
-it arrives. Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
-400 for any invalid or unsupported input, 401 for a missing or wrong API key, 404 for
-an unknown model or route, 413 for a body over that limit, 503 once the server shuts
-down (a stream that fails after it started ends with an error event and ``[DONE]``);
-a 500 means a server bug.
+Requests go through a scheduler (see :mod:`.scheduler`): once its prompts are tokenized
+and fit the context (tokenizing runs in a thread of its own, so it holds neither the
+engine nor the event loop), a request's choices (one per prompt of a list, times ``n``)
+wait in a bounded queue and run in the engine's slots. A prompt longer than the engine's
+``max_prompt_chars`` cannot fit and is refused before it is tokenized; a body larger than
+12 bytes per such character + 1 MiB is dropped as it arrives. Errors use OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``: 400 for any invalid or unsupported
+input (any body the JSON parser or the validation cannot take included), 401 for a missing
+or wrong API key, 404 for an unknown model or route, 413 for a body over that limit, 503
+with ``Retry-After`` when the queue is full, 503 once the server shuts down (a stream that
+fails after it started ends with an error event and ``[DONE]``); a 500 means a server bug.
 
 Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
 completions and the rest of the context for chat. Extensions: ``top_k``,
 ``ignore_eos``, ``stop_token_ids``; responses carry a ``dflash`` object with the
-request's speculative-decoding statistics.
+request's speculative-decoding statistics (with several choices, each choice has its own).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from ..errors import DFlashError
 from ..options import check_api_key
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error, unsupported_field
-from .worker import EngineWorker, Event, GenerationJob, ShuttingDown, fit_max_tokens, param_of
+from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
+                        make_backend, param_of)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5
@@ -49,9 +51,10 @@ ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
 
 
 class ClientGone(Exception):
@@ -70,6 +73,11 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+
+def _one_line(exc: Exception) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] or type(exc).__name__
 
 
 def _sse(obj) -> str:
@@ -94,7 +102,7 @@ class _JobStreamingResponse(StreamingResponse):
     """A streaming response that cancels its job however the stream ends (a client
     disconnect, a failed send, or the normal end, where cancelling is a no-op)."""
 
-    def __init__(self, content, job: GenerationJob, **kwargs):
+    def __init__(self, content, job: Job, **kwargs):
         super().__init__(content, **kwargs)
         self.job = job
 
@@ -105,7 +113,8 @@ class _JobStreamingResponse(StreamingResponse):
             self.job.cancel()
 
 
-def create_app(engine, api_key: str | None = None, model_name: str | None = None) -> FastAPI:
+def create_app(engine, api_key: str | None = None, model_name: str | None = None, *, max_batch_size: int = 8,
+               max_queue: int = 64) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -113,14 +122,20 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``
             (``/health`` and ``/metrics`` stay open); surrounding whitespace is dropped.
         model_name: the model id clients must use (default: ``engine.name``).
+        max_batch_size: most sequences decoded together (slots); an engine that decodes
+            one sequence at a time has one (see :func:`.scheduler.make_backend`).
+        max_queue: sequences that may wait for a slot; a request that does not fit gets
+            a 503 with ``Retry-After`` at once.
 
     Raises:
-        DFlashError: an empty API key or one that is not printable ASCII.
+        DFlashError: an empty API key or one that is not printable ASCII; ``max_batch_size``
+            or ``max_queue`` not an integer >= 1.
     """
     api_key = check_api_key(api_key)
     model_id = model_name or engine.name
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
-    worker = EngineWorker(engine, metrics)
+    scheduler = Scheduler(make_backend(engine, max_batch_size), metrics, max_queue=max_queue)
+    metrics.open_requests.set_function(scheduler.open_jobs)
     created = int(time.time())
     # no prompt longer than max_prompt_chars characters fits the context, and JSON spells a
     # character in at most 12 bytes (an escaped surrogate pair); 1 MiB for everything else
@@ -129,16 +144,18 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        worker.shutdown()
+        scheduler.shutdown()
 
     app = FastAPI(title="dflash-torch", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.engine, app.state.metrics, app.state.worker, app.state.model_id = engine, metrics, worker, model_id
+    app.state.engine, app.state.metrics, app.state.scheduler, app.state.model_id = engine, metrics, scheduler, model_id
     app.add_middleware(MetricsMiddleware, metrics=metrics, endpoints=ENDPOINTS)
 
     # ---- errors -------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        response = error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, exc: ClientGone):
@@ -196,9 +213,19 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     async def parse(request: Request, schema):
         body = await read_body(request)
         try:
+            return validate_body(body, schema)
+        except APIError:
+            raise
+        except RecursionError:  # the JSON parser, the Unicode check or pydantic went too deep
+            raise APIError(400, "the request body is nested too deeply") from None
+        except Exception as exc:  # whatever else a parser raises on a body is the body's fault
+            raise APIError(400, f"the request body cannot be parsed: {type(exc).__name__}") from None
+
+    def validate_body(body: bytes, schema):
+        try:
             data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of over 4300 digits
+            raise APIError(400, f"the request body is not valid JSON: {_one_line(exc)}") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
         try:  # JSON escapes can smuggle in lone surrogates, which no tokenizer accepts
@@ -218,7 +245,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
         return req
 
-    async def next_event(job: GenerationJob, request: Request | None) -> Event | None:
+    async def next_event(job: Job, request: Request | None) -> Event | None:
         """The job's next event; None when the client went away (checked every
         DISCONNECT_POLL_S seconds, whether events flow or not)."""
         if request is None:
@@ -250,19 +277,44 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if (err := job_error(ev)) is not None:
             raise err
 
-    async def run(request: Request, req, prompt, chat: bool, default_max_tokens: int | None, kind: str):
+    def prepare(prompts: list, chat: bool, requested: int | None, default: int | None) -> list[tuple[list[int], int]]:
+        """``(token ids, max new tokens)`` of each prompt (in a thread: tokenizing a long
+        prompt holds neither the engine nor the event loop)."""
+        vocab = engine.target.config.vocab_size
+        out = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids = engine.encode_prompt(prompt, chat)
+                if any(not 0 <= t < vocab for t in ids):  # checked for every prompt before any runs
+                    raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
+                out.append((ids, fit_max_tokens(engine, len(ids), requested, default)))
+            except DFlashError as exc:
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                raise APIError(400, where + str(exc), param=param_of(exc)) from None
+        return out
+
+    async def run(request: Request, req, prompts: list, chat: bool, default_max_tokens: int | None, kind: str):
+        """Serve ``n`` choices of each prompt of ``prompts`` (choice ``i * n + j`` is the
+        ``j``-th of prompt ``i``, sampled with :func:`choice_seed` ``(seed, j)``)."""
         arrived = time.perf_counter()
-        try:  # in a thread, before the job queues for the engine: a long prompt holds neither
-            ids = await asyncio.to_thread(engine.encode_prompt, prompt, chat)
-            max_new_tokens = fit_max_tokens(engine, len(ids), req.requested_max_tokens(), default_max_tokens)
-        except DFlashError as exc:
-            raise APIError(400, str(exc), param=param_of(exc)) from None
-        job = GenerationJob(prompt_ids=ids, max_new_tokens=max_new_tokens, kwargs=req.sampling_kwargs(),
-                            loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived)
+        n = req.n or 1
+        if n * len(prompts) > scheduler.max_queue:
+            raise APIError(400, f"{n * len(prompts)} choices ({len(prompts)} prompts x n={n}) are more than this server "
+                                f"queues ({scheduler.max_queue}, --max-queue)", param="n" if len(prompts) == 1 else "prompt")
+        prepared = await asyncio.to_thread(prepare, prompts, chat, req.requested_max_tokens(), default_max_tokens)
+        kwargs = req.sampling_kwargs()
+        job = Job(loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived)
+        for ids, max_new_tokens in prepared:
+            for j in range(n):
+                job.add(ids, max_new_tokens, {**kwargs, "seed": choice_seed(kwargs["seed"], j)})
         try:
-            worker.submit(job)
+            scheduler.submit(job)
         except ShuttingDown:
             raise shutting_down() from None
+        except QueueFull as exc:
+            raise APIError(503, str(exc), type="server_error", code="queue_full",
+                           headers={"Retry-After": str(exc.retry_after)}) from None
+        prompt_tokens = sum(len(ids) for ids, _ in prepared)  # once per prompt, whatever n
         try:
             ev = await next_event(job, request)  # waits in the queue, then for prefill
             if ev is None:
@@ -270,45 +322,51 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise_job_error(ev)
             if ev.kind == "done":  # cancelled before it started
                 return Response(status_code=499)
-            prompt_tokens = ev.value
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             if req.stream:
                 return _JobStreamingResponse(stream_events(job, req, rid, kind, prompt_tokens), job,
                                              media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return await complete(job, request, req, rid, kind, prompt_tokens)
+            return await complete(job, request, rid, kind, prompt_tokens)
         except BaseException:
             job.cancel()
             raise
 
-    async def complete(job, request, req, rid, kind, prompt_tokens):
-        text, n_tokens, finish, stats = [], 0, None, None
-        while True:
+    async def complete(job: Job, request: Request, rid: str, kind: str, prompt_tokens: int):
+        outs = [{"text": [], "tokens": 0, "finish": None, "stats": None} for _ in job.sequences]
+        left = len(outs)
+        while left:
             ev = await next_event(job, request)
             if ev is None:
                 return Response(status_code=499)
             raise_job_error(ev)
             if ev.kind == "done":
-                break
-            chunk = ev.value
-            text.append(chunk.text)
-            n_tokens += len(chunk.token_ids)
-            if chunk.finish_reason is not None:
-                finish, stats = chunk.finish_reason, chunk.stats
+                left -= 1
+            elif ev.kind == "chunk":
+                out, chunk = outs[ev.index], ev.value
+                out["text"].append(chunk.text)
+                out["tokens"] += len(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    out["finish"], out["stats"] = chunk.finish_reason, chunk.stats
+        n_tokens = sum(out["tokens"] for out in outs)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens, "total_tokens": prompt_tokens + n_tokens}
-        content = "".join(text)
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                      "finish_reason": finish}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
-                             "system_fingerprint": None, "choices": [choice], "usage": usage,
-                             "dflash": _stats_summary(stats)})
+        choices = []
+        for i, out in enumerate(outs):
+            content = "".join(out["text"])
+            if kind == "chat":
+                choice = {"index": i, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                          "finish_reason": out["finish"]}
+            else:
+                choice = {"index": i, "text": content, "logprobs": None, "finish_reason": out["finish"]}
+            if len(outs) > 1:
+                choice["dflash"] = _stats_summary(out["stats"])
+            choices.append(choice)
+        return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                             "created": int(time.time()), "model": model_id, "system_fingerprint": None,
+                             "choices": choices, "usage": usage,
+                             "dflash": _stats_summary(outs[0]["stats"]) if len(outs) == 1 else None})
 
-    async def stream_events(job: GenerationJob, req, rid: str, kind: str, prompt_tokens: int):
+    async def stream_events(job: Job, req, rid: str, kind: str, prompt_tokens: int):
         created_at = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         include_usage = req.include_usage
@@ -321,40 +379,44 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             d.update(extra)
             return _sse(d)
 
-        def choice(text=None, finish=None, role=False):
+        def choice(index, text=None, finish=None, role=False):
             if kind == "chat":
                 delta = {}
                 if role:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
 
-        n_tokens = 0
+        n_tokens, left = 0, len(job.sequences)
         if kind == "chat":
-            yield frame([choice("", role=True)])
-        while True:
+            for i in range(left):
+                yield frame([choice(i, "", role=True)])
+        while left:
             ev = await job.queue.get()
             if ev.kind == "done":
-                break
+                left -= 1
+                continue
             if (err := job_error(ev)) is not None:  # the status is sent: an error event, then the end
                 yield _sse(error_body(err.message, err.type, err.param, err.code))
                 yield "data: [DONE]\n\n"
                 return
-            chunk = ev.value
+            if ev.kind != "chunk":
+                continue
+            chunk, i = ev.value, ev.index
             n_tokens += len(chunk.token_ids)
             if chunk.finish_reason is None:
                 if chunk.text:
-                    yield frame([choice(chunk.text)])
+                    yield frame([choice(i, chunk.text)])
                 continue
             summary = _stats_summary(chunk.stats)
             if kind == "chat":
                 if chunk.text:
-                    yield frame([choice(chunk.text)])
-                yield frame([choice(finish=chunk.finish_reason)], dflash=summary)
+                    yield frame([choice(i, chunk.text)])
+                yield frame([choice(i, finish=chunk.finish_reason)], dflash=summary)
             else:
-                yield frame([choice(chunk.text, chunk.finish_reason)], dflash=summary)
+                yield frame([choice(i, chunk.text, chunk.finish_reason)], dflash=summary)
         if include_usage:
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
                      "total_tokens": prompt_tokens + n_tokens}
@@ -366,19 +428,13 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     async def completions(request: Request):
         check_auth(request)
         req = await parse(request, CompletionRequest)
-        try:
-            prompt = req.single_prompt()
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="prompt") from None
-        if isinstance(prompt, list) and not prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return await run(request, req, prompt, False, COMPLETIONS_DEFAULT_MAX_TOKENS, "completion")
+        return await run(request, req, req.prompts(), False, COMPLETIONS_DEFAULT_MAX_TOKENS, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         check_auth(request)
         req = await parse(request, ChatCompletionRequest)
-        return await run(request, req, req.engine_messages(), True, None, "chat")
+        return await run(request, req, [req.engine_messages()], True, None, "chat")
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -400,6 +456,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     @app.get("/metrics")
     async def metrics_endpoint():
+        metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
         body, content_type = metrics.exposition()
         return Response(body, media_type=content_type)
 

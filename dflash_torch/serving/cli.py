@@ -21,6 +21,12 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DFLASH_API_KEY, else no key)")
     p.add_argument("--model-name", default=None, help="model id clients use (default: the target directory's name)")
+    p.add_argument("--max-batch-size", type=int, default=8,
+                   help="most sequences decoded together (default 8; an engine that decodes one sequence at a "
+                        "time has one slot)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="sequences that may wait for a slot (default 64); a request that does not fit gets "
+                        "503 with Retry-After")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default info)")
     p.set_defaults(func=_serve)
@@ -31,10 +37,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     from ..cli import load_engine, warn_skipped_cudagraphs
     from .app import create_app
+    from .scheduler import check_slots
 
     if not 1 <= args.port <= 65535:
         raise DFlashError(f"--port must be in [1, 65535], got {args.port}")
     api_key = check_api_key(args.api_key, "--api-key (or $DFLASH_API_KEY)")
+    check_slots(args.max_batch_size, "--max-batch-size")
+    check_slots(args.max_queue, "--max-queue")
     import socket
 
     try:  # fail before loading models when the address is taken
@@ -45,18 +54,21 @@ def _serve(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     if args.compile:
         print("dflash-torch: compiling the decoding graphs (one-off) ...", flush=True)
-        print(f"dflash-torch: compiled in {engine.warmup():.1f} s", flush=True)
+        print(f"dflash-torch: compiled in {engine.warmup(batch=args.max_batch_size > 1):.1f} s", flush=True)
         warn_skipped_cudagraphs(args)
-    app = create_app(engine, api_key=api_key, model_name=args.model_name)
+    app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,
+                     max_queue=args.max_queue)
+    scheduler = app.state.scheduler
     print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "
-          f"(block size {engine.block_size}, context {engine.max_context})", flush=True)
+          f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
+          f"slot{'s' if scheduler.max_batch_size > 1 else ''}, queue {scheduler.max_queue})", flush=True)
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
             # Ctrl-C / SIGTERM: end the generations first (a queued request gets a 503, a stream an
             # error event and [DONE], a running round finishes) rather than when uvicorn's graceful
             # time runs out and it cancels them (a bare 500, a stream cut short, a traceback)
-            app.state.worker.shutdown()
+            app.state.scheduler.shutdown()
             await super().shutdown(sockets=sockets)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -13,8 +13,20 @@ dflash_prompt_tokens_total             counter    prompt tokens of started gener
 dflash_generated_tokens_total          counter    generated (committed, emitted) tokens
 dflash_acceptance_length               histogram  tokens committed per decoding round (tau)
 dflash_mean_acceptance_length          gauge      mean tau over all rounds since start
-dflash_queue_depth                     gauge      generations waiting for or holding the engine
+dflash_queue_depth                     gauge      sequences waiting for or holding the engine
+dflash_running_requests                gauge      sequences in the running batch (one per choice)
+dflash_waiting_requests                gauge      sequences waiting for a slot (one per choice)
+dflash_rejected_requests_total         counter    requests refused with 503 because the queue was full
+dflash_batch_size                      histogram  sequences in the batch, observed once per round
+dflash_request_acceptance_length       histogram  mean tau of each finished sequence (one with rounds)
+dflash_open_requests                   gauge      requests the scheduler holds (a leak check)
+dflash_threads                         gauge      live threads of the process (a leak check)
+dflash_event_loop_tasks                gauge      asyncio tasks of the server's event loop (a leak check)
+process_*                              (various)  the process's memory, CPU, open files (Linux)
 =====================================  =========  ==============================================
+
+A request with several choices (a list of prompts, ``n`` > 1) runs one sequence per
+choice: the running, waiting and batch figures count sequences.
 """
 
 from __future__ import annotations
@@ -22,9 +34,11 @@ from __future__ import annotations
 import threading
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 class ServerMetrics:
@@ -46,10 +60,29 @@ class ServerMetrics:
                                     buckets=tuple(range(1, max(block_size, 1) + 1)), registry=r)
         self.mean_acceptance = Gauge("dflash_mean_acceptance_length", "Mean acceptance length over all decoding rounds since start",
                                      registry=r)
-        self.queue_depth = Gauge("dflash_queue_depth", "Generations waiting for or holding the engine", registry=r)
+        self.queue_depth = Gauge("dflash_queue_depth", "Sequences waiting for or holding the engine", registry=r)
+        self.running = Gauge("dflash_running_requests", "Sequences in the running batch (one per choice)", registry=r)
+        self.waiting = Gauge("dflash_waiting_requests", "Sequences waiting for a slot (one per choice)", registry=r)
+        self.rejected = Counter("dflash_rejected_requests", "Requests refused with 503 because the queue was full", registry=r)
+        self.batch_size = Histogram("dflash_batch_size", "Sequences in the batch, observed once per decoding round",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.request_acceptance = Histogram(
+            "dflash_request_acceptance_length", "Mean acceptance length of each finished sequence (with decoding rounds)",
+            buckets=tuple(1 + k / 2 for k in range(2 * max(block_size, 1) - 1)), registry=r)
+        self.open_requests = Gauge("dflash_open_requests", "Requests the scheduler holds", registry=r)
+        self.threads = Gauge("dflash_threads", "Live threads of the process", registry=r)
+        self.threads.set_function(threading.active_count)
+        self.event_loop_tasks = Gauge("dflash_event_loop_tasks", "Asyncio tasks of the server's event loop", registry=r)
+        ProcessCollector(registry=r)
         self._lock = threading.Lock()
         self._tau_sum = 0
         self._rounds = 0
+
+    def observe_request(self, taus: list[int]) -> None:
+        """A finished sequence's taus (one per decoding round)."""
+        if taus:
+            self.request_acceptance.observe(sum(taus) / len(taus))
+        self.observe_rounds(taus)
 
     def observe_rounds(self, taus: list[int]) -> None:
         for tau in taus:

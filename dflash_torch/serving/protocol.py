@@ -3,7 +3,7 @@ cannot honour.
 
 Parsing is strict about types (``"5"`` is not an integer, ``true`` is not a number)
 and about ranges; fields the server does not know are ignored, as OpenAI's own API
-ignores them. Fields it knows but cannot honour with a non-default value (``n``,
+ignores them. Fields it knows but cannot honour with a non-default value (``best_of``,
 ``logprobs``, penalties, tools, ...) are refused with a 400 by
 :func:`unsupported_field`.
 """
@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 MAX_STOP_STRINGS = 16
+MAX_N = 128  # OpenAI's own limit on n
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
@@ -41,8 +42,8 @@ class _Request(BaseModel):
     # extensions (vLLM-style)
     ignore_eos: StrictBool = False
     stop_token_ids: StrictInt | list[StrictInt] | None = None  # an id or a list, as in DFlashEngine.generate
+    n: StrictInt | None = Field(1, ge=1, le=MAX_N)  # choices per prompt
     # known but only their defaults are honoured
-    n: StrictInt | None = 1
     best_of: StrictInt | None = None
     presence_penalty: StrictFloat | None = 0.0
     frequency_penalty: StrictFloat | None = 0.0
@@ -81,14 +82,12 @@ class CompletionRequest(_Request):
     suffix: StrictStr | None = None
     logprobs: StrictInt | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of the request (a string or token ids)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (strings or token-id lists), one or a list of them."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError(f"batched prompts are not supported ({len(p)} given); send one prompt per request")
-            p = p[0]
-        return p
+            return list(p)
+        return [p]
 
 
 class TextPart(BaseModel):
@@ -137,7 +136,6 @@ class ChatCompletionRequest(_Request):
 def unsupported_field(req: _Request) -> tuple[str, str] | None:
     """``(param, message)`` for the first field whose value the engine cannot honour."""
     checks: list[tuple[str, bool, str]] = [
-        ("n", req.n not in (None, 1), "only n=1 is supported (one sequence per request)"),
         ("best_of", req.best_of not in (None, 1), "best_of > 1 is not supported"),
         ("presence_penalty", (req.presence_penalty or 0.0) != 0.0, "presence_penalty is not supported (must be 0)"),
         ("frequency_penalty", (req.frequency_penalty or 0.0) != 0.0, "frequency_penalty is not supported (must be 0)"),

@@ -1,0 +1,503 @@
+"""The request scheduler between the HTTP handlers and the engine.
+
+A request becomes a :class:`Job` of one or more :class:`Sequence` s, one per choice (each
+prompt of a list, times ``n``). A job arrives tokenized and checked against the context
+(:func:`fit_max_tokens`: the app does both before it submits, so a long prompt never
+holds the engine). Its sequences wait in one FIFO queue and run in a batch of at most
+``max_batch_size`` slots:
+
+- :meth:`Scheduler.submit` takes a job only when all its sequences fit in the free slots
+  plus ``max_queue`` waiting places, and raises :class:`QueueFull` at once otherwise (the
+  server answers 503 with ``Retry-After``): a request never waits behind a full queue.
+- One scheduler thread drives the engine. While sequences wait or run, it runs
+  :meth:`Scheduler._drive` on the process's compute thread (:mod:`dflash_torch.compute`:
+  one call for as long as there is work, no hand-off per round), which loops: admit
+  waiting sequences into free slots (``backend.add``: prefill), run one decoding round of
+  every running sequence (``backend.step``), hand each sequence's committed chunk to its
+  request's asyncio queue as the round commits it, and free the slot of every sequence
+  that finished or whose request went away (``backend.remove``) before the next round.
+- A request that goes away (:meth:`Job.cancel`) leaves the waiting queue at once; its
+  running sequences stop after the current round.
+
+The backend
+-----------
+The scheduler drives the engine through a *backend*: ``max_batch_size`` (int, the slots)
+and three methods, all called on the compute thread:
+
+``add(seq)``
+    take ``seq`` (a :class:`Sequence`: ``prompt_ids``, ``max_new_tokens``, ``kwargs``,
+    the sampling and stop arguments of :meth:`DFlashEngine.stream`, seed included) into a
+    free slot and prefill it; raises :class:`~dflash_torch.DFlashError` for a request the
+    engine refuses (the slot stays free).
+``step()``
+    one decoding round of every added sequence: a list of ``(seq, StreamChunk)``, one per
+    sequence that committed tokens, with the stopping already applied (text cut at a stop
+    string, ``finish_reason`` and ``stats`` on a sequence's last chunk, exactly as
+    :meth:`DFlashEngine.stream` yields them). A sequence whose chunk has a
+    ``finish_reason`` has left the backend (its slot is free).
+``remove(seq)``
+    drop an unfinished sequence (its client went away), freeing its slot.
+
+:class:`SerialBackend` runs an engine that decodes one sequence at a time (one slot)
+through :meth:`DFlashEngine.stream`; :class:`BatchedBackend` runs the slots of an engine
+with a step-level batch decoder (``DFlashEngine.batch_decoder()``: ``add`` / ``step`` /
+``remove`` of ids, one :class:`~dflash_torch.decoding.Round` per sequence per step).
+:func:`make_backend` picks one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .. import compute
+from ..engine import StreamChunk
+from ..errors import DFlashError
+from .metrics import ServerMetrics
+
+log = logging.getLogger("dflash_torch.serving")
+
+RETRY_AFTER_S = 1  # the Retry-After of a queue-full 503
+
+# The request parameter an engine error message is about, from its first word.
+_PARAM_OF_MESSAGE = {"stop token ids": "stop_token_ids", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed",
+                     "stop": "stop", "max_new_tokens": "max_tokens", "prompt": "prompt", "the prompt": "prompt",
+                     "chat messages": "messages"}
+
+
+class ParamError(DFlashError):
+    """A user error about one request parameter."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+def param_of(exc: DFlashError) -> str | None:
+    if isinstance(exc, ParamError):
+        return exc.param
+    msg = str(exc)
+    for prefix, param in _PARAM_OF_MESSAGE.items():
+        if msg.startswith(prefix + " ") or msg.startswith(prefix + "("):
+            return param
+    return None
+
+
+class ShuttingDown(Exception):
+    """The server is shutting down: no new jobs."""
+
+
+class QueueFull(Exception):
+    """The waiting queue cannot take the job now; retry after ``retry_after`` seconds."""
+
+    def __init__(self, waiting: int, max_queue: int, retry_after: int = RETRY_AFTER_S):
+        super().__init__(f"the server is busy: {waiting} sequences wait for the engine (at most {max_queue}); "
+                         f"retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+def check_slots(value, name: str) -> int:
+    """``--max-batch-size`` / ``--max-queue``: an integer >= 1.
+
+    Raises:
+        DFlashError: anything else (``name`` is the option's name in the message).
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DFlashError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The sampling seed of choice ``choice`` (0-based, within one prompt) of a request with ``seed``.
+
+    Choice 0 uses ``seed`` itself (so ``n=1`` samples as before); choice ``j > 0`` uses the
+    BLAKE2b digest (digest size 8) of the ASCII text ``f"{seed}/{j}"`` read as a little-endian
+    integer, its top bit cleared (a seed in ``[0, 2**63)``, which the API accepts). Each choice
+    thus has its own random stream, reproducible from the request's seed, and samples exactly
+    as a request of ``n=1`` with its derived seed. No seed: None (every
+    choice draws its own nondeterministic seed).
+    """
+    if seed is None or choice == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{choice}".encode(), digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: int | None) -> int:
+    """Tokens to generate for a prompt of ``prompt_tokens``: ``requested``, else ``default``
+    cut to the context, else the whole rest of the context.
+
+    Raises:
+        ParamError: an empty prompt, or a prompt (+ ``requested``) that does not fit.
+    """
+    if prompt_tokens == 0:  # (engine.stream([]) would read [] as an empty chat conversation)
+        raise ParamError("the prompt is empty (0 tokens)", "prompt")
+    room = engine.max_context - prompt_tokens
+    if room < 1:
+        raise ParamError(f"the prompt ({prompt_tokens} tokens) does not fit the model's context of "
+                         f"{engine.max_context} tokens (at least one token must be generated)", "prompt")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise ParamError(f"max_tokens ({requested}) + the prompt ({prompt_tokens} tokens) exceed the model's "
+                         f"context of {engine.max_context} tokens; use at most {room}", "max_tokens")
+    return requested
+
+
+@dataclass
+class Event:
+    """What a job reports about its choice ``index``: ``start`` (prompt tokens), ``chunk``
+    (a StreamChunk), ``error`` (a user error: ``(message, param)``), ``fatal`` (a server
+    error: message), ``unavailable`` (the server is shutting down), ``done`` (the choice
+    ended, however: one per choice, always last)."""
+
+    kind: str
+    value: object = None
+    index: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of a job: what the engine decodes as one sequence."""
+
+    job: Job
+    index: int                         # the choice's index in the response
+    prompt_ids: list[int]
+    max_new_tokens: int
+    kwargs: dict                       # sampling / stop arguments of engine.stream (seed included)
+    got_token: bool = False
+    text: list[str] = field(default_factory=list)       # a non-streamed choice's output so far
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request: its sequences and the asyncio queue that gets their events."""
+
+    loop: asyncio.AbstractEventLoop
+    stream: bool = True                # False: one chunk event per choice, with its whole output
+    arrived: float = field(default_factory=time.perf_counter)
+    sequences: list[Sequence] = field(default_factory=list)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    last_disconnect_check: float = field(default_factory=time.monotonic)
+    scheduler: Scheduler | None = None
+    unfinished: int = 0                # sequences without their ``done`` event yet
+
+    def add(self, prompt_ids: list[int], max_new_tokens: int, kwargs: dict) -> Sequence:
+        """Append a choice (its index is the number of choices before it)."""
+        seq = Sequence(self, len(self.sequences), prompt_ids, max_new_tokens, kwargs)
+        self.sequences.append(seq)
+        return seq
+
+    def cancel(self) -> None:
+        """The request went away (or ended): drop its waiting sequences now, stop its
+        running ones after the current round. Idempotent."""
+        if self.scheduler is not None:
+            self.scheduler.cancel(self)
+        else:
+            self.cancelled.set()
+
+    def put(self, kind: str, value: object = None, index: int = 0) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, Event(kind, value, index))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancelled.set()
+
+
+class SerialBackend:
+    """One slot over :meth:`DFlashEngine.stream` (an engine that decodes one sequence at a time)."""
+
+    max_batch_size = 1
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.seq: Sequence | None = None
+        self._chunks = None
+        self._first: StreamChunk | None = None  # the prefill's chunk, returned by the next step
+
+    def add(self, seq: Sequence) -> None:
+        assert self.seq is None, "the serial backend has one slot"
+        chunks = self.engine.stream(seq.prompt_ids, max_new_tokens=seq.max_new_tokens, **seq.kwargs)
+        try:
+            first = next(chunks)  # checks the request, then prefills
+        except BaseException:
+            chunks.close()
+            raise
+        self.seq, self._chunks, self._first = seq, chunks, first
+
+    def step(self) -> list[tuple[Sequence, StreamChunk]]:
+        seq = self.seq
+        if seq is None:
+            return []
+        if self._first is not None:
+            chunk, self._first = self._first, None
+        else:
+            try:
+                chunk = next(self._chunks)
+            except BaseException:
+                self.remove(seq)
+                raise
+        if chunk.finish_reason is not None:
+            self.remove(seq)
+        return [(seq, chunk)]
+
+    def remove(self, seq: Sequence) -> None:
+        if seq is self.seq:
+            chunks, self.seq, self._chunks, self._first = self._chunks, None, None, None
+            chunks.close()  # frees the engine
+
+
+class BatchedBackend:
+    """``max_batch_size`` slots of the engine's step-level batch decoder
+    (:meth:`DFlashEngine.batch_decoder`), each sequence with its own stopper and stats."""
+
+    def __init__(self, engine, max_batch_size: int):
+        self.engine = engine
+        self.max_batch_size = min(max_batch_size, engine.max_batch_size)
+        self._state: dict[Sequence, tuple] = {}  # seq -> (stats, stopper)
+        self._prefilled: list[tuple[Sequence, object]] = []  # prefill rounds, returned by the next step
+
+    def add(self, seq: Sequence) -> None:
+        from ..engine import GenerationStats
+        from ..sampling import SamplingParams
+
+        e, kw = self.engine, seq.kwargs
+        params = SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"], seed=kw["seed"])
+        stopper = e.new_stopper(seq.max_new_tokens, kw["stop"], kw["stop_token_ids"], kw["ignore_eos"])
+        stats = GenerationStats(prompt_tokens=len(seq.prompt_ids), block_size=e.block_size,
+                                draft_mode=e.decoder.draft_mode if e.drafter is not None else None)
+        rnd = e.batch_decoder().add(seq, seq.prompt_ids, params, stopper.max_new_tokens)
+        self._state[seq] = (stats, stopper)
+        self._prefilled.append((seq, rnd))
+
+    def step(self) -> list[tuple[Sequence, StreamChunk]]:
+        out = []
+        prefilled, self._prefilled = self._prefilled, []
+        for seq, rnd in prefilled:  # (a sequence that ends at its prefill leaves before the round)
+            out.append(self._chunk(seq, rnd))
+        for seq, rnd in self.engine.batch_decoder().step().items():
+            out.append(self._chunk(seq, rnd))
+        return out
+
+    def _chunk(self, seq: Sequence, rnd) -> tuple[Sequence, StreamChunk]:
+        stats, stopper = self._state[seq]
+        chunk = self.engine.record_round(rnd, stats, stopper)
+        if chunk.finish_reason is not None:
+            self.remove(seq)
+        return seq, chunk
+
+    def remove(self, seq: Sequence) -> None:
+        if self._state.pop(seq, None) is not None:
+            self._prefilled = [(s, r) for s, r in self._prefilled if s is not seq]
+            self.engine.batch_decoder().remove(seq)
+
+
+def make_backend(engine, max_batch_size: int):
+    """The backend that runs ``engine`` with at most ``max_batch_size`` slots.
+
+    :class:`BatchedBackend` (``min(max_batch_size, engine.max_batch_size)`` slots) for an
+    engine with a batch decoder and a target without recurrent layers, else
+    :class:`SerialBackend` (one slot).
+    """
+    check_slots(max_batch_size, "max_batch_size")
+    if max_batch_size > 1 and hasattr(engine, "batch_decoder") and not engine.target.recurrent:
+        return BatchedBackend(engine, max_batch_size)
+    return SerialBackend(engine)
+
+
+class Scheduler:
+    """Runs :class:`Job` s on a backend; see the module docstring.
+
+    Args:
+        backend: see the module docstring (e.g. :func:`make_backend`).
+        metrics: the app's :class:`ServerMetrics`.
+        max_queue: waiting sequences beyond the free slots (>= 1).
+
+    Raises:
+        DFlashError: ``max_queue`` is not an integer >= 1.
+    """
+
+    def __init__(self, backend, metrics: ServerMetrics, max_queue: int = 64):
+        self.backend, self.metrics = backend, metrics
+        self.max_batch_size = check_slots(backend.max_batch_size, "max_batch_size")
+        self.max_queue = check_slots(max_queue, "max_queue")
+        self._cond = threading.Condition()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # only the drive loop changes it
+        self._jobs: set[Job] = set()
+        self.closed = False
+        self._thread = threading.Thread(target=self._loop, name="dflash-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- the event loop's side ---------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Queue every sequence of ``job``, or none.
+
+        Raises:
+            ShuttingDown: after :meth:`shutdown`.
+            QueueFull: its sequences do not fit the free slots plus ``max_queue`` waiting places.
+        """
+        with self._cond:
+            if self.closed:
+                raise ShuttingDown()
+            free = max(0, self.max_batch_size - len(self._running))
+            if len(self._waiting) + len(job.sequences) > self.max_queue + free:
+                self.metrics.rejected.inc()
+                raise QueueFull(len(self._waiting), self.max_queue)
+            job.scheduler, job.unfinished = self, len(job.sequences)
+            self._jobs.add(job)
+            self._waiting.extend(job.sequences)
+            self._update_gauges()
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """See :meth:`Job.cancel`."""
+        with self._cond:
+            if job.cancelled.is_set():
+                return
+            job.cancelled.set()
+            dropped = [s for s in self._waiting if s.job is job]
+            if dropped:
+                self._waiting = deque(s for s in self._waiting if s.job is not job)
+                self._update_gauges()
+        for seq in dropped:
+            self.metrics.cancelled.inc()
+            self._done(seq)
+
+    def shutdown(self) -> None:
+        """Refuse new jobs and end every job now: each gets an ``unavailable`` event at once
+        (its request answers without waiting for the engine); waiting sequences are dropped,
+        running ones stop after the current round. Idempotent."""
+        with self._cond:
+            self.closed = True
+            jobs = list(self._jobs)
+            dropped = list(self._waiting)
+            self._waiting.clear()
+            self._update_gauges()
+            self._cond.notify_all()
+        for job in jobs:
+            job.cancelled.set()
+            job.put("unavailable")
+        for seq in dropped:
+            self._done(seq)
+
+    def open_jobs(self) -> int:
+        """Jobs with a sequence that has not ended (the leak check of the tests)."""
+        with self._cond:
+            return len(self._jobs)
+
+    # ---- the scheduler thread ----------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self.closed:
+                    self._cond.wait()
+                if not self._waiting:  # closed
+                    return
+            try:
+                compute.run(self._drive)
+            except BaseException:  # (a bug: _drive reports every failure to its requests)
+                log.exception("the scheduler's decoding loop failed")
+
+    # ---- the compute thread ------------------------------------------------------------
+    def _drive(self) -> None:
+        """Admit, step, deliver, free; until no sequence runs or waits."""
+        running = self._running
+        while True:
+            self._admit()
+            if not running:
+                with self._cond:
+                    if not self._waiting:
+                        return
+                continue
+            self.metrics.batch_size.observe(len(running))
+            try:
+                results = self.backend.step()
+            except Exception as exc:  # a failed round fails every sequence in it
+                for seq in list(running):
+                    self._fail(seq, exc)
+                    self._remove(seq)
+                continue
+            for seq, chunk in results:
+                self._deliver(seq, chunk)
+                if chunk.finish_reason is not None:
+                    self._leave(seq)
+            for seq in [s for s in running if s.job.cancelled.is_set()]:
+                self._remove(seq)
+                self.metrics.cancelled.inc()
+
+    def _admit(self) -> None:
+        while len(self._running) < self.max_batch_size:
+            with self._cond:
+                if not self._waiting:
+                    return
+                seq = self._waiting.popleft()
+                self._running.append(seq)  # (counted as running while it prefills)
+                self._update_gauges()
+            try:
+                self.backend.add(seq)
+            except Exception as exc:
+                self._fail(seq, exc)
+                self._leave(seq)
+                continue
+            seq.job.put("start", len(seq.prompt_ids), seq.index)
+            self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        if isinstance(exc, DFlashError):
+            seq.job.put("error", (str(exc), param_of(exc)), seq.index)
+        else:  # a bug, not the user's input: report a 500
+            log.error("generation failed", exc_info=exc)
+            seq.job.put("fatal", f"{type(exc).__name__}: {exc}", seq.index)
+
+    def _remove(self, seq: Sequence) -> None:
+        """Take an unfinished sequence out of the backend and the batch."""
+        try:
+            self.backend.remove(seq)
+        except Exception:
+            log.exception("removing a sequence failed")
+        self._leave(seq)
+
+    def _leave(self, seq: Sequence) -> None:
+        """``seq`` is out of the backend: free its slot and end it."""
+        with self._cond:
+            self._running.remove(seq)
+            self._update_gauges()
+        self._done(seq)
+
+    def _done(self, seq: Sequence) -> None:
+        job = seq.job
+        job.put("done", None, seq.index)
+        with self._cond:
+            job.unfinished -= 1
+            if job.unfinished <= 0:
+                self._jobs.discard(job)
+
+    def _deliver(self, seq: Sequence, chunk: StreamChunk) -> None:
+        """Metrics, then the chunk to its request (a non-streamed choice: one event at its end)."""
+        m, job = self.metrics, seq.job
+        if chunk.token_ids:
+            m.generated_tokens.inc(len(chunk.token_ids))
+            if not seq.got_token:
+                seq.got_token = True
+                m.ttft.observe(time.perf_counter() - job.arrived)
+        if chunk.stats is not None:
+            m.observe_request(list(chunk.stats.acceptance_lengths))
+        if job.stream:
+            job.put("chunk", chunk, seq.index)
+            return
+        seq.text.append(chunk.text)
+        seq.token_ids.extend(chunk.token_ids)
+        if chunk.finish_reason is not None:
+            job.put("chunk", StreamChunk("".join(seq.text), seq.token_ids, chunk.finish_reason, chunk.stats), seq.index)
+
+    def _update_gauges(self) -> None:  # (under self._cond)
+        waiting, running = len(self._waiting), len(self._running)
+        self.metrics.waiting.set(waiting)
+        self.metrics.running.set(running)
+        self.metrics.queue_depth.set(waiting + running)

@@ -1,0 +1,315 @@
+"""The server's request scheduler, end to end (issue 13): a real ``dflash-torch serve``
+subprocess, the real ``openai`` client and raw HTTP; no mocks.
+
+Several choices per request (a list of prompts, ``n`` > 1), many concurrent streams
+with clients that leave early, a bounded queue (503 with Retry-After), and no leak after
+hundreds of requests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+from test_server import (API_KEY, MODEL, PROMPT, Server, _assert_openai_error, _env, _free_port, _wait_until_up,
+                         local_engine)  # noqa: F401  (a fixture)
+
+from dflash_torch.serving.scheduler import choice_seed
+
+PROMPTS = ["def f(x):", "class A:", "import os\n", "for i in range(10):", "x = [", "# a comment", "while True:",
+           "return"]
+
+
+@contextmanager
+def _serve(tiny_pair, logdir, *extra: str):
+    target, drafter = tiny_pair
+    port = _free_port()
+    log = logdir / f"server-{port}.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target), "--draft", str(drafter),
+             "--port", str(port), "--model-name", MODEL, "--log-level", "warning", "--api-key", API_KEY, *extra],
+            stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_up(proc, base, log)
+        yield Server(base, proc, log)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair, tmp_path_factory):
+    with _serve(tiny_pair, tmp_path_factory.mktemp("sched")) as srv:
+        yield srv
+
+
+def _gauge(m: dict, name: str) -> float:
+    return m[(name, ())]
+
+
+def _kw(temperature: float, seed: int | None = None, **extra) -> dict:
+    kw = dict(model=MODEL, temperature=temperature, extra_body={"ignore_eos": True}, **extra)
+    if seed is not None:
+        kw["seed"] = seed
+    return kw
+
+
+def _streamed_choices(events) -> tuple[dict[int, str], dict[int, str], object]:
+    """Text and finish reason per choice index, and the usage, of a streamed completion."""
+    text: dict[int, list[str]] = {}
+    finish: dict[int, str] = {}
+    usage = None
+    for ev in events:
+        if ev.usage is not None:
+            usage = ev.usage
+        for ch in ev.choices:
+            piece = ch.text if hasattr(ch, "text") else (ch.delta.content or "")
+            text.setdefault(ch.index, []).append(piece)
+            if ch.finish_reason is not None:
+                assert ch.index not in finish, "two finish reasons for one choice"
+                finish[ch.index] = ch.finish_reason
+    return {i: "".join(t) for i, t in text.items()}, finish, usage
+
+
+# --------------------------------------------------------------------------------------
+def test_a_list_of_prompts_gives_one_choice_per_prompt_in_order(server, local_engine):
+    c = server.client()
+    ids = local_engine.encode_prompt("x = 1\n")
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    alone = [c.completions.create(prompt=p, max_tokens=12, **_kw(0)) for p in prompts]
+    alone_ids = c.completions.create(prompt=ids, max_tokens=12, **_kw(0))
+    r = c.completions.create(prompt=prompts, max_tokens=12, **_kw(0))
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.text for ch in r.choices] == [a.choices[0].text for a in alone]
+    assert r.usage.prompt_tokens == sum(len(local_engine.encode_prompt(p)) for p in prompts)
+    assert r.usage.completion_tokens == 3 * 12 and r.usage.total_tokens == r.usage.prompt_tokens + 36
+    # token-id prompts, two of them, one the same as a text prompt
+    r2 = c.completions.create(prompt=[ids, local_engine.encode_prompt(prompts[1])], max_tokens=12, **_kw(0))
+    assert [ch.text for ch in r2.choices] == [alone_ids.choices[0].text, alone[1].choices[0].text]
+    # streamed: each chunk names its choice; the same texts and usage
+    texts, finish, usage = _streamed_choices(c.completions.create(
+        prompt=prompts, max_tokens=12, stream=True, stream_options={"include_usage": True}, **_kw(0)))
+    assert texts == {i: a.choices[0].text for i, a in enumerate(alone)}
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    assert usage.prompt_tokens == r.usage.prompt_tokens and usage.completion_tokens == 36
+
+
+def test_n_choices_greedy_are_identical_and_sampled_ones_follow_their_derived_seeds(server):
+    c = server.client()
+    alone = c.completions.create(prompt=PROMPT, max_tokens=16, **_kw(0)).choices[0].text
+    r = c.completions.create(prompt=PROMPT, max_tokens=16, n=3, **_kw(0))
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and {ch.text for ch in r.choices} == {alone}
+    assert r.usage.completion_tokens == 48 and r.usage.prompt_tokens == \
+        c.completions.create(prompt=PROMPT, max_tokens=1, **_kw(0)).usage.prompt_tokens  # counted once, not n times
+
+    sample = _kw(1.0, seed=11, top_p=0.95)
+    a = c.completions.create(prompt=PROMPT, max_tokens=20, n=3, **sample)
+    b = c.completions.create(prompt=PROMPT, max_tokens=20, n=3, **sample)
+    texts = [ch.text for ch in a.choices]
+    assert texts == [ch.text for ch in b.choices]  # reproducible
+    assert len(set(texts)) == 3, texts  # each choice has its own random stream
+    # choice j samples exactly as one request with the documented derived seed
+    for j, text in enumerate(texts):
+        single = c.completions.create(prompt=PROMPT, max_tokens=20, **{**sample, "seed": choice_seed(11, j)})
+        assert single.choices[0].text == text, j
+    assert choice_seed(11, 0) == 11
+    # a list of prompts with n: choice i * n + j is prompt i's choice j, seeded as above
+    r = c.completions.create(prompt=[PROMPT, PROMPTS[1]], max_tokens=20, n=2, **sample)
+    other = c.completions.create(prompt=PROMPTS[1], max_tokens=20, n=2, **sample)
+    assert [ch.text for ch in r.choices] == texts[:2] + [ch.text for ch in other.choices]
+    # streamed with several choices: the same texts, chunks carry their index
+    s_texts, finish, usage = _streamed_choices(c.completions.create(
+        prompt=PROMPT, max_tokens=20, n=3, stream=True, stream_options={"include_usage": True}, **sample))
+    assert s_texts == dict(enumerate(texts)) and set(finish) == {0, 1, 2} and usage.completion_tokens == 60
+
+
+def test_chat_n_choices(server):
+    c = server.client()
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=12, n=2, temperature=1.0,
+              seed=5, extra_body={"ignore_eos": True})
+    r = c.chat.completions.create(**kw)
+    texts = [ch.message.content for ch in r.choices]
+    assert [ch.index for ch in r.choices] == [0, 1] and texts[0] != texts[1]
+    assert r.usage.completion_tokens == 24
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    assert sorted(ch.choices[0].index for ch in chunks if ch.choices[0].delta.role) == [0, 1]
+    streamed, finish, _ = _streamed_choices(chunks)
+    assert streamed == {0: texts[0], 1: texts[1]} and finish == {0: "length", 1: "length"}
+
+
+def test_eight_concurrent_openai_streams_some_leaving(server):
+    """8 streams at once (greedy and seeded sampling, mixed prompts and lengths), 3 of
+    them closing after a few events: every other one gets exactly its output alone; the
+    leavers' sequences stop (their slots serve the rest), nothing stays in the scheduler."""
+    c = server.client()
+    leavers = {1, 4, 6}
+    specs = [dict(prompt=PROMPTS[i], max_tokens=400 if i in leavers else 8 + 4 * i,
+                  **(_kw(0) if i % 2 == 0 else _kw(0.9, seed=100 + i))) for i in range(8)]
+    alone = {i: c.completions.create(**specs[i]).choices[0].text for i in range(8) if i not in leavers}
+    before = server.metrics()
+    barrier = threading.Barrier(8)
+    results: dict[int, dict] = {}
+
+    def run(i: int) -> None:
+        try:
+            client = server.client()
+            barrier.wait()
+            stream = client.completions.create(stream=True, stream_options={"include_usage": True}, **specs[i])
+            text, usage, events = [], None, 0
+            for ev in stream:
+                if ev.usage is not None:
+                    usage = ev.usage
+                    continue
+                text.append(ev.choices[0].text)
+                events += 1
+                if i in leavers and events >= 3:
+                    stream.close()  # drop the connection mid-stream
+                    break
+            results[i] = {"text": "".join(text), "usage": usage}
+        except Exception as exc:  # reported by the main thread
+            results[i] = {"error": repr(exc)}
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads)
+    assert all("error" not in r for r in results.values()), results
+    for i in range(8):
+        if i in leavers:
+            assert results[i]["text"] and results[i]["usage"] is None
+        else:
+            assert results[i]["text"] == alone[i], i
+            assert results[i]["usage"].completion_tokens == specs[i]["max_tokens"]
+    # the slots were freed and serve the next request
+    assert c.completions.create(**specs[0]).choices[0].text == alone[0]
+    m = server.metrics()
+    delta = lambda name: m.get((name, ()), 0.0) - before.get((name, ()), 0.0)  # noqa: E731
+    assert delta("dflash_requests_cancelled_total") == len(leavers)
+    stayed = sum(specs[i]["max_tokens"] for i in range(8) if i not in leavers) + specs[0]["max_tokens"]
+    assert 0 < delta("dflash_generated_tokens_total") - stayed < len(leavers) * 400 / 2  # cut long before 400
+    assert delta("dflash_batch_size_count") > 0 and delta("dflash_request_acceptance_length_count") == 8 - len(leavers) + 1
+    for name in ("dflash_running_requests", "dflash_waiting_requests", "dflash_queue_depth", "dflash_open_requests"):
+        assert _gauge(m, name) == 0, name
+    assert "Traceback" not in server.log.read_text()
+
+
+def test_nothing_leaks_after_200_requests(server):
+    """200 short requests from 4 clients at once (streamed or not, some streams closed
+    early, some with several choices): afterwards no request, sequence, thread or event-loop
+    task is left over and the memory has not grown beyond noise."""
+    def burst(n_requests: int) -> None:
+        errors = []
+
+        def client_loop(k: int) -> None:
+            client = server.client()
+            try:
+                for r in range(k, n_requests, 4):
+                    kw = dict(prompt=PROMPTS[r % 8], max_tokens=3, **_kw(0 if r % 3 else 0.8, seed=r))
+                    if r % 5 == 0:
+                        kw["n"] = 2
+                    if r % 2:
+                        with client.completions.create(stream=True, **kw) as stream:
+                            for _ in stream:
+                                if r % 4 == 3:
+                                    break  # leave after the first event
+                    else:
+                        assert client.completions.create(**kw).usage.completion_tokens == 3 * kw.get("n", 1)
+            except Exception as exc:
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert not errors, errors
+
+    burst(40)  # warm-up: thread pools reach their working size
+    before = server.metrics()
+    burst(200)
+    after = server.metrics()
+    assert after[("dflash_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] - \
+        before[("dflash_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 200
+    for name in ("dflash_running_requests", "dflash_waiting_requests", "dflash_open_requests"):
+        assert _gauge(after, name) == 0, name
+    assert _gauge(after, "dflash_threads") <= _gauge(before, "dflash_threads") + 2
+    assert _gauge(after, "dflash_event_loop_tasks") <= _gauge(before, "dflash_event_loop_tasks") + 2
+    if ("process_resident_memory_bytes", ()) in after:  # (Linux)
+        grown = _gauge(after, "process_resident_memory_bytes") - _gauge(before, "process_resident_memory_bytes")
+        assert grown < 64 * 2**20, grown
+
+
+# --------------------------------------------------------------------------------------
+def test_a_full_queue_answers_503_with_retry_after_at_once(tiny_pair, tmp_path):
+    """One slot, one waiting place: a third request is refused at once, while the first
+    streams and the second waits; once the stream leaves, the waiting one is served."""
+    with _serve(tiny_pair, tmp_path, "--max-batch-size", "1", "--max-queue", "1") as srv:
+        streaming, events = threading.Event(), []
+        body = {"model": MODEL, "prompt": PROMPT, "stream": True, "temperature": 0, "max_tokens": 1000,
+                "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+
+        def stream(stop: threading.Event):
+            with httpx.stream("POST", f"{srv.base}/v1/completions", json=body, headers=headers, timeout=120) as r:
+                for line in r.iter_lines():
+                    events.append(line)
+                    streaming.set()
+                    if stop.is_set():
+                        return  # closes the connection
+
+        def wait_for(name: str, value: float):
+            while _gauge(srv.metrics(), name) != value:
+                streaming.wait(0.05)
+
+        stop = threading.Event()
+        first = threading.Thread(target=stream, args=(stop,))
+        first.start()
+        assert streaming.wait(120), srv.log.read_text()
+        wait_for("dflash_running_requests", 1)
+        waiting = {}
+        second = threading.Thread(target=lambda: waiting.setdefault(
+            "r", srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})))
+        second.start()
+        wait_for("dflash_waiting_requests", 1)
+        r = srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        err = _assert_openai_error(r, 503)
+        assert err["code"] == "queue_full" and err["type"] == "server_error", err
+        assert int(r.headers["retry-after"]) >= 1
+        with pytest.raises(openai.InternalServerError):
+            srv.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+        # two choices are more than the queue holds: a 400, whatever the load
+        assert srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 2}).status_code == 400
+        m = srv.metrics()
+        assert _gauge(m, "dflash_running_requests") == 1 and _gauge(m, "dflash_waiting_requests") == 1
+        assert first.is_alive() and second.is_alive()  # the refusals did not wait for them
+        stop.set()
+        first.join(120)
+        second.join(120)
+        assert waiting["r"].status_code == 200 and waiting["r"].json()["usage"]["completion_tokens"] == 4
+        m = srv.metrics()
+        assert m[("dflash_rejected_requests_total", ())] >= 2
+        assert _gauge(m, "dflash_running_requests") == 0 and _gauge(m, "dflash_waiting_requests") == 0
+        assert srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).status_code == 200
+        assert json.loads(events[0][len("data: "):])["choices"][0]["index"] == 0
+        assert "Traceback" not in srv.log.read_text()
+
+
+@pytest.mark.parametrize("flag", ["--max-queue", "--max-batch-size"])
+def test_serve_refuses_bad_slot_flags_before_loading_models(flag, capsys):
+    from dflash_torch.cli import main as cli_main
+
+    assert cli_main(["serve", "--port", str(_free_port()), flag, "0", "--target", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0] and ">= 1" in err[0], err
