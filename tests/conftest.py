@@ -364,3 +364,27 @@ def run_rounds(decoder, prompt, n, params=None):
         if rnd.acceptance_length is not None:
             taus.append(rnd.acceptance_length)
     return tokens[:n], taus
+
+
+def read_completion_stream(stream, leave_after: int | None = None) -> tuple[str, object, int]:
+    """Read an ``openai`` completions stream: (text, usage, text events). With
+    ``leave_after``, drop the connection after that many text events (a client leaving)."""
+    text, usage, events = [], None, 0
+    for ev in stream:
+        if ev.usage is not None:
+            usage = ev.usage
+            continue
+        text.append(ev.choices[0].text)
+        events += 1
+        if leave_after is not None and events >= leave_after:
+            stream.close()  # drop the connection mid-stream
+            break
+    return "".join(text), usage, events
+
+
+@pytest.fixture(scope="module")
+def local_engine(tiny_pair):
+    """The tiny pair's target in-process, for token counting only (encode_prompt / decode)."""
+    from dflash_torch import DFlashEngine
+
+    return DFlashEngine.from_pretrained(tiny_pair[0], no_draft=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import read_completion_stream
 
 API_KEY = "sk-test-dflash"
 MODEL = "tiny-dflash"
@@ -102,14 +103,6 @@ def cli_reference(server) -> dict:
     ref = json.loads(out)
     assert len(ref["token_ids"]) == REF_TOKENS and ref["finish_reason"] == "length"
     return ref
-
-
-@pytest.fixture(scope="module")
-def local_engine(tiny_pair):
-    """The same target in-process, for token counting only (encode_prompt / decode)."""
-    from dflash_torch import DFlashEngine
-
-    return DFlashEngine.from_pretrained(tiny_pair[0], no_draft=True)
 
 
 def _greedy(**kw) -> dict:
@@ -479,17 +472,8 @@ def test_concurrent_streams_with_disconnects(server, cli_reference, capsys):
                 return
             stream = client.completions.create(prompt=PROMPT, max_tokens=max_tokens, stream=True,
                                                stream_options={"include_usage": True}, **_greedy())
-            text, usage, events = [], None, 0
-            for ev in stream:
-                if ev.usage is not None:
-                    usage = ev.usage
-                    continue
-                text.append(ev.choices[0].text)
-                events += 1
-                if i in leavers and events >= leave_after:
-                    stream.close()  # drop the connection mid-stream
-                    break
-            results[i] = {"text": "".join(text), "usage": usage, "time": time.perf_counter() - t0}
+            text, usage, _ = read_completion_stream(stream, leave_after if i in leavers else None)
+            results[i] = {"text": text, "usage": usage, "time": time.perf_counter() - t0}
         except Exception as exc:  # reported by the main thread
             results[i] = {"error": repr(exc)}
 
@@ -599,8 +583,10 @@ def test_sigint_ends_every_request_cleanly(tmp_path):
     with open(log, "w") as fh:
         proc = subprocess.Popen(
             # the shipped pair, block size 1, 4000 tokens: a stream that would run for many
-            # seconds, longer than uvicorn's 5 s graceful-shutdown time
-            [sys.executable, "-m", "dflash_torch.cli", "serve", "--port", str(port), "--model-name", "x", "--block-size", "1"],
+            # seconds, longer than uvicorn's 5 s graceful-shutdown time; one slot, so that
+            # the second request waits in the queue
+            [sys.executable, "-m", "dflash_torch.cli", "serve", "--port", str(port), "--model-name", "x", "--block-size", "1",
+             "--max-batch-size", "1"],
             stdout=fh, stderr=subprocess.STDOUT, env=_env())
     base = f"http://127.0.0.1:{port}"
     events, queued = [], {}

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
-from test_server import (API_KEY, MODEL, PROMPT, Server, _assert_openai_error, _env, _free_port, _wait_until_up,
-                         local_engine)  # noqa: F401  (a fixture)
+from conftest import read_completion_stream
+from test_server import API_KEY, MODEL, PROMPT, Server, _assert_openai_error, _env, _free_port, _wait_until_up
 
 from dflash_torch.serving.scheduler import choice_seed
 
@@ -165,17 +165,8 @@ def test_eight_concurrent_openai_streams_some_leaving(server):
             client = server.client()
             barrier.wait()
             stream = client.completions.create(stream=True, stream_options={"include_usage": True}, **specs[i])
-            text, usage, events = [], None, 0
-            for ev in stream:
-                if ev.usage is not None:
-                    usage = ev.usage
-                    continue
-                text.append(ev.choices[0].text)
-                events += 1
-                if i in leavers and events >= 3:
-                    stream.close()  # drop the connection mid-stream
-                    break
-            results[i] = {"text": "".join(text), "usage": usage}
+            text, usage, _ = read_completion_stream(stream, 3 if i in leavers else None)
+            results[i] = {"text": text, "usage": usage}
         except Exception as exc:  # reported by the main thread
             results[i] = {"error": repr(exc)}
 
