@@ -6,7 +6,8 @@
 # into OUT_DIR.
 #
 # Usage: scripts/gpu_check.sh [OUT_DIR] [PARTS]
-#   PARTS: comma-separated, default all: probe,pair,shapes,tests,fp32
+#   PARTS: comma-separated, default probe,pair,shapes,tests,fp32; also: hybrid (the Qwen3.5-9B
+#   shape eager and compiled, a hybrid target's CUDA graphs; about 2 more minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_out}
@@ -17,6 +18,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 LOG="$OUT/gpu_check.log"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
+if [[ "${DEVICE:-cuda}" == cuda* ]] && ! $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+    echo "gpu_check: torch ($PY) sees no CUDA device; these checks need a GPU" >&2
+    exit 2
+fi
 step() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; }
 
 bench() {  # bench NAME ARGS...: the bench CLI into $WORK/NAME, its bench.json copied to $OUT/NAME.json
@@ -38,6 +43,11 @@ if has shapes; then
     step "Qwen3-8B shape, random weights, bf16: eager and compiled step/round, drafter sweep"
     bench qwen3_8b --dtype bfloat16 --num-prompts 1 --max-new-tokens 8 --modes target-only \
         --sweep 128,512,2048,8192 --sweep-shapes qwen3-8b --shapes qwen3-8b --shapes-compiled
+fi
+if has hybrid; then
+    step "Qwen3.5-9B shape (hybrid), random weights, bf16: eager and compiled step/round"
+    bench qwen35_9b --dtype bfloat16 --num-prompts 1 --max-new-tokens 8 --modes target-only --sweep "" \
+        --shapes qwen3.5-9b --shapes-compiled
 fi
 if has tests; then
     step "CUDA tests"

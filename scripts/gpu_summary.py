@@ -35,8 +35,7 @@ def main() -> None:
     probe = load(out / "probe.json")
     if probe:
         print(f"device: {probe['device']}, torch {probe['torch']}, CUDA {probe['cuda']}, cuDNN {probe['cudnn']}")
-    shapes = load(out / "qwen3_8b.json")
-    if shapes:
+    for shapes in filter(None, (load(out / "qwen3_8b.json"), load(out / "qwen35_9b.json"))):
         by = {sh["compiled"]: sh for sh in shapes["shapes"]}
         name = by[False]["shape"]
         floor = by[False]["weights_gib"] * 2**30 / (args.bandwidth_tb_s * 1e12)
