@@ -256,9 +256,10 @@ class DFlashEngine:
         cannot fit the context and is refused before it is tokenized.
 
         Raises:
-            DFlashError: ``chat`` without a tokenizer chat template, a malformed prompt, or
-                one longer than ``max_prompt_chars``.
+            DFlashError: ``chat`` not a bool or without a tokenizer chat template, a malformed
+                prompt, or one longer than ``max_prompt_chars``.
         """
+        options.check_flag(chat, "chat")
         if isinstance(prompt, list) and not prompt:
             raise DFlashError("the prompt is empty (no tokens or messages)")
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -433,9 +434,11 @@ class DFlashEngine:
         """A checked :class:`~dflash_torch.stopping.Stopper` of one request, as :meth:`stream` makes it.
 
         Raises:
-            DFlashError: invalid ``max_new_tokens``, ``stop`` or ``stop_token_ids``.
+            DFlashError: invalid ``max_new_tokens``, ``stop``, ``stop_token_ids`` or ``ignore_eos``
+                (not a bool).
         """
         options.check_max_new_tokens(max_new_tokens)
+        options.check_flag(ignore_eos, "ignore_eos")
         stops = options.check_stop(stop)
         stop_ids = set() if ignore_eos else set(self.stop_token_ids)
         stop_ids.update(options.check_stop_token_ids(stop_token_ids, self.target.config.vocab_size))

@@ -132,6 +132,13 @@ def check_stop_token_ids(value: int | Sequence[int] | None, vocab_size: int, nam
     return list(value)
 
 
+def check_flag(value, name: str) -> bool:
+    """A yes/no option: True or False (a truthy string such as "false" would read as True)."""
+    if not isinstance(value, bool):
+        raise DFlashError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def check_max_new_tokens(value, name: str = "max_new_tokens") -> int:
     """Generated tokens: an integer >= 1."""
     if not _is_int(value) or value < 1:

@@ -12,16 +12,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_out}
 PARTS=${2:-probe,pair,shapes,tests,fp32}
-WORK=$(mktemp -d)
-mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 LOG="$OUT/gpu_check.log"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
-if [[ "${DEVICE:-cuda}" == cuda* ]] && ! $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-    echo "gpu_check: torch ($PY) sees no CUDA device; these checks need a GPU" >&2
+# (DEVICE=cpu runs the bench parts on the CPU: a check of this script, not of a GPU)
+if [[ "${DEVICE:-cuda}" == cuda* ]] && ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu_check.sh: error: no CUDA device ($PY's torch $($PY -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '(not importable)') sees none); run it on a machine with an NVIDIA GPU and torch built with CUDA" >&2
     exit 2
 fi
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+mkdir -p "$OUT"
 step() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; }
 
 bench() {  # bench NAME ARGS...: the bench CLI into $WORK/NAME, its bench.json copied to $OUT/NAME.json

@@ -189,6 +189,20 @@ def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models, agre
         BatchDecoder(hybrid, None)
 
 
+def test_yes_no_options_must_be_bools(agree_engine):
+    """ignore_eos / chat that are not bools are refused (a string such as "false" is truthy:
+    ignore_eos="false" ignored the EOS and chat="no" applied the chat template)."""
+    engine = agree_engine
+    with pytest.raises(DFlashError, match=r"^ignore_eos must be True or False, got 'false'$"):
+        engine.generate_batch([[5], [6]], ignore_eos=[True, "false"], max_new_tokens=2)
+    with pytest.raises(DFlashError, match=r"^ignore_eos must be True or False, got 1$"):
+        engine.generate([5], ignore_eos=1, max_new_tokens=2)
+    with pytest.raises(DFlashError, match=r"^chat must be True or False, got 'no'$"):
+        engine.generate_batch(["hi"], chat="no", max_new_tokens=2)
+    with pytest.raises(DFlashError, match=r"^chat must be True or False, got None$"):
+        next(iter(engine.stream("hi", chat=None, max_new_tokens=2)))
+
+
 def test_hybrid_generate_batch_decodes_one_at_a_time(agree_hybrid_pair):
     engine = DFlashEngine.from_pretrained(*agree_hybrid_pair, max_context=64)
     prompts = [[5, 6, 7], [9] * 12]

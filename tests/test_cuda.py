@@ -141,3 +141,22 @@ def test_eager_cuda_rounds_never_reach_cudnn_attention(agree_pair):
     names = {e.key for e in prof.key_averages()}
     assert any("scaled_dot_product" in n for n in names)
     assert not [n for n in names if "cudnn_attention" in n]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_gpu_check_without_a_gpu_fails_at_once_in_one_line(tmp_path):
+    """scripts/gpu_check.sh on a machine without CUDA: exit 2 and one line, before any
+    part runs (it ran every part, printed a traceback and exited 0 with an empty table)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+    env = {k: v for k, v in os.environ.items() if k != "DEVICE"}
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(script), str(out), "probe,tests"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0], proc.stderr
+    assert proc.stdout == "" and not out.exists()

@@ -304,3 +304,17 @@ def test_serve_refuses_bad_slot_flags_before_loading_models(flag, capsys):
     assert cli_main(["serve", "--port", str(_free_port()), flag, "0", "--target", "/nonexistent"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and flag in err[0] and ">= 1" in err[0], err
+
+
+def test_serve_refuses_batch_caches_that_do_not_fit_at_start(tiny_pair, tmp_path):
+    """A --max-batch-size whose caches cannot fit is refused when serve starts, in one line
+    (it served, announcing the slots, and answered every request with a 400 about caches)."""
+    target, drafter = tiny_pair
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target), "--draft", str(drafter),
+         "--port", str(_free_port()), "--max-batch-size", str(10**9), "--log-level", "warning"],
+        capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "max_batch_size 1000000000" in err[0] and "lower max_batch_size" in err[0], err
+    assert "serving" not in proc.stdout

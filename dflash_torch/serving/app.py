@@ -129,7 +129,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     Raises:
         DFlashError: an empty API key or one that is not printable ASCII; ``max_batch_size``
-            or ``max_queue`` not an integer >= 1.
+            or ``max_queue`` not an integer >= 1; batch caches of ``max_batch_size`` x the
+            engine's context that do not fit the device.
     """
     api_key = check_api_key(api_key)
     model_id = model_name or engine.name

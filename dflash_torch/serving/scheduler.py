@@ -254,11 +254,19 @@ class SerialBackend:
 
 class BatchedBackend:
     """``max_batch_size`` slots of the engine's step-level batch decoder
-    (:meth:`DFlashEngine.batch_decoder`), each sequence with its own stopper and stats."""
+    (:meth:`DFlashEngine.batch_decoder`), each sequence with its own stopper and stats.
+
+    The batch decoder (its caches) is built here, so that caches that cannot fit are
+    refused when the server starts rather than in every request.
+
+    Raises:
+        DFlashError: the engine's batch caches do not fit the device.
+    """
 
     def __init__(self, engine, max_batch_size: int):
         self.engine = engine
         self.max_batch_size = min(max_batch_size, engine.max_batch_size)
+        compute.run(engine.batch_decoder)
         self._state: dict[Sequence, tuple] = {}  # seq -> (stats, stopper)
         self._prefilled: list[tuple[Sequence, object]] = []  # prefill rounds, returned by the next step
 
@@ -303,6 +311,9 @@ def make_backend(engine, max_batch_size: int):
     :class:`BatchedBackend` (``min(max_batch_size, engine.max_batch_size)`` slots) for an
     engine with a batch decoder and a target without recurrent layers, else
     :class:`SerialBackend` (one slot).
+
+    Raises:
+        DFlashError: ``max_batch_size`` not an integer >= 1, or batch caches that do not fit.
     """
     check_slots(max_batch_size, "max_batch_size")
     if max_batch_size > 1 and hasattr(engine, "batch_decoder") and not engine.target.recurrent:
