@@ -151,6 +151,7 @@ class _Sequence:
     committed: int
     pending: torch.Tensor | None = None  # the last verify's B feature rows (inject at the next propose)
     pending_start: int = 0  # position of pending row 0
+    pending_rows: int = 0  # rows of ``pending`` that were accepted (tau)
 
     @property
     def done(self) -> bool:
@@ -407,7 +408,7 @@ class BatchDecoder:
                 continue
             a = out[i][0]
             if feats is not None:
-                q.pending, q.pending_start = feats[i * B:(i + 1) * B], q.s
+                q.pending, q.pending_start, q.pending_rows = feats[i * B:(i + 1) * B], q.s, a + 1
             q.s += a + 1
             q.committed += a + 1
             q.token = bonus[i]
@@ -421,12 +422,15 @@ class BatchDecoder:
 
     def _draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
                     feature_positions: torch.Tensor, kv_len: int, context: InjectedContext):
-        """propose: inject ``features`` ``[n * B, k * H]`` at ``feature_positions`` ``[n, B]``,
+        """propose: inject ``features`` ``[n * m, k * H]`` at ``feature_positions`` ``[n, m]`` (m <= B),
         then denoise the n blocks ``[token, mask, ...]`` at ``positions`` ``[n, B]`` -> the
         draft scores with a leading dimension n (no sampling parameter enters here)."""
         n, B = positions.shape
         block = torch.cat([tokens[:, None], self._mask_tail.expand(n, B - 1)], dim=1)
-        hidden = self.drafter(self.target.embed(block.reshape(-1)), positions, context, kv_len, mask_keys=True,
+        # keys past a block's end are masked, except for one sequence in an eager round: it
+        # sees every key (kv_len is its block's end), and attends without a mask, as alone
+        mask_keys = self.static or n > 1
+        hidden = self.drafter(self.target.embed(block.reshape(-1)), positions, context, kv_len, mask_keys=mask_keys,
                               inject=(features, feature_positions))
         return self.drafter.draft_scores(hidden.view(n, B, -1), tokens, self.target)
 
@@ -452,12 +456,17 @@ class BatchDecoder:
         """The drafter over the n blocks ``[token, mask, ...]``, injecting each sequence's
         pending features first -> draft tokens ``[n, B-1]`` and each sequence's q (None when greedy)."""
         rows, B = tokens.shape[0], self.block_size
-        zeros = self.drafter.fc.weight.new_zeros(B, self.drafter.fc.in_features)
-        feats = torch.cat([q.pending if q.pending is not None else zeros for q in seqs] + [zeros] * (rows - len(seqs)))
+        # each sequence injects the first m rows of its last verify: eager, m = the most any
+        # sequence accepted (tau; a single sequence injects exactly its accepted rows, as
+        # SpeculativeDecoder does); fixed shapes, m = B. Rows past a sequence's accepted ones
+        # land inside its next block, whose K/V overwrite them in the same pass.
+        m = B if self.static else max((q.pending_rows for q in seqs if q.pending is not None), default=B)
+        zeros = self.drafter.fc.weight.new_zeros(m, self.drafter.fc.in_features)
+        feats = torch.cat([q.pending[:m] if q.pending is not None else zeros for q in seqs] + [zeros] * (rows - len(seqs)))
         # a sequence without a verify yet (and a padding row) injects zero rows at its block's
         # own positions (the block's K/V overwrite them in the same pass)
         feat_starts = [q.pending_start if q.pending is not None else q.s for q in seqs] + [0] * (rows - len(seqs))
-        feat_positions = torch.tensor(feat_starts, device=self.device)[:, None] + self._arange_block
+        feat_positions = torch.tensor(feat_starts, device=self.device)[:, None] + self._arange_block[:m]
         scores = self._draft_fn(tokens, positions, feats, feat_positions, kv_len, self._views(rows)[1])
         greedy = SamplingParams()
         drafts, _ = self.drafter.choose_draft(scores, greedy, None)  # [n, B-1]: every greedy sequence's

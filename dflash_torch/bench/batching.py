@@ -5,7 +5,11 @@ at each batch size.
 At batch size N the prompts are served as N concurrent streams: N requests run at once
 and, whenever one finishes, the next prompt joins at the round boundary (continuous
 batching). Greedy decoding, EOS ignored, every request generates exactly
-``max_new_tokens`` tokens.
+``max_new_tokens`` tokens. Every batch size serves the same requests: the prompts, cycled
+to at least :data:`REQUESTS_PER_SLOT` times the largest batch size, so that the batch stays
+full for most of the run (with as many requests as slots, the streams that finish first
+leave the last rounds to a shrinking batch and the aggregate understates batching); each
+row reports its mean batch occupancy (``mean_batch``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,16 @@ from ..batch import BatchDecoder
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from ..sampling import SamplingParams
+
+
+REQUESTS_PER_SLOT = 4
+
+
+def requests_for(prompt_ids: list[list[int]], batch_sizes: list[int]) -> list[list[int]]:
+    """The requests of a batch-size bench: ``prompt_ids`` cycled to at least
+    ``REQUESTS_PER_SLOT * max(batch_sizes)`` requests (all of them when there are more)."""
+    n = max(len(prompt_ids), REQUESTS_PER_SLOT * max(batch_sizes))
+    return [prompt_ids[i % len(prompt_ids)] for i in range(n)]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -75,7 +89,8 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
                      batch_sizes: list[int], max_new_tokens: int, block_size: int | None = None,
                      progress: bool = True) -> list[dict]:
     """One row per (batch size, mode): ``mode`` ``"dflash"`` or ``"target-only"``,
-    ``batch_size``, ``aggregate_decode_tokens_per_second`` (decode tokens / decode time),
+    ``batch_size``, ``requests`` (:func:`requests_for`: the same at every batch size),
+    ``aggregate_decode_tokens_per_second`` (decode tokens / decode time),
     ``aggregate_tokens_per_second`` (all generated tokens / wall time, prefills
     included), ``p50_latency_s`` / ``p95_latency_s`` per request, ``mean_batch``,
     ``mean_acceptance_length``, ``speedup_vs_target_only`` (dflash rows: over target-only
@@ -83,6 +98,7 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
     mode's at batch size 1, when 1 is measured) and ``outputs_identical_to_target_only``.
     A short warm-up run precedes each measurement."""
     max_context = max(map(len, prompt_ids)) + max_new_tokens + 1
+    requests = requests_for(prompt_ids, batch_sizes)
     rows = []
     for n in batch_sizes:
         outputs = {}
@@ -92,10 +108,10 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
             batch = BatchDecoder(target, d, block_size=block_size if d is not None else None, max_batch_size=n,
                                  max_context=max_context)
             serve_all(batch, prompt_ids[:n], min(8, max_new_tokens))  # warm-up
-            r = serve_all(batch, prompt_ids, max_new_tokens)
+            r = serve_all(batch, requests, max_new_tokens)
             outputs[mode] = r.pop("outputs")
             lat = r.pop("latencies_s")
-            row = {"mode": mode, "batch_size": n, **r,
+            row = {"mode": mode, "batch_size": n, "requests": len(requests), **r,
                    "aggregate_decode_tokens_per_second": r["decode_tokens"] / r["decode_s"],
                    "aggregate_tokens_per_second": r["generated_tokens"] / r["wall_s"],
                    "p50_latency_s": _percentile(lat, 0.5), "p95_latency_s": _percentile(lat, 0.95),
@@ -104,7 +120,8 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
             rows.append(row)
             if progress:
                 print(f"batch {n} {mode}: {row['aggregate_decode_tokens_per_second']:.1f} tok/s, "
-                      f"p50 {row['p50_latency_s']:.2f} s, tau {row['mean_acceptance_length']:.2f}", flush=True)
+                      f"p50 {row['p50_latency_s']:.2f} s, tau {row['mean_acceptance_length']:.2f}, "
+                      f"mean batch {row['mean_batch']:.2f}", flush=True)
         if "dflash" in outputs:
             base = next(r for r in rows if r["batch_size"] == n and r["mode"] == "target-only")
             rows[-1]["speedup_vs_target_only"] = (rows[-1]["aggregate_decode_tokens_per_second"]
@@ -119,12 +136,12 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
 
 def batch_table(rows: list[dict]) -> str:
     """The rows of :func:`batch_size_bench` as a markdown table."""
-    lines = ["| batch | mode | decode tok/s (aggregate) | x batch 1 | tok/s incl. prefill | p50 latency s | "
+    lines = ["| batch | mode | mean batch | decode tok/s (aggregate) | x batch 1 | tok/s incl. prefill | p50 latency s | "
              "p95 latency s | tau | DFlash / target-only |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fmt = lambda v, spec: "-" if v is None else format(v, spec)
-        lines.append(f"| {r['batch_size']} | {r['mode']} | {r['aggregate_decode_tokens_per_second']:.1f} | "
+        lines.append(f"| {r['batch_size']} | {r['mode']} | {r['mean_batch']:.2f} | {r['aggregate_decode_tokens_per_second']:.1f} | "
                      f"{fmt(r['scaling_vs_batch_1'], '.2f')} | {r['aggregate_tokens_per_second']:.1f} | "
                      f"{r['p50_latency_s']:.2f} | {r['p95_latency_s']:.2f} | {r['mean_acceptance_length']:.2f} | "
                      f"{fmt(r['speedup_vs_target_only'], '.2f')} |")

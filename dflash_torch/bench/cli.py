@@ -292,7 +292,9 @@ def _run(args: argparse.Namespace) -> int:
     if report["modes"]:
         print(_table(report["modes"]))
     if report["batch_sizes"]:
-        print(f"\nbatched decoding ({len(prompt_ids)} requests of {args.max_new_tokens} tokens per batch size, greedy):")
+        requests = report["batch_sizes"][0]["requests"]
+        print(f"\nbatched decoding ({requests} requests of {args.max_new_tokens} tokens per batch size, greedy; "
+              f"the {len(prompt_ids)} prompts cycled):")
         print(batch_table(report["batch_sizes"]))
     for label, s in _labelled_sweeps(report):
         print(f"\npropose time (ms) vs committed context, {label}:")
