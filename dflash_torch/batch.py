@@ -22,7 +22,7 @@ Hybrid targets (Gated DeltaNet layers) keep each sequence's recurrent state in i
 (:class:`SlotRecurrentState`); a linear-attention layer runs the N sequences one after
 another on their own rows and states, a verify leaves every state as it was and each
 sequence's accepted prefix is committed into its own state after acceptance (the
-rollback). Compiled (``compile=True``) batching of hybrid targets is refused.
+rollback, run eagerly after the verify, also when the verify is compiled).
 """
 
 from __future__ import annotations
@@ -143,7 +143,8 @@ class SlotRecurrentState:
                 layer.linear_attn.new_state(state)
         for i in range(slots):
             one = RecurrentState(w.dtype, w.device)
-            one.conv, one.ssm = [t[i] for t in state.conv], [t[i] for t in state.ssm]
+            one.conv = [static_buffer(t[i]) for t in state.conv]  # (views too: see cache.py)
+            one.ssm = [static_buffer(t[i]) for t in state.ssm]
             one._stash = [None] * len(state.conv)
             state._slots.append(one)
         return state
@@ -253,17 +254,13 @@ class BatchDecoder:
     positions, target and drafter) are allocated here, once.
 
     Raises:
-        DFlashError: a hybrid target with ``compile`` or a block size above 64, invalid
-            block size / max_batch_size / max_context, or caches that do not fit the
-            device's free memory.
+        DFlashError: invalid block size (above 64 for a hybrid target) / max_batch_size /
+            max_context, or caches that do not fit the device's free memory.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, block_size: int | None = None,
                  max_batch_size: int = 8, max_context: int | None = None, prefill_chunk: int = 256,
                  static: bool = False, compile: bool = False, compile_backend: str = "inductor"):
-        if target.recurrent and compile:
-            raise DFlashError("compiled batched decoding does not support hybrid targets (Gated DeltaNet layers); "
-                              "run their batches without compile")
         trained = drafter.config.block_size if drafter is not None else None
         B = check_block_size(block_size, trained) or trained or 1
         # hybrid targets: a verify leaves the recurrent states as they were; each sequence's
@@ -304,6 +301,7 @@ class BatchDecoder:
         mask_id = drafter.config.mask_token_id if drafter is not None else 0
         self._mask_tail = torch.full((max(B - 1, 0),), mask_id, dtype=torch.long, device=self.device)
         self.static = static or compile
+        self.graphed = compile and self.device.type == "cuda"  # mode "reduce-overhead": CUDA graphs
         # one cache view object per batch size (a compiled step sees the same objects every round)
         self._target_views: dict[int, TargetCache] = {}
         self._draft_views: dict[int, InjectedContext] = {}
@@ -483,6 +481,9 @@ class BatchDecoder:
         logits, feats = self._verify_fn(block.reshape(-1), positions, kv_len, self._views(rows)[0])
         accepted, bonus = self._accept(seqs, block, draft_probs, logits.view(rows, B, -1))
         if self.defer_commit:
+            if self.graphed:  # the stash out of the verify graph's pool (see SpeculativeDecoder._carry)
+                for state in self.target_state.first(rows):
+                    state.copy_stash()
             self._commit(seqs, accepted)
         out = torch.cat([accepted[:, None], block[:, 1:], bonus[:, None]], dim=1).tolist()  # the one host sync
         t2 = time.perf_counter()

@@ -181,7 +181,7 @@ def test_generate_batch_equals_generate(agree_engine):
     assert engine.batch_decoder().free_slots == 3  # every slot was freed
 
 
-def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models, agree_hybrid_pair):
+def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models):
     engine = agree_engine
     with pytest.raises(DFlashError, match="3 values for 2 prompts"):
         engine.generate_batch([[5, 6], [7]], max_new_tokens=[1, 2, 3])
@@ -204,9 +204,6 @@ def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models, agre
         batch.add("b", [5], SamplingParams(), 4)
     with pytest.raises(DFlashError, match="not in the batch"):
         batch.remove("b")
-    hybrid = TargetModel.from_pretrained(agree_hybrid_pair[0], torch.float32)
-    with pytest.raises(DFlashError, match="^compiled batched decoding does not support hybrid targets"):
-        BatchDecoder(hybrid, None, compile=True)
 
 
 def test_yes_no_options_must_be_bools(agree_engine):
@@ -225,17 +222,14 @@ def test_yes_no_options_must_be_bools(agree_engine):
 
 def test_hybrid_generate_batch_equals_generate(agree_hybrid_pair):
     """A hybrid target's prompts go through the batch decoder (more prompts than slots),
-    each as ``generate`` alone; a compiled hybrid engine takes them one at a time."""
+    each as ``generate`` alone."""
     engine = DFlashEngine.from_pretrained(*agree_hybrid_pair, max_batch_size=2, max_context=64)
-    assert engine.batches
     prompts = [[5, 6, 7], [9] * 12, [11, 12]]
     budgets = [12, 20, 7]
     expected = [engine.generate(p, max_new_tokens=n, ignore_eos=True).token_ids for p, n in zip(prompts, budgets)]
     got = engine.generate_batch(prompts, max_new_tokens=budgets, ignore_eos=True)
     assert [g.token_ids for g in got] == expected
     assert engine._batch is not None and engine.batch_decoder().free_slots == 2  # (it went through the batch)
-    compiled = DFlashEngine.from_pretrained(*agree_hybrid_pair, max_context=64, compile=True)
-    assert not compiled.batches
 
 
 def test_hybrid_batch_runs_each_sequence_on_its_own_state(qwen35_models):
@@ -330,3 +324,33 @@ def test_compiled_batch_rounds_do_not_recompile(agree_models):
     with pytest.raises(DFlashError, match="empty batch"):
         batch.add("x", [5], greedy, 3)
         batch.warmup()
+
+
+def test_compiled_hybrid_batch_rounds_do_not_recompile(hybrid_models):
+    """A hybrid target, fixed shapes compiled: after warmup() (batch buckets 1, 2, 3 x the
+    133-position cache) rounds of sequences joining and leaving reuse the graphs (the
+    verify graph leaves every state as it was and records each sequence's block; the
+    commit runs after it) and each output equals its decode alone. The "eager" backend:
+    TorchDynamo's guards decide recompilation."""
+    import torch._dynamo
+    import torch._dynamo.utils as dynamo_utils
+
+    target, drafter = hybrid_models
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=100, prefill_chunk=32, compile=True,
+                         compile_backend="eager")
+    assert batch.warmup() == 3
+    graphs, frames = dynamo_utils.counters["stats"]["unique_graphs"], dynamo_utils.counters["frames"]["total"]
+    prompts = mixed_prompts(target, 4)
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.9, seed=4)
+    budgets, params = [40, 25, 30, 20], [greedy, sampled, greedy, sampled]
+    plan = [(0, "add", 0, prompts[0], params[0], budgets[0]), (1, "add", 1, prompts[1], params[1], budgets[1]),
+            (2, "add", 2, prompts[2], params[2], budgets[2]), (4, "remove", 0, None, None, None),
+            (4, "add", 3, prompts[3], params[3], budgets[3])]
+    out = drive(batch, plan)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
+    assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
+    for sid in (1, 2, 3):
+        assert out[sid] == alone(target, drafter, prompts[sid], budgets[sid], params[sid]), f"sequence {sid}"
+    assert out[0] == alone(target, drafter, prompts[0], budgets[0], params[0])[:len(out[0])]
