@@ -18,7 +18,11 @@ mask of its own length, with its own rotary positions. Live sequences always occ
 first slots: a sequence that leaves is replaced by the last one (its cache rows are
 moved), so a round reads slots ``[0, N)`` as plain views.
 
-Hybrid targets (Gated DeltaNet layers with a recurrent state per sequence) are refused.
+Hybrid targets (Gated DeltaNet layers) keep each sequence's recurrent state in its slot
+(:class:`SlotRecurrentState`); a linear-attention layer runs the N sequences one after
+another on their own rows and states, a verify leaves every state as it was and each
+sequence's accepted prefix is committed into its own state after acceptance (the
+rollback, run eagerly after the verify, also when the verify is compiled).
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ from typing import Hashable
 
 import torch
 
-from .cache import KVCache, TargetCache, static_buffer
+from .cache import KVCache, RecurrentState, TargetCache, static_buffer
 from .decoding import Round, without_shape_plans
 from .errors import DFlashError
 from .models.drafter import DFlashDrafter, InjectedContext
+from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import check_block_size, check_max_context
 from .sampling import SamplingParams, accept_sampling, choose, greedy_tokens, probabilities
@@ -110,15 +115,83 @@ class SlotKVCache:
             t[dst, :, :end] = t[src, :, :end]
 
 
+class SlotRecurrentState:
+    """The recurrent states of many sequences (hybrid targets): for each linear-attention
+    layer, ``conv[layer]`` ``[slots, kernel - 1, conv_dim]`` (model dtype) and
+    ``ssm[layer]`` ``[slots, heads, d_k, d_v]`` (float32), one slot per sequence.
+
+    :meth:`slot` gives one slot as a :class:`~dflash_torch.cache.RecurrentState` (views:
+    the layers write it in place with ``copy_``; it also keeps that sequence's stash of
+    the last verify); :meth:`first` gives slots ``[0, n)`` as a list of them, which a
+    batched forward takes as its recurrent state (the rows of sequence ``i`` run on the
+    ``i``-th).
+    """
+
+    def __init__(self, slots: int, dtype: torch.dtype, device: torch.device):
+        self.slots, self.dtype, self.device = slots, dtype, device
+        self.conv: list[torch.Tensor] = []
+        self.ssm: list[torch.Tensor] = []
+        self._slots: list[RecurrentState] = []
+
+    @classmethod
+    def allocate(cls, target: TargetModel, slots: int) -> "SlotRecurrentState":
+        """Zero states of ``slots`` sequences for every linear-attention layer of ``target``."""
+        w = target.model.embed_tokens.weight
+        state = cls(slots, w.dtype, w.device)
+        for layer in target.model.layers:  # layer slots are handed out in layer order, as in new_cache
+            if layer.kind == "linear_attention":
+                layer.linear_attn.new_state(state)
+        for i in range(slots):
+            one = RecurrentState(w.dtype, w.device)
+            one.conv = [static_buffer(t[i]) for t in state.conv]  # (views too: see cache.py)
+            one.ssm = [static_buffer(t[i]) for t in state.ssm]
+            one._stash = [None] * len(state.conv)
+            state._slots.append(one)
+        return state
+
+    def add_layer(self, width: int, conv_dim: int, heads: int, key_dim: int, value_dim: int) -> int:
+        """Allocate one layer's (zero) states of every slot; returns its layer slot
+        (the interface of :meth:`RecurrentState.add_layer`)."""
+        n = self.slots
+        self.conv.append(static_buffer(torch.zeros(n, width, conv_dim, dtype=self.dtype, device=self.device)))
+        self.ssm.append(static_buffer(torch.zeros(n, heads, key_dim, value_dim, dtype=torch.float32, device=self.device)))
+        return len(self.conv) - 1
+
+    def slot(self, i: int) -> RecurrentState:
+        """Slot ``i`` as a single-sequence state (the same object every call)."""
+        return self._slots[i]
+
+    def first(self, n: int) -> list[RecurrentState]:
+        """Slots ``[0, n)``, one state per sequence."""
+        return self._slots[:n]
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot ``src``'s states into slot ``dst`` (in place)."""
+        for t in self.conv + self.ssm:
+            t[dst].copy_(t[src])
+
+
+def recurrent_bytes(target: TargetModel) -> int:
+    """Bytes of one sequence's recurrent state (0 for pure-attention targets)."""
+    size = target.model.embed_tokens.weight.element_size()
+    total = 0
+    for layer in target.model.layers:
+        if layer.kind == "linear_attention":
+            m = layer.linear_attn
+            total += (m.kernel - 1) * m.conv_dim * size + m.nv * m.dk * m.dv * 4
+    return total
+
+
 def cache_bytes(target: TargetModel, drafter: DFlashDrafter | None, slots: int, capacity: int) -> int:
-    """Bytes of the K/V caches of ``slots`` sequences of ``capacity`` positions (target and drafter)."""
+    """Bytes of the K/V caches of ``slots`` sequences of ``capacity`` positions (target and
+    drafter), plus the recurrent states of a hybrid target."""
     c = target.config
     size = target.model.embed_tokens.weight.element_size()
     per_position = target.num_kv_layers * c.num_key_value_heads * c.head_dim * 2
     if drafter is not None:
         d = drafter.config
         per_position += d.num_hidden_layers * d.num_key_value_heads * d.head_dim * 2
-    return slots * capacity * per_position * size
+    return slots * (capacity * per_position * size + recurrent_bytes(target))
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -162,7 +235,7 @@ class BatchDecoder:
     """DFlash speculative decoding of up to ``max_batch_size`` sequences per round.
 
     Args:
-        target: the target model (pure attention; hybrid targets are refused).
+        target: the target model (pure attention or hybrid).
         drafter: a DFlash (or DFlash 2) drafter, or None for batched target-only decoding.
         block_size: tokens per block B (default: the drafter's); 1 = target-only.
         max_batch_size: sequences held at once (slots).
@@ -181,18 +254,20 @@ class BatchDecoder:
     positions, target and drafter) are allocated here, once.
 
     Raises:
-        DFlashError: hybrid target, invalid block size / max_batch_size / max_context, or
-            caches that do not fit the device's free memory.
+        DFlashError: invalid block size (above 64 for a hybrid target) / max_batch_size /
+            max_context, or caches that do not fit the device's free memory.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, block_size: int | None = None,
                  max_batch_size: int = 8, max_context: int | None = None, prefill_chunk: int = 256,
                  static: bool = False, compile: bool = False, compile_backend: str = "inductor"):
-        if target.recurrent:
-            raise DFlashError("batched decoding does not support hybrid targets (Gated DeltaNet layers keep a "
-                              "recurrent state per sequence); decode their requests one at a time")
         trained = drafter.config.block_size if drafter is not None else None
         B = check_block_size(block_size, trained) or trained or 1
+        # hybrid targets: a verify leaves the recurrent states as they were; each sequence's
+        # accepted prefix is committed into its own state afterwards (their rollback)
+        self.defer_commit = target.recurrent and B > 1
+        if self.defer_commit and B > CHUNK:
+            raise DFlashError(f"block size {B} exceeds {CHUNK}, the longest verify block of a hybrid target")
         self.target, self.drafter, self.block_size = target, drafter, B
         self.max_batch_size = check_max_batch_size(max_batch_size)
         limit = target.config.max_position_embeddings
@@ -211,6 +286,7 @@ class BatchDecoder:
         try:
             self.target_kv = SlotKVCache.allocate(target.num_kv_layers, self.max_batch_size, c.num_key_value_heads,
                                                   capacity, c.head_dim, w.dtype, self.device)
+            self.target_state = SlotRecurrentState.allocate(target, self.max_batch_size) if target.recurrent else None
             self.draft_kv = None
             if drafts is not None:
                 d = drafter.config
@@ -225,6 +301,7 @@ class BatchDecoder:
         mask_id = drafter.config.mask_token_id if drafter is not None else 0
         self._mask_tail = torch.full((max(B - 1, 0),), mask_id, dtype=torch.long, device=self.device)
         self.static = static or compile
+        self.graphed = compile and self.device.type == "cuda"  # mode "reduce-overhead": CUDA graphs
         # one cache view object per batch size (a compiled step sees the same objects every round)
         self._target_views: dict[int, TargetCache] = {}
         self._draft_views: dict[int, InjectedContext] = {}
@@ -288,7 +365,8 @@ class BatchDecoder:
 
     def _views(self, n: int) -> tuple[TargetCache, InjectedContext | None]:
         if n not in self._target_views:
-            self._target_views[n] = TargetCache(self.target_kv.first(n))
+            state = self.target_state.first(n) if self.target_state is not None else None
+            self._target_views[n] = TargetCache(self.target_kv.first(n), state)
             if self.draft_kv is not None:
                 self._draft_views[n] = InjectedContext(self.drafter, self.draft_kv.first(n))
         return self._target_views[n], self._draft_views.get(n)
@@ -367,6 +445,8 @@ class BatchDecoder:
             self.target_kv.move(last, index, end)
             if self.draft_kv is not None:
                 self.draft_kv.move(last, index, end)
+            if self.target_state is not None:
+                self.target_state.move(last, index)
             self._seqs[index] = moved
         self._seqs.pop()
 
@@ -400,6 +480,11 @@ class BatchDecoder:
         t1 = time.perf_counter()
         logits, feats = self._verify_fn(block.reshape(-1), positions, kv_len, self._views(rows)[0])
         accepted, bonus = self._accept(seqs, block, draft_probs, logits.view(rows, B, -1))
+        if self.defer_commit:
+            if self.graphed:  # the stash out of the verify graph's pool (see SpeculativeDecoder._carry)
+                for state in self.target_state.first(rows):
+                    state.copy_stash()
+            self._commit(seqs, accepted)
         out = torch.cat([accepted[:, None], block[:, 1:], bonus[:, None]], dim=1).tolist()  # the one host sync
         t2 = time.perf_counter()
         rounds = {}
@@ -436,12 +521,25 @@ class BatchDecoder:
 
     def _verify_step(self, block: torch.Tensor, positions: torch.Tensor, kv_len: int, cache: TargetCache):
         """verify: the target reads the n blocks -> logits ``[n * B, V]``, features ``[n * B, k * H]``."""
-        return self.target(block, positions, cache, kv_len, self.feature_layers)
+        return self.target(block, positions, cache, kv_len, self.feature_layers, defer_commit=self.defer_commit)
+
+    def _commit(self, seqs: list[_Sequence], accepted: torch.Tensor) -> None:
+        """Rollback of a hybrid target's recurrent layers: advance each decoded sequence's
+        state over its own accepted rows + 1 of the verify (``accepted`` ``[rows]``, on the
+        device); finished sequences held as padding keep their state."""
+        for i, q in enumerate(seqs):
+            if not q.done:
+                self.target.commit(TargetCache(None, self.target_state.slot(i)), accepted[i] + 1)
 
     def _prefill(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
-        """The target reads the prompt into ``slot`` chunk by chunk; every row's features are
-        injected into the slot's drafter cache. Returns the last row's logits ``[V]``."""
-        cache = TargetCache(self.target_kv.slot(slot))
+        """The target reads the prompt into ``slot`` chunk by chunk (from a zero recurrent
+        state for a hybrid target); every row's features are injected into the slot's
+        drafter cache. Returns the last row's logits ``[V]``."""
+        state = None
+        if self.target_state is not None:
+            state = self.target_state.slot(slot)
+            state.clear()
+        cache = TargetCache(self.target_kv.slot(slot), state)
         context = InjectedContext(self.drafter, self.draft_kv.slot(slot)) if self.draft_kv is not None else None
         n, C = ids.shape[0], self.prefill_chunk
         for c0 in range(0, n, C):

@@ -245,7 +245,7 @@ class DFlashEngine:
         t0 = time.perf_counter()
         prompt = [getattr(self.tokenizer, "eos_token_id", None) or 0] * max(1, min(8, self.max_context - 2))
         self.generate(prompt, max_new_tokens=min(max_new_tokens, self.max_context - len(prompt)), ignore_eos=True)
-        if batch and not self.target.recurrent:
+        if batch:
             compute.run(lambda: self.batch_decoder().warmup(256))
         return time.perf_counter() - t0
 
@@ -421,7 +421,7 @@ class DFlashEngine:
         (:func:`dflash_torch.compute.run`).
 
         Raises:
-            DFlashError: a hybrid target, or caches that do not fit (see ``BatchDecoder``).
+            DFlashError: caches that do not fit (see ``BatchDecoder``).
         """
         if self._batch is None:
             self._batch = BatchDecoder(self.target, self.drafter, block_size=self.block_size,
@@ -511,9 +511,7 @@ class DFlashEngine:
 
     def _run_batch(self, requests: list) -> list[GenerationResult]:
         """Decode ``requests`` (prompt ids, params, stopper) through the batch decoder; on
-        the compute thread. Hybrid targets (no batched decoding) go one at a time."""
-        if self.target.recurrent:
-            return [self._collect(self._stream(ids, params, stopper), None) for ids, params, stopper in requests]
+        the compute thread."""
         batch = self.batch_decoder()
         results: list[GenerationResult | None] = [None] * len(requests)
         state = {}  # request index -> (stats, stopper, text pieces, token ids)

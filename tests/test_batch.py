@@ -1,14 +1,15 @@
 """Batched decoding (dflash_torch.batch): every sequence's output in a batch equals its
 output decoded alone (float32 greedy token for token; sampling with the same seed), for
 mixed prompt lengths, budgets and stops, with sequences joining and leaving mid-run,
-freed slots reused, finished sequences held as padding, target-only and DFlash 2."""
+freed slots reused, finished sequences held as padding, target-only, DFlash 2 and hybrid
+(Gated DeltaNet) targets."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import run_rounds, varied_prompts
+from conftest import drafter_config, make_hybrid_target, run_rounds, save_drafter, varied_prompts
 
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams
 from dflash_torch.batch import BatchDecoder
@@ -20,6 +21,22 @@ from dflash_torch.models.target import TargetModel
 @pytest.fixture(scope="module")
 def agree_models(agree_pair):
     target_dir, drafter_dir = agree_pair
+    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hybrid_models(agree_hybrid_pair):
+    """A hybrid (Gated DeltaNet + attention, experts) Qwen3-Next target and its agreeable drafter."""
+    target_dir, drafter_dir = agree_hybrid_pair
+    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def qwen35_models(tmp_path_factory):
+    """A tiny random Qwen3.5 hybrid target (Gated DeltaNet + attention, dense) and a random drafter."""
+    root = tmp_path_factory.mktemp("qwen35-batch")
+    target_dir = make_hybrid_target(root / "target", "qwen3_5_text", seed=2, tokenizer=False)
+    drafter_dir = save_drafter(root / "drafter", drafter_config(target_dir, block_size=8))
     return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
 
 
@@ -65,12 +82,15 @@ def alone(target, drafter, prompt, n, params=None, block_size=None):
     return run_rounds(SpeculativeDecoder(target, drafter, block_size=block_size), prompt, n, params)[0]
 
 
+@pytest.mark.parametrize("models", ["agree_models", "hybrid_models"], ids=["attention", "hybrid"])
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_k=50, seed=7)],
                          ids=["greedy", "sampling"])
-def test_sequences_joining_and_leaving_decode_as_alone(agree_models, params):
+def test_sequences_joining_and_leaving_decode_as_alone(request, models, params):
     """Mixed lengths and budgets; a sequence joins after others ran, one is cancelled
-    mid-run, its slot (and a finished one's) is reused; each equals its decode alone."""
-    target, drafter = agree_models
+    mid-run, its slot (and a finished one's) is reused; each equals its decode alone.
+    Hybrid: each sequence's recurrent state lives in its slot (prefilled from zero in a
+    reused slot, moved with its sequence, committed over its own accepted rows)."""
+    target, drafter = request.getfixturevalue(models)
     prompts = mixed_prompts(target, 6)
     seeded = lambda i: params if params.greedy else SamplingParams(temperature=0.9, top_k=50, seed=100 + i)
     batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=256)
@@ -161,7 +181,7 @@ def test_generate_batch_equals_generate(agree_engine):
     assert engine.batch_decoder().free_slots == 3  # every slot was freed
 
 
-def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models, agree_hybrid_pair):
+def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models):
     engine = agree_engine
     with pytest.raises(DFlashError, match="3 values for 2 prompts"):
         engine.generate_batch([[5, 6], [7]], max_new_tokens=[1, 2, 3])
@@ -184,9 +204,6 @@ def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models, agre
         batch.add("b", [5], SamplingParams(), 4)
     with pytest.raises(DFlashError, match="not in the batch"):
         batch.remove("b")
-    hybrid = TargetModel.from_pretrained(agree_hybrid_pair[0], torch.float32)
-    with pytest.raises(DFlashError, match="hybrid targets"):
-        BatchDecoder(hybrid, None)
 
 
 def test_yes_no_options_must_be_bools(agree_engine):
@@ -203,11 +220,55 @@ def test_yes_no_options_must_be_bools(agree_engine):
         next(iter(engine.stream("hi", chat=None, max_new_tokens=2)))
 
 
-def test_hybrid_generate_batch_decodes_one_at_a_time(agree_hybrid_pair):
-    engine = DFlashEngine.from_pretrained(*agree_hybrid_pair, max_context=64)
-    prompts = [[5, 6, 7], [9] * 12]
-    got = engine.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
-    assert [g.token_ids for g in got] == [engine.generate(p, max_new_tokens=12, ignore_eos=True).token_ids for p in prompts]
+def test_hybrid_generate_batch_equals_generate(agree_hybrid_pair):
+    """A hybrid target's prompts go through the batch decoder (more prompts than slots),
+    each as ``generate`` alone."""
+    engine = DFlashEngine.from_pretrained(*agree_hybrid_pair, max_batch_size=2, max_context=64)
+    prompts = [[5, 6, 7], [9] * 12, [11, 12]]
+    budgets = [12, 20, 7]
+    expected = [engine.generate(p, max_new_tokens=n, ignore_eos=True).token_ids for p, n in zip(prompts, budgets)]
+    got = engine.generate_batch(prompts, max_new_tokens=budgets, ignore_eos=True)
+    assert [g.token_ids for g in got] == expected
+    assert engine._batch is not None and engine.batch_decoder().free_slots == 2  # (it went through the batch)
+
+
+def test_hybrid_batch_runs_each_sequence_on_its_own_state(qwen35_models):
+    """A Qwen3.5 hybrid target with a random drafter (B = 8), sampling: tokens and
+    acceptance lengths equal each sequence's decode alone, eager and with fixed shapes
+    (padding rows run a dummy block on a free slot's state, which nothing reads);
+    sequences join after others ran and one leaves mid-run (the last slot's state moves
+    into its slot)."""
+    target, drafter = qwen35_models
+    prompts = [[5, 6, 7], list(range(10, 50)), [9] * 17, [30, 31, 32, 33]]
+    params = [SamplingParams(temperature=1.5, seed=40 + i) for i in range(4)]
+    budgets = [30, 40, 25, 35]
+    expected = [run_rounds(SpeculativeDecoder(target, drafter, block_size=8), p, n, q)
+                for p, n, q in zip(prompts, budgets, params)]
+    for static in (False, True):
+        batch = BatchDecoder(target, drafter, block_size=8, max_batch_size=4, max_context=128, static=static)
+        out, taus = {}, {}
+        for i in (0, 1, 2):
+            out[i], taus[i] = list(batch.add(i, prompts[i], params[i], budgets[i]).tokens), []
+        for r in range(100):
+            if r == 2:  # joins later; then 0 leaves mid-run: 3 (the last slot) moves into slot 0
+                out[3], taus[3] = list(batch.add(3, prompts[3], params[3], budgets[3]).tokens), []
+            if r == 4:
+                batch.remove(0)
+            rounds = batch.step()
+            if not rounds:
+                break
+            for sid, rnd in rounds.items():
+                out[sid] += rnd.tokens
+                taus[sid].append(rnd.acceptance_length)
+        for i in (1, 2, 3):
+            assert (out[i][:budgets[i]], taus[i]) == expected[i], f"sequence {i}, static={static}"
+        assert out[0] == expected[0][0][:len(out[0])]
+        assert max(max(t) for t in taus.values()) > 1
+    # target-only (B = 1: each row advances its own state as it runs, nothing deferred)
+    batch = BatchDecoder(target, None, max_batch_size=3, max_context=128)
+    out = drive(batch, [(i, "add", i, p, params[i], 20) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert out[i] == alone(target, None, p, 20, params[i]), f"target-only sequence {i}"
 
 
 def test_random_drafter_batch_proposes_as_alone(tiny_pair):
@@ -263,3 +324,33 @@ def test_compiled_batch_rounds_do_not_recompile(agree_models):
     with pytest.raises(DFlashError, match="empty batch"):
         batch.add("x", [5], greedy, 3)
         batch.warmup()
+
+
+def test_compiled_hybrid_batch_rounds_do_not_recompile(hybrid_models):
+    """A hybrid target, fixed shapes compiled: after warmup() (batch buckets 1, 2, 3 x the
+    133-position cache) rounds of sequences joining and leaving reuse the graphs (the
+    verify graph leaves every state as it was and records each sequence's block; the
+    commit runs after it) and each output equals its decode alone. The "eager" backend:
+    TorchDynamo's guards decide recompilation."""
+    import torch._dynamo
+    import torch._dynamo.utils as dynamo_utils
+
+    target, drafter = hybrid_models
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=100, prefill_chunk=32, compile=True,
+                         compile_backend="eager")
+    assert batch.warmup() == 3
+    graphs, frames = dynamo_utils.counters["stats"]["unique_graphs"], dynamo_utils.counters["frames"]["total"]
+    prompts = mixed_prompts(target, 4)
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.9, seed=4)
+    budgets, params = [40, 25, 30, 20], [greedy, sampled, greedy, sampled]
+    plan = [(0, "add", 0, prompts[0], params[0], budgets[0]), (1, "add", 1, prompts[1], params[1], budgets[1]),
+            (2, "add", 2, prompts[2], params[2], budgets[2]), (4, "remove", 0, None, None, None),
+            (4, "add", 3, prompts[3], params[3], budgets[3])]
+    out = drive(batch, plan)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
+    assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
+    for sid in (1, 2, 3):
+        assert out[sid] == alone(target, drafter, prompts[sid], budgets[sid], params[sid]), f"sequence {sid}"
+    assert out[0] == alone(target, drafter, prompts[0], budgets[0], params[0])[:len(out[0])]

@@ -15,6 +15,8 @@ import torch._dynamo.utils as dynamo_utils
 
 from conftest import run_rounds, varied_prompts
 
+from dflash_torch import SamplingParams
+from dflash_torch.batch import BatchDecoder
 from dflash_torch.cache import KVCache
 from dflash_torch.decoding import SpeculativeDecoder, compile_counts, without_shape_plans
 from dflash_torch.models.drafter import DFlashDrafter
@@ -85,6 +87,44 @@ def test_carried_verify_outputs_are_copies(pair, request):
     assert (recurrent is not None) == (pair == "agree_hybrid_pair") == decoder.defer_commit
 
 
+def test_batch_recurrent_states_are_static_and_the_carried_stash_is_copied(agree_hybrid_pair):
+    """Batched hybrid decoding: the slot states (and the per-slot views the layers write)
+    are static addresses, and with CUDA graphs (``graphed``, forced on in an eager
+    fixed-shape batch) each sequence's commit reads a copy of its stash, not the verify's
+    outputs; every output is unchanged."""
+    from test_batch import alone, drive
+
+    target, drafter = _load(agree_hybrid_pair)
+    batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=96, static=True)
+    states = batch.target_state
+    views = [t for i in range(2) for t in states.slot(i).conv + states.slot(i).ssm]
+    assert len(views) > 4 and all(_static(t) for t in states.conv + states.ssm + views)
+    batch.graphed = True
+    verify, commit = batch._verify_fn, batch._commit
+    last_outputs, shared = [], []
+
+    def stash(n):
+        return [t for s in states.first(n) for layer in range(len(states.conv)) for t in s.stashed(layer)]
+
+    def ptrs(tensors):
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
+    def recorded_verify(block, positions, kv_len, cache):
+        out = verify(block, positions, kv_len, cache)
+        last_outputs[:] = list(out) + stash(positions.shape[0])  # kept alive: storage not reused meanwhile
+        return out
+
+    def recorded_commit(seqs, accepted):
+        shared.append(bool(ptrs(stash(len(seqs))) & ptrs(last_outputs)))
+        return commit(seqs, accepted)
+
+    batch._verify_fn, batch._commit = recorded_verify, recorded_commit
+    prompts = varied_prompts(target, 2)
+    out = drive(batch, [(0, "add", i, p, SamplingParams(), 30) for i, p in enumerate(prompts)])
+    assert [out[0], out[1]] == [alone(target, drafter, p, 30) for p in prompts]
+    assert len(shared) > 3 and not any(shared)
+
+
 def test_eager_cuda_sdpa_leaves_out_cudnn():
     backends = without_shape_plans(lambda: (torch.backends.cuda.cudnn_sdp_enabled(),
                                             torch.backends.cuda.flash_sdp_enabled(),
@@ -125,6 +165,32 @@ def test_cuda_modes_equal_target_only_with_cuda_graphs(pair, request):
         reference = run_rounds(modes["target-only"], prompt, 120)[0]
         for name, decoder in modes.items():
             assert run_rounds(decoder, prompt, 120)[0] == reference, name
+    assert compile_counts() == (frames, 0), "recompiled after warm-up, or skipped CUDA graphs"
+
+
+@cuda
+def test_compiled_hybrid_batch_on_cuda_graphs_equals_alone(agree_hybrid_pair):
+    """float32 on CUDA, a hybrid target: the compiled batch (inductor, CUDA graphs) with
+    sequences joining and leaving gives each sequence's tokens decoded alone, runs every
+    graph as a CUDA graph and recompiles nothing after warm-up."""
+    from test_batch import alone, drive
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    target, drafter = _load(agree_hybrid_pair, "cuda")
+    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=100, prefill_chunk=32, compile=True)
+    batch.warmup()
+    frames, skips = compile_counts()
+    assert skips == 0, "a compiled graph ran without CUDA graphs"
+    prompts = varied_prompts(target, 4)
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.9, seed=4)
+    budgets, params = [40, 25, 30, 20], [greedy, sampled, greedy, sampled]
+    plan = [(0, "add", 0, prompts[0], params[0], budgets[0]), (1, "add", 1, prompts[1], params[1], budgets[1]),
+            (2, "add", 2, prompts[2], params[2], budgets[2]), (4, "remove", 0, None, None, None),
+            (4, "add", 3, prompts[3], params[3], budgets[3])]
+    out = drive(batch, plan)
+    for sid in (1, 2, 3):
+        assert out[sid] == alone(target, drafter, prompts[sid], budgets[sid], params[sid]), f"sequence {sid}"
     assert compile_counts() == (frames, 0), "recompiled after warm-up, or skipped CUDA graphs"
 
 

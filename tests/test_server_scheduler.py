@@ -318,3 +318,28 @@ def test_serve_refuses_batch_caches_that_do_not_fit_at_start(tiny_pair, tmp_path
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "max_batch_size 1000000000" in err[0] and "lower max_batch_size" in err[0], err
     assert "serving" not in proc.stdout
+
+
+def test_a_hybrid_target_is_served_in_several_slots(agree_hybrid_pair, tmp_path):
+    """A hybrid target (Gated DeltaNet + attention) gets ``--max-batch-size`` slots, and
+    concurrent requests batched in them each answer as ``generate`` alone."""
+    from dflash_torch import DFlashEngine
+
+    engine = DFlashEngine.from_pretrained(*agree_hybrid_pair, max_context=256)
+    prompts = PROMPTS[:3]
+    expected = [engine.generate(p, max_new_tokens=24, temperature=0, ignore_eos=True).text for p in prompts]
+    with _serve(agree_hybrid_pair, tmp_path, "--max-batch-size", "3") as srv:
+        assert "3 slots" in srv.log.read_text()
+        answers = {}
+
+        def ask(i: int):
+            answers[i] = srv.post("/v1/completions", {"model": MODEL, "prompt": prompts[i], "max_tokens": 24,
+                                                      "temperature": 0, "ignore_eos": True})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [answers[i].json()["choices"][0]["text"] for i in range(3)] == expected
+        assert "Traceback" not in srv.log.read_text()

@@ -240,8 +240,6 @@ def _run(args: argparse.Namespace) -> int:
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": [], "sweep": None, "shape_sweeps": [], "shapes": [],
         "batch_sizes": [],
     }
-    if batch_sizes and engine.target.recurrent:
-        raise DFlashError("--batch-sizes: batched decoding does not support hybrid targets")
     runs = [] if not modes else run_modes([ALL_MODES[name] for name in modes], engine.target, engine.drafter, prompt_ids,
                      block_size=args.block_size, max_new_tokens=args.max_new_tokens, max_context=max_context,
                      progress=not args.no_progress)

@@ -217,10 +217,11 @@ class TargetModel(nn.Module):
 
         Args:
             input_ids: int64 ``[T]``.
-            positions: int64 ``[T]``, consecutive absolute positions. Batched decoding
-                (pure-attention targets): ``[N, T / N]``, the positions of N sequences
-                whose rows follow one another in ``input_ids``, with ``cache`` a
-                :class:`~dflash_torch.batch.SlotKVCache` view of N slots.
+            positions: int64 ``[T]``, consecutive absolute positions. Batched decoding:
+                ``[N, T / N]``, the positions of N sequences whose rows follow one
+                another in ``input_ids``, with ``cache`` holding a
+                :class:`~dflash_torch.batch.SlotKVCache` view of N slots and, for a
+                hybrid target, a list of the N sequences' recurrent states.
             cache: the target cache; positions before ``positions[0]`` must be filled.
             kv_len: attend over cache entries ``[0, kv_len)`` under the causal mask (eager:
                 ``positions[-1] + 1``; fixed shapes: a length bucket, entries past
@@ -232,7 +233,8 @@ class TargetModel(nn.Module):
             commit: recurrent layers advance over the first ``commit`` rows only (int or
                 0-dim tensor; a padded prefill chunk); None: over all rows.
             defer_commit: recurrent layers keep their state and record the block, to be
-                advanced by :meth:`commit` once acceptance is known (a verify).
+                advanced by :meth:`commit` once acceptance is known (a verify; batched:
+                each sequence's state records its own rows).
 
         Returns:
             logits ``[T - logits_from, vocab]`` (model dtype) and the concatenated layer
@@ -251,7 +253,7 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
             if layer.kind == "linear_attention":
-                x = x + layer.linear_attn(h, cache.recurrent, layer.slot, commit, defer_commit)
+                x = x + self._linear_attention(layer, h, cache.recurrent, commit, defer_commit)
             else:
                 x = x + self._self_attention(layer.self_attn, layer.slot, h, cache.kv, step)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -266,6 +268,17 @@ class TargetModel(nn.Module):
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         logits = self.lm_head(normed)
         return logits, features
+
+    @staticmethod
+    def _linear_attention(layer: DecoderLayer, h: torch.Tensor, state, commit, defer: bool) -> torch.Tensor:
+        """The layer's Gated DeltaNet over ``h`` ``[T, H]``: one sequence's rows on ``state``
+        (a :class:`RecurrentState`), or, batched, N sequences' rows in order, each on its
+        own state (``state`` a list of N)."""
+        mixer = layer.linear_attn
+        if isinstance(state, RecurrentState):
+            return mixer(h, state, layer.slot, commit, defer)
+        rows = h.view(len(state), -1, h.shape[-1])
+        return torch.cat([mixer(r, s, layer.slot, commit, defer) for r, s in zip(rows, state)])
 
     @staticmethod
     def _self_attention(attn, slot: int, h: torch.Tensor, kv: KVCache, step: _Step) -> torch.Tensor:

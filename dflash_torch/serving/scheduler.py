@@ -309,14 +309,14 @@ def make_backend(engine, max_batch_size: int):
     """The backend that runs ``engine`` with at most ``max_batch_size`` slots.
 
     :class:`BatchedBackend` (``min(max_batch_size, engine.max_batch_size)`` slots) for an
-    engine with a batch decoder and a target without recurrent layers, else
+    engine with a batch decoder (pure-attention and hybrid targets), else
     :class:`SerialBackend` (one slot).
 
     Raises:
         DFlashError: ``max_batch_size`` not an integer >= 1, or batch caches that do not fit.
     """
     check_slots(max_batch_size, "max_batch_size")
-    if max_batch_size > 1 and hasattr(engine, "batch_decoder") and not engine.target.recurrent:
+    if max_batch_size > 1 and hasattr(engine, "batch_decoder"):
         return BatchedBackend(engine, max_batch_size)
     return SerialBackend(engine)
 
