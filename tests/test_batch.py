@@ -78,6 +78,18 @@ def drive(batch: BatchDecoder, plan: list[tuple], n_rounds: int = 200) -> dict:
     return {sid: toks[:budgets[sid]] for sid, toks in out.items()}
 
 
+def join_leave_plan(prompts: list[list[int]]) -> tuple[list[tuple], list[int], list[SamplingParams]]:
+    """A :func:`drive` plan over 4 prompts, greedy and seeded sampling mixed: three join,
+    the first leaves mid-run (round 4) and the fourth takes its slot; and the budgets and
+    sampling parameters of the four."""
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.9, seed=4)
+    budgets, params = [40, 25, 30, 20], [greedy, sampled, greedy, sampled]
+    plan = [(0, "add", 0, prompts[0], params[0], budgets[0]), (1, "add", 1, prompts[1], params[1], budgets[1]),
+            (2, "add", 2, prompts[2], params[2], budgets[2]), (4, "remove", 0, None, None, None),
+            (4, "add", 3, prompts[3], params[3], budgets[3])]
+    return plan, budgets, params
+
+
 def alone(target, drafter, prompt, n, params=None, block_size=None):
     return run_rounds(SpeculativeDecoder(target, drafter, block_size=block_size), prompt, n, params)[0]
 
@@ -343,11 +355,7 @@ def test_compiled_hybrid_batch_rounds_do_not_recompile(hybrid_models):
     assert batch.warmup() == 3
     graphs, frames = dynamo_utils.counters["stats"]["unique_graphs"], dynamo_utils.counters["frames"]["total"]
     prompts = mixed_prompts(target, 4)
-    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.9, seed=4)
-    budgets, params = [40, 25, 30, 20], [greedy, sampled, greedy, sampled]
-    plan = [(0, "add", 0, prompts[0], params[0], budgets[0]), (1, "add", 1, prompts[1], params[1], budgets[1]),
-            (2, "add", 2, prompts[2], params[2], budgets[2]), (4, "remove", 0, None, None, None),
-            (4, "add", 3, prompts[3], params[3], budgets[3])]
+    plan, budgets, params = join_leave_plan(prompts)
     out = drive(batch, plan)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
     assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"

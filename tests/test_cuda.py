@@ -173,7 +173,7 @@ def test_compiled_hybrid_batch_on_cuda_graphs_equals_alone(agree_hybrid_pair):
     """float32 on CUDA, a hybrid target: the compiled batch (inductor, CUDA graphs) with
     sequences joining and leaving gives each sequence's tokens decoded alone, runs every
     graph as a CUDA graph and recompiles nothing after warm-up."""
-    from test_batch import alone, drive
+    from test_batch import alone, drive, join_leave_plan
 
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
@@ -183,11 +183,7 @@ def test_compiled_hybrid_batch_on_cuda_graphs_equals_alone(agree_hybrid_pair):
     frames, skips = compile_counts()
     assert skips == 0, "a compiled graph ran without CUDA graphs"
     prompts = varied_prompts(target, 4)
-    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.9, seed=4)
-    budgets, params = [40, 25, 30, 20], [greedy, sampled, greedy, sampled]
-    plan = [(0, "add", 0, prompts[0], params[0], budgets[0]), (1, "add", 1, prompts[1], params[1], budgets[1]),
-            (2, "add", 2, prompts[2], params[2], budgets[2]), (4, "remove", 0, None, None, None),
-            (4, "add", 3, prompts[3], params[3], budgets[3])]
+    plan, budgets, params = join_leave_plan(prompts)
     out = drive(batch, plan)
     for sid in (1, 2, 3):
         assert out[sid] == alone(target, drafter, prompts[sid], budgets[sid], params[sid]), f"sequence {sid}"
