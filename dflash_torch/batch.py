@@ -40,8 +40,8 @@ from .errors import DFlashError
 from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
-from .options import check_block_size, check_max_context
-from .sampling import SamplingParams, accept_sampling, choose, greedy_tokens, probabilities
+from .options import check_block_size, check_max_context, check_max_new_tokens, check_prompt_ids
+from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, probabilities
 
 
 def check_max_batch_size(value, name: str = "max_batch_size") -> int:
@@ -409,16 +409,8 @@ class BatchDecoder:
             raise DFlashError(f"sequence {seq_id!r} is already in the batch")
         if not self.free_slots:
             raise DFlashError(f"the batch is full ({self.max_batch_size} sequences)")
-        n_prompt, vocab = len(prompt_ids), self.target.config.vocab_size
-        if n_prompt == 0:
-            raise DFlashError("the prompt is empty (0 tokens)")
-        if any(not 0 <= int(t) < vocab for t in prompt_ids):
-            raise DFlashError(f"prompt token ids must be in [0, {vocab})")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise DFlashError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if n_prompt + max_new_tokens > self.max_context:
-            raise DFlashError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
-                              f"of {self.max_context} tokens")
+        check_max_new_tokens(max_new_tokens)
+        n_prompt = check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
         t0 = time.perf_counter()
         slot = len(self._seqs)
         last = self._prefill(slot, torch.tensor(prompt_ids, dtype=torch.long, device=self.device))
@@ -582,9 +574,7 @@ class BatchDecoder:
         """Acceptance of each sequence's block -> accepted counts ``[n]`` and the tokens that
         follow them ``[n]`` (int64, on the device)."""
         n, B = block.shape
-        choice = greedy_tokens(logits.reshape(n * B, -1)).view(n, B)
-        accepted = (block[:, 1:] == choice[:, :-1]).int().cumprod(1).sum(1)
-        bonus = choice.gather(1, accepted[:, None])[:, 0]
+        accepted, bonus = accept_greedy(block[:, 1:], logits)
         sampled = [i for i, q in enumerate(seqs) if not q.params.greedy and not q.done]
         if not sampled:
             return accepted, bonus

@@ -21,7 +21,7 @@ from .errors import DFlashError
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
-from .options import check_block_size, check_max_context
+from .options import check_block_size, check_max_context, check_prompt_ids
 from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, probabilities
 
 DRAFT_MODES = ("inject", "recompute")
@@ -266,16 +266,7 @@ class SpeculativeDecoder:
             DFlashError: empty prompt, token ids outside the vocabulary, or a prompt plus
                 ``max_new_tokens`` longer than the context.
         """
-        n_prompt = len(prompt_ids)
-        vocab = self.target.config.vocab_size
-        if n_prompt == 0:
-            raise DFlashError("the prompt is empty (0 tokens)")
-        if any(not 0 <= int(t) < vocab for t in prompt_ids):
-            raise DFlashError(f"prompt token ids must be in [0, {vocab})")
-        if n_prompt + max_new_tokens > self.max_context:
-            raise DFlashError(
-                f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of {self.max_context} tokens"
-            )
+        n_prompt = check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
         B, dev, static = self.block_size, self.device, self.static
         if not static:
             capacity = n_prompt + max_new_tokens + B + 1

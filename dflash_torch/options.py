@@ -41,6 +41,25 @@ def check_max_context(value, limit: int, name: str = "max_context") -> int | Non
     return value
 
 
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_new_tokens: int, max_context: int) -> int:
+    """A prompt's token ids for a decoding of ``max_new_tokens`` within ``max_context``
+    tokens; returns the prompt's length (tokens).
+
+    Raises:
+        DFlashError: an empty prompt, ids outside ``[0, vocab_size)``, or prompt plus
+            ``max_new_tokens`` beyond ``max_context``.
+    """
+    n_prompt = len(prompt_ids)
+    if n_prompt == 0:
+        raise DFlashError("the prompt is empty (0 tokens)")
+    if any(not 0 <= int(t) < vocab_size for t in prompt_ids):
+        raise DFlashError(f"prompt token ids must be in [0, {vocab_size})")
+    if n_prompt + max_new_tokens > max_context:
+        raise DFlashError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
+                          f"of {max_context} tokens")
+    return n_prompt
+
+
 def check_block_size(value, trained: int | None, name: str = "block size") -> int | None:
     """Tokens per draft block: None (the drafter's ``trained`` block size) or an integer in
     [1, trained]; ``trained`` None means target-only decoding, where only None or 1 fit."""

@@ -143,19 +143,20 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy acceptance, on the device (no host sync).
+    """Greedy acceptance, on the device (no host sync), of one block or of a batch of
+    blocks (any leading dimensions ``...``).
 
     Args:
-        draft: int64 ``[B-1]`` draft tokens for positions ``s+1 .. s+B-1``.
-        target_logits: ``[B, V]`` target logits of the verify block (row j predicts ``s+j+1``).
+        draft: int64 ``[..., B-1]`` draft tokens for positions ``s+1 .. s+B-1``.
+        target_logits: ``[..., B, V]`` target logits of the verify block (row j predicts ``s+j+1``).
 
     Returns:
-        0-dim int64 tensors ``(a, token)``: a accepted draft tokens (0 <= a <= B-1) and
-        the target's token for position ``s+a+1``.
+        int64 tensors ``(a, token)`` of shape ``[...]`` (0-dim for one block): a accepted
+        draft tokens (0 <= a <= B-1) and the target's token for position ``s+a+1``.
     """
     choice = greedy_tokens(target_logits)
-    a = (draft == choice[:-1]).int().cumprod(0).sum()
-    return a, choice[a]
+    a = (draft == choice[..., :-1]).int().cumprod(-1).sum(-1)
+    return a, choice.gather(-1, a[..., None])[..., 0]
 
 
 def accept_sampling(

@@ -62,6 +62,15 @@ class Server:
         return out
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """End a server subprocess: SIGTERM, then SIGKILL after 15 s."""
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
     target, drafter = tiny_pair
@@ -86,11 +95,7 @@ def server(tiny_pair, tmp_path_factory):
         _wait_until_up(proc, base, log)
         yield srv
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         if cli.poll() is None:
             cli.kill()
 

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from conftest import read_completion_stream
-from test_server import API_KEY, MODEL, PROMPT, Server, _assert_openai_error, _env, _free_port, _wait_until_up
+from test_server import API_KEY, MODEL, PROMPT, Server, _assert_openai_error, _env, _free_port, _wait_until_up, stop
 
 from dflash_torch.serving.scheduler import choice_seed
 
@@ -40,11 +40,7 @@ def _serve(tiny_pair, logdir, *extra: str):
         _wait_until_up(proc, base, log)
         yield Server(base, proc, log)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 @pytest.fixture(scope="module")
