@@ -461,10 +461,12 @@ def test_a_hybrid_target_only_batch_keeps_a_joiners_state(qwen35_models):
         assert out[i][:budgets[i]] == alone_chunked(target, None, prompts[i], budgets[i], params[i]), f"sequence {i}"
 
 
-def test_compiled_batch_rounds_do_not_recompile(agree_models):
+@pytest.mark.parametrize("join", [False, True], ids=["add", "join"])
+def test_compiled_batch_rounds_do_not_recompile(agree_models, join):
     """Fixed shapes: batch buckets (1, 2, 4) x length buckets (256 keys, the 333-position
     cache); after warmup() every round of sequences joining and leaving (batch sizes 1 to
-    4, contexts past 256) reuses a graph, and each output equals its decode alone.
+    4, contexts past 256; prompts prefilled at once or in chunks between rounds) reuses a
+    graph, and each output equals its decode alone.
     TorchDynamo's guards decide recompilation, so the cheap "eager" backend is enough."""
     import torch._dynamo
     import torch._dynamo.utils as dynamo_utils
@@ -485,7 +487,7 @@ def test_compiled_batch_rounds_do_not_recompile(agree_models):
             (4, "add", 2, prompts[2], params[2], budgets[2]), (5, "add", 3, prompts[3], params[3], budgets[3]),
             (6, "add", 4, prompts[4], params[4], budgets[4]), (8, "remove", 3, None, None, None),
             (9, "add", 5, prompts[5], params[5], budgets[5])]
-    out = drive(batch, plan)
+    out = drive(batch, plan, join=join)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
     assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
     for sid in (0, 1, 2, 4, 5):
