@@ -267,7 +267,8 @@ class BatchDecoder:
             ``prefill_chunk``): bounds what a joining prompt adds to a round's time.
         static: fixed-shape rounds: the N sequences run as a batch bucket (the smallest
             power of two >= N, capped at ``max_batch_size``; padding rows decode a
-            dummy block in free slots and are ignored) over a length bucket of keys
+            dummy block in free slots, or past a joining sequence's partly read prompt,
+            and are ignored) over a length bucket of keys
             (:meth:`kv_bucket`). Implied by ``compile``; prefills stay eager.
         compile: wrap propose and verify with ``torch.compile`` (one graph per batch
             bucket x length bucket, built the first time a round needs it).
