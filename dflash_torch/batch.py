@@ -6,17 +6,23 @@ once: one drafter forward over the N blocks ``[N, B]`` (which also injects each
 sequence's last verify features into its own drafter cache region), one target verify
 over the N blocks, then acceptance, rollback and the choice of the next block per
 sequence, each with its own committed length, positions and random generator.
-Sequences join with :meth:`~BatchDecoder.add` (their prefill runs then, alone) and
-leave with :meth:`~BatchDecoder.remove` (their slot is free at once), both between
-rounds; what stops a sequence (EOS, stop strings, its token budget) is the caller's
-decision, as with :class:`~dflash_torch.decoding.SpeculativeDecoder`.
+Sequences join with :meth:`~BatchDecoder.join` (chunked prefill: their prompt is read
+a bounded number of tokens per :meth:`~BatchDecoder.step`, between rounds, so the
+sequences already decoding never wait for a whole long prompt) or
+:meth:`~BatchDecoder.add` (the whole prefill now, alone), and leave with
+:meth:`~BatchDecoder.remove` (their slot is free at once), all between rounds; what
+stops a sequence (EOS, stop strings, its token budget) is the caller's decision, as with
+:class:`~dflash_torch.decoding.SpeculativeDecoder`.
 
 How the models run N sequences: every projection, MLP and LM head sees the N blocks as
 ``N * B`` rows (that is where batching pays); attention reads each sequence's own keys
 (:class:`SlotKVCache`, ``[slots, kv_heads, capacity, head_dim]`` per layer) under a
 mask of its own length, with its own rotary positions. Live sequences always occupy the
 first slots: a sequence that leaves is replaced by the last one (its cache rows are
-moved), so a round reads slots ``[0, N)`` as plain views.
+moved), so a round reads slots ``[0, N)`` as plain views. Joining sequences wait in a
+FIFO queue: only its head is ever partly prefilled, in slot ``N`` (it moves with the
+decoding sequences when one leaves), and it becomes slot ``N`` of the round after its
+last chunk.
 
 Hybrid targets (Gated DeltaNet layers) keep each sequence's recurrent state in its slot
 (:class:`SlotRecurrentState`); a linear-attention layer runs the N sequences one after
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -231,6 +238,19 @@ class _Sequence:
         return self.committed >= self.max_new_tokens
 
 
+@dataclass
+class _Joining:
+    """A sequence whose prompt is being prefilled between rounds (:meth:`BatchDecoder.join`)."""
+
+    seq_id: Hashable
+    params: SamplingParams
+    generator: torch.Generator | None
+    max_new_tokens: int
+    ids: torch.Tensor  # the prompt, int64 [P]
+    prefilled: int = 0  # prompt tokens read so far (in the slot after the decoding sequences)
+    prefill_time: float = 0.0  # seconds of its chunks so far
+
+
 class BatchDecoder:
     """DFlash speculative decoding of up to ``max_batch_size`` sequences per round.
 
@@ -242,9 +262,13 @@ class BatchDecoder:
         max_context: longest prompt + generation per sequence (tokens); default: the
             target's ``max_position_embeddings``.
         prefill_chunk: prompt tokens per prefill forward.
+        prefill_budget: prompt tokens of joining sequences (:meth:`join`) prefilled per
+            :meth:`step`, in whole chunks, at least one chunk per step (default
+            ``prefill_chunk``): bounds what a joining prompt adds to a round's time.
         static: fixed-shape rounds: the N sequences run as a batch bucket (the smallest
             power of two >= N, capped at ``max_batch_size``; padding rows decode a
-            dummy block in free slots and are ignored) over a length bucket of keys
+            dummy block in free slots, or past a joining sequence's partly read prompt,
+            and are ignored) over a length bucket of keys
             (:meth:`kv_bucket`). Implied by ``compile``; prefills stay eager.
         compile: wrap propose and verify with ``torch.compile`` (one graph per batch
             bucket x length bucket, built the first time a round needs it).
@@ -255,12 +279,13 @@ class BatchDecoder:
 
     Raises:
         DFlashError: invalid block size (above 64 for a hybrid target) / max_batch_size /
-            max_context, or caches that do not fit the device's free memory.
+            max_context / prefill_budget, or caches that do not fit the device's free memory.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, block_size: int | None = None,
                  max_batch_size: int = 8, max_context: int | None = None, prefill_chunk: int = 256,
-                 static: bool = False, compile: bool = False, compile_backend: str = "inductor"):
+                 static: bool = False, compile: bool = False, compile_backend: str = "inductor",
+                 prefill_budget: int | None = None):
         trained = drafter.config.block_size if drafter is not None else None
         B = check_block_size(block_size, trained) or trained or 1
         # hybrid targets: a verify leaves the recurrent states as they were; each sequence's
@@ -273,6 +298,8 @@ class BatchDecoder:
         limit = target.config.max_position_embeddings
         self.max_context = check_max_context(max_context, limit) or limit
         self.prefill_chunk = prefill_chunk
+        self.prefill_budget = prefill_chunk if prefill_budget is None else check_max_batch_size(prefill_budget,
+                                                                                               "prefill_budget")
         self.device = target.model.embed_tokens.weight.device
         self.feature_layers = drafter.config.target_layer_ids if drafter is not None and B > 1 else None
         capacity = self.max_context + max(2 * B, prefill_chunk) + 1  # a finished sequence still held runs one block past its budget
@@ -295,7 +322,8 @@ class BatchDecoder:
         except torch.OutOfMemoryError:
             raise DFlashError(f"out of memory allocating the caches of max_batch_size {self.max_batch_size} x "
                               f"max_context {self.max_context}; lower either") from None
-        self._seqs: list[_Sequence] = []
+        self._seqs: list[_Sequence] = []  # decoding, slot = index
+        self._joining: deque[_Joining] = deque()  # prefilling, FIFO; the head's slot is len(self._seqs)
         self._arange_block = torch.arange(B, device=self.device)
         self._arange_chunk = torch.arange(prefill_chunk, device=self.device)
         mask_id = drafter.config.mask_token_id if drafter is not None else 0
@@ -347,7 +375,7 @@ class BatchDecoder:
         Raises:
             DFlashError: sequences are held.
         """
-        if self._seqs:
+        if self._seqs or self._joining:
             raise DFlashError("warmup() needs an empty batch (it overwrites every slot)")
         B, cap = self.block_size, self.target_kv.capacity
         sizes = sorted({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
@@ -375,20 +403,31 @@ class BatchDecoder:
 
     @property
     def free_slots(self) -> int:
-        """Sequences that can still be added."""
-        return self.max_batch_size - len(self._seqs)
+        """Sequences that can still be added or joined."""
+        return self.max_batch_size - len(self._seqs) - len(self._joining)
 
     @property
     def seq_ids(self) -> list[Hashable]:
-        """Ids of the sequences held, in slot order."""
-        return [q.seq_id for q in self._seqs]
+        """Ids of the sequences held: the decoding ones in slot order, then the joining ones
+        in their prefill order."""
+        return [q.seq_id for q in self._seqs] + [q.seq_id for q in self._joining]
 
     def __contains__(self, seq_id: Hashable) -> bool:
-        return any(q.seq_id == seq_id for q in self._seqs)
+        return any(q.seq_id == seq_id for q in self._seqs) or any(q.seq_id == seq_id for q in self._joining)
+
+    def _check_new(self, seq_id: Hashable, prompt_ids: list[int], max_new_tokens: int) -> int:
+        """The checks of :meth:`add` / :meth:`join` -> the prompt's length."""
+        if seq_id in self:
+            raise DFlashError(f"sequence {seq_id!r} is already in the batch")
+        if not self.free_slots:
+            raise DFlashError(f"the batch is full ({self.max_batch_size} sequences)")
+        check_max_new_tokens(max_new_tokens)
+        return check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
 
     @torch.inference_mode()
     def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int) -> Round:
-        """Take a sequence into a free slot and run its prefill (alone, now).
+        """Take a sequence into a free slot and run its whole prefill (alone, now; ahead of
+        any sequence still joining).
 
         Args:
             seq_id: any hashable id, unique among the sequences held.
@@ -405,14 +444,12 @@ class BatchDecoder:
             DFlashError: no free slot, a duplicate ``seq_id``, an empty prompt, token ids
                 outside the vocabulary, or prompt + ``max_new_tokens`` beyond ``max_context``.
         """
-        if seq_id in self:
-            raise DFlashError(f"sequence {seq_id!r} is already in the batch")
-        if not self.free_slots:
-            raise DFlashError(f"the batch is full ({self.max_batch_size} sequences)")
-        check_max_new_tokens(max_new_tokens)
-        n_prompt = check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
+        n_prompt = self._check_new(seq_id, prompt_ids, max_new_tokens)
         t0 = time.perf_counter()
         slot = len(self._seqs)
+        head = self._joining[0] if self._joining else None
+        if head is not None and head.prefilled:  # a partly prefilled joiner holds this slot: one up
+            self._move(slot, slot + 1, head.prefilled)
         last = self._prefill(slot, torch.tensor(prompt_ids, dtype=torch.long, device=self.device))
         generator = params.generator(self.device)
         token = choose(last[None], params, generator)[0]
@@ -421,51 +458,88 @@ class BatchDecoder:
         t1 = time.perf_counter()
         return Round([first], None, 0.0, t1 - t0, t1 - t0)
 
+    def join(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int) -> None:
+        """Take a sequence into a free slot; its prompt is prefilled by the next
+        :meth:`step` s, in chunks, after their rounds: joining sequences take turns in
+        arrival order, ``prefill_budget`` prompt tokens per step (a step without a round
+        prefills the first of them to its end). The step that reads the last chunk returns
+        the sequence's prefill :class:`~dflash_torch.decoding.Round` (its first token;
+        ``verify_time`` = its chunks' time), and the sequence decodes from the next step on.
+
+        Args and raises: as :meth:`add`.
+        """
+        self._check_new(seq_id, prompt_ids, max_new_tokens)
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        self._joining.append(_Joining(seq_id, params, params.generator(self.device), max_new_tokens, ids))
+
     def remove(self, seq_id: Hashable) -> None:
-        """Drop a sequence; its slot is free at once (the last slot's sequence moves into it).
+        """Drop a sequence, decoding or joining; its slot is free at once (the last decoding
+        slot's sequence moves into it, and a partly prefilled joiner into that one).
 
         Raises:
             DFlashError: no such sequence.
         """
+        joining = next((j for j, q in enumerate(self._joining) if q.seq_id == seq_id), None)
+        if joining is not None:  # (its slot's contents are dead: the next head starts from scratch)
+            del self._joining[joining]
+            return
         index = next((i for i, q in enumerate(self._seqs) if q.seq_id == seq_id), None)
         if index is None:
             raise DFlashError(f"sequence {seq_id!r} is not in the batch")
         last = len(self._seqs) - 1
         if index != last:
             moved = self._seqs[last]
-            end = min(moved.s + self.block_size + 1, self.target_kv.capacity)
-            self.target_kv.move(last, index, end)
-            if self.draft_kv is not None:
-                self.draft_kv.move(last, index, end)
-            if self.target_state is not None:
-                self.target_state.move(last, index)
+            self._move(last, index, min(moved.s + self.block_size + 1, self.target_kv.capacity))
             self._seqs[index] = moved
         self._seqs.pop()
+        if self._joining and self._joining[0].prefilled:
+            self._move(last + 1, last, self._joining[0].prefilled)
+
+    def _move(self, src: int, dst: int, end: int) -> None:
+        """Move slot ``src``'s positions ``[0, end)`` (and recurrent state) into slot ``dst``."""
+        self.target_kv.move(src, dst, end)
+        if self.draft_kv is not None:
+            self.draft_kv.move(src, dst, end)
+        if self.target_state is not None:
+            self.target_state.move(src, dst)
 
     @torch.inference_mode()
     def step(self) -> dict[Hashable, Round]:
-        """One decoding round for every sequence held whose budget is not used up.
+        """One decoding round for every decoding sequence whose budget is not used up,
+        then the prefill of joining sequences (:meth:`join`) for at most ``prefill_budget``
+        prompt tokens.
 
         Sequences that have used their budget and are still held run as padding (same
         positions every round, nothing committed) until the caller removes them.
 
         Returns:
-            ``{seq_id: Round}`` of the sequences decoded (empty when there are none);
-            ``Round`` times are the whole batch's. One host sync per round.
+            ``{seq_id: Round}`` of the sequences decoded (``Round`` times are the whole
+            batch's), and of the joining ones whose prefill ended (their first token); empty
+            only when no sequence decodes or joins. One host sync per round.
         """
+        rounds = self._round() if any(not q.done for q in self._seqs) else {}
+        if self._joining:
+            rounds.update(self._prefill_joining(bounded=bool(rounds)))
+        return rounds
+
+    def _round(self) -> dict[Hashable, Round]:
+        """The decoding round of :meth:`step`."""
         seqs = self._seqs
-        if not any(not q.done for q in seqs):
-            return {}
         n, B, dev = len(seqs), self.block_size, self.device
-        rows = self.batch_bucket(n)  # rows past n: padding in free slots, at position 0
+        rows = self.batch_bucket(n)  # rows past n: padding in free slots, at position 0 ...
+        pad_starts = [0] * (rows - n)
+        head = self._joining[0] if self._joining and self._joining[0].prefilled else None
+        if head is not None and pad_starts:  # ... but slot n's past its partly read prompt (the next chunk overwrites it)
+            pad_starts[0] = head.prefilled
+        kept = self._keep_state(n) if head is not None and pad_starts and self.target_state is not None else None
         t0 = time.perf_counter()
-        starts = torch.tensor([q.s for q in seqs] + [0] * (rows - n), device=dev)
+        starts = torch.tensor([q.s for q in seqs] + pad_starts, device=dev)
         positions = starts[:, None] + self._arange_block  # [rows, B]
-        kv_len = self.kv_bucket(max(q.s for q in seqs) + B)
+        kv_len = self.kv_bucket(max([q.s for q in seqs] + pad_starts) + B)
         tokens = torch.stack([q.token for q in seqs] + [self._arange_block[0]] * (rows - n))  # [rows]
         draft_probs = [None] * rows
         if B > 1:
-            drafts, draft_probs = self._propose(seqs, tokens, positions, kv_len)
+            drafts, draft_probs = self._propose(seqs, tokens, positions, kv_len, pad_starts)
             block = torch.cat([tokens[:, None], drafts], dim=1)  # [rows, B]
         else:
             block = tokens[:, None]
@@ -477,6 +551,8 @@ class BatchDecoder:
                 for state in self.target_state.first(rows):
                     state.copy_stash()
             self._commit(seqs, accepted)
+        if kept is not None:
+            self._restore_state(n, kept)
         out = torch.cat([accepted[:, None], block[:, 1:], bonus[:, None]], dim=1).tolist()  # the one host sync
         t2 = time.perf_counter()
         rounds = {}
@@ -494,6 +570,38 @@ class BatchDecoder:
         for r in rounds.values():
             r.total_time = t3 - t0
         return rounds
+
+    def _prefill_joining(self, bounded: bool) -> dict[Hashable, Round]:
+        """Prefill joining sequences in order, whole chunks, while the step's budget lasts
+        (``bounded``; else the first one to its end); each whose prompt is read joins the
+        decoding sequences -> their prefill rounds."""
+        rounds, used, C = {}, 0, self.prefill_chunk
+        while self._joining:
+            q = self._joining[0]
+            n = min(C, q.ids.shape[0] - q.prefilled)
+            if used and (bounded or rounds) and used + n > self.prefill_budget:
+                break
+            t0 = time.perf_counter()
+            logits = self._prefill_chunk(len(self._seqs), q.ids, q.prefilled)
+            q.prefilled += n
+            used += n
+            if q.prefilled < q.ids.shape[0]:
+                q.prefill_time += time.perf_counter() - t0
+                continue
+            token = choose(logits[-1][None], q.params, q.generator)[0]
+            self._joining.popleft()
+            self._seqs.append(_Sequence(q.seq_id, q.params, q.generator, q.max_new_tokens, q.prefilled, token, 1))
+            q.prefill_time += time.perf_counter() - t0
+            rounds[q.seq_id] = Round([int(token)], None, 0.0, q.prefill_time, q.prefill_time)
+        return rounds
+
+    def _keep_state(self, slot: int) -> list[torch.Tensor]:
+        """A copy of slot ``slot``'s recurrent state (a padding row of a round may run on it)."""
+        return [t[slot].clone() for t in self.target_state.conv + self.target_state.ssm]
+
+    def _restore_state(self, slot: int, kept: list[torch.Tensor]) -> None:
+        for t, k in zip(self.target_state.conv + self.target_state.ssm, kept):
+            t[slot].copy_(k)
 
     # --- the parts of a round ---
 
@@ -524,27 +632,34 @@ class BatchDecoder:
                 self.target.commit(TargetCache(None, self.target_state.slot(i)), accepted[i] + 1)
 
     def _prefill(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
-        """The target reads the prompt into ``slot`` chunk by chunk (from a zero recurrent
-        state for a hybrid target); every row's features are injected into the slot's
-        drafter cache. Returns the last row's logits ``[V]``."""
+        """The target reads the prompt ``ids`` ``[P]`` into ``slot`` chunk by chunk. Returns
+        the last row's logits ``[V]``."""
+        for c0 in range(0, ids.shape[0], self.prefill_chunk):
+            logits = self._prefill_chunk(slot, ids, c0)
+        return logits[-1]
+
+    def _prefill_chunk(self, slot: int, ids: torch.Tensor, c0: int) -> torch.Tensor:
+        """The target reads the prompt chunk ``ids[c0 : c0 + prefill_chunk]`` into ``slot``
+        (chunk 0 from a zero recurrent state for a hybrid target); its rows' features are
+        injected into the slot's drafter cache. Returns the chunk's logits ``[rows, V]``."""
         state = None
         if self.target_state is not None:
             state = self.target_state.slot(slot)
-            state.clear()
+            if c0 == 0:
+                state.clear()
         cache = TargetCache(self.target_kv.slot(slot), state)
-        context = InjectedContext(self.drafter, self.draft_kv.slot(slot)) if self.draft_kv is not None else None
-        n, C = ids.shape[0], self.prefill_chunk
-        for c0 in range(0, n, C):
-            c1 = min(c0 + C, n)
-            positions = c0 + self._arange_chunk[: c1 - c0]
-            logits, feats = self.target(ids[c0:c1], positions, cache, c1, self.feature_layers)
-            if context is not None:
-                context.inject(self.drafter, feats, positions)
-        return logits[-1]
+        c1 = min(c0 + self.prefill_chunk, ids.shape[0])
+        positions = c0 + self._arange_chunk[: c1 - c0]
+        logits, feats = self.target(ids[c0:c1], positions, cache, c1, self.feature_layers)
+        if self.draft_kv is not None:
+            InjectedContext(self.drafter, self.draft_kv.slot(slot)).inject(self.drafter, feats, positions)
+        return logits
 
-    def _propose(self, seqs: list[_Sequence], tokens: torch.Tensor, positions: torch.Tensor, kv_len: int):
+    def _propose(self, seqs: list[_Sequence], tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                 pad_starts: list[int]):
         """The drafter over the n blocks ``[token, mask, ...]``, injecting each sequence's
-        pending features first -> draft tokens ``[n, B-1]`` and each sequence's q (None when greedy)."""
+        pending features first (padding rows: zero rows at their block's ``pad_starts``)
+        -> draft tokens ``[n, B-1]`` and each sequence's q (None when greedy)."""
         rows, B = tokens.shape[0], self.block_size
         # each sequence injects the first m rows of its last verify: eager, m = the most any
         # sequence accepted (tau; a single sequence injects exactly its accepted rows, as
@@ -555,7 +670,7 @@ class BatchDecoder:
         feats = torch.cat([q.pending[:m] if q.pending is not None else zeros for q in seqs] + [zeros] * (rows - len(seqs)))
         # a sequence without a verify yet (and a padding row) injects zero rows at its block's
         # own positions (the block's K/V overwrite them in the same pass)
-        feat_starts = [q.pending_start if q.pending is not None else q.s for q in seqs] + [0] * (rows - len(seqs))
+        feat_starts = [q.pending_start if q.pending is not None else q.s for q in seqs] + pad_starts
         feat_positions = torch.tensor(feat_starts, device=self.device)[:, None] + self._arange_block[:m]
         scores = self._draft_fn(tokens, positions, feats, feat_positions, kv_len, self._views(rows)[1])
         greedy = SamplingParams()

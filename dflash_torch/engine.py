@@ -523,9 +523,8 @@ class DFlashEngine:
                     ids, params, stopper = requests[i]
                     stats = GenerationStats(prompt_tokens=len(ids), block_size=self.block_size,
                                             draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
-                    rnd = batch.add(i, ids, params, stopper.max_new_tokens)
+                    batch.join(i, ids, params, stopper.max_new_tokens)  # (its prefill runs in the steps)
                     state[i] = (stats, stopper, [], [])
-                    self._batch_round(batch, i, rnd, state, results)
                 for i, rnd in batch.step().items():
                     self._batch_round(batch, i, rnd, state, results)
                 if compute.interrupted():

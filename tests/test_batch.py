@@ -52,11 +52,11 @@ def mixed_prompts(target, n=5):
     return [varied_prompts(target, 1, seed=i, length=lengths[i % len(lengths)])[0] for i in range(n)]
 
 
-def drive(batch: BatchDecoder, plan: list[tuple], n_rounds: int = 200) -> dict:
+def drive(batch: BatchDecoder, plan: list[tuple], n_rounds: int = 200, join: bool = False) -> dict:
     """Run the step API: ``plan`` holds ``(round, action, seq_id, prompt, params, budget)``
     with action ``"add"`` or ``"remove"``, applied before that round (an add waits for a
-    free slot); a sequence is also removed once it has ``budget`` tokens. Returns
-    ``{seq_id: committed tokens}`` (cut to budget)."""
+    free slot; ``join``: it joins, its prefill runs in the steps); a sequence is also
+    removed once it has ``budget`` tokens. Returns ``{seq_id: committed tokens}`` (cut to budget)."""
     out, budgets, todo = {}, {}, list(plan)
     for r in range(n_rounds):
         for item in list(todo):
@@ -64,7 +64,10 @@ def drive(batch: BatchDecoder, plan: list[tuple], n_rounds: int = 200) -> dict:
             if when > r or (action == "add" and not batch.free_slots):
                 continue
             todo.remove(item)
-            if action == "add":
+            if action == "add" and join:
+                batch.join(sid, prompt, params, budget)
+                out[sid], budgets[sid] = [], budget
+            elif action == "add":
                 out[sid], budgets[sid] = list(batch.add(sid, prompt, params, budget).tokens), budget
             elif sid in batch:
                 batch.remove(sid)
@@ -304,10 +307,166 @@ def test_random_drafter_batch_proposes_as_alone(tiny_pair):
     assert max(max(t) for t in taus.values()) > 1
 
 
-def test_compiled_batch_rounds_do_not_recompile(agree_models):
+# --- chunked prefill (join): a long prompt joins while others decode ---
+
+CHUNK_TOKENS = 16  # the prefill chunk of these tests (a prompt of 5 * 16 + 3 tokens reads in 6 chunks)
+
+
+def alone_chunked(target, drafter, prompt, n, params, block_size=None):
+    """Decoding alone with the batch's prefill chunk (the same prefill forwards)."""
+    decoder = SpeculativeDecoder(target, drafter, block_size=block_size, prefill_chunk=CHUNK_TOKENS)
+    return run_rounds(decoder, prompt, n, params)[0]
+
+
+def run_to_end(batch: BatchDecoder, out: dict, budgets: dict) -> None:
+    """Step until every sequence held has its budget (each removed then); ``out`` gathers tokens."""
+    for _ in range(300):
+        for sid, rnd in batch.step().items():
+            out.setdefault(sid, []).extend(rnd.tokens)
+        for sid in batch.seq_ids:
+            if len(out.get(sid, [])) >= budgets[sid]:
+                batch.remove(sid)
+        if not batch.seq_ids:
+            return
+    raise AssertionError("the batch did not finish")
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-shapes"])
+@pytest.mark.parametrize("models", ["agree_models", "hybrid_models", "qwen35_models"],
+                         ids=["attention", "hybrid", "qwen35-random-drafter"])
+def test_a_long_prompt_joins_in_chunks_while_others_keep_decoding(request, models, static):
+    """Three sequences decode (greedy and seeded sampling); a prompt of 6 chunks joins:
+    during each of the 6 steps that read it every running sequence commits a round, its
+    first token comes with the 6th, and every output equals its decode alone. Fixed
+    shapes: the round's 4th row is padding in the joiner's slot (it runs past the part
+    of the prompt already read, and the joiner's recurrent state is kept)."""
+    target, drafter = request.getfixturevalue(models)
+    greedy = SamplingParams()
+    params = [greedy, SamplingParams(temperature=0.9, seed=31), greedy, SamplingParams(temperature=0.9, seed=32)]
+    prompts = mixed_prompts(target, 3) + [varied_prompts(target, 1, seed=9, length=5 * CHUNK_TOKENS + 3)[0]]
+    budgets = {0: 150, 1: 150, 2: 150, 3: 40} if models != "qwen35_models" else {0: 40, 1: 40, 2: 40, 3: 30}
+    batch = BatchDecoder(target, drafter, max_batch_size=4, max_context=320, prefill_chunk=CHUNK_TOKENS, static=static)
+    out = {i: list(batch.add(i, prompts[i], params[i], budgets[i]).tokens) for i in range(3)}
+    for sid, rnd in batch.step().items():
+        out[sid] += rnd.tokens
+    batch.join(3, prompts[3], params[3], budgets[3])
+    assert batch.free_slots == 0 and batch.seq_ids == [0, 1, 2, 3]
+    for k in range(1, 7):
+        rounds = batch.step()
+        assert {0, 1, 2} <= set(rounds) and all(rounds[i].acceptance_length >= 1 for i in (0, 1, 2)), k
+        assert (3 in rounds) == (k == 6), k
+        for sid, rnd in rounds.items():
+            out.setdefault(sid, []).extend(rnd.tokens)
+    assert rounds[3].acceptance_length is None and len(rounds[3].tokens) == 1
+    assert all(len(out[i]) < budgets[i] for i in range(3))  # (they were still decoding)
+    run_to_end(batch, out, budgets)
+    for i in range(4):
+        assert out[i][:budgets[i]] == alone_chunked(target, drafter, prompts[i], budgets[i], params[i]), f"sequence {i}"
+
+
+@pytest.mark.parametrize("models", ["agree_models", "hybrid_models"], ids=["attention", "hybrid"])
+def test_sequences_leaving_while_a_prompt_is_prefilled(request, models):
+    """A joiner partly prefilled moves with the batch: down a slot when a decoding
+    sequence leaves, up one when another is added (prefilled at once) in its slot;
+    a joiner removed while it waits or while it is prefilled frees its slot at once, and
+    the next one starts its prompt from scratch there. Every output equals its decode alone."""
+    target, drafter = request.getfixturevalue(models)
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.9, seed=21)
+    long_prompts = [varied_prompts(target, 1, seed=s, length=4 * CHUNK_TOKENS + 5)[0] for s in (11, 12, 13)]
+    short = mixed_prompts(target, 2)
+    params = {0: greedy, 1: sampled, 2: greedy, 3: sampled, 4: greedy}
+    prompts = {0: short[0], 1: long_prompts[0], 2: long_prompts[1], 3: short[1], 4: long_prompts[2]}
+    budgets = {0: 120, 1: 40, 2: 30, 3: 30, 4: 35}
+    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=256, prefill_chunk=CHUNK_TOKENS)
+    out = {0: list(batch.add(0, prompts[0], params[0], budgets[0]).tokens)}
+    batch.join(1, prompts[1], params[1], budgets[1])
+    batch.join(2, prompts[2], params[2], budgets[2])
+
+    def step():
+        rounds = batch.step()
+        for sid, rnd in rounds.items():
+            out.setdefault(sid, []).extend(rnd.tokens)
+        return rounds
+
+    assert set(step()) == {0} and set(step()) == {0}  # 1 has read 2 of its 5 chunks in slot 1
+    batch.remove(2)  # waiting: its place is free at once
+    assert batch.free_slots == 1 and batch.seq_ids == [0, 1]
+    out[3] = list(batch.add(3, prompts[3], params[3], budgets[3]).tokens)  # in slot 1: 1 moves up to slot 2
+    assert set(step()) == {0, 3}
+    batch.remove(0)  # slot 0 <- 3, slot 1 <- 1's partly read prompt
+    assert batch.seq_ids == [3, 1]
+    assert set(step()) == {3}
+    assert set(step()) == {3, 1}  # 1's fifth chunk: its first token
+    batch.join(4, prompts[4], params[4], budgets[4])
+    step()
+    batch.remove(1)  # 4 has read a chunk in slot 2; 1 leaves slot 1, 4's prompt moves there
+    assert batch.free_slots == 1 and batch.seq_ids == [3, 4]
+    batch.join(2, prompts[2], params[2], budgets[2])
+    step()
+    batch.remove(4)  # mid-prefill: its slot is free at once, 2 starts its prompt from scratch there
+    assert batch.free_slots == 1 and batch.seq_ids == [3, 2]
+    run_to_end(batch, out, budgets)
+    assert batch.free_slots == 3
+    for i in (2, 3):
+        assert out[i][:budgets[i]] == alone_chunked(target, drafter, prompts[i], budgets[i], params[i]), f"sequence {i}"
+    for i in (0, 1):  # (cancelled)
+        assert out[i] == alone_chunked(target, drafter, prompts[i], budgets[i], params[i])[:len(out[i])], f"sequence {i}"
+    assert 4 not in out
+
+
+def test_joining_prompts_take_turns_under_the_prefill_budget(agree_models):
+    """prefill_budget = 2 chunks: prompts of 3 and 2 chunks join; the first reads 2 chunks,
+    then its last and the second's first, then the second's last. A step with no round
+    reads the first joiner whole. Each equals its decode alone."""
+    target, drafter = agree_models
+    C = CHUNK_TOKENS
+    prompts = [mixed_prompts(target, 1)[0]] + [varied_prompts(target, 1, seed=s, length=n * C)[0]
+                                               for s, n in ((40, 3), (41, 2))]
+    params = [SamplingParams(), SamplingParams(temperature=0.9, seed=5), SamplingParams()]
+    budgets = {0: 120, 1: 30, 2: 30}
+    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=256, prefill_chunk=C, prefill_budget=2 * C)
+    batch.join(0, prompts[0], params[0], budgets[0])
+    first = batch.step()  # nothing decodes: 0's prompt is read whole
+    assert set(first) == {0} and first[0].acceptance_length is None
+    out = {0: list(first[0].tokens)}
+    batch.join(1, prompts[1], params[1], budgets[1])
+    batch.join(2, prompts[2], params[2], budgets[2])
+    joined = []
+    for _ in range(3):
+        rounds = batch.step()
+        joined.append(sorted(sid for sid, rnd in rounds.items() if rnd.acceptance_length is None))
+        for sid, rnd in rounds.items():
+            out.setdefault(sid, []).extend(rnd.tokens)
+    assert joined == [[], [1], [2]]
+    run_to_end(batch, out, budgets)
+    for i in range(3):
+        assert out[i][:budgets[i]] == alone_chunked(target, drafter, prompts[i], budgets[i], params[i]), f"sequence {i}"
+    with pytest.raises(DFlashError, match="prefill_budget must be an integer >= 1, got 0"):
+        BatchDecoder(target, drafter, max_batch_size=1, max_context=64, prefill_budget=0)
+
+
+def test_a_hybrid_target_only_batch_keeps_a_joiners_state(qwen35_models):
+    """Target-only on a hybrid target with fixed shapes: each row advances its own
+    recurrent state as it runs, so the padding row in a partly prefilled joiner's slot
+    would advance the joiner's state; it is kept. Each output equals its decode alone."""
+    target, _ = qwen35_models
+    params = [SamplingParams(temperature=1.2, seed=50 + i) for i in range(4)]
+    prompts = [[5, 6, 7], list(range(10, 30)), [9] * 7, list(range(100, 100 + 3 * CHUNK_TOKENS + 2))]
+    budgets = {0: 30, 1: 30, 2: 30, 3: 20}
+    batch = BatchDecoder(target, None, max_batch_size=4, max_context=128, prefill_chunk=CHUNK_TOKENS, static=True)
+    out = {i: list(batch.add(i, prompts[i], params[i], budgets[i]).tokens) for i in range(3)}
+    batch.join(3, prompts[3], params[3], budgets[3])
+    run_to_end(batch, out, budgets)
+    for i in range(4):
+        assert out[i][:budgets[i]] == alone_chunked(target, None, prompts[i], budgets[i], params[i]), f"sequence {i}"
+
+
+@pytest.mark.parametrize("join", [False, True], ids=["add", "join"])
+def test_compiled_batch_rounds_do_not_recompile(agree_models, join):
     """Fixed shapes: batch buckets (1, 2, 4) x length buckets (256 keys, the 333-position
     cache); after warmup() every round of sequences joining and leaving (batch sizes 1 to
-    4, contexts past 256) reuses a graph, and each output equals its decode alone.
+    4, contexts past 256; prompts prefilled at once or in chunks between rounds) reuses a
+    graph, and each output equals its decode alone.
     TorchDynamo's guards decide recompilation, so the cheap "eager" backend is enough."""
     import torch._dynamo
     import torch._dynamo.utils as dynamo_utils
@@ -328,7 +487,7 @@ def test_compiled_batch_rounds_do_not_recompile(agree_models):
             (4, "add", 2, prompts[2], params[2], budgets[2]), (5, "add", 3, prompts[3], params[3], budgets[3]),
             (6, "add", 4, prompts[4], params[4], budgets[4]), (8, "remove", 3, None, None, None),
             (9, "add", 5, prompts[5], params[5], budgets[5])]
-    out = drive(batch, plan)
+    out = drive(batch, plan, join=join)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
     assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
     for sid in (0, 1, 2, 4, 5):

@@ -339,3 +339,64 @@ def test_a_hybrid_target_is_served_in_several_slots(agree_hybrid_pair, tmp_path)
             t.join(120)
         assert [answers[i].json()["choices"][0]["text"] for i in range(3)] == expected
         assert "Traceback" not in srv.log.read_text()
+
+
+def test_a_long_prompt_joins_while_a_stream_runs(server, local_engine):
+    """A prompt of three prefill chunks (256 tokens each) arrives while a stream decodes:
+    both answer exactly as alone."""
+    c = server.client()
+    text = "\n".join(PROMPTS * 40)
+    ids = local_engine.encode_prompt(text)[:700]
+    assert len(ids) == 700
+    stream_kw, long_kw = dict(prompt=PROMPT, max_tokens=300, **_kw(0)), dict(prompt=ids, max_tokens=16, **_kw(0.9, seed=3))
+    alone = [c.completions.create(**stream_kw).choices[0].text, c.completions.create(**long_kw).choices[0].text]
+    stream = c.completions.create(stream=True, **stream_kw)
+    first = next(iter(stream)).choices[0].text  # the stream runs
+    joined = c.completions.create(**long_kw).choices[0].text
+    rest, _, _ = read_completion_stream(stream)
+    assert [first + rest, joined] == alone
+    assert "Traceback" not in server.log.read_text()
+
+
+def test_a_sequence_cancelled_while_its_prompt_is_prefilled_frees_its_slot(tiny_pair, local_engine):
+    """The server's batched backend on a real engine: a prompt of three prefill chunks
+    joins while a stream decodes; the stream gets a chunk every step while the prompt is
+    read; the joiner, removed after two chunks (its client went away), frees its slot at
+    once; the slot then serves the same prompt, which answers as alone."""
+    import asyncio
+
+    from dflash_torch import DFlashEngine, compute
+    from dflash_torch.serving.scheduler import BatchedBackend, Job
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, max_batch_size=2)
+    backend = BatchedBackend(engine, 2)
+    batch = engine.batch_decoder()
+    loop = asyncio.new_event_loop()
+    job = Job(loop)
+    kw = dict(temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None, stop_token_ids=None, ignore_eos=True)
+    long_ids = local_engine.encode_prompt("\n".join(PROMPTS * 40))[:600]
+    running = job.add(local_engine.encode_prompt(PROMPT), 80, kw)
+    leaving, again = job.add(long_ids, 12, kw), job.add(long_ids, 12, kw)
+    tokens = {running: [], again: []}
+
+    def step() -> list:
+        got = compute.run(backend.step)
+        for seq, chunk in got:
+            tokens[seq].extend(chunk.token_ids)
+        return [seq for seq, _ in got]
+
+    compute.run(backend.add, running)
+    assert step() == [running]  # its prefill: nothing else runs
+    compute.run(backend.add, leaving)
+    assert step() == [running] and step() == [running]  # two of the three chunks
+    assert batch.free_slots == 0
+    compute.run(backend.remove, leaving)
+    assert batch.free_slots == 1 and batch.seq_ids == [running]
+    compute.run(backend.add, again)
+    for _ in range(100):
+        if not step():
+            break
+    assert batch.free_slots == 2
+    assert tokens[again] == engine.generate(long_ids, max_new_tokens=12, ignore_eos=True).token_ids
+    assert tokens[running] == engine.generate(running.prompt_ids, max_new_tokens=80, ignore_eos=True).token_ids
+    loop.close()

@@ -12,12 +12,12 @@ holds the engine). Its sequences wait in one FIFO queue and run in a batch of at
 - One scheduler thread drives the engine. While sequences wait or run, it runs
   :meth:`Scheduler._drive` on the process's compute thread (:mod:`dflash_torch.compute`:
   one call for as long as there is work, no hand-off per round), which loops: admit
-  waiting sequences into free slots (``backend.add``: prefill), run one decoding round of
-  every running sequence (``backend.step``), hand each sequence's committed chunk to its
+  waiting sequences into free slots (``backend.add``), run one decoding round of every
+  running sequence and the next chunk of the prompts being prefilled (``backend.step``), hand each sequence's committed chunk to its
   request's asyncio queue as the round commits it, and free the slot of every sequence
   that finished or whose request went away (``backend.remove``) before the next round.
 - A request that goes away (:meth:`Job.cancel`) leaves the waiting queue at once; its
-  running sequences stop after the current round.
+  running sequences (prefilling ones too) stop after the current step.
 
 The backend
 -----------
@@ -27,11 +27,12 @@ and three methods, all called on the compute thread:
 ``add(seq)``
     take ``seq`` (a :class:`Sequence`: ``prompt_ids``, ``max_new_tokens``, ``kwargs``,
     the sampling and stop arguments of :meth:`DFlashEngine.stream`, seed included) into a
-    free slot and prefill it; raises :class:`~dflash_torch.DFlashError` for a request the
-    engine refuses (the slot stays free).
+    free slot to be prefilled (now, or by the next steps); raises
+    :class:`~dflash_torch.DFlashError` for a request the engine refuses (the slot stays free).
 ``step()``
-    one decoding round of every added sequence: a list of ``(seq, StreamChunk)``, one per
-    sequence that committed tokens, with the stopping already applied (text cut at a stop
+    one decoding round of every added sequence whose prefill is done (and, batched, the
+    next chunk of the prompts still being prefilled): a list of ``(seq, StreamChunk)``,
+    one per sequence that committed tokens (a prefill's first token included), with the stopping already applied (text cut at a stop
     string, ``finish_reason`` and ``stats`` on a sequence's last chunk, exactly as
     :meth:`DFlashEngine.stream` yields them). A sequence whose chunk has a
     ``finish_reason`` has left the backend (its slot is free).
@@ -40,8 +41,10 @@ and three methods, all called on the compute thread:
 
 :class:`SerialBackend` runs an engine that decodes one sequence at a time (one slot)
 through :meth:`DFlashEngine.stream`; :class:`BatchedBackend` runs the slots of an engine
-with a step-level batch decoder (``DFlashEngine.batch_decoder()``: ``add`` / ``step`` /
-``remove`` of ids, one :class:`~dflash_torch.decoding.Round` per sequence per step).
+with a step-level batch decoder (``DFlashEngine.batch_decoder()``: ``join`` / ``step`` /
+``remove`` of ids, one :class:`~dflash_torch.decoding.Round` per sequence per step):
+a joining prompt is prefilled in chunks between rounds (``prefill_budget`` tokens per
+step), so the running streams never wait for a whole long prompt.
 :func:`make_backend` picks one.
 """
 
@@ -268,7 +271,6 @@ class BatchedBackend:
         self.max_batch_size = min(max_batch_size, engine.max_batch_size)
         compute.run(engine.batch_decoder)
         self._state: dict[Sequence, tuple] = {}  # seq -> (stats, stopper)
-        self._prefilled: list[tuple[Sequence, object]] = []  # prefill rounds, returned by the next step
 
     def add(self, seq: Sequence) -> None:
         from ..engine import GenerationStats
@@ -279,18 +281,11 @@ class BatchedBackend:
         stopper = e.new_stopper(seq.max_new_tokens, kw["stop"], kw["stop_token_ids"], kw["ignore_eos"])
         stats = GenerationStats(prompt_tokens=len(seq.prompt_ids), block_size=e.block_size,
                                 draft_mode=e.decoder.draft_mode if e.drafter is not None else None)
-        rnd = e.batch_decoder().add(seq, seq.prompt_ids, params, stopper.max_new_tokens)
+        e.batch_decoder().join(seq, seq.prompt_ids, params, stopper.max_new_tokens)  # (prefilled by the steps)
         self._state[seq] = (stats, stopper)
-        self._prefilled.append((seq, rnd))
 
     def step(self) -> list[tuple[Sequence, StreamChunk]]:
-        out = []
-        prefilled, self._prefilled = self._prefilled, []
-        for seq, rnd in prefilled:  # (a sequence that ends at its prefill leaves before the round)
-            out.append(self._chunk(seq, rnd))
-        for seq, rnd in self.engine.batch_decoder().step().items():
-            out.append(self._chunk(seq, rnd))
-        return out
+        return [self._chunk(seq, rnd) for seq, rnd in self.engine.batch_decoder().step().items()]
 
     def _chunk(self, seq: Sequence, rnd) -> tuple[Sequence, StreamChunk]:
         stats, stopper = self._state[seq]
@@ -301,7 +296,6 @@ class BatchedBackend:
 
     def remove(self, seq: Sequence) -> None:
         if self._state.pop(seq, None) is not None:
-            self._prefilled = [(s, r) for s, r in self._prefilled if s is not seq]
             self.engine.batch_decoder().remove(seq)
 
 

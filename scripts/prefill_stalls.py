@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""How long running streams stall while a long prompt joins the batch: whole prefill at
+once (``BatchDecoder.add``) against chunked prefill between rounds (``BatchDecoder.join``).
+
+``--streams`` short requests (the first prompts of the shipped ``prompts.jsonl``) decode
+greedily in a :class:`~dflash_torch.batch.BatchDecoder`; after ``--join-after`` rounds a
+long prompt (the shipped prompts concatenated, cut to ``--long-tokens`` tokens) joins and
+generates ``--long-new-tokens`` tokens. For each mode it prints the gaps between
+consecutive rounds of the short streams (the longest and the median, over the whole run),
+the long request's time to first token from its arrival, and the throughput (all
+generated tokens over the wall time, the long prompt's prefill included). Both modes must
+give the same tokens. ``--reps`` repetitions alternate which mode runs first.
+
+    python scripts/prefill_stalls.py --threads 1                 # shipped pair, float32
+    python scripts/prefill_stalls.py --threads 1 --prefill-budget 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from dflash_torch import DFlashEngine, SamplingParams  # noqa: E402
+from dflash_torch.batch import BatchDecoder  # noqa: E402
+from dflash_torch.engine import ASSETS  # noqa: E402
+
+
+def run(batch: BatchDecoder, shorts: list[list[int]], long_ids: list[int], mode: str, short_new: int, long_new: int,
+        join_after: int) -> dict:
+    """One run: the short streams decode, the long prompt joins after ``join_after`` rounds
+    (``mode`` "add" or "join"); until every request has its tokens."""
+    greedy = SamplingParams()
+    out = {i: list(batch.add(i, p, greedy, short_new).tokens) for i, p in enumerate(shorts)}
+    budgets = {i: short_new for i in out} | {"long": long_new}
+    t_start = time.perf_counter()
+    last = {i: t_start for i in out}
+    gaps, rounds, arrived, ttft = [], 0, None, None
+    while arrived is None or batch.seq_ids:
+        if rounds == join_after and arrived is None:
+            arrived = time.perf_counter()
+            if mode == "add":
+                out["long"] = list(batch.add("long", long_ids, greedy, long_new).tokens)
+                ttft = time.perf_counter() - arrived
+            else:
+                batch.join("long", long_ids, greedy, long_new)
+                out["long"] = []
+        step = batch.step()
+        now = time.perf_counter()
+        rounds += 1
+        for sid, rnd in step.items():
+            out[sid] += rnd.tokens
+            if sid == "long" and rnd.acceptance_length is None:
+                ttft = now - arrived
+            elif sid != "long":
+                gaps.append(now - last[sid])
+                last[sid] = now
+        for sid in batch.seq_ids:
+            if len(out[sid]) >= budgets[sid]:
+                batch.remove(sid)
+    wall = time.perf_counter() - t_start
+    tokens = {sid: t[:budgets[sid]] for sid, t in out.items()}
+    return {"max_gap_s": max(gaps), "median_gap_s": statistics.median(gaps), "long_ttft_s": ttft,
+            "tokens_per_second": sum(map(len, tokens.values())) / wall, "wall_s": wall, "tokens": tokens}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=2, help="short streams decoding when the long prompt joins")
+    ap.add_argument("--short-new-tokens", type=int, default=256)
+    ap.add_argument("--long-tokens", type=int, default=2000, help="tokens of the joining prompt")
+    ap.add_argument("--long-new-tokens", type=int, default=64)
+    ap.add_argument("--join-after", type=int, default=5, help="rounds of the short streams before the long prompt joins")
+    ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--prefill-budget", type=int, default=None, help="prompt tokens prefilled per step (default: one chunk)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = DFlashEngine.from_pretrained(dtype=args.dtype)
+    prompts = [engine.encode_prompt(json.loads(line)["prompt"])
+               for line in (ASSETS / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    shorts = prompts[:args.streams]
+    long_ids = [t for p in prompts for t in p]
+    while len(long_ids) < args.long_tokens:
+        long_ids += long_ids
+    long_ids = long_ids[:args.long_tokens]
+    context = max(map(len, shorts + [long_ids])) + max(args.short_new_tokens, args.long_new_tokens) + 1
+    batch = BatchDecoder(engine.target, engine.drafter, max_batch_size=args.streams + 1, max_context=context,
+                         prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget)
+    with torch.inference_mode():
+        run(batch, shorts, long_ids[:300], "join", 16, 8, 1)  # warm-up
+        results = {"add": [], "join": []}
+        for rep in range(args.reps):
+            for mode in (("add", "join") if rep % 2 == 0 else ("join", "add")):
+                r = run(batch, shorts, long_ids, mode, args.short_new_tokens, args.long_new_tokens, args.join_after)
+                results[mode].append(r)
+                print(f"rep {rep} {mode:4}: longest gap {r['max_gap_s'] * 1000:7.1f} ms, median gap "
+                      f"{r['median_gap_s'] * 1000:6.1f} ms, long TTFT {r['long_ttft_s']:.2f} s, "
+                      f"{r['tokens_per_second']:6.1f} tok/s", flush=True)
+    same = all(r["tokens"] == results["add"][0]["tokens"] for rs in results.values() for r in rs)
+    print(f"\n{args.streams} short streams of {args.short_new_tokens} tokens; a {len(long_ids)}-token prompt joins "
+          f"after {args.join_after} rounds ({args.long_new_tokens} tokens); prefill chunk {args.prefill_chunk}, "
+          f"budget {batch.prefill_budget}; {args.dtype}, {torch.get_num_threads()} thread(s); medians of {args.reps}:")
+    summary = {}
+    for mode, label in (("add", "whole prefill (add)"), ("join", "chunked prefill (join)")):
+        med = {k: statistics.median(r[k] for r in results[mode])
+               for k in ("max_gap_s", "median_gap_s", "long_ttft_s", "tokens_per_second")}
+        summary[mode] = med
+        print(f"  {label:24}: longest gap {med['max_gap_s'] * 1000:7.1f} ms, median gap {med['median_gap_s'] * 1000:6.1f} ms, "
+              f"long TTFT {med['long_ttft_s']:.2f} s, {med['tokens_per_second']:6.1f} tok/s")
+    print(f"  outputs identical across modes and reps: {same}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "identical": same,
+                                                       "runs": {m: [{k: v for k, v in r.items() if k != "tokens"}
+                                                                    for r in rs] for m, rs in results.items()}},
+                                                      indent=1))
+    if not same:
+        sys.exit("the two modes gave different tokens")
+
+
+if __name__ == "__main__":
+    main()
