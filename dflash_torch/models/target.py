@@ -282,8 +282,7 @@ class TargetModel(nn.Module):
 
     @staticmethod
     def _self_attention(attn, slot: int, h: torch.Tensor, kv: KVCache, step: _Step) -> torch.Tensor:
-        q, gate = attn.query_gate(h, step.cos, step.sin)
-        k, v = attn.key_value(h, step.cos, step.sin)
+        q, gate, k, v = attn.project(h, step.cos, step.sin)
         kv.write(slot, step.positions, k, v)
         ck, cv = kv.view(slot, step.kv_len)
         return attn.output(attend(q, ck, cv, step.bias), gate)
