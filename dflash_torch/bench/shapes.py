@@ -38,6 +38,7 @@ from ..models.registry import family
 from ..models.rope import Rotary
 from ..models.target import TargetModel
 from ..sampling import accept_greedy, greedy_tokens
+from .profile import kernel_summary
 from ..training.trainer import TrainConfig, make_drafter_config
 
 # The text-model fields of each public Hugging Face config.json (Qwen/<name>/config.json);
@@ -321,7 +322,8 @@ def _experts_hit(target: TargetModel, run) -> float | None:
 @torch.inference_mode()
 def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", context: int = 512,
                   block_size: int = 16, repeats: int = 5, draft_layers: int = 5,
-                  memory_budget: int | None = None, compiled: bool = False, fuse: bool | None = None) -> dict:
+                  memory_budget: int | None = None, compiled: bool = False, fuse: bool | None = None,
+                  profile: bool = False) -> dict:
     """Median seconds of one target-only step and of one DFlash round after ``context``
     committed tokens.
 
@@ -349,6 +351,9 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
             ``cudagraph_skips`` (graphs that ran without CUDA graphs, CUDA only).
         fuse: join projections as the engine does (None: on CUDA; see
             :mod:`~dflash_torch.models.fusing`).
+        profile: also profile ``repeats`` calls each of the step, the propose, the
+            verify and the round (:func:`~dflash_torch.bench.profile.kernel_summary`: the
+            kernels they run on a GPU) into ``profile``.
 
     Returns:
         a dict: times in seconds (``target_step_s``, ``round_s``, and two parts of the
@@ -457,6 +462,12 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
     for h in hooks:
         h.remove()
     propose = timed(lambda: spec._draft_fn(tok[0], pos, kv_round, feats[0], start))[0]
+    profiled = None
+    if profile:
+        profiled = {"step": kernel_summary(lambda: base._verify_fn(tok, pos, kv_step), repeats, device),
+                    "propose": kernel_summary(lambda: spec._draft_fn(tok[0], pos, kv_round, feats[0], start), repeats, device),
+                    "verify": kernel_summary(verify_accept_commit, repeats, device),
+                    "round": kernel_summary(one_round, repeats, device)}
     counts = {}
     if compiled:  # the hooks that count experts cannot run inside graphs
         hits = None
@@ -476,7 +487,7 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         "target_step_s": step, "round_s": rnd, "propose_s": propose, "verify_s": verify, "round_over_step": rnd / step,
         "measured": measured, "experts_hit_per_moe_layer": hits,
         "moe": None if cfg.moe is None else {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k},
-        "projected_speedup": {k: tau * step / rnd for k, tau in PUBLISHED_TAU.items()}, **counts,
+        "projected_speedup": {k: tau * step / rnd for k, tau in PUBLISHED_TAU.items()}, "profile": profiled, **counts,
     }
     target = drafter = base = spec = None  # free the large weights before the next shape is built
     gc.collect()
