@@ -11,7 +11,7 @@ import torch._dynamo
 
 from dflash_torch import DFlashError
 from dflash_torch.bench.cli import _shapes_table
-from dflash_torch.bench.shapes import round_vs_step
+from dflash_torch.bench.shapes import drafter_config, round_vs_step, target_config
 from dflash_torch.bench.sweep import context_sweep
 from dflash_torch.models.drafter import DFlashDrafter
 
@@ -336,6 +336,19 @@ def test_round_vs_step_joined_projections_verify_part_and_profile():
     r = round_vs_step(TINY_QWEN3, torch.float32, context=16, block_size=4, repeats=2, draft_layers=2,
                       fuse=True, profile=True)
     assert r["fused"] is True and _finite_positive(r["verify_s"], r["propose_s"], r["round_s"])
+    # weights read, counted from the shapes by hand (float32): a target layer is q, k, v, o,
+    # the MLP and four norms; the drafter's layers are alike, plus fc and two norms; both
+    # read the LM head
+    d = drafter_config(target_config(TINY_QWEN3), 2, 4)
+    H, I, head = 64, 128, 128 * 64
+
+    def layer(inter):
+        return 2 * H * H + 2 * H * 32 + 3 * H * inter + 2 * H + 2 * 16
+
+    step = 4 * (4 * layer(I) + H + head)  # bytes: 4 layers, the final norm, the LM head
+    propose = 4 * (2 * layer(d.intermediate_size) + len(d.target_layer_ids) * H * H + 2 * H + head)
+    assert (r["step_weight_bytes"], r["propose_weight_bytes"]) == (step, propose)
+    assert r["floor_round_over_step"] == (step + propose) / step
     assert round_vs_step(TINY_QWEN3, torch.float32, context=16, block_size=4, repeats=1, draft_layers=2)["fused"] is False
     for part in ("step", "propose", "verify", "round"):
         s = r["profile"][part]

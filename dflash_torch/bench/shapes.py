@@ -302,6 +302,25 @@ def build_pair(shape: str | dict, dtype: torch.dtype, device: str, draft_layers:
     return target, drafter
 
 
+def weights_read(target: TargetModel, drafter: DFlashDrafter, layers: int) -> tuple[int, int] | None:
+    """Bytes of weights that a target-only step and a propose read, for a dense target
+    whose full depth is ``layers`` (the built layers' bytes scaled to it): the step reads
+    every decoder layer, the final norm and the LM head; the propose reads the whole
+    drafter and the target's LM head (both read only a few rows of the token embedding,
+    left out). None for a mixture-of-experts target (what a step reads depends on the
+    experts its tokens hit)."""
+    if target.config.moe is not None:
+        return None
+
+    def size(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
+
+    built = target.model.layers
+    head = size([target.lm_head.weight])
+    step = size(built.parameters()) * layers // len(built) + size(target.model.norm.parameters()) + head
+    return step, size(drafter.parameters()) + head
+
+
 def _experts_hit(target: TargetModel, run) -> float | None:
     """Mean number of distinct experts the router picks per MoE layer during ``run()``
     (None for a target without MoE layers)."""
@@ -323,7 +342,7 @@ def _experts_hit(target: TargetModel, run) -> float | None:
 def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", context: int = 512,
                   block_size: int = 16, repeats: int = 5, draft_layers: int = 5,
                   memory_budget: int | None = None, compiled: bool = False, fuse: bool | None = None,
-                  profile: bool = False) -> dict:
+                  profile: bool = False, compile_mode: str | None = None) -> dict:
     """Median seconds of one target-only step and of one DFlash round after ``context``
     committed tokens.
 
@@ -351,12 +370,16 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
             ``cudagraph_skips`` (graphs that ran without CUDA graphs, CUDA only).
         fuse: join projections as the engine does (None: on CUDA; see
             :mod:`~dflash_torch.models.fusing`).
+        compile_mode: the ``torch.compile`` mode of ``compiled`` (None: as ``--compile``).
         profile: also profile ``repeats`` calls each of the step, the propose, the
             verify and the round (:func:`~dflash_torch.bench.profile.kernel_summary`: the
             kernels they run on a GPU) into ``profile``.
 
     Returns:
-        a dict: times in seconds (``target_step_s``, ``round_s``, and two parts of the
+        a dict: ``floor_round_over_step``, the round/step that the weights read imply
+        (step + propose bytes over step bytes, :func:`weights_read`: what round/step is
+        when every forward runs at the same fraction of the memory bandwidth; None for
+        MoE), times in seconds (``target_step_s``, ``round_s``, and two parts of the
         round timed alone: ``propose_s``, and ``verify_s``, the verify with its acceptance,
         host sync and commit; the round's rest is what its parts cost together beyond that),
         ``round_over_step``, ``layers``, ``layers_timed``, ``scaled``, the measured
@@ -416,12 +439,14 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
     # The committed context is the caches' zero-filled first ``context`` positions (and a
     # zero recurrent state): a forward's time does not depend on the values it reads,
     # and a prefill, which would only fill them, takes minutes at large shapes on a CPU.
-    spec = SpeculativeDecoder(target, drafter, block_size=B, max_context=context + 64, compile=compiled)
+    spec = SpeculativeDecoder(target, drafter, block_size=B, max_context=context + 64, compile=compiled,
+                              compile_mode=compile_mode)
     if n < L:  # feature layers of the full depth -> the built layer at the same place in the pattern
         spec.feature_layers = [i % n for i in spec.feature_layers]
     spec.target_cache.reset(context + 64)
     spec.context.reset(context + 64)
-    base = SpeculativeDecoder(target, None, max_context=context + 64, compile=compiled)  # B = 1: verifies commit directly
+    base = SpeculativeDecoder(target, None, max_context=context + 64, compile=compiled,  # B = 1: verifies commit directly
+                              compile_mode=compile_mode)
     base.target_cache = spec.target_cache
     tok = block[:1]
     rebuilt = {"graphs": 0}  # graphs built after the warm-up calls
@@ -474,6 +499,7 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         counts = {"recompiles": rebuilt["graphs"], "cudagraph_skips": compile_counts()[1] - skips}
     else:
         hits = _experts_hit(target, verify_accept_commit)
+    read = weights_read(target, drafter, L)
     measured = None
     if n < L:
         measured = {"target_step_s": step_measured, "target_step_layers_s": step_layers,
@@ -483,7 +509,9 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         "dtype": str(dtype).removeprefix("torch."), "device": device, "context": context, "block_size": B,
         "draft_layers": drafter.config.num_hidden_layers, "layers": L, "layers_timed": n, "scaled": n < L,
         "weights_gib": (fixed + sum(per_layer)) / 2**30, "built_gib": need / 2**30,
-        "fused": any(isinstance(m, Attention) and m.qkv_proj is not None for m in target.modules()),
+        "step_weight_bytes": read[0] if read else None, "propose_weight_bytes": read[1] if read else None,
+        "floor_round_over_step": (read[0] + read[1]) / read[0] if read else None,
+        "compile_mode": compile_mode, "fused": any(isinstance(m, Attention) and m.qkv_proj is not None for m in target.modules()),
         "target_step_s": step, "round_s": rnd, "propose_s": propose, "verify_s": verify, "round_over_step": rnd / step,
         "measured": measured, "experts_hit_per_moe_layer": hits,
         "moe": None if cfg.moe is None else {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k},
