@@ -128,7 +128,9 @@ def test_hybrid_round_commits_the_accepted_rows(monkeypatch):
 
     monkeypatch.setattr(TargetModel, "commit", observed_commit)
     round_vs_step(TINY_HYBRID_MOE, torch.float32, context=16, block_size=4, repeats=1, draft_layers=2)
-    assert len(rows) == 2 + 1  # the timed rounds (repeats + 1 warm-up), then the verify counting expert hits
+    # the timed rounds (repeats + 1 warm-up), the verify timed alone (as many), then the
+    # verify counting expert hits
+    assert len(rows) == 2 + 2 + 1
     assert all(1 <= n <= 4 for n in rows)
     rows.clear()
     round_vs_step(TINY_QWEN3, torch.float32, context=16, block_size=4, repeats=1, draft_layers=2)
