@@ -106,3 +106,11 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
         except SafetensorError as e:
             raise DFlashError(f"{file} is not a valid safetensors file (corrupt or truncated?): {e}") from None
     return state
+
+
+def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """True when every value of the floating-point tensor ``t`` is finite (no NaN, no inf).
+    Checked ``chunk`` elements at a time, so a 600M-value embedding needs 16 MB of
+    scratch, not 600 MB."""
+    parts = t.reshape(-1).split(chunk)
+    return bool(torch.stack([torch.isfinite(p).all() for p in parts]).all()) if parts else True

@@ -99,6 +99,9 @@ class SpeculativeDecoder:
         max_context: longest prompt + generation (tokens); default: the target's
             ``max_position_embeddings``.
         compile_backend: torch.compile backend (default "inductor").
+        compile_mode: torch.compile mode (default: "reduce-overhead" on CUDA, the
+            compiler's default elsewhere); e.g. "max-autotune" (CUDA graphs too, with
+            GEMM autotuning: minutes more to compile).
 
     Raises:
         DFlashError: invalid block size, draft mode, or a mode combination that cannot work.
@@ -115,6 +118,7 @@ class SpeculativeDecoder:
         compile: bool = False,
         max_context: int | None = None,
         compile_backend: str = "inductor",
+        compile_mode: str | None = None,
     ):
         if draft_mode not in DRAFT_MODES:
             raise DFlashError(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}")
@@ -157,12 +161,12 @@ class SpeculativeDecoder:
             self._prefill_fn, self._draft_fn, self._verify_fn = map(
                 without_shape_plans, (self._prefill_step, self._draft_step, self._verify_step))
         self.compiled = compile
-        self.graphed = compile and self.device.type == "cuda"  # mode "reduce-overhead": CUDA graphs
+        # modes "reduce-overhead" and "max-autotune" run CUDA graphs
+        self.graphed = compile and self.device.type == "cuda" and compile_mode in (None, "reduce-overhead", "max-autotune")
         if compile:
-            if self.device.type == "cuda":
-                opts = dict(dynamic=False, backend=compile_backend, mode="reduce-overhead")
-            else:
-                opts = dict(dynamic=False, backend=compile_backend)
+            if compile_mode is None and self.device.type == "cuda":
+                compile_mode = "reduce-overhead"
+            opts = dict(dynamic=False, backend=compile_backend, mode=compile_mode)
             self._prefill_fn = torch.compile(self._prefill_step, **opts)
             self._draft_fn = torch.compile(self._draft_step, **opts)
             self._verify_fn = torch.compile(self._verify_step, **opts)

@@ -31,6 +31,7 @@ from .decoding import Round, SpeculativeDecoder
 from .errors import DFlashError
 from .models.config import DrafterConfig, TargetConfig, validate_pair
 from .models.drafter import DFlashDrafter
+from .models.fusing import fuse_by_default, fuse_projections
 from .models.packing import pack_linears, packing_supported
 from .models.target import TargetModel
 from .sampling import SamplingParams
@@ -147,6 +148,7 @@ class DFlashEngine:
         no_draft: bool = False,
         compile: bool = False,
         pack: bool = True,
+        fuse: bool | None = None,
         static: bool = False,
         max_context: int | None = None,
         max_batch_size: int = 8,
@@ -165,6 +167,8 @@ class DFlashEngine:
             pack: on CPU in bfloat16, prepack the linear weights for oneDNN
                 (:mod:`dflash_torch.models.packing`; faster eager decoding, a second
                 copy of the weights in memory).
+            fuse: join the projections that read the same rows into one matmul
+                (:mod:`dflash_torch.models.fusing`; same outputs); default: on CUDA.
             compile: fixed-shape rounds compiled with ``torch.compile`` (see
                 :class:`~dflash_torch.decoding.SpeculativeDecoder`).
             static: fixed-shape rounds without compiling.
@@ -197,14 +201,19 @@ class DFlashEngine:
         check_max_batch_size(max_batch_size)
         # the weights are read, converted and packed on the compute thread, like every round
         return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, pack=pack,
+                           fuse=fuse_by_default(dev) if fuse is None else fuse,
                            block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
                            max_context=max_context, max_batch_size=max_batch_size)
 
     @classmethod
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
-              dev: torch.device, *, pack: bool, **engine_options) -> "DFlashEngine":
+              dev: torch.device, *, pack: bool, fuse: bool, **engine_options) -> "DFlashEngine":
         drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev)
+        if fuse:
+            fuse_projections(model, query=True)
+            if drafter is not None:
+                fuse_projections(drafter, query=False)
         if pack and packing_supported(torch_dtype, dev):
             pack_linears(model)
             if drafter is not None:

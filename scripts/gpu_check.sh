@@ -2,12 +2,15 @@
 # The GPU checks of GPU decoding (CUDA graphs, eager CUDA, large-shape timing), in one run
 # of under 8 minutes on an H200. Needs only torch with CUDA, transformers, safetensors,
 # tokenizers, tqdm and matplotlib (no install, no download). Prints one summary table at
-# the end and writes probe.json, pair_bf16.json, qwen3_8b.json, pair_fp32.json and gpu_check.log
+# the end and writes probe.json, pair_bf16.json, qwen3_8b.json, pair_fp32.json (profile.json) and gpu_check.log
 # into OUT_DIR.
 #
 # Usage: scripts/gpu_check.sh [OUT_DIR] [PARTS]
 #   PARTS: comma-separated, default probe,pair,shapes,tests,fp32; also: hybrid (the Qwen3.5-9B
-#   shape eager and compiled, a hybrid target's CUDA graphs; about 2 more minutes)
+#   shape eager and compiled, a hybrid target's CUDA graphs; about 2 more minutes) and
+#   profile (scripts/gpu_profile.py: the Qwen3-8B shape compiled with joined and with
+#   separate projections, timed and profiled kernel by kernel into profile.json; about 3
+#   more minutes, an estimate: not yet run on a GPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_out}
@@ -50,6 +53,10 @@ if has hybrid; then
     step "Qwen3.5-9B shape (hybrid), random weights, bf16: eager and compiled step/round"
     bench qwen35_9b --dtype bfloat16 --num-prompts 1 --max-new-tokens 8 --modes target-only --sweep "" \
         --shapes qwen3.5-9b --shapes-compiled
+fi
+if has profile; then
+    step "Qwen3-8B shape, random weights, bf16, compiled: joined vs separate projections, kernel profile"
+    $PY scripts/gpu_profile.py --json "$OUT/profile.json" 2>&1 | tee -a "$LOG"
 fi
 if has tests; then
     step "CUDA tests"

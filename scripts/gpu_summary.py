@@ -57,6 +57,18 @@ def main() -> None:
             r = sw["ratio_longest_over_shortest"]["inject"]
             row(f"{sw['shape']} drafter propose {sw['lengths'][-1]} / {sw['lengths'][0]} context (inject, eager)",
                 f"{r:.2f}", "<= 1.1", r <= 1.1)
+    prof = load(out / "profile.json")
+    for r in prof["results"] if prof else []:
+        tag = f"{r['shape']} compiled, {r.get('variant', 'joined' if r['fused'] else 'separate')}"
+        step = r["target_step_s"] / prof["floor_s"]
+        row(f"{tag}: step / propose / verify / round (ms)",
+            " / ".join(f"{r[k] * 1e3:.2f}" for k in ("target_step_s", "propose_s", "verify_s", "round_s")))
+        row(f"{tag}: step / floor", f"{step:.2f}", "<= 1.5", step <= 1.5)
+        row(f"{tag}: round / step", f"{r['round_over_step']:.2f}", "<= 1.15", r["round_over_step"] <= 1.15)
+        if r.get("floor_round_over_step"):
+            row(f"{tag}: round / step implied by the weights read", f"{r['floor_round_over_step']:.2f}")
+        s = r["profile"]["step"]
+        row(f"{tag}: step kernels, device busy / wall (us)", f"{s['kernels']:.0f}, {s['busy_us']:.0f} / {s['wall_us']:.0f}")
     for dtype in ("bf16", "fp32"):
         rep = load(out / f"pair_{dtype}.json")
         if not rep:

@@ -11,7 +11,7 @@ import torch._dynamo
 
 from dflash_torch import DFlashError
 from dflash_torch.bench.cli import _shapes_table
-from dflash_torch.bench.shapes import round_vs_step
+from dflash_torch.bench.shapes import drafter_config, round_vs_step, target_config
 from dflash_torch.bench.sweep import context_sweep
 from dflash_torch.models.drafter import DFlashDrafter
 
@@ -128,7 +128,9 @@ def test_hybrid_round_commits_the_accepted_rows(monkeypatch):
 
     monkeypatch.setattr(TargetModel, "commit", observed_commit)
     round_vs_step(TINY_HYBRID_MOE, torch.float32, context=16, block_size=4, repeats=1, draft_layers=2)
-    assert len(rows) == 2 + 1  # the timed rounds (repeats + 1 warm-up), then the verify counting expert hits
+    # the timed rounds (repeats + 1 warm-up), the verify timed alone (as many), then the
+    # verify counting expert hits
+    assert len(rows) == 2 + 2 + 1
     assert all(1 <= n <= 4 for n in rows)
     rows.clear()
     round_vs_step(TINY_QWEN3, torch.float32, context=16, block_size=4, repeats=1, draft_layers=2)
@@ -326,3 +328,41 @@ def test_bench_rejects_bad_batch_sizes(tiny_pair, tmp_path):
          "--batch-sizes", "1,0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--batch-sizes must be distinct integers >= 1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_round_vs_step_joined_projections_verify_part_and_profile():
+    """The verify timed alone, joined projections on request, and the profile of each part
+    (on a CPU: the top-level ops; on a GPU the same summary lists device kernels)."""
+    from dflash_torch.bench.profile import kind_of, summary_lines
+
+    r = round_vs_step(TINY_QWEN3, torch.float32, context=16, block_size=4, repeats=2, draft_layers=2,
+                      fuse=True, profile=True)
+    assert r["fused"] is True and _finite_positive(r["verify_s"], r["propose_s"], r["round_s"])
+    # weights read, counted from the shapes by hand (float32): a target layer is q, k, v, o,
+    # the MLP and four norms; the drafter's layers are alike, plus fc and two norms; both
+    # read the LM head
+    d = drafter_config(target_config(TINY_QWEN3), 2, 4)
+    H, I, head = 64, 128, 128 * 64
+
+    def layer(inter):
+        return 2 * H * H + 2 * H * 32 + 3 * H * inter + 2 * H + 2 * 16
+
+    step = 4 * (4 * layer(I) + H + head)  # bytes: 4 layers, the final norm, the LM head
+    propose = 4 * (2 * layer(d.intermediate_size) + len(d.target_layer_ids) * H * H + 2 * H + head)
+    assert (r["step_weight_bytes"], r["propose_weight_bytes"]) == (step, propose)
+    assert r["floor_round_over_step"] == (step + propose) / step
+    assert round_vs_step(TINY_QWEN3, torch.float32, context=16, block_size=4, repeats=1, draft_layers=2)["fused"] is False
+    for part in ("step", "propose", "verify", "round"):
+        s = r["profile"][part]
+        assert s["calls"] == 2 and s["kernels"] > 0 and 0 < s["busy_us"]
+        assert s["top"] and all(t["per_call"] > 0 for t in s["top"])
+        assert abs(sum(s["by_kind"].values()) - s["busy_us"]) < 1e-6 * s["busy_us"] + 1e-9
+    # a verify runs matmuls; the round's profile holds at least the verify's kinds of work
+    assert "matmul" in r["profile"]["verify"]["by_kind"]
+    assert summary_lines("step", r["profile"]["step"])[0].startswith("step: ")
+    # device kernel names as cuBLAS, inductor and SDPA name them
+    assert [kind_of(n) for n in ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "nvjet_hsh_128x64_64x4_1x2_h_bz_TNT",
+                                 "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "flash_fwd_splitkv_kernel",
+                                 "fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "void at::native::index_elementwise_kernel",
+                                 "cudaGraphLaunch")] == \
+        ["matmul", "matmul", "fused (triton)", "attention", "attention", "copy / index", "other"]

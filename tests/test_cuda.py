@@ -191,6 +191,32 @@ def test_compiled_hybrid_batch_on_cuda_graphs_equals_alone(agree_hybrid_pair):
 
 
 @cuda
+def test_joined_projections_on_cuda_graphs_equal_target_only_and_the_profile_sees_kernels(agree_pair):
+    """The engine's CUDA default (joined projections, :mod:`dflash_torch.models.fusing`),
+    compiled with CUDA graphs: the target-only tokens, no graph skipped, nothing
+    recompiled; and the profiler summary records the kernels that graphs replay."""
+    from dflash_torch.bench.profile import kernel_summary
+    from dflash_torch.models.fusing import fuse_projections
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    target, drafter = _load(agree_pair, "cuda")
+    fuse_projections(target, query=True)
+    fuse_projections(drafter, query=False)
+    plain = SpeculativeDecoder(_load(agree_pair, "cuda")[0], None)
+    compiled = SpeculativeDecoder(target, drafter, compile=True, max_context=256)
+    prompts = varied_prompts(target, 2)
+    run_rounds(compiled, prompts[0], 100)  # warm-up
+    frames, skips = compile_counts()
+    assert skips == 0, "a compiled graph ran without CUDA graphs"
+    for prompt in prompts:
+        assert run_rounds(compiled, prompt, 100)[0] == run_rounds(plain, prompt, 100)[0]
+    assert compile_counts() == (frames, 0), "recompiled after warm-up, or skipped CUDA graphs"
+    s = kernel_summary(lambda: run_rounds(compiled, prompts[1], 30), 1, "cuda")
+    assert s["kernels"] > 10 and "matmul" in s["by_kind"], s
+
+
+@cuda
 def test_eager_cuda_rounds_never_reach_cudnn_attention(agree_pair):
     """Eager rounds attend over a key length that changes every round; none of them may
     run cuDNN attention (a plan per new shape)."""

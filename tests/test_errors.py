@@ -257,6 +257,13 @@ def test_target_with_unused_or_misshaped_weights_is_refused(tmp_path):
     save_file(quantized, str(target / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(DFlashError, match="q_proj.weight has dtype int8"):
         TargetModel.from_pretrained(target, torch.float32)
+    for value in (float("nan"), float("inf")):  # a corrupt checkpoint: logits of NaN, tokens of nothing
+        corrupt = dict(state)
+        corrupt["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"].clone()
+        corrupt["model.layers.1.mlp.down_proj.weight"][5, 7] = value
+        save_file(corrupt, str(target / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(DFlashError, match="target weight model.layers.1.mlp.down_proj.weight holds NaN or infinite"):
+            TargetModel.from_pretrained(target, torch.float32)
 
 
 def test_drafter_with_integer_weights_is_refused(tiny_pair, tmp_path):

@@ -89,21 +89,26 @@ def _shapes_table(shapes: list[dict]) -> str:
     tau = "mean (paper, Qwen3-8B)"
     lines = [f"\nround vs step on random weights ({first['dtype']}, {first['device']}, context {first['context']}, "
              f"B={first['block_size']}, {first['draft_layers']}-layer drafter):",
-             "| shape | model_type | step ms | round ms | propose ms | round/step | layers timed | experts hit / MoE layer "
-             f"(verify of {first['block_size']}) | PROJECTED speedup at tau {PUBLISHED_TAU[tau]} |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| shape | model_type | step ms | round ms | propose ms | verify ms | round/step | round/step by weights read "
+             f"| layers timed | experts hit / MoE layer (verify of {first['block_size']}) | PROJECTED speedup at tau "
+             f"{PUBLISHED_TAU[tau]} |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for sh in shapes:
         hits = "-" if sh["experts_hit_per_moe_layer"] is None else \
             f"{sh['experts_hit_per_moe_layer']:.1f} of {sh['moe']['num_experts']} (top-{sh['moe']['top_k']})"
         timed = f"{sh['layers_timed']} of {sh['layers']}, SCALED" if sh["scaled"] else f"all {sh['layers']}"
         name = f"{sh['shape']} (compiled)" if sh.get("compiled") else sh["shape"]
+        floor = "-" if sh["floor_round_over_step"] is None else f"{sh['floor_round_over_step']:.2f}"
         lines.append(f"| {name} | {sh['model_type']} | {sh['target_step_s'] * 1e3:.2f} | {sh['round_s'] * 1e3:.2f} | "
-                     f"{sh['propose_s'] * 1e3:.2f} | {sh['round_over_step']:.2f} | {timed} | {hits} | "
+                     f"{sh['propose_s'] * 1e3:.2f} | {sh['verify_s'] * 1e3:.2f} | {sh['round_over_step']:.2f} | {floor} | "
+                     f"{timed} | {hits} | "
                      f"{sh['projected_speedup'][tau]:.2f}x |")
     if any(sh["scaled"] for sh in shapes):
         lines.append("SCALED rows: only whole periods of the layer pattern were built (the weights would not fit "
                      "comfortably in RAM); their per-layer time is scaled to the full depth (bench.json: 'measured').")
-    lines.append(f"PROJECTED = tau x step / round at the paper's tau ({tau}); the random models accept nothing.")
+    lines.append(f"PROJECTED = tau x step / round at the paper's tau ({tau}); the random models accept nothing. "
+                 "Round/step by weights read = (bytes a step reads + bytes a propose reads) / step bytes: the "
+                 "round/step of forwards that all run at the same fraction of the memory bandwidth.")
     return "\n".join(lines)
 
 

@@ -27,15 +27,18 @@ from torch import nn
 from ..decoding import SpeculativeDecoder, compile_counts
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig
+from ..models.attention import Attention
 from ..models.drafter import DFlashDrafter
 from ..models.gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from ..models.layers import RMSNorm, ZeroCenteredRMSNorm
 from ..models.moe import SparseMoE
+from ..models.fusing import fuse_by_default, fuse_projections
 from ..models.packing import pack_linears, packing_supported
 from ..models.registry import family
 from ..models.rope import Rotary
 from ..models.target import TargetModel
 from ..sampling import accept_greedy, greedy_tokens
+from .profile import kernel_summary
 from ..training.trainer import TrainConfig, make_drafter_config
 
 # The text-model fields of each public Hugging Face config.json (Qwen/<name>/config.json);
@@ -174,15 +177,18 @@ def _random_init(module: nn.Module, dtype: torch.dtype, device: str) -> nn.Modul
 
 
 def build_drafter(shape: str | dict, dtype: torch.dtype, device: str, draft_layers: int = 5,
-                  block_size: int = 16) -> tuple[DFlashDrafter, nn.Embedding]:
+                  block_size: int = 16, fuse: bool | None = None) -> tuple[DFlashDrafter, nn.Embedding]:
     """A random drafter for a target of ``shape`` and an embedding of its width that gives
     every token id one random row (enough to embed mask blocks for propose timing, whatever
-    the mask token id; the target itself is not built)."""
+    the mask token id; the target itself is not built). ``fuse``: join its projections
+    (:mod:`~dflash_torch.models.fusing`; None: as the engine, on CUDA)."""
     dcfg = drafter_config(target_config(shape), draft_layers, block_size)
     with torch.device("meta"):
         drafter = DFlashDrafter(dcfg)
     drafter = _random_init(drafter, dtype, device)
-    if packing_supported(dtype, device):  # as the engine loads models
+    if fuse_by_default(device) if fuse is None else fuse:  # as the engine loads models
+        fuse_projections(drafter, query=False)
+    if packing_supported(dtype, device):
         pack_linears(drafter)
     return drafter, OneRowEmbedding(dcfg.hidden_size, dtype, device)
 
@@ -270,10 +276,12 @@ def layers_that_fit(shape: str | dict, dtype: torch.dtype, device: str,
 
 
 def build_pair(shape: str | dict, dtype: torch.dtype, device: str, draft_layers: int = 5, block_size: int = 16,
-               layers: int | None = None) -> tuple[TargetModel, DFlashDrafter]:
+               layers: int | None = None, fuse: bool | None = None) -> tuple[TargetModel, DFlashDrafter]:
     """A random target of ``shape`` (a name of :data:`SHAPES` or a ``config.json`` dict)
     and a random DFlash drafter of ``draft_layers`` layers for it (shaped for the full
-    target). ``layers``: build only the first ``layers`` decoder layers (None: all)."""
+    target). ``layers``: build only the first ``layers`` decoder layers (None: all).
+    ``fuse``: join projections (:mod:`~dflash_torch.models.fusing`; None: as the
+    engine, on CUDA)."""
     cfg = target_config(shape)
     dcfg = drafter_config(cfg, draft_layers, block_size)
     if layers is not None and layers < cfg.num_hidden_layers:
@@ -285,10 +293,32 @@ def build_pair(shape: str | dict, dtype: torch.dtype, device: str, draft_layers:
     if cfg.tie_word_embeddings:
         target.lm_head.weight = target.model.embed_tokens.weight
     drafter = _random_init(drafter, dtype, device)
-    if packing_supported(dtype, device):  # as the engine loads models
+    if fuse_by_default(device) if fuse is None else fuse:  # as the engine loads models
+        fuse_projections(target, query=True)
+        fuse_projections(drafter, query=False)
+    if packing_supported(dtype, device):
         pack_linears(target)
         pack_linears(drafter)
     return target, drafter
+
+
+def weights_read(target: TargetModel, drafter: DFlashDrafter, layers: int) -> tuple[int, int] | None:
+    """Bytes of weights that a target-only step and a propose read, for a dense target
+    whose full depth is ``layers`` (the built layers' bytes scaled to it): the step reads
+    every decoder layer, the final norm and the LM head; the propose reads the whole
+    drafter and the target's LM head (both read only a few rows of the token embedding,
+    left out). None for a mixture-of-experts target (what a step reads depends on the
+    experts its tokens hit)."""
+    if target.config.moe is not None:
+        return None
+
+    def size(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
+
+    built = target.model.layers
+    head = size([target.lm_head.weight])
+    step = size(built.parameters()) * layers // len(built) + size(target.model.norm.parameters()) + head
+    return step, size(drafter.parameters()) + head
 
 
 def _experts_hit(target: TargetModel, run) -> float | None:
@@ -311,7 +341,8 @@ def _experts_hit(target: TargetModel, run) -> float | None:
 @torch.inference_mode()
 def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", context: int = 512,
                   block_size: int = 16, repeats: int = 5, draft_layers: int = 5,
-                  memory_budget: int | None = None, compiled: bool = False) -> dict:
+                  memory_budget: int | None = None, compiled: bool = False, fuse: bool | None = None,
+                  profile: bool = False, compile_mode: str | None = None) -> dict:
     """Median seconds of one target-only step and of one DFlash round after ``context``
     committed tokens.
 
@@ -337,9 +368,20 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
             of eager steps. Needs every layer in memory (no scaling through compiled
             graphs). Adds ``recompiles`` (graphs built after the warm-up) and
             ``cudagraph_skips`` (graphs that ran without CUDA graphs, CUDA only).
+        fuse: join projections as the engine does (None: on CUDA; see
+            :mod:`~dflash_torch.models.fusing`).
+        compile_mode: the ``torch.compile`` mode of ``compiled`` (None: as ``--compile``).
+        profile: also profile ``repeats`` calls each of the step, the propose, the
+            verify and the round (:func:`~dflash_torch.bench.profile.kernel_summary`: the
+            kernels they run on a GPU) into ``profile``.
 
     Returns:
-        a dict: times in seconds (``target_step_s``, ``round_s``, ``propose_s``),
+        a dict: ``floor_round_over_step``, the round/step that the weights read imply
+        (step + propose bytes over step bytes, :func:`weights_read`: what round/step is
+        when every forward runs at the same fraction of the memory bandwidth; None for
+        MoE), times in seconds (``target_step_s``, ``round_s``, and two parts of the
+        round timed alone: ``propose_s``, and ``verify_s``, the verify with its acceptance,
+        host sync and commit; the round's rest is what its parts cost together beyond that),
         ``round_over_step``, ``layers``, ``layers_timed``, ``scaled``, the measured
         pieces of a scaled result (``measured``), ``experts_hit_per_moe_layer`` (distinct
         experts in one verify, None without MoE) and ``projected_speedup``.
@@ -357,7 +399,7 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
                           f"{L} layers in memory; only {n} fit on {device}")
     need = fixed + sum(per_layer[:n])
     target, drafter = build_pair(shape, dtype, device, draft_layers=draft_layers, block_size=block_size,
-                                 layers=n)
+                                 layers=n, fuse=fuse)
     B = block_size
     block = torch.randint(0, cfg.vocab_size - 2, (B,), generator=torch.Generator().manual_seed(0)).to(device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -397,12 +439,14 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
     # The committed context is the caches' zero-filled first ``context`` positions (and a
     # zero recurrent state): a forward's time does not depend on the values it reads,
     # and a prefill, which would only fill them, takes minutes at large shapes on a CPU.
-    spec = SpeculativeDecoder(target, drafter, block_size=B, max_context=context + 64, compile=compiled)
+    spec = SpeculativeDecoder(target, drafter, block_size=B, max_context=context + 64, compile=compiled,
+                              compile_mode=compile_mode)
     if n < L:  # feature layers of the full depth -> the built layer at the same place in the pattern
         spec.feature_layers = [i % n for i in spec.feature_layers]
     spec.target_cache.reset(context + 64)
     spec.context.reset(context + 64)
-    base = SpeculativeDecoder(target, None, max_context=context + 64, compile=compiled)  # B = 1: verifies commit directly
+    base = SpeculativeDecoder(target, None, max_context=context + 64, compile=compiled,  # B = 1: verifies commit directly
+                              compile_mode=compile_mode)
     base.target_cache = spec.target_cache
     tok = block[:1]
     rebuilt = {"graphs": 0}  # graphs built after the warm-up calls
@@ -439,15 +483,23 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         verify_accept_commit()
 
     round_measured, round_layers, rnd = timed(one_round)
+    verify = timed(verify_accept_commit)[2]
     for h in hooks:
         h.remove()
     propose = timed(lambda: spec._draft_fn(tok[0], pos, kv_round, feats[0], start))[0]
+    profiled = None
+    if profile:
+        profiled = {"step": kernel_summary(lambda: base._verify_fn(tok, pos, kv_step), repeats, device),
+                    "propose": kernel_summary(lambda: spec._draft_fn(tok[0], pos, kv_round, feats[0], start), repeats, device),
+                    "verify": kernel_summary(verify_accept_commit, repeats, device),
+                    "round": kernel_summary(one_round, repeats, device)}
     counts = {}
     if compiled:  # the hooks that count experts cannot run inside graphs
         hits = None
         counts = {"recompiles": rebuilt["graphs"], "cudagraph_skips": compile_counts()[1] - skips}
     else:
         hits = _experts_hit(target, verify_accept_commit)
+    read = weights_read(target, drafter, L)
     measured = None
     if n < L:
         measured = {"target_step_s": step_measured, "target_step_layers_s": step_layers,
@@ -457,10 +509,13 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         "dtype": str(dtype).removeprefix("torch."), "device": device, "context": context, "block_size": B,
         "draft_layers": drafter.config.num_hidden_layers, "layers": L, "layers_timed": n, "scaled": n < L,
         "weights_gib": (fixed + sum(per_layer)) / 2**30, "built_gib": need / 2**30,
-        "target_step_s": step, "round_s": rnd, "propose_s": propose, "round_over_step": rnd / step,
+        "step_weight_bytes": read[0] if read else None, "propose_weight_bytes": read[1] if read else None,
+        "floor_round_over_step": (read[0] + read[1]) / read[0] if read else None,
+        "compile_mode": compile_mode, "fused": any(isinstance(m, Attention) and m.qkv_proj is not None for m in target.modules()),
+        "target_step_s": step, "round_s": rnd, "propose_s": propose, "verify_s": verify, "round_over_step": rnd / step,
         "measured": measured, "experts_hit_per_moe_layer": hits,
         "moe": None if cfg.moe is None else {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k},
-        "projected_speedup": {k: tau * step / rnd for k, tau in PUBLISHED_TAU.items()}, **counts,
+        "projected_speedup": {k: tau * step / rnd for k, tau in PUBLISHED_TAU.items()}, "profile": profiled, **counts,
     }
     target = drafter = base = spec = None  # free the large weights before the next shape is built
     gc.collect()

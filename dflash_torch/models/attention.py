@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import RMSNorm
+from .layers import RMSNorm, fused_linear
 from .rope import apply_rope
 
 
@@ -19,7 +19,8 @@ class Attention(nn.Module):
     the attention output is multiplied by ``sigmoid(gate)`` before ``o_proj``.
 
     Hugging Face parameter names: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
-    ``q_norm``, ``k_norm``.
+    ``q_norm``, ``k_norm``. After :meth:`fuse` (inference only), ``qkv_proj`` or
+    ``kv_proj`` replaces the projections it joins.
 
     Args:
         norm: the class of the q/k norms (``RMSNorm`` or ``ZeroCenteredRMSNorm``).
@@ -36,6 +37,41 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
         self.q_norm = norm(head_dim, eps) if qk_norm else None
         self.k_norm = norm(head_dim, eps) if qk_norm else None
+        self.qkv_proj = self.kv_proj = None  # set by fuse()
+
+    def fuse(self, query: bool) -> None:
+        """Join projections that read the same rows into one linear (in place; the outputs
+        are the same columns, computed by one matmul instead of several: on a GPU, one
+        kernel that reads all the weights instead of three small ones).
+
+        Args:
+            query: True: ``q_proj``, ``k_proj``, ``v_proj`` -> ``qkv_proj`` (a target layer,
+                whose queries, keys and values all come from the same rows; use
+                :meth:`project`); False: ``k_proj``, ``v_proj`` -> ``kv_proj`` (a drafter
+                layer, whose injected context rows need keys and values only).
+
+        The joined parameters replace the separate ones (no second copy of the weights),
+        so the state dict's names change: fuse a model loaded for inference only.
+        """
+        if self.qkv_proj is not None or self.kv_proj is not None:
+            return
+        if query:
+            self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
+            del self.q_proj
+        else:
+            self.kv_proj = fused_linear([self.k_proj, self.v_proj])
+        del self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """``x`` ``[T, hidden]`` -> rotated queries ``[heads, T, head_dim]``, the output gate
+        (as :meth:`query_gate`), rotated keys and values ``[kv_heads, T, head_dim]``: one
+        matmul after ``fuse(query=True)``, else three."""
+        if self.qkv_proj is None:
+            return (*self.query_gate(x, cos, sin), *self.key_value(x, cos, sin))
+        kv = self.kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.qkv_proj.out_features - 2 * kv, kv, kv], dim=-1)
+        return (*self._queries(q, cos, sin), *self._keys_values(k, v, cos, sin))
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, hidden]`` -> rotated queries ``[heads, T, head_dim]`` (no output gate)."""
@@ -43,12 +79,15 @@ class Attention(nn.Module):
 
     def query_gate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` ``[T, hidden]`` -> rotated queries ``[heads, T, head_dim]`` and the output
-        gate ``[T, heads * head_dim]`` (None without ``output_gate``)."""
-        t = x.shape[0]
-        q = self.q_proj(x)
+        gate ``[T, heads * head_dim]`` (None without ``output_gate``). Not after
+        ``fuse(query=True)`` (use :meth:`project`)."""
+        return self._queries(self.q_proj(x), cos, sin)
+
+    def _queries(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = q.shape[0]
         gate = None
         if self.output_gate:
-            q = q.view(t, self.heads, 2 * self.head_dim)
+            q = q.reshape(t, self.heads, 2 * self.head_dim)
             q, gate = q[..., : self.head_dim], q[..., self.head_dim:].reshape(t, self.heads * self.head_dim)
         q = q.reshape(t, self.heads, self.head_dim)
         if self.q_norm is not None:
@@ -56,12 +95,19 @@ class Attention(nn.Module):
         return apply_rope(q.transpose(0, 1), cos, sin), gate
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` ``[T, hidden]`` -> rotated keys and values, each ``[kv_heads, T, head_dim]``."""
-        t = x.shape[0]
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        """``x`` ``[T, hidden]`` -> rotated keys and values, each ``[kv_heads, T, head_dim]``.
+        Not after ``fuse(query=True)`` (use :meth:`project`)."""
+        if self.kv_proj is not None:
+            return self._keys_values(*self.kv_proj(x).chunk(2, dim=-1), cos, sin)
+        return self._keys_values(self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def _keys_values(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        t = k.shape[0]
+        k = k.reshape(t, self.kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = v.reshape(t, self.kv_heads, self.head_dim)
         return apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..cache import KVCache
-from ..checkpoint import load_config, load_state_dict
+from ..checkpoint import all_finite, load_config, load_state_dict
 from ..errors import DFlashError
 from ..sampling import SamplingParams, greedy_tokens, probabilities, sample
 from .attention import Attention
@@ -128,7 +128,7 @@ class DFlashDrafter(nn.Module):
             if not state[k].is_floating_point():
                 raise DFlashError(f"drafter weight {k} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
                                   "dflash-torch reads float32/bfloat16/float16 weights only (a quantized checkpoint?)")
-            if not torch.isfinite(state[k]).all():  # e.g. a diverged training run
+            if not all_finite(state[k]):  # e.g. a diverged training run
                 raise DFlashError(f"drafter weight {k} holds NaN or infinite values (a corrupt or diverged checkpoint)")
         model.load_state_dict(state, strict=True, assign=True)
         model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings).to(device)

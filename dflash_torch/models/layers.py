@@ -43,17 +43,44 @@ class ZeroCenteredRMSNorm(nn.Module):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
+def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One linear whose output is the outputs of ``parts`` (linears over the same input
+    width, all with a bias or all without) side by side, in order. Its weight is their
+    weights stacked ``[sum(out_features), in_features]``, in their dtype and device."""
+    with torch.device("meta"):
+        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None)
+    with torch.no_grad():
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        if fused.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    return fused
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``. Parameter names
+    ``gate_proj``, ``up_proj``, ``down_proj``; after :meth:`fuse`, ``gate_up_proj``."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """Join ``gate_proj`` and ``up_proj`` into one linear ``gate_up_proj`` (in place, for
+        inference: same outputs from one matmul; the state dict's names change)."""
+        if self.gate_up_proj is None:
+            self.gate_up_proj = fused_linear([self.gate_proj, self.up_proj])
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """``x`` ``[T, hidden]`` -> ``[T, hidden]``."""
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def attention_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..cache import KVCache, RecurrentState, TargetCache
-from ..checkpoint import load_config, load_state_dict
+from ..checkpoint import all_finite, load_config, load_state_dict
 from ..errors import DFlashError
 from .config import TargetConfig
 from .gated_deltanet import GatedDeltaNet
@@ -123,8 +123,8 @@ class TargetModel(nn.Module):
 
         Raises:
             DFlashError: unsupported config; weights missing, unknown (an unsupported
-                variant, e.g. biases the config does not announce), of the wrong shape or
-                not floating point (e.g. int8: quantized).
+                variant, e.g. biases the config does not announce), of the wrong shape,
+                not floating point (e.g. int8: quantized) or not finite (NaN, inf).
         """
         from .registry import family
 
@@ -153,6 +153,8 @@ class TargetModel(nn.Module):
             if not state[k].is_floating_point():
                 raise DFlashError(f"target weight {k} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
                                   "dflash-torch reads float32/bfloat16/float16 weights only (a quantized checkpoint?)")
+            if not all_finite(state[k]):
+                raise DFlashError(f"target weight {k} holds NaN or infinite values (a corrupt checkpoint)")
         model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -282,8 +284,7 @@ class TargetModel(nn.Module):
 
     @staticmethod
     def _self_attention(attn, slot: int, h: torch.Tensor, kv: KVCache, step: _Step) -> torch.Tensor:
-        q, gate = attn.query_gate(h, step.cos, step.sin)
-        k, v = attn.key_value(h, step.cos, step.sin)
+        q, gate, k, v = attn.project(h, step.cos, step.sin)
         kv.write(slot, step.positions, k, v)
         ck, cv = kv.view(slot, step.kv_len)
         return attn.output(attend(q, ck, cv, step.bias), gate)
