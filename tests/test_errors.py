@@ -400,3 +400,34 @@ def test_quantized_drafter_is_refused_like_a_quantized_target(tiny_pair, tmp_pat
     with pytest.raises(DFlashError, match="the drafter checkpoint is quantized \\(quant_method 'awq'\\)") as err:
         DFlashEngine.from_pretrained(tiny_pair[0], drafter)
     assert "\n" not in str(err.value)
+
+
+def test_a_bad_prompt_of_a_batch_is_named_and_nothing_is_decoded(engine):
+    """generate_batch checks every prompt before decoding any: a bad one, even past the
+    slots (index 8 of 9, 8 slots), is refused in a message that starts with its index,
+    and the target ran no forward for the others. One prompt alone: no index."""
+    assert engine.max_batch_size == 8
+    good = engine.encode_prompt("def f(x):")
+    vocab = engine.target.config.vocab_size
+    forwards = []
+    hook = engine.target.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        for bad, kw, message in [
+            ("", {}, "prompt 8: the prompt is empty (0 tokens)"),
+            ([5, vocab], {}, f"prompt 8: prompt token ids must be in [0, {vocab})"),
+            ([5] * 1000, dict(max_new_tokens=30),
+             "prompt 8: prompt (1000 tokens) + max_new_tokens (30) exceeds the context of 1024 tokens"),
+            (good, dict(temperature=[0.0] * 8 + [-1.0]), "prompt 8: temperature must be"),
+        ]:
+            with pytest.raises(DFlashError) as err:
+                engine.generate_batch([good] * 8 + [bad], **{"max_new_tokens": 4, **kw})
+            assert str(err.value).startswith(message), str(err.value)
+            with pytest.raises(DFlashError) as err:
+                engine.generate_batch([bad], **{"max_new_tokens": 4, **{k: v[-1:] if isinstance(v, list) else v
+                                                                         for k, v in kw.items()}})
+            assert str(err.value).startswith(message.removeprefix("prompt 8: ")), str(err.value)
+        assert forwards == []  # nothing was decoded for the good prompts
+    finally:
+        hook.remove()
+    assert [r.token_ids for r in engine.generate_batch([good, good], max_new_tokens=3, ignore_eos=True)] == \
+        [engine.generate(good, max_new_tokens=3, ignore_eos=True).token_ids] * 2
