@@ -1,7 +1,9 @@
 """The ``dflash-torch`` command line.
 
 Subcommands: ``generate`` (here), and the ones registered by their own modules
-(``serve``, ``train``, ``bench``). A user error prints one line to stderr and exits 2.
+(``serve``, ``train``, ``bench``). A user error prints one line to stderr and exits 2;
+an error about an option's value names the option as the user typed it (``--max-new-tokens``),
+not as the Python API spells it (``max_new_tokens``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import json
 import sys
 
-from .errors import DFlashError
+from .errors import DFlashError, OptionError
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -124,7 +126,22 @@ def warn_compile(name: str, recompiles: int | None = None, skipped: int | None =
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line too (no usage dump), exit status 2."""
+    """argparse whose usage errors are one line too (no usage dump), exit status 2, and
+    that knows each of its options' flag: ``flags`` maps an option's ``dest`` to its first
+    long flag (``max_new_tokens`` -> ``--max-new-tokens``); the parsed arguments carry the
+    subcommand's map as ``option_flags``. (Subcommand parsers are made of this class too.)"""
+
+    def __init__(self, *args, **kwargs):
+        self.flags: dict[str, str] = {}  # (before __init__, which adds --help)
+        super().__init__(*args, **kwargs)
+        self.set_defaults(option_flags=self.flags)
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        long = [s for s in action.option_strings if s.startswith("--")]
+        if long:
+            self.flags.setdefault(action.dest, long[0])
+        return action
 
     def error(self, message: str):
         self.exit(2, f"dflash-torch: error: {message} (see --help)\n")
@@ -153,13 +170,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_message(exc: DFlashError, flags: dict[str, str]) -> str:
+    """The message of ``exc`` for the command line: an :class:`OptionError` about an option
+    this command has (its Python name, spaces read as underscores, is the option's dest in
+    ``flags``) names the flag instead (``top_p must be ...`` -> ``--top-p must be ...``)."""
+    message = str(exc)
+    if isinstance(exc, OptionError):
+        flag = flags.get(exc.name.replace(" ", "_"))
+        if flag is not None:
+            return message.replace(exc.name, flag, 1)
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
     except DFlashError as exc:
-        print(f"dflash-torch: error: {exc}", file=sys.stderr)
+        print(f"dflash-torch: error: {error_message(exc, args.option_flags)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

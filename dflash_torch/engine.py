@@ -489,8 +489,9 @@ class DFlashEngine:
 
         Raises:
             DFlashError: an invalid prompt or parameter (checked for every prompt before any
-                decoding), a per-prompt list of the wrong length, or batch caches that do
-                not fit.
+                decoding; with several prompts the message starts with the prompt's index,
+                ``prompt 3: ...``), a per-prompt list of the wrong length, or batch caches
+                that do not fit.
         """
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise DFlashError("prompts must be a non-empty list")
@@ -501,16 +502,20 @@ class DFlashEngine:
                    ignore_eos=_per_prompt(ignore_eos, n, "ignore_eos"),
                    stop=_per_prompt(stop, n, "stop", nested=(str,)),
                    stop_token_ids=_per_prompt(stop_token_ids, n, "stop_token_ids", nested=(int,)))
+        options.check_flag(chat, "chat")
         requests = []
-        for i, prompt in enumerate(prompts):
-            params = SamplingParams(temperature=per["temperature"][i], top_k=per["top_k"][i], top_p=per["top_p"][i],
-                                    seed=per["seed"][i])
-            stopper = self.new_stopper(per["max_new_tokens"][i], per["stop"][i], per["stop_token_ids"][i],
-                                       per["ignore_eos"][i])
-            ids = self.encode_prompt(prompt, chat)
-            if len(ids) + stopper.max_new_tokens > self.max_context:  # (refused before any prompt is decoded)
-                raise DFlashError(f"prompt {i}: {len(ids)} tokens + max_new_tokens ({stopper.max_new_tokens}) "
-                                  f"exceeds the context of {self.max_context} tokens")
+        for i, prompt in enumerate(prompts):  # every prompt is checked before any is decoded
+            try:
+                params = SamplingParams(temperature=per["temperature"][i], top_k=per["top_k"][i], top_p=per["top_p"][i],
+                                        seed=per["seed"][i])
+                stopper = self.new_stopper(per["max_new_tokens"][i], per["stop"][i], per["stop_token_ids"][i],
+                                           per["ignore_eos"][i])
+                ids = self.encode_prompt(prompt, chat)
+                options.check_prompt_ids(ids, self.target.config.vocab_size, stopper.max_new_tokens, self.max_context)
+            except DFlashError as exc:
+                if n == 1:
+                    raise
+                raise DFlashError(f"prompt {i}: {exc}") from None
             requests.append((ids, params, stopper))
         if self._owner == threading.get_ident():
             raise DFlashError("another stream of this engine is still open in this thread; "

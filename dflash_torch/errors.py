@@ -3,9 +3,21 @@
 Every mistake a user can make (bad paths, incompatible target/drafter, invalid
 sampling parameters, context overflow, unsupported dtype) raises
 :class:`DFlashError` with a one-line message. The CLI prints that line and exits
-non-zero; the server turns it into an HTTP 400.
+non-zero; the server turns it into an HTTP 400. An error about one option's value is an
+:class:`OptionError`, which says how its message spells the option, so that the command
+line can name the flag the user typed (``--max-new-tokens``) rather than the Python
+argument (``max_new_tokens``).
 """
 
 
 class DFlashError(ValueError):
     """A user error with a one-line, human-readable message."""
+
+
+class OptionError(DFlashError):
+    """A :class:`DFlashError` about the value of one option; ``name`` is the option's name
+    as the message spells it (``max_new_tokens``, ``block size``)."""
+
+    def __init__(self, message: str, name: str):
+        super().__init__(message)
+        self.name = name

@@ -4,8 +4,11 @@
 Python API (:meth:`DFlashEngine.from_pretrained`, :meth:`DFlashEngine.stream`,
 :func:`dflash_torch.compute.set_num_threads`, :func:`dflash_torch.serving.create_app`)
 and the server check these values here and nowhere else. Each function returns the
-normalised value or raises :class:`DFlashError` with one line; ``name`` is how the
-caller spells the option (``--threads`` on the command line, ``threads`` in Python).
+normalised value or raises :class:`~dflash_torch.errors.OptionError` (a :class:`DFlashError`)
+with one line; ``name`` is how the caller spells the option (``--threads`` on the command
+line, ``threads`` in Python). The command line names its flag in the message of an
+``OptionError`` raised under the Python name (``max_new_tokens`` -> ``--max-new-tokens``;
+see :func:`dflash_torch.cli.main`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import DFlashError
+from .errors import DFlashError, OptionError
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -28,7 +31,7 @@ def _is_int(value) -> bool:
 def check_threads(value, name: str = "threads") -> int:
     """CPU threads for torch: an integer >= 1."""
     if not _is_int(value) or value < 1:
-        raise DFlashError(f"{name} must be an integer >= 1, got {value!r}")
+        raise OptionError(f"{name} must be an integer >= 1, got {value!r}", name)
     return value
 
 
@@ -36,8 +39,8 @@ def check_max_context(value, limit: int, name: str = "max_context") -> int | Non
     """Longest prompt + generation in tokens: None (the target's ``limit``) or an integer in
     [2, limit] (a prompt token and a generated token need 2)."""
     if value is not None and (not _is_int(value) or not MIN_CONTEXT <= value <= limit):
-        raise DFlashError(f"{name} must be an integer in [{MIN_CONTEXT}, {limit}] (the target's "
-                          f"max_position_embeddings), got {value!r}")
+        raise OptionError(f"{name} must be an integer in [{MIN_CONTEXT}, {limit}] (the target's "
+                          f"max_position_embeddings), got {value!r}", name)
     return value
 
 
@@ -55,8 +58,8 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_new_tokens: int
     if any(not 0 <= int(t) < vocab_size for t in prompt_ids):
         raise DFlashError(f"prompt token ids must be in [0, {vocab_size})")
     if n_prompt + max_new_tokens > max_context:
-        raise DFlashError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
-                          f"of {max_context} tokens")
+        raise OptionError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
+                          f"of {max_context} tokens", "max_new_tokens")
     return n_prompt
 
 
@@ -65,10 +68,12 @@ def check_block_size(value, trained: int | None, name: str = "block size") -> in
     [1, trained]; ``trained`` None means target-only decoding, where only None or 1 fit."""
     if trained is None:
         if value not in (None, 1) or isinstance(value, bool):
-            raise DFlashError(f"{name} {value!r} needs a drafter (target-only decoding commits one token per step)")
+            raise OptionError(f"{name} {value!r} needs a drafter (target-only decoding commits one token per step)",
+                              name)
         return value
     if value is not None and (not _is_int(value) or not 1 <= value <= trained):
-        raise DFlashError(f"{name} must be an integer in [1, {trained}] (the drafter's trained block size), got {value!r}")
+        raise OptionError(f"{name} must be an integer in [1, {trained}] (the drafter's trained block size), "
+                          f"got {value!r}", name)
     return value
 
 
@@ -82,30 +87,30 @@ def resolve_dtype(value: str | torch.dtype, name: str = "dtype") -> torch.dtype:
     if isinstance(value, torch.dtype):
         value = str(value).removeprefix("torch.")
     if not isinstance(value, str):
-        raise DFlashError(f"{name} must be a name such as 'float32' or 'bfloat16', got {value!r}")
+        raise OptionError(f"{name} must be a name such as 'float32' or 'bfloat16', got {value!r}", name)
     key = _DTYPE_ALIASES.get(value.strip().lower(), value.strip().lower())
     if key == "float16":
-        raise DFlashError(f"{name} float16 is not supported (activations can overflow); use bfloat16 or float32")
+        raise OptionError(f"{name} float16 is not supported (activations can overflow); use bfloat16 or float32", name)
     if key not in SUPPORTED_DTYPES:
-        raise DFlashError(f"unsupported {name} {value!r}; choose one of {', '.join(SUPPORTED_DTYPES)}")
+        raise OptionError(f"unsupported {name} {value!r}; choose one of {', '.join(SUPPORTED_DTYPES)}", name)
     return SUPPORTED_DTYPES[key]
 
 
 def resolve_device(value: str | torch.device, name: str = "device") -> torch.device:
     """``cpu``, ``cuda`` or ``cuda:N`` (CUDA must be available)."""
     if not isinstance(value, (str, torch.device)):
-        raise DFlashError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+        raise OptionError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {value!r}", name)
     try:
         dev = torch.device(value)
     except RuntimeError:
-        raise DFlashError(f"invalid {name} {value!r}; use cpu, cuda or cuda:N") from None
+        raise OptionError(f"invalid {name} {value!r}; use cpu, cuda or cuda:N", name) from None
     if dev.type not in ("cpu", "cuda"):
-        raise DFlashError(f"unsupported {name} {value!r}; use cpu or cuda")
+        raise OptionError(f"unsupported {name} {value!r}; use cpu or cuda", name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise DFlashError(f"{name} {value!r} requested but CUDA is not available")
+            raise OptionError(f"{name} {value!r} requested but CUDA is not available", name)
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise DFlashError(f"{name} {value!r}: there are {torch.cuda.device_count()} CUDA device(s)")
+            raise OptionError(f"{name} {value!r}: there are {torch.cuda.device_count()} CUDA device(s)", name)
     return dev
 
 
@@ -115,12 +120,12 @@ def check_api_key(value: str | None, name: str = "api_key") -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise DFlashError(f"{name} must be a string, got {type(value).__name__}")
+        raise OptionError(f"{name} must be a string, got {type(value).__name__}", name)
     key = value.strip()
     if not key:
-        raise DFlashError(f"{name} must not be empty")
+        raise OptionError(f"{name} must not be empty", name)
     if not all("!" <= c <= "~" for c in key):
-        raise DFlashError(f"{name} must be printable ASCII without spaces (it is sent in an HTTP header)")
+        raise OptionError(f"{name} must be printable ASCII without spaces (it is sent in an HTTP header)", name)
     return key
 
 
@@ -131,9 +136,9 @@ def check_stop(value: str | Sequence[str] | None, name: str = "stop") -> list[st
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
-        raise DFlashError(f"{name} must be a string or a list of strings")
+        raise OptionError(f"{name} must be a string or a list of strings", name)
     if any(s == "" for s in value):
-        raise DFlashError(f"{name} strings must not be empty")
+        raise OptionError(f"{name} strings must not be empty", name)
     return list(value)
 
 
@@ -144,22 +149,22 @@ def check_stop_token_ids(value: int | Sequence[int] | None, vocab_size: int, nam
     if _is_int(value):
         value = [value]
     if not isinstance(value, (list, tuple, set, frozenset)) or not all(_is_int(t) for t in value):
-        raise DFlashError(f"{name} must be an integer or a list of integers, got {value!r}")
+        raise OptionError(f"{name} must be an integer or a list of integers, got {value!r}", name)
     bad = [t for t in value if not 0 <= t < vocab_size]
     if bad:
-        raise DFlashError(f"{name} must be in [0, {vocab_size}) (the vocabulary), got {bad[0]}")
+        raise OptionError(f"{name} must be in [0, {vocab_size}) (the vocabulary), got {bad[0]}", name)
     return list(value)
 
 
 def check_flag(value, name: str) -> bool:
     """A yes/no option: True or False (a truthy string such as "false" would read as True)."""
     if not isinstance(value, bool):
-        raise DFlashError(f"{name} must be True or False, got {value!r}")
+        raise OptionError(f"{name} must be True or False, got {value!r}", name)
     return value
 
 
 def check_max_new_tokens(value, name: str = "max_new_tokens") -> int:
     """Generated tokens: an integer >= 1."""
     if not _is_int(value) or value < 1:
-        raise DFlashError(f"{name} must be an integer >= 1, got {value!r}")
+        raise OptionError(f"{name} must be an integer >= 1, got {value!r}", name)
     return value

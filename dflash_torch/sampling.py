@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import DFlashError
+from .errors import OptionError
 
 
 def _real(x) -> float | None:
@@ -53,17 +53,17 @@ class SamplingParams:
     def __post_init__(self):
         t = _real(self.temperature)
         if t is None or not math.isfinite(t) or t < 0:
-            raise DFlashError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise OptionError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise DFlashError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise OptionError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}", "top_k")
         p = _real(self.top_p)
         if p is None or not (0 < p <= 1):
-            raise DFlashError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise OptionError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         object.__setattr__(self, "temperature", t)  # floats from here on (an int such as 10**30 would overflow torch)
         object.__setattr__(self, "top_p", p)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(2**63) <= self.seed < 2**64):
-            raise DFlashError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+            raise OptionError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
 
     @property
     def greedy(self) -> bool:

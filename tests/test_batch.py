@@ -225,7 +225,7 @@ def test_yes_no_options_must_be_bools(agree_engine):
     """ignore_eos / chat that are not bools are refused (a string such as "false" is truthy:
     ignore_eos="false" ignored the EOS and chat="no" applied the chat template)."""
     engine = agree_engine
-    with pytest.raises(DFlashError, match=r"^ignore_eos must be True or False, got 'false'$"):
+    with pytest.raises(DFlashError, match=r"^prompt 1: ignore_eos must be True or False, got 'false'$"):
         engine.generate_batch([[5], [6]], ignore_eos=[True, "false"], max_new_tokens=2)
     with pytest.raises(DFlashError, match=r"^ignore_eos must be True or False, got 1$"):
         engine.generate([5], ignore_eos=1, max_new_tokens=2)

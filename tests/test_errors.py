@@ -194,12 +194,19 @@ def _cli_args(bad, spec):
     return args
 
 
-CLI_CASES = [(n, _spec, w) for n, _spec, w in LOAD_CASES if n not in ("unknown-draft-mode", "unknown-dtype")] + [
-    ("context-overflow", dict(max_new_tokens=2000), "exceeds the context"),
-    ("negative-temperature", dict(temperature=-0.5), "temperature"),
-    ("top-p-zero", dict(top_p=0.0), "top_p"),
-    ("top-p-above-one", dict(top_p=1.5), "top_p"),
-    ("negative-top-k", dict(top_k=-1), "top_k"),
+# the command line names the flags the user typed (--block-size), Python the arguments (block size)
+CLI_WORDS = {"block size": "--block-size must be an integer in [1, 16]"}
+CLI_CASES = [(n, _spec, CLI_WORDS.get(w, w)) for n, _spec, w in LOAD_CASES
+             if n not in ("unknown-draft-mode", "unknown-dtype")] + [
+    ("context-overflow", dict(max_new_tokens=2000), "+ --max-new-tokens (2000) exceeds the context of 1024 tokens"),
+    ("negative-temperature", dict(temperature=-0.5), "error: --temperature must be a finite number >= 0, got -0.5"),
+    ("top-p-zero", dict(top_p=0.0), "error: --top-p must be in (0, 1], got 0.0"),
+    ("top-p-above-one", dict(top_p=1.5), "error: --top-p must be in (0, 1], got 1.5"),
+    ("negative-top-k", dict(top_k=-1), "error: --top-k must be an integer >= 0 (0 = off), got -1"),
+    ("zero-max-new-tokens", dict(max_new_tokens=0), "error: --max-new-tokens must be an integer >= 1, got 0"),
+    ("negative-max-new-tokens", dict(max_new_tokens=-3), "error: --max-new-tokens must be an integer >= 1, got -3"),
+    ("seed-too-large", dict(seed=2**64, temperature=1.0), "error: --seed must be an integer in [-2**63, 2**64)"),
+    ("block-size-without-drafter", dict(draft=None, no_draft="", block_size=4), "error: --block-size 4 needs a drafter"),
     ("empty-prompt", dict(prompt=""), "empty"),
     ("unknown-draft-mode", dict(draft_mode="magic"), "draft-mode"),
     ("not-a-number", dict(temperature="hot"), "temperature"),
@@ -288,18 +295,18 @@ ALL_COMMANDS = ("generate", "serve", "bench", "train")
 MODEL_COMMANDS = ("generate", "serve", "bench")  # the ones that take the model options
 BAD_OPTIONS = [
     # (option, value, commands that take it, pattern the one line must contain)
-    ("--threads", "-1", ALL_COMMANDS, "threads"),
-    ("--threads", "0", ALL_COMMANDS, "threads"),
-    ("--block-size", "0", ALL_COMMANDS, "block.size"),
-    ("--block-size", "-2", ALL_COMMANDS, "block.size"),
-    ("--block-size", "99", MODEL_COMMANDS, "block.size"),  # above the drafter's 16 (train: a new drafter's B)
-    ("--max-context", "0", MODEL_COMMANDS, "max.context"),
-    ("--max-context", "1", MODEL_COMMANDS, "max.context"),  # no room for a prompt token and a generated one
-    ("--max-context", "100000", MODEL_COMMANDS, "max.context"),
-    ("--dtype", "int8", MODEL_COMMANDS, "dtype"),
-    ("--dtype", "float16", MODEL_COMMANDS, "float16"),
-    ("--device", "tpu", MODEL_COMMANDS, "device"),
-    ("--device", "cuda:99", MODEL_COMMANDS, "cuda:99"),
+    ("--threads", "-1", ALL_COMMANDS, "--threads must be"),
+    ("--threads", "0", ALL_COMMANDS, "--threads must be"),
+    ("--block-size", "0", ALL_COMMANDS, "--block-size"),
+    ("--block-size", "-2", ALL_COMMANDS, "--block-size"),
+    ("--block-size", "99", MODEL_COMMANDS, "--block-size must be"),  # above the drafter's 16 (train: a new drafter's B)
+    ("--max-context", "0", MODEL_COMMANDS, "--max-context"),
+    ("--max-context", "1", MODEL_COMMANDS, "--max-context"),  # no room for a prompt token and a generated one
+    ("--max-context", "100000", MODEL_COMMANDS, "--max-context"),
+    ("--dtype", "int8", MODEL_COMMANDS, "unsupported --dtype .int8."),
+    ("--dtype", "float16", MODEL_COMMANDS, "--dtype float16 is not supported"),
+    ("--device", "tpu", MODEL_COMMANDS, "--device .tpu."),
+    ("--device", "cuda:99", MODEL_COMMANDS, "--device .cuda:99."),
     ("--api-key", " ", ("serve",), "api-key"),
     ("--api-key", "sk with spaces", ("serve",), "api-key"),
 ]
@@ -361,7 +368,7 @@ def test_threads_are_validated_in_python_too():
     from dflash_torch import compute
 
     for bad in (0, -1, 1.5, True, "2"):
-        with pytest.raises(DFlashError, match="threads"):
+        with pytest.raises(DFlashError, match="^threads must be"):
             compute.set_num_threads(bad)
 
 
@@ -407,3 +414,58 @@ def test_quantized_drafter_is_refused_like_a_quantized_target(tiny_pair, tmp_pat
     with pytest.raises(DFlashError, match="the drafter checkpoint is quantized \\(quant_method 'awq'\\)") as err:
         DFlashEngine.from_pretrained(tiny_pair[0], drafter)
     assert "\n" not in str(err.value)
+
+
+def test_a_bad_prompt_of_a_batch_is_named_and_nothing_is_decoded(engine):
+    """generate_batch checks every prompt before decoding any: a bad one, even past the
+    slots (index 8 of 9, 8 slots), is refused in a message that starts with its index,
+    and the target ran no forward for the others. One prompt alone: no index."""
+    assert engine.max_batch_size == 8
+    good = engine.encode_prompt("def f(x):")
+    vocab = engine.target.config.vocab_size
+    forwards = []
+    hook = engine.target.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        for bad, kw, message in [
+            ("", {}, "prompt 8: the prompt is empty (0 tokens)"),
+            ([5, vocab], {}, f"prompt 8: prompt token ids must be in [0, {vocab})"),
+            ([5] * 1000, dict(max_new_tokens=30),
+             "prompt 8: prompt (1000 tokens) + max_new_tokens (30) exceeds the context of 1024 tokens"),
+            (good, dict(temperature=[0.0] * 8 + [-1.0]), "prompt 8: temperature must be"),
+        ]:
+            with pytest.raises(DFlashError) as err:
+                engine.generate_batch([good] * 8 + [bad], **{"max_new_tokens": 4, **kw})
+            assert str(err.value).startswith(message), str(err.value)
+            with pytest.raises(DFlashError) as err:
+                engine.generate_batch([bad], **{"max_new_tokens": 4, **{k: v[-1:] if isinstance(v, list) else v
+                                                                         for k, v in kw.items()}})
+            assert str(err.value).startswith(message.removeprefix("prompt 8: ")), str(err.value)
+        assert forwards == []  # nothing was decoded for the good prompts
+    finally:
+        hook.remove()
+    assert [r.token_ids for r in engine.generate_batch([good, good], max_new_tokens=3, ignore_eos=True)] == \
+        [engine.generate(good, max_new_tokens=3, ignore_eos=True).token_ids] * 2
+
+
+CLI_FLAG_CASES = [
+    (["--max-new-tokens", "-3"], dict(max_new_tokens=-3), "--max-new-tokens must be an integer >= 1, got -3"),
+    (["--temperature", "-1"], dict(temperature=-1.0), "--temperature must be a finite number >= 0, got -1.0"),
+    (["--top-p", "2"], dict(top_p=2.0), "--top-p must be in (0, 1], got 2.0"),
+    (["--top-k", "-1"], dict(top_k=-1), "--top-k must be an integer >= 0 (0 = off), got -1"),
+    (["--stop="], dict(stop=[""]), "--stop strings must not be empty"),
+    (["--max-new-tokens", "1100"], dict(max_new_tokens=1100),
+     "prompt (7 tokens) + --max-new-tokens (1100) exceeds the context of 1024 tokens"),
+]
+
+
+@pytest.mark.parametrize("argv,kwargs,line", CLI_FLAG_CASES, ids=[" ".join(c[0]) for c in CLI_FLAG_CASES])
+def test_cli_errors_name_the_flag_the_python_api_its_argument(tiny_pair, engine, capsys, argv, kwargs, line):
+    """The command line says --max-new-tokens where the Python API says max_new_tokens."""
+    target, drafter = tiny_pair
+    rc = cli_main(["generate", "def f(x):", "--target", str(target), "--draft", str(drafter), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == f"dflash-torch: error: {line}\n", err
+    flag = argv[0].split("=")[0]
+    with pytest.raises(DFlashError) as exc:
+        engine.generate("def f(x):", **kwargs)
+    assert str(exc.value) == line.replace(flag, flag.removeprefix("--").replace("-", "_")), str(exc.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -378,6 +379,21 @@ def test_bad_input(server, name, path, body, status, param):
     assert err["type"] == "invalid_request_error" and err["message"] and "\n" not in err["message"]
     if param is not None:
         assert err["param"] == param, err
+
+
+def test_an_error_about_one_prompt_of_a_list_names_its_index(server):
+    """With several prompts the message starts with the bad prompt's index; alone, it does not."""
+    cases = [  # (the bad prompt, a list holding it, its index there)
+        ("", ["a", ""], 1),
+        ([5, 10**6], [[5], [6], [5, 10**6]], 2),
+        (LONG_PROMPT, ["a", "b", "c", LONG_PROMPT], 3),
+        (LONG_PROMPT, [LONG_PROMPT, "a"], 0),
+    ]
+    for bad, prompts, index in cases:
+        alone = _assert_openai_error(server.post("/v1/completions", {"prompt": bad, "max_tokens": 4}), 400)
+        assert not re.match(r"prompt \d+:", alone["message"]) and alone["param"] == "prompt", alone
+        err = _assert_openai_error(server.post("/v1/completions", {"prompt": prompts, "max_tokens": 4}), 400)
+        assert err["message"] == f"prompt {index}: {alone['message']}" and err["param"] == "prompt", err
 
 
 def test_bad_input_streaming_is_a_4xx_not_a_broken_stream(server):

@@ -129,6 +129,28 @@ def test_n_choices_greedy_are_identical_and_sampled_ones_follow_their_derived_se
     assert s_texts == dict(enumerate(texts)) and set(finish) == {0, 1, 2} and usage.completion_tokens == 60
 
 
+def test_best_of_equal_to_n_returns_every_candidate_and_other_values_are_refused(server):
+    """best_of (legacy completions) is how many candidates are generated, the best n
+    returned: best_of == n returns them all, the same choices as n alone; best_of > n
+    would need ranking (refused), best_of < n is invalid."""
+    c = server.client()
+    sample = _kw(1.0, seed=23)
+    plain = c.completions.create(prompt=[PROMPT, PROMPTS[1]], max_tokens=12, n=2, **sample)
+    both = c.completions.create(prompt=[PROMPT, PROMPTS[1]], max_tokens=12, n=2, best_of=2, **sample)
+    assert [ch.text for ch in both.choices] == [ch.text for ch in plain.choices]
+    assert len({ch.text for ch in both.choices}) == 4 and both.usage == plain.usage
+    one = c.completions.create(prompt=PROMPT, max_tokens=12, best_of=1, **sample)
+    assert one.choices[0].text == plain.choices[0].text
+    for kw, words in [(dict(n=2, best_of=3), "best_of > n is not supported (best_of=3, n=2)"),
+                      (dict(best_of=2), "best_of > n is not supported (best_of=2, n=1)"),
+                      (dict(n=3, best_of=2), "best_of must be >= n (best_of=2, n=3)"),
+                      (dict(best_of=0), "best_of")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            c.completions.create(prompt=PROMPT, max_tokens=4, **kw, **sample)
+        body = err.value.body
+        assert err.value.status_code == 400 and body["param"] == "best_of" and words in body["message"], body
+
+
 def test_chat_n_choices(server):
     c = server.client()
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=12, n=2, temperature=1.0,

@@ -40,7 +40,8 @@ from starlette.requests import ClientDisconnect
 from ..errors import DFlashError
 from ..options import check_api_key
 from .metrics import MetricsMiddleware, ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error, unsupported_field
+from .protocol import (ChatCompletionRequest, CompletionRequest, conflicting_fields, describe_validation_error,
+                       unsupported_field)
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
                         make_backend, param_of)
 
@@ -241,6 +242,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if req.model is not None and req.model != model_id:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_id!r}",
                            param="model", code="model_not_found")
+        bad = conflicting_fields(req)
+        if bad is not None:
+            raise APIError(400, bad[1], param=bad[0])
         bad = unsupported_field(req)
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")

@@ -3,9 +3,9 @@ cannot honour.
 
 Parsing is strict about types (``"5"`` is not an integer, ``true`` is not a number)
 and about ranges; fields the server does not know are ignored, as OpenAI's own API
-ignores them. Fields it knows but cannot honour with a non-default value (``best_of``,
-``logprobs``, penalties, tools, ...) are refused with a 400 by
-:func:`unsupported_field`.
+ignores them. Fields it knows but cannot honour with a non-default value (``best_of``
+other than ``n``, ``logprobs``, penalties, tools, ...) are refused with a 400 by
+:func:`unsupported_field`; values that contradict each other by :func:`conflicting_fields`.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ class _Request(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: StrictInt | list[StrictInt] | None = None  # an id or a list, as in DFlashEngine.generate
     n: StrictInt | None = Field(1, ge=1, le=MAX_N)  # choices per prompt
+    # candidates per prompt (legacy completions): only best_of == n, which returns them all
+    best_of: StrictInt | None = Field(None, ge=1)
     # known but only their defaults are honoured
-    best_of: StrictInt | None = None
     presence_penalty: StrictFloat | None = 0.0
     frequency_penalty: StrictFloat | None = 0.0
     repetition_penalty: StrictFloat | None = None
@@ -133,10 +134,25 @@ class ChatCompletionRequest(_Request):
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
+def conflicting_fields(req: _Request) -> tuple[str, str] | None:
+    """``(param, message)`` for values that contradict each other: ``best_of`` < ``n``
+    (OpenAI: best_of candidates are generated and the best n returned)."""
+    n = req.n or 1
+    if req.best_of is not None and req.best_of < n:
+        return "best_of", f"best_of must be >= n (best_of={req.best_of}, n={n})"
+    return None
+
+
 def unsupported_field(req: _Request) -> tuple[str, str] | None:
-    """``(param, message)`` for the first field whose value the engine cannot honour."""
+    """``(param, message)`` for the first field whose value the engine cannot honour.
+
+    ``best_of`` == ``n`` asks for every candidate: it is served as ``n`` alone; a larger
+    ``best_of`` would need candidates ranked, which the server does not do."""
+    n = req.n or 1
     checks: list[tuple[str, bool, str]] = [
-        ("best_of", req.best_of not in (None, 1), "best_of > 1 is not supported"),
+        ("best_of", req.best_of is not None and req.best_of > n,
+         f"best_of > n is not supported (best_of={req.best_of}, n={n}): candidates are not ranked; "
+         "use n, or best_of equal to n"),
         ("presence_penalty", (req.presence_penalty or 0.0) != 0.0, "presence_penalty is not supported (must be 0)"),
         ("frequency_penalty", (req.frequency_penalty or 0.0) != 0.0, "frequency_penalty is not supported (must be 0)"),
         ("repetition_penalty", req.repetition_penalty not in (None, 1.0), "repetition_penalty is not supported (must be 1)"),
