@@ -146,12 +146,12 @@ def test_batched_gated_deltanet_equals_one_sequence_at_a_time(checkpoints, famil
             if l.kind == "linear_attention":
                 l.linear_attn.new_state(state)
     with torch.no_grad():
-        out = mixer(prompts, batched, slot, commit=prefill_rows)
-        ref = [mixer(prompts[i:i + 1], alone[i], slot, commit=int(prefill_rows[i]))[0] for i in range(N)]
-        torch.testing.assert_close(out, torch.stack(ref), rtol=1e-5, atol=1e-6)
-        out = mixer(blocks, batched, slot, defer=True)
-        ref = [mixer(blocks[i:i + 1], alone[i], slot, defer=True)[0] for i in range(N)]
-        torch.testing.assert_close(out, torch.stack(ref), rtol=1e-5, atol=1e-6)
+        out = mixer(prompts.view(N * P, -1), batched, slot, commit=prefill_rows)
+        ref = [mixer(prompts[i], alone[i], slot, commit=int(prefill_rows[i])) for i in range(N)]
+        torch.testing.assert_close(out, torch.cat(ref), rtol=1e-5, atol=1e-6)
+        out = mixer(blocks.view(N * B, -1), batched, slot, defer=True)
+        ref = [mixer(blocks[i], alone[i], slot, defer=True) for i in range(N)]
+        torch.testing.assert_close(out, torch.cat(ref), rtol=1e-5, atol=1e-6)
         before = [alone[i].ssm[slot].clone() for i in range(N)]
         mixer.commit(batched, slot, accepted_rows)
         for i in range(N):

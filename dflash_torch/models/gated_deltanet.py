@@ -93,8 +93,8 @@ def state_after(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, G: torch.
     Args:
         state: ``[N, H, d_k, d_v]`` before the chunk; k ``[N, H, T, d_k]``, u ``[N, H, T, d_v]``,
             G ``[N, H, T]`` from :func:`delta_rule_chunk`.
-        n: tokens to keep, ``0 <= n <= T`` (0: the state before the chunk): an int or a
-            0-dim int64 tensor for every sequence, or an int64 tensor ``[N]`` per sequence.
+        n: tokens to keep: an int or a 0-dim int64 tensor in ``[1, T]`` for every sequence,
+            or an int64 tensor ``[N]`` in ``[0, T]`` per sequence (0: the state before the chunk).
 
     Returns:
         ``[N, H, d_k, d_v]`` float32.
@@ -103,18 +103,17 @@ def state_after(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, G: torch.
     if isinstance(n, int) and n == T:
         g_end = G[..., -1:]  # [N, H, 1]
         weights = (g_end - G).exp()
-    else:
-        n = _per_sequence(n, G.device)  # [N or 1, 1, 1]
+    elif not torch.is_tensor(n) or n.dim() == 0:  # one count for every sequence (the single-sequence commit)
+        last = (n - 1).view(1) if torch.is_tensor(n) else torch.tensor([n - 1], device=G.device)
+        g_end = G.index_select(-1, last)
+        keep = torch.arange(T, device=G.device) < n
+        weights = (g_end - G).masked_fill(~keep, float("-inf")).exp()
+    else:  # a count per sequence, [N] -> [N, 1, 1]
+        n = n.view(-1, 1, 1)
         g_end = G.gather(-1, (n - 1).clamp(min=0).expand(*G.shape[:-1], 1)).masked_fill(n < 1, 0.0)
-        keep = torch.arange(T, device=G.device) < n  # [N or 1, 1, T]
+        keep = torch.arange(T, device=G.device) < n  # [N, 1, T]
         weights = (g_end - G).masked_fill(~keep, float("-inf")).exp()
     return state * g_end.exp()[..., None] + (k * weights[..., None]).transpose(-1, -2) @ u
-
-
-def _per_sequence(n, device: torch.device) -> torch.Tensor:
-    """A token count (int, 0-dim or ``[N]`` int64 tensor) as an int64 tensor ``[N or 1, 1, 1]``."""
-    n = n if torch.is_tensor(n) else torch.tensor(n, device=device)
-    return n.view(-1, 1, 1)
 
 
 class GatedDeltaNet(nn.Module):
@@ -156,9 +155,9 @@ class GatedDeltaNet(nn.Module):
         return state.add_layer(self.kernel - 1, self.conv_dim, self.nv, self.dk, self.dv)
 
     def forward(self, x: torch.Tensor, state: RecurrentState, slot: int, commit=None, defer: bool = False) -> torch.Tensor:
-        """Mix ``x`` ``[N, T, H]`` (already normed; N sequences of T rows) -> ``[N, T, H]``,
-        sequence ``i`` reading (and writing) row ``i`` of ``state``'s layer ``slot``
-        (``state.sequences == N``).
+        """Mix ``x`` ``[N * T, H]`` (already normed; the rows of N = ``state.sequences``
+        sequences, T each, in order) -> ``[N * T, H]``, sequence ``i`` reading (and writing)
+        row ``i`` of ``state``'s layer ``slot``.
 
         Args:
             commit: None to advance the states over all T rows; ``n`` (int, 0-dim or
@@ -166,17 +165,18 @@ class GatedDeltaNet(nn.Module):
             defer: leave the states as they are and record what :meth:`commit` needs to
                 advance them later over each sequence's accepted prefix (a verify; T <= 64).
         """
-        N, T, _ = x.shape
+        N = state.sequences
+        T = x.shape[0] // N
         dtype = x.dtype
-        conv_in = torch.cat([state.conv[slot], self.in_proj_qkv(x)], dim=1)  # [N, K-1+T, C]: the inputs before the block, then the block's
+        conv_in = torch.cat([state.conv[slot], self.in_proj_qkv(x).view(N, T, -1)], dim=1)  # [N, K-1+T, C]: the inputs before the block, then the block's
         mixed = F.conv1d(conv_in.transpose(1, 2), self.conv1d.weight, groups=self.conv_dim)  # [N, C, T]
         mixed = F.silu(mixed).transpose(1, 2)  # [N, T, C]
         key_dim = self.nk * self.dk
         q = mixed[..., :key_dim].reshape(N, T, self.nk, self.dk)
         k = mixed[..., key_dim: 2 * key_dim].reshape(N, T, self.nk, self.dk)
         v = mixed[..., 2 * key_dim:].reshape(N, T, self.nv, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x)).float().transpose(1, 2)  # [N, nv, T]
-        g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)).transpose(1, 2)
+        beta = torch.sigmoid(self.in_proj_b(x)).float().view(N, T, -1).transpose(1, 2)  # [N, nv, T]
+        g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)).view(N, T, -1).transpose(1, 2)
         groups = self.nv // self.nk
         q = _l2norm(q.float()).transpose(1, 2) * self.dk ** -0.5  # [N, nk, T, dk]
         k = _l2norm(k.float()).transpose(1, 2)
@@ -206,7 +206,7 @@ class GatedDeltaNet(nn.Module):
             n = T if commit is None else commit
             state.conv[slot].copy_(_window(conv_in, n, self.kernel - 1))
         out = self.norm(out.transpose(1, 2).to(dtype), self.in_proj_z(x).view(N, T, self.nv, self.dv))
-        return self.out_proj(out.reshape(N, T, self.nv * self.dv))
+        return self.out_proj(out.reshape(N * T, self.nv * self.dv))
 
     def commit(self, state: RecurrentState, slot: int, n) -> None:
         """Advance the states of layer ``slot`` over the first ``n`` rows of the last deferred
@@ -224,8 +224,11 @@ class GatedDeltaNet(nn.Module):
 def _window(conv_in: torch.Tensor, n, width: int) -> torch.Tensor:
     """The ``width`` convolution inputs ending at block row ``n - 1`` of each sequence: rows
     ``[n, n + width)`` of ``conv_in`` ``[N, width + T, C]`` (which starts with the ``width``
-    inputs before the block) -> ``[N, width, C]``. ``n``: int, 0-dim or ``[N]`` int64 tensor."""
+    inputs before the block) -> ``[N, width, C]``. ``n``: an int or 0-dim int64 tensor for
+    every sequence, or ``[N]`` int64 per sequence."""
     if isinstance(n, int):
         return conv_in[:, n: n + width]
-    index = n.view(-1, 1) + torch.arange(width, device=conv_in.device)  # [N or 1, width]
-    return conv_in.gather(1, index[..., None].expand(conv_in.shape[0], width, conv_in.shape[2]))
+    if n.dim() == 0:
+        return conv_in.index_select(1, n + torch.arange(width, device=conv_in.device))
+    index = n[:, None] + torch.arange(width, device=conv_in.device)  # [N, width]
+    return conv_in.gather(1, index[..., None].expand(-1, width, conv_in.shape[2]))

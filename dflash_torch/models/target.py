@@ -256,7 +256,7 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
             if layer.kind == "linear_attention":
-                x = x + self._linear_attention(layer, h, cache.recurrent, commit, defer_commit)
+                x = x + layer.linear_attn(h, cache.recurrent, layer.slot, commit, defer_commit)  # N sequences at once
             else:
                 x = x + self._self_attention(layer.self_attn, layer.slot, h, cache.kv, step)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -271,13 +271,6 @@ class TargetModel(nn.Module):
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         logits = self.lm_head(normed)
         return logits, features
-
-    @staticmethod
-    def _linear_attention(layer: DecoderLayer, h: torch.Tensor, state: RecurrentState, commit, defer: bool) -> torch.Tensor:
-        """The layer's Gated DeltaNet over ``h`` ``[N * T, H]``: the rows of ``state.sequences``
-        = N sequences in order (N = 1: one sequence), all at once, each on its own state."""
-        n = state.sequences
-        return layer.linear_attn(h.view(n, -1, h.shape[-1]), state, layer.slot, commit, defer).view(h.shape)
 
     @staticmethod
     def _self_attention(attn, slot: int, h: torch.Tensor, kv: KVCache, step: _Step) -> torch.Tensor:
