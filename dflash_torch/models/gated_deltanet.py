@@ -213,8 +213,8 @@ class GatedDeltaNet(nn.Module):
         block: the rollback of a verify.
 
         Args:
-            n: rows to keep, ``0 <= n <= T`` (0: the state stays as it is): an int or a
-                0-dim int64 tensor for every sequence, or ``[N]`` int64 per sequence.
+            n: rows to keep: an int or a 0-dim int64 tensor in ``[1, T]`` for every
+                sequence, or ``[N]`` int64 in ``[0, T]`` per sequence (0: that state stays).
         """
         conv_in, k, u, G = state.stashed(slot)
         state.ssm[slot].copy_(state_after(state.ssm[slot], k, u, G, n))
