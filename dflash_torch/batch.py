@@ -25,10 +25,11 @@ decoding sequences when one leaves), and it becomes slot ``N`` of the round afte
 last chunk.
 
 Hybrid targets (Gated DeltaNet layers) keep each sequence's recurrent state in its slot
-(:class:`SlotRecurrentState`); a linear-attention layer runs the N sequences one after
-another on their own rows and states, a verify leaves every state as it was and each
-sequence's accepted prefix is committed into its own state after acceptance (the
-rollback, run eagerly after the verify, also when the verify is compiled).
+(:class:`SlotRecurrentState`); a linear-attention layer runs the N sequences at once
+(projections over the ``N * B`` rows, the convolution and the delta rule with a leading
+sequence dimension), a verify leaves every state as it was and one commit after
+acceptance advances each sequence's state over its own accepted prefix (the rollback,
+run eagerly after the verify, also when the verify is compiled).
 """
 
 from __future__ import annotations
@@ -123,54 +124,52 @@ class SlotKVCache:
 
 
 class SlotRecurrentState:
-    """The recurrent states of many sequences (hybrid targets): for each linear-attention
-    layer, ``conv[layer]`` ``[slots, kernel - 1, conv_dim]`` (model dtype) and
-    ``ssm[layer]`` ``[slots, heads, d_k, d_v]`` (float32), one slot per sequence.
+    """The recurrent states of many sequences (hybrid targets): one
+    :class:`~dflash_torch.cache.RecurrentState` of ``slots`` sequences, whose per-layer
+    buffers ``conv[layer]`` ``[slots, kernel - 1, conv_dim]`` (model dtype) and
+    ``ssm[layer]`` ``[slots, heads, d_k, d_v]`` (float32) hold one sequence per slot.
 
-    :meth:`slot` gives one slot as a :class:`~dflash_torch.cache.RecurrentState` (views:
-    the layers write it in place with ``copy_``; it also keeps that sequence's stash of
-    the last verify); :meth:`first` gives slots ``[0, n)`` as a list of them, which a
-    batched forward takes as its recurrent state (the rows of sequence ``i`` run on the
-    ``i``-th).
+    :meth:`first` gives slots ``[0, n)`` as a state of n sequences (views), which a batched
+    forward takes as its recurrent state: every linear-attention layer runs the n
+    sequences at once, a verify stashes their block in it and the commit advances each
+    over its own accepted rows. :meth:`slot` gives one slot as a state of one sequence
+    (a prefill runs on it as on a single sequence).
     """
 
-    def __init__(self, slots: int, dtype: torch.dtype, device: torch.device):
-        self.slots, self.dtype, self.device = slots, dtype, device
-        self.conv: list[torch.Tensor] = []
-        self.ssm: list[torch.Tensor] = []
-        self._slots: list[RecurrentState] = []
+    def __init__(self, states: RecurrentState):
+        self.states = states
+        self._first: dict[int, RecurrentState] = {}
+        self._slots: dict[int, RecurrentState] = {}
 
     @classmethod
     def allocate(cls, target: TargetModel, slots: int) -> "SlotRecurrentState":
         """Zero states of ``slots`` sequences for every linear-attention layer of ``target``."""
         w = target.model.embed_tokens.weight
-        state = cls(slots, w.dtype, w.device)
+        states = RecurrentState(w.dtype, w.device, slots)
         for layer in target.model.layers:  # layer slots are handed out in layer order, as in new_cache
             if layer.kind == "linear_attention":
-                layer.linear_attn.new_state(state)
-        for i in range(slots):
-            one = RecurrentState(w.dtype, w.device)
-            one.conv = [static_buffer(t[i]) for t in state.conv]  # (views too: see cache.py)
-            one.ssm = [static_buffer(t[i]) for t in state.ssm]
-            one._stash = [None] * len(state.conv)
-            state._slots.append(one)
-        return state
+                layer.linear_attn.new_state(states)
+        return cls(states)
 
-    def add_layer(self, width: int, conv_dim: int, heads: int, key_dim: int, value_dim: int) -> int:
-        """Allocate one layer's (zero) states of every slot; returns its layer slot
-        (the interface of :meth:`RecurrentState.add_layer`)."""
-        n = self.slots
-        self.conv.append(static_buffer(torch.zeros(n, width, conv_dim, dtype=self.dtype, device=self.device)))
-        self.ssm.append(static_buffer(torch.zeros(n, heads, key_dim, value_dim, dtype=torch.float32, device=self.device)))
-        return len(self.conv) - 1
+    @property
+    def conv(self) -> list[torch.Tensor]:
+        return self.states.conv
+
+    @property
+    def ssm(self) -> list[torch.Tensor]:
+        return self.states.ssm
 
     def slot(self, i: int) -> RecurrentState:
-        """Slot ``i`` as a single-sequence state (the same object every call)."""
+        """Slot ``i`` as a state of one sequence (views; the same object every call)."""
+        if i not in self._slots:
+            self._slots[i] = self.states.rows(i, i + 1)
         return self._slots[i]
 
-    def first(self, n: int) -> list[RecurrentState]:
-        """Slots ``[0, n)``, one state per sequence."""
-        return self._slots[:n]
+    def first(self, n: int) -> RecurrentState:
+        """Slots ``[0, n)`` as a state of n sequences (views; the same object for the same n)."""
+        if n not in self._first:
+            self._first[n] = self.states.rows(0, n)
+        return self._first[n]
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot ``src``'s states into slot ``dst`` (in place)."""
@@ -548,8 +547,7 @@ class BatchDecoder:
         accepted, bonus = self._accept(seqs, block, draft_probs, logits.view(rows, B, -1))
         if self.defer_commit:
             if self.graphed:  # the stash out of the verify graph's pool (see SpeculativeDecoder._carry)
-                for state in self.target_state.first(rows):
-                    state.copy_stash()
+                self.target_state.first(rows).copy_stash()
             self._commit(seqs, accepted)
         if kept is not None:
             self._restore_state(n, kept)
@@ -624,12 +622,13 @@ class BatchDecoder:
         return self.target(block, positions, cache, kv_len, self.feature_layers, defer_commit=self.defer_commit)
 
     def _commit(self, seqs: list[_Sequence], accepted: torch.Tensor) -> None:
-        """Rollback of a hybrid target's recurrent layers: advance each decoded sequence's
-        state over its own accepted rows + 1 of the verify (``accepted`` ``[rows]``, on the
-        device); finished sequences held as padding keep their state."""
-        for i, q in enumerate(seqs):
-            if not q.done:
-                self.target.commit(TargetCache(None, self.target_state.slot(i)), accepted[i] + 1)
+        """Rollback of a hybrid target's recurrent layers, all sequences at once: advance
+        each decoded sequence's state over its own accepted rows + 1 of the verify
+        (``accepted`` ``[rows]``, on the device); finished sequences held as padding and
+        padding rows keep their state (0 rows)."""
+        rows = accepted.shape[0]
+        live = torch.tensor([not q.done for q in seqs] + [False] * (rows - len(seqs)), device=accepted.device)
+        self.target.commit(TargetCache(None, self.target_state.first(rows)), (accepted + 1) * live)
 
     def _prefill(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
         """The target reads the prompt ``ids`` ``[P]`` into ``slot`` chunk by chunk. Returns

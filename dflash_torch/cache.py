@@ -79,27 +79,39 @@ class KVCache:
 
 
 class RecurrentState:
-    """The per-sequence state of a target's linear-attention (Gated DeltaNet) layers.
+    """The state of a target's linear-attention (Gated DeltaNet) layers for ``sequences``
+    sequences (1 for :class:`~dflash_torch.decoding.SpeculativeDecoder`; a batch decoder's
+    slots otherwise), with a leading sequence dimension N throughout.
 
-    For each layer (a *slot*): ``conv[slot]`` ``[kernel - 1, conv_dim]`` (model dtype), the
-    last projected inputs of the causal convolution, and ``ssm[slot]`` ``[heads, d_k, d_v]``
-    (float32), the recurrent state. Both always describe the committed tokens only: a
-    verify block leaves them unchanged and records (``stash``) what its layer needs to
-    advance them over the accepted prefix afterwards.
+    For each layer (a *slot*): ``conv[slot]`` ``[N, kernel - 1, conv_dim]`` (model dtype),
+    the last projected inputs of the causal convolution, and ``ssm[slot]``
+    ``[N, heads, d_k, d_v]`` (float32), the recurrent state. Both always describe the
+    committed tokens only: a verify block leaves them unchanged and records (``stash``)
+    what its layer needs to advance them over each sequence's accepted prefix afterwards.
     """
 
-    def __init__(self, dtype: torch.dtype, device: torch.device | str):
-        self.dtype, self.device = dtype, torch.device(device)
+    def __init__(self, dtype: torch.dtype, device: torch.device | str, sequences: int = 1):
+        self.dtype, self.device, self.sequences = dtype, torch.device(device), sequences
         self.conv: list[torch.Tensor] = []
         self.ssm: list[torch.Tensor] = []
         self._stash: list[tuple | None] = []
 
     def add_layer(self, width: int, conv_dim: int, heads: int, key_dim: int, value_dim: int) -> int:
         """Allocate one layer's (zero) state; returns its slot."""
-        self.conv.append(static_buffer(torch.zeros(width, conv_dim, dtype=self.dtype, device=self.device)))
-        self.ssm.append(static_buffer(torch.zeros(heads, key_dim, value_dim, dtype=torch.float32, device=self.device)))
+        n = self.sequences
+        self.conv.append(static_buffer(torch.zeros(n, width, conv_dim, dtype=self.dtype, device=self.device)))
+        self.ssm.append(static_buffer(torch.zeros(n, heads, key_dim, value_dim, dtype=torch.float32, device=self.device)))
         self._stash.append(None)
         return len(self.conv) - 1
+
+    def rows(self, start: int, stop: int) -> "RecurrentState":
+        """Sequences ``[start, stop)`` as a state of their own: views of these buffers (the
+        layers write them in place), marked static too; its stash is its own."""
+        part = RecurrentState(self.dtype, self.device, stop - start)
+        part.conv = [static_buffer(t[start:stop]) for t in self.conv]
+        part.ssm = [static_buffer(t[start:stop]) for t in self.ssm]
+        part._stash = [None] * len(self.conv)
+        return part
 
     def clear(self) -> None:
         """Back to the state before any token (in place: the buffers keep their addresses)."""

@@ -125,13 +125,16 @@ def test_sequences_joining_and_leaving_decode_as_alone(request, models, params):
     assert out[1] == alone(target, drafter, prompts[1], budgets[1], seeded(1))[:len(out[1])]
 
 
-def test_finished_sequences_held_as_padding_change_nothing(agree_models):
+@pytest.mark.parametrize("models", ["agree_models", "hybrid_models"], ids=["attention", "hybrid"])
+def test_finished_sequences_held_as_padding_change_nothing(request, models):
     """A sequence whose budget is used but which stays in the batch runs as padding
-    (same positions, nothing committed): the others still decode as alone."""
-    target, drafter = agree_models
+    (same positions, nothing committed): the others still decode as alone; a hybrid
+    target's recurrent state of the finished sequence stays as it was."""
+    target, drafter = request.getfixturevalue(models)
     prompts = mixed_prompts(target, 3)
     batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=128)
     out = {i: list(batch.add(i, p, SamplingParams(), n).tokens) for i, (p, n) in enumerate(zip(prompts, (2, 50, 40)))}
+    finished = None
     for _ in range(100):
         rounds = batch.step()
         if not rounds:
@@ -139,9 +142,13 @@ def test_finished_sequences_held_as_padding_change_nothing(agree_models):
         assert (0 in rounds) == (len(out[0]) < 2)  # decoded only until its budget (2) is used
         for sid, rnd in rounds.items():
             out[sid] += rnd.tokens
+        if finished is None and len(out[0]) >= 2 and batch.target_state is not None:
+            finished = [t[0].clone() for t in batch.target_state.conv + batch.target_state.ssm]
     assert batch.seq_ids == [0, 1, 2]
     for i, n in ((1, 50), (2, 40)):
         assert out[i][:n] == alone(target, drafter, prompts[i], n)
+    if batch.target_state is not None:
+        assert finished and all(torch.equal(a, t[0]) for a, t in zip(finished, batch.target_state.conv + batch.target_state.ssm))
 
 
 def test_target_only_batch_equals_target_only_alone(agree_models):

@@ -103,8 +103,8 @@ def test_batch_recurrent_states_are_static_and_the_carried_stash_is_copied(agree
     verify, commit = batch._verify_fn, batch._commit
     last_outputs, shared = [], []
 
-    def stash(n):
-        return [t for s in states.first(n) for layer in range(len(states.conv)) for t in s.stashed(layer)]
+    def stash(n):  # the stash of a round of n sequences (batch bucket rows)
+        return [t for layer in range(len(states.conv)) for t in states.first(batch.batch_bucket(n)).stashed(layer)]
 
     def ptrs(tensors):
         return {t.untyped_storage().data_ptr() for t in tensors}

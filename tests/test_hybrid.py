@@ -123,6 +123,46 @@ def test_rollback_equals_feeding_only_the_accepted_tokens(checkpoints, family):
             assert all(torch.equal(x, y) for x, y in zip(before, fed.recurrent.ssm))
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_batched_gated_deltanet_equals_one_sequence_at_a_time(checkpoints, family):
+    """One Gated DeltaNet layer over N sequences at once (the batch decoder's path) ==
+    the same layer over each sequence alone: a prefill chunk committed over a different
+    count per sequence (one past a 64-token chunk), then a deferred verify block from
+    those different states and one commit of a different accepted count per sequence
+    (0: the state stays as it is): outputs, conv and ssm states."""
+    from dflash_torch.cache import RecurrentState
+
+    model = TargetModel.from_pretrained(checkpoints[family][0], torch.float32)
+    layer = next(l for l in model.model.layers if l.kind == "linear_attention")
+    mixer, slot = layer.linear_attn, layer.slot
+    N, P, B = 4, 70, 16
+    prefill_rows, accepted_rows = torch.tensor([3, 70, 20, 9]), torch.tensor([1, 16, 7, 0])
+    g = torch.Generator().manual_seed(4)
+    prompts, blocks = torch.randn(N, P, 64, generator=g), torch.randn(N, B, 64, generator=g)
+    batched = RecurrentState(torch.float32, "cpu", N)
+    alone = [RecurrentState(torch.float32, "cpu") for _ in range(N)]
+    for state in [batched] + alone:
+        for l in model.model.layers:
+            if l.kind == "linear_attention":
+                l.linear_attn.new_state(state)
+    with torch.no_grad():
+        out = mixer(prompts.view(N * P, -1), batched, slot, commit=prefill_rows)
+        ref = [mixer(prompts[i], alone[i], slot, commit=int(prefill_rows[i])) for i in range(N)]
+        torch.testing.assert_close(out, torch.cat(ref), rtol=1e-5, atol=1e-6)
+        out = mixer(blocks.view(N * B, -1), batched, slot, defer=True)
+        ref = [mixer(blocks[i], alone[i], slot, defer=True) for i in range(N)]
+        torch.testing.assert_close(out, torch.cat(ref), rtol=1e-5, atol=1e-6)
+        before = [alone[i].ssm[slot].clone() for i in range(N)]
+        mixer.commit(batched, slot, accepted_rows)
+        for i in range(N):
+            if accepted_rows[i] > 0:
+                mixer.commit(alone[i], slot, accepted_rows[i])
+    assert torch.equal(alone[3].ssm[slot], before[3])  # (the reference of a 0 count: untouched)
+    for i in range(N):
+        torch.testing.assert_close(batched.conv[slot][i], alone[i].conv[slot][0], rtol=0, atol=0)
+        torch.testing.assert_close(batched.ssm[slot][i], alone[i].ssm[slot][0], rtol=1e-5, atol=1e-6)
+
+
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),

@@ -60,22 +60,23 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 def delta_rule_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk of the gated delta rule (all float32).
+    """One chunk of the gated delta rule (all float32), for any leading dims ``...``
+    (the sequences of a batch: ``[N]``).
 
     Args:
-        q, k: ``[H, T, d_k]`` (L2-normalised; q also scaled by ``d_k ** -0.5``).
-        v: ``[H, T, d_v]``.
-        g: ``[H, T]`` log decays (<= 0); beta: ``[H, T]`` in [0, 1].
-        state: ``[H, d_k, d_v]``, the state before the chunk.
+        q, k: ``[..., H, T, d_k]`` (L2-normalised; q also scaled by ``d_k ** -0.5``).
+        v: ``[..., H, T, d_v]``.
+        g: ``[..., H, T]`` log decays (<= 0); beta: ``[..., H, T]`` in [0, 1].
+        state: ``[..., H, d_k, d_v]``, the state before the chunk.
 
     Returns:
-        outputs ``[H, T, d_v]``, the corrections ``u`` ``[H, T, d_v]`` and ``G = cumsum(g)``
-        ``[H, T]`` (what :func:`state_after` needs).
+        outputs ``[..., H, T, d_v]``, the corrections ``u`` ``[..., H, T, d_v]`` and
+        ``G = cumsum(g)`` ``[..., H, T]`` (what :func:`state_after` needs).
     """
-    T = q.shape[1]
+    T = q.shape[-2]
     G = g.cumsum(-1)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    decay = (G[:, :, None] - G[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, T, T], exp(G_t - G_j), j <= t
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [..., H, T, T], exp(G_t - G_j), j <= t
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * decay  # its strictly lower part is L (the solve assumes a unit diagonal)
     rhs = torch.cat([v * beta[..., None], k_beta * G.exp()[..., None]], dim=-1)
@@ -86,29 +87,37 @@ def delta_rule_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def state_after(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, G: torch.Tensor, n) -> torch.Tensor:
-    """The state after the first ``n`` tokens of a chunk (closed form, see the module doc).
+    """The state after the first ``n`` tokens of a chunk (closed form, see the module doc),
+    per sequence.
 
     Args:
-        state: ``[H, d_k, d_v]`` before the chunk; k ``[H, T, d_k]``, u ``[H, T, d_v]``,
-            G ``[H, T]`` from :func:`delta_rule_chunk`.
-        n: tokens to keep, ``1 <= n <= T`` (int or a 0-dim int64 tensor).
+        state: ``[N, H, d_k, d_v]`` before the chunk; k ``[N, H, T, d_k]``, u ``[N, H, T, d_v]``,
+            G ``[N, H, T]`` from :func:`delta_rule_chunk`.
+        n: tokens to keep: an int or a 0-dim int64 tensor in ``[1, T]`` for every sequence,
+            or an int64 tensor ``[N]`` in ``[0, T]`` per sequence (0: the state before the chunk).
 
     Returns:
-        ``[H, d_k, d_v]`` float32.
+        ``[N, H, d_k, d_v]`` float32.
     """
-    T = G.shape[1]
+    T = G.shape[-1]
     if isinstance(n, int) and n == T:
-        g_end = G[:, -1]
-        weights = (g_end[:, None] - G).exp()
-    else:
-        g_end = G.index_select(1, (n - 1).view(1) if torch.is_tensor(n) else torch.tensor([n - 1], device=G.device))[:, 0]
+        g_end = G[..., -1:]  # [N, H, 1]
+        weights = (g_end - G).exp()
+    elif not torch.is_tensor(n) or n.dim() == 0:  # one count for every sequence (the single-sequence commit)
+        last = (n - 1).view(1) if torch.is_tensor(n) else torch.tensor([n - 1], device=G.device)
+        g_end = G.index_select(-1, last)
         keep = torch.arange(T, device=G.device) < n
-        weights = (g_end[:, None] - G).masked_fill(~keep, float("-inf")).exp()
-    return state * g_end.exp()[:, None, None] + (k * weights[..., None]).transpose(-1, -2) @ u
+        weights = (g_end - G).masked_fill(~keep, float("-inf")).exp()
+    else:  # a count per sequence, [N] -> [N, 1, 1]
+        n = n.view(-1, 1, 1)
+        g_end = G.gather(-1, (n - 1).clamp(min=0).expand(*G.shape[:-1], 1)).masked_fill(n < 1, 0.0)
+        keep = torch.arange(T, device=G.device) < n  # [N, 1, T]
+        weights = (g_end - G).masked_fill(~keep, float("-inf")).exp()
+    return state * g_end.exp()[..., None] + (k * weights[..., None]).transpose(-1, -2) @ u
 
 
 class GatedDeltaNet(nn.Module):
-    """A Gated DeltaNet token mixer for one sequence.
+    """A Gated DeltaNet token mixer over N sequences at once (N = 1 for one sequence).
 
     Hugging Face parameter names (Qwen3.5 layout): ``in_proj_qkv``, ``in_proj_z``,
     ``in_proj_b``, ``in_proj_a``, ``conv1d`` (depthwise, no bias), ``dt_bias``, ``A_log``,
@@ -146,31 +155,34 @@ class GatedDeltaNet(nn.Module):
         return state.add_layer(self.kernel - 1, self.conv_dim, self.nv, self.dk, self.dv)
 
     def forward(self, x: torch.Tensor, state: RecurrentState, slot: int, commit=None, defer: bool = False) -> torch.Tensor:
-        """Mix ``x`` ``[T, H]`` (already normed) -> ``[T, H]``, reading the state of ``slot``.
+        """Mix ``x`` ``[N * T, H]`` (already normed; the rows of N = ``state.sequences``
+        sequences, T each, in order) -> ``[N * T, H]``, sequence ``i`` reading (and writing)
+        row ``i`` of ``state``'s layer ``slot``.
 
         Args:
-            commit: None to advance the state over all T rows; ``n`` (int or 0-dim
-                tensor) to advance it over the first n rows only (padded chunks).
-            defer: leave the state as it is and record what :meth:`commit` needs to advance
-                it later over an accepted prefix (a verify block; T <= 64).
+            commit: None to advance the states over all T rows; ``n`` (int, 0-dim or
+                ``[N]`` int64 tensor) to advance them over the first n rows only (padded chunks).
+            defer: leave the states as they are and record what :meth:`commit` needs to
+                advance them later over each sequence's accepted prefix (a verify; T <= 64).
         """
-        T = x.shape[0]
+        N = state.sequences
+        T = x.shape[0] // N
         dtype = x.dtype
-        conv_in = torch.cat([state.conv[slot], self.in_proj_qkv(x)])  # [K-1+T, C]: the inputs before the block, then the block's
-        mixed = F.conv1d(conv_in.t()[None], self.conv1d.weight, groups=self.conv_dim)[0].t()  # [T, C]
-        mixed = F.silu(mixed)
+        conv_in = torch.cat([state.conv[slot], self.in_proj_qkv(x).view(N, T, -1)], dim=1)  # [N, K-1+T, C]: the inputs before the block, then the block's
+        mixed = F.conv1d(conv_in.transpose(1, 2), self.conv1d.weight, groups=self.conv_dim)  # [N, C, T]
+        mixed = F.silu(mixed).transpose(1, 2)  # [N, T, C]
         key_dim = self.nk * self.dk
-        q = mixed[:, :key_dim].reshape(T, self.nk, self.dk)
-        k = mixed[:, key_dim: 2 * key_dim].reshape(T, self.nk, self.dk)
-        v = mixed[:, 2 * key_dim:].reshape(T, self.nv, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x)).float().t()  # [nv, T]
-        g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)).t()
+        q = mixed[..., :key_dim].reshape(N, T, self.nk, self.dk)
+        k = mixed[..., key_dim: 2 * key_dim].reshape(N, T, self.nk, self.dk)
+        v = mixed[..., 2 * key_dim:].reshape(N, T, self.nv, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x)).float().view(N, T, -1).transpose(1, 2)  # [N, nv, T]
+        g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)).view(N, T, -1).transpose(1, 2)
         groups = self.nv // self.nk
-        q = _l2norm(q.float()).transpose(0, 1) * self.dk ** -0.5
-        k = _l2norm(k.float()).transpose(0, 1)
+        q = _l2norm(q.float()).transpose(1, 2) * self.dk ** -0.5  # [N, nk, T, dk]
+        k = _l2norm(k.float()).transpose(1, 2)
         if groups > 1:
-            q, k = q.repeat_interleave(groups, 0), k.repeat_interleave(groups, 0)
-        v = v.float().transpose(0, 1)
+            q, k = q.repeat_interleave(groups, 1), k.repeat_interleave(groups, 1)
+        v = v.float().transpose(1, 2)  # [N, nv, T, dv]
         s0 = state.ssm[slot]
         if defer:
             if T > CHUNK:
@@ -179,32 +191,44 @@ class GatedDeltaNet(nn.Module):
             state.stash(slot, conv_in, k, u, G)
         else:
             if commit is not None:  # rows past the committed ones leave the state unchanged (g = 0, beta = 0)
-                keep = (torch.arange(T, device=x.device) < commit)
+                keep = torch.arange(T, device=x.device) < (commit if isinstance(commit, int) else commit.view(-1, 1, 1))
                 g, beta = g * keep, beta * keep
             outs = []
             for c0 in range(0, T, CHUNK):
                 c1 = min(c0 + CHUNK, T)
-                out_c, u, G = delta_rule_chunk(q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], g[:, c0:c1], beta[:, c0:c1], s0)
-                s0 = state_after(s0, k[:, c0:c1], u, G, c1 - c0)
+                chunk = slice(c0, c1)
+                out_c, u, G = delta_rule_chunk(q[..., chunk, :], k[..., chunk, :], v[..., chunk, :], g[..., chunk],
+                                               beta[..., chunk], s0)
+                s0 = state_after(s0, k[..., chunk, :], u, G, c1 - c0)
                 outs.append(out_c)
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
             state.ssm[slot].copy_(s0)
             n = T if commit is None else commit
             state.conv[slot].copy_(_window(conv_in, n, self.kernel - 1))
-        out = self.norm(out.transpose(0, 1).to(dtype), self.in_proj_z(x).view(T, self.nv, self.dv))
-        return self.out_proj(out.reshape(T, self.nv * self.dv))
+        out = self.norm(out.transpose(1, 2).to(dtype), self.in_proj_z(x).view(N, T, self.nv, self.dv))
+        return self.out_proj(out.reshape(N * T, self.nv * self.dv))
 
     def commit(self, state: RecurrentState, slot: int, n) -> None:
-        """Advance the state of ``slot`` over the first ``n`` rows of the last deferred block
-        (1 <= n <= T; an int or a 0-dim int64 tensor): the rollback of a verify."""
+        """Advance the states of layer ``slot`` over the first ``n`` rows of the last deferred
+        block: the rollback of a verify.
+
+        Args:
+            n: rows to keep: an int or a 0-dim int64 tensor in ``[1, T]`` for every
+                sequence, or ``[N]`` int64 in ``[0, T]`` per sequence (0: that state stays).
+        """
         conv_in, k, u, G = state.stashed(slot)
         state.ssm[slot].copy_(state_after(state.ssm[slot], k, u, G, n))
         state.conv[slot].copy_(_window(conv_in, n, self.kernel - 1))
 
 
 def _window(conv_in: torch.Tensor, n, width: int) -> torch.Tensor:
-    """The ``width`` convolution inputs ending at block row ``n - 1``: rows ``[n, n + width)``
-    of ``conv_in`` (which starts with the ``width`` inputs before the block)."""
+    """The ``width`` convolution inputs ending at block row ``n - 1`` of each sequence: rows
+    ``[n, n + width)`` of ``conv_in`` ``[N, width + T, C]`` (which starts with the ``width``
+    inputs before the block) -> ``[N, width, C]``. ``n``: an int or 0-dim int64 tensor for
+    every sequence, or ``[N]`` int64 per sequence."""
     if isinstance(n, int):
-        return conv_in[n: n + width]
-    return conv_in.index_select(0, n + torch.arange(width, device=conv_in.device))
+        return conv_in[:, n: n + width]
+    if n.dim() == 0:
+        return conv_in.index_select(1, n + torch.arange(width, device=conv_in.device))
+    index = n[:, None] + torch.arange(width, device=conv_in.device)  # [N, width]
+    return conv_in.gather(1, index[..., None].expand(-1, width, conv_in.shape[2]))

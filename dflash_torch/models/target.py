@@ -187,7 +187,9 @@ class TargetModel(nn.Module):
         no-op for pure-attention targets).
 
         Args:
-            rows: accepted tokens + 1, in ``[1, T]`` (int or 0-dim int64 tensor).
+            rows: accepted tokens + 1, in ``[1, T]`` (int or 0-dim int64 tensor); batched:
+                int64 ``[N]``, one count per sequence of ``cache.recurrent`` (0: that
+                sequence's state stays as it is).
         """
         for layer in self.model.layers:
             if layer.kind == "linear_attention":
@@ -223,7 +225,7 @@ class TargetModel(nn.Module):
                 ``[N, T / N]``, the positions of N sequences whose rows follow one
                 another in ``input_ids``, with ``cache`` holding a
                 :class:`~dflash_torch.batch.SlotKVCache` view of N slots and, for a
-                hybrid target, a list of the N sequences' recurrent states.
+                hybrid target, a :class:`RecurrentState` of those N sequences.
             cache: the target cache; positions before ``positions[0]`` must be filled.
             kv_len: attend over cache entries ``[0, kv_len)`` under the causal mask (eager:
                 ``positions[-1] + 1``; fixed shapes: a length bucket, entries past
@@ -232,8 +234,9 @@ class TargetModel(nn.Module):
                 Hugging Face ``hidden_states[l + 1]``; for the last layer that is the
                 output after the final norm, as in transformers).
             logits_from: compute logits only for rows ``[logits_from, T)``.
-            commit: recurrent layers advance over the first ``commit`` rows only (int or
-                0-dim tensor; a padded prefill chunk); None: over all rows.
+            commit: recurrent layers advance over the first ``commit`` rows only (int,
+                0-dim tensor, or ``[N]`` int64 per sequence; a padded prefill chunk); None:
+                over all rows.
             defer_commit: recurrent layers keep their state and record the block, to be
                 advanced by :meth:`commit` once acceptance is known (a verify; batched:
                 each sequence's state records its own rows).
@@ -255,7 +258,7 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
             if layer.kind == "linear_attention":
-                x = x + self._linear_attention(layer, h, cache.recurrent, commit, defer_commit)
+                x = x + layer.linear_attn(h, cache.recurrent, layer.slot, commit, defer_commit)  # N sequences at once
             else:
                 x = x + self._self_attention(layer.self_attn, layer.slot, h, cache.kv, step)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -270,17 +273,6 @@ class TargetModel(nn.Module):
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         logits = self.lm_head(normed)
         return logits, features
-
-    @staticmethod
-    def _linear_attention(layer: DecoderLayer, h: torch.Tensor, state, commit, defer: bool) -> torch.Tensor:
-        """The layer's Gated DeltaNet over ``h`` ``[T, H]``: one sequence's rows on ``state``
-        (a :class:`RecurrentState`), or, batched, N sequences' rows in order, each on its
-        own state (``state`` a list of N)."""
-        mixer = layer.linear_attn
-        if isinstance(state, RecurrentState):
-            return mixer(h, state, layer.slot, commit, defer)
-        rows = h.view(len(state), -1, h.shape[-1])
-        return torch.cat([mixer(r, s, layer.slot, commit, defer) for r, s in zip(rows, state)])
 
     @staticmethod
     def _self_attention(attn, slot: int, h: torch.Tensor, kv: KVCache, step: _Step) -> torch.Tensor:
