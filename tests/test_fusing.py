@@ -16,6 +16,7 @@ from dflash_torch.engine import DFlashEngine
 from dflash_torch.models.attention import Attention
 from dflash_torch.models.drafter import DFlashDrafter
 from dflash_torch.models.fusing import fuse_projections
+from dflash_torch.models.gated_deltanet import GatedDeltaNet
 from dflash_torch.models.layers import MLP
 from dflash_torch.models.target import TargetModel
 
@@ -52,7 +53,10 @@ def test_fused_target_matches_transformers_and_the_unfused_model(name, tmp_path)
     changed = fuse_projections(fused, query=True)
     attns = [m for m in fused.modules() if isinstance(m, Attention)]
     mlps = [m for m in fused.modules() if isinstance(m, MLP)]
-    assert attns and changed == len(attns) + len(mlps)
+    gdns = [m for m in fused.modules() if isinstance(m, GatedDeltaNet)]
+    assert attns and changed == len(attns) + len(mlps) + len(gdns)
+    assert bool(gdns) == (build is make_hybrid_target)
+    assert all(m.in_proj is not None and not hasattr(m, "in_proj_z") for m in gdns)
     assert all(a.qkv_proj is not None and not hasattr(a, "q_proj") and not hasattr(a, "k_proj") for a in attns)
     assert all(m.gate_up_proj is not None and not hasattr(m, "up_proj") for m in mlps)
     assert sum(p.numel() for p in fused.parameters()) == n_params  # nothing dropped, nothing kept twice
@@ -114,17 +118,20 @@ def test_fused_inductor_compiled_rounds_are_lossless(agree_pair):
     assert max(taus) > 1
 
 
-def test_engine_joins_projections_on_request_and_by_default_on_cuda_only(agree_pair):
-    prompts = ["abc", "hello there"]
+@pytest.mark.parametrize("pair", ["agree_pair", "agree_hybrid_pair"])
+def test_engine_joins_projections_on_request_and_by_default_on_cuda_only(pair, request):
+    agree_pair = request.getfixturevalue(pair)
+    prompts = ["abc", "hello there", "x = 1"]
     plain = DFlashEngine.from_pretrained(*agree_pair)
-    assert plain.target.model.layers[0].self_attn.qkv_proj is None  # CPU default: separate projections
+    attention = lambda engine: next(m for m in engine.target.modules() if isinstance(m, Attention))  # noqa: E731
+    assert attention(plain).qkv_proj is None  # CPU default: separate projections
     fused = DFlashEngine.from_pretrained(*agree_pair, fuse=True)
-    assert fused.target.model.layers[0].self_attn.qkv_proj is not None
+    assert attention(fused).qkv_proj is not None
     assert fused.drafter.layers[0].self_attn.kv_proj is not None
+    assert all(m.in_proj is not None for m in fused.target.modules() if isinstance(m, GatedDeltaNet))
     batch = fused.generate_batch(prompts, max_new_tokens=24, ignore_eos=True)
     for prompt, got in zip(prompts, batch):
         want = plain.generate(prompt, max_new_tokens=24, ignore_eos=True)
         assert got.token_ids == want.token_ids
     if torch.cuda.is_available():
-        on_gpu = DFlashEngine.from_pretrained(*agree_pair, device="cuda")
-        assert on_gpu.target.model.layers[0].self_attn.qkv_proj is not None
+        assert attention(DFlashEngine.from_pretrained(*agree_pair, device="cuda")).qkv_proj is not None

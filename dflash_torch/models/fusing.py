@@ -1,7 +1,8 @@
 """Joined projections for inference on a GPU: the linears of a layer that read the same
 rows become one (a target attention's ``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj``,
 a drafter attention's ``k_proj``/``v_proj`` -> ``kv_proj``, every SwiGLU MLP's
-``gate_proj``/``up_proj`` -> ``gate_up_proj``).
+``gate_proj``/``up_proj`` -> ``gate_up_proj``, a Gated DeltaNet layer's four input
+projections -> ``in_proj``).
 
 Decoding multiplies 1 (a target-only step) to B (a verify or propose block) rows by
 each weight: reading the weights is the cost. One matmul over the joined weight
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from .attention import Attention
+from .gated_deltanet import GatedDeltaNet
 from .layers import MLP
 
 
@@ -32,7 +34,8 @@ def fuse_by_default(device: torch.device | str) -> bool:
 
 
 def fuse_projections(model: nn.Module, query: bool) -> int:
-    """Join the projections of every :class:`Attention` and :class:`MLP` below ``model``
+    """Join the projections of every :class:`Attention`, :class:`MLP` and
+    :class:`GatedDeltaNet` below ``model``
     (in place; a model loaded for inference: parameter names change, weights are moved
     into the joined tensors, not copied twice).
 
@@ -48,7 +51,7 @@ def fuse_projections(model: nn.Module, query: bool) -> int:
         if isinstance(m, Attention) and m.qkv_proj is None and m.kv_proj is None:
             m.fuse(query)
             count += 1
-        elif isinstance(m, MLP) and m.gate_up_proj is None:
+        elif (isinstance(m, MLP) and m.gate_up_proj is None) or (isinstance(m, GatedDeltaNet) and m.in_proj is None):
             m.fuse()
             count += 1
     return count

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import RecurrentState
+from .layers import fused_linear
 
 CHUNK = 64  # tokens per chunk of the chunked form (the exponent differences stay well conditioned)
 
@@ -120,7 +121,7 @@ class GatedDeltaNet(nn.Module):
     """A Gated DeltaNet token mixer over N sequences at once (N = 1 for one sequence).
 
     Hugging Face parameter names (Qwen3.5 layout): ``in_proj_qkv``, ``in_proj_z``,
-    ``in_proj_b``, ``in_proj_a``, ``conv1d`` (depthwise, no bias), ``dt_bias``, ``A_log``,
+    ``in_proj_b``, ``in_proj_a`` (joined into ``in_proj`` by :meth:`fuse`), ``conv1d`` (depthwise, no bias), ``dt_bias``, ``A_log``,
     ``norm`` (:class:`GatedRMSNorm`), ``out_proj``. Qwen3-Next's fused ``in_proj_qkvz`` /
     ``in_proj_ba`` are rearranged into this layout when loaded.
 
@@ -149,6 +150,23 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(num_value_heads))
         self.norm = GatedRMSNorm(value_head_dim, eps)
         self.out_proj = nn.Linear(value_dim, hidden, bias=False)
+        self.in_proj = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """Join the four input projections (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+        ``in_proj_a``: all read the same rows) into one linear ``in_proj`` (in place, for
+        inference: the same outputs from one matmul; the state dict's names change; see
+        :mod:`dflash_torch.models.fusing`)."""
+        if self.in_proj is None:
+            self.in_proj = fused_linear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+            del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[R, H]`` -> the projections ``qkv`` ``[R, conv_dim]``, ``z`` ``[R, nv * dv]``,
+        ``b`` and ``a`` ``[R, nv]``."""
+        if self.in_proj is None:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        return self.in_proj(x).split([self.conv_dim, self.nv * self.dv, self.nv, self.nv], dim=-1)
 
     def new_state(self, state: RecurrentState) -> int:
         """Register this layer's state in ``state``; returns its slot."""
@@ -168,15 +186,16 @@ class GatedDeltaNet(nn.Module):
         N = state.sequences
         T = x.shape[0] // N
         dtype = x.dtype
-        conv_in = torch.cat([state.conv[slot], self.in_proj_qkv(x).view(N, T, -1)], dim=1)  # [N, K-1+T, C]: the inputs before the block, then the block's
+        qkv, z, b, a = self._inputs(x)
+        conv_in = torch.cat([state.conv[slot], qkv.reshape(N, T, -1)], dim=1)  # [N, K-1+T, C]: the inputs before the block, then the block's
         mixed = F.conv1d(conv_in.transpose(1, 2), self.conv1d.weight, groups=self.conv_dim)  # [N, C, T]
         mixed = F.silu(mixed).transpose(1, 2)  # [N, T, C]
         key_dim = self.nk * self.dk
         q = mixed[..., :key_dim].reshape(N, T, self.nk, self.dk)
         k = mixed[..., key_dim: 2 * key_dim].reshape(N, T, self.nk, self.dk)
         v = mixed[..., 2 * key_dim:].reshape(N, T, self.nv, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x)).float().view(N, T, -1).transpose(1, 2)  # [N, nv, T]
-        g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)).view(N, T, -1).transpose(1, 2)
+        beta = torch.sigmoid(b).float().reshape(N, T, -1).transpose(1, 2)  # [N, nv, T]
+        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).reshape(N, T, -1).transpose(1, 2)
         groups = self.nv // self.nk
         q = _l2norm(q.float()).transpose(1, 2) * self.dk ** -0.5  # [N, nk, T, dk]
         k = _l2norm(k.float()).transpose(1, 2)
@@ -205,7 +224,7 @@ class GatedDeltaNet(nn.Module):
             state.ssm[slot].copy_(s0)
             n = T if commit is None else commit
             state.conv[slot].copy_(_window(conv_in, n, self.kernel - 1))
-        out = self.norm(out.transpose(1, 2).to(dtype), self.in_proj_z(x).view(N, T, self.nv, self.dv))
+        out = self.norm(out.transpose(1, 2).to(dtype), z.reshape(N, T, self.nv, self.dv))
         return self.out_proj(out.reshape(N * T, self.nv * self.dv))
 
     def commit(self, state: RecurrentState, slot: int, n) -> None:
