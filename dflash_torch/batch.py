@@ -44,7 +44,7 @@ import torch
 
 from .cache import KVCache, RecurrentState, TargetCache, static_buffer
 from .decoding import Round, without_shape_plans
-from .errors import DFlashError
+from .errors import DFlashError, OptionError
 from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
@@ -305,9 +305,9 @@ class BatchDecoder:
         drafts = drafter if self.feature_layers is not None else None
         need, free = cache_bytes(target, drafts, self.max_batch_size, capacity), available_memory(self.device)
         if free is not None and need > 0.9 * free:
-            raise DFlashError(f"the caches of max_batch_size {self.max_batch_size} x max_context {self.max_context} "
+            raise OptionError(f"the caches of max_batch_size {self.max_batch_size} x max_context {self.max_context} "
                               f"need {need / 2**30:.2f} GiB but {self.device.type} has {free / 2**30:.2f} GiB free; "
-                              "lower max_batch_size or max_context")
+                              "lower either", "max_batch_size", "max_context")
         c, w = target.config, target.model.embed_tokens.weight
         try:
             self.target_kv = SlotKVCache.allocate(target.num_kv_layers, self.max_batch_size, c.num_key_value_heads,
@@ -319,8 +319,8 @@ class BatchDecoder:
                 self.draft_kv = SlotKVCache.allocate(d.num_hidden_layers, self.max_batch_size, d.num_key_value_heads,
                                                      capacity, d.head_dim, drafter.fc.weight.dtype, self.device)
         except torch.OutOfMemoryError:
-            raise DFlashError(f"out of memory allocating the caches of max_batch_size {self.max_batch_size} x "
-                              f"max_context {self.max_context}; lower either") from None
+            raise OptionError(f"out of memory allocating the caches of max_batch_size {self.max_batch_size} x "
+                              f"max_context {self.max_context}; lower either", "max_batch_size", "max_context") from None
         self._seqs: list[_Sequence] = []  # decoding, slot = index
         self._joining: deque[_Joining] = deque()  # prefilling, FIFO; the head's slot is len(self._seqs)
         self._arange_block = torch.arange(B, device=self.device)

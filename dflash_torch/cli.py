@@ -171,14 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def error_message(exc: DFlashError, flags: dict[str, str]) -> str:
-    """The message of ``exc`` for the command line: an :class:`OptionError` about an option
-    this command has (its Python name, spaces read as underscores, is the option's dest in
-    ``flags``) names the flag instead (``top_p must be ...`` -> ``--top-p must be ...``)."""
+    """The message of ``exc`` for the command line: an :class:`OptionError` about options
+    this command has (each Python name in ``exc.names``, spaces read as underscores, is an
+    option's dest in ``flags``) names the flags instead, at each name's first occurrence
+    (``top_p must be ...`` -> ``--top-p must be ...``)."""
     message = str(exc)
     if isinstance(exc, OptionError):
-        flag = flags.get(exc.name.replace(" ", "_"))
-        if flag is not None:
-            return message.replace(exc.name, flag, 1)
+        for name in exc.names:
+            flag = flags.get(name.replace(" ", "_"))
+            if flag is not None:
+                message = message.replace(name, flag, 1)
     return message
 
 

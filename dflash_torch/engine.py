@@ -179,9 +179,14 @@ class DFlashEngine:
 
         Raises:
             DFlashError: missing files, incompatible pair, bad dtype / device / block size /
-                max_context (see :mod:`dflash_torch.options`; checked before any weight is
-                read), ``compile=True`` with ``draft_mode="recompute"`` (its shapes grow every round).
+                max_context, a yes/no option that is not a bool (see :mod:`dflash_torch.options`;
+                checked before any weight is read), ``compile=True`` with
+                ``draft_mode="recompute"`` (its shapes grow every round).
         """
+        for name, flag in dict(no_draft=no_draft, compile=compile, pack=pack, static=static).items():
+            options.check_flag(flag, name)
+        if fuse is not None:
+            options.check_flag(fuse, "fuse")
         torch_dtype, dev = options.resolve_dtype(dtype), options.resolve_device(device)
         if target is None:
             target = DEFAULT_TARGET

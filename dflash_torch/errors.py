@@ -15,9 +15,11 @@ class DFlashError(ValueError):
 
 
 class OptionError(DFlashError):
-    """A :class:`DFlashError` about the value of one option; ``name`` is the option's name
-    as the message spells it (``max_new_tokens``, ``block size``)."""
+    """A :class:`DFlashError` about the value of one option (or of a few together);
+    ``name`` is the option's name as the message spells it (``max_new_tokens``,
+    ``block size``), ``names`` that name and the others the message spells."""
 
-    def __init__(self, message: str, name: str):
+    def __init__(self, message: str, name: str, *others: str):
         super().__init__(message)
         self.name = name
+        self.names = (name, *others)

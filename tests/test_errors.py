@@ -130,6 +130,15 @@ def test_bad_checkpoints_and_options_raise_one_line_errors(bad, name, spec, word
     assert "\n" not in msg and words in msg, msg
 
 
+@pytest.mark.parametrize("name,value", [("no_draft", "false"), ("compile", "no"), ("pack", 0), ("static", "yes"),
+                                        ("fuse", "no")])
+def test_yes_no_load_options_must_be_bools(bad, name, value):
+    """A string is not a yes/no option: no_draft="false" decoded with the target alone,
+    fuse="no" joined the projections (every truthy value read as True)."""
+    with pytest.raises(DFlashError, match=f"^{name} must be True or False, got {value!r}$"):
+        DFlashEngine.from_pretrained(bad["target"], None if name == "no_draft" else bad["drafter"], **{name: value})
+
+
 GENERATE_CASES = [
     ("context-overflow", dict(max_new_tokens=2000), "exceeds the context"),
     ("negative-temperature", dict(temperature=-0.5), "temperature"),

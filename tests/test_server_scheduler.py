@@ -326,7 +326,8 @@ def test_serve_refuses_bad_slot_flags_before_loading_models(flag, capsys):
 
 def test_serve_refuses_batch_caches_that_do_not_fit_at_start(tiny_pair, tmp_path):
     """A --max-batch-size whose caches cannot fit is refused when serve starts, in one line
-    (it served, announcing the slots, and answered every request with a 400 about caches)."""
+    (it served, announcing the slots, and answered every request with a 400 about caches),
+    naming the flags (it said max_batch_size and max_context, the Python names)."""
     target, drafter = tiny_pair
     proc = subprocess.run(
         [sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target), "--draft", str(drafter),
@@ -334,7 +335,8 @@ def test_serve_refuses_batch_caches_that_do_not_fit_at_start(tiny_pair, tmp_path
         capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()
-    assert len(err) == 1 and "max_batch_size 1000000000" in err[0] and "lower max_batch_size" in err[0], err
+    assert len(err) == 1 and "--max-batch-size 1000000000 x --max-context 1024 need" in err[0], err
+    assert "max_batch_size" not in err[0] and "max_context" not in err[0] and "lower either" in err[0], err
     assert "serving" not in proc.stdout
 
 
