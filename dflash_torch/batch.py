@@ -387,7 +387,8 @@ class BatchDecoder:
                 if B > 1:
                     feats = self.drafter.fc.weight.new_zeros(rows * B, self.drafter.fc.in_features)
                     self._draft_fn(tokens, positions, feats, positions.clone(), kv_len, self._views(rows)[1])
-                self._verify_fn(block.reshape(-1), positions, kv_len, self._views(rows)[0])
+                live = torch.ones(rows, dtype=torch.bool, device=self.device) if self.target_state is not None else None
+                self._verify(block, positions, kv_len, live)
         return len(sizes) * len(lengths)
 
     def _views(self, n: int) -> tuple[TargetCache, InjectedContext | None]:
@@ -530,8 +531,10 @@ class BatchDecoder:
         head = self._joining[0] if self._joining and self._joining[0].prefilled else None
         if head is not None and pad_starts:  # ... but slot n's past its partly read prompt (the next chunk overwrites it)
             pad_starts[0] = head.prefilled
-        kept = self._keep_state(n) if head is not None and pad_starts and self.target_state is not None else None
         t0 = time.perf_counter()
+        live = None  # hybrid targets: the rows whose recurrent states move (padding rows' stay as they are)
+        if self.target_state is not None:
+            live = torch.tensor([not q.done for q in seqs] + [False] * (rows - n), device=dev)
         starts = torch.tensor([q.s for q in seqs] + pad_starts, device=dev)
         positions = starts[:, None] + self._arange_block  # [rows, B]
         kv_len = self.kv_bucket(max([q.s for q in seqs] + pad_starts) + B)
@@ -543,14 +546,12 @@ class BatchDecoder:
         else:
             block = tokens[:, None]
         t1 = time.perf_counter()
-        logits, feats = self._verify_fn(block.reshape(-1), positions, kv_len, self._views(rows)[0])
+        logits, feats = self._verify(block, positions, kv_len, live)
         accepted, bonus = self._accept(seqs, block, draft_probs, logits.view(rows, B, -1))
         if self.defer_commit:
             if self.graphed:  # the stash out of the verify graph's pool (see SpeculativeDecoder._carry)
                 self.target_state.first(rows).copy_stash()
-            self._commit(seqs, accepted)
-        if kept is not None:
-            self._restore_state(n, kept)
+            self._commit(live, accepted)
         out = torch.cat([accepted[:, None], block[:, 1:], bonus[:, None]], dim=1).tolist()  # the one host sync
         t2 = time.perf_counter()
         rounds = {}
@@ -593,14 +594,6 @@ class BatchDecoder:
             rounds[q.seq_id] = Round([int(token)], None, 0.0, q.prefill_time, q.prefill_time)
         return rounds
 
-    def _keep_state(self, slot: int) -> list[torch.Tensor]:
-        """A copy of slot ``slot``'s recurrent state (a padding row of a round may run on it)."""
-        return [t[slot].clone() for t in self.target_state.conv + self.target_state.ssm]
-
-    def _restore_state(self, slot: int, kept: list[torch.Tensor]) -> None:
-        for t, k in zip(self.target_state.conv + self.target_state.ssm, kept):
-            t[slot].copy_(k)
-
     # --- the parts of a round ---
 
     def _draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
@@ -617,18 +610,26 @@ class BatchDecoder:
                               inject=(features, feature_positions))
         return self.drafter.draft_scores(hidden.view(n, B, -1), tokens, self.target)
 
-    def _verify_step(self, block: torch.Tensor, positions: torch.Tensor, kv_len: int, cache: TargetCache):
-        """verify: the target reads the n blocks -> logits ``[n * B, V]``, features ``[n * B, k * H]``."""
-        return self.target(block, positions, cache, kv_len, self.feature_layers, defer_commit=self.defer_commit)
+    def _verify(self, block: torch.Tensor, positions: torch.Tensor, kv_len: int, live: torch.Tensor | None):
+        """The verify of a round's blocks ``[rows, B]``. ``live`` (bool ``[rows]``, hybrid
+        targets): the rows whose recurrent states move; in a target-only round (no deferred
+        commit) the others (finished sequences, padding, possibly in a joiner's slot)
+        advance over 0 rows."""
+        commit = live.long() if live is not None and not self.defer_commit else None
+        return self._verify_fn(block.reshape(-1), positions, kv_len, self._views(positions.shape[0])[0], commit)
 
-    def _commit(self, seqs: list[_Sequence], accepted: torch.Tensor) -> None:
+    def _verify_step(self, block: torch.Tensor, positions: torch.Tensor, kv_len: int, cache: TargetCache,
+                     commit: torch.Tensor | None):
+        """verify: the target reads the n blocks -> logits ``[n * B, V]``, features ``[n * B, k * H]``."""
+        return self.target(block, positions, cache, kv_len, self.feature_layers, commit=commit,
+                           defer_commit=self.defer_commit)
+
+    def _commit(self, live: torch.Tensor, accepted: torch.Tensor) -> None:
         """Rollback of a hybrid target's recurrent layers, all sequences at once: advance
-        each decoded sequence's state over its own accepted rows + 1 of the verify
-        (``accepted`` ``[rows]``, on the device); finished sequences held as padding and
-        padding rows keep their state (0 rows)."""
-        rows = accepted.shape[0]
-        live = torch.tensor([not q.done for q in seqs] + [False] * (rows - len(seqs)), device=accepted.device)
-        self.target.commit(TargetCache(None, self.target_state.first(rows)), (accepted + 1) * live)
+        each ``live`` row's state (bool ``[rows]``) over its own accepted rows + 1 of the
+        verify (``accepted`` ``[rows]``, on the device); finished sequences held as
+        padding and padding rows keep their state (0 rows)."""
+        self.target.commit(TargetCache(None, self.target_state.first(live.shape[0])), (accepted + 1) * live)
 
     def _prefill(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
         """The target reads the prompt ``ids`` ``[P]`` into ``slot`` chunk by chunk. Returns

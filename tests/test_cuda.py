@@ -109,14 +109,14 @@ def test_batch_recurrent_states_are_static_and_the_carried_stash_is_copied(agree
     def ptrs(tensors):
         return {t.untyped_storage().data_ptr() for t in tensors}
 
-    def recorded_verify(block, positions, kv_len, cache):
-        out = verify(block, positions, kv_len, cache)
+    def recorded_verify(block, positions, kv_len, cache, commit_rows):
+        out = verify(block, positions, kv_len, cache, commit_rows)
         last_outputs[:] = list(out) + stash(positions.shape[0])  # kept alive: storage not reused meanwhile
         return out
 
-    def recorded_commit(seqs, accepted):
-        shared.append(bool(ptrs(stash(len(seqs))) & ptrs(last_outputs)))
-        return commit(seqs, accepted)
+    def recorded_commit(live, accepted):
+        shared.append(bool(ptrs(stash(len(live))) & ptrs(last_outputs)))
+        return commit(live, accepted)
 
     batch._verify_fn, batch._commit = recorded_verify, recorded_commit
     prompts = varied_prompts(target, 2)
