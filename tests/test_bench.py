@@ -16,17 +16,19 @@ from dflash_torch.bench.sweep import context_sweep
 from dflash_torch.models.drafter import DFlashDrafter
 
 
+def run_bench(pair, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``dflash-torch bench`` on ``pair`` (target, drafter) with ``args``, in a subprocess."""
+    target, drafter = pair
+    return subprocess.run([sys.executable, "-m", "dflash_torch.cli", "bench", "--target", str(target),
+                           "--draft", str(drafter), *args], capture_output=True, text=True, timeout=timeout)
+
+
 def test_bench_cli_writes_report(tiny_pair, tmp_path):
-    target, drafter = tiny_pair
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]))
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "dflash_torch.cli", "bench", "--target", str(target), "--draft", str(drafter),
-         "--prompts", str(prompts), "--max-new-tokens", "12", "--modes", "target-only,inject,recompute",
-         "--sweep", "16,64", "--out", str(out), "--no-progress"],
-        capture_output=True, text=True, timeout=300,
-    )
+    proc = run_bench(tiny_pair, "--prompts", str(prompts), "--max-new-tokens", "12", "--modes", "target-only,inject,recompute",
+                     "--sweep", "16,64", "--out", str(out), "--no-progress")
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "bench.json").read_text())
     names = [m["name"] for m in report["modes"]]
@@ -47,10 +49,7 @@ def test_bench_cli_writes_report(tiny_pair, tmp_path):
 
 
 def test_bench_rejects_unknown_mode(tiny_pair, tmp_path):
-    target, drafter = tiny_pair
-    proc = subprocess.run(
-        [sys.executable, "-m", "dflash_torch.cli", "bench", "--target", str(target), "--draft", str(drafter),
-         "--modes", "warp-speed", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = run_bench(tiny_pair, "--modes", "warp-speed", "--out", str(tmp_path), timeout=120)
     assert proc.returncode == 2
     assert "unknown bench mode" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -295,16 +294,11 @@ def test_round_vs_step_compiled_needs_every_layer():
 
 
 def test_bench_batch_sizes_writes_table_plot_and_fields(tiny_pair, tmp_path):
-    target, drafter = tiny_pair
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n", "class A:", "x = 1"]))
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "dflash_torch.cli", "bench", "--target", str(target), "--draft", str(drafter),
-         "--prompts", str(prompts), "--max-new-tokens", "10", "--modes", "", "--sweep", "", "--batch-sizes", "1,3",
-         "--block-size", "4", "--out", str(out), "--no-progress"],
-        capture_output=True, text=True, timeout=300,
-    )
+    proc = run_bench(tiny_pair, "--prompts", str(prompts), "--max-new-tokens", "10", "--modes", "", "--sweep", "",
+                     "--batch-sizes", "1,3", "--block-size", "4", "--out", str(out), "--no-progress")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((out / "bench.json").read_text())["batch_sizes"]
     assert [(r["batch_size"], r["mode"]) for r in rows] == [(1, "target-only"), (1, "dflash"), (3, "target-only"), (3, "dflash")]
@@ -322,10 +316,7 @@ def test_bench_batch_sizes_writes_table_plot_and_fields(tiny_pair, tmp_path):
 
 
 def test_bench_rejects_bad_batch_sizes(tiny_pair, tmp_path):
-    target, drafter = tiny_pair
-    proc = subprocess.run(
-        [sys.executable, "-m", "dflash_torch.cli", "bench", "--target", str(target), "--draft", str(drafter),
-         "--batch-sizes", "1,0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = run_bench(tiny_pair, "--batch-sizes", "1,0", "--out", str(tmp_path), timeout=120)
     assert proc.returncode == 2
     assert "--batch-sizes must be distinct integers >= 1" in proc.stderr and "Traceback" not in proc.stderr
 

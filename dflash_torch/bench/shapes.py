@@ -27,7 +27,6 @@ from torch import nn
 from ..decoding import SpeculativeDecoder, compile_counts
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig
-from ..models.attention import Attention
 from ..models.drafter import DFlashDrafter
 from ..models.gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from ..models.layers import RMSNorm, ZeroCenteredRMSNorm
@@ -400,6 +399,7 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
     need = fixed + sum(per_layer[:n])
     target, drafter = build_pair(shape, dtype, device, draft_layers=draft_layers, block_size=block_size,
                                  layers=n, fuse=fuse)
+    fused = fuse_by_default(device) if fuse is None else fuse
     B = block_size
     block = torch.randint(0, cfg.vocab_size - 2, (B,), generator=torch.Generator().manual_seed(0)).to(device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -511,7 +511,7 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         "weights_gib": (fixed + sum(per_layer)) / 2**30, "built_gib": need / 2**30,
         "step_weight_bytes": read[0] if read else None, "propose_weight_bytes": read[1] if read else None,
         "floor_round_over_step": (read[0] + read[1]) / read[0] if read else None,
-        "compile_mode": compile_mode, "fused": any(isinstance(m, Attention) and m.qkv_proj is not None for m in target.modules()),
+        "compile_mode": compile_mode, "fused": fused,
         "target_step_s": step, "round_s": rnd, "propose_s": propose, "verify_s": verify, "round_over_step": rnd / step,
         "measured": measured, "experts_hit_per_moe_layer": hits,
         "moe": None if cfg.moe is None else {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k},
