@@ -43,7 +43,7 @@ from typing import Hashable
 import torch
 
 from .cache import KVCache, RecurrentState, TargetCache, static_buffer
-from .decoding import Round, without_shape_plans
+from .decoding import Round, length_buckets, reserve_graphs, without_shape_plans
 from .errors import DFlashError, OptionError
 from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
@@ -339,6 +339,8 @@ class BatchDecoder:
             opts = dict(dynamic=False, backend=compile_backend)
             if self.device.type == "cuda":
                 opts["mode"] = "reduce-overhead"
+            reserve_graphs(len({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
+                           * length_buckets(capacity))
             self._draft_fn = torch.compile(self._draft_step, **opts)
             self._verify_fn = torch.compile(self._verify_step, **opts)
 

@@ -84,7 +84,7 @@ def _generate_here(args: argparse.Namespace) -> int:
         out = engine.generate(prompt, **kwargs)
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                           "stats": out.stats.to_dict()}))
-        warn_skipped_cudagraphs(args)
+        warn_compile_losses(args)
         return 0
     stats, finish = None, None
     for chunk in engine.stream(prompt, **kwargs):
@@ -100,23 +100,29 @@ def _generate_here(args: argparse.Namespace) -> int:
         f"{' (times include the one-off compilation)' if args.compile else ''}]",
         file=sys.stderr,
     )
-    warn_skipped_cudagraphs(args)
+    warn_compile_losses(args)
     return 0
 
 
-def warn_skipped_cudagraphs(args: argparse.Namespace) -> None:
-    """With ``--compile`` on CUDA: :func:`warn_compile` for the graphs of this process
-    that ran without CUDA graphs."""
-    from .decoding import compile_counts
+def warn_compile_losses(args: argparse.Namespace) -> None:
+    """With ``--compile``: :func:`warn_compile` for the compiled steps of this process
+    that ran eager and (on CUDA) the graphs that ran without CUDA graphs."""
+    from .decoding import compile_counts, eager_fallbacks
 
-    if args.compile and args.device.startswith("cuda"):
-        warn_compile("--compile", skipped=compile_counts()[1])
+    if args.compile:
+        warn_compile("--compile", skipped=compile_counts()[1] if args.device.startswith("cuda") else None,
+                     fallbacks=eager_fallbacks())
 
 
-def warn_compile(name: str, recompiles: int | None = None, skipped: int | None = None) -> None:
-    """A loud line on stderr when compiled decoding recompiled after its warm-up or ran
-    graphs without CUDA graphs (inductor skipped them): either costs most of the speed
-    that compiling is for, and figures measured so are not what they claim."""
+def warn_compile(name: str, recompiles: int | None = None, skipped: int | None = None,
+                 fallbacks: int | None = None) -> None:
+    """A loud line on stderr when compiled decoding recompiled after its warm-up, ran
+    graphs without CUDA graphs (inductor skipped them) or ran compiled steps eager
+    (they reached torch's recompile limit): each costs most of the speed that compiling
+    is for, and figures measured so are not what they claim."""
+    if fallbacks:
+        print(f"WARNING: {name}: {fallbacks} compiled step(s) reached torch's recompile limit and run EAGER from "
+              "then on (run with TORCH_LOGS=recompiles to see why)", file=sys.stderr, flush=True)
     if skipped:
         print(f"WARNING: {name}: {skipped} compiled graph(s) ran WITHOUT CUDA graphs (skipped by inductor; "
               "run with TORCH_LOGS=perf_hints to see why)", file=sys.stderr, flush=True)

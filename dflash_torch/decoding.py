@@ -45,6 +45,47 @@ def without_shape_plans(step: Callable) -> Callable:
     return run
 
 
+def length_buckets(capacity: int) -> int:
+    """How many key-length buckets (256, 512, 1024, ... tokens, the last capped at
+    ``capacity``) a fixed-shape cache of ``capacity`` positions has: a compiled step
+    builds one graph per bucket (per batch bucket, batched)."""
+    n, b = 1, 256
+    while b < capacity:
+        n, b = n + 1, 2 * b
+    return n
+
+
+_graphs_reserved = 0  # graphs that the compiled decoders built in this process may hold, all together
+
+
+def reserve_graphs(n: int) -> None:
+    """Let every compiled step function hold ``n`` more graphs before torch.compile gives
+    up on it.
+
+    torch.compile keeps a function's graphs with its code, which every decoder in the
+    process shares, and once a function holds ``torch._dynamo.config.recompile_limit``
+    graphs (8 by default) it runs that function eager from then on, with only a log
+    line. A fixed-shape decoder needs one graph per length bucket (times batch bucket
+    when batched): 9 for a 40,960-token context, 16 for a batch of 8 over 2,048 tokens,
+    and each compiled decoder of another model adds its own. So every compiled decoder
+    reserves its graphs here and the limit is raised to the sum (never lowered).
+    """
+    global _graphs_reserved
+    _graphs_reserved += n
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, _graphs_reserved)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, _graphs_reserved)
+
+
+def eager_fallbacks() -> int:
+    """Compiled functions that torch.compile stopped compiling in this process because
+    they reached the recompile limit: they run eager from then on (a silent loss of
+    most of the speed compiling is for). Counted from torch's compile counters."""
+    from torch._dynamo.utils import counters
+
+    return sum(n for reason, n in counters["unimplemented"].items() if reason.startswith("Dynamo recompile limit"))
+
+
 def compile_counts() -> tuple[int, int]:
     """(frames traced, CUDA graphs skipped) so far in this process, from torch's compile
     counters. Every compile or recompile traces a frame (also a re-trace that gives a
@@ -167,6 +208,7 @@ class SpeculativeDecoder:
             if compile_mode is None and self.device.type == "cuda":
                 compile_mode = "reduce-overhead"
             opts = dict(dynamic=False, backend=compile_backend, mode=compile_mode)
+            reserve_graphs(length_buckets(self.target_cache.capacity))
             self._prefill_fn = torch.compile(self._prefill_step, **opts)
             self._draft_fn = torch.compile(self._draft_step, **opts)
             self._verify_fn = torch.compile(self._verify_step, **opts)

@@ -57,7 +57,8 @@ def main() -> None:
         r["variant"] = name
         results.append(r)
         print(f"{args.shape} compiled, {name}: step {r['target_step_s'] * 1e3:.2f} ms, round {r['round_s'] * 1e3:.2f} ms "
-              f"(recompiles {r['recompiles']}, CUDA graphs skipped {r['cudagraph_skips']})", flush=True)
+              f"(recompiles {r['recompiles']}, CUDA graphs skipped {r['cudagraph_skips']}, "
+              f"steps run eager {r['eager_fallbacks']})", flush=True)
     floor = results[0]["weights_gib"] * 2**30 / (args.bandwidth_tb_s * 1e12)
     print(f"\n{args.shape} {args.dtype} on {device}, context {results[0]['context']}, B={results[0]['block_size']}; "
           f"bandwidth floor {floor * 1e3:.2f} ms ({results[0]['weights_gib']:.1f} GiB at {args.bandwidth_tb_s} TB/s)")

@@ -114,3 +114,46 @@ def test_warmup_builds_the_round_graphs_even_in_a_tiny_context(agree_pair):
         out = engine.generate([5], max_new_tokens=2, ignore_eos=True)
         assert out.stats.acceptance_lengths  # a round ran
         assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, f"max_context {max_context}: compiled after warm-up"
+
+
+def test_eager_fallbacks_counts_a_function_past_the_recompile_limit():
+    """eager_fallbacks() reads torch's own record of a function that reached the recompile
+    limit (it then runs eager): checked on the installed torch, with a throwaway function."""
+    from dflash_torch.decoding import eager_fallbacks
+
+    def scale(x, k: int):
+        return x * k
+
+    before = eager_fallbacks()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        fn = torch.compile(scale, backend="eager", dynamic=False)
+        for k in range(3):  # an int argument specializes: one graph per value
+            assert fn(torch.ones(2), k).tolist() == [k, k]
+    assert eager_fallbacks() == before + 1
+
+
+def test_compiled_decoders_keep_a_graph_per_bucket_past_the_recompile_limit(agree_pair):
+    """A compiled decoder needs one graph per length bucket (times batch bucket), which can
+    be more than torch's recompile limit: it reserves them, so none of its steps falls back
+    to eager. Here the limit is lowered to 2 and each decoder needs 3 or 4 graphs per step."""
+    from dflash_torch.batch import BatchDecoder
+    from dflash_torch.decoding import eager_fallbacks, length_buckets
+
+    target, drafter = _load(agree_pair)
+    torch._dynamo.reset()
+    before = eager_fallbacks()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        single = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=600,
+                                    prefill_chunk=32)
+        assert length_buckets(single.target_cache.capacity) == 3  # 256, 512 and the 640-token buffer
+        frames = dynamo_utils.counters["frames"]["ok"]
+        out, _ = run_rounds(single, [5, 17, 99, 3], 590)  # to the context limit: every bucket
+        assert out == run_rounds(SpeculativeDecoder(target, drafter), [5, 17, 99, 3], 590)[0]
+        # prefill (one chunk) once, propose and verify once per bucket, all compiled (frames
+        # "ok"; one given up is counted in "total" only)
+        assert dynamo_utils.counters["frames"]["ok"] - frames == 1 + 2 * 3
+        batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=200, compile=True, compile_backend="eager")
+        frames = dynamo_utils.counters["frames"]["ok"]
+        assert batch.warmup() == 2 * 2  # batch buckets 1, 2 x length buckets 256 and the 457-token buffer
+        assert dynamo_utils.counters["frames"]["ok"] - frames == 2 * 4
+    assert eager_fallbacks() == before

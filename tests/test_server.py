@@ -565,6 +565,7 @@ def test_metrics(server):
     assert m[("dflash_acceptance_length_count", ())] > 0
     assert m[("dflash_request_latency_seconds_count", (("endpoint", "/v1/completions"),))] >= 5
     assert m[("dflash_time_to_first_token_seconds_count", ())] > 0
+    assert m[("dflash_compiled_steps_run_eager", ())] == 0  # (exposed; an eager server compiles nothing)
 
 
 def test_serve_refuses_a_busy_port_before_loading_models(capsys):

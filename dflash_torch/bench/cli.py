@@ -265,7 +265,7 @@ def _run(args: argparse.Namespace) -> int:
             res.speedup_vs_target_only_same_compile = res.decode_tokens_per_second / base[0].decode_tokens_per_second
         report["modes"].append(asdict(res))
         print(f"{res.name}: {res.decode_tokens_per_second:.1f} tok/s, tau {res.mean_acceptance_length:.2f}", flush=True)
-        warn_compile(res.name, res.recompiles_after_warmup, res.cudagraphs_skipped)
+        warn_compile(res.name, res.recompiles_after_warmup, res.cudagraphs_skipped, res.eager_fallbacks)
     if lengths and engine.drafter is not None:
         report["sweep"] = context_sweep(engine.drafter, engine.target.model.embed_tokens, lengths, engine.block_size)
     for shape in sweep_shapes if lengths else []:
@@ -281,7 +281,8 @@ def _run(args: argparse.Namespace) -> int:
             label = f"{shape} compiled" if compiled else shape
             print(f"{label}: round/step {sh['round_over_step']:.2f} ({_layers_timed(sh)})", flush=True)
             if compiled:
-                warn_compile(label, sh["recompiles"], sh["cudagraph_skips"] if args.device.startswith("cuda") else None)
+                warn_compile(label, sh["recompiles"], sh["cudagraph_skips"] if args.device.startswith("cuda") else None,
+                             sh["eager_fallbacks"])
     if batch_sizes:
         report["batch_sizes"] = batch_size_bench(engine.target, engine.drafter, prompt_ids, batch_sizes,
                                                  args.max_new_tokens, block_size=args.block_size,

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..decoding import SpeculativeDecoder, compile_counts
+from ..decoding import SpeculativeDecoder, compile_counts, eager_fallbacks
 from ..errors import DFlashError
 from ..sampling import SamplingParams
 
@@ -45,6 +45,9 @@ class ModeResult:
     ``recompiles_after_warmup``: frames traced while decoding after the warm-up (compiled
     modes). ``cudagraphs_skipped``: compiled graphs of this mode that run without CUDA
     graphs (compiled modes on CUDA; None elsewhere): anything but 0 is a defect.
+    ``eager_fallbacks``: compiled steps that reached torch's recompile limit while this
+    mode warmed up or decoded, and so ran eager after it (compiled modes): anything but
+    0 is a defect, and the mode's figures are not compiled figures.
     """
 
     name: str
@@ -63,6 +66,7 @@ class ModeResult:
     warmup_time: float = 0.0
     recompiles_after_warmup: int | None = None
     cudagraphs_skipped: int | None = None
+    eager_fallbacks: int | None = None
     peak_memory_mb: float = 0.0
     outputs_identical_to_target_only: bool | None = None
     divergences: list[dict] = field(default_factory=list)
@@ -118,7 +122,7 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
                                      block_size=block_size if spec.drafter else None,
                                      draft_mode=spec.draft_mode, compile=spec.compile, max_context=max_context)
         t0 = time.perf_counter()
-        skips = compile_counts()[1]
+        skips, fallbacks = compile_counts()[1], eager_fallbacks()
         # warm-up: the longest prompt's prefill and the shortest prompt decoded to the
         # context limit reach every length bucket of the fixed-shape modes, so compiled
         # modes build all their graphs here
@@ -130,12 +134,14 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
         graphed = spec.compile and dev.type == "cuda"
         results.append(ModeResult(spec.name, warmup_time=time.perf_counter() - t0,
                                   recompiles_after_warmup=0 if spec.compile else None,
-                                  cudagraphs_skipped=compile_counts()[1] - skips if graphed else None))
+                                  cudagraphs_skipped=compile_counts()[1] - skips if graphed else None,
+                                  eager_fallbacks=eager_fallbacks() - fallbacks if spec.compile else None))
     outputs = [[] for _ in specs]
     rounds = [[] for _ in specs]
     for ids in tqdm(prompt_ids, desc="decode", disable=not progress, leave=False):
         for i, (spec, decoder, res) in enumerate(zip(specs, decoders, results)):
             graphs, skips = compile_counts()
+            fallbacks = eager_fallbacks()
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             out, rnds = [], []
@@ -144,6 +150,7 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
                 rnds.append(rnd)
             if spec.compile:
                 res.recompiles_after_warmup += compile_counts()[0] - graphs
+                res.eager_fallbacks += eager_fallbacks() - fallbacks
             if res.cudagraphs_skipped is not None:
                 res.cudagraphs_skipped += compile_counts()[1] - skips
             outputs[i].append(out[:max_new_tokens])

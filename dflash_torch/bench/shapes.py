@@ -24,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-from ..decoding import SpeculativeDecoder, compile_counts
+from ..decoding import SpeculativeDecoder, compile_counts, eager_fallbacks
 from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig
 from ..models.drafter import DFlashDrafter
@@ -365,8 +365,10 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         compiled: time the fixed-shape steps as ``--compile`` runs them (``torch.compile``;
             on CUDA with CUDA graphs), after warm-up calls that build the graphs, instead
             of eager steps. Needs every layer in memory (no scaling through compiled
-            graphs). Adds ``recompiles`` (graphs built after the warm-up) and
-            ``cudagraph_skips`` (graphs that ran without CUDA graphs, CUDA only).
+            graphs). Adds ``recompiles`` (graphs built after the warm-up),
+            ``cudagraph_skips`` (graphs that ran without CUDA graphs, CUDA only) and
+            ``eager_fallbacks`` (compiled steps that reached torch's recompile limit
+            and ran eager after it).
         fuse: join projections as the engine does (None: on CUDA; see
             :mod:`~dflash_torch.models.fusing`).
         compile_mode: the ``torch.compile`` mode of ``compiled`` (None: as ``--compile``).
@@ -450,7 +452,7 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
     base.target_cache = spec.target_cache
     tok = block[:1]
     rebuilt = {"graphs": 0}  # graphs built after the warm-up calls
-    skips = compile_counts()[1]
+    skips, fallbacks = compile_counts()[1], eager_fallbacks()
     warmups = 3 if compiled else 1  # reduce-overhead: compile, warm up, record; then replays
     if compiled:  # fixed shapes, as the decoding loop calls the compiled steps
         pos, start = torch.tensor(context, device=device), torch.tensor(context, device=device)
@@ -496,7 +498,8 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
     counts = {}
     if compiled:  # the hooks that count experts cannot run inside graphs
         hits = None
-        counts = {"recompiles": rebuilt["graphs"], "cudagraph_skips": compile_counts()[1] - skips}
+        counts = {"recompiles": rebuilt["graphs"], "cudagraph_skips": compile_counts()[1] - skips,
+                  "eager_fallbacks": eager_fallbacks() - fallbacks}
     else:
         hits = _experts_hit(target, verify_accept_commit)
     read = weights_read(target, drafter, L)

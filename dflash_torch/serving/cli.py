@@ -35,7 +35,7 @@ def register(sub) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..cli import load_engine, warn_skipped_cudagraphs
+    from ..cli import load_engine, warn_compile_losses
     from .app import create_app
     from .scheduler import check_slots
 
@@ -55,7 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.compile:
         print("dflash-torch: compiling the decoding graphs (one-off) ...", flush=True)
         print(f"dflash-torch: compiled in {engine.warmup(batch=args.max_batch_size > 1):.1f} s", flush=True)
-        warn_skipped_cudagraphs(args)
+        warn_compile_losses(args)
     app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,
                      max_queue=args.max_queue)
     scheduler = app.state.scheduler

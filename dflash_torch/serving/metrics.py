@@ -22,6 +22,8 @@ dflash_request_acceptance_length       histogram  mean tau of each finished sequ
 dflash_open_requests                   gauge      requests the scheduler holds (a leak check)
 dflash_threads                         gauge      live threads of the process (a leak check)
 dflash_event_loop_tasks                gauge      asyncio tasks of the server's event loop (a leak check)
+dflash_compiled_steps_run_eager        gauge      compiled steps that reached torch's recompile limit and
+                                                  run eager since (``--compile``; anything but 0 is a defect)
 process_*                              (various)  the process's memory, CPU, open files (Linux)
 =====================================  =========  ==============================================
 
@@ -36,6 +38,8 @@ import time
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                generate_latest)
+
+from ..decoding import eager_fallbacks
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -73,6 +77,9 @@ class ServerMetrics:
         self.threads = Gauge("dflash_threads", "Live threads of the process", registry=r)
         self.threads.set_function(threading.active_count)
         self.event_loop_tasks = Gauge("dflash_event_loop_tasks", "Asyncio tasks of the server's event loop", registry=r)
+        self.run_eager = Gauge("dflash_compiled_steps_run_eager",
+                               "Compiled steps that reached torch's recompile limit and run eager since", registry=r)
+        self.run_eager.set_function(eager_fallbacks)
         ProcessCollector(registry=r)
         self._lock = threading.Lock()
         self._tau_sum = 0
