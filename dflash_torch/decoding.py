@@ -222,6 +222,48 @@ class SpeculativeDecoder:
             b *= 2
         return min(b, self.target_cache.capacity)
 
+    def _buckets(self, lo: int, hi: int) -> list[int]:
+        """The length buckets of ``n`` in ``[lo, hi]`` (fixed shapes), in increasing order."""
+        out, last = [self.kv_bucket(lo)], self.kv_bucket(hi)
+        while out[-1] < last:
+            out.append(self.kv_bucket(out[-1] + 1))
+        return out
+
+    @torch.inference_mode()
+    def warmup(self, context: int) -> int:
+        """Call every compiled step once at every length bucket that a sequence of up to
+        ``context`` tokens (prompt + generated) reaches, on zeros, so that the graphs are
+        built now rather than while a request decodes (a new bucket costs a compile: about
+        10 to 30 s on a CPU). It writes the caches, which the next :meth:`rounds` resets.
+
+        Args:
+            context: tokens, capped at ``max_context``.
+
+        Returns:
+            the length buckets warmed up (0 when not compiled).
+        """
+        if not self.compiled:
+            return 0
+        context = max(2, min(context, self.max_context))
+        B, C, dev = self.block_size, self.prefill_chunk, self.device
+        # prefill chunks start at multiples of C below the longest prompt (context - 1 tokens)
+        for kv_len in self._buckets(C, (context - 2) // C * C + C):
+            chunk = torch.zeros(C, dtype=torch.long, device=dev)
+            self._prefill_fn(chunk, torch.tensor(kv_len - C, device=dev), kv_len, torch.tensor(C, device=dev))
+        lengths = self._buckets(1 + B, context - 1 + B)
+        for kv_len in lengths:
+            pos = torch.tensor(kv_len - B, device=dev)
+            token = torch.zeros((), dtype=torch.long, device=dev)
+            if B > 1:
+                pending = None
+                if isinstance(self.context, InjectedContext):
+                    pending = self.drafter.fc.weight.new_zeros(B, self.drafter.fc.in_features)
+                self._draft_fn(token, pos, kv_len, pending, pos.clone() if pending is not None else None)
+            self._verify_fn(torch.zeros(B, dtype=torch.long, device=dev), pos, kv_len)
+            if self.defer_commit:
+                self._commit_fn(torch.ones((), dtype=torch.long, device=dev))
+        return len(lengths)
+
     # --- the per-round steps (fixed shapes when ``s`` is a tensor and ``kv_len`` a bucket) ---
 
     def _prefill_step(self, ids: torch.Tensor, start, kv_len: int | None, valid=None):

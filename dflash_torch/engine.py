@@ -242,25 +242,38 @@ class DFlashEngine:
         """Prompt + generated tokens the target supports."""
         return self.decoder.max_context
 
-    def warmup(self, max_new_tokens: int = 32, batch: bool = False) -> float:
+    def warmup(self, max_new_tokens: int = 32, batch: bool = False, context: int | None = None) -> float:
         """Run one short greedy generation so that a compiled engine builds its graphs
         for the first length bucket (256 keys) now rather than in the first request.
         Prompt (up to 8 tokens) and generation (up to ``max_new_tokens``) are cut to fit
         ``max_context``, leaving room for two generated tokens (the first comes from the
         prefill, the second from a decoding round) whenever the context has it.
 
-        ``batch``: also build the batch decoder's graphs (every batch-size bucket) for the
-        first length bucket (:meth:`BatchDecoder.warmup`), as a server that batches needs.
+        Args:
+            max_new_tokens: tokens of that generation.
+            batch: also build the batch decoder's graphs (every batch-size bucket)
+                (:meth:`BatchDecoder.warmup`), as a server that batches needs.
+            context: build the graphs of every length bucket that a sequence of up to
+                ``context`` tokens reaches (capped at ``max_context``; default 256, the
+                first bucket): a compiled engine then compiles nothing while it decodes
+                such sequences. Each bucket is a compile per step (times the batch
+                buckets with ``batch``): about 10 to 30 s each on a CPU.
 
         Returns:
             seconds it took.
+
+        Raises:
+            DFlashError: invalid ``max_new_tokens`` or ``context`` (not an integer >= 1).
         """
         options.check_max_new_tokens(max_new_tokens)
+        context = 256 if context is None else options.check_count(context, "context")
         t0 = time.perf_counter()
         prompt = [getattr(self.tokenizer, "eos_token_id", None) or 0] * max(1, min(8, self.max_context - 2))
         self.generate(prompt, max_new_tokens=min(max_new_tokens, self.max_context - len(prompt)), ignore_eos=True)
+        if context > 256:
+            compute.run(lambda: self.decoder.warmup(context))
         if batch:
-            compute.run(lambda: self.batch_decoder().warmup(256))
+            compute.run(lambda: self.batch_decoder().warmup(context))
         return time.perf_counter() - t0
 
     def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = False) -> list[int]:

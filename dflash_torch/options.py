@@ -28,11 +28,16 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_threads(value, name: str = "threads") -> int:
-    """CPU threads for torch: an integer >= 1."""
+def check_count(value, name: str) -> int:
+    """A count: an integer >= 1."""
     if not _is_int(value) or value < 1:
         raise OptionError(f"{name} must be an integer >= 1, got {value!r}", name)
     return value
+
+
+def check_threads(value, name: str = "threads") -> int:
+    """CPU threads for torch: an integer >= 1."""
+    return check_count(value, name)
 
 
 def check_max_context(value, limit: int, name: str = "max_context") -> int | None:
@@ -165,6 +170,4 @@ def check_flag(value, name: str) -> bool:
 
 def check_max_new_tokens(value, name: str = "max_new_tokens") -> int:
     """Generated tokens: an integer >= 1."""
-    if not _is_int(value) or value < 1:
-        raise OptionError(f"{name} must be an integer >= 1, got {value!r}", name)
-    return value
+    return check_count(value, name)

@@ -157,3 +157,46 @@ def test_compiled_decoders_keep_a_graph_per_bucket_past_the_recompile_limit(agre
         assert batch.warmup() == 2 * 2  # batch buckets 1, 2 x length buckets 256 and the 457-token buffer
         assert dynamo_utils.counters["frames"]["ok"] - frames == 2 * 4
     assert eager_fallbacks() == before
+
+
+def test_warmup_builds_every_bucket_up_to_its_context(agree_pair, agree_hybrid_pair):
+    """SpeculativeDecoder.warmup(context) builds the prefill, propose, verify (and a hybrid
+    target's commit) graphs of every length bucket a sequence of up to ``context`` tokens
+    reaches: decoding a long prompt and a short one to that limit then builds none, and
+    gives the eager decoder's tokens (an attention and a hybrid target)."""
+    for pair in (agree_pair, agree_hybrid_pair):
+        target, drafter = _load(pair)
+        torch._dynamo.reset()
+        compiled = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=600,
+                                      prefill_chunk=64)
+        assert compiled.warmup(600) == 3  # 256, 512 and the 640-token buffer
+        frames = dynamo_utils.counters["frames"]["total"]
+        eager = SpeculativeDecoder(target, drafter)
+        for prompt, n in (([5, 17, 99, 3], 590), ([(7 * i) % 300 + 2 for i in range(500)], 90)):
+            assert run_rounds(compiled, prompt, n)[0] == run_rounds(eager, prompt, n)[0]
+        assert dynamo_utils.counters["frames"]["total"] == frames, "a graph was built after warmup()"
+    not_compiled = SpeculativeDecoder(target, drafter, static=True, max_context=600)
+    assert not_compiled.warmup(600) == 0
+
+
+def test_engine_warmup_context(agree_pair):
+    """DFlashEngine.warmup(context=...) warms the single-sequence and the batch decoder up
+    to that context (then a 300-token request builds no graph); a bad context is refused."""
+    import pytest
+
+    from dflash_torch import DFlashEngine, DFlashError
+
+    target, drafter = _load(agree_pair)
+    spec = DFlashEngine.from_pretrained(agree_pair[0], no_draft=True)
+    torch._dynamo.reset()
+    engine = DFlashEngine(target, spec.tokenizer, drafter, max_context=400, compile=True, compile_backend="eager",
+                          max_batch_size=2)
+    with pytest.raises(DFlashError, match="context must be an integer >= 1, got 0"):
+        engine.warmup(context=0)
+    engine.warmup(batch=True, context=400)
+    frames = dynamo_utils.counters["frames"]["total"]
+    prompt = list(range(2, 30))
+    out = engine.generate(prompt, max_new_tokens=300, ignore_eos=True)
+    batched = engine.generate_batch([prompt, [7, 8, 9]], max_new_tokens=300, ignore_eos=True)
+    assert dynamo_utils.counters["frames"]["total"] == frames, "a graph was built after warmup(context=400)"
+    assert batched[0].token_ids == out.token_ids == spec.generate(prompt, max_new_tokens=300, ignore_eos=True).token_ids

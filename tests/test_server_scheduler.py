@@ -315,7 +315,7 @@ def test_a_full_queue_answers_503_with_retry_after_at_once(tiny_pair, tmp_path):
         assert "Traceback" not in srv.log.read_text()
 
 
-@pytest.mark.parametrize("flag", ["--max-queue", "--max-batch-size"])
+@pytest.mark.parametrize("flag", ["--max-queue", "--max-batch-size", "--warmup-context"])
 def test_serve_refuses_bad_slot_flags_before_loading_models(flag, capsys):
     from dflash_torch.cli import main as cli_main
 

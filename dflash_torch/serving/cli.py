@@ -7,7 +7,7 @@ import argparse
 import os
 
 from ..errors import DFlashError
-from ..options import check_api_key
+from ..options import check_api_key, check_count
 
 
 def register(sub) -> None:
@@ -27,6 +27,10 @@ def register(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a slot (default 64); a request that does not fit gets "
                         "503 with Retry-After")
+    p.add_argument("--warmup-context", type=int, default=256,
+                   help="with --compile: build at start-up the graphs of every length bucket that sequences "
+                        "of up to this many tokens reach (default 256, the first bucket); a request that goes "
+                        "past it compiles its bucket's graphs while every stream waits")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default info)")
     p.set_defaults(func=_serve)
@@ -44,6 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
     api_key = check_api_key(args.api_key, "--api-key (or $DFLASH_API_KEY)")
     check_slots(args.max_batch_size, "--max-batch-size")
     check_slots(args.max_queue, "--max-queue")
+    check_count(args.warmup_context, "--warmup-context")
     import socket
 
     try:  # fail before loading models when the address is taken
@@ -54,7 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     if args.compile:
         print("dflash-torch: compiling the decoding graphs (one-off) ...", flush=True)
-        print(f"dflash-torch: compiled in {engine.warmup(batch=args.max_batch_size > 1):.1f} s", flush=True)
+        took = engine.warmup(batch=args.max_batch_size > 1, context=args.warmup_context)
+        print(f"dflash-torch: compiled in {took:.1f} s", flush=True)
         warn_compile_losses(args)
     app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,
                      max_queue=args.max_queue)
