@@ -508,7 +508,8 @@ class DFlashEngine:
         Raises:
             DFlashError: an invalid prompt or parameter (checked for every prompt before any
                 decoding; with several prompts the message starts with the prompt's index,
-                ``prompt 3: ...``), a per-prompt list of the wrong length, or batch caches
+                ``prompt 3: ...``, unless the value is the same for all prompts), a per-prompt
+                list of the wrong length, or batch caches
                 that do not fit.
         """
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -531,7 +532,7 @@ class DFlashEngine:
                 ids = self.encode_prompt(prompt, chat)
                 options.check_prompt_ids(ids, self.target.config.vocab_size, stopper.max_new_tokens, self.max_context)
             except DFlashError as exc:
-                if n == 1:
+                if n == 1 or _shared_by_all(exc, per):  # (one value for all: no prompt to name)
                     raise
                 raise DFlashError(f"prompt {i}: {exc}") from None
             requests.append((ids, params, stopper))
@@ -600,6 +601,13 @@ def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list
     if len(value) != n:
         raise DFlashError(f"{name} has {len(value)} values for {n} prompts (give one value, or one per prompt)")
     return list(value)
+
+
+def _shared_by_all(exc: DFlashError, per: dict[str, list]) -> bool:
+    """True when ``exc`` is about options that every prompt has the same value of (given
+    once for all, or per prompt but equal)."""
+    names = [name.replace(" ", "_") for name in getattr(exc, "names", ())]
+    return bool(names) and all(name in per and all(v == per[name][0] for v in per[name]) for name in names)
 
 
 NORMALIZATION_SHRINK = 4  # Unicode normalization (NFC, NFKC) composes at most 4 code points into one

@@ -234,6 +234,13 @@ def test_yes_no_options_must_be_bools(agree_engine):
     engine = agree_engine
     with pytest.raises(DFlashError, match=r"^prompt 1: ignore_eos must be True or False, got 'false'$"):
         engine.generate_batch([[5], [6]], ignore_eos=[True, "false"], max_new_tokens=2)
+    # a value shared by all prompts names no prompt (it said "prompt 0:")
+    with pytest.raises(DFlashError, match=r"^ignore_eos must be True or False, got 'false'$"):
+        engine.generate_batch([[5], [6]], ignore_eos="false", max_new_tokens=2)
+    with pytest.raises(DFlashError, match=r"^temperature must be a finite number >= 0, got -1$"):
+        engine.generate_batch([[5], [6]], temperature=-1, max_new_tokens=2)
+    with pytest.raises(DFlashError, match=r"^prompt 1: temperature must be a finite number >= 0, got -1$"):
+        engine.generate_batch([[5], [6]], temperature=[0.5, -1], max_new_tokens=2)
     with pytest.raises(DFlashError, match=r"^ignore_eos must be True or False, got 1$"):
         engine.generate([5], ignore_eos=1, max_new_tokens=2)
     with pytest.raises(DFlashError, match=r"^chat must be True or False, got 'no'$"):

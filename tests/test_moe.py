@@ -267,3 +267,21 @@ def test_gathered_experts_match_the_sparse_dispatch(dtype):
         gathered = gathered_experts(x, experts, weights, gate_up, down)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(gathered, sparse, rtol=tol, atol=tol)
+
+
+def test_corrupt_expert_weight_is_named_with_its_expert(tmp_path):
+    """A NaN in one expert's matrix of a per-expert checkpoint is refused naming the stacked
+    weight and the expert (the message named only the stacked tensor of all experts)."""
+    from safetensors.torch import save_file
+
+    from conftest import make_hybrid_target
+    from dflash_torch.models.target import TargetModel
+
+    make_hybrid_target(tmp_path, "qwen3_moe")
+    (file,) = tmp_path.glob("*.safetensors")
+    state = load_file(file)
+    state["model.layers.1.mlp.experts.2.up_proj.weight"][3, 1] = float("nan")
+    save_file(state, str(file), metadata={"format": "pt"})
+    with pytest.raises(DFlashError) as err:
+        TargetModel.from_pretrained(tmp_path, torch.float32)
+    assert "target weight model.layers.1.mlp.experts.gate_up_proj (expert 2) holds NaN" in str(err.value)

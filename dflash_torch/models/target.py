@@ -154,7 +154,8 @@ class TargetModel(nn.Module):
                 raise DFlashError(f"target weight {k} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
                                   "dflash-torch reads float32/bfloat16/float16 weights only (a quantized checkpoint?)")
             if not all_finite(state[k]):
-                raise DFlashError(f"target weight {k} holds NaN or infinite values (a corrupt checkpoint)")
+                raise DFlashError(f"target weight {_name_of_part(k, state[k])} holds NaN or infinite values "
+                                  "(a corrupt checkpoint)")
         model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -280,6 +281,14 @@ class TargetModel(nn.Module):
         kv.write(slot, step.positions, k, v)
         ck, cv = kv.view(slot, step.kv_len)
         return attn.output(attend(q, ck, cv, step.bias), gate)
+
+
+def _name_of_part(key: str, t: torch.Tensor) -> str:
+    """``key`` of a weight holding non-finite values, with the first expert holding them when
+    it is a stacked expert tensor ``[E, ...]`` (its checkpoint may store one tensor per expert)."""
+    if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        return f"{key} (expert {next(e for e in range(t.shape[0]) if not all_finite(t[e]))})"
+    return key
 
 
 def gated_deltanet(cfg: TargetConfig) -> GatedDeltaNet:
