@@ -524,6 +524,7 @@ class DFlashEngine:
         options.check_flag(chat, "chat")
         requests = []
         for i, prompt in enumerate(prompts):  # every prompt is checked before any is decoded
+            stopper = None  # (set: the options are fine, an error is about the prompt itself)
             try:
                 params = SamplingParams(temperature=per["temperature"][i], top_k=per["top_k"][i], top_p=per["top_p"][i],
                                         seed=per["seed"][i])
@@ -532,7 +533,7 @@ class DFlashEngine:
                 ids = self.encode_prompt(prompt, chat)
                 options.check_prompt_ids(ids, self.target.config.vocab_size, stopper.max_new_tokens, self.max_context)
             except DFlashError as exc:
-                if n == 1 or _shared_by_all(exc, per):  # (one value for all: no prompt to name)
+                if n == 1 or (stopper is None and _shared_by_all(exc, per)):  # (no prompt to name)
                     raise
                 raise DFlashError(f"prompt {i}: {exc}") from None
             requests.append((ids, params, stopper))
