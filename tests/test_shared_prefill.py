@@ -136,6 +136,16 @@ def test_choices_sharing_a_prefill_with_fixed_shapes_and_compiled(request, model
     check_alone(target, drafter, out, taus, prompts, budgets, SAMPLED)
 
 
+def test_target_only_choices_share_a_prefill(qwen35_models):
+    """Target-only decoding of a hybrid target with fixed shapes (each row advances its own
+    recurrent state as it runs; padding rows in the sharers' slots advance none): the
+    prompt is read once and every choice decodes as alone."""
+    target, _ = qwen35_models
+    out, taus, joined, read, prompts, budgets = run_two_requests(target, None, True, SAMPLED, static=True)
+    assert read == len(prompts["a"]) + len(prompts["b"])
+    check_alone(target, None, out, taus, prompts, budgets, SAMPLED)
+
+
 @pytest.mark.parametrize("models", ["agree_models", "hybrid_models", "qwen35_models"],
                          ids=["attention", "qwen3-next-hybrid-moe", "qwen35-hybrid"])
 def test_sequences_leaving_while_their_shared_prompt_is_read(request, models):
