@@ -513,7 +513,8 @@ class BatchDecoder:
 
     def remove(self, seq_id: Hashable) -> None:
         """Drop a sequence, decoding or joining; its slot is free at once (the last decoding
-        slot's sequence moves into it, and a partly prefilled joiner into that one).
+        slot's sequence moves into it, and a partly prefilled joiner into that one; a
+        joiner whose prefill others share hands it, and the part read, to the next of them).
 
         Raises:
             DFlashError: no such sequence.
