@@ -24,6 +24,14 @@ FIFO queue: only its head is ever partly prefilled, in slot ``N`` (it moves with
 decoding sequences when one leaves), and it becomes slot ``N`` of the round after its
 last chunk.
 
+A sequence that joins with the same prompt as one still waiting or being prefilled (the
+``n`` choices of one request) shares that prefill: it waits with it, takes no turn of its
+own, and when the last chunk is read the prompt's slot (target K/V rows, drafter context
+rows, recurrent state) is copied into the next slot for it; it samples its own first token
+from the same last-row logits with its own generator. Its output is exactly what a prefill
+of its own gives. If the sequence being prefilled leaves first, the next sharer takes over
+its place and the part of the prompt already read.
+
 Hybrid targets (Gated DeltaNet layers) keep each sequence's recurrent state in its slot
 (:class:`SlotRecurrentState`); a linear-attention layer runs the N sequences at once
 (projections over the ``N * B`` rows, the convolution and the delta rule with a leading
@@ -37,7 +45,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable
 
 import torch
@@ -48,7 +56,7 @@ from .errors import DFlashError, OptionError
 from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
-from .options import check_block_size, check_max_context, check_max_new_tokens, check_prompt_ids
+from .options import check_block_size, check_flag, check_max_context, check_max_new_tokens, check_prompt_ids
 from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, probabilities
 
 
@@ -246,8 +254,15 @@ class _Joining:
     generator: torch.Generator | None
     max_new_tokens: int
     ids: torch.Tensor  # the prompt, int64 [P]
+    prompt: list[int]  # the same, as given (to find sharers)
     prefilled: int = 0  # prompt tokens read so far (in the slot after the decoding sequences)
     prefill_time: float = 0.0  # seconds of its chunks so far
+    sharers: list[_Joining] = field(default_factory=list)  # same prompt: copies of its prefill
+
+    @property
+    def slots(self) -> int:
+        """Slots it holds: its own and its sharers'."""
+        return 1 + len(self.sharers)
 
 
 class BatchDecoder:
@@ -272,6 +287,12 @@ class BatchDecoder:
         compile: wrap propose and verify with ``torch.compile`` (one graph per batch
             bucket x length bucket, built the first time a round needs it).
         compile_backend: torch.compile backend (default "inductor").
+        share_prefill: a sequence joining with the prompt of one still waiting or being
+            prefilled shares its prefill (a copy of its slot) instead of reading the prompt
+            again (default True; False: every sequence reads its own prompt).
+
+    Attributes:
+        prefill_tokens: prompt tokens read by the target so far (every prefill chunk's rows).
 
     The caches (``max_batch_size`` slots of ``max_context + max(2 B, prefill_chunk) + 1``
     positions, target and drafter) are allocated here, once.
@@ -284,7 +305,7 @@ class BatchDecoder:
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, block_size: int | None = None,
                  max_batch_size: int = 8, max_context: int | None = None, prefill_chunk: int = 256,
                  static: bool = False, compile: bool = False, compile_backend: str = "inductor",
-                 prefill_budget: int | None = None):
+                 prefill_budget: int | None = None, share_prefill: bool = True):
         trained = drafter.config.block_size if drafter is not None else None
         B = check_block_size(block_size, trained) or trained or 1
         # hybrid targets: a verify leaves the recurrent states as they were; each sequence's
@@ -297,6 +318,8 @@ class BatchDecoder:
         limit = target.config.max_position_embeddings
         self.max_context = check_max_context(max_context, limit) or limit
         self.prefill_chunk = prefill_chunk
+        self.share_prefill = check_flag(share_prefill, "share_prefill")
+        self.prefill_tokens = 0
         self.prefill_budget = prefill_chunk if prefill_budget is None else check_max_batch_size(prefill_budget,
                                                                                                "prefill_budget")
         self.device = target.model.embed_tokens.weight.device
@@ -406,16 +429,22 @@ class BatchDecoder:
     @property
     def free_slots(self) -> int:
         """Sequences that can still be added or joined."""
-        return self.max_batch_size - len(self._seqs) - len(self._joining)
+        return self.max_batch_size - len(self._seqs) - sum(q.slots for q in self._joining)
 
     @property
     def seq_ids(self) -> list[Hashable]:
         """Ids of the sequences held: the decoding ones in slot order, then the joining ones
-        in their prefill order."""
-        return [q.seq_id for q in self._seqs] + [q.seq_id for q in self._joining]
+        in their prefill order (each followed by those sharing its prefill)."""
+        return [q.seq_id for q in self._seqs] + [q.seq_id for q in self._joiners()]
 
     def __contains__(self, seq_id: Hashable) -> bool:
-        return any(q.seq_id == seq_id for q in self._seqs) or any(q.seq_id == seq_id for q in self._joining)
+        return any(q.seq_id == seq_id for q in self._seqs) or any(q.seq_id == seq_id for q in self._joiners())
+
+    def _joiners(self):
+        """Every joining sequence: each in the queue, then those sharing its prefill."""
+        for q in self._joining:
+            yield q
+            yield from q.sharers
 
     def _check_new(self, seq_id: Hashable, prompt_ids: list[int], max_new_tokens: int) -> int:
         """The checks of :meth:`add` / :meth:`join` -> the prompt's length."""
@@ -468,22 +497,31 @@ class BatchDecoder:
         the sequence's prefill :class:`~dflash_torch.decoding.Round` (its first token;
         ``verify_time`` = its chunks' time), and the sequence decodes from the next step on.
 
+        With ``share_prefill``, a prompt equal to that of a sequence still joining is not
+        read again: the sequence shares that prefill (see the module docstring) and its
+        prefill round comes in the same step as that sequence's.
+
         Args and raises: as :meth:`add`.
         """
         self._check_new(seq_id, prompt_ids, max_new_tokens)
-        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        self._joining.append(_Joining(seq_id, params, params.generator(self.device), max_new_tokens, ids))
+        prompt = [int(t) for t in prompt_ids]
+        leader = next((q for q in self._joining if q.prompt == prompt), None) if self.share_prefill else None
+        ids = leader.ids if leader is not None else torch.tensor(prompt, dtype=torch.long, device=self.device)
+        q = _Joining(seq_id, params, params.generator(self.device), max_new_tokens, ids, prompt)
+        if leader is not None:
+            leader.sharers.append(q)
+        else:
+            self._joining.append(q)
 
     def remove(self, seq_id: Hashable) -> None:
         """Drop a sequence, decoding or joining; its slot is free at once (the last decoding
-        slot's sequence moves into it, and a partly prefilled joiner into that one).
+        slot's sequence moves into it, and a partly prefilled joiner into that one; a
+        joiner whose prefill others share hands it, and the part read, to the next of them).
 
         Raises:
             DFlashError: no such sequence.
         """
-        joining = next((j for j, q in enumerate(self._joining) if q.seq_id == seq_id), None)
-        if joining is not None:  # (its slot's contents are dead: the next head starts from scratch)
-            del self._joining[joining]
+        if self._remove_joining(seq_id):
             return
         index = next((i for i, q in enumerate(self._seqs) if q.seq_id == seq_id), None)
         if index is None:
@@ -497,8 +535,28 @@ class BatchDecoder:
         if self._joining and self._joining[0].prefilled:
             self._move(last + 1, last, self._joining[0].prefilled)
 
+    def _remove_joining(self, seq_id: Hashable) -> bool:
+        """Drop a joining sequence, if ``seq_id`` is one -> whether it was. The first
+        sequence sharing its prefill takes its place in the queue, with the part of the
+        prompt already read in its slot; without one, the slot's contents are dead (the
+        next joiner starts from scratch there)."""
+        for j, q in enumerate(self._joining):
+            if q.seq_id == seq_id:
+                if q.sharers:
+                    heir = q.sharers.pop(0)
+                    heir.sharers, heir.prefilled, heir.prefill_time = q.sharers, q.prefilled, q.prefill_time
+                    self._joining[j] = heir
+                else:
+                    del self._joining[j]
+                return True
+            for k, sharer in enumerate(q.sharers):
+                if sharer.seq_id == seq_id:
+                    del q.sharers[k]
+                    return True
+        return False
+
     def _move(self, src: int, dst: int, end: int) -> None:
-        """Move slot ``src``'s positions ``[0, end)`` (and recurrent state) into slot ``dst``."""
+        """Copy slot ``src``'s positions ``[0, end)`` (and recurrent state) into slot ``dst``."""
         self.target_kv.move(src, dst, end)
         if self.draft_kv is not None:
             self.draft_kv.move(src, dst, end)
@@ -589,11 +647,16 @@ class BatchDecoder:
             if q.prefilled < q.ids.shape[0]:
                 q.prefill_time += time.perf_counter() - t0
                 continue
-            token = choose(logits[-1][None], q.params, q.generator)[0]
             self._joining.popleft()
-            self._seqs.append(_Sequence(q.seq_id, q.params, q.generator, q.max_new_tokens, q.prefilled, token, 1))
-            q.prefill_time += time.perf_counter() - t0
-            rounds[q.seq_id] = Round([int(token)], None, 0.0, q.prefill_time, q.prefill_time)
+            slot = len(self._seqs)
+            for sharer in [q] + q.sharers:  # (slot's contents copied into each sharer's slot)
+                if sharer is not q:
+                    self._move(slot, len(self._seqs), q.prefilled)
+                token = choose(logits[-1][None], sharer.params, sharer.generator)[0]
+                self._seqs.append(_Sequence(sharer.seq_id, sharer.params, sharer.generator, sharer.max_new_tokens,
+                                            q.prefilled, token, 1))
+                elapsed = q.prefill_time + time.perf_counter() - t0
+                rounds[sharer.seq_id] = Round([int(token)], None, 0.0, elapsed, elapsed)
         return rounds
 
     # --- the parts of a round ---
@@ -651,6 +714,7 @@ class BatchDecoder:
                 state.clear()
         cache = TargetCache(self.target_kv.slot(slot), state)
         c1 = min(c0 + self.prefill_chunk, ids.shape[0])
+        self.prefill_tokens += c1 - c0
         positions = c0 + self._arange_chunk[: c1 - c0]
         logits, feats = self.target(ids[c0:c1], positions, cache, c1, self.feature_layers)
         if self.draft_kv is not None:

@@ -424,3 +424,82 @@ def test_a_sequence_cancelled_while_its_prompt_is_prefilled_frees_its_slot(tiny_
     assert tokens[again] == engine.generate(long_ids, max_new_tokens=12, ignore_eos=True).token_ids
     assert tokens[running] == engine.generate(running.prompt_ids, max_new_tokens=80, ignore_eos=True).token_ids
     loop.close()
+
+
+def test_n_choices_of_a_long_prompt_read_it_once_and_answer_as_n_requests(server, local_engine):
+    """n=3 of a prompt of three prefill chunks (seeded sampling): the choices equal three
+    n=1 requests with the derived seeds, streamed or not; the target reads the prompt once
+    for the request (``dflash_prefill_tokens_total``) and three times for the three
+    requests. A stream of such a request that its client leaves after its first event
+    frees its three slots, and the next request answers the same."""
+    c = server.client()
+    ids = local_engine.encode_prompt("\n".join(PROMPTS * 40))[:600]
+    sample = dict(prompt=ids, max_tokens=16, **_kw(0.9, seed=7, top_p=0.95))
+    read = lambda: server.metrics()[("dflash_prefill_tokens_total", ())]  # noqa: E731
+    before = read()
+    shared = [ch.text for ch in c.completions.create(n=3, **sample).choices]
+    assert read() - before == 600
+    alone = [c.completions.create(**{**sample, "seed": choice_seed(7, j)}).choices[0].text for j in range(3)]
+    assert shared == alone and len(set(alone)) == 3
+    assert read() - before == 4 * 600
+    texts, finish, _ = _streamed_choices(c.completions.create(n=3, stream=True, **sample))
+    assert texts == dict(enumerate(alone)) and finish == {0: "length", 1: "length", 2: "length"}
+    cancelled = server.metrics()[("dflash_requests_cancelled_total", ())]
+    text, usage, _ = read_completion_stream(c.completions.create(**{**sample, "max_tokens": 300}, n=3, stream=True), 1)
+    assert text and usage is None
+    assert [ch.text for ch in c.completions.create(n=3, **sample).choices] == alone
+    m = server.metrics()
+    assert m[("dflash_requests_cancelled_total", ())] - cancelled == 3
+    for name in ("dflash_running_requests", "dflash_waiting_requests", "dflash_open_requests"):
+        assert _gauge(m, name) == 0, name
+    assert "Traceback" not in server.log.read_text()
+
+
+def test_a_request_sharing_a_prompt_being_read_when_its_first_holder_leaves(tiny_pair, local_engine):
+    """The server's batched backend on a real engine, step by step: while a stream decodes,
+    a request of one choice and then one of two choices with the same long prompt join
+    (all three share one prefill); after one of the three chunks the first request's client
+    goes away: the second request's choices take over the chunk read, the prompt is read
+    once in all, and both choices answer as ``generate`` alone with their seeds."""
+    import asyncio
+
+    from dflash_torch import DFlashEngine, compute
+    from dflash_torch.serving.scheduler import BatchedBackend, Job
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, max_batch_size=4)
+    backend = BatchedBackend(engine, 4)
+    batch = engine.batch_decoder()
+    loop = asyncio.new_event_loop()
+    greedy = dict(temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None, stop_token_ids=None, ignore_eos=True)
+    sampled = lambda j: {**greedy, "temperature": 0.9, "seed": choice_seed(3, j)}  # noqa: E731
+    long_ids = local_engine.encode_prompt("\n".join(PROMPTS * 40))[:600]
+    running = Job(loop).add(local_engine.encode_prompt(PROMPT), 80, greedy)
+    leaving = Job(loop).add(long_ids, 12, sampled(0))
+    job = Job(loop)
+    staying = [job.add(long_ids, 12, sampled(j)) for j in range(2)]
+    tokens = {seq: [] for seq in [running, *staying]}
+
+    def step() -> list:
+        got = compute.run(backend.step)
+        for seq, chunk in got:
+            tokens[seq].extend(chunk.token_ids)
+        return [seq for seq, _ in got]
+
+    compute.run(backend.add, running)
+    assert step() == [running]
+    read = backend.prefill_tokens
+    for seq in [leaving, *staying]:
+        compute.run(backend.add, seq)
+    assert step() == [running]  # one of the three chunks
+    compute.run(backend.remove, leaving)
+    assert batch.free_slots == 1 and batch.seq_ids == [running, *staying]
+    assert step() == [running] and set(step()) == {running, *staying}  # the last chunk: both first tokens
+    for _ in range(100):
+        if not step():
+            break
+    assert backend.prefill_tokens - read == 600 and batch.free_slots == 4
+    for j, seq in enumerate(staying):
+        assert tokens[seq] == engine.generate(long_ids, max_new_tokens=12, temperature=0.9, seed=choice_seed(3, j),
+                                              ignore_eos=True).token_ids, j
+    assert tokens[running] == engine.generate(running.prompt_ids, max_new_tokens=80, ignore_eos=True).token_ids
+    loop.close()

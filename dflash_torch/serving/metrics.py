@@ -10,6 +10,7 @@ dflash_request_latency_seconds         histogram  request latency (whole stream 
 dflash_time_to_first_token_seconds     histogram  from arrival to the first generated token
 dflash_requests_cancelled_total        counter    generations dropped or stopped early: the client went away
 dflash_prompt_tokens_total             counter    prompt tokens of started generations
+dflash_prefill_tokens_total            counter    prompt tokens the target read (choices sharing a prompt: once)
 dflash_generated_tokens_total          counter    generated (committed, emitted) tokens
 dflash_acceptance_length               histogram  tokens committed per decoding round (tau)
 dflash_mean_acceptance_length          gauge      mean tau over all rounds since start
@@ -28,7 +29,9 @@ process_*                              (various)  the process's memory, CPU, ope
 =====================================  =========  ==============================================
 
 A request with several choices (a list of prompts, ``n`` > 1) runs one sequence per
-choice: the running, waiting and batch figures count sequences.
+choice: the running, waiting and batch figures count sequences. Its choices of one
+prompt share that prompt's prefill (batched backend): ``dflash_prefill_tokens_total``
+grows by the prompt once, ``dflash_prompt_tokens_total`` once per choice.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.cancelled = Counter("dflash_requests_cancelled", "Generations stopped early because the client went away", registry=r)
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of started generations", registry=r)
+        self.prefill_tokens = Counter("dflash_prefill_tokens", "Prompt tokens the target read (a prompt shared by "
+                                      "several choices is read once)", registry=r)
         self.generated_tokens = Counter("dflash_generated_tokens", "Generated tokens", registry=r)
         self.acceptance = Histogram("dflash_acceptance_length", "Tokens committed per decoding round (tau, bonus token included)",
                                     buckets=tuple(range(1, max(block_size, 1) + 1)), registry=r)

@@ -21,8 +21,9 @@ holds the engine). Its sequences wait in one FIFO queue and run in a batch of at
 
 The backend
 -----------
-The scheduler drives the engine through a *backend*: ``max_batch_size`` (int, the slots)
-and three methods, all called on the compute thread:
+The scheduler drives the engine through a *backend*: ``max_batch_size`` (int, the slots),
+``prefill_tokens`` (int, prompt tokens the engine has read so far) and three methods, all
+called on the compute thread:
 
 ``add(seq)``
     take ``seq`` (a :class:`Sequence`: ``prompt_ids``, ``max_new_tokens``, ``kwargs``,
@@ -44,7 +45,8 @@ through :meth:`DFlashEngine.stream`; :class:`BatchedBackend` runs the slots of a
 with a step-level batch decoder (``DFlashEngine.batch_decoder()``: ``join`` / ``step`` /
 ``remove`` of ids, one :class:`~dflash_torch.decoding.Round` per sequence per step):
 a joining prompt is prefilled in chunks between rounds (``prefill_budget`` tokens per
-step), so the running streams never wait for a whole long prompt.
+step), so the running streams never wait for a whole long prompt, and the choices of one
+prompt (``n`` > 1), admitted one after the other, share that prompt's prefill.
 :func:`make_backend` picks one.
 """
 
@@ -219,6 +221,7 @@ class SerialBackend:
 
     def __init__(self, engine):
         self.engine = engine
+        self.prefill_tokens = 0
         self.seq: Sequence | None = None
         self._chunks = None
         self._first: StreamChunk | None = None  # the prefill's chunk, returned by the next step
@@ -232,6 +235,7 @@ class SerialBackend:
             chunks.close()
             raise
         self.seq, self._chunks, self._first = seq, chunks, first
+        self.prefill_tokens += len(seq.prompt_ids)
 
     def step(self) -> list[tuple[Sequence, StreamChunk]]:
         seq = self.seq
@@ -284,6 +288,10 @@ class BatchedBackend:
         e.batch_decoder().join(seq, seq.prompt_ids, params, stopper.max_new_tokens)  # (prefilled by the steps)
         self._state[seq] = (stats, stopper)
 
+    @property
+    def prefill_tokens(self) -> int:
+        return self.engine.batch_decoder().prefill_tokens
+
     def step(self) -> list[tuple[Sequence, StreamChunk]]:
         return [self._chunk(seq, rnd) for seq, rnd in self.engine.batch_decoder().step().items()]
 
@@ -335,6 +343,7 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # only the drive loop changes it
         self._jobs: set[Job] = set()
+        self._prefill_tokens = backend.prefill_tokens  # (what the backend had read: the metric counts from here)
         self.closed = False
         self._thread = threading.Thread(target=self._loop, name="dflash-scheduler", daemon=True)
         self._thread.start()
@@ -428,6 +437,8 @@ class Scheduler:
                     self._fail(seq, exc)
                     self._remove(seq)
                 continue
+            finally:
+                self._count_prefill()
             for seq, chunk in results:
                 self._deliver(seq, chunk)
                 if chunk.finish_reason is not None:
@@ -452,6 +463,11 @@ class Scheduler:
                 continue
             seq.job.put("start", len(seq.prompt_ids), seq.index)
             self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+
+    def _count_prefill(self) -> None:
+        read = self.backend.prefill_tokens
+        self.metrics.prefill_tokens.inc(read - self._prefill_tokens)
+        self._prefill_tokens = read
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         if isinstance(exc, DFlashError):
