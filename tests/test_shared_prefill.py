@@ -136,7 +136,7 @@ def test_choices_sharing_a_prefill_with_fixed_shapes_and_compiled(request, model
     check_alone(target, drafter, out, taus, prompts, budgets, SAMPLED)
 
 
-def test_target_only_choices_share_a_prefill(qwen35_models):
+def test_target_only_choices_share_a_prefill(qwen35_models):  # noqa: F811 (the imported fixture)
     """Target-only decoding of a hybrid target with fixed shapes (each row advances its own
     recurrent state as it runs; padding rows in the sharers' slots advance none): the
     prompt is read once and every choice decodes as alone."""
