@@ -259,7 +259,8 @@ class SpeculativeDecoder:
                 if isinstance(self.context, InjectedContext):
                     pending = self.drafter.fc.weight.new_zeros(B, self.drafter.fc.in_features)
                 self._draft_fn(token, pos, kv_len, pending, pos.clone() if pending is not None else None)
-            self._verify_fn(torch.zeros(B, dtype=torch.long, device=dev), pos, kv_len)
+            feats = self._verify_fn(torch.zeros(B, dtype=torch.long, device=dev), pos, kv_len)[1]
+            self._carry(feats)  # (as a round does: CUDA graphs' outputs out of their pool before the commit)
             if self.defer_commit:
                 self._commit_fn(torch.ones((), dtype=torch.long, device=dev))
         return len(lengths)
