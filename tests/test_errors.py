@@ -478,3 +478,66 @@ def test_cli_errors_name_the_flag_the_python_api_its_argument(tiny_pair, engine,
     with pytest.raises(DFlashError) as exc:
         engine.generate("def f(x):", **kwargs)
     assert str(exc.value) == line.replace(flag, flag.removeprefix("--").replace("-", "_")), str(exc.value)
+
+
+def _set(path: str, value):
+    """An edit of a config dict: ``path`` ``"a.b"`` sets ``cfg["a"]["b"] = value``."""
+    def edit(cfg):
+        *parents, key = path.split(".")
+        for p in parents:
+            cfg = cfg[p]
+        cfg[key] = value
+    return edit
+
+
+# (which checkpoint, its config.json edit or raw bytes, words of the one-line error)
+MALFORMED_CONFIGS = [
+    ("target", _set("model_type", ["qwen3"]), "unsupported target model_type ['qwen3']"),
+    ("target", _set("vocab_size", "320"), "target config.json vocab_size must be an integer >= 1, got '320'"),
+    ("target", _set("num_attention_heads", 0), "num_attention_heads must be an integer >= 1, got 0"),
+    ("target", _set("head_dim", 2.5), "head_dim must be an integer >= 1, got 2.5"),
+    ("target", _set("rms_norm_eps", "1e-6"), "rms_norm_eps must be a number > 0, got '1e-6'"),
+    ("target", _set("rope_parameters", [10000]), "rope_parameters must be an object, got [10000]"),
+    ("target", b'{"model_type": "qwen3\xff"}', "config.json is not valid JSON"),
+    ("target", b"[1, 2]", "config.json must hold a JSON object, not a list"),
+    ("drafter", _set("dflash_config.target_layer_ids", ["a", 2]), "target_layer_ids must be a non-empty list of integers"),
+    ("drafter", _set("dflash_config.target_layer_ids", []), "target_layer_ids must be a non-empty list of integers"),
+    ("drafter", _set("block_size", "sixteen"), "drafter config.json block_size must be an integer >= 2, got 'sixteen'"),
+    ("drafter", _set("dflash_config.mask_token_id", None), "lacks dflash_config.mask_token_id"),
+    ("drafter", _set("dflash_config.mask_token_id", 1.5), "mask_token_id must be an integer >= 0, got 1.5"),
+    ("drafter", _set("dflash_config", [1]), "dflash_config must be an object, got [1]"),
+    ("drafter", _set("rms_norm_eps", "x"), "drafter config.json rms_norm_eps must be a number > 0"),
+    ("drafter", _set("sliding_window", "x"), "drafter config.json sliding_window must be an integer >= 1, got 'x'"),
+    ("index", b"{oops", "model.safetensors.index.json is not valid JSON"),
+    ("index", b'{"metadata": {}}', "has no weight_map"),
+]
+
+
+@pytest.mark.parametrize("which,edit,words", MALFORMED_CONFIGS,
+                         ids=[f"{c[0]}-{c[2][:40]}" for c in MALFORMED_CONFIGS])
+def test_malformed_config_values_are_one_line_errors(tiny_pair, tokenizer_dir, tmp_path, capsys, which, edit, words):
+    """A config.json (or shard index) value of the wrong type is refused with one line naming
+    it, in Python and on the command line, never a TypeError / KeyError traceback."""
+    target, drafter = tiny_pair
+    if which == "index":
+        target = make_target(tmp_path / "sharded", "qwen3", tokenizer=False, max_shard_size="150KB")
+        copy_tokenizer(tokenizer_dir, target)
+        file = target / "model.safetensors.index.json"
+    else:
+        src = target if which == "target" else drafter
+        copy = shutil.copytree(src, tmp_path / which)
+        target, drafter = (copy, drafter) if which == "target" else (target, copy)
+        file = copy / "config.json"
+    if isinstance(edit, bytes):
+        file.write_bytes(edit)
+    else:
+        cfg = json.loads(file.read_text())
+        edit(cfg)
+        file.write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError) as err:
+        DFlashEngine.from_pretrained(target, drafter)
+    assert "\n" not in str(err.value) and words in str(err.value), str(err.value)
+    capsys.readouterr()  # (the fixture's progress bars)
+    rc = cli_main(["generate", "hi", "--target", str(target), "--draft", str(drafter), "--max-new-tokens", "2"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and words in lines[0], lines
