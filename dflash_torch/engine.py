@@ -28,7 +28,7 @@ from . import compute, options
 from .batch import BatchDecoder, check_max_batch_size
 from .checkpoint import load_config, resolve_model_dir
 from .decoding import Round, SpeculativeDecoder
-from .errors import DFlashError
+from .errors import DFlashError, OptionError
 from .models.config import DrafterConfig, TargetConfig, validate_pair
 from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
@@ -197,7 +197,8 @@ class DFlashEngine:
         draft_dir, draft_cfg = None, None
         if not no_draft:
             if draft is None:
-                raise DFlashError("no drafter given: pass --draft DIR (or --no-draft for target-only decoding)")
+                raise OptionError("this target needs draft, its DFlash drafter checkpoint (or no_draft for "
+                                  "target-only decoding)", "draft", "no_draft")
             draft_dir = resolve_model_dir(draft)
             draft_cfg = DrafterConfig.from_dict(load_config(draft_dir))
             validate_pair(target_cfg, draft_cfg)
@@ -285,7 +286,8 @@ class DFlashEngine:
             if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
                 raise DFlashError("chat messages must be a list of {'role': str, 'content': str}")
             if not getattr(self.tokenizer, "chat_template", None):
-                raise DFlashError("this tokenizer has no chat template; drop --chat")
+                raise OptionError("chat cannot be used: this model's tokenizer has no chat template "
+                                  "(send a text prompt)", "chat")
             self._check_length(sum(len(m["content"]) for m in messages))
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return self._encode(text, add_special_tokens=False)

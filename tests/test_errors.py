@@ -110,7 +110,7 @@ LOAD_CASES = [
     ("block-size-too-large", dict(block_size=32), "block size"),
     ("block-size-zero", dict(block_size=0), "block size"),
     ("unknown-draft-mode", dict(draft_mode="magic"), "draft mode"),
-    ("no-drafter-given", dict(draft=None), "no drafter"),
+    ("no-drafter-given", dict(draft=None), "this target needs draft, its DFlash drafter checkpoint (or no_draft for"),
 ]
 
 
@@ -204,7 +204,9 @@ def _cli_args(bad, spec):
 
 
 # the command line names the flags the user typed (--block-size), Python the arguments (block size)
-CLI_WORDS = {"block size": "--block-size must be an integer in [1, 16]"}
+CLI_WORDS = {"block size": "--block-size must be an integer in [1, 16]",
+             "this target needs draft, its DFlash drafter checkpoint (or no_draft for":
+                 "this target needs --draft, its DFlash drafter checkpoint (or --no-draft for"}
 CLI_CASES = [(n, _spec, CLI_WORDS.get(w, w)) for n, _spec, w in LOAD_CASES
              if n not in ("unknown-draft-mode", "unknown-dtype")] + [
     ("context-overflow", dict(max_new_tokens=2000), "+ --max-new-tokens (2000) exceeds the context of 1024 tokens"),
@@ -541,3 +543,39 @@ def test_malformed_config_values_are_one_line_errors(tiny_pair, tokenizer_dir, t
     rc = cli_main(["generate", "hi", "--target", str(target), "--draft", str(drafter), "--max-new-tokens", "2"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and words in lines[0], lines
+
+
+def test_chat_without_a_chat_template_names_the_argument_or_the_flag(tiny_pair, tmp_path, capsys):
+    """A tokenizer without a chat template: Python (and the server, which passes the message
+    on) names the argument ``chat``, the command line the flag ``--chat``; neither tells a
+    Python or HTTP user to drop a command-line flag."""
+    target = shutil.copytree(tiny_pair[0], tmp_path / "no-template")
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    tok_cfg = json.loads((target / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    engine = DFlashEngine.from_pretrained(target, no_draft=True)
+    for prompt, chat in (("hi", True), ([{"role": "user", "content": "hi"}], False)):
+        with pytest.raises(DFlashError, match=r"^chat cannot be used: this model's tokenizer has no chat template"):
+            engine.generate(prompt, chat=chat, max_new_tokens=2)
+    assert cli_main(["generate", "hi", "--chat", "--target", str(target), "--no-draft", "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err.strip() == ("dflash-torch: error: --chat cannot be used: this model's tokenizer "
+                                               "has no chat template (send a text prompt)")
+
+
+@pytest.mark.parametrize("case", ["drafter-as-target", "recompute-compiled"])
+def test_load_errors_name_the_argument_in_python_and_the_flag_on_the_command_line(tiny_pair, capsys, case):
+    target, drafter = tiny_pair
+    if case == "drafter-as-target":
+        kw, flags = dict(target=drafter, draft=drafter), []
+        python = "target must be the target LLM's checkpoint, not a DFlash drafter's"
+        cli = "--target must be the target LLM's checkpoint, not a DFlash drafter's"
+    else:
+        kw, flags = dict(target=target, draft=drafter, draft_mode="recompute", compile=True), ["--draft-mode", "recompute", "--compile"]
+        python = "draft_mode 'recompute' grows its shapes every round; it cannot run with compile (fixed shapes)"
+        cli = "--draft-mode 'recompute' grows its shapes every round; it cannot run with --compile (fixed shapes)"
+    with pytest.raises(DFlashError) as err:
+        DFlashEngine.from_pretrained(**kw)
+    assert str(err.value) == python
+    assert cli_main(["generate", "hi", "--target", str(kw["target"]), "--draft", str(kw["draft"]), *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"dflash-torch: error: {cli}"

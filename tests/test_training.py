@@ -281,7 +281,7 @@ def test_training_a_drafter_for_a_hybrid_moe_target(tmp_path, tokenizer_dir):
 
 REFUSED_TRAIN_OPTIONS = {
     "out-is-target": "target's directory", "out-holds-drafter": "--overwrite", "work-holds-checkpoint": "--resume",
-    "short-seq": "--seq-len", "save-float16": "float16",
+    "short-seq": "--seq-len", "save-float16": "--save-dtype float16 is not supported",
     "init-from-with-shape": "--num-layers cannot be combined with --init-from",
     "init-from-dflash2-as-dflash": "is a DFlash 2 drafter; train it with --arch dflash2",
     "conv-group-size": "--conv-group-size 24 does not divide the hidden size 64",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..errors import DFlashError
+from ..errors import DFlashError, OptionError
 
 
 MIN_POSITIONS = 2  # a target must hold one prompt token and one generated token
@@ -191,7 +191,7 @@ class TargetConfig:
 
         archs = cfg.get("architectures") or []
         if any(a.startswith("DFlash") for a in archs):
-            raise DFlashError("the target checkpoint is a DFlash drafter; pass the target LLM as --target")
+            raise OptionError("target must be the target LLM's checkpoint, not a DFlash drafter's", "target")
         refuse_quantized(cfg, "target")
         return family(cfg.get("model_type")).parse_config(cfg)
 
