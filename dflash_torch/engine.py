@@ -430,6 +430,13 @@ class DFlashEngine:
 
     # --- many requests at once ---
 
+    @property
+    def batched(self) -> bool:
+        """Whether :meth:`generate_batch` and the server decode several sequences per round
+        (:meth:`batch_decoder`); False with ``draft_mode="recompute"``, whose cache-less
+        drafter decodes one sequence at a time."""
+        return self.drafter is None or self.decoder.draft_mode != "recompute"
+
     def batch_decoder(self) -> BatchDecoder:
         """The engine's :class:`~dflash_torch.batch.BatchDecoder` (``max_batch_size`` slots,
         the engine's block size, ``max_context``, prefill chunk and fixed-shape / compile
@@ -437,8 +444,12 @@ class DFlashEngine:
         (:func:`dflash_torch.compute.run`).
 
         Raises:
-            DFlashError: caches that do not fit (see ``BatchDecoder``).
+            DFlashError: caches that do not fit (see ``BatchDecoder``), or an engine that is
+                not :attr:`batched` (the batch decoder drafts with the injected cache only).
         """
+        if not self.batched:
+            raise OptionError("draft_mode 'recompute' decodes one sequence at a time; the batch decoder drafts with "
+                              "'inject'", "draft_mode")
         if self._batch is None:
             self._batch = BatchDecoder(self.target, self.drafter, block_size=self.block_size,
                                        max_batch_size=self.max_batch_size, max_context=self.max_context,
@@ -476,7 +487,8 @@ class DFlashEngine:
     ) -> list[GenerationResult]:
         """Generate for many prompts at once: up to ``max_batch_size`` sequences per
         decoding round; a finished one leaves at a round boundary and the next prompt
-        takes its slot. Each result equals what :meth:`generate` gives for that prompt
+        takes its slot (an engine that is not :attr:`batched`, ``draft_mode="recompute"``,
+        decodes them one after another). Each result equals what :meth:`generate` gives for that prompt
         alone with the same arguments (greedy: the same tokens; sampling: the same tokens
         for the same seed, up to float rounding of the batched forwards).
 
@@ -528,6 +540,8 @@ class DFlashEngine:
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
         with self.lock:
+            if not self.batched:
+                return compute.run(lambda: [self._collect(self._stream(*request), None) for request in requests])
             return compute.run(self._run_batch, requests)
 
     def _run_batch(self, requests: list) -> list[GenerationResult]:
