@@ -14,7 +14,6 @@ whichever comes first; nothing past it is emitted.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from collections import Counter
@@ -26,10 +25,10 @@ import torch
 
 from . import compute, options
 from .batch import BatchDecoder, check_max_batch_size
-from .checkpoint import load_config, resolve_model_dir
+from .checkpoint import load_config, read_json_object, resolve_model_dir
 from .decoding import Round, SpeculativeDecoder
 from .errors import DFlashError, OptionError
-from .models.config import DrafterConfig, TargetConfig, validate_pair
+from .models.config import DrafterConfig, TargetConfig, eos_token_ids, validate_pair
 from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
 from .models.packing import pack_linears, packing_supported
@@ -230,8 +229,8 @@ class DFlashEngine:
         engine = cls(model, tokenizer, drafter, name=Path(str(target)).name, **engine_options)
         gen_cfg = target_dir / "generation_config.json"
         if gen_cfg.is_file():
-            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            engine.stop_token_ids.update([eos] if isinstance(eos, int) else (eos or []))
+            eos = read_json_object(gen_cfg).get("eos_token_id")
+            engine.stop_token_ids.update(eos_token_ids(eos, "generation_config.json"))
         return engine
 
     @property

@@ -510,6 +510,9 @@ MALFORMED_CONFIGS = [
     ("drafter", _set("dflash_config", [1]), "dflash_config must be an object, got [1]"),
     ("drafter", _set("rms_norm_eps", "x"), "drafter config.json rms_norm_eps must be a number > 0"),
     ("drafter", _set("sliding_window", "x"), "drafter config.json sliding_window must be an integer >= 1, got 'x'"),
+    ("target", _set("eos_token_id", ["0"]), "target config.json eos_token_id must be a token id or a list of them"),
+    ("generation", b"{", "generation_config.json is not valid JSON"),
+    ("generation", _set("eos_token_id", "0"), "generation_config.json eos_token_id must be a token id or a list of them, got '0'"),
     ("index", b"{oops", "model.safetensors.index.json is not valid JSON"),
     ("index", b'{"metadata": {}}', "has no weight_map"),
 ]
@@ -518,18 +521,19 @@ MALFORMED_CONFIGS = [
 @pytest.mark.parametrize("which,edit,words", MALFORMED_CONFIGS,
                          ids=[f"{c[0]}-{c[2][:40]}" for c in MALFORMED_CONFIGS])
 def test_malformed_config_values_are_one_line_errors(tiny_pair, tokenizer_dir, tmp_path, capsys, which, edit, words):
-    """A config.json (or shard index) value of the wrong type is refused with one line naming
-    it, in Python and on the command line, never a TypeError / KeyError traceback."""
+    """A config.json (or generation_config.json, or shard index) value of the wrong type is
+    refused with one line naming it, in Python and on the command line, never a TypeError /
+    KeyError traceback or a stop id that never matches (a string)."""
     target, drafter = tiny_pair
     if which == "index":
         target = make_target(tmp_path / "sharded", "qwen3", tokenizer=False, max_shard_size="150KB")
         copy_tokenizer(tokenizer_dir, target)
         file = target / "model.safetensors.index.json"
     else:
-        src = target if which == "target" else drafter
+        src = drafter if which == "drafter" else target
         copy = shutil.copytree(src, tmp_path / which)
-        target, drafter = (copy, drafter) if which == "target" else (target, copy)
-        file = copy / "config.json"
+        target, drafter = (target, copy) if which == "drafter" else (copy, drafter)
+        file = copy / ("generation_config.json" if which == "generation" else "config.json")
     if isinstance(edit, bytes):
         file.write_bytes(edit)
     else:

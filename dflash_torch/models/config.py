@@ -218,8 +218,7 @@ def base_target_fields(cfg: dict, model_type: str) -> dict:
         check_int(cfg, key, "target", minimum=MIN_POSITIONS if key == "max_position_embeddings" else 1)
     heads = cfg["num_attention_heads"]
     theta, scaling = _rope(cfg, "target")
-    eos = cfg.get("eos_token_id")
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    eos = eos_token_ids(cfg.get("eos_token_id"), "target config.json")
     return dict(
         model_type=model_type,
         vocab_size=cfg["vocab_size"],
@@ -239,6 +238,18 @@ def base_target_fields(cfg: dict, model_type: str) -> dict:
         eos_token_ids=eos,
         partial_rotary_factor=rotary_fraction(cfg),
     )
+
+
+def eos_token_ids(value, where: str) -> list[int]:
+    """An ``eos_token_id`` value (null, an id, or a list of ids) as a list of ids.
+
+    Raises:
+        DFlashError: anything else (``where`` names the file in the message).
+    """
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise DFlashError(f"{where} eos_token_id must be a token id or a list of them, got {value!r}")
+    return list(ids)
 
 
 def rotary_fraction(cfg: dict, default: float = 1.0) -> float:
