@@ -50,24 +50,46 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     raise DFlashError(f"model directory {name!r} does not exist")
 
 
-def load_config(model_dir: Path) -> dict:
-    """Read ``config.json`` of a checkpoint directory as a dict."""
+def read_json_object(path: Path) -> dict:
+    """The JSON object (a dict) in the file ``path``.
+
+    Raises:
+        DFlashError: a file that cannot be read, is not UTF-8 JSON, or holds another JSON value.
+    """
     try:
-        return json.loads((Path(model_dir) / "config.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise DFlashError(f"{model_dir}/config.json is not valid JSON: {exc}") from None
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DFlashError(f"{path} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise DFlashError(f"cannot read {path}: {exc.strerror}") from None
+    if not isinstance(value, dict):
+        raise DFlashError(f"{path} must hold a JSON object, not a {type(value).__name__}")
+    return value
+
+
+def load_config(model_dir: Path) -> dict:
+    """Read ``config.json`` of a checkpoint directory as a dict.
+
+    Raises:
+        DFlashError: see :func:`read_json_object`.
+    """
+    return read_json_object(Path(model_dir) / "config.json")
 
 
 def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint (single file or all shards of the index).
 
     Raises:
-        DFlashError: if no safetensors weights are present, or a shard is missing.
+        DFlashError: if no safetensors weights are present, the index is not valid JSON with a
+            ``weight_map``, or a shard is missing.
     """
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+            raise DFlashError(f"{index} has no weight_map (an object mapping each weight to its shard file)")
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:
             raise DFlashError(f"{model_dir}: shard(s) listed in model.safetensors.index.json are missing: {', '.join(missing)}")

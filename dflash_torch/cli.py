@@ -18,7 +18,8 @@ from .errors import DFlashError, OptionError
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that loads a target + drafter pair."""
     p.add_argument("--target", help="target checkpoint dir or cached HF id (default: the shipped default target)")
-    p.add_argument("--draft", help="DFlash drafter checkpoint dir or cached HF id (default: the shipped drafter)")
+    p.add_argument("--draft", help="DFlash drafter checkpoint dir or cached HF id (default: the shipped drafter, "
+                                  "which goes with the shipped target only)")
     p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft block (default: the drafter's)")

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .errors import DFlashError
+from .errors import DFlashError, OptionError
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
@@ -168,7 +168,8 @@ class SpeculativeDecoder:
         block_size = check_block_size(block_size, trained) or trained or 1
         self.static = static or compile
         if self.static and drafter is not None and draft_mode == "recompute":
-            raise DFlashError("the recompute draft mode grows every round; it cannot run with fixed shapes / --compile")
+            raise OptionError("draft_mode 'recompute' grows its shapes every round; it cannot run with compile "
+                              "(fixed shapes)", "draft_mode", "compile")
         limit = target.config.max_position_embeddings
         self.max_context = check_max_context(max_context, limit) or limit
         self.block_size = block_size

@@ -14,7 +14,6 @@ whichever comes first; nothing past it is emitted.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from collections import Counter
@@ -26,10 +25,10 @@ import torch
 
 from . import compute, options
 from .batch import BatchDecoder, check_max_batch_size
-from .checkpoint import load_config, resolve_model_dir
+from .checkpoint import load_config, read_json_object, resolve_model_dir
 from .decoding import Round, SpeculativeDecoder
-from .errors import DFlashError
-from .models.config import DrafterConfig, TargetConfig, validate_pair
+from .errors import DFlashError, OptionError
+from .models.config import DrafterConfig, TargetConfig, eos_token_ids, validate_pair
 from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
 from .models.packing import pack_linears, packing_supported
@@ -197,7 +196,8 @@ class DFlashEngine:
         draft_dir, draft_cfg = None, None
         if not no_draft:
             if draft is None:
-                raise DFlashError("no drafter given: pass --draft DIR (or --no-draft for target-only decoding)")
+                raise OptionError("this target needs draft, its DFlash drafter checkpoint (or no_draft for "
+                                  "target-only decoding)", "draft", "no_draft")
             draft_dir = resolve_model_dir(draft)
             draft_cfg = DrafterConfig.from_dict(load_config(draft_dir))
             validate_pair(target_cfg, draft_cfg)
@@ -229,8 +229,8 @@ class DFlashEngine:
         engine = cls(model, tokenizer, drafter, name=Path(str(target)).name, **engine_options)
         gen_cfg = target_dir / "generation_config.json"
         if gen_cfg.is_file():
-            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            engine.stop_token_ids.update([eos] if isinstance(eos, int) else (eos or []))
+            eos = read_json_object(gen_cfg).get("eos_token_id")
+            engine.stop_token_ids.update(eos_token_ids(eos, "generation_config.json"))
         return engine
 
     @property
@@ -298,7 +298,8 @@ class DFlashEngine:
             if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
                 raise DFlashError("chat messages must be a list of {'role': str, 'content': str}")
             if not getattr(self.tokenizer, "chat_template", None):
-                raise DFlashError("this tokenizer has no chat template; drop --chat")
+                raise OptionError("chat cannot be used: this model's tokenizer has no chat template "
+                                  "(send a text prompt)", "chat")
             self._check_length(sum(len(m["content"]) for m in messages))
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return self._encode(text, add_special_tokens=False)
@@ -441,6 +442,13 @@ class DFlashEngine:
 
     # --- many requests at once ---
 
+    @property
+    def batched(self) -> bool:
+        """Whether :meth:`generate_batch` and the server decode several sequences per round
+        (:meth:`batch_decoder`); False with ``draft_mode="recompute"``, whose cache-less
+        drafter decodes one sequence at a time."""
+        return self.drafter is None or self.decoder.draft_mode != "recompute"
+
     def batch_decoder(self) -> BatchDecoder:
         """The engine's :class:`~dflash_torch.batch.BatchDecoder` (``max_batch_size`` slots,
         the engine's block size, ``max_context``, prefill chunk and fixed-shape / compile
@@ -448,8 +456,12 @@ class DFlashEngine:
         (:func:`dflash_torch.compute.run`).
 
         Raises:
-            DFlashError: caches that do not fit (see ``BatchDecoder``).
+            DFlashError: caches that do not fit (see ``BatchDecoder``), or an engine that is
+                not :attr:`batched` (the batch decoder drafts with the injected cache only).
         """
+        if not self.batched:
+            raise OptionError("draft_mode 'recompute' decodes one sequence at a time; the batch decoder drafts with "
+                              "'inject'", "draft_mode")
         if self._batch is None:
             self._batch = BatchDecoder(self.target, self.drafter, block_size=self.block_size,
                                        max_batch_size=self.max_batch_size, max_context=self.max_context,
@@ -487,7 +499,8 @@ class DFlashEngine:
     ) -> list[GenerationResult]:
         """Generate for many prompts at once: up to ``max_batch_size`` sequences per
         decoding round; a finished one leaves at a round boundary and the next prompt
-        takes its slot. Each result equals what :meth:`generate` gives for that prompt
+        takes its slot (an engine that is not :attr:`batched`, ``draft_mode="recompute"``,
+        decodes them one after another). Each result equals what :meth:`generate` gives for that prompt
         alone with the same arguments (greedy: the same tokens; sampling: the same tokens
         for the same seed, up to float rounding of the batched forwards).
 
@@ -541,6 +554,8 @@ class DFlashEngine:
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
         with self.lock:
+            if not self.batched:
+                return compute.run(lambda: [self._collect(self._stream(*request), None) for request in requests])
             return compute.run(self._run_batch, requests)
 
     def _run_batch(self, requests: list) -> list[GenerationResult]:

@@ -535,3 +535,22 @@ def test_compiled_hybrid_batch_rounds_do_not_recompile(hybrid_models):
     for sid in (1, 2, 3):
         assert out[sid] == alone(target, drafter, prompts[sid], budgets[sid], params[sid]), f"sequence {sid}"
     assert out[0] == alone(target, drafter, prompts[0], budgets[0], params[0])[:len(out[0])]
+
+
+def test_a_recompute_engine_batches_one_sequence_at_a_time(tiny_pair):
+    """``draft_mode="recompute"``: the batch decoder drafts with the injected cache only, so
+    ``generate_batch`` decodes the prompts one after another with the recompute drafter (it
+    ran them through the batch decoder, i.e. with injection, and labelled the stats
+    'recompute'), ``batch_decoder()`` refuses, and the server gets one slot."""
+    from dflash_torch.serving.scheduler import SerialBackend, make_backend
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, draft_mode="recompute")
+    prompts = ["def f(x):", "import os\n"]
+    alone = [engine.generate(p, max_new_tokens=8, ignore_eos=True) for p in prompts]
+    batch = engine.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    assert [r.stats.draft_mode for r in batch] == ["recompute"] * 2
+    assert engine._batch is None and not engine.batched  # no batch decoder was built
+    with pytest.raises(DFlashError, match="^draft_mode 'recompute' decodes one sequence at a time"):
+        engine.batch_decoder()
+    assert isinstance(make_backend(engine, 8), SerialBackend)

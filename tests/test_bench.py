@@ -313,6 +313,9 @@ def test_bench_batch_sizes_writes_table_plot_and_fields(tiny_pair, tmp_path):
         assert r["outputs_identical_to_target_only"] is True and r["speedup_vs_target_only"] > 0
     assert (out / "batch_sizes.png").stat().st_size > 0
     assert "| 3 | dflash | " in proc.stdout and "12 requests of 10 tokens" in proc.stdout
+    # the table says whether each DFlash row's outputs are target-only's, as bench.json does
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    assert [line.rstrip().endswith("| identical |" if "dflash" in line else "| - |") for line in table] == [True] * 4
 
 
 def test_bench_rejects_bad_batch_sizes(tiny_pair, tmp_path):

@@ -147,3 +147,19 @@ def test_cli_imports_no_http_stack_until_serve_runs():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_help_says_when_the_shipped_drafter_and_the_batch_slots_apply(capsys, monkeypatch):
+    """``--draft``'s default (the shipped drafter) goes with the shipped target only (another
+    target without --draft is refused), and ``serve --max-batch-size`` does not batch a
+    recompute engine: the help says so for every command that takes the option."""
+    from dflash_torch.cli import main as cli_main
+
+    monkeypatch.setenv("COLUMNS", "1000")  # (no wrapping inside a flag's name)
+    for command in ("generate", "serve", "bench"):
+        with pytest.raises(SystemExit):
+            cli_main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: the shipped drafter, which goes with the shipped target only)" in text, command
+        if command == "serve":
+            assert "--draft-mode recompute decodes one sequence at a time: one slot" in text

@@ -110,7 +110,7 @@ LOAD_CASES = [
     ("block-size-too-large", dict(block_size=32), "block size"),
     ("block-size-zero", dict(block_size=0), "block size"),
     ("unknown-draft-mode", dict(draft_mode="magic"), "draft mode"),
-    ("no-drafter-given", dict(draft=None), "no drafter"),
+    ("no-drafter-given", dict(draft=None), "this target needs draft, its DFlash drafter checkpoint (or no_draft for"),
 ]
 
 
@@ -204,7 +204,9 @@ def _cli_args(bad, spec):
 
 
 # the command line names the flags the user typed (--block-size), Python the arguments (block size)
-CLI_WORDS = {"block size": "--block-size must be an integer in [1, 16]"}
+CLI_WORDS = {"block size": "--block-size must be an integer in [1, 16]",
+             "this target needs draft, its DFlash drafter checkpoint (or no_draft for":
+                 "this target needs --draft, its DFlash drafter checkpoint (or --no-draft for"}
 CLI_CASES = [(n, _spec, CLI_WORDS.get(w, w)) for n, _spec, w in LOAD_CASES
              if n not in ("unknown-draft-mode", "unknown-dtype")] + [
     ("context-overflow", dict(max_new_tokens=2000), "+ --max-new-tokens (2000) exceeds the context of 1024 tokens"),
@@ -478,3 +480,106 @@ def test_cli_errors_name_the_flag_the_python_api_its_argument(tiny_pair, engine,
     with pytest.raises(DFlashError) as exc:
         engine.generate("def f(x):", **kwargs)
     assert str(exc.value) == line.replace(flag, flag.removeprefix("--").replace("-", "_")), str(exc.value)
+
+
+def _set(path: str, value):
+    """An edit of a config dict: ``path`` ``"a.b"`` sets ``cfg["a"]["b"] = value``."""
+    def edit(cfg):
+        *parents, key = path.split(".")
+        for p in parents:
+            cfg = cfg[p]
+        cfg[key] = value
+    return edit
+
+
+# (which checkpoint, its config.json edit or raw bytes, words of the one-line error)
+MALFORMED_CONFIGS = [
+    ("target", _set("model_type", ["qwen3"]), "unsupported target model_type ['qwen3']"),
+    ("target", _set("vocab_size", "320"), "target config.json vocab_size must be an integer >= 1, got '320'"),
+    ("target", _set("num_attention_heads", 0), "num_attention_heads must be an integer >= 1, got 0"),
+    ("target", _set("head_dim", 2.5), "head_dim must be an integer >= 1, got 2.5"),
+    ("target", _set("rms_norm_eps", "1e-6"), "rms_norm_eps must be a number > 0, got '1e-6'"),
+    ("target", _set("rope_parameters", [10000]), "rope_parameters must be an object, got [10000]"),
+    ("target", b'{"model_type": "qwen3\xff"}', "config.json is not valid JSON"),
+    ("target", b"[1, 2]", "config.json must hold a JSON object, not a list"),
+    ("drafter", _set("dflash_config.target_layer_ids", ["a", 2]), "target_layer_ids must be a non-empty list of integers"),
+    ("drafter", _set("dflash_config.target_layer_ids", []), "target_layer_ids must be a non-empty list of integers"),
+    ("drafter", _set("block_size", "sixteen"), "drafter config.json block_size must be an integer >= 2, got 'sixteen'"),
+    ("drafter", _set("dflash_config.mask_token_id", None), "lacks dflash_config.mask_token_id"),
+    ("drafter", _set("dflash_config.mask_token_id", 1.5), "mask_token_id must be an integer >= 0, got 1.5"),
+    ("drafter", _set("dflash_config", [1]), "dflash_config must be an object, got [1]"),
+    ("drafter", _set("rms_norm_eps", "x"), "drafter config.json rms_norm_eps must be a number > 0"),
+    ("drafter", _set("sliding_window", "x"), "drafter config.json sliding_window must be an integer >= 1, got 'x'"),
+    ("target", _set("eos_token_id", ["0"]), "target config.json eos_token_id must be a token id or a list of them"),
+    ("generation", b"{", "generation_config.json is not valid JSON"),
+    ("generation", _set("eos_token_id", "0"), "generation_config.json eos_token_id must be a token id or a list of them, got '0'"),
+    ("index", b"{oops", "model.safetensors.index.json is not valid JSON"),
+    ("index", b'{"metadata": {}}', "has no weight_map"),
+]
+
+
+@pytest.mark.parametrize("which,edit,words", MALFORMED_CONFIGS,
+                         ids=[f"{c[0]}-{c[2][:40]}" for c in MALFORMED_CONFIGS])
+def test_malformed_config_values_are_one_line_errors(tiny_pair, tokenizer_dir, tmp_path, capsys, which, edit, words):
+    """A config.json (or generation_config.json, or shard index) value of the wrong type is
+    refused with one line naming it, in Python and on the command line, never a TypeError /
+    KeyError traceback or a stop id that never matches (a string)."""
+    target, drafter = tiny_pair
+    if which == "index":
+        target = make_target(tmp_path / "sharded", "qwen3", tokenizer=False, max_shard_size="150KB")
+        copy_tokenizer(tokenizer_dir, target)
+        file = target / "model.safetensors.index.json"
+    else:
+        src = drafter if which == "drafter" else target
+        copy = shutil.copytree(src, tmp_path / which)
+        target, drafter = (target, copy) if which == "drafter" else (copy, drafter)
+        file = copy / ("generation_config.json" if which == "generation" else "config.json")
+    if isinstance(edit, bytes):
+        file.write_bytes(edit)
+    else:
+        cfg = json.loads(file.read_text())
+        edit(cfg)
+        file.write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError) as err:
+        DFlashEngine.from_pretrained(target, drafter)
+    assert "\n" not in str(err.value) and words in str(err.value), str(err.value)
+    capsys.readouterr()  # (the fixture's progress bars)
+    rc = cli_main(["generate", "hi", "--target", str(target), "--draft", str(drafter), "--max-new-tokens", "2"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and words in lines[0], lines
+
+
+def test_chat_without_a_chat_template_names_the_argument_or_the_flag(tiny_pair, tmp_path, capsys):
+    """A tokenizer without a chat template: Python (and the server, which passes the message
+    on) names the argument ``chat``, the command line the flag ``--chat``; neither tells a
+    Python or HTTP user to drop a command-line flag."""
+    target = shutil.copytree(tiny_pair[0], tmp_path / "no-template")
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    tok_cfg = json.loads((target / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    engine = DFlashEngine.from_pretrained(target, no_draft=True)
+    for prompt, chat in (("hi", True), ([{"role": "user", "content": "hi"}], False)):
+        with pytest.raises(DFlashError, match=r"^chat cannot be used: this model's tokenizer has no chat template"):
+            engine.generate(prompt, chat=chat, max_new_tokens=2)
+    assert cli_main(["generate", "hi", "--chat", "--target", str(target), "--no-draft", "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err.strip() == ("dflash-torch: error: --chat cannot be used: this model's tokenizer "
+                                               "has no chat template (send a text prompt)")
+
+
+@pytest.mark.parametrize("case", ["drafter-as-target", "recompute-compiled"])
+def test_load_errors_name_the_argument_in_python_and_the_flag_on_the_command_line(tiny_pair, capsys, case):
+    target, drafter = tiny_pair
+    if case == "drafter-as-target":
+        kw, flags = dict(target=drafter, draft=drafter), []
+        python = "target must be the target LLM's checkpoint, not a DFlash drafter's"
+        cli = "--target must be the target LLM's checkpoint, not a DFlash drafter's"
+    else:
+        kw, flags = dict(target=target, draft=drafter, draft_mode="recompute", compile=True), ["--draft-mode", "recompute", "--compile"]
+        python = "draft_mode 'recompute' grows its shapes every round; it cannot run with compile (fixed shapes)"
+        cli = "--draft-mode 'recompute' grows its shapes every round; it cannot run with --compile (fixed shapes)"
+    with pytest.raises(DFlashError) as err:
+        DFlashEngine.from_pretrained(**kw)
+    assert str(err.value) == python
+    assert cli_main(["generate", "hi", "--target", str(kw["target"]), "--draft", str(kw["draft"]), *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"dflash-torch: error: {cli}"

@@ -281,7 +281,7 @@ def test_training_a_drafter_for_a_hybrid_moe_target(tmp_path, tokenizer_dir):
 
 REFUSED_TRAIN_OPTIONS = {
     "out-is-target": "target's directory", "out-holds-drafter": "--overwrite", "work-holds-checkpoint": "--resume",
-    "short-seq": "--seq-len", "save-float16": "float16",
+    "short-seq": "--seq-len", "save-float16": "--save-dtype float16 is not supported",
     "init-from-with-shape": "--num-layers cannot be combined with --init-from",
     "init-from-dflash2-as-dflash": "is a DFlash 2 drafter; train it with --arch dflash2",
     "conv-group-size": "--conv-group-size 24 does not divide the hidden size 64",
@@ -633,3 +633,18 @@ def test_training_that_diverges_stops_with_one_line_and_writes_no_drafter(tiny_p
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(errors) == 1 and "dflash-torch: error: training diverged at step" in errors[0] and "--lr" in errors[0], errors
     assert not (out / "model.safetensors").exists()
+
+
+def test_self_distill_draws_no_progress_bar_when_told_not_to(tiny_pair, capsys):
+    """``--no-progress``: transformers' "Loading weights" bar of the self-distill model
+    stays off too (and transformers' own setting is left as it was)."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from dflash_torch.training.distill import self_distill
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    examples = self_distill(tiny_pair[0], tok, [[5, 6, 7]], [False], seq_len=6, progress=False)
+    assert len(examples) == 1 and examples[0].ids.tolist()[:3] == [5, 6, 7] and len(examples[0].ids) == 6
+    assert "Loading weights" not in capsys.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()

@@ -137,14 +137,15 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
 def batch_table(rows: list[dict]) -> str:
     """The rows of :func:`batch_size_bench` as a markdown table."""
     lines = ["| batch | mode | mean batch | decode tok/s (aggregate) | x batch 1 | tok/s incl. prefill | p50 latency s | "
-             "p95 latency s | tau | DFlash / target-only |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "p95 latency s | tau | DFlash / target-only | vs target-only |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    same = {None: "-", True: "identical", False: "DIFFERS"}
     for r in rows:
         fmt = lambda v, spec: "-" if v is None else format(v, spec)
         lines.append(f"| {r['batch_size']} | {r['mode']} | {r['mean_batch']:.2f} | {r['aggregate_decode_tokens_per_second']:.1f} | "
                      f"{fmt(r['scaling_vs_batch_1'], '.2f')} | {r['aggregate_tokens_per_second']:.1f} | "
                      f"{r['p50_latency_s']:.2f} | {r['p95_latency_s']:.2f} | {r['mean_acceptance_length']:.2f} | "
-                     f"{fmt(r['speedup_vs_target_only'], '.2f')} |")
+                     f"{fmt(r['speedup_vs_target_only'], '.2f')} | {same[r['outputs_identical_to_target_only']]} |")
     return "\n".join(lines)
 
 

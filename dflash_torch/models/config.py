@@ -12,16 +12,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..errors import DFlashError
+from ..errors import DFlashError, OptionError
 
 
+MIN_POSITIONS = 2  # a target must hold one prompt token and one generated token
 # required keys of each supported rope scaling rule (besides rope_type)
 ROPE_SCALING_KEYS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",)}
 # keys that transformers 5 keeps in rope_parameters next to the scaling rule, but are not scaling
 _NOT_SCALING = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 
-def _rope(cfg: dict) -> tuple[float, dict | None]:
+def _rope(cfg: dict, what: str = "target") -> tuple[float, dict | None]:
     """RoPE base and scaling rule from either the v4 (``rope_theta`` + ``rope_scaling``)
     or the v5 (``rope_parameters``) transformers layout.
 
@@ -38,11 +39,12 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
         :class:`~dflash_torch.models.rope.Rotary` uses ``max_position_embeddings``.
 
     Raises:
-        DFlashError: an unsupported rope type (names the supported ones), or a rule's
-            required key missing.
+        DFlashError: an unsupported rope type (names the supported ones), a rule's
+            required key missing, a rope dict that is not an object, a ``rope_theta`` that
+            is not a number > 0 (``what``: target / drafter, for the message).
     """
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    params = object_field(cfg, "rope_scaling", what) or object_field(cfg, "rope_parameters", what) or {}
+    theta = number_field(params, "rope_theta", what, number_field(cfg, "rope_theta", what, 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in ("default", "mrope"):
         return float(theta), None
@@ -61,9 +63,55 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
 
 
 def _require(cfg: dict, keys: list[str], what: str) -> None:
+    """Each of ``keys`` is in ``cfg`` and a positive integer (:func:`check_int`).
+
+    Raises:
+        DFlashError: a key missing (all missing ones named) or not an integer >= 1.
+    """
     missing = [k for k in keys if k not in cfg]
     if missing:
         raise DFlashError(f"{what} config.json lacks {', '.join(missing)}")
+    for k in keys:
+        check_int(cfg, k, what)
+
+
+def object_field(cfg: dict, key: str, what: str) -> dict | None:
+    """``cfg[key]``: absent or null (None), or a JSON object (a dict).
+
+    Raises:
+        DFlashError: any other value.
+    """
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise DFlashError(f"{what} config.json {key} must be an object, got {value!r}")
+    return value
+
+
+def number_field(cfg: dict, key: str, what: str, default: float) -> float:
+    """``cfg[key]`` as a float, ``default`` when absent or null.
+
+    Raises:
+        DFlashError: a value that is not a finite number > 0 (a string, a bool, ...).
+    """
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise DFlashError(f"{what} config.json {key} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def check_int(cfg: dict, key: str, what: str, minimum: int = 1):
+    """``cfg[key]`` when it is absent or null (returned as is) or an integer >= ``minimum``.
+
+    Raises:
+        DFlashError: ``{what} config.json {key} must be an integer >= {minimum}, got ...``
+            (for a string, a float, a bool, a list, ... or a smaller integer).
+    """
+    value = cfg.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise DFlashError(f"{what} config.json {key} must be an integer >= {minimum}, got {value!r}")
+    return value
 
 
 @dataclass
@@ -143,7 +191,7 @@ class TargetConfig:
 
         archs = cfg.get("architectures") or []
         if any(a.startswith("DFlash") for a in archs):
-            raise DFlashError("the target checkpoint is a DFlash drafter; pass the target LLM as --target")
+            raise OptionError("target must be the target LLM's checkpoint, not a DFlash drafter's", "target")
         refuse_quantized(cfg, "target")
         return family(cfg.get("model_type")).parse_config(cfg)
 
@@ -151,7 +199,8 @@ class TargetConfig:
 def refuse_quantized(cfg: dict, what: str) -> None:
     """Raise :class:`DFlashError` when the ``what`` (target / drafter) ``config.json`` has a
     ``quantization_config`` (top level or in ``text_config``)."""
-    quant = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    text = cfg.get("text_config")
+    quant = cfg.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None)
     if quant:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
         raise DFlashError(f"the {what} checkpoint is quantized (quant_method {method!r}); "
@@ -165,10 +214,11 @@ def base_target_fields(cfg: dict, model_type: str) -> dict:
         DFlashError: missing keys, unsupported rope scaling.
     """
     _require(cfg, ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"], "target")
+    for key in ("num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"):
+        check_int(cfg, key, "target", minimum=MIN_POSITIONS if key == "max_position_embeddings" else 1)
     heads = cfg["num_attention_heads"]
-    theta, scaling = _rope(cfg)
-    eos = cfg.get("eos_token_id")
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    theta, scaling = _rope(cfg, "target")
+    eos = eos_token_ids(cfg.get("eos_token_id"), "target config.json")
     return dict(
         model_type=model_type,
         vocab_size=cfg["vocab_size"],
@@ -178,16 +228,28 @@ def base_target_fields(cfg: dict, model_type: str) -> dict:
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         intermediate_size=cfg.get("intermediate_size") or 0,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rms_norm_eps=number_field(cfg, "rms_norm_eps", "target", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias")),
         qk_norm=False,
         eos_token_ids=eos,
         partial_rotary_factor=rotary_fraction(cfg),
     )
+
+
+def eos_token_ids(value, where: str) -> list[int]:
+    """An ``eos_token_id`` value (null, an id, or a list of ids) as a list of ids.
+
+    Raises:
+        DFlashError: anything else (``where`` names the file in the message).
+    """
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise DFlashError(f"{where} eos_token_id must be a token id or a list of them, got {value!r}")
+    return list(ids)
 
 
 def rotary_fraction(cfg: dict, default: float = 1.0) -> float:
@@ -400,7 +462,7 @@ class DrafterConfig:
                 block size, missing keys, bad DFlash 2 settings (:meth:`DFlash2Settings.from_dict`).
         """
         archs = cfg.get("architectures") or []
-        dflash = cfg.get("dflash_config") or {}
+        dflash = object_field(cfg, "dflash_config", "drafter") or {}
         if "DFlash2DraftModel" not in archs and "DFlashDraftModel" not in archs and not dflash:
             raise DFlashError(
                 f"the drafter checkpoint is not a DFlash drafter (architectures={archs}); "
@@ -408,20 +470,25 @@ class DrafterConfig:
             )
         refuse_quantized(cfg, "drafter")
         _require(cfg, ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"], "drafter")
-        if "mask_token_id" not in dflash:
+        if dflash.get("mask_token_id") is None:
             raise DFlashError("drafter config.json lacks dflash_config.mask_token_id")
+        check_int(dflash, "mask_token_id", "drafter", minimum=0)
         block_size = cfg.get("block_size", dflash.get("block_size"))
         if block_size is None:
             raise DFlashError("drafter config.json has no block_size (top level or in dflash_config)")
-        if int(block_size) < 2:
-            raise DFlashError(f"drafter block_size must be >= 2, got {block_size}")
+        check_int({"block_size": block_size}, "block_size", "drafter", minimum=2)
+        for key in ("num_key_value_heads", "head_dim", "sliding_window"):
+            check_int(cfg, key, "drafter")
         n = cfg["num_hidden_layers"]
-        num_target_layers = cfg.get("num_target_layers")
+        num_target_layers = check_int(cfg, "num_target_layers", "drafter")
         layer_ids = dflash.get("target_layer_ids")
         if layer_ids is None:
             if num_target_layers is None:
                 raise DFlashError("drafter config.json has neither dflash_config.target_layer_ids nor num_target_layers")
             layer_ids = default_target_layer_ids(num_target_layers, n)
+        if not isinstance(layer_ids, list) or not layer_ids or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
+            raise DFlashError(f"drafter dflash_config.target_layer_ids must be a non-empty list of integers, got {layer_ids!r}")
         heads = cfg["num_attention_heads"]
         layer_types = cfg.get("layer_types") or ["full_attention"] * n
         if len(layer_types) != n:
@@ -429,7 +496,7 @@ class DrafterConfig:
         windows = [cfg.get("sliding_window") if t == "sliding_attention" else None for t in layer_types]
         if any(t == "sliding_attention" for t in layer_types) and not cfg.get("sliding_window"):
             raise DFlashError("drafter layer_types uses sliding_attention but sliding_window is not set")
-        theta, scaling = _rope(cfg)
+        theta, scaling = _rope(cfg, "drafter")
         v2 = DFlash2Settings.from_dict(cfg, cfg["hidden_size"], cfg.get("vocab_size")) if "DFlash2DraftModel" in archs else None
         return cls(
             hidden_size=cfg["hidden_size"],
@@ -438,7 +505,7 @@ class DrafterConfig:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=number_field(cfg, "rms_norm_eps", "drafter", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             attention_bias=bool(cfg.get("attention_bias", False)),

@@ -30,6 +30,6 @@ def family(model_type: str | None) -> ModuleType:
     Raises:
         DFlashError: a ``model_type`` no family supports.
     """
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise DFlashError(f"unsupported target model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
     return importlib.import_module(f"{__package__}.{FAMILIES[model_type]}")

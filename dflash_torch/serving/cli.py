@@ -22,8 +22,8 @@ def register(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DFLASH_API_KEY, else no key)")
     p.add_argument("--model-name", default=None, help="model id clients use (default: the target directory's name)")
     p.add_argument("--max-batch-size", type=int, default=8,
-                   help="most sequences decoded together (default 8; an engine that decodes one sequence at a "
-                        "time has one slot)")
+                   help="most sequences decoded together (default 8; --draft-mode recompute decodes one "
+                        "sequence at a time: one slot)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a slot (default 64); a request that does not fit gets "
                         "503 with Retry-After")

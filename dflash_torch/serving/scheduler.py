@@ -311,14 +311,14 @@ def make_backend(engine, max_batch_size: int):
     """The backend that runs ``engine`` with at most ``max_batch_size`` slots.
 
     :class:`BatchedBackend` (``min(max_batch_size, engine.max_batch_size)`` slots) for an
-    engine with a batch decoder (pure-attention and hybrid targets), else
-    :class:`SerialBackend` (one slot).
+    engine with a batch decoder (pure-attention and hybrid targets), else (also for an
+    engine that is not ``batched``: ``draft_mode="recompute"``) :class:`SerialBackend` (one slot).
 
     Raises:
         DFlashError: ``max_batch_size`` not an integer >= 1, or batch caches that do not fit.
     """
     check_slots(max_batch_size, "max_batch_size")
-    if max_batch_size > 1 and hasattr(engine, "batch_decoder"):
+    if max_batch_size > 1 and hasattr(engine, "batch_decoder") and getattr(engine, "batched", True):
         return BatchedBackend(engine, max_batch_size)
     return SerialBackend(engine)
 

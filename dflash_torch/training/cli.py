@@ -116,7 +116,7 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
             raise DFlashError(f"{name} {path} is a file; give a directory")
     if args.init_from is None and args.seq_len <= cfg.block_size:
         raise DFlashError(f"--seq-len ({args.seq_len}) must be longer than the block size ({cfg.block_size})")
-    resolve_dtype(args.save_dtype)
+    resolve_dtype(args.save_dtype, "--save-dtype")
     out = Path(args.out)
     if Path(args.target).is_dir() and out.exists() and out.resolve() == Path(args.target).resolve():
         raise DFlashError(f"--out {args.out} is the target's directory; give the drafter its own directory")

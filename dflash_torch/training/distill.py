@@ -13,6 +13,7 @@ stays in :mod:`dflash_torch.decoding`.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 from pathlib import Path
@@ -133,6 +134,21 @@ def distill_prompts(tokenizer, corpus: Corpus, n: int, seq_len: int, *, prefix_m
     return prompts + texts, chat + [False] * len(texts)
 
 
+@contextlib.contextmanager
+def _progress_bars(enabled: bool):
+    """transformers' progress bars on (as they were) or off within the block."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not enabled:
+            hf_logging.enable_progress_bar()
+
+
 def self_distill(target_dir: Path, tokenizer, prompts: list[list[int]], chat: list[bool], seq_len: int, *,
                  batch_size: int = 32, dtype: torch.dtype = torch.float32, progress: bool = True) -> list[Example]:
     """One self-distilled example per prompt (see :func:`distill_prompts`): prompt + the
@@ -146,7 +162,8 @@ def self_distill(target_dir: Path, tokenizer, prompts: list[list[int]], chat: li
 
     if not prompts:
         return []
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()
+    with _progress_bars(progress):  # (transformers draws one while it loads the weights)
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     stops = [({eos} if c and eos is not None else None) for c in chat]
