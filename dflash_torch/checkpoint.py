@@ -27,8 +27,10 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
             local Hugging Face cache.
 
     Raises:
-        DFlashError: if it is neither a directory with ``config.json`` nor a cached repo.
+        DFlashError: if it is empty, or neither a directory with ``config.json`` nor a cached repo.
     """
+    if not str(name_or_path).strip():  # (Path("") is ".", the current directory)
+        raise DFlashError("the checkpoint path is empty: pass a checkpoint directory or a cached Hugging Face id")
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -21,7 +21,7 @@ def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     """Broken or mismatched checkpoints next to the good tiny pair."""
     target, drafter = tiny_pair
     root = tmp_path_factory.mktemp("bad")
-    paths = {"target": target, "drafter": drafter, "missing": root / "does-not-exist"}
+    paths = {"target": target, "drafter": drafter, "missing": root / "does-not-exist", "empty": ""}
 
     def drafter_with(name, **changes):
         cfg = drafter_config(target, block_size=16)
@@ -97,6 +97,7 @@ LOAD_CASES = [
     ("missing-target-dir", dict(target="missing"), "does not exist"),
     ("missing-drafter-dir", dict(draft="missing"), "does not exist"),
     ("missing-config", dict(target="no_config"), "config.json"),
+    ("empty-path", dict(target="empty"), "the checkpoint path is empty"),  # ("" was ".": "'.' has no config.json")
     ("missing-weights", dict(target="no_weights"), "safetensors"),
     ("missing-shard", dict(target="missing_shard"), "missing"),
     ("missing-tensor", dict(target="lacking_tensor"), "up_proj"),

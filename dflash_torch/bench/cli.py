@@ -25,10 +25,11 @@ def register(sub) -> None:
     add_model_args(p)
     p.add_argument("--prompts", default=None, help="JSONL prompt file (default: the shipped held-out code prompts)")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts to use (default 16; 0 = all)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
     p.add_argument("--modes", default="target-only,inject,recompute,target-only-compiled,inject-compiled",
-                   help="comma-separated: target-only, inject, recompute, target-only-compiled, inject-compiled")
-    p.add_argument("--sweep", default="128,512,2048,8192", help="context lengths of the propose-time sweep ('' = skip)")
+                   help="comma-separated: target-only, inject, recompute, target-only-compiled, inject-compiled "
+                        "(default: all five)")
+    p.add_argument("--sweep", default="128,512,2048,8192", help="context lengths of the propose-time sweep (default 128,512,2048,8192; '' = skip)")
     p.add_argument("--sweep-shapes", default="",
                    help="also sweep a randomly initialised 5-layer drafter of these target shapes, e.g. qwen3-1.7b ('' = skip)")
     p.add_argument("--shapes", default="",
@@ -40,8 +41,8 @@ def register(sub) -> None:
     p.add_argument("--batch-sizes", default="",
                    help="batched decoding at these batch sizes, e.g. 1,2,4,8: aggregate tok/s and p50/p95 latency, "
                         "DFlash vs batched target-only ('' = skip; with it, --modes may be '')")
-    p.add_argument("--out", default="bench_out", help="output directory for bench.json and plots")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default="bench_out", help="output directory for bench.json and plots (default bench_out)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
 

@@ -59,26 +59,34 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=int, default=d["seq_len"].default, help="tokens per sequence (default 512)")
     p.add_argument("--anchors-per-seq", type=int, default=d["anchors_per_seq"].default, help="blocks per sequence (default 64)")
     p.add_argument("--lr", type=float, default=d["lr"].default, help="peak learning rate (default 1e-3)")
-    p.add_argument("--warmup-steps", type=int, default=d["warmup_steps"].default)
-    p.add_argument("--weight-decay", type=float, default=d["weight_decay"].default)
-    p.add_argument("--grad-clip", type=float, default=d["grad_clip"].default)
+    p.add_argument("--warmup-steps", type=int, default=d["warmup_steps"].default,
+                   help=f"linear learning-rate warm-up steps (default {d['warmup_steps'].default})")
+    p.add_argument("--weight-decay", type=float, default=d["weight_decay"].default,
+                   help=f"AdamW weight decay (default {d['weight_decay'].default})")
+    p.add_argument("--grad-clip", type=float, default=d["grad_clip"].default,
+                   help=f"gradient norm clip (default {d['grad_clip'].default})")
     p.add_argument("--gamma", type=float, default=None, help="loss decay of slot k: exp(-(k-1)/gamma) (default 7 * B / 16)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, data order and anchors (default 0)")
     p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
     p.add_argument("--overwrite", action="store_true", help="replace a drafter already in --out / a checkpoint in the work dir")
     p.add_argument("--self-distill", type=int, default=0, metavar="N",
                    help="add N sequences continued greedily by the target itself from prompts of the data")
-    p.add_argument("--self-distill-batch", type=int, default=d["self_distill_batch"].default)
-    p.add_argument("--prefix-min", type=int, default=d["prefix_min"].default, help="shortest self-distill prompt (tokens)")
-    p.add_argument("--prefix-max", type=int, default=d["prefix_max"].default, help="longest self-distill prompt (tokens)")
+    p.add_argument("--self-distill-batch", type=int, default=d["self_distill_batch"].default,
+                   help=f"prompts the target continues at once (default {d['self_distill_batch'].default})")
+    p.add_argument("--prefix-min", type=int, default=d["prefix_min"].default,
+                   help=f"shortest self-distill prompt (tokens, default {d['prefix_min'].default})")
+    p.add_argument("--prefix-max", type=int, default=d["prefix_max"].default,
+                   help=f"longest self-distill prompt (tokens, default {d['prefix_max'].default})")
     p.add_argument("--raw-fraction", type=float, default=d["raw_fraction"].default,
                    help="share of batch rows from the raw corpus when examples exist (default 0.25)")
-    p.add_argument("--val-seqs", type=int, default=d["val_seqs"].default, help="sequences set apart for the acceptance estimate (0: none)")
-    p.add_argument("--eval-every", type=int, default=d["eval_every"].default)
-    p.add_argument("--ckpt-every", type=int, default=d["ckpt_every"].default)
-    p.add_argument("--threads", "--num-threads", dest="num_threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--val-seqs", type=int, default=d["val_seqs"].default, help=f"sequences set apart for the acceptance estimate (0: none; default {d['val_seqs'].default})")
+    p.add_argument("--eval-every", type=int, default=d["eval_every"].default,
+                   help=f"steps between acceptance estimates (default {d['eval_every'].default})")
+    p.add_argument("--ckpt-every", type=int, default=d["ckpt_every"].default,
+                   help=f"steps between resumable checkpoints (default {d['ckpt_every'].default})")
+    p.add_argument("--threads", "--num-threads", dest="num_threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-autocast", action="store_true", help="train in float32 instead of bf16 autocast")
-    p.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved weights (bfloat16 or float32)")
+    p.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved weights: bfloat16 (default) or float32")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_train)
 
