@@ -360,3 +360,24 @@ def test_round_vs_step_joined_projections_verify_part_and_profile():
                                  "fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "void at::native::index_elementwise_kernel",
                                  "cudaGraphLaunch")] == \
         ["matmul", "matmul", "fused (triton)", "attention", "attention", "copy / index", "other"]
+
+
+def test_prompt_file_errors_name_the_file_and_line(tmp_path):
+    """A bench prompt file is read line by line: an empty or non-string prompt, a line that
+    is not an object with a prompt, a missing or empty file are one-line errors naming the
+    file (and the line); an empty prompt used to pass here and fail later without either."""
+    from dflash_torch.bench.modes import load_prompts
+
+    f = tmp_path / "p.jsonl"
+    for lines, words in [(['{"prompt": "a"}', '{"prompt": ""}'], f"{f}:2: the prompt must be a non-empty string, got ''"),
+                         (['{"text": 5}'], f"{f}:1: the prompt must be a non-empty string, got 5"),
+                         (['["a"]'], f"{f}:1: expected a JSON object with a 'prompt' field"),
+                         ([""], f"{f} has no prompts")]:
+        f.write_text("\n".join(lines))
+        with pytest.raises(DFlashError) as err:
+            load_prompts(f, None)
+        assert str(err.value) == words
+    with pytest.raises(DFlashError, match="does not exist"):
+        load_prompts(tmp_path / "none.jsonl", None)
+    f.write_text('{"prompt": "a"}\n\n{"text": "b"}\n')
+    assert load_prompts(f, None) == ["a", "b"] and load_prompts(f, 1) == ["a"]

@@ -87,9 +87,12 @@ def load_prompts(path: Path, limit: int | None) -> list[str]:
             continue
         try:
             obj = json.loads(line)
-            prompts.append(obj["prompt"] if "prompt" in obj else obj["text"])
+            prompt = obj["prompt"] if "prompt" in obj else obj["text"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise DFlashError(f"{path}:{i + 1}: expected a JSON object with a 'prompt' field") from None
+        if not isinstance(prompt, str) or not prompt:
+            raise DFlashError(f"{path}:{i + 1}: the prompt must be a non-empty string, got {prompt!r}")
+        prompts.append(prompt)
     if not prompts:
         raise DFlashError(f"{path} has no prompts")
     return prompts[:limit] if limit else prompts
