@@ -255,13 +255,14 @@ class SpeculativeDecoder:
         for kv_len in lengths:
             pos = torch.tensor(kv_len - B, device=dev)
             token = torch.zeros((), dtype=torch.long, device=dev)
+            pending = None
             if B > 1:
-                pending = None
                 if isinstance(self.context, InjectedContext):
                     pending = self.drafter.fc.weight.new_zeros(B, self.drafter.fc.in_features)
                 self._draft_fn(token, pos, kv_len, pending, pos.clone() if pending is not None else None)
             feats = self._verify_fn(torch.zeros(B, dtype=torch.long, device=dev), pos, kv_len)[1]
-            self._carry(feats)  # (as a round does: CUDA graphs' outputs out of their pool before the commit)
+            if pending is not None:  # (as a round does: CUDA graphs' outputs out of their pool before the commit)
+                self._carry(feats)
             if self.defer_commit:
                 self._commit_fn(torch.ones((), dtype=torch.long, device=dev))
         return len(lengths)

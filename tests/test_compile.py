@@ -167,14 +167,15 @@ def test_warmup_builds_every_bucket_up_to_its_context(agree_pair, agree_hybrid_p
     for pair in (agree_pair, agree_hybrid_pair):
         target, drafter = _load(pair)
         torch._dynamo.reset()
-        compiled = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=600,
-                                      prefill_chunk=64)
-        assert compiled.warmup(600) == 3  # 256, 512 and the 640-token buffer
-        frames = dynamo_utils.counters["frames"]["total"]
-        eager = SpeculativeDecoder(target, drafter)
-        for prompt, n in (([5, 17, 99, 3], 590), ([(7 * i) % 300 + 2 for i in range(500)], 90)):
-            assert run_rounds(compiled, prompt, n)[0] == run_rounds(eager, prompt, n)[0]
-        assert dynamo_utils.counters["frames"]["total"] == frames, "a graph was built after warmup()"
+        for d in (drafter, None):  # DFlash, and target-only (block size 1)
+            compiled = SpeculativeDecoder(target, d, compile=True, compile_backend="eager", max_context=600,
+                                          prefill_chunk=64)
+            assert compiled.warmup(600) == 3  # 256, 512 and the 640-token buffer
+            frames = dynamo_utils.counters["frames"]["total"]
+            eager = SpeculativeDecoder(target, d)
+            for prompt, n in (([5, 17, 99, 3], 590), ([(7 * i) % 300 + 2 for i in range(500)], 90)):
+                assert run_rounds(compiled, prompt, n)[0] == run_rounds(eager, prompt, n)[0]
+            assert dynamo_utils.counters["frames"]["total"] == frames, "a graph was built after warmup()"
     not_compiled = SpeculativeDecoder(target, drafter, static=True, max_context=600)
     assert not_compiled.warmup(600) == 0
 
