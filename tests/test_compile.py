@@ -162,8 +162,9 @@ def test_compiled_decoders_keep_a_graph_per_bucket_past_the_recompile_limit(agre
 def test_warmup_builds_every_bucket_up_to_its_context(agree_pair, agree_hybrid_pair):
     """SpeculativeDecoder.warmup(context) builds the prefill, propose, verify (and a hybrid
     target's commit) graphs of every length bucket a sequence of up to ``context`` tokens
-    reaches: decoding a long prompt and a short one to that limit then builds none, and
-    gives the eager decoder's tokens (an attention and a hybrid target)."""
+    reaches: decoding prompts of 250 and 500 tokens past the ends of the 256 and 512
+    buckets then builds none, and gives the eager decoder's tokens (an attention and a
+    hybrid target; DFlash and target-only)."""
     for pair in (agree_pair, agree_hybrid_pair):
         target, drafter = _load(pair)
         torch._dynamo.reset()
@@ -173,7 +174,8 @@ def test_warmup_builds_every_bucket_up_to_its_context(agree_pair, agree_hybrid_p
             assert compiled.warmup(600) == 3  # 256, 512 and the 640-token buffer
             frames = dynamo_utils.counters["frames"]["total"]
             eager = SpeculativeDecoder(target, d)
-            for prompt, n in (([5, 17, 99, 3], 590), ([(7 * i) % 300 + 2 for i in range(500)], 90)):
+            for p, n in ((250, 40), (500, 90)):  # across the 256 and the 512 bucket's end
+                prompt = [(7 * i) % 300 + 2 for i in range(p)]
                 assert run_rounds(compiled, prompt, n)[0] == run_rounds(eager, prompt, n)[0]
             assert dynamo_utils.counters["frames"]["total"] == frames, "a graph was built after warmup()"
     not_compiled = SpeculativeDecoder(target, drafter, static=True, max_context=600)
