@@ -512,6 +512,9 @@ MALFORMED_CONFIGS = [
     ("drafter", _set("rms_norm_eps", "x"), "drafter config.json rms_norm_eps must be a number > 0"),
     ("drafter", _set("sliding_window", "x"), "drafter config.json sliding_window must be an integer >= 1, got 'x'"),
     ("target", _set("eos_token_id", ["0"]), "target config.json eos_token_id must be a token id or a list of them"),
+    # (a corrupt field: where transformers' tokenizer loader reads config.json it failed as "cannot load the
+    # tokenizer ... module 'torch' has no attribute 'bogus'", elsewhere it passed unnoticed)
+    ("target", _set("torch_dtype", "bogus"), "target config.json torch_dtype 'bogus' is not a torch dtype"),
     ("generation", b"{", "generation_config.json is not valid JSON"),
     ("generation", _set("eos_token_id", "0"), "generation_config.json eos_token_id must be a token id or a list of them, got '0'"),
     ("index", b"{oops", "model.safetensors.index.json is not valid JSON"),

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from ..errors import DFlashError, OptionError
 
 
@@ -193,7 +195,23 @@ class TargetConfig:
         if any(a.startswith("DFlash") for a in archs):
             raise OptionError("target must be the target LLM's checkpoint, not a DFlash drafter's", "target")
         refuse_quantized(cfg, "target")
+        check_dtype_field(cfg, "target")
         return family(cfg.get("model_type")).parse_config(cfg)
+
+
+def check_dtype_field(cfg: dict, what: str) -> None:
+    """Raise :class:`DFlashError` when the ``what`` ``config.json`` names a weight dtype
+    (``torch_dtype`` / ``dtype``, top level or in ``text_config``) that torch does not know.
+    The engine loads in the dtype it is asked for, but transformers' tokenizer loader reads
+    this file too and would fail on it with an error that blames the tokenizer."""
+    text = cfg.get("text_config")
+    for where in (cfg, text if isinstance(text, dict) else {}):
+        for key in ("torch_dtype", "dtype"):
+            value = where.get(key)
+            if value is None or value == "auto":
+                continue
+            if not isinstance(value, str) or not isinstance(getattr(torch, value.removeprefix("torch."), None), torch.dtype):
+                raise DFlashError(f"{what} config.json {key} {value!r} is not a torch dtype (e.g. 'bfloat16')")
 
 
 def refuse_quantized(cfg: dict, what: str) -> None:
