@@ -202,8 +202,9 @@ class TargetConfig:
 def check_dtype_field(cfg: dict, what: str) -> None:
     """Raise :class:`DFlashError` when the ``what`` ``config.json`` names a weight dtype
     (``torch_dtype`` / ``dtype``, top level or in ``text_config``) that torch does not know.
-    The engine loads in the dtype it is asked for, but transformers' tokenizer loader reads
-    this file too and would fail on it with an error that blames the tokenizer."""
+    The engine loads in the dtype it is asked for, so such a value (a corrupt file) passed
+    unnoticed, except where transformers' tokenizer loader reads this file: its error then
+    blamed the tokenizer."""
     text = cfg.get("text_config")
     for where in (cfg, text if isinstance(text, dict) else {}):
         for key in ("torch_dtype", "dtype"):
