@@ -147,11 +147,12 @@ def test_compiled_decoders_keep_a_graph_per_bucket_past_the_recompile_limit(agre
                                     prefill_chunk=32)
         assert length_buckets(single.target_cache.capacity) == 3  # 256, 512 and the 640-token buffer
         frames = dynamo_utils.counters["frames"]["ok"]
-        out, _ = run_rounds(single, [5, 17, 99, 3], 590)  # to the context limit: every bucket
-        assert out == run_rounds(SpeculativeDecoder(target, drafter), [5, 17, 99, 3], 590)[0]
-        # prefill (one chunk) once, propose and verify once per bucket, all compiled (frames
-        # "ok"; one given up is counted in "total" only)
-        assert dynamo_utils.counters["frames"]["ok"] - frames == 1 + 2 * 3
+        for p, n in ((240, 30), (500, 90)):  # decoding past the ends of the 256 and 512 buckets
+            prompt = [(7 * i) % 300 + 2 for i in range(p)]
+            assert run_rounds(single, prompt, n)[0] == run_rounds(SpeculativeDecoder(target, drafter), prompt, n)[0]
+        # prefill in the 256 and 512 buckets, propose and verify in all 3, all compiled
+        # (frames "ok"; one given up is counted in "total" only)
+        assert dynamo_utils.counters["frames"]["ok"] - frames == 2 + 2 * 3
         batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=200, compile=True, compile_backend="eager")
         frames = dynamo_utils.counters["frames"]["ok"]
         assert batch.warmup() == 2 * 2  # batch buckets 1, 2 x length buckets 256 and the 457-token buffer
@@ -162,7 +163,7 @@ def test_compiled_decoders_keep_a_graph_per_bucket_past_the_recompile_limit(agre
 def test_warmup_builds_every_bucket_up_to_its_context(agree_pair, agree_hybrid_pair):
     """SpeculativeDecoder.warmup(context) builds the prefill, propose, verify (and a hybrid
     target's commit) graphs of every length bucket a sequence of up to ``context`` tokens
-    reaches: decoding prompts of 250 and 500 tokens past the ends of the 256 and 512
+    reaches: decoding prompts of 240 and 500 tokens past the ends of the 256 and 512
     buckets then builds none, and gives the eager decoder's tokens (an attention and a
     hybrid target; DFlash and target-only)."""
     for pair in (agree_pair, agree_hybrid_pair):
@@ -174,7 +175,7 @@ def test_warmup_builds_every_bucket_up_to_its_context(agree_pair, agree_hybrid_p
             assert compiled.warmup(600) == 3  # 256, 512 and the 640-token buffer
             frames = dynamo_utils.counters["frames"]["total"]
             eager = SpeculativeDecoder(target, d)
-            for p, n in ((250, 40), (500, 90)):  # across the 256 and the 512 bucket's end
+            for p, n in ((240, 30), (500, 90)):  # decoding past the ends of the 256 and 512 buckets
                 prompt = [(7 * i) % 300 + 2 for i in range(p)]
                 assert run_rounds(compiled, prompt, n)[0] == run_rounds(eager, prompt, n)[0]
             assert dynamo_utils.counters["frames"]["total"] == frames, "a graph was built after warmup()"
