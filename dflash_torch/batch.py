@@ -55,11 +55,14 @@ scratch). Outputs are those of a prefill of the whole prompt (float32 greedy: th
 tokens; seeded sampling: the same tokens). ``reused_prefill_tokens`` counts the prompt
 tokens taken this way.
 
-The policy: retained prefixes live only in slots no sequence uses. A leaver's rows go to
-the highest such slot that holds no retained prefix (else to the slot of the least
-recently used one, which is dropped); a retained prefix is dropped as soon as anything
-writes its slot (a joining sequence's prefill or copy when the batch grows into it, or
-:meth:`~BatchDecoder.warmup`). A fixed-shape round's padding row in such a slot runs past
+The policy (a least-recently-used set over the free slots): retained prefixes live only
+in slots no sequence uses. A leaver's rows go to the highest such slot that holds no
+retained prefix, else stay in its own slot when nothing moves into it, else replace the
+least recently used prefix. When a prompt's prefill starts in a slot that holds a
+retained prefix it does not take, that prefix moves to a higher free slot (an empty one,
+or the least recently used prefix's if that one is older; else it is dropped). Any other
+write drops a retained prefix in its slot (a shared prefill's copies when the batch grows
+into it, :meth:`~BatchDecoder.warmup`). A fixed-shape round's padding row in such a slot runs past
 the retained length when that fits the round's length bucket, else the prefix is dropped
 (never a longer bucket, so no new graph). A sequence held past its budget (run as padding)
 and a joining sequence that leaves keep nothing.
@@ -614,22 +617,33 @@ class BatchDecoder:
         self._retained[dst] = _Retained(q.ids[:q.s], self._tick)
 
     def _take_prefix(self, slot: int, prompt: list[int]) -> int:
-        """Before a prompt's prefill in ``slot``: the rows of the retained prefix that match
-        the most of ``prompt`` go into ``slot`` (copied, or kept in place) -> the prompt
-        tokens they cover (0: none), counted in ``reused_prefill_tokens``."""
+        """Before a prompt's prefill in ``slot`` (the first slot no sequence uses): the rows
+        of the retained prefix that match the most of ``prompt`` go into ``slot`` (copied, or
+        kept in place) -> the prompt tokens they cover (0: none), counted in
+        ``reused_prefill_tokens``. A retained prefix that ``slot`` holds otherwise moves to
+        a higher slot (an empty one, else the least recently used one's, if older)."""
         best, src = 0, None
         for i, r in self._retained.items():
             n = self._usable(r.ids, prompt)
             if n > best or (n == best and n and i == slot):
                 best, src = n, i
-        if src is None:
-            return 0
         self._tick += 1
         if src == slot:
             del self._retained[slot]  # (the prompt's rows now)
-        else:
-            self._retained[src].used = self._tick
-            self._move(src, slot, best)
+            self.reused_prefill_tokens += best
+            return best
+        victim = self._retained.get(slot)
+        if victim is not None:
+            higher = [i for i in range(slot + 1, self.max_batch_size) if i != src]
+            empty = [i for i in higher if i not in self._retained]
+            dst = max(empty) if empty else min(higher, key=lambda i: self._retained[i].used, default=None)
+            if dst is not None and (empty or self._retained[dst].used < victim.used):
+                self._move(slot, dst, len(victim.ids))
+                self._retained[dst] = self._retained.pop(slot)
+        if src is None:
+            return 0
+        self._retained[src].used = self._tick
+        self._move(src, slot, best)
         self.reused_prefill_tokens += best
         return best
 
