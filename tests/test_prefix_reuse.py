@@ -170,7 +170,7 @@ def test_hybrid_target_reuses_an_exact_extension_only(request, models):
     same_runs(on, off)
 
 
-def test_a_full_batch_overwrites_a_retained_prefix(agree_models):
+def test_a_full_batch_overwrites_a_retained_prefix(agree_models):  # noqa: F811 (the imported fixture)
     """Two slots: the first turn leaves its rows in slot 1; two other sequences then fill
     the batch (the second's prefill writes slot 1): the next turn finds nothing to reuse
     and still decodes exactly as with reuse off."""
@@ -202,7 +202,7 @@ def test_a_full_batch_overwrites_a_retained_prefix(agree_models):
 
 
 @pytest.mark.parametrize("mode", ["fixed-shapes", "compiled"])
-def test_fixed_shapes_and_compiled_reuse_without_new_graphs(agree_models, mode):
+def test_fixed_shapes_and_compiled_reuse_without_new_graphs(agree_models, mode):  # noqa: F811 (the imported fixture)
     """Fixed shapes (compiled with the "eager" backend: TorchDynamo's guards decide
     recompilation): turn 0 leaves its rows in the top slot (3); three sequences then decode
     with a padding row in that slot (run past the retained rows), and turn 1 joins into it
@@ -246,7 +246,7 @@ def test_fixed_shapes_and_compiled_reuse_without_new_graphs(agree_models, mode):
     same_runs(on, off)
 
 
-def test_fixed_shapes_drop_a_retained_prefix_beyond_the_rounds_keys(agree_models):
+def test_fixed_shapes_drop_a_retained_prefix_beyond_the_rounds_keys(agree_models):  # noqa: F811 (the imported fixture)
     """Fixed shapes: a long turn leaves 270 rows in the top slot; three short sequences
     decode (a 256-key bucket) with a padding row in that slot, which cannot run past 270
     rows inside 256 keys: the prefix is dropped (not overwritten), the follow-up turn reads
