@@ -62,10 +62,10 @@ least recently used prefix. When a prompt's prefill starts in a slot that holds 
 retained prefix it does not take, that prefix moves to a higher free slot (an empty one,
 or the least recently used prefix's if that one is older; else it is dropped). Any other
 write drops a retained prefix in its slot (a shared prefill's copies when the batch grows
-into it, :meth:`~BatchDecoder.warmup`). A fixed-shape round's padding row in such a slot runs past
-the retained length when that fits the round's length bucket, else the prefix is dropped
-(never a longer bucket, so no new graph). A sequence held past its budget (run as padding)
-and a joining sequence that leaves keep nothing.
+into it, :meth:`~BatchDecoder.warmup`). A fixed-shape round's padding row in such a slot
+runs past the retained length when that fits the round's length bucket, else the prefix
+is dropped (never a longer bucket, so no new graph). A sequence held past its budget (run
+as padding) and a joining sequence that leaves keep nothing.
 """
 
 from __future__ import annotations
@@ -632,7 +632,7 @@ class BatchDecoder:
             del self._retained[slot]  # (the prompt's rows now)
             self.reused_prefill_tokens += best
             return best
-        victim = self._retained.get(slot)
+        victim = self._retained.get(slot)  # (never where a partly read prompt was: add() moved it up one)
         if victim is not None:
             higher = [i for i in range(slot + 1, self.max_batch_size) if i != src]
             empty = [i for i in higher if i not in self._retained]
