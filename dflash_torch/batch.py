@@ -38,6 +38,34 @@ Hybrid targets (Gated DeltaNet layers) keep each sequence's recurrent state in i
 sequence dimension), a verify leaves every state as it was and one commit after
 acceptance advances each sequence's state over its own accepted prefix (the rollback,
 run eagerly after the verify, also when the verify is compiled).
+
+Prompt-prefix reuse (``reuse_prefix``, default on): a multi-turn conversation sends the
+whole history again with every turn. When a decoding sequence leaves, its slot's rows are
+kept as a *retained prefix* in a free slot, with the token ids of its valid positions
+``[0, s)`` (``s``: its committed length; the last verify's accepted feature rows, which
+the next propose would have injected, are injected into its drafter context first, so
+target K/V rows, drafter context rows and a hybrid target's recurrent state are all valid
+up to ``s``). A prompt whose prefill starts (:meth:`~BatchDecoder.join` or
+:meth:`~BatchDecoder.add`) and which begins with the ids of a retained prefix takes the
+rows of the longest match (a copy into its slot, or in place when that prefix lies in its
+slot) and reads only the rest; the last prompt token is always read (its logits give the
+first token). A hybrid target's recurrent state holds the whole retained length, so it is
+reused only by a prompt that extends those ids exactly (else the prompt is read from
+scratch). Outputs are those of a prefill of the whole prompt (float32 greedy: the same
+tokens; seeded sampling: the same tokens). ``reused_prefill_tokens`` counts the prompt
+tokens taken this way.
+
+The policy (a least-recently-used set over the free slots): retained prefixes live only
+in slots no sequence uses. A leaver's rows go to the highest such slot that holds no
+retained prefix, else stay in its own slot when nothing moves into it, else replace the
+least recently used prefix. When a prompt's prefill starts in a slot that holds a
+retained prefix it does not take, that prefix moves to a higher free slot (an empty one,
+or the least recently used prefix's if that one is older; else it is dropped). Any other
+write drops a retained prefix in its slot (a shared prefill's copies when the batch grows
+into it, :meth:`~BatchDecoder.warmup`). A fixed-shape round's padding row in such a slot
+runs past the retained length when that fits the round's length bucket, else the prefix
+is dropped (never a longer bucket, so no new graph). A sequence held past its budget (run
+as padding) and a joining sequence that leaves keep nothing.
 """
 
 from __future__ import annotations
@@ -239,10 +267,21 @@ class _Sequence:
     pending: torch.Tensor | None = None  # the last verify's B feature rows (inject at the next propose)
     pending_start: int = 0  # position of pending row 0
     pending_rows: int = 0  # rows of ``pending`` that were accepted (tau)
+    ids: list[int] = field(default_factory=list)  # prompt + committed tokens (ids[s] is ``token``)
+    padded: bool = False  # ran a round past its budget (as padding): its slot is not retained
 
     @property
     def done(self) -> bool:
         return self.committed >= self.max_new_tokens
+
+
+@dataclass
+class _Retained:
+    """A retained prefix (prompt-prefix reuse): its slot's rows of positions ``[0, len(ids))``
+    are valid for the token ids ``ids``."""
+
+    ids: list[int]
+    used: int  # when it was made or last reused (BatchDecoder._tick): the least recent is dropped first
 
 
 @dataclass
@@ -290,22 +329,27 @@ class BatchDecoder:
         share_prefill: a sequence joining with the prompt of one still waiting or being
             prefilled shares its prefill (a copy of its slot) instead of reading the prompt
             again (default True; False: every sequence reads its own prompt).
+        reuse_prefix: keep a leaving sequence's rows in a free slot and let a prompt that
+            starts with its tokens reuse them (see the module docstring; default True;
+            False: every prompt is read whole).
 
     Attributes:
         prefill_tokens: prompt tokens read by the target so far (every prefill chunk's rows).
+        reused_prefill_tokens: prompt tokens taken from retained prefixes instead (not read).
 
     The caches (``max_batch_size`` slots of ``max_context + max(2 B, prefill_chunk) + 1``
     positions, target and drafter) are allocated here, once.
 
     Raises:
         DFlashError: invalid block size (above 64 for a hybrid target) / max_batch_size /
-            max_context / prefill_budget, or caches that do not fit the device's free memory.
+            max_context / prefill_budget, a flag that is not a bool, or caches that do not
+            fit the device's free memory.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, block_size: int | None = None,
                  max_batch_size: int = 8, max_context: int | None = None, prefill_chunk: int = 256,
                  static: bool = False, compile: bool = False, compile_backend: str = "inductor",
-                 prefill_budget: int | None = None, share_prefill: bool = True):
+                 prefill_budget: int | None = None, share_prefill: bool = True, reuse_prefix: bool = True):
         trained = drafter.config.block_size if drafter is not None else None
         B = check_block_size(block_size, trained) or trained or 1
         # hybrid targets: a verify leaves the recurrent states as they were; each sequence's
@@ -319,7 +363,9 @@ class BatchDecoder:
         self.max_context = check_max_context(max_context, limit) or limit
         self.prefill_chunk = prefill_chunk
         self.share_prefill = check_flag(share_prefill, "share_prefill")
+        self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
         self.prefill_tokens = 0
+        self.reused_prefill_tokens = 0
         self.prefill_budget = prefill_chunk if prefill_budget is None else check_max_batch_size(prefill_budget,
                                                                                                "prefill_budget")
         self.device = target.model.embed_tokens.weight.device
@@ -346,6 +392,8 @@ class BatchDecoder:
                               f"max_context {self.max_context}; lower either", "max_batch_size", "max_context") from None
         self._seqs: list[_Sequence] = []  # decoding, slot = index
         self._joining: deque[_Joining] = deque()  # prefilling, FIFO; the head's slot is len(self._seqs)
+        self._retained: dict[int, _Retained] = {}  # slot -> retained prefix (only in slots no sequence uses)
+        self._tick = 0
         self._arange_block = torch.arange(B, device=self.device)
         self._arange_chunk = torch.arange(prefill_chunk, device=self.device)
         mask_id = drafter.config.mask_token_id if drafter is not None else 0
@@ -401,6 +449,7 @@ class BatchDecoder:
         """
         if self._seqs or self._joining:
             raise DFlashError("warmup() needs an empty batch (it overwrites every slot)")
+        self._retained.clear()
         B, cap = self.block_size, self.target_kv.capacity
         sizes = sorted({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
         lengths = sorted({self.kv_bucket(n) for n in range(B, min(context or cap, cap) + 1)})
@@ -481,11 +530,13 @@ class BatchDecoder:
         head = self._joining[0] if self._joining else None
         if head is not None and head.prefilled:  # a partly prefilled joiner holds this slot: one up
             self._move(slot, slot + 1, head.prefilled)
-        last = self._prefill(slot, torch.tensor(prompt_ids, dtype=torch.long, device=self.device))
+        prompt = [int(t) for t in prompt_ids]
+        start = self._take_prefix(slot, prompt)
+        last = self._prefill(slot, torch.tensor(prompt, dtype=torch.long, device=self.device), start)
         generator = params.generator(self.device)
         token = choose(last[None], params, generator)[0]
-        self._seqs.append(_Sequence(seq_id, params, generator, max_new_tokens, n_prompt, token, 1))
         first = int(token)
+        self._seqs.append(_Sequence(seq_id, params, generator, max_new_tokens, n_prompt, token, 1, ids=prompt + [first]))
         t1 = time.perf_counter()
         return Round([first], None, 0.0, t1 - t0, t1 - t0)
 
@@ -526,6 +577,8 @@ class BatchDecoder:
         index = next((i for i, q in enumerate(self._seqs) if q.seq_id == seq_id), None)
         if index is None:
             raise DFlashError(f"sequence {seq_id!r} is not in the batch")
+        if self.reuse_prefix:
+            self._retain(index)
         last = len(self._seqs) - 1
         if index != last:
             moved = self._seqs[last]
@@ -534,6 +587,78 @@ class BatchDecoder:
         self._seqs.pop()
         if self._joining and self._joining[0].prefilled:
             self._move(last + 1, last, self._joining[0].prefilled)
+
+    @torch.inference_mode()
+    def _retain(self, index: int) -> None:
+        """Keep the rows of the decoding sequence in slot ``index`` (about to leave) as a
+        retained prefix: its last accepted feature rows are injected into its drafter
+        context, then its slot is copied into a slot that stays unused once it has left
+        (the highest without a retained prefix, else the least recently used one's), or
+        left in place when it is such a slot itself."""
+        q = self._seqs[index]
+        if q.padded:  # (its drafter rows may hold a stale injection)
+            return
+        n, head = len(self._seqs), self._joining[0] if self._joining else None
+        low = n + 1 if head is not None and head.prefilled else n  # slots from here on hold nothing live
+        candidates = list(range(low, self.max_batch_size))
+        if index == n - 1 and low == n:  # the last slot, which nothing moves into
+            candidates.append(index)
+        if not candidates:
+            return
+        empty = [i for i in candidates if i not in self._retained]
+        dst = max(empty) if empty else min(candidates, key=lambda i: self._retained[i].used)
+        if self.draft_kv is not None and q.pending is not None:  # (what the next propose would have injected)
+            positions = q.pending_start + self._arange_block[:q.pending_rows]
+            InjectedContext(self.drafter, self.draft_kv.slot(index)).inject(self.drafter, q.pending[:q.pending_rows],
+                                                                            positions)
+        if dst != index:
+            self._move(index, dst, q.s)
+        self._tick += 1
+        self._retained[dst] = _Retained(q.ids[:q.s], self._tick)
+
+    def _take_prefix(self, slot: int, prompt: list[int]) -> int:
+        """Before a prompt's prefill in ``slot`` (the first slot no sequence uses): the rows
+        of the retained prefix that match the most of ``prompt`` go into ``slot`` (copied, or
+        kept in place) -> the prompt tokens they cover (0: none), counted in
+        ``reused_prefill_tokens``. A retained prefix that ``slot`` holds otherwise moves to
+        a higher slot (an empty one, else the least recently used one's, if older)."""
+        best, src = 0, None
+        for i, r in self._retained.items():
+            n = self._usable(r.ids, prompt)
+            if n > best or (n == best and n and i == slot):
+                best, src = n, i
+        self._tick += 1
+        if src == slot:
+            del self._retained[slot]  # (the prompt's rows now)
+            self.reused_prefill_tokens += best
+            return best
+        victim = self._retained.get(slot)  # (never where a partly read prompt was: add() moved it up one)
+        if victim is not None:
+            higher = [i for i in range(slot + 1, self.max_batch_size) if i != src]
+            empty = [i for i in higher if i not in self._retained]
+            dst = max(empty) if empty else min(higher, key=lambda i: self._retained[i].used, default=None)
+            if dst is not None and (empty or self._retained[dst].used < victim.used):
+                self._move(slot, dst, len(victim.ids))
+                self._retained[dst] = self._retained.pop(slot)
+        if src is None:
+            return 0
+        self._retained[src].used = self._tick
+        self._move(src, slot, best)
+        self.reused_prefill_tokens += best
+        return best
+
+    def _usable(self, ids: list[int], prompt: list[int]) -> int:
+        """Prompt tokens that a retained prefix of token ids ``ids`` can give ``prompt``:
+        their common start, short of the prompt's last token; for a hybrid target all of
+        ``ids`` or nothing (its recurrent state is known after the last of them only)."""
+        n = 0
+        for a, b in zip(ids, prompt):
+            if a != b:
+                break
+            n += 1
+        if self.target_state is not None:
+            return n if n == len(ids) and n < len(prompt) else 0
+        return min(n, len(prompt) - 1)
 
     def _remove_joining(self, seq_id: Hashable) -> bool:
         """Drop a joining sequence, if ``seq_id`` is one -> whether it was. The first
@@ -556,7 +681,9 @@ class BatchDecoder:
         return False
 
     def _move(self, src: int, dst: int, end: int) -> None:
-        """Copy slot ``src``'s positions ``[0, end)`` (and recurrent state) into slot ``dst``."""
+        """Copy slot ``src``'s positions ``[0, end)`` (and recurrent state) into slot ``dst``
+        (a retained prefix there is dropped)."""
+        self._retained.pop(dst, None)
         self.target_kv.move(src, dst, end)
         if self.draft_kv is not None:
             self.draft_kv.move(src, dst, end)
@@ -591,13 +718,20 @@ class BatchDecoder:
         head = self._joining[0] if self._joining and self._joining[0].prefilled else None
         if head is not None and pad_starts:  # ... but slot n's past its partly read prompt (the next chunk overwrites it)
             pad_starts[0] = head.prefilled
+        kv_len = self.kv_bucket(max([q.s for q in seqs] + pad_starts) + B)
+        for j in range(len(pad_starts)):  # ... and a retained prefix's slot past its rows, if that fits kv_len
+            kept = self._retained.get(n + j)
+            if kept is not None:
+                if len(kept.ids) + B <= kv_len:
+                    pad_starts[j] = len(kept.ids)
+                else:
+                    del self._retained[n + j]
         t0 = time.perf_counter()
         live = None  # hybrid targets: the rows whose recurrent states move (padding rows' stay as they are)
         if self.target_state is not None:
             live = torch.tensor([not q.done for q in seqs] + [False] * (rows - n), device=dev)
         starts = torch.tensor([q.s for q in seqs] + pad_starts, device=dev)
         positions = starts[:, None] + self._arange_block  # [rows, B]
-        kv_len = self.kv_bucket(max([q.s for q in seqs] + pad_starts) + B)
         tokens = torch.stack([q.token for q in seqs] + [self._arange_block[0]] * (rows - n))  # [rows]
         draft_probs = [None] * rows
         if B > 1:
@@ -617,6 +751,7 @@ class BatchDecoder:
         rounds = {}
         for i, q in enumerate(seqs):
             if q.done:  # padding: nothing moves
+                q.padded = True
                 continue
             a = out[i][0]
             if feats is not None:
@@ -624,7 +759,9 @@ class BatchDecoder:
             q.s += a + 1
             q.committed += a + 1
             q.token = bonus[i]
-            rounds[q.seq_id] = Round(out[i][1:a + 1] + [out[i][-1]], a + 1, t1 - t0, t2 - t1, 0.0)
+            tokens = out[i][1:a + 1] + [out[i][-1]]
+            q.ids += tokens
+            rounds[q.seq_id] = Round(tokens, a + 1, t1 - t0, t2 - t1, 0.0)
         t3 = time.perf_counter()
         for r in rounds.values():
             r.total_time = t3 - t0
@@ -637,6 +774,8 @@ class BatchDecoder:
         rounds, used, C = {}, 0, self.prefill_chunk
         while self._joining:
             q = self._joining[0]
+            if not q.prefilled and self._retained:
+                q.prefilled = self._take_prefix(len(self._seqs), q.prompt)
             n = min(C, q.ids.shape[0] - q.prefilled)
             if used and (bounded or rounds) and used + n > self.prefill_budget:
                 break
@@ -653,10 +792,11 @@ class BatchDecoder:
                 if sharer is not q:
                     self._move(slot, len(self._seqs), q.prefilled)
                 token = choose(logits[-1][None], sharer.params, sharer.generator)[0]
+                first = int(token)
                 self._seqs.append(_Sequence(sharer.seq_id, sharer.params, sharer.generator, sharer.max_new_tokens,
-                                            q.prefilled, token, 1))
+                                            q.prefilled, token, 1, ids=q.prompt + [first]))
                 elapsed = q.prefill_time + time.perf_counter() - t0
-                rounds[sharer.seq_id] = Round([int(token)], None, 0.0, elapsed, elapsed)
+                rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed)
         return rounds
 
     # --- the parts of a round ---
@@ -696,10 +836,11 @@ class BatchDecoder:
         padding and padding rows keep their state (0 rows)."""
         self.target.commit(TargetCache(None, self.target_state.first(live.shape[0])), (accepted + 1) * live)
 
-    def _prefill(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
-        """The target reads the prompt ``ids`` ``[P]`` into ``slot`` chunk by chunk. Returns
-        the last row's logits ``[V]``."""
-        for c0 in range(0, ids.shape[0], self.prefill_chunk):
+    def _prefill(self, slot: int, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The target reads the prompt ``ids[start:]`` (``ids`` ``[P]``; the rows before
+        ``start`` already in ``slot``) into ``slot`` chunk by chunk. Returns the last row's
+        logits ``[V]``."""
+        for c0 in range(start, ids.shape[0], self.prefill_chunk):
             logits = self._prefill_chunk(slot, ids, c0)
         return logits[-1]
 
@@ -707,6 +848,7 @@ class BatchDecoder:
         """The target reads the prompt chunk ``ids[c0 : c0 + prefill_chunk]`` into ``slot``
         (chunk 0 from a zero recurrent state for a hybrid target); its rows' features are
         injected into the slot's drafter cache. Returns the chunk's logits ``[rows, V]``."""
+        self._retained.pop(slot, None)
         state = None
         if self.target_state is not None:
             state = self.target_state.slot(slot)

@@ -60,6 +60,7 @@ def load_engine(args: argparse.Namespace):
         block_size=args.block_size, draft_mode=args.draft_mode, no_draft=args.no_draft,
         compile=args.compile, max_context=args.max_context,
         **({"max_batch_size": args.max_batch_size} if hasattr(args, "max_batch_size") else {}),
+        **({"reuse_prefix": not args.no_prefix_reuse} if hasattr(args, "no_prefix_reuse") else {}),
     )
 
 

@@ -117,13 +117,17 @@ class DFlashEngine:
 
     ``max_batch_size``: sequences :meth:`generate_batch` decodes together (the slots of
     :meth:`batch_decoder`, whose caches are allocated on first use).
+
+    ``reuse_prefix``: the batch decoder keeps a finished sequence's rows and lets a later
+    prompt that starts with its tokens reuse them (``BatchDecoder(reuse_prefix=...)``).
     """
 
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
                  block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash",
-                 max_batch_size: int = 8, **decoder_options):
+                 max_batch_size: int = 8, reuse_prefix: bool = True, **decoder_options):
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
         self.max_batch_size = check_max_batch_size(max_batch_size)
+        self.reuse_prefix = options.check_flag(reuse_prefix, "reuse_prefix")
         self._batch: BatchDecoder | None = None
         self.decoder = compute.run(SpeculativeDecoder, target, drafter, block_size=block_size, draft_mode=draft_mode,
                                    **decoder_options)
@@ -151,6 +155,7 @@ class DFlashEngine:
         static: bool = False,
         max_context: int | None = None,
         max_batch_size: int = 8,
+        reuse_prefix: bool = True,
     ) -> "DFlashEngine":
         """Load a target and a DFlash drafter from local directories or cached Hugging Face ids.
 
@@ -175,6 +180,8 @@ class DFlashEngine:
                 ``max_position_embeddings``); fixed-shape modes preallocate it.
             max_batch_size: sequences decoded together by :meth:`generate_batch`
                 (its caches hold ``max_batch_size`` x ``max_context`` positions).
+            reuse_prefix: prompt-prefix reuse in the batch decoder (see
+                :class:`~dflash_torch.batch.BatchDecoder`; default True).
 
         Raises:
             DFlashError: missing files, incompatible pair, bad dtype / device / block size /
@@ -182,7 +189,8 @@ class DFlashEngine:
                 checked before any weight is read), ``compile=True`` with
                 ``draft_mode="recompute"`` (its shapes grow every round).
         """
-        for name, flag in dict(no_draft=no_draft, compile=compile, pack=pack, static=static).items():
+        for name, flag in dict(no_draft=no_draft, compile=compile, pack=pack, static=static,
+                               reuse_prefix=reuse_prefix).items():
             options.check_flag(flag, name)
         if fuse is not None:
             options.check_flag(fuse, "fuse")
@@ -208,7 +216,7 @@ class DFlashEngine:
         return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, pack=pack,
                            fuse=fuse_by_default(dev) if fuse is None else fuse,
                            block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
-                           max_context=max_context, max_batch_size=max_batch_size)
+                           max_context=max_context, max_batch_size=max_batch_size, reuse_prefix=reuse_prefix)
 
     @classmethod
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
@@ -466,7 +474,7 @@ class DFlashEngine:
             self._batch = BatchDecoder(self.target, self.drafter, block_size=self.block_size,
                                        max_batch_size=self.max_batch_size, max_context=self.max_context,
                                        prefill_chunk=self.decoder.prefill_chunk, static=self.decoder.static,
-                                       compile=self.decoder.compiled)
+                                       compile=self.decoder.compiled, reuse_prefix=self.reuse_prefix)
         return self._batch
 
     def new_stopper(self, max_new_tokens: int, stop=None, stop_token_ids=None, ignore_eos: bool = False) -> Stopper:

@@ -427,13 +427,15 @@ def test_a_sequence_cancelled_while_its_prompt_is_prefilled_frees_its_slot(tiny_
 
 
 def test_n_choices_of_a_long_prompt_read_it_once_and_answer_as_n_requests(server, local_engine):
-    """n=3 of a prompt of three prefill chunks (seeded sampling): the choices equal three
-    n=1 requests with the derived seeds, streamed or not; the target reads the prompt once
-    for the request (``dflash_prefill_tokens_total``) and three times for the three
-    requests. A stream of such a request that its client leaves after its first event
-    frees its three slots, and the next request answers the same."""
+    """n=3 of a prompt of three prefill chunks (seeded sampling; a prompt that no earlier
+    request began with): the choices equal three n=1 requests with the derived seeds,
+    streamed or not; the target reads the prompt once for the request
+    (``dflash_prefill_tokens_total``) and only its last token for each of the three requests
+    (prompt-prefix reuse: the rows of the first request's choices were kept). A stream of
+    such a request that its client leaves after its first event frees its three slots, and
+    the next request answers the same."""
     c = server.client()
-    ids = local_engine.encode_prompt("\n".join(PROMPTS * 40))[:600]
+    ids = local_engine.encode_prompt("n choices:\n" + "\n".join(PROMPTS * 40))[:600]
     sample = dict(prompt=ids, max_tokens=16, **_kw(0.9, seed=7, top_p=0.95))
     read = lambda: server.metrics()[("dflash_prefill_tokens_total", ())]  # noqa: E731
     before = read()
@@ -441,7 +443,7 @@ def test_n_choices_of_a_long_prompt_read_it_once_and_answer_as_n_requests(server
     assert read() - before == 600
     alone = [c.completions.create(**{**sample, "seed": choice_seed(7, j)}).choices[0].text for j in range(3)]
     assert shared == alone and len(set(alone)) == 3
-    assert read() - before == 4 * 600
+    assert read() - before == 600 + 3
     texts, finish, _ = _streamed_choices(c.completions.create(n=3, stream=True, **sample))
     assert texts == dict(enumerate(alone)) and finish == {0: "length", 1: "length", 2: "length"}
     cancelled = server.metrics()[("dflash_requests_cancelled_total", ())]
@@ -503,3 +505,32 @@ def test_a_request_sharing_a_prompt_being_read_when_its_first_holder_leaves(tiny
                                               ignore_eos=True).token_ids, j
     assert tokens[running] == engine.generate(running.prompt_ids, max_new_tokens=80, ignore_eos=True).token_ids
     loop.close()
+
+
+def test_a_chat_conversation_reuses_its_history(server, tiny_pair, tmp_path_factory):
+    """Three turns of a chat through the openai client (greedy): each turn sends the whole
+    conversation; the server reads only what is new (``dflash_prefill_tokens_total``: not
+    the previous turn's prompt), while a server started with
+    ``--no-prefix-reuse`` reads every prompt whole; both answer the same text."""
+    def chat(srv) -> tuple[list[str], list[float]]:
+        c = srv.client()
+        read = lambda: srv.metrics()[("dflash_prefill_tokens_total", ())]  # noqa: E731
+        messages, replies, reads = [], [], []
+        for k in range(3):
+            messages.append({"role": "user", "content": f"turn {k} of a reuse test: " + " ".join(PROMPTS * (4 - k))})
+            before = read()
+            r = c.chat.completions.create(messages=messages, max_tokens=24, **_kw(0.0))
+            reads.append((read() - before, r.usage.prompt_tokens))
+            replies.append(r.choices[0].message.content)
+            messages.append({"role": "assistant", "content": replies[-1]})
+        return replies, reads
+
+    replies, reads = chat(server)
+    with _serve(tiny_pair, tmp_path_factory.mktemp("no-reuse"), "--no-prefix-reuse") as plain:
+        plain_replies, plain_reads = chat(plain)
+    assert replies == plain_replies
+    assert [read for read, _ in plain_reads] == [prompt for _, prompt in plain_reads]
+    assert reads[0] == plain_reads[0]
+    for k in (1, 2):  # the last turn's prompt is not read again (but for its last token or so: this
+        # test template renders a reply in the history unlike its generation prompt, "# assistant:" + "\n")
+        assert reads[k][0] <= reads[k][1] - reads[k - 1][1] + 2, k

@@ -160,7 +160,8 @@ def test_sequences_leaving_while_their_shared_prompt_is_read(request, models):
     prompt = varied_prompts(target, 1, seed=31, length=4 * C + 5)[0]
     other = varied_prompts(target, 1, seed=32, length=C + 2)[0]
     ps = choices(SAMPLED, 4)
-    batch = BatchDecoder(target, drafter, max_batch_size=6, max_context=160, prefill_chunk=C)
+    # (reuse off: the prompt is decoded twice here, and its second prefill must read it)
+    batch = BatchDecoder(target, drafter, max_batch_size=6, max_context=160, prefill_chunk=C, reuse_prefix=False)
     budgets = {"o": 120, "p": 100, 0: 30, 1: 30, 2: 25, 3: 30, "x0": 25, "x1": 25, "y": 20}
     out, taus = {sid: list(batch.add(sid, [5 + k, 6, 7], SamplingParams(), budgets[sid]).tokens)
                  for k, sid in enumerate(("o", "p"))}, {}

@@ -31,6 +31,9 @@ def register(sub) -> None:
                    help="with --compile: build at start-up the graphs of every length bucket that sequences "
                         "of up to this many tokens reach (default 256, the first bucket); a request that goes "
                         "past it compiles its bucket's graphs while every stream waits")
+    p.add_argument("--no-prefix-reuse", action="store_true",
+                   help="read every prompt whole (default: a prompt that starts with a finished sequence's "
+                        "tokens, such as the next turn of a chat, reuses its rows and reads only the rest)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default info)")
     p.set_defaults(func=_serve)

@@ -1,0 +1,115 @@
+#!/usr/bin/env python
+"""A multi-turn conversation with and without prompt-prefix reuse
+(``BatchDecoder(reuse_prefix=True)``, the default, against ``reuse_prefix=False``).
+
+Three turns go through an empty :class:`~dflash_torch.batch.BatchDecoder` of
+``--max-batch-size`` slots (the server's default 8) as the server runs them (join, step,
+remove): turn k's prompt is turn k-1's prompt + its reply (``--reply-tokens``, greedy) +
+a new message of ``--message-tokens`` tokens (pieces of the shipped ``prompts.jsonl``),
+so turn 3 reads a ~1,500-token prompt by default. For each mode it prints each turn's time
+to first token (join to the prefill round), the prompt tokens the target read and those
+reused. Both modes must give the same tokens. ``--reps`` repetitions (a fresh decoder each)
+alternate which mode runs first; medians are reported.
+
+    python scripts/prefix_reuse.py --threads 1                 # shipped pair, float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from dflash_torch import DFlashEngine, SamplingParams  # noqa: E402
+from dflash_torch.batch import BatchDecoder  # noqa: E402
+from dflash_torch.engine import ASSETS  # noqa: E402
+
+
+def turn(batch: BatchDecoder, sid, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+    """One request: join, step until it has ``new_tokens`` tokens, remove -> its tokens and
+    its time to first token (seconds)."""
+    t0 = time.perf_counter()
+    batch.join(sid, prompt, SamplingParams(), new_tokens)
+    out, ttft = [], None
+    while len(out) < new_tokens:
+        for rnd in batch.step().values():
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            out += rnd.tokens
+    batch.remove(sid)
+    return out[:new_tokens], ttft
+
+
+def conversation(engine, messages: list[list[int]], reply_tokens: int, reuse: bool, max_batch_size: int) -> dict:
+    context = sum(map(len, messages)) + len(messages) * reply_tokens
+    batch = BatchDecoder(engine.target, engine.drafter, max_batch_size=max_batch_size, max_context=context,
+                         prefill_chunk=engine.decoder.prefill_chunk, reuse_prefix=reuse)
+    prompt, replies, ttfts, read, reused = [], [], [], [], []
+    for k, message in enumerate(messages):
+        prompt = prompt + (replies[-1] if replies else []) + message
+        r0, u0 = batch.prefill_tokens, batch.reused_prefill_tokens
+        reply, ttft = turn(batch, k, prompt, reply_tokens)
+        replies.append(reply)
+        ttfts.append(ttft)
+        read.append(batch.prefill_tokens - r0)
+        reused.append(batch.reused_prefill_tokens - u0)
+    return {"ttft_s": ttfts, "prompt_tokens": len(prompt), "read": read, "reused": reused, "tokens": replies}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--message-tokens", type=int, default=450, help="tokens of each new message")
+    ap.add_argument("--reply-tokens", type=int, default=64, help="tokens of each reply (greedy)")
+    ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = DFlashEngine.from_pretrained(dtype=args.dtype)
+    corpus = [t for line in (ASSETS / "prompts.jsonl").read_text().splitlines() if line.strip()
+              for t in engine.encode_prompt(json.loads(line)["prompt"])]
+    m = args.message_tokens
+    messages = [corpus[k * m:(k + 1) * m] for k in range(args.turns)]
+    assert all(len(x) == m for x in messages), "the shipped prompts are too short for these messages"
+    labels = {True: "reuse on", False: "reuse off"}
+    with torch.inference_mode():
+        conversation(engine, [x[:100] for x in messages[:2]], 8, True, args.max_batch_size)  # warm-up
+        results = {True: [], False: []}
+        for rep in range(args.reps):
+            for reuse in ((True, False) if rep % 2 == 0 else (False, True)):
+                r = conversation(engine, messages, args.reply_tokens, reuse, args.max_batch_size)
+                results[reuse].append(r)
+                print(f"rep {rep} {labels[reuse]:9}: time to first token per turn "
+                      f"{' / '.join(f'{t:.2f}' for t in r['ttft_s'])} s, prompt tokens read {r['read']}, "
+                      f"reused {r['reused']}", flush=True)
+    same = all(r["tokens"] == results[True][0]["tokens"] for rs in results.values() for r in rs)
+    last = results[True][0]["prompt_tokens"]
+    print(f"\n{args.turns} turns, messages of {m} tokens, replies of {args.reply_tokens} (greedy); the last prompt "
+          f"{last} tokens; {args.dtype}, {torch.get_num_threads()} thread(s); medians of {args.reps}:")
+    summary = {}
+    for reuse in (False, True):
+        med = [statistics.median(r["ttft_s"][k] for r in results[reuse]) for k in range(args.turns)]
+        summary[labels[reuse]] = {"ttft_s": med, "read": results[reuse][0]["read"], "reused": results[reuse][0]["reused"]}
+        print(f"  {labels[reuse]:9}: time to first token per turn {' / '.join(f'{t:.2f}' for t in med)} s, "
+              f"prompt tokens read {results[reuse][0]['read']}, reused {results[reuse][0]['reused']}")
+    print(f"  outputs identical across modes and reps: {same}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "identical": same},
+                                                      indent=1))
+    if not same:
+        sys.exit("the two modes gave different tokens")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""Prompt-prefix reuse across requests (dflash_torch.batch, ``reuse_prefix``): a sequence
+that leaves keeps its slot's rows (target K/V, drafter context, recurrent state) as a
+retained prefix in a free slot; a later prompt that starts with its tokens (the next turn
+of a conversation) takes those rows and reads only the rest. Every turn decodes exactly as
+with reuse off (tokens and acceptance lengths, greedy and seeded sampling) on attention
+(DFlash and DFlash 2 drafters), mixture-of-experts and hybrid targets (reused only by an
+exact extension), eager, fixed shapes and compiled (no new graph), and through
+``generate_batch``; ``reused_prefill_tokens`` counts exactly the rows taken."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import drafter_config, make_hybrid_target, save_drafter, varied_prompts
+from test_batch import CHUNK_TOKENS, agree_models, hybrid_models, qwen35_models  # noqa: F401 (fixtures)
+
+from dflash_torch import DFlashEngine, DFlashError, SamplingParams
+from dflash_torch.batch import BatchDecoder
+from dflash_torch.models.drafter import DFlashDrafter
+from dflash_torch.models.target import TargetModel
+
+C = CHUNK_TOKENS
+GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.9, top_k=50, seed=17)
+MORE = [7, 8, 9, 10]  # a user's next message (token ids outside the varied prompts' set)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    """A tiny random Qwen3-MoE target (attention, experts) and a random drafter (B = 8)."""
+    root = tmp_path_factory.mktemp("moe-reuse")
+    target_dir = make_hybrid_target(root / "target", "qwen3_moe", seed=3, tokenizer=False)
+    drafter_dir = save_drafter(root / "drafter", drafter_config(target_dir, block_size=8))
+    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def dflash2_models(agree_dflash2_pair):
+    target_dir, drafter_dir = agree_dflash2_pair
+    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+
+
+class Turns:
+    """Drives a :class:`BatchDecoder`: sequences join, step, and are removed once they have
+    their budget; records every sequence's committed tokens (all of them, past the budget
+    too), acceptance lengths, and its slot's rows right after its prefill (:func:`slot_rows`)."""
+
+    def __init__(self, batch: BatchDecoder):
+        self.batch, self.out, self.taus, self.budgets, self.prompts, self.rows = batch, {}, {}, {}, {}, {}
+
+    def join(self, sid, prompt, params, budget):
+        self.budgets[sid], self.prompts[sid] = budget, prompt
+        self.batch.join(sid, prompt, params, budget)
+
+    def step(self):
+        for sid, rnd in self.batch.step().items():
+            if rnd.acceptance_length is None:
+                self.rows[sid] = slot_rows(self.batch, self.batch.seq_ids.index(sid), len(self.prompts[sid]))
+            if rnd.acceptance_length is not None and len(self.out[sid]) < self.budgets[sid]:
+                self.taus.setdefault(sid, []).append(rnd.acceptance_length)
+            self.out.setdefault(sid, []).extend(rnd.tokens)
+        for sid in self.batch.seq_ids:
+            if len(self.out.get(sid, [])) >= self.budgets[sid]:
+                self.batch.remove(sid)
+
+    def until_gone(self, sid, steps: int = 300):
+        for _ in range(steps):
+            if sid not in self.batch:
+                return self.out[sid][:self.budgets[sid]]
+            self.step()
+        raise AssertionError(f"{sid!r} did not finish")
+
+    def valid(self, sid, prompt) -> list[int]:
+        """The token ids of the rows ``sid`` left valid: its prompt and all its committed
+        tokens but the last (whose K/V no verify wrote)."""
+        return prompt + self.out[sid][:-1]
+
+    def result(self, sid):
+        return self.out[sid][:self.budgets[sid]], self.taus.get(sid, [])
+
+
+def slot_rows(batch: BatchDecoder, slot: int, n: int) -> torch.Tensor:
+    """Everything a prefill of ``n`` prompt tokens leaves in ``slot``: target K/V and
+    drafter context rows of positions ``[0, n)`` and recurrent states, flattened (float32)."""
+    parts = [t[slot, :, :n] for t in batch.target_kv.k + batch.target_kv.v]
+    if batch.draft_kv is not None:
+        parts += [t[slot, :, :n] for t in batch.draft_kv.k + batch.draft_kv.v]
+    if batch.target_state is not None:
+        parts += [t[slot] for t in batch.target_state.conv + batch.target_state.ssm]
+    return torch.cat([t.float().flatten() for t in parts])
+
+
+def same_runs(on: Turns, off: Turns) -> None:
+    """Every sequence: the same tokens and acceptance lengths with reuse on and off, and
+    the same rows in its slot after its prefill (up to float rounding: reused rows were
+    computed by verify blocks and injections, read ones by prefill chunks)."""
+    assert set(on.out) == set(off.out)
+    for sid in on.out:
+        assert on.result(sid) == off.result(sid), sid
+        torch.testing.assert_close(on.rows[sid], off.rows[sid], rtol=1e-4, atol=1e-4, msg=lambda m: f"{sid!r}: {m}")
+        torch.testing.assert_close(on.rows[sid], off.rows[sid], rtol=1e-4, atol=1e-4, msg=lambda m: f"{sid!r}: {m}")
+
+
+def conversation(target, drafter, reuse: bool, params: SamplingParams, **kw):
+    """Three turns, each prompt = the last prompt + the reply the caller kept (its budget)
+    + the next message, while another sequence decodes (joins first, leaves during turn 2 or
+    3: the turns' slots move); before each next turn a short unrelated request passes
+    through the slot the turn will take. -> the Turns, prompts, and prompt rows reused per turn."""
+    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=200, prefill_chunk=C, reuse_prefix=reuse, **kw)
+    t = Turns(batch)
+    t.join("o", varied_prompts(target, 1, seed=40, length=9)[0], GREEDY, 70)
+    prompts, reused = [varied_prompts(target, 1, seed=41, length=2 * C + 3)[0]], []
+    for k, budget in enumerate((20, 25, 15)):
+        if k:
+            prompts.append(prompts[-1] + t.out[k - 1][:t.budgets[k - 1]] + MORE)
+            t.join(("z", k), [3] + varied_prompts(target, 1, seed=k, length=5)[0], GREEDY, 5)  # (other rows in the slot)
+            t.until_gone(("z", k))
+        before = batch.reused_prefill_tokens
+        t.join(k, prompts[k], params, budget)
+        t.until_gone(k)
+        reused.append(batch.reused_prefill_tokens - before)
+    t.until_gone("o")
+    return t, prompts, reused
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("models", ["agree_models", "dflash2_models", "moe_models"],
+                         ids=["attention", "dflash2", "qwen3-moe"])
+def test_multi_turn_conversation_reuses_its_history(request, models, params):
+    """Turn k + 1's prompt starts with turn k's prompt and reply: it reuses the rows of
+    turn k's prompt and of every reply token but the last committed one, reads the rest,
+    and every turn (and the sequence decoding beside them) gets the tokens and acceptance
+    lengths of reuse off (also true of the drafter context: wrong rows there lower tau)."""
+    target, drafter = request.getfixturevalue(models)
+    on, prompts, reused = conversation(target, drafter, True, params)
+    off, prompts_off, reused_off = conversation(target, drafter, False, params)
+    assert prompts == prompts_off and reused_off == [0, 0, 0]
+    same_runs(on, off)
+    for k in (1, 2):  # the rows of the last prompt and of the reply, up to the last token committed
+        assert reused[k] == len(prompts[k - 1]) + min(on.budgets[k - 1], len(on.out[k - 1]) - 1), k
+    assert reused[0] == 0
+    assert on.batch.prefill_tokens + on.batch.reused_prefill_tokens == off.batch.prefill_tokens
+    assert on.batch.free_slots == 3
+
+
+@pytest.mark.parametrize("models", ["hybrid_models", "qwen35_models"], ids=["qwen3-next-hybrid-moe", "qwen35-hybrid"])
+def test_hybrid_target_reuses_an_exact_extension_only(request, models):
+    """A hybrid target's recurrent state is known after the retained rows only: a prompt
+    that diverges inside them is read whole; a prompt that extends them exactly reuses all
+    of them (here in place: one slot). Each turn decodes as with reuse off."""
+    target, drafter = request.getfixturevalue(models)
+    runs = {}
+    for reuse in (True, False):
+        batch = BatchDecoder(target, drafter, max_batch_size=1, max_context=200, prefill_chunk=C, reuse_prefix=reuse)
+        t = Turns(batch)
+        p0 = varied_prompts(target, 1, seed=43, length=C + 5)[0]
+        t.join(0, p0, GREEDY, 20)
+        t.until_gone(0)
+        assert len(t.out[0]) > 3
+        p1 = p0 + t.out[0][:2] + MORE  # diverges before the rows' end
+        t.join(1, p1, SAMPLED, 20)
+        t.until_gone(1)
+        after_1 = batch.reused_prefill_tokens
+        p2 = t.valid(1, p1) + MORE  # extends them exactly
+        t.join(2, p2, GREEDY, 15)
+        t.until_gone(2)
+        runs[reuse] = t, after_1, batch.reused_prefill_tokens - after_1, len(t.valid(1, p1))
+    (on, after_1, reused_2, valid_1), (off, _, off_2, _) = runs[True], runs[False]
+    assert (after_1, reused_2, off_2) == (0, valid_1, 0)
+    same_runs(on, off)
+
+
+def test_a_full_batch_overwrites_a_retained_prefix(agree_models):  # noqa: F811 (the imported fixture)
+    """Two slots: the first turn leaves its rows in slot 1; two other sequences then fill
+    the batch (the second's prefill writes slot 1): the next turn finds nothing to reuse
+    and still decodes exactly as with reuse off."""
+    target, drafter = agree_models
+    runs = {}
+    for reuse in (True, False):
+        batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=200, prefill_chunk=C, reuse_prefix=reuse)
+        t = Turns(batch)
+        p0 = varied_prompts(target, 1, seed=44, length=C + 5)[0]
+        t.join(0, p0, GREEDY, 20)
+        t.until_gone(0)
+        kept = dict(batch._retained) if reuse else {}
+        t.join("x", [3] + varied_prompts(target, 1, seed=45, length=C)[0], SAMPLED, 30)
+        t.join("y", [4] + varied_prompts(target, 1, seed=46, length=9)[0], GREEDY, 25)
+        t.step()
+        t.step()
+        assert "x" in t.out and "y" in t.out and batch.free_slots == 0
+        gone = 1 not in batch._retained
+        t.until_gone("x")
+        t.until_gone("y")
+        p1 = p0 + t.out[0][:20] + MORE
+        before = batch.reused_prefill_tokens
+        t.join(1, p1, GREEDY, 20)
+        t.until_gone(1)
+        runs[reuse] = t, list(kept), gone, batch.reused_prefill_tokens - before
+    (on, kept, gone, reused), (off, _, _, _) = runs[True], runs[False]
+    assert kept == [1] and gone and reused == 0
+    same_runs(on, off)
+
+
+@pytest.mark.parametrize("mode", ["fixed-shapes", "compiled"])
+def test_fixed_shapes_and_compiled_reuse_without_new_graphs(agree_models, mode):  # noqa: F811 (the imported fixture)
+    """Fixed shapes (compiled with the "eager" backend: TorchDynamo's guards decide
+    recompilation): turn 0 leaves its rows in the top slot (3); three sequences then decode
+    with a padding row in that slot (run past the retained rows), and turn 1 joins into it
+    and reuses the rows in place. No graph is built after warmup() and every sequence
+    decodes as with reuse off."""
+    import torch._dynamo
+    import torch._dynamo.utils as dynamo_utils
+
+    target, drafter = agree_models
+    kw = dict(static=True) if mode == "fixed-shapes" else dict(compile=True, compile_backend="eager")
+    runs = {}
+    for reuse in (True, False):
+        torch._dynamo.reset()
+        dynamo_utils.counters.clear()
+        batch = BatchDecoder(target, drafter, max_batch_size=4, max_context=200, prefill_chunk=32, reuse_prefix=reuse,
+                             **kw)
+        batch.warmup()
+        graphs, frames = dynamo_utils.counters["stats"]["unique_graphs"], dynamo_utils.counters["frames"]["total"]
+        t = Turns(batch)
+        p0 = varied_prompts(target, 1, seed=47, length=C + 5)[0]
+        t.join(0, p0, GREEDY, 20)
+        t.until_gone(0)
+        kept = sorted(batch._retained) if reuse else []
+        for j in range(3):
+            t.join(("o", j), [3 + j] + varied_prompts(target, 1, seed=50 + j, length=6)[0], SAMPLED, 40 + 5 * j)
+        for _ in range(4):
+            t.step()
+        assert batch.free_slots == 1 and (not reuse or 3 in batch._retained)
+        p1 = p0 + t.out[0][:20] + MORE
+        before = batch.reused_prefill_tokens
+        t.join(1, p1, GREEDY, 20)
+        t.until_gone(1)
+        reused = batch.reused_prefill_tokens - before
+        for j in range(3):
+            t.until_gone(("o", j))
+        assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was built after warm-up"
+        assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
+        runs[reuse] = t, kept, reused
+    (on, kept, reused), off = runs[True], runs[False][0]
+    assert kept == [3] and reused == len(p0) + min(20, len(on.out[0]) - 1)
+    same_runs(on, off)
+
+
+def test_fixed_shapes_drop_a_retained_prefix_beyond_the_rounds_keys(agree_models):  # noqa: F811 (the imported fixture)
+    """Fixed shapes: a long turn leaves 270 rows in the top slot; three short sequences
+    decode (a 256-key bucket) with a padding row in that slot, which cannot run past 270
+    rows inside 256 keys: the prefix is dropped (not overwritten), the follow-up turn reads
+    its prompt whole, and every sequence decodes as with reuse off."""
+    target, drafter = agree_models
+    runs = {}
+    for reuse in (True, False):
+        batch = BatchDecoder(target, drafter, max_batch_size=4, max_context=300, prefill_chunk=32, static=True,
+                             reuse_prefix=reuse)
+        t = Turns(batch)
+        long = varied_prompts(target, 1, seed=48, length=250)[0]
+        assert long[0] not in (3, 4, 5)
+        t.join("long", long, GREEDY, 21)
+        t.until_gone("long")
+        kept = sorted((i, len(r.ids)) for i, r in batch._retained.items())
+        for j in range(3):
+            t.join(("p", j), [3 + j] + varied_prompts(target, 1, seed=60 + j, length=6)[0], GREEDY, 12)
+        t.step()
+        t.step()
+        dropped = 3 not in batch._retained
+        for j in range(3):
+            t.until_gone(("p", j))
+        before = batch.reused_prefill_tokens
+        t.join("more", long + t.out["long"][:21] + MORE, GREEDY, 10)
+        t.until_gone("more")
+        runs[reuse] = t, kept, dropped, batch.reused_prefill_tokens - before
+    (on, kept, dropped, reused), off = runs[True], runs[False][0]
+    assert len(kept) == 1 and kept[0][0] == 3 and kept[0][1] + 16 > 256 and dropped and reused == 0
+    same_runs(on, off)
+
+
+def test_generate_batch_reuses_the_last_turn(agree_pair):
+    """Through the engine: the second call's prompt is the first's prompt + its reply + a
+    message; it reuses the first's rows (``reused_prefill_tokens``) and gives the tokens of
+    an engine with reuse off; reuse_prefix must be a bool."""
+    results, counts = {}, {}
+    for reuse in (True, False):
+        engine = DFlashEngine.from_pretrained(*agree_pair, max_batch_size=2, max_context=256, reuse_prefix=reuse)
+        prompt = list(range(20, 20 + 120))
+        first = engine.generate_batch([prompt], max_new_tokens=24, ignore_eos=True)[0]
+        follow = prompt + first.token_ids + MORE
+        before = engine.batch_decoder().reused_prefill_tokens
+        second = engine.generate_batch([follow, prompt], max_new_tokens=[16, 10], temperature=[0.9, 0.0], seed=5,
+                                       ignore_eos=True)
+        results[reuse] = [first.token_ids] + [r.token_ids for r in second]
+        counts[reuse] = engine.batch_decoder().reused_prefill_tokens - before
+    assert results[True] == results[False]
+    assert counts[False] == 0 and counts[True] >= len(prompt) + 24 - 1 + len(prompt) - 1
+    with pytest.raises(DFlashError, match="^reuse_prefix must be True or False, got 1$"):
+        BatchDecoder(engine.target, engine.drafter, max_batch_size=1, max_context=64, reuse_prefix=1)
+    with pytest.raises(DFlashError, match="^reuse_prefix must be True or False, got 'yes'$"):
+        DFlashEngine.from_pretrained(*agree_pair, reuse_prefix="yes")
