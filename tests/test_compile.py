@@ -164,12 +164,12 @@ def test_warmup_builds_every_bucket_up_to_its_context(agree_pair, agree_hybrid_p
     """SpeculativeDecoder.warmup(context) builds the prefill, propose, verify (and a hybrid
     target's commit) graphs of every length bucket a sequence of up to ``context`` tokens
     reaches: decoding prompts of 240 and 500 tokens past the ends of the 256 and 512
-    buckets then builds none, and gives the eager decoder's tokens (an attention and a
-    hybrid target; DFlash and target-only)."""
+    buckets then builds none, and gives the eager decoder's tokens (an attention target,
+    DFlash and target-only, and a hybrid target)."""
     for pair in (agree_pair, agree_hybrid_pair):
         target, drafter = _load(pair)
         torch._dynamo.reset()
-        for d in (drafter, None):  # DFlash, and target-only (block size 1)
+        for d in (drafter, None) if pair is agree_pair else (drafter,):  # DFlash; target-only (block size 1)
             compiled = SpeculativeDecoder(target, d, compile=True, compile_backend="eager", max_context=600,
                                           prefill_chunk=64)
             assert compiled.warmup(600) == 3  # 256, 512 and the 640-token buffer
