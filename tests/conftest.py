@@ -388,3 +388,25 @@ def local_engine(tiny_pair):
     from dflash_torch import DFlashEngine
 
     return DFlashEngine.from_pretrained(tiny_pair[0], no_draft=True)
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory):
+    """A tiny random Qwen3-MoE target (attention, experts) and a random drafter (B = 8), loaded."""
+    from dflash_torch.models.drafter import DFlashDrafter
+    from dflash_torch.models.target import TargetModel
+
+    root = tmp_path_factory.mktemp("moe-models")
+    target_dir = make_hybrid_target(root / "target", "qwen3_moe", seed=3, tokenizer=False)
+    drafter_dir = save_drafter(root / "drafter", drafter_config(target_dir, block_size=8))
+    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def dflash2_models(agree_dflash2_pair):
+    """The agreeable DFlash 2 pair, loaded."""
+    from dflash_torch.models.drafter import DFlashDrafter
+    from dflash_torch.models.target import TargetModel
+
+    target_dir, drafter_dir = agree_dflash2_pair
+    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)

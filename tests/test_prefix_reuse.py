@@ -12,32 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import drafter_config, make_hybrid_target, save_drafter, varied_prompts
+from conftest import varied_prompts
 from test_batch import CHUNK_TOKENS, agree_models, hybrid_models, qwen35_models  # noqa: F401 (fixtures)
 
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams
 from dflash_torch.batch import BatchDecoder
-from dflash_torch.models.drafter import DFlashDrafter
-from dflash_torch.models.target import TargetModel
 
 C = CHUNK_TOKENS
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.9, top_k=50, seed=17)
 MORE = [7, 8, 9, 10]  # a user's next message (token ids outside the varied prompts' set)
-
-
-@pytest.fixture(scope="module")
-def moe_models(tmp_path_factory):
-    """A tiny random Qwen3-MoE target (attention, experts) and a random drafter (B = 8)."""
-    root = tmp_path_factory.mktemp("moe-reuse")
-    target_dir = make_hybrid_target(root / "target", "qwen3_moe", seed=3, tokenizer=False)
-    drafter_dir = save_drafter(root / "drafter", drafter_config(target_dir, block_size=8))
-    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
-
-
-@pytest.fixture(scope="module")
-def dflash2_models(agree_dflash2_pair):
-    target_dir, drafter_dir = agree_dflash2_pair
-    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
 
 
 class Turns:

@@ -12,32 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import drafter_config, make_hybrid_target, run_rounds, save_drafter, varied_prompts
+from conftest import run_rounds, varied_prompts
 from test_batch import CHUNK_TOKENS, agree_models, hybrid_models, qwen35_models  # noqa: F401 (fixtures)
 
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams
 from dflash_torch.batch import BatchDecoder
 from dflash_torch.decoding import SpeculativeDecoder
-from dflash_torch.models.drafter import DFlashDrafter
-from dflash_torch.models.target import TargetModel
 from dflash_torch.serving.scheduler import choice_seed
 
 C = CHUNK_TOKENS
-
-
-@pytest.fixture(scope="module")
-def moe_models(tmp_path_factory):
-    """A tiny random Qwen3-MoE target (attention, experts) and a random drafter (B = 8)."""
-    root = tmp_path_factory.mktemp("moe-shared")
-    target_dir = make_hybrid_target(root / "target", "qwen3_moe", seed=3, tokenizer=False)
-    drafter_dir = save_drafter(root / "drafter", drafter_config(target_dir, block_size=8))
-    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
-
-
-@pytest.fixture(scope="module")
-def dflash2_models(agree_dflash2_pair):
-    target_dir, drafter_dir = agree_dflash2_pair
-    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
 
 
 def alone(target, drafter, prompt, n, params):
