@@ -30,6 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from dflash_torch import DFlashEngine, SamplingParams  # noqa: E402
 from dflash_torch.batch import BatchDecoder  # noqa: E402
+from dflash_torch.bench.modes import load_prompts  # noqa: E402
 from dflash_torch.engine import ASSETS  # noqa: E402
 
 
@@ -88,16 +89,16 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = DFlashEngine.from_pretrained(dtype=args.dtype)
-    prompts = [engine.encode_prompt(json.loads(line)["prompt"])
-               for line in (ASSETS / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    prompts = [engine.encode_prompt(p) for p in load_prompts(ASSETS / "prompts.jsonl", None)]
     shorts = prompts[:args.streams]
     long_ids = [t for p in prompts for t in p]
     while len(long_ids) < args.long_tokens:
         long_ids += long_ids
     long_ids = long_ids[:args.long_tokens]
     context = max(map(len, shorts + [long_ids])) + max(args.short_new_tokens, args.long_new_tokens) + 1
+    # (reuse_prefix off: every rep reads the same long prompt, which a retained prefix would spare)
     batch = BatchDecoder(engine.target, engine.drafter, max_batch_size=args.streams + 1, max_context=context,
-                         prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget)
+                         prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget, reuse_prefix=False)
     with torch.inference_mode():
         run(batch, shorts, long_ids[:300], "join", 16, 8, 1)  # warm-up
         results = {"add": [], "join": []}

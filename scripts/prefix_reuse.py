@@ -29,6 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from dflash_torch import DFlashEngine, SamplingParams  # noqa: E402
 from dflash_torch.batch import BatchDecoder  # noqa: E402
+from dflash_torch.bench.modes import load_prompts  # noqa: E402
 from dflash_torch.engine import ASSETS  # noqa: E402
 
 
@@ -77,8 +78,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = DFlashEngine.from_pretrained(dtype=args.dtype)
-    corpus = [t for line in (ASSETS / "prompts.jsonl").read_text().splitlines() if line.strip()
-              for t in engine.encode_prompt(json.loads(line)["prompt"])]
+    corpus = [t for p in load_prompts(ASSETS / "prompts.jsonl", None) for t in engine.encode_prompt(p)]
     m = args.message_tokens
     messages = [corpus[k * m:(k + 1) * m] for k in range(args.turns)]
     assert all(len(x) == m for x in messages), "the shipped prompts are too short for these messages"

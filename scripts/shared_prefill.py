@@ -29,6 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from dflash_torch import DFlashEngine, SamplingParams  # noqa: E402
 from dflash_torch.batch import BatchDecoder  # noqa: E402
+from dflash_torch.bench.modes import load_prompts  # noqa: E402
 from dflash_torch.engine import ASSETS  # noqa: E402
 from dflash_torch.serving.scheduler import choice_seed  # noqa: E402
 
@@ -69,19 +70,19 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = DFlashEngine.from_pretrained(dtype=args.dtype)
-    prompt = [t for line in (ASSETS / "prompts.jsonl").read_text().splitlines() if line.strip()
-              for t in engine.encode_prompt(json.loads(line)["prompt"])]
+    prompt = [t for p in load_prompts(ASSETS / "prompts.jsonl", None) for t in engine.encode_prompt(p)]
     while len(prompt) < args.prompt_tokens:
         prompt += prompt
     prompt = prompt[:args.prompt_tokens]
     params = [SamplingParams(temperature=args.temperature, seed=choice_seed(args.seed, j)) for j in range(args.n)]
     batches = {share: BatchDecoder(engine.target, engine.drafter, max_batch_size=args.n,
                                    max_context=len(prompt) + args.new_tokens, prefill_chunk=args.prefill_chunk,
-                                   share_prefill=share) for share in (True, False)}
+                                   share_prefill=share, reuse_prefix=False)  # (reps repeat the prompt)
+               for share in (True, False)}
     labels = {True: "shared prefill", False: "prefill per choice"}
     with torch.inference_mode():
         for batch in batches.values():
-            run(batch, prompt[:300], params, 8)  # warm-up
+            run(batch, prompt[:300], params, min(8, args.new_tokens))  # warm-up
         results = {True: [], False: []}
         for rep in range(args.reps):
             for share in ((True, False) if rep % 2 == 0 else (False, True)):

@@ -105,8 +105,9 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
         for mode, d in (("target-only", None), ("dflash", drafter)):
             if mode == "dflash" and drafter is None:
                 continue
+            # (reuse_prefix off: the requests cycle the prompts, a retained prefix would spare their prefills)
             batch = BatchDecoder(target, d, block_size=block_size if d is not None else None, max_batch_size=n,
-                                 max_context=max_context)
+                                 max_context=max_context, reuse_prefix=False)
             serve_all(batch, prompt_ids[:n], min(8, max_new_tokens))  # warm-up
             r = serve_all(batch, requests, max_new_tokens)
             outputs[mode] = r.pop("outputs")
