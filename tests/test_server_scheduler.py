@@ -514,13 +514,19 @@ def test_a_chat_conversation_reuses_its_history(server, tiny_pair, tmp_path_fact
     ``--no-prefix-reuse`` reads every prompt whole; both answer the same text."""
     def chat(srv) -> tuple[list[str], list[float]]:
         c = srv.client()
-        read = lambda: srv.metrics()[("dflash_prefill_tokens_total", ())]  # noqa: E731
+        def read() -> tuple[float, float]:
+            m = srv.metrics()
+            return m[("dflash_prefill_tokens_total", ())], m[("dflash_reused_prefill_tokens_total", ())]
+
         messages, replies, reads = [], [], []
         for k in range(3):
             messages.append({"role": "user", "content": f"turn {k} of a reuse test: " + " ".join(PROMPTS * (4 - k))})
             before = read()
             r = c.chat.completions.create(messages=messages, max_tokens=24, **_kw(0.0))
-            reads.append((read() - before, r.usage.prompt_tokens))
+            after = read()
+            # every prompt token is either read or taken from a retained prefix
+            assert after[0] - before[0] + after[1] - before[1] == r.usage.prompt_tokens
+            reads.append((after[0] - before[0], r.usage.prompt_tokens))
             replies.append(r.choices[0].message.content)
             messages.append({"role": "assistant", "content": replies[-1]})
         return replies, reads

@@ -11,6 +11,7 @@ dflash_time_to_first_token_seconds     histogram  from arrival to the first gene
 dflash_requests_cancelled_total        counter    generations dropped or stopped early: the client went away
 dflash_prompt_tokens_total             counter    prompt tokens of started generations
 dflash_prefill_tokens_total            counter    prompt tokens the target read (choices sharing a prompt: once)
+dflash_reused_prefill_tokens_total     counter    prompt tokens taken from a retained prefix instead (prefix reuse)
 dflash_generated_tokens_total          counter    generated (committed, emitted) tokens
 dflash_acceptance_length               histogram  tokens committed per decoding round (tau)
 dflash_mean_acceptance_length          gauge      mean tau over all rounds since start
@@ -64,6 +65,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of started generations", registry=r)
         self.prefill_tokens = Counter("dflash_prefill_tokens", "Prompt tokens the target read (a prompt shared by "
                                       "several choices is read once)", registry=r)
+        self.reused_prefill_tokens = Counter("dflash_reused_prefill_tokens", "Prompt tokens taken from a retained "
+                                             "prefix (an earlier request's rows) instead of read", registry=r)
         self.generated_tokens = Counter("dflash_generated_tokens", "Generated tokens", registry=r)
         self.acceptance = Histogram("dflash_acceptance_length", "Tokens committed per decoding round (tau, bonus token included)",
                                     buckets=tuple(range(1, max(block_size, 1) + 1)), registry=r)

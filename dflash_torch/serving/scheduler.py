@@ -22,7 +22,8 @@ holds the engine). Its sequences wait in one FIFO queue and run in a batch of at
 The backend
 -----------
 The scheduler drives the engine through a *backend*: ``max_batch_size`` (int, the slots),
-``prefill_tokens`` (int, prompt tokens the engine has read so far) and three methods, all
+``prefill_tokens`` (int, prompt tokens the engine has read so far), ``reused_prefill_tokens``
+(int, prompt tokens it took from retained prefixes instead) and three methods, all
 called on the compute thread:
 
 ``add(seq)``
@@ -222,6 +223,7 @@ class SerialBackend:
     def __init__(self, engine):
         self.engine = engine
         self.prefill_tokens = 0
+        self.reused_prefill_tokens = 0  # (one sequence at a time: no prefix reuse)
         self.seq: Sequence | None = None
         self._chunks = None
         self._first: StreamChunk | None = None  # the prefill's chunk, returned by the next step
@@ -292,6 +294,10 @@ class BatchedBackend:
     def prefill_tokens(self) -> int:
         return self.engine.batch_decoder().prefill_tokens
 
+    @property
+    def reused_prefill_tokens(self) -> int:
+        return self.engine.batch_decoder().reused_prefill_tokens
+
     def step(self) -> list[tuple[Sequence, StreamChunk]]:
         return [self._chunk(seq, rnd) for seq, rnd in self.engine.batch_decoder().step().items()]
 
@@ -343,7 +349,8 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # only the drive loop changes it
         self._jobs: set[Job] = set()
-        self._prefill_tokens = backend.prefill_tokens  # (what the backend had read: the metric counts from here)
+        # (what the backend had read and reused: the metrics count from here)
+        self._prefill_tokens, self._reused_tokens = backend.prefill_tokens, backend.reused_prefill_tokens
         self.closed = False
         self._thread = threading.Thread(target=self._loop, name="dflash-scheduler", daemon=True)
         self._thread.start()
@@ -465,9 +472,10 @@ class Scheduler:
             self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
 
     def _count_prefill(self) -> None:
-        read = self.backend.prefill_tokens
+        read, reused = self.backend.prefill_tokens, self.backend.reused_prefill_tokens
         self.metrics.prefill_tokens.inc(read - self._prefill_tokens)
-        self._prefill_tokens = read
+        self.metrics.reused_prefill_tokens.inc(reused - self._reused_tokens)
+        self._prefill_tokens, self._reused_tokens = read, reused
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         if isinstance(exc, DFlashError):
