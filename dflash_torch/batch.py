@@ -79,7 +79,7 @@ from typing import Hashable
 import torch
 
 from .cache import KVCache, RecurrentState, TargetCache, static_buffer
-from .decoding import Round, length_buckets, reserve_graphs, without_shape_plans
+from .decoding import Round, kv_bucket, length_buckets, reserve_graphs, without_shape_plans
 from .errors import DFlashError, OptionError
 from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
@@ -410,8 +410,7 @@ class BatchDecoder:
             opts = dict(dynamic=False, backend=compile_backend)
             if self.device.type == "cuda":
                 opts["mode"] = "reduce-overhead"
-            reserve_graphs(len({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
-                           * length_buckets(capacity))
+            reserve_graphs(len(self._batch_buckets()) * length_buckets(capacity))
             self._draft_fn = torch.compile(self._draft_step, **opts)
             self._verify_fn = torch.compile(self._verify_step, **opts)
 
@@ -425,15 +424,14 @@ class BatchDecoder:
             b *= 2
         return min(b, self.max_batch_size)
 
+    def _batch_buckets(self) -> list[int]:
+        """Every batch bucket (:meth:`batch_bucket`) of 1 to ``max_batch_size`` sequences, increasing."""
+        return sorted({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
+
     def kv_bucket(self, n: int) -> int:
         """Keys to attend over when ``n`` positions must be visible: ``n``, or with fixed
         shapes the smallest power of two >= max(n, 256), capped at the cache capacity."""
-        if not self.static:
-            return n
-        b = 256
-        while b < n:
-            b *= 2
-        return min(b, self.target_kv.capacity)
+        return kv_bucket(n, self.target_kv.capacity) if self.static else n
 
     @torch.inference_mode()
     def warmup(self, context: int | None = None) -> int:
@@ -451,7 +449,7 @@ class BatchDecoder:
             raise DFlashError("warmup() needs an empty batch (it overwrites every slot)")
         self._retained.clear()
         B, cap = self.block_size, self.target_kv.capacity
-        sizes = sorted({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
+        sizes = self._batch_buckets()
         lengths = sorted({self.kv_bucket(n) for n in range(B, min(context or cap, cap) + 1)})
         for rows in sizes:
             for kv_len in lengths:

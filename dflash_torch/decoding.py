@@ -45,14 +45,27 @@ def without_shape_plans(step: Callable) -> Callable:
     return run
 
 
+def kv_bucket(n: int, capacity: int) -> int:
+    """Keys to attend over when ``n`` positions must be visible (fixed shapes): the
+    smallest power of two >= max(n, 256), capped at ``capacity`` (the cache's)."""
+    b = 256
+    while b < n:
+        b *= 2
+    return min(b, capacity)
+
+
+def kv_buckets(lo: int, hi: int, capacity: int) -> list[int]:
+    """The length buckets (:func:`kv_bucket`) of every ``n`` in ``[lo, hi]``, in increasing order."""
+    out, last = [kv_bucket(lo, capacity)], kv_bucket(hi, capacity)
+    while out[-1] < last:
+        out.append(kv_bucket(out[-1] + 1, capacity))
+    return out
+
+
 def length_buckets(capacity: int) -> int:
-    """How many key-length buckets (256, 512, 1024, ... tokens, the last capped at
-    ``capacity``) a fixed-shape cache of ``capacity`` positions has: a compiled step
-    builds one graph per bucket (per batch bucket, batched)."""
-    n, b = 1, 256
-    while b < capacity:
-        n, b = n + 1, 2 * b
-    return n
+    """How many length buckets a fixed-shape cache of ``capacity`` positions has: a
+    compiled step builds one graph per bucket (per batch bucket, batched)."""
+    return len(kv_buckets(1, capacity, capacity))
 
 
 _graphs_reserved = 0  # graphs that the compiled decoders built in this process may hold, all together
@@ -216,19 +229,9 @@ class SpeculativeDecoder:
             self._commit_fn = torch.compile(self._commit_step, **opts)
 
     def kv_bucket(self, n: int) -> int:
-        """Keys to attend over when ``n`` positions must be visible (fixed shapes): the
-        smallest power of two >= max(n, 256), capped at the buffer capacity."""
-        b = 256
-        while b < n:
-            b *= 2
-        return min(b, self.target_cache.capacity)
-
-    def _buckets(self, lo: int, hi: int) -> list[int]:
-        """The length buckets of ``n`` in ``[lo, hi]`` (fixed shapes), in increasing order."""
-        out, last = [self.kv_bucket(lo)], self.kv_bucket(hi)
-        while out[-1] < last:
-            out.append(self.kv_bucket(out[-1] + 1))
-        return out
+        """Keys to attend over when ``n`` positions must be visible (fixed shapes,
+        :func:`kv_bucket` of the buffer's capacity)."""
+        return kv_bucket(n, self.target_cache.capacity)
 
     @torch.inference_mode()
     def warmup(self, context: int) -> int:
@@ -248,10 +251,11 @@ class SpeculativeDecoder:
         context = max(2, min(context, self.max_context))
         B, C, dev = self.block_size, self.prefill_chunk, self.device
         # prefill chunks start at multiples of C below the longest prompt (context - 1 tokens)
-        for kv_len in self._buckets(C, (context - 2) // C * C + C):
+        cap = self.target_cache.capacity
+        for kv_len in kv_buckets(C, (context - 2) // C * C + C, cap):
             chunk = torch.zeros(C, dtype=torch.long, device=dev)
             self._prefill_fn(chunk, torch.tensor(kv_len - C, device=dev), kv_len, torch.tensor(C, device=dev))
-        lengths = self._buckets(1 + B, context - 1 + B)
+        lengths = kv_buckets(1 + B, context - 1 + B, cap)
         for kv_len in lengths:
             pos = torch.tensor(kv_len - B, device=dev)
             token = torch.zeros((), dtype=torch.long, device=dev)
