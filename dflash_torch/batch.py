@@ -49,9 +49,13 @@ up to ``s``). A prompt whose prefill starts (:meth:`~BatchDecoder.join` or
 :meth:`~BatchDecoder.add`) and which begins with the ids of a retained prefix takes the
 rows of the longest match (a copy into its slot, or in place when that prefix lies in its
 slot) and reads only the rest; the last prompt token is always read (its logits give the
-first token). A hybrid target's recurrent state holds the whole retained length, so it is
-reused only by a prompt that extends those ids exactly (else the prompt is read from
-scratch). Outputs are those of a prefill of the whole prompt (float32 greedy: the same
+first token). A hybrid target's recurrent state cannot be rolled back to an earlier
+position, so each slot also keeps a checkpoint of it, saved at the end of its prompt's
+prefill: a hybrid retained prefix serves a prompt that extends its ids exactly (the
+state at its end), else one that starts with the prompt it began from (the checkpoint:
+the next turn of a chat whose template renders the last reply differently from the
+tokens generated, e.g. without its thinking, or a reply cut by a stop string or
+``max_tokens``), else none. Outputs are those of a prefill of the whole prompt (float32 greedy: the same
 tokens; seeded sampling: the same tokens). ``reused_prefill_tokens`` counts the prompt
 tokens taken this way.
 
@@ -170,22 +174,30 @@ class SlotRecurrentState:
     sequences at once, a verify stashes their block in it and the commit advances each
     over its own accepted rows. :meth:`slot` gives one slot as a state of one sequence
     (a prefill runs on it as on a single sequence).
+
+    With ``checkpoints``, each slot also has a second copy of its state, written by
+    :meth:`save` (the batch decoder saves a sequence's state at the end of its prompt) and
+    read back by :meth:`restore`; :meth:`move` carries both.
     """
 
-    def __init__(self, states: RecurrentState):
-        self.states = states
+    def __init__(self, states: RecurrentState, checkpoints: RecurrentState | None = None):
+        self.states, self.checkpoints = states, checkpoints
         self._first: dict[int, RecurrentState] = {}
         self._slots: dict[int, RecurrentState] = {}
 
     @classmethod
-    def allocate(cls, target: TargetModel, slots: int) -> "SlotRecurrentState":
-        """Zero states of ``slots`` sequences for every linear-attention layer of ``target``."""
+    def allocate(cls, target: TargetModel, slots: int, checkpoints: bool = False) -> "SlotRecurrentState":
+        """Zero states of ``slots`` sequences for every linear-attention layer of ``target``
+        (and as many checkpoint states, with ``checkpoints``)."""
         w = target.model.embed_tokens.weight
-        states = RecurrentState(w.dtype, w.device, slots)
-        for layer in target.model.layers:  # layer slots are handed out in layer order, as in new_cache
-            if layer.kind == "linear_attention":
-                layer.linear_attn.new_state(states)
-        return cls(states)
+        banks = []
+        for _ in range(2 if checkpoints else 1):
+            states = RecurrentState(w.dtype, w.device, slots)
+            for layer in target.model.layers:  # layer slots are handed out in layer order, as in new_cache
+                if layer.kind == "linear_attention":
+                    layer.linear_attn.new_state(states)
+            banks.append(states)
+        return cls(*banks)
 
     @property
     def conv(self) -> list[torch.Tensor]:
@@ -208,9 +220,22 @@ class SlotRecurrentState:
         return self._first[n]
 
     def move(self, src: int, dst: int) -> None:
-        """Copy slot ``src``'s states into slot ``dst`` (in place)."""
-        for t in self.conv + self.ssm:
+        """Copy slot ``src``'s states (and checkpoint) into slot ``dst`` (in place)."""
+        tensors = self.conv + self.ssm
+        if self.checkpoints is not None:
+            tensors += self.checkpoints.conv + self.checkpoints.ssm
+        for t in tensors:
             t[dst].copy_(t[src])
+
+    def save(self, slot: int) -> None:
+        """Copy slot ``slot``'s state into its checkpoint."""
+        for t, c in zip(self.conv + self.ssm, self.checkpoints.conv + self.checkpoints.ssm):
+            c[slot].copy_(t[slot])
+
+    def restore(self, slot: int) -> None:
+        """Copy slot ``slot``'s checkpoint back into its state."""
+        for t, c in zip(self.conv + self.ssm, self.checkpoints.conv + self.checkpoints.ssm):
+            t[slot].copy_(c[slot])
 
 
 def recurrent_bytes(target: TargetModel) -> int:
@@ -224,16 +249,17 @@ def recurrent_bytes(target: TargetModel) -> int:
     return total
 
 
-def cache_bytes(target: TargetModel, drafter: DFlashDrafter | None, slots: int, capacity: int) -> int:
+def cache_bytes(target: TargetModel, drafter: DFlashDrafter | None, slots: int, capacity: int,
+                states: int = 1) -> int:
     """Bytes of the K/V caches of ``slots`` sequences of ``capacity`` positions (target and
-    drafter), plus the recurrent states of a hybrid target."""
+    drafter), plus ``states`` recurrent states per sequence of a hybrid target."""
     c = target.config
     size = target.model.embed_tokens.weight.element_size()
     per_position = target.num_kv_layers * c.num_key_value_heads * c.head_dim * 2
     if drafter is not None:
         d = drafter.config
         per_position += d.num_hidden_layers * d.num_key_value_heads * d.head_dim * 2
-    return slots * (capacity * per_position * size + recurrent_bytes(target))
+    return slots * (capacity * per_position * size + states * recurrent_bytes(target))
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -268,6 +294,7 @@ class _Sequence:
     pending_start: int = 0  # position of pending row 0
     pending_rows: int = 0  # rows of ``pending`` that were accepted (tau)
     ids: list[int] = field(default_factory=list)  # prompt + committed tokens (ids[s] is ``token``)
+    prompt_len: int = 0  # a hybrid target's slot checkpoint holds the recurrent state at this position
     padded: bool = False  # ran a round past its budget (as padding): its slot is not retained
 
     @property
@@ -282,6 +309,7 @@ class _Retained:
 
     ids: list[int]
     used: int  # when it was made or last reused (BatchDecoder._tick): the least recent is dropped first
+    prompt_len: int = 0  # hybrid targets: the slot's checkpoint is the recurrent state at this position
 
 
 @dataclass
@@ -372,7 +400,9 @@ class BatchDecoder:
         self.feature_layers = drafter.config.target_layer_ids if drafter is not None and B > 1 else None
         capacity = self.max_context + max(2 * B, prefill_chunk) + 1  # a finished sequence still held runs one block past its budget
         drafts = drafter if self.feature_layers is not None else None
-        need, free = cache_bytes(target, drafts, self.max_batch_size, capacity), available_memory(self.device)
+        checkpoints = target.recurrent and self.reuse_prefix  # each slot's state at its prompt's end (prefix reuse)
+        need = cache_bytes(target, drafts, self.max_batch_size, capacity, 2 if checkpoints else 1)
+        free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
             raise OptionError(f"the caches of max_batch_size {self.max_batch_size} x max_context {self.max_context} "
                               f"need {need / 2**30:.2f} GiB but {self.device.type} has {free / 2**30:.2f} GiB free; "
@@ -381,7 +411,8 @@ class BatchDecoder:
         try:
             self.target_kv = SlotKVCache.allocate(target.num_kv_layers, self.max_batch_size, c.num_key_value_heads,
                                                   capacity, c.head_dim, w.dtype, self.device)
-            self.target_state = SlotRecurrentState.allocate(target, self.max_batch_size) if target.recurrent else None
+            self.target_state = (SlotRecurrentState.allocate(target, self.max_batch_size, checkpoints)
+                                 if target.recurrent else None)
             self.draft_kv = None
             if drafts is not None:
                 d = drafter.config
@@ -534,7 +565,10 @@ class BatchDecoder:
         generator = params.generator(self.device)
         token = choose(last[None], params, generator)[0]
         first = int(token)
-        self._seqs.append(_Sequence(seq_id, params, generator, max_new_tokens, n_prompt, token, 1, ids=prompt + [first]))
+        if self.reuse_prefix and self.target_state is not None:
+            self.target_state.save(slot)  # (the state at the prompt's end: a later prompt may diverge after it)
+        self._seqs.append(_Sequence(seq_id, params, generator, max_new_tokens, n_prompt, token, 1, ids=prompt + [first],
+                                    prompt_len=n_prompt))
         t1 = time.perf_counter()
         return Round([first], None, 0.0, t1 - t0, t1 - t0)
 
@@ -612,7 +646,7 @@ class BatchDecoder:
         if dst != index:
             self._move(index, dst, q.s)
         self._tick += 1
-        self._retained[dst] = _Retained(q.ids[:q.s], self._tick)
+        self._retained[dst] = _Retained(q.ids[:q.s], self._tick, q.prompt_len)
 
     def _take_prefix(self, slot: int, prompt: list[int]) -> int:
         """Before a prompt's prefill in ``slot`` (the first slot no sequence uses): the rows
@@ -622,13 +656,12 @@ class BatchDecoder:
         a higher slot (an empty one, else the least recently used one's, if older)."""
         best, src = 0, None
         for i, r in self._retained.items():
-            n = self._usable(r.ids, prompt)
+            n = self._usable(r, prompt)
             if n > best or (n == best and n and i == slot):
                 best, src = n, i
         self._tick += 1
         if src == slot:
-            del self._retained[slot]  # (the prompt's rows now)
-            self.reused_prefill_tokens += best
+            self._reuse(slot, self._retained.pop(slot), best)  # (the prompt's rows now)
             return best
         victim = self._retained.get(slot)  # (never where a partly read prompt was: add() moved it up one)
         if victim is not None:
@@ -640,23 +673,34 @@ class BatchDecoder:
                 self._retained[dst] = self._retained.pop(slot)
         if src is None:
             return 0
-        self._retained[src].used = self._tick
+        kept = self._retained[src]
+        kept.used = self._tick
         self._move(src, slot, best)
-        self.reused_prefill_tokens += best
+        self._reuse(slot, kept, best)
         return best
 
-    def _usable(self, ids: list[int], prompt: list[int]) -> int:
-        """Prompt tokens that a retained prefix of token ids ``ids`` can give ``prompt``:
-        their common start, short of the prompt's last token; for a hybrid target all of
-        ``ids`` or nothing (its recurrent state is known after the last of them only)."""
+    def _reuse(self, slot: int, kept: _Retained, n: int) -> None:
+        """``slot`` holds the rows of retained prefix ``kept`` and a prompt reuses the first
+        ``n`` of them: a hybrid target's state there goes back to the checkpoint (the state
+        at ``kept.prompt_len``) when ``n`` is short of ``kept``'s length; counted."""
+        if self.target_state is not None and n < len(kept.ids):
+            self.target_state.restore(slot)
+        self.reused_prefill_tokens += n
+
+    def _usable(self, kept: _Retained, prompt: list[int]) -> int:
+        """Prompt tokens that retained prefix ``kept`` can give ``prompt``: their common
+        start, short of the prompt's last token. A hybrid target's recurrent state is known
+        at two positions only, the end of ``kept`` and the end of the prompt it started
+        from (its checkpoint): the later of these that the common start reaches, or 0."""
         n = 0
-        for a, b in zip(ids, prompt):
+        for a, b in zip(kept.ids, prompt):
             if a != b:
                 break
             n += 1
+        n = min(n, len(prompt) - 1)
         if self.target_state is not None:
-            return n if n == len(ids) and n < len(prompt) else 0
-        return min(n, len(prompt) - 1)
+            return next((m for m in (len(kept.ids), kept.prompt_len) if m <= n), 0)
+        return n
 
     def _remove_joining(self, seq_id: Hashable) -> bool:
         """Drop a joining sequence, if ``seq_id`` is one -> whether it was. The first
@@ -786,13 +830,15 @@ class BatchDecoder:
                 continue
             self._joining.popleft()
             slot = len(self._seqs)
+            if self.reuse_prefix and self.target_state is not None:
+                self.target_state.save(slot)  # (see add; each sharer's slot gets a copy)
             for sharer in [q] + q.sharers:  # (slot's contents copied into each sharer's slot)
                 if sharer is not q:
                     self._move(slot, len(self._seqs), q.prefilled)
                 token = choose(logits[-1][None], sharer.params, sharer.generator)[0]
                 first = int(token)
                 self._seqs.append(_Sequence(sharer.seq_id, sharer.params, sharer.generator, sharer.max_new_tokens,
-                                            q.prefilled, token, 1, ids=q.prompt + [first]))
+                                            q.prefilled, token, 1, ids=q.prompt + [first], prompt_len=q.prefilled))
                 elapsed = q.prefill_time + time.perf_counter() - t0
                 rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed)
         return rounds

@@ -6,12 +6,15 @@ Three turns go through an empty :class:`~dflash_torch.batch.BatchDecoder` of
 ``--max-batch-size`` slots (the server's default 8) as the server runs them (join, step,
 remove): turn k's prompt is turn k-1's prompt + its reply (``--reply-tokens``, greedy) +
 a new message of ``--message-tokens`` tokens (pieces of the shipped ``prompts.jsonl``),
-so turn 3 reads a ~1,500-token prompt by default. For each mode it prints each turn's time
+so turn 3 reads a ~1,500-token prompt by default. ``--history-reply-tokens K`` keeps only
+the first K tokens of each reply in the next prompt (a reply cut by a stop string, or a
+chat template that renders the last reply differently from the tokens generated). For each mode it prints each turn's time
 to first token (join to the prefill round), the prompt tokens the target read and those
 reused. Both modes must give the same tokens. ``--reps`` repetitions (a fresh decoder each)
 alternate which mode runs first; medians are reported.
 
     python scripts/prefix_reuse.py --threads 1                 # shipped pair, float32
+    python scripts/prefix_reuse.py --target T --drafter D      # another pair (e.g. a hybrid target)
 """
 
 from __future__ import annotations
@@ -48,13 +51,14 @@ def turn(batch: BatchDecoder, sid, prompt: list[int], new_tokens: int) -> tuple[
     return out[:new_tokens], ttft
 
 
-def conversation(engine, messages: list[list[int]], reply_tokens: int, reuse: bool, max_batch_size: int) -> dict:
+def conversation(engine, messages: list[list[int]], reply_tokens: int, reuse: bool, max_batch_size: int,
+                 history_tokens: int | None = None) -> dict:
     context = sum(map(len, messages)) + len(messages) * reply_tokens
     batch = BatchDecoder(engine.target, engine.drafter, max_batch_size=max_batch_size, max_context=context,
                          prefill_chunk=engine.decoder.prefill_chunk, reuse_prefix=reuse)
     prompt, replies, ttfts, read, reused = [], [], [], [], []
     for k, message in enumerate(messages):
-        prompt = prompt + (replies[-1] if replies else []) + message
+        prompt = prompt + (replies[-1][:history_tokens] if replies else []) + message
         r0, u0 = batch.prefill_tokens, batch.reused_prefill_tokens
         reply, ttft = turn(batch, k, prompt, reply_tokens)
         replies.append(reply)
@@ -66,9 +70,13 @@ def conversation(engine, messages: list[list[int]], reply_tokens: int, reuse: bo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=None, help="target checkpoint (default: the shipped one)")
+    ap.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one)")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--message-tokens", type=int, default=450, help="tokens of each new message")
     ap.add_argument("--reply-tokens", type=int, default=64, help="tokens of each reply (greedy)")
+    ap.add_argument("--history-reply-tokens", type=int, default=None,
+                    help="tokens of each reply kept in the next prompt (default: all)")
     ap.add_argument("--max-batch-size", type=int, default=8)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None)
@@ -77,7 +85,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = DFlashEngine.from_pretrained(dtype=args.dtype)
+    engine = DFlashEngine.from_pretrained(args.target, args.drafter, dtype=args.dtype)
     corpus = [t for p in load_prompts(ASSETS / "prompts.jsonl", None) for t in engine.encode_prompt(p)]
     m = args.message_tokens
     messages = [corpus[k * m:(k + 1) * m] for k in range(args.turns)]
@@ -88,14 +96,16 @@ def main() -> None:
         results = {True: [], False: []}
         for rep in range(args.reps):
             for reuse in ((True, False) if rep % 2 == 0 else (False, True)):
-                r = conversation(engine, messages, args.reply_tokens, reuse, args.max_batch_size)
+                r = conversation(engine, messages, args.reply_tokens, reuse, args.max_batch_size,
+                                 args.history_reply_tokens)
                 results[reuse].append(r)
                 print(f"rep {rep} {labels[reuse]:9}: time to first token per turn "
                       f"{' / '.join(f'{t:.2f}' for t in r['ttft_s'])} s, prompt tokens read {r['read']}, "
                       f"reused {r['reused']}", flush=True)
     same = all(r["tokens"] == results[True][0]["tokens"] for rs in results.values() for r in rs)
     last = results[True][0]["prompt_tokens"]
-    print(f"\n{args.turns} turns, messages of {m} tokens, replies of {args.reply_tokens} (greedy); the last prompt "
+    kept = "" if args.history_reply_tokens is None else f", {args.history_reply_tokens} of each kept"
+    print(f"\n{args.turns} turns, messages of {m} tokens, replies of {args.reply_tokens} (greedy{kept}); the last prompt "
           f"{last} tokens; {args.dtype}, {torch.get_num_threads()} thread(s); medians of {args.reps}:")
     summary = {}
     for reuse in (False, True):

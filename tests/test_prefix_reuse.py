@@ -3,8 +3,8 @@ that leaves keeps its slot's rows (target K/V, drafter context, recurrent state)
 retained prefix in a free slot; a later prompt that starts with its tokens (the next turn
 of a conversation) takes those rows and reads only the rest. Every turn decodes exactly as
 with reuse off (tokens and acceptance lengths, greedy and seeded sampling) on attention
-(DFlash and DFlash 2 drafters), mixture-of-experts and hybrid targets (reused only by an
-exact extension), eager, fixed shapes and compiled (no new graph), and through
+(DFlash and DFlash 2 drafters), mixture-of-experts and hybrid targets (reused by an
+exact extension, or up to the end of the prompt the rows began with), eager, fixed shapes and compiled (no new graph), and through
 ``generate_batch``; ``reused_prefill_tokens`` counts exactly the rows taken."""
 
 from __future__ import annotations
@@ -127,30 +127,50 @@ def test_multi_turn_conversation_reuses_its_history(request, models, params):
 
 
 @pytest.mark.parametrize("models", ["hybrid_models", "qwen35_models"], ids=["qwen3-next-hybrid-moe", "qwen35-hybrid"])
-def test_hybrid_target_reuses_an_exact_extension_only(request, models):
-    """A hybrid target's recurrent state is known after the retained rows only: a prompt
-    that diverges inside them is read whole; a prompt that extends them exactly reuses all
-    of them (here in place: one slot). Each turn decodes as with reuse off."""
+def test_hybrid_target_reuses_an_extension_or_the_prompt_it_began_with(request, models):
+    """A hybrid target's recurrent state is known at the end of the retained rows and at
+    the end of the prompt they began with (the slot's checkpoint) only: a prompt that
+    diverges inside the reply reuses that prompt's rows, one that extends the rows exactly
+    reuses all of them, one that diverges inside the first prompt is read whole (here all
+    in place: one slot). Each turn decodes as with reuse off."""
     target, drafter = request.getfixturevalue(models)
     runs = {}
     for reuse in (True, False):
         batch = BatchDecoder(target, drafter, max_batch_size=1, max_context=200, prefill_chunk=C, reuse_prefix=reuse)
-        t = Turns(batch)
+        t, reused = Turns(batch), []
         p0 = varied_prompts(target, 1, seed=43, length=C + 5)[0]
-        t.join(0, p0, GREEDY, 20)
-        t.until_gone(0)
-        assert len(t.out[0]) > 3
-        p1 = p0 + t.out[0][:2] + MORE  # diverges before the rows' end
-        t.join(1, p1, SAMPLED, 20)
-        t.until_gone(1)
-        after_1 = batch.reused_prefill_tokens
-        p2 = t.valid(1, p1) + MORE  # extends them exactly
-        t.join(2, p2, GREEDY, 15)
-        t.until_gone(2)
-        runs[reuse] = t, after_1, batch.reused_prefill_tokens - after_1, len(t.valid(1, p1))
-    (on, after_1, reused_2, valid_1), (off, _, off_2, _) = runs[True], runs[False]
-    assert (after_1, reused_2, off_2) == (0, valid_1, 0)
+        p1 = None
+        for k in range(4):
+            if k == 1:
+                assert len(t.out[0]) > 3
+                p1 = p0 + t.out[0][:2] + MORE  # diverges inside the reply: the checkpoint (p0's end)
+            prompt = [p0, p1, t.valid(1, p1) + MORE if k == 2 else None, p0[:5] + MORE][k]  # 2: extends exactly
+            before = batch.reused_prefill_tokens
+            t.join(k, prompt, SAMPLED if k == 1 else GREEDY, 20 if k < 2 else 15)
+            t.until_gone(k)
+            reused.append(batch.reused_prefill_tokens - before)
+        runs[reuse] = t, reused, [len(p0), len(t.valid(1, p1))]
+    (on, reused, (n0, valid_1)), (off, reused_off, _) = runs[True], runs[False]
+    assert reused == [0, n0, valid_1, 0] and reused_off == [0, 0, 0, 0]
     same_runs(on, off)
+
+
+@pytest.mark.parametrize("models", ["hybrid_models", "qwen35_models"], ids=["qwen3-next-hybrid-moe", "qwen35-hybrid"])
+def test_hybrid_conversation_with_cut_replies_reuses_at_least_the_last_prompt(request, models):
+    """The multi-turn conversation (three slots, another sequence decoding beside it, the
+    turns' slots moving) on a hybrid target: each reply is cut at its budget, so turn k + 1
+    extends turn k's rows exactly only when no round committed past the budget; else it
+    reuses turn k's prompt (the checkpoint, carried along with the slot's moves). Every
+    turn decodes as with reuse off."""
+    target, drafter = request.getfixturevalue(models)
+    on, prompts, reused = conversation(target, drafter, True, GREEDY)
+    off, prompts_off, reused_off = conversation(target, drafter, False, GREEDY)
+    assert prompts == prompts_off and reused_off == [0, 0, 0]
+    same_runs(on, off)
+    for k in (1, 2):
+        extra = len(on.out[k - 1]) - 1  # committed tokens whose rows are valid, past turn k's prompt
+        assert reused[k] == len(prompts[k - 1]) + (extra if extra <= on.budgets[k - 1] else 0), k
+    assert reused[0] == 0 and reused[1] > 0
 
 
 def test_a_full_batch_overwrites_a_retained_prefix(agree_models):  # noqa: F811 (the imported fixture)
