@@ -323,6 +323,7 @@ class _Joining:
     ids: torch.Tensor  # the prompt, int64 [P]
     prompt: list[int]  # the same, as given (to find sharers)
     prefilled: int = 0  # prompt tokens read so far (in the slot after the decoding sequences)
+    reused: int = 0  # of which taken from a retained prefix
     prefill_time: float = 0.0  # seconds of its chunks so far
     sharers: list[_Joining] = field(default_factory=list)  # same prompt: copies of its prefill
 
@@ -570,7 +571,7 @@ class BatchDecoder:
         self._seqs.append(_Sequence(seq_id, params, generator, max_new_tokens, n_prompt, token, 1, ids=prompt + [first],
                                     prompt_len=n_prompt))
         t1 = time.perf_counter()
-        return Round([first], None, 0.0, t1 - t0, t1 - t0)
+        return Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=start)
 
     def join(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int) -> None:
         """Take a sequence into a free slot; its prompt is prefilled by the next
@@ -712,6 +713,7 @@ class BatchDecoder:
                 if q.sharers:
                     heir = q.sharers.pop(0)
                     heir.sharers, heir.prefilled, heir.prefill_time = q.sharers, q.prefilled, q.prefill_time
+                    heir.reused = q.reused
                     self._joining[j] = heir
                 else:
                     del self._joining[j]
@@ -817,7 +819,7 @@ class BatchDecoder:
         while self._joining:
             q = self._joining[0]
             if not q.prefilled and self._retained:
-                q.prefilled = self._take_prefix(len(self._seqs), q.prompt)
+                q.prefilled = q.reused = self._take_prefix(len(self._seqs), q.prompt)
             n = min(C, q.ids.shape[0] - q.prefilled)
             if used and (bounded or rounds) and used + n > self.prefill_budget:
                 break
@@ -840,7 +842,7 @@ class BatchDecoder:
                 self._seqs.append(_Sequence(sharer.seq_id, sharer.params, sharer.generator, sharer.max_new_tokens,
                                             q.prefilled, token, 1, ids=q.prompt + [first], prompt_len=q.prefilled))
                 elapsed = q.prefill_time + time.perf_counter() - t0
-                rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed)
+                rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed, cached_tokens=q.reused)
         return rounds
 
     # --- the parts of a round ---

@@ -121,6 +121,8 @@ class Round:
         propose_time: seconds spent drafting (0 without a drafter).
         verify_time: seconds of the target forward (the prefill time for the prefill step).
         total_time: seconds of the whole step.
+        cached_tokens: prompt tokens of the prefill step taken from a retained prefix
+            instead of read (:class:`~dflash_torch.batch.BatchDecoder` prefix reuse; else 0).
     """
 
     tokens: list[int]
@@ -128,6 +130,7 @@ class Round:
     propose_time: float
     verify_time: float
     total_time: float
+    cached_tokens: int = 0
 
 
 class SpeculativeDecoder:

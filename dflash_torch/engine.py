@@ -48,10 +48,12 @@ class GenerationStats:
     ``acceptance_lengths`` has one tau per decoding round (tokens committed by the
     round, bonus token included); ``acceptance_histogram`` maps tau -> rounds.
     ``decode_tokens_per_second`` counts the tokens after the first (which prefill
-    produces) over ``decode_time``.
+    produces) over ``decode_time``. ``cached_prompt_tokens``: prompt tokens taken from a
+    retained prefix instead of read (prefix reuse of the batch decoder; else 0).
     """
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     generated_tokens: int = 0
     block_size: int = 1
     draft_mode: str | None = None
@@ -436,6 +438,7 @@ class DFlashEngine:
         (with ``finish_reason`` and the finished ``stats`` when the stopper ends the request)."""
         if rnd.acceptance_length is None:
             stats.prefill_time = rnd.total_time
+            stats.cached_prompt_tokens = rnd.cached_tokens
         else:
             stats.acceptance_lengths.append(rnd.acceptance_length)
             stats.propose_times.append(rnd.propose_time)

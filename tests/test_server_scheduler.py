@@ -511,7 +511,9 @@ def test_a_chat_conversation_reuses_its_history(server, tiny_pair, tmp_path_fact
     """Three turns of a chat through the openai client (greedy): each turn sends the whole
     conversation; the server reads only what is new (``dflash_prefill_tokens_total``: not
     the previous turn's prompt), while a server started with
-    ``--no-prefix-reuse`` reads every prompt whole; both answer the same text."""
+    ``--no-prefix-reuse`` reads every prompt whole; both answer the same text. Each
+    answer's ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens not read
+    (the last one streamed)."""
     def chat(srv) -> tuple[list[str], list[float]]:
         c = srv.client()
         def read() -> tuple[float, float]:
@@ -522,12 +524,20 @@ def test_a_chat_conversation_reuses_its_history(server, tiny_pair, tmp_path_fact
         for k in range(3):
             messages.append({"role": "user", "content": f"turn {k} of a reuse test: " + " ".join(PROMPTS * (4 - k))})
             before = read()
-            r = c.chat.completions.create(messages=messages, max_tokens=24, **_kw(0.0))
+            if k < 2:
+                r = c.chat.completions.create(messages=messages, max_tokens=24, **_kw(0.0))
+                reply, usage = r.choices[0].message.content, r.usage
+            else:  # (streamed: the usage chunk)
+                events = list(c.chat.completions.create(messages=messages, max_tokens=24, stream=True,
+                                                        stream_options={"include_usage": True}, **_kw(0.0)))
+                reply = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+                usage = events[-1].usage
             after = read()
-            # every prompt token is either read or taken from a retained prefix
-            assert after[0] - before[0] + after[1] - before[1] == r.usage.prompt_tokens
-            reads.append((after[0] - before[0], r.usage.prompt_tokens))
-            replies.append(r.choices[0].message.content)
+            # every prompt token is either read or taken from a retained prefix (usage: cached_tokens)
+            assert after[0] - before[0] + after[1] - before[1] == usage.prompt_tokens
+            assert usage.prompt_tokens_details.cached_tokens == after[1] - before[1]
+            reads.append((after[0] - before[0], usage.prompt_tokens))
+            replies.append(reply)
             messages.append({"role": "assistant", "content": replies[-1]})
         return replies, reads
 

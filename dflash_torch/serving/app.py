@@ -85,6 +85,12 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's ``usage`` object; ``cached_tokens``: prompt tokens served from a retained prefix."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
 def _stats_summary(stats) -> dict | None:
     if stats is None:
         return None
@@ -329,15 +335,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 return Response(status_code=499)
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             if req.stream:
-                return _JobStreamingResponse(stream_events(job, req, rid, kind, prompt_tokens), job,
+                return _JobStreamingResponse(stream_events(job, req, rid, kind, prompt_tokens, n), job,
                                              media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return await complete(job, request, rid, kind, prompt_tokens)
+            return await complete(job, request, rid, kind, prompt_tokens, n)
         except BaseException:
             job.cancel()
             raise
 
-    async def complete(job: Job, request: Request, rid: str, kind: str, prompt_tokens: int):
+    async def complete(job: Job, request: Request, rid: str, kind: str, prompt_tokens: int, n: int):
         outs = [{"text": [], "tokens": 0, "finish": None, "stats": None} for _ in job.sequences]
         left = len(outs)
         while left:
@@ -354,7 +360,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 if chunk.finish_reason is not None:
                     out["finish"], out["stats"] = chunk.finish_reason, chunk.stats
         n_tokens = sum(out["tokens"] for out in outs)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens, "total_tokens": prompt_tokens + n_tokens}
+        # (each prompt's choices share its prefill: count its cached tokens once, as its tokens)
+        cached = sum(outs[i]["stats"].cached_prompt_tokens for i in range(0, len(outs), n))
+        usage = _usage(prompt_tokens, n_tokens, cached)
         choices = []
         for i, out in enumerate(outs):
             content = "".join(out["text"])
@@ -371,7 +379,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                              "choices": choices, "usage": usage,
                              "dflash": _stats_summary(outs[0]["stats"]) if len(outs) == 1 else None})
 
-    async def stream_events(job: Job, req, rid: str, kind: str, prompt_tokens: int):
+    async def stream_events(job: Job, req, rid: str, kind: str, prompt_tokens: int, n: int):
         created_at = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         include_usage = req.include_usage
@@ -394,7 +402,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
             return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
 
-        n_tokens, left = 0, len(job.sequences)
+        n_tokens, left, cached = 0, len(job.sequences), 0
         if kind == "chat":
             for i in range(left):
                 yield frame([choice(i, "", role=True)])
@@ -416,6 +424,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                     yield frame([choice(i, chunk.text)])
                 continue
             summary = _stats_summary(chunk.stats)
+            if i % n == 0:  # (once per prompt, as in complete)
+                cached += chunk.stats.cached_prompt_tokens
             if kind == "chat":
                 if chunk.text:
                     yield frame([choice(i, chunk.text)])
@@ -423,9 +433,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             else:
                 yield frame([choice(i, chunk.text, chunk.finish_reason)], dflash=summary)
         if include_usage:
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
-                     "total_tokens": prompt_tokens + n_tokens}
-            yield frame([], usage=usage)
+            yield frame([], usage=_usage(prompt_tokens, n_tokens, cached))
         yield "data: [DONE]\n\n"
 
     # ---- routes -------------------------------------------------------------------------
