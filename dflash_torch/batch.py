@@ -525,8 +525,10 @@ class BatchDecoder:
             yield q
             yield from q.sharers
 
-    def _check_new(self, seq_id: Hashable, prompt_ids: list[int], max_new_tokens: int) -> int:
+    def _check_new(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int) -> int:
         """The checks of :meth:`add` / :meth:`join` -> the prompt's length."""
+        if not isinstance(params, SamplingParams):
+            raise DFlashError(f"params must be a SamplingParams, got {type(params).__name__}")
         if seq_id in self:
             raise DFlashError(f"sequence {seq_id!r} is already in the batch")
         if not self.free_slots:
@@ -551,10 +553,10 @@ class BatchDecoder:
             the prefill's :class:`~dflash_torch.decoding.Round` (one committed token).
 
         Raises:
-            DFlashError: no free slot, a duplicate ``seq_id``, an empty prompt, token ids
+            DFlashError: ``params`` not a :class:`SamplingParams`, no free slot, a duplicate ``seq_id``, an empty prompt, token ids
                 outside the vocabulary, or prompt + ``max_new_tokens`` beyond ``max_context``.
         """
-        n_prompt = self._check_new(seq_id, prompt_ids, max_new_tokens)
+        n_prompt = self._check_new(seq_id, prompt_ids, params, max_new_tokens)
         t0 = time.perf_counter()
         slot = len(self._seqs)
         head = self._joining[0] if self._joining else None
@@ -587,7 +589,7 @@ class BatchDecoder:
 
         Args and raises: as :meth:`add`.
         """
-        self._check_new(seq_id, prompt_ids, max_new_tokens)
+        self._check_new(seq_id, prompt_ids, params, max_new_tokens)
         prompt = [int(t) for t in prompt_ids]
         leader = next((q for q in self._joining if q.prompt == prompt), None) if self.share_prefill else None
         ids = leader.ids if leader is not None else torch.tensor(prompt, dtype=torch.long, device=self.device)

@@ -219,6 +219,10 @@ def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models):
     with pytest.raises(DFlashError, match=r"max_batch_size 1000000000 x max_context 1024 need .*; lower either"):
         BatchDecoder(target, drafter, max_batch_size=10**9)
     batch = BatchDecoder(target, drafter, max_batch_size=1, max_context=64)
+    with pytest.raises(DFlashError, match="^params must be a SamplingParams, got dict$"):
+        batch.add("a", [5, 6], {"temperature": 0.0}, 4)
+    with pytest.raises(DFlashError, match="^params must be a SamplingParams, got NoneType$"):
+        batch.join("a", [5, 6], None, 4)
     batch.add("a", [5, 6], SamplingParams(), 4)
     with pytest.raises(DFlashError, match="already in the batch"):
         batch.add("a", [5], SamplingParams(), 4)
