@@ -96,10 +96,10 @@ def check_max_batch_size(value, name: str = "max_batch_size") -> int:
     """Sequences decoded together: an integer >= 1.
 
     Raises:
-        DFlashError: anything else.
+        OptionError: anything else.
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DFlashError(f"{name} must be an integer >= 1, got {value!r}")
+        raise OptionError(f"{name} must be an integer >= 1, got {value!r}", name)
     return value
 
 
@@ -361,6 +361,12 @@ class BatchDecoder:
         reuse_prefix: keep a leaving sequence's rows in a free slot and let a prompt that
             starts with its tokens reuse them (see the module docstring; default True;
             False: every prompt is read whole).
+        draft_max_batch_size: a round of more than this many sequences runs target-only: each
+            sequence's block is its one committed token, and the verified rows' features
+            are injected into the drafter contexts right after it, so drafting resumes
+            when fewer sequences are held. Where a verify's cost grows with its rows (a
+            CPU, a large batch on a GPU), many sequences decode faster without drafts (as
+            vLLM's ``speculative_disable_by_batch_size``). None (default): always draft.
 
     Attributes:
         prefill_tokens: prompt tokens read by the target so far (every prefill chunk's rows).
@@ -371,14 +377,15 @@ class BatchDecoder:
 
     Raises:
         DFlashError: invalid block size (above 64 for a hybrid target) / max_batch_size /
-            max_context / prefill_budget, a flag that is not a bool, or caches that do not
-            fit the device's free memory.
+            max_context / prefill_budget / draft_max_batch_size, a flag that is not a bool,
+            or caches that do not fit the device's free memory.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, block_size: int | None = None,
                  max_batch_size: int = 8, max_context: int | None = None, prefill_chunk: int = 256,
                  static: bool = False, compile: bool = False, compile_backend: str = "inductor",
-                 prefill_budget: int | None = None, share_prefill: bool = True, reuse_prefix: bool = True):
+                 prefill_budget: int | None = None, share_prefill: bool = True, reuse_prefix: bool = True,
+                 draft_max_batch_size: int | None = None):
         trained = drafter.config.block_size if drafter is not None else None
         B = check_block_size(block_size, trained) or trained or 1
         # hybrid targets: a verify leaves the recurrent states as they were; each sequence's
@@ -393,6 +400,8 @@ class BatchDecoder:
         self.prefill_chunk = prefill_chunk
         self.share_prefill = check_flag(share_prefill, "share_prefill")
         self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
+        self.draft_max_batch_size = (None if draft_max_batch_size is None
+            else check_max_batch_size(draft_max_batch_size, "draft_max_batch_size"))
         self.prefill_tokens = 0
         self.reused_prefill_tokens = 0
         self.prefill_budget = prefill_chunk if prefill_budget is None else check_max_batch_size(prefill_budget,
@@ -442,7 +451,7 @@ class BatchDecoder:
             opts = dict(dynamic=False, backend=compile_backend)
             if self.device.type == "cuda":
                 opts["mode"] = "reduce-overhead"
-            reserve_graphs(len(self._batch_buckets()) * length_buckets(capacity))
+            reserve_graphs(sum(len(v) for v in self._round_buckets().values()) * length_buckets(capacity))
             self._draft_fn = torch.compile(self._draft_step, **opts)
             self._verify_fn = torch.compile(self._verify_step, **opts)
 
@@ -456,9 +465,17 @@ class BatchDecoder:
             b *= 2
         return min(b, self.max_batch_size)
 
-    def _batch_buckets(self) -> list[int]:
-        """Every batch bucket (:meth:`batch_bucket`) of 1 to ``max_batch_size`` sequences, increasing."""
-        return sorted({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
+    def round_block(self, n: int) -> int:
+        """Block size of a round of ``n`` sequences: ``block_size``, or 1 (target-only)
+        above ``draft_max_batch_size``."""
+        return 1 if self.draft_max_batch_size is not None and n > self.draft_max_batch_size else self.block_size
+
+    def _round_buckets(self) -> dict[int, list[int]]:
+        """Block size -> the batch buckets of the rounds that run it, increasing."""
+        out: dict[int, set[int]] = {}
+        for n in range(1, self.max_batch_size + 1):
+            out.setdefault(self.round_block(n), set()).add(self.batch_bucket(n))
+        return {b: sorted(v) for b, v in out.items()}
 
     def kv_bucket(self, n: int) -> int:
         """Keys to attend over when ``n`` positions must be visible: ``n``, or with fixed
@@ -480,20 +497,22 @@ class BatchDecoder:
         if self._seqs or self._joining:
             raise DFlashError("warmup() needs an empty batch (it overwrites every slot)")
         self._retained.clear()
-        B, cap = self.block_size, self.target_kv.capacity
-        sizes = self._batch_buckets()
-        lengths = sorted({self.kv_bucket(n) for n in range(B, min(context or cap, cap) + 1)})
-        for rows in sizes:
-            for kv_len in lengths:
-                positions = (kv_len - B) + self._arange_block.expand(rows, B)  # the last block that fits
-                tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
-                block = torch.zeros(rows, B, dtype=torch.long, device=self.device)
-                if B > 1:
-                    feats = self.drafter.fc.weight.new_zeros(rows * B, self.drafter.fc.in_features)
-                    self._draft_fn(tokens, positions, feats, positions.clone(), kv_len, self._views(rows)[1])
-                live = torch.ones(rows, dtype=torch.bool, device=self.device) if self.target_state is not None else None
-                self._verify(block, positions, kv_len, live)
-        return len(sizes) * len(lengths)
+        cap, runs = self.target_kv.capacity, 0
+        for B, sizes in self._round_buckets().items():
+            lengths = sorted({self.kv_bucket(n) for n in range(B, min(context or cap, cap) + 1)})
+            for rows in sizes:
+                for kv_len in lengths:
+                    positions = (kv_len - B) + self._arange_block[:B].expand(rows, B)  # the last block that fits
+                    tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
+                    block = torch.zeros(rows, B, dtype=torch.long, device=self.device)
+                    if B > 1:
+                        feats = self.drafter.fc.weight.new_zeros(rows * B, self.drafter.fc.in_features)
+                        self._draft_fn(tokens, positions, feats, positions.clone(), kv_len, self._views(rows)[1])
+                    live = (torch.ones(rows, dtype=torch.bool, device=self.device)
+                            if self.target_state is not None else None)
+                    self._verify(block, positions, kv_len, live)
+                    runs += 1
+        return runs
 
     def _views(self, n: int) -> tuple[TargetCache, InjectedContext | None]:
         if n not in self._target_views:
@@ -553,8 +572,9 @@ class BatchDecoder:
             the prefill's :class:`~dflash_torch.decoding.Round` (one committed token).
 
         Raises:
-            DFlashError: ``params`` not a :class:`SamplingParams`, no free slot, a duplicate ``seq_id``, an empty prompt, token ids
-                outside the vocabulary, or prompt + ``max_new_tokens`` beyond ``max_context``.
+            DFlashError: ``params`` not a :class:`SamplingParams`, no free slot, a duplicate
+                ``seq_id``, an empty prompt, token ids outside the vocabulary, or prompt +
+                ``max_new_tokens`` beyond ``max_context``.
         """
         n_prompt = self._check_new(seq_id, prompt_ids, params, max_new_tokens)
         t0 = time.perf_counter()
@@ -758,7 +778,8 @@ class BatchDecoder:
     def _round(self) -> dict[Hashable, Round]:
         """The decoding round of :meth:`step`."""
         seqs = self._seqs
-        n, B, dev = len(seqs), self.block_size, self.device
+        n, dev = len(seqs), self.device
+        B = self.round_block(n)  # (1: a target-only round)
         rows = self.batch_bucket(n)  # rows past n: padding in free slots, at position 0 ...
         pad_starts = [0] * (rows - n)
         head = self._joining[0] if self._joining and self._joining[0].prefilled else None
@@ -777,7 +798,7 @@ class BatchDecoder:
         if self.target_state is not None:
             live = torch.tensor([not q.done for q in seqs] + [False] * (rows - n), device=dev)
         starts = torch.tensor([q.s for q in seqs] + pad_starts, device=dev)
-        positions = starts[:, None] + self._arange_block  # [rows, B]
+        positions = starts[:, None] + self._arange_block[:B]  # [rows, B]
         tokens = torch.stack([q.token for q in seqs] + [self._arange_block[0]] * (rows - n))  # [rows]
         draft_probs = [None] * rows
         if B > 1:
@@ -785,13 +806,18 @@ class BatchDecoder:
             block = torch.cat([tokens[:, None], drafts], dim=1)  # [rows, B]
         else:
             block = tokens[:, None]
+            if self.draft_kv is not None:  # (features a drafting round left for its next propose)
+                self._inject_pending(seqs, pad_starts)
         t1 = time.perf_counter()
         logits, feats = self._verify(block, positions, kv_len, live)
         accepted, bonus = self._accept(seqs, block, draft_probs, logits.view(rows, B, -1))
-        if self.defer_commit:
+        if self.defer_commit and B > 1:
             if self.graphed:  # the stash out of the verify graph's pool (see SpeculativeDecoder._carry)
                 self.target_state.first(rows).copy_stash()
             self._commit(live, accepted)
+        if B == 1 and feats is not None:  # a target-only round: its rows go into the drafter contexts now
+            self._inject(feats, positions)
+            feats = None
         out = torch.cat([accepted[:, None], block[:, 1:], bonus[:, None]], dim=1).tolist()  # the one host sync
         t2 = time.perf_counter()
         rounds = {}
@@ -868,14 +894,37 @@ class BatchDecoder:
         targets): the rows whose recurrent states move; in a target-only round (no deferred
         commit) the others (finished sequences, padding, possibly in a joiner's slot)
         advance over 0 rows."""
-        commit = live.long() if live is not None and not self.defer_commit else None
-        return self._verify_fn(block.reshape(-1), positions, kv_len, self._views(positions.shape[0])[0], commit)
+        defer = self.defer_commit and block.shape[1] > 1
+        commit = live.long() if live is not None and not defer else None
+        return self._verify_fn(block.reshape(-1), positions, kv_len, self._views(positions.shape[0])[0], commit, defer)
 
     def _verify_step(self, block: torch.Tensor, positions: torch.Tensor, kv_len: int, cache: TargetCache,
-                     commit: torch.Tensor | None):
+                     commit: torch.Tensor | None, defer: bool):
         """verify: the target reads the n blocks -> logits ``[n * B, V]``, features ``[n * B, k * H]``."""
-        return self.target(block, positions, cache, kv_len, self.feature_layers, commit=commit,
-                           defer_commit=self.defer_commit)
+        return self.target(block, positions, cache, kv_len, self.feature_layers, commit=commit, defer_commit=defer)
+
+    def _inject(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
+        """Inject feature rows ``[n * m, k * H]`` at ``positions`` ``[n, m]`` into the
+        drafter contexts of slots ``[0, n)``."""
+        cache = self.draft_kv.first(positions.shape[0])
+        for layer, (k, v) in enumerate(self.drafter.context_kv(feats, positions.reshape(-1))):
+            cache.write(layer, positions, k, v)
+
+    def _inject_pending(self, seqs: list[_Sequence], pad_starts: list[int]) -> None:
+        """Before a target-only round: inject each sequence's accepted rows of its last
+        drafting round (which its next propose would have injected); the other rows get
+        zero rows at their block's position (padding rows at ``pad_starts``, as in
+        :meth:`_propose`), which the round's own injection or a later block overwrites."""
+        pending = [q for q in seqs if q.pending is not None]
+        if not pending:
+            return
+        m = max(q.pending_rows for q in pending)  # (rows past a sequence's accepted ones: overwritten before read)
+        zeros = self.drafter.fc.weight.new_zeros(m, self.drafter.fc.in_features)
+        feats = torch.cat([q.pending[:m] if q.pending is not None else zeros for q in seqs] + [zeros] * len(pad_starts))
+        starts = [q.pending_start if q.pending is not None else q.s for q in seqs] + pad_starts
+        self._inject(feats, torch.tensor(starts, device=self.device)[:, None] + self._arange_block[:m])
+        for q in pending:
+            q.pending = None
 
     def _commit(self, live: torch.Tensor, accepted: torch.Tensor) -> None:
         """Rollback of a hybrid target's recurrent layers, all sequences at once: advance

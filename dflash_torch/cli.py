@@ -61,6 +61,7 @@ def load_engine(args: argparse.Namespace):
         compile=args.compile, max_context=args.max_context,
         **({"max_batch_size": args.max_batch_size} if hasattr(args, "max_batch_size") else {}),
         **({"reuse_prefix": not args.no_prefix_reuse} if hasattr(args, "no_prefix_reuse") else {}),
+        **({"draft_max_batch_size": args.draft_max_batch_size} if hasattr(args, "draft_max_batch_size") else {}),
     )
 
 

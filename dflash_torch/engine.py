@@ -122,14 +122,20 @@ class DFlashEngine:
 
     ``reuse_prefix``: the batch decoder keeps a finished sequence's rows and lets a later
     prompt that starts with its tokens reuse them (``BatchDecoder(reuse_prefix=...)``).
+
+    ``draft_max_batch_size``: the batch decoder's rounds of more than this many sequences run
+    target-only (``BatchDecoder(draft_max_batch_size=...)``; None: always draft).
     """
 
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
                  block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash",
-                 max_batch_size: int = 8, reuse_prefix: bool = True, **decoder_options):
+                 max_batch_size: int = 8, reuse_prefix: bool = True, draft_max_batch_size: int | None = None,
+                 **decoder_options):
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
         self.max_batch_size = check_max_batch_size(max_batch_size)
         self.reuse_prefix = options.check_flag(reuse_prefix, "reuse_prefix")
+        self.draft_max_batch_size = (None if draft_max_batch_size is None
+            else check_max_batch_size(draft_max_batch_size, "draft_max_batch_size"))
         self._batch: BatchDecoder | None = None
         self.decoder = compute.run(SpeculativeDecoder, target, drafter, block_size=block_size, draft_mode=draft_mode,
                                    **decoder_options)
@@ -158,6 +164,7 @@ class DFlashEngine:
         max_context: int | None = None,
         max_batch_size: int = 8,
         reuse_prefix: bool = True,
+        draft_max_batch_size: int | None = None,
     ) -> "DFlashEngine":
         """Load a target and a DFlash drafter from local directories or cached Hugging Face ids.
 
@@ -184,6 +191,9 @@ class DFlashEngine:
                 (its caches hold ``max_batch_size`` x ``max_context`` positions).
             reuse_prefix: prompt-prefix reuse in the batch decoder (see
                 :class:`~dflash_torch.batch.BatchDecoder`; default True).
+            draft_max_batch_size: batch decoder rounds of more than this many sequences run
+                target-only (see :class:`~dflash_torch.batch.BatchDecoder`; default None:
+                always draft).
 
         Raises:
             DFlashError: missing files, incompatible pair, bad dtype / device / block size /
@@ -214,11 +224,14 @@ class DFlashEngine:
         options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
         options.check_max_context(max_context, target_cfg.max_position_embeddings)
         check_max_batch_size(max_batch_size)
+        if draft_max_batch_size is not None:
+            check_max_batch_size(draft_max_batch_size, "draft_max_batch_size")
         # the weights are read, converted and packed on the compute thread, like every round
         return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, pack=pack,
                            fuse=fuse_by_default(dev) if fuse is None else fuse,
                            block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
-                           max_context=max_context, max_batch_size=max_batch_size, reuse_prefix=reuse_prefix)
+                           max_context=max_context, max_batch_size=max_batch_size, reuse_prefix=reuse_prefix,
+                           draft_max_batch_size=draft_max_batch_size)
 
     @classmethod
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
@@ -477,7 +490,8 @@ class DFlashEngine:
             self._batch = BatchDecoder(self.target, self.drafter, block_size=self.block_size,
                                        max_batch_size=self.max_batch_size, max_context=self.max_context,
                                        prefill_chunk=self.decoder.prefill_chunk, static=self.decoder.static,
-                                       compile=self.decoder.compiled, reuse_prefix=self.reuse_prefix)
+                                       compile=self.decoder.compiled, reuse_prefix=self.reuse_prefix,
+                                       draft_max_batch_size=self.draft_max_batch_size)
         return self._batch
 
     def new_stopper(self, max_new_tokens: int, stop=None, stop_token_ids=None, ignore_eos: bool = False) -> Stopper:

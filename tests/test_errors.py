@@ -321,6 +321,7 @@ BAD_OPTIONS = [
     ("--device", "cuda:99", MODEL_COMMANDS, "--device .cuda:99."),
     ("--api-key", " ", ("serve",), "api-key"),
     ("--api-key", "sk with spaces", ("serve",), "api-key"),
+    ("--draft-max-batch-size", "0", ("serve", "bench"), "--draft-max-batch-size must be an integer >= 1"),
 ]
 OPTION_CASES = [(cmd, opt, value, words) for opt, value, cmds, words in BAD_OPTIONS for cmd in cmds]
 

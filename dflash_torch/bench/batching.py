@@ -87,7 +87,7 @@ def serve_all(batch: BatchDecoder, prompt_ids: list[list[int]], max_new_tokens: 
 @torch.inference_mode()
 def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_ids: list[list[int]],
                      batch_sizes: list[int], max_new_tokens: int, block_size: int | None = None,
-                     progress: bool = True) -> list[dict]:
+                     draft_max_batch_size: int | None = None, progress: bool = True) -> list[dict]:
     """One row per (batch size, mode): ``mode`` ``"dflash"`` or ``"target-only"``,
     ``batch_size``, ``requests`` (:func:`requests_for`: the same at every batch size),
     ``aggregate_decode_tokens_per_second`` (decode tokens / decode time),
@@ -96,7 +96,8 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
     ``mean_acceptance_length``, ``speedup_vs_target_only`` (dflash rows: over target-only
     at the same batch size), ``scaling_vs_batch_1`` (aggregate decode tok/s over the same
     mode's at batch size 1, when 1 is measured) and ``outputs_identical_to_target_only``.
-    A short warm-up run precedes each measurement."""
+    A short warm-up run precedes each measurement. ``draft_max_batch_size``: DFlash
+    rounds of more sequences run target-only (:class:`~dflash_torch.batch.BatchDecoder`)."""
     max_context = max(map(len, prompt_ids)) + max_new_tokens + 1
     requests = requests_for(prompt_ids, batch_sizes)
     rows = []
@@ -107,7 +108,8 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
                 continue
             # (reuse_prefix off: the requests cycle the prompts, a retained prefix would spare their prefills)
             batch = BatchDecoder(target, d, block_size=block_size if d is not None else None, max_batch_size=n,
-                                 max_context=max_context, reuse_prefix=False)
+                                 max_context=max_context, reuse_prefix=False,
+                                 draft_max_batch_size=draft_max_batch_size if d is not None else None)
             serve_all(batch, prompt_ids[:n], min(8, max_new_tokens))  # warm-up
             r = serve_all(batch, requests, max_new_tokens)
             outputs[mode] = r.pop("outputs")

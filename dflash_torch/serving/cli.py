@@ -34,6 +34,10 @@ def register(sub) -> None:
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="read every prompt whole (default: a prompt that starts with a finished sequence's "
                         "tokens, such as the next turn of a chat, reuses its rows and reads only the rest)")
+    p.add_argument("--draft-max-batch-size", type=int, default=None, metavar="N",
+                   help="draft only while at most N sequences decode; rounds of more run target-only (where a "
+                        "verify's cost grows with its rows, as on a CPU, many streams decode faster without drafts; "
+                        "default: always draft)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default info)")
     p.set_defaults(func=_serve)

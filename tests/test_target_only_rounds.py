@@ -1,0 +1,132 @@
+"""Rounds above ``draft_max_batch_size`` run target-only (dflash_torch.batch): every
+sequence's block is its one committed token, its verified row's features go into its
+drafter context right after the round, and a drafting round's accepted rows that were
+waiting for the next propose are injected before a target-only round. Checked: greedy
+output equals the target's alone while rounds switch between drafting and target-only
+(attention, DFlash 2 and hybrid targets; eager and fixed shapes); rounds of more
+sequences than the limit commit one token each and drafting resumes below it; every
+sequence's target K/V, drafter context and recurrent state after target-only rounds equal
+those of a prefill of its committed tokens (the context invariant); a compiled decoder
+warmed up builds no graph while crossing the limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import varied_prompts
+from test_batch import agree_models, qwen35_models  # noqa: F401 (fixtures)
+
+from dflash_torch import DFlashEngine, DFlashError, SamplingParams
+from dflash_torch.batch import BatchDecoder
+
+GREEDY = SamplingParams()
+
+
+def reference(target, prompt: list[int], n: int) -> list[int]:
+    """The target's own greedy tokens (a target-only batch decoder, one slot)."""
+    batch = BatchDecoder(target, None, max_batch_size=1, max_context=160, reuse_prefix=False)
+    out = batch.add(0, prompt, GREEDY, n).tokens
+    while len(out) < n:
+        out += batch.step()[0].tokens
+    return out[:n]
+
+
+def rows_of(batch: BatchDecoder, slot: int, end: int) -> torch.Tensor:
+    """Slot ``slot``'s target K/V and drafter context rows ``[0, end)`` and recurrent state, flat."""
+    parts = [t[slot, :, :end] for t in batch.target_kv.k + batch.target_kv.v + batch.draft_kv.k + batch.draft_kv.v]
+    if batch.target_state is not None:
+        parts += [t[slot] for t in batch.target_state.conv + batch.target_state.ssm]
+    return torch.cat([t.float().flatten() for t in parts])
+
+
+def prefilled_rows(target, drafter, ids: list[int]) -> torch.Tensor:
+    """What a prefill of ``ids`` leaves in a slot (rows ``[0, len(ids))``; the prompt's
+    last token is read too, as every committed token before ``s`` was)."""
+    batch = BatchDecoder(target, drafter, max_batch_size=1, max_context=160, prefill_chunk=32, reuse_prefix=False)
+    batch.add(0, ids, GREEDY, 1)
+    return rows_of(batch, 0, len(ids))
+
+
+def run(target, drafter, prompts, static: bool = False, **kw):
+    """Sequence 0 decodes alone (drafting), 1 and 2 join (3 sequences > the limit of 1:
+    target-only rounds), 1 and 2 leave and 0 drafts alone again. -> outputs, every
+    sequence's taus and round sizes, and the rows checks made after the target-only rounds."""
+    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=160, prefill_chunk=32, static=static,
+                         draft_max_batch_size=1, reuse_prefix=False, **kw)
+    out = {0: batch.add(0, prompts[0], GREEDY, 60).tokens}
+    taus = {0: [], 1: [], 2: []}
+
+    def step():
+        n = len(batch._seqs)
+        for sid, rnd in batch.step().items():
+            out.setdefault(sid, []).extend(rnd.tokens)
+            if rnd.acceptance_length is not None:
+                taus[sid].append((n, rnd.acceptance_length))
+
+    for _ in range(3):
+        step()
+    for sid in (1, 2):
+        out[sid] = batch.add(sid, prompts[sid], GREEDY, 12).tokens
+    while min(len(out[1]), len(out[2])) < 12:
+        step()
+    checks = []  # (got, want) rows of each sequence after target-only rounds
+    for slot, q in enumerate(batch._seqs):
+        checks.append((rows_of(batch, slot, q.s), prefilled_rows(target, drafter, q.ids[:q.s])))
+    batch.remove(1)
+    batch.remove(2)
+    while len(out[0]) < 60:
+        step()
+    return out, taus, checks
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-shapes"])
+@pytest.mark.parametrize("models", ["agree_models", "dflash2_models", "qwen35_models"],
+                         ids=["attention", "dflash2", "qwen35-hybrid"])
+def test_rounds_above_the_limit_run_target_only_and_keep_every_context(request, models, static):
+    target, drafter = request.getfixturevalue(models)
+    prompts = varied_prompts(target, 3, seed=5, length=7)
+    out, taus, checks = run(target, drafter, prompts, static=static)
+    for sid, n in ((0, 60), (1, 12), (2, 12)):
+        assert out[sid][:n] == reference(target, prompts[sid], n), sid
+    assert all(tau == 1 for sid in taus for n, tau in taus[sid] if n > 1)  # target-only rounds: one token each
+    assert {n for n, _ in taus[0]} == {1, 3}  # 0 decoded alone, then with 1 and 2, then alone again
+    for got, want in checks:  # the rows after target-only rounds are those of a prefill of the same tokens
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if models != "qwen35_models":  # (the agreeable pairs: drafting pays again once 0 is alone)
+        assert max(tau for n, tau in taus[0][-5:]) > 1
+
+
+def test_the_limit_is_checked_and_plumbed(agree_pair, agree_models):  # noqa: F811 (the imported fixture)
+    target, drafter = agree_models
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(DFlashError, match="^draft_max_batch_size must be an integer >= 1"):
+            BatchDecoder(target, drafter, max_batch_size=2, max_context=64, draft_max_batch_size=bad)
+    with pytest.raises(DFlashError, match="^draft_max_batch_size must be an integer >= 1, got 0$"):
+        DFlashEngine.from_pretrained(*agree_pair, draft_max_batch_size=0)
+    engine = DFlashEngine.from_pretrained(*agree_pair, max_batch_size=2, draft_max_batch_size=1)
+    assert engine.batch_decoder().draft_max_batch_size == 1
+    assert [engine.batch_decoder().round_block(n) for n in (1, 2)] == [16, 1]
+
+
+def test_compiled_decoder_warmed_up_crosses_the_limit_without_new_graphs(agree_models):  # noqa: F811
+    from torch._dynamo.utils import counters
+
+    target, drafter = agree_models
+    batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=64, prefill_chunk=32, compile=True,
+                         draft_max_batch_size=1, reuse_prefix=False)
+    assert batch.warmup() == 2  # a drafting round of 1 row, a target-only round of 2 (one length bucket)
+    frames = sum(counters["frames"].values())
+    prompts = varied_prompts(target, 2, seed=9, length=5)
+    out = {0: batch.add(0, prompts[0], GREEDY, 20).tokens}
+    for _ in range(2):
+        out[0] += batch.step()[0].tokens
+    out[1] = batch.add(1, prompts[1], GREEDY, 8).tokens
+    while len(out[1]) < 8:
+        for sid, rnd in batch.step().items():
+            out[sid] += rnd.tokens
+    batch.remove(1)
+    while len(out[0]) < 20:
+        out[0] += batch.step()[0].tokens
+    assert sum(counters["frames"].values()) == frames  # no graph built after the warm-up
+    assert out[0][:20] == reference(target, prompts[0], 20) and out[1][:8] == reference(target, prompts[1], 8)
