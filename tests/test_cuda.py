@@ -109,8 +109,8 @@ def test_batch_recurrent_states_are_static_and_the_carried_stash_is_copied(agree
     def ptrs(tensors):
         return {t.untyped_storage().data_ptr() for t in tensors}
 
-    def recorded_verify(block, positions, kv_len, cache, commit_rows):
-        out = verify(block, positions, kv_len, cache, commit_rows)
+    def recorded_verify(block, positions, kv_len, cache, commit_rows, defer):
+        out = verify(block, positions, kv_len, cache, commit_rows, defer)
         last_outputs[:] = list(out) + stash(positions.shape[0])  # kept alive: storage not reused meanwhile
         return out
 
