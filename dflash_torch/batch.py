@@ -92,6 +92,9 @@ from .options import check_block_size, check_flag, check_max_context, check_max_
 from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, probabilities
 
 
+BACKLOG_ROWS = 64  # a sequence's feature rows of target-only rounds injected at once (at most; see BatchDecoder)
+
+
 def check_max_batch_size(value, name: str = "max_batch_size") -> int:
     """Sequences decoded together: an integer >= 1.
 
@@ -293,6 +296,8 @@ class _Sequence:
     pending: torch.Tensor | None = None  # the last verify's B feature rows (inject at the next propose)
     pending_start: int = 0  # position of pending row 0
     pending_rows: int = 0  # rows of ``pending`` that were accepted (tau)
+    backlog: list[torch.Tensor] = field(default_factory=list)  # target-only rounds' feature rows, not yet injected
+    backlog_start: int = 0  # position of the backlog's first row
     ids: list[int] = field(default_factory=list)  # prompt + committed tokens (ids[s] is ``token``)
     prompt_len: int = 0  # a hybrid target's slot checkpoint holds the recurrent state at this position
     padded: bool = False  # ran a round past its budget (as padding): its slot is not retained
@@ -362,9 +367,10 @@ class BatchDecoder:
             starts with its tokens reuse them (see the module docstring; default True;
             False: every prompt is read whole).
         draft_max_batch_size: a round of more than this many sequences runs target-only: each
-            sequence's block is its one committed token, and the verified rows' features
-            are injected into the drafter contexts right after it, so drafting resumes
-            when fewer sequences are held. Where a verify's cost grows with its rows (a
+            sequence's block is its one committed token. The verified rows' features are
+            kept per sequence and injected into its drafter context in one pass when it
+            drafts again, leaves with its rows retained, or has :data:`BACKLOG_ROWS` of
+            them, so drafting resumes, with a whole context, when fewer sequences are held. Where a verify's cost grows with its rows (a
             CPU, a large batch on a GPU), many sequences decode faster without drafts (as
             vLLM's ``speculative_disable_by_batch_size``). None (default): always draft.
 
@@ -662,6 +668,7 @@ class BatchDecoder:
             return
         empty = [i for i in candidates if i not in self._retained]
         dst = max(empty) if empty else min(candidates, key=lambda i: self._retained[i].used)
+        self._flush(q, index)
         if self.draft_kv is not None and q.pending is not None:  # (what the next propose would have injected)
             positions = q.pending_start + self._arange_block[:q.pending_rows]
             InjectedContext(self.drafter, self.draft_kv.slot(index)).inject(self.drafter, q.pending[:q.pending_rows],
@@ -802,12 +809,16 @@ class BatchDecoder:
         tokens = torch.stack([q.token for q in seqs] + [self._arange_block[0]] * (rows - n))  # [rows]
         draft_probs = [None] * rows
         if B > 1:
+            for i, q in enumerate(seqs):  # (what target-only rounds left)
+                self._flush(q, i)
             drafts, draft_probs = self._propose(seqs, tokens, positions, kv_len, pad_starts)
             block = torch.cat([tokens[:, None], drafts], dim=1)  # [rows, B]
         else:
             block = tokens[:, None]
-            if self.draft_kv is not None:  # (features a drafting round left for its next propose)
-                self._inject_pending(seqs, pad_starts)
+            for i, q in enumerate(seqs):  # (the accepted rows a drafting round left for the next propose)
+                if q.pending is not None:
+                    self._park(q, i, q.pending[:q.pending_rows], q.pending_start)
+                    q.pending = None
         t1 = time.perf_counter()
         logits, feats = self._verify(block, positions, kv_len, live)
         accepted, bonus = self._accept(seqs, block, draft_probs, logits.view(rows, B, -1))
@@ -815,9 +826,6 @@ class BatchDecoder:
             if self.graphed:  # the stash out of the verify graph's pool (see SpeculativeDecoder._carry)
                 self.target_state.first(rows).copy_stash()
             self._commit(live, accepted)
-        if B == 1 and feats is not None:  # a target-only round: its rows go into the drafter contexts now
-            self._inject(feats, positions)
-            feats = None
         out = torch.cat([accepted[:, None], block[:, 1:], bonus[:, None]], dim=1).tolist()  # the one host sync
         t2 = time.perf_counter()
         rounds = {}
@@ -826,7 +834,9 @@ class BatchDecoder:
                 q.padded = True
                 continue
             a = out[i][0]
-            if feats is not None:
+            if feats is not None and B == 1:
+                self._park(q, i, feats[i:i + 1], q.s)
+            elif feats is not None:
                 q.pending, q.pending_start, q.pending_rows = feats[i * B:(i + 1) * B], q.s, a + 1
             q.s += a + 1
             q.committed += a + 1
@@ -903,28 +913,25 @@ class BatchDecoder:
         """verify: the target reads the n blocks -> logits ``[n * B, V]``, features ``[n * B, k * H]``."""
         return self.target(block, positions, cache, kv_len, self.feature_layers, commit=commit, defer_commit=defer)
 
-    def _inject(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
-        """Inject feature rows ``[n * m, k * H]`` at ``positions`` ``[n, m]`` into the
-        drafter contexts of slots ``[0, n)``."""
-        cache = self.draft_kv.first(positions.shape[0])
-        for layer, (k, v) in enumerate(self.drafter.context_kv(feats, positions.reshape(-1))):
-            cache.write(layer, positions, k, v)
+    def _park(self, q: _Sequence, slot: int, rows: torch.Tensor, start: int) -> None:
+        """Keep feature rows ``[m, k * H]`` of positions ``[start, start + m)`` (which follow
+        the backlog's) for ``q``'s drafter context (in ``slot``): injected by :meth:`_flush`
+        when it drafts again, or now when the backlog reaches :data:`BACKLOG_ROWS`. With
+        CUDA graphs they are copied out of the graph pool (a later replay reuses it)."""
+        if not q.backlog:
+            q.backlog_start = start
+        q.backlog.append(rows.clone() if self.graphed else rows)
+        if sum(r.shape[0] for r in q.backlog) >= BACKLOG_ROWS:
+            self._flush(q, slot)
 
-    def _inject_pending(self, seqs: list[_Sequence], pad_starts: list[int]) -> None:
-        """Before a target-only round: inject each sequence's accepted rows of its last
-        drafting round (which its next propose would have injected); the other rows get
-        zero rows at their block's position (padding rows at ``pad_starts``, as in
-        :meth:`_propose`), which the round's own injection or a later block overwrites."""
-        pending = [q for q in seqs if q.pending is not None]
-        if not pending:
+    def _flush(self, q: _Sequence, slot: int) -> None:
+        """Inject ``q``'s backlog (:meth:`_park`) into its drafter context in ``slot``, in one pass."""
+        if not q.backlog:
             return
-        m = max(q.pending_rows for q in pending)  # (rows past a sequence's accepted ones: overwritten before read)
-        zeros = self.drafter.fc.weight.new_zeros(m, self.drafter.fc.in_features)
-        feats = torch.cat([q.pending[:m] if q.pending is not None else zeros for q in seqs] + [zeros] * len(pad_starts))
-        starts = [q.pending_start if q.pending is not None else q.s for q in seqs] + pad_starts
-        self._inject(feats, torch.tensor(starts, device=self.device)[:, None] + self._arange_block[:m])
-        for q in pending:
-            q.pending = None
+        feats = torch.cat(q.backlog)
+        positions = q.backlog_start + torch.arange(feats.shape[0], device=self.device)
+        InjectedContext(self.drafter, self.draft_kv.slot(slot)).inject(self.drafter, feats, positions)
+        q.backlog = []
 
     def _commit(self, live: torch.Tensor, accepted: torch.Tensor) -> None:
         """Rollback of a hybrid target's recurrent layers, all sequences at once: advance

@@ -1,12 +1,14 @@
 """Rounds above ``draft_max_batch_size`` run target-only (dflash_torch.batch): every
-sequence's block is its one committed token, its verified row's features go into its
-drafter context right after the round, and a drafting round's accepted rows that were
-waiting for the next propose are injected before a target-only round. Checked: greedy
+sequence's block is its one committed token; its verified rows' features are kept (with
+the accepted rows of a drafting round still waiting for the next propose) and injected
+into its drafter context in one pass when it drafts again, leaves with its rows retained,
+or has BACKLOG_ROWS of them. Checked: greedy
 output equals the target's alone while rounds switch between drafting and target-only
 (attention, DFlash 2 and hybrid targets; eager and fixed shapes); rounds of more
-sequences than the limit commit one token each and drafting resumes below it; every
-sequence's target K/V, drafter context and recurrent state after target-only rounds equal
-those of a prefill of its committed tokens (the context invariant); a compiled decoder
+sequences than the limit commit one token each and drafting resumes below it; after
+target-only rounds, a retained sequence's rows (target K/V, drafter context, recurrent
+state) and a sequence's context rows once it drafts again equal those of a prefill of its
+committed tokens (the context invariant); a compiled decoder
 warmed up builds no graph while crossing the limit."""
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from conftest import varied_prompts
 from test_batch import agree_models, qwen35_models  # noqa: F401 (fixtures)
 
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams
+from dflash_torch import batch as batch_module
 from dflash_torch.batch import BatchDecoder
 
 GREEDY = SamplingParams()
@@ -32,28 +35,29 @@ def reference(target, prompt: list[int], n: int) -> list[int]:
     return out[:n]
 
 
-def rows_of(batch: BatchDecoder, slot: int, end: int) -> torch.Tensor:
-    """Slot ``slot``'s target K/V and drafter context rows ``[0, end)`` and recurrent state, flat."""
+def rows_of(batch: BatchDecoder, slot: int, end: int, state: bool = True) -> torch.Tensor:
+    """Slot ``slot``'s target K/V and drafter context rows ``[0, end)`` (and recurrent state), flat."""
     parts = [t[slot, :, :end] for t in batch.target_kv.k + batch.target_kv.v + batch.draft_kv.k + batch.draft_kv.v]
-    if batch.target_state is not None:
+    if state and batch.target_state is not None:
         parts += [t[slot] for t in batch.target_state.conv + batch.target_state.ssm]
     return torch.cat([t.float().flatten() for t in parts])
 
 
-def prefilled_rows(target, drafter, ids: list[int]) -> torch.Tensor:
+def prefilled_rows(target, drafter, ids: list[int], state: bool = True) -> torch.Tensor:
     """What a prefill of ``ids`` leaves in a slot (rows ``[0, len(ids))``; the prompt's
     last token is read too, as every committed token before ``s`` was)."""
     batch = BatchDecoder(target, drafter, max_batch_size=1, max_context=160, prefill_chunk=32, reuse_prefix=False)
     batch.add(0, ids, GREEDY, 1)
-    return rows_of(batch, 0, len(ids))
+    return rows_of(batch, 0, len(ids), state)
 
 
-def run(target, drafter, prompts, static: bool = False, **kw):
+def run(target, drafter, prompts, static: bool = False):
     """Sequence 0 decodes alone (drafting), 1 and 2 join (3 sequences > the limit of 1:
-    target-only rounds), 1 and 2 leave and 0 drafts alone again. -> outputs, every
-    sequence's taus and round sizes, and the rows checks made after the target-only rounds."""
-    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=160, prefill_chunk=32, static=static,
-                         draft_max_batch_size=1, reuse_prefix=False, **kw)
+    target-only rounds), 1 and 2 leave (their rows retained in free slots) and 0 drafts
+    alone again. -> outputs, every sequence's (round size, tau) pairs, and the rows
+    checks: 1's and 2's retained rows, 0's context rows after its first drafting round."""
+    batch = BatchDecoder(target, drafter, max_batch_size=5, max_context=160, prefill_chunk=32, static=static,
+                         draft_max_batch_size=1)
     out = {0: batch.add(0, prompts[0], GREEDY, 60).tokens}
     taus = {0: [], 1: [], 2: []}
 
@@ -70,11 +74,15 @@ def run(target, drafter, prompts, static: bool = False, **kw):
         out[sid] = batch.add(sid, prompts[sid], GREEDY, 12).tokens
     while min(len(out[1]), len(out[2])) < 12:
         step()
-    checks = []  # (got, want) rows of each sequence after target-only rounds
-    for slot, q in enumerate(batch._seqs):
-        checks.append((rows_of(batch, slot, q.s), prefilled_rows(target, drafter, q.ids[:q.s])))
     batch.remove(1)
     batch.remove(2)
+    assert len(batch._retained) == 2
+    checks = [(rows_of(batch, slot, len(r.ids)), prefilled_rows(target, drafter, r.ids))
+              for slot, r in batch._retained.items()]
+    q = batch._seqs[0]
+    s, ids = q.s, list(q.ids)
+    step()  # a drafting round: the context of every committed token before it is in place
+    checks.append((rows_of(batch, 0, s, state=False), prefilled_rows(target, drafter, ids[:s], state=False)))
     while len(out[0]) < 60:
         step()
     return out, taus, checks
@@ -83,8 +91,11 @@ def run(target, drafter, prompts, static: bool = False, **kw):
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-shapes"])
 @pytest.mark.parametrize("models", ["agree_models", "dflash2_models", "qwen35_models"],
                          ids=["attention", "dflash2", "qwen35-hybrid"])
-def test_rounds_above_the_limit_run_target_only_and_keep_every_context(request, models, static):
+def test_rounds_above_the_limit_run_target_only_and_keep_every_context(request, models, static, monkeypatch):
+    """(With fixed shapes a backlog is also injected every 5 rows, on the way.)"""
     target, drafter = request.getfixturevalue(models)
+    if static:
+        monkeypatch.setattr(batch_module, "BACKLOG_ROWS", 5)
     prompts = varied_prompts(target, 3, seed=5, length=7)
     out, taus, checks = run(target, drafter, prompts, static=static)
     for sid, n in ((0, 60), (1, 12), (2, 12)):
