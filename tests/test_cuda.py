@@ -125,6 +125,39 @@ def test_batch_recurrent_states_are_static_and_the_carried_stash_is_copied(agree
     assert len(shared) > 3 and not any(shared)
 
 
+def test_target_only_rounds_park_copies_of_the_verify_rows_under_cuda_graphs(agree_pair):
+    """Rounds above ``draft_max_batch_size`` keep each sequence's verified feature rows for a
+    later injection; with CUDA graphs (``graphed``, forced on in an eager fixed-shape
+    batch) what is kept and injected are copies, never a verify's outputs (a later replay
+    overwrites those); every output is unchanged."""
+    from test_batch import alone, drive
+
+    target, drafter = _load(agree_pair)
+    batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=96, static=True, draft_max_batch_size=1)
+    batch.graphed = True
+    verify, flush = batch._verify_fn, batch._flush
+    outputs, shared, flushed = [], [], []
+
+    def ptrs(tensors):
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
+    def recorded_verify(*args):
+        out = verify(*args)
+        outputs.extend(out)  # kept alive: their storage cannot be reused meanwhile
+        return out
+
+    def recorded_flush(q, slot):
+        shared.append(bool(ptrs(q.backlog) & ptrs(outputs)))
+        flushed.append(len(q.backlog))
+        return flush(q, slot)
+
+    batch._verify_fn, batch._flush = recorded_verify, recorded_flush
+    prompts = varied_prompts(target, 2)
+    out = drive(batch, [(0, "add", 0, prompts[0], SamplingParams(), 30), (3, "add", 1, prompts[1], SamplingParams(), 8)])
+    assert [out[0], out[1]] == [alone(target, drafter, p, n) for p, n in zip(prompts, (30, 8))]
+    assert max(flushed) > 3 and not any(shared)
+
+
 def test_eager_cuda_sdpa_leaves_out_cudnn():
     backends = without_shape_plans(lambda: (torch.backends.cuda.cudnn_sdp_enabled(),
                                             torch.backends.cuda.flash_sdp_enabled(),
@@ -187,6 +220,30 @@ def test_compiled_hybrid_batch_on_cuda_graphs_equals_alone(agree_hybrid_pair):
     out = drive(batch, plan)
     for sid in (1, 2, 3):
         assert out[sid] == alone(target, drafter, prompts[sid], budgets[sid], params[sid]), f"sequence {sid}"
+    assert compile_counts() == (frames, 0), "recompiled after warm-up, or skipped CUDA graphs"
+
+
+@cuda
+def test_compiled_hybrid_batch_on_cuda_graphs_with_target_only_rounds_equals_the_target(agree_hybrid_pair):
+    """float32 on CUDA, a hybrid target, ``draft_max_batch_size=1``: rounds switch between
+    drafting (one sequence) and target-only (more), under CUDA graphs; every greedy
+    sequence gets the target's own tokens, and nothing recompiles after warm-up."""
+    from test_batch import alone, drive
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    target, drafter = _load(agree_hybrid_pair, "cuda")
+    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=100, prefill_chunk=32, compile=True,
+                         draft_max_batch_size=1)
+    batch.warmup()
+    frames, skips = compile_counts()
+    assert skips == 0, "a compiled graph ran without CUDA graphs"
+    prompts, budgets, greedy = varied_prompts(target, 3), [50, 12, 12], SamplingParams()
+    plan = [(0, "add", 0, prompts[0], greedy, budgets[0]), (3, "add", 1, prompts[1], greedy, budgets[1]),
+            (3, "add", 2, prompts[2], greedy, budgets[2])]
+    out = drive(batch, plan)
+    for sid in (0, 1, 2):
+        assert out[sid] == alone(target, None, prompts[sid], budgets[sid]), f"sequence {sid}"
     assert compile_counts() == (frames, 0), "recompiled after warm-up, or skipped CUDA graphs"
 
 
