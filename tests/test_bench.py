@@ -318,6 +318,21 @@ def test_bench_batch_sizes_writes_table_plot_and_fields(tiny_pair, tmp_path):
     assert [line.rstrip().endswith("| identical |" if "dflash" in line else "| - |") for line in table] == [True] * 4
 
 
+def test_bench_batch_sizes_with_target_only_rounds_above_a_limit(tiny_pair, tmp_path):
+    """``--draft-max-batch-size 1``: the DFlash rows' rounds of more than one sequence run
+    target-only (tau 1 while 3 decode), outputs stay the target's, bench.json records it."""
+    out = tmp_path / "out"
+    proc = run_bench(tiny_pair, "--max-new-tokens", "10", "--num-prompts", "3", "--modes", "", "--sweep", "",
+                     "--batch-sizes", "3", "--block-size", "4", "--draft-max-batch-size", "1", "--out", str(out),
+                     "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "bench.json").read_text())
+    assert report["draft_max_batch_size"] == 1
+    dflash = report["batch_sizes"][1]
+    assert dflash["mode"] == "dflash" and dflash["outputs_identical_to_target_only"] is True
+    assert dflash["mean_acceptance_length"] == 1.0  # (3 decode in every round: 12 requests, 3 slots, 10 tokens each)
+
+
 def test_bench_rejects_bad_batch_sizes(tiny_pair, tmp_path):
     proc = run_bench(tiny_pair, "--batch-sizes", "1,0", "--out", str(tmp_path), timeout=120)
     assert proc.returncode == 2

@@ -250,7 +250,7 @@ def _run(args: argparse.Namespace) -> int:
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "greedy": True, "ignore_eos": True,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": [], "sweep": None, "shape_sweeps": [], "shapes": [],
-        "batch_sizes": [],
+        "batch_sizes": [], "draft_max_batch_size": args.draft_max_batch_size,
     }
     runs = [] if not modes else run_modes([ALL_MODES[name] for name in modes], engine.target, engine.drafter, prompt_ids,
                      block_size=args.block_size, max_new_tokens=args.max_new_tokens, max_context=max_context,
