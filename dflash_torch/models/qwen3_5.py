@@ -9,8 +9,8 @@ norm scales by ``(1 + weight)``, attention layers gate their output with
 ``sigmoid(gate)`` (the gate comes from ``q_proj``) and rotate only the first
 ``partial_rotary_factor`` of each head. The multimodal RoPE (``mrope_section``) gives the
 same angle to the temporal, height and width sections when all three positions are
-equal, as they are for text, so text decoding uses plain (partial) RoPE. The vision tower
-(``model.visual.``) and the multi-token-prediction head (``mtp.``) are not read.
+equal, as they are for text, so text decoding uses plain (partial) RoPE. A wrapper's vision
+tower (``model.visual.``) and the multi-token-prediction head (``mtp.``) are not read.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from .moe import fuse_expert_weights
 from .target import DecoderLayer, TargetModel, gated_deltanet, sparse_moe
 
 WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+IGNORED_PREFIXES = ("mtp.", "model.mtp.")
+VISION_PREFIX = "model.visual."  # only the multimodal wrappers have a vision tower
 
 
 def text_config(cfg: dict) -> tuple[dict, bool | None]:
@@ -88,6 +89,10 @@ class Model(TargetModel):
 
     @classmethod
     def checkpoint_keys(cls, cfg: TargetConfig, key: str) -> bool:
+        """Skip the multi-token-prediction head, and a wrapper's vision tower (in a text
+        checkpoint, which has none, such weights are unknown and refused)."""
+        if cfg.checkpoint_prefix == "model.language_model." and key.startswith(VISION_PREFIX):
+            return False
         return not key.startswith(IGNORED_PREFIXES)
 
     @classmethod
