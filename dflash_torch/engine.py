@@ -28,7 +28,7 @@ from .batch import BatchDecoder, check_max_batch_size
 from .checkpoint import load_config, read_json_object, resolve_model_dir
 from .decoding import Round, SpeculativeDecoder
 from .errors import DFlashError, OptionError
-from .models.config import DrafterConfig, TargetConfig, eos_token_ids, validate_pair
+from .models.config import DrafterConfig, TargetConfig, check_vocab_ids, eos_token_ids, validate_pair
 from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
 from .models.packing import pack_linears, packing_supported
@@ -238,7 +238,8 @@ class DFlashEngine:
         gen_cfg = target_dir / "generation_config.json"
         if gen_cfg.is_file():
             eos = read_json_object(gen_cfg).get("eos_token_id")
-            engine.stop_token_ids.update(eos_token_ids(eos, "generation_config.json"))
+            engine.stop_token_ids.update(check_vocab_ids(eos_token_ids(eos, "generation_config.json"),
+                                                         target_cfg.vocab_size, "generation_config.json"))
         return engine
 
     @property

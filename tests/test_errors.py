@@ -515,6 +515,20 @@ MALFORMED_CONFIGS = [
     # (a corrupt field: where transformers' tokenizer loader reads config.json it failed as "cannot load the
     # tokenizer ... module 'torch' has no attribute 'bogus'", elsewhere it passed unnoticed)
     ("target", _set("torch_dtype", "bogus"), "target config.json torch_dtype 'bogus' is not a torch dtype"),
+    # an MLP activation other than SiLU decoded silently as SiLU (unlike transformers)
+    ("target", _set("hidden_act", "gelu"), "target config.json hidden_act 'gelu' is not supported"),
+    ("drafter", _set("hidden_act", "gelu_pytorch_tanh"), "drafter config.json hidden_act 'gelu_pytorch_tanh' is not supported"),
+    # a yes/no field as a string: "false" was taken as true (tie_word_embeddings then failed as a
+    # tokenizer error, attention_bias as missing bias weights)
+    ("target", _set("tie_word_embeddings", "false"), "target config.json tie_word_embeddings must be true or false, got 'false'"),
+    ("target", _set("attention_bias", "false"), "target config.json attention_bias must be true or false, got 'false'"),
+    ("drafter", _set("attention_bias", "no"), "drafter config.json attention_bias must be true or false, got 'no'"),
+    # a stop id that can never be generated
+    ("target", _set("eos_token_id", [0, 5000]), "target config.json eos_token_id 5000 is outside the vocabulary of 320 tokens"),
+    ("generation", _set("eos_token_id", 9999), "generation_config.json eos_token_id 9999 is outside the vocabulary of 320 tokens"),
+    # a drafter layer kind that is not attention was run as full attention
+    ("drafter", _set("layer_types", ["linear_attention", "full_attention"]),
+     "drafter layer_types must be full_attention or sliding_attention, got 'linear_attention'"),
     ("generation", b"{", "generation_config.json is not valid JSON"),
     ("generation", _set("eos_token_id", "0"), "generation_config.json eos_token_id must be a token id or a list of them, got '0'"),
     ("index", b"{oops", "model.safetensors.index.json is not valid JSON"),

@@ -318,6 +318,9 @@ def test_unknown_weights_in_a_hybrid_checkpoint_are_refused(checkpoints, tmp_pat
     ({"layer_types": ["sliding_attention"] * 6}, "sliding_attention"),
     ({"linear_num_value_heads": 3}, "not a multiple"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok 9"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false, got 'yes'"),
+    ({"attn_output_gate": 1}, "attn_output_gate must be true or false, got 1"),
+    ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
 ])
 def test_bad_hybrid_configs_are_refused_in_one_line(checkpoints, change, message):
     target_dir, _ = checkpoints["qwen3_next"]

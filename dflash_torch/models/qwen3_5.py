@@ -19,7 +19,7 @@ import torch
 
 from ..errors import DFlashError
 from .attention import Attention
-from .config import (TargetConfig, base_target_fields, layer_types, linear_attention_config, moe_config,
+from .config import (TargetConfig, base_target_fields, bool_field, layer_types, linear_attention_config, moe_config,
                      rotary_fraction)
 from .layers import MLP, ZeroCenteredRMSNorm
 from .moe import fuse_expert_weights
@@ -46,7 +46,7 @@ def text_config(cfg: dict) -> tuple[dict, bool | None]:
     for key in ("eos_token_id", "max_position_embeddings"):  # some wrappers keep these at the top level
         if merged.get(key) is None and cfg.get(key) is not None:
             merged[key] = cfg[key]
-    return merged, bool(cfg.get("tie_word_embeddings", False))
+    return merged, bool_field(cfg, "tie_word_embeddings", "target", False)
 
 
 def parse_config(cfg: dict) -> TargetConfig:
@@ -56,10 +56,10 @@ def parse_config(cfg: dict) -> TargetConfig:
     fields = base_target_fields(text, model_type)
     fields.update(
         qk_norm=True,
-        attention_output_gate=bool(text.get("attn_output_gate", True)),  # published configs say true
+        attention_output_gate=bool_field(text, "attn_output_gate", "target", True),  # published configs say true
         layer_types=layer_types(text),
         linear_attention=linear_attention_config(text),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)) if wrapper_tie is None else wrapper_tie,
+        tie_word_embeddings=bool_field(text, "tie_word_embeddings", "target", False) if wrapper_tie is None else wrapper_tie,
         partial_rotary_factor=rotary_fraction(text, default=0.25),  # transformers' default for Qwen3.5
         checkpoint_prefix="model.language_model." if cfg["model_type"] in WRAPPERS else "model.",
     )
