@@ -14,6 +14,7 @@ whichever comes first; nothing past it is emitted.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import Counter
@@ -195,6 +196,10 @@ class DFlashEngine:
         if fuse is not None:
             options.check_flag(fuse, "fuse")
         torch_dtype, dev = options.resolve_dtype(dtype), options.resolve_device(device)
+        for name, path in (("target", target), ("draft", draft)):
+            if path is not None and not isinstance(path, (str, os.PathLike)):
+                raise OptionError(f"{name} must be a checkpoint directory or a cached Hugging Face id (a str or a path), "
+                                  f"got {path!r}", name)
         if target is None:
             target = DEFAULT_TARGET
             if draft is None and not no_draft:

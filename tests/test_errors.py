@@ -140,6 +140,23 @@ def test_yes_no_load_options_must_be_bools(bad, name, value):
         DFlashEngine.from_pretrained(bad["target"], None if name == "no_draft" else bad["drafter"], **{name: value})
 
 
+@pytest.mark.parametrize("name", ["target", "draft"])
+def test_a_checkpoint_that_is_not_a_path_names_the_argument(bad, name):
+    """from_pretrained(5) raised a TypeError from pathlib."""
+    kw = dict(target=bad["target"], draft=bad["drafter"])
+    kw[name] = 5
+    with pytest.raises(DFlashError, match=f"^{name} must be a checkpoint directory or a cached Hugging Face id "
+                                          "\\(a str or a path\\), got 5$"):
+        DFlashEngine.from_pretrained(**kw)
+
+
+def test_recompute_with_static_names_static(bad):
+    """The refusal named compile, which the caller had not passed."""
+    with pytest.raises(DFlashError, match="^draft_mode 'recompute' grows its shapes every round; it cannot run "
+                                          "with static \\(fixed shapes\\)$"):
+        DFlashEngine.from_pretrained(bad["target"], bad["drafter"], draft_mode="recompute", static=True)
+
+
 GENERATE_CASES = [
     ("context-overflow", dict(max_new_tokens=2000), "exceeds the context"),
     ("negative-temperature", dict(temperature=-0.5), "temperature"),
