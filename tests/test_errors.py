@@ -302,6 +302,19 @@ def test_target_with_unused_or_misshaped_weights_is_refused(tmp_path):
             TargetModel.from_pretrained(target, torch.float32)
 
 
+def test_a_weight_in_two_files_is_refused(tiny_pair, tmp_path, capsys):
+    """Two safetensors files holding the same weight (a second copy left beside the
+    first, or two shards of an index): the file read last silently won."""
+    target, drafter = tiny_pair
+    copy = shutil.copytree(drafter, tmp_path / "drafter")
+    (copy / "model.safetensors").rename(copy / "a.safetensors")
+    shutil.copy(copy / "a.safetensors", copy / "b.safetensors")
+    with pytest.raises(DFlashError, match=r"weight \S+ is in both a\.safetensors and b\.safetensors"):
+        DFlashEngine.from_pretrained(target, copy)
+    assert cli_main(["generate", "hi", "--target", str(target), "--draft", str(copy), "--max-new-tokens", "2"]) == 2
+    assert "is in both a.safetensors and b.safetensors" in capsys.readouterr().err
+
+
 def test_drafter_with_integer_weights_is_refused(tiny_pair, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
