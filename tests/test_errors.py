@@ -302,6 +302,20 @@ def test_target_with_unused_or_misshaped_weights_is_refused(tmp_path):
             TargetModel.from_pretrained(target, torch.float32)
 
 
+@pytest.mark.parametrize("prompt", ["12", [1.7, 2], [True, 3], ["5"]], ids=["str", "float", "bool", "str-id"])
+def test_step_level_apis_refuse_prompt_ids_that_are_not_integers(engine, prompt):
+    """BatchDecoder.add and SpeculativeDecoder.rounds took "12" as the ids 1 and 2 and 1.7
+    as 1 (int() of each), or failed with a ValueError."""
+    from dflash_torch.sampling import SamplingParams
+
+    batch = engine.batch_decoder()
+    with pytest.raises(DFlashError, match="^prompt token ids must be integers, got "):
+        batch.add("s", prompt, SamplingParams(), 2)
+    assert "s" not in batch and batch.free_slots == engine.max_batch_size
+    with pytest.raises(DFlashError, match="^prompt token ids must be integers, got "):
+        next(engine.decoder.rounds(prompt, SamplingParams(), 2))
+
+
 def test_a_weight_in_two_files_is_refused(tiny_pair, tmp_path, capsys):
     """Two safetensors files holding the same weight (a second copy left beside the
     first, or two shards of an index): the file read last silently won."""
