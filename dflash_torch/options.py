@@ -138,6 +138,21 @@ def check_api_key(value: str | None, name: str = "api_key") -> str | None:
     return key
 
 
+def check_model_name(value: str | None, name: str = "model_name") -> str | None:
+    """The model id a server serves: None (the default name) or a non-blank string.
+
+    Raises:
+        OptionError: a value that is not a string, or an empty / blank one.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise OptionError(f"{name} must be a string, got {type(value).__name__}", name)
+    if not value.strip():
+        raise OptionError(f"{name} must not be empty", name)
+    return value
+
+
 def check_stop(value: str | Sequence[str] | None, name: str = "stop") -> list[str]:
     """Stop strings: a non-empty string or a list of them; None means none."""
     if value is None:

@@ -365,6 +365,9 @@ BAD_OPTIONS = [
     ("--device", "cuda:99", MODEL_COMMANDS, "--device .cuda:99."),
     ("--api-key", " ", ("serve",), "api-key"),
     ("--api-key", "sk with spaces", ("serve",), "api-key"),
+    # (an empty name served the directory's name, a blank one served "  ")
+    ("--model-name", "", ("serve",), "--model-name must not be empty"),
+    ("--model-name", "  ", ("serve",), "--model-name must not be empty"),
 ]
 OPTION_CASES = [(cmd, opt, value, words) for opt, value, cmds, words in BAD_OPTIONS for cmd in cmds]
 
@@ -457,6 +460,14 @@ def test_api_key_is_validated_and_stripped(engine):
     for bad in ("", "  \n", "sk with space", "sk-\u00e9t\u00e9", 42):
         with pytest.raises(DFlashError, match="api_key"):
             create_app(engine, api_key=bad)
+
+
+@pytest.mark.parametrize("bad", ["", " ", 5])
+def test_model_name_must_be_a_non_blank_string(engine, bad):
+    from dflash_torch.serving import create_app
+
+    with pytest.raises(DFlashError, match="^model_name must (not be empty|be a string, got int)$"):
+        create_app(engine, model_name=bad)
 
 
 def test_quantized_drafter_is_refused_like_a_quantized_target(tiny_pair, tmp_path):
