@@ -297,8 +297,9 @@ class DFlashEngine:
         cannot fit the context and is refused before it is tokenized.
 
         Raises:
-            DFlashError: ``chat`` not a bool or without a tokenizer chat template, a malformed
-                prompt, or one longer than ``max_prompt_chars``.
+            DFlashError: ``chat`` not a bool or without a tokenizer chat template, messages
+                the chat template refuses (or a template that cannot be rendered), a
+                malformed prompt, or one longer than ``max_prompt_chars``.
         """
         options.check_flag(chat, "chat")
         if isinstance(prompt, list) and not prompt:
@@ -315,12 +316,27 @@ class DFlashEngine:
                 raise OptionError("chat cannot be used: this model's tokenizer has no chat template "
                                   "(send a text prompt)", "chat")
             self._check_length(sum(len(m["content"]) for m in messages))
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return self._encode(text, add_special_tokens=False)
+            return self._encode(self._render_chat(messages), add_special_tokens=False)
         if not isinstance(prompt, str):
             raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages")
         self._check_length(len(prompt))
         return self._encode(prompt)
+
+    def _render_chat(self, messages: list[dict]) -> str:
+        """The tokenizer's chat template applied to ``messages`` (with the generation prompt).
+
+        Raises:
+            DFlashError: the template refuses the messages (its ``raise_exception``, e.g.
+                roles out of order) or cannot be rendered at all (a broken template).
+        """
+        import jinja2
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError) as exc:
+            raise DFlashError(f"the model's chat template cannot be rendered: {' '.join(str(exc).split())}") from None
+        except jinja2.TemplateError as exc:
+            raise DFlashError(f"the chat template refuses these messages: {' '.join(str(exc).split())}") from None
 
     def _check_length(self, chars: int) -> None:
         if chars > self.max_prompt_chars:

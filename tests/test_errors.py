@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_tokenizer, dflash2_config, drafter_config, make_target, save_drafter
+from conftest import REFUSING_TEMPLATE, copy_tokenizer, dflash2_config, drafter_config, make_target, save_drafter
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.cli import main as cli_main
 
@@ -638,6 +638,26 @@ def test_chat_without_a_chat_template_names_the_argument_or_the_flag(tiny_pair, 
     assert cli_main(["generate", "hi", "--chat", "--target", str(target), "--no-draft", "--max-new-tokens", "2"]) == 2
     assert capsys.readouterr().err.strip() == ("dflash-torch: error: --chat cannot be used: this model's tokenizer "
                                                "has no chat template (send a text prompt)")
+
+
+@pytest.mark.parametrize("template, words", [
+    (REFUSING_TEMPLATE, "the chat template refuses these messages: System role not supported"),
+    ("{{ messages | bogusfilter }}", "the model's chat template cannot be rendered: No filter named 'bogusfilter'."),
+], ids=["raise_exception", "broken"])
+def test_a_chat_template_error_is_a_one_line_error(tiny_pair, tmp_path, capsys, template, words):
+    """Templates raise on messages they refuse (roles out of order, a system role, ...):
+    that was a jinja2 TemplateError traceback on the command line (a 500 in the server)."""
+    target = shutil.copytree(tiny_pair[0], tmp_path / "template")
+    (target / "chat_template.jinja").write_text(template)
+    engine = DFlashEngine.from_pretrained(target, no_draft=True)
+    with pytest.raises(DFlashError) as err:
+        engine.generate([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], max_new_tokens=2)
+    assert str(err.value) == words
+    assert cli_main(["generate", "hi", "--chat", "--target", str(target), "--no-draft", "--max-new-tokens", "2"]) == (
+        2 if template != REFUSING_TEMPLATE else 0)  # (a user message alone is fine by the refusing template)
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    if template != REFUSING_TEMPLATE:
+        assert err_lines == [f"dflash-torch: error: {words}"]
 
 
 @pytest.mark.parametrize("case", ["drafter-as-target", "recompute-compiled"])
