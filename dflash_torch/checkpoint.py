@@ -114,15 +114,19 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             materialized); None reads all.
 
     Raises:
-        DFlashError: a weight file that is not valid safetensors (corrupt or truncated).
+        DFlashError: a weight file that is not valid safetensors (corrupt or truncated), or
+            a weight name in two files.
     """
     from safetensors import SafetensorError
 
-    state = {}
+    state, source = {}, {}
     for file in weight_files(model_dir):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in f.keys():
+                    if key in source:  # (which copy wins would depend on the file order)
+                        raise DFlashError(f"{model_dir}: weight {key} is in both {source[key].name} and {file.name}")
+                    source[key] = file
                     if keep is not None and not keep(key):
                         continue
                     t = f.get_tensor(key)

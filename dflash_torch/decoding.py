@@ -184,8 +184,9 @@ class SpeculativeDecoder:
         block_size = check_block_size(block_size, trained) or trained or 1
         self.static = static or compile
         if self.static and drafter is not None and draft_mode == "recompute":
-            raise OptionError("draft_mode 'recompute' grows its shapes every round; it cannot run with compile "
-                              "(fixed shapes)", "draft_mode", "compile")
+            fixed = "compile" if compile else "static"
+            raise OptionError(f"draft_mode 'recompute' grows its shapes every round; it cannot run with {fixed} "
+                              "(fixed shapes)", "draft_mode", fixed)
         limit = target.config.max_position_embeddings
         self.max_context = check_max_context(max_context, limit) or limit
         self.block_size = block_size

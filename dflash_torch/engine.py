@@ -14,6 +14,7 @@ whichever comes first; nothing past it is emitted.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import Counter
@@ -28,7 +29,7 @@ from .batch import BatchDecoder, check_max_batch_size
 from .checkpoint import load_config, read_json_object, resolve_model_dir
 from .decoding import Round, SpeculativeDecoder
 from .errors import DFlashError, OptionError
-from .models.config import DrafterConfig, TargetConfig, eos_token_ids, validate_pair
+from .models.config import DrafterConfig, TargetConfig, check_vocab_ids, eos_token_ids, validate_pair
 from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
 from .models.packing import pack_linears, packing_supported
@@ -207,6 +208,10 @@ class DFlashEngine:
         if fuse is not None:
             options.check_flag(fuse, "fuse")
         torch_dtype, dev = options.resolve_dtype(dtype), options.resolve_device(device)
+        for name, path in (("target", target), ("draft", draft)):
+            if path is not None and not isinstance(path, (str, os.PathLike)):
+                raise OptionError(f"{name} must be a checkpoint directory or a cached Hugging Face id (a str or a path), "
+                                  f"got {path!r}", name)
         if target is None:
             target = DEFAULT_TARGET
             if draft is None and not no_draft:
@@ -253,7 +258,8 @@ class DFlashEngine:
         gen_cfg = target_dir / "generation_config.json"
         if gen_cfg.is_file():
             eos = read_json_object(gen_cfg).get("eos_token_id")
-            engine.stop_token_ids.update(eos_token_ids(eos, "generation_config.json"))
+            engine.stop_token_ids.update(check_vocab_ids(eos_token_ids(eos, "generation_config.json"),
+                                                         target_cfg.vocab_size, "generation_config.json"))
         return engine
 
     @property
@@ -306,8 +312,9 @@ class DFlashEngine:
         cannot fit the context and is refused before it is tokenized.
 
         Raises:
-            DFlashError: ``chat`` not a bool or without a tokenizer chat template, a malformed
-                prompt, or one longer than ``max_prompt_chars``.
+            DFlashError: ``chat`` not a bool or without a tokenizer chat template, messages
+                the chat template refuses (or a template that cannot be rendered), a
+                malformed prompt, or one longer than ``max_prompt_chars``.
         """
         options.check_flag(chat, "chat")
         if isinstance(prompt, list) and not prompt:
@@ -324,12 +331,27 @@ class DFlashEngine:
                 raise OptionError("chat cannot be used: this model's tokenizer has no chat template "
                                   "(send a text prompt)", "chat")
             self._check_length(sum(len(m["content"]) for m in messages))
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return self._encode(text, add_special_tokens=False)
+            return self._encode(self._render_chat(messages), add_special_tokens=False)
         if not isinstance(prompt, str):
             raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages")
         self._check_length(len(prompt))
         return self._encode(prompt)
+
+    def _render_chat(self, messages: list[dict]) -> str:
+        """The tokenizer's chat template applied to ``messages`` (with the generation prompt).
+
+        Raises:
+            DFlashError: the template refuses the messages (its ``raise_exception``, e.g.
+                roles out of order) or cannot be rendered at all (a broken template).
+        """
+        import jinja2
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError) as exc:
+            raise DFlashError(f"the model's chat template cannot be rendered: {' '.join(str(exc).split())}") from None
+        except jinja2.TemplateError as exc:
+            raise DFlashError(f"the chat template refuses these messages: {' '.join(str(exc).split())}") from None
 
     def _check_length(self, chars: int) -> None:
         if chars > self.max_prompt_chars:

@@ -54,13 +54,17 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_new_tokens: int
     tokens; returns the prompt's length (tokens).
 
     Raises:
-        DFlashError: an empty prompt, ids outside ``[0, vocab_size)``, or prompt plus
-            ``max_new_tokens`` beyond ``max_context``.
+        DFlashError: a prompt that is not a list of integers (Python or NumPy integers,
+            0-dim integer tensors; not bools), an empty prompt, ids outside ``[0, vocab_size)``,
+            or prompt plus ``max_new_tokens`` beyond ``max_context``.
     """
+    if not isinstance(prompt_ids, list) or any(isinstance(t, bool) or not hasattr(t, "__index__") for t in prompt_ids):
+        shown = prompt_ids if isinstance(prompt_ids, (str, list)) and len(prompt_ids) <= 8 else type(prompt_ids).__name__
+        raise DFlashError(f"prompt token ids must be integers, got {shown!r}")
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
         raise DFlashError("the prompt is empty (0 tokens)")
-    if any(not 0 <= int(t) < vocab_size for t in prompt_ids):
+    if any(not 0 <= t.__index__() < vocab_size for t in prompt_ids):
         raise DFlashError(f"prompt token ids must be in [0, {vocab_size})")
     if n_prompt + max_new_tokens > max_context:
         raise OptionError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
@@ -132,6 +136,21 @@ def check_api_key(value: str | None, name: str = "api_key") -> str | None:
     if not all("!" <= c <= "~" for c in key):
         raise OptionError(f"{name} must be printable ASCII without spaces (it is sent in an HTTP header)", name)
     return key
+
+
+def check_model_name(value: str | None, name: str = "model_name") -> str | None:
+    """The model id a server serves: None (the default name) or a non-blank string.
+
+    Raises:
+        OptionError: a value that is not a string, or an empty / blank one.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise OptionError(f"{name} must be a string, got {type(value).__name__}", name)
+    if not value.strip():
+        raise OptionError(f"{name} must not be empty", name)
+    return value
 
 
 def check_stop(value: str | Sequence[str] | None, name: str = "stop") -> list[str]:

@@ -62,6 +62,11 @@ def make_tokenizer(out_dir: Path, vocab_size: int = VOCAB) -> None:
     fast.save_pretrained(str(out_dir))
 
 
+# a chat template that refuses a system message, as real templates refuse roles out of order
+REFUSING_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                     "supported') }}{% endif %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}# assistant:\n")
+
+
 def make_target(out_dir: Path, family: str = "qwen3", *, seed: int = 0, tokenizer: bool = True,
                 max_shard_size: str | None = None, **overrides) -> Path:
     """Save a tiny random target of ``family`` (qwen3, llama, qwen2) with transformers' class

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_tokenizer, dflash2_config, drafter_config, make_target, save_drafter
+from conftest import REFUSING_TEMPLATE, copy_tokenizer, dflash2_config, drafter_config, make_target, save_drafter
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.cli import main as cli_main
 
@@ -138,6 +138,23 @@ def test_yes_no_load_options_must_be_bools(bad, name, value):
     fuse="no" joined the projections (every truthy value read as True)."""
     with pytest.raises(DFlashError, match=f"^{name} must be True or False, got {value!r}$"):
         DFlashEngine.from_pretrained(bad["target"], None if name == "no_draft" else bad["drafter"], **{name: value})
+
+
+@pytest.mark.parametrize("name", ["target", "draft"])
+def test_a_checkpoint_that_is_not_a_path_names_the_argument(bad, name):
+    """from_pretrained(5) raised a TypeError from pathlib."""
+    kw = dict(target=bad["target"], draft=bad["drafter"])
+    kw[name] = 5
+    with pytest.raises(DFlashError, match=f"^{name} must be a checkpoint directory or a cached Hugging Face id "
+                                          "\\(a str or a path\\), got 5$"):
+        DFlashEngine.from_pretrained(**kw)
+
+
+def test_recompute_with_static_names_static(bad):
+    """The refusal named compile, which the caller had not passed."""
+    with pytest.raises(DFlashError, match="^draft_mode 'recompute' grows its shapes every round; it cannot run "
+                                          "with static \\(fixed shapes\\)$"):
+        DFlashEngine.from_pretrained(bad["target"], bad["drafter"], draft_mode="recompute", static=True)
 
 
 GENERATE_CASES = [
@@ -285,6 +302,33 @@ def test_target_with_unused_or_misshaped_weights_is_refused(tmp_path):
             TargetModel.from_pretrained(target, torch.float32)
 
 
+@pytest.mark.parametrize("prompt", ["12", [1.7, 2], [True, 3], ["5"]], ids=["str", "float", "bool", "str-id"])
+def test_step_level_apis_refuse_prompt_ids_that_are_not_integers(engine, prompt):
+    """BatchDecoder.add and SpeculativeDecoder.rounds took "12" as the ids 1 and 2 and 1.7
+    as 1 (int() of each), or failed with a ValueError."""
+    from dflash_torch.sampling import SamplingParams
+
+    batch = engine.batch_decoder()
+    with pytest.raises(DFlashError, match="^prompt token ids must be integers, got "):
+        batch.add("s", prompt, SamplingParams(), 2)
+    assert "s" not in batch and batch.free_slots == engine.max_batch_size
+    with pytest.raises(DFlashError, match="^prompt token ids must be integers, got "):
+        next(engine.decoder.rounds(prompt, SamplingParams(), 2))
+
+
+def test_a_weight_in_two_files_is_refused(tiny_pair, tmp_path, capsys):
+    """Two safetensors files holding the same weight (a second copy left beside the
+    first, or two shards of an index): the file read last silently won."""
+    target, drafter = tiny_pair
+    copy = shutil.copytree(drafter, tmp_path / "drafter")
+    (copy / "model.safetensors").rename(copy / "a.safetensors")
+    shutil.copy(copy / "a.safetensors", copy / "b.safetensors")
+    with pytest.raises(DFlashError, match=r"weight \S+ is in both a\.safetensors and b\.safetensors"):
+        DFlashEngine.from_pretrained(target, copy)
+    assert cli_main(["generate", "hi", "--target", str(target), "--draft", str(copy), "--max-new-tokens", "2"]) == 2
+    assert "is in both a.safetensors and b.safetensors" in capsys.readouterr().err
+
+
 def test_drafter_with_integer_weights_is_refused(tiny_pair, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
@@ -322,6 +366,9 @@ BAD_OPTIONS = [
     ("--api-key", " ", ("serve",), "api-key"),
     ("--api-key", "sk with spaces", ("serve",), "api-key"),
     ("--draft-max-batch-size", "0", ("serve", "bench"), "--draft-max-batch-size must be an integer >= 1"),
+    # (an empty name served the directory's name, a blank one served "  ")
+    ("--model-name", "", ("serve",), "--model-name must not be empty"),
+    ("--model-name", "  ", ("serve",), "--model-name must not be empty"),
 ]
 OPTION_CASES = [(cmd, opt, value, words) for opt, value, cmds, words in BAD_OPTIONS for cmd in cmds]
 
@@ -414,6 +461,14 @@ def test_api_key_is_validated_and_stripped(engine):
     for bad in ("", "  \n", "sk with space", "sk-\u00e9t\u00e9", 42):
         with pytest.raises(DFlashError, match="api_key"):
             create_app(engine, api_key=bad)
+
+
+@pytest.mark.parametrize("bad", ["", " ", 5])
+def test_model_name_must_be_a_non_blank_string(engine, bad):
+    from dflash_torch.serving import create_app
+
+    with pytest.raises(DFlashError, match="^model_name must (not be empty|be a string, got int)$"):
+        create_app(engine, model_name=bad)
 
 
 def test_quantized_drafter_is_refused_like_a_quantized_target(tiny_pair, tmp_path):
@@ -516,6 +571,20 @@ MALFORMED_CONFIGS = [
     # (a corrupt field: where transformers' tokenizer loader reads config.json it failed as "cannot load the
     # tokenizer ... module 'torch' has no attribute 'bogus'", elsewhere it passed unnoticed)
     ("target", _set("torch_dtype", "bogus"), "target config.json torch_dtype 'bogus' is not a torch dtype"),
+    # an MLP activation other than SiLU decoded silently as SiLU (unlike transformers)
+    ("target", _set("hidden_act", "gelu"), "target config.json hidden_act 'gelu' is not supported"),
+    ("drafter", _set("hidden_act", "gelu_pytorch_tanh"), "drafter config.json hidden_act 'gelu_pytorch_tanh' is not supported"),
+    # a yes/no field as a string: "false" was taken as true (tie_word_embeddings then failed as a
+    # tokenizer error, attention_bias as missing bias weights)
+    ("target", _set("tie_word_embeddings", "false"), "target config.json tie_word_embeddings must be true or false, got 'false'"),
+    ("target", _set("attention_bias", "false"), "target config.json attention_bias must be true or false, got 'false'"),
+    ("drafter", _set("attention_bias", "no"), "drafter config.json attention_bias must be true or false, got 'no'"),
+    # a stop id that can never be generated
+    ("target", _set("eos_token_id", [0, 5000]), "target config.json eos_token_id 5000 is outside the vocabulary of 320 tokens"),
+    ("generation", _set("eos_token_id", 9999), "generation_config.json eos_token_id 9999 is outside the vocabulary of 320 tokens"),
+    # a drafter layer kind that is not attention was run as full attention
+    ("drafter", _set("layer_types", ["linear_attention", "full_attention"]),
+     "drafter layer_types must be full_attention or sliding_attention, got 'linear_attention'"),
     ("generation", b"{", "generation_config.json is not valid JSON"),
     ("generation", _set("eos_token_id", "0"), "generation_config.json eos_token_id must be a token id or a list of them, got '0'"),
     ("index", b"{oops", "model.safetensors.index.json is not valid JSON"),
@@ -570,6 +639,26 @@ def test_chat_without_a_chat_template_names_the_argument_or_the_flag(tiny_pair, 
     assert cli_main(["generate", "hi", "--chat", "--target", str(target), "--no-draft", "--max-new-tokens", "2"]) == 2
     assert capsys.readouterr().err.strip() == ("dflash-torch: error: --chat cannot be used: this model's tokenizer "
                                                "has no chat template (send a text prompt)")
+
+
+@pytest.mark.parametrize("template, words", [
+    (REFUSING_TEMPLATE, "the chat template refuses these messages: System role not supported"),
+    ("{{ messages | bogusfilter }}", "the model's chat template cannot be rendered: No filter named 'bogusfilter'."),
+], ids=["raise_exception", "broken"])
+def test_a_chat_template_error_is_a_one_line_error(tiny_pair, tmp_path, capsys, template, words):
+    """Templates raise on messages they refuse (roles out of order, a system role, ...):
+    that was a jinja2 TemplateError traceback on the command line (a 500 in the server)."""
+    target = shutil.copytree(tiny_pair[0], tmp_path / "template")
+    (target / "chat_template.jinja").write_text(template)
+    engine = DFlashEngine.from_pretrained(target, no_draft=True)
+    with pytest.raises(DFlashError) as err:
+        engine.generate([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], max_new_tokens=2)
+    assert str(err.value) == words
+    assert cli_main(["generate", "hi", "--chat", "--target", str(target), "--no-draft", "--max-new-tokens", "2"]) == (
+        2 if template != REFUSING_TEMPLATE else 0)  # (a user message alone is fine by the refusing template)
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    if template != REFUSING_TEMPLATE:
+        assert err_lines == [f"dflash-torch: error: {words}"]
 
 
 @pytest.mark.parametrize("case", ["drafter-as-target", "recompute-compiled"])

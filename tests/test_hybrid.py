@@ -289,18 +289,25 @@ def test_wrapper_reads_no_vision_weights(checkpoints, monkeypatch):
     assert not any("visual" in name for name, _ in model.named_parameters())
 
 
-def test_unknown_weights_in_a_hybrid_checkpoint_are_refused(checkpoints, tmp_path):
+@pytest.mark.parametrize("family, extra", [
+    ("qwen3_5_text", "model.layers.0.linear_attn.extra_bias"),
+    # a vision tower is skipped only in the multimodal wrappers; text checkpoints have none
+    ("qwen3_5_text", "model.visual.blocks.0.attn.qkv.weight"),
+    ("qwen3_5_moe_text", "model.visual.blocks.0.attn.qkv.weight"),
+    ("qwen3_next", "model.visual.blocks.0.attn.qkv.weight"),
+])
+def test_unknown_weights_in_a_hybrid_checkpoint_are_refused(checkpoints, tmp_path, family, extra):
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    target_dir, _ = checkpoints["qwen3_5_text"]
+    target_dir, _ = checkpoints[family]
     bad = tmp_path / "bad"
     shutil.copytree(target_dir, bad)
     state = load_file(str(bad / "model.safetensors"))
-    state["model.layers.0.linear_attn.extra_bias"] = torch.zeros(4)
+    state[extra] = torch.zeros(4)
     save_file(state, str(bad / "model.safetensors"))
-    with pytest.raises(DFlashError, match="extra_bias"):
+    with pytest.raises(DFlashError, match=extra.replace(".", r"\.")):
         TargetModel.from_pretrained(bad, torch.float32)
 
 
@@ -311,6 +318,9 @@ def test_unknown_weights_in_a_hybrid_checkpoint_are_refused(checkpoints, tmp_pat
     ({"layer_types": ["sliding_attention"] * 6}, "sliding_attention"),
     ({"linear_num_value_heads": 3}, "not a multiple"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok 9"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false, got 'yes'"),
+    ({"attn_output_gate": 1}, "attn_output_gate must be true or false, got 1"),
+    ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
 ])
 def test_bad_hybrid_configs_are_refused_in_one_line(checkpoints, change, message):
     target_dir, _ = checkpoints["qwen3_next"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import read_completion_stream
+from conftest import REFUSING_TEMPLATE, read_completion_stream
 
 API_KEY = "sk-test-dflash"
 MODEL = "tiny-dflash"
@@ -658,3 +658,30 @@ def test_sigint_ends_every_request_cleanly(tmp_path):
     err = _assert_openai_error(queued["response"], 503)
     assert err["code"] == "server_shutting_down", err
     assert "Traceback" not in text and "CancelledError" not in text, text
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(tiny_pair, tmp_path):
+    """A template's raise_exception (here: no system role) was a 500 "internal server
+    error: TemplateError"; it is the client's messages that are refused."""
+    import shutil
+
+    target = shutil.copytree(tiny_pair[0], tmp_path / "template")
+    (target / "chat_template.jinja").write_text(REFUSING_TEMPLATE)
+    port, log = _free_port(), tmp_path / "server.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target), "--no-draft",
+                                 "--port", str(port), "--log-level", "warning"],
+                                stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_up(proc, base, log)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="template", max_tokens=2, stream=stream, messages=[
+                    {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+            assert err.value.body["message"] == "the chat template refuses these messages: System role not supported"
+        ok = client.chat.completions.create(model="template", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert ok.choices[0].finish_reason in ("length", "stop")
+    finally:
+        stop(proc)

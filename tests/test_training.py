@@ -288,6 +288,12 @@ REFUSED_TRAIN_OPTIONS = {
     "top-k-above-vocab": "--selector-top-k 400 exceeds the vocabulary of 320",
     "self-distill-batch-0": "--self-distill-batch must be >= 1, got 0",
     "negative-prefix": "--prefix-min must be >= 1, got -5",
+    # (an IndexError traceback from copying target layer -5 of 4)
+    "init-from-target-too-deep": "--init-from-target copies the target's last --num-layers layers: at most 4, got 9",
+    "intermediate-size-0": "--intermediate-size must be >= 1, got 0",  # (0 meant the target's width)
+    "prefix-min-above-max": "--prefix-min (10) must be <= --prefix-max (5)",
+    "negative-weight-decay": "--weight-decay must be >= 0, got -0.1",  # (the message named five options)
+    "grad-clip-0": "--grad-clip must be > 0, got 0.0",
 }
 
 
@@ -323,6 +329,16 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
     elif case == "negative-prefix":  # (sliced the prompts from the wrong end)
         args += ["--self-distill", "2", "--prefix-min", "-5", "--prefix-max", "-1", "--seq-len", "64", "--batch", "2",
                  "--val-seqs", "0"]
+    elif case == "init-from-target-too-deep":
+        args += ["--init-from-target", "--num-layers", "9"]
+    elif case == "intermediate-size-0":
+        args += ["--intermediate-size", "0"]
+    elif case == "prefix-min-above-max":
+        args += ["--self-distill", "2", "--prefix-min", "10", "--prefix-max", "5"]
+    elif case == "negative-weight-decay":
+        args += ["--weight-decay", "-0.1"]
+    elif case == "grad-clip-0":
+        args += ["--grad-clip", "0"]
     else:
         args += ["--save-dtype", "float16"]
     target_files = {p.name: p.read_bytes() for p in Path(target).iterdir() if p.is_file()}

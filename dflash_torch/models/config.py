@@ -103,6 +103,47 @@ def number_field(cfg: dict, key: str, what: str, default: float) -> float:
     return float(value)
 
 
+def bool_field(cfg: dict, key: str, what: str, default: bool) -> bool:
+    """``cfg[key]``, a JSON true / false; ``default`` when absent or null.
+
+    Raises:
+        DFlashError: any other value (the string ``"false"`` would read as true).
+    """
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise DFlashError(f"{what} config.json {key} must be true or false, got {value!r}")
+    return value
+
+
+SILU_NAMES = ("silu", "swish")  # transformers' names of the SwiGLU MLP's activation
+
+
+def check_activation(cfg: dict, what: str) -> None:
+    """Refuse a ``hidden_act`` other than SiLU: every MLP here is SwiGLU with SiLU, so any
+    other activation would be decoded as SiLU, unlike the model it names.
+
+    Raises:
+        DFlashError: ``{what} config.json hidden_act ... is not supported``.
+    """
+    act = cfg.get("hidden_act")
+    if act is not None and act not in SILU_NAMES:
+        raise DFlashError(f"{what} config.json hidden_act {act!r} is not supported (only silu)")
+
+
+def check_vocab_ids(ids: list[int], vocab_size: int, where: str) -> list[int]:
+    """``ids`` (``eos_token_id`` values from the file ``where``), each in ``[0, vocab_size)``.
+
+    Raises:
+        DFlashError: an id outside the vocabulary (a stop id that could never be generated).
+    """
+    for i in ids:
+        if i >= vocab_size:
+            raise DFlashError(f"{where} eos_token_id {i} is outside the vocabulary of {vocab_size} tokens")
+    return ids
+
+
 def check_int(cfg: dict, key: str, what: str, minimum: int = 1):
     """``cfg[key]`` when it is absent or null (returned as is) or an integer >= ``minimum``.
 
@@ -235,9 +276,11 @@ def base_target_fields(cfg: dict, model_type: str) -> dict:
     _require(cfg, ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"], "target")
     for key in ("num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"):
         check_int(cfg, key, "target", minimum=MIN_POSITIONS if key == "max_position_embeddings" else 1)
+    check_activation(cfg, "target")
     heads = cfg["num_attention_heads"]
     theta, scaling = _rope(cfg, "target")
-    eos = eos_token_ids(cfg.get("eos_token_id"), "target config.json")
+    eos = check_vocab_ids(eos_token_ids(cfg.get("eos_token_id"), "target config.json"), cfg["vocab_size"],
+                          "target config.json")
     return dict(
         model_type=model_type,
         vocab_size=cfg["vocab_size"],
@@ -251,8 +294,8 @@ def base_target_fields(cfg: dict, model_type: str) -> dict:
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias")),
+        tie_word_embeddings=bool_field(cfg, "tie_word_embeddings", "target", False),
+        attention_bias=bool_field(cfg, "attention_bias", "target", False),
         qk_norm=False,
         eos_token_ids=eos,
         partial_rotary_factor=rotary_fraction(cfg),
@@ -330,7 +373,7 @@ def moe_config(cfg: dict, *, norm_topk_prob: bool | None = None, shared_expert: 
     moe = MoEConfig(
         num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
         intermediate_size=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if norm_topk_prob is None else norm_topk_prob,
+        norm_topk_prob=bool_field(cfg, "norm_topk_prob", "target", False) if norm_topk_prob is None else norm_topk_prob,
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if shared_expert else 0,
     )
     if not 1 <= moe.top_k <= moe.num_experts:
@@ -508,10 +551,14 @@ class DrafterConfig:
         if not isinstance(layer_ids, list) or not layer_ids or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
             raise DFlashError(f"drafter dflash_config.target_layer_ids must be a non-empty list of integers, got {layer_ids!r}")
+        check_activation(cfg, "drafter")
         heads = cfg["num_attention_heads"]
         layer_types = cfg.get("layer_types") or ["full_attention"] * n
-        if len(layer_types) != n:
-            raise DFlashError(f"drafter layer_types has {len(layer_types)} entries but num_hidden_layers is {n}")
+        if not isinstance(layer_types, list) or len(layer_types) != n:
+            raise DFlashError(f"drafter layer_types must be a list of {n} entries (num_hidden_layers), got {layer_types!r}")
+        for kind in layer_types:
+            if kind not in ("full_attention", "sliding_attention"):
+                raise DFlashError(f"drafter layer_types must be full_attention or sliding_attention, got {kind!r}")
         windows = [cfg.get("sliding_window") if t == "sliding_attention" else None for t in layer_types]
         if any(t == "sliding_attention" for t in layer_types) and not cfg.get("sliding_window"):
             raise DFlashError("drafter layer_types uses sliding_attention but sliding_window is not set")
@@ -527,7 +574,7 @@ class DrafterConfig:
             rms_norm_eps=number_field(cfg, "rms_norm_eps", "drafter", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            attention_bias=bool_field(cfg, "attention_bias", "drafter", False),
             block_size=int(block_size),
             mask_token_id=int(dflash["mask_token_id"]),
             target_layer_ids=[int(i) for i in layer_ids],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..errors import DFlashError
 from .attention import Attention
-from .config import TargetConfig, base_target_fields
+from .config import TargetConfig, base_target_fields, bool_field
 from .layers import MLP, RMSNorm
 from .target import DecoderLayer, TargetModel
 
@@ -19,15 +19,15 @@ def parse_config(cfg: dict) -> TargetConfig:
     model_type = cfg["model_type"]
     if "intermediate_size" not in cfg:
         raise DFlashError("target config.json lacks intermediate_size")
-    if cfg.get("mlp_bias"):
+    if bool_field(cfg, "mlp_bias", "target", False):
         raise DFlashError("target configs with mlp_bias=true are not supported")
-    if cfg.get("use_sliding_window"):
+    if bool_field(cfg, "use_sliding_window", "target", False):
         raise DFlashError("target configs with use_sliding_window=true are not supported")
     fields = base_target_fields(cfg, model_type)
     fields.update(
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type != "llama")),
+        tie_word_embeddings=bool_field(cfg, "tie_word_embeddings", "target", model_type != "llama"),
         # Qwen2 always has q/k/v biases (transformers' Qwen2Config saves attention_bias: null)
-        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias")),
+        attention_bias=model_type == "qwen2" or bool_field(cfg, "attention_bias", "target", False),
         qk_norm=model_type == "qwen3",
     )
     return TargetConfig(**fields)

@@ -9,8 +9,8 @@ norm scales by ``(1 + weight)``, attention layers gate their output with
 ``sigmoid(gate)`` (the gate comes from ``q_proj``) and rotate only the first
 ``partial_rotary_factor`` of each head. The multimodal RoPE (``mrope_section``) gives the
 same angle to the temporal, height and width sections when all three positions are
-equal, as they are for text, so text decoding uses plain (partial) RoPE. The vision tower
-(``model.visual.``) and the multi-token-prediction head (``mtp.``) are not read.
+equal, as they are for text, so text decoding uses plain (partial) RoPE. A wrapper's vision
+tower (``model.visual.``) and the multi-token-prediction head (``mtp.``) are not read.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ import torch
 
 from ..errors import DFlashError
 from .attention import Attention
-from .config import (TargetConfig, base_target_fields, layer_types, linear_attention_config, moe_config,
+from .config import (TargetConfig, base_target_fields, bool_field, layer_types, linear_attention_config, moe_config,
                      rotary_fraction)
 from .layers import MLP, ZeroCenteredRMSNorm
 from .moe import fuse_expert_weights
 from .target import DecoderLayer, TargetModel, gated_deltanet, sparse_moe
 
 WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+IGNORED_PREFIXES = ("mtp.", "model.mtp.")
+VISION_PREFIX = "model.visual."  # only the multimodal wrappers have a vision tower
 
 
 def text_config(cfg: dict) -> tuple[dict, bool | None]:
@@ -45,7 +46,7 @@ def text_config(cfg: dict) -> tuple[dict, bool | None]:
     for key in ("eos_token_id", "max_position_embeddings"):  # some wrappers keep these at the top level
         if merged.get(key) is None and cfg.get(key) is not None:
             merged[key] = cfg[key]
-    return merged, bool(cfg.get("tie_word_embeddings", False))
+    return merged, bool_field(cfg, "tie_word_embeddings", "target", False)
 
 
 def parse_config(cfg: dict) -> TargetConfig:
@@ -55,10 +56,10 @@ def parse_config(cfg: dict) -> TargetConfig:
     fields = base_target_fields(text, model_type)
     fields.update(
         qk_norm=True,
-        attention_output_gate=bool(text.get("attn_output_gate", True)),  # published configs say true
+        attention_output_gate=bool_field(text, "attn_output_gate", "target", True),  # published configs say true
         layer_types=layer_types(text),
         linear_attention=linear_attention_config(text),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)) if wrapper_tie is None else wrapper_tie,
+        tie_word_embeddings=bool_field(text, "tie_word_embeddings", "target", False) if wrapper_tie is None else wrapper_tie,
         partial_rotary_factor=rotary_fraction(text, default=0.25),  # transformers' default for Qwen3.5
         checkpoint_prefix="model.language_model." if cfg["model_type"] in WRAPPERS else "model.",
     )
@@ -88,6 +89,10 @@ class Model(TargetModel):
 
     @classmethod
     def checkpoint_keys(cls, cfg: TargetConfig, key: str) -> bool:
+        """Skip the multi-token-prediction head, and a wrapper's vision tower (in a text
+        checkpoint, which has none, such weights are unknown and refused)."""
+        if cfg.checkpoint_prefix == "model.language_model." and key.startswith(VISION_PREFIX):
+            return False
         return not key.startswith(IGNORED_PREFIXES)
 
     @classmethod

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import DFlashError
 from . import llama
-from .config import TargetConfig, base_target_fields, moe_config, sparse_layers
+from .config import TargetConfig, base_target_fields, bool_field, moe_config, sparse_layers
 from .moe import fuse_expert_weights
 from .target import DecoderLayer, sparse_moe
 
@@ -21,7 +21,7 @@ def parse_config(cfg: dict) -> TargetConfig:
     Raises:
         DFlashError: missing keys or sliding-window attention (not supported).
     """
-    if cfg.get("use_sliding_window"):
+    if bool_field(cfg, "use_sliding_window", "target", False):
         raise DFlashError("target configs with use_sliding_window=true are not supported")
     fields = base_target_fields(cfg, "qwen3_moe")
     moe = moe_config(cfg)

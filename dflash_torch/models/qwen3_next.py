@@ -18,7 +18,7 @@ import torch
 
 from ..errors import DFlashError
 from . import qwen3_5
-from .config import (TargetConfig, base_target_fields, layer_types, linear_attention_config, moe_config,
+from .config import (TargetConfig, base_target_fields, bool_field, layer_types, linear_attention_config, moe_config,
                      rotary_fraction, sparse_layers)
 from .moe import fuse_expert_weights
 
@@ -31,7 +31,7 @@ def parse_config(cfg: dict) -> TargetConfig:
     moe = moe_config(cfg, shared_expert=True)
     fields.update(
         qk_norm=True,
-        attention_output_gate=bool(cfg.get("attn_output_gate", True)),  # published configs say true
+        attention_output_gate=bool_field(cfg, "attn_output_gate", "target", True),  # published configs say true
         layer_types=layer_types(cfg),
         linear_attention=linear_attention_config(cfg),
         partial_rotary_factor=rotary_fraction(cfg, default=0.25),

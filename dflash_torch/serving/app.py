@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import DFlashError
-from ..options import check_api_key
+from ..options import check_api_key, check_model_name
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, conflicting_fields, describe_validation_error,
                        unsupported_field)
@@ -135,12 +135,13 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             a 503 with ``Retry-After`` at once.
 
     Raises:
-        DFlashError: an empty API key or one that is not printable ASCII; ``max_batch_size``
+        DFlashError: an empty API key or one that is not printable ASCII; an empty or
+            blank ``model_name``; ``max_batch_size``
             or ``max_queue`` not an integer >= 1; batch caches of ``max_batch_size`` x the
             engine's context that do not fit the device.
     """
     api_key = check_api_key(api_key)
-    model_id = model_name or engine.name
+    model_id = check_model_name(model_name) or engine.name
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
     scheduler = Scheduler(make_backend(engine, max_batch_size), metrics, max_queue=max_queue)
     metrics.open_requests.set_function(scheduler.open_jobs)

@@ -7,7 +7,7 @@ import argparse
 import os
 
 from ..errors import DFlashError
-from ..options import check_api_key, check_count
+from ..options import check_api_key, check_count, check_model_name
 
 
 def register(sub) -> None:
@@ -53,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535:
         raise DFlashError(f"--port must be in [1, 65535], got {args.port}")
     api_key = check_api_key(args.api_key, "--api-key (or $DFLASH_API_KEY)")
+    check_model_name(args.model_name, "--model-name")
     check_slots(args.max_batch_size, "--max-batch-size")
     check_slots(args.max_queue, "--max-queue")
     check_count(args.warmup_context, "--warmup-context")

@@ -105,8 +105,9 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
                 "--num-layers": cfg.num_layers, "--eval-every": args.eval_every, "--ckpt-every": args.ckpt_every,
                 "--self-distill-batch": args.self_distill_batch, "--prefix-min": args.prefix_min,
                 "--prefix-max": args.prefix_max}
-    if args.steps is not None:
-        positive["--steps"] = args.steps
+    for name, value in {"--steps": args.steps, "--intermediate-size": args.intermediate_size}.items():
+        if value is not None:  # (an --intermediate-size of 0 read as "the target's width")
+            positive[name] = value
     for name, value in positive.items():
         if value < 1:
             raise DFlashError(f"{name} must be >= 1, got {value}")
@@ -115,8 +116,14 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
     for name, value in {"--lr": args.lr, "--time-budget-min": args.time_budget_min, "--gamma": args.gamma}.items():
         if value is not None and not value > 0:
             raise DFlashError(f"{name} must be > 0, got {value}")
-    if args.weight_decay < 0 or args.grad_clip <= 0 or args.warmup_steps < 0 or args.val_seqs < 0 or args.self_distill < 0:
-        raise DFlashError("--weight-decay, --warmup-steps, --val-seqs and --self-distill must be >= 0 and --grad-clip > 0")
+    for name, value in {"--weight-decay": args.weight_decay, "--warmup-steps": args.warmup_steps,
+                        "--val-seqs": args.val_seqs, "--self-distill": args.self_distill}.items():
+        if value < 0:
+            raise DFlashError(f"{name} must be >= 0, got {value}")
+    if not args.grad_clip > 0:
+        raise DFlashError(f"--grad-clip must be > 0, got {args.grad_clip}")
+    if args.prefix_min > args.prefix_max:
+        raise DFlashError(f"--prefix-min ({args.prefix_min}) must be <= --prefix-max ({args.prefix_max})")
     if not 0 <= args.raw_fraction <= 1:
         raise DFlashError(f"--raw-fraction must be in [0, 1], got {args.raw_fraction}")
     for name, path in {"--out": args.out, "--work-dir": args.work_dir}.items():

@@ -152,6 +152,9 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
     target whose every MLP is a mixture of experts) the width a token passes through:
     ``top_k * moe_intermediate_size + shared_expert_intermediate_size``."""
     L = target_cfg.num_hidden_layers
+    if cfg.init_from_target and cfg.num_layers > L:
+        raise DFlashError(f"--init-from-target copies the target's last --num-layers layers: at most {L}, "
+                          f"got {cfg.num_layers}")
     layer_ids = cfg.target_layer_ids or default_target_layer_ids(L, cfg.num_layers)
     bad = [i for i in layer_ids if not 0 <= i < L]
     if bad:
