@@ -177,7 +177,7 @@ class DFlashEngine:
             device: ``cpu``, ``cuda``, ``cuda:N``.
             block_size: tokens per block (default: the drafter's trained block size).
             draft_mode: ``inject`` (persistent drafter KV cache) or ``recompute``.
-            no_draft: target-only decoding.
+            no_draft: target-only decoding (``draft`` must then be None).
             pack: on CPU in bfloat16, prepack the linear weights for oneDNN
                 (:mod:`dflash_torch.models.packing`; faster eager decoding, a second
                 copy of the weights in memory).
@@ -212,6 +212,8 @@ class DFlashEngine:
             if path is not None and not isinstance(path, (str, os.PathLike)):
                 raise OptionError(f"{name} must be a checkpoint directory or a cached Hugging Face id (a str or a path), "
                                   f"got {path!r}", name)
+        if no_draft and draft is not None:
+            raise OptionError("no_draft decodes with the target alone; drop draft (or no_draft)", "no_draft", "draft")
         if target is None:
             target = DEFAULT_TARGET
             if draft is None and not no_draft:

@@ -112,6 +112,8 @@ LOAD_CASES = [
     ("block-size-zero", dict(block_size=0), "block size"),
     ("unknown-draft-mode", dict(draft_mode="magic"), "draft mode"),
     ("no-drafter-given", dict(draft=None), "this target needs draft, its DFlash drafter checkpoint (or no_draft for"),
+    # (the drafter was silently ignored; the command line refuses --draft with --no-draft too)
+    ("no-draft-with-a-drafter", dict(no_draft=True), "no_draft decodes with the target alone; drop draft (or no_draft)"),
 ]
 
 
@@ -226,7 +228,7 @@ CLI_WORDS = {"block size": "--block-size must be an integer in [1, 16]",
              "this target needs draft, its DFlash drafter checkpoint (or no_draft for":
                  "this target needs --draft, its DFlash drafter checkpoint (or --no-draft for"}
 CLI_CASES = [(n, _spec, CLI_WORDS.get(w, w)) for n, _spec, w in LOAD_CASES
-             if n not in ("unknown-draft-mode", "unknown-dtype")] + [
+             if n not in ("unknown-draft-mode", "unknown-dtype", "no-draft-with-a-drafter")] + [
     ("context-overflow", dict(max_new_tokens=2000), "+ --max-new-tokens (2000) exceeds the context of 1024 tokens"),
     ("negative-temperature", dict(temperature=-0.5), "error: --temperature must be a finite number >= 0, got -0.5"),
     ("top-p-zero", dict(top_p=0.0), "error: --top-p must be in (0, 1], got 0.0"),
