@@ -550,3 +550,40 @@ def test_a_chat_conversation_reuses_its_history(server, tiny_pair, tmp_path_fact
     for k in (1, 2):  # the last turn's prompt is not read again (but for its last token or so: this
         # test template renders a reply in the history unlike its generation prompt, "# assistant:" + "\n")
         assert reads[k][0] <= reads[k][1] - reads[k - 1][1] + 2, k
+
+
+def test_a_hybrid_chat_reuses_at_least_the_last_prompt(agree_hybrid_pair, tmp_path_factory):
+    """A hybrid target (Gated DeltaNet + attention) behind the server, a chat template whose
+    generation prompt starts the reply's rendering (as ChatML's does), three chat turns
+    (openai client, greedy): a reply is cut by ``max_tokens`` and re-encoded from its text,
+    so the next prompt may leave the generated tokens inside the reply; each turn still
+    takes at least the last prompt's rows (the slot's checkpoint of the recurrent state at
+    the prompt's end), says so in ``usage.prompt_tokens_details.cached_tokens``, and
+    answers as a server without prefix reuse does."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("hybrid-chat")
+    target = shutil.copytree(agree_hybrid_pair[0], root / "target")
+    (target / "chat_template.jinja").write_text("{% for m in messages %}# {{ m['role'] }}:\n{{ m['content'] }}\n"
+                                                "{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}")
+    pair = (target, agree_hybrid_pair[1])
+
+    def chat(srv) -> tuple[list[str], list[tuple[int, int]]]:
+        c, messages, replies, usages = srv.client(), [], [], []
+        for k in range(3):
+            messages.append({"role": "user", "content": f"turn {k}: " + " ".join(PROMPTS[k:k + 4])})
+            r = c.chat.completions.create(messages=messages, max_tokens=24, **_kw(0.0))
+            usages.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+            replies.append(r.choices[0].message.content)
+            messages.append({"role": "assistant", "content": replies[-1]})
+        return replies, usages
+
+    with _serve(pair, root, "--max-batch-size", "2") as srv:
+        replies, usages = chat(srv)
+    with _serve(pair, root, "--max-batch-size", "2", "--no-prefix-reuse") as plain:
+        plain_replies, plain_usages = chat(plain)
+    assert replies == plain_replies
+    assert [cached for _, cached in plain_usages] == [0, 0, 0] and usages[0][1] == 0
+    for k in (1, 2):
+        assert usages[k - 1][0] <= usages[k][1] < usages[k][0], (k, usages)
+
