@@ -377,6 +377,8 @@ class BatchDecoder:
     Attributes:
         prefill_tokens: prompt tokens read by the target so far (every prefill chunk's rows).
         reused_prefill_tokens: prompt tokens taken from retained prefixes instead (not read).
+        target_only_rounds: rounds run without drafts because more than
+            ``draft_max_batch_size`` sequences decoded.
 
     The caches (``max_batch_size`` slots of ``max_context + max(2 B, prefill_chunk) + 1``
     positions, target and drafter) are allocated here, once.
@@ -410,6 +412,7 @@ class BatchDecoder:
             else check_max_batch_size(draft_max_batch_size, "draft_max_batch_size"))
         self.prefill_tokens = 0
         self.reused_prefill_tokens = 0
+        self.target_only_rounds = 0
         self.prefill_budget = prefill_chunk if prefill_budget is None else check_max_batch_size(prefill_budget,
                                                                                                "prefill_budget")
         self.device = target.model.embed_tokens.weight.device
@@ -787,6 +790,7 @@ class BatchDecoder:
         seqs = self._seqs
         n, dev = len(seqs), self.device
         B = self.round_block(n)  # (1: a target-only round)
+        self.target_only_rounds += B < self.block_size
         rows = self.batch_bucket(n)  # rows past n: padding in free slots, at position 0 ...
         pad_starts = [0] * (rows - n)
         head = self._joining[0] if self._joining and self._joining[0].prefilled else None

@@ -587,3 +587,29 @@ def test_a_hybrid_chat_reuses_at_least_the_last_prompt(agree_hybrid_pair, tmp_pa
     for k in (1, 2):
         assert usages[k - 1][0] <= usages[k][1] < usages[k][0], (k, usages)
 
+
+
+def test_draft_max_batch_size_runs_busy_rounds_target_only(server, tiny_pair, tmp_path_factory):
+    """``serve --draft-max-batch-size 1``: while two requests decode together their rounds
+    run without drafts (``dflash_target_only_rounds_total`` grows; a server without the
+    flag counts none), and each answer (greedy) is that of the default server."""
+    prompts = PROMPTS[:3]
+
+    def ask(srv) -> tuple[list[str], float]:
+        c, out = srv.client(), {}
+
+        def run(i):
+            out[i] = c.completions.create(prompt=prompts[i], max_tokens=40, **_kw(0.0)).choices[0].text
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [out[i] for i in range(len(prompts))], srv.metrics()[("dflash_target_only_rounds_total", ())]
+
+    with _serve(tiny_pair, tmp_path_factory.mktemp("draft-max"), "--draft-max-batch-size", "1") as busy:
+        texts, plain_rounds = ask(busy)
+    default_texts, default_rounds = ask(server)
+    assert texts == default_texts
+    assert plain_rounds > 0 and default_rounds == 0

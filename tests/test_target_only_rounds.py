@@ -60,9 +60,11 @@ def run(target, drafter, prompts, static: bool = False):
                          draft_max_batch_size=1)
     out = {0: batch.add(0, prompts[0], GREEDY, 60).tokens}
     taus = {0: [], 1: [], 2: []}
+    sizes = []
 
     def step():
         n = len(batch._seqs)
+        sizes.append(n)
         for sid, rnd in batch.step().items():
             out.setdefault(sid, []).extend(rnd.tokens)
             if rnd.acceptance_length is not None:
@@ -85,6 +87,7 @@ def run(target, drafter, prompts, static: bool = False):
     checks.append((rows_of(batch, 0, s, state=False), prefilled_rows(target, drafter, ids[:s], state=False)))
     while len(out[0]) < 60:
         step()
+    assert batch.target_only_rounds == sum(n > 1 for n in sizes) > 0
     return out, taus, checks
 
 

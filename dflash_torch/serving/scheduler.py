@@ -23,7 +23,8 @@ The backend
 -----------
 The scheduler drives the engine through a *backend*: ``max_batch_size`` (int, the slots),
 ``prefill_tokens`` (int, prompt tokens the engine has read so far), ``reused_prefill_tokens``
-(int, prompt tokens it took from retained prefixes instead) and three methods, all
+(int, prompt tokens it took from retained prefixes instead), ``target_only_rounds`` (int,
+rounds run without drafts above the engine's ``draft_max_batch_size``) and three methods, all
 called on the compute thread:
 
 ``add(seq)``
@@ -224,6 +225,7 @@ class SerialBackend:
         self.engine = engine
         self.prefill_tokens = 0
         self.reused_prefill_tokens = 0  # (one sequence at a time: no prefix reuse)
+        self.target_only_rounds = 0  # (nor a batch to stop drafting for)
         self.seq: Sequence | None = None
         self._chunks = None
         self._first: StreamChunk | None = None  # the prefill's chunk, returned by the next step
@@ -298,6 +300,10 @@ class BatchedBackend:
     def reused_prefill_tokens(self) -> int:
         return self.engine.batch_decoder().reused_prefill_tokens
 
+    @property
+    def target_only_rounds(self) -> int:
+        return self.engine.batch_decoder().target_only_rounds
+
     def step(self) -> list[tuple[Sequence, StreamChunk]]:
         return [self._chunk(seq, rnd) for seq, rnd in self.engine.batch_decoder().step().items()]
 
@@ -351,6 +357,7 @@ class Scheduler:
         self._jobs: set[Job] = set()
         # (what the backend had read and reused: the metrics count from here)
         self._prefill_tokens, self._reused_tokens = backend.prefill_tokens, backend.reused_prefill_tokens
+        self._target_only_rounds = backend.target_only_rounds
         self.closed = False
         self._thread = threading.Thread(target=self._loop, name="dflash-scheduler", daemon=True)
         self._thread.start()
@@ -445,7 +452,7 @@ class Scheduler:
                     self._remove(seq)
                 continue
             finally:
-                self._count_prefill()
+                self._count_backend()
             for seq, chunk in results:
                 self._deliver(seq, chunk)
                 if chunk.finish_reason is not None:
@@ -471,11 +478,14 @@ class Scheduler:
             seq.job.put("start", len(seq.prompt_ids), seq.index)
             self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
 
-    def _count_prefill(self) -> None:
+    def _count_backend(self) -> None:
         read, reused = self.backend.prefill_tokens, self.backend.reused_prefill_tokens
         self.metrics.prefill_tokens.inc(read - self._prefill_tokens)
         self.metrics.reused_prefill_tokens.inc(reused - self._reused_tokens)
         self._prefill_tokens, self._reused_tokens = read, reused
+        plain = self.backend.target_only_rounds
+        self.metrics.target_only_rounds.inc(plain - self._target_only_rounds)
+        self._target_only_rounds = plain
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         if isinstance(exc, DFlashError):
