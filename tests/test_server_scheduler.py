@@ -533,7 +533,7 @@ def test_cached_tokens_count_each_prompt_once_with_a_list_and_n(server):
         cached = usage.prompt_tokens_details.cached_tokens
         assert after[0] - before[0] + after[1] - before[1] == usage.prompt_tokens, stream
         assert cached == after[1] - before[1], stream
-        assert cached >= 2 * base - 1, stream  # (the first prompt but its last token, and all of it)
+        assert cached >= base - 1, stream  # (at least the first prompt's, but its last token)
 
 
 def test_a_chat_conversation_reuses_its_history(server, tiny_pair, tmp_path_factory):
