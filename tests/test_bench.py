@@ -227,7 +227,8 @@ def test_bench_refuses_bad_options_with_one_line(tiny_pair, tmp_path, capsys):
     cases = [(["--modes", ""], "--modes is empty"), (["--sweep", "0"], "--sweep"), (["--sweep", "128,-5"], "--sweep"),
              (["--max-context", "100"], "--max-context"), (["--out", str(a_file)], "--out"),
              (["--sweep-shapes", "qwen9-huge"], "unknown shape"), (["--shapes", "qwen3-1.7b,qwen9-huge"], "qwen3-next-80b-a3b"),
-             (["--modes", "inject,target-only,inject"], "more than once")]
+             (["--modes", "inject,target-only,inject"], "more than once"),
+             (["--draft-max-batch-size", "2"], "--draft-max-batch-size applies to --batch-sizes")]
     for extra, words in cases:
         assert cli_main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()

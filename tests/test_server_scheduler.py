@@ -507,6 +507,35 @@ def test_a_request_sharing_a_prompt_being_read_when_its_first_holder_leaves(tiny
     loop.close()
 
 
+def test_cached_tokens_count_each_prompt_once_with_a_list_and_n(server):
+    """A list of two prompts with n=2 (the second extends the first, which an earlier request
+    left retained): like ``usage.prompt_tokens``, ``cached_tokens`` counts each prompt once
+    (the choices of a prompt share its prefill), so every prompt token is read or cached
+    once (``dflash_prefill_tokens_total`` / ``dflash_reused_prefill_tokens_total``), streamed
+    and not."""
+    c = server.client()
+
+    def read() -> tuple[float, float]:
+        m = server.metrics()
+        return m[("dflash_prefill_tokens_total", ())], m[("dflash_reused_prefill_tokens_total", ())]
+
+    first = "def reuse_in_lists(x):\n    return [x] * 2\n"
+    base = c.completions.create(prompt=first, max_tokens=4, **_kw(0.0)).usage.prompt_tokens  # (retained)
+    for stream in (False, True):
+        before = read()
+        kw = dict(prompt=[first, first + "print(reuse_in_lists(3))\n"], max_tokens=4, n=2, **_kw(0.0))
+        if stream:
+            events = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            usage = events[-1].usage
+        else:
+            usage = c.completions.create(**kw).usage
+        after = read()
+        cached = usage.prompt_tokens_details.cached_tokens
+        assert after[0] - before[0] + after[1] - before[1] == usage.prompt_tokens, stream
+        assert cached == after[1] - before[1], stream
+        assert cached >= base - 1, stream  # (at least the first prompt's, but its last token)
+
+
 def test_a_chat_conversation_reuses_its_history(server, tiny_pair, tmp_path_factory):
     """Three turns of a chat through the openai client (greedy): each turn sends the whole
     conversation; the server reads only what is new (``dflash_prefill_tokens_total``: not

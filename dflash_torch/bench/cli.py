@@ -213,6 +213,8 @@ def _run(args: argparse.Namespace) -> int:
         raise DFlashError(f"--batch-sizes must be distinct integers >= 1, got {args.batch_sizes!r}")
     if args.draft_max_batch_size is not None:
         check_max_batch_size(args.draft_max_batch_size, "draft_max_batch_size")
+        if not batch_sizes:  # (the modes decode one sequence: nothing would use it)
+            raise DFlashError("--draft-max-batch-size applies to --batch-sizes only; add --batch-sizes or drop it")
     if not modes and not batch_sizes:
         raise DFlashError("--modes is empty; choose from target-only, inject, recompute, target-only-compiled, inject-compiled")
     unknown = [m for m in modes if m not in ALL_MODES]
