@@ -671,11 +671,8 @@ class BatchDecoder:
             return
         empty = [i for i in candidates if i not in self._retained]
         dst = max(empty) if empty else min(candidates, key=lambda i: self._retained[i].used)
-        self._flush(q, index)
-        if self.draft_kv is not None and q.pending is not None:  # (what the next propose would have injected)
-            positions = q.pending_start + self._arange_block[:q.pending_rows]
-            InjectedContext(self.drafter, self.draft_kv.slot(index)).inject(self.drafter, q.pending[:q.pending_rows],
-                                                                            positions)
+        self._park_pending(q, index)  # (what the next propose would have injected) ...
+        self._flush(q, index)  # ... and what target-only rounds left
         if dst != index:
             self._move(index, dst, q.s)
         self._tick += 1
@@ -819,10 +816,8 @@ class BatchDecoder:
             block = torch.cat([tokens[:, None], drafts], dim=1)  # [rows, B]
         else:
             block = tokens[:, None]
-            for i, q in enumerate(seqs):  # (the accepted rows a drafting round left for the next propose)
-                if q.pending is not None:
-                    self._park(q, i, q.pending[:q.pending_rows], q.pending_start)
-                    q.pending = None
+            for i, q in enumerate(seqs):
+                self._park_pending(q, i)
         t1 = time.perf_counter()
         logits, feats = self._verify(block, positions, kv_len, live)
         accepted, bonus = self._accept(seqs, block, draft_probs, logits.view(rows, B, -1))
@@ -925,8 +920,14 @@ class BatchDecoder:
         if not q.backlog:
             q.backlog_start = start
         q.backlog.append(rows.clone() if self.graphed else rows)
-        if sum(r.shape[0] for r in q.backlog) >= BACKLOG_ROWS:
+        if start + rows.shape[0] - q.backlog_start >= BACKLOG_ROWS:  # (the rows' positions are consecutive)
             self._flush(q, slot)
+
+    def _park_pending(self, q: _Sequence, slot: int) -> None:
+        """Park the accepted rows of ``q``'s last drafting round (left for its next propose)."""
+        if q.pending is not None:
+            self._park(q, slot, q.pending[:q.pending_rows], q.pending_start)
+            q.pending = None
 
     def _flush(self, q: _Sequence, slot: int) -> None:
         """Inject ``q``'s backlog (:meth:`_park`) into its drafter context in ``slot``, in one pass."""

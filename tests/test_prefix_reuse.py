@@ -62,13 +62,14 @@ class Turns:
         return self.out[sid][:self.budgets[sid]], self.taus.get(sid, [])
 
 
-def slot_rows(batch: BatchDecoder, slot: int, n: int) -> torch.Tensor:
+def slot_rows(batch: BatchDecoder, slot: int, n: int, state: bool = True) -> torch.Tensor:
     """Everything a prefill of ``n`` prompt tokens leaves in ``slot``: target K/V and
-    drafter context rows of positions ``[0, n)`` and recurrent states, flattened (float32)."""
+    drafter context rows of positions ``[0, n)`` and (``state``) recurrent states,
+    flattened (float32)."""
     parts = [t[slot, :, :n] for t in batch.target_kv.k + batch.target_kv.v]
     if batch.draft_kv is not None:
         parts += [t[slot, :, :n] for t in batch.draft_kv.k + batch.draft_kv.v]
-    if batch.target_state is not None:
+    if state and batch.target_state is not None:
         parts += [t[slot] for t in batch.target_state.conv + batch.target_state.ssm]
     return torch.cat([t.float().flatten() for t in parts])
 

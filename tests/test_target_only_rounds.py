@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from conftest import varied_prompts
-from test_batch import agree_models, qwen35_models  # noqa: F401 (fixtures)
+from test_batch import agree_models, alone, qwen35_models  # noqa: F401 (fixtures)
+from test_prefix_reuse import slot_rows
 
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams
 from dflash_torch import batch as batch_module
@@ -26,29 +27,12 @@ from dflash_torch.batch import BatchDecoder
 GREEDY = SamplingParams()
 
 
-def reference(target, prompt: list[int], n: int) -> list[int]:
-    """The target's own greedy tokens (a target-only batch decoder, one slot)."""
-    batch = BatchDecoder(target, None, max_batch_size=1, max_context=160, reuse_prefix=False)
-    out = batch.add(0, prompt, GREEDY, n).tokens
-    while len(out) < n:
-        out += batch.step()[0].tokens
-    return out[:n]
-
-
-def rows_of(batch: BatchDecoder, slot: int, end: int, state: bool = True) -> torch.Tensor:
-    """Slot ``slot``'s target K/V and drafter context rows ``[0, end)`` (and recurrent state), flat."""
-    parts = [t[slot, :, :end] for t in batch.target_kv.k + batch.target_kv.v + batch.draft_kv.k + batch.draft_kv.v]
-    if state and batch.target_state is not None:
-        parts += [t[slot] for t in batch.target_state.conv + batch.target_state.ssm]
-    return torch.cat([t.float().flatten() for t in parts])
-
-
 def prefilled_rows(target, drafter, ids: list[int], state: bool = True) -> torch.Tensor:
     """What a prefill of ``ids`` leaves in a slot (rows ``[0, len(ids))``; the prompt's
     last token is read too, as every committed token before ``s`` was)."""
     batch = BatchDecoder(target, drafter, max_batch_size=1, max_context=160, prefill_chunk=32, reuse_prefix=False)
     batch.add(0, ids, GREEDY, 1)
-    return rows_of(batch, 0, len(ids), state)
+    return slot_rows(batch, 0, len(ids), state)
 
 
 def run(target, drafter, prompts, static: bool = False):
@@ -79,12 +63,12 @@ def run(target, drafter, prompts, static: bool = False):
     batch.remove(1)
     batch.remove(2)
     assert len(batch._retained) == 2
-    checks = [(rows_of(batch, slot, len(r.ids)), prefilled_rows(target, drafter, r.ids))
+    checks = [(slot_rows(batch, slot, len(r.ids)), prefilled_rows(target, drafter, r.ids))
               for slot, r in batch._retained.items()]
     q = batch._seqs[0]
     s, ids = q.s, list(q.ids)
     step()  # a drafting round: the context of every committed token before it is in place
-    checks.append((rows_of(batch, 0, s, state=False), prefilled_rows(target, drafter, ids[:s], state=False)))
+    checks.append((slot_rows(batch, 0, s, state=False), prefilled_rows(target, drafter, ids[:s], state=False)))
     while len(out[0]) < 60:
         step()
     assert batch.target_only_rounds == sum(n > 1 for n in sizes) > 0
@@ -102,7 +86,7 @@ def test_rounds_above_the_limit_run_target_only_and_keep_every_context(request, 
     prompts = varied_prompts(target, 3, seed=5, length=7)
     out, taus, checks = run(target, drafter, prompts, static=static)
     for sid, n in ((0, 60), (1, 12), (2, 12)):
-        assert out[sid][:n] == reference(target, prompts[sid], n), sid
+        assert out[sid][:n] == alone(target, None, prompts[sid], n), sid
     assert all(tau == 1 for sid in taus for n, tau in taus[sid] if n > 1)  # target-only rounds: one token each
     assert {n for n, _ in taus[0]} == {1, 3}  # 0 decoded alone, then with 1 and 2, then alone again
     for got, want in checks:  # the rows after target-only rounds are those of a prefill of the same tokens
@@ -143,4 +127,4 @@ def test_compiled_decoder_warmed_up_crosses_the_limit_without_new_graphs(agree_m
     while len(out[0]) < 20:
         out[0] += batch.step()[0].tokens
     assert sum(counters["frames"].values()) == frames  # no graph built after the warm-up
-    assert out[0][:20] == reference(target, prompts[0], 20) and out[1][:8] == reference(target, prompts[1], 8)
+    assert out[0][:20] == alone(target, None, prompts[0], 20) and out[1][:8] == alone(target, None, prompts[1], 8)
