@@ -165,6 +165,11 @@ class SlotKVCache:
         for t in self.k + self.v:
             t[dst, :, :end] = t[src, :, :end]
 
+    def swap(self, a: int, b: int, end: int) -> None:
+        """Exchange positions ``[0, end)`` of slots ``a`` and ``b``."""
+        for t in self.k + self.v:
+            t[[a, b], :, :end] = t[[b, a], :, :end]
+
 
 class SlotRecurrentState:
     """The recurrent states of many sequences (hybrid targets): one
@@ -222,13 +227,22 @@ class SlotRecurrentState:
             self._first[n] = self.states.rows(0, n)
         return self._first[n]
 
-    def move(self, src: int, dst: int) -> None:
-        """Copy slot ``src``'s states (and checkpoint) into slot ``dst`` (in place)."""
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every per-slot buffer: the states', then the checkpoints'."""
         tensors = self.conv + self.ssm
         if self.checkpoints is not None:
             tensors += self.checkpoints.conv + self.checkpoints.ssm
-        for t in tensors:
+        return tensors
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot ``src``'s states (and checkpoint) into slot ``dst`` (in place)."""
+        for t in self._tensors():
             t[dst].copy_(t[src])
+
+    def swap(self, a: int, b: int) -> None:
+        """Exchange slots ``a`` and ``b``'s states (and checkpoints), in place."""
+        for t in self._tensors():
+            t[[a, b]] = t[[b, a]]
 
     def save(self, slot: int) -> None:
         """Copy slot ``slot``'s state into its checkpoint."""
@@ -642,7 +656,7 @@ class BatchDecoder:
         if index is None:
             raise DFlashError(f"sequence {seq_id!r} is not in the batch")
         if self.reuse_prefix:
-            self._retain(index)
+            index = self._retain(index)
         last = len(self._seqs) - 1
         if index != last:
             moved = self._seqs[last]
@@ -653,22 +667,26 @@ class BatchDecoder:
             self._move(last + 1, last, self._joining[0].prefilled)
 
     @torch.inference_mode()
-    def _retain(self, index: int) -> None:
+    def _retain(self, index: int) -> int:
         """Keep the rows of the decoding sequence in slot ``index`` (about to leave) as a
-        retained prefix: its last accepted feature rows are injected into its drafter
-        context, then its slot is copied into a slot that stays unused once it has left
-        (the highest without a retained prefix, else the least recently used one's), or
-        left in place when it is such a slot itself."""
+        retained prefix -> the slot it now leaves from. Its last accepted feature rows are
+        injected into its drafter context, then its slot is copied into a slot that stays
+        unused once it has left (the highest without a retained prefix, else the least
+        recently used one's), or left in place when it is such a slot itself. In a full
+        batch it trades slots with the last decoding sequence, whose slot is then the one
+        left free (unless a partly prefilled joiner is to move there: then nothing is kept)."""
         q = self._seqs[index]
         if q.padded:  # (its drafter rows may hold a stale injection)
-            return
+            return index
         n, head = len(self._seqs), self._joining[0] if self._joining else None
         low = n + 1 if head is not None and head.prefilled else n  # slots from here on hold nothing live
         candidates = list(range(low, self.max_batch_size))
+        if low == n and not candidates:  # a full batch: the last slot will be free
+            index = self._swap_last(index)
         if index == n - 1 and low == n:  # the last slot, which nothing moves into
             candidates.append(index)
         if not candidates:
-            return
+            return index
         empty = [i for i in candidates if i not in self._retained]
         dst = max(empty) if empty else min(candidates, key=lambda i: self._retained[i].used)
         self._park_pending(q, index)  # (what the next propose would have injected) ...
@@ -677,6 +695,23 @@ class BatchDecoder:
             self._move(index, dst, q.s)
         self._tick += 1
         self._retained[dst] = _Retained(q.ids[:q.s], self._tick, q.prompt_len)
+        return index
+
+    def _swap_last(self, index: int) -> int:
+        """Exchange the decoding sequences of slot ``index`` and the last slot, with their
+        rows (the last one's up to its round's end) and recurrent states -> the last slot."""
+        last = len(self._seqs) - 1
+        if index == last:
+            return index
+        q, moved = self._seqs[index], self._seqs[last]
+        end = min(max(q.s, moved.s + self.block_size + 1), self.target_kv.capacity)
+        self.target_kv.swap(index, last, end)
+        if self.draft_kv is not None:
+            self.draft_kv.swap(index, last, end)
+        if self.target_state is not None:
+            self.target_state.swap(index, last)
+        self._seqs[index], self._seqs[last] = moved, q
+        return last
 
     def _take_prefix(self, slot: int, prompt: list[int]) -> int:
         """Before a prompt's prefill in ``slot`` (the first slot no sequence uses): the rows

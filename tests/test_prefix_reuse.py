@@ -205,6 +205,36 @@ def test_a_full_batch_overwrites_a_retained_prefix(agree_models):  # noqa: F811 
     same_runs(on, off)
 
 
+@pytest.mark.parametrize("models", ["agree_models", "qwen35_models"], ids=["attention", "qwen35-hybrid"])
+def test_a_full_batch_keeps_the_rows_of_a_sequence_leaving_a_middle_slot(request, models):
+    """Two slots, both decoding: the turn in slot 0 leaves first (no free slot to copy its
+    rows into): it trades slots with the sequence in slot 1, whose slot is then the free one,
+    and keeps its rows there. Its next turn reuses them; every sequence decodes as with
+    reuse off (the moved one too, rows and recurrent state exchanged)."""
+    target, drafter = request.getfixturevalue(models)
+    runs = {}
+    for reuse in (True, False):
+        batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=200, prefill_chunk=C, reuse_prefix=reuse)
+        t = Turns(batch)
+        p0 = varied_prompts(target, 1, seed=47, length=C + 5)[0]
+        t.join(0, p0, GREEDY, 12)
+        t.join("b", [5] + varied_prompts(target, 1, seed=48, length=C + 2)[0], SAMPLED, 60)
+        t.step()
+        t.step()
+        assert batch.seq_ids == [0, "b"] and batch.free_slots == 0
+        t.until_gone(0)
+        kept = dict(batch._retained) if reuse else {}
+        p1 = t.valid(0, p0) + MORE
+        before = batch.reused_prefill_tokens
+        t.join(1, p1, GREEDY, 15)
+        t.until_gone(1)
+        t.until_gone("b")
+        runs[reuse] = t, list(kept), batch.reused_prefill_tokens - before, len(t.valid(0, p0))
+    (on, kept, reused, n), (off, _, reused_off, _) = runs[True], runs[False]
+    assert kept == [1] and reused == n and reused_off == 0
+    same_runs(on, off)
+
+
 @pytest.mark.parametrize("mode", ["fixed-shapes", "compiled"])
 def test_fixed_shapes_and_compiled_reuse_without_new_graphs(agree_models, mode):  # noqa: F811 (the imported fixture)
     """Fixed shapes (compiled with the "eager" backend: TorchDynamo's guards decide
