@@ -48,14 +48,17 @@ target K/V rows, drafter context rows and a hybrid target's recurrent state are 
 up to ``s``). A prompt whose prefill starts (:meth:`~BatchDecoder.join` or
 :meth:`~BatchDecoder.add`) and which begins with the ids of a retained prefix takes the
 rows of the longest match (a copy into its slot, or in place when that prefix lies in its
-slot) and reads only the rest; the last prompt token is always read (its logits give the
-first token). A hybrid target's recurrent state cannot be rolled back to an earlier
+slot) and reads only the rest; the last prompt token is read (its logits give the first
+token), except when the prompt is the very prompt the retained prefix began with (a
+regenerated reply, a retried request, the ``n`` choices of a prompt in scarce slots):
+each sequence keeps its prompt's last logits ``[V]``, so that prompt is not read at all.
+A hybrid target's recurrent state cannot be rolled back to an earlier
 position, so each slot also keeps a checkpoint of it, saved at the end of its prompt's
 prefill: a hybrid retained prefix serves a prompt that extends its ids exactly (the
 state at its end), else one that starts with the prompt it began from (the checkpoint:
 the next turn of a chat whose template renders the last reply differently from the
 tokens generated, e.g. without its thinking, or a reply cut by a stop string or
-``max_tokens``), else none. Outputs are those of a prefill of the whole prompt (float32 greedy: the same
+``max_tokens``, and that prompt itself, with its kept logits), else none. Outputs are those of a prefill of the whole prompt (float32 greedy: the same
 tokens; seeded sampling: the same tokens). ``reused_prefill_tokens`` counts the prompt
 tokens taken this way.
 
@@ -68,7 +71,9 @@ or the least recently used prefix's if that one is older; else it is dropped). A
 write drops a retained prefix in its slot (a shared prefill's copies when the batch grows
 into it, :meth:`~BatchDecoder.warmup`). A fixed-shape round's padding row in such a slot
 runs past the retained length when that fits the round's length bucket, else the prefix
-is dropped (never a longer bucket, so no new graph). A sequence held past its budget (run
+is dropped (never a longer bucket, so no new graph). In a full batch, a leaver trades
+slots with the last decoding sequence first (rows and states exchanged), so that its
+rows stay in the slot then freed. A sequence held past its budget (run
 as padding) and a joining sequence that leaves keep nothing.
 """
 
@@ -314,6 +319,7 @@ class _Sequence:
     backlog_start: int = 0  # position of the backlog's first row
     ids: list[int] = field(default_factory=list)  # prompt + committed tokens (ids[s] is ``token``)
     prompt_len: int = 0  # a hybrid target's slot checkpoint holds the recurrent state at this position
+    prompt_logits: torch.Tensor | None = None  # [V] its prompt's last logits (reuse_prefix: an identical prompt reuses them)
     padded: bool = False  # ran a round past its budget (as padding): its slot is not retained
 
     @property
@@ -329,6 +335,7 @@ class _Retained:
     ids: list[int]
     used: int  # when it was made or last reused (BatchDecoder._tick): the least recent is dropped first
     prompt_len: int = 0  # hybrid targets: the slot's checkpoint is the recurrent state at this position
+    prompt_logits: torch.Tensor | None = None  # [V] the target's logits at the end of that prompt
 
 
 @dataclass
@@ -606,15 +613,16 @@ class BatchDecoder:
         if head is not None and head.prefilled:  # a partly prefilled joiner holds this slot: one up
             self._move(slot, slot + 1, head.prefilled)
         prompt = [int(t) for t in prompt_ids]
-        start = self._take_prefix(slot, prompt)
-        last = self._prefill(slot, torch.tensor(prompt, dtype=torch.long, device=self.device), start)
+        start, last = self._take_prefix(slot, prompt)
+        if last is None:
+            last = self._prefill(slot, torch.tensor(prompt, dtype=torch.long, device=self.device), start)
         generator = params.generator(self.device)
         token = choose(last[None], params, generator)[0]
         first = int(token)
         if self.reuse_prefix and self.target_state is not None:
             self.target_state.save(slot)  # (the state at the prompt's end: a later prompt may diverge after it)
         self._seqs.append(_Sequence(seq_id, params, generator, max_new_tokens, n_prompt, token, 1, ids=prompt + [first],
-                                    prompt_len=n_prompt))
+                                    prompt_len=n_prompt, prompt_logits=self._keep_logits(last)))
         t1 = time.perf_counter()
         return Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=start)
 
@@ -694,7 +702,7 @@ class BatchDecoder:
         if dst != index:
             self._move(index, dst, q.s)
         self._tick += 1
-        self._retained[dst] = _Retained(q.ids[:q.s], self._tick, q.prompt_len)
+        self._retained[dst] = _Retained(q.ids[:q.s], self._tick, q.prompt_len, q.prompt_logits)
         return index
 
     def _swap_last(self, index: int) -> int:
@@ -713,12 +721,14 @@ class BatchDecoder:
         self._seqs[index], self._seqs[last] = moved, q
         return last
 
-    def _take_prefix(self, slot: int, prompt: list[int]) -> int:
+    def _take_prefix(self, slot: int, prompt: list[int]) -> tuple[int, torch.Tensor | None]:
         """Before a prompt's prefill in ``slot`` (the first slot no sequence uses): the rows
         of the retained prefix that match the most of ``prompt`` go into ``slot`` (copied, or
         kept in place) -> the prompt tokens they cover (0: none), counted in
-        ``reused_prefill_tokens``. A retained prefix that ``slot`` holds otherwise moves to
-        a higher slot (an empty one, else the least recently used one's, if older)."""
+        ``reused_prefill_tokens``, and when they cover it all (the same prompt again) the
+        prompt's last logits ``[V]`` (else None). A retained prefix that ``slot`` holds
+        otherwise moves to a higher slot (an empty one, else the least recently used one's,
+        if older)."""
         best, src = 0, None
         for i, r in self._retained.items():
             n = self._usable(r, prompt)
@@ -726,8 +736,9 @@ class BatchDecoder:
                 best, src = n, i
         self._tick += 1
         if src == slot:
-            self._reuse(slot, self._retained.pop(slot), best)  # (the prompt's rows now)
-            return best
+            kept = self._retained.pop(slot)
+            self._reuse(slot, kept, best)  # (the prompt's rows now)
+            return best, kept.prompt_logits if best == len(prompt) else None
         victim = self._retained.get(slot)  # (never where a partly read prompt was: add() moved it up one)
         if victim is not None:
             higher = [i for i in range(slot + 1, self.max_batch_size) if i != src]
@@ -737,12 +748,12 @@ class BatchDecoder:
                 self._move(slot, dst, len(victim.ids))
                 self._retained[dst] = self._retained.pop(slot)
         if src is None:
-            return 0
+            return 0, None
         kept = self._retained[src]
         kept.used = self._tick
         self._move(src, slot, best)
         self._reuse(slot, kept, best)
-        return best
+        return best, kept.prompt_logits if best == len(prompt) else None
 
     def _reuse(self, slot: int, kept: _Retained, n: int) -> None:
         """``slot`` holds the rows of retained prefix ``kept`` and a prompt reuses the first
@@ -753,15 +764,18 @@ class BatchDecoder:
         self.reused_prefill_tokens += n
 
     def _usable(self, kept: _Retained, prompt: list[int]) -> int:
-        """Prompt tokens that retained prefix ``kept`` can give ``prompt``: their common
-        start, short of the prompt's last token. A hybrid target's recurrent state is known
-        at two positions only, the end of ``kept`` and the end of the prompt it started
+        """Prompt tokens that retained prefix ``kept`` can give ``prompt``: all of them when
+        ``prompt`` is the prompt ``kept`` began with (its last logits were kept), else their
+        common start, short of the prompt's last token. A hybrid target's recurrent state is
+        known at two positions only, the end of ``kept`` and the end of the prompt it started
         from (its checkpoint): the later of these that the common start reaches, or 0."""
         n = 0
         for a, b in zip(kept.ids, prompt):
             if a != b:
                 break
             n += 1
+        if n == len(prompt) == kept.prompt_len and kept.prompt_logits is not None:
+            return n  # the same prompt again: its last logits are kept too
         n = min(n, len(prompt) - 1)
         if self.target_state is not None:
             return next((m for m in (len(kept.ids), kept.prompt_len) if m <= n), 0)
@@ -889,30 +903,33 @@ class BatchDecoder:
         decoding sequences -> their prefill rounds."""
         rounds, used, C = {}, 0, self.prefill_chunk
         while self._joining:
-            q = self._joining[0]
+            q, last = self._joining[0], None
             if not q.prefilled and self._retained:
-                q.prefilled = q.reused = self._take_prefix(len(self._seqs), q.prompt)
-            n = min(C, q.ids.shape[0] - q.prefilled)
+                q.prefilled, last = self._take_prefix(len(self._seqs), q.prompt)
+                q.reused = q.prefilled
+            n = min(C, q.ids.shape[0] - q.prefilled)  # (0 when the prompt was reused whole)
             if used and (bounded or rounds) and used + n > self.prefill_budget:
                 break
             t0 = time.perf_counter()
-            logits = self._prefill_chunk(len(self._seqs), q.ids, q.prefilled)
+            if last is None:
+                last = self._prefill_chunk(len(self._seqs), q.ids, q.prefilled)[-1]
             q.prefilled += n
             used += n
             if q.prefilled < q.ids.shape[0]:
                 q.prefill_time += time.perf_counter() - t0
                 continue
             self._joining.popleft()
-            slot = len(self._seqs)
+            slot, kept_logits = len(self._seqs), self._keep_logits(last)
             if self.reuse_prefix and self.target_state is not None:
                 self.target_state.save(slot)  # (see add; each sharer's slot gets a copy)
             for sharer in [q] + q.sharers:  # (slot's contents copied into each sharer's slot)
                 if sharer is not q:
                     self._move(slot, len(self._seqs), q.prefilled)
-                token = choose(logits[-1][None], sharer.params, sharer.generator)[0]
+                token = choose(last[None], sharer.params, sharer.generator)[0]
                 first = int(token)
                 self._seqs.append(_Sequence(sharer.seq_id, sharer.params, sharer.generator, sharer.max_new_tokens,
-                                            q.prefilled, token, 1, ids=q.prompt + [first], prompt_len=q.prefilled))
+                                            q.prefilled, token, 1, ids=q.prompt + [first], prompt_len=q.prefilled,
+                                            prompt_logits=kept_logits))
                 elapsed = q.prefill_time + time.perf_counter() - t0
                 rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed, cached_tokens=q.reused)
         return rounds
@@ -979,6 +996,11 @@ class BatchDecoder:
         verify (``accepted`` ``[rows]``, on the device); finished sequences held as
         padding and padding rows keep their state (0 rows)."""
         self.target.commit(TargetCache(None, self.target_state.first(live.shape[0])), (accepted + 1) * live)
+
+    def _keep_logits(self, last: torch.Tensor) -> torch.Tensor | None:
+        """A copy of a prompt's last logits ``[V]`` for a retained prefix (out of any graph's
+        pool), with ``reuse_prefix``; else None."""
+        return last.clone() if self.reuse_prefix else None
 
     def _prefill(self, slot: int, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
         """The target reads the prompt ``ids[start:]`` (``ids`` ``[P]``; the rows before

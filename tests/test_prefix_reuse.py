@@ -235,6 +235,40 @@ def test_a_full_batch_keeps_the_rows_of_a_sequence_leaving_a_middle_slot(request
     same_runs(on, off)
 
 
+@pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "hybrid_models"],
+                         ids=["attention", "qwen35-hybrid", "qwen3-next-hybrid-moe"])
+def test_the_same_prompt_again_is_not_read(request, models):
+    """A prompt sent again (a regenerated reply, a retry) reuses all of its rows and the
+    kept last logits: the target reads none of it (a hybrid target too: its checkpoint is
+    the state at that prompt's end), through join and through add; each run decodes as
+    with reuse off (the seeded repeat gives the first run's tokens)."""
+    target, drafter = request.getfixturevalue(models)
+    runs = {}
+    for reuse in (True, False):
+        batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=200, prefill_chunk=C, reuse_prefix=reuse)
+        t = Turns(batch)
+        p = varied_prompts(target, 1, seed=49, length=C + 7)[0]
+        read, reused = [], []
+        for k, params in enumerate((SAMPLED, SAMPLED, GREEDY)):
+            before = batch.prefill_tokens, batch.reused_prefill_tokens
+            if k < 2:
+                t.join(k, p, params, 12)
+            else:  # (add: its prefill now, not in a step)
+                t.budgets[k], t.prompts[k] = 12, p
+                t.out[k] = batch.add(k, p, params, 12).tokens
+                t.rows[k] = slot_rows(batch, batch.seq_ids.index(k), len(p))
+            t.until_gone(k)
+            read.append(batch.prefill_tokens - before[0])
+            reused.append(batch.reused_prefill_tokens - before[1])
+        runs[reuse] = t, read, reused
+    (on, read, reused), (off, read_off, reused_off) = runs[True], runs[False]
+    n = len(on.prompts[0])
+    assert read == [n, 0, 0] and reused == [0, n, n]
+    assert read_off == [n, n, n] and reused_off == [0, 0, 0]
+    same_runs(on, off)
+    assert on.result(0)[0] == on.result(1)[0]
+
+
 @pytest.mark.parametrize("mode", ["fixed-shapes", "compiled"])
 def test_fixed_shapes_and_compiled_reuse_without_new_graphs(agree_models, mode):  # noqa: F811 (the imported fixture)
     """Fixed shapes (compiled with the "eager" backend: TorchDynamo's guards decide
