@@ -18,20 +18,15 @@ give the same tokens. ``--reps`` repetitions alternate which mode runs first.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
 import sys
 import time
 
 import torch
+from batching_common import add_common_args, load_engine, shipped_prompts, shipped_tokens, write_json
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from dflash_torch import DFlashEngine, SamplingParams  # noqa: E402
-from dflash_torch.batch import BatchDecoder  # noqa: E402
-from dflash_torch.bench.modes import load_prompts  # noqa: E402
-from dflash_torch.engine import ASSETS  # noqa: E402
+from dflash_torch import SamplingParams
+from dflash_torch.batch import BatchDecoder
 
 
 def run(batch: BatchDecoder, shorts: list[list[int]], long_ids: list[int], mode: str, short_new: int, long_new: int,
@@ -81,20 +76,11 @@ def main() -> None:
     ap.add_argument("--join-after", type=int, default=5, help="rounds of the short streams before the long prompt joins")
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--prefill-budget", type=int, default=None, help="prompt tokens prefilled per step (default: one chunk)")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--json", default=None, help="also write the results here")
+    add_common_args(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine = DFlashEngine.from_pretrained(dtype=args.dtype)
-    prompts = [engine.encode_prompt(p) for p in load_prompts(ASSETS / "prompts.jsonl", None)]
-    shorts = prompts[:args.streams]
-    long_ids = [t for p in prompts for t in p]
-    while len(long_ids) < args.long_tokens:
-        long_ids += long_ids
-    long_ids = long_ids[:args.long_tokens]
+    engine = load_engine(args)
+    shorts = shipped_prompts(engine)[:args.streams]
+    long_ids = shipped_tokens(engine, args.long_tokens)
     context = max(map(len, shorts + [long_ids])) + max(args.short_new_tokens, args.long_new_tokens) + 1
     # (reuse_prefix off: every rep reads the same long prompt, which a retained prefix would spare)
     batch = BatchDecoder(engine.target, engine.drafter, max_batch_size=args.streams + 1, max_context=context,
@@ -121,11 +107,8 @@ def main() -> None:
         print(f"  {label:24}: longest gap {med['max_gap_s'] * 1000:7.1f} ms, median gap {med['median_gap_s'] * 1000:6.1f} ms, "
               f"long TTFT {med['long_ttft_s']:.2f} s, {med['tokens_per_second']:6.1f} tok/s")
     print(f"  outputs identical across modes and reps: {same}")
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "identical": same,
-                                                       "runs": {m: [{k: v for k, v in r.items() if k != "tokens"}
-                                                                    for r in rs] for m, rs in results.items()}},
-                                                      indent=1))
+    write_json(args, {"summary": summary, "identical": same,
+                      "runs": {m: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for m, rs in results.items()}})
     if not same:
         sys.exit("the two modes gave different tokens")
 

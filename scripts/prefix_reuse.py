@@ -20,20 +20,15 @@ alternate which mode runs first; medians are reported.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
 import sys
 import time
 
 import torch
+from batching_common import add_common_args, load_engine, shipped_tokens, write_json
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from dflash_torch import DFlashEngine, SamplingParams  # noqa: E402
-from dflash_torch.batch import BatchDecoder  # noqa: E402
-from dflash_torch.bench.modes import load_prompts  # noqa: E402
-from dflash_torch.engine import ASSETS  # noqa: E402
+from dflash_torch import SamplingParams
+from dflash_torch.batch import BatchDecoder
 
 
 def turn(batch: BatchDecoder, sid, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
@@ -70,23 +65,16 @@ def conversation(engine, messages: list[list[int]], reply_tokens: int, reuse: bo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default=None, help="target checkpoint (default: the shipped one)")
-    ap.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one)")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--message-tokens", type=int, default=450, help="tokens of each new message")
     ap.add_argument("--reply-tokens", type=int, default=64, help="tokens of each reply (greedy)")
     ap.add_argument("--history-reply-tokens", type=int, default=None,
                     help="tokens of each reply kept in the next prompt (default: all)")
     ap.add_argument("--max-batch-size", type=int, default=8)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--json", default=None, help="also write the results here")
+    add_common_args(ap, pair=True)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine = DFlashEngine.from_pretrained(args.target, args.drafter, dtype=args.dtype)
-    corpus = [t for p in load_prompts(ASSETS / "prompts.jsonl", None) for t in engine.encode_prompt(p)]
+    engine = load_engine(args)
+    corpus = shipped_tokens(engine)
     m = args.message_tokens
     messages = [corpus[k * m:(k + 1) * m] for k in range(args.turns)]
     assert all(len(x) == m for x in messages), "the shipped prompts are too short for these messages"
@@ -114,9 +102,7 @@ def main() -> None:
         print(f"  {labels[reuse]:9}: time to first token per turn {' / '.join(f'{t:.2f}' for t in med)} s, "
               f"prompt tokens read {results[reuse][0]['read']}, reused {results[reuse][0]['reused']}")
     print(f"  outputs identical across modes and reps: {same}")
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "identical": same},
-                                                      indent=1))
+    write_json(args, {"summary": summary, "identical": same})
     if not same:
         sys.exit("the two modes gave different tokens")
 

@@ -17,20 +17,15 @@ repetitions alternate which mode runs first; medians are reported.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
 import sys
 import time
 
 import torch
+from batching_common import add_common_args, load_engine, shipped_tokens, write_json
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from dflash_torch import DFlashEngine, SamplingParams  # noqa: E402
-from dflash_torch.batch import BatchDecoder  # noqa: E402
-from dflash_torch.bench.modes import load_prompts  # noqa: E402
-from dflash_torch.engine import ASSETS  # noqa: E402
+from dflash_torch import SamplingParams
+from dflash_torch.batch import BatchDecoder
 from dflash_torch.serving.scheduler import choice_seed  # noqa: E402
 
 
@@ -62,18 +57,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--prefill-chunk", type=int, default=256)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--json", default=None, help="also write the results here")
+    add_common_args(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine = DFlashEngine.from_pretrained(dtype=args.dtype)
-    prompt = [t for p in load_prompts(ASSETS / "prompts.jsonl", None) for t in engine.encode_prompt(p)]
-    while len(prompt) < args.prompt_tokens:
-        prompt += prompt
-    prompt = prompt[:args.prompt_tokens]
+    engine = load_engine(args)
+    prompt = shipped_tokens(engine, args.prompt_tokens)
     params = [SamplingParams(temperature=args.temperature, seed=choice_seed(args.seed, j)) for j in range(args.n)]
     batches = {share: BatchDecoder(engine.target, engine.drafter, max_batch_size=args.n,
                                    max_context=len(prompt) + args.new_tokens, prefill_chunk=args.prefill_chunk,
@@ -102,11 +89,9 @@ def main() -> None:
         print(f"  {labels[share]:18}: last choice's first token {med['last_first_token_s']:6.2f} s, "
               f"wall {med['wall_s']:6.2f} s, prompt tokens read {med['prompt_tokens_read']}")
     print(f"  outputs identical across modes and reps: {same}")
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "identical": same,
-                                                       "runs": {labels[s]: [{k: v for k, v in r.items() if k != "tokens"}
-                                                                            for r in rs] for s, rs in results.items()}},
-                                                      indent=1))
+    write_json(args, {"summary": summary, "identical": same,
+                      "runs": {labels[s]: [{k: v for k, v in r.items() if k != "tokens"} for r in rs]
+                               for s, rs in results.items()}})
     if not same:
         sys.exit("the two modes gave different tokens")
 
