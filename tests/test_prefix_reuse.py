@@ -31,6 +31,12 @@ class Turns:
     def __init__(self, batch: BatchDecoder):
         self.batch, self.out, self.taus, self.budgets, self.prompts, self.rows = batch, {}, {}, {}, {}, {}
 
+    @classmethod
+    def of(cls, target, drafter, slots: int, reuse: bool, **kw) -> "Turns":
+        """On a new decoder of ``slots`` slots (context 200, chunks of ``C``)."""
+        return cls(BatchDecoder(target, drafter, max_batch_size=slots, max_context=200, prefill_chunk=C,
+                                reuse_prefix=reuse, **kw))
+
     def join(self, sid, prompt, params, budget):
         self.budgets[sid], self.prompts[sid] = budget, prompt
         self.batch.join(sid, prompt, params, budget)
@@ -90,8 +96,8 @@ def conversation(target, drafter, reuse: bool, params: SamplingParams, **kw):
     + the next message, while another sequence decodes (joins first, leaves during turn 2 or
     3: the turns' slots move); before each next turn a short unrelated request passes
     through the slot the turn will take. -> the Turns, prompts, and prompt rows reused per turn."""
-    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=200, prefill_chunk=C, reuse_prefix=reuse, **kw)
-    t = Turns(batch)
+    t = Turns.of(target, drafter, 3, reuse, **kw)
+    batch = t.batch
     t.join("o", varied_prompts(target, 1, seed=40, length=9)[0], GREEDY, 70)
     prompts, reused = [varied_prompts(target, 1, seed=41, length=2 * C + 3)[0]], []
     for k, budget in enumerate((20, 25, 15)):
@@ -137,8 +143,8 @@ def test_hybrid_target_reuses_an_extension_or_the_prompt_it_began_with(request, 
     target, drafter = request.getfixturevalue(models)
     runs = {}
     for reuse in (True, False):
-        batch = BatchDecoder(target, drafter, max_batch_size=1, max_context=200, prefill_chunk=C, reuse_prefix=reuse)
-        t, reused = Turns(batch), []
+        t, reused = Turns.of(target, drafter, 1, reuse), []
+        batch = t.batch
         p0 = varied_prompts(target, 1, seed=43, length=C + 5)[0]
         p1 = None
         for k in range(4):
@@ -181,8 +187,8 @@ def test_a_full_batch_overwrites_a_retained_prefix(agree_models):  # noqa: F811 
     target, drafter = agree_models
     runs = {}
     for reuse in (True, False):
-        batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=200, prefill_chunk=C, reuse_prefix=reuse)
-        t = Turns(batch)
+        t = Turns.of(target, drafter, 2, reuse)
+        batch = t.batch
         p0 = varied_prompts(target, 1, seed=44, length=C + 5)[0]
         t.join(0, p0, GREEDY, 20)
         t.until_gone(0)
@@ -214,8 +220,8 @@ def test_a_full_batch_keeps_the_rows_of_a_sequence_leaving_a_middle_slot(request
     target, drafter = request.getfixturevalue(models)
     runs = {}
     for reuse in (True, False):
-        batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=200, prefill_chunk=C, reuse_prefix=reuse)
-        t = Turns(batch)
+        t = Turns.of(target, drafter, 2, reuse)
+        batch = t.batch
         p0 = varied_prompts(target, 1, seed=47, length=C + 5)[0]
         t.join(0, p0, GREEDY, 12)
         t.join("b", [5] + varied_prompts(target, 1, seed=48, length=C + 2)[0], SAMPLED, 60)
@@ -245,8 +251,8 @@ def test_the_same_prompt_again_is_not_read(request, models):
     target, drafter = request.getfixturevalue(models)
     runs = {}
     for reuse in (True, False):
-        batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=200, prefill_chunk=C, reuse_prefix=reuse)
-        t = Turns(batch)
+        t = Turns.of(target, drafter, 2, reuse)
+        batch = t.batch
         p = varied_prompts(target, 1, seed=49, length=C + 7)[0]
         read, reused = [], []
         for k, params in enumerate((SAMPLED, SAMPLED, GREEDY)):
