@@ -89,6 +89,7 @@ import torch
 
 from .cache import KVCache, RecurrentState, TargetCache, static_buffer
 from .decoding import Round, kv_bucket, length_buckets, reserve_graphs, without_shape_plans
+from .draft_policy import DraftPolicy
 from .errors import DFlashError, OptionError
 from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
@@ -98,6 +99,21 @@ from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, pr
 
 
 BACKLOG_ROWS = 64  # a sequence's feature rows of target-only rounds injected at once (at most; see BatchDecoder)
+
+
+def check_draft_max_batch_size(value) -> int | str | None:
+    """Validate ``draft_max_batch_size``: None (always draft), an integer >= 1, or
+    ``"auto"`` (:class:`~dflash_torch.draft_policy.DraftPolicy`).
+
+    Raises:
+        OptionError: anything else.
+    """
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptionError(f"draft_max_batch_size must be an integer >= 1 or 'auto', got {value!r}",
+                          "draft_max_batch_size")
+    return value
 
 
 def check_max_batch_size(value, name: str = "max_batch_size") -> int:
@@ -388,7 +404,9 @@ class BatchDecoder:
             starts with its tokens reuse them (see the module docstring; default True;
             False: every prompt is read whole).
         draft_max_batch_size: a round of more than this many sequences runs target-only: each
-            sequence's block is its one committed token. The verified rows' features are
+            sequence's block is its one committed token; ``"auto"``: each round drafts or
+            not by the measured goodput of both kinds of rounds at its number of sequences
+            (:class:`~dflash_torch.draft_policy.DraftPolicy`). The verified rows' features are
             kept per sequence and injected into its drafter context in one pass when it
             drafts again, leaves with its rows retained, or has :data:`BACKLOG_ROWS` of
             them, so drafting resumes, with a whole context, when fewer sequences are held. Where a verify's cost grows with its rows (a
@@ -398,8 +416,9 @@ class BatchDecoder:
     Attributes:
         prefill_tokens: prompt tokens read by the target so far (every prefill chunk's rows).
         reused_prefill_tokens: prompt tokens taken from retained prefixes instead (not read).
-        target_only_rounds: rounds run without drafts because more than
-            ``draft_max_batch_size`` sequences decoded.
+        target_only_rounds: rounds run without drafts (more than ``draft_max_batch_size``
+            sequences decoded, or the ``"auto"`` policy chose so).
+        policy: the :class:`~dflash_torch.draft_policy.DraftPolicy` of ``"auto"``, else None.
 
     The caches (``max_batch_size`` slots of ``max_context + max(2 B, prefill_chunk) + 1``
     positions, target and drafter) are allocated here, once.
@@ -429,8 +448,8 @@ class BatchDecoder:
         self.prefill_chunk = prefill_chunk
         self.share_prefill = check_flag(share_prefill, "share_prefill")
         self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
-        self.draft_max_batch_size = (None if draft_max_batch_size is None
-            else check_max_batch_size(draft_max_batch_size, "draft_max_batch_size"))
+        self.draft_max_batch_size = check_draft_max_batch_size(draft_max_batch_size)
+        self.policy = DraftPolicy() if self.draft_max_batch_size == "auto" and B > 1 else None
         self.prefill_tokens = 0
         self.reused_prefill_tokens = 0
         self.target_only_rounds = 0
@@ -496,15 +515,26 @@ class BatchDecoder:
         return min(b, self.max_batch_size)
 
     def round_block(self, n: int) -> int:
-        """Block size of a round of ``n`` sequences: ``block_size``, or 1 (target-only)
-        above ``draft_max_batch_size``."""
-        return 1 if self.draft_max_batch_size is not None and n > self.draft_max_batch_size else self.block_size
+        """Block size of the next round of ``n`` sequences: ``block_size``, or 1
+        (target-only) above a numeric ``draft_max_batch_size`` or where the ``"auto"``
+        policy says so."""
+        if self.policy is not None:
+            return self.block_size if self.policy.draft(n) else 1
+        return max(self._blocks(n))
+
+    def _blocks(self, n: int) -> set[int]:
+        """The block sizes rounds of ``n`` sequences may run."""
+        d, B = self.draft_max_batch_size, self.block_size
+        if d == "auto":
+            return {B, 1}
+        return {1} if d is not None and n > d else {B}
 
     def _round_buckets(self) -> dict[int, list[int]]:
         """Block size -> the batch buckets of the rounds that run it, increasing."""
         out: dict[int, set[int]] = {}
         for n in range(1, self.max_batch_size + 1):
-            out.setdefault(self.round_block(n), set()).add(self.batch_bucket(n))
+            for b in self._blocks(n):
+                out.setdefault(b, set()).add(self.batch_bucket(n))
         return {b: sorted(v) for b, v in out.items()}
 
     def kv_bucket(self, n: int) -> int:
@@ -858,9 +888,14 @@ class BatchDecoder:
         positions = starts[:, None] + self._arange_block[:B]  # [rows, B]
         tokens = torch.stack([q.token for q in seqs] + [self._arange_block[0]] * (rows - n))  # [rows]
         draft_probs = [None] * rows
+        switch_time = 0.0  # seconds of injecting what target-only rounds left (not the round's own cost)
         if B > 1:
-            for i, q in enumerate(seqs):  # (what target-only rounds left)
-                self._flush(q, i)
+            if any(q.backlog for q in seqs):
+                for i, q in enumerate(seqs):
+                    self._flush(q, i)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # (rare: once per switch back to drafting)
+                switch_time = time.perf_counter() - t0
             drafts, draft_probs = self._propose(seqs, tokens, positions, kv_len, pad_starts)
             block = torch.cat([tokens[:, None], drafts], dim=1)  # [rows, B]
         else:
@@ -895,6 +930,9 @@ class BatchDecoder:
         t3 = time.perf_counter()
         for r in rounds.values():
             r.total_time = t3 - t0
+        if self.policy is not None:
+            self.policy.record(n, B > 1, len(rounds), sum(r.acceptance_length for r in rounds.values()),
+                               t3 - t0 - switch_time)
         return rounds
 
     def _prefill_joining(self, bounded: bool) -> dict[Hashable, Round]:

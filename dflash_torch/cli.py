@@ -30,6 +30,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
+def int_or_auto(text: str) -> int | str:
+    """argparse type of ``--draft-max-batch-size``: ``auto`` or an integer (its range is
+    checked with the other options)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or 'auto', got {text!r}") from None
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="maximum generated tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from . import compute, options
-from .batch import BatchDecoder, check_max_batch_size
+from .batch import BatchDecoder, check_draft_max_batch_size, check_max_batch_size
 from .checkpoint import load_config, read_json_object, resolve_model_dir
 from .decoding import Round, SpeculativeDecoder
 from .errors import DFlashError, OptionError
@@ -125,18 +125,18 @@ class DFlashEngine:
     prompt that starts with its tokens reuse them (``BatchDecoder(reuse_prefix=...)``).
 
     ``draft_max_batch_size``: the batch decoder's rounds of more than this many sequences run
-    target-only (``BatchDecoder(draft_max_batch_size=...)``; None: always draft).
+    target-only, or ``"auto"``: where measured goodput favours it
+    (``BatchDecoder(draft_max_batch_size=...)``; None: always draft).
     """
 
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
                  block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash",
-                 max_batch_size: int = 8, reuse_prefix: bool = True, draft_max_batch_size: int | None = None,
+                 max_batch_size: int = 8, reuse_prefix: bool = True, draft_max_batch_size: int | str | None = None,
                  **decoder_options):
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
         self.max_batch_size = check_max_batch_size(max_batch_size)
         self.reuse_prefix = options.check_flag(reuse_prefix, "reuse_prefix")
-        self.draft_max_batch_size = (None if draft_max_batch_size is None
-            else check_max_batch_size(draft_max_batch_size, "draft_max_batch_size"))
+        self.draft_max_batch_size = check_draft_max_batch_size(draft_max_batch_size)
         self._batch: BatchDecoder | None = None
         self.decoder = compute.run(SpeculativeDecoder, target, drafter, block_size=block_size, draft_mode=draft_mode,
                                    **decoder_options)
@@ -165,7 +165,7 @@ class DFlashEngine:
         max_context: int | None = None,
         max_batch_size: int = 8,
         reuse_prefix: bool = True,
-        draft_max_batch_size: int | None = None,
+        draft_max_batch_size: int | str | None = None,
     ) -> "DFlashEngine":
         """Load a target and a DFlash drafter from local directories or cached Hugging Face ids.
 
@@ -193,8 +193,8 @@ class DFlashEngine:
             reuse_prefix: prompt-prefix reuse in the batch decoder (see
                 :class:`~dflash_torch.batch.BatchDecoder`; default True).
             draft_max_batch_size: batch decoder rounds of more than this many sequences run
-                target-only (see :class:`~dflash_torch.batch.BatchDecoder`; default None:
-                always draft).
+                target-only; ``"auto"``: each round drafts or not by measured goodput (see
+                :class:`~dflash_torch.batch.BatchDecoder`; default None: always draft).
 
         Raises:
             DFlashError: missing files, incompatible pair, bad dtype / device / block size /
@@ -231,8 +231,7 @@ class DFlashEngine:
         options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
         options.check_max_context(max_context, target_cfg.max_position_embeddings)
         check_max_batch_size(max_batch_size)
-        if draft_max_batch_size is not None:
-            check_max_batch_size(draft_max_batch_size, "draft_max_batch_size")
+        check_draft_max_batch_size(draft_max_batch_size)
         # the weights are read, converted and packed on the compute thread, like every round
         return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, pack=pack,
                            fuse=fuse_by_default(dev) if fuse is None else fuse,

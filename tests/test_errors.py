@@ -367,7 +367,7 @@ BAD_OPTIONS = [
     ("--device", "cuda:99", MODEL_COMMANDS, "--device .cuda:99."),
     ("--api-key", " ", ("serve",), "api-key"),
     ("--api-key", "sk with spaces", ("serve",), "api-key"),
-    ("--draft-max-batch-size", "0", ("serve", "bench"), "--draft-max-batch-size must be an integer >= 1"),
+    ("--draft-max-batch-size", "0", ("serve", "bench"), "--draft-max-batch-size must be an integer >= 1 or 'auto'"),
     # (an empty name served the directory's name, a blank one served "  ")
     ("--model-name", "", ("serve",), "--model-name must not be empty"),
     ("--model-name", "  ", ("serve",), "--model-name must not be empty"),

@@ -100,7 +100,7 @@ def test_the_limit_is_checked_and_plumbed(agree_pair, agree_models):  # noqa: F8
     for bad in (0, -1, 1.5, True):
         with pytest.raises(DFlashError, match="^draft_max_batch_size must be an integer >= 1"):
             BatchDecoder(target, drafter, max_batch_size=2, max_context=64, draft_max_batch_size=bad)
-    with pytest.raises(DFlashError, match="^draft_max_batch_size must be an integer >= 1, got 0$"):
+    with pytest.raises(DFlashError, match="^draft_max_batch_size must be an integer >= 1 or 'auto', got 0$"):
         DFlashEngine.from_pretrained(*agree_pair, draft_max_batch_size=0)
     engine = DFlashEngine.from_pretrained(*agree_pair, max_batch_size=2, draft_max_batch_size=1)
     assert engine.batch_decoder().draft_max_batch_size == 1

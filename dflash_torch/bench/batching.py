@@ -87,7 +87,7 @@ def serve_all(batch: BatchDecoder, prompt_ids: list[list[int]], max_new_tokens: 
 @torch.inference_mode()
 def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_ids: list[list[int]],
                      batch_sizes: list[int], max_new_tokens: int, block_size: int | None = None,
-                     draft_max_batch_size: int | None = None, progress: bool = True) -> list[dict]:
+                     draft_max_batch_size: int | str | None = None, progress: bool = True) -> list[dict]:
     """One row per (batch size, mode): ``mode`` ``"dflash"`` or ``"target-only"``,
     ``batch_size``, ``requests`` (:func:`requests_for`: the same at every batch size),
     ``aggregate_decode_tokens_per_second`` (decode tokens / decode time),

@@ -19,7 +19,7 @@ from ..options import check_max_new_tokens, resolve_device, resolve_dtype
 
 
 def register(sub) -> None:
-    from ..cli import add_model_args
+    from ..cli import add_model_args, int_or_auto
 
     p = sub.add_parser("bench", help="benchmark target-only vs DFlash (inject / recompute, eager / compiled)")
     add_model_args(p)
@@ -41,9 +41,9 @@ def register(sub) -> None:
     p.add_argument("--batch-sizes", default="",
                    help="batched decoding at these batch sizes, e.g. 1,2,4,8: aggregate tok/s and p50/p95 latency, "
                         "DFlash vs batched target-only ('' = skip; with it, --modes may be '')")
-    p.add_argument("--draft-max-batch-size", type=int, default=None, metavar="N",
-                   help="with --batch-sizes: DFlash rounds of more than N sequences run target-only "
-                        "(as serve --draft-max-batch-size; default: always draft)")
+    p.add_argument("--draft-max-batch-size", type=int_or_auto, default=None, metavar="N|auto",
+                   help="with --batch-sizes: DFlash rounds of more than N sequences run target-only, or with auto "
+                        "where measured tokens/s favour it (as serve --draft-max-batch-size; default: always draft)")
     p.add_argument("--out", default="bench_out", help="output directory for bench.json and plots (default bench_out)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -188,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..cli import set_threads, warn_compile
     from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
     from .batching import batch_plot, batch_size_bench, batch_table
-    from ..batch import check_max_batch_size
+    from ..batch import check_draft_max_batch_size
     from .modes import ALL_MODES, divergences, load_prompts, run_modes
     from .shapes import SHAPES, build_drafter, layers_that_fit, round_vs_step
     from .sweep import context_sweep
@@ -212,7 +212,7 @@ def _run(args: argparse.Namespace) -> int:
     if any(n < 1 for n in batch_sizes) or len(set(batch_sizes)) != len(batch_sizes):
         raise DFlashError(f"--batch-sizes must be distinct integers >= 1, got {args.batch_sizes!r}")
     if args.draft_max_batch_size is not None:
-        check_max_batch_size(args.draft_max_batch_size, "draft_max_batch_size")
+        check_draft_max_batch_size(args.draft_max_batch_size)
         if not batch_sizes:  # (the modes decode one sequence: nothing would use it)
             raise DFlashError("--draft-max-batch-size applies to --batch-sizes only; add --batch-sizes or drop it")
     if not modes and not batch_sizes:

@@ -11,7 +11,7 @@ from ..options import check_api_key, check_count, check_model_name
 
 
 def register(sub) -> None:
-    from ..cli import add_model_args
+    from ..cli import add_model_args, int_or_auto
 
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.")
@@ -34,10 +34,11 @@ def register(sub) -> None:
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="read every prompt whole (default: a prompt that starts with a finished sequence's "
                         "tokens, such as the next turn of a chat, reuses its rows and reads only the rest)")
-    p.add_argument("--draft-max-batch-size", type=int, default=None, metavar="N",
+    p.add_argument("--draft-max-batch-size", type=int_or_auto, default=None, metavar="N|auto",
                    help="draft only while at most N sequences decode; rounds of more run target-only (where a "
-                        "verify's cost grows with its rows, as on a CPU, many streams decode faster without drafts; "
-                        "default: always draft)")
+                        "verify's cost grows with its rows, as on a CPU, many streams decode faster without drafts). "
+                        "auto: each round drafts or not by the measured tokens/s of both kinds of rounds at its "
+                        "number of sequences (default: always draft)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default info)")
     p.set_defaults(func=_serve)

@@ -14,7 +14,8 @@ dflash_prefill_tokens_total            counter    prompt tokens the target read 
 dflash_reused_prefill_tokens_total     counter    prompt tokens taken from a retained prefix instead (prefix reuse)
 dflash_generated_tokens_total          counter    generated (committed, emitted) tokens
 dflash_target_only_rounds_total        counter    rounds run without drafts (more sequences than
-                                                  ``--draft-max-batch-size``; their tau is 1)
+                                                  ``--draft-max-batch-size``, or chosen by its
+                                                  ``auto`` policy; their tau is 1)
 dflash_acceptance_length               histogram  tokens committed per decoding round (tau)
 dflash_mean_acceptance_length          gauge      mean tau over all rounds since start
 dflash_queue_depth                     gauge      sequences waiting for or holding the engine
@@ -71,7 +72,7 @@ class ServerMetrics:
                                              "prefix (an earlier request's rows) instead of read", registry=r)
         self.generated_tokens = Counter("dflash_generated_tokens", "Generated tokens", registry=r)
         self.target_only_rounds = Counter("dflash_target_only_rounds", "Rounds run without drafts (more sequences "
-                                          "than --draft-max-batch-size)", registry=r)
+                                          "than --draft-max-batch-size, or chosen by its auto policy)", registry=r)
         self.acceptance = Histogram("dflash_acceptance_length", "Tokens committed per decoding round (tau, bonus token included)",
                                     buckets=tuple(range(1, max(block_size, 1) + 1)), registry=r)
         self.mean_acceptance = Gauge("dflash_mean_acceptance_length", "Mean acceptance length over all decoding rounds since start",

@@ -24,7 +24,8 @@ The backend
 The scheduler drives the engine through a *backend*: ``max_batch_size`` (int, the slots),
 ``prefill_tokens`` (int, prompt tokens the engine has read so far), ``reused_prefill_tokens``
 (int, prompt tokens it took from retained prefixes instead), ``target_only_rounds`` (int,
-rounds run without drafts above the engine's ``draft_max_batch_size``) and three methods, all
+rounds run without drafts above the engine's ``draft_max_batch_size`` or by its
+``"auto"`` policy) and three methods, all
 called on the compute thread:
 
 ``add(seq)``

@@ -1,0 +1,107 @@
+"""When a batched round drafts: the adaptive policy behind ``draft_max_batch_size="auto"``.
+
+Drafting pays when the tokens a round commits per sequence (its acceptance length tau)
+grow more than the round's time does over a target-only round (one token per sequence).
+How much a verify of ``n x B`` rows costs against one of ``n`` rows depends on the device
+(compute-bound on a CPU, memory-bound on a GPU up to a large batch), and tau depends on
+the text, so no fixed batch size suits every machine and workload. This policy measures
+both instead:
+
+* for each number of sequences ``n``, a moving average of the wall time of drafting
+  rounds and of target-only rounds (seconds; the first round of each kind at ``n`` is not
+  counted, as it pays one-off costs such as allocations and kernel selection, nor is the
+  injection of the context that target-only rounds left, a cost of switching);
+* over all drafting rounds, a moving average of tau (tokens committed per sequence).
+
+A round of ``n`` sequences drafts when ``tau / t_draft(n) >= 1 / t_target_only(n)``: the
+kind with the higher *goodput* (tokens per second). A kind not yet timed at ``n`` runs
+first (drafting, then target-only), and after ``explore_every`` rounds in a row of one
+kind at ``n`` the other kind runs for a few rounds (drafting ``probe_rounds``, as one
+round's tau says little; target-only 2), so the estimates follow the text and the context
+length as they change.
+
+Choosing speculation by goodput follows SmartSpec (Liu et al., "Optimizing Speculative
+Decoding for Serving Large Language Models Using Goodput", 2024), which predicts it from
+a cost model; here it is measured. The output does not depend on the choice: target-only
+and drafting rounds are both lossless (a seeded sample does depend on it, as with a fixed
+``draft_max_batch_size``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Timings:
+    """What the policy knows of rounds of one number of sequences."""
+
+    seconds: dict[bool, float] = field(default_factory=dict)  # drafted -> moving average of the round time
+    seen: dict[bool, int] = field(default_factory=dict)  # drafted -> rounds run
+    last: bool | None = None  # the kind of the last round
+    run: int = 0  # rounds in a row of that kind
+    probe: int = 0  # rounds of the kind ``last`` still to run before deciding again
+
+
+class DraftPolicy:
+    """Decides, round by round, whether a batched round of ``n`` sequences drafts.
+
+    Args:
+        explore_every: after this many rounds in a row of one kind at ``n``, a few rounds
+            of the other kind (>= 2).
+        probe_rounds: drafting rounds run at a time to measure it (>= 2; target-only: 2).
+        smoothing: weight of a new measurement in the moving averages, in (0, 1].
+
+    Raises:
+        ValueError: an argument out of range.
+    """
+
+    def __init__(self, explore_every: int = 32, probe_rounds: int = 4, smoothing: float = 0.3):
+        if explore_every < 2 or probe_rounds < 2 or not 0 < smoothing <= 1:
+            raise ValueError("explore_every and probe_rounds must be >= 2 and smoothing in (0, 1]")
+        self.explore_every, self.probe_rounds, self.smoothing = explore_every, probe_rounds, smoothing
+        self.tau: float | None = None  # moving average of tokens per sequence in drafting rounds
+        self._by_n: dict[int, _Timings] = {}
+
+    def draft(self, n: int) -> bool:
+        """Whether the next round of ``n`` sequences should draft."""
+        e = self._by_n.setdefault(n, _Timings())
+        if e.probe:
+            return e.last
+        for kind in (True, False):  # time each kind first: drafting, then target-only
+            if kind not in e.seconds:
+                return self._probe(e, kind)
+        best = self.tau / e.seconds[True] >= 1 / e.seconds[False]
+        return self._probe(e, not best) if e.last == best and e.run >= self.explore_every else best
+
+    def _probe(self, e: _Timings, kind: bool) -> bool:
+        """Start a run of rounds of ``kind`` to measure it -> ``kind``."""
+        e.last, e.run, e.probe = kind, 0, self.probe_rounds if kind else 2
+        return kind
+
+    def record(self, n: int, drafted: bool, sequences: int, tokens: int, seconds: float) -> None:
+        """A round of ``n`` sequences ran: it ``drafted`` (or not); ``sequences`` of them
+        decoded (the others had used their budget) and committed ``tokens`` tokens in all,
+        in ``seconds`` of wall time (without the injection of a backlog of context)."""
+        e = self._by_n.setdefault(n, _Timings())
+        e.run = e.run + 1 if drafted == e.last else 1
+        e.last, e.probe = drafted, max(e.probe - 1, 0)
+        e.seen[drafted] = e.seen.get(drafted, 0) + 1
+        if drafted and sequences:
+            self.tau = self._average(self.tau, tokens / sequences)
+        if e.seen[drafted] > 1 and seconds > 0:  # (the first round of a kind at n: one-off costs)
+            e.seconds[drafted] = self._average(e.seconds.get(drafted), seconds)
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def goodput(self, n: int) -> dict[str, float]:
+        """The current estimates at ``n`` in tokens per second per sequence:
+        ``{"draft": tau / t_draft, "target_only": 1 / t_target_only}``, the timed kinds only."""
+        s = self._by_n.get(n, _Timings()).seconds
+        out = {}
+        if True in s:
+            out["draft"] = self.tau / s[True]
+        if False in s:
+            out["target_only"] = 1 / s[False]
+        return out
