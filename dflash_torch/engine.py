@@ -14,6 +14,7 @@ whichever comes first; nothing past it is emitted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -379,6 +380,27 @@ class DFlashEngine:
         """Text of token ids (special tokens kept, no space clean-up)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to the text (the ``bytes`` of OpenAI's logprobs).
+
+        Exact for byte-level BPE tokenizers (Qwen, Llama 3), whose token may hold part of a
+        multi-byte UTF-8 character (its text alone would be U+FFFD); for their added tokens
+        and for other tokenizers, the UTF-8 of :meth:`decode` of the token alone.
+        """
+        if self._byte_values is not None and token_id not in self.tokenizer.added_tokens_decoder:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and all(c in self._byte_values for c in piece):
+                return bytes(self._byte_values[c] for c in piece)
+        return self.decode([token_id]).encode("utf-8")
+
+    @functools.cached_property
+    def _byte_values(self) -> dict[str, int] | None:
+        """A byte-level BPE vocabulary's character -> byte map (None for other tokenizers)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+            return None
+        return {c: b for b, c in enumerate(byte_level_alphabet())}
+
     def generate(self, prompt, *, on_chunk: Callable[[StreamChunk], None] | None = None, **kwargs) -> GenerationResult:
         """Generate to completion; arguments as :meth:`stream`. Returns a :class:`GenerationResult`.
 
@@ -669,6 +691,21 @@ class DFlashEngine:
         stats.acceptance_histogram = dict(sorted(Counter(taus).items()))
         if stats.decode_time > 0:
             stats.decode_tokens_per_second = (stats.generated_tokens - 1) / stats.decode_time
+
+
+def byte_level_alphabet() -> list[str]:
+    """The character that byte-level BPE (GPT-2's scheme, used by Qwen and Llama 3) spells
+    each byte 0..255 with: printable Latin-1 bytes (33-126, 161-172, 174-255) as
+    themselves, the other 68 as U+0100, U+0101, ... in byte order."""
+    kept = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
+    out, extra = [], 0
+    for b in range(256):
+        if b in kept:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
 
 
 def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list:

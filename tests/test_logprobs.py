@@ -172,3 +172,14 @@ def test_bad_logprobs_are_refused(value, local_engine):
         local_engine.generate("x", max_new_tokens=2, logprobs=value)
     with pytest.raises(DFlashError, match="logprobs"):
         local_engine.generate_batch(["x"], max_new_tokens=2, logprobs=value)
+
+
+def test_token_bytes_are_exact_for_a_byte_level_vocabulary(local_engine):
+    """Tokens that hold part of a multi-byte character (their text alone is U+FFFD) give
+    their own bytes: a text's tokens' bytes, joined, are the text's UTF-8."""
+    text = "naïve “quotes” – 😊 日本語 and ASCII"
+    ids = local_engine.encode_prompt(text)
+    partial = [t for t in ids if "\ufffd" in local_engine.decode([t])]
+    assert partial, "the test tokenizer should split some characters over tokens"
+    assert b"".join(local_engine.token_bytes(t) for t in ids) == text.encode("utf-8")
+    assert local_engine.token_bytes(0) == local_engine.decode([0]).encode("utf-8")  # an added token: its text

@@ -24,14 +24,17 @@ Log-probabilities (chat ``logprobs: true`` + ``top_logprobs`` 0..20, completions
 ``logprobs`` 0..5) are the target's: float32 ``log_softmax`` of its raw logits at each
 generated token's position (before temperature / top-k / top-p, as vLLM's default), one
 entry per generated token (the stop token included, none past a stop string), taken
-from the verify pass that accepted the token. A token's ``token`` is its text alone
-(``bytes``: that text's UTF-8, so a token that holds part of a multi-byte character
-shows U+FFFD); legacy ``text_offset`` adds up those texts' lengths from 0.
+from the verify pass that accepted the token. A token's ``bytes`` are what it adds to
+the text (exact for byte-level BPE, where a token may hold part of a UTF-8 character);
+its ``token`` string is those bytes as UTF-8, with bytes that are not valid UTF-8 on
+their own written ``\\xNN``; legacy ``text_offset`` counts characters from the start of
+the generated text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import functools
 import hmac
@@ -114,32 +117,57 @@ def _stats_summary(stats) -> dict | None:
     }
 
 
-def _chat_logprobs(entries, token_text) -> dict:
-    """OpenAI's chat ``logprobs`` object of :class:`~dflash_torch.sampling.TokenLogprob` s."""
+def _token_info(engine, token_id: int) -> tuple[str, bytes]:
+    """A token's string and bytes in logprobs: its bytes (:meth:`DFlashEngine.token_bytes`)
+    as UTF-8, bytes that are not valid UTF-8 (part of a character) escaped as ``\\xNN``."""
+    data = engine.token_bytes(token_id)
+    return data.decode("utf-8", errors="backslashreplace"), data
+
+
+def _chat_logprobs(entries, token_info) -> dict:
+    """OpenAI's chat ``logprobs`` object of :class:`~dflash_torch.sampling.TokenLogprob` s;
+    ``token_info``: token id -> (its string, its bytes)."""
 
     def item(token_id: int, logprob: float) -> dict:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        text, data = token_info(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(data)}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries]}
 
 
-def _completion_logprobs(entries, token_text, offset: int) -> dict:
+class _TextOffsets:
+    """Legacy ``text_offset`` s of a choice: where each token starts in the text, in
+    characters: those that begin in the bytes of the tokens before it (its tokens' bytes
+    decoded as UTF-8 in order, invalid bytes as U+FFFD; a character split over tokens
+    begins in the first of them)."""
+
+    def __init__(self):
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0  # characters decoded so far
+
+    def advance(self, data: bytes) -> int:
+        """The offset of the next token, of bytes ``data``."""
+        started = bool(self._utf8.getstate()[0])  # a character begun by the tokens before, not complete yet
+        start = self._chars + started
+        self._chars += len(self._utf8.decode(data))
+        return start
+
+
+def _completion_logprobs(entries, token_info, offsets: _TextOffsets) -> dict:
     """The legacy completions ``logprobs`` object of :class:`~dflash_torch.sampling.TokenLogprob` s
-    whose first token's text starts at ``offset``. Each ``top_logprobs`` dict holds the k
-    most likely tokens and the chosen one (OpenAI: up to k + 1 entries)."""
-    tokens, offsets, tops = [], [], []
+    (the choice's next tokens). Each ``top_logprobs`` dict holds the k most likely tokens
+    and the chosen one (OpenAI: up to k + 1 entries)."""
+    tokens, starts, tops = [], [], []
     for e in entries:
-        text = token_text(e.token_id)
+        text, data = token_info(e.token_id)
         tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-        top = {token_text(t): lp for t, lp in e.top}
+        starts.append(offsets.advance(data))
+        top = {token_info(t)[0]: lp for t, lp in e.top}
         top.setdefault(text, e.logprob)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
-            "text_offset": offsets}
+            "text_offset": starts}
 
 
 class _JobStreamingResponse(StreamingResponse):
@@ -186,7 +214,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     # no prompt longer than max_prompt_chars characters fits the context, and JSON spells a
     # character in at most 12 bytes (an escaped surrogate pair); 1 MiB for everything else
     max_body = 12 * engine.max_prompt_chars + 2**20
-    token_text = functools.lru_cache(maxsize=2**17)(lambda token_id: engine.decode([token_id]))  # (logprobs)
+    token_info = functools.lru_cache(maxsize=2**17)(lambda token_id: _token_info(engine, token_id))  # (logprobs)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -408,11 +436,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         for i, out in enumerate(outs):
             content, logprobs = "".join(out["text"]), out["logprobs"]
             if kind == "chat":
-                logprobs = None if logprobs is None else _chat_logprobs(logprobs, token_text)
+                logprobs = None if logprobs is None else _chat_logprobs(logprobs, token_info)
                 choice = {"index": i, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
                           "finish_reason": out["finish"]}
             else:
-                logprobs = None if logprobs is None else _completion_logprobs(logprobs, token_text, 0)
+                logprobs = None if logprobs is None else _completion_logprobs(logprobs, token_info, _TextOffsets())
                 choice = {"index": i, "text": content, "logprobs": logprobs, "finish_reason": out["finish"]}
             if len(outs) > 1:
                 choice["dflash"] = _stats_summary(out["stats"])
@@ -435,7 +463,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             d.update(extra)
             return _sse(d)
 
-        offsets = [0] * len(job.sequences)  # (legacy text_offset of each choice's next token)
+        offsets = [_TextOffsets() for _ in job.sequences]  # (legacy text_offset of each choice)
 
         def choice(index, text=None, finish=None, role=False, logprobs=None):
             """A choice's piece; ``logprobs``: the TokenLogprob s of its tokens (None: none asked)."""
@@ -445,12 +473,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                lp = None if logprobs is None else _chat_logprobs(logprobs, token_text)
+                lp = None if logprobs is None else _chat_logprobs(logprobs, token_info)
                 return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            lp = None
-            if logprobs is not None:
-                lp = _completion_logprobs(logprobs, token_text, offsets[index])
-                offsets[index] += sum(len(t) for t in lp["tokens"])
+            lp = None if logprobs is None else _completion_logprobs(logprobs, token_info, offsets[index])
             return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
         n_tokens, left, cached = 0, len(job.sequences), 0
