@@ -7,7 +7,8 @@ pass. The output is exactly the target's own.
 
 from .engine import DFlashEngine, GenerationResult, GenerationStats, StreamChunk
 from .errors import DFlashError
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 
-__all__ = ["DFlashEngine", "DFlashError", "GenerationResult", "GenerationStats", "SamplingParams", "StreamChunk"]
+__all__ = ["DFlashEngine", "DFlashError", "GenerationResult", "GenerationStats", "SamplingParams", "StreamChunk",
+           "TokenLogprob"]
 __version__ = "0.1.0"

@@ -95,7 +95,7 @@ from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import check_block_size, check_flag, check_max_context, check_max_new_tokens, check_prompt_ids
-from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, probabilities
+from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, probabilities, token_logprobs
 
 
 BACKLOG_ROWS = 64  # a sequence's feature rows of target-only rounds injected at once (at most; see BatchDecoder)
@@ -653,8 +653,9 @@ class BatchDecoder:
             self.target_state.save(slot)  # (the state at the prompt's end: a later prompt may diverge after it)
         self._seqs.append(_Sequence(seq_id, params, generator, max_new_tokens, n_prompt, token, 1, ids=prompt + [first],
                                     prompt_len=n_prompt, prompt_logits=self._keep_logits(last)))
+        logprobs = _first_logprobs(last, first, params)
         t1 = time.perf_counter()
-        return Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=start)
+        return Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=start, logprobs=logprobs)
 
     def join(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int) -> None:
         """Take a sequence into a free slot; its prompt is prefilled by the next
@@ -926,7 +927,10 @@ class BatchDecoder:
             q.token = bonus[i]
             tokens = out[i][1:a + 1] + [out[i][-1]]
             q.ids += tokens
-            rounds[q.seq_id] = Round(tokens, a + 1, t1 - t0, t2 - t1, 0.0)
+            logprobs = None
+            if q.params.logprobs is not None:  # (its verify rows: the positions of its accepted and bonus tokens)
+                logprobs = token_logprobs(logits[i * B:i * B + a + 1], tokens, q.params.logprobs)
+            rounds[q.seq_id] = Round(tokens, a + 1, t1 - t0, t2 - t1, 0.0, logprobs=logprobs)
         t3 = time.perf_counter()
         for r in rounds.values():
             r.total_time = t3 - t0
@@ -969,7 +973,8 @@ class BatchDecoder:
                                             q.prefilled, token, 1, ids=q.prompt + [first], prompt_len=q.prefilled,
                                             prompt_logits=kept_logits))
                 elapsed = q.prefill_time + time.perf_counter() - t0
-                rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed, cached_tokens=q.reused)
+                rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed, cached_tokens=q.reused,
+                                              logprobs=_first_logprobs(last, first, sharer.params))
         return rounds
 
     # --- the parts of a round ---
@@ -1114,6 +1119,12 @@ class BatchDecoder:
                 a_rows[i], b_rows[i] = accept_sampling(block[i, 1:], draft_probs[i], probabilities(logits[i], q.params),
                                                        q.generator)
         return torch.stack(a_rows).to(torch.long), torch.stack(b_rows)
+
+
+def _first_logprobs(last: torch.Tensor, first: int, params: SamplingParams):
+    """The prefill round's logprobs: of its token ``first`` from the prompt's last logits ``[V]``
+    (None when ``params`` asks for none)."""
+    return None if params.logprobs is None else token_logprobs(last[None], [first], params.logprobs)
 
 
 def _row(scores, i: int):

@@ -22,7 +22,8 @@ from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import check_block_size, check_max_context, check_prompt_ids
-from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, probabilities
+from .sampling import (SamplingParams, TokenLogprob, accept_greedy, accept_sampling, choose, probabilities,
+                       token_logprobs)
 
 DRAFT_MODES = ("inject", "recompute")
 
@@ -123,6 +124,10 @@ class Round:
         total_time: seconds of the whole step.
         cached_tokens: prompt tokens of the prefill step taken from a retained prefix
             instead of read (:class:`~dflash_torch.batch.BatchDecoder` prefix reuse; else 0).
+        logprobs: with ``SamplingParams.logprobs`` set, one
+            :class:`~dflash_torch.sampling.TokenLogprob` per token of ``tokens`` (the
+            target's distribution at its position: the verify's row for an accepted or
+            bonus token, the prompt's last row for the prefill's token); else None.
     """
 
     tokens: list[int]
@@ -131,6 +136,7 @@ class Round:
     verify_time: float
     total_time: float
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 class SpeculativeDecoder:
@@ -380,8 +386,9 @@ class SpeculativeDecoder:
         last_logits = self._prefill(torch.tensor(prompt_ids, dtype=torch.long, device=dev), n_prompt)
         token = choose(last_logits[None], params, generator)[0]
         first = int(token)
+        logprobs = None if params.logprobs is None else token_logprobs(last_logits[None], [first], params.logprobs)
         t1 = time.perf_counter()
-        yield Round([first], None, 0.0, t1 - t0, t1 - t0)
+        yield Round([first], None, 0.0, t1 - t0, t1 - t0, logprobs=logprobs)
 
         s = n_prompt  # position of ``token``: committed, its features not yet known
         s_dev = torch.tensor(s, device=dev)
@@ -416,6 +423,10 @@ class SpeculativeDecoder:
                 a_dev, bonus = accept_sampling(block[1:], draft_probs, probabilities(logits, params), generator)
             out = torch.cat([a_dev.view(1).to(block.dtype), block[1:], bonus.view(1)]).tolist()  # the one host sync
             a = out[0]
+            tokens = out[1:a + 1] + [out[-1]]
+            logprobs = None  # (before the commit: a CUDA graph's replay may reuse the logits' memory)
+            if params.logprobs is not None:
+                logprobs = token_logprobs(logits[:a + 1], tokens, params.logprobs)
             t2 = time.perf_counter()
             if folded:  # all B rows with fixed shapes: rows past the accepted ones are overwritten next round
                 pending, pending_start = (self._carry(feats), s_dev) if static else (feats[: a + 1], s)
@@ -430,4 +441,4 @@ class SpeculativeDecoder:
             s_dev = s_dev + (a_dev + 1)
             committed += a + 1
             token = bonus
-            yield Round(out[1:a + 1] + [out[-1]], a + 1, t1 - t0, t2 - t1, t3 - t0)
+            yield Round(tokens, a + 1, t1 - t0, t2 - t1, t3 - t0, logprobs=logprobs)

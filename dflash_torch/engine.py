@@ -14,6 +14,7 @@ whichever comes first; nothing past it is emitted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -34,7 +35,7 @@ from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
 from .models.packing import pack_linears, packing_supported
 from .models.target import TargetModel
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 from .stopping import Stopper
 
 ASSETS = Path(__file__).parent / "assets" / "default"
@@ -85,23 +86,31 @@ class GenerationResult:
             that completed a stop string); never past it.
         finish_reason: ``"stop"`` (stop token or string) or ``"length"`` (max_new_tokens).
         stats: :class:`GenerationStats`.
+        logprobs: with ``logprobs=k`` (0 to 20), one :class:`~dflash_torch.sampling.TokenLogprob`
+            per token of ``token_ids``: its natural-log probability under the target
+            (float32 ``log_softmax`` of the target's raw logits at its position, before
+            temperature / top-k / top-p) and the k most likely tokens there; else None.
     """
 
     text: str
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
 class StreamChunk:
     """One streamed piece: a text delta and the token ids committed with it.
-    ``finish_reason`` and ``stats`` are set on the last chunk only."""
+    ``finish_reason`` and ``stats`` are set on the last chunk only; ``logprobs`` (with
+    ``logprobs=k``) has one :class:`~dflash_torch.sampling.TokenLogprob` per token id
+    (see :class:`GenerationResult`), else None."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class DFlashEngine:
@@ -370,6 +379,27 @@ class DFlashEngine:
         """Text of token ids (special tokens kept, no space clean-up)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to the text (the ``bytes`` of OpenAI's logprobs).
+
+        Exact for byte-level BPE tokenizers (Qwen, Llama 3), whose token may hold part of a
+        multi-byte UTF-8 character (its text alone would be U+FFFD); for their added tokens
+        and for other tokenizers, the UTF-8 of :meth:`decode` of the token alone.
+        """
+        if self._byte_values is not None and token_id not in self.tokenizer.added_tokens_decoder:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and all(c in self._byte_values for c in piece):
+                return bytes(self._byte_values[c] for c in piece)
+        return self.decode([token_id]).encode("utf-8")
+
+    @functools.cached_property
+    def _byte_values(self) -> dict[str, int] | None:
+        """A byte-level BPE vocabulary's character -> byte map (None for other tokenizers)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+            return None
+        return {c: b for b, c in enumerate(byte_level_alphabet())}
+
     def generate(self, prompt, *, on_chunk: Callable[[StreamChunk], None] | None = None, **kwargs) -> GenerationResult:
         """Generate to completion; arguments as :meth:`stream`. Returns a :class:`GenerationResult`.
 
@@ -381,18 +411,24 @@ class DFlashEngine:
         with self._request(prompt, **kwargs) as chunks:
             return compute.run(self._collect, chunks, on_chunk)
 
-    @staticmethod
-    def _collect(chunks: Iterator[StreamChunk], on_chunk) -> GenerationResult:
-        text, ids, last = [], [], None
+    @classmethod
+    def _collect(cls, chunks: Iterator[StreamChunk], on_chunk) -> GenerationResult:
+        got = []
         for chunk in chunks:
             if on_chunk is not None:
                 on_chunk(chunk)
-            text.append(chunk.text)
-            ids.extend(chunk.token_ids)
-            last = chunk
+            got.append(chunk)
             if compute.interrupted():  # the caller got Ctrl-C: stop after this round
                 raise KeyboardInterrupt
-        return GenerationResult("".join(text), ids, last.finish_reason, last.stats)
+        return cls._result(got)
+
+    @staticmethod
+    def _result(chunks: list[StreamChunk]) -> GenerationResult:
+        """The result of a request's chunks, the last one with its ``finish_reason``."""
+        last = chunks[-1]
+        logprobs = None if last.logprobs is None else [lp for c in chunks for lp in c.logprobs]
+        return GenerationResult("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+                                last.finish_reason, last.stats, logprobs)
 
     def stream(
         self,
@@ -407,6 +443,7 @@ class DFlashEngine:
         stop_token_ids: int | Sequence[int] | None = None,
         ignore_eos: bool = False,
         chat: bool = False,
+        logprobs: int | None = None,
     ) -> Iterator[StreamChunk]:
         """Generate, yielding text deltas as rounds commit tokens.
 
@@ -420,6 +457,10 @@ class DFlashEngine:
                 (EOS ids are included unless ``ignore_eos``).
             ignore_eos: do not stop at the model's EOS tokens.
             chat: apply the tokenizer's chat template to a text prompt.
+            logprobs: None (default) or k in [0, 20]: each chunk carries the target's
+                log-probability of each of its tokens and the k most likely tokens at
+                that position (``StreamChunk.logprobs``; see :class:`GenerationResult`).
+                The tokens are the same with or without.
 
         Yields:
             :class:`StreamChunk`; the last one has ``finish_reason`` and ``stats``.
@@ -428,7 +469,8 @@ class DFlashEngine:
             DFlashError: invalid parameters or a prompt that does not fit the context.
         """
         with self._request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chat=chat) as chunks:
+                           seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chat=chat,
+                           logprobs=logprobs) as chunks:
             # each round runs on the compute thread (see dflash_torch.compute), whichever
             # thread iterates this stream
             while (chunk := compute.run(next, chunks, None)) is not None:
@@ -437,10 +479,10 @@ class DFlashEngine:
     @contextlib.contextmanager
     def _request(self, prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop=None, stop_token_ids=None, ignore_eos: bool = False,
-                 chat: bool = False) -> Iterator[Iterator[StreamChunk]]:
+                 chat: bool = False, logprobs: int | None = None) -> Iterator[Iterator[StreamChunk]]:
         """Check a request, tokenize its prompt, take the engine (see the class docstring) and
         give the request's chunks, to be pulled on the compute thread; frees the engine on exit."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, logprobs=logprobs)
         stopper = self.new_stopper(max_new_tokens, stop, stop_token_ids, ignore_eos)
         prompt_ids = self.encode_prompt(prompt, chat)
         if self._owner == threading.get_ident():
@@ -481,11 +523,12 @@ class DFlashEngine:
             stats.verify_times.append(rnd.verify_time)
             stats.decode_time += rnd.total_time
         text, kept, finish = stopper.feed(rnd.tokens)
+        logprobs = rnd.logprobs[:kept] if rnd.logprobs is not None else None
         if finish:
             stats.generated_tokens = stopper.generated
             cls._finish_stats(stats)
-            return StreamChunk(text, rnd.tokens[:kept], finish, stats)
-        return StreamChunk(text, rnd.tokens)
+            return StreamChunk(text, rnd.tokens[:kept], finish, stats, logprobs)
+        return StreamChunk(text, rnd.tokens, logprobs=logprobs)
 
     # --- many requests at once ---
 
@@ -544,6 +587,7 @@ class DFlashEngine:
         stop_token_ids: int | Sequence[int] | Sequence[int | Sequence[int] | None] | None = None,
         ignore_eos: bool | Sequence[bool] = False,
         chat: bool = False,
+        logprobs: int | None | Sequence[int | None] = None,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once: up to ``max_batch_size`` sequences per
         decoding round; a finished one leaves at a round boundary and the next prompt
@@ -554,8 +598,8 @@ class DFlashEngine:
 
         Args:
             prompts: a non-empty list of prompts (text, chat messages, or token ids).
-            max_new_tokens, temperature, top_k, top_p, seed, ignore_eos: one value for all
-                prompts, or a list with one value per prompt.
+            max_new_tokens, temperature, top_k, top_p, seed, ignore_eos, logprobs: one value
+                for all prompts, or a list with one value per prompt (``logprobs``: see :meth:`stream`).
             stop: stop string(s) for all prompts (a string or a list of strings), or per
                 prompt a list whose items are each None or a list of strings.
             stop_token_ids: an id or a list of ids for all prompts, or per prompt a list
@@ -579,7 +623,7 @@ class DFlashEngine:
         per = dict(max_new_tokens=_per_prompt(max_new_tokens, n, "max_new_tokens"),
                    temperature=_per_prompt(temperature, n, "temperature"), top_k=_per_prompt(top_k, n, "top_k"),
                    top_p=_per_prompt(top_p, n, "top_p"), seed=_per_prompt(seed, n, "seed"),
-                   ignore_eos=_per_prompt(ignore_eos, n, "ignore_eos"),
+                   ignore_eos=_per_prompt(ignore_eos, n, "ignore_eos"), logprobs=_per_prompt(logprobs, n, "logprobs"),
                    stop=_per_prompt(stop, n, "stop", nested=(str,)),
                    stop_token_ids=_per_prompt(stop_token_ids, n, "stop_token_ids", nested=(int,)))
         options.check_flag(chat, "chat")
@@ -588,7 +632,7 @@ class DFlashEngine:
             stopper = None  # (set: the options are fine, an error is about the prompt itself)
             try:
                 params = SamplingParams(temperature=per["temperature"][i], top_k=per["top_k"][i], top_p=per["top_p"][i],
-                                        seed=per["seed"][i])
+                                        seed=per["seed"][i], logprobs=per["logprobs"][i])
                 stopper = self.new_stopper(per["max_new_tokens"][i], per["stop"][i], per["stop_token_ids"][i],
                                            per["ignore_eos"][i])
                 ids = self.encode_prompt(prompt, chat)
@@ -611,7 +655,7 @@ class DFlashEngine:
         the compute thread."""
         batch = self.batch_decoder()
         results: list[GenerationResult | None] = [None] * len(requests)
-        state = {}  # request index -> (stats, stopper, text pieces, token ids)
+        state = {}  # request index -> (stats, stopper, its chunks so far)
         waiting = list(range(len(requests)))
         try:
             while waiting or state:
@@ -621,7 +665,7 @@ class DFlashEngine:
                     stats = GenerationStats(prompt_tokens=len(ids), block_size=self.block_size,
                                             draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
                     batch.join(i, ids, params, stopper.max_new_tokens)  # (its prefill runs in the steps)
-                    state[i] = (stats, stopper, [], [])
+                    state[i] = (stats, stopper, [])
                 for i, rnd in batch.step().items():
                     self._batch_round(batch, i, rnd, state, results)
                 if compute.interrupted():
@@ -632,12 +676,10 @@ class DFlashEngine:
         return results
 
     def _batch_round(self, batch: BatchDecoder, i: int, rnd: Round, state: dict, results: list) -> None:
-        stats, stopper, text, ids = state[i]
-        chunk = self.record_round(rnd, stats, stopper)
-        text.append(chunk.text)
-        ids.extend(chunk.token_ids)
-        if chunk.finish_reason is not None:
-            results[i] = GenerationResult("".join(text), ids, chunk.finish_reason, stats)
+        stats, stopper, chunks = state[i]
+        chunks.append(self.record_round(rnd, stats, stopper))
+        if chunks[-1].finish_reason is not None:
+            results[i] = self._result(chunks)
             batch.remove(i)
             del state[i]
 
@@ -648,6 +690,21 @@ class DFlashEngine:
         stats.acceptance_histogram = dict(sorted(Counter(taus).items()))
         if stats.decode_time > 0:
             stats.decode_tokens_per_second = (stats.generated_tokens - 1) / stats.decode_time
+
+
+def byte_level_alphabet() -> list[str]:
+    """The character that byte-level BPE (GPT-2's scheme, used by Qwen and Llama 3) spells
+    each byte 0..255 with: printable Latin-1 bytes (33-126, 161-172, 174-255) as
+    themselves, the other 68 as U+0100, U+0101, ... in byte order."""
+    kept = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
+    out, extra = [], 0
+    for b in range(256):
+        if b in kept:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
 
 
 def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list:

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .errors import OptionError
+
+
+MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's limit of top_logprobs)
 
 
 def _real(x) -> float | None:
@@ -43,12 +47,17 @@ class SamplingParams:
         top_p: keep the smallest set of tokens whose probability reaches top_p (1 = off);
             the most likely token is always kept. Stored as a float.
         seed: seed of the request's random generator (None = nondeterministic).
+        logprobs: report each generated token's log-probability (:func:`token_logprobs`)
+            with this many most likely alternatives, 0 to :data:`MAX_LOGPROBS` (0: the
+            chosen token's only); None (default): none, at no cost. Does not change
+            which tokens are chosen.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         t = _real(self.temperature)
@@ -64,6 +73,10 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(2**63) <= self.seed < 2**64):
             raise OptionError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise OptionError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+                              "logprobs")
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +95,46 @@ class SamplingParams:
 
 
 _F32 = torch.finfo(torch.float32)
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token and its log-probability under the target (natural log, float).
+
+    Attributes:
+        token_id: the token.
+        logprob: its log-probability.
+        top: the ``SamplingParams.logprobs`` most likely tokens at that position, most
+            likely first, as ``(token_id, logprob)`` pairs (empty for 0).
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Log-probabilities of the tokens chosen at ``N`` positions, from the target's logits there.
+
+    The distribution is ``log_softmax`` of the raw logits in float32, before temperature,
+    top-k and top-p (vLLM's default, "raw" log-probabilities): it depends on the position
+    only, not on how the token was chosen.
+
+    Args:
+        logits: ``[N, V]`` target logits (any float dtype), row i the position of ``tokens[i]``.
+        tokens: the ``N`` chosen token ids.
+        top: most likely alternatives to report per position (>= 0; at most ``V`` are).
+
+    Returns:
+        ``N`` :class:`TokenLogprob` (one device-to-host transfer).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])
+    values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+    # one transfer; float64 holds every float32 and every token id exactly
+    rows = torch.cat([chosen.double(), values.double(), ids.double()], dim=-1).tolist()
+    k = values.shape[-1]
+    return [TokenLogprob(t, row[0], [(int(i), v) for i, v in zip(row[1 + k:], row[1:1 + k])])
+            for t, row in zip(tokens, rows)]
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -356,8 +356,6 @@ BAD_REQUESTS = [
     ("n more than the queue", "/v1/completions", {"prompt": "x", "n": 65}, 400, "n"),
     ("prompts x n more than the queue", "/v1/completions", {"prompt": ["x"] * 17, "n": 4}, 400, "prompt"),
     ("best_of", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
-    ("logprobs", "/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
-    ("chat logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
     ("echo", "/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
     ("presence_penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("frequency_penalty", "/v1/chat/completions",

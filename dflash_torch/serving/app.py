@@ -19,12 +19,24 @@ Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 
 completions and the rest of the context for chat. Extensions: ``top_k``,
 ``ignore_eos``, ``stop_token_ids``; responses carry a ``dflash`` object with the
 request's speculative-decoding statistics (with several choices, each choice has its own).
+
+Log-probabilities (chat ``logprobs: true`` + ``top_logprobs`` 0..20, completions
+``logprobs`` 0..5) are the target's: float32 ``log_softmax`` of its raw logits at each
+generated token's position (before temperature / top-k / top-p, as vLLM's default), one
+entry per generated token (the stop token included, none past a stop string), taken
+from the verify pass that accepted the token. A token's ``bytes`` are what it adds to
+the text (exact for byte-level BPE, where a token may hold part of a UTF-8 character);
+its ``token`` string is those bytes as UTF-8, with bytes that are not valid UTF-8 on
+their own written ``\\xNN``; legacy ``text_offset`` counts characters from the start of
+the generated text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
+import functools
 import hmac
 import json
 import time
@@ -105,6 +117,59 @@ def _stats_summary(stats) -> dict | None:
     }
 
 
+def _token_info(engine, token_id: int) -> tuple[str, bytes]:
+    """A token's string and bytes in logprobs: its bytes (:meth:`DFlashEngine.token_bytes`)
+    as UTF-8, bytes that are not valid UTF-8 (part of a character) escaped as ``\\xNN``."""
+    data = engine.token_bytes(token_id)
+    return data.decode("utf-8", errors="backslashreplace"), data
+
+
+def _chat_logprobs(entries, token_info) -> dict:
+    """OpenAI's chat ``logprobs`` object of :class:`~dflash_torch.sampling.TokenLogprob` s;
+    ``token_info``: token id -> (its string, its bytes)."""
+
+    def item(token_id: int, logprob: float) -> dict:
+        text, data = token_info(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(data)}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+class _TextOffsets:
+    """Legacy ``text_offset`` s of a choice: where each token starts in the text, in
+    characters: those that begin in the bytes of the tokens before it (its tokens' bytes
+    decoded as UTF-8 in order, invalid bytes as U+FFFD; a character split over tokens
+    begins in the first of them)."""
+
+    def __init__(self):
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0  # characters decoded so far
+
+    def advance(self, data: bytes) -> int:
+        """The offset of the next token, of bytes ``data``."""
+        started = bool(self._utf8.getstate()[0])  # a character begun by the tokens before, not complete yet
+        start = self._chars + started
+        self._chars += len(self._utf8.decode(data))
+        return start
+
+
+def _completion_logprobs(entries, token_info, offsets: _TextOffsets) -> dict:
+    """The legacy completions ``logprobs`` object of :class:`~dflash_torch.sampling.TokenLogprob` s
+    (the choice's next tokens). Each ``top_logprobs`` dict holds the k most likely tokens
+    and the chosen one (OpenAI: up to k + 1 entries)."""
+    tokens, starts, tops = [], [], []
+    for e in entries:
+        text, data = token_info(e.token_id)
+        tokens.append(text)
+        starts.append(offsets.advance(data))
+        top = {token_info(t)[0]: lp for t, lp in e.top}
+        top.setdefault(text, e.logprob)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+            "text_offset": starts}
+
+
 class _JobStreamingResponse(StreamingResponse):
     """A streaming response that cancels its job however the stream ends (a client
     disconnect, a failed send, or the normal end, where cancelling is a no-op)."""
@@ -149,6 +214,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     # no prompt longer than max_prompt_chars characters fits the context, and JSON spells a
     # character in at most 12 bytes (an escaped surrogate pair); 1 MiB for everything else
     max_body = 12 * engine.max_prompt_chars + 2**20
+    token_info = functools.lru_cache(maxsize=2**17)(lambda token_id: _token_info(engine, token_id))  # (logprobs)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -345,7 +411,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise
 
     async def complete(job: Job, request: Request, rid: str, kind: str, prompt_tokens: int, n: int):
-        outs = [{"text": [], "tokens": 0, "finish": None, "stats": None} for _ in job.sequences]
+        outs = [{"text": [], "tokens": 0, "finish": None, "stats": None, "logprobs": None} for _ in job.sequences]
         left = len(outs)
         while left:
             ev = await next_event(job, request)
@@ -358,6 +424,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 out, chunk = outs[ev.index], ev.value
                 out["text"].append(chunk.text)
                 out["tokens"] += len(chunk.token_ids)
+                if chunk.logprobs is not None:
+                    out["logprobs"] = (out["logprobs"] or []) + chunk.logprobs
                 if chunk.finish_reason is not None:
                     out["finish"], out["stats"] = chunk.finish_reason, chunk.stats
         n_tokens = sum(out["tokens"] for out in outs)
@@ -366,12 +434,14 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         usage = _usage(prompt_tokens, n_tokens, cached)
         choices = []
         for i, out in enumerate(outs):
-            content = "".join(out["text"])
+            content, logprobs = "".join(out["text"]), out["logprobs"]
             if kind == "chat":
-                choice = {"index": i, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                logprobs = None if logprobs is None else _chat_logprobs(logprobs, token_info)
+                choice = {"index": i, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
                           "finish_reason": out["finish"]}
             else:
-                choice = {"index": i, "text": content, "logprobs": None, "finish_reason": out["finish"]}
+                logprobs = None if logprobs is None else _completion_logprobs(logprobs, token_info, _TextOffsets())
+                choice = {"index": i, "text": content, "logprobs": logprobs, "finish_reason": out["finish"]}
             if len(outs) > 1:
                 choice["dflash"] = _stats_summary(out["stats"])
             choices.append(choice)
@@ -393,15 +463,20 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             d.update(extra)
             return _sse(d)
 
-        def choice(index, text=None, finish=None, role=False):
+        offsets = [_TextOffsets() for _ in job.sequences]  # (legacy text_offset of each choice)
+
+        def choice(index, text=None, finish=None, role=False, logprobs=None):
+            """A choice's piece; ``logprobs``: the TokenLogprob s of its tokens (None: none asked)."""
             if kind == "chat":
                 delta = {}
                 if role:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                lp = None if logprobs is None else _chat_logprobs(logprobs, token_info)
+                return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            lp = None if logprobs is None else _completion_logprobs(logprobs, token_info, offsets[index])
+            return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
         n_tokens, left, cached = 0, len(job.sequences), 0
         if kind == "chat":
@@ -420,19 +495,21 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 continue
             chunk, i = ev.value, ev.index
             n_tokens += len(chunk.token_ids)
+            # a piece with text, or with tokens whose logprobs were asked for (their text may be held back)
+            piece = bool(chunk.text) or bool(chunk.logprobs)
             if chunk.finish_reason is None:
-                if chunk.text:
-                    yield frame([choice(i, chunk.text)])
+                if piece:
+                    yield frame([choice(i, chunk.text, logprobs=chunk.logprobs)])
                 continue
             summary = _stats_summary(chunk.stats)
             if i % n == 0:  # (once per prompt, as in complete)
                 cached += chunk.stats.cached_prompt_tokens
             if kind == "chat":
-                if chunk.text:
-                    yield frame([choice(i, chunk.text)])
+                if piece:
+                    yield frame([choice(i, chunk.text, logprobs=chunk.logprobs)])
                 yield frame([choice(i, finish=chunk.finish_reason)], dflash=summary)
             else:
-                yield frame([choice(i, chunk.text, chunk.finish_reason)], dflash=summary)
+                yield frame([choice(i, chunk.text, chunk.finish_reason, logprobs=chunk.logprobs)], dflash=summary)
         if include_usage:
             yield frame([], usage=_usage(prompt_tokens, n_tokens, cached))
         yield "data: [DONE]\n\n"

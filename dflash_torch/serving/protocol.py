@@ -4,7 +4,7 @@ cannot honour.
 Parsing is strict about types (``"5"`` is not an integer, ``true`` is not a number)
 and about ranges; fields the server does not know are ignored, as OpenAI's own API
 ignores them. Fields it knows but cannot honour with a non-default value (``best_of``
-other than ``n``, ``logprobs``, penalties, tools, ...) are refused with a 400 by
+other than ``n``, ``echo``, ``prompt_logprobs``, penalties, tools, ...) are refused with a 400 by
 :func:`unsupported_field`; values that contradict each other by :func:`conflicting_fields`.
 """
 
@@ -14,8 +14,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
+from ..sampling import MAX_LOGPROBS
+
 MAX_STOP_STRINGS = 16
 MAX_N = 128  # OpenAI's own limit on n
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on logprobs of /v1/completions (top_logprobs of chat: 20)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
@@ -51,6 +54,7 @@ class _Request(BaseModel):
     repetition_penalty: StrictFloat | None = None
     logit_bias: dict[str, Any] | None = None
     user: StrictStr | None = None
+    prompt_logprobs: StrictInt | None = None  # (vLLM's extension: refused, the prompt is not scored)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -67,7 +71,12 @@ class _Request(BaseModel):
             stop=self.stop_list() or None,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            logprobs=self.engine_logprobs(),
         )
+
+    def engine_logprobs(self) -> int | None:
+        """``logprobs`` of :meth:`DFlashEngine.stream`: alternatives per token, None for none."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -81,7 +90,10 @@ class CompletionRequest(_Request):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     echo: StrictBool | None = False
     suffix: StrictStr | None = None
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts (strings or token-id lists), one or a list of them."""
@@ -120,7 +132,7 @@ class ResponseFormat(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -129,6 +141,9 @@ class ChatCompletionRequest(_Request):
     modalities: list[StrictStr] | None = None
     audio: Any = None
 
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def engine_messages(self) -> list[dict]:
         # "developer" is OpenAI's newer name for "system"; chat templates know "system".
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
@@ -136,10 +151,13 @@ class ChatCompletionRequest(_Request):
 
 def conflicting_fields(req: _Request) -> tuple[str, str] | None:
     """``(param, message)`` for values that contradict each other: ``best_of`` < ``n``
-    (OpenAI: best_of candidates are generated and the best n returned)."""
+    (OpenAI: best_of candidates are generated and the best n returned); chat's
+    ``top_logprobs`` without ``logprobs: true`` (OpenAI refuses it too)."""
     n = req.n or 1
     if req.best_of is not None and req.best_of < n:
         return "best_of", f"best_of must be >= n (best_of={req.best_of}, n={n})"
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
+        return "top_logprobs", "top_logprobs needs logprobs set to true"
     return None
 
 
@@ -158,18 +176,17 @@ def unsupported_field(req: _Request) -> tuple[str, str] | None:
         ("repetition_penalty", req.repetition_penalty not in (None, 1.0), "repetition_penalty is not supported (must be 1)"),
         ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
         ("stop", len(req.stop_list()) > MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are supported"),
+        ("prompt_logprobs", req.prompt_logprobs is not None,
+         "prompt_logprobs are not supported (only the generated tokens' logprobs)"),
     ]
     if isinstance(req, CompletionRequest):
         checks += [
-            ("logprobs", req.logprobs is not None, "logprobs are not supported"),
-            ("echo", bool(req.echo), "echo is not supported"),
+            ("echo", bool(req.echo), "echo is not supported (nor the prompt's logprobs)"),
             ("suffix", bool(req.suffix), "suffix is not supported"),
         ]
     if isinstance(req, ChatCompletionRequest):
         rf = req.response_format.type if req.response_format is not None else "text"
         checks += [
-            ("logprobs", bool(req.logprobs), "logprobs are not supported"),
-            ("top_logprobs", req.top_logprobs is not None, "top_logprobs are not supported"),
             ("tools", bool(req.tools), "tools are not supported"),
             ("tool_choice", req.tool_choice not in (None, "none"), "tool_choice is not supported"),
             ("functions", bool(req.functions), "functions are not supported"),

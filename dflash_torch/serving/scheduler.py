@@ -30,7 +30,8 @@ called on the compute thread:
 
 ``add(seq)``
     take ``seq`` (a :class:`Sequence`: ``prompt_ids``, ``max_new_tokens``, ``kwargs``,
-    the sampling and stop arguments of :meth:`DFlashEngine.stream`, seed included) into a
+    the sampling and stop arguments of :meth:`DFlashEngine.stream`, seed included, ``logprobs``
+    optional) into a
     free slot to be prefilled (now, or by the next steps); raises
     :class:`~dflash_torch.DFlashError` for a request the engine refuses (the slot stays free).
 ``step()``
@@ -180,6 +181,7 @@ class Sequence:
     got_token: bool = False
     text: list[str] = field(default_factory=list)       # a non-streamed choice's output so far
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)        # (TokenLogprob, when kwargs asks for them)
 
 
 @dataclass(eq=False)
@@ -286,7 +288,8 @@ class BatchedBackend:
         from ..sampling import SamplingParams
 
         e, kw = self.engine, seq.kwargs
-        params = SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"], seed=kw["seed"])
+        params = SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"], seed=kw["seed"],
+                                logprobs=kw.get("logprobs"))
         stopper = e.new_stopper(seq.max_new_tokens, kw["stop"], kw["stop_token_ids"], kw["ignore_eos"])
         stats = GenerationStats(prompt_tokens=len(seq.prompt_ids), block_size=e.block_size,
                                 draft_mode=e.decoder.draft_mode if e.drafter is not None else None)
@@ -533,8 +536,12 @@ class Scheduler:
             return
         seq.text.append(chunk.text)
         seq.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            seq.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason is not None:
-            job.put("chunk", StreamChunk("".join(seq.text), seq.token_ids, chunk.finish_reason, chunk.stats), seq.index)
+            logprobs = seq.logprobs if chunk.logprobs is not None else None
+            job.put("chunk", StreamChunk("".join(seq.text), seq.token_ids, chunk.finish_reason, chunk.stats, logprobs),
+                    seq.index)
 
     def _update_gauges(self) -> None:  # (under self._cond)
         waiting, running = len(self._waiting), len(self._running)
