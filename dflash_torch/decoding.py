@@ -22,7 +22,7 @@ from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import check_block_size, check_max_context, check_prompt_ids
-from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, probabilities
+from .sampling import Penalties, SamplingParams, accept_greedy, accept_sampling, choose, probabilities
 
 DRAFT_MODES = ("inject", "recompute")
 
@@ -378,8 +378,13 @@ class SpeculativeDecoder:
 
         t0 = time.perf_counter()
         last_logits = self._prefill(torch.tensor(prompt_ids, dtype=torch.long, device=dev), n_prompt)
+        penalties = Penalties.new(params, prompt_ids, last_logits)  # (None without a penalty)
+        if penalties is not None:
+            last_logits = penalties.apply(last_logits[None])[0]
         token = choose(last_logits[None], params, generator)[0]
         first = int(token)
+        if penalties is not None:
+            penalties.commit([first])
         t1 = time.perf_counter()
         yield Round([first], None, 0.0, t1 - t0, t1 - t0)
 
@@ -408,6 +413,8 @@ class SpeculativeDecoder:
             self._sync()
             t1 = time.perf_counter()
             logits, feats = self._verify_fn(block, pos, kv_len)
+            if penalties is not None:  # row j counts the drafts before it (see sampling.penalize)
+                logits = penalties.apply(logits, block[1:])
             if B == 1:
                 a_dev, bonus = torch.zeros((), dtype=torch.long, device=dev), choose(logits, params, generator)[0]
             elif params.greedy:
@@ -416,6 +423,9 @@ class SpeculativeDecoder:
                 a_dev, bonus = accept_sampling(block[1:], draft_probs, probabilities(logits, params), generator)
             out = torch.cat([a_dev.view(1).to(block.dtype), block[1:], bonus.view(1)]).tolist()  # the one host sync
             a = out[0]
+            tokens = out[1:a + 1] + [out[-1]]
+            if penalties is not None:
+                penalties.commit(tokens)
             t2 = time.perf_counter()
             if folded:  # all B rows with fixed shapes: rows past the accepted ones are overwritten next round
                 pending, pending_start = (self._carry(feats), s_dev) if static else (feats[: a + 1], s)
@@ -430,4 +440,4 @@ class SpeculativeDecoder:
             s_dev = s_dev + (a_dev + 1)
             committed += a + 1
             token = bonus
-            yield Round(out[1:a + 1] + [out[-1]], a + 1, t1 - t0, t2 - t1, t3 - t0)
+            yield Round(tokens, a + 1, t1 - t0, t2 - t1, t3 - t0)

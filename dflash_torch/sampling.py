@@ -10,6 +10,10 @@ Acceptance rules (both lossless, see DESIGN.md):
   first rejection a token is drawn from ``normalize(max(p_j - q_j, 0))``; if all are
   accepted the bonus token is drawn from ``p_B``. ``p`` and ``q`` are the target's and
   the drafter's distributions after temperature, top-k and top-p.
+
+Penalties (presence, frequency, repetition; :func:`penalize`, :class:`Penalties`) change the
+target's logits before either rule, per block position, so both stay lossless for the
+penalised target (see :func:`penalize`).
 """
 
 from __future__ import annotations
@@ -43,12 +47,25 @@ class SamplingParams:
         top_p: keep the smallest set of tokens whose probability reaches top_p (1 = off);
             the most likely token is always kept. Stored as a float.
         seed: seed of the request's random generator (None = nondeterministic).
+        presence_penalty: in [-2, 2] (0 = off, OpenAI's range): subtracted from the logit
+            of every token generated so far (:func:`penalize`). Stored as a float.
+        frequency_penalty: in [-2, 2] (0 = off): times each token's count among the
+            generated tokens, subtracted from its logit. Stored as a float.
+        repetition_penalty: > 0 (1 = off): the logit of every token of the prompt or
+            generated so far is divided by it when positive, else multiplied by it.
+            Stored as a float.
+
+    Raises:
+        OptionError: a value out of its range or of the wrong type (the message names the field).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         t = _real(self.temperature)
@@ -64,10 +81,25 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(2**63) <= self.seed < 2**64):
             raise OptionError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
+        for name in ("presence_penalty", "frequency_penalty"):
+            x = _real(getattr(self, name))
+            if x is None or not -2 <= x <= 2:
+                raise OptionError(f"{name} must be a number in [-2, 2], got {getattr(self, name)!r}", name)
+            object.__setattr__(self, name, x)
+        r = _real(self.repetition_penalty)
+        if r is None or not math.isfinite(r) or r <= 0:
+            raise OptionError(f"repetition_penalty must be a finite number > 0 (1 = off), got "
+                              f"{self.repetition_penalty!r}", "repetition_penalty")
+        object.__setattr__(self, "repetition_penalty", r)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         """A random generator for one request (None for greedy decoding)."""
@@ -121,6 +153,90 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def penalize(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor | None, params: SamplingParams,
+             draft: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits of a verify block (or of one position) with the penalties of ``params``.
+
+    Semantics as in vLLM (``vllm/model_executor/layers/utils.py``, ``apply_penalties``) and
+    OpenAI's API reference for presence / frequency: with ``n[t]`` the times token t was
+    generated so far (prompt tokens excluded), in this order
+
+    * repetition penalty r (CTRL, Keskar et al. 2019; transformers'
+      ``RepetitionPenaltyLogitsProcessor``): for every token that occurred in the prompt
+      or was generated, ``logit / r`` if ``logit > 0`` else ``logit * r``;
+    * ``logit[t] -= frequency_penalty * n[t] + presence_penalty * (n[t] > 0)``.
+
+    Applied to the target's raw logits, before temperature, top-k and top-p, and in greedy
+    decoding too (greedy = argmax of the penalised logits).
+
+    Lossless under speculative decoding: row j of a verify block ``[t0, d_1 .. d_{R-1}]``
+    predicts the token after ``t0, d_1 .. d_j`` and only counts if ``d_1 .. d_j`` are all
+    accepted, so its penalty counts the committed tokens (``counts``, which include
+    ``t0``) plus ``d_1 .. d_j``. Each row is then exactly the penalised logits that
+    one-token-at-a-time decoding would see at that position, and the acceptance rules run
+    unchanged on them: greedy acceptance compares the drafts with the penalised argmax,
+    rejection sampling is exact for any proposal q (the drafter's stays unpenalised).
+
+    Args:
+        logits: ``[R, V]`` (any float dtype): row j predicts the token after ``d_1 .. d_j``.
+        counts: float32 ``[V]``: generated tokens committed so far, per token id.
+        prompt: bool ``[V]``: tokens of the prompt (only read for a repetition penalty; may
+            be None otherwise).
+        params: the sampling parameters (their penalties).
+        draft: int64 ``[R-1]``, the block's draft tokens ``d_1 .. d_{R-1}``; None: every row
+            sees ``counts`` alone.
+
+    Returns:
+        float32 ``[R, V]`` (a new tensor unless no penalty is on and ``logits`` is float32).
+    """
+    x = logits.float()
+    rows = x.shape[0]
+    n = counts.expand(rows, -1)
+    if draft is not None and draft.numel():  # row j also counts d_1 .. d_j
+        j, i = torch.tril_indices(rows - 1, rows - 1, device=x.device)  # pairs i <= j
+        n = n.clone().index_put_((j + 1, draft[i]), torch.ones(j.shape[0], device=x.device), accumulate=True)
+    if params.repetition_penalty != 1:
+        r = params.repetition_penalty
+        seen = n > 0 if prompt is None else (n > 0) | prompt
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    if params.frequency_penalty:
+        x = x - params.frequency_penalty * n
+    if params.presence_penalty:
+        x = x - params.presence_penalty * (n > 0)
+    return x
+
+
+class Penalties:
+    """The token statistics one sequence's penalties need, kept incrementally: counts of
+    the generated tokens (float32 ``[V]``) and, for a repetition penalty, the prompt's
+    tokens (bool ``[V]``), on the logits' device. Made only for penalised parameters
+    (:meth:`new`), so unpenalised sequences pay nothing."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, device: torch.device):
+        self.params = params
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        self.prompt = None
+        if params.repetition_penalty != 1:
+            self.prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.prompt[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+
+    @classmethod
+    def new(cls, params: SamplingParams, prompt_ids: list[int], logits: torch.Tensor) -> "Penalties | None":
+        """The statistics of a sequence with ``params`` and ``prompt_ids``, sized for
+        ``logits`` ``[..., V]`` (any row of the target's); None when no penalty is on."""
+        return cls(params, prompt_ids, logits.shape[-1], logits.device) if params.penalized else None
+
+    def apply(self, logits: torch.Tensor, draft: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`penalize` with this sequence's statistics: ``logits`` ``[R, V]``, ``draft``
+        int64 ``[R-1]`` or None -> float32 ``[R, V]``."""
+        return penalize(logits, self.counts, self.prompt, self.params, draft)
+
+    def commit(self, tokens: list[int]) -> None:
+        """Count committed (generated) ``tokens``."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.counts.device)
+        self.counts.index_put_((ids,), torch.ones(len(tokens), device=self.counts.device), accumulate=True)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
