@@ -76,12 +76,12 @@ def test_repetition_penalty_equals_transformers_generate(tiny_pair, tiny_target_
     engine, changed = tiny_target_only, 0
     ids = [engine.encode_prompt(p) for p in PROMPTS]
     refs = [hf_generate(hf, p, NEW_TOKENS, repetition_penalty=r) for p in ids]
+    batch = engine.generate_batch(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=r)
+    assert [out.token_ids for out in batch] == refs
     for p, ref in zip(ids, refs):
         assert engine.generate(p, max_new_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=r).token_ids == ref
         changed += ref != hf_generate(hf, p, NEW_TOKENS)
     assert changed >= 2  # the penalty changes the output: the comparison has power
-    batch = engine.generate_batch(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=r)
-    assert [out.token_ids for out in batch] == refs
 
 
 PENALTIES = [dict(presence=1.5), dict(frequency=0.8), dict(presence=-1.0),

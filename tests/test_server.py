@@ -278,6 +278,29 @@ def test_extreme_sampling_values_are_answered_not_500(server, cli_reference):
     assert chat.usage.completion_tokens == 8
 
 
+def test_penalties_equal_the_python_api(server, tiny_pair):
+    """presence / frequency penalties (OpenAI fields) and repetition_penalty (an extension)
+    in both endpoints give what DFlashEngine.generate gives with the same parameters
+    (greedy, streamed and not; seeded sampling)."""
+    from dflash_torch import DFlashEngine
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    c = server.client()
+    pen = dict(presence_penalty=1.2, frequency_penalty=0.5, repetition_penalty=1.3)
+    body = dict(model=MODEL, max_tokens=24, presence_penalty=1.2, frequency_penalty=0.5,
+                extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    ref = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True, **pen)
+    assert ref.token_ids != engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True).token_ids  # (the test has power)
+    assert c.completions.create(prompt=PROMPT, temperature=0, **body).choices[0].text == ref.text
+    assert _stream_completion(c, prompt=PROMPT, temperature=0, **body)[0] == ref.text
+    sampled = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True, temperature=0.8, seed=5, **pen)
+    assert c.completions.create(prompt=PROMPT, temperature=0.8, seed=5, **body).choices[0].text == sampled.text
+    messages = [{"role": "user", "content": "def f(x):"}]
+    chat = engine.generate(messages, chat=True, max_new_tokens=24, ignore_eos=True, **pen)
+    r = c.chat.completions.create(messages=messages, temperature=0, **body)
+    assert r.choices[0].message.content == chat.text
+
+
 def test_stop_token_ids_take_one_id_or_a_list_like_the_python_api(server, cli_reference):
     """``stop_token_ids`` is an id or a list of ids, as in ``DFlashEngine.generate`` (one
     id was a 400 "Input should be a valid list"); out-of-vocabulary ids are a 400."""
