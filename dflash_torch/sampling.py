@@ -155,8 +155,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def penalize(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor | None, params: SamplingParams,
-             draft: torch.Tensor | None = None) -> torch.Tensor:
+def penalize(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor | None, ids: torch.Tensor,
+             params: SamplingParams, draft: torch.Tensor | None = None) -> torch.Tensor:
     """The logits of a verify block (or of one position) with the penalties of ``params``.
 
     Semantics as in vLLM (``vllm/model_executor/layers/utils.py``, ``apply_penalties``) and
@@ -179,48 +179,58 @@ def penalize(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor | 
     unchanged on them: greedy acceptance compares the drafts with the penalised argmax,
     rejection sampling is exact for any proposal q (the drafter's stays unpenalised).
 
+    Only the columns of ``ids`` and ``draft`` can change, so only they are computed (one
+    copy of the logits, then O(R * (len(ids) + R)) work, whatever the vocabulary).
+
     Args:
         logits: ``[R, V]`` (any float dtype): row j predicts the token after ``d_1 .. d_j``.
         counts: float32 ``[V]``: generated tokens committed so far, per token id.
         prompt: bool ``[V]``: tokens of the prompt (only read for a repetition penalty; may
             be None otherwise).
+        ids: int64 ``[K]``: every token id that ``counts`` (or, with a repetition penalty,
+            ``prompt``) marks, in any order (repeats allowed).
         params: the sampling parameters (their penalties).
         draft: int64 ``[R-1]``, the block's draft tokens ``d_1 .. d_{R-1}``; None: every row
             sees ``counts`` alone.
 
     Returns:
-        float32 ``[R, V]`` (a new tensor unless no penalty is on and ``logits`` is float32).
+        float32 ``[R, V]``, a new tensor.
     """
-    x = logits.float()
-    rows = x.shape[0]
-    n = counts.expand(rows, -1)
-    if draft is not None and draft.numel():  # row j also counts d_1 .. d_j
-        j, i = torch.tril_indices(rows - 1, rows - 1, device=x.device)  # pairs i <= j
-        n = n.clone().index_put_((j + 1, draft[i]), torch.ones(j.shape[0], device=x.device), accumulate=True)
+    x = logits.to(torch.float32, copy=True)
+    drafts = draft is not None and draft.numel() > 0
+    cols = torch.cat([ids, draft]) if drafts else ids  # (a column twice gets the same value twice)
+    n = counts[cols].expand(x.shape[0], -1).clone()  # [R, K]
+    if drafts:  # row j also counts d_1 .. d_j
+        n[1:] += (draft[:, None] == cols[None, :]).float().cumsum(0)
+    v = x[:, cols]
     if params.repetition_penalty != 1:
         r = params.repetition_penalty
-        seen = n > 0 if prompt is None else (n > 0) | prompt
-        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        seen = n > 0 if prompt is None else (n > 0) | prompt[cols]
+        v = torch.where(seen, torch.where(v > 0, v / r, v * r), v)
     if params.frequency_penalty:
-        x = x - params.frequency_penalty * n
+        v = v - params.frequency_penalty * n
     if params.presence_penalty:
-        x = x - params.presence_penalty * (n > 0)
+        v = v - params.presence_penalty * (n > 0)
+    x[:, cols] = v
     return x
 
 
 class Penalties:
     """The token statistics one sequence's penalties need, kept incrementally: counts of
-    the generated tokens (float32 ``[V]``) and, for a repetition penalty, the prompt's
-    tokens (bool ``[V]``), on the logits' device. Made only for penalised parameters
-    (:meth:`new`), so unpenalised sequences pay nothing."""
+    the generated tokens (float32 ``[V]``), for a repetition penalty the prompt's tokens
+    (bool ``[V]``), and the ids of both (int64, each once), on the logits' device. Made
+    only for penalised parameters (:meth:`new`), so unpenalised sequences pay nothing."""
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, device: torch.device):
         self.params = params
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         self.prompt = None
+        self._known: set[int] = set()
         if params.repetition_penalty != 1:
             self.prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             self.prompt[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+            self._known = set(prompt_ids)
+        self.ids = torch.tensor(sorted(self._known), dtype=torch.long, device=device)
 
     @classmethod
     def new(cls, params: SamplingParams, prompt_ids: list[int], logits: torch.Tensor) -> "Penalties | None":
@@ -231,12 +241,17 @@ class Penalties:
     def apply(self, logits: torch.Tensor, draft: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`penalize` with this sequence's statistics: ``logits`` ``[R, V]``, ``draft``
         int64 ``[R-1]`` or None -> float32 ``[R, V]``."""
-        return penalize(logits, self.counts, self.prompt, self.params, draft)
+        return penalize(logits, self.counts, self.prompt, self.ids, self.params, draft)
 
     def commit(self, tokens: list[int]) -> None:
         """Count committed (generated) ``tokens``."""
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.counts.device)
-        self.counts.index_put_((ids,), torch.ones(len(tokens), device=self.counts.device), accumulate=True)
+        dev = self.counts.device
+        self.counts.index_put_((torch.tensor(tokens, dtype=torch.long, device=dev),),
+                               torch.ones(len(tokens), device=dev), accumulate=True)
+        new = [t for t in dict.fromkeys(tokens) if t not in self._known]
+        if new:
+            self._known.update(new)
+            self.ids = torch.cat([self.ids, torch.tensor(new, dtype=torch.long, device=dev)])
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

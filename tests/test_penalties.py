@@ -60,6 +60,30 @@ def hf_generate(hf, prompt: list[int], n: int, **kw) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("penalties", [dict(presence=1.5), dict(frequency=-0.7), dict(repetition=1.7),
+                                       dict(presence=0.5, frequency=0.5, repetition=0.8)])
+def test_each_block_row_counts_the_drafts_before_it(penalties):
+    """penalize on a block: row j == the formula over prompt, committed tokens and d_1 .. d_j
+    (repeated draft tokens, drafts already generated, tokens only in the prompt)."""
+    from dflash_torch.sampling import Penalties
+
+    g = torch.Generator().manual_seed(0)
+    V, R = 50, 6
+    prompt, generated = [3, 7, 7, 9], [7, 11, 11, 12]
+    draft = [11, 20, 20, 3, 12]
+    logits = torch.randn(R, V, generator=g) * 3
+    pen = Penalties(as_params(**penalties), prompt, V, torch.device("cpu"))
+    pen.commit(generated[:1])
+    pen.commit(generated[1:])
+    out = pen.apply(logits, torch.tensor(draft))
+    for j in range(R):
+        want = reference_penalized(logits[j], prompt, generated + draft[:j], **penalties)
+        torch.testing.assert_close(out[j], want, rtol=0, atol=1e-6)
+    assert not torch.equal(out[1], out[2])  # (a draft changes the rows after it)
+    first = pen.apply(logits[:1])  # one position, no draft
+    torch.testing.assert_close(first[0], reference_penalized(logits[0], prompt, generated, **penalties), rtol=0, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def tiny_target_only(tiny_pair):
     return DFlashEngine.from_pretrained(tiny_pair[0], no_draft=True, max_batch_size=3)
