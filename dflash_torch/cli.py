@@ -89,7 +89,8 @@ def _generate_here(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, presence_penalty=args.presence_penalty,
-                  frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat)
+                  frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                  stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat)
     if args.json:
         out = engine.generate(prompt, **kwargs)
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,

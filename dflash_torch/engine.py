@@ -435,7 +435,8 @@ class DFlashEngine:
         """
         with self._request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                           repetition_penalty=repetition_penalty, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chat=chat) as chunks:
+                           repetition_penalty=repetition_penalty, stop=stop, stop_token_ids=stop_token_ids,
+                           ignore_eos=ignore_eos, chat=chat) as chunks:
             # each round runs on the compute thread (see dflash_torch.compute), whichever
             # thread iterates this stream
             while (chunk := compute.run(next, chunks, None)) is not None:
@@ -593,9 +594,9 @@ class DFlashEngine:
         per = dict(max_new_tokens=_per_prompt(max_new_tokens, n, "max_new_tokens"),
                    temperature=_per_prompt(temperature, n, "temperature"), top_k=_per_prompt(top_k, n, "top_k"),
                    top_p=_per_prompt(top_p, n, "top_p"), seed=_per_prompt(seed, n, "seed"),
-                   **{name: _per_prompt(value, n, name) for name, value in dict(
-                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                       repetition_penalty=repetition_penalty).items()},
+                   presence_penalty=_per_prompt(presence_penalty, n, "presence_penalty"),
+                   frequency_penalty=_per_prompt(frequency_penalty, n, "frequency_penalty"),
+                   repetition_penalty=_per_prompt(repetition_penalty, n, "repetition_penalty"),
                    ignore_eos=_per_prompt(ignore_eos, n, "ignore_eos"),
                    stop=_per_prompt(stop, n, "stop", nested=(str,)),
                    stop_token_ids=_per_prompt(stop_token_ids, n, "stop_token_ids", nested=(int,)))

@@ -288,8 +288,9 @@ class BatchedBackend:
 
         e, kw = self.engine, seq.kwargs
         params = SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"], seed=kw["seed"],
-                                presence_penalty=kw["presence_penalty"], frequency_penalty=kw["frequency_penalty"],
-                                repetition_penalty=kw["repetition_penalty"])
+                                presence_penalty=kw.get("presence_penalty", 0.0),  # (optional, as in engine.stream)
+                                frequency_penalty=kw.get("frequency_penalty", 0.0),
+                                repetition_penalty=kw.get("repetition_penalty", 1.0))
         stopper = e.new_stopper(seq.max_new_tokens, kw["stop"], kw["stop_token_ids"], kw["ignore_eos"])
         stats = GenerationStats(prompt_tokens=len(seq.prompt_ids), block_size=e.block_size,
                                 draft_mode=e.decoder.draft_mode if e.drafter is not None else None)
