@@ -95,7 +95,7 @@ from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import check_block_size, check_flag, check_max_context, check_max_new_tokens, check_prompt_ids
-from .sampling import SamplingParams, accept_greedy, accept_sampling, choose, probabilities, token_logprobs
+from .sampling import Penalties, SamplingParams, accept_greedy, accept_sampling, choose, probabilities, token_logprobs
 
 
 BACKLOG_ROWS = 64  # a sequence's feature rows of target-only rounds injected at once (at most; see BatchDecoder)
@@ -337,6 +337,7 @@ class _Sequence:
     prompt_len: int = 0  # a hybrid target's slot checkpoint holds the recurrent state at this position
     prompt_logits: torch.Tensor | None = None  # [V] its prompt's last logits (reuse_prefix: an identical prompt reuses them)
     padded: bool = False  # ran a round past its budget (as padding): its slot is not retained
+    penalties: Penalties | None = None  # its token statistics, when its params have a penalty
 
     @property
     def done(self) -> bool:
@@ -647,12 +648,12 @@ class BatchDecoder:
         if last is None:
             last = self._prefill(slot, torch.tensor(prompt, dtype=torch.long, device=self.device), start)
         generator = params.generator(self.device)
-        token = choose(last[None], params, generator)[0]
+        token, penalties = _first_token(last, prompt, params, generator)
         first = int(token)
         if self.reuse_prefix and self.target_state is not None:
             self.target_state.save(slot)  # (the state at the prompt's end: a later prompt may diverge after it)
         self._seqs.append(_Sequence(seq_id, params, generator, max_new_tokens, n_prompt, token, 1, ids=prompt + [first],
-                                    prompt_len=n_prompt, prompt_logits=self._keep_logits(last)))
+                                    prompt_len=n_prompt, prompt_logits=self._keep_logits(last), penalties=penalties))
         logprobs = _first_logprobs(last, first, params)
         t1 = time.perf_counter()
         return Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=start, logprobs=logprobs)
@@ -930,6 +931,8 @@ class BatchDecoder:
             logprobs = None
             if q.params.logprobs is not None:  # (its verify rows: the positions of its accepted and bonus tokens)
                 logprobs = token_logprobs(logits[i * B:i * B + a + 1], tokens, q.params.logprobs)
+            if q.penalties is not None:
+                q.penalties.commit(tokens)
             rounds[q.seq_id] = Round(tokens, a + 1, t1 - t0, t2 - t1, 0.0, logprobs=logprobs)
         t3 = time.perf_counter()
         for r in rounds.values():
@@ -967,11 +970,11 @@ class BatchDecoder:
             for sharer in [q] + q.sharers:  # (slot's contents copied into each sharer's slot)
                 if sharer is not q:
                     self._move(slot, len(self._seqs), q.prefilled)
-                token = choose(last[None], sharer.params, sharer.generator)[0]
+                token, penalties = _first_token(last, q.prompt, sharer.params, sharer.generator)
                 first = int(token)
                 self._seqs.append(_Sequence(sharer.seq_id, sharer.params, sharer.generator, sharer.max_new_tokens,
                                             q.prefilled, token, 1, ids=q.prompt + [first], prompt_len=q.prefilled,
-                                            prompt_logits=kept_logits))
+                                            prompt_logits=kept_logits, penalties=penalties))
                 elapsed = q.prefill_time + time.perf_counter() - t0
                 rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed, cached_tokens=q.reused,
                                               logprobs=_first_logprobs(last, first, sharer.params))
@@ -1104,19 +1107,23 @@ class BatchDecoder:
 
     def _accept(self, seqs: list[_Sequence], block: torch.Tensor, draft_probs: list, logits: torch.Tensor):
         """Acceptance of each sequence's block -> accepted counts ``[n]`` and the tokens that
-        follow them ``[n]`` (int64, on the device)."""
+        follow them ``[n]`` (int64, on the device). Greedy sequences without a penalty are
+        decided all at once; the others one by one, on their own (penalised) logits."""
         n, B = block.shape
         accepted, bonus = accept_greedy(block[:, 1:], logits)
-        sampled = [i for i, q in enumerate(seqs) if not q.params.greedy and not q.done]
-        if not sampled:
+        own = [i for i, q in enumerate(seqs) if not q.done and (not q.params.greedy or q.penalties is not None)]
+        if not own:
             return accepted, bonus
         a_rows, b_rows = list(accepted), list(bonus)
-        for i in sampled:
+        for i in own:
             q = seqs[i]
-            if B == 1:
-                a_rows[i], b_rows[i] = accepted[i], choose(logits[i], q.params, q.generator)[0]
+            x = logits[i] if q.penalties is None else q.penalties.apply(logits[i], block[i, 1:])
+            if q.params.greedy:
+                a_rows[i], b_rows[i] = accept_greedy(block[i, 1:], x)
+            elif B == 1:
+                a_rows[i], b_rows[i] = accepted[i], choose(x, q.params, q.generator)[0]
             else:
-                a_rows[i], b_rows[i] = accept_sampling(block[i, 1:], draft_probs[i], probabilities(logits[i], q.params),
+                a_rows[i], b_rows[i] = accept_sampling(block[i, 1:], draft_probs[i], probabilities(x, q.params),
                                                        q.generator)
         return torch.stack(a_rows).to(torch.long), torch.stack(b_rows)
 
@@ -1125,6 +1132,18 @@ def _first_logprobs(last: torch.Tensor, first: int, params: SamplingParams):
     """The prefill round's logprobs: of its token ``first`` from the prompt's last logits ``[V]``
     (None when ``params`` asks for none)."""
     return None if params.logprobs is None else token_logprobs(last[None], [first], params.logprobs)
+
+
+def _first_token(last: torch.Tensor, prompt: list[int], params: SamplingParams,
+                 generator: torch.Generator | None) -> tuple[torch.Tensor, Penalties | None]:
+    """A sequence's first token (0-dim int64) from its prompt's last logits ``[V]`` (kept
+    as they are), and its penalties' statistics (None without a penalty), which count it."""
+    penalties = Penalties.new(params, prompt, last)
+    logits = last[None] if penalties is None else penalties.apply(last[None])
+    token = choose(logits, params, generator)[0]
+    if penalties is not None:
+        penalties.commit([int(token)])
+    return token, penalties
 
 
 def _row(scores, i: int):

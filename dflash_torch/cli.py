@@ -47,6 +47,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="in [-2, 2], subtracted from the logit of every token generated so far (default 0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2], times each token's count so far, subtracted from its logit (default 0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0, divides positive / multiplies negative logits of prompt and generated tokens (default 1 = off)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
 
@@ -93,7 +99,9 @@ def _generate_here(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     engine = load_engine(args)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat)
+                  top_p=args.top_p, seed=args.seed, presence_penalty=args.presence_penalty,
+                  frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                  stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat)
     if args.json:
         out = engine.generate(prompt, **kwargs)
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,

@@ -22,8 +22,8 @@ from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import check_block_size, check_max_context, check_prompt_ids
-from .sampling import (SamplingParams, TokenLogprob, accept_greedy, accept_sampling, choose, probabilities,
-                       token_logprobs)
+from .sampling import (Penalties, SamplingParams, TokenLogprob, accept_greedy, accept_sampling, choose,
+                       probabilities, token_logprobs)
 
 DRAFT_MODES = ("inject", "recompute")
 
@@ -384,9 +384,13 @@ class SpeculativeDecoder:
 
         t0 = time.perf_counter()
         last_logits = self._prefill(torch.tensor(prompt_ids, dtype=torch.long, device=dev), n_prompt)
-        token = choose(last_logits[None], params, generator)[0]
+        penalties = Penalties.new(params, prompt_ids, last_logits)  # (None without a penalty)
+        scores = last_logits[None] if penalties is None else penalties.apply(last_logits[None])
+        token = choose(scores, params, generator)[0]
         first = int(token)
         logprobs = None if params.logprobs is None else token_logprobs(last_logits[None], [first], params.logprobs)
+        if penalties is not None:
+            penalties.commit([first])
         t1 = time.perf_counter()
         yield Round([first], None, 0.0, t1 - t0, t1 - t0, logprobs=logprobs)
 
@@ -415,18 +419,23 @@ class SpeculativeDecoder:
             self._sync()
             t1 = time.perf_counter()
             logits, feats = self._verify_fn(block, pos, kv_len)
+            scores = logits  # (logprobs are of the raw logits)
+            if penalties is not None:  # row j counts the drafts before it (see sampling.penalize)
+                scores = penalties.apply(logits, block[1:])
             if B == 1:
-                a_dev, bonus = torch.zeros((), dtype=torch.long, device=dev), choose(logits, params, generator)[0]
+                a_dev, bonus = torch.zeros((), dtype=torch.long, device=dev), choose(scores, params, generator)[0]
             elif params.greedy:
-                a_dev, bonus = accept_greedy(block[1:], logits)
+                a_dev, bonus = accept_greedy(block[1:], scores)
             else:
-                a_dev, bonus = accept_sampling(block[1:], draft_probs, probabilities(logits, params), generator)
+                a_dev, bonus = accept_sampling(block[1:], draft_probs, probabilities(scores, params), generator)
             out = torch.cat([a_dev.view(1).to(block.dtype), block[1:], bonus.view(1)]).tolist()  # the one host sync
             a = out[0]
             tokens = out[1:a + 1] + [out[-1]]
             logprobs = None  # (before the commit: a CUDA graph's replay may reuse the logits' memory)
             if params.logprobs is not None:
                 logprobs = token_logprobs(logits[:a + 1], tokens, params.logprobs)
+            if penalties is not None:
+                penalties.commit(tokens)
             t2 = time.perf_counter()
             if folded:  # all B rows with fixed shapes: rows past the accepted ones are overwritten next round
                 pending, pending_start = (self._carry(feats), s_dev) if static else (feats[: a + 1], s)

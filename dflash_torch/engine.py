@@ -439,6 +439,9 @@ class DFlashEngine:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
         stop: str | Sequence[str] | None = None,
         stop_token_ids: int | Sequence[int] | None = None,
         ignore_eos: bool = False,
@@ -451,6 +454,8 @@ class DFlashEngine:
             prompt: text, chat messages, or token ids.
             max_new_tokens: at most this many generated tokens (>= 1).
             temperature, top_k, top_p, seed: see :class:`SamplingParams`.
+            presence_penalty, frequency_penalty, repetition_penalty: see :class:`SamplingParams`
+                (0, 0, 1 = off); speculative decoding stays lossless with them.
             stop: stop string(s): generation ends after the first token that completes
                 one, and the text is cut at the start of that occurrence.
             stop_token_ids: an extra stop token id or a list of them, in [0, vocab size)
@@ -469,8 +474,9 @@ class DFlashEngine:
             DFlashError: invalid parameters or a prompt that does not fit the context.
         """
         with self._request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chat=chat,
-                           logprobs=logprobs) as chunks:
+                           seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                           repetition_penalty=repetition_penalty, stop=stop, stop_token_ids=stop_token_ids,
+                           ignore_eos=ignore_eos, chat=chat, logprobs=logprobs) as chunks:
             # each round runs on the compute thread (see dflash_torch.compute), whichever
             # thread iterates this stream
             while (chunk := compute.run(next, chunks, None)) is not None:
@@ -478,11 +484,15 @@ class DFlashEngine:
 
     @contextlib.contextmanager
     def _request(self, prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop=None, stop_token_ids=None, ignore_eos: bool = False,
-                 chat: bool = False, logprobs: int | None = None) -> Iterator[Iterator[StreamChunk]]:
+                 top_p: float = 1.0, seed: int | None = None, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, stop=None, stop_token_ids=None,
+                 ignore_eos: bool = False, chat: bool = False, logprobs: int | None = None
+                 ) -> Iterator[Iterator[StreamChunk]]:
         """Check a request, tokenize its prompt, take the engine (see the class docstring) and
         give the request's chunks, to be pulled on the compute thread; frees the engine on exit."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, logprobs=logprobs)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                repetition_penalty=repetition_penalty, logprobs=logprobs)
         stopper = self.new_stopper(max_new_tokens, stop, stop_token_ids, ignore_eos)
         prompt_ids = self.encode_prompt(prompt, chat)
         if self._owner == threading.get_ident():
@@ -583,6 +593,9 @@ class DFlashEngine:
         top_k: int | Sequence[int] = 0,
         top_p: float | Sequence[float] = 1.0,
         seed: int | None | Sequence[int | None] = None,
+        presence_penalty: float | Sequence[float] = 0.0,
+        frequency_penalty: float | Sequence[float] = 0.0,
+        repetition_penalty: float | Sequence[float] = 1.0,
         stop: str | Sequence[str] | Sequence[str | Sequence[str] | None] | None = None,
         stop_token_ids: int | Sequence[int] | Sequence[int | Sequence[int] | None] | None = None,
         ignore_eos: bool | Sequence[bool] = False,
@@ -598,8 +611,9 @@ class DFlashEngine:
 
         Args:
             prompts: a non-empty list of prompts (text, chat messages, or token ids).
-            max_new_tokens, temperature, top_k, top_p, seed, ignore_eos, logprobs: one value
-                for all prompts, or a list with one value per prompt (``logprobs``: see :meth:`stream`).
+            max_new_tokens, temperature, top_k, top_p, seed, presence_penalty, frequency_penalty,
+                repetition_penalty, ignore_eos, logprobs: one value for all prompts, or a list
+                with one value per prompt (``logprobs``: see :meth:`stream`).
             stop: stop string(s) for all prompts (a string or a list of strings), or per
                 prompt a list whose items are each None or a list of strings.
             stop_token_ids: an id or a list of ids for all prompts, or per prompt a list
@@ -623,6 +637,9 @@ class DFlashEngine:
         per = dict(max_new_tokens=_per_prompt(max_new_tokens, n, "max_new_tokens"),
                    temperature=_per_prompt(temperature, n, "temperature"), top_k=_per_prompt(top_k, n, "top_k"),
                    top_p=_per_prompt(top_p, n, "top_p"), seed=_per_prompt(seed, n, "seed"),
+                   presence_penalty=_per_prompt(presence_penalty, n, "presence_penalty"),
+                   frequency_penalty=_per_prompt(frequency_penalty, n, "frequency_penalty"),
+                   repetition_penalty=_per_prompt(repetition_penalty, n, "repetition_penalty"),
                    ignore_eos=_per_prompt(ignore_eos, n, "ignore_eos"), logprobs=_per_prompt(logprobs, n, "logprobs"),
                    stop=_per_prompt(stop, n, "stop", nested=(str,)),
                    stop_token_ids=_per_prompt(stop_token_ids, n, "stop_token_ids", nested=(int,)))
@@ -631,8 +648,9 @@ class DFlashEngine:
         for i, prompt in enumerate(prompts):  # every prompt is checked before any is decoded
             stopper = None  # (set: the options are fine, an error is about the prompt itself)
             try:
-                params = SamplingParams(temperature=per["temperature"][i], top_k=per["top_k"][i], top_p=per["top_p"][i],
-                                        seed=per["seed"][i], logprobs=per["logprobs"][i])
+                params = SamplingParams(**{name: per[name][i] for name in (
+                    "temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "logprobs")})
                 stopper = self.new_stopper(per["max_new_tokens"][i], per["stop"][i], per["stop_token_ids"][i],
                                            per["ignore_eos"][i])
                 ids = self.encode_prompt(prompt, chat)

@@ -10,6 +10,10 @@ Acceptance rules (both lossless, see DESIGN.md):
   first rejection a token is drawn from ``normalize(max(p_j - q_j, 0))``; if all are
   accepted the bonus token is drawn from ``p_B``. ``p`` and ``q`` are the target's and
   the drafter's distributions after temperature, top-k and top-p.
+
+Penalties (presence, frequency, repetition; :func:`penalize`, :class:`Penalties`) change the
+target's logits before either rule, per block position, so both stay lossless for the
+penalised target (see :func:`penalize`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,16 @@ class SamplingParams:
             with this many most likely alternatives, 0 to :data:`MAX_LOGPROBS` (0: the
             chosen token's only); None (default): none, at no cost. Does not change
             which tokens are chosen.
+        presence_penalty: in [-2, 2] (0 = off, OpenAI's range): subtracted from the logit
+            of every token generated so far (:func:`penalize`). Stored as a float.
+        frequency_penalty: in [-2, 2] (0 = off): times each token's count among the
+            generated tokens, subtracted from its logit. Stored as a float.
+        repetition_penalty: > 0 (1 = off): the logit of every token of the prompt or
+            generated so far is divided by it when positive, else multiplied by it.
+            Stored as a float.
+
+    Raises:
+        OptionError: a value out of its range or of the wrong type (the message names the field).
     """
 
     temperature: float = 0.0
@@ -58,6 +72,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         t = _real(self.temperature)
@@ -77,10 +94,25 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise OptionError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
                               "logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            x = _real(getattr(self, name))
+            if x is None or not -2 <= x <= 2:
+                raise OptionError(f"{name} must be a number in [-2, 2], got {getattr(self, name)!r}", name)
+            object.__setattr__(self, name, x)
+        r = _real(self.repetition_penalty)
+        if r is None or not math.isfinite(r) or r <= 0:
+            raise OptionError(f"repetition_penalty must be a finite number > 0 (1 = off), got "
+                              f"{self.repetition_penalty!r}", "repetition_penalty")
+        object.__setattr__(self, "repetition_penalty", r)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         """A random generator for one request (None for greedy decoding)."""
@@ -115,9 +147,9 @@ class TokenLogprob(NamedTuple):
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """Log-probabilities of the tokens chosen at ``N`` positions, from the target's logits there.
 
-    The distribution is ``log_softmax`` of the raw logits in float32, before temperature,
-    top-k and top-p (vLLM's default, "raw" log-probabilities): it depends on the position
-    only, not on how the token was chosen.
+    The distribution is ``log_softmax`` of the raw logits in float32, before penalties,
+    temperature, top-k and top-p (vLLM's default, "raw" log-probabilities): it depends on
+    the position only, not on how the token was chosen.
 
     Args:
         logits: ``[N, V]`` target logits (any float dtype), row i the position of ``tokens[i]``.
@@ -174,6 +206,105 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def penalize(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor | None, ids: torch.Tensor,
+             params: SamplingParams, draft: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits of a verify block (or of one position) with the penalties of ``params``.
+
+    Semantics as in vLLM (``vllm/model_executor/layers/utils.py``, ``apply_penalties``) and
+    OpenAI's API reference for presence / frequency: with ``n[t]`` the times token t was
+    generated so far (prompt tokens excluded), in this order
+
+    * repetition penalty r (CTRL, Keskar et al. 2019; transformers'
+      ``RepetitionPenaltyLogitsProcessor``): for every token that occurred in the prompt
+      or was generated, ``logit / r`` if ``logit > 0`` else ``logit * r``;
+    * ``logit[t] -= frequency_penalty * n[t] + presence_penalty * (n[t] > 0)``.
+
+    Applied to the target's raw logits, before temperature, top-k and top-p, and in greedy
+    decoding too (greedy = argmax of the penalised logits).
+
+    Lossless under speculative decoding: row j of a verify block ``[t0, d_1 .. d_{R-1}]``
+    predicts the token after ``t0, d_1 .. d_j`` and only counts if ``d_1 .. d_j`` are all
+    accepted, so its penalty counts the committed tokens (``counts``, which include
+    ``t0``) plus ``d_1 .. d_j``. Each row is then exactly the penalised logits that
+    one-token-at-a-time decoding would see at that position, and the acceptance rules run
+    unchanged on them: greedy acceptance compares the drafts with the penalised argmax,
+    rejection sampling is exact for any proposal q (the drafter's stays unpenalised).
+
+    Only the columns of ``ids`` and ``draft`` can change, so only they are computed (one
+    copy of the logits, then O(R * (len(ids) + R)) work, whatever the vocabulary).
+
+    Args:
+        logits: ``[R, V]`` (any float dtype): row j predicts the token after ``d_1 .. d_j``.
+        counts: float32 ``[V]``: generated tokens committed so far, per token id.
+        prompt: bool ``[V]``: tokens of the prompt (only read for a repetition penalty; may
+            be None otherwise).
+        ids: int64 ``[K]``: every token id that ``counts`` (or, with a repetition penalty,
+            ``prompt``) marks, in any order (repeats allowed).
+        params: the sampling parameters (their penalties).
+        draft: int64 ``[R-1]``, the block's draft tokens ``d_1 .. d_{R-1}``; None: every row
+            sees ``counts`` alone.
+
+    Returns:
+        float32 ``[R, V]``, a new tensor.
+    """
+    x = logits.to(torch.float32, copy=True)
+    drafts = draft is not None and draft.numel() > 0
+    cols = torch.cat([ids, draft]) if drafts else ids  # (a column twice gets the same value twice)
+    n = counts[cols].expand(x.shape[0], -1).clone()  # [R, K]
+    if drafts:  # row j also counts d_1 .. d_j
+        n[1:] += (draft[:, None] == cols[None, :]).float().cumsum(0)
+    v = x[:, cols]
+    if params.repetition_penalty != 1:
+        r = params.repetition_penalty
+        seen = n > 0 if prompt is None else (n > 0) | prompt[cols]
+        v = torch.where(seen, torch.where(v > 0, v / r, v * r), v)
+    if params.frequency_penalty:
+        v = v - params.frequency_penalty * n
+    if params.presence_penalty:
+        v = v - params.presence_penalty * (n > 0)
+    x[:, cols] = v
+    return x
+
+
+class Penalties:
+    """The token statistics one sequence's penalties need, kept incrementally: counts of
+    the generated tokens (float32 ``[V]``), for a repetition penalty the prompt's tokens
+    (bool ``[V]``), and the ids of both (int64, each once), on the logits' device. Made
+    only for penalised parameters (:meth:`new`), so unpenalised sequences pay nothing."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, device: torch.device):
+        self.params = params
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        self.prompt = None
+        self._known: set[int] = set()
+        if params.repetition_penalty != 1:
+            self.prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.prompt[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+            self._known = set(prompt_ids)
+        self.ids = torch.tensor(sorted(self._known), dtype=torch.long, device=device)
+
+    @classmethod
+    def new(cls, params: SamplingParams, prompt_ids: list[int], logits: torch.Tensor) -> "Penalties | None":
+        """The statistics of a sequence with ``params`` and ``prompt_ids``, sized for
+        ``logits`` ``[..., V]`` (any row of the target's); None when no penalty is on."""
+        return cls(params, prompt_ids, logits.shape[-1], logits.device) if params.penalized else None
+
+    def apply(self, logits: torch.Tensor, draft: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`penalize` with this sequence's statistics: ``logits`` ``[R, V]``, ``draft``
+        int64 ``[R-1]`` or None -> float32 ``[R, V]``."""
+        return penalize(logits, self.counts, self.prompt, self.ids, self.params, draft)
+
+    def commit(self, tokens: list[int]) -> None:
+        """Count committed (generated) ``tokens``."""
+        dev = self.counts.device
+        self.counts.index_put_((torch.tensor(tokens, dtype=torch.long, device=dev),),
+                               torch.ones(len(tokens), device=dev), accumulate=True)
+        new = [t for t in dict.fromkeys(tokens) if t not in self._known]
+        if new:
+            self._known.update(new)
+            self.ids = torch.cat([self.ids, torch.tensor(new, dtype=torch.long, device=dev)])
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -85,6 +85,16 @@ def test_tiny_temperature_decodes_as_greedy(json_output, pair_args):
     assert out["token_ids"] == json_output["token_ids"] and out["text"] == json_output["text"]
 
 
+def test_penalty_flags_equal_the_python_api(json_output, pair_args, api):
+    proc = run_cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json",
+                   "--presence-penalty", "1.5", "--frequency-penalty", "0.3", "--repetition-penalty", "1.2")
+    assert proc.returncode == 0, proc.stderr
+    out = parse_single_json(proc.stdout)
+    ref = api.generate(PROMPT, max_new_tokens=24, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.3,
+                       repetition_penalty=1.2)
+    assert out["token_ids"] == ref.token_ids and out["token_ids"] != json_output["token_ids"]
+
+
 def test_chat_and_streaming_text(pair_args, api):
     proc = run_cli("generate", *pair_args, "--prompt", "Explain heaps.", "--chat", "--max-new-tokens", "16",
                    "--ignore-eos", "--block-size", "8", "--draft-mode", "recompute")

@@ -523,6 +523,11 @@ CLI_FLAG_CASES = [
     (["--top-p", "2"], dict(top_p=2.0), "--top-p must be in (0, 1], got 2.0"),
     (["--top-k", "-1"], dict(top_k=-1), "--top-k must be an integer >= 0 (0 = off), got -1"),
     (["--stop="], dict(stop=[""]), "--stop strings must not be empty"),
+    (["--presence-penalty", "3"], dict(presence_penalty=3.0), "--presence-penalty must be a number in [-2, 2], got 3.0"),
+    (["--frequency-penalty", "-2.5"], dict(frequency_penalty=-2.5),
+     "--frequency-penalty must be a number in [-2, 2], got -2.5"),
+    (["--repetition-penalty", "0"], dict(repetition_penalty=0.0),
+     "--repetition-penalty must be a finite number > 0 (1 = off), got 0.0"),
     (["--max-new-tokens", "1100"], dict(max_new_tokens=1100),
      "prompt (7 tokens) + --max-new-tokens (1100) exceeds the context of 1024 tokens"),
 ]

@@ -278,6 +278,29 @@ def test_extreme_sampling_values_are_answered_not_500(server, cli_reference):
     assert chat.usage.completion_tokens == 8
 
 
+def test_penalties_equal_the_python_api(server, tiny_pair):
+    """presence / frequency penalties (OpenAI fields) and repetition_penalty (an extension)
+    in both endpoints give what DFlashEngine.generate gives with the same parameters
+    (greedy, streamed and not; seeded sampling)."""
+    from dflash_torch import DFlashEngine
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    c = server.client()
+    pen = dict(presence_penalty=1.2, frequency_penalty=0.5, repetition_penalty=1.3)
+    body = dict(model=MODEL, max_tokens=24, presence_penalty=1.2, frequency_penalty=0.5,
+                extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    ref = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True, **pen)
+    assert ref.token_ids != engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True).token_ids  # (the test has power)
+    assert c.completions.create(prompt=PROMPT, temperature=0, **body).choices[0].text == ref.text
+    assert _stream_completion(c, prompt=PROMPT, temperature=0, **body)[0] == ref.text
+    sampled = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True, temperature=0.8, seed=5, **pen)
+    assert c.completions.create(prompt=PROMPT, temperature=0.8, seed=5, **body).choices[0].text == sampled.text
+    messages = [{"role": "user", "content": "def f(x):"}]
+    chat = engine.generate(messages, chat=True, max_new_tokens=24, ignore_eos=True, **pen)
+    r = c.chat.completions.create(messages=messages, temperature=0, **body)
+    assert r.choices[0].message.content == chat.text
+
+
 def test_stop_token_ids_take_one_id_or_a_list_like_the_python_api(server, cli_reference):
     """``stop_token_ids`` is an id or a list of ids, as in ``DFlashEngine.generate`` (one
     id was a 400 "Input should be a valid list"); out-of-vocabulary ids are a 400."""
@@ -357,9 +380,15 @@ BAD_REQUESTS = [
     ("prompts x n more than the queue", "/v1/completions", {"prompt": ["x"] * 17, "n": 4}, 400, "prompt"),
     ("best_of", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("echo", "/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
-    ("presence_penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("frequency_penalty", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}, 400, "frequency_penalty"),
+    ("presence_penalty above 2", "/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("frequency_penalty below -2", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("repetition_penalty zero", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("repetition_penalty negative", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": -1.0}, 400, "repetition_penalty"),
+    ("repetition_penalty Infinity", "/v1/completions", '{"prompt": "x", "repetition_penalty": Infinity}', 400,
+     "repetition_penalty"),
+    ("penalty a string", "/v1/completions", {"prompt": "x", "presence_penalty": "1"}, 400, "presence_penalty"),
     ("logit_bias", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ("tools", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),

@@ -4,7 +4,7 @@ cannot honour.
 Parsing is strict about types (``"5"`` is not an integer, ``true`` is not a number)
 and about ranges; fields the server does not know are ignored, as OpenAI's own API
 ignores them. Fields it knows but cannot honour with a non-default value (``best_of``
-other than ``n``, ``echo``, ``prompt_logprobs``, penalties, tools, ...) are refused with a 400 by
+other than ``n``, ``echo``, ``prompt_logprobs``, ``logit_bias``, tools, ...) are refused with a 400 by
 :func:`unsupported_field`; values that contradict each other by :func:`conflicting_fields`.
 """
 
@@ -48,10 +48,10 @@ class _Request(BaseModel):
     n: StrictInt | None = Field(1, ge=1, le=MAX_N)  # choices per prompt
     # candidates per prompt (legacy completions): only best_of == n, which returns them all
     best_of: StrictInt | None = Field(None, ge=1)
+    presence_penalty: StrictFloat | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: StrictFloat | None = Field(0.0, ge=-2, le=2)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0, allow_inf_nan=False)  # extension (vLLM); 1 = off
     # known but only their defaults are honoured
-    presence_penalty: StrictFloat | None = 0.0
-    frequency_penalty: StrictFloat | None = 0.0
-    repetition_penalty: StrictFloat | None = None
     logit_bias: dict[str, Any] | None = None
     user: StrictStr | None = None
     prompt_logprobs: StrictInt | None = None  # (vLLM's extension: refused, the prompt is not scored)
@@ -68,6 +68,9 @@ class _Request(BaseModel):
             top_p=1.0 if self.top_p is None else float(self.top_p),
             top_k=max(0, self.top_k or 0),
             seed=self.seed,
+            presence_penalty=float(self.presence_penalty or 0.0),
+            frequency_penalty=float(self.frequency_penalty or 0.0),
+            repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
             stop=self.stop_list() or None,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
@@ -171,9 +174,6 @@ def unsupported_field(req: _Request) -> tuple[str, str] | None:
         ("best_of", req.best_of is not None and req.best_of > n,
          f"best_of > n is not supported (best_of={req.best_of}, n={n}): candidates are not ranked; "
          "use n, or best_of equal to n"),
-        ("presence_penalty", (req.presence_penalty or 0.0) != 0.0, "presence_penalty is not supported (must be 0)"),
-        ("frequency_penalty", (req.frequency_penalty or 0.0) != 0.0, "frequency_penalty is not supported (must be 0)"),
-        ("repetition_penalty", req.repetition_penalty not in (None, 1.0), "repetition_penalty is not supported (must be 1)"),
         ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
         ("stop", len(req.stop_list()) > MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are supported"),
         ("prompt_logprobs", req.prompt_logprobs is not None,

@@ -75,6 +75,8 @@ RETRY_AFTER_S = 1  # the Retry-After of a queue-full 503
 
 # The request parameter an engine error message is about, from its first word.
 _PARAM_OF_MESSAGE = {"stop token ids": "stop_token_ids", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed",
+                     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                     "repetition_penalty": "repetition_penalty",
                      "stop": "stop", "max_new_tokens": "max_tokens", "prompt": "prompt", "the prompt": "prompt",
                      "chat messages": "messages"}
 
@@ -289,7 +291,10 @@ class BatchedBackend:
 
         e, kw = self.engine, seq.kwargs
         params = SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"], seed=kw["seed"],
-                                logprobs=kw.get("logprobs"))
+                                logprobs=kw.get("logprobs"),
+                                presence_penalty=kw.get("presence_penalty", 0.0),  # (optional, as in engine.stream)
+                                frequency_penalty=kw.get("frequency_penalty", 0.0),
+                                repetition_penalty=kw.get("repetition_penalty", 1.0))
         stopper = e.new_stopper(seq.max_new_tokens, kw["stop"], kw["stop_token_ids"], kw["ignore_eos"])
         stats = GenerationStats(prompt_tokens=len(seq.prompt_ids), block_size=e.block_size,
                                 draft_mode=e.decoder.draft_mode if e.drafter is not None else None)
