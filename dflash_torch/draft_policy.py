@@ -11,7 +11,8 @@ both instead:
   rounds and of target-only rounds (seconds; the first round of each kind at ``n`` is not
   counted, as it pays one-off costs such as allocations and kernel selection, nor is the
   injection of the context that target-only rounds left, a cost of switching);
-* over all drafting rounds, a moving average of tau (tokens committed per sequence).
+* over all drafting rounds, a moving average of tau (tokens committed per sequence,
+  over about the last 20 sequence-rounds: one round's tau is far noisier than its time).
 
 A round of ``n`` sequences drafts when ``tau / t_draft(n) >= 1 / t_target_only(n)``: the
 kind with the higher *goodput* (tokens per second). A kind not yet timed at ``n`` runs
@@ -50,16 +51,21 @@ class DraftPolicy:
         explore_every: after this many rounds in a row of one kind at ``n``, a few rounds
             of the other kind (>= 2).
         probe_rounds: drafting rounds run at a time to measure it (>= 2; target-only: 2).
-        smoothing: weight of a new measurement in the moving averages, in (0, 1].
+        smoothing: weight of a new round time in its moving average, in (0, 1].
+        tau_smoothing: weight of one sequence's acceptance length in the moving average of
+            tau, in (0, 1] (a round of k sequences weighs ``1 - (1 - tau_smoothing) ** k``):
+            one round's tau varies much more than its time does.
 
     Raises:
         ValueError: an argument out of range.
     """
 
-    def __init__(self, explore_every: int = 32, probe_rounds: int = 4, smoothing: float = 0.3):
-        if explore_every < 2 or probe_rounds < 2 or not 0 < smoothing <= 1:
-            raise ValueError("explore_every and probe_rounds must be >= 2 and smoothing in (0, 1]")
-        self.explore_every, self.probe_rounds, self.smoothing = explore_every, probe_rounds, smoothing
+    def __init__(self, explore_every: int = 32, probe_rounds: int = 4, smoothing: float = 0.2,
+                 tau_smoothing: float = 0.05):
+        if explore_every < 2 or probe_rounds < 2 or not (0 < smoothing <= 1 and 0 < tau_smoothing <= 1):
+            raise ValueError("explore_every and probe_rounds must be >= 2, smoothing and tau_smoothing in (0, 1]")
+        self.explore_every, self.probe_rounds = explore_every, probe_rounds
+        self.smoothing, self.tau_smoothing = smoothing, tau_smoothing
         self.tau: float | None = None  # moving average of tokens per sequence in drafting rounds
         self._by_n: dict[int, _Timings] = {}
 
@@ -88,12 +94,10 @@ class DraftPolicy:
         e.last, e.probe = drafted, max(e.probe - 1, 0)
         e.seen[drafted] = e.seen.get(drafted, 0) + 1
         if drafted and sequences:
-            self.tau = self._average(self.tau, tokens / sequences)
+            weight = 1 - (1 - self.tau_smoothing) ** sequences
+            self.tau = _average(self.tau, tokens / sequences, weight)
         if e.seen[drafted] > 1 and seconds > 0:  # (the first round of a kind at n: one-off costs)
-            e.seconds[drafted] = self._average(e.seconds.get(drafted), seconds)
-
-    def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
+            e.seconds[drafted] = _average(e.seconds.get(drafted), seconds, self.smoothing)
 
     def goodput(self, n: int) -> dict[str, float]:
         """The current estimates at ``n`` in tokens per second per sequence:
@@ -105,3 +109,8 @@ class DraftPolicy:
         if False in s:
             out["target_only"] = 1 / s[False]
         return out
+
+
+def _average(old: float | None, new: float, weight: float) -> float:
+    """The moving average ``old`` moved by ``weight`` towards ``new`` (``new`` when there is none)."""
+    return new if old is None else old + weight * (new - old)

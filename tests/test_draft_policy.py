@@ -50,7 +50,7 @@ def test_policy_times_both_kinds_then_runs_the_faster_and_explores_the_other():
 
 
 def test_policy_skips_first_rounds_follows_a_change_and_keeps_batch_sizes_apart():
-    p = DraftPolicy(explore_every=3, smoothing=0.5)
+    p = DraftPolicy(explore_every=3, smoothing=0.5, tau_smoothing=0.3)
     p.record(2, True, 2, 8, 5.0)  # a first drafting round at 2 sequences: its time is not counted, its tau is
     p.record(2, True, 2, 8, 0.2)
     assert p.goodput(2) == {"draft": pytest.approx(20.0)} and p.tau == 4.0
