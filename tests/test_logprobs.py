@@ -125,6 +125,27 @@ def test_batch_logprobs_are_the_targets(pair, mode):
     assert max(taus) >= 2, taus
 
 
+def test_logprobs_with_a_penalty_are_the_raw_targets(pair):
+    """With a presence penalty (which changes the tokens) the logprobs stay those of the
+    target's raw distribution, on the single-sequence and the batch decoder alike."""
+    oracle, target, drafter = pair
+    prompt = varied_prompts(target, 1, seed=21, length=20)[0]
+    plain, _, _ = decode_alone(SpeculativeDecoder(target, drafter, prefill_chunk=16), prompt, GREEDY)
+    params = SamplingParams(presence_penalty=1.5, logprobs=2)
+    tokens, logprobs, _ = decode_alone(SpeculativeDecoder(target, drafter, prefill_chunk=16), prompt, params)
+    assert tokens != plain  # (the penalty matters here)
+    assert_target_logprobs(oracle, prompt, tokens, logprobs, 2)
+    batch = BatchDecoder(target, drafter, max_batch_size=1, max_context=128, prefill_chunk=16)
+    rnd = batch.add(0, prompt, params, NEW)
+    got, got_lp = list(rnd.tokens), list(rnd.logprobs)
+    while len(got) < NEW:
+        rnd = batch.step()[0]
+        got += rnd.tokens
+        got_lp += rnd.logprobs
+    assert got[:NEW] == tokens
+    assert_target_logprobs(oracle, prompt, got[:NEW], got_lp[:NEW], 2)
+
+
 def test_logprobs_do_not_change_the_tokens(agree_pair):
     """With and without logprobs: the same tokens (greedy and seeded sampling), one sequence
     and a batch; ``logprobs`` aligned with ``token_ids`` (the stop token included), None
