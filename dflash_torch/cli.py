@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import DFlashError, OptionError
@@ -96,7 +97,10 @@ def _generate_here(args: argparse.Namespace) -> int:
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise DFlashError("no prompt: pass --prompt TEXT, a positional prompt, or pipe it on stdin")
-        prompt = sys.stdin.read()
+        stdin = getattr(sys.stdin, "buffer", None)  # (bytes: the locale's error handler may be strict)
+        prompt = utf8_text(stdin.read(), "the prompt on stdin") if stdin is not None else sys.stdin.read()
+    else:  # (argv holds undecodable bytes as surrogate escapes)
+        prompt = utf8_text(os.fsencode(prompt), "the prompt argument")
     engine = load_engine(args)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, presence_penalty=args.presence_penalty,
@@ -124,6 +128,18 @@ def _generate_here(args: argparse.Namespace) -> int:
     )
     warn_compile_losses(args)
     return 0
+
+
+def utf8_text(data: bytes, what: str) -> str:
+    """``data`` decoded as UTF-8.
+
+    Raises:
+        DFlashError: ``{what} is not UTF-8 text (byte 0x.. at offset N)``.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DFlashError(f"{what} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
 
 
 def warn_compile_losses(args: argparse.Namespace) -> None:

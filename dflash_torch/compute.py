@@ -126,6 +126,12 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
         del future  # a raised exception's traceback would keep the result alive
 
 
+def on_compute_thread() -> bool:
+    """Whether the caller is the dedicated compute thread (inside a :func:`run` call): a
+    call there must not wait for another thread's engine call, which waits for it."""
+    return _thread is not None and threading.current_thread() is _thread
+
+
 def interrupted() -> bool:
     """Whether the caller of the running call was interrupted (Ctrl-C) and waits for it to
     end: a long call should check it between steps and stop."""

@@ -406,7 +406,7 @@ class DFlashEngine:
         The whole generation is one call on the compute thread (no hand-off per round).
         ``on_chunk``, if given, is called there with each :class:`StreamChunk` as its round
         commits it; an exception it raises stops the generation and is raised here. It
-        must not call the engine.
+        must not call the engine (such a call raises :class:`DFlashError`).
         """
         with self._request(prompt, **kwargs) as chunks:
             return compute.run(self._collect, chunks, on_chunk)
@@ -498,7 +498,7 @@ class DFlashEngine:
         if self._owner == threading.get_ident():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
-        with self.lock:  # other threads wait their turn
+        with self._locked():  # other threads wait their turn
             self._owner = threading.get_ident()
             chunks = self._stream(prompt_ids, params, stopper)
             try:
@@ -506,6 +506,23 @@ class DFlashEngine:
             finally:
                 compute.run(chunks.close)
                 self._owner = None
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the engine's lock, waiting while another request holds it.
+
+        Raises:
+            DFlashError: on the compute thread while another request holds the lock (an
+                ``on_chunk`` callback that calls its engine): that request needs the
+                compute thread to end, so waiting for it would never end.
+        """
+        if not self.lock.acquire(blocking=not compute.on_compute_thread()):
+            raise DFlashError("this engine is busy with the request that runs this code; on_chunk (or any code run "
+                              "on the compute thread) must not call the engine")
+        try:
+            yield
+        finally:
+            self.lock.release()
 
     def _stream(self, prompt_ids, params, stopper: Stopper) -> Iterator[StreamChunk]:
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.block_size,
@@ -663,7 +680,7 @@ class DFlashEngine:
         if self._owner == threading.get_ident():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
-        with self.lock:
+        with self._locked():
             if not self.batched:
                 return compute.run(lambda: [self._collect(self._stream(*request), None) for request in requests])
             return compute.run(self._run_batch, requests)

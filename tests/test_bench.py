@@ -397,3 +397,23 @@ def test_prompt_file_errors_name_the_file_and_line(tmp_path):
         load_prompts(tmp_path / "none.jsonl", None)
     f.write_text('{"prompt": "a"}\n\n{"text": "b"}\n')
     assert load_prompts(f, None) == ["a", "b"] and load_prompts(f, 1) == ["a"]
+
+
+def test_target_only_modes_need_no_drafter_and_a_drafting_mode_says_what_to_do(tiny_pair, tmp_path, capsys):
+    """A target without a drafter can be timed target-only (it used to be refused with "needs
+    --draft ... (or --no-draft)", and bench refuses --no-draft); a drafting mode without
+    --draft names --draft and --modes, not --no-draft."""
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    base = ["bench", "--target", str(target), "--num-prompts", "1", "--max-new-tokens", "4", "--sweep", "",
+            "--no-progress"]
+    assert cli_main(base + ["--modes", "target-only", "--out", str(tmp_path / "o")]) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert [m["name"] for m in report["modes"]] == ["target-only"] and report["draft"] is None
+    capsys.readouterr()
+    for modes in ("target-only,inject", "target-only"):
+        extra = ["--batch-sizes", "1"] if modes == "target-only" else []
+        assert cli_main(base + ["--modes", modes, "--out", str(tmp_path / "p"), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--draft" in err[0] and "--no-draft" not in err[0], err

@@ -122,6 +122,22 @@ def test_error_is_one_line_without_traceback(pair_args, tmp_path):
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+@pytest.mark.parametrize("encoding", ["utf-8:strict", "utf-8:surrogateescape"])
+@pytest.mark.parametrize("where", ["stdin", "argument"])
+def test_a_prompt_that_is_not_utf8_is_one_line_naming_the_byte(pair_args, where, encoding):
+    """A Latin-1 prompt (piped or as the argument) is refused naming the bad byte, whatever
+    the locale's error handler for stdin (strict under en_US.UTF-8, surrogateescape under C.UTF-8)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING=encoding)
+    prompt = "caf\u00e9 = 1\n".encode("latin-1")
+    args = ["generate", *pair_args, "--max-new-tokens", "4"] + ([prompt] if where == "argument" else [])
+    proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", *args], input=prompt if where == "stdin" else b"",
+                          capture_output=True, timeout=240, env=env)
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 2 and "Traceback" not in stderr, stderr
+    assert stderr.strip() == f"dflash-torch: error: the prompt {'on stdin' if where == 'stdin' else 'argument'} is not " \
+                             "UTF-8 text (byte 0xe9 at offset 3)"
+
+
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_ctrl_c_while_decoding_exits_130_without_a_traceback(pair_args, tmp_path, command):
     import signal

@@ -562,6 +562,9 @@ MALFORMED_CONFIGS = [
     ("target", _set("vocab_size", "320"), "target config.json vocab_size must be an integer >= 1, got '320'"),
     ("target", _set("num_attention_heads", 0), "num_attention_heads must be an integer >= 1, got 0"),
     ("target", _set("head_dim", 2.5), "head_dim must be an integer >= 1, got 2.5"),
+    # a required field that is null was taken as present (a TypeError traceback in the model's build)
+    ("target", _set("num_attention_heads", None), "target config.json lacks num_attention_heads"),
+    ("drafter", _set("intermediate_size", None), "drafter config.json lacks intermediate_size"),
     ("target", _set("rms_norm_eps", "1e-6"), "rms_norm_eps must be a number > 0, got '1e-6'"),
     ("target", _set("rope_parameters", [10000]), "rope_parameters must be an object, got [10000]"),
     ("target", b'{"model_type": "qwen3\xff"}', "config.json is not valid JSON"),

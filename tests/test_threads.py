@@ -142,3 +142,39 @@ def test_ctrl_c_stops_a_generate_after_the_current_round(tiny_pair):
     assert proc.returncode == 0, proc.stderr
     word, chunks, after = proc.stdout.split()
     assert word == "interrupted" and 3 <= int(chunks) < 10 and after == "4", proc.stdout  # not 900 rounds
+
+
+@pytest.mark.parametrize("call", ["generate", "stream", "generate_batch"])
+def test_on_chunk_that_calls_its_own_engine_gets_an_error_not_a_deadlock(tiny_pair, call):
+    """on_chunk runs on the compute thread while the request holds the engine: a request
+    it starts could only wait for the one that waits for it. It gets a DFlashError, and
+    the engine stays usable."""
+    from dflash_torch import DFlashError
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    ref = engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+    errors = []
+
+    def on_chunk(chunk):
+        try:
+            {"generate": lambda: engine.generate("x", max_new_tokens=2),
+             "stream": lambda: list(engine.stream("x", max_new_tokens=2)),
+             "generate_batch": lambda: engine.generate_batch(["x"], max_new_tokens=2)}[call]()
+        except DFlashError as exc:
+            errors.append(str(exc))
+            raise
+
+    out = {}
+
+    def request():
+        try:
+            engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True, on_chunk=on_chunk)
+        except DFlashError as exc:
+            out["error"] = exc
+
+    t = threading.Thread(target=request, daemon=True)  # (a deadlock must not hang the suite)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "deadlock: on_chunk's request waits for the request that called it"
+    assert "must not call the engine" in str(out["error"]) and len(errors) == 1
+    assert engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids == ref.token_ids

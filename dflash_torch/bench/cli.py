@@ -241,13 +241,19 @@ def _run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DFlashError(f"cannot use --out {out} as the output directory: {e.strerror}") from None
+    # a target of the user's without a drafter can still be timed target-only
+    needs_drafter = bool(batch_sizes) or any(ALL_MODES[m].drafter for m in modes)
+    if args.target is not None and args.draft is None and needs_drafter:
+        raise DFlashError("the drafting modes and --batch-sizes need --draft, this target's DFlash drafter checkpoint "
+                          "(without one, --modes target-only,target-only-compiled time the target alone)")
     engine = DFlashEngine.from_pretrained(args.target, args.draft, dtype=args.dtype, device=args.device,
-                                          block_size=args.block_size)
+                                          block_size=args.block_size,
+                                          no_draft=args.target is not None and args.draft is None)
     prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl", args.num_prompts or None)
     prompt_ids = [engine.encode_prompt(p) for p in prompts]
     max_context = min(engine.target.config.max_position_embeddings, max(map(len, prompt_ids)) + args.max_new_tokens + 1)
     report = {
-        "target": str(args.target or DEFAULT_TARGET), "draft": str(args.draft or DEFAULT_DRAFTER),
+        "target": str(args.target or DEFAULT_TARGET), "draft": None if engine.drafter is None else str(args.draft or DEFAULT_DRAFTER),
         "dtype": args.dtype, "device": args.device, "block_size": engine.block_size,
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "greedy": True, "ignore_eos": True,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),

@@ -65,12 +65,12 @@ def _rope(cfg: dict, what: str = "target") -> tuple[float, dict | None]:
 
 
 def _require(cfg: dict, keys: list[str], what: str) -> None:
-    """Each of ``keys`` is in ``cfg`` and a positive integer (:func:`check_int`).
+    """Each of ``keys`` is in ``cfg``, not null, and a positive integer (:func:`check_int`).
 
     Raises:
-        DFlashError: a key missing (all missing ones named) or not an integer >= 1.
+        DFlashError: a key missing or null (all such ones named) or not an integer >= 1.
     """
-    missing = [k for k in keys if k not in cfg]
+    missing = [k for k in keys if cfg.get(k) is None]
     if missing:
         raise DFlashError(f"{what} config.json lacks {', '.join(missing)}")
     for k in keys:
