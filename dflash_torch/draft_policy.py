@@ -12,7 +12,11 @@ both instead:
   counted, as it pays one-off costs such as allocations and kernel selection, nor is the
   injection of the context that target-only rounds left, a cost of switching);
 * over all drafting rounds, a moving average of tau (tokens committed per sequence,
-  over about the last 20 sequence-rounds: one round's tau is far noisier than its time).
+  over about the last 20 sequence-rounds: one round's tau is far noisier than its time;
+  the first probe of drafting lasts until 8 have been seen).
+
+Both averages weigh each measurement ``smoothing * (1 - smoothing) ** age``, normalised by
+the weights so far (so the first few measurements are simply averaged).
 
 A round of ``n`` sequences drafts when ``tau / t_draft(n) >= 1 / t_target_only(n)``: the
 kind with the higher *goodput* (tokens per second). A kind not yet timed at ``n`` runs
@@ -32,12 +36,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MIN_TAU_SAMPLES = 8  # sequence-rounds of drafting before tau is trusted
+
+
+class _Average:
+    """An exponentially weighted moving average, normalised by the weights so far."""
+
+    def __init__(self, smoothing: float):
+        self.smoothing, self.total, self.weight, self.count = smoothing, 0.0, 0.0, 0
+
+    def add(self, x: float, count: int = 1) -> None:
+        """``count`` measurements of value ``x``."""
+        w = 1 - (1 - self.smoothing) ** count
+        self.total, self.weight, self.count = self.total * (1 - w) + w * x, self.weight * (1 - w) + w, self.count + count
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.weight if self.count else None
+
 
 @dataclass
 class _Timings:
     """What the policy knows of rounds of one number of sequences."""
 
-    seconds: dict[bool, float] = field(default_factory=dict)  # drafted -> moving average of the round time
+    seconds: dict[bool, _Average] = field(default_factory=dict)  # drafted -> the round time
     seen: dict[bool, int] = field(default_factory=dict)  # drafted -> rounds run
     last: bool | None = None  # the kind of the last round
     run: int = 0  # rounds in a row of that kind
@@ -66,7 +88,7 @@ class DraftPolicy:
             raise ValueError("explore_every and probe_rounds must be >= 2, smoothing and tau_smoothing in (0, 1]")
         self.explore_every, self.probe_rounds = explore_every, probe_rounds
         self.smoothing, self.tau_smoothing = smoothing, tau_smoothing
-        self.tau: float | None = None  # moving average of tokens per sequence in drafting rounds
+        self._tau = _Average(tau_smoothing)  # tokens committed per sequence in drafting rounds
         self._by_n: dict[int, _Timings] = {}
 
     def draft(self, n: int) -> bool:
@@ -77,7 +99,7 @@ class DraftPolicy:
         for kind in (True, False):  # time each kind first: drafting, then target-only
             if kind not in e.seconds:
                 return self._probe(e, kind)
-        best = self.tau / e.seconds[True] >= 1 / e.seconds[False]
+        best = self.tau / e.seconds[True].value >= 1 / e.seconds[False].value
         return self._probe(e, not best) if e.last == best and e.run >= self.explore_every else best
 
     def _probe(self, e: _Timings, kind: bool) -> bool:
@@ -94,10 +116,16 @@ class DraftPolicy:
         e.last, e.probe = drafted, max(e.probe - 1, 0)
         e.seen[drafted] = e.seen.get(drafted, 0) + 1
         if drafted and sequences:
-            weight = 1 - (1 - self.tau_smoothing) ** sequences
-            self.tau = _average(self.tau, tokens / sequences, weight)
+            self._tau.add(tokens / sequences, sequences)
+            if not e.probe and self._tau.count < MIN_TAU_SAMPLES:  # (the first probe: until tau means something)
+                e.probe = 1
         if e.seen[drafted] > 1 and seconds > 0:  # (the first round of a kind at n: one-off costs)
-            e.seconds[drafted] = _average(e.seconds.get(drafted), seconds, self.smoothing)
+            e.seconds.setdefault(drafted, _Average(self.smoothing)).add(seconds)
+
+    @property
+    def tau(self) -> float | None:
+        """The estimated acceptance length of a drafting round (tokens per sequence), or None."""
+        return self._tau.value
 
     def goodput(self, n: int) -> dict[str, float]:
         """The current estimates at ``n`` in tokens per second per sequence:
@@ -105,12 +133,7 @@ class DraftPolicy:
         s = self._by_n.get(n, _Timings()).seconds
         out = {}
         if True in s:
-            out["draft"] = self.tau / s[True]
+            out["draft"] = self.tau / s[True].value
         if False in s:
-            out["target_only"] = 1 / s[False]
+            out["target_only"] = 1 / s[False].value
         return out
-
-
-def _average(old: float | None, new: float, weight: float) -> float:
-    """The moving average ``old`` moved by ``weight`` towards ``new`` (``new`` when there is none)."""
-    return new if old is None else old + weight * (new - old)

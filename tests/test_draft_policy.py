@@ -50,15 +50,19 @@ def test_policy_times_both_kinds_then_runs_the_faster_and_explores_the_other():
 
 
 def test_policy_skips_first_rounds_follows_a_change_and_keeps_batch_sizes_apart():
-    p = DraftPolicy(explore_every=3, smoothing=0.5, tau_smoothing=0.3)
+    p = DraftPolicy(explore_every=6, probe_rounds=2, smoothing=0.5, tau_smoothing=0.3)
     p.record(2, True, 2, 8, 5.0)  # a first drafting round at 2 sequences: its time is not counted, its tau is
     p.record(2, True, 2, 8, 0.2)
-    assert p.goodput(2) == {"draft": pytest.approx(20.0)} and p.tau == 4.0
-    assert decisions(p, 2, 8, 4.0, {True: 0.2, False: 0.1}) == [0, 0, 1, 1, 1, 0, 0, 1]
+    assert p.goodput(2) == {"draft": pytest.approx(20.0)} and p.tau == pytest.approx(4.0)
+    # drafting goes on until tau has 8 sequence-rounds, target-only is timed, drafting wins
+    # and target-only is probed again after 6 rounds
+    assert decisions(p, 2, 12, 4.0, {True: 0.2, False: 0.1}) == [1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]
     # the text turns hard to draft: drafting rounds commit 1.2 tokens per sequence, not 4
     later = decisions(p, 2, 40, 1.2, {True: 0.2, False: 0.1})
-    assert later[-10:].count(0) >= 5  # target-only now, drafting only to explore
+    assert later[-16:] == [1, 1, 0, 0, 0, 0, 0, 0] * 2  # target-only now, drafting only to explore
     assert p.draft(1) is True and p.goodput(1) == {}  # another batch size is timed from scratch
+    # a single sequence: its first probe of drafting lasts until tau has 8 rounds
+    assert decisions(DraftPolicy(explore_every=4), 1, 12, 3.0, {True: 0.2, False: 0.1}) == [1] * 8 + [0, 0, 1, 1]
     with pytest.raises(ValueError):
         DraftPolicy(explore_every=1)
 
