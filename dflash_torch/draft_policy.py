@@ -19,9 +19,10 @@ Both averages weigh each measurement ``smoothing * (1 - smoothing) ** age``, nor
 the weights so far (so the first few measurements are simply averaged).
 
 A round of ``n`` sequences drafts when ``tau / t_draft(n) >= 1 / t_target_only(n)``: the
-kind with the higher *goodput* (tokens per second). A kind not yet timed at ``n`` runs
-first (drafting, then target-only), and after ``explore_every`` rounds in a row of one
-kind at ``n`` the other kind runs for a few rounds (drafting ``probe_rounds``, as one
+kind with the higher *goodput* (tokens per second). The first rounds time each kind
+(drafting, then target-only); a number of sequences where the two are not both timed yet
+goes by the nearest one where they are; and after ``explore_every`` rounds in a row of
+one kind at ``n`` the other kind runs for a few rounds (drafting ``probe_rounds``, as one
 round's tau says little; target-only 2), so the estimates follow the text and the context
 length as they change.
 
@@ -96,11 +97,21 @@ class DraftPolicy:
         e = self._by_n.setdefault(n, _Timings())
         if e.probe:
             return e.last
-        for kind in (True, False):  # time each kind first: drafting, then target-only
-            if kind not in e.seconds:
-                return self._probe(e, kind)
-        best = self.tau / e.seconds[True].value >= 1 / e.seconds[False].value
+        ratio = self._ratio(n)
+        if ratio is None:  # nothing timed yet: time each kind, drafting first
+            return self._probe(e, True not in e.seconds)
+        best = self.tau >= ratio  # (tau / t_draft >= 1 / t_target_only)
         return self._probe(e, not best) if e.last == best and e.run >= self.explore_every else best
+
+    def _ratio(self, n: int) -> float | None:
+        """``t_draft / t_target_only`` at ``n`` sequences, or where both are timed at the
+        nearest number of sequences (a batch draining through sizes not timed yet need not
+        probe each); None where neither is."""
+        timed = [m for m, e in self._by_n.items() if len(e.seconds) == 2]
+        if not timed:
+            return None
+        s = self._by_n[min(timed, key=lambda m: (abs(m - n), m))].seconds
+        return s[True].value / s[False].value
 
     def _probe(self, e: _Timings, kind: bool) -> bool:
         """Start a run of rounds of ``kind`` to measure it -> ``kind``."""

@@ -60,7 +60,10 @@ def test_policy_skips_first_rounds_follows_a_change_and_keeps_batch_sizes_apart(
     # the text turns hard to draft: drafting rounds commit 1.2 tokens per sequence, not 4
     later = decisions(p, 2, 40, 1.2, {True: 0.2, False: 0.1})
     assert later[-16:] == [1, 1, 0, 0, 0, 0, 0, 0] * 2  # target-only now, drafting only to explore
-    assert p.draft(1) is True and p.goodput(1) == {}  # another batch size is timed from scratch
+    # a batch size not timed yet goes by the nearest timed one (drafting loses there now)
+    assert p.draft(1) is False and p.draft(5) is False and p.goodput(1) == {}
+    back = decisions(p, 1, 40, 4.0, {True: 0.2, False: 0.1})  # the text turns easy again, at 1 sequence
+    assert back[-8:] == [1, 1, 1, 1, 0, 0, 1, 1] and set(p.goodput(1)) == {"draft", "target_only"}
     # a single sequence: its first probe of drafting lasts until tau has 8 rounds
     assert decisions(DraftPolicy(explore_every=4), 1, 12, 3.0, {True: 0.2, False: 0.1}) == [1] * 8 + [0, 0, 1, 1]
     with pytest.raises(ValueError):
