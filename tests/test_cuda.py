@@ -247,6 +247,52 @@ def test_compiled_hybrid_batch_on_cuda_graphs_with_target_only_rounds_equals_the
     assert compile_counts() == (frames, 0), "recompiled after warm-up, or skipped CUDA graphs"
 
 
+def _auto_logprobs_penalty_run(pair, device: str, compile: bool):
+    """Three sequences through a batch decoder whose ``"auto"`` policy switches kinds every
+    other round: greedy with logprobs, greedy with a presence penalty, plain greedy ->
+    ``{seq_id: (tokens, logprobs)}`` and the decoder."""
+    from dflash_torch.draft_policy import DraftPolicy
+
+    target, drafter = _load(pair, device)
+    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=100, prefill_chunk=32, compile=compile,
+                         static=not compile, draft_max_batch_size="auto")
+    if compile:
+        batch.warmup()
+    batch.policy = DraftPolicy(explore_every=2, probe_rounds=2)
+    params = {0: SamplingParams(logprobs=2), 1: SamplingParams(presence_penalty=1.0), 2: SamplingParams()}
+    prompts = varied_prompts(target, 3)
+    out = {sid: ([], []) for sid in params}
+    for sid, p in params.items():
+        rnd = batch.add(sid, prompts[sid], p, 30)
+        out[sid][0].extend(rnd.tokens)
+        out[sid][1].extend(rnd.logprobs or [])
+    while batch.seq_ids:
+        for sid, rnd in batch.step().items():
+            out[sid][0].extend(rnd.tokens)
+            out[sid][1].extend(rnd.logprobs or [])
+        for sid in batch.seq_ids:
+            if len(out[sid][0]) >= 30:
+                batch.remove(sid)
+    return {sid: (t[:30], lp[:30]) for sid, (t, lp) in out.items()}, batch
+
+
+@cuda
+def test_auto_policy_with_logprobs_and_a_penalty_on_cuda_graphs_equals_cpu(agree_pair):
+    """float32, CUDA graphs, the ``"auto"`` policy switching kinds, logprobs and a presence
+    penalty: the tokens and logprobs of the eager CPU batch decoder (fixed shapes), both
+    kinds of round ran, no CUDA graph skipped."""
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    want, _ = _auto_logprobs_penalty_run(agree_pair, "cpu", compile=False)
+    got, batch = _auto_logprobs_penalty_run(agree_pair, "cuda", compile=True)
+    assert compile_counts()[1] == 0 and batch.target_only_rounds > 0
+    for sid in want:
+        assert got[sid][0] == want[sid][0], f"sequence {sid}"
+        for a, b in zip(got[sid][1], want[sid][1]):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-3
+    assert len(got[0][1]) == 30
+
+
 @cuda
 def test_joined_projections_on_cuda_graphs_equal_target_only_and_the_profile_sees_kernels(agree_pair):
     """The engine's CUDA default (joined projections, :mod:`dflash_torch.models.fusing`),
