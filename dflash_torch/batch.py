@@ -953,7 +953,7 @@ class BatchDecoder:
                 q.prefilled, last = self._take_prefix(len(self._seqs), q.prompt)
                 q.reused = q.prefilled
             n = min(C, q.ids.shape[0] - q.prefilled)  # (0 when the prompt was reused whole)
-            if used and (bounded or rounds) and used + n > self.prefill_budget:
+            if n and used and (bounded or rounds) and used + n > self.prefill_budget:  # (a prompt reused whole reads 0)
                 break
             t0 = time.perf_counter()
             if last is None:

@@ -706,8 +706,9 @@ class DFlashEngine:
                 if compute.interrupted():
                     raise KeyboardInterrupt
         finally:
-            for i in state:  # an error or interrupt: free the slots
-                batch.remove(i)
+            for i in state:  # an error or interrupt: free the slots (one that failed in its prefill is in none)
+                if i in batch:
+                    batch.remove(i)
         return results
 
     def _batch_round(self, batch: BatchDecoder, i: int, rnd: Round, state: dict, results: list) -> None:

@@ -60,8 +60,8 @@ class SamplingParams:
         frequency_penalty: in [-2, 2] (0 = off): times each token's count among the
             generated tokens, subtracted from its logit. Stored as a float.
         repetition_penalty: > 0 (1 = off): the logit of every token of the prompt or
-            generated so far is divided by it when positive, else multiplied by it.
-            Stored as a float.
+            generated so far is divided by it when positive, else multiplied by it
+            (a result beyond float32's range is clamped to it). Stored as a float.
 
     Raises:
         OptionError: a value out of its range or of the wrong type (the message names the field).
@@ -259,7 +259,8 @@ def penalize(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor | 
     if params.repetition_penalty != 1:
         r = params.repetition_penalty
         seen = n > 0 if prompt is None else (n > 0) | prompt[cols]
-        v = torch.where(seen, torch.where(v > 0, v / r, v * r), v)
+        # (a tiny or huge r overflows float32: clamped to its finite range, else inf - inf = nan when sampling)
+        v = torch.where(seen, torch.where(v > 0, v / r, v * r).clamp(-_F32.max, _F32.max), v)
     if params.frequency_penalty:
         v = v - params.frequency_penalty * n
     if params.presence_penalty:

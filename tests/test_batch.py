@@ -558,3 +558,32 @@ def test_a_recompute_engine_batches_one_sequence_at_a_time(tiny_pair):
     with pytest.raises(DFlashError, match="^draft_mode 'recompute' decodes one sequence at a time"):
         engine.batch_decoder()
     assert isinstance(make_backend(engine, 8), SerialBackend)
+
+
+def test_generate_batch_after_a_failure_in_a_step_frees_every_slot(agree_pair, monkeypatch):
+    """A failure inside a step (injected here into the second prompt's first token, after its
+    prefill left the joining queue and before it decodes) reaches the caller as itself, and
+    every slot is freed: the engine's next generate_batch decodes as a new engine's. (The
+    cleanup used to remove that sequence too, which was in neither list: it raised "sequence 1
+    is not in the batch" instead, and left the other sequence in, so that every later call
+    failed with "already in the batch".)"""
+    import dflash_torch.batch as batch_module
+
+    engine = DFlashEngine.from_pretrained(*agree_pair, max_batch_size=2, max_context=128)
+    prompts = varied_prompts(engine.target, 3, seed=3, length=6)
+    first_token, calls = batch_module._first_token, []
+
+    def failing_second(*args):
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return first_token(*args)
+
+    monkeypatch.setattr(batch_module, "_first_token", failing_second)
+    with pytest.raises(RuntimeError, match="^injected failure$"):
+        engine.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
+    monkeypatch.undo()
+    assert engine.batch_decoder().free_slots == 2 and engine.batch_decoder().seq_ids == []
+    fresh = DFlashEngine.from_pretrained(*agree_pair, max_batch_size=2, max_context=128)
+    expected = [r.token_ids for r in fresh.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)]
+    assert [r.token_ids for r in engine.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)] == expected

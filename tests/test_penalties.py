@@ -25,6 +25,7 @@ from dflash_torch.batch import BatchDecoder
 from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.models.drafter import DFlashDrafter
 from dflash_torch.models.target import TargetModel
+from dflash_torch.sampling import penalize, probabilities
 
 NEW_TOKENS = 32
 
@@ -278,3 +279,25 @@ def test_penalties_are_stored_as_floats():
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (1.0, -2.0, 2.0)
     assert all(type(x) is float for x in (p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
     assert p.penalized and not SamplingParams().penalized
+
+
+@pytest.mark.parametrize("r", [1e-50, 1e300])
+def test_extreme_repetition_penalties_sample_without_overflow(agree_pair, r):
+    """A repetition penalty that takes a seen token's logit beyond float32's range (1e-50
+    divides a positive logit to inf) is clamped to the finite range: sampling still works
+    (it used to fail on inf - inf = nan probabilities: a RuntimeError, a 500 in the server,
+    and in a batch every other sequence of the round failed with it), alone and batched,
+    and greedy speculative decoding still equals target-only."""
+    logits = torch.tensor([[3.0, -2.0, 1.0, 0.5]])
+    x = SamplingParams(repetition_penalty=r, temperature=1.0)
+    pen = penalize(logits, torch.zeros(4), torch.tensor([True, True, False, False]), torch.tensor([0, 1]), x)
+    assert torch.isfinite(pen).all() and torch.isfinite(probabilities(pen, x)).all()
+    engine = DFlashEngine.from_pretrained(*agree_pair, max_batch_size=2, max_context=128)
+    prompts = varied_prompts(engine.target, 2, seed=4, length=6)
+    vocab = engine.target.config.vocab_size
+    kw = dict(max_new_tokens=8, repetition_penalty=r, ignore_eos=True)
+    outs = [engine.generate(prompts[0], temperature=1.0, seed=1, **kw)]
+    outs += engine.generate_batch(prompts, temperature=1.0, seed=1, **kw)
+    assert all(len(o.token_ids) == 8 and all(0 <= t < vocab for t in o.token_ids) for o in outs)
+    target_only = DFlashEngine.from_pretrained(agree_pair[0], no_draft=True, max_context=128)
+    assert engine.generate(prompts[0], **kw).token_ids == target_only.generate(prompts[0], **kw).token_ids

@@ -373,3 +373,32 @@ def test_generate_batch_reuses_the_last_turn(agree_pair):
         BatchDecoder(engine.target, engine.drafter, max_batch_size=1, max_context=64, reuse_prefix=1)
     with pytest.raises(DFlashError, match="^reuse_prefix must be True or False, got 'yes'$"):
         DFlashEngine.from_pretrained(*agree_pair, reuse_prefix="yes")
+
+
+def test_the_same_prompt_again_behind_a_chunk_over_the_prefill_budget(agree_models):  # noqa: F811 (the imported fixture)
+    """A prefill budget below the chunk: a step whose first joiner read a whole chunk (over
+    the budget) still takes the next joiner's prompt reused whole (it reads nothing), in
+    that step; it used to stop there, losing the kept logits, and fail the next step on an
+    empty chunk. Every sequence decodes as with reuse off."""
+    target, drafter = agree_models
+    runs = {}
+    for reuse in (True, False):
+        t = Turns.of(target, drafter, 3, reuse, prefill_budget=C // 2)
+        batch = t.batch
+        p = varied_prompts(target, 1, seed=50, length=9)[0]
+        t.join(0, p, GREEDY, 3)
+        t.until_gone(0)
+        t.join("x", [3] + varied_prompts(target, 1, seed=51, length=9)[0], GREEDY, 40)  # (steps with a round: bounded)
+        t.step()
+        t.join("q", varied_prompts(target, 1, seed=52, length=C)[0], GREEDY, 5)  # one chunk, over the budget
+        t.join(1, p, GREEDY, 5)
+        before = batch.prefill_tokens
+        t.step()
+        both = "q" in t.out and 1 in t.out
+        t.until_gone(1)
+        t.until_gone("q")
+        t.until_gone("x")
+        runs[reuse] = t, both, batch.prefill_tokens - before
+    (on, both, read), (off, _, read_off) = runs[True], runs[False]
+    assert both and read == C and read_off == C + len(p)
+    same_runs(on, off)
