@@ -95,7 +95,8 @@ from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import check_block_size, check_flag, check_max_context, check_max_new_tokens, check_prompt_ids
-from .sampling import Penalties, SamplingParams, accept_greedy, accept_sampling, choose, probabilities, token_logprobs
+from .sampling import (Penalties, SamplingParams, accept_greedy, accept_sampling, choose, first_logprobs, first_token,
+                       probabilities, token_logprobs)
 
 
 BACKLOG_ROWS = 64  # a sequence's feature rows of target-only rounds injected at once (at most; see BatchDecoder)
@@ -648,13 +649,13 @@ class BatchDecoder:
         if last is None:
             last = self._prefill(slot, torch.tensor(prompt, dtype=torch.long, device=self.device), start)
         generator = params.generator(self.device)
-        token, penalties = _first_token(last, prompt, params, generator)
+        token, penalties = first_token(last, prompt, params, generator)
         first = int(token)
         if self.reuse_prefix and self.target_state is not None:
             self.target_state.save(slot)  # (the state at the prompt's end: a later prompt may diverge after it)
         self._seqs.append(_Sequence(seq_id, params, generator, max_new_tokens, n_prompt, token, 1, ids=prompt + [first],
                                     prompt_len=n_prompt, prompt_logits=self._keep_logits(last), penalties=penalties))
-        logprobs = _first_logprobs(last, first, params)
+        logprobs = first_logprobs(last, first, params)
         t1 = time.perf_counter()
         return Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=start, logprobs=logprobs)
 
@@ -890,14 +891,16 @@ class BatchDecoder:
         positions = starts[:, None] + self._arange_block[:B]  # [rows, B]
         tokens = torch.stack([q.token for q in seqs] + [self._arange_block[0]] * (rows - n))  # [rows]
         draft_probs = [None] * rows
-        switch_time = 0.0  # seconds of injecting what target-only rounds left (not the round's own cost)
+        switch_time = 0.0  # seconds injecting what target-only rounds left (for the policy: a switch's cost)
         if B > 1:
             if any(q.backlog for q in seqs):
+                t_flush = time.perf_counter()
                 for i, q in enumerate(seqs):
                     self._flush(q, i)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)  # (rare: once per switch back to drafting)
-                switch_time = time.perf_counter() - t0
+                if self.policy is not None:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)  # (rare: once per switch back to drafting)
+                    switch_time = time.perf_counter() - t_flush
             drafts, draft_probs = self._propose(seqs, tokens, positions, kv_len, pad_starts)
             block = torch.cat([tokens[:, None], drafts], dim=1)  # [rows, B]
         else:
@@ -970,14 +973,14 @@ class BatchDecoder:
             for sharer in [q] + q.sharers:  # (slot's contents copied into each sharer's slot)
                 if sharer is not q:
                     self._move(slot, len(self._seqs), q.prefilled)
-                token, penalties = _first_token(last, q.prompt, sharer.params, sharer.generator)
+                token, penalties = first_token(last, q.prompt, sharer.params, sharer.generator)
                 first = int(token)
                 self._seqs.append(_Sequence(sharer.seq_id, sharer.params, sharer.generator, sharer.max_new_tokens,
                                             q.prefilled, token, 1, ids=q.prompt + [first], prompt_len=q.prefilled,
                                             prompt_logits=kept_logits, penalties=penalties))
                 elapsed = q.prefill_time + time.perf_counter() - t0
                 rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed, cached_tokens=q.reused,
-                                              logprobs=_first_logprobs(last, first, sharer.params))
+                                              logprobs=first_logprobs(last, first, sharer.params))
         return rounds
 
     # --- the parts of a round ---
@@ -1126,24 +1129,6 @@ class BatchDecoder:
                 a_rows[i], b_rows[i] = accept_sampling(block[i, 1:], draft_probs[i], probabilities(x, q.params),
                                                        q.generator)
         return torch.stack(a_rows).to(torch.long), torch.stack(b_rows)
-
-
-def _first_logprobs(last: torch.Tensor, first: int, params: SamplingParams):
-    """The prefill round's logprobs: of its token ``first`` from the prompt's last logits ``[V]``
-    (None when ``params`` asks for none)."""
-    return None if params.logprobs is None else token_logprobs(last[None], [first], params.logprobs)
-
-
-def _first_token(last: torch.Tensor, prompt: list[int], params: SamplingParams,
-                 generator: torch.Generator | None) -> tuple[torch.Tensor, Penalties | None]:
-    """A sequence's first token (0-dim int64) from its prompt's last logits ``[V]`` (kept
-    as they are), and its penalties' statistics (None without a penalty), which count it."""
-    penalties = Penalties.new(params, prompt, last)
-    logits = last[None] if penalties is None else penalties.apply(last[None])
-    token = choose(logits, params, generator)[0]
-    if penalties is not None:
-        penalties.commit([int(token)])
-    return token, penalties
 
 
 def _row(scores, i: int):

@@ -22,8 +22,8 @@ from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import check_block_size, check_max_context, check_prompt_ids
-from .sampling import (Penalties, SamplingParams, TokenLogprob, accept_greedy, accept_sampling, choose,
-                       probabilities, token_logprobs)
+from .sampling import (SamplingParams, TokenLogprob, accept_greedy, accept_sampling, choose, first_logprobs,
+                       first_token, probabilities, token_logprobs)
 
 DRAFT_MODES = ("inject", "recompute")
 
@@ -384,13 +384,9 @@ class SpeculativeDecoder:
 
         t0 = time.perf_counter()
         last_logits = self._prefill(torch.tensor(prompt_ids, dtype=torch.long, device=dev), n_prompt)
-        penalties = Penalties.new(params, prompt_ids, last_logits)  # (None without a penalty)
-        scores = last_logits[None] if penalties is None else penalties.apply(last_logits[None])
-        token = choose(scores, params, generator)[0]
+        token, penalties = first_token(last_logits, prompt_ids, params, generator)  # (None without a penalty)
         first = int(token)
-        logprobs = None if params.logprobs is None else token_logprobs(last_logits[None], [first], params.logprobs)
-        if penalties is not None:
-            penalties.commit([first])
+        logprobs = first_logprobs(last_logits, first, params)
         t1 = time.perf_counter()
         yield Round([first], None, 0.0, t1 - t0, t1 - t0, logprobs=logprobs)
 

@@ -375,3 +375,22 @@ def accept_sampling(
     residual = torch.where(total > 0, residual / total.clamp_min(1e-30), target_probs)
     candidates = sample(residual, generator)
     return a, candidates[a]
+
+
+def first_token(last: torch.Tensor, prompt: list[int], params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, Penalties | None]:
+    """A sequence's first token (0-dim int64), chosen after its prefill from its prompt's
+    last logits ``[V]`` (left as they are), and its penalties' statistics (None without a
+    penalty), which count it."""
+    penalties = Penalties.new(params, prompt, last)
+    logits = last[None] if penalties is None else penalties.apply(last[None])
+    token = choose(logits, params, generator)[0]
+    if penalties is not None:
+        penalties.commit([int(token)])
+    return token, penalties
+
+
+def first_logprobs(last: torch.Tensor, first: int, params: SamplingParams) -> list[TokenLogprob] | None:
+    """The prefill round's logprobs: of its token ``first`` from the prompt's last logits
+    ``[V]`` (None when ``params`` asks for none)."""
+    return None if params.logprobs is None else token_logprobs(last[None], [first], params.logprobs)

@@ -571,7 +571,7 @@ def test_generate_batch_after_a_failure_in_a_step_frees_every_slot(agree_pair, m
 
     engine = DFlashEngine.from_pretrained(*agree_pair, max_batch_size=2, max_context=128)
     prompts = varied_prompts(engine.target, 3, seed=3, length=6)
-    first_token, calls = batch_module._first_token, []
+    first_token, calls = batch_module.first_token, []
 
     def failing_second(*args):
         calls.append(len(calls))
@@ -579,7 +579,7 @@ def test_generate_batch_after_a_failure_in_a_step_frees_every_slot(agree_pair, m
             raise RuntimeError("injected failure")
         return first_token(*args)
 
-    monkeypatch.setattr(batch_module, "_first_token", failing_second)
+    monkeypatch.setattr(batch_module, "first_token", failing_second)
     with pytest.raises(RuntimeError, match="^injected failure$"):
         engine.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
     monkeypatch.undo()
