@@ -153,6 +153,60 @@ def make_hybrid_target(out_dir: Path, model_type: str, *, seed: int = 0, tokeniz
     return Path(out_dir)
 
 
+# the rope of the published gpt-oss checkpoints (YaRN, not truncated)
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+
+
+def make_gpt_oss_target(out_dir: Path, *, seed: int = 0, tokenizer: bool = True, mxfp4: bool = False,
+                        **overrides) -> Path:
+    """Save a tiny random gpt-oss target with transformers' ``GptOssForCausalLM``: 4 layers
+    (sliding window 8 on layers 0 and 2), 4 experts with top-2 routing, learned sinks, the
+    published rope. ``mxfp4``: the expert matrices are replaced by random MXFP4 blocks and
+    scales and the config says ``quant_method: mxfp4``, as in the published checkpoints
+    (hidden and intermediate sizes are then multiples of 32)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32 if mxfp4 else 24, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+               sliding_window=8, max_position_embeddings=131072, rope_parameters=dict(GPT_OSS_ROPE),
+               eos_token_id=EOS_ID, bos_token_id=EOS_ID, pad_token_id=EOS_ID, experts_implementation="eager")
+    cfg.update(overrides)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**cfg)).eval()
+    with torch.no_grad():  # larger-than-default weights give peaked, less tie-prone logits
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0, 1.0)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.05)
+    model.save_pretrained(str(out_dir))
+    if mxfp4:
+        state = load_file(str(Path(out_dir) / "model.safetensors"))
+        e, h, i = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
+        g = torch.Generator().manual_seed(seed)
+        for layer in range(cfg["num_hidden_layers"]):
+            prefix = f"model.layers.{layer}.mlp.experts."
+            for name, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+                del state[prefix + name]
+                state[prefix + name + "_blocks"] = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g,
+                                                                 dtype=torch.uint8)
+                # scales 2**-6 .. 2**-4: elements up to 6 / 16
+                state[prefix + name + "_scales"] = torch.randint(121, 124, (e, rows, cols // 32), generator=g,
+                                                                 dtype=torch.uint8)
+        save_file(state, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((Path(out_dir) / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+        (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer:
+        make_tokenizer(out_dir)
+    return Path(out_dir)
+
+
 def drafter_config(target_dir: Path, *, num_layers: int = 2, block_size: int = 16, mask_token_id: int = MASK_ID,
                    target_layer_ids: list[int] | None = None) -> DrafterConfig:
     tcfg = json.loads((Path(target_dir) / "config.json").read_text())
@@ -282,7 +336,7 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
     ``beta * u``. The target then predicts c often but not always. The drafter has small
     random weights, so its output stays close to the (u-heavy) mask embedding and it
     proposes c nearly everywhere: it is accepted whenever the target predicts c.
-    ``model_type``: ``qwen3`` or a text family of :data:`HYBRID_FAMILIES`; ``self_scale``:
+    ``model_type``: ``qwen3``, ``gpt_oss`` or a text family of :data:`HYBRID_FAMILIES`; ``self_scale``:
     c's own multiple of ``u`` (higher: longer runs of c).
     """
     from safetensors.torch import load_file
@@ -292,6 +346,8 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
     root = Path(root)
     if model_type == "qwen3":
         target = make_target(root / "target", "qwen3", seed=1, tokenizer=False, tie_word_embeddings=False)
+    elif model_type == "gpt_oss":
+        target = make_gpt_oss_target(root / "target", seed=1, tokenizer=False)
     else:
         target = make_hybrid_target(root / "target", model_type, seed=1, tokenizer=False)
     state = load_file(str(target / "model.safetensors"))

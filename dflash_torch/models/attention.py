@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import layers
 from .layers import RMSNorm, fused_linear
 from .rope import apply_rope
 
@@ -109,6 +110,11 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         v = v.reshape(t, self.kv_heads, self.head_dim)
         return apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Attention of queries over cached keys/values: :func:`~dflash_torch.models.layers.attend`
+        (same arguments and result); a family whose softmax differs overrides it."""
+        return layers.attend(q, k, v, bias)
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """``o_proj`` of the attention output ``[T, heads * head_dim]``, gated when ``gate`` is given."""

@@ -235,9 +235,10 @@ class TargetConfig:
         archs = cfg.get("architectures") or []
         if any(a.startswith("DFlash") for a in archs):
             raise OptionError("target must be the target LLM's checkpoint, not a DFlash drafter's", "target")
-        refuse_quantized(cfg, "target")
+        module = family(cfg.get("model_type"))
+        refuse_quantized(cfg, "target", allowed=getattr(module, "QUANTIZATION_METHODS", ()))
         check_dtype_field(cfg, "target")
-        return family(cfg.get("model_type")).parse_config(cfg)
+        return module.parse_config(cfg)
 
 
 def check_dtype_field(cfg: dict, what: str) -> None:
@@ -256,15 +257,19 @@ def check_dtype_field(cfg: dict, what: str) -> None:
                 raise DFlashError(f"{what} config.json {key} {value!r} is not a torch dtype (e.g. 'bfloat16')")
 
 
-def refuse_quantized(cfg: dict, what: str) -> None:
+def refuse_quantized(cfg: dict, what: str, allowed: tuple[str, ...] = ()) -> None:
     """Raise :class:`DFlashError` when the ``what`` (target / drafter) ``config.json`` has a
-    ``quantization_config`` (top level or in ``text_config``)."""
+    ``quantization_config`` (top level or in ``text_config``) whose ``quant_method`` is not
+    in ``allowed`` (the methods its family dequantizes when loading, e.g. gpt-oss's mxfp4)."""
     text = cfg.get("text_config")
     quant = cfg.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None)
     if quant:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        if method in allowed:
+            return
+        also = f" (and {', '.join(allowed)} for this model_type)" if allowed else ""
         raise DFlashError(f"the {what} checkpoint is quantized (quant_method {method!r}); "
-                          "dflash-torch reads unquantized float32/bfloat16/float16 weights only")
+                          f"dflash-torch reads unquantized float32/bfloat16/float16 weights only{also}")
 
 
 def base_target_fields(cfg: dict, model_type: str) -> dict:

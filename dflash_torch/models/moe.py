@@ -1,5 +1,6 @@
-"""The sparse mixture-of-experts MLP of Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE, and the
-conversion of per-expert checkpoint weights to the stacked layout it holds.
+"""The sparse mixture-of-experts MLP of Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE, the expert
+dispatch it shares with gpt-oss (:mod:`.gpt_oss`), and the conversion of per-expert
+checkpoint weights to the stacked layout it holds.
 
 A router (``gate``, Linear hidden -> num_experts) scores every expert; softmax in float32,
 the top-k experts per token, optionally renormalised to sum to 1 (``norm_topk_prob``;
@@ -44,9 +45,25 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
 
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float, swiglu_alpha: float) -> torch.Tensor:
+    """An expert's gated activation of its ``gate`` and ``up`` projections (same shape).
+
+    ``swiglu_limit == 0``: SwiGLU, ``silu(gate) * up`` (Qwen MoE). ``swiglu_limit > 0``:
+    gpt-oss's clamped variant (transformers' ``GptOssExperts``): ``gate`` clamped to at most
+    the limit, ``up`` to ``[-limit, limit]``, then ``gate * sigmoid(alpha * gate) * (up + 1)``.
+    """
+    if swiglu_limit == 0:
+        return F.silu(gate) * up
+    gate = gate.clamp(max=swiglu_limit)
+    up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return gate * torch.sigmoid(gate * swiglu_alpha) * (up + 1)
+
+
 @torch.library.custom_op("dflash_torch::dispatch_experts", mutates_args=())
 def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                     down_proj: torch.Tensor) -> torch.Tensor:
+                     down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                     down_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0,
+                     swiglu_alpha: float = 1.0) -> torch.Tensor:
     """Run each token through its chosen experts and sum the weighted outputs.
 
     Only the experts that some token chose are computed: the ``T * k`` (token, expert)
@@ -60,7 +77,10 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         x: ``[T, hidden]`` activations.
         experts: int64 ``[T, k]`` expert ids (distinct per row).
         weights: ``[T, k]`` routing weights in ``x.dtype``.
-        gate_up_proj: ``[E, 2 * I, hidden]``; down_proj: ``[E, hidden, I]``.
+        gate_up_proj: ``[E, 2 * I, hidden]`` (each expert's gate rows, then its up rows);
+            down_proj: ``[E, hidden, I]``.
+        gate_up_bias: ``[E, 2 * I]`` or None; down_bias: ``[E, hidden]`` or None (gpt-oss).
+        swiglu_limit, swiglu_alpha: the activation (:func:`expert_activation`; 0: SwiGLU).
 
     While a CUDA graph is being captured (``--compile`` on CUDA), where nothing may be
     read to the host, it runs :func:`gathered_experts` instead, which the graph's replays
@@ -70,7 +90,8 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         ``[T, hidden]`` in ``x.dtype``.
     """
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return gathered_experts(x, experts, weights, gate_up_proj, down_proj)
+        return gathered_experts(x, experts, weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+                                swiglu_limit, swiglu_alpha)
     t, k = experts.shape
     out = torch.zeros_like(x)
     # pairs in (slot, token) order, grouped by expert (stable sort): the row order of
@@ -86,14 +107,17 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         pairs = order[start:start + n]
         start += n
         tokens = pairs % t
-        gate, up = F.linear(x[tokens], gate_up_proj[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, down_proj[e])
+        gate, up = F.linear(x[tokens], gate_up_proj[e], None if gate_up_bias is None else gate_up_bias[e]).chunk(2, dim=-1)
+        h = F.linear(expert_activation(gate, up, swiglu_limit, swiglu_alpha), down_proj[e],
+                     None if down_bias is None else down_bias[e])
         out.index_add_(0, tokens, h * pair_weights[pairs, None])
     return out
 
 
 def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                     down_proj: torch.Tensor) -> torch.Tensor:
+                     down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                     down_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0,
+                     swiglu_alpha: float = 1.0) -> torch.Tensor:
     """:func:`dispatch_experts` (same arguments and result) with no data-dependent shape
     and no host read, so that a CUDA graph can capture it: every (token, expert) pair
     gathers its expert's weights and the ``T * k`` pairs run as two batched matmuls. It
@@ -103,14 +127,20 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     t, k = experts.shape
     ids = experts.reshape(-1)  # token-major pairs
     rows = x.repeat_interleave(k, dim=0)[:, :, None]  # [T * k, hidden, 1]
-    gate, up = torch.bmm(gate_up_proj[ids], rows)[..., 0].chunk(2, dim=-1)
-    h = torch.bmm(down_proj[ids], (F.silu(gate) * up)[:, :, None])[..., 0]  # [T * k, hidden]
+    gate_up = torch.bmm(gate_up_proj[ids], rows)[..., 0]
+    if gate_up_bias is not None:
+        gate_up = gate_up + gate_up_bias[ids]
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = torch.bmm(down_proj[ids], expert_activation(gate, up, swiglu_limit, swiglu_alpha)[:, :, None])[..., 0]
+    if down_bias is not None:
+        h = h + down_bias[ids]  # [T * k, hidden]
     return (h * weights.reshape(-1, 1)).view(t, k, -1).sum(dim=1)
 
 
 @dispatch_experts.register_fake
 def _(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
-      down_proj: torch.Tensor) -> torch.Tensor:
+      down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+      swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0) -> torch.Tensor:
     return torch.empty_like(x)
 
 

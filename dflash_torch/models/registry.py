@@ -21,6 +21,7 @@ FAMILIES = {
     "qwen3_5_moe_text": "qwen3_5",
     "qwen3_5_moe": "qwen3_5",
     "qwen3_next": "qwen3_next",
+    "gpt_oss": "gpt_oss",
 }
 
 

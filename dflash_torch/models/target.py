@@ -21,7 +21,7 @@ from ..checkpoint import all_finite, load_config, load_state_dict
 from ..errors import DFlashError
 from .config import TargetConfig
 from .gated_deltanet import GatedDeltaNet
-from .layers import RMSNorm, attend, attention_bias
+from .layers import RMSNorm, attention_bias
 from .rope import Rotary
 
 
@@ -30,13 +30,17 @@ class DecoderLayer(nn.Module):
     ``linear_attn``) then the MLP (``mlp``: dense or mixture of experts), both residual.
 
     Attributes:
-        kind: ``"full_attention"`` or ``"linear_attention"``.
+        kind: ``"full_attention"``, ``"sliding_attention"`` or ``"linear_attention"``.
         slot: this layer's index in the KV cache or in the recurrent state.
+        sliding_window: for ``"sliding_attention"``, how many positions a query sees (itself
+            and the ``sliding_window - 1`` before it; all of them stay in the KV cache);
+            None: all positions before it.
     """
 
-    def __init__(self, kind: str, mixer: nn.Module, mlp: nn.Module, norm: nn.Module, post_norm: nn.Module, slot: int):
+    def __init__(self, kind: str, mixer: nn.Module, mlp: nn.Module, norm: nn.Module, post_norm: nn.Module, slot: int,
+                 sliding_window: int | None = None):
         super().__init__()
-        self.kind, self.slot = kind, slot
+        self.kind, self.slot, self.sliding_window = kind, slot, sliding_window
         if kind == "linear_attention":
             self.linear_attn = mixer
         else:
@@ -56,12 +60,13 @@ class _Backbone(nn.Module):
 
 @dataclass
 class _Step:
-    """What every attention layer of one forward shares."""
+    """What every attention layer of one forward shares (``biases``: the additive mask per
+    sliding window, None for full causal attention)."""
 
     positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    bias: torch.Tensor
+    biases: dict[int | None, torch.Tensor]
     kv_len: int | None
 
 
@@ -248,12 +253,15 @@ class TargetModel(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions.reshape(-1), x.dtype)
-        bias = None
+        biases = {}
         if self.num_kv_layers:
             k_pos = torch.arange(cache.capacity if kv_len is None else kv_len, device=x.device)
             groups = self.config.num_attention_heads // self.config.num_key_value_heads
-            bias = attention_bias(k_pos <= positions[..., None], groups, x.dtype)
-        step = _Step(positions, cos, sin, bias, kv_len)
+            causal = k_pos <= positions[..., None]
+            for window in {layer.sliding_window for layer in self.model.layers if layer.kind != "linear_attention"}:
+                visible = causal if window is None else causal & (k_pos > positions[..., None] - window)
+                biases[window] = attention_bias(visible, groups, x.dtype)
+        step = _Step(positions, cos, sin, biases, kv_len)
         wanted = set(feature_layers or ())
         captured = {}
         for i, layer in enumerate(self.model.layers):
@@ -261,7 +269,7 @@ class TargetModel(nn.Module):
             if layer.kind == "linear_attention":
                 x = x + layer.linear_attn(h, cache.recurrent, layer.slot, commit, defer_commit)  # N sequences at once
             else:
-                x = x + self._self_attention(layer.self_attn, layer.slot, h, cache.kv, step)
+                x = x + self._self_attention(layer, h, cache.kv, step)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in wanted:
                 captured[i] = x
@@ -276,11 +284,12 @@ class TargetModel(nn.Module):
         return logits, features
 
     @staticmethod
-    def _self_attention(attn, slot: int, h: torch.Tensor, kv: KVCache, step: _Step) -> torch.Tensor:
+    def _self_attention(layer: DecoderLayer, h: torch.Tensor, kv: KVCache, step: _Step) -> torch.Tensor:
+        attn = layer.self_attn
         q, gate, k, v = attn.project(h, step.cos, step.sin)
-        kv.write(slot, step.positions, k, v)
-        ck, cv = kv.view(slot, step.kv_len)
-        return attn.output(attend(q, ck, cv, step.bias), gate)
+        kv.write(layer.slot, step.positions, k, v)
+        ck, cv = kv.view(layer.slot, step.kv_len)
+        return attn.output(attn.attend(q, ck, cv, step.biases[layer.sliding_window]), gate)
 
 
 def _name_of_part(key: str, t: torch.Tensor) -> str:

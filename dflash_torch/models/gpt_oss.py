@@ -1,0 +1,223 @@
+"""gpt-oss targets (``gpt_oss``: gpt-oss-20b, gpt-oss-120b; transformers'
+``modeling_gpt_oss.py``, OpenAI's gpt-oss model card).
+
+Each layer: attention with q/k/v/o biases and a learned *attention sink* per query head
+(one more logit in the softmax whose value is dropped: a head may attend to nothing),
+banded to the last ``sliding_window`` positions on ``"sliding_attention"`` layers (every
+other layer) and causal over all positions on the others; then a mixture of experts
+whose router (a linear with bias) takes the top-k logits and softmaxes them, and whose
+experts (with biases) apply a clamped SwiGLU (:func:`~dflash_torch.models.moe.expert_activation`).
+
+Checkpoints: the published ones store the expert matrices in MXFP4
+(``quantization_config.quant_method: "mxfp4"``, :mod:`.mxfp4`); they are dequantized
+once, when loading, to the dtype the model runs in (gpt-oss-20b: about 42 GB in
+bfloat16). Unquantized checkpoints (transformers' ``save_pretrained``) load as they are.
+Experts are stored ``gate_up_proj`` ``[E, H, 2I]`` with gate and up columns interleaved
+(MXFP4: ``[E, 2I, H]`` rows) and ``down_proj`` ``[E, I, H]`` (MXFP4: ``[E, H, I]``);
+:meth:`Model.convert_checkpoint` rewrites them into the stacked layout of :mod:`.moe`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import DFlashError
+from . import mxfp4
+from .attention import Attention
+from .config import MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, number_field
+from .moe import dispatch_experts
+from .target import DecoderLayer, TargetModel
+
+QUANTIZATION_METHODS = ("mxfp4",)  # the quant_method values this family reads (see mxfp4.py)
+LAYER_TYPES = ("sliding_attention", "full_attention")
+_SCORES_PER_CHUNK = 1 << 25  # attention logits held at once (query rows are taken in chunks)
+
+
+@dataclass
+class GptOssConfig(TargetConfig):
+    """:class:`TargetConfig` plus gpt-oss's ``sliding_window`` (positions a
+    ``"sliding_attention"`` layer sees) and its experts' ``swiglu_limit`` / ``swiglu_alpha``."""
+
+    sliding_window: int = 128
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+
+
+def parse_config(cfg: dict) -> GptOssConfig:
+    """A ``gpt_oss`` ``config.json`` -> :class:`GptOssConfig`.
+
+    Raises:
+        DFlashError: missing keys, a ``layer_types`` of the wrong length or with another
+            type, sliding layers without ``sliding_window``, top-k outside the experts.
+    """
+    fields = base_target_fields(cfg, "gpt_oss")
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or [LAYER_TYPES[i % 2] for i in range(n)]  # transformers' default
+    if len(types) != n:
+        raise DFlashError(f"target layer_types has {len(types)} entries but num_hidden_layers is {n}")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise DFlashError(f"target layer_types {unknown} are not supported by gpt_oss ({', '.join(LAYER_TYPES)})")
+    window = check_int(cfg, "sliding_window", "target")
+    if window is None and "sliding_attention" in types:
+        raise DFlashError("target config.json has sliding_attention layers but no sliding_window")
+    experts = check_int(cfg, "num_local_experts", "target")
+    top_k = check_int(cfg, "num_experts_per_tok", "target") or check_int(cfg, "experts_per_token", "target")
+    if experts is None or top_k is None or not fields["intermediate_size"]:
+        raise DFlashError("target config.json lacks num_local_experts, num_experts_per_tok or intermediate_size")
+    if not 1 <= top_k <= experts:
+        raise DFlashError(f"target num_experts_per_tok {top_k} must be in [1, num_local_experts={experts}]")
+    fields.update(
+        layer_types=list(types),
+        attention_bias=bool_field(cfg, "attention_bias", "target", True),
+        moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=fields["intermediate_size"], norm_topk_prob=True),
+        sliding_window=window or 0,
+        swiglu_limit=number_field(cfg, "swiglu_limit", "target", 7.0),
+        swiglu_alpha=number_field(cfg, "swiglu_alpha", "target", 1.702),
+    )
+    return GptOssConfig(**fields)
+
+
+def sink_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                sinks: torch.Tensor) -> torch.Tensor:
+    """Scaled dot-product attention with one sink logit per query head: softmax over the
+    keys' logits and ``sinks[h]``, the sink's share dropped (transformers'
+    ``eager_attention_forward`` of gpt-oss; no fused kernel takes a sink). The softmax
+    runs in float32; long query blocks go in chunks of rows, so at most about 2**25
+    logits are held at once.
+
+    Args:
+        q, k, v, bias: as :func:`~dflash_torch.models.layers.attend` (one sequence:
+            ``q`` ``[heads, Tq, d]``, ``k``/``v`` ``[kv_heads, Tk, d]``, ``bias``
+            ``[groups * Tq, Tk]``; N sequences: ``q`` ``[heads, N * Tq, d]``, ``k``/``v``
+            ``[N, kv_heads, Tk, d]``, ``bias`` ``[N, groups * Tq, Tk]``).
+        sinks: ``[heads]``, a logit per query head.
+
+    Returns:
+        ``[Tq, heads * d]`` (N sequences: ``[N * Tq, heads * d]``) in ``v.dtype``.
+    """
+    batched = k.dim() == 4
+    if not batched:
+        k, v = k[None], v[None]
+        bias = None if bias is None else bias[None]
+    heads, rows, d = q.shape
+    n, kv_heads, tk = k.shape[0], k.shape[1], k.shape[2]
+    tq, groups = rows // n, heads // kv_heads
+    q = q.view(heads, n, tq, d).transpose(0, 1).reshape(n, kv_heads, groups, tq, d)
+    if bias is not None:
+        bias = bias.view(n, 1, groups, tq, tk)
+    sink = sinks.float().view(1, kv_heads, groups, 1, 1)
+    keys = k[:, :, None].transpose(-1, -2)  # [n, kv_heads, 1, d, Tk]
+    step = max(1, _SCORES_PER_CHUNK // (n * heads * tk))
+    outs = []
+    for start in range(0, tq, step):
+        logits = torch.matmul(q[..., start:start + step, :], keys).float() * d ** -0.5
+        if bias is not None:
+            logits = logits + bias[..., start:start + step, :]
+        logits = torch.cat([logits, sink.expand(*logits.shape[:-1], 1)], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :-1].to(v.dtype)
+        outs.append(torch.matmul(probs, v[:, :, None]))  # [n, kv, groups, chunk, d]
+    out = torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
+    return out.reshape(n, heads, tq, d).transpose(1, 2).reshape(n * tq, heads * d)
+
+
+class SinkAttention(Attention):
+    """gpt-oss attention: q/k/v/o with biases and a learned sink logit per query head
+    (``sinks`` ``[heads]``, Hugging Face name ``self_attn.sinks``)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, eps: float):
+        super().__init__(hidden, heads, kv_heads, head_dim, bias, qk_norm=False, eps=eps, o_bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(heads))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return sink_attend(q, k, v, bias, self.sinks)
+
+
+class GptOssExperts(nn.Module):
+    """Stacked expert weights with biases (uninitialised: loaded from a checkpoint):
+    ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows), ``gate_up_proj_bias``
+    ``[E, 2I]``, ``down_proj`` ``[E, H, I]``, ``down_proj_bias`` ``[E, H]``."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+
+
+class GptOssMoE(nn.Module):
+    """The gpt-oss MLP: ``router`` (Linear H -> E with bias) picks the top-k experts by
+    logit, their softmax weights them; each runs a clamped SwiGLU with biases.
+    Hugging Face names: ``router.weight``, ``router.bias``, ``experts.*``."""
+
+    def __init__(self, cfg: GptOssConfig):
+        super().__init__()
+        m = cfg.moe
+        self.top_k, self.swiglu_limit, self.swiglu_alpha = m.top_k, cfg.swiglu_limit, cfg.swiglu_alpha
+        self.router = nn.Linear(cfg.hidden_size, m.num_experts, bias=True)
+        self.experts = GptOssExperts(m.num_experts, cfg.hidden_size, m.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, H]`` -> ``[T, H]`` in ``x.dtype``."""
+        top, experts = torch.topk(self.router(x), self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype)
+        e = self.experts
+        return dispatch_experts(x, experts, weights, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias,
+                                e.down_proj_bias, self.swiglu_limit, self.swiglu_alpha)
+
+
+class GptOssRMSNorm(nn.Module):
+    """RMSNorm that scales in float32 before the cast back (transformers' ``GptOssRMSNorm``)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)
+
+
+class Model(TargetModel):
+    """gpt-oss decoder layers: sink attention (banded on sliding layers), then the MoE."""
+
+    norm_class = GptOssRMSNorm
+
+    def make_layer(self, index: int, kind: str, slot: int) -> DecoderLayer:
+        cfg = self.config
+        attn = SinkAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                             cfg.attention_bias, cfg.rms_norm_eps)
+        window = cfg.sliding_window if kind == "sliding_attention" else None
+        return DecoderLayer(kind, attn, GptOssMoE(cfg), GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+                            GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps), slot, sliding_window=window)
+
+    @classmethod
+    def convert_checkpoint(cls, cfg: GptOssConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Dequantize MXFP4 expert matrices (into the dtype of the checkpoint's other
+        weights, as loaded) and rewrite every layer's experts into :class:`GptOssExperts`'
+        layout: ``[out, in]`` matrices, gate rows before up rows.
+
+        Raises:
+            DFlashError: an MXFP4 pair that does not match (:mod:`.mxfp4`).
+        """
+        dtype = state["model.embed_tokens.weight"].dtype if "model.embed_tokens.weight" in state else torch.float32
+        quantized = {k.removesuffix("_blocks") for k in state if k.endswith("_blocks")}
+        mxfp4.dequantize_state(state, dtype)
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}.mlp.experts."
+            if p + "gate_up_proj" in state:
+                w = state[p + "gate_up_proj"]
+                w = w if p + "gate_up_proj" in quantized else w.transpose(1, 2)  # -> [E, 2I, H], interleaved rows
+                state[p + "gate_up_proj"] = torch.cat([w[:, 0::2], w[:, 1::2]], dim=1).contiguous()
+            if p + "gate_up_proj_bias" in state:
+                b = state[p + "gate_up_proj_bias"]
+                state[p + "gate_up_proj_bias"] = torch.cat([b[:, 0::2], b[:, 1::2]], dim=1).contiguous()
+            if p + "down_proj" in state and p + "down_proj" not in quantized:
+                state[p + "down_proj"] = state[p + "down_proj"].transpose(1, 2).contiguous()  # -> [E, H, I]
+        return state

@@ -1,0 +1,76 @@
+"""MXFP4 weights (the OCP Microscaling format's FP4 E2M1 elements with one shared power-of-two
+scale per block of 32; the format gpt-oss checkpoints store their expert matrices in).
+
+A checkpoint stores a matrix ``[..., rows, cols]`` as two uint8 tensors:
+``NAME_blocks`` ``[..., rows, cols / 32, 16]``, each byte two 4-bit elements (the low
+nibble first), and ``NAME_scales`` ``[..., rows, cols / 32]``, the biased exponent ``s`` of
+each block (value ``2 ** (s - 127)``). A 4-bit element is a sign bit and an E2M1 magnitude:
+0, 0.5, 1, 1.5, 2, 3, 4 or 6. Every element times its scale is exact in bfloat16 and
+float32, so dequantizing loses nothing (OCP Microscaling Formats (MX) v1.0 specification;
+the layout of the gpt-oss checkpoints as transformers' ``integrations/mxfp4.py`` reads it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import DFlashError
+
+BLOCK = 32  # elements per shared scale
+_ROWS_PER_CHUNK = 4096  # matrix rows dequantized at once
+# the 16 E2M1 codes: sign bit 3, then exponent (2 bits) and mantissa (1 bit)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str = "weight") -> torch.Tensor:
+    """The matrix that ``blocks`` and ``scales`` encode, in ``dtype``.
+
+    Args:
+        blocks: uint8 ``[..., rows, G, 16]`` (``G = cols / 32`` blocks per row, two elements a byte).
+        scales: uint8 ``[..., rows, G]``, biased power-of-two exponents (127 means 1).
+        dtype: float32, bfloat16 or float16 (float16 cannot hold every scale: too large or
+            small a block becomes inf or 0, which the loader's finiteness check reports).
+        name: the weight's name, for errors.
+
+    Returns:
+        ``[..., rows, G * 32]`` in ``dtype``, on the device of ``blocks``.
+
+    Raises:
+        DFlashError: a tensor that is not uint8, or shapes that do not match.
+    """
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise DFlashError(f"MXFP4 weight {name}: blocks and scales must be uint8, got "
+                          f"{str(blocks.dtype).removeprefix('torch.')} and {str(scales.dtype).removeprefix('torch.')}")
+    if blocks.dim() < 2 or blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise DFlashError(f"MXFP4 weight {name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
+                          f"match (expected [..., G, {BLOCK // 2}] and [..., G])")
+    out = torch.empty(*scales.shape[:-1], scales.shape[-1] * BLOCK, dtype=dtype, device=blocks.device)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    flat_blocks, flat_scales, flat_out = blocks.flatten(0, -3), scales.flatten(0, -2), out.flatten(0, -2)
+    for i in range(0, flat_blocks.shape[0], _ROWS_PER_CHUNK):  # bounded float32 temporaries
+        b, s = flat_blocks[i:i + _ROWS_PER_CHUNK], flat_scales[i:i + _ROWS_PER_CHUNK]
+        codes = torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)  # [rows, G, 32], low nibble first
+        values = torch.ldexp(table[codes.long()], s.int()[..., None] - 127)
+        flat_out[i:i + _ROWS_PER_CHUNK] = values.flatten(-2).to(dtype)
+    return out
+
+
+def dequantize_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Replace every ``NAME_blocks`` / ``NAME_scales`` pair of ``state`` by ``NAME``, the
+    dequantized matrix in ``dtype`` (:func:`dequantize`), one pair at a time (in place).
+
+    Returns:
+        ``state``.
+
+    Raises:
+        DFlashError: a ``_blocks`` tensor without its ``_scales`` or the other way round,
+            or a pair :func:`dequantize` refuses.
+    """
+    names = {k.removesuffix("_blocks") for k in state if k.endswith("_blocks")}
+    names |= {k.removesuffix("_scales") for k in state if k.endswith("_scales")}
+    for name in sorted(names):
+        if f"{name}_blocks" not in state or f"{name}_scales" not in state:
+            half = "_scales" if f"{name}_blocks" in state else "_blocks"
+            raise DFlashError(f"MXFP4 weight {name} lacks its {name}{half} tensor")
+        state[name] = dequantize(state.pop(f"{name}_blocks"), state.pop(f"{name}_scales"), dtype, name)
+    return state

@@ -1,0 +1,303 @@
+"""gpt-oss targets (``gpt_oss``) against transformers' own ``GptOssForCausalLM``.
+
+* our forward == transformers' (logits and every layer's output, float32), over prompts
+  longer than the sliding window, in one pass, in pieces and with fixed shapes;
+* attention sinks: the chunked and batched sink attention == one pass per sequence;
+* MXFP4 checkpoints: our dequantization == transformers' ``convert_moe_packed_tensors``
+  bit for bit, and the loaded model == transformers' model holding those experts;
+* greedy speculative decoding == transformers' greedy ``generate``: block sizes, inject
+  and recompute, fixed shapes, batched, compiled; an agreeable pair that accepts many
+  tokens per round across the sliding window; an MXFP4 pair == target-only decoding;
+* bad checkpoints are refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.utils as dynamo_utils
+from safetensors.torch import load_file, save_file
+
+from conftest import (copy_tokenizer, drafter_config, load_hf, make_agreeable_pair, make_gpt_oss_target,
+                      save_drafter)
+from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.decoding import SpeculativeDecoder
+from dflash_torch.models import gpt_oss, mxfp4
+from dflash_torch.models.drafter import DFlashDrafter
+from dflash_torch.models.target import TargetModel
+from dflash_torch.sampling import SamplingParams
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer_dir):
+    """(target_dir, random drafter_dir) of a tiny gpt-oss target."""
+    root = tmp_path_factory.mktemp("gpt_oss")
+    target = make_gpt_oss_target(root / "target", seed=5, tokenizer=False)
+    copy_tokenizer(tokenizer_dir, target)
+    return target, save_drafter(root / "drafter", drafter_config(target, block_size=16), seed=5)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory, tokenizer_dir):
+    """(target_dir, random drafter_dir) of a tiny gpt-oss target whose experts are MXFP4."""
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    target = make_gpt_oss_target(root / "target", seed=6, tokenizer=False, mxfp4=True)
+    copy_tokenizer(tokenizer_dir, target)
+    return target, save_drafter(root / "drafter", drafter_config(target, block_size=8), seed=6)
+
+
+def _forward(model: TargetModel, ids: torch.Tensor, pieces: list[int], static: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and all layers' outputs of ``ids`` fed in consecutive pieces of the given lengths."""
+    cache = model.new_cache()
+    cache.reset(64)
+    logits, feats, start = [], [], 0
+    layers = list(range(model.config.num_hidden_layers))
+    with torch.no_grad():
+        for n in pieces:
+            end = start + n
+            lg, f = model(ids[start:end], torch.arange(start, end), cache, kv_len=None if static else end,
+                          feature_layers=layers)
+            logits.append(lg)
+            feats.append(f)
+            start = end
+    return torch.cat(logits), torch.cat(feats)
+
+
+@pytest.mark.parametrize("pieces,static", [([30], False), ([11, 1, 7, 11], False), ([16, 14], True)])
+def test_forward_matches_transformers(checkpoint, pieces, static):
+    target_dir, _ = checkpoint
+    hf = load_hf(target_dir)
+    ours = TargetModel.from_pretrained(target_dir, torch.float32)
+    assert ours.config.layer_types == ["sliding_attention", "full_attention"] * 2 and ours.config.sliding_window == 8
+    ids = torch.randint(0, ours.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None], output_hidden_states=True)
+    logits, feats = _forward(ours, ids, pieces, static)
+    torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-4)
+    h = ours.config.hidden_size
+    for layer in range(ours.config.num_hidden_layers):
+        torch.testing.assert_close(feats[:, layer * h:(layer + 1) * h], ref.hidden_states[layer + 1][0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_window_and_the_sinks_matter(checkpoint):
+    """Guards the test above: without the window or without the sinks the logits differ
+    from transformers' (so the comparison can fail)."""
+    target_dir, _ = checkpoint
+    hf = load_hf(target_dir)
+    ids = torch.arange(2, 32)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    for change in ("window", "sinks"):
+        ours = TargetModel.from_pretrained(target_dir, torch.float32)
+        for layer in ours.model.layers:
+            if change == "window":
+                layer.sliding_window = None
+            else:
+                layer.self_attn.sinks.data.fill_(-1e4)
+        logits, _ = _forward(ours, ids, [30], False)
+        assert (logits - ref).abs().max() > 1e-2, change
+
+
+def test_sink_attention_batched_and_chunked_equal_one_pass(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    heads, kv, d, n, tq, tk = 4, 2, 8, 3, 5, 11
+    q = torch.randn(heads, n * tq, d, generator=g)
+    k, v = torch.randn(n, kv, tk, d, generator=g), torch.randn(n, kv, tk, d, generator=g)
+    bias = torch.zeros(n, 2 * tq, tk).masked_fill(torch.rand(n, 2 * tq, tk, generator=g) < 0.3, float("-inf"))
+    bias[1] = float("-inf")  # a sequence that sees no key: the sink takes everything, output 0
+    sinks = torch.randn(heads, generator=g)
+    batched = gpt_oss.sink_attend(q, k, v, bias, sinks)
+    for i in range(n):
+        one = gpt_oss.sink_attend(q[:, i * tq:(i + 1) * tq], k[i], v[i], bias[i], sinks)
+        torch.testing.assert_close(batched[i * tq:(i + 1) * tq], one)
+        # the definition: softmax over [scores, sink], the sink's column dropped
+        for h in range(heads):
+            logits = q[h, i * tq:(i + 1) * tq] @ k[i, h // 2].T / d ** 0.5 + bias[i].view(2, tq, tk)[h % 2]
+            p = torch.softmax(torch.cat([logits, sinks[h].expand(tq, 1)], dim=-1), dim=-1)[:, :-1]
+            torch.testing.assert_close(one[:, h * d:(h + 1) * d], p @ v[i, h // 2])
+    assert torch.all(batched[tq:2 * tq] == 0)
+    monkeypatch.setattr(gpt_oss, "_SCORES_PER_CHUNK", heads * n * tk * 2)  # two query rows a chunk
+    torch.testing.assert_close(gpt_oss.sink_attend(q, k, v, bias, sinks), batched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantization_equals_transformers(dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (3, 40, 4), generator=g, dtype=torch.uint8)
+    ours = mxfp4.dequantize(blocks, scales, dtype)
+    assert ours.shape == (3, 40, 128) and ours.dtype == dtype
+    assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=dtype).transpose(1, 2))
+
+
+def test_mxfp4_checkpoint_matches_transformers_with_dequantized_experts(mxfp4_checkpoint):
+    """transformers needs accelerate (and for speed, triton) to load an MXFP4 checkpoint, so
+    the oracle is its model class holding the experts its own dequantizer produces."""
+    import transformers
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    target_dir, _ = mxfp4_checkpoint
+    config = json.loads((target_dir / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    state = load_file(str(target_dir / "model.safetensors"))
+    assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in state)
+    del config["quantization_config"]
+    hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(**config)).eval()
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        for name in ("gate_up_proj", "down_proj"):
+            state[prefix + name] = convert_moe_packed_tensors(state.pop(prefix + name + "_blocks"),
+                                                              state.pop(prefix + name + "_scales"), dtype=torch.float32)
+    hf.load_state_dict(state, strict=True)
+    ours = TargetModel.from_pretrained(target_dir, torch.float32)
+    ids = torch.arange(3, 23)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    logits, _ = _forward(ours, ids, [20], False)
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_speculative_equals_transformers_generate(checkpoint):
+    target_dir, drafter_dir = checkpoint
+    hf = load_hf(target_dir)
+    spec = DFlashEngine.from_pretrained(target_dir, drafter_dir)
+    engines = [DFlashEngine(spec.target, spec.tokenizer)]
+    engines += [DFlashEngine(spec.target, spec.tokenizer, spec.drafter, block_size=b) for b in (2, 8, 16)]
+    engines += [DFlashEngine(spec.target, spec.tokenizer, spec.drafter, draft_mode="recompute", block_size=5),
+                DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=300)]
+    prompts = ["def f(x):", "import os\nimport sys\n"]
+    refs = [_hf_greedy(hf, spec.encode_prompt(p), NEW_TOKENS) for p in prompts]
+    for prompt, ref in zip(prompts, refs):
+        for engine in engines:
+            out = engine.generate(spec.encode_prompt(prompt), max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            assert out.token_ids == ref, (engine.block_size, engine.decoder.draft_mode, engine.decoder.static)
+    batch = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, max_batch_size=2, max_context=128)
+    outs = batch.generate_batch(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [o.token_ids for o in outs] == refs
+
+
+@pytest.fixture(scope="module")
+def agree_gpt_oss(tmp_path_factory, tokenizer_dir):
+    return make_agreeable_pair(tmp_path_factory.mktemp("agree-gpt_oss"), tokenizer_dir, model_type="gpt_oss",
+                               alpha=0.5, beta=5.0, self_scale=0.0)
+
+
+def test_many_accepted_tokens_across_the_window_are_lossless(agree_gpt_oss):
+    """Rounds that accept several tokens, over 80 tokens (ten windows of 8): eager, fixed
+    shapes and batched decoding all give transformers' greedy tokens."""
+    target_dir, drafter_dir = agree_gpt_oss
+    hf = load_hf(target_dir)
+    spec = DFlashEngine.from_pretrained(target_dir, drafter_dir)
+    static = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=256, prefill_chunk=32)
+    batch = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, max_batch_size=2, max_context=256)
+    prompts = [[5, 17, 99, 3], list(range(2, 45))]
+    refs = [_hf_greedy(hf, p, 80) for p in prompts]
+    taus = []
+    for prompt, ref in zip(prompts, refs):
+        for engine in (spec, static):
+            out = engine.generate(prompt, max_new_tokens=80, ignore_eos=True)
+            assert out.token_ids == ref
+            taus += out.stats.acceptance_lengths
+    assert [o.token_ids for o in batch.generate_batch(prompts, max_new_tokens=80, ignore_eos=True)] == refs
+    assert sum(taus) / len(taus) > 1.5 and len(set(taus)) >= 4, sorted(set(taus))
+
+
+def _run(decoder, prompt, n):
+    tokens = []
+    for rnd in decoder.rounds(prompt, SamplingParams(), n):
+        tokens.extend(rnd.tokens)
+    return tokens[:n]
+
+
+def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_gpt_oss):
+    target_dir, drafter_dir = agree_gpt_oss
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    compiled = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=256, prefill_chunk=32)
+    eager = SpeculativeDecoder(target, drafter)
+    _run(compiled, [5, 17, 99, 3], 40)
+    graphs, frames = dynamo_utils.counters["stats"]["unique_graphs"], dynamo_utils.counters["frames"]["total"]
+    for prompt in ([11, 12, 13], list(range(2, 60))):
+        assert _run(compiled, prompt, 60) == _run(eager, prompt, 60)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
+    assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
+
+
+def test_inductor_compiled_rounds_are_lossless(tmp_path, tokenizer_dir):
+    """The real CPU path of ``--compile`` (inductor) on a 2-layer gpt-oss target."""
+    target_dir = make_gpt_oss_target(tmp_path / "target", seed=3, tokenizer=False, num_hidden_layers=2)
+    drafter_dir = save_drafter(tmp_path / "drafter", drafter_config(target_dir, num_layers=1, block_size=8))
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    torch._dynamo.reset()
+    compiled = SpeculativeDecoder(target, drafter, compile=True, max_context=128, prefill_chunk=32)
+    assert _run(compiled, list(range(2, 40)), 30) == _hf_greedy(load_hf(target_dir), list(range(2, 40)), 30)
+
+
+def test_mxfp4_pair_speculative_equals_target_only(mxfp4_checkpoint):
+    target_dir, drafter_dir = mxfp4_checkpoint
+    spec = DFlashEngine.from_pretrained(target_dir, drafter_dir)
+    target_only = DFlashEngine(spec.target, spec.tokenizer)
+    assert spec.target.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
+    for prompt in ("def f(x):", "class A:\n    pass\n"):
+        ref = target_only.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+        assert spec.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids == ref
+    bf16 = DFlashEngine.from_pretrained(target_dir, drafter_dir, dtype="bfloat16")
+    assert bf16.target.model.layers[0].mlp.experts.down_proj.dtype == torch.bfloat16
+    out = bf16.generate("def f(x):", max_new_tokens=8, ignore_eos=True)
+    assert len(out.token_ids) == 8
+
+
+def _edit(src, dst, *, config=None, state=None):
+    shutil.copytree(src, dst)
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if state:
+        weights = load_file(str(dst / "model.safetensors"))
+        state(weights)
+        save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _drop(key):
+    return lambda w: w.pop(key)
+
+
+@pytest.mark.parametrize("config,state,message", [
+    (lambda c: c.update(quantization_config={"quant_method": "fp8"}), None,
+     r"quantized \(quant_method 'fp8'\); .*\(and mxfp4 for this model_type\)"),
+    (lambda c: c.update(layer_types=["sliding_attention", "linear_attention"] * 2), None,
+     r"layer_types \['linear_attention'\] are not supported by gpt_oss"),
+    (lambda c: c.update(sliding_window=None), None, "has sliding_attention layers but no sliding_window"),
+    (lambda c: c.update(num_experts_per_tok=9), None, r"num_experts_per_tok 9 must be in \[1, num_local_experts=4\]"),
+    (None, _drop("model.layers.1.mlp.experts.down_proj_scales"),
+     "MXFP4 weight model.layers.1.mlp.experts.down_proj lacks its model.layers.1.mlp.experts.down_proj_scales"),
+    (None, _drop("model.layers.2.self_attn.sinks"), "lacks weights: model.layers.2.self_attn.sinks"),
+    (None, lambda w: w.update({"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(4, 64, 2, 15, dtype=torch.uint8)}),
+     r"MXFP4 weight model.layers.0.mlp.experts.gate_up_proj: blocks \(4, 64, 2, 15\) and scales"),
+])
+def test_bad_checkpoints_are_refused_in_one_line(mxfp4_checkpoint, tmp_path, config, state, message):
+    target_dir, _ = mxfp4_checkpoint
+    bad = _edit(target_dir, tmp_path / "bad", config=config, state=state)
+    with pytest.raises(DFlashError, match=message) as err:
+        TargetModel.from_pretrained(bad, torch.float32)
+    assert "\n" not in str(err.value)
