@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import torch
 from safetensors import safe_open
 
@@ -142,3 +143,31 @@ def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
     scratch, not 600 MB."""
     parts = t.reshape(-1).split(chunk)
     return bool(torch.stack([torch.isfinite(p).all() for p in parts]).all()) if parts else True
+
+
+def available_memory(device: str | torch.device) -> int | None:
+    """Bytes that new tensors on ``device`` can take now: a CUDA device's free memory
+    (``torch.cuda.mem_get_info``), the host's available memory for the CPU (``psutil``:
+    free plus reclaimable page cache, without swap); None for other devices."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        return psutil.virtual_memory().available
+    return None
+
+
+def check_fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device, what: str) -> None:
+    """Refuse to load ``model`` (built on the meta device) when its weights in ``dtype``
+    alone exceed :func:`available_memory` of ``device``: one clear line instead of an
+    out-of-memory error halfway through loading (or, on Linux, the process killed
+    without a word).
+
+    Raises:
+        DFlashError: ``the target needs 42.3 GB for its weights in bfloat16; cuda:0 has 39.5 GB free``.
+    """
+    need = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    free = available_memory(device)
+    if free is not None and need > free:
+        raise DFlashError(f"the {what} needs {need / 1e9:.1f} GB for its weights in {str(dtype).removeprefix('torch.')}; "
+                          f"{torch.device(device)} has {free / 1e9:.1f} GB free")

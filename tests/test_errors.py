@@ -687,3 +687,28 @@ def test_load_errors_name_the_argument_in_python_and_the_flag_on_the_command_lin
     assert str(err.value) == python
     assert cli_main(["generate", "hi", "--target", str(kw["target"]), "--draft", str(kw["draft"]), *flags]) == 2
     assert capsys.readouterr().err.strip() == f"dflash-torch: error: {cli}"
+
+
+@pytest.mark.parametrize("what", ["target", "drafter"])
+def test_weights_that_do_not_fit_in_free_memory_are_refused_before_loading(tiny_pair, monkeypatch, what):
+    """A model larger than the device's free memory gets one line naming both sizes, before a
+    byte of its weights is read (not an out-of-memory error halfway, or a silent kill)."""
+    import torch
+
+    import dflash_torch.checkpoint as checkpoint
+    from dflash_torch.models.drafter import DFlashDrafter
+    from dflash_torch.models.target import TargetModel
+
+    model_dir = tiny_pair[0] if what == "target" else tiny_pair[1]
+    load = (TargetModel if what == "target" else DFlashDrafter).from_pretrained
+    assert checkpoint.available_memory("cpu") > 0
+    need = sum(p.numel() for p in load(model_dir, torch.float32).parameters()) * 4
+    monkeypatch.setattr(checkpoint, "available_memory", lambda device: need - 1)
+    reads = []
+    real_safe_open = checkpoint.safe_open
+    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: reads.append(a) or real_safe_open(*a, **k))
+    with pytest.raises(DFlashError, match=rf"^the {what} needs [0-9.]+ GB for its weights in float32; cpu has [0-9.]+ GB free$"):
+        load(model_dir, torch.float32)
+    assert reads == []
+    monkeypatch.setattr(checkpoint, "available_memory", lambda device: need)  # exactly enough: it loads
+    assert load(model_dir, torch.float32) is not None and reads

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..cache import KVCache
-from ..checkpoint import all_finite, load_config, load_state_dict
+from ..checkpoint import all_finite, check_fits, load_config, load_state_dict
 from ..errors import DFlashError
 from ..sampling import SamplingParams, greedy_tokens, probabilities, sample
 from .attention import Attention
@@ -112,6 +112,7 @@ class DFlashDrafter(nn.Module):
         cfg = DrafterConfig.from_dict(load_config(model_dir))
         with torch.device("meta"):
             model = drafter_class(cfg)(cfg)
+        check_fits(model, dtype, device, "drafter")
         state = load_state_dict(model_dir, dtype, device)
         expected = model.state_dict()
         missing = sorted(expected.keys() - state.keys())

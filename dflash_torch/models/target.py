@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..cache import KVCache, RecurrentState, TargetCache
-from ..checkpoint import all_finite, load_config, load_state_dict
+from ..checkpoint import all_finite, check_fits, load_config, load_state_dict
 from ..errors import DFlashError
 from .config import TargetConfig
 from .gated_deltanet import GatedDeltaNet
@@ -127,9 +127,11 @@ class TargetModel(nn.Module):
         """Load a Hugging Face checkpoint directory with the class of its family.
 
         Raises:
-            DFlashError: unsupported config; weights missing, unknown (an unsupported
-                variant, e.g. biases the config does not announce), of the wrong shape,
-                not floating point (e.g. int8: quantized) or not finite (NaN, inf).
+            DFlashError: unsupported config; weights that would not fit in the device's
+                free memory (:func:`~dflash_torch.checkpoint.check_fits`); weights missing,
+                unknown (an unsupported variant, e.g. biases the config does not announce),
+                of the wrong shape, not floating point (e.g. int8: quantized) or not finite
+                (NaN, inf).
         """
         from .registry import family
 
@@ -137,6 +139,7 @@ class TargetModel(nn.Module):
         model_cls = family(cfg.model_type).Model if cls is TargetModel else cls
         with torch.device("meta"):
             model = model_cls(cfg)
+        check_fits(model, dtype, device, "target")
         state = load_state_dict(model_dir, dtype, device, keep=lambda k: model_cls.checkpoint_keys(cfg, k))
         state = model_cls.convert_checkpoint(cfg, state)
         if cfg.tie_word_embeddings:
