@@ -157,6 +157,19 @@ def available_memory(device: str | torch.device) -> int | None:
     return None
 
 
+def weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of ``model``'s parameters once loaded: floating-point ones in ``dtype``, others
+    (packed MXFP4 blocks and scales: uint8) as they are. Works on the meta device."""
+    return sum(p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size()) for p in model.parameters())
+
+
+def fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device, share: float = 1.0) -> bool:
+    """Whether :func:`weight_bytes` of ``model`` takes at most ``share`` of
+    :func:`available_memory` of ``device`` (True when that is unknown)."""
+    free = available_memory(device)
+    return free is None or weight_bytes(model, dtype) <= share * free
+
+
 def check_fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device, what: str) -> None:
     """Refuse to load ``model`` (built on the meta device) when its weights in ``dtype``
     alone exceed :func:`available_memory` of ``device``: one clear line instead of an
@@ -166,8 +179,7 @@ def check_fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.d
     Raises:
         DFlashError: ``the target needs 42.3 GB for its weights in bfloat16; cuda:0 has 39.5 GB free``.
     """
-    need = sum(p.numel() for p in model.parameters()) * dtype.itemsize
-    free = available_memory(device)
-    if free is not None and need > free:
-        raise DFlashError(f"the {what} needs {need / 1e9:.1f} GB for its weights in {str(dtype).removeprefix('torch.')}; "
-                          f"{torch.device(device)} has {free / 1e9:.1f} GB free")
+    if not fits(model, dtype, device):
+        raise DFlashError(f"the {what} needs {weight_bytes(model, dtype) / 1e9:.1f} GB for its weights in "
+                          f"{str(dtype).removeprefix('torch.')}; {torch.device(device)} has "
+                          f"{available_memory(device) / 1e9:.1f} GB free")

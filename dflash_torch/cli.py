@@ -29,6 +29,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="fixed-shape rounds compiled with torch.compile")
     p.add_argument("--max-context", type=int, default=None, help="longest prompt + generation in tokens (default: the target's limit)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--mxfp4", default="auto", choices=["auto", "dequantize", "packed"],
+                   help="MXFP4 expert weights (gpt-oss): dequantize when loading, keep packed (a quarter of the "
+                        "memory, slower), or auto (default: dequantize if that fits in 90%% of free memory)")
 
 
 def int_or_auto(text: str) -> int | str:
@@ -76,7 +79,7 @@ def load_engine(args: argparse.Namespace):
     return DFlashEngine.from_pretrained(
         args.target, args.draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, draft_mode=args.draft_mode, no_draft=args.no_draft,
-        compile=args.compile, max_context=args.max_context,
+        compile=args.compile, max_context=args.max_context, mxfp4=args.mxfp4,
         **({"max_batch_size": args.max_batch_size} if hasattr(args, "max_batch_size") else {}),
         **({"reuse_prefix": not args.no_prefix_reuse} if hasattr(args, "no_prefix_reuse") else {}),
         **({"draft_max_batch_size": args.draft_max_batch_size} if hasattr(args, "draft_max_batch_size") else {}),

@@ -190,3 +190,21 @@ def check_flag(value, name: str) -> bool:
 def check_max_new_tokens(value, name: str = "max_new_tokens") -> int:
     """Generated tokens: an integer >= 1."""
     return check_count(value, name)
+
+
+MXFP4_MODES = ("auto", "dequantize", "packed")
+
+
+def check_mxfp4(value, has_mxfp4: bool | None = None, name: str = "mxfp4") -> str:
+    """How to hold MXFP4 expert weights (gpt-oss): one of :data:`MXFP4_MODES`;
+    ``"packed"`` only for a checkpoint that has them (``has_mxfp4``; None: not known yet).
+
+    Raises:
+        OptionError: any other value, or ``"packed"`` for a checkpoint without MXFP4 weights.
+    """
+    if value not in MXFP4_MODES:
+        raise OptionError(f"{name} must be one of {', '.join(MXFP4_MODES)}, got {value!r}", name)
+    if value == "packed" and has_mxfp4 is False:
+        raise OptionError(f"{name} packed keeps MXFP4 expert weights packed, but the target checkpoint has none "
+                          "(use auto or dequantize)", name)
+    return value

@@ -136,6 +136,30 @@ def test_hybrid_round_commits_the_accepted_rows(monkeypatch):
     assert rows == []
 
 
+TINY_GPT_OSS = {"model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 32,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8, "max_position_embeddings": 512}
+
+
+def test_round_vs_step_gpt_oss_shape_and_named_gpt_oss_shapes():
+    """gpt-oss (sink attention, sliding layers, biased experts) through round_vs_step, built
+    whole and as one period (a sliding and a full layer); the named shapes parse."""
+    from dflash_torch.bench.shapes import SHAPES, build_pair, pattern_period, target_config
+
+    kw = dict(dtype=torch.float32, context=32, block_size=4, repeats=2, draft_layers=2)
+    for budget, built in ((None, 4), (1, 2)):
+        r = round_vs_step(TINY_GPT_OSS, memory_budget=budget, **kw)
+        assert r["model_type"] == "gpt_oss" and (r["layers"], r["layers_timed"]) == (4, built)
+        assert _finite_positive(r["target_step_s"], r["round_s"], r["propose_s"])
+        assert 2 <= r["experts_hit_per_moe_layer"] <= 8 and r["moe"] == {"num_experts": 8, "top_k": 2}
+    target, _ = build_pair(TINY_GPT_OSS, torch.float32, "cpu", draft_layers=2, block_size=4)
+    assert bool((target.model.norm.weight == 1).all()) and target.model.layers[0].mlp.router.weight.std() > 0
+    for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)):
+        cfg = target_config(SHAPES[name])
+        assert (cfg.num_hidden_layers, cfg.moe.num_experts, cfg.moe.top_k, cfg.sliding_window) == (layers, experts, 4, 128)
+        assert pattern_period(cfg) == 2 and cfg.rope_scaling["truncate"] is False
+
+
 def test_layer_subset_keeps_the_layer_pattern():
     from dflash_torch.bench.shapes import SHAPES, layers_to_build, pattern_period, target_config
 

@@ -132,7 +132,7 @@ def test_mxfp4_dequantization_equals_transformers(dtype):
 
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=g, dtype=torch.uint8)
-    scales = torch.randint(100, 150, (3, 40, 4), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 255, (3, 40, 4), generator=g, dtype=torch.uint8)  # (255 is NaN in the MX format)
     ours = mxfp4.dequantize(blocks, scales, dtype)
     assert ours.shape == (3, 40, 128) and ours.dtype == dtype
     assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=dtype).transpose(1, 2))
@@ -301,3 +301,79 @@ def test_bad_checkpoints_are_refused_in_one_line(mxfp4_checkpoint, tmp_path, con
     with pytest.raises(DFlashError, match=message) as err:
         TargetModel.from_pretrained(bad, torch.float32)
     assert "\n" not in str(err.value)
+
+
+def test_packed_mxfp4_experts_decode_like_dequantized_ones(mxfp4_checkpoint):
+    """Experts kept MXFP4 (dequantized per forward) give the dequantized model's logits
+    exactly, and its tokens in every decoding mode."""
+    target_dir, drafter_dir = mxfp4_checkpoint
+    packed = TargetModel.from_pretrained(target_dir, torch.float32, mxfp4="packed")
+    plain = TargetModel.from_pretrained(target_dir, torch.float32, mxfp4="dequantize")
+    experts = packed.model.layers[0].mlp.experts
+    assert experts.packed and experts.gate_up_proj_blocks.dtype == torch.uint8 and not hasattr(experts, "gate_up_proj")
+    assert not plain.model.layers[0].mlp.experts.packed
+    from dflash_torch.checkpoint import weight_bytes
+    assert weight_bytes(packed, torch.float32) < 0.6 * weight_bytes(plain, torch.float32)
+    ids = torch.arange(3, 40)
+    assert torch.equal(_forward(packed, ids, [37], False)[0], _forward(plain, ids, [37], False)[0])
+    ref_engine = DFlashEngine.from_pretrained(target_dir, no_draft=True, mxfp4="dequantize")
+    spec = DFlashEngine.from_pretrained(target_dir, drafter_dir, mxfp4="packed")
+    static = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=128)
+    batch = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, max_batch_size=2, max_context=128)
+    prompts = ["def f(x):", "class A:\n    pass\n"]
+    refs = [ref_engine.generate(p, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids for p in prompts]
+    for engine in (spec, static):
+        assert [engine.generate(p, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids for p in prompts] == refs
+    assert [o.token_ids for o in batch.generate_batch(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)] == refs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_dispatch_of_packed_experts_equals_the_sparse_one(mxfp4_checkpoint, dtype):
+    """The CUDA-graph path (every expert dequantized, then gathered) == the eager one."""
+    from dflash_torch.models.moe import dispatch_experts, gathered_experts
+
+    target_dir, _ = mxfp4_checkpoint
+    moe = TargetModel.from_pretrained(target_dir, dtype, mxfp4="packed").model.layers[1].mlp
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64, generator=g).to(dtype)
+    top, experts = torch.topk(moe.router(x), 2, dim=-1)
+    weights = torch.softmax(top, dim=-1, dtype=torch.float32).to(dtype)
+    gate_up, down, gate_up_scales, down_scales = moe.experts.matrices()
+    args = (x, experts, weights, gate_up, down, moe.experts.gate_up_proj_bias, moe.experts.down_proj_bias,
+            moe.swiglu_limit, moe.swiglu_alpha, gate_up_scales, down_scales)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gathered_experts(*args), dispatch_experts(*args), **tol)
+
+
+def test_auto_keeps_mxfp4_packed_only_when_dequantized_weights_would_not_fit(mxfp4_checkpoint, monkeypatch):
+    import dflash_torch.checkpoint as checkpoint
+
+    target_dir, _ = mxfp4_checkpoint
+    need = {mode: checkpoint.weight_bytes(TargetModel.from_pretrained(target_dir, torch.float32, mxfp4=mode), torch.float32)
+            for mode in ("packed", "dequantize")}
+    for free, packed in ((need["dequantize"] * 2, False), (need["dequantize"], True), (need["packed"], True)):
+        monkeypatch.setattr(checkpoint, "available_memory", lambda device: free)
+        model = TargetModel.from_pretrained(target_dir, torch.float32)  # mxfp4="auto"
+        assert model.model.layers[0].mlp.experts.packed == packed, free
+    monkeypatch.setattr(checkpoint, "available_memory", lambda device: need["packed"] - 1)
+    with pytest.raises(DFlashError, match="^the target needs .* GB for its weights in float32; cpu has .* GB free$"):
+        TargetModel.from_pretrained(target_dir, torch.float32)
+
+
+def test_mxfp4_option_is_checked(checkpoint, mxfp4_checkpoint, tmp_path, capsys):
+    from dflash_torch.cli import main as cli_main
+
+    with pytest.raises(DFlashError, match=r"^mxfp4 packed keeps MXFP4 expert weights packed, but the target checkpoint has none"):
+        DFlashEngine.from_pretrained(checkpoint[0], no_draft=True, mxfp4="packed")
+    with pytest.raises(DFlashError, match=r"^mxfp4 must be one of auto, dequantize, packed, got 'fp4'$"):
+        DFlashEngine.from_pretrained(checkpoint[0], no_draft=True, mxfp4="fp4")
+    assert cli_main(["generate", "--target", str(checkpoint[0]), "--no-draft", "--mxfp4", "packed", "x"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "dflash-torch: error: --mxfp4 packed keeps MXFP4 expert weights packed, but the target checkpoint has none "
+        "(use auto or dequantize)"]
+    bad = _edit(mxfp4_checkpoint[0], tmp_path / "nan-scale",
+                state=lambda w: w["model.layers.3.mlp.experts.down_proj_scales"].view(-1)[5:7].fill_(255))
+    with pytest.raises(DFlashError, match="^MXFP4 weight model.layers.3.mlp.experts.down_proj has scale 255"):
+        TargetModel.from_pretrained(bad, torch.float32, mxfp4="packed")
+    with pytest.raises(DFlashError, match="^target weight model.layers.3.mlp.experts.down_proj .*holds NaN or infinite"):
+        TargetModel.from_pretrained(bad, torch.float32, mxfp4="dequantize")

@@ -247,7 +247,7 @@ def _run(args: argparse.Namespace) -> int:
         raise DFlashError("the drafting modes and --batch-sizes need --draft, this target's DFlash drafter checkpoint "
                           "(without one, --modes target-only,target-only-compiled time the target alone)")
     engine = DFlashEngine.from_pretrained(args.target, args.draft, dtype=args.dtype, device=args.device,
-                                          block_size=args.block_size,
+                                          block_size=args.block_size, mxfp4=args.mxfp4,
                                           no_draft=args.target is not None and args.draft is None)
     prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl", args.num_prompts or None)
     prompt_ids = [engine.encode_prompt(p) for p in prompts]

@@ -30,6 +30,7 @@ from ..models.config import DrafterConfig, TargetConfig
 from ..models.drafter import DFlashDrafter
 from ..models.gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from ..models.layers import RMSNorm, ZeroCenteredRMSNorm
+from ..models.gpt_oss import GptOssMoE
 from ..models.moe import SparseMoE
 from ..models.fusing import fuse_by_default, fuse_projections
 from ..models.packing import pack_linears, packing_supported
@@ -61,6 +62,16 @@ _QWEN3_5_TEXT = {
     "linear_key_head_dim": 128, "linear_value_head_dim": 128, "attn_output_gate": True,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+
+
+_GPT_OSS = {
+    "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_experts_per_tok": 4,
+    "sliding_window": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "attention_bias": True,
+    "tie_word_embeddings": False, "swiglu_limit": 7.0, "rope_theta": 150000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
 }
 
 
@@ -114,6 +125,11 @@ SHAPES: dict[str, dict] = {
         "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
         "mlp_only_layers": [], "tie_word_embeddings": False,
     },
+    # openai/gpt-oss-20b and -120b config.json (also the defaults of transformers'
+    # GptOssConfig, which names the 120b, and the gpt-oss model card): 24 / 36 layers
+    # alternating 128-token sliding-window and full attention, 32 / 128 experts, 4 per token
+    "gpt-oss-20b": {**_GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32},
+    "gpt-oss-120b": {**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128},
 }
 PUBLISHED_TAU = {"mean (paper, Qwen3-8B)": 6.49, "MT-Bench": 4.24, "MATH-500": 7.87}
 MEMORY_FRACTION = 0.4  # targets whose weights take more of the machine's RAM are built as a layer subset
@@ -328,7 +344,7 @@ def _experts_hit(target: TargetModel, run) -> float | None:
     def count(module, args):
         counts.append(module.route(args[0])[1].unique().numel())
 
-    hooks = [m.register_forward_pre_hook(count) for m in target.modules() if isinstance(m, SparseMoE)]
+    hooks = [m.register_forward_pre_hook(count) for m in target.modules() if isinstance(m, (SparseMoE, GptOssMoE))]
     try:
         run()
     finally:

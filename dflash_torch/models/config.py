@@ -215,6 +215,8 @@ class TargetConfig:
     moe: MoEConfig | None = None
     moe_layers: list[bool] = field(default_factory=list)
     checkpoint_prefix: str = "model."  # where the decoder's weights live in the checkpoint
+    mxfp4: bool = False  # the checkpoint stores its expert matrices in MXFP4 (gpt-oss; see mxfp4.py)
+    keep_mxfp4: bool = False  # hold them packed, dequantizing the experts each forward runs (set when loading)
 
     def __post_init__(self):
         if not self.layer_types:

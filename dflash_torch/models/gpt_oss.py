@@ -27,6 +27,7 @@ from torch import nn
 from ..errors import DFlashError
 from . import mxfp4
 from .attention import Attention
+from .layers import RMSNorm
 from .config import MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, number_field
 from .moe import dispatch_experts
 from .target import DecoderLayer, TargetModel
@@ -70,7 +71,9 @@ def parse_config(cfg: dict) -> GptOssConfig:
         raise DFlashError("target config.json lacks num_local_experts, num_experts_per_tok or intermediate_size")
     if not 1 <= top_k <= experts:
         raise DFlashError(f"target num_experts_per_tok {top_k} must be in [1, num_local_experts={experts}]")
+    quant = cfg.get("quantization_config") or {}
     fields.update(
+        mxfp4=isinstance(quant, dict) and quant.get("quant_method") == "mxfp4",
         layer_types=list(types),
         attention_bias=bool_field(cfg, "attention_bias", "target", True),
         moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=fields["intermediate_size"], norm_topk_prob=True),
@@ -139,14 +142,40 @@ class SinkAttention(Attention):
 class GptOssExperts(nn.Module):
     """Stacked expert weights with biases (uninitialised: loaded from a checkpoint):
     ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows), ``gate_up_proj_bias``
-    ``[E, 2I]``, ``down_proj`` ``[E, H, I]``, ``down_proj_bias`` ``[E, H]``."""
+    ``[E, 2I]``, ``down_proj`` ``[E, H, I]``, ``down_proj_bias`` ``[E, H]``.
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    ``packed``: the two matrices stay MXFP4 as the checkpoint stores them (a quarter of
+    bfloat16's memory): uint8 ``gate_up_proj_blocks`` ``[E, 2I, H / 32, 16]`` with
+    ``gate_up_proj_scales`` ``[E, 2I, H / 32]`` (same row order) and ``down_proj_blocks``
+    ``[E, H, I / 32, 16]`` with ``down_proj_scales`` ``[E, H, I / 32]``; each forward
+    dequantizes the experts it runs (:func:`~dflash_torch.models.moe.dispatch_experts`).
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, packed: bool = False):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.packed = packed
+        if packed:
+            if hidden % mxfp4.BLOCK or intermediate % mxfp4.BLOCK:
+                raise DFlashError(f"MXFP4 experts need hidden_size and intermediate_size divisible by {mxfp4.BLOCK}, "
+                                  f"got {hidden} and {intermediate}")
+            for name, rows, cols in (("gate_up_proj", 2 * intermediate, hidden), ("down_proj", hidden, intermediate)):
+                groups = cols // mxfp4.BLOCK
+                blocks = torch.empty(num_experts, rows, groups, mxfp4.BLOCK // 2, dtype=torch.uint8)
+                setattr(self, name + "_blocks", nn.Parameter(blocks, requires_grad=False))
+                scales = torch.empty(num_experts, rows, groups, dtype=torch.uint8)
+                setattr(self, name + "_scales", nn.Parameter(scales, requires_grad=False))
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+            self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+
+    def matrices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(gate_up, down, gate_up_scales, down_scales)`` as :func:`dispatch_experts`
+        takes them: the float matrices and None, or the MXFP4 blocks and their scales."""
+        if self.packed:
+            return self.gate_up_proj_blocks, self.down_proj_blocks, self.gate_up_proj_scales, self.down_proj_scales
+        return self.gate_up_proj, self.down_proj, None, None
 
 
 class GptOssMoE(nn.Module):
@@ -159,24 +188,25 @@ class GptOssMoE(nn.Module):
         m = cfg.moe
         self.top_k, self.swiglu_limit, self.swiglu_alpha = m.top_k, cfg.swiglu_limit, cfg.swiglu_alpha
         self.router = nn.Linear(cfg.hidden_size, m.num_experts, bias=True)
-        self.experts = GptOssExperts(m.num_experts, cfg.hidden_size, m.intermediate_size)
+        self.experts = GptOssExperts(m.num_experts, cfg.hidden_size, m.intermediate_size, packed=cfg.keep_mxfp4)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router: ``x`` ``[T, H]`` -> (weights ``[T, k]`` in ``x.dtype``, int64 expert ids
+        ``[T, k]``, highest logit first): the softmax (float32) of the top-k logits."""
+        top, experts = torch.topk(self.router(x), self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H]`` -> ``[T, H]`` in ``x.dtype``."""
-        top, experts = torch.topk(self.router(x), self.top_k, dim=-1)
-        weights = torch.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype)
-        e = self.experts
-        return dispatch_experts(x, experts, weights, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias,
-                                e.down_proj_bias, self.swiglu_limit, self.swiglu_alpha)
+        weights, experts = self.route(x)
+        gate_up, down, gate_up_scales, down_scales = self.experts.matrices()
+        return dispatch_experts(x, experts, weights, gate_up, down, self.experts.gate_up_proj_bias,
+                                self.experts.down_proj_bias, self.swiglu_limit, self.swiglu_alpha,
+                                gate_up_scales, down_scales)
 
 
-class GptOssRMSNorm(nn.Module):
+class GptOssRMSNorm(RMSNorm):
     """RMSNorm that scales in float32 before the cast back (transformers' ``GptOssRMSNorm``)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -199,25 +229,35 @@ class Model(TargetModel):
 
     @classmethod
     def convert_checkpoint(cls, cfg: GptOssConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Dequantize MXFP4 expert matrices (into the dtype of the checkpoint's other
-        weights, as loaded) and rewrite every layer's experts into :class:`GptOssExperts`'
-        layout: ``[out, in]`` matrices, gate rows before up rows.
+        """Rewrite every layer's experts into :class:`GptOssExperts`' layout: ``[out, in]``
+        matrices (MXFP4: rows), gate rows before up rows; MXFP4 pairs are dequantized (into
+        the dtype of the checkpoint's other weights, as loaded) unless ``cfg.keep_mxfp4``.
 
         Raises:
-            DFlashError: an MXFP4 pair that does not match (:mod:`.mxfp4`).
+            DFlashError: an MXFP4 pair that does not match, or a scale of 255 (:mod:`.mxfp4`).
         """
-        dtype = state["model.embed_tokens.weight"].dtype if "model.embed_tokens.weight" in state else torch.float32
         quantized = {k.removesuffix("_blocks") for k in state if k.endswith("_blocks")}
-        mxfp4.dequantize_state(state, dtype)
+        if cfg.keep_mxfp4:
+            for key in (k for k in state if k.endswith("_scales")):
+                mxfp4.check_scales(state[key], key.removesuffix("_scales"))
+        else:
+            dtype = state["model.embed_tokens.weight"].dtype if "model.embed_tokens.weight" in state else torch.float32
+            mxfp4.dequantize_state(state, dtype)
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}.mlp.experts."
-            if p + "gate_up_proj" in state:
-                w = state[p + "gate_up_proj"]
-                w = w if p + "gate_up_proj" in quantized else w.transpose(1, 2)  # -> [E, 2I, H], interleaved rows
-                state[p + "gate_up_proj"] = torch.cat([w[:, 0::2], w[:, 1::2]], dim=1).contiguous()
+            for key in (p + "gate_up_proj", p + "gate_up_proj_blocks", p + "gate_up_proj_scales"):
+                if key in state:
+                    w = state[key]
+                    if key == p + "gate_up_proj" and key not in quantized:
+                        w = w.transpose(1, 2)  # [E, H, 2I] -> [E, 2I, H]
+                    state[key] = _gate_rows_first(w)
             if p + "gate_up_proj_bias" in state:
-                b = state[p + "gate_up_proj_bias"]
-                state[p + "gate_up_proj_bias"] = torch.cat([b[:, 0::2], b[:, 1::2]], dim=1).contiguous()
+                state[p + "gate_up_proj_bias"] = _gate_rows_first(state[p + "gate_up_proj_bias"])
             if p + "down_proj" in state and p + "down_proj" not in quantized:
                 state[p + "down_proj"] = state[p + "down_proj"].transpose(1, 2).contiguous()  # -> [E, H, I]
         return state
+
+
+def _gate_rows_first(w: torch.Tensor) -> torch.Tensor:
+    """``[E, 2I, ...]`` with gate and up rows interleaved (gate, up, gate, ...) -> gate rows, then up rows."""
+    return torch.cat([w[:, 0::2], w[:, 1::2]], dim=1).contiguous()

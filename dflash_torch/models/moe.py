@@ -63,7 +63,8 @@ def expert_activation(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float,
 def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
                      down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                      down_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0,
-                     swiglu_alpha: float = 1.0) -> torch.Tensor:
+                     swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
+                     down_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Run each token through its chosen experts and sum the weighted outputs.
 
     Only the experts that some token chose are computed: the ``T * k`` (token, expert)
@@ -81,6 +82,9 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
             down_proj: ``[E, hidden, I]``.
         gate_up_bias: ``[E, 2 * I]`` or None; down_bias: ``[E, hidden]`` or None (gpt-oss).
         swiglu_limit, swiglu_alpha: the activation (:func:`expert_activation`; 0: SwiGLU).
+        gate_up_scales, down_scales: None, or the matrices are MXFP4 (uint8 blocks
+            ``[E, rows, cols / 32, 16]``, scales ``[E, rows, cols / 32]``,
+            :mod:`~dflash_torch.models.mxfp4`): each expert run is dequantized to ``x.dtype``.
 
     While a CUDA graph is being captured (``--compile`` on CUDA), where nothing may be
     read to the host, it runs :func:`gathered_experts` instead, which the graph's replays
@@ -91,7 +95,7 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     """
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return gathered_experts(x, experts, weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                                swiglu_limit, swiglu_alpha)
+                                swiglu_limit, swiglu_alpha, gate_up_scales, down_scales)
     t, k = experts.shape
     out = torch.zeros_like(x)
     # pairs in (slot, token) order, grouped by expert (stable sort): the row order of
@@ -107,25 +111,39 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         pairs = order[start:start + n]
         start += n
         tokens = pairs % t
-        gate, up = F.linear(x[tokens], gate_up_proj[e], None if gate_up_bias is None else gate_up_bias[e]).chunk(2, dim=-1)
-        h = F.linear(expert_activation(gate, up, swiglu_limit, swiglu_alpha), down_proj[e],
+        gate_up_w, down_w = _expert(gate_up_proj, gate_up_scales, e, x.dtype), _expert(down_proj, down_scales, e, x.dtype)
+        gate, up = F.linear(x[tokens], gate_up_w, None if gate_up_bias is None else gate_up_bias[e]).chunk(2, dim=-1)
+        h = F.linear(expert_activation(gate, up, swiglu_limit, swiglu_alpha), down_w,
                      None if down_bias is None else down_bias[e])
         out.index_add_(0, tokens, h * pair_weights[pairs, None])
     return out
 
 
+def _expert(weight: torch.Tensor, scales: torch.Tensor | None, e, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e``'s matrix (``e`` a slice: those experts' matrices) in ``dtype``, dequantized when MXFP4."""
+    if scales is None:
+        return weight[e]
+    from .mxfp4 import dequantize
+
+    return dequantize(weight[e], scales[e], dtype)
+
+
 def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
                      down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                      down_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0,
-                     swiglu_alpha: float = 1.0) -> torch.Tensor:
+                     swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
+                     down_scales: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`dispatch_experts` (same arguments and result) with no data-dependent shape
     and no host read, so that a CUDA graph can capture it: every (token, expert) pair
     gathers its expert's weights and the ``T * k`` pairs run as two batched matmuls. It
     reads an expert's weights once per pair that chose it (``T * k`` expert reads against
-    the distinct experts hit), and sums a token's ``k`` outputs in slot order.
+    the distinct experts hit), and sums a token's ``k`` outputs in slot order. MXFP4
+    matrices are dequantized whole (all E experts) and then gathered.
     """
     t, k = experts.shape
     ids = experts.reshape(-1)  # token-major pairs
+    gate_up_proj = _expert(gate_up_proj, gate_up_scales, slice(None), x.dtype)
+    down_proj = _expert(down_proj, down_scales, slice(None), x.dtype)
     rows = x.repeat_interleave(k, dim=0)[:, :, None]  # [T * k, hidden, 1]
     gate_up = torch.bmm(gate_up_proj[ids], rows)[..., 0]
     if gate_up_bias is not None:
@@ -140,7 +158,8 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
 @dispatch_experts.register_fake
 def _(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
       down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-      swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0) -> torch.Tensor:
+      swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
+      down_scales: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(x)
 
 

@@ -13,6 +13,7 @@ the layout of the gpt-oss checkpoints as transformers' ``integrations/mxfp4.py``
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import DFlashError
 
@@ -45,14 +46,21 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, n
         raise DFlashError(f"MXFP4 weight {name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
                           f"match (expected [..., G, {BLOCK // 2}] and [..., G])")
     out = torch.empty(*scales.shape[:-1], scales.shape[-1] * BLOCK, dtype=dtype, device=blocks.device)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    pairs = _byte_values(dtype, blocks.device)
     flat_blocks, flat_scales, flat_out = blocks.flatten(0, -3), scales.flatten(0, -2), out.flatten(0, -2)
-    for i in range(0, flat_blocks.shape[0], _ROWS_PER_CHUNK):  # bounded float32 temporaries
+    for i in range(0, flat_blocks.shape[0], _ROWS_PER_CHUNK):  # bounded temporaries
         b, s = flat_blocks[i:i + _ROWS_PER_CHUNK], flat_scales[i:i + _ROWS_PER_CHUNK]
-        codes = torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)  # [rows, G, 32], low nibble first
-        values = torch.ldexp(table[codes.long()], s.int()[..., None] - 127)
-        flat_out[i:i + _ROWS_PER_CHUNK] = values.flatten(-2).to(dtype)
+        values = F.embedding(b.int(), pairs).flatten(-2)  # [rows, G, 32], low nibble first
+        scale = torch.exp2(s.float() - 127).to(dtype)  # a power of two: exact in every float dtype's range
+        flat_out[i:i + _ROWS_PER_CHUNK] = (values * scale[..., None]).flatten(-2)
     return out
+
+
+def _byte_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[256, 2]``: the two E2M1 elements of each byte value, the low nibble's first."""
+    table = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+    byte = torch.arange(256, device=device)
+    return torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=-1)
 
 
 def dequantize_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -74,3 +82,14 @@ def dequantize_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
             raise DFlashError(f"MXFP4 weight {name} lacks its {name}{half} tensor")
         state[name] = dequantize(state.pop(f"{name}_blocks"), state.pop(f"{name}_scales"), dtype, name)
     return state
+
+
+def check_scales(scales: torch.Tensor, name: str) -> None:
+    """Refuse scales of 255, which the MX format reserves for NaN (a corrupt checkpoint;
+    dequantized, such a block would hold NaN or infinite values).
+
+    Raises:
+        DFlashError: naming the weight.
+    """
+    if bool((scales == 255).any()):
+        raise DFlashError(f"MXFP4 weight {name} has scale 255 (NaN in the MX format): a corrupt checkpoint")

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from ..cache import KVCache, RecurrentState, TargetCache
-from ..checkpoint import all_finite, check_fits, load_config, load_state_dict
+from ..checkpoint import all_finite, check_fits, fits, load_config, load_state_dict
 from ..errors import DFlashError
+from ..options import check_mxfp4
 from .config import TargetConfig
 from .gated_deltanet import GatedDeltaNet
 from .layers import RMSNorm, attention_bias
@@ -123,22 +124,34 @@ class TargetModel(nn.Module):
         return state
 
     @classmethod
-    def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> "TargetModel":
+    def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+                        mxfp4: str = "auto") -> "TargetModel":
         """Load a Hugging Face checkpoint directory with the class of its family.
 
+        Args:
+            mxfp4: how to hold expert matrices a checkpoint stores in MXFP4 (gpt-oss):
+                ``"dequantize"`` them when loading (fastest), keep them ``"packed"`` (a
+                quarter of bfloat16's memory; each forward dequantizes the experts it
+                runs), or ``"auto"``: dequantize when the weights then take at most 90% of
+                the device's free memory, else keep them packed.
+
         Raises:
-            DFlashError: unsupported config; weights that would not fit in the device's
-                free memory (:func:`~dflash_torch.checkpoint.check_fits`); weights missing,
-                unknown (an unsupported variant, e.g. biases the config does not announce),
-                of the wrong shape, not floating point (e.g. int8: quantized) or not finite
-                (NaN, inf).
+            DFlashError: unsupported config; ``mxfp4="packed"`` for a checkpoint without
+                MXFP4 weights; weights that would not fit in the device's free memory
+                (:func:`~dflash_torch.checkpoint.check_fits`); weights missing, unknown (an
+                unsupported variant, e.g. biases the config does not announce), of the
+                wrong shape, not floating point (e.g. int8: quantized) or not finite (NaN, inf).
         """
         from .registry import family
 
         cfg = TargetConfig.from_dict(load_config(model_dir))
+        check_mxfp4(mxfp4, cfg.mxfp4)
         model_cls = family(cfg.model_type).Model if cls is TargetModel else cls
         with torch.device("meta"):
             model = model_cls(cfg)
+            if cfg.mxfp4 and (mxfp4 == "packed" or (mxfp4 == "auto" and not fits(model, dtype, device, share=0.9))):
+                cfg.keep_mxfp4 = True
+                model = model_cls(cfg)
         check_fits(model, dtype, device, "target")
         state = load_state_dict(model_dir, dtype, device, keep=lambda k: model_cls.checkpoint_keys(cfg, k))
         state = model_cls.convert_checkpoint(cfg, state)
@@ -158,6 +171,11 @@ class TargetModel(nn.Module):
         for k in expected:
             if tuple(state[k].shape) != tuple(shapes[k].shape):
                 raise DFlashError(f"target weight {k} has shape {tuple(state[k].shape)}, config.json implies {tuple(shapes[k].shape)}")
+            if not shapes[k].is_floating_point():  # packed MXFP4 blocks / scales
+                if state[k].dtype != shapes[k].dtype:
+                    raise DFlashError(f"target weight {k} has dtype {str(state[k].dtype).removeprefix('torch.')}, "
+                                      f"expected {str(shapes[k].dtype).removeprefix('torch.')}")
+                continue
             if not state[k].is_floating_point():
                 raise DFlashError(f"target weight {k} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
                                   "dflash-torch reads float32/bfloat16/float16 weights only (a quantized checkpoint?)")
