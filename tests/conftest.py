@@ -393,6 +393,23 @@ def agree_hybrid_pair(tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
                                alpha=1.0, self_scale=0.0)
 
 
+@pytest.fixture(scope="session")
+def agree_gpt_oss_pair(tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
+    """(target_dir, drafter_dir): an agreeable pair (:func:`make_agreeable_pair`) whose target
+    is a gpt-oss (sink attention, sliding window 8, experts), B = 16."""
+    return make_agreeable_pair(tmp_path_factory.mktemp("agree-gpt_oss"), tokenizer_dir, model_type="gpt_oss",
+                               alpha=0.5, beta=5.0, self_scale=0.0)
+
+
+@pytest.fixture(scope="session")
+def mxfp4_gpt_oss_pair(tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
+    """(target_dir, random drafter_dir, B = 8) of a tiny gpt-oss target whose experts are MXFP4."""
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    target = make_gpt_oss_target(root / "target", seed=6, tokenizer=False, mxfp4=True)
+    copy_tokenizer(tokenizer_dir, target)
+    return target, save_drafter(root / "drafter", drafter_config(target, block_size=8), seed=6)
+
+
 def varied_prompts(target_model, n: int, *, seed: int = 0, length: int = 5) -> list[list[int]]:
     """Token-id prompts for the agreeable target whose greedy continuations are varied:
     made of the 40 tokens whose embeddings point least along the lm_head row of c, so the

@@ -201,6 +201,49 @@ def test_cuda_modes_equal_target_only_with_cuda_graphs(pair, request):
     assert compile_counts() == (frames, 0), "recompiled after warm-up, or skipped CUDA graphs"
 
 
+def _gpt_oss_modes_equal_target_only(pair, device: str, mxfp4: str) -> None:
+    """Every mode of :func:`_modes` and a compiled batch commit the target-only tokens of a
+    gpt-oss target (experts dequantized or kept MXFP4) on ``device``; compiled graphs all
+    run as CUDA graphs there and nothing recompiles after warm-up."""
+    from dflash_torch.batch import BatchDecoder
+    from test_batch import alone, drive, join_leave_plan
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    target_dir, drafter_dir = pair
+    target = TargetModel.from_pretrained(target_dir, torch.float32, device, mxfp4=mxfp4)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32, device)
+    assert target.model.layers[0].mlp.experts.packed == (mxfp4 == "packed")
+    prompts = varied_prompts(target, 3)
+    modes = _modes(target, drafter)
+    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=100, prefill_chunk=32, compile=True)
+    for decoder in modes.values():  # warm-up: every length bucket the prompts reach
+        run_rounds(decoder, prompts[0], 150)
+    batch.warmup()
+    frames, skips = compile_counts()
+    if device.startswith("cuda"):
+        assert skips == 0, "a compiled graph ran without CUDA graphs"
+    for prompt in prompts:
+        reference = run_rounds(modes["target-only"], prompt, 120)[0]
+        for name, decoder in modes.items():
+            assert run_rounds(decoder, prompt, 120)[0] == reference, name
+    joining = varied_prompts(target, 4)
+    plan, budgets, params = join_leave_plan(joining)
+    out = drive(batch, plan)
+    for sid in (1, 2, 3):
+        assert out[sid] == alone(target, drafter, joining[sid], budgets[sid], params[sid]), f"sequence {sid}"
+    assert compile_counts() == (frames, 0), "recompiled after warm-up, or skipped CUDA graphs"
+
+
+@cuda
+@pytest.mark.parametrize("pair,mxfp4", [("agree_gpt_oss_pair", "auto"), ("mxfp4_gpt_oss_pair", "packed"),
+                                        ("mxfp4_gpt_oss_pair", "dequantize")])
+def test_gpt_oss_modes_and_batch_on_cuda_graphs_equal_target_only(pair, mxfp4, request):
+    """gpt-oss on CUDA (sink attention, sliding window, biased experts; MXFP4 experts packed:
+    the CUDA-graph path dequantizes a layer's experts inside the graph)."""
+    _gpt_oss_modes_equal_target_only(request.getfixturevalue(pair), "cuda", mxfp4)
+
+
 @cuda
 def test_compiled_hybrid_batch_on_cuda_graphs_equals_alone(agree_hybrid_pair):
     """float32 on CUDA, a hybrid target: the compiled batch (inductor, CUDA graphs) with

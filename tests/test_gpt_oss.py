@@ -22,8 +22,7 @@ import torch._dynamo
 import torch._dynamo.utils as dynamo_utils
 from safetensors.torch import load_file, save_file
 
-from conftest import (copy_tokenizer, drafter_config, load_hf, make_agreeable_pair, make_gpt_oss_target,
-                      save_drafter)
+from conftest import copy_tokenizer, drafter_config, load_hf, make_gpt_oss_target, save_drafter
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.models import gpt_oss, mxfp4
@@ -44,12 +43,8 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def mxfp4_checkpoint(tmp_path_factory, tokenizer_dir):
-    """(target_dir, random drafter_dir) of a tiny gpt-oss target whose experts are MXFP4."""
-    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
-    target = make_gpt_oss_target(root / "target", seed=6, tokenizer=False, mxfp4=True)
-    copy_tokenizer(tokenizer_dir, target)
-    return target, save_drafter(root / "drafter", drafter_config(target, block_size=8), seed=6)
+def mxfp4_checkpoint(mxfp4_gpt_oss_pair):
+    return mxfp4_gpt_oss_pair
 
 
 def _forward(model: TargetModel, ids: torch.Tensor, pieces: list[int], static: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,9 +187,8 @@ def test_greedy_speculative_equals_transformers_generate(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def agree_gpt_oss(tmp_path_factory, tokenizer_dir):
-    return make_agreeable_pair(tmp_path_factory.mktemp("agree-gpt_oss"), tokenizer_dir, model_type="gpt_oss",
-                               alpha=0.5, beta=5.0, self_scale=0.0)
+def agree_gpt_oss(agree_gpt_oss_pair):
+    return agree_gpt_oss_pair
 
 
 def test_many_accepted_tokens_across_the_window_are_lossless(agree_gpt_oss):
