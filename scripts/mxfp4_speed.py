@@ -1,0 +1,74 @@
+"""Target-only decoding speed of a gpt-oss target with its MXFP4 experts dequantized when
+loading vs kept packed (dequantized per forward), and the memory each takes.
+
+Builds a random gpt-oss checkpoint (transformers' GptOssForCausalLM, experts replaced by
+random MXFP4 blocks, the shipped default tokenizer) of the chosen width, then decodes
+the same prompt with ``mxfp4="dequantize"`` and ``mxfp4="packed"`` in one process,
+alternating, and prints tokens/s and weight bytes of each.
+
+    python scripts/mxfp4_speed.py --hidden 1024 --experts 16 --layers 4 --tokens 64 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conftest import make_gpt_oss_target  # noqa: E402  (the test suite's checkpoint builder)
+from dflash_torch import DFlashEngine  # noqa: E402
+from dflash_torch.checkpoint import weight_bytes  # noqa: E402
+
+TOKENIZER = ROOT / "dflash_torch" / "assets" / "default" / "target"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden and expert width (a multiple of 32)")
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per run")
+    ap.add_argument("--reps", type=int, default=3, help="runs of each mode, alternating")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp())
+    try:
+        vocab = json.loads((TOKENIZER / "config.json").read_text())["vocab_size"]
+        target = make_gpt_oss_target(work / "target", tokenizer=False, mxfp4=True, vocab_size=vocab,
+                                     hidden_size=args.hidden, intermediate_size=args.hidden, num_hidden_layers=args.layers,
+                                     num_local_experts=args.experts, num_experts_per_tok=4, num_attention_heads=16,
+                                     num_key_value_heads=4, head_dim=64, sliding_window=128)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(TOKENIZER / name, target / name)
+        engines = {mode: DFlashEngine.from_pretrained(target, no_draft=True, dtype=args.dtype, device=args.device,
+                                                      mxfp4=mode) for mode in ("dequantize", "packed")}
+        times = {mode: [] for mode in engines}
+        outputs = {}
+        for _ in range(args.reps):
+            for mode, engine in engines.items():
+                t0 = time.perf_counter()
+                out = engine.generate("def fibonacci(n):", max_new_tokens=args.tokens, ignore_eos=True)
+                times[mode].append(time.perf_counter() - t0)
+                outputs[mode] = out.token_ids
+        dtype = engines["packed"].target.model.embed_tokens.weight.dtype
+        for mode, engine in engines.items():
+            best = min(times[mode])
+            print(f"{mode:10s} {args.tokens / best:8.1f} tok/s  weights {weight_bytes(engine.target, dtype) / 1e6:8.1f} MB")
+        print(f"packed / dequantize time: {min(times['packed']) / min(times['dequantize']):.2f}x; "
+              f"same tokens: {outputs['packed'] == outputs['dequantize']}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
