@@ -10,7 +10,8 @@
 #   shape eager and compiled, a hybrid target's CUDA graphs; about 2 more minutes) and
 #   profile (scripts/gpu_profile.py: the Qwen3-8B shape compiled with joined and with
 #   separate projections, timed and profiled kernel by kernel into profile.json; about 3
-#   more minutes, an estimate: not yet run on a GPU)
+#   more minutes, an estimate: not yet run on a GPU) and gptoss (the gpt-oss-20b shape, MXFP4
+#   experts dequantized, eager and compiled step/round; about 2 more minutes, an estimate)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_out}
@@ -53,6 +54,11 @@ if has hybrid; then
     step "Qwen3.5-9B shape (hybrid), random weights, bf16: eager and compiled step/round"
     bench qwen35_9b --dtype bfloat16 --num-prompts 1 --max-new-tokens 8 --modes target-only --sweep "" \
         --shapes qwen3.5-9b --shapes-compiled
+fi
+if has gptoss; then
+    step "gpt-oss-20b shape (sink attention, sliding window, 32 experts), random weights, bf16: eager and compiled step/round"
+    bench gptoss_20b --dtype bfloat16 --num-prompts 1 --max-new-tokens 8 --modes target-only --sweep "" \
+        --shapes gpt-oss-20b --shapes-compiled
 fi
 if has profile; then
     step "Qwen3-8B shape, random weights, bf16, compiled: joined vs separate projections, kernel profile"
