@@ -45,6 +45,24 @@ def int_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be an integer or 'auto', got {text!r}") from None
 
 
+def json_object(text: str) -> dict:
+    """argparse type of ``--chat-template-kwargs``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"enable_thinking\": false}}' ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"enable_thinking\": false}}', got {text!r}")
+    return value
+
+
+def add_chat_template_kwargs_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                   help=f"extra chat template variables {what}, a JSON object, e.g. '{{\"enable_thinking\": false}}' "
+                        "(Qwen3's non-thinking mode, which the published Qwen3 DFlash drafters were trained on) or "
+                        "'{\"reasoning_effort\": \"low\"}' (gpt-oss)")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="maximum generated tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -104,11 +122,14 @@ def _generate_here(args: argparse.Namespace) -> int:
         prompt = utf8_text(stdin.read(), "the prompt on stdin") if stdin is not None else sys.stdin.read()
     else:  # (argv holds undecodable bytes as surrogate escapes)
         prompt = utf8_text(os.fsencode(prompt), "the prompt argument")
+    if args.chat_template_kwargs is not None and not args.chat:
+        raise DFlashError("--chat-template-kwargs apply to chat prompts only: add --chat")
     engine = load_engine(args)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, presence_penalty=args.presence_penalty,
                   frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                  stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat)
+                  stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat,
+                  chat_template_kwargs=args.chat_template_kwargs)
     if args.json:
         out = engine.generate(prompt, **kwargs)
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
@@ -204,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", default=None, help="prompt text (or --prompt, or stdin)")
     g.add_argument("--prompt", dest="prompt_text", default=None, help="prompt text")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    add_chat_template_kwargs_arg(g, "(with --chat)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_model_args(g)
     add_sampling_args(g)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import threading
 import time
@@ -321,21 +322,36 @@ class DFlashEngine:
             compute.run(lambda: self.batch_decoder().warmup(context))
         return time.perf_counter() - t0
 
-    def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = False) -> list[int]:
+    def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = False,
+                      chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a prompt: text, chat messages (``[{"role", "content"}]``) or ids.
 
         A text (or messages' contents) longer than :attr:`max_prompt_chars` characters
         cannot fit the context and is refused before it is tokenized.
 
+        Args:
+            chat: apply the tokenizer's chat template to a text prompt (messages always get it).
+            chat_template_kwargs: extra variables for the chat template, e.g.
+                ``{"enable_thinking": False}`` (Qwen3's non-thinking mode, the one the
+                published Qwen3 DFlash drafters were trained on) or ``{"reasoning_effort":
+                "low"}`` (gpt-oss); see :func:`~dflash_torch.options.check_chat_template_kwargs`.
+
         Raises:
             DFlashError: ``chat`` not a bool or without a tokenizer chat template, messages
                 the chat template refuses (or a template that cannot be rendered), a
-                malformed prompt, or one longer than ``max_prompt_chars``.
+                malformed prompt, or one longer than ``max_prompt_chars``;
+                ``chat_template_kwargs`` not a dict of string keys, setting an argument of
+                the template call, or given for a prompt that is not a chat.
         """
         options.check_flag(chat, "chat")
+        template_kwargs = options.check_chat_template_kwargs(chat_template_kwargs, self.reserved_template_variables())
         if isinstance(prompt, list) and not prompt:
             raise DFlashError("the prompt is empty (no tokens or messages)")
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        if template_kwargs is not None and (is_ids or not (chat or isinstance(prompt, list))):
+            raise OptionError("chat_template_kwargs apply to chat prompts only (chat messages, or a text with chat)",
+                              "chat_template_kwargs", "chat")
+        if is_ids:
             return list(prompt)
         if isinstance(prompt, list) or chat:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -347,14 +363,22 @@ class DFlashEngine:
                 raise OptionError("chat cannot be used: this model's tokenizer has no chat template "
                                   "(send a text prompt)", "chat")
             self._check_length(sum(len(m["content"]) for m in messages))
-            return self._encode(self._render_chat(messages), add_special_tokens=False)
+            return self._encode(self._render_chat(messages, template_kwargs or {}), add_special_tokens=False)
         if not isinstance(prompt, str):
             raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages")
         self._check_length(len(prompt))
         return self._encode(prompt)
 
-    def _render_chat(self, messages: list[dict]) -> str:
-        """The tokenizer's chat template applied to ``messages`` (with the generation prompt).
+    def reserved_template_variables(self) -> list[str]:
+        """The named parameters of the tokenizer's ``apply_chat_template``, and ``messages``
+        (the variable it renders the conversation as): no extra template variable may take
+        these names."""
+        params = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        return [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)] + ["messages"]
+
+    def _render_chat(self, messages: list[dict], template_kwargs: dict) -> str:
+        """The tokenizer's chat template applied to ``messages`` (with the generation prompt
+        and the extra template variables ``template_kwargs``).
 
         Raises:
             DFlashError: the template refuses the messages (its ``raise_exception``, e.g.
@@ -363,11 +387,17 @@ class DFlashEngine:
         import jinja2
 
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                      **template_kwargs)
         except (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError) as exc:
             raise DFlashError(f"the model's chat template cannot be rendered: {' '.join(str(exc).split())}") from None
         except jinja2.TemplateError as exc:
             raise DFlashError(f"the chat template refuses these messages: {' '.join(str(exc).split())}") from None
+        except TypeError as exc:  # e.g. a template function (raise_exception) shadowed by a chat_template_kwargs value
+            if not template_kwargs:
+                raise
+            raise DFlashError(f"the chat template cannot be rendered with these chat_template_kwargs: "
+                              f"{' '.join(str(exc).split())}") from None
 
     def _check_length(self, chars: int) -> None:
         if chars > self.max_prompt_chars:
@@ -453,6 +483,7 @@ class DFlashEngine:
         ignore_eos: bool = False,
         chat: bool = False,
         logprobs: int | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> Iterator[StreamChunk]:
         """Generate, yielding text deltas as rounds commit tokens.
 
@@ -468,6 +499,7 @@ class DFlashEngine:
                 (EOS ids are included unless ``ignore_eos``).
             ignore_eos: do not stop at the model's EOS tokens.
             chat: apply the tokenizer's chat template to a text prompt.
+            chat_template_kwargs: extra chat template variables (see :meth:`encode_prompt`).
             logprobs: None (default) or k in [0, 20]: each chunk carries the target's
                 log-probability of each of its tokens and the k most likely tokens at
                 that position (``StreamChunk.logprobs``; see :class:`GenerationResult`).
@@ -482,7 +514,8 @@ class DFlashEngine:
         with self._request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                            repetition_penalty=repetition_penalty, stop=stop, stop_token_ids=stop_token_ids,
-                           ignore_eos=ignore_eos, chat=chat, logprobs=logprobs) as chunks:
+                           ignore_eos=ignore_eos, chat=chat, logprobs=logprobs,
+                           chat_template_kwargs=chat_template_kwargs) as chunks:
             # each round runs on the compute thread (see dflash_torch.compute), whichever
             # thread iterates this stream
             while (chunk := compute.run(next, chunks, None)) is not None:
@@ -492,15 +525,15 @@ class DFlashEngine:
     def _request(self, prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, stop=None, stop_token_ids=None,
-                 ignore_eos: bool = False, chat: bool = False, logprobs: int | None = None
-                 ) -> Iterator[Iterator[StreamChunk]]:
+                 ignore_eos: bool = False, chat: bool = False, logprobs: int | None = None,
+                 chat_template_kwargs: dict | None = None) -> Iterator[Iterator[StreamChunk]]:
         """Check a request, tokenize its prompt, take the engine (see the class docstring) and
         give the request's chunks, to be pulled on the compute thread; frees the engine on exit."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 repetition_penalty=repetition_penalty, logprobs=logprobs)
         stopper = self.new_stopper(max_new_tokens, stop, stop_token_ids, ignore_eos)
-        prompt_ids = self.encode_prompt(prompt, chat)
+        prompt_ids = self.encode_prompt(prompt, chat, chat_template_kwargs)
         if self._owner == threading.get_ident():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
@@ -624,6 +657,7 @@ class DFlashEngine:
         ignore_eos: bool | Sequence[bool] = False,
         chat: bool = False,
         logprobs: int | None | Sequence[int | None] = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once: up to ``max_batch_size`` sequences per
         decoding round; a finished one leaves at a round boundary and the next prompt
@@ -642,6 +676,8 @@ class DFlashEngine:
             stop_token_ids: an id or a list of ids for all prompts, or per prompt a list
                 whose items are each None or a list of ids.
             chat: apply the chat template to every text prompt.
+            chat_template_kwargs: extra chat template variables for every chat prompt
+                (see :meth:`encode_prompt`).
 
         Returns:
             one :class:`GenerationResult` per prompt, in order. ``decode_time`` counts the
@@ -676,7 +712,7 @@ class DFlashEngine:
                     "logprobs")})
                 stopper = self.new_stopper(per["max_new_tokens"][i], per["stop"][i], per["stop_token_ids"][i],
                                            per["ignore_eos"][i])
-                ids = self.encode_prompt(prompt, chat)
+                ids = self.encode_prompt(prompt, chat, chat_template_kwargs)
                 options.check_prompt_ids(ids, self.target.config.vocab_size, stopper.max_new_tokens, self.max_context)
             except DFlashError as exc:
                 if n == 1 or (stopper is None and _shared_by_all(exc, per)):  # (no prompt to name)

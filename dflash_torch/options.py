@@ -208,3 +208,22 @@ def check_mxfp4(value, has_mxfp4: bool | None = None, name: str = "mxfp4") -> st
         raise OptionError(f"{name} packed keeps MXFP4 expert weights packed, but the target checkpoint has none "
                           "(use auto or dequantize)", name)
     return value
+
+
+def check_chat_template_kwargs(value, reserved: Sequence[str] = (), name: str = "chat_template_kwargs") -> dict | None:
+    """Extra variables for the tokenizer's chat template (e.g. ``{"enable_thinking": False}``
+    for Qwen3 / Qwen3.5, ``{"reasoning_effort": "low"}`` for gpt-oss): None or a dict with
+    string keys, none of them in ``reserved`` (the template call's own arguments, such as
+    ``add_generation_prompt`` or ``chat_template``, which would change how it is called).
+
+    Raises:
+        OptionError: anything else.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise OptionError(f"{name} must be an object (a dict) with string keys, got {value!r}", name)
+    taken = sorted(set(value) & set(reserved))
+    if taken:
+        raise OptionError(f"{name} cannot set {', '.join(taken)} (an argument of the chat template call itself)", name)
+    return dict(value)

@@ -50,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import DFlashError
-from ..options import check_api_key, check_model_name
+from ..options import check_api_key, check_chat_template_kwargs, check_model_name
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, conflicting_fields, describe_validation_error,
                        unsupported_field)
@@ -186,7 +186,7 @@ class _JobStreamingResponse(StreamingResponse):
 
 
 def create_app(engine, api_key: str | None = None, model_name: str | None = None, *, max_batch_size: int = 8,
-               max_queue: int = 64) -> FastAPI:
+               max_queue: int = 64, chat_template_kwargs: dict | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -198,15 +198,20 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             one sequence at a time has one (see :func:`.scheduler.make_backend`).
         max_queue: sequences that may wait for a slot; a request that does not fit gets
             a 503 with ``Retry-After`` at once.
+        chat_template_kwargs: extra chat template variables of every chat request (e.g.
+            ``{"enable_thinking": False}``); a request's own ``chat_template_kwargs`` and
+            ``reasoning_effort`` override them (:meth:`DFlashEngine.encode_prompt`).
 
     Raises:
         DFlashError: an empty API key or one that is not printable ASCII; an empty or
-            blank ``model_name``; ``max_batch_size``
+            blank ``model_name``; ``chat_template_kwargs`` not a dict of string keys or setting
+            an argument of the template call; ``max_batch_size``
             or ``max_queue`` not an integer >= 1; batch caches of ``max_batch_size`` x the
             engine's context that do not fit the device.
     """
     api_key = check_api_key(api_key)
     model_id = check_model_name(model_name) or engine.name
+    default_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, engine.reserved_template_variables())
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
     scheduler = Scheduler(make_backend(engine, max_batch_size), metrics, max_queue=max_queue)
     metrics.open_requests.set_function(scheduler.open_jobs)
@@ -355,14 +360,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if (err := job_error(ev)) is not None:
             raise err
 
-    def prepare(prompts: list, chat: bool, requested: int | None, default: int | None) -> list[tuple[list[int], int]]:
+    def prepare(prompts: list, chat: bool, requested: int | None, default: int | None,
+                template_kwargs: dict | None) -> list[tuple[list[int], int]]:
         """``(token ids, max new tokens)`` of each prompt (in a thread: tokenizing a long
         prompt holds neither the engine nor the event loop)."""
         vocab = engine.target.config.vocab_size
         out = []
         for i, prompt in enumerate(prompts):
             try:
-                ids = engine.encode_prompt(prompt, chat)
+                ids = engine.encode_prompt(prompt, chat, template_kwargs)
                 if any(not 0 <= t < vocab for t in ids):  # checked for every prompt before any runs
                     raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
                 out.append((ids, fit_max_tokens(engine, len(ids), requested, default)))
@@ -379,7 +385,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if n * len(prompts) > scheduler.max_queue:
             raise APIError(400, f"{n * len(prompts)} choices ({len(prompts)} prompts x n={n}) are more than this server "
                                 f"queues ({scheduler.max_queue}, --max-queue)", param="n" if len(prompts) == 1 else "prompt")
-        prepared = await asyncio.to_thread(prepare, prompts, chat, req.requested_max_tokens(), default_max_tokens)
+        template_kwargs = req.template_kwargs(default_template_kwargs) if chat else None
+        prepared = await asyncio.to_thread(prepare, prompts, chat, req.requested_max_tokens(), default_max_tokens,
+                                           template_kwargs)
         kwargs = req.sampling_kwargs()
         job = Job(loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived)
         for ids, max_new_tokens in prepared:

@@ -11,7 +11,7 @@ from ..options import check_api_key, check_count, check_model_name
 
 
 def register(sub) -> None:
-    from ..cli import add_model_args, int_or_auto
+    from ..cli import add_chat_template_kwargs_arg, add_model_args, int_or_auto
 
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.")
@@ -39,6 +39,8 @@ def register(sub) -> None:
                         "verify's cost grows with its rows, as on a CPU, many streams decode faster without drafts). "
                         "auto: each round drafts or not by the measured tokens/s of both kinds of rounds at its "
                         "number of sequences (default: always draft)")
+    add_chat_template_kwargs_arg(p, "for every chat request (a request's own chat_template_kwargs and "
+                                    "reasoning_effort override them)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default info)")
     p.set_defaults(func=_serve)
@@ -72,7 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"dflash-torch: compiled in {took:.1f} s", flush=True)
         warn_compile_losses(args)
     app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,
-                     max_queue=args.max_queue)
+                     max_queue=args.max_queue, chat_template_kwargs=args.chat_template_kwargs)
     scheduler = app.state.scheduler
     print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "
           f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "

@@ -143,6 +143,17 @@ class ChatCompletionRequest(_Request):
     response_format: ResponseFormat | None = None
     modalities: list[StrictStr] | None = None
     audio: Any = None
+    chat_template_kwargs: dict[StrictStr, Any] | None = None  # (vLLM / SGLang's name)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+
+    def template_kwargs(self, defaults: dict | None) -> dict | None:
+        """The chat template's extra variables: the server's ``defaults``, then this
+        request's ``chat_template_kwargs``, then ``reasoning_effort`` (a variable of
+        gpt-oss's template; others ignore it). None when there are none."""
+        merged = {**(defaults or {}), **(self.chat_template_kwargs or {})}
+        if self.reasoning_effort is not None:
+            merged["reasoning_effort"] = self.reasoning_effort
+        return merged or None
 
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

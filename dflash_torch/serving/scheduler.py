@@ -78,7 +78,7 @@ _PARAM_OF_MESSAGE = {"stop token ids": "stop_token_ids", "temperature": "tempera
                      "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                      "repetition_penalty": "repetition_penalty",
                      "stop": "stop", "max_new_tokens": "max_tokens", "prompt": "prompt", "the prompt": "prompt",
-                     "chat messages": "messages"}
+                     "chat messages": "messages", "chat_template_kwargs": "chat_template_kwargs"}
 
 
 class ParamError(DFlashError):

@@ -1,0 +1,144 @@
+"""Extra chat template variables (``chat_template_kwargs``; the OpenAI ``reasoning_effort``):
+Qwen3's ``enable_thinking``, gpt-oss's ``reasoning_effort``. transformers'
+``apply_chat_template`` with the same variables is the oracle for the prompt; the
+Python API, the CLI and a real server (``openai`` client) must all render it so."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from dflash_torch import DFlashEngine, DFlashError
+from test_server import API_KEY, Server, _env, _free_port, _wait_until_up, stop
+
+# a template with Qwen3's and gpt-oss's switches (the shapes of their real templates' tests)
+TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}# assistant:"
+            "{% if enable_thinking is defined and not enable_thinking %} <no-think>{% endif %}"
+            "{% if reasoning_effort is defined %} effort={{ reasoning_effort }}{% endif %}\n{% endif %}")
+MESSAGES = [{"role": "user", "content": "def f(x):"}]
+
+
+@pytest.fixture(scope="module")
+def switch_pair(tiny_pair, tmp_path_factory):
+    """The tiny pair, its target's tokenizer given :data:`TEMPLATE`."""
+    target, drafter = tiny_pair
+    out = tmp_path_factory.mktemp("switch") / "target"
+    shutil.copytree(target, out)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(out))
+    return out, drafter
+
+
+def _oracle(target_dir, **kwargs) -> list[int]:
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False, **kwargs)
+    return tok.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def engine(switch_pair):
+    return DFlashEngine.from_pretrained(*switch_pair)
+
+
+def test_the_template_gets_the_variables(switch_pair, engine):
+    target_dir, _ = switch_pair
+    plain = engine.encode_prompt(MESSAGES)
+    assert plain == _oracle(target_dir)
+    for kwargs in ({"enable_thinking": False}, {"reasoning_effort": "low"}, {"enable_thinking": True}):
+        assert engine.encode_prompt(MESSAGES, chat_template_kwargs=kwargs) == _oracle(target_dir, **kwargs)
+        assert engine.encode_prompt("def f(x):", chat=True, chat_template_kwargs=kwargs) == _oracle(target_dir, **kwargs)
+    assert engine.encode_prompt(MESSAGES, chat_template_kwargs={"enable_thinking": False}) != plain
+    ids = _oracle(target_dir, enable_thinking=False)
+    want = engine.generate(ids, max_new_tokens=8, ignore_eos=True).token_ids
+    assert engine.generate(MESSAGES, chat_template_kwargs={"enable_thinking": False}, max_new_tokens=8,
+                           ignore_eos=True).token_ids == want
+    assert "".join(c.text for c in engine.stream("def f(x):", chat=True, chat_template_kwargs={"enable_thinking": False},
+                                                 max_new_tokens=8, ignore_eos=True)) == engine.decode(want)
+    batch = engine.generate_batch([MESSAGES, "def f(x):"], chat=True, chat_template_kwargs={"enable_thinking": False},
+                                  max_new_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in batch] == [want, want]
+
+
+@pytest.mark.parametrize("prompt,chat,kwargs,message", [
+    (MESSAGES, False, ["enable_thinking"], r"chat_template_kwargs must be an object \(a dict\) with string keys"),
+    (MESSAGES, False, {1: True}, "with string keys"),
+    (MESSAGES, False, {"add_generation_prompt": False}, r"cannot set add_generation_prompt \(an argument of the chat"),
+    (MESSAGES, False, {"messages": []}, "cannot set messages"),
+    ("def f(x):", False, {"enable_thinking": False}, r"apply to chat prompts only"),
+    ([5, 6, 7], True, {"enable_thinking": False}, r"apply to chat prompts only"),
+])
+def test_bad_variables_are_refused_in_one_line(engine, prompt, chat, kwargs, message):
+    with pytest.raises(DFlashError, match=message) as err:
+        engine.generate(prompt, chat=chat, chat_template_kwargs=kwargs, max_new_tokens=2)
+    assert "\n" not in str(err.value)
+
+
+def test_a_variable_that_breaks_the_template_is_a_one_line_error(engine, monkeypatch):
+    monkeypatch.setattr(engine.tokenizer, "chat_template", "{{ raise_exception('no') if x }}{{ messages[0]['content'] }}")
+    with pytest.raises(DFlashError, match="^the chat template cannot be rendered with these chat_template_kwargs: "):
+        engine.encode_prompt(MESSAGES, chat_template_kwargs={"x": True, "raise_exception": 3})
+
+
+def test_cli(switch_pair, engine):
+    target_dir, drafter_dir = switch_pair
+    base = [sys.executable, "-m", "dflash_torch.cli", "generate", "--target", str(target_dir), "--draft",
+            str(drafter_dir), "--max-new-tokens", "8", "--ignore-eos", "--json", "--chat", "def f(x):"]
+    out = subprocess.run(base + ["--chat-template-kwargs", '{"enable_thinking": false}'], capture_output=True,
+                         text=True, env=_env(), timeout=300)
+    assert out.returncode == 0, out.stderr
+    want = engine.generate(MESSAGES, chat_template_kwargs={"enable_thinking": False}, max_new_tokens=8, ignore_eos=True)
+    assert json.loads(out.stdout)["token_ids"] == want.token_ids
+    bad = subprocess.run(base[:-2] + ["def f(x):", "--chat-template-kwargs", '{"enable_thinking": false}'],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "dflash-torch: error: --chat-template-kwargs apply to chat prompts only: add --chat")
+
+
+@pytest.fixture(scope="module")
+def server(switch_pair, tmp_path_factory):
+    """A server whose default variables turn thinking off."""
+    target, drafter = switch_pair
+    port, log = _free_port(), tmp_path_factory.mktemp("switch-server") / "server.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target), "--draft", str(drafter),
+             "--port", str(port), "--api-key", API_KEY, "--log-level", "warning",
+             "--chat-template-kwargs", '{"enable_thinking": false}'],
+            stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_up(proc, base, log)
+        yield Server(base, proc, log)
+    finally:
+        stop(proc)
+
+
+def test_server_defaults_request_variables_and_reasoning_effort(server, switch_pair):
+    target_dir, _ = switch_pair
+    client = server.client()
+    model = client.models.list().data[0].id
+
+    def prompt_tokens(**kw) -> int:
+        r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, **kw)
+        return r.usage.prompt_tokens
+
+    assert prompt_tokens() == len(_oracle(target_dir, enable_thinking=False))  # the server's default
+    assert prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": True}}) == len(
+        _oracle(target_dir, enable_thinking=True))
+    assert prompt_tokens(reasoning_effort="high") == len(_oracle(target_dir, enable_thinking=False,
+                                                                 reasoning_effort="high"))
+    assert len(_oracle(target_dir, enable_thinking=False)) != len(_oracle(target_dir, enable_thinking=True))
+    for body, param in (({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+                        ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+                        ({"reasoning_effort": "extreme"}, "reasoning_effort")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body=body)
+        assert err.value.body["param"] == param, err.value.body
