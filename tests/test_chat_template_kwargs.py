@@ -142,3 +142,21 @@ def test_server_defaults_request_variables_and_reasoning_effort(server, switch_p
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body=body)
         assert err.value.body["param"] == param, err.value.body
+
+
+def test_bench_chat_prompts_with_variables(switch_pair, tmp_path):
+    from test_bench import run_bench
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": MESSAGES[0]["content"]}) + "\n")
+    proc = run_bench(switch_pair, "--prompts", str(prompts), "--max-new-tokens", "4", "--modes", "target-only,inject",
+                     "--sweep", "", "--out", str(tmp_path / "out"), "--no-progress", "--chat",
+                     "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert report["prompt_tokens"] == [len(_oracle(switch_pair[0], enable_thinking=False))]
+    assert report["chat"] is True and report["chat_template_kwargs"] == {"enable_thinking": False}
+    assert report["mxfp4"] is None
+    bad = run_bench(switch_pair, "--prompts", str(prompts), "--chat-template-kwargs", '{"enable_thinking": false}',
+                    "--out", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "--chat-template-kwargs apply to chat prompts only: add --chat" in bad.stderr

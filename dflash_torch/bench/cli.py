@@ -19,11 +19,14 @@ from ..options import check_max_new_tokens, resolve_device, resolve_dtype
 
 
 def register(sub) -> None:
-    from ..cli import add_model_args, int_or_auto
+    from ..cli import add_chat_template_kwargs_arg, add_model_args, int_or_auto
 
     p = sub.add_parser("bench", help="benchmark target-only vs DFlash (inject / recompute, eager / compiled)")
     add_model_args(p)
     p.add_argument("--prompts", default=None, help="JSONL prompt file (default: the shipped held-out code prompts)")
+    p.add_argument("--chat", action="store_true",
+                   help="apply the target tokenizer's chat template to each prompt (as a user message)")
+    add_chat_template_kwargs_arg(p, "(with --chat)")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts to use (default 16; 0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
     p.add_argument("--modes", default="target-only,inject,recompute,target-only-compiled,inject-compiled",
@@ -195,6 +198,8 @@ def _run(args: argparse.Namespace) -> int:
 
     set_threads(args)
     check_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
+    if args.chat_template_kwargs is not None and not args.chat:
+        raise DFlashError("--chat-template-kwargs apply to chat prompts only: add --chat")
     dtype = resolve_dtype(args.dtype)  # (checked again by from_pretrained; here before --out is created)
     resolve_device(args.device)
     if args.num_prompts < 0:
@@ -250,7 +255,7 @@ def _run(args: argparse.Namespace) -> int:
                                           block_size=args.block_size, mxfp4=args.mxfp4,
                                           no_draft=args.target is not None and args.draft is None)
     prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl", args.num_prompts or None)
-    prompt_ids = [engine.encode_prompt(p) for p in prompts]
+    prompt_ids = [engine.encode_prompt(p, args.chat, args.chat_template_kwargs) for p in prompts]
     max_context = min(engine.target.config.max_position_embeddings, max(map(len, prompt_ids)) + args.max_new_tokens + 1)
     report = {
         "target": str(args.target or DEFAULT_TARGET), "draft": None if engine.drafter is None else str(args.draft or DEFAULT_DRAFTER),
@@ -259,6 +264,9 @@ def _run(args: argparse.Namespace) -> int:
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": [], "sweep": None, "shape_sweeps": [], "shapes": [],
         "batch_sizes": [], "draft_max_batch_size": args.draft_max_batch_size,
+        "chat": args.chat, "chat_template_kwargs": args.chat_template_kwargs,
+        "prompt_tokens": [len(ids) for ids in prompt_ids],
+        "mxfp4": "packed" if engine.target.config.keep_mxfp4 else ("dequantized" if engine.target.config.mxfp4 else None),
     }
     runs = [] if not modes else run_modes([ALL_MODES[name] for name in modes], engine.target, engine.drafter, prompt_ids,
                      block_size=args.block_size, max_new_tokens=args.max_new_tokens, max_context=max_context,
