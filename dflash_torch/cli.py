@@ -28,7 +28,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
     p.add_argument("--compile", action="store_true", help="fixed-shape rounds compiled with torch.compile")
     p.add_argument("--max-context", type=int, default=None, help="longest prompt + generation in tokens (default: the target's limit)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch, at most the machine's CPUs (default: torch's choice)")
 
 
 def int_or_auto(text: str) -> int | str:
