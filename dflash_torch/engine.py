@@ -397,6 +397,11 @@ class DFlashEngine:
                 return bytes(self._byte_values[c] for c in piece)
         return self.decode([token_id]).encode("utf-8")
 
+    def token_text(self, token_id: int) -> str:
+        """:meth:`token_bytes` as a string: UTF-8, bytes that are not valid UTF-8 on their own
+        (part of a character) written ``\\xNN`` (the ``token`` of OpenAI's logprobs)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
     @functools.cached_property
     def _byte_values(self) -> dict[str, int] | None:
         """A byte-level BPE vocabulary's character -> byte map (None for other tokenizers)."""

@@ -532,6 +532,7 @@ CLI_FLAG_CASES = [
      "--frequency-penalty must be a number in [-2, 2], got -2.5"),
     (["--repetition-penalty", "0"], dict(repetition_penalty=0.0),
      "--repetition-penalty must be a finite number > 0 (1 = off), got 0.0"),
+    (["--logprobs", "21", "--json"], dict(logprobs=21), "--logprobs must be an integer in [0, 20], got 21"),
     (["--max-new-tokens", "1100"], dict(max_new_tokens=1100),
      "prompt (7 tokens) + --max-new-tokens (1100) exceeds the context of 1024 tokens"),
 ]

@@ -118,10 +118,8 @@ def _stats_summary(stats) -> dict | None:
 
 
 def _token_info(engine, token_id: int) -> tuple[str, bytes]:
-    """A token's string and bytes in logprobs: its bytes (:meth:`DFlashEngine.token_bytes`)
-    as UTF-8, bytes that are not valid UTF-8 (part of a character) escaped as ``\\xNN``."""
-    data = engine.token_bytes(token_id)
-    return data.decode("utf-8", errors="backslashreplace"), data
+    """A token's string and bytes in logprobs (:meth:`DFlashEngine.token_text`, :meth:`DFlashEngine.token_bytes`)."""
+    return engine.token_text(token_id), engine.token_bytes(token_id)
 
 
 def _chat_logprobs(entries, token_info) -> dict:
