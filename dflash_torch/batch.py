@@ -102,18 +102,32 @@ from .sampling import (Penalties, SamplingParams, accept_greedy, accept_sampling
 BACKLOG_ROWS = 64  # a sequence's feature rows of target-only rounds injected at once (at most; see BatchDecoder)
 
 
-def check_draft_max_batch_size(value) -> int | str | None:
+def check_draft_max_batch_size(value, *, drafter: bool = True, draft_mode: str = "inject",
+                               block_size: int | None = None) -> int | str | None:
     """Validate ``draft_max_batch_size``: None (always draft), an integer >= 1, or
-    ``"auto"`` (:class:`~dflash_torch.draft_policy.DraftPolicy`).
+    ``"auto"`` (:class:`~dflash_torch.draft_policy.DraftPolicy`), for a decoder with a
+    drafter or not (``drafter``; False: target-only decoding, ``no_draft``), its
+    ``draft_mode`` and ``block_size`` (None: the drafter's). A limit other than None
+    where no batched round drafts (no drafter, ``draft_mode="recompute"``, which decodes
+    one sequence at a time, or block size 1) would have no effect, so it is refused.
 
     Raises:
-        OptionError: anything else.
+        OptionError: anything else, or a limit where no batched round drafts.
     """
-    if value is None or value == "auto":
+    if value is None:
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise OptionError(f"draft_max_batch_size must be an integer >= 1 or 'auto', got {value!r}",
                           "draft_max_batch_size")
+    if not drafter:
+        raise OptionError("draft_max_batch_size has no effect without a drafter (no_draft: every round is "
+                          "target-only); drop it", "draft_max_batch_size", "no_draft")
+    if draft_mode == "recompute":
+        raise OptionError("draft_max_batch_size has no effect with draft_mode 'recompute' (it decodes one sequence "
+                          "at a time); drop it", "draft_max_batch_size", "draft_mode")
+    if block_size == 1:
+        raise OptionError("draft_max_batch_size has no effect with block size 1 (every round is target-only); "
+                          "drop it", "draft_max_batch_size", "block size")
     return value
 
 
@@ -427,8 +441,9 @@ class BatchDecoder:
 
     Raises:
         DFlashError: invalid block size (above 64 for a hybrid target) / max_batch_size /
-            max_context / prefill_budget / draft_max_batch_size, a flag that is not a bool,
-            or caches that do not fit the device's free memory.
+            max_context / prefill_budget / draft_max_batch_size (any but None without a
+            drafter or with block size 1: no round drafts), a flag that is not a bool, or
+            caches that do not fit the device's free memory.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, block_size: int | None = None,
@@ -450,8 +465,9 @@ class BatchDecoder:
         self.prefill_chunk = prefill_chunk
         self.share_prefill = check_flag(share_prefill, "share_prefill")
         self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
-        self.draft_max_batch_size = check_draft_max_batch_size(draft_max_batch_size)
-        self.policy = DraftPolicy() if self.draft_max_batch_size == "auto" and B > 1 else None
+        self.draft_max_batch_size = check_draft_max_batch_size(draft_max_batch_size, drafter=drafter is not None,
+                                                               block_size=B)
+        self.policy = DraftPolicy() if self.draft_max_batch_size == "auto" else None
         self.prefill_tokens = 0
         self.reused_prefill_tokens = 0
         self.target_only_rounds = 0

@@ -28,7 +28,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
     p.add_argument("--compile", action="store_true", help="fixed-shape rounds compiled with torch.compile")
     p.add_argument("--max-context", type=int, default=None, help="longest prompt + generation in tokens (default: the target's limit)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch, at most the machine's CPUs (default: torch's choice)")
     p.add_argument("--mxfp4", default="auto", choices=["auto", "dequantize", "packed"],
                    help="MXFP4 expert weights (gpt-oss): dequantize when loading, keep packed (a quarter of the "
                         "memory, slower), or auto (default: dequantize if that fits in 90%% of free memory)")
@@ -124,16 +124,18 @@ def _generate_here(args: argparse.Namespace) -> int:
         prompt = utf8_text(os.fsencode(prompt), "the prompt argument")
     if args.chat_template_kwargs is not None and not args.chat:
         raise DFlashError("--chat-template-kwargs apply to chat prompts only: add --chat")
+    if args.logprobs is not None and not args.json:
+        raise DFlashError("--logprobs needs --json (the log-probabilities are printed in its JSON object)")
     engine = load_engine(args)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, presence_penalty=args.presence_penalty,
                   frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                  stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat,
+                  stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat, logprobs=args.logprobs,
                   chat_template_kwargs=args.chat_template_kwargs)
     if args.json:
         out = engine.generate(prompt, **kwargs)
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                          "stats": out.stats.to_dict()}))
+                          "stats": out.stats.to_dict(), "logprobs": logprobs_json(engine, out.logprobs)}))
         warn_compile_losses(args)
         return 0
     stats, finish = None, None
@@ -152,6 +154,22 @@ def _generate_here(args: argparse.Namespace) -> int:
     )
     warn_compile_losses(args)
     return 0
+
+
+def logprobs_json(engine, logprobs) -> list[dict] | None:
+    """``--json``'s ``logprobs``: one object per generated token (``logprobs``, the
+    :class:`~dflash_torch.sampling.TokenLogprob` s of a result; None without ``--logprobs``):
+    ``token_id``, ``token`` (:meth:`DFlashEngine.token_text`), ``bytes`` (its bytes as
+    integers), ``logprob`` (natural log) and ``top_logprobs``, the K most likely tokens
+    there, most likely first, each with the same four keys but ``top_logprobs``."""
+    if logprobs is None:
+        return None
+
+    def item(token_id: int, logprob: float) -> dict:
+        return {"token_id": token_id, "token": engine.token_text(token_id),
+                "bytes": list(engine.token_bytes(token_id)), "logprob": logprob}
+
+    return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in logprobs]
 
 
 def utf8_text(data: bytes, what: str) -> str:
@@ -227,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     add_chat_template_kwargs_arg(g, "(with --chat)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each generated token's log-probability under the target and its K most likely "
+                        "alternatives, 0 to 20 (the object's 'logprobs')")
     add_model_args(g)
     add_sampling_args(g)
     g.set_defaults(func=_generate)

@@ -146,10 +146,11 @@ class DFlashEngine:
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
         self.max_batch_size = check_max_batch_size(max_batch_size)
         self.reuse_prefix = options.check_flag(reuse_prefix, "reuse_prefix")
-        self.draft_max_batch_size = check_draft_max_batch_size(draft_max_batch_size)
         self._batch: BatchDecoder | None = None
         self.decoder = compute.run(SpeculativeDecoder, target, drafter, block_size=block_size, draft_mode=draft_mode,
                                    **decoder_options)
+        self.draft_max_batch_size = check_draft_max_batch_size(draft_max_batch_size, drafter=drafter is not None,
+                                                               draft_mode=draft_mode, block_size=self.block_size)
         self.max_prompt_chars = _max_prompt_chars(tokenizer, self.max_context)
         self.lock = threading.Lock()
         self._owner: int | None = None  # thread id of the open stream, if any
@@ -205,7 +206,9 @@ class DFlashEngine:
                 :class:`~dflash_torch.batch.BatchDecoder`; default True).
             draft_max_batch_size: batch decoder rounds of more than this many sequences run
                 target-only; ``"auto"``: each round drafts or not by measured goodput (see
-                :class:`~dflash_torch.batch.BatchDecoder`; default None: always draft).
+                :class:`~dflash_torch.batch.BatchDecoder`; default None: always draft). Refused
+                where no batched round drafts: with ``no_draft``, ``draft_mode="recompute"``
+                (one sequence at a time) or ``block_size=1``.
             mxfp4: MXFP4 expert weights (gpt-oss checkpoints): ``"dequantize"`` when
                 loading, keep them ``"packed"`` (a quarter of the memory, slower rounds), or
                 ``"auto"`` (default): dequantize when they then fit in 90% of the free memory
@@ -215,7 +218,8 @@ class DFlashEngine:
             DFlashError: missing files, incompatible pair, bad dtype / device / block size /
                 max_context, a yes/no option that is not a bool (see :mod:`dflash_torch.options`;
                 checked before any weight is read), ``compile=True`` with
-                ``draft_mode="recompute"`` (its shapes grow every round).
+                ``draft_mode="recompute"`` (its shapes grow every round), ``draft_max_batch_size``
+                where it has no effect (see above).
         """
         for name, flag in dict(no_draft=no_draft, compile=compile, pack=pack, static=static,
                                reuse_prefix=reuse_prefix).items():
@@ -247,7 +251,8 @@ class DFlashEngine:
         options.check_max_context(max_context, target_cfg.max_position_embeddings)
         options.check_mxfp4(mxfp4, target_cfg.mxfp4)
         check_max_batch_size(max_batch_size)
-        check_draft_max_batch_size(draft_max_batch_size)
+        check_draft_max_batch_size(draft_max_batch_size, drafter=not no_draft, draft_mode=draft_mode,
+                                   block_size=block_size)
         # the weights are read, converted and packed on the compute thread, like every round
         return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, pack=pack,
                            fuse=fuse_by_default(dev) if fuse is None else fuse, mxfp4=mxfp4,
@@ -427,6 +432,11 @@ class DFlashEngine:
             if isinstance(piece, str) and all(c in self._byte_values for c in piece):
                 return bytes(self._byte_values[c] for c in piece)
         return self.decode([token_id]).encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """:meth:`token_bytes` as a string: UTF-8, bytes that are not valid UTF-8 on their own
+        (part of a character) written ``\\xNN`` (the ``token`` of OpenAI's logprobs)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
 
     @functools.cached_property
     def _byte_values(self) -> dict[str, int] | None:

@@ -13,6 +13,7 @@ see :func:`dflash_torch.cli.main`).
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -36,8 +37,14 @@ def check_count(value, name: str) -> int:
 
 
 def check_threads(value, name: str = "threads") -> int:
-    """CPU threads for torch: an integer >= 1."""
-    return check_count(value, name)
+    """CPU threads for torch: an integer in [1, ``os.cpu_count()``] (threads beyond the
+    machine's CPUs only contend for them); >= 1 where the CPU count is unknown."""
+    cpus = os.cpu_count()
+    if cpus is None:
+        return check_count(value, name)
+    if not _is_int(value) or not 1 <= value <= cpus:
+        raise OptionError(f"{name} must be an integer in [1, {cpus}] (this machine's CPUs), got {value!r}", name)
+    return value
 
 
 def check_max_context(value, limit: int, name: str = "max_context") -> int | None:

@@ -92,8 +92,7 @@ class SamplingParams:
             raise OptionError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise OptionError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
-                              "logprobs")
+            raise OptionError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             x = _real(getattr(self, name))
             if x is None or not -2 <= x <= 2:

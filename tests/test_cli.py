@@ -60,6 +60,32 @@ def test_json_is_one_object_with_the_documented_keys(json_output, api):
     assert out["stats"]["decode_tokens_per_second"] > 0
 
 
+def test_logprobs_in_the_json_object_are_the_python_apis(json_output, pair_args, api):
+    """``--json --logprobs 2``: the same tokens as without, and per token its id, text, bytes
+    and log-probability with the 2 most likely tokens there, as ``generate(logprobs=2)``
+    gives them; without ``--logprobs`` the key is null; without ``--json`` it is refused
+    with one line before anything is loaded."""
+    proc = run_cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json", "--logprobs", "2")
+    assert proc.returncode == 0, proc.stderr
+    out = parse_single_json(proc.stdout)
+    assert out["token_ids"] == json_output["token_ids"] and json_output["logprobs"] is None
+    ref = api.generate(PROMPT, max_new_tokens=24, ignore_eos=True, logprobs=2)
+
+    def item(token_id: int, logprob: float) -> dict:
+        return {"token_id": token_id, "token": api.token_text(token_id), "bytes": list(api.token_bytes(token_id)),
+                "logprob": logprob}
+
+    assert len(out["logprobs"]) == len(out["token_ids"]) == 24
+    for got, want in zip(out["logprobs"], ref.logprobs):
+        assert got["top_logprobs"] == [item(t, lp) for t, lp in want.top] and len(want.top) == 2
+        assert got == {**item(want.token_id, want.logprob), "top_logprobs": got["top_logprobs"]}
+    assert bytes(b for e in out["logprobs"] for b in e["bytes"]).decode("utf-8", errors="replace") == out["text"]
+    proc = run_cli("generate", "--target", "/nonexistent", PROMPT, "--logprobs", "2")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr == ("dflash-torch: error: --logprobs needs --json (the log-probabilities are printed in its "
+                           "JSON object)\n")
+
+
 def test_prompt_on_stdin_through_python_m_dflash_torch(json_output, pair_args):
     proc = run_cli("generate", *pair_args, "--max-new-tokens", "24", "--ignore-eos", "--json", stdin=PROMPT,
                    module="dflash_torch")

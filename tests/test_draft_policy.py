@@ -135,7 +135,6 @@ def test_auto_is_checked_and_plumbed(agree_pair, agree_models, tiny_pair, tmp_pa
     for bad in ("Auto", "", 0, 2.0):
         with pytest.raises(DFlashError, match="^draft_max_batch_size must be an integer >= 1 or 'auto'"):
             BatchDecoder(target, drafter, max_batch_size=2, max_context=64, draft_max_batch_size=bad)
-    assert BatchDecoder(target, None, max_batch_size=2, max_context=64, draft_max_batch_size="auto").policy is None
     engine = DFlashEngine.from_pretrained(*agree_pair, max_batch_size=2, draft_max_batch_size="auto")
     assert isinstance(engine.batch_decoder().policy, DraftPolicy)
     out = tmp_path / "out"

@@ -6,6 +6,7 @@ errors as real subprocesses."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -355,6 +356,9 @@ BAD_OPTIONS = [
     # (option, value, commands that take it, pattern the one line must contain)
     ("--threads", "-1", ALL_COMMANDS, "--threads must be"),
     ("--threads", "0", ALL_COMMANDS, "--threads must be"),
+    # (more threads than CPUs only contend for them)
+    ("--threads", str(os.cpu_count() + 1), ALL_COMMANDS,
+     rf"--threads must be an integer in \[1, {os.cpu_count()}\] \(this machine's CPUs\), got {os.cpu_count() + 1}$"),
     ("--block-size", "0", ALL_COMMANDS, "--block-size"),
     ("--block-size", "-2", ALL_COMMANDS, "--block-size"),
     ("--block-size", "99", MODEL_COMMANDS, "--block-size must be"),  # above the drafter's 16 (train: a new drafter's B)
@@ -429,7 +433,7 @@ def test_python_api_refuses_the_same_values(tiny_pair, kw, words):
 def test_threads_are_validated_in_python_too():
     from dflash_torch import compute
 
-    for bad in (0, -1, 1.5, True, "2"):
+    for bad in (0, -1, 1.5, True, "2", os.cpu_count() + 1):
         with pytest.raises(DFlashError, match="^threads must be"):
             compute.set_num_threads(bad)
 
@@ -528,6 +532,7 @@ CLI_FLAG_CASES = [
      "--frequency-penalty must be a number in [-2, 2], got -2.5"),
     (["--repetition-penalty", "0"], dict(repetition_penalty=0.0),
      "--repetition-penalty must be a finite number > 0 (1 = off), got 0.0"),
+    (["--logprobs", "21", "--json"], dict(logprobs=21), "--logprobs must be an integer in [0, 20], got 21"),
     (["--max-new-tokens", "1100"], dict(max_new_tokens=1100),
      "prompt (7 tokens) + --max-new-tokens (1100) exceeds the context of 1024 tokens"),
 ]

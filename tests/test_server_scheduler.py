@@ -536,6 +536,38 @@ def test_cached_tokens_count_each_prompt_once_with_a_list_and_n(server):
         assert cached >= base - 1, stream  # (at least the first prompt's, but its last token)
 
 
+def test_cached_tokens_of_n_choices_are_those_no_choice_read(tiny_pair, tmp_path_factory):
+    """n=2 choices of a prompt that extends a retained one, on 2 slots while another stream
+    decodes: choice 0 takes the retained rows in the free slot, choice 1 waits for the
+    stream's slot and reads its whole prompt there. ``usage`` counts the prompt once and,
+    as cached, the tokens that no choice read: none (choice 0's count alone would claim the
+    retained prompt's tokens, which choice 1 read), streamed and not."""
+    with _serve(tiny_pair, tmp_path_factory.mktemp("n-cached"), "--max-batch-size", "2") as srv:
+        c = srv.client()
+
+        def read() -> tuple[float, float]:
+            m = srv.metrics()
+            return m[("dflash_prefill_tokens_total", ())], m[("dflash_reused_prefill_tokens_total", ())]
+
+        for stream in (False, True):
+            first = f"def cached_by_choices_{int(stream)}(x):\n    return [x] * 3\n"
+            c.completions.create(prompt=first, max_tokens=2, **_kw(0.0))  # (its rows retained in a free slot)
+            busy = iter(c.completions.create(prompt="class Busy:", max_tokens=60, stream=True, **_kw(0.0)))
+            next(busy)  # decoding in the other slot
+            before = read()
+            kw = dict(prompt=first + "print(3)\n", max_tokens=150, n=2, **_kw(0.0))
+            if stream:
+                usage = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))[-1].usage
+            else:
+                usage = c.completions.create(**kw).usage
+            after = read()
+            assert list(busy)  # (it ended before choice 0 did)
+            read_, reused = after[0] - before[0], after[1] - before[1]
+            # each choice had a prefill of its own; choice 0 took the retained rows, choice 1 none
+            assert read_ + reused == 2 * usage.prompt_tokens and 0 < reused < usage.prompt_tokens, (read_, reused)
+            assert usage.prompt_tokens_details.cached_tokens == 0, stream
+
+
 def test_a_chat_conversation_reuses_its_history(server, tiny_pair, tmp_path_factory):
     """Three turns of a chat through the openai client (greedy): each turn sends the whole
     conversation; the server reads only what is new (``dflash_prefill_tokens_total``: not

@@ -18,6 +18,7 @@ import torch
 
 from conftest import varied_prompts
 from test_batch import agree_models, alone, qwen35_models  # noqa: F401 (fixtures)
+from test_errors import _free_port
 from test_prefix_reuse import slot_rows
 
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams
@@ -105,6 +106,48 @@ def test_the_limit_is_checked_and_plumbed(agree_pair, agree_models):  # noqa: F8
     engine = DFlashEngine.from_pretrained(*agree_pair, max_batch_size=2, draft_max_batch_size=1)
     assert engine.batch_decoder().draft_max_batch_size == 1
     assert [engine.batch_decoder().round_block(n) for n in (1, 2)] == [16, 1]
+
+
+def test_a_limit_where_no_round_drafts_is_refused(agree_pair, agree_models, tmp_path, capsys):  # noqa: F811
+    """``draft_max_batch_size`` (a number or ``"auto"``) without a drafter, with
+    ``draft_mode="recompute"`` (one sequence at a time) or with block size 1 would change
+    nothing: the Python API raises one line before reading a weight, ``serve`` and
+    ``bench`` exit 2 with one line naming the flags."""
+    from dflash_torch.cli import main as cli_main
+
+    target, drafter = agree_models
+    none = "has no effect without a drafter (no_draft: every round is target-only); drop it"
+    recompute = "has no effect with draft_mode 'recompute' (it decodes one sequence at a time); drop it"
+    one = "has no effect with block size 1 (every round is target-only); drop it"
+    for limit in (2, "auto"):
+        for kw, words in ((dict(no_draft=True), none), (dict(draft_mode="recompute"), recompute),
+                          (dict(block_size=1), one)):
+            pair = agree_pair[:1] if kw.get("no_draft") else agree_pair
+            with pytest.raises(DFlashError) as err:
+                DFlashEngine.from_pretrained(*pair, draft_max_batch_size=limit, **kw)
+            assert str(err.value) == f"draft_max_batch_size {words}", kw
+        with pytest.raises(DFlashError, match=f"^draft_max_batch_size {none.replace('(', '.').replace(')', '.')}$"):
+            BatchDecoder(target, None, max_batch_size=2, max_context=64, draft_max_batch_size=limit)
+        with pytest.raises(DFlashError, match=f"^draft_max_batch_size {one.replace('(', '.').replace(')', '.')}$"):
+            BatchDecoder(target, drafter, block_size=1, max_batch_size=2, max_context=64, draft_max_batch_size=limit)
+    flags = {none: "--draft-max-batch-size has no effect without a drafter (--no-draft: every round is target-only)",
+             recompute: "--draft-max-batch-size has no effect with --draft-mode 'recompute' (it decodes one sequence at "
+                        "a time)",
+             one: "--draft-max-batch-size has no effect with --block-size 1 (every round is target-only)"}
+    port = str(_free_port())
+    for argv, words in (
+        (["serve", "--target", str(agree_pair[0]), "--no-draft", "--port", port, "--draft-max-batch-size", "auto"], none),
+        (["serve", "--target", str(agree_pair[0]), "--draft", str(agree_pair[1]), "--port", port, "--draft-mode",
+          "recompute", "--draft-max-batch-size", "2"], recompute),
+        (["bench", "--target", str(agree_pair[0]), "--draft", str(agree_pair[1]), "--modes", "", "--sweep", "",
+          "--batch-sizes", "2", "--block-size", "1", "--draft-max-batch-size", "1", "--out", str(tmp_path / "out")],
+         one),
+    ):
+        rc = cli_main(argv)
+        captured = capsys.readouterr()
+        assert rc == 2 and captured.err == f"dflash-torch: error: {flags[words]}; drop it\n", captured.err
+        assert captured.out == ""
+    assert not (tmp_path / "out").exists()
 
 
 def test_compiled_decoder_warmed_up_crosses_the_limit_without_new_graphs(agree_models):  # noqa: F811

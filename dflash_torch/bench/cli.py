@@ -217,7 +217,7 @@ def _run(args: argparse.Namespace) -> int:
     if any(n < 1 for n in batch_sizes) or len(set(batch_sizes)) != len(batch_sizes):
         raise DFlashError(f"--batch-sizes must be distinct integers >= 1, got {args.batch_sizes!r}")
     if args.draft_max_batch_size is not None:
-        check_draft_max_batch_size(args.draft_max_batch_size)
+        check_draft_max_batch_size(args.draft_max_batch_size, block_size=args.block_size)
         if not batch_sizes:  # (the modes decode one sequence: nothing would use it)
             raise DFlashError("--draft-max-batch-size applies to --batch-sizes only; add --batch-sizes or drop it")
     if not modes and not batch_sizes:

@@ -103,6 +103,16 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def _cached_tokens(per_choice: list[int], n: int) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` of a request whose choice ``i * n + j``
+    is prompt ``i``'s ``j``-th, from each choice's prompt tokens taken from a retained prefix
+    (``GenerationStats.cached_prompt_tokens``): per prompt, counted once as in
+    ``prompt_tokens``, the tokens that none of its choices read, i.e. the fewest any of
+    them took (a choice reads its prompt from where the rows it took end; choices that
+    share a prefill took the same)."""
+    return sum(min(per_choice[i:i + n]) for i in range(0, len(per_choice), n))
+
+
 def _stats_summary(stats) -> dict | None:
     if stats is None:
         return None
@@ -118,10 +128,8 @@ def _stats_summary(stats) -> dict | None:
 
 
 def _token_info(engine, token_id: int) -> tuple[str, bytes]:
-    """A token's string and bytes in logprobs: its bytes (:meth:`DFlashEngine.token_bytes`)
-    as UTF-8, bytes that are not valid UTF-8 (part of a character) escaped as ``\\xNN``."""
-    data = engine.token_bytes(token_id)
-    return data.decode("utf-8", errors="backslashreplace"), data
+    """A token's string and bytes in logprobs (:meth:`DFlashEngine.token_text`, :meth:`DFlashEngine.token_bytes`)."""
+    return engine.token_text(token_id), engine.token_bytes(token_id)
 
 
 def _chat_logprobs(entries, token_info) -> dict:
@@ -437,9 +445,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 if chunk.finish_reason is not None:
                     out["finish"], out["stats"] = chunk.finish_reason, chunk.stats
         n_tokens = sum(out["tokens"] for out in outs)
-        # (each prompt's choices share its prefill: count its cached tokens once, as its tokens)
-        cached = sum(outs[i]["stats"].cached_prompt_tokens for i in range(0, len(outs), n))
-        usage = _usage(prompt_tokens, n_tokens, cached)
+        usage = _usage(prompt_tokens, n_tokens, _cached_tokens([out["stats"].cached_prompt_tokens for out in outs], n))
         choices = []
         for i, out in enumerate(outs):
             content, logprobs = "".join(out["text"]), out["logprobs"]
@@ -486,7 +492,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             lp = None if logprobs is None else _completion_logprobs(logprobs, token_info, offsets[index])
             return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
-        n_tokens, left, cached = 0, len(job.sequences), 0
+        n_tokens, left = 0, len(job.sequences)
+        cached = [0] * left  # (each choice's, set as it finishes)
         if kind == "chat":
             for i in range(left):
                 yield frame([choice(i, "", role=True)])
@@ -510,8 +517,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                     yield frame([choice(i, chunk.text, logprobs=chunk.logprobs)])
                 continue
             summary = _stats_summary(chunk.stats)
-            if i % n == 0:  # (once per prompt, as in complete)
-                cached += chunk.stats.cached_prompt_tokens
+            cached[i] = chunk.stats.cached_prompt_tokens
             if kind == "chat":
                 if piece:
                     yield frame([choice(i, chunk.text, logprobs=chunk.logprobs)])
@@ -519,7 +525,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             else:
                 yield frame([choice(i, chunk.text, chunk.finish_reason, logprobs=chunk.logprobs)], dflash=summary)
         if include_usage:
-            yield frame([], usage=_usage(prompt_tokens, n_tokens, cached))
+            yield frame([], usage=_usage(prompt_tokens, n_tokens, _cached_tokens(cached, n)))
         yield "data: [DONE]\n\n"
 
     # ---- routes -------------------------------------------------------------------------
