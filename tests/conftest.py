@@ -327,7 +327,8 @@ AGREE_TOKEN = 42  # the token c that the agreeable target predicts often
 
 
 def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16, alpha: float = 0.5,
-                        beta: float = 2.5, model_type: str = "qwen3", self_scale: float = -1.0) -> tuple[Path, Path]:
+                        beta: float = 2.5, model_type: str = "qwen3", self_scale: float = -1.0,
+                        agree_token: int = AGREE_TOKEN) -> tuple[Path, Path]:
     """A (target, drafter) pair whose random drafter agrees with the target often.
 
     Every token embedding of an untied Qwen3 target gets a shared direction ``u``
@@ -337,7 +338,7 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
     random weights, so its output stays close to the (u-heavy) mask embedding and it
     proposes c nearly everywhere: it is accepted whenever the target predicts c.
     ``model_type``: ``qwen3``, ``gpt_oss`` or a text family of :data:`HYBRID_FAMILIES`; ``self_scale``:
-    c's own multiple of ``u`` (higher: longer runs of c).
+    c's own multiple of ``u`` (higher: longer runs of c); ``agree_token``: c.
     """
     from safetensors.torch import load_file
 
@@ -355,9 +356,9 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
     u = torch.randn(state["lm_head.weight"].shape[1], generator=g)
     u /= u.norm()
     scale = torch.rand(state["lm_head.weight"].shape[0], 1, generator=g) * 2
-    scale[AGREE_TOKEN] = self_scale
+    scale[agree_token] = self_scale
     state["model.embed_tokens.weight"] += alpha * scale * u
-    state["lm_head.weight"][AGREE_TOKEN] = beta * u
+    state["lm_head.weight"][agree_token] = beta * u
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     copy_tokenizer(tokenizer_dir, target)
     cfg = drafter_config(target, block_size=block_size)

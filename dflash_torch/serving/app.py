@@ -54,6 +54,7 @@ from ..options import check_api_key, check_chat_template_kwargs, check_model_nam
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, conflicting_fields, describe_validation_error,
                        unsupported_field)
+from .reasoning import check_reasoning_parser, new_parser, resolve_parser, split
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
                         make_backend, param_of)
 
@@ -194,7 +195,8 @@ class _JobStreamingResponse(StreamingResponse):
 
 
 def create_app(engine, api_key: str | None = None, model_name: str | None = None, *, max_batch_size: int = 8,
-               max_queue: int = 64, chat_template_kwargs: dict | None = None) -> FastAPI:
+               max_queue: int = 64, chat_template_kwargs: dict | None = None,
+               reasoning_parser: str = "auto") -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -209,17 +211,23 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         chat_template_kwargs: extra chat template variables of every chat request (e.g.
             ``{"enable_thinking": False}``); a request's own ``chat_template_kwargs`` and
             ``reasoning_effort`` override them (:meth:`DFlashEngine.encode_prompt`).
+        reasoning_parser: how chat replies are split into ``reasoning_content`` and
+            ``content`` (:mod:`.reasoning`): ``think`` (``<think>...</think>``), ``harmony``
+            (gpt-oss), ``none`` (all content), or ``auto`` (default): ``harmony`` for a
+            gpt-oss target, ``think`` when the chat template mentions ``<think>``, else none.
 
     Raises:
         DFlashError: an empty API key or one that is not printable ASCII; an empty or
             blank ``model_name``; ``chat_template_kwargs`` not a dict of string keys or setting
-            an argument of the template call; ``max_batch_size``
+            an argument of the template call; an unknown ``reasoning_parser``; ``max_batch_size``
             or ``max_queue`` not an integer >= 1; batch caches of ``max_batch_size`` x the
             engine's context that do not fit the device.
     """
     api_key = check_api_key(api_key)
     model_id = check_model_name(model_name) or engine.name
     default_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, engine.reserved_template_variables())
+    reasoning = resolve_parser(check_reasoning_parser(reasoning_parser), engine.target.config.model_type,
+                               getattr(engine.tokenizer, "chat_template", None))
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
     scheduler = Scheduler(make_backend(engine, max_batch_size), metrics, max_queue=max_queue)
     metrics.open_requests.set_function(scheduler.open_jobs)
@@ -236,6 +244,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     app = FastAPI(title="dflash-torch", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine, app.state.metrics, app.state.scheduler, app.state.model_id = engine, metrics, scheduler, model_id
+    app.state.reasoning_parser = reasoning
     app.add_middleware(MetricsMiddleware, metrics=metrics, endpoints=ENDPOINTS)
 
     # ---- errors -------------------------------------------------------------------------
@@ -417,16 +426,19 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             if ev.kind == "done":  # cancelled before it started
                 return Response(status_code=499)
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+            # (a chat has one prompt; its end tells whether the template opened the reasoning)
+            parsers = None if kind != "chat" or reasoning == "none" else \
+                [new_parser(reasoning, engine.decode(prepared[0][0][-8:])) for _ in job.sequences]
             if req.stream:
-                return _JobStreamingResponse(stream_events(job, req, rid, kind, prompt_tokens, n), job,
+                return _JobStreamingResponse(stream_events(job, req, rid, kind, prompt_tokens, n, parsers), job,
                                              media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return await complete(job, request, rid, kind, prompt_tokens, n)
+            return await complete(job, request, rid, kind, prompt_tokens, n, parsers)
         except BaseException:
             job.cancel()
             raise
 
-    async def complete(job: Job, request: Request, rid: str, kind: str, prompt_tokens: int, n: int):
+    async def complete(job: Job, request: Request, rid: str, kind: str, prompt_tokens: int, n: int, parsers):
         outs = [{"text": [], "tokens": 0, "finish": None, "stats": None, "logprobs": None} for _ in job.sequences]
         left = len(outs)
         while left:
@@ -451,8 +463,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             content, logprobs = "".join(out["text"]), out["logprobs"]
             if kind == "chat":
                 logprobs = None if logprobs is None else _chat_logprobs(logprobs, token_info)
-                choice = {"index": i, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-                          "finish_reason": out["finish"]}
+                message = {"role": "assistant", "content": content}
+                if parsers is not None:
+                    reasoning_text, message["content"] = split(parsers[i], content)
+                    message["reasoning_content"] = reasoning_text or None
+                choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": out["finish"]}
             else:
                 logprobs = None if logprobs is None else _completion_logprobs(logprobs, token_info, _TextOffsets())
                 choice = {"index": i, "text": content, "logprobs": logprobs, "finish_reason": out["finish"]}
@@ -464,7 +479,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                              "choices": choices, "usage": usage,
                              "dflash": _stats_summary(outs[0]["stats"]) if len(outs) == 1 else None})
 
-    async def stream_events(job: Job, req, rid: str, kind: str, prompt_tokens: int, n: int):
+    async def stream_events(job: Job, req, rid: str, kind: str, prompt_tokens: int, n: int, parsers):
         created_at = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         include_usage = req.include_usage
@@ -479,13 +494,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
         offsets = [_TextOffsets() for _ in job.sequences]  # (legacy text_offset of each choice)
 
-        def choice(index, text=None, finish=None, role=False, logprobs=None):
+        def choice(index, text=None, finish=None, role=False, logprobs=None, reasoning_text=""):
             """A choice's piece; ``logprobs``: the TokenLogprob s of its tokens (None: none asked)."""
             if kind == "chat":
                 delta = {}
                 if role:
                     delta["role"] = "assistant"
-                if text is not None:
+                if reasoning_text:
+                    delta["reasoning_content"] = reasoning_text
+                if text is not None and (text or not reasoning_text):
                     delta["content"] = text
                 lp = None if logprobs is None else _chat_logprobs(logprobs, token_info)
                 return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
@@ -512,15 +529,19 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             n_tokens += len(chunk.token_ids)
             # a piece with text, or with tokens whose logprobs were asked for (their text may be held back)
             piece = bool(chunk.text) or bool(chunk.logprobs)
+            reasoning_text, text = ("", chunk.text) if parsers is None else parsers[i].feed(chunk.text)
             if chunk.finish_reason is None:
                 if piece:
-                    yield frame([choice(i, chunk.text, logprobs=chunk.logprobs)])
+                    yield frame([choice(i, text, logprobs=chunk.logprobs, reasoning_text=reasoning_text)])
                 continue
             summary = _stats_summary(chunk.stats)
             cached[i] = chunk.stats.cached_prompt_tokens
             if kind == "chat":
-                if piece:
-                    yield frame([choice(i, chunk.text, logprobs=chunk.logprobs)])
+                if parsers is not None:  # what the parser held back
+                    held_reasoning, held = parsers[i].finish()
+                    reasoning_text, text = reasoning_text + held_reasoning, text + held
+                if piece or reasoning_text or text:
+                    yield frame([choice(i, text, logprobs=chunk.logprobs, reasoning_text=reasoning_text)])
                 yield frame([choice(i, finish=chunk.finish_reason)], dflash=summary)
             else:
                 yield frame([choice(i, chunk.text, chunk.finish_reason, logprobs=chunk.logprobs)], dflash=summary)

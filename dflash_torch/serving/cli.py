@@ -39,6 +39,10 @@ def register(sub) -> None:
                         "verify's cost grows with its rows, as on a CPU, many streams decode faster without drafts). "
                         "auto: each round drafts or not by the measured tokens/s of both kinds of rounds at its "
                         "number of sequences (default: always draft)")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "think", "harmony"],
+                   help="split chat replies into reasoning_content and content: think (<think>...</think>: Qwen3, "
+                        "Qwen3.5, DeepSeek-R1), harmony (gpt-oss's analysis / final channels), none (all content), "
+                        "or auto (default: harmony for gpt-oss, think when the chat template mentions <think>)")
     add_chat_template_kwargs_arg(p, "for every chat request (a request's own chat_template_kwargs and "
                                     "reasoning_effort override them)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -74,11 +78,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"dflash-torch: compiled in {took:.1f} s", flush=True)
         warn_compile_losses(args)
     app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,
-                     max_queue=args.max_queue, chat_template_kwargs=args.chat_template_kwargs)
+                     max_queue=args.max_queue, chat_template_kwargs=args.chat_template_kwargs,
+                     reasoning_parser=args.reasoning_parser)
     scheduler = app.state.scheduler
     print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "
           f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
-          f"slot{'s' if scheduler.max_batch_size > 1 else ''}, queue {scheduler.max_queue})", flush=True)
+          f"slot{'s' if scheduler.max_batch_size > 1 else ''}, queue {scheduler.max_queue}, "
+          f"reasoning parser {app.state.reasoning_parser})", flush=True)
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):

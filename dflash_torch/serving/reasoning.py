@@ -1,0 +1,170 @@
+"""Split a reasoning model's chat reply into its reasoning and its answer as text arrives,
+for the server's ``reasoning_content`` (the field DeepSeek's API, vLLM and SGLang return
+it in) and ``content``.
+
+Two formats:
+
+* ``think``: the reasoning between ``<think>`` and ``</think>`` (Qwen3, Qwen3.5,
+  QwQ, DeepSeek-R1). A reply that starts with ``<think>``, or whose prompt ends with
+  an opened ``<think>`` (templates that open it themselves), is reasoning up to
+  ``</think>`` (all of it if that never comes: the reply was cut while thinking); the
+  text after is the answer. A reply that starts otherwise is all answer.
+* ``harmony``: gpt-oss's messages, ``<|channel|>NAME<|message|>BODY<|end|>``, each
+  further one after ``<|start|>assistant``: bodies of the ``analysis`` channel are
+  reasoning, all others (``final``, ``commentary``) the answer; the markers are dropped
+  (OpenAI's harmony response format). Text outside any message is answer.
+
+A parser is fed the reply's text in pieces (:meth:`ReasoningParser.feed`) and returns
+what each piece adds to either part, holding back a trailing piece of text that may
+still become a marker, until :meth:`ReasoningParser.finish`. The parts do not depend on
+where the pieces were cut.
+"""
+
+from __future__ import annotations
+
+from ..errors import DFlashError
+
+PARSERS = ("auto", "none", "think", "harmony")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>", "<|return|>", "<|call|>")
+
+
+class ReasoningParser:
+    """Base: all text is the answer."""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """``(reasoning, answer)`` that ``text`` (the next piece of the reply) adds."""
+        return "", text
+
+    def finish(self) -> tuple[str, str]:
+        """``(reasoning, answer)`` of the text held back, at the end of the reply."""
+        return "", ""
+
+
+def _held(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a marker."""
+    for n in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
+        if any(m.startswith(text[-n:]) and len(m) > n for m in markers):
+            return n
+    return 0
+
+
+class ThinkParser(ReasoningParser):
+    """The ``think`` format (see the module docstring)."""
+
+    def __init__(self, starts_in_reasoning: bool = False):
+        self.state = "reasoning" if starts_in_reasoning else "start"
+        self.buffer = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.buffer += text
+        reasoning = answer = ""
+        if self.state == "start":
+            stripped = self.buffer.lstrip()
+            if stripped.startswith(THINK_OPEN):
+                self.state, self.buffer = "reasoning", stripped[len(THINK_OPEN):]
+            elif THINK_OPEN.startswith(stripped):
+                return "", ""  # (empty or a prefix of <think>: not known yet)
+            else:
+                self.state = "answer"
+        if self.state == "reasoning":
+            end = self.buffer.find(THINK_CLOSE)
+            if end < 0:
+                keep = _held(self.buffer, (THINK_CLOSE,))
+                reasoning, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                return reasoning, ""
+            reasoning, self.buffer, self.state = self.buffer[:end], self.buffer[end + len(THINK_CLOSE):], "answer"
+        if self.state == "answer":
+            answer, self.buffer = self.buffer, ""
+        return reasoning, answer
+
+    def finish(self) -> tuple[str, str]:
+        rest, self.buffer = self.buffer, ""
+        return (rest, "") if self.state == "reasoning" else ("", rest)
+
+
+class HarmonyParser(ReasoningParser):
+    """The ``harmony`` format (see the module docstring)."""
+
+    def __init__(self):
+        self.state = "body"  # body | header | between
+        self.channel = "final"  # text before any message is answer
+        self.header = ""
+        self.buffer = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.buffer += text
+        parts = {"reasoning": [], "answer": []}
+        while True:
+            at = self.buffer.find("<|")
+            marker = next((m for m in HARMONY_MARKERS if self.buffer.startswith(m, at)), None) if at >= 0 else None
+            if marker is None:
+                keep = _held(self.buffer, HARMONY_MARKERS)
+                self._text(self.buffer[:len(self.buffer) - keep], parts)
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                break
+            self._text(self.buffer[:at], parts)
+            self.buffer = self.buffer[at + len(marker):]
+            self._marker(marker)
+        return "".join(parts["reasoning"]), "".join(parts["answer"])
+
+    def _text(self, text: str, parts: dict) -> None:
+        if self.state == "header":
+            self.header += text
+        elif self.state == "body" and text:
+            parts["reasoning" if self.channel == "analysis" else "answer"].append(text)
+        # (between messages: the role after <|start|>, dropped)
+
+    def _marker(self, marker: str) -> None:
+        if marker == "<|channel|>":
+            self.state, self.header = "header", ""
+        elif marker == "<|message|>":
+            self.channel = self.header.split()[0] if self.header.split() else "final"
+            self.state = "body"
+        elif marker in ("<|end|>", "<|return|>", "<|call|>", "<|start|>"):
+            self.state = "between"
+        # (<|constrain|> belongs to the header: its text is dropped with it)
+
+    def finish(self) -> tuple[str, str]:
+        rest, self.buffer = self.buffer, ""
+        if self.state != "body" or not rest:
+            return "", ""
+        return (rest, "") if self.channel == "analysis" else ("", rest)
+
+
+def check_reasoning_parser(value: str, name: str = "reasoning_parser") -> str:
+    """One of :data:`PARSERS`.
+
+    Raises:
+        DFlashError: any other value.
+    """
+    if value not in PARSERS:
+        raise DFlashError(f"{name} must be one of {', '.join(PARSERS)}, got {value!r}")
+    return value
+
+
+def resolve_parser(choice: str, model_type: str, chat_template: str | None) -> str:
+    """The format a server with ``--reasoning-parser choice`` uses: ``auto`` is
+    ``harmony`` for gpt-oss, ``think`` for a chat template that mentions ``<think>`` or
+    ``</think>``, else ``none``."""
+    if choice != "auto":
+        return choice
+    if model_type == "gpt_oss":
+        return "harmony"
+    return "think" if chat_template and (THINK_OPEN in chat_template or THINK_CLOSE in chat_template) else "none"
+
+
+def new_parser(kind: str, prompt_text: str = "") -> ReasoningParser | None:
+    """A parser of ``kind`` for a reply to a prompt ending in ``prompt_text`` (None for ``none``)."""
+    if kind == "think":
+        return ThinkParser(starts_in_reasoning=prompt_text.rstrip().endswith(THINK_OPEN))
+    if kind == "harmony":
+        return HarmonyParser()
+    return None
+
+
+def split(parser: ReasoningParser, text: str) -> tuple[str, str]:
+    """``(reasoning, answer)`` of a whole reply."""
+    r1, a1 = parser.feed(text)
+    r2, a2 = parser.finish()
+    return r1 + r2, a1 + a2

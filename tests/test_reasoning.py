@@ -1,0 +1,149 @@
+"""Splitting a reasoning model's reply into ``reasoning_content`` and ``content``
+(dflash_torch/serving/reasoning.py): the ``think`` and ``harmony`` formats on whole
+replies, and the same parts however the reply is cut into streamed pieces."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_torch.serving.reasoning import HarmonyParser, ThinkParser, new_parser, resolve_parser, split
+
+HARMONY = ("<|channel|>analysis<|message|>We need 2+2. That is 4.<|end|><|start|>assistant"
+           "<|channel|>final<|message|>The answer is **4**.")
+
+CASES = [  # (parser kind, prompt tail, reply, reasoning, answer)
+    ("think", "", "<think>\nadd them\n</think>\n\n4", "\nadd them\n", "\n\n4"),
+    ("think", "", "\n<think>a</think>b", "a", "b"),
+    ("think", "", "no thinking here, 2 < 3 </think> stays", "", "no thinking here, 2 < 3 </think> stays"),
+    ("think", "", "<think>cut while thinking", "cut while thinking", ""),
+    ("think", "", "<thi", "", "<thi"),
+    ("think", "", "", "", ""),
+    ("think", "<|im_start|>assistant\n<think>\n", "opened by the template</think>answer", "opened by the template", "answer"),
+    ("think", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "plain answer", "", "plain answer"),
+    ("harmony", "", HARMONY, "We need 2+2. That is 4.", "The answer is **4**."),
+    ("harmony", "", "<|channel|>final<|message|>only an answer", "", "only an answer"),
+    ("harmony", "", "<|channel|>analysis<|message|>cut while thinking", "cut while thinking", ""),
+    ("harmony", "", "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\": 1}<|call|>", "",
+     '{"a": 1}'),
+    ("harmony", "", "no markers at all: a < b", "", "no markers at all: a < b"),
+    ("harmony", "", "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>analysis<|message|>y<|end|>"
+                    "<|start|>assistant<|channel|>final<|message|>z", "xy", "z"),
+]
+
+
+@pytest.mark.parametrize("kind,prompt,reply,reasoning,answer", CASES)
+def test_whole_replies(kind, prompt, reply, reasoning, answer):
+    assert split(new_parser(kind, prompt), reply) == (reasoning, answer)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(CASES), cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=12))
+def test_streamed_pieces_give_the_same_parts(case, cuts):
+    kind, prompt, reply, reasoning, answer = case
+    bounds = sorted({c % (len(reply) + 1) for c in cuts} | {0, len(reply)})
+    parser = new_parser(kind, prompt)
+    got_r, got_a = [], []
+    for a, b in zip(bounds, bounds[1:]):
+        r, t = parser.feed(reply[a:b])
+        got_r.append(r)
+        got_a.append(t)
+    r, t = parser.finish()
+    assert ("".join(got_r) + r, "".join(got_a) + t) == (reasoning, answer)
+
+
+def test_markers_are_held_back_only_while_they_may_still_complete():
+    p = HarmonyParser()
+    assert p.feed("<|channel|>final<|message|>Hi <|") == ("", "Hi ")  # "<|" may start a marker
+    assert p.feed("there") == ("", "<|there")
+    t = ThinkParser()
+    assert t.feed("<think>abc</th") == ("abc", "")
+    assert t.feed("ink>done") == ("", "done")
+
+
+def test_auto_picks_the_format_by_model_and_template():
+    assert resolve_parser("auto", "gpt_oss", None) == "harmony"
+    assert resolve_parser("auto", "qwen3", "{% if x %}<think>\n\n</think>{% endif %}") == "think"
+    assert resolve_parser("auto", "qwen3", "# {{ m.content }}") == "none"
+    assert resolve_parser("none", "gpt_oss", None) == "none" and new_parser("none") is None
+
+
+# --- a real server, a real model that writes "</think>" -------------------------------------------
+
+THINKING_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}# assistant:\n<think>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_pair(tmp_path_factory):
+    """An agreeable pair whose target often writes the added token ``</think>``, with a chat
+    template that opens ``<think>`` itself (as Qwen3.5-style templates do)."""
+    from transformers import AutoTokenizer
+
+    from conftest import make_agreeable_pair, make_tokenizer
+
+    root = tmp_path_factory.mktemp("thinking")
+    tok_dir = root / "tokenizer"
+    make_tokenizer(tok_dir, vocab_size=318)  # room for one added token in the targets' 320
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    tok.add_tokens(["</think>"])
+    tok.chat_template = THINKING_TEMPLATE
+    tok.save_pretrained(str(tok_dir))
+    return make_agreeable_pair(root / "pair", tok_dir, agree_token=tok.convert_tokens_to_ids("</think>"), beta=1.0)
+
+
+def _server(pair, tmp_path_factory, *extra):
+    import subprocess
+    import sys
+
+    from test_server import API_KEY, Server, _env, _free_port, _wait_until_up
+
+    target, drafter = pair
+    port, log = _free_port(), tmp_path_factory.mktemp("reasoning-server") / "server.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target), "--draft",
+                                 str(drafter), "--port", str(port), "--api-key", API_KEY, "--log-level", "warning", *extra],
+                                stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    base = f"http://127.0.0.1:{port}"
+    _wait_until_up(proc, base, log)
+    return Server(base, proc, log)
+
+
+def test_server_splits_reasoning_from_content_streamed_and_not(thinking_pair, tmp_path_factory):
+    from dflash_torch import DFlashEngine
+    from test_server import stop
+
+    messages = [{"role": "user", "content": "def f(x):"}]
+    engine = DFlashEngine.from_pretrained(*thinking_pair)
+    raw = engine.generate(messages, max_new_tokens=40, ignore_eos=True).text
+    assert 0 < raw.index("</think>") < raw.rindex("</think>")  # thinks, answers (a later </think> is answer)
+    reasoning, answer = raw.split("</think>", 1)
+    server = _server(thinking_pair, tmp_path_factory)  # --reasoning-parser auto: the template mentions <think>
+    try:
+        client = server.client()
+        model = client.models.list().data[0].id
+        kw = dict(model=model, messages=messages, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+        msg = client.chat.completions.create(**kw).choices[0].message
+        assert (msg.reasoning_content, msg.content) == (reasoning, answer)
+        parts = {"reasoning_content": [], "content": []}
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            for key in parts:
+                if delta is not None and getattr(delta, key, None):
+                    parts[key].append(getattr(delta, key))
+        assert ("".join(parts["reasoning_content"]), "".join(parts["content"])) == (reasoning, answer)
+        # completions are not chat replies: raw text
+        text = client.completions.create(model=model, prompt=engine.decode(engine.encode_prompt(messages)),
+                                         max_tokens=40, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+        assert text == raw
+    finally:
+        stop(server.proc)
+    server = _server(thinking_pair, tmp_path_factory, "--reasoning-parser", "none")
+    try:
+        client = server.client()
+        msg = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, max_tokens=40,
+                                             temperature=0, extra_body={"ignore_eos": True}).choices[0].message
+        assert msg.content == raw and getattr(msg, "reasoning_content", None) is None
+    finally:
+        stop(server.proc)
