@@ -321,15 +321,17 @@ def test_packed_mxfp4_experts_decode_like_dequantized_ones(mxfp4_checkpoint):
     assert [o.token_ids for o in batch.generate_batch(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)] == refs
 
 
+@pytest.mark.parametrize("tokens", [1, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gathered_dispatch_of_packed_experts_equals_the_sparse_one(mxfp4_checkpoint, dtype):
-    """The CUDA-graph path (every expert dequantized, then gathered) == the eager one."""
+def test_gathered_dispatch_of_packed_experts_equals_the_sparse_one(mxfp4_checkpoint, dtype, tokens):
+    """The CUDA-graph path == the eager one: 1 token (2 pairs, fewer than the 4 experts:
+    each pair's expert dequantized) and 6 tokens (every expert dequantized, then gathered)."""
     from dflash_torch.models.moe import dispatch_experts, gathered_experts
 
     target_dir, _ = mxfp4_checkpoint
     moe = TargetModel.from_pretrained(target_dir, dtype, mxfp4="packed").model.layers[1].mlp
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 64, generator=g).to(dtype)
+    x = torch.randn(tokens, 64, generator=g).to(dtype)
     top, experts = torch.topk(moe.router(x), 2, dim=-1)
     weights = torch.softmax(top, dim=-1, dtype=torch.float32).to(dtype)
     gate_up, down, gate_up_scales, down_scales = moe.experts.matrices()

@@ -120,7 +120,8 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
 
 
 def _expert(weight: torch.Tensor, scales: torch.Tensor | None, e, dtype: torch.dtype) -> torch.Tensor:
-    """Expert ``e``'s matrix (``e`` a slice: those experts' matrices) in ``dtype``, dequantized when MXFP4."""
+    """Expert ``e``'s matrix (``e`` a slice or an index tensor: those experts' matrices) in
+    ``dtype``, dequantized when MXFP4."""
     if scales is None:
         return weight[e]
     from .mxfp4 import dequantize
@@ -138,18 +139,23 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     gathers its expert's weights and the ``T * k`` pairs run as two batched matmuls. It
     reads an expert's weights once per pair that chose it (``T * k`` expert reads against
     the distinct experts hit), and sums a token's ``k`` outputs in slot order. MXFP4
-    matrices are dequantized whole (all E experts) and then gathered.
+    matrices are dequantized per pair when there are fewer pairs than experts, else
+    whole (all E experts) and then gathered.
     """
     t, k = experts.shape
     ids = experts.reshape(-1)  # token-major pairs
-    gate_up_proj = _expert(gate_up_proj, gate_up_scales, slice(None), x.dtype)
-    down_proj = _expert(down_proj, down_scales, slice(None), x.dtype)
+
+    def per_pair(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:  # [T * k, rows, cols]
+        if scales is not None and ids.numel() < weight.shape[0]:
+            return _expert(weight, scales, ids, x.dtype)
+        return _expert(weight, scales, slice(None), x.dtype)[ids]
+
     rows = x.repeat_interleave(k, dim=0)[:, :, None]  # [T * k, hidden, 1]
-    gate_up = torch.bmm(gate_up_proj[ids], rows)[..., 0]
+    gate_up = torch.bmm(per_pair(gate_up_proj, gate_up_scales), rows)[..., 0]
     if gate_up_bias is not None:
         gate_up = gate_up + gate_up_bias[ids]
     gate, up = gate_up.chunk(2, dim=-1)
-    h = torch.bmm(down_proj[ids], expert_activation(gate, up, swiglu_limit, swiglu_alpha)[:, :, None])[..., 0]
+    h = torch.bmm(per_pair(down_proj, down_scales), expert_activation(gate, up, swiglu_limit, swiglu_alpha)[:, :, None])[..., 0]
     if down_bias is not None:
         h = h + down_bias[ids]  # [T * k, hidden]
     return (h * weights.reshape(-1, 1)).view(t, k, -1).sum(dim=1)
