@@ -28,7 +28,8 @@ from ..errors import DFlashError
 from . import mxfp4
 from .attention import Attention
 from .layers import RMSNorm
-from .config import MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, number_field
+from .config import (MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, check_layer_types,
+                     number_field)
 from .moe import dispatch_experts
 from .target import DecoderLayer, TargetModel
 
@@ -51,17 +52,16 @@ def parse_config(cfg: dict) -> GptOssConfig:
     """A ``gpt_oss`` ``config.json`` -> :class:`GptOssConfig`.
 
     Raises:
-        DFlashError: missing keys, a ``layer_types`` of the wrong length or with another
-            type, sliding layers without ``sliding_window``, top-k outside the experts.
+        DFlashError: missing keys, a ``layer_types`` that is not a list of names, of the
+            wrong length or with another type, sliding layers without ``sliding_window``,
+            top-k outside the experts.
     """
     fields = base_target_fields(cfg, "gpt_oss")
     n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or [LAYER_TYPES[i % 2] for i in range(n)]  # transformers' default
-    if len(types) != n:
-        raise DFlashError(f"target layer_types has {len(types)} entries but num_hidden_layers is {n}")
-    unknown = sorted(set(types) - set(LAYER_TYPES))
-    if unknown:
-        raise DFlashError(f"target layer_types {unknown} are not supported by gpt_oss ({', '.join(LAYER_TYPES)})")
+    types = cfg.get("layer_types")
+    if types is None:
+        types = [LAYER_TYPES[i % 2] for i in range(n)]  # transformers' default
+    types = check_layer_types(types, n, LAYER_TYPES, "gpt_oss")
     window = check_int(cfg, "sliding_window", "target")
     if window is None and "sliding_attention" in types:
         raise DFlashError("target config.json has sliding_attention layers but no sliding_window")
