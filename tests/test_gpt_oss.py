@@ -276,6 +276,16 @@ def _drop(key):
     return lambda w: w.pop(key)
 
 
+def test_a_matrix_stored_both_unquantized_and_mxfp4_is_refused(mxfp4_checkpoint, tmp_path):
+    """Neither copy wins silently (dequantized, the MXFP4 one replaced the other)."""
+    key = "model.layers.1.mlp.experts.down_proj"
+    bad = _edit(mxfp4_checkpoint[0], tmp_path / "twice", state=lambda w: w.update({key: torch.zeros(4, 32, 64)}))
+    with pytest.raises(DFlashError, match=f"^weight {key} is stored twice, unquantized and as MXFP4 {key}_blocks / _scales$"):
+        TargetModel.from_pretrained(bad, torch.float32, mxfp4="dequantize")
+    with pytest.raises(DFlashError, match=f"^target checkpoint .* has weights this gpt_oss model does not use .*: {key}$"):
+        TargetModel.from_pretrained(bad, torch.float32, mxfp4="packed")
+
+
 @pytest.mark.parametrize("config,state,message", [
     (lambda c: c.update(quantization_config={"quant_method": "fp8"}), None,
      r"quantized \(quant_method 'fp8'\); .*\(and mxfp4 for this model_type\)"),

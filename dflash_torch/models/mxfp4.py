@@ -72,7 +72,8 @@ def dequantize_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
 
     Raises:
         DFlashError: a ``_blocks`` tensor without its ``_scales`` or the other way round,
-            or a pair :func:`dequantize` refuses.
+            a pair whose ``NAME`` is in ``state`` too (the matrix stored twice), or a pair
+            :func:`dequantize` refuses.
     """
     names = {k.removesuffix("_blocks") for k in state if k.endswith("_blocks")}
     names |= {k.removesuffix("_scales") for k in state if k.endswith("_scales")}
@@ -80,6 +81,8 @@ def dequantize_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
         if f"{name}_blocks" not in state or f"{name}_scales" not in state:
             half = "_scales" if f"{name}_blocks" in state else "_blocks"
             raise DFlashError(f"MXFP4 weight {name} lacks its {name}{half} tensor")
+        if name in state:
+            raise DFlashError(f"weight {name} is stored twice, unquantized and as MXFP4 {name}_blocks / _scales")
         state[name] = dequantize(state.pop(f"{name}_blocks"), state.pop(f"{name}_scales"), dtype, name)
     return state
 
