@@ -310,6 +310,29 @@ def test_bad_checkpoints_are_refused_in_one_line(mxfp4_checkpoint, tmp_path, con
     assert "\n" not in str(err.value)
 
 
+def _flatten(key, dims):
+    return lambda w: w.update({key: w[key].reshape(-1, *w[key].shape[w[key].dim() - dims + 1:]).contiguous()})
+
+
+_P = "model.layers.0.mlp.experts."
+
+
+@pytest.mark.parametrize("mxfp4,edit,message", [
+    (True, lambda w: (_flatten(_P + "gate_up_proj_blocks", 2)(w), _flatten(_P + "gate_up_proj_scales", 1)(w)),
+     {"dequantize": rf"^MXFP4 weight {_P}gate_up_proj: blocks \(512, 16\) and scales \(512,\) do not match",
+      "packed": rf"^target weight {_P}gate_up_proj_blocks has shape \(512, 16\); expected 4 dimensions$"}),
+    (False, _flatten(_P + "gate_up_proj_bias", 1), rf"^target weight {_P}gate_up_proj_bias has shape \(192,\); expected 2"),
+    (False, _flatten(_P + "down_proj", 2), rf"^target weight {_P}down_proj has shape \(96, 64\); expected 3 dimensions$"),
+])
+def test_expert_tensors_with_other_dimensions_are_refused_in_one_line(checkpoint, mxfp4_checkpoint, tmp_path, mxfp4,
+                                                                       edit, message):
+    """(They reached the gate/up row rewrite, or the dequantizer, and raised an IndexError.)"""
+    bad = _edit((mxfp4_checkpoint if mxfp4 else checkpoint)[0], tmp_path / "bad", state=edit)
+    for mode in ("dequantize", "packed") if mxfp4 else ("auto",):
+        with pytest.raises(DFlashError, match=message[mode] if isinstance(message, dict) else message):
+            TargetModel.from_pretrained(bad, torch.float32, mxfp4=mode)
+
+
 def test_packed_mxfp4_experts_decode_like_dequantized_ones(mxfp4_checkpoint):
     """Experts kept MXFP4 (dequantized per forward) give the dequantized model's logits
     exactly, and its tokens in every decoding mode."""

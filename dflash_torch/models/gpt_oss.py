@@ -234,7 +234,8 @@ class Model(TargetModel):
         the dtype of the checkpoint's other weights, as loaded) unless ``cfg.keep_mxfp4``.
 
         Raises:
-            DFlashError: an MXFP4 pair that does not match, or a scale of 255 (:mod:`.mxfp4`).
+            DFlashError: an MXFP4 pair that does not match, a scale of 255 (:mod:`.mxfp4`), an
+                expert tensor with another number of dimensions than its layout's.
         """
         quantized = {k.removesuffix("_blocks") for k in state if k.endswith("_blocks")}
         if cfg.keep_mxfp4:
@@ -245,6 +246,10 @@ class Model(TargetModel):
             mxfp4.dequantize_state(state, dtype)
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}.mlp.experts."
+            for name, dims in _EXPERT_DIMS.items():  # (what the rewrites below index)
+                if p + name in state and state[p + name].dim() != dims:
+                    raise DFlashError(f"target weight {p + name} has shape {tuple(state[p + name].shape)}; "
+                                      f"expected {dims} dimensions")
             for key in (p + "gate_up_proj", p + "gate_up_proj_blocks", p + "gate_up_proj_scales"):
                 if key in state:
                     w = state[key]
@@ -256,6 +261,11 @@ class Model(TargetModel):
             if p + "down_proj" in state and p + "down_proj" not in quantized:
                 state[p + "down_proj"] = state[p + "down_proj"].transpose(1, 2).contiguous()  # -> [E, H, I]
         return state
+
+
+# dimensions of each expert tensor of a checkpoint ([E, ...]; MXFP4 pairs as stored, or dequantized)
+_EXPERT_DIMS = {"gate_up_proj": 3, "down_proj": 3, "gate_up_proj_bias": 2, "down_proj_bias": 2,
+                "gate_up_proj_blocks": 4, "gate_up_proj_scales": 3, "down_proj_blocks": 4, "down_proj_scales": 3}
 
 
 def _gate_rows_first(w: torch.Tensor) -> torch.Tensor:

@@ -37,14 +37,15 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, n
         ``[..., rows, G * 32]`` in ``dtype``, on the device of ``blocks``.
 
     Raises:
-        DFlashError: a tensor that is not uint8, or shapes that do not match.
+        DFlashError: a tensor that is not uint8, or shapes that do not match (``blocks``
+            with fewer than 3 dimensions).
     """
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise DFlashError(f"MXFP4 weight {name}: blocks and scales must be uint8, got "
                           f"{str(blocks.dtype).removeprefix('torch.')} and {str(scales.dtype).removeprefix('torch.')}")
-    if blocks.dim() < 2 or blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+    if blocks.dim() < 3 or blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise DFlashError(f"MXFP4 weight {name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
-                          f"match (expected [..., G, {BLOCK // 2}] and [..., G])")
+                          f"match (expected [..., rows, G, {BLOCK // 2}] and [..., rows, G])")
     out = torch.empty(*scales.shape[:-1], scales.shape[-1] * BLOCK, dtype=dtype, device=blocks.device)
     pairs = _byte_values(dtype, blocks.device)
     flat_blocks, flat_scales, flat_out = blocks.flatten(0, -3), scales.flatten(0, -2), out.flatten(0, -2)
