@@ -319,8 +319,7 @@ _P = "model.layers.0.mlp.experts."
 
 @pytest.mark.parametrize("mxfp4,edit,message", [
     (True, lambda w: (_flatten(_P + "gate_up_proj_blocks", 2)(w), _flatten(_P + "gate_up_proj_scales", 1)(w)),
-     {"dequantize": rf"^MXFP4 weight {_P}gate_up_proj: blocks \(512, 16\) and scales \(512,\) do not match",
-      "packed": rf"^target weight {_P}gate_up_proj_blocks has shape \(512, 16\); expected 4 dimensions$"}),
+     rf"^MXFP4 weight {_P}gate_up_proj: blocks \(512, 16\) and scales \(512,\) do not match"),
     (False, _flatten(_P + "gate_up_proj_bias", 1), rf"^target weight {_P}gate_up_proj_bias has shape \(192,\); expected 2"),
     (False, _flatten(_P + "down_proj", 2), rf"^target weight {_P}down_proj has shape \(96, 64\); expected 3 dimensions$"),
 ])
@@ -329,7 +328,7 @@ def test_expert_tensors_with_other_dimensions_are_refused_in_one_line(checkpoint
     """(They reached the gate/up row rewrite, or the dequantizer, and raised an IndexError.)"""
     bad = _edit((mxfp4_checkpoint if mxfp4 else checkpoint)[0], tmp_path / "bad", state=edit)
     for mode in ("dequantize", "packed") if mxfp4 else ("auto",):
-        with pytest.raises(DFlashError, match=message[mode] if isinstance(message, dict) else message):
+        with pytest.raises(DFlashError, match=message):
             TargetModel.from_pretrained(bad, torch.float32, mxfp4=mode)
 
 
@@ -388,6 +387,31 @@ def test_auto_keeps_mxfp4_packed_only_when_dequantized_weights_would_not_fit(mxf
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: need["packed"] - 1)
     with pytest.raises(DFlashError, match="^the target needs .* GB for its weights in float32; cpu has .* GB free$"):
         TargetModel.from_pretrained(target_dir, torch.float32)
+
+
+def _scale_254(element: int):
+    """An edit: the first block of layer 2's down_proj gets scale 254 (2 ** 127) and every
+    element the E2M1 code ``element``."""
+    def edit(w):
+        w["model.layers.2.mlp.experts.down_proj_scales"].view(-1)[0] = 254
+        w["model.layers.2.mlp.experts.down_proj_blocks"].view(-1, 16)[0] = element * 0x11
+    return edit
+
+
+def test_packed_blocks_that_overflow_are_refused_like_dequantized_ones(mxfp4_checkpoint, tmp_path):
+    """2 ** 127 times an element of 2 or more is infinite in float32 and bfloat16: dequantized,
+    the loader refuses it; packed, it used to load and decode NaN logits (every token 0)."""
+    target_dir, _ = mxfp4_checkpoint
+    bad = _edit(target_dir, tmp_path / "inf", state=_scale_254(4))  # code 4: 2.0
+    with pytest.raises(DFlashError, match="^target weight model.layers.2.mlp.experts.down_proj .*holds NaN or infinite"):
+        TargetModel.from_pretrained(bad, torch.float32, mxfp4="dequantize")
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(DFlashError, match="^MXFP4 weight model.layers.2.mlp.experts.down_proj has scale 254 on a "
+                                              r"block with elements of magnitude 2 or more \(infinite in float32"):
+            TargetModel.from_pretrained(bad, dtype, mxfp4="packed")
+    big = _edit(target_dir, tmp_path / "big", state=_scale_254(3))  # code 3: 1.5, finite: both modes load it
+    for mode in ("dequantize", "packed"):
+        assert TargetModel.from_pretrained(big, torch.float32, mxfp4=mode).config.keep_mxfp4 == (mode == "packed")
 
 
 def test_mxfp4_option_is_checked(checkpoint, mxfp4_checkpoint, tmp_path, capsys):

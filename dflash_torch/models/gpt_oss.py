@@ -234,13 +234,15 @@ class Model(TargetModel):
         the dtype of the checkpoint's other weights, as loaded) unless ``cfg.keep_mxfp4``.
 
         Raises:
-            DFlashError: an MXFP4 pair that does not match, a scale of 255 (:mod:`.mxfp4`), an
-                expert tensor with another number of dimensions than its layout's.
+            DFlashError: an MXFP4 pair that does not match, packed blocks that are not finite
+                (:func:`.mxfp4.check_finite`), an expert tensor with another number of
+                dimensions than its layout's.
         """
         quantized = {k.removesuffix("_blocks") for k in state if k.endswith("_blocks")}
-        if cfg.keep_mxfp4:
-            for key in (k for k in state if k.endswith("_scales")):
-                mxfp4.check_scales(state[key], key.removesuffix("_scales"))
+        if cfg.keep_mxfp4:  # (dequantized, the loader's finiteness check covers what check_finite does)
+            for name in sorted(quantized):
+                if name + "_scales" in state:
+                    mxfp4.check_finite(state[name + "_blocks"], state[name + "_scales"], name)
         else:
             dtype = state["model.embed_tokens.weight"].dtype if "model.embed_tokens.weight" in state else torch.float32
             mxfp4.dequantize_state(state, dtype)
