@@ -311,6 +311,7 @@ def test_bad_checkpoints_are_refused_in_one_line(mxfp4_checkpoint, tmp_path, con
 
 
 def _flatten(key, dims):
+    """An edit: the tensor ``key`` with its leading dimensions merged, ``dims`` left."""
     return lambda w: w.update({key: w[key].reshape(-1, *w[key].shape[w[key].dim() - dims + 1:]).contiguous()})
 
 
