@@ -276,11 +276,24 @@ def _drop(key):
     return lambda w: w.pop(key)
 
 
+def test_a_matrix_stored_both_unquantized_and_mxfp4_is_refused(mxfp4_checkpoint, tmp_path):
+    """Neither copy wins silently (dequantized, the MXFP4 one replaced the other)."""
+    key = "model.layers.1.mlp.experts.down_proj"
+    bad = _edit(mxfp4_checkpoint[0], tmp_path / "twice", state=lambda w: w.update({key: torch.zeros(4, 32, 64)}))
+    with pytest.raises(DFlashError, match=f"^weight {key} is stored twice, unquantized and as MXFP4 {key}_blocks / _scales$"):
+        TargetModel.from_pretrained(bad, torch.float32, mxfp4="dequantize")
+    with pytest.raises(DFlashError, match=f"^target checkpoint .* has weights this gpt_oss model does not use .*: {key}$"):
+        TargetModel.from_pretrained(bad, torch.float32, mxfp4="packed")
+
+
 @pytest.mark.parametrize("config,state,message", [
     (lambda c: c.update(quantization_config={"quant_method": "fp8"}), None,
      r"quantized \(quant_method 'fp8'\); .*\(and mxfp4 for this model_type\)"),
     (lambda c: c.update(layer_types=["sliding_attention", "linear_attention"] * 2), None,
      r"layer_types \['linear_attention'\] are not supported by gpt_oss"),
+    (lambda c: c.update(layer_types=4), None, r"^target layer_types must be a list of 4 layer type names .*got 4$"),
+    (lambda c: c.update(layer_types="sliding_attention"), None, "layer_types must be a list of 4 layer type names"),
+    (lambda c: c.update(layer_types=[["sliding_attention"]] * 4), None, "layer_types must be a list of 4 layer type names"),
     (lambda c: c.update(sliding_window=None), None, "has sliding_attention layers but no sliding_window"),
     (lambda c: c.update(num_experts_per_tok=9), None, r"num_experts_per_tok 9 must be in \[1, num_local_experts=4\]"),
     (None, _drop("model.layers.1.mlp.experts.down_proj_scales"),
@@ -295,6 +308,29 @@ def test_bad_checkpoints_are_refused_in_one_line(mxfp4_checkpoint, tmp_path, con
     with pytest.raises(DFlashError, match=message) as err:
         TargetModel.from_pretrained(bad, torch.float32)
     assert "\n" not in str(err.value)
+
+
+def _flatten(key, dims):
+    """An edit: the tensor ``key`` with its leading dimensions merged, ``dims`` left."""
+    return lambda w: w.update({key: w[key].reshape(-1, *w[key].shape[w[key].dim() - dims + 1:]).contiguous()})
+
+
+_P = "model.layers.0.mlp.experts."
+
+
+@pytest.mark.parametrize("mxfp4,edit,message", [
+    (True, lambda w: (_flatten(_P + "gate_up_proj_blocks", 2)(w), _flatten(_P + "gate_up_proj_scales", 1)(w)),
+     rf"^MXFP4 weight {_P}gate_up_proj: blocks \(512, 16\) and scales \(512,\) do not match"),
+    (False, _flatten(_P + "gate_up_proj_bias", 1), rf"^target weight {_P}gate_up_proj_bias has shape \(192,\); expected 2"),
+    (False, _flatten(_P + "down_proj", 2), rf"^target weight {_P}down_proj has shape \(96, 64\); expected 3 dimensions$"),
+])
+def test_expert_tensors_with_other_dimensions_are_refused_in_one_line(checkpoint, mxfp4_checkpoint, tmp_path, mxfp4,
+                                                                       edit, message):
+    """(They reached the gate/up row rewrite, or the dequantizer, and raised an IndexError.)"""
+    bad = _edit((mxfp4_checkpoint if mxfp4 else checkpoint)[0], tmp_path / "bad", state=edit)
+    for mode in ("dequantize", "packed") if mxfp4 else ("auto",):
+        with pytest.raises(DFlashError, match=message):
+            TargetModel.from_pretrained(bad, torch.float32, mxfp4=mode)
 
 
 def test_packed_mxfp4_experts_decode_like_dequantized_ones(mxfp4_checkpoint):
@@ -354,6 +390,31 @@ def test_auto_keeps_mxfp4_packed_only_when_dequantized_weights_would_not_fit(mxf
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: need["packed"] - 1)
     with pytest.raises(DFlashError, match="^the target needs .* GB for its weights in float32; cpu has .* GB free$"):
         TargetModel.from_pretrained(target_dir, torch.float32)
+
+
+def _scale_254(element: int):
+    """An edit: the first block of layer 2's down_proj gets scale 254 (2 ** 127) and every
+    element the E2M1 code ``element``."""
+    def edit(w):
+        w["model.layers.2.mlp.experts.down_proj_scales"].view(-1)[0] = 254
+        w["model.layers.2.mlp.experts.down_proj_blocks"].view(-1, 16)[0] = element * 0x11
+    return edit
+
+
+def test_packed_blocks_that_overflow_are_refused_like_dequantized_ones(mxfp4_checkpoint, tmp_path):
+    """2 ** 127 times an element of 2 or more is infinite in float32 and bfloat16: dequantized,
+    the loader refuses it; packed, it used to load and decode NaN logits (every token 0)."""
+    target_dir, _ = mxfp4_checkpoint
+    bad = _edit(target_dir, tmp_path / "inf", state=_scale_254(4))  # code 4: 2.0
+    with pytest.raises(DFlashError, match="^target weight model.layers.2.mlp.experts.down_proj .*holds NaN or infinite"):
+        TargetModel.from_pretrained(bad, torch.float32, mxfp4="dequantize")
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(DFlashError, match="^MXFP4 weight model.layers.2.mlp.experts.down_proj has scale 254 on a "
+                                              r"block with elements of magnitude 2 or more \(infinite in float32"):
+            TargetModel.from_pretrained(bad, dtype, mxfp4="packed")
+    big = _edit(target_dir, tmp_path / "big", state=_scale_254(3))  # code 3: 1.5, finite: both modes load it
+    for mode in ("dequantize", "packed"):
+        assert TargetModel.from_pretrained(big, torch.float32, mxfp4=mode).config.keep_mxfp4 == (mode == "packed")
 
 
 def test_mxfp4_option_is_checked(checkpoint, mxfp4_checkpoint, tmp_path, capsys):

@@ -316,6 +316,7 @@ def test_unknown_weights_in_a_hybrid_checkpoint_are_refused(checkpoints, tmp_pat
     ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
     ({"layer_types": ["linear_attention"] * 5}, "layer_types has 5 entries"),
     ({"layer_types": ["sliding_attention"] * 6}, "sliding_attention"),
+    ({"layer_types": "linear_attention"}, "layer_types must be a list of 6 layer type names"),
     ({"linear_num_value_heads": 3}, "not a multiple"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok 9"),
     ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false, got 'yes'"),

@@ -343,11 +343,24 @@ def layer_types(cfg: dict) -> list[str]:
     if types is None:
         interval = cfg.get("full_attention_interval", 4)
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    return check_layer_types(types, n, ("full_attention", "linear_attention"))
+
+
+def check_layer_types(types, n: int, supported: tuple[str, ...], family: str | None = None) -> list[str]:
+    """A target's ``layer_types`` value: a list of ``n`` type names, each in ``supported``
+    (``family``: the model_type to name in the message when a type is not supported).
+
+    Raises:
+        DFlashError: not a list of strings, a list of another length, or an unsupported type.
+    """
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise DFlashError(f"target layer_types must be a list of {n} layer type names (num_hidden_layers), got {types!r}")
     if len(types) != n:
         raise DFlashError(f"target layer_types has {len(types)} entries but num_hidden_layers is {n}")
-    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
+    unknown = sorted(set(types) - set(supported))
     if unknown:
-        raise DFlashError(f"target layer_types {unknown} are not supported (full_attention, linear_attention)")
+        by = f" by {family}" if family else ""
+        raise DFlashError(f"target layer_types {unknown} are not supported{by} ({', '.join(supported)})")
     return list(types)
 
 

@@ -28,7 +28,8 @@ from ..errors import DFlashError
 from . import mxfp4
 from .attention import Attention
 from .layers import RMSNorm
-from .config import MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, number_field
+from .config import (MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, check_layer_types,
+                     number_field)
 from .moe import dispatch_experts
 from .target import DecoderLayer, TargetModel
 
@@ -51,17 +52,16 @@ def parse_config(cfg: dict) -> GptOssConfig:
     """A ``gpt_oss`` ``config.json`` -> :class:`GptOssConfig`.
 
     Raises:
-        DFlashError: missing keys, a ``layer_types`` of the wrong length or with another
-            type, sliding layers without ``sliding_window``, top-k outside the experts.
+        DFlashError: missing keys, a ``layer_types`` that is not a list of names, of the
+            wrong length or with another type, sliding layers without ``sliding_window``,
+            top-k outside the experts.
     """
     fields = base_target_fields(cfg, "gpt_oss")
     n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or [LAYER_TYPES[i % 2] for i in range(n)]  # transformers' default
-    if len(types) != n:
-        raise DFlashError(f"target layer_types has {len(types)} entries but num_hidden_layers is {n}")
-    unknown = sorted(set(types) - set(LAYER_TYPES))
-    if unknown:
-        raise DFlashError(f"target layer_types {unknown} are not supported by gpt_oss ({', '.join(LAYER_TYPES)})")
+    types = cfg.get("layer_types")
+    if types is None:
+        types = [LAYER_TYPES[i % 2] for i in range(n)]  # transformers' default
+    types = check_layer_types(types, n, LAYER_TYPES, "gpt_oss")
     window = check_int(cfg, "sliding_window", "target")
     if window is None and "sliding_attention" in types:
         raise DFlashError("target config.json has sliding_attention layers but no sliding_window")
@@ -234,17 +234,24 @@ class Model(TargetModel):
         the dtype of the checkpoint's other weights, as loaded) unless ``cfg.keep_mxfp4``.
 
         Raises:
-            DFlashError: an MXFP4 pair that does not match, or a scale of 255 (:mod:`.mxfp4`).
+            DFlashError: an MXFP4 pair that does not match, packed blocks that are not finite
+                (:func:`.mxfp4.check_finite`), an expert tensor with another number of
+                dimensions than its layout's.
         """
         quantized = {k.removesuffix("_blocks") for k in state if k.endswith("_blocks")}
-        if cfg.keep_mxfp4:
-            for key in (k for k in state if k.endswith("_scales")):
-                mxfp4.check_scales(state[key], key.removesuffix("_scales"))
+        if cfg.keep_mxfp4:  # (dequantized, the loader's finiteness check covers what check_finite does)
+            for name in sorted(quantized):
+                if name + "_scales" in state:
+                    mxfp4.check_finite(state[name + "_blocks"], state[name + "_scales"], name)
         else:
             dtype = state["model.embed_tokens.weight"].dtype if "model.embed_tokens.weight" in state else torch.float32
             mxfp4.dequantize_state(state, dtype)
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}.mlp.experts."
+            for name, dims in _EXPERT_DIMS.items():  # (what the rewrites below index)
+                if p + name in state and state[p + name].dim() != dims:
+                    raise DFlashError(f"target weight {p + name} has shape {tuple(state[p + name].shape)}; "
+                                      f"expected {dims} dimensions")
             for key in (p + "gate_up_proj", p + "gate_up_proj_blocks", p + "gate_up_proj_scales"):
                 if key in state:
                     w = state[key]
@@ -256,6 +263,11 @@ class Model(TargetModel):
             if p + "down_proj" in state and p + "down_proj" not in quantized:
                 state[p + "down_proj"] = state[p + "down_proj"].transpose(1, 2).contiguous()  # -> [E, H, I]
         return state
+
+
+# dimensions of each expert tensor of a checkpoint ([E, ...]; MXFP4 pairs as stored, or dequantized)
+_EXPERT_DIMS = {"gate_up_proj": 3, "down_proj": 3, "gate_up_proj_bias": 2, "down_proj_bias": 2,
+                "gate_up_proj_blocks": 4, "gate_up_proj_scales": 3, "down_proj_blocks": 4, "down_proj_scales": 3}
 
 
 def _gate_rows_first(w: torch.Tensor) -> torch.Tensor:

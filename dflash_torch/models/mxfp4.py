@@ -37,14 +37,10 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, n
         ``[..., rows, G * 32]`` in ``dtype``, on the device of ``blocks``.
 
     Raises:
-        DFlashError: a tensor that is not uint8, or shapes that do not match.
+        DFlashError: a tensor that is not uint8, or shapes that do not match (``blocks``
+            with fewer than 3 dimensions).
     """
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise DFlashError(f"MXFP4 weight {name}: blocks and scales must be uint8, got "
-                          f"{str(blocks.dtype).removeprefix('torch.')} and {str(scales.dtype).removeprefix('torch.')}")
-    if blocks.dim() < 2 or blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise DFlashError(f"MXFP4 weight {name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
-                          f"match (expected [..., G, {BLOCK // 2}] and [..., G])")
+    _check_layout(blocks, scales, name)
     out = torch.empty(*scales.shape[:-1], scales.shape[-1] * BLOCK, dtype=dtype, device=blocks.device)
     pairs = _byte_values(dtype, blocks.device)
     flat_blocks, flat_scales, flat_out = blocks.flatten(0, -3), scales.flatten(0, -2), out.flatten(0, -2)
@@ -54,6 +50,16 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, n
         scale = torch.exp2(s.float() - 127).to(dtype)  # a power of two: exact in every float dtype's range
         flat_out[i:i + _ROWS_PER_CHUNK] = (values * scale[..., None]).flatten(-2)
     return out
+
+
+def _check_layout(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
+    """Raise :class:`DFlashError` unless ``blocks`` and ``scales`` are uint8 ``[..., rows, G, 16]`` and ``[..., rows, G]``."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise DFlashError(f"MXFP4 weight {name}: blocks and scales must be uint8, got "
+                          f"{str(blocks.dtype).removeprefix('torch.')} and {str(scales.dtype).removeprefix('torch.')}")
+    if blocks.dim() < 3 or blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise DFlashError(f"MXFP4 weight {name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
+                          f"match (expected [..., rows, G, {BLOCK // 2}] and [..., rows, G])")
 
 
 def _byte_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -72,7 +78,8 @@ def dequantize_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
 
     Raises:
         DFlashError: a ``_blocks`` tensor without its ``_scales`` or the other way round,
-            or a pair :func:`dequantize` refuses.
+            a pair whose ``NAME`` is in ``state`` too (the matrix stored twice), or a pair
+            :func:`dequantize` refuses.
     """
     names = {k.removesuffix("_blocks") for k in state if k.endswith("_blocks")}
     names |= {k.removesuffix("_scales") for k in state if k.endswith("_scales")}
@@ -80,16 +87,26 @@ def dequantize_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
         if f"{name}_blocks" not in state or f"{name}_scales" not in state:
             half = "_scales" if f"{name}_blocks" in state else "_blocks"
             raise DFlashError(f"MXFP4 weight {name} lacks its {name}{half} tensor")
+        if name in state:
+            raise DFlashError(f"weight {name} is stored twice, unquantized and as MXFP4 {name}_blocks / _scales")
         state[name] = dequantize(state.pop(f"{name}_blocks"), state.pop(f"{name}_scales"), dtype, name)
     return state
 
 
-def check_scales(scales: torch.Tensor, name: str) -> None:
-    """Refuse scales of 255, which the MX format reserves for NaN (a corrupt checkpoint;
-    dequantized, such a block would hold NaN or infinite values).
+def check_finite(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
+    """Refuse a pair whose values are not all finite in float32 and bfloat16 (the dtypes
+    the experts run in): a scale of 255, which the MX format reserves for NaN, or a scale
+    of 254 (2 ** 127) on a block holding an element of magnitude 2 or more (its value
+    exceeds both dtypes' largest, just under 2 ** 128). Either means a corrupt checkpoint;
+    dequantized, such blocks hold NaN or infinite values, which the loader refuses.
 
     Raises:
-        DFlashError: naming the weight.
+        DFlashError: naming the weight; or a pair :func:`dequantize` refuses.
     """
+    _check_layout(blocks, scales, name)
     if bool((scales == 255).any()):
         raise DFlashError(f"MXFP4 weight {name} has scale 255 (NaN in the MX format): a corrupt checkpoint")
+    top = blocks[scales == 254]  # [n, 16]: the bytes of the blocks scaled by 2 ** 127
+    if bool((top & 0x44).any()):  # bit 2 of either nibble: an E2M1 magnitude of 2, 3, 4 or 6
+        raise DFlashError(f"MXFP4 weight {name} has scale 254 on a block with elements of magnitude 2 or more "
+                          "(infinite in float32 and bfloat16): a corrupt checkpoint")
