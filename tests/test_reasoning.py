@@ -28,6 +28,8 @@ CASES = [  # (parser kind, prompt tail, reply, reasoning, answer)
     ("harmony", "", "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\": 1}<|call|>", "",
      '{"a": 1}'),
     ("harmony", "", "no markers at all: a < b", "", "no markers at all: a < b"),
+    ("harmony", "", "<|channel|>analysis<|message|>F#: f <| x<|end|><|start|>assistant<|channel|>final<|message|>y <|",
+     "F#: f <| x", "y <|"),
     ("harmony", "", "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>analysis<|message|>y<|end|>"
                     "<|start|>assistant<|channel|>final<|message|>z", "xy", "z"),
 ]

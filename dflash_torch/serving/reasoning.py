@@ -95,14 +95,14 @@ class HarmonyParser(ReasoningParser):
     def feed(self, text: str) -> tuple[str, str]:
         self.buffer += text
         parts = {"reasoning": [], "answer": []}
-        while True:
-            at = self.buffer.find("<|")
-            marker = next((m for m in HARMONY_MARKERS if self.buffer.startswith(m, at)), None) if at >= 0 else None
-            if marker is None:
+        while True:  # the earliest marker (a "<|" that starts none, e.g. F#'s "f <| x", is text)
+            found = [(at, m) for m in HARMONY_MARKERS if (at := self.buffer.find(m)) >= 0]
+            if not found:
                 keep = _held(self.buffer, HARMONY_MARKERS)
                 self._text(self.buffer[:len(self.buffer) - keep], parts)
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
+            at, marker = min(found)
             self._text(self.buffer[:at], parts)
             self.buffer = self.buffer[at + len(marker):]
             self._marker(marker)
