@@ -30,6 +30,8 @@ CASES = [  # (parser kind, prompt tail, reply, reasoning, answer)
     ("harmony", "", "no markers at all: a < b", "", "no markers at all: a < b"),
     ("harmony", "", "<|channel|>analysis<|message|>F#: f <| x<|end|><|start|>assistant<|channel|>final<|message|>y <|",
      "F#: f <| x", "y <|"),
+    ("harmony", "", "<|channel|>analysis<|message|>r<|end|>stray<|start|>assistant<|message|>no channel", "r",
+     "strayno channel"),
     ("harmony", "", "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>analysis<|message|>y<|end|>"
                     "<|start|>assistant<|channel|>final<|message|>z", "xy", "z"),
 ]

@@ -116,14 +116,17 @@ class HarmonyParser(ReasoningParser):
         # (between messages: the role after <|start|>, dropped)
 
     def _marker(self, marker: str) -> None:
+        if marker == "<|constrain|>":
+            return  # (part of the header: its text is dropped with it)
         if marker == "<|channel|>":
             self.state, self.header = "header", ""
         elif marker == "<|message|>":
             self.channel = self.header.split()[0] if self.header.split() else "final"
             self.state = "body"
-        elif marker in ("<|end|>", "<|return|>", "<|call|>", "<|start|>"):
-            self.state = "between"
-        # (<|constrain|> belongs to the header: its text is dropped with it)
+        elif marker == "<|start|>":  # a message's role (dropped), then its header
+            self.state, self.header = "between", ""
+        else:  # <|end|>, <|return|>, <|call|>: the text after, outside any message, is answer
+            self.state, self.channel = "body", "final"
 
     def finish(self) -> tuple[str, str]:
         rest, self.buffer = self.buffer, ""
