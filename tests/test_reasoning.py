@@ -70,6 +70,8 @@ def test_auto_picks_the_format_by_model_and_template():
     assert resolve_parser("auto", "gpt_oss", None) == "harmony"
     assert resolve_parser("auto", "qwen3", "{% if x %}<think>\n\n</think>{% endif %}") == "think"
     assert resolve_parser("auto", "qwen3", "# {{ m.content }}") == "none"
+    named = {"default": "{% if x %}<think>\n\n</think>{% endif %}", "tool_use": "# {{ m.content }}"}  # several templates
+    assert resolve_parser("auto", "qwen3", named) == "think"
     assert resolve_parser("none", "gpt_oss", None) == "none" and new_parser("none") is None
 
 

@@ -146,14 +146,17 @@ def check_reasoning_parser(value: str, name: str = "reasoning_parser") -> str:
     return value
 
 
-def resolve_parser(choice: str, model_type: str, chat_template: str | None) -> str:
+def resolve_parser(choice: str, model_type: str, chat_template: str | dict | None) -> str:
     """The format a server with ``--reasoning-parser choice`` uses: ``auto`` is
     ``harmony`` for gpt-oss, ``think`` for a chat template that mentions ``<think>`` or
-    ``</think>``, else ``none``."""
+    ``</think>``, else ``none``. ``chat_template``: the tokenizer's (a dict of named
+    templates when it has several: chats use its ``default``)."""
     if choice != "auto":
         return choice
     if model_type == "gpt_oss":
         return "harmony"
+    if isinstance(chat_template, dict):
+        chat_template = chat_template.get("default")
     return "think" if chat_template and (THINK_OPEN in chat_template or THINK_CLOSE in chat_template) else "none"
 
 
