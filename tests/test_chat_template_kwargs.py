@@ -87,18 +87,17 @@ def test_a_variable_that_breaks_the_template_is_a_one_line_error(engine, monkeyp
         engine.encode_prompt(MESSAGES, chat_template_kwargs={"x": True, "raise_exception": 3})
 
 
-def test_cli(switch_pair, engine):
+def test_cli(switch_pair, engine, capsys):
+    from dflash_torch.cli import main as cli_main
+
     target_dir, drafter_dir = switch_pair
-    base = [sys.executable, "-m", "dflash_torch.cli", "generate", "--target", str(target_dir), "--draft",
-            str(drafter_dir), "--max-new-tokens", "8", "--ignore-eos", "--json", "--chat", "def f(x):"]
-    out = subprocess.run(base + ["--chat-template-kwargs", '{"enable_thinking": false}'], capture_output=True,
-                         text=True, env=_env(), timeout=300)
-    assert out.returncode == 0, out.stderr
+    base = ["generate", "--target", str(target_dir), "--draft", str(drafter_dir), "--max-new-tokens", "8", "--ignore-eos",
+            "--json"]
+    assert cli_main(base + ["--chat", "--chat-template-kwargs", '{"enable_thinking": false}', "def f(x):"]) == 0
     want = engine.generate(MESSAGES, chat_template_kwargs={"enable_thinking": False}, max_new_tokens=8, ignore_eos=True)
-    assert json.loads(out.stdout)["token_ids"] == want.token_ids
-    bad = subprocess.run(base[:-2] + ["def f(x):", "--chat-template-kwargs", '{"enable_thinking": false}'],
-                         capture_output=True, text=True, env=_env(), timeout=300)
-    assert bad.returncode == 2 and bad.stderr.strip() == (
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want.token_ids
+    assert cli_main(base + ["--chat-template-kwargs", '{"enable_thinking": false}', "def f(x):"]) == 2
+    assert capsys.readouterr().err.strip() == (
         "dflash-torch: error: --chat-template-kwargs apply to chat prompts only: add --chat")
 
 
@@ -144,19 +143,20 @@ def test_server_defaults_request_variables_and_reasoning_effort(server, switch_p
         assert err.value.body["param"] == param, err.value.body
 
 
-def test_bench_chat_prompts_with_variables(switch_pair, tmp_path):
-    from test_bench import run_bench
+def test_bench_chat_prompts_with_variables(switch_pair, tmp_path, capsys):
+    from dflash_torch.cli import main as cli_main
 
+    target_dir, drafter_dir = switch_pair
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": MESSAGES[0]["content"]}) + "\n")
-    proc = run_bench(switch_pair, "--prompts", str(prompts), "--max-new-tokens", "4", "--modes", "target-only,inject",
-                     "--sweep", "", "--out", str(tmp_path / "out"), "--no-progress", "--chat",
-                     "--chat-template-kwargs", '{"enable_thinking": false}')
-    assert proc.returncode == 0, proc.stderr
+    base = ["bench", "--target", str(target_dir), "--draft", str(drafter_dir), "--prompts", str(prompts)]
+    assert cli_main(base + ["--max-new-tokens", "4", "--modes", "target-only,inject", "--sweep", "", "--out",
+                            str(tmp_path / "out"), "--no-progress", "--chat",
+                            "--chat-template-kwargs", '{"enable_thinking": false}']) == 0
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert report["prompt_tokens"] == [len(_oracle(switch_pair[0], enable_thinking=False))]
+    assert report["prompt_tokens"] == [len(_oracle(target_dir, enable_thinking=False))]
     assert report["chat"] is True and report["chat_template_kwargs"] == {"enable_thinking": False}
     assert report["mxfp4"] is None
-    bad = run_bench(switch_pair, "--prompts", str(prompts), "--chat-template-kwargs", '{"enable_thinking": false}',
-                    "--out", str(tmp_path / "bad"))
-    assert bad.returncode == 2 and "--chat-template-kwargs apply to chat prompts only: add --chat" in bad.stderr
+    capsys.readouterr()
+    assert cli_main(base + ["--chat-template-kwargs", '{"enable_thinking": false}', "--out", str(tmp_path / "bad")]) == 2
+    assert "--chat-template-kwargs apply to chat prompts only: add --chat" in capsys.readouterr().err

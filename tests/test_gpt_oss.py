@@ -234,17 +234,6 @@ def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_gpt_oss):
     assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
 
 
-def test_inductor_compiled_rounds_are_lossless(tmp_path, tokenizer_dir):
-    """The real CPU path of ``--compile`` (inductor) on a 2-layer gpt-oss target."""
-    target_dir = make_gpt_oss_target(tmp_path / "target", seed=3, tokenizer=False, num_hidden_layers=2)
-    drafter_dir = save_drafter(tmp_path / "drafter", drafter_config(target_dir, num_layers=1, block_size=8))
-    target = TargetModel.from_pretrained(target_dir, torch.float32)
-    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
-    torch._dynamo.reset()
-    compiled = SpeculativeDecoder(target, drafter, compile=True, max_context=128, prefill_chunk=32)
-    assert _run(compiled, list(range(2, 40)), 30) == _hf_greedy(load_hf(target_dir), list(range(2, 40)), 30)
-
-
 def test_mxfp4_pair_speculative_equals_target_only(mxfp4_checkpoint):
     target_dir, drafter_dir = mxfp4_checkpoint
     spec = DFlashEngine.from_pretrained(target_dir, drafter_dir)
