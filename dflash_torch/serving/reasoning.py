@@ -6,7 +6,8 @@ Two formats:
 
 * ``think``: the reasoning between ``<think>`` and ``</think>`` (Qwen3, Qwen3.5,
   QwQ, DeepSeek-R1). A reply that starts with ``<think>``, or whose prompt ends with
-  an opened ``<think>`` (templates that open it themselves), is reasoning up to
+  an opened ``<think>`` (templates that open it themselves; a ``<think>`` the model
+  writes again at the start is dropped too), is reasoning up to
   ``</think>`` (all of it if that never comes: the reply was cut while thinking); the
   text after is the answer. A reply that starts otherwise is all answer.
 * ``harmony``: gpt-oss's messages, ``<|channel|>NAME<|message|>BODY<|end|>``, each
@@ -53,20 +54,22 @@ class ThinkParser(ReasoningParser):
     """The ``think`` format (see the module docstring)."""
 
     def __init__(self, starts_in_reasoning: bool = False):
-        self.state = "reasoning" if starts_in_reasoning else "start"
+        # start: is the reply's first text <think>? opened: the template opened it (a
+        # second <think> the model writes at the start is dropped too)
+        self.state = "opened" if starts_in_reasoning else "start"
         self.buffer = ""
 
     def feed(self, text: str) -> tuple[str, str]:
         self.buffer += text
         reasoning = answer = ""
-        if self.state == "start":
+        if self.state in ("start", "opened"):
             stripped = self.buffer.lstrip()
             if stripped.startswith(THINK_OPEN):
                 self.state, self.buffer = "reasoning", stripped[len(THINK_OPEN):]
             elif THINK_OPEN.startswith(stripped):
                 return "", ""  # (empty or a prefix of <think>: not known yet)
             else:
-                self.state = "answer"
+                self.state = "reasoning" if self.state == "opened" else "answer"
         if self.state == "reasoning":
             end = self.buffer.find(THINK_CLOSE)
             if end < 0:
@@ -80,7 +83,7 @@ class ThinkParser(ReasoningParser):
 
     def finish(self) -> tuple[str, str]:
         rest, self.buffer = self.buffer, ""
-        return (rest, "") if self.state == "reasoning" else ("", rest)
+        return (rest, "") if self.state in ("reasoning", "opened") else ("", rest)
 
 
 class HarmonyParser(ReasoningParser):
