@@ -349,7 +349,8 @@ class DFlashEngine:
                 the template call, or given for a prompt that is not a chat.
         """
         options.check_flag(chat, "chat")
-        template_kwargs = options.check_chat_template_kwargs(chat_template_kwargs, self.reserved_template_variables())
+        template_kwargs = None if chat_template_kwargs is None else \
+            options.check_chat_template_kwargs(chat_template_kwargs, self.reserved_template_variables())
         if isinstance(prompt, list) and not prompt:
             raise DFlashError("the prompt is empty (no tokens or messages)")
         is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import openai
 import pytest
 from transformers import AutoTokenizer
 
 from dflash_torch import DFlashEngine, DFlashError
-from test_server import API_KEY, Server, _env, _free_port, _wait_until_up, stop
+from test_server_scheduler import _serve
 
 # a template with Qwen3's and gpt-oss's switches (the shapes of their real templates' tests)
 TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -104,20 +102,9 @@ def test_cli(switch_pair, engine, capsys):
 @pytest.fixture(scope="module")
 def server(switch_pair, tmp_path_factory):
     """A server whose default variables turn thinking off."""
-    target, drafter = switch_pair
-    port, log = _free_port(), tmp_path_factory.mktemp("switch-server") / "server.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target), "--draft", str(drafter),
-             "--port", str(port), "--api-key", API_KEY, "--log-level", "warning",
-             "--chat-template-kwargs", '{"enable_thinking": false}'],
-            stdout=fh, stderr=subprocess.STDOUT, env=_env())
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_until_up(proc, base, log)
-        yield Server(base, proc, log)
-    finally:
-        stop(proc)
+    with _serve(switch_pair, tmp_path_factory.mktemp("switch-server"),
+                "--chat-template-kwargs", '{"enable_thinking": false}') as srv:
+        yield srv
 
 
 def test_server_defaults_request_variables_and_reasoning_effort(server, switch_pair):

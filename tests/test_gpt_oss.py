@@ -22,13 +22,12 @@ import torch._dynamo
 import torch._dynamo.utils as dynamo_utils
 from safetensors.torch import load_file, save_file
 
-from conftest import copy_tokenizer, drafter_config, load_hf, make_gpt_oss_target, save_drafter
+from conftest import copy_tokenizer, drafter_config, load_hf, make_gpt_oss_target, run_rounds, save_drafter
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.models import gpt_oss, mxfp4
 from dflash_torch.models.drafter import DFlashDrafter
 from dflash_torch.models.target import TargetModel
-from dflash_torch.sampling import SamplingParams
 
 NEW_TOKENS = 24
 
@@ -211,13 +210,6 @@ def test_many_accepted_tokens_across_the_window_are_lossless(agree_gpt_oss):
     assert sum(taus) / len(taus) > 1.5 and len(set(taus)) >= 4, sorted(set(taus))
 
 
-def _run(decoder, prompt, n):
-    tokens = []
-    for rnd in decoder.rounds(prompt, SamplingParams(), n):
-        tokens.extend(rnd.tokens)
-    return tokens[:n]
-
-
 def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_gpt_oss):
     target_dir, drafter_dir = agree_gpt_oss
     target = TargetModel.from_pretrained(target_dir, torch.float32)
@@ -226,10 +218,10 @@ def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_gpt_oss):
     dynamo_utils.counters.clear()
     compiled = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=256, prefill_chunk=32)
     eager = SpeculativeDecoder(target, drafter)
-    _run(compiled, [5, 17, 99, 3], 40)
+    run_rounds(compiled, [5, 17, 99, 3], 40)
     graphs, frames = dynamo_utils.counters["stats"]["unique_graphs"], dynamo_utils.counters["frames"]["total"]
     for prompt in ([11, 12, 13], list(range(2, 60))):
-        assert _run(compiled, prompt, 60) == _run(eager, prompt, 60)
+        assert run_rounds(compiled, prompt, 60)[0] == run_rounds(eager, prompt, 60)[0]
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
     assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
 

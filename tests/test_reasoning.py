@@ -102,34 +102,17 @@ def thinking_pair(tmp_path_factory):
     return make_agreeable_pair(root / "pair", tok_dir, agree_token=tok.convert_tokens_to_ids("</think>"), beta=1.0)
 
 
-def _server(pair, tmp_path_factory, *extra):
-    import subprocess
-    import sys
-
-    from test_server import API_KEY, Server, _env, _free_port, _wait_until_up
-
-    target, drafter = pair
-    port, log = _free_port(), tmp_path_factory.mktemp("reasoning-server") / "server.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target), "--draft",
-                                 str(drafter), "--port", str(port), "--api-key", API_KEY, "--log-level", "warning", *extra],
-                                stdout=fh, stderr=subprocess.STDOUT, env=_env())
-    base = f"http://127.0.0.1:{port}"
-    _wait_until_up(proc, base, log)
-    return Server(base, proc, log)
-
-
 def test_server_splits_reasoning_from_content_streamed_and_not(thinking_pair, tmp_path_factory):
     from dflash_torch import DFlashEngine
-    from test_server import stop
+    from test_server_scheduler import _serve
 
+    logdir = tmp_path_factory.mktemp("reasoning-server")
     messages = [{"role": "user", "content": "def f(x):"}]
     engine = DFlashEngine.from_pretrained(*thinking_pair)
     raw = engine.generate(messages, max_new_tokens=40, ignore_eos=True).text
     assert 0 < raw.index("</think>") < raw.rindex("</think>")  # thinks, answers (a later </think> is answer)
     reasoning, answer = raw.split("</think>", 1)
-    server = _server(thinking_pair, tmp_path_factory)  # --reasoning-parser auto: the template mentions <think>
-    try:
+    with _serve(thinking_pair, logdir) as server:  # --reasoning-parser auto: the template mentions <think>
         client = server.client()
         model = client.models.list().data[0].id
         kw = dict(model=model, messages=messages, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
@@ -146,13 +129,8 @@ def test_server_splits_reasoning_from_content_streamed_and_not(thinking_pair, tm
         text = client.completions.create(model=model, prompt=engine.decode(engine.encode_prompt(messages)),
                                          max_tokens=40, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
         assert text == raw
-    finally:
-        stop(server.proc)
-    server = _server(thinking_pair, tmp_path_factory, "--reasoning-parser", "none")
-    try:
+    with _serve(thinking_pair, logdir, "--reasoning-parser", "none") as server:
         client = server.client()
         msg = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, max_tokens=40,
                                              temperature=0, extra_body={"ignore_eos": True}).choices[0].message
         assert msg.content == raw and getattr(msg, "reasoning_content", None) is None
-    finally:
-        stop(server.proc)

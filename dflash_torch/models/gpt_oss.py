@@ -11,7 +11,8 @@ experts (with biases) apply a clamped SwiGLU (:func:`~dflash_torch.models.moe.ex
 Checkpoints: the published ones store the expert matrices in MXFP4
 (``quantization_config.quant_method: "mxfp4"``, :mod:`.mxfp4`); they are dequantized
 once, when loading, to the dtype the model runs in (gpt-oss-20b: about 42 GB in
-bfloat16). Unquantized checkpoints (transformers' ``save_pretrained``) load as they are.
+bfloat16), or kept packed (``TargetConfig.keep_mxfp4``: each forward dequantizes the
+experts it runs). Unquantized checkpoints (transformers' ``save_pretrained``) load as they are.
 Experts are stored ``gate_up_proj`` ``[E, H, 2I]`` with gate and up columns interleaved
 (MXFP4: ``[E, 2I, H]`` rows) and ``down_proj`` ``[E, I, H]`` (MXFP4: ``[E, H, I]``);
 :meth:`Model.convert_checkpoint` rewrites them into the stacked layout of :mod:`.moe`.

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..errors import DFlashError
 from .layers import MLP
+from .mxfp4 import dequantize
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -122,11 +123,7 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
 def _expert(weight: torch.Tensor, scales: torch.Tensor | None, e, dtype: torch.dtype) -> torch.Tensor:
     """Expert ``e``'s matrix (``e`` a slice or an index tensor: those experts' matrices) in
     ``dtype``, dequantized when MXFP4."""
-    if scales is None:
-        return weight[e]
-    from .mxfp4 import dequantize
-
-    return dequantize(weight[e], scales[e], dtype)
+    return weight[e] if scales is None else dequantize(weight[e], scales[e], dtype)
 
 
 def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,

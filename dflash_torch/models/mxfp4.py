@@ -13,14 +13,11 @@ the layout of the gpt-oss checkpoints as transformers' ``integrations/mxfp4.py``
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import DFlashError
 
 BLOCK = 32  # elements per shared scale
 _ROWS_PER_CHUNK = 4096  # matrix rows dequantized at once
-# the 16 E2M1 codes: sign bit 3, then exponent (2 bits) and mantissa (1 bit)
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str = "weight") -> torch.Tensor:
@@ -42,14 +39,23 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, n
     """
     _check_layout(blocks, scales, name)
     out = torch.empty(*scales.shape[:-1], scales.shape[-1] * BLOCK, dtype=dtype, device=blocks.device)
-    pairs = _byte_values(dtype, blocks.device)
     flat_blocks, flat_scales, flat_out = blocks.flatten(0, -3), scales.flatten(0, -2), out.flatten(0, -2)
     for i in range(0, flat_blocks.shape[0], _ROWS_PER_CHUNK):  # bounded temporaries
         b, s = flat_blocks[i:i + _ROWS_PER_CHUNK], flat_scales[i:i + _ROWS_PER_CHUNK]
-        values = F.embedding(b.int(), pairs).flatten(-2)  # [rows, G, 32], low nibble first
-        scale = torch.exp2(s.float() - 127).to(dtype)  # a power of two: exact in every float dtype's range
-        flat_out[i:i + _ROWS_PER_CHUNK] = (values * scale[..., None]).flatten(-2)
+        values = _e2m1(torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2))  # [rows, G, 32], low nibble first
+        scale = torch.exp2(s.float() - 127)  # a power of two: the products are exact
+        flat_out[i:i + _ROWS_PER_CHUNK] = (values * scale[..., None]).flatten(-2).to(dtype)
     return out
+
+
+def _e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """The float32 values of 4-bit E2M1 ``codes`` 0..15 (0, 0.5, 1, 1.5, 2, 3, 4, 6, then
+    the same negated), computed from their bits with elementwise ops only (no table: safe
+    inside a CUDA graph capture): sign bit 3, exponent bits 2-1, mantissa bit 0; exponent 0
+    is subnormal (0 or 0.5)."""
+    exponent, mantissa = ((codes >> 1) & 3).float(), (codes & 1).float()
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, (1 + 0.5 * mantissa) * torch.exp2(exponent - 1))
+    return torch.where((codes & 8) > 0, -magnitude, magnitude)
 
 
 def _check_layout(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
@@ -60,13 +66,6 @@ def _check_layout(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None
     if blocks.dim() < 3 or blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise DFlashError(f"MXFP4 weight {name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
                           f"match (expected [..., rows, G, {BLOCK // 2}] and [..., rows, G])")
-
-
-def _byte_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``[256, 2]``: the two E2M1 elements of each byte value, the low nibble's first."""
-    table = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
-    byte = torch.arange(256, device=device)
-    return torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=-1)
 
 
 def dequantize_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

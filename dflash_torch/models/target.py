@@ -93,6 +93,8 @@ class TargetModel(nn.Module):
             linear_slots += kind == "linear_attention"
             kv_slots += kind != "linear_attention"
         self.num_kv_layers = kv_slots
+        # the attention masks a forward builds: one per sliding window (None: full causal)
+        self.attention_windows = tuple({layer.sliding_window: None for layer in layers if layer.kind != "linear_attention"})
         embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model = _Backbone(embed, layers, self.norm_class(cfg.hidden_size, cfg.rms_norm_eps))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -279,7 +281,7 @@ class TargetModel(nn.Module):
             k_pos = torch.arange(cache.capacity if kv_len is None else kv_len, device=x.device)
             groups = self.config.num_attention_heads // self.config.num_key_value_heads
             causal = k_pos <= positions[..., None]
-            for window in {layer.sliding_window for layer in self.model.layers if layer.kind != "linear_attention"}:
+            for window in self.attention_windows:
                 visible = causal if window is None else causal & (k_pos > positions[..., None] - window)
                 biases[window] = attention_bias(visible, groups, x.dtype)
         step = _Step(positions, cos, sin, biases, kv_len)
