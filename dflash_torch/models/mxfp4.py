@@ -12,7 +12,10 @@ the layout of the gpt-oss checkpoints as transformers' ``integrations/mxfp4.py``
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from ..errors import DFlashError
 
@@ -39,23 +42,26 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, n
     """
     _check_layout(blocks, scales, name)
     out = torch.empty(*scales.shape[:-1], scales.shape[-1] * BLOCK, dtype=dtype, device=blocks.device)
+    pairs = _byte_values(dtype, blocks.device)
     flat_blocks, flat_scales, flat_out = blocks.flatten(0, -3), scales.flatten(0, -2), out.flatten(0, -2)
     for i in range(0, flat_blocks.shape[0], _ROWS_PER_CHUNK):  # bounded temporaries
         b, s = flat_blocks[i:i + _ROWS_PER_CHUNK], flat_scales[i:i + _ROWS_PER_CHUNK]
-        values = _e2m1(torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2))  # [rows, G, 32], low nibble first
-        scale = torch.exp2(s.float() - 127)  # a power of two: the products are exact
-        flat_out[i:i + _ROWS_PER_CHUNK] = (values * scale[..., None]).flatten(-2).to(dtype)
+        values = F.embedding(b.int(), pairs).flatten(-2)  # [rows, G, 32], low nibble first
+        scale = torch.exp2(s.float() - 127).to(dtype)  # a power of two: exact in every float dtype's range
+        flat_out[i:i + _ROWS_PER_CHUNK] = (values * scale[..., None]).flatten(-2)
     return out
 
 
-def _e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """The float32 values of 4-bit E2M1 ``codes`` 0..15 (0, 0.5, 1, 1.5, 2, 3, 4, 6, then
-    the same negated), computed from their bits with elementwise ops only (no table: safe
-    inside a CUDA graph capture): sign bit 3, exponent bits 2-1, mantissa bit 0; exponent 0
-    is subnormal (0 or 0.5)."""
-    exponent, mantissa = ((codes >> 1) & 3).float(), (codes & 1).float()
-    magnitude = torch.where(exponent == 0, 0.5 * mantissa, (1 + 0.5 * mantissa) * torch.exp2(exponent - 1))
-    return torch.where((codes & 8) > 0, -magnitude, magnitude)
+@functools.lru_cache(maxsize=None)
+def _byte_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[256, 2]``: the two E2M1 elements of each byte value, the low nibble's first (0,
+    0.5, 1, 1.5, 2, 3, 4, 6 for codes 0-7, the same negated for 8-15). Built once per dtype
+    and device: the first, eager forward builds it, so a CUDA graph capture of packed
+    experts only reads it (a capture may not copy from the host)."""
+    table = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0),
+                         dtype=dtype, device=device)
+    byte = torch.arange(256, device=device)
+    return torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=-1)
 
 
 def _check_layout(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
