@@ -147,14 +147,61 @@ def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
 
 def available_memory(device: str | torch.device) -> int | None:
     """Bytes that new tensors on ``device`` can take now: a CUDA device's free memory
-    (``torch.cuda.mem_get_info``), the host's available memory for the CPU (``psutil``:
-    free plus reclaimable page cache, without swap); None for other devices."""
+    (``torch.cuda.mem_get_info``); for the CPU the host's available memory (``psutil``:
+    free plus reclaimable page cache, without swap) or, when less, what the process's
+    memory cgroup still allows (:func:`cgroup_available`: a container's limit, which
+    psutil does not see); None for other devices."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type == "cpu":
-        return psutil.virtual_memory().available
+        host, cgroup = psutil.virtual_memory().available, cgroup_available()
+        return host if cgroup is None else min(host, cgroup)
     return None
+
+
+def cgroup_available(root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Bytes the memory cgroups of this process still allow (e.g. ``docker run --memory``):
+    at each level from the process's own cgroup up to ``root``, the limit minus the usage
+    plus the reclaimable (inactive) file cache; the least of them. Reads cgroup v2
+    (``memory.max``, ``memory.current``) or v1 (``memory/memory.limit_in_bytes``,
+    ``memory.usage_in_bytes``); levels a container does not show are skipped.
+
+    Returns:
+        bytes (>= 0), or None where no level has a limit (or no cgroup is mounted).
+    """
+    def read(path: Path) -> str | None:
+        try:
+            return path.read_text()
+        except OSError:
+            return None
+
+    own = {}  # controller ("" for v2) -> the process's cgroup path
+    for line in (read(self_cgroup) or "").splitlines():
+        fields = line.split(":", 2)
+        if len(fields) == 3:
+            for c in fields[1].split(","):
+                own[c] = fields[2]
+    if (root / "cgroup.controllers").is_file():  # v2: one unified hierarchy
+        base, limit_file, usage_file, cache_key = root, "memory.max", "memory.current", "inactive_file"
+        path = own.get("", "")
+    else:
+        base, limit_file, usage_file, cache_key = root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"
+        path = own.get("memory", "")
+    parts = [p for p in path.split("/") if p]
+    levels = [base.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+    best = None
+    for level in levels:
+        limit, usage = read(level / limit_file), read(level / usage_file)
+        stat = dict(line.split() for line in (read(level / "memory.stat") or "").splitlines() if line.count(" ") == 1)
+        try:
+            limit, usage, cache = int(limit), int(usage), int(stat.get(cache_key, 0))
+        except (TypeError, ValueError):  # absent, "max" (v2: no limit) or unreadable
+            continue
+        if limit < 1 << 60:  # v1 writes "no limit" as a number near 2**63
+            free = max(0, limit - usage + cache)
+            best = free if best is None else min(best, free)
+    return best
 
 
 def weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import os
 import threading
 import time
@@ -28,13 +29,13 @@ import torch
 
 from . import compute, options
 from .batch import BatchDecoder, check_draft_max_batch_size, check_max_batch_size
-from .checkpoint import load_config, read_json_object, resolve_model_dir
+from .checkpoint import available_memory, load_config, read_json_object, resolve_model_dir
 from .decoding import Round, SpeculativeDecoder
 from .errors import DFlashError, OptionError
 from .models.config import DrafterConfig, TargetConfig, check_vocab_ids, eos_token_ids, validate_pair
 from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
-from .models.packing import pack_linears, packing_supported
+from .models.packing import pack_linears, packed_bytes, packing_supported
 from .models.target import TargetModel
 from .sampling import SamplingParams, TokenLogprob
 from .stopping import Stopper
@@ -42,6 +43,7 @@ from .stopping import Stopper
 ASSETS = Path(__file__).parent / "assets" / "default"
 DEFAULT_TARGET = ASSETS / "target"
 DEFAULT_DRAFTER = ASSETS / "drafter"
+log = logging.getLogger("dflash_torch")
 
 
 @dataclass
@@ -192,7 +194,8 @@ class DFlashEngine:
             no_draft: target-only decoding (``draft`` must then be None).
             pack: on CPU in bfloat16, prepack the linear weights for oneDNN
                 (:mod:`dflash_torch.models.packing`; faster eager decoding, a second
-                copy of the weights in memory).
+                copy of the linear weights in memory; skipped, with a warning logged,
+                when that copy would take more than 90% of the free memory).
             fuse: join the projections that read the same rows into one matmul
                 (:mod:`dflash_torch.models.fusing`; same outputs); default: on CUDA.
             compile: fixed-shape rounds compiled with ``torch.compile`` (see
@@ -270,9 +273,14 @@ class DFlashEngine:
             if drafter is not None:
                 fuse_projections(drafter, query=False)
         if pack and packing_supported(torch_dtype, dev):
-            pack_linears(model)
-            if drafter is not None:
-                pack_linears(drafter)
+            models = [model] if drafter is None else [model, drafter]
+            extra, free = sum(packed_bytes(m) for m in models), available_memory(dev)
+            if free is not None and extra > 0.9 * free:  # a second copy of the linear weights
+                log.warning(f"dflash-torch: not prepacking the linear weights for oneDNN: the packed copies need "
+                            f"{extra / 1e9:.1f} GB, {dev} has {free / 1e9:.1f} GB free (eager bfloat16 rounds are slower)")
+            else:
+                for m in models:
+                    pack_linears(m)
         tokenizer = _load_tokenizer(target_dir)
         if len(tokenizer) > target_cfg.vocab_size:
             raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {target_cfg.vocab_size}")

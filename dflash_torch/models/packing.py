@@ -59,3 +59,10 @@ def pack_linears(module: nn.Module) -> int:
         else:
             count += pack_linears(child)
     return count
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes the prepacked copies of :func:`pack_linears` would add below ``module``: one
+    more copy of every ``nn.Linear`` weight (in its dtype; a weight shared by several
+    linears, e.g. tied embeddings, is packed once per linear)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in module.modules() if type(m) is nn.Linear)

@@ -1,0 +1,107 @@
+"""Memory checks before loading: what a container's memory cgroup allows (psutil sees only
+the host), and the prepacked copy of the linear weights on CPU bfloat16 (skipped with a
+warning when it would not fit)."""
+
+import logging
+
+import pytest
+import torch
+
+import dflash_torch.checkpoint as checkpoint
+import dflash_torch.engine as engine_module
+from dflash_torch import DFlashEngine
+from dflash_torch.checkpoint import cgroup_available
+from dflash_torch.models.packing import PackedLinear, packed_bytes, packing_supported
+from dflash_torch.models.target import TargetModel
+
+GB = 1 << 30
+
+
+def _write(root, files):
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_cgroup_v2_limit_minus_usage_plus_reclaimable_cache_least_over_the_levels(tmp_path):
+    root = tmp_path / "cgroup"
+    _write(root, {
+        "cgroup.controllers": "cpu memory\n",
+        "memory.max": "max\n",  # the namespace root: no limit
+        "memory.current": str(20 * GB),
+        "job/memory.max": str(8 * GB),  # a container limit
+        "job/memory.current": str(6 * GB),
+        "job/memory.stat": f"anon {5 * GB}\nfile {GB}\ninactive_file {GB // 2}\nactive_file {GB // 2}\n",
+        "job/step/memory.max": "max\n",
+        "job/step/memory.current": str(6 * GB),
+    })
+    (tmp_path / "self").write_text("0::/job/step\n")
+    assert cgroup_available(root, tmp_path / "self") == 8 * GB - 6 * GB + GB // 2
+    _write(root, {"job/step/memory.max": str(7 * GB)})  # a tighter limit below: the least wins
+    assert cgroup_available(root, tmp_path / "self") == GB
+    _write(root, {"job/step/memory.current": str(9 * GB)})  # over the limit: nothing left, not negative
+    assert cgroup_available(root, tmp_path / "self") == 0
+
+
+def test_cgroup_v1_memory_controller_and_the_no_limit_number(tmp_path):
+    root = tmp_path / "cgroup"
+    _write(root, {
+        "memory/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "no limit"
+        "memory/memory.usage_in_bytes": str(3 * GB),
+        "memory/memory.stat": "cache 100\ninactive_file 7\ntotal_inactive_file 300\n",
+    })
+    self_file = tmp_path / "self"
+    self_file.write_text("5:devices:/\n4:memory:/docker/abc\n1:name=systemd:/\n0::/\n")
+    assert cgroup_available(root, self_file) is None  # /docker/abc is not shown inside; the root has no limit
+    _write(root, {"memory/memory.limit_in_bytes": str(4 * GB)})
+    assert cgroup_available(root, self_file) == 4 * GB - 3 * GB + 300
+
+
+def test_no_cgroup_mounted_means_no_limit(tmp_path):
+    assert cgroup_available(tmp_path / "none", tmp_path / "none" / "cgroup") is None
+    found = cgroup_available()  # this machine: no limit, or a number of bytes that is left
+    assert found is None or found >= 0
+    host = checkpoint.psutil.virtual_memory().available
+    assert 0 < checkpoint.available_memory("cpu") <= host
+
+
+def test_a_container_limit_below_the_host_memory_refuses_the_load(tiny_pair, monkeypatch):
+    """psutil reports the host's memory; inside a container with a smaller limit the
+    weights are refused by that limit (the process would be killed without a word)."""
+    need = sum(p.numel() for p in TargetModel.from_pretrained(tiny_pair[0], torch.float32).parameters()) * 4
+    monkeypatch.setattr(checkpoint, "cgroup_available", lambda: need - 1)
+    with pytest.raises(checkpoint.DFlashError, match=r"^the target needs [0-9.]+ GB for its weights in float32; cpu has"):
+        TargetModel.from_pretrained(tiny_pair[0], torch.float32)
+    monkeypatch.setattr(checkpoint, "cgroup_available", lambda: need)
+    assert TargetModel.from_pretrained(tiny_pair[0], torch.float32) is not None
+
+
+def test_packed_bytes_counts_one_copy_per_linear_weight():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 6, bias=True), torch.nn.Linear(6, 10, bias=False))
+    model[2].weight = torch.nn.Parameter(torch.zeros(10, 6, dtype=torch.bfloat16))
+    assert packed_bytes(model) == 4 * 6 * 4 + 10 * 6 * 2  # weights only, in their own dtype; not the embedding
+
+
+def _packed(engine) -> bool:
+    return any(isinstance(m, PackedLinear) for m in engine.decoder.target.modules())
+
+
+def test_prepacking_that_would_not_fit_is_skipped_with_a_warning(tiny_pair, monkeypatch, caplog):
+    """The packed copies are a second copy of every linear weight: where they would not fit,
+    the engine runs unpacked (slower) and says so, instead of running out of memory."""
+    monkeypatch.setattr(engine_module, "packing_supported", lambda dtype, device: True)  # any CPU: only the decision runs
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 1)
+    with caplog.at_level(logging.WARNING, logger="dflash_torch"):
+        engine = DFlashEngine.from_pretrained(*tiny_pair, dtype="bfloat16")
+    assert not _packed(engine)
+    assert "not prepacking the linear weights for oneDNN: the packed copies need" in caplog.text
+    assert len(engine.generate("def f(x):", max_new_tokens=4).token_ids) == 4
+
+
+@pytest.mark.skipif(not packing_supported(torch.bfloat16, "cpu"), reason="no oneDNN bf16 on this CPU")
+def test_prepacking_that_fits_packs_and_gives_the_same_tokens(tiny_pair, monkeypatch):
+    tight = DFlashEngine.from_pretrained(*tiny_pair, dtype="bfloat16", pack=False)
+    monkeypatch.setattr(engine_module, "available_memory", lambda device: 1 << 50)
+    roomy = DFlashEngine.from_pretrained(*tiny_pair, dtype="bfloat16")
+    assert _packed(roomy) and not _packed(tight)
+    assert tight.generate("def f(x):", max_new_tokens=12).token_ids == roomy.generate("def f(x):", max_new_tokens=12).token_ids
