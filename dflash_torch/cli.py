@@ -21,7 +21,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target checkpoint dir or cached HF id (default: the shipped default target)")
     p.add_argument("--draft", help="DFlash drafter checkpoint dir or cached HF id (default: the shipped drafter, "
                                   "which goes with the shipped target only)")
-    p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto (default: bfloat16 on CUDA, float32 on CPU), float32 or bfloat16")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft block (default: the drafter's)")
     p.add_argument("--draft-mode", default="inject", choices=["inject", "recompute"], help="drafter context: persistent injected KV cache (default) or cache-less recompute")

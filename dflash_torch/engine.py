@@ -166,7 +166,7 @@ class DFlashEngine:
         target: str | Path | None = None,
         draft: str | Path | None = None,
         *,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         device: str = "cpu",
         block_size: int | None = None,
         draft_mode: str = "inject",
@@ -187,7 +187,7 @@ class DFlashEngine:
             target: target checkpoint (default: the shipped default target).
             draft: drafter checkpoint (default: the shipped drafter when the target is
                 the default one; otherwise required unless ``no_draft``).
-            dtype: ``float32`` or ``bfloat16``.
+            dtype: ``float32``, ``bfloat16`` or ``auto`` (bfloat16 on CUDA, float32 on CPU).
             device: ``cpu``, ``cuda``, ``cuda:N``.
             block_size: tokens per block (default: the drafter's trained block size).
             draft_mode: ``inject`` (persistent drafter KV cache) or ``recompute``.
@@ -229,7 +229,8 @@ class DFlashEngine:
             options.check_flag(flag, name)
         if fuse is not None:
             options.check_flag(fuse, "fuse")
-        torch_dtype, dev = options.resolve_dtype(dtype), options.resolve_device(device)
+        dev = options.resolve_device(device)
+        torch_dtype = options.resolve_dtype(dtype, device=dev)
         for name, path in (("target", target), ("draft", draft)):
             if path is not None and not isinstance(path, (str, os.PathLike)):
                 raise OptionError(f"{name} must be a checkpoint directory or a cached Hugging Face id (a str or a path), "

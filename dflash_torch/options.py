@@ -93,8 +93,11 @@ def check_block_size(value, trained: int | None, name: str = "block size") -> in
     return value
 
 
-def resolve_dtype(value: str | torch.dtype, name: str = "dtype") -> torch.dtype:
-    """A dtype name (``float32``, ``bfloat16`` or an alias such as ``bf16``) or torch dtype.
+def resolve_dtype(value: str | torch.dtype, name: str = "dtype", device: str | torch.device | None = None) -> torch.dtype:
+    """A dtype name (``float32``, ``bfloat16``, an alias such as ``bf16``, or ``auto``) or
+    torch dtype. ``auto`` is bfloat16 on a CUDA ``device`` (the published checkpoints'
+    dtype: half the memory of float32 and the GPU's fast path) and float32 elsewhere (on
+    CPUs without bfloat16 units float32 is the fast dtype; it is also the exact one).
 
     Raises:
         DFlashError: float16 (its range overflows in these models' activations on CPU;
@@ -105,10 +108,12 @@ def resolve_dtype(value: str | torch.dtype, name: str = "dtype") -> torch.dtype:
     if not isinstance(value, str):
         raise OptionError(f"{name} must be a name such as 'float32' or 'bfloat16', got {value!r}", name)
     key = _DTYPE_ALIASES.get(value.strip().lower(), value.strip().lower())
+    if key == "auto":
+        return torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32
     if key == "float16":
         raise OptionError(f"{name} float16 is not supported (activations can overflow); use bfloat16 or float32", name)
     if key not in SUPPORTED_DTYPES:
-        raise OptionError(f"unsupported {name} {value!r}; choose one of {', '.join(SUPPORTED_DTYPES)}", name)
+        raise OptionError(f"unsupported {name} {value!r}; choose one of auto, {', '.join(SUPPORTED_DTYPES)}", name)
     return SUPPORTED_DTYPES[key]
 
 

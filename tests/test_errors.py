@@ -717,3 +717,19 @@ def test_weights_that_do_not_fit_in_free_memory_are_refused_before_loading(tiny_
     assert reads == []
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: need)  # exactly enough: it loads
     assert load(model_dir, torch.float32) is not None and reads
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_and_float32_elsewhere(tiny_pair):
+    """The default dtype: the checkpoints' bfloat16 on a GPU, float32 (exact, and the fast
+    one on CPUs without bfloat16 units) on the CPU; the engine loads in it."""
+    import torch
+
+    from dflash_torch.options import resolve_dtype
+
+    assert resolve_dtype("auto", device="cuda:1") == resolve_dtype("AUTO", device=torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", device="cpu") == resolve_dtype("auto") == torch.float32
+    assert resolve_dtype("bf16", device="cpu") == torch.bfloat16 and resolve_dtype("float32", device="cuda") == torch.float32
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    assert {p.dtype for p in engine.decoder.target.parameters()} == {torch.float32}
+    with pytest.raises(DFlashError, match=r"^unsupported dtype 'int8'; choose one of auto, float32, bfloat16$"):
+        resolve_dtype("int8")

@@ -200,8 +200,8 @@ def _run(args: argparse.Namespace) -> int:
     check_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
     if args.chat_template_kwargs is not None and not args.chat:
         raise DFlashError("--chat-template-kwargs apply to chat prompts only: add --chat")
-    dtype = resolve_dtype(args.dtype)  # (checked again by from_pretrained; here before --out is created)
-    resolve_device(args.device)
+    device = resolve_device(args.device)  # (both checked again by from_pretrained; here before --out is created)
+    dtype = resolve_dtype(args.dtype, device=device)
     if args.num_prompts < 0:
         raise DFlashError(f"--num-prompts must be >= 0 (0 = all), got {args.num_prompts}")
     if args.no_draft or args.compile or args.draft_mode != "inject":
@@ -259,7 +259,7 @@ def _run(args: argparse.Namespace) -> int:
     max_context = min(engine.target.config.max_position_embeddings, max(map(len, prompt_ids)) + args.max_new_tokens + 1)
     report = {
         "target": str(args.target or DEFAULT_TARGET), "draft": None if engine.drafter is None else str(args.draft or DEFAULT_DRAFTER),
-        "dtype": args.dtype, "device": args.device, "block_size": engine.block_size,
+        "dtype": str(dtype).removeprefix("torch."), "device": args.device, "block_size": engine.block_size,
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "greedy": True, "ignore_eos": True,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": [], "sweep": None, "shape_sweeps": [], "shapes": [],
