@@ -11,7 +11,6 @@ import shutil
 
 import openai
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -103,7 +102,7 @@ def test_text_that_may_begin_a_marker_is_held_back_only_while_it_may_complete():
     p = new_reply_parser("none", "hermes")
     assert p.feed("Hi <tool") == ("", "Hi", [])  # (the space: next to a call, it would be dropped)
     assert p.feed("box") == ("", " <toolbox", [])
-    reasoning, content, calls = p.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    _, content, calls = p.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
     assert (content, _calls(calls)) == ("", [("f", {})])
 
 

@@ -15,6 +15,9 @@ or wrong API key, 404 for an unknown model or route, 413 for a body over that li
 with ``Retry-After`` when the queue is full, 503 once the server shuts down (a stream that
 fails after it started ends with an error event and ``[DONE]``); a 500 means a server bug.
 
+Chat replies are split into ``reasoning_content`` (:mod:`.reasoning`), ``content`` and, for
+a request with ``tools``, ``tool_calls`` (:mod:`.tools`).
+
 Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
 completions and the rest of the context for chat. Extensions: ``top_k``,
 ``ignore_eos``, ``stop_token_ids``; responses carry a ``dflash`` object with the

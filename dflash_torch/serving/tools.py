@@ -172,8 +172,7 @@ class Qwen3CoderParser(ToolParser):
         props = self.schemas.get(name, {})
         args = {}
         for key, value in _PARAMETER.findall(inner):
-            value = value[1:] if value.startswith("\n") else value  # (the template's newlines around it)
-            value = value[:-1] if value.endswith("\n") else value
+            value = value.removeprefix("\n").removesuffix("\n")  # (the template's newlines around it)
             args[key.strip()] = self.convert(value, props.get(key.strip()))
         return ToolCall(name, _dumps(args))
 
