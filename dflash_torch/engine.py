@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
 import logging
 import os
 import threading
@@ -337,8 +338,15 @@ class DFlashEngine:
         return time.perf_counter() - t0
 
     def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = False,
-                      chat_template_kwargs: dict | None = None) -> list[int]:
+                      chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: text, chat messages (``[{"role", "content"}]``) or ids.
+
+        Chat messages are OpenAI's: ``role`` and ``content`` (a string; None or absent for
+        an assistant message with ``tool_calls``), and optionally ``name``,
+        ``tool_call_id`` (role ``tool``), ``tool_calls`` (``[{"id", "type": "function",
+        "function": {"name", "arguments"}}]``). A call's ``arguments`` given as a JSON
+        string (OpenAI's protocol) is parsed into a dict before templating (templates such
+        as gpt-oss's and Qwen3-Coder's need a mapping); a dict is taken as is.
 
         A text (or messages' contents) longer than :attr:`max_prompt_chars` characters
         cannot fit the context and is refused before it is tokenized.
@@ -349,35 +357,40 @@ class DFlashEngine:
                 ``{"enable_thinking": False}`` (Qwen3's non-thinking mode, the one the
                 published Qwen3 DFlash drafters were trained on) or ``{"reasoning_effort":
                 "low"}`` (gpt-oss); see :func:`~dflash_torch.options.check_chat_template_kwargs`.
+            tools: the functions the model may call, OpenAI's ``[{"type": "function",
+                "function": {"name", "description", "parameters"}}]``, passed to the chat
+                template as its ``tools`` (transformers' ``apply_chat_template(tools=...)``);
+                None or an empty list: none.
 
         Raises:
             DFlashError: ``chat`` not a bool or without a tokenizer chat template, messages
                 the chat template refuses (or a template that cannot be rendered), a
-                malformed prompt, or one longer than ``max_prompt_chars``;
+                malformed prompt or message (a tool call's ``arguments`` that is not a JSON
+                object), or one longer than ``max_prompt_chars``;
                 ``chat_template_kwargs`` not a dict of string keys, setting an argument of
-                the template call, or given for a prompt that is not a chat.
+                the template call, or given for a prompt that is not a chat; ``tools`` not
+                a list of dicts, or given for a prompt that is not a chat.
         """
         options.check_flag(chat, "chat")
         template_kwargs = None if chat_template_kwargs is None else \
             options.check_chat_template_kwargs(chat_template_kwargs, self.reserved_template_variables())
+        tools = options.check_tools(tools)
         if isinstance(prompt, list) and not prompt:
             raise DFlashError("the prompt is empty (no tokens or messages)")
         is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        if template_kwargs is not None and (is_ids or not (chat or isinstance(prompt, list))):
-            raise OptionError("chat_template_kwargs apply to chat prompts only (chat messages, or a text with chat)",
-                              "chat_template_kwargs", "chat")
+        for name, value in (("chat_template_kwargs", template_kwargs), ("tools", tools)):
+            if value is not None and (is_ids or not (chat or isinstance(prompt, list))):
+                raise OptionError(f"{name} apply to chat prompts only (chat messages, or a text with chat)", name, "chat")
         if is_ids:
             return list(prompt)
         if isinstance(prompt, list) or chat:
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            if not all(isinstance(m, dict) for m in messages):
-                raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})")
-            if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
-                raise DFlashError("chat messages must be a list of {'role': str, 'content': str}")
+            messages = _chat_messages(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
             if not getattr(self.tokenizer, "chat_template", None):
                 raise OptionError("chat cannot be used: this model's tokenizer has no chat template "
                                   "(send a text prompt)", "chat")
-            self._check_length(sum(len(m["content"]) for m in messages))
+            self._check_length(sum(len(m.get("content") or "") for m in messages))
+            if tools is not None:
+                template_kwargs = {**(template_kwargs or {}), "tools": tools}
             return self._encode(self._render_chat(messages, template_kwargs or {}), add_special_tokens=False)
         if not isinstance(prompt, str):
             raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages")
@@ -504,6 +517,7 @@ class DFlashEngine:
         chat: bool = False,
         logprobs: int | None = None,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> Iterator[StreamChunk]:
         """Generate, yielding text deltas as rounds commit tokens.
 
@@ -520,6 +534,8 @@ class DFlashEngine:
             ignore_eos: do not stop at the model's EOS tokens.
             chat: apply the tokenizer's chat template to a text prompt.
             chat_template_kwargs: extra chat template variables (see :meth:`encode_prompt`).
+            tools: functions the model may call, for the chat template (see :meth:`encode_prompt`);
+                the reply is the model's text (the server parses its tool calls).
             logprobs: None (default) or k in [0, 20]: each chunk carries the target's
                 log-probability of each of its tokens and the k most likely tokens at
                 that position (``StreamChunk.logprobs``; see :class:`GenerationResult`).
@@ -535,7 +551,7 @@ class DFlashEngine:
                            seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                            repetition_penalty=repetition_penalty, stop=stop, stop_token_ids=stop_token_ids,
                            ignore_eos=ignore_eos, chat=chat, logprobs=logprobs,
-                           chat_template_kwargs=chat_template_kwargs) as chunks:
+                           chat_template_kwargs=chat_template_kwargs, tools=tools) as chunks:
             # each round runs on the compute thread (see dflash_torch.compute), whichever
             # thread iterates this stream
             while (chunk := compute.run(next, chunks, None)) is not None:
@@ -546,14 +562,15 @@ class DFlashEngine:
                  top_p: float = 1.0, seed: int | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, stop=None, stop_token_ids=None,
                  ignore_eos: bool = False, chat: bool = False, logprobs: int | None = None,
-                 chat_template_kwargs: dict | None = None) -> Iterator[Iterator[StreamChunk]]:
+                 chat_template_kwargs: dict | None = None,
+                 tools: list[dict] | None = None) -> Iterator[Iterator[StreamChunk]]:
         """Check a request, tokenize its prompt, take the engine (see the class docstring) and
         give the request's chunks, to be pulled on the compute thread; frees the engine on exit."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 repetition_penalty=repetition_penalty, logprobs=logprobs)
         stopper = self.new_stopper(max_new_tokens, stop, stop_token_ids, ignore_eos)
-        prompt_ids = self.encode_prompt(prompt, chat, chat_template_kwargs)
+        prompt_ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
         if self._owner == threading.get_ident():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
@@ -678,6 +695,7 @@ class DFlashEngine:
         chat: bool = False,
         logprobs: int | None | Sequence[int | None] = None,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once: up to ``max_batch_size`` sequences per
         decoding round; a finished one leaves at a round boundary and the next prompt
@@ -698,6 +716,7 @@ class DFlashEngine:
             chat: apply the chat template to every text prompt.
             chat_template_kwargs: extra chat template variables for every chat prompt
                 (see :meth:`encode_prompt`).
+            tools: functions the model may call, for every chat prompt (see :meth:`encode_prompt`).
 
         Returns:
             one :class:`GenerationResult` per prompt, in order. ``decode_time`` counts the
@@ -732,7 +751,7 @@ class DFlashEngine:
                     "logprobs")})
                 stopper = self.new_stopper(per["max_new_tokens"][i], per["stop"][i], per["stop_token_ids"][i],
                                            per["ignore_eos"][i])
-                ids = self.encode_prompt(prompt, chat, chat_template_kwargs)
+                ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
                 options.check_prompt_ids(ids, self.target.config.vocab_size, stopper.max_new_tokens, self.max_context)
             except DFlashError as exc:
                 if n == 1 or (stopper is None and _shared_by_all(exc, per)):  # (no prompt to name)
@@ -803,6 +822,52 @@ def byte_level_alphabet() -> list[str]:
             out.append(chr(256 + extra))
             extra += 1
     return out
+
+
+def _chat_messages(messages: list) -> list[dict]:
+    """Checked chat messages (see :meth:`DFlashEngine.encode_prompt`), with each tool call's
+    ``arguments`` JSON string parsed into a dict (copies; the caller's are not changed).
+
+    Raises:
+        DFlashError: a message that is not a dict with a string ``role`` and a string
+            ``content`` (None allowed with ``tool_calls``), ``tool_calls`` that are not a
+            list of ``{"function": {"name": str, "arguments": ...}}``, or ``arguments`` that
+            are not a JSON object (a dict or its JSON text).
+    """
+    if not all(isinstance(m, dict) for m in messages):
+        raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})")
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        content_ok = isinstance(m.get("content"), str) or (calls and m.get("content") is None)
+        if not isinstance(m.get("role"), str) or not content_ok:
+            raise DFlashError("chat messages must be a list of {'role': str, 'content': str} (content may be None "
+                              "with tool_calls)")
+        if calls is None:
+            out.append(m)
+            continue
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                for c in calls):
+            raise DFlashError(f"chat messages need tool_calls as a list of {{'type': 'function', 'function': "
+                              f"{{'name': str, 'arguments': str}}}} (message {i})")
+        out.append({**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _call_arguments(
+            c["function"].get("arguments", {}), i, j)}} for j, c in enumerate(calls)]})
+    return out
+
+
+def _call_arguments(arguments, message: int, call: int) -> dict:
+    """A tool call's arguments as a dict: a dict, or a JSON object's text."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
+                              f"not valid JSON ({exc})") from None
+    if not isinstance(arguments, dict):
+        raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
+                          f"got {type(arguments).__name__}")
+    return arguments
 
 
 def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list:

@@ -239,3 +239,18 @@ def check_chat_template_kwargs(value, reserved: Sequence[str] = (), name: str = 
     if taken:
         raise OptionError(f"{name} cannot set {', '.join(taken)} (an argument of the chat template call itself)", name)
     return dict(value)
+
+
+def check_tools(value, name: str = "tools") -> list[dict] | None:
+    """The functions a chat may call (OpenAI's ``tools``: ``[{"type": "function",
+    "function": {"name", "description", "parameters"}}]``, passed to the chat template):
+    None, or a list of dicts (an empty list is None).
+
+    Raises:
+        OptionError: anything else.
+    """
+    if value is None or (isinstance(value, (list, tuple)) and not value):
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, dict) for t in value):
+        raise OptionError(f"{name} must be a list of objects (dicts), got {value!r}"[:300], name)
+    return list(value)

@@ -15,6 +15,9 @@ or wrong API key, 404 for an unknown model or route, 413 for a body over that li
 with ``Retry-After`` when the queue is full, 503 once the server shuts down (a stream that
 fails after it started ends with an error event and ``[DONE]``); a 500 means a server bug.
 
+Chat replies are split into ``reasoning_content`` (:mod:`.reasoning`), ``content`` and, for
+a request with ``tools``, ``tool_calls`` (:mod:`.tools`).
+
 Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
 completions and the rest of the context for chat. Extensions: ``top_k``,
 ``ignore_eos``, ``stop_token_ids``; responses carry a ``dflash`` object with the
@@ -54,9 +57,10 @@ from ..options import check_api_key, check_chat_template_kwargs, check_model_nam
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, conflicting_fields, describe_validation_error,
                        unsupported_field)
-from .reasoning import check_reasoning_parser, new_parser, resolve_parser, split
+from .reasoning import check_reasoning_parser, resolve_parser
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
                         make_backend, param_of)
+from .tools import check_tool_parser, new_reply_parser, parse_reply, resolve_tool_parser
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5
@@ -196,7 +200,7 @@ class _JobStreamingResponse(StreamingResponse):
 
 def create_app(engine, api_key: str | None = None, model_name: str | None = None, *, max_batch_size: int = 8,
                max_queue: int = 64, chat_template_kwargs: dict | None = None,
-               reasoning_parser: str = "auto") -> FastAPI:
+               reasoning_parser: str = "auto", tool_call_parser: str = "auto") -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -215,11 +219,16 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             ``content`` (:mod:`.reasoning`): ``think`` (``<think>...</think>``), ``harmony``
             (gpt-oss), ``none`` (all content), or ``auto`` (default): ``harmony`` for a
             gpt-oss target, ``think`` when the chat template mentions ``<think>``, else none.
+        tool_call_parser: how the tool calls of a chat reply to a request with ``tools`` are
+            found (:mod:`.tools`): ``hermes``, ``qwen3_coder``, ``harmony`` (gpt-oss; needs the
+            ``harmony`` reasoning parser), ``none`` (the reply stays text), or ``auto``
+            (default): by the model and its chat template (:func:`.tools.resolve_tool_parser`).
 
     Raises:
         DFlashError: an empty API key or one that is not printable ASCII; an empty or
             blank ``model_name``; ``chat_template_kwargs`` not a dict of string keys or setting
-            an argument of the template call; an unknown ``reasoning_parser``; ``max_batch_size``
+            an argument of the template call; an unknown ``reasoning_parser`` or ``tool_call_parser``,
+            or ``harmony`` tool calls without ``harmony`` reasoning; ``max_batch_size``
             or ``max_queue`` not an integer >= 1; batch caches of ``max_batch_size`` x the
             engine's context that do not fit the device.
     """
@@ -228,6 +237,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     default_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, engine.reserved_template_variables())
     reasoning = resolve_parser(check_reasoning_parser(reasoning_parser), engine.target.config.model_type,
                                getattr(engine.tokenizer, "chat_template", None))
+    tool_calls = resolve_tool_parser(check_tool_parser(tool_call_parser), engine.target.config.model_type,
+                                     getattr(engine.tokenizer, "chat_template", None), reasoning)
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
     scheduler = Scheduler(make_backend(engine, max_batch_size), metrics, max_queue=max_queue)
     metrics.open_requests.set_function(scheduler.open_jobs)
@@ -244,7 +255,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     app = FastAPI(title="dflash-torch", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine, app.state.metrics, app.state.scheduler, app.state.model_id = engine, metrics, scheduler, model_id
-    app.state.reasoning_parser = reasoning
+    app.state.reasoning_parser, app.state.tool_call_parser = reasoning, tool_calls
     app.add_middleware(MetricsMiddleware, metrics=metrics, endpoints=ENDPOINTS)
 
     # ---- errors -------------------------------------------------------------------------
@@ -378,14 +389,14 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise err
 
     def prepare(prompts: list, chat: bool, requested: int | None, default: int | None,
-                template_kwargs: dict | None) -> list[tuple[list[int], int]]:
+                template_kwargs: dict | None, tools: list[dict] | None) -> list[tuple[list[int], int]]:
         """``(token ids, max new tokens)`` of each prompt (in a thread: tokenizing a long
         prompt holds neither the engine nor the event loop)."""
         vocab = engine.target.config.vocab_size
         out = []
         for i, prompt in enumerate(prompts):
             try:
-                ids = engine.encode_prompt(prompt, chat, template_kwargs)
+                ids = engine.encode_prompt(prompt, chat, template_kwargs, tools)
                 if any(not 0 <= t < vocab for t in ids):  # checked for every prompt before any runs
                     raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
                 out.append((ids, fit_max_tokens(engine, len(ids), requested, default)))
@@ -403,8 +414,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise APIError(400, f"{n * len(prompts)} choices ({len(prompts)} prompts x n={n}) are more than this server "
                                 f"queues ({scheduler.max_queue}, --max-queue)", param="n" if len(prompts) == 1 else "prompt")
         template_kwargs = req.template_kwargs(default_template_kwargs) if chat else None
+        tools = req.engine_tools() if chat else None
         prepared = await asyncio.to_thread(prepare, prompts, chat, req.requested_max_tokens(), default_max_tokens,
-                                           template_kwargs)
+                                           template_kwargs, tools)
         kwargs = req.sampling_kwargs()
         job = Job(loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived)
         for ids, max_new_tokens in prepared:
@@ -426,9 +438,13 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             if ev.kind == "done":  # cancelled before it started
                 return Response(status_code=499)
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-            # (a chat has one prompt; its end tells whether the template opened the reasoning)
-            parsers = None if kind != "chat" or reasoning == "none" else \
-                [new_parser(reasoning, engine.decode(prepared[0][0][-8:])) for _ in job.sequences]
+            # (a chat has one prompt; its end tells whether the template opened the reasoning; calls
+            # are looked for when the model was given tools)
+            parsers = None if kind != "chat" else \
+                [new_reply_parser(reasoning, tool_calls if tools else "none", engine.decode(prepared[0][0][-8:]), tools)
+                 for _ in job.sequences]
+            if parsers is not None and parsers[0] is None:
+                parsers = None
             if req.stream:
                 return _JobStreamingResponse(stream_events(job, req, rid, kind, prompt_tokens, n, parsers), job,
                                              media_type="text/event-stream",
@@ -463,11 +479,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             content, logprobs = "".join(out["text"]), out["logprobs"]
             if kind == "chat":
                 logprobs = None if logprobs is None else _chat_logprobs(logprobs, token_info)
-                message = {"role": "assistant", "content": content}
+                message, finish = {"role": "assistant", "content": content}, out["finish"]
                 if parsers is not None:
-                    reasoning_text, message["content"] = split(parsers[i], content)
+                    reasoning_text, message["content"], calls = parse_reply(parsers[i], content, finish == "stop")
                     message["reasoning_content"] = reasoning_text or None
-                choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": out["finish"]}
+                    if calls:
+                        message["content"] = message["content"] or None
+                        message["tool_calls"] = [call.to_openai() for call in calls]
+                        finish = "tool_calls" if finish == "stop" else finish
+                choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
                 logprobs = None if logprobs is None else _completion_logprobs(logprobs, token_info, _TextOffsets())
                 choice = {"index": i, "text": content, "logprobs": logprobs, "finish_reason": out["finish"]}
@@ -494,16 +514,23 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
         offsets = [_TextOffsets() for _ in job.sequences]  # (legacy text_offset of each choice)
 
-        def choice(index, text=None, finish=None, role=False, logprobs=None, reasoning_text=""):
-            """A choice's piece; ``logprobs``: the TokenLogprob s of its tokens (None: none asked)."""
+        calls_sent = [0] * len(job.sequences)  # (each choice's tool calls so far: the next one's index)
+
+        def choice(index, text=None, finish=None, role=False, logprobs=None, reasoning_text="", calls=()):
+            """A choice's piece; ``logprobs``: the TokenLogprob s of its tokens (None: none asked);
+            ``calls``: the tool calls it completes."""
             if kind == "chat":
                 delta = {}
                 if role:
                     delta["role"] = "assistant"
                 if reasoning_text:
                     delta["reasoning_content"] = reasoning_text
-                if text is not None and (text or not reasoning_text):
+                if text is not None and (text or not (reasoning_text or calls)):
                     delta["content"] = text
+                if calls:
+                    delta["tool_calls"] = [{"index": calls_sent[index] + k, **call.to_openai()}
+                                           for k, call in enumerate(calls)]
+                    calls_sent[index] += len(calls)
                 lp = None if logprobs is None else _chat_logprobs(logprobs, token_info)
                 return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             lp = None if logprobs is None else _completion_logprobs(logprobs, token_info, offsets[index])
@@ -529,20 +556,23 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             n_tokens += len(chunk.token_ids)
             # a piece with text, or with tokens whose logprobs were asked for (their text may be held back)
             piece = bool(chunk.text) or bool(chunk.logprobs)
-            reasoning_text, text = ("", chunk.text) if parsers is None else parsers[i].feed(chunk.text)
+            reasoning_text, text, calls = ("", chunk.text, []) if parsers is None else parsers[i].feed(chunk.text)
             if chunk.finish_reason is None:
-                if piece:
-                    yield frame([choice(i, text, logprobs=chunk.logprobs, reasoning_text=reasoning_text)])
+                if piece or calls:
+                    yield frame([choice(i, text, logprobs=chunk.logprobs, reasoning_text=reasoning_text, calls=calls)])
                 continue
             summary = _stats_summary(chunk.stats)
             cached[i] = chunk.stats.cached_prompt_tokens
             if kind == "chat":
+                finish = chunk.finish_reason
                 if parsers is not None:  # what the parser held back
-                    held_reasoning, held = parsers[i].finish()
-                    reasoning_text, text = reasoning_text + held_reasoning, text + held
-                if piece or reasoning_text or text:
-                    yield frame([choice(i, text, logprobs=chunk.logprobs, reasoning_text=reasoning_text)])
-                yield frame([choice(i, finish=chunk.finish_reason)], dflash=summary)
+                    held_reasoning, held, held_calls = parsers[i].finish(finish == "stop")
+                    reasoning_text, text, calls = reasoning_text + held_reasoning, text + held, calls + held_calls
+                if piece or reasoning_text or text or calls:
+                    yield frame([choice(i, text, logprobs=chunk.logprobs, reasoning_text=reasoning_text, calls=calls)])
+                if finish == "stop" and calls_sent[i]:
+                    finish = "tool_calls"
+                yield frame([choice(i, finish=finish)], dflash=summary)
             else:
                 yield frame([choice(i, chunk.text, chunk.finish_reason, logprobs=chunk.logprobs)], dflash=summary)
         if include_usage:

@@ -43,6 +43,11 @@ def register(sub) -> None:
                    help="split chat replies into reasoning_content and content: think (<think>...</think>: Qwen3, "
                         "Qwen3.5, DeepSeek-R1), harmony (gpt-oss's analysis / final channels), none (all content), "
                         "or auto (default: harmony for gpt-oss, think when the chat template mentions <think>)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", "hermes", "qwen3_coder", "harmony"],
+                   help="find the tool calls of chat replies to requests with tools (message.tool_calls): hermes "
+                        "(<tool_call>{json}</tool_call>: Qwen2.5, Qwen3), qwen3_coder (<tool_call><function=...>: "
+                        "Qwen3-Coder, Qwen3.5, Qwen3.6), harmony (gpt-oss), none (replies stay text), or auto "
+                        "(default: by the model and its chat template)")
     add_chat_template_kwargs_arg(p, "for every chat request (a request's own chat_template_kwargs and "
                                     "reasoning_effort override them)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -79,12 +84,12 @@ def _serve(args: argparse.Namespace) -> int:
         warn_compile_losses(args)
     app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,
                      max_queue=args.max_queue, chat_template_kwargs=args.chat_template_kwargs,
-                     reasoning_parser=args.reasoning_parser)
+                     reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     scheduler = app.state.scheduler
     print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "
           f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
           f"slot{'s' if scheduler.max_batch_size > 1 else ''}, queue {scheduler.max_queue}, "
-          f"reasoning parser {app.state.reasoning_parser})", flush=True)
+          f"reasoning parser {app.state.reasoning_parser}, tool call parser {app.state.tool_call_parser})", flush=True)
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):

@@ -4,7 +4,7 @@ cannot honour.
 Parsing is strict about types (``"5"`` is not an integer, ``true`` is not a number)
 and about ranges; fields the server does not know are ignored, as OpenAI's own API
 ignores them. Fields it knows but cannot honour with a non-default value (``best_of``
-other than ``n``, ``echo``, ``prompt_logprobs``, ``logit_bias``, tools, ...) are refused with a 400 by
+other than ``n``, ``echo``, ``prompt_logprobs``, ``logit_bias``, ``tool_choice`` ``required``, ...) are refused with a 400 by
 :func:`unsupported_field`; values that contradict each other by :func:`conflicting_fields`.
 """
 
@@ -112,12 +112,27 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr | dict[StrictStr, Any]  # OpenAI: a JSON object's text (a dict is taken too)
+
+
+class ToolCall(BaseModel):
+    """A call of an earlier assistant message."""
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None  # (role tool: the call it answers)
 
     def text(self) -> str:
         if self.content is None:
@@ -125,6 +140,43 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def engine_message(self) -> dict:
+        """The message for :meth:`DFlashEngine.encode_prompt` ("developer" is OpenAI's newer
+        name for "system", the role chat templates know); a tool call's ``arguments`` stay
+        as sent (the engine parses a JSON string into a dict)."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        return out
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")  # (whatever else the client sends reaches the template)
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[StrictStr, Any] | None = None  # a JSON schema
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ResponseFormat(BaseModel):
@@ -136,8 +188,9 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # (accepted: the reply has the calls the model writes)
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: ResponseFormat | None = None
@@ -159,8 +212,14 @@ class ChatCompletionRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def engine_messages(self) -> list[dict]:
-        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.engine_message() for m in self.messages]
+
+    def engine_tools(self) -> list[dict] | None:
+        """The tools for the chat template: the request's, unless ``tool_choice`` is
+        ``"none"`` (the model must not call any: it is not told of them); None for none."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
 
 def conflicting_fields(req: _Request) -> tuple[str, str] | None:
@@ -172,6 +231,8 @@ def conflicting_fields(req: _Request) -> tuple[str, str] | None:
         return "best_of", f"best_of must be >= n (best_of={req.best_of}, n={n})"
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
         return "top_logprobs", "top_logprobs needs logprobs set to true"
+    if isinstance(req, ChatCompletionRequest) and req.tool_choice not in (None, "none") and not req.tools:
+        return "tool_choice", "tool_choice needs tools"
     return None
 
 
@@ -198,14 +259,14 @@ def unsupported_field(req: _Request) -> tuple[str, str] | None:
     if isinstance(req, ChatCompletionRequest):
         rf = req.response_format.type if req.response_format is not None else "text"
         checks += [
-            ("tools", bool(req.tools), "tools are not supported"),
-            ("tool_choice", req.tool_choice not in (None, "none"), "tool_choice is not supported"),
+            ("tool_choice", req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice),
+             "tool_choice 'required' or a named function needs constrained decoding, which this server does not do "
+             "(use 'auto': the model chooses, or 'none')"),
             ("functions", bool(req.functions), "functions are not supported"),
             ("function_call", req.function_call not in (None, "none"), "function_call is not supported"),
             ("response_format", rf != "text", f"response_format {rf!r} is not supported (only 'text')"),
             ("modalities", req.modalities not in (None, ["text"]), "only the text modality is supported"),
             ("audio", req.audio is not None, "audio output is not supported"),
-            ("messages", any(m.tool_calls for m in req.messages), "tool calls in messages are not supported"),
         ]
     for param, bad, message in checks:
         if bad:

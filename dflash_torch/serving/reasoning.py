@@ -108,7 +108,7 @@ class HarmonyParser(ReasoningParser):
             at, marker = min(found)
             self._text(self.buffer[:at], parts)
             self.buffer = self.buffer[at + len(marker):]
-            self._marker(marker)
+            self._marker(marker, parts)
         return "".join(parts["reasoning"]), "".join(parts["answer"])
 
     def _text(self, text: str, parts: dict) -> None:
@@ -118,7 +118,8 @@ class HarmonyParser(ReasoningParser):
             parts["reasoning" if self.channel == "analysis" else "answer"].append(text)
         # (between messages: the role after <|start|>, dropped)
 
-    def _marker(self, marker: str) -> None:
+    def _marker(self, marker: str, parts: dict) -> None:
+        """Act on ``marker``; ``parts``: what the current piece adds so far (a subclass may add to it)."""
         if marker == "<|constrain|>":
             return  # (part of the header: its text is dropped with it)
         if marker == "<|channel|>":

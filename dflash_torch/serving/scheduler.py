@@ -78,7 +78,8 @@ _PARAM_OF_MESSAGE = {"stop token ids": "stop_token_ids", "temperature": "tempera
                      "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                      "repetition_penalty": "repetition_penalty",
                      "stop": "stop", "max_new_tokens": "max_tokens", "prompt": "prompt", "the prompt": "prompt",
-                     "chat messages": "messages", "chat_template_kwargs": "chat_template_kwargs"}
+                     "chat messages": "messages", "chat_template_kwargs": "chat_template_kwargs", "tools": "tools",
+                     "tool call arguments": "messages"}
 
 
 class ParamError(DFlashError):

@@ -1,0 +1,345 @@
+"""Find the tool calls in a chat reply as text arrives, for the server's
+``message.tool_calls`` (OpenAI's function calling), and the text outside them (``content``).
+
+Formats (``serve --tool-call-parser``):
+
+* ``hermes`` (Qwen2.5, Qwen3): ``<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>``
+  blocks, any number of them.
+* ``qwen3_coder`` (Qwen3-Coder, Qwen3.5, Qwen3.6): ``<tool_call>\\n<function=NAME>\\n
+  <parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`` blocks. A value is
+  text, unless the tool's JSON schema types the parameter ``integer``, ``number``,
+  ``boolean``, ``null``, ``object`` or ``array``: then it is that JSON value when it parses as one
+  (else the text).
+* ``harmony`` (gpt-oss): a message whose recipient is ``functions.NAME``
+  (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``;
+  the recipient may also follow the role, ``<|start|>assistant to=functions.NAME``). Its
+  body is the arguments; it ends at ``<|call|>`` (or ``<|end|>``, ``<|return|>``), or at
+  the reply's end when the reply ended with a stop token (``<|call|>`` is one of gpt-oss's
+  EOS tokens, so it is not in the text).
+
+A call whose arguments are not a JSON object, or that is still open when the reply is cut
+(``max_tokens``), stays in the content as the model wrote it (for harmony: its body), so
+no text is lost. In the ``<tool_call>`` formats, whitespace next to a call (the newlines
+templates put between calls) is dropped.
+
+Composition with :mod:`.reasoning`: a reply is first split into reasoning and answer by
+the reasoning parser, and the tool calls are looked for in the answer
+(:class:`ReplyParser`): a Qwen3 / Qwen3.5 reply thinks, then calls. Harmony carries both in
+one message structure, so one parser, :class:`HarmonyToolParser` (the reasoning module's
+:class:`~.reasoning.HarmonyParser` that also reads recipients), does both.
+
+Parsers are fed the reply in pieces and return what each piece adds; text that may still
+become a marker is held back until it cannot. The result does not depend on where the
+pieces were cut.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from ..errors import DFlashError
+from .reasoning import HarmonyParser, ReasoningParser, _held, new_parser
+
+PARSERS = ("auto", "none", "hermes", "qwen3_coder", "harmony")
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class ToolCall:
+    """One call the model wrote: the function's ``name`` and its ``arguments`` as JSON text
+    (an object). ``id``: OpenAI's ``call_<random>``."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _json_object(text: str) -> dict | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
+class ToolParser:
+    """Base of the ``<tool_call>`` formats: ``feed`` the answer's text, get back the content
+    and the calls it completes; :meth:`parse_block` reads one block's inside."""
+
+    def __init__(self):
+        self.buffer = ""
+        self.in_call = False
+        self.gap = ""  # whitespace before the open call (dropped if the call parses)
+        self.after_call = False  # whitespace that follows a call is dropped
+
+    def parse_block(self, body: str) -> ToolCall | None:
+        """The call in ``body`` (the text between the markers); None: malformed."""
+        raise NotImplementedError
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """``(content, calls)`` that ``text`` (the next piece of the answer) adds."""
+        self.buffer += text
+        content, calls = [], []
+        while True:
+            if self.in_call:
+                end = self.buffer.find(CALL_CLOSE)
+                if end < 0:
+                    break
+                block, self.buffer = self.buffer[:end + len(CALL_CLOSE)], self.buffer[end + len(CALL_CLOSE):]
+                call = self.parse_block(block[len(CALL_OPEN):end])
+                if call is None:
+                    content.append(self.gap + block)
+                else:
+                    calls.append(call)
+                self.in_call, self.gap, self.after_call = False, "", call is not None
+                continue
+            if self.after_call:
+                self.buffer = self.buffer.lstrip()
+                if not self.buffer:
+                    break
+                self.after_call = False
+            start = self.buffer.find(CALL_OPEN)
+            if start < 0:  # hold back a possible marker start and the whitespace before it
+                keep = _held(self.buffer, (CALL_OPEN,))
+                text_part = self.buffer[:len(self.buffer) - keep]
+                emit = text_part.rstrip()
+                content.append(emit)
+                self.buffer = self.buffer[len(emit):]
+                break
+            before = self.buffer[:start]
+            content.append(before.rstrip())
+            self.gap = before[len(before.rstrip()):]
+            self.buffer, self.in_call = self.buffer[start:], True
+        return "".join(content), calls
+
+    def finish(self) -> str:
+        """The content held back, at the end of the answer (an open call is content)."""
+        rest, self.buffer = self.buffer, ""
+        if self.in_call:
+            return self.gap + rest
+        return rest.lstrip() if self.after_call else rest
+
+
+class HermesParser(ToolParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+
+    def parse_block(self, body: str) -> ToolCall | None:
+        obj = _json_object(body.strip())
+        if obj is None or not isinstance(obj.get("name"), str):
+            return None
+        arguments = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(arguments, str):  # (some models write the arguments as JSON text)
+            arguments = _json_object(arguments)
+        if not isinstance(arguments, dict):
+            return None
+        return ToolCall(obj["name"], _dumps(arguments))
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+class Qwen3CoderParser(ToolParser):
+    """``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>``;
+    ``tools``: the request's (OpenAI's shape), whose schemas type the values."""
+
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__()
+        self.schemas = {}
+        for tool in tools or []:
+            fn = tool.get("function") or {}
+            if isinstance(fn.get("name"), str):
+                props = (fn.get("parameters") or {}).get("properties")
+                self.schemas[fn["name"]] = props if isinstance(props, dict) else {}
+
+    def parse_block(self, body: str) -> ToolCall | None:
+        m = _FUNCTION.fullmatch(body)
+        if m is None:
+            return None
+        name, inner = m.group(1).strip(), m.group(2)
+        if _PARAMETER.sub("", inner).strip():  # text outside the parameters: not this format
+            return None
+        props = self.schemas.get(name, {})
+        args = {}
+        for key, value in _PARAMETER.findall(inner):
+            value = value.removeprefix("\n").removesuffix("\n")  # (the template's newlines around it)
+            args[key.strip()] = self.convert(value, props.get(key.strip()))
+        return ToolCall(name, _dumps(args))
+
+    @staticmethod
+    def convert(value: str, schema) -> object:
+        """``value`` as the JSON type its ``schema`` names (the first that parses), else the text."""
+        types = schema.get("type") if isinstance(schema, dict) else None
+        types = [types] if isinstance(types, str) else (types if isinstance(types, list) else [])
+        want = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None), "object": dict,
+                "array": list}
+        for t in types:
+            if t not in want:
+                continue
+            text = value.strip().lower() if t in ("boolean", "null") else value.strip()
+            try:
+                parsed = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(parsed, want[t]) and not (t in ("integer", "number") and isinstance(parsed, bool)):
+                return parsed
+        return value
+
+
+class HarmonyToolParser(HarmonyParser):
+    """gpt-oss's harmony messages: reasoning, answer and calls (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.role = ""  # the text after <|start|>: the role and maybe the recipient
+        self.call = None  # the function of the open call message
+        self.args = []
+        self.calls: list[ToolCall] = []
+
+    def _text(self, text: str, parts: dict) -> None:
+        if self.state == "between":
+            self.role += text
+        elif self.state == "body" and self.call is not None:
+            self.args.append(text)
+        else:
+            super()._text(text, parts)
+
+    def _marker(self, marker: str, parts: dict) -> None:
+        if marker == "<|start|>":
+            self.role = ""
+        elif marker == "<|message|>":
+            recipients = [w[3:] for w in (self.role + " " + self.header).split() if w.startswith("to=")]
+            if recipients and recipients[0].startswith("functions."):
+                self.call = recipients[0][len("functions."):]
+        elif marker in ("<|call|>", "<|end|>", "<|return|>"):
+            self._close(parts)
+            self.role = ""
+        super()._marker(marker, parts)
+
+    def _close(self, parts: dict) -> None:
+        if self.call is None:
+            return
+        body = "".join(self.args)
+        obj = _json_object(body)
+        if obj is None:
+            parts["answer"].append(body)
+        else:
+            self.calls.append(ToolCall(self.call, _dumps(obj)))
+        self.call, self.args = None, []
+
+    def take(self, text: str) -> tuple[str, str, list[ToolCall]]:
+        reasoning, answer = self.feed(text)
+        calls, self.calls = self.calls, []
+        return reasoning, answer, calls
+
+    def finish_reply(self, complete: bool) -> tuple[str, str, list[ToolCall]]:
+        if self.call is None:
+            reasoning, answer = self.finish()
+            return reasoning, answer, []
+        self.args.append(self.buffer)
+        self.buffer = ""
+        if complete:
+            parts = {"reasoning": [], "answer": []}
+            self._close(parts)
+            calls, self.calls = self.calls, []
+            return "", "".join(parts["answer"]), calls
+        body, self.args, self.call = "".join(self.args), [], None
+        return "", body, []
+
+
+class ReplyParser:
+    """A chat reply's reasoning, content and tool calls, piece by piece: the reasoning
+    parser (:mod:`.reasoning`, or none) splits off the reasoning, the tool parser (or none)
+    finds the calls in the answer; or one :class:`HarmonyToolParser` for both."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | HarmonyToolParser | None):
+        self.reasoning, self.tools = reasoning, tools
+
+    def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
+        """``(reasoning, content, calls)`` that ``text`` (the next piece of the reply) adds."""
+        if isinstance(self.tools, HarmonyToolParser):
+            return self.tools.take(text)
+        reasoning, answer = ("", text) if self.reasoning is None else self.reasoning.feed(text)
+        if self.tools is None:
+            return reasoning, answer, []
+        content, calls = self.tools.feed(answer)
+        return reasoning, content, calls
+
+    def finish(self, complete: bool) -> tuple[str, str, list[ToolCall]]:
+        """What is held back, at the end of the reply; ``complete``: it ended with a stop
+        token or string (not cut by ``max_tokens``)."""
+        if isinstance(self.tools, HarmonyToolParser):
+            return self.tools.finish_reply(complete)
+        reasoning, answer = ("", "") if self.reasoning is None else self.reasoning.finish()
+        if self.tools is None:
+            return reasoning, answer, []
+        content, calls = self.tools.feed(answer)
+        return reasoning, content + self.tools.finish(), calls
+
+
+def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:
+    """One of :data:`PARSERS`.
+
+    Raises:
+        DFlashError: any other value.
+    """
+    if value not in PARSERS:
+        raise DFlashError(f"{name} must be one of {', '.join(PARSERS)}, got {value!r}")
+    return value
+
+
+def resolve_tool_parser(choice: str, model_type: str, chat_template: str | dict | None, reasoning: str) -> str:
+    """The format a server with ``--tool-call-parser choice`` uses: ``auto`` is ``harmony``
+    for gpt-oss, ``qwen3_coder`` for a chat template with ``<tool_call>`` and ``<function=``,
+    ``hermes`` for one with ``<tool_call>`` only, else ``none``. ``chat_template``: the
+    tokenizer's (a dict of named templates: the ``tool_use`` one if any, else ``default``);
+    ``reasoning``: the server's resolved reasoning parser.
+
+    Raises:
+        DFlashError: ``harmony`` with a reasoning parser other than ``harmony`` (one parser
+            reads both from gpt-oss's messages).
+    """
+    if choice == "auto":
+        if model_type == "gpt_oss":
+            choice = "harmony" if reasoning == "harmony" else "none"
+        else:
+            if isinstance(chat_template, dict):
+                chat_template = chat_template.get("tool_use") or chat_template.get("default")
+            chat_template = chat_template or ""
+            choice = "none" if CALL_OPEN not in chat_template else \
+                "qwen3_coder" if "<function=" in chat_template else "hermes"
+    if choice == "harmony" and reasoning != "harmony":
+        raise DFlashError(f"--tool-call-parser harmony needs --reasoning-parser harmony (or auto with a gpt-oss "
+                          f"target), not {reasoning}")
+    return choice
+
+
+def new_reply_parser(reasoning: str, tools_kind: str, prompt_text: str = "",
+                     tools: list[dict] | None = None) -> ReplyParser | None:
+    """The parser of a chat reply to a prompt ending in ``prompt_text``: ``reasoning`` and
+    ``tools_kind`` resolved (``none`` for a request without tools); ``tools``: the
+    request's (for the value types of ``qwen3_coder``). None when both are ``none``."""
+    if tools_kind == "harmony":
+        return ReplyParser(None, HarmonyToolParser())
+    tool_parser = {"hermes": HermesParser, "qwen3_coder": lambda: Qwen3CoderParser(tools)}.get(tools_kind)
+    reasoning_parser = new_parser(reasoning, prompt_text)
+    if reasoning_parser is None and tool_parser is None:
+        return None
+    return ReplyParser(reasoning_parser, tool_parser and tool_parser())
+
+
+def parse_reply(parser: ReplyParser, text: str, complete: bool) -> tuple[str, str, list[ToolCall]]:
+    """``(reasoning, content, calls)`` of a whole reply."""
+    r1, c1, k1 = parser.feed(text)
+    r2, c2, k2 = parser.finish(complete)
+    return r1 + r2, c1 + c2, k1 + k2

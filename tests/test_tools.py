@@ -1,0 +1,351 @@
+"""Tool calling (OpenAI function calling): the tools, tool messages and earlier calls
+reach the chat template as transformers' ``apply_chat_template(tools=...)`` renders them;
+the calls a reply writes (hermes, qwen3_coder, harmony formats) come back as
+``message.tool_calls`` (dflash_torch/serving/tools.py), whole and streamed; a real server
+and a real tiny model that writes a call."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.serving.tools import new_reply_parser, parse_reply, resolve_tool_parser
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "hours": {"type": "array"}, "ratio": {"type": ["number", "null"]}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TOOLS = [WEATHER, TIME]
+
+HERMES = ('Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+CODER = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
+         "</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=hours>\n[1, 2]\n</parameter>\n"
+         "<parameter=ratio>\nnull\n</parameter>\n</function>\n</tool_call>")
+HARMONY = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+           'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}')
+
+# (reasoning parser, tool parser, prompt tail, reply, ended with a stop, reasoning, content, [(name, arguments)])
+CASES = [
+    ("none", "hermes", "", HERMES, True, "", "Let me check.",
+     [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
+    ("none", "hermes", "", "no call here, 1 < 2", True, "", "no call here, 1 < 2", []),
+    ("none", "hermes", "", "a <tool_call> mentioned", True, "", "a <tool_call> mentioned", []),
+    ("none", "hermes", "", "bad:\n<tool_call>\n{not json}\n</tool_call>\nafter", True, "",
+     "bad:\n<tool_call>\n{not json}\n</tool_call>\nafter", []),
+    ("none", "hermes", "", 'cut:\n<tool_call>\n{"name": "get_time", "argu', False, "",
+     'cut:\n<tool_call>\n{"name": "get_time", "argu', []),
+    ("none", "hermes", "", '<tool_call>\n{"name": "get_time", "arguments": "{\\"a\\": 1}"}\n</tool_call>\n\nDone.',
+     True, "", "Done.", [("get_time", {"a": 1})]),
+    ("think", "hermes", "<|im_start|>assistant\n<think>\n", "plan</think>\n\n" + HERMES[len("Let me check.\n\n"):],
+     True, "plan", "", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
+    ("think", "hermes", "", '<think><tool_call>{"name": "get_time", "arguments": {}}</tool_call></think>ok', True,
+     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "ok", []),  # (a call in the reasoning: text)
+    ("none", "qwen3_coder", "", "Sure." + "\n" + CODER, True, "", "Sure.",
+     [("get_weather", {"city": "New York", "days": 3, "metric": True, "hours": [1, 2], "ratio": None})]),
+    ("none", "qwen3_coder", "", "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n"
+     "<parameter=note>\n a\n\nb \n</parameter>\n</function>\n</tool_call>", True, "", "",
+     [("get_weather", {"days": "three", "note": " a\n\nb "})]),  # (not an integer: the text)
+    ("none", "qwen3_coder", "", "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", True, "", "",
+     [("get_time", {})]),
+    ("none", "qwen3_coder", "", "<tool_call>\nno function\n</tool_call>", True, "",
+     "<tool_call>\nno function\n</tool_call>", []),
+    ("none", "qwen3_coder", "", CODER[:60], False, "", CODER[:60], []),
+    ("harmony", "harmony", "", HARMONY, True, "Need the weather.", "", [("get_weather", {"city": "Oslo"})]),
+    ("harmony", "harmony", "", HARMONY, False, "Need the weather.", '{"city": "Oslo"}', []),  # cut: no call
+    ("harmony", "harmony", "", "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>",
+     True, "", "", [("get_time", {})]),
+    ("harmony", "harmony", "", "<|channel|>commentary to=functions.get_time<|message|>oops<|call|>", True, "", "oops",
+     []),
+    ("harmony", "harmony", "", "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>"
+     'commentary to=functions.get_time <|constrain|>json<|message|>{"tz": "UTC"}<|call|>', True, "", "Checking.",
+     [("get_time", {"tz": "UTC"})]),
+    ("harmony", "harmony", "", "<|channel|>final<|message|>No tools needed.", True, "", "No tools needed.", []),
+]
+
+
+def _calls(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("reasoning,tools,prompt,reply,complete,want_reasoning,content,calls", CASES)
+def test_whole_replies(reasoning, tools, prompt, reply, complete, want_reasoning, content, calls):
+    got_reasoning, got_content, got_calls = parse_reply(new_reply_parser(reasoning, tools, prompt, TOOLS), reply,
+                                                        complete)
+    assert (got_reasoning, got_content, _calls(got_calls)) == (want_reasoning, content, calls)
+    assert all(c.id.startswith("call_") for c in got_calls) and len({c.id for c in got_calls}) == len(got_calls)
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=st.sampled_from(CASES), cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=16))
+def test_streamed_pieces_give_the_same_calls_and_content(case, cuts):
+    reasoning, tools, prompt, reply, complete, want_reasoning, content, calls = case
+    bounds = sorted({c % (len(reply) + 1) for c in cuts} | {0, len(reply)})
+    parser = new_reply_parser(reasoning, tools, prompt, TOOLS)
+    got = [parser.feed(reply[a:b]) for a, b in zip(bounds, bounds[1:])] + [parser.finish(complete)]
+    assert "".join(g[0] for g in got) == want_reasoning
+    assert "".join(g[1] for g in got) == content
+    assert _calls([c for g in got for c in g[2]]) == calls
+
+
+def test_text_that_may_begin_a_marker_is_held_back_only_while_it_may_complete():
+    p = new_reply_parser("none", "hermes")
+    assert p.feed("Hi <tool") == ("", "Hi", [])  # (the space: next to a call, it would be dropped)
+    assert p.feed("box") == ("", " <toolbox", [])
+    _, content, calls = p.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert (content, _calls(calls)) == ("", [("f", {})])
+
+
+def test_auto_picks_the_format_by_model_and_template():
+    assert resolve_tool_parser("auto", "gpt_oss", None, "harmony") == "harmony"
+    assert resolve_tool_parser("auto", "qwen3", "<tool_call>\n<function=x>", "think") == "qwen3_coder"
+    assert resolve_tool_parser("auto", "qwen3", "<tool_call>\n{{ tool_call | tojson }}", "think") == "hermes"
+    assert resolve_tool_parser("auto", "llama", "{{ m.content }}", "none") == "none"
+    assert resolve_tool_parser("auto", "qwen3", {"default": "x", "tool_use": "<tool_call>"}, "none") == "hermes"
+    assert resolve_tool_parser("hermes", "gpt_oss", None, "harmony") == "hermes"
+    with pytest.raises(DFlashError, match="--tool-call-parser harmony needs --reasoning-parser harmony"):
+        resolve_tool_parser("harmony", "qwen3", None, "none")
+
+
+# --- the prompt: transformers' apply_chat_template is the oracle --------------------------------
+
+# small templates that follow each family's format (Qwen3: hermes; Qwen3-Coder / Qwen3.5: XML
+# parameters, which iterate the arguments as a mapping; gpt-oss: harmony, arguments | tojson)
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    "</tools><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
+    "{% endif %}{% for tc in m.tool_calls or [] %}{% set tc = tc.function %}\n<tool_call>\n"
+    '{"name": "{{ tc.name }}", "arguments": {% if tc.arguments is string %}{{ tc.arguments }}{% else %}'
+    "{{ tc.arguments | tojson }}{% endif %}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CODER_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for tool in tools %}\n<function>\n<name>{{ tool.function.name }}"
+    "</name>{% for k, v in tool.function.parameters.properties | items %}\n<parameter><name>{{ k }}</name><type>"
+    "{{ v.type }}</type></parameter>{% endfor %}\n</function>{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for tc in m.tool_calls or [] %}{% set tc = tc.function %}\n<tool_call>\n<function={{ tc.name }}>\n"
+    "{% for k, v in tc.arguments | items %}<parameter={{ k }}>\n{{ v if v is string else v | tojson }}\n"
+    "</parameter>\n{% endfor %}</function>\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: medium<|end|>"
+    "{%- if tools %}<|start|>developer<|message|># Tools\n\nnamespace functions {\n{% for tool in tools %}"
+    "// {{ tool.function.description }}\ntype {{ tool.function.name }} = (_: "
+    "{{ tool.function.parameters | tojson }}) => any;\n{% endfor %}}<|end|>{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}{% for tc in m.tool_calls %}"
+    "<|start|>assistant to=functions.{{ tc.function.name }}<|channel|>commentary json<|message|>"
+    "{{ tc.function.arguments | tojson }}<|call|>{% endfor %}{% elif m.role == 'tool' %}<|start|>functions.tool "
+    "to=assistant<|channel|>commentary<|message|>{{ m.content | tojson }}<|end|>{% else %}<|start|>{{ m.role }}"
+    "<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+CONVERSATION = [  # OpenAI's shapes: the arguments are JSON text
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Weather in Paris, and the time?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
+    {"role": "user", "content": "And tomorrow?"},
+]
+
+
+def _with_dict_arguments(messages: list[dict]) -> list[dict]:
+    """The conversation as templates need it: each call's arguments a dict."""
+    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                                 for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
+
+
+def _oracle(tokenizer, messages, **kwargs) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, CODER_TEMPLATE, HARMONY_TEMPLATE], ids=["hermes", "coder", "harmony"])
+def test_prompt_with_tools_and_tool_messages_is_transformers(local_engine, monkeypatch, template):
+    monkeypatch.setattr(local_engine.tokenizer, "chat_template", template)
+    tok = local_engine.tokenizer
+    want = _oracle(tok, _with_dict_arguments(CONVERSATION), tools=TOOLS)
+    assert local_engine.encode_prompt(CONVERSATION, tools=TOOLS) == want
+    assert local_engine.encode_prompt(_with_dict_arguments(CONVERSATION), tools=TOOLS) == want  # (dicts: as they are)
+    assert local_engine.encode_prompt(CONVERSATION) == _oracle(tok, _with_dict_arguments(CONVERSATION)) != want
+    assert local_engine.encode_prompt("hi", chat=True, tools=TOOLS) == _oracle(tok, [{"role": "user", "content": "hi"}],
+                                                                                tools=TOOLS)
+    assert CONVERSATION[2]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris", "days": 2}'  # (not changed)
+    if template == HARMONY_TEMPLATE:  # the JSON text itself would be rendered as a JSON string
+        assert want != _oracle(tok, CONVERSATION, tools=TOOLS)
+
+
+@pytest.mark.parametrize("prompt,kwargs,message", [
+    (CONVERSATION, {"tools": {"name": "f"}}, r"^tools must be a list of objects"),
+    (CONVERSATION, {"tools": ["f"]}, r"^tools must be a list of objects"),
+    ("hi", {"tools": TOOLS}, r"^tools apply to chat prompts only"),
+    ([5, 6], {"tools": TOOLS, "chat": True}, r"^tools apply to chat prompts only"),
+    ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}], {},
+     r"^tool call arguments must be a JSON object: message 0, call 0: not valid JSON"),
+    ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "3"}}]}], {},
+     r"^tool call arguments must be a JSON object: message 0, call 0: got int"),
+    ([{"role": "assistant", "tool_calls": [{"name": "f"}]}], {}, r"^chat messages need tool_calls as a list"),
+    ([{"role": "assistant", "content": None}], {}, r"^chat messages must be a list of"),
+])
+def test_bad_tools_and_calls_are_one_line_errors(local_engine, prompt, kwargs, message):
+    with pytest.raises(DFlashError, match=message) as err:
+        local_engine.encode_prompt(prompt, **kwargs)
+    assert "\n" not in str(err.value)
+
+
+# --- a real model that writes tool calls ----------------------------------------------------------
+
+ASSISTANT = "<|assistant|>"
+# the reply, one added token per piece: each token occurs once, so a bigram chain writes it
+SCRIPT = ["Let me check.", "\n\n<tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}\n</tool_',
+          "call>\n<tool_call>", '\n{"name": "get_time", "arguments": {}}', "\n</tool_call>"]
+SCRIPTED_TEMPLATE = (
+    "{%- if tools %}# tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}\n{% endif %}"
+    "{%- for m in messages %}# {{ m.role }}: {{ m.content }}{% for tc in m.tool_calls or [] %}<tool_call>"
+    "{{ {'name': tc.function.name, 'arguments': tc.function.arguments} | tojson }}</tool_call>{% endfor %}\n"
+    "{% endfor %}{%- if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def scripted_pair(tmp_path_factory, tokenizer_dir):
+    """A Qwen3 target that writes :data:`SCRIPT` then EOS after the prompt's last token
+    ``<|assistant|>``: one-hot embeddings of the script's tokens, attention and MLP outputs
+    zero (the last hidden state is the current token's embedding), lm_head mapping each token
+    to its successor; a random drafter (speculative decoding is lossless whatever it drafts)."""
+    from conftest import EOS_ID, VOCAB, copy_tokenizer, drafter_config, make_target, save_drafter
+
+    root = tmp_path_factory.mktemp("scripted")
+    tok_dir = root / "tokenizer"
+    shutil.copytree(tokenizer_dir, tok_dir)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    tok.add_tokens([ASSISTANT, *SCRIPT])
+    tok.chat_template = SCRIPTED_TEMPLATE
+    tok.save_pretrained(str(tok_dir))
+    chain = tok.convert_tokens_to_ids([ASSISTANT, *SCRIPT]) + [EOS_ID]
+    target = make_target(root / "target", "qwen3", tokenizer=False, tie_word_embeddings=False,
+                         vocab_size=VOCAB + len(chain))
+    state = load_file(str(target / "model.safetensors"))
+    for name in state:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            state[name].zero_()
+    state["model.embed_tokens.weight"].zero_()
+    state["lm_head.weight"].zero_()
+    for k, (token, successor) in enumerate(zip(chain, chain[1:])):
+        state["model.embed_tokens.weight"][token, k] = 1.0
+        state["lm_head.weight"][successor, k] = 5.0  # (x sqrt(hidden) by the final norm: logit 40 vs 0)
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    copy_tokenizer(tok_dir, target)
+    return target, save_drafter(root / "drafter", drafter_config(target)), chain[1:]
+
+
+MESSAGES = [{"role": "user", "content": "Weather in Paris, and the time?"}]
+WANT_CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
+def test_the_scripted_model_writes_its_calls_target_only_and_speculative(scripted_pair):
+    target, drafter, reply_ids = scripted_pair
+    alone = DFlashEngine.from_pretrained(target, no_draft=True).generate(MESSAGES, tools=TOOLS, max_new_tokens=20)
+    assert alone.token_ids == reply_ids and alone.finish_reason == "stop"
+    assert alone.text == "".join(SCRIPT)
+    engine = DFlashEngine.from_pretrained(target, drafter)
+    assert engine.generate(MESSAGES, tools=TOOLS, max_new_tokens=20).token_ids == reply_ids
+    assert "".join(c.text for c in engine.stream(MESSAGES, tools=TOOLS, max_new_tokens=20)) == alone.text
+    assert [r.token_ids for r in engine.generate_batch([MESSAGES, MESSAGES], tools=TOOLS, max_new_tokens=20)] == \
+        [reply_ids, reply_ids]
+
+
+@pytest.fixture(scope="module")
+def server(scripted_pair, tmp_path_factory):
+    from test_server_scheduler import _serve
+
+    with _serve(scripted_pair[:2], tmp_path_factory.mktemp("tools-server")) as srv:  # --tool-call-parser auto: hermes
+        yield srv
+
+
+def _message_calls(tool_calls) -> list[tuple[str, dict]]:
+    assert all(c.type == "function" and c.id.startswith("call_") for c in tool_calls)
+    return [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls]
+
+
+def test_server_returns_tool_calls(server, scripted_pair):
+    target, _, reply_ids = scripted_pair
+    tok = AutoTokenizer.from_pretrained(str(target))
+    client = server.client()
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, temperature=0, n=2, logprobs=True)
+    assert r.usage.prompt_tokens == len(_oracle(tok, MESSAGES, tools=TOOLS))
+    assert r.usage.completion_tokens == 2 * len(reply_ids)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Let me check."
+        assert _message_calls(choice.message.tool_calls) == WANT_CALLS
+        # the tokens are the target's own (the EOS included)
+        assert [lp.token for lp in choice.logprobs.content] == [tok.decode([t]) for t in reply_ids]
+    # the call ids are unique
+    assert len({c.id for ch in r.choices for c in ch.message.tool_calls}) == 4
+    # tool_choice none: the model is not told of the tools, and nothing is parsed
+    r = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="none", temperature=0)
+    assert r.usage.prompt_tokens == len(_oracle(tok, MESSAGES))
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == "".join(SCRIPT)
+    assert r.choices[0].finish_reason == "stop"
+    # cut by max_tokens inside the first call: all text
+    r = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=3)
+    assert r.choices[0].message.content == "".join(SCRIPT[:3]) and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == "length"
+    # a conversation with the calls and their results (arguments as JSON text) renders as transformers does
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "sunny"}]
+    r = client.chat.completions.create(model=model, messages=history, tools=TOOLS, temperature=0, max_tokens=1)
+    assert r.usage.prompt_tokens == len(_oracle(tok, _with_dict_arguments(history), tools=TOOLS))
+
+
+def test_server_streams_tool_calls(server):
+    client = server.client()
+    model = client.models.list().data[0].id
+    content, calls, finish, usage = {}, {}, {}, None
+    for chunk in client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, temperature=0, n=2,
+                                                stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            content[ch.index] = content.get(ch.index, "") + (ch.delta.content or "")
+            for call in ch.delta.tool_calls or []:
+                calls.setdefault(ch.index, []).append(call)
+            if ch.finish_reason is not None:
+                finish[ch.index] = ch.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    assert content == {0: "Let me check.", 1: "Let me check."}
+    for index in (0, 1):
+        assert [c.index for c in calls[index]] == [0, 1]
+        assert _message_calls(calls[index]) == WANT_CALLS
+    assert usage.completion_tokens == 2 * (len(SCRIPT) + 1)
+
+
+def test_server_refuses_what_needs_constrained_decoding(server):
+    client = server.client()
+    model = client.models.list().data[0].id
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=choice)
+        assert err.value.body["param"] == "tool_choice" and "constrained decoding" in err.value.body["message"]
+    bad = MESSAGES + [{"role": "assistant", "tool_calls": [
+        {"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": "{oops"}}]}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=bad, tools=TOOLS)
+    assert err.value.body["param"] == "messages" and "not valid JSON" in err.value.body["message"]
