@@ -8,6 +8,7 @@ local path or as a Hugging Face repo id already in the local cache (resolved wit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -107,34 +108,93 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                    keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+                    keep: Callable[[str], bool] | None = None,
+                    fp8_block: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """Load the tensors of a checkpoint, cast to ``dtype``, onto ``device``.
 
     Args:
         keep: read only the tensors whose name it accepts (the others are never
             materialized); None reads all.
+        fp8_block: the ``weight_block_size`` of a fine-grained FP8 checkpoint (see
+            :mod:`dflash_torch.models.fp8`): each ``X.weight`` with an ``X.weight_scale_inv``
+            is dequantized into ``X.weight`` in ``dtype`` as it is read (on ``device``), and
+            the scale is dropped; None: a checkpoint without FP8 weights.
 
     Raises:
-        DFlashError: a weight file that is not valid safetensors (corrupt or truncated), or
-            a weight name in two files.
+        DFlashError: a weight file that is not valid safetensors (corrupt or truncated), a
+            weight name in two files, an FP8 (float8) tensor in a checkpoint whose config does
+            not say FP8; with ``fp8_block``: an FP8 weight without its scale or a scale without
+            its weight, static activation scales (``input_scale``), or a pair
+            :func:`~dflash_torch.models.fp8.dequantize` refuses.
+    """
+    from .models import fp8
+
+    files = weight_files(model_dir)
+    source = _tensor_sources(model_dir, files)
+    state = {}
+    for file in files:
+        with _open(file) as f:
+            for key in f.keys():
+                if keep is not None and not keep(key):
+                    continue
+                if fp8_block is not None and key.endswith(fp8.SCALE_SUFFIX):
+                    if key.removesuffix(fp8.SCALE_SUFFIX) not in source:
+                        raise DFlashError(f"{model_dir}: FP8 scale {key} has no weight "
+                                          f"{key.removesuffix(fp8.SCALE_SUFFIX)}")
+                    continue  # read with its weight
+                if fp8_block is not None and key.rsplit(".", 1)[-1] in fp8.STATIC_SCALES:
+                    raise DFlashError(f"{model_dir}: {key} is a static FP8 activation scale; dflash-torch reads "
+                                      "only dynamic-activation FP8 checkpoints")
+                t = f.get_tensor(key)
+                scale_key = key + fp8.SCALE_SUFFIX
+                if fp8_block is not None and scale_key in source:
+                    with _open(source[scale_key]) as g:
+                        scale = g.get_tensor(scale_key)
+                    state[key] = fp8.dequantize(t.to(device), scale, fp8_block, dtype, key)
+                elif t.dtype in _FLOAT8:
+                    raise DFlashError(
+                        f"{model_dir}: weight {key} is {str(t.dtype).removeprefix('torch.')}"
+                        + (f" without its scale {scale_key}" if fp8_block is not None else
+                           " but config.json has no FP8 quantization_config (quant_method 'fp8')"))
+                else:
+                    state[key] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+    return state
+
+
+_FLOAT8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                                   "float8_e8m0fnu") if hasattr(torch, name))
+
+
+@contextlib.contextmanager
+def _open(file: Path):
+    """``safe_open`` of one weight file (CPU tensors).
+
+    Raises:
+        DFlashError: a file that is not valid safetensors (corrupt or truncated).
     """
     from safetensors import SafetensorError
 
-    state, source = {}, {}
-    for file in weight_files(model_dir):
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    if key in source:  # (which copy wins would depend on the file order)
-                        raise DFlashError(f"{model_dir}: weight {key} is in both {source[key].name} and {file.name}")
-                    source[key] = file
-                    if keep is not None and not keep(key):
-                        continue
-                    t = f.get_tensor(key)
-                    state[key] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
-        except SafetensorError as e:
-            raise DFlashError(f"{file} is not a valid safetensors file (corrupt or truncated?): {e}") from None
-    return state
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            yield f
+    except SafetensorError as e:
+        raise DFlashError(f"{file} is not a valid safetensors file (corrupt or truncated?): {e}") from None
+
+
+def _tensor_sources(model_dir: Path, files: list[Path]) -> dict[str, Path]:
+    """Which of ``files`` holds each tensor (only the headers are read).
+
+    Raises:
+        DFlashError: a file that is not valid safetensors, a tensor name in two files.
+    """
+    source = {}
+    for file in files:
+        with _open(file) as f:
+            for key in f.keys():
+                if key in source:  # (which copy wins would depend on the file order)
+                    raise DFlashError(f"{model_dir}: weight {key} is in both {source[key].name} and {file.name}")
+                source[key] = file
+    return source
 
 
 def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:

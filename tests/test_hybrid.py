@@ -313,7 +313,7 @@ def test_unknown_weights_in_a_hybrid_checkpoint_are_refused(checkpoints, tmp_pat
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "qwen3_vl"}, "unsupported target model_type 'qwen3_vl'"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantized"),
     ({"layer_types": ["linear_attention"] * 5}, "layer_types has 5 entries"),
     ({"layer_types": ["sliding_attention"] * 6}, "sliding_attention"),
     ({"layer_types": "linear_attention"}, "layer_types must be a list of 6 layer type names"),

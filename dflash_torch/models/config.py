@@ -217,6 +217,7 @@ class TargetConfig:
     checkpoint_prefix: str = "model."  # where the decoder's weights live in the checkpoint
     mxfp4: bool = False  # the checkpoint stores its expert matrices in MXFP4 (gpt-oss; see mxfp4.py)
     keep_mxfp4: bool = False  # hold them packed, dequantizing the experts each forward runs (set when loading)
+    fp8_block: tuple[int, int] | None = None  # weight_block_size of a fine-grained FP8 checkpoint (see fp8.py)
 
     def __post_init__(self):
         if not self.layer_types:
@@ -237,10 +238,16 @@ class TargetConfig:
         archs = cfg.get("architectures") or []
         if any(a.startswith("DFlash") for a in archs):
             raise OptionError("target must be the target LLM's checkpoint, not a DFlash drafter's", "target")
+        from . import fp8
+
         module = family(cfg.get("model_type"))
         refuse_quantized(cfg, "target", allowed=getattr(module, "QUANTIZATION_METHODS", ()))
         check_dtype_field(cfg, "target")
-        return module.parse_config(cfg)
+        config = module.parse_config(cfg)
+        quant = quantization_config(cfg)
+        if quant is not None and quant.get("quant_method") == "fp8":
+            config.fp8_block = fp8.check_config(quant, "target")
+        return config
 
 
 def check_dtype_field(cfg: dict, what: str) -> None:
@@ -263,15 +270,25 @@ def refuse_quantized(cfg: dict, what: str, allowed: tuple[str, ...] = ()) -> Non
     """Raise :class:`DFlashError` when the ``what`` (target / drafter) ``config.json`` has a
     ``quantization_config`` (top level or in ``text_config``) whose ``quant_method`` is not
     in ``allowed`` (the methods its family dequantizes when loading, e.g. gpt-oss's mxfp4)."""
-    text = cfg.get("text_config")
-    quant = cfg.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None)
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    quant = quantization_config(cfg)
+    if quant is not None:
+        method = quant.get("quant_method", "unknown")
         if method in allowed:
             return
         also = f" (and {', '.join(allowed)} for this model_type)" if allowed else ""
         raise DFlashError(f"the {what} checkpoint is quantized (quant_method {method!r}); "
                           f"dflash-torch reads unquantized float32/bfloat16/float16 weights only{also}")
+
+
+def quantization_config(cfg: dict) -> dict | None:
+    """The ``quantization_config`` of a ``config.json`` (top level, else in ``text_config``),
+    None when there is none (absent, null or empty). A value that is not an object reads as
+    ``{"quant_method": "unknown"}``, which no family allows."""
+    text = cfg.get("text_config")
+    quant = cfg.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None)
+    if not quant:
+        return None
+    return quant if isinstance(quant, dict) else {"quant_method": "unknown"}
 
 
 def base_target_fields(cfg: dict, model_type: str) -> dict:

@@ -9,6 +9,8 @@ from .config import TargetConfig, base_target_fields, bool_field
 from .layers import MLP, RMSNorm
 from .target import DecoderLayer, TargetModel
 
+QUANTIZATION_METHODS = ("fp8",)  # fine-grained FP8 weights, dequantized when loading (see fp8.py)
+
 
 def parse_config(cfg: dict) -> TargetConfig:
     """A ``qwen3`` / ``llama`` / ``qwen2`` ``config.json`` -> :class:`TargetConfig`.

@@ -25,6 +25,8 @@ from .layers import MLP, ZeroCenteredRMSNorm
 from .moe import fuse_expert_weights
 from .target import DecoderLayer, TargetModel, gated_deltanet, sparse_moe
 
+QUANTIZATION_METHODS = ("fp8",)  # fine-grained FP8 weights, dequantized when loading (see fp8.py)
+
 WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 IGNORED_PREFIXES = ("mtp.", "model.mtp.")
 VISION_PREFIX = "model.visual."  # only the multimodal wrappers have a vision tower

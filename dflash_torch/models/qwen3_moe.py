@@ -14,6 +14,8 @@ from .config import TargetConfig, base_target_fields, bool_field, moe_config, sp
 from .moe import fuse_expert_weights
 from .target import DecoderLayer, sparse_moe
 
+QUANTIZATION_METHODS = ("fp8",)  # fine-grained FP8 weights, dequantized when loading (see fp8.py)
+
 
 def parse_config(cfg: dict) -> TargetConfig:
     """A ``qwen3_moe`` ``config.json`` -> :class:`TargetConfig`.

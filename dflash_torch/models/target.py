@@ -155,7 +155,8 @@ class TargetModel(nn.Module):
                 cfg.keep_mxfp4 = True
                 model = model_cls(cfg)
         check_fits(model, dtype, device, "target")
-        state = load_state_dict(model_dir, dtype, device, keep=lambda k: model_cls.checkpoint_keys(cfg, k))
+        state = load_state_dict(model_dir, dtype, device, keep=lambda k: model_cls.checkpoint_keys(cfg, k),
+                                fp8_block=cfg.fp8_block)
         state = model_cls.convert_checkpoint(cfg, state)
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)

@@ -1,0 +1,332 @@
+"""Fine-grained FP8 target checkpoints (``quant_method: "fp8"``, block scales
+``weight_scale_inv``; dflash_torch.models.fp8): dequantized when loading, equal to what
+transformers loads.
+
+Oracles: transformers' own loading of the FP8 checkpoint on the CPU (it dequantizes, with
+``Fp8Dequantize``) where every weight is a whole number of blocks; transformers' own
+dequantizer of partial blocks (``_dequantize_fp8_weight``, the one its FP8 linear's backward
+pass uses) where weights end in partial edge blocks, which its CPU loading cannot read
+(it derives the block from the shapes: a ValueError, or silently wrong scales). The FP8
+checkpoints are the tiny random ones of conftest, quantized here (per block: max |w| / 448).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import copy_tokenizer, load_hf, make_agreeable_pair, make_hybrid_target, make_target
+from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.models import fp8
+from dflash_torch.models.config import TargetConfig
+from dflash_torch.models.target import TargetModel
+
+FP8_MAX = 448.0  # largest float8_e4m3fn
+PROMPT = [3, 17, 42, 9, 100, 7, 250, 64]
+RTOL = 1e-4  # as test_models: our forward against transformers' (the weights themselves are equal)
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``[rows, cols]`` -> (float8_e4m3fn ``[rows, cols]``, float32 scales
+    ``[ceil(rows / bo), ceil(cols / bi)]``): each block divided by max |w| / 448."""
+    rows, cols = w.shape
+    bo, bi = block
+    grid = (math.ceil(rows / bo), math.ceil(cols / bi))
+    padded = torch.zeros(grid[0] * bo, grid[1] * bi)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.view(grid[0], bo, grid[1], bi)
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=2 ** -20)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(fp8.FORMAT)
+    return q.view(grid[0] * bo, grid[1] * bi)[:rows, :cols].contiguous(), scale
+
+
+def to_fp8(src: Path, dst: Path, block: tuple[int, int], not_convert: tuple[str, ...] = (),
+           scale_dtype: torch.dtype = torch.float32) -> Path:
+    """Copy the checkpoint ``src`` to ``dst`` with every decoder projection (``*_proj.weight``
+    under ``model.``, not the vision tower, not a module of ``not_convert``) in FP8, as the
+    official ``*-FP8`` checkpoints store them, and the config's ``quantization_config``."""
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    for key in [k for k in state]:
+        module = key.removesuffix(".weight")
+        if (key.endswith("_proj.weight") and state[key].dim() == 2 and not key.startswith("model.visual.")
+                and module not in not_convert):
+            state[key], scale = quantize(state[key], block)
+            state[module + ".weight_scale_inv"] = scale.to(scale_dtype)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block), "modules_to_not_convert": ["lm_head", *not_convert]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def dequantized_copy(src: Path, dst: Path) -> Path:
+    """``src`` (FP8) with every pair dequantized in float32 by transformers'
+    ``_dequantize_fp8_weight`` (partial edge blocks included), config without quantization."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    block = cfg.pop("quantization_config")["weight_block_size"]
+    state = load_file(str(dst / "model.safetensors"))
+    for key in [k for k in state if k.endswith("_scale_inv")]:
+        scale, weight = state.pop(key), key.removesuffix("_scale_inv")
+        state[weight] = _dequantize_fp8_weight(state[weight], scale, block, torch.float32)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def hf_logits(model_dir: Path) -> torch.Tensor:
+    with torch.no_grad():
+        return load_hf(model_dir)(torch.tensor([PROMPT])).logits[0]
+
+
+def our_logits(model: TargetModel) -> torch.Tensor:
+    cache = model.new_cache()
+    cache.reset(len(PROMPT))
+    with torch.no_grad():
+        return model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), cache, len(PROMPT))[0]
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.float() - ref.float()).norm() / ref.float().norm())
+
+
+def build(root: Path, family: str, **overrides) -> Path:
+    """A tiny unquantized checkpoint of ``family`` (``qwen3`` or a hybrid / MoE model_type)."""
+    if family == "qwen3":
+        return make_target(root, "qwen3", tokenizer=False, **overrides)
+    return make_hybrid_target(root, family, tokenizer=False, **overrides)
+
+
+# --- the dequantizer ---
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,block", [((200, 72), (128, 32)), ((3, 50, 70), (16, 24)), ((48, 64), (16, 16))])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_equals_transformers(dtype, shape, block, scale_dtype):
+    """Bit for bit: transformers' float32 product rounded once to ``dtype``; with partial edge
+    blocks (``_dequantize_fp8_weight``) and, for whole blocks, its loader's ``Fp8Dequantize``."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
+
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(shape, generator=g) * 100).to(fp8.FORMAT)
+    scale = (torch.rand(fp8.scale_shape(shape, block), generator=g) * 1e-3).to(scale_dtype)
+    ours = fp8.dequantize(weight, scale, block, dtype)
+    assert ours.dtype == dtype and ours.shape == weight.shape
+    assert torch.equal(ours, _dequantize_fp8_weight(weight, scale.float(), list(block), torch.float32).to(dtype))
+    if all(n % b == 0 for n, b in zip(shape[-2:], block)):
+        assert torch.equal(ours, Fp8Dequantize(None)._dequantize_one(weight, scale, output_dtype=dtype))
+    # a partial edge block takes its own scale: the last row and column scale by the last block's
+    last = weight[..., -1:, -1:].float() * scale[..., -1:, -1:].float()
+    assert torch.equal(ours[..., -1:, -1:], last.to(dtype))
+
+
+def test_dequantize_works_in_chunks_of_block_rows(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    weight = (torch.randn(100, 40, generator=g) * 50).to(fp8.FORMAT)
+    scale = torch.rand(fp8.scale_shape(weight.shape, (8, 16)), generator=g)
+    whole = fp8.dequantize(weight, scale, (8, 16), torch.float32)
+    monkeypatch.setattr(fp8, "_ELEMENTS_PER_CHUNK", 8 * 40 * 3)  # 3 block rows at a time
+    assert torch.equal(fp8.dequantize(weight, scale, (8, 16), torch.float32), whole)
+
+
+# --- whole checkpoints ---
+
+
+@pytest.fixture(scope="module")
+def whole_blocks(tmp_path_factory):
+    """family -> FP8 checkpoint whose weights are whole [16, 16] blocks (read by transformers
+    on the CPU); the Gated DeltaNet's in_proj_ba (8 rows) and a few modules stay unquantized
+    (modules_to_not_convert), as in the official checkpoints."""
+    root = tmp_path_factory.mktemp("fp8-whole")
+    out = {}
+    for family, keep in (("qwen3", ("model.layers.1.mlp.down_proj",)),
+                         ("qwen3_moe", ("model.layers.2.self_attn.o_proj",)),
+                         ("qwen3_next", tuple(f"model.layers.{i}.linear_attn.in_proj_ba" for i in (0, 1, 2, 4, 5))
+                          + ("model.layers.3.self_attn.o_proj",))):
+        out[family] = (to_fp8(build(root / family, family), root / f"{family}-fp8", (16, 16), keep), keep)
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_equal_transformers_loading_the_fp8_checkpoint(whole_blocks, family, dtype):
+    """Every weight equals transformers' own, loaded from the same FP8 checkpoint on the CPU
+    (which dequantizes: ``Fp8Dequantize``), bit for bit; logits match; the modules of
+    modules_to_not_convert load as stored."""
+    import transformers
+
+    model_dir, keep = whole_blocks[family]
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hf = getattr(transformers, cfg["architectures"][0]).from_pretrained(str(model_dir), dtype=dtype).eval()
+    ours = TargetModel.from_pretrained(model_dir, dtype)
+    theirs, mine = hf.state_dict(), ours.state_dict()
+    if family == "qwen3_next":  # (ours splits the fused linear-attention projections)
+        theirs = type(ours).convert_checkpoint(ours.config, dict(theirs))
+    shared = [k for k in mine if k in theirs]
+    assert len(shared) >= len(mine) - 1, sorted(set(mine) - set(theirs))  # (all but a tied lm_head)
+    for k in shared:
+        assert mine[k].dtype == dtype and torch.equal(mine[k], theirs[k]), k
+    stored = load_file(str(model_dir / "model.safetensors"))
+    assert stored["model.layers.3.self_attn.q_proj.weight"].dtype == fp8.FORMAT
+    for module in keep:
+        assert stored[module + ".weight"].dtype == torch.float32 and module + ".weight_scale_inv" not in stored
+        if module + ".weight" in mine:
+            assert torch.equal(mine[module + ".weight"], stored[module + ".weight"].to(dtype)), module
+    if dtype == torch.float32:
+        with torch.no_grad():
+            ref = hf(torch.tensor([PROMPT])).logits[0]
+        assert rel_err(our_logits(ours), ref) <= RTOL
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_moe"])
+def test_partial_edge_blocks_match_transformers(tmp_path, family):
+    """Blocks of [24, 40]: every matrix ends in partial blocks (64 = 2 * 24 + 16 rows, 64 =
+    40 + 24 columns, ...). Our model from the FP8 checkpoint equals, weight for weight, our
+    model from transformers' dequantization of it, and its logits match transformers'."""
+    src = build(tmp_path / "src", family)
+    quantized = to_fp8(src, tmp_path / "fp8", (24, 40), scale_dtype=torch.bfloat16 if family == "qwen3_5_moe" else torch.float32)
+    reference = dequantized_copy(quantized, tmp_path / "dequantized")
+    ours = TargetModel.from_pretrained(quantized, torch.float32)
+    plain = TargetModel.from_pretrained(reference, torch.float32)
+    mine, theirs = ours.state_dict(), plain.state_dict()
+    assert mine.keys() == theirs.keys()
+    for k in mine:
+        assert torch.equal(mine[k], theirs[k]), k
+    original = TargetModel.from_pretrained(src, torch.float32).state_dict()
+    assert not torch.equal(mine["model.layers.3.self_attn.q_proj.weight"], original["model.layers.3.self_attn.q_proj.weight"])
+    assert rel_err(our_logits(ours), hf_logits(reference)) <= RTOL
+
+
+def test_greedy_speculative_decoding_equals_target_only_on_fp8_targets(tmp_path, tokenizer_dir):
+    """A drafter with an FP8 Qwen3 and an FP8 Qwen3-Next (hybrid, MoE) target: the greedy
+    output is the target's own, in float32 and bfloat16, with drafts accepted."""
+    for model_type, kwargs in (("qwen3", {}), ("qwen3_next", {"alpha": 1.0, "self_scale": 0.0})):
+        target, drafter = make_agreeable_pair(tmp_path / model_type, tokenizer_dir, block_size=8, model_type=model_type,
+                                              **kwargs)
+        quantized = to_fp8(target, tmp_path / f"{model_type}-fp8", (32, 48))
+        for dtype in ("float32", "bfloat16"):
+            spec = DFlashEngine.from_pretrained(quantized, drafter, dtype=dtype)
+            assert spec.target.model.layers[3].self_attn.q_proj.weight.dtype == getattr(torch, dtype)
+            target_only = DFlashEngine(spec.target, spec.tokenizer)
+            taus = []
+            for prompt in ("def f(x):", "class A:\n    pass\n"):
+                ref = target_only.generate(prompt, max_new_tokens=24, ignore_eos=True)
+                out = spec.generate(prompt, max_new_tokens=24, ignore_eos=True)
+                assert out.token_ids == ref.token_ids, (model_type, dtype, prompt)
+                taus += out.stats.acceptance_lengths
+            assert max(taus) > 1, (model_type, dtype)  # drafts were accepted: the check compared something
+
+
+def test_a_weight_and_its_scale_in_different_shards(whole_blocks, tmp_path):
+    """Sharded: every scale in a shard of its own, after the weights' shard; loads as the single file."""
+    model_dir, _ = whole_blocks["qwen3_moe"]
+    sharded = tmp_path / "sharded"
+    shutil.copytree(model_dir, sharded)
+    state = load_file(str(sharded / "model.safetensors"))
+    (sharded / "model.safetensors").unlink()
+    shards = {"model-00001-of-00002.safetensors": {k: v for k, v in state.items() if not k.endswith("_scale_inv")},
+              "model-00002-of-00002.safetensors": {k: v for k, v in state.items() if k.endswith("_scale_inv")}}
+    for name, part in shards.items():
+        save_file(part, str(sharded / name), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    single, split = (TargetModel.from_pretrained(d, torch.bfloat16).state_dict() for d in (model_dir, sharded))
+    assert single.keys() == split.keys() and all(torch.equal(single[k], split[k]) for k in single)
+
+
+def test_the_memory_check_counts_dequantized_weights(whole_blocks, monkeypatch):
+    """The FP8 checkpoint is half its dequantized bfloat16 size on disk; loading needs the
+    dequantized size, and is refused in one line when less is free."""
+    import dflash_torch.checkpoint as checkpoint
+
+    model_dir, _ = whole_blocks["qwen3"]
+    model = TargetModel.from_pretrained(model_dir, torch.bfloat16)
+    need = checkpoint.weight_bytes(model, torch.bfloat16)
+    on_disk = (model_dir / "model.safetensors").stat().st_size
+    assert on_disk < need
+    monkeypatch.setattr(checkpoint, "available_memory", lambda device: need - 1)
+    with pytest.raises(DFlashError, match="^the target needs .* GB for its weights in bfloat16; cpu has .* GB free$"):
+        TargetModel.from_pretrained(model_dir, torch.bfloat16)
+    monkeypatch.setattr(checkpoint, "available_memory", lambda device: need)
+    TargetModel.from_pretrained(model_dir, torch.bfloat16)
+
+
+# --- refusals ---
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def _edit(src: Path, dst: Path, *, config=None, state=None) -> Path:
+    shutil.copytree(src, dst)
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if state:
+        weights = load_file(str(dst / "model.safetensors"))
+        state(weights)
+        save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _quant(**change):
+    return lambda c: c["quantization_config"].update(change)
+
+
+def _set(key, value):
+    def edit(w):
+        w[key] = value(w)
+    return edit
+
+
+@pytest.mark.parametrize("config,state,message", [
+    (_quant(activation_scheme="static"), None, r"FP8 quantization_config has activation_scheme 'static'; .*only 'dynamic'"),
+    (None, _set(Q + ".input_scale", lambda w: torch.ones(())), rf"{Q}\.input_scale is a static FP8 activation scale"),
+    (_quant(fmt="e5m2"), None, r"FP8 quantization_config has fmt 'e5m2'; dflash-torch reads only 'e4m3'"),
+    (_quant(weight_block_size=None), None, r"weight_block_size None; dflash-torch reads only block-wise scales"),
+    (_quant(weight_block_size=[16]), None, r"weight_block_size \[16\]"),
+    (_quant(scale_fmt="ue8m0"), None, r"scale_fmt 'ue8m0'; dflash-torch reads only float scales"),
+    (_quant(modules_to_convert=["model.embed_tokens"]), None, r"modules_to_convert \(FP8 embeddings\)"),
+    (lambda c: c.update(quantization_config={"quant_method": "compressed-tensors", "format": "float-quantized"}), None,
+     r"the target checkpoint is quantized \(quant_method 'compressed-tensors'\); .*\(and fp8 for this model_type\)"),
+    (None, lambda w: w.pop(Q + ".weight_scale_inv"), rf"weight {Q}\.weight is float8_e4m3fn without its scale {Q}\.weight_scale_inv"),
+    (None, lambda w: w.pop(Q + ".weight"), rf"FP8 scale {Q}\.weight_scale_inv has no weight {Q}\.weight$"),
+    (None, _set(Q + ".weight_scale_inv", lambda w: w[Q + ".weight_scale_inv"][:, :1].contiguous()),
+     rf"FP8 scale {Q}\.weight_scale_inv has shape \(4, 1\); weight \(64, 64\) in blocks of \[16, 16\] needs \(4, 4\)"),
+    (None, _set(Q + ".weight_scale_inv", lambda w: w[Q + ".weight_scale_inv"].index_fill(0, torch.tensor([2]), float("inf"))),
+     rf"FP8 scale {Q}\.weight_scale_inv holds NaN or infinite values"),
+    (None, _set(Q + ".weight", lambda w: w[Q + ".weight"].float().to(torch.float8_e5m2)),
+     rf"FP8 weight {Q}\.weight has dtype float8_e5m2; the config's fmt e4m3 means float8_e4m3fn"),
+    (lambda c: c.pop("quantization_config"), None,
+     r"weight model\.layers\.\d\..*is float8_e4m3fn but config\.json has no FP8 quantization_config"),
+])
+def test_what_cannot_run_exactly_is_refused_in_one_line(whole_blocks, tmp_path, config, state, message):
+    model_dir, _ = whole_blocks["qwen3"]
+    bad = _edit(model_dir, tmp_path / "bad", config=config, state=state)
+    with pytest.raises(DFlashError, match=message) as err:
+        DFlashEngine.from_pretrained(bad, no_draft=True)
+    assert "\n" not in str(err.value)
+
+
+def test_fp8_is_refused_where_it_is_not_read():
+    """gpt-oss (MXFP4 only) and drafters keep refusing an FP8 quantization_config."""
+    fp8_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    gpt_oss = {"model_type": "gpt_oss", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
+               "num_attention_heads": 1, "quantization_config": fp8_config}
+    with pytest.raises(DFlashError, match=r"quantized \(quant_method 'fp8'\); .*\(and mxfp4 for this model_type\)"):
+        TargetConfig.from_dict(gpt_oss)
+    from dflash_torch.models.config import DrafterConfig
+
+    with pytest.raises(DFlashError, match=r"^the drafter checkpoint is quantized \(quant_method 'fp8'\)"):
+        DrafterConfig.from_dict({"architectures": ["DFlashDraftModel"], "quantization_config": fp8_config})
