@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import copy_tokenizer, load_hf, make_agreeable_pair, make_hybrid_target, make_target
+from conftest import load_hf, make_agreeable_pair, make_hybrid_target, make_target
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models import fp8
 from dflash_torch.models.config import TargetConfig
