@@ -353,3 +353,47 @@ def test_cli_flags_equal_the_python_api(agree_pair, agree_engine, capsys):
         with pytest.raises(SystemExit) as exc:
             cli_main(base + ["--logit-bias", bad])
         assert exc.value.code == 2 and "--logit-bias" in capsys.readouterr().err
+
+
+# --- the server -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(agree_pair, tmp_path_factory):
+    from test_server_scheduler import _serve
+
+    with _serve(agree_pair, tmp_path_factory.mktemp("bias"), "--max-batch-size", "4") as srv:
+        yield srv
+
+
+def test_server_logit_bias_and_min_tokens_equal_the_python_api(server, agree_pair):
+    """logit_bias (token-id strings) and min_tokens in both endpoints, streamed and not, n > 1
+    sampled in a batch: what DFlashEngine.generate gives with the same parameters."""
+    from test_server import MODEL
+    from test_server_scheduler import _streamed_choices
+
+    from dflash_torch.serving.scheduler import choice_seed
+
+    engine = DFlashEngine.from_pretrained(*agree_pair)
+    prompt = "def f(x):"
+    bias = {C: -100.0, 121: 2.5}
+    body = dict(model=MODEL, max_tokens=16, extra_body={"ignore_eos": True, "min_tokens": 2},
+                logit_bias={str(t): b for t, b in bias.items()})
+    ref = engine.generate(prompt, max_new_tokens=16, ignore_eos=True, min_tokens=2, logit_bias=bias)
+    assert ref.token_ids != engine.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids  # (power)
+    c = server.client()
+    assert c.completions.create(prompt=prompt, temperature=0, **body).choices[0].text == ref.text
+    text, finish, _ = _streamed_choices(c.completions.create(prompt=prompt, temperature=0, stream=True, **body))
+    assert text == {0: ref.text} and finish == {0: "length"}
+    messages = [{"role": "user", "content": prompt}]
+    chat = engine.generate(messages, chat=True, max_new_tokens=16, ignore_eos=True, min_tokens=2, logit_bias=bias)
+    assert c.chat.completions.create(messages=messages, temperature=0, **body).choices[0].message.content == chat.text
+    r = c.completions.create(prompt=prompt, temperature=0.8, seed=7, n=3, **body)
+    for j, choice in enumerate(r.choices):
+        want = engine.generate(prompt, max_new_tokens=16, ignore_eos=True, min_tokens=2, logit_bias=bias,
+                               temperature=0.8, seed=choice_seed(7, j))
+        assert choice.text == want.text and C not in want.token_ids
+    # min_tokens holds the EOS back (forced by the bias): 5 tokens, the last one EOS
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, logit_bias={"0": 100},
+                             extra_body={"min_tokens": 4})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 5
