@@ -95,8 +95,8 @@ from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import check_block_size, check_flag, check_max_context, check_max_new_tokens, check_prompt_ids
-from .sampling import (LogitsProcessor, SamplingParams, accept_greedy, accept_sampling, choose, first_logprobs, first_token,
-                       probabilities, token_logprobs)
+from .sampling import (LogitsProcessor, SamplingParams, accept_greedy, accept_sampling, choose, first_logprobs,
+                       first_token, probabilities, token_logprobs)
 
 
 BACKLOG_ROWS = 64  # a sequence's feature rows of target-only rounds injected at once (at most; see BatchDecoder)
@@ -1116,8 +1116,10 @@ class BatchDecoder:
         greedy = SamplingParams()
         drafts, _ = self.drafter.choose_draft(scores, greedy, None)  # [n, B-1]: every plain greedy sequence's
         probs = [None] * rows
-        own = [i for i, q in enumerate(seqs) if not q.done and (not q.params.greedy or (q.processor is not None and q.processor.adjusts_drafts))]
-        if own:  # sampled ones, and those whose processor changes the draft logits (see LogitsProcessor.draft_scores)
+        # sampled sequences, and those whose processor changes the draft scores (LogitsProcessor.draft_scores)
+        own = [i for i, q in enumerate(seqs) if not q.done and
+               (not q.params.greedy or (q.processor is not None and q.processor.adjusts_drafts))]
+        if own:
             rows = list(drafts)
             for i in own:
                 q = seqs[i]

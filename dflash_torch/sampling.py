@@ -437,15 +437,24 @@ class LogitsProcessor:
         return self.bias is not None or self._held_rows(1) > 0
 
     def draft_scores(self, scores):
-        """The drafter's draft logits ``[B-1, V]`` with the logit bias and the min_tokens
-        mask (row r predicts the same generated token as verify row r), no penalties: the
-        drafter then proposes no banned token, which the target would reject. Any
-        proposal keeps decoding lossless; a DFlash 2 lattice (a tuple) is returned as it is."""
-        if isinstance(scores, tuple):
-            return scores
-        held = self._held_rows(scores.shape[0])
+        """The drafter's scores with the logit bias and the min_tokens mask (no penalties):
+        the drafter then proposes no banned token, which the target would reject. Any
+        proposal keeps decoding lossless (see DESIGN.md).
+
+        ``scores``: the draft logits ``[B-1, V]`` (row r predicts the same generated token as
+        verify row r; the held ids get -inf), or a DFlash 2 lattice ``(ids [B-1, K], edges
+        [B-1, K, K])``, whose edges into each candidate get that candidate's bias (held ids:
+        minus float32's largest value, finite, as every candidate of a slot may be held).
+        Returns the same kind, float32 (``scores`` itself when nothing applies)."""
+        held = self._held_rows(len(scores[0]) if isinstance(scores, tuple) else scores.shape[0])
         if self.bias is None and not held:
             return scores
+        if isinstance(scores, tuple):
+            ids, edges = scores
+            add = self.bias[ids] if self.bias is not None else torch.zeros(ids.shape, device=ids.device)
+            if held:
+                add[:held] -= torch.isin(ids[:held], self.held) * _F32.max
+            return ids, edges.float() + add[..., None, :]
         x = scores.float() + self.bias if self.bias is not None else scores.to(torch.float32, copy=True)
         if held:
             x[:held, self.held] = float("-inf")

@@ -57,6 +57,14 @@ def test_processor_rows_equal_the_formula():
     scores = proc.draft_scores(logits[:R - 1])
     masked = (logits[:R - 1] + dense).index_put_((torch.arange(3)[:, None], torch.tensor([0, 9])), torch.tensor(float("-inf")))
     torch.testing.assert_close(scores, masked, rtol=0, atol=0)
+    # a DFlash 2 lattice: the edges into each candidate get its bias; held candidates a huge finite penalty
+    ids = torch.tensor([[0, 5, 9], [9, 0, 11], [0, 9, 20], [0, 1, 2], [3, 4, 5]])
+    edges = torch.randn(5, 3, 3, generator=g)
+    got_ids, got = proc.draft_scores((ids, edges))
+    add = dense[ids] - torch.isin(ids, torch.tensor([0, 9])) * (torch.arange(5) < 3)[:, None] * torch.finfo(torch.float32).max
+    assert got_ids is ids and torch.isfinite(got).all()
+    torch.testing.assert_close(got, edges + add[:, None, :], rtol=0, atol=0)
+    assert (got.argmax(-1)[1] == 2).all() and (got.argmax(-1)[2] == 2).all()  # (never a held candidate)
     assert LogitsProcessor.new(SamplingParams(min_tokens=3), prompt, logits) is None  # (no ids to hold: nothing to do)
     assert LogitsProcessor.new(SamplingParams(), prompt, logits) is None
 
