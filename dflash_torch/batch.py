@@ -95,8 +95,8 @@ from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import check_block_size, check_flag, check_max_context, check_max_new_tokens, check_prompt_ids
-from .sampling import (Penalties, SamplingParams, accept_greedy, accept_sampling, choose, first_logprobs, first_token,
-                       probabilities, token_logprobs)
+from .sampling import (LogitsProcessor, SamplingParams, accept_greedy, accept_sampling, choose, first_logprobs,
+                       first_token, probabilities, token_logprobs)
 
 
 BACKLOG_ROWS = 64  # a sequence's feature rows of target-only rounds injected at once (at most; see BatchDecoder)
@@ -352,7 +352,7 @@ class _Sequence:
     prompt_len: int = 0  # a hybrid target's slot checkpoint holds the recurrent state at this position
     prompt_logits: torch.Tensor | None = None  # [V] its prompt's last logits (reuse_prefix: an identical prompt reuses them)
     padded: bool = False  # ran a round past its budget (as padding): its slot is not retained
-    penalties: Penalties | None = None  # its token statistics, when its params have a penalty
+    processor: LogitsProcessor | None = None  # what processes its logits (bias, penalties, min_tokens), if anything
 
     @property
     def done(self) -> bool:
@@ -631,6 +631,7 @@ class BatchDecoder:
         if not self.free_slots:
             raise DFlashError(f"the batch is full ({self.max_batch_size} sequences)")
         check_max_new_tokens(max_new_tokens)
+        params.check_vocab(self.target.config.vocab_size)
         return check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
 
     @torch.inference_mode()
@@ -665,12 +666,12 @@ class BatchDecoder:
         if last is None:
             last = self._prefill(slot, torch.tensor(prompt, dtype=torch.long, device=self.device), start)
         generator = params.generator(self.device)
-        token, penalties = first_token(last, prompt, params, generator)
+        token, processor = first_token(last, prompt, params, generator)
         first = int(token)
         if self.reuse_prefix and self.target_state is not None:
             self.target_state.save(slot)  # (the state at the prompt's end: a later prompt may diverge after it)
         self._seqs.append(_Sequence(seq_id, params, generator, max_new_tokens, n_prompt, token, 1, ids=prompt + [first],
-                                    prompt_len=n_prompt, prompt_logits=self._keep_logits(last), penalties=penalties))
+                                    prompt_len=n_prompt, prompt_logits=self._keep_logits(last), processor=processor))
         logprobs = first_logprobs(last, first, params)
         t1 = time.perf_counter()
         return Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=start, logprobs=logprobs)
@@ -950,8 +951,8 @@ class BatchDecoder:
             logprobs = None
             if q.params.logprobs is not None:  # (its verify rows: the positions of its accepted and bonus tokens)
                 logprobs = token_logprobs(logits[i * B:i * B + a + 1], tokens, q.params.logprobs)
-            if q.penalties is not None:
-                q.penalties.commit(tokens)
+            if q.processor is not None:
+                q.processor.commit(tokens)
             rounds[q.seq_id] = Round(tokens, a + 1, t1 - t0, t2 - t1, 0.0, logprobs=logprobs)
         t3 = time.perf_counter()
         for r in rounds.values():
@@ -989,11 +990,11 @@ class BatchDecoder:
             for sharer in [q] + q.sharers:  # (slot's contents copied into each sharer's slot)
                 if sharer is not q:
                     self._move(slot, len(self._seqs), q.prefilled)
-                token, penalties = first_token(last, q.prompt, sharer.params, sharer.generator)
+                token, processor = first_token(last, q.prompt, sharer.params, sharer.generator)
                 first = int(token)
                 self._seqs.append(_Sequence(sharer.seq_id, sharer.params, sharer.generator, sharer.max_new_tokens,
                                             q.prefilled, token, 1, ids=q.prompt + [first], prompt_len=q.prefilled,
-                                            prompt_logits=kept_logits, penalties=penalties))
+                                            prompt_logits=kept_logits, processor=processor))
                 elapsed = q.prefill_time + time.perf_counter() - t0
                 rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed, cached_tokens=q.reused,
                                               logprobs=first_logprobs(last, first, sharer.params))
@@ -1113,30 +1114,34 @@ class BatchDecoder:
         feat_positions = torch.tensor(feat_starts, device=self.device)[:, None] + self._arange_block[:m]
         scores = self._draft_fn(tokens, positions, feats, feat_positions, kv_len, self._views(rows)[1])
         greedy = SamplingParams()
-        drafts, _ = self.drafter.choose_draft(scores, greedy, None)  # [n, B-1]: every greedy sequence's
+        drafts, _ = self.drafter.choose_draft(scores, greedy, None)  # [n, B-1]: every plain greedy sequence's
         probs = [None] * rows
-        sampled = [i for i, q in enumerate(seqs) if not q.params.greedy and not q.done]
-        if sampled:
+        # sampled sequences, and those whose processor changes the draft scores (LogitsProcessor.draft_scores)
+        own = [i for i, q in enumerate(seqs) if not q.done and
+               (not q.params.greedy or (q.processor is not None and q.processor.adjusts_drafts))]
+        if own:
             rows = list(drafts)
-            for i in sampled:
+            for i in own:
                 q = seqs[i]
-                rows[i], probs[i] = self.drafter.choose_draft(_row(scores, i), q.params, q.generator)
+                x = _row(scores, i) if q.processor is None else q.processor.draft_scores(_row(scores, i))
+                rows[i], probs[i] = self.drafter.choose_draft(x, q.params, q.generator)
             drafts = torch.stack(rows)
         return drafts, probs
 
     def _accept(self, seqs: list[_Sequence], block: torch.Tensor, draft_probs: list, logits: torch.Tensor):
         """Acceptance of each sequence's block -> accepted counts ``[n]`` and the tokens that
-        follow them ``[n]`` (int64, on the device). Greedy sequences without a penalty are
-        decided all at once; the others one by one, on their own (penalised) logits."""
+        follow them ``[n]`` (int64, on the device). Greedy sequences without a
+        :class:`~dflash_torch.sampling.LogitsProcessor` are decided all at once; the others
+        one by one, on their own (processed) logits."""
         n, B = block.shape
         accepted, bonus = accept_greedy(block[:, 1:], logits)
-        own = [i for i, q in enumerate(seqs) if not q.done and (not q.params.greedy or q.penalties is not None)]
+        own = [i for i, q in enumerate(seqs) if not q.done and (not q.params.greedy or q.processor is not None)]
         if not own:
             return accepted, bonus
         a_rows, b_rows = list(accepted), list(bonus)
         for i in own:
             q = seqs[i]
-            x = logits[i] if q.penalties is None else q.penalties.apply(logits[i], block[i, 1:])
+            x = logits[i] if q.processor is None else q.processor.apply(logits[i], block[i, 1:])
             if q.params.greedy:
                 a_rows[i], b_rows[i] = accept_greedy(block[i, 1:], x)
             elif B == 1:

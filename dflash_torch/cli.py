@@ -56,6 +56,22 @@ def json_object(text: str) -> dict:
     return value
 
 
+def logit_bias_json(text: str) -> dict[int, float]:
+    """argparse type of ``--logit-bias``: a JSON object of token ids (decimal strings) to numbers
+    (their range is checked by :class:`~dflash_torch.sampling.SamplingParams`)."""
+    example = "e.g. '{\"50256\": -100}'"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object of token ids to biases, {example} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object of token ids to biases, {example}, got {text!r}")
+    bad = next((k for k in value if not (k.isascii() and k.isdigit())), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"keys must be token ids (decimal integers >= 0), got {bad!r}")
+    return {int(k): v for k, v in value.items()}
+
+
 def add_chat_template_kwargs_arg(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                    help=f"extra chat template variables {what}, a JSON object, e.g. '{{\"enable_thinking\": false}}' "
@@ -75,6 +91,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="in [-2, 2], times each token's count so far, subtracted from its logit (default 0 = off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="> 0, divides positive / multiplies negative logits of prompt and generated tokens (default 1 = off)")
+    p.add_argument("--logit-bias", type=logit_bias_json, default=None, metavar="JSON",
+                   help="token id -> bias in [-100, 100] added to its logit, a JSON object, e.g. '{\"50256\": -100}' "
+                        "(-100 bans the token, 100 forces it)")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="generate at least this many tokens before EOS, a stop token or a stop string can end "
+                        "the output (default 0)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
 
@@ -130,7 +152,7 @@ def _generate_here(args: argparse.Namespace) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, presence_penalty=args.presence_penalty,
                   frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                  stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat, logprobs=args.logprobs,
+                  logit_bias=args.logit_bias, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat, logprobs=args.logprobs,
                   chat_template_kwargs=args.chat_template_kwargs)
     if args.json:
         out = engine.generate(prompt, **kwargs)

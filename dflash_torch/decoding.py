@@ -368,10 +368,12 @@ class SpeculativeDecoder:
             reads the device once (the accepted count and tokens, in one transfer).
 
         Raises:
-            DFlashError: empty prompt, token ids outside the vocabulary, or a prompt plus
-                ``max_new_tokens`` longer than the context.
+            DFlashError: empty prompt, token ids (of the prompt, of ``params``' logit_bias or
+                min_tokens_ids) outside the vocabulary, or a prompt plus ``max_new_tokens``
+                longer than the context.
         """
         n_prompt = check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
+        params.check_vocab(self.target.config.vocab_size)
         B, dev, static = self.block_size, self.device, self.static
         if not static:
             capacity = n_prompt + max_new_tokens + B + 1
@@ -384,7 +386,7 @@ class SpeculativeDecoder:
 
         t0 = time.perf_counter()
         last_logits = self._prefill(torch.tensor(prompt_ids, dtype=torch.long, device=dev), n_prompt)
-        token, penalties = first_token(last_logits, prompt_ids, params, generator)  # (None without a penalty)
+        token, processor = first_token(last_logits, prompt_ids, params, generator)  # (None: nothing processes logits)
         first = int(token)
         logprobs = first_logprobs(last_logits, first, params)
         t1 = time.perf_counter()
@@ -408,6 +410,8 @@ class SpeculativeDecoder:
             draft_probs = None
             if B > 1:
                 scores = self._draft_fn(token, pos, kv_len, pending, pending_start)
+                if processor is not None:  # (logit bias, min_tokens: no banned draft; see LogitsProcessor.draft_scores)
+                    scores = processor.draft_scores(scores)
                 draft, draft_probs = self.drafter.choose_draft(scores, params, generator)
                 block = torch.cat([token.view(1), draft])
             else:
@@ -416,8 +420,8 @@ class SpeculativeDecoder:
             t1 = time.perf_counter()
             logits, feats = self._verify_fn(block, pos, kv_len)
             scores = logits  # (logprobs are of the raw logits)
-            if penalties is not None:  # row j counts the drafts before it (see sampling.penalize)
-                scores = penalties.apply(logits, block[1:])
+            if processor is not None:  # row j follows the drafts before it (see sampling.LogitsProcessor)
+                scores = processor.apply(logits, block[1:])
             if B == 1:
                 a_dev, bonus = torch.zeros((), dtype=torch.long, device=dev), choose(scores, params, generator)[0]
             elif params.greedy:
@@ -430,8 +434,8 @@ class SpeculativeDecoder:
             logprobs = None  # (before the commit: a CUDA graph's replay may reuse the logits' memory)
             if params.logprobs is not None:
                 logprobs = token_logprobs(logits[:a + 1], tokens, params.logprobs)
-            if penalties is not None:
-                penalties.commit(tokens)
+            if processor is not None:
+                processor.commit(tokens)
             t2 = time.perf_counter()
             if folded:  # all B rows with fixed shapes: rows past the accepted ones are overwritten next round
                 pending, pending_start = (self._carry(feats), s_dev) if static else (feats[: a + 1], s)

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -511,6 +511,8 @@ class DFlashEngine:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
+        logit_bias: dict[int, float] | None = None,
+        min_tokens: int = 0,
         stop: str | Sequence[str] | None = None,
         stop_token_ids: int | Sequence[int] | None = None,
         ignore_eos: bool = False,
@@ -527,6 +529,11 @@ class DFlashEngine:
             temperature, top_k, top_p, seed: see :class:`SamplingParams`.
             presence_penalty, frequency_penalty, repetition_penalty: see :class:`SamplingParams`
                 (0, 0, 1 = off); speculative decoding stays lossless with them.
+            logit_bias: token id -> bias in [-100, 100], added to the target's logits
+                (OpenAI's ``logit_bias``; see :class:`SamplingParams`); ids in [0, vocab size).
+            min_tokens: the first ``min_tokens`` tokens (<= ``max_new_tokens``) cannot be a stop
+                token (EOS unless ``ignore_eos``, ``stop_token_ids``: masked), and stop strings
+                completed within them do not count (vLLM's ``min_tokens``).
             stop: stop string(s): generation ends after the first token that completes
                 one, and the text is cut at the start of that occurrence.
             stop_token_ids: an extra stop token id or a list of them, in [0, vocab size)
@@ -549,27 +556,22 @@ class DFlashEngine:
         """
         with self._request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                           repetition_penalty=repetition_penalty, stop=stop, stop_token_ids=stop_token_ids,
-                           ignore_eos=ignore_eos, chat=chat, logprobs=logprobs,
-                           chat_template_kwargs=chat_template_kwargs, tools=tools) as chunks:
+                           repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
+                           stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chat=chat,
+                           logprobs=logprobs, chat_template_kwargs=chat_template_kwargs, tools=tools) as chunks:
             # each round runs on the compute thread (see dflash_torch.compute), whichever
             # thread iterates this stream
             while (chunk := compute.run(next, chunks, None)) is not None:
                 yield chunk
 
     @contextlib.contextmanager
-    def _request(self, prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, stop=None, stop_token_ids=None,
-                 ignore_eos: bool = False, chat: bool = False, logprobs: int | None = None,
-                 chat_template_kwargs: dict | None = None,
-                 tools: list[dict] | None = None) -> Iterator[Iterator[StreamChunk]]:
+    def _request(self, prompt, *, max_new_tokens: int = 256, chat: bool = False,
+                 chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                 **sampling) -> Iterator[Iterator[StreamChunk]]:
         """Check a request, tokenize its prompt, take the engine (see the class docstring) and
-        give the request's chunks, to be pulled on the compute thread; frees the engine on exit."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                repetition_penalty=repetition_penalty, logprobs=logprobs)
-        stopper = self.new_stopper(max_new_tokens, stop, stop_token_ids, ignore_eos)
+        give the request's chunks, to be pulled on the compute thread; frees the engine on exit.
+        ``sampling``: the sampling and stop arguments of :meth:`stream` (see :meth:`request_params`)."""
+        params, stopper = self.request_params(max_new_tokens, **sampling)
         prompt_ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
         if self._owner == threading.get_ident():
             raise DFlashError("another stream of this engine is still open in this thread; "
@@ -663,19 +665,46 @@ class DFlashEngine:
                                        draft_max_batch_size=self.draft_max_batch_size)
         return self._batch
 
-    def new_stopper(self, max_new_tokens: int, stop=None, stop_token_ids=None, ignore_eos: bool = False) -> Stopper:
+    def request_params(self, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                       seed: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                       repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
+                       min_tokens: int = 0, stop=None, stop_token_ids=None, ignore_eos: bool = False,
+                       logprobs: int | None = None) -> tuple[SamplingParams, Stopper]:
+        """A request's checked :class:`SamplingParams` and :class:`~dflash_torch.stopping.Stopper`,
+        as :meth:`stream` makes them (arguments as there): the params' ``min_tokens_ids`` are
+        the stopper's stop token ids.
+
+        Raises:
+            DFlashError: an invalid value (a logit_bias id outside the vocabulary included;
+                see :meth:`new_stopper`).
+        """
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
+                                logprobs=logprobs)
+        params.check_vocab(self.target.config.vocab_size)
+        stopper = self.new_stopper(max_new_tokens, stop, stop_token_ids, ignore_eos, params.min_tokens)
+        if params.min_tokens:
+            params = replace(params, min_tokens_ids=frozenset(stopper.stop_ids))
+        return params, stopper
+
+    def new_stopper(self, max_new_tokens: int, stop=None, stop_token_ids=None, ignore_eos: bool = False,
+                    min_tokens: int = 0) -> Stopper:
         """A checked :class:`~dflash_torch.stopping.Stopper` of one request, as :meth:`stream` makes it.
 
         Raises:
             DFlashError: invalid ``max_new_tokens``, ``stop``, ``stop_token_ids`` or ``ignore_eos``
-                (not a bool).
+                (not a bool), or ``min_tokens`` above ``max_new_tokens``.
         """
         options.check_max_new_tokens(max_new_tokens)
         options.check_flag(ignore_eos, "ignore_eos")
+        if min_tokens > max_new_tokens:
+            raise OptionError(f"min_tokens ({min_tokens}) must be at most max_new_tokens ({max_new_tokens})",
+                              "min_tokens", "max_new_tokens")
         stops = options.check_stop(stop)
         stop_ids = set() if ignore_eos else set(self.stop_token_ids)
         stop_ids.update(options.check_stop_token_ids(stop_token_ids, self.target.config.vocab_size))
-        return Stopper(self.decode, stops, stop_ids, max_new_tokens)
+        return Stopper(self.decode, stops, stop_ids, max_new_tokens, min_tokens)
 
     def generate_batch(
         self,
@@ -689,6 +718,8 @@ class DFlashEngine:
         presence_penalty: float | Sequence[float] = 0.0,
         frequency_penalty: float | Sequence[float] = 0.0,
         repetition_penalty: float | Sequence[float] = 1.0,
+        logit_bias: dict[int, float] | None | Sequence[dict[int, float] | None] = None,
+        min_tokens: int | Sequence[int] = 0,
         stop: str | Sequence[str] | Sequence[str | Sequence[str] | None] | None = None,
         stop_token_ids: int | Sequence[int] | Sequence[int | Sequence[int] | None] | None = None,
         ignore_eos: bool | Sequence[bool] = False,
@@ -707,8 +738,8 @@ class DFlashEngine:
         Args:
             prompts: a non-empty list of prompts (text, chat messages, or token ids).
             max_new_tokens, temperature, top_k, top_p, seed, presence_penalty, frequency_penalty,
-                repetition_penalty, ignore_eos, logprobs: one value for all prompts, or a list
-                with one value per prompt (``logprobs``: see :meth:`stream`).
+                repetition_penalty, logit_bias, min_tokens, ignore_eos, logprobs: one value for
+                all prompts, or a list with one value per prompt (see :meth:`stream`).
             stop: stop string(s) for all prompts (a string or a list of strings), or per
                 prompt a list whose items are each None or a list of strings.
             stop_token_ids: an id or a list of ids for all prompts, or per prompt a list
@@ -738,6 +769,7 @@ class DFlashEngine:
                    presence_penalty=_per_prompt(presence_penalty, n, "presence_penalty"),
                    frequency_penalty=_per_prompt(frequency_penalty, n, "frequency_penalty"),
                    repetition_penalty=_per_prompt(repetition_penalty, n, "repetition_penalty"),
+                   logit_bias=_per_prompt(logit_bias, n, "logit_bias"), min_tokens=_per_prompt(min_tokens, n, "min_tokens"),
                    ignore_eos=_per_prompt(ignore_eos, n, "ignore_eos"), logprobs=_per_prompt(logprobs, n, "logprobs"),
                    stop=_per_prompt(stop, n, "stop", nested=(str,)),
                    stop_token_ids=_per_prompt(stop_token_ids, n, "stop_token_ids", nested=(int,)))
@@ -746,11 +778,7 @@ class DFlashEngine:
         for i, prompt in enumerate(prompts):  # every prompt is checked before any is decoded
             stopper = None  # (set: the options are fine, an error is about the prompt itself)
             try:
-                params = SamplingParams(**{name: per[name][i] for name in (
-                    "temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "logprobs")})
-                stopper = self.new_stopper(per["max_new_tokens"][i], per["stop"][i], per["stop_token_ids"][i],
-                                           per["ignore_eos"][i])
+                params, stopper = self.request_params(**{name: values[i] for name, values in per.items()})
                 ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
                 options.check_prompt_ids(ids, self.target.config.vocab_size, stopper.max_new_tokens, self.max_context)
             except DFlashError as exc:

@@ -11,15 +11,17 @@ Acceptance rules (both lossless, see DESIGN.md):
   accepted the bonus token is drawn from ``p_B``. ``p`` and ``q`` are the target's and
   the drafter's distributions after temperature, top-k and top-p.
 
-Penalties (presence, frequency, repetition; :func:`penalize`, :class:`Penalties`) change the
-target's logits before either rule, per block position, so both stay lossless for the
-penalised target (see :func:`penalize`).
+Logit bias, penalties (presence, frequency, repetition; :func:`penalize`, :class:`Penalties`)
+and min_tokens change the target's logits before either rule, per block position
+(:class:`LogitsProcessor`), so both stay lossless for the processed target (see
+:func:`penalize`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -28,6 +30,7 @@ from .errors import OptionError
 
 
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's limit of top_logprobs)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range of a logit_bias value: [-100, 100]
 
 
 def _real(x) -> float | None:
@@ -62,6 +65,21 @@ class SamplingParams:
         repetition_penalty: > 0 (1 = off): the logit of every token of the prompt or
             generated so far is divided by it when positive, else multiplied by it
             (a result beyond float32's range is clamped to it). Stored as a float.
+        logit_bias: token id -> bias in [-100, 100] (OpenAI's ``logit_bias``), added to the
+            target's logits before penalties, temperature, top-k, top-p and the greedy
+            argmax: -100 in effect bans a token, 100 forces it. Stored as a new dict of
+            int -> float; None (default) or empty: off. Ids are checked against the
+            vocabulary by the engine (only it knows the vocabulary).
+        min_tokens: the first ``min_tokens`` generated tokens cannot be a stop token
+            (vLLM's ``min_tokens``): the logits of ``min_tokens_ids`` are -inf there (the
+            engine also ignores stop strings completed within them, see
+            :class:`~dflash_torch.stopping.Stopper`). 0 (default): off.
+        min_tokens_ids: the token ids ``min_tokens`` holds back. The engine sets them to the
+            request's stop token ids (the model's EOS ids unless ``ignore_eos``, plus
+            ``stop_token_ids``); given directly (to a decoder), any ids in the vocabulary.
+
+    The reported logprobs (``logprobs``) stay those of the raw logits, before logit_bias,
+    penalties and min_tokens (see :func:`token_logprobs`).
 
     Raises:
         OptionError: a value out of its range or of the wrong type (the message names the field).
@@ -75,6 +93,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    min_tokens: int = 0
+    min_tokens_ids: frozenset[int] = field(default=frozenset())
 
     def __post_init__(self):
         t = _real(self.temperature)
@@ -103,15 +124,40 @@ class SamplingParams:
             raise OptionError(f"repetition_penalty must be a finite number > 0 (1 = off), got "
                               f"{self.repetition_penalty!r}", "repetition_penalty")
         object.__setattr__(self, "repetition_penalty", r)
+        object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise OptionError(f"min_tokens must be an integer >= 0 (0 = off), got {self.min_tokens!r}", "min_tokens")
+        ids = self.min_tokens_ids
+        if not isinstance(ids, (set, frozenset, list, tuple)) or not all(_is_token_id(t) for t in ids):
+            raise OptionError(f"min_tokens_ids must be a set of token ids (integers >= 0), got {ids!r}", "min_tokens_ids")
+        object.__setattr__(self, "min_tokens_ids", frozenset(ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @property
+    def processed(self) -> bool:
+        """Whether anything changes the target's logits before a token is chosen (a logit
+        bias, a penalty, min_tokens with ids to hold back): see :class:`LogitsProcessor`."""
+        return self.penalized or self.logit_bias is not None or bool(self.min_tokens and self.min_tokens_ids)
+
+    @property
     def penalized(self) -> bool:
         """Whether any penalty is on."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Check the token ids of ``logit_bias`` and ``min_tokens_ids`` against the vocabulary.
+
+        Raises:
+            OptionError: an id >= ``vocab_size`` (the message names the field).
+        """
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("min_tokens_ids", self.min_tokens_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise OptionError(f"{name} token ids must be in [0, {vocab_size}) (the vocabulary), got {min(bad)}",
+                                  name)
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         """A random generator for one request (None for greedy decoding)."""
@@ -123,6 +169,33 @@ class SamplingParams:
         else:
             g.manual_seed(self.seed)
         return g
+
+
+def _is_token_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_logit_bias(bias) -> dict[int, float] | None:
+    """``SamplingParams.logit_bias`` checked: a new dict of int ids -> float biases, None when empty.
+
+    Raises:
+        OptionError: not a mapping, a key that is not an integer >= 0, a value that is not a
+            number in [-100, 100].
+    """
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise OptionError(f"logit_bias must be a mapping of token ids to biases, got {bias!r}", "logit_bias")
+    out = {}
+    for token, value in bias.items():
+        if not _is_token_id(token):
+            raise OptionError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}", "logit_bias")
+        x = _real(value)
+        if x is None or not -MAX_LOGIT_BIAS <= x <= MAX_LOGIT_BIAS:
+            raise OptionError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}",
+                              "logit_bias")
+        out[token] = x
+    return out or None
 
 
 _F32 = torch.finfo(torch.float32)
@@ -146,9 +219,9 @@ class TokenLogprob(NamedTuple):
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """Log-probabilities of the tokens chosen at ``N`` positions, from the target's logits there.
 
-    The distribution is ``log_softmax`` of the raw logits in float32, before penalties,
-    temperature, top-k and top-p (vLLM's default, "raw" log-probabilities): it depends on
-    the position only, not on how the token was chosen.
+    The distribution is ``log_softmax`` of the raw logits in float32, before logit bias,
+    penalties, min_tokens, temperature, top-k and top-p (vLLM's default, "raw"
+    log-probabilities): it depends on the position only, not on how the token was chosen.
 
     Args:
         logits: ``[N, V]`` target logits (any float dtype), row i the position of ``tokens[i]``.
@@ -272,7 +345,8 @@ class Penalties:
     """The token statistics one sequence's penalties need, kept incrementally: counts of
     the generated tokens (float32 ``[V]``), for a repetition penalty the prompt's tokens
     (bool ``[V]``), and the ids of both (int64, each once), on the logits' device. Made
-    only for penalised parameters (:meth:`new`), so unpenalised sequences pay nothing."""
+    only for penalised parameters (by :meth:`LogitsProcessor.new`), so unpenalised
+    sequences pay nothing."""
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, device: torch.device):
         self.params = params
@@ -284,12 +358,6 @@ class Penalties:
             self.prompt[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
             self._known = set(prompt_ids)
         self.ids = torch.tensor(sorted(self._known), dtype=torch.long, device=device)
-
-    @classmethod
-    def new(cls, params: SamplingParams, prompt_ids: list[int], logits: torch.Tensor) -> "Penalties | None":
-        """The statistics of a sequence with ``params`` and ``prompt_ids``, sized for
-        ``logits`` ``[..., V]`` (any row of the target's); None when no penalty is on."""
-        return cls(params, prompt_ids, logits.shape[-1], logits.device) if params.penalized else None
 
     def apply(self, logits: torch.Tensor, draft: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`penalize` with this sequence's statistics: ``logits`` ``[R, V]``, ``draft``
@@ -305,6 +373,98 @@ class Penalties:
         if new:
             self._known.update(new)
             self.ids = torch.cat([self.ids, torch.tensor(new, dtype=torch.long, device=dev)])
+
+
+class LogitsProcessor:
+    """What changes one sequence's target logits before its tokens are chosen, in vLLM's
+    order (logits processors, then penalties):
+
+    1. ``logit_bias``: a dense float32 ``[V]`` vector added to every row;
+    2. the penalties (:class:`Penalties`, :func:`penalize`);
+    3. ``min_tokens``: the logits of ``min_tokens_ids`` set to -inf in the rows that predict
+       one of the first ``min_tokens`` generated tokens.
+
+    Lossless under speculative decoding for the same reason as the penalties: row j of a
+    verify block predicts generated token ``generated + j`` (``generated`` counts the
+    committed tokens) after ``d_1 .. d_j``, so each row gets exactly what
+    one-token-at-a-time decoding would apply there. Everything is applied to the verify's
+    logits outside the compiled / graphed forwards (new tensors; fixed shapes unchanged).
+    Made only for parameters that need it (:meth:`new`): other sequences pay nothing.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, device: torch.device):
+        self.params = params
+        self.bias = None
+        if params.logit_bias is not None:
+            self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            ids = list(params.logit_bias)
+            self.bias[torch.tensor(ids, dtype=torch.long, device=device)] = torch.tensor(
+                [params.logit_bias[t] for t in ids], dtype=torch.float32, device=device)
+        self.penalties = Penalties(params, prompt_ids, vocab_size, device) if params.penalized else None
+        self.held = None  # min_tokens: the ids held back
+        if params.min_tokens and params.min_tokens_ids:
+            self.held = torch.tensor(sorted(params.min_tokens_ids), dtype=torch.long, device=device)
+        self.generated = 0  # committed tokens
+
+    @classmethod
+    def new(cls, params: SamplingParams, prompt_ids: list[int], logits: torch.Tensor) -> "LogitsProcessor | None":
+        """The processor of a sequence with ``params`` and ``prompt_ids``, sized for ``logits``
+        ``[..., V]`` (any row of the target's); None when nothing processes its logits."""
+        return cls(params, prompt_ids, logits.shape[-1], logits.device) if params.processed else None
+
+    def _held_rows(self, rows: int) -> int:
+        """How many of the next ``rows`` positions still predict one of the first ``min_tokens`` tokens."""
+        return 0 if self.held is None else min(rows, max(0, self.params.min_tokens - self.generated))
+
+    def apply(self, logits: torch.Tensor, draft: torch.Tensor | None = None) -> torch.Tensor:
+        """The processed logits of a verify block or of one position: ``logits`` ``[R, V]``
+        (row j predicts the token after ``d_1 .. d_j``), ``draft`` int64 ``[R-1]`` (the
+        penalties count its tokens) or None -> float32 ``[R, V]``, a new tensor."""
+        x = logits.float() + self.bias if self.bias is not None else logits
+        if self.penalties is not None:
+            x = self.penalties.apply(x, draft)
+        elif x is logits:
+            x = logits.to(torch.float32, copy=True)
+        held = self._held_rows(x.shape[0])
+        if held:
+            x[:held, self.held] = float("-inf")
+        return x
+
+    @property
+    def adjusts_drafts(self) -> bool:
+        """Whether :meth:`draft_scores` changes the draft logits now (a bias, or min_tokens
+        not reached yet)."""
+        return self.bias is not None or self._held_rows(1) > 0
+
+    def draft_scores(self, scores):
+        """The drafter's scores with the logit bias and the min_tokens mask (no penalties):
+        the drafter then proposes no banned token, which the target would reject. Any
+        proposal keeps decoding lossless (see DESIGN.md).
+
+        ``scores``: the draft logits ``[B-1, V]`` (row r predicts the same generated token as
+        verify row r; the held ids get -inf), or a DFlash 2 lattice ``(ids [B-1, K], edges
+        [B-1, K, K])``, whose edges into each candidate get that candidate's bias (held ids:
+        minus float32's largest value, finite, as every candidate of a slot may be held).
+        Returns the same kind, float32 (``scores`` itself when nothing applies)."""
+        held = self._held_rows(len(scores[0]) if isinstance(scores, tuple) else scores.shape[0])
+        if self.bias is None and not held:
+            return scores
+        if isinstance(scores, tuple):
+            ids, edges = scores
+            add = self.bias[ids] if self.bias is not None else torch.zeros(ids.shape, device=ids.device)
+            if held:
+                add[:held] -= torch.isin(ids[:held], self.held) * _F32.max
+            return ids, edges.float() + add[..., None, :]
+        x = scores.float() + self.bias if self.bias is not None else scores.to(torch.float32, copy=True)
+        if held:
+            x[:held, self.held] = float("-inf")
+        return x
+
+    def commit(self, tokens: list[int]) -> None:
+        """Count committed (generated) ``tokens``."""
+        self.generated += len(tokens)
+        if self.penalties is not None:
+            self.penalties.commit(tokens)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -377,16 +537,16 @@ def accept_sampling(
 
 
 def first_token(last: torch.Tensor, prompt: list[int], params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, Penalties | None]:
+                generator: torch.Generator | None) -> tuple[torch.Tensor, LogitsProcessor | None]:
     """A sequence's first token (0-dim int64), chosen after its prefill from its prompt's
-    last logits ``[V]`` (left as they are), and its penalties' statistics (None without a
-    penalty), which count it."""
-    penalties = Penalties.new(params, prompt, last)
-    logits = last[None] if penalties is None else penalties.apply(last[None])
+    last logits ``[V]`` (left as they are), and its :class:`LogitsProcessor` (None when
+    nothing processes its logits), which counts it."""
+    processor = LogitsProcessor.new(params, prompt, last)
+    logits = last[None] if processor is None else processor.apply(last[None])
     token = choose(logits, params, generator)[0]
-    if penalties is not None:
-        penalties.commit([int(token)])
-    return token, penalties
+    if processor is not None:
+        processor.commit([int(token)])
+    return token, processor
 
 
 def first_logprobs(last: torch.Tensor, first: int, params: SamplingParams) -> list[TokenLogprob] | None:

@@ -14,6 +14,11 @@ boundaries:
 * otherwise generation ends after ``max_new_tokens`` tokens (a stop string completed
   by that last token still counts as a stop).
 
+With ``min_tokens`` (vLLM's semantics), stop strings are looked for only from the token
+after the first ``min_tokens``: an occurrence completed within them does not count (one
+completed later may start in their text). The stop tokens cannot occur there: the
+decoder masks them (``SamplingParams.min_tokens``).
+
 Text is decoded incrementally (:class:`IncrementalText`), so a round costs decodes of a
 few tokens, not of the whole output. Stop strings are matched against complete text:
 a token that ends inside a multi-byte character adds no text until a later token
@@ -110,11 +115,14 @@ class Stopper:
         stops: stop strings (non-empty).
         stop_ids: stop token ids.
         max_new_tokens: most tokens to generate (>= 1).
+        min_tokens: tokens generated before stop strings are looked for (0 to ``max_new_tokens``).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], stop_ids, max_new_tokens: int):
+    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], stop_ids, max_new_tokens: int,
+                 min_tokens: int = 0):
         self.text = IncrementalText(decode)
         self.stops, self.stop_ids, self.max_new_tokens = list(stops), stop_ids, max_new_tokens
+        self.min_tokens = min_tokens
         self.generated = 0  # tokens kept so far
         self.unsent = ""  # text decided but not yet returned (held back: a stop string may start in it)
 
@@ -134,7 +142,7 @@ class Stopper:
             if new:
                 new_from = len(self.unsent)
                 self.unsent += new
-                cut = find_stop(self.unsent, new_from, self.stops)
+                cut = find_stop(self.unsent, new_from, self.stops) if self.generated > self.min_tokens else None
                 if cut is not None:
                     text, self.unsent = self.unsent[:cut], ""
                     return text, kept, "stop"
@@ -149,7 +157,7 @@ class Stopper:
         string that contains U+FFFD may complete in them."""
         new_from = len(self.unsent)
         text, self.unsent = self.unsent + self.text.flush(), ""
-        cut = find_stop(text, new_from, self.stops)
+        cut = find_stop(text, new_from, self.stops) if self.generated > self.min_tokens else None
         if cut is not None:
             text, reason = text[:cut], "stop"
         return text, kept, reason

@@ -20,7 +20,7 @@ a request with ``tools``, ``tool_calls`` (:mod:`.tools`).
 
 Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
 completions and the rest of the context for chat. Extensions: ``top_k``,
-``ignore_eos``, ``stop_token_ids``; responses carry a ``dflash`` object with the
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``; responses carry a ``dflash`` object with the
 request's speculative-decoding statistics (with several choices, each choice has its own).
 
 Log-probabilities (chat ``logprobs: true`` + ``top_logprobs`` 0..20, completions

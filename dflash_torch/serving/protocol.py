@@ -4,17 +4,18 @@ cannot honour.
 Parsing is strict about types (``"5"`` is not an integer, ``true`` is not a number)
 and about ranges; fields the server does not know are ignored, as OpenAI's own API
 ignores them. Fields it knows but cannot honour with a non-default value (``best_of``
-other than ``n``, ``echo``, ``prompt_logprobs``, ``logit_bias``, ``tool_choice`` ``required``, ...) are refused with a 400 by
+other than ``n``, ``echo``, ``prompt_logprobs``, ``tool_choice`` ``required``, ...) are refused with a 400 by
 :func:`unsupported_field`; values that contradict each other by :func:`conflicting_fields`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      field_validator)
 
-from ..sampling import MAX_LOGPROBS
+from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
 MAX_N = 128  # OpenAI's own limit on n
@@ -51,10 +52,23 @@ class _Request(BaseModel):
     presence_penalty: StrictFloat | None = Field(0.0, ge=-2, le=2)
     frequency_penalty: StrictFloat | None = Field(0.0, ge=-2, le=2)
     repetition_penalty: StrictFloat | None = Field(None, gt=0, allow_inf_nan=False)  # extension (vLLM); 1 = off
+    # token id (a decimal string, as JSON keys are) -> bias; ids past the vocabulary: the engine's 400
+    logit_bias: dict[StrictStr, Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    min_tokens: StrictInt = Field(0, ge=0)  # extension (vLLM): no stop token (nor stop string) before that many
     # known but only their defaults are honoured
-    logit_bias: dict[str, Any] | None = None
     user: StrictStr | None = None
     prompt_logprobs: StrictInt | None = None  # (vLLM's extension: refused, the prompt is not scored)
+
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """The keys as token ids: decimal digits only (``"50256"``; not ``"-1"``, ``" 5"``, ``"5.0"``)."""
+        if bias is None:
+            return None
+        bad = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
+        if bad is not None:
+            raise ValueError(f"keys must be token ids (decimal integers >= 0 as strings), got {bad!r}")
+        return {int(k): float(v) for k, v in bias.items()}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -71,6 +85,8 @@ class _Request(BaseModel):
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
             repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens,
             stop=self.stop_list() or None,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
@@ -246,7 +262,6 @@ def unsupported_field(req: _Request) -> tuple[str, str] | None:
         ("best_of", req.best_of is not None and req.best_of > n,
          f"best_of > n is not supported (best_of={req.best_of}, n={n}): candidates are not ranked; "
          "use n, or best_of equal to n"),
-        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
         ("stop", len(req.stop_list()) > MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are supported"),
         ("prompt_logprobs", req.prompt_logprobs is not None,
          "prompt_logprobs are not supported (only the generated tokens' logprobs)"),

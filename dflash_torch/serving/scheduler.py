@@ -76,7 +76,7 @@ RETRY_AFTER_S = 1  # the Retry-After of a queue-full 503
 # The request parameter an engine error message is about, from its first word.
 _PARAM_OF_MESSAGE = {"stop token ids": "stop_token_ids", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed",
                      "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-                     "repetition_penalty": "repetition_penalty",
+                     "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "min_tokens": "min_tokens",
                      "stop": "stop", "max_new_tokens": "max_tokens", "prompt": "prompt", "the prompt": "prompt",
                      "chat messages": "messages", "chat_template_kwargs": "chat_template_kwargs", "tools": "tools",
                      "tool call arguments": "messages"}
@@ -288,15 +288,9 @@ class BatchedBackend:
 
     def add(self, seq: Sequence) -> None:
         from ..engine import GenerationStats
-        from ..sampling import SamplingParams
 
-        e, kw = self.engine, seq.kwargs
-        params = SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"], seed=kw["seed"],
-                                logprobs=kw.get("logprobs"),
-                                presence_penalty=kw.get("presence_penalty", 0.0),  # (optional, as in engine.stream)
-                                frequency_penalty=kw.get("frequency_penalty", 0.0),
-                                repetition_penalty=kw.get("repetition_penalty", 1.0))
-        stopper = e.new_stopper(seq.max_new_tokens, kw["stop"], kw["stop_token_ids"], kw["ignore_eos"])
+        e = self.engine
+        params, stopper = e.request_params(seq.max_new_tokens, **seq.kwargs)  # (checked as engine.stream checks them)
         stats = GenerationStats(prompt_tokens=len(seq.prompt_ids), block_size=e.block_size,
                                 draft_mode=e.decoder.draft_mode if e.drafter is not None else None)
         e.batch_decoder().join(seq, seq.prompt_ids, params, stopper.max_new_tokens)  # (prefilled by the steps)
