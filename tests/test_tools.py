@@ -208,6 +208,27 @@ def test_bad_tools_and_calls_are_one_line_errors(local_engine, prompt, kwargs, m
     assert "\n" not in str(err.value)
 
 
+
+def _nested(depth: int) -> dict:
+    value = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def test_arguments_and_tools_nested_too_deeply_are_one_line_errors(local_engine, monkeypatch):
+    """Python's JSON parser and the template's ``tojson`` recurse once per level: a
+    RecursionError would be a 500 in the server."""
+    monkeypatch.setattr(local_engine.tokenizer, "chat_template", HERMES_TEMPLATE)
+    deep_text = '{"a":' * 3000 + "1" + "}" * 3000
+    calls = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": deep_text}}]}]
+    with pytest.raises(DFlashError, match=r"^tool call arguments must be a JSON object: message 0, call 0: nested too "
+                                          r"deeply$"):
+        local_engine.encode_prompt(calls)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": _nested(3000)}}]
+    with pytest.raises(DFlashError, match=r"^the chat template cannot render these messages: .* nested too deeply$"):
+        local_engine.encode_prompt("hi", chat=True, tools=tools)
+
 # --- a real model that writes tool calls ----------------------------------------------------------
 
 ASSISTANT = "<|assistant|>"
@@ -349,3 +370,8 @@ def test_server_refuses_what_needs_constrained_decoding(server):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=model, messages=bad, tools=TOOLS)
     assert err.value.body["param"] == "messages" and "not valid JSON" in err.value.body["message"]
+    deep = MESSAGES + [{"role": "assistant", "tool_calls": [
+        {"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": "[" * 5000 + "]" * 5000}}]}]
+    with pytest.raises(openai.BadRequestError) as err:  # (not a 500)
+        client.chat.completions.create(model=model, messages=deep, tools=TOOLS)
+    assert err.value.body["param"] == "messages" and "nested too deeply" in err.value.body["message"]
