@@ -61,6 +61,16 @@ CASES = [
     ("none", "qwen3_coder", "", "<tool_call>\nno function\n</tool_call>", True, "",
      "<tool_call>\nno function\n</tool_call>", []),
     ("none", "qwen3_coder", "", CODER[:60], False, "", CODER[:60], []),
+    # the close markers inside an argument's text (a file the model writes): still one call
+    ("none", "hermes", "", 'A.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "a </tool_call> b"}}\n'
+     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', True, "", "A.",
+     [("get_weather", {"city": "a </tool_call> b"}), ("get_time", {})]),
+    ("none", "hermes", "", "<tool_call>\n{bad}\n</tool_call> x </tool_call>\n<tool_call>\n"
+     '{"name": "get_time", "arguments": {}}\n</tool_call>', True, "", "<tool_call>\n{bad}\n</tool_call> x </tool_call>",
+     [("get_time", {})]),
+    ("none", "qwen3_coder", "", "<tool_call>\n<function=get_weather>\n<parameter=city>\nx </parameter> y </tool_call>"
+     "\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", True, "", "",
+     [("get_weather", {"city": "x </parameter> y </tool_call>", "days": 3})]),
     ("harmony", "harmony", "", HARMONY, True, "Need the weather.", "", [("get_weather", {"city": "Oslo"})]),
     ("harmony", "harmony", "", HARMONY, False, "Need the weather.", '{"city": "Oslo"}', []),  # cut: no call
     ("harmony", "harmony", "", "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>",
