@@ -410,7 +410,8 @@ class DFlashEngine:
 
         Raises:
             DFlashError: the template refuses the messages (its ``raise_exception``, e.g.
-                roles out of order) or cannot be rendered at all (a broken template).
+                roles out of order) or cannot be rendered at all (a broken template), or
+                the messages, tools or variables are nested too deeply to render.
         """
         import jinja2
 
@@ -426,6 +427,9 @@ class DFlashEngine:
                 raise
             raise DFlashError(f"the chat template cannot be rendered with these chat_template_kwargs: "
                               f"{' '.join(str(exc).split())}") from None
+        except RecursionError:  # (jinja and its tojson recurse once per level of nesting)
+            raise DFlashError("the chat template cannot render these messages: their content, tool calls, tools or "
+                              "chat_template_kwargs are nested too deeply") from None
 
     def _check_length(self, chars: int) -> None:
         if chars > self.max_prompt_chars:
@@ -892,6 +896,9 @@ def _call_arguments(arguments, message: int, call: int) -> dict:
         except ValueError as exc:
             raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
                               f"not valid JSON ({exc})") from None
+        except RecursionError:
+            raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
+                              "nested too deeply") from None
     if not isinstance(arguments, dict):
         raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
                           f"got {type(arguments).__name__}")

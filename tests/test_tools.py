@@ -61,6 +61,16 @@ CASES = [
     ("none", "qwen3_coder", "", "<tool_call>\nno function\n</tool_call>", True, "",
      "<tool_call>\nno function\n</tool_call>", []),
     ("none", "qwen3_coder", "", CODER[:60], False, "", CODER[:60], []),
+    # the close markers inside an argument's text (a file the model writes): still one call
+    ("none", "hermes", "", 'A.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "a </tool_call> b"}}\n'
+     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', True, "", "A.",
+     [("get_weather", {"city": "a </tool_call> b"}), ("get_time", {})]),
+    ("none", "hermes", "", "<tool_call>\n{bad}\n</tool_call> x </tool_call>\n<tool_call>\n"
+     '{"name": "get_time", "arguments": {}}\n</tool_call>', True, "", "<tool_call>\n{bad}\n</tool_call> x </tool_call>",
+     [("get_time", {})]),
+    ("none", "qwen3_coder", "", "<tool_call>\n<function=get_weather>\n<parameter=city>\nx </parameter> y </tool_call>"
+     "\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", True, "", "",
+     [("get_weather", {"city": "x </parameter> y </tool_call>", "days": 3})]),
     ("harmony", "harmony", "", HARMONY, True, "Need the weather.", "", [("get_weather", {"city": "Oslo"})]),
     ("harmony", "harmony", "", HARMONY, False, "Need the weather.", '{"city": "Oslo"}', []),  # cut: no call
     ("harmony", "harmony", "", "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>",
@@ -208,6 +218,27 @@ def test_bad_tools_and_calls_are_one_line_errors(local_engine, prompt, kwargs, m
     assert "\n" not in str(err.value)
 
 
+
+def _nested(depth: int) -> dict:
+    value = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def test_arguments_and_tools_nested_too_deeply_are_one_line_errors(local_engine, monkeypatch):
+    """Python's JSON parser and the template's ``tojson`` recurse once per level: a
+    RecursionError would be a 500 in the server."""
+    monkeypatch.setattr(local_engine.tokenizer, "chat_template", HERMES_TEMPLATE)
+    deep_text = '{"a":' * 3000 + "1" + "}" * 3000
+    calls = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": deep_text}}]}]
+    with pytest.raises(DFlashError, match=r"^tool call arguments must be a JSON object: message 0, call 0: nested too "
+                                          r"deeply$"):
+        local_engine.encode_prompt(calls)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": _nested(3000)}}]
+    with pytest.raises(DFlashError, match=r"^the chat template cannot render these messages: .* nested too deeply$"):
+        local_engine.encode_prompt("hi", chat=True, tools=tools)
+
 # --- a real model that writes tool calls ----------------------------------------------------------
 
 ASSISTANT = "<|assistant|>"
@@ -349,3 +380,8 @@ def test_server_refuses_what_needs_constrained_decoding(server):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=model, messages=bad, tools=TOOLS)
     assert err.value.body["param"] == "messages" and "not valid JSON" in err.value.body["message"]
+    deep = MESSAGES + [{"role": "assistant", "tool_calls": [
+        {"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": "[" * 5000 + "]" * 5000}}]}]
+    with pytest.raises(openai.BadRequestError) as err:  # (not a 500)
+        client.chat.completions.create(model=model, messages=deep, tools=TOOLS)
+    assert err.value.body["param"] == "messages" and "nested too deeply" in err.value.body["message"]

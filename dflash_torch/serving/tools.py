@@ -10,6 +10,8 @@ Formats (``serve --tool-call-parser``):
   text, unless the tool's JSON schema types the parameter ``integer``, ``number``,
   ``boolean``, ``null``, ``object`` or ``array``: then it is that JSON value when it parses as one
   (else the text).
+  A ``</parameter>`` inside a value is taken as text (a value ends at the ``</parameter>`` that
+  the next ``<parameter=`` or the ``</function>`` follows).
 * ``harmony`` (gpt-oss): a message whose recipient is ``functions.NAME``
   (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``;
   the recipient may also follow the role, ``<|start|>assistant to=functions.NAME``). Its
@@ -19,7 +21,10 @@ Formats (``serve --tool-call-parser``):
 
 A call whose arguments are not a JSON object, or that is still open when the reply is cut
 (``max_tokens``), stays in the content as the model wrote it (for harmony: its body), so
-no text is lost. In the ``<tool_call>`` formats, whitespace next to a call (the newlines
+no text is lost. In the ``<tool_call>`` formats, a ``</tool_call>`` after which the call does
+not parse may be text inside an argument: the call is read on to the next ``</tool_call>``
+(unless a ``<tool_call>`` comes first), so the text after a malformed call is held back
+until that is known. In these formats, whitespace next to a call (the newlines
 templates put between calls) is dropped.
 
 Composition with :mod:`.reasoning`: a reply is first split into reasoning and answer by
@@ -81,6 +86,7 @@ class ToolParser:
         self.in_call = False
         self.gap = ""  # whitespace before the open call (dropped if the call parses)
         self.after_call = False  # whitespace that follows a call is dropped
+        self.scan = 0  # where the open call's close marker is looked for
 
     def parse_block(self, body: str) -> ToolCall | None:
         """The call in ``body`` (the text between the markers); None: malformed."""
@@ -92,16 +98,23 @@ class ToolParser:
         content, calls = [], []
         while True:
             if self.in_call:
-                end = self.buffer.find(CALL_CLOSE)
+                end = self.buffer.find(CALL_CLOSE, self.scan)
                 if end < 0:
                     break
-                block, self.buffer = self.buffer[:end + len(CALL_CLOSE)], self.buffer[end + len(CALL_CLOSE):]
-                call = self.parse_block(block[len(CALL_OPEN):end])
-                if call is None:
-                    content.append(self.gap + block)
+                stop = end + len(CALL_CLOSE)
+                call = self.parse_block(self.buffer[len(CALL_OPEN):end])
+                if call is None:  # a close marker inside an argument's text? read on to the next one
+                    next_close, next_open = self.buffer.find(CALL_CLOSE, stop), self.buffer.find(CALL_OPEN, stop)
+                    if next_close >= 0 and (next_open < 0 or next_close < next_open):
+                        self.scan = stop
+                        continue
+                    if next_open < 0:  # (which comes first decides)
+                        break
+                    content.append(self.gap + self.buffer[:stop])
                 else:
                     calls.append(call)
-                self.in_call, self.gap, self.after_call = False, "", call is not None
+                self.buffer = self.buffer[stop:]
+                self.in_call, self.gap, self.after_call, self.scan = False, "", call is not None, 0
                 continue
             if self.after_call:
                 self.buffer = self.buffer.lstrip()
@@ -124,7 +137,7 @@ class ToolParser:
 
     def finish(self) -> str:
         """The content held back, at the end of the answer (an open call is content)."""
-        rest, self.buffer = self.buffer, ""
+        rest, self.buffer, self.scan = self.buffer, "", 0
         if self.in_call:
             return self.gap + rest
         return rest.lstrip() if self.after_call else rest
@@ -146,7 +159,8 @@ class HermesParser(ToolParser):
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+# a value ends at the </parameter> that the next parameter or the function's end follows (a value may hold one)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>\s*(?=<parameter=|\Z)", re.S)
 
 
 class Qwen3CoderParser(ToolParser):
