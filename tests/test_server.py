@@ -602,18 +602,35 @@ def test_concurrent_streams_with_disconnects(server, cli_reference, capsys):
 
 
 def test_metrics(server):
+    """Requests are counted by endpoint and status, generated tokens too; no 5xx (the
+    requests counted are made here: the test does not rely on the module's other tests)."""
+    before = server.metrics()
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(path: str, body: dict, headers: dict = auth) -> int:
+        return httpx.post(f"{server.base}{path}", json=body, headers=headers, timeout=120).status_code
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "ignore_eos": True}
+    assert post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, "ignore_eos": True}) == 200
+    assert post("/v1/chat/completions", chat) == post("/v1/chat/completions", chat) == 200
+    assert post("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}) == 400
+    assert post("/v1/completions", {"model": "gpt-4", "prompt": "x"}) == 404
+    assert post("/v1/completions", {"model": MODEL, "prompt": "x"}, headers={}) == 401
     m = server.metrics()
-    assert m[("dflash_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] >= 5
-    assert m[("dflash_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))] >= 10
-    assert m[("dflash_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] >= 2
-    assert m[("dflash_requests_total", (("endpoint", "/v1/completions"), ("status", "404")))] >= 1
-    assert m[("dflash_requests_total", (("endpoint", "/v1/completions"), ("status", "401")))] >= 1
+
+    def delta(name: str, labels: tuple = ()) -> float:
+        return m.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    for endpoint, status, count in [("/v1/completions", "200", 1), ("/v1/chat/completions", "200", 2),
+                                    ("/v1/completions", "400", 1), ("/v1/completions", "404", 1),
+                                    ("/v1/completions", "401", 1)]:
+        assert delta("dflash_requests_total", (("endpoint", endpoint), ("status", status))) == count, (endpoint, status)
     assert not [k for k in m if k[0] == "dflash_requests_total" and dict(k[1])["status"].startswith("5")]
-    assert m[("dflash_generated_tokens_total", ())] > 200
+    assert delta("dflash_generated_tokens_total") == 9
     assert m[("dflash_mean_acceptance_length", ())] >= 1.0
-    assert m[("dflash_acceptance_length_count", ())] > 0
-    assert m[("dflash_request_latency_seconds_count", (("endpoint", "/v1/completions"),))] >= 5
-    assert m[("dflash_time_to_first_token_seconds_count", ())] > 0
+    assert delta("dflash_acceptance_length_count") > 0
+    assert delta("dflash_request_latency_seconds_count", (("endpoint", "/v1/completions"),)) >= 1
+    assert delta("dflash_time_to_first_token_seconds_count") >= 3
     assert m[("dflash_compiled_steps_run_eager", ())] == 0  # (exposed; an eager server compiles nothing)
 
 
