@@ -349,6 +349,34 @@ def run_to_end(batch: BatchDecoder, out: dict, budgets: dict) -> None:
     raise AssertionError("the batch did not finish")
 
 
+def churned_batch_equals_alone(target, drafter, prompts, params, mode: str, leaver: int, n_new: int) -> dict:
+    """Decode six sequences in one batch with churn (4 join one by one, 3 rounds, ``leaver``
+    leaves mid-run, 2 more join; ``n_new`` tokens each, odd ones 4 less) and check that each
+    commits what it decodes alone with its params (greedy: target-only; sampled: the drafter
+    with the same seed). ``mode``: eager, fixed-shapes, or target-only-rounds (rounds of more
+    than 2 sequences run without drafts). Returns the tokens of each sequence that stayed."""
+    batch = BatchDecoder(target, drafter, max_batch_size=5, max_context=256, static=mode == "fixed-shapes",
+                         draft_max_batch_size=2 if mode == "target-only-rounds" else None)
+    budgets = {i: n_new - 4 * (i % 2) for i in range(len(prompts))}
+    out = {0: list(batch.add(0, prompts[0], params[0], budgets[0]).tokens)}
+    for i in range(1, 4):
+        batch.join(i, prompts[i], params[i], budgets[i])
+    for _ in range(3):
+        for sid, rnd in batch.step().items():
+            out.setdefault(sid, []).extend(rnd.tokens)
+    batch.remove(leaver)  # leaves mid-run: two others join
+    del out[leaver]
+    for i in (4, 5):
+        batch.join(i, prompts[i], params[i], budgets[i])
+    run_to_end(batch, out, budgets)
+    assert sorted(out) == sorted(set(range(6)) - {leaver})
+    for i in out:
+        p = params[i]
+        ref = run_rounds(SpeculativeDecoder(target, None if p.greedy else drafter), prompts[i], budgets[i], p)[0]
+        assert out[i][:budgets[i]] == ref, (i, p)
+    return {i: out[i][:budgets[i]] for i in out}
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-shapes"])
 @pytest.mark.parametrize("models", ["agree_models", "hybrid_models", "qwen35_models"],
                          ids=["attention", "hybrid", "qwen35-random-drafter"])

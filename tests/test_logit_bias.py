@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import AGREE_TOKEN, EOS_ID, load_hf, run_rounds, varied_prompts
-from test_batch import run_to_end
+from test_batch import churned_batch_equals_alone
 from test_penalties import hf_generate, reference_penalized
 from test_sampling import ALPHA, chi_square_pvalue, processed
 
@@ -170,25 +170,7 @@ def test_batch_with_mixed_biases_equals_alone(models, mode):
               SamplingParams(logit_bias={C: -100.0, 121: 1.0}, temperature=0.8, seed=11)]
     if mode == "target-only-rounds":  # (a target-only round draws differently from a drafting one)
         params[5] = BIASED[0]
-    batch = BatchDecoder(target, drafter, max_batch_size=5, max_context=256, static=mode == "fixed-shapes",
-                         draft_max_batch_size=2 if mode == "target-only-rounds" else None)
-    budgets = {i: NEW_TOKENS - 4 * (i % 2) for i in range(len(prompts))}
-    out = {0: list(batch.add(0, prompts[0], params[0], budgets[0]).tokens)}
-    for i in range(1, 4):
-        batch.join(i, prompts[i], params[i], budgets[i])
-    for _ in range(3):
-        for sid, rnd in batch.step().items():
-            out.setdefault(sid, []).extend(rnd.tokens)
-    batch.remove(2)  # leaves mid-run: two others join
-    del out[2]
-    for i in (4, 5):
-        batch.join(i, prompts[i], params[i], budgets[i])
-    run_to_end(batch, out, budgets)
-    assert sorted(out) == [0, 1, 3, 4, 5]
-    for i in out:
-        p = params[i]
-        ref = run_rounds(SpeculativeDecoder(target, None if p.greedy else drafter), prompts[i], budgets[i], p)[0]
-        assert out[i][:budgets[i]] == ref, (i, p)
+    out = churned_batch_equals_alone(target, drafter, prompts, params, mode, leaver=2, n_new=NEW_TOKENS)
     assert C not in out[1] and C not in out[5]
 
 

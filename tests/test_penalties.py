@@ -17,11 +17,10 @@ import pytest
 import torch
 
 from conftest import load_hf, make_agreeable_pair, run_rounds, varied_prompts
-from test_batch import run_to_end
+from test_batch import churned_batch_equals_alone
 from test_sampling import ALPHA, chi_square_pvalue, processed
 
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams
-from dflash_torch.batch import BatchDecoder
 from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.models.drafter import DFlashDrafter
 from dflash_torch.models.target import TargetModel
@@ -190,27 +189,9 @@ def test_batch_with_mixed_penalties_equals_alone(models, mode):
               as_params(presence=1.0, repetition=1.2, temperature=0.8, seed=11)]
     if mode == "target-only-rounds":  # (a target-only round draws differently from a drafting one)
         params[5] = as_params(presence=1.0, repetition=1.2)
-    batch = BatchDecoder(target, drafter, max_batch_size=5, max_context=256, static=mode == "fixed-shapes",
-                         draft_max_batch_size=2 if mode == "target-only-rounds" else None)
-    budgets = {i: NEW_TOKENS - 4 * (i % 2) for i in range(len(prompts))}
-    out = {0: list(batch.add(0, prompts[0], params[0], budgets[0]).tokens)}
-    for i in range(1, 4):
-        batch.join(i, prompts[i], params[i], budgets[i])
-    for _ in range(3):
-        for sid, rnd in batch.step().items():
-            out.setdefault(sid, []).extend(rnd.tokens)
-    batch.remove(3)  # leaves mid-run: two others join
-    del out[3]
-    for i in (4, 5):
-        batch.join(i, prompts[i], params[i], budgets[i])
-    run_to_end(batch, out, budgets)
-    assert sorted(out) == [0, 1, 2, 4, 5]
-    for i in out:
-        p = params[i]
-        ref = run_rounds(SpeculativeDecoder(target, None if p.greedy else drafter), prompts[i], budgets[i], p)[0]
-        assert out[i][:budgets[i]] == ref, (i, p)
-    plain = run_rounds(SpeculativeDecoder(target, None), prompts[1], budgets[1])[0]
-    assert out[1][:budgets[1]] != plain  # the penalty changed the output
+    out = churned_batch_equals_alone(target, drafter, prompts, params, mode, leaver=3, n_new=NEW_TOKENS)
+    plain = run_rounds(SpeculativeDecoder(target, None), prompts[1], len(out[1]))[0]
+    assert out[1] != plain  # the penalty changed the output
 
 
 # --- sampling: the first tokens' distribution is the exact penalised one ---------------------
