@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from dflash_torch.models.config import DFlash2Settings, DrafterConfig, default_target_layer_ids
 
@@ -489,3 +490,18 @@ def dflash2_models(agree_dflash2_pair):
 
     target_dir, drafter_dir = agree_dflash2_pair
     return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+
+
+def edited_checkpoint(src: Path, dst: Path, *, config=None, state=None) -> Path:
+    """A copy of the single-file checkpoint ``src`` at ``dst``, with ``config(cfg)`` applied to
+    its config.json dict and ``state(weights)`` to its tensors (both edit in place)."""
+    shutil.copytree(src, dst)
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if state:
+        weights = load_file(str(dst / "model.safetensors"))
+        state(weights)
+        save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import load_hf, make_agreeable_pair, make_hybrid_target, make_target
+from conftest import edited_checkpoint, load_hf, make_agreeable_pair, make_hybrid_target, make_target
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models import fp8
 from dflash_torch.models.config import TargetConfig
@@ -267,19 +267,6 @@ def test_the_memory_check_counts_dequantized_weights(whole_blocks, monkeypatch):
 Q = "model.layers.0.self_attn.q_proj"
 
 
-def _edit(src: Path, dst: Path, *, config=None, state=None) -> Path:
-    shutil.copytree(src, dst)
-    if config:
-        cfg = json.loads((dst / "config.json").read_text())
-        config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    if state:
-        weights = load_file(str(dst / "model.safetensors"))
-        state(weights)
-        save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
 def _quant(**change):
     return lambda c: c["quantization_config"].update(change)
 
@@ -313,7 +300,7 @@ def _set(key, value):
 ])
 def test_what_cannot_run_exactly_is_refused_in_one_line(whole_blocks, tmp_path, config, state, message):
     model_dir, _ = whole_blocks["qwen3"]
-    bad = _edit(model_dir, tmp_path / "bad", config=config, state=state)
+    bad = edited_checkpoint(model_dir, tmp_path / "bad", config=config, state=state)
     with pytest.raises(DFlashError, match=message) as err:
         DFlashEngine.from_pretrained(bad, no_draft=True)
     assert "\n" not in str(err.value)

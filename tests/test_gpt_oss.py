@@ -14,15 +14,14 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.utils as dynamo_utils
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from conftest import copy_tokenizer, drafter_config, load_hf, make_gpt_oss_target, run_rounds, save_drafter
+from conftest import edited_checkpoint, copy_tokenizer, drafter_config, load_hf, make_gpt_oss_target, run_rounds, save_drafter
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.models import gpt_oss, mxfp4
@@ -240,19 +239,6 @@ def test_mxfp4_pair_speculative_equals_target_only(mxfp4_checkpoint):
     assert len(out.token_ids) == 8
 
 
-def _edit(src, dst, *, config=None, state=None):
-    shutil.copytree(src, dst)
-    if config:
-        cfg = json.loads((dst / "config.json").read_text())
-        config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    if state:
-        weights = load_file(str(dst / "model.safetensors"))
-        state(weights)
-        save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
 def _drop(key):
     return lambda w: w.pop(key)
 
@@ -260,7 +246,7 @@ def _drop(key):
 def test_a_matrix_stored_both_unquantized_and_mxfp4_is_refused(mxfp4_checkpoint, tmp_path):
     """Neither copy wins silently (dequantized, the MXFP4 one replaced the other)."""
     key = "model.layers.1.mlp.experts.down_proj"
-    bad = _edit(mxfp4_checkpoint[0], tmp_path / "twice", state=lambda w: w.update({key: torch.zeros(4, 32, 64)}))
+    bad = edited_checkpoint(mxfp4_checkpoint[0], tmp_path / "twice", state=lambda w: w.update({key: torch.zeros(4, 32, 64)}))
     with pytest.raises(DFlashError, match=f"^weight {key} is stored twice, unquantized and as MXFP4 {key}_blocks / _scales$"):
         TargetModel.from_pretrained(bad, torch.float32, mxfp4="dequantize")
     with pytest.raises(DFlashError, match=f"^target checkpoint .* has weights this gpt_oss model does not use .*: {key}$"):
@@ -285,7 +271,7 @@ def test_a_matrix_stored_both_unquantized_and_mxfp4_is_refused(mxfp4_checkpoint,
 ])
 def test_bad_checkpoints_are_refused_in_one_line(mxfp4_checkpoint, tmp_path, config, state, message):
     target_dir, _ = mxfp4_checkpoint
-    bad = _edit(target_dir, tmp_path / "bad", config=config, state=state)
+    bad = edited_checkpoint(target_dir, tmp_path / "bad", config=config, state=state)
     with pytest.raises(DFlashError, match=message) as err:
         TargetModel.from_pretrained(bad, torch.float32)
     assert "\n" not in str(err.value)
@@ -308,7 +294,7 @@ _P = "model.layers.0.mlp.experts."
 def test_expert_tensors_with_other_dimensions_are_refused_in_one_line(checkpoint, mxfp4_checkpoint, tmp_path, mxfp4,
                                                                        edit, message):
     """(They reached the gate/up row rewrite, or the dequantizer, and raised an IndexError.)"""
-    bad = _edit((mxfp4_checkpoint if mxfp4 else checkpoint)[0], tmp_path / "bad", state=edit)
+    bad = edited_checkpoint((mxfp4_checkpoint if mxfp4 else checkpoint)[0], tmp_path / "bad", state=edit)
     for mode in ("dequantize", "packed") if mxfp4 else ("auto",):
         with pytest.raises(DFlashError, match=message):
             TargetModel.from_pretrained(bad, torch.float32, mxfp4=mode)
@@ -386,14 +372,14 @@ def test_packed_blocks_that_overflow_are_refused_like_dequantized_ones(mxfp4_che
     """2 ** 127 times an element of 2 or more is infinite in float32 and bfloat16: dequantized,
     the loader refuses it; packed, it used to load and decode NaN logits (every token 0)."""
     target_dir, _ = mxfp4_checkpoint
-    bad = _edit(target_dir, tmp_path / "inf", state=_scale_254(4))  # code 4: 2.0
+    bad = edited_checkpoint(target_dir, tmp_path / "inf", state=_scale_254(4))  # code 4: 2.0
     with pytest.raises(DFlashError, match="^target weight model.layers.2.mlp.experts.down_proj .*holds NaN or infinite"):
         TargetModel.from_pretrained(bad, torch.float32, mxfp4="dequantize")
     for dtype in (torch.float32, torch.bfloat16):
         with pytest.raises(DFlashError, match="^MXFP4 weight model.layers.2.mlp.experts.down_proj has scale 254 on a "
                                               r"block with elements of magnitude 2 or more \(infinite in float32"):
             TargetModel.from_pretrained(bad, dtype, mxfp4="packed")
-    big = _edit(target_dir, tmp_path / "big", state=_scale_254(3))  # code 3: 1.5, finite: both modes load it
+    big = edited_checkpoint(target_dir, tmp_path / "big", state=_scale_254(3))  # code 3: 1.5, finite: both modes load it
     for mode in ("dequantize", "packed"):
         assert TargetModel.from_pretrained(big, torch.float32, mxfp4=mode).config.keep_mxfp4 == (mode == "packed")
 
@@ -409,7 +395,7 @@ def test_mxfp4_option_is_checked(checkpoint, mxfp4_checkpoint, tmp_path, capsys)
     assert capsys.readouterr().err.strip().splitlines() == [
         "dflash-torch: error: --mxfp4 packed keeps MXFP4 expert weights packed, but the target checkpoint has none "
         "(use auto or dequantize)"]
-    bad = _edit(mxfp4_checkpoint[0], tmp_path / "nan-scale",
+    bad = edited_checkpoint(mxfp4_checkpoint[0], tmp_path / "nan-scale",
                 state=lambda w: w["model.layers.3.mlp.experts.down_proj_scales"].view(-1)[5:7].fill_(255))
     with pytest.raises(DFlashError, match="^MXFP4 weight model.layers.3.mlp.experts.down_proj has scale 255"):
         TargetModel.from_pretrained(bad, torch.float32, mxfp4="packed")
