@@ -45,27 +45,26 @@ def int_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be an integer or 'auto', got {text!r}") from None
 
 
-def json_object(text: str) -> dict:
-    """argparse type of ``--chat-template-kwargs``: a JSON object."""
+def _json_object(text: str, what: str) -> dict:
+    """``text`` parsed as a JSON object, else an argparse error saying it must be ``what``."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"enable_thinking\": false}}' ({exc})") from None
+        raise argparse.ArgumentTypeError(f"must be {what} ({exc})") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"enable_thinking\": false}}', got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
+
+
+def json_object(text: str) -> dict:
+    """argparse type of ``--chat-template-kwargs``: a JSON object."""
+    return _json_object(text, "a JSON object, e.g. '{\"enable_thinking\": false}'")
 
 
 def logit_bias_json(text: str) -> dict[int, float]:
     """argparse type of ``--logit-bias``: a JSON object of token ids (decimal strings) to numbers
     (their range is checked by :class:`~dflash_torch.sampling.SamplingParams`)."""
-    example = "e.g. '{\"50256\": -100}'"
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"must be a JSON object of token ids to biases, {example} ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object of token ids to biases, {example}, got {text!r}")
+    value = _json_object(text, "a JSON object of token ids to biases, e.g. '{\"50256\": -100}'")
     bad = next((k for k in value if not (k.isascii() and k.isdigit())), None)
     if bad is not None:
         raise argparse.ArgumentTypeError(f"keys must be token ids (decimal integers >= 0), got {bad!r}")

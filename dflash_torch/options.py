@@ -204,6 +204,17 @@ def check_max_new_tokens(value, name: str = "max_new_tokens") -> int:
     return check_count(value, name)
 
 
+def check_choice(value, choices: tuple[str, ...], name: str) -> str:
+    """``value`` when it is one of ``choices``.
+
+    Raises:
+        OptionError: any other value (``{name} must be one of a, b, got 'x'``).
+    """
+    if value not in choices:
+        raise OptionError(f"{name} must be one of {', '.join(choices)}, got {value!r}", name)
+    return value
+
+
 MXFP4_MODES = ("auto", "dequantize", "packed")
 
 
@@ -214,8 +225,7 @@ def check_mxfp4(value, has_mxfp4: bool | None = None, name: str = "mxfp4") -> st
     Raises:
         OptionError: any other value, or ``"packed"`` for a checkpoint without MXFP4 weights.
     """
-    if value not in MXFP4_MODES:
-        raise OptionError(f"{name} must be one of {', '.join(MXFP4_MODES)}, got {value!r}", name)
+    check_choice(value, MXFP4_MODES, name)
     if value == "packed" and has_mxfp4 is False:
         raise OptionError(f"{name} packed keeps MXFP4 expert weights packed, but the target checkpoint has none "
                           "(use auto or dequantize)", name)

@@ -419,14 +419,15 @@ class LogitsProcessor:
     def apply(self, logits: torch.Tensor, draft: torch.Tensor | None = None) -> torch.Tensor:
         """The processed logits of a verify block or of one position: ``logits`` ``[R, V]``
         (row j predicts the token after ``d_1 .. d_j``), ``draft`` int64 ``[R-1]`` (the
-        penalties count its tokens) or None -> float32 ``[R, V]``, a new tensor."""
+        penalties count its tokens) or None -> float32 ``[R, V]``, a new tensor (``logits``
+        itself when nothing applies: only min_tokens, already reached)."""
         x = logits.float() + self.bias if self.bias is not None else logits
         if self.penalties is not None:
             x = self.penalties.apply(x, draft)
-        elif x is logits:
-            x = logits.to(torch.float32, copy=True)
         held = self._held_rows(x.shape[0])
         if held:
+            if x is logits:
+                x = logits.to(torch.float32, copy=True)
             x[:held, self.held] = float("-inf")
         return x
 

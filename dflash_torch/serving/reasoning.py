@@ -23,7 +23,7 @@ where the pieces were cut.
 
 from __future__ import annotations
 
-from ..errors import DFlashError
+from ..options import check_choice
 
 PARSERS = ("auto", "none", "think", "harmony")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -143,11 +143,9 @@ def check_reasoning_parser(value: str, name: str = "reasoning_parser") -> str:
     """One of :data:`PARSERS`.
 
     Raises:
-        DFlashError: any other value.
+        OptionError: any other value.
     """
-    if value not in PARSERS:
-        raise DFlashError(f"{name} must be one of {', '.join(PARSERS)}, got {value!r}")
-    return value
+    return check_choice(value, PARSERS, name)
 
 
 def resolve_parser(choice: str, model_type: str, chat_template: str | dict | None) -> str:

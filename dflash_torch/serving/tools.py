@@ -46,6 +46,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..errors import DFlashError
+from ..options import check_choice
 from .reasoning import HarmonyParser, ReasoningParser, _held, new_parser
 
 PARSERS = ("auto", "none", "hermes", "qwen3_coder", "harmony")
@@ -305,11 +306,9 @@ def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:
     """One of :data:`PARSERS`.
 
     Raises:
-        DFlashError: any other value.
+        OptionError: any other value.
     """
-    if value not in PARSERS:
-        raise DFlashError(f"{name} must be one of {', '.join(PARSERS)}, got {value!r}")
-    return value
+    return check_choice(value, PARSERS, name)
 
 
 def resolve_tool_parser(choice: str, model_type: str, chat_template: str | dict | None, reasoning: str) -> str:
