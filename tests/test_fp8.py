@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import edited_checkpoint, load_hf, make_agreeable_pair, make_hybrid_target, make_target
 from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.bench.modes import divergences
 from dflash_torch.models import fp8
 from dflash_torch.models.config import TargetConfig
 from dflash_torch.models.target import TargetModel
@@ -30,6 +31,7 @@ from dflash_torch.models.target import TargetModel
 FP8_MAX = 448.0  # largest float8_e4m3fn
 PROMPT = [3, 17, 42, 9, 100, 7, 250, 64]
 RTOL = 1e-4  # as test_models: our forward against transformers' (the weights themselves are equal)
+BF16_TIE = 0.125  # a logit gap this small at a bf16 divergence is a near-tie (2 ulps of bf16 at 8-16)
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,7 +225,11 @@ def test_greedy_speculative_decoding_equals_target_only_on_fp8_targets(tmp_path,
             for prompt in ("def f(x):", "class A:\n    pass\n"):
                 ref = target_only.generate(prompt, max_new_tokens=24, ignore_eos=True)
                 out = spec.generate(prompt, max_new_tokens=24, ignore_eos=True)
-                assert out.token_ids == ref.token_ids, (model_type, dtype, prompt)
+                if dtype == "float32":
+                    assert out.token_ids == ref.token_ids, (model_type, dtype, prompt)
+                else:  # bf16: a batched verify may flip a near-tie of the target (DESIGN.md), nothing more
+                    for d in divergences(spec.target, [spec.encode_prompt(prompt)], [ref.token_ids], [out.token_ids]):
+                        assert abs(d["logit_gap"]) <= BF16_TIE, (model_type, prompt, d)
                 taus += out.stats.acceptance_lengths
             assert max(taus) > 1, (model_type, dtype)  # drafts were accepted: the check compared something
 
