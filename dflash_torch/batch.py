@@ -1116,15 +1116,17 @@ class BatchDecoder:
         greedy = SamplingParams()
         drafts, _ = self.drafter.choose_draft(scores, greedy, None)  # [n, B-1]: every plain greedy sequence's
         probs = [None] * rows
-        # sampled sequences, and those whose processor changes the draft scores (LogitsProcessor.draft_scores)
+        # sampled sequences, and those whose processor changes the drafts (LogitsProcessor.choose_draft)
         own = [i for i, q in enumerate(seqs) if not q.done and
                (not q.params.greedy or (q.processor is not None and q.processor.adjusts_drafts))]
         if own:
             rows = list(drafts)
             for i in own:
                 q = seqs[i]
-                x = _row(scores, i) if q.processor is None else q.processor.draft_scores(_row(scores, i))
-                rows[i], probs[i] = self.drafter.choose_draft(x, q.params, q.generator)
+                if q.processor is None:
+                    rows[i], probs[i] = self.drafter.choose_draft(_row(scores, i), q.params, q.generator)
+                else:
+                    rows[i], probs[i] = q.processor.choose_draft(self.drafter, _row(scores, i), q.params, q.generator)
             drafts = torch.stack(rows)
         return drafts, probs
 

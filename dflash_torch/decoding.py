@@ -410,9 +410,10 @@ class SpeculativeDecoder:
             draft_probs = None
             if B > 1:
                 scores = self._draft_fn(token, pos, kv_len, pending, pending_start)
-                if processor is not None:  # (logit bias, min_tokens: no banned draft; see LogitsProcessor.draft_scores)
-                    scores = processor.draft_scores(scores)
-                draft, draft_probs = self.drafter.choose_draft(scores, params, generator)
+                if processor is not None:  # (logit bias, min_tokens, grammar: see LogitsProcessor.choose_draft)
+                    draft, draft_probs = processor.choose_draft(self.drafter, scores, params, generator)
+                else:
+                    draft, draft_probs = self.drafter.choose_draft(scores, params, generator)
                 block = torch.cat([token.view(1), draft])
             else:
                 block = token.view(1)

@@ -40,6 +40,7 @@ from .models.packing import pack_linears, packed_bytes, packing_supported
 from .models.target import TargetModel
 from .sampling import SamplingParams, TokenLogprob
 from .stopping import Stopper
+from .structured import GrammarCompiler, StructuredOutput
 
 ASSETS = Path(__file__).parent / "assets" / "default"
 DEFAULT_TARGET = ASSETS / "target"
@@ -466,6 +467,12 @@ class DFlashEngine:
         return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
 
     @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of this engine's structured-output constraints (the target's tokenizer,
+        vocabulary and EOS ids; compiled constraints cached)."""
+        return GrammarCompiler(self.tokenizer, self.target.config.vocab_size, sorted(self.stop_token_ids))
+
+    @functools.cached_property
     def _byte_values(self) -> dict[str, int] | None:
         """A byte-level BPE vocabulary's character -> byte map (None for other tokenizers)."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
@@ -524,6 +531,7 @@ class DFlashEngine:
         logprobs: int | None = None,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        structured_output: StructuredOutput | dict | None = None,
     ) -> Iterator[StreamChunk]:
         """Generate, yielding text deltas as rounds commit tokens.
 
@@ -547,6 +555,15 @@ class DFlashEngine:
             chat_template_kwargs: extra chat template variables (see :meth:`encode_prompt`).
             tools: functions the model may call, for the chat template (see :meth:`encode_prompt`);
                 the reply is the model's text (the server parses its tool calls).
+            structured_output: constrain the output to a JSON schema, any JSON object, a regex,
+                a choice of strings or a Lark grammar: a
+                :class:`~dflash_torch.structured.StructuredOutput` or its dict form
+                (``{"json": schema}``, ``{"json_object": True}``, ``{"regex": r"..."}``,
+                ``{"choice": [...]}``, ``{"grammar": "start: ..."}``). At every position the
+                target's tokens that would leave the constraint get -inf; speculative decoding
+                stays lossless for that constrained target, and the drafter proposes only
+                valid continuations. Not with ``ignore_eos`` or ``min_tokens`` (the constraint
+                decides where the output ends).
             logprobs: None (default) or k in [0, 20]: each chunk carries the target's
                 log-probability of each of its tokens and the k most likely tokens at
                 that position (``StreamChunk.logprobs``; see :class:`GenerationResult`).
@@ -562,7 +579,8 @@ class DFlashEngine:
                            seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
                            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chat=chat,
-                           logprobs=logprobs, chat_template_kwargs=chat_template_kwargs, tools=tools) as chunks:
+                           logprobs=logprobs, chat_template_kwargs=chat_template_kwargs, tools=tools,
+                           structured_output=structured_output) as chunks:
             # each round runs on the compute thread (see dflash_torch.compute), whichever
             # thread iterates this stream
             while (chunk := compute.run(next, chunks, None)) is not None:
@@ -673,19 +691,27 @@ class DFlashEngine:
                        seed: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                        repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
                        min_tokens: int = 0, stop=None, stop_token_ids=None, ignore_eos: bool = False,
-                       logprobs: int | None = None) -> tuple[SamplingParams, Stopper]:
+                       logprobs: int | None = None,
+                       structured_output: StructuredOutput | dict | None = None) -> tuple[SamplingParams, Stopper]:
         """A request's checked :class:`SamplingParams` and :class:`~dflash_torch.stopping.Stopper`,
         as :meth:`stream` makes them (arguments as there): the params' ``min_tokens_ids`` are
         the stopper's stop token ids.
 
         Raises:
             DFlashError: an invalid value (a logit_bias id outside the vocabulary included;
-                see :meth:`new_stopper`).
+                see :meth:`new_stopper`), an invalid structured output (schema, regex, grammar)
+                or one with ``ignore_eos``.
         """
+        grammar = None
+        if structured_output is not None:
+            if ignore_eos is True:
+                raise OptionError("ignore_eos cannot be combined with a structured output: the output ends with EOS "
+                                  "where the constraint is complete", "ignore_eos", "structured_output")
+            grammar = self.grammars.compile(structured_output)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
-                                logprobs=logprobs)
+                                logprobs=logprobs, grammar=grammar)
         params.check_vocab(self.target.config.vocab_size)
         stopper = self.new_stopper(max_new_tokens, stop, stop_token_ids, ignore_eos, params.min_tokens)
         if params.min_tokens:
@@ -731,6 +757,7 @@ class DFlashEngine:
         logprobs: int | None | Sequence[int | None] = None,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        structured_output: StructuredOutput | dict | None | Sequence[StructuredOutput | dict | None] = None,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once: up to ``max_batch_size`` sequences per
         decoding round; a finished one leaves at a round boundary and the next prompt
@@ -742,8 +769,8 @@ class DFlashEngine:
         Args:
             prompts: a non-empty list of prompts (text, chat messages, or token ids).
             max_new_tokens, temperature, top_k, top_p, seed, presence_penalty, frequency_penalty,
-                repetition_penalty, logit_bias, min_tokens, ignore_eos, logprobs: one value for
-                all prompts, or a list with one value per prompt (see :meth:`stream`).
+                repetition_penalty, logit_bias, min_tokens, ignore_eos, logprobs, structured_output:
+                one value for all prompts, or a list with one value per prompt (see :meth:`stream`).
             stop: stop string(s) for all prompts (a string or a list of strings), or per
                 prompt a list whose items are each None or a list of strings.
             stop_token_ids: an id or a list of ids for all prompts, or per prompt a list
@@ -775,6 +802,7 @@ class DFlashEngine:
                    repetition_penalty=_per_prompt(repetition_penalty, n, "repetition_penalty"),
                    logit_bias=_per_prompt(logit_bias, n, "logit_bias"), min_tokens=_per_prompt(min_tokens, n, "min_tokens"),
                    ignore_eos=_per_prompt(ignore_eos, n, "ignore_eos"), logprobs=_per_prompt(logprobs, n, "logprobs"),
+                   structured_output=_per_prompt(structured_output, n, "structured_output"),
                    stop=_per_prompt(stop, n, "stop", nested=(str,)),
                    stop_token_ids=_per_prompt(stop_token_ids, n, "stop_token_ids", nested=(int,)))
         options.check_flag(chat, "chat")

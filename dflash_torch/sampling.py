@@ -11,10 +11,10 @@ Acceptance rules (both lossless, see DESIGN.md):
   accepted the bonus token is drawn from ``p_B``. ``p`` and ``q`` are the target's and
   the drafter's distributions after temperature, top-k and top-p.
 
-Logit bias, penalties (presence, frequency, repetition; :func:`penalize`, :class:`Penalties`)
-and min_tokens change the target's logits before either rule, per block position
-(:class:`LogitsProcessor`), so both stay lossless for the processed target (see
-:func:`penalize`).
+Logit bias, penalties (presence, frequency, repetition; :func:`penalize`, :class:`Penalties`),
+min_tokens and a structured-output grammar (:mod:`dflash_torch.structured`) change the
+target's logits before either rule, per block position (:class:`LogitsProcessor`), so both
+stay lossless for the processed target (see :func:`penalize`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from .errors import OptionError
+from .structured import Grammar, GrammarState
 
 
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's limit of top_logprobs)
@@ -77,6 +78,10 @@ class SamplingParams:
         min_tokens_ids: the token ids ``min_tokens`` holds back. The engine sets them to the
             request's stop token ids (the model's EOS ids unless ``ignore_eos``, plus
             ``stop_token_ids``); given directly (to a decoder), any ids in the vocabulary.
+        grammar: a compiled structured-output constraint
+            (:class:`~dflash_torch.structured.Grammar`, from the engine's
+            :class:`~dflash_torch.structured.GrammarCompiler`): at every position the tokens
+            it does not allow get -inf, after everything else. None (default): off.
 
     The reported logprobs (``logprobs``) stay those of the raw logits, before logit_bias,
     penalties and min_tokens (see :func:`token_logprobs`).
@@ -96,6 +101,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     min_tokens: int = 0
     min_tokens_ids: frozenset[int] = field(default=frozenset())
+    grammar: "Grammar | None" = None
 
     def __post_init__(self):
         t = _real(self.temperature)
@@ -131,6 +137,12 @@ class SamplingParams:
         if not isinstance(ids, (set, frozenset, list, tuple)) or not all(_is_token_id(t) for t in ids):
             raise OptionError(f"min_tokens_ids must be a set of token ids (integers >= 0), got {ids!r}", "min_tokens_ids")
         object.__setattr__(self, "min_tokens_ids", frozenset(ids))
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise OptionError(f"grammar must be a compiled structured_output (dflash_torch.structured.Grammar), got "
+                              f"{type(self.grammar).__name__}", "grammar")
+        if self.grammar is not None and self.min_tokens:
+            raise OptionError("min_tokens cannot be combined with a structured output: the constraint decides where "
+                              "the output may end", "min_tokens", "structured_output")
 
     @property
     def greedy(self) -> bool:
@@ -139,8 +151,9 @@ class SamplingParams:
     @property
     def processed(self) -> bool:
         """Whether anything changes the target's logits before a token is chosen (a logit
-        bias, a penalty, min_tokens with ids to hold back): see :class:`LogitsProcessor`."""
-        return self.penalized or self.logit_bias is not None or bool(self.min_tokens and self.min_tokens_ids)
+        bias, a penalty, min_tokens with ids to hold back, a grammar): see :class:`LogitsProcessor`."""
+        return (self.penalized or self.logit_bias is not None or bool(self.min_tokens and self.min_tokens_ids)
+                or self.grammar is not None)
 
     @property
     def penalized(self) -> bool:
@@ -382,7 +395,10 @@ class LogitsProcessor:
     1. ``logit_bias``: a dense float32 ``[V]`` vector added to every row;
     2. the penalties (:class:`Penalties`, :func:`penalize`);
     3. ``min_tokens``: the logits of ``min_tokens_ids`` set to -inf in the rows that predict
-       one of the first ``min_tokens`` generated tokens.
+       one of the first ``min_tokens`` generated tokens;
+    4. a structured-output grammar (:class:`~dflash_torch.structured.GrammarState`): the
+       logits of the tokens it does not allow at a row's position set to -inf (last, so that
+       nothing can lift them).
 
     Lossless under speculative decoding for the same reason as the penalties: row j of a
     verify block predicts generated token ``generated + j`` (``generated`` counts the
@@ -404,6 +420,7 @@ class LogitsProcessor:
         self.held = None  # min_tokens: the ids held back
         if params.min_tokens and params.min_tokens_ids:
             self.held = torch.tensor(sorted(params.min_tokens_ids), dtype=torch.long, device=device)
+        self.grammar: GrammarState | None = params.grammar.state(device) if params.grammar is not None else None
         self.generated = 0  # committed tokens
 
     @classmethod
@@ -429,13 +446,24 @@ class LogitsProcessor:
             if x is logits:
                 x = logits.to(torch.float32, copy=True)
             x[:held, self.held] = float("-inf")
+        if self.grammar is not None:  # row j: after the committed tokens and d_1 .. d_j
+            allowed = self.grammar.masks([] if draft is None else draft.tolist())
+            x = x.float().masked_fill(~allowed, float("-inf"))
         return x
 
     @property
     def adjusts_drafts(self) -> bool:
-        """Whether :meth:`draft_scores` changes the draft logits now (a bias, or min_tokens
-        not reached yet)."""
-        return self.bias is not None or self._held_rows(1) > 0
+        """Whether :meth:`choose_draft` proposes other drafts than the drafter alone would
+        (a bias, min_tokens not reached yet, a grammar)."""
+        return self.bias is not None or self._held_rows(1) > 0 or self.grammar is not None
+
+    def choose_draft(self, drafter, scores, params: SamplingParams, generator: torch.Generator | None):
+        """The draft of one block from the drafter's ``scores`` (see :meth:`draft_scores`):
+        ``drafter.choose_draft`` on the biased / masked scores, guided by the grammar if any
+        (each slot chosen among the tokens it allows after the drafts before it; see
+        :mod:`dflash_torch.structured`). Returns ``(tokens int64 [B-1], q or None)`` as
+        ``drafter.choose_draft`` does."""
+        return drafter.choose_draft(self.draft_scores(scores), params, generator, guide=self.grammar)
 
     def draft_scores(self, scores):
         """The drafter's scores with the logit bias and the min_tokens mask (no penalties):
@@ -462,10 +490,12 @@ class LogitsProcessor:
         return x
 
     def commit(self, tokens: list[int]) -> None:
-        """Count committed (generated) ``tokens``."""
+        """Count committed (generated) ``tokens`` (and move the grammar past them)."""
         self.generated += len(tokens)
         if self.penalties is not None:
             self.penalties.commit(tokens)
+        if self.grammar is not None:
+            self.grammar.commit(tokens)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

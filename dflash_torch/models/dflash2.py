@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..sampling import SamplingParams, probabilities, sample
+from ..structured import GrammarState
 from .config import DrafterConfig
 from .drafter import DFlashDrafter, DraftLayer
 
@@ -246,7 +247,8 @@ class DFlash2Drafter(DFlashDrafter):
         slots = hidden[..., 1:, :]
         return self.candidate_selector.lattice(slots, self.unary_scores(target.logits(slots)), anchor)
 
-    def choose_draft(self, scores, params: SamplingParams, generator: torch.Generator | None):
+    def choose_draft(self, scores, params: SamplingParams, generator: torch.Generator | None,
+                     guide: GrammarState | None = None):
         """The walk from the anchor through the lattice.
 
         Greedy: at every slot the candidate with the best edge score from the candidate
@@ -257,13 +259,20 @@ class DFlash2Drafter(DFlashDrafter):
         the walk follows the draws of the rows it reaches, so each step is an exact
         sample of its row.
 
+        With a ``guide`` (a structured-output constraint, one block only) the walk goes slot
+        by slot, each step among the candidates the guide allows after the path so far;
+        where it allows none of the K candidates, the step is taken unguided (the target
+        then rejects it) and the rest of the walk is plain.
+
         Returns:
             ``(tokens, q)``: int64 ``[B-1]``, and when sampling the float32 ``[B-1, V]``
             distribution of each step (zero outside the slot's K candidates), the q of
-            the lossless acceptance rule; None for greedy decoding (which also takes
-            leading block dimensions: ``[..., B-1]`` tokens).
+            the lossless acceptance rule; None for greedy decoding (which, unguided, also
+            takes leading block dimensions: ``[..., B-1]`` tokens).
         """
         ids, edges = scores
+        if guide is not None:
+            return self._guided_walk(ids, edges, params, generator, guide)
         if params.greedy:
             ranks = walk(edges.argmax(dim=-1))
             return ids.gather(-1, ranks.unsqueeze(-1)).squeeze(-1), None
@@ -275,3 +284,29 @@ class DFlash2Drafter(DFlashDrafter):
         rows = probs[torch.arange(S, device=ids.device), previous]  # [S, K]
         q = rows.new_zeros(S, self.candidate_selector.predecessor_codebook.shape[0])
         return tokens, q.scatter_(1, ids, rows)
+
+    def _guided_walk(self, ids: torch.Tensor, edges: torch.Tensor, params: SamplingParams,
+                     generator: torch.Generator | None, guide: GrammarState):
+        """:meth:`choose_draft` with a guide: one step per slot (``ids`` ``[S, K]``, ``edges`` ``[S, K, K]``)."""
+        S, K = ids.shape
+        V = self.candidate_selector.predecessor_codebook.shape[0]
+        tokens, q = [], None if params.greedy else edges.new_zeros(S, V, dtype=torch.float32)
+        previous = 0
+        for slot in range(S):
+            row = edges[slot, previous].float()[None]  # [1, K]: scores of the candidates after the path's last step
+            allowed = guide.next_allowed()
+            if allowed is not None:
+                ok = allowed[ids[slot]]
+                if bool(ok.any()):
+                    row = row.masked_fill(~ok, float("-inf"))
+            if params.greedy:
+                rank = int(row.argmax())
+            else:
+                p = probabilities(row, params)
+                rank = int(sample(p, generator))
+                q[slot].scatter_(0, ids[slot], p[0])
+            token = int(ids[slot, rank])
+            tokens.append(token)
+            guide.advance(token)
+            previous = rank
+        return torch.tensor(tokens, dtype=torch.long, device=ids.device), q

@@ -27,6 +27,7 @@ from ..cache import KVCache
 from ..checkpoint import all_finite, check_fits, load_config, load_state_dict
 from ..errors import DFlashError
 from ..sampling import SamplingParams, greedy_tokens, probabilities, sample
+from ..structured import GrammarState
 from .attention import Attention
 from .config import DrafterConfig
 from .layers import MLP, RMSNorm, attend, attention_bias
@@ -243,16 +244,39 @@ class DFlashDrafter(nn.Module):
         unused here. Leading dimensions are blocks (training and evaluation)."""
         return target.logits(hidden[..., 1:, :])
 
-    def choose_draft(self, scores: torch.Tensor, params: SamplingParams,
-                     generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def choose_draft(self, scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                     guide: GrammarState | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens from :meth:`draft_scores`.
+
+        Args:
+            guide: a structured-output constraint (one block only): each slot is then chosen
+                in turn among the tokens it allows after the drafts before it (slots where
+                it allows nothing more, past an EOS, are not masked), and the guide's path
+                holds the draft afterwards (see :mod:`dflash_torch.structured`).
 
         Returns:
             ``(tokens, q)``: int64 ``[B-1]`` and, when sampling, the float32 ``[B-1, V]``
             distributions they were drawn from (None for greedy decoding): the argmax of
-            each slot, or a sample of each slot's :func:`~dflash_torch.sampling.probabilities`.
-            Greedy decoding also takes leading block dimensions (``[..., B-1]`` tokens).
+            each slot, or a sample of each slot's :func:`~dflash_torch.sampling.probabilities`
+            (masked by the guide's tokens, if any). Greedy decoding without a guide also
+            takes leading block dimensions (``[..., B-1]`` tokens).
         """
+        if guide is not None:
+            tokens, probs = [], []
+            for row in scores:
+                allowed = guide.next_allowed()
+                x = row[None].float()
+                if allowed is not None:
+                    x = x.masked_fill(~allowed, float("-inf"))
+                if params.greedy:
+                    token = greedy_tokens(x)
+                else:
+                    p = probabilities(x, params)
+                    token = sample(p, generator)
+                    probs.append(p)
+                tokens.append(token)
+                guide.advance(int(token))
+            return torch.cat(tokens), None if params.greedy else torch.cat(probs)
         if params.greedy:
             return greedy_tokens(scores), None
         probs = probabilities(scores, params)

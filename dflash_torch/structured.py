@@ -1,0 +1,369 @@
+"""Structured outputs: decoding constrained to a JSON schema, any JSON object, a regular
+expression, a choice of strings or a context-free grammar.
+
+The grammar engine is llguidance (the Low-level Guidance library, guidance-ai/llguidance;
+Python package ``llguidance``): it compiles the constraint for the target's tokenizer and,
+for every position, gives the set of tokens that keep the output inside the language
+(a bit mask over the vocabulary). Our part is how that mask enters speculative decoding:
+
+* **verify** (lossless): verify row j predicts the token after the committed tokens and
+  the drafts ``d_1 .. d_j``, so its mask is the grammar's after those tokens
+  (:meth:`GrammarState.masks`); the target's logits of the tokens outside it are -inf.
+  Every target decision (greedy argmax, the rejection-sampling rule, the bonus token)
+  then equals the decision of constrained target-only decoding at that position: the
+  output is exactly what the target alone, constrained, produces (greedy: token for
+  token; sampling: in distribution). A draft token the grammar refuses gets probability 0
+  under the masked target, so acceptance stops there whatever the drafter proposed.
+* **propose** (acceptance only): the drafter's slots are chosen one after another, each
+  among the tokens the grammar allows after the drafts before it
+  (:meth:`GrammarState.next_allowed`, :meth:`GrammarState.advance`), so every draft is a
+  valid continuation; the masks computed on the way are the verify's.
+* **commit**: the matcher rolls back what the round drafted and consumes what it committed.
+
+Shapes are unchanged (masks are applied to the logits outside the compiled forwards). The
+masks are computed on the host: one or two host syncs per slot for a constrained sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DFlashError, OptionError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# JSON: whitespace between tokens at most 32 characters (llguidance's default is any amount,
+# and a model that keeps writing newlines there would never finish); a schema's own
+# "x-guidance" options override this
+JSON_DEFAULTS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
+GRAMMAR_CACHE_SIZE = 64  # compiled constraints kept per engine (a server sees the same schema again and again)
+
+
+def _load_llguidance():
+    try:
+        import llguidance
+        import llguidance.hf  # noqa: F401
+    except ImportError as e:  # (a dependency of the package; only a broken install lacks it)
+        raise DFlashError(f"structured outputs need the llguidance package ({e}); pip install llguidance") from e
+    return llguidance
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match: exactly one of
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text): the output is one JSON value valid
+            under it (OpenAI's ``response_format`` ``json_schema``; vLLM's ``json``), with at
+            most 32 whitespace characters between two tokens of JSON (:data:`JSON_DEFAULTS`;
+            the schema's ``x-guidance`` options, llguidance's, override it).
+        json_object: True: the output is any JSON object (OpenAI's ``json_object``).
+        regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
+        choice: strings; the output is exactly one of them.
+        grammar: a context-free grammar in llguidance's Lark syntax (e.g.
+            ``start: "yes" | "no"``); JSON schemas can be embedded with ``%json { ... }``.
+
+    The output ends, with an EOS token of the model, once the constraint is complete and
+    the grammar allows nothing more (a regex or grammar that allows more may also go on:
+    the target decides between EOS and more, as any token, within the constraint).
+
+    Raises:
+        OptionError: none or several kinds given, or a value of the wrong type (name
+            ``structured_output``). An invalid schema, regex or grammar is reported when
+            it is compiled for a tokenizer (:meth:`GrammarCompiler.compile`).
+    """
+
+    json: Mapping | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [k for k in KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object)]
+        if len(given) != 1:
+            raise OptionError("structured_output needs exactly one of json, json_object, regex, choice, grammar; "
+                              f"got {', '.join(given) or 'none'}", "structured_output")
+        if not isinstance(self.json_object, bool):
+            raise OptionError(f"structured_output json_object must be true or false, got {self.json_object!r}",
+                              "structured_output")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise OptionError(f"structured_output json must be a JSON schema; its text is not JSON: {e}",
+                                      "structured_output") from None
+            if not isinstance(schema, Mapping) and not isinstance(schema, bool):
+                raise OptionError(f"structured_output json must be a JSON schema (an object), got "
+                                  f"{type(schema).__name__}", "structured_output")
+            object.__setattr__(self, "json", schema)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise OptionError(f"structured_output {name} must be a non-empty string, got {value!r}",
+                                  "structured_output")
+        if self.choice is not None:
+            c = self.choice
+            if isinstance(c, str) or not isinstance(c, Sequence) or not c or not all(isinstance(s, str) and s for s in c):
+                raise OptionError(f"structured_output choice must be a non-empty list of non-empty strings, got {c!r}",
+                                  "structured_output")
+            object.__setattr__(self, "choice", tuple(c))
+
+    @classmethod
+    def coerce(cls, value) -> "StructuredOutput | None":
+        """``value`` as a :class:`StructuredOutput`: one already, None, or a mapping with one of
+        the keys ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``.
+
+        Raises:
+            OptionError: anything else (unknown keys included)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise OptionError(f"structured_output must be a StructuredOutput or a dict with one of {', '.join(KINDS)}; "
+                              f"got {type(value).__name__}", "structured_output")
+        unknown = sorted(str(k) for k in value if k not in KINDS)
+        if unknown:
+            raise OptionError(f"structured_output has unknown keys {', '.join(unknown)} (known: {', '.join(KINDS)})",
+                              "structured_output")
+        return cls(**dict(value))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object))
+
+    def key(self) -> str:
+        """A canonical text of the constraint (equal constraints, equal keys): the compile cache's key."""
+        value = getattr(self, self.kind)
+        return self.kind + ":" + json.dumps(list(value) if isinstance(value, tuple) else value, sort_keys=True)
+
+    def llguidance_grammar(self) -> str:
+        """The constraint as an llguidance grammar (not yet checked).
+
+        Raises:
+            OptionError: a JSON schema llguidance cannot read."""
+        LLMatcher = _load_llguidance().LLMatcher
+        kind = self.kind
+        if kind in ("json", "json_object"):
+            schema = self.json if kind == "json" else {"type": "object"}
+            try:
+                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+            except (ValueError, TypeError) as e:
+                raise OptionError(f"structured_output json schema is invalid: {_first_line(e)}",
+                                  "structured_output") from None
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(self.regex)
+        if kind == "choice":  # (Lark string literals take JSON's escapes)
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return LLMatcher.grammar_from_lark(self.grammar)
+
+
+def _first_line(message) -> str:
+    lines = [line.strip() for line in str(message).strip().splitlines() if line.strip()]
+    return "; ".join(lines[:2]) if lines else "unknown error"
+
+
+class Grammar:
+    """A constraint compiled and checked for one tokenizer; :meth:`state` starts a sequence's matcher.
+
+    Attributes:
+        spec: the :class:`StructuredOutput` it came from.
+        vocab_size: the target's vocabulary (columns of the masks).
+    """
+
+    def __init__(self, spec: StructuredOutput, grammar: str, tokenizer, vocab_size: int):
+        self.spec, self.grammar, self.tokenizer, self.vocab_size = spec, grammar, tokenizer, vocab_size
+
+    def state(self, device: torch.device | str) -> "GrammarState":
+        """A new sequence's :class:`GrammarState` (nothing consumed yet), masks on ``device``."""
+        return GrammarState(self, device)
+
+    def __repr__(self) -> str:
+        return f"Grammar({self.spec.kind})"
+
+
+class GrammarCompiler:
+    """Compiles :class:`StructuredOutput` constraints for one tokenizer (one per engine).
+
+    Args:
+        tokenizer: the target's Hugging Face tokenizer (a fast, ``tokenizers``-backed one).
+        vocab_size: the target's vocabulary size (>= the tokenizer's tokens: the rest are never allowed).
+        eos_token_ids: the model's EOS ids: where a complete constraint lets the output end.
+
+    The tokenizer's conversion (about a second for a 150k vocabulary) happens on the first
+    :meth:`compile`; the last :data:`GRAMMAR_CACHE_SIZE` constraints stay compiled.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        self.hf_tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
+        self._tokenizer = None
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def tokenizer(self):
+        """The llguidance tokenizer (made on first use).
+
+        Raises:
+            DFlashError: a tokenizer llguidance cannot read (a slow, Python-only one) or a
+                model without EOS ids."""
+        if self._tokenizer is None:
+            llg = _load_llguidance()
+            if not self.eos_token_ids:
+                raise DFlashError("structured outputs need the model's EOS token id (none in its config or tokenizer)")
+            try:
+                self._tokenizer = llg.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                        eos_token=self.eos_token_ids)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise DFlashError(f"structured outputs need a fast (tokenizers) tokenizer; this one cannot be read: "
+                                  f"{_first_line(e)}") from None
+        return self._tokenizer
+
+    def compile(self, spec) -> Grammar:
+        """The compiled constraint of ``spec`` (a :class:`StructuredOutput` or its dict form).
+
+        Raises:
+            OptionError: an invalid spec, JSON schema, regex or grammar (name ``structured_output``;
+                the message has llguidance's reason).
+        """
+        spec = StructuredOutput.coerce(spec)
+        key = spec.key()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            LLMatcher = _load_llguidance().LLMatcher
+            text = spec.llguidance_grammar()
+            tokenizer = self.tokenizer()
+            error, messages = LLMatcher.validate_grammar_with_warnings(text, tokenizer)
+            if error:
+                raise OptionError(f"structured_output {spec.kind} is invalid: {_first_line(messages[0])}",
+                                  "structured_output")
+            grammar = Grammar(spec, text, tokenizer, self.vocab_size)
+            self._cache[key] = grammar
+            if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return grammar
+
+
+_BITS = None  # int32 [32]: 1 << i
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's bit masks int32 ``[R, ceil(V / 32)]`` (bit i of word w: token 32 w + i)
+    -> bool ``[R, V]``."""
+    global _BITS
+    if _BITS is None:
+        _BITS = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
+    return (bitmask[:, :, None] & _BITS).ne(0).view(bitmask.shape[0], -1)[:, :vocab_size]
+
+
+class GrammarState:
+    """One sequence's constraint: an llguidance matcher that has consumed the sequence's
+    committed tokens, plus the tokens a round consumes past them (its drafts: the *path*).
+
+    ``rows[i]`` is the bit mask (int32 ``[W]``) at the position after the committed tokens
+    and ``path[:i]``. Once a token the grammar refuses is offered, or the grammar allows
+    nothing more (after an EOS), the path ends there (``dead``): later rows are not
+    computed and every token counts as allowed there, a position no committed token can
+    reach (acceptance stops at the refused token; decoding stops at the EOS).
+    """
+
+    def __init__(self, grammar: Grammar, device: torch.device | str):
+        llg = _load_llguidance()
+        self.matcher = llg.LLMatcher(grammar.tokenizer, grammar.grammar)
+        if self.matcher.is_error():
+            raise OptionError(f"structured_output {grammar.spec.kind} is invalid: {_first_line(self.matcher.get_error())}",
+                              "structured_output")
+        self.vocab_size, self.device = grammar.vocab_size, torch.device(device)
+        self._words = (self.vocab_size + 31) // 32
+        self.path: list[int] = []
+        self.rows: list[torch.Tensor] = []
+        self.dead = False
+
+    def _compute_row(self) -> None:
+        """The bit mask at the end of the path, appended to ``rows`` (the path ends if it is empty)."""
+        row = torch.empty(self._words, dtype=torch.int32)
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        if self.matcher.is_error():
+            raise DFlashError(f"structured output failed: {_first_line(self.matcher.get_error())}")
+        if not bool(row.any()):
+            self.dead = True
+        else:
+            self.rows.append(row)
+
+    def next_allowed(self) -> torch.Tensor | None:
+        """bool ``[V]`` on the device: the tokens allowed after the committed tokens and the
+        path; None where the path has ended (any token)."""
+        if not self.dead and len(self.rows) == len(self.path):
+            self._compute_row()
+        if self.dead:
+            return None
+        return unpack_bitmask(self.rows[len(self.path)][None], self.vocab_size)[0].to(self.device)
+
+    def _allows(self, token: int) -> bool:
+        if not self.dead and len(self.rows) == len(self.path):
+            self._compute_row()
+        if self.dead or not 0 <= token < self.vocab_size:
+            return False
+        word = int(self.rows[len(self.path)][token >> 5])
+        return bool((word >> (token & 31)) & 1)
+
+    def advance(self, token: int) -> bool:
+        """Extend the path by ``token`` if the grammar allows it there; else the path ends.
+        Returns whether it was allowed."""
+        if not self._allows(token):
+            self.dead = True
+            return False
+        if not self.matcher.consume_token(token):
+            raise DFlashError(f"structured output failed: {_first_line(self.matcher.get_error())}")
+        self.path.append(token)
+        return True
+
+    def _truncate(self, n: int) -> None:
+        """Roll the path back to its first ``n`` tokens."""
+        if n < len(self.path):
+            self.matcher.rollback(len(self.path) - n)
+            del self.path[n:]
+            del self.rows[n + 1:]
+        self.dead = False  # (a refused token ended it here: another may follow; an empty row is found again)
+
+    def masks(self, draft: Sequence[int] = ()) -> torch.Tensor:
+        """The masks of a verify block ``[t0, d_1 .. d_{R-1}]``: bool ``[R, V]`` on the device,
+        row j the tokens allowed after the committed tokens and ``d_1 .. d_j`` (rows past a
+        draft token the grammar refuses: all True, see the class docstring). Reuses what
+        guided drafting computed when ``draft`` starts with the path."""
+        draft = [int(t) for t in draft]
+        common = 0
+        while common < min(len(draft), len(self.path)) and draft[common] == self.path[common]:
+            common += 1
+        self._truncate(common)
+        while len(self.path) < len(draft) and self.advance(draft[len(self.path)]):
+            pass
+        if not self.dead and len(self.rows) == len(self.path):
+            self._compute_row()
+        rows = len(draft) + 1
+        known = unpack_bitmask(torch.stack(self.rows[:rows]), self.vocab_size)
+        if known.shape[0] < rows:
+            known = torch.cat([known, known.new_ones(rows - known.shape[0], self.vocab_size)])
+        return known.to(self.device)
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """The round committed ``tokens`` (in order): roll back the rest of the path, consume
+        them; the next round starts with an empty path. Tokens after the grammar has
+        stopped (past an EOS, where decoding stops) are not consumed."""
+        tokens = [int(t) for t in tokens]
+        common = 0
+        while common < min(len(tokens), len(self.path)) and tokens[common] == self.path[common]:
+            common += 1
+        self._truncate(common)
+        for t in tokens[common:]:
+            if self.matcher.is_stopped() or not self.advance(t):
+                break
+        self.path, self.rows, self.dead = [], self.rows[len(self.path):len(self.path) + 1], False
