@@ -38,8 +38,8 @@ from .errors import DFlashError, OptionError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON: whitespace between tokens at most 32 characters (llguidance's default is any amount,
-# and a model that keeps writing newlines there would never finish); a schema's own
-# "x-guidance" options override this
+# and a model that keeps writing newlines there would never finish); a schema with its own
+# "x-guidance" options (llguidance's) gets those instead
 JSON_DEFAULTS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
 GRAMMAR_CACHE_SIZE = 64  # compiled constraints kept per engine (a server sees the same schema again and again)
 
@@ -61,7 +61,8 @@ class StructuredOutput:
         json: a JSON schema (a dict, or its JSON text): the output is one JSON value valid
             under it (OpenAI's ``response_format`` ``json_schema``; vLLM's ``json``), with at
             most 32 whitespace characters between two tokens of JSON (:data:`JSON_DEFAULTS`;
-            the schema's ``x-guidance`` options, llguidance's, override it).
+            a schema with ``x-guidance`` options, llguidance's, gets those instead: e.g.
+            ``{"whitespace_flexible": false}`` for compact JSON).
         json_object: True: the output is any JSON object (OpenAI's ``json_object``).
         regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
         choice: strings; the output is exactly one of them.
@@ -153,7 +154,8 @@ class StructuredOutput:
         if kind in ("json", "json_object"):
             schema = self.json if kind == "json" else {"type": "object"}
             try:
-                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+                own = isinstance(schema, Mapping) and "x-guidance" in schema  # (its own options: ours do not apply)
+                return LLMatcher.grammar_from_json_schema(schema, defaults=None if own else JSON_DEFAULTS)
             except (ValueError, TypeError) as e:
                 raise OptionError(f"structured_output json schema is invalid: {_first_line(e)}",
                                   "structured_output") from None
@@ -175,10 +177,12 @@ class Grammar:
     Attributes:
         spec: the :class:`StructuredOutput` it came from.
         vocab_size: the target's vocabulary (columns of the masks).
+        eos_token_ids: the ids that end the output once the constraint is complete.
     """
 
-    def __init__(self, spec: StructuredOutput, grammar: str, tokenizer, vocab_size: int):
+    def __init__(self, spec: StructuredOutput, grammar: str, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
         self.spec, self.grammar, self.tokenizer, self.vocab_size = spec, grammar, tokenizer, vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def state(self, device: torch.device | str) -> "GrammarState":
         """A new sequence's :class:`GrammarState` (nothing consumed yet), masks on ``device``."""
@@ -245,7 +249,7 @@ class GrammarCompiler:
             if error:
                 raise OptionError(f"structured_output {spec.kind} is invalid: {_first_line(messages[0])}",
                                   "structured_output")
-            grammar = Grammar(spec, text, tokenizer, self.vocab_size)
+            grammar = Grammar(spec, text, tokenizer, self.vocab_size, self.eos_token_ids)
             self._cache[key] = grammar
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -272,7 +276,8 @@ class GrammarState:
     and ``path[:i]``. Once a token the grammar refuses is offered, or the grammar allows
     nothing more (after an EOS), the path ends there (``dead``): later rows are not
     computed and every token counts as allowed there, a position no committed token can
-    reach (acceptance stops at the refused token; decoding stops at the EOS).
+    reach (acceptance stops at the refused token; decoding stops at the EOS). An EOS ends
+    the path and is never given to the matcher.
     """
 
     def __init__(self, grammar: Grammar, device: torch.device | str):
@@ -283,12 +288,21 @@ class GrammarState:
                               "structured_output")
         self.vocab_size, self.device = grammar.vocab_size, torch.device(device)
         self._words = (self.vocab_size + 31) // 32
+        self.eos = frozenset(grammar.eos_token_ids)
         self.path: list[int] = []
         self.rows: list[torch.Tensor] = []
         self.dead = False
+        self.ended = False  # the committed tokens end with an EOS
+
+    def _ended(self) -> bool:
+        """Whether the last token consumed (of the path, else of the committed ones) is an EOS."""
+        return self.path[-1] in self.eos if self.path else self.ended
 
     def _compute_row(self) -> None:
         """The bit mask at the end of the path, appended to ``rows`` (the path ends if it is empty)."""
+        if self._ended():  # (past an EOS nothing follows)
+            self.dead = True
+            return
         row = torch.empty(self._words, dtype=torch.int32)
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
         if self.matcher.is_error():
@@ -321,6 +335,9 @@ class GrammarState:
         if not self._allows(token):
             self.dead = True
             return False
+        if token in self.eos:  # (never given to the matcher: it keeps no rollback history of an EOS after a
+            self.path.append(token)  # complete constraint; nothing follows an EOS anyway)
+            return True
         if not self.matcher.consume_token(token):
             raise DFlashError(f"structured output failed: {_first_line(self.matcher.get_error())}")
         self.path.append(token)
@@ -329,7 +346,9 @@ class GrammarState:
     def _truncate(self, n: int) -> None:
         """Roll the path back to its first ``n`` tokens."""
         if n < len(self.path):
-            self.matcher.rollback(len(self.path) - n)
+            consumed = len(self.path) - n - (self.path[-1] in self.eos)  # (an EOS was not given to the matcher)
+            if consumed and not self.matcher.rollback(consumed):
+                raise DFlashError(f"structured output failed: {_first_line(self.matcher.get_error())}")
             del self.path[n:]
             del self.rows[n + 1:]
         self.dead = False  # (a refused token ended it here: another may follow; an empty row is found again)
@@ -364,6 +383,7 @@ class GrammarState:
             common += 1
         self._truncate(common)
         for t in tokens[common:]:
-            if self.matcher.is_stopped() or not self.advance(t):
+            if self._ended() or not self.advance(t):
                 break
+        self.ended = self._ended()
         self.path, self.rows, self.dead = [], self.rows[len(self.path):len(self.path) + 1], False

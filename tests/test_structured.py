@@ -1,0 +1,396 @@
+"""Structured outputs (dflash_torch/structured.py): JSON schema, JSON object, regex, choice and
+Lark grammar constraints through llguidance.
+
+Oracles: llguidance itself, driven token by token by a fresh matcher (the masks of a
+verify block, the state after a round); transformers' own ``generate`` with a logits
+processor that masks each step by such a matcher (constrained target-only decoding); and
+constrained target-only decoding for speculative decoding, which must commit exactly the
+same tokens in every mode (eager, fixed shapes, recompute, batched, DFlash 2, a hybrid
+target). With sampling, the outputs follow the exact constrained distribution (chi-square).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from conftest import EOS_ID, load_hf
+from test_sampling import ALPHA, chi_square_pvalue
+
+from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.models.dflash2 import DFlash2Drafter
+from dflash_torch.models.drafter import DFlashDrafter
+from dflash_torch.sampling import LogitsProcessor, SamplingParams
+from dflash_torch.structured import JSON_DEFAULTS, GrammarCompiler, StructuredOutput, unpack_bitmask
+
+llguidance = pytest.importorskip("llguidance")
+import llguidance.hf  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tag": {"enum": ["A", "B", "IX"]}},
+          "required": ["ok", "n", "tag"], "additionalProperties": False}
+UPPER = r"[A-Z ]{1,40}"  # lets the agreeable target's favourite token ('I') through: long accepted runs
+SPECS = {
+    "json": {"json": SCHEMA},
+    "json_object": {"json_object": True},
+    "regex": {"regex": UPPER},
+    "choice": {"choice": ["IIII", "I I", "AB", "IIIIIIIIIIIIIIIIIIIIIIIIII"]},
+    "grammar": {"grammar": 'start: "I" WORD (" " WORD)*\nWORD: /[A-Z]{1,6}/'},
+}
+
+
+def oracle_grammar(spec: dict) -> str:
+    """The llguidance grammar of a spec, built with llguidance's own constructors."""
+    M = llguidance.LLMatcher
+    (kind, value), = spec.items()
+    if kind == "json":
+        return M.grammar_from_json_schema(value, defaults=None if "x-guidance" in value else JSON_DEFAULTS)
+    if kind == "json_object":
+        return M.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+    if kind == "regex":
+        return M.grammar_from_regex(value)
+    if kind == "choice":
+        return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+    return M.grammar_from_lark(value)
+
+
+def oracle_tokenizer(engine):
+    return llguidance.hf.from_tokenizer(engine.tokenizer, n_vocab=engine.target.config.vocab_size,
+                                        eos_token=sorted(engine.stop_token_ids))
+
+
+def allowed_by(matcher, vocab: int) -> torch.Tensor:
+    """bool [V]: the tokens a matcher allows next (its byte-per-token bias: 0 or 200)."""
+    return torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)[:vocab] > 0
+
+
+class HFGrammarMask(transformers.LogitsProcessor):
+    """transformers logits processor: -inf for what a fresh llguidance matcher does not allow."""
+
+    def __init__(self, tokenizer, grammar: str, vocab: int):
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
+        self.vocab, self.prompt_len = vocab, None
+
+    def __call__(self, input_ids, scores):
+        ids = input_ids[0].tolist()
+        if self.prompt_len is None:
+            self.prompt_len = len(ids)
+        else:
+            assert self.matcher.consume_token(ids[-1])
+        return scores.masked_fill(~allowed_by(self.matcher, self.vocab)[None, :scores.shape[-1]], float("-inf"))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_pair, agree_pair, agree_dflash2_pair):
+    """Engines (float32): the tiny random pair and the agreeable pair (inject / recompute /
+    fixed shapes / DFlash 2 / target-only)."""
+    t, d = agree_pair
+    return {
+        "tiny": DFlashEngine.from_pretrained(*tiny_pair, dtype="float32"),
+        "tiny-target": DFlashEngine.from_pretrained(tiny_pair[0], no_draft=True, dtype="float32"),
+        "inject": DFlashEngine.from_pretrained(t, d, dtype="float32", max_batch_size=4),
+        "recompute": DFlashEngine.from_pretrained(t, d, dtype="float32", draft_mode="recompute"),
+        "static": DFlashEngine.from_pretrained(t, d, dtype="float32", static=True, max_context=256, max_batch_size=4),
+        "dflash2": DFlashEngine.from_pretrained(t, agree_dflash2_pair[1], dtype="float32"),
+        "target": DFlashEngine.from_pretrained(t, no_draft=True, dtype="float32"),
+    }
+
+
+# --- the matcher state against llguidance driven by hand ---
+
+
+def test_block_masks_and_commits_equal_a_fresh_matcher(engines):
+    """Random rounds of drafts (valid ones, and some the grammar refuses) and commits of an
+    accepted prefix plus a bonus token: every mask row equals that of a fresh matcher fed
+    the committed tokens and the drafts before the row; rows past a refused draft are all
+    True; after each commit the state equals a fresh matcher over the committed tokens."""
+    engine = engines["tiny"]
+    V = engine.target.config.vocab_size
+    tok = oracle_tokenizer(engine)
+    g = torch.Generator().manual_seed(0)
+    for name in ("json", "regex", "grammar"):
+        grammar = engine.grammars.compile(SPECS[name])
+        state = grammar.state("cpu")
+        committed: list[int] = []
+        for _ in range(12):
+            fresh = llguidance.LLMatcher(tok, oracle_grammar(SPECS[name]))
+            assert fresh.consume_tokens(committed)
+            if fresh.is_stopped():
+                break
+            draft, refused = [], None  # a walk of allowed tokens, sometimes one refused token
+            walker = fresh.deep_copy()
+            for j in range(7):
+                allowed = allowed_by(walker, V).nonzero()[:, 0]
+                if torch.rand(1, generator=g) < 0.15 or walker.is_stopped():
+                    bad = (~allowed_by(walker, V)).nonzero()[:, 0]
+                    draft.append(int(bad[torch.randint(len(bad), (1,), generator=g)]))
+                    refused = j
+                    break
+                draft.append(int(allowed[torch.randint(len(allowed), (1,), generator=g)]))
+                assert walker.consume_token(draft[-1])
+            masks = state.masks(draft)
+            assert masks.shape == (len(draft) + 1, V)
+            ref = fresh.deep_copy()
+            for j in range(len(draft) + 1):
+                if refused is not None and j > refused:
+                    assert masks[j].all(), (name, j)
+                    continue
+                assert torch.equal(masks[j], allowed_by(ref, V)), (name, j)
+                if j < len(draft) and (refused is None or j < refused):
+                    assert ref.consume_token(draft[j])
+            # commit an accepted prefix and a bonus token the grammar allows after it
+            a = int(torch.randint(0, (refused if refused is not None else len(draft)) + 1, (1,), generator=g))
+            after = fresh.deep_copy()
+            assert after.consume_tokens(draft[:a])
+            choices = allowed_by(after, V).nonzero()[:, 0]
+            bonus = int(choices[torch.randint(len(choices), (1,), generator=g)])
+            state.commit(draft[:a] + [bonus])
+            committed += draft[:a] + [bonus]
+            check = llguidance.LLMatcher(tok, oracle_grammar(SPECS[name]))
+            assert check.consume_tokens(committed)
+            if not check.is_stopped():
+                assert torch.equal(state.masks()[0], allowed_by(check, V)), name
+
+
+def test_unpack_bitmask_reads_llguidance_bit_order():
+    """Bit i of word w is token 32 w + i, the sign bit included."""
+    words = torch.tensor([[1 | (1 << 5), -(1 << 31), 0, 1 << 2]], dtype=torch.int32)
+    got = unpack_bitmask(words, 100)[0].nonzero()[:, 0].tolist()
+    assert got == [0, 5, 63, 98]
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_guided_drafts_are_valid_continuations(engines, arch, temperature):
+    """Guided drafting: every slot's token is one the grammar allows after the drafts before
+    it (a fresh matcher consumes the whole draft), whatever the drafter's scores; when
+    sampling, q puts all its mass on allowed tokens."""
+    engine = engines["tiny"]
+    V = engine.target.config.vocab_size
+    tok = oracle_tokenizer(engine)
+    g = torch.Generator().manual_seed(1)
+    drafter = engine.drafter if arch == "dflash" else None
+    params = SamplingParams(temperature=temperature, seed=3)
+    for name in ("json", "regex", "grammar"):
+        grammar = engine.grammars.compile(SPECS[name])
+        for trial in range(6):
+            processor = LogitsProcessor(SamplingParams(temperature=temperature, grammar=grammar), [5], V,
+                                        torch.device("cpu"))
+            gen = params.generator("cpu")
+            if arch == "dflash":
+                scores = torch.randn(15, V, generator=g) * 4
+                draft, q = processor.choose_draft(drafter, scores, params, gen)
+            else:  # a lattice with many allowed candidates: K = 64 random ids per slot
+                ids = torch.stack([torch.randperm(V, generator=g)[:64] for _ in range(15)])
+                edges = torch.randn(15, 64, 64, generator=g)
+                walker = DFlash2Drafter.__new__(DFlash2Drafter)
+                torch.nn.Module.__init__(walker)
+                walker.candidate_selector = torch.nn.Module()
+                walker.candidate_selector.predecessor_codebook = torch.nn.Parameter(torch.zeros(V, 1))
+                draft, q = walker.choose_draft((ids, edges), params, gen, guide=processor.grammar)
+            fresh = llguidance.LLMatcher(tok, oracle_grammar(SPECS[name]))
+            tokens = draft.tolist()
+            valid = fresh.validate_tokens(tokens)
+            if arch == "dflash":  # (every slot had allowed tokens: all valid, up to an EOS)
+                assert valid == len(tokens) or EOS_ID in tokens[:valid + 1], (name, tokens, valid)
+            else:  # a slot none of whose 64 candidates is allowed ends the guided part
+                first_bad = valid
+                if first_bad < len(tokens):
+                    probe = fresh.deep_copy()
+                    assert probe.consume_tokens(tokens[:first_bad])
+                    ok = allowed_by(probe, V)
+                    assert not ok[ids[first_bad]].any() or tokens[first_bad] == EOS_ID, (name, trial)
+            if q is not None:
+                probe = llguidance.LLMatcher(tok, oracle_grammar(SPECS[name]))
+                for j in range(min(valid, len(tokens))):
+                    assert q[j][~allowed_by(probe, V)].sum() == 0
+                    assert probe.consume_token(tokens[j])
+
+
+# --- decoding against oracles ---
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_target_only_equals_transformers_generate_with_the_grammar(engines, tiny_pair, name):
+    """Constrained target-only decoding == transformers' greedy generate whose every step is
+    masked by a fresh llguidance matcher (and speculative decoding with the tiny pair's
+    random drafter == both)."""
+    engine, spec_engine = engines["tiny-target"], engines["tiny"]
+    hf = load_hf(tiny_pair[0])
+    tok = oracle_tokenizer(engine)
+    V = engine.target.config.vocab_size
+    for prompt in ("def f(x):", "import os\n"):
+        ids = engine.encode_prompt(prompt)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=40, do_sample=False, eos_token_id=EOS_ID, pad_token_id=EOS_ID,
+                              logits_processor=[HFGrammarMask(tok, oracle_grammar(SPECS[name]), V)])
+        ref = out[0, len(ids):].tolist()
+        ours = engine.generate(ids, max_new_tokens=40, structured_output=SPECS[name])
+        assert ours.token_ids == ref, (name, prompt)
+        assert spec_engine.generate(ids, max_new_tokens=40, structured_output=SPECS[name]).token_ids == ref
+        fresh = llguidance.LLMatcher(tok, oracle_grammar(SPECS[name]))
+        assert fresh.validate_tokens(ref) == len(ref)  # (the check compares a valid output)
+
+
+@pytest.mark.parametrize("mode", ["inject", "recompute", "static", "dflash2"])
+def test_speculative_equals_constrained_target_only(engines, mode):
+    """The agreeable pair, every constraint: speculative greedy output == constrained
+    target-only output, token for token, with multi-token acceptances."""
+    engine, reference = engines[mode], engines["target"]
+    taus = []
+    for name, spec in SPECS.items():
+        for prompt in ([5, 9, 13], [100, 7], "def f(x):"):
+            ref = reference.generate(prompt, max_new_tokens=48, structured_output=spec)
+            out = engine.generate(prompt, max_new_tokens=48, structured_output=spec)
+            assert out.token_ids == ref.token_ids, (mode, name, prompt)
+            assert out.finish_reason == ref.finish_reason
+            taus += out.stats.acceptance_lengths
+    assert max(taus) > 3, mode  # drafts were accepted: the comparison saw multi-token rounds
+
+
+def test_constraint_changes_the_output_and_is_honoured(engines):
+    """Guard: without the constraint the target writes other tokens; with it, the text
+    matches (the regex, a choice, JSON valid under the schema) and ends with EOS."""
+    import re
+
+    engine = engines["inject"]
+    free = engine.generate([5, 9, 13], max_new_tokens=48)
+    out = engine.generate([5, 9, 13], max_new_tokens=48, structured_output=SPECS["regex"])
+    assert out.token_ids != free.token_ids
+    assert out.finish_reason == "stop" and re.fullmatch(UPPER, out.text), out.text
+    choice = engine.generate([5, 9, 13], max_new_tokens=48, structured_output=SPECS["choice"])
+    assert choice.text in SPECS["choice"]["choice"] and choice.finish_reason == "stop"
+    compact = dict(SCHEMA, **{"x-guidance": {"whitespace_flexible": False}})  # (this model pads with whitespace)
+    out = engine.generate("x = ", max_new_tokens=200, structured_output={"json": compact})
+    assert out.finish_reason == "stop" and " " not in out.text and "\r" not in out.text, out.text
+    value = json.loads(out.text)
+    assert set(value) == {"ok", "n", "tag"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 99
+    assert value["tag"] in ("A", "B", "IX")
+
+
+@pytest.mark.parametrize("mode", ["inject", "static"])
+def test_batch_with_mixed_constraints_equals_alone(engines, mode):
+    """generate_batch with a constraint per prompt (and unconstrained ones, sampled ones)
+    == each prompt decoded alone."""
+    engine = engines[mode]
+    prompts = [[5, 9, 13], [100, 7], [7, 7, 3], [64, 250], [3, 17], [42, 42]]
+    specs = [SPECS["regex"], None, SPECS["json"], SPECS["choice"], SPECS["grammar"], SPECS["regex"]]
+    temps = [0.0, 0.0, 0.0, 0.0, 0.0, 0.8]
+    outs = engine.generate_batch(prompts, max_new_tokens=40, structured_output=specs, temperature=temps, seed=11)
+    for p, s, t, out in zip(prompts, specs, temps, outs):
+        alone = engine.generate(p, max_new_tokens=40, structured_output=s, temperature=t, seed=11)
+        assert out.token_ids == alone.token_ids, (p, s, t)
+
+
+def test_hybrid_target_speculative_equals_target_only(agree_hybrid_pair):
+    """A Qwen3-Next (Gated DeltaNet + attention, experts) target: constrained speculative ==
+    constrained target-only, single and batched."""
+    t, d = agree_hybrid_pair
+    spec_engine = DFlashEngine.from_pretrained(t, d, dtype="float32", max_batch_size=2)
+    reference = DFlashEngine.from_pretrained(t, no_draft=True, dtype="float32")
+    prompts = [[5, 9, 13], [100, 7]]
+    refs = [reference.generate(p, max_new_tokens=32, structured_output=SPECS["regex"]).token_ids for p in prompts]
+    assert [spec_engine.generate(p, max_new_tokens=32, structured_output=SPECS["regex"]).token_ids
+            for p in prompts] == refs
+    batch = spec_engine.generate_batch(prompts, max_new_tokens=32, structured_output=SPECS["regex"])
+    assert [o.token_ids for o in batch] == refs
+
+
+def test_sampling_follows_the_exact_constrained_distribution(engines):
+    """Temperature 1 with a choice constraint: the speculative outputs' frequencies fit the
+    target's own constrained distribution (each token sequence's probability is the product
+    of the target's masked, renormalised probabilities along it; chi-square)."""
+    engine, reference = engines["inject"], engines["target"]
+    spec = {"choice": ["II", "IIII", "I I", "AB", "IIIIII", "BIIIII"]}
+    tok = oracle_tokenizer(reference)
+    grammar = oracle_grammar(spec)
+    V = reference.target.config.vocab_size
+    prompt = [5, 9, 13]
+    probs: dict[tuple, float] = {}
+
+    def walk(seq: list[int], p: float):  # every token path of the constrained target
+        if seq and seq[-1] == EOS_ID:  # (the output ends with its EOS)
+            probs[tuple(seq)] = probs.get(tuple(seq), 0.0) + p
+            return
+        m = llguidance.LLMatcher(tok, grammar)
+        assert m.consume_tokens(seq)
+        logits = target_logits(reference, prompt + seq)
+        dist = logits.double().masked_fill(~allowed_by(m, V), float("-inf")).softmax(-1)
+        for t in dist.nonzero()[:, 0].tolist():
+            if dist[t] * p > 1e-7:
+                walk(seq + [t], p * float(dist[t]))
+
+    walk([], 1.0)
+    n = 300
+    counts: dict[tuple, int] = {}
+    for seed in range(n):
+        out = engine.generate(prompt, max_new_tokens=24, structured_output=spec, temperature=1.0, seed=seed)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert set(counts) <= set(probs)
+    assert chi_square_pvalue(counts, probs, n) > ALPHA, (counts, probs)
+
+
+def target_logits(engine, ids: list[int]) -> torch.Tensor:
+    """The target's logits [V] at the last of ``ids`` (one forward over them)."""
+    target = engine.target
+    cache = target.new_cache()
+    cache.reset(len(ids))
+    x = torch.tensor(ids)
+    with torch.inference_mode():
+        logits, _ = target(x, torch.arange(len(ids)), cache, len(ids), logits_from=len(ids) - 1)
+    return logits[-1].float()
+
+
+# --- errors ---
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"json": {"type": "foo"}}, "json is invalid"),
+    ({"json": "{not json"}, "not JSON"),
+    ({"regex": "[a-z"}, "regex is invalid"),
+    ({"grammar": "start: 'yes'"}, "grammar is invalid"),
+    ({"choice": []}, "non-empty list"),
+    ({"choice": "yes"}, "non-empty list"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one"),
+    ({}, "exactly one"),
+    ({"jsn": {}}, "unknown keys jsn"),
+    ("json", "must be a StructuredOutput"),
+])
+def test_bad_constraints_are_refused_in_one_line(engines, spec, words):
+    with pytest.raises(DFlashError, match=words) as info:
+        engines["tiny"].generate("x", max_new_tokens=4, structured_output=spec)
+    assert "\n" not in str(info.value) and str(info.value).startswith("structured_output")
+
+
+def test_constraints_that_cannot_end_are_refused(engines):
+    """ignore_eos and min_tokens would fight the constraint over where the output ends."""
+    e = engines["tiny"]
+    with pytest.raises(DFlashError, match="ignore_eos cannot be combined"):
+        e.generate("x", max_new_tokens=4, structured_output=SPECS["regex"], ignore_eos=True)
+    with pytest.raises(DFlashError, match="min_tokens cannot be combined"):
+        e.generate("x", max_new_tokens=4, structured_output=SPECS["regex"], min_tokens=2)
+    with pytest.raises(DFlashError, match="grammar must be a compiled"):
+        SamplingParams(grammar="start: x")
+
+
+def test_compiled_constraints_are_cached_per_spec(engines):
+    """The same constraint (a dict, its StructuredOutput, a schema as text) compiles once."""
+    c: GrammarCompiler = engines["tiny"].grammars
+    a = c.compile({"json": SCHEMA})
+    assert c.compile(StructuredOutput(json=json.dumps(SCHEMA))) is a
+    assert c.compile({"json": {"type": "object"}}) is not a
+
+
+def test_logprobs_and_stream_with_a_constraint(engines):
+    """stream's chunks add up to generate's output; logprobs are the raw target's (as
+    without a constraint: log_softmax of the unmasked logits) and the tokens are the same."""
+    e = engines["inject"]
+    out = e.generate([5, 9, 13], max_new_tokens=32, structured_output=SPECS["regex"], logprobs=1)
+    chunks = list(e.stream([5, 9, 13], max_new_tokens=32, structured_output=SPECS["regex"]))
+    assert "".join(c.text for c in chunks) == out.text and chunks[-1].finish_reason == out.finish_reason
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    raw = target_logits(e, [5, 9, 13]).log_softmax(-1)
+    assert abs(out.logprobs[0].logprob - float(raw[out.token_ids[0]])) < 1e-4
