@@ -8,6 +8,7 @@ pass. The output is exactly the target's own.
 from .engine import DFlashEngine, GenerationResult, GenerationStats, StreamChunk
 from .errors import DFlashError
 from .sampling import SamplingParams, TokenLogprob
+from .structured import StructuredOutput
 
 __all__ = ["DFlashEngine", "DFlashError", "GenerationResult", "GenerationStats", "SamplingParams", "StreamChunk",
            "TokenLogprob"]
