@@ -11,5 +11,5 @@ from .sampling import SamplingParams, TokenLogprob
 from .structured import StructuredOutput
 
 __all__ = ["DFlashEngine", "DFlashError", "GenerationResult", "GenerationStats", "SamplingParams", "StreamChunk",
-           "TokenLogprob"]
+           "StructuredOutput", "TokenLogprob"]
 __version__ = "0.1.0"

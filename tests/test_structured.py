@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+import llguidance
+import llguidance.hf
 import pytest
 import torch
 import transformers
@@ -21,12 +23,8 @@ from test_sampling import ALPHA, chi_square_pvalue
 
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models.dflash2 import DFlash2Drafter
-from dflash_torch.models.drafter import DFlashDrafter
 from dflash_torch.sampling import LogitsProcessor, SamplingParams
 from dflash_torch.structured import JSON_DEFAULTS, GrammarCompiler, StructuredOutput, unpack_bitmask
-
-llguidance = pytest.importorskip("llguidance")
-import llguidance.hf  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "tag": {"enum": ["A", "B", "IX"]}},
