@@ -110,6 +110,9 @@ def test_json_schema_and_json_object_are_lossless_streamed_and_not_with_n_and_lo
     assert isinstance(json.loads(obj), dict)
     assert _complete(spec, extra_body=json_object).choices[0].text == obj
     assert _complete(spec, extra_body={"structured_outputs": {"json_object": True}}).choices[0].text == obj
+    # type text: no constraint
+    plain = _complete(spec, max_tokens=6, extra_body={"response_format": {"type": "text"}})
+    assert plain.choices[0].text == _complete(alone, max_tokens=6).choices[0].text and plain.usage.completion_tokens == 6
     # the schema as vLLM's json (an object, or its text) and guided_json: the same constraint
     for body in ({"structured_outputs": {"json": PERSON}}, {"structured_outputs": {"json": json.dumps(PERSON)}},
                  {"guided_json": PERSON}):
