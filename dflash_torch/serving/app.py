@@ -61,8 +61,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import DFlashError
-from ..structured import StructuredOutput
 from ..options import check_api_key, check_chat_template_kwargs, check_model_name
+from ..structured import StructuredOutput
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, conflicting_fields, describe_validation_error,
                        unsupported_field)
