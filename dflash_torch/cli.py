@@ -100,6 +100,62 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
 
 
+# structured-output flags of ``generate``: flag -> StructuredOutput field
+STRUCTURED_FLAGS = {"--json-schema": "json", "--json-object": "json_object", "--regex": "regex", "--choice": "choice",
+                    "--grammar": "grammar"}
+
+
+def add_structured_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="constrain the output to JSON valid under this JSON schema (its JSON text, or @FILE)")
+    p.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    p.add_argument("--regex", default=None, metavar="R", help="constrain the output to match this regular expression")
+    p.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="constrain the output to one of these strings (repeatable)")
+    p.add_argument("--grammar", default=None, metavar="G",
+                   help="constrain the output to this llguidance Lark grammar (its text, or @FILE), e.g. "
+                        "'start: \"yes\" | \"no\"'")
+
+
+def _text_or_file(value: str, flag: str) -> str:
+    """``value``, or the UTF-8 text of the file ``@PATH`` names."""
+    if not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise DFlashError(f"{flag}: cannot read {value[1:]!r}: {exc.strerror}") from None
+    return utf8_text(data, f"{flag} {value}")
+
+
+def structured_output(args: argparse.Namespace) -> dict | None:
+    """The ``structured_output`` of ``generate``'s flags (None for none); an error about it
+    then names the flag given (``args.option_flags``).
+
+    Raises:
+        DFlashError: more than one of the flags, a file that cannot be read, a schema that is not JSON.
+    """
+    given = [flag for flag, dest in STRUCTURED_FLAGS.items()
+             if getattr(args, flag[2:].replace("-", "_")) not in (None, False)]
+    if len(given) > 1:
+        raise DFlashError(f"give at most one of {', '.join(STRUCTURED_FLAGS)}; got {' and '.join(given)}")
+    if not given:
+        return None
+    flag = given[0]
+    value = getattr(args, flag[2:].replace("-", "_"))
+    if flag == "--json-schema":
+        text = _text_or_file(value, flag)
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise DFlashError(f"--json-schema must be a JSON schema (JSON text or @FILE): {exc}") from None
+    elif flag == "--grammar":
+        value = _text_or_file(value, flag)
+    args.option_flags = {**args.option_flags, "structured_output": flag}
+    return {STRUCTURED_FLAGS[flag]: value}
+
+
 def set_threads(args: argparse.Namespace) -> None:
     """Apply ``--threads`` (when given) to the engine's compute thread."""
     from . import compute
@@ -147,12 +203,13 @@ def _generate_here(args: argparse.Namespace) -> int:
         raise DFlashError("--chat-template-kwargs apply to chat prompts only: add --chat")
     if args.logprobs is not None and not args.json:
         raise DFlashError("--logprobs needs --json (the log-probabilities are printed in its JSON object)")
+    structured = structured_output(args)
     engine = load_engine(args)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, presence_penalty=args.presence_penalty,
                   frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
                   logit_bias=args.logit_bias, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat, logprobs=args.logprobs,
-                  chat_template_kwargs=args.chat_template_kwargs)
+                  chat_template_kwargs=args.chat_template_kwargs, structured_output=structured)
     if args.json:
         out = engine.generate(prompt, **kwargs)
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
@@ -271,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "alternatives, 0 to 20 (the object's 'logprobs')")
     add_model_args(g)
     add_sampling_args(g)
+    add_structured_output_args(g)
     g.set_defaults(func=_generate)
     for module in ("serving.cli", "training.cli", "bench.cli"):
         try:

@@ -414,8 +414,10 @@ BAD_REQUESTS = [
     ("tool call arguments not an object", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
          {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}]}]}, 400, "messages"),
-    ("json mode", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("response_format of an unknown type", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, 400, "response_format.type"),
+    ("json mode with ignore_eos", "/v1/completions",
+     {"prompt": "x", "response_format": {"type": "json_object"}, "ignore_eos": True}, 400, "ignore_eos"),
 ]
 
 

@@ -27,13 +27,15 @@ PROMPTS = ["def f(x):", "class A:", "import os\n", "for i in range(10):", "x = [
 
 @contextmanager
 def _serve(tiny_pair, logdir, *extra: str):
+    """A server of ``tiny_pair`` (target, drafter; drafter None: none, e.g. with ``--no-draft``)."""
     target, drafter = tiny_pair
     port = _free_port()
     log = logdir / f"server-{port}.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target), "--draft", str(drafter),
-             "--port", str(port), "--model-name", MODEL, "--log-level", "warning", "--api-key", API_KEY, *extra],
+            [sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target),
+             *(["--draft", str(drafter)] if drafter is not None else []), "--port", str(port), "--model-name", MODEL,
+             "--log-level", "warning", "--api-key", API_KEY, *extra],
             stdout=fh, stderr=subprocess.STDOUT, env=_env())
     base = f"http://127.0.0.1:{port}"
     try:

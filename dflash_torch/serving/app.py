@@ -18,6 +18,14 @@ fails after it started ends with an error event and ``[DONE]``); a 500 means a s
 Chat replies are split into ``reasoning_content`` (:mod:`.reasoning`), ``content`` and, for
 a request with ``tools``, ``tool_calls`` (:mod:`.tools`).
 
+Structured outputs (both endpoints): ``response_format`` (OpenAI: ``json_object``,
+``json_schema``), ``structured_outputs`` and ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` (vLLM) constrain the output
+(:mod:`dflash_torch.structured`); chat ``tool_choice`` ``required`` or a named function
+constrains it to tool calls (:func:`.tools.hermes_grammar`; the hermes format only). A
+constraint is compiled (and checked: a 400 names its field) in a thread before the request
+queues, so a slow compile holds neither the engine nor the event loop.
+
 Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
 completions and the rest of the context for chat. Extensions: ``top_k``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``; responses carry a ``dflash`` object with the
@@ -54,13 +62,14 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import DFlashError
 from ..options import check_api_key, check_chat_template_kwargs, check_model_name
+from ..structured import StructuredOutput
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, conflicting_fields, describe_validation_error,
                        unsupported_field)
-from .reasoning import check_reasoning_parser, resolve_parser
+from .reasoning import THINK_OPEN, check_reasoning_parser, resolve_parser
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
                         make_backend, param_of)
-from .tools import check_tool_parser, new_reply_parser, parse_reply, resolve_tool_parser
+from .tools import check_tool_parser, hermes_grammar, new_reply_parser, parse_reply, resolve_tool_parser
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5
@@ -405,6 +414,34 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 raise APIError(400, where + str(exc), param=param_of(exc)) from None
         return out
 
+    def compile_constraint(spec: dict, param: str) -> StructuredOutput:
+        """``spec`` checked and compiled for the engine (kept in its cache: the sequences'
+        own compiles find it there); an error is a 400 about ``param``, the request's field."""
+        try:
+            structured = StructuredOutput.coerce(spec)
+            engine.grammars.compile(structured)
+        except DFlashError as exc:
+            message = str(exc)
+            if param == "tools":  # (a tool's parameters schema that cannot constrain its calls)
+                message = f"tools cannot constrain the reply to tool calls: {message.removeprefix('structured_output ')}"
+            elif message.startswith("structured_output"):
+                message = param + message[len("structured_output"):]
+            raise APIError(400, message, param=param) from None
+        return structured
+
+    def tool_call_constraint(req, tools: list[dict], prompt_tail: str) -> tuple[str, dict]:
+        """``(param, structured output)`` of a chat request whose ``tool_choice`` forces calls
+        (``required`` or a named function): the hermes grammar of its tools (starting inside
+        the reasoning when the template opened one)."""
+        if tool_calls != "hermes":
+            raise APIError(400, f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'a named function'!r}"
+                                f" needs the hermes tool-call format, which constrained decoding writes; this server's "
+                                f"is {tool_calls!r} (--tool-call-parser); use tool_choice 'auto' or 'none'",
+                           param="tool_choice", code="unsupported_parameter")
+        name = req.tool_choice.function.name if not isinstance(req.tool_choice, str) else None
+        opened = reasoning == "think" and prompt_tail.rstrip().endswith(THINK_OPEN)
+        return "tools", {"grammar": hermes_grammar(tools, name, req.parallel_tool_calls is not False, opened)}
+
     async def run(request: Request, req, prompts: list, chat: bool, default_max_tokens: int | None, kind: str):
         """Serve ``n`` choices of each prompt of ``prompts`` (choice ``i * n + j`` is the
         ``j``-th of prompt ``i``, sampled with :func:`choice_seed` ``(seed, j)``)."""
@@ -417,8 +454,16 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         tools = req.engine_tools() if chat else None
         prepared = await asyncio.to_thread(prepare, prompts, chat, req.requested_max_tokens(), default_max_tokens,
                                            template_kwargs, tools)
+        prompt_tail = engine.decode(prepared[0][0][-8:]) if chat else ""  # (a chat has one prompt)
         kwargs = req.sampling_kwargs()
+        constraint = req.constraint()
+        if chat and req.forces_tool_calls():
+            constraint = tool_call_constraint(req, tools, prompt_tail)
         job = Job(loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived)
+        if constraint is not None:
+            param, spec = constraint
+            kwargs["structured_output"] = await asyncio.to_thread(compile_constraint, spec, param)
+            job.param_aliases["structured_output"] = param
         for ids, max_new_tokens in prepared:
             for j in range(n):
                 job.add(ids, max_new_tokens, {**kwargs, "seed": choice_seed(kwargs["seed"], j)})
@@ -441,8 +486,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             # (a chat has one prompt; its end tells whether the template opened the reasoning; calls
             # are looked for when the model was given tools)
             parsers = None if kind != "chat" else \
-                [new_reply_parser(reasoning, tool_calls if tools else "none", engine.decode(prepared[0][0][-8:]), tools)
-                 for _ in job.sequences]
+                [new_reply_parser(reasoning, tool_calls if tools else "none", prompt_tail, tools) for _ in job.sequences]
             if parsers is not None and parsers[0] is None:
                 parsers = None
             if req.stream:

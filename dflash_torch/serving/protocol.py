@@ -4,16 +4,23 @@ cannot honour.
 Parsing is strict about types (``"5"`` is not an integer, ``true`` is not a number)
 and about ranges; fields the server does not know are ignored, as OpenAI's own API
 ignores them. Fields it knows but cannot honour with a non-default value (``best_of``
-other than ``n``, ``echo``, ``prompt_logprobs``, ``tool_choice`` ``required``, ...) are refused with a 400 by
+other than ``n``, ``echo``, ``prompt_logprobs``, ...) are refused with a 400 by
 :func:`unsupported_field`; values that contradict each other by :func:`conflicting_fields`.
+
+Structured outputs (constrained decoding, :mod:`dflash_torch.structured`): OpenAI's
+``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (one
+of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and vLLM's older top-level
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``; at most one of
+them per request (:meth:`_Request.constraint`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
-                      field_validator)
+                      field_validator, model_validator)
 
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
@@ -21,11 +28,80 @@ MAX_STOP_STRINGS = 16
 MAX_N = 128  # OpenAI's own limit on n
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on logprobs of /v1/completions (top_logprobs of chat: 20)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's json_schema.name
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs
+JSONSchema = dict[StrictStr, Any] | StrictBool  # (true and false are JSON schemas too)
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's ``name`` (required), ``description``,
+    ``schema`` (required here: without one there is nothing to constrain to) and ``strict``
+    (accepted either way: the output always matches the schema)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: JSONSchema = Field(..., alias="schema")
+    strict: StrictBool | None = None
+
+    @field_validator("name", mode="after")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not SCHEMA_NAME.fullmatch(name):
+            raise ValueError(f"must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -, got {name[:80]!r}")
+        return name
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema`` (``json_schema.schema``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object (with name and schema)")
+        return self
+
+    def structured_output(self) -> dict | None:
+        """The constraint as :class:`~dflash_torch.structured.StructuredOutput`'s dict form (None: text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema.schema_}
+        return None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema or its JSON text),
+    ``regex``, ``choice``, ``grammar`` (llguidance's Lark syntax) and ``json_object``
+    (true). vLLM's options for its other backends (``whitespace_pattern``, ...) are ignored;
+    ``structural_tag`` is refused."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_: JSONSchema | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    structural_tag: Any = None
+
+    def given(self) -> list[str]:
+        return [k for k in STRUCTURED_KINDS if (self.json_object if k == "json_object" else
+                                                 getattr(self, "json_" if k == "json" else k) is not None)]
+
+    def structured_output(self) -> dict:
+        """The one constraint given, in :class:`~dflash_torch.structured.StructuredOutput`'s dict form."""
+        kind = self.given()[0]
+        return {kind: getattr(self, "json_" if kind == "json" else kind)}
 
 
 class _Request(BaseModel):
@@ -55,6 +131,13 @@ class _Request(BaseModel):
     # token id (a decimal string, as JSON keys are) -> bias; ids past the vocabulary: the engine's 400
     logit_bias: dict[StrictStr, Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
     min_tokens: StrictInt = Field(0, ge=0)  # extension (vLLM): no stop token (nor stop string) before that many
+    # structured outputs: OpenAI's field, vLLM's, and vLLM's older ones (at most one of them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JSONSchema | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
     # known but only their defaults are honoured
     user: StrictStr | None = None
     prompt_logprobs: StrictInt | None = None  # (vLLM's extension: refused, the prompt is not scored)
@@ -69,6 +152,27 @@ class _Request(BaseModel):
         if bad is not None:
             raise ValueError(f"keys must be token ids (decimal integers >= 0 as strings), got {bad!r}")
         return {int(k): float(v) for k, v in bias.items()}
+
+    def constraints(self) -> list[tuple[str, dict]]:
+        """``(param, structured output)`` of each structured-output field given (a valid
+        request has at most one): the constraint in
+        :class:`~dflash_torch.structured.StructuredOutput`'s dict form and the field it came from."""
+        out = []
+        if self.response_format is not None and self.response_format.structured_output() is not None:
+            out.append(("response_format", self.response_format.structured_output()))
+        if self.structured_outputs is not None and self.structured_outputs.given():
+            out.append(("structured_outputs", self.structured_outputs.structured_output()))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                out.append((f"guided_{kind}", {kind: value}))
+        return out
+
+    def constraint(self) -> tuple[str, dict] | None:
+        """The request's one structured output as ``(param, structured output)`` (see
+        :meth:`constraints`), None for none."""
+        found = self.constraints()
+        return found[0] if found else None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -195,21 +299,16 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: StrictStr
-
-
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None  # (accepted: the reply has the calls the model writes)
+    # (tool_choice auto: accepted, the reply has the calls the model writes; required: false allows one call only)
+    parallel_tool_calls: StrictBool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: ResponseFormat | None = None
     modalities: list[StrictStr] | None = None
     audio: Any = None
     chat_template_kwargs: dict[StrictStr, Any] | None = None  # (vLLM / SGLang's name)
@@ -230,6 +329,10 @@ class ChatCompletionRequest(_Request):
     def engine_messages(self) -> list[dict]:
         return [m.engine_message() for m in self.messages]
 
+    def forces_tool_calls(self) -> bool:
+        """``tool_choice`` ``required`` or a named function: the reply must be tool calls."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
     def engine_tools(self) -> list[dict] | None:
         """The tools for the chat template: the request's, unless ``tool_choice`` is
         ``"none"`` (the model must not call any: it is not told of them); None for none."""
@@ -249,7 +352,37 @@ def conflicting_fields(req: _Request) -> tuple[str, str] | None:
         return "top_logprobs", "top_logprobs needs logprobs set to true"
     if isinstance(req, ChatCompletionRequest) and req.tool_choice not in (None, "none") and not req.tools:
         return "tool_choice", "tool_choice needs tools"
+    if req.structured_outputs is not None:
+        given = req.structured_outputs.given()
+        if len(given) != 1:
+            return "structured_outputs", (f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                                          f"got {', '.join(given) or 'none'}")
+    found = req.constraints()
+    if len(found) > 1:
+        return found[1][0], (f"one structured-output constraint per request: {_constraint_name(found[0])} and "
+                             f"{_constraint_name(found[1])} both given")
+    if isinstance(req, ChatCompletionRequest) and req.forces_tool_calls():
+        if found:
+            return "tool_choice", (f"tool_choice {_tool_choice_name(req.tool_choice)} constrains the reply to tool "
+                                   f"calls; it cannot be combined with {_constraint_name(found[0])}")
+        if isinstance(req.tool_choice, NamedToolChoice) and \
+                req.tool_choice.function.name not in [tool.function.name for tool in req.tools]:
+            return "tool_choice", (f"tool_choice names the function {req.tool_choice.function.name!r}, which is "
+                                   "not among the request's tools")
     return None
+
+
+def _constraint_name(found: tuple[str, dict]) -> str:
+    """``response_format json_schema``, ``guided_regex``, ``structured_outputs.choice``: a constraint in messages."""
+    param, spec = found
+    kind = next(iter(spec))
+    if param == "response_format":
+        return f"response_format {'json_object' if kind == 'json_object' else 'json_schema'}"
+    return f"structured_outputs.{kind}" if param == "structured_outputs" else param
+
+
+def _tool_choice_name(choice) -> str:
+    return f"{choice.function.name!r} (a named function)" if isinstance(choice, NamedToolChoice) else repr(choice)
 
 
 def unsupported_field(req: _Request) -> tuple[str, str] | None:
@@ -265,6 +398,8 @@ def unsupported_field(req: _Request) -> tuple[str, str] | None:
         ("stop", len(req.stop_list()) > MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are supported"),
         ("prompt_logprobs", req.prompt_logprobs is not None,
          "prompt_logprobs are not supported (only the generated tokens' logprobs)"),
+        ("structured_outputs", req.structured_outputs is not None and req.structured_outputs.structural_tag is not None,
+         "structured_outputs.structural_tag is not supported (json, regex, choice, grammar or json_object are)"),
     ]
     if isinstance(req, CompletionRequest):
         checks += [
@@ -272,14 +407,9 @@ def unsupported_field(req: _Request) -> tuple[str, str] | None:
             ("suffix", bool(req.suffix), "suffix is not supported"),
         ]
     if isinstance(req, ChatCompletionRequest):
-        rf = req.response_format.type if req.response_format is not None else "text"
         checks += [
-            ("tool_choice", req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice),
-             "tool_choice 'required' or a named function needs constrained decoding, which this server does not do "
-             "(use 'auto': the model chooses, or 'none')"),
             ("functions", bool(req.functions), "functions are not supported"),
             ("function_call", req.function_call not in (None, "none"), "function_call is not supported"),
-            ("response_format", rf != "text", f"response_format {rf!r} is not supported (only 'text')"),
             ("modalities", req.modalities not in (None, ["text"]), "only the text modality is supported"),
             ("audio", req.audio is not None, "audio output is not supported"),
         ]

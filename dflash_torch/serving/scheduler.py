@@ -79,7 +79,8 @@ _PARAM_OF_MESSAGE = {"stop token ids": "stop_token_ids", "temperature": "tempera
                      "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "min_tokens": "min_tokens",
                      "stop": "stop", "max_new_tokens": "max_tokens", "prompt": "prompt", "the prompt": "prompt",
                      "chat messages": "messages", "chat_template_kwargs": "chat_template_kwargs", "tools": "tools",
-                     "tool call arguments": "messages"}
+                     "tool call arguments": "messages", "ignore_eos": "ignore_eos",
+                     "structured_output": "structured_output"}  # (the app names its request's field: Job.param_aliases)
 
 
 class ParamError(DFlashError):
@@ -200,6 +201,8 @@ class Job:
     last_disconnect_check: float = field(default_factory=time.monotonic)
     scheduler: Scheduler | None = None
     unfinished: int = 0                # sequences without their ``done`` event yet
+    # an engine error's param -> the request's field it stands for (structured_output -> response_format)
+    param_aliases: dict[str, str] = field(default_factory=dict)
 
     def add(self, prompt_ids: list[int], max_new_tokens: int, kwargs: dict) -> Sequence:
         """Append a choice (its index is the number of choices before it)."""
@@ -493,7 +496,8 @@ class Scheduler:
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         if isinstance(exc, DFlashError):
-            seq.job.put("error", (str(exc), param_of(exc)), seq.index)
+            param = param_of(exc)
+            seq.job.put("error", (str(exc), seq.job.param_aliases.get(param, param)), seq.index)
         else:  # a bug, not the user's input: report a 500
             log.error("generation failed", exc_info=exc)
             seq.job.put("fatal", f"{type(exc).__name__}: {exc}", seq.index)

@@ -33,6 +33,10 @@ the reasoning parser, and the tool calls are looked for in the answer
 one message structure, so one parser, :class:`HarmonyToolParser` (the reasoning module's
 :class:`~.reasoning.HarmonyParser` that also reads recipients), does both.
 
+``tool_choice`` ``required`` or a named function (hermes only): :func:`hermes_grammar` is an
+llguidance grammar that constrains the reply to the calls themselves (structured outputs,
+:mod:`dflash_torch.structured`), so that the parser above reads them.
+
 Parsers are fed the reply in pieces and return what each piece adds; text that may still
 become a marker is held back until it cannot. The result does not depend on where the
 pieces were cut.
@@ -300,6 +304,56 @@ class ReplyParser:
             return reasoning, answer, []
         content, calls = self.tools.feed(answer)
         return reasoning, content + self.tools.finish(), calls
+
+
+# The arguments of constrained hermes calls: JSON as the templates render a call (``tojson``:
+# ", " and ": ", no other whitespace); a tool's own "x-guidance" options override these.
+HERMES_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# the rest of a reasoning the template opened: any text up to the first </think> (lazy: it
+# ends there), then at most 4 whitespace characters before the first call
+_REST_OF_REASONING = 'reasoning_rest /[ \\t\\r\\n]{0,4}/ '
+_REASONING_RULE = 'reasoning_rest[lazy]: /(?s:.*)<\\/think>/\n'
+
+
+def _arguments_schema(function: dict) -> dict | bool:
+    """A tool's ``parameters`` as the schema of its call's ``arguments``: an object (``type``
+    ``object`` unless the schema names a type), no parameters: any object."""
+    params = function.get("parameters")
+    if not isinstance(params, dict):
+        return {"type": "object", "x-guidance": HERMES_JSON_OPTIONS}
+    schema = dict(params)
+    schema.setdefault("type", "object")
+    guidance = schema.get("x-guidance")
+    schema["x-guidance"] = {**HERMES_JSON_OPTIONS, **(guidance if isinstance(guidance, dict) else {})}
+    return schema
+
+
+def hermes_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
+                   in_reasoning: bool = False) -> str:
+    """An llguidance Lark grammar (:class:`~dflash_torch.structured.StructuredOutput`
+    ``grammar``) of a reply that is only hermes tool calls, as :class:`HermesParser` reads
+    them: ``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`` where NAME is
+    one of ``tools`` (OpenAI's shape) and ARGS a JSON object valid under that tool's
+    ``parameters`` schema (:data:`HERMES_JSON_OPTIONS`). ``name``: that function only, one
+    call (``tool_choice`` a named function); else one call or more (``tool_choice``
+    ``required``), separated by a newline, or exactly one when ``parallel`` is False. The
+    reply ends (EOS) after the last call. ``in_reasoning``: the template opened a
+    ``<think>`` in the prompt: the reply first closes it (any text up to ``</think>``,
+    then up to 4 whitespace characters); a reply that was not inside a reasoning cannot
+    open one."""
+    functions = [t.get("function") or {} for t in tools]
+    functions = [f for f in functions if isinstance(f.get("name"), str) and (name is None or f["name"] == name)]
+    if not functions:
+        raise DFlashError(f"tools has no function {name!r} to call" if name is not None else "tools has no function")
+    rules, alternatives = [], []
+    for i, fn in enumerate(functions):
+        head = json.dumps(f'{CALL_OPEN}\n{{"name": {_dumps(fn["name"])}, "arguments": ')
+        alternatives.append(f"{head} arguments_{i} {json.dumps('}' + chr(10) + CALL_CLOSE)}")
+        rules.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(fn))}\n")
+    calls = "call" if name is not None or not parallel else 'call ("\\n" call)*'
+    start = f"start: {_REST_OF_REASONING if in_reasoning else ''}{calls}\n"
+    return (start + "call: " + " | ".join(alternatives) + "\n" + "".join(rules)
+            + (_REASONING_RULE if in_reasoning else ""))
 
 
 def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:

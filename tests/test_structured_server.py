@@ -1,0 +1,320 @@
+"""Structured outputs in the OpenAI-compatible server and the CLI: ``response_format``
+(``json_object``, ``json_schema``), vLLM's ``structured_outputs`` and ``guided_*`` fields,
+chat ``tool_choice`` ``required`` / a named function (hermes tool calls constrained by a
+grammar), and ``dflash-torch generate --json-schema / --json-object / --regex / --choice /
+--grammar``.
+
+Real servers of the shipped pair (``dflash-torch serve``) and the ``openai`` client. Oracles:
+the outputs parse and match their constraint (a small JSON-schema check written here, a
+regex fullmatch, membership of the choices); greedy speculative output equals a
+``--no-draft`` (target-only) server's for the same request (lossless); tool calls equal
+target-only decoding with the grammar the server builds (:func:`hermes_grammar`)."""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import ExitStack
+
+import openai
+import pytest
+from test_server import MODEL
+from test_server_scheduler import _serve, _streamed_choices
+
+from dflash_torch import DFlashEngine
+from dflash_torch.engine import DEFAULT_DRAFTER, DEFAULT_TARGET
+from dflash_torch.serving.tools import hermes_grammar
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "admin"],
+          "properties": {"name": {"enum": ["Ann", "Bob"]}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "admin": {"type": "boolean"}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"],
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "properties": {}}}}
+TOOLS = [WEATHER, TIME]
+MESSAGES = [{"role": "user", "content": "Who is it? Answer in JSON."}]
+REGEX = r"[0-9]{2,4}(\.[0-9]{1,2})?"
+CHOICES = ["alpha", "beta", "gamma"]
+
+
+def conforms(value, schema: dict) -> bool:
+    """``value`` is valid under ``schema`` (the keywords the schemas here use)."""
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    kind = schema.get("type")
+    if kind == "object":
+        if not isinstance(value, dict) or not all(k in value for k in schema.get("required", [])):
+            return False
+        props = schema.get("properties", {})
+        if schema.get("additionalProperties") is False and set(value) - set(props):
+            return False
+        return all(conforms(v, props[k]) for k, v in value.items() if k in props)
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool) and \
+            schema.get("minimum", value) <= value <= schema.get("maximum", value)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    return kind is None
+
+
+def test_the_schema_check_can_fail():
+    assert conforms({"name": "Ann", "age": 3, "admin": False}, PERSON)
+    for bad in ({"name": "Cy", "age": 3, "admin": False}, {"name": "Ann", "age": 100, "admin": False},
+                {"name": "Ann", "age": True, "admin": False}, {"name": "Ann", "age": 3}, [1],
+                {"name": "Ann", "age": 3, "admin": 0}, {"name": "Ann", "age": 3, "admin": False, "x": 1}):
+        assert not conforms(bad, PERSON), bad
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """(speculative, target-only) servers of the shipped pair, both writing hermes tool calls."""
+    logdir = tmp_path_factory.mktemp("structured")
+    with ExitStack() as stack:
+        spec = stack.enter_context(_serve((DEFAULT_TARGET, DEFAULT_DRAFTER), logdir, "--max-batch-size", "4",
+                                          "--tool-call-parser", "hermes"))
+        alone = stack.enter_context(_serve((DEFAULT_TARGET, None), logdir, "--no-draft", "--max-batch-size", "4",
+                                           "--tool-call-parser", "qwen3_coder"))
+        yield spec.client(), alone.client()
+
+
+def _chat(client, **kw):
+    """A chat completion of MESSAGES (greedy, at most 400 tokens, unless ``kw`` says otherwise)."""
+    return client.chat.completions.create(**{"model": MODEL, "messages": MESSAGES, "temperature": 0,
+                                             "max_tokens": 400, **kw})
+
+
+def _complete(client, **kw):
+    """A completion of ``x = `` (greedy, at most 400 tokens, unless ``kw`` says otherwise)."""
+    return client.completions.create(**{"model": MODEL, "prompt": "x = ", "temperature": 0, "max_tokens": 400, **kw})
+
+
+def test_json_schema_and_json_object_are_lossless_streamed_and_not_with_n_and_logprobs(servers):
+    spec, alone = servers
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = _chat(spec, response_format=fmt, n=2, logprobs=True, top_logprobs=2)
+    want = _chat(alone, response_format=fmt)
+    content = want.choices[0].message.content
+    assert conforms(json.loads(content), PERSON), content
+    for choice in r.choices:  # (greedy: both choices are the target's output)
+        assert choice.message.content == content and choice.finish_reason == "stop"
+        assert len(choice.logprobs.content) == r.usage.completion_tokens // 2
+        assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+        assert choice.model_extra["dflash"]["mean_acceptance_length"] > 2  # (the drafts were taken: not trivially equal)
+    text, finish, _ = _streamed_choices(_chat(spec, response_format=fmt, stream=True))
+    assert text == {0: content} and finish == {0: "stop"}
+    # json_object, on /v1/completions too (OpenAI's field; vLLM's structured_outputs.json_object the same)
+    json_object = {"response_format": {"type": "json_object"}}  # (the openai client's completions lack the field)
+    obj = _complete(alone, extra_body=json_object).choices[0].text
+    assert isinstance(json.loads(obj), dict)
+    assert _complete(spec, extra_body=json_object).choices[0].text == obj
+    assert _complete(spec, extra_body={"structured_outputs": {"json_object": True}}).choices[0].text == obj
+    # type text: no constraint
+    plain = _complete(spec, max_tokens=6, extra_body={"response_format": {"type": "text"}})
+    assert plain.choices[0].text == _complete(alone, max_tokens=6).choices[0].text and plain.usage.completion_tokens == 6
+    # the schema as vLLM's json (an object, or its text) and guided_json: the same constraint
+    for body in ({"structured_outputs": {"json": PERSON}}, {"structured_outputs": {"json": json.dumps(PERSON)}},
+                 {"guided_json": PERSON}):
+        assert _chat(spec, extra_body=body).choices[0].message.content == content
+
+
+def test_regex_choice_and_grammar_are_lossless(servers):
+    spec, alone = servers
+    cases = [({"guided_regex": REGEX}, lambda t: re.fullmatch(REGEX, t)),
+             ({"structured_outputs": {"regex": REGEX}}, lambda t: re.fullmatch(REGEX, t)),
+             ({"guided_choice": CHOICES}, lambda t: t in CHOICES),
+             ({"structured_outputs": {"choice": CHOICES}}, lambda t: t in CHOICES),
+             ({"structured_outputs": {"grammar": 'start: "yes" | "no" | "n" DIGIT\nDIGIT: /[0-9]/'}},
+              lambda t: re.fullmatch(r"yes|no|n[0-9]", t)),
+             ({"guided_grammar": 'start: "(" start ")" | "x"'}, lambda t: re.fullmatch(r"\(*x\)*", t) and t.count("(") == t.count(")"))]
+    for body, ok in cases:
+        want = _complete(alone, extra_body=body, logprobs=0).choices[0]
+        assert ok(want.text) and want.finish_reason == "stop", (body, want)
+        got = _complete(spec, extra_body=body, logprobs=1, n=2)
+        assert [c.text for c in got.choices] == [want.text] * 2, body
+        assert len(got.choices[0].logprobs.tokens) == got.usage.completion_tokens // 2
+        text, finish, usage = _streamed_choices(_complete(spec, extra_body=body, stream=True,
+                                                          stream_options={"include_usage": True}))
+        assert text == {0: want.text} and finish == {0: "stop"}
+        assert usage.completion_tokens == got.usage.completion_tokens // 2 == len(want.logprobs.tokens)
+        chat = _chat(spec, extra_body=body).choices[0].message.content
+        assert ok(chat) and chat == _chat(alone, extra_body=body).choices[0].message.content, body
+
+
+def test_sampled_constrained_outputs_match_their_constraint(servers):
+    spec, _ = servers
+    r = _complete(spec, temperature=1.0, seed=3, n=4, extra_body={"guided_choice": CHOICES})
+    assert all(c.text in CHOICES for c in r.choices)
+    r = _chat(spec, temperature=0.8, seed=5, n=3, response_format={"type": "json_schema", "json_schema": {
+        "name": "p", "schema": PERSON}})
+    assert all(conforms(json.loads(c.message.content), PERSON) for c in r.choices)
+    r = _complete(spec, temperature=1.0, seed=1, n=3, extra_body={"structured_outputs": {"regex": REGEX}})
+    assert all(re.fullmatch(REGEX, c.text) for c in r.choices)
+
+
+def _calls(tool_calls) -> list[tuple[str, dict]]:
+    assert all(c.type == "function" and c.id.startswith("call_") for c in tool_calls)
+    return [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls]
+
+
+def _schema_of(name: str) -> dict:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def test_tool_choice_required_and_named_give_tool_calls_equal_to_target_only(servers):
+    spec, _ = servers
+    alone = DFlashEngine.from_pretrained(no_draft=True)
+    for tool_choice, extra, name, parallel in [("required", {"parallel_tool_calls": False}, None, False),
+                                               ({"type": "function", "function": {"name": "get_time"}}, {}, "get_time",
+                                                True),
+                                               ({"type": "function", "function": {"name": "get_weather"}}, {},
+                                                "get_weather", True)]:
+        want = alone.generate(MESSAGES, chat=True, tools=TOOLS, max_new_tokens=400,
+                              structured_output={"grammar": hermes_grammar(TOOLS, name, parallel)})
+        r = _chat(spec, tools=TOOLS, tool_choice=tool_choice, n=2, **extra)
+        for choice in r.choices:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+            calls = _calls(choice.message.tool_calls)
+            assert len(calls) == 1 and (name is None or calls[0][0] == name), calls
+            assert conforms(calls[0][1], _schema_of(calls[0][0])), calls
+            text = want.text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+            assert json.loads(text) == {"name": calls[0][0], "arguments": calls[0][1]}
+        streamed, finish = [], None
+        for chunk in _chat(spec, tools=TOOLS, tool_choice=tool_choice, stream=True, **extra):
+            for ch in chunk.choices:
+                assert not ch.delta.content
+                streamed += ch.delta.tool_calls or []
+                finish = ch.finish_reason or finish
+        assert finish == "tool_calls" and _calls(streamed) == calls
+    # required, parallel calls allowed: one call or more, each valid, until max_tokens at most
+    r = _chat(spec, tools=TOOLS, tool_choice="required", max_tokens=120)
+    calls = _calls(r.choices[0].message.tool_calls)
+    assert calls and all(conforms(args, _schema_of(name)) for name, args in calls)
+
+
+def test_tool_call_grammar_accepts_what_the_hermes_parser_reads():
+    """The grammar's calls (a reasoning the template opened first) are what the parser reads back."""
+    from llguidance import LLMatcher
+
+    from dflash_torch.serving.tools import new_reply_parser, parse_reply
+
+    engine = DFlashEngine.from_pretrained(no_draft=True)
+    tokenizer = engine.grammars.tokenizer()
+
+    def accepts(grammar: str, text: str) -> bool:
+        m = LLMatcher(tokenizer, LLMatcher.grammar_from_lark(grammar))
+        return all(m.consume_token(t) for t in engine.tokenizer.encode(text, add_special_tokens=False)) and \
+            m.is_accepting()
+
+    one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    two = one + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert accepts(hermes_grammar(TOOLS), one) and accepts(hermes_grammar(TOOLS), two)
+    assert not accepts(hermes_grammar(TOOLS, parallel=False), two)
+    assert not accepts(hermes_grammar(TOOLS, "get_time"), one)
+    assert not accepts(hermes_grammar(TOOLS), one.replace("Oslo", "Rome"))  # (not in the enum)
+    assert not accepts(hermes_grammar(TOOLS), "Sure. " + one)
+    thought = "first </thin k> then</think>\n\n" + two
+    assert accepts(hermes_grammar(TOOLS, in_reasoning=True), thought)
+    assert not accepts(hermes_grammar(TOOLS, in_reasoning=True), two)
+    reasoning, content, calls = parse_reply(new_reply_parser("think", "hermes", "<think>\n"), thought, True)
+    assert (reasoning, content) == ("first </thin k> then", "")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo", "days": 2}),
+                                                                   ("get_time", {})]
+
+
+BAD = [  # (endpoint, body, param, words of the message)
+    ("chat", {"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+    ("chat", {"response_format": {"type": "json_schema"}}, "response_format", "json_schema object"),
+    ("completion", {"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}},
+     "response_format.json_schema.schema", "missing"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": PERSON}}},
+     "response_format.json_schema.name", "64"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x" * 65, "schema": PERSON}}},
+     "response_format.json_schema.name", "64"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "objekt"}}}},
+     "response_format", "invalid"),
+    ("completion", {"guided_json": "{not json"}, "guided_json", "not JSON"),
+    ("completion", {"guided_regex": "(("}, "guided_regex", "regex"),
+    ("completion", {"structured_outputs": {"regex": "[a-"}}, "structured_outputs", "regex"),
+    ("completion", {"guided_choice": []}, "guided_choice", "non-empty"),
+    ("completion", {"guided_choice": "yes"}, "guided_choice", "list"),
+    ("completion", {"guided_grammar": "start: undefined_rule"}, "guided_grammar", "grammar"),
+    ("completion", {"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ("completion", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ("completion", {"structured_outputs": {"structural_tag": {"x": 1}, "regex": "a"}}, "structured_outputs",
+     "structural_tag"),
+    ("chat", {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "both"),
+    ("completion", {"structured_outputs": {"choice": ["a"]}, "guided_json": PERSON}, "guided_json", "both"),
+    ("completion", {"guided_regex": "a", "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    ("completion", {"guided_regex": "a", "min_tokens": 2}, "min_tokens", "min_tokens"),
+    ("chat", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined"),
+    ("chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "tools",
+     "constrain"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,param,words", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_constraints_are_400s_naming_the_field(servers, endpoint, body, param, words):
+    spec, _ = servers
+    with pytest.raises(openai.BadRequestError) as err:
+        (_chat if endpoint == "chat" else _complete)(spec, max_tokens=8, extra_body=body, stream=True)
+    e = err.value.body
+    assert e["param"] == param and words in e["message"] and "\n" not in e["message"], e
+
+
+def test_tool_choice_that_needs_constraints_is_refused_for_other_formats(servers):
+    _, alone = servers  # (--tool-call-parser qwen3_coder)
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            _chat(alone, tools=TOOLS, tool_choice=choice)
+        assert err.value.body["param"] == "tool_choice" and "hermes" in err.value.body["message"], err.value.body
+        assert "qwen3_coder" in err.value.body["message"]
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def test_cli_flags_equal_the_python_api(tmp_path, capsys):
+    from dflash_torch.cli import main as cli_main
+
+    engine = DFlashEngine.from_pretrained()
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(PERSON))
+    grammar_file = tmp_path / "g.lark"
+    grammar_file.write_text('start: "yes" | "no"')
+    cases = [(["--json-schema", json.dumps(PERSON)], {"json": PERSON}),
+             (["--json-schema", f"@{schema_file}"], {"json": PERSON}),
+             (["--json-object"], {"json_object": True}),
+             (["--regex", REGEX], {"regex": REGEX}),
+             (["--choice", "alpha", "--choice", "beta"], {"choice": ["alpha", "beta"]}),
+             (["--grammar", 'start: "yes" | "no"'], {"grammar": 'start: "yes" | "no"'}),
+             (["--grammar", f"@{grammar_file}"], {"grammar": 'start: "yes" | "no"'})]
+    for flags, spec in cases:
+        assert cli_main(["generate", "--json", "--max-new-tokens", "300", *flags, "x = "]) == 0
+        out = json.loads(capsys.readouterr().out)
+        want = engine.generate("x = ", max_new_tokens=300, structured_output=spec)
+        assert out["token_ids"] == want.token_ids and out["finish_reason"] == "stop", flags
+        if "json" in spec:
+            assert conforms(json.loads(out["text"]), PERSON)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--json-object", "--regex", "a"], "give at most one of --json-schema, --json-object, --regex, --choice, --grammar"),
+    (["--choice", "a", "--grammar", "start: \"a\""], "got --choice and --grammar"),
+    (["--regex", "(("], "--regex regex is invalid"),
+    (["--json-schema", "{bad"], "--json-schema must be a JSON schema"),
+    (["--json-schema", "@/nonexistent/schema.json"], "--json-schema: cannot read"),
+    (["--grammar", "start: nothing_here"], "--grammar grammar is invalid"),
+    (["--choice", "a", "--ignore-eos"], "--ignore-eos cannot be combined with a structured output"),
+])
+def test_cli_errors_are_one_line_exit_2(flags, message, capsys):
+    from dflash_torch.cli import main as cli_main
+
+    assert cli_main(["generate", *flags, "x = "]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-torch: error: ") and message in err and err.count("\n") == 1, err
