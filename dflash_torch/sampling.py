@@ -447,8 +447,11 @@ class LogitsProcessor:
                 x = logits.to(torch.float32, copy=True)
             x[:held, self.held] = float("-inf")
         if self.grammar is not None:  # row j: after the committed tokens and d_1 .. d_j
-            allowed = self.grammar.masks([] if draft is None else draft.tolist())
-            x = x.float().masked_fill(~allowed, float("-inf"))
+            drafts = [] if draft is None else draft.tolist()
+            if self.params.greedy:  # (masks only where they change the argmax: GrammarState.mask_greedy)
+                x = self.grammar.mask_greedy(x.float(), drafts)
+            else:
+                x = x.float().masked_fill(~self.grammar.masks(drafts), float("-inf"))
         return x
 
     @property

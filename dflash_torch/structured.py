@@ -272,12 +272,13 @@ class GrammarState:
     """One sequence's constraint: an llguidance matcher that has consumed the sequence's
     committed tokens, plus the tokens a round consumes past them (its drafts: the *path*).
 
-    ``rows[i]`` is the bit mask (int32 ``[W]``) at the position after the committed tokens
-    and ``path[:i]``. Once a token the grammar refuses is offered, or the grammar allows
-    nothing more (after an EOS), the path ends there (``dead``): later rows are not
-    computed and every token counts as allowed there, a position no committed token can
-    reach (acceptance stops at the refused token; decoding stops at the EOS). An EOS ends
-    the path and is never given to the matcher.
+    Bit masks (int32 ``[W]``, :func:`unpack_bitmask`) are computed only where needed and
+    cached per path prefix (``rows``: prefix -> mask at the position after the committed
+    tokens and that prefix) until the next commit. Whether one token is allowed is read
+    from a cached mask, else asked of llguidance (``validate_tokens``: much cheaper than a
+    mask; an EOS needs the mask, which validate_tokens does not answer for). An EOS ends the path and is never given to the matcher (nothing follows an EOS;
+    llguidance keeps no rollback history of an EOS after a complete constraint). Positions
+    past an EOS are never masked: decoding stops at the EOS.
     """
 
     def __init__(self, grammar: Grammar, device: torch.device | str):
@@ -290,100 +291,137 @@ class GrammarState:
         self._words = (self.vocab_size + 31) // 32
         self.eos = frozenset(grammar.eos_token_ids)
         self.path: list[int] = []
-        self.rows: list[torch.Tensor] = []
-        self.dead = False
+        self.rows: dict[tuple[int, ...], torch.Tensor] = {}
         self.ended = False  # the committed tokens end with an EOS
 
+    def _fail(self) -> DFlashError:
+        return DFlashError(f"structured output failed: {_first_line(self.matcher.get_error())}")
+
     def _ended(self) -> bool:
-        """Whether the last token consumed (of the path, else of the committed ones) is an EOS."""
+        """Whether the path (else the committed tokens) ends with an EOS."""
         return self.path[-1] in self.eos if self.path else self.ended
 
-    def _compute_row(self) -> None:
-        """The bit mask at the end of the path, appended to ``rows`` (the path ends if it is empty)."""
-        if self._ended():  # (past an EOS nothing follows)
-            self.dead = True
-            return
-        row = torch.empty(self._words, dtype=torch.int32)
-        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-        if self.matcher.is_error():
-            raise DFlashError(f"structured output failed: {_first_line(self.matcher.get_error())}")
-        if not bool(row.any()):
-            self.dead = True
-        else:
-            self.rows.append(row)
-
-    def next_allowed(self) -> torch.Tensor | None:
-        """bool ``[V]`` on the device: the tokens allowed after the committed tokens and the
-        path; None where the path has ended (any token)."""
-        if not self.dead and len(self.rows) == len(self.path):
-            self._compute_row()
-        if self.dead:
+    def _row(self) -> torch.Tensor | None:
+        """The bit mask at the end of the path (cached); None past an EOS or where nothing is allowed."""
+        if self._ended():
             return None
-        return unpack_bitmask(self.rows[len(self.path)][None], self.vocab_size)[0].to(self.device)
+        key = tuple(self.path)
+        row = self.rows.get(key)
+        if row is None:
+            row = torch.empty(self._words, dtype=torch.int32)
+            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+            if self.matcher.is_error():
+                raise self._fail()
+            self.rows[key] = row
+        return row if bool(row.any()) else None
 
-    def _allows(self, token: int) -> bool:
-        if not self.dead and len(self.rows) == len(self.path):
-            self._compute_row()
-        if self.dead or not 0 <= token < self.vocab_size:
+    def _unpack(self, row: torch.Tensor) -> torch.Tensor:
+        return unpack_bitmask(row[None], self.vocab_size)[0].to(self.device)
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows ``token`` at the end of the path."""
+        if self._ended() or not 0 <= token < self.vocab_size:
             return False
-        word = int(self.rows[len(self.path)][token >> 5])
-        return bool((word >> (token & 31)) & 1)
+        row = self.rows.get(tuple(self.path))
+        if row is None and token in self.eos:  # (validate_tokens does not answer for an EOS)
+            row = self._row()
+            if row is None:
+                return False
+        if row is not None:
+            return bool((int(row[token >> 5]) >> (token & 31)) & 1)
+        return self.matcher.validate_tokens([token]) == 1
 
     def advance(self, token: int) -> bool:
-        """Extend the path by ``token`` if the grammar allows it there; else the path ends.
-        Returns whether it was allowed."""
-        if not self._allows(token):
-            self.dead = True
+        """Extend the path by ``token`` if the grammar allows it there (else nothing changes).
+        Returns whether it did."""
+        if not self.allows(token):
             return False
-        if token in self.eos:  # (never given to the matcher: it keeps no rollback history of an EOS after a
-            self.path.append(token)  # complete constraint; nothing follows an EOS anyway)
-            return True
-        if not self.matcher.consume_token(token):
-            raise DFlashError(f"structured output failed: {_first_line(self.matcher.get_error())}")
+        if token not in self.eos and not self.matcher.consume_token(token):
+            raise self._fail()
         self.path.append(token)
         return True
 
-    def _truncate(self, n: int) -> None:
+    def next_allowed(self) -> torch.Tensor | None:
+        """bool ``[V]`` on the device: the tokens allowed at the end of the path; None past
+        an EOS (or where nothing is allowed): any token."""
+        row = self._row()
+        return None if row is None else self._unpack(row)
+
+    def _rewind(self, n: int) -> None:
         """Roll the path back to its first ``n`` tokens."""
         if n < len(self.path):
             consumed = len(self.path) - n - (self.path[-1] in self.eos)  # (an EOS was not given to the matcher)
             if consumed and not self.matcher.rollback(consumed):
-                raise DFlashError(f"structured output failed: {_first_line(self.matcher.get_error())}")
+                raise self._fail()
             del self.path[n:]
-            del self.rows[n + 1:]
-        self.dead = False  # (a refused token ended it here: another may follow; an empty row is found again)
 
     def masks(self, draft: Sequence[int] = ()) -> torch.Tensor:
         """The masks of a verify block ``[t0, d_1 .. d_{R-1}]``: bool ``[R, V]`` on the device,
-        row j the tokens allowed after the committed tokens and ``d_1 .. d_j`` (rows past a
-        draft token the grammar refuses: all True, see the class docstring). Reuses what
-        guided drafting computed when ``draft`` starts with the path."""
+        row j the tokens allowed after the committed tokens and ``d_1 .. d_j``; rows past a
+        draft token the grammar refuses, or past an EOS, are all True (positions no
+        committed token reaches: acceptance stops at the refused token, decoding at the EOS)."""
         draft = [int(t) for t in draft]
-        common = 0
-        while common < min(len(draft), len(self.path)) and draft[common] == self.path[common]:
-            common += 1
-        self._truncate(common)
-        while len(self.path) < len(draft) and self.advance(draft[len(self.path)]):
-            pass
-        if not self.dead and len(self.rows) == len(self.path):
-            self._compute_row()
-        rows = len(draft) + 1
-        known = unpack_bitmask(torch.stack(self.rows[:rows]), self.vocab_size)
-        if known.shape[0] < rows:
-            known = torch.cat([known, known.new_ones(rows - known.shape[0], self.vocab_size)])
+        self._rewind(0)
+        rows = []
+        for j in range(len(draft) + 1):
+            row = self._row()
+            if row is None:
+                break
+            rows.append(row)
+            if j == len(draft) or not self.advance(draft[j]):
+                break
+        known = unpack_bitmask(torch.stack(rows), self.vocab_size) if rows else torch.ones(0, self.vocab_size, dtype=torch.bool)
+        if known.shape[0] <= len(draft):
+            known = torch.cat([known, known.new_ones(len(draft) + 1 - known.shape[0], self.vocab_size)])
         return known.to(self.device)
+
+    def mask_greedy(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
+        """Greedy decoding's masks of a verify block, computed only where they change a
+        decision: ``logits`` float32 ``[R, V]`` (processed, row j after ``d_1 .. d_j``) ->
+        float32 ``[R, V]`` whose argmax rows equal those of the fully masked logits up to
+        the first row whose choice differs from the draft (greedy acceptance reads no
+        further). Row j is masked only where the grammar refuses its argmax (the argmax of
+        the masked row is then a different token); elsewhere the argmax is allowed, so it
+        is also the masked argmax (the first index of the maximum either way). Returns
+        ``logits`` itself when no row is masked."""
+        draft = [int(t) for t in draft]
+        choices = logits.argmax(dim=-1).tolist()
+        self._rewind(0)
+        masked: dict[int, torch.Tensor] = {}
+        for j in range(len(draft) + 1):
+            if self._ended():  # (an accepted EOS: decoding stops there)
+                break
+            choice = choices[j]
+            if not self.allows(choice):
+                row = self._row()
+                if row is None:
+                    break
+                masked[j] = self._unpack(row)
+                choice = int(logits[j].masked_fill(~masked[j], float("-inf")).argmax())
+            if j == len(draft) or choice != draft[j] or not self.advance(draft[j]):
+                break
+        if not masked:
+            return logits
+        out = logits.clone()
+        for j, allowed in masked.items():
+            out[j].masked_fill_(~allowed, float("-inf"))
+        return out
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The round committed ``tokens`` (in order): roll back the rest of the path, consume
-        them; the next round starts with an empty path. Tokens after the grammar has
-        stopped (past an EOS, where decoding stops) are not consumed."""
+        them; the next round starts with an empty path (and the masks cached past them).
+        Tokens after an EOS (where decoding stops) are not consumed."""
         tokens = [int(t) for t in tokens]
         common = 0
         while common < min(len(tokens), len(self.path)) and tokens[common] == self.path[common]:
             common += 1
-        self._truncate(common)
+        self._rewind(common)
         for t in tokens[common:]:
-            if self._ended() or not self.advance(t):
+            if self._ended():
                 break
+            if not self.advance(t):  # (every decision was made on masked logits: a bug if it happens)
+                raise DFlashError(f"structured output failed: committed token {t} is not allowed by the constraint")
+        k, path = len(self.path), tuple(self.path)
         self.ended = self._ended()
-        self.path, self.rows, self.dead = [], self.rows[len(self.path):len(self.path) + 1], False
+        self.rows = {key[k:]: row for key, row in self.rows.items() if key[:k] == path}
+        self.path = []

@@ -159,6 +159,81 @@ def test_unpack_bitmask_reads_llguidance_bit_order():
     assert got == [0, 5, 63, 98]
 
 
+def random_walk(grammar, committed: list[int], n: int, g, refuse: float = 0.0) -> list[int]:
+    """Up to ``n`` tokens after ``committed`` that the grammar allows (with probability
+    ``refuse`` per step, a token it refuses, which ends the walk), stopping after an EOS."""
+    walker = grammar.state("cpu")
+    walker.commit(committed)
+    out = []
+    for _ in range(n):
+        allowed = walker.next_allowed()
+        if allowed is None:
+            break
+        refused = torch.rand(1, generator=g) < refuse
+        pool = (~allowed if refused else allowed).nonzero()[:, 0]
+        out.append(int(pool[torch.randint(len(pool), (1,), generator=g)]))
+        if refused or out[-1] == EOS_ID:
+            break
+        assert walker.advance(out[-1])
+    return out
+
+
+def test_allows_agrees_with_the_mask(engines):
+    """GrammarState.allows (llguidance's validate_tokens where no mask is cached; the mask
+    for an EOS) == the mask's bit, for every token, at states along random valid paths."""
+    engine = engines["tiny"]
+    V = engine.target.config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    for name in ("json", "choice", "grammar", "regex"):
+        grammar = engine.grammars.compile(SPECS[name])
+        for _ in range(3):
+            path = random_walk(grammar, [], 12, g)
+            for k in range(len(path)):
+                probe, ref = grammar.state("cpu"), grammar.state("cpu")
+                probe.commit(path[:k])
+                ref.commit(path[:k])
+                assert [probe.allows(t) for t in range(V)] == ref.next_allowed().tolist(), (name, path[:k])
+
+
+@pytest.mark.parametrize("name", ["json", "choice", "grammar", "regex"])
+def test_lazy_greedy_masks_decide_as_full_masks(engines, name):
+    """mask_greedy masks only rows whose argmax the grammar refuses: greedy acceptance
+    (accepted count and bonus token) on its output == on the fully masked block, over random
+    logits and drafts (valid walks, refused tokens, EOS); ``logits`` is never written."""
+    from dflash_torch.sampling import accept_greedy
+
+    engine = engines["tiny"]
+    V = engine.target.config.vocab_size
+    grammar = engine.grammars.compile(SPECS[name])
+    g = torch.Generator().manual_seed(4)
+    masked_rows = decided = 0
+    for episode in range(6):
+        lazy, full, committed = grammar.state("cpu"), grammar.state("cpu"), []
+        for _ in range(12):
+            draft = random_walk(grammar, committed, 7, g, refuse=0.1)
+            logits = torch.randn(len(draft) + 1, V, generator=g) * 3
+            for j, t in enumerate(draft):  # the target often agrees with the draft (no mask needed there)
+                if torch.rand(1, generator=g) < 0.7:
+                    logits[j, t] += 20
+            before = logits.clone()
+            mine = lazy.mask_greedy(logits, draft)
+            assert torch.equal(logits, before)
+            ref = logits.masked_fill(~full.masks(draft), float("-inf"))
+            d = torch.tensor(draft, dtype=torch.long)
+            a1, b1 = accept_greedy(d, mine)
+            a2, b2 = accept_greedy(d, ref)
+            assert (int(a1), int(b1)) == (int(a2), int(b2)), (name, committed, draft)
+            masked_rows += int((mine[:int(a2) + 1] != logits[:int(a2) + 1]).any(-1).sum())
+            decided += int(a2) + 1
+            tokens = draft[:int(a2)] + [int(b2)]
+            lazy.commit(tokens)
+            full.commit(tokens)
+            committed += tokens
+            if EOS_ID in tokens:
+                break
+    assert decided > 20 and 0 < masked_rows < decided  # (rows needed masks, and others were decided without)
+
+
 @pytest.mark.parametrize("arch", ["dflash", "dflash2"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_guided_drafts_are_valid_continuations(engines, arch, temperature):

@@ -294,6 +294,12 @@ class DFlash2Drafter(DFlashDrafter):
         previous = 0
         for slot in range(S):
             row = edges[slot, previous].float()[None]  # [1, K]: scores of the candidates after the path's last step
+            if params.greedy:  # the best candidate, or the best allowed one
+                rank = int(row.argmax())
+                if guide.advance(int(ids[slot, rank])):
+                    tokens.append(int(ids[slot, rank]))
+                    previous = rank
+                    continue
             allowed = guide.next_allowed()
             if allowed is not None:
                 ok = allowed[ids[slot]]

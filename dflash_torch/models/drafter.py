@@ -261,6 +261,15 @@ class DFlashDrafter(nn.Module):
             (masked by the guide's tokens, if any). Greedy decoding without a guide also
             takes leading block dimensions (``[..., B-1]`` tokens).
         """
+        if guide is not None and params.greedy:  # each slot's argmax, or its argmax among the allowed tokens
+            tokens = greedy_tokens(scores).tolist()
+            for r, token in enumerate(tokens):
+                if not guide.advance(token):
+                    allowed = guide.next_allowed()
+                    if allowed is not None:
+                        tokens[r] = int(greedy_tokens(scores[r:r + 1].float().masked_fill(~allowed, float("-inf")))[0])
+                        guide.advance(tokens[r])
+            return torch.tensor(tokens, dtype=torch.long, device=scores.device), None
         if guide is not None:
             tokens, probs = [], []
             for row in scores:
@@ -268,15 +277,12 @@ class DFlashDrafter(nn.Module):
                 x = row[None].float()
                 if allowed is not None:
                     x = x.masked_fill(~allowed, float("-inf"))
-                if params.greedy:
-                    token = greedy_tokens(x)
-                else:
-                    p = probabilities(x, params)
-                    token = sample(p, generator)
-                    probs.append(p)
+                p = probabilities(x, params)
+                token = sample(p, generator)
+                probs.append(p)
                 tokens.append(token)
                 guide.advance(int(token))
-            return torch.cat(tokens), None if params.greedy else torch.cat(probs)
+            return torch.cat(tokens), torch.cat(probs)
         if params.greedy:
             return greedy_tokens(scores), None
         probs = probabilities(scores, params)
