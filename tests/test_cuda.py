@@ -336,6 +336,42 @@ def test_auto_policy_with_logprobs_and_a_penalty_on_cuda_graphs_equals_cpu(agree
     assert len(got[0][1]) == 30
 
 
+def _structured_run(pair, device: str, compile: bool):
+    """Constrained greedy decoding (regex, JSON schema) of the agreeable pair, alone and
+    batched, float32, on ``device``."""
+    from dflash_torch import DFlashEngine
+
+    engine = DFlashEngine.from_pretrained(*pair, dtype="float32", device=device, compile=compile, max_context=256,
+                                          max_batch_size=4)
+    specs = [{"regex": "[A-Z ]{1,40}"}, {"json": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                                  "required": ["n"], "x-guidance": {"whitespace_flexible": False}}}]
+    prompts = [[5, 9, 13], [100, 7], [7, 7, 3]]
+    out = [engine.generate(p, max_new_tokens=32, structured_output=s).token_ids for p in prompts for s in specs]
+    out += [o.token_ids for o in engine.generate_batch(prompts, max_new_tokens=32, structured_output=specs[0])]
+    return out
+
+
+def test_structured_helper_runs_on_the_cpu(agree_pair):
+    """(the CUDA test's helper, eager on the CPU: it runs and the batch equals the singles)"""
+    out = _structured_run(agree_pair, "cpu", compile=False)
+    assert out[-3:] == [out[0], out[2], out[4]]
+
+
+@cuda
+def test_structured_outputs_on_cuda_graphs_equal_cpu(agree_pair):
+    """float32, CUDA graphs: constrained greedy outputs (masks applied to the graphs'
+    outputs, outside them) == the eager CPU engine's, alone and batched; no CUDA graph skipped.
+    Skipped where llguidance is not installed (the GPU machine may have torch and
+    transformers only)."""
+    pytest.importorskip("llguidance")
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    want = _structured_run(agree_pair, "cpu", compile=False)
+    got = _structured_run(agree_pair, "cuda", compile=True)
+    assert compile_counts()[1] == 0
+    assert got == want
+
+
 @cuda
 def test_joined_projections_on_cuda_graphs_equal_target_only_and_the_profile_sees_kernels(agree_pair):
     """The engine's CUDA default (joined projections, :mod:`dflash_torch.models.fusing`),
