@@ -101,8 +101,12 @@ class StructuredOutput:
                 except ValueError as e:
                     raise OptionError(f"structured_output json must be a JSON schema; its text is not JSON: {e}",
                                       "structured_output") from None
-            if not isinstance(schema, Mapping) and not isinstance(schema, bool):
-                raise OptionError(f"structured_output json must be a JSON schema (an object), got "
+            if schema is False:
+                raise OptionError("structured_output json schema false allows no value", "structured_output")
+            if schema is True:  # (the schema true: any JSON value, as {})
+                schema = {}
+            if not isinstance(schema, Mapping):
+                raise OptionError(f"structured_output json must be a JSON schema (an object, or true), got "
                                   f"{type(schema).__name__}", "structured_output")
             object.__setattr__(self, "json", schema)
         for name in ("regex", "grammar"):
@@ -141,8 +145,8 @@ class StructuredOutput:
 
     def key(self) -> str:
         """A canonical text of the constraint (equal constraints, equal keys): the compile cache's key."""
-        value = getattr(self, self.kind)
-        return self.kind + ":" + json.dumps(list(value) if isinstance(value, tuple) else value, sort_keys=True)
+        value = getattr(self, self.kind)  # (key order kept: a schema's property order is the output's)
+        return self.kind + ":" + json.dumps(list(value) if isinstance(value, tuple) else value)
 
     def llguidance_grammar(self) -> str:
         """The constraint as an llguidance grammar (not yet checked).
@@ -249,6 +253,14 @@ class GrammarCompiler:
             if error:
                 raise OptionError(f"structured_output {spec.kind} is invalid: {_first_line(messages[0])}",
                                   "structured_output")
+            probe = LLMatcher(tokenizer, text, log_level=0)  # (a language with no first token: refused now)
+            first = torch.empty((self.vocab_size + 31) // 32, dtype=torch.int32)
+            if not probe.is_error():
+                probe.unsafe_compute_mask_ptr(first.data_ptr(), first.numel() * 4)
+            if probe.is_error() or not bool(first.any()):
+                why = f": {_first_line(probe.get_error())}" if probe.is_error() else ""
+                raise OptionError(f"structured_output {spec.kind} allows no output with this tokenizer{why}",
+                                  "structured_output")
             grammar = Grammar(spec, text, tokenizer, self.vocab_size, self.eos_token_ids)
             self._cache[key] = grammar
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
@@ -268,76 +280,138 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (bitmask[:, :, None] & _BITS).ne(0).view(bitmask.shape[0], -1)[:, :vocab_size]
 
 
+def _bit(row: torch.Tensor, token: int) -> bool:
+    """Bit ``token`` of a bit mask int32 ``[W]``."""
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
+def _set_bit(row: torch.Tensor, token: int, on: bool) -> None:
+    """Set or clear bit ``token`` of a bit mask int32 ``[W]``, in place."""
+    word = int(row[token >> 5]) & 0xFFFFFFFF
+    word = word | (1 << (token & 31)) if on else word & ~(1 << (token & 31))
+    row[token >> 5] = word - (1 << 32) if word >= 1 << 31 else word
+
+
+def _masked_argmax(row_logits: torch.Tensor, bits: torch.Tensor, vocab_size: int) -> int:
+    """The argmax of one row of logits ``[V]`` among the tokens of a bit mask int32 ``[W]``."""
+    allowed = unpack_bitmask(bits[None], vocab_size)[0].to(row_logits.device)
+    return int(row_logits.masked_fill(~allowed, float("-inf")).argmax())
+
+
 class GrammarState:
-    """One sequence's constraint: an llguidance matcher that has consumed the sequence's
-    committed tokens, plus the tokens a round consumes past them (its drafts: the *path*).
+    """One sequence's constraint: llguidance matchers over the sequence's committed tokens
+    and the tokens a round tries past them (its drafts: the *path*).
+
+    ``snaps[i]`` is a matcher after the committed tokens and ``path[:i]`` (llguidance's
+    ``deep_copy`` costs about a microsecond, so no matcher is ever rolled back: that works
+    for every grammar, ``max_tokens=`` lexemes included, and a token llguidance fails to
+    consume leaves no broken matcher behind: it only counts as refused there). An EOS ends
+    the path and is never given to a matcher; positions past an EOS are never masked
+    (decoding stops at the EOS).
 
     Bit masks (int32 ``[W]``, :func:`unpack_bitmask`) are computed only where needed and
-    cached per path prefix (``rows``: prefix -> mask at the position after the committed
-    tokens and that prefix) until the next commit. Whether one token is allowed is read
-    from a cached mask, else asked of llguidance (``validate_tokens``: much cheaper than a
-    mask; an EOS needs the mask, which validate_tokens does not answer for). An EOS ends the path and is never given to the matcher (nothing follows an EOS;
-    llguidance keeps no rollback history of an EOS after a complete constraint). Positions
-    past an EOS are never masked: decoding stops at the EOS.
+    cached per path prefix until the next commit. Whether one token is allowed is read from
+    a cached mask, else asked of llguidance (``validate_tokens``: much cheaper than a mask;
+    an EOS needs the mask, which ``validate_tokens`` does not answer for).
+
+    A constraint that cannot go on where the committed tokens stand (llguidance fails, or
+    allows no token; compile-time checks catch most such grammars) does not raise: it
+    allows the EOS only there and sets :attr:`failed`, so that the sequence ends at once and
+    its decoder reports the error for that sequence alone.
     """
 
     def __init__(self, grammar: Grammar, device: torch.device | str):
         llg = _load_llguidance()
-        self.matcher = llg.LLMatcher(grammar.tokenizer, grammar.grammar)
-        if self.matcher.is_error():
-            raise OptionError(f"structured_output {grammar.spec.kind} is invalid: {_first_line(self.matcher.get_error())}",
+        matcher = llg.LLMatcher(grammar.tokenizer, grammar.grammar, log_level=0)
+        if matcher.is_error():
+            raise OptionError(f"structured_output {grammar.spec.kind} is invalid: {_first_line(matcher.get_error())}",
                               "structured_output")
         self.vocab_size, self.device = grammar.vocab_size, torch.device(device)
         self._words = (self.vocab_size + 31) // 32
         self.eos = frozenset(grammar.eos_token_ids)
         self.path: list[int] = []
-        self.rows: dict[tuple[int, ...], torch.Tensor] = {}
+        self.snaps = [matcher]
+        self.rows: dict[tuple[int, ...], torch.Tensor] = {}  # path prefix -> bit mask there
+        self.refused: set[tuple[tuple[int, ...], int]] = set()  # (prefix, token) llguidance failed to consume
         self.ended = False  # the committed tokens end with an EOS
-
-    def _fail(self) -> DFlashError:
-        return DFlashError(f"structured output failed: {_first_line(self.matcher.get_error())}")
+        self.failed: str | None = None  # why the constraint cannot go on (see the class docstring)
+        self._last_error: str | None = None  # llguidance's reason for the last token it failed to consume
 
     def _ended(self) -> bool:
         """Whether the path (else the committed tokens) ends with an EOS."""
         return self.path[-1] in self.eos if self.path else self.ended
 
+    def _eos_row(self) -> torch.Tensor:
+        row = torch.zeros(self._words, dtype=torch.int32)
+        for t in self.eos:
+            _set_bit(row, t, True)
+        return row
+
     def _row(self) -> torch.Tensor | None:
-        """The bit mask at the end of the path (cached); None past an EOS or where nothing is allowed."""
+        """The bit mask at the end of the path (cached); None past an EOS, where nothing is
+        allowed, or where the path led llguidance to fail (its last token then counts as
+        refused, and the path is one token shorter)."""
         if self._ended():
             return None
         key = tuple(self.path)
         row = self.rows.get(key)
+        error = None
         if row is None:
+            matcher = self.snaps[-1]
             row = torch.empty(self._words, dtype=torch.int32)
-            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-            if self.matcher.is_error():
-                raise self._fail()
+            matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+            if matcher.is_error():
+                error = _first_line(matcher.get_error())
             self.rows[key] = row
-        return row if bool(row.any()) else None
+        if error is None and bool(row.any()):
+            return row
+        if self.path:  # the path's last token led into a dead end: refuse it there
+            self._refuse(self.path[-1])
+            return None
+        # where the committed tokens stand nothing can follow (compile-time checks catch most of this)
+        self.failed = error or self._last_error or "the constraint allows no token here"
+        self.rows[key] = row = self._eos_row()
+        return row
+
+    def _refuse(self, token: int) -> None:
+        """The path's last token is refused where it stands: drop it (and its masks)."""
+        prefix = tuple(self.path[:-1])
+        self.refused.add((prefix, token))
+        row = self.rows.get(prefix)
+        if row is not None:  # (in place: a verify block holding this row sees it too)
+            _set_bit(row, token, False)
+        self.rows.pop(tuple(self.path), None)
+        self._rewind(len(self.path) - 1)
 
     def _unpack(self, row: torch.Tensor) -> torch.Tensor:
         return unpack_bitmask(row[None], self.vocab_size)[0].to(self.device)
 
     def allows(self, token: int) -> bool:
         """Whether the grammar allows ``token`` at the end of the path."""
-        if self._ended() or not 0 <= token < self.vocab_size:
+        if self._ended() or not 0 <= token < self.vocab_size or (tuple(self.path), token) in self.refused:
             return False
         row = self.rows.get(tuple(self.path))
-        if row is None and token in self.eos:  # (validate_tokens does not answer for an EOS)
+        if row is None and (token in self.eos or self.failed is not None):  # (validate_tokens: not for an EOS)
             row = self._row()
             if row is None:
                 return False
         if row is not None:
-            return bool((int(row[token >> 5]) >> (token & 31)) & 1)
-        return self.matcher.validate_tokens([token]) == 1
+            return _bit(row, token)
+        return self.snaps[-1].validate_tokens([token]) == 1
 
     def advance(self, token: int) -> bool:
         """Extend the path by ``token`` if the grammar allows it there (else nothing changes).
         Returns whether it did."""
         if not self.allows(token):
             return False
-        if token not in self.eos and not self.matcher.consume_token(token):
-            raise self._fail()
+        if token not in self.eos:
+            matcher = self.snaps[-1].deep_copy()
+            if not matcher.consume_token(token) or matcher.is_error():
+                self._last_error = _first_line(matcher.get_error())
+                self.path.append(token)
+                self._refuse(token)
+                return False
+            self.snaps.append(matcher)
         self.path.append(token)
         return True
 
@@ -348,12 +422,10 @@ class GrammarState:
         return None if row is None else self._unpack(row)
 
     def _rewind(self, n: int) -> None:
-        """Roll the path back to its first ``n`` tokens."""
+        """Cut the path to its first ``n`` tokens."""
         if n < len(self.path):
-            consumed = len(self.path) - n - (self.path[-1] in self.eos)  # (an EOS was not given to the matcher)
-            if consumed and not self.matcher.rollback(consumed):
-                raise self._fail()
             del self.path[n:]
+            del self.snaps[n + 1:]
 
     def masks(self, draft: Sequence[int] = ()) -> torch.Tensor:
         """The masks of a verify block ``[t0, d_1 .. d_{R-1}]``: bool ``[R, V]`` on the device,
@@ -382,46 +454,57 @@ class GrammarState:
         the first row whose choice differs from the draft (greedy acceptance reads no
         further). Row j is masked only where the grammar refuses its argmax (the argmax of
         the masked row is then a different token); elsewhere the argmax is allowed, so it
-        is also the masked argmax (the first index of the maximum either way). Returns
-        ``logits`` itself when no row is masked."""
+        is also the masked argmax (the first index of the maximum either way). Each chosen
+        token is consumed on the way (the path ends with the round's tokens, which the
+        commit then finds there); one llguidance fails to consume counts as refused and its
+        row is decided again. Returns ``logits`` itself when no row is masked."""
         draft = [int(t) for t in draft]
         choices = logits.argmax(dim=-1).tolist()
         self._rewind(0)
-        masked: dict[int, torch.Tensor] = {}
-        for j in range(len(draft) + 1):
-            if self._ended():  # (an accepted EOS: decoding stops there)
-                break
-            choice = choices[j]
-            if not self.allows(choice):
+        masked: dict[int, torch.Tensor] = {}  # row -> its bit mask (refusals cleared in place)
+        j = 0
+        while j <= len(draft) and not self._ended():  # (past an accepted EOS decoding stops)
+            choice = choices[j] if j not in masked else _masked_argmax(logits[j], masked[j], self.vocab_size)
+            while not self.advance(choice):  # refused: decide the row on its mask
                 row = self._row()
                 if row is None:
-                    break
-                masked[j] = self._unpack(row)
-                choice = int(logits[j].masked_fill(~masked[j], float("-inf")).argmax())
-            if j == len(draft) or choice != draft[j] or not self.advance(draft[j]):
-                break
+                    if len(self.path) < j:  # the last token led into a dead end (now refused): row j - 1 again
+                        j -= 1
+                        row = self._row()
+                    if row is None:
+                        break
+                masked[j] = row
+                choice = _masked_argmax(logits[j], row, self.vocab_size)
+            else:
+                if j < len(draft) and choice == draft[j]:
+                    j += 1
+                    continue
+            break
         if not masked:
             return logits
         out = logits.clone()
-        for j, allowed in masked.items():
-            out[j].masked_fill_(~allowed, float("-inf"))
+        for j, row in masked.items():
+            out[j].masked_fill_(~self._unpack(row), float("-inf"))
         return out
 
     def commit(self, tokens: Sequence[int]) -> None:
-        """The round committed ``tokens`` (in order): roll back the rest of the path, consume
-        them; the next round starts with an empty path (and the masks cached past them).
-        Tokens after an EOS (where decoding stops) are not consumed."""
+        """The round committed ``tokens`` (in order): the committed state moves past them and
+        the next round starts with an empty path (masks and refusals past them kept). Tokens
+        after an EOS (where decoding stops) are not consumed; a token the constraint does not
+        allow there (none should be: every decision is made on masked logits) sets :attr:`failed`."""
         tokens = [int(t) for t in tokens]
         common = 0
         while common < min(len(tokens), len(self.path)) and tokens[common] == self.path[common]:
             common += 1
         self._rewind(common)
         for t in tokens[common:]:
-            if self._ended():
+            if self._ended() or self.failed is not None:
                 break
-            if not self.advance(t):  # (every decision was made on masked logits: a bug if it happens)
-                raise DFlashError(f"structured output failed: committed token {t} is not allowed by the constraint")
+            if not self.advance(t):
+                self.failed = self._last_error or f"committed token {t} is not allowed by the constraint"
         k, path = len(self.path), tuple(self.path)
         self.ended = self._ended()
         self.rows = {key[k:]: row for key, row in self.rows.items() if key[:k] == path}
+        self.refused = {(key[k:], t) for key, t in self.refused if key[:k] == path}
+        self.snaps = [self.snaps[-1]]
         self.path = []

@@ -438,6 +438,45 @@ def test_bad_constraints_are_refused_in_one_line(engines, spec, words):
     assert "\n" not in str(info.value) and str(info.value).startswith("structured_output")
 
 
+@pytest.mark.parametrize("spec", [{"regex": "[^\\x00-\\x{10FFFF}]"}, {"grammar": "start: A\nA: /[a-z]+/ & /[0-9]+/"}])
+def test_constraints_with_no_output_are_refused_when_compiled(engines, spec):
+    """A constraint whose language has no first token is refused before decoding, in one line."""
+    with pytest.raises(DFlashError, match="allows no output") as info:
+        engines["tiny"].grammars.compile(spec)
+    assert "\n" not in str(info.value)
+
+
+def test_grammars_llguidance_cannot_roll_back_decode_speculatively(engines):
+    """max_tokens= lexemes (llguidance cannot roll them back): matchers are copied, never
+    rolled back, so speculative decoding == target-only decoding for them too."""
+    spec = {"grammar": 'start: x "!"\nx[max_tokens=3]: /[A-Z]+/'}
+    for prompt in ([5, 9, 13], [100, 7]):
+        ref = engines["target"].generate(prompt, max_new_tokens=24, structured_output=spec)
+        assert ref.text.endswith("!") and ref.finish_reason == "stop"
+        for mode in ("inject", "static", "dflash2"):
+            assert engines[mode].generate(prompt, max_new_tokens=24, structured_output=spec).token_ids == ref.token_ids
+
+
+def test_json_schema_true_false_and_property_order(engines):
+    """The schema true is any JSON value (as {}); false is refused; two schemas that differ
+    only in the order of their properties are two constraints (the order is the output's)."""
+    e = engines["target"]
+    json.loads(e.generate([5, 9, 13], max_new_tokens=40, structured_output={
+        "json": {"type": "object", "x-guidance": {"whitespace_flexible": False}, "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                 "required": ["a"]}}).text)
+    assert e.grammars.compile({"json": True}).spec.json == {}
+    with pytest.raises(DFlashError, match="schema false allows no value"):
+        e.generate("x", max_new_tokens=4, structured_output={"json": False})
+    base = {"type": "object", "required": ["zeta", "alpha"], "additionalProperties": False,
+            "x-guidance": {"whitespace_flexible": False}}
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    za = dict(base, properties={"zeta": digit, "alpha": digit})
+    az = dict(base, properties={"alpha": digit, "zeta": digit})
+    assert e.grammars.compile({"json": za}) is not e.grammars.compile({"json": az})
+    assert list(json.loads(e.generate([5], max_new_tokens=60, structured_output={"json": za}).text)) == ["zeta", "alpha"]
+    assert list(json.loads(e.generate([5], max_new_tokens=60, structured_output={"json": az}).text)) == ["alpha", "zeta"]
+
+
 def test_constraints_that_cannot_end_are_refused(engines):
     """ignore_eos and min_tokens would fight the constraint over where the output ends."""
     e = engines["tiny"]
