@@ -309,10 +309,10 @@ class GrammarState:
     the path and is never given to a matcher; positions past an EOS are never masked
     (decoding stops at the EOS).
 
-    Bit masks (int32 ``[W]``, :func:`unpack_bitmask`) are computed only where needed and
-    cached per path prefix until the next commit. Whether one token is allowed is read from
-    a cached mask, else asked of llguidance (``validate_tokens``: much cheaper than a mask;
-    an EOS needs the mask, which ``validate_tokens`` does not answer for).
+    Bit masks (int32 ``[W]``, :func:`unpack_bitmask`) are computed on the host where a
+    position is decided and cached per path prefix until the next commit; whether one token
+    is allowed is its bit (llguidance's ``validate_tokens`` is not the same test: it accepts
+    tokenizations of forced text that the masks leave out).
 
     A constraint that cannot go on where the committed tokens stand (llguidance fails, or
     allows no token; compile-time checks catch most such grammars) does not raise: it
@@ -390,14 +390,8 @@ class GrammarState:
         """Whether the grammar allows ``token`` at the end of the path."""
         if self._ended() or not 0 <= token < self.vocab_size or (tuple(self.path), token) in self.refused:
             return False
-        row = self.rows.get(tuple(self.path))
-        if row is None and (token in self.eos or self.failed is not None):  # (validate_tokens: not for an EOS)
-            row = self._row()
-            if row is None:
-                return False
-        if row is not None:
-            return _bit(row, token)
-        return self.snaps[-1].validate_tokens([token]) == 1
+        row = self._row()  # (the mask, not validate_tokens: llguidance's masks leave out non-canonical
+        return row is not None and _bit(row, token)  # tokenizations of forced text that validate_tokens accepts)
 
     def advance(self, token: int) -> bool:
         """Extend the path by ``token`` if the grammar allows it there (else nothing changes).

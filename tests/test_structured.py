@@ -36,6 +36,11 @@ SPECS = {
     "regex": {"regex": UPPER},
     "choice": {"choice": ["IIII", "I I", "AB", "IIIIIIIIIIIIIIIIIIIIIIIIII"]},
     "grammar": {"grammar": 'start: "I" WORD (" " WORD)*\nWORD: /[A-Z]{1,6}/'},
+    # forced text around an embedded schema (as hermes tool calls): llguidance's masks keep only
+    # the canonical tokenization of forced text, which validate_tokens does not
+    "forced": {"grammar": 'start: "{\\"name\\": " args "}"\nargs: %json {"type": "object", "properties": '
+                          '{"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"], '
+                          '"additionalProperties": false, "x-guidance": {"whitespace_flexible": false}}'},
 }
 
 
@@ -184,7 +189,7 @@ def test_allows_agrees_with_the_mask(engines):
     engine = engines["tiny"]
     V = engine.target.config.vocab_size
     g = torch.Generator().manual_seed(2)
-    for name in ("json", "choice", "grammar", "regex"):
+    for name in ("json", "choice", "grammar", "regex", "forced"):
         grammar = engine.grammars.compile(SPECS[name])
         for _ in range(3):
             path = random_walk(grammar, [], 12, g)
@@ -195,7 +200,28 @@ def test_allows_agrees_with_the_mask(engines):
                 assert [probe.allows(t) for t in range(V)] == ref.next_allowed().tolist(), (name, path[:k])
 
 
-@pytest.mark.parametrize("name", ["json", "choice", "grammar", "regex"])
+def test_allows_agrees_with_the_mask_on_the_shipped_tokenizer():
+    """The same on the shipped pair's 4096-token vocabulary, whose merged tokens (' "') give
+    forced text two tokenizations (llguidance's validate_tokens accepts both, its mask one);
+    and greedy speculative == target-only decoding there (a tool-call-like grammar)."""
+    spec_engine = DFlashEngine.from_pretrained(dtype="float32")
+    engine = DFlashEngine.from_pretrained(no_draft=True, dtype="float32")
+    V = engine.target.config.vocab_size
+    grammar = engine.grammars.compile(SPECS["forced"])
+    path = engine.encode_prompt('{"name": {"n": 7}}')
+    for k in range(len(path)):
+        probe, ref = grammar.state("cpu"), grammar.state("cpu")
+        probe.commit(path[:k])
+        ref.commit(path[:k])
+        assert [probe.allows(t) for t in range(V)] == ref.next_allowed().tolist(), path[:k]
+    for prompt in ("def f(x):", "x = {", "import json\n"):
+        want = engine.generate(prompt, max_new_tokens=40, structured_output=SPECS["forced"])
+        assert spec_engine.generate(prompt, max_new_tokens=40, structured_output=SPECS["forced"]).token_ids == \
+            want.token_ids
+        assert json.loads(want.text)["name"]["n"] in range(10)
+
+
+@pytest.mark.parametrize("name", ["json", "choice", "grammar", "regex", "forced"])
 def test_lazy_greedy_masks_decide_as_full_masks(engines, name):
     """mask_greedy masks only rows whose argmax the grammar refuses: greedy acceptance
     (accepted count and bonus token) on its output == on the fully masked block, over random
