@@ -39,7 +39,13 @@ from the verify pass that accepted the token. A token's ``bytes`` are what it ad
 the text (exact for byte-level BPE, where a token may hold part of a UTF-8 character);
 its ``token`` string is those bytes as UTF-8, with bytes that are not valid UTF-8 on
 their own written ``\\xNN``; legacy ``text_offset`` counts characters from the start of
-the generated text.
+the generated text (with ``echo``, of the prompt's text).
+
+The prompt's logprobs (the prefill's own logits; such a request reads its prompt whole):
+completions ``echo`` puts the prompt's text (and with ``logprobs`` its tokens' entries, the
+first one null) before the completion's, ``max_tokens`` 0 with ``echo`` returns the prompt
+alone; vLLM's ``prompt_logprobs: k`` adds ``choices[i].prompt_logprobs`` in vLLM's shape
+(:func:`_vllm_prompt_logprobs`).
 """
 
 from __future__ import annotations
