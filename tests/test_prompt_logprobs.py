@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import load_hf, make_agreeable_pair, varied_prompts
+
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams
 from dflash_torch.batch import BatchDecoder
 from dflash_torch.decoding import SpeculativeDecoder
@@ -25,6 +25,7 @@ from dflash_torch.models.target import TargetModel
 
 ATOL = 1e-4
 NEW = 12
+GREEDY = SamplingParams()
 CHUNK = 16  # prefill chunk of the step-level tests: prompts of 40 tokens span 3 chunks (the last one partial)
 
 
@@ -59,7 +60,7 @@ def assert_prompt_logprobs(oracle, prompt: list[int], scored, k: int) -> None:
             assert values[-1] >= float(row.topk(k).values[-1]) - ATOL, i  # nothing more likely left out
 
 
-def _rounds(decoder, prompt, params=SamplingParams(), **kw):
+def _rounds(decoder, prompt, params=GREEDY, **kw):
     """(tokens, the prefill round) of a single-sequence decoding of NEW tokens."""
     tokens, first = [], None
     for rnd in decoder.rounds(prompt, params, NEW, **kw):
