@@ -75,6 +75,15 @@ is dropped (never a longer bucket, so no new graph). In a full batch, a leaver t
 slots with the last decoding sequence first (rows and states exchanged), so that its
 rows stay in the slot then freed. A sequence held past its budget (run
 as padding) and a joining sequence that leaves keep nothing.
+
+Prompt logprobs (``prompt_logprobs=k`` of :meth:`~BatchDecoder.add` / :meth:`~BatchDecoder.join`)
+come from the logits each prefill chunk computes anyway (its valid rows,
+:func:`~dflash_torch.decoding.prompt_chunk_logprobs`), so every prompt token must be read:
+such a sequence takes no retained prefix (its prompt is read whole; a retained prefix in its
+slot moves up as for any prompt that does not take it), and shares a prefill only with
+sequences that ask for the same ``k`` (the ``n`` choices of one request do: the scores are
+computed once, for all of them). When it leaves, its rows are retained as any sequence's,
+for later prompts. Sequences that do not ask are unchanged.
 """
 
 from __future__ import annotations
@@ -88,13 +97,14 @@ from typing import Hashable
 import torch
 
 from .cache import KVCache, RecurrentState, TargetCache, static_buffer
-from .decoding import Round, kv_bucket, length_buckets, reserve_graphs, without_shape_plans
+from .decoding import Round, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs, without_shape_plans
 from .draft_policy import DraftPolicy
 from .errors import DFlashError, OptionError
 from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
-from .options import check_block_size, check_flag, check_max_context, check_max_new_tokens, check_prompt_ids
+from .options import (check_block_size, check_flag, check_max_context, check_max_new_tokens, check_prompt_ids,
+                      check_prompt_logprobs)
 from .sampling import (LogitsProcessor, SamplingParams, accept_greedy, accept_sampling, choose, first_logprobs,
                        first_token, probabilities, token_logprobs)
 
@@ -384,6 +394,8 @@ class _Joining:
     reused: int = 0  # of which taken from a retained prefix
     prefill_time: float = 0.0  # seconds of its chunks so far
     sharers: list[_Joining] = field(default_factory=list)  # same prompt: copies of its prefill
+    prompt_logprobs: int | None = None  # alternatives per prompt token to report (None: none)
+    scored: list | None = None  # with prompt_logprobs: the prompt logprobs of the chunks read so far
 
     @property
     def slots(self) -> int:
@@ -622,8 +634,10 @@ class BatchDecoder:
             yield q
             yield from q.sharers
 
-    def _check_new(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int) -> int:
+    def _check_new(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
+                   prompt_logprobs: int | None = None) -> int:
         """The checks of :meth:`add` / :meth:`join` -> the prompt's length."""
+        check_prompt_logprobs(prompt_logprobs)
         if not isinstance(params, SamplingParams):
             raise DFlashError(f"params must be a SamplingParams, got {type(params).__name__}")
         if seq_id in self:
@@ -635,7 +649,8 @@ class BatchDecoder:
         return check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
 
     @torch.inference_mode()
-    def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int) -> Round:
+    def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
+            prompt_logprobs: int | None = None) -> Round:
         """Take a sequence into a free slot and run its whole prefill (alone, now; ahead of
         any sequence still joining).
 
@@ -646,6 +661,9 @@ class BatchDecoder:
             max_new_tokens: the sequence's token budget (>= 1); rounds stop decoding it
                 once it has committed that many (the last round may commit more: the
                 caller cuts, as with :meth:`SpeculativeDecoder.rounds`).
+            prompt_logprobs: None (default) or k in [0, 20]: the prefill round's
+                ``prompt_logprobs`` (every prompt token scored by the prefill's own logits;
+                the prompt is then read whole, see the module docstring).
 
         Returns:
             the prefill's :class:`~dflash_torch.decoding.Round` (one committed token).
@@ -655,16 +673,18 @@ class BatchDecoder:
                 ``seq_id``, an empty prompt, token ids outside the vocabulary, or prompt +
                 ``max_new_tokens`` beyond ``max_context``.
         """
-        n_prompt = self._check_new(seq_id, prompt_ids, params, max_new_tokens)
+        n_prompt = self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs)
         t0 = time.perf_counter()
         slot = len(self._seqs)
         head = self._joining[0] if self._joining else None
         if head is not None and head.prefilled:  # a partly prefilled joiner holds this slot: one up
             self._move(slot, slot + 1, head.prefilled)
         prompt = [int(t) for t in prompt_ids]
-        start, last = self._take_prefix(slot, prompt)
+        scored = None if prompt_logprobs is None else []
+        start, last = self._take_prefix(slot, prompt, reuse=scored is None)
         if last is None:
-            last = self._prefill(slot, torch.tensor(prompt, dtype=torch.long, device=self.device), start)
+            last = self._prefill(slot, torch.tensor(prompt, dtype=torch.long, device=self.device), start, scored,
+                                 prompt, prompt_logprobs or 0)
         generator = params.generator(self.device)
         token, processor = first_token(last, prompt, params, generator)
         first = int(token)
@@ -674,9 +694,11 @@ class BatchDecoder:
                                     prompt_len=n_prompt, prompt_logits=self._keep_logits(last), processor=processor))
         logprobs = first_logprobs(last, first, params)
         t1 = time.perf_counter()
-        return Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=start, logprobs=logprobs)
+        return Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=start, logprobs=logprobs,
+                     prompt_logprobs=scored)
 
-    def join(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int) -> None:
+    def join(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
+             prompt_logprobs: int | None = None) -> None:
         """Take a sequence into a free slot; its prompt is prefilled by the next
         :meth:`step` s, in chunks, after their rounds: joining sequences take turns in
         arrival order, ``prefill_budget`` prompt tokens per step (a step without a round
@@ -686,15 +708,18 @@ class BatchDecoder:
 
         With ``share_prefill``, a prompt equal to that of a sequence still joining is not
         read again: the sequence shares that prefill (see the module docstring) and its
-        prefill round comes in the same step as that sequence's.
+        prefill round comes in the same step as that sequence's (with ``prompt_logprobs``,
+        only a sequence that asks for the same number shares).
 
         Args and raises: as :meth:`add`.
         """
-        self._check_new(seq_id, prompt_ids, params, max_new_tokens)
+        self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs)
         prompt = [int(t) for t in prompt_ids]
-        leader = next((q for q in self._joining if q.prompt == prompt), None) if self.share_prefill else None
+        leader = next((q for q in self._joining if q.prompt == prompt and q.prompt_logprobs == prompt_logprobs),
+                      None) if self.share_prefill else None
         ids = leader.ids if leader is not None else torch.tensor(prompt, dtype=torch.long, device=self.device)
-        q = _Joining(seq_id, params, params.generator(self.device), max_new_tokens, ids, prompt)
+        q = _Joining(seq_id, params, params.generator(self.device), max_new_tokens, ids, prompt,
+                     prompt_logprobs=prompt_logprobs, scored=None if prompt_logprobs is None else [])
         if leader is not None:
             leader.sharers.append(q)
         else:
@@ -771,16 +796,17 @@ class BatchDecoder:
         self._seqs[index], self._seqs[last] = moved, q
         return last
 
-    def _take_prefix(self, slot: int, prompt: list[int]) -> tuple[int, torch.Tensor | None]:
+    def _take_prefix(self, slot: int, prompt: list[int], reuse: bool = True) -> tuple[int, torch.Tensor | None]:
         """Before a prompt's prefill in ``slot`` (the first slot no sequence uses): the rows
         of the retained prefix that match the most of ``prompt`` go into ``slot`` (copied, or
         kept in place) -> the prompt tokens they cover (0: none), counted in
         ``reused_prefill_tokens``, and when they cover it all (the same prompt again) the
         prompt's last logits ``[V]`` (else None). A retained prefix that ``slot`` holds
         otherwise moves to a higher slot (an empty one, else the least recently used one's,
-        if older)."""
+        if older). ``reuse`` False (a prompt whose every token must be read: prompt logprobs):
+        no prefix is taken, a retained prefix in ``slot`` still moves up."""
         best, src = 0, None
-        for i, r in self._retained.items():
+        for i, r in (self._retained.items() if reuse else ()):
             n = self._usable(r, prompt)
             if n > best or (n == best and n and i == slot):
                 best, src = n, i
@@ -841,7 +867,7 @@ class BatchDecoder:
                 if q.sharers:
                     heir = q.sharers.pop(0)
                     heir.sharers, heir.prefilled, heir.prefill_time = q.sharers, q.prefilled, q.prefill_time
-                    heir.reused = q.reused
+                    heir.reused, heir.scored = q.reused, q.scored
                     self._joining[j] = heir
                 else:
                     del self._joining[j]
@@ -970,14 +996,17 @@ class BatchDecoder:
         while self._joining:
             q, last = self._joining[0], None
             if not q.prefilled and self._retained:
-                q.prefilled, last = self._take_prefix(len(self._seqs), q.prompt)
+                q.prefilled, last = self._take_prefix(len(self._seqs), q.prompt, reuse=q.scored is None)
                 q.reused = q.prefilled
             n = min(C, q.ids.shape[0] - q.prefilled)  # (0 when the prompt was reused whole)
             if n and used and (bounded or rounds) and used + n > self.prefill_budget:  # (a prompt reused whole reads 0)
                 break
             t0 = time.perf_counter()
             if last is None:
-                last = self._prefill_chunk(len(self._seqs), q.ids, q.prefilled)[-1]
+                logits = self._prefill_chunk(len(self._seqs), q.ids, q.prefilled)
+                if q.scored is not None:
+                    q.scored += prompt_chunk_logprobs(logits, q.prompt, q.prefilled, q.prompt_logprobs)
+                last = logits[-1]
             q.prefilled += n
             used += n
             if q.prefilled < q.ids.shape[0]:
@@ -997,7 +1026,8 @@ class BatchDecoder:
                                             prompt_logits=kept_logits, processor=processor))
                 elapsed = q.prefill_time + time.perf_counter() - t0
                 rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed, cached_tokens=q.reused,
-                                              logprobs=first_logprobs(last, first, sharer.params))
+                                              logprobs=first_logprobs(last, first, sharer.params),
+                                              prompt_logprobs=None if q.scored is None else list(q.scored))
         return rounds
 
     # --- the parts of a round ---
@@ -1068,12 +1098,16 @@ class BatchDecoder:
         pool), with ``reuse_prefix``; else None."""
         return last.clone() if self.reuse_prefix else None
 
-    def _prefill(self, slot: int, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def _prefill(self, slot: int, ids: torch.Tensor, start: int = 0, scored: list | None = None,
+                 prompt: list[int] | None = None, top: int = 0) -> torch.Tensor:
         """The target reads the prompt ``ids[start:]`` (``ids`` ``[P]``; the rows before
         ``start`` already in ``slot``) into ``slot`` chunk by chunk. Returns the last row's
-        logits ``[V]``."""
+        logits ``[V]``. With ``scored`` (a list), each chunk's rows also score the prompt's
+        tokens (``prompt``, ``top`` alternatives), appended to it."""
         for c0 in range(start, ids.shape[0], self.prefill_chunk):
             logits = self._prefill_chunk(slot, ids, c0)
+            if scored is not None:
+                scored += prompt_chunk_logprobs(logits, prompt, c0, top)
         return logits[-1]
 
     def _prefill_chunk(self, slot: int, ids: torch.Tensor, c0: int) -> torch.Tensor:

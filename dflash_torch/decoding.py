@@ -21,7 +21,7 @@ from .errors import DFlashError, OptionError
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
-from .options import check_block_size, check_max_context, check_prompt_ids
+from .options import check_block_size, check_max_context, check_prompt_logprobs, check_prompt_ids
 from .sampling import (SamplingParams, TokenLogprob, accept_greedy, accept_sampling, choose, first_logprobs,
                        first_token, probabilities, token_logprobs)
 
@@ -111,6 +111,21 @@ def compile_counts() -> tuple[int, int]:
     return int(counters["frames"]["total"]), int(counters["inductor"]["cudagraph_skips"])
 
 
+def prompt_chunk_logprobs(logits: torch.Tensor, prompt: list[int], c0: int, top: int) -> list[TokenLogprob | None]:
+    """The prompt logprobs that a prefill chunk's logits give: row ``r`` of ``logits``
+    (``[rows, V]``, the chunk's valid rows, at positions ``c0 + r``) scores prompt token
+    ``c0 + r + 1``, so the chunk gives those of tokens ``c0 + 1 .. c0 + rows`` that are in
+    ``prompt`` (its last row, at the prompt's end, scores no prompt token), preceded by
+    None for token 0 when ``c0`` is 0 (nothing before it scores it). Float32
+    ``log_softmax`` of the raw logits, ``top`` alternatives each
+    (:func:`~dflash_torch.sampling.token_logprobs`; one device-to-host transfer)."""
+    out: list[TokenLogprob | None] = [None] if c0 == 0 else []
+    m = min(logits.shape[0], len(prompt) - 1 - c0)
+    if m > 0:
+        out += token_logprobs(logits[:m], prompt[c0 + 1:c0 + 1 + m], top)
+    return out
+
+
 @dataclass
 class Round:
     """What one step of the loop committed.
@@ -128,6 +143,10 @@ class Round:
             :class:`~dflash_torch.sampling.TokenLogprob` per token of ``tokens`` (the
             target's distribution at its position: the verify's row for an accepted or
             bonus token, the prompt's last row for the prefill's token); else None.
+        prompt_logprobs: on the prefill step of a sequence that asked for them
+            (``prompt_logprobs=k``), one entry per prompt token: None for the first, then
+            :class:`~dflash_torch.sampling.TokenLogprob` of each token from the prefill's row
+            before it (:func:`prompt_chunk_logprobs`); else None.
     """
 
     tokens: list[int]
@@ -137,6 +156,7 @@ class Round:
     total_time: float
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class SpeculativeDecoder:
@@ -332,9 +352,13 @@ class SpeculativeDecoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _prefill(self, ids: torch.Tensor, n_prompt: int) -> torch.Tensor:
+    def _prefill(self, ids: torch.Tensor, n_prompt: int, scored: list | None = None, prompt: list[int] | None = None,
+                 top: int = 0) -> torch.Tensor:
         """Run the prompt through the target chunk by chunk, injecting every row's
-        features; returns the logits ``[V]`` of the last prompt row."""
+        features; returns the logits ``[V]`` of the last prompt row. With ``scored`` (a
+        list), each chunk's valid rows also score the prompt's tokens (``prompt``, ``top``
+        alternatives; :func:`prompt_chunk_logprobs`), appended to it as the chunk is read
+        (before the next chunk's forward: a CUDA graph's replay may reuse the logits' memory)."""
         C = self.prefill_chunk
         for c0 in range(0, n_prompt, C):
             c1 = min(c0 + C, n_prompt)
@@ -344,17 +368,22 @@ class SpeculativeDecoder:
                 logits, feats = self._prefill_fn(chunk, torch.tensor(c0, device=self.device), self.kv_bucket(c0 + C),
                                                  torch.tensor(c1 - c0, device=self.device))
                 last = logits[c1 - c0 - 1]
+                if scored is not None:
+                    scored += prompt_chunk_logprobs(logits[: c1 - c0], prompt, c0, top)
                 if self.context is not None:
                     self.context.inject(self.drafter, feats, c0 + self._arange_chunk)
             else:
                 logits, feats = self._prefill_fn(ids[c0:c1], c0, c1)
                 last = logits[-1]
+                if scored is not None:
+                    scored += prompt_chunk_logprobs(logits, prompt, c0, top)
                 if self.context is not None:
                     self.context.inject(self.drafter, feats, c0 + self._arange_chunk[: c1 - c0])
         return last
 
     @torch.inference_mode()
-    def rounds(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int) -> Iterator[Round]:
+    def rounds(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
+               prompt_logprobs: int | None = None) -> Iterator[Round]:
         """Decode until ``max_new_tokens`` tokens have been committed (or the caller stops).
 
         Args:
@@ -362,6 +391,9 @@ class SpeculativeDecoder:
             params: sampling parameters (validated).
             max_new_tokens: upper bound of committed tokens; the last round may commit
                 more than needed and the caller cuts.
+            prompt_logprobs: None (default: nothing computed) or k in [0, 20]: the prefill
+                round's ``prompt_logprobs``, from the logits the prefill computes anyway
+                (no extra forward; the same tokens as without).
 
         Yields:
             one :class:`Round` for the prefill, then one per decoding round. Each round
@@ -369,9 +401,10 @@ class SpeculativeDecoder:
 
         Raises:
             DFlashError: empty prompt, token ids (of the prompt, of ``params``' logit_bias or
-                min_tokens_ids) outside the vocabulary, or a prompt plus ``max_new_tokens``
-                longer than the context.
+                min_tokens_ids) outside the vocabulary, a prompt plus ``max_new_tokens``
+                longer than the context, or an invalid ``prompt_logprobs``.
         """
+        check_prompt_logprobs(prompt_logprobs)
         n_prompt = check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
         params.check_vocab(self.target.config.vocab_size)
         B, dev, static = self.block_size, self.device, self.static
@@ -385,12 +418,14 @@ class SpeculativeDecoder:
         generator = params.generator(dev)
 
         t0 = time.perf_counter()
-        last_logits = self._prefill(torch.tensor(prompt_ids, dtype=torch.long, device=dev), n_prompt)
+        scored = None if prompt_logprobs is None else []
+        last_logits = self._prefill(torch.tensor(prompt_ids, dtype=torch.long, device=dev), n_prompt, scored,
+                                    list(prompt_ids), prompt_logprobs or 0)
         token, processor = first_token(last_logits, prompt_ids, params, generator)  # (None: nothing processes logits)
         first = int(token)
         logprobs = first_logprobs(last_logits, first, params)
         t1 = time.perf_counter()
-        yield Round([first], None, 0.0, t1 - t0, t1 - t0, logprobs=logprobs)
+        yield Round([first], None, 0.0, t1 - t0, t1 - t0, logprobs=logprobs, prompt_logprobs=scored)
 
         s = n_prompt  # position of ``token``: committed, its features not yet known
         s_dev = torch.tensor(s, device=dev)

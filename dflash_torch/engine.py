@@ -95,6 +95,11 @@ class GenerationResult:
             per token of ``token_ids``: its natural-log probability under the target
             (float32 ``log_softmax`` of the target's raw logits at its position, before
             temperature / top-k / top-p) and the k most likely tokens there; else None.
+        prompt_logprobs: with ``prompt_logprobs=k`` (0 to 20), one entry per prompt token:
+            None for the first (nothing before it scores it), then the
+            :class:`~dflash_torch.sampling.TokenLogprob` of each prompt token under the target
+            at the position before it (same distribution as ``logprobs``), from the
+            prefill's logits; else None.
     """
 
     text: str
@@ -102,6 +107,7 @@ class GenerationResult:
     finish_reason: str
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -109,13 +115,15 @@ class StreamChunk:
     """One streamed piece: a text delta and the token ids committed with it.
     ``finish_reason`` and ``stats`` are set on the last chunk only; ``logprobs`` (with
     ``logprobs=k``) has one :class:`~dflash_torch.sampling.TokenLogprob` per token id
-    (see :class:`GenerationResult`), else None."""
+    (see :class:`GenerationResult`), else None; ``prompt_logprobs`` (with ``prompt_logprobs=k``)
+    is set on the first chunk only (see :class:`GenerationResult`)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class DFlashEngine:
@@ -508,7 +516,7 @@ class DFlashEngine:
         last = chunks[-1]
         logprobs = None if last.logprobs is None else [lp for c in chunks for lp in c.logprobs]
         return GenerationResult("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
-                                last.finish_reason, last.stats, logprobs)
+                                last.finish_reason, last.stats, logprobs, chunks[0].prompt_logprobs)
 
     def stream(
         self,
@@ -532,6 +540,7 @@ class DFlashEngine:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
         structured_output: StructuredOutput | dict | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Iterator[StreamChunk]:
         """Generate, yielding text deltas as rounds commit tokens.
 
@@ -568,6 +577,11 @@ class DFlashEngine:
                 log-probability of each of its tokens and the k most likely tokens at
                 that position (``StreamChunk.logprobs``; see :class:`GenerationResult`).
                 The tokens are the same with or without.
+            prompt_logprobs: None (default) or k in [0, 20]: the first chunk carries the
+                log-probability of each prompt token under the target, given the tokens
+                before it, and the k most likely tokens there (``StreamChunk.prompt_logprobs``;
+                see :class:`GenerationResult`), taken from the logits the prefill computes
+                anyway (no extra forward). The tokens are the same with or without.
 
         Yields:
             :class:`StreamChunk`; the last one has ``finish_reason`` and ``stats``.
@@ -580,7 +594,7 @@ class DFlashEngine:
                            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
                            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chat=chat,
                            logprobs=logprobs, chat_template_kwargs=chat_template_kwargs, tools=tools,
-                           structured_output=structured_output) as chunks:
+                           structured_output=structured_output, prompt_logprobs=prompt_logprobs) as chunks:
             # each round runs on the compute thread (see dflash_torch.compute), whichever
             # thread iterates this stream
             while (chunk := compute.run(next, chunks, None)) is not None:
@@ -589,18 +603,19 @@ class DFlashEngine:
     @contextlib.contextmanager
     def _request(self, prompt, *, max_new_tokens: int = 256, chat: bool = False,
                  chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-                 **sampling) -> Iterator[Iterator[StreamChunk]]:
+                 prompt_logprobs: int | None = None, **sampling) -> Iterator[Iterator[StreamChunk]]:
         """Check a request, tokenize its prompt, take the engine (see the class docstring) and
         give the request's chunks, to be pulled on the compute thread; frees the engine on exit.
         ``sampling``: the sampling and stop arguments of :meth:`stream` (see :meth:`request_params`)."""
         params, stopper = self.request_params(max_new_tokens, **sampling)
+        options.check_prompt_logprobs(prompt_logprobs)
         prompt_ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
         if self._owner == threading.get_ident():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
         with self._locked():  # other threads wait their turn
             self._owner = threading.get_ident()
-            chunks = self._stream(prompt_ids, params, stopper)
+            chunks = self._stream(prompt_ids, params, stopper, prompt_logprobs)
             try:
                 yield chunks
             finally:
@@ -624,10 +639,10 @@ class DFlashEngine:
         finally:
             self.lock.release()
 
-    def _stream(self, prompt_ids, params, stopper: Stopper) -> Iterator[StreamChunk]:
+    def _stream(self, prompt_ids, params, stopper: Stopper, prompt_logprobs: int | None = None) -> Iterator[StreamChunk]:
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.block_size,
                                 draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
-        rounds = self.decoder.rounds(prompt_ids, params, stopper.max_new_tokens)
+        rounds = self.decoder.rounds(prompt_ids, params, stopper.max_new_tokens, prompt_logprobs)
         try:
             for rnd in rounds:
                 chunk = self.record_round(rnd, stats, stopper)
@@ -654,8 +669,8 @@ class DFlashEngine:
         if finish:
             stats.generated_tokens = stopper.generated
             cls._finish_stats(stats)
-            return StreamChunk(text, rnd.tokens[:kept], finish, stats, logprobs)
-        return StreamChunk(text, rnd.tokens, logprobs=logprobs)
+            return StreamChunk(text, rnd.tokens[:kept], finish, stats, logprobs, rnd.prompt_logprobs)
+        return StreamChunk(text, rnd.tokens, logprobs=logprobs, prompt_logprobs=rnd.prompt_logprobs)
 
     # --- many requests at once ---
 
@@ -758,6 +773,7 @@ class DFlashEngine:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
         structured_output: StructuredOutput | dict | None | Sequence[StructuredOutput | dict | None] = None,
+        prompt_logprobs: int | None | Sequence[int | None] = None,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once: up to ``max_batch_size`` sequences per
         decoding round; a finished one leaves at a round boundary and the next prompt
@@ -769,8 +785,10 @@ class DFlashEngine:
         Args:
             prompts: a non-empty list of prompts (text, chat messages, or token ids).
             max_new_tokens, temperature, top_k, top_p, seed, presence_penalty, frequency_penalty,
-                repetition_penalty, logit_bias, min_tokens, ignore_eos, logprobs, structured_output:
-                one value for all prompts, or a list with one value per prompt (see :meth:`stream`).
+                repetition_penalty, logit_bias, min_tokens, ignore_eos, logprobs, structured_output,
+                prompt_logprobs: one value for all prompts, or a list with one value per prompt
+                (see :meth:`stream`). A prompt with ``prompt_logprobs`` is read whole (no
+                prompt-prefix reuse) and shares a prefill only with prompts asking the same.
             stop: stop string(s) for all prompts (a string or a list of strings), or per
                 prompt a list whose items are each None or a list of strings.
             stop_token_ids: an id or a list of ids for all prompts, or per prompt a list
@@ -804,20 +822,23 @@ class DFlashEngine:
                    ignore_eos=_per_prompt(ignore_eos, n, "ignore_eos"), logprobs=_per_prompt(logprobs, n, "logprobs"),
                    structured_output=_per_prompt(structured_output, n, "structured_output"),
                    stop=_per_prompt(stop, n, "stop", nested=(str,)),
-                   stop_token_ids=_per_prompt(stop_token_ids, n, "stop_token_ids", nested=(int,)))
+                   stop_token_ids=_per_prompt(stop_token_ids, n, "stop_token_ids", nested=(int,)),
+                   prompt_logprobs=_per_prompt(prompt_logprobs, n, "prompt_logprobs"))
         options.check_flag(chat, "chat")
         requests = []
         for i, prompt in enumerate(prompts):  # every prompt is checked before any is decoded
             stopper = None  # (set: the options are fine, an error is about the prompt itself)
             try:
-                params, stopper = self.request_params(**{name: values[i] for name, values in per.items()})
+                params, stopper = self.request_params(**{name: values[i] for name, values in per.items()
+                                                         if name != "prompt_logprobs"})
+                scored = options.check_prompt_logprobs(per["prompt_logprobs"][i])
                 ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
                 options.check_prompt_ids(ids, self.target.config.vocab_size, stopper.max_new_tokens, self.max_context)
             except DFlashError as exc:
                 if n == 1 or (stopper is None and _shared_by_all(exc, per)):  # (no prompt to name)
                     raise
                 raise DFlashError(f"prompt {i}: {exc}") from None
-            requests.append((ids, params, stopper))
+            requests.append((ids, params, stopper, scored))
         if self._owner == threading.get_ident():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
@@ -827,8 +848,8 @@ class DFlashEngine:
             return compute.run(self._run_batch, requests)
 
     def _run_batch(self, requests: list) -> list[GenerationResult]:
-        """Decode ``requests`` (prompt ids, params, stopper) through the batch decoder; on
-        the compute thread."""
+        """Decode ``requests`` (prompt ids, params, stopper, prompt_logprobs) through the batch
+        decoder; on the compute thread."""
         batch = self.batch_decoder()
         results: list[GenerationResult | None] = [None] * len(requests)
         state = {}  # request index -> (stats, stopper, its chunks so far)
@@ -837,10 +858,10 @@ class DFlashEngine:
             while waiting or state:
                 while waiting and batch.free_slots:
                     i = waiting.pop(0)
-                    ids, params, stopper = requests[i]
+                    ids, params, stopper, scored = requests[i]
                     stats = GenerationStats(prompt_tokens=len(ids), block_size=self.block_size,
                                             draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
-                    batch.join(i, ids, params, stopper.max_new_tokens)  # (its prefill runs in the steps)
+                    batch.join(i, ids, params, stopper.max_new_tokens, scored)  # (its prefill runs in the steps)
                     state[i] = (stats, stopper, [])
                 for i, rnd in batch.step().items():
                     self._batch_round(batch, i, rnd, state, results)

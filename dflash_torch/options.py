@@ -204,6 +204,17 @@ def check_max_new_tokens(value, name: str = "max_new_tokens") -> int:
     return check_count(value, name)
 
 
+def check_prompt_logprobs(value, name: str = "prompt_logprobs") -> int | None:
+    """Log-probabilities of the prompt's tokens (vLLM's ``prompt_logprobs``): None (off) or
+    the number of most likely alternatives per position, an integer in [0, 20] (the range of
+    ``logprobs``, :data:`~dflash_torch.sampling.MAX_LOGPROBS`)."""
+    from .sampling import MAX_LOGPROBS  # (sampling imports this module's neighbours; late to keep imports acyclic)
+
+    if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+        raise OptionError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
+    return value
+
+
 def check_choice(value, choices: tuple[str, ...], name: str) -> str:
     """``value`` when it is one of ``choices``.
 

@@ -39,7 +39,13 @@ from the verify pass that accepted the token. A token's ``bytes`` are what it ad
 the text (exact for byte-level BPE, where a token may hold part of a UTF-8 character);
 its ``token`` string is those bytes as UTF-8, with bytes that are not valid UTF-8 on
 their own written ``\\xNN``; legacy ``text_offset`` counts characters from the start of
-the generated text.
+the generated text (with ``echo``, of the prompt's text).
+
+The prompt's logprobs (the prefill's own logits; such a request reads its prompt whole):
+completions ``echo`` puts the prompt's text (and with ``logprobs`` its tokens' entries, the
+first one null) before the completion's, ``max_tokens`` 0 with ``echo`` returns the prompt
+alone; vLLM's ``prompt_logprobs: k`` adds ``choices[i].prompt_logprobs`` in vLLM's shape
+(:func:`_vllm_prompt_logprobs`).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import hmac
 import json
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -60,6 +67,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ..engine import StreamChunk
 from ..errors import DFlashError
 from ..options import check_api_key, check_chat_template_kwargs, check_model_name
 from ..structured import StructuredOutput
@@ -190,6 +198,87 @@ def _completion_logprobs(entries, token_info, offsets: _TextOffsets) -> dict:
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
             "text_offset": starts}
+
+
+def _echo_logprobs(ids: list[int], scored, k: int, token_info, offsets: _TextOffsets) -> dict:
+    """The legacy ``logprobs`` object of a prompt's tokens (``echo`` with ``logprobs: k``),
+    from its :class:`~dflash_torch.sampling.TokenLogprob` s (``scored``: the first None):
+    the first token's ``token_logprobs`` and ``top_logprobs`` are null; ``text_offset`` s
+    start at 0 and ``offsets`` goes on into the generated tokens."""
+    tokens, starts, values, tops = [], [], [], []
+    for token_id, e in zip(ids, scored):
+        text, data = token_info(token_id)
+        tokens.append(text)
+        starts.append(offsets.advance(data))
+        if e is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        top = {token_info(t)[0]: lp for t, lp in e.top[:k]}
+        top.setdefault(text, e.logprob)
+        values.append(e.logprob)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": starts}
+
+
+def _joined_logprobs(first: dict | None, then: dict | None) -> dict | None:
+    """Two legacy ``logprobs`` objects one after the other (either may be None)."""
+    if first is None or then is None:
+        return first if then is None else then
+    return {key: first[key] + then[key] for key in first}
+
+
+def _vllm_prompt_logprobs(ids: list[int], scored, k: int, token_info) -> list:
+    """vLLM's ``prompt_logprobs`` of a choice: per prompt token, None for the first, else a
+    dict of token id (a string, as JSON keys are) -> ``{logprob, rank, decoded_token}`` of
+    that prompt token and the k most likely tokens there (``rank``: 1 for the most likely;
+    null for the prompt token when it is not among those k, whose rank is not computed)."""
+    out = []
+    for token_id, e in zip(ids, scored):
+        if e is None:
+            out.append(None)
+            continue
+        ranks = {t: r for r, (t, _) in enumerate(e.top[:k], 1)}
+        entry = {str(token_id): {"logprob": e.logprob, "rank": ranks.get(token_id),
+                                 "decoded_token": token_info(token_id)[0]}}
+        for t, lp in e.top[:k]:
+            entry.setdefault(str(t), {"logprob": lp, "rank": ranks[t], "decoded_token": token_info(t)[0]})
+        out.append(entry)
+    return out
+
+
+class _Scoring:
+    """What a request asks about its prompts: completions' ``echo`` (each prompt's text first,
+    ``echo_k``: with ``logprobs`` its tokens' logprobs first), vLLM's ``prompt_logprobs``
+    (``vllm_k``), ``max_tokens`` 0 (``scores_only``: the one token decoded is dropped).
+    Choice ``i`` is of prompt ``i // n``."""
+
+    def __init__(self, req, kind: str, prompts: list, prepared: list, n: int, decode):
+        self.n = n
+        self.ids = [ids for ids, _ in prepared]
+        self.echo = kind == "completion" and bool(req.echo)
+        self.echo_k = req.logprobs if self.echo and req.logprobs is not None else None
+        self.vllm_k = req.prompt_logprobs
+        self.scores_only = req.scores_only()
+        self.texts = [p if isinstance(p, str) else decode(ids) for p, ids in zip(prompts, self.ids)] if self.echo else None
+
+    def prompt_of(self, choice: int) -> int:
+        return choice // self.n
+
+    def echo_text(self, choice: int) -> str:
+        return self.texts[self.prompt_of(choice)] if self.echo else ""
+
+    def echo_logprobs(self, choice: int, scored, token_info, offsets: _TextOffsets) -> dict | None:
+        if self.echo_k is None or scored is None:
+            return None
+        return _echo_logprobs(self.ids[self.prompt_of(choice)], scored, self.echo_k, token_info, offsets)
+
+    def vllm(self, choice: int, scored, token_info) -> dict:
+        """``{"prompt_logprobs": [...]}`` for a choice's dict, or {} when not asked."""
+        if self.vllm_k is None or scored is None:
+            return {}
+        return {"prompt_logprobs": _vllm_prompt_logprobs(self.ids[self.prompt_of(choice)], scored, self.vllm_k,
+                                                         token_info)}
 
 
 class _JobStreamingResponse(StreamingResponse):
@@ -452,7 +541,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                                 f"queues ({scheduler.max_queue}, --max-queue)", param="n" if len(prompts) == 1 else "prompt")
         template_kwargs = req.template_kwargs(default_template_kwargs) if chat else None
         tools = req.engine_tools() if chat else None
-        prepared = await asyncio.to_thread(prepare, prompts, chat, req.requested_max_tokens(), default_max_tokens,
+        requested = 1 if req.scores_only() else req.requested_max_tokens()  # (scores only: one token, dropped)
+        prepared = await asyncio.to_thread(prepare, prompts, chat, requested, default_max_tokens,
                                            template_kwargs, tools)
         prompt_tail = engine.decode(prepared[0][0][-8:]) if chat else ""  # (a chat has one prompt)
         kwargs = req.sampling_kwargs()
@@ -475,6 +565,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise APIError(503, str(exc), type="server_error", code="queue_full",
                            headers={"Retry-After": str(exc.retry_after)}) from None
         prompt_tokens = sum(len(ids) for ids, _ in prepared)  # once per prompt, whatever n
+        scoring = _Scoring(req, kind, prompts, prepared, n, engine.decode)
         try:
             ev = await next_event(job, request)  # waits in the queue, then for prefill
             if ev is None:
@@ -490,16 +581,18 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             if parsers is not None and parsers[0] is None:
                 parsers = None
             if req.stream:
-                return _JobStreamingResponse(stream_events(job, req, rid, kind, prompt_tokens, n, parsers), job,
+                return _JobStreamingResponse(stream_events(job, req, rid, kind, prompt_tokens, n, parsers, scoring), job,
                                              media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return await complete(job, request, rid, kind, prompt_tokens, n, parsers)
+            return await complete(job, request, rid, kind, prompt_tokens, n, parsers, scoring)
         except BaseException:
             job.cancel()
             raise
 
-    async def complete(job: Job, request: Request, rid: str, kind: str, prompt_tokens: int, n: int, parsers):
-        outs = [{"text": [], "tokens": 0, "finish": None, "stats": None, "logprobs": None} for _ in job.sequences]
+    async def complete(job: Job, request: Request, rid: str, kind: str, prompt_tokens: int, n: int, parsers,
+                       scoring: _Scoring):
+        outs = [{"text": [], "tokens": 0, "finish": None, "stats": None, "logprobs": None, "prompt_logprobs": None}
+                for _ in job.sequences]
         left = len(outs)
         while left:
             ev = await next_event(job, request)
@@ -510,12 +603,19 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 left -= 1
             elif ev.kind == "chunk":
                 out, chunk = outs[ev.index], ev.value
+                if chunk.prompt_logprobs is not None:
+                    out["prompt_logprobs"] = chunk.prompt_logprobs
+                if chunk.finish_reason is not None:
+                    out["finish"], out["stats"] = chunk.finish_reason, chunk.stats
+                if scoring.scores_only:  # (the one token decoded is not part of the answer)
+                    out["finish"] = "length"
+                    if chunk.logprobs is not None:
+                        out["logprobs"] = []
+                    continue
                 out["text"].append(chunk.text)
                 out["tokens"] += len(chunk.token_ids)
                 if chunk.logprobs is not None:
                     out["logprobs"] = (out["logprobs"] or []) + chunk.logprobs
-                if chunk.finish_reason is not None:
-                    out["finish"], out["stats"] = chunk.finish_reason, chunk.stats
         n_tokens = sum(out["tokens"] for out in outs)
         usage = _usage(prompt_tokens, n_tokens, _cached_tokens([out["stats"].cached_prompt_tokens for out in outs], n))
         choices = []
@@ -533,17 +633,25 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                         finish = "tool_calls" if finish == "stop" else finish
                 choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
-                logprobs = None if logprobs is None else _completion_logprobs(logprobs, token_info, _TextOffsets())
-                choice = {"index": i, "text": content, "logprobs": logprobs, "finish_reason": out["finish"]}
+                offsets = _TextOffsets()
+                echoed = scoring.echo_logprobs(i, out["prompt_logprobs"], token_info, offsets)
+                logprobs = None if logprobs is None else _completion_logprobs(logprobs, token_info, offsets)
+                choice = {"index": i, "text": scoring.echo_text(i) + content,
+                          "logprobs": _joined_logprobs(echoed, logprobs), "finish_reason": out["finish"]}
+            choice.update(scoring.vllm(i, out["prompt_logprobs"], token_info))
             if len(outs) > 1:
                 choice["dflash"] = _stats_summary(out["stats"])
             choices.append(choice)
-        return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                             "created": int(time.time()), "model": model_id, "system_fingerprint": None,
-                             "choices": choices, "usage": usage,
-                             "dflash": _stats_summary(outs[0]["stats"]) if len(outs) == 1 else None})
+        body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": model_id, "system_fingerprint": None,
+                "choices": choices, "usage": usage,
+                "dflash": _stats_summary(outs[0]["stats"]) if len(outs) == 1 else None}
+        if kind == "chat" and "prompt_logprobs" in choices[0]:  # (where vLLM's chat responses have them; one prompt)
+            body["prompt_logprobs"] = choices[0]["prompt_logprobs"]
+        return JSONResponse(body)
 
-    async def stream_events(job: Job, req, rid: str, kind: str, prompt_tokens: int, n: int, parsers):
+    async def stream_events(job: Job, req, rid: str, kind: str, prompt_tokens: int, n: int, parsers,
+                            scoring: _Scoring):
         created_at = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         include_usage = req.include_usage
@@ -557,12 +665,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             return _sse(d)
 
         offsets = [_TextOffsets() for _ in job.sequences]  # (legacy text_offset of each choice)
+        echoed = [False] * len(job.sequences)  # (echo: each choice's prompt text sent)
 
         calls_sent = [0] * len(job.sequences)  # (each choice's tool calls so far: the next one's index)
 
-        def choice(index, text=None, finish=None, role=False, logprobs=None, reasoning_text="", calls=()):
+        def choice(index, text=None, finish=None, role=False, logprobs=None, reasoning_text="", calls=(), prompt=None):
             """A choice's piece; ``logprobs``: the TokenLogprob s of its tokens (None: none asked);
-            ``calls``: the tool calls it completes."""
+            ``calls``: the tool calls it completes; ``prompt``: its prompt's TokenLogprob s (the
+            choice's first piece, when echo or prompt_logprobs asks for them)."""
+            extra = {} if prompt is None else scoring.vllm(index, prompt, token_info)
             if kind == "chat":
                 delta = {}
                 if role:
@@ -576,9 +687,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                                            for k, call in enumerate(calls)]
                     calls_sent[index] += len(calls)
                 lp = None if logprobs is None else _chat_logprobs(logprobs, token_info)
-                return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, **extra}
+            prompt_lp = None if prompt is None else scoring.echo_logprobs(index, prompt, token_info, offsets[index])
             lp = None if logprobs is None else _completion_logprobs(logprobs, token_info, offsets[index])
-            return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            return {"index": index, "text": text or "", "logprobs": _joined_logprobs(prompt_lp, lp), "finish_reason": finish,
+                    **extra}
 
         n_tokens, left = 0, len(job.sequences)
         cached = [0] * left  # (each choice's, set as it finishes)
@@ -597,13 +710,23 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             if ev.kind != "chunk":
                 continue
             chunk, i = ev.value, ev.index
+            prompt_lps = chunk.prompt_logprobs  # (on a choice's first chunk, when asked)
+            if scoring.scores_only:  # (the one token decoded is not part of the answer)
+                chunk = StreamChunk("", [], "length" if chunk.finish_reason is not None else None, chunk.stats,
+                                    None if chunk.logprobs is None else [])
+            if scoring.echo and not echoed[i]:  # (the prompt's text before the completion's)
+                echoed[i] = True
+                chunk = replace(chunk, text=scoring.echo_text(i) + chunk.text)
             n_tokens += len(chunk.token_ids)
-            # a piece with text, or with tokens whose logprobs were asked for (their text may be held back)
-            piece = bool(chunk.text) or bool(chunk.logprobs)
+            # a piece with text, or with tokens whose logprobs were asked for (their text may be held back),
+            # or the prompt's logprobs
+            piece = bool(chunk.text) or bool(chunk.logprobs) or (prompt_lps is not None and
+                                                                 (scoring.echo_k is not None or scoring.vllm_k is not None))
             reasoning_text, text, calls = ("", chunk.text, []) if parsers is None else parsers[i].feed(chunk.text)
             if chunk.finish_reason is None:
                 if piece or calls:
-                    yield frame([choice(i, text, logprobs=chunk.logprobs, reasoning_text=reasoning_text, calls=calls)])
+                    yield frame([choice(i, text, logprobs=chunk.logprobs, reasoning_text=reasoning_text, calls=calls,
+                                        prompt=prompt_lps)])
                 continue
             summary = _stats_summary(chunk.stats)
             cached[i] = chunk.stats.cached_prompt_tokens
@@ -613,12 +736,14 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                     held_reasoning, held, held_calls = parsers[i].finish(finish == "stop")
                     reasoning_text, text, calls = reasoning_text + held_reasoning, text + held, calls + held_calls
                 if piece or reasoning_text or text or calls:
-                    yield frame([choice(i, text, logprobs=chunk.logprobs, reasoning_text=reasoning_text, calls=calls)])
+                    yield frame([choice(i, text, logprobs=chunk.logprobs, reasoning_text=reasoning_text, calls=calls,
+                                        prompt=prompt_lps)])
                 if finish == "stop" and calls_sent[i]:
                     finish = "tool_calls"
                 yield frame([choice(i, finish=finish)], dflash=summary)
             else:
-                yield frame([choice(i, chunk.text, chunk.finish_reason, logprobs=chunk.logprobs)], dflash=summary)
+                yield frame([choice(i, chunk.text, chunk.finish_reason, logprobs=chunk.logprobs, prompt=prompt_lps)],
+                            dflash=summary)
         if include_usage:
             yield frame([], usage=_usage(prompt_tokens, n_tokens, _cached_tokens(cached, n)))
         yield "data: [DONE]\n\n"

@@ -4,8 +4,13 @@ cannot honour.
 Parsing is strict about types (``"5"`` is not an integer, ``true`` is not a number)
 and about ranges; fields the server does not know are ignored, as OpenAI's own API
 ignores them. Fields it knows but cannot honour with a non-default value (``best_of``
-other than ``n``, ``echo``, ``prompt_logprobs``, ...) are refused with a 400 by
+other than ``n``, ``suffix``, ...) are refused with a 400 by
 :func:`unsupported_field`; values that contradict each other by :func:`conflicting_fields`.
+
+Scoring the prompt: completions' ``echo`` (the prompt's text before the completion, and with
+``logprobs`` the prompt's tokens' logprobs first; ``max_tokens`` 0 then returns the prompt
+alone) and vLLM's ``prompt_logprobs`` (both endpoints) ask the engine for the prompt's
+logprobs (:meth:`_Request.engine_prompt_logprobs`).
 
 Structured outputs (constrained decoding, :mod:`dflash_torch.structured`): OpenAI's
 ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (one
@@ -110,7 +115,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=0)  # (0: completions with echo only, see conflicting_fields)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     temperature: StrictFloat | None = Field(None, ge=0, le=2)
     top_p: StrictFloat | None = Field(None, gt=0, le=1)
@@ -138,9 +143,10 @@ class _Request(BaseModel):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    # vLLM's extension: each prompt token's logprob and this many alternatives (choices[i].prompt_logprobs)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # known but only their defaults are honoured
     user: StrictStr | None = None
-    prompt_logprobs: StrictInt | None = None  # (vLLM's extension: refused, the prompt is not scored)
 
     @field_validator("logit_bias", mode="after")
     @classmethod
@@ -195,11 +201,22 @@ class _Request(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=self.engine_logprobs(),
+            prompt_logprobs=self.engine_prompt_logprobs(),
         )
 
     def engine_logprobs(self) -> int | None:
         """``logprobs`` of :meth:`DFlashEngine.stream`: alternatives per token, None for none."""
         return None
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs`` of :meth:`DFlashEngine.stream`: alternatives per prompt token
+        (enough for every field that reports them), None for none."""
+        return self.prompt_logprobs
+
+    def scores_only(self) -> bool:
+        """Whether nothing is to be generated (completions ``echo`` with ``max_tokens`` 0):
+        one token is decoded and dropped, the response holds the prompt alone."""
+        return False
 
     @property
     def include_usage(self) -> bool:
@@ -217,6 +234,17 @@ class CompletionRequest(_Request):
 
     def engine_logprobs(self) -> int | None:
         return self.logprobs
+
+    def echo_logprobs(self) -> bool:
+        """Whether the legacy ``logprobs`` object covers the prompt's tokens too (``echo`` with ``logprobs``)."""
+        return bool(self.echo) and self.logprobs is not None
+
+    def engine_prompt_logprobs(self) -> int | None:
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo_logprobs() else None) if k is not None]
+        return max(wanted) if wanted else None
+
+    def scores_only(self) -> bool:
+        return bool(self.echo) and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts (strings or token-id lists), one or a list of them."""
@@ -346,6 +374,11 @@ def conflicting_fields(req: _Request) -> tuple[str, str] | None:
     (OpenAI: best_of candidates are generated and the best n returned); chat's
     ``top_logprobs`` without ``logprobs: true`` (OpenAI refuses it too)."""
     n = req.n or 1
+    if req.max_tokens == 0 and not req.scores_only():
+        return "max_tokens", ("max_tokens must be >= 1 (0 only with echo in /v1/completions: the prompt scored, "
+                              "nothing generated)")
+    if req.scores_only() and req.min_tokens:
+        return "min_tokens", f"min_tokens ({req.min_tokens}) must be 0 with max_tokens 0"
     if req.best_of is not None and req.best_of < n:
         return "best_of", f"best_of must be >= n (best_of={req.best_of}, n={n})"
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
@@ -396,14 +429,11 @@ def unsupported_field(req: _Request) -> tuple[str, str] | None:
          f"best_of > n is not supported (best_of={req.best_of}, n={n}): candidates are not ranked; "
          "use n, or best_of equal to n"),
         ("stop", len(req.stop_list()) > MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are supported"),
-        ("prompt_logprobs", req.prompt_logprobs is not None,
-         "prompt_logprobs are not supported (only the generated tokens' logprobs)"),
         ("structured_outputs", req.structured_outputs is not None and req.structured_outputs.structural_tag is not None,
          "structured_outputs.structural_tag is not supported (json, regex, choice, grammar or json_object are)"),
     ]
     if isinstance(req, CompletionRequest):
         checks += [
-            ("echo", bool(req.echo), "echo is not supported (nor the prompt's logprobs)"),
             ("suffix", bool(req.suffix), "suffix is not supported"),
         ]
     if isinstance(req, ChatCompletionRequest):

@@ -31,7 +31,7 @@ called on the compute thread:
 ``add(seq)``
     take ``seq`` (a :class:`Sequence`: ``prompt_ids``, ``max_new_tokens``, ``kwargs``,
     the sampling and stop arguments of :meth:`DFlashEngine.stream`, seed included, ``logprobs``
-    optional) into a
+    and ``prompt_logprobs`` optional) into a
     free slot to be prefilled (now, or by the next steps); raises
     :class:`~dflash_torch.DFlashError` for a request the engine refuses (the slot stays free).
 ``step()``
@@ -186,6 +186,7 @@ class Sequence:
     text: list[str] = field(default_factory=list)       # a non-streamed choice's output so far
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)        # (TokenLogprob, when kwargs asks for them)
+    prompt_logprobs: list | None = None                 # (its first chunk's, when kwargs asks for them)
 
 
 @dataclass(eq=False)
@@ -293,10 +294,13 @@ class BatchedBackend:
         from ..engine import GenerationStats
 
         e = self.engine
-        params, stopper = e.request_params(seq.max_new_tokens, **seq.kwargs)  # (checked as engine.stream checks them)
+        kwargs = dict(seq.kwargs)
+        prompt_logprobs = kwargs.pop("prompt_logprobs", None)
+        params, stopper = e.request_params(seq.max_new_tokens, **kwargs)  # (checked as engine.stream checks them)
         stats = GenerationStats(prompt_tokens=len(seq.prompt_ids), block_size=e.block_size,
                                 draft_mode=e.decoder.draft_mode if e.drafter is not None else None)
-        e.batch_decoder().join(seq, seq.prompt_ids, params, stopper.max_new_tokens)  # (prefilled by the steps)
+        # (prefilled by the steps; with prompt_logprobs, read whole: see dflash_torch.batch)
+        e.batch_decoder().join(seq, seq.prompt_ids, params, stopper.max_new_tokens, prompt_logprobs)
         self._state[seq] = (stats, stopper)
 
     @property
@@ -542,10 +546,12 @@ class Scheduler:
         seq.token_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
             seq.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            seq.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finish_reason is not None:
             logprobs = seq.logprobs if chunk.logprobs is not None else None
-            job.put("chunk", StreamChunk("".join(seq.text), seq.token_ids, chunk.finish_reason, chunk.stats, logprobs),
-                    seq.index)
+            job.put("chunk", StreamChunk("".join(seq.text), seq.token_ids, chunk.finish_reason, chunk.stats, logprobs,
+                                         seq.prompt_logprobs), seq.index)
 
     def _update_gauges(self) -> None:  # (under self._cond)
         waiting, running = len(self._waiting), len(self._running)
