@@ -695,7 +695,7 @@ class BatchDecoder:
         logprobs = first_logprobs(last, first, params)
         t1 = time.perf_counter()
         return Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=start, logprobs=logprobs,
-                     prompt_logprobs=scored)
+                     prompt_logprobs=scored, error=processor.error if processor is not None else None)
 
     def join(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
              prompt_logprobs: int | None = None) -> None:
@@ -979,7 +979,8 @@ class BatchDecoder:
                 logprobs = token_logprobs(logits[i * B:i * B + a + 1], tokens, q.params.logprobs)
             if q.processor is not None:
                 q.processor.commit(tokens)
-            rounds[q.seq_id] = Round(tokens, a + 1, t1 - t0, t2 - t1, 0.0, logprobs=logprobs)
+            rounds[q.seq_id] = Round(tokens, a + 1, t1 - t0, t2 - t1, 0.0, logprobs=logprobs,
+                                     error=q.processor.error if q.processor is not None else None)
         t3 = time.perf_counter()
         for r in rounds.values():
             r.total_time = t3 - t0
@@ -1027,7 +1028,8 @@ class BatchDecoder:
                 elapsed = q.prefill_time + time.perf_counter() - t0
                 rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed, cached_tokens=q.reused,
                                               logprobs=first_logprobs(last, first, sharer.params),
-                                              prompt_logprobs=None if q.scored is None else list(q.scored))
+                                              prompt_logprobs=None if q.scored is None else list(q.scored),
+                                              error=processor.error if processor is not None else None)
         return rounds
 
     # --- the parts of a round ---

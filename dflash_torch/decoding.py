@@ -147,6 +147,10 @@ class Round:
             (``prompt_logprobs=k``), one entry per prompt token: None for the first, then
             :class:`~dflash_torch.sampling.TokenLogprob` of each token from the prefill's row
             before it (:func:`prompt_chunk_logprobs`); else None.
+        error: set when the sequence cannot go on: its structured-output constraint failed
+            (:attr:`~dflash_torch.structured.GrammarState.failed`; the round's tokens end it
+            with an EOS and should not be shown as a normal end). The caller reports it for
+            this sequence alone.
     """
 
     tokens: list[int]
@@ -157,6 +161,7 @@ class Round:
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None
 
 
 class SpeculativeDecoder:
@@ -425,7 +430,8 @@ class SpeculativeDecoder:
         first = int(token)
         logprobs = first_logprobs(last_logits, first, params)
         t1 = time.perf_counter()
-        yield Round([first], None, 0.0, t1 - t0, t1 - t0, logprobs=logprobs, prompt_logprobs=scored)
+        yield Round([first], None, 0.0, t1 - t0, t1 - t0, logprobs=logprobs, prompt_logprobs=scored,
+                    error=processor.error if processor is not None else None)
 
         s = n_prompt  # position of ``token``: committed, its features not yet known
         s_dev = torch.tensor(s, device=dev)
@@ -486,4 +492,5 @@ class SpeculativeDecoder:
             s_dev = s_dev + (a_dev + 1)
             committed += a + 1
             token = bonus
-            yield Round(tokens, a + 1, t1 - t0, t2 - t1, t3 - t0, logprobs=logprobs)
+            yield Round(tokens, a + 1, t1 - t0, t2 - t1, t3 - t0, logprobs=logprobs,
+                        error=processor.error if processor is not None else None)

@@ -655,7 +655,13 @@ class DFlashEngine:
     @classmethod
     def record_round(cls, rnd: Round, stats: GenerationStats, stopper: Stopper) -> StreamChunk:
         """Account one committed :class:`Round` of a request: its stats and the chunk it streams
-        (with ``finish_reason`` and the finished ``stats`` when the stopper ends the request)."""
+        (with ``finish_reason`` and the finished ``stats`` when the stopper ends the request).
+
+        Raises:
+            DFlashError: the round reports an error for its sequence (:attr:`Round.error`: its
+                structured-output constraint cannot go on)."""
+        if rnd.error is not None:  # (this sequence only: e.g. its structured-output constraint cannot go on)
+            raise DFlashError(f"structured output failed: {rnd.error}")
         if rnd.acceptance_length is None:
             stats.prefill_time = rnd.total_time
             stats.cached_prompt_tokens = rnd.cached_tokens
@@ -875,7 +881,10 @@ class DFlashEngine:
 
     def _batch_round(self, batch: BatchDecoder, i: int, rnd: Round, state: dict, results: list) -> None:
         stats, stopper, chunks = state[i]
-        chunks.append(self.record_round(rnd, stats, stopper))
+        try:
+            chunks.append(self.record_round(rnd, stats, stopper))
+        except DFlashError as exc:
+            raise DFlashError(f"prompt {i}: {exc}" if len(results) > 1 else str(exc)) from None
         if chunks[-1].finish_reason is not None:
             results[i] = self._result(chunks)
             batch.remove(i)

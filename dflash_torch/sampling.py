@@ -455,6 +455,12 @@ class LogitsProcessor:
         return x
 
     @property
+    def error(self) -> str | None:
+        """Why this sequence cannot go on (its grammar failed: see
+        :attr:`~dflash_torch.structured.GrammarState.failed`), else None."""
+        return self.grammar.failed if self.grammar is not None else None
+
+    @property
     def adjusts_drafts(self) -> bool:
         """Whether :meth:`choose_draft` proposes other drafts than the drafter alone would
         (a bias, min_tokens not reached yet, a grammar)."""

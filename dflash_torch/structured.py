@@ -171,8 +171,9 @@ class StructuredOutput:
 
 
 def _first_line(message) -> str:
+    """llguidance's message in one line: its first line (the parser state it prints after is left out)."""
     lines = [line.strip() for line in str(message).strip().splitlines() if line.strip()]
-    return "; ".join(lines[:2]) if lines else "unknown error"
+    return lines[0] if lines else "unknown error"
 
 
 class Grammar:

@@ -21,7 +21,7 @@ import pytest
 from test_server import MODEL
 from test_server_scheduler import _serve, _streamed_choices
 
-from dflash_torch import DFlashEngine
+from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.engine import DEFAULT_DRAFTER, DEFAULT_TARGET
 from dflash_torch.serving.tools import hermes_grammar
 
@@ -318,3 +318,39 @@ def test_cli_errors_are_one_line_exit_2(flags, message, capsys):
     assert cli_main(["generate", *flags, "x = "]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dflash-torch: error: ") and message in err and err.count("\n") == 1, err
+
+
+DEAD_END = 'start: x\nx: "a" x'  # compiles (a first token exists), but llguidance cannot go on after it
+
+
+def test_a_constraint_that_fails_mid_decoding_fails_its_request_alone(servers):
+    """A grammar that passes the compile-time checks and then fails (llguidance gives up on
+    it) ends its own request with a 400 naming its field; a request decoding in the same
+    batch at that moment runs to its end with the output it has alone."""
+    import threading
+
+    spec, _ = servers
+    want = _complete(spec, max_tokens=160, extra_body={"ignore_eos": True}).choices[0].text
+    got = {}
+    long_one = threading.Thread(target=lambda: got.setdefault(
+        "a", _complete(spec, max_tokens=160, extra_body={"ignore_eos": True})))
+    long_one.start()
+    for _ in range(3):
+        with pytest.raises(openai.BadRequestError) as info:
+            _complete(spec, max_tokens=10, extra_body={"guided_grammar": DEAD_END})
+        assert "structured output failed" in str(info.value) and info.value.body["param"] == "guided_grammar"
+    long_one.join(120)
+    assert got["a"].choices[0].text == want and got["a"].choices[0].finish_reason == "length"
+
+
+def test_a_constraint_that_fails_mid_decoding_raises_in_python():
+    """In Python: generate raises a one-line DFlashError (speculative and target-only);
+    generate_batch names the prompt; the engine decodes normally afterwards."""
+    spec_engine = DFlashEngine.from_pretrained(dtype="float32")
+    for engine in (spec_engine, DFlashEngine.from_pretrained(no_draft=True, dtype="float32")):
+        with pytest.raises(DFlashError, match="^structured output failed: [^\n]*$"):
+            engine.generate("x = ", max_new_tokens=20, structured_output={"grammar": DEAD_END})
+    with pytest.raises(DFlashError, match="^prompt 1: structured output failed"):
+        spec_engine.generate_batch(["x = ", "def f():"], max_new_tokens=20, structured_output=[None, {"grammar": DEAD_END}])
+    assert spec_engine.generate("x = ", max_new_tokens=8).token_ids == \
+        DFlashEngine.from_pretrained(no_draft=True, dtype="float32").generate("x = ", max_new_tokens=8).token_ids

@@ -80,7 +80,8 @@ _PARAM_OF_MESSAGE = {"stop token ids": "stop_token_ids", "temperature": "tempera
                      "stop": "stop", "max_new_tokens": "max_tokens", "prompt": "prompt", "the prompt": "prompt",
                      "chat messages": "messages", "chat_template_kwargs": "chat_template_kwargs", "tools": "tools",
                      "tool call arguments": "messages", "ignore_eos": "ignore_eos",
-                     "structured_output": "structured_output"}  # (the app names its request's field: Job.param_aliases)
+                     # (the app names its request's field: Job.param_aliases)
+                     "structured_output": "structured_output", "structured output": "structured_output"}
 
 
 class ParamError(DFlashError):
@@ -315,8 +316,17 @@ class BatchedBackend:
     def target_only_rounds(self) -> int:
         return self.engine.batch_decoder().target_only_rounds
 
-    def step(self) -> list[tuple[Sequence, StreamChunk]]:
-        return [self._chunk(seq, rnd) for seq, rnd in self.engine.batch_decoder().step().items()]
+    def step(self) -> list[tuple[Sequence, StreamChunk | DFlashError]]:
+        """Each sequence's chunk of one batch round, or the error that ends that sequence alone
+        (its structured-output constraint failed: :attr:`Round.error`); it is out of the batch."""
+        out = []
+        for seq, rnd in self.engine.batch_decoder().step().items():
+            try:
+                out.append(self._chunk(seq, rnd))
+            except DFlashError as exc:
+                self.remove(seq)
+                out.append((seq, exc))
+        return out
 
     def _chunk(self, seq: Sequence, rnd) -> tuple[Sequence, StreamChunk]:
         stats, stopper = self._state[seq]
@@ -465,6 +475,10 @@ class Scheduler:
             finally:
                 self._count_backend()
             for seq, chunk in results:
+                if isinstance(chunk, DFlashError):  # (that sequence alone failed; the backend let it go)
+                    self._fail(seq, chunk)
+                    self._leave(seq)
+                    continue
                 self._deliver(seq, chunk)
                 if chunk.finish_reason is not None:
                     self._leave(seq)
