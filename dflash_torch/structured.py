@@ -18,10 +18,14 @@ for every position, gives the set of tokens that keep the output inside the lang
   among the tokens the grammar allows after the drafts before it
   (:meth:`GrammarState.next_allowed`, :meth:`GrammarState.advance`), so every draft is a
   valid continuation; the masks computed on the way are the verify's.
-* **commit**: the matcher rolls back what the round drafted and consumes what it committed.
+* **commit**: the committed state moves past the round's tokens; matchers are copied per
+  token (llguidance's ``deep_copy``), never rolled back (:class:`GrammarState`).
 
 Shapes are unchanged (masks are applied to the logits outside the compiled forwards). The
-masks are computed on the host: one or two host syncs per slot for a constrained sequence.
+masks are computed on the host, where a position is decided (greedy decoding applies one
+only where the grammar refuses a row's argmax): a few host syncs per round for a
+constrained sequence, none for the others. A constraint that cannot go on mid-way fails
+its own sequence only (:attr:`GrammarState.failed`, ``Round.error``).
 """
 
 from __future__ import annotations
