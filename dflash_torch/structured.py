@@ -177,7 +177,10 @@ class StructuredOutput:
 def _first_line(message) -> str:
     """llguidance's message in one line: its first line (the parser state it prints after is left out)."""
     lines = [line.strip() for line in str(message).strip().splitlines() if line.strip()]
-    return lines[0] if lines else "unknown error"
+    if not lines:
+        return "unknown error"
+    reason = next((line for line in lines[1:] if line.startswith("error:")), None)  # (a regex's: after its picture)
+    return f"{lines[0]} {reason}" if reason and lines[0].endswith(":") else lines[0]
 
 
 class Grammar:
