@@ -334,6 +334,25 @@ def test_target_only_equals_transformers_generate_with_the_grammar(engines, tiny
         assert fresh.validate_tokens(ref) == len(ref)  # (the check compares a valid output)
 
 
+def test_compiled_rounds_with_a_constraint_equal_target_only(engines):
+    """torch.compile (eager backend: the graphs inductor would get) with constraints: the
+    masks act outside the graphs; same tokens as constrained target-only decoding."""
+    from conftest import run_rounds
+
+    from dflash_torch.decoding import SpeculativeDecoder
+
+    e = engines["inject"]
+    compiled = SpeculativeDecoder(e.target, e.drafter, compile=True, compile_backend="eager", max_context=128)
+    alone = SpeculativeDecoder(e.target, None)
+    for name in ("regex", "json", "forced"):
+        params = SamplingParams(grammar=e.grammars.compile(SPECS[name]))
+        for prompt in ([5, 9, 13], [100, 7]):
+            got, taus = run_rounds(compiled, prompt, 30, params)
+            want, _ = run_rounds(alone, prompt, 30, params)
+            n = want.index(EOS_ID) + 1 if EOS_ID in want else len(want)  # (run_rounds goes on past an EOS)
+            assert got[:n] == want[:n], (name, prompt)
+
+
 @pytest.mark.parametrize("mode", ["inject", "recompute", "static", "dflash2"])
 def test_speculative_equals_constrained_target_only(engines, mode):
     """The agreeable pair, every constraint: speculative greedy output == constrained
