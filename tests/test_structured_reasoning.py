@@ -223,7 +223,9 @@ BAD = [  # (body, param, words of the message)
     ({"guided_whitespace_pattern": " ", "structured_outputs": {"json": PERSON, "whitespace_pattern": " "}},
      "structured_outputs", "one JSON whitespace pattern"),
     ({"response_format": {"type": "json_object"}, "guided_whitespace_pattern": "(("}, "guided_whitespace_pattern",
-     "invalid"),
+     "'((' is not a valid whitespace pattern"),
+    ({"structured_outputs": {"json": PERSON, "whitespace_pattern": "[a-"}}, "structured_outputs",
+     "structured_outputs.whitespace_pattern '[a-' is not a valid whitespace pattern"),
     ({"guided_grammar": "start: nothing"}, "guided_grammar", "grammar is invalid"),
 ]
 

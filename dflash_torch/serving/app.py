@@ -564,7 +564,14 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         param, spec = found
         structured = compile_constraint(spec, param)
         if (space := req.whitespace_pattern()) is not None:  # (a JSON constraint: conflicting_fields checked)
-            structured = compile_constraint(with_whitespace(structured, space[1]), space[0])
+            field, pattern = space
+            try:
+                structured = compile_constraint(with_whitespace(structured, pattern), field)
+            except APIError as exc:  # (the constraint compiled without it: the pattern's fault)
+                name = "structured_outputs.whitespace_pattern" if field == "structured_outputs" else field
+                why = exc.message.split(" is invalid: ", 1)[-1].rstrip(": ")
+                raise APIError(400, f"{name} {pattern[:80]!r} is not a valid whitespace pattern (a regex): {why}",
+                               param=field) from None
         if opened:
             structured = compile_constraint(after_reasoning(structured, think_end()), param, " after the reasoning")
         return param, structured
