@@ -24,7 +24,11 @@ Structured outputs (both endpoints): ``response_format`` (OpenAI: ``json_object`
 (:mod:`dflash_torch.structured`); chat ``tool_choice`` ``required`` or a named function
 constrains it to tool calls (:func:`.tools.hermes_grammar`; the hermes format only). A
 constraint is compiled (and checked: a 400 names its field) in a thread before the request
-queues, so a slow compile holds neither the engine nor the event loop.
+queues, so a slow compile holds neither the engine nor the event loop. In a chat whose
+template opened a reasoning (``<think>`` at the prompt's end, ``think`` reasoning parser),
+the constraint applies after it (:func:`.constraints.after_reasoning`): ``content`` is the
+constrained output, ``reasoning_content`` the thinking. vLLM's ``guided_whitespace_pattern``
+sets a JSON constraint's whitespace (:func:`.constraints.with_whitespace`).
 
 Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
 completions and the rest of the context for chat. Extensions: ``top_k``,
@@ -71,6 +75,7 @@ from ..engine import StreamChunk
 from ..errors import DFlashError
 from ..options import check_api_key, check_chat_template_kwargs, check_model_name
 from ..structured import StructuredOutput
+from .constraints import after_reasoning, think_end_token, with_whitespace
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, conflicting_fields, describe_validation_error,
                        unsupported_field)
@@ -503,9 +508,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 raise APIError(400, where + str(exc), param=param_of(exc)) from None
         return out
 
-    def compile_constraint(spec: dict, param: str) -> StructuredOutput:
+    def compile_constraint(spec, param: str, where: str = "") -> StructuredOutput:
         """``spec`` checked and compiled for the engine (kept in its cache: the sequences'
-        own compiles find it there); an error is a 400 about ``param``, the request's field."""
+        own compiles find it there); an error is a 400 about ``param``, the request's field
+        (``where``: words after its name in the message)."""
         try:
             structured = StructuredOutput.coerce(spec)
             engine.grammars.compile(structured)
@@ -514,22 +520,61 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             if param == "tools":  # (a tool's parameters schema that cannot constrain its calls)
                 message = f"tools cannot constrain the reply to tool calls: {message.removeprefix('structured_output ')}"
             elif message.startswith("structured_output"):
-                message = param + message[len("structured_output"):]
+                message = param + where + message[len("structured_output"):]
             raise APIError(400, message, param=param) from None
         return structured
 
-    def tool_call_constraint(req, tools: list[dict], prompt_tail: str) -> tuple[str, dict]:
+    @functools.cache
+    def think_end() -> int | None:
+        """The tokenizer's one token for ``</think>`` that grammars name by id (:func:`think_end_token`)."""
+        return think_end_token(engine.tokenizer, engine.grammars.tokenizer())
+
+    def opens_reasoning(prompt_tail: str) -> bool:
+        """Whether a chat prompt ending in ``prompt_tail`` opened a reasoning the reply continues
+        (the ``think`` format; :class:`~.reasoning.ThinkParser` reads the reply the same way)."""
+        return reasoning == "think" and prompt_tail.rstrip().endswith(THINK_OPEN)
+
+    def tool_call_constraint(req, tools: list[dict], opened: bool) -> tuple[str, dict]:
         """``(param, structured output)`` of a chat request whose ``tool_choice`` forces calls
         (``required`` or a named function): the hermes grammar of its tools (starting inside
         the reasoning when the template opened one)."""
+        name = req.tool_choice.function.name if not isinstance(req.tool_choice, str) else None
+        grammar = hermes_grammar(tools, name, req.parallel_tool_calls is not False, opened, think_end() if opened else None)
+        return "tools", {"grammar": grammar}
+
+    def check_tool_call_format(req) -> None:
         if tool_calls != "hermes":
             raise APIError(400, f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'a named function'!r}"
                                 f" needs the hermes tool-call format, which constrained decoding writes; this server's "
                                 f"is {tool_calls!r} (--tool-call-parser); use tool_choice 'auto' or 'none'",
                            param="tool_choice", code="unsupported_parameter")
-        name = req.tool_choice.function.name if not isinstance(req.tool_choice, str) else None
-        opened = reasoning == "think" and prompt_tail.rstrip().endswith(THINK_OPEN)
-        return "tools", {"grammar": hermes_grammar(tools, name, req.parallel_tool_calls is not False, opened)}
+
+    def request_constraint(req, chat: bool, tools: list[dict] | None, prompt_tail: str) -> tuple[str, StructuredOutput] | None:
+        """``(param, compiled structured output)`` of a request (in a thread), None for none:
+        its constraint as sent (checked and compiled first: a 400 names its field), with its
+        JSON whitespace pattern, and in a chat whose template opened a reasoning, after it
+        (:mod:`.constraints`); or the tool calls ``tool_choice`` forces."""
+        opened = chat and opens_reasoning(prompt_tail)
+        if chat and req.forces_tool_calls():
+            param, spec = tool_call_constraint(req, tools, opened)
+            return param, compile_constraint(spec, param)
+        found = req.constraint()
+        if found is None:
+            return None
+        param, spec = found
+        structured = compile_constraint(spec, param)
+        if (space := req.whitespace_pattern()) is not None:  # (a JSON constraint: conflicting_fields checked)
+            field, pattern = space
+            try:
+                structured = compile_constraint(with_whitespace(structured, pattern), field)
+            except APIError as exc:  # (the constraint compiled without it: the pattern's fault)
+                name = "structured_outputs.whitespace_pattern" if field == "structured_outputs" else field
+                why = exc.message.split(" is invalid: ", 1)[-1].rstrip(": ")
+                raise APIError(400, f"{name} {pattern[:80]!r} is not a valid whitespace pattern (a regex): {why}",
+                               param=field) from None
+        if opened:
+            structured = compile_constraint(after_reasoning(structured, think_end()), param, " after the reasoning")
+        return param, structured
 
     async def run(request: Request, req, prompts: list, chat: bool, default_max_tokens: int | None, kind: str):
         """Serve ``n`` choices of each prompt of ``prompts`` (choice ``i * n + j`` is the
@@ -546,13 +591,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                                            template_kwargs, tools)
         prompt_tail = engine.decode(prepared[0][0][-8:]) if chat else ""  # (a chat has one prompt)
         kwargs = req.sampling_kwargs()
-        constraint = req.constraint()
         if chat and req.forces_tool_calls():
-            constraint = tool_call_constraint(req, tools, prompt_tail)
+            check_tool_call_format(req)
         job = Job(loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived)
-        if constraint is not None:
-            param, spec = constraint
-            kwargs["structured_output"] = await asyncio.to_thread(compile_constraint, spec, param)
+        if req.constraint() is not None or (chat and req.forces_tool_calls()):
+            param, kwargs["structured_output"] = await asyncio.to_thread(request_constraint, req, chat, tools, prompt_tail)
             job.param_aliases["structured_output"] = param
         for ids, max_new_tokens in prepared:
             for j in range(n):

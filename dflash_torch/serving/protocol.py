@@ -16,7 +16,9 @@ Structured outputs (constrained decoding, :mod:`dflash_torch.structured`): OpenA
 ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` (one
 of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and vLLM's older top-level
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``; at most one of
-them per request (:meth:`_Request.constraint`).
+them per request (:meth:`_Request.constraint`). vLLM's ``guided_whitespace_pattern`` (or
+``structured_outputs.whitespace_pattern``) sets a JSON constraint's whitespace
+(:meth:`_Request.whitespace_pattern`); with no JSON constraint it is refused.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema or its JSON text),
     ``regex``, ``choice``, ``grammar`` (llguidance's Lark syntax) and ``json_object``
-    (true). vLLM's options for its other backends (``whitespace_pattern``, ...) are ignored;
-    ``structural_tag`` is refused."""
+    (true); ``whitespace_pattern``: a JSON constraint's whitespace (a regex). vLLM's options
+    for its other backends (``disable_fallback``, ...) are ignored; ``structural_tag`` is refused."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     json_: JSONSchema | StrictStr | None = Field(None, alias="json")
@@ -97,6 +99,7 @@ class StructuredOutputs(BaseModel):
     choice: list[StrictStr] | None = None
     grammar: StrictStr | None = None
     json_object: StrictBool | None = None
+    whitespace_pattern: StrictStr | None = None
     structural_tag: Any = None
 
     def given(self) -> list[str]:
@@ -143,6 +146,7 @@ class _Request(BaseModel):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None  # (vLLM: the whitespace of a JSON constraint)
     # vLLM's extension: each prompt token's logprob and this many alternatives (choices[i].prompt_logprobs)
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # known but only their defaults are honoured
@@ -178,6 +182,23 @@ class _Request(BaseModel):
         """The request's one structured output as ``(param, structured output)`` (see
         :meth:`constraints`), None for none."""
         found = self.constraints()
+        return found[0] if found else None
+
+    def whitespace_patterns(self) -> list[tuple[str, str]]:
+        """``(param, regex)`` of each JSON whitespace pattern given (vLLM's
+        ``guided_whitespace_pattern``, ``structured_outputs.whitespace_pattern``; a valid
+        request has at most one)."""
+        out = []
+        if self.guided_whitespace_pattern is not None:
+            out.append(("guided_whitespace_pattern", self.guided_whitespace_pattern))
+        if self.structured_outputs is not None and self.structured_outputs.whitespace_pattern is not None:
+            out.append(("structured_outputs", self.structured_outputs.whitespace_pattern))
+        return out
+
+    def whitespace_pattern(self) -> tuple[str, str] | None:
+        """``(param, regex)``: the whitespace between the tokens of the request's JSON
+        constraint (a JSON schema or ``json_object``; see :meth:`whitespace_patterns`), None for none."""
+        found = self.whitespace_patterns()
         return found[0] if found else None
 
     def stop_list(self) -> list[str]:
@@ -385,8 +406,8 @@ def conflicting_fields(req: _Request) -> tuple[str, str] | None:
         return "top_logprobs", "top_logprobs needs logprobs set to true"
     if isinstance(req, ChatCompletionRequest) and req.tool_choice not in (None, "none") and not req.tools:
         return "tool_choice", "tool_choice needs tools"
-    if req.structured_outputs is not None:
-        given = req.structured_outputs.given()
+    if req.structured_outputs is not None and req.structured_outputs.structural_tag is None:
+        given = req.structured_outputs.given()  # (structural_tag: refused as unsupported, unsupported_field)
         if len(given) != 1:
             return "structured_outputs", (f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KINDS)}; "
                                           f"got {', '.join(given) or 'none'}")
@@ -394,6 +415,16 @@ def conflicting_fields(req: _Request) -> tuple[str, str] | None:
     if len(found) > 1:
         return found[1][0], (f"one structured-output constraint per request: {_constraint_name(found[0])} and "
                              f"{_constraint_name(found[1])} both given")
+    spaces = req.whitespace_patterns()
+    if len(spaces) > 1:
+        return spaces[1][0], ("one JSON whitespace pattern per request: guided_whitespace_pattern and "
+                              "structured_outputs.whitespace_pattern both given")
+    if spaces and not (found and next(iter(found[0][1])) in ("json", "json_object")) and \
+            (req.structured_outputs is None or req.structured_outputs.structural_tag is None):
+        param = spaces[0][0]
+        name = "structured_outputs.whitespace_pattern" if param == "structured_outputs" else param
+        what = f"this request's constraint is {_constraint_name(found[0])}" if found else "this request has none"
+        return param, f"{name} sets the whitespace of a JSON constraint (a JSON schema or json_object); {what}"
     if isinstance(req, ChatCompletionRequest) and req.forces_tool_calls():
         if found:
             return "tool_choice", (f"tool_choice {_tool_choice_name(req.tool_choice)} constrains the reply to tool "

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from ..errors import DFlashError
 from ..options import check_choice
+from .constraints import reasoning_rules
 from .reasoning import HarmonyParser, ReasoningParser, _held, new_parser
 
 PARSERS = ("auto", "none", "hermes", "qwen3_coder", "harmony")
@@ -309,10 +310,9 @@ class ReplyParser:
 # The arguments of constrained hermes calls: JSON as the templates render a call (``tojson``:
 # ", " and ": ", no other whitespace); a tool's own "x-guidance" options override these.
 HERMES_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# the rest of a reasoning the template opened: any text up to the first </think> (lazy: it
-# ends there), then at most 4 whitespace characters before the first call
+# the rest of a reasoning the template opened (:func:`.constraints.reasoning_rules`: any text up
+# to the first </think>), then at most 4 whitespace characters before the first call
 _REST_OF_REASONING = 'reasoning_rest /[ \\t\\r\\n]{0,4}/ '
-_REASONING_RULE = 'reasoning_rest[lazy]: /(?s:.*)<\\/think>/\n'
 
 
 def _arguments_schema(function: dict) -> dict | bool:
@@ -329,7 +329,7 @@ def _arguments_schema(function: dict) -> dict | bool:
 
 
 def hermes_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
-                   in_reasoning: bool = False) -> str:
+                   in_reasoning: bool = False, think_end: int | None = None) -> str:
     """An llguidance Lark grammar (:class:`~dflash_torch.structured.StructuredOutput`
     ``grammar``) of a reply that is only hermes tool calls, as :class:`HermesParser` reads
     them: ``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`` where NAME is
@@ -339,8 +339,9 @@ def hermes_grammar(tools: list[dict], name: str | None = None, parallel: bool = 
     ``required``), separated by a newline, or exactly one when ``parallel`` is False. The
     reply ends (EOS) after the last call. ``in_reasoning``: the template opened a
     ``<think>`` in the prompt: the reply first closes it (any text up to ``</think>``,
-    then up to 4 whitespace characters); a reply that was not inside a reasoning cannot
-    open one."""
+    then up to 4 whitespace characters; ``think_end``: the tokenizer's one token for
+    ``</think>``, :func:`.constraints.think_end_token`, else None: it is text); a reply that
+    was not inside a reasoning cannot open one."""
     functions = [t.get("function") or {} for t in tools]
     functions = [f for f in functions if isinstance(f.get("name"), str) and (name is None or f["name"] == name)]
     if not functions:
@@ -353,7 +354,7 @@ def hermes_grammar(tools: list[dict], name: str | None = None, parallel: bool = 
     calls = "call" if name is not None or not parallel else 'call ("\\n" call)*'
     start = f"start: {_REST_OF_REASONING if in_reasoning else ''}{calls}\n"
     return (start + "call: " + " | ".join(alternatives) + "\n" + "".join(rules)
-            + (_REASONING_RULE if in_reasoning else ""))
+            + (reasoning_rules(think_end) if in_reasoning else ""))
 
 
 def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:

@@ -1,0 +1,99 @@
+"""A chat request's structured output, as the server hands it to the engine.
+
+* **After the reasoning** (:func:`after_reasoning`): when the chat template opened a
+  ``<think>`` in the prompt (Qwen3 / Qwen3.5 thinking mode; the reply is reasoning up to
+  ``</think>``, then the answer: :class:`~.reasoning.ThinkParser`), the request's constraint
+  applies to the answer, not to the reasoning, as vLLM does: the reply is constrained to
+  any text up to the first ``</think>`` (:func:`reasoning_rules`), then, right after it,
+  exactly what the constraint allows, so ``content`` is the constrained output and
+  ``reasoning_content`` the thinking. The constraint is embedded in one llguidance Lark
+  grammar: a JSON schema with ``%json`` (with the engine's JSON defaults,
+  :data:`~dflash_torch.structured.JSON_DEFAULTS`, unless the schema has its own
+  ``x-guidance``), ``json_object`` as the schema ``{"type": "object"}``, a regex as a
+  ``/.../`` terminal (llguidance's own escaping, :func:`llguidance.regex_to_lark`), a choice
+  as an alternation of string literals, a Lark grammar as a nested ``%lark { ... }`` grammar
+  (its rules, terminals and ``%ignore`` stay its own).
+* **Whitespace** (:func:`with_whitespace`): vLLM's ``guided_whitespace_pattern`` (or
+  ``structured_outputs.whitespace_pattern``) is the JSON's whitespace between tokens
+  (llguidance's ``x-guidance`` ``whitespace_pattern``) of a JSON schema or ``json_object``
+  constraint.
+
+``</think>`` may be text (several tokens) or one token of the tokenizer: llguidance reads a
+tokenizer's added tokens as special tokens, which text in a grammar never matches, so such
+a token is named in the grammar by its id (``<[id]>``, :func:`think_end_token`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from ..structured import JSON_DEFAULTS, StructuredOutput
+from .reasoning import THINK_CLOSE
+
+_CLOSE_REGEX = THINK_CLOSE.replace("/", "\\/")  # (in a /.../ terminal)
+
+
+def reasoning_rules(end_token: int | None = None) -> str:
+    """Lark rules of ``reasoning_rest``: any text up to and with the first ``</think>`` (lazy:
+    it ends there), written as text or, when ``end_token`` is given, as that token (the
+    tokenizer's one token for ``</think>``, :func:`think_end_token`)."""
+    text_end = f"/(?s:.*){_CLOSE_REGEX}/"
+    if end_token is None:
+        return f"reasoning_rest[lazy]: {text_end}\n"
+    return (f"reasoning_rest: reasoning_end | reasoning_text <[{int(end_token)}]>\n"
+            f"reasoning_end[lazy]: {text_end}\n"
+            "reasoning_text: /(?s:.*)/\n")
+
+
+def think_end_token(hf_tokenizer, llg_tokenizer) -> int | None:
+    """The id of ``</think>`` where the tokenizer has it as one token that llguidance takes
+    for a special token (an added token, as in Qwen3's tokenizer), else None (the text form
+    matches it)."""
+    ids = hf_tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+    if len(ids) != 1 or not llg_tokenizer.is_special_token(ids[0]):
+        return None
+    return int(ids[0])
+
+
+def _json_schema(spec: StructuredOutput) -> Mapping:
+    """The JSON schema of a ``json`` or ``json_object`` constraint."""
+    return spec.json if spec.kind == "json" else {"type": "object"}
+
+
+def with_whitespace(spec: StructuredOutput, pattern: str) -> StructuredOutput:
+    """``spec`` (a ``json`` or ``json_object`` constraint) with ``pattern`` (a regex) as the
+    whitespace between JSON tokens: the schema's ``x-guidance`` ``whitespace_pattern`` (its
+    other ``x-guidance`` options kept)."""
+    schema = dict(_json_schema(spec))
+    own = schema.get("x-guidance")
+    schema["x-guidance"] = {**(own if isinstance(own, Mapping) else {}), "whitespace_pattern": pattern}
+    return StructuredOutput(json=schema)
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)  # (Lark string literals take JSON's escapes)
+
+
+def constraint_rule(spec: StructuredOutput) -> str:
+    """The Lark rule ``constraint`` whose language is ``spec`` 's."""
+    kind = spec.kind
+    if kind in ("json", "json_object"):
+        schema = _json_schema(spec)
+        if "x-guidance" not in schema:  # (as StructuredOutput compiles a schema without its own options)
+            schema = {**schema, "x-guidance": dict(JSON_DEFAULTS)}
+        return f"constraint: %json {json.dumps(schema)}\n"
+    if kind == "regex":
+        from llguidance import regex_to_lark
+
+        return f"constraint: /{regex_to_lark(spec.regex)}/\n"
+    if kind == "choice":
+        return "constraint: " + " | ".join(_lark_string(c) for c in spec.choice) + "\n"
+    return "constraint: %lark {\n" + spec.grammar + "\n}\n"
+
+
+def after_reasoning(spec: StructuredOutput, end_token: int | None = None) -> StructuredOutput:
+    """A grammar of a reply that starts inside a reasoning: the rest of it up to ``</think>``
+    (:func:`reasoning_rules`), then right after it an output of ``spec``."""
+    return StructuredOutput(grammar="start: reasoning_rest constraint\n" + constraint_rule(spec)
+                            + reasoning_rules(end_token))
