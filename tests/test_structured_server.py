@@ -354,3 +354,35 @@ def test_a_constraint_that_fails_mid_decoding_raises_in_python():
         spec_engine.generate_batch(["x = ", "def f():"], max_new_tokens=20, structured_output=[None, {"grammar": DEAD_END}])
     assert spec_engine.generate("x = ", max_new_tokens=8).token_ids == \
         DFlashEngine.from_pretrained(no_draft=True, dtype="float32").generate("x = ", max_new_tokens=8).token_ids
+
+
+def test_hermes_grammar_takes_the_tokenizers_own_call_marker_tokens(tmp_path):
+    """Where ``<tool_call>`` / ``</tool_call>`` are added tokens (Qwen3's tokenizer), which
+    llguidance never matches to text, the forced-call grammar takes those tokens (as well as
+    the markers spelled out); without them the one-token form is refused."""
+    from conftest import make_tokenizer
+    from transformers import AutoTokenizer
+
+    from dflash_torch.serving.constraints import special_token
+    from dflash_torch.serving.tools import CALL_CLOSE, CALL_OPEN
+    from dflash_torch.structured import GrammarCompiler
+
+    make_tokenizer(tmp_path, vocab_size=318)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok.add_tokens([CALL_OPEN, CALL_CLOSE])
+    compiler = GrammarCompiler(tok, 320, [0])
+    ids = (special_token(tok, compiler.tokenizer(), CALL_OPEN), special_token(tok, compiler.tokenizer(), CALL_CLOSE))
+    assert None not in ids
+    body = tok.encode('\n{"name": "get_time", "arguments": {}}\n', add_special_tokens=False)
+    one_token = [ids[0]] + body + [ids[1], 0]
+    spelled = tok.encode(CALL_OPEN[:1], add_special_tokens=False)  # ("<" alone: not the added token)
+    spelled = spelled + tok.encode(CALL_OPEN[1:], add_special_tokens=False) + body + \
+        tok.encode(CALL_CLOSE[:1], add_special_tokens=False) + tok.encode(CALL_CLOSE[1:], add_special_tokens=False) + [0]
+
+    def accepts(grammar: str, tokens: list[int]) -> bool:
+        state = compiler.compile({"grammar": grammar}).state("cpu")
+        return all(state.advance(t) for t in tokens)
+
+    with_tokens = hermes_grammar(TOOLS, "get_time", call_tokens=ids)
+    assert accepts(with_tokens, one_token) and accepts(with_tokens, spelled)
+    assert not accepts(hermes_grammar(TOOLS, "get_time"), one_token)

@@ -75,14 +75,15 @@ from ..engine import StreamChunk
 from ..errors import DFlashError
 from ..options import check_api_key, check_chat_template_kwargs, check_model_name
 from ..structured import StructuredOutput
-from .constraints import after_reasoning, think_end_token, with_whitespace
+from .constraints import after_reasoning, special_token, think_end_token, with_whitespace
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, conflicting_fields, describe_validation_error,
                        unsupported_field)
 from .reasoning import THINK_OPEN, check_reasoning_parser, resolve_parser
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
                         make_backend, param_of)
-from .tools import check_tool_parser, hermes_grammar, new_reply_parser, parse_reply, resolve_tool_parser
+from .tools import (CALL_CLOSE, CALL_OPEN, check_tool_parser, hermes_grammar, new_reply_parser, parse_reply,
+                    resolve_tool_parser)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5
@@ -529,6 +530,12 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         """The tokenizer's one token for ``</think>`` that grammars name by id (:func:`think_end_token`)."""
         return think_end_token(engine.tokenizer, engine.grammars.tokenizer())
 
+    @functools.cache
+    def call_tokens() -> tuple[int | None, int | None]:
+        """The tokenizer's one token for ``<tool_call>`` and for ``</tool_call>``, if any (:func:`special_token`)."""
+        llg = engine.grammars.tokenizer()
+        return special_token(engine.tokenizer, llg, CALL_OPEN), special_token(engine.tokenizer, llg, CALL_CLOSE)
+
     def opens_reasoning(prompt_tail: str) -> bool:
         """Whether a chat prompt ending in ``prompt_tail`` opened a reasoning the reply continues
         (the ``think`` format; :class:`~.reasoning.ThinkParser` reads the reply the same way)."""
@@ -539,7 +546,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         (``required`` or a named function): the hermes grammar of its tools (starting inside
         the reasoning when the template opened one)."""
         name = req.tool_choice.function.name if not isinstance(req.tool_choice, str) else None
-        grammar = hermes_grammar(tools, name, req.parallel_tool_calls is not False, opened, think_end() if opened else None)
+        grammar = hermes_grammar(tools, name, req.parallel_tool_calls is not False, opened, think_end() if opened else None,
+                                 call_tokens())
         return "tools", {"grammar": grammar}
 
     def check_tool_call_format(req) -> None:

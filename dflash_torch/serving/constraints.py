@@ -46,14 +46,25 @@ def reasoning_rules(end_token: int | None = None) -> str:
             "reasoning_text: /(?s:.*)/\n")
 
 
-def think_end_token(hf_tokenizer, llg_tokenizer) -> int | None:
-    """The id of ``</think>`` where the tokenizer has it as one token that llguidance takes
-    for a special token (an added token, as in Qwen3's tokenizer), else None (the text form
-    matches it)."""
-    ids = hf_tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+def special_token(hf_tokenizer, llg_tokenizer, text: str) -> int | None:
+    """The id of ``text`` where the tokenizer has it as one token that llguidance takes for a
+    special token (an added token, as ``</think>`` and ``<tool_call>`` are in Qwen3's
+    tokenizer), else None (the text form matches it)."""
+    ids = hf_tokenizer.encode(text, add_special_tokens=False)
     if len(ids) != 1 or not llg_tokenizer.is_special_token(ids[0]):
         return None
     return int(ids[0])
+
+
+def think_end_token(hf_tokenizer, llg_tokenizer) -> int | None:
+    """:func:`special_token` of ``</think>``."""
+    return special_token(hf_tokenizer, llg_tokenizer, THINK_CLOSE)
+
+
+def text_or_token(text: str, token: int | None) -> str:
+    """A Lark expression matching ``text`` written out, or, when ``token`` is given (its
+    :func:`special_token`), that one token too."""
+    return json.dumps(text) if token is None else f"({json.dumps(text)} | <[{int(token)}]>)"
 
 
 def _json_schema(spec: StructuredOutput) -> Mapping:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from ..errors import DFlashError
 from ..options import check_choice
-from .constraints import reasoning_rules
+from .constraints import reasoning_rules, text_or_token
 from .reasoning import HarmonyParser, ReasoningParser, _held, new_parser
 
 PARSERS = ("auto", "none", "hermes", "qwen3_coder", "harmony")
@@ -329,7 +329,8 @@ def _arguments_schema(function: dict) -> dict | bool:
 
 
 def hermes_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
-                   in_reasoning: bool = False, think_end: int | None = None) -> str:
+                   in_reasoning: bool = False, think_end: int | None = None,
+                   call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
     """An llguidance Lark grammar (:class:`~dflash_torch.structured.StructuredOutput`
     ``grammar``) of a reply that is only hermes tool calls, as :class:`HermesParser` reads
     them: ``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`` where NAME is
@@ -341,15 +342,19 @@ def hermes_grammar(tools: list[dict], name: str | None = None, parallel: bool = 
     ``<think>`` in the prompt: the reply first closes it (any text up to ``</think>``,
     then up to 4 whitespace characters; ``think_end``: the tokenizer's one token for
     ``</think>``, :func:`.constraints.think_end_token`, else None: it is text); a reply that
-    was not inside a reasoning cannot open one."""
+    was not inside a reasoning cannot open one. ``call_tokens``: the tokenizer's one token
+    for ``<tool_call>`` and for ``</tool_call>`` where it has them (Qwen3's added tokens,
+    :func:`.constraints.special_token`), which llguidance never matches to the text, so the
+    grammar also takes the token (else the model would have to spell the marker out)."""
     functions = [t.get("function") or {} for t in tools]
     functions = [f for f in functions if isinstance(f.get("name"), str) and (name is None or f["name"] == name)]
     if not functions:
         raise DFlashError(f"tools has no function {name!r} to call" if name is not None else "tools has no function")
     rules, alternatives = [], []
+    call_open, call_close = (text_or_token(text, token) for text, token in zip((CALL_OPEN, CALL_CLOSE), call_tokens))
     for i, fn in enumerate(functions):
-        head = json.dumps(f'{CALL_OPEN}\n{{"name": {_dumps(fn["name"])}, "arguments": ')
-        alternatives.append(f"{head} arguments_{i} {json.dumps('}' + chr(10) + CALL_CLOSE)}")
+        head = json.dumps(f'\n{{"name": {_dumps(fn["name"])}, "arguments": ')
+        alternatives.append(f"{call_open} {head} arguments_{i} {json.dumps('}' + chr(10))} {call_close}")
         rules.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(fn))}\n")
     calls = "call" if name is not None or not parallel else 'call ("\\n" call)*'
     start = f"start: {_REST_OF_REASONING if in_reasoning else ''}{calls}\n"
