@@ -265,9 +265,11 @@ class GrammarCompiler:
             first = torch.empty((self.vocab_size + 31) // 32, dtype=torch.int32)
             if not probe.is_error():
                 probe.unsafe_compute_mask_ptr(first.data_ptr(), first.numel() * 4)
-            if probe.is_error() or not bool(first.any()):
-                why = f": {_first_line(probe.get_error())}" if probe.is_error() else ""
-                raise OptionError(f"structured_output {spec.kind} allows no output with this tokenizer{why}",
+            if probe.is_error():  # (llguidance cannot start it: e.g. NoExtensionBias for an empty language)
+                raise OptionError(f"structured_output {spec.kind} cannot be used (llguidance fails on it before the "
+                                  f"first token): {_first_line(probe.get_error())}", "structured_output")
+            if not bool(first.any()):
+                raise OptionError(f"structured_output {spec.kind} allows no output with this tokenizer",
                                   "structured_output")
             grammar = Grammar(spec, text, tokenizer, self.vocab_size, self.eos_token_ids)
             self._cache[key] = grammar

@@ -211,8 +211,9 @@ def test_max_tokens_zero_scores_the_prompt_only(server, engine, oracle):
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
     ("/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": -1}, "prompt_logprobs", "greater than"),
     ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo", None),
+    ("/v1/chat/completions", {"messages": MESSAGES, "echo": True}, "echo", "not supported in chat"),
 ], ids=["max_tokens 0 without echo", "chat max_tokens 0", "min_tokens with max_tokens 0", "prompt_logprobs 21",
-        "prompt_logprobs -1", "echo not a bool"])
+        "prompt_logprobs -1", "echo not a bool", "echo in chat"])
 def test_refused(server, path, body, param, message):
     err = _assert_openai_error(server.post(path, {"model": MODEL, **body}), 400)
     assert err["param"] == param, err

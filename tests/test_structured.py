@@ -486,7 +486,7 @@ def test_bad_constraints_are_refused_in_one_line(engines, spec, words):
 @pytest.mark.parametrize("spec", [{"regex": "[^\\x00-\\x{10FFFF}]"}, {"grammar": "start: A\nA: /[a-z]+/ & /[0-9]+/"}])
 def test_constraints_with_no_output_are_refused_when_compiled(engines, spec):
     """A constraint whose language has no first token is refused before decoding, in one line."""
-    with pytest.raises(DFlashError, match="allows no output") as info:
+    with pytest.raises(DFlashError, match="allows no output|cannot be used") as info:
         engines["tiny"].grammars.compile(spec)
     assert "\n" not in str(info.value)
 

@@ -350,6 +350,7 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    echo: StrictBool | None = False  # (vLLM's chat extension: refused, see unsupported_field)
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolDef] | None = None
@@ -473,6 +474,7 @@ def unsupported_field(req: _Request) -> tuple[str, str] | None:
             ("function_call", req.function_call not in (None, "none"), "function_call is not supported"),
             ("modalities", req.modalities not in (None, ["text"]), "only the text modality is supported"),
             ("audio", req.audio is not None, "audio output is not supported"),
+            ("echo", bool(req.echo), "echo is not supported in chat completions (it is in /v1/completions)"),
         ]
     for param, bad, message in checks:
         if bad:
