@@ -18,12 +18,16 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+from test_reasoning import thinking_pair  # noqa: F401 (fixture)
 from test_server import API_KEY, MODEL
-from test_structured_server import PERSON, TOOLS as CHAT_TOOLS, _calls, conforms, servers  # noqa: F401 (fixture)
-from test_tools import (MESSAGES as TOOL_MESSAGES, WANT_CALLS, _oracle, _with_dict_arguments,  # noqa: F401
-                        scripted_pair, server)
+from test_server_scheduler import _serve
+from test_structured_server import DEAD_END, PERSON, _calls, conforms, servers  # noqa: F401
+from test_structured_server import TOOLS as CHAT_TOOLS
+from test_tools import MESSAGES as TOOL_MESSAGES  # noqa: F401
+from test_tools import WANT_CALLS, _oracle, _with_dict_arguments, scripted_pair, server
 
 from dflash_torch import DFlashEngine
+from dflash_torch.serving.protocol import ResponsesRequest
 from dflash_torch.serving.responses import ResponseBuilder
 from dflash_torch.serving.tools import ToolCall
 
@@ -317,3 +321,63 @@ def test_the_builder_writes_reasoning_text_and_calls_as_the_openai_types():
     assert Response.model_validate(b.response()).output_text == "" and b.items[0]["type"] == "message"
     error = b.error("boom", "server_error", None, None)
     EVENT.validate_python(error)
+
+
+def test_reasoning_items_of_a_thinking_model(thinking_pair, tmp_path_factory):
+    """A model that thinks (the template opens ``<think>``), then answers: a reasoning item,
+    then the message, as chat's ``reasoning_content`` and ``content``."""
+    messages = [{"role": "user", "content": "def f(x):"}]
+    with _serve(thinking_pair, tmp_path_factory.mktemp("responses-reasoning")) as srv:  # (reasoning parser auto: think)
+        client = srv.client()
+        kw = dict(max_output_tokens=40, extra_body={"ignore_eos": True})
+        msg = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].message
+        assert msg.reasoning_content and msg.content
+        r = _respond(client, input=messages, **kw)
+        assert [item.type for item in r.output] == ["reasoning", "message"] and r.status == "incomplete"
+        assert r.output[0].id.startswith("rs_") and r.output[0].summary == [] and r.output[0].status == "completed"
+        assert (r.output[0].content[0].text, r.output_text) == (msg.reasoning_content, msg.content)
+        assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens == 40
+        events = _events(client, input=messages, **kw)
+        thought = "".join(ev.delta for ev in events if ev.type == "response.reasoning_text.delta")
+        said = "".join(ev.delta for ev in events if ev.type == "response.output_text.delta")
+        assert (thought, said) == (msg.reasoning_content, msg.content)
+        assert [ev.type for ev in events if ev.type.endswith(".done")][:3] == [
+            "response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+        assert _shape(events[-1].response) == _shape(r)
+        # the reasoning item sent back (with the next turn): accepted
+        back = [m for m in messages] + [item.to_dict() for item in r.output] + [{"role": "user", "content": "more"}]
+        assert _respond(client, input=back, max_output_tokens=2).usage.output_tokens == 2
+
+
+def test_input_items_become_chat_messages():
+    req = ResponsesRequest.model_validate({"instructions": "sys", "input": [
+        {"role": "user", "content": "q"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\": 1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"type": "function_call_output", "call_id": "c2", "output": "2"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "then"}]},
+        {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"},
+        {"role": "developer", "content": "dev"}]})
+    call = lambda i, n, a: {"id": i, "type": "function", "function": {"name": n, "arguments": a}}  # noqa: E731
+    assert req.input_messages() == [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning_content": "hmm",
+         "tool_calls": [call("c1", "f", "{}"), call("c2", "g", '{"x": 1}')]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"},
+        {"role": "assistant", "content": "", "tool_calls": [call("c3", "f", "{}")], "reasoning_content": "then"},
+        {"role": "system", "content": "dev"}]
+    chat = req.chat_request()
+    assert chat.engine_messages() == req.input_messages() and chat.messages[2].tool_calls[1].id == "c2"
+
+
+def test_a_failure_mid_stream_is_an_error_event(servers):
+    spec, _ = servers
+    events = list(spec.responses.create(model=MODEL, input="x = ", max_output_tokens=10, stream=True,
+                                        extra_body={"guided_grammar": DEAD_END}))
+    assert events[0].type == "response.created" and events[-1].type == "error", [ev.type for ev in events]
+    assert events[-1].param == "guided_grammar" and "structured output failed" in events[-1].message
+    EVENT.validate_python(events[-1].to_dict())

@@ -1,7 +1,14 @@
 """An OpenAI-compatible HTTP server for a :class:`DFlashEngine`.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+(all with ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+
+``/v1/responses`` (OpenAI's Responses API, stateless: ``store`` true and
+``previous_response_id`` are 400s) is served as the chat completion of its input
+(:meth:`.protocol.ResponsesRequest.chat_request`: the same template, sampling, stop handling,
+parsers, constraints, scheduler); its answer is a Response object or its stream of events
+(:mod:`.responses`), and its errors name its own parameters (``text.format``,
+``max_output_tokens``, ``input``, ...).
 
 Requests go through a scheduler (see :mod:`.scheduler`): once its prompts are tokenized
 and fit the context (tokenizing runs in a thread of its own, so it holds neither the
@@ -81,9 +88,9 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, ResponsesInputE
                        conflicting_fields, describe_validation_error, responses_message, responses_param,
                        unsupported_field)
 from .reasoning import THINK_OPEN, check_reasoning_parser, resolve_parser
+from .responses import ResponseBuilder, sse_event
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
                         make_backend, param_of)
-from .responses import ResponseBuilder, sse_event
 from .tools import (CALL_CLOSE, CALL_OPEN, check_tool_parser, hermes_grammar, new_reply_parser, parse_reply,
                     resolve_tool_parser)
 

@@ -27,8 +27,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      ValidationError,
-                      field_validator, model_validator)
+                      ValidationError, field_validator, model_validator)
 
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
@@ -814,7 +813,7 @@ class ResponsesRequest(BaseModel):
             else:
                 role = "system" if parsed.role == "developer" else parsed.role
                 message = {"role": role, "content": _parts_text(parsed.content, f"{where}.content")}
-            if message["role"] == "assistant" and reasoning:
+            if message["role"] == "assistant" and "".join(reasoning):
                 message["reasoning_content"] = "".join(reasoning)
             if message["role"] != "assistant" or reasoning:
                 reasoning = []
