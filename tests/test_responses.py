@@ -23,11 +23,11 @@ from test_server import API_KEY, MODEL
 from test_server_scheduler import _serve
 from test_structured_server import DEAD_END, PERSON, _calls, conforms, servers  # noqa: F401
 from test_structured_server import TOOLS as CHAT_TOOLS
-from test_tools import MESSAGES as TOOL_MESSAGES  # noqa: F401
-from test_tools import WANT_CALLS, _oracle, _with_dict_arguments, scripted_pair, server
+from test_tools import MESSAGES as TOOL_MESSAGES
+from test_tools import WANT_CALLS, _oracle, _with_dict_arguments, scripted_pair, server  # noqa: F401 (fixtures)
 
 from dflash_torch import DFlashEngine
-from dflash_torch.serving.protocol import ResponsesRequest
+from dflash_torch.serving.protocol import ResponsesRequest, responses_message, responses_param
 from dflash_torch.serving.responses import ResponseBuilder
 from dflash_torch.serving.tools import ToolCall
 
@@ -308,7 +308,7 @@ def test_the_builder_writes_reasoning_text_and_calls_as_the_openai_types():
     final = Response.model_validate(events[-1]["response"])
     assert final.output_text == "Hi there" and final.status == "completed"
     reasoning, message, fc = final.output
-    assert reasoning.type == "reasoning" and reasoning.content[0].text == "think more" and reasoning.summary == []
+    assert message.type == "message" and message.content[0].annotations == [] and reasoning.type == "reasoning" and reasoning.content[0].text == "think more" and reasoning.summary == []
     assert (fc.call_id, fc.name, fc.arguments) == (call.id, "get_time", "{}")
     assert final.usage.input_tokens_details.cached_tokens == 2 and final.usage.output_tokens_details.reasoning_tokens == 3
     assert b.response() == events[-1]["response"]
@@ -362,7 +362,9 @@ def test_input_items_become_chat_messages():
         {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "then"}]},
         {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"},
         {"role": "developer", "content": "dev"}]})
-    call = lambda i, n, a: {"id": i, "type": "function", "function": {"name": n, "arguments": a}}  # noqa: E731
+    def call(i, n, a):
+        return {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+
     assert req.input_messages() == [
         {"role": "system", "content": "sys"}, {"role": "user", "content": "q"},
         {"role": "assistant", "content": "a", "reasoning_content": "hmm",
@@ -372,6 +374,13 @@ def test_input_items_become_chat_messages():
         {"role": "system", "content": "dev"}]
     chat = req.chat_request()
     assert chat.engine_messages() == req.input_messages() and chat.messages[2].tool_calls[1].id == "c2"
+    # chat's parameter names in errors, as the Responses API's
+    chat_names = ("response_format", "response_format.json_schema.name", "max_completion_tokens", "messages", "prompt",
+                  "reasoning_effort", "tool_choice", None)
+    assert [responses_param(p) for p in chat_names] == [
+        "text.format", "text.format.name", "max_output_tokens", "input", "input", "reasoning.effort", "tool_choice", None]
+    assert responses_message("max_tokens (9) and response_format json_schema; not max_tokensx") == \
+        "max_output_tokens (9) and text.format json_schema; not max_tokensx"
 
 
 def test_a_failure_mid_stream_is_an_error_event(servers):

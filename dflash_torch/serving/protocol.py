@@ -886,7 +886,7 @@ def responses_param(param: str | None) -> str | None:
     """A chat request's parameter as the Responses request names it (:data:`RESPONSES_PARAMS`)."""
     if param is None:
         return None
-    head, dot, rest = param.partition(".")
+    head, _, rest = param.partition(".")
     if head not in RESPONSES_PARAMS:
         return param
     if head == "response_format" and rest.startswith("json_schema"):
