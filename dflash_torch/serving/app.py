@@ -1,7 +1,14 @@
 """An OpenAI-compatible HTTP server for a :class:`DFlashEngine`.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+(all with ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+
+``/v1/responses`` (OpenAI's Responses API, stateless: ``store`` true and
+``previous_response_id`` are 400s) is served as the chat completion of its input
+(:meth:`.protocol.ResponsesRequest.chat_request`: the same template, sampling, stop handling,
+parsers, constraints, scheduler); its answer is a Response object or its stream of events
+(:mod:`.responses`), and its errors name its own parameters (``text.format``,
+``max_output_tokens``, ``input``, ...).
 
 Requests go through a scheduler (see :mod:`.scheduler`): once its prompts are tokenized
 and fit the context (tokenizing runs in a thread of its own, so it holds neither the
@@ -77,9 +84,11 @@ from ..options import check_api_key, check_chat_template_kwargs, check_model_nam
 from ..structured import StructuredOutput
 from .constraints import after_reasoning, special_token, think_end_token, with_whitespace
 from .metrics import MetricsMiddleware, ServerMetrics
-from .protocol import (ChatCompletionRequest, CompletionRequest, conflicting_fields, describe_validation_error,
+from .protocol import (ChatCompletionRequest, CompletionRequest, ResponsesInputError, ResponsesRequest,
+                       conflicting_fields, describe_validation_error, responses_message, responses_param,
                        unsupported_field)
 from .reasoning import THINK_OPEN, check_reasoning_parser, resolve_parser
+from .responses import ResponseBuilder, sse_event
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
                         make_backend, param_of)
 from .tools import (CALL_CLOSE, CALL_OPEN, check_tool_parser, hermes_grammar, new_reply_parser, parse_reply,
@@ -87,7 +96,7 @@ from .tools import (CALL_CLOSE, CALL_OPEN, check_tool_parser, hermes_grammar, ne
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5
-ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics"}
 
 
 class APIError(Exception):
@@ -114,6 +123,13 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+
+def _as_responses(exc: APIError) -> APIError:
+    """An error of the chat machinery serving a Responses request, with the Responses API's
+    parameter names (``text.format`` for ``response_format``, ...)."""
+    return APIError(exc.status, responses_message(exc.message), param=responses_param(exc.param), code=exc.code,
+                    type=exc.type, headers=exc.headers)
 
 
 def _one_line(exc: Exception) -> str:
@@ -452,12 +468,39 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if req.model is not None and req.model != model_id:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_id!r}",
                            param="model", code="model_not_found")
+        if isinstance(req, ResponsesRequest):
+            return validate_responses(req)
+        check_fields(req)
+        return req
+
+    def check_fields(req) -> None:
         bad = conflicting_fields(req)
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0])
         bad = unsupported_field(req)
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+
+    def validate_responses(req: ResponsesRequest) -> ResponsesRequest:
+        """A Responses request checked, with ``req.chat`` the chat request it is served as."""
+        bad = req.unsupported()
+        if bad is not None:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        if (missing := req.missing()) is not None:
+            raise APIError(400, f"missing required parameter: {missing}", param=missing)
+        try:
+            chat = req.chat_request()
+        except ResponsesInputError as exc:
+            raise APIError(400, exc.message, param=exc.param, code="unsupported_parameter" if exc.unsupported else None
+                           ) from None
+        except ValidationError as exc:
+            message, param = describe_validation_error(exc)
+            raise _as_responses(APIError(400, message, param=param)) from None
+        try:
+            check_fields(chat)
+        except APIError as exc:
+            raise _as_responses(exc) from None
+        req._chat = chat
         return req
 
     async def next_event(job: Job, request: Request | None) -> Event | None:
@@ -584,9 +627,12 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             structured = compile_constraint(after_reasoning(structured, think_end()), param, " after the reasoning")
         return param, structured
 
-    async def run(request: Request, req, prompts: list, chat: bool, default_max_tokens: int | None, kind: str):
+    async def run(request: Request, req, prompts: list, chat: bool, default_max_tokens: int | None, kind: str,
+                  responses: ResponsesRequest | None = None):
         """Serve ``n`` choices of each prompt of ``prompts`` (choice ``i * n + j`` is the
-        ``j``-th of prompt ``i``, sampled with :func:`choice_seed` ``(seed, j)``)."""
+        ``j``-th of prompt ``i``, sampled with :func:`choice_seed` ``(seed, j)``); ``kind``
+        ``responses``: the chat request ``req`` made of ``responses`` (one choice), answered
+        as a Response."""
         arrived = time.perf_counter()
         n = req.n or 1
         if n * len(prompts) > scheduler.max_queue:
@@ -624,13 +670,21 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise_job_error(ev)
             if ev.kind == "done":  # cancelled before it started
                 return Response(status_code=499)
-            rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+            rid = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_"}[kind] + uuid.uuid4().hex
             # (a chat has one prompt; its end tells whether the template opened the reasoning; calls
             # are looked for when the model was given tools)
-            parsers = None if kind != "chat" else \
+            parsers = None if kind == "completion" else \
                 [new_reply_parser(reasoning, tool_calls if tools else "none", prompt_tail, tools) for _ in job.sequences]
             if parsers is not None and parsers[0] is None:
                 parsers = None
+            if kind == "responses":
+                builder = ResponseBuilder(rid, model_id, responses.echo(req))
+                parser = None if parsers is None else parsers[0]
+                if req.stream:
+                    return _JobStreamingResponse(response_stream(job, builder, parser, prompt_tokens), job,
+                                                 media_type="text/event-stream",
+                                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return await response_complete(job, request, builder, parser, prompt_tokens)
             if req.stream:
                 return _JobStreamingResponse(stream_events(job, req, rid, kind, prompt_tokens, n, parsers, scoring), job,
                                              media_type="text/event-stream",
@@ -799,6 +853,53 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             yield frame([], usage=_usage(prompt_tokens, n_tokens, _cached_tokens(cached, n)))
         yield "data: [DONE]\n\n"
 
+    def response_pieces(builder: ResponseBuilder, parser, chunk: StreamChunk, state: dict, prompt_tokens: int) -> list[dict]:
+        """The Response events of a chunk of the reply (``state``: the tokens and reasoning so far)."""
+        state["tokens"] += len(chunk.token_ids)
+        reasoning_text, text, calls = ("", chunk.text, []) if parser is None else parser.feed(chunk.text)
+        if chunk.finish_reason is not None and parser is not None:  # what the parser held back
+            held_reasoning, held, held_calls = parser.finish(chunk.finish_reason == "stop")
+            reasoning_text, text, calls = reasoning_text + held_reasoning, text + held, calls + held_calls
+        state["reasoning"].append(reasoning_text)
+        events = builder.feed(reasoning_text, text, calls)
+        if chunk.finish_reason is not None:
+            thought = "".join(state["reasoning"])
+            reasoning_tokens = len(engine.tokenizer.encode(thought, add_special_tokens=False)) if thought else 0
+            events += builder.finish(chunk.finish_reason, prompt_tokens, state["tokens"],
+                                     chunk.stats.cached_prompt_tokens, reasoning_tokens,
+                                     {"dflash": _stats_summary(chunk.stats)})
+        return events
+
+    async def response_complete(job: Job, request: Request, builder: ResponseBuilder, parser, prompt_tokens: int):
+        state = {"tokens": 0, "reasoning": []}
+        while True:
+            ev = await next_event(job, request)
+            if ev is None:
+                return Response(status_code=499)
+            if (err := job_error(ev)) is not None:
+                raise _as_responses(err)
+            if ev.kind == "done":
+                break
+            if ev.kind == "chunk":
+                response_pieces(builder, parser, ev.value, state, prompt_tokens)
+        return JSONResponse(builder.response())
+
+    async def response_stream(job: Job, builder: ResponseBuilder, parser, prompt_tokens: int):
+        state = {"tokens": 0, "reasoning": []}
+        for event in builder.start():
+            yield sse_event(event)
+        while True:
+            ev = await job.queue.get()
+            if ev.kind == "done":
+                return
+            if (err := job_error(ev)) is not None:  # the status is sent: an error event, then the end
+                err = _as_responses(err)
+                yield sse_event(builder.error(err.message, err.type, err.param, err.code))
+                return
+            if ev.kind == "chunk":
+                for event in response_pieces(builder, parser, ev.value, state, prompt_tokens):
+                    yield sse_event(event)
+
     # ---- routes -------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -811,6 +912,16 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         check_auth(request)
         req = await parse(request, ChatCompletionRequest)
         return await run(request, req, [req.engine_messages()], True, None, "chat")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        check_auth(request)
+        req = await parse(request, ResponsesRequest)
+        chat = req._chat
+        try:
+            return await run(request, chat, [chat.engine_messages()], True, None, "responses", responses=req)
+        except APIError as exc:
+            raise _as_responses(exc) from None
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -26,8 +26,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError, field_validator, model_validator)
 
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
@@ -506,3 +506,405 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
         return f"invalid value for {param}: expected one of {', '.join(accepted)}", param
     msg = err.get("msg", "invalid value")
     return (f"invalid value for {param}: {msg}" if param else msg), param
+
+
+# --- the Responses API (POST /v1/responses) -----------------------------------------------------
+
+# vLLM-style extensions a Responses request may carry; typed (and refused) by the chat request it becomes
+RESPONSES_EXTENSIONS = ("seed", "stop", "top_k", "logit_bias", "repetition_penalty", "presence_penalty",
+                        "frequency_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "chat_template_kwargs",
+                        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                        "guided_whitespace_pattern")
+TEXT_PART_TYPES = ("input_text", "output_text", "text")  # (text parts of an input message's content)
+# a chat request's parameters -> the Responses request's (in the errors of the chat machinery)
+RESPONSES_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
+                    "max_tokens": "max_output_tokens", "reasoning_effort": "reasoning.effort", "messages": "input",
+                    "prompt": "input"}
+
+
+class ResponsesInputError(Exception):
+    """An input item the Responses request cannot take: ``param`` names it (``input.3.content``)."""
+
+    def __init__(self, param: str, message: str, unsupported: bool = False):
+        super().__init__(message)
+        self.param, self.message, self.unsupported = param, message, unsupported
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class _InputMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: StrictStr | list[_Part]
+
+
+class _FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr
+
+
+class _FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr | list[_Part]
+
+
+class _ReasoningItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning"]
+    content: list[_Part] | None = None
+    summary: list[_Part] | None = None
+
+
+_ITEMS = {"message": _InputMessage, "function_call": _FunctionCallItem, "function_call_output": _FunctionCallOutputItem,
+          "reasoning": _ReasoningItem}
+# item types of OpenAI's that need what this server does not have: kept state, hosted tools, other modalities
+_STATEFUL_ITEMS = {"item_reference": "an item_reference needs stored responses; this server keeps none (send the item itself)"}
+
+
+def _parts_text(parts: str | list[_Part], where: str) -> str:
+    if isinstance(parts, str):
+        return parts
+    for j, part in enumerate(parts):
+        if part.type not in TEXT_PART_TYPES + ("reasoning_text", "summary_text"):
+            raise ResponsesInputError(f"{where}.{j}.type", f"only text content is supported (input_text, output_text); "
+                                                            f"{where}.{j} is {part.type[:40]!r}", unsupported=True)
+        if part.text is None:
+            raise ResponsesInputError(f"{where}.{j}.text", f"missing required parameter: {where}.{j}.text")
+    return "".join(part.text for part in parts)
+
+
+def _validate_item(schema, item: dict, where: str):
+    try:
+        return schema.model_validate(item)
+    except ValidationError as exc:
+        message, param = describe_validation_error(exc)
+        full = f"{where}.{param}" if param else where
+        if param:
+            message = message.replace(param, full, 1)
+        else:
+            message = f"invalid value for {where}: {message}"
+        raise ResponsesInputError(full, message) from None
+
+
+class ResponsesTool(BaseModel):
+    """A tool of a Responses request: OpenAI's flat function tool (``type``, ``name``,
+    ``description``, ``parameters``, ``strict``); other types are refused (:meth:`ResponsesRequest.unsupported`)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    parameters: dict[StrictStr, Any] | None = None
+    strict: StrictBool | None = None
+
+    def chat_tool(self) -> dict:
+        """The tool in chat completions' shape (``{"type": "function", "function": {...}}``)."""
+        function = {k: v for k, v in self.model_dump(exclude={"type"}).items() if v is not None}
+        return {"type": "function", "function": function}
+
+    def echo(self) -> dict:
+        return {"type": "function", "name": self.name, "description": self.description, "parameters": self.parameters,
+                "strict": self.strict, **(self.model_extra or {})}
+
+
+class ResponsesToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: StrictStr
+    name: StrictStr | None = None
+
+
+class ResponsesTextFormat(BaseModel):
+    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (flat: ``name``,
+    ``schema``, ``description``, ``strict``)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: JSONSchema | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+    @field_validator("name", mode="after")
+    @classmethod
+    def _name(cls, name: str | None) -> str | None:
+        if name is not None and not SCHEMA_NAME.fullmatch(name):
+            raise ValueError(f"must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -, got {name[:80]!r}")
+        return name
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("type json_schema needs a name and a schema")
+        return self
+
+    def response_format(self) -> dict:
+        """Chat completions' ``response_format`` of this format."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        spec = {"name": self.name, "schema": self.schema_, "description": self.description, "strict": self.strict}
+        return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
+
+    def echo(self) -> dict:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return {"type": "json_schema", "name": self.name, "schema": self.schema_, "description": self.description,
+                "strict": self.strict}
+
+
+class ResponsesText(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: ResponsesTextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # (a hint: accepted, echoed, not acted on)
+
+
+class ResponsesReasoning(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    effort: Literal["low", "medium", "high"] | None = None  # (chat's reasoning_effort)
+    summary: Literal["auto", "concise", "detailed"] | None = None  # (accepted: the reasoning comes whole, summary [])
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # (its older name)
+
+
+class ResponsesRequest(BaseModel):
+    """A ``POST /v1/responses`` request (OpenAI's Responses API, stateless): it is served
+    as the chat completion :meth:`chat_request` makes of it (the same template, sampling,
+    parsers and constraints). Fields the server does not know are ignored; OpenAI's fields
+    that need kept state or hosted tools are refused (:meth:`unsupported`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    input: StrictStr | list[dict[StrictStr, Any]]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Any = None  # (typed by the chat request)
+    top_p: Any = None
+    stream: StrictBool | None = False
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: ResponsesText | None = None
+    reasoning: ResponsesReasoning | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None
+    user: StrictStr | None = None
+    store: StrictBool | None = None
+    previous_response_id: StrictStr | None = None
+    conversation: Any = None
+    background: StrictBool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[StrictStr] | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tool_calls: StrictInt | None = Field(None, ge=1)
+    prompt: Any = None  # (a stored prompt template)
+    # vLLM-style extensions (RESPONSES_EXTENSIONS; typed by the chat request)
+    seed: Any = None
+    stop: Any = None
+    top_k: Any = None
+    logit_bias: Any = None
+    repetition_penalty: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    min_tokens: Any = None
+    ignore_eos: Any = None
+    stop_token_ids: Any = None
+    chat_template_kwargs: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    _chat: Any = PrivateAttr(None)  # (the chat request it is served as, once checked)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """``(param, message)`` of the first field this server cannot honour: state
+        (``store`` true, ``previous_response_id``, ``conversation``, ``background``, ``prompt``),
+        tools other than functions, ``truncation`` ``auto``, logprobs, ``max_tool_calls``."""
+        stateless = "this server keeps no state (every request is stateless): "
+        checks = [
+            ("store", self.store is True, stateless + "store must be false or absent"),
+            ("previous_response_id", self.previous_response_id is not None,
+             stateless + "previous_response_id is not supported; send the whole conversation in input"),
+            ("conversation", self.conversation is not None,
+             stateless + "conversation is not supported; send the whole conversation in input"),
+            ("background", self.background is True, stateless + "background responses are not supported"),
+            ("prompt", self.prompt is not None, stateless + "stored prompt templates are not supported"),
+            ("truncation", self.truncation == "auto",
+             "truncation 'auto' is not supported (the input is never cut); use 'disabled'"),
+            ("top_logprobs", bool(self.top_logprobs), "logprobs are not supported in /v1/responses "
+                                                      "(they are in /v1/chat/completions)"),
+            ("include", "message.output_text.logprobs" in (self.include or []),
+             "include message.output_text.logprobs is not supported (logprobs are in /v1/chat/completions)"),
+            ("max_tool_calls", self.max_tool_calls is not None, "max_tool_calls is not supported"),
+        ]
+        for i, tool in enumerate(self.tools or []):
+            checks.append((f"tools.{i}.type", tool.type != "function",
+                           f"only function tools are supported; tools.{i} is {tool.type[:40]!r}"))
+        if isinstance(self.tool_choice, ResponsesToolChoice):
+            checks.append(("tool_choice.type", self.tool_choice.type != "function",
+                           f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'name': ...}}; "
+                           f"{self.tool_choice.type[:40]!r} is not supported"))
+        for param, bad, message in checks:
+            if bad:
+                return param, message
+        return None
+
+    def missing(self) -> str | None:
+        """A required parameter of a nested object that is not given (the types that allow it
+        unset are refused first, by :meth:`unsupported`)."""
+        for i, tool in enumerate(self.tools or []):
+            if tool.name is None:
+                return f"tools.{i}.name"
+        if isinstance(self.tool_choice, ResponsesToolChoice) and self.tool_choice.name is None:
+            return "tool_choice.name"
+        return None
+
+    def input_messages(self) -> list[dict]:
+        """The conversation as chat messages (:meth:`DFlashEngine.encode_prompt`'s):
+        ``instructions`` as a system message first, then the input items; ``developer``
+        is ``system``; consecutive ``function_call`` items (with the assistant message
+        just before them) are one assistant message with ``tool_calls``; a
+        ``function_call_output`` is a ``tool`` message; a ``reasoning`` item's text is
+        the ``reasoning_content`` of the assistant message that follows it (templates
+        such as Qwen3's render it within the current turn).
+
+        Raises:
+            ResponsesInputError: an item of a type not supported, or malformed.
+        """
+        messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        if isinstance(self.input, str):
+            return messages + [{"role": "user", "content": self.input}]
+        if not self.input:
+            raise ResponsesInputError("input", "input must not be empty")
+        reasoning: list[str] = []  # (reasoning items waiting for their assistant message)
+        for i, item in enumerate(self.input):
+            where = f"input.{i}"
+            kind = item.get("type", "message")
+            if kind in _STATEFUL_ITEMS:
+                raise ResponsesInputError(f"{where}.type", _STATEFUL_ITEMS[kind], unsupported=True)
+            if kind not in _ITEMS:
+                raise ResponsesInputError(f"{where}.type", f"input item type {str(kind)[:40]!r} is not supported "
+                                                            f"(message, function_call, function_call_output and "
+                                                            f"reasoning are)", unsupported=True)
+            parsed = _validate_item(_ITEMS[kind], item, where)
+            if kind == "reasoning":
+                reasoning.append(_parts_text(parsed.content or [], f"{where}.content"))
+                continue
+            if kind == "function_call":
+                call = {"id": parsed.call_id, "type": "function",
+                        "function": {"name": parsed.name, "arguments": parsed.arguments}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and not reasoning:  # (the same turn)
+                    last.setdefault("tool_calls", []).append(call)
+                    continue
+                message = {"role": "assistant", "content": "", "tool_calls": [call]}  # (content: as chat's)
+            elif kind == "function_call_output":
+                message = {"role": "tool", "tool_call_id": parsed.call_id,
+                           "content": _parts_text(parsed.output, f"{where}.output")}
+            else:
+                role = "system" if parsed.role == "developer" else parsed.role
+                message = {"role": role, "content": _parts_text(parsed.content, f"{where}.content")}
+            if message["role"] == "assistant" and "".join(reasoning):
+                message["reasoning_content"] = "".join(reasoning)
+            if message["role"] != "assistant" or reasoning:
+                reasoning = []
+            messages.append(message)
+        return messages
+
+    def chat_request(self) -> "ResponsesChatRequest":
+        """The chat completion request this request is served as (its fields typed and checked
+        as chat's; a ValidationError names chat's parameters: see :data:`RESPONSES_PARAMS`).
+
+        Raises:
+            ResponsesInputError: an input item that cannot be taken (:meth:`input_messages`).
+            ValidationError: a field the chat request refuses."""
+        messages = self.input_messages()
+        body: dict[str, Any] = {"model": self.model, "stream": self.stream,
+                                "messages": [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]}
+        for name in ("temperature", "top_p", "parallel_tool_calls", "user") + RESPONSES_EXTENSIONS:
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
+        if self.max_output_tokens is not None:
+            body["max_completion_tokens"] = self.max_output_tokens
+        if self.tools:
+            body["tools"] = [tool.chat_tool() for tool in self.tools]
+        if isinstance(self.tool_choice, ResponsesToolChoice):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        if self.text is not None and self.text.format is not None:
+            body["response_format"] = self.text.format.response_format()
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
+        chat = ResponsesChatRequest.model_validate(body)
+        chat._messages = messages
+        return chat
+
+    def echo(self, chat: ChatCompletionRequest) -> dict:
+        """The request's settings as a Response object repeats them."""
+        choice = self.tool_choice
+        if isinstance(choice, ResponsesToolChoice):
+            choice = {"type": "function", "name": choice.name}
+        fmt = self.text.format if self.text is not None and self.text.format is not None else None
+        reasoning = self.reasoning or ResponsesReasoning()
+        return {
+            "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+            "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "reasoning": {"effort": reasoning.effort, "summary": reasoning.summary or reasoning.generate_summary},
+            "store": False, "background": False,
+            "temperature": 1.0 if chat.temperature is None else float(chat.temperature),
+            "top_p": 1.0 if chat.top_p is None else float(chat.top_p),
+            "text": {"format": {"type": "text"} if fmt is None else fmt.echo(),
+                     **({"verbosity": self.text.verbosity} if self.text is not None and self.text.verbosity else {})},
+            "tool_choice": choice or "auto", "tools": [tool.echo() for tool in self.tools or []],
+            "truncation": "disabled", "user": self.user,
+        }
+
+
+class ResponsesChatRequest(ChatCompletionRequest):
+    """The chat completion a Responses request is served as: its messages as
+    :meth:`ResponsesRequest.input_messages` made them (with ``reasoning_content``, which
+    chat's own messages do not carry)."""
+
+    _messages: list[dict] = PrivateAttr(default_factory=list)
+
+    def engine_messages(self) -> list[dict]:
+        return [dict(m) for m in self._messages]
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat request's parameter as the Responses request names it (:data:`RESPONSES_PARAMS`)."""
+    if param is None:
+        return None
+    head, _, rest = param.partition(".")
+    if head not in RESPONSES_PARAMS:
+        return param
+    if head == "response_format" and rest.startswith("json_schema"):
+        rest = rest[len("json_schema"):].lstrip(".")
+    if head in ("messages", "prompt"):
+        return "input"
+    return RESPONSES_PARAMS[head] + ("." + rest if rest else "")
+
+
+_CHAT_NAMES = re.compile(r"\b(response_format(?: json_schema| json_object)?|max_completion_tokens|max_tokens|"
+                         r"reasoning_effort)\b")
+
+
+def responses_message(message: str) -> str:
+    """An error message of the chat machinery with chat's parameter names as the Responses API's."""
+    def name(m: re.Match) -> str:
+        word = m.group(1)
+        if word.startswith("response_format"):
+            return "text.format" + word[len("response_format"):]
+        return RESPONSES_PARAMS[word]
+    return _CHAT_NAMES.sub(name, message)

@@ -1,0 +1,392 @@
+"""OpenAI's Responses API (``POST /v1/responses``): real servers (the shipped pair, speculative
+with the hermes tool-call format and target-only, as tests/test_structured_server.py serves
+them; the scripted tool-calling model of tests/test_tools.py) and the ``openai`` client's
+``client.responses.create`` / ``client.responses.stream``.
+
+Oracles: the reply equals the chat completion of the same messages (and the Python engine's
+``generate(..., chat=True)``), greedy speculative output equals the target alone's; streamed
+deltas concatenate to the non-streamed text; every event and response validates against
+the openai package's own types; the prompts of multi-turn inputs with function calls are
+transformers' ``apply_chat_template`` (tests/test_tools.py's oracle)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+from test_reasoning import thinking_pair  # noqa: F401 (fixture)
+from test_server import API_KEY, MODEL
+from test_server_scheduler import _serve
+from test_structured_server import DEAD_END, PERSON, _calls, conforms, servers  # noqa: F401
+from test_structured_server import TOOLS as CHAT_TOOLS
+from test_tools import MESSAGES as TOOL_MESSAGES
+from test_tools import WANT_CALLS, _oracle, _with_dict_arguments, scripted_pair, server  # noqa: F401 (fixtures)
+
+from dflash_torch import DFlashEngine
+from dflash_torch.serving.protocol import ResponsesRequest, responses_message, responses_param
+from dflash_torch.serving.responses import ResponseBuilder
+from dflash_torch.serving.tools import ToolCall
+
+EVENT = TypeAdapter(ResponseStreamEvent)
+PROMPT = "def fibonacci(n):"
+STOP = {"stop": ["\n\n"]}  # (the shipped model writes a blank line soon: a reply that ends, not cut)
+
+
+def flat(tools: list[dict]) -> list[dict]:
+    """Chat completions' tools in the Responses API's flat shape."""
+    return [{"type": "function", **tool["function"]} for tool in tools]
+
+
+FLAT_TOOLS = flat(CHAT_TOOLS)
+
+
+def _respond(client, **kw) -> Response:
+    return client.responses.create(**{"model": MODEL, "temperature": 0, **kw})
+
+
+def _events(client, **kw) -> list:
+    """The stream's events, each checked against the openai package's event types."""
+    events = list(client.responses.create(**{"model": MODEL, "temperature": 0, "stream": True, **kw}))
+    for ev in events:
+        EVENT.validate_python(ev.to_dict())
+    assert [ev.sequence_number for ev in events] == list(range(len(events)))
+    return events
+
+
+def _shape(response) -> list:
+    """The output of a response without its random ids."""
+    return [{k: v for k, v in item.to_dict().items() if k not in ("id", "call_id")} for item in response.output]
+
+
+def _raw(client, body: dict) -> httpx.Response:
+    return httpx.post(f"{client.base_url}responses", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=120)
+
+
+def test_text_equals_chat_completions_and_the_engine(servers):
+    spec, alone = servers
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = spec.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    r = _respond(spec, input=PROMPT, max_output_tokens=24)
+    Response.model_validate(r.to_dict())
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    assert r.output_text == chat.choices[0].message.content and len(r.output) == 1
+    assert r.output[0].type == "message" and r.output[0].id.startswith("msg_")
+    # cut by max_output_tokens: incomplete, with the reason
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == "incomplete"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 24)
+    assert r.usage.total_tokens == r.usage.input_tokens + 24 and r.usage.output_tokens_details.reasoning_tokens == 0
+    assert (r.max_output_tokens, r.temperature, r.top_p, r.tool_choice, r.tools) == (24, 0, 1, "auto", [])
+    assert _respond(alone, input=PROMPT, max_output_tokens=24).output_text == r.output_text  # (lossless)
+    engine = DFlashEngine.from_pretrained()
+    assert engine.generate(messages, chat=True, max_new_tokens=24).text == r.output_text
+    # a reply that ends: completed (a stop string, a vLLM-style extension)
+    done = _respond(spec, input=PROMPT, max_output_tokens=200, extra_body=STOP)
+    assert done.status == "completed" and done.incomplete_details is None and done.output[0].status == "completed"
+    assert done.output_text == engine.generate(messages, chat=True, max_new_tokens=200, stop=["\n\n"]).text != ""
+    # instructions, and a list of items: developer is system, output_text parts of an assistant message
+    items = [{"role": "developer", "content": "Python only."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "def f"},
+                                                             {"type": "input_text", "text": "(x):"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "  return x",
+                                                                   "annotations": []}]},
+             {"role": "user", "content": "class A:"}]
+    r = _respond(spec, input=items, instructions="Be brief.", max_output_tokens=16, metadata={"k": "v"})
+    history = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Python only."},
+               {"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": "  return x"},
+               {"role": "user", "content": "class A:"}]
+    chat = spec.chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=16)
+    assert r.output_text == chat.choices[0].message.content and r.usage.input_tokens == chat.usage.prompt_tokens
+    assert (r.instructions, r.metadata) == ("Be brief.", {"k": "v"})
+
+
+def test_streamed_events_give_the_non_streamed_response(servers):
+    spec, _ = servers
+    whole = _respond(spec, input=PROMPT, max_output_tokens=40)
+    events = _events(spec, input=PROMPT, max_output_tokens=40)
+    types = [ev.type for ev in events]
+    deltas = [ev for ev in events if ev.type == "response.output_text.delta"]
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added"] + ["response.output_text.delta"] * len(deltas) + \
+        ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.incomplete"]
+    assert len(deltas) > 1 and "".join(ev.delta for ev in deltas) == whole.output_text
+    assert events[-2].item.status == "incomplete" and events[-3].part.text == whole.output_text
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    final = events[-1].response
+    assert final.status == "incomplete" and final.id == events[0].response.id and _shape(final) == _shape(whole)
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (whole.usage.input_tokens, 40)
+    # the client's stream helper, a reply that ends
+    want = _respond(spec, input=PROMPT, max_output_tokens=200, extra_body=STOP)
+    with spec.responses.stream(model=MODEL, input=PROMPT, temperature=0, max_output_tokens=200, extra_body=STOP) as s:
+        text = "".join(ev.delta for ev in s if ev.type == "response.output_text.delta")
+        got = s.get_final_response()
+    assert got.status == "completed" and got.output_text == text == want.output_text
+    # raw: each event's "event:" line is its type
+    with httpx.stream("POST", f"{spec.base_url}responses", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": MODEL, "input": PROMPT, "max_output_tokens": 4, "stream": True}, timeout=120) as h:
+        lines = [line for line in h.iter_lines() if line]
+    assert h.headers["content-type"].startswith("text/event-stream")
+    pairs = list(zip(lines[::2], lines[1::2]))
+    assert all(e == "event: " + json.loads(d.removeprefix("data: "))["type"] for e, d in pairs) and pairs
+
+
+def test_function_calls_the_model_writes_and_a_multi_turn_input(server, scripted_pair):
+    from transformers import AutoTokenizer
+
+    client = server.client()
+    model = client.models.list().data[0].id
+    tools = flat(CHAT_TOOLS)
+    r = client.responses.create(model=model, input=TOOL_MESSAGES[0]["content"], tools=tools, temperature=0)
+    Response.model_validate(r.to_dict())
+    assert [item.type for item in r.output] == ["message", "function_call", "function_call"] and r.status == "completed"
+    assert r.output_text == "Let me check."
+    calls = r.output[1:]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == WANT_CALLS
+    assert all(c.call_id.startswith("call_") and c.id.startswith("fc_") and c.status == "completed" for c in calls)
+    tok = AutoTokenizer.from_pretrained(str(scripted_pair[0]))
+    assert r.usage.input_tokens == len(_oracle(tok, TOOL_MESSAGES, tools=CHAT_TOOLS))
+    assert [t.name for t in r.tools] == ["get_weather", "get_time"]
+    events = _events(client, model=model, input=TOOL_MESSAGES, tools=tools)
+    args = [ev for ev in events if ev.type.startswith("response.function_call_arguments.")]
+    assert [ev.type.rsplit(".", 1)[1] for ev in args] == ["delta", "done"] * 2
+    assert [json.loads(ev.arguments) for ev in args[1::2]] == [a for _, a in WANT_CALLS]
+    assert events[-1].type == "response.completed" and _shape(events[-1].response) == _shape(r)
+    # tool_choice none: the model is not told of the tools and its reply is text
+    r = client.responses.create(model=model, input=TOOL_MESSAGES, tools=tools, tool_choice="none", temperature=0)
+    assert [item.type for item in r.output] == ["message"] and "<tool_call>" in r.output_text
+    # the calls and their outputs of earlier turns: the prompt is transformers' (arguments as a dict)
+    turn = [{"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call", "call_id": "call_b", "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_a", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "14:05"}]}]
+    r = client.responses.create(model=model, input=TOOL_MESSAGES + turn, tools=tools, temperature=0,
+                                max_output_tokens=1)
+    history = TOOL_MESSAGES + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "14:05"}]
+    want = len(_oracle(tok, _with_dict_arguments(history), tools=CHAT_TOOLS))
+    assert r.usage.input_tokens == want
+    chat = client.chat.completions.create(model=model, messages=history, tools=CHAT_TOOLS, temperature=0, max_tokens=1)
+    assert chat.usage.prompt_tokens == want
+    # the model's own output items sent back as they came, then the outputs: the same prompt
+    back = client.responses.create(model=model, input=TOOL_MESSAGES, tools=tools, temperature=0)
+    outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "ok"} for c in back.output[1:]]
+    r = client.responses.create(model=model, input=TOOL_MESSAGES + [item.to_dict() for item in back.output] + outputs,
+                                tools=tools, temperature=0, max_output_tokens=1)
+    history = TOOL_MESSAGES + [{"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in back.output[1:]]}] + [{"role": "tool", "tool_call_id": o["call_id"], "content": "ok"} for o in outputs]
+    assert r.usage.input_tokens == len(_oracle(tok, _with_dict_arguments(history), tools=CHAT_TOOLS))
+
+
+def test_forced_tool_calls_equal_chat_completions(servers):
+    spec, _ = servers
+    messages = [{"role": "user", "content": "Who is it? Answer in JSON."}]
+    for choice, flat_choice, extra in [("required", "required", {"parallel_tool_calls": False}),
+                                       ({"type": "function", "function": {"name": "get_weather"}},
+                                        {"type": "function", "name": "get_weather"}, {})]:
+        chat = spec.chat.completions.create(model=MODEL, messages=messages, tools=CHAT_TOOLS, tool_choice=choice,
+                                            temperature=0, max_tokens=400, **extra)
+        want = _calls(chat.choices[0].message.tool_calls)
+        r = _respond(spec, input=messages, tools=FLAT_TOOLS, tool_choice=flat_choice, max_output_tokens=400, **extra)
+        assert [item.type for item in r.output] == ["function_call"] * len(want) and r.output_text == ""
+        assert [(c.name, json.loads(c.arguments)) for c in r.output] == want and r.status == "completed"
+        events = _events(spec, input=messages, tools=FLAT_TOOLS, tool_choice=flat_choice, max_output_tokens=400, **extra)
+        done = [ev.item for ev in events if ev.type == "response.output_item.done"]
+        assert [(c.name, json.loads(c.arguments)) for c in done] == want
+        assert r.to_dict()["tool_choice"] == flat_choice
+
+
+def test_text_format_json_schema_conforms_and_is_lossless(servers):
+    spec, alone = servers
+    messages = [{"role": "user", "content": "Who is it? Answer in JSON."}]
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    r = _respond(spec, input=messages, text={"format": fmt}, max_output_tokens=400)
+    assert r.status == "completed" and conforms(json.loads(r.output_text), PERSON)
+    assert _respond(alone, input=messages, text={"format": fmt}, max_output_tokens=400).output_text == r.output_text
+    chat = spec.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=400, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    assert chat.choices[0].message.content == r.output_text
+    assert r.text.format.type == "json_schema" and r.text.format.name == "person"
+    streamed = _events(spec, input=messages, text={"format": fmt}, max_output_tokens=400)
+    assert streamed[-1].response.output_text == r.output_text
+    obj = _respond(spec, input="x = ", text={"format": {"type": "json_object"}}, max_output_tokens=400)
+    assert isinstance(json.loads(obj.output_text), dict)
+
+
+BAD = [  # (body fields, status, param, words of the message)
+    ({"store": True}, 400, "store", "no state"),
+    ({"previous_response_id": "resp_1"}, 400, "previous_response_id", "no state"),
+    ({"conversation": "conv_1"}, 400, "conversation", "no state"),
+    ({"background": True}, 400, "background", "no state"),
+    ({"truncation": "auto"}, 400, "truncation", "disabled"),
+    ({"input": 5}, 400, "input", "expected one of"),
+    ({"input": []}, 400, "input", "empty"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input.0.type", "stored"),
+    ({"input": [{"type": "web_search_call"}]}, 400, "input.0.type", "not supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
+     "input.0.content.0.type", "only text"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input.0.role", "invalid value"),
+    ({"input": ["hi"]}, 400, "input", "expected one of"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "name": "f", "arguments": "{}"}]}, 400,
+     "input.1.call_id", "missing"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, 400, "input",
+     "not valid JSON"),
+    ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type", "function tools"),
+    ({"tools": [{"type": "function"}]}, 400, "tools.0.name", "missing"),
+    ({"tools": FLAT_TOOLS, "tool_choice": {"type": "allowed_tools", "tools": []}}, 400, "tool_choice.type", "not supported"),
+    ({"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice", "not among"),
+    ({"tool_choice": "required"}, 400, "tool_choice", "needs tools"),
+    ({"tools": FLAT_TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, 400, "tool_choice",
+     "text.format json_object"),
+    ({"text": {"format": {"type": "json_schema", "name": "a b", "schema": PERSON}}}, 400, "text.format.name", "64"),
+    ({"text": {"format": {"type": "json_schema", "name": "p"}}}, 400, "text.format", "schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "p", "schema": {"type": "objekt"}}}}, 400, "text.format",
+     "text.format"),
+    ({"text": {"format": {"type": "xml"}}}, 400, "text.format.type", "json_schema"),
+    ({"reasoning": {"effort": "extreme"}}, 400, "reasoning.effort", "high"),
+    ({"max_output_tokens": 0}, 400, "max_output_tokens", "greater than or equal to 1"),
+    ({"max_output_tokens": 10**6}, 400, "max_output_tokens", "max_output_tokens (1000000)"),
+    ({"temperature": "hot"}, 400, "temperature", "number"),
+    ({"top_p": 0}, 400, "top_p", "greater than 0"),
+    ({"metadata": {"k": 1}}, 400, "metadata.k", "string"),
+    ({"top_logprobs": 2}, 400, "top_logprobs", "not supported"),
+    ({"seed": "1"}, 400, "seed", "integer"),
+    ({"guided_regex": "(("}, 400, "guided_regex", "regex"),
+    ({"model": "other"}, 404, "model", "does not exist"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,words", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_requests_are_errors_naming_the_responses_parameter(servers, body, status, param, words):
+    spec, _ = servers
+    for stream in (False, True):
+        h = _raw(spec, {"model": MODEL, "input": "hi", "max_output_tokens": 4, "stream": stream, **body})
+        e = h.json()["error"]
+        assert h.status_code == status and e["param"] == param and words in e["message"], e
+        assert "\n" not in e["message"] and "response_format" not in e["message"] and e["type"], e
+
+
+def test_ignored_fields_and_the_client_error_type(servers):
+    spec, _ = servers
+    r = _respond(spec, input="x", max_output_tokens=2, store=False, truncation="disabled", user="u",
+                 reasoning={"summary": "auto"}, include=["reasoning.encrypted_content"], parallel_tool_calls=True,
+                 extra_body={"service_tier": "auto", "prompt_cache_key": "k", "unknown_field": {"a": 1}})
+    assert r.usage.output_tokens == 2 and r.store is False and r.user == "u"
+    with pytest.raises(openai.BadRequestError) as err:
+        _respond(spec, input="x", store=True)
+    assert err.value.body["param"] == "store" and err.value.body["code"] == "unsupported_parameter"
+
+
+def test_the_builder_writes_reasoning_text_and_calls_as_the_openai_types():
+    echo = {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "text": {"format": {"type": "text"}}}
+    b = ResponseBuilder("resp_1", "m", echo)
+    call = ToolCall("get_time", "{}")
+    events = b.start() + b.feed(reasoning="think ") + b.feed(reasoning="more", text="Hi") + b.feed(text=" there") + \
+        b.feed(calls=[call]) + b.finish("stop", 5, 9, cached_tokens=2, reasoning_tokens=3, extra={"dflash": None})
+    for ev in events:
+        EVENT.validate_python(ev)
+    assert [ev["sequence_number"] for ev in events] == list(range(len(events)))
+    types = [ev["type"] for ev in events]
+    assert types == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                     "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+                     "response.output_item.done",
+                     "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                     "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done",
+                     "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    final = Response.model_validate(events[-1]["response"])
+    assert final.output_text == "Hi there" and final.status == "completed"
+    reasoning, message, fc = final.output
+    assert message.type == "message" and message.content[0].annotations == [] and reasoning.type == "reasoning" and reasoning.content[0].text == "think more" and reasoning.summary == []
+    assert (fc.call_id, fc.name, fc.arguments) == (call.id, "get_time", "{}")
+    assert final.usage.input_tokens_details.cached_tokens == 2 and final.usage.output_tokens_details.reasoning_tokens == 3
+    assert b.response() == events[-1]["response"]
+    # cut while reasoning: incomplete, and the reasoning item too; nothing at all: an empty message
+    b = ResponseBuilder("resp_2", "m", echo)
+    events = b.feed(reasoning="hmm") + b.finish("length", 5, 1)
+    assert events[-1]["type"] == "response.incomplete" and b.items[0]["status"] == "incomplete"
+    b = ResponseBuilder("resp_3", "m", echo)
+    b.finish("stop", 5, 1)
+    assert Response.model_validate(b.response()).output_text == "" and b.items[0]["type"] == "message"
+    error = b.error("boom", "server_error", None, None)
+    EVENT.validate_python(error)
+
+
+def test_reasoning_items_of_a_thinking_model(thinking_pair, tmp_path_factory):
+    """A model that thinks (the template opens ``<think>``), then answers: a reasoning item,
+    then the message, as chat's ``reasoning_content`` and ``content``."""
+    messages = [{"role": "user", "content": "def f(x):"}]
+    with _serve(thinking_pair, tmp_path_factory.mktemp("responses-reasoning")) as srv:  # (reasoning parser auto: think)
+        client = srv.client()
+        kw = dict(max_output_tokens=40, extra_body={"ignore_eos": True})
+        msg = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].message
+        assert msg.reasoning_content and msg.content
+        r = _respond(client, input=messages, **kw)
+        assert [item.type for item in r.output] == ["reasoning", "message"] and r.status == "incomplete"
+        assert r.output[0].id.startswith("rs_") and r.output[0].summary == [] and r.output[0].status == "completed"
+        assert (r.output[0].content[0].text, r.output_text) == (msg.reasoning_content, msg.content)
+        assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens == 40
+        events = _events(client, input=messages, **kw)
+        thought = "".join(ev.delta for ev in events if ev.type == "response.reasoning_text.delta")
+        said = "".join(ev.delta for ev in events if ev.type == "response.output_text.delta")
+        assert (thought, said) == (msg.reasoning_content, msg.content)
+        assert [ev.type for ev in events if ev.type.endswith(".done")][:3] == [
+            "response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+        assert _shape(events[-1].response) == _shape(r)
+        # the reasoning item sent back (with the next turn): accepted
+        back = [m for m in messages] + [item.to_dict() for item in r.output] + [{"role": "user", "content": "more"}]
+        assert _respond(client, input=back, max_output_tokens=2).usage.output_tokens == 2
+
+
+def test_input_items_become_chat_messages():
+    req = ResponsesRequest.model_validate({"instructions": "sys", "input": [
+        {"role": "user", "content": "q"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\": 1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"type": "function_call_output", "call_id": "c2", "output": "2"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "then"}]},
+        {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"},
+        {"role": "developer", "content": "dev"}]})
+    def call(i, n, a):
+        return {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+
+    assert req.input_messages() == [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning_content": "hmm",
+         "tool_calls": [call("c1", "f", "{}"), call("c2", "g", '{"x": 1}')]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"},
+        {"role": "assistant", "content": "", "tool_calls": [call("c3", "f", "{}")], "reasoning_content": "then"},
+        {"role": "system", "content": "dev"}]
+    chat = req.chat_request()
+    assert chat.engine_messages() == req.input_messages() and chat.messages[2].tool_calls[1].id == "c2"
+    # chat's parameter names in errors, as the Responses API's
+    chat_names = ("response_format", "response_format.json_schema.name", "max_completion_tokens", "messages", "prompt",
+                  "reasoning_effort", "tool_choice", None)
+    assert [responses_param(p) for p in chat_names] == [
+        "text.format", "text.format.name", "max_output_tokens", "input", "input", "reasoning.effort", "tool_choice", None]
+    assert responses_message("max_tokens (9) and response_format json_schema; not max_tokensx") == \
+        "max_output_tokens (9) and text.format json_schema; not max_tokensx"
+
+
+def test_a_failure_mid_stream_is_an_error_event(servers):
+    spec, _ = servers
+    events = list(spec.responses.create(model=MODEL, input="x = ", max_output_tokens=10, stream=True,
+                                        extra_body={"guided_grammar": DEAD_END}))
+    assert events[0].type == "response.created" and events[-1].type == "error", [ev.type for ev in events]
+    assert events[-1].param == "guided_grammar" and "structured output failed" in events[-1].message
+    EVENT.validate_python(events[-1].to_dict())
