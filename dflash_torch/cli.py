@@ -201,19 +201,26 @@ def _generate_here(args: argparse.Namespace) -> int:
         prompt = utf8_text(os.fsencode(prompt), "the prompt argument")
     if args.chat_template_kwargs is not None and not args.chat:
         raise DFlashError("--chat-template-kwargs apply to chat prompts only: add --chat")
-    if args.logprobs is not None and not args.json:
-        raise DFlashError("--logprobs needs --json (the log-probabilities are printed in its JSON object)")
+    for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if value is not None and not args.json:
+            raise DFlashError(f"{flag} needs --json (the log-probabilities are printed in its JSON object)")
     structured = structured_output(args)
     engine = load_engine(args)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, presence_penalty=args.presence_penalty,
                   frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
                   logit_bias=args.logit_bias, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat, logprobs=args.logprobs,
-                  chat_template_kwargs=args.chat_template_kwargs, structured_output=structured)
+                  prompt_logprobs=args.prompt_logprobs, chat_template_kwargs=args.chat_template_kwargs,
+                  structured_output=structured)
     if args.json:
         out = engine.generate(prompt, **kwargs)
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None:  # (the first prompt token has none: null)
+            first, rest = out.prompt_logprobs[0], out.prompt_logprobs[1:]
+            prompt_logprobs = [None if first is None else logprobs_json(engine, [first])[0]] + logprobs_json(engine, rest)
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                          "stats": out.stats.to_dict(), "logprobs": logprobs_json(engine, out.logprobs)}))
+                          "stats": out.stats.to_dict(), "logprobs": logprobs_json(engine, out.logprobs),
+                          "prompt_logprobs": prompt_logprobs}))
         warn_compile_losses(args)
         return 0
     stats, finish = None, None
@@ -326,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="with --json: each generated token's log-probability under the target and its K most likely "
                         "alternatives, 0 to 20 (the object's 'logprobs')")
+    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each prompt token's log-probability under the target (the first: null) and "
+                        "its K most likely alternatives, 0 to 20 (the object's 'prompt_logprobs')")
     add_model_args(g)
     add_sampling_args(g)
     add_structured_output_args(g)

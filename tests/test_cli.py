@@ -86,6 +86,25 @@ def test_logprobs_in_the_json_object_are_the_python_apis(json_output, pair_args,
                            "JSON object)\n")
 
 
+def test_prompt_logprobs_in_the_json_object_are_the_python_apis(json_output, pair_args, api):
+    """``--json --prompt-logprobs 1``: the same tokens as without; per prompt token (the
+    first: null) its id, text, bytes and log-probability with the most likely token there,
+    as ``generate(prompt_logprobs=1)`` gives them; without ``--json`` refused in one line."""
+    proc = run_cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json",
+                   "--prompt-logprobs", "1")
+    assert proc.returncode == 0, proc.stderr
+    out = parse_single_json(proc.stdout)
+    assert out["token_ids"] == json_output["token_ids"] and json_output["prompt_logprobs"] is None
+    ref = api.generate(PROMPT, max_new_tokens=24, ignore_eos=True, prompt_logprobs=1)
+    assert out["prompt_logprobs"][0] is None and ref.prompt_logprobs[0] is None
+    assert len(out["prompt_logprobs"]) == len(ref.prompt_logprobs) == len(api.encode_prompt(PROMPT)) > 1
+    for got, want in zip(out["prompt_logprobs"][1:], ref.prompt_logprobs[1:]):
+        assert (got["token_id"], got["logprob"]) == (want.token_id, want.logprob)
+        assert [(t["token_id"], t["logprob"]) for t in got["top_logprobs"]] == want.top and len(want.top) == 1
+    proc = run_cli("generate", "--target", "/nonexistent", PROMPT, "--prompt-logprobs", "2")
+    assert proc.returncode == 2 and proc.stderr.startswith("dflash-torch: error: --prompt-logprobs needs --json"), proc.stderr
+
+
 def test_prompt_on_stdin_through_python_m_dflash_torch(json_output, pair_args):
     proc = run_cli("generate", *pair_args, "--max-new-tokens", "24", "--ignore-eos", "--json", stdin=PROMPT,
                    module="dflash_torch")
