@@ -323,6 +323,31 @@ def test_the_builder_writes_reasoning_text_and_calls_as_the_openai_types():
     EVENT.validate_python(error)
 
 
+def test_output_items_keep_the_replys_order_whole_or_in_pieces():
+    """A reply with reasoning, text, a call, then text again (a call cut, or an answer after a
+    call) gives items in that order whether the parser sees it whole (a non-streamed reply,
+    one round's tokens) or token by token (marker_pieces)."""
+    from dflash_torch.serving.responses import marker_pieces
+    from dflash_torch.serving.tools import new_reply_parser
+
+    reply = ('plan it</think>Let me look. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+             'and a <b>cut <tool_call>\n{"name": "get_ti')
+    echo = {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "text": {"format": {"type": "text"}}}
+    orders = []
+    for pieces in ([reply], list(reply)):
+        parser, b = new_reply_parser("think", "hermes", "# assistant:\n<think>\n"), ResponseBuilder("r", "m", echo)
+        for chunk in pieces:
+            for piece in marker_pieces(chunk):
+                b.feed(*parser.feed(piece))
+        b.feed(*parser.finish(False))
+        b.finish("length", 5, 9)
+        orders.append([(i["type"], i["status"], i.get("name") or i["content"][0]["text"]) for i in b.items])
+    assert orders[0] == orders[1] == [
+        ("reasoning", "completed", "plan it"), ("message", "completed", "Let me look."),
+        ("function_call", "completed", "get_time"),
+        ("message", "incomplete", 'and a <b>cut <tool_call>\n{"name": "get_ti')], orders
+
+
 def test_reasoning_items_of_a_thinking_model(thinking_pair, tmp_path_factory):
     """A model that thinks (the template opens ``<think>``), then answers: a reasoning item,
     then the message, as chat's ``reasoning_content`` and ``content``."""

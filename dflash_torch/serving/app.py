@@ -88,7 +88,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, ResponsesInputE
                        conflicting_fields, describe_validation_error, responses_message, responses_param,
                        unsupported_field)
 from .reasoning import THINK_OPEN, check_reasoning_parser, resolve_parser
-from .responses import ResponseBuilder, sse_event
+from .responses import ResponseBuilder, marker_pieces, sse_event
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
                         make_backend, param_of)
 from .tools import (CALL_CLOSE, CALL_OPEN, check_tool_parser, hermes_grammar, new_reply_parser, parse_reply,
@@ -856,12 +856,16 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     def response_pieces(builder: ResponseBuilder, parser, chunk: StreamChunk, state: dict, prompt_tokens: int) -> list[dict]:
         """The Response events of a chunk of the reply (``state``: the tokens and reasoning so far)."""
         state["tokens"] += len(chunk.token_ids)
-        reasoning_text, text, calls = ("", chunk.text, []) if parser is None else parser.feed(chunk.text)
-        if chunk.finish_reason is not None and parser is not None:  # what the parser held back
-            held_reasoning, held, held_calls = parser.finish(chunk.finish_reason == "stop")
-            reasoning_text, text, calls = reasoning_text + held_reasoning, text + held, calls + held_calls
-        state["reasoning"].append(reasoning_text)
-        events = builder.feed(reasoning_text, text, calls)
+        events = []
+        if parser is None:
+            events += builder.feed("", chunk.text, [])
+        else:  # (piece by piece: the output items in the reply's order, text after a call included)
+            parts = [parser.feed(piece) for piece in marker_pieces(chunk.text)]
+            if chunk.finish_reason is not None:  # what the parser held back
+                parts.append(parser.finish(chunk.finish_reason == "stop"))
+            for reasoning_text, text, calls in parts:
+                state["reasoning"].append(reasoning_text)
+                events += builder.feed(reasoning_text, text, calls)
         if chunk.finish_reason is not None:
             thought = "".join(state["reasoning"])
             reasoning_tokens = len(engine.tokenizer.encode(thought, add_special_tokens=False)) if thought else 0

@@ -24,12 +24,25 @@ with the whole response.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+_MARKER_EDGES = re.compile(r"(?=<)|(?<=>)")
+
+
+def marker_pieces(text: str) -> list[str]:
+    """``text`` cut before every ``<`` and after every ``>``, so that no piece holds more than
+    one edge of a tool-call or reasoning marker (``<tool_call>``, ``</think>``, ...): fed to a
+    reply parser piece by piece, what it returns for one piece (text, then the calls it
+    completed) is in the order the reply wrote them. A whole reply (a non-streamed one, or a
+    round's tokens) may hold text after a call."""
+    return [piece for piece in _MARKER_EDGES.split(text) if piece]
 
 
 def sse_event(event: dict) -> str:
