@@ -84,22 +84,27 @@ THINKING_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] 
                      "{% if add_generation_prompt %}# assistant:\n<think>\n{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def thinking_pair(tmp_path_factory):
-    """An agreeable pair whose target often writes the added token ``</think>``, with a chat
-    template that opens ``<think>`` itself (as Qwen3.5-style templates do)."""
+def make_thinking_pair(root, template: str):
+    """An agreeable pair (under ``root``) whose target often writes the added token
+    ``</think>``, with the chat ``template``."""
     from transformers import AutoTokenizer
 
     from conftest import make_agreeable_pair, make_tokenizer
 
-    root = tmp_path_factory.mktemp("thinking")
     tok_dir = root / "tokenizer"
     make_tokenizer(tok_dir, vocab_size=318)  # room for one added token in the targets' 320
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     tok.add_tokens(["</think>"])
-    tok.chat_template = THINKING_TEMPLATE
+    tok.chat_template = template
     tok.save_pretrained(str(tok_dir))
     return make_agreeable_pair(root / "pair", tok_dir, agree_token=tok.convert_tokens_to_ids("</think>"), beta=1.0)
+
+
+@pytest.fixture(scope="module")
+def thinking_pair(tmp_path_factory):
+    """:func:`make_thinking_pair` with a chat template that opens ``<think>`` itself (as
+    Qwen3.5-style templates do)."""
+    return make_thinking_pair(tmp_path_factory.mktemp("thinking"), THINKING_TEMPLATE)
 
 
 def test_server_splits_reasoning_from_content_streamed_and_not(thinking_pair, tmp_path_factory):

@@ -62,19 +62,12 @@ def shipped_thinking(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def thinking_pair(tmp_path_factory):
-    """An agreeable pair whose target often writes the added token ``</think>``; its template
-    opens ``<think>`` unless ``enable_thinking`` is false."""
-    from conftest import make_agreeable_pair, make_tokenizer
-    from transformers import AutoTokenizer
+    """An agreeable pair whose target often writes the added token ``</think>``
+    (``test_reasoning.make_thinking_pair``); its template opens ``<think>`` unless
+    ``enable_thinking`` is false."""
+    from test_reasoning import make_thinking_pair
 
-    root = tmp_path_factory.mktemp("thinking-structured")
-    tok_dir = root / "tokenizer"
-    make_tokenizer(tok_dir, vocab_size=318)  # room for one added token in the targets' 320
-    tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    tok.add_tokens(["</think>"])
-    tok.chat_template = THINKING
-    tok.save_pretrained(str(tok_dir))
-    return make_agreeable_pair(root / "pair", tok_dir, agree_token=tok.convert_tokens_to_ids("</think>"), beta=1.0)
+    return make_thinking_pair(tmp_path_factory.mktemp("thinking-structured"), THINKING)
 
 
 # --- the grammars ------------------------------------------------------------------------------
