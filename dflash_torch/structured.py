@@ -341,8 +341,7 @@ class GrammarState:
         self.eos = frozenset(grammar.eos_token_ids)
         self.path: list[int] = []
         self.snaps = [matcher]
-        self.rows: dict[tuple[int, ...], torch.Tensor] = {}  # path prefix -> bit mask there
-        self.refused: set[tuple[tuple[int, ...], int]] = set()  # (prefix, token) llguidance failed to consume
+        self.rows: dict[tuple[int, ...], torch.Tensor] = {}  # path prefix -> bit mask there (refusals cleared)
         self.ended = False  # the committed tokens end with an EOS
         self.failed: str | None = None  # why the constraint cannot go on (see the class docstring)
         self._last_error: str | None = None  # llguidance's reason for the last token it failed to consume
@@ -384,12 +383,10 @@ class GrammarState:
         return row
 
     def _refuse(self, token: int) -> None:
-        """The path's last token is refused where it stands: drop it (and its masks)."""
-        prefix = tuple(self.path[:-1])
-        self.refused.add((prefix, token))
-        row = self.rows.get(prefix)
-        if row is not None:  # (in place: a verify block holding this row sees it too)
-            _set_bit(row, token, False)
+        """The path's last token is refused where it stands: its bit is cleared in the mask
+        there (computed when the token was allowed; in place: a verify block holding this row
+        sees it too); the token and the mask after it are dropped."""
+        _set_bit(self.rows[tuple(self.path[:-1])], token, False)
         self.rows.pop(tuple(self.path), None)
         self._rewind(len(self.path) - 1)
 
@@ -398,7 +395,7 @@ class GrammarState:
 
     def allows(self, token: int) -> bool:
         """Whether the grammar allows ``token`` at the end of the path."""
-        if self._ended() or not 0 <= token < self.vocab_size or (tuple(self.path), token) in self.refused:
+        if self._ended() or not 0 <= token < self.vocab_size:
             return False
         row = self._row()  # (the mask, not validate_tokens: llguidance's masks leave out non-canonical
         return row is not None and _bit(row, token)  # tokenizations of forced text that validate_tokens accepts)
@@ -468,7 +465,7 @@ class GrammarState:
         masked: dict[int, torch.Tensor] = {}  # row -> its bit mask (refusals cleared in place)
         j = 0
         while j <= len(draft) and not self._ended():  # (past an accepted EOS decoding stops)
-            choice = choices[j] if j not in masked else _masked_argmax(logits[j], masked[j], self.vocab_size)
+            choice = choices[j]
             while not self.advance(choice):  # refused: decide the row on its mask
                 row = self._row()
                 if row is None:
@@ -493,7 +490,7 @@ class GrammarState:
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The round committed ``tokens`` (in order): the committed state moves past them and
-        the next round starts with an empty path (masks and refusals past them kept). Tokens
+        the next round starts with an empty path (the masks past them kept). Tokens
         after an EOS (where decoding stops) are not consumed; a token the constraint does not
         allow there (none should be: every decision is made on masked logits) sets :attr:`failed`."""
         tokens = [int(t) for t in tokens]
@@ -509,6 +506,5 @@ class GrammarState:
         k, path = len(self.path), tuple(self.path)
         self.ended = self._ended()
         self.rows = {key[k:]: row for key, row in self.rows.items() if key[:k] == path}
-        self.refused = {(key[k:], t) for key, t in self.refused if key[:k] == path}
         self.snaps = [self.snaps[-1]]
         self.path = []
