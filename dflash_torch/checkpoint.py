@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Callable
@@ -109,7 +110,7 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
                     keep: Callable[[str], bool] | None = None,
-                    fp8_block: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+                    fp8_block: tuple[int, int] | None = None, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
     """Load the tensors of a checkpoint, cast to ``dtype``, onto ``device``.
 
     Args:
@@ -119,6 +120,9 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             :mod:`dflash_torch.models.fp8`): each ``X.weight`` with an ``X.weight_scale_inv``
             is dequantized into ``X.weight`` in ``dtype`` as it is read (on ``device``), and
             the scale is dropped; None: a checkpoint without FP8 weights.
+        keep_fp8: with ``fp8_block``, keep each such pair FP8 instead: ``X.weight`` as stored
+            (``float8_e4m3fn``, on ``device``) and ``X.weight_scale``, its row scales
+            (float32 ``[..., rows, ceil(cols / bi)]``, :func:`~dflash_torch.models.fp8.row_scales`).
 
     Raises:
         DFlashError: a weight file that is not valid safetensors (corrupt or truncated), a
@@ -150,7 +154,13 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                 if fp8_block is not None and scale_key in source:
                     with _open(source[scale_key]) as g:
                         scale = g.get_tensor(scale_key)
-                    state[key] = fp8.dequantize(t.to(device), scale, fp8_block, dtype, key)
+                    if keep_fp8:
+                        fp8.check_pair(t, scale, fp8_block, key)
+                        fp8.check_finite_bytes(t, key)
+                        state[key] = t.to(device)
+                        state[key + fp8.ROW_SCALE_SUFFIX] = fp8.row_scales(scale.to(device), fp8_block, t.shape[-2])
+                    else:
+                        state[key] = fp8.dequantize(t.to(device), scale, fp8_block, dtype, key)
                 elif t.dtype in _FLOAT8:
                     raise DFlashError(
                         f"{model_dir}: weight {key} is {str(t.dtype).removeprefix('torch.')}"
@@ -266,27 +276,60 @@ def cgroup_available(root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Pa
 
 def weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Bytes of ``model``'s parameters once loaded: floating-point ones in ``dtype``, others
-    (packed MXFP4 blocks and scales: uint8) as they are. Works on the meta device."""
-    return sum(p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size()) for p in model.parameters())
+    (packed MXFP4 blocks and scales: uint8) and those of layers that keep FP8 weights
+    (:func:`~dflash_torch.models.fp8.kept_parameters`: e4m3 weights, float32 row scales)
+    as they are. Works on the meta device."""
+    from .models.fp8 import kept_parameters
+
+    kept = kept_parameters(model)
+    return sum(p.numel() * (dtype.itemsize if p.is_floating_point() and id(p) not in kept and p.dtype not in _FLOAT8
+                            else p.element_size()) for p in model.parameters())
 
 
-def fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device, share: float = 1.0) -> bool:
-    """Whether :func:`weight_bytes` of ``model`` takes at most ``share`` of
-    :func:`available_memory` of ``device`` (True when that is unknown)."""
+def fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device, share: float = 1.0,
+         saving: int = 0) -> bool:
+    """Whether :func:`weight_bytes` of ``model``, less ``saving`` bytes, takes at most
+    ``share`` of :func:`available_memory` of ``device`` (True when that is unknown)."""
     free = available_memory(device)
-    return free is None or weight_bytes(model, dtype) <= share * free
+    return free is None or weight_bytes(model, dtype) - saving <= share * free
 
 
-def check_fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device, what: str) -> None:
+def check_fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device, what: str,
+               saving: int = 0) -> None:
     """Refuse to load ``model`` (built on the meta device) when its weights in ``dtype``
-    alone exceed :func:`available_memory` of ``device``: one clear line instead of an
-    out-of-memory error halfway through loading (or, on Linux, the process killed
-    without a word).
+    (less ``saving`` bytes: FP8 weights kept as stored, :func:`fp8_saving`) alone exceed
+    :func:`available_memory` of ``device``: one clear line instead of an out-of-memory
+    error halfway through loading (or, on Linux, the process killed without a word).
 
     Raises:
         DFlashError: ``the target needs 42.3 GB for its weights in bfloat16; cuda:0 has 39.5 GB free``.
     """
-    if not fits(model, dtype, device):
-        raise DFlashError(f"the {what} needs {weight_bytes(model, dtype) / 1e9:.1f} GB for its weights in "
-                          f"{str(dtype).removeprefix('torch.')}; {torch.device(device)} has "
+    if not fits(model, dtype, device, saving=saving):
+        kept = " (FP8 weights kept as stored)" if saving else ""
+        raise DFlashError(f"the {what} needs {(weight_bytes(model, dtype) - saving) / 1e9:.1f} GB for its weights in "
+                          f"{str(dtype).removeprefix('torch.')}{kept}; {torch.device(device)} has "
                           f"{available_memory(device) / 1e9:.1f} GB free")
+
+
+def fp8_saving(model_dir: Path, dtype: torch.dtype, block: tuple[int, int],
+               keep: Callable[[str], bool] | None = None) -> int:
+    """Bytes saved by keeping a checkpoint's FP8 weights as stored instead of dequantizing
+    them into ``dtype``: per ``float8_e4m3fn`` tensor ``[..., rows, cols]`` (that ``keep``
+    accepts), ``dtype``'s size less 1 byte per element, less its float32 row scales
+    (``rows * ceil(cols / bi)`` each). Reads only the files' headers.
+
+    Raises:
+        DFlashError: a weight file that is not valid safetensors.
+    """
+    saved = 0
+    for file in weight_files(model_dir):
+        with _open(file) as f:
+            for key in f.keys():
+                if keep is not None and not keep(key):
+                    continue
+                part = f.get_slice(key)
+                shape = part.get_shape()
+                if part.get_dtype() == "F8_E4M3" and len(shape) >= 2:
+                    numel = math.prod(shape)
+                    saved += numel * (dtype.itemsize - 1) - numel // shape[-1] * math.ceil(shape[-1] / block[1]) * 4
+    return saved

@@ -32,6 +32,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mxfp4", default="auto", choices=["auto", "dequantize", "packed"],
                    help="MXFP4 expert weights (gpt-oss): dequantize when loading, keep packed (a quarter of the "
                         "memory, slower), or auto (default: dequantize if that fits in 90%% of free memory)")
+    p.add_argument("--fp8", default="auto", choices=["auto", "dequantize", "packed"],
+                   help="weights of a fine-grained FP8 checkpoint (e.g. Qwen3-8B-FP8): dequantize when loading, keep "
+                        "them as stored (about half of bfloat16's memory, slower), or auto (default: dequantize if "
+                        "that fits in 90%% of free memory)")
 
 
 def int_or_auto(text: str) -> int | str:
@@ -174,7 +178,7 @@ def load_engine(args: argparse.Namespace):
     return DFlashEngine.from_pretrained(
         args.target, args.draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, draft_mode=args.draft_mode, no_draft=args.no_draft,
-        compile=args.compile, max_context=args.max_context, mxfp4=args.mxfp4,
+        compile=args.compile, max_context=args.max_context, mxfp4=args.mxfp4, fp8=args.fp8,
         **({"max_batch_size": args.max_batch_size} if hasattr(args, "max_batch_size") else {}),
         **({"reuse_prefix": not args.no_prefix_reuse} if hasattr(args, "no_prefix_reuse") else {}),
         **({"draft_max_batch_size": args.draft_max_batch_size} if hasattr(args, "draft_max_batch_size") else {}),

@@ -190,6 +190,7 @@ class DFlashEngine:
         reuse_prefix: bool = True,
         draft_max_batch_size: int | str | None = None,
         mxfp4: str = "auto",
+        fp8: str = "auto",
     ) -> "DFlashEngine":
         """Load a target and a DFlash drafter from local directories or cached Hugging Face ids.
 
@@ -226,6 +227,10 @@ class DFlashEngine:
                 loading, keep them ``"packed"`` (a quarter of the memory, slower rounds), or
                 ``"auto"`` (default): dequantize when they then fit in 90% of the free memory
                 (:meth:`TargetModel.from_pretrained <dflash_torch.models.target.TargetModel.from_pretrained>`).
+            fp8: the weights of a fine-grained FP8 checkpoint (e.g. Qwen3-8B-FP8):
+                ``"dequantize"`` when loading, keep them ``"packed"`` as stored (about half
+                of bfloat16's memory; each forward dequantizes what it runs: slower rounds),
+                or ``"auto"`` (default): dequantize when they then fit in 90% of the free memory.
 
         Raises:
             DFlashError: missing files, incompatible pair, bad dtype / device / block size /
@@ -264,21 +269,23 @@ class DFlashEngine:
         options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
         options.check_max_context(max_context, target_cfg.max_position_embeddings)
         options.check_mxfp4(mxfp4, target_cfg.mxfp4)
+        options.check_fp8(fp8, target_cfg.fp8_block is not None)
         check_max_batch_size(max_batch_size)
         check_draft_max_batch_size(draft_max_batch_size, drafter=not no_draft, draft_mode=draft_mode,
                                    block_size=block_size)
         # the weights are read, converted and packed on the compute thread, like every round
         return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, pack=pack,
-                           fuse=fuse_by_default(dev) if fuse is None else fuse, mxfp4=mxfp4,
+                           fuse=fuse_by_default(dev) if fuse is None else fuse, mxfp4=mxfp4, fp8=fp8,
                            block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
                            max_context=max_context, max_batch_size=max_batch_size, reuse_prefix=reuse_prefix,
                            draft_max_batch_size=draft_max_batch_size)
 
     @classmethod
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
-              dev: torch.device, *, pack: bool, fuse: bool, mxfp4: str, **engine_options) -> "DFlashEngine":
+              dev: torch.device, *, pack: bool, fuse: bool, mxfp4: str, fp8: str,
+              **engine_options) -> "DFlashEngine":
         drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
-        model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4)
+        model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8)
         if fuse:
             fuse_projections(model, query=True)
             if drafter is not None:

@@ -243,6 +243,24 @@ def check_mxfp4(value, has_mxfp4: bool | None = None, name: str = "mxfp4") -> st
     return value
 
 
+FP8_MODES = ("auto", "dequantize", "packed")
+
+
+def check_fp8(value, has_fp8: bool | None = None, name: str = "fp8") -> str:
+    """How to hold the weights of a fine-grained FP8 checkpoint: one of :data:`FP8_MODES`;
+    ``"packed"`` only for a checkpoint that has them (``has_fp8``; None: not known yet).
+
+    Raises:
+        OptionError: any other value, or ``"packed"`` for a checkpoint without FP8 weights.
+    """
+    check_choice(value, FP8_MODES, name)
+    if value == "packed" and has_fp8 is False:
+        raise OptionError(f"{name} packed keeps FP8 weights as stored, but the target checkpoint has none "
+                          "(its config.json has no quantization_config with quant_method 'fp8'; use auto or dequantize)",
+                          name)
+    return value
+
+
 def check_chat_template_kwargs(value, reserved: Sequence[str] = (), name: str = "chat_template_kwargs") -> dict | None:
     """Extra variables for the tokenizer's chat template (e.g. ``{"enable_thinking": False}``
     for Qwen3 / Qwen3.5, ``{"reasoning_effort": "low"}`` for gpt-oss): None or a dict with

@@ -202,18 +202,24 @@ def test_cuda_modes_equal_target_only_with_cuda_graphs(pair, request):
 
 
 def _gpt_oss_modes_equal_target_only(pair, device: str, mxfp4: str) -> None:
-    """Every mode of :func:`_modes` and a compiled batch commit the target-only tokens of a
-    gpt-oss target (experts dequantized or kept MXFP4) on ``device``; compiled graphs all
-    run as CUDA graphs there and nothing recompiles after warm-up."""
-    from dflash_torch.batch import BatchDecoder
-    from test_batch import alone, drive, join_leave_plan
-
+    """:func:`_modes_and_batch_equal_target_only` for a gpt-oss target (experts dequantized
+    or kept MXFP4) on ``device``."""
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
     target_dir, drafter_dir = pair
     target = TargetModel.from_pretrained(target_dir, torch.float32, device, mxfp4=mxfp4)
     drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32, device)
     assert target.model.layers[0].mlp.experts.packed == (mxfp4 == "packed")
+    _modes_and_batch_equal_target_only(target, drafter, device)
+
+
+def _modes_and_batch_equal_target_only(target, drafter, device: str) -> None:
+    """Every mode of :func:`_modes` and a compiled batch commit the target-only tokens on
+    ``device``; compiled graphs all run as CUDA graphs there and nothing recompiles after
+    warm-up (call with the compiler's counters reset)."""
+    from dflash_torch.batch import BatchDecoder
+    from test_batch import alone, drive, join_leave_plan
+
     prompts = varied_prompts(target, 3)
     modes = _modes(target, drafter)
     batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=100, prefill_chunk=32, compile=True)
@@ -242,6 +248,25 @@ def test_gpt_oss_modes_and_batch_on_cuda_graphs_equal_target_only(pair, mxfp4, r
     """gpt-oss on CUDA (sink attention, sliding window, biased experts; MXFP4 experts packed:
     the CUDA-graph path dequantizes a layer's experts inside the graph)."""
     _gpt_oss_modes_equal_target_only(request.getfixturevalue(pair), "cuda", mxfp4)
+
+
+@cuda
+def test_packed_fp8_hybrid_moe_modes_and_batch_on_cuda_graphs_equal_target_only(tmp_path, tokenizer_dir):
+    """A Qwen3-Next (hybrid, MoE) FP8 target kept FP8 on CUDA: each forward dequantizes its
+    linears and, inside the CUDA graphs, the chosen experts; every mode and a compiled batch
+    commit the target-only tokens."""
+    from conftest import make_agreeable_pair
+    from test_fp8 import to_fp8
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    target_dir, drafter_dir = make_agreeable_pair(tmp_path / "pair", tokenizer_dir, block_size=8,
+                                                  model_type="qwen3_next", alpha=1.0, self_scale=0.0)
+    keep = tuple(f"model.layers.{i}.linear_attn.in_proj_ba" for i in range(6))
+    quantized = to_fp8(target_dir, tmp_path / "fp8", (32, 48), keep, suffixes=("_proj.weight", "in_proj_qkvz.weight"))
+    target = TargetModel.from_pretrained(quantized, torch.float32, "cuda", fp8="packed")
+    assert target.config.keep_fp8
+    _modes_and_batch_equal_target_only(target, DFlashDrafter.from_pretrained(drafter_dir, torch.float32, "cuda"), "cuda")
 
 
 @cuda

@@ -49,15 +49,16 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
 
 
 def to_fp8(src: Path, dst: Path, block: tuple[int, int], not_convert: tuple[str, ...] = (),
-           scale_dtype: torch.dtype = torch.float32) -> Path:
-    """Copy the checkpoint ``src`` to ``dst`` with every decoder projection (``*_proj.weight``
-    under ``model.``, not the vision tower, not a module of ``not_convert``) in FP8, as the
-    official ``*-FP8`` checkpoints store them, and the config's ``quantization_config``."""
+           scale_dtype: torch.dtype = torch.float32, suffixes: tuple[str, ...] = ("_proj.weight",)) -> Path:
+    """Copy the checkpoint ``src`` to ``dst`` with every decoder projection (``*_proj.weight``,
+    or the names ending in ``suffixes``, under ``model.``, not the vision tower, not a module
+    of ``not_convert``) in FP8, as the official ``*-FP8`` checkpoints store them, and the
+    config's ``quantization_config``."""
     shutil.copytree(src, dst)
     state = load_file(str(dst / "model.safetensors"))
     for key in [k for k in state]:
         module = key.removesuffix(".weight")
-        if (key.endswith("_proj.weight") and state[key].dim() == 2 and not key.startswith("model.visual.")
+        if (key.endswith(suffixes) and state[key].dim() == 2 and not key.startswith("model.visual.")
                 and module not in not_convert):
             state[key], scale = quantize(state[key], block)
             state[module + ".weight_scale_inv"] = scale.to(scale_dtype)
@@ -252,8 +253,8 @@ def test_a_weight_and_its_scale_in_different_shards(whole_blocks, tmp_path):
 
 
 def test_the_memory_check_counts_dequantized_weights(whole_blocks, monkeypatch):
-    """The FP8 checkpoint is half its dequantized bfloat16 size on disk; loading needs the
-    dequantized size, and is refused in one line when less is free."""
+    """The FP8 checkpoint is half its dequantized bfloat16 size on disk; loading it
+    dequantized needs the dequantized size, and is refused in one line when less is free."""
     import dflash_torch.checkpoint as checkpoint
 
     model_dir, _ = whole_blocks["qwen3"]
@@ -263,9 +264,172 @@ def test_the_memory_check_counts_dequantized_weights(whole_blocks, monkeypatch):
     assert on_disk < need
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: need - 1)
     with pytest.raises(DFlashError, match="^the target needs .* GB for its weights in bfloat16; cpu has .* GB free$"):
-        TargetModel.from_pretrained(model_dir, torch.bfloat16)
+        TargetModel.from_pretrained(model_dir, torch.bfloat16, fp8="dequantize")
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: need)
-    TargetModel.from_pretrained(model_dir, torch.bfloat16)
+    TargetModel.from_pretrained(model_dir, torch.bfloat16, fp8="dequantize")
+
+
+# --- kept as stored (fp8="packed") ---
+
+
+def _fp8_layers(model: TargetModel) -> tuple[int, int]:
+    """(Fp8Linear layers, expert modules holding FP8 matrices) of ``model``."""
+    from dflash_torch.models.moe import Experts
+
+    return (sum(isinstance(m, fp8.Fp8Linear) for m in model.modules()),
+            sum(isinstance(m, Experts) and m.gate_up_proj.dtype == fp8.FORMAT for m in model.modules()))
+
+
+@pytest.mark.parametrize("family,block", [("qwen3", (16, 16)), ("qwen3", (24, 40)), ("qwen3_moe", (16, 16)),
+                                          ("qwen3_moe", (24, 40)), ("qwen3_next", (24, 40)), ("qwen3_5_moe", (16, 16))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_give_the_dequantized_model_bit_for_bit(tmp_path, family, block, dtype):
+    """Weights kept FP8 (dequantized each forward, experts only when chosen) give the logits
+    of the model dequantized when loading, bit for bit, whole blocks or partial edge blocks
+    (24 x 40 blocks split every matrix); every FP8 matrix is held FP8 (each linear an
+    Fp8Linear, the experts FP8), in less memory; the unquantized modules stay as stored.
+    Qwen3-Next's fused linear-attention projections (FP8 in_proj_qkvz, unquantized
+    in_proj_ba) split with their row scales."""
+    from dflash_torch import checkpoint
+
+    keep = tuple(f"model.layers.{i}.linear_attn.in_proj_ba" for i in range(6)) if family == "qwen3_next" else ()
+    quantized = to_fp8(build(tmp_path / "src", family), tmp_path / "fp8", block, keep,
+                       suffixes=("_proj.weight", "in_proj_qkvz.weight"))
+    plain = TargetModel.from_pretrained(quantized, dtype, fp8="dequantize")
+    packed = TargetModel.from_pretrained(quantized, dtype, fp8="packed")
+    assert packed.config.keep_fp8 and not plain.config.keep_fp8
+    stored = load_file(str(quantized / "model.safetensors"))
+    n_fp8 = sum(t.dtype == fp8.FORMAT for t in stored.values())
+    linears, experts = _fp8_layers(packed)
+    per_expert = sum(1 for k, t in stored.items() if t.dtype == fp8.FORMAT and ".experts." in k)
+    if family == "qwen3_next":  # in_proj_qkvz -> in_proj_qkv + in_proj_z
+        n_fp8 += sum(1 for k in stored if k.endswith("in_proj_qkvz.weight"))
+    assert linears + per_expert == n_fp8 and linears > 0 and (experts > 0) == (per_expert > 0), (linears, experts, n_fp8)
+    assert _fp8_layers(plain) == (0, 0)
+    assert checkpoint.weight_bytes(packed, dtype) < checkpoint.weight_bytes(plain, dtype)
+    assert torch.equal(our_logits(packed), our_logits(plain))
+    mine, theirs = packed.state_dict(), plain.state_dict()
+    for k in theirs:
+        if k in mine and mine[k].dtype != fp8.FORMAT and not k.endswith(fp8.ROW_SCALE_SUFFIX):
+            assert torch.equal(mine[k], theirs[k]), k  # (norms, embeddings, unquantized linears)
+
+
+@pytest.mark.parametrize("rows,cols,block_cols,tokens", [(64, 64, 16, 8), (96, 64, 48, 16), (256, 128, 48, 1)])
+def test_a_compiled_fp8_linear_equals_the_eager_one(rows, cols, block_cols, tokens):
+    """torch.compile keeps the FP8 linear one opaque operator running the eager kernels:
+    bit for bit the eager result, whole blocks (64 columns in blocks of 16) or a partial
+    last block (64 or 128 columns in blocks of 48), whose dequantization inductor got wrong
+    when traced through."""
+    g = torch.Generator().manual_seed(0)
+    layer = fp8.Fp8Linear(cols, rows, bias=False, fp8_block_cols=block_cols)
+    layer.weight = torch.nn.Parameter((torch.randn(rows, cols, generator=g) * 100).clamp(-FP8_MAX, FP8_MAX)
+                                      .to(fp8.FORMAT), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(torch.rand(rows, math.ceil(cols / block_cols), generator=g),
+                                            requires_grad=False)
+    x = torch.randn(tokens, cols, generator=g)
+    eager = layer(x)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(layer, dynamic=False)(x), eager)
+    dense = torch.nn.functional.linear(x, fp8.dequantize_rows(layer.weight, layer.weight_scale, block_cols, x.dtype))
+    assert torch.equal(eager, dense)
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_gathered_dispatch_of_fp8_experts_equals_the_sparse_one(tmp_path, tokens):
+    """The CUDA-graph path of FP8 experts == the eager one: 1 token (2 pairs, fewer than the
+    experts: each pair's expert dequantized) and 6 tokens (all experts, then gathered)."""
+    from dflash_torch.models.moe import dispatch_experts, gathered_experts
+
+    quantized = to_fp8(build(tmp_path / "src", "qwen3_moe"), tmp_path / "fp8", (24, 40))
+    moe = TargetModel.from_pretrained(quantized, torch.float32, fp8="packed").model.layers[0].mlp
+    x = torch.randn(tokens, moe.gate.in_features, generator=torch.Generator().manual_seed(0))
+    weights, experts = moe.route(x)
+    e = moe.experts
+    args = (x, experts, weights, e.gate_up_proj, e.down_proj, None, None, 0.0, 1.0,
+            e.gate_up_proj_scale, e.down_proj_scale, e.fp8_block_cols)
+    torch.testing.assert_close(gathered_experts(*args), dispatch_experts(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_speculative_decoding_on_packed_fp8_targets_equals_target_only(tmp_path, tokenizer_dir):
+    """FP8 Qwen3 and Qwen3-Next (hybrid, MoE) targets kept FP8: greedy speculative output ==
+    target-only output of the packed target == that of the dequantized target (float32),
+    with projections joined or not (a joined Gated DeltaNet projection mixes FP8 and
+    unquantized parts), one sequence and batched."""
+    for model_type, kwargs in (("qwen3", {}), ("qwen3_next", {"alpha": 1.0, "self_scale": 0.0})):
+        target, drafter = make_agreeable_pair(tmp_path / model_type, tokenizer_dir, block_size=8, model_type=model_type,
+                                              **kwargs)
+        keep = (tuple(f"model.layers.{i}.linear_attn.in_proj_ba" for i in range(6)) if model_type == "qwen3_next"
+                else ("model.layers.1.mlp.down_proj",))
+        quantized = to_fp8(target, tmp_path / f"{model_type}-fp8", (32, 48), keep,
+                           suffixes=("_proj.weight", "in_proj_qkvz.weight"))
+        reference = DFlashEngine.from_pretrained(quantized, no_draft=True, dtype="float32", fp8="dequantize")
+        prompts = ["def f(x):", "class A:\n    pass\n"]
+        refs = [reference.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in prompts]
+        for fuse in (False, True):
+            spec = DFlashEngine.from_pretrained(quantized, drafter, dtype="float32", fp8="packed", fuse=fuse)
+            assert _fp8_layers(spec.target)[0] > 0
+            target_only = DFlashEngine(spec.target, spec.tokenizer)
+            taus = []
+            for prompt, ref in zip(prompts, refs):
+                assert target_only.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids == ref
+                out = spec.generate(prompt, max_new_tokens=24, ignore_eos=True)
+                assert out.token_ids == ref, (model_type, fuse, prompt)
+                taus += out.stats.acceptance_lengths
+            batch = spec.generate_batch(prompts, max_new_tokens=24, ignore_eos=True)
+            assert [r.token_ids for r in batch] == refs, (model_type, fuse)
+            assert max(taus) > 1, (model_type, fuse)  # drafts were accepted: the check compared something
+
+
+def test_auto_keeps_fp8_only_when_the_dequantized_weights_would_not_fit(whole_blocks, monkeypatch):
+    """auto: dequantized when that fits in 90% of the free memory, else kept FP8; the memory
+    check counts what is kept (FP8 bytes and row scales: the checkpoint's headers), and
+    refuses, saying so, when even that does not fit."""
+    import dflash_torch.checkpoint as checkpoint
+
+    model_dir, _ = whole_blocks["qwen3_moe"]
+    dequantized = checkpoint.weight_bytes(TargetModel.from_pretrained(model_dir, torch.bfloat16), torch.bfloat16)
+    kept = TargetModel.from_pretrained(model_dir, torch.bfloat16, fp8="packed")
+    need = checkpoint.weight_bytes(kept, torch.bfloat16)
+    assert need < 0.9 * dequantized
+    assert dequantized - checkpoint.fp8_saving(model_dir, torch.bfloat16, (16, 16)) == need  # the estimate is exact
+    monkeypatch.setattr(checkpoint, "available_memory", lambda device: dequantized / 0.9)
+    assert not TargetModel.from_pretrained(model_dir, torch.bfloat16).config.keep_fp8
+    monkeypatch.setattr(checkpoint, "available_memory", lambda device: dequantized / 0.9 - 1)
+    assert TargetModel.from_pretrained(model_dir, torch.bfloat16).config.keep_fp8
+    monkeypatch.setattr(checkpoint, "available_memory", lambda device: need - 1)
+    with pytest.raises(DFlashError, match=r"^the target needs .* GB for its weights in bfloat16 \(FP8 weights kept as "
+                                          r"stored\); cpu has .* GB free$"):
+        TargetModel.from_pretrained(model_dir, torch.bfloat16)
+    with pytest.raises(DFlashError, match=r"^the target needs .* GB for its weights in bfloat16; cpu has"):
+        TargetModel.from_pretrained(model_dir, torch.bfloat16, fp8="dequantize")
+
+
+def test_the_fp8_option_is_checked_before_loading(whole_blocks, tmp_path):
+    from dflash_torch.errors import OptionError
+
+    plain = build(tmp_path / "plain", "qwen3")
+    with pytest.raises(OptionError, match=r"^fp8 packed keeps FP8 weights as stored, but the target checkpoint has none"):
+        DFlashEngine.from_pretrained(plain, no_draft=True, fp8="packed")
+    with pytest.raises(OptionError, match=r"^fp8 must be one of auto, dequantize, packed, got 'int4'$"):
+        DFlashEngine.from_pretrained(whole_blocks["qwen3"][0], no_draft=True, fp8="int4")
+    TargetModel.from_pretrained(plain, torch.float32, fp8="dequantize")  # (nothing to dequantize: accepted)
+
+
+def test_a_nan_in_a_kept_fp8_weight_is_refused(whole_blocks, tmp_path):
+    """e4m3's only non-finite values are NaN bytes (0x7F, 0xFF): refused when kept, as the
+    dequantized model refuses the NaN they become."""
+    model_dir, _ = whole_blocks["qwen3"]
+
+    def nan(w):
+        bytes_ = w[Q + ".weight"].view(torch.uint8).clone()
+        bytes_[3, 5] = 0xFF
+        w[Q + ".weight"] = bytes_.view(fp8.FORMAT)
+
+    bad = edited_checkpoint(model_dir, tmp_path / "bad", state=nan)
+    with pytest.raises(DFlashError, match=rf"^FP8 weight {Q}\.weight holds NaN values"):
+        TargetModel.from_pretrained(bad, torch.float32, fp8="packed")
+    with pytest.raises(DFlashError, match=rf"target weight {Q}\.weight holds NaN or infinite values"):
+        TargetModel.from_pretrained(bad, torch.float32, fp8="dequantize")
 
 
 # --- refusals ---
@@ -304,11 +468,14 @@ def _set(key, value):
     (lambda c: c.pop("quantization_config"), None,
      r"weight model\.layers\.\d\..*is float8_e4m3fn but config\.json has no FP8 quantization_config"),
 ])
-def test_what_cannot_run_exactly_is_refused_in_one_line(whole_blocks, tmp_path, config, state, message):
+@pytest.mark.parametrize("mode", ["dequantize", "packed"])
+def test_what_cannot_run_exactly_is_refused_in_one_line(whole_blocks, tmp_path, config, state, message, mode):
     model_dir, _ = whole_blocks["qwen3"]
     bad = edited_checkpoint(model_dir, tmp_path / "bad", config=config, state=state)
+    if mode == "packed" and "has no FP8 quantization_config" in message:
+        message = "^fp8 packed keeps FP8 weights as stored, but the target checkpoint has none"
     with pytest.raises(DFlashError, match=message) as err:
-        DFlashEngine.from_pretrained(bad, no_draft=True)
+        DFlashEngine.from_pretrained(bad, no_draft=True, fp8=mode)
     assert "\n" not in str(err.value)
 
 

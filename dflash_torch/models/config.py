@@ -218,6 +218,7 @@ class TargetConfig:
     mxfp4: bool = False  # the checkpoint stores its expert matrices in MXFP4 (gpt-oss; see mxfp4.py)
     keep_mxfp4: bool = False  # hold them packed, dequantizing the experts each forward runs (set when loading)
     fp8_block: tuple[int, int] | None = None  # weight_block_size of a fine-grained FP8 checkpoint (see fp8.py)
+    keep_fp8: bool = False  # hold its weights as stored, dequantizing them each forward (set when loading)
 
     def __post_init__(self):
         if not self.layer_types:

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8 import Fp8Linear
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (computed in float32, as in Llama/Qwen)."""
@@ -43,17 +45,39 @@ class ZeroCenteredRMSNorm(nn.Module):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
-def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One linear whose output is the outputs of ``parts`` (linears over the same input
-    width, all with a bias or all without) side by side, in order. Its weight is their
-    weights stacked ``[sum(out_features), in_features]``, in their dtype and device."""
-    with torch.device("meta"):
-        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None)
-    with torch.no_grad():
-        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
-        if fused.bias is not None:
-            fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
-    return fused
+def fused_linear(parts: list[nn.Module]) -> nn.Module:
+    """One layer whose output is the outputs of ``parts`` (linears over the same input
+    width, all with a bias or all without) side by side, in order. ``nn.Linear`` parts: an
+    ``nn.Linear`` whose weight is their weights stacked ``[sum(out_features), in_features]``,
+    in their dtype and device; FP8 parts (:class:`~dflash_torch.models.fp8.Fp8Linear`, one
+    block width): an ``Fp8Linear`` of their stacked weights and row scales; a mix of both
+    (an FP8 checkpoint whose config keeps some of them unquantized): a :class:`JoinedLinear`
+    that runs each part."""
+    if all(type(p) is nn.Linear for p in parts):
+        with torch.device("meta"):
+            fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None)
+        with torch.no_grad():
+            fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+            if fused.bias is not None:
+                fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        return fused
+    if all(isinstance(p, Fp8Linear) for p in parts) and len({p.fp8_block_cols for p in parts}) == 1:
+        return Fp8Linear.joined(parts)
+    return JoinedLinear(parts)
+
+
+class JoinedLinear(nn.Module):
+    """Linears of any kind over the same input, run one after another, their outputs
+    concatenated on the last dimension (what :func:`fused_linear` gives for parts it cannot
+    stack into one weight)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 class MLP(nn.Module):

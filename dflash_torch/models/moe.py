@@ -27,9 +27,11 @@ from torch import nn
 
 from ..errors import DFlashError
 from .layers import MLP
+from . import fp8
 from .mxfp4 import dequantize
 
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight"
+                         r"(?P<scale>_scale)?$")
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -37,13 +39,28 @@ class Experts(nn.Module):
     """Stacked SwiGLU expert weights (uninitialised: loaded from a checkpoint).
 
     Parameters: ``gate_up_proj`` ``[num_experts, 2 * intermediate, hidden]`` and
-    ``down_proj`` ``[num_experts, hidden, intermediate]``.
+    ``down_proj`` ``[num_experts, hidden, intermediate]``; after :meth:`keep_fp8`, those in
+    ``float8_e4m3fn`` and their row scales ``gate_up_proj_scale``, ``down_proj_scale``.
     """
+
+    fp8_block_cols = 0  # > 0: the matrices stay FP8, in blocks of this many columns
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.gate_up_proj_scale = self.down_proj_scale = None
+
+    def keep_fp8(self, block_cols: int) -> None:
+        """Hold the matrices FP8 (meta, to load into; :mod:`~dflash_torch.models.fp8`): each
+        forward dequantizes the experts it runs."""
+        self.fp8_block_cols = block_cols
+        with torch.device("meta"):
+            for name in ("gate_up_proj", "down_proj"):
+                w = getattr(self, name)
+                setattr(self, name, nn.Parameter(torch.empty(w.shape, dtype=fp8.FORMAT), requires_grad=False))
+                scales = torch.empty(*w.shape[:-1], -(-w.shape[-1] // block_cols))
+                setattr(self, name + "_scale", nn.Parameter(scales, requires_grad=False))
 
 
 def expert_activation(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float, swiglu_alpha: float) -> torch.Tensor:
@@ -65,7 +82,7 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                      down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                      down_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0,
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
-                     down_scales: torch.Tensor | None = None) -> torch.Tensor:
+                     down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0) -> torch.Tensor:
     """Run each token through its chosen experts and sum the weighted outputs.
 
     Only the experts that some token chose are computed: the ``T * k`` (token, expert)
@@ -85,7 +102,10 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         swiglu_limit, swiglu_alpha: the activation (:func:`expert_activation`; 0: SwiGLU).
         gate_up_scales, down_scales: None, or the matrices are MXFP4 (uint8 blocks
             ``[E, rows, cols / 32, 16]``, scales ``[E, rows, cols / 32]``,
-            :mod:`~dflash_torch.models.mxfp4`): each expert run is dequantized to ``x.dtype``.
+            :mod:`~dflash_torch.models.mxfp4`), or FP8 (``float8_e4m3fn`` matrices, float32
+            row scales ``[E, rows, ceil(cols / fp8_block_cols)]``, :mod:`~dflash_torch.models.fp8`):
+            each expert run is dequantized to ``x.dtype``.
+        fp8_block_cols: the block width of FP8 matrices (0 otherwise).
 
     While a CUDA graph is being captured (``--compile`` on CUDA), where nothing may be
     read to the host, it runs :func:`gathered_experts` instead, which the graph's replays
@@ -96,7 +116,7 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     """
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return gathered_experts(x, experts, weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                                swiglu_limit, swiglu_alpha, gate_up_scales, down_scales)
+                                swiglu_limit, swiglu_alpha, gate_up_scales, down_scales, fp8_block_cols)
     t, k = experts.shape
     out = torch.zeros_like(x)
     # pairs in (slot, token) order, grouped by expert (stable sort): the row order of
@@ -112,7 +132,8 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         pairs = order[start:start + n]
         start += n
         tokens = pairs % t
-        gate_up_w, down_w = _expert(gate_up_proj, gate_up_scales, e, x.dtype), _expert(down_proj, down_scales, e, x.dtype)
+        gate_up_w = _expert(gate_up_proj, gate_up_scales, e, x.dtype, fp8_block_cols)
+        down_w = _expert(down_proj, down_scales, e, x.dtype, fp8_block_cols)
         gate, up = F.linear(x[tokens], gate_up_w, None if gate_up_bias is None else gate_up_bias[e]).chunk(2, dim=-1)
         h = F.linear(expert_activation(gate, up, swiglu_limit, swiglu_alpha), down_w,
                      None if down_bias is None else down_bias[e])
@@ -120,32 +141,37 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     return out
 
 
-def _expert(weight: torch.Tensor, scales: torch.Tensor | None, e, dtype: torch.dtype) -> torch.Tensor:
+def _expert(weight: torch.Tensor, scales: torch.Tensor | None, e, dtype: torch.dtype, fp8_block_cols: int = 0
+            ) -> torch.Tensor:
     """Expert ``e``'s matrix (``e`` a slice or an index tensor: those experts' matrices) in
-    ``dtype``, dequantized when MXFP4."""
-    return weight[e] if scales is None else dequantize(weight[e], scales[e], dtype)
+    ``dtype``, dequantized when MXFP4 or FP8."""
+    if scales is None:
+        return weight[e]
+    if weight.dtype == fp8.FORMAT:
+        return fp8.dequantize_rows(weight[e], scales[e], fp8_block_cols, dtype)
+    return dequantize(weight[e], scales[e], dtype)
 
 
 def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
                      down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                      down_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0,
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
-                     down_scales: torch.Tensor | None = None) -> torch.Tensor:
+                     down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0) -> torch.Tensor:
     """:func:`dispatch_experts` (same arguments and result) with no data-dependent shape
     and no host read, so that a CUDA graph can capture it: every (token, expert) pair
     gathers its expert's weights and the ``T * k`` pairs run as two batched matmuls. It
     reads an expert's weights once per pair that chose it (``T * k`` expert reads against
     the distinct experts hit), and sums a token's ``k`` outputs in slot order. MXFP4
-    matrices are dequantized per pair when there are fewer pairs than experts, else
-    whole (all E experts) and then gathered.
+    and FP8 matrices are dequantized per pair when there are fewer pairs than experts,
+    else whole (all E experts) and then gathered.
     """
     t, k = experts.shape
     ids = experts.reshape(-1)  # token-major pairs
 
     def per_pair(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:  # [T * k, rows, cols]
         if scales is not None and ids.numel() < weight.shape[0]:
-            return _expert(weight, scales, ids, x.dtype)
-        return _expert(weight, scales, slice(None), x.dtype)[ids]
+            return _expert(weight, scales, ids, x.dtype, fp8_block_cols)
+        return _expert(weight, scales, slice(None), x.dtype, fp8_block_cols)[ids]
 
     rows = x.repeat_interleave(k, dim=0)[:, :, None]  # [T * k, hidden, 1]
     gate_up = torch.bmm(per_pair(gate_up_proj, gate_up_scales), rows)[..., 0]
@@ -162,7 +188,7 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
 def _(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
       down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
       swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
-      down_scales: torch.Tensor | None = None) -> torch.Tensor:
+      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -212,7 +238,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H]`` -> ``[T, H]`` in ``x.dtype``."""
         weights, experts = self.route(x)
-        out = dispatch_experts(x, experts, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        e = self.experts
+        out = dispatch_experts(x, experts, weights, e.gate_up_proj, e.down_proj, gate_up_scales=e.gate_up_proj_scale,
+                               down_scales=e.down_proj_scale, fp8_block_cols=e.fp8_block_cols)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -224,10 +252,12 @@ def fuse_expert_weights(state: dict[str, torch.Tensor], num_experts: int) -> dic
     Every group ``P.{e}.gate_proj.weight`` ``[I, H]``, ``P.{e}.up_proj.weight`` ``[I, H]``,
     ``P.{e}.down_proj.weight`` ``[H, I]`` (``P`` ending in ``.experts``, ``e`` in
     ``0..num_experts-1``) becomes ``P.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up
-    rows) and ``P.down_proj`` ``[E, H, I]``. Already stacked keys and all other keys are
-    left as they are. Works layer by layer, in place: each layer's per-expert entries are
-    dropped from ``state`` as soon as its stacked tensors are built, so at most one layer
-    is held twice.
+    rows) and ``P.down_proj`` ``[E, H, I]``; FP8 weights kept as stored come with their row
+    scales (``...weight_scale``, :mod:`~dflash_torch.models.fp8`), stacked alike into
+    ``P.gate_up_proj_scale`` and ``P.down_proj_scale``. Already stacked keys and all other
+    keys are left as they are. Works layer by layer, in place: each layer's per-expert
+    entries are dropped from ``state`` as soon as its stacked tensors are built, so at most
+    one layer is held twice.
 
     Args:
         state: name -> tensor; modified in place.
@@ -238,26 +268,28 @@ def fuse_expert_weights(state: dict[str, torch.Tensor], num_experts: int) -> dic
 
     Raises:
         DFlashError: one line naming the layer's prefix: an expert missing or missing a
-            matrix, an expert id >= E, inconsistent shapes or dtypes, or a layer holding
-            both the per-expert and the stacked layout.
+            matrix, an expert id >= E, inconsistent shapes or dtypes, scales for some
+            experts' matrices only, or a layer holding both the per-expert and the stacked
+            layout.
     """
     groups: dict[str, dict[int, dict[str, str]]] = {}
     for key in state:
         m = _PER_EXPERT.match(key)
         if m:
-            groups.setdefault(m["prefix"], {}).setdefault(int(m["expert"]), {})[m["proj"]] = key
+            groups.setdefault(m["prefix"], {}).setdefault(int(m["expert"]), {})[m["proj"] + (m["scale"] or "")] = key
     for prefix, experts in groups.items():
         keys = _check_expert_group(state, prefix, experts, num_experts)
-        gate0 = state[keys[0]["gate_proj"]]
-        inter = gate0.shape[0]
-        gate_up = gate0.new_empty(num_experts, 2 * inter, gate0.shape[1])
-        down = gate0.new_empty(num_experts, *state[keys[0]["down_proj"]].shape)
-        for e in range(num_experts):
-            gate_up[e, :inter] = state.pop(keys[e]["gate_proj"])
-            gate_up[e, inter:] = state.pop(keys[e]["up_proj"])
-            down[e] = state.pop(keys[e]["down_proj"])
-        state[f"{prefix}.gate_up_proj"] = gate_up
-        state[f"{prefix}.down_proj"] = down
+        for suffix in ("", "_scale") if "gate_proj_scale" in keys[0] else ("",):
+            gate0 = state[keys[0]["gate_proj" + suffix]]
+            inter = gate0.shape[0]
+            gate_up = gate0.new_empty(num_experts, 2 * inter, gate0.shape[1])
+            down = gate0.new_empty(num_experts, *state[keys[0]["down_proj" + suffix]].shape)
+            for e in range(num_experts):
+                gate_up[e, :inter] = state.pop(keys[e]["gate_proj" + suffix])
+                gate_up[e, inter:] = state.pop(keys[e]["up_proj" + suffix])
+                down[e] = state.pop(keys[e]["down_proj" + suffix])
+            state[f"{prefix}.gate_up_proj{suffix}"] = gate_up
+            state[f"{prefix}.down_proj{suffix}"] = down
     return state
 
 
@@ -278,17 +310,27 @@ def _check_expert_group(state: dict[str, torch.Tensor], prefix: str, experts: di
     for stacked in ("gate_up_proj", "down_proj"):
         if f"{prefix}.{stacked}" in state:
             raise DFlashError(f"{where}: both per-expert weights and the stacked {prefix}.{stacked}")
+    scaled = {p + "_scale" in experts[e] for e in range(num_experts) for p in _PROJS}
+    if len(scaled) > 1:  # (an FP8 checkpoint quantizes all of a layer's experts or none)
+        raise DFlashError(f"{where}: FP8 scales for some experts' matrices but not for others")
     gate0, down0 = state[experts[0]["gate_proj"]], state[experts[0]["down_proj"]]
     expected = {"gate_proj": tuple(gate0.shape), "up_proj": tuple(gate0.shape), "down_proj": tuple(gate0.shape[::-1])}
     if gate0.dim() != 2 or tuple(down0.shape) != expected["down_proj"]:
         raise DFlashError(f"{where}: expert 0 has gate_proj {tuple(gate0.shape)} and down_proj {tuple(down0.shape)}, "
                           "expected [I, H] and [H, I]")
+    names = [p + s for s in ("", "_scale") if s == "" or scaled == {True} for p in _PROJS]
+    shapes = {n: tuple(state[experts[0][n]].shape) for n in names}
+    shapes.update(expected)  # (up_proj like gate_proj, and their scales alike)
+    if scaled == {True}:
+        shapes["up_proj_scale"] = shapes["gate_proj_scale"]
     for e in range(num_experts):
-        for p in _PROJS:
-            t = state[experts[e][p]]
-            if tuple(t.shape) != expected[p] or t.dtype != gate0.dtype:
-                raise DFlashError(f"{where}: expert {e} {p}.weight is {tuple(t.shape)} {t.dtype}, "
-                                  f"expected {expected[p]} {gate0.dtype} like expert 0")
+        for n in names:
+            scale = n.endswith("_scale")
+            t, like = state[experts[e][n]], state[experts[0]["gate_proj_scale" if scale else "gate_proj"]]
+            if tuple(t.shape) != shapes[n] or t.dtype != like.dtype:
+                label = n.replace("_scale", ".weight_scale") if scale else n + ".weight"
+                raise DFlashError(f"{where}: expert {e} {label} is {tuple(t.shape)} {t.dtype}, "
+                                  f"expected {shapes[n]} {like.dtype} like expert 0")
     return [experts[e] for e in range(num_experts)]
 
 

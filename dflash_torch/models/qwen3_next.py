@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import DFlashError
-from . import qwen3_5
+from . import fp8, qwen3_5
 from .config import (TargetConfig, base_target_fields, bool_field, layer_types, linear_attention_config, moe_config,
                      rotary_fraction, sparse_layers)
 from .moe import fuse_expert_weights
@@ -48,35 +48,48 @@ class Model(qwen3_5.Model):
 
     @classmethod
     def convert_checkpoint(cls, cfg: TargetConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Split each linear-attention layer's fused ``in_proj_qkvz`` / ``in_proj_ba`` into
+        Qwen3.5's four projections (FP8 weights kept as stored: their row scales alike),
+        then stack the experts.
+
+        Raises:
+            DFlashError: an ``in_proj_qkvz`` without its ``in_proj_ba``, or either of
+                another number of rows than config.json implies.
+        """
         la = cfg.linear_attention
+        dims = (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim)
         for key in [k for k in state if k.endswith("linear_attn.in_proj_qkvz.weight")]:
             base = key[: -len("in_proj_qkvz.weight")]
-            qkvz = state.pop(key)
-            ba = state.pop(base + "in_proj_ba.weight", None)
-            if ba is None:
+            if base + "in_proj_ba.weight" not in state:
                 raise DFlashError(f"target checkpoint has {key} but not {base}in_proj_ba.weight")
-            state.update(_split_projections(qkvz, ba, la.num_key_heads, la.num_value_heads, la.key_head_dim,
-                                            la.value_head_dim, base, key))
+            for suffix in ("", fp8.ROW_SCALE_SUFFIX):
+                for fused, split, parts in (("in_proj_qkvz", _split_qkvz, ("in_proj_qkv", "in_proj_z")),
+                                            ("in_proj_ba", _split_ba, ("in_proj_b", "in_proj_a"))):
+                    name = f"{base}{fused}.weight{suffix}"
+                    if name in state:
+                        for part, rows in zip(parts, split(state.pop(name), *dims, name)):
+                            state[f"{base}{part}.weight{suffix}"] = rows
         return fuse_expert_weights(state, cfg.moe.num_experts)
 
 
-def _split_projections(qkvz: torch.Tensor, ba: torch.Tensor, nk: int, nv: int, dk: int, dv: int, base: str,
-                       name: str) -> dict[str, torch.Tensor]:
-    """Rows of the fused projections (grouped per key head) -> the four Qwen3.5 projections."""
+def _split_qkvz(qkvz: torch.Tensor, nk: int, nv: int, dk: int, dv: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the fused ``in_proj_qkvz`` (grouped per key head: q, k, v, z) -> the rows of
+    Qwen3.5's ``in_proj_qkv`` (all q, all k, all v) and ``in_proj_z``."""
     r = nv // nk  # value heads per key head
-    hidden = qkvz.shape[-1]
-    if qkvz.shape[0] != nk * (2 * dk + 2 * r * dv) or ba.shape[0] != 2 * nv:
+    cols = qkvz.shape[-1]
+    if qkvz.dim() != 2 or qkvz.shape[0] != nk * (2 * dk + 2 * r * dv):
         raise DFlashError(f"target weight {name} has shape {tuple(qkvz.shape)}, config.json implies "
-                          f"({nk * (2 * dk + 2 * r * dv)}, {hidden})")
-    q, k, v, z = qkvz.view(nk, 2 * dk + 2 * r * dv, hidden).split([dk, dk, r * dv, r * dv], dim=1)
-    b, a = ba.view(nk, 2 * r, hidden).split([r, r], dim=1)
+                          f"({nk * (2 * dk + 2 * r * dv)}, {cols})")
+    q, k, v, z = qkvz.view(nk, 2 * dk + 2 * r * dv, cols).split([dk, dk, r * dv, r * dv], dim=1)
+    return torch.cat([t.reshape(-1, cols) for t in (q, k, v)]), z.reshape(-1, cols)
 
-    def flat(t: torch.Tensor) -> torch.Tensor:  # group-major rows, as in the Qwen3.5 layout
-        return t.reshape(-1, hidden)
 
-    return {
-        base + "in_proj_qkv.weight": torch.cat([flat(q), flat(k), flat(v)]),
-        base + "in_proj_z.weight": flat(z),
-        base + "in_proj_b.weight": flat(b),
-        base + "in_proj_a.weight": flat(a),
-    }
+def _split_ba(ba: torch.Tensor, nk: int, nv: int, dk: int, dv: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the fused ``in_proj_ba`` (grouped per key head: b, a) -> Qwen3.5's
+    ``in_proj_b`` and ``in_proj_a`` rows."""
+    r = nv // nk
+    cols = ba.shape[-1]
+    if ba.dim() != 2 or ba.shape[0] != 2 * nv:
+        raise DFlashError(f"target weight {name} has shape {tuple(ba.shape)}, config.json implies ({2 * nv}, {cols})")
+    b, a = ba.view(nk, 2 * r, cols).split([r, r], dim=1)
+    return b.reshape(-1, cols), a.reshape(-1, cols)

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from ..cache import KVCache, RecurrentState, TargetCache
-from ..checkpoint import all_finite, check_fits, fits, load_config, load_state_dict
+from ..checkpoint import all_finite, check_fits, fits, fp8_saving, load_config, load_state_dict
 from ..errors import DFlashError
-from ..options import check_mxfp4
+from ..options import check_fp8, check_mxfp4
+from . import fp8 as fp8_format
 from .config import TargetConfig
 from .gated_deltanet import GatedDeltaNet
 from .layers import RMSNorm, attention_bias
@@ -127,7 +128,7 @@ class TargetModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                        mxfp4: str = "auto") -> "TargetModel":
+                        mxfp4: str = "auto", fp8: str = "auto") -> "TargetModel":
         """Load a Hugging Face checkpoint directory with the class of its family.
 
         Args:
@@ -136,10 +137,15 @@ class TargetModel(nn.Module):
                 quarter of bfloat16's memory; each forward dequantizes the experts it
                 runs), or ``"auto"``: dequantize when the weights then take at most 90% of
                 the device's free memory, else keep them packed.
+            fp8: the same for the weights of a fine-grained FP8 checkpoint
+                (:mod:`~dflash_torch.models.fp8`): ``"dequantize"``, ``"packed"`` (1 byte a
+                weight plus float32 row scales, about half of bfloat16; each forward
+                dequantizes the matrices it runs, of a mixture of experts only the experts
+                chosen) or ``"auto"`` (as for ``mxfp4``).
 
         Raises:
-            DFlashError: unsupported config; ``mxfp4="packed"`` for a checkpoint without
-                MXFP4 weights; weights that would not fit in the device's free memory
+            DFlashError: unsupported config; ``mxfp4="packed"`` / ``fp8="packed"`` for a
+                checkpoint without MXFP4 / FP8 weights; weights that would not fit in the device's free memory
                 (:func:`~dflash_torch.checkpoint.check_fits`); weights missing, unknown (an
                 unsupported variant, e.g. biases the config does not announce), of the
                 wrong shape, not floating point (e.g. int8: quantized) or not finite (NaN, inf).
@@ -148,16 +154,23 @@ class TargetModel(nn.Module):
 
         cfg = TargetConfig.from_dict(load_config(model_dir))
         check_mxfp4(mxfp4, cfg.mxfp4)
+        check_fp8(fp8, cfg.fp8_block is not None)
         model_cls = family(cfg.model_type).Model if cls is TargetModel else cls
         with torch.device("meta"):
             model = model_cls(cfg)
             if cfg.mxfp4 and (mxfp4 == "packed" or (mxfp4 == "auto" and not fits(model, dtype, device, share=0.9))):
                 cfg.keep_mxfp4 = True
                 model = model_cls(cfg)
-        check_fits(model, dtype, device, "target")
-        state = load_state_dict(model_dir, dtype, device, keep=lambda k: model_cls.checkpoint_keys(cfg, k),
-                                fp8_block=cfg.fp8_block)
+        keep = lambda k: model_cls.checkpoint_keys(cfg, k)  # noqa: E731
+        saving = 0
+        if cfg.fp8_block is not None and (fp8 == "packed" or (fp8 == "auto" and not fits(model, dtype, device, share=0.9))):
+            saving = fp8_saving(model_dir, dtype, cfg.fp8_block, keep)
+        check_fits(model, dtype, device, "target", saving=saving)
+        state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=bool(saving))
         state = model_cls.convert_checkpoint(cfg, state)
+        if saving:
+            cfg.keep_fp8 = True
+            _keep_fp8(model, state, cfg.fp8_block[1], dtype)
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
@@ -171,10 +184,12 @@ class TargetModel(nn.Module):
                 f"(an unsupported variant?): {', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}"
             )
         shapes = model.state_dict()
+        kept_ids = fp8_format.kept_parameters(model)
+        kept = {k for k, p in model.named_parameters() if id(p) in kept_ids}
         for k in expected:
             if tuple(state[k].shape) != tuple(shapes[k].shape):
                 raise DFlashError(f"target weight {k} has shape {tuple(state[k].shape)}, config.json implies {tuple(shapes[k].shape)}")
-            if not shapes[k].is_floating_point():  # packed MXFP4 blocks / scales
+            if not shapes[k].is_floating_point() or k in kept:  # packed MXFP4 or FP8 weights, their scales
                 if state[k].dtype != shapes[k].dtype:
                     raise DFlashError(f"target weight {k} has dtype {str(state[k].dtype).removeprefix('torch.')}, "
                                       f"expected {str(shapes[k].dtype).removeprefix('torch.')}")
@@ -314,6 +329,31 @@ class TargetModel(nn.Module):
         kv.write(layer.slot, step.positions, k, v)
         ck, cv = kv.view(layer.slot, step.kv_len)
         return attn.output(attn.attend(q, ck, cv, step.biases[layer.sliding_window]), gate)
+
+
+def _keep_fp8(model: nn.Module, state: dict[str, torch.Tensor], block_cols: int, dtype: torch.dtype) -> None:
+    """Give every matrix that ``state`` holds as FP8 with row scales (``NAME`` and
+    ``NAME_scale``) an FP8 layer of ``model`` (built on the meta device) to load into: an
+    ``nn.Linear`` becomes an :class:`~dflash_torch.models.fp8.Fp8Linear`, stacked experts
+    keep FP8 matrices (:meth:`~dflash_torch.models.moe.Experts.keep_fp8`); a matrix held by
+    anything else is dequantized into ``dtype`` in ``state`` (the values loading gives)."""
+    from .moe import Experts
+
+    for key in [k for k in state if k.endswith(fp8_format.ROW_SCALE_SUFFIX)]:
+        name = key.removesuffix(fp8_format.ROW_SCALE_SUFFIX)
+        path, attr = name.rsplit(".", 1)
+        try:
+            owner = model.get_submodule(path)
+        except AttributeError:  # (not a parameter of this model: the unknown-weight check names it)
+            continue
+        if type(owner) is nn.Linear and attr == "weight":
+            parent, child = path.rsplit(".", 1)
+            setattr(model.get_submodule(parent), child, fp8_format.Fp8Linear.like(owner, block_cols))
+        elif isinstance(owner, Experts) and attr in ("gate_up_proj", "down_proj"):
+            if not owner.fp8_block_cols:
+                owner.keep_fp8(block_cols)
+        else:
+            state[name] = fp8_format.dequantize_rows(state[name], state.pop(key), block_cols, dtype)
 
 
 def _name_of_part(key: str, t: torch.Tensor) -> str:

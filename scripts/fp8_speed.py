@@ -1,0 +1,88 @@
+"""Target-only decoding speed of a fine-grained FP8 target dequantized when loading vs kept
+as stored (``fp8="packed"``: dequantized per forward), and the memory each takes.
+
+Builds a random checkpoint of the chosen family and width (transformers' own class, the
+shipped default tokenizer), quantizes every decoder projection to FP8 in blocks of
+128 x 128 as the official ``*-FP8`` checkpoints do (the test suite's quantizer), then
+decodes the same prompt with ``fp8="dequantize"`` and ``fp8="packed"`` in one process,
+alternating, and prints tokens/s, weight bytes and whether the tokens are the same.
+
+    python scripts/fp8_speed.py --family qwen3 --hidden 1024 --layers 4 --tokens 64 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conftest import make_hybrid_target, make_target  # noqa: E402  (the test suite's checkpoint builders)
+from test_fp8 import to_fp8  # noqa: E402  (its FP8 quantizer)
+from dflash_torch import DFlashEngine  # noqa: E402
+from dflash_torch.checkpoint import weight_bytes  # noqa: E402
+
+TOKENIZER = ROOT / "dflash_torch" / "assets" / "default" / "target"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", default="qwen3", choices=["qwen3", "qwen3_moe", "qwen3_next"])
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden width (a multiple of 128)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per run")
+    ap.add_argument("--reps", type=int, default=3, help="runs of each mode, alternating")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+    work = Path(tempfile.mkdtemp())
+    try:
+        vocab = json.loads((TOKENIZER / "config.json").read_text())["vocab_size"]
+        shape = dict(vocab_size=vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, intermediate_size=3 * args.hidden,
+                     num_attention_heads=args.hidden // 128, num_key_value_heads=max(1, args.hidden // 512), head_dim=128)
+        if args.family == "qwen3":
+            src = make_target(work / "src", "qwen3", tokenizer=False, **shape)
+        else:
+            extra = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=args.hidden // 2)
+            if args.family == "qwen3_next":
+                extra.update(shared_expert_intermediate_size=args.hidden // 2, linear_num_key_heads=args.hidden // 256,
+                             linear_num_value_heads=args.hidden // 128, linear_key_head_dim=128, linear_value_head_dim=128)
+            src = make_hybrid_target(work / "src", args.family, tokenizer=False, **shape, **extra)
+        target = to_fp8(src, work / "fp8", (128, 128), suffixes=("_proj.weight", "in_proj_qkvz.weight"))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(TOKENIZER / name, target / name)
+        engines = {mode: DFlashEngine.from_pretrained(target, no_draft=True, dtype=args.dtype, device=args.device, fp8=mode)
+                   for mode in ("dequantize", "packed")}
+        times = {mode: [] for mode in engines}
+        outputs = {}
+        for _ in range(args.reps):
+            for mode, engine in engines.items():
+                t0 = time.perf_counter()
+                out = engine.generate("def fibonacci(n):", max_new_tokens=args.tokens, ignore_eos=True)
+                times[mode].append(time.perf_counter() - t0)
+                outputs[mode] = out.token_ids
+        dtype = engines["packed"].target.model.embed_tokens.weight.dtype
+        for mode, engine in engines.items():
+            best = min(times[mode])
+            print(f"{mode:10s} {args.tokens / best:8.1f} tok/s  weights {weight_bytes(engine.target, dtype) / 1e6:8.1f} MB")
+        print(f"packed / dequantize time: {min(times['packed']) / min(times['dequantize']):.2f}x; "
+              f"same tokens: {outputs['packed'] == outputs['dequantize']}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
