@@ -252,6 +252,9 @@ class DFlashEngine:
                                   f"got {path!r}", name)
         if no_draft and draft is not None:
             raise OptionError("no_draft decodes with the target alone; drop draft (or no_draft)", "no_draft", "draft")
+        if no_draft and draft_mode == "recompute":  # (as a block size: an option of the drafter)
+            raise OptionError("draft_mode 'recompute' needs a drafter (target-only decoding drafts nothing); drop "
+                              "draft_mode (or no_draft)", "draft_mode", "draft_mode", "no_draft")
         if target is None:
             target = DEFAULT_TARGET
             if draft is None and not no_draft:

@@ -115,6 +115,9 @@ LOAD_CASES = [
     ("no-drafter-given", dict(draft=None), "this target needs draft, its DFlash drafter checkpoint (or no_draft for"),
     # (the drafter was silently ignored; the command line refuses --draft with --no-draft too)
     ("no-draft-with-a-drafter", dict(no_draft=True), "no_draft decodes with the target alone; drop draft (or no_draft)"),
+    # (accepted silently before, while a block size or draft_max_batch_size without a drafter was refused)
+    ("recompute-without-drafter", dict(draft=None, no_draft=True, draft_mode="recompute"),
+     "draft_mode 'recompute' needs a drafter (target-only decoding drafts nothing); drop draft_mode (or no_draft)"),
 ]
 
 
@@ -229,7 +232,7 @@ CLI_WORDS = {"block size": "--block-size must be an integer in [1, 16]",
              "this target needs draft, its DFlash drafter checkpoint (or no_draft for":
                  "this target needs --draft, its DFlash drafter checkpoint (or --no-draft for"}
 CLI_CASES = [(n, _spec, CLI_WORDS.get(w, w)) for n, _spec, w in LOAD_CASES
-             if n not in ("unknown-draft-mode", "unknown-dtype", "no-draft-with-a-drafter")] + [
+             if n not in ("unknown-draft-mode", "unknown-dtype", "no-draft-with-a-drafter", "recompute-without-drafter")] + [
     ("context-overflow", dict(max_new_tokens=2000), "+ --max-new-tokens (2000) exceeds the context of 1024 tokens"),
     ("negative-temperature", dict(temperature=-0.5), "error: --temperature must be a finite number >= 0, got -0.5"),
     ("top-p-zero", dict(top_p=0.0), "error: --top-p must be in (0, 1], got 0.0"),
@@ -239,6 +242,8 @@ CLI_CASES = [(n, _spec, CLI_WORDS.get(w, w)) for n, _spec, w in LOAD_CASES
     ("negative-max-new-tokens", dict(max_new_tokens=-3), "error: --max-new-tokens must be an integer >= 1, got -3"),
     ("seed-too-large", dict(seed=2**64, temperature=1.0), "error: --seed must be an integer in [-2**63, 2**64)"),
     ("block-size-without-drafter", dict(draft=None, no_draft="", block_size=4), "error: --block-size 4 needs a drafter"),
+    ("recompute-without-drafter", dict(draft=None, no_draft="", draft_mode="recompute"),
+     "error: --draft-mode 'recompute' needs a drafter (target-only decoding drafts nothing); drop --draft-mode (or --no-draft)"),
     ("empty-prompt", dict(prompt=""), "empty"),
     ("unknown-draft-mode", dict(draft_mode="magic"), "draft-mode"),
     ("not-a-number", dict(temperature="hot"), "temperature"),
