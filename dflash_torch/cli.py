@@ -68,7 +68,7 @@ def json_object(text: str) -> dict:
 def logit_bias_json(text: str) -> dict[int, float]:
     """argparse type of ``--logit-bias``: a JSON object of token ids (decimal strings) to numbers
     (their range is checked by :class:`~dflash_torch.sampling.SamplingParams`)."""
-    value = _json_object(text, "a JSON object of token ids to biases, e.g. '{\"50256\": -100}'")
+    value = _json_object(text, "a JSON object of token ids to biases, e.g. '{\"0\": -100}'")
     bad = next((k for k in value if not (k.isascii() and k.isdigit())), None)
     if bad is not None:
         raise argparse.ArgumentTypeError(f"keys must be token ids (decimal integers >= 0), got {bad!r}")
@@ -95,7 +95,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="> 0, divides positive / multiplies negative logits of prompt and generated tokens (default 1 = off)")
     p.add_argument("--logit-bias", type=logit_bias_json, default=None, metavar="JSON",
-                   help="token id -> bias in [-100, 100] added to its logit, a JSON object, e.g. '{\"50256\": -100}' "
+                   help="token id -> bias in [-100, 100] added to its logit, a JSON object, e.g. '{\"0\": -100}' "
                         "(-100 bans the token, 100 forces it)")
     p.add_argument("--min-tokens", type=int, default=0,
                    help="generate at least this many tokens before EOS, a stop token or a stop string can end "
