@@ -41,10 +41,12 @@ import torch
 from .errors import DFlashError, OptionError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-# JSON: whitespace between tokens at most 32 characters (llguidance's default is any amount,
-# and a model that keeps writing newlines there would never finish); a schema with its own
-# "x-guidance" options (llguidance's) gets those instead
-JSON_DEFAULTS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
+# JSON: whitespace between two tokens is at most one line break and 16 spaces or tabs of
+# indentation (compact and pretty-printed JSON; llguidance's default is any amount, and a model
+# that keeps writing newlines there never finishes: the shipped model wrote 32 of them, the
+# limit before, after each key); a schema with its own "x-guidance" options (llguidance's)
+# gets those instead
+JSON_DEFAULTS = {"whitespace_pattern": r"(?:\r?\n)?[\x20\x09]{0,16}"}
 GRAMMAR_CACHE_SIZE = 64  # compiled constraints kept per engine (a server sees the same schema again and again)
 
 
@@ -64,7 +66,7 @@ class StructuredOutput:
     Attributes:
         json: a JSON schema (a dict, or its JSON text): the output is one JSON value valid
             under it (OpenAI's ``response_format`` ``json_schema``; vLLM's ``json``), with at
-            most 32 whitespace characters between two tokens of JSON (:data:`JSON_DEFAULTS`;
+            most one line break and 16 spaces or tabs between two tokens of JSON (:data:`JSON_DEFAULTS`;
             a schema with ``x-guidance`` options, llguidance's, gets those instead: e.g.
             ``{"whitespace_flexible": false}`` for compact JSON).
         json_object: True: the output is any JSON object (OpenAI's ``json_object``).

@@ -101,7 +101,9 @@ def test_json_schema_and_json_object_are_lossless_streamed_and_not_with_n_and_lo
         assert choice.message.content == content and choice.finish_reason == "stop"
         assert len(choice.logprobs.content) == r.usage.completion_tokens // 2
         assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
-        assert choice.model_extra["dflash"]["mean_acceptance_length"] > 2  # (the drafts were taken: not trivially equal)
+        # (drafts were taken: not trivially equal; this test model's JSON is hard to guess, tau ~1.1,
+        # now that the whitespace default keeps it from writing runs of 32 newlines, which it guessed)
+        assert choice.model_extra["dflash"]["mean_acceptance_length"] > 1
     text, finish, _ = _streamed_choices(_chat(spec, response_format=fmt, stream=True))
     assert text == {0: content} and finish == {0: "stop"}
     # json_object, on /v1/completions too (OpenAI's field; vLLM's structured_outputs.json_object the same)
