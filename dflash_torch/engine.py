@@ -56,7 +56,11 @@ class GenerationStats:
     round, bonus token included); ``acceptance_histogram`` maps tau -> rounds.
     ``decode_tokens_per_second`` counts the tokens after the first (which prefill
     produces) over ``decode_time``. ``cached_prompt_tokens``: prompt tokens taken from a
-    retained prefix instead of read (prefix reuse of the batch decoder; else 0).
+    retained prefix instead of read (prefix reuse of the batch decoder; else 0). A request
+    that ends with the token prefill produced (e.g. an EOS, or ``max_new_tokens=1``) runs no
+    decoding round: ``acceptance_lengths`` is then empty and ``mean_acceptance_length``,
+    ``decode_time`` and ``decode_tokens_per_second`` are 0.0 (the CLI prints "no decoding
+    round").
     """
 
     prompt_tokens: int = 0

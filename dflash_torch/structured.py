@@ -31,6 +31,7 @@ its own sequence only (:attr:`GrammarState.failed`, ``Round.error``).
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -176,13 +177,19 @@ class StructuredOutput:
         return LLMatcher.grammar_from_lark(self.grammar)
 
 
-def _first_line(message) -> str:
-    """llguidance's message in one line: its first line (the parser state it prints after is left out)."""
+def _first_line(message, kind: str = "") -> str:
+    """llguidance's message in one line: its first line (the parser state it prints after is
+    left out); for a ``kind`` ``"regex"``, without the place in the one-rule grammar
+    llguidance wraps a regex in (``at 1(8):``, not a place in the regex)."""
     lines = [line.strip() for line in str(message).strip().splitlines() if line.strip()]
     if not lines:
         return "unknown error"
     reason = next((line for line in lines[1:] if line.startswith("error:")), None)  # (a regex's: after its picture)
-    return f"{lines[0]} {reason}" if reason and lines[0].endswith(":") else lines[0]
+    first = re.sub(r"^at \d+\(\d+\): ", "", lines[0]) if kind == "regex" else lines[0]
+    if reason and first.endswith(":"):  # 'invalid regex "(" (in regex): regex parse error:' + 'error: unclosed group'
+        return f"{first.removesuffix(' regex parse error:').removesuffix(':').replace(' (in regex)', '')}: " \
+               f"{reason.removeprefix('error: ')}"
+    return first
 
 
 class Grammar:
@@ -261,7 +268,7 @@ class GrammarCompiler:
             tokenizer = self.tokenizer()
             error, messages = LLMatcher.validate_grammar_with_warnings(text, tokenizer)
             if error:
-                raise OptionError(f"structured_output {spec.kind} is invalid: {_first_line(messages[0])}",
+                raise OptionError(f"structured_output {spec.kind} is invalid: {_first_line(messages[0], spec.kind)}",
                                   "structured_output")
             probe = LLMatcher(tokenizer, text, log_level=0)  # (a language with no first token: refused now)
             first = torch.empty((self.vocab_size + 31) // 32, dtype=torch.int32)
@@ -336,7 +343,8 @@ class GrammarState:
         llg = _load_llguidance()
         matcher = llg.LLMatcher(grammar.tokenizer, grammar.grammar, log_level=0)
         if matcher.is_error():
-            raise OptionError(f"structured_output {grammar.spec.kind} is invalid: {_first_line(matcher.get_error())}",
+            raise OptionError(f"structured_output {grammar.spec.kind} is invalid: "
+                              f"{_first_line(matcher.get_error(), grammar.spec.kind)}",
                               "structured_output")
         self.vocab_size, self.device = grammar.vocab_size, torch.device(device)
         self._words = (self.vocab_size + 31) // 32
