@@ -226,7 +226,7 @@ def check_choice(value, choices: tuple[str, ...], name: str) -> str:
     return value
 
 
-MXFP4_MODES = ("auto", "dequantize", "packed")
+MXFP4_MODES = FP8_MODES = ("auto", "dequantize", "packed")  # how to hold quantized weights
 
 
 def check_mxfp4(value, has_mxfp4: bool | None = None, name: str = "mxfp4") -> str:
@@ -236,14 +236,7 @@ def check_mxfp4(value, has_mxfp4: bool | None = None, name: str = "mxfp4") -> st
     Raises:
         OptionError: any other value, or ``"packed"`` for a checkpoint without MXFP4 weights.
     """
-    check_choice(value, MXFP4_MODES, name)
-    if value == "packed" and has_mxfp4 is False:
-        raise OptionError(f"{name} packed keeps MXFP4 expert weights packed, but the target checkpoint has none "
-                          "(use auto or dequantize)", name)
-    return value
-
-
-FP8_MODES = ("auto", "dequantize", "packed")
+    return _check_packing(value, has_mxfp4, name, "keeps MXFP4 expert weights packed", "")
 
 
 def check_fp8(value, has_fp8: bool | None = None, name: str = "fp8") -> str:
@@ -253,10 +246,14 @@ def check_fp8(value, has_fp8: bool | None = None, name: str = "fp8") -> str:
     Raises:
         OptionError: any other value, or ``"packed"`` for a checkpoint without FP8 weights.
     """
-    check_choice(value, FP8_MODES, name)
-    if value == "packed" and has_fp8 is False:
-        raise OptionError(f"{name} packed keeps FP8 weights as stored, but the target checkpoint has none "
-                          "(its config.json has no quantization_config with quant_method 'fp8'; use auto or dequantize)",
+    return _check_packing(value, has_fp8, name, "keeps FP8 weights as stored",
+                          "its config.json has no quantization_config with quant_method 'fp8'; ")
+
+
+def _check_packing(value, present: bool | None, name: str, packed: str, why: str) -> str:
+    check_choice(value, MXFP4_MODES, name)
+    if value == "packed" and present is False:
+        raise OptionError(f"{name} packed {packed}, but the target checkpoint has none ({why}use auto or dequantize)",
                           name)
     return value
 

@@ -17,7 +17,6 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import make_hybrid_target, make_target  # noqa: E402  (the test suite's checkpoint builders)
 from test_fp8 import to_fp8  # noqa: E402  (its FP8 quantizer)
 from dflash_torch import DFlashEngine  # noqa: E402
-from dflash_torch.checkpoint import weight_bytes  # noqa: E402
+from mxfp4_speed import compare  # noqa: E402  (its timing of the two modes)
 
 TOKENIZER = ROOT / "dflash_torch" / "assets" / "default" / "target"
 
@@ -66,20 +65,7 @@ def main() -> None:
             shutil.copy(TOKENIZER / name, target / name)
         engines = {mode: DFlashEngine.from_pretrained(target, no_draft=True, dtype=args.dtype, device=args.device, fp8=mode)
                    for mode in ("dequantize", "packed")}
-        times = {mode: [] for mode in engines}
-        outputs = {}
-        for _ in range(args.reps):
-            for mode, engine in engines.items():
-                t0 = time.perf_counter()
-                out = engine.generate("def fibonacci(n):", max_new_tokens=args.tokens, ignore_eos=True)
-                times[mode].append(time.perf_counter() - t0)
-                outputs[mode] = out.token_ids
-        dtype = engines["packed"].target.model.embed_tokens.weight.dtype
-        for mode, engine in engines.items():
-            best = min(times[mode])
-            print(f"{mode:10s} {args.tokens / best:8.1f} tok/s  weights {weight_bytes(engine.target, dtype) / 1e6:8.1f} MB")
-        print(f"packed / dequantize time: {min(times['packed']) / min(times['dequantize']):.2f}x; "
-              f"same tokens: {outputs['packed'] == outputs['dequantize']}")
+        compare(engines, args.tokens, args.reps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -52,22 +52,28 @@ def main() -> None:
             shutil.copy(TOKENIZER / name, target / name)
         engines = {mode: DFlashEngine.from_pretrained(target, no_draft=True, dtype=args.dtype, device=args.device,
                                                       mxfp4=mode) for mode in ("dequantize", "packed")}
-        times = {mode: [] for mode in engines}
-        outputs = {}
-        for _ in range(args.reps):
-            for mode, engine in engines.items():
-                t0 = time.perf_counter()
-                out = engine.generate("def fibonacci(n):", max_new_tokens=args.tokens, ignore_eos=True)
-                times[mode].append(time.perf_counter() - t0)
-                outputs[mode] = out.token_ids
-        dtype = engines["packed"].target.model.embed_tokens.weight.dtype
-        for mode, engine in engines.items():
-            best = min(times[mode])
-            print(f"{mode:10s} {args.tokens / best:8.1f} tok/s  weights {weight_bytes(engine.target, dtype) / 1e6:8.1f} MB")
-        print(f"packed / dequantize time: {min(times['packed']) / min(times['dequantize']):.2f}x; "
-              f"same tokens: {outputs['packed'] == outputs['dequantize']}")
+        compare(engines, args.tokens, args.reps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def compare(engines: dict, tokens: int, reps: int) -> None:
+    """Decode the same prompt target-only with each engine (``"dequantize"`` and
+    ``"packed"``), alternating ``reps`` times, and print each one's best tokens/s and weight
+    bytes, the time ratio and whether the tokens are the same."""
+    times = {mode: [] for mode in engines}
+    outputs = {}
+    for _ in range(reps):
+        for mode, engine in engines.items():
+            t0 = time.perf_counter()
+            out = engine.generate("def fibonacci(n):", max_new_tokens=tokens, ignore_eos=True)
+            times[mode].append(time.perf_counter() - t0)
+            outputs[mode] = out.token_ids
+    dtype = engines["packed"].target.model.embed_tokens.weight.dtype
+    for mode, engine in engines.items():
+        print(f"{mode:10s} {tokens / min(times[mode]):8.1f} tok/s  weights {weight_bytes(engine.target, dtype) / 1e6:8.1f} MB")
+    print(f"packed / dequantize time: {min(times['packed']) / min(times['dequantize']):.2f}x; "
+          f"same tokens: {outputs['packed'] == outputs['dequantize']}")
 
 
 if __name__ == "__main__":
