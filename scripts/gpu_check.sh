@@ -10,8 +10,10 @@
 #   shape eager and compiled, a hybrid target's CUDA graphs; about 2 more minutes) and
 #   profile (scripts/gpu_profile.py: the Qwen3-8B shape compiled with joined and with
 #   separate projections, timed and profiled kernel by kernel into profile.json; about 3
-#   more minutes, an estimate: not yet run on a GPU) and gptoss (the gpt-oss-20b shape, MXFP4
-#   experts dequantized, eager and compiled step/round; about 2 more minutes, an estimate)
+#   more minutes, an estimate: not yet run on a GPU), gptoss (the gpt-oss-20b shape, MXFP4
+#   experts dequantized, eager and compiled step/round; about 2 more minutes, an estimate) and
+#   fp8 (scripts/fp8_speed.py: target-only decoding of random FP8 targets, dense 2048-wide and
+#   MoE, dequantized vs kept FP8 (--fp8 packed); about 2 more minutes, an estimate)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_out}
@@ -59,6 +61,13 @@ if has gptoss; then
     step "gpt-oss-20b shape (sink attention, sliding window, 32 experts), random weights, bf16: eager and compiled step/round"
     bench gptoss_20b --dtype bfloat16 --num-prompts 1 --max-new-tokens 8 --modes target-only --sweep "" \
         --shapes gpt-oss-20b --shapes-compiled
+fi
+if has fp8; then
+    step "FP8 targets (random, 128x128 blocks), bf16, target-only: dequantized vs kept FP8"
+    for family in qwen3 qwen3_moe; do
+        $PY scripts/fp8_speed.py --device "${DEVICE:-cuda}" --dtype bfloat16 --family $family --hidden 2048 \
+            --layers 4 --tokens 64 --reps 2 2>&1 | grep -v "Writing model shards" | tee -a "$LOG"
+    done
 fi
 if has profile; then
     step "Qwen3-8B shape, random weights, bf16, compiled: joined vs separate projections, kernel profile"
