@@ -122,14 +122,16 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             the scale is dropped; None: a checkpoint without FP8 weights.
         keep_fp8: with ``fp8_block``, keep each such pair FP8 instead: ``X.weight`` as stored
             (``float8_e4m3fn``, on ``device``) and ``X.weight_scale``, its row scales
-            (float32 ``[..., rows, ceil(cols / bi)]``, :func:`~dflash_torch.models.fp8.row_scales`).
+            (float32 ``[..., rows, ceil(cols / bi)]``, :func:`~dflash_torch.models.fp8.row_scales`),
+            after checking that their products are finite in ``dtype`` (as a dequantized weight is).
 
     Raises:
         DFlashError: a weight file that is not valid safetensors (corrupt or truncated), a
             weight name in two files, an FP8 (float8) tensor in a checkpoint whose config does
             not say FP8; with ``fp8_block``: an FP8 weight without its scale or a scale without
             its weight, static activation scales (``input_scale``), or a pair
-            :func:`~dflash_torch.models.fp8.dequantize` refuses.
+            :func:`~dflash_torch.models.fp8.dequantize` refuses; with ``keep_fp8``: a NaN
+            byte, or a product that overflows ``dtype``.
     """
     from .models import fp8
 
@@ -157,8 +159,10 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                     if keep_fp8:
                         fp8.check_pair(t, scale, fp8_block, key)
                         fp8.check_finite_bytes(t, key)
+                        rows = fp8.row_scales(scale.to(device), fp8_block, t.shape[-2])
+                        fp8.check_finite_product(t.to(device), rows, fp8_block[1], dtype, key)
                         state[key] = t.to(device)
-                        state[key + fp8.ROW_SCALE_SUFFIX] = fp8.row_scales(scale.to(device), fp8_block, t.shape[-2])
+                        state[key + fp8.ROW_SCALE_SUFFIX] = rows
                     else:
                         state[key] = fp8.dequantize(t.to(device), scale, fp8_block, dtype, key)
                 elif t.dtype in _FLOAT8:

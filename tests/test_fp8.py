@@ -432,6 +432,39 @@ def test_a_nan_in_a_kept_fp8_weight_is_refused(whole_blocks, tmp_path):
         TargetModel.from_pretrained(bad, torch.float32, fp8="dequantize")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_scale_whose_products_overflow_is_refused_when_kept(whole_blocks, tmp_path, dtype):
+    """A finite scale so large that its block's weights times it overflow the model's dtype
+    (a corrupt checkpoint): refused when kept FP8, as when dequantized (it loaded, and
+    decoded NaN logits)."""
+    model_dir, _ = whole_blocks["qwen3"]
+    bad = edited_checkpoint(model_dir, tmp_path / "bad", state=_set(
+        Q + ".weight_scale_inv", lambda w: w[Q + ".weight_scale_inv"].index_fill(0, torch.tensor([1]), 1e38)))
+    with pytest.raises(DFlashError, match=rf"^FP8 weight {Q}\.weight times its scales is not finite in "
+                                          rf"{str(dtype).removeprefix('torch.')} \(a corrupt checkpoint\)$"):
+        TargetModel.from_pretrained(bad, dtype, fp8="packed")
+    with pytest.raises(DFlashError, match=rf"target weight {Q}\.weight holds NaN or infinite values"):
+        TargetModel.from_pretrained(bad, dtype, fp8="dequantize")
+
+
+def test_narrow_blocks_are_kept_on_request_but_auto_keeps_only_what_saves_memory(tmp_path, monkeypatch):
+    """Blocks 2 columns wide: float32 row scales then outweigh what bfloat16 would save (one
+    scale per 2 weights). packed keeps them FP8 as asked (it was silently dequantized: nothing
+    to save); auto, with the dequantized weights over 90% of the free memory, does not keep
+    them (it did, then refused as too large what dequantized still fit)."""
+    import dflash_torch.checkpoint as checkpoint
+
+    quantized = to_fp8(build(tmp_path / "src", "qwen3"), tmp_path / "fp8", (16, 2))
+    plain = TargetModel.from_pretrained(quantized, torch.bfloat16, fp8="dequantize")
+    packed = TargetModel.from_pretrained(quantized, torch.bfloat16, fp8="packed")
+    assert packed.config.keep_fp8 and _fp8_layers(packed)[0] > 0
+    assert torch.equal(our_logits(packed), our_logits(plain))
+    dequantized = checkpoint.weight_bytes(plain, torch.bfloat16)
+    assert checkpoint.weight_bytes(packed, torch.bfloat16) > dequantized
+    monkeypatch.setattr(checkpoint, "available_memory", lambda device: dequantized / 0.9 - 1)
+    assert not TargetModel.from_pretrained(quantized, torch.bfloat16).config.keep_fp8
+
+
 # --- refusals ---
 
 Q = "model.layers.0.self_attn.q_proj"
@@ -459,6 +492,9 @@ def _set(key, value):
      r"the target checkpoint is quantized \(quant_method 'compressed-tensors'\); .*\(and fp8 for this model_type\)"),
     (None, lambda w: w.pop(Q + ".weight_scale_inv"), rf"weight {Q}\.weight is float8_e4m3fn without its scale {Q}\.weight_scale_inv"),
     (None, lambda w: w.pop(Q + ".weight"), rf"FP8 scale {Q}\.weight_scale_inv has no weight {Q}\.weight$"),
+    (None, lambda w: w.update({Q + ".weight": w[Q + ".weight"][:48].contiguous(),
+                               Q + ".weight_scale_inv": w[Q + ".weight_scale_inv"][:3].contiguous()}),
+     rf"target weight {Q}\.weight has shape \(48, 64\), config\.json implies \(64, 64\)"),
     (None, _set(Q + ".weight_scale_inv", lambda w: w[Q + ".weight_scale_inv"][:, :1].contiguous()),
      rf"FP8 scale {Q}\.weight_scale_inv has shape \(4, 1\); weight \(64, 64\) in blocks of \[16, 16\] needs \(4, 4\)"),
     (None, _set(Q + ".weight_scale_inv", lambda w: w[Q + ".weight_scale_inv"].index_fill(0, torch.tensor([2]), float("inf"))),

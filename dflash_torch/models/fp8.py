@@ -145,6 +145,20 @@ def check_finite_bytes(weight: torch.Tensor, name: str) -> None:
         raise DFlashError(f"FP8 weight {name} holds NaN values (a corrupt checkpoint)")
 
 
+def check_finite_product(weight: torch.Tensor, scales: torch.Tensor, block_cols: int, dtype: torch.dtype,
+                         name: str) -> None:
+    """Raise :class:`DFlashError` unless every element of the FP8 ``weight`` times its row
+    scale (:func:`dequantize_rows`) is finite in ``dtype``, as the dequantized weight must
+    be: a finite but huge scale (e.g. 1e37) overflows. Checked a few rows at a time (float32
+    temporaries of at most 64 MB)."""
+    w, s = weight.reshape(-1, weight.shape[-1]), scales.reshape(-1, scales.shape[-1])
+    step = max(1, _ELEMENTS_PER_CHUNK // max(1, w.shape[1]))
+    for r in range(0, w.shape[0], step):
+        if not bool(torch.isfinite(dequantize_rows(w[r:r + step], s[r:r + step], block_cols, dtype)).all()):
+            raise DFlashError(f"FP8 weight {name} times its scales is not finite in "
+                              f"{str(dtype).removeprefix('torch.')} (a corrupt checkpoint)")
+
+
 def row_scales(scale_inv: torch.Tensor, block: tuple[int, int], rows: int) -> torch.Tensor:
     """The block scales ``[..., ceil(rows / bo), G]`` of a weight with ``rows`` rows as one
     scale row per weight row: float32 ``[..., rows, G]`` (each block row repeated ``bo``

@@ -162,13 +162,14 @@ class TargetModel(nn.Module):
                 cfg.keep_mxfp4 = True
                 model = model_cls(cfg)
         keep = lambda k: model_cls.checkpoint_keys(cfg, k)  # noqa: E731
-        saving = 0
-        if cfg.fp8_block is not None and (fp8 == "packed" or (fp8 == "auto" and not fits(model, dtype, device, share=0.9))):
-            saving = fp8_saving(model_dir, dtype, cfg.fp8_block, keep)
-        check_fits(model, dtype, device, "target", saving=saving)
-        state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=bool(saving))
+        saving, keep_fp8 = 0, False
+        if cfg.fp8_block is not None and fp8 != "dequantize":
+            saving = fp8_saving(model_dir, dtype, cfg.fp8_block, keep)  # (< 0 where the row scales outweigh it)
+            keep_fp8 = fp8 == "packed" or (saving > 0 and not fits(model, dtype, device, share=0.9))
+        check_fits(model, dtype, device, "target", saving=saving if keep_fp8 else 0)
+        state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=keep_fp8)
         state = model_cls.convert_checkpoint(cfg, state)
-        if saving:
+        if keep_fp8:
             cfg.keep_fp8 = True
             _keep_fp8(model, state, cfg.fp8_block[1], dtype)
         if cfg.tie_word_embeddings:
@@ -186,7 +187,7 @@ class TargetModel(nn.Module):
         shapes = model.state_dict()
         kept_ids = fp8_format.kept_parameters(model)
         kept = {k for k, p in model.named_parameters() if id(p) in kept_ids}
-        for k in expected:
+        for k in sorted(expected):  # (sorted: a weight before its row scales, X.weight_scale)
             if tuple(state[k].shape) != tuple(shapes[k].shape):
                 raise DFlashError(f"target weight {k} has shape {tuple(state[k].shape)}, config.json implies {tuple(shapes[k].shape)}")
             if not shapes[k].is_floating_point() or k in kept:  # packed MXFP4 or FP8 weights, their scales
