@@ -12,6 +12,7 @@ transformers' ``apply_chat_template`` (tests/test_tools.py's oracle)."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -222,6 +223,9 @@ def test_text_format_json_schema_conforms_and_is_lossless(servers):
     assert isinstance(json.loads(obj.output_text), dict)
 
 
+# Chat Completions' parameters and the engine's, and its way of naming a chat message
+CHAT_NAMES = (r"\b(?:max_tokens|max_completion_tokens|max_new_tokens|response_format|reasoning_effort|messages|"
+              r"message \d|stream_options\.include_usage|functions|prompt_logprobs)\b")
 BAD = [  # (body fields, status, param, words of the message)
     ({"store": True}, 400, "store", "no state"),
     ({"previous_response_id": "resp_1"}, 400, "previous_response_id", "no state"),
@@ -238,8 +242,35 @@ BAD = [  # (body fields, status, param, words of the message)
     ({"input": ["hi"]}, 400, "input", "expected one of"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "name": "f", "arguments": "{}"}]}, 400,
      "input.1.call_id", "missing"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, 400, "input",
-     "not valid JSON"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, 400,
+     "input.0.arguments", "not valid JSON"),
+    # (the item's index in input, whatever messages instructions and merged calls make of it)
+    ({"instructions": "s", "input": [{"role": "user", "content": "q"},
+                                     {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                                     {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "[1]"}]},
+     400, "input.2.arguments", "input.2.arguments must be a JSON object"),
+    # a function_call_output answers an earlier function_call (OpenAI: "No tool call found ...")
+    ({"input": [{"role": "user", "content": "q"}, {"type": "function_call_output", "call_id": "c9", "output": "1"}]},
+     400, "input.1.call_id", "No tool call found for function call output with call_id c9"),
+    ({"input": [{"role": "user", "content": "q"}, {"type": "function_call_output", "call_id": "c1", "output": "1"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]},
+     400, "input.1.call_id", "No tool call found"),
+    # Chat Completions' parameters: not the Responses API's (OpenAI: an unknown parameter), the equivalent named
+    ({"max_tokens": 5}, 400, "max_tokens", "max_tokens is not a Responses parameter; use max_output_tokens"),
+    ({"max_completion_tokens": 5}, 400, "max_completion_tokens", "use max_output_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "messages", "use input"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format", "use text.format"),
+    ({"reasoning_effort": "low"}, 400, "reasoning_effort", "use reasoning.effort"),
+    ({"n": 2}, 400, "n", "n is not a Responses parameter"),
+    ({"n": 1}, 400, "n", "one response"),
+    ({"logprobs": True}, 400, "logprobs", "not supported in /v1/responses"),
+    ({"stream_options": {"include_usage": True}}, 400, "stream_options.include_usage", "usage is always"),
+    ({"functions": [{"name": "f"}]}, 400, "functions", "use tools"),
+    ({"prompt_logprobs": 1}, 400, "prompt_logprobs", "not a Responses parameter"),
+    # errors of the chat machinery and the engine, in the Responses API's names
+    ({"min_tokens": 5}, 400, "min_tokens", "at most max_output_tokens (4)"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "objekt"}}], "tool_choice": "required"}, 400,
+     "tools", "cannot constrain"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type", "function tools"),
     ({"tools": [{"type": "function"}]}, 400, "tools.0.name", "missing"),
     ({"tools": FLAT_TOOLS, "tool_choice": {"type": "allowed_tools", "tools": []}}, 400, "tool_choice.type", "not supported"),
@@ -252,7 +283,7 @@ BAD = [  # (body fields, status, param, words of the message)
     ({"text": {"format": {"type": "json_schema", "name": "p", "schema": {"type": "objekt"}}}}, 400, "text.format",
      "text.format"),
     ({"text": {"format": {"type": "xml"}}}, 400, "text.format.type", "json_schema"),
-    ({"reasoning": {"effort": "extreme"}}, 400, "reasoning.effort", "high"),
+    ({"reasoning": {"effort": "extreme"}}, 400, "reasoning.effort", "minimal"),
     ({"max_output_tokens": 0}, 400, "max_output_tokens", "greater than or equal to 1"),
     ({"max_output_tokens": 10**6}, 400, "max_output_tokens", "max_output_tokens (1000000)"),
     ({"temperature": "hot"}, 400, "temperature", "number"),
@@ -272,7 +303,10 @@ def test_bad_requests_are_errors_naming_the_responses_parameter(servers, body, s
         h = _raw(spec, {"model": MODEL, "input": "hi", "max_output_tokens": 4, "stream": stream, **body})
         e = h.json()["error"]
         assert h.status_code == status and e["param"] == param and words in e["message"], e
-        assert "\n" not in e["message"] and "response_format" not in e["message"] and e["type"], e
+        assert "\n" not in e["message"] and e["type"], e
+        # no Chat Completions (or engine) name in the message, but a chat parameter refused as unknown
+        chat_names = set(re.findall(CHAT_NAMES, e["message"]))
+        assert not chat_names or (chat_names == {param} and e["code"] == "unknown_parameter"), e
 
 
 def test_ignored_fields_and_the_client_error_type(servers):
@@ -281,6 +315,18 @@ def test_ignored_fields_and_the_client_error_type(servers):
                  reasoning={"summary": "auto"}, include=["reasoning.encrypted_content"], parallel_tool_calls=True,
                  extra_body={"service_tier": "auto", "prompt_cache_key": "k", "unknown_field": {"a": 1}})
     assert r.usage.output_tokens == 2 and r.store is False and r.user == "u"
+    # the documented extensions (vLLM-style) and OpenAI's stream_options are not chat-only fields: served
+    r = _respond(spec, input="x", max_output_tokens=2, extra_body={
+        "seed": 1, "stop": ["\n\n"], "top_k": 5, "logit_bias": {"5": 1.0}, "ignore_eos": True, "min_tokens": 1,
+        "repetition_penalty": 1.1, "presence_penalty": 0.1, "frequency_penalty": 0.1, "stop_token_ids": [0],
+        "chat_template_kwargs": {}})
+    assert r.usage.output_tokens == 2
+    r = _respond(spec, input="x", max_output_tokens=20, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.output_text in ("yes", "no")
+    for effort in ("none", "minimal", "xhigh"):  # (OpenAI's efforts beyond chat's low, medium, high)
+        assert _respond(spec, input="x", max_output_tokens=2, reasoning={"effort": effort}).reasoning.effort == effort
+    events = _events(spec, input="x", max_output_tokens=2, stream_options={"include_obfuscation": False})
+    assert events[-1].response.usage.output_tokens == 2
     with pytest.raises(openai.BadRequestError) as err:
         _respond(spec, input="x", store=True)
     assert err.value.body["param"] == "store" and err.value.body["code"] == "unsupported_parameter"
@@ -406,6 +452,40 @@ def test_input_items_become_chat_messages():
         "text.format", "text.format.name", "max_output_tokens", "input", "input", "reasoning.effort", "tool_choice", None]
     assert responses_message("max_tokens (9) and response_format json_schema; not max_tokensx") == \
         "max_output_tokens (9) and text.format json_schema; not max_tokensx"
+    # a chat message as the input item it came from (instructions first; merged calls: their own items)
+    sources = req._sources
+    assert [responses_param(p, sources) for p in (
+        "messages.0", "messages.1.content.0.text", "messages.2.tool_calls.1.function.arguments", "messages.2.content",
+        "messages.4.tool_call_id", "messages.5.tool_calls.0", "messages.9.content", "tools.1.function.parameters",
+        "tool_choice.function.name")] == [
+        "instructions", "input.0.content.0.text", "input.4.arguments", "input.2.content", "input.6.call_id", "input.8",
+        "input", "tools.1.parameters", "tool_choice.name"]
+    assert responses_message("tool call arguments must be a JSON object: message 2, call 1: got list", sources) == \
+        "tool call arguments must be a JSON object: input.4: got list"
+    assert responses_message("invalid value for messages.1.content: bad", sources, "messages.1.content") == \
+        "invalid value for input.0.content: bad"
+    assert responses_message("the chat template refuses these messages: roles", sources) == \
+        "the chat template refuses this input: roles"
+    assert responses_message("min_tokens (5) must be at most max_new_tokens (2)") == \
+        "min_tokens (5) must be at most max_output_tokens (2)"
+
+
+@pytest.mark.parametrize("effort,chat_effort", [("none", "low"), ("minimal", "low"), ("low", "low"),
+                                                ("medium", "medium"), ("high", "high"), ("xhigh", "high")])
+def test_reasoning_efforts_map_onto_chats(effort, chat_effort):
+    """OpenAI's reasoning.effort values as chat's reasoning_effort (the template variable:
+    low, medium, high); "none" also turns thinking off (enable_thinking false) unless the
+    request's chat_template_kwargs say otherwise; the response repeats the effort sent."""
+    req = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": effort}})
+    chat = req.chat_request()
+    off = {"enable_thinking": False} if effort == "none" else {}
+    assert chat.reasoning_effort == chat_effort
+    assert chat.template_kwargs({"enable_thinking": True}) == {"enable_thinking": True, **off,
+                                                               "reasoning_effort": chat_effort}
+    assert req.echo(chat)["reasoning"]["effort"] == effort
+    own = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": effort},
+                                           "chat_template_kwargs": {"enable_thinking": True, "x": 1}}).chat_request()
+    assert own.template_kwargs(None) == {"enable_thinking": True, "x": 1, "reasoning_effort": chat_effort}
 
 
 def test_a_failure_mid_stream_is_an_error_event(servers):

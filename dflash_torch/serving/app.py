@@ -8,7 +8,8 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/r
 (:meth:`.protocol.ResponsesRequest.chat_request`: the same template, sampling, stop handling,
 parsers, constraints, scheduler); its answer is a Response object or its stream of events
 (:mod:`.responses`), and its errors name its own parameters (``text.format``,
-``max_output_tokens``, ``input``, ...).
+``max_output_tokens``, ``input.3.content``, ...: :func:`_as_responses`); chat's own
+parameters sent to it are 400s (``unknown_parameter``, :meth:`.protocol.ResponsesRequest.chat_only`).
 
 Requests go through a scheduler (see :mod:`.scheduler`): once its prompts are tokenized
 and fit the context (tokenizing runs in a thread of its own, so it holds neither the
@@ -125,11 +126,13 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
     return JSONResponse(error_body(message, type, param, code), status_code=status)
 
 
-def _as_responses(exc: APIError) -> APIError:
-    """An error of the chat machinery serving a Responses request, with the Responses API's
-    parameter names (``text.format`` for ``response_format``, ...)."""
-    return APIError(exc.status, responses_message(exc.message), param=responses_param(exc.param), code=exc.code,
-                    type=exc.type, headers=exc.headers)
+def _as_responses(exc: APIError, req: ResponsesRequest) -> APIError:
+    """An error of the chat machinery serving the Responses request ``req``, with the Responses
+    API's parameter names (``text.format`` for ``response_format``, ``input.3.content`` for
+    the chat message that input item became, ...) in its ``param`` and message."""
+    sources = req._sources
+    return APIError(exc.status, responses_message(exc.message, sources, exc.param),
+                    param=responses_param(exc.param, sources), code=exc.code, type=exc.type, headers=exc.headers)
 
 
 def _one_line(exc: Exception) -> str:
@@ -483,6 +486,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     def validate_responses(req: ResponsesRequest) -> ResponsesRequest:
         """A Responses request checked, with ``req.chat`` the chat request it is served as."""
+        bad = req.chat_only()
+        if bad is not None:  # (OpenAI: an unknown parameter)
+            raise APIError(400, bad[1], param=bad[0], code="unknown_parameter")
         bad = req.unsupported()
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
@@ -495,11 +501,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                            ) from None
         except ValidationError as exc:
             message, param = describe_validation_error(exc)
-            raise _as_responses(APIError(400, message, param=param)) from None
+            raise _as_responses(APIError(400, message, param=param), req) from None
         try:
             check_fields(chat)
         except APIError as exc:
-            raise _as_responses(exc) from None
+            raise _as_responses(exc, req) from None
         req._chat = chat
         return req
 
@@ -681,7 +687,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 builder = ResponseBuilder(rid, model_id, responses.echo(req))
                 parser = None if parsers is None else parsers[0]
                 if req.stream:
-                    return _JobStreamingResponse(response_stream(job, builder, parser, prompt_tokens), job,
+                    return _JobStreamingResponse(response_stream(job, builder, parser, prompt_tokens, responses), job,
                                                  media_type="text/event-stream",
                                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 return await response_complete(job, request, builder, parser, prompt_tokens)
@@ -881,14 +887,14 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             if ev is None:
                 return Response(status_code=499)
             if (err := job_error(ev)) is not None:
-                raise _as_responses(err)
+                raise err  # (named as the Responses API names it by the route, _as_responses)
             if ev.kind == "done":
                 break
             if ev.kind == "chunk":
                 response_pieces(builder, parser, ev.value, state, prompt_tokens)
         return JSONResponse(builder.response())
 
-    async def response_stream(job: Job, builder: ResponseBuilder, parser, prompt_tokens: int):
+    async def response_stream(job: Job, builder: ResponseBuilder, parser, prompt_tokens: int, req: ResponsesRequest):
         state = {"tokens": 0, "reasoning": []}
         for event in builder.start():
             yield sse_event(event)
@@ -897,7 +903,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             if ev.kind == "done":
                 return
             if (err := job_error(ev)) is not None:  # the status is sent: an error event, then the end
-                err = _as_responses(err)
+                err = _as_responses(err, req)
                 yield sse_event(builder.error(err.message, err.type, err.param, err.code))
                 return
             if ev.kind == "chunk":
@@ -925,7 +931,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         try:
             return await run(request, chat, [chat.engine_messages()], True, None, "responses", responses=req)
         except APIError as exc:
-            raise _as_responses(exc) from None
+            raise _as_responses(exc, req) from None
 
     @app.get("/v1/models")
     async def models(request: Request):

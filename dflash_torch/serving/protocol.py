@@ -23,6 +23,7 @@ them per request (:meth:`_Request.constraint`). vLLM's ``guided_whitespace_patte
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -596,6 +597,35 @@ def _validate_item(schema, item: dict, where: str):
         raise ResponsesInputError(full, message) from None
 
 
+def _check_arguments(arguments: str, where: str) -> None:
+    """A function_call item's ``arguments``: a JSON object's text (the chat template renders it as one)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError as exc:
+        raise ResponsesInputError(where, f"{where} must be a JSON object's text: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ResponsesInputError(where, f"{where} must be a JSON object's text: nested too deeply") from None
+    if not isinstance(value, dict):
+        raise ResponsesInputError(where, f"{where} must be a JSON object's text, got a JSON {type(value).__name__}")
+
+
+class InputSources:
+    """Where the chat messages of a Responses request came from: ``messages[m]`` the input
+    field of message ``m`` (``instructions``, ``input`` for a string input, ``input.3``),
+    ``calls[m][j]`` the ``function_call`` item of its tool call ``j``."""
+
+    def __init__(self, messages: list[str]):
+        self.messages = messages
+        self.calls: dict[int, list[str]] = {}
+
+    def item(self, message: int, call: int | None = None) -> str:
+        """The input field of chat message ``message`` (of its tool call ``call``); ``input`` if unknown."""
+        if call is not None:
+            calls = self.calls.get(message, [])
+            return calls[call] if 0 <= call < len(calls) else "input"
+        return self.messages[message] if 0 <= message < len(self.messages) else "input"
+
+
 class ResponsesTool(BaseModel):
     """A tool of a Responses request: OpenAI's flat function tool (``type``, ``name``,
     ``description``, ``parameters``, ``strict``); other types are refused (:meth:`ResponsesRequest.unsupported`)."""
@@ -667,9 +697,46 @@ class ResponsesText(BaseModel):
     verbosity: Literal["low", "medium", "high"] | None = None  # (a hint: accepted, echoed, not acted on)
 
 
+# reasoning.effort -> chat's reasoning_effort (low, medium, high: gpt-oss's template's values); "none" also
+# turns thinking off (chat_template_kwargs enable_thinking false: Qwen3's templates; others ignore it)
+REASONING_EFFORTS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high",
+                     "xhigh": "high"}
+
+
+class ResponsesStreamOptions(BaseModel):
+    """``stream_options`` of a Responses request: OpenAI's ``include_obfuscation`` (accepted; the
+    events carry no ``obfuscation``); chat's ``include_usage`` is refused (:meth:`ResponsesRequest.chat_only`)."""
+    model_config = ConfigDict(extra="allow")
+    include_obfuscation: StrictBool | None = None
+
+
+_LOGPROBS = "logprobs are not supported in /v1/responses (they are in /v1/chat/completions)"
+# parameters of Chat Completions / Completions (and vLLM's extensions of them) that the Responses
+# API does not have -> what to send instead: refused with a 400 naming them (ResponsesRequest.chat_only)
+CHAT_ONLY_PARAMS = {
+    "messages": "use input (a string, or a list of message, function_call and function_call_output items)",
+    "max_tokens": "use max_output_tokens",
+    "max_completion_tokens": "use max_output_tokens",
+    "response_format": "use text.format (e.g. {'type': 'json_schema', 'name': ..., 'schema': ...}, flat)",
+    "reasoning_effort": "use reasoning.effort",
+    "n": "a request has one response (send one request per response)",
+    "logprobs": _LOGPROBS,
+    "prompt_logprobs": _LOGPROBS,
+    "echo": "it is a /v1/completions parameter",
+    "suffix": "it is a /v1/completions parameter",
+    "best_of": "a request has one response (send one request per response)",
+    "functions": "use tools (flat function tools: {'type': 'function', 'name': ..., 'parameters': ...})",
+    "function_call": "use tool_choice",
+    "modalities": "the output is text",
+    "audio": "the output is text",
+}
+CHAT_ONLY_STREAM_OPTIONS = {"include_usage": "the usage is always in the last event (response.completed or "
+                                             "response.incomplete)"}
+
+
 class ResponsesReasoning(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    effort: Literal["low", "medium", "high"] | None = None  # (chat's reasoning_effort)
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # (REASONING_EFFORTS)
     summary: Literal["auto", "concise", "detailed"] | None = None  # (accepted: the reasoning comes whole, summary [])
     generate_summary: Literal["auto", "concise", "detailed"] | None = None  # (its older name)
 
@@ -677,10 +744,12 @@ class ResponsesReasoning(BaseModel):
 class ResponsesRequest(BaseModel):
     """A ``POST /v1/responses`` request (OpenAI's Responses API, stateless): it is served
     as the chat completion :meth:`chat_request` makes of it (the same template, sampling,
-    parsers and constraints). Fields the server does not know are ignored; OpenAI's fields
-    that need kept state or hosted tools are refused (:meth:`unsupported`)."""
+    parsers and constraints). Parameters of Chat Completions (or Completions) that are not the
+    Responses API's are refused, naming the Responses equivalent (:meth:`chat_only`); other
+    fields the server does not know are ignored (as newer OpenAI parameters); OpenAI's
+    fields that need kept state or hosted tools are refused (:meth:`unsupported`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # (model_extra: the fields it does not know, see chat_only)
 
     model: StrictStr | None = None
     input: StrictStr | list[dict[StrictStr, Any]]
@@ -689,6 +758,7 @@ class ResponsesRequest(BaseModel):
     temperature: Any = None  # (typed by the chat request)
     top_p: Any = None
     stream: StrictBool | None = False
+    stream_options: ResponsesStreamOptions | None = None
     tools: list[ResponsesTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -724,6 +794,20 @@ class ResponsesRequest(BaseModel):
     guided_grammar: Any = None
     guided_whitespace_pattern: Any = None
     _chat: Any = PrivateAttr(None)  # (the chat request it is served as, once checked)
+    _sources: Any = PrivateAttr(None)  # (InputSources of its chat messages, once made)
+
+    def chat_only(self) -> tuple[str, str] | None:
+        """``(param, message)`` of the first parameter sent that is Chat Completions' (or
+        Completions') and not the Responses API's (:data:`CHAT_ONLY_PARAMS`), None for none."""
+        for name in self.model_extra or {}:
+            if name in CHAT_ONLY_PARAMS:
+                return name, f"{name} is not a Responses parameter; {CHAT_ONLY_PARAMS[name]}"
+        if self.stream_options is not None:
+            for name in self.stream_options.model_extra or {}:
+                if name in CHAT_ONLY_STREAM_OPTIONS:
+                    return f"stream_options.{name}", (f"stream_options.{name} is not a Responses parameter; "
+                                                      f"{CHAT_ONLY_STREAM_OPTIONS[name]}")
+        return None
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(param, message)`` of the first field this server cannot honour: state
@@ -773,19 +857,27 @@ class ResponsesRequest(BaseModel):
         ``instructions`` as a system message first, then the input items; ``developer``
         is ``system``; consecutive ``function_call`` items (with the assistant message
         just before them) are one assistant message with ``tool_calls``; a
-        ``function_call_output`` is a ``tool`` message; a ``reasoning`` item's text is
-        the ``reasoning_content`` of the assistant message that follows it (templates
-        such as Qwen3's render it within the current turn).
+        ``function_call_output`` is a ``tool`` message (its ``call_id`` must be an earlier
+        ``function_call``'s, as OpenAI checks); a ``reasoning`` item's text is the
+        ``reasoning_content`` of the assistant message that follows it (templates such as
+        Qwen3's render it within the current turn).
 
         Raises:
             ResponsesInputError: an item of a type not supported, or malformed.
         """
+        return self._input_messages()[0]
+
+    def _input_messages(self) -> tuple[list[dict], InputSources]:
+        """:meth:`input_messages` and where each message (and tool call) came from."""
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        sources = InputSources([] if self.instructions is None else ["instructions"])
         if isinstance(self.input, str):
-            return messages + [{"role": "user", "content": self.input}]
+            sources.messages.append("input")
+            return messages + [{"role": "user", "content": self.input}], sources
         if not self.input:
             raise ResponsesInputError("input", "input must not be empty")
         reasoning: list[str] = []  # (reasoning items waiting for their assistant message)
+        call_ids: set[str] = set()  # (of the function_call items so far)
         for i, item in enumerate(self.input):
             where = f"input.{i}"
             kind = item.get("type", "message")
@@ -800,14 +892,23 @@ class ResponsesRequest(BaseModel):
                 reasoning.append(_parts_text(parsed.content or [], f"{where}.content"))
                 continue
             if kind == "function_call":
+                _check_arguments(parsed.arguments, f"{where}.arguments")
+                call_ids.add(parsed.call_id)
                 call = {"id": parsed.call_id, "type": "function",
                         "function": {"name": parsed.name, "arguments": parsed.arguments}}
                 last = messages[-1] if messages else None
                 if last is not None and last["role"] == "assistant" and not reasoning:  # (the same turn)
                     last.setdefault("tool_calls", []).append(call)
+                    sources.calls.setdefault(len(messages) - 1, []).append(where)
                     continue
                 message = {"role": "assistant", "content": "", "tool_calls": [call]}  # (content: as chat's)
+                sources.calls[len(messages)] = [where]
             elif kind == "function_call_output":
+                if parsed.call_id not in call_ids:
+                    raise ResponsesInputError(f"{where}.call_id", f"No tool call found for function call output with "
+                                                                   f"call_id {parsed.call_id[:80]}: {where}.call_id "
+                                                                   f"must be the call_id of a function_call item "
+                                                                   f"before it in input")
                 message = {"role": "tool", "tool_call_id": parsed.call_id,
                            "content": _parts_text(parsed.output, f"{where}.output")}
             else:
@@ -818,7 +919,8 @@ class ResponsesRequest(BaseModel):
             if message["role"] != "assistant" or reasoning:
                 reasoning = []
             messages.append(message)
-        return messages
+            sources.messages.append(where)
+        return messages, sources
 
     def chat_request(self) -> "ResponsesChatRequest":
         """The chat completion request this request is served as (its fields typed and checked
@@ -827,7 +929,7 @@ class ResponsesRequest(BaseModel):
         Raises:
             ResponsesInputError: an input item that cannot be taken (:meth:`input_messages`).
             ValidationError: a field the chat request refuses."""
-        messages = self.input_messages()
+        messages, self._sources = self._input_messages()
         body: dict[str, Any] = {"model": self.model, "stream": self.stream,
                                 "messages": [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]}
         for name in ("temperature", "top_p", "parallel_tool_calls", "user") + RESPONSES_EXTENSIONS:
@@ -844,7 +946,12 @@ class ResponsesRequest(BaseModel):
         if self.text is not None and self.text.format is not None:
             body["response_format"] = self.text.format.response_format()
         if self.reasoning is not None and self.reasoning.effort is not None:
-            body["reasoning_effort"] = self.reasoning.effort
+            body["reasoning_effort"] = REASONING_EFFORTS[self.reasoning.effort]
+            if self.reasoning.effort == "none" and isinstance(self.chat_template_kwargs, dict) and \
+                    "enable_thinking" not in self.chat_template_kwargs:
+                body["chat_template_kwargs"] = {"enable_thinking": False, **self.chat_template_kwargs}
+            elif self.reasoning.effort == "none" and self.chat_template_kwargs is None:
+                body["chat_template_kwargs"] = {"enable_thinking": False}
         chat = ResponsesChatRequest.model_validate(body)
         chat._messages = messages
         return chat
@@ -882,29 +989,62 @@ class ResponsesChatRequest(ChatCompletionRequest):
         return [dict(m) for m in self._messages]
 
 
-def responses_param(param: str | None) -> str | None:
-    """A chat request's parameter as the Responses request names it (:data:`RESPONSES_PARAMS`)."""
+_MESSAGE_FIELDS = {"content": "content", "tool_call_id": "call_id", "role": "role"}  # (chat message -> input item)
+
+
+def responses_param(param: str | None, sources: InputSources | None = None) -> str | None:
+    """A chat request's parameter as the Responses request names it (:data:`RESPONSES_PARAMS`;
+    ``messages.2.content`` as the input item it came from, ``input.1.content``, given
+    ``sources``; ``tools.0.function.name`` as ``tools.0.name``)."""
     if param is None:
         return None
     head, _, rest = param.partition(".")
+    if head == "tools":  # (chat's tools.N.function.X: the flat tool's tools.N.X)
+        return re.sub(r"^tools\.(\d+)\.function(?=\.|$)", r"tools.\1", param)
+    if head == "tool_choice":
+        return re.sub(r"^tool_choice\.function(?=\.|$)", "tool_choice", param)
     if head not in RESPONSES_PARAMS:
         return param
     if head == "response_format" and rest.startswith("json_schema"):
         rest = rest[len("json_schema"):].lstrip(".")
-    if head in ("messages", "prompt"):
+    if head == "prompt":
         return "input"
+    if head == "messages":
+        m = re.fullmatch(r"(\d+)(?:\.(.*))?", rest)
+        if sources is None or m is None:
+            return "input"
+        index, field = int(m.group(1)), m.group(2) or ""
+        call = re.fullmatch(r"tool_calls\.(\d+)(?:\.function)?(?:\.(.*))?", field)
+        if call is not None:
+            item = sources.item(index, int(call.group(1)))
+            return item + (f".{call.group(2)}" if call.group(2) and item != "input" else "")
+        item = sources.item(index)
+        if item in ("input", "instructions"):
+            return item
+        name = field.split(".", 1)[0]
+        if name in _MESSAGE_FIELDS:
+            return f"{item}.{_MESSAGE_FIELDS[name]}{field[len(name):]}"
+        return item
     return RESPONSES_PARAMS[head] + ("." + rest if rest else "")
 
 
-_CHAT_NAMES = re.compile(r"\b(response_format(?: json_schema| json_object)?|max_completion_tokens|max_tokens|"
-                         r"reasoning_effort)\b")
+_CHAT_NAMES = re.compile(r"\b(response_format(?: json_schema| json_object)?|max_completion_tokens|max_new_tokens|"
+                         r"max_tokens|reasoning_effort)\b|\bthese messages\b|\bmessage (\d+), call (\d+)\b")
 
 
-def responses_message(message: str) -> str:
-    """An error message of the chat machinery with chat's parameter names as the Responses API's."""
+def responses_message(message: str, sources: InputSources | None = None, param: str | None = None) -> str:
+    """An error message of the chat machinery with chat's parameter names as the Responses API's
+    (and ``param``, a chat parameter the message names, as :func:`responses_param` names it)."""
+    if param is not None and param in message and (renamed := responses_param(param, sources)) != param:
+        message = re.sub(rf"(?<![\w.]){re.escape(param)}(?![\w.])", renamed, message)
+
     def name(m: re.Match) -> str:
         word = m.group(1)
+        if word is None and m.group(2) is not None:  # (the engine's tool-call arguments: message M, call J)
+            return sources.item(int(m.group(2)), int(m.group(3))) if sources is not None else "input"
+        if word is None:
+            return "this input"
         if word.startswith("response_format"):
             return "text.format" + word[len("response_format"):]
-        return RESPONSES_PARAMS[word]
+        return "max_output_tokens" if word == "max_new_tokens" else RESPONSES_PARAMS[word]
     return _CHAT_NAMES.sub(name, message)
