@@ -2,8 +2,10 @@
 cannot honour.
 
 Parsing is strict about types (``"5"`` is not an integer, ``true`` is not a number)
-and about ranges; fields the server does not know are ignored, as OpenAI's own API
-ignores them. Fields it knows but cannot honour with a non-default value (``best_of``
+and about ranges; fields the server does not know are ignored (OpenAI's own API refuses
+them; ignoring them lets clients that send newer or other servers' fields work, as
+vLLM does), except chat-only fields sent to ``/v1/responses``, refused naming the Responses
+equivalent. Fields it knows but cannot honour with a non-default value (``best_of``
 other than ``n``, ``suffix``, ...) are refused with a 400 by
 :func:`unsupported_field`; values that contradict each other by :func:`conflicting_fields`.
 
