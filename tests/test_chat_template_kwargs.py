@@ -121,6 +121,13 @@ def test_server_defaults_request_variables_and_reasoning_effort(server, switch_p
         _oracle(target_dir, enable_thinking=True))
     assert prompt_tokens(reasoning_effort="high") == len(_oracle(target_dir, enable_thinking=False,
                                                                  reasoning_effort="high"))
+    # OpenAI's other efforts: minimal / xhigh as low / high (the values gpt-oss's template knows)
+    assert prompt_tokens(reasoning_effort="minimal") == len(_oracle(target_dir, enable_thinking=False,
+                                                                    reasoning_effort="low"))
+    assert prompt_tokens(reasoning_effort="xhigh") == len(_oracle(target_dir, enable_thinking=False,
+                                                                  reasoning_effort="high"))
+    assert prompt_tokens(reasoning_effort="none", extra_body={"chat_template_kwargs": {"enable_thinking": True}}) == len(
+        _oracle(target_dir, enable_thinking=True, reasoning_effort="low"))  # (the request's own variable wins)
     assert len(_oracle(target_dir, enable_thinking=False)) != len(_oracle(target_dir, enable_thinking=True))
     for body, param in (({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
                         ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
@@ -128,6 +135,20 @@ def test_server_defaults_request_variables_and_reasoning_effort(server, switch_p
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body=body)
         assert err.value.body["param"] == param, err.value.body
+
+
+def test_reasoning_effort_none_turns_thinking_off_over_the_server_default():
+    from dflash_torch.serving.protocol import ChatCompletionRequest
+
+    def variables(**kw):
+        return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **kw).template_kwargs(
+            {"enable_thinking": True})
+
+    assert variables(reasoning_effort="none") == {"enable_thinking": False, "reasoning_effort": "low"}
+    assert variables(reasoning_effort="minimal") == {"enable_thinking": True, "reasoning_effort": "low"}
+    assert variables(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == {
+        "enable_thinking": True, "reasoning_effort": "low"}
+    assert variables() == {"enable_thinking": True}
 
 
 def test_bench_chat_prompts_with_variables(switch_pair, tmp_path, capsys):

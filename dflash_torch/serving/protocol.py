@@ -365,15 +365,20 @@ class ChatCompletionRequest(_Request):
     modalities: list[StrictStr] | None = None
     audio: Any = None
     chat_template_kwargs: dict[StrictStr, Any] | None = None  # (vLLM / SGLang's name)
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     def template_kwargs(self, defaults: dict | None) -> dict | None:
         """The chat template's extra variables: the server's ``defaults``, then this
         request's ``chat_template_kwargs``, then ``reasoning_effort`` (a variable of
-        gpt-oss's template; others ignore it). None when there are none."""
+        gpt-oss's template, which knows low, medium and high; others ignore it), mapped by
+        :data:`REASONING_EFFORTS`; ``"none"`` also sets ``enable_thinking`` false (Qwen3's
+        non-thinking mode) unless the request's own ``chat_template_kwargs`` set it. None
+        when there are none."""
         merged = {**(defaults or {}), **(self.chat_template_kwargs or {})}
         if self.reasoning_effort is not None:
-            merged["reasoning_effort"] = self.reasoning_effort
+            merged["reasoning_effort"] = REASONING_EFFORTS[self.reasoning_effort]
+            if self.reasoning_effort == "none" and "enable_thinking" not in (self.chat_template_kwargs or {}):
+                merged["enable_thinking"] = False
         return merged or None
 
     def engine_logprobs(self) -> int | None:
@@ -699,8 +704,9 @@ class ResponsesText(BaseModel):
     verbosity: Literal["low", "medium", "high"] | None = None  # (a hint: accepted, echoed, not acted on)
 
 
-# reasoning.effort -> chat's reasoning_effort (low, medium, high: gpt-oss's template's values); "none" also
-# turns thinking off (chat_template_kwargs enable_thinking false: Qwen3's templates; others ignore it)
+# OpenAI's reasoning efforts -> the chat template's reasoning_effort (low, medium, high: gpt-oss's
+# template's values); "none" also turns thinking off (enable_thinking false: Qwen3's templates; others
+# ignore it). Chat's reasoning_effort and Responses' reasoning.effort alike.
 REASONING_EFFORTS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high",
                      "xhigh": "high"}
 
@@ -948,12 +954,7 @@ class ResponsesRequest(BaseModel):
         if self.text is not None and self.text.format is not None:
             body["response_format"] = self.text.format.response_format()
         if self.reasoning is not None and self.reasoning.effort is not None:
-            body["reasoning_effort"] = REASONING_EFFORTS[self.reasoning.effort]
-            if self.reasoning.effort == "none" and isinstance(self.chat_template_kwargs, dict) and \
-                    "enable_thinking" not in self.chat_template_kwargs:
-                body["chat_template_kwargs"] = {"enable_thinking": False, **self.chat_template_kwargs}
-            elif self.reasoning.effort == "none" and self.chat_template_kwargs is None:
-                body["chat_template_kwargs"] = {"enable_thinking": False}
+            body["reasoning_effort"] = self.reasoning.effort  # (chat maps it: REASONING_EFFORTS)
         chat = ResponsesChatRequest.model_validate(body)
         chat._messages = messages
         return chat
