@@ -276,7 +276,7 @@ class DFlashEngine:
         options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
         options.check_max_context(max_context, target_cfg.max_position_embeddings)
         options.check_mxfp4(mxfp4, target_cfg.mxfp4)
-        options.check_fp8(fp8, target_cfg.fp8_block is not None)
+        options.check_fp8(fp8, target_cfg.fp8_block is not None, has_mxfp4=target_cfg.mxfp4)
         check_max_batch_size(max_batch_size)
         check_draft_max_batch_size(draft_max_batch_size, drafter=not no_draft, draft_mode=draft_mode,
                                    block_size=block_size)

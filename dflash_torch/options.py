@@ -239,22 +239,24 @@ def check_mxfp4(value, has_mxfp4: bool | None = None, name: str = "mxfp4") -> st
     return _check_packing(value, has_mxfp4, name, "keeps MXFP4 expert weights packed", "")
 
 
-def check_fp8(value, has_fp8: bool | None = None, name: str = "fp8") -> str:
+def check_fp8(value, has_fp8: bool | None = None, name: str = "fp8", has_mxfp4: bool = False) -> str:
     """How to hold the weights of a fine-grained FP8 checkpoint: one of :data:`FP8_MODES`;
-    ``"packed"`` only for a checkpoint that has them (``has_fp8``; None: not known yet).
+    ``"packed"`` only for a checkpoint that has them (``has_fp8``; None: not known yet; the
+    message points a checkpoint with MXFP4 weights, ``has_mxfp4``, to ``mxfp4``).
 
     Raises:
         OptionError: any other value, or ``"packed"`` for a checkpoint without FP8 weights.
     """
-    return _check_packing(value, has_fp8, name, "keeps FP8 weights as stored",
-                          "its config.json has no quantization_config with quant_method 'fp8'; ")
+    why = ("its weights are MXFP4: see mxfp4; " if has_mxfp4 else
+           "its config.json has no quantization_config with quant_method 'fp8'; ")
+    return _check_packing(value, has_fp8, name, "keeps FP8 weights as stored", why, *(("mxfp4",) if has_mxfp4 else ()))
 
 
-def _check_packing(value, present: bool | None, name: str, packed: str, why: str) -> str:
+def _check_packing(value, present: bool | None, name: str, packed: str, why: str, *others: str) -> str:
     check_choice(value, MXFP4_MODES, name)
     if value == "packed" and present is False:
         raise OptionError(f"{name} packed {packed}, but the target checkpoint has none ({why}use auto or dequantize)",
-                          name)
+                          name, *others)
     return value
 
 

@@ -413,6 +413,12 @@ def test_the_fp8_option_is_checked_before_loading(whole_blocks, tmp_path):
     with pytest.raises(OptionError, match=r"^fp8 must be one of auto, dequantize, packed, got 'int4'$"):
         DFlashEngine.from_pretrained(whole_blocks["qwen3"][0], no_draft=True, fp8="int4")
     TargetModel.from_pretrained(plain, torch.float32, fp8="dequantize")  # (nothing to dequantize: accepted)
+    from conftest import make_gpt_oss_target
+
+    gpt_oss = make_gpt_oss_target(tmp_path / "gpt_oss", tokenizer=False, mxfp4=True)
+    with pytest.raises(OptionError, match=r"^fp8 packed keeps FP8 weights as stored, but the target checkpoint has none "
+                                          r"\(its weights are MXFP4: see mxfp4; use auto or dequantize\)$"):
+        TargetModel.from_pretrained(gpt_oss, torch.float32, fp8="packed")
 
 
 def test_a_nan_in_a_kept_fp8_weight_is_refused(whole_blocks, tmp_path):

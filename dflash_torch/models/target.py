@@ -154,7 +154,7 @@ class TargetModel(nn.Module):
 
         cfg = TargetConfig.from_dict(load_config(model_dir))
         check_mxfp4(mxfp4, cfg.mxfp4)
-        check_fp8(fp8, cfg.fp8_block is not None)
+        check_fp8(fp8, cfg.fp8_block is not None, has_mxfp4=cfg.mxfp4)
         model_cls = family(cfg.model_type).Model if cls is TargetModel else cls
         with torch.device("meta"):
             model = model_cls(cfg)
