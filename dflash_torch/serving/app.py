@@ -85,9 +85,9 @@ from ..options import check_api_key, check_chat_template_kwargs, check_model_nam
 from ..structured import StructuredOutput
 from .constraints import after_reasoning, special_token, think_end_token, with_whitespace
 from .metrics import MetricsMiddleware, ServerMetrics
-from .protocol import (ChatCompletionRequest, CompletionRequest, ResponsesInputError, ResponsesRequest,
-                       conflicting_fields, describe_validation_error, responses_message, responses_param,
-                       unsupported_field)
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesInputError,
+                       ResponsesRequest, TokenizeChatRequest, TokenizeCompletionRequest, conflicting_fields,
+                       describe_validation_error, responses_message, responses_param, unsupported_field)
 from .reasoning import THINK_OPEN, check_reasoning_parser, resolve_parser
 from .responses import ResponseBuilder, marker_pieces, sse_event
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
@@ -442,6 +442,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         return b"".join(chunks)
 
     async def parse(request: Request, schema):
+        """The request's body validated by ``schema`` (a model class, or a function of the
+        decoded JSON object that returns the class to validate it with)."""
         body = await read_body(request)
         try:
             return validate_body(body, schema)
@@ -459,6 +461,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise APIError(400, f"the request body is not valid JSON: {_one_line(exc)}") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
+        if not isinstance(schema, type):  # (chosen by the body)
+            schema = schema(data)
         try:  # JSON escapes can smuggle in lone surrogates, which no tokenizer accepts
             json.dumps(data, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
@@ -473,7 +477,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                            param="model", code="model_not_found")
         if isinstance(req, ResponsesRequest):
             return validate_responses(req)
-        check_fields(req)
+        if isinstance(req, (CompletionRequest, ChatCompletionRequest)):  # (not DetokenizeRequest: no sampling)
+            check_fields(req)
         return req
 
     def check_fields(req) -> None:
@@ -932,6 +937,40 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             return await run(request, chat, [chat.engine_messages()], True, None, "responses", responses=req)
         except APIError as exc:
             raise _as_responses(exc, req) from None
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's ``/tokenize``: the tokens a completion of ``prompt``, or a chat of
+        ``messages``, prefills (the same encoding, chat template and variables)."""
+        check_auth(request)
+        req = await parse(request, lambda data: TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
+        chat = isinstance(req, TokenizeChatRequest)
+        if (bad := req.fixed_option()) is not None:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        if chat:
+            prompt, template_kwargs, tools = req.engine_messages(), req.template_kwargs(default_template_kwargs), \
+                req.engine_tools()
+        else:
+            prompts = req.prompts()
+            if len(prompts) != 1:
+                raise APIError(400, f"/tokenize takes one prompt, got {len(prompts)}", param="prompt")
+            prompt, template_kwargs, tools = prompts[0], None, None
+        try:
+            ids = await asyncio.to_thread(engine.encode_prompt, prompt, chat, template_kwargs, tools)
+        except DFlashError as exc:
+            raise APIError(400, str(exc), param=param_of(exc)) from None
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's ``/detokenize``: the text of ``tokens`` (ids in the vocabulary)."""
+        check_auth(request)
+        req = await parse(request, DetokenizeRequest)
+        vocab = engine.target.config.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
+        return {"prompt": engine.decode(req.tokens)}
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError, field_validator, model_validator)
@@ -1051,3 +1051,48 @@ def responses_message(message: str, sources: InputSources | None = None, param: 
             return "text.format" + word[len("response_format"):]
         return "max_output_tokens" if word == "max_new_tokens" else RESPONSES_PARAMS[word]
     return _CHAT_NAMES.sub(name, message)
+
+
+# --- vLLM's /tokenize (the prefill of a completion or chat request) ---
+
+
+class _TokenizeOptions(BaseModel):
+    """vLLM's ``/tokenize`` options beside a completion's ``prompt`` or a chat's ``messages``:
+    ``return_token_strs`` (each token's string too). The answer is exactly the tokens that
+    completion or chat request prefills, so ``add_special_tokens``, ``add_generation_prompt``
+    and ``continue_final_message`` are accepted only at the values that give those
+    (:meth:`fixed_option`)."""
+    return_token_strs: StrictBool = False
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
+
+    FIXED: ClassVar[dict[str, bool]] = {}  # option -> the only value the request's own prefill has
+
+    def fixed_option(self) -> tuple[str, str] | None:
+        """``(param, message)`` for an option set to what the prefill does not do, else None."""
+        for name, value in self.FIXED.items():
+            if getattr(self, name) not in (None, value):
+                return name, (f"{name} {str(not value).lower()} is not supported: /tokenize returns the tokens this "
+                              f"request prefills, which has {name} {str(value).lower()}")
+        return None
+
+
+class TokenizeCompletionRequest(CompletionRequest, _TokenizeOptions):
+    """``POST /tokenize`` of a completion's ``prompt`` (one text or token-id list)."""
+    FIXED: ClassVar[dict[str, bool]] = {"add_special_tokens": True, "add_generation_prompt": False,
+                                        "continue_final_message": False}
+
+
+class TokenizeChatRequest(ChatCompletionRequest, _TokenizeOptions):
+    """``POST /tokenize`` of a chat's ``messages`` (with its ``tools``, ``chat_template_kwargs``
+    and ``reasoning_effort``), rendered by the chat template as a chat completion is."""
+    FIXED: ClassVar[dict[str, bool]] = {"add_special_tokens": False, "add_generation_prompt": True,
+                                        "continue_final_message": False}
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: ``tokens``, token ids, -> their text."""
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
