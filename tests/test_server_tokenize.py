@@ -66,6 +66,7 @@ def test_detokenize_is_the_text_of_the_tokens(server, engine):
 
 @pytest.mark.parametrize("path,body,status,param", [
     ("/tokenize", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/tokenize", {"prompt": [3, 10 ** 9]}, 400, "prompt"),
     ("/tokenize", {"prompt": PROMPT, "add_special_tokens": False}, 400, "add_special_tokens"),
     ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, 400, "add_generation_prompt"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),

@@ -959,6 +959,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             ids = await asyncio.to_thread(engine.encode_prompt, prompt, chat, template_kwargs, tools)
         except DFlashError as exc:
             raise APIError(400, str(exc), param=param_of(exc)) from None
+        vocab = engine.target.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):  # (token ids given as the prompt; as a completion refuses them)
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": strs}
 
