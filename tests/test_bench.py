@@ -412,6 +412,8 @@ def test_prompt_file_errors_name_the_file_and_line(tmp_path):
     for lines, words in [(['{"prompt": "a"}', '{"prompt": ""}'], f"{f}:2: the prompt must be a non-empty string, got ''"),
                          (['{"text": 5}'], f"{f}:1: the prompt must be a non-empty string, got 5"),
                          (['["a"]'], f"{f}:1: expected a JSON object with a 'prompt' field"),
+                         (['{"prompt": "a"}', '{oops'], f"{f}:2: not valid JSON (Expecting property name enclosed in "
+                                                        "double quotes)"),
                          ([""], f"{f} has no prompts")]:
         f.write_text("\n".join(lines))
         with pytest.raises(DFlashError) as err:
@@ -419,8 +421,26 @@ def test_prompt_file_errors_name_the_file_and_line(tmp_path):
         assert str(err.value) == words
     with pytest.raises(DFlashError, match="does not exist"):
         load_prompts(tmp_path / "none.jsonl", None)
+    f.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')  # (latin-1: a traceback before)
+    with pytest.raises(DFlashError) as err:
+        load_prompts(f, None)
+    assert str(err.value) == f"{f}:2: not UTF-8 text (byte 0xe9)"
     f.write_text('{"prompt": "a"}\n\n{"text": "b"}\n')
     assert load_prompts(f, None) == ["a", "b"] and load_prompts(f, 1) == ["a"]
+
+
+def test_a_prompt_longer_than_the_context_is_one_line(tiny_pair, tmp_path, capsys):
+    """A prompt that alone exceeds the target's context (1024 tokens) is named in one line,
+    exit 2 (it was an IndexError traceback from the cache)."""
+    from dflash_torch.cli import main as cli_main
+
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n" + json.dumps({"prompt": "x = 1\n" * 2000}) + "\n")
+    rc = cli_main(["bench", "--target", str(tiny_pair[0]), "--modes", "target-only", "--prompts", str(prompts),
+                   "--max-new-tokens", "4", "--sweep", "", "--no-progress", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "error: prompt 2 (" in err[0] and "exceeds the target's context of 1024 tokens" in err[0], err
 
 
 def test_target_only_modes_need_no_drafter_and_a_drafting_mode_says_what_to_do(tiny_pair, tmp_path, capsys):

@@ -256,6 +256,11 @@ def _run(args: argparse.Namespace) -> int:
                                           no_draft=args.target is not None and args.draft is None)
     prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl", args.num_prompts or None)
     prompt_ids = [engine.encode_prompt(p, args.chat, args.chat_template_kwargs) for p in prompts]
+    limit = engine.target.config.max_position_embeddings
+    for i, ids in enumerate(prompt_ids):  # (bench caps its caches at the target's context)
+        if len(ids) + args.max_new_tokens > limit:
+            raise DFlashError(f"prompt {i + 1} ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds "
+                              f"the target's context of {limit} tokens")
     max_context = min(engine.target.config.max_position_embeddings, max(map(len, prompt_ids)) + args.max_new_tokens + 1)
     report = {
         "target": str(args.target or DEFAULT_TARGET), "draft": None if engine.drafter is None else str(args.draft or DEFAULT_DRAFTER),

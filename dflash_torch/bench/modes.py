@@ -76,19 +76,30 @@ def load_prompts(path: Path, limit: int | None) -> list[str]:
     """Prompts from a JSONL file (objects with a ``prompt`` or ``text`` field).
 
     Raises:
-        DFlashError: missing or malformed file.
+        DFlashError: a missing file, one that is not UTF-8, a line that is not JSON or
+            not an object with a non-empty string ``prompt`` / ``text``, no prompt at all
+            (naming the file and line).
     """
     path = Path(path)
     if not path.is_file():
         raise DFlashError(f"prompt file {path} does not exist")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = 1 + data.count(b"\n", 0, exc.start)
+        raise DFlashError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
     prompts = []
-    for i, line in enumerate(path.read_text().splitlines()):
+    for i, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DFlashError(f"{path}:{i + 1}: not valid JSON ({exc.msg})") from None
+        try:
             prompt = obj["prompt"] if "prompt" in obj else obj["text"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (KeyError, TypeError):
             raise DFlashError(f"{path}:{i + 1}: expected a JSON object with a 'prompt' field") from None
         if not isinstance(prompt, str) or not prompt:
             raise DFlashError(f"{path}:{i + 1}: the prompt must be a non-empty string, got {prompt!r}")
