@@ -232,6 +232,11 @@ def test_resume_continues_identically(tiny_pair, tmp_path):
     for k in a["drafter"]:
         assert torch.equal(a["drafter"][k], b["drafter"][k]), k
     assert [h["loss"] for h in a["history"]] == [h["loss"] for h in b["history"]]
+    lines = []  # another recipe on resume: allowed, with a warning naming what changed (it was silent)
+    half.steps, half.lr = 5, 1e-3
+    Trainer(half, log=lines.append).run()
+    warned = [m for m in lines if "WARNING" in m]
+    assert len(warned) == 1 and "--lr 0.001 (was 0.003)" in warned[0] and "--steps" not in warned[0], lines
 
 
 def test_init_from_target_reproduces_target_layer_context_kv(tiny_pair):
@@ -294,6 +299,11 @@ REFUSED_TRAIN_OPTIONS = {
     "prefix-min-above-max": "--prefix-min (10) must be <= --prefix-max (5)",
     "negative-weight-decay": "--weight-decay must be >= 0, got -0.1",  # (the message named five options)
     "grad-clip-0": "--grad-clip must be > 0, got 0.0",
+    # (silently ignored when training a DFlash drafter)
+    "dflash2-option-for-dflash": "--selector-rank is an option of DFlash 2 drafters (--arch dflash2); this run trains a "
+                                 "dflash drafter",
+    # (a NotADirectoryError traceback once the target had loaded)
+    "out-under-a-file": "cannot use --out ",
 }
 
 
@@ -339,6 +349,11 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
         args += ["--weight-decay", "-0.1"]
     elif case == "grad-clip-0":
         args += ["--grad-clip", "0"]
+    elif case == "dflash2-option-for-dflash":
+        args += ["--selector-rank", "16"]
+    elif case == "out-under-a-file":
+        (tmp_path / "afile").write_text("x")
+        args[args.index("--out") + 1] = str(tmp_path / "afile" / "sub")
     else:
         args += ["--save-dtype", "float16"]
     target_files = {p.name: p.read_bytes() for p in Path(target).iterdir() if p.is_file()}

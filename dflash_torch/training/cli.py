@@ -101,6 +101,12 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
             raise DFlashError(f"{given[0]} cannot be combined with --init-from (the drafter's shape and weights come from it)")
     if args.selector_loss_weight < 0:
         raise DFlashError(f"--selector-loss-weight must be >= 0, got {args.selector_loss_weight}")
+    d = TrainConfig.__dataclass_fields__
+    if args.arch != "dflash2":  # (they were silently ignored)
+        for key in ("selector_loss_weight", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(args, key) != d[key].default:
+                raise DFlashError(f"--{key.replace('_', '-')} is an option of DFlash 2 drafters (--arch dflash2); "
+                                  f"this run trains a {args.arch} drafter")
     positive = {"--batch": args.batch, "--seq-len": args.seq_len, "--anchors-per-seq": args.anchors_per_seq,
                 "--num-layers": cfg.num_layers, "--eval-every": args.eval_every, "--ckpt-every": args.ckpt_every,
                 "--self-distill-batch": args.self_distill_batch, "--prefix-min": args.prefix_min,
@@ -141,6 +147,11 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
             raise DFlashError(f"{work} holds a training checkpoint: pass --resume to continue it or --overwrite to start over")
         if any((out / f).exists() for f in ("config.json", "model.safetensors")):
             raise DFlashError(f"--out {args.out} already holds a checkpoint: pass --overwrite to replace it")
+    for name, path in {"--out": Path(args.out), "--work-dir": cfg.work_path()}.items():
+        try:  # (made before the target loads: it failed with a traceback after)
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DFlashError(f"cannot use {name} {path} as a directory: {exc.strerror or exc}") from None
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -41,6 +41,13 @@ CHECKPOINT = "checkpoint.pt"
 ARCHS = ("dflash", "dflash2")
 
 
+# the TrainConfig fields that shape a run's trajectory (a --resume with other values warns; not
+# --steps / --time-budget-min: resuming to train longer is what they are for)
+RECIPE = ("data", "batch", "seq_len", "anchors_per_seq", "lr", "min_lr_frac", "warmup_steps",
+          "weight_decay", "grad_clip", "gamma", "seed", "self_distill", "self_distill_batch", "prefix_min", "prefix_max",
+          "raw_fraction", "val_seqs", "autocast", "selector_loss_weight")
+
+
 @dataclass
 class TrainConfig:
     """Every setting of a training run (the CLI flags, one to one)."""
@@ -374,6 +381,9 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
     distilled = [Example(i, m) for i, m in blob["distilled"]]
     check_data_size(cfg, stream.numel(), len(chat), len(distilled))
     stream, chat, distilled, val_rows = split_eval(cfg, stream, chat, distilled)
+    if cfg.val_seqs and len(val_rows) < cfg.val_seqs:  # (split_eval's caps; it said so only in the log's stats)
+        log(f"data: holding out {len(val_rows)} sequences for evaluation, not --val-seqs {cfg.val_seqs} "
+            f"(at most a fifth of the sequences, a tenth of the text windows, and {cfg.batch} left to train on)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     data = TrainingData(stream, chat + distilled, cfg.seq_len, pad, cfg.raw_fraction)
     stats = dict(blob["stats"], val_sequences=len(val_rows), train_examples=len(chat) + len(distilled))
@@ -493,6 +503,12 @@ class Trainer:
             opt.load_state_dict(st["optimizer"])
             step, elapsed_prev, history, evals = st["step"], st["elapsed"], st["history"], st["evals"]
             self.log(f"resume: step {step}, {elapsed_prev / 60:.1f} min trained")
+            before = st.get("train_config") or {}
+            changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {before[k]!r})" for k in RECIPE
+                       if k in before and before[k] != getattr(cfg, k)]
+            if changed:  # (allowed, e.g. on purpose; but then not the run an uninterrupted one would be)
+                self.log(f"resume: WARNING: the recipe differs from the checkpoint's run: {', '.join(changed)}; "
+                         "training goes on with the new values")
 
         budget = cfg.time_budget_min * 60 if cfg.time_budget_min is not None else None
         t_train = time.time()
@@ -524,7 +540,7 @@ class Trainer:
             last_eval = {"step": 0, **self.evaluate(drafter, target, val_rows, gamma)}
             if last_eval.get("val_loss") is not None:
                 evals.append(last_eval)
-                self.log(f"eval step 0: {last_eval}")
+                self.log(f"eval step 0: val_loss {last_eval['val_loss']} val_tau {last_eval['val_tau']}")
         loss_ema = None
         try:
             while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed() < budget):
@@ -543,7 +559,7 @@ class Trainer:
                 out.loss.backward()
                 gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
                 if not (math.isfinite(loss) and math.isfinite(gnorm)):  # before the update spreads it to the weights
-                    raise DFlashError(f"training diverged at step {step + 1} (loss {loss}, gradient norm {gnorm}); "
+                    raise DFlashError(f"training diverged at step {step + 1} (loss {loss:.4g}, gradient norm {gnorm:.4g}); "
                                       f"lower --lr (now {cfg.lr:g})")
                 opt.step()
                 step += 1
