@@ -42,6 +42,8 @@ def test_a_prompt_tokenizes_as_its_completion_prefills(server, engine):
     assert out["count"] == client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
     assert out["max_model_len"] == client.models.list().data[0].model_extra["max_model_len"]
     assert _tokens(server, {"prompt": [5, 9, 11]})["tokens"] == [5, 9, 11]  # (token ids as they are)
+    # it reads only what tokenizing reads: sampling fields a completion would refuse do not matter
+    assert _tokens(server, {"prompt": PROMPT, "best_of": 3, "max_tokens": 0})["tokens"] == out["tokens"]
     strs = _tokens(server, {"prompt": PROMPT, "return_token_strs": True, "add_special_tokens": True})["token_strs"]
     assert strs == engine.tokenizer.convert_ids_to_tokens(out["tokens"])
 
@@ -67,6 +69,7 @@ def test_detokenize_is_the_text_of_the_tokens(server, engine):
 @pytest.mark.parametrize("path,body,status,param", [
     ("/tokenize", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/tokenize", {"prompt": [3, 10 ** 9]}, 400, "prompt"),
+    ("/tokenize", {"prompt": ""}, 400, "prompt"),  # (200 with count 0, where a completion refuses it)
     ("/tokenize", {"prompt": PROMPT, "add_special_tokens": False}, 400, "add_special_tokens"),
     ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, 400, "add_generation_prompt"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),

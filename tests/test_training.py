@@ -302,6 +302,7 @@ REFUSED_TRAIN_OPTIONS = {
     # (silently ignored when training a DFlash drafter)
     "dflash2-option-for-dflash": "--selector-rank is an option of DFlash 2 drafters (--arch dflash2); this run trains a "
                                  "dflash drafter",
+    "dflash2-default-option-for-dflash": "--selector-top-k is an option of DFlash 2 drafters",  # (its default value too)
     # (a NotADirectoryError traceback once the target had loaded)
     "out-under-a-file": "cannot use --out ",
 }
@@ -351,6 +352,8 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
         args += ["--grad-clip", "0"]
     elif case == "dflash2-option-for-dflash":
         args += ["--selector-rank", "16"]
+    elif case == "dflash2-default-option-for-dflash":
+        args += ["--selector-top-k", "16"]
     elif case == "out-under-a-file":
         (tmp_path / "afile").write_text("x")
         args[args.index("--out") + 1] = str(tmp_path / "afile" / "sub")

@@ -477,7 +477,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                            param="model", code="model_not_found")
         if isinstance(req, ResponsesRequest):
             return validate_responses(req)
-        if isinstance(req, (CompletionRequest, ChatCompletionRequest)):  # (not DetokenizeRequest: no sampling)
+        if isinstance(req, (CompletionRequest, ChatCompletionRequest)) and \
+                not isinstance(req, (TokenizeCompletionRequest, TokenizeChatRequest)):  # (those sample nothing)
             check_fields(req)
         return req
 
@@ -962,6 +963,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         vocab = engine.target.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):  # (token ids given as the prompt; as a completion refuses them)
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if not ids:  # (an empty text: a completion refuses it)
+            raise APIError(400, "the prompt is empty (0 tokens)", param="prompt")
         strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": strs}
 

@@ -42,13 +42,13 @@ def register(sub) -> None:
     p.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="start from this DFlash drafter (its shape and weights; with --arch dflash2 a DFlash (v1) drafter's "
                         "backbone, with identity convolutions and small random codebooks)")
-    p.add_argument("--selector-loss-weight", type=float, default=d["selector_loss_weight"].default,
+    p.add_argument("--selector-loss-weight", type=float, default=None,
                    help="dflash2: weight of the selector loss (default 1)")
-    p.add_argument("--conv-kernel-size", type=int, default=d["conv_kernel_size"].default, help="dflash2: convolution taps (default 2)")
-    p.add_argument("--conv-group-size", type=int, default=d["conv_group_size"].default,
+    p.add_argument("--conv-kernel-size", type=int, default=None, help="dflash2: convolution taps (default 2)")
+    p.add_argument("--conv-group-size", type=int, default=None,
                    help="dflash2: channels per dynamic-tap group (default 16)")
-    p.add_argument("--selector-rank", type=int, default=d["selector_rank"].default, help="dflash2: codebook rank (default 256)")
-    p.add_argument("--selector-top-k", type=int, default=d["selector_top_k"].default,
+    p.add_argument("--selector-rank", type=int, default=None, help="dflash2: codebook rank (default 256)")
+    p.add_argument("--selector-top-k", type=int, default=None,
                    help="dflash2: candidates per draft slot (default 16)")
     p.add_argument("--target-layer-ids", type=_int_list, default=None, help="target layers to read, e.g. 1,3 (default: the DFlash rule)")
     p.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP size (default: the target's)")
@@ -91,6 +91,9 @@ def register(sub) -> None:
     p.set_defaults(func=_train)
 
 
+DFLASH2_OPTIONS = ("selector_loss_weight", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
     """Refuse option values that cannot train anything, with one line."""
     if args.init_from is not None:
@@ -99,12 +102,11 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
             given.append("--init-from-target")
         if given:
             raise DFlashError(f"{given[0]} cannot be combined with --init-from (the drafter's shape and weights come from it)")
-    if args.selector_loss_weight < 0:
+    if args.selector_loss_weight is not None and args.selector_loss_weight < 0:
         raise DFlashError(f"--selector-loss-weight must be >= 0, got {args.selector_loss_weight}")
-    d = TrainConfig.__dataclass_fields__
     if args.arch != "dflash2":  # (they were silently ignored)
-        for key in ("selector_loss_weight", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            if getattr(args, key) != d[key].default:
+        for key in DFLASH2_OPTIONS:
+            if getattr(args, key) is not None:
                 raise DFlashError(f"--{key.replace('_', '-')} is an option of DFlash 2 drafters (--arch dflash2); "
                                   f"this run trains a {args.arch} drafter")
     positive = {"--batch": args.batch, "--seq-len": args.seq_len, "--anchors-per-seq": args.anchors_per_seq,
@@ -168,9 +170,8 @@ def _train(args: argparse.Namespace) -> int:
         self_distill=args.self_distill, self_distill_batch=args.self_distill_batch, prefix_min=args.prefix_min,
         prefix_max=args.prefix_max, raw_fraction=args.raw_fraction, val_seqs=args.val_seqs, eval_every=args.eval_every,
         ckpt_every=args.ckpt_every, num_threads=args.num_threads, autocast=not args.no_autocast,
-        save_dtype=args.save_dtype, progress=not args.no_progress, selector_loss_weight=args.selector_loss_weight,
-        conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
-        selector_top_k=args.selector_top_k,
+        save_dtype=args.save_dtype, progress=not args.no_progress,
+        **{k: d[k].default if getattr(args, k) is None else getattr(args, k) for k in DFLASH2_OPTIONS},
     )
     _check(args, cfg)
     Trainer(cfg).run()
