@@ -414,6 +414,7 @@ def test_prompt_file_errors_name_the_file_and_line(tmp_path):
                          (['["a"]'], f"{f}:1: expected a JSON object with a 'prompt' field"),
                          (['{"prompt": "a"}', '{oops'], f"{f}:2: not valid JSON (Expecting property name enclosed in "
                                                         "double quotes)"),
+                         (['{"prompt": "a\\ud800"}'], f"{f}:1: the prompt is not valid Unicode text (a lone surrogate escape)"),
                          ([""], f"{f} has no prompts")]:
         f.write_text("\n".join(lines))
         with pytest.raises(DFlashError) as err:

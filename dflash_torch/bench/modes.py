@@ -103,6 +103,10 @@ def load_prompts(path: Path, limit: int | None) -> list[str]:
             raise DFlashError(f"{path}:{i + 1}: expected a JSON object with a 'prompt' field") from None
         if not isinstance(prompt, str) or not prompt:
             raise DFlashError(f"{path}:{i + 1}: the prompt must be a non-empty string, got {prompt!r}")
+        try:  # (a JSON escape such as \ud800 decodes to a lone surrogate, which no tokenizer takes)
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise DFlashError(f"{path}:{i + 1}: the prompt is not valid Unicode text (a lone surrogate escape)") from None
         prompts.append(prompt)
     if not prompts:
         raise DFlashError(f"{path} has no prompts")
