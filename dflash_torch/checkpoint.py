@@ -159,10 +159,9 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                     if keep_fp8:
                         fp8.check_pair(t, scale, fp8_block, key)
                         fp8.check_finite_bytes(t, key)
-                        rows = fp8.row_scales(scale.to(device), fp8_block, t.shape[-2])
-                        fp8.check_finite_product(t.to(device), rows, fp8_block[1], dtype, key)
-                        state[key] = t.to(device)
-                        state[key + fp8.ROW_SCALE_SUFFIX] = rows
+                        t, rows = t.to(device), fp8.row_scales(scale.to(device), fp8_block, t.shape[-2])
+                        fp8.check_finite_product(t, rows, fp8_block[1], dtype, key)
+                        state[key], state[key + fp8.ROW_SCALE_SUFFIX] = t, rows
                     else:
                         state[key] = fp8.dequantize(t.to(device), scale, fp8_block, dtype, key)
                 elif t.dtype in _FLOAT8:
@@ -286,8 +285,8 @@ def weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
     from .models.fp8 import kept_parameters
 
     kept = kept_parameters(model)
-    return sum(p.numel() * (dtype.itemsize if p.is_floating_point() and id(p) not in kept and p.dtype not in _FLOAT8
-                            else p.element_size()) for p in model.parameters())
+    return sum(p.numel() * (dtype.itemsize if p.is_floating_point() and id(p) not in kept else p.element_size())
+               for p in model.parameters())
 
 
 def fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device, share: float = 1.0,

@@ -318,19 +318,21 @@ def _check_expert_group(state: dict[str, torch.Tensor], prefix: str, experts: di
     if gate0.dim() != 2 or tuple(down0.shape) != expected["down_proj"]:
         raise DFlashError(f"{where}: expert 0 has gate_proj {tuple(gate0.shape)} and down_proj {tuple(down0.shape)}, "
                           "expected [I, H] and [H, I]")
-    names = [p + s for s in ("", "_scale") if s == "" or scaled == {True} for p in _PROJS]
-    shapes = {n: tuple(state[experts[0][n]].shape) for n in names}
-    shapes.update(expected)  # (up_proj like gate_proj, and their scales alike)
-    if scaled == {True}:
-        shapes["up_proj_scale"] = shapes["gate_proj_scale"]
     for e in range(num_experts):
-        for n in names:
-            scale = n.endswith("_scale")
-            t, like = state[experts[e][n]], state[experts[0]["gate_proj_scale" if scale else "gate_proj"]]
-            if tuple(t.shape) != shapes[n] or t.dtype != like.dtype:
-                label = n.replace("_scale", ".weight_scale") if scale else n + ".weight"
-                raise DFlashError(f"{where}: expert {e} {label} is {tuple(t.shape)} {t.dtype}, "
-                                  f"expected {shapes[n]} {like.dtype} like expert 0")
+        for p in _PROJS:
+            t = state[experts[e][p]]
+            if tuple(t.shape) != expected[p] or t.dtype != gate0.dtype:
+                raise DFlashError(f"{where}: expert {e} {p}.weight is {tuple(t.shape)} {t.dtype}, "
+                                  f"expected {expected[p]} {gate0.dtype} like expert 0")
+    if scaled == {True}:  # FP8 row scales: gate and up alike, each like expert 0's
+        gate_s, down_s = state[experts[0]["gate_proj_scale"]], state[experts[0]["down_proj_scale"]]
+        want = {"gate_proj": gate_s.shape, "up_proj": gate_s.shape, "down_proj": down_s.shape}
+        for e in range(num_experts):
+            for p, shape in want.items():
+                t = state[experts[e][p + "_scale"]]
+                if t.shape != shape or t.dtype != gate_s.dtype:
+                    raise DFlashError(f"{where}: expert {e} {p}.weight_scale is {tuple(t.shape)} {t.dtype}, "
+                                      f"expected {tuple(shape)} {gate_s.dtype} like expert 0")
     return [experts[e] for e in range(num_experts)]
 
 

@@ -477,8 +477,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                            param="model", code="model_not_found")
         if isinstance(req, ResponsesRequest):
             return validate_responses(req)
-        if isinstance(req, (CompletionRequest, ChatCompletionRequest)) and \
-                not isinstance(req, (TokenizeCompletionRequest, TokenizeChatRequest)):  # (those sample nothing)
+        if getattr(req, "samples", False):  # (not /tokenize's or /detokenize's: they sample nothing)
             check_fields(req)
         return req
 

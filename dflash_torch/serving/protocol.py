@@ -119,6 +119,7 @@ class _Request(BaseModel):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model_config = ConfigDict(extra="ignore")
+    samples: ClassVar[bool] = True  # its sampling fields are checked (:func:`conflicting_fields`, :func:`unsupported_field`)
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=0)  # (0: completions with echo only, see conflicting_fields)
@@ -1080,6 +1081,7 @@ class _TokenizeOptions(BaseModel):
 
 class TokenizeCompletionRequest(CompletionRequest, _TokenizeOptions):
     """``POST /tokenize`` of a completion's ``prompt`` (one text or token-id list)."""
+    samples: ClassVar[bool] = False
     FIXED: ClassVar[dict[str, bool]] = {"add_special_tokens": True, "add_generation_prompt": False,
                                         "continue_final_message": False}
 
@@ -1087,6 +1089,7 @@ class TokenizeCompletionRequest(CompletionRequest, _TokenizeOptions):
 class TokenizeChatRequest(ChatCompletionRequest, _TokenizeOptions):
     """``POST /tokenize`` of a chat's ``messages`` (with its ``tools``, ``chat_template_kwargs``
     and ``reasoning_effort``), rendered by the chat template as a chat completion is."""
+    samples: ClassVar[bool] = False
     FIXED: ClassVar[dict[str, bool]] = {"add_special_tokens": False, "add_generation_prompt": True,
                                         "continue_final_message": False}
 
