@@ -13,13 +13,14 @@ from ..options import check_api_key, check_count, check_model_name
 def register(sub) -> None:
     from ..cli import add_chat_template_kwargs_arg, add_model_args, int_or_auto
 
-    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)",
-                       description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.")
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/responses)",
+                       description="Serve /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, "
+                                   "/tokenize, /detokenize, /health and /metrics.")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DFLASH_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $DFLASH_API_KEY, else no key)")
     p.add_argument("--model-name", default=None, help="model id clients use (default: the target directory's name)")
     p.add_argument("--max-batch-size", type=int, default=8,
                    help="most sequences decoded together (default 8; --draft-mode recompute decodes one "
