@@ -36,6 +36,10 @@ def _rope(x, pos, theta):  # x [T, heads, d], rotate-half layout
     return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
 
 
+def _linear(x, proj):
+    return x @ proj.weight.T + (0 if proj.bias is None else proj.bias)
+
+
 def reference_block_logits(drafter: DFlashDrafter, target: TargetModel, ctx_feats, block_ids, s):
     """Draft logits [B-1, V] for the block at [s, s+B) given all committed features [s, k*H]."""
     cfg = drafter.config
@@ -47,30 +51,36 @@ def reference_block_logits(drafter: DFlashDrafter, target: TargetModel, ctx_feat
     for layer in drafter.layers:
         a = layer.self_attn
         h = _rms(x, layer.input_layernorm.weight, eps)
-        q = _rope(_rms((h @ a.q_proj.weight.T).view(B, nh, hd), a.q_norm.weight, eps), blk_pos, cfg.rope_theta)
+        q = _rope(_rms(_linear(h, a.q_proj).view(B, nh, hd), a.q_norm.weight, eps), blk_pos, cfg.rope_theta)
         src = torch.cat([c, h])  # context rows, then block rows
-        k = (src @ a.k_proj.weight.T).view(-1, nkv, hd)
+        k = _linear(src, a.k_proj).view(-1, nkv, hd)
         k = _rope(_rms(k, a.k_norm.weight, eps), torch.cat([ctx_pos, blk_pos]), cfg.rope_theta)
-        v = (src @ a.v_proj.weight.T).view(-1, nkv, hd)
+        v = _linear(src, a.v_proj).view(-1, nkv, hd)
         k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
         att = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)  # non-causal: all keys visible
         out = torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(B, nh * hd)
-        x = x + out @ a.o_proj.weight.T
+        x = x + _linear(out, a.o_proj)
         m = layer.mlp
         y = _rms(x, layer.post_attention_layernorm.weight, eps)
         x = x + (F.silu(y @ m.gate_proj.weight.T) * (y @ m.up_proj.weight.T)) @ m.down_proj.weight.T
     return _rms(x, drafter.norm.weight, eps)[1:] @ target.lm_head.weight.T
 
 
-@pytest.fixture(scope="module", params=["3-layers-incl-last-target-layer", "sliding-window-layer"])
+@pytest.fixture(scope="module", params=["3-layers-incl-last-target-layer", "sliding-window-layer", "attention-bias"])
 def models(request, tiny_pair, tmp_path_factory):
     target_dir, _ = tiny_pair
     cfg = drafter_config(target_dir, num_layers=3 if request.param.startswith("3") else 2, block_size=16,
                          target_layer_ids=[0, 2, 3] if request.param.startswith("3") else [1, 2])
     if request.param == "sliding-window-layer":
         cfg.sliding_windows = [8, None]
+    if request.param == "attention-bias":  # q/k/v and o_proj biases, as the reference drafter has them
+        cfg.attention_bias = True
     d = save_drafter(tmp_path_factory.mktemp("ctx-drafter"), cfg, seed=11)
-    return request.param, TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(d, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(d, torch.float32)
+    biases = [m.bias for m in drafter.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None]
+    assert len(biases) == (4 * cfg.num_hidden_layers if cfg.attention_bias else 0)
+    assert all(b.abs().sum() > 0 for b in biases)
+    return request.param, TargetModel.from_pretrained(target_dir, torch.float32), drafter
 
 
 @torch.inference_mode()

@@ -32,6 +32,7 @@ CASES = {
                                                  "tie_word_embeddings": False}, 192),
     "llama-tied": ("llama", {}, 48),
     "llama-attention-bias": ("llama", {"attention_bias": True}, 48),  # q/k/v and o_proj biases
+    "qwen3-attention-bias": ("qwen3", {"attention_bias": True}, 48),  # (as Llama's; was refused for its o_proj.bias)
     "qwen2-bias-sharded-untied": ("qwen2", {"tie_word_embeddings": False, "max_shard_size": "150KB"}, 48),
 }
 
@@ -66,7 +67,7 @@ def test_checkpoint_layout_is_what_the_case_claims(case):
         assert not (path / "model.safetensors").exists()
     if "bias" in name:
         assert cfg.attention_bias and ours.model.layers[0].self_attn.q_proj.bias is not None
-        assert (ours.model.layers[0].self_attn.o_proj.bias is not None) == (cfg.model_type == "llama")
+        assert (ours.model.layers[0].self_attn.o_proj.bias is not None) == (cfg.model_type != "qwen2")
     if "rope-scaling" in name:
         assert cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3"
     tied = ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
@@ -127,3 +128,45 @@ def test_static_cache_incremental_decoding_and_rollback(case, static):
         ref3, _ = hf_forward(hf, torch.cat([seq2, nxt]))
         logits, _ = ours(nxt, torch.tensor([keep + 4]), cache, kv(keep + 5))
         assert rel_err(logits, ref3[-1:]) <= RTOL
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_config_without_tie_word_embeddings_is_untied_as_in_transformers(tmp_path, family):
+    """transformers' Qwen3 / Qwen2 / Llama configs default to an untied head: a config.json
+    that omits the key runs the checkpoint's own lm_head.weight (it was dropped for the
+    embeddings before)."""
+    from conftest import edited_checkpoint
+
+    src = make_target(tmp_path / "src", family, tokenizer=False, tie_word_embeddings=False)
+    path = edited_checkpoint(src, tmp_path / "no-key", config=lambda c: c.pop("tie_word_embeddings"))
+    hf = load_hf(path)
+    assert not hf.config.tie_word_embeddings
+    ours = TargetModel.from_pretrained(path, torch.float32)
+    assert ours.lm_head.weight.data_ptr() != ours.model.embed_tokens.weight.data_ptr()
+    ids = torch.arange(3, 40)
+    ref, _ = hf_forward(hf, ids)
+    cache = ours.new_cache()
+    cache.reset(len(ids))
+    with torch.no_grad():
+        logits, _ = ours(ids, torch.arange(len(ids)), cache, len(ids), [0])
+    assert rel_err(logits, ref) <= RTOL
+
+
+def test_tied_config_with_a_head_of_its_own_is_refused(tmp_path):
+    """tie_word_embeddings true and an lm_head.weight unlike the embeddings: which one the
+    author meant is unknown, so the checkpoint is refused, not run with one of them dropped;
+    a stored head equal to the embeddings loads."""
+    from conftest import edited_checkpoint
+    from dflash_torch.errors import DFlashError
+
+    src = make_target(tmp_path / "src", "qwen3", tokenizer=False, tie_word_embeddings=False)
+    bad = edited_checkpoint(src, tmp_path / "bad", config=lambda c: c.update(tie_word_embeddings=True))
+    with pytest.raises(DFlashError, match="ties the output head.*lm_head.weight of its own"):
+        TargetModel.from_pretrained(bad, torch.float32)
+
+    def same_head(w):
+        w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()
+
+    good = edited_checkpoint(src, tmp_path / "good", config=lambda c: c.update(tie_word_embeddings=True), state=same_head)
+    model = TargetModel.from_pretrained(good, torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

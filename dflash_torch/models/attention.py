@@ -13,7 +13,8 @@ from .rope import apply_rope
 
 class Attention(nn.Module):
     """q/k/v/o projections, optional per-head q/k norm (Qwen3 and later), q/k/v bias
-    (Qwen2), o bias (Llama with ``attention_bias``) and an optional output gate.
+    (Qwen2), o bias (Llama, Qwen3 and the DFlash drafter with ``attention_bias``; not Qwen2) and an
+    optional output gate.
 
     With ``output_gate`` (Qwen3-Next, Qwen3.5), ``q_proj`` also produces a gate per
     query channel, interleaved per head as ``[query (head_dim), gate (head_dim)]``, and

@@ -57,7 +57,7 @@ class DraftLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            cfg.attention_bias, True, cfg.rms_norm_eps,
+            cfg.attention_bias, True, cfg.rms_norm_eps, o_bias=cfg.attention_bias,
         )
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -27,7 +27,7 @@ def parse_config(cfg: dict) -> TargetConfig:
         raise DFlashError("target configs with use_sliding_window=true are not supported")
     fields = base_target_fields(cfg, model_type)
     fields.update(
-        tie_word_embeddings=bool_field(cfg, "tie_word_embeddings", "target", model_type != "llama"),
+        tie_word_embeddings=bool_field(cfg, "tie_word_embeddings", "target", False),  # (transformers' default)
         # Qwen2 always has q/k/v biases (transformers' Qwen2Config saves attention_bias: null)
         attention_bias=model_type == "qwen2" or bool_field(cfg, "attention_bias", "target", False),
         qk_norm=model_type == "qwen3",
@@ -42,6 +42,6 @@ class Model(TargetModel):
         cfg = self.config
         attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps,
-                         o_bias=cfg.attention_bias and cfg.model_type == "llama")  # Llama's attention_bias covers o_proj too
+                         o_bias=cfg.attention_bias and cfg.model_type != "qwen2")  # (Qwen2's o_proj has none)
         return DecoderLayer(kind, attn, MLP(cfg.hidden_size, cfg.intermediate_size),
                             RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), slot)

@@ -173,7 +173,11 @@ class TargetModel(nn.Module):
             cfg.keep_fp8 = True
             _keep_fp8(model, state, cfg.fp8_block[1], dtype)
         if cfg.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
+            head, embed = state.pop("lm_head.weight", None), state.get("model.embed_tokens.weight")
+            if head is not None and embed is not None and not (head.shape == embed.shape and torch.equal(head, embed)):
+                raise DFlashError(f"target checkpoint {model_dir}: config.json ties the output head to the embeddings "
+                                  "(tie_word_embeddings true) but the weights hold an lm_head.weight of its own; "
+                                  "set tie_word_embeddings to false to run that head")
         expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
         missing = sorted(expected - state.keys())
         if missing:
