@@ -51,6 +51,9 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
             local = None
         if local and (Path(local) / "config.json").is_file():
             return Path(local)
+        if local:
+            raise DFlashError(f"model {name!r} is in the Hugging Face cache ({local}) without its config.json "
+                              "(an incomplete download?)")
         raise DFlashError(f"model {name!r} is not a local directory and is not in the Hugging Face cache (offline)")
     raise DFlashError(f"model directory {name!r} does not exist")
 
@@ -86,7 +89,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
     Raises:
         DFlashError: if no safetensors weights are present, the index is not valid JSON with a
-            ``weight_map``, or a shard is missing.
+            ``weight_map``, a shard is missing, or a weight file is not a readable file (a dangling
+            link of an interrupted download, a directory).
     """
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
@@ -100,12 +104,14 @@ def weight_files(model_dir: Path) -> list[Path]:
             raise DFlashError(f"{model_dir}: shard(s) listed in model.safetensors.index.json are missing: {', '.join(missing)}")
         return [model_dir / s for s in shards]
     single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    others = sorted(model_dir.glob("*.safetensors"))
-    if others:
-        return others
-    raise DFlashError(f"{model_dir} has no safetensors weights (model.safetensors or model.safetensors.index.json)")
+    files = [single] if single.exists() or single.is_symlink() else sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise DFlashError(f"{model_dir} has no safetensors weights (model.safetensors or model.safetensors.index.json)")
+    unreadable = [f.name for f in files if not f.is_file()]  # a dangling link (a download cut short), a directory
+    if unreadable:
+        raise DFlashError(f"{model_dir}: {', '.join(unreadable)} is not a readable file (a broken link of an "
+                          "interrupted download? download the checkpoint again)")
+    return files
 
 
 def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",

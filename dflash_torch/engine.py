@@ -291,6 +291,9 @@ class DFlashEngine:
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
               dev: torch.device, *, pack: bool, fuse: bool, mxfp4: str, fp8: str,
               **engine_options) -> "DFlashEngine":
+        tokenizer = _load_tokenizer(target_dir)  # (first: its errors come before minutes of reading weights)
+        if len(tokenizer) > target_cfg.vocab_size:
+            raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {target_cfg.vocab_size}")
         drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8)
         if fuse:
@@ -306,9 +309,6 @@ class DFlashEngine:
             else:
                 for m in models:
                     pack_linears(m)
-        tokenizer = _load_tokenizer(target_dir)
-        if len(tokenizer) > target_cfg.vocab_size:
-            raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {target_cfg.vocab_size}")
         engine = cls(model, tokenizer, drafter, name=Path(str(target)).name, **engine_options)
         gen_cfg = target_dir / "generation_config.json"
         if gen_cfg.is_file():

@@ -45,6 +45,17 @@ def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     copy_tokenizer(tokenizer_dir, no_weights)
     paths["no_weights"] = no_weights
 
+    for name in ("dangling_link", "weights_dir"):  # an interrupted download's link to a missing blob; a directory
+        broken = root / name
+        broken.mkdir()
+        shutil.copy(target / "config.json", broken / "config.json")
+        copy_tokenizer(tokenizer_dir, broken)
+        if name == "dangling_link":
+            (broken / "model.safetensors").symlink_to(root / "blobs" / "never-downloaded")
+        else:
+            (broken / "model.safetensors").mkdir()
+        paths[name] = broken
+
     sharded = make_target(root / "sharded", "qwen3", tokenizer=False, max_shard_size="150KB")
     copy_tokenizer(tokenizer_dir, sharded)
     shards = sorted(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))
@@ -101,6 +112,9 @@ LOAD_CASES = [
     ("empty-path", dict(target="empty"), "the checkpoint path is empty"),  # ("" was ".": "'.' has no config.json")
     ("missing-weights", dict(target="no_weights"), "safetensors"),
     ("missing-shard", dict(target="missing_shard"), "missing"),
+    # (a FileNotFoundError / OSError traceback)
+    ("dangling-weights-link", dict(target="dangling_link"), "model.safetensors is not a readable file (a broken link"),
+    ("weights-path-is-a-directory", dict(target="weights_dir"), "model.safetensors is not a readable file"),
     ("missing-tensor", dict(target="lacking_tensor"), "up_proj"),
     ("drafter-unknown-weights", dict(draft="drafter_extra"), "attention_conv"),
     ("dflash2-without-its-weights", dict(draft="dflash2_lacking"), "lacks weights: candidate_selector.hidden_projection.weight"),
@@ -605,6 +619,15 @@ MALFORMED_CONFIGS = [
     # a drafter layer kind that is not attention was run as full attention
     ("drafter", _set("layer_types", ["linear_attention", "full_attention"]),
      "drafter layer_types must be full_attention or sliding_attention, got 'linear_attention'"),
+    # rope parameters of the wrong type (TypeError tracebacks, or a string factor that ran)
+    ("target", _set("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": None, "high_freq_factor": 4.0}),
+     "rope scaling type 'llama3' lacks low_freq_factor"),
+    ("target", _set("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "beta_fast": "32"}),
+     "target config.json rope_scaling.beta_fast must be a number > 0, got '32'"),
+    ("target", _set("rope_scaling", {"rope_type": "linear", "factor": "8"}),
+     "target config.json rope_scaling.factor must be a number > 0, got '8'"),
+    ("target", _set("rope_scaling", {"rope_type": "linear", "factor": -4.0}),
+     "target config.json rope_scaling.factor must be a number > 0, got -4.0"),
     ("generation", b"{", "generation_config.json is not valid JSON"),
     ("generation", _set("eos_token_id", "0"), "generation_config.json eos_token_id must be a token id or a list of them, got '0'"),
     ("index", b"{oops", "model.safetensors.index.json is not valid JSON"),
@@ -738,3 +761,81 @@ def test_dtype_auto_is_bfloat16_on_cuda_and_float32_elsewhere(tiny_pair):
     assert {p.dtype for p in engine.decoder.target.parameters()} == {torch.float32}
     with pytest.raises(DFlashError, match=r"^unsupported dtype 'int8'; choose one of auto, float32, bfloat16$"):
         resolve_dtype("int8")
+
+
+@pytest.fixture(scope="module")
+def next_config(tmp_path_factory) -> dict:
+    from conftest import make_hybrid_target
+
+    path = make_hybrid_target(tmp_path_factory.mktemp("next-config"), "qwen3_next", tokenizer=False)
+    return json.loads((path / "config.json").read_text())
+
+
+# (edit of a Qwen3-Next config.json, words of the error); each was a TypeError / ValueError /
+# ZeroDivisionError traceback, or (mlp_only_layers "1") read as a set of characters
+HYBRID_MALFORMED = [
+    (_set("rope_parameters.partial_rotary_factor", "quarter"), "target partial_rotary_factor must be a number in (0, 1], got 'quarter'"),
+    (_set("rope_parameters.partial_rotary_factor", 1.5), "target partial_rotary_factor must be a number in (0, 1], got 1.5"),
+    (_set("full_attention_interval", 0), "target config.json full_attention_interval must be an integer >= 1, got 0"),
+    (_set("full_attention_interval", "4"), "target config.json full_attention_interval must be an integer >= 1, got '4'"),
+    (_set("linear_conv_kernel_dim", 2.5), "target config.json linear_conv_kernel_dim must be an integer >= 1, got 2.5"),
+    (_set("linear_key_head_dim", "16"), "target config.json linear_key_head_dim must be an integer >= 1, got '16'"),
+    (_set("decoder_sparse_step", "2"), "target config.json decoder_sparse_step must be an integer >= 1, got '2'"),
+    (_set("mlp_only_layers", "1"), "target config.json mlp_only_layers must be a list of layer indices, got '1'"),
+    (_set("shared_expert_intermediate_size", "48"),
+     "target config.json shared_expert_intermediate_size must be an integer >= 0, got '48'"),
+    (_set("num_experts_per_tok", 1.0), "target config.json num_experts_per_tok must be an integer >= 1, got 1.0"),
+]
+
+
+@pytest.mark.parametrize("edit,words", HYBRID_MALFORMED, ids=[w.split(" must")[0].split()[-1] + "-" + w.rsplit(" ", 1)[-1]
+                                                             for _, w in HYBRID_MALFORMED])
+def test_malformed_hybrid_and_moe_config_values_are_one_line_errors(next_config, edit, words):
+    from dflash_torch.models.config import TargetConfig
+
+    TargetConfig.from_dict(json.loads(json.dumps(next_config)))  # (the config as saved parses)
+    cfg = json.loads(json.dumps(next_config))
+    cfg.pop("layer_types", None)  # (full_attention_interval is read where layer_types is absent)
+    edit(cfg)
+    with pytest.raises(DFlashError) as err:
+        TargetConfig.from_dict(cfg)
+    assert str(err.value) == words
+
+
+def test_null_partial_rotary_factor_and_interval_take_the_defaults(next_config):
+    from dflash_torch.models.config import TargetConfig
+
+    cfg = json.loads(json.dumps(next_config))
+    cfg.pop("layer_types", None)
+    cfg.update(partial_rotary_factor=None, full_attention_interval=None, linear_conv_kernel_dim=None)
+    cfg.get("rope_parameters", {}).pop("partial_rotary_factor", None)
+    parsed = TargetConfig.from_dict(cfg)
+    assert parsed.partial_rotary_factor == 0.25 and parsed.linear_attention.conv_kernel == 4
+    assert [t == "full_attention" for t in parsed.layer_types] == [(i + 1) % 4 == 0 for i in range(6)]
+
+
+@pytest.mark.parametrize("case", ["no-tokenizer", "tokenizer-larger-than-vocab"])
+def test_tokenizer_errors_come_before_any_weight_is_read(tiny_pair, tokenizer_dir, tmp_path, monkeypatch, case):
+    """A tokenizer problem is found before the weights load (minutes for a real model), not after."""
+    from dflash_torch import engine as engine_module
+
+    target, drafter = tiny_pair
+    copy = tmp_path / "target"
+    copy.mkdir()
+    shutil.copy(target / "config.json", copy / "config.json")
+    os.symlink(target / "model.safetensors", copy / "model.safetensors")
+    if case == "tokenizer-larger-than-vocab":
+        copy_tokenizer(tokenizer_dir, copy)
+        cfg = json.loads((copy / "config.json").read_text())
+        cfg["vocab_size"] = 100  # (the tokenizer has 320)
+        (copy / "config.json").write_text(json.dumps(cfg))
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read before the tokenizer was checked")
+
+    monkeypatch.setattr(engine_module.TargetModel, "from_pretrained", no_weights)
+    monkeypatch.setattr(engine_module.DFlashDrafter, "from_pretrained", no_weights)
+    words = "has no tokenizer files" if case == "no-tokenizer" else "the tokenizer has 320 tokens but the target's vocab_size is 100"
+    with pytest.raises(DFlashError, match=words):
+        DFlashEngine.from_pretrained(copy, None if case != "no-tokenizer" else drafter,
+                                     no_draft=case != "no-tokenizer")

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import edited_checkpoint, load_hf, make_agreeable_pair, make_hybrid_target, make_target
+from conftest import copy_tokenizer, edited_checkpoint, load_hf, make_agreeable_pair, make_hybrid_target, make_target
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.bench.modes import divergences
 from dflash_torch.models import fp8
@@ -511,9 +511,10 @@ def _set(key, value):
      r"weight model\.layers\.\d\..*is float8_e4m3fn but config\.json has no FP8 quantization_config"),
 ])
 @pytest.mark.parametrize("mode", ["dequantize", "packed"])
-def test_what_cannot_run_exactly_is_refused_in_one_line(whole_blocks, tmp_path, config, state, message, mode):
+def test_what_cannot_run_exactly_is_refused_in_one_line(whole_blocks, tokenizer_dir, tmp_path, config, state, message, mode):
     model_dir, _ = whole_blocks["qwen3"]
     bad = edited_checkpoint(model_dir, tmp_path / "bad", config=config, state=state)
+    copy_tokenizer(tokenizer_dir, bad)  # (the engine reads the tokenizer first)
     if mode == "packed" and "has no FP8 quantization_config" in message:
         message = "^fp8 packed keeps FP8 weights as stored, but the target checkpoint has none"
     with pytest.raises(DFlashError, match=message) as err:

@@ -56,11 +56,26 @@ def _rope(cfg: dict, what: str = "target") -> tuple[float, dict | None]:
     scaling["rope_type"] = kind
     if kind in ("llama3", "yarn") and cfg.get("original_max_position_embeddings") is not None:
         scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
-    missing = [k for k in ROPE_SCALING_KEYS[kind] if k not in scaling]
+    missing = [k for k in ROPE_SCALING_KEYS[kind] if scaling.get(k) is None]
     if kind in ("llama3", "yarn") and not (scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")):
         missing.append("original_max_position_embeddings (or max_position_embeddings)")
     if missing:
         raise DFlashError(f"rope scaling type {kind!r} lacks {', '.join(missing)}")
+    where = f"{what} config.json {'rope_scaling' if cfg.get('rope_scaling') else 'rope_parameters'}"
+    for key, value in scaling.items():
+        if value is None or key == "rope_type":
+            continue
+        if key == "truncate":
+            ok, want = isinstance(value, bool), "true or false"
+        elif key == "original_max_position_embeddings":
+            ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 1, "an integer >= 1"
+        else:  # factor, low/high_freq_factor, beta_fast/slow, attention_factor, mscale, mscale_all_dim
+            low = 0 if key in ("mscale", "mscale_all_dim") else None  # (mscale_all_dim 0 turns it off)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+                value >= low if low is not None else value > 0)
+            want = "a number >= 0" if low is not None else "a number > 0"
+        if not ok:
+            raise DFlashError(f"{where}.{key} must be {want}, got {value!r}")
     return float(theta), scaling
 
 
@@ -343,9 +358,12 @@ def rotary_fraction(cfg: dict, default: float = 1.0) -> float:
     """``partial_rotary_factor`` (the fraction of each head that RoPE rotates) from
     ``rope_parameters`` (transformers 5 layout) or the top level (older layout)."""
     params = cfg.get("rope_parameters") or {}
-    value = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default))
-    if not 0 < float(value) <= 1:
-        raise DFlashError(f"target partial_rotary_factor must be in (0, 1], got {value!r}")
+    value = params.get("partial_rotary_factor")
+    value = cfg.get("partial_rotary_factor") if value is None else value
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise DFlashError(f"target partial_rotary_factor must be a number in (0, 1], got {value!r}")
     return float(value)
 
 
@@ -359,7 +377,7 @@ def layer_types(cfg: dict) -> list[str]:
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is None:
-        interval = cfg.get("full_attention_interval", 4)
+        interval = check_int(cfg, "full_attention_interval", "target") or 4
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
     return check_layer_types(types, n, ("full_attention", "linear_attention"))
 
@@ -390,7 +408,7 @@ def linear_attention_config(cfg: dict) -> LinearAttentionConfig:
     """
     keys = ["linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"]
     _require(cfg, keys, "target")
-    la = LinearAttentionConfig(*(int(cfg[k]) for k in keys), conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
+    la = LinearAttentionConfig(*(cfg[k] for k in keys), conv_kernel=check_int(cfg, "linear_conv_kernel_dim", "target") or 4)
     if la.num_value_heads % la.num_key_heads:
         raise DFlashError(f"target linear_num_value_heads {la.num_value_heads} is not a multiple of "
                           f"linear_num_key_heads {la.num_key_heads}")
@@ -409,10 +427,11 @@ def moe_config(cfg: dict, *, norm_topk_prob: bool | None = None, shared_expert: 
         cfg["num_experts"] = cfg["num_local_experts"]
     _require(cfg, ["num_experts", "num_experts_per_tok", "moe_intermediate_size"], "target")
     moe = MoEConfig(
-        num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-        intermediate_size=int(cfg["moe_intermediate_size"]),
+        num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg["moe_intermediate_size"],
         norm_topk_prob=bool_field(cfg, "norm_topk_prob", "target", False) if norm_topk_prob is None else norm_topk_prob,
-        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if shared_expert else 0,
+        shared_expert_intermediate_size=(check_int(cfg, "shared_expert_intermediate_size", "target", minimum=0) or 0)
+        if shared_expert else 0,
     )
     if not 1 <= moe.top_k <= moe.num_experts:
         raise DFlashError(f"target num_experts_per_tok {moe.top_k} must be in [1, num_experts={moe.num_experts}]")
@@ -423,9 +442,17 @@ def moe_config(cfg: dict, *, norm_topk_prob: bool | None = None, shared_expert: 
 
 def sparse_layers(cfg: dict, num_experts: int) -> list[bool]:
     """Which layers use the MoE MLP (Qwen3-MoE / Qwen3-Next rule): layer i unless it is in
-    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``."""
-    step = cfg.get("decoder_sparse_step", 1) or 1
-    dense = set(cfg.get("mlp_only_layers") or [])
+    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``.
+
+    Raises:
+        DFlashError: ``decoder_sparse_step`` not an integer >= 1, ``mlp_only_layers`` not a
+            list of integers.
+    """
+    step = check_int(cfg, "decoder_sparse_step", "target") or 1
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise DFlashError(f"target config.json mlp_only_layers must be a list of layer indices, got {dense!r}")
+    dense = set(dense)
     return [num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg["num_hidden_layers"])]
 
 
