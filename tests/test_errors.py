@@ -839,3 +839,31 @@ def test_tokenizer_errors_come_before_any_weight_is_read(tiny_pair, tokenizer_di
     with pytest.raises(DFlashError, match=words):
         DFlashEngine.from_pretrained(copy, None if case != "no-tokenizer" else drafter,
                                      no_draft=case != "no-tokenizer")
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+def test_hugging_face_ids_resolve_from_the_local_cache(tiny_pair, tmp_path, monkeypatch, with_config):
+    """A cached repo id resolves to its snapshot; one cached without its config.json is
+    called that (it was "not in the Hugging Face cache")."""
+    from huggingface_hub import constants
+
+    from dflash_torch.checkpoint import resolve_model_dir
+
+    target, _ = tiny_pair
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snapshot.name)
+    shutil.copy(target / "model.safetensors", snapshot / "model.safetensors")
+    if with_config:
+        shutil.copy(target / "config.json", snapshot / "config.json")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if with_config:
+        assert resolve_model_dir("acme/tiny") == snapshot
+    else:
+        with pytest.raises(DFlashError, match=r"model 'acme/tiny' is in the Hugging Face cache \(.*\) without its config.json"):
+            resolve_model_dir("acme/tiny")
+    with pytest.raises(DFlashError, match="'acme/other' is not a local directory and is not in the Hugging Face cache"):
+        resolve_model_dir("acme/other")
