@@ -361,7 +361,8 @@ class DFlashEngine:
         return time.perf_counter() - t0
 
     def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = False,
-                      chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+                      chat_template_kwargs: dict | None = None, tools: list[dict] | None = None, *,
+                      add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
         """Token ids of a prompt: text, chat messages (``[{"role", "content"}]``) or ids.
 
         Chat messages are OpenAI's: ``role`` and ``content`` (a string; None or absent for
@@ -384,6 +385,12 @@ class DFlashEngine:
                 "function": {"name", "description", "parameters"}}]``, passed to the chat
                 template as its ``tools`` (transformers' ``apply_chat_template(tools=...)``);
                 None or an empty list: none.
+            add_generation_prompt: end a chat prompt with the template's opening of the
+                assistant's turn (the default; transformers' ``apply_chat_template`` option).
+            continue_final_message: end a chat prompt inside its last message instead, so
+                that the reply continues that message's text (e.g. an assistant message
+                started for the model: "prefill"); needs ``add_generation_prompt=False``
+                (transformers' option, vLLM's request field).
 
         Raises:
             DFlashError: ``chat`` not a bool or without a tokenizer chat template, messages
@@ -392,18 +399,28 @@ class DFlashEngine:
                 object), or one longer than ``max_prompt_chars``;
                 ``chat_template_kwargs`` not a dict of string keys, setting an argument of
                 the template call, or given for a prompt that is not a chat; ``tools`` not
-                a list of dicts, or given for a prompt that is not a chat.
+                a list of dicts, or given for a prompt that is not a chat;
+                ``add_generation_prompt`` / ``continue_final_message`` not bools, both true, or
+                ``continue_final_message`` for a prompt that is not a chat.
         """
         options.check_flag(chat, "chat")
+        options.check_flag(add_generation_prompt, "add_generation_prompt")
+        options.check_flag(continue_final_message, "continue_final_message")
+        if add_generation_prompt and continue_final_message:
+            raise OptionError("continue_final_message needs add_generation_prompt false: the prompt ends either inside "
+                              "the last message or after the opening of a new assistant turn",
+                              "continue_final_message", "add_generation_prompt")
         template_kwargs = None if chat_template_kwargs is None else \
             options.check_chat_template_kwargs(chat_template_kwargs, self.reserved_template_variables())
         tools = options.check_tools(tools)
         if isinstance(prompt, list) and not prompt:
             raise DFlashError("the prompt is empty (no tokens or messages)")
         is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        for name, value in (("chat_template_kwargs", template_kwargs), ("tools", tools)):
+        for name, value in (("chat_template_kwargs", template_kwargs), ("tools", tools),
+                            ("continue_final_message", continue_final_message or None)):
             if value is not None and (is_ids or not (chat or isinstance(prompt, list))):
-                raise OptionError(f"{name} apply to chat prompts only (chat messages, or a text with chat)", name, "chat")
+                verb = "applies" if name == "continue_final_message" else "apply"
+                raise OptionError(f"{name} {verb} to chat prompts only (chat messages, or a text with chat)", name, "chat")
         if is_ids:
             return list(prompt)
         if isinstance(prompt, list) or chat:
@@ -414,7 +431,10 @@ class DFlashEngine:
             self._check_length(sum(len(m.get("content") or "") for m in messages))
             if tools is not None:
                 template_kwargs = {**(template_kwargs or {}), "tools": tools}
-            return self._encode(self._render_chat(messages, template_kwargs or {}), add_special_tokens=False)
+            template_kwargs = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
+            if continue_final_message:
+                template_kwargs["continue_final_message"] = True
+            return self._encode(self._render_chat(messages, template_kwargs), add_special_tokens=False)
         if not isinstance(prompt, str):
             raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages")
         self._check_length(len(prompt))
@@ -428,8 +448,9 @@ class DFlashEngine:
         return [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)] + ["messages"]
 
     def _render_chat(self, messages: list[dict], template_kwargs: dict) -> str:
-        """The tokenizer's chat template applied to ``messages`` (with the generation prompt
-        and the extra template variables ``template_kwargs``).
+        """The tokenizer's chat template applied to ``messages`` with ``template_kwargs``: the
+        extra template variables and ``apply_chat_template``'s own ``add_generation_prompt``
+        (default true) and ``continue_final_message`` options.
 
         Raises:
             DFlashError: the template refuses the messages (its ``raise_exception``, e.g.
@@ -439,17 +460,23 @@ class DFlashEngine:
         import jinja2
 
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                      **template_kwargs)
+            template_kwargs = {"add_generation_prompt": True, **template_kwargs}
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
         except (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError) as exc:
             raise DFlashError(f"the model's chat template cannot be rendered: {' '.join(str(exc).split())}") from None
         except jinja2.TemplateError as exc:
             raise DFlashError(f"the chat template refuses these messages: {' '.join(str(exc).split())}") from None
         except TypeError as exc:  # e.g. a template function (raise_exception) shadowed by a chat_template_kwargs value
-            if not template_kwargs:
+            if not set(template_kwargs) - {"add_generation_prompt", "continue_final_message"}:
                 raise
             raise DFlashError(f"the chat template cannot be rendered with these chat_template_kwargs: "
                               f"{' '.join(str(exc).split())}") from None
+        except ValueError as exc:  # (transformers: continue_final_message with a last message the template drops)
+            if not template_kwargs.get("continue_final_message"):
+                raise
+            raise OptionError(f"continue_final_message: the chat template does not render the last message's text "
+                              f"as sent, so the prompt cannot end inside it ({' '.join(str(exc).split())})",
+                              "continue_final_message") from None
         except RecursionError:  # (jinja and its tojson recurse once per level of nesting)
             raise DFlashError("the chat template cannot render these messages: their content, tool calls, tools or "
                               "chat_template_kwargs are nested too deeply") from None

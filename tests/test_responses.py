@@ -99,7 +99,7 @@ def test_text_equals_chat_completions_and_the_engine(servers):
              {"role": "user", "content": "class A:"}]
     r = _respond(spec, input=items, instructions="Be brief.", max_output_tokens=16, metadata={"k": "v"})
     history = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Python only."},
-               {"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": "  return x"},
+               {"role": "user", "content": "def f\n(x):"}, {"role": "assistant", "content": "  return x"},
                {"role": "user", "content": "class A:"}]
     chat = spec.chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=16)
     assert r.output_text == chat.choices[0].message.content and r.usage.input_tokens == chat.usage.prompt_tokens

@@ -245,6 +245,11 @@ def test_chat_stream_and_not(server, local_engine):
     parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages]
     r2 = c.chat.completions.create(messages=parts, max_tokens=24, **_greedy())
     assert r2.choices[0].message.content == msg.content
+    # several text parts are joined by a newline, as vLLM joins them (they were joined with nothing)
+    split = [{"role": "user", "content": [{"type": "text", "text": "def f"}, {"type": "text", "text": "(x):"}]}]
+    joined = [{"role": "user", "content": "def f\n(x):"}]
+    tokens = [server.post("/tokenize", {"model": MODEL, "messages": m}).json()["tokens"] for m in (split, joined)]
+    assert tokens[0] == tokens[1] == local_engine.encode_prompt(joined, chat=True)
 
 
 def test_seeded_sampling_reproducible(server):
@@ -419,7 +424,20 @@ BAD_REQUESTS = [
      {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, 400, "response_format.type"),
     ("json mode with ignore_eos", "/v1/completions",
      {"prompt": "x", "response_format": {"type": "json_object"}, "ignore_eos": True}, 400, "ignore_eos"),
+    # (was served: OpenAI and vLLM refuse it)
+    ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    ("stream_options with stream false", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "stream": False, "stream_options": {"include_usage": True}},
+     400, "stream_options"),
 ]
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty"])
+def test_a_nan_sampling_value_is_called_not_finite(server, field):
+    """(NaN was "Input should be less than or equal to 2": a bound it does not break.)"""
+    r = server.post("/v1/completions", '{"prompt": "x", "%s": NaN}' % field, raw=True)
+    assert r.status_code == 400 and "finite number" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
@@ -754,3 +772,27 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(tiny_pair, tmp_path)
         assert ok.choices[0].finish_reason in ("length", "stop")
     finally:
         stop(proc)
+
+
+def test_continue_final_message_and_add_generation_prompt_shape_the_chat_prompt(server, local_engine):
+    """vLLM's chat options: the reply continues the last message (continue_final_message with
+    add_generation_prompt false), or the prompt stops before the assistant's turn. They were
+    ignored (the turn was closed and a new one started); a per-request chat_template is refused."""
+    messages = [{"role": "user", "content": "Write a stack class."}, {"role": "assistant", "content": "class Stack"}]
+    cases = {"continue": dict(add_generation_prompt=False, continue_final_message=True),
+             "no-generation-prompt": dict(add_generation_prompt=False), "default": {}}
+    for name, opts in cases.items():
+        ids = local_engine.encode_prompt(messages, **opts)
+        tokens = server.post("/tokenize", {"model": MODEL, "messages": messages, **opts}).json()["tokens"]
+        assert tokens == ids, name
+        r = server.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8,
+                                                 "temperature": 0, "ignore_eos": True, **opts}).json()
+        want = local_engine.generate(ids, max_new_tokens=8, ignore_eos=True)
+        assert r["choices"][0]["message"]["content"] == want.text and r["usage"]["prompt_tokens"] == len(ids), name
+    assert local_engine.decode(local_engine.encode_prompt(messages, **cases["continue"])).endswith("class Stack")
+    assert local_engine.encode_prompt(messages, **cases["continue"]) != local_engine.encode_prompt(messages)
+    both = server.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message", both.text
+    assert "needs add_generation_prompt false" in both.json()["error"]["message"]
+    custom = server.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "chat_template": "{{ 1 }}"})
+    assert custom.status_code == 400 and custom.json()["error"]["param"] == "chat_template", custom.text

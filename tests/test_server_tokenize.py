@@ -71,8 +71,9 @@ def test_detokenize_is_the_text_of_the_tokens(server, engine):
     ("/tokenize", {"prompt": [3, 10 ** 9]}, 400, "prompt"),
     ("/tokenize", {"prompt": ""}, 400, "prompt"),  # (200 with count 0, where a completion refuses it)
     ("/tokenize", {"prompt": PROMPT, "add_special_tokens": False}, 400, "add_special_tokens"),
-    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+    # (a chat's template options are honoured as in chat completions; both true contradict each other)
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
+    ("/tokenize", {"prompt": PROMPT, "continue_final_message": True}, 400, "continue_final_message"),
     ("/tokenize", {"messages": []}, 400, "messages"),
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": PROMPT, "model": "other"}, 404, "model"),

@@ -547,14 +547,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise err
 
     def prepare(prompts: list, chat: bool, requested: int | None, default: int | None,
-                template_kwargs: dict | None, tools: list[dict] | None) -> list[tuple[list[int], int]]:
+                template_kwargs: dict | None, tools: list[dict] | None,
+                prompt_options: dict | None = None) -> list[tuple[list[int], int]]:
         """``(token ids, max new tokens)`` of each prompt (in a thread: tokenizing a long
         prompt holds neither the engine nor the event loop)."""
         vocab = engine.target.config.vocab_size
         out = []
         for i, prompt in enumerate(prompts):
             try:
-                ids = engine.encode_prompt(prompt, chat, template_kwargs, tools)
+                ids = engine.encode_prompt(prompt, chat, template_kwargs, tools, **(prompt_options or {}))
                 if any(not 0 <= t < vocab for t in ids):  # checked for every prompt before any runs
                     raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
                 out.append((ids, fit_max_tokens(engine, len(ids), requested, default)))
@@ -653,7 +654,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         tools = req.engine_tools() if chat else None
         requested = 1 if req.scores_only() else req.requested_max_tokens()  # (scores only: one token, dropped)
         prepared = await asyncio.to_thread(prepare, prompts, chat, requested, default_max_tokens,
-                                           template_kwargs, tools)
+                                           template_kwargs, tools, req.prompt_options() if chat else None)
         prompt_tail = engine.decode(prepared[0][0][-8:]) if chat else ""  # (a chat has one prompt)
         kwargs = req.sampling_kwargs()
         if chat and req.forces_tool_calls():
@@ -950,13 +951,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if chat:
             prompt, template_kwargs, tools = req.engine_messages(), req.template_kwargs(default_template_kwargs), \
                 req.engine_tools()
+            prompt_options = req.prompt_options()
         else:
             prompts = req.prompts()
             if len(prompts) != 1:
                 raise APIError(400, f"/tokenize takes one prompt, got {len(prompts)}", param="prompt")
-            prompt, template_kwargs, tools = prompts[0], None, None
+            prompt, template_kwargs, tools, prompt_options = prompts[0], None, None, {}
         try:
-            ids = await asyncio.to_thread(engine.encode_prompt, prompt, chat, template_kwargs, tools)
+            ids = await asyncio.to_thread(functools.partial(engine.encode_prompt, **prompt_options), prompt, chat,
+                                          template_kwargs, tools)
         except DFlashError as exc:
             raise APIError(400, str(exc), param=param_of(exc)) from None
         vocab = engine.target.config.vocab_size

@@ -124,8 +124,8 @@ class _Request(BaseModel):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=0)  # (0: completions with echo only, see conflicting_fields)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: StrictFloat | None = Field(None, ge=0, le=2)
-    top_p: StrictFloat | None = Field(None, gt=0, le=1)
+    temperature: StrictFloat | None = Field(None, ge=0, le=2, allow_inf_nan=False)  # (NaN: "a finite number")
+    top_p: StrictFloat | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: StrictInt | None = Field(None, ge=-1)  # extension; -1 and 0 mean off
     seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: StrictStr | list[StrictStr] | None = Field(None)
@@ -137,8 +137,8 @@ class _Request(BaseModel):
     n: StrictInt | None = Field(1, ge=1, le=MAX_N)  # choices per prompt
     # candidates per prompt (legacy completions): only best_of == n, which returns them all
     best_of: StrictInt | None = Field(None, ge=1)
-    presence_penalty: StrictFloat | None = Field(0.0, ge=-2, le=2)
-    frequency_penalty: StrictFloat | None = Field(0.0, ge=-2, le=2)
+    presence_penalty: StrictFloat | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: StrictFloat | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     repetition_penalty: StrictFloat | None = Field(None, gt=0, allow_inf_nan=False)  # extension (vLLM); 1 = off
     # token id (a decimal string, as JSON keys are) -> bias; ids past the vocabulary: the engine's 400
     logit_bias: dict[StrictStr, Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
@@ -312,7 +312,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)  # (as vLLM joins text parts)
 
     def engine_message(self) -> dict:
         """The message for :meth:`DFlashEngine.encode_prompt` ("developer" is OpenAI's newer
@@ -367,6 +367,15 @@ class ChatCompletionRequest(_Request):
     audio: Any = None
     chat_template_kwargs: dict[StrictStr, Any] | None = None  # (vLLM / SGLang's name)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # vLLM's: the prompt ends after the opening of the assistant's turn, or (continue_final_message,
+    # with add_generation_prompt false) inside the last message, which the reply continues
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: Any = None  # (vLLM's per-request template: refused, see unsupported_field)
+
+    def prompt_options(self) -> dict:
+        """The chat template options of :meth:`DFlashEngine.encode_prompt` this request sets."""
+        return {"add_generation_prompt": self.add_generation_prompt, "continue_final_message": self.continue_final_message}
 
     def template_kwargs(self, defaults: dict | None) -> dict | None:
         """The chat template's extra variables: the server's ``defaults``, then this
@@ -403,13 +412,16 @@ class ChatCompletionRequest(_Request):
 def conflicting_fields(req: _Request) -> tuple[str, str] | None:
     """``(param, message)`` for values that contradict each other: ``best_of`` < ``n``
     (OpenAI: best_of candidates are generated and the best n returned); chat's
-    ``top_logprobs`` without ``logprobs: true`` (OpenAI refuses it too)."""
+    ``top_logprobs`` without ``logprobs: true``, ``stream_options`` without ``stream``
+    (OpenAI refuses them too)."""
     n = req.n or 1
     if req.max_tokens == 0 and not req.scores_only():
         return "max_tokens", ("max_tokens must be >= 1 (0 only with echo in /v1/completions: the prompt scored, "
                               "nothing generated)")
     if req.scores_only() and req.min_tokens:
         return "min_tokens", f"min_tokens ({req.min_tokens}) must be 0 with max_tokens 0"
+    if req.stream_options is not None and not req.stream:  # (as OpenAI and vLLM answer)
+        return "stream_options", "stream_options is only allowed when stream is true"
     if req.best_of is not None and req.best_of < n:
         return "best_of", f"best_of must be >= n (best_of={req.best_of}, n={n})"
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
@@ -484,6 +496,8 @@ def unsupported_field(req: _Request) -> tuple[str, str] | None:
             ("modalities", req.modalities not in (None, ["text"]), "only the text modality is supported"),
             ("audio", req.audio is not None, "audio output is not supported"),
             ("echo", bool(req.echo), "echo is not supported in chat completions (it is in /v1/completions)"),
+            ("chat_template", req.chat_template is not None,
+             "chat_template is not supported: chats are rendered with the model's own chat template"),
         ]
     for param, bad, message in checks:
         if bad:
@@ -1090,8 +1104,7 @@ class TokenizeChatRequest(ChatCompletionRequest, _TokenizeOptions):
     """``POST /tokenize`` of a chat's ``messages`` (with its ``tools``, ``chat_template_kwargs``
     and ``reasoning_effort``), rendered by the chat template as a chat completion is."""
     samples: ClassVar[bool] = False
-    FIXED: ClassVar[dict[str, bool]] = {"add_special_tokens": False, "add_generation_prompt": True,
-                                        "continue_final_message": False}
+    FIXED: ClassVar[dict[str, bool]] = {"add_special_tokens": False}  # (the template options are the chat's own)
 
 
 class DetokenizeRequest(BaseModel):

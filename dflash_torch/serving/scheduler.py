@@ -80,6 +80,7 @@ _PARAM_OF_MESSAGE = {"stop token ids": "stop_token_ids", "temperature": "tempera
                      "stop": "stop", "max_new_tokens": "max_tokens", "prompt": "prompt", "the prompt": "prompt",
                      "chat messages": "messages", "chat_template_kwargs": "chat_template_kwargs", "tools": "tools",
                      "tool call arguments": "messages", "ignore_eos": "ignore_eos",
+                     "continue_final_message": "continue_final_message", "continue_final_message:": "continue_final_message",
                      # (the app names its request's field: Job.param_aliases)
                      "structured_output": "structured_output", "structured output": "structured_output"}
 
@@ -109,9 +110,9 @@ class ShuttingDown(Exception):
 class QueueFull(Exception):
     """The waiting queue cannot take the job now; retry after ``retry_after`` seconds."""
 
-    def __init__(self, waiting: int, max_queue: int, retry_after: int = RETRY_AFTER_S):
-        super().__init__(f"the server is busy: {waiting} sequences wait for the engine (at most {max_queue}); "
-                         f"retry in {retry_after} s")
+    def __init__(self, waiting: int, asked: int, max_queue: int, free: int, retry_after: int = RETRY_AFTER_S):
+        super().__init__(f"the server is busy: {waiting} sequences wait for a slot and this request's {asked} do not "
+                         f"fit ({free} free slots, then at most {max_queue} waiting: --max-queue); retry in {retry_after} s")
         self.retry_after = retry_after
 
 
@@ -397,7 +398,7 @@ class Scheduler:
             free = max(0, self.max_batch_size - len(self._running))
             if len(self._waiting) + len(job.sequences) > self.max_queue + free:
                 self.metrics.rejected.inc()
-                raise QueueFull(len(self._waiting), self.max_queue)
+                raise QueueFull(len(self._waiting), len(job.sequences), self.max_queue, free)
             job.scheduler, job.unfinished = self, len(job.sequences)
             self._jobs.add(job)
             self._waiting.extend(job.sequences)
