@@ -493,9 +493,18 @@ class DFlashEngine:
             raise DFlashError("the prompt is not valid Unicode text (it contains a lone surrogate)") from None
         return self.tokenizer.encode(text, **kwargs)
 
-    def decode(self, token_ids: list[int]) -> str:
-        """Text of token ids (special tokens kept, no space clean-up)."""
+    def decode(self, token_ids: list[int], skip: frozenset[int] = frozenset()) -> str:
+        """Text of token ids (no space clean-up), special tokens kept except those in ``skip``."""
+        if skip:
+            token_ids = [t for t in token_ids if t not in skip]
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the tokenizer's special tokens (its named ones, such as EOS, and its added
+        tokens marked special): the tokens ``skip_special_tokens`` leaves out of the text."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        return frozenset(self.tokenizer.all_special_ids) | {i for i, tok in added.items() if getattr(tok, "special", False)}
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token adds to the text (the ``bytes`` of OpenAI's logprobs).
@@ -582,6 +591,8 @@ class DFlashEngine:
         tools: list[dict] | None = None,
         structured_output: StructuredOutput | dict | None = None,
         prompt_logprobs: int | None = None,
+        skip_special_tokens: bool = False,
+        include_stop_str_in_output: bool = False,
     ) -> Iterator[StreamChunk]:
         """Generate, yielding text deltas as rounds commit tokens.
 
@@ -601,6 +612,12 @@ class DFlashEngine:
             stop_token_ids: an extra stop token id or a list of them, in [0, vocab size)
                 (EOS ids are included unless ``ignore_eos``).
             ignore_eos: do not stop at the model's EOS tokens.
+            skip_special_tokens: leave special tokens (:attr:`special_token_ids`: EOS, chat
+                markers, the mask token, ...) out of the text (vLLM's option; its default
+                is true, this one's false, as transformers' ``decode``); the token ids keep them.
+                Stop strings are looked for in the text as it is returned.
+            include_stop_str_in_output: keep the stop string that ended the output in its
+                text (vLLM's option): the text is cut after it instead of before.
             chat: apply the tokenizer's chat template to a text prompt.
             chat_template_kwargs: extra chat template variables (see :meth:`encode_prompt`).
             tools: functions the model may call, for the chat template (see :meth:`encode_prompt`);
@@ -635,7 +652,9 @@ class DFlashEngine:
                            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
                            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chat=chat,
                            logprobs=logprobs, chat_template_kwargs=chat_template_kwargs, tools=tools,
-                           structured_output=structured_output, prompt_logprobs=prompt_logprobs) as chunks:
+                           structured_output=structured_output, prompt_logprobs=prompt_logprobs,
+                           skip_special_tokens=skip_special_tokens,
+                           include_stop_str_in_output=include_stop_str_in_output) as chunks:
             # each round runs on the compute thread (see dflash_torch.compute), whichever
             # thread iterates this stream
             while (chunk := compute.run(next, chunks, None)) is not None:
@@ -754,7 +773,9 @@ class DFlashEngine:
                        repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
                        min_tokens: int = 0, stop=None, stop_token_ids=None, ignore_eos: bool = False,
                        logprobs: int | None = None,
-                       structured_output: StructuredOutput | dict | None = None) -> tuple[SamplingParams, Stopper]:
+                       structured_output: StructuredOutput | dict | None = None,
+                       skip_special_tokens: bool | frozenset[int] = False,
+                       include_stop_str_in_output: bool = False) -> tuple[SamplingParams, Stopper]:
         """A request's checked :class:`SamplingParams` and :class:`~dflash_torch.stopping.Stopper`,
         as :meth:`stream` makes them (arguments as there): the params' ``min_tokens_ids`` are
         the stopper's stop token ids.
@@ -775,28 +796,42 @@ class DFlashEngine:
                                 repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
                                 logprobs=logprobs, grammar=grammar)
         params.check_vocab(self.target.config.vocab_size)
-        stopper = self.new_stopper(max_new_tokens, stop, stop_token_ids, ignore_eos, params.min_tokens)
+        stopper = self.new_stopper(max_new_tokens, stop, stop_token_ids, ignore_eos, params.min_tokens,
+                                   skip_special_tokens, include_stop_str_in_output)
         if params.min_tokens:
             params = replace(params, min_tokens_ids=frozenset(stopper.stop_ids))
         return params, stopper
 
     def new_stopper(self, max_new_tokens: int, stop=None, stop_token_ids=None, ignore_eos: bool = False,
-                    min_tokens: int = 0) -> Stopper:
+                    min_tokens: int = 0, skip_special_tokens: bool | frozenset[int] = False,
+                    include_stop_str_in_output: bool = False) -> Stopper:
         """A checked :class:`~dflash_torch.stopping.Stopper` of one request, as :meth:`stream` makes it.
 
+        ``skip_special_tokens``: True leaves every special token (:attr:`special_token_ids`)
+        out of the text; a set of ids, all special tokens but those (the server keeps the
+        markers its reply parsers read).
+
         Raises:
-            DFlashError: invalid ``max_new_tokens``, ``stop``, ``stop_token_ids`` or ``ignore_eos``
-                (not a bool), or ``min_tokens`` above ``max_new_tokens``.
+            DFlashError: invalid ``max_new_tokens``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
+                ``skip_special_tokens`` or ``include_stop_str_in_output`` (not bools), or
+                ``min_tokens`` above ``max_new_tokens``.
         """
         options.check_max_new_tokens(max_new_tokens)
         options.check_flag(ignore_eos, "ignore_eos")
+        options.check_flag(include_stop_str_in_output, "include_stop_str_in_output")
+        if isinstance(skip_special_tokens, frozenset):
+            skip = self.special_token_ids - skip_special_tokens
+        else:
+            options.check_flag(skip_special_tokens, "skip_special_tokens")
+            skip = self.special_token_ids if skip_special_tokens else frozenset()
         if min_tokens > max_new_tokens:
             raise OptionError(f"min_tokens ({min_tokens}) must be at most max_new_tokens ({max_new_tokens})",
                               "min_tokens", "max_new_tokens")
         stops = options.check_stop(stop)
         stop_ids = set() if ignore_eos else set(self.stop_token_ids)
         stop_ids.update(options.check_stop_token_ids(stop_token_ids, self.target.config.vocab_size))
-        return Stopper(self.decode, stops, stop_ids, max_new_tokens, min_tokens)
+        decode = functools.partial(self.decode, skip=skip) if skip else self.decode
+        return Stopper(decode, stops, stop_ids, max_new_tokens, min_tokens, include_stop_str_in_output)
 
     def generate_batch(
         self,
@@ -821,6 +856,8 @@ class DFlashEngine:
         tools: list[dict] | None = None,
         structured_output: StructuredOutput | dict | None | Sequence[StructuredOutput | dict | None] = None,
         prompt_logprobs: int | None | Sequence[int | None] = None,
+        skip_special_tokens: bool | Sequence[bool] = False,
+        include_stop_str_in_output: bool | Sequence[bool] = False,
     ) -> list[GenerationResult]:
         """Generate for many prompts at once: up to ``max_batch_size`` sequences per
         decoding round; a finished one leaves at a round boundary and the next prompt
@@ -833,7 +870,8 @@ class DFlashEngine:
             prompts: a non-empty list of prompts (text, chat messages, or token ids).
             max_new_tokens, temperature, top_k, top_p, seed, presence_penalty, frequency_penalty,
                 repetition_penalty, logit_bias, min_tokens, ignore_eos, logprobs, structured_output,
-                prompt_logprobs: one value for all prompts, or a list with one value per prompt
+                prompt_logprobs, skip_special_tokens, include_stop_str_in_output: one value for all
+                prompts, or a list with one value per prompt
                 (see :meth:`stream`). A prompt with ``prompt_logprobs`` is read whole (no
                 prompt-prefix reuse) and shares a prefill only with prompts asking the same.
             stop: stop string(s) for all prompts (a string or a list of strings), or per
@@ -870,7 +908,9 @@ class DFlashEngine:
                    structured_output=_per_prompt(structured_output, n, "structured_output"),
                    stop=_per_prompt(stop, n, "stop", nested=(str,)),
                    stop_token_ids=_per_prompt(stop_token_ids, n, "stop_token_ids", nested=(int,)),
-                   prompt_logprobs=_per_prompt(prompt_logprobs, n, "prompt_logprobs"))
+                   prompt_logprobs=_per_prompt(prompt_logprobs, n, "prompt_logprobs"),
+                   skip_special_tokens=_per_prompt(skip_special_tokens, n, "skip_special_tokens"),
+                   include_stop_str_in_output=_per_prompt(include_stop_str_in_output, n, "include_stop_str_in_output"))
         options.check_flag(chat, "chat")
         requests = []
         for i, prompt in enumerate(prompts):  # every prompt is checked before any is decoded

@@ -10,7 +10,8 @@ boundaries:
   first token after which a stop string occurs in the text ends generation, and the
   text is cut at the start of that occurrence. Only an occurrence that ends in the
   token's own text can be new; if the token completes several (of the same or of
-  different stop strings), the cut is at the earliest start among them;
+  different stop strings), the cut is at the earliest start among them (or, keeping the
+  stop string, vLLM's ``include_stop_str_in_output``, at the end of that occurrence);
 * otherwise generation ends after ``max_new_tokens`` tokens (a stop string completed
   by that last token still counts as a stop).
 
@@ -33,7 +34,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 
-def find_stop(text: str, new_from: int, stops: Sequence[str]) -> int | None:
+def find_stop(text: str, new_from: int, stops: Sequence[str], include: bool = False) -> int | None:
     """Where to cut ``text`` because ``text[new_from:]`` completed a stop string.
 
     Args:
@@ -41,13 +42,18 @@ def find_stop(text: str, new_from: int, stops: Sequence[str]) -> int | None:
             the last ``len(s) - 1`` characters before ``new_from`` for each stop string s).
         new_from: index in ``text`` where the newly produced characters start.
         stops: non-empty stop strings.
+        include: cut after the occurrence instead (vLLM's ``include_stop_str_in_output``).
 
     Returns:
         The earliest start (index in ``text``) among the occurrences of any stop string
-        that end after ``new_from``, or None when there is none.
+        that end after ``new_from`` (with ``include``: the end of that occurrence; of the
+        stop strings starting there, the longest), or None when there is none.
     """
-    starts = [i for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
-    return min(starts, default=None)
+    found = [(i, -len(s)) for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
+    if not found:
+        return None
+    start, minus_length = min(found)
+    return start - minus_length if include else start
 
 
 def partial_stop(text: str, stops: Sequence[str]) -> int:
@@ -116,13 +122,15 @@ class Stopper:
         stop_ids: stop token ids.
         max_new_tokens: most tokens to generate (>= 1).
         min_tokens: tokens generated before stop strings are looked for (0 to ``max_new_tokens``).
+        include_stop: the output text keeps the stop string that ended it (vLLM's
+            ``include_stop_str_in_output``; the text is cut after it instead of before).
     """
 
     def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], stop_ids, max_new_tokens: int,
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, include_stop: bool = False):
         self.text = IncrementalText(decode)
         self.stops, self.stop_ids, self.max_new_tokens = list(stops), stop_ids, max_new_tokens
-        self.min_tokens = min_tokens
+        self.min_tokens, self.include_stop = min_tokens, include_stop
         self.generated = 0  # tokens kept so far
         self.unsent = ""  # text decided but not yet returned (held back: a stop string may start in it)
 
@@ -142,7 +150,8 @@ class Stopper:
             if new:
                 new_from = len(self.unsent)
                 self.unsent += new
-                cut = find_stop(self.unsent, new_from, self.stops) if self.generated > self.min_tokens else None
+                cut = find_stop(self.unsent, new_from, self.stops, self.include_stop) \
+                    if self.generated > self.min_tokens else None
                 if cut is not None:
                     text, self.unsent = self.unsent[:cut], ""
                     return text, kept, "stop"
@@ -157,7 +166,7 @@ class Stopper:
         string that contains U+FFFD may complete in them."""
         new_from = len(self.unsent)
         text, self.unsent = self.unsent + self.text.flush(), ""
-        cut = find_stop(text, new_from, self.stops) if self.generated > self.min_tokens else None
+        cut = find_stop(text, new_from, self.stops, self.include_stop) if self.generated > self.min_tokens else None
         if cut is not None:
             text, reason = text[:cut], "stop"
         return text, kept, reason

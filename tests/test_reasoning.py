@@ -84,9 +84,10 @@ THINKING_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] 
                      "{% if add_generation_prompt %}# assistant:\n<think>\n{% endif %}")
 
 
-def make_thinking_pair(root, template: str):
+def make_thinking_pair(root, template: str, special: bool = False):
     """An agreeable pair (under ``root``) whose target often writes the added token
-    ``</think>``, with the chat ``template``."""
+    ``</think>`` (a special token with ``special``), with the chat ``template``."""
+    from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
     from conftest import make_agreeable_pair, make_tokenizer
@@ -94,7 +95,7 @@ def make_thinking_pair(root, template: str):
     tok_dir = root / "tokenizer"
     make_tokenizer(tok_dir, vocab_size=318)  # room for one added token in the targets' 320
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    tok.add_tokens(["</think>"])
+    tok.add_tokens([AddedToken("</think>", special=special)])
     tok.chat_template = template
     tok.save_pretrained(str(tok_dir))
     return make_agreeable_pair(root / "pair", tok_dir, agree_token=tok.convert_tokens_to_ids("</think>"), beta=1.0)
@@ -139,3 +140,30 @@ def test_server_splits_reasoning_from_content_streamed_and_not(thinking_pair, tm
         msg = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, max_tokens=40,
                                              temperature=0, extra_body={"ignore_eos": True}).choices[0].message
         assert msg.content == raw and getattr(msg, "reasoning_content", None) is None
+
+
+def test_skip_special_tokens_keeps_the_markers_a_reply_parser_reads(tmp_path_factory):
+    """A tokenizer whose ``</think>`` is a special token: a chat with skip_special_tokens
+    still splits its reasoning (the parser's markers are kept), a completion drops it."""
+    from dflash_torch import DFlashEngine
+    from test_server_scheduler import _serve
+
+    root = tmp_path_factory.mktemp("special-think")
+    pair = make_thinking_pair(root, THINKING_TEMPLATE, special=True)
+    engine = DFlashEngine.from_pretrained(*pair)
+    close = engine.tokenizer.convert_tokens_to_ids("</think>")
+    assert close in engine.special_token_ids
+    messages = [{"role": "user", "content": "def f(x):"}]
+    raw = engine.generate(messages, max_new_tokens=40, ignore_eos=True).text
+    reasoning, answer = raw.split("</think>", 1)
+    with _serve(pair, tmp_path_factory.mktemp("special-think-logs")) as server:
+        client = server.client()
+        model = client.models.list().data[0].id
+        for skip in (False, True):
+            msg = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0,
+                                                 extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+            assert (msg.choices[0].message.reasoning_content, msg.choices[0].message.content) == (reasoning, answer)
+        prompt = engine.decode(engine.encode_prompt(messages))
+        text = client.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0,
+                                         extra_body={"ignore_eos": True, "skip_special_tokens": True}).choices[0].text
+        assert text == raw.replace("</think>", "")

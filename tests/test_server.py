@@ -796,3 +796,19 @@ def test_continue_final_message_and_add_generation_prompt_shape_the_chat_prompt(
     assert "needs add_generation_prompt false" in both.json()["error"]["message"]
     custom = server.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "chat_template": "{{ 1 }}"})
     assert custom.status_code == 400 and custom.json()["error"]["param"] == "chat_template", custom.text
+
+
+def test_skip_special_tokens_and_include_stop_str_in_output_as_in_vllm(server, local_engine):
+    """vLLM's extensions are honoured (they were ignored): special tokens out of the text
+    (default: kept), the stop string kept in it."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {"0": 1.5}}
+    kept = server.post("/v1/completions", body).json()["choices"][0]["text"]
+    skipped = server.post("/v1/completions", {**body, "skip_special_tokens": True}).json()["choices"][0]["text"]
+    want = local_engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True, logit_bias={0: 1.5})
+    assert kept == want.text and local_engine.decode([0]) in kept
+    assert skipped == local_engine.decode([t for t in want.token_ids if t not in local_engine.special_token_ids])
+    stop = skipped[-1]
+    r = server.post("/v1/completions", {**body, "skip_special_tokens": True, "include_stop_str_in_output": True,
+                                        "stop": [stop]}).json()["choices"][0]
+    assert r["text"] == skipped[:skipped.find(stop) + 1] and r["finish_reason"] == "stop", r

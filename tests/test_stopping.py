@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import AGREE_TOKEN, corpus_texts, varied_prompts
-from dflash_torch import DFlashEngine
+from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.stopping import IncrementalText, Stopper, find_stop, partial_stop
 
 PROMPTS = ["def f(x):", "class Stack:\n    def push(self, item):\n", "import os\nimport sys\n", "x",
@@ -286,29 +286,38 @@ def overlapping_stops(draw, text: str):
     return draw(st.permutations([s for s in stops if s] or ["\x00never"]))
 
 
-def reference_stop(decode, ids, stops, stop_ids, max_new_tokens):
-    """The definition, by brute force: one token at a time, the whole text decoded again.
+def reference_stop(decode, ids, stops, stop_ids, max_new_tokens, include=False):
+    """The definition, by brute force: one token at a time, the whole text decoded again
+    (``include``: the text keeps the stop string, the longest of those starting first).
     Returns (text, number of tokens kept, finish reason)."""
 
+    def cut(text):
+        found = [(text.find(s), -len(s)) for s in stops if s in text]
+        if not found:
+            return None
+        start, minus_length = min(found)
+        return text[:start - minus_length] if include else text[:start]
+
     def end(text, k, reason):  # trailing U+FFFD characters are final at the end
-        starts = [text.find(s) for s in stops if s in text]
-        return (text[:min(starts)], k, "stop") if starts else (text, k, reason)
+        kept = cut(text)
+        return (kept, k, "stop") if kept is not None else (text, k, reason)
 
     for k in range(1, len(ids) + 1):
         if ids[k - 1] in stop_ids:
             return end(decode(ids[:k - 1]), k, "stop")
         text = decode(ids[:k]).rstrip("\ufffd")  # complete text after token k
-        starts = [text.find(s) for s in stops if s in text]  # none was complete before token k
-        if starts:
-            return text[:min(starts)], k, "stop"
+        kept = cut(text)  # none was complete before token k
+        if kept is not None:
+            return kept, k, "stop"
         if k == max_new_tokens:
             return end(decode(ids[:k]), k, "length")
     raise AssertionError("max_new_tokens is past the tokens")
 
 
-def run_stopper(decode, ids, stops, stop_ids, max_new_tokens, sizes):
+def run_stopper(decode, ids, stops, stop_ids, max_new_tokens, sizes, include=False):
     """Feed ``ids`` to a :class:`Stopper` in rounds of ``sizes`` tokens (cycled) until it finishes."""
-    stopper, deltas, kept, i, r = Stopper(decode, stops, stop_ids, max_new_tokens), [], 0, 0, 0
+    stopper = Stopper(decode, stops, stop_ids, max_new_tokens, include_stop=include)
+    deltas, kept, i, r = [], 0, 0, 0
     while True:
         tokens = ids[i:i + sizes[r % len(sizes)]]
         text, k, finish = stopper.feed(tokens)
@@ -331,6 +340,11 @@ def test_find_stop_and_partial_stop_examples():
     assert partial_stop("foo\n", ["\n\n", "o\n\n"]) == 2
     assert partial_stop("abc", ["abc"]) == 0  # a complete occurrence is not a partial one
     assert partial_stop("", ["a"]) == 0 and partial_stop("abc", []) == 0
+    # include_stop_str_in_output: the cut is after the occurrence that starts first
+    assert find_stop("import os\nimport", len("import os\n"), ["os\nimport os", "\nimp"], include=True) == \
+        len("import os\nimp")
+    assert find_stop("xxabcd", 3, ["cd", "abc"], include=True) == 5
+    assert find_stop("xxabcd", 3, ["ab", "abcd"], include=True) == 6  # (both start at 2: the longer)
 
 
 @PROPERTY
@@ -371,6 +385,9 @@ def test_stopper_decides_as_token_at_a_time_whatever_the_rounds(decoders, data, 
     assert run_stopper(decode, ids, stops, stop_ids, max_new_tokens, [1]) == want
     assert run_stopper(decode, ids, stops, stop_ids, max_new_tokens, sizes) == want
     assert not any(s in want[0] for s in stops)
+    kept = reference_stop(decode, ids, stops, stop_ids, max_new_tokens, include=True)  # the stop string kept
+    assert run_stopper(decode, ids, stops, stop_ids, max_new_tokens, sizes, include=True) == kept
+    assert kept[1:] == want[1:] and kept[0].startswith(want[0])
 
 
 def test_overlapping_stop_strings_of_the_issue_on_the_default_pair():
@@ -419,3 +436,35 @@ def test_overlapping_stop_strings_match_target_only_decoding(stop_pairs, data, n
     chunks = list(engine.stream(prompt, **kw))
     assert "".join(c.text for c in chunks) == want.text
     assert [t for c in chunks for t in c.token_ids] == want.token_ids
+
+
+def test_skip_special_tokens_and_include_stop_str_in_output():
+    """vLLM's two text options: special tokens (here EOS, generated with ignore_eos) left out
+    of the text but not out of the token ids, and the stop string kept; speculative output
+    equals the target alone's, one sequence and batched (the shipped pair: varied text)."""
+    engine = DFlashEngine.from_pretrained()
+    prompt = "def fibonacci(n):"
+    alone = DFlashEngine(engine.target, engine.tokenizer)  # target-only decoding
+    eos = min(engine.stop_token_ids)
+    assert eos in engine.special_token_ids
+    kw = dict(max_new_tokens=48, ignore_eos=True, logit_bias={eos: 6.0})  # (EOS tokens amid the text)
+    full = engine.generate(prompt, **kw)
+    assert eos in full.token_ids and len(set(full.token_ids)) > 1, full.token_ids
+    skipped = engine.generate(prompt, skip_special_tokens=True, **kw)
+    assert skipped.token_ids == full.token_ids
+    assert skipped.text == engine.decode([t for t in full.token_ids if t not in engine.special_token_ids])
+    assert engine.decode([eos]) in full.text and engine.decode([eos]) not in skipped.text
+    assert alone.generate(prompt, skip_special_tokens=True, **kw).text == skipped.text
+    text = skipped.text
+    stop = max(set(text), key=text.find)  # the character whose first occurrence comes last
+    assert text.find(stop) > 0, text
+    kept = engine.generate(prompt, skip_special_tokens=True, include_stop_str_in_output=True, stop=[stop], **kw)
+    assert kept.text == text[:text.find(stop) + len(stop)] and kept.finish_reason == "stop"
+    assert alone.generate(prompt, skip_special_tokens=True, include_stop_str_in_output=True, stop=[stop],
+                          **kw).token_ids == kept.token_ids
+    batch = engine.generate_batch([prompt, prompt], skip_special_tokens=[True, False],
+                                  include_stop_str_in_output=[True, False], stop=[stop], **kw)
+    assert batch[0].text == kept.text
+    assert batch[1].text == engine.generate(prompt, stop=[stop], **kw).text
+    with pytest.raises(DFlashError, match="skip_special_tokens must be True or False"):
+        engine.generate(prompt, skip_special_tokens="yes")

@@ -88,7 +88,7 @@ from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesInputError,
                        ResponsesRequest, TokenizeChatRequest, TokenizeCompletionRequest, conflicting_fields,
                        describe_validation_error, responses_message, responses_param, unsupported_field)
-from .reasoning import THINK_OPEN, check_reasoning_parser, resolve_parser
+from .reasoning import HARMONY_MARKERS, THINK_CLOSE, THINK_OPEN, check_reasoning_parser, resolve_parser
 from .responses import ResponseBuilder, marker_pieces, sse_event
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
                         make_backend, param_of)
@@ -591,6 +591,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         llg = engine.grammars.tokenizer()
         return special_token(engine.tokenizer, llg, CALL_OPEN), special_token(engine.tokenizer, llg, CALL_CLOSE)
 
+    @functools.cache
+    def parser_markers() -> frozenset[int]:
+        """The tokens that spell a reply parser's markers alone (``<think>``, ``<tool_call>``,
+        harmony's ``<|channel|>`` ...): kept in a chat's text when it skips special tokens, so
+        that its reasoning and tool calls are still found."""
+        tok = engine.tokenizer
+        ids = {tok.convert_tokens_to_ids(m) for m in (THINK_OPEN, THINK_CLOSE, CALL_OPEN, CALL_CLOSE, *HARMONY_MARKERS)}
+        return frozenset(i for i in ids if isinstance(i, int) and i in engine.special_token_ids)
+
     def opens_reasoning(prompt_tail: str) -> bool:
         """Whether a chat prompt ending in ``prompt_tail`` opened a reasoning the reply continues
         (the ``think`` format; :class:`~.reasoning.ThinkParser` reads the reply the same way)."""
@@ -657,6 +666,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                                            template_kwargs, tools, req.prompt_options() if chat else None)
         prompt_tail = engine.decode(prepared[0][0][-8:]) if chat else ""  # (a chat has one prompt)
         kwargs = req.sampling_kwargs()
+        if chat and kwargs["skip_special_tokens"] and (reasoning != "none" or tools):
+            kwargs["skip_special_tokens"] = parser_markers()  # (all special tokens but the parsers' markers)
         if chat and req.forces_tool_calls():
             check_tool_call_format(req)
         job = Job(loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived)

@@ -143,6 +143,9 @@ class _Request(BaseModel):
     # token id (a decimal string, as JSON keys are) -> bias; ids past the vocabulary: the engine's 400
     logit_bias: dict[StrictStr, Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
     min_tokens: StrictInt = Field(0, ge=0)  # extension (vLLM): no stop token (nor stop string) before that many
+    # extensions (vLLM's; vLLM skips special tokens by default, this server keeps them unless asked)
+    skip_special_tokens: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
     # structured outputs: OpenAI's field, vLLM's, and vLLM's older ones (at most one of them)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -225,6 +228,8 @@ class _Request(BaseModel):
             stop=self.stop_list() or None,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.engine_logprobs(),
             prompt_logprobs=self.engine_prompt_logprobs(),
         )
@@ -537,7 +542,7 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
 RESPONSES_EXTENSIONS = ("seed", "stop", "top_k", "logit_bias", "repetition_penalty", "presence_penalty",
                         "frequency_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "chat_template_kwargs",
                         "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                        "guided_whitespace_pattern")
+                        "guided_whitespace_pattern", "skip_special_tokens", "include_stop_str_in_output")
 TEXT_PART_TYPES = ("input_text", "output_text", "text")  # (text parts of an input message's content)
 # a chat request's parameters -> the Responses request's (in the errors of the chat machinery)
 RESPONSES_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
@@ -816,6 +821,8 @@ class ResponsesRequest(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_whitespace_pattern: Any = None
+    skip_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
     _chat: Any = PrivateAttr(None)  # (the chat request it is served as, once checked)
     _sources: Any = PrivateAttr(None)  # (InputSources of its chat messages, once made)
 
