@@ -608,7 +608,7 @@ def _parts_text(parts: str | list[_Part], where: str) -> str:
                                                             f"{where}.{j} is {part.type[:40]!r}", unsupported=True)
         if part.text is None:
             raise ResponsesInputError(f"{where}.{j}.text", f"missing required parameter: {where}.{j}.text")
-    return "".join(part.text for part in parts)
+    return "\n".join(part.text for part in parts)  # (as chat content parts, see ChatMessage.text)
 
 
 def _validate_item(schema, item: dict, where: str):
