@@ -364,6 +364,8 @@ def error_message(exc: DFlashError, flags: dict[str, str]) -> str:
             flag = flags.get(name.replace(" ", "_"))
             if flag is not None:
                 message = message.replace(name, flag, 1)
+                if message.startswith(f"{flag} {flag[2:]} "):  # ("structured_output regex is invalid" for --regex)
+                    message = flag + message[2 * len(flag) - 1:]
     return message
 
 

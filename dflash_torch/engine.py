@@ -263,14 +263,14 @@ class DFlashEngine:
             target = DEFAULT_TARGET
             if draft is None and not no_draft:
                 draft = DEFAULT_DRAFTER
-        target_dir = resolve_model_dir(target)
+        target_dir = _checkpoint_dir(target, "target")
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
         draft_dir, draft_cfg = None, None
         if not no_draft:
             if draft is None:
                 raise OptionError("this target needs draft, its DFlash drafter checkpoint (or no_draft for "
                                   "target-only decoding)", "draft", "no_draft")
-            draft_dir = resolve_model_dir(draft)
+            draft_dir = _checkpoint_dir(draft, "draft")
             draft_cfg = DrafterConfig.from_dict(load_config(draft_dir))
             validate_pair(target_cfg, draft_cfg)
         options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
@@ -415,14 +415,18 @@ class DFlashEngine:
         tools = options.check_tools(tools)
         if isinstance(prompt, list) and not prompt:
             raise DFlashError("the prompt is empty (no tokens or messages)")
-        is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        # token ids: Python or NumPy integers, 0-dim integer tensors (anything with __index__), not bools
+        is_ids = isinstance(prompt, list) and all(hasattr(t, "__index__") and not isinstance(t, bool) for t in prompt)
         for name, value in (("chat_template_kwargs", template_kwargs), ("tools", tools),
                             ("continue_final_message", continue_final_message or None)):
             if value is not None and (is_ids or not (chat or isinstance(prompt, list))):
                 verb = "applies" if name == "continue_final_message" else "apply"
                 raise OptionError(f"{name} {verb} to chat prompts only (chat messages, or a text with chat)", name, "chat")
         if is_ids:
-            return list(prompt)
+            try:
+                return [t.__index__() for t in prompt]
+            except TypeError:  # (a 0-dim float tensor has __index__ and refuses it)
+                raise DFlashError("prompt token ids must be integers") from None
         if isinstance(prompt, list) or chat:
             messages = _chat_messages(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
             if not getattr(self.tokenizer, "chat_template", None):
@@ -978,6 +982,17 @@ class DFlashEngine:
         stats.acceptance_histogram = dict(sorted(Counter(taus).items()))
         if stats.decode_time > 0:
             stats.decode_tokens_per_second = (stats.generated_tokens - 1) / stats.decode_time
+
+
+def _checkpoint_dir(value, name: str) -> Path:
+    """:func:`~dflash_torch.checkpoint.resolve_model_dir` of the ``name`` argument, its error
+    naming the argument (``--target`` / ``--draft`` on the command line)."""
+    try:
+        return resolve_model_dir(value)
+    except OptionError:
+        raise
+    except DFlashError as exc:
+        raise OptionError(f"{name}: {exc}", name) from None
 
 
 def byte_level_alphabet() -> list[str]:

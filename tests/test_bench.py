@@ -277,6 +277,27 @@ def test_a_shape_that_cannot_fit_is_refused_before_anything_is_timed(tiny_pair, 
     assert "target-only" not in captured.out and not out.exists()
 
 
+@pytest.mark.parametrize("sweep_shapes", ["", "qwen3-8b"])
+def test_a_sweep_that_cannot_fit_is_refused_before_anything_is_timed(tiny_pair, tmp_path, capsys, monkeypatch,
+                                                                     sweep_shapes):
+    """``--sweep 99999999``: one line naming --sweep, before any mode runs (it was an allocator
+    traceback after the modes had been timed)."""
+    from dflash_torch.bench import sweep
+    from dflash_torch.cli import main as cli_main
+
+    monkeypatch.setattr(sweep, "available_memory", lambda device: 2**30)  # a 1 GiB machine
+    target, drafter = tiny_pair
+    length = "100000" if sweep_shapes else "99999999"  # (the tiny drafter's rows are small; a qwen3-8b one's are not)
+    rc = cli_main(["bench", "--target", str(target), "--draft", str(drafter), "--out", str(tmp_path / "o"),
+                   "--dtype", "float32", "--modes", "target-only", "--num-prompts", "1", "--max-new-tokens", "4",
+                   "--sweep", f"128,{length}", "--sweep-shapes", sweep_shapes, "--no-progress"])
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    what = "a qwen3-8b-shaped drafter" if sweep_shapes else "the drafter"
+    assert rc == 2 and len(err) == 1 and f"--sweep {length} needs about" in err[0] and what in err[0], err
+    assert "cpu has 1.0 GiB free: lower --sweep" in err[0] and "target-only" not in captured.out
+
+
 def test_modes_plot_of_target_only_alone_warns_nothing(tmp_path):
     """``bench --modes target-only``: the acceptance panel has no curve; the plot is written
     without matplotlib's "No artists with labels found to put in legend" warning."""

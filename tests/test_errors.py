@@ -867,3 +867,27 @@ def test_hugging_face_ids_resolve_from_the_local_cache(tiny_pair, tmp_path, monk
             resolve_model_dir("acme/tiny")
     with pytest.raises(DFlashError, match="'acme/other' is not a local directory and is not in the Hugging Face cache"):
         resolve_model_dir("acme/other")
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_a_missing_checkpoint_names_its_argument_and_flag(tiny_pair, tmp_path, capsys, which):
+    """("model directory ... does not exist" named neither --target nor --draft.)"""
+    target, drafter = tiny_pair
+    paths = {"target": str(target), "draft": str(drafter), which: str(tmp_path / "nowhere")}
+    with pytest.raises(DFlashError) as err:
+        DFlashEngine.from_pretrained(paths["target"], paths["draft"])
+    assert str(err.value) == f"{which}: model directory {paths[which]!r} does not exist"
+    rc = cli_main(["generate", "hi", "--target", paths["target"], "--draft", paths["draft"], "--max-new-tokens", "2"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and lines == [f"dflash-torch: error: --{which}: model directory {paths[which]!r} does not exist"]
+
+
+def test_prompt_ids_may_be_numpy_integers_or_0_dim_tensors(engine):
+    """(As check_prompt_ids documents; encode_prompt refused them as "not chat messages".)"""
+    import numpy as np
+    import torch
+
+    want = engine.generate([5, 7, 3], max_new_tokens=4).token_ids
+    assert engine.generate([np.int64(5), np.int32(7), torch.tensor(3)], max_new_tokens=4).token_ids == want
+    with pytest.raises(DFlashError, match="prompt token ids must be integers"):
+        engine.generate([torch.tensor(3.0)], max_new_tokens=2)

@@ -308,10 +308,10 @@ def test_cli_flags_equal_the_python_api(tmp_path, capsys):
 @pytest.mark.parametrize("flags,message", [
     (["--json-object", "--regex", "a"], "give at most one of --json-schema, --json-object, --regex, --choice, --grammar"),
     (["--choice", "a", "--grammar", "start: \"a\""], "got --choice and --grammar"),
-    (["--regex", "(("], "--regex regex is invalid"),
+    (["--regex", "(("], "error: --regex is invalid"),  # (was "--regex regex is invalid")
     (["--json-schema", "{bad"], "--json-schema must be a JSON schema"),
     (["--json-schema", "@/nonexistent/schema.json"], "--json-schema: cannot read"),
-    (["--grammar", "start: nothing_here"], "--grammar grammar is invalid"),
+    (["--grammar", "start: nothing_here"], "error: --grammar is invalid"),
     (["--choice", "a", "--ignore-eos"], "--ignore-eos cannot be combined with a structured output"),
 ])
 def test_cli_errors_are_one_line_exit_2(flags, message, capsys):

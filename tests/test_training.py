@@ -297,8 +297,13 @@ REFUSED_TRAIN_OPTIONS = {
     "init-from-target-too-deep": "--init-from-target copies the target's last --num-layers layers: at most 4, got 9",
     "intermediate-size-0": "--intermediate-size must be >= 1, got 0",  # (0 meant the target's width)
     "prefix-min-above-max": "--prefix-min (10) must be <= --prefix-max (5)",
-    "negative-weight-decay": "--weight-decay must be >= 0, got -0.1",  # (the message named five options)
-    "grad-clip-0": "--grad-clip must be > 0, got 0.0",
+    "negative-weight-decay": "--weight-decay must be a finite number >= 0, got -0.1",  # (the message named five options)
+    "grad-clip-0": "--grad-clip must be a finite number > 0, got 0.0",
+    # (inf and NaN passed: --lr inf saved a drafter of NaN weights with exit 0)
+    "lr-inf": "--lr must be a finite number > 0, got inf",
+    "weight-decay-nan": "--weight-decay must be a finite number >= 0, got nan",
+    # (came after the "drafter: ..." line, once the target had loaded)
+    "data-missing": "training data ",
     # (silently ignored when training a DFlash drafter)
     "dflash2-option-for-dflash": "--selector-rank is an option of DFlash 2 drafters (--arch dflash2); this run trains a "
                                  "dflash drafter",
@@ -350,6 +355,12 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
         args += ["--weight-decay", "-0.1"]
     elif case == "grad-clip-0":
         args += ["--grad-clip", "0"]
+    elif case == "data-missing":
+        args[args.index("--data") + 1] = str(tmp_path / "nowhere.txt")
+    elif case == "lr-inf":
+        args += ["--lr", "inf"]
+    elif case == "weight-decay-nan":
+        args += ["--weight-decay", "nan"]
     elif case == "dflash2-option-for-dflash":
         args += ["--selector-rank", "16"]
     elif case == "dflash2-default-option-for-dflash":
@@ -682,3 +693,16 @@ def test_self_distill_draws_no_progress_bar_when_told_not_to(tiny_pair, capsys):
     assert len(examples) == 1 and examples[0].ids.tolist()[:3] == [5, 6, 7] and len(examples[0].ids) == 6
     assert "Loading weights" not in capsys.readouterr().err
     assert hf_logging.is_progress_bar_enabled()
+
+
+@pytest.mark.parametrize("lr,steps", [(1e38, 3), (float("inf"), 1)], ids=["optimizer-overflow", "weights-not-finite"])
+def test_a_learning_rate_that_blows_the_weights_up_is_an_error_not_a_saved_drafter(tiny_pair, tmp_path, lr, steps):
+    """--lr 1e38: Adam's update overflowed in a RuntimeError traceback; an infinite lr (the
+    command line now refuses it) made the weights NaN in the last step and the drafter was
+    saved (exit 0)."""
+    target, _ = tiny_pair
+    cfg = _cfg(tmp_path, target, _jsonl(tmp_path / "d.jsonl"), lr=lr, steps=steps, warmup_steps=0, val_seqs=0)
+    with pytest.raises(DFlashError, match=r"training diverged (at|by) step \d") as err:
+        Trainer(cfg, log=lambda m: None).run()
+    assert "lower --lr" in str(err.value) and "\n" not in str(err.value)
+    assert not (Path(cfg.out) / "model.safetensors").exists()

@@ -194,7 +194,8 @@ def _run(args: argparse.Namespace) -> int:
     from ..batch import check_draft_max_batch_size
     from .modes import ALL_MODES, divergences, load_prompts, run_modes
     from .shapes import SHAPES, build_drafter, layers_that_fit, round_vs_step
-    from .sweep import context_sweep
+    from .shapes import drafter_config as shape_drafter_config, target_config
+    from .sweep import check_sweep_fits, context_sweep
 
     set_threads(args)
     check_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
@@ -221,7 +222,8 @@ def _run(args: argparse.Namespace) -> int:
         if not batch_sizes:  # (the modes decode one sequence: nothing would use it)
             raise DFlashError("--draft-max-batch-size applies to --batch-sizes only; add --batch-sizes or drop it")
     if not modes and not batch_sizes:
-        raise DFlashError("--modes is empty; choose from target-only, inject, recompute, target-only-compiled, inject-compiled")
+        raise DFlashError("--modes is empty; choose from target-only, inject, recompute, target-only-compiled, inject-compiled "
+                          "(an empty --modes times --batch-sizes only)")
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
         raise DFlashError(f"unknown bench mode(s) {unknown}; choose from {', '.join(ALL_MODES)}")
@@ -262,6 +264,12 @@ def _run(args: argparse.Namespace) -> int:
             raise DFlashError(f"prompt {i + 1} ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds "
                               f"the target's context of {limit} tokens")
     max_context = min(engine.target.config.max_position_embeddings, max(map(len, prompt_ids)) + args.max_new_tokens + 1)
+    if lengths:  # (before anything is timed: a sweep that cannot fit was a traceback after the modes)
+        if engine.drafter is not None:
+            check_sweep_fits(engine.drafter.config, lengths, engine.block_size, dtype, device)
+        for shape in sweep_shapes:
+            check_sweep_fits(shape_drafter_config(target_config(shape), 5, engine.block_size), lengths,
+                             engine.block_size, dtype, device, f"a {shape}-shaped drafter")
     report = {
         "target": str(args.target or DEFAULT_TARGET), "draft": None if engine.drafter is None else str(args.draft or DEFAULT_DRAFTER),
         "dtype": str(dtype).removeprefix("torch."), "device": args.device, "block_size": engine.block_size,

@@ -10,7 +10,34 @@ import time
 
 import torch
 
+from ..checkpoint import available_memory
+from ..errors import DFlashError
+from ..models.config import DrafterConfig
 from ..models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
+
+
+def sweep_bytes(cfg: DrafterConfig, context_len: int, block_size: int, dtype: torch.dtype) -> int:
+    """An upper estimate of the memory (bytes) one :func:`propose_time` at ``context_len``
+    takes: the random feature rows (made in float32, then cast), the injected cache and the
+    recompute mode's re-projected keys and values, of every drafter layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+    return (context_len + block_size + 1) * ((4 + elem) * width + 2 * elem * kv)
+
+
+def check_sweep_fits(cfg: DrafterConfig, lengths: list[int], block_size: int, dtype: torch.dtype,
+                     device: str | torch.device, what: str = "the drafter") -> None:
+    """Refuse a sweep whose longest context would not fit in 90% of ``device``'s free memory.
+
+    Raises:
+        DFlashError: naming ``--sweep``, the bytes needed and those free.
+    """
+    free, longest = available_memory(device), max(lengths)
+    need = sweep_bytes(cfg, longest, block_size, dtype)
+    if free is not None and need > 0.9 * free:
+        raise DFlashError(f"--sweep {longest} needs about {need / 2**30:.1f} GiB for {what}'s propose timing; {device} "
+                          f"has {free / 2**30:.1f} GiB free: lower --sweep")
 
 
 @torch.inference_mode()

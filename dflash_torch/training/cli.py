@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from ..errors import DFlashError
@@ -121,15 +122,16 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
             raise DFlashError(f"{name} must be >= 1, got {value}")
     if args.num_threads is not None:
         check_threads(args.num_threads, "--threads")
-    for name, value in {"--lr": args.lr, "--time-budget-min": args.time_budget_min, "--gamma": args.gamma}.items():
-        if value is not None and not value > 0:
-            raise DFlashError(f"{name} must be > 0, got {value}")
+    # (inf and NaN passed these checks: --lr inf saved a drafter of NaN weights with exit 0)
+    for name, value in {"--lr": args.lr, "--time-budget-min": args.time_budget_min, "--gamma": args.gamma,
+                        "--grad-clip": args.grad_clip}.items():
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise DFlashError(f"{name} must be a finite number > 0, got {value}")
     for name, value in {"--weight-decay": args.weight_decay, "--warmup-steps": args.warmup_steps,
                         "--val-seqs": args.val_seqs, "--self-distill": args.self_distill}.items():
-        if value < 0:
-            raise DFlashError(f"{name} must be >= 0, got {value}")
-    if not args.grad_clip > 0:
-        raise DFlashError(f"--grad-clip must be > 0, got {args.grad_clip}")
+        if not (value >= 0 and math.isfinite(value)):
+            raise DFlashError(f"{name} must be {'a finite number' if isinstance(value, float) else 'an integer'} "
+                              f">= 0, got {value}")
     if args.prefix_min > args.prefix_max:
         raise DFlashError(f"--prefix-min ({args.prefix_min}) must be <= --prefix-max ({args.prefix_max})")
     if not 0 <= args.raw_fraction <= 1:

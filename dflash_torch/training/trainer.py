@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_config, resolve_model_dir
+from ..checkpoint import all_finite, load_config, resolve_model_dir
 from ..errors import DFlashError
 from ..models.config import DFlash2Settings, DrafterConfig, TargetConfig, default_target_layer_ids, validate_pair
 from ..models.drafter import DFlashDrafter, drafter_class
@@ -446,6 +446,7 @@ class Trainer:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
+        corpus_files(cfg.data)  # (a missing --data path: an error before the target loads, not after its log lines)
         target_dir = resolve_model_dir(cfg.target)
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
         if cfg.seq_len > target_cfg.max_position_embeddings:
@@ -525,6 +526,9 @@ class Trainer:
             return p
 
         def save_checkpoint() -> None:
+            if not all(all_finite(p.detach()) for p in drafter.parameters()):  # (an update, e.g. a huge --lr, made them so)
+                raise DFlashError(f"training diverged by step {step}: the drafter's weights hold NaN or infinite "
+                                  f"values; lower --lr (now {cfg.lr:g})")
             tmp = ckpt_path.with_suffix(".tmp")
             torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
                         "elapsed": elapsed(), "history": history, "evals": evals,
@@ -561,7 +565,11 @@ class Trainer:
                 if not (math.isfinite(loss) and math.isfinite(gnorm)):  # before the update spreads it to the weights
                     raise DFlashError(f"training diverged at step {step + 1} (loss {loss:.4g}, gradient norm {gnorm:.4g}); "
                                       f"lower --lr (now {cfg.lr:g})")
-                opt.step()
+                try:
+                    opt.step()
+                except RuntimeError as exc:  # (e.g. Adam's update overflowing a float at a huge --lr)
+                    raise DFlashError(f"training diverged at step {step + 1}: the optimizer step failed "
+                                      f"({' '.join(str(exc).split())[:120]}); lower --lr (now {cfg.lr:g})") from None
                 step += 1
                 loss_ema = loss if loss_ema is None else 0.95 * loss_ema + 0.05 * loss
                 loss_acc += loss
