@@ -19,7 +19,7 @@ import psutil
 import torch
 from safetensors import safe_open
 
-from .errors import DFlashError
+from .errors import DFlashError, OptionError
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
@@ -56,6 +56,21 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
                               "(an incomplete download?)")
         raise DFlashError(f"model {name!r} is not a local directory and is not in the Hugging Face cache (offline)")
     raise DFlashError(f"model directory {name!r} does not exist")
+
+
+def checkpoint_dir(value, name: str) -> Path:
+    """:func:`resolve_model_dir` of the ``name`` argument (``target``, ``draft``, ``init_from``),
+    its error naming the argument (the flag, ``--target``, on the command line).
+
+    Raises:
+        OptionError: as :func:`resolve_model_dir`, the message led by ``name``.
+    """
+    try:
+        return resolve_model_dir(value)
+    except OptionError:
+        raise
+    except DFlashError as exc:
+        raise OptionError(f"{name}: {exc}", name) from None
 
 
 def read_json_object(path: Path) -> dict:

@@ -30,7 +30,7 @@ import torch
 
 from . import compute, options
 from .batch import BatchDecoder, check_draft_max_batch_size, check_max_batch_size
-from .checkpoint import available_memory, load_config, read_json_object, resolve_model_dir
+from .checkpoint import available_memory, checkpoint_dir, load_config, read_json_object
 from .decoding import Round, SpeculativeDecoder
 from .errors import DFlashError, OptionError
 from .models.config import DrafterConfig, TargetConfig, check_vocab_ids, eos_token_ids, validate_pair
@@ -263,14 +263,14 @@ class DFlashEngine:
             target = DEFAULT_TARGET
             if draft is None and not no_draft:
                 draft = DEFAULT_DRAFTER
-        target_dir = _checkpoint_dir(target, "target")
+        target_dir = checkpoint_dir(target, "target")
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
         draft_dir, draft_cfg = None, None
         if not no_draft:
             if draft is None:
                 raise OptionError("this target needs draft, its DFlash drafter checkpoint (or no_draft for "
                                   "target-only decoding)", "draft", "no_draft")
-            draft_dir = _checkpoint_dir(draft, "draft")
+            draft_dir = checkpoint_dir(draft, "draft")
             draft_cfg = DrafterConfig.from_dict(load_config(draft_dir))
             validate_pair(target_cfg, draft_cfg)
         options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
@@ -982,17 +982,6 @@ class DFlashEngine:
         stats.acceptance_histogram = dict(sorted(Counter(taus).items()))
         if stats.decode_time > 0:
             stats.decode_tokens_per_second = (stats.generated_tokens - 1) / stats.decode_time
-
-
-def _checkpoint_dir(value, name: str) -> Path:
-    """:func:`~dflash_torch.checkpoint.resolve_model_dir` of the ``name`` argument, its error
-    naming the argument (``--target`` / ``--draft`` on the command line)."""
-    try:
-        return resolve_model_dir(value)
-    except OptionError:
-        raise
-    except DFlashError as exc:
-        raise OptionError(f"{name}: {exc}", name) from None
 
 
 def byte_level_alphabet() -> list[str]:

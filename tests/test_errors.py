@@ -783,7 +783,9 @@ HYBRID_MALFORMED = [
     (_set("decoder_sparse_step", "2"), "target config.json decoder_sparse_step must be an integer >= 1, got '2'"),
     (_set("mlp_only_layers", "1"), "target config.json mlp_only_layers must be a list of layer indices, got '1'"),
     (_set("shared_expert_intermediate_size", "48"),
-     "target config.json shared_expert_intermediate_size must be an integer >= 0, got '48'"),
+     "target config.json shared_expert_intermediate_size must be an integer >= 1, got '48'"),
+    (_set("shared_expert_intermediate_size", 0),
+     "target config.json shared_expert_intermediate_size must be an integer >= 1, got 0"),  # (was "lacks" it)
     (_set("num_experts_per_tok", 1.0), "target config.json num_experts_per_tok must be an integer >= 1, got 1.0"),
 ]
 

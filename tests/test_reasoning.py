@@ -167,3 +167,13 @@ def test_skip_special_tokens_keeps_the_markers_a_reply_parser_reads(tmp_path_fac
         text = client.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0,
                                          extra_body={"ignore_eos": True, "skip_special_tokens": True}).choices[0].text
         assert text == raw.replace("</think>", "")
+        # a last message that opened its thinking (continue_final_message): the reply goes on as reasoning
+        started = [*messages, {"role": "assistant", "content": "<think>\nI"}]
+        opts = {"add_generation_prompt": False, "continue_final_message": True}
+        ids = engine.encode_prompt(started, **opts)
+        assert engine.decode(ids).endswith("<think>\nI")
+        go_on = engine.generate(ids, max_new_tokens=40, ignore_eos=True).text
+        assert "</think>" in go_on
+        msg = client.chat.completions.create(model=model, messages=started, max_tokens=40, temperature=0,
+                                             extra_body={"ignore_eos": True, **opts}).choices[0].message
+        assert (msg.reasoning_content, msg.content) == tuple(go_on.split("</think>", 1))

@@ -438,6 +438,8 @@ def test_a_nan_sampling_value_is_called_not_finite(server, field):
     """(NaN was "Input should be less than or equal to 2": a bound it does not break.)"""
     r = server.post("/v1/completions", '{"prompt": "x", "%s": NaN}' % field, raw=True)
     assert r.status_code == 400 and "finite number" in r.json()["error"]["message"], r.text
+    r = server.post("/v1/completions", '{"prompt": "x", "logit_bias": {"5": NaN}}', raw=True)
+    assert r.status_code == 400 and "finite number" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
@@ -812,3 +814,14 @@ def test_skip_special_tokens_and_include_stop_str_in_output_as_in_vllm(server, l
     r = server.post("/v1/completions", {**body, "skip_special_tokens": True, "include_stop_str_in_output": True,
                                         "stop": [stop]}).json()["choices"][0]
     assert r["text"] == skipped[:skipped.find(stop) + 1] and r["finish_reason"] == "stop", r
+    # text_offset indexes the text returned: a skipped token adds no characters (it counted its bytes)
+    starts, at = [], 0
+    for t in want.token_ids:
+        starts.append(at)
+        at += 0 if t in local_engine.special_token_ids else len(local_engine.decode([t]))
+    whole = server.post("/v1/completions", {**body, "skip_special_tokens": True, "logprobs": 0}).json()
+    assert whole["choices"][0]["logprobs"]["text_offset"] == starts
+    extra = {k: body[k] for k in ("ignore_eos", "logit_bias")}
+    chunks = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, logprobs=0,
+                                                stream=True, extra_body={**extra, "skip_special_tokens": True})
+    assert [o for c in chunks if c.choices for o in (c.choices[0].logprobs.text_offset or [])] == starts

@@ -74,6 +74,7 @@ def test_detokenize_is_the_text_of_the_tokens(server, engine):
     # (a chat's template options are honoured as in chat completions; both true contradict each other)
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
     ("/tokenize", {"prompt": PROMPT, "continue_final_message": True}, 400, "continue_final_message"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ 'x' }}"}, 400, "chat_template"),  # (was ignored)
     ("/tokenize", {"messages": []}, 400, "messages"),
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": PROMPT, "model": "other"}, 404, "model"),

@@ -269,7 +269,7 @@ def _run(args: argparse.Namespace) -> int:
             check_sweep_fits(engine.drafter.config, lengths, engine.block_size, dtype, device)
         for shape in sweep_shapes:
             check_sweep_fits(shape_drafter_config(target_config(shape), 5, engine.block_size), lengths,
-                             engine.block_size, dtype, device, f"a {shape}-shaped drafter")
+                             engine.block_size, dtype, device, f"a {shape}-shaped drafter", built=False)
     report = {
         "target": str(args.target or DEFAULT_TARGET), "draft": None if engine.drafter is None else str(args.draft or DEFAULT_DRAFTER),
         "dtype": str(dtype).removeprefix("torch."), "device": args.device, "block_size": engine.block_size,

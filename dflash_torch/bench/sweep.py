@@ -13,7 +13,8 @@ import torch
 from ..checkpoint import available_memory
 from ..errors import DFlashError
 from ..models.config import DrafterConfig
-from ..models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
+from ..models.drafter import DFlashDrafter, InjectedContext, RecomputedContext, drafter_class
+from ..models.packing import packing_supported
 
 
 def sweep_bytes(cfg: DrafterConfig, context_len: int, block_size: int, dtype: torch.dtype) -> int:
@@ -27,14 +28,20 @@ def sweep_bytes(cfg: DrafterConfig, context_len: int, block_size: int, dtype: to
 
 
 def check_sweep_fits(cfg: DrafterConfig, lengths: list[int], block_size: int, dtype: torch.dtype,
-                     device: str | torch.device, what: str = "the drafter") -> None:
-    """Refuse a sweep whose longest context would not fit in 90% of ``device``'s free memory.
+                     device: str | torch.device, what: str = "the drafter", built: bool = True) -> None:
+    """Refuse a sweep whose longest context would not fit in 90% of ``device``'s free memory
+    (``built`` False: the drafter is yet to be made, so its weights count too, twice where
+    its linears are prepacked).
 
     Raises:
         DFlashError: naming ``--sweep``, the bytes needed and those free.
     """
     free, longest = available_memory(device), max(lengths)
     need = sweep_bytes(cfg, longest, block_size, dtype)
+    if not built:
+        with torch.device("meta"):
+            params = sum(p.numel() for p in drafter_class(cfg)(cfg).parameters())
+        need += params * torch.empty((), dtype=dtype).element_size() * (2 if packing_supported(dtype, device) else 1)
     if free is not None and need > 0.9 * free:
         raise DFlashError(f"--sweep {longest} needs about {need / 2**30:.1f} GiB for {what}'s propose timing; {device} "
                           f"has {free / 2**30:.1f} GiB free: lower --sweep")

@@ -430,8 +430,8 @@ def moe_config(cfg: dict, *, norm_topk_prob: bool | None = None, shared_expert: 
         num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
         intermediate_size=cfg["moe_intermediate_size"],
         norm_topk_prob=bool_field(cfg, "norm_topk_prob", "target", False) if norm_topk_prob is None else norm_topk_prob,
-        shared_expert_intermediate_size=(check_int(cfg, "shared_expert_intermediate_size", "target", minimum=0) or 0)
-        if shared_expert else 0,
+        shared_expert_intermediate_size=(check_int(cfg, "shared_expert_intermediate_size", "target") or 0)
+        if shared_expert else 0,  # (0 read as "lacks" it: the family needs one)
     )
     if not 1 <= moe.top_k <= moe.num_experts:
         raise DFlashError(f"target num_experts_per_tok {moe.top_k} must be in [1, num_experts={moe.num_experts}]")

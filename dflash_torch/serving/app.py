@@ -197,9 +197,10 @@ class _TextOffsets:
     decoded as UTF-8 in order, invalid bytes as U+FFFD; a character split over tokens
     begins in the first of them)."""
 
-    def __init__(self):
+    def __init__(self, skip: frozenset[int] = frozenset()):
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._chars = 0  # characters decoded so far
+        self.skip = skip  # generated tokens without text (skip_special_tokens): they add no characters
 
     def advance(self, data: bytes) -> int:
         """The offset of the next token, of bytes ``data``."""
@@ -217,7 +218,7 @@ def _completion_logprobs(entries, token_info, offsets: _TextOffsets) -> dict:
     for e in entries:
         text, data = token_info(e.token_id)
         tokens.append(text)
-        starts.append(offsets.advance(data))
+        starts.append(offsets.advance(b"" if e.token_id in offsets.skip else data))
         top = {token_info(t)[0]: lp for t, lp in e.top}
         top.setdefault(text, e.logprob)
         tops.append(top)
@@ -285,6 +286,7 @@ class _Scoring:
         self.echo_k = req.logprobs if self.echo and req.logprobs is not None else None
         self.vllm_k = req.prompt_logprobs
         self.scores_only = req.scores_only()
+        self.skips_special_tokens = bool(req.skip_special_tokens)  # (their text_offset then adds nothing)
         self.texts = [p if isinstance(p, str) else decode(ids) for p, ids in zip(prompts, self.ids)] if self.echo else None
 
     def prompt_of(self, choice: int) -> int:
@@ -592,12 +594,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         return special_token(engine.tokenizer, llg, CALL_OPEN), special_token(engine.tokenizer, llg, CALL_CLOSE)
 
     @functools.cache
-    def parser_markers() -> frozenset[int]:
-        """The tokens that spell a reply parser's markers alone (``<think>``, ``<tool_call>``,
-        harmony's ``<|channel|>`` ...): kept in a chat's text when it skips special tokens, so
-        that its reasoning and tool calls are still found."""
-        tok = engine.tokenizer
-        ids = {tok.convert_tokens_to_ids(m) for m in (THINK_OPEN, THINK_CLOSE, CALL_OPEN, CALL_CLOSE, *HARMONY_MARKERS)}
+    def parser_markers(with_tools: bool) -> frozenset[int]:
+        """The tokens that spell a marker of this chat's reply parsers alone (``<think>`` for
+        ``think``, harmony's ``<|channel|>`` ..., ``<tool_call>`` for a request with tools):
+        kept in a chat's text when it skips special tokens, so that its reasoning and tool
+        calls are still found."""
+        markers = {"think": (THINK_OPEN, THINK_CLOSE), "harmony": HARMONY_MARKERS}.get(reasoning, ())
+        if with_tools and tool_calls in ("hermes", "qwen3_coder"):
+            markers += (CALL_OPEN, CALL_CLOSE)
+        ids = {engine.tokenizer.convert_tokens_to_ids(m) for m in markers}
         return frozenset(i for i in ids if isinstance(i, int) and i in engine.special_token_ids)
 
     def opens_reasoning(prompt_tail: str) -> bool:
@@ -665,9 +670,13 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         prepared = await asyncio.to_thread(prepare, prompts, chat, requested, default_max_tokens,
                                            template_kwargs, tools, req.prompt_options() if chat else None)
         prompt_tail = engine.decode(prepared[0][0][-8:]) if chat else ""  # (a chat has one prompt)
+        if chat and req.continue_final_message:  # the reply goes on inside a thinking the last message opened
+            last = req.messages[-1].text()
+            if last.rfind(THINK_OPEN) > last.rfind(THINK_CLOSE):
+                prompt_tail = THINK_OPEN
         kwargs = req.sampling_kwargs()
         if chat and kwargs["skip_special_tokens"] and (reasoning != "none" or tools):
-            kwargs["skip_special_tokens"] = parser_markers()  # (all special tokens but the parsers' markers)
+            kwargs["skip_special_tokens"] = parser_markers(bool(tools))  # (all special tokens but the parsers' markers)
         if chat and req.forces_tool_calls():
             check_tool_call_format(req)
         job = Job(loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived)
@@ -721,6 +730,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                        scoring: _Scoring):
         outs = [{"text": [], "tokens": 0, "finish": None, "stats": None, "logprobs": None, "prompt_logprobs": None}
                 for _ in job.sequences]
+        skipped = engine.special_token_ids if scoring.skips_special_tokens else frozenset()
         left = len(outs)
         while left:
             ev = await next_event(job, request)
@@ -761,7 +771,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                         finish = "tool_calls" if finish == "stop" else finish
                 choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
-                offsets = _TextOffsets()
+                offsets = _TextOffsets(skipped)
                 echoed = scoring.echo_logprobs(i, out["prompt_logprobs"], token_info, offsets)
                 logprobs = None if logprobs is None else _completion_logprobs(logprobs, token_info, offsets)
                 choice = {"index": i, "text": scoring.echo_text(i) + content,
@@ -783,6 +793,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         created_at = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         include_usage = req.include_usage
+        skipped = engine.special_token_ids if scoring.skips_special_tokens else frozenset()
 
         def frame(choices, **extra):
             d = {"id": rid, "object": obj, "created": created_at, "model": model_id, "system_fingerprint": None,
@@ -792,7 +803,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             d.update(extra)
             return _sse(d)
 
-        offsets = [_TextOffsets() for _ in job.sequences]  # (legacy text_offset of each choice)
+        offsets = [_TextOffsets(skipped) for _ in job.sequences]  # (legacy text_offset of each choice)
         echoed = [False] * len(job.sequences)  # (echo: each choice's prompt text sent)
 
         calls_sent = [0] * len(job.sequences)  # (each choice's tool calls so far: the next one's index)
@@ -959,6 +970,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         chat = isinstance(req, TokenizeChatRequest)
         if (bad := req.fixed_option()) is not None:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        if chat and req.chat_template is not None:  # (as a chat completion refuses it)
+            raise APIError(400, "chat_template is not supported: chats are rendered with the model's own chat template",
+                           param="chat_template", code="unsupported_parameter")
         if chat:
             prompt, template_kwargs, tools = req.engine_messages(), req.template_kwargs(default_template_kwargs), \
                 req.engine_tools()

@@ -141,7 +141,8 @@ class _Request(BaseModel):
     frequency_penalty: StrictFloat | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     repetition_penalty: StrictFloat | None = Field(None, gt=0, allow_inf_nan=False)  # extension (vLLM); 1 = off
     # token id (a decimal string, as JSON keys are) -> bias; ids past the vocabulary: the engine's 400
-    logit_bias: dict[StrictStr, Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    logit_bias: dict[StrictStr, Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS,
+                                                            allow_inf_nan=False)]] | None = None
     min_tokens: StrictInt = Field(0, ge=0)  # extension (vLLM): no stop token (nor stop string) before that many
     # extensions (vLLM's; vLLM skips special tokens by default, this server keeps them unless asked)
     skip_special_tokens: StrictBool = False

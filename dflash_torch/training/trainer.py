@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import all_finite, load_config, resolve_model_dir
+from ..checkpoint import all_finite, checkpoint_dir, load_config
 from ..errors import DFlashError
 from ..models.config import DFlash2Settings, DrafterConfig, TargetConfig, default_target_layer_ids, validate_pair
 from ..models.drafter import DFlashDrafter, drafter_class
@@ -189,7 +189,7 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig) -> tuple[DFlas
         DFlashError: a checkpoint that does not load or does not fit the target, or a
             DFlash 2 source with ``--arch dflash`` (its modules would be dropped).
     """
-    src_dir = resolve_model_dir(cfg.init_from)
+    src_dir = checkpoint_dir(cfg.init_from, "init_from")
     src_cfg = DrafterConfig.from_dict(load_config(src_dir))
     validate_pair(target_cfg, src_cfg)
     if src_cfg.dflash2 is not None and cfg.arch != "dflash2":
@@ -447,7 +447,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         corpus_files(cfg.data)  # (a missing --data path: an error before the target loads, not after its log lines)
-        target_dir = resolve_model_dir(cfg.target)
+        target_dir = checkpoint_dir(cfg.target, "target")
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
         if cfg.seq_len > target_cfg.max_position_embeddings:
             raise DFlashError(f"--seq-len {cfg.seq_len} exceeds the target's context of {target_cfg.max_position_embeddings} tokens")
