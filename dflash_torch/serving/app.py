@@ -87,7 +87,8 @@ from .constraints import after_reasoning, special_token, think_end_token, with_w
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesInputError,
                        ResponsesRequest, TokenizeChatRequest, TokenizeCompletionRequest, conflicting_fields,
-                       describe_validation_error, responses_message, responses_param, unsupported_field)
+                       describe_validation_error, responses_message, responses_param, unsupported_field,
+                       CHAT_TEMPLATE_REFUSED)
 from .reasoning import HARMONY_MARKERS, THINK_CLOSE, THINK_OPEN, check_reasoning_parser, resolve_parser
 from .responses import ResponseBuilder, marker_pieces, sse_event
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
@@ -279,14 +280,14 @@ class _Scoring:
     (``vllm_k``), ``max_tokens`` 0 (``scores_only``: the one token decoded is dropped).
     Choice ``i`` is of prompt ``i // n``."""
 
-    def __init__(self, req, kind: str, prompts: list, prepared: list, n: int, decode):
+    def __init__(self, req, kind: str, prompts: list, prepared: list, n: int, decode, special_ids: frozenset[int]):
         self.n = n
         self.ids = [ids for ids, _ in prepared]
         self.echo = kind == "completion" and bool(req.echo)
         self.echo_k = req.logprobs if self.echo and req.logprobs is not None else None
         self.vllm_k = req.prompt_logprobs
         self.scores_only = req.scores_only()
-        self.skips_special_tokens = bool(req.skip_special_tokens)  # (their text_offset then adds nothing)
+        self.skipped = special_ids if req.skip_special_tokens else frozenset()  # (their text_offset adds nothing)
         self.texts = [p if isinstance(p, str) else decode(ids) for p, ids in zip(prompts, self.ids)] if self.echo else None
 
     def prompt_of(self, choice: int) -> int:
@@ -694,7 +695,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise APIError(503, str(exc), type="server_error", code="queue_full",
                            headers={"Retry-After": str(exc.retry_after)}) from None
         prompt_tokens = sum(len(ids) for ids, _ in prepared)  # once per prompt, whatever n
-        scoring = _Scoring(req, kind, prompts, prepared, n, engine.decode)
+        scoring = _Scoring(req, kind, prompts, prepared, n, engine.decode, engine.special_token_ids)
         try:
             ev = await next_event(job, request)  # waits in the queue, then for prefill
             if ev is None:
@@ -730,7 +731,6 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                        scoring: _Scoring):
         outs = [{"text": [], "tokens": 0, "finish": None, "stats": None, "logprobs": None, "prompt_logprobs": None}
                 for _ in job.sequences]
-        skipped = engine.special_token_ids if scoring.skips_special_tokens else frozenset()
         left = len(outs)
         while left:
             ev = await next_event(job, request)
@@ -771,7 +771,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                         finish = "tool_calls" if finish == "stop" else finish
                 choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
-                offsets = _TextOffsets(skipped)
+                offsets = _TextOffsets(scoring.skipped)
                 echoed = scoring.echo_logprobs(i, out["prompt_logprobs"], token_info, offsets)
                 logprobs = None if logprobs is None else _completion_logprobs(logprobs, token_info, offsets)
                 choice = {"index": i, "text": scoring.echo_text(i) + content,
@@ -793,7 +793,6 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         created_at = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         include_usage = req.include_usage
-        skipped = engine.special_token_ids if scoring.skips_special_tokens else frozenset()
 
         def frame(choices, **extra):
             d = {"id": rid, "object": obj, "created": created_at, "model": model_id, "system_fingerprint": None,
@@ -803,7 +802,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             d.update(extra)
             return _sse(d)
 
-        offsets = [_TextOffsets(skipped) for _ in job.sequences]  # (legacy text_offset of each choice)
+        offsets = [_TextOffsets(scoring.skipped) for _ in job.sequences]  # (legacy text_offset of each choice)
         echoed = [False] * len(job.sequences)  # (echo: each choice's prompt text sent)
 
         calls_sent = [0] * len(job.sequences)  # (each choice's tool calls so far: the next one's index)
@@ -971,8 +970,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if (bad := req.fixed_option()) is not None:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
         if chat and req.chat_template is not None:  # (as a chat completion refuses it)
-            raise APIError(400, "chat_template is not supported: chats are rendered with the model's own chat template",
-                           param="chat_template", code="unsupported_parameter")
+            raise APIError(400, CHAT_TEMPLATE_REFUSED, param="chat_template", code="unsupported_parameter")
         if chat:
             prompt, template_kwargs, tools = req.engine_messages(), req.template_kwargs(default_template_kwargs), \
                 req.engine_tools()

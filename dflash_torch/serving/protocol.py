@@ -477,6 +477,9 @@ def _tool_choice_name(choice) -> str:
     return f"{choice.function.name!r} (a named function)" if isinstance(choice, NamedToolChoice) else repr(choice)
 
 
+CHAT_TEMPLATE_REFUSED = "chat_template is not supported: chats are rendered with the model's own chat template"
+
+
 def unsupported_field(req: _Request) -> tuple[str, str] | None:
     """``(param, message)`` for the first field whose value the engine cannot honour.
 
@@ -502,8 +505,7 @@ def unsupported_field(req: _Request) -> tuple[str, str] | None:
             ("modalities", req.modalities not in (None, ["text"]), "only the text modality is supported"),
             ("audio", req.audio is not None, "audio output is not supported"),
             ("echo", bool(req.echo), "echo is not supported in chat completions (it is in /v1/completions)"),
-            ("chat_template", req.chat_template is not None,
-             "chat_template is not supported: chats are rendered with the model's own chat template"),
+            ("chat_template", req.chat_template is not None, CHAT_TEMPLATE_REFUSED),
         ]
     for param, bad, message in checks:
         if bad:

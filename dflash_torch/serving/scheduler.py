@@ -80,7 +80,7 @@ _PARAM_OF_MESSAGE = {"stop token ids": "stop_token_ids", "temperature": "tempera
                      "stop": "stop", "max_new_tokens": "max_tokens", "prompt": "prompt", "the prompt": "prompt",
                      "chat messages": "messages", "chat_template_kwargs": "chat_template_kwargs", "tools": "tools",
                      "tool call arguments": "messages", "ignore_eos": "ignore_eos",
-                     "continue_final_message": "continue_final_message", "continue_final_message:": "continue_final_message",
+                     "continue_final_message": "continue_final_message",
                      # (the app names its request's field: Job.param_aliases)
                      "structured_output": "structured_output", "structured output": "structured_output"}
 
@@ -98,7 +98,7 @@ def param_of(exc: DFlashError) -> str | None:
         return exc.param
     msg = str(exc)
     for prefix, param in _PARAM_OF_MESSAGE.items():
-        if msg.startswith(prefix + " ") or msg.startswith(prefix + "("):
+        if msg.startswith((prefix + " ", prefix + "(", prefix + ":")):
             return param
     return None
 
