@@ -87,6 +87,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="in [0, 1]: drop tokens less likely than min-p times the most likely one (default 0 = off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="in [-2, 2], subtracted from the logit of every token generated so far (default 0 = off)")
@@ -211,7 +213,7 @@ def _generate_here(args: argparse.Namespace) -> int:
     structured = structured_output(args)
     engine = load_engine(args)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, presence_penalty=args.presence_penalty,
+                  top_p=args.top_p, min_p=args.min_p, seed=args.seed, presence_penalty=args.presence_penalty,
                   frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
                   logit_bias=args.logit_bias, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos, chat=args.chat, logprobs=args.logprobs,
                   prompt_logprobs=args.prompt_logprobs, chat_template_kwargs=args.chat_template_kwargs,

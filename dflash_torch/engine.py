@@ -38,7 +38,7 @@ from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
 from .models.packing import pack_linears, packed_bytes, packing_supported
 from .models.target import TargetModel
-from .sampling import SamplingParams, TokenLogprob
+from .sampling import SamplingParams, TokenLogprob, generation_defaults
 from .stopping import Stopper
 from .structured import GrammarCompiler, StructuredOutput
 
@@ -153,6 +153,13 @@ class DFlashEngine:
     ``draft_max_batch_size``: the batch decoder's rounds of more than this many sequences run
     target-only, or ``"auto"``: where measured goodput favours it
     (``BatchDecoder(draft_max_batch_size=...)``; None: always draft).
+
+    ``generation_defaults``: the sampling the target's ``generation_config.json`` recommends
+    (:func:`~dflash_torch.sampling.generation_defaults`: ``temperature``, ``top_k``,
+    ``top_p``, ``min_p``, ``repetition_penalty``, ``max_new_tokens``, those it sets), as
+    keyword arguments of :meth:`generate` (``engine.generate(prompt, **engine.generation_defaults)``);
+    ``{}`` without the file. The server's requests default to them (``serve
+    --generation-config``); :meth:`generate` itself defaults to greedy decoding.
     """
 
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
@@ -171,6 +178,7 @@ class DFlashEngine:
         self.lock = threading.Lock()
         self._owner: int | None = None  # thread id of the open stream, if any
         self.stop_token_ids = set(target.config.eos_token_ids)
+        self.generation_defaults: dict = {}
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.stop_token_ids.add(int(tokenizer.eos_token_id))
 
@@ -294,6 +302,13 @@ class DFlashEngine:
         tokenizer = _load_tokenizer(target_dir)  # (first: its errors come before minutes of reading weights)
         if len(tokenizer) > target_cfg.vocab_size:
             raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {target_cfg.vocab_size}")
+        eos, recommended = [], {}  # (generation_config.json's, read before any weight: its errors come first)
+        gen_cfg = target_dir / "generation_config.json"
+        if gen_cfg.is_file():
+            gen = read_json_object(gen_cfg)
+            eos = check_vocab_ids(eos_token_ids(gen.get("eos_token_id"), "generation_config.json"),
+                                  target_cfg.vocab_size, "generation_config.json")
+            recommended = generation_defaults(gen)
         drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8)
         if fuse:
@@ -310,11 +325,8 @@ class DFlashEngine:
                 for m in models:
                     pack_linears(m)
         engine = cls(model, tokenizer, drafter, name=Path(str(target)).name, **engine_options)
-        gen_cfg = target_dir / "generation_config.json"
-        if gen_cfg.is_file():
-            eos = read_json_object(gen_cfg).get("eos_token_id")
-            engine.stop_token_ids.update(check_vocab_ids(eos_token_ids(eos, "generation_config.json"),
-                                                         target_cfg.vocab_size, "generation_config.json"))
+        engine.stop_token_ids.update(eos)
+        engine.generation_defaults = recommended
         return engine
 
     @property
@@ -580,6 +592,7 @@ class DFlashEngine:
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
+        min_p: float = 0.0,
         seed: int | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
@@ -603,7 +616,7 @@ class DFlashEngine:
         Args:
             prompt: text, chat messages, or token ids.
             max_new_tokens: at most this many generated tokens (>= 1).
-            temperature, top_k, top_p, seed: see :class:`SamplingParams`.
+            temperature, top_k, top_p, min_p, seed: see :class:`SamplingParams`.
             presence_penalty, frequency_penalty, repetition_penalty: see :class:`SamplingParams`
                 (0, 0, 1 = off); speculative decoding stays lossless with them.
             logit_bias: token id -> bias in [-100, 100], added to the target's logits
@@ -652,7 +665,7 @@ class DFlashEngine:
             DFlashError: invalid parameters or a prompt that does not fit the context.
         """
         with self._request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                           min_p=min_p, seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
                            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chat=chat,
                            logprobs=logprobs, chat_template_kwargs=chat_template_kwargs, tools=tools,
@@ -773,7 +786,7 @@ class DFlashEngine:
         return self._batch
 
     def request_params(self, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                       seed: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                       min_p: float = 0.0, seed: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                        repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
                        min_tokens: int = 0, stop=None, stop_token_ids=None, ignore_eos: bool = False,
                        logprobs: int | None = None,
@@ -795,7 +808,7 @@ class DFlashEngine:
                 raise OptionError("ignore_eos cannot be combined with a structured output: the output ends with EOS "
                                   "where the constraint is complete", "ignore_eos", "structured_output")
             grammar = self.grammars.compile(structured_output)
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
                                 logprobs=logprobs, grammar=grammar)
@@ -845,6 +858,7 @@ class DFlashEngine:
         temperature: float | Sequence[float] = 0.0,
         top_k: int | Sequence[int] = 0,
         top_p: float | Sequence[float] = 1.0,
+        min_p: float | Sequence[float] = 0.0,
         seed: int | None | Sequence[int | None] = None,
         presence_penalty: float | Sequence[float] = 0.0,
         frequency_penalty: float | Sequence[float] = 0.0,
@@ -872,7 +886,7 @@ class DFlashEngine:
 
         Args:
             prompts: a non-empty list of prompts (text, chat messages, or token ids).
-            max_new_tokens, temperature, top_k, top_p, seed, presence_penalty, frequency_penalty,
+            max_new_tokens, temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
                 repetition_penalty, logit_bias, min_tokens, ignore_eos, logprobs, structured_output,
                 prompt_logprobs, skip_special_tokens, include_stop_str_in_output: one value for all
                 prompts, or a list with one value per prompt
@@ -903,7 +917,7 @@ class DFlashEngine:
         n = len(prompts)
         per = dict(max_new_tokens=_per_prompt(max_new_tokens, n, "max_new_tokens"),
                    temperature=_per_prompt(temperature, n, "temperature"), top_k=_per_prompt(top_k, n, "top_k"),
-                   top_p=_per_prompt(top_p, n, "top_p"), seed=_per_prompt(seed, n, "seed"),
+                   top_p=_per_prompt(top_p, n, "top_p"), min_p=_per_prompt(min_p, n, "min_p"), seed=_per_prompt(seed, n, "seed"),
                    presence_penalty=_per_prompt(presence_penalty, n, "presence_penalty"),
                    frequency_penalty=_per_prompt(frequency_penalty, n, "frequency_penalty"),
                    repetition_penalty=_per_prompt(repetition_penalty, n, "repetition_penalty"),

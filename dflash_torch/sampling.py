@@ -9,7 +9,7 @@ Acceptance rules (both lossless, see DESIGN.md):
   ``d_j ~ q_j`` is accepted with probability ``min(1, p_j(d_j) / q_j(d_j))``; at the
   first rejection a token is drawn from ``normalize(max(p_j - q_j, 0))``; if all are
   accepted the bonus token is drawn from ``p_B``. ``p`` and ``q`` are the target's and
-  the drafter's distributions after temperature, top-k and top-p.
+  the drafter's distributions after temperature, top-k, min-p and top-p.
 
 Logit bias, penalties (presence, frequency, repetition; :func:`penalize`, :class:`Penalties`),
 min_tokens and a structured-output grammar (:mod:`dflash_torch.structured`) change the
@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from .errors import OptionError
+from .errors import DFlashError, OptionError
 from .structured import Grammar, GrammarState
 
 
@@ -54,6 +54,9 @@ class SamplingParams:
         top_k: keep the k most likely tokens (0 = no limit).
         top_p: keep the smallest set of tokens whose probability reaches top_p (1 = off);
             the most likely token is always kept. Stored as a float.
+        min_p: in [0, 1] (0 = off; vLLM's and transformers' ``min_p``): after temperature,
+            drop the tokens whose probability is below ``min_p`` times the most likely
+            token's (before top-p, as vLLM orders them). Stored as a float.
         seed: seed of the request's random generator (None = nondeterministic).
         logprobs: report each generated token's log-probability (:func:`token_logprobs`)
             with this many most likely alternatives, 0 to :data:`MAX_LOGPROBS` (0: the
@@ -95,6 +98,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     logprobs: int | None = None
+    min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -112,6 +116,10 @@ class SamplingParams:
         p = _real(self.top_p)
         if p is None or not (0 < p <= 1):
             raise OptionError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        m = _real(self.min_p)
+        if m is None or not 0 <= m <= 1:
+            raise OptionError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}", "min_p")
+        object.__setattr__(self, "min_p", m)
         object.__setattr__(self, "temperature", t)  # floats from here on (an int such as 10**30 would overflow torch)
         object.__setattr__(self, "top_p", p)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
@@ -182,6 +190,34 @@ class SamplingParams:
         else:
             g.manual_seed(self.seed)
         return g
+
+
+# generation_config.json fields that set a server request's defaults (vLLM's list, ModelConfig.get_diff_sampling_param)
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def generation_defaults(config: dict, where: str = "generation_config.json") -> dict:
+    """The sampling defaults a model's ``generation_config.json`` recommends: those of
+    :data:`GENERATION_DEFAULT_FIELDS` it sets (a null is unset), as keyword arguments of
+    :meth:`DFlashEngine.generate` (``temperature``, ``top_k``, ``top_p``, ``min_p``,
+    ``repetition_penalty``, ``max_new_tokens``). ``top_k`` -1 (vLLM's "off") is 0.
+    ``do_sample`` is not read (as vLLM, which applies these values whatever it says).
+
+    Raises:
+        DFlashError: a value out of its range or of the wrong type; the message names
+            ``where`` and the field.
+    """
+    out = {k: config[k] for k in GENERATION_DEFAULT_FIELDS if config.get(k) is not None}
+    if out.get("top_k") == -1:
+        out["top_k"] = 0
+    try:
+        SamplingParams(**{k: v for k, v in out.items() if k != "max_new_tokens"})
+    except OptionError as exc:
+        raise DFlashError(f"{where}: {exc}") from None  # (a file's field: not an option to rename as a flag)
+    n = out.get("max_new_tokens")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise DFlashError(f"{where}: max_new_tokens must be an integer >= 1, got {n!r}")
+    return out
 
 
 def _is_token_id(x) -> bool:
@@ -256,7 +292,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Logits ``[N, V]`` (any float dtype, finite) -> float32 probabilities ``[N, V]``
-    after top-k, temperature and top-p. Only for ``params.temperature > 0``.
+    after top-k, temperature, min-p and top-p (vLLM's order: top-p sees the distribution
+    min-p left; top-k and min-p commute). Only for ``params.temperature > 0``.
 
     Top-k keeps every token tied with the k-th. Well defined for every accepted
     temperature: the row maximum is subtracted before scaling, so the most likely
@@ -279,6 +316,10 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     else:  # not a normal float32: 1e-40 would lose precision, 1e-46 or 1e39 would become 0 or inf
         scaled = (gaps.double() / t).float()
     probs = torch.softmax(scaled, dim=-1)
+    if params.min_p > 0.0:
+        # the most likely token has probability amax, so it always stays
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if params.top_p < 1.0:
         # most likely first, ordered by the logits: probabilities that round to equal values
         # (a huge temperature) still put the true maximum first

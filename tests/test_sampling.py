@@ -88,14 +88,19 @@ def test_accept_greedy_prefix_and_bonus():
 
 # --- end to end: the engine's first generated tokens vs the exact target distribution -----
 
-def processed(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Target distribution after temperature, then top-k (ties kept), then top-p (the smallest
-    set of most likely tokens whose probability reaches top_p; among equally likely tokens
-    the lower id counts as more likely), in float64."""
+def processed(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+              min_p: float = 0.0) -> torch.Tensor:
+    """Target distribution after temperature, then top-k (ties kept), then min-p (tokens
+    below min_p times the largest probability dropped), then top-p (the smallest set of most
+    likely tokens whose probability reaches top_p; among equally likely tokens the lower id
+    counts as more likely), in float64."""
     x = logits.double() / temperature
     if 0 < top_k < x.shape[-1]:
         x = x.masked_fill(x < x.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
     p = x.softmax(-1)
+    if min_p > 0:
+        p = p.masked_fill(p < min_p * p.amax(-1, keepdim=True), 0.0)
+        p = p / p.sum(-1, keepdim=True)
     if top_p < 1:
         sp, order = p.sort(dim=-1, descending=True, stable=True)
         drop = (sp.cumsum(-1) - sp) >= top_p
@@ -122,6 +127,7 @@ CASES = {
     "temperature": ("agree", "def f(x):", dict(temperature=0.3)),
     "top-k": ("agree", "def f(x):", dict(temperature=0.5, top_k=4)),
     "top-p": ("agree", "import os\n", dict(temperature=0.4, top_p=0.9)),
+    "min-p": ("agree", "import os\n", dict(temperature=0.8, min_p=0.05, top_p=0.95)),
     "temperature-random-drafter": ("random", "def f(x):", dict(temperature=0.1)),
     # a hybrid MoE target, blocks of 2 so that most samples span two rounds: a rejected
     # draft rolls the recurrent state back mid-block before the next round
@@ -158,6 +164,9 @@ def test_speculative_sampling_matches_the_exact_target_distribution(case, agree_
         assert counts.get((42, 42, 42), 0) < 0.9 * SAMPLES
     if case == "temperature":  # the test has power: a nearby wrong distribution is rejected
         assert chi_square_pvalue(counts, exact_joint(load_hf(target), prompt, 3, temperature=0.4), SAMPLES) < ALPHA
+    if case == "min-p":  # min_p really changes the distribution, and the test sees it
+        without = {k: v for k, v in params.items() if k != "min_p"}
+        assert chi_square_pvalue(counts, exact_joint(load_hf(target), prompt, 3, **without), SAMPLES) < ALPHA
 
 
 def test_top_k_1_sampling_equals_greedy(agree_pair):
@@ -187,15 +196,30 @@ def test_probabilities_match_the_oracle_processing():
     logits = torch.randn(6, 50, generator=g) * 3
     logits[0, :3] = 10.0  # a three-way tie at the top
     for kw in (dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=1.0, top_p=0.5),
-               dict(temperature=0.5, top_k=1), dict(temperature=2.0, top_k=10, top_p=0.3), dict(temperature=1.0, top_k=2)):
+               dict(temperature=0.5, top_k=1), dict(temperature=2.0, top_k=10, top_p=0.3), dict(temperature=1.0, top_k=2),
+               dict(temperature=1.0, min_p=0.1), dict(temperature=1.5, top_k=20, min_p=0.05, top_p=0.7),
+               dict(temperature=0.7, min_p=1.0)):
         ours = probabilities(logits, SamplingParams(**kw))
         torch.testing.assert_close(ours.double(), processed(logits, **kw), atol=1e-6, rtol=1e-5)
     assert int((probabilities(logits, SamplingParams(temperature=1.0, top_k=2))[0] > 0).sum()) == 3  # ties kept
 
 
+def test_min_p_matches_transformers_min_p_warper():
+    """min_p alone, against transformers' own MinPLogitsWarper (an independent oracle)."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 64, generator=g) * 4
+    for t, m in ((1.0, 0.05), (0.6, 0.2), (1.7, 0.5)):
+        want = MinPLogitsWarper(m)(None, logits / t).softmax(-1)
+        got = probabilities(logits, SamplingParams(temperature=t, min_p=m))
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        assert (got == 0).any()  # the test has power: some tokens are dropped
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
                                 dict(top_p=1.5), dict(top_k=-1), dict(top_k=2.5), dict(temperature=10**400),
-                                dict(top_p=10**400)])
+                                dict(top_p=10**400), dict(min_p=-0.1), dict(min_p=1.01), dict(min_p=float("nan")),
+                                dict(min_p="0.1")])
 def test_invalid_sampling_parameters(kw):
     with pytest.raises(DFlashError) as err:
         SamplingParams(**kw)
@@ -236,9 +260,10 @@ def is_max(logits: torch.Tensor) -> torch.Tensor:
 
 
 @PROPERTY
-@given(logits=logit_rows(), t=temperatures, top_k=st.integers(0, 50), top_p=top_ps, seed=st.integers(0, 2**31))
-def test_probabilities_are_a_distribution_for_every_accepted_value(logits, t, top_k, top_p, seed):
-    p = probabilities(logits, SamplingParams(temperature=t, top_k=top_k, top_p=top_p))
+@given(logits=logit_rows(), t=temperatures, top_k=st.integers(0, 50), top_p=top_ps, seed=st.integers(0, 2**31),
+       min_p=st.one_of(st.just(0.0), st.floats(min_value=0, max_value=1)))
+def test_probabilities_are_a_distribution_for_every_accepted_value(logits, t, top_k, top_p, seed, min_p):
+    p = probabilities(logits, SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p))
     assert p.dtype == torch.float32 and p.shape == logits.shape
     assert torch.isfinite(p).all() and (p >= 0).all()
     torch.testing.assert_close(p.sum(-1), torch.ones(len(p)), atol=1e-5, rtol=0)
@@ -280,14 +305,14 @@ def test_huge_temperature_is_uniform_over_the_kept_tokens(logits, t, top_k):
 
 @PROPERTY
 @given(target=logit_rows(min_rows=2), draft=logit_rows(), t=temperatures, top_k=st.integers(0, 50), top_p=top_ps,
-       seed=st.integers(0, 2**31))
-def test_accept_sampling_stays_valid_for_every_accepted_value(target, draft, t, top_k, top_p, seed):
+       seed=st.integers(0, 2**31), min_p=st.sampled_from([0.0, 0.05, 0.5, 1.0]))
+def test_accept_sampling_stays_valid_for_every_accepted_value(target, draft, t, top_k, top_p, seed, min_p):
     """Drafts and the bonus / correction token always have positive target probability;
     at the T -> 0+ limit the committed tokens are the target's argmax (greedy decoding)."""
     rows = min(len(target), len(draft) + 1)
     vocab = min(target.shape[1], draft.shape[1])
     target, draft = target[:rows, :vocab], draft[:rows - 1, :vocab]
-    params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p)
+    params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)
     g = torch.Generator().manual_seed(seed)
     p, q = probabilities(target, params), probabilities(draft, params)
     d = sample(q, g)

@@ -39,7 +39,9 @@ constrained output, ``reasoning_content`` the thinking. vLLM's ``guided_whitespa
 sets a JSON constraint's whitespace (:func:`.constraints.with_whitespace`).
 
 Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
-completions and the rest of the context for chat. Extensions: ``top_k``,
+completions and the rest of the context for chat, except where the target's
+``generation_config.json`` recommends values (``create_app(generation_config="auto")``, as
+vLLM). Extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``; responses carry a ``dflash`` object with the
 request's speculative-decoding statistics (with several choices, each choice has its own).
 
@@ -97,6 +99,8 @@ from .tools import (CALL_CLOSE, CALL_OPEN, check_tool_parser, hermes_grammar, ne
                     resolve_tool_parser)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# where omitted sampling values come from: the target's generation_config.json, or OpenAI's defaults
+GENERATION_CONFIGS = ("auto", "none")
 DISCONNECT_POLL_S = 0.5
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics"}
 
@@ -326,7 +330,8 @@ class _JobStreamingResponse(StreamingResponse):
 
 def create_app(engine, api_key: str | None = None, model_name: str | None = None, *, max_batch_size: int = 8,
                max_queue: int = 64, chat_template_kwargs: dict | None = None,
-               reasoning_parser: str = "auto", tool_call_parser: str = "auto") -> FastAPI:
+               reasoning_parser: str = "auto", tool_call_parser: str = "auto",
+               generation_config: str = "auto") -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -349,13 +354,20 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             found (:mod:`.tools`): ``hermes``, ``qwen3_coder``, ``harmony`` (gpt-oss; needs the
             ``harmony`` reasoning parser), ``none`` (the reply stays text), or ``auto``
             (default): by the model and its chat template (:func:`.tools.resolve_tool_parser`).
+        generation_config: ``auto`` (default, as vLLM's ``--generation-config auto``): a
+            request that omits ``temperature``, ``top_k``, ``top_p``, ``min_p`` or
+            ``repetition_penalty`` gets the value of the target's ``generation_config.json``
+            (:attr:`DFlashEngine.generation_defaults`), and a chat (or Responses) request that
+            omits ``max_tokens`` at most its ``max_new_tokens``; ``none``: OpenAI's defaults
+            (as vLLM's ``--generation-config vllm``).
 
     Raises:
         DFlashError: an empty API key or one that is not printable ASCII; an empty or
             blank ``model_name``; ``chat_template_kwargs`` not a dict of string keys or setting
             an argument of the template call; an unknown ``reasoning_parser`` or ``tool_call_parser``,
             or ``harmony`` tool calls without ``harmony`` reasoning; ``max_batch_size``
-            or ``max_queue`` not an integer >= 1; batch caches of ``max_batch_size`` x the
+            or ``max_queue`` not an integer >= 1; a ``generation_config`` other than ``auto``
+            or ``none``; batch caches of ``max_batch_size`` x the
             engine's context that do not fit the device.
     """
     api_key = check_api_key(api_key)
@@ -365,6 +377,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                                getattr(engine.tokenizer, "chat_template", None))
     tool_calls = resolve_tool_parser(check_tool_parser(tool_call_parser), engine.target.config.model_type,
                                      getattr(engine.tokenizer, "chat_template", None), reasoning)
+    if generation_config not in GENERATION_CONFIGS:
+        raise DFlashError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, got {generation_config!r}")
+    sampling_defaults = dict(engine.generation_defaults) if generation_config == "auto" else {}
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
     scheduler = Scheduler(make_backend(engine, max_batch_size), metrics, max_queue=max_queue)
     metrics.open_requests.set_function(scheduler.open_jobs)
@@ -382,6 +397,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     app = FastAPI(title="dflash-torch", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine, app.state.metrics, app.state.scheduler, app.state.model_id = engine, metrics, scheduler, model_id
     app.state.reasoning_parser, app.state.tool_call_parser = reasoning, tool_calls
+    app.state.sampling_defaults = sampling_defaults
     app.add_middleware(MetricsMiddleware, metrics=metrics, endpoints=ENDPOINTS)
 
     # ---- errors -------------------------------------------------------------------------
@@ -675,7 +691,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             last = req.messages[-1].text()
             if last.rfind(THINK_OPEN) > last.rfind(THINK_CLOSE):
                 prompt_tail = THINK_OPEN
-        kwargs = req.sampling_kwargs()
+        kwargs = req.sampling_kwargs(sampling_defaults)
         if chat and kwargs["skip_special_tokens"] and (reasoning != "none" or tools):
             kwargs["skip_special_tokens"] = parser_markers(bool(tools))  # (all special tokens but the parsers' markers)
         if chat and req.forces_tool_calls():
@@ -711,7 +727,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             if parsers is not None and parsers[0] is None:
                 parsers = None
             if kind == "responses":
-                builder = ResponseBuilder(rid, model_id, responses.echo(req))
+                builder = ResponseBuilder(rid, model_id, responses.echo(req, sampling_defaults))
                 parser = None if parsers is None else parsers[0]
                 if req.stream:
                     return _JobStreamingResponse(response_stream(job, builder, parser, prompt_tokens, responses), job,
@@ -948,7 +964,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     async def chat_completions(request: Request):
         check_auth(request)
         req = await parse(request, ChatCompletionRequest)
-        return await run(request, req, [req.engine_messages()], True, None, "chat")
+        return await run(request, req, [req.engine_messages()], True, sampling_defaults.get("max_new_tokens"), "chat")
 
     @app.post("/v1/responses")
     async def responses(request: Request):
@@ -956,7 +972,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         req = await parse(request, ResponsesRequest)
         chat = req._chat
         try:
-            return await run(request, chat, [chat.engine_messages()], True, None, "responses", responses=req)
+            return await run(request, chat, [chat.engine_messages()], True, sampling_defaults.get("max_new_tokens"),
+                             "responses", responses=req)
         except APIError as exc:
             raise _as_responses(exc, req) from None
 

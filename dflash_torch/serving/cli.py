@@ -49,6 +49,10 @@ def register(sub) -> None:
                         "(<tool_call>{json}</tool_call>: Qwen2.5, Qwen3), qwen3_coder (<tool_call><function=...>: "
                         "Qwen3-Coder, Qwen3.5, Qwen3.6), harmony (gpt-oss), none (replies stay text), or auto "
                         "(default: by the model and its chat template)")
+    p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                   help="defaults of the sampling values a request omits (temperature, top_k, top_p, min_p, "
+                        "repetition_penalty; a chat's max_tokens): auto (default, as vLLM) takes those the target's "
+                        "generation_config.json sets, none keeps OpenAI's (temperature 1, top_p 1, no top_k / min_p)")
     add_chat_template_kwargs_arg(p, "for every chat request (a request's own chat_template_kwargs and "
                                     "reasoning_effort override them)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -85,12 +89,17 @@ def _serve(args: argparse.Namespace) -> int:
         warn_compile_losses(args)
     app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,
                      max_queue=args.max_queue, chat_template_kwargs=args.chat_template_kwargs,
-                     reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
+                     reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                     generation_config=args.generation_config)
     scheduler = app.state.scheduler
     print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "
           f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
           f"slot{'s' if scheduler.max_batch_size > 1 else ''}, queue {scheduler.max_queue}, "
           f"reasoning parser {app.state.reasoning_parser}, tool call parser {app.state.tool_call_parser})", flush=True)
+    if app.state.sampling_defaults:
+        print("dflash-torch: requests that omit them get the sampling values of the target's generation_config.json: "
+              + ", ".join(f"{k} {v}" for k, v in app.state.sampling_defaults.items())
+              + " (--generation-config none: OpenAI's defaults)", flush=True)
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):

@@ -127,6 +127,7 @@ class _Request(BaseModel):
     temperature: StrictFloat | None = Field(None, ge=0, le=2, allow_inf_nan=False)  # (NaN: "a finite number")
     top_p: StrictFloat | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: StrictInt | None = Field(None, ge=-1)  # extension; -1 and 0 mean off
+    min_p: StrictFloat | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # extension (vLLM); 0 = off
     seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: StrictStr | list[StrictStr] | None = Field(None)
     stream: StrictBool | None = False
@@ -214,16 +215,16 @@ class _Request(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def sampling_kwargs(self) -> dict:
-        """Keyword arguments of :meth:`DFlashEngine.stream` (``max_new_tokens`` excluded)."""
+    def sampling_kwargs(self, defaults: dict | None = None) -> dict:
+        """Keyword arguments of :meth:`DFlashEngine.stream` (``max_new_tokens`` excluded).
+        ``defaults``: the values of ``temperature``, ``top_k``, ``top_p``, ``min_p`` and
+        ``repetition_penalty`` for a request that omits them (the model's generation config,
+        :attr:`DFlashEngine.generation_defaults`); else OpenAI's (1, off, 1, off, off)."""
         return dict(
-            temperature=1.0 if self.temperature is None else float(self.temperature),
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=max(0, self.top_k or 0),
+            **self.sampling_defaults(defaults),
             seed=self.seed,
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
-            repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
             logit_bias=self.logit_bias,
             min_tokens=self.min_tokens,
             stop=self.stop_list() or None,
@@ -234,6 +235,18 @@ class _Request(BaseModel):
             logprobs=self.engine_logprobs(),
             prompt_logprobs=self.engine_prompt_logprobs(),
         )
+
+    def sampling_defaults(self, defaults: dict | None = None) -> dict:
+        """``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``: the request's,
+        else ``defaults``' (see :meth:`sampling_kwargs`), else OpenAI's."""
+        out = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+        for name in out:
+            value = getattr(self, name)
+            if value is None:
+                value = (defaults or {}).get(name)
+            if value is not None:
+                out[name] = max(0, value) if name == "top_k" else float(value)  # (top_k -1: off)
+        return out
 
     def engine_logprobs(self) -> int | None:
         """``logprobs`` of :meth:`DFlashEngine.stream`: alternatives per token, None for none."""
@@ -542,7 +555,7 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
 # --- the Responses API (POST /v1/responses) -----------------------------------------------------
 
 # vLLM-style extensions a Responses request may carry; typed (and refused) by the chat request it becomes
-RESPONSES_EXTENSIONS = ("seed", "stop", "top_k", "logit_bias", "repetition_penalty", "presence_penalty",
+RESPONSES_EXTENSIONS = ("seed", "stop", "top_k", "min_p", "logit_bias", "repetition_penalty", "presence_penalty",
                         "frequency_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "chat_template_kwargs",
                         "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                         "guided_whitespace_pattern", "skip_special_tokens", "include_stop_str_in_output")
@@ -810,6 +823,7 @@ class ResponsesRequest(BaseModel):
     seed: Any = None
     stop: Any = None
     top_k: Any = None
+    min_p: Any = None
     logit_bias: Any = None
     repetition_penalty: Any = None
     presence_penalty: Any = None
@@ -984,8 +998,10 @@ class ResponsesRequest(BaseModel):
         chat._messages = messages
         return chat
 
-    def echo(self, chat: ChatCompletionRequest) -> dict:
-        """The request's settings as a Response object repeats them."""
+    def echo(self, chat: ChatCompletionRequest, defaults: dict | None = None) -> dict:
+        """The request's settings as a Response object repeats them (``temperature`` and
+        ``top_p`` as served: ``defaults`` as in :meth:`ChatCompletionRequest.sampling_kwargs`)."""
+        sampling = chat.sampling_defaults(defaults)
         choice = self.tool_choice
         if isinstance(choice, ResponsesToolChoice):
             choice = {"type": "function", "name": choice.name}
@@ -997,8 +1013,7 @@ class ResponsesRequest(BaseModel):
             "previous_response_id": None,
             "reasoning": {"effort": reasoning.effort, "summary": reasoning.summary or reasoning.generate_summary},
             "store": False, "background": False,
-            "temperature": 1.0 if chat.temperature is None else float(chat.temperature),
-            "top_p": 1.0 if chat.top_p is None else float(chat.top_p),
+            "temperature": sampling["temperature"], "top_p": sampling["top_p"],
             "text": {"format": {"type": "text"} if fmt is None else fmt.echo(),
                      **({"verbosity": self.text.verbosity} if self.text is not None and self.text.verbosity else {})},
             "tool_choice": choice or "auto", "tools": [tool.echo() for tool in self.tools or []],

@@ -74,7 +74,7 @@ log = logging.getLogger("dflash_torch.serving")
 RETRY_AFTER_S = 1  # the Retry-After of a queue-full 503
 
 # The request parameter an engine error message is about, from its first word.
-_PARAM_OF_MESSAGE = {"stop token ids": "stop_token_ids", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed",
+_PARAM_OF_MESSAGE = {"stop token ids": "stop_token_ids", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
                      "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                      "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "min_tokens": "min_tokens",
                      "stop": "stop", "max_new_tokens": "max_tokens", "prompt": "prompt", "the prompt": "prompt",

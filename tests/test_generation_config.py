@@ -1,0 +1,127 @@
+"""The sampling a model's ``generation_config.json`` recommends, and ``min_p``.
+
+* ``DFlashEngine.generation_defaults`` reads ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+  ``repetition_penalty`` and ``max_new_tokens`` (vLLM's list), read before any weight.
+* A real ``dflash-torch serve`` subprocess gives a request that omits them the recommended
+  values (vLLM's ``--generation-config auto``), and OpenAI's defaults with
+  ``--generation-config none``: a seeded request without them decodes exactly as the same
+  request with them written out.
+* ``min_p`` 1 keeps only the most likely token, so sampling with it is greedy decoding:
+  speculative output then equals target-only greedy output (Python, batch, server).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from test_server import MODEL
+from test_server_scheduler import _serve
+
+from dflash_torch import DFlashEngine, DFlashError
+
+RECOMMENDED = {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1,
+               "max_new_tokens": 6}
+PROMPTS = ["def f(x):", "class A:", "import os\n", "x = ["]
+
+
+def _with_generation_config(target, root, fields: dict):
+    copy = shutil.copytree(target, root)
+    path = copy / "generation_config.json"
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**cfg, "do_sample": True, **fields}))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def recommended_pair(tiny_pair, tmp_path_factory):
+    target, drafter = tiny_pair
+    return _with_generation_config(target, tmp_path_factory.mktemp("gen") / "target", RECOMMENDED), drafter
+
+
+def test_generation_defaults_are_the_fields_it_sets(recommended_pair, tiny_pair, tmp_path):
+    engine = DFlashEngine.from_pretrained(*recommended_pair)
+    assert engine.generation_defaults == RECOMMENDED
+    assert DFlashEngine.from_pretrained(*tiny_pair).generation_defaults == {}  # (it sets none of them)
+    # null is unset, top_k -1 is vLLM's "off", other fields are not sampling defaults
+    other = _with_generation_config(tiny_pair[0], tmp_path / "other",
+                                    {"temperature": None, "top_k": -1, "num_beams": 4, "max_length": 99})
+    assert DFlashEngine.from_pretrained(other, no_draft=True).generation_defaults == {"top_k": 0}
+    # they are keyword arguments of generate (which itself defaults to greedy)
+    out = engine.generate("def f(x):", seed=1, ignore_eos=True, **engine.generation_defaults)
+    assert len(out.token_ids) == RECOMMENDED["max_new_tokens"]
+
+
+def test_a_bad_recommended_value_is_refused_before_any_weight_is_read(tiny_pair, tmp_path):
+    target = _with_generation_config(tiny_pair[0], tmp_path / "bad", {"repetition_penalty": -1})
+    (target / "model.safetensors").write_bytes(b"not safetensors")  # (never reached)
+    with pytest.raises(DFlashError, match=r"^generation_config.json: repetition_penalty must be a finite number > 0"):
+        DFlashEngine.from_pretrained(target, no_draft=True)
+
+
+def test_min_p_1_sampling_is_greedy_decoding(agree_pair):
+    """min_p 1 drops every token less likely than the most likely one: rejection sampling
+    then commits exactly the greedy tokens, alone and in a batch, and drafts are accepted."""
+    spec = DFlashEngine.from_pretrained(*agree_pair, block_size=8)
+    base = DFlashEngine(spec.target, spec.tokenizer)
+    refs = [base.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in PROMPTS]
+    for seed, (prompt, ref) in enumerate(zip(PROMPTS, refs)):
+        out = spec.generate(prompt, max_new_tokens=24, ignore_eos=True, temperature=1.3, min_p=1.0, seed=seed)
+        assert out.token_ids == ref
+        assert out.stats.mean_acceptance_length > 1.5
+    batch = spec.generate_batch(PROMPTS, max_new_tokens=24, ignore_eos=True, temperature=1.3, seed=[1, 2, 3, 4],
+                                min_p=[1.0, 1.0, 1.0, 1.0])
+    assert [r.token_ids for r in batch] == refs
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan"), "0.1", True])
+def test_invalid_min_p_is_one_line_naming_it(agree_pair, value):
+    engine = DFlashEngine.from_pretrained(agree_pair[0], no_draft=True)
+    with pytest.raises(DFlashError, match=r"^min_p must be in \[0, 1\]") as err:
+        engine.generate("x", max_new_tokens=2, temperature=1.0, min_p=value)
+    assert "\n" not in str(err.value)
+
+
+def _completion(client, seed: int, **fields) -> str:
+    extra = {"ignore_eos": True, **{k: fields.pop(k) for k in ("top_k", "min_p", "repetition_penalty") if k in fields}}
+    return client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=12, seed=seed, extra_body=extra,
+                                     **fields).choices[0].text
+
+
+def test_the_server_defaults_to_the_recommended_sampling(recommended_pair, tmp_path_factory):
+    explicit = {k: v for k, v in RECOMMENDED.items() if k != "max_new_tokens"}
+    openai_defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+    with _serve(recommended_pair, tmp_path_factory.mktemp("auto")) as srv:
+        assert "generation_config.json: temperature 0.7, top_k 5, top_p 0.9, min_p 0.05" in srv.log.read_text()
+        client = srv.client()
+        omitted = [_completion(client, seed) for seed in range(4)]
+        assert omitted == [_completion(client, seed, **explicit) for seed in range(4)]
+        # the test has power: OpenAI's defaults sample other text for these seeds
+        assert omitted != [_completion(client, seed, **openai_defaults) for seed in range(4)]
+        # a field the request sets wins over the recommended one
+        assert _completion(client, 0, temperature=0.0) == _completion(client, 0, temperature=0.0, top_k=1)
+        # a chat that omits max_tokens gets at most max_new_tokens; one that sets it, its own
+        chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body={"ignore_eos": True})
+        r = client.chat.completions.create(**chat)
+        assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+        assert client.chat.completions.create(**chat, max_tokens=9).usage.completion_tokens == 9
+        # a Response repeats the values it was served with
+        resp = client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
+        assert (resp.temperature, resp.top_p) == (0.7, 0.9)
+    with _serve(recommended_pair, tmp_path_factory.mktemp("none"), "--generation-config", "none") as srv:
+        client = srv.client()
+        assert [_completion(client, seed) for seed in range(4)] == \
+            [_completion(client, seed, **openai_defaults) for seed in range(4)]
+        resp = client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
+        assert (resp.temperature, resp.top_p) == (1.0, 1.0)
+        assert "generation_config.json" not in srv.log.read_text()
+
+
+def test_min_p_over_http(tiny_pair, tmp_path_factory):
+    with _serve(tiny_pair, tmp_path_factory.mktemp("minp")) as srv:
+        client = srv.client()
+        greedy = _completion(client, 0, temperature=0.0)
+        assert all(_completion(client, seed, temperature=1.5, min_p=1.0) == greedy for seed in range(3))
+        r = srv.post("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text
