@@ -1,6 +1,6 @@
 """Structured outputs in the OpenAI-compatible server and the CLI: ``response_format``
 (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` and ``guided_*`` fields,
-chat ``tool_choice`` ``required`` / a named function (hermes tool calls constrained by a
+chat ``tool_choice`` ``required`` / a named function (hermes and qwen3_coder tool calls constrained by a
 grammar), and ``dflash-torch generate --json-schema / --json-object / --regex / --choice /
 --grammar``.
 
@@ -161,7 +161,7 @@ def _calls(tool_calls) -> list[tuple[str, dict]]:
 
 
 def _schema_of(name: str) -> dict:
-    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+    return next(t["function"]["parameters"] for t in TOOLS + [NOTE] if t["function"]["name"] == name)
 
 
 def test_tool_choice_required_and_named_give_tool_calls_equal_to_target_only(servers):
@@ -269,13 +269,97 @@ def test_bad_constraints_are_400s_naming_the_field(servers, endpoint, body, para
     assert e["param"] == param and words in e["message"] and "\n" not in e["message"], e
 
 
-def test_tool_choice_that_needs_constraints_is_refused_for_other_formats(servers):
+NOTE = {"type": "function", "function": {"name": "save_note", "parameters": {
+    "type": "object", "required": ["text"],
+    "properties": {"text": {"type": "string"}, "pinned": {"type": "boolean"}, "tags": {"type": "array", "items": {
+        "type": "string"}}, "priority": {"type": "integer", "minimum": 1, "maximum": 3}}}}}
+CODER_TOOLS = [WEATHER, TIME, NOTE]
+# Qwen3.5's chat template's layout of an assistant message's calls (transformers renders it: the oracle)
+QWEN35_CALLS_TEMPLATE = (
+    "{%- for m in messages %}{%- for tc in m.tool_calls %}{% set tc = tc.function %}"
+    "{%- if not loop.first %}{{ '\\n' }}{% endif %}{{ '<tool_call>\\n<function=' + tc.name + '>\\n' }}"
+    "{%- for k, v in tc.arguments | items %}{{ '<parameter=' + k + '>\\n' }}"
+    "{%- set v = v | tojson | safe if v is mapping or (v is sequence and v is not string) else v | string %}"
+    "{{ v }}{{ '\\n</parameter>\\n' }}{%- endfor %}{{ '</function>\\n</tool_call>' }}{%- endfor %}{%- endfor %}")
+
+
+def _rendered_calls(tokenizer, calls: list[tuple[str, dict]]) -> str:
+    message = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]}
+    return tokenizer.apply_chat_template([message], chat_template=QWEN35_CALLS_TEMPLATE, tokenize=False)
+
+
+def test_qwen3_coder_call_grammar_accepts_what_the_template_writes_and_the_parser_reads():
+    """The grammar takes the calls as Qwen3.5's template writes them (valid arguments, in the
+    schema's order) and refuses invalid ones; the qwen3_coder parser reads them back."""
+    from llguidance import LLMatcher
+
+    from dflash_torch.serving.tools import Qwen3CoderParser, new_reply_parser, parse_reply, qwen3_coder_grammar
+
+    engine = DFlashEngine.from_pretrained(no_draft=True)
+    tokenizer = engine.grammars.tokenizer()
+
+    def accepts(grammar: str, text: str) -> bool:
+        m = LLMatcher(tokenizer, LLMatcher.grammar_from_lark(grammar))
+        return all(m.consume_token(t) for t in engine.tokenizer.encode(text, add_special_tokens=False)) and \
+            m.is_accepting()
+
+    good = [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {}),
+            ("save_note", {"text": "buy milk\n</parameter> twice", "pinned": True, "tags": ["a", "b c"]}),
+            ("save_note", {"text": "", "priority": 3})]
+    grammar = qwen3_coder_grammar(CODER_TOOLS)
+    for calls in ([good[0]], [good[1]], [good[2]], [good[3]], good):
+        text = _rendered_calls(engine.tokenizer, calls)
+        assert accepts(grammar, text), text
+        _, content, parsed = parse_reply(new_reply_parser("none", "qwen3_coder", tools=CODER_TOOLS), text, True)
+        assert content == "" and [(c.name, json.loads(c.arguments)) for c in parsed] == calls
+    one = _rendered_calls(engine.tokenizer, [good[0]])
+    assert not accepts(qwen3_coder_grammar(CODER_TOOLS, parallel=False), _rendered_calls(engine.tokenizer, good[:2]))
+    assert not accepts(qwen3_coder_grammar(CODER_TOOLS, "get_time"), one)
+    assert accepts(qwen3_coder_grammar(CODER_TOOLS, "get_weather"), one)
+    for bad in ([("get_weather", {"city": "Rome", "days": 2})], [("get_weather", {"city": "Oslo", "days": 9})],
+                [("get_weather", {"city": "Oslo"})], [("get_weather", {"days": 2, "city": "Oslo"})],
+                [("get_time", {"x": 1})], [("save_note", {"text": "a", "pinned": "maybe"})],
+                [("save_note", {"text": "a", "priority": 1.5})], [("nope", {})]):
+        assert not accepts(grammar, _rendered_calls(engine.tokenizer, bad)), bad
+    assert not accepts(grammar, "Sure. " + one)
+    thought = "first </thin k> then</think>\n\n" + one
+    assert accepts(qwen3_coder_grammar(CODER_TOOLS, in_reasoning=True), thought)
+    assert not accepts(qwen3_coder_grammar(CODER_TOOLS, in_reasoning=True), one)
+    assert Qwen3CoderParser.convert("True", {"type": "boolean"}) is True  # (the template's | string of true)
+    assert Qwen3CoderParser.convert("None", {"type": ["null", "integer"]}) is None
+    with pytest.raises(DFlashError, match="cannot be written as a qwen3_coder call"):
+        qwen3_coder_grammar([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a>b": {"type": "string"}}}}}])
+
+
+def test_qwen3_coder_forced_calls_are_lossless(servers):
+    """tool_choice required / a named function with the qwen3_coder format: the target-only
+    server's calls are those of target-only decoding with the grammar, parsed; speculative
+    decoding with that grammar writes the same reply."""
+    from dflash_torch.serving.tools import new_reply_parser, parse_reply, qwen3_coder_grammar
+
     _, alone = servers  # (--tool-call-parser qwen3_coder)
-    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
-        with pytest.raises(openai.BadRequestError) as err:
-            _chat(alone, tools=TOOLS, tool_choice=choice)
-        assert err.value.body["param"] == "tool_choice" and "hermes" in err.value.body["message"], err.value.body
-        assert "qwen3_coder" in err.value.body["message"]
+    target_only = DFlashEngine.from_pretrained(no_draft=True)
+    spec = DFlashEngine.from_pretrained()
+    for tool_choice, name, parallel in [("required", None, True), ({"type": "function", "function": {"name": "get_weather"}},
+                                                                    "get_weather", True),
+                                        ({"type": "function", "function": {"name": "save_note"}}, "save_note", True)]:
+        grammar = qwen3_coder_grammar(CODER_TOOLS, name, parallel)
+        want = target_only.generate(MESSAGES, chat=True, tools=CODER_TOOLS, max_new_tokens=200,
+                                    structured_output={"grammar": grammar})
+        assert spec.generate(MESSAGES, chat=True, tools=CODER_TOOLS, max_new_tokens=200,
+                             structured_output={"grammar": grammar}).text == want.text
+        r = _chat(alone, tools=CODER_TOOLS, tool_choice=tool_choice, max_tokens=200).choices[0]
+        _, content, calls = parse_reply(new_reply_parser("none", "qwen3_coder", tools=CODER_TOOLS), want.text,
+                                        want.finish_reason == "stop")
+        if want.finish_reason == "stop":
+            assert r.finish_reason == "tool_calls" and r.message.content is None, r
+            assert _calls(r.message.tool_calls) == [(c.name, json.loads(c.arguments)) for c in calls]
+            assert calls and all(name is None or c.name == name for c in calls)
+            assert all(conforms(json.loads(c.arguments), _schema_of(c.name)) for c in calls if c.name != "save_note")
+        else:  # (cut by max_tokens inside a call: it stays text)
+            assert r.finish_reason == "length" and r.message.content == content
 
 
 # --- the command line -------------------------------------------------------------------------

@@ -30,7 +30,8 @@ Structured outputs (both endpoints): ``response_format`` (OpenAI: ``json_object`
 ``json_schema``), ``structured_outputs`` and ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar`` (vLLM) constrain the output
 (:mod:`dflash_torch.structured`); chat ``tool_choice`` ``required`` or a named function
-constrains it to tool calls (:func:`.tools.hermes_grammar`; the hermes format only). A
+constrains it to tool calls (:func:`.tools.hermes_grammar`, :func:`.tools.qwen3_coder_grammar`; those
+two formats only). A
 constraint is compiled (and checked: a 400 names its field) in a thread before the request
 queues, so a slow compile holds neither the engine nor the event loop. In a chat whose
 template opened a reasoning (``<think>`` at the prompt's end, ``think`` reasoning parser),
@@ -95,7 +96,7 @@ from .reasoning import HARMONY_MARKERS, THINK_CLOSE, THINK_OPEN, check_reasoning
 from .responses import ResponseBuilder, marker_pieces, sse_event
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
                         make_backend, param_of)
-from .tools import (CALL_CLOSE, CALL_OPEN, check_tool_parser, hermes_grammar, new_reply_parser, parse_reply,
+from .tools import (CALL_CLOSE, CALL_OPEN, FORCED_CALL_GRAMMARS, check_tool_parser, new_reply_parser, parse_reply,
                     resolve_tool_parser)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -629,18 +630,22 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     def tool_call_constraint(req, tools: list[dict], opened: bool) -> tuple[str, dict]:
         """``(param, structured output)`` of a chat request whose ``tool_choice`` forces calls
-        (``required`` or a named function): the hermes grammar of its tools (starting inside
-        the reasoning when the template opened one)."""
+        (``required`` or a named function): the grammar of its tools' calls in the server's
+        format (:data:`.tools.FORCED_CALL_GRAMMARS`; starting inside the reasoning when the
+        template opened one); a tool the format cannot write is a 400 about ``tools``."""
         name = req.tool_choice.function.name if not isinstance(req.tool_choice, str) else None
-        grammar = hermes_grammar(tools, name, req.parallel_tool_calls is not False, opened, think_end() if opened else None,
-                                 call_tokens())
+        try:
+            grammar = FORCED_CALL_GRAMMARS[tool_calls](tools, name, req.parallel_tool_calls is not False, opened,
+                                                       think_end() if opened else None, call_tokens())
+        except DFlashError as exc:
+            raise APIError(400, str(exc), param="tools") from None
         return "tools", {"grammar": grammar}
 
     def check_tool_call_format(req) -> None:
-        if tool_calls != "hermes":
+        if tool_calls not in FORCED_CALL_GRAMMARS:
             raise APIError(400, f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'a named function'!r}"
-                                f" needs the hermes tool-call format, which constrained decoding writes; this server's "
-                                f"is {tool_calls!r} (--tool-call-parser); use tool_choice 'auto' or 'none'",
+                                f" needs the hermes or qwen3_coder tool-call format, which constrained decoding writes; "
+                                f"this server's is {tool_calls!r} (--tool-call-parser); use tool_choice 'auto' or 'none'",
                            param="tool_choice", code="unsupported_parameter")
 
     def request_constraint(req, chat: bool, tools: list[dict] | None, prompt_tail: str) -> tuple[str, StructuredOutput] | None:

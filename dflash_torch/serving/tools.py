@@ -33,9 +33,10 @@ the reasoning parser, and the tool calls are looked for in the answer
 one message structure, so one parser, :class:`HarmonyToolParser` (the reasoning module's
 :class:`~.reasoning.HarmonyParser` that also reads recipients), does both.
 
-``tool_choice`` ``required`` or a named function (hermes only): :func:`hermes_grammar` is an
-llguidance grammar that constrains the reply to the calls themselves (structured outputs,
-:mod:`dflash_torch.structured`), so that the parser above reads them.
+``tool_choice`` ``required`` or a named function (hermes and qwen3_coder): :func:`hermes_grammar`
+and :func:`qwen3_coder_grammar` are llguidance grammars that constrain the reply to the calls
+themselves (structured outputs, :mod:`dflash_torch.structured`), so that the parser above
+reads them.
 
 Parsers are fed the reply in pieces and return what each piece adds; text that may still
 become a marker is held back until it cannot. The result does not depend on where the
@@ -207,6 +208,8 @@ class Qwen3CoderParser(ToolParser):
             if t not in want:
                 continue
             text = value.strip().lower() if t in ("boolean", "null") else value.strip()
+            if t == "null" and text == "none":  # (Python's None, as a template's ``| string`` writes it)
+                return None
             try:
                 parsed = json.loads(text)
             except ValueError:
@@ -328,6 +331,29 @@ def _arguments_schema(function: dict) -> dict | bool:
     return schema
 
 
+def _called_functions(tools: list[dict], name: str | None) -> list[dict]:
+    """The functions of ``tools`` (OpenAI's shape) a forced reply may call: ``name`` only, or all.
+
+    Raises:
+        DFlashError: none."""
+    functions = [t.get("function") or {} for t in tools]
+    functions = [f for f in functions if isinstance(f.get("name"), str) and (name is None or f["name"] == name)]
+    if not functions:
+        raise DFlashError(f"tools has no function {name!r} to call" if name is not None else "tools has no function")
+    return functions
+
+
+def _calls_grammar(alternatives: list[str], rules: list[str], one: bool, in_reasoning: bool,
+                   think_end: int | None) -> str:
+    """The grammar of a reply that is only calls: ``alternatives`` (one Lark expression per
+    callable function) and their ``rules``; ``one``: exactly one call, else one or more
+    separated by a newline; ``in_reasoning``: first the rest of the reasoning the template opened."""
+    calls = "call" if one else 'call ("\\n" call)*'
+    start = f"start: {_REST_OF_REASONING if in_reasoning else ''}{calls}\n"
+    return (start + "call: " + " | ".join(alternatives) + "\n" + "".join(rules)
+            + (reasoning_rules(think_end) if in_reasoning else ""))
+
+
 def hermes_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
                    in_reasoning: bool = False, think_end: int | None = None,
                    call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
@@ -345,21 +371,92 @@ def hermes_grammar(tools: list[dict], name: str | None = None, parallel: bool = 
     was not inside a reasoning cannot open one. ``call_tokens``: the tokenizer's one token
     for ``<tool_call>`` and for ``</tool_call>`` where it has them (Qwen3's added tokens,
     :func:`.constraints.special_token`), which llguidance never matches to the text, so the
-    grammar also takes the token (else the model would have to spell the marker out)."""
-    functions = [t.get("function") or {} for t in tools]
-    functions = [f for f in functions if isinstance(f.get("name"), str) and (name is None or f["name"] == name)]
-    if not functions:
-        raise DFlashError(f"tools has no function {name!r} to call" if name is not None else "tools has no function")
+    grammar also takes the token (else the model would have to spell the marker out).
+
+    Raises:
+        DFlashError: ``tools`` has no function (named ``name``)."""
     rules, alternatives = [], []
     call_open, call_close = (text_or_token(text, token) for text, token in zip((CALL_OPEN, CALL_CLOSE), call_tokens))
-    for i, fn in enumerate(functions):
+    for i, fn in enumerate(_called_functions(tools, name)):
         head = json.dumps(f'\n{{"name": {_dumps(fn["name"])}, "arguments": ')
         alternatives.append(f"{call_open} {head} arguments_{i} {json.dumps('}' + chr(10))} {call_close}")
         rules.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(fn))}\n")
-    calls = "call" if name is not None or not parallel else 'call ("\\n" call)*'
-    start = f"start: {_REST_OF_REASONING if in_reasoning else ''}{calls}\n"
-    return (start + "call: " + " | ".join(alternatives) + "\n" + "".join(rules)
-            + (reasoning_rules(think_end) if in_reasoning else ""))
+    return _calls_grammar(alternatives, rules, name is not None or not parallel, in_reasoning, think_end)
+
+
+# a qwen3_coder text value: any text up to the first newline + </parameter> + newline (the
+# template writes the value, then "\n</parameter>\n"), that closing included
+_CODER_TEXT = "/(?s:.*)\\n<\\/parameter>\\n/"
+_CODER_VALUE_END = json.dumps("\n</parameter>\n")
+
+
+def _coder_value(schema, rule: str, rules: list[str]) -> str:
+    """The Lark expression of one ``qwen3_coder`` parameter's value and its closing
+    ``\\n</parameter>\\n``, as :meth:`Qwen3CoderParser.convert` reads it back valid under
+    ``schema``: a choice of strings (``enum`` / ``const`` of strings) as those literals; a
+    ``boolean`` as JSON's ``true`` / ``false`` or the template's ``True`` / ``False`` (its
+    ``| string``), a ``null`` as ``null`` or ``None``; a schema whose types are other JSON
+    ones, not ``string``, as that JSON (``%json``, written as templates' ``tojson``); any other (``string``, several types with ``string``, no
+    type) as text (its other keywords, e.g. ``pattern``, are not enforced)."""
+    schema = schema if isinstance(schema, dict) else {}
+    options = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+        return "(" + " | ".join(json.dumps(o) for o in options) + f") {_CODER_VALUE_END}"
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else (types if isinstance(types, list) else [])
+    if types in (["boolean"], ["null"]):  # (JSON's, or as the template's ``| string`` writes it)
+        words = ("true", "false", "True", "False") if types == ["boolean"] else ("null", "None")
+        return "(" + " | ".join(json.dumps(w) for w in words) + f") {_CODER_VALUE_END}"
+    if types and "string" not in types:
+        guidance = schema.get("x-guidance")
+        typed = {**schema, "x-guidance": {**HERMES_JSON_OPTIONS, **(guidance if isinstance(guidance, dict) else {})}}
+        rules.append(f"{rule}: %json {json.dumps(typed)}\n")
+        return f"{rule} {_CODER_VALUE_END}"
+    rules.append(f"{rule}[lazy]: {_CODER_TEXT}\n")
+    return rule
+
+
+def _check_coder_name(name: str, what: str) -> None:
+    """Raises DFlashError for a name the ``qwen3_coder`` format cannot write (``<function=NAME>``
+    and ``<parameter=KEY>`` end at the first ``>`` or newline)."""
+    if not name or any(c in name for c in ">\n"):
+        raise DFlashError(f"tools {what} {name[:80]!r} cannot be written as a qwen3_coder call "
+                          "(it is empty or holds '>' or a newline)")
+
+
+def qwen3_coder_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
+                        in_reasoning: bool = False, think_end: int | None = None,
+                        call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
+    """As :func:`hermes_grammar`, for the ``qwen3_coder`` format (Qwen3-Coder, Qwen3.5,
+    Qwen3.6), as their chat templates write a call and :class:`Qwen3CoderParser` reads it:
+    ``<tool_call>\\n<function=NAME>\\n`` then each parameter of the tool's ``parameters``
+    ``properties``, in that order, as ``<parameter=KEY>\\nVALUE\\n</parameter>\\n`` (those in
+    ``required`` always, the others optionally; no other keys), then
+    ``</function>\\n</tool_call>``; VALUE as :func:`_coder_value` constrains it.
+
+    Raises:
+        DFlashError: ``tools`` has no function (named ``name``), or a function or parameter
+            name the format cannot write (:func:`_check_coder_name`)."""
+    rules, alternatives = [], []
+    call_open, call_close = (text_or_token(text, token) for text, token in zip((CALL_OPEN, CALL_CLOSE), call_tokens))
+    for i, fn in enumerate(_called_functions(tools, name)):
+        _check_coder_name(fn["name"], "function name")
+        params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+        required = params.get("required") if isinstance(params.get("required"), list) else []
+        parts = []
+        for j, (key, schema) in enumerate(props.items()):
+            _check_coder_name(key, f"parameter name of {fn['name']!r}")
+            value = _coder_value(schema, f"value_{i}_{j}", rules)
+            rules.append(f"parameter_{i}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {value}\n")
+            parts.append(f"parameter_{i}_{j}" + ("" if key in required else "?"))
+        head = json.dumps(f"\n<function={fn['name']}>\n")
+        alternatives.append(" ".join([call_open, head, *parts, json.dumps("</function>\n"), call_close]))
+    return _calls_grammar(alternatives, rules, name is not None or not parallel, in_reasoning, think_end)
+
+
+# the grammar of forced calls (tool_choice required or a named function) of each format that has one
+FORCED_CALL_GRAMMARS = {"hermes": hermes_grammar, "qwen3_coder": qwen3_coder_grammar}
 
 
 def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:
