@@ -3,13 +3,34 @@
 A block-diffusion drafter proposes a block of tokens in one forward pass,
 conditioned on the target's hidden features; the target verifies the block in one
 pass. The output is exactly the target's own.
+
+The names below are imported on first use (PEP 562), so that ``import dflash_torch.cli``
+(the command line's ``--help``, a Ctrl-C at start-up) does not wait for torch.
 """
 
-from .engine import DFlashEngine, GenerationResult, GenerationStats, StreamChunk
+from __future__ import annotations
+
+import importlib
+
 from .errors import DFlashError
-from .sampling import SamplingParams, TokenLogprob
-from .structured import StructuredOutput
+
+# public name -> the module that defines it
+_LAZY = {"DFlashEngine": ".engine", "GenerationResult": ".engine", "GenerationStats": ".engine",
+         "StreamChunk": ".engine", "SamplingParams": ".sampling", "TokenLogprob": ".sampling",
+         "StructuredOutput": ".structured"}
 
 __all__ = ["DFlashEngine", "DFlashError", "GenerationResult", "GenerationStats", "SamplingParams", "StreamChunk",
            "StructuredOutput", "TokenLogprob"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # (found directly from now on)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

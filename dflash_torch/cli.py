@@ -372,8 +372,11 @@ def error_message(exc: DFlashError, flags: dict[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser()  # (imports torch: a Ctrl-C while it loads is an interrupt like any other)
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        return 130
     try:
         return args.func(args) or 0
     except DFlashError as exc:

@@ -210,6 +210,25 @@ def test_ctrl_c_while_decoding_exits_130_without_a_traceback(pair_args, tmp_path
     assert "Traceback" not in err and "terminate called" not in err, err
 
 
+def test_ctrl_c_while_the_command_line_starts_exits_130_without_a_traceback(pair_args):
+    """Importing the command line does not import torch (the package's names load on first
+    use), so a Ctrl-C while torch loads lands in ``main`` like any other: exit status 130,
+    no traceback. 0.5 s after the start the process is loading torch (or, on a machine that
+    loads it faster, already the models): both are interrupts ``main`` handles."""
+    import signal
+    import time
+
+    code = "import sys, dflash_torch.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_torch", "generate", *pair_args, PROMPT],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err.decode(), err.decode()
+
+
 def test_cli_imports_no_http_stack_until_serve_runs():
     """generate / bench / train run where FastAPI and uvicorn are not installed (e.g. a GPU
     machine used only to benchmark): building the CLI imports neither."""
