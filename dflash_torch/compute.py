@@ -118,9 +118,9 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
     except BaseException:  # interrupted (Ctrl-C) while fn runs: let fn end before the interrupt
         # unwinds (an interpreter that exits under a running torch op aborts the process)
         _interrupted.add(future)
+        future.add_done_callback(_interrupted.discard)  # (when fn ends, not when waiting stops: fn still stops)
         with contextlib.suppress(BaseException):  # a second Ctrl-C stops waiting
             futures.wait([future])
-        _interrupted.discard(future)
         raise
     finally:
         del future  # a raised exception's traceback would keep the result alive

@@ -425,6 +425,7 @@ class DFlashEngine:
         template_kwargs = None if chat_template_kwargs is None else \
             options.check_chat_template_kwargs(chat_template_kwargs, self.reserved_template_variables())
         tools = options.check_tools(tools)
+        prompt = options.as_prompt(prompt)
         if isinstance(prompt, list) and not prompt:
             raise DFlashError("the prompt is empty (no tokens or messages)")
         # token ids: Python or NumPy integers, 0-dim integer tensors (anything with __index__), not bools
@@ -562,6 +563,10 @@ class DFlashEngine:
         commits it; an exception it raises stops the generation and is raised here. It
         must not call the engine (such a call raises :class:`DFlashError`).
         """
+        _check_arguments("generate", kwargs, self.stream)
+        if on_chunk is not None and not callable(on_chunk):
+            raise OptionError(f"on_chunk must be a function of a StreamChunk (or None), got {type(on_chunk).__name__}",
+                              "on_chunk")
         with self._request(prompt, **kwargs) as chunks:
             return compute.run(self._collect, chunks, on_chunk)
 
@@ -696,8 +701,10 @@ class DFlashEngine:
             try:
                 yield chunks
             finally:
-                compute.run(chunks.close)
-                self._owner = None
+                try:
+                    compute.run(chunks.close)
+                finally:  # (even when a Ctrl-C interrupts the close)
+                    self._owner = None
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -802,6 +809,12 @@ class DFlashEngine:
                 see :meth:`new_stopper`), an invalid structured output (schema, regex, grammar)
                 or one with ``ignore_eos``.
         """
+        temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, \
+            min_tokens, stop_token_ids, ignore_eos, logprobs, skip_special_tokens, include_stop_str_in_output, \
+            max_new_tokens = options.plain(
+                (temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty, repetition_penalty,
+                 logit_bias, min_tokens, stop_token_ids, ignore_eos, logprobs, skip_special_tokens,
+                 include_stop_str_in_output, max_new_tokens))  # (NumPy scalars are numbers too)
         grammar = None
         if structured_output is not None:
             if ignore_eos is True:
@@ -1062,6 +1075,19 @@ def _call_arguments(arguments, message: int, call: int) -> dict:
     return arguments
 
 
+def _check_arguments(method: str, kwargs: dict, takes: Callable) -> None:
+    """Raises TypeError, as Python does for ``method``, for a keyword ``takes`` has not,
+    naming the closest one it has (``max_tokens``: did you mean ``max_new_tokens``?)."""
+    import difflib
+
+    known = [p.name for p in inspect.signature(takes).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    for name in kwargs:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{method}() got an unexpected keyword argument {name!r}{hint}")
+
+
 def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list:
     """One value per prompt: ``value`` repeated ``n`` times, or ``value`` itself when it is a
     per-prompt list. With ``nested`` (the item types of a shared list, e.g. ``(str,)`` for
@@ -1070,6 +1096,7 @@ def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list
     Raises:
         DFlashError: a per-prompt list whose length is not ``n``.
     """
+    value = options.plain(value)  # (a NumPy array of per-prompt values: a list)
     if not isinstance(value, (list, tuple)):
         return [value] * n
     if nested and (not value or any(isinstance(v, nested) and not isinstance(v, bool) for v in value)):

@@ -25,6 +25,50 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp
 MIN_CONTEXT = 2  # one prompt token and one generated token
 
 
+def plain(value):
+    """``value`` with NumPy scalars and arrays made Python values (``np.int64(4)`` -> ``4``,
+    ``np.float32(0.9)`` -> ``0.9``, ``np.True_`` -> ``True``, an array -> a list), in lists,
+    tuples and dict keys and values too; anything else as it is. The engine's options are
+    checked as Python values: NumPy's are the same numbers."""
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    return value
+
+
+def as_prompt(prompt):
+    """A prompt as :meth:`DFlashEngine.encode_prompt` reads it: a tuple or ``range`` as a list,
+    a 1-D integer tensor or NumPy array of token ids as a list of ints; anything else as it is.
+
+    Raises:
+        DFlashError: a tensor or array that is not 1-D (the message says how to pass one
+            row of a ``[1, N]`` batch), or not of integers.
+    """
+    import numpy as np
+
+    if isinstance(prompt, (tuple, range)):
+        return list(prompt)
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        kind = "tensor" if isinstance(prompt, torch.Tensor) else "array"
+        if prompt.ndim != 1:
+            hint = " (a batch of one, e.g. a tokenizer's input_ids: pass its row, ids[0])" if prompt.ndim == 2 else ""
+            raise DFlashError(f"a prompt {kind} of token ids must be 1-D, got shape {tuple(prompt.shape)}{hint}")
+        integer = not (prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool) \
+            if kind == "tensor" else np.issubdtype(prompt.dtype, np.integer)
+        if not integer:
+            raise DFlashError(f"prompt token ids must be integers, got {'a tensor' if kind == 'tensor' else 'an array'} "
+                              f"of {prompt.dtype}")
+        return [int(t) for t in prompt.tolist()]
+    return prompt
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -899,3 +900,44 @@ def test_prompt_ids_may_be_numpy_integers_or_0_dim_tensors(engine):
     assert engine.generate([np.int64(5), np.int32(7), torch.tensor(3)], max_new_tokens=4).token_ids == want
     with pytest.raises(DFlashError, match="prompt token ids must be integers"):
         engine.generate([torch.tensor(3.0)], max_new_tokens=2)
+
+
+def test_prompts_as_tuples_ranges_and_1_d_tensors_or_arrays(engine):
+    """Token ids as a tuple, a range, a 1-D tensor or NumPy array are the same prompt as the
+    list; a 2-D one (a tokenizer's [1, N] input_ids) or one of floats is a one-line error."""
+    import numpy as np
+    import torch
+
+    want = engine.generate([5, 7, 3], max_new_tokens=4).token_ids
+    for prompt in ((5, 7, 3), torch.tensor([5, 7, 3]), np.array([5, 7, 3]),
+                   torch.tensor([5, 7, 3], dtype=torch.int32)):
+        assert engine.generate(prompt, max_new_tokens=4).token_ids == want, prompt
+    assert engine.generate(range(5, 8), max_new_tokens=4).token_ids == engine.generate([5, 6, 7], max_new_tokens=4).token_ids
+    for prompt, words in ((torch.tensor([[5, 7, 3]]), "must be 1-D, got shape (1, 3) (a batch of one"),
+                          (np.zeros((2, 2), dtype=np.int64), "must be 1-D, got shape (2, 2)"),
+                          (torch.tensor([5.0, 7.0]), "must be integers, got a tensor of torch.float32"),
+                          (np.array([0.5]), "must be integers, got an array of float64")):
+        with pytest.raises(DFlashError, match=re.escape(words)):
+            engine.generate(prompt, max_new_tokens=2)
+
+
+def test_numpy_scalars_are_the_numbers_they_hold(engine):
+    """(They were refused with messages such as "max_new_tokens must be an integer >= 1, got np.int64(4)".)"""
+    import numpy as np
+
+    kw = dict(max_new_tokens=6, temperature=0.7, top_k=3, top_p=0.9, min_p=0.05, seed=3, ignore_eos=True,
+              logit_bias={5: -100.0}, stop_token_ids=[3], min_tokens=2, logprobs=1)
+    as_numpy = dict(max_new_tokens=np.int64(6), temperature=np.float32(0.7), top_k=np.int32(3), top_p=np.float64(0.9),
+                    min_p=np.float32(0.05), seed=np.uint16(3), ignore_eos=np.True_, logit_bias={np.int64(5): np.float32(-100)},
+                    stop_token_ids=[np.int64(3)], min_tokens=np.int8(2), logprobs=np.int64(1))
+    assert engine.generate("def f(x):", **as_numpy).token_ids == engine.generate("def f(x):", **kw).token_ids
+    batch = engine.generate_batch(["a", "b"], max_new_tokens=np.array([3, 4]), ignore_eos=True)
+    assert [len(r.token_ids) for r in batch] == [3, 4]
+
+
+def test_a_misspelt_argument_or_a_callback_that_is_not_one_is_named(engine):
+    with pytest.raises(TypeError, match=r"^generate\(\) got an unexpected keyword argument 'max_tokens' \(did you mean "
+                                        r"'max_new_tokens'\?\)$"):
+        engine.generate("x", max_tokens=5)
+    with pytest.raises(DFlashError, match=r"^on_chunk must be a function of a StreamChunk \(or None\), got int$"):
+        engine.generate("x", max_new_tokens=2, on_chunk=5)

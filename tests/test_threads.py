@@ -144,6 +144,56 @@ def test_ctrl_c_stops_a_generate_after_the_current_round(tiny_pair):
     assert word == "interrupted" and 3 <= int(chunks) < 10 and after == "4", proc.stdout  # not 900 rounds
 
 
+@pytest.mark.parametrize("call", ["generate", "generate_batch"])
+def test_repeated_ctrl_c_stops_as_soon_and_leaves_the_engine_usable(tiny_pair, call):
+    """Ctrl-C pressed three times (1 ms, then 50 ms apart): the call still stops after its current round
+    (a second press used to cancel the stop, so it decoded to the end), and the thread can
+    start requests again (a third used to leave the engine saying a stream was still open)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, signal, threading
+        from dflash_torch import DFlashEngine, compute
+
+        engine = DFlashEngine.from_pretrained({str(tiny_pair[0])!r}, {str(tiny_pair[1])!r}, block_size=1)
+        rounds = []
+        def press():
+            for gap in (0.001, 0.05, 0):
+                os.kill(os.getpid(), signal.SIGINT)
+                threading.Event().wait(gap)
+        def count(*args):  # on the compute thread, once per decoding round
+            rounds.append(1)
+            if len(rounds) == 3:
+                threading.Thread(target=press).start()
+            threading.Event().wait(0.02)  # (rounds as long as a real model's: presses land within one)
+            return step(*args) if step is not None else None
+        try:
+            if {call == "generate_batch"}:
+                decoder = engine.batch_decoder()
+                step, decoder.step = decoder.step, count
+                engine.generate_batch(["def f(x):", "class A:"], max_new_tokens=900, ignore_eos=True)
+            else:
+                step = None
+                engine.generate("def f(x):", max_new_tokens=900, ignore_eos=True, on_chunk=count)
+        except KeyboardInterrupt:
+            pass
+        for _ in range(2):  # (a press that came after the call ended interrupts this)
+            try:
+                compute.run(threading.Event().wait, 0.3)
+            except KeyboardInterrupt:
+                pass
+        print(len(rounds), len(engine.generate("def f(x):", max_new_tokens=4).token_ids))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    rounds, after = proc.stdout.split()
+    assert int(rounds) < 100 and after == "4", proc.stdout  # not 900 rounds
+
+
 @pytest.mark.parametrize("call", ["generate", "stream", "generate_batch"])
 def test_on_chunk_that_calls_its_own_engine_gets_an_error_not_a_deadlock(tiny_pair, call):
     """on_chunk runs on the compute thread while the request holds the engine: a request
