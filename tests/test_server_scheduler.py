@@ -305,6 +305,10 @@ def test_a_full_queue_answers_503_with_retry_after_at_once(tiny_pair, tmp_path):
             srv.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
         # two choices are more than the queue holds: a 400, whatever the load
         assert srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 2}).status_code == 400
+        # so are token ids outside the vocabulary (they were a 503 "retry in 1 s" while the queue was full)
+        for field, value in (("logit_bias", {"999999": 5}), ("stop_token_ids", [999999])):
+            r = srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, field: value})
+            assert _assert_openai_error(r, 400)["param"] == field, r.text
         m = srv.metrics()
         assert _gauge(m, "dflash_running_requests") == 1 and _gauge(m, "dflash_waiting_requests") == 1
         assert first.is_alive() and second.is_alive()  # the refusals did not wait for them

@@ -584,6 +584,17 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 raise APIError(400, where + str(exc), param=param_of(exc)) from None
         return out
 
+    def check_sampling(max_new_tokens: int, kwargs: dict, aliases: dict) -> None:
+        """The request's sampling and stop values checked as the engine will check them when
+        a slot takes it (token ids against the vocabulary too), so that a request that can
+        never run is a 400 now, not a 503 "retry" while the queue is full; ``aliases``: the
+        request's names of the engine's fields (``structured_output``)."""
+        try:
+            engine.request_params(max_new_tokens, **{k: v for k, v in kwargs.items() if k != "prompt_logprobs"})
+        except DFlashError as exc:
+            param = param_of(exc)
+            raise APIError(400, str(exc), param=aliases.get(param, param)) from None
+
     def compile_constraint(spec, param: str, where: str = "") -> StructuredOutput:
         """``spec`` checked and compiled for the engine (kept in its cache: the sequences'
         own compiles find it there); an error is a 400 about ``param``, the request's field
@@ -705,6 +716,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if req.constraint() is not None or (chat and req.forces_tool_calls()):
             param, kwargs["structured_output"] = await asyncio.to_thread(request_constraint, req, chat, tools, prompt_tail)
             job.param_aliases["structured_output"] = param
+        await asyncio.to_thread(check_sampling, prepared[0][1], kwargs, job.param_aliases)
         for ids, max_new_tokens in prepared:
             for j in range(n):
                 job.add(ids, max_new_tokens, {**kwargs, "seed": choice_seed(kwargs["seed"], j)})
