@@ -304,6 +304,17 @@ def _check_packing(value, present: bool | None, name: str, packed: str, why: str
     return value
 
 
+def check_keepalive(value, name: str = "sse_keepalive") -> float:
+    """Seconds between SSE keep-alive comments: a finite number >= 0 (0: none), as a float.
+
+    Raises:
+        OptionError: any other value.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise OptionError(f"{name} must be a number of seconds >= 0 (0 = no keep-alive), got {value!r}", name)
+    return float(value)
+
+
 def check_chat_template_kwargs(value, reserved: Sequence[str] = (), name: str = "chat_template_kwargs") -> dict | None:
     """Extra variables for the tokenizer's chat template (e.g. ``{"enable_thinking": False}``
     for Qwen3 / Qwen3.5, ``{"reasoning_effort": "low"}`` for gpt-oss): None or a dict with

@@ -304,7 +304,9 @@ def test_the_scripted_model_writes_its_calls_target_only_and_speculative(scripte
 def server(scripted_pair, tmp_path_factory):
     from test_server_scheduler import _serve
 
-    with _serve(scripted_pair[:2], tmp_path_factory.mktemp("tools-server")) as srv:  # --tool-call-parser auto: hermes
+    # --tool-call-parser auto: hermes; keep-alive comments whenever 1 ms passes without a frame
+    # (while a call is held back): the streams below read through them
+    with _serve(scripted_pair[:2], tmp_path_factory.mktemp("tools-server"), "--sse-keepalive", "0.001") as srv:
         yield srv
 
 
@@ -366,6 +368,64 @@ def test_server_streams_tool_calls(server):
         assert [c.index for c in calls[index]] == [0, 1]
         assert _message_calls(calls[index]) == WANT_CALLS
     assert usage.completion_tokens == 2 * (len(SCRIPT) + 1)
+    # the raw stream: SSE comments while the calls were held back, between whole events
+    import httpx
+    import test_server
+
+    body = {"model": model, "messages": MESSAGES, "tools": TOOLS, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.base}/v1/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {test_server.API_KEY}"}) as r:
+        events = r.read().decode().split("\n\n")
+    assert ": keep-alive" in events and events[-2:] == ["data: [DONE]", ""]
+    assert all(e == ": keep-alive" or e.startswith("data: ") for e in events[:-1]), events
+
+
+def test_keepalive_frames_fill_silences_and_end_with_the_stream():
+    import asyncio
+
+    from dflash_torch.serving.app import KEEPALIVE_FRAME, with_keepalive
+
+    ended = []
+
+    async def frames():
+        try:
+            for i in range(3):
+                await asyncio.sleep(0.05)
+                yield f"data: {i}\n\n"
+        finally:
+            ended.append(True)
+
+    async def collect(limit=None):
+        out = []
+        async for f in with_keepalive(frames(), 0.01):
+            out.append(f)
+            if limit is not None and len([x for x in out if x != KEEPALIVE_FRAME]) == limit:
+                break
+        return out
+
+    out = asyncio.run(collect())
+    assert [f for f in out if f != KEEPALIVE_FRAME] == ["data: 0\n\n", "data: 1\n\n", "data: 2\n\n"]
+    assert out[0] == KEEPALIVE_FRAME and out.count(KEEPALIVE_FRAME) >= 3 and ended == [True]
+    ended.clear()
+
+    async def leave_early():  # (a client that goes away: the inner stream is closed too)
+        agen = with_keepalive(frames(), 0.01)
+        async for f in agen:
+            if f != KEEPALIVE_FRAME:
+                break
+        await agen.aclose()
+
+    asyncio.run(leave_early())
+    assert ended == [True]
+    ended.clear()
+
+    async def leave_after_a_frame():  # (closed where it handed a frame on, the next one not asked for)
+        agen = with_keepalive(frames(), 10)
+        assert await agen.__anext__() == "data: 0\n\n"
+        await agen.aclose()
+        return list(ended)
+
+    assert asyncio.run(leave_after_a_frame()) == [True]
 
 
 def test_server_refuses_calls_whose_arguments_are_not_json_objects(server):

@@ -73,6 +73,7 @@ import hmac
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
@@ -84,7 +85,7 @@ from starlette.requests import ClientDisconnect
 
 from ..engine import StreamChunk
 from ..errors import DFlashError
-from ..options import check_api_key, check_chat_template_kwargs, check_model_name
+from ..options import check_api_key, check_chat_template_kwargs, check_keepalive, check_model_name
 from ..structured import StructuredOutput
 from .constraints import after_reasoning, special_token, think_end_token, with_whitespace
 from .metrics import MetricsMiddleware, ServerMetrics
@@ -329,10 +330,41 @@ class _JobStreamingResponse(StreamingResponse):
             self.job.cancel()
 
 
+KEEPALIVE_FRAME = ": keep-alive\n\n"  # an SSE comment: clients skip it (the openai client does)
+
+
+async def with_keepalive(frames: AsyncIterator[str], interval: float) -> AsyncIterator[str]:
+    """``frames`` with :data:`KEEPALIVE_FRAME` sent whenever ``interval`` seconds (> 0) pass
+    without one, so that a stream that is silent for long (a tool call held back until it
+    is complete, a slow round) does not hit a client's or a proxy's read timeout."""
+    it = frames.__aiter__()
+    pending = asyncio.ensure_future(it.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield KEEPALIVE_FRAME
+                continue
+            try:
+                frame = pending.result()
+            except StopAsyncIteration:
+                return
+            yield frame
+            pending = asyncio.ensure_future(it.__anext__())
+    finally:  # (the stream ends or the client left: the inner stream is closed too)
+        if not pending.done():
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        else:
+            with contextlib.suppress(BaseException):
+                await it.aclose()
+
+
 def create_app(engine, api_key: str | None = None, model_name: str | None = None, *, max_batch_size: int = 8,
                max_queue: int = 64, chat_template_kwargs: dict | None = None,
                reasoning_parser: str = "auto", tool_call_parser: str = "auto",
-               generation_config: str = "auto") -> FastAPI:
+               generation_config: str = "auto", sse_keepalive: float = 15.0) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -361,6 +393,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             (:attr:`DFlashEngine.generation_defaults`), and a chat (or Responses) request that
             omits ``max_tokens`` at most its ``max_new_tokens``; ``none``: OpenAI's defaults
             (as vLLM's ``--generation-config vllm``).
+        sse_keepalive: seconds (> 0) a stream may go without an event before the server
+            sends an SSE comment line (``: keep-alive``), which clients skip; 0: never.
 
     Raises:
         DFlashError: an empty API key or one that is not printable ASCII; an empty or
@@ -368,7 +402,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             an argument of the template call; an unknown ``reasoning_parser`` or ``tool_call_parser``,
             or ``harmony`` tool calls without ``harmony`` reasoning; ``max_batch_size``
             or ``max_queue`` not an integer >= 1; a ``generation_config`` other than ``auto``
-            or ``none``; batch caches of ``max_batch_size`` x the
+            or ``none``; ``sse_keepalive`` not a finite number >= 0; batch caches of ``max_batch_size`` x the
             engine's context that do not fit the device.
     """
     api_key = check_api_key(api_key)
@@ -381,6 +415,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     if generation_config not in GENERATION_CONFIGS:
         raise DFlashError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, got {generation_config!r}")
     sampling_defaults = dict(engine.generation_defaults) if generation_config == "auto" else {}
+    keepalive = check_keepalive(sse_keepalive)
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
     scheduler = Scheduler(make_backend(engine, max_batch_size), metrics, max_queue=max_queue)
     metrics.open_requests.set_function(scheduler.open_jobs)
@@ -533,6 +568,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise _as_responses(exc, req) from None
         req._chat = chat
         return req
+
+    def sse(frames: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A stream's frames, with keep-alive comments unless ``sse_keepalive`` is 0."""
+        return with_keepalive(frames, keepalive) if keepalive else frames
 
     async def next_event(job: Job, request: Request | None) -> Event | None:
         """The job's next event; None when the client went away (checked every
@@ -747,12 +786,12 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 builder = ResponseBuilder(rid, model_id, responses.echo(req, sampling_defaults))
                 parser = None if parsers is None else parsers[0]
                 if req.stream:
-                    return _JobStreamingResponse(response_stream(job, builder, parser, prompt_tokens, responses), job,
+                    return _JobStreamingResponse(sse(response_stream(job, builder, parser, prompt_tokens, responses)), job,
                                                  media_type="text/event-stream",
                                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 return await response_complete(job, request, builder, parser, prompt_tokens)
             if req.stream:
-                return _JobStreamingResponse(stream_events(job, req, rid, kind, prompt_tokens, n, parsers, scoring), job,
+                return _JobStreamingResponse(sse(stream_events(job, req, rid, kind, prompt_tokens, n, parsers, scoring)), job,
                                              media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return await complete(job, request, rid, kind, prompt_tokens, n, parsers, scoring)

@@ -7,7 +7,7 @@ import argparse
 import os
 
 from ..errors import DFlashError
-from ..options import check_api_key, check_count, check_model_name
+from ..options import check_api_key, check_count, check_keepalive, check_model_name
 
 
 def register(sub) -> None:
@@ -53,6 +53,9 @@ def register(sub) -> None:
                    help="defaults of the sampling values a request omits (temperature, top_k, top_p, min_p, "
                         "repetition_penalty; a chat's max_tokens): auto (default, as vLLM) takes those the target's "
                         "generation_config.json sets, none keeps OpenAI's (temperature 1, top_p 1, no top_k / min_p)")
+    p.add_argument("--sse-keepalive", type=float, default=15.0, metavar="SECONDS",
+                   help="send an SSE comment line (': keep-alive', which clients skip) on a stream that has sent "
+                        "nothing for this long, e.g. while a tool call is held back until complete (default 15; 0: never)")
     add_chat_template_kwargs_arg(p, "for every chat request (a request's own chat_template_kwargs and "
                                     "reasoning_effort override them)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -74,6 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
     check_slots(args.max_batch_size, "--max-batch-size")
     check_slots(args.max_queue, "--max-queue")
     check_count(args.warmup_context, "--warmup-context")
+    check_keepalive(args.sse_keepalive, "--sse-keepalive")
     import socket
 
     try:  # fail before loading models when the address is taken
@@ -90,7 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,
                      max_queue=args.max_queue, chat_template_kwargs=args.chat_template_kwargs,
                      reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                     generation_config=args.generation_config)
+                     generation_config=args.generation_config, sse_keepalive=args.sse_keepalive)
     scheduler = app.state.scheduler
     print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "
           f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
