@@ -272,7 +272,8 @@ def test_bad_constraints_are_400s_naming_the_field(servers, endpoint, body, para
 NOTE = {"type": "function", "function": {"name": "save_note", "parameters": {
     "type": "object", "required": ["text"],
     "properties": {"text": {"type": "string"}, "pinned": {"type": "boolean"}, "tags": {"type": "array", "items": {
-        "type": "string"}}, "priority": {"type": "integer", "minimum": 1, "maximum": 3}}}}}
+        "type": "string"}}, "priority": {"type": "integer", "minimum": 1, "maximum": 3},
+        "level": {"enum": [1, 2.5, True, None, "high"]}}}}}
 CODER_TOOLS = [WEATHER, TIME, NOTE]
 # Qwen3.5's chat template's layout of an assistant message's calls (transformers renders it: the oracle)
 QWEN35_CALLS_TEMPLATE = (
@@ -306,9 +307,11 @@ def test_qwen3_coder_call_grammar_accepts_what_the_template_writes_and_the_parse
 
     good = [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {}),
             ("save_note", {"text": "buy milk\n</parameter> twice", "pinned": True, "tags": ["a", "b c"]}),
-            ("save_note", {"text": "", "priority": 3})]
+            ("save_note", {"text": "", "priority": 3}), ("save_note", {"text": "x", "level": 2.5}),
+            ("save_note", {"text": "x", "level": True}), ("save_note", {"text": "x", "level": None}),
+            ("save_note", {"text": "x", "level": "high"}), ("save_note", {"text": "x", "level": 1})]
     grammar = qwen3_coder_grammar(CODER_TOOLS)
-    for calls in ([good[0]], [good[1]], [good[2]], [good[3]], good):
+    for calls in [[call] for call in good] + [good]:
         text = _rendered_calls(engine.tokenizer, calls)
         assert accepts(grammar, text), text
         _, content, parsed = parse_reply(new_reply_parser("none", "qwen3_coder", tools=CODER_TOOLS), text, True)
@@ -320,7 +323,8 @@ def test_qwen3_coder_call_grammar_accepts_what_the_template_writes_and_the_parse
     for bad in ([("get_weather", {"city": "Rome", "days": 2})], [("get_weather", {"city": "Oslo", "days": 9})],
                 [("get_weather", {"city": "Oslo"})], [("get_weather", {"days": 2, "city": "Oslo"})],
                 [("get_time", {"x": 1})], [("save_note", {"text": "a", "pinned": "maybe"})],
-                [("save_note", {"text": "a", "priority": 1.5})], [("nope", {})]):
+                [("save_note", {"text": "a", "priority": 1.5})], [("save_note", {"text": "a", "level": 3})],
+                [("save_note", {"text": "a", "level": "low"})], [("nope", {})]):
         assert not accepts(grammar, _rendered_calls(engine.tokenizer, bad)), bad
     assert not accepts(grammar, "Sure. " + one)
     thought = "first </thin k> then</think>\n\n" + one

@@ -199,7 +199,12 @@ class Qwen3CoderParser(ToolParser):
 
     @staticmethod
     def convert(value: str, schema) -> object:
-        """``value`` as the JSON type its ``schema`` names (the first that parses), else the text."""
+        """``value`` as the ``enum`` / ``const`` value of the ``schema`` it writes (see
+        :func:`_coder_words`), else as the JSON type the schema names (the first that
+        parses), else the text."""
+        for option in _enum(schema) or ():
+            if value in _coder_words(option):
+                return option
         types = schema.get("type") if isinstance(schema, dict) else None
         types = [types] if isinstance(types, str) else (types if isinstance(types, list) else [])
         want = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None), "object": dict,
@@ -393,15 +398,17 @@ _CODER_VALUE_END = json.dumps("\n</parameter>\n")
 def _coder_value(schema, rule: str, rules: list[str]) -> str:
     """The Lark expression of one ``qwen3_coder`` parameter's value and its closing
     ``\\n</parameter>\\n``, as :meth:`Qwen3CoderParser.convert` reads it back valid under
-    ``schema``: a choice of strings (``enum`` / ``const`` of strings) as those literals; a
+    ``schema``: a choice (``enum`` / ``const``) as its values written as the template writes
+    them (:func:`_coder_words`); a
     ``boolean`` as JSON's ``true`` / ``false`` or the template's ``True`` / ``False`` (its
     ``| string``), a ``null`` as ``null`` or ``None``; a schema whose types are other JSON
     ones, not ``string``, as that JSON (``%json``, written as templates' ``tojson``); any other (``string``, several types with ``string``, no
     type) as text (its other keywords, e.g. ``pattern``, are not enforced)."""
     schema = schema if isinstance(schema, dict) else {}
-    options = schema.get("enum", [schema["const"]] if "const" in schema else None)
-    if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
-        return "(" + " | ".join(json.dumps(o) for o in options) + f") {_CODER_VALUE_END}"
+    options = _enum(schema)
+    if options:
+        words = list(dict.fromkeys(w for o in options for w in _coder_words(o)))
+        return "(" + " | ".join(json.dumps(w) for w in words) + f") {_CODER_VALUE_END}"
     types = schema.get("type")
     types = [types] if isinstance(types, str) else (types if isinstance(types, list) else [])
     if types in (["boolean"], ["null"]):  # (JSON's, or as the template's ``| string`` writes it)
@@ -414,6 +421,25 @@ def _coder_value(schema, rule: str, rules: list[str]) -> str:
         return f"{rule} {_CODER_VALUE_END}"
     rules.append(f"{rule}[lazy]: {_CODER_TEXT}\n")
     return rule
+
+
+def _enum(schema) -> list | None:
+    """A schema's ``enum`` (or ``const`` as a one-value list), None for neither."""
+    if not isinstance(schema, dict):
+        return None
+    options = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    return options if isinstance(options, list) and options else None
+
+
+def _coder_words(value) -> list[str]:
+    """The ways a ``qwen3_coder`` call writes a parameter's ``value``: a string as itself,
+    ``True`` / ``None`` as the template's ``| string`` writes them or as JSON, a number as
+    its text, an object or array as ``tojson``."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, bool) or value is None:
+        return [str(value), json.dumps(value)]
+    return [json.dumps(value)]
 
 
 def _check_coder_name(name: str, what: str) -> None:
