@@ -158,8 +158,9 @@ class DFlashEngine:
     (:func:`~dflash_torch.sampling.generation_defaults`: ``temperature``, ``top_k``,
     ``top_p``, ``min_p``, ``repetition_penalty``, ``max_new_tokens``, those it sets), as
     keyword arguments of :meth:`generate` (``engine.generate(prompt, **engine.generation_defaults)``);
-    ``{}`` without the file. The server's requests default to them (``serve
-    --generation-config``); :meth:`generate` itself defaults to greedy decoding.
+    ``{}`` without the file; a bad value there is an error when they are read, not when
+    loading. The server's requests default to them (``serve --generation-config auto``);
+    :meth:`generate` itself defaults to greedy decoding.
     """
 
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
@@ -178,7 +179,7 @@ class DFlashEngine:
         self.lock = threading.Lock()
         self._owner: int | None = None  # thread id of the open stream, if any
         self.stop_token_ids = set(target.config.eos_token_ids)
-        self.generation_defaults: dict = {}
+        self._generation_defaults: dict | DFlashError = {}
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.stop_token_ids.add(int(tokenizer.eos_token_id))
 
@@ -308,7 +309,10 @@ class DFlashEngine:
             gen = read_json_object(gen_cfg)
             eos = check_vocab_ids(eos_token_ids(gen.get("eos_token_id"), "generation_config.json"),
                                   target_cfg.vocab_size, "generation_config.json")
-            recommended = generation_defaults(gen)
+            try:
+                recommended = generation_defaults(gen)
+            except DFlashError as exc:  # (refused where it is used: serve --generation-config auto)
+                recommended = exc
         drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8)
         if fuse:
@@ -326,8 +330,22 @@ class DFlashEngine:
                     pack_linears(m)
         engine = cls(model, tokenizer, drafter, name=Path(str(target)).name, **engine_options)
         engine.stop_token_ids.update(eos)
-        engine.generation_defaults = recommended
+        engine._generation_defaults = recommended
         return engine
+
+    @property
+    def generation_defaults(self) -> dict:
+        """The sampling the target's ``generation_config.json`` recommends (see the class
+        docstring); ``{}`` without the file.
+
+        Raises:
+            DFlashError: a value there out of its range or of the wrong type (the message
+                names the file and the field); read when loading, refused only here, so
+                that an engine that never uses them still runs.
+        """
+        if isinstance(self._generation_defaults, DFlashError):
+            raise DFlashError(str(self._generation_defaults))
+        return dict(self._generation_defaults)
 
     @property
     def block_size(self) -> int:

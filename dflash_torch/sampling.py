@@ -208,6 +208,9 @@ def generation_defaults(config: dict, where: str = "generation_config.json") -> 
             ``where`` and the field.
     """
     out = {k: config[k] for k in GENERATION_DEFAULT_FIELDS if config.get(k) is not None}
+    for k in ("top_k", "max_new_tokens"):  # (20.0 is 20)
+        if isinstance(out.get(k), float) and out[k].is_integer():
+            out[k] = int(out[k])
     if out.get("top_k") == -1:
         out["top_k"] = 0
     try:
@@ -311,14 +314,16 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     gaps = x - x.amax(dim=-1, keepdim=True)  # <= 0, exactly 0 at the maximum and its ties
     t = params.temperature
+    # min-p: p / p_max = exp(gap / t) < min_p, tested on the gaps (exact where float32
+    # probabilities round to equal values, a huge temperature; the maximum always stays)
+    below_min_p = gaps < t * math.log(params.min_p) if params.min_p > 0.0 else None
     if _F32.tiny <= t <= _F32.max:
         scaled = gaps.div_(t)
     else:  # not a normal float32: 1e-40 would lose precision, 1e-46 or 1e39 would become 0 or inf
         scaled = (gaps.double() / t).float()
     probs = torch.softmax(scaled, dim=-1)
-    if params.min_p > 0.0:
-        # the most likely token has probability amax, so it always stays
-        probs = probs.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    if below_min_p is not None:
+        probs = probs.masked_fill(below_min_p, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     if params.top_p < 1.0:
         # most likely first, ordered by the logits: probabilities that round to equal values

@@ -1,7 +1,8 @@
 """The sampling a model's ``generation_config.json`` recommends, and ``min_p``.
 
 * ``DFlashEngine.generation_defaults`` reads ``temperature``, ``top_k``, ``top_p``, ``min_p``,
-  ``repetition_penalty`` and ``max_new_tokens`` (vLLM's list), read before any weight.
+  ``repetition_penalty`` and ``max_new_tokens`` (vLLM's list); a bad value is refused where
+  it is used (the server's defaults), not when loading.
 * A real ``dflash-torch serve`` subprocess gives a request that omits them the recommended
   values (vLLM's ``--generation-config auto``), and OpenAI's defaults with
   ``--generation-config none``: a seeded request without them decodes exactly as the same
@@ -53,11 +54,34 @@ def test_generation_defaults_are_the_fields_it_sets(recommended_pair, tiny_pair,
     assert len(out.token_ids) == RECOMMENDED["max_new_tokens"]
 
 
-def test_a_bad_recommended_value_is_refused_before_any_weight_is_read(tiny_pair, tmp_path):
-    target = _with_generation_config(tiny_pair[0], tmp_path / "bad", {"repetition_penalty": -1})
-    (target / "model.safetensors").write_bytes(b"not safetensors")  # (never reached)
-    with pytest.raises(DFlashError, match=r"^generation_config.json: repetition_penalty must be a finite number > 0"):
-        DFlashEngine.from_pretrained(target, no_draft=True)
+BAD_RECOMMENDED = [  # (field, value, the one-line error)
+    ("temperature", "0.6", "generation_config.json: temperature must be a finite number >= 0, got '0.6'"),
+    ("top_p", 0, "generation_config.json: top_p must be in (0, 1], got 0"),
+    ("min_p", 1.5, "generation_config.json: min_p must be in [0, 1] (0 = off), got 1.5"),
+    ("top_k", 2.5, "generation_config.json: top_k must be an integer >= 0 (0 = off), got 2.5"),
+    ("max_new_tokens", 0, "generation_config.json: max_new_tokens must be an integer >= 1, got 0"),
+    ("repetition_penalty", -1, "generation_config.json: repetition_penalty must be a finite number > 0"),
+]
+
+
+@pytest.mark.parametrize("field,value,words", BAD_RECOMMENDED, ids=[c[0] for c in BAD_RECOMMENDED])
+def test_a_bad_recommended_value_is_refused_where_it_is_used(tiny_pair, tmp_path, field, value, words):
+    """A checkpoint whose generation_config.json recommends a bad value still loads and
+    generates (generate never reads it); its generation_defaults, and a server that would
+    take them, are refused in one line naming the file and field."""
+    from dflash_torch.serving import create_app
+
+    target = _with_generation_config(tiny_pair[0], tmp_path / "bad", {field: value})
+    engine = DFlashEngine.from_pretrained(target, no_draft=True)
+    assert len(engine.generate("x", max_new_tokens=2, ignore_eos=True).token_ids) == 2
+    for use in (lambda: engine.generation_defaults, lambda: create_app(engine)):
+        with pytest.raises(DFlashError) as err:
+            use()
+        assert str(err.value).startswith(words) and "\n" not in str(err.value), str(err.value)
+    create_app(engine, generation_config="none")  # (the file's sampling unread)
+    # an integral float is the integer it holds
+    target = _with_generation_config(tiny_pair[0], tmp_path / "float", {"top_k": 20.0, "max_new_tokens": 8.0})
+    assert DFlashEngine.from_pretrained(target, no_draft=True).generation_defaults == {"top_k": 20, "max_new_tokens": 8}
 
 
 def test_min_p_1_sampling_is_greedy_decoding(agree_pair):
@@ -67,7 +91,8 @@ def test_min_p_1_sampling_is_greedy_decoding(agree_pair):
     base = DFlashEngine(spec.target, spec.tokenizer)
     refs = [base.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in PROMPTS]
     for seed, (prompt, ref) in enumerate(zip(PROMPTS, refs)):
-        out = spec.generate(prompt, max_new_tokens=24, ignore_eos=True, temperature=1.3, min_p=1.0, seed=seed)
+        out = spec.generate(prompt, max_new_tokens=24, ignore_eos=True, temperature=(1.3, 1e7, 1e30, 0.01)[seed],
+                            min_p=1.0, seed=seed)  # (huge temperatures: float32 probabilities all round alike)
         assert out.token_ids == ref
         assert out.stats.mean_acceptance_length > 1.5
     batch = spec.generate_batch(PROMPTS, max_new_tokens=24, ignore_eos=True, temperature=1.3, seed=[1, 2, 3, 4],
@@ -93,7 +118,9 @@ def test_the_server_defaults_to_the_recommended_sampling(recommended_pair, tmp_p
     explicit = {k: v for k, v in RECOMMENDED.items() if k != "max_new_tokens"}
     openai_defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
     with _serve(recommended_pair, tmp_path_factory.mktemp("auto")) as srv:
-        assert "generation_config.json: temperature 0.7, top_k 5, top_p 0.9, min_p 0.05" in srv.log.read_text()
+        log = srv.log.read_text()
+        assert "generation_config.json: temperature 0.7, top_k 5, top_p 0.9, min_p 0.05, repetition_penalty 1.1; chat and " \
+            "Responses requests without max_tokens at most 6 tokens" in log, log
         client = srv.client()
         omitted = [_completion(client, seed) for seed in range(4)]
         assert omitted == [_completion(client, seed, **explicit) for seed in range(4)]
@@ -125,3 +152,6 @@ def test_min_p_over_http(tiny_pair, tmp_path_factory):
         assert all(_completion(client, seed, temperature=1.5, min_p=1.0) == greedy for seed in range(3))
         r = srv.post("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5})
         assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text
+        # (a request's fields by their names: it said max_new_tokens)
+        r = srv.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, "min_tokens": 4})
+        assert r.json()["error"]["message"] == "min_tokens (4) must be at most max_tokens (3)", r.text

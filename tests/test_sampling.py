@@ -295,6 +295,14 @@ def test_tiny_temperature_is_uniform_over_the_maximum(logits, t, top_k):
 
 
 @PROPERTY
+@given(logits=logit_rows(), t=st.sampled_from(TINY_TEMPERATURES + HUGE_TEMPERATURES + [1.0]), top_k=st.integers(0, 50))
+def test_min_p_1_keeps_exactly_the_most_likely_tokens_at_every_temperature(logits, t, top_k):
+    """(At a huge temperature float32 probabilities round to equal values: a test on them kept near-ties.)"""
+    p = probabilities(logits, SamplingParams(temperature=t, top_k=top_k, min_p=1.0))
+    assert torch.equal(p > 0, is_max(logits))
+
+
+@PROPERTY
 @given(logits=logit_rows(max_scale=1e4), t=st.sampled_from(HUGE_TEMPERATURES), top_k=st.integers(0, 50))
 def test_huge_temperature_is_uniform_over_the_kept_tokens(logits, t, top_k):
     x = logits.float()

@@ -378,6 +378,10 @@ def test_server_streams_tool_calls(server):
         events = r.read().decode().split("\n\n")
     assert ": keep-alive" in events and events[-2:] == ["data: [DONE]", ""]
     assert all(e == ": keep-alive" or e.startswith("data: ") for e in events[:-1]), events
+    # and no empty delta for the rounds the parser held back (they were sent, 27 in one stream)
+    deltas = [json.loads(e[len("data: "):])["choices"][0]["delta"] for e in events
+              if e.startswith("data: {") and json.loads(e[len("data: "):])["choices"]]
+    assert not [d for d in deltas if d.get("content") == "" and set(d) == {"content"}], deltas
 
 
 def test_keepalive_frames_fill_silences_and_end_with_the_stream():

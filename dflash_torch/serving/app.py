@@ -402,7 +402,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             an argument of the template call; an unknown ``reasoning_parser`` or ``tool_call_parser``,
             or ``harmony`` tool calls without ``harmony`` reasoning; ``max_batch_size``
             or ``max_queue`` not an integer >= 1; a ``generation_config`` other than ``auto``
-            or ``none``; ``sse_keepalive`` not a finite number >= 0; batch caches of ``max_batch_size`` x the
+            or ``none``, or ``auto`` with a bad value in the target's ``generation_config.json``;
+            ``sse_keepalive`` not a finite number >= 0; batch caches of ``max_batch_size`` x the
             engine's context that do not fit the device.
     """
     api_key = check_api_key(api_key)
@@ -414,7 +415,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                                      getattr(engine.tokenizer, "chat_template", None), reasoning)
     if generation_config not in GENERATION_CONFIGS:
         raise DFlashError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, got {generation_config!r}")
-    sampling_defaults = dict(engine.generation_defaults) if generation_config == "auto" else {}
+    try:
+        sampling_defaults = dict(engine.generation_defaults) if generation_config == "auto" else {}
+    except DFlashError as exc:
+        raise DFlashError(f"{exc} (generation_config 'none', serve --generation-config none: OpenAI's defaults, "
+                          "the file's sampling unread)") from None
     keepalive = check_keepalive(sse_keepalive)
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
     scheduler = Scheduler(make_backend(engine, max_batch_size), metrics, max_queue=max_queue)
@@ -632,7 +637,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             engine.request_params(max_new_tokens, **{k: v for k, v in kwargs.items() if k != "prompt_logprobs"})
         except DFlashError as exc:
             param = param_of(exc)
-            raise APIError(400, str(exc), param=aliases.get(param, param)) from None
+            message = str(exc).replace("max_new_tokens", "max_tokens")  # (the request's name of it)
+            raise APIError(400, message, param=aliases.get(param, param)) from None
 
     def compile_constraint(spec, param: str, where: str = "") -> StructuredOutput:
         """``spec`` checked and compiled for the engine (kept in its cache: the sequences'
@@ -933,6 +939,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             piece = bool(chunk.text) or bool(chunk.logprobs) or (prompt_lps is not None and
                                                                  (scoring.echo_k is not None or scoring.vllm_k is not None))
             reasoning_text, text, calls = ("", chunk.text, []) if parsers is None else parsers[i].feed(chunk.text)
+            if parsers is not None and not (text or reasoning_text or chunk.logprobs or prompt_lps is not None):
+                piece = False  # (all held back by the parser: no empty delta)
             if chunk.finish_reason is None:
                 if piece or calls:
                     yield frame([choice(i, text, logprobs=chunk.logprobs, reasoning_text=reasoning_text, calls=calls,

@@ -101,8 +101,12 @@ def _serve(args: argparse.Namespace) -> int:
           f"slot{'s' if scheduler.max_batch_size > 1 else ''}, queue {scheduler.max_queue}, "
           f"reasoning parser {app.state.reasoning_parser}, tool call parser {app.state.tool_call_parser})", flush=True)
     if app.state.sampling_defaults:
+        taken = dict(app.state.sampling_defaults)
+        cap = taken.pop("max_new_tokens", None)
         print("dflash-torch: requests that omit them get the sampling values of the target's generation_config.json: "
-              + ", ".join(f"{k} {v}" for k, v in app.state.sampling_defaults.items())
+              + ", ".join(f"{k} {v}" for k, v in taken.items())
+              + ("" if cap is None else f"{'; ' if taken else ''}chat and Responses requests without max_tokens at most "
+                 f"{cap} tokens (its max_new_tokens)")
               + " (--generation-config none: OpenAI's defaults)", flush=True)
 
     class Server(uvicorn.Server):

@@ -176,12 +176,13 @@ class Qwen3CoderParser(ToolParser):
 
     def __init__(self, tools: list[dict] | None = None):
         super().__init__()
-        self.schemas = {}
+        self.schemas = {}  # function name -> (its parameters' properties, its parameters)
         for tool in tools or []:
             fn = tool.get("function") or {}
             if isinstance(fn.get("name"), str):
-                props = (fn.get("parameters") or {}).get("properties")
-                self.schemas[fn["name"]] = props if isinstance(props, dict) else {}
+                params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+                props = params.get("properties")
+                self.schemas[fn["name"]] = (props if isinstance(props, dict) else {}, params)
 
     def parse_block(self, body: str) -> ToolCall | None:
         m = _FUNCTION.fullmatch(body)
@@ -190,23 +191,23 @@ class Qwen3CoderParser(ToolParser):
         name, inner = m.group(1).strip(), m.group(2)
         if _PARAMETER.sub("", inner).strip():  # text outside the parameters: not this format
             return None
-        props = self.schemas.get(name, {})
+        props, root = self.schemas.get(name, ({}, {}))
         args = {}
         for key, value in _PARAMETER.findall(inner):
             value = value.removeprefix("\n").removesuffix("\n")  # (the template's newlines around it)
-            args[key.strip()] = self.convert(value, props.get(key.strip()))
+            args[key.strip()] = self.convert(value, props.get(key.strip()), root)
         return ToolCall(name, _dumps(args))
 
     @staticmethod
-    def convert(value: str, schema) -> object:
+    def convert(value: str, schema, root: dict | None = None) -> object:
         """``value`` as the ``enum`` / ``const`` value of the ``schema`` it writes (see
-        :func:`_coder_words`), else as the JSON type the schema names (the first that
-        parses), else the text."""
+        :func:`_coder_words`), else as a JSON value of a type the schema allows
+        (:func:`schema_types`, ``root``: the tool's ``parameters``; the first that parses),
+        else the text."""
         for option in _enum(schema) or ():
             if value in _coder_words(option):
                 return option
-        types = schema.get("type") if isinstance(schema, dict) else None
-        types = [types] if isinstance(types, str) else (types if isinstance(types, list) else [])
+        types = schema_types(schema, root) or []
         want = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None), "object": dict,
                 "array": list}
         for t in types:
@@ -395,32 +396,71 @@ _CODER_TEXT = "/(?s:.*)\\n<\\/parameter>\\n/"
 _CODER_VALUE_END = json.dumps("\n</parameter>\n")
 
 
-def _coder_value(schema, rule: str, rules: list[str]) -> str:
+def _coder_value(schema, rule: str, rules: list[str], root: dict) -> str:
     """The Lark expression of one ``qwen3_coder`` parameter's value and its closing
     ``\\n</parameter>\\n``, as :meth:`Qwen3CoderParser.convert` reads it back valid under
-    ``schema``: a choice (``enum`` / ``const``) as its values written as the template writes
-    them (:func:`_coder_words`); a
-    ``boolean`` as JSON's ``true`` / ``false`` or the template's ``True`` / ``False`` (its
-    ``| string``), a ``null`` as ``null`` or ``None``; a schema whose types are other JSON
-    ones, not ``string``, as that JSON (``%json``, written as templates' ``tojson``); any other (``string``, several types with ``string``, no
-    type) as text (its other keywords, e.g. ``pattern``, are not enforced)."""
+    ``schema`` (``root``: the tool's ``parameters``, whose ``$defs`` / ``definitions`` a
+    ``$ref`` names): a choice (``enum`` / ``const``) as its values written as the template
+    writes them (:func:`_coder_words`); a schema whose types (:func:`schema_types`: its
+    ``type``, or those of its ``anyOf`` / ``oneOf`` branches, its ``allOf``, its ``$ref``)
+    are JSON ones other than ``string``, as that JSON valid under it (``%json``, written as
+    templates' ``tojson``), or ``None`` / ``True`` / ``False`` where it allows null / a
+    boolean (the template's ``| string``); any other (``string`` among its types, or types
+    it does not say) as text (a string's keywords, e.g. ``pattern``, are not enforced)."""
     schema = schema if isinstance(schema, dict) else {}
     options = _enum(schema)
     if options:
         words = list(dict.fromkeys(w for o in options for w in _coder_words(o)))
-        return "(" + " | ".join(json.dumps(w) for w in words) + f") {_CODER_VALUE_END}"
-    types = schema.get("type")
-    types = [types] if isinstance(types, str) else (types if isinstance(types, list) else [])
-    if types in (["boolean"], ["null"]):  # (JSON's, or as the template's ``| string`` writes it)
-        words = ("true", "false", "True", "False") if types == ["boolean"] else ("null", "None")
-        return "(" + " | ".join(json.dumps(w) for w in words) + f") {_CODER_VALUE_END}"
-    if types and "string" not in types:
-        guidance = schema.get("x-guidance")
-        typed = {**schema, "x-guidance": {**HERMES_JSON_OPTIONS, **(guidance if isinstance(guidance, dict) else {})}}
-        rules.append(f"{rule}: %json {json.dumps(typed)}\n")
-        return f"{rule} {_CODER_VALUE_END}"
-    rules.append(f"{rule}[lazy]: {_CODER_TEXT}\n")
-    return rule
+        return "(" + " | ".join(json.dumps(w, ensure_ascii=False) for w in words) + f") {_CODER_VALUE_END}"
+    types = schema_types(schema, root)
+    if types is None or "string" in types:
+        rules.append(f"{rule}[lazy]: {_CODER_TEXT}\n")
+        return rule
+    guidance = schema.get("x-guidance")
+    typed = {**schema, "x-guidance": {**HERMES_JSON_OPTIONS, **(guidance if isinstance(guidance, dict) else {})}}
+    for key in ("$defs", "definitions"):  # (a $ref inside names the tool's definitions)
+        if isinstance(root.get(key), dict) and key not in typed:
+            typed[key] = root[key]
+    words = (["None"] if "null" in types else []) + (["True", "False"] if "boolean" in types else [])
+    rules.append(f"{rule}: %json {json.dumps(typed)}" + "".join(f" | {json.dumps(w)}" for w in words) + "\n")
+    return f"{rule} {_CODER_VALUE_END}"
+
+
+JSON_TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
+
+
+def schema_types(schema, root: dict | None = None, depth: int = 0) -> list[str] | None:
+    """The JSON types a (sub)schema allows, as far as it says: its ``type``; else the union of
+    its ``anyOf`` / ``oneOf`` branches', the intersection of its ``allOf`` branches', or
+    those of the definition its ``$ref`` names (``#/$defs/NAME`` or ``#/definitions/NAME`` in
+    ``root``); None where it does not say (any type)."""
+    if not isinstance(schema, dict) or depth > 16:
+        return None
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return [kind] if kind in JSON_TYPES else None
+    if isinstance(kind, list) and kind and all(k in JSON_TYPES for k in kind):
+        return list(kind)
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and root is not None:
+        for prefix, key in (("#/$defs/", "$defs"), ("#/definitions/", "definitions")):
+            defs = root.get(key)
+            if ref.startswith(prefix) and isinstance(defs, dict):
+                return schema_types(defs.get(ref[len(prefix):]), root, depth + 1)
+        return None
+    for key in ("anyOf", "oneOf"):
+        branches = schema.get(key)
+        if isinstance(branches, list) and branches:
+            found = [schema_types(b, root, depth + 1) for b in branches]
+            if any(t is None for t in found):
+                return None
+            return list(dict.fromkeys(t for ts in found for t in ts))
+    branches = schema.get("allOf")
+    if isinstance(branches, list) and branches:
+        known = [t for t in (schema_types(b, root, depth + 1) for b in branches) if t is not None]
+        if known:
+            return [t for t in known[0] if all(t in ts for ts in known[1:])]
+    return None
 
 
 def _enum(schema) -> list | None:
@@ -439,7 +479,7 @@ def _coder_words(value) -> list[str]:
         return [value]
     if isinstance(value, bool) or value is None:
         return [str(value), json.dumps(value)]
-    return [json.dumps(value)]
+    return [json.dumps(value, ensure_ascii=False)]
 
 
 def _check_coder_name(name: str, what: str) -> None:
@@ -457,7 +497,8 @@ def qwen3_coder_grammar(tools: list[dict], name: str | None = None, parallel: bo
     Qwen3.6), as their chat templates write a call and :class:`Qwen3CoderParser` reads it:
     ``<tool_call>\\n<function=NAME>\\n`` then each parameter of the tool's ``parameters``
     ``properties``, in that order, as ``<parameter=KEY>\\nVALUE\\n</parameter>\\n`` (those in
-    ``required`` always, the others optionally; no other keys), then
+    ``required`` always, the others optionally; then the ``required`` keys that ``properties``
+    does not describe, as text; no other keys), then
     ``</function>\\n</tool_call>``; VALUE as :func:`_coder_value` constrains it.
 
     Raises:
@@ -471,9 +512,11 @@ def qwen3_coder_grammar(tools: list[dict], name: str | None = None, parallel: bo
         props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
         required = params.get("required") if isinstance(params.get("required"), list) else []
         parts = []
-        for j, (key, schema) in enumerate(props.items()):
+        # (a required key the properties do not describe: any text)
+        extra = {key: {} for key in required if isinstance(key, str) and key not in props}
+        for j, (key, schema) in enumerate({**props, **extra}.items()):
             _check_coder_name(key, f"parameter name of {fn['name']!r}")
-            value = _coder_value(schema, f"value_{i}_{j}", rules)
+            value = _coder_value(schema, f"value_{i}_{j}", rules, params)
             rules.append(f"parameter_{i}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {value}\n")
             parts.append(f"parameter_{i}_{j}" + ("" if key in required else "?"))
         head = json.dumps(f"\n<function={fn['name']}>\n")
