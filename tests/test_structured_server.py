@@ -333,21 +333,31 @@ def test_qwen3_coder_call_grammar_accepts_what_the_template_writes_and_the_parse
     # schemas as pydantic writes them: Optional[...] (anyOf with null), nested models ($defs, $ref,
     # allOf), a required key the properties do not describe, type lists, an enum of arrays
     model = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    color = {"type": "string", "enum": ["red", "green"], "title": "Color"}  # (a pydantic Enum)
+    pet = {"oneOf": [{"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]},
+                     {"type": "object", "properties": {"kind": {"const": "dog"}, "bark": {"type": "boolean"}},
+                      "required": ["kind"]}]}
     typed = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "$defs": {"M": model}, "required": ["q"],
+        "type": "object", "$defs": {"M": model, "Color": color}, "required": ["q"],
+        "x-guidance": {"coerce_one_of": True},  # (the tool's JSON options reach its parameters' values)
         "properties": {"opt": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "m": {"$ref": "#/$defs/M"},
                        "all": {"allOf": [{"$ref": "#/$defs/M"}]}, "nb": {"type": ["boolean", "null"]},
-                       "tags": {"enum": [["é"], []]}}}}}]
+                       "tags": {"enum": [["é"], []]}, "color": {"$ref": "#/$defs/Color"},
+                       "finish": {"anyOf": [{"enum": ["matte", "gloss"], "type": "string"}, {"type": "null"}]},
+                       "pet": pet}}}}]
     typed_good = [("f", {"q": "any text"}), ("f", {"opt": 5, "q": "x"}), ("f", {"opt": None, "q": "x"}),
                   ("f", {"m": {"x": 1}, "all": {"x": 2}, "q": "x"}), ("f", {"nb": True, "q": "x"}),
-                  ("f", {"nb": None, "q": "x"}), ("f", {"tags": ["é"], "q": "x"})]
+                  ("f", {"nb": None, "q": "x"}), ("f", {"tags": ["é"], "q": "x"}), ("f", {"color": "green", "q": "x"}),
+                  ("f", {"finish": "matte", "q": "x"}), ("f", {"finish": None, "q": "x"}),
+                  ("f", {"pet": {"kind": "dog", "bark": True}, "q": "x"})]
     for calls in [[call] for call in typed_good]:
         text = _rendered_calls(engine.tokenizer, calls)
         assert accepts(qwen3_coder_grammar(typed), text), text
         _, _, parsed = parse_reply(new_reply_parser("none", "qwen3_coder", tools=typed), text, True)
         assert [(c.name, json.loads(c.arguments)) for c in parsed] == calls
     for bad in ([("f", {})], [("f", {"opt": "hello", "q": "x"})], [("f", {"m": {"x": "a"}, "q": "x"})],
-                [("f", {"all": {}, "q": "x"})], [("f", {"nb": 3, "q": "x"})]):
+                [("f", {"all": {}, "q": "x"})], [("f", {"nb": 3, "q": "x"})], [("f", {"color": "blue", "q": "x"})],
+                [("f", {"finish": "sparkly", "q": "x"})], [("f", {"pet": {"kind": "cow"}, "q": "x"})]):
         assert not accepts(qwen3_coder_grammar(typed), _rendered_calls(engine.tokenizer, bad)), bad
     assert Qwen3CoderParser.convert("True", {"type": "boolean"}) is True  # (the template's | string of true)
     assert Qwen3CoderParser.convert("None", {"type": ["null", "integer"]}) is None

@@ -418,8 +418,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     try:
         sampling_defaults = dict(engine.generation_defaults) if generation_config == "auto" else {}
     except DFlashError as exc:
-        raise DFlashError(f"{exc} (generation_config 'none', serve --generation-config none: OpenAI's defaults, "
-                          "the file's sampling unread)") from None
+        raise DFlashError(f"{exc} (to leave the file's sampling unread and keep OpenAI's defaults: serve "
+                          "--generation-config none, create_app(generation_config='none'))") from None
     keepalive = check_keepalive(sse_keepalive)
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
     scheduler = Scheduler(make_backend(engine, max_batch_size), metrics, max_queue=max_queue)

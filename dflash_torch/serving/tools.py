@@ -204,7 +204,7 @@ class Qwen3CoderParser(ToolParser):
         :func:`_coder_words`), else as a JSON value of a type the schema allows
         (:func:`schema_types`, ``root``: the tool's ``parameters``; the first that parses),
         else the text."""
-        for option in _enum(schema) or ():
+        for option in _enum(schema, root) or ():
             if value in _coder_words(option):
                 return option
         types = schema_types(schema, root) or []
@@ -408,7 +408,7 @@ def _coder_value(schema, rule: str, rules: list[str], root: dict) -> str:
     boolean (the template's ``| string``); any other (``string`` among its types, or types
     it does not say) as text (a string's keywords, e.g. ``pattern``, are not enforced)."""
     schema = schema if isinstance(schema, dict) else {}
-    options = _enum(schema)
+    options = _enum(schema, root)
     if options:
         words = list(dict.fromkeys(w for o in options for w in _coder_words(o)))
         return "(" + " | ".join(json.dumps(w, ensure_ascii=False) for w in words) + f") {_CODER_VALUE_END}"
@@ -416,8 +416,9 @@ def _coder_value(schema, rule: str, rules: list[str], root: dict) -> str:
     if types is None or "string" in types:
         rules.append(f"{rule}[lazy]: {_CODER_TEXT}\n")
         return rule
-    guidance = schema.get("x-guidance")
-    typed = {**schema, "x-guidance": {**HERMES_JSON_OPTIONS, **(guidance if isinstance(guidance, dict) else {})}}
+    # the JSON options: as hermes', then the tool's own (its parameters' x-guidance), then the property's
+    own = [g for g in (root.get("x-guidance"), schema.get("x-guidance")) if isinstance(g, dict)]
+    typed = {**schema, "x-guidance": {k: v for g in [HERMES_JSON_OPTIONS, *own] for k, v in g.items()}}
     for key in ("$defs", "definitions"):  # (a $ref inside names the tool's definitions)
         if isinstance(root.get(key), dict) and key not in typed:
             typed[key] = root[key]
@@ -441,13 +442,8 @@ def schema_types(schema, root: dict | None = None, depth: int = 0) -> list[str] 
         return [kind] if kind in JSON_TYPES else None
     if isinstance(kind, list) and kind and all(k in JSON_TYPES for k in kind):
         return list(kind)
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and root is not None:
-        for prefix, key in (("#/$defs/", "$defs"), ("#/definitions/", "definitions")):
-            defs = root.get(key)
-            if ref.startswith(prefix) and isinstance(defs, dict):
-                return schema_types(defs.get(ref[len(prefix):]), root, depth + 1)
-        return None
+    if isinstance(schema.get("$ref"), str):
+        return schema_types(_resolve(schema, root), root, depth + 1)
     for key in ("anyOf", "oneOf"):
         branches = schema.get(key)
         if isinstance(branches, list) and branches:
@@ -463,12 +459,43 @@ def schema_types(schema, root: dict | None = None, depth: int = 0) -> list[str] 
     return None
 
 
-def _enum(schema) -> list | None:
-    """A schema's ``enum`` (or ``const`` as a one-value list), None for neither."""
-    if not isinstance(schema, dict):
+def _resolve(schema, root: dict | None):
+    """``schema``, or the definition its ``$ref`` names in ``root`` (``#/$defs/NAME``,
+    ``#/definitions/NAME``); None for a ``$ref`` it cannot resolve."""
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if not isinstance(ref, str) or root is None:
+        return schema
+    for prefix, key in (("#/$defs/", "$defs"), ("#/definitions/", "definitions")):
+        defs = root.get(key)
+        if ref.startswith(prefix) and isinstance(defs, dict):
+            return defs.get(ref[len(prefix):])
+    return None
+
+
+def _enum(schema, root: dict | None = None, depth: int = 0) -> list | None:
+    """The values a schema allows when it is a choice: its ``enum`` (or ``const``), through a
+    ``$ref`` (a pydantic ``Enum``), or the union of ``anyOf`` / ``oneOf`` branches that are
+    each a choice or ``null`` (pydantic's ``Optional[Literal[...]]``); None otherwise."""
+    schema = _resolve(schema, root)
+    if not isinstance(schema, dict) or depth > 16:
         return None
     options = schema.get("enum", [schema["const"]] if "const" in schema else None)
-    return options if isinstance(options, list) and options else None
+    if isinstance(options, list) and options:
+        return options
+    for key in ("anyOf", "oneOf"):
+        branches = schema.get(key)
+        if isinstance(branches, list) and branches:
+            found = []
+            for branch in branches:
+                if isinstance(branch, dict) and branch.get("type") == "null" and len(branch) == 1:
+                    found.append(None)
+                    continue
+                values = _enum(branch, root, depth + 1)
+                if values is None:
+                    return None
+                found += values
+            return found if any(v is not None for v in found) else None
+    return None
 
 
 def _coder_words(value) -> list[str]:
