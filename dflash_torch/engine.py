@@ -706,7 +706,9 @@ class DFlashEngine:
                  prompt_logprobs: int | None = None, **sampling) -> Iterator[Iterator[StreamChunk]]:
         """Check a request, tokenize its prompt, take the engine (see the class docstring) and
         give the request's chunks, to be pulled on the compute thread; frees the engine on exit.
-        ``sampling``: the sampling and stop arguments of :meth:`stream` (see :meth:`request_params`)."""
+        ``sampling``: the sampling and stop arguments of :meth:`stream` (see :meth:`request_params`).
+        NumPy values are taken as the numbers they hold (:func:`~dflash_torch.options.plain`)."""
+        max_new_tokens, prompt_logprobs, sampling = options.plain((max_new_tokens, prompt_logprobs, sampling))
         params, stopper = self.request_params(max_new_tokens, **sampling)
         options.check_prompt_logprobs(prompt_logprobs)
         prompt_ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
@@ -827,12 +829,6 @@ class DFlashEngine:
                 see :meth:`new_stopper`), an invalid structured output (schema, regex, grammar)
                 or one with ``ignore_eos``.
         """
-        temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, \
-            min_tokens, stop_token_ids, ignore_eos, logprobs, skip_special_tokens, include_stop_str_in_output, \
-            max_new_tokens = options.plain(
-                (temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty, repetition_penalty,
-                 logit_bias, min_tokens, stop_token_ids, ignore_eos, logprobs, skip_special_tokens,
-                 include_stop_str_in_output, max_new_tokens))  # (NumPy scalars are numbers too)
         grammar = None
         if structured_output is not None:
             if ignore_eos is True:

@@ -195,19 +195,31 @@ def test_tool_choice_required_and_named_give_tool_calls_equal_to_target_only(ser
     assert calls and all(conforms(args, _schema_of(name)) for name, args in calls)
 
 
-def test_tool_call_grammar_accepts_what_the_hermes_parser_reads():
-    """The grammar's calls (a reasoning the template opened first) are what the parser reads back."""
+@pytest.fixture(scope="module")
+def engine():
+    """The shipped target alone (its tokenizer for the grammars)."""
+    return DFlashEngine.from_pretrained(no_draft=True)
+
+
+@pytest.fixture(scope="module")
+def accepts(engine):
+    """``accepts(grammar, text)``: llguidance takes the tokens of ``text`` and then may end."""
     from llguidance import LLMatcher
 
-    from dflash_torch.serving.tools import new_reply_parser, parse_reply
-
-    engine = DFlashEngine.from_pretrained(no_draft=True)
     tokenizer = engine.grammars.tokenizer()
 
     def accepts(grammar: str, text: str) -> bool:
         m = LLMatcher(tokenizer, LLMatcher.grammar_from_lark(grammar))
         return all(m.consume_token(t) for t in engine.tokenizer.encode(text, add_special_tokens=False)) and \
             m.is_accepting()
+
+    return accepts
+
+
+def test_tool_call_grammar_accepts_what_the_hermes_parser_reads(accepts):
+    """The grammar's calls (a reasoning the template opened first) are what the parser reads back."""
+    from dflash_torch.serving.tools import new_reply_parser, parse_reply
+
 
     one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
     two = one + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
@@ -290,20 +302,11 @@ def _rendered_calls(tokenizer, calls: list[tuple[str, dict]]) -> str:
     return tokenizer.apply_chat_template([message], chat_template=QWEN35_CALLS_TEMPLATE, tokenize=False)
 
 
-def test_qwen3_coder_call_grammar_accepts_what_the_template_writes_and_the_parser_reads():
+def test_qwen3_coder_call_grammar_accepts_what_the_template_writes_and_the_parser_reads(engine, accepts):
     """The grammar takes the calls as Qwen3.5's template writes them (valid arguments, in the
     schema's order) and refuses invalid ones; the qwen3_coder parser reads them back."""
-    from llguidance import LLMatcher
-
     from dflash_torch.serving.tools import Qwen3CoderParser, new_reply_parser, parse_reply, qwen3_coder_grammar
 
-    engine = DFlashEngine.from_pretrained(no_draft=True)
-    tokenizer = engine.grammars.tokenizer()
-
-    def accepts(grammar: str, text: str) -> bool:
-        m = LLMatcher(tokenizer, LLMatcher.grammar_from_lark(grammar))
-        return all(m.consume_token(t) for t in engine.tokenizer.encode(text, add_special_tokens=False)) and \
-            m.is_accepting()
 
     good = [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {}),
             ("save_note", {"text": "buy milk\n</parameter> twice", "pinned": True, "tags": ["a", "b c"]}),

@@ -934,13 +934,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 echoed[i] = True
                 chunk = replace(chunk, text=scoring.echo_text(i) + chunk.text)
             n_tokens += len(chunk.token_ids)
-            # a piece with text, or with tokens whose logprobs were asked for (their text may be held back),
-            # or the prompt's logprobs
-            piece = bool(chunk.text) or bool(chunk.logprobs) or (prompt_lps is not None and
-                                                                 (scoring.echo_k is not None or scoring.vllm_k is not None))
             reasoning_text, text, calls = ("", chunk.text, []) if parsers is None else parsers[i].feed(chunk.text)
-            if parsers is not None and not (text or reasoning_text or chunk.logprobs or prompt_lps is not None):
-                piece = False  # (all held back by the parser: no empty delta)
+            # a piece with text (not all held back by a parser: no empty delta), or with tokens whose
+            # logprobs were asked for (their text may be held back), or the prompt's logprobs
+            piece = bool(text or reasoning_text) or bool(chunk.logprobs) or (
+                prompt_lps is not None and (scoring.echo_k is not None or scoring.vllm_k is not None))
             if chunk.finish_reason is None:
                 if piece or calls:
                     yield frame([choice(i, text, logprobs=chunk.logprobs, reasoning_text=reasoning_text, calls=calls,

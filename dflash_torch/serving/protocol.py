@@ -221,7 +221,7 @@ class _Request(BaseModel):
         ``repetition_penalty`` for a request that omits them (the model's generation config,
         :attr:`DFlashEngine.generation_defaults`); else OpenAI's (1, off, 1, off, off)."""
         return dict(
-            **self.sampling_defaults(defaults),
+            **self.sampling_values(defaults),
             seed=self.seed,
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
@@ -236,8 +236,8 @@ class _Request(BaseModel):
             prompt_logprobs=self.engine_prompt_logprobs(),
         )
 
-    def sampling_defaults(self, defaults: dict | None = None) -> dict:
-        """``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``: the request's,
+    def sampling_values(self, defaults: dict | None = None) -> dict:
+        """``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty`` as served: the request's,
         else ``defaults``' (see :meth:`sampling_kwargs`), else OpenAI's."""
         out = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
         for name in out:
@@ -1001,7 +1001,7 @@ class ResponsesRequest(BaseModel):
     def echo(self, chat: ChatCompletionRequest, defaults: dict | None = None) -> dict:
         """The request's settings as a Response object repeats them (``temperature`` and
         ``top_p`` as served: ``defaults`` as in :meth:`ChatCompletionRequest.sampling_kwargs`)."""
-        sampling = chat.sampling_defaults(defaults)
+        sampling = chat.sampling_values(defaults)
         choice = self.tool_choice
         if isinstance(choice, ResponsesToolChoice):
             choice = {"type": "function", "name": choice.name}
