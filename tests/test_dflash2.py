@@ -116,6 +116,8 @@ CONFIG_ERRORS = {
     "negative-softcap": (dict(final_logit_softcapping=-1.0), "final_logit_softcapping"),
     "causal-block": (dict(is_causal=True), "is_causal"),
     "shift-label-variant": (dict(shift_label=True), "shift_label"),
+    # block_size at the top level too, another value: which one the drafter was trained for is unknown
+    "two-block-sizes": (dict(top_block_size=16), "two block sizes: block_size 16 and dflash_config.block_size 8"),
 }
 
 
@@ -129,6 +131,8 @@ def test_malformed_dflash2_configs_are_refused_in_one_line(tiny_pair, tmp_path, 
             del cfg["dflash_config"][k]
         elif k == "is_causal":
             cfg[k] = v
+        elif k == "top_block_size":
+            cfg["block_size"] = v
         else:
             cfg["dflash_config"][k] = v
     ckpt = write_checkpoint(tmp_path / case, cfg, published_tensors())

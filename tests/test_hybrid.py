@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -309,6 +310,57 @@ def test_unknown_weights_in_a_hybrid_checkpoint_are_refused(checkpoints, tmp_pat
     save_file(state, str(bad / "model.safetensors"))
     with pytest.raises(DFlashError, match=extra.replace(".", r"\.")):
         TargetModel.from_pretrained(bad, torch.float32)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("extra, words", [
+    # beside the language model's weights, a tensor named as a text checkpoint's would be: no format has it
+    ("model.norm.weight", "outside it (and outside the vision tower) that no Qwen3.5 model uses: model.norm.weight"),
+    ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.gate_proj.weight"),
+    # unknown inside the language model: named as the file names it, with the file's model_type
+    ("model.language_model.layers.0.mlp.extra", "this {family} model does not use .*model\\.language_model\\.layers\\.0\\.mlp\\.extra"),
+])
+def test_unknown_weights_in_a_multimodal_checkpoint_are_refused_by_their_own_names(checkpoints, tmp_path, family,
+                                                                                   extra, words):
+    from conftest import edited_checkpoint
+
+    target_dir, _ = checkpoints[family]
+    bad = edited_checkpoint(target_dir, tmp_path / "bad", state=lambda s: s.update({extra: torch.zeros(4)}))
+    with pytest.raises(DFlashError, match=words.format(family=family) if "{" in words else re.escape(words)) as err:
+        TargetModel.from_pretrained(bad, torch.float32)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_a_text_config_with_the_multimodal_weight_layout_loads(checkpoints, tmp_path, family):
+    """A wrapper's text_config saved as a text checkpoint, its decoder weights left under
+    model.language_model. (transformers' text classes read that layout): the same model."""
+    from conftest import edited_checkpoint
+
+    target_dir, _ = checkpoints[family]
+
+    def to_text(cfg):
+        text = cfg.pop("text_config")
+        tie = cfg.get("tie_word_embeddings")
+        cfg.clear()
+        cfg.update(text, architectures=["Qwen3_5ForCausalLM" if family == "qwen3_5" else "Qwen3_5MoeForCausalLM"])
+        if tie is not None:
+            cfg["tie_word_embeddings"] = tie
+
+    text = edited_checkpoint(target_dir, tmp_path / "text", config=to_text,
+                             state=lambda s: [s.pop(k) for k in list(s) if k.startswith("model.visual.")])
+    ids = torch.arange(3, 20)
+    logits = []
+    for d in (text, target_dir):
+        model = TargetModel.from_pretrained(d, torch.float32)
+        assert model.config.model_type == family + "_text"
+        with torch.no_grad():
+            cache = model.new_cache()
+            cache.reset(32)
+            logits.append(model(ids, torch.arange(17), cache, 17)[0])
+    assert torch.equal(logits[0], logits[1])
+    with torch.no_grad():  # (and transformers' text class reads that layout as the same model)
+        assert rel_err(logits[0], load_hf(text)(ids[None]).logits[0]) < RTOL
 
 
 @pytest.mark.parametrize("change, message", [

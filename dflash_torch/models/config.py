@@ -603,6 +603,9 @@ class DrafterConfig:
         block_size = cfg.get("block_size", dflash.get("block_size"))
         if block_size is None:
             raise DFlashError("drafter config.json has no block_size (top level or in dflash_config)")
+        if "block_size" in cfg and "block_size" in dflash and cfg["block_size"] != dflash["block_size"]:
+            raise DFlashError(f"drafter config.json has two block sizes: block_size {cfg['block_size']!r} and "
+                              f"dflash_config.block_size {dflash['block_size']!r}; make them equal")
         check_int({"block_size": block_size}, "block_size", "drafter", minimum=2)
         for key in ("num_key_value_heads", "head_dim", "sliding_window"):
             check_int(cfg, key, "drafter")

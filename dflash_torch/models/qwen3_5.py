@@ -99,8 +99,26 @@ class Model(TargetModel):
 
     @classmethod
     def convert_checkpoint(cls, cfg: TargetConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The decoder's weights under ``model.``: a wrapper's ``model.language_model.X``
+        become ``model.X`` (a text checkpoint whose weights are stored that way too, as
+        transformers reads it; ``cfg.checkpoint_prefix`` is then set to it, for messages).
+
+        Raises:
+            DFlashError: a wrapper that also holds a ``model.X`` of its own (outside the
+                language model and the vision tower: a tensor no format has), or a text
+                checkpoint that holds both layouts.
+        """
+        inner = "model.language_model."
+        if cfg.checkpoint_prefix == "model." and any(k.startswith(inner) for k in state):
+            cfg.checkpoint_prefix = inner
         prefix = cfg.checkpoint_prefix
         if prefix != "model.":
+            outside = sorted(k for k in state if k.startswith("model.") and not k.startswith(prefix))
+            if outside:
+                raise DFlashError(
+                    f"the target checkpoint keeps its decoder's weights under {prefix} but also has weights outside "
+                    f"it (and outside the vision tower) that no Qwen3.5 model uses: "
+                    f"{', '.join(outside[:5])}{' ...' if len(outside) > 5 else ''}")
             for key in [k for k in state if k.startswith(prefix)]:
                 state["model." + key[len(prefix):]] = state.pop(key)
         if cfg.moe is not None:

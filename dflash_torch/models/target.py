@@ -127,6 +127,13 @@ class TargetModel(nn.Module):
         return state
 
     @classmethod
+    def checkpoint_name(cls, cfg: TargetConfig, key: str) -> str:
+        """The name in the checkpoint of this model's parameter ``key`` (for messages)."""
+        if cfg.checkpoint_prefix != "model." and key.startswith("model."):
+            return cfg.checkpoint_prefix + key[len("model."):]
+        return key
+
+    @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
                         mxfp4: str = "auto", fp8: str = "auto") -> "TargetModel":
         """Load a Hugging Face checkpoint directory with the class of its family.
@@ -152,7 +159,8 @@ class TargetModel(nn.Module):
         """
         from .registry import family
 
-        cfg = TargetConfig.from_dict(load_config(model_dir))
+        raw = load_config(model_dir)
+        cfg = TargetConfig.from_dict(raw)
         check_mxfp4(mxfp4, cfg.mxfp4)
         check_fp8(fp8, cfg.fp8_block is not None, has_mxfp4=cfg.mxfp4)
         model_cls = family(cfg.model_type).Model if cls is TargetModel else cls
@@ -179,13 +187,14 @@ class TargetModel(nn.Module):
                                   "(tie_word_embeddings true) but the weights hold an lm_head.weight of its own; "
                                   "set tie_word_embeddings to false to run that head")
         expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-        missing = sorted(expected - state.keys())
+        name = lambda k: model_cls.checkpoint_name(cfg, k)  # noqa: E731
+        missing = sorted(map(name, expected - state.keys()))
         if missing:
             raise DFlashError(f"target checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-        unused = sorted(k for k in state.keys() - expected if not k.endswith("rotary_emb.inv_freq"))
+        unused = sorted(name(k) for k in state.keys() - expected if not k.endswith("rotary_emb.inv_freq"))
         if unused:
             raise DFlashError(
-                f"target checkpoint {model_dir} has weights this {cfg.model_type} model does not use "
+                f"target checkpoint {model_dir} has weights this {raw.get('model_type')} model does not use "
                 f"(an unsupported variant?): {', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}"
             )
         shapes = model.state_dict()
@@ -193,17 +202,18 @@ class TargetModel(nn.Module):
         kept = {k for k, p in model.named_parameters() if id(p) in kept_ids}
         for k in sorted(expected):  # (sorted: a weight before its row scales, X.weight_scale)
             if tuple(state[k].shape) != tuple(shapes[k].shape):
-                raise DFlashError(f"target weight {k} has shape {tuple(state[k].shape)}, config.json implies {tuple(shapes[k].shape)}")
+                raise DFlashError(f"target weight {name(k)} has shape {tuple(state[k].shape)}, "
+                                  f"config.json implies {tuple(shapes[k].shape)}")
             if not shapes[k].is_floating_point() or k in kept:  # packed MXFP4 or FP8 weights, their scales
                 if state[k].dtype != shapes[k].dtype:
-                    raise DFlashError(f"target weight {k} has dtype {str(state[k].dtype).removeprefix('torch.')}, "
+                    raise DFlashError(f"target weight {name(k)} has dtype {str(state[k].dtype).removeprefix('torch.')}, "
                                       f"expected {str(shapes[k].dtype).removeprefix('torch.')}")
                 continue
             if not state[k].is_floating_point():
-                raise DFlashError(f"target weight {k} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
+                raise DFlashError(f"target weight {name(k)} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
                                   "dflash-torch reads float32/bfloat16/float16 weights only (a quantized checkpoint?)")
             if not all_finite(state[k]):
-                raise DFlashError(f"target weight {_name_of_part(k, state[k])} holds NaN or infinite values "
+                raise DFlashError(f"target weight {name(_name_of_part(k, state[k]))} holds NaN or infinite values "
                                   "(a corrupt checkpoint)")
         model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=True)
         if cfg.tie_word_embeddings:
