@@ -166,6 +166,50 @@ def test_a_conversation_that_opens_with_the_assistant_trains_and_self_distills(t
     assert prompts == []
 
 
+# Qwen3's way: an empty think block in the last assistant turn only (earlier turns render without it)
+LAST_TURN_DIFFERS = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}{{ '<|im_start|>assistant' + '\\n' }}"
+    "{% if loop.last %}{{ '<think>' + '\\n\\n' + '</think>' + '\\n\\n' }}{% endif %}"
+    "{{ m.content + '<|im_end|>' + '\\n' }}{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>' + '\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant' + '\\n' }}{% endif %}")
+
+
+def _masked_spans(tok, ex) -> list[str]:
+    spans, run = [], []
+    for token, masked in zip(ex.ids.tolist() + [None], ex.loss_mask.tolist() + [False]):
+        if masked:
+            run.append(token)
+        elif run:
+            spans.append(tok.decode(run))
+            run = []
+    return spans
+
+
+@pytest.mark.parametrize("template", ["tests", "last-turn-differs"])
+def test_chat_loss_covers_the_assistant_turns_exactly(tiny_pair, template):
+    """The loss lies on each assistant turn: from where the text departs from the
+    generation prompt to the turn's end, never into the next user turn. A template that
+    renders the last assistant turn differently (helper-24: the mask ran 4 tokens into the
+    next user turn) and one whose turn does not start with its generation prompt's text
+    (the tests' "# assistant:" + line end, the mask started a token late)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    if template == "last-turn-differs":
+        tok.chat_template = LAST_TURN_DIFFERS
+    messages = [{"role": "user", "content": "write a function"}, {"role": "assistant", "content": "def f(x): return x"},
+                {"role": "user", "content": "more please"}, {"role": "assistant", "content": "import os"}]
+    spans = _masked_spans(tok, tokenize_conversation(tok, messages))
+    if template == "last-turn-differs":
+        assert spans == ["def f(x): return x<|im_end|>\n", "<think>\n\n</think>\n\nimport os<|im_end|>\n"]
+    else:
+        assert [s.strip() for s in spans] == ["def f(x): return x", "import os"]
+    # cut inside the second turn: the first stays whole, the second is covered up to the cut
+    full = tokenize_conversation(tok, messages)
+    cut = tokenize_conversation(tok, messages, max_len=len(full.ids) - 2)
+    assert torch.equal(cut.ids, full.ids[:-2]) and torch.equal(cut.loss_mask, full.loss_mask[:-2])
+
+
 def test_read_corpus_and_chat_loss_mask(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair
     corpus = read_corpus([_jsonl(tmp_path / "d.jsonl")])
@@ -185,6 +229,34 @@ def test_read_corpus_and_chat_loss_mask(tiny_pair, tmp_path):
     (tmp_path / "dir" / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(DFlashError):
         read_corpus([tmp_path / "dir"])
+
+
+def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
+    """``.json`` (an array of records, one record, or JSON Lines) and ``.JSONL`` are records,
+    as in .jsonl (both were read as one document of JSON text, helper-24); in a directory a
+    .json file that is not records (a package.json) stays a document; given, it is refused."""
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def f(): pass"}]}
+    records = [{"text": "alpha"}, chat, {"text": "beta"}]
+    (tmp_path / "array.json").write_text(json.dumps(records, indent=2))
+    (tmp_path / "one.json").write_text(json.dumps({"text": "gamma"}, indent=2))
+    (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "upper.JSONL").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for name, docs in (("array.json", ["alpha", "beta"]), ("one.json", ["gamma"]), ("lines.json", ["alpha", "beta"]),
+                       ("upper.JSONL", ["alpha", "beta"])):
+        corpus = read_corpus([tmp_path / name])
+        assert corpus.documents == docs, name
+        assert corpus.conversations == ([chat["messages"]] if name != "one.json" else []), name
+    (tmp_path / "bad.json").write_text('[{"text": "x"}, {"txt": 1}]')
+    with pytest.raises(DFlashError, match=r"bad\.json: record 1: expected an object with a 'text' string"):
+        read_corpus([tmp_path / "bad.json"])
+    (tmp_path / "broken.json").write_text('[{"text": "x"},')
+    with pytest.raises(DFlashError, match=r"broken\.json:1: not valid JSON"):
+        read_corpus([tmp_path / "broken.json"])
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "package.json").write_text('{"name": "x", "version": "1.0"}')
+    (tmp_path / "dir" / "data.json").write_text(json.dumps(records))
+    corpus = read_corpus([tmp_path / "dir"])
+    assert corpus.documents == ["alpha", "beta", '{"name": "x", "version": "1.0"}'] and len(corpus.conversations) == 1
 
 
 def test_training_reduces_loss_and_exports_loadable_drafter(tiny_pair, tmp_path):
@@ -237,6 +309,81 @@ def test_resume_continues_identically(tiny_pair, tmp_path):
     Trainer(half, log=lines.append).run()
     warned = [m for m in lines if "WARNING" in m]
     assert len(warned) == 1 and "--lr 0.001 (was 0.003)" in warned[0] and "--steps" not in warned[0], lines
+    # another target of the same shape: warned too (it was silent); the same one spelt otherwise is not
+    import shutil
+    other = tmp_path / "other-target"
+    shutil.copytree(target_dir, other)
+    lines = []
+    half.steps, half.target = 6, str(other)
+    Trainer(half, log=lines.append).run()
+    warned = [m for m in lines if "WARNING" in m]
+    assert len(warned) == 1 and f"--target {str(other.resolve())!r}" in warned[0], lines
+    lines = []
+    half.steps, half.target = 7, str(other) + "/"
+    Trainer(half, log=lines.append).run()
+    assert not [m for m in lines if "WARNING" in m and "--target" in m], lines
+    # a --steps already reached: said so (the checkpoint's drafter is exported as it is)
+    lines = []
+    half.steps = 3
+    assert Trainer(half, log=lines.append).run()["steps"] == 7
+    assert any("at step 7, --steps 3 is reached: no training" in m for m in lines), lines
+
+
+def test_a_ctrl_c_inside_the_optimizer_step_saves_a_whole_update(tiny_pair, tmp_path, monkeypatch):
+    """SIGINT delivered while AdamW updates the parameters (half of them done): the update is
+    finished before the interrupt is taken, so the checkpoint saved on Ctrl-C, resumed, ends
+    where an uninterrupted run does (helper-24: it saved a half-applied update)."""
+    import os
+    import signal
+
+    import torch.optim.adam as adam
+
+    target_dir, _ = tiny_pair
+    data = _jsonl(tmp_path / "d.jsonl")
+    full = _cfg(tmp_path / "a", target_dir, data, steps=4)
+    Trainer(full, log=lambda m: None).run()
+    original, calls = adam._single_tensor_adam, []
+
+    def interrupted_midway(params, *args, **kwargs):  # AdamW's update on CPU (per parameter group)
+        calls.append(len(params))
+        if len(calls) != 2:
+            return original(params, *args, **kwargs)
+        half = len(params) // 2
+        original(params[:half], *(a[:half] if isinstance(a, list) and len(a) == len(params) else a for a in args),
+                 **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return original(params[half:], *(a[half:] if isinstance(a, list) and len(a) == len(params) else a for a in args),
+                        **kwargs)
+
+    monkeypatch.setattr(adam, "_single_tensor_adam", interrupted_midway)
+    cut = _cfg(tmp_path / "b", target_dir, data, steps=4)
+    lines = []
+    with pytest.raises(SystemExit) as exit_:
+        Trainer(cut, log=lines.append).run()
+    assert exit_.value.code == 130 and len(calls) == 2 and calls[1] > 1
+    assert "interrupted: checkpoint of step" in lines[-1], lines
+    monkeypatch.setattr(adam, "_single_tensor_adam", original)
+    cut.resume = True
+    Trainer(cut, log=lambda m: None).run()
+    a = torch.load(Path(full.work_dir) / "checkpoint.pt", weights_only=False)
+    b = torch.load(Path(cut.work_dir) / "checkpoint.pt", weights_only=False)
+    for k in a["drafter"]:
+        assert torch.equal(a["drafter"][k], b["drafter"][k]), k
+
+
+def test_dflash2_logged_loss_is_the_cross_entropy_as_val_loss(tiny_pair, tmp_path):
+    """A DFlash 2 run logs the cross-entropy as ``loss`` (comparable with ``val_loss``) and
+    the selector loss beside it: the first step's loss, before any update, is the same
+    whatever --selector-loss-weight (helper-24: it was cross-entropy + weight x selector)."""
+    target_dir, _ = tiny_pair
+    data = _jsonl(tmp_path / "d.jsonl")
+    first = []
+    for weight in (0.0, 1.0):
+        cfg = _cfg(tmp_path / f"w{weight}", target_dir, data, steps=1, arch="dflash2", selector_rank=8,
+                   selector_top_k=8, selector_loss_weight=weight)
+        history = Trainer(cfg, log=lambda m: None).run()["loss_history"]
+        first.append(history[0])
+    assert first[0]["loss"] == first[1]["loss"] and first[1]["selector_loss"] > 0.1, first
 
 
 def test_init_from_target_reproduces_target_layer_context_kv(tiny_pair):

@@ -2,12 +2,15 @@
 
 Inputs (``--data``, any mix):
 
-* a plain text file (any extension but ``.jsonl``): one document;
-* a directory: every regular, non-hidden file below it (sorted): ``.jsonl`` files as
-  below, other UTF-8 files one document each;
+* a plain text file (any extension but ``.jsonl`` / ``.json``, in any case): one document;
+* a directory: every regular, non-hidden file below it (sorted): ``.jsonl`` files and
+  ``.json`` files of records as below, other UTF-8 files (a ``.json`` file that is not
+  records too) one document each;
 * a ``.jsonl`` file: one record per line, either ``{"text": str}`` (a document) or
   ``{"messages": [{"role", "content"}, ...]}`` (a chat conversation, rendered with the
-  target tokenizer's chat template).
+  target tokenizer's chat template);
+* a ``.json`` file: a JSON array of such records, one record, or records one per line
+  (as Hugging Face ``datasets``' JSON loader reads them).
 
 A file given must be UTF-8 text; in a directory, files that are not are skipped. Bad
 bytes, bad JSON and strings that are not valid Unicode are refused naming the file and
@@ -31,6 +34,7 @@ batches an uninterrupted one would.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -106,6 +110,21 @@ def _check_unicode(text: str, where: str) -> str:
     return text
 
 
+def _add_record(rec, where: str, corpus: Corpus) -> None:
+    if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+        corpus.documents.append(_check_unicode(rec["text"], where))
+    elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+        msgs = rec["messages"]
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
+            raise DFlashError(f"{where}: messages must be a list of {{'role': str, 'content': str}}")
+        if msgs:
+            corpus.conversations.append([{"role": _check_unicode(m["role"], where),
+                                          "content": _check_unicode(m["content"], where)} for m in msgs])
+            corpus.conversation_sources.append(where)
+    else:
+        raise DFlashError(f"{where}: expected an object with a 'text' string or a 'messages' list")
+
+
 def _read_jsonl(path: Path, corpus: Corpus) -> None:
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
@@ -117,18 +136,22 @@ def _read_jsonl(path: Path, corpus: Corpus) -> None:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DFlashError(f"{where}: not valid JSON ({exc.msg})") from None
-            if isinstance(rec, dict) and isinstance(rec.get("text"), str):
-                corpus.documents.append(_check_unicode(rec["text"], where))
-            elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-                msgs = rec["messages"]
-                if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
-                    raise DFlashError(f"{where}: messages must be a list of {{'role': str, 'content': str}}")
-                if msgs:
-                    corpus.conversations.append([{"role": _check_unicode(m["role"], where),
-                                                  "content": _check_unicode(m["content"], where)} for m in msgs])
-                    corpus.conversation_sources.append(where)
-            else:
-                raise DFlashError(f"{where}: expected an object with a 'text' string or a 'messages' list")
+            _add_record(rec, where, corpus)
+
+
+def _read_json(path: Path, corpus: Corpus) -> None:
+    """A ``.json`` file: an array of records (each named by its index), one record, else
+    JSON Lines."""
+    text = _decode(path.read_bytes(), path)
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if text.lstrip().startswith("["):
+            raise DFlashError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        _read_jsonl(path, corpus)
+        return
+    for i, rec in enumerate(whole) if isinstance(whole, list) else [(None, whole)]:
+        _add_record(rec, f"{path}" + ("" if i is None else f": record {i}"), corpus)
 
 
 def read_corpus(paths: list[str | Path]) -> Corpus:
@@ -143,9 +166,21 @@ def read_corpus(paths: list[str | Path]) -> Corpus:
     """
     corpus = Corpus()
     for path, given in corpus_files(paths):
-        if path.suffix == ".jsonl":
+        if path.suffix.lower() == ".jsonl":
             _read_jsonl(path, corpus)
             continue
+        if path.suffix.lower() == ".json":
+            records = Corpus()
+            try:
+                _read_json(path, records)
+            except DFlashError:
+                if given:
+                    raise
+            else:  # (in a directory, a .json file that is not records, e.g. a package.json, is a document)
+                corpus.documents += records.documents
+                corpus.conversations += records.conversations
+                corpus.conversation_sources += records.conversation_sources
+                continue
         try:
             text = _decode(path.read_bytes(), path)
         except DFlashError:
@@ -252,16 +287,19 @@ def tokenize_documents(tokenizer, documents: list[str]) -> torch.Tensor:
     return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.long)
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool, max_tokens: int | None, where: str) -> list[int]:
+def _render_text(tokenizer, messages: list[dict], generation_prompt: bool, where: str) -> str:
     from jinja2 import TemplateError
 
     if not messages:  # (the turns before an opening assistant turn; transformers refuses to render none)
-        return []
+        return ""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except TemplateError as exc:
         raise DFlashError(f"{where}: the target's chat template refuses this conversation ({' '.join(str(exc).split())})") from None
-    return encode_text(tokenizer, text, max_tokens)
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool, max_tokens: int | None, where: str) -> list[int]:
+    return encode_text(tokenizer, _render_text(tokenizer, messages, generation_prompt, where), max_tokens)
 
 
 def chat_prompt(tokenizer, messages: list[dict], max_tokens: int | None = None, where: str = "a conversation") -> list[int]:
@@ -271,32 +309,84 @@ def chat_prompt(tokenizer, messages: list[dict], max_tokens: int | None = None, 
     return _render(tokenizer, messages[:last], True, max_tokens, where)
 
 
+def _token_spans(tokenizer, text: str, max_tokens: int | None) -> list[tuple[int, int]] | None:
+    """The character span ``(start, end)`` in ``text`` of each token of
+    :func:`encode_text`'s ids (the same pieces); None when the tokenizer gives no offsets
+    (a slow tokenizer)."""
+    spans: list[tuple[int, int]] = []
+    at = 0
+    for piece in text_pieces(text, PIECE_CHARS):
+        try:
+            offsets = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        except (NotImplementedError, ValueError, KeyError):
+            return None
+        spans += [(at + a, at + b) for a, b in offsets]
+        at += len(piece)
+        if max_tokens is not None and len(spans) >= max_tokens:
+            return spans[:max_tokens]
+    return spans
+
+
+def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: str) -> tuple[int, int] | None:
+    """Where assistant turn ``i`` lies in ``text``, the whole conversation rendered, in
+    characters; None when the template does not render the turns before it as a prefix of
+    the whole.
+
+    It starts where ``text`` departs from the generation prompt that precedes the turn (at
+    its end, or earlier where the template writes the turn's opening differently, e.g. a
+    space instead of the prompt's line end), and ends at the end of the turn rendered alone;
+    or, where a template renders the last assistant turn differently from earlier ones
+    (Qwen3's writes an empty ``<think></think>`` into the last one only), after its content
+    and the closing text the turn rendered alone has after it."""
+    before = _render_text(tokenizer, messages[:i], False, where)
+    if not text.startswith(before):
+        return None
+    prompt = _render_text(tokenizer, messages[:i], True, where)
+    start = len(os.path.commonprefix([prompt, text]))
+    if start < len(before):
+        return None
+    turn = _render_text(tokenizer, messages[:i + 1], False, where)
+    if text.startswith(turn) and len(turn) > start:
+        return start, len(turn)
+    content = messages[i].get("content")
+    if not isinstance(content, str) or not content:
+        return None
+    at, found = turn.rfind(content), text.find(content, start)
+    if at < 0 or found < 0:
+        return None
+    end, closing = found + len(content), turn[at + len(content):]
+    return start, end + len(closing) if text.startswith(closing, end) else end
+
+
 def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None = None, where: str = "a conversation") -> Example:
     """A chat conversation with loss on its assistant turns, cut to its first ``max_len``
     tokens (the part a training sequence can hold; the rest is not tokenized).
 
-    Assistant spans are found by rendering the conversation turn by turn; when the
-    template is not prefix-consistent the loss covers every token instead.
+    Assistant turns are found in the rendered text (:func:`_assistant_span`: rendering the
+    conversation turn by turn), and a token carries the loss when its characters overlap one
+    (a token that joins the generation prompt's last characters to the reply's first, as a
+    byte-level BPE can, included). When the template does not render the turns as prefixes
+    of the whole, or the tokenizer gives no character offsets, the loss covers every token
+    instead.
 
     Raises:
         DFlashError: no chat template, or one that refuses the conversation (naming ``where``).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DFlashError(f"{where}: chat ('messages') training data needs a tokenizer with a chat template")
-    full = _render(tokenizer, messages, False, max_len, where)
+    text = _render_text(tokenizer, messages, False, where)
+    full = encode_text(tokenizer, text, max_len)
+    spans = _token_spans(tokenizer, text, max_len)
     mask = torch.zeros(len(full), dtype=torch.bool)
-    consistent = True
+    consistent = spans is not None and len(spans) == len(full)
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if not consistent or m["role"] != "assistant":
             continue
-        start = len(_render(tokenizer, messages[:i], True, max_len, where))
-        if start == max_len:  # this turn and all later ones lie past the cut
-            break
-        end = len(_render(tokenizer, messages[:i + 1], False, max_len, where))
-        if not (start <= end <= len(full)):
+        turn = _assistant_span(tokenizer, messages, i, text, where)
+        if turn is None:
             consistent = False
             break
-        mask[start:end] = True
+        mask |= torch.tensor([a < turn[1] and b > turn[0] for a, b in spans], dtype=torch.bool)
     if not consistent or not mask.any():
         mask[:] = True
     return Example(torch.tensor(full, dtype=torch.long), mask)

@@ -17,9 +17,11 @@ import math
 import os
 import random
 import re
+import signal
 import sys
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -229,7 +231,29 @@ def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-CACHE_FORMAT = 2
+@contextmanager
+def deferred_interrupt():
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until it ends, then raise
+    ``KeyboardInterrupt``: the optimizer's update is applied to every parameter or to none,
+    so the checkpoint saved on Ctrl-C is one an uninterrupted run passes through. Only in
+    the main thread (where Python delivers signals); elsewhere the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending and previous is not signal.SIG_IGN:
+        if callable(previous):
+            previous(signal.SIGINT, None)
+        else:
+            raise KeyboardInterrupt
+
+
+CACHE_FORMAT = 3  # 3: chat loss masks from character spans; .json record files
 """Version of the tokenized-data cache; part of its key (bump when tokenization changes)."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -382,7 +406,7 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
     check_data_size(cfg, stream.numel(), len(chat), len(distilled))
     stream, chat, distilled, val_rows = split_eval(cfg, stream, chat, distilled)
     if cfg.val_seqs and len(val_rows) < cfg.val_seqs:  # (split_eval's caps; it said so only in the log's stats)
-        log(f"data: holding out {len(val_rows)} sequences for evaluation, not --val-seqs {cfg.val_seqs} "
+        log(f"data: holding out {len(val_rows)} sequence{'' if len(val_rows) == 1 else 's'} for evaluation, not --val-seqs {cfg.val_seqs} "
             f"(at most a fifth of the sequences, a tenth of the text windows, and {cfg.batch} left to train on)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     data = TrainingData(stream, chat + distilled, cfg.seq_len, pad, cfg.raw_fraction)
@@ -507,6 +531,11 @@ class Trainer:
             before = st.get("train_config") or {}
             changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {before[k]!r})" for k in RECIPE
                        if k in before and before[k] != getattr(cfg, k)]
+            if st.get("target_dir") not in (None, str(target_dir.resolve())):  # (another target, however it is spelt)
+                changed.insert(0, f"--target {str(target_dir.resolve())!r} (was {st['target_dir']!r})")
+            if cfg.steps is not None and step >= cfg.steps:
+                self.log(f"resume: the checkpoint is at step {step}, --steps {cfg.steps} is reached: no training; "
+                         "the drafter is exported as it is (give a larger --steps to train on)")
             if changed:  # (allowed, e.g. on purpose; but then not the run an uninterrupted one would be)
                 self.log(f"resume: WARNING: the recipe differs from the checkpoint's run: {', '.join(changed)}; "
                          "training goes on with the new values")
@@ -531,6 +560,7 @@ class Trainer:
                                   f"values; lower --lr (now {cfg.lr:g})")
             tmp = ckpt_path.with_suffix(".tmp")
             torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                        "target_dir": str(target_dir.resolve()),
                         "elapsed": elapsed(), "history": history, "evals": evals,
                         "drafter_config": dcfg.to_dict(), "train_config": asdict(cfg)}, tmp)
             os.replace(tmp, ckpt_path)
@@ -558,19 +588,23 @@ class Trainer:
                 with self._autocast():
                     out = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid, gamma,
                                      stats=logging, selector_weight=cfg.selector_loss_weight)
-                loss = float(out.loss.detach())
+                objective = float(out.loss.detach())
+                # the logged loss is the cross-entropy, as val_loss (a DFlash 2 objective adds the selector loss,
+                # logged beside it as selector_loss)
+                loss = objective if out.selector_loss is None else out.ce_sum / max(out.weight_sum, 1e-9)
                 opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
-                if not (math.isfinite(loss) and math.isfinite(gnorm)):  # before the update spreads it to the weights
-                    raise DFlashError(f"training diverged at step {step + 1} (loss {loss:.4g}, gradient norm {gnorm:.4g}); "
+                if not (math.isfinite(objective) and math.isfinite(gnorm)):  # before the update spreads it to the weights
+                    raise DFlashError(f"training diverged at step {step + 1} (loss {objective:.4g}, gradient norm {gnorm:.4g}); "
                                       f"lower --lr (now {cfg.lr:g})")
-                try:
-                    opt.step()
-                except RuntimeError as exc:  # (e.g. Adam's update overflowing a float at a huge --lr)
-                    raise DFlashError(f"training diverged at step {step + 1}: the optimizer step failed "
-                                      f"({' '.join(str(exc).split())[:120]}); lower --lr (now {cfg.lr:g})") from None
-                step += 1
+                with deferred_interrupt():  # (a Ctrl-C here would save a half-applied update)
+                    try:
+                        opt.step()
+                    except RuntimeError as exc:  # (e.g. Adam's update overflowing a float at a huge --lr)
+                        raise DFlashError(f"training diverged at step {step + 1}: the optimizer step failed "
+                                          f"({' '.join(str(exc).split())[:120]}); lower --lr (now {cfg.lr:g})") from None
+                    step += 1
                 loss_ema = loss if loss_ema is None else 0.95 * loss_ema + 0.05 * loss
                 loss_acc += loss
                 n_acc += 1
