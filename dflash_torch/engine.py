@@ -53,7 +53,10 @@ class GenerationStats:
     """Measurements of one request. Times are in seconds.
 
     ``acceptance_lengths`` has one tau per decoding round (tokens committed by the
-    round, bonus token included); ``acceptance_histogram`` maps tau -> rounds.
+    round, bonus token included); ``acceptance_histogram`` maps tau -> rounds. The last
+    round counts every token it accepted, also those past ``max_new_tokens`` or a stop
+    that the output drops (the drafter's acceptance, as the DFlash reference counts it),
+    so ``sum(acceptance_lengths) + 1`` may exceed ``generated_tokens``.
     ``decode_tokens_per_second`` counts the tokens after the first (which prefill
     produces) over ``decode_time``. ``cached_prompt_tokens``: prompt tokens taken from a
     retained prefix instead of read (prefix reuse of the batch decoder; else 0). A request

@@ -443,6 +443,8 @@ def test_prompt_file_errors_name_the_file_and_line(tmp_path):
         assert str(err.value) == words
     with pytest.raises(DFlashError, match="does not exist"):
         load_prompts(tmp_path / "none.jsonl", None)
+    with pytest.raises(DFlashError, match="is a directory; pass a JSONL file"):  # (it said "does not exist")
+        load_prompts(tmp_path, None)
     f.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')  # (latin-1: a traceback before)
     with pytest.raises(DFlashError) as err:
         load_prompts(f, None)

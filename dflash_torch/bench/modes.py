@@ -81,6 +81,8 @@ def load_prompts(path: Path, limit: int | None) -> list[str]:
             (naming the file and line).
     """
     path = Path(path)
+    if path.is_dir():
+        raise DFlashError(f"prompt file {path} is a directory; pass a JSONL file of {{\"prompt\": ...}} lines")
     if not path.is_file():
         raise DFlashError(f"prompt file {path} does not exist")
     data = path.read_bytes()
