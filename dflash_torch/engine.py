@@ -54,9 +54,9 @@ class GenerationStats:
 
     ``acceptance_lengths`` has one tau per decoding round (tokens committed by the
     round, bonus token included); ``acceptance_histogram`` maps tau -> rounds. The last
-    round counts every token it accepted, also those past ``max_new_tokens`` or a stop
-    that the output drops (the drafter's acceptance, as the DFlash reference counts it),
-    so ``sum(acceptance_lengths) + 1`` may exceed ``generated_tokens``.
+    round counts the tokens the output keeps (not those past ``max_new_tokens`` or a
+    stop), as the DFlash reference's ``dflash_generate`` does, so
+    ``1 + sum(acceptance_lengths) == generated_tokens``.
     ``decode_tokens_per_second`` counts the tokens after the first (which prefill
     produces) over ``decode_time``. ``cached_prompt_tokens``: prompt tokens taken from a
     retained prefix instead of read (prefix reuse of the batch decoder; else 0). A request
@@ -769,15 +769,15 @@ class DFlashEngine:
                 structured-output constraint cannot go on)."""
         if rnd.error is not None:  # (this sequence only: e.g. its structured-output constraint cannot go on)
             raise DFlashError(f"structured output failed: {rnd.error}")
+        text, kept, finish = stopper.feed(rnd.tokens)
         if rnd.acceptance_length is None:
             stats.prefill_time = rnd.total_time
             stats.cached_prompt_tokens = rnd.cached_tokens
-        else:
-            stats.acceptance_lengths.append(rnd.acceptance_length)
+        else:  # (the last round: the tokens kept, not those past max_new_tokens or a stop)
+            stats.acceptance_lengths.append(kept if finish else rnd.acceptance_length)
             stats.propose_times.append(rnd.propose_time)
             stats.verify_times.append(rnd.verify_time)
             stats.decode_time += rnd.total_time
-        text, kept, finish = stopper.feed(rnd.tokens)
         logprobs = rnd.logprobs[:kept] if rnd.logprobs is not None else None
         if finish:
             stats.generated_tokens = stopper.generated

@@ -35,6 +35,9 @@ def test_bench_cli_writes_report(tiny_pair, tmp_path):
     assert names == ["target-only", "inject", "recompute"]
     for m in report["modes"]:
         assert m["generated_tokens"] == 2 * 11  # 12 tokens per prompt, the first from prefill
+        # tau counts the tokens kept (the last round's past --max-new-tokens not: helper-26)
+        assert sum(int(tau) * n for tau, n in m["acceptance_histogram"].items()) == m["generated_tokens"]
+        assert m["mean_acceptance_length"] * m["rounds"] == pytest.approx(m["generated_tokens"])
         assert m["cudagraphs_skipped"] is None  # (eager, and no CUDA)
         assert m["decode_tokens_per_second"] > 0
     for m in report["modes"][1:]:
@@ -353,6 +356,8 @@ def test_bench_batch_sizes_writes_table_plot_and_fields(tiny_pair, tmp_path):
         assert r["generated_tokens"] == 12 * 10 and r["decode_tokens"] == 12 * 9
         assert r["aggregate_decode_tokens_per_second"] > 0 and 0 < r["p50_latency_s"] <= r["p95_latency_s"]
         assert r["scaling_vs_batch_1"] is not None
+        # one tau per sequence and round, the last one counting the tokens kept
+        assert r["mean_acceptance_length"] * r["mean_batch"] * r["rounds"] == pytest.approx(r["decode_tokens"])
     assert rows[2]["mean_batch"] == 3  # target-only: every request takes 9 rounds, so the batch stays full
     assert 2 < rows[3]["mean_batch"] <= 3  # dflash: requests finish at different rounds
     for r in rows[1::2]:
@@ -485,3 +490,26 @@ def test_target_only_modes_need_no_drafter_and_a_drafting_mode_says_what_to_do(t
         assert cli_main(base + ["--modes", modes, "--out", str(tmp_path / "p"), *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--draft" in err[0] and "--no-draft" not in err[0], err
+
+
+def test_bench_tau_counts_the_tokens_kept_when_the_last_round_overshoots(agree_pair):
+    """An agreeable pair accepts long blocks, so the round that reaches --max-new-tokens
+    commits more than is kept: tau counts only what is kept, as the DFlash reference's
+    ``produced`` (helper-26: bench's tau was 15-25% above tokens / rounds at 32 tokens)."""
+    from dflash_torch.bench.batching import batch_size_bench
+    from dflash_torch.bench.modes import ALL_MODES, run_modes
+    from dflash_torch.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(agree_pair[0], torch.float32)
+    drafter = DFlashDrafter.from_pretrained(agree_pair[1], torch.float32)
+    prompts = [list(range(5, 12)), list(range(40, 49))]
+    for n in (10, 21):
+        (res, outputs), = run_modes([ALL_MODES["inject"]], target, drafter, prompts, block_size=None,
+                                    max_new_tokens=n, max_context=128, warmup_prompts=0, progress=False)
+        assert [len(o) for o in outputs] == [n, n] and res.generated_tokens == 2 * (n - 1)
+        assert sum(tau * k for tau, k in res.acceptance_histogram.items()) == res.generated_tokens
+        assert max(res.acceptance_histogram) > 1  # (long blocks were accepted)
+        rows = batch_size_bench(target, drafter, prompts, [2], n, progress=False)
+        dflash = next(r for r in rows if r["mode"] == "dflash")
+        assert dflash["mean_acceptance_length"] * dflash["mean_batch"] * dflash["rounds"] == \
+            pytest.approx(dflash["decode_tokens"])

@@ -67,8 +67,10 @@ def serve_all(batch: BatchDecoder, prompt_ids: list[list[int]], max_new_tokens: 
         rounds += 1
         batch_rows += len(step)
         for i, rnd in step.items():
+            kept = min(len(rnd.tokens), max_new_tokens - len(tokens[i]))  # (the last round's: those kept)
             tokens[i] += rnd.tokens
-            taus.append(rnd.acceptance_length)
+            if kept > 0:
+                taus.append(kept)
         now = time.perf_counter()
         for i in list(batch.seq_ids):
             if len(tokens[i]) >= max_new_tokens:

@@ -6,7 +6,7 @@ import json
 import resource
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -166,6 +166,8 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
                 torch.cuda.reset_peak_memory_stats(dev)
             out, rnds = [], []
             for rnd in decoder.rounds(ids, params, max_new_tokens):
+                if rnd.acceptance_length is not None:  # (the last round's tau: the tokens kept)
+                    rnd = replace(rnd, acceptance_length=min(rnd.acceptance_length, max_new_tokens - len(out)))
                 out.extend(rnd.tokens)
                 rnds.append(rnd)
             if spec.compile:
