@@ -158,8 +158,10 @@ def test_speculative_sampling_matches_the_exact_target_distribution(case, agree_
     assert chi_square_pvalue(counts, exact, SAMPLES) > ALPHA
     # the drafter path really ran: rejected drafts always, accepted drafts with the agreeable pair
     assert sum(t < 4 for t in taus) > SAMPLES // 10
-    if pair.startswith("agree"):
-        assert sum(t > 1 for t in taus) > SAMPLES // 10
+    if pair.startswith("agree"):  # (tau counts the tokens kept: drafts accepted past the 3 are seen in longer runs)
+        longer = [t for seed in range(20) for t in engine.generate(prompt, max_new_tokens=12, ignore_eos=True,
+                                                                     seed=seed, **params).stats.acceptance_lengths]
+        assert sum(t > 1 for t in longer) > len(longer) // 10
         # and the same samples are far from what "accept every draft" would give (c, c, c)
         assert counts.get((42, 42, 42), 0) < 0.9 * SAMPLES
     if case == "temperature":  # the test has power: a nearby wrong distribution is rejected
