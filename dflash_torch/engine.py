@@ -395,7 +395,8 @@ class DFlashEngine:
 
     def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = False,
                       chat_template_kwargs: dict | None = None, tools: list[dict] | None = None, *,
-                      add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+                      add_generation_prompt: bool = True, continue_final_message: bool = False,
+                      check_length: bool = True) -> list[int]:
         """Token ids of a prompt: text, chat messages (``[{"role", "content"}]``) or ids.
 
         Chat messages are OpenAI's: ``role`` and ``content`` (a string; None or absent for
@@ -406,7 +407,9 @@ class DFlashEngine:
         as gpt-oss's and Qwen3-Coder's need a mapping); a dict is taken as is.
 
         A text (or messages' contents) longer than :attr:`max_prompt_chars` characters
-        cannot fit the context and is refused before it is tokenized.
+        cannot fit the context and is refused before it is tokenized (unless
+        ``check_length`` is false: to count the tokens of any text, as the server's
+        ``/tokenize`` does).
 
         Args:
             chat: apply the tokenizer's chat template to a text prompt (messages always get it).
@@ -466,7 +469,8 @@ class DFlashEngine:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise OptionError("chat cannot be used: this model's tokenizer has no chat template "
                                   "(send a text prompt)", "chat")
-            self._check_length(sum(len(m.get("content") or "") for m in messages))
+            if check_length:
+                self._check_length(sum(len(m.get("content") or "") for m in messages))
             if tools is not None:
                 template_kwargs = {**(template_kwargs or {}), "tools": tools}
             template_kwargs = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
@@ -475,7 +479,8 @@ class DFlashEngine:
             return self._encode(self._render_chat(messages, template_kwargs), add_special_tokens=False)
         if not isinstance(prompt, str):
             raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages")
-        self._check_length(len(prompt))
+        if check_length:
+            self._check_length(len(prompt))
         return self._encode(prompt)
 
     def reserved_template_variables(self) -> list[str]:
@@ -505,10 +510,11 @@ class DFlashEngine:
         except jinja2.TemplateError as exc:
             raise DFlashError(f"the chat template refuses these messages: {' '.join(str(exc).split())}") from None
         except TypeError as exc:  # e.g. a template function (raise_exception) shadowed by a chat_template_kwargs value
-            if not set(template_kwargs) - {"add_generation_prompt", "continue_final_message"}:
-                raise
-            raise DFlashError(f"the chat template cannot be rendered with these chat_template_kwargs: "
-                              f"{' '.join(str(exc).split())}") from None
+            extra = set(template_kwargs) - {"add_generation_prompt", "continue_final_message", "tools"}
+            given = [n for n, on in (("chat_template_kwargs", extra), ("tools", "tools" in template_kwargs)) if on]
+            what = " or ".join(["these messages", *given])
+            message = f"the chat template cannot render {what}: {' '.join(str(exc).split())}"
+            raise (OptionError(message, *given) if given else DFlashError(message)) from None
         except ValueError as exc:  # (transformers: continue_final_message with a last message the template drops)
             if not template_kwargs.get("continue_final_message"):
                 raise

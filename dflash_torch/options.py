@@ -346,4 +346,37 @@ def check_tools(value, name: str = "tools") -> list[dict] | None:
         return None
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, dict) for t in value):
         raise OptionError(f"{name} must be a list of objects (dicts), got {value!r}"[:300], name)
+    for i, tool in enumerate(value):
+        fn = tool.get("function")
+        if isinstance(fn, dict) and fn.get("parameters") is not None:
+            _check_parameters(fn["parameters"], f"{name}[{i}].function.parameters", name)
     return list(value)
+
+
+JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+
+def _check_parameters(params, where: str, name: str) -> None:
+    """A function's ``parameters``: a JSON Schema of an object, as OpenAI requires
+    (``type`` "object" where given; ``properties`` an object of schemas with valid
+    ``type`` names; ``required`` a list of names), so a malformed one is refused naming
+    it, not left to the chat template or the tool-call grammar."""
+    def fail(what: str):
+        raise OptionError(f"{where}{what}"[:300], name)
+
+    if not isinstance(params, dict):
+        fail(f" must be a JSON Schema object, got {params!r}")
+    if params.get("type", "object") != "object":
+        fail(f" must be the JSON Schema of an object (type \"object\"), got type {params['type']!r}")
+    props = params.get("properties", {})
+    if not isinstance(props, dict):
+        fail(f".properties must be an object of parameter schemas, got {props!r}")
+    for key, schema in props.items():
+        if not isinstance(schema, (dict, bool)):
+            fail(f".properties.{key} must be a JSON Schema (an object), got {schema!r}")
+        kinds = schema.get("type") if isinstance(schema, dict) else None
+        if kinds is not None and not all(k in JSON_TYPES for k in (kinds if isinstance(kinds, list) else [kinds])):
+            fail(f".properties.{key}.type must name JSON types ({', '.join(JSON_TYPES)}), got {kinds!r}")
+    required = params.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        fail(f".required must be a list of parameter names, got {required!r}")

@@ -399,6 +399,16 @@ BAD_REQUESTS = [
     ("logit_bias key not an id", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x5": 1}}, 400, "logit_bias"),
     ("logit_bias id out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"100000": -100}}, 400, "logit_bias"),
+    # (helper-27: Python's advice to call sys.set_int_max_str_digits)
+    ("logit_bias key of 5000 digits", "/v1/completions", {"prompt": "x", "logit_bias": {"1" * 5000: 1}}, 400,
+     "logit_bias"),
+    ("an integer of 5000 digits", "/v1/completions", '{"prompt": "x", "max_tokens": %s}' % ("1" * 5000), 400, None),
+    # (helper-27: named max_tokens, which the request did not send)
+    ("max_completion_tokens above the context", "/v1/completions", {"prompt": "x", "max_completion_tokens": 10 ** 9},
+     400, "max_completion_tokens"),
+    ("a tool's properties not an object", "/v1/chat/completions",  # (helper-27: blamed on chat_template_kwargs)
+     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+         "name": "f", "parameters": {"type": "object", "properties": [1]}}}]}, 400, "tools"),
     ("min_tokens negative", "/v1/completions", {"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
     ("min_tokens above max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 3, "min_tokens": 4}, 400,
      "min_tokens"),
@@ -451,6 +461,14 @@ def test_bad_input(server, name, path, body, status, param):
     assert err["type"] == "invalid_request_error" and err["message"] and "\n" not in err["message"]
     if param is not None:
         assert err["param"] == param, err
+
+
+def test_huge_numbers_get_an_error_a_client_can_act_on(server):
+    for body in ({"prompt": "x", "logit_bias": {"1" * 5000: 1}}, '{"prompt": "x", "max_tokens": %s}' % ("1" * 5000)):
+        err = _assert_openai_error(server.post("/v1/completions", body, raw=isinstance(body, str)), 400)
+        assert "set_int_max_str_digits" not in err["message"] and "digits" in err["message"], err
+    r = server.post("/v1/completions", {"prompt": "x", "max_tokens": 1, "logit_bias": {"0" * 5000 + "5": 1}})
+    assert r.status_code == 200, r.text  # (leading zeros: token 5)
 
 
 def test_an_error_about_one_prompt_of_a_list_names_its_index(server):

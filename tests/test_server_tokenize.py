@@ -44,6 +44,13 @@ def test_a_prompt_tokenizes_as_its_completion_prefills(server, engine):
     assert _tokens(server, {"prompt": [5, 9, 11]})["tokens"] == [5, 9, 11]  # (token ids as they are)
     # it reads only what tokenizing reads: sampling fields a completion would refuse do not matter
     assert _tokens(server, {"prompt": PROMPT, "best_of": 3, "max_tokens": 0})["tokens"] == out["tokens"]
+    # nor sampling values a completion refuses alone (helper-27: 400s), in either kind of request
+    bad_sampling = {"temperature": 99, "max_tokens": -5, "n": 0, "logit_bias": {"x": 1}, "stop": 17}
+    assert _tokens(server, {"prompt": PROMPT, **bad_sampling})["tokens"] == out["tokens"]
+    assert _tokens(server, {"messages": MESSAGES, **bad_sampling})["tokens"] == engine.encode_prompt(MESSAGES)
+    # and a text too long for the context is tokenized anyway: count may exceed max_model_len (as vLLM)
+    long = _tokens(server, {"prompt": PROMPT * (engine.max_prompt_chars // len(PROMPT) + 2)})
+    assert long["count"] > long["max_model_len"]
     strs = _tokens(server, {"prompt": PROMPT, "return_token_strs": True, "add_special_tokens": True})["token_strs"]
     assert strs == engine.tokenizer.convert_ids_to_tokens(out["tokens"])
 

@@ -27,6 +27,10 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 TOOLS = [WEATHER, TIME]
 
+
+def _tool(parameters) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
 HERMES = ('Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 CODER = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
@@ -211,11 +215,38 @@ def test_prompt_with_tools_and_tool_messages_is_transformers(local_engine, monke
      r"^tool call arguments must be a JSON object: message 0, call 0: got int"),
     ([{"role": "assistant", "tool_calls": [{"name": "f"}]}], {}, r"^chat messages need tool_calls as a list"),
     ([{"role": "assistant", "content": None}], {}, r"^chat messages must be a list of"),
+    # malformed parameter schemas, named (helper-27: blamed on chat_template_kwargs, or free text in forced calls)
+    (CONVERSATION, {"tools": [_tool({"type": "object", "properties": [1]})]},
+     r"^tools\[0\]\.function\.parameters\.properties must be an object of parameter schemas, got \[1\]"),
+    (CONVERSATION, {"tools": [_tool({"type": "object", "properties": {"a": 5}})]},
+     r"^tools\[0\]\.function\.parameters\.properties\.a must be a JSON Schema"),
+    (CONVERSATION, {"tools": [_tool({"type": "object", "properties": {"a": {"type": "banana"}}})]},
+     r"^tools\[0\]\.function\.parameters\.properties\.a\.type must name JSON types .* got 'banana'"),
+    (CONVERSATION, {"tools": [TIME, _tool({"type": "string"})]},
+     r"^tools\[1\]\.function\.parameters must be the JSON Schema of an object \(type \"object\"\), got type 'string'"),
+    (CONVERSATION, {"tools": [_tool({"type": "object", "required": "a"})]},
+     r"^tools\[0\]\.function\.parameters\.required must be a list of parameter names"),
+    (CONVERSATION, {"tools": [_tool([1])]}, r"^tools\[0\]\.function\.parameters must be a JSON Schema object"),
 ])
 def test_bad_tools_and_calls_are_one_line_errors(local_engine, prompt, kwargs, message):
     with pytest.raises(DFlashError, match=message) as err:
         local_engine.encode_prompt(prompt, **kwargs)
     assert "\n" not in str(err.value)
+    if "tools" in kwargs:
+        assert err.value.name == "tools"
+
+
+def test_a_template_that_cannot_render_the_tools_names_them(local_engine, monkeypatch):
+    """A TypeError while rendering names what the request added: the tools here, not
+    chat_template_kwargs (none were sent); with neither, the messages (it was re-raised: a 500)."""
+    monkeypatch.setattr(local_engine.tokenizer, "chat_template",
+                        "{% for t in tools or [] %}{{ t.function.name + 1 }}{% endfor %}{{ messages[0].content + 1 }}")
+    with pytest.raises(DFlashError, match=r"^the chat template cannot render these messages or tools: ") as err:
+        local_engine.encode_prompt("hi", chat=True, tools=[TIME])
+    assert err.value.name == "tools"
+    with pytest.raises(DFlashError, match=r"^the chat template cannot render these messages: ") as err:
+        local_engine.encode_prompt("hi", chat=True)
+    assert not hasattr(err.value, "name")
 
 
 

@@ -104,7 +104,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # where omitted sampling values come from: the target's generation_config.json, or OpenAI's defaults
 GENERATION_CONFIGS = ("auto", "none")
 DISCONNECT_POLL_S = 0.5
-ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics"}
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
+             "/health", "/metrics"}
 
 
 class APIError(Exception):
@@ -518,6 +519,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         try:
             data = json.loads(body)
         except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of over 4300 digits
+            if "int_max_str_digits" in str(exc):  # (Python's limit; its message advises a Python call)
+                raise APIError(400, "the request body holds an integer of more than 4300 digits") from None
             raise APIError(400, f"the request body is not valid JSON: {_one_line(exc)}") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
@@ -612,7 +615,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     def prepare(prompts: list, chat: bool, requested: int | None, default: int | None,
                 template_kwargs: dict | None, tools: list[dict] | None,
-                prompt_options: dict | None = None) -> list[tuple[list[int], int]]:
+                prompt_options: dict | None = None, max_tokens_name: str = "max_tokens") -> list[tuple[list[int], int]]:
         """``(token ids, max new tokens)`` of each prompt (in a thread: tokenizing a long
         prompt holds neither the engine nor the event loop)."""
         vocab = engine.target.config.vocab_size
@@ -622,7 +625,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 ids = engine.encode_prompt(prompt, chat, template_kwargs, tools, **(prompt_options or {}))
                 if any(not 0 <= t < vocab for t in ids):  # checked for every prompt before any runs
                     raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
-                out.append((ids, fit_max_tokens(engine, len(ids), requested, default)))
+                out.append((ids, fit_max_tokens(engine, len(ids), requested, default, max_tokens_name)))
             except DFlashError as exc:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 raise APIError(400, where + str(exc), param=param_of(exc)) from None
@@ -746,7 +749,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         tools = req.engine_tools() if chat else None
         requested = 1 if req.scores_only() else req.requested_max_tokens()  # (scores only: one token, dropped)
         prepared = await asyncio.to_thread(prepare, prompts, chat, requested, default_max_tokens,
-                                           template_kwargs, tools, req.prompt_options() if chat else None)
+                                           template_kwargs, tools, req.prompt_options() if chat else None,
+                                           "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         prompt_tail = engine.decode(prepared[0][0][-8:]) if chat else ""  # (a chat has one prompt)
         if chat and req.continue_final_message:  # the reply goes on inside a thinking the last message opened
             last = req.messages[-1].text()
@@ -1039,12 +1043,20 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         except APIError as exc:
             raise _as_responses(exc, req) from None
 
+    def tokenize_schema(data: dict):
+        """The /tokenize request class of a body; the fields tokenizing does not read (the
+        sampling fields, ...) are dropped unchecked, as vLLM ignores them there."""
+        schema = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+        for key in set(data) - schema.READS:
+            del data[key]
+        return schema
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """vLLM's ``/tokenize``: the tokens a completion of ``prompt``, or a chat of
         ``messages``, prefills (the same encoding, chat template and variables)."""
         check_auth(request)
-        req = await parse(request, lambda data: TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
+        req = await parse(request, tokenize_schema)
         chat = isinstance(req, TokenizeChatRequest)
         if (bad := req.fixed_option()) is not None:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
@@ -1060,8 +1072,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 raise APIError(400, f"/tokenize takes one prompt, got {len(prompts)}", param="prompt")
             prompt, template_kwargs, tools, prompt_options = prompts[0], None, None, {}
         try:
-            ids = await asyncio.to_thread(functools.partial(engine.encode_prompt, **prompt_options), prompt, chat,
-                                          template_kwargs, tools)
+            ids = await asyncio.to_thread(functools.partial(engine.encode_prompt, **prompt_options, check_length=False),
+                                          prompt, chat, template_kwargs, tools)
         except DFlashError as exc:
             raise APIError(400, str(exc), param=param_of(exc)) from None
         vocab = engine.target.config.vocab_size

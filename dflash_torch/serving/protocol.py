@@ -170,7 +170,10 @@ class _Request(BaseModel):
         bad = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
         if bad is not None:
             raise ValueError(f"keys must be token ids (decimal integers >= 0 as strings), got {bad!r}")
-        return {int(k): float(v) for k, v in bias.items()}
+        huge = next((k for k in bias if len(k.lstrip("0")) > 18), None)  # (int() refuses over 4300 digits)
+        if huge is not None:
+            raise ValueError(f"keys must be token ids in the vocabulary, got one of {len(huge.lstrip('0'))} digits")
+        return {int(k.lstrip("0") or "0"): float(v) for k, v in bias.items()}
 
     def constraints(self) -> list[tuple[str, dict]]:
         """``(param, structured output)`` of each structured-output field given (a valid
@@ -1123,6 +1126,7 @@ class TokenizeCompletionRequest(CompletionRequest, _TokenizeOptions):
     samples: ClassVar[bool] = False
     FIXED: ClassVar[dict[str, bool]] = {"add_special_tokens": True, "add_generation_prompt": False,
                                         "continue_final_message": False}
+    READS: ClassVar[frozenset[str]] = frozenset({"model", "prompt", "return_token_strs", *FIXED})  # (the rest: ignored)
 
 
 class TokenizeChatRequest(ChatCompletionRequest, _TokenizeOptions):
@@ -1130,6 +1134,9 @@ class TokenizeChatRequest(ChatCompletionRequest, _TokenizeOptions):
     and ``reasoning_effort``), rendered by the chat template as a chat completion is."""
     samples: ClassVar[bool] = False
     FIXED: ClassVar[dict[str, bool]] = {"add_special_tokens": False}  # (the template options are the chat's own)
+    READS: ClassVar[frozenset[str]] = frozenset({  # what the prefill's tokens depend on (the rest: ignored)
+        "model", "messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort", "chat_template",
+        "add_generation_prompt", "continue_final_message", "return_token_strs", *FIXED})
 
 
 class DetokenizeRequest(BaseModel):

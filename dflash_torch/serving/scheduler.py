@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 
 from .. import compute
 from ..engine import StreamChunk
-from ..errors import DFlashError
+from ..errors import DFlashError, OptionError
 from .metrics import ServerMetrics
 
 log = logging.getLogger("dflash_torch.serving")
@@ -96,6 +96,8 @@ class ParamError(DFlashError):
 def param_of(exc: DFlashError) -> str | None:
     if isinstance(exc, ParamError):
         return exc.param
+    if isinstance(exc, OptionError) and exc.name in _PARAM_OF_MESSAGE:  # (the option it names, however it reads)
+        return _PARAM_OF_MESSAGE[exc.name]
     msg = str(exc)
     for prefix, param in _PARAM_OF_MESSAGE.items():
         if msg.startswith((prefix + " ", prefix + "(", prefix + ":")):
@@ -142,9 +144,10 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     return int.from_bytes(hashlib.blake2b(f"{seed}/{choice}".encode(), digest_size=8).digest(), "little") & (2**63 - 1)
 
 
-def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: int | None) -> int:
-    """Tokens to generate for a prompt of ``prompt_tokens``: ``requested``, else ``default``
-    cut to the context, else the whole rest of the context.
+def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: int | None,
+                   name: str = "max_tokens") -> int:
+    """Tokens to generate for a prompt of ``prompt_tokens``: ``requested`` (the request's
+    field ``name``), else ``default`` cut to the context, else the whole rest of the context.
 
     Raises:
         ParamError: an empty prompt, or a prompt (+ ``requested``) that does not fit.
@@ -158,8 +161,8 @@ def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: i
     if requested is None:
         return room if default is None else min(default, room)
     if requested > room:
-        raise ParamError(f"max_tokens ({requested}) + the prompt ({prompt_tokens} tokens) exceed the model's "
-                         f"context of {engine.max_context} tokens; use at most {room}", "max_tokens")
+        raise ParamError(f"{name} ({requested}) + the prompt ({prompt_tokens} tokens) exceed the model's "
+                         f"context of {engine.max_context} tokens; use at most {room}", name)
     return requested
 
 
