@@ -98,3 +98,12 @@ def test_the_api_key_is_needed(server):
     for path, body in (("/tokenize", {"prompt": PROMPT}), ("/detokenize", {"tokens": [1]})):
         assert server.post(path, body, key=None).status_code == 401
         assert server.post(path, body, key="wrong").status_code == 401
+
+
+def test_tokenize_and_detokenize_are_counted_as_their_own_endpoints(server):
+    """(helper-27: both were counted as endpoint="other")"""
+    _tokens(server, {"prompt": PROMPT})
+    assert server.post("/detokenize", {"model": MODEL, "tokens": [1]}).status_code == 200
+    m = server.metrics()
+    for path in ("/tokenize", "/detokenize"):
+        assert m[("dflash_requests_total", (("endpoint", path), ("status", "200")))] >= 1, path
