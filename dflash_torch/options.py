@@ -366,7 +366,8 @@ def _check_parameters(params, where: str, name: str) -> None:
 
     if not isinstance(params, dict):
         fail(f" must be a JSON Schema object, got {params!r}")
-    if params.get("type", "object") != "object":
+    kind = params.get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         fail(f" must be the JSON Schema of an object (type \"object\"), got type {params['type']!r}")
     props = params.get("properties", {})
     if not isinstance(props, dict):

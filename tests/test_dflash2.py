@@ -141,6 +141,17 @@ def test_malformed_dflash2_configs_are_refused_in_one_line(tiny_pair, tmp_path, 
     assert "\n" not in str(err.value) and words in str(err.value), str(err.value)
 
 
+def test_a_null_top_level_block_size_defers_to_dflash_config(tiny_pair, tmp_path):
+    """``"block_size": null`` beside ``dflash_config.block_size`` 8 (helper-28: "has no block_size")."""
+    cfg = published_config()
+    cfg["block_size"] = None
+    engine = DFlashEngine.from_pretrained(tiny_pair[0], write_checkpoint(tmp_path / "null", cfg, published_tensors()))
+    assert engine.block_size == 8
+    del cfg["dflash_config"]["block_size"]
+    with pytest.raises(DFlashError, match="has no block_size"):
+        DFlashEngine.from_pretrained(tiny_pair[0], write_checkpoint(tmp_path / "none", cfg, published_tensors()))
+
+
 @pytest.mark.parametrize("case", ["lacks-codebook", "extra-tensor", "wrong-kernel-shape", "nan-codebook"])
 def test_dflash2_weights_must_match_exactly(tiny_pair, tmp_path, case):
     """Missing, unknown, misshaped and non-finite weights are refused in one line (a NaN

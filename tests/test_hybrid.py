@@ -361,6 +361,11 @@ def test_a_text_config_with_the_multimodal_weight_layout_loads(checkpoints, tmp_
     assert torch.equal(logits[0], logits[1])
     with torch.no_grad():  # (and transformers' text class reads that layout as the same model)
         assert rel_err(logits[0], load_hf(text)(ids[None]).logits[0]) < RTOL
+    # with the vision tower left in: refused, saying so (helper-28: "weights outside ... the vision tower")
+    with_tower = edited_checkpoint(target_dir, tmp_path / "text-and-tower", config=to_text)
+    with pytest.raises(DFlashError, match=r"has a vision tower \(model\.visual\.\*\), which a qwen3_5\w* config "
+                                          r"does not describe: use the checkpoint's multimodal config\.json"):
+        TargetModel.from_pretrained(with_tower, torch.float32)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -269,8 +269,11 @@ BAD = [  # (body fields, status, param, words of the message)
     ({"prompt_logprobs": 1}, 400, "prompt_logprobs", "not a Responses parameter"),
     # errors of the chat machinery and the engine, in the Responses API's names
     ({"min_tokens": 5}, 400, "min_tokens", "at most max_output_tokens (4)"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "objekt"}}], "tool_choice": "required"}, 400,
-     "tools", "cannot constrain"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "array", "uniqueItems": True}}}}], "tool_choice": "required"}, 400, "tools", "cannot constrain"),
+    # (the tool's path as the Responses API nests it: no "function")
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "objekt"}}]}, 400,
+     "tools", "tools[0].parameters must be the JSON Schema of an object"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type", "function tools"),
     ({"tools": [{"type": "function"}]}, 400, "tools.0.name", "missing"),
     ({"tools": FLAT_TOOLS, "tool_choice": {"type": "allowed_tools", "tools": []}}, 400, "tool_choice.type", "not supported"),

@@ -268,7 +268,11 @@ BAD = [  # (endpoint, body, param, words of the message)
      "not among"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "tools",
-     "constrain"),
+     "tools[0].function.parameters.properties.a.type must name JSON types"),
+    # a keyword llguidance does not implement: the grammar cannot be built
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"},
+     "tools", "constrain"),
 ]
 
 

@@ -236,6 +236,17 @@ def test_bad_tools_and_calls_are_one_line_errors(local_engine, prompt, kwargs, m
         assert err.value.name == "tools"
 
 
+@pytest.mark.parametrize("parameters", [
+    {"type": ["object", "null"], "properties": {"a": {"type": ["string", "null"]}}},  # (helper-28: refused)
+    {"type": ["object"]}, {}, {"properties": {"a": {}}}, {"type": "object", "properties": {"a": True}},
+    {"type": "object", "additionalProperties": False, "required": ["a"], "properties": {"a": {"type": "string"}}},
+    {"$defs": {"P": {"type": "object"}}, "type": "object", "properties": {"p": {"$ref": "#/$defs/P"},
+                                                                         "q": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
+])
+def test_valid_parameter_schemas_pass(local_engine, parameters):
+    local_engine.encode_prompt(CONVERSATION, tools=[_tool(parameters)])
+
+
 def test_a_template_that_cannot_render_the_tools_names_them(local_engine, monkeypatch):
     """A TypeError while rendering names what the request added: the tools here, not
     chat_template_kwargs (none were sent); with neither, the messages (it was re-raised: a 500)."""

@@ -174,6 +174,22 @@ LAST_TURN_DIFFERS = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant' + '\\n' }}{% endif %}")
 
 
+# Qwen3's reasoning rule: a reply after the last user turn shows its <think> block (empty if none), earlier
+# replies are rendered without their reasoning
+QWEN3_REASONING = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}{% if m.role == 'assistant' %}"
+    "{% set answer = m.content.split('</think>')[-1].lstrip('\\n') %}"
+    "{% set thought = m.content.split('</think>')[0].split('<think>')[-1].strip('\\n') if '</think>' in m.content "
+    "else '' %}{{ '<|im_start|>assistant' + '\\n' }}"
+    "{% if loop.index0 > ns.last %}{{ '<think>' + '\\n' + thought + '\\n' + '</think>' + '\\n\\n' }}{% endif %}"
+    "{{ answer + '<|im_end|>' + '\\n' }}{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>' + '\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant' + '\\n' }}{% endif %}")
+# Phi-3's: the end-of-text token after the last turn when no generation prompt follows
+PHI3 = ("{% for m in messages %}{{ '<|' + m.role + '|>' + '\\n' + m.content + '<|end|>' + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>' + '\\n' }}{% else %}{{ eos_token }}{% endif %}")
+
+
 def _masked_spans(tok, ex) -> list[str]:
     spans, run = [], []
     for token, masked in zip(ex.ids.tolist() + [None], ex.loss_mask.tolist() + [False]):
@@ -208,6 +224,35 @@ def test_chat_loss_covers_the_assistant_turns_exactly(tiny_pair, template):
     full = tokenize_conversation(tok, messages)
     cut = tokenize_conversation(tok, messages, max_len=len(full.ids) - 2)
     assert torch.equal(cut.ids, full.ids[:-2]) and torch.equal(cut.loss_mask, full.loss_mask[:-2])
+    # cut before the first reply: no loss at all (it was on every token: the user's text)
+    early = tokenize_conversation(tok, messages, max_len=4)
+    assert len(early.ids) == 4 and not early.loss_mask.any() and not early.whole
+
+
+@pytest.mark.parametrize("template, messages, want", [
+    # earlier replies lose their reasoning, the last shows it (helper-28: every token carried the loss)
+    ("qwen3", [("user", "USR a"), ("assistant", "<think>\nR1\n</think>\n\nANS one"), ("user", "USR b"),
+               ("assistant", "<think>\nR2\n</think>\n\nANS two")],
+     ["ANS one<|im_end|>\n", "<think>\nR2\n</think>\n\nANS two<|im_end|>\n"]),
+    ("qwen3", [("user", "USR a"), ("assistant", ""), ("user", "USR b"), ("assistant", "ANS z")],  # an empty reply
+     ["<|im_end|>\n", "<think>\n\n</think>\n\nANS z<|im_end|>\n"]),
+    ("qwen3", [("user", "USR a"), ("assistant", "<think>\nR\n</think>\n\nline 1\nline 2"), ("user", "USR b"),
+               ("assistant", "line 1\nline 2")],  # the same answer twice
+     ["line 1\nline 2<|im_end|>\n", "<think>\n\n</think>\n\nline 1\nline 2<|im_end|>\n"]),
+    ("phi3", [("user", "USR a"), ("assistant", "ANS one"), ("user", "USR b"), ("assistant", "ANS two")],
+     ["ANS one<|end|>\n", "ANS two<|end|>\n<|endoftext|>"]),
+])
+def test_chat_loss_with_templates_that_render_earlier_turns_otherwise(tiny_pair, template, messages, want):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    tok.chat_template = QWEN3_REASONING if template == "qwen3" else PHI3
+    ex = tokenize_conversation(tok, [{"role": r, "content": c} for r, c in messages])
+    assert not ex.whole and _masked_spans(tok, ex) == want
+    # a template that does not write the replies at all: not found, so the loss covers every token (and says so)
+    tok.chat_template = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
+    ex = tokenize_conversation(tok, [{"role": r, "content": c} for r, c in messages])
+    assert ex.whole and ex.loss_mask.all()
 
 
 def test_read_corpus_and_chat_loss_mask(tiny_pair, tmp_path):
@@ -229,6 +274,18 @@ def test_read_corpus_and_chat_loss_mask(tiny_pair, tmp_path):
     (tmp_path / "dir" / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(DFlashError):
         read_corpus([tmp_path / "dir"])
+
+
+def test_conversations_without_a_reply_in_seq_len_are_left_out_and_whole_ones_warned(tiny_pair, tmp_path):
+    target_dir, _ = tiny_pair
+    data = _jsonl(tmp_path / "d.jsonl")
+    with open(data, "a") as f:  # a reply past --seq-len 64 (its loss was on the user's text)
+        f.write(json.dumps({"messages": [{"role": "user", "content": "word " * 200},
+                                         {"role": "assistant", "content": "ok"}]}) + "\n")
+    lines = []
+    Trainer(_cfg(tmp_path, target_dir, data, steps=1), log=lines.append).run()
+    assert any("1 conversation has no assistant reply within --seq-len 64 tokens; left out" in m for m in lines), lines
+    assert not any("WARNING" in m for m in lines), lines
 
 
 def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
@@ -257,6 +314,15 @@ def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
     (tmp_path / "dir" / "data.json").write_text(json.dumps(records))
     corpus = read_corpus([tmp_path / "dir"])
     assert corpus.documents == ["alpha", "beta", '{"name": "x", "version": "1.0"}'] and len(corpus.conversations) == 1
+    # records with a bad one, in a directory: refused as given (helper-28: trained on as JSON text)
+    (tmp_path / "dir" / "more.json").write_text('[{"text": "a"}, {"txt": "b"}]')
+    with pytest.raises(DFlashError, match=r"more\.json: record 1"):
+        read_corpus([tmp_path / "dir"])
+    # a message's reasoning_content is kept for the template (it was dropped)
+    (tmp_path / "r.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {
+        "role": "assistant", "content": "a", "reasoning_content": "because"}]}) + "\n")
+    assert read_corpus([tmp_path / "r.jsonl"]).conversations[0][1] == {"role": "assistant", "content": "a",
+                                                                       "reasoning_content": "because"}
 
 
 def test_training_reduces_loss_and_exports_loadable_drafter(tiny_pair, tmp_path):
@@ -327,6 +393,10 @@ def test_resume_continues_identically(tiny_pair, tmp_path):
     half.steps = 3
     assert Trainer(half, log=lines.append).run()["steps"] == 7
     assert any("at step 7, --steps 3 is reached: no training" in m for m in lines), lines
+    lines = []  # and a --time-budget-min already spent (it said nothing)
+    half.steps, half.time_budget_min = None, 1e-6
+    assert Trainer(half, log=lines.append).run()["steps"] == 7
+    assert any("--time-budget-min 1e-06 is spent: no training" in m for m in lines), lines
 
 
 def test_a_ctrl_c_inside_the_optimizer_step_saves_a_whole_update(tiny_pair, tmp_path, monkeypatch):

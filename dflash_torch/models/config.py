@@ -600,10 +600,10 @@ class DrafterConfig:
         if dflash.get("mask_token_id") is None:
             raise DFlashError("drafter config.json lacks dflash_config.mask_token_id")
         check_int(dflash, "mask_token_id", "drafter", minimum=0)
-        block_size = cfg.get("block_size", dflash.get("block_size"))
+        block_size = cfg.get("block_size") if cfg.get("block_size") is not None else dflash.get("block_size")
         if block_size is None:
             raise DFlashError("drafter config.json has no block_size (top level or in dflash_config)")
-        if "block_size" in cfg and "block_size" in dflash and cfg["block_size"] != dflash["block_size"]:
+        if None not in (cfg.get("block_size"), dflash.get("block_size")) and cfg["block_size"] != dflash["block_size"]:
             raise DFlashError(f"drafter config.json has two block sizes: block_size {cfg['block_size']!r} and "
                               f"dflash_config.block_size {dflash['block_size']!r}; make them equal")
         check_int({"block_size": block_size}, "block_size", "drafter", minimum=2)

@@ -114,6 +114,11 @@ class Model(TargetModel):
         prefix = cfg.checkpoint_prefix
         if prefix != "model.":
             outside = sorted(k for k in state if k.startswith("model.") and not k.startswith(prefix))
+            if any(k.startswith(VISION_PREFIX) for k in outside):  # (a text config over a multimodal checkpoint)
+                raise DFlashError(
+                    f"the target checkpoint has a vision tower ({VISION_PREFIX}*), which a {cfg.model_type} config "
+                    "does not describe: use the checkpoint's multimodal config.json (model_type qwen3_5 or "
+                    "qwen3_5_moe, decoded as text) or leave those weights out")
             if outside:
                 raise DFlashError(
                     f"the target checkpoint keeps its decoder's weights under {prefix} but also has weights outside "

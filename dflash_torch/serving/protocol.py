@@ -1093,6 +1093,7 @@ def responses_message(message: str, sources: InputSources | None = None, param: 
         if word.startswith("response_format"):
             return "text.format" + word[len("response_format"):]
         return "max_output_tokens" if word == "max_new_tokens" else RESPONSES_PARAMS[word]
+    message = re.sub(r"\btools\[(\d+)\]\.function\.", r"tools[\1].", message)  # (a Responses tool is flat)
     return _CHAT_NAMES.sub(name, message)
 
 

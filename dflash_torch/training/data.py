@@ -5,10 +5,11 @@ Inputs (``--data``, any mix):
 * a plain text file (any extension but ``.jsonl`` / ``.json``, in any case): one document;
 * a directory: every regular, non-hidden file below it (sorted): ``.jsonl`` files and
   ``.json`` files of records as below, other UTF-8 files (a ``.json`` file that is not
-  records too) one document each;
+  records too; one whose first record is an object with ``text`` or ``messages`` must be
+  valid records) one document each;
 * a ``.jsonl`` file: one record per line, either ``{"text": str}`` (a document) or
   ``{"messages": [{"role", "content"}, ...]}`` (a chat conversation, rendered with the
-  target tokenizer's chat template);
+  target tokenizer's chat template; a message's ``reasoning_content`` string is kept);
 * a ``.json`` file: a JSON array of such records, one record, or records one per line
   (as Hugging Face ``datasets``' JSON loader reads them).
 
@@ -117,9 +118,13 @@ def _add_record(rec, where: str, corpus: Corpus) -> None:
         msgs = rec["messages"]
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
             raise DFlashError(f"{where}: messages must be a list of {{'role': str, 'content': str}}")
-        if msgs:
-            corpus.conversations.append([{"role": _check_unicode(m["role"], where),
-                                          "content": _check_unicode(m["content"], where)} for m in msgs])
+        if any("reasoning_content" in m and not isinstance(m["reasoning_content"], str) for m in msgs):
+            raise DFlashError(f"{where}: a message's reasoning_content must be a string")
+        if msgs:  # (a reasoning_content is kept: templates such as Qwen3's render it)
+            corpus.conversations.append([
+                {"role": _check_unicode(m["role"], where), "content": _check_unicode(m["content"], where),
+                 **({"reasoning_content": _check_unicode(m["reasoning_content"], where)}
+                    if isinstance(m.get("reasoning_content"), str) else {})} for m in msgs])
             corpus.conversation_sources.append(where)
     else:
         raise DFlashError(f"{where}: expected an object with a 'text' string or a 'messages' list")
@@ -137,6 +142,22 @@ def _read_jsonl(path: Path, corpus: Corpus) -> None:
             except json.JSONDecodeError as exc:
                 raise DFlashError(f"{where}: not valid JSON ({exc.msg})") from None
             _add_record(rec, where, corpus)
+
+
+def _looks_like_records(path: Path) -> bool:
+    """Whether a ``.json`` file's first record (of an array, the object, or the first line)
+    is an object with a ``text`` or ``messages`` field: records, whatever is wrong later."""
+    try:
+        text = path.read_text("utf-8-sig")
+        try:
+            first = json.loads(text)
+        except ValueError:
+            first = json.loads(text.lstrip().split("\n", 1)[0])
+    except (ValueError, OSError):
+        return False
+    if isinstance(first, list):
+        first = first[0] if first else None
+    return isinstance(first, dict) and ("text" in first or "messages" in first)
 
 
 def _read_json(path: Path, corpus: Corpus) -> None:
@@ -174,7 +195,7 @@ def read_corpus(paths: list[str | Path]) -> Corpus:
             try:
                 _read_json(path, records)
             except DFlashError:
-                if given:
+                if given or _looks_like_records(path):
                     raise
             else:  # (in a directory, a .json file that is not records, e.g. a package.json, is a document)
                 corpus.documents += records.documents
@@ -202,6 +223,7 @@ class Example:
 
     ids: torch.Tensor
     loss_mask: torch.Tensor
+    whole: bool = False  # a conversation whose turns were not found: the loss covers all its tokens
 
 
 PIECE_CHARS = 1 << 16
@@ -329,33 +351,41 @@ def _token_spans(tokenizer, text: str, max_tokens: int | None) -> list[tuple[int
 
 def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: str) -> tuple[int, int] | None:
     """Where assistant turn ``i`` lies in ``text``, the whole conversation rendered, in
-    characters; None when the template does not render the turns before it as a prefix of
-    the whole.
+    characters; None when it cannot be found.
 
     It starts where ``text`` departs from the generation prompt that precedes the turn (at
     its end, or earlier where the template writes the turn's opening differently, e.g. a
-    space instead of the prompt's line end), and ends at the end of the turn rendered alone;
-    or, where a template renders the last assistant turn differently from earlier ones
-    (Qwen3's writes an empty ``<think></think>`` into the last one only), after its content
-    and the closing text the turn rendered alone has after it."""
+    space instead of the prompt's line end), but not before the turns before it, rendered
+    alone, depart from ``text``. It ends at the end of the turn rendered alone, when that is
+    a prefix of ``text``. A template may render the last assistant turn differently from
+    earlier ones (Qwen3's writes an empty ``<think></think>`` into the last one only, and
+    drops earlier turns' reasoning): the turn then ends at the end of the longest tail of
+    its rendering alone (from a line start on: its last lines and the closing marker) that
+    ``text`` has after the start and before the next message's content; or, for a template
+    that writes more after the last turn (Phi-3's end-of-text), at the end of the longest
+    head of it (whole lines) that ``text`` has at the start."""
     before = _render_text(tokenizer, messages[:i], False, where)
-    if not text.startswith(before):
-        return None
     prompt = _render_text(tokenizer, messages[:i], True, where)
     start = len(os.path.commonprefix([prompt, text]))
-    if start < len(before):
+    if start < len(os.path.commonprefix([before, text])):  # (the prompt departs inside the turns before it)
         return None
     turn = _render_text(tokenizer, messages[:i + 1], False, where)
     if text.startswith(turn) and len(turn) > start:
         return start, len(turn)
-    content = messages[i].get("content")
-    if not isinstance(content, str) or not content:
-        return None
-    at, found = turn.rfind(content), text.find(content, start)
-    if at < 0 or found < 0:
-        return None
-    end, closing = found + len(content), turn[at + len(content):]
-    return start, end + len(closing) if text.startswith(closing, end) else end
+    body = turn[len(os.path.commonprefix([prompt, turn])):]
+    nxt = messages[i + 1].get("content") if i + 1 < len(messages) else None
+    limit = text.find(nxt, start) if isinstance(nxt, str) and nxt.strip() else -1
+    limit = len(text) if limit < 0 else limit
+    lines = [k + 1 for k, c in enumerate(body) if c == "\n"]
+    for cut in [0] + lines:  # the longest tail first
+        tail = body[cut:]
+        found = text.find(tail, start, limit) if tail.strip() else -1
+        if found >= 0:
+            return start, found + len(tail)
+    for cut in reversed(lines):  # else the longest head (a template that writes more after its last turn)
+        if body[:cut].strip() and text.startswith(body[:cut], start) and start + cut <= limit:
+            return start, start + cut
+    return None
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None = None, where: str = "a conversation") -> Example:
@@ -365,9 +395,9 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
     Assistant turns are found in the rendered text (:func:`_assistant_span`: rendering the
     conversation turn by turn), and a token carries the loss when its characters overlap one
     (a token that joins the generation prompt's last characters to the reply's first, as a
-    byte-level BPE can, included). When the template does not render the turns as prefixes
-    of the whole, or the tokenizer gives no character offsets, the loss covers every token
-    instead.
+    byte-level BPE can, included). When a turn cannot be found, or the tokenizer gives no
+    character offsets, the loss covers every token instead (``Example.whole``); a
+    conversation cut by ``max_len`` before its first reply has no loss at all.
 
     Raises:
         DFlashError: no chat template, or one that refuses the conversation (naming ``where``).
@@ -387,9 +417,10 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
             consistent = False
             break
         mask |= torch.tensor([a < turn[1] and b > turn[0] for a, b in spans], dtype=torch.bool)
-    if not consistent or not mask.any():
+    whole = not consistent or not any(m["role"] == "assistant" for m in messages)
+    if whole:
         mask[:] = True
-    return Example(torch.tensor(full, dtype=torch.long), mask)
+    return Example(torch.tensor(full, dtype=torch.long), mask, whole=not consistent)
 
 
 @dataclass

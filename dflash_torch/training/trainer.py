@@ -348,6 +348,15 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> dict:
         log(f"data: skipped {len(corpus.skipped)} files that are not UTF-8 text, e.g. {corpus.skipped[0]}")
     stream = tokenize_documents(tokenizer, corpus.documents)
     chat = [tokenize_conversation(tokenizer, m, cfg.seq_len, corpus.source(i)) for i, m in enumerate(corpus.conversations)]
+    whole = [corpus.source(i) for i, e in enumerate(chat) if e.whole]
+    if whole:  # (their user and system text is trained on too)
+        log(f"data: WARNING: {len(whole)} of {len(chat)} conversations have assistant turns the chat template does not "
+            f"render where the turn-by-turn rendering puts them, e.g. {whole[0]}; the loss covers all their tokens")
+    unused = sum(not e.loss_mask.any() for e in chat)
+    if unused:
+        log(f"data: {unused} conversation{'s have' if unused > 1 else ' has'} no assistant reply within --seq-len "
+            f"{cfg.seq_len} tokens; left out")
+        chat = [e for e in chat if e.loss_mask.any()]
     distilled: list[Example] = []
     if cfg.self_distill > 0:
         from .distill import distill_prompts, self_distill
@@ -536,6 +545,9 @@ class Trainer:
             if cfg.steps is not None and step >= cfg.steps:
                 self.log(f"resume: the checkpoint is at step {step}, --steps {cfg.steps} is reached: no training; "
                          "the drafter is exported as it is (give a larger --steps to train on)")
+            elif cfg.time_budget_min is not None and elapsed_prev >= cfg.time_budget_min * 60:
+                self.log(f"resume: the checkpoint has trained {elapsed_prev / 60:.1f} min, --time-budget-min "
+                         f"{cfg.time_budget_min:g} is spent: no training; the drafter is exported as it is")
             if changed:  # (allowed, e.g. on purpose; but then not the run an uninterrupted one would be)
                 self.log(f"resume: WARNING: the recipe differs from the checkpoint's run: {', '.join(changed)}; "
                          "training goes on with the new values")
