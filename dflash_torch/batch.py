@@ -103,7 +103,7 @@ from .errors import DFlashError, OptionError
 from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
-from .options import (check_block_size, check_flag, check_max_context, check_max_new_tokens, check_prompt_ids,
+from .options import (check_block_size, check_count, check_flag, check_max_context, check_max_new_tokens, check_prompt_ids,
                       check_prompt_logprobs)
 from .sampling import (LogitsProcessor, SamplingParams, accept_greedy, accept_sampling, choose, first_logprobs,
                        first_token, probabilities, token_logprobs)
@@ -474,7 +474,7 @@ class BatchDecoder:
         self.max_batch_size = check_max_batch_size(max_batch_size)
         limit = target.config.max_position_embeddings
         self.max_context = check_max_context(max_context, limit) or limit
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = check_count(prefill_chunk, "prefill_chunk")
         self.share_prefill = check_flag(share_prefill, "share_prefill")
         self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
         self.draft_max_batch_size = check_draft_max_batch_size(draft_max_batch_size, drafter=drafter is not None,
@@ -640,6 +640,10 @@ class BatchDecoder:
         check_prompt_logprobs(prompt_logprobs)
         if not isinstance(params, SamplingParams):
             raise DFlashError(f"params must be a SamplingParams, got {type(params).__name__}")
+        try:
+            hash(seq_id)
+        except TypeError:  # (a round keys its results by it)
+            raise DFlashError(f"seq_id must be hashable (e.g. an int or a str), got {type(seq_id).__name__}") from None
         if seq_id in self:
             raise DFlashError(f"sequence {seq_id!r} is already in the batch")
         if not self.free_slots:

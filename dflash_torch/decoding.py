@@ -21,7 +21,8 @@ from .errors import DFlashError, OptionError
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
-from .options import check_block_size, check_max_context, check_prompt_logprobs, check_prompt_ids
+from .options import (check_block_size, check_count, check_max_context, check_max_new_tokens, check_prompt_logprobs,
+                      check_prompt_ids)
 from .sampling import (SamplingParams, TokenLogprob, accept_greedy, accept_sampling, choose, first_logprobs,
                        first_token, probabilities, token_logprobs)
 
@@ -134,7 +135,7 @@ class Round:
         tokens: committed token ids, in order (the prefill step commits one token;
             a decoding round commits tau = accepted + 1 tokens).
         acceptance_length: tau of a decoding round, None for the prefill step.
-        propose_time: seconds spent drafting (0 without a drafter).
+        propose_time: seconds spent drafting (about 0 without a drafter: the round's bookkeeping).
         verify_time: seconds of the target forward (the prefill time for the prefill step).
         total_time: seconds of the whole step.
         cached_tokens: prompt tokens of the prefill step taken from a retained prefix
@@ -221,8 +222,9 @@ class SpeculativeDecoder:
         limit = target.config.max_position_embeddings
         self.max_context = check_max_context(max_context, limit) or limit
         self.block_size = block_size
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = check_count(prefill_chunk, "prefill_chunk")
         self.target_cache = target.new_cache()
+        self._run = 0  # the rounds() generator that owns the caches (a later call takes them over)
         self.feature_layers = drafter.config.target_layer_ids if drafter is not None and block_size > 1 else None
         if self.feature_layers is None:
             self.context = None
@@ -406,12 +408,34 @@ class SpeculativeDecoder:
 
         Raises:
             DFlashError: empty prompt, token ids (of the prompt, of ``params``' logit_bias or
-                min_tokens_ids) outside the vocabulary, a prompt plus ``max_new_tokens``
-                longer than the context, or an invalid ``prompt_logprobs``.
+                min_tokens_ids) outside the vocabulary, ``params`` not a :class:`SamplingParams`,
+                ``max_new_tokens`` not an integer >= 1, a prompt plus ``max_new_tokens``
+                longer than the context, or an invalid ``prompt_logprobs``; and, when the
+                generator is resumed, a later ``rounds()`` of this decoder having taken its
+                caches (one sequence at a time: use :class:`~dflash_torch.batch.BatchDecoder`
+                for several).
         """
         check_prompt_logprobs(prompt_logprobs)
+        if not isinstance(params, SamplingParams):
+            raise DFlashError(f"params must be a SamplingParams, got {type(params).__name__}")
+        check_max_new_tokens(max_new_tokens)
         n_prompt = check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
         params.check_vocab(self.target.config.vocab_size)
+        return self._rounds(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs)
+
+    @torch.inference_mode()  # (a generator: torch applies it at every resume)
+    def _rounds(self, prompt_ids: list[int], n_prompt: int, params: SamplingParams, max_new_tokens: int,
+                prompt_logprobs: int | None) -> Iterator[Round]:
+        self._run += 1
+        run = self._run
+
+        def owned() -> None:  # (a second rounds() reset the caches this one decodes from)
+            if self._run != run:
+                raise DFlashError("a later rounds() call on this SpeculativeDecoder took over its caches; it decodes "
+                                  "one sequence at a time (use a BatchDecoder, or another decoder, for several)")
+        yield from self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs, owned)
+
+    def _decode(self, prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs, owned) -> Iterator[Round]:
         B, dev, static = self.block_size, self.device, self.static
         if not static:
             capacity = n_prompt + max_new_tokens + B + 1
@@ -432,6 +456,7 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         yield Round([first], None, 0.0, t1 - t0, t1 - t0, logprobs=logprobs, prompt_logprobs=scored,
                     error=processor.error if processor is not None else None)
+        owned()
 
         s = n_prompt  # position of ``token``: committed, its features not yet known
         s_dev = torch.tensor(s, device=dev)
@@ -494,3 +519,4 @@ class SpeculativeDecoder:
             token = bonus
             yield Round(tokens, a + 1, t1 - t0, t2 - t1, t3 - t0, logprobs=logprobs,
                         error=processor.error if processor is not None else None)
+            owned()

@@ -804,7 +804,8 @@ class DFlashEngine:
         """The engine's :class:`~dflash_torch.batch.BatchDecoder` (``max_batch_size`` slots,
         the engine's block size, ``max_context``, prefill chunk and fixed-shape / compile
         setting), created on the first call; call it and drive it on the compute thread
-        (:func:`dflash_torch.compute.run`).
+        (:func:`dflash_torch.compute.run`). :meth:`generate_batch` decodes with it too, and
+        refuses to while it holds sequences added here.
 
         Raises:
             DFlashError: caches that do not fit (see ``BatchDecoder``), or an engine that is
@@ -992,6 +993,9 @@ class DFlashEngine:
         """Decode ``requests`` (prompt ids, params, stopper, prompt_logprobs) through the batch
         decoder; on the compute thread."""
         batch = self.batch_decoder()
+        if batch.seq_ids:  # (its rounds would step them too, and their Rounds would be lost)
+            raise DFlashError(f"generate_batch cannot run while engine.batch_decoder() holds sequences of its own "
+                              f"({len(batch.seq_ids)}: e.g. {batch.seq_ids[0]!r}); remove them first")
         results: list[GenerationResult | None] = [None] * len(requests)
         state = {}  # request index -> (stats, stopper, its chunks so far)
         waiting = list(range(len(requests)))

@@ -109,7 +109,10 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_new_tokens: int
             0-dim integer tensors; not bools), an empty prompt, ids outside ``[0, vocab_size)``,
             or prompt plus ``max_new_tokens`` beyond ``max_context``.
     """
-    if not isinstance(prompt_ids, list) or any(isinstance(t, bool) or not hasattr(t, "__index__") for t in prompt_ids):
+    if not isinstance(prompt_ids, list):  # (the step-level APIs; the engine's calls take tuples, ranges, tensors)
+        raise DFlashError(f"prompt token ids must be a list of integers, got a {type(prompt_ids).__name__} "
+                          "(convert it with list(...), or .tolist() for a tensor)")
+    if any(isinstance(t, bool) or not hasattr(t, "__index__") for t in prompt_ids):
         shown = prompt_ids if isinstance(prompt_ids, (str, list)) and len(prompt_ids) <= 8 else type(prompt_ids).__name__
         raise DFlashError(f"prompt token ids must be integers, got {shown!r}")
     n_prompt = len(prompt_ids)

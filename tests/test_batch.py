@@ -232,6 +232,56 @@ def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models):
         batch.remove("b")
 
 
+def test_step_level_misuse_is_refused_before_it_corrupts_anything(agree_engine, agree_models):
+    """helper-29: an unhashable seq_id was taken, then step() failed after moving every cache
+    (the other sequences lost a round); a second rounds() silently corrupted an open one;
+    rounds() took params None and max_new_tokens 0; prefill_chunk 0 failed deep inside;
+    generate_batch failed with a KeyError while batch_decoder() held the user's sequences."""
+    from dflash_torch.decoding import SpeculativeDecoder
+
+    target, drafter = agree_models
+    p0, p1 = [5, 9, 2, 7], [11, 4, 4, 8, 3]
+    batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=64)
+    batch.add("good", p0, SamplingParams(), 30)
+    with pytest.raises(DFlashError, match=r"^seq_id must be hashable \(e\.g\. an int or a str\), got list$"):
+        batch.add(["bad"], p1, SamplingParams(), 30)
+    with pytest.raises(DFlashError, match="^seq_id must be hashable"):
+        batch.join(["bad"], p1, SamplingParams(), 30)
+    out = {"good": []}
+    run_to_end(batch, out, {"good": 29})
+    assert out["good"][:29] == alone(target, drafter, p0, 30)[1:30]
+    for bad in (0, -4, 2.5):
+        with pytest.raises(DFlashError, match="prefill_chunk must be an integer >= 1"):
+            BatchDecoder(target, drafter, max_batch_size=1, max_context=64, prefill_chunk=bad)
+        with pytest.raises(DFlashError, match="prefill_chunk must be an integer >= 1"):
+            SpeculativeDecoder(target, drafter, prefill_chunk=bad)
+
+    dec = SpeculativeDecoder(target, drafter)
+    with pytest.raises(DFlashError, match="^params must be a SamplingParams, got NoneType$"):
+        dec.rounds(p0, None, 8)
+    for bad in (0, -5, 2.5):
+        with pytest.raises(DFlashError, match="max_new_tokens must be an integer >= 1"):
+            dec.rounds(p0, SamplingParams(), bad)
+    first = dec.rounds(p0, SamplingParams(), 20)
+    next(first), next(first)
+    second = [t for r in dec.rounds(p1, SamplingParams(), 20) for t in r.tokens]
+    assert second[:20] == alone(target, drafter, p1, 20)[:20]
+    with pytest.raises(DFlashError, match="a later rounds\\(\\) call on this SpeculativeDecoder took over its caches"):
+        next(first)
+
+    engine = agree_engine
+    mine = engine.batch_decoder()
+    mine.add("mine", p0, SamplingParams(), 10)
+    try:
+        with pytest.raises(DFlashError, match="generate_batch cannot run while engine.batch_decoder\\(\\) holds "
+                                              "sequences of its own \\(1: e.g. 'mine'\\); remove them first"):
+            engine.generate_batch([p1], max_new_tokens=4)
+        assert mine.seq_ids == ["mine"]
+    finally:
+        mine.remove("mine")
+    assert engine.generate_batch([p1], max_new_tokens=4)[0].token_ids == engine.generate(p1, max_new_tokens=4).token_ids
+
+
 def test_yes_no_options_must_be_bools(agree_engine):
     """ignore_eos / chat that are not bools are refused (a string such as "false" is truthy:
     ignore_eos="false" ignored the EOS and chat="no" applied the chat template)."""

@@ -332,10 +332,10 @@ def test_step_level_apis_refuse_prompt_ids_that_are_not_integers(engine, prompt)
     from dflash_torch.sampling import SamplingParams
 
     batch = engine.batch_decoder()
-    with pytest.raises(DFlashError, match="^prompt token ids must be integers, got "):
+    with pytest.raises(DFlashError, match="^prompt token ids must be (a list of )?integers, got "):
         batch.add("s", prompt, SamplingParams(), 2)
     assert "s" not in batch and batch.free_slots == engine.max_batch_size
-    with pytest.raises(DFlashError, match="^prompt token ids must be integers, got "):
+    with pytest.raises(DFlashError, match="^prompt token ids must be (a list of )?integers, got "):
         next(engine.decoder.rounds(prompt, SamplingParams(), 2))
 
 
