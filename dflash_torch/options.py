@@ -74,7 +74,8 @@ def _is_int(value) -> bool:
 
 
 def check_count(value, name: str) -> int:
-    """A count: an integer >= 1."""
+    """A count: an integer >= 1 (a NumPy integer too, returned as a Python int)."""
+    value = plain(value)
     if not _is_int(value) or value < 1:
         raise OptionError(f"{name} must be an integer >= 1, got {value!r}", name)
     return value

@@ -256,6 +256,10 @@ def test_step_level_misuse_is_refused_before_it_corrupts_anything(agree_engine, 
         with pytest.raises(DFlashError, match="prefill_chunk must be an integer >= 1"):
             SpeculativeDecoder(target, drafter, prefill_chunk=bad)
 
+    import numpy as np  # (NumPy integers are the same numbers, as everywhere: helper-30)
+    numpy_dec = SpeculativeDecoder(target, drafter, prefill_chunk=np.int64(4))
+    assert [t for r in numpy_dec.rounds(p0, SamplingParams(), np.int64(6)) for t in r.tokens][:6] == alone(
+        target, drafter, p0, 6)
     dec = SpeculativeDecoder(target, drafter)
     with pytest.raises(DFlashError, match="^params must be a SamplingParams, got NoneType$"):
         dec.rounds(p0, None, 8)

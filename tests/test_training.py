@@ -159,8 +159,9 @@ def test_a_conversation_that_opens_with_the_assistant_trains_and_self_distills(t
 
     tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
     messages = [{"role": "assistant", "content": "def f(x):\n    return sorted(x)\n"}]
-    ex = tokenize_conversation(tok, messages)
-    assert ex.loss_mask.all() and "sorted(x)" in tok.decode(ex.ids.tolist())
+    ex = tokenize_conversation(tok, messages)  # (the loss on the reply, not on the turn's header: helper-30)
+    assert tok.decode(ex.ids[ex.loss_mask].tolist()).strip() == "def f(x):\n    return sorted(x)"
+    assert not ex.loss_mask[0] and "# assistant:" in tok.decode(ex.ids.tolist())
     assert chat_prompt(tok, messages) == []
     prompts, _ = distill_prompts(tok, Corpus(documents=[], conversations=[messages]), 2, 64)
     assert prompts == []
@@ -240,7 +241,15 @@ def test_chat_loss_covers_the_assistant_turns_exactly(tiny_pair, template):
                ("assistant", "line 1\nline 2")],  # the same answer twice
      ["line 1\nline 2<|im_end|>\n", "<think>\n\n</think>\n\nline 1\nline 2<|im_end|>\n"]),
     ("phi3", [("user", "USR a"), ("assistant", "ANS one"), ("user", "USR b"), ("assistant", "ANS two")],
-     ["ANS one<|end|>\n", "ANS two<|end|>\n<|endoftext|>"]),
+     ["ANS one<|end|>\n", "ANS two<|end|>\n"]),  # (not the end-of-text after the last turn: helper-30)
+    # a short next message that the reply itself contains (helper-30: every token carried the loss)
+    ("qwen3", [("user", "What is 2+2?"), ("assistant", "The answer is 4."), ("user", "4"), ("assistant", "Yes, 4.")],
+     ["The answer is 4.<|im_end|>\n", "<think>\n\n</think>\n\nYes, 4.<|im_end|>\n"]),
+    ("phi3", [("user", "Is it ok?"), ("assistant", "It is ok."), ("user", "ok"), ("assistant", "Good.")],
+     ["It is ok.<|end|>\n", "Good.<|end|>\n"]),
+    # opening with the reply: not what the template writes before it
+    ("qwen3", [("assistant", "Welcome, ask me."), ("user", "ok"), ("assistant", "fine")],
+     ["Welcome, ask me.<|im_end|>\n", "<think>\n\n</think>\n\nfine<|im_end|>\n"]),
 ])
 def test_chat_loss_with_templates_that_render_earlier_turns_otherwise(tiny_pair, template, messages, want):
     from transformers import AutoTokenizer

@@ -366,15 +366,30 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
     head of it (whole lines) that ``text`` has at the start."""
     before = _render_text(tokenizer, messages[:i], False, where)
     prompt = _render_text(tokenizer, messages[:i], True, where)
+    turn = _render_text(tokenizer, messages[:i + 1], False, where)
+    content = messages[i].get("content")
+    if not messages[:i] and isinstance(content, str) and content.strip() and turn.find(content) >= 0:
+        prompt = turn[:turn.find(content)]  # (a conversation that opens with the reply: what the template writes first)
     start = len(os.path.commonprefix([prompt, text]))
     if start < len(os.path.commonprefix([before, text])):  # (the prompt departs inside the turns before it)
         return None
-    turn = _render_text(tokenizer, messages[:i + 1], False, where)
     if text.startswith(turn) and len(turn) > start:
-        return start, len(turn)
+        try:  # the reply ends where a generation prompt would follow it (not at an end-of-text after the last turn)
+            ended = _render_text(tokenizer, messages[:i + 1], True, where)
+        except DFlashError:
+            ended = turn
+        end = len(os.path.commonprefix([turn, ended]))
+        if end < len(turn):  # (they part inside the next marker, "<|" of both: back to a line or a marker's end)
+            end = max(turn.rfind("\n", start, end), turn.rfind(">", start, end)) + 1 or end
+        return start, max(end, start + 1)
     body = turn[len(os.path.commonprefix([prompt, turn])):]
     nxt = messages[i + 1].get("content") if i + 1 < len(messages) else None
-    limit = text.find(nxt, start) if isinstance(nxt, str) and nxt.strip() else -1
+    limit = -1
+    if isinstance(nxt, str) and nxt.strip():  # where the next message's text is: in the rendering up to it
+        upto = _render_text(tokenizer, messages[:i + 2], False, where)
+        limit = upto.rfind(nxt, start, len(os.path.commonprefix([upto, text])))
+        if limit < 0:
+            limit = text.find(nxt, start)
     limit = len(text) if limit < 0 else limit
     lines = [k + 1 for k, c in enumerate(body) if c == "\n"]
     for cut in [0] + lines:  # the longest tail first
