@@ -297,6 +297,17 @@ def test_conversations_without_a_reply_in_seq_len_are_left_out_and_whole_ones_wa
     assert not any("WARNING" in m for m in lines), lines
 
 
+def test_a_mask_token_the_data_holds_is_warned(tiny_pair, tmp_path):
+    """(helper-24: --mask-token-id 0, the EOS, was taken silently)"""
+    from transformers import AutoTokenizer
+
+    target_dir, _ = tiny_pair
+    eos = AutoTokenizer.from_pretrained(str(target_dir)).eos_token_id
+    lines = []
+    Trainer(_cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=1, mask_token_id=eos), log=lines.append).run()
+    assert any(f"WARNING: --mask-token-id {eos} is the tokenizer's EOS token" in m for m in lines), lines
+
+
 def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
     """``.json`` (an array of records, one record, or JSON Lines) and ``.JSONL`` are records,
     as in .jsonl (both were read as one document of JSON text, helper-24); in a directory a

@@ -495,6 +495,11 @@ class Trainer:
             how = f"from --init-from {cfg.init_from}"
         else:
             mask_id, how = resolve_mask_token_id(tokenizer, target_cfg.vocab_size, cfg.mask_token_id)
+            used = {getattr(tokenizer, f"{k}_token_id", None): k for k in ("pad", "bos", "eos")}
+            if how == "given" and mask_id in used:  # (the data holds it: a masked slot looks like that token)
+                self.log(f"WARNING: --mask-token-id {mask_id} is the tokenizer's {used[mask_id].upper()} token, which "
+                         "the training data holds; the drafter cannot tell a masked slot from it (give an id the data "
+                         "never uses, or leave the option out)")
             dcfg = make_drafter_config(target_cfg, cfg, mask_id)
         if cfg.seq_len <= dcfg.block_size:
             raise DFlashError(f"--seq-len ({cfg.seq_len}) must be longer than the block size ({dcfg.block_size})")
