@@ -141,7 +141,9 @@ def test_ctrl_c_stops_a_generate_after_the_current_round(tiny_pair):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr
     word, chunks, after = proc.stdout.split()
-    assert word == "interrupted" and 3 <= int(chunks) < 10 and after == "4", proc.stdout  # not 900 rounds
+    # not 900 rounds: it stops once the main thread has taken the signal (its wake-up, under load a few GIL switch
+    # intervals, decides how many of these ~1 ms rounds pass: 10 were seen in a CI run)
+    assert word == "interrupted" and 3 <= int(chunks) < 300 and after == "4", proc.stdout
 
 
 @pytest.mark.parametrize("call", ["generate", "generate_batch"])
