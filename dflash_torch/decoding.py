@@ -421,21 +421,19 @@ class SpeculativeDecoder:
         check_max_new_tokens(max_new_tokens)
         n_prompt = check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
         params.check_vocab(self.target.config.vocab_size)
-        return self._rounds(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs)
+        return self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs)
+
+    def _check_owner(self, run: int) -> None:
+        """On resuming the ``rounds()`` generator ``run``: a later one reset the caches it decodes from."""
+        if self._run != run:
+            raise DFlashError("a later rounds() call on this SpeculativeDecoder took over its caches; it decodes "
+                              "one sequence at a time (use a BatchDecoder, or another decoder, for several)")
 
     @torch.inference_mode()  # (a generator: torch applies it at every resume)
-    def _rounds(self, prompt_ids: list[int], n_prompt: int, params: SamplingParams, max_new_tokens: int,
+    def _decode(self, prompt_ids: list[int], n_prompt: int, params: SamplingParams, max_new_tokens: int,
                 prompt_logprobs: int | None) -> Iterator[Round]:
         self._run += 1
         run = self._run
-
-        def owned() -> None:  # (a second rounds() reset the caches this one decodes from)
-            if self._run != run:
-                raise DFlashError("a later rounds() call on this SpeculativeDecoder took over its caches; it decodes "
-                                  "one sequence at a time (use a BatchDecoder, or another decoder, for several)")
-        yield from self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs, owned)
-
-    def _decode(self, prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs, owned) -> Iterator[Round]:
         B, dev, static = self.block_size, self.device, self.static
         if not static:
             capacity = n_prompt + max_new_tokens + B + 1
@@ -456,7 +454,7 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         yield Round([first], None, 0.0, t1 - t0, t1 - t0, logprobs=logprobs, prompt_logprobs=scored,
                     error=processor.error if processor is not None else None)
-        owned()
+        self._check_owner(run)
 
         s = n_prompt  # position of ``token``: committed, its features not yet known
         s_dev = torch.tensor(s, device=dev)
@@ -519,4 +517,4 @@ class SpeculativeDecoder:
             token = bonus
             yield Round(tokens, a + 1, t1 - t0, t2 - t1, t3 - t0, logprobs=logprobs,
                         error=processor.error if processor is not None else None)
-            owned()
+            self._check_owner(run)

@@ -750,7 +750,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         requested = 1 if req.scores_only() else req.requested_max_tokens()  # (scores only: one token, dropped)
         prepared = await asyncio.to_thread(prepare, prompts, chat, requested, default_max_tokens,
                                            template_kwargs, tools, req.prompt_options() if chat else None,
-                                           "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+                                           req.max_tokens_field())
         prompt_tail = engine.decode(prepared[0][0][-8:]) if chat else ""  # (a chat has one prompt)
         if chat and req.continue_final_message:  # the reply goes on inside a thinking the last message opened
             last = req.messages[-1].text()

@@ -170,10 +170,11 @@ class _Request(BaseModel):
         bad = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
         if bad is not None:
             raise ValueError(f"keys must be token ids (decimal integers >= 0 as strings), got {bad!r}")
-        huge = next((k for k in bias if len(k.lstrip("0")) > 18), None)  # (int() refuses over 4300 digits)
+        digits = {k: k.lstrip("0") or "0" for k in bias}  # (int() refuses strings of over 4300 digits)
+        huge = next((d for d in digits.values() if len(d) > 18), None)
         if huge is not None:
-            raise ValueError(f"keys must be token ids in the vocabulary, got one of {len(huge.lstrip('0'))} digits")
-        return {int(k.lstrip("0") or "0"): float(v) for k, v in bias.items()}
+            raise ValueError(f"keys must be token ids in the vocabulary, got one of {len(huge)} digits")
+        return {int(digits[k]): float(v) for k, v in bias.items()}
 
     def constraints(self) -> list[tuple[str, dict]]:
         """``(param, structured output)`` of each structured-output field given (a valid
@@ -270,7 +271,11 @@ class _Request(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return getattr(self, self.max_tokens_field())
+
+    def max_tokens_field(self) -> str:
+        """The field that sets the request's token budget, as sent (for messages)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 class CompletionRequest(_Request):

@@ -368,8 +368,9 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
     prompt = _render_text(tokenizer, messages[:i], True, where)
     turn = _render_text(tokenizer, messages[:i + 1], False, where)
     content = messages[i].get("content")
-    if not messages[:i] and isinstance(content, str) and content.strip() and turn.find(content) >= 0:
-        prompt = turn[:turn.find(content)]  # (a conversation that opens with the reply: what the template writes first)
+    opening = turn.find(content) if not messages[:i] and isinstance(content, str) and content.strip() else -1
+    if opening >= 0:
+        prompt = turn[:opening]  # (a conversation that opens with the reply: what the template writes first)
     start = len(os.path.commonprefix([prompt, text]))
     if start < len(os.path.commonprefix([before, text])):  # (the prompt departs inside the turns before it)
         return None
@@ -432,8 +433,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
             consistent = False
             break
         mask |= torch.tensor([a < turn[1] and b > turn[0] for a, b in spans], dtype=torch.bool)
-    whole = not consistent or not any(m["role"] == "assistant" for m in messages)
-    if whole:
+    if not consistent or not any(m["role"] == "assistant" for m in messages):
         mask[:] = True
     return Example(torch.tensor(full, dtype=torch.long), mask, whole=not consistent)
 
