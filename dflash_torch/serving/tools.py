@@ -51,7 +51,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..errors import DFlashError
-from ..options import check_choice
+from ..options import JSON_TYPES, check_choice
 from .constraints import reasoning_rules, text_or_token
 from .reasoning import HarmonyParser, ReasoningParser, _held, new_parser
 
@@ -425,9 +425,6 @@ def _coder_value(schema, rule: str, rules: list[str], root: dict) -> str:
     words = (["None"] if "null" in types else []) + (["True", "False"] if "boolean" in types else [])
     rules.append(f"{rule}: %json {json.dumps(typed)}" + "".join(f" | {json.dumps(w)}" for w in words) + "\n")
     return f"{rule} {_CODER_VALUE_END}"
-
-
-JSON_TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
 
 
 def schema_types(schema, root: dict | None = None, depth: int = 0) -> list[str] | None:
