@@ -213,8 +213,9 @@ def test_ctrl_c_while_decoding_exits_130_without_a_traceback(pair_args, tmp_path
 def test_ctrl_c_while_the_command_line_starts_exits_130_without_a_traceback(pair_args):
     """Importing the command line does not import torch (the package's names load on first
     use), so a Ctrl-C while torch loads lands in ``main`` like any other: exit status 130,
-    no traceback. 0.5 s after the start the process is loading torch (or, on a machine that
-    loads it faster, already the models): both are interrupts ``main`` handles."""
+    no traceback. The signal is sent once the process maps torch's library (it is loading
+    torch, or already the models: both are interrupts ``main`` handles), not after a fixed
+    0.5 s, which a loaded machine spent still starting the interpreter (killed by SIGINT)."""
     import signal
     import time
 
@@ -223,7 +224,12 @@ def test_ctrl_c_while_the_command_line_starts_exits_130_without_a_traceback(pair
     assert out.returncode == 0 and out.stdout.strip() == "False", out
     proc = subprocess.Popen([sys.executable, "-m", "dflash_torch", "generate", *pair_args, PROMPT],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        with open(f"/proc/{proc.pid}/maps") as maps:
+            if "libtorch" in maps.read():
+                break
+        time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err.decode(), err.decode()
