@@ -154,6 +154,52 @@ def make_hybrid_target(out_dir: Path, model_type: str, *, seed: int = 0, tokeniz
     return Path(out_dir)
 
 
+def make_muse_glimmer_target(out_dir: Path, *, seed: int = 0, tokenizer: bool = True, vision: bool = True,
+                             **overrides) -> Path:
+    """Save a tiny random Muse Glimmer target with transformers' own
+    ``MuseGlimmerForConditionalGeneration`` (the multimodal wrapper, as published; a vision
+    tower of one layer unless ``vision`` is False, then a ``muse_glimmer_text`` config over
+    the same decoder weights): 6 layers (full attention without RoPE on layers 1 and 5,
+    transformers' default pattern; the others a window of 8), every norm weight random,
+    ``output_multiplier`` 0.5 and a soft cap of 5 (so that the cap bends the logits).
+    ``overrides``: text config fields."""
+    import transformers
+    from safetensors.torch import load_file
+
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, output_multiplier=0.5,
+                final_logit_softcapping=5.0, eos_token_id=EOS_ID, bos_token_id=EOS_ID, pad_token_id=EOS_ID)
+    text.update(overrides)
+    config = transformers.MuseGlimmerConfig(
+        text_config=text, vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                             num_attention_heads=2), out_hidden_size=128, projector_hidden_size=64)
+    model = transformers.MuseGlimmerForConditionalGeneration(config).eval()
+    with torch.no_grad():  # larger-than-default weights give peaked, less tie-prone logits
+        for name, p in model.named_parameters():
+            if name == "model.language_model.norm.weight":  # (a plain scale; the layers' norms scale by 1 + weight)
+                p.normal_(1, 0.3)
+            elif "norm" in name:
+                p.normal_(0, 0.3)
+            elif name == "lm_head.weight":
+                p.normal_(0, 0.8)
+            elif p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(str(out_dir))
+    if not vision:
+        out_dir = Path(out_dir)
+        state = load_file(str(out_dir / "model.safetensors"))
+        keep = {k: v for k, v in state.items() if k == "lm_head.weight" or k.startswith("model.language_model.")}
+        save_file(keep, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        cfg = json.loads((out_dir / "config.json").read_text())
+        (out_dir / "config.json").write_text(json.dumps(dict(cfg["text_config"], architectures=["MuseGlimmerTextModel"]),
+                                                        indent=2))
+    if tokenizer:
+        make_tokenizer(out_dir)
+    return Path(out_dir)
+
+
 # the rope of the published gpt-oss checkpoints (YaRN, not truncated)
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
@@ -325,6 +371,7 @@ def load_hf(target_dir: Path):
 
 
 AGREE_TOKEN = 42  # the token c that the agreeable target predicts often
+MUSE_AGREE_POST_NORM = -0.7  # the post-sublayer norm weights of an agreeable Muse Glimmer target
 
 
 def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16, alpha: float = 0.5,
@@ -338,7 +385,7 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
     ``beta * u``. The target then predicts c often but not always. The drafter has small
     random weights, so its output stays close to the (u-heavy) mask embedding and it
     proposes c nearly everywhere: it is accepted whenever the target predicts c.
-    ``model_type``: ``qwen3``, ``gpt_oss`` or a text family of :data:`HYBRID_FAMILIES`; ``self_scale``:
+    ``model_type``: ``qwen3``, ``gpt_oss``, ``muse_glimmer`` or a text family of :data:`HYBRID_FAMILIES`; ``self_scale``:
     c's own multiple of ``u`` (higher: longer runs of c); ``agree_token``: c.
     """
     from safetensors.torch import load_file
@@ -350,6 +397,8 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
         target = make_target(root / "target", "qwen3", seed=1, tokenizer=False, tie_word_embeddings=False)
     elif model_type == "gpt_oss":
         target = make_gpt_oss_target(root / "target", seed=1, tokenizer=False)
+    elif model_type == "muse_glimmer":
+        target = make_muse_glimmer_target(root / "target", seed=1, tokenizer=False)
     else:
         target = make_hybrid_target(root / "target", model_type, seed=1, tokenizer=False)
     state = load_file(str(target / "model.safetensors"))
@@ -358,7 +407,11 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
     u /= u.norm()
     scale = torch.rand(state["lm_head.weight"].shape[0], 1, generator=g) * 2
     scale[agree_token] = self_scale
-    state["model.embed_tokens.weight"] += alpha * scale * u
+    embed = "model.language_model.embed_tokens.weight" if model_type == "muse_glimmer" else "model.embed_tokens.weight"
+    state[embed] += alpha * scale * u
+    if model_type == "muse_glimmer":  # sublayer outputs at 0.3 of their norm (which scales by 1 + w): u survives
+        for key in [k for k in state if k.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"))]:
+            state[key] = torch.full_like(state[key], MUSE_AGREE_POST_NORM)
     state["lm_head.weight"][agree_token] = beta * u
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     copy_tokenizer(tokenizer_dir, target)

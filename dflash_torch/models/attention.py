@@ -40,6 +40,7 @@ class Attention(nn.Module):
         self.q_norm = norm(head_dim, eps) if qk_norm else None
         self.k_norm = norm(head_dim, eps) if qk_norm else None
         self.qkv_proj = self.kv_proj = None  # set by fuse()
+        self.rope = True  # False: no position embedding (a NoPE layer)
 
     def fuse(self, query: bool) -> None:
         """Join projections that read the same rows into one linear (in place; the outputs
@@ -94,7 +95,8 @@ class Attention(nn.Module):
         q = q.reshape(t, self.heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rope(q.transpose(0, 1), cos, sin), gate
+        q = q.transpose(0, 1)
+        return (apply_rope(q, cos, sin) if self.rope else q), gate
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[T, hidden]`` -> rotated keys and values, each ``[kv_heads, T, head_dim]``.
@@ -110,7 +112,8 @@ class Attention(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         v = v.reshape(t, self.kv_heads, self.head_dim)
-        return apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)
+        k = k.transpose(0, 1)
+        return (apply_rope(k, cos, sin) if self.rope else k), v.transpose(0, 1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Attention of queries over cached keys/values: :func:`~dflash_torch.models.layers.attend`

@@ -557,6 +557,13 @@ class DFlash2Settings:
         return out
 
 
+# transformers' own DFlash drafters ("assistant" models, run by its DFlashTokenCandidateGenerator):
+# a DFlash drafter whose config keeps block_size, mask_token_id and target_layer_ids at the
+# top level and whose context projection (fc, hidden_norm) is named encoder.fc, encoder.output_norm_enc
+ASSISTANT_ARCHITECTURES = ("MuseGlimmerAssistantModel",)
+ASSISTANT_WEIGHTS = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
+
+
 @dataclass
 class DrafterConfig:
     """Shape and DFlash settings of a drafter (no embedding, no LM head of its own)."""
@@ -579,10 +586,14 @@ class DrafterConfig:
     sliding_windows: list[int | None]
     max_position_embeddings: int | None = None  # the fallback of yarn/llama3's original_max_position_embeddings
     dflash2: DFlash2Settings | None = None  # set for a DFlash 2 drafter (architectures DFlash2DraftModel)
+    checkpoint_names: dict[str, str] = field(default_factory=dict)  # our weight name -> the checkpoint's, where they differ
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DrafterConfig":
-        """Parse a DFlash (``DFlashDraftModel``) or DFlash 2 (``DFlash2DraftModel``) drafter ``config.json``.
+        """Parse a DFlash (``DFlashDraftModel``), DFlash 2 (``DFlash2DraftModel``) or
+        transformers-format DFlash (:data:`ASSISTANT_ARCHITECTURES`, e.g.
+        ``MuseGlimmerAssistantModel``: the settings at the top level, the context
+        projection's weights under ``encoder.``) drafter ``config.json``.
 
         Raises:
             DFlashError: not a DFlash drafter, a quantized checkpoint, no mask token id, no
@@ -590,15 +601,19 @@ class DrafterConfig:
         """
         archs = cfg.get("architectures") or []
         dflash = object_field(cfg, "dflash_config", "drafter") or {}
+        assistant = any(a in ASSISTANT_ARCHITECTURES for a in archs if isinstance(a, str))
+        if assistant:  # (transformers' DFlash assistants keep the DFlash settings at the top level)
+            dflash = {k: cfg.get(k) for k in ("mask_token_id", "target_layer_ids", "block_size")}
         if "DFlash2DraftModel" not in archs and "DFlashDraftModel" not in archs and not dflash:
             raise DFlashError(
                 f"the drafter checkpoint is not a DFlash drafter (architectures={archs}); "
-                "expected architectures ['DFlashDraftModel'] or ['DFlash2DraftModel'] with a dflash_config"
+                "expected architectures ['DFlashDraftModel'] or ['DFlash2DraftModel'] with a dflash_config, "
+                f"or one of {list(ASSISTANT_ARCHITECTURES)}"
             )
         refuse_quantized(cfg, "drafter")
         _require(cfg, ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"], "drafter")
         if dflash.get("mask_token_id") is None:
-            raise DFlashError("drafter config.json lacks dflash_config.mask_token_id")
+            raise DFlashError(f"drafter config.json lacks {'' if assistant else 'dflash_config.'}mask_token_id")
         check_int(dflash, "mask_token_id", "drafter", minimum=0)
         block_size = cfg.get("block_size") if cfg.get("block_size") is not None else dflash.get("block_size")
         if block_size is None:
@@ -614,7 +629,8 @@ class DrafterConfig:
         layer_ids = dflash.get("target_layer_ids")
         if layer_ids is None:
             if num_target_layers is None:
-                raise DFlashError("drafter config.json has neither dflash_config.target_layer_ids nor num_target_layers")
+                where = "target_layer_ids" if assistant else "dflash_config.target_layer_ids"
+                raise DFlashError(f"drafter config.json has neither {where} nor num_target_layers")
             layer_ids = default_target_layer_ids(num_target_layers, n)
         if not isinstance(layer_ids, list) or not layer_ids or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
@@ -651,6 +667,7 @@ class DrafterConfig:
             sliding_windows=windows,
             max_position_embeddings=cfg.get("max_position_embeddings"),
             dflash2=v2,
+            checkpoint_names=dict(ASSISTANT_WEIGHTS) if assistant else {},
         )
 
     def to_dict(self) -> dict:

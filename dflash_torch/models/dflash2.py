@@ -245,7 +245,18 @@ class DFlash2Drafter(DFlashDrafter):
         """The lattice of :meth:`CandidateSelector.lattice` for the draft slots: candidate
         ids int64 ``[..., B-1, K]`` and edge scores float32 ``[..., B-1, K, K]``."""
         slots = hidden[..., 1:, :]
-        return self.candidate_selector.lattice(slots, self.unary_scores(target.logits(slots)), anchor)
+        return self.candidate_selector.lattice(slots, self.draft_logits(target, slots), anchor)
+
+    def draft_logits(self, target, slots):
+        """The unary scores (float32 ``[..., V]``) of final hidden rows ``slots``: the target's
+        LM head through :meth:`unary_scores`; a config that leaves ``output_multiplier`` at 1
+        and no soft cap takes the target's own output scale instead
+        (:meth:`TargetModel.output_logits`; the same for targets that have none), as the DFlash
+        reference does."""
+        s = self.config.dflash2
+        if s.output_multiplier == 1.0 and s.final_logit_softcapping is None:
+            return target.output_logits(slots).float()
+        return self.unary_scores(target.logits(slots))
 
     def choose_draft(self, scores, params: SamplingParams, generator: torch.Generator | None,
                      guide: GrammarState | None = None):

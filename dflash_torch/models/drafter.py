@@ -103,8 +103,9 @@ class DFlashDrafter(nn.Module):
 
     @staticmethod
     def from_pretrained(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> "DFlashDrafter":
-        """Load a published-format drafter checkpoint directory: a DFlash drafter, or a
-        DFlash 2 one (then a :class:`~dflash_torch.models.dflash2.DFlash2Drafter`).
+        """Load a published-format drafter checkpoint directory: a DFlash drafter (also in
+        transformers' assistant format, e.g. ``MuseGlimmerAssistantModel``), or a DFlash 2 one
+        (then a :class:`~dflash_torch.models.dflash2.DFlash2Drafter`).
 
         Raises:
             DFlashError: not a DFlash config, or weights missing, unknown, of the
@@ -116,22 +117,28 @@ class DFlashDrafter(nn.Module):
         check_fits(model, dtype, device, "drafter")
         state = load_state_dict(model_dir, dtype, device)
         expected = model.state_dict()
-        missing = sorted(expected.keys() - state.keys())
+        names = cfg.checkpoint_names  # (our name -> the checkpoint's, for the transformers-format drafters)
+        name = lambda k: names.get(k, k)  # noqa: E731
+        taken = {k for k in state if k in names}  # our own name in that layout: a weight no format has
+        for ours, theirs in names.items():
+            if theirs in state:
+                state[ours] = state.pop(theirs)
+        missing = sorted(map(name, expected.keys() - state.keys()))
         if missing:
             raise DFlashError(f"drafter checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-        unknown = sorted(state.keys() - expected.keys())
+        unknown = sorted((state.keys() - expected.keys()) | taken)
         if unknown:  # never run a checkpoint in part: weights we do not know would be silently dropped
             kind = "DFlash 2" if cfg.dflash2 else "DFlash"
             raise DFlashError(f"drafter checkpoint {model_dir} has weights a {kind} drafter does not use "
                               f"(an unsupported variant?): {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
         for k, v in expected.items():
             if tuple(state[k].shape) != tuple(v.shape):
-                raise DFlashError(f"drafter weight {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
+                raise DFlashError(f"drafter weight {name(k)} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
             if not state[k].is_floating_point():
-                raise DFlashError(f"drafter weight {k} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
+                raise DFlashError(f"drafter weight {name(k)} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
                                   "dflash-torch reads float32/bfloat16/float16 weights only (a quantized checkpoint?)")
             if not all_finite(state[k]):  # e.g. a diverged training run
-                raise DFlashError(f"drafter weight {k} holds NaN or infinite values (a corrupt or diverged checkpoint)")
+                raise DFlashError(f"drafter weight {name(k)} holds NaN or infinite values (a corrupt or diverged checkpoint)")
         model.load_state_dict(state, strict=True, assign=True)
         model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings).to(device)
         return model.eval()
@@ -240,9 +247,16 @@ class DFlashDrafter(nn.Module):
         """What :meth:`choose_draft` picks the draft from: the draft logits ``[..., B-1, V]``
         of the final hidden rows ``hidden`` ``[..., B, hidden]`` of :meth:`forward` (row 0,
         the anchor's, is not a draft slot), through the target's LM head
-        (``target.logits``). ``anchor`` (the block's first token, int64 ``[...]``) is
+        (:meth:`draft_logits`). ``anchor`` (the block's first token, int64 ``[...]``) is
         unused here. Leading dimensions are blocks (training and evaluation)."""
-        return target.logits(hidden[..., 1:, :])
+        return self.draft_logits(target, hidden[..., 1:, :])
+
+    def draft_logits(self, target, slots: torch.Tensor) -> torch.Tensor:
+        """The draft logits ``[..., V]`` of final hidden rows ``slots`` ``[..., hidden]``: the
+        target's LM head with the target's own output scale (:meth:`TargetModel.output_logits`;
+        Muse Glimmer's multiplier and soft cap), as the DFlash reference's drafters take it, so
+        that sampled drafts are on the target's scale. (The same for training and decoding.)"""
+        return target.output_logits(slots)
 
     def choose_draft(self, scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
                      guide: GrammarState | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

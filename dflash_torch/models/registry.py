@@ -22,6 +22,8 @@ FAMILIES = {
     "qwen3_5_moe": "qwen3_5",
     "qwen3_next": "qwen3_next",
     "gpt_oss": "gpt_oss",
+    "muse_glimmer_text": "muse_glimmer",
+    "muse_glimmer": "muse_glimmer",
 }
 
 

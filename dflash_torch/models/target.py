@@ -3,8 +3,9 @@ rolled-back recurrent state (linear-attention layers of hybrid targets) and capt
 intermediate layer outputs (the DFlash context features).
 
 :class:`TargetModel` is the shared decoder; each family module (``llama.py``,
-``qwen3_moe.py``, ``qwen3_5.py``, ``qwen3_next.py``) says how its config reads, which
-layers it builds and how its checkpoint's weight names map onto them.
+``qwen3_moe.py``, ``qwen3_5.py``, ``qwen3_next.py``, ``gpt_oss.py``, ``muse_glimmer.py``)
+says how its config reads, which layers it builds and how its checkpoint's weight names
+map onto them.
 :func:`dflash_torch.models.registry.family` finds the module of a ``model_type``.
 """
 
@@ -50,6 +51,36 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = norm
         self.post_attention_layernorm = post_norm
+
+    def add_mixer(self, x: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the token mixer: ``x + mixed`` (``mixed``: the mixer's
+        output on ``input_layernorm(x)``)."""
+        return x + mixed
+
+    def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the MLP: ``x + mlp(post_attention_layernorm(x))``."""
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SandwichDecoderLayer(DecoderLayer):
+    """A decoder layer that also normalises each sublayer's output before the residual add
+    (Gemma 2 / Muse Glimmer): ``x + post_attention_layernorm(mixer(input_layernorm(x)))``, then
+    ``x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))``. (Here
+    ``post_attention_layernorm`` is the attention output's norm, as these checkpoints name it,
+    not the MLP's input norm of :class:`DecoderLayer`.)"""
+
+    def __init__(self, kind: str, mixer: nn.Module, mlp: nn.Module, norm: nn.Module, post_attention_norm: nn.Module,
+                 pre_feedforward_norm: nn.Module, post_feedforward_norm: nn.Module, slot: int,
+                 sliding_window: int | None = None):
+        super().__init__(kind, mixer, mlp, norm, post_attention_norm, slot, sliding_window)
+        self.pre_feedforward_layernorm = pre_feedforward_norm
+        self.post_feedforward_layernorm = post_feedforward_norm
+
+    def add_mixer(self, x: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+        return x + self.post_attention_layernorm(mixed)
+
+    def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class _Backbone(nn.Module):
@@ -258,11 +289,25 @@ class TargetModel(nn.Module):
     # --- forward ---
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings ``[T, hidden]`` for ``input_ids`` ``[T]``."""
+        """Token embeddings ``[T, hidden]`` for ``input_ids`` ``[T]``, as drafters embed their
+        block: the embedding table's rows (a family whose decoder transforms them further,
+        e.g. Muse Glimmer's ``embed_norm``, does that in :meth:`embed_inputs`)."""
+        return self.model.embed_tokens(input_ids)
+
+    def embed_inputs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder's input rows ``[T, hidden]`` for ``input_ids`` ``[T]`` (here
+        :meth:`embed`)."""
         return self.model.embed_tokens(input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on already-normalised hidden states ``[T, hidden]`` -> ``[T, vocab]``."""
+        """LM head on already-normalised hidden states ``[T, hidden]`` -> ``[T, vocab]``, as
+        drafters read it: ``lm_head`` alone."""
+        return self.lm_head(hidden)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's own logits ``[T, vocab]`` of normalised hidden states ``[T, hidden]``:
+        :meth:`logits`, then whatever the family applies to them (Muse Glimmer: a scale and a
+        soft cap). Verify and target-only decoding sample from these."""
         return self.lm_head(hidden)
 
     def forward(
@@ -305,7 +350,7 @@ class TargetModel(nn.Module):
             logits ``[T - logits_from, vocab]`` (model dtype) and the concatenated layer
             outputs ``[T, len(feature_layers) * hidden]`` (or None).
         """
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed_inputs(input_ids)
         cos, sin = self.rotary.cos_sin(positions.reshape(-1), x.dtype)
         biases = {}
         if self.num_kv_layers:
@@ -321,10 +366,10 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
             if layer.kind == "linear_attention":
-                x = x + layer.linear_attn(h, cache.recurrent, layer.slot, commit, defer_commit)  # N sequences at once
+                mixed = layer.linear_attn(h, cache.recurrent, layer.slot, commit, defer_commit)  # N sequences at once
             else:
-                x = x + self._self_attention(layer, h, cache.kv, step)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+                mixed = self._self_attention(layer, h, cache.kv, step)
+            x = layer.add_mlp(layer.add_mixer(x, mixed))
             if i in wanted:
                 captured[i] = x
         last = len(self.model.layers) - 1
@@ -334,8 +379,7 @@ class TargetModel(nn.Module):
         else:
             normed = self.model.norm(x[logits_from:])
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
-        logits = self.lm_head(normed)
-        return logits, features
+        return self.output_logits(normed), features
 
     @staticmethod
     def _self_attention(layer: DecoderLayer, h: torch.Tensor, kv: KVCache, step: _Step) -> torch.Tensor:

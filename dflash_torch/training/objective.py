@@ -287,9 +287,7 @@ def batch_loss(drafter: DFlashDrafter, target: TargetModel, ids: torch.Tensor, l
         features = target_features(target, ids, lengths, cfg.target_layer_ids)
     tokens, positions = block_inputs(ids, anchors, B, cfg.mask_token_id)
     hidden = drafter_blocks_forward(drafter, target, features, tokens, positions)
-    logits = target.logits(hidden[:, :, 1:])
-    if cfg.dflash2 is not None:
-        logits = drafter.unary_scores(logits)
+    logits = drafter.draft_logits(target, hidden[:, :, 1:])
     labels, valid = block_labels(ids, lengths, loss_mask, positions, valid_anchor)
     drafts = None
     if stats and cfg.dflash2 is not None:
