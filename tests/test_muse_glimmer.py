@@ -354,3 +354,24 @@ def test_bad_assistant_checkpoints_are_refused_by_their_own_names(assistant, tmp
     save_file(weights, str(bad / "model.safetensors"))
     with pytest.raises(DFlashError, match=message):
         DFlashDrafter.from_pretrained(bad, torch.float32)
+
+
+def test_assistant_config_defaults_are_transformers(assistant, tmp_path):
+    """A config without the keys transformers defaults (RoPE, layer types, window) reads
+    them as ``MuseGlimmerAssistantConfig`` does: RoPE base 500000, every layer a window of 2048."""
+    import shutil
+
+    from transformers import MuseGlimmerAssistantConfig
+
+    path, _ = assistant
+    bare = tmp_path / "bare"
+    shutil.copytree(path, bare)
+    cfg = json.loads((bare / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types", "sliding_window", "rms_norm_eps"):
+        cfg.pop(key)
+    (bare / "config.json").write_text(json.dumps(cfg))
+    ours = DFlashDrafter.from_pretrained(bare, torch.float32).config
+    ref = MuseGlimmerAssistantConfig.from_pretrained(str(bare))
+    assert ours.rope_theta == ref.rope_parameters["rope_theta"] == 500000.0
+    assert ours.sliding_windows == [ref.sliding_window] * 2 == [2048] * 2 and ref.layer_types == ["sliding_attention"] * 2
+    assert ours.rms_norm_eps == ref.rms_norm_eps

@@ -262,3 +262,67 @@ def test_yarn_drafter_loads_and_decodes_losslessly(tmp_path, tiny_pair, scaling,
         out = spec.generate(prompt, max_new_tokens=30, ignore_eos=True)
         assert out.token_ids == ref
         assert len(out.stats.acceptance_lengths) > 1
+
+
+def _logits(target_dir, n=118):
+    hf = load_hf(target_dir)
+    ours = TargetModel.from_pretrained(target_dir, torch.float32)
+    ids = torch.arange(2, 2 + n)
+    cache = ours.new_cache()
+    cache.reset(n + 8)
+    with torch.no_grad():
+        return ours(ids, torch.arange(n), cache, n)[0], hf(ids[None]).logits[0]
+
+
+def test_yarn_with_a_null_factor_derives_it_like_transformers(tmp_path):
+    """``factor: null``: max_position_embeddings / original_max_position_embeddings (it was
+    refused as "lacks factor"); an absent factor is still refused."""
+    target = make_target(tmp_path / "yarn", "qwen3", tokenizer=False, max_position_embeddings=256, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0})
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["rope_parameters"]["factor"] = None
+    (target / "config.json").write_text(json.dumps(cfg))
+    ours, ref = _logits(target)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    del cfg["rope_parameters"]["factor"]
+    with pytest.raises(DFlashError, match="^rope scaling type 'yarn' lacks factor$"):
+        _rope(cfg)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("where", ["rope_parameters", "top level"])
+def test_partial_rotary_is_refused_where_transformers_rotates_whole_heads(tmp_path, family, where):
+    """transformers' rotary of these families ignores ``partial_rotary_factor`` (plain RoPE) or
+    cannot run it (a scaling rule): it was applied, giving other logits than the file's model."""
+    from conftest import make_gpt_oss_target, make_hybrid_target
+
+    if family == "gpt_oss":
+        target = make_gpt_oss_target(tmp_path / family, tokenizer=False)
+    elif family == "qwen3_moe":
+        target = make_hybrid_target(tmp_path / family, family, tokenizer=False)
+    else:
+        target = make_target(tmp_path / family, family, tokenizer=False)
+    cfg = json.loads((target / "config.json").read_text())
+    (cfg["rope_parameters"] if where == "rope_parameters" else cfg)["partial_rotary_factor"] = 0.5
+    (target / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match=rf"^target partial_rotary_factor 0.5 is not supported for model_type '{family}'"):
+        TargetModel.from_pretrained(target, torch.float32)
+
+
+@pytest.mark.parametrize("theta", [None, 5000.0])
+def test_a_gpt_oss_config_without_rope_takes_transformers_default(tmp_path, theta):
+    """No ``rope_parameters`` / ``rope_scaling``: GptOssConfig's YaRN (factor 32, original 4096,
+    not truncated), with the top-level ``rope_theta`` or 150000 (it was plain RoPE, theta 10000)."""
+    from conftest import make_gpt_oss_target
+
+    target = make_gpt_oss_target(tmp_path / "oss", tokenizer=False)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg.pop("rope_scaling", None)
+    cfg.pop("rope_theta", None)
+    if theta is not None:
+        cfg["rope_theta"] = theta
+    (target / "config.json").write_text(json.dumps(cfg))
+    ours, ref = _logits(target, 60)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    assert TargetModel.from_pretrained(target, torch.float32).config.rope_theta == (theta or 150000.0)

@@ -56,7 +56,8 @@ def _rope(cfg: dict, what: str = "target") -> tuple[float, dict | None]:
     scaling["rope_type"] = kind
     if kind in ("llama3", "yarn") and cfg.get("original_max_position_embeddings") is not None:
         scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
-    missing = [k for k in ROPE_SCALING_KEYS[kind] if scaling.get(k) is None]
+    # (yarn's factor may be null: max_position_embeddings / original, as transformers derives it)
+    missing = [k for k in ROPE_SCALING_KEYS[kind] if scaling.get(k) is None and not (kind == "yarn" and k in scaling)]
     if kind in ("llama3", "yarn") and not (scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")):
         missing.append("original_max_position_embeddings (or max_position_embeddings)")
     if missing:
@@ -342,6 +343,19 @@ def base_target_fields(cfg: dict, model_type: str) -> dict:
     )
 
 
+def refuse_partial_rotary(fields: dict, model_type: str) -> None:
+    """Refuse a ``partial_rotary_factor`` below 1 for a family whose transformers class
+    rotates whole heads (its plain RoPE ignores the factor; with a scaling rule, the rotated
+    size and the heads disagree): decoded either way, it would not be the model the file names.
+
+    Raises:
+        DFlashError: ``fields["partial_rotary_factor"]`` (from :func:`base_target_fields`) < 1.
+    """
+    if fields["partial_rotary_factor"] != 1.0:
+        raise DFlashError(f"target partial_rotary_factor {fields['partial_rotary_factor']} is not supported for "
+                          f"model_type {model_type!r} (transformers' {model_type} rotates whole heads)")
+
+
 def eos_token_ids(value, where: str) -> list[int]:
     """An ``eos_token_id`` value (null, an id, or a list of ids) as a list of ids.
 
@@ -562,6 +576,9 @@ class DFlash2Settings:
 # top level and whose context projection (fc, hidden_norm) is named encoder.fc, encoder.output_norm_enc
 ASSISTANT_ARCHITECTURES = ("MuseGlimmerAssistantModel",)
 ASSISTANT_WEIGHTS = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
+# what transformers' MuseGlimmerAssistantConfig takes when a key is absent (every layer a window of 2048)
+ASSISTANT_DEFAULTS = {"sliding_window": 2048, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072}
+ASSISTANT_ROPE_THETA = 500000.0
 
 
 @dataclass
@@ -604,6 +621,12 @@ class DrafterConfig:
         assistant = any(a in ASSISTANT_ARCHITECTURES for a in archs if isinstance(a, str))
         if assistant:  # (transformers' DFlash assistants keep the DFlash settings at the top level)
             dflash = {k: cfg.get(k) for k in ("mask_token_id", "target_layer_ids", "block_size")}
+            cfg = {**ASSISTANT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+            if cfg.get("rope_parameters") is None and cfg.get("rope_scaling") is None and "rope_theta" not in cfg:
+                cfg["rope_theta"] = ASSISTANT_ROPE_THETA
+            if cfg.get("layer_types") is None:
+                cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"] if isinstance(
+                    cfg.get("num_hidden_layers"), int) else None
         if "DFlash2DraftModel" not in archs and "DFlashDraftModel" not in archs and not dflash:
             raise DFlashError(
                 f"the drafter checkpoint is not a DFlash drafter (architectures={archs}); "

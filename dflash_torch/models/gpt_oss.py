@@ -30,12 +30,15 @@ from . import mxfp4
 from .attention import Attention
 from .layers import RMSNorm
 from .config import (MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, check_layer_types,
-                     number_field)
+                     number_field, refuse_partial_rotary)
 from .moe import dispatch_experts
 from .target import DecoderLayer, TargetModel
 
 QUANTIZATION_METHODS = ("mxfp4",)  # the quant_method values this family reads (see mxfp4.py)
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# transformers' GptOssConfig rope when a config has none (that of the published checkpoints)
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 _SCORES_PER_CHUNK = 1 << 25  # attention logits held at once (query rows are taken in chunks)
 
 
@@ -57,7 +60,10 @@ def parse_config(cfg: dict) -> GptOssConfig:
             wrong length or with another type, sliding layers without ``sliding_window``,
             top-k outside the experts.
     """
+    if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):  # transformers' GptOssConfig default
+        cfg = dict(cfg, rope_parameters={**DEFAULT_ROPE, "rope_theta": number_field(cfg, "rope_theta", "target", 150000.0)})
     fields = base_target_fields(cfg, "gpt_oss")
+    refuse_partial_rotary(fields, "gpt_oss")
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..errors import DFlashError
 from .attention import Attention
-from .config import TargetConfig, base_target_fields, bool_field
+from .config import TargetConfig, base_target_fields, bool_field, refuse_partial_rotary
 from .layers import MLP, RMSNorm
 from .target import DecoderLayer, TargetModel
 
@@ -16,7 +16,8 @@ def parse_config(cfg: dict) -> TargetConfig:
     """A ``qwen3`` / ``llama`` / ``qwen2`` ``config.json`` -> :class:`TargetConfig`.
 
     Raises:
-        DFlashError: missing keys, MLP biases or sliding-window attention (not supported).
+        DFlashError: missing keys, MLP biases, sliding-window attention or partial rotary
+            (not supported).
     """
     model_type = cfg["model_type"]
     if "intermediate_size" not in cfg:
@@ -26,6 +27,7 @@ def parse_config(cfg: dict) -> TargetConfig:
     if bool_field(cfg, "use_sliding_window", "target", False):
         raise DFlashError("target configs with use_sliding_window=true are not supported")
     fields = base_target_fields(cfg, model_type)
+    refuse_partial_rotary(fields, model_type)
     fields.update(
         tie_word_embeddings=bool_field(cfg, "tie_word_embeddings", "target", False),  # (transformers' default)
         # Qwen2 always has q/k/v biases (transformers' Qwen2Config saves attention_bias: null)

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import DFlashError
 from . import llama
-from .config import TargetConfig, base_target_fields, bool_field, moe_config, sparse_layers
+from .config import TargetConfig, base_target_fields, bool_field, moe_config, refuse_partial_rotary, sparse_layers
 from .moe import fuse_expert_weights
 from .target import DecoderLayer, sparse_moe
 
@@ -26,6 +26,7 @@ def parse_config(cfg: dict) -> TargetConfig:
     if bool_field(cfg, "use_sliding_window", "target", False):
         raise DFlashError("target configs with use_sliding_window=true are not supported")
     fields = base_target_fields(cfg, "qwen3_moe")
+    refuse_partial_rotary(fields, "qwen3_moe")
     moe = moe_config(cfg)
     fields.update(qk_norm=True, moe=moe, moe_layers=sparse_layers(cfg, moe.num_experts))
     if not all(fields["moe_layers"]) and not fields["intermediate_size"]:
