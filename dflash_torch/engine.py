@@ -459,6 +459,9 @@ class DFlashEngine:
             if value is not None and (is_ids or not (chat or isinstance(prompt, list))):
                 verb = "applies" if name == "continue_final_message" else "apply"
                 raise OptionError(f"{name} {verb} to chat prompts only (chat messages, or a text with chat)", name, "chat")
+        if is_ids and chat:
+            raise OptionError("chat applies to a text prompt (the chat template is applied to text); this prompt is "
+                              "token ids, used as they are: leave chat out, or pass chat messages", "chat")
         if is_ids:
             try:
                 return [t.__index__() for t in prompt]
@@ -538,7 +541,14 @@ class DFlashEngine:
         return self.tokenizer.encode(text, **kwargs)
 
     def decode(self, token_ids: list[int], skip: frozenset[int] = frozenset()) -> str:
-        """Text of token ids (no space clean-up), special tokens kept except those in ``skip``."""
+        """Text of token ids (no space clean-up), special tokens kept except those in ``skip``.
+
+        Raises:
+            DFlashError: an id outside the target's vocabulary ``[0, vocab_size)``.
+        """
+        bad = [t for t in token_ids if not 0 <= t < self.target.config.vocab_size]
+        if bad:
+            raise DFlashError(f"token id {bad[0]} is outside the vocabulary [0, {self.target.config.vocab_size})")
         if skip:
             token_ids = [t for t in token_ids if t not in skip]
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -951,6 +961,10 @@ class DFlashEngine:
         """
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise DFlashError("prompts must be a non-empty list")
+        if all(isinstance(p, dict) for p in prompts) or all(
+                hasattr(p, "__index__") and not isinstance(p, (bool, list, str)) for p in prompts):
+            raise DFlashError("prompts is a list of prompts, and this looks like one prompt (token ids or chat "
+                              "messages): pass [prompt]")
         n = len(prompts)
         per = dict(max_new_tokens=_per_prompt(max_new_tokens, n, "max_new_tokens"),
                    temperature=_per_prompt(temperature, n, "temperature"), top_k=_per_prompt(top_k, n, "top_k"),

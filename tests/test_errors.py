@@ -935,3 +935,19 @@ def test_a_misspelt_argument_or_a_callback_that_is_not_one_is_named(engine):
         engine.generate("x", max_tokens=5)
     with pytest.raises(DFlashError, match=r"^on_chunk must be a function of a StreamChunk \(or None\), got int$"):
         engine.generate("x", max_new_tokens=2, on_chunk=5)
+
+
+def test_api_misuse_found_by_a_trial_gets_a_clear_error(engine):
+    """One prompt passed to generate_batch (it said "prompt 0: the prompt must be a string, a
+    list of token ids, ..."); chat=True on token ids (silently ignored); decoding an id outside
+    the vocabulary (an OverflowError, or '' silently)."""
+    for prompt in ([5, 6, 7], [{"role": "user", "content": "hi"}]):
+        with pytest.raises(DFlashError, match=r"^prompts is a list of prompts, .*: pass \[prompt\]$"):
+            engine.generate_batch(prompt, max_new_tokens=2)
+    assert len(engine.generate_batch([[5, 6, 7]], max_new_tokens=2)) == 1
+    with pytest.raises(DFlashError, match="^chat applies to a text prompt"):
+        engine.encode_prompt([5, 6, 7], chat=True)
+    vocab = engine.target.config.vocab_size
+    for bad in (-1, vocab):
+        with pytest.raises(DFlashError, match=rf"^token id {bad} is outside the vocabulary \[0, {vocab}\)$"):
+            engine.decode([3, bad])
