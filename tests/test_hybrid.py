@@ -350,15 +350,22 @@ def test_a_text_config_with_the_multimodal_weight_layout_loads(checkpoints, tmp_
     text = edited_checkpoint(target_dir, tmp_path / "text", config=to_text,
                              state=lambda s: [s.pop(k) for k in list(s) if k.startswith("model.visual.")])
     ids = torch.arange(3, 20)
-    logits = []
+    logits, models = [], []
     for d in (text, target_dir):
         model = TargetModel.from_pretrained(d, torch.float32)
         assert model.config.model_type == family + "_text"
+        models.append(model)
         with torch.no_grad():
             cache = model.new_cache()
             cache.reset(32)
             logits.append(model(ids, torch.arange(17), cache, 17)[0])
-    assert torch.equal(logits[0], logits[1])
+    # the same model: config and every weight bit for bit; the logits then agree to float32
+    # rounding (not bit for bit: the weights lie at other offsets of another file, and the
+    # matmul kernels' summation order may follow the alignment: 5e-7 was seen)
+    assert models[0].config == models[1].config
+    ours, theirs = models[0].state_dict(), models[1].state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert rel_err(logits[0], logits[1]) < 1e-6
     with torch.no_grad():  # (and transformers' text class reads that layout as the same model)
         assert rel_err(logits[0], load_hf(text)(ids[None]).logits[0]) < RTOL
     # with the vision tower left in: refused, saying so (helper-28: "weights outside ... the vision tower")
