@@ -96,7 +96,7 @@ from typing import Hashable
 
 import torch
 
-from .cache import KVCache, RecurrentState, TargetCache, static_buffer
+from .cache import KVCache, RecurrentState, TargetCache, layer_shapes, static_buffer
 from .decoding import Round, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs, without_shape_plans
 from .draft_policy import DraftPolicy
 from .errors import DFlashError, OptionError
@@ -167,10 +167,12 @@ class SlotKVCache:
         self._views: dict[int, SlotKVCache] = {}
 
     @classmethod
-    def allocate(cls, num_layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+    def allocate(cls, num_layers: int, slots: int, kv_heads, capacity: int, head_dim, dtype: torch.dtype,
                  device: torch.device) -> "SlotKVCache":
-        shape = (slots, kv_heads, capacity, head_dim)
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        """Zeroed caches; ``kv_heads`` and ``head_dim`` one value or one per layer
+        (:func:`~dflash_torch.cache.layer_shapes`)."""
+        k = [torch.zeros(slots, heads, capacity, hd, dtype=dtype, device=device)
+             for heads, hd in layer_shapes(num_layers, kv_heads, head_dim)]
         return cls(k, [torch.zeros_like(t) for t in k])
 
     @property
@@ -186,8 +188,8 @@ class SlotKVCache:
 
     def slot(self, i: int) -> KVCache:
         """Slot ``i`` as a single-sequence :class:`KVCache` (views: writes land in this cache)."""
-        layers, heads, _, hd = len(self.k), *self.k[0].shape[1:]
-        kv = KVCache(layers, heads, hd, self.k[0].dtype, self.k[0].device)
+        kv = KVCache(len(self.k), [t.shape[1] for t in self.k], [t.shape[3] for t in self.k], self.k[0].dtype,
+                     self.k[0].device)
         kv.k, kv.v = [t[i] for t in self.k], [t[i] for t in self.v]
         return kv
 
@@ -316,9 +318,8 @@ def cache_bytes(target: TargetModel, drafter: DFlashDrafter | None, slots: int, 
                 states: int = 1) -> int:
     """Bytes of the K/V caches of ``slots`` sequences of ``capacity`` positions (target and
     drafter), plus ``states`` recurrent states per sequence of a hybrid target."""
-    c = target.config
     size = target.model.embed_tokens.weight.element_size()
-    per_position = target.num_kv_layers * c.num_key_value_heads * c.head_dim * 2
+    per_position = sum(heads * hd for heads, hd in target.kv_shapes()) * 2
     if drafter is not None:
         d = drafter.config
         per_position += d.num_hidden_layers * d.num_key_value_heads * d.head_dim * 2
@@ -496,10 +497,11 @@ class BatchDecoder:
             raise OptionError(f"the caches of max_batch_size {self.max_batch_size} x max_context {self.max_context} "
                               f"need {need / 2**30:.2f} GiB but {self.device.type} has {free / 2**30:.2f} GiB free; "
                               "lower either", "max_batch_size", "max_context")
-        c, w = target.config, target.model.embed_tokens.weight
+        w = target.model.embed_tokens.weight
+        heads, dims = zip(*target.kv_shapes()) if target.num_kv_layers else ((), ())
         try:
-            self.target_kv = SlotKVCache.allocate(target.num_kv_layers, self.max_batch_size, c.num_key_value_heads,
-                                                  capacity, c.head_dim, w.dtype, self.device)
+            self.target_kv = SlotKVCache.allocate(target.num_kv_layers, self.max_batch_size, heads, capacity, dims,
+                                                  w.dtype, self.device)
             self.target_state = (SlotRecurrentState.allocate(target, self.max_batch_size, checkpoints)
                                  if target.recurrent else None)
             self.draft_kv = None

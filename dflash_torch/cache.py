@@ -29,28 +29,43 @@ def static_buffer(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def layer_shapes(num_layers: int, num_kv_heads, head_dim) -> list[tuple[int, int]]:
+    """``(kv_heads, head_dim)`` of each of ``num_layers`` layers; ``num_kv_heads`` and
+    ``head_dim`` are one int for all layers or a sequence with one per layer (Gemma 4's
+    full-attention layers have heads of their own size)."""
+    heads = [num_kv_heads] * num_layers if isinstance(num_kv_heads, int) else list(num_kv_heads)
+    dims = [head_dim] * num_layers if isinstance(head_dim, int) else list(head_dim)
+    if len(heads) != num_layers or len(dims) != num_layers:
+        raise ValueError(f"{num_layers} layers but {len(heads)} head counts and {len(dims)} head sizes")
+    return list(zip(heads, dims))
+
+
 class KVCache:
-    """Keys and values: ``k[layer]``/``v[layer]`` of shape ``[kv_heads, capacity, head_dim]``.
+    """Keys and values: ``k[layer]``/``v[layer]`` of shape ``[kv_heads, capacity, head_dim]``
+    (the layer's own ``kv_heads`` and ``head_dim``).
 
     One tensor per layer (not views of one stacked tensor): torch.compile then writes
     new entries in place instead of copying the whole buffer on every write.
 
+    Args:
+        num_kv_heads, head_dim: one value for every layer, or one per layer (:func:`layer_shapes`).
+
     Attributes:
         length: number of committed positions ``[0, length)`` (tokens).
+        shapes: ``(kv_heads, head_dim)`` per layer.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
-        self.shape = (num_layers, num_kv_heads, head_dim)
+    def __init__(self, num_layers: int, num_kv_heads, head_dim, dtype: torch.dtype, device: torch.device | str):
+        self.shapes = layer_shapes(num_layers, num_kv_heads, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
         self.k = self.v = []
         self._allocate(0)
         self.length = 0
 
     def _allocate(self, capacity: int) -> None:
-        layers, heads, hd = self.shape
-        new = lambda: static_buffer(torch.zeros(heads, capacity, hd, dtype=self.dtype, device=self.device))
-        self.k = [new() for _ in range(layers)]
-        self.v = [new() for _ in range(layers)]
+        new = lambda heads, hd: static_buffer(torch.zeros(heads, capacity, hd, dtype=self.dtype, device=self.device))  # noqa: E731
+        self.k = [new(*shape) for shape in self.shapes]
+        self.v = [new(*shape) for shape in self.shapes]
 
     @property
     def capacity(self) -> int:

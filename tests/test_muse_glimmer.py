@@ -257,7 +257,8 @@ def test_text_configs_load_like_the_wrapper(checkpoint, tmp_path, tokenizer_dir)
     (None, lambda w: w.update({"model.language_model.layers.0.self_attn.q_norm.weight": torch.ones(16)}),
      "does not use .*: model.language_model.layers.0.self_attn.q_norm.weight$"),
     (None, lambda w: w.update({"model.multi_modal_projector.weight": torch.ones(4, 4)}),
-     "also has weights outside it that no Muse Glimmer model uses: model.multi_modal_projector.weight$"),
+     r"also has weights outside it \(and outside the vision tower\) that no Muse Glimmer model uses: "
+     "model.multi_modal_projector.weight$"),
 ])
 def test_bad_checkpoints_are_refused_in_one_line(checkpoint, tmp_path, config, state, message):
     target_dir, _ = checkpoint

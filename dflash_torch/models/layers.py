@@ -80,12 +80,47 @@ class JoinedLinear(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``. Parameter names
-    ``gate_proj``, ``up_proj``, ``down_proj``; after :meth:`fuse`, ``gate_up_proj``."""
+class UnitRMSNorm(nn.Module):
+    """RMSNorm without a weight (transformers' Gemma-style ``RMSNorm(with_scale=False)``:
+    float32, ``x * (mean(x**2) + eps) ** -0.5``), times a constant ``scale`` in the input dtype."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, eps: float, scale: float = 1.0):
         super().__init__()
+        self.eps, self.scale = eps, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        out = (x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
+        return out * self.scale if self.scale != 1.0 else out
+
+
+class ScaledRMSNorm(nn.Module):
+    """:class:`UnitRMSNorm` times ``weight``, scaled in float32 before the cast back (the
+    order of transformers' Gemma 4 / Muse Glimmer ``RMSNorm``, unlike :class:`RMSNorm`)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        out = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return (out * self.weight.float()).to(x.dtype)
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class MLP(nn.Module):
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU, the
+    default) or GELU with the tanh approximation (``activation="gelu_tanh"``: GeGLU, Gemma).
+    Parameter names ``gate_proj``, ``up_proj``, ``down_proj``; after :meth:`fuse`,
+    ``gate_up_proj``."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str = "silu"):
+        super().__init__()
+        self.act = ACTIVATIONS[activation]
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -104,7 +139,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 def attention_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -118,7 +153,8 @@ def attention_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> to
     return bias.repeat(*([1] * (bias.dim() - 2)), groups, 1) if groups > 1 else bias
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+           scale: float | None = None) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads.
 
     Query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``. The query
@@ -132,26 +168,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
             queries are the N consecutive groups of ``Tq / N`` rows of ``q``.
         bias: additive mask ``[groups * Tq, Tk]`` (batched: ``[N, groups * Tq / N, Tk]``)
             from :func:`attention_bias`, or None for full attention.
+        scale: the factor on the scores; None: ``1 / sqrt(head_dim)``.
 
     Returns:
         ``[Tq, n_heads * head_dim]``.
     """
     if k.dim() == 4:
-        return _attend_batched(q, k, v, bias)
+        return _attend_batched(q, k, v, bias, scale)
     heads, tq, d = q.shape
     groups = heads // k.shape[0]
     if groups > 1:
         q = q.reshape(k.shape[0], groups * tq, d)
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias, scale=scale)
     return out[0].reshape(heads, tq, d).transpose(0, 1).reshape(tq, heads * d)
 
 
-def _attend_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _attend_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                    scale: float | None = None) -> torch.Tensor:
     """:func:`attend` for N sequences: ``q`` ``[n_heads, N * Tq, d]``, ``k``/``v``
     ``[N, n_kv_heads, Tk, d]``, ``bias`` ``[N, groups * Tq, Tk]`` -> ``[N * Tq, n_heads * d]``."""
     heads, rows, d = q.shape
     n, kv_heads = k.shape[0], k.shape[1]
     tq, groups = rows // n, heads // kv_heads
     q = q.view(heads, n, tq, d).transpose(0, 1).reshape(n, kv_heads, groups * tq, d)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias[:, None])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias[:, None], scale=scale)
     return out.reshape(n, heads, tq, d).transpose(1, 2).reshape(rows, heads * d)

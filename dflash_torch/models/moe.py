@@ -63,13 +63,17 @@ class Experts(nn.Module):
                 setattr(self, name + "_scale", nn.Parameter(scales, requires_grad=False))
 
 
-def expert_activation(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float, swiglu_alpha: float) -> torch.Tensor:
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float, swiglu_alpha: float,
+                      gelu_tanh: bool = False) -> torch.Tensor:
     """An expert's gated activation of its ``gate`` and ``up`` projections (same shape).
 
-    ``swiglu_limit == 0``: SwiGLU, ``silu(gate) * up`` (Qwen MoE). ``swiglu_limit > 0``:
-    gpt-oss's clamped variant (transformers' ``GptOssExperts``): ``gate`` clamped to at most
-    the limit, ``up`` to ``[-limit, limit]``, then ``gate * sigmoid(alpha * gate) * (up + 1)``.
+    ``gelu_tanh``: GeGLU, ``gelu_tanh(gate) * up`` (Gemma 4). Else ``swiglu_limit == 0``:
+    SwiGLU, ``silu(gate) * up`` (Qwen MoE); ``swiglu_limit > 0``: gpt-oss's clamped variant
+    (transformers' ``GptOssExperts``): ``gate`` clamped to at most the limit, ``up`` to
+    ``[-limit, limit]``, then ``gate * sigmoid(alpha * gate) * (up + 1)``.
     """
+    if gelu_tanh:
+        return F.gelu(gate, approximate="tanh") * up
     if swiglu_limit == 0:
         return F.silu(gate) * up
     gate = gate.clamp(max=swiglu_limit)
@@ -82,7 +86,8 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                      down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                      down_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0,
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
-                     down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0) -> torch.Tensor:
+                     down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0,
+                     gelu_tanh: bool = False) -> torch.Tensor:
     """Run each token through its chosen experts and sum the weighted outputs.
 
     Only the experts that some token chose are computed: the ``T * k`` (token, expert)
@@ -95,11 +100,13 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     Args:
         x: ``[T, hidden]`` activations.
         experts: int64 ``[T, k]`` expert ids (distinct per row).
-        weights: ``[T, k]`` routing weights in ``x.dtype``.
+        weights: ``[T, k]`` routing weights in ``x.dtype`` or float32 (Gemma 4: each
+            expert's output times its weight is then rounded to ``x.dtype`` once).
         gate_up_proj: ``[E, 2 * I, hidden]`` (each expert's gate rows, then its up rows);
             down_proj: ``[E, hidden, I]``.
         gate_up_bias: ``[E, 2 * I]`` or None; down_bias: ``[E, hidden]`` or None (gpt-oss).
-        swiglu_limit, swiglu_alpha: the activation (:func:`expert_activation`; 0: SwiGLU).
+        swiglu_limit, swiglu_alpha, gelu_tanh: the activation (:func:`expert_activation`;
+            0, False: SwiGLU).
         gate_up_scales, down_scales: None, or the matrices are MXFP4 (uint8 blocks
             ``[E, rows, cols / 32, 16]``, scales ``[E, rows, cols / 32]``,
             :mod:`~dflash_torch.models.mxfp4`), or FP8 (``float8_e4m3fn`` matrices, float32
@@ -116,7 +123,7 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     """
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return gathered_experts(x, experts, weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                                swiglu_limit, swiglu_alpha, gate_up_scales, down_scales, fp8_block_cols)
+                                swiglu_limit, swiglu_alpha, gate_up_scales, down_scales, fp8_block_cols, gelu_tanh)
     t, k = experts.shape
     out = torch.zeros_like(x)
     # pairs in (slot, token) order, grouped by expert (stable sort): the row order of
@@ -135,9 +142,9 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         gate_up_w = _expert(gate_up_proj, gate_up_scales, e, x.dtype, fp8_block_cols)
         down_w = _expert(down_proj, down_scales, e, x.dtype, fp8_block_cols)
         gate, up = F.linear(x[tokens], gate_up_w, None if gate_up_bias is None else gate_up_bias[e]).chunk(2, dim=-1)
-        h = F.linear(expert_activation(gate, up, swiglu_limit, swiglu_alpha), down_w,
+        h = F.linear(expert_activation(gate, up, swiglu_limit, swiglu_alpha, gelu_tanh), down_w,
                      None if down_bias is None else down_bias[e])
-        out.index_add_(0, tokens, h * pair_weights[pairs, None])
+        out.index_add_(0, tokens, (h * pair_weights[pairs, None]).to(out.dtype))
     return out
 
 
@@ -156,7 +163,8 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                      down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                      down_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0,
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
-                     down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0) -> torch.Tensor:
+                     down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0,
+                     gelu_tanh: bool = False) -> torch.Tensor:
     """:func:`dispatch_experts` (same arguments and result) with no data-dependent shape
     and no host read, so that a CUDA graph can capture it: every (token, expert) pair
     gathers its expert's weights and the ``T * k`` pairs run as two batched matmuls. It
@@ -178,17 +186,18 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     if gate_up_bias is not None:
         gate_up = gate_up + gate_up_bias[ids]
     gate, up = gate_up.chunk(2, dim=-1)
-    h = torch.bmm(per_pair(down_proj, down_scales), expert_activation(gate, up, swiglu_limit, swiglu_alpha)[:, :, None])[..., 0]
+    h = torch.bmm(per_pair(down_proj, down_scales),
+                  expert_activation(gate, up, swiglu_limit, swiglu_alpha, gelu_tanh)[:, :, None])[..., 0]
     if down_bias is not None:
         h = h + down_bias[ids]  # [T * k, hidden]
-    return (h * weights.reshape(-1, 1)).view(t, k, -1).sum(dim=1)
+    return (h * weights.reshape(-1, 1)).to(x.dtype).view(t, k, -1).sum(dim=1)
 
 
 @dispatch_experts.register_fake
 def _(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
       down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
       swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
-      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0) -> torch.Tensor:
+      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0, gelu_tanh: bool = False) -> torch.Tensor:
     return torch.empty_like(x)
 
 

@@ -38,12 +38,12 @@ from ..errors import DFlashError
 from .attention import Attention
 from .config import (SILU_NAMES, TargetConfig, base_target_fields, bool_field, check_int, check_layer_types, number_field,
                      rotary_fraction)
-from .layers import MLP, ZeroCenteredRMSNorm
+from .layers import MLP, ScaledRMSNorm, UnitRMSNorm, ZeroCenteredRMSNorm
+from .multimodal import INNER, unwrap_language_model
 from .target import SandwichDecoderLayer, TargetModel
 
 WRAPPERS = {"muse_glimmer": "muse_glimmer_text"}
 LAYER_TYPES = ("sliding_attention", "full_attention")
-INNER = "model.language_model."
 VISION_PREFIXES = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.")
 
 
@@ -133,35 +133,6 @@ def parse_config(cfg: dict) -> MuseGlimmerConfig:
     return MuseGlimmerConfig(**fields)
 
 
-class UnitRMSNorm(nn.Module):
-    """RMSNorm without a weight (transformers' ``MuseGlimmerRMSNorm(with_scale=False)``:
-    float32, ``x * (mean(x**2) + eps) ** -0.5``), times a constant ``scale`` in the input dtype."""
-
-    def __init__(self, eps: float, scale: float = 1.0):
-        super().__init__()
-        self.eps, self.scale = eps, scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        out = (x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
-        return out * self.scale if self.scale != 1.0 else out
-
-
-class ScaledRMSNorm(nn.Module):
-    """The final norm (``MuseGlimmerRMSNorm``): :class:`UnitRMSNorm` times ``weight``, scaled
-    in float32 before the cast back."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        out = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        return (out * self.weight.float()).to(x.dtype)
-
-
 class GatedAttention(Attention):
     """Muse Glimmer attention: weightless q/k head norms (queries times ``qk_scale``),
     optional RoPE, and an output gate from its own projection ``gate_proj`` of the layer's
@@ -228,19 +199,4 @@ class Model(TargetModel):
             DFlashError: a checkpoint holding both layouts, or a text config over a
                 checkpoint with a vision tower.
         """
-        if cfg.checkpoint_prefix == "model." and any(k.startswith(INNER) for k in state):
-            cfg.checkpoint_prefix = INNER
-        if cfg.checkpoint_prefix != INNER:
-            return state
-        outside = sorted(k for k in state if k.startswith("model.") and not k.startswith(INNER))
-        if any(k.startswith(VISION_PREFIXES) for k in outside):
-            raise DFlashError("the target checkpoint has a vision tower (model.vision_tower.*), which a "
-                              "muse_glimmer_text config does not describe: use the checkpoint's multimodal config.json "
-                              "(model_type muse_glimmer, decoded as text) or leave those weights out")
-        if outside:
-            raise DFlashError(f"the target checkpoint keeps its decoder's weights under {INNER} but also has weights "
-                              f"outside it that no Muse Glimmer model uses: {', '.join(outside[:5])}"
-                              f"{' ...' if len(outside) > 5 else ''}")
-        for key in [k for k in state if k.startswith(INNER)]:
-            state["model." + key[len(INNER):]] = state.pop(key)
-        return state
+        return unwrap_language_model(cfg, state, VISION_PREFIXES, "vision tower", "Muse Glimmer", "muse_glimmer")

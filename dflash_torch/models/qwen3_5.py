@@ -23,6 +23,7 @@ from .config import (TargetConfig, base_target_fields, bool_field, layer_types, 
                      rotary_fraction)
 from .layers import MLP, ZeroCenteredRMSNorm
 from .moe import fuse_expert_weights
+from .multimodal import unwrap_language_model
 from .target import DecoderLayer, TargetModel, gated_deltanet, sparse_moe
 
 QUANTIZATION_METHODS = ("fp8",)  # fine-grained FP8 weights, dequantized when loading (see fp8.py)
@@ -104,28 +105,11 @@ class Model(TargetModel):
         transformers reads it; ``cfg.checkpoint_prefix`` is then set to it, for messages).
 
         Raises:
-            DFlashError: a wrapper that also holds a ``model.X`` of its own (outside the
-                language model and the vision tower: a tensor no format has), or a text
-                checkpoint that holds both layouts.
+            DFlashError: see :func:`~dflash_torch.models.multimodal.unwrap_language_model`
+                (a text config over a checkpoint with the vision tower; a ``model.X`` outside
+                the language model and the vision tower: a tensor no format has).
         """
-        inner = "model.language_model."
-        if cfg.checkpoint_prefix == "model." and any(k.startswith(inner) for k in state):
-            cfg.checkpoint_prefix = inner
-        prefix = cfg.checkpoint_prefix
-        if prefix != "model.":
-            outside = sorted(k for k in state if k.startswith("model.") and not k.startswith(prefix))
-            if any(k.startswith(VISION_PREFIX) for k in outside):  # (a text config over a multimodal checkpoint)
-                raise DFlashError(
-                    f"the target checkpoint has a vision tower ({VISION_PREFIX}*), which a {cfg.model_type} config "
-                    "does not describe: use the checkpoint's multimodal config.json (model_type qwen3_5 or "
-                    "qwen3_5_moe, decoded as text) or leave those weights out")
-            if outside:
-                raise DFlashError(
-                    f"the target checkpoint keeps its decoder's weights under {prefix} but also has weights outside "
-                    f"it (and outside the vision tower) that no Qwen3.5 model uses: "
-                    f"{', '.join(outside[:5])}{' ...' if len(outside) > 5 else ''}")
-            for key in [k for k in state if k.startswith(prefix)]:
-                state["model." + key[len(prefix):]] = state.pop(key)
+        state = unwrap_language_model(cfg, state, (VISION_PREFIX,), "vision tower", "Qwen3.5", "qwen3_5 or qwen3_5_moe")
         if cfg.moe is not None:
             state = fuse_expert_weights(state, cfg.moe.num_experts)
         return state

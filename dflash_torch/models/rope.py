@@ -11,6 +11,12 @@ dict of a Hugging Face config, parsed by :func:`dflash_torch.models.config._rope
   ``beta_slow`` (1), ``original_max_position_embeddings``, ``truncate`` (True),
   ``attention_factor`` / ``mscale`` / ``mscale_all_dim``. YaRN also scales cos and sin
   by an attention factor (:func:`rope_attention_factor`).
+* ``"proportional"`` (Gemma 4's full-attention layers; transformers'
+  ``_compute_proportional_rope_parameters``): the first ``int(partial_rotary_factor *
+  head_dim / 2)`` frequencies are ``theta ** (-2i / head_dim)``, the rest of the
+  ``head_dim / 2`` are 0 (those channel pairs pass through), all divided by ``factor``
+  (default 1). Unlike partial rotary below, the pairs span the whole head (channel ``i``
+  with ``i + head_dim / 2``).
 
 ``original_max_position_embeddings`` absent from the dict falls back to the model's
 ``max_position_embeddings`` (as transformers' config standardisation does).
@@ -114,8 +120,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, partial_rot
     Args:
         head_dim: channels per attention head.
         theta: RoPE base.
-        scaling: ``None`` or a dict with ``rope_type`` in default / linear / llama3 / yarn
-            and that rule's parameters (see the module docstring); other keys are ignored.
+        scaling: ``None`` or a dict with ``rope_type`` in default / linear / llama3 / yarn /
+            proportional and that rule's parameters (see the module docstring; proportional
+            reads its own ``partial_rotary_factor`` from it); other keys are ignored.
         partial_rotary_factor: fraction of ``head_dim`` that is rotated.
         max_position_embeddings: fallback for a missing ``original_max_position_embeddings``.
 
@@ -123,9 +130,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, partial_rot
         DFlashError: an unknown ``rope_type``, a rotary dimension that is not even, or
             no original context length for llama3/yarn.
     """
+    kind = _kind(scaling)
+    if kind == "proportional":
+        angles = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float64) / head_dim))
+        inv_freq = torch.cat([rotated, torch.zeros(head_dim // 2 - angles, dtype=torch.float64)])
+        return (inv_freq / float(scaling.get("factor", 1.0))).float()
     dim = rotary_dim(head_dim, partial_rotary_factor)
     base = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    kind = _kind(scaling)
     if kind == "default":
         inv_freq = base
     elif kind == "linear":
@@ -135,7 +147,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, partial_rot
     elif kind == "yarn":
         inv_freq = _yarn_inv_freq(base, dim, theta, scaling, max_position_embeddings)
     else:
-        raise DFlashError(f"unsupported rope scaling type {kind!r}; supported: llama3, linear, yarn")
+        raise DFlashError(f"unsupported rope scaling type {kind!r}; supported: llama3, linear, yarn, proportional")
     return inv_freq.float()
 
 
@@ -182,7 +194,7 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, partial_rotary_factor: float = 1.0,
                  max_position_embeddings: int | None = None):
         super().__init__()
-        self.rotary_dim = rotary_dim(head_dim, partial_rotary_factor)
+        self.rotary_dim = head_dim if _kind(scaling) == "proportional" else rotary_dim(head_dim, partial_rotary_factor)
         self.attention_factor = rope_attention_factor(scaling, max_position_embeddings)
         inv_freq = rope_inv_freq(head_dim, theta, scaling, partial_rotary_factor, max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)

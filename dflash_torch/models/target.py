@@ -38,7 +38,11 @@ class DecoderLayer(nn.Module):
         sliding_window: for ``"sliding_attention"``, how many positions a query sees (itself
             and the ``sliding_window - 1`` before it; all of them stay in the KV cache);
             None: all positions before it.
+        rope_key: which of the model's RoPE tables the layer's attention uses (None: the
+            model's one :class:`Rotary`; a key of its ``nn.ModuleDict`` of them otherwise).
     """
+
+    rope_key: str | None = None
 
     def __init__(self, kind: str, mixer: nn.Module, mlp: nn.Module, norm: nn.Module, post_norm: nn.Module, slot: int,
                  sliding_window: int | None = None):
@@ -93,13 +97,13 @@ class _Backbone(nn.Module):
 
 @dataclass
 class _Step:
-    """What every attention layer of one forward shares (``biases``: the additive mask per
-    sliding window, None for full causal attention)."""
+    """What every attention layer of one forward shares: ``rope``, the cos/sin tables per
+    :attr:`DecoderLayer.rope_key`; ``biases``, the additive mask per (sliding window, query
+    heads per key/value head), window None for full causal attention."""
 
     positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    biases: dict[int | None, torch.Tensor]
+    rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]]
+    biases: dict[tuple[int | None, int], torch.Tensor]
     kv_len: int | None
 
 
@@ -125,8 +129,9 @@ class TargetModel(nn.Module):
             linear_slots += kind == "linear_attention"
             kv_slots += kind != "linear_attention"
         self.num_kv_layers = kv_slots
-        # the attention masks a forward builds: one per sliding window (None: full causal)
-        self.attention_windows = tuple({layer.sliding_window: None for layer in layers if layer.kind != "linear_attention"})
+        # the attention masks a forward builds: one per (sliding window (None: full causal), query heads per kv head)
+        self.attention_masks = tuple({(layer.sliding_window, layer.self_attn.heads // layer.self_attn.kv_heads): None
+                                      for layer in layers if layer.kind != "linear_attention"})
         embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model = _Backbone(embed, layers, self.norm_class(cfg.hidden_size, cfg.rms_norm_eps))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -139,7 +144,10 @@ class TargetModel(nn.Module):
         cache slot ``slot``."""
         raise NotImplementedError
 
-    def make_rotary(self) -> Rotary:
+    def make_rotary(self) -> nn.Module:
+        """The RoPE tables: one :class:`Rotary` (every layer's ``rope_key`` None), or an
+        ``nn.ModuleDict`` of them keyed by the layers' ``rope_key`` (a family whose layer
+        types rotate differently, e.g. Gemma 4)."""
         cfg = self.config
         return Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, partial_rotary_factor=cfg.partial_rotary_factor,
                       max_position_embeddings=cfg.max_position_embeddings)
@@ -259,11 +267,16 @@ class TargetModel(nn.Module):
         """True for hybrid targets (linear-attention layers with a recurrent state)."""
         return any(kind == "linear_attention" for kind in self.config.layer_types)
 
+    def kv_shapes(self) -> list[tuple[int, int]]:
+        """``(kv_heads, head_dim)`` of each attention layer's KV cache, in cache slot order."""
+        return [(layer.self_attn.kv_heads, layer.self_attn.head_dim) for layer in self.model.layers
+                if layer.kind != "linear_attention"]
+
     def new_cache(self) -> TargetCache:
         """An empty cache matching this model's layers, heads, dtype and device."""
         w = self.model.embed_tokens.weight
-        c = self.config
-        kv = KVCache(self.num_kv_layers, c.num_key_value_heads, c.head_dim, w.dtype, w.device)
+        heads, dims = zip(*self.kv_shapes()) if self.num_kv_layers else ((), ())
+        kv = KVCache(self.num_kv_layers, heads, dims, w.dtype, w.device)
         recurrent = None
         if self.recurrent:
             recurrent = RecurrentState(w.dtype, w.device)
@@ -351,16 +364,19 @@ class TargetModel(nn.Module):
             outputs ``[T, len(feature_layers) * hidden]`` (or None).
         """
         x = self.embed_inputs(input_ids)
-        cos, sin = self.rotary.cos_sin(positions.reshape(-1), x.dtype)
+        flat = positions.reshape(-1)
+        if isinstance(self.rotary, Rotary):
+            rope = {None: self.rotary.cos_sin(flat, x.dtype)}
+        else:
+            rope = {key: rotary.cos_sin(flat, x.dtype) for key, rotary in self.rotary.items()}
         biases = {}
         if self.num_kv_layers:
             k_pos = torch.arange(cache.capacity if kv_len is None else kv_len, device=x.device)
-            groups = self.config.num_attention_heads // self.config.num_key_value_heads
             causal = k_pos <= positions[..., None]
-            for window in self.attention_windows:
+            for window, groups in self.attention_masks:
                 visible = causal if window is None else causal & (k_pos > positions[..., None] - window)
-                biases[window] = attention_bias(visible, groups, x.dtype)
-        step = _Step(positions, cos, sin, biases, kv_len)
+                biases[window, groups] = attention_bias(visible, groups, x.dtype)
+        step = _Step(positions, rope, biases, kv_len)
         wanted = set(feature_layers or ())
         captured = {}
         for i, layer in enumerate(self.model.layers):
@@ -384,10 +400,10 @@ class TargetModel(nn.Module):
     @staticmethod
     def _self_attention(layer: DecoderLayer, h: torch.Tensor, kv: KVCache, step: _Step) -> torch.Tensor:
         attn = layer.self_attn
-        q, gate, k, v = attn.project(h, step.cos, step.sin)
+        q, gate, k, v = attn.project(h, *step.rope[layer.rope_key])
         kv.write(layer.slot, step.positions, k, v)
         ck, cv = kv.view(layer.slot, step.kv_len)
-        return attn.output(attn.attend(q, ck, cv, step.biases[layer.sliding_window]), gate)
+        return attn.output(attn.attend(q, ck, cv, step.biases[layer.sliding_window, attn.heads // attn.kv_heads]), gate)
 
 
 def _keep_fp8(model: nn.Module, state: dict[str, torch.Tensor], block_cols: int, dtype: torch.dtype) -> None:
