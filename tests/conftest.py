@@ -385,7 +385,8 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
     ``beta * u``. The target then predicts c often but not always. The drafter has small
     random weights, so its output stays close to the (u-heavy) mask embedding and it
     proposes c nearly everywhere: it is accepted whenever the target predicts c.
-    ``model_type``: ``qwen3``, ``gpt_oss``, ``muse_glimmer`` or a text family of :data:`HYBRID_FAMILIES`; ``self_scale``:
+    ``model_type``: ``qwen3``, ``gpt_oss``, ``muse_glimmer``, ``gemma4``, ``gemma4_moe`` or a text family of
+    :data:`HYBRID_FAMILIES`; ``self_scale``:
     c's own multiple of ``u`` (higher: longer runs of c); ``agree_token``: c.
     """
     from safetensors.torch import load_file
@@ -399,6 +400,9 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
         target = make_gpt_oss_target(root / "target", seed=1, tokenizer=False)
     elif model_type == "muse_glimmer":
         target = make_muse_glimmer_target(root / "target", seed=1, tokenizer=False)
+    elif model_type in ("gemma4", "gemma4_moe"):  # (untied, so that c's head row is its own)
+        target = make_gemma4_target(root / "target", seed=1, tokenizer=False, multimodal=False,
+                                    moe=model_type == "gemma4_moe", tie_word_embeddings=False)
     else:
         target = make_hybrid_target(root / "target", model_type, seed=1, tokenizer=False)
     state = load_file(str(target / "model.safetensors"))
@@ -412,6 +416,9 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
     if model_type == "muse_glimmer":  # sublayer outputs at 0.3 of their norm (which scales by 1 + w): u survives
         for key in [k for k in state if k.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"))]:
             state[key] = torch.full_like(state[key], MUSE_AGREE_POST_NORM)
+    if model_type.startswith("gemma4"):  # sublayer outputs at 0.3 of their norm (which scales by w): u survives
+        for key in [k for k in state if k.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"))]:
+            state[key] = torch.full_like(state[key], 1 + MUSE_AGREE_POST_NORM)
     state["lm_head.weight"][agree_token] = beta * u
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     copy_tokenizer(tokenizer_dir, target)
@@ -558,3 +565,49 @@ def edited_checkpoint(src: Path, dst: Path, *, config=None, state=None) -> Path:
         state(weights)
         save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def make_gemma4_target(out_dir: Path, *, seed: int = 0, tokenizer: bool = True, multimodal: bool = True,
+                       moe: bool = False, **overrides) -> Path:
+    """Save a tiny random Gemma 4 target with transformers' own classes:
+    ``Gemma4ForConditionalGeneration`` (the published multimodal layout, a one-layer vision
+    tower) unless ``multimodal`` is False (``Gemma4ForCausalLM``). 6 layers, the last one
+    full attention (heads of 32, one key/value head, values from ``k_proj``: the 31B's
+    ``attention_k_eq_v``, proportional RoPE), the others a window of 8 (heads of 16, two
+    key/value heads); a soft cap of 10; ``moe``: a mixture of 4 experts (top 2) beside
+    every MLP, as in the 26B-A4B. Every norm weight and layer scalar random.
+    ``overrides``: text config fields."""
+    import transformers
+
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                attention_k_eq_v=True, sliding_window=8, max_position_embeddings=1024, hidden_size_per_layer_input=0,
+                final_logit_softcapping=10.0, eos_token_id=EOS_ID, bos_token_id=EOS_ID, pad_token_id=EOS_ID)
+    if moe:
+        text.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    text.update(overrides)
+    if multimodal:
+        config = transformers.Gemma4Config(text_config=text, audio_config=None, vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+            head_dim=16))
+        model = transformers.Gemma4ForConditionalGeneration(config).eval()
+    else:
+        model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**text)).eval()
+    with torch.no_grad():  # larger-than-default weights give peaked, less tie-prone logits
+        for name, p in model.named_parameters():
+            if "language_model" not in name and multimodal:
+                continue
+            if name.endswith("norm.weight") or name.endswith(("router.scale", "per_expert_scale")):
+                p.normal_(1, 0.3)
+            elif name.endswith("embed_tokens.weight"):
+                p.normal_(0, 0.3)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
+    model.save_pretrained(str(out_dir))
+    if tokenizer:
+        make_tokenizer(out_dir)
+    return Path(out_dir)

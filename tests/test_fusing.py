@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from conftest import load_hf, make_hybrid_target, make_target, run_rounds, varied_prompts
+from conftest import load_hf, make_gemma4_target, make_hybrid_target, make_target, run_rounds, varied_prompts
 from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.engine import DFlashEngine
 from dflash_torch.models.attention import Attention
@@ -28,6 +28,8 @@ CASES = {  # name: (builder, family, overrides)
     "qwen2-bias": (make_target, "qwen2", {"tie_word_embeddings": False}),
     "qwen3.5-gated-attention": (make_hybrid_target, "qwen3_5_text", {}),  # q_proj also yields the output gate
     "qwen3-next-shared-expert": (make_hybrid_target, "qwen3_next", {}),  # the shared expert is a SwiGLU MLP
+    # GeGLU MLPs; the full-attention layer's values come from k_proj (no v part in qkv_proj)
+    "gemma4-k-eq-v": (lambda out, family, **kw: make_gemma4_target(out, multimodal=False, moe=True, **kw), "gemma4", {}),
 }
 
 

@@ -24,6 +24,8 @@ FAMILIES = {
     "gpt_oss": "gpt_oss",
     "muse_glimmer_text": "muse_glimmer",
     "muse_glimmer": "muse_glimmer",
+    "gemma4_text": "gemma4",
+    "gemma4": "gemma4",
 }
 
 
