@@ -163,6 +163,36 @@ def test_round_vs_step_gpt_oss_shape_and_named_gpt_oss_shapes():
         assert pattern_period(cfg) == 2 and cfg.rope_scaling["truncate"] is False
 
 
+# Gemma 4 text with the mixture of experts beside each MLP: two periods of 2 sliding + 1 full layer
+TINY_GEMMA4_MOE = {"model_type": "gemma4_text", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 6,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
+                   "num_global_key_value_heads": 1, "attention_k_eq_v": True, "intermediate_size": 64,
+                   "hidden_size_per_layer_input": 0, "sliding_window": 8, "enable_moe_block": True, "num_experts": 8,
+                   "top_k_experts": 2, "moe_intermediate_size": 32, "max_position_embeddings": 512,
+                   "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2}
+
+
+def test_round_vs_step_gemma4_shape_and_named_gemma4_shapes():
+    """Gemma 4 (two head sizes, layer scalars, a router of its own) through round_vs_step,
+    built whole and as one period; the named shapes parse as the published models are."""
+    from dflash_torch.bench.shapes import SHAPES, build_pair, pattern_period, target_config
+
+    kw = dict(dtype=torch.float32, context=32, block_size=4, repeats=2, draft_layers=2)
+    for budget, built in ((None, 6), (1, 3)):
+        r = round_vs_step(TINY_GEMMA4_MOE, memory_budget=budget, **kw)
+        assert r["model_type"] == "gemma4_text" and (r["layers"], r["layers_timed"]) == (6, built)
+        assert _finite_positive(r["target_step_s"], r["round_s"], r["propose_s"])
+        assert 2 <= r["experts_hit_per_moe_layer"] <= 8 and r["moe"] == {"num_experts": 8, "top_k": 2}
+    target, _ = build_pair(TINY_GEMMA4_MOE, torch.float32, "cpu", draft_layers=2, block_size=4)
+    layer = target.model.layers[2]
+    assert bool((layer.layer_scalar == 1).all()) and bool((layer.post_feedforward_layernorm.weight == 1).all())
+    assert layer.router.proj.weight.std() > 0 and target.kv_shapes()[2] == (1, 32)
+    dense, moe = target_config(SHAPES["gemma-4-31b"]), target_config(SHAPES["gemma-4-26b-a4b"])
+    assert (dense.num_hidden_layers, dense.layer_head_dims[4:6], dense.layer_kv_heads[4:6]) == (60, [256, 512], [16, 4])
+    assert (moe.num_hidden_layers, moe.moe.num_experts, moe.moe.top_k, moe.layer_kv_heads[4:6]) == (30, 128, 8, [8, 2])
+    assert pattern_period(dense) == pattern_period(moe) == 6 and dense.final_logit_softcapping == 30.0
+
+
 def test_layer_subset_keeps_the_layer_pattern():
     from dflash_torch.bench.shapes import SHAPES, layers_to_build, pattern_period, target_config
 
@@ -268,7 +298,7 @@ def test_a_shape_that_cannot_fit_is_refused_before_anything_is_timed(tiny_pair, 
     from dflash_torch.bench import shapes
     from dflash_torch.cli import main as cli_main
 
-    monkeypatch.setattr(shapes, "device_memory", lambda device: 2**30)  # a 1 GiB machine
+    monkeypatch.setattr(shapes, "device_memory", lambda device: 2**31)  # a 2 GiB machine
     target, drafter = tiny_pair
     out = tmp_path / "o"
     rc = cli_main(["bench", "--target", str(target), "--draft", str(drafter), "--out", str(out), "--dtype", "float32",
@@ -276,7 +306,8 @@ def test_a_shape_that_cannot_fit_is_refused_before_anything_is_timed(tiny_pair, 
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
-    assert "shape qwen3-8b needs" in err[0] and "GiB in float32" in err[0] and "cpu has 1.0 GiB" in err[0], err
+    assert "shape qwen3-8b needs" in err[0] and "GiB in float32" in err[0] and "cpu has 2.0 GiB" in err[0], err
+    assert "layers and the drafter" in err[0], err  # (the drafter counts: a 5-layer one of the shape's width)
     assert "target-only" not in captured.out and not out.exists()
 
 

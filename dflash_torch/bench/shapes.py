@@ -29,7 +29,8 @@ from ..errors import DFlashError
 from ..models.config import DrafterConfig, TargetConfig
 from ..models.drafter import DFlashDrafter
 from ..models.gated_deltanet import GatedDeltaNet, GatedRMSNorm
-from ..models.layers import RMSNorm, ZeroCenteredRMSNorm
+from ..models.gemma4 import Router as Gemma4Router
+from ..models.layers import RMSNorm, ScaledRMSNorm, ZeroCenteredRMSNorm
 from ..models.gpt_oss import GptOssMoE
 from ..models.moe import SparseMoE
 from ..models.fusing import fuse_by_default, fuse_projections
@@ -72,6 +73,23 @@ _GPT_OSS = {
     "tie_word_embeddings": False, "swiglu_limit": 7.0, "rope_theta": 150000.0,
     "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                      "original_max_position_embeddings": 4096},
+}
+
+
+# Gemma 4 (text fields of google/gemma-4-*-it; the published checkpoints are multimodal
+# wrappers, their decoder as gemma4_text here): every 6th layer full attention (heads of
+# 512, keys reused as values, proportional RoPE on a quarter of the head), the others a
+# window of 1,024 (heads of 256); tied 262,144-token vocabulary, logits soft-capped at 30.
+# 31B: 60 layers, hidden 5376, 32 query heads over 16 KV heads (4 on full layers), MLP
+# 21,504 (the model card of mlboydaisuke/Gemma-4-31B-CoreAI, apxml.com/models/gemma-4-31b).
+# 26B-A4B: 30 layers, hidden 2816, 16 query heads over 8 KV heads (2 on full layers), a GeGLU
+# MLP of 2,112 beside 128 experts of 704, 8 per token (a public write-up of the 26B-A4B's
+# decode on MLX; transformers' Gemma4TextConfig EP plan names its 2 global KV heads).
+_GEMMA4 = {
+    "model_type": "gemma4_text", "vocab_size": 262144, "head_dim": 256, "global_head_dim": 512,
+    "attention_k_eq_v": True, "sliding_window": 1024, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
 }
 
 
@@ -130,6 +148,11 @@ SHAPES: dict[str, dict] = {
     # alternating 128-token sliding-window and full attention, 32 / 128 experts, 4 per token
     "gpt-oss-20b": {**_GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32},
     "gpt-oss-120b": {**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128},
+    "gemma-4-31b": {**_GEMMA4, "hidden_size": 5376, "num_hidden_layers": 60, "num_attention_heads": 32,
+                    "num_key_value_heads": 16, "num_global_key_value_heads": 4, "intermediate_size": 21504},
+    "gemma-4-26b-a4b": {**_GEMMA4, "hidden_size": 2816, "num_hidden_layers": 30, "num_attention_heads": 16,
+                        "num_key_value_heads": 8, "num_global_key_value_heads": 2, "intermediate_size": 2112,
+                        "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704},
 }
 PUBLISHED_TAU = {"mean (paper, Qwen3-8B)": 6.49, "MT-Bench": 4.24, "MATH-500": 7.87}
 MEMORY_FRACTION = 0.4  # targets whose weights take more of the machine's RAM are built as a layer subset
@@ -160,7 +183,7 @@ def drafter_config(target: TargetConfig, draft_layers: int = 5, block_size: int 
 def _random_init(module: nn.Module, dtype: torch.dtype, device: str) -> nn.Module:
     """Materialise a meta-device model in ``dtype`` on ``device`` with random weights:
     linears, embeddings, convolutions, experts and routers ~ N(0, 0.02); RMSNorm scales 1
-    (zero-centred norms, which scale by ``1 + weight``, get 0); Gated DeltaNet
+    (zero-centred norms, which scale by ``1 + weight``, get 0), layer scalars 1; Gated DeltaNet
     ``dt_bias`` = 1 and ``A_log`` = log U(0.01, 16), as transformers initialises them
     (decays in (0, 1): the recurrence stays bounded). Seeded, and leaves the global RNG
     as it was."""
@@ -175,12 +198,15 @@ def _random_init(module: nn.Module, dtype: torch.dtype, device: str) -> nn.Modul
                 seen.add(id(p))
                 if isinstance(m, ZeroCenteredRMSNorm):
                     p.zero_()
-                elif isinstance(m, (RMSNorm, GatedRMSNorm)) or (isinstance(m, GatedDeltaNet) and name == "dt_bias"):
+                elif isinstance(m, (RMSNorm, ScaledRMSNorm, GatedRMSNorm)) or (isinstance(m, GatedDeltaNet) and name == "dt_bias"):
                     p.fill_(1.0)
                 elif isinstance(m, GatedDeltaNet) and name == "A_log":
                     p.copy_(torch.empty(p.shape).uniform_(0.01, 16).log_())
                 else:
                     p.normal_(0, 0.02)
+        for name, b in module.named_buffers():  # (to_empty left them unset: Gemma 4's layer scalars)
+            if name.endswith("layer_scalar"):
+                b.fill_(1.0)
     # to_empty left the (non-persistent) rope tables unset
     if isinstance(module, TargetModel):
         module.rotary = module.make_rotary().to(device)
@@ -226,17 +252,17 @@ def weight_bytes(cfg: TargetConfig, dtype: torch.dtype, device: str) -> tuple[in
     device (nothing is allocated)."""
     with torch.device("meta"):
         model = family(cfg.model_type).Model(cfg)
-    size = torch.empty((), dtype=dtype).element_size()
-    packed = packing_supported(dtype, device)
+    layers = [_bytes(layer, dtype, device) for layer in model.model.layers]
+    return _bytes(model, dtype, device) - sum(layers), layers
 
-    def nbytes(module: nn.Module) -> int:
-        n = sum(p.numel() for p in module.parameters())
-        if packed:
-            n += sum(m.weight.numel() for m in module.modules() if type(m) is nn.Linear)
-        return n * size
 
-    layers = [nbytes(layer) for layer in model.model.layers]
-    return nbytes(model) - sum(layers), layers
+def _bytes(module: nn.Module, dtype: torch.dtype, device: str) -> int:
+    """Bytes of ``module``'s parameters in ``dtype``, plus the prepacked copy of every
+    linear weight where packing applies on ``device``."""
+    n = sum(p.numel() for p in module.parameters())
+    if packing_supported(dtype, device):
+        n += sum(m.weight.numel() for m in module.modules() if type(m) is nn.Linear)
+    return n * torch.empty((), dtype=dtype).element_size()
 
 
 def pattern_period(cfg: TargetConfig) -> int:
@@ -275,18 +301,21 @@ def layers_that_fit(shape: str | dict, dtype: torch.dtype, device: str,
 
     Raises:
         DFlashError: an unknown shape name, a config its parser refuses, or a target of
-            which even one period of layers does not fit in 80% of the memory of ``device``.
+            which even one period of layers, with the drafter, does not fit in 80% of the
+            memory of ``device``.
     """
     cfg = target_config(shape)
     memory = device_memory(device)
     budget = int(MEMORY_FRACTION * memory) if memory_budget is None else memory_budget
     fixed, per_layer = weight_bytes(cfg, dtype, device)
     n = layers_to_build(fixed, per_layer, pattern_period(cfg), budget)
-    need = fixed + sum(per_layer[:n])
+    with torch.device("meta"):
+        drafter = _bytes(DFlashDrafter(drafter_config(cfg)), dtype, device)
+    need = fixed + sum(per_layer[:n]) + drafter
     if need > 0.8 * memory:
         raise DFlashError(f"shape {shape if isinstance(shape, str) else cfg.model_type} needs {need / 2**30:.1f} GiB "
-                          f"in {str(dtype).removeprefix('torch.')} for {n} of its {cfg.num_hidden_layers} layers; "
-                          f"{device} has {memory / 2**30:.1f} GiB")
+                          f"in {str(dtype).removeprefix('torch.')} for {n} of its {cfg.num_hidden_layers} layers and "
+                          f"the drafter; {device} has {memory / 2**30:.1f} GiB")
     return n, fixed, per_layer
 
 
@@ -344,7 +373,11 @@ def _experts_hit(target: TargetModel, run) -> float | None:
     def count(module, args):
         counts.append(module.route(args[0])[1].unique().numel())
 
+    def routed(module, args, out):  # (a Gemma 4 router returns the routing itself)
+        counts.append(out[1].unique().numel())
+
     hooks = [m.register_forward_pre_hook(count) for m in target.modules() if isinstance(m, (SparseMoE, GptOssMoE))]
+    hooks += [m.register_forward_hook(routed) for m in target.modules() if isinstance(m, Gemma4Router)]
     try:
         run()
     finally:
