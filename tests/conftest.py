@@ -568,15 +568,16 @@ def edited_checkpoint(src: Path, dst: Path, *, config=None, state=None) -> Path:
 
 
 def make_gemma4_target(out_dir: Path, *, seed: int = 0, tokenizer: bool = True, multimodal: bool = True,
-                       moe: bool = False, **overrides) -> Path:
+                       moe: bool = False, unified: bool = False, **overrides) -> Path:
     """Save a tiny random Gemma 4 target with transformers' own classes:
     ``Gemma4ForConditionalGeneration`` (the published multimodal layout, a one-layer vision
     tower) unless ``multimodal`` is False (``Gemma4ForCausalLM``). 6 layers, the last one
     full attention (heads of 32, one key/value head, values from ``k_proj``: the 31B's
     ``attention_k_eq_v``, proportional RoPE), the others a window of 8 (heads of 16, two
     key/value heads); a soft cap of 10; ``moe``: a mixture of 4 experts (top 2) beside
-    every MLP, as in the 26B-A4B. Every norm weight and layer scalar random.
-    ``overrides``: text config fields."""
+    every MLP, as in the 26B-A4B; ``unified``: the encoder-free gemma-4-12B's classes
+    (``Gemma4Unified*``: no mixture of experts; its multimodal wrapper a small vision
+    embedder). Every norm weight and layer scalar random. ``overrides``: text config fields."""
     import transformers
 
     torch.manual_seed(seed)
@@ -586,8 +587,16 @@ def make_gemma4_target(out_dir: Path, *, seed: int = 0, tokenizer: bool = True, 
                 final_logit_softcapping=10.0, eos_token_id=EOS_ID, bos_token_id=EOS_ID, pad_token_id=EOS_ID)
     if moe:
         text.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    if unified:
+        del text["hidden_size_per_layer_input"]
     text.update(overrides)
-    if multimodal:
+    if unified and multimodal:
+        config = transformers.Gemma4UnifiedConfig(text_config=text, audio_config=None, vision_config=dict(
+            mm_embed_dim=32, output_proj_dims=32, mm_posemb_size=16, patch_size=4))
+        model = transformers.Gemma4UnifiedForConditionalGeneration(config).eval()
+    elif unified:
+        model = transformers.Gemma4UnifiedForCausalLM(transformers.Gemma4UnifiedTextConfig(**text)).eval()
+    elif multimodal:
         config = transformers.Gemma4Config(text_config=text, audio_config=None, vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
             head_dim=16))

@@ -1,6 +1,7 @@
 """Gemma 4 targets (``gemma4``, ``gemma4_text``; dense as gemma-4-31B-it, with the mixture of
-experts beside the MLP as gemma-4-26B-A4B-it) against transformers' own
-``Gemma4ForConditionalGeneration`` / ``Gemma4ForCausalLM``.
+experts beside the MLP as gemma-4-26B-A4B-it; ``gemma4_unified`` as gemma-4-12B-it) against
+transformers' own ``Gemma4ForConditionalGeneration`` / ``Gemma4ForCausalLM`` /
+``Gemma4UnifiedForConditionalGeneration``.
 
 * our forward == transformers' (logits and every layer's output, float32) over prompts
   longer than the sliding window, in one pass, in pieces and with fixed shapes; each
@@ -9,7 +10,8 @@ experts beside the MLP as gemma-4-26B-A4B-it) against transformers' own
   (so the comparison can fail);
 * both ways a config states the full-attention layers' shape (``per_layer_config``, as
   transformers 5 saves it, or ``global_head_dim`` / ``num_global_key_value_heads``, as the
-  published configs do) read as transformers reads them;
+  published configs do) read as transformers reads them; absent keys take transformers'
+  defaults (which differ between ``gemma4_text`` and ``gemma4_unified_text``);
 * greedy speculative decoding == transformers' greedy ``generate``: block sizes, inject
   and recompute, fixed shapes, batched (whose caches hold layers of two head sizes),
   compiled; an agreeable pair that accepts many tokens per round across the window;
@@ -36,7 +38,7 @@ from dflash_torch.models.rope import Rotary
 from dflash_torch.models.target import TargetModel
 
 NEW_TOKENS = 24
-KINDS = ["dense", "moe"]
+KINDS = ["dense", "moe", "unified"]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def checkpoints(tmp_path_factory, tokenizer_dir):
     out = {}
     for kind in KINDS:
         root = tmp_path_factory.mktemp(f"gemma4-{kind}")
-        target = make_gemma4_target(root / "target", seed=3, tokenizer=False, moe=kind == "moe")
+        target = make_gemma4_target(root / "target", seed=3, tokenizer=False, moe=kind == "moe", unified=kind == "unified")
         copy_tokenizer(tokenizer_dir, target)
         out[kind] = target, save_drafter(root / "drafter", drafter_config(target, block_size=16), seed=5)
     return out
@@ -84,7 +86,8 @@ def test_forward_matches_transformers(checkpoints, kind, pieces, static):
     target_dir, _ = checkpoints[kind]
     ours = TargetModel.from_pretrained(target_dir, torch.float32)
     cfg = ours.config
-    assert cfg.model_type == "gemma4_text" and cfg.checkpoint_prefix == "model.language_model."
+    assert cfg.model_type == ("gemma4_unified_text" if kind == "unified" else "gemma4_text")
+    assert cfg.checkpoint_prefix == "model.language_model."
     assert cfg.layer_types == ["sliding_attention"] * 5 + ["full_attention"] and cfg.sliding_window == 8
     assert cfg.layer_head_dims == [16] * 5 + [32] and cfg.layer_kv_heads == [2] * 5 + [1]
     assert ours.kv_shapes() == [(2, 16)] * 5 + [(1, 32)] and ours.model.layers[5].self_attn.v_proj is None
@@ -147,6 +150,32 @@ def test_both_ways_of_stating_the_full_attention_shape_read_alike(checkpoints, t
     ours = TargetModel.from_pretrained(edited, torch.float32)
     assert ours.kv_shapes() == [(2, 16)] * 5 + [(1, 32)]
     _assert_matches(ours, load_hf(edited), torch.arange(3, 25), [22], False)
+
+
+@pytest.mark.parametrize("text_type,wrapper", [("gemma4_text", "gemma4"), ("gemma4_unified_text", "gemma4_unified")])
+def test_absent_keys_take_transformers_defaults(text_type, wrapper):
+    """A config with only the required keys reads as transformers' config class fills it in
+    (window, context, layer pattern, full layers' head size, RoPE, tying, no soft cap)."""
+    import transformers
+
+    from dflash_torch.models.config import TargetConfig
+
+    required = dict(vocab_size=320, hidden_size=64, num_hidden_layers=7, num_attention_heads=4, intermediate_size=96,
+                    hidden_size_per_layer_input=0)
+    if text_type == "gemma4_unified_text":
+        del required["hidden_size_per_layer_input"]  # (the 12B has no per-layer embeddings)
+    theirs = (transformers.Gemma4TextConfig if text_type == "gemma4_text" else transformers.Gemma4UnifiedTextConfig)(**required)
+    for cfg in (dict(required, model_type=text_type), {"model_type": wrapper, "text_config": required}):
+        ours = TargetConfig.from_dict(cfg)
+        assert ours.model_type == text_type
+        assert (ours.sliding_window, ours.max_position_embeddings) == (theirs.sliding_window, theirs.max_position_embeddings)
+        assert ours.layer_types == theirs.layer_types and ours.tie_word_embeddings is theirs.tie_word_embeddings is True
+        assert ours.final_logit_softcapping is theirs.final_logit_softcapping is None
+        assert ours.layer_head_dims == [theirs.per_layer_config[i].head_dim for i in range(7)]
+        assert ours.layer_kv_heads == [theirs.per_layer_config[i].num_key_value_heads for i in range(7)]
+        assert ours.rope == {"sliding_attention": (10000.0, None), "full_attention": (
+            1e6, {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 1.0})}
+        assert theirs.rope_parameters["full_attention"]["partial_rotary_factor"] == 0.25
 
 
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:

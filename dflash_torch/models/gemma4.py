@@ -1,6 +1,9 @@
 """Gemma 4 targets (``gemma4``: ``Gemma4ForConditionalGeneration``, the published
 multimodal checkpoints such as gemma-4-31B-it and gemma-4-26B-A4B-it, decoded as text;
-``gemma4_text``: ``Gemma4ForCausalLM``). Layout as in transformers' ``modeling_gemma4.py``:
+``gemma4_text``: ``Gemma4ForCausalLM``; ``gemma4_unified`` / ``gemma4_unified_text``: the
+encoder-free gemma-4-12B, whose decoder is the same without the mixture of experts and the
+per-layer embeddings, and whose defaults differ: a window of 1,024, a context of 262,144).
+Layout as in transformers' ``modeling_gemma4.py``:
 
 * the token embedding is scaled by ``sqrt(hidden_size)`` (rounded to the model dtype);
   DFlash drafters embed their block with the same scaled embedding (the embedding module
@@ -28,7 +31,8 @@ multimodal checkpoints such as gemma-4-31B-it and gemma-4-26B-A4B-it, decoded as
 
 A multimodal checkpoint's decoder weights are under ``model.language_model.``; its vision
 and audio towers and their projections (``model.vision_tower.``, ``model.embed_vision.``,
-``model.audio_tower.``, ``model.embed_audio.``) are not read. Refused in one line: the
+``model.audio_tower.``, ``model.embed_audio.``; the 12B has embedders only, ``model.embed_vision.``,
+``model.vision_embedder.``, ``model.embed_audio.``) are not read. Refused in one line: the
 per-layer input embeddings and shared key/value layers of the small on-device models
 (``hidden_size_per_layer_input`` > 0, ``num_kv_shared_layers`` > 0: gemma-4-E2B / E4B),
 bidirectional text attention, RoPE types other than default and proportional.
@@ -51,9 +55,11 @@ from .multimodal import INNER, unwrap_language_model
 from .rope import Rotary, apply_rope
 from .target import SandwichDecoderLayer, TargetModel
 
-WRAPPERS = {"gemma4": "gemma4_text"}
+WRAPPERS = {"gemma4": "gemma4_text", "gemma4_unified": "gemma4_unified_text"}
+UNIFIED = "gemma4_unified_text"  # (no mixture of experts or per-layer embeddings; other defaults)
 LAYER_TYPES = ("sliding_attention", "full_attention")
-TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.",
+                  "model.vision_embedder.")
 GELU_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of GELU with the tanh approximation
 # transformers' Gemma4TextConfig rope when a config has none
 DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -78,9 +84,9 @@ class Gemma4Config(TargetConfig):
 
 
 def text_config(cfg: dict) -> dict:
-    """The decoder's config dict of a ``gemma4`` wrapper (its ``text_config``, with the
-    wrapper's ``tie_word_embeddings`` and ``eos_token_id`` where the text config has none)
-    or of a ``gemma4_text`` config.
+    """The decoder's config dict of a wrapper (its ``text_config``, with the wrapper's
+    ``tie_word_embeddings`` and ``eos_token_id`` where the text config has none) or of a
+    text config.
 
     Raises:
         DFlashError: a wrapper config without ``text_config``.
@@ -189,8 +195,9 @@ def _layer_shapes(text: dict, types: list[str], heads_kv: int, head_dim: int, k_
 
 
 def parse_config(cfg: dict) -> Gemma4Config:
-    """A ``gemma4`` / ``gemma4_text`` ``config.json`` -> :class:`Gemma4Config` (absent keys
-    take transformers' ``Gemma4TextConfig`` defaults).
+    """A ``gemma4`` / ``gemma4_text`` / ``gemma4_unified`` / ``gemma4_unified_text``
+    ``config.json`` -> :class:`Gemma4Config` (absent keys take the defaults of transformers'
+    ``Gemma4TextConfig`` / ``Gemma4UnifiedTextConfig``).
 
     Raises:
         DFlashError: missing keys; an activation other than GELU-tanh; per-layer input
@@ -201,14 +208,15 @@ def parse_config(cfg: dict) -> Gemma4Config:
             :func:`_layer_shapes`), a mixture of experts without its sizes.
     """
     text = text_config(cfg)
+    model_type = WRAPPERS.get(cfg["model_type"], cfg["model_type"])
     act = text.get("hidden_activation", "gelu_pytorch_tanh")
     if act not in GELU_NAMES:
         raise DFlashError(f"target config.json hidden_activation {act!r} is not supported for Gemma 4 "
                           f"({', '.join(GELU_NAMES)})")
     ple = check_int(text, "hidden_size_per_layer_input", "target", minimum=0)
-    if ple is None and "hidden_size_per_layer_input" not in text:
-        ple = 256  # (transformers' default)
-    if ple:
+    if ple is None and "hidden_size_per_layer_input" not in text and model_type != UNIFIED:
+        ple = 256  # (transformers' default; the unified model has none)
+    if ple and model_type != UNIFIED:
         raise DFlashError(f"target hidden_size_per_layer_input {ple}: Gemma 4 per-layer input embeddings (the "
                           "on-device E2B / E4B models) are not supported")
     if check_int(text, "num_kv_shared_layers", "target", minimum=0):
@@ -218,7 +226,12 @@ def parse_config(cfg: dict) -> Gemma4Config:
         raise DFlashError(f"target use_bidirectional_attention {text['use_bidirectional_attention']!r} is not "
                           "supported (text attends causally: null or \"vision\")")
     base = {k: v for k, v in text.items() if k not in ("hidden_act", "rope_parameters", "rope_scaling")}
-    fields = base_target_fields(base, "gemma4_text")
+    for key, default in (("head_dim", 256), ("num_key_value_heads", 4)):  # (transformers' defaults: not derived)
+        if base.get(key) is None:
+            base[key] = default
+    fields = base_target_fields(base, model_type)
+    if text.get("max_position_embeddings") is None:
+        fields["max_position_embeddings"] = 262144 if model_type == UNIFIED else 131072  # (transformers' defaults)
     if not fields["intermediate_size"]:
         raise DFlashError("target config.json lacks intermediate_size")
     n = fields["num_hidden_layers"]
@@ -229,7 +242,7 @@ def parse_config(cfg: dict) -> Gemma4Config:
     if types[-1] != "full_attention":
         raise DFlashError("target layer_types must end with full_attention (transformers' Gemma 4 forces its last "
                           "layer to full attention)")
-    window = check_int(text, "sliding_window", "target") or 512
+    window = check_int(text, "sliding_window", "target") or (1024 if model_type == UNIFIED else 512)
     k_eq_v = bool_field(text, "attention_k_eq_v", "target", False)
     dims, kv = _layer_shapes(text, types, fields["num_key_value_heads"], fields["head_dim"], k_eq_v)
     bad = [i for i in range(n) if fields["num_attention_heads"] % kv[i]]
@@ -249,7 +262,7 @@ def parse_config(cfg: dict) -> Gemma4Config:
         attention_k_eq_v=k_eq_v,
         rope=_rope(text, types),
     )
-    if bool_field(text, "enable_moe_block", "target", False):
+    if model_type != UNIFIED and bool_field(text, "enable_moe_block", "target", False):
         sizes = {k: check_int(text, k, "target") for k in ("num_experts", "top_k_experts", "moe_intermediate_size")}
         missing = [k for k, v in sizes.items() if v is None]
         if missing:
@@ -403,4 +416,5 @@ class Model(TargetModel):
     def convert_checkpoint(cls, cfg: TargetConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The decoder's weights under ``model.`` (see
         :func:`~dflash_torch.models.multimodal.unwrap_language_model`)."""
-        return unwrap_language_model(cfg, state, TOWER_PREFIXES, "vision or audio tower", "Gemma 4", "gemma4")
+        return unwrap_language_model(cfg, state, TOWER_PREFIXES, "vision or audio tower", "Gemma 4",
+                                     "gemma4" if cfg.model_type == "gemma4_text" else "gemma4_unified")

@@ -26,6 +26,8 @@ FAMILIES = {
     "muse_glimmer": "muse_glimmer",
     "gemma4_text": "gemma4",
     "gemma4": "gemma4",
+    "gemma4_unified_text": "gemma4",
+    "gemma4_unified": "gemma4",
 }
 
 
