@@ -51,7 +51,7 @@ from .attention import Attention
 from .config import MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, check_layer_types, number_field
 from .layers import MLP, ScaledRMSNorm, UnitRMSNorm
 from .moe import Experts, dispatch_experts
-from .multimodal import INNER, unwrap_language_model
+from .multimodal import INNER, text_config, unwrap_language_model
 from .rope import Rotary, apply_rope
 from .target import SandwichDecoderLayer, TargetModel
 
@@ -81,26 +81,6 @@ class Gemma4Config(TargetConfig):
     layer_kv_heads: list[int] = field(default_factory=list)
     attention_k_eq_v: bool = False
     rope: dict[str, tuple[float, dict | None]] = field(default_factory=dict)
-
-
-def text_config(cfg: dict) -> dict:
-    """The decoder's config dict of a wrapper (its ``text_config``, with the wrapper's
-    ``tie_word_embeddings`` and ``eos_token_id`` where the text config has none) or of a
-    text config.
-
-    Raises:
-        DFlashError: a wrapper config without ``text_config``.
-    """
-    if cfg.get("model_type") not in WRAPPERS:
-        return cfg
-    text = cfg.get("text_config")
-    if not isinstance(text, dict):
-        raise DFlashError(f"target config.json of model_type {cfg['model_type']!r} lacks text_config")
-    merged = dict(text)
-    for key in ("tie_word_embeddings", "eos_token_id"):
-        if merged.get(key) is None and cfg.get(key) is not None:
-            merged[key] = cfg[key]
-    return merged
 
 
 def _rope(text: dict, types: list[str]) -> dict[str, tuple[float, dict | None]]:
@@ -207,7 +187,7 @@ def parse_config(cfg: dict) -> Gemma4Config:
             ``rope_parameters`` or ``per_layer_config`` (see :func:`_rope`,
             :func:`_layer_shapes`), a mixture of experts without its sizes.
     """
-    text = text_config(cfg)
+    text = text_config(cfg, WRAPPERS, inherit=("tie_word_embeddings", "eos_token_id"))
     model_type = WRAPPERS.get(cfg["model_type"], cfg["model_type"])
     act = text.get("hidden_activation", "gelu_pytorch_tanh")
     if act not in GELU_NAMES:

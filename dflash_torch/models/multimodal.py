@@ -1,7 +1,7 @@
-"""Multimodal checkpoints decoded as text: the weights of their language model lie under
-``model.language_model.`` beside towers (vision, audio) that a text decoder never runs.
-Shared by the families whose published checkpoints are such wrappers (Qwen3.5, Muse
-Glimmer, Gemma 4)."""
+"""Multimodal checkpoints decoded as text: their config keeps the language model's under
+``text_config``, and the weights of their language model lie under ``model.language_model.``
+beside towers (vision, audio) that a text decoder never runs. Shared by the families whose
+published checkpoints are such wrappers (Qwen3.5, Muse Glimmer, Gemma 4)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,26 @@ import torch
 from ..errors import DFlashError
 
 INNER = "model.language_model."
+
+
+def text_config(cfg: dict, wrappers, inherit: tuple[str, ...] = ()) -> dict:
+    """The language model's config dict: a wrapper's (``model_type`` in ``wrappers``)
+    ``text_config``, with the wrapper's values of the ``inherit`` keys where it has none
+    (some wrappers keep those at the top level); any other config as it is.
+
+    Raises:
+        DFlashError: a wrapper config without ``text_config``.
+    """
+    if cfg.get("model_type") not in wrappers:
+        return cfg
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise DFlashError(f"target config.json of model_type {cfg['model_type']!r} lacks text_config")
+    merged = dict(text)
+    for key in inherit:
+        if merged.get(key) is None and cfg.get(key) is not None:
+            merged[key] = cfg[key]
+    return merged
 
 
 def unwrap_language_model(cfg, state: dict[str, torch.Tensor], towers: tuple[str, ...], tower_words: str,

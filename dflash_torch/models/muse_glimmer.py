@@ -39,7 +39,7 @@ from .attention import Attention
 from .config import (SILU_NAMES, TargetConfig, base_target_fields, bool_field, check_int, check_layer_types, number_field,
                      rotary_fraction)
 from .layers import MLP, ScaledRMSNorm, UnitRMSNorm, ZeroCenteredRMSNorm
-from .multimodal import INNER, unwrap_language_model
+from .multimodal import INNER, text_config, unwrap_language_model
 from .target import SandwichDecoderLayer, TargetModel
 
 WRAPPERS = {"muse_glimmer": "muse_glimmer_text"}
@@ -61,21 +61,6 @@ class MuseGlimmerConfig(TargetConfig):
     nope_layers: list[bool] = field(default_factory=list)
 
 
-def text_config(cfg: dict) -> dict:
-    """The decoder's config dict of a ``muse_glimmer`` wrapper (its ``text_config``) or of a
-    ``muse_glimmer_text`` config.
-
-    Raises:
-        DFlashError: a wrapper config without ``text_config``.
-    """
-    if cfg.get("model_type") not in WRAPPERS:
-        return cfg
-    text = cfg.get("text_config")
-    if not isinstance(text, dict):
-        raise DFlashError(f"target config.json of model_type {cfg['model_type']!r} lacks text_config")
-    return text
-
-
 def parse_config(cfg: dict) -> MuseGlimmerConfig:
     """A ``muse_glimmer`` / ``muse_glimmer_text`` ``config.json`` -> :class:`MuseGlimmerConfig`
     (defaults as transformers' ``MuseGlimmerTextConfig``).
@@ -87,7 +72,7 @@ def parse_config(cfg: dict) -> MuseGlimmerConfig:
             whether it is 0); partial rotary; sliding layers without ``sliding_window``;
             a number field (e.g. the soft cap) that is not a number > 0.
     """
-    text = text_config(cfg)
+    text = text_config(cfg, WRAPPERS)
     act = text.get("hidden_activation", text.get("hidden_act"))
     if act is not None and act not in SILU_NAMES:
         raise DFlashError(f"target config.json hidden_activation {act!r} is not supported (only silu)")

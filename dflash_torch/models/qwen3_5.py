@@ -23,7 +23,7 @@ from .config import (TargetConfig, base_target_fields, bool_field, layer_types, 
                      rotary_fraction)
 from .layers import MLP, ZeroCenteredRMSNorm
 from .moe import fuse_expert_weights
-from .multimodal import unwrap_language_model
+from .multimodal import text_config, unwrap_language_model
 from .target import DecoderLayer, TargetModel, gated_deltanet, sparse_moe
 
 QUANTIZATION_METHODS = ("fp8",)  # fine-grained FP8 weights, dequantized when loading (see fp8.py)
@@ -33,28 +33,25 @@ IGNORED_PREFIXES = ("mtp.", "model.mtp.")
 VISION_PREFIX = "model.visual."  # only the multimodal wrappers have a vision tower
 
 
-def text_config(cfg: dict) -> tuple[dict, bool | None]:
-    """The decoder's config dict of a wrapper or text config, and the wrapper's own
-    ``tie_word_embeddings`` (which governs the wrapper's lm_head; None for a text config).
+def wrapped_config(cfg: dict) -> tuple[dict, bool | None]:
+    """The decoder's config dict of a wrapper or text config
+    (:func:`~dflash_torch.models.multimodal.text_config`; ``eos_token_id`` and
+    ``max_position_embeddings`` from the wrapper where the text config has none), and the
+    wrapper's own ``tie_word_embeddings`` (which governs the wrapper's lm_head; None for a
+    text config).
 
     Raises:
         DFlashError: a wrapper config without ``text_config``.
     """
+    text = text_config(cfg, WRAPPERS, inherit=("eos_token_id", "max_position_embeddings"))
     if cfg.get("model_type") not in WRAPPERS:
-        return cfg, None
-    text = cfg.get("text_config")
-    if not isinstance(text, dict):
-        raise DFlashError(f"target config.json of model_type {cfg['model_type']!r} lacks text_config")
-    merged = dict(text)
-    for key in ("eos_token_id", "max_position_embeddings"):  # some wrappers keep these at the top level
-        if merged.get(key) is None and cfg.get(key) is not None:
-            merged[key] = cfg[key]
-    return merged, bool_field(cfg, "tie_word_embeddings", "target", False)
+        return text, None
+    return text, bool_field(cfg, "tie_word_embeddings", "target", False)
 
 
 def parse_config(cfg: dict) -> TargetConfig:
     """A Qwen3.5 (text, MoE or multimodal wrapper) ``config.json`` -> :class:`TargetConfig`."""
-    text, wrapper_tie = text_config(cfg)
+    text, wrapper_tie = wrapped_config(cfg)
     model_type = WRAPPERS.get(cfg["model_type"], cfg["model_type"])
     fields = base_target_fields(text, model_type)
     fields.update(
