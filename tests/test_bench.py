@@ -308,6 +308,7 @@ def test_a_shape_that_cannot_fit_is_refused_before_anything_is_timed(tiny_pair, 
     assert rc == 2 and len(err) == 1, err
     assert "shape qwen3-8b needs" in err[0] and "GiB in float32" in err[0] and "cpu has 2.0 GiB" in err[0], err
     assert "layers and the drafter" in err[0], err  # (the drafter counts: a 5-layer one of the shape's width)
+    assert "of which a shape may take 80% (1.6 GiB); bfloat16 (--dtype bfloat16) halves it" in err[0], err
     assert "target-only" not in captured.out and not out.exists()
 
 

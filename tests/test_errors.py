@@ -596,6 +596,10 @@ MALFORMED_CONFIGS = [
     ("target", b"[1, 2]", "config.json must hold a JSON object, not a list"),
     ("drafter", _set("dflash_config.target_layer_ids", ["a", 2]), "target_layer_ids must be a non-empty list of integers"),
     ("drafter", _set("dflash_config.target_layer_ids", []), "target_layer_ids must be a non-empty list of integers"),
+    # no target_layer_ids over a target of under 4 layers: the reference rule gave negative ids (helper-1)
+    ("drafter", lambda c: (c["dflash_config"].pop("target_layer_ids"), c.update(num_target_layers=2)),
+     "drafter config.json has no dflash_config.target_layer_ids, and the reference rule gives [1, -1] for 2 drafter "
+     "layers over a target of 2 layers; set dflash_config.target_layer_ids"),
     ("drafter", _set("block_size", "sixteen"), "drafter config.json block_size must be an integer >= 2, got 'sixteen'"),
     ("drafter", _set("dflash_config.mask_token_id", None), "lacks dflash_config.mask_token_id"),
     ("drafter", _set("dflash_config.mask_token_id", 1.5), "mask_token_id must be an integer >= 0, got 1.5"),

@@ -245,6 +245,7 @@ def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_gemma):
         assert run_rounds(compiled, prompt, 60)[0] == run_rounds(eager, prompt, 60)[0]
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
     assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
+    assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])  # (helper-1: .item())
 
 
 def test_drafts_read_the_scaled_embedding_and_the_soft_capped_logits(checkpoints):
@@ -299,6 +300,31 @@ def test_text_configs_load_like_the_wrapper(checkpoints, tmp_path):
         TargetModel.from_pretrained(with_vision, torch.float32)
 
 
+@pytest.mark.parametrize("top,text", [(None, False), (False, True)])
+def test_the_wrappers_own_tie_word_embeddings_ties_its_head(checkpoints, tmp_path, top, text):
+    """transformers' Gemma4ForConditionalGeneration ties its lm_head by the wrapper's flag
+    (default true), whatever the text config says (helper-1: the text config's was read, and
+    these checkpoints were refused)."""
+    import transformers
+
+    target_dir, _ = checkpoints["dense"]
+    cfg = json.loads((target_dir / "config.json").read_text())
+    cfg["text_config"]["tie_word_embeddings"] = text
+    if top is None:
+        cfg.pop("tie_word_embeddings")
+    else:
+        cfg["tie_word_embeddings"] = top
+    hf = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(**cfg)).eval()
+    hf.load_state_dict(load_hf(target_dir).state_dict(), strict=False)
+    if top is False:
+        with torch.no_grad():
+            hf.lm_head.weight.normal_(0, 0.3)
+    hf.save_pretrained(str(tmp_path / "t"))
+    ours = TargetModel.from_pretrained(tmp_path / "t", torch.float32)
+    assert ours.config.tie_word_embeddings is (top is not False)
+    _assert_matches(ours, load_hf(tmp_path / "t"), torch.arange(3, 25), [22], False)
+
+
 def _text(edit):
     """A config edit applied to the wrapper's ``text_config``."""
     return lambda cfg: edit(cfg["text_config"])
@@ -314,6 +340,9 @@ def _text(edit):
     (_text(lambda t: t.update(hidden_activation="silu")), None, r"^target config.json hidden_activation 'silu' is not supported"),
     (_text(lambda t: t["rope_parameters"]["full_attention"].update(rope_type="yarn")), None,
      r"^target rope_parameters.full_attention.rope_type 'yarn' is not supported for Gemma 4 \(default, proportional\)$"),
+    (_text(lambda t: t["rope_parameters"]["full_attention"].pop("rope_theta")), None,
+     r"^target config.json rope_parameters.full_attention lacks rope_theta$"),
+    (_text(lambda t: t.update(hidden_size_per_layer_input=None)), None, r"^target hidden_size_per_layer_input 256: "),
     (_text(lambda t: t["rope_parameters"].pop("sliding_attention")), None,
      r"^target config.json rope_parameters has no object for sliding_attention layers"),
     (_text(lambda t: t["rope_parameters"]["full_attention"].update(partial_rotary_factor=1.5)), None,

@@ -313,9 +313,11 @@ def layers_that_fit(shape: str | dict, dtype: torch.dtype, device: str,
         drafter = _bytes(DFlashDrafter(drafter_config(cfg)), dtype, device)
     need = fixed + sum(per_layer[:n]) + drafter
     if need > 0.8 * memory:
+        hint = "; bfloat16 (--dtype bfloat16) halves it" if dtype == torch.float32 else ""
         raise DFlashError(f"shape {shape if isinstance(shape, str) else cfg.model_type} needs {need / 2**30:.1f} GiB "
                           f"in {str(dtype).removeprefix('torch.')} for {n} of its {cfg.num_hidden_layers} layers and "
-                          f"the drafter; {device} has {memory / 2**30:.1f} GiB")
+                          f"the drafter; {device} has {memory / 2**30:.1f} GiB, of which a shape may take 80% "
+                          f"({0.8 * memory / 2**30:.1f} GiB){hint}")
     return n, fixed, per_layer
 
 

@@ -474,7 +474,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     """The reference rule for ``target_layer_ids`` when a drafter config omits them.
 
     One drafter layer reads the middle target layer (L // 2); N > 1 layers read N ids
-    spread evenly from layer 1 to layer L - 3 (DFlash reference, ``build_target_layer_ids``).
+    spread evenly from layer 1 to layer L - 3 (DFlash reference, ``build_target_layer_ids``;
+    below 4 target layers that range is empty and the ids come out negative).
     """
     if num_draft_layers == 1:
         return [num_target_layers // 2]
@@ -655,6 +656,10 @@ class DrafterConfig:
                 where = "target_layer_ids" if assistant else "dflash_config.target_layer_ids"
                 raise DFlashError(f"drafter config.json has neither {where} nor num_target_layers")
             layer_ids = default_target_layer_ids(num_target_layers, n)
+            if min(layer_ids) < 0:  # (the rule spreads them over layers 1 .. L - 3: a target of under 4 layers has none)
+                where = "target_layer_ids" if assistant else "dflash_config.target_layer_ids"
+                raise DFlashError(f"drafter config.json has no {where}, and the reference rule gives {layer_ids} for "
+                                  f"{n} drafter layers over a target of {num_target_layers} layers; set {where}")
         if not isinstance(layer_ids, list) or not layer_ids or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
             raise DFlashError(f"drafter dflash_config.target_layer_ids must be a non-empty list of integers, got {layer_ids!r}")

@@ -106,6 +106,8 @@ def _rope(text: dict, types: list[str]) -> dict[str, tuple[float, dict | None]]:
         if rope_type not in ROPE_TYPES:
             raise DFlashError(f"target rope_parameters.{kind}.rope_type {rope_type!r} is not supported for Gemma 4 "
                               f"({', '.join(ROPE_TYPES)})")
+        if p.get("rope_theta") is None:
+            raise DFlashError(f"target config.json rope_parameters.{kind} lacks rope_theta")
         theta = _number(p, "rope_theta", kind, 10000.0)
         if rope_type == "default":
             out[kind] = (theta, None)
@@ -187,15 +189,16 @@ def parse_config(cfg: dict) -> Gemma4Config:
             ``rope_parameters`` or ``per_layer_config`` (see :func:`_rope`,
             :func:`_layer_shapes`), a mixture of experts without its sizes.
     """
-    text = text_config(cfg, WRAPPERS, inherit=("tie_word_embeddings", "eos_token_id"))
+    text = text_config(cfg, WRAPPERS, inherit=("eos_token_id",))
+    wrapper = cfg.get("model_type") in WRAPPERS
     model_type = WRAPPERS.get(cfg["model_type"], cfg["model_type"])
     act = text.get("hidden_activation", "gelu_pytorch_tanh")
     if act not in GELU_NAMES:
         raise DFlashError(f"target config.json hidden_activation {act!r} is not supported for Gemma 4 "
                           f"({', '.join(GELU_NAMES)})")
     ple = check_int(text, "hidden_size_per_layer_input", "target", minimum=0)
-    if ple is None and "hidden_size_per_layer_input" not in text and model_type != UNIFIED:
-        ple = 256  # (transformers' default; the unified model has none)
+    if ple is None and model_type != UNIFIED:
+        ple = 256  # (transformers' default, taken for null too; the unified model has none)
     if ple and model_type != UNIFIED:
         raise DFlashError(f"target hidden_size_per_layer_input {ple}: Gemma 4 per-layer input embeddings (the "
                           "on-device E2B / E4B models) are not supported")
@@ -232,9 +235,10 @@ def parse_config(cfg: dict) -> Gemma4Config:
     cap = text.get("final_logit_softcapping")
     fields.update(
         layer_types=types,
-        tie_word_embeddings=bool_field(text, "tie_word_embeddings", "target", True),
+        # (a wrapper's own flag ties its lm_head, as transformers' Gemma4ForConditionalGeneration reads it)
+        tie_word_embeddings=bool_field(cfg if wrapper else text, "tie_word_embeddings", "target", True),
         qk_norm=True,
-        checkpoint_prefix=INNER if cfg.get("model_type") in WRAPPERS else "model.",
+        checkpoint_prefix=INNER if wrapper else "model.",
         sliding_window=window,
         final_logit_softcapping=None if cap is None else number_field(text, "final_logit_softcapping", "target", 0.0),
         layer_head_dims=dims,
@@ -376,7 +380,8 @@ class Model(TargetModel):
         """The embedding rows times ``sqrt(hidden_size)`` rounded to the model dtype (what the
         decoder reads, and drafters embed their block with)."""
         rows = self.model.embed_tokens(input_ids)
-        return rows * torch.tensor(self.config.hidden_size ** 0.5).to(rows.dtype).item()
+        scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32, device=rows.device)
+        return rows * scale.to(rows.dtype)  # (a 0-dim tensor, not .item(): that breaks a compiled graph)
 
     def embed_inputs(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)
