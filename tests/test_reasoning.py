@@ -1,5 +1,5 @@
 """Splitting a reasoning model's reply into ``reasoning_content`` and ``content``
-(dflash_torch/serving/reasoning.py): the ``think`` and ``harmony`` formats on whole
+(dflash_torch/serving/reasoning.py): the ``think``, ``gemma4`` and ``harmony`` formats on whole
 replies, and the same parts however the reply is cut into streamed pieces."""
 
 from __future__ import annotations
@@ -25,6 +25,13 @@ CASES = [  # (parser kind, prompt tail, reply, reasoning, answer)
     ("think", "assistant\n<think>\n", "<think>\nopened twice</think>answer", "\nopened twice", "answer"),
     ("think", "assistant\n<think>\n", "\n<thinking aloud", "\n<thinking aloud", ""),
     ("think", "assistant\n<think>\n", "\n<thi", "\n<thi", ""),
+    # Gemma 4: the thought channel, its name line dropped; with thinking off, an empty one
+    ("gemma4", "", "<|channel>thought\nAdd them: 4.<channel|>The answer is 4.", "Add them: 4.", "The answer is 4."),
+    ("gemma4", "", "<|channel>thought\n<channel|>Hello.", "", "Hello."),
+    ("gemma4", "", "<|channel>thought\ncut while thinking", "cut while thinking", ""),
+    ("gemma4", "", "<|channel>though", "", ""),  # (cut inside the name line: nothing to show)
+    ("gemma4", "", "no channel: a <channel|> b", "", "no channel: a <channel|> b"),
+    ("gemma4", "<|turn>model\n<|channel>", "thought\nopened by the prompt<channel|>x", "opened by the prompt", "x"),
     ("harmony", "", HARMONY, "We need 2+2. That is 4.", "The answer is **4**."),
     ("harmony", "", "<|channel|>final<|message|>only an answer", "", "only an answer"),
     ("harmony", "", "<|channel|>analysis<|message|>cut while thinking", "cut while thinking", ""),
@@ -76,6 +83,10 @@ def test_auto_picks_the_format_by_model_and_template():
     named = {"default": "{% if x %}<think>\n\n</think>{% endif %}", "tool_use": "# {{ m.content }}"}  # several templates
     assert resolve_parser("auto", "qwen3", named) == "think"
     assert resolve_parser("none", "gpt_oss", None) == "none" and new_parser("none") is None
+    gemma = "{%- if enable_thinking %}<|think|>{% endif %}<|turn>model\n{{ '<|channel>thought\n<channel|>' }}"
+    assert resolve_parser("auto", "gemma4_text", gemma) == "gemma4"
+    assert resolve_parser("auto", "gpt_oss", "<|channel|>") == "harmony"  # (harmony's <|channel|> is another marker)
+    assert resolve_parser("auto", "qwen3", "<|channel|>analysis") == "none"
 
 
 # --- a real server, a real model that writes "</think>" -------------------------------------------

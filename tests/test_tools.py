@@ -1,6 +1,6 @@
 """Tool calling (OpenAI function calling): the tools, tool messages and earlier calls
 reach the chat template as transformers' ``apply_chat_template(tools=...)`` renders them;
-the calls a reply writes (hermes, qwen3_coder, harmony formats) come back as
+the calls a reply writes (hermes, qwen3_coder, gemma4, harmony formats) come back as
 ``message.tool_calls`` (dflash_torch/serving/tools.py), whole and streamed; a real server
 and a real tiny model that writes a call."""
 
@@ -36,6 +36,8 @@ HERMES = ('Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"
 CODER = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
          "</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=hours>\n[1, 2]\n</parameter>\n"
          "<parameter=ratio>\nnull\n</parameter>\n</function>\n</tool_call>")
+GEMMA4 = ('<|channel>thought\nThe user wants both.<channel|>Checking.<|tool_call>call:get_weather{city:<|"|>Paris, FR'
+          '<|"|>,days:2,metric:true,hours:[1,2.5],ratio:null}<tool_call|><|tool_call>call:get_time{}<tool_call|>')
 HARMONY = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}')
 
@@ -75,6 +77,17 @@ CASES = [
     ("none", "qwen3_coder", "", "<tool_call>\n<function=get_weather>\n<parameter=city>\nx </parameter> y </tool_call>"
      "\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", True, "", "",
      [("get_weather", {"city": "x </parameter> y </tool_call>", "days": 3})]),
+    # Gemma 4: its notation (bare keys, <|"|> strings, bare numbers / booleans / null, lists, objects)
+    ("gemma4", "gemma4", "", GEMMA4, True, "The user wants both.", "Checking.",
+     [("get_weather", {"city": "Paris, FR", "days": 2, "metric": True, "hours": [1, 2.5], "ratio": None}),
+      ("get_time", {})]),
+    ("none", "gemma4", "", '<|tool_call>call:f{q:<|"|>a } b, c:d<|"|>,o:{k:[<|"|>]<|"|>,{x:-1e3}]}}<tool_call|>ok',
+     True, "", "ok", [("f", {"q": "a } b, c:d", "o": {"k": ["]", {"x": -1000.0}]}})]),
+    ("none", "gemma4", "", '<|tool_call>call:f{q:<|"|>unclosed}<tool_call|>after', True, "",
+     '<|tool_call>call:f{q:<|"|>unclosed}<tool_call|>after', []),  # (malformed: stays content)
+    ("none", "gemma4", "", "<|tool_call>call:f{key}<tool_call|>", True, "", "<|tool_call>call:f{key}<tool_call|>", []),
+    ("none", "gemma4", "", "<|tool_call>call:get_time{", False, "", "<|tool_call>call:get_time{", []),  # (cut)
+    ("none", "gemma4", "", "a <tool_call> of another format", True, "", "a <tool_call> of another format", []),
     ("harmony", "harmony", "", HARMONY, True, "Need the weather.", "", [("get_weather", {"city": "Oslo"})]),
     ("harmony", "harmony", "", HARMONY, False, "Need the weather.", '{"city": "Oslo"}', []),  # cut: no call
     ("harmony", "harmony", "", "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>",
@@ -127,6 +140,8 @@ def test_auto_picks_the_format_by_model_and_template():
     assert resolve_tool_parser("auto", "llama", "{{ m.content }}", "none") == "none"
     assert resolve_tool_parser("auto", "qwen3", {"default": "x", "tool_use": "<tool_call>"}, "none") == "hermes"
     assert resolve_tool_parser("hermes", "gpt_oss", None, "harmony") == "hermes"
+    gemma = "{%- for tc in m.tool_calls %}<|tool_call>call:{{ tc.function.name }}{...}<tool_call|>{% endfor %}"
+    assert resolve_tool_parser("auto", "gemma4_text", gemma, "gemma4") == "gemma4"
     with pytest.raises(DFlashError, match="--tool-call-parser harmony needs --reasoning-parser harmony"):
         resolve_tool_parser("harmony", "qwen3", None, "none")
 
@@ -294,22 +309,25 @@ SCRIPTED_TEMPLATE = (
     "{% endfor %}{%- if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def scripted_pair(tmp_path_factory, tokenizer_dir):
-    """A Qwen3 target that writes :data:`SCRIPT` then EOS after the prompt's last token
-    ``<|assistant|>``: one-hot embeddings of the script's tokens, attention and MLP outputs
+def make_scripted_pair(root, tokenizer_dir, assistant: str, script: list[str], template: str,
+                       special: tuple[str, ...] = ()):
+    """A Qwen3 target that writes ``script`` then EOS after the prompt's last token
+    ``assistant``: one-hot embeddings of the script's tokens, attention and MLP outputs
     zero (the last hidden state is the current token's embedding), lm_head mapping each token
-    to its successor; a random drafter (speculative decoding is lossless whatever it drafts)."""
+    to its successor; a random drafter (speculative decoding is lossless whatever it drafts).
+    Every piece of ``script`` is one added token (``special``: those added as special tokens),
+    each once, with the chat ``template``. Returns (target, drafter, the reply's token ids)."""
+    from tokenizers import AddedToken
+
     from conftest import EOS_ID, VOCAB, copy_tokenizer, drafter_config, make_target, save_drafter
 
-    root = tmp_path_factory.mktemp("scripted")
     tok_dir = root / "tokenizer"
     shutil.copytree(tokenizer_dir, tok_dir)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    tok.add_tokens([ASSISTANT, *SCRIPT])
-    tok.chat_template = SCRIPTED_TEMPLATE
+    tok.add_tokens([AddedToken(t, special=t in special, normalized=False) for t in [assistant, *script]])
+    tok.chat_template = template
     tok.save_pretrained(str(tok_dir))
-    chain = tok.convert_tokens_to_ids([ASSISTANT, *SCRIPT]) + [EOS_ID]
+    chain = tok.convert_tokens_to_ids([assistant, *script]) + [EOS_ID]
     target = make_target(root / "target", "qwen3", tokenizer=False, tie_word_embeddings=False,
                          vocab_size=VOCAB + len(chain))
     state = load_file(str(target / "model.safetensors"))
@@ -324,6 +342,12 @@ def scripted_pair(tmp_path_factory, tokenizer_dir):
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     copy_tokenizer(tok_dir, target)
     return target, save_drafter(root / "drafter", drafter_config(target)), chain[1:]
+
+
+@pytest.fixture(scope="module")
+def scripted_pair(tmp_path_factory, tokenizer_dir):
+    """:func:`make_scripted_pair` writing :data:`SCRIPT` (hermes calls)."""
+    return make_scripted_pair(tmp_path_factory.mktemp("scripted"), tokenizer_dir, ASSISTANT, SCRIPT, SCRIPTED_TEMPLATE)
 
 
 MESSAGES = [{"role": "user", "content": "Weather in Paris, and the time?"}]
@@ -488,3 +512,55 @@ def test_server_refuses_calls_whose_arguments_are_not_json_objects(server):
     with pytest.raises(openai.BadRequestError) as err:  # (not a 500)
         client.chat.completions.create(model=model, messages=deep, tools=TOOLS)
     assert err.value.body["param"] == "messages" and "nested too deeply" in err.value.body["message"]
+
+
+# --- Gemma 4: its thought channel and calls, the markers special tokens --------------------------
+
+GEMMA4_TURN = "<|turn>model\n"
+# (each token once: the closing <|"|> of the string comes inside a plain added token)
+GEMMA4_SCRIPT = ["<|channel>", "thought\n", "Both needed.", "<channel|>", "Checking.", "<|tool_call>",
+                 "call:get_weather{city:", '<|"|>', 'Paris<|"|>,days:2}', "<tool_call|>"]
+GEMMA4_SPECIAL = ("<|channel>", "<channel|>", "<|tool_call>", '<|"|>', "<tool_call|>")
+GEMMA4_TEMPLATE = (
+    "{%- if tools %}<|turn>system\n{% for tool in tools %}<|tool>{{ tool.function.name }}<tool|>{% endfor %}"
+    "<turn|>\n{% endif %}"
+    "{%- for m in messages %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{% if m.reasoning_content %}<|channel>thought\n{{ m.reasoning_content }}<channel|>{% endif %}{{ m.content or '' }}"
+    "{% for tc in m.tool_calls or [] %}<|tool_call>call:{{ tc.function.name }}{}<tool_call|>{% endfor %}<turn|>\n"
+    "{% endfor %}{%- if add_generation_prompt %}" + GEMMA4_TURN + "{% endif %}")
+
+
+def test_server_reads_gemma4_reasoning_and_calls_whose_markers_are_special_tokens(tmp_path_factory, tokenizer_dir):
+    """--reasoning-parser / --tool-call-parser auto pick gemma4 from the template; the markers
+    (special tokens) are kept for the parsers when a request skips special tokens, so the
+    reasoning, content and calls are the same either way, whole and streamed."""
+    from test_server_scheduler import _serve
+
+    root = tmp_path_factory.mktemp("gemma4-tools")
+    target, drafter, reply_ids = make_scripted_pair(root, tokenizer_dir, GEMMA4_TURN, GEMMA4_SCRIPT, GEMMA4_TEMPLATE,
+                                                    special=GEMMA4_SPECIAL)
+    engine = DFlashEngine.from_pretrained(target, drafter)
+    out = engine.generate(MESSAGES, tools=TOOLS, max_new_tokens=20)
+    assert out.token_ids == reply_ids and out.text == "".join(GEMMA4_SCRIPT)
+    with _serve((target, drafter), root) as server:
+        client = server.client()
+        model = client.models.list().data[0].id
+        for skip in (False, True):
+            kw = dict(model=model, messages=MESSAGES, tools=TOOLS, temperature=0, extra_body={"skip_special_tokens": skip})
+            choice = client.chat.completions.create(**kw).choices[0]
+            assert choice.finish_reason == "tool_calls"
+            assert (choice.message.reasoning_content, choice.message.content) == ("Both needed.", "Checking.")
+            assert _message_calls(choice.message.tool_calls) == [("get_weather", {"city": "Paris", "days": 2})]
+            reasoning, content, calls = [], [], []
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                delta = chunk.choices[0].delta if chunk.choices else None
+                if delta is not None:
+                    reasoning.append(getattr(delta, "reasoning_content", None) or "")
+                    content.append(delta.content or "")
+                    calls += delta.tool_calls or []
+            assert ("".join(reasoning), "".join(content)) == ("Both needed.", "Checking.")
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+                ("get_weather", {"city": "Paris", "days": 2})]
+        # tool_choice required has no grammar in this format: refused, as for harmony
+        with pytest.raises(openai.BadRequestError, match="needs the hermes or qwen3_coder tool-call format"):
+            client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required")

@@ -93,12 +93,13 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        ResponsesRequest, TokenizeChatRequest, TokenizeCompletionRequest, conflicting_fields,
                        describe_validation_error, responses_message, responses_param, unsupported_field,
                        CHAT_TEMPLATE_REFUSED)
-from .reasoning import HARMONY_MARKERS, THINK_CLOSE, THINK_OPEN, check_reasoning_parser, resolve_parser
+from .reasoning import (GEMMA4_CLOSE, GEMMA4_OPEN, HARMONY_MARKERS, THINK_CLOSE, THINK_OPEN, check_reasoning_parser,
+                        resolve_parser)
 from .responses import ResponseBuilder, marker_pieces, sse_event
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
                         make_backend, param_of)
-from .tools import (CALL_CLOSE, CALL_OPEN, FORCED_CALL_GRAMMARS, check_tool_parser, new_reply_parser, parse_reply,
-                    resolve_tool_parser)
+from .tools import (CALL_CLOSE, CALL_OPEN, FORCED_CALL_GRAMMARS, GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_QUOTE,
+                    check_tool_parser, new_reply_parser, parse_reply, resolve_tool_parser)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # where omitted sampling values come from: the target's generation_config.json, or OpenAI's defaults
@@ -381,11 +382,13 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             ``{"enable_thinking": False}``); a request's own ``chat_template_kwargs`` and
             ``reasoning_effort`` override them (:meth:`DFlashEngine.encode_prompt`).
         reasoning_parser: how chat replies are split into ``reasoning_content`` and
-            ``content`` (:mod:`.reasoning`): ``think`` (``<think>...</think>``), ``harmony``
-            (gpt-oss), ``none`` (all content), or ``auto`` (default): ``harmony`` for a
-            gpt-oss target, ``think`` when the chat template mentions ``<think>``, else none.
+            ``content`` (:mod:`.reasoning`): ``think`` (``<think>...</think>``), ``gemma4``
+            (``<|channel>thought ... <channel|>``), ``harmony`` (gpt-oss), ``none`` (all
+            content), or ``auto`` (default): ``harmony`` for a gpt-oss target, ``gemma4`` when
+            the chat template mentions ``<|channel>``, ``think`` when it mentions ``<think>``,
+            else none.
         tool_call_parser: how the tool calls of a chat reply to a request with ``tools`` are
-            found (:mod:`.tools`): ``hermes``, ``qwen3_coder``, ``harmony`` (gpt-oss; needs the
+            found (:mod:`.tools`): ``hermes``, ``qwen3_coder``, ``gemma4``, ``harmony`` (gpt-oss; needs the
             ``harmony`` reasoning parser), ``none`` (the reply stays text), or ``auto``
             (default): by the model and its chat template (:func:`.tools.resolve_tool_parser`).
         generation_config: ``auto`` (default, as vLLM's ``--generation-config auto``): a
@@ -676,9 +679,12 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         ``think``, harmony's ``<|channel|>`` ..., ``<tool_call>`` for a request with tools):
         kept in a chat's text when it skips special tokens, so that its reasoning and tool
         calls are still found."""
-        markers = {"think": (THINK_OPEN, THINK_CLOSE), "harmony": HARMONY_MARKERS}.get(reasoning, ())
+        markers = {"think": (THINK_OPEN, THINK_CLOSE), "gemma4": (GEMMA4_OPEN, GEMMA4_CLOSE),
+                   "harmony": HARMONY_MARKERS}.get(reasoning, ())
         if with_tools and tool_calls in ("hermes", "qwen3_coder"):
             markers += (CALL_OPEN, CALL_CLOSE)
+        elif with_tools and tool_calls == "gemma4":
+            markers += (GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_QUOTE)
         ids = {engine.tokenizer.convert_tokens_to_ids(m) for m in markers}
         return frozenset(i for i in ids if isinstance(i, int) and i in engine.special_token_ids)
 

@@ -40,15 +40,18 @@ def register(sub) -> None:
                         "verify's cost grows with its rows, as on a CPU, many streams decode faster without drafts). "
                         "auto: each round drafts or not by the measured tokens/s of both kinds of rounds at its "
                         "number of sequences (default: always draft)")
-    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "think", "harmony"],
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "think", "gemma4", "harmony"],
                    help="split chat replies into reasoning_content and content: think (<think>...</think>: Qwen3, "
-                        "Qwen3.5, DeepSeek-R1), harmony (gpt-oss's analysis / final channels), none (all content), "
-                        "or auto (default: harmony for gpt-oss, think when the chat template mentions <think>)")
-    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", "hermes", "qwen3_coder", "harmony"],
+                        "Qwen3.5, DeepSeek-R1), gemma4 (<|channel>thought ...<channel|>: Gemma 4), harmony (gpt-oss's "
+                        "analysis / final channels), none (all content), or auto (default: harmony for gpt-oss, gemma4 "
+                        "when the chat template mentions <|channel>, think when it mentions <think>)")
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", "none", "hermes", "qwen3_coder", "gemma4", "harmony"],
                    help="find the tool calls of chat replies to requests with tools (message.tool_calls): hermes "
                         "(<tool_call>{json}</tool_call>: Qwen2.5, Qwen3), qwen3_coder (<tool_call><function=...>: "
-                        "Qwen3-Coder, Qwen3.5, Qwen3.6), harmony (gpt-oss), none (replies stay text), or auto "
-                        "(default: by the model and its chat template)")
+                        "Qwen3-Coder, Qwen3.5, Qwen3.6), gemma4 (<|tool_call>call:NAME{...}<tool_call|>: Gemma 4), "
+                        "harmony (gpt-oss), none (replies stay text), or auto (default: by the model and its chat "
+                        "template)")
     p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                    help="defaults of the sampling values a request omits (temperature, top_k, top_p, min_p, "
                         "repetition_penalty; a chat's max_tokens): auto (default, as vLLM) takes those the target's "

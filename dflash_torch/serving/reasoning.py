@@ -2,7 +2,7 @@
 for the server's ``reasoning_content`` (the field DeepSeek's API, vLLM and SGLang return
 it in) and ``content``.
 
-Two formats:
+Three formats:
 
 * ``think``: the reasoning between ``<think>`` and ``</think>`` (Qwen3, Qwen3.5,
   QwQ, DeepSeek-R1). A reply that starts with ``<think>``, or whose prompt ends with
@@ -10,6 +10,9 @@ Two formats:
   writes again at the start is dropped too), is reasoning up to
   ``</think>`` (all of it if that never comes: the reply was cut while thinking); the
   text after is the answer. A reply that starts otherwise is all answer.
+* ``gemma4``: the same with Gemma 4's thought channel, ``<|channel>thought\n`` ...
+  ``<channel|>`` (the channel's name line is not reasoning; with thinking off the model
+  still writes an empty one, which yields no reasoning).
 * ``harmony``: gpt-oss's messages, ``<|channel|>NAME<|message|>BODY<|end|>``, each
   further one after ``<|start|>assistant``: bodies of the ``analysis`` channel are
   reasoning, all others (``final``, ``commentary``) the answer; the markers are dropped
@@ -25,8 +28,9 @@ from __future__ import annotations
 
 from ..options import check_choice
 
-PARSERS = ("auto", "none", "think", "harmony")
+PARSERS = ("auto", "none", "think", "gemma4", "harmony")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_CHANNEL = "<|channel>", "<channel|>", "thought\n"
 HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>", "<|return|>", "<|call|>")
 
 
@@ -51,39 +55,58 @@ def _held(text: str, markers: tuple[str, ...]) -> int:
 
 
 class ThinkParser(ReasoningParser):
-    """The ``think`` format (see the module docstring)."""
+    """The ``think`` format (see the module docstring); a subclass may set other markers
+    (``OPEN``, ``CLOSE``) and a channel name line that follows the open marker (``CHANNEL``)."""
+
+    OPEN, CLOSE, CHANNEL = THINK_OPEN, THINK_CLOSE, ""
 
     def __init__(self, starts_in_reasoning: bool = False):
         # start: is the reply's first text <think>? opened: the template opened it (a
         # second <think> the model writes at the start is dropped too)
         self.state = "opened" if starts_in_reasoning else "start"
         self.buffer = ""
+        self.channel = self.CHANNEL  # (the name line still to drop)
 
     def feed(self, text: str) -> tuple[str, str]:
         self.buffer += text
         reasoning = answer = ""
         if self.state in ("start", "opened"):
             stripped = self.buffer.lstrip()
-            if stripped.startswith(THINK_OPEN):
-                self.state, self.buffer = "reasoning", stripped[len(THINK_OPEN):]
-            elif THINK_OPEN.startswith(stripped):
+            if stripped.startswith(self.OPEN):
+                self.state, self.buffer = "reasoning", stripped[len(self.OPEN):]
+            elif self.OPEN.startswith(stripped):
                 return "", ""  # (empty or a prefix of <think>: not known yet)
             else:
                 self.state = "reasoning" if self.state == "opened" else "answer"
+        if self.state == "reasoning" and self.channel:
+            if self.buffer.startswith(self.channel):
+                self.buffer, self.channel = self.buffer[len(self.channel):], ""
+            elif self.channel.startswith(self.buffer):
+                return "", ""  # (a prefix of the name line: not known yet)
+            else:
+                self.channel = ""
         if self.state == "reasoning":
-            end = self.buffer.find(THINK_CLOSE)
+            end = self.buffer.find(self.CLOSE)
             if end < 0:
-                keep = _held(self.buffer, (THINK_CLOSE,))
+                keep = _held(self.buffer, (self.CLOSE,))
                 reasoning, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
                 return reasoning, ""
-            reasoning, self.buffer, self.state = self.buffer[:end], self.buffer[end + len(THINK_CLOSE):], "answer"
+            reasoning, self.buffer, self.state = self.buffer[:end], self.buffer[end + len(self.CLOSE):], "answer"
         if self.state == "answer":
             answer, self.buffer = self.buffer, ""
         return reasoning, answer
 
     def finish(self) -> tuple[str, str]:
         rest, self.buffer = self.buffer, ""
+        if self.state == "reasoning" and self.channel and self.channel.startswith(rest):
+            return "", ""  # (cut inside the channel's name line)
         return (rest, "") if self.state in ("reasoning", "opened") else ("", rest)
+
+
+class Gemma4Parser(ThinkParser):
+    """The ``gemma4`` format (see the module docstring)."""
+
+    OPEN, CLOSE, CHANNEL = GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_CHANNEL
 
 
 class HarmonyParser(ReasoningParser):
@@ -150,22 +173,28 @@ def check_reasoning_parser(value: str, name: str = "reasoning_parser") -> str:
 
 def resolve_parser(choice: str, model_type: str, chat_template: str | dict | None) -> str:
     """The format a server with ``--reasoning-parser choice`` uses: ``auto`` is
-    ``harmony`` for gpt-oss, ``think`` for a chat template that mentions ``<think>`` or
-    ``</think>``, else ``none``. ``chat_template``: the tokenizer's (a dict of named
-    templates when it has several: chats use its ``default``)."""
+    ``harmony`` for gpt-oss, ``gemma4`` for a chat template that mentions ``<|channel>``,
+    ``think`` for one that mentions ``<think>`` or ``</think>``, else ``none``.
+    ``chat_template``: the tokenizer's (a dict of named templates when it has several: chats
+    use its ``default``)."""
     if choice != "auto":
         return choice
     if model_type == "gpt_oss":
         return "harmony"
     if isinstance(chat_template, dict):
         chat_template = chat_template.get("default")
-    return "think" if chat_template and (THINK_OPEN in chat_template or THINK_CLOSE in chat_template) else "none"
+    chat_template = chat_template or ""
+    if GEMMA4_OPEN in chat_template:
+        return "gemma4"
+    return "think" if THINK_OPEN in chat_template or THINK_CLOSE in chat_template else "none"
 
 
 def new_parser(kind: str, prompt_text: str = "") -> ReasoningParser | None:
     """A parser of ``kind`` for a reply to a prompt ending in ``prompt_text`` (None for ``none``)."""
     if kind == "think":
         return ThinkParser(starts_in_reasoning=prompt_text.rstrip().endswith(THINK_OPEN))
+    if kind == "gemma4":
+        return Gemma4Parser(starts_in_reasoning=prompt_text.rstrip().endswith(GEMMA4_OPEN))
     if kind == "harmony":
         return HarmonyParser()
     return None

@@ -12,6 +12,10 @@ Formats (``serve --tool-call-parser``):
   (else the text).
   A ``</parameter>`` inside a value is taken as text (a value ends at the ``</parameter>`` that
   the next ``<parameter=`` or the ``</function>`` follows).
+* ``gemma4`` (Gemma 4): ``<|tool_call>call:NAME{ARGUMENTS}<tool_call|>`` blocks, any number
+  of them, the arguments in Gemma's own notation: ``key:value`` pairs split by commas, keys
+  bare, strings between ``<|"|>`` markers, objects in ``{}``, lists in ``[]``, other values
+  bare (``true``, ``false``, ``null``, numbers; any other bare text is a string).
 * ``harmony`` (gpt-oss): a message whose recipient is ``functions.NAME``
   (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``;
   the recipient may also follow the role, ``<|start|>assistant to=functions.NAME``). Its
@@ -55,8 +59,9 @@ from ..options import JSON_TYPES, check_choice
 from .constraints import reasoning_rules, text_or_token
 from .reasoning import HarmonyParser, ReasoningParser, _held, new_parser
 
-PARSERS = ("auto", "none", "hermes", "qwen3_coder", "harmony")
+PARSERS = ("auto", "none", "hermes", "qwen3_coder", "gemma4", "harmony")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 
 
 @dataclass
@@ -85,8 +90,11 @@ def _dumps(obj) -> str:
 
 
 class ToolParser:
-    """Base of the ``<tool_call>`` formats: ``feed`` the answer's text, get back the content
-    and the calls it completes; :meth:`parse_block` reads one block's inside."""
+    """Base of the formats of marked blocks (``OPEN`` ... ``CLOSE``, ``<tool_call>`` unless a
+    subclass says otherwise): ``feed`` the answer's text, get back the content and the calls
+    it completes; :meth:`parse_block` reads one block's inside."""
+
+    OPEN, CLOSE = CALL_OPEN, CALL_CLOSE
 
     def __init__(self):
         self.buffer = ""
@@ -105,13 +113,13 @@ class ToolParser:
         content, calls = [], []
         while True:
             if self.in_call:
-                end = self.buffer.find(CALL_CLOSE, self.scan)
+                end = self.buffer.find(self.CLOSE, self.scan)
                 if end < 0:
                     break
-                stop = end + len(CALL_CLOSE)
-                call = self.parse_block(self.buffer[len(CALL_OPEN):end])
+                stop = end + len(self.CLOSE)
+                call = self.parse_block(self.buffer[len(self.OPEN):end])
                 if call is None:  # a close marker inside an argument's text? read on to the next one
-                    next_close, next_open = self.buffer.find(CALL_CLOSE, stop), self.buffer.find(CALL_OPEN, stop)
+                    next_close, next_open = self.buffer.find(self.CLOSE, stop), self.buffer.find(self.OPEN, stop)
                     if next_close >= 0 and (next_open < 0 or next_close < next_open):
                         self.scan = stop
                         continue
@@ -128,9 +136,9 @@ class ToolParser:
                 if not self.buffer:
                     break
                 self.after_call = False
-            start = self.buffer.find(CALL_OPEN)
+            start = self.buffer.find(self.OPEN)
             if start < 0:  # hold back a possible marker start and the whitespace before it
-                keep = _held(self.buffer, (CALL_OPEN,))
+                keep = _held(self.buffer, (self.OPEN,))
                 text_part = self.buffer[:len(self.buffer) - keep]
                 emit = text_part.rstrip()
                 content.append(emit)
@@ -284,6 +292,106 @@ class HarmonyToolParser(HarmonyParser):
             return "", "".join(parts["answer"]), calls
         body, self.args, self.call = "".join(self.args), [], None
         return "", body, []
+
+
+_GEMMA4_CALL = re.compile(r"\s*call:([^{\s]+)\{(.*)\}\s*", re.S)
+
+
+class Gemma4Parser(ToolParser):
+    """``<|tool_call>call:NAME{ARGUMENTS}<tool_call|>`` (see the module docstring)."""
+
+    OPEN, CLOSE = GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE
+
+    def parse_block(self, body: str) -> ToolCall | None:
+        m = _GEMMA4_CALL.fullmatch(body)
+        if m is None:
+            return None
+        try:
+            arguments, end = _gemma4_members(m[2], 0, "")
+        except ValueError:
+            return None
+        return ToolCall(m[1], _dumps(arguments)) if end == len(m[2]) else None
+
+
+def _gemma4_members(text: str, at: int, closer: str) -> tuple[dict, int]:
+    """The ``key:value`` pairs of Gemma's notation from ``text[at:]`` up to ``closer`` (the
+    ``}`` of a nested object; "": the end of the text): ``(object, index after them)``.
+
+    Raises:
+        ValueError: anything else (a key without a value, an unclosed string or bracket).
+    """
+    out = {}
+    while True:
+        at = _skip_space(text, at)
+        if at == len(text) or text.startswith(closer or "\0", at):
+            return out, at
+        if text.startswith(GEMMA4_QUOTE, at):
+            key, at = _gemma4_string(text, at)
+        else:
+            colon = text.find(":", at)
+            if colon < 0:
+                raise ValueError("a key without a value")
+            key, at = text[at:colon].strip(), colon
+        at = _skip_space(text, at)
+        if not key or not text.startswith(":", at):
+            raise ValueError("a key without a value")
+        out[key], at = _gemma4_value(text, at + 1, "}")
+        at = _skip_space(text, at)
+        if text.startswith(",", at):
+            at += 1
+        elif not (at == len(text) or text.startswith(closer or "\0", at)):
+            raise ValueError("pairs not split by commas")
+
+
+def _gemma4_value(text: str, at: int, closers: str) -> tuple[object, int]:
+    """One value of Gemma's notation at ``text[at:]`` (a bare one ends before a comma or one of
+    ``closers``): ``(value, index after it)``."""
+    at = _skip_space(text, at)
+    if text.startswith(GEMMA4_QUOTE, at):
+        return _gemma4_string(text, at)
+    if text.startswith("{", at):
+        value, at = _gemma4_members(text, at + 1, "}")
+        if not text.startswith("}", at):
+            raise ValueError("an unclosed object")
+        return value, at + 1
+    if text.startswith("[", at):
+        items, at = [], _skip_space(text, at + 1)
+        while not text.startswith("]", at):
+            item, at = _gemma4_value(text, at, "]")
+            items.append(item)
+            at = _skip_space(text, at)
+            if text.startswith(",", at):
+                at = _skip_space(text, at + 1)
+            elif not text.startswith("]", at):
+                raise ValueError("an unclosed list")
+        return items, at + 1
+    end = at
+    while end < len(text) and text[end] != "," and text[end] not in closers:
+        end += 1
+    bare = text[at:end].strip()
+    if not bare:
+        raise ValueError("a missing value")
+    if bare in ("null", "None"):
+        return None, end
+    try:
+        value = json.loads(bare)
+    except ValueError:
+        return bare, end
+    return (value if isinstance(value, (bool, int, float)) else bare), end
+
+
+def _gemma4_string(text: str, at: int) -> tuple[str, int]:
+    """The string between the ``<|"|>`` markers at ``text[at:]``: ``(string, index after it)``."""
+    end = text.find(GEMMA4_QUOTE, at + len(GEMMA4_QUOTE))
+    if end < 0:
+        raise ValueError("an unclosed string")
+    return text[at + len(GEMMA4_QUOTE):end], end + len(GEMMA4_QUOTE)
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
 
 
 class ReplyParser:
@@ -563,8 +671,9 @@ def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:
 
 def resolve_tool_parser(choice: str, model_type: str, chat_template: str | dict | None, reasoning: str) -> str:
     """The format a server with ``--tool-call-parser choice`` uses: ``auto`` is ``harmony``
-    for gpt-oss, ``qwen3_coder`` for a chat template with ``<tool_call>`` and ``<function=``,
-    ``hermes`` for one with ``<tool_call>`` only, else ``none``. ``chat_template``: the
+    for gpt-oss, ``gemma4`` for a chat template with ``<|tool_call>``, ``qwen3_coder`` for one
+    with ``<tool_call>`` and ``<function=``, ``hermes`` for one with ``<tool_call>`` only, else
+    ``none``. ``chat_template``: the
     tokenizer's (a dict of named templates: the ``tool_use`` one if any, else ``default``);
     ``reasoning``: the server's resolved reasoning parser.
 
@@ -579,7 +688,7 @@ def resolve_tool_parser(choice: str, model_type: str, chat_template: str | dict 
             if isinstance(chat_template, dict):
                 chat_template = chat_template.get("tool_use") or chat_template.get("default")
             chat_template = chat_template or ""
-            choice = "none" if CALL_OPEN not in chat_template else \
+            choice = "gemma4" if GEMMA4_CALL_OPEN in chat_template else "none" if CALL_OPEN not in chat_template else \
                 "qwen3_coder" if "<function=" in chat_template else "hermes"
     if choice == "harmony" and reasoning != "harmony":
         raise DFlashError(f"--tool-call-parser harmony needs --reasoning-parser harmony (or auto with a gpt-oss "
@@ -594,7 +703,8 @@ def new_reply_parser(reasoning: str, tools_kind: str, prompt_text: str = "",
     request's (for the value types of ``qwen3_coder``). None when both are ``none``."""
     if tools_kind == "harmony":
         return ReplyParser(None, HarmonyToolParser())
-    tool_parser = {"hermes": HermesParser, "qwen3_coder": lambda: Qwen3CoderParser(tools)}.get(tools_kind)
+    tool_parser = {"hermes": HermesParser, "qwen3_coder": lambda: Qwen3CoderParser(tools),
+                   "gemma4": Gemma4Parser}.get(tools_kind)
     reasoning_parser = new_parser(reasoning, prompt_text)
     if reasoning_parser is None and tool_parser is None:
         return None
