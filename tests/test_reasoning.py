@@ -32,6 +32,8 @@ CASES = [  # (parser kind, prompt tail, reply, reasoning, answer)
     ("gemma4", "", "<|channel>though", "", ""),  # (cut inside the name line: nothing to show)
     ("gemma4", "", "no channel: a <channel|> b", "", "no channel: a <channel|> b"),
     ("gemma4", "<|turn>model\n<|channel>", "thought\nopened by the prompt<channel|>x", "opened by the prompt", "x"),
+    ("gemma4", "<|turn>model\n<|channel>thought\n", "forced thinking<channel|>x", "forced thinking", "x"),
+    ("gemma4", "<|turn>model\n<|channel>thought\n<channel|>", "thinking off: all answer", "", "thinking off: all answer"),
     ("harmony", "", HARMONY, "We need 2+2. That is 4.", "The answer is **4**."),
     ("harmony", "", "<|channel|>final<|message|>only an answer", "", "only an answer"),
     ("harmony", "", "<|channel|>analysis<|message|>cut while thinking", "cut while thinking", ""),

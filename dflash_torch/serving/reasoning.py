@@ -11,8 +11,10 @@ Three formats:
   ``</think>`` (all of it if that never comes: the reply was cut while thinking); the
   text after is the answer. A reply that starts otherwise is all answer.
 * ``gemma4``: the same with Gemma 4's thought channel, ``<|channel>thought\n`` ...
-  ``<channel|>`` (the channel's name line is not reasoning; with thinking off the model
-  still writes an empty one, which yields no reasoning).
+  ``<channel|>`` (the channel's name line is not reasoning; an empty channel, which some
+  replies write with thinking off, yields no reasoning). With thinking off Gemma 4's template
+  ends the prompt with that empty channel, and the reply is all answer; a template that
+  forces thinking ends it with the opened channel, and the reply starts inside it.
 * ``harmony``: gpt-oss's messages, ``<|channel|>NAME<|message|>BODY<|end|>``, each
   further one after ``<|start|>assistant``: bodies of the ``analysis`` channel are
   reasoning, all others (``final``, ``commentary``) the answer; the markers are dropped
@@ -193,8 +195,13 @@ def new_parser(kind: str, prompt_text: str = "") -> ReasoningParser | None:
     """A parser of ``kind`` for a reply to a prompt ending in ``prompt_text`` (None for ``none``)."""
     if kind == "think":
         return ThinkParser(starts_in_reasoning=prompt_text.rstrip().endswith(THINK_OPEN))
-    if kind == "gemma4":
-        return Gemma4Parser(starts_in_reasoning=prompt_text.rstrip().endswith(GEMMA4_OPEN))
+    if kind == "gemma4":  # (templates that force thinking end the prompt with the opened channel, name line too)
+        tail = prompt_text.rstrip()
+        named = tail.endswith(GEMMA4_OPEN + GEMMA4_CHANNEL.rstrip())
+        parser = Gemma4Parser(starts_in_reasoning=named or tail.endswith(GEMMA4_OPEN))
+        if named:
+            parser.channel = ""
+        return parser
     if kind == "harmony":
         return HarmonyParser()
     return None
