@@ -13,7 +13,9 @@
 #   more minutes, an estimate: not yet run on a GPU), gptoss (the gpt-oss-20b shape, MXFP4
 #   experts dequantized, eager and compiled step/round; about 2 more minutes, an estimate) and
 #   fp8 (scripts/fp8_speed.py: target-only decoding of random FP8 targets, dense 2048-wide and
-#   MoE, dequantized vs kept FP8 (--fp8 packed); about 2 more minutes, an estimate)
+#   MoE, dequantized vs kept FP8 (--fp8 packed); about 2 more minutes, an estimate) and gemma
+#   (the gemma-4-31b and gemma-4-26b-a4b shapes, eager and compiled step/round; about 3 more
+#   minutes, an estimate)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_out}
@@ -61,6 +63,13 @@ if has gptoss; then
     step "gpt-oss-20b shape (sink attention, sliding window, 32 experts), random weights, bf16: eager and compiled step/round"
     bench gptoss_20b --dtype bfloat16 --num-prompts 1 --max-new-tokens 8 --modes target-only --sweep "" \
         --shapes gpt-oss-20b --shapes-compiled
+fi
+if has gemma; then
+    step "Gemma 4 shapes (two head sizes, values from keys, 26B-A4B: experts beside the MLP), random weights, bf16: eager and compiled step/round"
+    for shape in gemma-4-31b gemma-4-26b-a4b; do
+        bench "${shape//[.-]/_}" --dtype bfloat16 --num-prompts 1 --max-new-tokens 8 --modes target-only --sweep "" \
+            --shapes $shape --shapes-compiled
+    done
 fi
 if has fp8; then
     step "FP8 targets (random, 128x128 blocks), bf16, target-only: dequantized vs kept FP8"

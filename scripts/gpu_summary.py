@@ -35,7 +35,8 @@ def main() -> None:
     probe = load(out / "probe.json")
     if probe:
         print(f"device: {probe['device']}, torch {probe['torch']}, CUDA {probe['cuda']}, cuDNN {probe['cudnn']}")
-    for shapes in filter(None, (load(out / "qwen3_8b.json"), load(out / "qwen35_9b.json"), load(out / "gptoss_20b.json"))):
+    for shapes in filter(None, (load(out / "qwen3_8b.json"), load(out / "qwen35_9b.json"), load(out / "gptoss_20b.json"),
+                                 load(out / "gemma_4_31b.json"), load(out / "gemma_4_26b_a4b.json"))):
         by = {sh["compiled"]: sh for sh in shapes["shapes"]}
         name = by[False]["shape"]
         # (a mixture of experts reads only the experts its tokens hit: no all-weights floor)
