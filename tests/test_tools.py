@@ -88,6 +88,21 @@ CASES = [
     ("none", "gemma4", "", "<|tool_call>call:f{key}<tool_call|>", True, "", "<|tool_call>call:f{key}<tool_call|>", []),
     ("none", "gemma4", "", "<|tool_call>call:get_time{", False, "", "<|tool_call>call:get_time{", []),  # (cut)
     ("none", "gemma4", "", "a <tool_call> of another format", True, "", "a <tool_call> of another format", []),
+    # calls sit inside the text: its spaces stay (helper-2: "thenend")
+    ("none", "gemma4", "", "Look then <|tool_call>call:get_time{}<tool_call|> end", True, "", "Look then  end",
+     [("get_time", {})]),
+    # bare values that strict JSON does not have stay strings (NaN, a float out of range: the arguments stay JSON)
+    ("none", "gemma4", "", "<|tool_call>call:f{x:NaN,y:1e999,z:-Infinity,w:2.5e3}<tool_call|>", True, "", "",
+     [("f", {"x": "NaN", "y": "1e999", "z": "-Infinity", "w": 2500.0})]),
+    # nested deeper than 100: a malformed call, kept as text (helper-2: a RecursionError, a 500)
+    ("none", "gemma4", "", "<|tool_call>call:f{a:" + "[" * 1500 + "]" * 1500 + "}<tool_call|>", True, "",
+     "<|tool_call>call:f{a:" + "[" * 1500 + "]" * 1500 + "}<tool_call|>", []),
+    ("none", "gemma4", "", "<|tool_call>call:f{a:" + "[" * 99 + "]" * 99 + "}<tool_call|>", True, "", "",
+     [("f", {"a": json.loads("[" * 99 + "]" * 99)})]),
+    ("none", "hermes", "", '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>",
+     True, "", '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>", []),
+    ("none", "hermes", "", '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>', True, "",
+     '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>', []),  # (not JSON: not a call)
     ("harmony", "harmony", "", HARMONY, True, "Need the weather.", "", [("get_weather", {"city": "Oslo"})]),
     ("harmony", "harmony", "", HARMONY, False, "Need the weather.", '{"city": "Oslo"}', []),  # cut: no call
     ("harmony", "harmony", "", "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>",
@@ -217,6 +232,26 @@ def test_prompt_with_tools_and_tool_messages_is_transformers(local_engine, monke
     assert CONVERSATION[2]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris", "days": 2}'  # (not changed)
     if template == HARMONY_TEMPLATE:  # the JSON text itself would be rendered as a JSON string
         assert want != _oracle(tok, CONVERSATION, tools=TOOLS)
+
+
+def test_an_earlier_replys_reasoning_reaches_the_template(local_engine, monkeypatch):
+    """An assistant message's reasoning_content (or vLLM's newer reasoning) reaches the chat
+    template as reasoning_content, as transformers renders it (helper-2: chat dropped it,
+    while Gemma 4's template writes it back before the calls)."""
+    from dflash_torch.serving.protocol import ChatCompletionRequest
+
+    template = ("{% for m in messages %}# {{ m.role }}: {% if m.reasoning_content %}[{{ m.reasoning_content }}]"
+                "{% endif %}{{ m.content or '' }}\n{% endfor %}")
+    monkeypatch.setattr(local_engine.tokenizer, "chat_template", template)
+    for field in ("reasoning_content", "reasoning"):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes", field: "Think."},
+                    {"role": "user", "content": "more"}]
+        sent = ChatCompletionRequest(messages=messages).engine_messages()
+        assert sent[1] == {"role": "assistant", "content": "yes", "reasoning_content": "Think."}
+        want = [dict(m) for m in messages]
+        want[1] = {"role": "assistant", "content": "yes", "reasoning_content": "Think."}
+        assert local_engine.encode_prompt(sent) == _oracle(local_engine.tokenizer, want)
+        assert "[Think.]" in local_engine.decode(local_engine.encode_prompt(sent))
 
 
 @pytest.mark.parametrize("prompt,kwargs,message", [

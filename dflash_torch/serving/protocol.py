@@ -333,6 +333,9 @@ class ChatMessage(BaseModel):
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None  # (role tool: the call it answers)
+    # an earlier reply's reasoning, as the server returns it (vLLM's newer name: reasoning)
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -344,7 +347,9 @@ class ChatMessage(BaseModel):
     def engine_message(self) -> dict:
         """The message for :meth:`DFlashEngine.encode_prompt` ("developer" is OpenAI's newer
         name for "system", the role chat templates know); a tool call's ``arguments`` stay
-        as sent (the engine parses a JSON string into a dict)."""
+        as sent (the engine parses a JSON string into a dict); an assistant message's
+        ``reasoning_content`` (or ``reasoning``) reaches the template as ``reasoning_content``,
+        the name templates read it by (Qwen3's, Gemma 4's)."""
         out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
@@ -352,6 +357,9 @@ class ChatMessage(BaseModel):
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             out["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None and self.role == "assistant":
+            out["reasoning_content"] = reasoning
         return out
 
 

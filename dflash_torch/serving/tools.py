@@ -23,13 +23,15 @@ Formats (``serve --tool-call-parser``):
   the reply's end when the reply ended with a stop token (``<|call|>`` is one of gpt-oss's
   EOS tokens, so it is not in the text).
 
-A call whose arguments are not a JSON object, or that is still open when the reply is cut
-(``max_tokens``), stays in the content as the model wrote it (for harmony: its body), so
-no text is lost. In the ``<tool_call>`` formats, a ``</tool_call>`` after which the call does
-not parse may be text inside an argument: the call is read on to the next ``</tool_call>``
-(unless a ``<tool_call>`` comes first), so the text after a malformed call is held back
-until that is known. In these formats, whitespace next to a call (the newlines
-templates put between calls) is dropped.
+A call whose arguments are not a JSON object (strict JSON: no NaN or Infinity, no number
+beyond a float's range, at most :data:`MAX_DEPTH` objects or lists deep), or that is still
+open when the reply is cut (``max_tokens``), stays in the content as the model wrote it (for
+harmony: its body), so no text is lost. In the marked-block formats (``<tool_call>``,
+``<|tool_call>``), a close marker after which the call does not parse may be text inside an
+argument: the call is read on to the next close marker (unless an open marker comes first),
+so the text after a malformed call is held back until that is known. In the ``<tool_call>``
+formats, whitespace next to a call (the newlines templates put between calls) is dropped;
+Gemma 4's calls sit inside the text, which keeps its spaces.
 
 Composition with :mod:`.reasoning`: a reply is first split into reasoning and answer by
 the reasoning parser, and the tool calls are looked for in the answer
@@ -50,6 +52,7 @@ pieces were cut.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -77,9 +80,43 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+MAX_DEPTH = 100  # objects and lists nested in one call's arguments (deeper: a malformed call)
+
+
+def _json(text: str):
+    """``json.loads`` of strict JSON: NaN, Infinity and numbers beyond a float's range (which
+    ``json.dumps`` would write back as no JSON parser reads them), and objects or lists nested
+    more than :data:`MAX_DEPTH` deep, are refused.
+
+    Raises:
+        ValueError: text that is not such JSON, or nested too deeply to read (a RecursionError).
+    """
+    def finite(number: str) -> float:
+        value = float(number)
+        if not math.isfinite(value):
+            raise ValueError(f"{number} is out of a float's range")
+        return value
+
+    def constant(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        value = json.loads(text, parse_float=finite, parse_constant=constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    pending = [(value, 0)]  # (deeper than MAX_DEPTH: writing it back could exhaust the stack)
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            if depth >= MAX_DEPTH:
+                raise ValueError("nested too deeply")
+            pending.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return value
+
+
 def _json_object(text: str) -> dict | None:
     try:
-        value = json.loads(text)
+        value = _json(text)
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
@@ -95,6 +132,7 @@ class ToolParser:
     it completes; :meth:`parse_block` reads one block's inside."""
 
     OPEN, CLOSE = CALL_OPEN, CALL_CLOSE
+    DROP_SPACE = True  # whitespace next to a call (the newlines templates put between calls) is dropped
 
     def __init__(self):
         self.buffer = ""
@@ -129,7 +167,7 @@ class ToolParser:
                 else:
                     calls.append(call)
                 self.buffer = self.buffer[stop:]
-                self.in_call, self.gap, self.after_call, self.scan = False, "", call is not None, 0
+                self.in_call, self.gap, self.after_call, self.scan = False, "", call is not None and self.DROP_SPACE, 0
                 continue
             if self.after_call:
                 self.buffer = self.buffer.lstrip()
@@ -140,13 +178,14 @@ class ToolParser:
             if start < 0:  # hold back a possible marker start and the whitespace before it
                 keep = _held(self.buffer, (self.OPEN,))
                 text_part = self.buffer[:len(self.buffer) - keep]
-                emit = text_part.rstrip()
+                emit = text_part.rstrip() if self.DROP_SPACE else text_part
                 content.append(emit)
                 self.buffer = self.buffer[len(emit):]
                 break
             before = self.buffer[:start]
-            content.append(before.rstrip())
-            self.gap = before[len(before.rstrip()):]
+            kept = before.rstrip() if self.DROP_SPACE else before
+            content.append(kept)
+            self.gap = before[len(kept):]
             self.buffer, self.in_call = self.buffer[start:], True
         return "".join(content), calls
 
@@ -225,7 +264,7 @@ class Qwen3CoderParser(ToolParser):
             if t == "null" and text == "none":  # (Python's None, as a template's ``| string`` writes it)
                 return None
             try:
-                parsed = json.loads(text)
+                parsed = _json(text)
             except ValueError:
                 continue
             if isinstance(parsed, want[t]) and not (t in ("integer", "number") and isinstance(parsed, bool)):
@@ -301,25 +340,32 @@ class Gemma4Parser(ToolParser):
     """``<|tool_call>call:NAME{ARGUMENTS}<tool_call|>`` (see the module docstring)."""
 
     OPEN, CLOSE = GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE
+    DROP_SPACE = False  # (calls sit inside the text: " then <call> end" keeps its spaces)
 
     def parse_block(self, body: str) -> ToolCall | None:
         m = _GEMMA4_CALL.fullmatch(body)
         if m is None:
             return None
         try:
-            arguments, end = _gemma4_members(m[2], 0, "")
+            arguments, end = _gemma4_members(m[2], 0, "", 0)
         except ValueError:
             return None
         return ToolCall(m[1], _dumps(arguments)) if end == len(m[2]) else None
 
 
-def _gemma4_members(text: str, at: int, closer: str) -> tuple[dict, int]:
+
+
+def _gemma4_members(text: str, at: int, closer: str, depth: int) -> tuple[dict, int]:
     """The ``key:value`` pairs of Gemma's notation from ``text[at:]`` up to ``closer`` (the
-    ``}`` of a nested object; "": the end of the text): ``(object, index after them)``.
+    ``}`` of a nested object; "": the end of the text), ``depth`` brackets in:
+    ``(object, index after them)``.
 
     Raises:
-        ValueError: anything else (a key without a value, an unclosed string or bracket).
+        ValueError: anything else (a key without a value, an unclosed string or bracket,
+            nesting deeper than :data:`MAX_DEPTH`).
     """
+    if depth > MAX_DEPTH:
+        raise ValueError("nested too deeply")
     out = {}
     while True:
         at = _skip_space(text, at)
@@ -335,7 +381,7 @@ def _gemma4_members(text: str, at: int, closer: str) -> tuple[dict, int]:
         at = _skip_space(text, at)
         if not key or not text.startswith(":", at):
             raise ValueError("a key without a value")
-        out[key], at = _gemma4_value(text, at + 1, "}")
+        out[key], at = _gemma4_value(text, at + 1, "}", depth)
         at = _skip_space(text, at)
         if text.startswith(",", at):
             at += 1
@@ -343,21 +389,24 @@ def _gemma4_members(text: str, at: int, closer: str) -> tuple[dict, int]:
             raise ValueError("pairs not split by commas")
 
 
-def _gemma4_value(text: str, at: int, closers: str) -> tuple[object, int]:
+def _gemma4_value(text: str, at: int, closers: str, depth: int) -> tuple[object, int]:
     """One value of Gemma's notation at ``text[at:]`` (a bare one ends before a comma or one of
-    ``closers``): ``(value, index after it)``."""
+    ``closers``; bare numbers, ``true``, ``false`` are strict JSON's, ``null`` / ``None`` null,
+    anything else a string): ``(value, index after it)``."""
     at = _skip_space(text, at)
     if text.startswith(GEMMA4_QUOTE, at):
         return _gemma4_string(text, at)
+    if depth >= MAX_DEPTH and text.startswith(("{", "["), at):
+        raise ValueError("nested too deeply")
     if text.startswith("{", at):
-        value, at = _gemma4_members(text, at + 1, "}")
+        value, at = _gemma4_members(text, at + 1, "}", depth + 1)
         if not text.startswith("}", at):
             raise ValueError("an unclosed object")
         return value, at + 1
     if text.startswith("[", at):
         items, at = [], _skip_space(text, at + 1)
         while not text.startswith("]", at):
-            item, at = _gemma4_value(text, at, "]")
+            item, at = _gemma4_value(text, at, "]", depth + 1)
             items.append(item)
             at = _skip_space(text, at)
             if text.startswith(",", at):
@@ -374,7 +423,7 @@ def _gemma4_value(text: str, at: int, closers: str) -> tuple[object, int]:
     if bare in ("null", "None"):
         return None, end
     try:
-        value = json.loads(bare)
+        value = _json(bare)
     except ValueError:
         return bare, end
     return (value if isinstance(value, (bool, int, float)) else bare), end
