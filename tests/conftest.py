@@ -493,6 +493,83 @@ def agree_dflash2_pair(agree_pair, tmp_path_factory) -> tuple[Path, Path]:
     return target, make_dflash2_from(drafter, tmp_path_factory.mktemp("agree-dflash2"), conv_std=0.2, selector_std=0.6, seed=3)
 
 
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """The ``n`` tokens transformers' own greedy ``generate`` gives after ``ids`` (EOS ignored)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+def check_greedy_equals_transformers(target_dir: Path, drafter_dir: Path, block_sizes=(2, 8, 16), new_tokens: int = 24):
+    """Greedy speculative decoding == transformers' greedy ``generate``, token for token: the
+    target alone, each of ``block_sizes``, recompute, fixed shapes and a batch of two."""
+    from dflash_torch import DFlashEngine
+
+    hf = load_hf(target_dir)
+    spec = DFlashEngine.from_pretrained(target_dir, drafter_dir)
+    engines = [DFlashEngine(spec.target, spec.tokenizer)]
+    engines += [DFlashEngine(spec.target, spec.tokenizer, spec.drafter, block_size=b) for b in block_sizes]
+    engines += [DFlashEngine(spec.target, spec.tokenizer, spec.drafter, draft_mode="recompute", block_size=5),
+                DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=300)]
+    prompts = ["def f(x):", "import os\nimport sys\n"]
+    refs = [hf_greedy(hf, spec.encode_prompt(p), new_tokens) for p in prompts]
+    for prompt, ref in zip(prompts, refs):
+        for engine in engines:
+            out = engine.generate(spec.encode_prompt(prompt), max_new_tokens=new_tokens, ignore_eos=True)
+            assert out.token_ids == ref, (engine.block_size, engine.decoder.draft_mode, engine.decoder.static)
+    batch = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, max_batch_size=2, max_context=128)
+    outs = batch.generate_batch(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    assert [o.token_ids for o in outs] == refs
+
+
+def check_many_accepted_tokens_are_lossless(target_dir: Path, drafter_dir: Path) -> None:
+    """An agreeable pair's rounds that accept several tokens, over 80 tokens (ten windows of a
+    sliding window of 8): eager, fixed shapes and batched decoding all give transformers'
+    greedy tokens, and the acceptance lengths vary (mean > 1.5, four values or more)."""
+    from dflash_torch import DFlashEngine
+
+    hf = load_hf(target_dir)
+    spec = DFlashEngine.from_pretrained(target_dir, drafter_dir)
+    static = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=256, prefill_chunk=32)
+    batch = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, max_batch_size=2, max_context=256)
+    prompts = [[5, 17, 99, 3], list(range(2, 45))]
+    refs = [hf_greedy(hf, p, 80) for p in prompts]
+    taus = []
+    for prompt, ref in zip(prompts, refs):
+        for engine in (spec, static):
+            out = engine.generate(prompt, max_new_tokens=80, ignore_eos=True)
+            assert out.token_ids == ref
+            taus += out.stats.acceptance_lengths
+    assert [o.token_ids for o in batch.generate_batch(prompts, max_new_tokens=80, ignore_eos=True)] == refs
+    assert sum(taus) / len(taus) > 1.5 and len(set(taus)) >= 4, sorted(set(taus))
+
+
+def check_compiled_rounds_are_lossless(target_dir: Path, drafter_dir: Path) -> None:
+    """Compiled rounds (torch.compile, eager backend) commit the eager decoder's tokens, and
+    after warm-up no graph is recompiled, no frame re-traced and no graph ever broken."""
+    import torch._dynamo
+    import torch._dynamo.utils as dynamo_utils
+
+    from dflash_torch.decoding import SpeculativeDecoder
+    from dflash_torch.models.drafter import DFlashDrafter
+    from dflash_torch.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    compiled = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=256, prefill_chunk=32)
+    eager = SpeculativeDecoder(target, drafter)
+    run_rounds(compiled, [5, 17, 99, 3], 40)
+    graphs, frames = dynamo_utils.counters["stats"]["unique_graphs"], dynamo_utils.counters["frames"]["total"]
+    for prompt in ([11, 12, 13], list(range(2, 60))):
+        assert run_rounds(compiled, prompt, 60)[0] == run_rounds(eager, prompt, 60)[0]
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
+    assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
+    assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
+
+
 def run_rounds(decoder, prompt, n, params=None):
     """The first ``n`` tokens a :class:`SpeculativeDecoder` commits for ``prompt`` (greedy
     unless ``params``), and the acceptance length of each drafted round."""

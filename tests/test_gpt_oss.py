@@ -18,14 +18,13 @@ import json
 import pytest
 import torch
 import torch._dynamo
-import torch._dynamo.utils as dynamo_utils
 from safetensors.torch import load_file
 
-from conftest import edited_checkpoint, copy_tokenizer, drafter_config, load_hf, make_gpt_oss_target, run_rounds, save_drafter
+from conftest import (check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
+                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint, load_hf,
+                      make_gpt_oss_target, save_drafter)
 from dflash_torch import DFlashEngine, DFlashError
-from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.models import gpt_oss, mxfp4
-from dflash_torch.models.drafter import DFlashDrafter
 from dflash_torch.models.target import TargetModel
 
 NEW_TOKENS = 24
@@ -158,30 +157,8 @@ def test_mxfp4_checkpoint_matches_transformers_with_dequantized_experts(mxfp4_ch
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=n, do_sample=False, eos_token_id=None)
-    return out[0, len(ids):].tolist()
-
-
 def test_greedy_speculative_equals_transformers_generate(checkpoint):
-    target_dir, drafter_dir = checkpoint
-    hf = load_hf(target_dir)
-    spec = DFlashEngine.from_pretrained(target_dir, drafter_dir)
-    engines = [DFlashEngine(spec.target, spec.tokenizer)]
-    engines += [DFlashEngine(spec.target, spec.tokenizer, spec.drafter, block_size=b) for b in (2, 8, 16)]
-    engines += [DFlashEngine(spec.target, spec.tokenizer, spec.drafter, draft_mode="recompute", block_size=5),
-                DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=300)]
-    prompts = ["def f(x):", "import os\nimport sys\n"]
-    refs = [_hf_greedy(hf, spec.encode_prompt(p), NEW_TOKENS) for p in prompts]
-    for prompt, ref in zip(prompts, refs):
-        for engine in engines:
-            out = engine.generate(spec.encode_prompt(prompt), max_new_tokens=NEW_TOKENS, ignore_eos=True)
-            assert out.token_ids == ref, (engine.block_size, engine.decoder.draft_mode, engine.decoder.static)
-    batch = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, max_batch_size=2, max_context=128)
-    outs = batch.generate_batch(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    assert [o.token_ids for o in outs] == refs
+    check_greedy_equals_transformers(*checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -190,39 +167,11 @@ def agree_gpt_oss(agree_gpt_oss_pair):
 
 
 def test_many_accepted_tokens_across_the_window_are_lossless(agree_gpt_oss):
-    """Rounds that accept several tokens, over 80 tokens (ten windows of 8): eager, fixed
-    shapes and batched decoding all give transformers' greedy tokens."""
-    target_dir, drafter_dir = agree_gpt_oss
-    hf = load_hf(target_dir)
-    spec = DFlashEngine.from_pretrained(target_dir, drafter_dir)
-    static = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=256, prefill_chunk=32)
-    batch = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, max_batch_size=2, max_context=256)
-    prompts = [[5, 17, 99, 3], list(range(2, 45))]
-    refs = [_hf_greedy(hf, p, 80) for p in prompts]
-    taus = []
-    for prompt, ref in zip(prompts, refs):
-        for engine in (spec, static):
-            out = engine.generate(prompt, max_new_tokens=80, ignore_eos=True)
-            assert out.token_ids == ref
-            taus += out.stats.acceptance_lengths
-    assert [o.token_ids for o in batch.generate_batch(prompts, max_new_tokens=80, ignore_eos=True)] == refs
-    assert sum(taus) / len(taus) > 1.5 and len(set(taus)) >= 4, sorted(set(taus))
+    check_many_accepted_tokens_are_lossless(*agree_gpt_oss)
 
 
 def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_gpt_oss):
-    target_dir, drafter_dir = agree_gpt_oss
-    target = TargetModel.from_pretrained(target_dir, torch.float32)
-    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
-    torch._dynamo.reset()
-    dynamo_utils.counters.clear()
-    compiled = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=256, prefill_chunk=32)
-    eager = SpeculativeDecoder(target, drafter)
-    run_rounds(compiled, [5, 17, 99, 3], 40)
-    graphs, frames = dynamo_utils.counters["stats"]["unique_graphs"], dynamo_utils.counters["frames"]["total"]
-    for prompt in ([11, 12, 13], list(range(2, 60))):
-        assert run_rounds(compiled, prompt, 60)[0] == run_rounds(eager, prompt, 60)[0]
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
-    assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
+    check_compiled_rounds_are_lossless(*agree_gpt_oss)
 
 
 def test_mxfp4_pair_speculative_equals_target_only(mxfp4_checkpoint):

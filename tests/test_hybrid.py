@@ -29,7 +29,7 @@ import torch._dynamo
 import torch._dynamo.utils as dynamo_utils
 from safetensors import safe_open
 
-from conftest import (HYBRID_FAMILIES, copy_tokenizer, drafter_config, load_hf, make_agreeable_pair,
+from conftest import (HYBRID_FAMILIES, copy_tokenizer, drafter_config, hf_greedy, load_hf, make_agreeable_pair,
                       make_hybrid_target, save_drafter)
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.decoding import SpeculativeDecoder
@@ -164,13 +164,6 @@ def test_batched_gated_deltanet_equals_one_sequence_at_a_time(checkpoints, famil
         torch.testing.assert_close(batched.ssm[slot][i], alone[i].ssm[slot][0], rtol=1e-5, atol=1e-6)
 
 
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=n, do_sample=False, eos_token_id=None)
-    return out[0, len(ids):].tolist()
-
-
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_greedy_speculative_equals_transformers_generate(checkpoints, family):
     target_dir, drafter_dir = checkpoints[family]
@@ -182,7 +175,7 @@ def test_greedy_speculative_equals_transformers_generate(checkpoints, family):
                 DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=300)]
     for prompt in PROMPTS:
         ids = spec.encode_prompt(prompt)
-        ref = _hf_greedy(hf, ids, NEW_TOKENS)
+        ref = hf_greedy(hf, ids, NEW_TOKENS)
         for engine in engines:
             assert engine.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids == ref, \
                 (engine.block_size, engine.decoder.draft_mode, engine.decoder.static)
@@ -208,7 +201,7 @@ def test_partial_acceptance_rounds_are_lossless(agree_hybrid):
     static = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=256, prefill_chunk=32)
     taus = []
     for prompt in ([5, 17, 99, 3], list(range(2, 45))):
-        ref = _hf_greedy(hf, prompt, 80)
+        ref = hf_greedy(hf, prompt, 80)
         for engine in (spec, static):
             out = engine.generate(prompt, max_new_tokens=80, ignore_eos=True)
             assert out.token_ids == ref
@@ -249,7 +242,7 @@ def test_inductor_compiled_hybrid_moe_rounds_are_lossless(tmp_path, tokenizer_di
     drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
     torch._dynamo.reset()
     compiled = SpeculativeDecoder(target, drafter, compile=True, max_context=128, prefill_chunk=32)
-    reference = _hf_greedy(load_hf(target_dir), list(range(2, 40)), 30)
+    reference = hf_greedy(load_hf(target_dir), list(range(2, 40)), 30)
     assert _run(compiled, list(range(2, 40)), 30) == reference
 
 
@@ -402,7 +395,7 @@ def test_cli_and_server_decode_a_hybrid_target_losslessly(checkpoints, tmp_path)
     target_dir, drafter_dir = checkpoints["qwen3_5"]
     target_only = DFlashEngine.from_pretrained(target_dir, no_draft=True)
     ids = target_only.encode_prompt(PROMPTS[0])
-    ref = _hf_greedy(load_hf(target_dir), ids, NEW_TOKENS)
+    ref = hf_greedy(load_hf(target_dir), ids, NEW_TOKENS)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     models = ["--target", str(target_dir), "--draft", str(drafter_dir)]
     cli = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "generate", *models, "--prompt", PROMPTS[0], "--json",

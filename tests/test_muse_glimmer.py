@@ -23,13 +23,12 @@ import json
 import pytest
 import torch
 import torch._dynamo
-import torch._dynamo.utils as dynamo_utils
 from safetensors.torch import save_file
 
-from conftest import (copy_tokenizer, drafter_config, edited_checkpoint, load_hf, make_agreeable_pair, make_dflash2_from,
-                      make_muse_glimmer_target, run_rounds, save_drafter)
+from conftest import (check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
+                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint, hf_greedy,
+                      load_hf, make_agreeable_pair, make_dflash2_from, make_muse_glimmer_target, save_drafter)
 from dflash_torch import DFlashEngine, DFlashError
-from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.models.drafter import DFlashDrafter, RecomputedContext
 from dflash_torch.models.target import TargetModel
 
@@ -109,30 +108,8 @@ def test_each_part_matters(checkpoint, change):
     assert (logits - ref).abs().max() > 1e-2, change
 
 
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=n, do_sample=False, eos_token_id=None)
-    return out[0, len(ids):].tolist()
-
-
 def test_greedy_speculative_equals_transformers_generate(checkpoint):
-    target_dir, drafter_dir = checkpoint
-    hf = load_hf(target_dir)
-    spec = DFlashEngine.from_pretrained(target_dir, drafter_dir)
-    engines = [DFlashEngine(spec.target, spec.tokenizer)]
-    engines += [DFlashEngine(spec.target, spec.tokenizer, spec.drafter, block_size=b) for b in (2, 8, 16)]
-    engines += [DFlashEngine(spec.target, spec.tokenizer, spec.drafter, draft_mode="recompute", block_size=5),
-                DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=300)]
-    prompts = ["def f(x):", "import os\nimport sys\n"]
-    refs = [_hf_greedy(hf, spec.encode_prompt(p), NEW_TOKENS) for p in prompts]
-    for prompt, ref in zip(prompts, refs):
-        for engine in engines:
-            out = engine.generate(spec.encode_prompt(prompt), max_new_tokens=NEW_TOKENS, ignore_eos=True)
-            assert out.token_ids == ref, (engine.block_size, engine.decoder.draft_mode, engine.decoder.static)
-    batch = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, max_batch_size=2, max_context=128)
-    outs = batch.generate_batch(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    assert [o.token_ids for o in outs] == refs
+    check_greedy_equals_transformers(*checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -142,39 +119,11 @@ def agree_muse(tmp_path_factory, tokenizer_dir):
 
 
 def test_many_accepted_tokens_across_the_window_are_lossless(agree_muse):
-    """Rounds that accept several tokens, over 80 tokens (ten windows of 8): eager, fixed
-    shapes and batched decoding all give transformers' greedy tokens."""
-    target_dir, drafter_dir = agree_muse
-    hf = load_hf(target_dir)
-    spec = DFlashEngine.from_pretrained(target_dir, drafter_dir)
-    static = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=256, prefill_chunk=32)
-    batch = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, max_batch_size=2, max_context=256)
-    prompts = [[5, 17, 99, 3], list(range(2, 45))]
-    refs = [_hf_greedy(hf, p, 80) for p in prompts]
-    taus = []
-    for prompt, ref in zip(prompts, refs):
-        for engine in (spec, static):
-            out = engine.generate(prompt, max_new_tokens=80, ignore_eos=True)
-            assert out.token_ids == ref
-            taus += out.stats.acceptance_lengths
-    assert [o.token_ids for o in batch.generate_batch(prompts, max_new_tokens=80, ignore_eos=True)] == refs
-    assert sum(taus) / len(taus) > 1.5 and len(set(taus)) >= 4, sorted(set(taus))
+    check_many_accepted_tokens_are_lossless(*agree_muse)
 
 
 def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_muse):
-    target_dir, drafter_dir = agree_muse
-    target = TargetModel.from_pretrained(target_dir, torch.float32)
-    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
-    torch._dynamo.reset()
-    dynamo_utils.counters.clear()
-    compiled = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=256, prefill_chunk=32)
-    eager = SpeculativeDecoder(target, drafter)
-    run_rounds(compiled, [5, 17, 99, 3], 40)
-    graphs, frames = dynamo_utils.counters["stats"]["unique_graphs"], dynamo_utils.counters["frames"]["total"]
-    for prompt in ([11, 12, 13], list(range(2, 60))):
-        assert run_rounds(compiled, prompt, 60)[0] == run_rounds(eager, prompt, 60)[0]
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was recompiled after warm-up"
-    assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
+    check_compiled_rounds_are_lossless(*agree_muse)
 
 
 def test_drafts_read_the_plain_embedding_and_the_target_scale(checkpoint, tmp_path):
@@ -334,7 +283,7 @@ def test_assistant_drafter_decodes_losslessly(checkpoint, assistant):
     spec = DFlashEngine.from_pretrained(target_dir, path)
     assert spec.block_size == 8
     for prompt in ([5, 17, 99, 3], list(range(2, 30))):
-        assert spec.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids == _hf_greedy(hf, prompt, NEW_TOKENS)
+        assert spec.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("edit,message", [
