@@ -25,7 +25,6 @@ import json
 
 import pytest
 import torch
-import torch._dynamo
 
 from conftest import (check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
                       check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint, load_hf,

@@ -17,7 +17,6 @@ import json
 
 import pytest
 import torch
-import torch._dynamo
 from safetensors.torch import load_file
 
 from conftest import (check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
