@@ -493,6 +493,24 @@ def agree_dflash2_pair(agree_pair, tmp_path_factory) -> tuple[Path, Path]:
     return target, make_dflash2_from(drafter, tmp_path_factory.mktemp("agree-dflash2"), conv_std=0.2, selector_std=0.6, seed=3)
 
 
+def forward_in_pieces(model, ids: torch.Tensor, pieces: list[int], static: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A target's logits and all layers' outputs of ``ids`` fed in consecutive pieces of the
+    given lengths (``static``: attending over the whole preallocated cache, as fixed shapes do)."""
+    cache = model.new_cache()
+    cache.reset(64)
+    logits, feats, start = [], [], 0
+    layers = list(range(model.config.num_hidden_layers))
+    with torch.no_grad():
+        for n in pieces:
+            end = start + n
+            lg, f = model(ids[start:end], torch.arange(start, end), cache, kv_len=None if static else end,
+                          feature_layers=layers)
+            logits.append(lg)
+            feats.append(f)
+            start = end
+    return torch.cat(logits), torch.cat(feats)
+
+
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     """The ``n`` tokens transformers' own greedy ``generate`` gives after ``ids`` (EOS ignored)."""
     with torch.no_grad():

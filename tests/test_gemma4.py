@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from conftest import (check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
-                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint, load_hf,
-                      make_agreeable_pair, make_gemma4_target, save_drafter)
+                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
+                      forward_in_pieces, load_hf, make_agreeable_pair, make_gemma4_target, save_drafter)
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models import layers
 from dflash_torch.models.drafter import DFlashDrafter
@@ -51,27 +51,11 @@ def checkpoints(tmp_path_factory, tokenizer_dir):
     return out
 
 
-def _forward(model: TargetModel, ids: torch.Tensor, pieces: list[int], static: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and all layers' outputs of ``ids`` fed in consecutive pieces of the given lengths."""
-    cache = model.new_cache()
-    cache.reset(64)
-    logits, feats, start = [], [], 0
-    layer_ids = list(range(model.config.num_hidden_layers))
-    with torch.no_grad():
-        for n in pieces:
-            end = start + n
-            lg, f = model(ids[start:end], torch.arange(start, end), cache, kv_len=None if static else end,
-                          feature_layers=layer_ids)
-            logits.append(lg)
-            feats.append(f)
-            start = end
-    return torch.cat(logits), torch.cat(feats)
-
 
 def _assert_matches(model: TargetModel, hf, ids: torch.Tensor, pieces: list[int], static: bool) -> None:
     with torch.no_grad():
         ref = hf(ids[None], output_hidden_states=True)
-    logits, feats = _forward(model, ids, pieces, static)
+    logits, feats = forward_in_pieces(model, ids, pieces, static)
     torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-4)
     h = model.config.hidden_size
     for layer in range(model.config.num_hidden_layers):
@@ -129,7 +113,7 @@ def test_each_part_matters(checkpoints, change):
             layer.post_feedforward_layernorm_2.weight.data.zero_()
     if change == "window":  # (the masks a forward builds are listed once, when the model is built)
         ours.attention_masks = ((None, 2), (None, 4))
-    logits, _ = _forward(ours, ids, [30], False)
+    logits, _ = forward_in_pieces(ours, ids, [30], False)
     assert (logits - ref).abs().max() > 1e-2, change
 
 
@@ -233,13 +217,13 @@ def test_text_configs_load_like_the_wrapper(checkpoints, tmp_path):
     flat = edited_checkpoint(text_dir, tmp_path / "flat", state=lambda w: w.update(
         {"model." + k[len("model.language_model."):]: w.pop(k) for k in list(w) if k.startswith("model.language_model.")}))
     ids = torch.arange(2, 22)
-    ref, _ = _forward(wrapper, ids, [20], False)
+    ref, _ = forward_in_pieces(wrapper, ids, [20], False)
     for d, prefix in ((text_dir, "model.language_model."), (flat, "model.")):
         model = TargetModel.from_pretrained(d, torch.float32)
         assert model.config.checkpoint_prefix == prefix and model.config.moe == wrapper.config.moe
         ours, theirs = model.state_dict(), wrapper.state_dict()
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-        torch.testing.assert_close(_forward(model, ids, [20], False)[0], ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(forward_in_pieces(model, ids, [20], False)[0], ref, rtol=1e-6, atol=1e-6)
     _assert_matches(TargetModel.from_pretrained(flat, torch.float32), load_hf(flat), ids, [20], False)
     with_vision = edited_checkpoint(target_dir, tmp_path / "text-vision", config=to_text)
     with pytest.raises(DFlashError, match=r"^the target checkpoint has a vision or audio tower \(model.vision_tower.\*\), "

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import (check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
-                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint, load_hf,
-                      make_gpt_oss_target, save_drafter)
+                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
+                      forward_in_pieces, load_hf, make_gpt_oss_target, save_drafter)
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models import gpt_oss, mxfp4
 from dflash_torch.models.target import TargetModel
@@ -43,22 +43,6 @@ def mxfp4_checkpoint(mxfp4_gpt_oss_pair):
     return mxfp4_gpt_oss_pair
 
 
-def _forward(model: TargetModel, ids: torch.Tensor, pieces: list[int], static: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and all layers' outputs of ``ids`` fed in consecutive pieces of the given lengths."""
-    cache = model.new_cache()
-    cache.reset(64)
-    logits, feats, start = [], [], 0
-    layers = list(range(model.config.num_hidden_layers))
-    with torch.no_grad():
-        for n in pieces:
-            end = start + n
-            lg, f = model(ids[start:end], torch.arange(start, end), cache, kv_len=None if static else end,
-                          feature_layers=layers)
-            logits.append(lg)
-            feats.append(f)
-            start = end
-    return torch.cat(logits), torch.cat(feats)
-
 
 @pytest.mark.parametrize("pieces,static", [([30], False), ([11, 1, 7, 11], False), ([16, 14], True)])
 def test_forward_matches_transformers(checkpoint, pieces, static):
@@ -69,7 +53,7 @@ def test_forward_matches_transformers(checkpoint, pieces, static):
     ids = torch.randint(0, ours.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids[None], output_hidden_states=True)
-    logits, feats = _forward(ours, ids, pieces, static)
+    logits, feats = forward_in_pieces(ours, ids, pieces, static)
     torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-4)
     h = ours.config.hidden_size
     for layer in range(ours.config.num_hidden_layers):
@@ -91,7 +75,7 @@ def test_the_window_and_the_sinks_matter(checkpoint):
                 layer.sliding_window = None
             else:
                 layer.self_attn.sinks.data.fill_(-1e4)
-        logits, _ = _forward(ours, ids, [30], False)
+        logits, _ = forward_in_pieces(ours, ids, [30], False)
         assert (logits - ref).abs().max() > 1e-2, change
 
 
@@ -152,7 +136,7 @@ def test_mxfp4_checkpoint_matches_transformers_with_dequantized_experts(mxfp4_ch
     ids = torch.arange(3, 23)
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
-    logits, _ = _forward(ours, ids, [20], False)
+    logits, _ = forward_in_pieces(ours, ids, [20], False)
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -260,7 +244,7 @@ def test_packed_mxfp4_experts_decode_like_dequantized_ones(mxfp4_checkpoint):
     from dflash_torch.checkpoint import weight_bytes
     assert weight_bytes(packed, torch.float32) < 0.6 * weight_bytes(plain, torch.float32)
     ids = torch.arange(3, 40)
-    assert torch.equal(_forward(packed, ids, [37], False)[0], _forward(plain, ids, [37], False)[0])
+    assert torch.equal(forward_in_pieces(packed, ids, [37], False)[0], forward_in_pieces(plain, ids, [37], False)[0])
     ref_engine = DFlashEngine.from_pretrained(target_dir, no_draft=True, mxfp4="dequantize")
     spec = DFlashEngine.from_pretrained(target_dir, drafter_dir, mxfp4="packed")
     static = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=128)

@@ -25,8 +25,9 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import (check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
-                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint, hf_greedy,
-                      load_hf, make_agreeable_pair, make_dflash2_from, make_muse_glimmer_target, save_drafter)
+                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
+                      forward_in_pieces, hf_greedy, load_hf, make_agreeable_pair, make_dflash2_from,
+                      make_muse_glimmer_target, save_drafter)
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models.drafter import DFlashDrafter, RecomputedContext
 from dflash_torch.models.target import TargetModel
@@ -43,22 +44,6 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
     return target, save_drafter(root / "drafter", drafter_config(target, block_size=16), seed=5)
 
 
-def _forward(model: TargetModel, ids: torch.Tensor, pieces: list[int], static: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and all layers' outputs of ``ids`` fed in consecutive pieces of the given lengths."""
-    cache = model.new_cache()
-    cache.reset(64)
-    logits, feats, start = [], [], 0
-    layers = list(range(model.config.num_hidden_layers))
-    with torch.no_grad():
-        for n in pieces:
-            end = start + n
-            lg, f = model(ids[start:end], torch.arange(start, end), cache, kv_len=None if static else end,
-                          feature_layers=layers)
-            logits.append(lg)
-            feats.append(f)
-            start = end
-    return torch.cat(logits), torch.cat(feats)
-
 
 @pytest.mark.parametrize("pieces,static", [([30], False), ([11, 1, 7, 11], False), ([16, 14], True)])
 def test_forward_matches_transformers(checkpoint, pieces, static):
@@ -71,7 +56,7 @@ def test_forward_matches_transformers(checkpoint, pieces, static):
     ids = torch.randint(0, ours.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids[None], output_hidden_states=True)
-    logits, feats = _forward(ours, ids, pieces, static)
+    logits, feats = forward_in_pieces(ours, ids, pieces, static)
     assert ref.logits.abs().max() > 2.5  # the soft cap (5) bends these
     torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-4)
     h = ours.config.hidden_size
@@ -103,7 +88,7 @@ def test_each_part_matters(checkpoint, change):
             layer.sliding_window = None
         elif change == "post_norms":
             layer.post_feedforward_layernorm = torch.nn.Identity()
-    logits, _ = _forward(ours, ids, [30], False)
+    logits, _ = forward_in_pieces(ours, ids, [30], False)
     assert (logits - ref).abs().max() > 1e-2, change
 
 
@@ -177,9 +162,9 @@ def test_text_configs_load_like_the_wrapper(checkpoint, tmp_path, tokenizer_dir)
         {"model." + k[len("model.language_model."):]: w.pop(k) for k in list(w) if k.startswith("model.language_model.")}))
     flat_model = TargetModel.from_pretrained(flat, torch.float32)
     ids = torch.arange(2, 22)
-    ref, _ = _forward(wrapper, ids, [20], False)
+    ref, _ = forward_in_pieces(wrapper, ids, [20], False)
     for model in (text, flat_model):
-        torch.testing.assert_close(_forward(model, ids, [20], False)[0], ref, rtol=0, atol=0)
+        torch.testing.assert_close(forward_in_pieces(model, ids, [20], False)[0], ref, rtol=0, atol=0)
     with_vision = edited_checkpoint(target_dir, tmp_path / "text-vision", config=lambda c: (c.clear(), c.update(
         json.loads((text_dir / "config.json").read_text()))))
     with pytest.raises(DFlashError, match=r"^the target checkpoint has a vision tower \(model.vision_tower.\*\), which a "

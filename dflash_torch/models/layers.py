@@ -80,6 +80,12 @@ class JoinedLinear(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
+def _normed32(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` in float32 times ``(mean(x**2) + eps) ** -0.5`` (``pow``, as transformers' Gemma norms)."""
+    x32 = x.float()
+    return x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+
+
 class UnitRMSNorm(nn.Module):
     """RMSNorm without a weight (transformers' Gemma-style ``RMSNorm(with_scale=False)``:
     float32, ``x * (mean(x**2) + eps) ** -0.5``), times a constant ``scale`` in the input dtype."""
@@ -89,8 +95,7 @@ class UnitRMSNorm(nn.Module):
         self.eps, self.scale = eps, scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        out = (x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
+        out = _normed32(x, self.eps).to(x.dtype)
         return out * self.scale if self.scale != 1.0 else out
 
 
@@ -104,9 +109,7 @@ class ScaledRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        out = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        return (out * self.weight.float()).to(x.dtype)
+        return (_normed32(x, self.eps) * self.weight.float()).to(x.dtype)
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import DFlashError
-from .layers import MLP
+from .layers import ACTIVATIONS, MLP
 from . import fp8
 from .mxfp4 import dequantize
 
@@ -73,7 +73,7 @@ def expert_activation(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float,
     ``[-limit, limit]``, then ``gate * sigmoid(alpha * gate) * (up + 1)``.
     """
     if gelu_tanh:
-        return F.gelu(gate, approximate="tanh") * up
+        return ACTIVATIONS["gelu_tanh"](gate) * up
     if swiglu_limit == 0:
         return F.silu(gate) * up
     gate = gate.clamp(max=swiglu_limit)
