@@ -1050,7 +1050,7 @@ class BatchDecoder:
         # keys past a block's end are masked, except for one sequence in an eager round: it
         # sees every key (kv_len is its block's end), and attends without a mask, as alone
         mask_keys = self.static or n > 1
-        hidden = self.drafter(self.target.embed(block.reshape(-1)), positions, context, kv_len, mask_keys=mask_keys,
+        hidden = self.drafter(self.drafter.embed(self.target, block.reshape(-1)), positions, context, kv_len, mask_keys=mask_keys,
                               inject=(features, feature_positions))
         return self.drafter.draft_scores(hidden.view(n, B, -1), tokens, self.target)
 

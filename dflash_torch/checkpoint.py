@@ -215,6 +215,16 @@ def _open(file: Path):
         raise DFlashError(f"{file} is not a valid safetensors file (corrupt or truncated?): {e}") from None
 
 
+def tensor_names(model_dir: Path) -> set[str]:
+    """The names of a checkpoint's tensors (only the safetensors headers are read).
+
+    Raises:
+        DFlashError: as :func:`weight_files`; a file that is not valid safetensors, a tensor
+            name in two files.
+    """
+    return set(_tensor_sources(model_dir, weight_files(model_dir)))
+
+
 def _tensor_sources(model_dir: Path, files: list[Path]) -> dict[str, Path]:
     """Which of ``files`` holds each tensor (only the headers are read).
 

@@ -328,7 +328,7 @@ class SpeculativeDecoder:
         inject = None
         if features is not None:
             inject = (features, feature_start + self._arange_block[: features.shape[0]])
-        hidden = self.drafter(self.target.embed(block), s + self._arange_block, self.context, kv_len,
+        hidden = self.drafter(self.drafter.embed(self.target, block), s + self._arange_block, self.context, kv_len,
                               mask_keys=self.static, inject=inject)
         return self.drafter.draft_scores(hidden, token, self.target)
 

@@ -318,6 +318,10 @@ class DFlashEngine:
                 recommended = exc
         drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8)
+        if drafter is not None:  # (a Speculators drafter may ship copies of the target's embedding / LM head)
+            freed = drafter.share_with(model)
+            if freed:
+                log.info(f"dflash-torch: the drafter shares the target's embedding / LM head ({freed / 1e6:.0f} MB freed)")
         if fuse:
             fuse_projections(model, query=True)
             if drafter is not None:

@@ -493,6 +493,80 @@ def agree_dflash2_pair(agree_pair, tmp_path_factory) -> tuple[Path, Path]:
     return target, make_dflash2_from(drafter, tmp_path_factory.mktemp("agree-dflash2"), conv_std=0.2, selector_std=0.6, seed=3)
 
 
+def to_speculators(drafter_dir: Path, target_dir: Path, out_dir: Path, *, draft_tokens: list[int] | None = None,
+                   sliding_window: int | None = None, non_causal: bool = False, ship_embedding: bool = False,
+                   ship_lm_head: bool | None = None, embed_tokens: torch.Tensor | None = None) -> Path:
+    """The DFlash drafter of ``drafter_dir`` written in the Speculators format (the layout of
+    vLLM's speculators library, as tests/data/speculators holds it; the same weights, its
+    target layer ids l as aux ids l + 1).
+
+    Args:
+        draft_tokens: a draft vocabulary (sorted target ids): ``lm_head`` is those rows of the
+            target's LM head, with ``d2t`` / ``t2d``; None: the target's vocabulary.
+        sliding_window: make the first layer a sliding-window one of that size.
+        non_causal: ``sliding_window_non_causal``.
+        ship_embedding / ship_lm_head: write copies of the target's embedding table / LM head
+            (``ship_lm_head`` defaults to having a draft vocabulary, as speculators >= 0.9 saves).
+        embed_tokens: write this embedding table instead (``[vocab, hidden]``).
+    """
+    drafter_dir, target_dir, out_dir = Path(drafter_dir), Path(target_dir), Path(out_dir)
+    cfg = json.loads((drafter_dir / "config.json").read_text())
+    weights = load_file(str(drafter_dir / "model.safetensors"))
+    target = load_file(str(target_dir / "model.safetensors"))
+    table = target["model.embed_tokens.weight"]
+    head = target.get("lm_head.weight", table)
+    n = cfg["num_hidden_layers"]
+    layer_types = ["full_attention"] * n
+    if sliding_window is not None:
+        layer_types[0] = "sliding_attention"
+    layer_cfg = {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                      "head_dim", "intermediate_size", "rms_norm_eps", "attention_bias", "hidden_act",
+                                      "vocab_size") if k in cfg}
+    layer_cfg.update(model_type="qwen3", rope_parameters={"rope_theta": cfg.get("rope_theta", 10000.0), "rope_type": "default"},
+                     layer_types=layer_types, sliding_window=sliding_window, use_sliding_window=sliding_window is not None,
+                     max_position_embeddings=cfg.get("max_position_embeddings") or 1024, tie_word_embeddings=False)
+    vocab = cfg["vocab_size"]
+    draft_vocab = vocab if draft_tokens is None else len(draft_tokens)
+    if draft_tokens is not None:
+        tokens = torch.tensor(sorted(draft_tokens))
+        weights["lm_head.weight"] = head[tokens].clone()
+        weights["d2t"] = tokens - torch.arange(len(tokens))
+        weights["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, tokens, True)
+    elif ship_lm_head:
+        weights["lm_head.weight"] = head.clone()
+    if ship_embedding or embed_tokens is not None:
+        weights["embed_tokens.weight"] = (table if embed_tokens is None else embed_tokens).clone()
+    dflash = cfg["dflash_config"]
+    spec = {
+        "architectures": ["DFlashDraftModel"], "auto_map": {"": "config.DFlashSpeculatorConfig"},
+        "aux_hidden_state_layer_ids": [i + 1 for i in dflash["target_layer_ids"]],
+        "block_size": cfg.get("block_size") or dflash.get("block_size"), "draft_vocab_size": draft_vocab, "dtype": "float32",
+        "mask_token_id": dflash["mask_token_id"], "sample_from_anchor": False, "sliding_window_non_causal": non_causal,
+        "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy", "proposal_methods": [
+            {"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 15, "verifier_accept_k": 1}],
+            "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": str(target_dir)}},
+        "speculators_model_type": "dflash", "speculators_version": "0.9.0", "target_hidden_size": None,
+        "tie_word_embeddings": False, "transformer_layer_config": layer_cfg,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(spec, indent=2))
+    return out_dir
+
+
+SPEC_DRAFT_TOKENS = [t for t in range(VOCAB) if t % 3 != 1]  # a draft vocabulary of two thirds (AGREE_TOKEN in it)
+
+
+@pytest.fixture(scope="session")
+def agree_speculators_pair(agree_pair, tmp_path_factory) -> tuple[Path, Path]:
+    """(target_dir, drafter_dir): the agreeable target and its drafter in the Speculators format
+    (:func:`to_speculators`) with a draft vocabulary of :data:`SPEC_DRAFT_TOKENS` and a causal
+    sliding window of 8 on its first layer."""
+    target, drafter = agree_pair
+    return target, to_speculators(drafter, target, tmp_path_factory.mktemp("agree-speculators"),
+                                  draft_tokens=SPEC_DRAFT_TOKENS, sliding_window=8)
+
+
 def forward_in_pieces(model, ids: torch.Tensor, pieces: list[int], static: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A target's logits and all layers' outputs of ``ids`` fed in consecutive pieces of the
     given lengths (``static``: attending over the whole preallocated cache, as fixed shapes do)."""

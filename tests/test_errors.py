@@ -612,7 +612,7 @@ MALFORMED_CONFIGS = [
     ("target", _set("torch_dtype", "bogus"), "target config.json torch_dtype 'bogus' is not a torch dtype"),
     # an MLP activation other than SiLU decoded silently as SiLU (unlike transformers)
     ("target", _set("hidden_act", "gelu"), "target config.json hidden_act 'gelu' is not supported"),
-    ("drafter", _set("hidden_act", "gelu_pytorch_tanh"), "drafter config.json hidden_act 'gelu_pytorch_tanh' is not supported"),
+    ("drafter", _set("hidden_act", "gelu"), "drafter config.json hidden_act 'gelu' is not supported"),
     # a yes/no field as a string: "false" was taken as true (tie_word_embeddings then failed as a
     # tokenizer error, attention_bias as missing bias weights)
     ("target", _set("tie_word_embeddings", "false"), "target config.json tie_word_embeddings must be true or false, got 'false'"),

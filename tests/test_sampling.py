@@ -136,15 +136,18 @@ CASES = {
     # distribution (zero outside each slot's top-K candidates)
     "temperature-dflash2": ("agree-dflash2", "def f(x):", dict(temperature=0.5)),
     "top-p-dflash2": ("agree-dflash2", "import os\n", dict(temperature=0.4, top_p=0.9)),
+    # a Speculators-format drafter: drafts from two thirds of the vocabulary (q is zero on the
+    # rest, where the target's samples still land) and a causal sliding-window layer
+    "temperature-speculators": ("agree-speculators", "def f(x):", dict(temperature=0.5)),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_matches_the_exact_target_distribution(case, agree_pair, tiny_pair, agree_hybrid_pair,
-                                                                    agree_dflash2_pair):
+                                                                    agree_dflash2_pair, agree_speculators_pair):
     pair, text, params = CASES[case]
     target, drafter = {"agree": agree_pair, "random": tiny_pair, "agree-hybrid": agree_hybrid_pair,
-                       "agree-dflash2": agree_dflash2_pair}[pair]
+                       "agree-dflash2": agree_dflash2_pair, "agree-speculators": agree_speculators_pair}[pair]
     engine = DFlashEngine.from_pretrained(target, drafter, block_size=2 if pair == "agree-hybrid" else 4)
     prompt = engine.encode_prompt(text)
     exact = exact_joint(load_hf(target), prompt, 3, **params)

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import DFlashError, OptionError
+
+if TYPE_CHECKING:
+    from .speculators import SpeculatorsSettings
 
 
 MIN_POSITIONS = 2  # a target must hold one prompt token and one generated token
@@ -134,6 +138,7 @@ def bool_field(cfg: dict, key: str, what: str, default: bool) -> bool:
 
 
 SILU_NAMES = ("silu", "swish")  # transformers' names of the SwiGLU MLP's activation
+GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of GELU with the tanh approximation
 
 
 def check_activation(cfg: dict, what: str) -> None:
@@ -605,6 +610,8 @@ class DrafterConfig:
     max_position_embeddings: int | None = None  # the fallback of yarn/llama3's original_max_position_embeddings
     dflash2: DFlash2Settings | None = None  # set for a DFlash 2 drafter (architectures DFlash2DraftModel)
     checkpoint_names: dict[str, str] = field(default_factory=dict)  # our weight name -> the checkpoint's, where they differ
+    hidden_act: str = "silu"  # the MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU), a key of layers.ACTIVATIONS
+    speculators: "SpeculatorsSettings | None" = None  # set for a Speculators-format drafter (models/speculators.py)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DrafterConfig":
@@ -613,10 +620,20 @@ class DrafterConfig:
         ``MuseGlimmerAssistantModel``: the settings at the top level, the context
         projection's weights under ``encoder.``) drafter ``config.json``.
 
+        A Speculators-format ``config.json`` (vLLM's speculators library:
+        ``speculators_model_type: "dflash"``) is read by
+        :func:`~dflash_torch.models.speculators.read_config`.
+
         Raises:
             DFlashError: not a DFlash drafter, a quantized checkpoint, no mask token id, no
-                block size, missing keys, bad DFlash 2 settings (:meth:`DFlash2Settings.from_dict`).
+                block size, missing keys, an MLP activation other than SiLU / GELU-tanh, bad
+                DFlash 2 settings (:meth:`DFlash2Settings.from_dict`), a Speculators
+                config :func:`~dflash_torch.models.speculators.read_config` refuses.
         """
+        if "speculators_model_type" in cfg:
+            from .speculators import read_config
+
+            return read_config(cfg)
         archs = cfg.get("architectures") or []
         dflash = object_field(cfg, "dflash_config", "drafter") or {}
         assistant = any(a in ASSISTANT_ARCHITECTURES for a in archs if isinstance(a, str))
@@ -663,7 +680,10 @@ class DrafterConfig:
         if not isinstance(layer_ids, list) or not layer_ids or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
             raise DFlashError(f"drafter dflash_config.target_layer_ids must be a non-empty list of integers, got {layer_ids!r}")
-        check_activation(cfg, "drafter")
+        act = cfg.get("hidden_act") or "silu"
+        if act not in SILU_NAMES + GELU_TANH_NAMES:
+            raise DFlashError(f"drafter config.json hidden_act {act!r} is not supported "
+                              f"(silu, or GELU-tanh: {', '.join(GELU_TANH_NAMES)})")
         heads = cfg["num_attention_heads"]
         layer_types = cfg.get("layer_types") or ["full_attention"] * n
         if not isinstance(layer_types, list) or len(layer_types) != n:
@@ -696,10 +716,17 @@ class DrafterConfig:
             max_position_embeddings=cfg.get("max_position_embeddings"),
             dflash2=v2,
             checkpoint_names=dict(ASSISTANT_WEIGHTS) if assistant else {},
+            hidden_act="silu" if act in SILU_NAMES else "gelu_tanh",
         )
 
     def to_dict(self) -> dict:
-        """A ``config.json`` dict in the published DFlash (or, with ``dflash2``, DFlash 2) drafter format."""
+        """A ``config.json`` dict in the published DFlash (or, with ``dflash2``, DFlash 2) drafter format.
+
+        Raises:
+            DFlashError: a Speculators-format config (its own embedding, LM head and attention
+                rules have no place in this format)."""
+        if self.speculators is not None:
+            raise DFlashError("a Speculators-format drafter config has no DFlash-format config.json")
         cfg = {
             "architectures": ["DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"],
             "model_type": "qwen3",
@@ -712,7 +739,7 @@ class DrafterConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "attention_bias": self.attention_bias,
-            "hidden_act": "silu",
+            "hidden_act": "gelu_pytorch_tanh" if self.hidden_act == "gelu_tanh" else "silu",
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
             "vocab_size": self.vocab_size,

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..cache import KVCache
-from ..checkpoint import all_finite, check_fits, load_config, load_state_dict
+from ..checkpoint import all_finite, check_fits, load_config, load_state_dict, tensor_names
 from ..errors import DFlashError
 from ..sampling import SamplingParams, greedy_tokens, probabilities, sample
 from ..structured import GrammarState
@@ -35,12 +35,17 @@ from .rope import Rotary
 
 
 def drafter_class(cfg: DrafterConfig) -> type["DFlashDrafter"]:
-    """The module class of a drafter config: :class:`DFlashDrafter`, or
-    :class:`~dflash_torch.models.dflash2.DFlash2Drafter` for a DFlash 2 config."""
+    """The module class of a drafter config: :class:`DFlashDrafter`,
+    :class:`~dflash_torch.models.dflash2.DFlash2Drafter` for a DFlash 2 config or
+    :class:`~dflash_torch.models.speculators.SpeculatorsDrafter` for a Speculators-format one."""
     if cfg.dflash2 is not None:
         from .dflash2 import DFlash2Drafter
 
         return DFlash2Drafter
+    if cfg.speculators is not None:
+        from .speculators import SpeculatorsDrafter
+
+        return SpeculatorsDrafter
     return DFlashDrafter
 
 
@@ -59,7 +64,7 @@ class DraftLayer(nn.Module):
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
             cfg.attention_bias, True, cfg.rms_norm_eps, o_bias=cfg.attention_bias,
         )
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, activation=cfg.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sliding_window = sliding_window
@@ -104,18 +109,24 @@ class DFlashDrafter(nn.Module):
     @staticmethod
     def from_pretrained(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> "DFlashDrafter":
         """Load a published-format drafter checkpoint directory: a DFlash drafter (also in
-        transformers' assistant format, e.g. ``MuseGlimmerAssistantModel``), or a DFlash 2 one
-        (then a :class:`~dflash_torch.models.dflash2.DFlash2Drafter`).
+        transformers' assistant format, e.g. ``MuseGlimmerAssistantModel``), a DFlash 2 one
+        (then a :class:`~dflash_torch.models.dflash2.DFlash2Drafter`) or a Speculators-format
+        one (then a :class:`~dflash_torch.models.speculators.SpeculatorsDrafter`).
 
         Raises:
             DFlashError: not a DFlash config, or weights missing, unknown, of the
-                wrong shape, not floating point (e.g. int8) or not finite (NaN / inf).
+                wrong shape, not floating point (e.g. int8) or not finite (NaN / inf), or
+                what the class's :meth:`adapt_checkpoint` refuses.
         """
         cfg = DrafterConfig.from_dict(load_config(model_dir))
+        if cfg.speculators is not None:  # (which optional tensors it ships decides the modules)
+            from .speculators import match_checkpoint
+
+            match_checkpoint(cfg, tensor_names(model_dir))
         with torch.device("meta"):
             model = drafter_class(cfg)(cfg)
         check_fits(model, dtype, device, "drafter")
-        state = load_state_dict(model_dir, dtype, device)
+        state = model.adapt_checkpoint(load_state_dict(model_dir, dtype, device), model_dir)
         expected = model.state_dict()
         names = cfg.checkpoint_names  # (our name -> the checkpoint's, for the transformers-format drafters)
         name = lambda k: names.get(k, k)  # noqa: E731
@@ -134,7 +145,7 @@ class DFlashDrafter(nn.Module):
         for k, v in expected.items():
             if tuple(state[k].shape) != tuple(v.shape):
                 raise DFlashError(f"drafter weight {name(k)} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
-            if not state[k].is_floating_point():
+            if v.is_floating_point() and not state[k].is_floating_point():
                 raise DFlashError(f"drafter weight {name(k)} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
                                   "dflash-torch reads float32/bfloat16/float16 weights only (a quantized checkpoint?)")
             if not all_finite(state[k]):  # e.g. a diverged training run
@@ -142,6 +153,15 @@ class DFlashDrafter(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings).to(device)
         return model.eval()
+
+    def adapt_checkpoint(self, state: dict[str, torch.Tensor], model_dir: Path) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors ``state`` as this module loads them (here as they are)."""
+        return state
+
+    def share_with(self, target) -> int:
+        """Drop the drafter's copies of target weights in favour of the target's own; returns
+        the bytes freed (none here: a DFlash drafter keeps no copies)."""
+        return 0
 
     def new_cache(self) -> KVCache:
         """An empty drafter KV cache (one entry per drafter layer)."""
@@ -159,21 +179,37 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, c.dtype)
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
 
+    def embed(self, target, tokens: torch.Tensor) -> torch.Tensor:
+        """The block's token embeddings ``[..., hidden]`` of int64 ``tokens`` ``[...]``: the
+        target's (:meth:`TargetModel.embed`, as the DFlash reference embeds its blocks)."""
+        return target.embed(tokens)
+
     def block_input(self, block_embeds: torch.Tensor) -> torch.Tensor:
         """The residual stream's start from the block's token embeddings ``[T, hidden]`` (as is)."""
         return block_embeds
 
-    def _bias(self, layer: DraftLayer, positions: torch.Tensor, n_keys: int, static: bool,
-              dtype: torch.dtype) -> torch.Tensor | None:
-        """Additive key mask (:func:`attention_bias`): keys at positions ``[0, n_keys)``,
-        all before the block end visible (non-causal), optionally limited to a sliding
-        window; None when every key is visible."""
-        if not static and layer.sliding_window is None:
-            return None
-        k_pos = torch.arange(n_keys, device=positions.device)
+    def limits_keys(self, layer: DraftLayer) -> bool:
+        """Whether a block row of ``layer`` may miss a key before its block's end (then even
+        a slice of the cache that ends there needs a mask): a sliding window."""
+        return layer.sliding_window is not None
+
+    def visible_keys(self, layer: DraftLayer, positions: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Which keys each block row of ``layer`` attends to: bool ``[..., B, n]`` for the
+        block positions ``positions`` int64 ``[..., B]`` and key positions ``k_pos`` ``[n]``.
+        Every key before the block's end (non-causal, as the DFlash reference), within the
+        sliding window ``(p - window, ...]`` of row position p where the layer has one."""
         visible = k_pos <= positions[..., -1:, None]  # each block sees up to its own end
         if layer.sliding_window is not None:
             visible = visible & (k_pos > positions[..., None] - layer.sliding_window)
+        return visible
+
+    def _bias(self, layer: DraftLayer, positions: torch.Tensor, n_keys: int, static: bool,
+              dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive key mask (:func:`attention_bias`) of :meth:`visible_keys` for keys at
+        positions ``[0, n_keys)``; None when every key is visible."""
+        if not static and not self.limits_keys(layer):
+            return None
+        visible = self.visible_keys(layer, positions, torch.arange(n_keys, device=positions.device))
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         return attention_bias(visible.expand(*positions.shape, n_keys), groups, dtype)
 
@@ -281,16 +317,14 @@ class DFlashDrafter(nn.Module):
                 if not guide.advance(token):
                     allowed = guide.next_allowed()
                     if allowed is not None:
-                        tokens[r] = int(greedy_tokens(scores[r:r + 1].float().masked_fill(~allowed, float("-inf")))[0])
+                        tokens[r] = int(greedy_tokens(_allowed_scores(scores[r:r + 1], allowed))[0])
                         guide.advance(tokens[r])
             return torch.tensor(tokens, dtype=torch.long, device=scores.device), None
         if guide is not None:
             tokens, probs = [], []
             for row in scores:
                 allowed = guide.next_allowed()
-                x = row[None].float()
-                if allowed is not None:
-                    x = x.masked_fill(~allowed, float("-inf"))
+                x = row[None].float() if allowed is None else _allowed_scores(row[None], allowed)
                 p = probabilities(x, params)
                 token = sample(p, generator)
                 probs.append(p)
@@ -301,6 +335,16 @@ class DFlashDrafter(nn.Module):
             return greedy_tokens(scores), None
         probs = probabilities(scores, params)
         return sample(probs, generator), probs
+
+
+def _allowed_scores(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``scores`` ``[1, V]`` as float32, ``-inf`` where ``allowed`` (bool ``[V]``) is False;
+    uniform over the allowed tokens when none of them has a finite score (a draft
+    vocabulary that lacks them all)."""
+    x = scores.float().masked_fill(~allowed, float("-inf"))
+    if not bool(torch.isfinite(x).any()):
+        x = torch.zeros_like(x).masked_fill(~allowed, float("-inf"))
+    return x
 
 
 class InjectedContext:

@@ -138,7 +138,7 @@ def drafter_blocks_forward(drafter: DFlashDrafter, target: TargetModel, features
         for k, v in drafter.context_kv(features.reshape(b * T, -1), ctx_pos)
     ]
     ctx_mask = context_mask(block_positions[:, :, 0], T, B) if mask is None else None
-    x = drafter.block_input(target.embed(block_tokens.reshape(-1)))  # [b * rows, H]
+    x = drafter.block_input(drafter.embed(target, block_tokens.reshape(-1)))  # [b * rows, H]
     cos, sin = drafter.rotary.cos_sin(block_positions.reshape(-1), x.dtype)
     for i, layer in enumerate(drafter.layers):
         attn = layer.self_attn

@@ -188,11 +188,15 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig) -> tuple[DFlas
     the modules of ``--arch`` (a DFlash 2 source keeps its own convolution and selector sizes).
 
     Raises:
-        DFlashError: a checkpoint that does not load or does not fit the target, or a
-            DFlash 2 source with ``--arch dflash`` (its modules would be dropped).
+        DFlashError: a checkpoint that does not load or does not fit the target, a
+            DFlash 2 source with ``--arch dflash`` (its modules would be dropped), or a
+            Speculators-format source.
     """
     src_dir = checkpoint_dir(cfg.init_from, "init_from")
     src_cfg = DrafterConfig.from_dict(load_config(src_dir))
+    if src_cfg.speculators is not None:  # (its own embedding / LM head / attention rules: not this trainer's format)
+        raise DFlashError(f"--init-from {cfg.init_from} is a Speculators-format drafter; dflash-torch trains "
+                          "DFlash-format drafters (initialize from one of those, or train from scratch)")
     validate_pair(target_cfg, src_cfg)
     if src_cfg.dflash2 is not None and cfg.arch != "dflash2":
         raise DFlashError(f"--init-from {cfg.init_from} is a DFlash 2 drafter; train it with --arch dflash2")
