@@ -176,7 +176,8 @@ class SpeculatorsDrafter(DFlashDrafter):
 
     def adapt_checkpoint(self, state: dict[str, torch.Tensor], model_dir) -> dict[str, torch.Tensor]:
         """Check the vocabulary map (``d2t``, and ``t2d`` against it) and drop the tensors
-        that only training reads (``t2d``, :data:`TRAINING_ONLY`).
+        that only training reads (``t2d``, :data:`TRAINING_ONLY`), and an identity ``d2t``
+        (a draft vocabulary that is the target's: the module then keeps none).
 
         Raises:
             DFlashError: ``d2t`` not integer, of the wrong shape, mapping to a token outside
@@ -201,8 +202,13 @@ class SpeculatorsDrafter(DFlashDrafter):
                               f"vocabulary of {vocab} (a corrupt checkpoint?)")
         if tokens.unique().numel() != tokens.numel():
             raise DFlashError(f"drafter checkpoint {model_dir}: d2t maps two draft ids to one token (a corrupt checkpoint?)")
-        if s.draft_vocab_size == vocab and bool((d2t != 0).any()):
-            raise DFlashError(f"drafter checkpoint {model_dir}: the draft vocabulary is the target's, but d2t reorders it")
+        if s.draft_vocab_size == vocab:  # (the identity: no map to apply each round)
+            if bool((d2t != 0).any()):
+                raise DFlashError(f"drafter checkpoint {model_dir}: the draft vocabulary is the target's, but d2t reorders it")
+            del self._buffers["d2t"]
+            self.d2t = None
+            del state["d2t"]
+            return state
         if t2d is not None:
             marked = t2d.reshape(-1).bool()
             if marked.numel() != vocab or int(marked.sum()) != s.draft_vocab_size or not bool(marked[tokens].all()):
