@@ -495,7 +495,8 @@ def agree_dflash2_pair(agree_pair, tmp_path_factory) -> tuple[Path, Path]:
 
 def to_speculators(drafter_dir: Path, target_dir: Path, out_dir: Path, *, draft_tokens: list[int] | None = None,
                    sliding_window: int | None = None, non_causal: bool = False, ship_embedding: bool = False,
-                   ship_lm_head: bool | None = None, embed_tokens: torch.Tensor | None = None) -> Path:
+                   ship_lm_head: bool | None = None, embed_tokens: torch.Tensor | None = None,
+                   aux_ids: list[int] | None = None) -> Path:
     """The DFlash drafter of ``drafter_dir`` written in the Speculators format (the layout of
     vLLM's speculators library, as tests/data/speculators holds it; the same weights, its
     target layer ids l as aux ids l + 1).
@@ -508,6 +509,7 @@ def to_speculators(drafter_dir: Path, target_dir: Path, out_dir: Path, *, draft_
         ship_embedding / ship_lm_head: write copies of the target's embedding table / LM head
             (``ship_lm_head`` defaults to having a draft vocabulary, as speculators >= 0.9 saves).
         embed_tokens: write this embedding table instead (``[vocab, hidden]``).
+        aux_ids: write these ``aux_hidden_state_layer_ids`` instead (another drafter then).
     """
     drafter_dir, target_dir, out_dir = Path(drafter_dir), Path(target_dir), Path(out_dir)
     cfg = json.loads((drafter_dir / "config.json").read_text())
@@ -539,7 +541,7 @@ def to_speculators(drafter_dir: Path, target_dir: Path, out_dir: Path, *, draft_
     dflash = cfg["dflash_config"]
     spec = {
         "architectures": ["DFlashDraftModel"], "auto_map": {"": "config.DFlashSpeculatorConfig"},
-        "aux_hidden_state_layer_ids": [i + 1 for i in dflash["target_layer_ids"]],
+        "aux_hidden_state_layer_ids": aux_ids or [i + 1 for i in dflash["target_layer_ids"]],
         "block_size": cfg.get("block_size") or dflash.get("block_size"), "draft_vocab_size": draft_vocab, "dtype": "float32",
         "mask_token_id": dflash["mask_token_id"], "sample_from_anchor": False, "sliding_window_non_causal": non_causal,
         "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy", "proposal_methods": [

@@ -225,10 +225,18 @@ BAD_CONFIGS = [
     (_set("sample_from_anchor", True), r"sample_from_anchor true"),
     (_drop("transformer_layer_config"), r"lacks transformer_layer_config"),
     (_set("transformer_layer_config", [1]), r"transformer_layer_config must be an object, got \[1\]"),
-    (_layer("model_type", "no_such_model"), r"transformer_layer_config \(model_type 'no_such_model'\) does not load"),
+    (_layer("model_type", "no_such_model"), r"has model_type 'no_such_model', which transformers does not know"),
     (_drop("mask_token_id"), r"lacks mask_token_id"),
     (_drop("aux_hidden_state_layer_ids"), r"aux_hidden_state_layer_ids must be a non-empty list of integers, got None"),
-    (_set("aux_hidden_state_layer_ids", [0, 2]), r"include 0: vLLM counts them as the input of that decoder layer"),
+    (_set("aux_hidden_state_layer_ids", [0, 2]), r"include 0, the target's embedding output: dflash-torch does not capture it"),
+    (_set("aux_hidden_state_layer_ids", [2, 4]), r"include 4, the target's final hidden state before its norm"),
+    (_set("quantization_config", {"quant_method": "compressed-tensors"}), r"quantiz"),
+    (_layer("model_type", "Qwen3"), r"^drafter config.json transformer_layer_config has model_type 'Qwen3', which transformers "
+                                    r"does not know \(speculators writes qwen3 or llama\)$"),
+    (_layer("num_hidden_layers", 3), r"transformer_layer_config \(model_type 'qwen3'\) does not load in transformers: "),
+    (_layer("hidden_size", "64"), r"does not load in transformers: "),
+    (_layer("use_sliding_window", False), r"has sliding_attention layers but no window \(sliding_window is null, or "
+                                          r"use_sliding_window false turns it off\)"),
     (_set("aux_hidden_state_layer_ids", [1, 9]), r"target_layer_ids \[0, 8\] include \[8\], outside the target's 4 layers"),
     (_set("target_hidden_size", 128), r"target_hidden_size 128 differs from its hidden_size 64"),
     (_layer("rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
@@ -252,7 +260,14 @@ def _shuffle_pair(w):  # two draft ids onto one token
     w["d2t"][1] = w["d2t"][0] - 1
 
 
+def _swap_tokens(w):  # the same tokens, two of them in the other order
+    t = w["d2t"] + torch.arange(len(w["d2t"]))
+    t[[3, 4]] = t[[4, 3]]
+    w["d2t"] = t - torch.arange(len(t))
+
+
 BAD_WEIGHTS = [
+    (_swap_tokens, r"d2t does not map draft ids to tokens in increasing order, as speculators writes it"),
     (lambda w: w.pop("d2t"), r"a draft vocabulary of 213 tokens .* but its checkpoint lacks d2t"),
     (lambda w: w.pop("lm_head.weight"), r"lacks lm_head.weight \(its LM head\)"),
     (lambda w: w.__setitem__("d2t", w["d2t"].float()), r"d2t must be an integer tensor of shape \(213,\), got float32"),
@@ -331,3 +346,39 @@ def test_to_speculators_writes_the_library_layout(tiny_pair, tmp_path):
     w_ours, w_lib = load_file(str(ours_dir / "model.safetensors")), load_file(str(DATA / "draft-vocab-causal" / "model.safetensors"))
     assert set(w_ours) == set(w_lib) - {"embed_tokens.weight"}  # (speculators >= 0.9 saves none; the fixture adds one)
     assert (w_ours["d2t"].dtype, w_ours["t2d"].dtype) == (w_lib["d2t"].dtype, w_lib["t2d"].dtype) == (torch.int64, torch.bool)
+
+
+def test_bad_config_messages_are_one_short_line(agree_speculators_pair, tmp_path):
+    """transformers' own errors about a layer config come back as one line of at most a few
+    hundred characters (its list of every known model type is not repeated)."""
+    target, drafter = agree_speculators_pair
+    for i, edit in enumerate([_layer("model_type", "Qwen3"), _layer("num_hidden_layers", 3), _layer("rms_norm_eps", "x")]):
+        bad = edited_checkpoint(drafter, tmp_path / f"bad{i}", config=edit)
+        with pytest.raises(DFlashError) as err:
+            DFlashEngine.from_pretrained(target, bad)
+        assert "\n" not in str(err.value) and len(str(err.value)) < 500, str(err.value)
+
+
+def test_aux_ids_are_read_in_layer_order(agree_pair, tmp_path):
+    """vLLM captures the aux hidden states walking the layers: a config listing them out of
+    order reads the features in layer order, and drafts as the sorted one."""
+    target, drafter = agree_pair
+    a = to_speculators(drafter, target, tmp_path / "sorted", aux_ids=[1, 3])
+    b = to_speculators(drafter, target, tmp_path / "backwards", aux_ids=[3, 1])
+    x, y = DFlashEngine.from_pretrained(target, a), DFlashEngine.from_pretrained(target, b)
+    assert x.drafter.config.target_layer_ids == y.drafter.config.target_layer_ids == [0, 2]
+    prompt = [5, 17, 99, 3]
+    assert x.generate(prompt, max_new_tokens=30, ignore_eos=True).stats.acceptance_lengths == \
+        y.generate(prompt, max_new_tokens=30, ignore_eos=True).stats.acceptance_lengths
+
+
+def test_per_layer_type_rope_takes_the_sliding_entry():
+    """Nested ``rope_parameters`` (one per layer type, as some verifiers have) give the
+    ``sliding_attention`` entry, as the library flattens them for its drafter."""
+    from dflash_torch.models.config import DrafterConfig
+
+    cfg = json.loads((DATA / "draft-vocab-causal" / "config.json").read_text())
+    cfg["transformer_layer_config"]["rope_parameters"] = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+    assert DrafterConfig.from_dict(cfg).rope_theta == 500000.0

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..errors import DFlashError
-from .config import DrafterConfig, bool_field, check_int, object_field
+from .config import DrafterConfig, bool_field, check_int, object_field, refuse_quantized
 from .drafter import DFlashDrafter, DraftLayer
 
 DEFAULT_DRAFT_VOCAB = 32000  # speculators' DFlashSpeculatorConfig defaults
@@ -75,10 +75,15 @@ def _layer_config(cfg: dict) -> dict:
     model_type = layer.get("model_type", "qwen3")
     try:
         config_class = type(AutoConfig.for_model(model_type))
+    except ValueError:
+        raise DFlashError(f"drafter config.json transformer_layer_config has model_type {model_type!r}, which "
+                          "transformers does not know (speculators writes qwen3 or llama)") from None
+    try:
         return config_class(**{k: v for k, v in layer.items() if k != "model_type"}).to_dict()
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise DFlashError(f"drafter config.json transformer_layer_config (model_type {model_type!r}) "
-                          f"does not load: {exc}") from None
+    except Exception as exc:  # (transformers' own validation of a user's file: any of its errors)
+        reason = " ".join(str(exc).split())
+        raise DFlashError(f"drafter config.json transformer_layer_config (model_type {model_type!r}) does not load "
+                          f"in transformers: {reason[:300]}{' ...' if len(reason) > 300 else ''}") from None
 
 
 def read_config(cfg: dict) -> DrafterConfig:
@@ -88,11 +93,18 @@ def read_config(cfg: dict) -> DrafterConfig:
         DFlashError: another Speculators model type (e.g. ``dspark``, ``eagle3``), a
             drafter trained to predict from its anchor slot (``sample_from_anchor``), no
             ``transformer_layer_config`` / ``mask_token_id`` / ``aux_hidden_state_layer_ids``,
-            an aux id below 1 (the embedding output), a ``target_hidden_size`` other than the
-            drafter's hidden size, partial RoPE, a draft vocabulary larger than the target's,
-            or anything :meth:`DrafterConfig.from_dict` refuses in the layer config.
+            an aux id below 1 (0: the embedding output, not captured here), a
+            ``target_hidden_size`` other than the drafter's hidden size, partial RoPE,
+            sliding-window layers without a window, a draft vocabulary larger than the
+            target's, a ``quantization_config``, a layer config transformers' own class
+            refuses, or anything :meth:`DrafterConfig.from_dict` refuses in it.
+
+    The aux ids are read in increasing order (vLLM captures the features walking the
+    layers; a repeated id, which the library refuses to train, reads that layer twice); nested per-layer-type ``rope_parameters`` give the ``sliding_attention`` entry
+    (as the library flattens them).
     """
     kind = cfg.get("speculators_model_type")
+    refuse_quantized(cfg, "drafter")
     if kind != "dflash":
         raise DFlashError(f"drafter config.json is a Speculators {kind!r} model; dflash-torch runs Speculators "
                           "'dflash' drafters only")
@@ -105,15 +117,21 @@ def read_config(cfg: dict) -> DrafterConfig:
     ids = cfg.get("aux_hidden_state_layer_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise DFlashError(f"drafter config.json aux_hidden_state_layer_ids must be a non-empty list of integers, got {ids!r}")
-    if min(ids) < 1:
-        raise DFlashError(f"drafter config.json aux_hidden_state_layer_ids {ids} include {min(ids)}: vLLM counts them "
-                          "as the input of that decoder layer, so they start at 1 (0 would be the embedding output)")
+    if min(ids) < 0:
+        raise DFlashError(f"drafter config.json aux_hidden_state_layer_ids {ids} include {min(ids)}")
+    if min(ids) == 0:
+        raise DFlashError(f"drafter config.json aux_hidden_state_layer_ids {ids} include 0, the target's embedding "
+                          "output: dflash-torch does not capture it (it captures decoder layer outputs)")
+    ids = sorted(ids)  # (vLLM captures them walking the layers: the features come in layer order)
     hidden = layer.get("hidden_size")
     target_hidden = check_int(cfg, "target_hidden_size", "drafter")
     if target_hidden is not None and target_hidden != hidden:
         raise DFlashError(f"drafter config.json target_hidden_size {target_hidden} differs from its hidden_size {hidden}; "
                           "dflash-torch runs drafters of the target's hidden size")
-    rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
+    rope = layer.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("sliding_attention"), dict):
+        rope = layer["rope_parameters"] = rope["sliding_attention"]  # (per-layer-type RoPE: the library takes this one)
+    rope = rope or layer.get("rope_scaling") or {}
     partial = rope.get("partial_rotary_factor", layer.get("partial_rotary_factor", 1.0)) if isinstance(rope, dict) else 1.0
     if partial not in (None, 1, 1.0):
         raise DFlashError(f"drafter transformer_layer_config has partial_rotary_factor {partial!r}; dflash-torch "
@@ -124,6 +142,9 @@ def read_config(cfg: dict) -> DrafterConfig:
     if isinstance(vocab, int) and draft_vocab > vocab:
         raise DFlashError(f"drafter config.json draft_vocab_size {draft_vocab} exceeds the vocabulary of "
                           f"{vocab} tokens (transformer_layer_config.vocab_size)")
+    if "sliding_attention" in (layer.get("layer_types") or ()) and layer.get("sliding_window") is None:
+        raise DFlashError("drafter transformer_layer_config has sliding_attention layers but no window "
+                          "(sliding_window is null, or use_sliding_window false turns it off)")
     block_size = cfg.get("block_size", DEFAULT_BLOCK_SIZE)
     dflash = {k: v for k, v in layer.items() if k not in ("dflash_config", "block_size", "num_target_layers")}
     dflash.update(architectures=["DFlashDraftModel"], block_size=block_size,
@@ -202,6 +223,9 @@ class SpeculatorsDrafter(DFlashDrafter):
                               f"vocabulary of {vocab} (a corrupt checkpoint?)")
         if tokens.unique().numel() != tokens.numel():
             raise DFlashError(f"drafter checkpoint {model_dir}: d2t maps two draft ids to one token (a corrupt checkpoint?)")
+        if s.draft_vocab_size != vocab and not bool((tokens[1:] > tokens[:-1]).all()):
+            raise DFlashError(f"drafter checkpoint {model_dir}: d2t does not map draft ids to tokens in increasing order, "
+                              "as speculators writes it (draft id i is the i-th token of the draft vocabulary, lm_head's row i)")
         if s.draft_vocab_size == vocab:  # (the identity: no map to apply each round)
             if bool((d2t != 0).any()):
                 raise DFlashError(f"drafter checkpoint {model_dir}: the draft vocabulary is the target's, but d2t reorders it")
