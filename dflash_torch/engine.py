@@ -33,7 +33,8 @@ from .batch import BatchDecoder, check_draft_max_batch_size, check_max_batch_siz
 from .checkpoint import available_memory, checkpoint_dir, load_config, read_json_object
 from .decoding import Round, SpeculativeDecoder
 from .errors import DFlashError, OptionError
-from .models.config import DrafterConfig, TargetConfig, check_vocab_ids, eos_token_ids, validate_pair
+from .models.config import (DrafterConfig, TargetConfig, check_vocab_ids, eos_token_ids, fill_mask_token_id,
+                            needs_mask_token_id, validate_pair)
 from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
 from .models.packing import pack_linears, packed_bytes, packing_supported
@@ -277,13 +278,17 @@ class DFlashEngine:
                 draft = DEFAULT_DRAFTER
         target_dir = checkpoint_dir(target, "target")
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
-        draft_dir, draft_cfg = None, None
+        draft_dir, draft_cfg, draft_raw = None, None, None
         if not no_draft:
             if draft is None:
                 raise OptionError("this target needs draft, its DFlash drafter checkpoint (or no_draft for "
                                   "target-only decoding)", "draft", "no_draft")
             draft_dir = checkpoint_dir(draft, "draft")
-            draft_cfg = DrafterConfig.from_dict(load_config(draft_dir))
+            draft_raw = load_config(draft_dir)
+            if needs_mask_token_id(draft_raw):  # (resolved with the target's tokenizer, as SGLang does)
+                draft_raw, note = fill_mask_token_id(draft_raw, _load_tokenizer(target_dir), target_cfg.vocab_size)
+                log.info(f"dflash-torch: {note}")
+            draft_cfg = DrafterConfig.from_dict(draft_raw)
             validate_pair(target_cfg, draft_cfg)
         options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
         options.check_max_context(max_context, target_cfg.max_position_embeddings)
@@ -293,7 +298,7 @@ class DFlashEngine:
         check_draft_max_batch_size(draft_max_batch_size, drafter=not no_draft, draft_mode=draft_mode,
                                    block_size=block_size)
         # the weights are read, converted and packed on the compute thread, like every round
-        return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, pack=pack,
+        return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, draft_raw=draft_raw, pack=pack,
                            fuse=fuse_by_default(dev) if fuse is None else fuse, mxfp4=mxfp4, fp8=fp8,
                            block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
                            max_context=max_context, max_batch_size=max_batch_size, reuse_prefix=reuse_prefix,
@@ -301,7 +306,7 @@ class DFlashEngine:
 
     @classmethod
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
-              dev: torch.device, *, pack: bool, fuse: bool, mxfp4: str, fp8: str,
+              dev: torch.device, *, draft_raw: dict | None, pack: bool, fuse: bool, mxfp4: str, fp8: str,
               **engine_options) -> "DFlashEngine":
         tokenizer = _load_tokenizer(target_dir)  # (first: its errors come before minutes of reading weights)
         if len(tokenizer) > target_cfg.vocab_size:
@@ -316,7 +321,7 @@ class DFlashEngine:
                 recommended = generation_defaults(gen)
             except DFlashError as exc:  # (refused where it is used: serve --generation-config auto)
                 recommended = exc
-        drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev)
+        drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev, config=draft_raw)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8)
         if drafter is not None:  # (a Speculators drafter may ship copies of the target's embedding / LM head)
             freed = drafter.share_with(model)

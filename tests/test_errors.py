@@ -601,7 +601,12 @@ MALFORMED_CONFIGS = [
      "drafter config.json has no dflash_config.target_layer_ids, and the reference rule gives [1, -1] for 2 drafter "
      "layers over a target of 2 layers; set dflash_config.target_layer_ids"),
     ("drafter", _set("block_size", "sixteen"), "drafter config.json block_size must be an integer >= 2, got 'sixteen'"),
-    ("drafter", _set("dflash_config.mask_token_id", None), "lacks dflash_config.mask_token_id"),
+    # no mask_token_id: its mask token is looked up in the target's tokenizer, as SGLang does (test_greedy)
+    ("drafter", lambda c: c["dflash_config"].update(mask_token_id=None, mask_token="<|NOPE|>"),
+     "drafter config.json has no dflash_config.mask_token_id, and its mask token '<|NOPE|>' would be id 320 (the id "
+     "it gets added after the tokenizer's 320 tokens, as SGLang adds it), outside the target's 320 embedding rows"),
+    ("drafter", lambda c: c["dflash_config"].update(mask_token_id=None, mask_token=7),
+     "drafter config.json dflash_config.mask_token must be a non-empty string, got 7"),
     ("drafter", _set("dflash_config.mask_token_id", 1.5), "mask_token_id must be an integer >= 0, got 1.5"),
     ("drafter", _set("dflash_config", [1]), "dflash_config must be an object, got [1]"),
     ("drafter", _set("rms_norm_eps", "x"), "drafter config.json rms_norm_eps must be a number > 0"),

@@ -104,3 +104,36 @@ def test_chunked_prefill_is_token_identical(setup, static):
     assert len(long_prompts) >= 2
     for prompt, ref in long_prompts:
         assert engine.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids == ref, name
+
+
+def test_a_drafter_without_a_mask_token_id_takes_it_from_the_tokenizer(agree_pair, tmp_path, caplog):
+    """A DFlash drafter config without ``dflash_config.mask_token_id`` (SpecForge's older
+    ones): its ``mask_token`` (default ``<|MASK|>``, the test tokenizer's id 1, the agreeable
+    drafter's mask id) is looked up in the target's tokenizer, as SGLang does: the same drafts;
+    a token the tokenizer lacks gets the id it would be added as (inside the embedding table)."""
+    import logging
+    import shutil
+
+    from conftest import VOCAB, edited_checkpoint, make_target
+
+    target, drafter = agree_pair
+    no_id = edited_checkpoint(drafter, tmp_path / "no-id", config=lambda c: c["dflash_config"].pop("mask_token_id"))
+    with caplog.at_level(logging.INFO, logger="dflash_torch"):
+        a, b = DFlashEngine.from_pretrained(target, drafter), DFlashEngine.from_pretrained(target, no_id)
+    assert b.drafter.config.mask_token_id == MASK_ID
+    assert "mask token '<|MASK|>' is id 1 (its id in the target's tokenizer)" in caplog.text
+    prompt = [5, 17, 99, 3]
+    x, y = (e.generate(prompt, max_new_tokens=40, ignore_eos=True) for e in (a, b))
+    assert x.token_ids == y.token_ids and x.stats.acceptance_lengths == y.stats.acceptance_lengths
+    # a target whose embedding table has rows past the tokenizer: an unknown mask token gets the first
+    big = make_target(tmp_path / "big", "qwen3", seed=1, tokenizer=False, vocab_size=VOCAB + 8, tie_word_embeddings=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (target / name).is_file():
+            shutil.copy(target / name, big / name)
+    other = edited_checkpoint(drafter, tmp_path / "other", config=lambda c: (
+        c.update(vocab_size=VOCAB + 8), c["dflash_config"].pop("mask_token_id"), c["dflash_config"].update(mask_token="<m>")))
+    engine = DFlashEngine.from_pretrained(big, other)
+    assert engine.drafter.config.mask_token_id == VOCAB
+    out = engine.generate(prompt, max_new_tokens=20, ignore_eos=True)
+    assert out.token_ids == DFlashEngine(engine.target, engine.tokenizer).generate(prompt, max_new_tokens=20,
+                                                                                   ignore_eos=True).token_ids

@@ -654,7 +654,9 @@ class DrafterConfig:
         refuse_quantized(cfg, "drafter")
         _require(cfg, ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"], "drafter")
         if dflash.get("mask_token_id") is None:
-            raise DFlashError(f"drafter config.json lacks {'' if assistant else 'dflash_config.'}mask_token_id")
+            raise DFlashError(f"drafter config.json lacks {'' if assistant else 'dflash_config.'}mask_token_id"
+                              + ("" if assistant else " (loaded with its target, DFlashEngine takes it from the "
+                                 "target's tokenizer: fill_mask_token_id)"))
         check_int(dflash, "mask_token_id", "drafter", minimum=0)
         block_size = cfg.get("block_size") if cfg.get("block_size") is not None else dflash.get("block_size")
         if block_size is None:
@@ -758,6 +760,55 @@ class DrafterConfig:
         if windows:
             cfg["sliding_window"] = windows[0]
         return cfg
+
+
+DEFAULT_MASK_TOKEN = "<|MASK|>"  # the mask token SGLang and the DFlash reference's demo add to the tokenizer
+
+
+def needs_mask_token_id(cfg: dict) -> bool:
+    """Whether a drafter ``config.json`` dict is one :func:`fill_mask_token_id` completes: the
+    DFlash / DFlash 2 format (not Speculators', not transformers' assistants) without
+    ``dflash_config.mask_token_id``."""
+    dflash = cfg.get("dflash_config")
+    archs = cfg.get("architectures") or []
+    if "speculators_model_type" in cfg or (dflash is not None and not isinstance(dflash, dict)):
+        return False
+    if not (dflash or "DFlashDraftModel" in archs or "DFlash2DraftModel" in archs):
+        return False
+    return (dflash or {}).get("mask_token_id") is None
+
+
+def fill_mask_token_id(cfg: dict, tokenizer, vocab_size: int) -> tuple[dict, str | None]:
+    """A DFlash-format drafter ``config.json`` dict that has no ``dflash_config.mask_token_id``
+    (as SpecForge wrote them before it recorded one) with that id filled in as SGLang resolves
+    it: ``dflash_config.mask_token`` (default :data:`DEFAULT_MASK_TOKEN`) looked up in the
+    target's ``tokenizer``, else the id adding it as a new token would get (``len(tokenizer)``,
+    as the DFlash reference's demo does with ``add_special_tokens``; the tokenizer itself is
+    not changed). Other configs come back as they are.
+
+    Returns:
+        ``(config, note)``: a new dict and a line saying what was resolved, or ``(cfg, None)``.
+
+    Raises:
+        DFlashError: a ``mask_token`` that is not a non-empty string, or an id that lands
+            outside the target's embedding table (``vocab_size`` rows).
+    """
+    if not needs_mask_token_id(cfg):
+        return cfg, None
+    dflash = dict(cfg.get("dflash_config") or {})
+    token = dflash.get("mask_token", DEFAULT_MASK_TOKEN)
+    if not isinstance(token, str) or not token:
+        raise DFlashError(f"drafter config.json dflash_config.mask_token must be a non-empty string, got {token!r}")
+    found = tokenizer.get_vocab().get(token)
+    token_id = len(tokenizer) if found is None else int(found)
+    how = ("its id in the target's tokenizer" if found is not None
+           else f"the id it gets added after the tokenizer's {len(tokenizer)} tokens, as SGLang adds it")
+    if not 0 <= token_id < vocab_size:
+        raise DFlashError(f"drafter config.json has no dflash_config.mask_token_id, and its mask token {token!r} would be "
+                          f"id {token_id} ({how}), outside the target's {vocab_size} embedding rows; set mask_token_id")
+    dflash["mask_token_id"] = token_id
+    return {**cfg, "dflash_config": dflash}, (f"the drafter's config.json has no mask_token_id: mask token {token!r} "
+                                              f"is id {token_id} ({how})")
 
 
 def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:

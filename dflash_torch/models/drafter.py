@@ -107,18 +107,22 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings)
 
     @staticmethod
-    def from_pretrained(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> "DFlashDrafter":
+    def from_pretrained(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+                        config: dict | None = None) -> "DFlashDrafter":
         """Load a published-format drafter checkpoint directory: a DFlash drafter (also in
         transformers' assistant format, e.g. ``MuseGlimmerAssistantModel``), a DFlash 2 one
         (then a :class:`~dflash_torch.models.dflash2.DFlash2Drafter`) or a Speculators-format
-        one (then a :class:`~dflash_torch.models.speculators.SpeculatorsDrafter`).
+        one (then a :class:`~dflash_torch.models.speculators.SpeculatorsDrafter`). ``config``:
+        its ``config.json`` dict as read and completed by the caller (e.g. a mask token id
+        resolved with the target's tokenizer, :func:`~dflash_torch.models.config.fill_mask_token_id`);
+        None reads the file.
 
         Raises:
             DFlashError: not a DFlash config, or weights missing, unknown, of the
                 wrong shape, not floating point (e.g. int8) or not finite (NaN / inf), or
                 what the class's :meth:`adapt_checkpoint` refuses.
         """
-        cfg = DrafterConfig.from_dict(load_config(model_dir))
+        cfg = DrafterConfig.from_dict(load_config(model_dir) if config is None else config)
         if cfg.speculators is not None:  # (which optional tensors it ships decides the modules)
             from .speculators import match_checkpoint
 

@@ -29,7 +29,8 @@ import torch
 
 from ..checkpoint import all_finite, checkpoint_dir, load_config
 from ..errors import DFlashError
-from ..models.config import DFlash2Settings, DrafterConfig, TargetConfig, default_target_layer_ids, validate_pair
+from ..models.config import (DFlash2Settings, DrafterConfig, TargetConfig, default_target_layer_ids, fill_mask_token_id,
+                             needs_mask_token_id, validate_pair)
 from ..models.drafter import DFlashDrafter, drafter_class
 from ..models.rope import Rotary
 from ..models.target import TargetModel
@@ -182,7 +183,7 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
     )
 
 
-def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig) -> tuple[DFlashDrafter, DrafterConfig]:
+def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None) -> tuple[DFlashDrafter, DrafterConfig]:
     """The ``--init-from`` drafter (float32) and the config of the drafter to train: the
     source's shape (layers, block size, target layers, mask token, MLP width, RoPE) with
     the modules of ``--arch`` (a DFlash 2 source keeps its own convolution and selector sizes).
@@ -193,14 +194,17 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig) -> tuple[DFlas
             Speculators-format source.
     """
     src_dir = checkpoint_dir(cfg.init_from, "init_from")
-    src_cfg = DrafterConfig.from_dict(load_config(src_dir))
+    raw = load_config(src_dir)
+    if tokenizer is not None and needs_mask_token_id(raw):  # (its mask token, looked up as the engine does)
+        raw, _ = fill_mask_token_id(raw, tokenizer, target_cfg.vocab_size)
+    src_cfg = DrafterConfig.from_dict(raw)
     if src_cfg.speculators is not None:  # (its own embedding / LM head / attention rules: not this trainer's format)
         raise DFlashError(f"--init-from {cfg.init_from} is a Speculators-format drafter; dflash-torch trains "
                           "DFlash-format drafters (initialize from one of those, or train from scratch)")
     validate_pair(target_cfg, src_cfg)
     if src_cfg.dflash2 is not None and cfg.arch != "dflash2":
         raise DFlashError(f"--init-from {cfg.init_from} is a DFlash 2 drafter; train it with --arch dflash2")
-    source = DFlashDrafter.from_pretrained(src_dir, torch.float32)
+    source = DFlashDrafter.from_pretrained(src_dir, torch.float32, config=raw)
     dcfg = replace(src_cfg, vocab_size=target_cfg.vocab_size, num_target_layers=target_cfg.num_hidden_layers)
     if src_cfg.dflash2 is None:
         dcfg.dflash2 = dflash2_settings(cfg, target_cfg.hidden_size, target_cfg.vocab_size)
@@ -495,7 +499,7 @@ class Trainer:
         tokenizer = _load_tokenizer(target_dir)
         source = None
         if cfg.init_from:
-            source, dcfg = load_init_drafter(cfg, target_cfg)
+            source, dcfg = load_init_drafter(cfg, target_cfg, tokenizer)
             how = f"from --init-from {cfg.init_from}"
         else:
             mask_id, how = resolve_mask_token_id(tokenizer, target_cfg.vocab_size, cfg.mask_token_id)
