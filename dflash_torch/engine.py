@@ -277,7 +277,8 @@ class DFlashEngine:
             if draft is None and not no_draft:
                 draft = DEFAULT_DRAFTER
         target_dir = checkpoint_dir(target, "target")
-        target_cfg = TargetConfig.from_dict(load_config(target_dir))
+        target_raw = load_config(target_dir)
+        target_cfg = TargetConfig.from_dict(target_raw)
         draft_dir, draft_cfg, draft_raw = None, None, None
         if not no_draft:
             if draft is None:
@@ -290,6 +291,12 @@ class DFlashEngine:
                 log.info(f"dflash-torch: {note}")
             draft_cfg = DrafterConfig.from_dict(draft_raw)
             validate_pair(target_cfg, draft_cfg)
+            if draft_cfg.speculators is not None:
+                from .models.speculators import verifier_mismatch
+
+                warning = verifier_mismatch(draft_cfg, target_raw.get("architectures"))
+                if warning:
+                    log.warning(f"dflash-torch: {warning}")
         options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
         options.check_max_context(max_context, target_cfg.max_position_embeddings)
         options.check_mxfp4(mxfp4, target_cfg.mxfp4)

@@ -382,3 +382,25 @@ def test_per_layer_type_rope_takes_the_sliding_entry():
         "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
     assert DrafterConfig.from_dict(cfg).rope_theta == 500000.0
+
+
+def test_a_drafter_for_another_model_family_is_warned_about(agree_speculators_pair, tmp_path, caplog):
+    """speculators_config.verifier.architectures names what the drafter was trained for: a
+    target of another family loads (the output is the target's) with a warning; the same
+    family (text or multimodal) loads silently."""
+    import logging
+
+    target, drafter = agree_speculators_pair
+
+    def verifier(archs):
+        return lambda c: c["speculators_config"]["verifier"].update(architectures=archs)
+
+    llama = edited_checkpoint(drafter, tmp_path / "llama", config=verifier(["LlamaForCausalLM"]))
+    wrapper = edited_checkpoint(drafter, tmp_path / "wrapper", config=verifier(["Qwen3ForConditionalGeneration"]))
+    with caplog.at_level(logging.WARNING, logger="dflash_torch"):
+        DFlashEngine.from_pretrained(target, drafter)
+        DFlashEngine.from_pretrained(target, wrapper)
+        assert "trained for" not in caplog.text
+        DFlashEngine.from_pretrained(target, llama)
+    assert ("the drafter was trained for a Llama target (speculators_config.verifier), this target is Qwen3: the "
+            "output is the target's, but few drafts may be accepted") in caplog.text

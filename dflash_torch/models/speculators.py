@@ -62,6 +62,7 @@ class SpeculatorsSettings:
     own_embedding: bool = False
     own_lm_head: bool = True
     has_d2t: bool = False
+    verifier_architectures: tuple[str, ...] = ()  # speculators_config.verifier.architectures: what it was trained for
 
 
 def _layer_config(cfg: dict) -> dict:
@@ -150,10 +151,35 @@ def read_config(cfg: dict) -> DrafterConfig:
     dflash.update(architectures=["DFlashDraftModel"], block_size=block_size,
                   dflash_config={"mask_token_id": cfg["mask_token_id"], "target_layer_ids": [i - 1 for i in ids]})
     out = DrafterConfig.from_dict(dflash)
+    verifier = (cfg.get("speculators_config") or {}).get("verifier") if isinstance(cfg.get("speculators_config"), dict) else None
+    archs = verifier.get("architectures") if isinstance(verifier, dict) else None
     out.speculators = SpeculatorsSettings(
         draft_vocab_size=draft_vocab,
-        sliding_window_non_causal=bool_field(cfg, "sliding_window_non_causal", "drafter", False))
+        sliding_window_non_causal=bool_field(cfg, "sliding_window_non_causal", "drafter", False),
+        verifier_architectures=tuple(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else ())
     return out
+
+
+def _family(architecture: str) -> str:
+    """``Qwen3ForCausalLM`` -> ``Qwen3``: the model family an architecture name belongs to
+    (a text and a multimodal checkpoint of one family share it)."""
+    for suffix in ("ForConditionalGeneration", "ForCausalLM"):
+        if architecture.endswith(suffix):
+            return architecture[:-len(suffix)]
+    return architecture
+
+
+def verifier_mismatch(cfg: DrafterConfig, target_architectures: list) -> str | None:
+    """A warning when a Speculators drafter was trained for another model family than the
+    target's (``speculators_config.verifier.architectures`` against the target's
+    ``architectures``): the output stays the target's, but its drafts will rarely be accepted.
+    None when they match or either is unknown."""
+    trained = {_family(a) for a in (cfg.speculators.verifier_architectures if cfg.speculators else ())}
+    given = {_family(a) for a in target_architectures or () if isinstance(a, str)}
+    if not trained or not given or trained & given:
+        return None
+    return (f"the drafter was trained for a {'/'.join(sorted(trained))} target (speculators_config.verifier), this "
+            f"target is {'/'.join(sorted(given))}: the output is the target's, but few drafts may be accepted")
 
 
 def match_checkpoint(cfg: DrafterConfig, names: set[str]) -> None:
