@@ -605,6 +605,8 @@ MALFORMED_CONFIGS = [
     ("drafter", lambda c: c["dflash_config"].update(mask_token_id=None, mask_token="<|NOPE|>"),
      "drafter config.json has no dflash_config.mask_token_id, and its mask token '<|NOPE|>' would be id 320 (the id "
      "it gets added after the tokenizer's 320 tokens, as SGLang adds it), outside the target's 320 embedding rows"),
+    ("drafter", _set("architectures", 5), "drafter config.json architectures must be a list of class names, got 5"),
+    ("target", _set("architectures", [5]), "target config.json architectures must be a list of class names, got [5]"),
     ("drafter", lambda c: c["dflash_config"].update(mask_token_id=None, mask_token=7),
      "drafter config.json dflash_config.mask_token must be a non-empty string, got 7"),
     ("drafter", _set("dflash_config.mask_token_id", 1.5), "mask_token_id must be an integer >= 0, got 1.5"),

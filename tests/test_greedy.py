@@ -121,6 +121,9 @@ def test_a_drafter_without_a_mask_token_id_takes_it_from_the_tokenizer(agree_pai
     with caplog.at_level(logging.INFO, logger="dflash_torch"):
         a, b = DFlashEngine.from_pretrained(target, drafter), DFlashEngine.from_pretrained(target, no_id)
     assert b.drafter.config.mask_token_id == MASK_ID
+    null = edited_checkpoint(drafter, tmp_path / "null", config=lambda c: c["dflash_config"].update(
+        mask_token_id=None, mask_token=None))  # (null: the default, as SGLang reads it)
+    assert DFlashEngine.from_pretrained(target, null).drafter.config.mask_token_id == MASK_ID
     assert "mask token '<|MASK|>' is id 1 (its id in the target's tokenizer)" in caplog.text
     prompt = [5, 17, 99, 3]
     x, y = (e.generate(prompt, max_new_tokens=40, ignore_eos=True) for e in (a, b))

@@ -404,3 +404,22 @@ def test_a_drafter_for_another_model_family_is_warned_about(agree_speculators_pa
         DFlashEngine.from_pretrained(target, llama)
     assert ("the drafter was trained for a Llama target (speculators_config.verifier), this target is Qwen3: the "
             "output is the target's, but few drafts may be accepted") in caplog.text
+
+
+@pytest.mark.parametrize("trained,target,warns", [
+    (["MuseGlimmerForConditionalGeneration"], ["MuseGlimmerTextModel"], False),
+    (["Qwen3ForCausalLM"], ["Qwen3Model"], False),
+    (["Gemma4ForConditionalGeneration"], ["Gemma4ForCausalLM"], False),
+    (["Qwen3ForCausalLM"], "Qwen3ForCausalLM", False),  # (a single name as a string)
+    ("LlamaForCausalLM", ["Qwen3ForCausalLM"], True),
+    ([""], ["Qwen3ForCausalLM"], False),  # (nothing known: no warning)
+    ([None, 3, ["x"]], ["Qwen3ForCausalLM"], False),
+    (["Qwen3MoeForCausalLM"], ["Qwen3ForCausalLM"], True),
+])
+def test_model_families_are_compared_by_name(trained, target, warns):
+    from dflash_torch.models.config import DrafterConfig
+    from dflash_torch.models.speculators import verifier_mismatch
+
+    cfg = json.loads((DATA / "draft-vocab-causal" / "config.json").read_text())
+    cfg["speculators_config"]["verifier"]["architectures"] = trained
+    assert (verifier_mismatch(DrafterConfig.from_dict(cfg), target) is not None) == warns

@@ -97,6 +97,20 @@ def _require(cfg: dict, keys: list[str], what: str) -> None:
         check_int(cfg, k, what)
 
 
+def architectures(cfg: dict, what: str) -> list[str]:
+    """``cfg["architectures"]``: a list of class names (``[]`` when absent or null).
+
+    Raises:
+        DFlashError: anything but a list of strings.
+    """
+    archs = cfg.get("architectures")
+    if archs is None:
+        return []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise DFlashError(f"{what} config.json architectures must be a list of class names, got {archs!r}")
+    return archs
+
+
 def object_field(cfg: dict, key: str, what: str) -> dict | None:
     """``cfg[key]``: absent or null (None), or a JSON object (a dict).
 
@@ -257,7 +271,7 @@ class TargetConfig:
         """
         from .registry import family
 
-        archs = cfg.get("architectures") or []
+        archs = architectures(cfg, "target")
         if any(a.startswith("DFlash") for a in archs):
             raise OptionError("target must be the target LLM's checkpoint, not a DFlash drafter's", "target")
         from . import fp8
@@ -634,7 +648,7 @@ class DrafterConfig:
             from .speculators import read_config
 
             return read_config(cfg)
-        archs = cfg.get("architectures") or []
+        archs = architectures(cfg, "drafter")
         dflash = object_field(cfg, "dflash_config", "drafter") or {}
         assistant = any(a in ASSISTANT_ARCHITECTURES for a in archs if isinstance(a, str))
         if assistant:  # (transformers' DFlash assistants keep the DFlash settings at the top level)
@@ -770,9 +784,11 @@ def needs_mask_token_id(cfg: dict) -> bool:
     DFlash / DFlash 2 format (not Speculators', not transformers' assistants) without
     ``dflash_config.mask_token_id``."""
     dflash = cfg.get("dflash_config")
-    archs = cfg.get("architectures") or []
-    if "speculators_model_type" in cfg or (dflash is not None and not isinstance(dflash, dict)):
+    archs = cfg.get("architectures")
+    if "speculators_model_type" in cfg or (dflash is not None and not isinstance(dflash, dict)) or not isinstance(
+            archs if archs is not None else [], list):  # (malformed: DrafterConfig.from_dict says so)
         return False
+    archs = archs or []
     if not (dflash or "DFlashDraftModel" in archs or "DFlash2DraftModel" in archs):
         return False
     return (dflash or {}).get("mask_token_id") is None
@@ -796,7 +812,8 @@ def fill_mask_token_id(cfg: dict, tokenizer, vocab_size: int) -> tuple[dict, str
     if not needs_mask_token_id(cfg):
         return cfg, None
     dflash = dict(cfg.get("dflash_config") or {})
-    token = dflash.get("mask_token", DEFAULT_MASK_TOKEN)
+    token = dflash.get("mask_token")
+    token = DEFAULT_MASK_TOKEN if token is None else token  # (null is the default, as SGLang reads it)
     if not isinstance(token, str) or not token:
         raise DFlashError(f"drafter config.json dflash_config.mask_token must be a non-empty string, got {token!r}")
     found = tokenizer.get_vocab().get(token)

@@ -62,7 +62,7 @@ class SpeculatorsSettings:
     own_embedding: bool = False
     own_lm_head: bool = True
     has_d2t: bool = False
-    verifier_architectures: tuple[str, ...] = ()  # speculators_config.verifier.architectures: what it was trained for
+    verifier_families: tuple[str, ...] = ()  # the model families speculators_config.verifier.architectures name
 
 
 def _layer_config(cfg: dict) -> dict:
@@ -156,17 +156,24 @@ def read_config(cfg: dict) -> DrafterConfig:
     out.speculators = SpeculatorsSettings(
         draft_vocab_size=draft_vocab,
         sliding_window_non_causal=bool_field(cfg, "sliding_window_non_causal", "drafter", False),
-        verifier_architectures=tuple(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else ())
+        verifier_families=tuple(sorted(_families(archs))))
     return out
 
 
-def _family(architecture: str) -> str:
-    """``Qwen3ForCausalLM`` -> ``Qwen3``: the model family an architecture name belongs to
-    (a text and a multimodal checkpoint of one family share it)."""
-    for suffix in ("ForConditionalGeneration", "ForCausalLM"):
-        if architecture.endswith(suffix):
-            return architecture[:-len(suffix)]
-    return architecture
+FAMILY_SUFFIXES = ("ForConditionalGeneration", "TextForCausalLM", "ForCausalLM", "TextModel", "Model")
+
+
+def _families(architectures) -> set[str]:
+    """``["Qwen3ForCausalLM"]`` -> ``{"Qwen3"}``: the model families of architecture names (a
+    text and a multimodal checkpoint of one family share one; a single name may come as a
+    string; names that are not non-empty strings are skipped)."""
+    names = [architectures] if isinstance(architectures, str) else architectures
+    out = set()
+    for name in names if isinstance(names, (list, tuple)) else ():
+        if isinstance(name, str) and name:
+            suffix = next((x for x in FAMILY_SUFFIXES if name.endswith(x) and len(name) > len(x)), "")
+            out.add(name[:len(name) - len(suffix)])
+    return out
 
 
 def verifier_mismatch(cfg: DrafterConfig, target_architectures: list) -> str | None:
@@ -174,8 +181,8 @@ def verifier_mismatch(cfg: DrafterConfig, target_architectures: list) -> str | N
     target's (``speculators_config.verifier.architectures`` against the target's
     ``architectures``): the output stays the target's, but its drafts will rarely be accepted.
     None when they match or either is unknown."""
-    trained = {_family(a) for a in (cfg.speculators.verifier_architectures if cfg.speculators else ())}
-    given = {_family(a) for a in target_architectures or () if isinstance(a, str)}
+    trained = set(cfg.speculators.verifier_families if cfg.speculators else ())
+    given = _families(target_architectures)
     if not trained or not given or trained & given:
         return None
     return (f"the drafter was trained for a {'/'.join(sorted(trained))} target (speculators_config.verifier), this "
