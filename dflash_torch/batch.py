@@ -487,7 +487,7 @@ class BatchDecoder:
         self.prefill_budget = prefill_chunk if prefill_budget is None else check_max_batch_size(prefill_budget,
                                                                                                "prefill_budget")
         self.device = target.model.embed_tokens.weight.device
-        self.feature_layers = drafter.config.target_layer_ids if drafter is not None and B > 1 else None
+        self.feature_layers = drafter.feature_layers(target) if drafter is not None and B > 1 else None
         capacity = self.max_context + max(2 * B, prefill_chunk) + 1  # a finished sequence still held runs one block past its budget
         drafts = drafter if self.feature_layers is not None else None
         checkpoints = target.recurrent and self.reuse_prefix  # each slot's state at its prompt's end (prefix reuse)

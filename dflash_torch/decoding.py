@@ -225,7 +225,7 @@ class SpeculativeDecoder:
         self.prefill_chunk = check_count(prefill_chunk, "prefill_chunk")
         self.target_cache = target.new_cache()
         self._run = 0  # the rounds() generator that owns the caches (a later call takes them over)
-        self.feature_layers = drafter.config.target_layer_ids if drafter is not None and block_size > 1 else None
+        self.feature_layers = drafter.feature_layers(target) if drafter is not None and block_size > 1 else None
         if self.feature_layers is None:
             self.context = None
         elif draft_mode == "inject":

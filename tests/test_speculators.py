@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import (SPEC_DRAFT_TOKENS, VOCAB, check_compiled_rounds_are_lossless,
                       check_greedy_equals_transformers, check_many_accepted_tokens_are_lossless, edited_checkpoint,
-                      to_speculators)
+                      load_hf, to_speculators)
 from safetensors.torch import load_file
 
 from dflash_torch import DFlashEngine, DFlashError
@@ -228,8 +228,8 @@ BAD_CONFIGS = [
     (_layer("model_type", "no_such_model"), r"has model_type 'no_such_model', which transformers does not know"),
     (_drop("mask_token_id"), r"lacks mask_token_id"),
     (_drop("aux_hidden_state_layer_ids"), r"aux_hidden_state_layer_ids must be a non-empty list of integers, got None"),
-    (_set("aux_hidden_state_layer_ids", [0, 2]), r"include 0, the target's embedding output: dflash-torch does not capture it"),
-    (_set("aux_hidden_state_layer_ids", [2, 4]), r"include 4, the target's final hidden state before its norm"),
+    (_set("aux_hidden_state_layer_ids", [-1, 2]), r"aux_hidden_state_layer_ids \[-1, 2\] include -1"),
+    (_set("aux_hidden_state_layer_ids", [2, 5]), r"aux_hidden_state_layer_ids \[2, 5\] include \[5\], beyond the target's 4 layers"),
     (_set("quantization_config", {"quant_method": "compressed-tensors"}), r"quantiz"),
     (_layer("model_type", "Qwen3"), r"^drafter config.json transformer_layer_config has model_type 'Qwen3', which transformers "
                                     r"does not know \(speculators writes qwen3 or llama\)$"),
@@ -237,7 +237,7 @@ BAD_CONFIGS = [
     (_layer("hidden_size", "64"), r"does not load in transformers: "),
     (_layer("use_sliding_window", False), r"has sliding_attention layers but no window \(sliding_window is null, or "
                                           r"use_sliding_window false turns it off\)"),
-    (_set("aux_hidden_state_layer_ids", [1, 9]), r"target_layer_ids \[0, 8\] include \[8\], outside the target's 4 layers"),
+    (_set("aux_hidden_state_layer_ids", [1, 9]), r"include \[9\], beyond the target's 4 layers"),
     (_set("target_hidden_size", 128), r"target_hidden_size 128 differs from its hidden_size 64"),
     (_layer("rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      r"partial_rotary_factor 0.5"),
@@ -423,3 +423,34 @@ def test_model_families_are_compared_by_name(trained, target, warns):
     cfg = json.loads((DATA / "draft-vocab-causal" / "config.json").read_text())
     cfg["speculators_config"]["verifier"]["architectures"] = trained
     assert (verifier_mismatch(DrafterConfig.from_dict(cfg), target) is not None) == warns
+
+
+def test_aux_ids_zero_and_the_layer_count_read_what_vllm_captures(agree_pair, tmp_path):
+    """Aux id 0 is the embedding output (transformers' hidden_states[0]) and aux id L (the
+    target's layer count) the last layer's output before the final norm, as vLLM captures
+    them (speculators' --include-last-layer); the ids between are the layers' outputs."""
+    from dflash_torch.models.target import EMBEDDING_OUTPUT
+
+    target, drafter = agree_pair
+    spec = to_speculators(drafter, target, tmp_path / "spec", aux_ids=[0, 4])
+    engine = DFlashEngine.from_pretrained(target, spec)
+    assert engine.drafter.feature_layers(engine.target) == [EMBEDDING_OUTPUT, 4]
+    hf = load_hf(target)
+    last = {}
+    hf.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("out", o[0] if isinstance(o, tuple) else o))
+    ids = torch.tensor([5, 17, 99, 3, 42, 42])
+    with torch.no_grad():
+        ref = hf(ids[None], output_hidden_states=True)
+        cache = engine.target.new_cache()
+        cache.reset(16)
+        _, feats = engine.target(ids, torch.arange(6), cache, 6, feature_layers=[EMBEDDING_OUTPUT, 4, 1, 3])
+    H = engine.target.config.hidden_size
+    torch.testing.assert_close(feats[:, :H], ref.hidden_states[0][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(feats[:, H:2 * H], last["out"].reshape(6, H), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(feats[:, 2 * H:3 * H], ref.hidden_states[2][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(feats[:, 3 * H:], ref.hidden_states[4][0], atol=1e-5, rtol=1e-5)  # (normed)
+    assert (feats[:, H:2 * H] - feats[:, 3 * H:]).abs().max() > 0.1  # (the two ends of the last layer differ)
+    base = DFlashEngine(engine.target, engine.tokenizer)
+    for prompt in ([5, 17, 99, 3], list(range(2, 45))):
+        assert engine.generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids == \
+            base.generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids

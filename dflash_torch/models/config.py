@@ -835,7 +835,7 @@ def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
         DFlashError: one line naming both values, for a hidden size mismatch, a
             target layer id outside the target, a different ``num_target_layers``,
             a mask token id outside the vocabulary, or a different vocabulary size; a
-            Speculators drafter that reads the target's final hidden state (aux id L).
+            Speculators drafter's aux id beyond the target's layer count.
     """
     if drafter.hidden_size != target.hidden_size:
         raise DFlashError(f"incompatible pair: drafter hidden_size {drafter.hidden_size} != target hidden_size {target.hidden_size}")
@@ -843,16 +843,16 @@ def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
         raise DFlashError(
             f"incompatible pair: drafter num_target_layers {drafter.num_target_layers} != target num_hidden_layers {target.num_hidden_layers}"
         )
-    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if drafter.speculators is not None:  # (aux ids: 0 .. L, the inputs of layers 0 .. L - 1 and the last output)
+        bad = [a for a in drafter.speculators.aux_ids if not 0 <= a <= target.num_hidden_layers]
+        if bad:
+            raise DFlashError(f"incompatible pair: the drafter's aux_hidden_state_layer_ids {list(drafter.speculators.aux_ids)} "
+                              f"include {bad}, beyond the target's {target.num_hidden_layers} layers")
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_hidden_layers and drafter.speculators is None]
     if bad:
         raise DFlashError(
             f"incompatible pair: drafter target_layer_ids {drafter.target_layer_ids} include {bad}, outside the target's {target.num_hidden_layers} layers"
         )
-    if drafter.speculators is not None and target.num_hidden_layers - 1 in drafter.target_layer_ids:
-        raise DFlashError(f"incompatible pair: the Speculators drafter's aux_hidden_state_layer_ids include "
-                          f"{target.num_hidden_layers}, the target's final hidden state before its norm (as vLLM "
-                          "captures it); dflash-torch captures the layers' outputs the DFlash reference reads, and "
-                          "the last one after the norm")
     if not 0 <= drafter.mask_token_id < target.vocab_size:
         raise DFlashError(f"incompatible pair: drafter mask_token_id {drafter.mask_token_id} is outside the target vocabulary of {target.vocab_size}")
     if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:

@@ -162,6 +162,11 @@ class DFlashDrafter(nn.Module):
         """The checkpoint's tensors ``state`` as this module loads them (here as they are)."""
         return state
 
+    def feature_layers(self, target) -> list[int]:
+        """The target feature ids (``TargetModel.forward``'s ``feature_layers``) whose outputs
+        make this drafter's context features, in order: its ``target_layer_ids``."""
+        return list(self.config.target_layer_ids)
+
     def share_with(self, target) -> int:
         """Drop the drafter's copies of target weights in favour of the target's own; returns
         the bytes freed (none here: a DFlash drafter keeps no copies)."""

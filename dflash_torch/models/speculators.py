@@ -13,7 +13,8 @@ mask) and from vLLM's DFlash loader (``models/qwen3_dflash.py``,
   transformers' own config class. ``block_size`` (default 8), ``mask_token_id``,
   ``draft_vocab_size`` (default 32000) and ``aux_hidden_state_layer_ids``: ids a counted as
   vLLM captures hidden states (the input of decoder layer a, i.e. the output of layer
-  a - 1), so our target layer ids are a - 1.
+  a - 1; 0 the embedding output; the target's layer count L its last layer's output before
+  the final norm), so our target layer ids are a - 1 (:meth:`SpeculatorsDrafter.feature_layers`).
 * weights: the DFlash body as in the DFlash reference (``layers.*``, ``fc``,
   ``hidden_norm``, ``norm``); ``lm_head`` ``[draft_vocab_size, hidden]``, the drafter's own LM
   head (its logits are used as they are: no output scale or soft cap); optionally
@@ -63,6 +64,7 @@ class SpeculatorsSettings:
     own_lm_head: bool = True
     has_d2t: bool = False
     verifier_families: tuple[str, ...] = ()  # the model families speculators_config.verifier.architectures name
+    aux_ids: tuple[int, ...] = ()  # aux_hidden_state_layer_ids, in layer order
 
 
 def _layer_config(cfg: dict) -> dict:
@@ -94,8 +96,7 @@ def read_config(cfg: dict) -> DrafterConfig:
         DFlashError: another Speculators model type (e.g. ``dspark``, ``eagle3``), a
             drafter trained to predict from its anchor slot (``sample_from_anchor``), no
             ``transformer_layer_config`` / ``mask_token_id`` / ``aux_hidden_state_layer_ids``,
-            an aux id below 1 (0: the embedding output, not captured here), a
-            ``target_hidden_size`` other than the drafter's hidden size, partial RoPE,
+            a negative aux id, a ``target_hidden_size`` other than the drafter's hidden size, partial RoPE,
             sliding-window layers without a window, a draft vocabulary larger than the
             target's, a ``quantization_config``, a layer config transformers' own class
             refuses, or anything :meth:`DrafterConfig.from_dict` refuses in it.
@@ -120,9 +121,6 @@ def read_config(cfg: dict) -> DrafterConfig:
         raise DFlashError(f"drafter config.json aux_hidden_state_layer_ids must be a non-empty list of integers, got {ids!r}")
     if min(ids) < 0:
         raise DFlashError(f"drafter config.json aux_hidden_state_layer_ids {ids} include {min(ids)}")
-    if min(ids) == 0:
-        raise DFlashError(f"drafter config.json aux_hidden_state_layer_ids {ids} include 0, the target's embedding "
-                          "output: dflash-torch does not capture it (it captures decoder layer outputs)")
     ids = sorted(ids)  # (vLLM captures them walking the layers: the features come in layer order)
     hidden = layer.get("hidden_size")
     target_hidden = check_int(cfg, "target_hidden_size", "drafter")
@@ -156,7 +154,8 @@ def read_config(cfg: dict) -> DrafterConfig:
     out.speculators = SpeculatorsSettings(
         draft_vocab_size=draft_vocab,
         sliding_window_non_causal=bool_field(cfg, "sliding_window_non_causal", "drafter", False),
-        verifier_families=tuple(sorted(_families(archs))))
+        verifier_families=tuple(sorted(_families(archs))),
+        aux_ids=tuple(ids))
     return out
 
 
@@ -288,6 +287,14 @@ class SpeculatorsDrafter(DFlashDrafter):
             freed += self.lm_head.weight.nbytes
             self.lm_head = None
         return freed
+
+    def feature_layers(self, target) -> list[int]:
+        """The target feature ids of the aux ids as vLLM captures them, the input of decoder
+        layer a: the output of layer a - 1; for a = 0 the decoder's input rows
+        (:data:`~dflash_torch.models.target.EMBEDDING_OUTPUT`), for a = the target's layer
+        count the last layer's output before the final norm (feature id L)."""
+        layers = target.config.num_hidden_layers
+        return [layers if a == layers else a - 1 for a in self.config.speculators.aux_ids]
 
     def embed(self, target, tokens: torch.Tensor) -> torch.Tensor:
         """The block's embedding rows: the drafter's own table, else the target's rows as

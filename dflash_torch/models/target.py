@@ -107,6 +107,9 @@ class _Step:
     kv_len: int | None
 
 
+EMBEDDING_OUTPUT = -1  # the feature id of the decoder's input rows (see TargetModel.forward's feature_layers)
+
+
 class TargetModel(nn.Module):
     """A decoder-only LLM that returns logits and the outputs of chosen layers.
 
@@ -350,7 +353,10 @@ class TargetModel(nn.Module):
                 ``positions`` are masked); ``None`` attends over the whole buffer.
             feature_layers: target layer ids whose outputs to return (layer ``l`` is
                 Hugging Face ``hidden_states[l + 1]``; for the last layer that is the
-                output after the final norm, as in transformers).
+                output after the final norm, as in transformers). Two more ids, which vLLM's
+                hidden-state capture (and so Speculators-format drafters) can name:
+                :data:`EMBEDDING_OUTPUT` (-1), the decoder's input rows (``hidden_states[0]``),
+                and ``num_hidden_layers``, the last layer's output before the final norm.
             logits_from: compute logits only for rows ``[logits_from, T)``.
             commit: recurrent layers advance over the first ``commit`` rows only (int,
                 0-dim tensor, or ``[N]`` int64 per sequence; a padded prefill chunk); None:
@@ -378,7 +384,7 @@ class TargetModel(nn.Module):
                 biases[window, groups] = attention_bias(visible, groups, x.dtype)
         step = _Step(positions, rope, biases, kv_len)
         wanted = set(feature_layers or ())
-        captured = {}
+        captured = {EMBEDDING_OUTPUT: x} if EMBEDDING_OUTPUT in wanted else {}
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
             if layer.kind == "linear_attention":
@@ -389,6 +395,8 @@ class TargetModel(nn.Module):
             if i in wanted:
                 captured[i] = x
         last = len(self.model.layers) - 1
+        if last + 1 in wanted:  # (the last layer's output before the final norm)
+            captured[last + 1] = x
         if last in wanted:  # Hugging Face's hidden_states[L] is the final-normed output
             captured[last] = self.model.norm(x)
             normed = captured[last][logits_from:]
