@@ -96,14 +96,15 @@ def read_config(cfg: dict) -> DrafterConfig:
         DFlashError: another Speculators model type (e.g. ``dspark``, ``eagle3``), a
             drafter trained to predict from its anchor slot (``sample_from_anchor``), no
             ``transformer_layer_config`` / ``mask_token_id`` / ``aux_hidden_state_layer_ids``,
-            a negative aux id, a ``target_hidden_size`` other than the drafter's hidden size, partial RoPE,
-            sliding-window layers without a window, a draft vocabulary larger than the
-            target's, a ``quantization_config``, a layer config transformers' own class
-            refuses, or anything :meth:`DrafterConfig.from_dict` refuses in it.
+            a negative aux id, a ``target_hidden_size`` other than the drafter's hidden size,
+            partial RoPE, sliding-window layers without a window, a draft vocabulary larger
+            than the target's, a ``quantization_config``, a layer config transformers' own
+            class refuses, or anything :meth:`DrafterConfig.from_dict` refuses in it.
 
     The aux ids are read in increasing order (vLLM captures the features walking the
-    layers; a repeated id, which the library refuses to train, reads that layer twice); nested per-layer-type ``rope_parameters`` give the ``sliding_attention`` entry
-    (as the library flattens them).
+    layers; a repeated id, which the library refuses to train, reads that layer twice);
+    nested per-layer-type ``rope_parameters`` give the ``sliding_attention`` entry (as the
+    library flattens them).
     """
     kind = cfg.get("speculators_model_type")
     refuse_quantized(cfg, "drafter")
@@ -149,8 +150,9 @@ def read_config(cfg: dict) -> DrafterConfig:
     dflash.update(architectures=["DFlashDraftModel"], block_size=block_size,
                   dflash_config={"mask_token_id": cfg["mask_token_id"], "target_layer_ids": [i - 1 for i in ids]})
     out = DrafterConfig.from_dict(dflash)
-    verifier = (cfg.get("speculators_config") or {}).get("verifier") if isinstance(cfg.get("speculators_config"), dict) else None
-    archs = verifier.get("architectures") if isinstance(verifier, dict) else None
+    spec = cfg.get("speculators_config")
+    verifier = spec.get("verifier") if isinstance(spec, dict) else None
+    archs = verifier.get("architectures") if isinstance(verifier, dict) else None  # (informational: odd values ignored)
     out.speculators = SpeculatorsSettings(
         draft_vocab_size=draft_vocab,
         sliding_window_non_causal=bool_field(cfg, "sliding_window_non_causal", "drafter", False),
