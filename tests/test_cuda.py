@@ -181,7 +181,7 @@ def _modes(target, drafter):
 
 
 @cuda
-@pytest.mark.parametrize("pair", ["agree_pair", "agree_hybrid_pair", "agree_dflash2_pair"])
+@pytest.mark.parametrize("pair", ["agree_pair", "agree_hybrid_pair", "agree_dflash2_pair", "agree_speculators_pair"])
 def test_cuda_modes_equal_target_only_with_cuda_graphs(pair, request):
     """float32 on CUDA: every mode commits exactly the target-only tokens; compiled modes
     run every graph as a CUDA graph (none skipped) and recompile nothing after warm-up."""
