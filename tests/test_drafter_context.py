@@ -48,7 +48,7 @@ def reference_block_logits(drafter: DFlashDrafter, target: TargetModel, ctx_feat
     c = _rms(ctx_feats @ drafter.fc.weight.T, drafter.hidden_norm.weight, eps)
     x = target.model.embed_tokens.weight[block_ids]
     ctx_pos, blk_pos = torch.arange(s), torch.arange(s, s + B)
-    for layer in drafter.layers:
+    for i, layer in enumerate(drafter.layers):
         a = layer.self_attn
         h = _rms(x, layer.input_layernorm.weight, eps)
         q = _rope(_rms(_linear(h, a.q_proj).view(B, nh, hd), a.q_norm.weight, eps), blk_pos, cfg.rope_theta)
@@ -57,7 +57,14 @@ def reference_block_logits(drafter: DFlashDrafter, target: TargetModel, ctx_feat
         k = _rope(_rms(k, a.k_norm.weight, eps), torch.cat([ctx_pos, blk_pos]), cfg.rope_theta)
         v = _linear(src, a.v_proj).view(-1, nkv, hd)
         k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-        att = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)  # non-causal: all keys visible
+        att = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)  # non-causal: all keys visible ...
+        k_pos, window = torch.cat([ctx_pos, blk_pos]), cfg.sliding_windows[i]
+        visible = torch.ones(B, len(k_pos), dtype=torch.bool)
+        if (cfg.causal_layers or [False] * len(drafter.layers))[i]:  # ... but a causal layer's: up to p
+            visible &= k_pos[None] <= blk_pos[:, None]
+        if window is not None:  # ... and a sliding-window layer's: (p - window, ...]
+            visible &= k_pos[None] > blk_pos[:, None] - window
+        att = att.masked_fill(~visible, float("-inf"))
         out = torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(B, nh * hd)
         x = x + _linear(out, a.o_proj)
         m = layer.mlp
@@ -66,17 +73,20 @@ def reference_block_logits(drafter: DFlashDrafter, target: TargetModel, ctx_feat
     return _rms(x, drafter.norm.weight, eps)[1:] @ target.lm_head.weight.T
 
 
-@pytest.fixture(scope="module", params=["3-layers-incl-last-target-layer", "sliding-window-layer", "attention-bias"])
+@pytest.fixture(scope="module", params=["3-layers-incl-last-target-layer", "sliding-window-layer",
+                                        "sliding-window-non-causal", "attention-bias"])
 def models(request, tiny_pair, tmp_path_factory):
     target_dir, _ = tiny_pair
     cfg = drafter_config(target_dir, num_layers=3 if request.param.startswith("3") else 2, block_size=16,
                          target_layer_ids=[0, 2, 3] if request.param.startswith("3") else [1, 2])
-    if request.param == "sliding-window-layer":
+    if request.param.startswith("sliding"):  # (published DFlash drafters' sliding layers: causal in the block)
         cfg.sliding_windows = [8, None]
+        cfg.causal_layers = [request.param == "sliding-window-layer", False]
     if request.param == "attention-bias":  # q/k/v and o_proj biases, as the reference drafter has them
         cfg.attention_bias = True
     d = save_drafter(tmp_path_factory.mktemp("ctx-drafter"), cfg, seed=11)
     drafter = DFlashDrafter.from_pretrained(d, torch.float32)
+    assert [layer.causal for layer in drafter.layers] == (cfg.causal_layers or [False] * cfg.num_hidden_layers)
     biases = [m.bias for m in drafter.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None]
     assert len(biases) == (4 * cfg.num_hidden_layers if cfg.attention_bias else 0)
     assert all(b.abs().sum() > 0 for b in biases)
@@ -128,9 +138,8 @@ def test_inject_recompute_and_reference_agree_round_after_round(models):
         assert out_inj.shape == (B - 1, target.config.vocab_size)
         torch.testing.assert_close(out_inj, out_rec, atol=ATOL, rtol=ATOL, msg=f"{name}: round {rnd} inject vs recompute")
         torch.testing.assert_close(out_fixed, out_rec, atol=ATOL, rtol=ATOL, msg=f"{name}: round {rnd} fixed-shape vs recompute")
-        if "sliding" not in name:
-            ref = reference_block_logits(drafter, target, torch.cat(all_feats), block, s)
-            torch.testing.assert_close(out_inj, ref, atol=ATOL, rtol=ATOL, msg=f"{name}: round {rnd} vs reference")
+        ref = reference_block_logits(drafter, target, torch.cat(all_feats), block, s)
+        torch.testing.assert_close(out_inj, ref, atol=ATOL, rtol=ATOL, msg=f"{name}: round {rnd} vs reference")
         # verify a block of (random) draft tokens with the target; commit a + 1 rows
         verify = torch.cat([block[:1], torch.randint(2, target.config.vocab_size, (B - 1,), generator=g)])
         vlogits, vfeats = target(verify, positions, tcache, s + B, layers)
@@ -159,3 +168,39 @@ def test_draft_modes_generate_identical_tokens(agree_pair, tiny_pair, sampling):
             assert a.token_ids == b.token_ids
             assert a.stats.acceptance_lengths == b.stats.acceptance_lengths
             assert len(a.token_ids) == 40
+
+
+def test_block_causality_follows_the_published_rule(tiny_pair):
+    """Which drafter layers see their block causally: a DFlash drafter's sliding-window layers
+    (SGLang's and vLLM's DFlash drafters, SpecForge's training mask, dflash-mlx), unless
+    ``is_causal`` (or ``dflash_config.causal``) says it for every layer; DFlash 2 drafters and
+    transformers' assistants never."""
+    import json
+
+    from dflash_torch import DFlashError
+    from dflash_torch.models.config import DrafterConfig
+
+    _, drafter = tiny_pair
+    base = json.loads((drafter / "config.json").read_text())
+    base.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+
+    def causal(**edits):
+        cfg = json.loads(json.dumps(base))
+        for key, value in edits.items():
+            if key == "causal":
+                cfg["dflash_config"]["causal"] = value
+            else:
+                cfg[key] = value
+        return DrafterConfig.from_dict(cfg).causal_layers
+
+    assert causal() == [True, False]
+    assert causal(is_causal=False) == [False, False] and causal(is_causal=True) == [True, True]
+    assert causal(causal=True) == [True, True] and causal(causal=False, is_causal=True) == [True, True]
+    assert causal(layer_types=["full_attention"] * 2) == [False, False]
+    dflash2 = dict(base["dflash_config"], conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    assert causal(architectures=["DFlash2DraftModel"], dflash_config=dflash2) == [False, False]
+    with pytest.raises(DFlashError, match="is_causal must be true or false, got 'yes'"):
+        causal(is_causal="yes")
+    # a config written back says what the rule would not give
+    cfg = DrafterConfig.from_dict(dict(base, is_causal=False))
+    assert cfg.to_dict()["is_causal"] is False and "is_causal" not in DrafterConfig.from_dict(base).to_dict()

@@ -81,7 +81,8 @@ def test_the_fixture_attention_rules_matter():
     """The oracle comparison has power: reading the causal fixture with the DFlash reference's
     rules (non-causal, window per row) changes its logits well beyond the tolerance."""
     drafter, ref = library_case("draft-vocab-causal")
-    drafter.config.speculators.sliding_window_non_causal = True
+    for layer in drafter.layers:
+        layer.causal = False
     ours = draft_logits_at(drafter, ref, 9, "slice")
     tokens = drafter.d2t + torch.arange(len(drafter.d2t))
     assert (ours[:, tokens] - ref["logits_9"][1:]).abs().max() > 1e-3

@@ -625,6 +625,7 @@ class DrafterConfig:
     dflash2: DFlash2Settings | None = None  # set for a DFlash 2 drafter (architectures DFlash2DraftModel)
     checkpoint_names: dict[str, str] = field(default_factory=dict)  # our weight name -> the checkpoint's, where they differ
     hidden_act: str = "silu"  # the MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU), a key of layers.ACTIVATIONS
+    causal_layers: list[bool] | None = None  # per layer: block rows see the block causally (None: no layer does)
     speculators: "SpeculatorsSettings | None" = None  # set for a Speculators-format drafter (models/speculators.py)
 
     @classmethod
@@ -712,6 +713,7 @@ class DrafterConfig:
             raise DFlashError("drafter layer_types uses sliding_attention but sliding_window is not set")
         theta, scaling = _rope(cfg, "drafter")
         v2 = DFlash2Settings.from_dict(cfg, cfg["hidden_size"], cfg.get("vocab_size")) if "DFlash2DraftModel" in archs else None
+        causal = block_causality(cfg, dflash, layer_types, plain=not assistant and v2 is None)
         return cls(
             hidden_size=cfg["hidden_size"],
             num_hidden_layers=n,
@@ -733,6 +735,7 @@ class DrafterConfig:
             dflash2=v2,
             checkpoint_names=dict(ASSISTANT_WEIGHTS) if assistant else {},
             hidden_act="silu" if act in SILU_NAMES else "gelu_tanh",
+            causal_layers=causal,
         )
 
     def to_dict(self) -> dict:
@@ -763,9 +766,17 @@ class DrafterConfig:
             "layer_types": ["sliding_attention" if w else "full_attention" for w in self.sliding_windows],
             "torch_dtype": "bfloat16",
         }
+        causal = list(self.causal_layers or [False] * self.num_hidden_layers)
         if self.dflash2:
+            if any(causal):
+                raise DFlashError("a DFlash 2 drafter's block attention is non-causal in every layer")
             cfg["dflash_config"] = {"block_size": self.block_size, **cfg["dflash_config"], **self.dflash2.to_dict()}
             cfg["is_causal"] = False
+        elif causal != [w is not None for w in self.sliding_windows]:  # (not the default rule: say it)
+            if len(set(causal)) > 1:
+                raise DFlashError("a DFlash-format config.json says one block causality for every layer (is_causal); "
+                                  f"this drafter has {causal}")
+            cfg["is_causal"] = causal[0]
         if self.rope_scaling:
             cfg["rope_scaling"] = self.rope_scaling
         if self.max_position_embeddings is not None:
@@ -826,6 +837,27 @@ def fill_mask_token_id(cfg: dict, tokenizer, vocab_size: int) -> tuple[dict, str
     dflash["mask_token_id"] = token_id
     return {**cfg, "dflash_config": dflash}, (f"the drafter's config.json has no mask_token_id: mask token {token!r} "
                                               f"is id {token_id} ({how})")
+
+
+def block_causality(cfg: dict, dflash: dict, layer_types: list[str], plain: bool) -> list[bool]:
+    """Per drafter layer, whether its block rows see the block causally (a row, the block's
+    rows up to its own) rather than whole: an explicit ``is_causal`` (or
+    ``dflash_config.causal``) for every layer; else, for a ``plain`` DFlash drafter, its
+    sliding-window layers causal and its full-attention layers not, as SGLang's and vLLM's
+    DFlash drafters and SpecForge's DFlash training mask have it (and dflash-mlx); DFlash 2
+    drafters and transformers' assistants see the block whole in every layer.
+
+    Raises:
+        DFlashError: ``is_causal`` / ``causal`` not true or false.
+    """
+    explicit = cfg.get("is_causal")
+    if explicit is None:
+        explicit = dflash.get("causal")
+    if explicit is not None:
+        if not isinstance(explicit, bool):
+            raise DFlashError(f"drafter config.json is_causal must be true or false, got {explicit!r}")
+        return [explicit] * len(layer_types)
+    return [plain and t == "sliding_attention" for t in layer_types]
 
 
 def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:

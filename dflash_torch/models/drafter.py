@@ -101,6 +101,8 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = cfg
         self.layers = nn.ModuleList(self.layer_class(cfg, w) for w in cfg.sliding_windows)
+        for layer, causal in zip(self.layers, cfg.causal_layers or [False] * len(self.layers)):
+            layer.causal = causal  # (block rows see the block up to themselves: visible_keys)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -199,15 +201,17 @@ class DFlashDrafter(nn.Module):
 
     def limits_keys(self, layer: DraftLayer) -> bool:
         """Whether a block row of ``layer`` may miss a key before its block's end (then even
-        a slice of the cache that ends there needs a mask): a sliding window."""
-        return layer.sliding_window is not None
+        a slice of the cache that ends there needs a mask): a sliding window, or a causal block."""
+        return layer.sliding_window is not None or layer.causal
 
     def visible_keys(self, layer: DraftLayer, positions: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Which keys each block row of ``layer`` attends to: bool ``[..., B, n]`` for the
         block positions ``positions`` int64 ``[..., B]`` and key positions ``k_pos`` ``[n]``.
-        Every key before the block's end (non-causal, as the DFlash reference), within the
-        sliding window ``(p - window, ...]`` of row position p where the layer has one."""
-        visible = k_pos <= positions[..., -1:, None]  # each block sees up to its own end
+        Every key before the block's end (non-causal, as the DFlash reference), or, in a
+        causal layer (``DrafterConfig.causal_layers``), up to the row's own position; within
+        the sliding window ``(p - window, p]`` of row position p where the layer has one."""
+        last = positions[..., None] if layer.causal else positions[..., -1:, None]
+        visible = k_pos <= last  # (a block sees up to its own end, or a row up to itself)
         if layer.sliding_window is not None:
             visible = visible & (k_pos > positions[..., None] - layer.sliding_window)
         return visible
@@ -266,7 +270,7 @@ class DFlashDrafter(nn.Module):
             cos_all, sin_all = self.rotary.cos_sin(torch.cat([ctx_positions.reshape(-1), positions.reshape(-1)]), x.dtype)
             cos, sin = cos_all[n_ctx:], sin_all[n_ctx:]
         static = recomputed is None and (kv_len is None or mask_keys)
-        biases = {}  # one mask per sliding-window size (every layer attends over the same keys)
+        biases = {}  # one mask per (sliding window, causality) (every layer attends over the same keys)
         for i, layer in enumerate(self.layers):
             h, state = layer.attention_input(x, B)
             attn = layer.self_attn
@@ -281,9 +285,10 @@ class DFlashDrafter(nn.Module):
             else:
                 ck, cv = recomputed[i]
                 k, v = torch.cat([ck, kb], dim=1), torch.cat([cv, vb], dim=1)
-            if layer.sliding_window not in biases:
-                biases[layer.sliding_window] = self._bias(layer, positions, k.shape[-2], static, x.dtype)
-            out = attend(attn.query(h, cos, sin), k, v, biases[layer.sliding_window])
+            kind = (layer.sliding_window, layer.causal)
+            if kind not in biases:
+                biases[kind] = self._bias(layer, positions, k.shape[-2], static, x.dtype)
+            out = attend(attn.query(h, cos, sin), k, v, biases[kind])
             x = x + layer.attention_output(out, state, B)
             x = x + layer.mlp_output(x, B)
         return self.norm(x)

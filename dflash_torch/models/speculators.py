@@ -150,12 +150,14 @@ def read_config(cfg: dict) -> DrafterConfig:
     dflash.update(architectures=["DFlashDraftModel"], block_size=block_size,
                   dflash_config={"mask_token_id": cfg["mask_token_id"], "target_layer_ids": [i - 1 for i in ids]})
     out = DrafterConfig.from_dict(dflash)
+    non_causal = bool_field(cfg, "sliding_window_non_causal", "drafter", False)
+    out.causal_layers = [w is not None and not non_causal for w in out.sliding_windows]
     spec = cfg.get("speculators_config")
     verifier = spec.get("verifier") if isinstance(spec, dict) else None
     archs = verifier.get("architectures") if isinstance(verifier, dict) else None  # (informational: odd values ignored)
     out.speculators = SpeculatorsSettings(
         draft_vocab_size=draft_vocab,
-        sliding_window_non_causal=bool_field(cfg, "sliding_window_non_causal", "drafter", False),
+        sliding_window_non_causal=non_causal,
         verifier_families=tuple(sorted(_families(archs))),
         aux_ids=tuple(ids))
     return out
@@ -320,10 +322,9 @@ class SpeculatorsDrafter(DFlashDrafter):
         the context keys at positions ``>= s - window`` (s: the block's first position) and
         the block's keys up to the row's own position (the whole block with
         ``sliding_window_non_causal``), as speculators trains them."""
-        end = positions[..., -1:, None]
+        last = positions[..., None] if layer.causal else positions[..., -1:, None]
         if layer.sliding_window is None:
-            return k_pos <= end
-        last = end if self.config.speculators.sliding_window_non_causal else positions[..., None]
+            return k_pos <= last
         return (k_pos >= positions[..., :1, None] - layer.sliding_window) & (k_pos <= last)
 
 
