@@ -628,6 +628,10 @@ class DrafterConfig:
     causal_layers: list[bool] | None = None  # per layer: block rows see the block causally (None: no layer does)
     speculators: "SpeculatorsSettings | None" = None  # set for a Speculators-format drafter (models/speculators.py)
 
+    def __post_init__(self):
+        if self.causal_layers is None:  # (one form for "no causal layer", so parsed and built configs compare equal)
+            self.causal_layers = [False] * self.num_hidden_layers
+
     @classmethod
     def from_dict(cls, cfg: dict) -> "DrafterConfig":
         """Parse a DFlash (``DFlashDraftModel``), DFlash 2 (``DFlash2DraftModel``) or
