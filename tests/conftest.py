@@ -587,6 +587,19 @@ def forward_in_pieces(model, ids: torch.Tensor, pieces: list[int], static: bool)
     return torch.cat(logits), torch.cat(feats)
 
 
+def check_forward_matches_transformers(model, hf, ids: torch.Tensor, pieces: list[int], static: bool):
+    """Our target's logits and every layer's output for ``ids`` fed in ``pieces``
+    (:func:`forward_in_pieces`) equal transformers' (``hf``) within 1e-4; returns its output."""
+    with torch.no_grad():
+        ref = hf(ids[None], output_hidden_states=True)
+    logits, feats = forward_in_pieces(model, ids, pieces, static)
+    torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-4)
+    h = model.config.hidden_size
+    for layer in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(feats[:, layer * h:(layer + 1) * h], ref.hidden_states[layer + 1][0], rtol=1e-4, atol=1e-4)
+    return ref
+
+
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     """The ``n`` tokens transformers' own greedy ``generate`` gives after ``ids`` (EOS ignored)."""
     with torch.no_grad():

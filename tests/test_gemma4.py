@@ -26,9 +26,10 @@ import json
 import pytest
 import torch
 
-from conftest import (check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
-                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
-                      forward_in_pieces, load_hf, make_agreeable_pair, make_gemma4_target, save_drafter)
+from conftest import (check_compiled_rounds_are_lossless, check_forward_matches_transformers,
+                      check_greedy_equals_transformers, check_many_accepted_tokens_are_lossless, copy_tokenizer,
+                      drafter_config, edited_checkpoint, forward_in_pieces, load_hf, make_agreeable_pair,
+                      make_gemma4_target, save_drafter)
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models import layers
 from dflash_torch.models.drafter import DFlashDrafter
@@ -52,16 +53,6 @@ def checkpoints(tmp_path_factory, tokenizer_dir):
 
 
 
-def _assert_matches(model: TargetModel, hf, ids: torch.Tensor, pieces: list[int], static: bool) -> None:
-    with torch.no_grad():
-        ref = hf(ids[None], output_hidden_states=True)
-    logits, feats = forward_in_pieces(model, ids, pieces, static)
-    torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-4)
-    h = model.config.hidden_size
-    for layer in range(model.config.num_hidden_layers):
-        torch.testing.assert_close(feats[:, layer * h:(layer + 1) * h], ref.hidden_states[layer + 1][0], rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("pieces,static", [([30], False), ([11, 1, 7, 11], False), ([16, 14], True)])
 def test_forward_matches_transformers(checkpoints, kind, pieces, static):
@@ -75,7 +66,7 @@ def test_forward_matches_transformers(checkpoints, kind, pieces, static):
     assert ours.kv_shapes() == [(2, 16)] * 5 + [(1, 32)] and ours.model.layers[5].self_attn.v_proj is None
     assert (cfg.moe is not None) == (kind == "moe")
     ids = torch.randint(0, cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
-    _assert_matches(ours, load_hf(target_dir), ids, pieces, static)
+    check_forward_matches_transformers(ours, load_hf(target_dir), ids, pieces, static)
 
 
 @pytest.mark.parametrize("change", ["embed_scale", "v_norm", "k_eq_v", "scale", "proportional_rope", "layer_scalar",
@@ -131,7 +122,7 @@ def test_both_ways_of_stating_the_full_attention_shape_read_alike(checkpoints, t
     edited = edited_checkpoint(target_dir, tmp_path / "published", config=published)
     ours = TargetModel.from_pretrained(edited, torch.float32)
     assert ours.kv_shapes() == [(2, 16)] * 5 + [(1, 32)]
-    _assert_matches(ours, load_hf(edited), torch.arange(3, 25), [22], False)
+    check_forward_matches_transformers(ours, load_hf(edited), torch.arange(3, 25), [22], False)
 
 
 @pytest.mark.parametrize("text_type,wrapper", [("gemma4_text", "gemma4"), ("gemma4_unified_text", "gemma4_unified")])
@@ -224,7 +215,7 @@ def test_text_configs_load_like_the_wrapper(checkpoints, tmp_path):
         ours, theirs = model.state_dict(), wrapper.state_dict()
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
         torch.testing.assert_close(forward_in_pieces(model, ids, [20], False)[0], ref, rtol=1e-6, atol=1e-6)
-    _assert_matches(TargetModel.from_pretrained(flat, torch.float32), load_hf(flat), ids, [20], False)
+    check_forward_matches_transformers(TargetModel.from_pretrained(flat, torch.float32), load_hf(flat), ids, [20], False)
     with_vision = edited_checkpoint(target_dir, tmp_path / "text-vision", config=to_text)
     with pytest.raises(DFlashError, match=r"^the target checkpoint has a vision or audio tower \(model.vision_tower.\*\), "
                                           "which a gemma4_text config does not describe"):
@@ -253,7 +244,7 @@ def test_the_wrappers_own_tie_word_embeddings_ties_its_head(checkpoints, tmp_pat
     hf.save_pretrained(str(tmp_path / "t"))
     ours = TargetModel.from_pretrained(tmp_path / "t", torch.float32)
     assert ours.config.tie_word_embeddings is (top is not False)
-    _assert_matches(ours, load_hf(tmp_path / "t"), torch.arange(3, 25), [22], False)
+    check_forward_matches_transformers(ours, load_hf(tmp_path / "t"), torch.arange(3, 25), [22], False)
 
 
 def _text(edit):

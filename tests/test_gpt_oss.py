@@ -19,9 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
-                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
-                      forward_in_pieces, load_hf, make_gpt_oss_target, save_drafter)
+from conftest import (check_compiled_rounds_are_lossless, check_forward_matches_transformers,
+                      check_greedy_equals_transformers, check_many_accepted_tokens_are_lossless, copy_tokenizer,
+                      drafter_config, edited_checkpoint, forward_in_pieces, load_hf, make_gpt_oss_target,
+                      save_drafter)
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models import gpt_oss, mxfp4
 from dflash_torch.models.target import TargetModel
@@ -51,13 +52,7 @@ def test_forward_matches_transformers(checkpoint, pieces, static):
     ours = TargetModel.from_pretrained(target_dir, torch.float32)
     assert ours.config.layer_types == ["sliding_attention", "full_attention"] * 2 and ours.config.sliding_window == 8
     ids = torch.randint(0, ours.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(ids[None], output_hidden_states=True)
-    logits, feats = forward_in_pieces(ours, ids, pieces, static)
-    torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-4)
-    h = ours.config.hidden_size
-    for layer in range(ours.config.num_hidden_layers):
-        torch.testing.assert_close(feats[:, layer * h:(layer + 1) * h], ref.hidden_states[layer + 1][0], rtol=1e-4, atol=1e-4)
+    check_forward_matches_transformers(ours, hf, ids, pieces, static)
 
 
 def test_the_window_and_the_sinks_matter(checkpoint):

@@ -24,10 +24,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import (check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
-                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
-                      forward_in_pieces, hf_greedy, load_hf, make_agreeable_pair, make_dflash2_from,
-                      make_muse_glimmer_target, save_drafter)
+from conftest import (check_compiled_rounds_are_lossless, check_forward_matches_transformers,
+                      check_greedy_equals_transformers, check_many_accepted_tokens_are_lossless, copy_tokenizer,
+                      drafter_config, edited_checkpoint, forward_in_pieces, hf_greedy, load_hf, make_agreeable_pair,
+                      make_dflash2_from, make_muse_glimmer_target, save_drafter)
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models.drafter import DFlashDrafter, RecomputedContext
 from dflash_torch.models.target import TargetModel
@@ -54,14 +54,8 @@ def test_forward_matches_transformers(checkpoint, pieces, static):
                                        "sliding_attention", "full_attention"]
     assert ours.config.nope_layers == [False, True, False, False, False, True] and ours.config.sliding_window == 8
     ids = torch.randint(0, ours.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(ids[None], output_hidden_states=True)
-    logits, feats = forward_in_pieces(ours, ids, pieces, static)
+    ref = check_forward_matches_transformers(ours, hf, ids, pieces, static)
     assert ref.logits.abs().max() > 2.5  # the soft cap (5) bends these
-    torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-4)
-    h = ours.config.hidden_size
-    for layer in range(ours.config.num_hidden_layers):
-        torch.testing.assert_close(feats[:, layer * h:(layer + 1) * h], ref.hidden_states[layer + 1][0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("change", ["embed_norm", "nope", "gate", "window", "softcap", "post_norms"])

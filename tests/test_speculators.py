@@ -249,14 +249,6 @@ BAD_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("edit,message", BAD_CONFIGS)
-def test_bad_speculators_configs_are_refused(agree_speculators_pair, tmp_path, edit, message):
-    target, drafter = agree_speculators_pair
-    bad = edited_checkpoint(drafter, tmp_path / "bad", config=edit)
-    with pytest.raises(DFlashError, match=message):
-        DFlashEngine.from_pretrained(target, bad)
-
-
 def _shuffle_pair(w):  # two draft ids onto one token
     w["d2t"][1] = w["d2t"][0] - 1
 
@@ -283,10 +275,11 @@ BAD_WEIGHTS = [
 ]
 
 
-@pytest.mark.parametrize("edit,message", BAD_WEIGHTS)
-def test_bad_speculators_weights_are_refused(agree_speculators_pair, tmp_path, edit, message):
+@pytest.mark.parametrize("part,edit,message", [("config", *c) for c in BAD_CONFIGS] + [("state", *w) for w in BAD_WEIGHTS])
+def test_bad_speculators_checkpoints_are_refused(agree_speculators_pair, tmp_path, part, edit, message):
+    """An edited config.json (``config``) or weight file (``state``) is refused in one line."""
     target, drafter = agree_speculators_pair
-    bad = edited_checkpoint(drafter, tmp_path / "bad", state=edit)
+    bad = edited_checkpoint(drafter, tmp_path / "bad", **{part: edit})
     with pytest.raises(DFlashError, match=message):
         DFlashEngine.from_pretrained(target, bad)
 

@@ -625,7 +625,7 @@ class DrafterConfig:
     dflash2: DFlash2Settings | None = None  # set for a DFlash 2 drafter (architectures DFlash2DraftModel)
     checkpoint_names: dict[str, str] = field(default_factory=dict)  # our weight name -> the checkpoint's, where they differ
     hidden_act: str = "silu"  # the MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU), a key of layers.ACTIVATIONS
-    causal_layers: list[bool] | None = None  # per layer: block rows see the block causally (None: no layer does)
+    causal_layers: list[bool] | None = None  # per layer: block rows see the block causally (None given: no layer)
     speculators: "SpeculatorsSettings | None" = None  # set for a Speculators-format drafter (models/speculators.py)
 
     def __post_init__(self):
@@ -770,7 +770,7 @@ class DrafterConfig:
             "layer_types": ["sliding_attention" if w else "full_attention" for w in self.sliding_windows],
             "torch_dtype": "bfloat16",
         }
-        causal = list(self.causal_layers or [False] * self.num_hidden_layers)
+        causal = list(self.causal_layers)
         if self.dflash2:
             if any(causal):
                 raise DFlashError("a DFlash 2 drafter's block attention is non-causal in every layer")

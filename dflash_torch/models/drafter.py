@@ -101,7 +101,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = cfg
         self.layers = nn.ModuleList(self.layer_class(cfg, w) for w in cfg.sliding_windows)
-        for layer, causal in zip(self.layers, cfg.causal_layers or [False] * len(self.layers)):
+        for layer, causal in zip(self.layers, cfg.causal_layers):
             layer.causal = causal  # (block rows see the block up to themselves: visible_keys)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

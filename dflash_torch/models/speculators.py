@@ -59,7 +59,6 @@ class SpeculatorsSettings:
     """
 
     draft_vocab_size: int
-    sliding_window_non_causal: bool = False
     own_embedding: bool = False
     own_lm_head: bool = True
     has_d2t: bool = False
@@ -157,7 +156,6 @@ def read_config(cfg: dict) -> DrafterConfig:
     archs = verifier.get("architectures") if isinstance(verifier, dict) else None  # (informational: odd values ignored)
     out.speculators = SpeculatorsSettings(
         draft_vocab_size=draft_vocab,
-        sliding_window_non_causal=non_causal,
         verifier_families=tuple(sorted(_families(archs))),
         aux_ids=tuple(ids))
     return out
