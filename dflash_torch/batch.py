@@ -53,8 +53,10 @@ token), except when the prompt is the very prompt the retained prefix began with
 regenerated reply, a retried request, the ``n`` choices of a prompt in scarce slots):
 each sequence keeps its prompt's last logits ``[V]``, so that prompt is not read at all.
 A hybrid target's recurrent state cannot be rolled back to an earlier
-position, so each slot also keeps a checkpoint of it, saved at the end of its prompt's
-prefill: a hybrid retained prefix serves a prompt that extends its ids exactly (the
+position, nor can the rings of a target's sliding-window layers (they hold the last
+``window + max(B, prefill_chunk) - 1`` positions written, see :mod:`~dflash_torch.cache`),
+so each slot also keeps a checkpoint of them, saved at the end of its prompt's
+prefill: such a retained prefix serves a prompt that extends its ids exactly (the
 state at its end), else one that starts with the prompt it began from (the checkpoint:
 the next turn of a chat whose template renders the last reply differently from the
 tokens generated, e.g. without its thinking, or a reply cut by a stop string or
@@ -96,7 +98,7 @@ from typing import Hashable
 
 import torch
 
-from .cache import KVCache, RecurrentState, TargetCache, layer_shapes, static_buffer
+from .cache import KVCache, RecurrentState, TargetCache, layer_shapes, ring_rows, ring_sizes, static_buffer
 from .decoding import Round, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs, without_shape_plans
 from .draft_policy import DraftPolicy
 from .errors import DFlashError, OptionError
@@ -154,69 +156,112 @@ def check_max_batch_size(value, name: str = "max_batch_size") -> int:
 
 class SlotKVCache:
     """Keys and values of many sequences: ``k[layer]``/``v[layer]`` of shape
-    ``[slots, kv_heads, capacity, head_dim]``, one slot per sequence.
+    ``[slots, kv_heads, rows, head_dim]``, one slot per sequence (``rows``: the capacity,
+    or a sliding-window layer's ring size, as in :class:`~dflash_torch.cache.KVCache`).
 
     :meth:`first` gives a view of slots ``[0, n)`` that the models use as their cache in a
     batched forward (positions ``[n, T]``); :meth:`slot` gives one slot as a
     :class:`~dflash_torch.cache.KVCache` (a prefill runs on it as on a single sequence).
+
+    With ``checkpoints``, each ring also has a second copy per slot, written by :meth:`save`
+    and read back by :meth:`restore` (the ring at a prompt's end, for prefix reuse);
+    :meth:`move` and :meth:`swap` carry them.
     """
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], windows: list[int | None],
+                 rings: list[int | None], capacity: int, saved: list[torch.Tensor] | None = None):
         self.k, self.v = [static_buffer(t) for t in k], [static_buffer(t) for t in v]  # (views too: see cache.py)
+        self.windows, self.rings, self._capacity = windows, rings, capacity
+        self._saved = saved or []  # ring checkpoints: per ring layer, its keys then its values
         self._rows = torch.arange(k[0].shape[0], device=k[0].device)
         self._views: dict[int, SlotKVCache] = {}
 
     @classmethod
     def allocate(cls, num_layers: int, slots: int, kv_heads, capacity: int, head_dim, dtype: torch.dtype,
-                 device: torch.device) -> "SlotKVCache":
+                 device: torch.device, windows: list[int | None] | None = None, max_rows: int | None = None,
+                 checkpoints: bool = False) -> "SlotKVCache":
         """Zeroed caches; ``kv_heads`` and ``head_dim`` one value or one per layer
-        (:func:`~dflash_torch.cache.layer_shapes`)."""
-        k = [torch.zeros(slots, heads, capacity, hd, dtype=dtype, device=device)
-             for heads, hd in layer_shapes(num_layers, kv_heads, head_dim)]
-        return cls(k, [torch.zeros_like(t) for t in k])
+        (:func:`~dflash_torch.cache.layer_shapes`); ``windows`` and ``max_rows`` as for
+        :class:`~dflash_torch.cache.KVCache` (rings for sliding-window layers), with
+        ``checkpoints`` a saved copy of each ring per slot."""
+        windows = [None] * num_layers if windows is None else list(windows)
+        rings = ring_sizes(windows, max_rows)
+        rows = [capacity if r is None else min(r, capacity) for r in rings]
+        k = [torch.zeros(slots, heads, n, hd, dtype=dtype, device=device)
+             for (heads, hd), n in zip(layer_shapes(num_layers, kv_heads, head_dim), rows)]
+        v = [torch.zeros_like(t) for t in k]
+        saved = [torch.zeros_like(t) for t, r in zip(k + v, rings + rings) if r is not None] if checkpoints else None
+        return cls(k, v, windows, rings, capacity, saved)
 
     @property
     def capacity(self) -> int:
         """Positions per slot (tokens)."""
-        return self.k[0].shape[2]
+        return self._capacity
+
+    def ring_rows(self, window: int) -> int | None:
+        """Rows of the rings of the layers with sliding window ``window`` (tokens), or None."""
+        return ring_rows(self.windows, self.rings, window, self._capacity)
 
     def first(self, n: int) -> "SlotKVCache":
         """A view of slots ``[0, n)`` (the same object for the same ``n``)."""
         if n not in self._views:
-            self._views[n] = SlotKVCache([t[:n] for t in self.k], [t[:n] for t in self.v])
+            self._views[n] = SlotKVCache([t[:n] for t in self.k], [t[:n] for t in self.v], self.windows, self.rings,
+                                         self._capacity)
         return self._views[n]
 
     def slot(self, i: int) -> KVCache:
         """Slot ``i`` as a single-sequence :class:`KVCache` (views: writes land in this cache)."""
-        kv = KVCache(len(self.k), [t.shape[1] for t in self.k], [t.shape[3] for t in self.k], self.k[0].dtype,
-                     self.k[0].device)
-        kv.k, kv.v = [t[i] for t in self.k], [t[i] for t in self.v]
-        return kv
+        return KVCache.of([t[i] for t in self.k], [t[i] for t in self.v], self.windows, self.rings, self._capacity)
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ``[kv_heads, n * T, head_dim]`` (the rows of n sequences in
-        order) at int64 ``positions`` ``[n, T]`` of slots ``[0, n)``."""
+        order) at int64 ``positions`` ``[n, T]`` of slots ``[0, n)`` (in a ring: at
+        ``positions % rows``)."""
         n, t = positions.shape
+        if self.rings[layer] is not None:
+            positions = torch.remainder(positions, self.k[layer].shape[2])
         index = (self._rows[:n, None], slice(None), positions)
         heads, _, hd = k.shape
         self.k[layer][index] = k.view(heads, n, t, hd).permute(1, 2, 0, 3)
         self.v[layer][index] = v.view(heads, n, t, hd).permute(1, 2, 0, 3)
 
     def view(self, layer: int, end: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[slots, kv_heads, end, head_dim]`` of positions ``[0, end)``."""
+        """Keys and values ``[slots, kv_heads, end, head_dim]`` of positions ``[0, end)``; of a
+        ring, its first ``min(end, rows)`` rows."""
         if end is None:
             return self.k[layer], self.v[layer]
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def _parts(self, end: int) -> list[tuple[torch.Tensor, slice]]:
+        """Every buffer with the rows a slot's first ``end`` positions occupy (a ring's: all)."""
+        rings = self.rings + self.rings
+        parts = [(t, slice(None) if r is not None else slice(0, end)) for t, r in zip(self.k + self.v, rings)]
+        return parts + [(t, slice(None)) for t in self._saved]
+
     def move(self, src: int, dst: int, end: int) -> None:
-        """Copy positions ``[0, end)`` of slot ``src`` into slot ``dst``."""
-        for t in self.k + self.v:
-            t[dst, :, :end] = t[src, :, :end]
+        """Copy positions ``[0, end)`` of slot ``src`` into slot ``dst`` (whole rings, and
+        their checkpoints)."""
+        for t, rows in self._parts(end):
+            t[dst, :, rows] = t[src, :, rows]
 
     def swap(self, a: int, b: int, end: int) -> None:
-        """Exchange positions ``[0, end)`` of slots ``a`` and ``b``."""
-        for t in self.k + self.v:
-            t[[a, b], :, :end] = t[[b, a], :, :end]
+        """Exchange positions ``[0, end)`` of slots ``a`` and ``b`` (whole rings, and their
+        checkpoints)."""
+        for t, rows in self._parts(end):
+            t[[a, b], :, rows] = t[[b, a], :, rows]
+
+    def save(self, slot: int) -> None:
+        """Copy slot ``slot``'s rings into their checkpoints (nothing without rings or checkpoints)."""
+        for t, c in zip(self._ringed(), self._saved):
+            c[slot].copy_(t[slot])
+
+    def restore(self, slot: int) -> None:
+        """Copy slot ``slot``'s ring checkpoints back into its rings."""
+        for t, c in zip(self._ringed(), self._saved):
+            t[slot].copy_(c[slot])
+
+    def _ringed(self) -> list[torch.Tensor]:
+        return [t for t, r in zip(self.k + self.v, self.rings + self.rings) if r is not None]
 
 
 class SlotRecurrentState:
@@ -315,15 +360,22 @@ def recurrent_bytes(target: TargetModel) -> int:
 
 
 def cache_bytes(target: TargetModel, drafter: DFlashDrafter | None, slots: int, capacity: int,
-                states: int = 1) -> int:
+                max_rows: int | None = None, checkpoints: bool = False) -> int:
     """Bytes of the K/V caches of ``slots`` sequences of ``capacity`` positions (target and
-    drafter), plus ``states`` recurrent states per sequence of a hybrid target."""
+    drafter; the target's sliding-window layers keep rings when ``max_rows`` is given, see
+    :meth:`~dflash_torch.models.target.TargetModel.new_cache`), plus a hybrid target's
+    recurrent state per sequence; with ``checkpoints``, a second copy of each sequence's
+    recurrent state and rings."""
     size = target.model.embed_tokens.weight.element_size()
-    per_position = sum(heads * hd for heads, hd in target.kv_shapes()) * 2
+    copies = 2 if checkpoints else 1
+    target_rows = 0
+    for (heads, hd), ring in zip(target.kv_shapes(), ring_sizes(target.kv_windows(), max_rows)):
+        target_rows += heads * hd * 2 * (capacity if ring is None else min(ring, capacity) * copies)
+    per_position = 0
     if drafter is not None:
         d = drafter.config
         per_position += d.num_hidden_layers * d.num_key_value_heads * d.head_dim * 2
-    return slots * (capacity * per_position * size + states * recurrent_bytes(target))
+    return slots * ((target_rows + capacity * per_position) * size + copies * recurrent_bytes(target))
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -490,8 +542,13 @@ class BatchDecoder:
         self.feature_layers = drafter.feature_layers(target) if drafter is not None and B > 1 else None
         capacity = self.max_context + max(2 * B, prefill_chunk) + 1  # a finished sequence still held runs one block past its budget
         drafts = drafter if self.feature_layers is not None else None
-        checkpoints = target.recurrent and self.reuse_prefix  # each slot's state at its prompt's end (prefix reuse)
-        need = cache_bytes(target, drafts, self.max_batch_size, capacity, 2 if checkpoints else 1)
+        max_rows = max(B, prefill_chunk)  # the most rows per sequence a forward writes (target rings: see cache.py)
+        # a hybrid target's recurrent state, and its rings for a target with sliding windows, are
+        # known where last written only: each slot keeps a copy of them at its prompt's end (prefix reuse)
+        rings = any(r is not None for r in ring_sizes(target.kv_windows(), max_rows))
+        self._resumable_only = target.recurrent or rings
+        checkpoints = self._resumable_only and self.reuse_prefix
+        need = cache_bytes(target, drafts, self.max_batch_size, capacity, max_rows, checkpoints)
         free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
             raise OptionError(f"the caches of max_batch_size {self.max_batch_size} x max_context {self.max_context} "
@@ -501,7 +558,7 @@ class BatchDecoder:
         heads, dims = zip(*target.kv_shapes()) if target.num_kv_layers else ((), ())
         try:
             self.target_kv = SlotKVCache.allocate(target.num_kv_layers, self.max_batch_size, heads, capacity, dims,
-                                                  w.dtype, self.device)
+                                                  w.dtype, self.device, target.kv_windows(), max_rows, checkpoints)
             self.target_state = (SlotRecurrentState.allocate(target, self.max_batch_size, checkpoints)
                                  if target.recurrent else None)
             self.draft_kv = None
@@ -694,8 +751,7 @@ class BatchDecoder:
         generator = params.generator(self.device)
         token, processor = first_token(last, prompt, params, generator)
         first = int(token)
-        if self.reuse_prefix and self.target_state is not None:
-            self.target_state.save(slot)  # (the state at the prompt's end: a later prompt may diverge after it)
+        self._save(slot)  # (the state at the prompt's end: a later prompt may diverge after it)
         self._seqs.append(_Sequence(seq_id, params, generator, max_new_tokens, n_prompt, token, 1, ids=prompt + [first],
                                     prompt_len=n_prompt, prompt_logits=self._keep_logits(last), processor=processor))
         logprobs = first_logprobs(last, first, params)
@@ -837,18 +893,31 @@ class BatchDecoder:
         self._reuse(slot, kept, best)
         return best, kept.prompt_logits if best == len(prompt) else None
 
+    def _save(self, slot: int) -> None:
+        """At the end of a prompt's prefill in ``slot``, with ``reuse_prefix``: keep a copy of
+        what can only be resumed where it was last written (a hybrid target's recurrent
+        state, a sliding-window target's rings), for a later prompt that diverges after it."""
+        if self.reuse_prefix and self._resumable_only:
+            self.target_kv.save(slot)
+            if self.target_state is not None:
+                self.target_state.save(slot)
+
     def _reuse(self, slot: int, kept: _Retained, n: int) -> None:
         """``slot`` holds the rows of retained prefix ``kept`` and a prompt reuses the first
-        ``n`` of them: a hybrid target's state there goes back to the checkpoint (the state
-        at ``kept.prompt_len``) when ``n`` is short of ``kept``'s length; counted."""
-        if self.target_state is not None and n < len(kept.ids):
-            self.target_state.restore(slot)
+        ``n`` of them: a hybrid target's state and a sliding-window target's rings there go
+        back to their checkpoint (at ``kept.prompt_len``) when ``n`` is short of ``kept``'s
+        length; counted."""
+        if n < len(kept.ids) and self._resumable_only:
+            self.target_kv.restore(slot)
+            if self.target_state is not None:
+                self.target_state.restore(slot)
         self.reused_prefill_tokens += n
 
     def _usable(self, kept: _Retained, prompt: list[int]) -> int:
         """Prompt tokens that retained prefix ``kept`` can give ``prompt``: all of them when
         ``prompt`` is the prompt ``kept`` began with (its last logits were kept), else their
-        common start, short of the prompt's last token. A hybrid target's recurrent state is
+        common start, short of the prompt's last token. A hybrid target's recurrent state, and
+        a sliding-window target's rings (which hold only the last positions written), are
         known at two positions only, the end of ``kept`` and the end of the prompt it started
         from (its checkpoint): the later of these that the common start reaches, or 0."""
         n = 0
@@ -859,7 +928,7 @@ class BatchDecoder:
         if n == len(prompt) == kept.prompt_len and kept.prompt_logits is not None:
             return n  # the same prompt again: its last logits are kept too
         n = min(n, len(prompt) - 1)
-        if self.target_state is not None:
+        if self._resumable_only:
             return next((m for m in (len(kept.ids), kept.prompt_len) if m <= n), 0)
         return n
 
@@ -1021,8 +1090,7 @@ class BatchDecoder:
                 continue
             self._joining.popleft()
             slot, kept_logits = len(self._seqs), self._keep_logits(last)
-            if self.reuse_prefix and self.target_state is not None:
-                self.target_state.save(slot)  # (see add; each sharer's slot gets a copy)
+            self._save(slot)  # (see add; each sharer's slot gets a copy)
             for sharer in [q] + q.sharers:  # (slot's contents copied into each sharer's slot)
                 if sharer is not q:
                     self._move(slot, len(self._seqs), q.prefilled)

@@ -7,6 +7,17 @@ depend on the sequence length); ``length`` says how many positions are committed
 Rollback is just moving ``length``: entries past it are stale and are overwritten
 before they can be read.
 
+A target's sliding-window layers keep a *ring* instead, when the decoder says how many
+rows one forward writes at most (``max_rows``): ``window + max_rows - 1`` rows whatever
+the context length, position ``p`` in row ``p % rows`` (:func:`ring_positions` says which
+position each row holds). Rollback stays a move of ``length``: a forward from committed
+length ``L`` writes positions below ``L + max_rows``, and the positions those writes
+displace (``rows`` or more earlier, so ``<= L - window``) are out of every later query's
+window (a query at ``q >= L`` sees itself and the ``window - 1`` positions before it); so
+are the stale rows a rejected block leaves behind. A sequence whose length goes back (a
+reused prompt prefix) can only resume where the ring was last written (see
+:class:`~dflash_torch.batch.BatchDecoder`'s prefix reuse).
+
 Every buffer a compiled step writes in place is marked as a static address for
 ``torch.compile`` (:func:`static_buffer`). Without that, inductor sees a graph input
 that is mutated and, on CUDA, skips CUDA graphs for the whole graph ("skipping
@@ -40,37 +51,95 @@ def layer_shapes(num_layers: int, num_kv_heads, head_dim) -> list[tuple[int, int
     return list(zip(heads, dims))
 
 
+def ring_sizes(windows: list[int | None], max_rows: int | None) -> list[int | None]:
+    """The ring size of each layer: ``window + max_rows - 1`` rows for a layer with a
+    sliding ``window`` (tokens), None (every position kept) for the others, or for all
+    when ``max_rows`` (the most rows one forward writes) is None."""
+    return [None if not w or max_rows is None else w + max_rows - 1 for w in windows]
+
+
+def ring_rows(windows: list[int | None], rings: list[int | None], window: int, capacity: int) -> int | None:
+    """The rows of the layers of sliding ``window`` with rings (their ring size, at most
+    ``capacity``), or None when they keep every position."""
+    ring = next((r for w, r in zip(windows, rings) if w == window and r is not None), None)
+    return None if ring is None else min(ring, capacity)
+
+
+def ring_positions(positions: torch.Tensor, rows: int, span: int) -> torch.Tensor:
+    """Which position each of the first ``span`` rows of a ring of ``rows`` rows holds
+    while a forward at ``positions`` runs (its own rows written): the latest position
+    ``p <= positions[..., -1]`` with ``p % rows`` that row; negative where no such position
+    exists yet.
+
+    Args:
+        positions: int64 ``[T]`` (or ``[N, T]``: N sequences), consecutive positions.
+
+    Returns:
+        int64 ``[span]`` (or ``[N, span]``).
+    """
+    last = positions[..., -1:]
+    return last - torch.remainder(last - torch.arange(span, device=positions.device), rows)
+
+
 class KVCache:
-    """Keys and values: ``k[layer]``/``v[layer]`` of shape ``[kv_heads, capacity, head_dim]``
-    (the layer's own ``kv_heads`` and ``head_dim``).
+    """Keys and values: ``k[layer]``/``v[layer]`` of shape ``[kv_heads, rows, head_dim]``
+    (the layer's own ``kv_heads`` and ``head_dim``; ``rows`` the capacity, or a
+    sliding-window layer's ring size).
 
     One tensor per layer (not views of one stacked tensor): torch.compile then writes
     new entries in place instead of copying the whole buffer on every write.
 
     Args:
         num_kv_heads, head_dim: one value for every layer, or one per layer (:func:`layer_shapes`).
+        windows: per layer, its sliding window (tokens) or None; default: none.
+        max_rows: the most rows one forward writes (tokens), or None (default): every layer
+            keeps every position. Given, a layer with a sliding window keeps a ring of
+            ``window + max_rows - 1`` rows (see the module docstring), never more rows than
+            the capacity (positions never wrap then).
 
     Attributes:
         length: number of committed positions ``[0, length)`` (tokens).
         shapes: ``(kv_heads, head_dim)`` per layer.
+        rings: per layer, its ring size (None: every position kept).
     """
 
-    def __init__(self, num_layers: int, num_kv_heads, head_dim, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, num_layers: int, num_kv_heads, head_dim, dtype: torch.dtype, device: torch.device | str,
+                 windows: list[int | None] | None = None, max_rows: int | None = None):
         self.shapes = layer_shapes(num_layers, num_kv_heads, head_dim)
+        self.windows = [None] * num_layers if windows is None else list(windows)
+        self.rings = ring_sizes(self.windows, max_rows)
         self.dtype, self.device = dtype, torch.device(device)
         self.k = self.v = []
+        self._capacity = 0
         self._allocate(0)
         self.length = 0
 
     def _allocate(self, capacity: int) -> None:
-        new = lambda heads, hd: static_buffer(torch.zeros(heads, capacity, hd, dtype=self.dtype, device=self.device))  # noqa: E731
-        self.k = [new(*shape) for shape in self.shapes]
-        self.v = [new(*shape) for shape in self.shapes]
+        new = lambda heads, n, hd: static_buffer(torch.zeros(heads, n, hd, dtype=self.dtype, device=self.device))  # noqa: E731
+        rows = [capacity if r is None else min(r, capacity) for r in self.rings]
+        self.k = [new(heads, n, hd) for (heads, hd), n in zip(self.shapes, rows)]
+        self.v = [new(heads, n, hd) for (heads, hd), n in zip(self.shapes, rows)]
+        self._capacity = capacity
+
+    @classmethod
+    def of(cls, k: list[torch.Tensor], v: list[torch.Tensor], windows: list[int | None], rings: list[int | None],
+           capacity: int) -> "KVCache":
+        """A cache over existing buffers ``[kv_heads, rows, head_dim]`` per layer (e.g. views
+        of a slot of a :class:`~dflash_torch.batch.SlotKVCache`: writes land there), with
+        these windows, ring sizes and capacity (positions)."""
+        kv = cls(len(k), [t.shape[0] for t in k], [t.shape[2] for t in k], k[0].dtype, k[0].device, windows)
+        kv.rings, kv._capacity, kv.k, kv.v = list(rings), capacity, list(k), list(v)
+        return kv
 
     @property
     def capacity(self) -> int:
         """Positions that fit (tokens)."""
-        return self.k[0].shape[1]
+        return self._capacity
+
+    def ring_rows(self, window: int) -> int | None:
+        """Rows of the rings of the layers with sliding window ``window`` (tokens), or None
+        where they keep every position."""
+        return ring_rows(self.windows, self.rings, window, self._capacity)
 
     def reset(self, capacity: int) -> None:
         """Start a new sequence: length 0, room for at least ``capacity`` positions.
@@ -82,12 +151,15 @@ class KVCache:
         self.length = 0
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` ``[kv_heads, T, head_dim]`` at int64 ``positions`` ``[T]``."""
-        self.k[layer][:, positions] = k
-        self.v[layer][:, positions] = v
+        """Store ``k``/``v`` ``[kv_heads, T, head_dim]`` at int64 ``positions`` ``[T]`` (in a
+        ring: at ``positions % rows``)."""
+        index = positions if self.rings[layer] is None else torch.remainder(positions, self.k[layer].shape[1])
+        self.k[layer][:, index] = k
+        self.v[layer][:, index] = v
 
     def view(self, layer: int, end: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions ``[0, end)`` (``end=None``: the whole buffer)."""
+        """Keys and values of positions ``[0, end)`` (``end=None``: the whole buffer); of a
+        ring, its first ``min(end, rows)`` rows (:func:`ring_positions`)."""
         if end is None:
             return self.k[layer], self.v[layer]
         return self.k[layer][:, :end], self.v[layer][:, :end]

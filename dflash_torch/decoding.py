@@ -223,7 +223,7 @@ class SpeculativeDecoder:
         self.max_context = check_max_context(max_context, limit) or limit
         self.block_size = block_size
         self.prefill_chunk = check_count(prefill_chunk, "prefill_chunk")
-        self.target_cache = target.new_cache()
+        self.target_cache = target.new_cache(max_rows=max(block_size, self.prefill_chunk))  # (rings: see cache.py)
         self._run = 0  # the rounds() generator that owns the caches (a later call takes them over)
         self.feature_layers = drafter.feature_layers(target) if drafter is not None and block_size > 1 else None
         if self.feature_layers is None:

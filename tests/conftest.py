@@ -632,24 +632,35 @@ def check_greedy_equals_transformers(target_dir: Path, drafter_dir: Path, block_
 
 def check_many_accepted_tokens_are_lossless(target_dir: Path, drafter_dir: Path) -> None:
     """An agreeable pair's rounds that accept several tokens, over 80 tokens (ten windows of a
-    sliding window of 8): eager, fixed shapes and batched decoding all give transformers'
-    greedy tokens, and the acceptance lengths vary (mean > 1.5, four values or more)."""
+    sliding window of 8): eager (prefill chunks of 256 and of 8), fixed shapes and batched
+    decoding (chunks of 8) all give transformers' greedy tokens, and the acceptance lengths
+    vary (mean > 1.5, four values or more). With chunks of 8 or 32 a target's sliding-window
+    layers keep rings shorter than the sequence (``window + max(B, chunk) - 1`` rows), so
+    positions wrap around them many times."""
     from dflash_torch import DFlashEngine
 
     hf = load_hf(target_dir)
     spec = DFlashEngine.from_pretrained(target_dir, drafter_dir)
+    chunked = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, prefill_chunk=8)
     static = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, static=True, max_context=256, prefill_chunk=32)
-    batch = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, max_batch_size=2, max_context=256)
+    batch = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, max_batch_size=2, max_context=256, prefill_chunk=8)
     prompts = [[5, 17, 99, 3], list(range(2, 45))]
     refs = [hf_greedy(hf, p, 80) for p in prompts]
     taus = []
     for prompt, ref in zip(prompts, refs):
-        for engine in (spec, static):
+        for engine in (spec, chunked, static):
             out = engine.generate(prompt, max_new_tokens=80, ignore_eos=True)
             assert out.token_ids == ref
             taus += out.stats.acceptance_lengths
     assert [o.token_ids for o in batch.generate_batch(prompts, max_new_tokens=80, ignore_eos=True)] == refs
     assert sum(taus) / len(taus) > 1.5 and len(set(taus)) >= 4, sorted(set(taus))
+    windows = spec.target.kv_windows()
+    if any(windows):  # (the rings were shorter than the sequences: positions wrapped)
+        B = spec.block_size
+        for kv, rows in ((chunked.decoder.target_cache.kv, 8), (static.decoder.target_cache.kv, 32),
+                         (batch.batch_decoder().target_kv, 8)):
+            assert [t.shape[-2] for t, w in zip(kv.k, windows) if w] == [w + max(B, rows) - 1 for w in windows if w]
+            assert all(w + max(B, rows) - 1 < 84 for w in windows if w)
 
 
 def check_compiled_rounds_are_lossless(target_dir: Path, drafter_dir: Path) -> None:

@@ -1,8 +1,8 @@
 """Batched decoding (dflash_torch.batch): every sequence's output in a batch equals its
 output decoded alone (float32 greedy token for token; sampling with the same seed), for
 mixed prompt lengths, budgets and stops, with sequences joining and leaving mid-run,
-freed slots reused, finished sequences held as padding, target-only, DFlash 2 and hybrid
-(Gated DeltaNet) targets."""
+freed slots reused, finished sequences held as padding, target-only, DFlash 2, hybrid
+(Gated DeltaNet) targets and targets whose sliding-window layers keep rings."""
 
 from __future__ import annotations
 
@@ -21,6 +21,15 @@ from dflash_torch.models.target import TargetModel
 @pytest.fixture(scope="module")
 def agree_models(agree_pair):
     target_dir, drafter_dir = agree_pair
+    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def ring_models(agree_gpt_oss_pair):
+    """A gpt-oss target (sliding window 8 on layers 0 and 2: with prefill chunks of
+    ``CHUNK_TOKENS`` its sliding layers keep rings of 8 + 16 - 1 rows, which the sequences
+    here wrap around many times) and its agreeable drafter (B = 16)."""
+    target_dir, drafter_dir = agree_gpt_oss_pair
     return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
 
 
@@ -432,8 +441,8 @@ def churned_batch_equals_alone(target, drafter, prompts, params, mode: str, leav
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-shapes"])
-@pytest.mark.parametrize("models", ["agree_models", "hybrid_models", "qwen35_models"],
-                         ids=["attention", "hybrid", "qwen35-random-drafter"])
+@pytest.mark.parametrize("models", ["agree_models", "hybrid_models", "qwen35_models", "ring_models"],
+                         ids=["attention", "hybrid", "qwen35-random-drafter", "gpt-oss-rings"])
 def test_a_long_prompt_joins_in_chunks_while_others_keep_decoding(request, models, static):
     """Three sequences decode (greedy and seeded sampling); a prompt of 6 chunks joins:
     during each of the 6 steps that read it every running sequence commits a round, its
@@ -464,7 +473,8 @@ def test_a_long_prompt_joins_in_chunks_while_others_keep_decoding(request, model
         assert out[i][:budgets[i]] == alone_chunked(target, drafter, prompts[i], budgets[i], params[i]), f"sequence {i}"
 
 
-@pytest.mark.parametrize("models", ["agree_models", "hybrid_models"], ids=["attention", "hybrid"])
+@pytest.mark.parametrize("models", ["agree_models", "hybrid_models", "ring_models"],
+                         ids=["attention", "hybrid", "gpt-oss-rings"])
 def test_sequences_leaving_while_a_prompt_is_prefilled(request, models):
     """A joiner partly prefilled moves with the batch: down a slot when a decoding
     sequence leaves, up one when another is added (prefilled at once) in its slot;

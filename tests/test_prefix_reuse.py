@@ -3,8 +3,9 @@ that leaves keeps its slot's rows (target K/V, drafter context, recurrent state)
 retained prefix in a free slot; a later prompt that starts with its tokens (the next turn
 of a conversation) takes those rows and reads only the rest. Every turn decodes exactly as
 with reuse off (tokens and acceptance lengths, greedy and seeded sampling) on attention
-(DFlash and DFlash 2 drafters), mixture-of-experts and hybrid targets (reused by an
-exact extension, or up to the end of the prompt the rows began with), eager, fixed shapes and compiled (no new graph), and through
+(DFlash and DFlash 2 drafters), mixture-of-experts, hybrid targets and targets whose
+sliding-window layers keep rings (both reused by an exact extension, or up to the end of
+the prompt the rows began with), eager, fixed shapes and compiled (no new graph), and through
 ``generate_batch``; ``reused_prefill_tokens`` counts exactly the rows taken."""
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import pytest
 import torch
 
 from conftest import varied_prompts
-from test_batch import CHUNK_TOKENS, agree_models, hybrid_models, qwen35_models  # noqa: F401 (fixtures)
+from test_batch import CHUNK_TOKENS, agree_models, hybrid_models, qwen35_models, ring_models  # noqa: F401 (fixtures)
 
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams
 from dflash_torch.batch import BatchDecoder
+from dflash_torch.cache import ring_positions
 
 C = CHUNK_TOKENS
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.9, top_k=50, seed=17)
@@ -70,9 +72,16 @@ class Turns:
 
 def slot_rows(batch: BatchDecoder, slot: int, n: int, state: bool = True) -> torch.Tensor:
     """Everything a prefill of ``n`` prompt tokens leaves in ``slot``: target K/V and
-    drafter context rows of positions ``[0, n)`` and (``state``) recurrent states,
-    flattened (float32)."""
-    parts = [t[slot, :, :n] for t in batch.target_kv.k + batch.target_kv.v]
+    drafter context rows of positions ``[0, n)`` (a ring's: those of the last ``window``
+    positions) and (``state``) recurrent states, flattened (float32)."""
+    kv, parts = batch.target_kv, []
+    for t, window in zip(kv.k + kv.v, kv.windows + kv.windows):
+        rows = None if window is None else kv.ring_rows(window)
+        if rows is None:
+            parts.append(t[slot, :, :n])
+        else:  # a ring: the rows of the positions the next query can see (the others are stale)
+            held = ring_positions(torch.tensor([n - 1], device=t.device), rows, rows)
+            parts.append(t[slot][:, (held > n - 1 - window) & (held >= 0)])
     if batch.draft_kv is not None:
         parts += [t[slot, :, :n] for t in batch.draft_kv.k + batch.draft_kv.v]
     if state and batch.target_state is not None:
@@ -133,10 +142,12 @@ def test_multi_turn_conversation_reuses_its_history(request, models, params):
     assert on.batch.free_slots == 3
 
 
-@pytest.mark.parametrize("models", ["hybrid_models", "qwen35_models"], ids=["qwen3-next-hybrid-moe", "qwen35-hybrid"])
+@pytest.mark.parametrize("models", ["hybrid_models", "qwen35_models", "ring_models"],
+                         ids=["qwen3-next-hybrid-moe", "qwen35-hybrid", "gpt-oss-rings"])
 def test_hybrid_target_reuses_an_extension_or_the_prompt_it_began_with(request, models):
-    """A hybrid target's recurrent state is known at the end of the retained rows and at
-    the end of the prompt they began with (the slot's checkpoint) only: a prompt that
+    """A hybrid target's recurrent state (a ring target's rings: the last positions written)
+    is known at the end of the retained rows and at the end of the prompt they began with
+    (the slot's checkpoint) only: a prompt that
     diverges inside the reply reuses that prompt's rows, one that extends the rows exactly
     reuses all of them, one that diverges inside the first prompt is read whole (here all
     in place: one slot). Each turn decodes as with reuse off."""
@@ -162,10 +173,11 @@ def test_hybrid_target_reuses_an_extension_or_the_prompt_it_began_with(request, 
     same_runs(on, off)
 
 
-@pytest.mark.parametrize("models", ["hybrid_models", "qwen35_models"], ids=["qwen3-next-hybrid-moe", "qwen35-hybrid"])
+@pytest.mark.parametrize("models", ["hybrid_models", "qwen35_models", "ring_models"],
+                         ids=["qwen3-next-hybrid-moe", "qwen35-hybrid", "gpt-oss-rings"])
 def test_hybrid_conversation_with_cut_replies_reuses_at_least_the_last_prompt(request, models):
     """The multi-turn conversation (three slots, another sequence decoding beside it, the
-    turns' slots moving) on a hybrid target: each reply is cut at its budget, so turn k + 1
+    turns' slots moving) on a hybrid target (or a ring target): each reply is cut at its budget, so turn k + 1
     extends turn k's rows exactly only when no round committed past the budget; else it
     reuses turn k's prompt (the checkpoint, carried along with the slot's moves). Every
     turn decodes as with reuse off."""
@@ -241,8 +253,8 @@ def test_a_full_batch_keeps_the_rows_of_a_sequence_leaving_a_middle_slot(request
     same_runs(on, off)
 
 
-@pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "hybrid_models"],
-                         ids=["attention", "qwen35-hybrid", "qwen3-next-hybrid-moe"])
+@pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "hybrid_models", "ring_models"],
+                         ids=["attention", "qwen35-hybrid", "qwen3-next-hybrid-moe", "gpt-oss-rings"])
 def test_the_same_prompt_again_is_not_read(request, models):
     """A prompt sent again (a regenerated reply, a retry) reuses all of its rows and the
     kept last logits: the target reads none of it (a hybrid target too: its checkpoint is

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..cache import KVCache, RecurrentState, TargetCache
+from ..cache import KVCache, RecurrentState, TargetCache, ring_positions
 from ..checkpoint import all_finite, check_fits, fits, fp8_saving, load_config, load_state_dict
 from ..errors import DFlashError
 from ..options import check_fp8, check_mxfp4
@@ -36,7 +36,8 @@ class DecoderLayer(nn.Module):
         kind: ``"full_attention"``, ``"sliding_attention"`` or ``"linear_attention"``.
         slot: this layer's index in the KV cache or in the recurrent state.
         sliding_window: for ``"sliding_attention"``, how many positions a query sees (itself
-            and the ``sliding_window - 1`` before it; all of them stay in the KV cache);
+            and the ``sliding_window - 1`` before it; a decoder's cache keeps a ring of the
+            last positions for it, see :meth:`TargetModel.new_cache`);
             None: all positions before it.
         rope_key: which of the model's RoPE tables the layer's attention uses (None: the
             model's one :class:`Rotary`; a key of its ``nn.ModuleDict`` of them otherwise).
@@ -275,11 +276,23 @@ class TargetModel(nn.Module):
         return [(layer.self_attn.kv_heads, layer.self_attn.head_dim) for layer in self.model.layers
                 if layer.kind != "linear_attention"]
 
-    def new_cache(self) -> TargetCache:
-        """An empty cache matching this model's layers, heads, dtype and device."""
+    def kv_windows(self) -> list[int | None]:
+        """Each attention layer's sliding window (tokens; None: full attention), in cache slot order."""
+        return [layer.sliding_window for layer in self.model.layers if layer.kind != "linear_attention"]
+
+    def new_cache(self, max_rows: int | None = None) -> TargetCache:
+        """An empty cache matching this model's layers, heads, dtype and device.
+
+        Args:
+            max_rows: the most rows (tokens) one forward on this cache runs (a decoder's
+                block size or prefill chunk, whichever is larger): sliding-window layers
+                then keep a ring of ``window + max_rows - 1`` positions
+                (:class:`~dflash_torch.cache.KVCache`) instead of every position. None
+                (default): every position kept (a forward of any length).
+        """
         w = self.model.embed_tokens.weight
         heads, dims = zip(*self.kv_shapes()) if self.num_kv_layers else ((), ())
-        kv = KVCache(self.num_kv_layers, heads, dims, w.dtype, w.device)
+        kv = KVCache(self.num_kv_layers, heads, dims, w.dtype, w.device, self.kv_windows(), max_rows)
         recurrent = None
         if self.recurrent:
             recurrent = RecurrentState(w.dtype, w.device)
@@ -350,7 +363,9 @@ class TargetModel(nn.Module):
             cache: the target cache; positions before ``positions[0]`` must be filled.
             kv_len: attend over cache entries ``[0, kv_len)`` under the causal mask (eager:
                 ``positions[-1] + 1``; fixed shapes: a length bucket, entries past
-                ``positions`` are masked); ``None`` attends over the whole buffer.
+                ``positions`` are masked); ``None`` attends over the whole buffer. A
+                sliding-window layer with a ring attends over its first ``min(kv_len,
+                rows)`` rows, masked by the position each holds.
             feature_layers: target layer ids whose outputs to return (layer ``l`` is
                 Hugging Face ``hidden_states[l + 1]``; for the last layer that is the
                 output after the final norm, as in transformers). Two more ids, which vLLM's
@@ -377,10 +392,19 @@ class TargetModel(nn.Module):
             rope = {key: rotary.cos_sin(flat, x.dtype) for key, rotary in self.rotary.items()}
         biases = {}
         if self.num_kv_layers:
-            k_pos = torch.arange(cache.capacity if kv_len is None else kv_len, device=x.device)
-            causal = k_pos <= positions[..., None]
+            span = cache.capacity if kv_len is None else kv_len
+            k_pos = torch.arange(span, device=x.device)
+            q_pos = positions[..., None]
+            causal = k_pos <= q_pos
             for window, groups in self.attention_masks:
-                visible = causal if window is None else causal & (k_pos > positions[..., None] - window)
+                rows = None if window is None else cache.kv.ring_rows(window)
+                if window is None:
+                    visible = causal
+                elif rows is None:
+                    visible = causal & (k_pos > q_pos - window)
+                else:  # a ring: the position each of its rows holds
+                    held = ring_positions(positions, rows, min(span, rows)).unsqueeze(-2)
+                    visible = (held <= q_pos) & (held > q_pos - window) & (held >= 0)
                 biases[window, groups] = attention_bias(visible, groups, x.dtype)
         step = _Step(positions, rope, biases, kv_len)
         wanted = set(feature_layers or ())
