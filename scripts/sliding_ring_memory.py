@@ -55,24 +55,28 @@ def time_verify(shape: str, context: int, reps: int, dtype: torch.dtype) -> None
     rows = 16
     ids = torch.zeros(rows, dtype=torch.long)
     positions = context + torch.arange(rows)
-    times = {}
+    caches = {}
     for name, max_rows in (("every position", None), ("rings", 256)):
         cache = target.new_cache(max_rows)
         cache.reset(context + rows)
         for t in cache.kv.k + cache.kv.v:
             t.normal_()
-        with torch.inference_mode():
-            target(ids, positions, cache, context + rows)  # (warm-up)
-            runs = []
-            for _ in range(reps):
+        caches[name] = cache
+    runs = {name: [] for name in caches}
+    with torch.inference_mode():
+        for rep in range(reps + 1):  # interleaved (a shared machine's load hits both alike); the first is a warm-up
+            for name, cache in caches.items():
                 t0 = time.perf_counter()
                 target(ids, positions, cache, context + rows)
-                runs.append(time.perf_counter() - t0)
-        times[name] = statistics.median(runs)
+                if rep:
+                    runs[name].append(time.perf_counter() - t0)
+    for name, cache in caches.items():
         kv = sum(t.numel() * t.element_size() for t in cache.kv.k + cache.kv.v)
-        print(f"  {name:<15} verify of {rows} rows at {context} tokens: {times[name] * 1e3:8.1f} ms "
+        print(f"  {name:<15} verify of {rows} rows at {context} tokens: {statistics.median(runs[name]) * 1e3:8.1f} ms "
               f"(median of {reps}), KV {kv / 2**20:8.1f} MiB")
-    print(f"  rings: {times['every position'] / times['rings']:.2f}x faster")
+    ratios = [a / b for a, b in zip(runs["every position"], runs["rings"])]
+    print(f"  time with every position / with rings: median {statistics.median(ratios):.2f} "
+          f"(min {min(ratios):.2f}, max {max(ratios):.2f})")
 
 
 def main() -> None:
