@@ -333,6 +333,16 @@ def test_serve_refuses_bad_slot_flags_before_loading_models(flag, capsys):
     assert len(err) == 1 and flag in err[0] and ">= 1" in err[0], err
 
 
+def test_serve_refuses_warmup_context_without_compile(capsys):
+    """--warmup-context only sizes the start-up compile: without --compile it would do
+    nothing, so it is refused in one line (it was accepted silently)."""
+    from dflash_torch.cli import main as cli_main
+
+    assert cli_main(["serve", "--port", str(_free_port()), "--warmup-context", "100", "--target", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--warmup-context has no effect without --compile" in err[0], err
+
+
 def test_serve_refuses_batch_caches_that_do_not_fit_at_start(tiny_pair, tmp_path):
     """A --max-batch-size whose caches cannot fit is refused when serve starts, in one line
     (it served, announcing the slots, and answered every request with a 400 about caches),

@@ -83,6 +83,7 @@ def test_detokenize_is_the_text_of_the_tokens(server, engine):
     ("/tokenize", {"prompt": PROMPT, "continue_final_message": True}, 400, "continue_final_message"),
     ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ 'x' }}"}, 400, "chat_template"),  # (was ignored)
     ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"prompt": PROMPT, "messages": MESSAGES}, 400, "messages"),  # (messages were taken silently)
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": PROMPT, "model": "other"}, 404, "model"),
     ("/tokenize", {"prompt": PROMPT, "return_token_strs": "yes"}, 400, "return_token_strs"),

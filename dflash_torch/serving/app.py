@@ -1051,7 +1051,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     def tokenize_schema(data: dict):
         """The /tokenize request class of a body; the fields tokenizing does not read (the
-        sampling fields, ...) are dropped unchecked, as vLLM ignores them there."""
+        sampling fields, ...) are dropped unchecked, as vLLM ignores them there. Both a
+        ``prompt`` and ``messages`` are refused (which one to tokenize?)."""
+        if "messages" in data and "prompt" in data:
+            raise APIError(400, "/tokenize takes a prompt or messages, not both", param="messages")
         schema = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
         for key in set(data) - schema.READS:
             del data[key]

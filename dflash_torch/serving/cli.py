@@ -28,13 +28,14 @@ def register(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a slot (default 64); a request that does not fit gets "
                         "503 with Retry-After")
-    p.add_argument("--warmup-context", type=int, default=256,
+    p.add_argument("--warmup-context", type=int, default=None,
                    help="with --compile: build at start-up the graphs of every length bucket that sequences "
                         "of up to this many tokens reach (default 256, the first bucket); a request that goes "
                         "past it compiles its bucket's graphs while every stream waits")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="read every prompt whole (default: a prompt that starts with a finished sequence's "
-                        "tokens, such as the next turn of a chat, reuses its rows and reads only the rest)")
+                        "tokens, such as the next turn of a chat, reuses its rows and reads only the rest; not "
+                        "with --draft-mode recompute, which decodes one sequence at a time)")
     p.add_argument("--draft-max-batch-size", type=int_or_auto, default=None, metavar="N|auto",
                    help="draft only while at most N sequences decode; rounds of more run target-only (where a "
                         "verify's cost grows with its rows, as on a CPU, many streams decode faster without drafts). "
@@ -79,7 +80,10 @@ def _serve(args: argparse.Namespace) -> int:
     check_model_name(args.model_name, "--model-name")
     check_slots(args.max_batch_size, "--max-batch-size")
     check_slots(args.max_queue, "--max-queue")
-    check_count(args.warmup_context, "--warmup-context")
+    if args.warmup_context is not None:
+        check_count(args.warmup_context, "--warmup-context")
+        if not args.compile:
+            raise DFlashError("--warmup-context has no effect without --compile (nothing is compiled); drop it")
     check_keepalive(args.sse_keepalive, "--sse-keepalive")
     import socket
 
@@ -91,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     if args.compile:
         print("dflash-torch: compiling the decoding graphs (one-off) ...", flush=True)
-        took = engine.warmup(batch=args.max_batch_size > 1, context=args.warmup_context)
+        took = engine.warmup(batch=args.max_batch_size > 1, context=args.warmup_context or 256)
         print(f"dflash-torch: compiled in {took:.1f} s", flush=True)
         warn_compile_losses(args)
     app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,

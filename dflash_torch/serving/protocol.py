@@ -337,6 +337,14 @@ class ChatMessage(BaseModel):
     reasoning_content: StrictStr | None = None
     reasoning: StrictStr | None = None
 
+    @model_validator(mode="after")
+    def _content_given(self):
+        """OpenAI requires ``content`` of every message but an assistant's (which may hold
+        only tool calls): a user message without one was rendered as an empty turn."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or a list of text parts)")
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""
