@@ -360,22 +360,28 @@ def recurrent_bytes(target: TargetModel) -> int:
 
 
 def cache_bytes(target: TargetModel, drafter: DFlashDrafter | None, slots: int, capacity: int,
-                max_rows: int | None = None, checkpoints: bool = False) -> int:
+                max_rows: int | None = None, checkpoints: bool = False, draft_rows: int | None = None) -> int:
     """Bytes of the K/V caches of ``slots`` sequences of ``capacity`` positions (target and
-    drafter; the target's sliding-window layers keep rings when ``max_rows`` is given, see
-    :meth:`~dflash_torch.models.target.TargetModel.new_cache`), plus a hybrid target's
-    recurrent state per sequence; with ``checkpoints``, a second copy of each sequence's
-    recurrent state and rings."""
-    size = target.model.embed_tokens.weight.element_size()
+    drafter; sliding-window layers keep rings when ``max_rows`` (the target's) or
+    ``draft_rows`` (the drafter's) is given, see :class:`~dflash_torch.cache.KVCache`), plus a
+    hybrid target's recurrent state per sequence; with ``checkpoints``, a second copy of
+    each sequence's recurrent state and rings."""
     copies = 2 if checkpoints else 1
-    target_rows = 0
-    for (heads, hd), ring in zip(target.kv_shapes(), ring_sizes(target.kv_windows(), max_rows)):
-        target_rows += heads * hd * 2 * (capacity if ring is None else min(ring, capacity) * copies)
-    per_position = 0
+    total = _kv_bytes(target.kv_shapes(), target.kv_windows(), max_rows, capacity, copies,
+                      target.model.embed_tokens.weight.element_size()) + copies * recurrent_bytes(target)
     if drafter is not None:
         d = drafter.config
-        per_position += d.num_hidden_layers * d.num_key_value_heads * d.head_dim * 2
-    return slots * ((target_rows + capacity * per_position) * size + copies * recurrent_bytes(target))
+        total += _kv_bytes([(d.num_key_value_heads, d.head_dim)] * d.num_hidden_layers, drafter.kv_windows(),
+                           draft_rows, capacity, copies, drafter.fc.weight.element_size())
+    return slots * total
+
+
+def _kv_bytes(shapes: list[tuple[int, int]], windows: list[int | None], max_rows: int | None, capacity: int,
+              copies: int, size: int) -> int:
+    """Bytes of one sequence's keys and values of layers of ``shapes`` (kv heads, head size)
+    and ``windows``: ``capacity`` rows each, a ring's (``max_rows``) in ``copies``."""
+    rows = [capacity if r is None else min(r, capacity) * copies for r in ring_sizes(windows, max_rows)]
+    return sum(heads * hd * 2 * n for (heads, hd), n in zip(shapes, rows)) * size
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -542,13 +548,16 @@ class BatchDecoder:
         self.feature_layers = drafter.feature_layers(target) if drafter is not None and B > 1 else None
         capacity = self.max_context + max(2 * B, prefill_chunk) + 1  # a finished sequence still held runs one block past its budget
         drafts = drafter if self.feature_layers is not None else None
-        max_rows = max(B, prefill_chunk)  # the most rows per sequence a forward writes (target rings: see cache.py)
-        # a hybrid target's recurrent state, and its rings for a target with sliding windows, are
-        # known where last written only: each slot keeps a copy of them at its prompt's end (prefix reuse)
-        rings = any(r is not None for r in ring_sizes(target.kv_windows(), max_rows))
+        # the most rows per sequence one forward writes (rings for sliding-window layers: see cache.py):
+        # the target's, and the drafter's, whose context also takes a backlog of injections at once
+        max_rows, draft_rows = max(B, prefill_chunk), max(B, prefill_chunk, BACKLOG_ROWS + B)
+        # a hybrid target's recurrent state, and the rings of sliding-window layers, are known where last
+        # written only: each slot keeps a copy of them at its prompt's end (prefix reuse)
+        rings = any(ring_sizes(target.kv_windows(), max_rows))
+        rings = rings or (drafts is not None and any(ring_sizes(drafts.kv_windows(), draft_rows)))
         self._resumable_only = target.recurrent or rings
         checkpoints = self._resumable_only and self.reuse_prefix
-        need = cache_bytes(target, drafts, self.max_batch_size, capacity, max_rows, checkpoints)
+        need = cache_bytes(target, drafts, self.max_batch_size, capacity, max_rows, checkpoints, draft_rows)
         free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
             raise OptionError(f"the caches of max_batch_size {self.max_batch_size} x max_context {self.max_context} "
@@ -565,7 +574,8 @@ class BatchDecoder:
             if drafts is not None:
                 d = drafter.config
                 self.draft_kv = SlotKVCache.allocate(d.num_hidden_layers, self.max_batch_size, d.num_key_value_heads,
-                                                     capacity, d.head_dim, drafter.fc.weight.dtype, self.device)
+                                                     capacity, d.head_dim, drafter.fc.weight.dtype, self.device,
+                                                     drafter.kv_windows(), draft_rows, checkpoints)
         except torch.OutOfMemoryError:
             raise OptionError(f"out of memory allocating the caches of max_batch_size {self.max_batch_size} x "
                               f"max_context {self.max_context}; lower either", "max_batch_size", "max_context") from None
@@ -898,9 +908,9 @@ class BatchDecoder:
         what can only be resumed where it was last written (a hybrid target's recurrent
         state, a sliding-window target's rings), for a later prompt that diverges after it."""
         if self.reuse_prefix and self._resumable_only:
-            self.target_kv.save(slot)
-            if self.target_state is not None:
-                self.target_state.save(slot)
+            for part in (self.target_kv, self.draft_kv, self.target_state):
+                if part is not None:
+                    part.save(slot)
 
     def _reuse(self, slot: int, kept: _Retained, n: int) -> None:
         """``slot`` holds the rows of retained prefix ``kept`` and a prompt reuses the first
@@ -908,9 +918,9 @@ class BatchDecoder:
         back to their checkpoint (at ``kept.prompt_len``) when ``n`` is short of ``kept``'s
         length; counted."""
         if n < len(kept.ids) and self._resumable_only:
-            self.target_kv.restore(slot)
-            if self.target_state is not None:
-                self.target_state.restore(slot)
+            for part in (self.target_kv, self.draft_kv, self.target_state):
+                if part is not None:
+                    part.restore(slot)
         self.reused_prefill_tokens += n
 
     def _usable(self, kept: _Retained, prompt: list[int]) -> int:

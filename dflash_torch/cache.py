@@ -7,15 +7,17 @@ depend on the sequence length); ``length`` says how many positions are committed
 Rollback is just moving ``length``: entries past it are stale and are overwritten
 before they can be read.
 
-A target's sliding-window layers keep a *ring* instead, when the decoder says how many
-rows one forward writes at most (``max_rows``): ``window + max_rows - 1`` rows whatever
-the context length, position ``p`` in row ``p % rows`` (:func:`ring_positions` says which
-position each row holds). Rollback stays a move of ``length``: a forward from committed
-length ``L`` writes positions below ``L + max_rows``, and the positions those writes
-displace (``rows`` or more earlier, so ``<= L - window``) are out of every later query's
-window (a query at ``q >= L`` sees itself and the ``window - 1`` positions before it); so
-are the stale rows a rejected block leaves behind. A sequence whose length goes back (a
-reused prompt prefix) can only resume where the ring was last written (see
+Sliding-window layers (a target's, a drafter's) keep a *ring* instead, when the decoder
+says how many rows one forward writes at most (``max_rows``): ``window + max_rows - 1``
+rows whatever the context length, position ``p`` in row ``p % rows`` (:func:`ring_positions`
+says which position each row holds). Rollback stays a move of ``length``: a forward from
+committed length ``L`` writes positions below ``L + max_rows``, and the positions those
+writes displace (``rows`` or more earlier, so ``<= L - window``) are out of every later
+query's window (a query at ``q >= L`` sees itself and the ``window - 1`` positions before
+it); so are the stale rows a rejected block leaves behind. (A drafter's injection writes
+committed positions below ``L``: they displace only older ones; ``max_rows`` also bounds
+one write, whose positions must fall in distinct rows.) A sequence whose length goes back
+(a reused prompt prefix) can only resume where the ring was last written (see
 :class:`~dflash_torch.batch.BatchDecoder`'s prefix reuse).
 
 Every buffer a compiled step writes in place is marked as a static address for

@@ -229,7 +229,7 @@ class SpeculativeDecoder:
         if self.feature_layers is None:
             self.context = None
         elif draft_mode == "inject":
-            self.context = InjectedContext(drafter)
+            self.context = InjectedContext(drafter, max_rows=max(block_size, self.prefill_chunk))  # (rings: cache.py)
         else:
             self.context = RecomputedContext(drafter)
         self.device = target.model.embed_tokens.weight.device

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import drafter_config, make_hybrid_target, run_rounds, save_drafter, varied_prompts
+from conftest import drafter_config, edited_checkpoint, make_hybrid_target, run_rounds, save_drafter, varied_prompts
 
 from dflash_torch import DFlashEngine, DFlashError, SamplingParams
 from dflash_torch.batch import BatchDecoder
@@ -25,11 +25,14 @@ def agree_models(agree_pair):
 
 
 @pytest.fixture(scope="module")
-def ring_models(agree_gpt_oss_pair):
+def ring_models(agree_gpt_oss_pair, tmp_path_factory):
     """A gpt-oss target (sliding window 8 on layers 0 and 2: with prefill chunks of
     ``CHUNK_TOKENS`` its sliding layers keep rings of 8 + 16 - 1 rows, which the sequences
-    here wrap around many times) and its agreeable drafter (B = 16)."""
+    here wrap around many times) and its agreeable drafter (B = 16) with a sliding window of
+    8 on its first layer (a ring of 8 + 64 + 16 - 1 rows: a backlog of injections is one write)."""
     target_dir, drafter_dir = agree_gpt_oss_pair
+    drafter_dir = edited_checkpoint(drafter_dir, tmp_path_factory.mktemp("ring-drafter") / "d", config=lambda c: c.update(
+        layer_types=["sliding_attention", "full_attention"], sliding_window=8))
     return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
 
 

@@ -1,5 +1,6 @@
 """KV injection is exact: the drafter's logits with the persistent injected KV cache
-(sliced or fixed-shape, injected on its own or folded into the next propose) equal those of the cache-less drafter that re-projects every
+(sliced or fixed-shape, injected on its own or folded into the next propose, sliding-window
+layers keeping every position or a ring) equal those of the cache-less drafter that re-projects every
 committed feature each round, and a from-scratch reference of the DFlash drafter
 (written here from DESIGN.md), round after round with varying accepted counts; and
 both draft modes generate identical tokens."""
@@ -108,16 +109,21 @@ def test_inject_recompute_and_reference_agree_round_after_round(models):
     inj, fixed, rec = InjectedContext(drafter), InjectedContext(drafter), RecomputedContext(drafter)
     # folded: the verify's rows are injected by the next propose (accepted rows / all B rows)
     folded, folded_fixed = InjectedContext(drafter), InjectedContext(drafter)
-    for ctx in (inj, fixed, rec, folded, folded_fixed):
+    # rings for sliding-window layers (window + max(B, P) - 1 rows: the prompt's P rows are one write)
+    ringed, ringed_fixed = InjectedContext(drafter, max_rows=P), InjectedContext(drafter, max_rows=P)
+    rows = [t.shape[1] for t in ringed.cache.k]
+    for ctx in (inj, fixed, rec, folded, folded_fixed, ringed, ringed_fixed):
         ctx.reset(capacity)
-    for ctx in (fixed, folded_fixed):
+    assert [t.shape[1] for t in ringed.cache.k] == [(w + P - 1) if w else ringed.cache.capacity
+                                                    for w in drafter.kv_windows()], rows
+    for ctx in (fixed, folded_fixed, ringed_fixed):
         ctx.reset(capacity + 64)  # stale rows past the context must stay masked out
         for t in ctx.cache.k + ctx.cache.v:
             t.normal_()
 
     logits, feats = target(prompt, torch.arange(P), tcache, P, layers)
     all_feats = [feats]
-    for ctx in (inj, fixed, rec, folded, folded_fixed):
+    for ctx in (inj, fixed, rec, folded, folded_fixed, ringed, ringed_fixed):
         ctx.inject(drafter, feats, torch.arange(P))
     token = int(logits[-1].argmax())
     s = P
@@ -132,6 +138,10 @@ def test_inject_recompute_and_reference_agree_round_after_round(models):
         out_rec = target.logits(drafter(emb, positions, rec, s + B)[1:])
         out_folded = target.logits(drafter(emb, positions, folded, s + B, inject=pending)[1:])
         out_folded_fixed = target.logits(drafter(emb, positions, folded_fixed, None, inject=pending_fixed)[1:])
+        out_ringed = target.logits(drafter(emb, positions, ringed, s + B, inject=pending)[1:])
+        out_ringed_fixed = target.logits(drafter(emb, positions, ringed_fixed, None, inject=pending_fixed)[1:])
+        for out, what in ((out_ringed, "rings"), (out_ringed_fixed, "rings, fixed shapes")):
+            torch.testing.assert_close(out, out_rec, atol=ATOL, rtol=ATOL, msg=f"{name}: round {rnd} {what} vs recompute")
         torch.testing.assert_close(out_folded, out_rec, atol=ATOL, rtol=ATOL, msg=f"{name}: round {rnd} folded vs recompute")
         torch.testing.assert_close(out_folded_fixed, out_rec, atol=ATOL, rtol=ATOL,
                                    msg=f"{name}: round {rnd} folded fixed-shape vs recompute")
@@ -151,6 +161,40 @@ def test_inject_recompute_and_reference_agree_round_after_round(models):
         token = int(vlogits[a].argmax())
         s += a + 1
     assert rec.length == s == P + sum(ACCEPTED) + len(ACCEPTED)
+    assert not any(drafter.kv_windows()) or min(t.shape[1] for t in ringed.cache.k) < s - 40  # (positions wrapped)
+
+
+@torch.inference_mode()
+def test_rings_from_a_prompt_shorter_than_the_window(models):
+    """A ring (fixed shapes: every row read, stale and never-written rows random) while the
+    block is still inside the first window: rows that hold no position yet stay masked;
+    round after round the draft logits equal the recomputed context's."""
+    name, target, drafter = models
+    B, mask_id, layers = drafter.config.block_size, drafter.config.mask_token_id, drafter.config.target_layer_ids
+    prompt = torch.tensor([5, 9, 13])
+    tcache = target.new_cache()
+    tcache.reset(256)
+    ringed, rec = InjectedContext(drafter, max_rows=B), RecomputedContext(drafter)
+    for ctx in (ringed, rec):
+        ctx.reset(256)
+    for t in ringed.cache.k + ringed.cache.v:
+        t.normal_()
+    logits, feats = target(prompt, torch.arange(3), tcache, 3, layers)
+    for ctx in (ringed, rec):
+        ctx.inject(drafter, feats, torch.arange(3))
+    token, s, pending = int(logits[-1].argmax()), 3, None
+    for rnd, a in enumerate([0, 1, 0, 2, 15, 3]):
+        positions = torch.arange(s, s + B)
+        block = torch.full((B,), mask_id, dtype=torch.long)
+        block[0] = token
+        emb = target.embed(block)
+        out_rec = target.logits(drafter(emb, positions, rec, s + B)[1:])
+        out = target.logits(drafter(emb, positions, ringed, None, inject=pending)[1:])
+        torch.testing.assert_close(out, out_rec, atol=ATOL, rtol=ATOL, msg=f"{name}: round {rnd} rings vs recompute")
+        vlogits, vfeats = target(block, positions, tcache, s + B, layers)
+        rec.inject(drafter, vfeats[:a + 1], positions[:a + 1])
+        pending = (vfeats, positions)
+        token, s = int(vlogits[a].argmax()), s + a + 1
 
 
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])

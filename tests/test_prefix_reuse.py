@@ -74,16 +74,15 @@ def slot_rows(batch: BatchDecoder, slot: int, n: int, state: bool = True) -> tor
     """Everything a prefill of ``n`` prompt tokens leaves in ``slot``: target K/V and
     drafter context rows of positions ``[0, n)`` (a ring's: those of the last ``window``
     positions) and (``state``) recurrent states, flattened (float32)."""
-    kv, parts = batch.target_kv, []
-    for t, window in zip(kv.k + kv.v, kv.windows + kv.windows):
-        rows = None if window is None else kv.ring_rows(window)
-        if rows is None:
-            parts.append(t[slot, :, :n])
-        else:  # a ring: the rows of the positions the next query can see (the others are stale)
-            held = ring_positions(torch.tensor([n - 1], device=t.device), rows, rows)
-            parts.append(t[slot][:, (held > n - 1 - window) & (held >= 0)])
-    if batch.draft_kv is not None:
-        parts += [t[slot, :, :n] for t in batch.draft_kv.k + batch.draft_kv.v]
+    parts = []
+    for kv in (batch.target_kv, batch.draft_kv):
+        for t, window in zip(kv.k + kv.v, kv.windows + kv.windows) if kv is not None else ():
+            rows = None if window is None else kv.ring_rows(window)
+            if rows is None:
+                parts.append(t[slot, :, :n])
+            else:  # a ring: the rows of the positions the next query can see (the others are stale)
+                held = ring_positions(torch.tensor([n - 1], device=t.device), rows, rows)
+                parts.append(t[slot][:, (held > n - 1 - window) & (held >= 0)])
     if state and batch.target_state is not None:
         parts += [t[slot] for t in batch.target_state.conv + batch.target_state.ssm]
     return torch.cat([t.float().flatten() for t in parts])
@@ -150,8 +149,10 @@ def test_hybrid_target_reuses_an_extension_or_the_prompt_it_began_with(request, 
     (the slot's checkpoint) only: a prompt that
     diverges inside the reply reuses that prompt's rows, one that extends the rows exactly
     reuses all of them, one that diverges inside the first prompt is read whole (here all
-    in place: one slot). Each turn decodes as with reuse off."""
+    in place: one slot). Each turn decodes as with reuse off. (The ring drafter's first reply
+    is longer than its ring's slack, window + 79 rows: its checkpoint must be restored.)"""
     target, drafter = request.getfixturevalue(models)
+    first = 100 if models == "ring_models" else 20
     runs = {}
     for reuse in (True, False):
         t, reused = Turns.of(target, drafter, 1, reuse), []
@@ -164,7 +165,7 @@ def test_hybrid_target_reuses_an_extension_or_the_prompt_it_began_with(request, 
                 p1 = p0 + t.out[0][:2] + MORE  # diverges inside the reply: the checkpoint (p0's end)
             prompt = [p0, p1, t.valid(1, p1) + MORE if k == 2 else None, p0[:5] + MORE][k]  # 2: extends exactly
             before = batch.reused_prefill_tokens
-            t.join(k, prompt, SAMPLED if k == 1 else GREEDY, 20 if k < 2 else 15)
+            t.join(k, prompt, SAMPLED if k == 1 else GREEDY, first if k == 0 else 20 if k < 2 else 15)
             t.until_gone(k)
             reused.append(batch.reused_prefill_tokens - before)
         runs[reuse] = t, reused, [len(p0), len(t.valid(1, p1))]

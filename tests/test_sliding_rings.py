@@ -1,6 +1,6 @@
-"""Rings for a target's sliding-window layers (dflash_torch.cache): a decoder's cache keeps
-``window + max_rows - 1`` rows for such a layer, position ``p`` in row ``p % rows``, and
-masks each row by the position it holds (``ring_positions``).
+"""Rings for sliding-window layers (dflash_torch.cache), the target's and the drafter's: a
+decoder's cache keeps ``window + max_rows - 1`` rows for such a layer, position ``p`` in
+row ``p % rows``, and masks each row by the position it holds (``ring_positions``).
 
 * the invariant, against a simulated ring (every row's actual contents tracked through
   random forwards, rejected rows and rollbacks): each query sees exactly the positions of
@@ -9,7 +9,9 @@ masks each row by the position it holds (``ring_positions``).
   every position), and ``cache_bytes`` counts exactly the bytes allocated;
 * lossless across many wraps: ``check_many_accepted_tokens_are_lossless`` (eager with
   small prefill chunks, fixed shapes, batched) for gpt-oss, Gemma 4, Muse Glimmer targets;
-  batching and prefix reuse on a ring target in ``test_batch`` / ``test_prefix_reuse``.
+  batching and prefix reuse on a ring target and drafter in ``test_batch`` /
+  ``test_prefix_reuse``; the drafter's logits with rings equal the recomputed context's
+  round after round in ``test_drafter_context``.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import random
 import pytest
 import torch
 
+from test_batch import ring_models  # noqa: F401 (the fixture: a gpt-oss target, a drafter with a sliding layer)
+
 from dflash_torch import SamplingParams
 from dflash_torch.batch import BatchDecoder, cache_bytes
 from dflash_torch.cache import ring_positions
 from dflash_torch.decoding import SpeculativeDecoder
-from dflash_torch.models.drafter import DFlashDrafter
-from dflash_torch.models.target import TargetModel
 
 
 def simulate(window: int, max_rows: int, rows: int, rounds: int, seed: int) -> list[str]:
@@ -69,18 +71,14 @@ def test_a_ring_one_row_short_breaks_some_window(window, max_rows):
     assert simulate(window, max_rows, window + max_rows - 2, 400, seed=window * 31 + max_rows)
 
 
-@pytest.fixture(scope="module")
-def ring_models(agree_gpt_oss_pair):
-    """A gpt-oss target (sliding window 8 on layers 0 and 2) and its agreeable drafter (B = 16)."""
-    target_dir, drafter_dir = agree_gpt_oss_pair
-    return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
 
 
 def test_decoders_keep_rings_of_window_plus_rows_per_forward(ring_models):
     """Sliding layers hold ``window + max(B, prefill_chunk) - 1`` rows (never more than the
     capacity), full layers the whole capacity: one sequence eager (buffers grown per
-    prompt) and fixed shapes, and the batch decoder's slots; without ``max_rows`` every
-    layer keeps every position (a forward of any length, e.g. training)."""
+    prompt) and fixed shapes, and the batch decoder's slots, of the target and of the
+    drafter; without ``max_rows`` every layer keeps every position (a forward of any
+    length, e.g. training)."""
     target, drafter = ring_models
     windows = target.kv_windows()
     assert windows == [8, None, 8, None]
@@ -94,8 +92,12 @@ def test_decoders_keep_rings_of_window_plus_rows_per_forward(ring_models):
     list(eager.rounds(list(range(2, 300)), SamplingParams(), 4))
     kv = eager.target_cache.kv
     assert kv.capacity == 512 and [t.shape[1] for t in kv.k] == [263, 512, 263, 512]
+    assert drafter.kv_windows() == [8, None]
+    assert [t.shape[1] for t in static.context.cache.k] == [8 + 32 - 1, static.target_cache.capacity]
     batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=1000, prefill_chunk=8)
     assert [tuple(t.shape[::2]) for t in batch.target_kv.k] == [(3, 23), (3, 1000 + 32 + 1), (3, 23), (3, 1033)]
+    # the drafter's context also takes a backlog of injections (BACKLOG_ROWS + B rows) in one write
+    assert [tuple(t.shape[::2]) for t in batch.draft_kv.k] == [(3, 8 + 64 + 16 - 1), (3, 1033)]
     plain = target.new_cache()
     plain.reset(100)
     assert [t.shape[1] for t in plain.kv.k] == [256] * 4
@@ -108,10 +110,12 @@ def test_cache_bytes_counts_the_rings_as_allocated(ring_models, reuse):
     keeping every position in the sliding layers."""
     target, drafter = ring_models
     batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=4000, prefill_chunk=16, reuse_prefix=reuse)
-    buffers = batch.target_kv.k + batch.target_kv.v + batch.target_kv._saved + batch.draft_kv.k + batch.draft_kv.v
+    buffers = batch.target_kv.k + batch.target_kv.v + batch.target_kv._saved + batch.draft_kv.k + batch.draft_kv.v \
+        + batch.draft_kv._saved
     allocated = sum(t.numel() * t.element_size() for t in buffers)
     capacity = batch.target_kv.capacity
-    assert cache_bytes(target, drafter, 2, capacity, 16, reuse) == allocated
+    assert cache_bytes(target, drafter, 2, capacity, 16, reuse, 16 + 64) == allocated
     assert bool(batch.target_kv._saved) == reuse
+    assert bool(batch.draft_kv._saved) == reuse
     every_position = cache_bytes(target, drafter, 2, capacity)
     assert allocated < 0.8 * every_position

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..cache import KVCache
+from ..cache import KVCache, ring_positions
 from ..checkpoint import all_finite, check_fits, load_config, load_state_dict, tensor_names
 from ..errors import DFlashError
 from ..sampling import SamplingParams, greedy_tokens, probabilities, sample
@@ -174,11 +174,20 @@ class DFlashDrafter(nn.Module):
         the bytes freed (none here: a DFlash drafter keeps no copies)."""
         return 0
 
-    def new_cache(self) -> KVCache:
-        """An empty drafter KV cache (one entry per drafter layer)."""
+    def kv_windows(self) -> list[int | None]:
+        """Each layer's sliding window (tokens; None: full attention)."""
+        return [layer.sliding_window for layer in self.layers]
+
+    def new_cache(self, max_rows: int | None = None) -> KVCache:
+        """An empty drafter KV cache (one entry per drafter layer). ``max_rows``: the most
+        rows (tokens) one write to it holds and the most rows a block has (a decoder's
+        block size, prefill chunk or injection, whichever is larger): sliding-window layers
+        then keep a ring of ``window + max_rows - 1`` positions (see
+        :class:`~dflash_torch.cache.KVCache`); None (default): every position kept."""
         w = self.fc.weight
         c = self.config
-        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, w.dtype, w.device)
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, w.dtype, w.device, self.kv_windows(),
+                       max_rows)
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features ``[n, k * hidden]`` -> context rows ``c`` ``[n, hidden]``."""
@@ -217,12 +226,17 @@ class DFlashDrafter(nn.Module):
         return visible
 
     def _bias(self, layer: DraftLayer, positions: torch.Tensor, n_keys: int, static: bool,
-              dtype: torch.dtype) -> torch.Tensor | None:
+              dtype: torch.dtype, ring: int | None = None) -> torch.Tensor | None:
         """Additive key mask (:func:`attention_bias`) of :meth:`visible_keys` for keys at
-        positions ``[0, n_keys)``; None when every key is visible."""
-        if not static and not self.limits_keys(layer):
+        positions ``[0, n_keys)``, or those the first ``n_keys`` rows of a ring of ``ring``
+        rows hold (:func:`~dflash_torch.cache.ring_positions`); None when every key is visible."""
+        if ring is None and not static and not self.limits_keys(layer):
             return None
-        visible = self.visible_keys(layer, positions, torch.arange(n_keys, device=positions.device))
+        if ring is None:
+            visible = self.visible_keys(layer, positions, torch.arange(n_keys, device=positions.device))
+        else:
+            held = ring_positions(positions, ring, n_keys).unsqueeze(-2)  # [1 or N, 1, n_keys]
+            visible = self.visible_keys(layer, positions, held) & (held >= 0)
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         return attention_bias(visible.expand(*positions.shape, n_keys), groups, dtype)
 
@@ -287,7 +301,9 @@ class DFlashDrafter(nn.Module):
                 k, v = torch.cat([ck, kb], dim=1), torch.cat([cv, vb], dim=1)
             kind = (layer.sliding_window, layer.causal)
             if kind not in biases:
-                biases[kind] = self._bias(layer, positions, k.shape[-2], static, x.dtype)
+                ring = None if recomputed is not None or layer.sliding_window is None else \
+                    context.cache.ring_rows(layer.sliding_window)
+                biases[kind] = self._bias(layer, positions, k.shape[-2], static, x.dtype, ring)
             out = attend(attn.query(h, cos, sin), k, v, biases[kind])
             x = x + layer.attention_output(out, state, B)
             x = x + layer.mlp_output(x, B)
@@ -364,8 +380,9 @@ def _allowed_scores(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor
 class InjectedContext:
     """Drafter context as a persistent, preallocated KV cache updated by injection."""
 
-    def __init__(self, drafter: DFlashDrafter, cache: KVCache | None = None):
-        self.cache = drafter.new_cache() if cache is None else cache  # (batched decoding passes its own)
+    def __init__(self, drafter: DFlashDrafter, cache: KVCache | None = None, max_rows: int | None = None):
+        # (batched decoding passes its own cache; max_rows: see DFlashDrafter.new_cache)
+        self.cache = drafter.new_cache(max_rows) if cache is None else cache
 
     def reset(self, capacity: int) -> None:
         """Forget all context; room for ``capacity`` positions."""
