@@ -202,6 +202,10 @@ class SlotKVCache:
         """Rows of the rings of the layers with sliding window ``window`` (tokens), or None."""
         return ring_rows(self.windows, self.rings, window, self._capacity)
 
+    def layer_ring(self, layer: int) -> int | None:
+        """Rows of ``layer``'s ring, or None where it keeps every position."""
+        return None if self.rings[layer] is None else self.k[layer].shape[-2]
+
     def first(self, n: int) -> "SlotKVCache":
         """A view of slots ``[0, n)`` (the same object for the same ``n``)."""
         if n not in self._views:

@@ -143,6 +143,10 @@ class KVCache:
         where they keep every position."""
         return ring_rows(self.windows, self.rings, window, self._capacity)
 
+    def layer_ring(self, layer: int) -> int | None:
+        """Rows of ``layer``'s ring, or None where it keeps every position."""
+        return None if self.rings[layer] is None else self.k[layer].shape[-2]
+
     def reset(self, capacity: int) -> None:
         """Start a new sequence: length 0, room for at least ``capacity`` positions.
 

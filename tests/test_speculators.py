@@ -38,9 +38,17 @@ def draft_logits_at(drafter, ref, anchor: int, mode: str) -> torch.Tensor:
     or the whole buffer under a mask) or the recomputed context."""
     B = drafter.config.block_size
     feats, ids = ref["features"], ref["input_ids"]
-    ctx = RecomputedContext(drafter) if mode == "recompute" else InjectedContext(drafter)
-    ctx.reset(64)
-    ctx.inject(drafter, feats[:anchor], torch.arange(anchor))
+    if mode == "ring":  # rings sized for writes of B rows (prefill chunks of B): injected B rows at a time
+        ctx = InjectedContext(drafter, max_rows=B)
+        ctx.reset(64)
+        assert [t.shape[1] for t in ctx.cache.k] == [w + B - 1 if w else ctx.cache.capacity for w in drafter.kv_windows()]
+        for c0 in range(0, anchor, B):
+            ctx.inject(drafter, feats[c0:min(anchor, c0 + B)], torch.arange(c0, min(anchor, c0 + B)))
+        ctx.inject(drafter, feats[anchor:anchor + B], torch.arange(anchor, anchor + B))  # (a rejected block's rows)
+    else:
+        ctx = RecomputedContext(drafter) if mode == "recompute" else InjectedContext(drafter)
+        ctx.reset(64)
+        ctx.inject(drafter, feats[:anchor], torch.arange(anchor))
     if mode == "static":  # (stale rows past the block, as a fixed-shape buffer holds)
         ctx.inject(drafter, feats[anchor:], torch.arange(anchor, len(feats)))
         ctx.cache.length = anchor
@@ -48,17 +56,20 @@ def draft_logits_at(drafter, ref, anchor: int, mode: str) -> torch.Tensor:
     block[0] = ids[anchor]
     with torch.no_grad():
         hidden = drafter(drafter.embed(None, block), torch.arange(anchor, anchor + B), ctx,
-                         None if mode == "static" else anchor + B)
+                         None if mode in ("static", "ring") else anchor + B)
         return drafter.draft_logits(None, hidden[1:])
 
 
-@pytest.mark.parametrize("mode", ["slice", "static", "recompute"])
+@pytest.mark.parametrize("mode", ["slice", "static", "recompute", "ring"])
 @pytest.mark.parametrize("case", CASES)
 def test_draft_logits_equal_the_speculators_library(case, mode):
     """The library's own draft logits (its training forward: sliding-window layer causal in
     the block unless non-causal, the window counted from the block's start; a full layer)
     for blocks inside, at and past the window, over the draft vocabulary (mapped through
-    d2t; -inf elsewhere)."""
+    d2t; -inf elsewhere). "ring": the sliding layer keeps a ring for writes of B rows, whose
+    block reaches one position more than a DFlash drafter's (``[s - window, s]``: a ring of
+    ``window + B`` rows; with one row fewer the block's last row displaced position
+    ``s - window``, helper-7's finding), and a rejected block's rows lie past the block."""
     drafter, ref = library_case(case)
     assert isinstance(drafter, SpeculatorsDrafter)
     assert drafter.config.target_layer_ids == [0, 2]  # (aux ids [1, 3]: the inputs of layers 1 and 3)

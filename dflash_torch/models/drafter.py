@@ -175,7 +175,9 @@ class DFlashDrafter(nn.Module):
         return 0
 
     def kv_windows(self) -> list[int | None]:
-        """Each layer's sliding window (tokens; None: full attention)."""
+        """What each layer's cache must keep for a block (tokens; None: every position): the
+        positions its block's first row sees, its sliding window ``(s - window, s]`` here
+        (:meth:`visible_keys`), which a ring of the cache then holds."""
         return [layer.sliding_window for layer in self.layers]
 
     def new_cache(self, max_rows: int | None = None) -> KVCache:
@@ -301,8 +303,7 @@ class DFlashDrafter(nn.Module):
                 k, v = torch.cat([ck, kb], dim=1), torch.cat([cv, vb], dim=1)
             kind = (layer.sliding_window, layer.causal)
             if kind not in biases:
-                ring = None if recomputed is not None or layer.sliding_window is None else \
-                    context.cache.ring_rows(layer.sliding_window)
+                ring = None if recomputed is not None else context.cache.layer_ring(i)
                 biases[kind] = self._bias(layer, positions, k.shape[-2], static, x.dtype, ring)
             out = attend(attn.query(h, cos, sin), k, v, biases[kind])
             x = x + layer.attention_output(out, state, B)

@@ -315,6 +315,11 @@ class SpeculatorsDrafter(DFlashDrafter):
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         return full.index_copy(-1, tokens, logits)
 
+    def kv_windows(self) -> list[int | None]:
+        """A sliding layer's block reaches one position further back than its window: its
+        first row sees ``[s - window, s]`` (:meth:`visible_keys`), ``window + 1`` positions."""
+        return [None if layer.sliding_window is None else layer.sliding_window + 1 for layer in self.layers]
+
     def visible_keys(self, layer: DraftLayer, positions: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Full-attention layers: every key before the block's end. Sliding-window layers:
         the context keys at positions ``>= s - window`` (s: the block's first position) and
