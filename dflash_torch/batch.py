@@ -90,7 +90,6 @@ for later prompts. Sequences that do not ask are unchanged.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -98,7 +97,8 @@ from typing import Hashable
 
 import torch
 
-from .cache import KVCache, RecurrentState, TargetCache, layer_shapes, ring_rows, ring_sizes, static_buffer
+from .cache import KVCache, RecurrentState, TargetCache, cache_bytes, layer_shapes, ring_rows, ring_sizes, static_buffer
+from .checkpoint import available_memory
 from .decoding import Round, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs, without_shape_plans
 from .draft_policy import DraftPolicy
 from .errors import DFlashError, OptionError
@@ -350,59 +350,6 @@ class SlotRecurrentState:
         """Copy slot ``slot``'s checkpoint back into its state."""
         for t, c in zip(self.conv + self.ssm, self.checkpoints.conv + self.checkpoints.ssm):
             t[slot].copy_(c[slot])
-
-
-def recurrent_bytes(target: TargetModel) -> int:
-    """Bytes of one sequence's recurrent state (0 for pure-attention targets)."""
-    size = target.model.embed_tokens.weight.element_size()
-    total = 0
-    for layer in target.model.layers:
-        if layer.kind == "linear_attention":
-            m = layer.linear_attn
-            total += (m.kernel - 1) * m.conv_dim * size + m.nv * m.dk * m.dv * 4
-    return total
-
-
-def cache_bytes(target: TargetModel, drafter: DFlashDrafter | None, slots: int, capacity: int,
-                max_rows: int | None = None, checkpoints: bool = False, draft_rows: int | None = None) -> int:
-    """Bytes of the K/V caches of ``slots`` sequences of ``capacity`` positions (target and
-    drafter; sliding-window layers keep rings when ``max_rows`` (the target's) or
-    ``draft_rows`` (the drafter's) is given, see :class:`~dflash_torch.cache.KVCache`), plus a
-    hybrid target's recurrent state per sequence; with ``checkpoints``, a second copy of
-    each sequence's recurrent state and rings."""
-    copies = 2 if checkpoints else 1
-    total = _kv_bytes(target.kv_shapes(), target.kv_windows(), max_rows, capacity, copies,
-                      target.model.embed_tokens.weight.element_size()) + copies * recurrent_bytes(target)
-    if drafter is not None:
-        d = drafter.config
-        total += _kv_bytes([(d.num_key_value_heads, d.head_dim)] * d.num_hidden_layers, drafter.kv_windows(),
-                           draft_rows, capacity, copies, drafter.fc.weight.element_size())
-    return slots * total
-
-
-def _kv_bytes(shapes: list[tuple[int, int]], windows: list[int | None], max_rows: int | None, capacity: int,
-              copies: int, size: int) -> int:
-    """Bytes of one sequence's keys and values of layers of ``shapes`` (kv heads, head size)
-    and ``windows``: ``capacity`` rows each, a ring's (``max_rows``) in ``copies``."""
-    rows = [capacity if r is None else min(r, capacity) * copies for r in ring_sizes(windows, max_rows)]
-    return sum(heads * hd * 2 * n for (heads, hd), n in zip(shapes, rows)) * size
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Free memory in bytes: the GPU's for CUDA, else this machine's available RAM (None if unknown)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 @dataclass

@@ -260,3 +260,42 @@ class TargetCache:
         self.kv.reset(capacity)
         if self.recurrent is not None:
             self.recurrent.clear()
+
+
+def recurrent_bytes(target) -> int:
+    """Bytes of one sequence's recurrent state of ``target`` (a
+    :class:`~dflash_torch.models.target.TargetModel`; 0 for pure-attention targets)."""
+    size = target.model.embed_tokens.weight.element_size()
+    total = 0
+    for layer in target.model.layers:
+        if layer.kind == "linear_attention":
+            m = layer.linear_attn
+            total += (m.kernel - 1) * m.conv_dim * size + m.nv * m.dk * m.dv * 4
+    return total
+
+
+def cache_bytes(target, drafter, slots: int, capacity: int,
+                max_rows: int | None = None, checkpoints: bool = False, draft_rows: int | None = None) -> int:
+    """Bytes of the K/V caches of ``slots`` sequences of ``capacity`` positions of ``target``
+    (a :class:`~dflash_torch.models.target.TargetModel`) and ``drafter`` (a
+    :class:`~dflash_torch.models.drafter.DFlashDrafter`, or None: no drafter context;
+    sliding-window layers keep rings when ``max_rows`` (the target's) or
+    ``draft_rows`` (the drafter's) is given, see :class:`~dflash_torch.cache.KVCache`), plus a
+    hybrid target's recurrent state per sequence; with ``checkpoints``, a second copy of
+    each sequence's recurrent state and rings."""
+    copies = 2 if checkpoints else 1
+    total = _kv_bytes(target.kv_shapes(), target.kv_windows(), max_rows, capacity, copies,
+                      target.model.embed_tokens.weight.element_size()) + copies * recurrent_bytes(target)
+    if drafter is not None:
+        d = drafter.config
+        total += _kv_bytes([(d.num_key_value_heads, d.head_dim)] * d.num_hidden_layers, drafter.kv_windows(),
+                           draft_rows, capacity, copies, drafter.fc.weight.element_size())
+    return slots * total
+
+
+def _kv_bytes(shapes: list[tuple[int, int]], windows: list[int | None], max_rows: int | None, capacity: int,
+              copies: int, size: int) -> int:
+    """Bytes of one sequence's keys and values of layers of ``shapes`` (kv heads, head size)
+    and ``windows``: ``capacity`` rows each, a ring's (``max_rows``) in ``copies``."""
+    rows = [capacity if r is None else min(r, capacity) * copies for r in ring_sizes(windows, max_rows)]
+    return sum(heads * hd * 2 * n for (heads, hd), n in zip(shapes, rows)) * size

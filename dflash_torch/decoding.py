@@ -17,6 +17,8 @@ from typing import Callable, Iterator
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .cache import cache_bytes
+from .checkpoint import available_memory
 from .errors import DFlashError, OptionError
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
@@ -193,7 +195,10 @@ class SpeculativeDecoder:
             GEMM autotuning: minutes more to compile).
 
     Raises:
-        DFlashError: invalid block size, draft mode, or a mode combination that cannot work.
+        DFlashError: invalid block size, draft mode, or a mode combination that cannot work;
+            with fixed shapes, caches of ``max_context`` that do not fit in 90% of the
+            device's free memory (an :class:`~dflash_torch.errors.OptionError` naming
+            ``max_context``, before allocating them).
     """
 
     def __init__(
@@ -239,9 +244,14 @@ class SpeculativeDecoder:
         self._mask_tail = torch.full((block_size - 1,), mask_id, dtype=torch.long, device=self.device)
         if self.static:  # preallocate once: buffer shapes never change afterwards
             capacity = self.max_context + max(block_size, prefill_chunk) + 1
-            self.target_cache.reset(capacity)
-            if self.context is not None:
-                self.context.reset(capacity)
+            self._check_fits(-(-capacity // 256) * 256)  # (reset allocates multiples of 256)
+            try:
+                self.target_cache.reset(capacity)
+                if self.context is not None:
+                    self.context.reset(capacity)
+            except torch.OutOfMemoryError:
+                raise OptionError(f"out of memory allocating the caches of max_context {self.max_context}; lower it",
+                                  "max_context") from None
         # hybrid targets: a verify leaves the recurrent layers' state as it was and the
         # accepted prefix is committed into it afterwards (their rollback)
         self.defer_commit = target.recurrent and block_size > 1
@@ -264,6 +274,18 @@ class SpeculativeDecoder:
             self._draft_fn = torch.compile(self._draft_step, **opts)
             self._verify_fn = torch.compile(self._verify_step, **opts)
             self._commit_fn = torch.compile(self._commit_step, **opts)
+
+    def _check_fits(self, capacity: int) -> None:
+        """Fixed shapes: the caches of ``capacity`` positions must fit in 90% of the device's
+        free memory (as the batch decoder's), else :class:`OptionError` naming ``max_context``."""
+        rows = max(self.block_size, self.prefill_chunk)
+        drafter = self.drafter if isinstance(self.context, InjectedContext) else None
+        need = cache_bytes(self.target, drafter, 1, capacity, rows, False, rows)
+        free = available_memory(self.device)
+        if free is not None and need > 0.9 * free:
+            raise OptionError(f"the caches of max_context {self.max_context} (fixed shapes: allocated at once) need "
+                              f"{need / 2**30:.2f} GiB but {self.device.type} has {free / 2**30:.2f} GiB free; lower it",
+                              "max_context")
 
     def kv_bucket(self, n: int) -> int:
         """Keys to attend over when ``n`` positions must be visible (fixed shapes,

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from dflash_torch.batch import cache_bytes
+from dflash_torch.cache import cache_bytes
 from dflash_torch.bench.shapes import SHAPES, build_pair, pattern_period, target_config
 from dflash_torch.models.registry import family
 

@@ -105,3 +105,30 @@ def test_prepacking_that_fits_packs_and_gives_the_same_tokens(tiny_pair, monkeyp
     roomy = DFlashEngine.from_pretrained(*tiny_pair, dtype="bfloat16")
     assert _packed(roomy) and not _packed(tight)
     assert tight.generate("def f(x):", max_new_tokens=12).token_ids == roomy.generate("def f(x):", max_new_tokens=12).token_ids
+
+
+def test_fixed_shape_caches_that_do_not_fit_are_refused_before_allocating(tiny_pair, monkeypatch):
+    """A fixed-shape decoder allocates its caches for max_context at once: when they would
+    take more than 90% of the free memory it is refused in one line naming max_context (it
+    went on to allocate them: an out-of-memory traceback, or a swapping machine); when they
+    fit, what it allocates is exactly the estimate."""
+    import dflash_torch.decoding as decoding
+    from dflash_torch import DFlashError
+    from dflash_torch.cache import cache_bytes
+    from dflash_torch.decoding import SpeculativeDecoder
+    from dflash_torch.models.drafter import DFlashDrafter
+
+    target_dir, drafter_dir = tiny_pair
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    rows = max(drafter.config.block_size, 32)
+    need = cache_bytes(target, drafter, 1, -(-(1000 + rows + 1) // 256) * 256, rows, False, rows)
+    monkeypatch.setattr(decoding, "available_memory", lambda device: need / 0.9 - 1)
+    with pytest.raises(DFlashError, match=r"^the caches of max_context 1000 \(fixed shapes: allocated at once\) need "
+                                          r"[0-9.]+ GiB but cpu has [0-9.]+ GiB free; lower it$") as err:
+        SpeculativeDecoder(target, drafter, static=True, max_context=1000, prefill_chunk=32)
+    assert err.value.name == "max_context"
+    monkeypatch.setattr(decoding, "available_memory", lambda device: need / 0.9 + 1)
+    decoder = SpeculativeDecoder(target, drafter, static=True, max_context=1000, prefill_chunk=32)
+    caches = decoder.target_cache.kv.k + decoder.target_cache.kv.v + decoder.context.cache.k + decoder.context.cache.v
+    assert sum(t.numel() * t.element_size() for t in caches) == need

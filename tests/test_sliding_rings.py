@@ -24,7 +24,8 @@ import torch
 from test_batch import ring_models  # noqa: F401 (the fixture: a gpt-oss target, a drafter with a sliding layer)
 
 from dflash_torch import SamplingParams
-from dflash_torch.batch import BatchDecoder, cache_bytes
+from dflash_torch.batch import BatchDecoder
+from dflash_torch.cache import cache_bytes
 from dflash_torch.cache import ring_positions
 from dflash_torch.decoding import SpeculativeDecoder
 
