@@ -97,7 +97,8 @@ from typing import Hashable
 
 import torch
 
-from .cache import KVCache, RecurrentState, TargetCache, cache_bytes, layer_shapes, ring_rows, ring_sizes, static_buffer
+from .cache import (KVCache, RecurrentState, RingLayers, TargetCache, buffer_rows, cache_bytes, layer_shapes,
+                    ring_sizes, static_buffer)
 from .checkpoint import available_memory
 from .decoding import Round, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs, without_shape_plans
 from .draft_policy import DraftPolicy
@@ -154,7 +155,7 @@ def check_max_batch_size(value, name: str = "max_batch_size") -> int:
     return value
 
 
-class SlotKVCache:
+class SlotKVCache(RingLayers):
     """Keys and values of many sequences: ``k[layer]``/``v[layer]`` of shape
     ``[slots, kv_heads, rows, head_dim]``, one slot per sequence (``rows``: the capacity,
     or a sliding-window layer's ring size, as in :class:`~dflash_torch.cache.KVCache`).
@@ -186,25 +187,11 @@ class SlotKVCache:
         ``checkpoints`` a saved copy of each ring per slot."""
         windows = [None] * num_layers if windows is None else list(windows)
         rings = ring_sizes(windows, max_rows)
-        rows = [capacity if r is None else min(r, capacity) for r in rings]
         k = [torch.zeros(slots, heads, n, hd, dtype=dtype, device=device)
-             for (heads, hd), n in zip(layer_shapes(num_layers, kv_heads, head_dim), rows)]
+             for (heads, hd), n in zip(layer_shapes(num_layers, kv_heads, head_dim), buffer_rows(rings, capacity))]
         v = [torch.zeros_like(t) for t in k]
         saved = [torch.zeros_like(t) for t, r in zip(k + v, rings + rings) if r is not None] if checkpoints else None
         return cls(k, v, windows, rings, capacity, saved)
-
-    @property
-    def capacity(self) -> int:
-        """Positions per slot (tokens)."""
-        return self._capacity
-
-    def ring_rows(self, window: int) -> int | None:
-        """Rows of the rings of the layers with sliding window ``window`` (tokens), or None."""
-        return ring_rows(self.windows, self.rings, window, self._capacity)
-
-    def layer_ring(self, layer: int) -> int | None:
-        """Rows of ``layer``'s ring, or None where it keeps every position."""
-        return None if self.rings[layer] is None else self.k[layer].shape[-2]
 
     def first(self, n: int) -> "SlotKVCache":
         """A view of slots ``[0, n)`` (the same object for the same ``n``)."""

@@ -60,11 +60,36 @@ def ring_sizes(windows: list[int | None], max_rows: int | None) -> list[int | No
     return [None if not w or max_rows is None else w + max_rows - 1 for w in windows]
 
 
-def ring_rows(windows: list[int | None], rings: list[int | None], window: int, capacity: int) -> int | None:
-    """The rows of the layers of sliding ``window`` with rings (their ring size, at most
-    ``capacity``), or None when they keep every position."""
-    ring = next((r for w, r in zip(windows, rings) if w == window and r is not None), None)
-    return None if ring is None else min(ring, capacity)
+def buffer_rows(rings: list[int | None], capacity: int) -> list[int]:
+    """The rows each layer's buffer takes: ``capacity``, or its ring size (``rings``, None:
+    every position kept) when that is smaller (positions never wrap then)."""
+    return [capacity if r is None else min(r, capacity) for r in rings]
+
+
+class RingLayers:
+    """What a cache of per-layer buffers ``k[layer]`` (rows on dimension -2) says about
+    its rings (:class:`KVCache` and :class:`~dflash_torch.batch.SlotKVCache` alike), from
+    ``windows`` (per layer, its sliding window or None), ``rings`` (per layer, its ring
+    size or None: every position kept) and its capacity."""
+
+    windows: list[int | None]
+    rings: list[int | None]
+    k: list[torch.Tensor]
+    _capacity: int
+
+    @property
+    def capacity(self) -> int:
+        """Positions that fit (tokens)."""
+        return self._capacity
+
+    def layer_ring(self, layer: int) -> int | None:
+        """Rows of ``layer``'s ring, or None where it keeps every position."""
+        return None if self.rings[layer] is None else self.k[layer].shape[-2]
+
+    def ring_rows(self, window: int) -> int | None:
+        """Rows of the rings of the layers with sliding window ``window`` (tokens), or None
+        where they keep every position."""
+        return next((self.layer_ring(i) for i, w in enumerate(self.windows) if w == window), None)
 
 
 def ring_positions(positions: torch.Tensor, rows: int, span: int) -> torch.Tensor:
@@ -83,7 +108,7 @@ def ring_positions(positions: torch.Tensor, rows: int, span: int) -> torch.Tenso
     return last - torch.remainder(last - torch.arange(span, device=positions.device), rows)
 
 
-class KVCache:
+class KVCache(RingLayers):
     """Keys and values: ``k[layer]``/``v[layer]`` of shape ``[kv_heads, rows, head_dim]``
     (the layer's own ``kv_heads`` and ``head_dim``; ``rows`` the capacity, or a
     sliding-window layer's ring size).
@@ -118,7 +143,7 @@ class KVCache:
 
     def _allocate(self, capacity: int) -> None:
         new = lambda heads, n, hd: static_buffer(torch.zeros(heads, n, hd, dtype=self.dtype, device=self.device))  # noqa: E731
-        rows = [capacity if r is None else min(r, capacity) for r in self.rings]
+        rows = buffer_rows(self.rings, capacity)
         self.k = [new(heads, n, hd) for (heads, hd), n in zip(self.shapes, rows)]
         self.v = [new(heads, n, hd) for (heads, hd), n in zip(self.shapes, rows)]
         self._capacity = capacity
@@ -132,20 +157,6 @@ class KVCache:
         kv = cls(len(k), [t.shape[0] for t in k], [t.shape[2] for t in k], k[0].dtype, k[0].device, windows)
         kv.rings, kv._capacity, kv.k, kv.v = list(rings), capacity, list(k), list(v)
         return kv
-
-    @property
-    def capacity(self) -> int:
-        """Positions that fit (tokens)."""
-        return self._capacity
-
-    def ring_rows(self, window: int) -> int | None:
-        """Rows of the rings of the layers with sliding window ``window`` (tokens), or None
-        where they keep every position."""
-        return ring_rows(self.windows, self.rings, window, self._capacity)
-
-    def layer_ring(self, layer: int) -> int | None:
-        """Rows of ``layer``'s ring, or None where it keeps every position."""
-        return None if self.rings[layer] is None else self.k[layer].shape[-2]
 
     def reset(self, capacity: int) -> None:
         """Start a new sequence: length 0, room for at least ``capacity`` positions.
@@ -297,5 +308,6 @@ def _kv_bytes(shapes: list[tuple[int, int]], windows: list[int | None], max_rows
               copies: int, size: int) -> int:
     """Bytes of one sequence's keys and values of layers of ``shapes`` (kv heads, head size)
     and ``windows``: ``capacity`` rows each, a ring's (``max_rows``) in ``copies``."""
-    rows = [capacity if r is None else min(r, capacity) * copies for r in ring_sizes(windows, max_rows)]
+    rings = ring_sizes(windows, max_rows)
+    rows = [n if r is None else n * copies for r, n in zip(rings, buffer_rows(rings, capacity))]
     return sum(heads * hd * 2 * n for (heads, hd), n in zip(shapes, rows)) * size

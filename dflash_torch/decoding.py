@@ -228,13 +228,14 @@ class SpeculativeDecoder:
         self.max_context = check_max_context(max_context, limit) or limit
         self.block_size = block_size
         self.prefill_chunk = check_count(prefill_chunk, "prefill_chunk")
-        self.target_cache = target.new_cache(max_rows=max(block_size, self.prefill_chunk))  # (rings: see cache.py)
+        self.max_rows = max(block_size, self.prefill_chunk)  # the most rows one forward writes (rings: see cache.py)
+        self.target_cache = target.new_cache(self.max_rows)
         self._run = 0  # the rounds() generator that owns the caches (a later call takes them over)
         self.feature_layers = drafter.feature_layers(target) if drafter is not None and block_size > 1 else None
         if self.feature_layers is None:
             self.context = None
         elif draft_mode == "inject":
-            self.context = InjectedContext(drafter, max_rows=max(block_size, self.prefill_chunk))  # (rings: cache.py)
+            self.context = InjectedContext(drafter, max_rows=self.max_rows)
         else:
             self.context = RecomputedContext(drafter)
         self.device = target.model.embed_tokens.weight.device
@@ -243,7 +244,7 @@ class SpeculativeDecoder:
         mask_id = drafter.config.mask_token_id if drafter is not None else 0
         self._mask_tail = torch.full((block_size - 1,), mask_id, dtype=torch.long, device=self.device)
         if self.static:  # preallocate once: buffer shapes never change afterwards
-            capacity = self.max_context + max(block_size, prefill_chunk) + 1
+            capacity = self.max_context + self.max_rows + 1
             self._check_fits(-(-capacity // 256) * 256)  # (reset allocates multiples of 256)
             try:
                 self.target_cache.reset(capacity)
@@ -278,9 +279,8 @@ class SpeculativeDecoder:
     def _check_fits(self, capacity: int) -> None:
         """Fixed shapes: the caches of ``capacity`` positions must fit in 90% of the device's
         free memory (as the batch decoder's), else :class:`OptionError` naming ``max_context``."""
-        rows = max(self.block_size, self.prefill_chunk)
         drafter = self.drafter if isinstance(self.context, InjectedContext) else None
-        need = cache_bytes(self.target, drafter, 1, capacity, rows, False, rows)
+        need = cache_bytes(self.target, drafter, 1, capacity, self.max_rows, False, self.max_rows)
         free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
             raise OptionError(f"the caches of max_context {self.max_context} (fixed shapes: allocated at once) need "
