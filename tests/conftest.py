@@ -385,7 +385,7 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
     ``beta * u``. The target then predicts c often but not always. The drafter has small
     random weights, so its output stays close to the (u-heavy) mask embedding and it
     proposes c nearly everywhere: it is accepted whenever the target predicts c.
-    ``model_type``: ``qwen3``, ``gpt_oss``, ``muse_glimmer``, ``gemma4``, ``gemma4_moe`` or a text family of
+    ``model_type``: ``qwen3``, ``gpt_oss``, ``muse_glimmer``, ``gemma4``, ``gemma4_moe``, ``minimax_m2`` or a text family of
     :data:`HYBRID_FAMILIES`; ``self_scale``:
     c's own multiple of ``u`` (higher: longer runs of c); ``agree_token``: c.
     """
@@ -400,6 +400,8 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
         target = make_gpt_oss_target(root / "target", seed=1, tokenizer=False)
     elif model_type == "muse_glimmer":
         target = make_muse_glimmer_target(root / "target", seed=1, tokenizer=False)
+    elif model_type == "minimax_m2":
+        target = make_minimax_m2_target(root / "target", seed=1, tokenizer=False)
     elif model_type in ("gemma4", "gemma4_moe"):  # (untied, so that c's head row is its own)
         target = make_gemma4_target(root / "target", seed=1, tokenizer=False, multimodal=False,
                                     moe=model_type == "gemma4_moe", tie_word_embeddings=False)
@@ -760,6 +762,47 @@ def edited_checkpoint(src: Path, dst: Path, *, config=None, state=None) -> Path:
         state(weights)
         save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def make_minimax_m2_target(out_dir: Path, *, seed: int = 0, tokenizer: bool = True, published_config: bool = False,
+                           **overrides) -> Path:
+    """Save a tiny random MiniMax-M2 target with transformers' ``MiniMaxM2ForCausalLM``: 4
+    layers, 6 experts with top-2 routing, heads of 16 rotating their first 8 channels, random
+    norm weights and routing biases (``e_score_correction_bias``, large enough to change the
+    choice of experts). ``published_config``: the config.json rewritten the way the published
+    checkpoints write theirs (top-level ``rope_theta`` and ``rotary_dim`` without a
+    ``partial_rotary_factor``, and their remote-code fields)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2, rotary_dim=8,
+               max_position_embeddings=1024, eos_token_id=EOS_ID, bos_token_id=EOS_ID, pad_token_id=EOS_ID,
+               experts_implementation="eager")
+    cfg.update(overrides)
+    model = transformers.MiniMaxM2ForCausalLM(transformers.MiniMaxM2Config(**cfg)).eval()
+    with torch.no_grad():  # larger-than-default weights give peaked, less tie-prone logits
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif name.endswith("norm.weight"):
+                p.normal_(1, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    model.save_pretrained(str(out_dir))
+    if published_config:
+        config = json.loads((Path(out_dir) / "config.json").read_text())
+        config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+        n = config["num_hidden_layers"]
+        config.update(attn_type_list=[1] * n, use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid",
+                      use_routing_bias=True, shared_intermediate_size=0, use_mtp=True, num_mtp_modules=3,
+                      mtp_transformer_layers=1, layernorm_full_attention_beta=1.0, layernorm_mlp_beta=1.0,
+                      sliding_window=None, swa_rope_theta=-1.0)
+        (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer:
+        make_tokenizer(out_dir)
+    return Path(out_dir)
 
 
 def make_gemma4_target(out_dir: Path, *, seed: int = 0, tokenizer: bool = True, multimodal: bool = True,

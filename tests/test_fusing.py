@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 
-from conftest import load_hf, make_gemma4_target, make_hybrid_target, make_target, run_rounds, varied_prompts
+from conftest import (load_hf, make_gemma4_target, make_hybrid_target, make_minimax_m2_target, make_target, run_rounds,
+                      varied_prompts)
 from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.engine import DFlashEngine
 from dflash_torch.models.attention import Attention
@@ -30,6 +31,8 @@ CASES = {  # name: (builder, family, overrides)
     "qwen3-next-shared-expert": (make_hybrid_target, "qwen3_next", {}),  # the shared expert is a SwiGLU MLP
     # GeGLU MLPs; the full-attention layer's values come from k_proj (no v part in qkv_proj)
     "gemma4-k-eq-v": (lambda out, family, **kw: make_gemma4_target(out, multimodal=False, moe=True, **kw), "gemma4", {}),
+    # q/k norms over the whole projection, after splitting the joined qkv_proj's output
+    "minimax_m2-whole-projection-norm": (lambda out, family, **kw: make_minimax_m2_target(out, **kw), "minimax_m2", {}),
 }
 
 

@@ -92,10 +92,7 @@ class Attention(nn.Module):
         if self.output_gate:
             q = q.reshape(t, self.heads, 2 * self.head_dim)
             q, gate = q[..., : self.head_dim], q[..., self.head_dim:].reshape(t, self.heads * self.head_dim)
-        q = q.reshape(t, self.heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = q.transpose(0, 1)
+        q = self.norm_queries(q.reshape(t, self.heads, self.head_dim)).transpose(0, 1)
         return (apply_rope(q, cos, sin) if self.rope else q), gate
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,12 +105,19 @@ class Attention(nn.Module):
     def _keys_values(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         t = k.shape[0]
-        k = k.reshape(t, self.kv_heads, self.head_dim)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
+        k = self.norm_keys(k.reshape(t, self.kv_heads, self.head_dim)).transpose(0, 1)
         v = v.reshape(t, self.kv_heads, self.head_dim)
-        k = k.transpose(0, 1)
         return (apply_rope(k, cos, sin) if self.rope else k), v.transpose(0, 1)
+
+    def norm_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """The q norm of queries ``[T, heads, head_dim]`` (same shape), before RoPE: each
+        head's channels normalised on their own (Qwen3); identity without ``q_norm``. A
+        family that normalises otherwise overrides it (and :meth:`norm_keys`)."""
+        return q if self.q_norm is None else self.q_norm(q)
+
+    def norm_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """The k norm of keys ``[T, kv_heads, head_dim]`` (as :meth:`norm_queries`)."""
+        return k if self.k_norm is None else self.k_norm(k)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Attention of queries over cached keys/values: :func:`~dflash_torch.models.layers.attend`

@@ -249,6 +249,7 @@ class TargetConfig:
     linear_attention: LinearAttentionConfig | None = None
     moe: MoEConfig | None = None
     moe_layers: list[bool] = field(default_factory=list)
+    mtp_layers: int = 0  # multi-token-prediction layers stored as model.layers.{num_hidden_layers + i}: not read
     checkpoint_prefix: str = "model."  # where the decoder's weights live in the checkpoint
     mxfp4: bool = False  # the checkpoint stores its expert matrices in MXFP4 (gpt-oss; see mxfp4.py)
     keep_mxfp4: bool = False  # hold them packed, dequantizing the experts each forward runs (set when loading)

@@ -48,7 +48,8 @@ def check_config(quant: dict, what: str = "target") -> tuple[int, int]:
 
     Raises:
         DFlashError: one line, for what cannot be run exactly: ``activation_scheme`` other
-            than ``"dynamic"`` (static activation scales), ``fmt`` other than ``"e4m3"``, a
+            than ``"dynamic"`` (static activation scales), ``fmt`` other than ``"e4m3"`` (or
+            ``"float8_e4m3fn"``), a
             ``weight_block_size`` that is not two integers >= 1 (e.g. null: one scale per
             tensor), ``scale_fmt`` other than ``"float"`` (e.g. ``"ue8m0"``), or FP8
             embeddings (``modules_to_convert``).
@@ -59,7 +60,7 @@ def check_config(quant: dict, what: str = "target") -> tuple[int, int]:
         raise DFlashError(f"{where} has activation_scheme {scheme!r}; dflash-torch reads only 'dynamic' "
                           "(weights dequantized when loading, activations unquantized)")
     fmt = quant.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # (MiniMax-M2's checkpoints spell it out)
         raise DFlashError(f"{where} has fmt {fmt!r}; dflash-torch reads only 'e4m3' (float8_e4m3fn weights)")
     block = quant.get("weight_block_size")
     if (not isinstance(block, list) or len(block) != 2

@@ -28,6 +28,7 @@ FAMILIES = {
     "gemma4": "gemma4",
     "gemma4_unified_text": "gemma4",
     "gemma4_unified": "gemma4",
+    "minimax_m2": "minimax_m2",
 }
 
 
