@@ -1,6 +1,6 @@
 """Tool calling (OpenAI function calling): the tools, tool messages and earlier calls
 reach the chat template as transformers' ``apply_chat_template(tools=...)`` renders them;
-the calls a reply writes (hermes, qwen3_coder, gemma4, harmony formats) come back as
+the calls a reply writes (hermes, qwen3_coder, minimax_m2, gemma4, harmony formats) come back as
 ``message.tool_calls`` (dflash_torch/serving/tools.py), whole and streamed; a real server
 and a real tiny model that writes a call."""
 
@@ -38,6 +38,11 @@ CODER = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</par
          "<parameter=ratio>\nnull\n</parameter>\n</function>\n</tool_call>")
 GEMMA4 = ('<|channel>thought\nThe user wants both.<channel|>Checking.<|tool_call>call:get_weather{city:<|"|>Paris, FR'
           '<|"|>,days:2,metric:true,hours:[1,2.5],ratio:null}<tool_call|><|tool_call>call:get_time{}<tool_call|>')
+MINIMAX = ('Need both.</think>\nLet me check.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+           '<parameter name="city">Paris, FR</parameter>\n<parameter name="days"> 2 </parameter>\n'
+           '<parameter name="metric">true</parameter>\n<parameter name="hours">[1, 2]</parameter>\n'
+           '<parameter name="ratio">null</parameter>\n</invoke>\n<invoke name="get_time">\n</invoke>\n'
+           '</minimax:tool_call>')
 HARMONY = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}')
 
@@ -103,6 +108,20 @@ CASES = [
      True, "", '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>", []),
     ("none", "hermes", "", '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>', True, "",
      '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>', []),  # (not JSON: not a call)
+    # MiniMax-M2: the template opens <think> in the prompt; several calls in one block
+    ("think", "minimax_m2", "]~b]ai\n<think>\n", MINIMAX, True, "Need both.", "\nLet me check.",
+     [("get_weather", {"city": "Paris, FR", "days": 2, "metric": True, "hours": [1, 2], "ratio": None}),
+      ("get_time", {})]),
+    ("none", "minimax_m2", "", "<minimax:tool_call><invoke name='get_weather'><parameter name=city>\n a </parameter> b"
+     "\n</parameter><parameter name=\"days\">three</parameter></invoke></minimax:tool_call>Done.", True, "", "Done.",
+     [("get_weather", {"city": "a </parameter> b", "days": "three"})]),  # (a bare / quoted name; not an integer: text)
+    ("none", "minimax_m2", "", '<minimax:tool_call>\n<invoke name="get_time"></invoke>\nstray text\n'
+     "</minimax:tool_call>", True, "", '<minimax:tool_call>\n<invoke name="get_time"></invoke>\nstray text\n'
+     "</minimax:tool_call>", []),  # (text between the calls: not a call, kept as written)
+    ("none", "minimax_m2", "", "<minimax:tool_call>\n</minimax:tool_call>", True, "",
+     "<minimax:tool_call>\n</minimax:tool_call>", []),
+    ("none", "minimax_m2", "", MINIMAX[40:120], False, "", MINIMAX[40:120], []),  # (cut)
+    ("none", "minimax_m2", "", "a <tool_call> of another format", True, "", "a <tool_call> of another format", []),
     ("harmony", "harmony", "", HARMONY, True, "Need the weather.", "", [("get_weather", {"city": "Oslo"})]),
     ("harmony", "harmony", "", HARMONY, False, "Need the weather.", '{"city": "Oslo"}', []),  # cut: no call
     ("harmony", "harmony", "", "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>",
@@ -157,6 +176,8 @@ def test_auto_picks_the_format_by_model_and_template():
     assert resolve_tool_parser("hermes", "gpt_oss", None, "harmony") == "hermes"
     gemma = "{%- for tc in m.tool_calls %}<|tool_call>call:{{ tc.function.name }}{...}<tool_call|>{% endfor %}"
     assert resolve_tool_parser("auto", "gemma4_text", gemma, "gemma4") == "gemma4"
+    minimax = '{{- "<minimax:tool_call>\n" }}{%- for tc in m.tool_calls %}<invoke name="{{ tc.function.name }}">'
+    assert resolve_tool_parser("auto", "minimax_m2", minimax, "think") == "minimax_m2"
     with pytest.raises(DFlashError, match="--tool-call-parser harmony needs --reasoning-parser harmony"):
         resolve_tool_parser("harmony", "qwen3", None, "none")
 

@@ -99,7 +99,8 @@ from .responses import ResponseBuilder, marker_pieces, sse_event
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
                         make_backend, param_of)
 from .tools import (CALL_CLOSE, CALL_OPEN, FORCED_CALL_GRAMMARS, GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_QUOTE,
-                    check_tool_parser, new_reply_parser, parse_reply, resolve_tool_parser)
+                    MINIMAX_CALL_CLOSE, MINIMAX_CALL_OPEN, check_tool_parser, new_reply_parser, parse_reply,
+                    resolve_tool_parser)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # where omitted sampling values come from: the target's generation_config.json, or OpenAI's defaults
@@ -685,6 +686,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             markers += (CALL_OPEN, CALL_CLOSE)
         elif with_tools and tool_calls == "gemma4":
             markers += (GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_QUOTE)
+        elif with_tools and tool_calls == "minimax_m2":
+            markers += (MINIMAX_CALL_OPEN, MINIMAX_CALL_CLOSE)
         ids = {engine.tokenizer.convert_tokens_to_ids(m) for m in markers}
         return frozenset(i for i in ids if isinstance(i, int) and i in engine.special_token_ids)
 

@@ -47,10 +47,11 @@ def register(sub) -> None:
                         "analysis / final channels), none (all content), or auto (default: harmony for gpt-oss, gemma4 "
                         "when the chat template mentions <|channel>, think when it mentions <think>)")
     p.add_argument("--tool-call-parser", default="auto",
-                   choices=["auto", "none", "hermes", "qwen3_coder", "gemma4", "harmony"],
+                   choices=["auto", "none", "hermes", "qwen3_coder", "minimax_m2", "gemma4", "harmony"],
                    help="find the tool calls of chat replies to requests with tools (message.tool_calls): hermes "
                         "(<tool_call>{json}</tool_call>: Qwen2.5, Qwen3), qwen3_coder (<tool_call><function=...>: "
-                        "Qwen3-Coder, Qwen3.5, Qwen3.6), gemma4 (<|tool_call>call:NAME{...}<tool_call|>: Gemma 4), "
+                        "Qwen3-Coder, Qwen3.5, Qwen3.6), minimax_m2 (<minimax:tool_call><invoke name=...>: MiniMax-M2), "
+                        "gemma4 (<|tool_call>call:NAME{...}<tool_call|>: Gemma 4), "
                         "harmony (gpt-oss), none (replies stay text), or auto (default: by the model and its chat "
                         "template)")
     p.add_argument("--generation-config", default="auto", choices=["auto", "none"],

@@ -16,6 +16,11 @@ Formats (``serve --tool-call-parser``):
   of them, the arguments in Gemma's own notation: ``key:value`` pairs split by commas, keys
   bare, strings between ``<|"|>`` markers, objects in ``{}``, lists in ``[]``, other values
   bare (``true``, ``false``, ``null``, numbers; any other bare text is a string).
+* ``minimax_m2`` (MiniMax-M2, M2.1, M2.5): ``<minimax:tool_call>\n<invoke name="NAME">\n
+  <parameter name="KEY">VALUE</parameter>\n...</invoke>\n...</minimax:tool_call>`` blocks,
+  each holding one or more calls (names quoted with ``"`` or ``'``, or bare). A value is
+  read as MiniMax's guide reads it: without its surrounding whitespace, then typed as in
+  ``qwen3_coder``.
 * ``harmony`` (gpt-oss): a message whose recipient is ``functions.NAME``
   (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``;
   the recipient may also follow the role, ``<|start|>assistant to=functions.NAME``). Its
@@ -62,8 +67,9 @@ from ..options import JSON_TYPES, check_choice
 from .constraints import reasoning_rules, text_or_token
 from .reasoning import HarmonyParser, ReasoningParser, _held, new_parser
 
-PARSERS = ("auto", "none", "hermes", "qwen3_coder", "gemma4", "harmony")
+PARSERS = ("auto", "none", "hermes", "qwen3_coder", "minimax_m2", "gemma4", "harmony")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+MINIMAX_CALL_OPEN, MINIMAX_CALL_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 
 
@@ -141,8 +147,9 @@ class ToolParser:
         self.after_call = False  # whitespace that follows a call is dropped
         self.scan = 0  # where the open call's close marker is looked for
 
-    def parse_block(self, body: str) -> ToolCall | None:
-        """The call in ``body`` (the text between the markers); None: malformed."""
+    def parse_block(self, body: str) -> ToolCall | list[ToolCall] | None:
+        """The call (or, in formats whose blocks hold several, the calls) in ``body`` (the
+        text between the markers); None: malformed."""
         raise NotImplementedError
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -165,7 +172,7 @@ class ToolParser:
                         break
                     content.append(self.gap + self.buffer[:stop])
                 else:
-                    calls.append(call)
+                    calls.extend(call if isinstance(call, list) else [call])
                 self.buffer = self.buffer[stop:]
                 self.in_call, self.gap, self.after_call, self.scan = False, "", call is not None and self.DROP_SPACE, 0
                 continue
@@ -270,6 +277,37 @@ class Qwen3CoderParser(ToolParser):
             if isinstance(parsed, want[t]) and not (t in ("integer", "number") and isinstance(parsed, bool)):
                 return parsed
         return value
+
+
+_NAME = r"""\s*(?:"([^"\n]*)"|'([^'\n]*)'|([^\s>"']+))\s*"""
+_INVOKE = re.compile(rf"\s*<invoke name={_NAME}>(.*?)</invoke>\s*", re.S)
+# a value ends at the </parameter> that the next parameter or the call's end follows (a value may hold one)
+_MINIMAX_PARAMETER = re.compile(rf"<parameter name={_NAME}>(.*?)</parameter>\s*(?=<parameter name=|\Z)", re.S)
+
+
+class MiniMaxM2Parser(Qwen3CoderParser):
+    """``<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter>...
+    </invoke>...</minimax:tool_call>``; ``tools`` as :class:`Qwen3CoderParser`'s."""
+
+    OPEN, CLOSE = MINIMAX_CALL_OPEN, MINIMAX_CALL_CLOSE
+
+    def parse_block(self, body: str) -> list[ToolCall] | None:
+        calls, at = [], 0
+        for m in _INVOKE.finditer(body):
+            if m.start() != at:  # text between the calls: not this format
+                return None
+            at = m.end()
+            name = next(g for g in m.group(1, 2, 3) if g is not None).strip()
+            inner = m.group(4)
+            if not name or _MINIMAX_PARAMETER.sub("", inner).strip():
+                return None
+            props, root = self.schemas.get(name, ({}, {}))
+            args = {}
+            for p in _MINIMAX_PARAMETER.finditer(inner):
+                key = next(g for g in p.group(1, 2, 3) if g is not None).strip()
+                args[key] = self.convert(p.group(4).strip(), props.get(key), root)
+            calls.append(ToolCall(name, _dumps(args)))
+        return calls if calls and at == len(body) else None
 
 
 class HarmonyToolParser(HarmonyParser):
@@ -720,7 +758,8 @@ def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:
 
 def resolve_tool_parser(choice: str, model_type: str, chat_template: str | dict | None, reasoning: str) -> str:
     """The format a server with ``--tool-call-parser choice`` uses: ``auto`` is ``harmony``
-    for gpt-oss, ``gemma4`` for a chat template with ``<|tool_call>``, ``qwen3_coder`` for one
+    for gpt-oss, ``gemma4`` for a chat template with ``<|tool_call>``, ``minimax_m2`` for one
+    with ``<minimax:tool_call>``, ``qwen3_coder`` for one
     with ``<tool_call>`` and ``<function=``, ``hermes`` for one with ``<tool_call>`` only, else
     ``none``. ``chat_template``: the
     tokenizer's (a dict of named templates: the ``tool_use`` one if any, else ``default``);
@@ -737,7 +776,8 @@ def resolve_tool_parser(choice: str, model_type: str, chat_template: str | dict 
             if isinstance(chat_template, dict):
                 chat_template = chat_template.get("tool_use") or chat_template.get("default")
             chat_template = chat_template or ""
-            choice = "gemma4" if GEMMA4_CALL_OPEN in chat_template else "none" if CALL_OPEN not in chat_template else \
+            choice = "gemma4" if GEMMA4_CALL_OPEN in chat_template else \
+                "minimax_m2" if MINIMAX_CALL_OPEN in chat_template else "none" if CALL_OPEN not in chat_template else \
                 "qwen3_coder" if "<function=" in chat_template else "hermes"
     if choice == "harmony" and reasoning != "harmony":
         raise DFlashError(f"--tool-call-parser harmony needs --reasoning-parser harmony (or auto with a gpt-oss "
@@ -753,7 +793,7 @@ def new_reply_parser(reasoning: str, tools_kind: str, prompt_text: str = "",
     if tools_kind == "harmony":
         return ReplyParser(None, HarmonyToolParser())
     tool_parser = {"hermes": HermesParser, "qwen3_coder": lambda: Qwen3CoderParser(tools),
-                   "gemma4": Gemma4Parser}.get(tools_kind)
+                   "minimax_m2": lambda: MiniMaxM2Parser(tools), "gemma4": Gemma4Parser}.get(tools_kind)
     reasoning_parser = new_parser(reasoning, prompt_text)
     if reasoning_parser is None and tool_parser is None:
         return None
