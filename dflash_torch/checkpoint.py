@@ -131,7 +131,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
                     keep: Callable[[str], bool] | None = None,
-                    fp8_block: tuple[int, int] | None = None, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
+                    fp8_block: tuple[int, int] | None = None, keep_fp8: bool = False,
+                    int_quant: tuple[int, int | None] | None = None) -> dict[str, torch.Tensor]:
     """Load the tensors of a checkpoint, cast to ``dtype``, onto ``device``.
 
     Args:
@@ -145,6 +146,10 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             (``float8_e4m3fn``, on ``device``) and ``X.weight_scale``, its row scales
             (float32 ``[..., rows, ceil(cols / bi)]``, :func:`~dflash_torch.models.fp8.row_scales`),
             after checking that their products are finite in ``dtype`` (as a dequantized weight is).
+        int_quant: ``(bits, group_size)`` of a compressed-tensors pack-quantized checkpoint
+            (see :mod:`dflash_torch.models.packed_int`): each ``X.weight_packed`` with its
+            ``X.weight_scale`` and ``X.weight_shape`` is dequantized into ``X.weight`` in
+            ``dtype`` as it is read; None: a checkpoint without packed integer weights.
 
     Raises:
         DFlashError: a weight file that is not valid safetensors (corrupt or truncated), a
@@ -152,9 +157,12 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             not say FP8; with ``fp8_block``: an FP8 weight without its scale or a scale without
             its weight, static activation scales (``input_scale``), or a pair
             :func:`~dflash_torch.models.fp8.dequantize` refuses; with ``keep_fp8``: a NaN
-            byte, or a product that overflows ``dtype``.
+            byte, or a product that overflows ``dtype``; with ``int_quant``: a packed weight
+            without its scale or shape, a scale or shape without its packed weight, a zero
+            point or group index, or what :func:`~dflash_torch.models.packed_int.dequantize`
+            refuses.
     """
-    from .models import fp8
+    from .models import fp8, packed_int
 
     files = weight_files(model_dir)
     source = _tensor_sources(model_dir, files)
@@ -163,6 +171,18 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
         with _open(file) as f:
             for key in f.keys():
                 if keep is not None and not keep(key):
+                    continue
+                if int_quant is not None and _packed_int_part(model_dir, key, source):
+                    continue  # (read with its packed weight)
+                if int_quant is not None and key.endswith(packed_int.PACKED):
+                    name = key.removesuffix(packed_int.PACKED)
+                    parts = []
+                    for suffix in (packed_int.SCALE, packed_int.SHAPE):
+                        if name + suffix not in source:
+                            raise DFlashError(f"{model_dir}: packed weight {key} has no {name + suffix}")
+                        with _open(source[name + suffix]) as g:
+                            parts.append(g.get_tensor(name + suffix))
+                    state[name] = packed_int.dequantize(f.get_tensor(key).to(device), *parts, *int_quant, dtype, name)
                     continue
                 if fp8_block is not None and key.endswith(fp8.SCALE_SUFFIX):
                     if key.removesuffix(fp8.SCALE_SUFFIX) not in source:
@@ -193,6 +213,27 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                 else:
                     state[key] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
     return state
+
+
+def _packed_int_part(model_dir: Path, key: str, source: dict[str, Path]) -> bool:
+    """Whether ``key`` is the scale or shape of a packed integer weight (read with it).
+
+    Raises:
+        DFlashError: a scale or shape without its packed weight; a zero point or group index
+            (schemes :mod:`~dflash_torch.models.packed_int` does not read).
+    """
+    from .models import packed_int
+
+    for suffix, what in packed_int.UNSUPPORTED_PARTS.items():
+        if key.endswith(".weight" + suffix):
+            raise DFlashError(f"{model_dir}: {key} is {what}; dflash-torch reads only symmetric pack-quantized weights "
+                              "with groups of consecutive columns")
+    for suffix in (packed_int.SCALE, packed_int.SHAPE):
+        if key.endswith(".weight" + suffix):
+            if key.removesuffix(suffix) + packed_int.PACKED not in source:
+                raise DFlashError(f"{model_dir}: {key} has no packed weight {key.removesuffix(suffix) + packed_int.PACKED}")
+            return True
+    return False
 
 
 _FLOAT8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",

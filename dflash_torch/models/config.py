@@ -255,6 +255,7 @@ class TargetConfig:
     keep_mxfp4: bool = False  # hold them packed, dequantizing the experts each forward runs (set when loading)
     fp8_block: tuple[int, int] | None = None  # weight_block_size of a fine-grained FP8 checkpoint (see fp8.py)
     keep_fp8: bool = False  # hold its weights as stored, dequantizing them each forward (set when loading)
+    int_quant: tuple[int, int | None] | None = None  # (bits, group_size) of packed integer weights (see packed_int.py)
 
     def __post_init__(self):
         if not self.layer_types:
@@ -275,7 +276,7 @@ class TargetConfig:
         archs = architectures(cfg, "target")
         if any(a.startswith("DFlash") for a in archs):
             raise OptionError("target must be the target LLM's checkpoint, not a DFlash drafter's", "target")
-        from . import fp8
+        from . import fp8, packed_int
 
         module = family(cfg.get("model_type"))
         refuse_quantized(cfg, "target", allowed=getattr(module, "QUANTIZATION_METHODS", ()))
@@ -284,6 +285,8 @@ class TargetConfig:
         quant = quantization_config(cfg)
         if quant is not None and quant.get("quant_method") == "fp8":
             config.fp8_block = fp8.check_config(quant, "target")
+        if quant is not None and quant.get("quant_method") == packed_int.METHOD:
+            config.int_quant = packed_int.check_config(quant, "target")
         return config
 
 

@@ -43,7 +43,7 @@ from .layers import RMSNorm
 from .moe import SparseMoE, dispatch_experts, fuse_expert_weights
 from .target import DecoderLayer
 
-QUANTIZATION_METHODS = ("fp8",)  # fine-grained FP8 weights (the published format; see fp8.py)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors")  # dequantized when loading (fp8.py, packed_int.py)
 
 _EXPERT = re.compile(r"^(?P<prefix>.*)\.block_sparse_moe\.(?P<rest>.*)$")
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

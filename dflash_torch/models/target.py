@@ -219,7 +219,8 @@ class TargetModel(nn.Module):
             saving = fp8_saving(model_dir, dtype, cfg.fp8_block, keep)  # (< 0 where the row scales outweigh it)
             keep_fp8 = fp8 == "packed" or (saving > 0 and not fits(model, dtype, device, share=0.9))
         check_fits(model, dtype, device, "target", saving=saving if keep_fp8 else 0)
-        state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=keep_fp8)
+        state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=keep_fp8,
+                                int_quant=cfg.int_quant)
         state = model_cls.convert_checkpoint(cfg, state)
         if keep_fp8:
             cfg.keep_fp8 = True

@@ -1,0 +1,154 @@
+"""Integer weights packed into int32 words: the ``pack-quantized`` format of
+compressed-tensors (``quantization_config.quant_method: "compressed-tensors"``), in which
+llm-compressor writes weight-only W4A16 / W8A16 checkpoints (e.g. RedHatAI's
+``*-quantized.w4a16`` models, Kimi-K2.5's INT4 experts).
+
+A quantized linear ``X`` stores:
+
+* ``X.weight_packed``: int32 ``[..., out, ceil(in * bits / 32)]``: the ``in`` integers of
+  each row, each offset by ``2 ** (bits - 1)`` to be unsigned, written densely at bit
+  ``i * bits`` of the row's little-endian words (for 4 bits: element ``2j`` in the low
+  nibble of byte ``j``, element ``2j + 1`` in its high nibble);
+* ``X.weight_scale``: floating point ``[..., out, in / group_size]`` (strategy ``group``) or
+  ``[..., out, 1]`` (``channel``);
+* ``X.weight_shape``: the integers ``[out, in]``.
+
+The weight is each integer ``q`` (in ``[-2 ** (bits - 1), 2 ** (bits - 1) - 1]``) times its
+group's scale: symmetric schemes only (no zero point). The product is exact in float32 (at
+most 8 + 8 significant bits) and rounded once to the dtype the model runs in, so the values
+equal compressed-tensors' own dequantization (which multiplies in the scale's dtype) and
+transformers' loading of such a checkpoint (tested).
+
+Modules the config ``ignore``s are stored unquantized and load as they are. Loading
+dequantizes each weight as it is read (:func:`dequantize`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from ..errors import DFlashError
+
+METHOD = "compressed-tensors"
+PACKED, SCALE, SHAPE = "_packed", "_scale", "_shape"  # X.weight -> X.weight_packed, X.weight_scale, X.weight_shape
+UNSUPPORTED_PARTS = {"_zero_point": "a zero point (an asymmetric scheme)",
+                     "_g_idx": "a group index (activation-ordered groups, actorder 'group')"}
+
+
+def check_config(quant: dict, what: str = "target") -> tuple[int, int | None]:
+    """``(bits, group_size)`` (group_size None: one scale per output channel) of a
+    compressed-tensors ``quantization_config`` that :func:`dequantize` reads exactly.
+
+    Raises:
+        DFlashError: one line, for what cannot be run exactly: a format other than
+            ``pack-quantized`` (e.g. ``float-quantized`` FP8, ``nvfp4-pack-quantized``,
+            sparse formats), quantized activations (``input_activations``, W8A8 schemes),
+            weights that are not ``int`` of 4 or 8 bits, asymmetric, with a strategy other
+            than ``group`` / ``channel``, or with ``actorder: "group"``; config groups whose
+            weight schemes differ; a KV cache scheme.
+    """
+    where = f"the {what} checkpoint's compressed-tensors quantization_config"
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise DFlashError(f"{where} has no config_groups")
+    if quant.get("kv_cache_scheme"):
+        raise DFlashError(f"{where} has a kv_cache_scheme (a quantized KV cache); dflash-torch reads only "
+                          "weight-only schemes")
+    if quant.get("sparsity_config"):
+        raise DFlashError(f"{where} has a sparsity_config; dflash-torch reads only dense pack-quantized weights")
+    schemes = set()
+    for name, group in groups.items():
+        if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+            raise DFlashError(f"{where}: config group {name!r} has no weights scheme")
+        fmt = group.get("format") or quant.get("format")
+        if fmt != "pack-quantized":
+            raise DFlashError(f"{where} has format {fmt!r}; dflash-torch reads only 'pack-quantized' "
+                              "(integer weights packed in int32, e.g. W4A16)")
+        for part in ("input_activations", "output_activations"):
+            if group.get(part):
+                raise DFlashError(f"{where}: config group {name!r} quantizes {part} (e.g. W8A8); dflash-torch reads "
+                                  "only weight-only schemes (W4A16, W8A16)")
+        schemes.add(_weight_scheme(group["weights"], f"{where}: config group {name!r}"))
+    if len(schemes) > 1:
+        raise DFlashError(f"{where} has config groups with different weight schemes {sorted(schemes, key=str)}; "
+                          "dflash-torch reads one scheme per checkpoint")
+    return schemes.pop()
+
+
+def _weight_scheme(w: dict, where: str) -> tuple[int, int | None]:
+    bits, kind, strategy = w.get("num_bits"), w.get("type", "int"), w.get("strategy")
+    if kind != "int" or bits not in (4, 8) or isinstance(bits, bool):
+        raise DFlashError(f"{where} has weights of type {kind!r} with num_bits {bits!r}; dflash-torch reads int "
+                          "weights of 4 or 8 bits")
+    if w.get("symmetric", True) is not True:
+        raise DFlashError(f"{where} has asymmetric weights (zero points); dflash-torch reads only symmetric ones")
+    if w.get("dynamic", False):
+        raise DFlashError(f"{where} has dynamic weight scales; dflash-torch reads only stored scales")
+    if w.get("actorder") == "group":
+        raise DFlashError(f"{where} has actorder 'group' (activation-ordered groups); dflash-torch reads only "
+                          "groups of consecutive columns")
+    if strategy == "channel":
+        return bits, None
+    group = w.get("group_size")
+    if strategy != "group" or not isinstance(group, int) or isinstance(group, bool) or group < 1:
+        raise DFlashError(f"{where} has strategy {strategy!r} with group_size {group!r}; dflash-torch reads "
+                          "'group' (with a group_size >= 1) or 'channel'")
+    return bits, group
+
+
+def unpack(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """The integers of ``packed`` (int32 ``[..., rows, words]``, see the module docstring):
+    int8 ``[..., rows, cols]``, each in ``[-2 ** (bits - 1), 2 ** (bits - 1) - 1]``."""
+    if sys.byteorder != "little":  # (the words' bytes are read in memory order)
+        raise DFlashError("packed integer weights are read on little-endian machines only")
+    data = packed.contiguous().view(torch.uint8)  # [..., rows, 4 * words], little-endian bytes
+    if bits == 4:
+        data = torch.stack([data & 15, data >> 4], dim=-1).flatten(-2)
+    return (data[..., :cols].to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, bits: int, group: int | None,
+               dtype: torch.dtype, name: str = "weight") -> torch.Tensor:
+    """The matrix that a packed weight and its scales encode, in ``dtype``.
+
+    Args:
+        packed: int32 ``[..., out, ceil(in * bits / 32)]``.
+        scale: floating point ``[..., out, in / group]`` (``[..., out, 1]`` when ``group`` is
+            None), finite.
+        shape: the integers ``[out, in]`` (``X.weight_shape``).
+        bits: 4 or 8; group: the group size (None: per output channel).
+        dtype: float32, bfloat16 or float16.
+        name: the weight's name (``X.weight``), for errors.
+
+    Returns:
+        ``[..., out, in]`` in ``dtype``, on the device of ``packed``.
+
+    Raises:
+        DFlashError: one line naming the weight: ``packed`` not int32, a ``shape`` that is not
+            two integers matching ``packed``'s rows and words, ``in`` not a multiple of the
+            group, a scale of another shape, not floating point, or not finite.
+    """
+    if packed.dtype != torch.int32 or packed.dim() < 2:
+        raise DFlashError(f"{name}{PACKED} is {str(packed.dtype).removeprefix('torch.')} with {packed.dim()} "
+                          "dimensions, expected int32 [..., out, words]")
+    dims = [int(d) for d in shape.flatten().tolist()] if not shape.is_floating_point() else []
+    if len(dims) != 2 or dims[0] != packed.shape[-2] or math.ceil(dims[1] * bits / 32) != packed.shape[-1]:
+        raise DFlashError(f"{name}{SHAPE} {shape.tolist()} does not match {name}{PACKED} of shape "
+                          f"{tuple(packed.shape)} ({bits}-bit integers, 32 / {bits} per word)")
+    rows, cols = dims
+    if group is not None and cols % group:
+        raise DFlashError(f"{name} has {cols} columns, not a multiple of the group_size {group}")
+    want = (*packed.shape[:-1], cols // group if group else 1)
+    if tuple(scale.shape) != want or not scale.is_floating_point():
+        raise DFlashError(f"{name}{SCALE} is {str(scale.dtype).removeprefix('torch.')} {tuple(scale.shape)}, "
+                          f"expected floating point {want}")
+    scale = scale.to(device=packed.device, dtype=torch.float32)
+    if not bool(torch.isfinite(scale).all()):
+        raise DFlashError(f"{name}{SCALE} holds NaN or infinite values (a corrupt checkpoint)")
+    q = unpack(packed, bits, cols).to(torch.float32)
+    per = group or cols
+    w = q.unflatten(-1, (cols // per, per)) * scale[..., None]
+    return w.flatten(-2).to(dtype)

@@ -1,0 +1,227 @@
+"""compressed-tensors pack-quantized weights (W4A16 / W8A16; dflash_torch/models/packed_int.py).
+
+Oracles: compressed-tensors' own packing (``pack_to_int32``) and dequantization
+(``dequantize``), and transformers loading the same checkpoint (which decompresses it with
+compressed-tensors).
+
+* our unpacking inverts the library's packing (4 and 8 bits, any row length);
+* every weight of a W4A16 Qwen3 equals transformers' own, bit for bit, in float32 and
+  bfloat16, and the logits match;
+* a Qwen3-MoE whose experts are quantized per channel (8 bits) and per group of 16 (4
+  bits) equals our model loaded from the library's dequantization of it, bit for bit;
+* greedy speculative decoding on a W4A16 target == transformers' greedy ``generate``;
+* what cannot be read exactly is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
+from safetensors.torch import load_file, save_file
+
+from conftest import (check_greedy_equals_transformers, copy_tokenizer, drafter_config, edited_checkpoint,
+                      forward_in_pieces, make_hybrid_target, make_target, save_drafter)
+from dflash_torch import DFlashError
+from dflash_torch.models import packed_int
+from dflash_torch.models.target import TargetModel
+
+IDS = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(3))
+
+
+def _args(bits: int, group: int | None) -> QuantizationArgs:
+    return QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group" if group else "channel",
+                            group_size=group)
+
+
+def quantize(w: torch.Tensor, bits: int, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``[..., rows, cols]`` -> (int8 integers, bfloat16 scales ``[..., rows, cols / group or 1]``):
+    round to nearest of each group's max |w| / (2 ** (bits - 1) - 0.5)."""
+    cols = w.shape[-1]
+    per = group or cols
+    g = w.float().unflatten(-1, (cols // per, per))
+    top = (1 << (bits - 1))
+    scale = (g.abs().amax(-1) / (top - 0.5)).clamp(min=1e-8).to(torch.bfloat16)
+    q = torch.round(g / scale.float()[..., None]).clamp(-top, top - 1).to(torch.int8)
+    return q.flatten(-2), scale
+
+
+def scheme(bits: int, group: int | None, ignore: list[str]) -> dict:
+    weights = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group" if group else "channel",
+               "group_size": group, "dynamic": False, "actorder": None, "observer": "minmax"}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None, "format": "pack-quantized"}},
+            "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}}
+
+
+def to_packed(src: Path, dst: Path, bits: int, group: int | None, which=lambda key: True) -> Path:
+    """``src`` with every decoder projection ``X.weight`` that ``which`` accepts stored as
+    ``X.weight_packed`` / ``X.weight_scale`` / ``X.weight_shape`` (packed by compressed-tensors),
+    and the config's quantization_config."""
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    for key in [k for k in state if k.endswith("_proj.weight") and which(k)]:
+        q, scale = quantize(state.pop(key), bits, group)
+        state[key + "_packed"] = pack_to_int32(q, bits)
+        state[key + "_scale"] = scale
+        state[key + "_shape"] = torch.tensor(q.shape, dtype=torch.int64)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = scheme(bits, group, ["lm_head"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def library_dequantized(src: Path, dst: Path, bits: int, group: int | None) -> Path:
+    """``src`` (packed) with every weight dequantized by compressed-tensors' own functions, in
+    float32, and no quantization_config."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    for key in [k for k in state if k.endswith("_packed")]:
+        name = key.removesuffix("_packed")
+        shape = torch.Size(state.pop(name + "_shape").tolist())
+        q = unpack_from_int32(state.pop(key), bits, shape)
+        state[name] = ct_dequantize(q, state.pop(name + "_scale").float(), None, _args(bits, group))
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    del cfg["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows,cols", [(3, 64), (5, 70), (2, 9), (4, 1)])
+def test_unpacking_inverts_the_librarys_packing(bits, rows, cols):
+    top = 1 << (bits - 1)
+    q = torch.randint(-top, top, (rows, cols), generator=torch.Generator().manual_seed(cols), dtype=torch.int8)
+    packed = pack_to_int32(q, bits)
+    assert torch.equal(packed_int.unpack(packed, bits, cols), q)
+    stacked = torch.stack([q, -q.clamp(min=-top + 1)])  # (experts stack their matrices)
+    assert torch.equal(packed_int.unpack(pack_to_int32(stacked, bits), bits, cols), stacked)
+
+
+@pytest.fixture(scope="module")
+def w4a16(tmp_path_factory, tokenizer_dir):
+    """(W4A16 Qwen3 target, groups of 16, lm_head unquantized, random drafter)."""
+    root = tmp_path_factory.mktemp("w4a16")
+    src = make_target(root / "src", "qwen3", seed=2, tokenizer=False, tie_word_embeddings=False)
+    target = to_packed(src, root / "target", 4, 16)
+    copy_tokenizer(tokenizer_dir, target)
+    return target, save_drafter(root / "drafter", drafter_config(target, block_size=8), seed=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_equal_transformers_loading_the_checkpoint(w4a16, dtype):
+    import transformers
+
+    target, _ = w4a16
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype).eval()
+    with torch.no_grad():
+        ref = hf(IDS[None]).logits[0]  # (its first forward decompresses the weights)
+    theirs = hf.state_dict()
+    ours = TargetModel.from_pretrained(target, dtype)
+    mine = ours.state_dict()
+    assert mine.keys() <= theirs.keys()  # (theirs also keeps the scales and shapes)
+    for k in mine:
+        assert mine[k].dtype == dtype and torch.equal(mine[k], theirs[k]), k
+    stored = load_file(str(target / "model.safetensors"))
+    assert stored["model.layers.1.mlp.down_proj.weight_packed"].dtype == torch.int32
+    if dtype == torch.float32:
+        logits, _ = forward_in_pieces(ours, IDS, [20], False)
+        torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 16)])
+def test_quantized_experts_equal_the_librarys_dequantization(tmp_path, bits, group):
+    """Per-expert packed matrices (as Kimi-K2.5 stores its experts), attention unquantized."""
+    src = make_hybrid_target(tmp_path / "src", "qwen3_moe", tokenizer=False)
+    packed = to_packed(src, tmp_path / "packed", bits, group, which=lambda k: ".experts." in k)
+    assert any(k.endswith("experts.3.up_proj.weight_packed") for k in load_file(str(packed / "model.safetensors")))
+    ours = TargetModel.from_pretrained(packed, torch.float32)
+    plain = TargetModel.from_pretrained(library_dequantized(packed, tmp_path / "plain", bits, group), torch.float32)
+    mine, theirs = ours.state_dict(), plain.state_dict()
+    assert mine.keys() == theirs.keys()
+    for k in mine:
+        assert torch.equal(mine[k], theirs[k]), k
+    original = TargetModel.from_pretrained(src, torch.float32).state_dict()
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(mine[key], original[key])  # (quantized: the test sees the rounding)
+
+
+def test_greedy_speculative_decoding_equals_transformers(w4a16):
+    check_greedy_equals_transformers(*w4a16, block_sizes=(8,), new_tokens=16)
+
+
+def _quant(**change):
+    def edit(cfg):
+        group = cfg["quantization_config"]["config_groups"]["group_0"]
+        for key, value in change.items():
+            (group["weights"] if key in ("num_bits", "type", "symmetric", "strategy", "group_size", "actorder",
+                                         "dynamic") else group)[key] = value
+    return edit
+
+
+def _set(key, value):
+    return lambda cfg: cfg["quantization_config"].__setitem__(key, value)
+
+
+@pytest.mark.parametrize("config,message", [
+    (_quant(format="float-quantized"), "format 'float-quantized'; dflash-torch reads only 'pack-quantized'"),
+    (_quant(input_activations={"num_bits": 8, "type": "int"}), "quantizes input_activations"),
+    (_quant(symmetric=False), "asymmetric"),
+    (_quant(actorder="group"), "actorder 'group'"),
+    (_quant(num_bits=3), "num_bits 3"),
+    (_quant(type="float"), "type 'float'"),
+    (_quant(strategy="tensor"), "strategy 'tensor'"),
+    (_quant(dynamic=True), "dynamic weight scales"),
+    (_set("kv_cache_scheme", {"num_bits": 8}), "kv_cache_scheme"),
+    (_set("sparsity_config", {"format": "sparse-24-bitmask"}), "sparsity_config"),
+    (_set("config_groups", {}), "no config_groups"),
+    (lambda cfg: cfg["quantization_config"]["config_groups"].__setitem__("group_1", {
+        "targets": ["re:.*mlp.*"], "format": "pack-quantized",
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}), "different weight schemes"),
+])
+def test_schemes_that_cannot_be_read_exactly_are_refused_in_one_line(w4a16, tmp_path, config, message):
+    target = edited_checkpoint(w4a16[0], tmp_path / "edited", config=config)
+    with pytest.raises(DFlashError, match=message) as err:
+        TargetModel.from_pretrained(target, torch.float32)
+    assert "\n" not in str(err.value)
+
+
+P = "model.layers.1.self_attn.k_proj.weight"
+
+
+@pytest.mark.parametrize("state,message", [
+    (lambda w: w.pop(P + "_scale"), f"packed weight {P}_packed has no {P}_scale"),
+    (lambda w: w.pop(P + "_shape"), f"packed weight {P}_packed has no {P}_shape"),
+    (lambda w: w.pop(P + "_packed"), f"{P}_scale has no packed weight {P}_packed"),
+    (lambda w: w.__setitem__(P + "_zero_point", torch.zeros(32, 4)), "is a zero point"),
+    (lambda w: w.__setitem__(P + "_shape", torch.tensor([32, 48])), r"does not match .*_packed of shape \(32, 8\)"),
+    (lambda w: w.__setitem__(P + "_scale", torch.ones(32, 2)), r"_scale is .* \(32, 2\), expected floating point \(32, 4\)"),
+    (lambda w: w[P + "_scale"].__setitem__((0, 0), float("nan")), "holds NaN or infinite values"),
+    (lambda w: w.__setitem__(P + "_packed", w[P + "_packed"].to(torch.int64)), "is int64 with 2 dimensions"),
+])
+def test_bad_packed_weights_are_refused_in_one_line(w4a16, tmp_path, state, message):
+    target = edited_checkpoint(w4a16[0], tmp_path / "edited", state=state)
+    with pytest.raises(DFlashError, match=message) as err:
+        TargetModel.from_pretrained(target, torch.float32)
+    assert "\n" not in str(err.value)
+
+
+def test_families_without_packed_integer_weights_refuse_them(tmp_path):
+    from conftest import make_gpt_oss_target
+
+    src = make_gpt_oss_target(tmp_path / "src", tokenizer=False)
+    target = edited_checkpoint(src, tmp_path / "edited", config=lambda cfg: cfg.update(
+        quantization_config=scheme(4, 16, [])))
+    with pytest.raises(DFlashError, match="quant_method 'compressed-tensors'"):
+        TargetModel.from_pretrained(target, torch.float32)
