@@ -495,7 +495,7 @@ def _set(key, value):
     (_quant(scale_fmt="ue8m0"), None, r"scale_fmt 'ue8m0'; dflash-torch reads only float scales"),
     (_quant(modules_to_convert=["model.embed_tokens"]), None, r"modules_to_convert \(FP8 embeddings\)"),
     (lambda c: c.update(quantization_config={"quant_method": "compressed-tensors", "format": "float-quantized"}), None,
-     r"the target checkpoint is quantized \(quant_method 'compressed-tensors'\); .*\(and fp8 for this model_type\)"),
+     r"compressed-tensors quantization_config has format 'float-quantized'; dflash-torch reads only 'pack-quantized'"),
     (None, lambda w: w.pop(Q + ".weight_scale_inv"), rf"weight {Q}\.weight is float8_e4m3fn without its scale {Q}\.weight_scale_inv"),
     (None, lambda w: w.pop(Q + ".weight"), rf"FP8 scale {Q}\.weight_scale_inv has no weight {Q}\.weight$"),
     (None, lambda w: w.update({Q + ".weight": w[Q + ".weight"][:48].contiguous(),

@@ -51,6 +51,9 @@ def check_config(quant: dict, what: str = "target") -> tuple[int, int | None]:
             weight schemes differ; a KV cache scheme.
     """
     where = f"the {what} checkpoint's compressed-tensors quantization_config"
+    if quant.get("format", "pack-quantized") != "pack-quantized":
+        raise DFlashError(f"{where} has format {quant['format']!r}; dflash-torch reads only 'pack-quantized' "
+                          "(integer weights packed in int32, e.g. W4A16)")
     groups = quant.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise DFlashError(f"{where} has no config_groups")
