@@ -132,7 +132,7 @@ def weight_files(model_dir: Path) -> list[Path]:
 def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
                     keep: Callable[[str], bool] | None = None,
                     fp8_block: tuple[int, int] | None = None, keep_fp8: bool = False,
-                    int_quant: tuple[int, int | None] | None = None) -> dict[str, torch.Tensor]:
+                    int_quant: tuple[int, int | None] | None = None, keep_int: bool = False) -> dict[str, torch.Tensor]:
     """Load the tensors of a checkpoint, cast to ``dtype``, onto ``device``.
 
     Args:
@@ -150,6 +150,9 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             (see :mod:`dflash_torch.models.packed_int`): each ``X.weight_packed`` with its
             ``X.weight_scale`` and ``X.weight_shape`` is dequantized into ``X.weight`` in
             ``dtype`` as it is read; None: a checkpoint without packed integer weights.
+        keep_int: with ``int_quant``, keep each packed weight instead: ``X.weight`` the int32
+            words (on ``device``) and ``X.weight_scale`` its scales in float32, after
+            checking them (rows of whole words only).
 
     Raises:
         DFlashError: a weight file that is not valid safetensors (corrupt or truncated), a
@@ -182,7 +185,12 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                             raise DFlashError(f"{model_dir}: packed weight {key} has no {name + suffix}")
                         with _open(source[name + suffix]) as g:
                             parts.append(g.get_tensor(name + suffix))
-                    state[name] = packed_int.dequantize(f.get_tensor(key).to(device), *parts, *int_quant, dtype, name)
+                    packed = f.get_tensor(key).to(device)
+                    if keep_int:
+                        scale, _ = packed_int.check_parts(packed, parts[0], parts[1], *int_quant, name, whole_words=True)
+                        state[name], state[name + packed_int.SCALE] = packed, scale
+                    else:
+                        state[name] = packed_int.dequantize(packed, *parts, *int_quant, dtype, name)
                     continue
                 if fp8_block is not None and key.endswith(fp8.SCALE_SUFFIX):
                     if key.removesuffix(fp8.SCALE_SUFFIX) not in source:
@@ -384,6 +392,32 @@ def check_fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.d
         raise DFlashError(f"the {what} needs {(weight_bytes(model, dtype) - saving) / 1e9:.1f} GB for its weights in "
                           f"{str(dtype).removeprefix('torch.')}{kept}; {torch.device(device)} has "
                           f"{available_memory(device) / 1e9:.1f} GB free")
+
+
+def int_saving(model_dir: Path, dtype: torch.dtype, bits: int, group: int | None,
+               keep: Callable[[str], bool] | None = None) -> int:
+    """Bytes saved by keeping a checkpoint's packed integer weights packed instead of
+    dequantizing them into ``dtype``: per ``X.weight_packed`` (that ``keep`` accepts) of
+    ``rows`` x ``words``, ``rows * words * 32 / bits`` elements of ``dtype`` less the words
+    themselves and the float32 scales (``rows * words * 32 / bits / group`` each, or one per
+    row). Reads only the files' headers.
+
+    Raises:
+        DFlashError: a weight file that is not valid safetensors.
+    """
+    from .models import packed_int
+
+    saved = 0
+    for file in weight_files(model_dir):
+        with _open(file) as f:
+            for key in f.keys():
+                if not key.endswith(packed_int.PACKED) or (keep is not None and not keep(key)):
+                    continue
+                *lead, rows, words = f.get_slice(key).get_shape()
+                n = math.prod(lead) * rows
+                cols = words * 32 // bits
+                saved += n * (cols * dtype.itemsize - words * 4 - (cols // group if group else 1) * 4)
+    return saved
 
 
 def fp8_saving(model_dir: Path, dtype: torch.dtype, block: tuple[int, int],

@@ -36,6 +36,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights of a fine-grained FP8 checkpoint (e.g. Qwen3-8B-FP8): dequantize when loading, keep "
                         "them as stored (about half of bfloat16's memory, slower), or auto (default: dequantize if "
                         "that fits in 90%% of free memory)")
+    p.add_argument("--int-weights", default="auto", choices=["auto", "dequantize", "packed"],
+                   help="packed integer weights of a compressed-tensors W4A16 / W8A16 checkpoint: dequantize when "
+                        "loading, keep them packed (about a quarter / half of bfloat16's memory, slower), or auto "
+                        "(default: dequantize if that fits in 90%% of free memory)")
 
 
 def int_or_auto(text: str) -> int | str:
@@ -181,6 +185,7 @@ def load_engine(args: argparse.Namespace):
         args.target, args.draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, draft_mode=args.draft_mode, no_draft=args.no_draft,
         compile=args.compile, max_context=args.max_context, mxfp4=args.mxfp4, fp8=args.fp8,
+        int_weights=args.int_weights,
         **({"max_batch_size": args.max_batch_size} if hasattr(args, "max_batch_size") else {}),
         **({"reuse_prefix": not args.no_prefix_reuse} if hasattr(args, "no_prefix_reuse") else {}),
         **({"draft_max_batch_size": args.draft_max_batch_size} if hasattr(args, "draft_max_batch_size") else {}),

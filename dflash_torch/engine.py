@@ -208,6 +208,7 @@ class DFlashEngine:
         draft_max_batch_size: int | str | None = None,
         mxfp4: str = "auto",
         fp8: str = "auto",
+        int_weights: str = "auto",
     ) -> "DFlashEngine":
         """Load a target and a DFlash drafter from local directories or cached Hugging Face ids.
 
@@ -248,6 +249,9 @@ class DFlashEngine:
                 ``"dequantize"`` when loading, keep them ``"packed"`` as stored (about half
                 of bfloat16's memory; each forward dequantizes what it runs: slower rounds),
                 or ``"auto"`` (default): dequantize when they then fit in 90% of the free memory.
+            int_weights: the same for the packed integer weights of a compressed-tensors
+                W4A16 / W8A16 checkpoint (kept ``"packed"``: about a quarter / half of
+                bfloat16's memory).
 
         Raises:
             DFlashError: missing files, incompatible pair, bad dtype / device / block size /
@@ -301,20 +305,21 @@ class DFlashEngine:
         options.check_max_context(max_context, target_cfg.max_position_embeddings)
         options.check_mxfp4(mxfp4, target_cfg.mxfp4)
         options.check_fp8(fp8, target_cfg.fp8_block is not None, has_mxfp4=target_cfg.mxfp4)
+        options.check_int_weights(int_weights, target_cfg.int_quant is not None)
         check_max_batch_size(max_batch_size)
         check_draft_max_batch_size(draft_max_batch_size, drafter=not no_draft, draft_mode=draft_mode,
                                    block_size=block_size)
         # the weights are read, converted and packed on the compute thread, like every round
         return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, draft_raw=draft_raw, pack=pack,
                            fuse=fuse_by_default(dev) if fuse is None else fuse, mxfp4=mxfp4, fp8=fp8,
-                           block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
+                           int_weights=int_weights, block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
                            max_context=max_context, max_batch_size=max_batch_size, reuse_prefix=reuse_prefix,
                            draft_max_batch_size=draft_max_batch_size)
 
     @classmethod
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
               dev: torch.device, *, draft_raw: dict | None, pack: bool, fuse: bool, mxfp4: str, fp8: str,
-              **engine_options) -> "DFlashEngine":
+              int_weights: str, **engine_options) -> "DFlashEngine":
         tokenizer = _load_tokenizer(target_dir)  # (first: its errors come before minutes of reading weights)
         if len(tokenizer) > target_cfg.vocab_size:
             raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {target_cfg.vocab_size}")
@@ -329,7 +334,7 @@ class DFlashEngine:
             except DFlashError as exc:  # (refused where it is used: serve --generation-config auto)
                 recommended = exc
         drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev, config=draft_raw)
-        model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8)
+        model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8, int_weights=int_weights)
         if drafter is not None:  # (a Speculators drafter may ship copies of the target's embedding / LM head)
             freed = drafter.share_with(model)
             if freed:

@@ -274,7 +274,7 @@ def check_choice(value, choices: tuple[str, ...], name: str) -> str:
     return value
 
 
-MXFP4_MODES = FP8_MODES = ("auto", "dequantize", "packed")  # how to hold quantized weights
+MXFP4_MODES = FP8_MODES = INT_WEIGHTS_MODES = ("auto", "dequantize", "packed")  # how to hold quantized weights
 
 
 def check_mxfp4(value, has_mxfp4: bool | None = None, name: str = "mxfp4") -> str:
@@ -298,6 +298,18 @@ def check_fp8(value, has_fp8: bool | None = None, name: str = "fp8", has_mxfp4: 
     why = ("its weights are MXFP4: see mxfp4; " if has_mxfp4 else
            "its config.json has no quantization_config with quant_method 'fp8'; ")
     return _check_packing(value, has_fp8, name, "keeps FP8 weights as stored", why, *(("mxfp4",) if has_mxfp4 else ()))
+
+
+def check_int_weights(value, has_int: bool | None = None, name: str = "int_weights") -> str:
+    """How to hold the packed integer weights of a compressed-tensors W4A16 / W8A16
+    checkpoint: one of :data:`INT_WEIGHTS_MODES`; ``"packed"`` only for a checkpoint that has
+    them (``has_int``; None: not known yet).
+
+    Raises:
+        OptionError: any other value, or ``"packed"`` for a checkpoint without them.
+    """
+    return _check_packing(value, has_int, name, "keeps packed integer weights packed",
+                          "its config.json has no quantization_config with quant_method 'compressed-tensors'; ")
 
 
 def _check_packing(value, present: bool | None, name: str, packed: str, why: str, *others: str) -> str:

@@ -1,13 +1,15 @@
-"""Target-only decoding speed of a fine-grained FP8 target dequantized when loading vs kept
-as stored (``fp8="packed"``: dequantized per forward), and the memory each takes.
+"""Target-only decoding speed of a quantized target (fine-grained FP8, or compressed-tensors
+W4A16 / W8A16 packed integers) dequantized when loading vs kept as stored (``fp8="packed"``
+/ ``int_weights="packed"``: dequantized per forward), and the memory each takes.
 
 Builds a random checkpoint of the chosen family and width (transformers' own class, the
-shipped default tokenizer), quantizes every decoder projection to FP8 in blocks of
-128 x 128 as the official ``*-FP8`` checkpoints do (the test suite's quantizer), then
-decodes the same prompt with ``fp8="dequantize"`` and ``fp8="packed"`` in one process,
+shipped default tokenizer), quantizes every decoder projection with the test suite's
+quantizers (``--format fp8``: FP8 in blocks of 128 x 128 as the official ``*-FP8``
+checkpoints do; ``w4a16`` / ``w8a16``: symmetric integers per group of 128 columns, packed
+by compressed-tensors), then decodes the same prompt with both modes in one process,
 alternating, and prints tokens/s, weight bytes and whether the tokens are the same.
 
-    python scripts/fp8_speed.py --family qwen3 --hidden 1024 --layers 4 --tokens 64 --dtype bfloat16
+    python scripts/fp8_speed.py --family qwen3 --hidden 1024 --layers 4 --tokens 64 --dtype bfloat16 [--format w4a16]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import make_hybrid_target, make_target  # noqa: E402  (the test suite's checkpoint builders)
 from test_fp8 import to_fp8  # noqa: E402  (its FP8 quantizer)
+from test_packed_int import to_packed  # noqa: E402  (its W4A16 / W8A16 quantizer)
 from dflash_torch import DFlashEngine  # noqa: E402
 from mxfp4_speed import compare  # noqa: E402  (its timing of the two modes)
 
@@ -41,6 +44,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--format", default="fp8", choices=["fp8", "w4a16", "w8a16"])
     args = ap.parse_args()
     if args.threads:
         import torch
@@ -60,10 +64,15 @@ def main() -> None:
                 extra.update(shared_expert_intermediate_size=args.hidden // 2, linear_num_key_heads=args.hidden // 256,
                              linear_num_value_heads=args.hidden // 128, linear_key_head_dim=128, linear_value_head_dim=128)
             src = make_hybrid_target(work / "src", args.family, tokenizer=False, **shape, **extra)
-        target = to_fp8(src, work / "fp8", (128, 128), suffixes=("_proj.weight", "in_proj_qkvz.weight"))
+        if args.format == "fp8":
+            target = to_fp8(src, work / "q", (128, 128), suffixes=("_proj.weight", "in_proj_qkvz.weight"))
+        else:
+            target = to_packed(src, work / "q", 4 if args.format == "w4a16" else 8, 128)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(TOKENIZER / name, target / name)
-        engines = {mode: DFlashEngine.from_pretrained(target, no_draft=True, dtype=args.dtype, device=args.device, fp8=mode)
+        option = "fp8" if args.format == "fp8" else "int_weights"
+        engines = {mode: DFlashEngine.from_pretrained(target, no_draft=True, dtype=args.dtype, device=args.device,
+                                                      **{option: mode})
                    for mode in ("dequantize", "packed")}
         compare(engines, args.tokens, args.reps)
     finally:

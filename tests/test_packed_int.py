@@ -225,3 +225,123 @@ def test_families_without_packed_integer_weights_refuse_them(tmp_path):
         quantization_config=scheme(4, 16, [])))
     with pytest.raises(DFlashError, match="quant_method 'compressed-tensors'"):
         TargetModel.from_pretrained(target, torch.float32)
+
+
+# --- kept packed (int_weights="packed") ---
+
+
+def _packed_layers(model: TargetModel) -> tuple[int, int]:
+    """(IntLinear layers, packed expert stacks) of a model."""
+    from dflash_torch.models.moe import Experts
+
+    return (sum(isinstance(m, packed_int.IntLinear) for m in model.modules()),
+            sum(isinstance(m, Experts) and m.int_bits > 0 for m in model.modules()))
+
+
+def _logits(model: TargetModel) -> torch.Tensor:
+    return forward_in_pieces(model, IDS, [7, 13], False)[0]
+
+
+@pytest.mark.parametrize("family,bits,group", [("qwen3", 4, 16), ("qwen3_moe", 8, None), ("qwen3_moe", 4, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_give_the_dequantized_model_bit_for_bit(tmp_path, family, bits, group, dtype):
+    """Every quantized matrix held packed (each linear an IntLinear, the experts int32 words),
+    in less memory; the logits those of the model dequantized when loading, bit for bit,
+    projections joined or not."""
+    from dflash_torch import checkpoint
+    from dflash_torch.models.fusing import fuse_projections
+
+    src = (make_target(tmp_path / "src", "qwen3", tokenizer=False, tie_word_embeddings=False) if family == "qwen3"
+           else make_hybrid_target(tmp_path / "src", "qwen3_moe", tokenizer=False))
+    quantized = to_packed(src, tmp_path / "q", bits, group)
+    plain = TargetModel.from_pretrained(quantized, dtype, int_weights="dequantize")
+    packed = TargetModel.from_pretrained(quantized, dtype, int_weights="packed")
+    assert packed.config.keep_int and not plain.config.keep_int
+    linears, experts = _packed_layers(packed)
+    stored = load_file(str(quantized / "model.safetensors"))
+    per_expert = sum(k.endswith("_packed") and ".experts." in k for k in stored)
+    assert linears + per_expert == sum(k.endswith("_packed") for k in stored) and linears > 0
+    assert experts == (6 if family == "qwen3_moe" else 0) and _packed_layers(plain) == (0, 0)
+    assert checkpoint.weight_bytes(packed, dtype) < checkpoint.weight_bytes(plain, dtype)
+    assert torch.equal(_logits(packed), _logits(plain))
+    fuse_projections(packed, query=True)
+    fuse_projections(plain, query=True)
+    assert torch.equal(_logits(packed), _logits(plain))
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_gathered_dispatch_of_packed_experts_equals_the_sparse_one(tmp_path, tokens):
+    """The dispatch CUDA graphs capture (every pair gathers its expert) == the sparse one."""
+    from dflash_torch.models.moe import dispatch_experts, gathered_experts
+
+    src = make_hybrid_target(tmp_path / "src", "qwen3_moe", tokenizer=False)
+    model = TargetModel.from_pretrained(to_packed(src, tmp_path / "q", 4, 16), torch.float32, int_weights="packed")
+    moe = model.model.layers[1].mlp
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+    weights, ids = moe.route(x)
+    e = moe.experts
+    sparse = dispatch_experts(x, ids, weights, e.gate_up_proj, e.down_proj, **e.quantization())
+    gathered = gathered_experts(x, ids, weights, e.gate_up_proj, e.down_proj, **e.quantization())
+    torch.testing.assert_close(gathered, sparse, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_int_linear_equals_the_eager_one():
+    layer = packed_int.IntLinear.like(torch.nn.Linear(64, 48, bias=True), 4, 16).to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randint(-2 ** 31, 2 ** 31 - 1, layer.weight.shape, generator=g, dtype=torch.int64)
+                           .to(torch.int32))
+        layer.weight_scale.copy_(torch.rand(layer.weight_scale.shape, generator=g) / 8)
+        layer.bias.copy_(torch.randn(48, generator=g))
+    x = torch.randn(5, 64, generator=g)
+    compiled = torch.compile(layer, backend="inductor", fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_speculative_decoding_on_a_packed_target_equals_target_only(w4a16):
+    from dflash_torch import DFlashEngine
+
+    target, drafter = w4a16
+    packed = DFlashEngine.from_pretrained(target, drafter, dtype="float32", int_weights="packed")
+    assert packed.target.config.keep_int
+    plain = DFlashEngine.from_pretrained(target, None, dtype="float32", no_draft=True, int_weights="dequantize")
+    for prompt in ("def f(x):", "import os\n"):
+        ref = plain.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids
+        assert packed.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids == ref
+    batch = DFlashEngine(packed.target, packed.tokenizer, packed.drafter, max_batch_size=2, max_context=128)
+    outs = batch.generate_batch(["def f(x):", "import os\n"], max_new_tokens=24, ignore_eos=True)
+    assert [o.token_ids for o in outs] == [plain.generate(p, max_new_tokens=24, ignore_eos=True).token_ids
+                                           for p in ("def f(x):", "import os\n")]
+
+
+def test_auto_keeps_packed_only_when_the_dequantized_weights_would_not_fit(w4a16, monkeypatch):
+    from dflash_torch import checkpoint
+
+    target, _ = w4a16
+    plain = TargetModel.from_pretrained(target, torch.float32, int_weights="dequantize")
+    need = checkpoint.weight_bytes(plain, torch.float32)
+    monkeypatch.setattr(checkpoint, "available_memory", lambda device: 10 * need)
+    assert not TargetModel.from_pretrained(target, torch.float32).config.keep_int
+    monkeypatch.setattr(checkpoint, "available_memory", lambda device: need)  # (90% of it is too little)
+    assert TargetModel.from_pretrained(target, torch.float32).config.keep_int
+
+
+def test_the_int_weights_option_is_checked(w4a16, tmp_path):
+    from dflash_torch import DFlashEngine
+
+    target, drafter = w4a16
+    plain = make_target(tmp_path / "plain", "qwen3", tokenizer=False)
+    with pytest.raises(DFlashError, match="int_weights packed keeps packed integer weights packed, but the target "
+                                          "checkpoint has none"):
+        TargetModel.from_pretrained(plain, torch.float32, int_weights="packed")
+    with pytest.raises(DFlashError, match="int_weights"):
+        DFlashEngine.from_pretrained(target, drafter, int_weights="unpacked")
+
+
+def test_rows_ending_inside_a_word_are_dequantized_but_not_kept_packed(tmp_path):
+    src = make_target(tmp_path / "src", "qwen3", tokenizer=False, intermediate_size=70)
+    quantized = to_packed(src, tmp_path / "q", 4, None)  # (down_proj: 70 columns, 280 bits)
+    plain = TargetModel.from_pretrained(quantized, torch.float32, int_weights="dequantize")
+    assert plain.model.layers[0].mlp.down_proj.weight.shape == (64, 70)
+    with pytest.raises(DFlashError, match="rows of 70 4-bit integers, which end inside an int32 word"):
+        TargetModel.from_pretrained(quantized, torch.float32, int_weights="packed")

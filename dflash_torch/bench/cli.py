@@ -255,6 +255,7 @@ def _run(args: argparse.Namespace) -> int:
                           "(without one, --modes target-only,target-only-compiled time the target alone)")
     engine = DFlashEngine.from_pretrained(args.target, args.draft, dtype=args.dtype, device=args.device,
                                           block_size=args.block_size, mxfp4=args.mxfp4, fp8=args.fp8,
+                                          int_weights=args.int_weights,
                                           no_draft=args.target is not None and args.draft is None)
     prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl", args.num_prompts or None)
     prompt_ids = [engine.encode_prompt(p, args.chat, args.chat_template_kwargs) for p in prompts]
@@ -281,6 +282,8 @@ def _run(args: argparse.Namespace) -> int:
         "prompt_tokens": [len(ids) for ids in prompt_ids],
         "mxfp4": "packed" if engine.target.config.keep_mxfp4 else ("dequantized" if engine.target.config.mxfp4 else None),
         "fp8": "packed" if engine.target.config.keep_fp8 else ("dequantized" if engine.target.config.fp8_block else None),
+        "int_weights": "packed" if engine.target.config.keep_int else (
+            "dequantized" if engine.target.config.int_quant else None),
     }
     runs = [] if not modes else run_modes([ALL_MODES[name] for name in modes], engine.target, engine.drafter, prompt_ids,
                      block_size=args.block_size, max_new_tokens=args.max_new_tokens, max_context=max_context,

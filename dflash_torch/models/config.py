@@ -256,6 +256,7 @@ class TargetConfig:
     fp8_block: tuple[int, int] | None = None  # weight_block_size of a fine-grained FP8 checkpoint (see fp8.py)
     keep_fp8: bool = False  # hold its weights as stored, dequantizing them each forward (set when loading)
     int_quant: tuple[int, int | None] | None = None  # (bits, group_size) of packed integer weights (see packed_int.py)
+    keep_int: bool = False  # hold them packed, dequantizing them each forward (set when loading)
 
     def __post_init__(self):
         if not self.layer_types:

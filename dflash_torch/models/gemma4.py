@@ -355,8 +355,7 @@ class Gemma4Layer(SandwichDecoderLayer):
             weights, experts = self.router(x)
             e = self.experts
             moe = dispatch_experts(self.pre_feedforward_layernorm_2(x), experts, weights, e.gate_up_proj, e.down_proj,
-                                   gate_up_scales=e.gate_up_proj_scale, down_scales=e.down_proj_scale,
-                                   fp8_block_cols=e.fp8_block_cols, gelu_tanh=True)
+                                   gelu_tanh=True, **e.quantization())
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
         return (x + self.post_feedforward_layernorm(h)) * self.layer_scalar
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fp8 import Fp8Linear
+from .packed_int import IntLinear
 
 
 class RMSNorm(nn.Module):
@@ -50,9 +51,10 @@ def fused_linear(parts: list[nn.Module]) -> nn.Module:
     width, all with a bias or all without) side by side, in order. ``nn.Linear`` parts: an
     ``nn.Linear`` whose weight is their weights stacked ``[sum(out_features), in_features]``,
     in their dtype and device; FP8 parts (:class:`~dflash_torch.models.fp8.Fp8Linear`, one
-    block width): an ``Fp8Linear`` of their stacked weights and row scales; a mix of both
-    (an FP8 checkpoint whose config keeps some of them unquantized): a :class:`JoinedLinear`
-    that runs each part."""
+    block width): an ``Fp8Linear`` of their stacked weights and row scales; packed integer
+    parts (:class:`~dflash_torch.models.packed_int.IntLinear`, one scheme): an ``IntLinear``
+    of their stacked words and scales; a mix of kinds (a quantized checkpoint whose config
+    keeps some of them unquantized): a :class:`JoinedLinear` that runs each part."""
     if all(type(p) is nn.Linear for p in parts):
         with torch.device("meta"):
             fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None)
@@ -63,6 +65,8 @@ def fused_linear(parts: list[nn.Module]) -> nn.Module:
         return fused
     if all(isinstance(p, Fp8Linear) for p in parts) and len({p.fp8_block_cols for p in parts}) == 1:
         return Fp8Linear.joined(parts)
+    if all(isinstance(p, IntLinear) for p in parts) and len({(p.int_bits, p.int_group) for p in parts}) == 1:
+        return IntLinear.joined(parts)
     return JoinedLinear(parts)
 
 

@@ -150,8 +150,7 @@ class SigmoidRoutedMoE(SparseMoE):
         """``x`` ``[T, H]`` -> ``[T, H]`` in ``x.dtype``."""
         weights, experts = self.route(x)
         e = self.experts
-        return dispatch_experts(x, experts, weights, e.gate_up_proj, e.down_proj, gate_up_scales=e.gate_up_proj_scale,
-                                down_scales=e.down_proj_scale, fp8_block_cols=e.fp8_block_cols)
+        return dispatch_experts(x, experts, weights, e.gate_up_proj, e.down_proj, **e.quantization())
 
 
 class Model(llama.Model):

@@ -29,6 +29,7 @@ from ..errors import DFlashError
 from .layers import ACTIVATIONS, MLP
 from . import fp8
 from .mxfp4 import dequantize
+from .packed_int import dequantize_groups
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight"
                          r"(?P<scale>_scale)?$")
@@ -44,6 +45,7 @@ class Experts(nn.Module):
     """
 
     fp8_block_cols = 0  # > 0: the matrices stay FP8, in blocks of this many columns
+    int_bits = int_group = 0  # int_bits > 0: the matrices stay packed integers (group 0: per output channel)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
@@ -61,6 +63,28 @@ class Experts(nn.Module):
                 setattr(self, name, nn.Parameter(torch.empty(w.shape, dtype=fp8.FORMAT), requires_grad=False))
                 scales = torch.empty(*w.shape[:-1], -(-w.shape[-1] // block_cols))
                 setattr(self, name + "_scale", nn.Parameter(scales, requires_grad=False))
+
+    def keep_int(self, bits: int, group: int | None) -> None:
+        """Hold the matrices as packed integers (meta, to load into;
+        :mod:`~dflash_torch.models.packed_int`): int32 words ``[E, rows, cols * bits / 32]``
+        and float32 scales ``[E, rows, cols / group or 1]``; each forward dequantizes the
+        experts it runs."""
+        from .packed_int import words
+
+        self.int_bits, self.int_group = bits, group or 0
+        with torch.device("meta"):
+            for name in ("gate_up_proj", "down_proj"):
+                w = getattr(self, name)
+                packed = torch.empty(*w.shape[:-1], words(w.shape[-1], bits), dtype=torch.int32)
+                setattr(self, name, nn.Parameter(packed, requires_grad=False))
+                scales = torch.empty(*w.shape[:-1], w.shape[-1] // group if group else 1)
+                setattr(self, name + "_scale", nn.Parameter(scales, requires_grad=False))
+
+    def quantization(self) -> dict:
+        """The keyword arguments of :func:`dispatch_experts` that say how the matrices are held
+        (scales, FP8 block columns, packed integer scheme)."""
+        return dict(gate_up_scales=self.gate_up_proj_scale, down_scales=self.down_proj_scale,
+                    fp8_block_cols=self.fp8_block_cols, int_bits=self.int_bits, int_group=self.int_group)
 
 
 def expert_activation(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float, swiglu_alpha: float,
@@ -87,7 +111,7 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                      down_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0,
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
                      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0,
-                     gelu_tanh: bool = False) -> torch.Tensor:
+                     gelu_tanh: bool = False, int_bits: int = 0, int_group: int = 0) -> torch.Tensor:
     """Run each token through its chosen experts and sum the weighted outputs.
 
     Only the experts that some token chose are computed: the ``T * k`` (token, expert)
@@ -113,6 +137,9 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
             row scales ``[E, rows, ceil(cols / fp8_block_cols)]``, :mod:`~dflash_torch.models.fp8`):
             each expert run is dequantized to ``x.dtype``.
         fp8_block_cols: the block width of FP8 matrices (0 otherwise).
+        int_bits, int_group: > 0: the matrices are packed integers (int32 words
+            ``[E, rows, cols * int_bits / 32]``, float32 scales ``[E, rows, cols / int_group]``,
+            or ``[E, rows, 1]`` when ``int_group`` is 0; :mod:`~dflash_torch.models.packed_int`).
 
     While a CUDA graph is being captured (``--compile`` on CUDA), where nothing may be
     read to the host, it runs :func:`gathered_experts` instead, which the graph's replays
@@ -123,8 +150,10 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     """
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return gathered_experts(x, experts, weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                                swiglu_limit, swiglu_alpha, gate_up_scales, down_scales, fp8_block_cols, gelu_tanh)
+                                swiglu_limit, swiglu_alpha, gate_up_scales, down_scales, fp8_block_cols, gelu_tanh,
+                                int_bits, int_group)
     t, k = experts.shape
+    quant, inter = (int_bits, int_group), gate_up_proj.shape[1] // 2  # (the down matrices' columns)
     out = torch.zeros_like(x)
     # pairs in (slot, token) order, grouped by expert (stable sort): the row order of
     # transformers' eager loop, so each expert's matmul sees the same rows
@@ -139,8 +168,8 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         pairs = order[start:start + n]
         start += n
         tokens = pairs % t
-        gate_up_w = _expert(gate_up_proj, gate_up_scales, e, x.dtype, fp8_block_cols)
-        down_w = _expert(down_proj, down_scales, e, x.dtype, fp8_block_cols)
+        gate_up_w = _expert(gate_up_proj, gate_up_scales, e, x.dtype, fp8_block_cols, quant, x.shape[-1])
+        down_w = _expert(down_proj, down_scales, e, x.dtype, fp8_block_cols, quant, inter)
         gate, up = F.linear(x[tokens], gate_up_w, None if gate_up_bias is None else gate_up_bias[e]).chunk(2, dim=-1)
         h = F.linear(expert_activation(gate, up, swiglu_limit, swiglu_alpha, gelu_tanh), down_w,
                      None if down_bias is None else down_bias[e])
@@ -148,14 +177,17 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     return out
 
 
-def _expert(weight: torch.Tensor, scales: torch.Tensor | None, e, dtype: torch.dtype, fp8_block_cols: int = 0
-            ) -> torch.Tensor:
+def _expert(weight: torch.Tensor, scales: torch.Tensor | None, e, dtype: torch.dtype, fp8_block_cols: int = 0,
+            quant: tuple[int, int] = (0, 0), cols: int = 0) -> torch.Tensor:
     """Expert ``e``'s matrix (``e`` a slice or an index tensor: those experts' matrices) in
-    ``dtype``, dequantized when MXFP4 or FP8."""
+    ``dtype``, dequantized when MXFP4, FP8 or packed integers (``quant``: bits and group;
+    ``cols``: the matrix's columns)."""
     if scales is None:
         return weight[e]
     if weight.dtype == fp8.FORMAT:
         return fp8.dequantize_rows(weight[e], scales[e], fp8_block_cols, dtype)
+    if weight.dtype == torch.int32:
+        return dequantize_groups(weight[e], scales[e], quant[0], quant[1] or None, cols, dtype)
     return dequantize(weight[e], scales[e], dtype)
 
 
@@ -164,7 +196,7 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                      down_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0,
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
                      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0,
-                     gelu_tanh: bool = False) -> torch.Tensor:
+                     gelu_tanh: bool = False, int_bits: int = 0, int_group: int = 0) -> torch.Tensor:
     """:func:`dispatch_experts` (same arguments and result) with no data-dependent shape
     and no host read, so that a CUDA graph can capture it: every (token, expert) pair
     gathers its expert's weights and the ``T * k`` pairs run as two batched matmuls. It
@@ -175,18 +207,19 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     """
     t, k = experts.shape
     ids = experts.reshape(-1)  # token-major pairs
+    quant = (int_bits, int_group)
 
-    def per_pair(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:  # [T * k, rows, cols]
+    def per_pair(weight: torch.Tensor, scales: torch.Tensor | None, cols: int) -> torch.Tensor:  # [T * k, rows, cols]
         if scales is not None and ids.numel() < weight.shape[0]:
-            return _expert(weight, scales, ids, x.dtype, fp8_block_cols)
-        return _expert(weight, scales, slice(None), x.dtype, fp8_block_cols)[ids]
+            return _expert(weight, scales, ids, x.dtype, fp8_block_cols, quant, cols)
+        return _expert(weight, scales, slice(None), x.dtype, fp8_block_cols, quant, cols)[ids]
 
     rows = x.repeat_interleave(k, dim=0)[:, :, None]  # [T * k, hidden, 1]
-    gate_up = torch.bmm(per_pair(gate_up_proj, gate_up_scales), rows)[..., 0]
+    gate_up = torch.bmm(per_pair(gate_up_proj, gate_up_scales, x.shape[-1]), rows)[..., 0]
     if gate_up_bias is not None:
         gate_up = gate_up + gate_up_bias[ids]
     gate, up = gate_up.chunk(2, dim=-1)
-    h = torch.bmm(per_pair(down_proj, down_scales),
+    h = torch.bmm(per_pair(down_proj, down_scales, gate_up_proj.shape[1] // 2),
                   expert_activation(gate, up, swiglu_limit, swiglu_alpha, gelu_tanh)[:, :, None])[..., 0]
     if down_bias is not None:
         h = h + down_bias[ids]  # [T * k, hidden]
@@ -197,7 +230,8 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
 def _(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
       down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
       swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
-      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0, gelu_tanh: bool = False) -> torch.Tensor:
+      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0, gelu_tanh: bool = False, int_bits: int = 0,
+      int_group: int = 0) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -248,8 +282,7 @@ class SparseMoE(nn.Module):
         """``x`` ``[T, H]`` -> ``[T, H]`` in ``x.dtype``."""
         weights, experts = self.route(x)
         e = self.experts
-        out = dispatch_experts(x, experts, weights, e.gate_up_proj, e.down_proj, gate_up_scales=e.gate_up_proj_scale,
-                               down_scales=e.down_proj_scale, fp8_block_cols=e.fp8_block_cols)
+        out = dispatch_experts(x, experts, weights, e.gate_up_proj, e.down_proj, **e.quantization())
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -323,7 +356,9 @@ def _check_expert_group(state: dict[str, torch.Tensor], prefix: str, experts: di
     if len(scaled) > 1:  # (an FP8 checkpoint quantizes all of a layer's experts or none)
         raise DFlashError(f"{where}: FP8 scales for some experts' matrices but not for others")
     gate0, down0 = state[experts[0]["gate_proj"]], state[experts[0]["down_proj"]]
-    expected = {"gate_proj": tuple(gate0.shape), "up_proj": tuple(gate0.shape), "down_proj": tuple(gate0.shape[::-1])}
+    # (packed integers, kept as int32 words: a row holds several columns, so down is not gate's transpose)
+    down_shape = tuple(down0.shape) if gate0.dtype == torch.int32 else tuple(gate0.shape[::-1])
+    expected = {"gate_proj": tuple(gate0.shape), "up_proj": tuple(gate0.shape), "down_proj": down_shape}
     if gate0.dim() != 2 or tuple(down0.shape) != expected["down_proj"]:
         raise DFlashError(f"{where}: expert 0 has gate_proj {tuple(gate0.shape)} and down_proj {tuple(down0.shape)}, "
                           "expected [I, H] and [H, I]")

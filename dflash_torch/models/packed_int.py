@@ -20,7 +20,10 @@ equal compressed-tensors' own dequantization (which multiplies in the scale's dt
 transformers' loading of such a checkpoint (tested).
 
 Modules the config ``ignore``s are stored unquantized and load as they are. Loading
-dequantizes each weight as it is read (:func:`dequantize`).
+dequantizes each weight as it is read (:func:`dequantize`), or (``int_weights="packed"``)
+keeps it packed: an :class:`IntLinear` (or stacked experts) holding the int32 words and
+float32 scales, dequantizing what each forward runs with the same arithmetic (so the same
+values), at about a quarter (4 bits) or half (8 bits) of bfloat16's memory.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import math
 import sys
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from ..errors import DFlashError
 
@@ -134,6 +139,23 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, b
             two integers matching ``packed``'s rows and words, ``in`` not a multiple of the
             group, a scale of another shape, not floating point, or not finite.
     """
+    scale, cols = check_parts(packed, scale, shape, bits, group, name)
+    return dequantize_groups(packed, scale, bits, group, cols, dtype)
+
+
+def check_parts(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, bits: int, group: int | None,
+                name: str = "weight", whole_words: bool = False) -> tuple[torch.Tensor, int]:
+    """Check a packed weight's parts (as :func:`dequantize`'s arguments) and return its scales
+    in float32 on ``packed``'s device and its number of columns.
+
+    Args:
+        whole_words: also require that each row fills whole int32 words (``in * bits`` a
+            multiple of 32), as a weight kept packed must: its columns then follow from its
+            words alone.
+
+    Raises:
+        DFlashError: as :func:`dequantize`; with ``whole_words``, rows that end inside a word.
+    """
     if packed.dtype != torch.int32 or packed.dim() < 2:
         raise DFlashError(f"{name}{PACKED} is {str(packed.dtype).removeprefix('torch.')} with {packed.dim()} "
                           "dimensions, expected int32 [..., out, words]")
@@ -151,7 +173,76 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, b
     scale = scale.to(device=packed.device, dtype=torch.float32)
     if not bool(torch.isfinite(scale).all()):
         raise DFlashError(f"{name}{SCALE} holds NaN or infinite values (a corrupt checkpoint)")
+    if whole_words and cols * bits % 32:
+        raise DFlashError(f"{name} has rows of {cols} {bits}-bit integers, which end inside an int32 word; "
+                          "such weights can only be dequantized (int_weights dequantize)")
+    return scale, cols
+
+
+def dequantize_groups(packed: torch.Tensor, scales: torch.Tensor, bits: int, group: int | None, cols: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """:func:`dequantize` of checked parts: ``scales`` float32 ``[..., out, in / group or 1]``,
+    ``cols`` the columns ``in``. No host read (CUDA graphs can capture it)."""
     q = unpack(packed, bits, cols).to(torch.float32)
     per = group or cols
-    w = q.unflatten(-1, (cols // per, per)) * scale[..., None]
-    return w.flatten(-2).to(dtype)
+    return (q.unflatten(-1, (cols // per, per)) * scales[..., None]).flatten(-2).to(dtype)
+
+
+def words(cols: int, bits: int) -> int:
+    """int32 words of a packed row of ``cols`` integers of ``bits`` bits."""
+    return math.ceil(cols * bits / 32)
+
+
+class IntLinear(nn.Module):
+    """A linear layer whose weight stays packed: ``weight`` int32 ``[out, in * bits / 32]``
+    (the checkpoint's ``weight_packed``), ``weight_scale`` float32 ``[out, in / group or 1]``,
+    ``bias`` (in the model's dtype) or None. Each forward dequantizes the weight into the
+    input's dtype (:func:`dequantize_groups`) and applies it: the output of an ``nn.Linear``
+    holding the dequantized weight."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group: int | None):
+        super().__init__()
+        self.in_features, self.out_features, self.int_bits, self.int_group = in_features, out_features, bits, group or 0
+        self.weight = nn.Parameter(torch.empty(out_features, words(in_features, bits), dtype=torch.int32),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, in_features // group if group else 1),
+                                         requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    @classmethod
+    def like(cls, linear: nn.Module, bits: int, group: int | None) -> "IntLinear":
+        """An (uninitialised, meta) :class:`IntLinear` of ``linear``'s shape, to load into."""
+        with torch.device("meta"):
+            return cls(linear.in_features, linear.out_features, linear.bias is not None, bits, group)
+
+    @classmethod
+    def joined(cls, parts: list["IntLinear"]) -> "IntLinear":
+        """One layer whose output is the outputs of ``parts`` (same input width and scheme, all
+        with a bias or all without) side by side: their words, scales and biases stacked."""
+        first = parts[0]
+        out = cls.like(nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+                                 device="meta"), first.int_bits, first.int_group or None)
+        with torch.no_grad():
+            for name in ("weight", "weight_scale", "bias"):
+                if getattr(first, name) is not None:
+                    setattr(out, name, nn.Parameter(torch.cat([getattr(p, name) for p in parts]), requires_grad=False))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in]`` -> ``[..., out]`` in ``x.dtype``."""
+        return int_linear(x, self.weight, self.weight_scale, self.int_bits, self.int_group, self.in_features, self.bias)
+
+
+@torch.library.custom_op("dflash_torch::int_linear", mutates_args=())
+def int_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, cols: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, dequantize_groups(weight, scales, bits, group or None, cols, x.dtype), bias)``:
+    a custom operator, so that ``torch.compile`` keeps it one opaque node (the byte view of
+    the words is not traced)."""
+    return F.linear(x, dequantize_groups(weight, scales, bits, group or None, cols, x.dtype), bias)
+
+
+@int_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bits: int, group: int, cols: int,
+      bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

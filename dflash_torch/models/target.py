@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from ..cache import KVCache, RecurrentState, TargetCache, ring_positions
-from ..checkpoint import all_finite, check_fits, fits, fp8_saving, load_config, load_state_dict
+from ..checkpoint import all_finite, check_fits, fits, fp8_saving, int_saving, load_config, load_state_dict
 from ..errors import DFlashError
-from ..options import check_fp8, check_mxfp4
+from ..options import check_fp8, check_int_weights, check_mxfp4
 from . import fp8 as fp8_format
 from .config import TargetConfig
 from .gated_deltanet import GatedDeltaNet
@@ -179,7 +179,7 @@ class TargetModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                        mxfp4: str = "auto", fp8: str = "auto") -> "TargetModel":
+                        mxfp4: str = "auto", fp8: str = "auto", int_weights: str = "auto") -> "TargetModel":
         """Load a Hugging Face checkpoint directory with the class of its family.
 
         Args:
@@ -193,6 +193,10 @@ class TargetModel(nn.Module):
                 weight plus float32 row scales, about half of bfloat16; each forward
                 dequantizes the matrices it runs, of a mixture of experts only the experts
                 chosen) or ``"auto"`` (as for ``mxfp4``).
+            int_weights: the same for the packed integer weights of a compressed-tensors
+                W4A16 / W8A16 checkpoint (:mod:`~dflash_torch.models.packed_int`; ``"packed"``:
+                the int32 words plus float32 scales, about a quarter (4 bits) or half (8 bits)
+                of bfloat16).
 
         Raises:
             DFlashError: unsupported config; ``mxfp4="packed"`` / ``fp8="packed"`` for a
@@ -207,6 +211,7 @@ class TargetModel(nn.Module):
         cfg = TargetConfig.from_dict(raw)
         check_mxfp4(mxfp4, cfg.mxfp4)
         check_fp8(fp8, cfg.fp8_block is not None, has_mxfp4=cfg.mxfp4)
+        check_int_weights(int_weights, cfg.int_quant is not None)
         model_cls = family(cfg.model_type).Model if cls is TargetModel else cls
         with torch.device("meta"):
             model = model_cls(cfg)
@@ -218,13 +223,20 @@ class TargetModel(nn.Module):
         if cfg.fp8_block is not None and fp8 != "dequantize":
             saving = fp8_saving(model_dir, dtype, cfg.fp8_block, keep)  # (< 0 where the row scales outweigh it)
             keep_fp8 = fp8 == "packed" or (saving > 0 and not fits(model, dtype, device, share=0.9))
-        check_fits(model, dtype, device, "target", saving=saving if keep_fp8 else 0)
+        keep_int = False
+        if cfg.int_quant is not None and int_weights != "dequantize":
+            saving = int_saving(model_dir, dtype, *cfg.int_quant, keep)
+            keep_int = int_weights == "packed" or (saving > 0 and not fits(model, dtype, device, share=0.9))
+        check_fits(model, dtype, device, "target", saving=saving if keep_fp8 or keep_int else 0)
         state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=keep_fp8,
-                                int_quant=cfg.int_quant)
+                                int_quant=cfg.int_quant, keep_int=keep_int)
         state = model_cls.convert_checkpoint(cfg, state)
         if keep_fp8:
             cfg.keep_fp8 = True
             _keep_fp8(model, state, cfg.fp8_block[1], dtype)
+        if keep_int:
+            cfg.keep_int = True
+            _keep_int(model, state, cfg.int_quant, dtype)
         if cfg.tie_word_embeddings:
             head, embed = state.pop("lm_head.weight", None), state.get("model.embed_tokens.weight")
             if head is not None and embed is not None and not (head.shape == embed.shape and torch.equal(head, embed)):
@@ -463,6 +475,34 @@ def _keep_fp8(model: nn.Module, state: dict[str, torch.Tensor], block_cols: int,
                 owner.keep_fp8(block_cols)
         else:
             state[name] = fp8_format.dequantize_rows(state[name], state.pop(key), block_cols, dtype)
+
+
+def _keep_int(model: nn.Module, state: dict[str, torch.Tensor], scheme: tuple[int, int | None], dtype: torch.dtype
+              ) -> None:
+    """As :func:`_keep_fp8`, for packed integer weights (``NAME`` int32 words and
+    ``NAME_scale``): an ``nn.Linear`` becomes an :class:`~dflash_torch.models.packed_int.IntLinear`,
+    stacked experts keep packed matrices; a matrix held by anything else is dequantized into
+    ``dtype`` in ``state``."""
+    from .moe import Experts
+    from .packed_int import IntLinear, dequantize_groups
+
+    packed = lambda k: getattr(state.get(k.removesuffix(fp8_format.ROW_SCALE_SUFFIX)), "dtype", None) == torch.int32  # noqa: E731
+    for key in [k for k in state if k.endswith(fp8_format.ROW_SCALE_SUFFIX) and packed(k)]:
+        name = key.removesuffix(fp8_format.ROW_SCALE_SUFFIX)
+        path, attr = name.rsplit(".", 1)
+        try:
+            owner = model.get_submodule(path)
+        except AttributeError:  # (not a parameter of this model: the unknown-weight check names it)
+            continue
+        if type(owner) is nn.Linear and attr == "weight":
+            parent, child = path.rsplit(".", 1)
+            setattr(model.get_submodule(parent), child, IntLinear.like(owner, *scheme))
+        elif isinstance(owner, Experts) and attr in ("gate_up_proj", "down_proj"):
+            if not owner.int_bits:
+                owner.keep_int(*scheme)
+        else:
+            cols = getattr(owner, attr).shape[-1] if hasattr(owner, attr) else state[name].shape[-1] * 32 // scheme[0]
+            state[name] = dequantize_groups(state[name], state.pop(key), scheme[0], scheme[1], cols, dtype)
 
 
 def _name_of_part(key: str, t: torch.Tensor) -> str:
