@@ -270,6 +270,24 @@ def test_packed_fp8_hybrid_moe_modes_and_batch_on_cuda_graphs_equal_target_only(
 
 
 @cuda
+def test_packed_w4a16_moe_modes_and_batch_on_cuda_graphs_equal_target_only(tmp_path, tokenizer_dir):
+    """A Qwen3-MoE W4A16 target kept packed on CUDA (compressed-tensors' int4 words): each
+    forward dequantizes its linears and, inside the CUDA graphs, the chosen experts; every
+    mode and a compiled batch commit the target-only tokens."""
+    from conftest import make_agreeable_pair
+    from test_packed_int import to_packed
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    target_dir, drafter_dir = make_agreeable_pair(tmp_path / "pair", tokenizer_dir, block_size=8,
+                                                  model_type="qwen3_moe", alpha=1.0, self_scale=0.0)
+    quantized = to_packed(target_dir, tmp_path / "w4a16", 4, 32)
+    target = TargetModel.from_pretrained(quantized, torch.float32, "cuda", int_weights="packed")
+    assert target.config.keep_int
+    _modes_and_batch_equal_target_only(target, DFlashDrafter.from_pretrained(drafter_dir, torch.float32, "cuda"), "cuda")
+
+
+@cuda
 def test_compiled_hybrid_batch_on_cuda_graphs_equals_alone(agree_hybrid_pair):
     """float32 on CUDA, a hybrid target: the compiled batch (inductor, CUDA graphs) with
     sequences joining and leaving gives each sequence's tokens decoded alone, runs every
