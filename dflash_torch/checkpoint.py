@@ -132,7 +132,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
                     keep: Callable[[str], bool] | None = None,
                     fp8_block: tuple[int, int] | None = None, keep_fp8: bool = False,
-                    int_quant: tuple[int, int | None] | None = None, keep_int: bool = False) -> dict[str, torch.Tensor]:
+                    int_quant: tuple[int, int | None] | None = None, keep_int: bool = False,
+                    float32: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """Load the tensors of a checkpoint, cast to ``dtype``, onto ``device``.
 
     Args:
@@ -153,6 +154,8 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
         keep_int: with ``int_quant``, keep each packed weight instead: ``X.weight`` the int32
             words (on ``device``) and ``X.weight_scale`` its scales in float32, after
             checking them (rows of whole words only).
+        float32: the names of floating-point tensors cast to float32 instead of ``dtype``
+            (e.g. a router transformers keeps in float32); None: none.
 
     Raises:
         DFlashError: a weight file that is not valid safetensors (corrupt or truncated), a
@@ -219,7 +222,8 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                         + (f" without its scale {scale_key}" if fp8_block is not None else
                            " but config.json has no FP8 quantization_config (quant_method 'fp8')"))
                 else:
-                    state[key] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+                    want = torch.float32 if float32 is not None and float32(key) else dtype
+                    state[key] = t.to(device=device, dtype=want) if t.is_floating_point() else t.to(device)
     return state
 
 

@@ -29,6 +29,8 @@ FAMILIES = {
     "gemma4_unified_text": "gemma4",
     "gemma4_unified": "gemma4",
     "minimax_m2": "minimax_m2",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k25": "deepseek_v3",
 }
 
 

@@ -171,6 +171,13 @@ class TargetModel(nn.Module):
         return state
 
     @classmethod
+    def float32_keys(cls, cfg: TargetConfig, key: str) -> bool:
+        """Whether a checkpoint tensor (a floating-point one, not FP8) is held in float32
+        whatever dtype the model runs in (transformers' ``_keep_in_fp32_modules_strict``,
+        e.g. DeepSeek-V3's router); False: cast to the model's dtype."""
+        return False
+
+    @classmethod
     def checkpoint_name(cls, cfg: TargetConfig, key: str) -> str:
         """The name in the checkpoint of this model's parameter ``key`` (for messages)."""
         if cfg.checkpoint_prefix != "model." and key.startswith("model."):
@@ -229,7 +236,8 @@ class TargetModel(nn.Module):
             keep_int = int_weights == "packed" or (saving > 0 and not fits(model, dtype, device, share=0.9))
         check_fits(model, dtype, device, "target", saving=saving if keep_fp8 or keep_int else 0)
         state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=keep_fp8,
-                                int_quant=cfg.int_quant, keep_int=keep_int)
+                                int_quant=cfg.int_quant, keep_int=keep_int,
+                                float32=lambda k: model_cls.float32_keys(cfg, k))
         state = model_cls.convert_checkpoint(cfg, state)
         if keep_fp8:
             cfg.keep_fp8 = True
