@@ -1,0 +1,468 @@
+"""DeepSeek-V3-architecture targets (``deepseek_v3``, and ``kimi_k25``: Kimi-K2.5's multimodal
+wrapper, decoded as text) against transformers' own ``DeepseekV3ForCausalLM`` and
+``Kimi_K25ForConditionalGeneration``, on tiny random checkpoints (4 heads, a latent of 32 + 8,
+8 experts in 4 groups, 2 groups chosen, 3 experts a token, 2 shared experts, one dense layer
+then two mixture-of-experts layers; random norms and score correction biases):
+
+* our forward (latent cache, absorbed attention) == transformers' (logits and every layer's
+  output, float32), in one pass, in pieces and with fixed shapes; with and without the
+  query's low rank, interleaved RoPE or not, YaRN with DeepSeek's softmax scale or none;
+  guards: each of those details changes the logits;
+* the cache holds one latent row per token and layer (the real models' sizes computed);
+* greedy speculative decoding == transformers' greedy ``generate`` (block sizes, inject and
+  recompute, fixed shapes, batched); an agreeable pair accepting many tokens a round
+  (eager, chunked prefill, fixed shapes, batched, compiled, prefix reuse);
+* Kimi-K2.5's layout (decoder under ``language_model.model.``, vision tower and projector
+  not read) == transformers' Kimi class; the multi-token-prediction layer is not read,
+  other unknown weights are refused; fine-grained FP8 == transformers' dequantization, and
+  kept packed == dequantized bit for bit; bad configs are refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_forward_matches_transformers,
+                      check_greedy_equals_transformers, check_many_accepted_tokens_are_lossless, copy_tokenizer,
+                      drafter_config, edited_checkpoint, forward_in_pieces, load_hf, save_drafter)
+from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.models import deepseek_v3
+from dflash_torch.models.config import TargetConfig
+from dflash_torch.models.target import TargetModel
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8,
+            routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
+            qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
+            max_position_embeddings=1024, rope_parameters=YARN, eos_token_id=EOS_ID, bos_token_id=EOS_ID,
+            pad_token_id=EOS_ID, tie_word_embeddings=False)
+
+
+def _randomize(model, prefix: str = "") -> None:
+    """Larger-than-default weights (peaked, less tie-prone logits), norms around 1 and score
+    correction biases that change which experts are chosen."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.startswith(prefix):
+                continue
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif name.endswith("norm.weight"):
+                p.normal_(1, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
+
+
+def make_deepseek_target(out_dir: Path, *, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random ``DeepseekV3ForCausalLM`` (:data:`TEXT` plus ``overrides``;
+    transformers' eager experts, the oracle's reference loop)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV3Config(**{**TEXT, **overrides}, experts_implementation="eager")
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    _randomize(model)
+    model.save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
+def kimi_model(seed: int = 0):
+    """A tiny random ``Kimi_K25ForConditionalGeneration`` (in memory: transformers 5.24 saves
+    its decoder under ``language_model.model.blocks.*`` and cannot read that back)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Kimi_K25Config(
+        text_config=dict(TEXT, experts_implementation="eager"), tie_word_embeddings=False, projection_hidden_size=32,
+        vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           pos_emb_height=4, pos_emb_width=4))
+    model = transformers.Kimi_K25ForConditionalGeneration(config).eval()
+    _randomize(model, "model.language_model.")
+    _randomize(model, "lm_head.")
+    return model
+
+
+def save_kimi(model, out_dir: Path, *, published: bool = True) -> Path:
+    """``model``'s config and weights in Kimi-K2.5's published layout (``language_model.model.*``,
+    ``language_model.lm_head.weight``, ``vision_tower.*``, ``mm_projector.*``, one tensor per
+    expert), or (``published`` False) as transformers names them in memory
+    (``model.language_model.*``, ``lm_head.weight``, ``model.vision_tower.*``, stacked experts)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if published:
+        renamed = {}
+        for key, t in state.items():
+            if key.startswith("model.language_model."):
+                key = "language_model.model." + key[len("model.language_model."):]
+            elif key == "lm_head.weight":
+                key = "language_model.lm_head.weight"
+            else:
+                key = key.removeprefix("model.")
+            if key.endswith("experts.gate_up_proj"):
+                inter = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    renamed[key.replace("gate_up_proj", f"{e}.gate_proj.weight")] = t[e, :inter].clone()
+                    renamed[key.replace("gate_up_proj", f"{e}.up_proj.weight")] = t[e, inter:].clone()
+            elif key.endswith("experts.down_proj"):
+                for e in range(t.shape[0]):
+                    renamed[key.replace("down_proj", f"{e}.down_proj.weight")] = t[e].clone()
+            else:
+                renamed[key] = t
+        state = renamed
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def agreeable(target: Path, tokenizer_dir: Path, root: Path, *, alpha: float, beta: float, self_scale: float,
+              block_size: int = 16, agree_token: int = 42) -> tuple[Path, Path]:
+    """conftest's :func:`make_agreeable_pair` recipe on a DeepSeek-V3 target: every token's
+    embedding gets a random multiple of a shared direction ``u`` (token c: ``self_scale * alpha u``), c's
+    lm_head row is ``beta u``; a drafter of small random weights then proposes c nearly
+    everywhere, accepted wherever the target predicts c."""
+    state = load_file(str(target / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(state["lm_head.weight"].shape[1], generator=g)
+    u /= u.norm()
+    scale = torch.rand(state["lm_head.weight"].shape[0], 1, generator=g) * 2
+    scale[agree_token] = self_scale
+    state["model.embed_tokens.weight"] += alpha * scale * u
+    state["lm_head.weight"][agree_token] = beta * u
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    copy_tokenizer(tokenizer_dir, target)
+    from dflash_torch.models.drafter import DFlashDrafter
+
+    cfg = drafter_config(target, block_size=block_size)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    return target, save_drafter(root / "drafter", cfg, model.state_dict())
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer_dir):
+    """(target_dir, random drafter_dir, B = 16) of the tiny DeepSeek-V3 target."""
+    root = tmp_path_factory.mktemp("deepseek_v3")
+    target = make_deepseek_target(root / "target", seed=5)
+    copy_tokenizer(tokenizer_dir, target)
+    return target, save_drafter(root / "drafter", drafter_config(target, block_size=16), seed=5)
+
+
+@pytest.fixture(scope="module")
+def agree_pair(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("deepseek_v3-agree")
+    target = make_deepseek_target(root / "target", seed=1)
+    return agreeable(target, tokenizer_dir, root, alpha=1.0, beta=5.0, self_scale=0.3)
+
+
+IDS = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("pieces,static", [([30], False), ([11, 1, 7, 11], False), ([16, 14], True)])
+def test_forward_matches_transformers(checkpoint, pieces, static):
+    target_dir, _ = checkpoint
+    ours = TargetModel.from_pretrained(target_dir, torch.float32)
+    assert isinstance(ours, deepseek_v3.Model) and ours.config.moe_layers == [False, True, True]
+    check_forward_matches_transformers(ours, load_hf(target_dir), IDS, pieces, static)
+
+
+@pytest.mark.parametrize("overrides", [dict(q_lora_rank=None), dict(rope_interleave=False),
+                                       dict(rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+                                       dict(n_group=1, topk_group=1, norm_topk_prob=False, first_k_dense_replace=0,
+                                            kv_lora_rank=31, attention_bias=True)],
+                         ids=["q_proj", "rope-not-interleaved", "no-rope-scaling", "one-group-odd-latent-biases"])
+def test_variants_match_transformers(tmp_path, overrides):
+    """Queries without the low rank (``q_proj``), RoPE on consecutive halves, plain RoPE
+    (softmax scale without DeepSeek's mscale), one group of experts without
+    renormalisation, every layer a mixture, an odd latent row (41: the cache's value
+    half padded), biases on the projections that take them."""
+    target_dir = make_deepseek_target(tmp_path / "target", seed=2, **overrides)
+    ours = TargetModel.from_pretrained(target_dir, torch.float32)
+    check_forward_matches_transformers(ours, load_hf(target_dir), IDS, [17, 13], False)
+
+
+def test_the_details_matter(checkpoint):
+    """Guards the comparisons above: reading pairs of RoPE channels as halves, the softmax
+    scale without DeepSeek's mscale, no score correction bias, no group limit, each changes
+    the logits (so the comparison can fail)."""
+    target_dir, _ = checkpoint
+    with torch.no_grad():
+        ref = load_hf(target_dir)(IDS[None]).logits[0]
+    for change in ("interleave", "scale", "bias", "groups"):
+        ours = TargetModel.from_pretrained(target_dir, torch.float32)
+        for layer in ours.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if change == "interleave":
+                attn.interleave = False
+            elif change == "scale":
+                attn.scale = (16 + 8) ** -0.5
+            elif change == "bias" and isinstance(mlp, deepseek_v3.DeepseekV3MoE):
+                mlp.gate.e_score_correction_bias.data.zero_()
+            elif change == "groups" and isinstance(mlp, deepseek_v3.DeepseekV3MoE):
+                mlp.gate.topk_group = mlp.gate.n_group
+        logits, _ = forward_in_pieces(ours, IDS, [30], False)
+        assert (logits - ref).abs().max() > 1e-3, change
+
+
+def test_the_cache_holds_one_latent_row_per_token(checkpoint):
+    """Per layer one "head" in each of the key and value buffers, the two halves of the
+    40-value latent row; for DeepSeek-V3 / Kimi-K2.5 (61 layers, a latent of 512 + 64), 70,272
+    bytes a token in bfloat16, against 4,997,120 / 2,498,560 for their expanded per-head keys
+    and values (128 / 64 heads of 192 + 128)."""
+    target_dir, _ = checkpoint
+    ours = TargetModel.from_pretrained(target_dir, torch.float32)
+    assert ours.kv_shapes() == [(1, 20)] * 3
+    cache = ours.new_cache()
+    cache.reset(8)
+    assert [tuple(t.shape) for t in cache.kv.k + cache.kv.v] == [(1, 256, 20)] * 6
+    for heads, expanded in ((128, 4_997_120), (64, 2_498_560)):
+        cfg = deepseek_v3.parse_config({"model_type": "deepseek_v3", "num_attention_heads": heads,
+                                        "n_group": 1, "topk_group": 1})
+        with torch.device("meta"):
+            model = deepseek_v3.Model(cfg)
+        per_token = sum(h * d * 2 for h, d in model.kv_shapes()) * 2  # (bfloat16)
+        assert model.kv_shapes() == [(1, 288)] * 61 and per_token == 70_272
+        assert 61 * heads * (192 + 128) * 2 == expanded
+
+
+def test_greedy_speculative_equals_transformers_generate(checkpoint):
+    check_greedy_equals_transformers(*checkpoint)
+
+
+def test_many_accepted_tokens_are_lossless(agree_pair):
+    check_many_accepted_tokens_are_lossless(*agree_pair)
+
+
+def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_pair):
+    check_compiled_rounds_are_lossless(*agree_pair)
+
+
+def test_prefix_reuse_decodes_as_without(agree_pair):
+    """A three-turn conversation through the batch decoder reuses its history's latent rows
+    and decodes exactly as with reuse off (tokens, acceptance lengths, prompt rows)."""
+    from test_prefix_reuse import GREEDY, conversation, same_runs
+
+    from dflash_torch.models.drafter import DFlashDrafter
+
+    target, drafter = (TargetModel.from_pretrained(agree_pair[0], torch.float32),
+                       DFlashDrafter.from_pretrained(agree_pair[1], torch.float32))
+    on, prompts, reused = conversation(target, drafter, True, GREEDY)
+    off, _, _ = conversation(target, drafter, False, GREEDY)
+    same_runs(on, off)
+    assert reused[0] == 0 and reused[1] > len(prompts[0]) and reused[2] > len(prompts[1])
+
+
+def test_latent_attention_batched_and_chunked_equal_one_pass(monkeypatch):
+    """The absorbed attention of N sequences at once equals each alone, in chunks of query
+    rows as in one, and equals the definition: per head, softmax(scale * q . [c, k_pe] +
+    bias) mixing the rows' c."""
+    cfg = deepseek_v3.parse_config({**TEXT, "model_type": "deepseek_v3", "kv_lora_rank": 31})
+    attn = deepseek_v3.LatentAttention(cfg)
+    g = torch.Generator().manual_seed(0)
+    n, tq, tk, heads = 3, 5, 11, cfg.num_attention_heads
+    q = torch.randn(heads, n * tq, 39, generator=g)
+    latent = torch.randn(n, tk, 39, generator=g)
+    k, v = zip(*(attn.halves(latent[i]) for i in range(n)))
+    k, v = torch.stack(k), torch.stack(v)  # [N, 1, Tk, 20]
+    assert torch.equal(v[..., -1], torch.zeros(n, 1, tk))  # (39 values: the second half padded)
+    bias = torch.zeros(n, tq, tk).masked_fill(torch.rand(n, tq, tk, generator=g) < 0.3, float("-inf"))
+    bias[..., 0] = 0
+    batched = attn.attend(q, k, v, bias)
+    for i in range(n):
+        one = attn.attend(q[:, i * tq:(i + 1) * tq], k[i], v[i], bias[i])
+        torch.testing.assert_close(batched[:, i * tq:(i + 1) * tq], one)
+        p = torch.softmax(q[:, i * tq:(i + 1) * tq] @ latent[i].T * attn.scale + bias[i], dim=-1)
+        torch.testing.assert_close(one, p @ latent[i, :, :31])
+    monkeypatch.setattr(deepseek_v3, "_SCORES_PER_CHUNK", n * heads * tk * 2)  # two query rows a chunk
+    torch.testing.assert_close(attn.attend(q, k, v, bias), batched)
+
+
+def test_bfloat16_speculative_decoding_is_the_target_s_own_but_near_ties(agree_pair):
+    """bfloat16: speculative decoding commits target-only decoding's tokens, but where a
+    batched verify flips a near-tie of the target (DESIGN.md), with drafts accepted."""
+    from test_fp8 import BF16_TIE
+
+    from dflash_torch.bench.modes import divergences
+
+    spec = DFlashEngine.from_pretrained(*agree_pair, dtype="bfloat16")
+    target_only = DFlashEngine(spec.target, spec.tokenizer)
+    taus = []
+    for prompt in ("def f(x):", "class A:\n    pass\n"):
+        ref = target_only.generate(prompt, max_new_tokens=32, ignore_eos=True)
+        out = spec.generate(prompt, max_new_tokens=32, ignore_eos=True)
+        for d in divergences(spec.target, [spec.encode_prompt(prompt)], [ref.token_ids], [out.token_ids]):
+            assert abs(d["logit_gap"]) <= BF16_TIE, (prompt, d)
+        taus += out.stats.acceptance_lengths
+    assert max(taus) > 4
+
+
+@pytest.mark.parametrize("published", [True, False], ids=["published-layout", "transformers-names"])
+def test_kimi_k25_matches_transformers(tmp_path, published):
+    """The Kimi-K2.5 wrapper: its decoder (under ``language_model.model.`` as published, or
+    ``model.language_model.``) decodes as transformers' ``Kimi_K25ForConditionalGeneration``
+    on text; the vision tower and projector are not read."""
+    hf = kimi_model(seed=3)
+    target_dir = save_kimi(hf, tmp_path / "kimi", published=published)
+    stored = load_file(str(target_dir / "model.safetensors"))
+    assert any(k.startswith(("vision_tower.", "model.vision_tower.")) for k in stored)
+    ours = TargetModel.from_pretrained(target_dir, torch.float32)
+    assert ours.config.model_type == "deepseek_v3" and ours.config.wrapped
+    check_forward_matches_transformers(ours, hf, IDS, [20, 10], False)
+
+
+def test_the_multi_token_prediction_layer_is_not_read(checkpoint, tmp_path):
+    """A checkpoint with DeepSeek-V3's MTP layer (``model.layers.3.*``: a decoder layer plus
+    its own norms, projection and head, as published) decodes as the one without; with
+    ``num_nextn_predict_layers`` 0 those weights are unknown and refused, as is any other
+    unknown weight."""
+    target_dir, _ = checkpoint
+
+    def add_mtp(w):
+        for key in [k for k in w if k.startswith("model.layers.2.")]:
+            w[key.replace("model.layers.2.", "model.layers.3.")] = w[key].clone()
+        for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            w[f"model.layers.3.{name}"] = torch.ones(64)
+        w["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+        w["model.layers.3.shared_head.head.weight"] = torch.zeros(VOCAB, 64)
+
+    mtp = edited_checkpoint(target_dir, tmp_path / "mtp", state=add_mtp)
+    assert json.loads((mtp / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    with torch.no_grad():
+        ref = load_hf(target_dir)(IDS[None]).logits[0]
+    logits, _ = forward_in_pieces(TargetModel.from_pretrained(mtp, torch.float32), IDS, [30], False)
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    no_mtp = edited_checkpoint(mtp, tmp_path / "no-mtp", config=lambda c: c.update(num_nextn_predict_layers=0))
+    with pytest.raises(DFlashError, match=r"^target checkpoint .* has weights this deepseek_v3 model does not use "
+                                          r"\(an unsupported variant\?\): model\.layers\.3\."):
+        TargetModel.from_pretrained(no_mtp, torch.float32)
+    extra = edited_checkpoint(target_dir, tmp_path / "extra",
+                              state=lambda w: w.update({"model.layers.1.self_attn.k_norm.weight": torch.ones(8)}))
+    with pytest.raises(DFlashError, match=r"does not use .*: model\.layers\.1\.self_attn\.k_norm\.weight$"):
+        TargetModel.from_pretrained(extra, torch.float32)
+
+
+def test_fp8_checkpoint_equals_transformers_dequantized(checkpoint, tmp_path):
+    """DeepSeek-V3's official FP8 format (e4m3 with block scales; every projection quantized,
+    the router not). Blocks of [8, 16], whole in every matrix: our weights equal those
+    transformers itself loads from the FP8 checkpoint on the CPU, bit for bit, in float32 and
+    bfloat16 (the router float32 in both), and the float32 logits its model's. Blocks of
+    [24, 40], partial at the edges (which transformers' CPU loading cannot read): our weights
+    equal transformers' dequantizer's (``_dequantize_fp8_weight``). Kept packed
+    (``fp8="packed"``: FP8 linears and experts, ``kv_b_proj`` dequantized when loading since
+    the absorbed attention reads it per head), the logits equal the dequantized model's bit
+    for bit, in float32 and bfloat16."""
+    import transformers
+    from test_fp8 import dequantized_copy, to_fp8
+
+    from dflash_torch.models import fp8
+
+    target_dir, _ = checkpoint
+    for block in ((8, 16), (24, 40)):
+        quantized = to_fp8(target_dir, tmp_path / f"fp8-{block[0]}", block,
+                           suffixes=("_proj.weight", "_proj_with_mqa.weight"))
+        stored = load_file(str(quantized / "model.safetensors"))
+        assert stored["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == fp8.FORMAT
+        assert stored["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == fp8.FORMAT
+        assert stored["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+        oracle = quantized if block == (8, 16) else dequantized_copy(quantized, tmp_path / f"dequantized-{block[0]}")
+        for dtype in (torch.float32, torch.bfloat16):
+            ours = TargetModel.from_pretrained(quantized, dtype)
+            hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(oracle), dtype=dtype,
+                                                                    experts_implementation="eager").eval()
+            mine, theirs = ours.state_dict(), hf.state_dict()
+            assert mine.keys() == theirs.keys()
+            for k in mine:
+                assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]), (block, dtype, k)
+            if dtype == torch.float32:
+                with torch.no_grad():
+                    ref = hf(IDS[None]).logits[0]
+                torch.testing.assert_close(forward_in_pieces(ours, IDS, [30], False)[0], ref, rtol=1e-4, atol=1e-4)
+            packed = TargetModel.from_pretrained(quantized, dtype, fp8="packed")
+            layer = packed.model.layers[1]
+            assert isinstance(layer.self_attn.q_b_proj, fp8.Fp8Linear) and layer.mlp.experts.fp8_block_cols
+            assert layer.self_attn.kv_b_proj.weight.dtype == dtype and layer.mlp.gate.weight.dtype == torch.float32
+            assert torch.equal(forward_in_pieces(packed, IDS, [20, 10], False)[0],
+                               forward_in_pieces(ours, IDS, [20, 10], False)[0]), (block, dtype)
+
+
+def test_bfloat16_keeps_the_router_in_float32_as_transformers(checkpoint):
+    """In bfloat16 the router's weight and score correction bias stay float32 (transformers'
+    ``_keep_in_fp32_modules_strict``); everything else is bfloat16."""
+    import transformers
+
+    target_dir, _ = checkpoint
+    ours = TargetModel.from_pretrained(target_dir, torch.bfloat16)
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16)
+    theirs = hf.state_dict()
+    mine = ours.state_dict()
+    for key in ("model.layers.1.mlp.gate.weight", "model.layers.2.mlp.gate.e_score_correction_bias"):
+        assert mine[key].dtype == theirs[key].dtype == torch.float32 and torch.equal(mine[key], theirs[key])
+    assert mine["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16
+
+
+def _kimi_config(**text):
+    return {"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3", **TEXT, **text}}
+
+
+@pytest.mark.parametrize("cfg,message", [
+    ({**TEXT, "model_type": "deepseek_v3", "scoring_func": "softmax"},
+     r"^target config.json scoring_func 'softmax' is not supported \(DeepSeek-V3 routing: sigmoid\)$"),
+    ({**TEXT, "model_type": "deepseek_v3", "topk_method": "group_limited_greedy"},
+     r"^target config.json topk_method 'group_limited_greedy' is not supported"),
+    ({**TEXT, "model_type": "deepseek_v3", "moe_layer_freq": 2}, r"^target config.json moe_layer_freq 2 is not supported"),
+    ({**TEXT, "model_type": "deepseek_v3", "num_key_value_heads": 2}, r"^target num_key_value_heads 2 != num_attention_heads 4"),
+    ({**TEXT, "model_type": "deepseek_v3", "n_group": 3}, r"^target n_group 3 must split n_routed_experts 8"),
+    ({**TEXT, "model_type": "deepseek_v3", "topk_group": 1, "num_experts_per_tok": 3},
+     r"^target num_experts_per_tok 3 and topk_group 1 must fit in n_group 4 groups of 2 experts$"),
+    ({**TEXT, "model_type": "deepseek_v3", "n_group": None}, r"^target config.json has null n_group$"),
+    ({**TEXT, "model_type": "deepseek_v3", "qk_rope_head_dim": 7}, r"^target qk_rope_head_dim 7 must be even"),
+    ({**TEXT, "model_type": "deepseek_v3", "first_k_dense_replace": -1},
+     r"^target config.json first_k_dense_replace must be an integer >= 0, got -1$"),
+    ({**TEXT, "model_type": "deepseek_v3", "rope_parameters": dict(YARN, partial_rotary_factor=0.5)},
+     r"^target partial_rotary_factor 0.5 is not supported for model_type 'deepseek_v3'"),
+    ({"model_type": "kimi_k25"}, r"^target config.json of model_type 'kimi_k25' lacks text_config$"),
+    ({"model_type": "kimi_k25", "text_config": {"model_type": "qwen3"}},
+     r"^target config.json of model_type 'kimi_k25' has a text_config of model_type 'qwen3'; expected deepseek_v3$"),
+    ({**_kimi_config(), "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}},
+     r"^the target checkpoint is quantized \(quant_method 'compressed-tensors'\); dflash-torch reads unquantized "
+     r"float32/bfloat16/float16 weights only \(and fp8 for this model_type\)$"),
+])
+def test_bad_configs_are_refused_in_one_line(cfg, message):
+    with pytest.raises(DFlashError, match=message) as err:
+        TargetConfig.from_dict(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_kimi_config_reads_the_text_config_and_the_wrapper_head():
+    """The wrapper's ``tie_word_embeddings`` governs its head (default true, as transformers'
+    ``Kimi_K25Config``); the wrapper's ``eos_token_id`` serves where the text config has
+    none; an older text config's ``kimi_k2`` reads as ``deepseek_v3``; keys left out take
+    transformers' defaults (Kimi-K2.5's published text config, shapes abridged)."""
+    text = {k: v for k, v in TEXT.items() if k not in ("eos_token_id", "tie_word_embeddings")}
+    cfg = TargetConfig.from_dict({"model_type": "kimi_k25", "eos_token_id": 7,
+                                  "text_config": {**text, "model_type": "kimi_k2"}})
+    assert cfg.tie_word_embeddings and cfg.eos_token_ids == [7] and cfg.checkpoint_prefix == "language_model.model."
+    defaults = TargetConfig.from_dict({"model_type": "deepseek_v3"})
+    assert (defaults.num_hidden_layers, defaults.kv_lora_rank, defaults.q_lora_rank, defaults.n_group,
+            defaults.moe.num_experts, defaults.moe_layers[:4], defaults.num_nextn_predict_layers) == (
+        61, 512, 1536, 8, 256, [False, False, False, True], 1)
+    kimi = TargetConfig.from_dict({"model_type": "kimi_k25", "tie_word_embeddings": False, "text_config": {
+        "model_type": "kimi_k2", "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384,
+        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.827,
+        "vocab_size": 163840, "max_position_embeddings": 262144, "num_nextn_predict_layers": 0,
+        "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}, "rope_theta": 50000.0}})
+    m = 0.1 * __import__("math").log(64.0) + 1
+    assert not kimi.tie_word_embeddings and abs(kimi.softmax_scale - 192 ** -0.5 * m * m) < 1e-12
