@@ -180,12 +180,15 @@ def test_forward_matches_transformers(checkpoint, pieces, static):
 
 @pytest.mark.parametrize("overrides", [dict(q_lora_rank=None), dict(rope_interleave=False),
                                        dict(rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+                                       dict(rope_parameters=dict(YARN, mscale=0.707, mscale_all_dim=0.8, factor=40.0)),
                                        dict(n_group=1, topk_group=1, norm_topk_prob=False, first_k_dense_replace=0,
                                             kv_lora_rank=31, attention_bias=True)],
-                         ids=["q_proj", "rope-not-interleaved", "no-rope-scaling", "one-group-odd-latent-biases"])
+                         ids=["q_proj", "rope-not-interleaved", "no-rope-scaling", "yarn-attention-factor",
+                              "one-group-odd-latent-biases"])
 def test_variants_match_transformers(tmp_path, overrides):
     """Queries without the low rank (``q_proj``), RoPE on consecutive halves, plain RoPE
-    (softmax scale without DeepSeek's mscale), one group of experts without
+    (softmax scale without DeepSeek's mscale), YaRN whose ``mscale`` and ``mscale_all_dim``
+    differ (cos and sin scaled, as DeepSeek-V2 has it), one group of experts without
     renormalisation, every layer a mixture, an odd latent row (41: the cache's value
     half padded), biases on the projections that take them."""
     target_dir = make_deepseek_target(tmp_path / "target", seed=2, **overrides)
@@ -312,7 +315,8 @@ def test_bfloat16_speculative_decoding_is_the_target_s_own_but_near_ties(agree_p
 def test_kimi_k25_matches_transformers(tmp_path, published):
     """The Kimi-K2.5 wrapper: its decoder (under ``language_model.model.`` as published, or
     ``model.language_model.``) decodes as transformers' ``Kimi_K25ForConditionalGeneration``
-    on text; the vision tower and projector are not read."""
+    on text; the vision tower and projector are not read; a missing weight is named as the
+    file names it."""
     hf = kimi_model(seed=3)
     target_dir = save_kimi(hf, tmp_path / "kimi", published=published)
     stored = load_file(str(target_dir / "model.safetensors"))
@@ -320,6 +324,11 @@ def test_kimi_k25_matches_transformers(tmp_path, published):
     ours = TargetModel.from_pretrained(target_dir, torch.float32)
     assert ours.config.model_type == "deepseek_v3" and ours.config.wrapped
     check_forward_matches_transformers(ours, hf, IDS, [20, 10], False)
+    decoder, head = ("language_model.model.", "language_model.lm_head.") if published else ("model.language_model.", "lm_head.")
+    for key in (decoder + "layers.1.self_attn.kv_b_proj.weight", head + "weight"):  # (named as the file names them)
+        bad = edited_checkpoint(target_dir, tmp_path / key, state=lambda w: w.pop(key))
+        with pytest.raises(DFlashError, match=rf"^target checkpoint .* lacks weights: {key}$"):
+            TargetModel.from_pretrained(bad, torch.float32)
 
 
 def test_the_multi_token_prediction_layer_is_not_read(checkpoint, tmp_path):

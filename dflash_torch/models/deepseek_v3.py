@@ -454,14 +454,17 @@ class Model(TargetModel):
 
     @classmethod
     def convert_checkpoint(cls, cfg: DeepseekV3Config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A wrapper's decoder weights renamed under ``model.`` / ``lm_head.``; per-expert
-        weights stacked (:func:`~dflash_torch.models.moe.fuse_expert_weights`).
+        """A wrapper's decoder weights renamed under ``model.`` / ``lm_head.`` (and
+        ``cfg.checkpoint_prefix`` set to the layout found, for messages); per-expert weights
+        stacked (:func:`~dflash_torch.models.moe.fuse_expert_weights`).
 
         Raises:
             DFlashError: a wrapper checkpoint holding a weight twice (under both of its
                 names); see :func:`~dflash_torch.models.moe.fuse_expert_weights`.
         """
         if cfg.wrapped:
+            if any(k.startswith(KIMI_DECODER[1]) for k in state):  # (transformers' names: messages use them)
+                cfg.checkpoint_prefix = KIMI_DECODER[1]
             renamed = {}
             for key in list(state):
                 name = cls._decoder_key(cfg, key)
@@ -473,7 +476,7 @@ class Model(TargetModel):
 
     @classmethod
     def checkpoint_name(cls, cfg: DeepseekV3Config, key: str) -> str:
-        if cfg.wrapped and key.startswith("lm_head."):
+        if cfg.checkpoint_prefix == KIMI_DECODER[0] and key.startswith("lm_head."):
             return "language_model." + key
         return super().checkpoint_name(cfg, key)
 
