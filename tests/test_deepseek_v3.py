@@ -421,6 +421,48 @@ def test_bfloat16_keeps_the_router_in_float32_as_transformers(checkpoint):
     assert mine["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16
 
 
+# DeepSeek-V3's published config.json (its official weights are FP8; auto_map left out)
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001,
+    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+    "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
+
+
+def test_deepseek_v3_s_published_config_is_read():
+    """The FP8 block, the routing, the dense first layers, the MTP layer to skip, YaRN with
+    DeepSeek's softmax scale (192 ** -0.5 * (0.1 ln 40 + 1) ** 2, transformers' value) and
+    transformers' RoPE tables."""
+    import math
+
+    import transformers
+
+    cfg = TargetConfig.from_dict(DEEPSEEK_V3)
+    assert cfg.fp8_block == (128, 128) and cfg.moe_layers[:4] == [False, False, False, True]
+    assert (cfg.n_group, cfg.topk_group, cfg.moe.top_k, cfg.num_nextn_predict_layers) == (8, 4, 8, 1)
+    assert abs(cfg.softmax_scale - 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2) < 1e-12
+    hf_config = transformers.DeepseekV3Config(**{k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"})
+    hf_rope = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding(hf_config)
+    with torch.device("meta"):
+        model = deepseek_v3.Model(cfg)
+    ours = model.make_rotary()
+    # (inv_freq: ours computed in float64 then rounded, transformers' in float32: a few ulp apart, as test_rope)
+    torch.testing.assert_close(ours.inv_freq, hf_rope.inv_freq, rtol=1e-6, atol=0)
+    assert ours.attention_factor == hf_rope.attention_scaling
+    assert model.model.layers[60].self_attn.scale == transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(
+        hf_config, 0).scaling
+
+
 def _kimi_config(**text):
     return {"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3", **TEXT, **text}}
 
