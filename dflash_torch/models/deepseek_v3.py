@@ -389,9 +389,7 @@ class DeepseekV3MoE(nn.Module):
         weight rounded to ``x.dtype`` once, summed in expert order, then the shared experts')."""
         weights, experts = self.gate(x)
         e = self.experts
-        out = dispatch_experts(x, experts, weights, e.gate_up_proj, e.down_proj, gate_up_scales=e.gate_up_proj_scale,
-                               down_scales=e.down_proj_scale, fp8_block_cols=e.fp8_block_cols)
-        return out + self.shared_experts(x)
+        return dispatch_experts(x, experts, weights, e.gate_up_proj, e.down_proj, **e.quantization()) + self.shared_experts(x)
 
 
 class Model(TargetModel):
