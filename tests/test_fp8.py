@@ -506,7 +506,7 @@ def _set(key, value):
     (None, _set(Q + ".weight_scale_inv", lambda w: w[Q + ".weight_scale_inv"].index_fill(0, torch.tensor([2]), float("inf"))),
      rf"FP8 scale {Q}\.weight_scale_inv holds NaN or infinite values"),
     (None, _set(Q + ".weight", lambda w: w[Q + ".weight"].float().to(torch.float8_e5m2)),
-     rf"FP8 weight {Q}\.weight has dtype float8_e5m2; the config's fmt e4m3 means float8_e4m3fn"),
+     rf"FP8 weight {Q}\.weight has dtype float8_e5m2; the config's FP8 format \(fmt\) is float8_e4m3fn"),
     (lambda c: c.pop("quantization_config"), None,
      r"weight model\.layers\.\d\..*is float8_e4m3fn but config\.json has no FP8 quantization_config"),
 ])

@@ -148,30 +148,46 @@ def test_fp8_checkpoints_dequantized_and_packed(checkpoint, tmp_path):
 # --- loading: MTP layers, refusals ---
 
 
-def _with_mtp_layer(target_dir, dst, *, announce: bool):
-    """``target_dir`` plus a layer ``model.layers.{N}`` (an MTP module as the published
-    checkpoints store them), its config announcing MTP modules or not."""
+def _with_mtp_layers(target_dir, dst, layers: int, edit: dict):
+    """``target_dir`` plus ``layers`` layers ``model.layers.{N + i}`` (MTP modules as the
+    published checkpoints store them), its config edited by ``edit``."""
     state = load_file(str(target_dir / "model.safetensors"))
     n = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]
-    for key in [k for k in state if k.startswith("model.layers.0.")]:
-        state[key.replace("model.layers.0.", f"model.layers.{n}.")] = state[key].clone()
-    state["model.layers.4.enorm.weight"] = torch.ones(64)
-    edit = {"use_mtp": True, "num_mtp_modules": 1} if announce else {"use_mtp": False}
+    for i in range(n, n + layers):
+        for key in [k for k in state if k.startswith("model.layers.0.")]:
+            state[key.replace("model.layers.0.", f"model.layers.{i}.")] = state[key].clone()
+        state[f"model.layers.{i}.enorm.weight"] = torch.ones(64)
     return edited_checkpoint(target_dir, dst, config=lambda cfg: cfg.update(edit), state=lambda w: w.update(state))
 
 
-def test_announced_mtp_layers_are_not_read(checkpoint, tmp_path):
+def test_announced_mtp_layers_are_not_read_and_others_are_refused(checkpoint, tmp_path):
+    """The layers ``num_mtp_modules`` announces (``use_mtp`` false or not: the layers are
+    stored either way) are skipped; a layer past them, or past a decoder without MTP
+    modules, is an unknown weight."""
     target_dir, _ = checkpoint
-    ours = TargetModel.from_pretrained(_with_mtp_layer(target_dir, tmp_path / "mtp", announce=True), torch.float32)
-    logits, _ = forward_in_pieces(ours, IDS, [30], False)
     base, _ = forward_in_pieces(TargetModel.from_pretrained(target_dir, torch.float32), IDS, [30], False)
-    assert torch.equal(logits, base)
-    with pytest.raises(DFlashError, match=r"does not use .*model\.layers\.4\."):
-        TargetModel.from_pretrained(_with_mtp_layer(target_dir, tmp_path / "plain", announce=False), torch.float32)
+    for i, edit in enumerate(({"use_mtp": True, "num_mtp_modules": 2}, {"use_mtp": False, "num_mtp_modules": 2})):
+        ours = TargetModel.from_pretrained(_with_mtp_layers(target_dir, tmp_path / f"mtp{i}", 2, edit), torch.float32)
+        assert torch.equal(forward_in_pieces(ours, IDS, [30], False)[0], base)
+    for i, (layers, edit) in enumerate(((3, {"num_mtp_modules": 2}), (1, {"num_mtp_modules": 0}), (1, {}))):
+        with pytest.raises(DFlashError, match=rf"does not use .*model\.layers\.{4 + layers - 1}\."):
+            TargetModel.from_pretrained(_with_mtp_layers(target_dir, tmp_path / f"bad{i}", layers, edit), torch.float32)
+
+
+def test_a_config_without_rope_theta_takes_transformers_default(checkpoint, tmp_path):
+    """transformers' MiniMaxM2Config defaults rope_theta to 5e6 (not the usual 10000)."""
+    target = edited_checkpoint(checkpoint[0], tmp_path / "edited", config=lambda cfg: cfg.update(
+        rope_parameters=None, rotary_dim=8))
+    assert "rope_theta" not in json.loads((target / "config.json").read_text())
+    ours = TargetModel.from_pretrained(target, torch.float32)
+    assert ours.config.rope_theta == 5e6
+    check_forward_matches_transformers(ours, load_hf(target), IDS, [30], False)
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"attn_type_list": [1, 0, 1, 1]}, "attn_type_list .* linear-attention layers are not supported"),
+    ({"attn_type_list": [1, 0, 1, 1]}, "attn_type_list .* has linear-attention layers .0.; minimax_m2 targets with linear-attention layers are not supported"),
+    ({"attn_type_list": [1, 1]}, r"attn_type_list must list 0 or 1 for each of the 4 layers, got \[1, 1\]"),
+    ({"attn_type_list": [True] * 4}, "attn_type_list must list 0 or 1"),
     ({"qk_norm_type": "per_head"}, "qk_norm_type 'per_head' is not supported for minimax_m2"),
     ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
     ({"shared_intermediate_size": 128}, "shared expert"),
@@ -192,4 +208,10 @@ def test_a_missing_expert_is_named_in_one_line(checkpoint, tmp_path):
     target = edited_checkpoint(checkpoint[0], tmp_path / "edited",
                                state=lambda w: w.pop("model.layers.2.block_sparse_moe.experts.3.w3.weight"))
     with pytest.raises(DFlashError, match=r"model\.layers\.2\.block_sparse_moe\.experts: expert 3 lacks w3\.weight"):
+        TargetModel.from_pretrained(target, torch.float32)
+
+
+def test_stacked_expert_weights_are_named_as_the_checkpoint_names_them(checkpoint, tmp_path):
+    target = edited_checkpoint(checkpoint[0], tmp_path / "edited", config=lambda cfg: cfg.update(num_hidden_layers=3))
+    with pytest.raises(DFlashError, match=r"model\.layers\.3\.block_sparse_moe\.experts\.\{0\.\.5\}\.w2"):
         TargetModel.from_pretrained(target, torch.float32)

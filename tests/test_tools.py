@@ -115,9 +115,19 @@ CASES = [
     ("none", "minimax_m2", "", "<minimax:tool_call><invoke name='get_weather'><parameter name=city>\n a </parameter> b"
      "\n</parameter><parameter name=\"days\">three</parameter></invoke></minimax:tool_call>Done.", True, "", "Done.",
      [("get_weather", {"city": "a </parameter> b", "days": "three"})]),  # (a bare / quoted name; not an integer: text)
-    ("none", "minimax_m2", "", '<minimax:tool_call>\n<invoke name="get_time"></invoke>\nstray text\n'
-     "</minimax:tool_call>", True, "", '<minimax:tool_call>\n<invoke name="get_time"></invoke>\nstray text\n'
-     "</minimax:tool_call>", []),  # (text between the calls: not a call, kept as written)
+    # as MiniMax's guide reads a block: text between the calls, or inside one, is ignored (a value then ends at
+    # its first </parameter>); "null" is null for any type; booleans, integers, numbers as the guide types them
+    ("none", "minimax_m2", "", '<minimax:tool_call>\nlet me\n<invoke name="get_time"></invoke>\nstray text\n'
+     '<invoke name="get_weather">\nnote\n<parameter name="city">null</parameter> and <parameter name="metric">YES'
+     '</parameter>\n<parameter name="days">+5</parameter><parameter name="ratio">1e3</parameter></invoke>'
+     "</minimax:tool_call>", True, "", "",
+     [("get_time", {}), ("get_weather", {"city": None, "metric": True, "days": 5, "ratio": 1000})]),
+    ("none", "minimax_m2", "", "<minimax:tool_call><invoke name=get weather><parameter name=a b>x</parameter>"
+     '</invoke></minimax:tool_call>', True, "", "", [("get weather", {"a b": "x"})]),  # (bare names, spaces and all)
+    ("none", "minimax_m2", "", '<minimax:tool_call><invoke name="get_weather"><parameter name="metric">maybe'
+     '</parameter><parameter name="days">2.5</parameter><parameter name="hours">{"a": 1}</parameter></invoke>'
+     "</minimax:tool_call>", True, "", "",
+     [("get_weather", {"metric": "maybe", "days": "2.5", "hours": '{"a": 1}'})]),  # (not of the schema's type: text)
     ("none", "minimax_m2", "", "<minimax:tool_call>\n</minimax:tool_call>", True, "",
      "<minimax:tool_call>\n</minimax:tool_call>", []),
     ("none", "minimax_m2", "", MINIMAX[40:120], False, "", MINIMAX[40:120], []),  # (cut)

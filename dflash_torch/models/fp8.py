@@ -61,7 +61,7 @@ def check_config(quant: dict, what: str = "target") -> tuple[int, int]:
                           "(weights dequantized when loading, activations unquantized)")
     fmt = quant.get("fmt", "e4m3")
     if fmt not in ("e4m3", "float8_e4m3fn"):  # (MiniMax-M2's checkpoints spell it out)
-        raise DFlashError(f"{where} has fmt {fmt!r}; dflash-torch reads only 'e4m3' (float8_e4m3fn weights)")
+        raise DFlashError(f"{where} has fmt {fmt!r}; dflash-torch reads only 'e4m3' / 'float8_e4m3fn' weights")
     block = quant.get("weight_block_size")
     if (not isinstance(block, list) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
@@ -125,7 +125,7 @@ def check_pair(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     :func:`dequantize` reads (see there)."""
     if weight.dtype != FORMAT:
         raise DFlashError(f"FP8 weight {name} has dtype {str(weight.dtype).removeprefix('torch.')}; "
-                          "the config's fmt e4m3 means float8_e4m3fn")
+                          "the config's FP8 format (fmt) is float8_e4m3fn")
     if weight.dim() < 2:
         raise DFlashError(f"FP8 weight {name} has shape {tuple(weight.shape)}; block scales need a matrix")
     if not scale_inv.is_floating_point() or scale_inv.element_size() < 2:

@@ -43,6 +43,7 @@ from .layers import RMSNorm
 from .moe import SparseMoE, dispatch_experts, fuse_expert_weights
 from .target import DecoderLayer
 
+DEFAULT_ROPE_THETA = 5_000_000.0  # (transformers' MiniMaxM2Config default, for a config that gives none)
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors")  # dequantized when loading (fp8.py, packed_int.py)
 
 _EXPERT = re.compile(r"^(?P<prefix>.*)\.block_sparse_moe\.(?P<rest>.*)$")
@@ -66,6 +67,9 @@ def parse_config(cfg: dict) -> TargetConfig:
         raise DFlashError("target config.json lacks num_local_experts or num_experts_per_tok")
     _refuse_variants(cfg)
     fields = base_target_fields(cfg, "minimax_m2")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if "rope_theta" not in cfg and not (isinstance(rope, dict) and "rope_theta" in rope):
+        fields["rope_theta"] = DEFAULT_ROPE_THETA
     fields["partial_rotary_factor"] = _partial_rotary(cfg, fields["head_dim"])
     num_experts = check_int({"num_local_experts": experts}, "num_local_experts", "target", minimum=1)
     top_k = check_int(cfg, "num_experts_per_tok", "target", minimum=1)
@@ -73,16 +77,22 @@ def parse_config(cfg: dict) -> TargetConfig:
         raise DFlashError(f"target num_experts_per_tok {top_k} must be in [1, num_local_experts={num_experts}]")
     moe = MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=fields["intermediate_size"],
                     norm_topk_prob=True)
+    # (use_mtp says whether a server runs them; the layers are stored either way)
     mtp = (check_int(cfg, "num_mtp_modules", "target", minimum=0) or 0) * (check_int(cfg, "mtp_transformer_layers", "target") or 1)
-    fields.update(qk_norm=True, moe=moe, attention_bias=False,
-                  mtp_layers=mtp if bool_field(cfg, "use_mtp", "target", mtp > 0) else 0)
+    bool_field(cfg, "use_mtp", "target", False)
+    fields.update(qk_norm=True, moe=moe, attention_bias=False, mtp_layers=mtp)
     return TargetConfig(**fields)
 
 
 def _refuse_variants(cfg: dict) -> None:
     types = cfg.get("attn_type_list")
-    if types is not None and (not isinstance(types, list) or any(t != 1 for t in types)):
-        raise DFlashError(f"target config.json attn_type_list {types!r} has layers other than full attention (1); "
+    n = cfg.get("num_hidden_layers")
+    if types is not None and (not isinstance(types, list) or len(types) != n
+                              or any(isinstance(t, bool) or t not in (0, 1) for t in types)):
+        raise DFlashError(f"target config.json attn_type_list must list 0 or 1 for each of the {n} layers, "
+                          f"got {types!r}")
+    if types is not None and 0 in types:
+        raise DFlashError(f"target config.json attn_type_list {types!r} has linear-attention layers (0); "
                           "minimax_m2 targets with linear-attention layers are not supported")
     if not bool_field(cfg, "use_qk_norm", "target", True):
         raise DFlashError("target config.json has use_qk_norm false; minimax_m2 targets without q/k norms are "
@@ -167,11 +177,12 @@ class Model(llama.Model):
 
     @classmethod
     def checkpoint_keys(cls, cfg: TargetConfig, key: str) -> bool:
-        """Skip the multi-token-prediction layers (``model.layers.{i}``, ``i >=
-        num_hidden_layers``); a checkpoint whose config announces none has them refused
-        as unknown weights instead."""
+        """Skip the multi-token-prediction layers the config announces (``model.layers.{i}``,
+        ``num_hidden_layers <= i < num_hidden_layers + num_mtp_modules *
+        mtp_transformer_layers``, as vLLM skips them); any other layer past the decoder's is
+        refused as an unknown weight."""
         m = re.match(r"^model\.layers\.(\d+)\.", key)
-        return not (cfg.mtp_layers and m and int(m[1]) >= cfg.num_hidden_layers)
+        return not (m and cfg.num_hidden_layers <= int(m[1]) < cfg.num_hidden_layers + cfg.mtp_layers)
 
     @classmethod
     def convert_checkpoint(cls, cfg: TargetConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -192,4 +203,7 @@ class Model(llama.Model):
 
     @classmethod
     def checkpoint_name(cls, cfg: TargetConfig, key: str) -> str:
+        """As the checkpoint names it (the stacked experts: each expert's ``w1`` / ``w3``, ``w2``)."""
+        key = key.replace(".mlp.experts.gate_up_proj", ".mlp.experts.{0..%d}.w1/w3" % (cfg.moe.num_experts - 1))
+        key = key.replace(".mlp.experts.down_proj", ".mlp.experts.{0..%d}.w2" % (cfg.moe.num_experts - 1))
         return key.replace(".mlp.", ".block_sparse_moe.")

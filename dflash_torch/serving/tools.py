@@ -18,9 +18,9 @@ Formats (``serve --tool-call-parser``):
   bare (``true``, ``false``, ``null``, numbers; any other bare text is a string).
 * ``minimax_m2`` (MiniMax-M2, M2.1, M2.5): ``<minimax:tool_call>\n<invoke name="NAME">\n
   <parameter name="KEY">VALUE</parameter>\n...</invoke>\n...</minimax:tool_call>`` blocks,
-  each holding one or more calls (names quoted with ``"`` or ``'``, or bare). A value is
-  read as MiniMax's guide reads it: without its surrounding whitespace, then typed as in
-  ``qwen3_coder``.
+  each holding one or more calls (names quoted with ``"`` or ``'``, or bare), read as
+  MiniMax's guide reads them (:class:`MiniMaxM2Parser`): text between calls is ignored, a
+  value loses its surrounding whitespace and is typed by the tool's schema.
 * ``harmony`` (gpt-oss): a message whose recipient is ``functions.NAME``
   (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``;
   the recipient may also follow the role, ``<|start|>assistant to=functions.NAME``). Its
@@ -279,35 +279,80 @@ class Qwen3CoderParser(ToolParser):
         return value
 
 
-_NAME = r"""\s*(?:"([^"\n]*)"|'([^'\n]*)'|([^\s>"']+))\s*"""
-_INVOKE = re.compile(rf"\s*<invoke name={_NAME}>(.*?)</invoke>\s*", re.S)
-# a value ends at the </parameter> that the next parameter or the call's end follows (a value may hold one)
+_NAME = r"""\s*(?:"([^"\n]*)"|'([^'\n]*)'|([^>"'\n]+))\s*"""
+_INVOKE = re.compile(rf"<invoke name={_NAME}>(.*?)</invoke>", re.S)
+# a value ends at the </parameter> that the next parameter or the call's end follows (a value may hold one) ...
 _MINIMAX_PARAMETER = re.compile(rf"<parameter name={_NAME}>(.*?)</parameter>\s*(?=<parameter name=|\Z)", re.S)
+# ... or, where the call also holds other text, at the first </parameter> (MiniMax's guide reads them so)
+_MINIMAX_PARAMETER_FIRST_CLOSE = re.compile(rf"<parameter name={_NAME}>(.*?)</parameter>", re.S)
+_INTEGER = re.compile(r"[+-]?\d+")
+_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_BOOLEANS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
+def _group(m: re.Match, first: int) -> str:
+    """The name of a ``name=`` attribute: the first of its three alternatives that matched."""
+    return next(g for g in m.group(first, first + 1, first + 2) if g is not None).strip()
 
 
 class MiniMaxM2Parser(Qwen3CoderParser):
     """``<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter>...
-    </invoke>...</minimax:tool_call>``; ``tools`` as :class:`Qwen3CoderParser`'s."""
+    </invoke>...</minimax:tool_call>``; ``tools`` as :class:`Qwen3CoderParser`'s.
+
+    Read as MiniMax's guide reads them: every ``<invoke>`` of a block is a call (text between
+    them is ignored), every ``<parameter>`` of a call an argument, its value without the
+    surrounding whitespace, typed by :meth:`convert`. A block without a call stays text."""
 
     OPEN, CLOSE = MINIMAX_CALL_OPEN, MINIMAX_CALL_CLOSE
 
     def parse_block(self, body: str) -> list[ToolCall] | None:
-        calls, at = [], 0
+        calls = []
         for m in _INVOKE.finditer(body):
-            if m.start() != at:  # text between the calls: not this format
-                return None
-            at = m.end()
-            name = next(g for g in m.group(1, 2, 3) if g is not None).strip()
-            inner = m.group(4)
-            if not name or _MINIMAX_PARAMETER.sub("", inner).strip():
-                return None
+            name, inner = _group(m, 1), m.group(4)
+            if not name:
+                continue
+            params = _MINIMAX_PARAMETER if not _MINIMAX_PARAMETER.sub("", inner).strip() else _MINIMAX_PARAMETER_FIRST_CLOSE
             props, root = self.schemas.get(name, ({}, {}))
             args = {}
-            for p in _MINIMAX_PARAMETER.finditer(inner):
-                key = next(g for g in p.group(1, 2, 3) if g is not None).strip()
+            for p in params.finditer(inner):
+                key = _group(p, 1)
                 args[key] = self.convert(p.group(4).strip(), props.get(key), root)
             calls.append(ToolCall(name, _dumps(args)))
-        return calls if calls and at == len(body) else None
+        return calls or None
+
+    @staticmethod
+    def convert(value: str, schema, root: dict | None = None) -> object:
+        """``value`` as MiniMax's guide types it: ``null`` (any case) is null whatever the
+        schema; the ``enum`` / ``const`` value it writes; else by the types the schema allows
+        (:func:`schema_types`), the first that reads: ``string`` the text, ``integer`` a
+        decimal integer (``+5`` too), ``number`` a decimal number (an integral one as an
+        integer: ``1e3`` is 1000), ``boolean`` true / 1 / yes / on or false / 0 / no / off
+        (any case), ``object`` / ``array`` a JSON value of that type; else (no schema) the
+        text."""
+        if value.lower() == "null":
+            return None
+        for option in _enum(schema, root) or ():
+            if value in _coder_words(option):
+                return option
+        for t in schema_types(schema, root) or ["string"]:
+            if t == "string":
+                return value
+            if t == "integer" and _INTEGER.fullmatch(value):
+                return int(value)
+            if t == "number" and _NUMBER.fullmatch(value):
+                number = float(value)
+                if math.isfinite(number):
+                    return int(number) if number.is_integer() and abs(number) < 2 ** 63 else number
+            if t == "boolean" and value.lower() in _BOOLEANS:
+                return _BOOLEANS[value.lower()]
+            if t in ("object", "array"):
+                try:
+                    parsed = _json(value)
+                except ValueError:
+                    continue
+                if isinstance(parsed, dict if t == "object" else list):
+                    return parsed
+        return value
 
 
 class HarmonyToolParser(HarmonyParser):
