@@ -280,11 +280,11 @@ class Qwen3CoderParser(ToolParser):
 
 
 _NAME = r"""\s*(?:"([^"\n]*)"|'([^'\n]*)'|([^>"'\n]+))\s*"""
-_INVOKE = re.compile(rf"<invoke name={_NAME}>(.*?)</invoke>", re.S)
-# a value ends at the </parameter> that the next parameter or the call's end follows (a value may hold one) ...
-_MINIMAX_PARAMETER = re.compile(rf"<parameter name={_NAME}>(.*?)</parameter>\s*(?=<parameter name=|\Z)", re.S)
-# ... or, where the call also holds other text, at the first </parameter> (MiniMax's guide reads them so)
-_MINIMAX_PARAMETER_FIRST_CLOSE = re.compile(rf"<parameter name={_NAME}>(.*?)</parameter>", re.S)
+_INVOKE_OPEN = re.compile(rf"<invoke name={_NAME}>")
+_PARAMETER_OPEN = re.compile(rf"<parameter name={_NAME}>")
+# between two parameters written one after the other: where a value may end (it may hold a </parameter>)
+_PARAMETER_BOUNDARY = re.compile(r"</parameter>\s*(?=<parameter name=)")
+INVOKE_CLOSE, PARAMETER_CLOSE = "</invoke>", "</parameter>"
 _INTEGER = re.compile(r"[+-]?\d+")
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 _BOOLEANS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
@@ -293,6 +293,40 @@ _BOOLEANS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "
 def _group(m: re.Match, first: int) -> str:
     """The name of a ``name=`` attribute: the first of its three alternatives that matched."""
     return next(g for g in m.group(first, first + 1, first + 2) if g is not None).strip()
+
+
+def _elements(text: str, opener: re.Pattern, close: str) -> list[tuple[str, str]]:
+    """``(name, inner text)`` of each ``<TAG name=NAME>inner</TAG>`` of ``text``, the inner
+    text ending at the first ``close``; text between elements is skipped, an element without
+    its ``close`` ends the list. One pass over the text (no backtracking on long replies)."""
+    out, at = [], 0
+    while (m := opener.search(text, at)) is not None:
+        end = text.find(close, m.end())
+        if end < 0:
+            break
+        out.append((_group(m, 1), text[m.end():end]))
+        at = end + len(close)
+    return out
+
+
+def _adjacent_parameters(inner: str) -> list[tuple[str, str]] | None:
+    """``(key, value)`` of a call's parameters when it holds nothing else (whitespace aside),
+    a value ending at the ``</parameter>`` that the next parameter or the call's end follows
+    (so a value may hold ``</parameter>``); None when there is other text."""
+    text = inner.strip()
+    if not text:
+        return []
+    pieces = _PARAMETER_BOUNDARY.split(text)
+    if not pieces[-1].endswith(PARAMETER_CLOSE):
+        return None
+    pieces[-1] = pieces[-1][:-len(PARAMETER_CLOSE)]
+    out = []
+    for piece in pieces:
+        m = _PARAMETER_OPEN.match(piece)
+        if m is None:
+            return None
+        out.append((_group(m, 1), piece[m.end():]))
+    return out
 
 
 class MiniMaxM2Parser(Qwen3CoderParser):
@@ -307,16 +341,14 @@ class MiniMaxM2Parser(Qwen3CoderParser):
 
     def parse_block(self, body: str) -> list[ToolCall] | None:
         calls = []
-        for m in _INVOKE.finditer(body):
-            name, inner = _group(m, 1), m.group(4)
+        for name, inner in _elements(body, _INVOKE_OPEN, INVOKE_CLOSE):
             if not name:
                 continue
-            params = _MINIMAX_PARAMETER if not _MINIMAX_PARAMETER.sub("", inner).strip() else _MINIMAX_PARAMETER_FIRST_CLOSE
             props, root = self.schemas.get(name, ({}, {}))
-            args = {}
-            for p in params.finditer(inner):
-                key = _group(p, 1)
-                args[key] = self.convert(p.group(4).strip(), props.get(key), root)
+            params = _adjacent_parameters(inner)
+            if params is None:  # (other text in the call: each value ends at its first </parameter>)
+                params = _elements(inner, _PARAMETER_OPEN, PARAMETER_CLOSE)
+            args = {key: self.convert(value.strip(), props.get(key), root) for key, value in params}
             calls.append(ToolCall(name, _dumps(args)))
         return calls or None
 
