@@ -221,7 +221,8 @@ class HermesParser(ToolParser):
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?", re.S)
 # a value ends at the </parameter> that the next parameter or the function's end follows (a value may hold one)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>\s*(?=<parameter=|\Z)", re.S)
+_CODER_PARAMETER_OPEN = re.compile(r"<parameter=([^>\n]+)>")
+_CODER_PARAMETER_BOUNDARY = re.compile(r"</parameter>\s*(?=<parameter=)")
 
 
 class Qwen3CoderParser(ToolParser):
@@ -243,11 +244,12 @@ class Qwen3CoderParser(ToolParser):
         if m is None:
             return None
         name, inner = m.group(1).strip(), m.group(2)
-        if _PARAMETER.sub("", inner).strip():  # text outside the parameters: not this format
+        params = _adjacent_parameters(inner, _CODER_PARAMETER_OPEN, _CODER_PARAMETER_BOUNDARY, lambda m: m.group(1))
+        if params is None:  # text outside the parameters: not this format
             return None
         props, root = self.schemas.get(name, ({}, {}))
         args = {}
-        for key, value in _PARAMETER.findall(inner):
+        for key, value in params:
             value = value.removeprefix("\n").removesuffix("\n")  # (the template's newlines around it)
             args[key.strip()] = self.convert(value, props.get(key.strip()), root)
         return ToolCall(name, _dumps(args))
@@ -309,23 +311,26 @@ def _elements(text: str, opener: re.Pattern, close: str) -> list[tuple[str, str]
     return out
 
 
-def _adjacent_parameters(inner: str) -> list[tuple[str, str]] | None:
-    """``(key, value)`` of a call's parameters when it holds nothing else (whitespace aside),
-    a value ending at the ``</parameter>`` that the next parameter or the call's end follows
-    (so a value may hold ``</parameter>``); None when there is other text."""
+def _adjacent_parameters(inner: str, opener: re.Pattern = _PARAMETER_OPEN, boundary: re.Pattern = _PARAMETER_BOUNDARY,
+                         key=lambda m: _group(m, 1)) -> list[tuple[str, str]] | None:
+    """``(key, value)`` of a call's parameters (``opener`` the opening tag, ``boundary`` a
+    ``</parameter>`` before the next one; ``key`` reads an opener's match) when the call holds
+    nothing else (whitespace aside), a value ending at the ``</parameter>`` that the next
+    parameter or the call's end follows (so a value may hold ``</parameter>``); None when
+    there is other text. One pass over the text."""
     text = inner.strip()
     if not text:
         return []
-    pieces = _PARAMETER_BOUNDARY.split(text)
+    pieces = boundary.split(text)
     if not pieces[-1].endswith(PARAMETER_CLOSE):
         return None
     pieces[-1] = pieces[-1][:-len(PARAMETER_CLOSE)]
     out = []
     for piece in pieces:
-        m = _PARAMETER_OPEN.match(piece)
+        m = opener.match(piece)
         if m is None:
             return None
-        out.append((_group(m, 1), piece[m.end():]))
+        out.append((key(m), piece[m.end():]))
     return out
 
 
