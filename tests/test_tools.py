@@ -132,6 +132,14 @@ CASES = [
      "<minimax:tool_call>\n</minimax:tool_call>", []),
     ("none", "minimax_m2", "", MINIMAX[40:120], False, "", MINIMAX[40:120], []),  # (cut)
     ("none", "minimax_m2", "", "a <tool_call> of another format", True, "", "a <tool_call> of another format", []),
+    # text before and after calls stays apart (helper-9: "Sure.After.")
+    ("none", "hermes", "", 'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\nAfter.', True, "",
+     "Sure.\nAfter.", [("get_time", {})]),
+    ("none", "minimax_m2", "", 'A<minimax:tool_call><invoke name="get_time"></invoke></minimax:tool_call>\n\n'
+     '<minimax:tool_call><invoke name="get_time"></invoke></minimax:tool_call> B', True, "", "A\n\nB",
+     [("get_time", {}), ("get_time", {})]),
+    ("none", "qwen3_coder", "", "x  " + CODER + "\n<tool_call>\ncut", False, "", "x  <tool_call>\ncut",
+     [("get_weather", {"city": "New York", "days": 3, "metric": True, "hours": [1, 2], "ratio": None})]),
     ("harmony", "harmony", "", HARMONY, True, "Need the weather.", "", [("get_weather", {"city": "Oslo"})]),
     ("harmony", "harmony", "", HARMONY, False, "Need the weather.", '{"city": "Oslo"}', []),  # cut: no call
     ("harmony", "harmony", "", "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>",

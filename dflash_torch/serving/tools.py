@@ -35,7 +35,9 @@ harmony: its body), so no text is lost. In the marked-block formats (``<tool_cal
 ``<|tool_call>``), a close marker after which the call does not parse may be text inside an
 argument: the call is read on to the next close marker (unless an open marker comes first),
 so the text after a malformed call is held back until that is known. In the ``<tool_call>``
-formats, whitespace next to a call (the newlines templates put between calls) is dropped;
+formats, whitespace next to a call (the newlines templates put between calls) is dropped,
+except that text before and after calls stays apart (the first whitespace next to the calls
+between them, e.g. ``"Sure.\n<call>\nDone."`` gives ``"Sure.\nDone."``);
 Gemma 4's calls sit inside the text, which keeps its spaces.
 
 Composition with :mod:`.reasoning`: a reply is first split into reasoning and answer by
@@ -138,7 +140,10 @@ class ToolParser:
     it completes; :meth:`parse_block` reads one block's inside."""
 
     OPEN, CLOSE = CALL_OPEN, CALL_CLOSE
-    DROP_SPACE = True  # whitespace next to a call (the newlines templates put between calls) is dropped
+    # whitespace next to a call (the newlines templates put between calls) is dropped, except
+    # that text before and text after calls stay apart: the first whitespace next to the calls
+    # between them separates them
+    DROP_SPACE = True
 
     def __init__(self):
         self.buffer = ""
@@ -146,6 +151,15 @@ class ToolParser:
         self.gap = ""  # whitespace before the open call (dropped if the call parses)
         self.after_call = False  # whitespace that follows a call is dropped
         self.scan = 0  # where the open call's close marker is looked for
+        self.wrote = False  # whether any content came before
+        self.separator, self.locked = "", False  # what goes between that content and text after the calls
+
+    def _out(self, content: list[str], text: str) -> None:
+        if text:
+            if self.separator:
+                content.append(self.separator)
+            content.append(text)
+            self.wrote, self.separator, self.locked = True, "", False
 
     def parse_block(self, body: str) -> ToolCall | list[ToolCall] | None:
         """The call (or, in formats whose blocks hold several, the calls) in ``body`` (the
@@ -170,14 +184,20 @@ class ToolParser:
                         continue
                     if next_open < 0:  # (which comes first decides)
                         break
-                    content.append(self.gap + self.buffer[:stop])
+                    self._out(content, self.gap + self.buffer[:stop])
                 else:
                     calls.extend(call if isinstance(call, list) else [call])
+                    if self.DROP_SPACE and self.wrote:  # (the first whitespace run next to the calls: kept)
+                        self.separator = self.separator or self.gap
+                        self.locked = bool(self.separator)
                 self.buffer = self.buffer[stop:]
                 self.in_call, self.gap, self.after_call, self.scan = False, "", call is not None and self.DROP_SPACE, 0
                 continue
             if self.after_call:
-                self.buffer = self.buffer.lstrip()
+                stripped = self.buffer.lstrip()
+                if self.wrote and not self.locked:
+                    self.separator += self.buffer[:len(self.buffer) - len(stripped)]
+                self.buffer = stripped
                 if not self.buffer:
                     break
                 self.after_call = False
@@ -186,12 +206,12 @@ class ToolParser:
                 keep = _held(self.buffer, (self.OPEN,))
                 text_part = self.buffer[:len(self.buffer) - keep]
                 emit = text_part.rstrip() if self.DROP_SPACE else text_part
-                content.append(emit)
+                self._out(content, emit)
                 self.buffer = self.buffer[len(emit):]
                 break
             before = self.buffer[:start]
             kept = before.rstrip() if self.DROP_SPACE else before
-            content.append(kept)
+            self._out(content, kept)
             self.gap = before[len(kept):]
             self.buffer, self.in_call = self.buffer[start:], True
         return "".join(content), calls
@@ -199,9 +219,11 @@ class ToolParser:
     def finish(self) -> str:
         """The content held back, at the end of the answer (an open call is content)."""
         rest, self.buffer, self.scan = self.buffer, "", 0
-        if self.in_call:
-            return self.gap + rest
-        return rest.lstrip() if self.after_call else rest
+        text = self.gap + rest if self.in_call else rest.lstrip() if self.after_call else rest
+        if text and self.separator:
+            text = self.separator + text
+        self.separator = ""
+        return text
 
 
 class HermesParser(ToolParser):
