@@ -125,7 +125,12 @@ class ResponseBuilder:
 
     def _text(self, kind: str, text: str) -> list[dict]:
         events = []
-        if self.open is None or self.items[self.open]["type"] != kind:
+        opening = self.open is None or self.items[self.open]["type"] != kind
+        if opening and kind == "message" and self.items and self.items[-1]["type"] == "function_call":
+            text = text.lstrip()  # (the whitespace that parts chat content around a call: a new item needs none)
+            if not text:
+                return events
+        if opening:
             events += self._close()
             events += self._open(kind)
         index = self.open
