@@ -382,9 +382,10 @@ def fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device,
 
 
 def check_fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device, what: str,
-               saving: int = 0) -> None:
+               saving: int = 0, kept: str = "FP8 weights kept as stored") -> None:
     """Refuse to load ``model`` (built on the meta device) when its weights in ``dtype``
-    (less ``saving`` bytes: FP8 weights kept as stored, :func:`fp8_saving`) alone exceed
+    (less ``saving`` bytes: FP8 weights kept as stored, :func:`fp8_saving`, or packed integer
+    weights kept packed, :func:`int_saving`; ``kept`` says which in the message) alone exceed
     :func:`available_memory` of ``device``: one clear line instead of an out-of-memory
     error halfway through loading (or, on Linux, the process killed without a word).
 
@@ -392,9 +393,8 @@ def check_fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.d
         DFlashError: ``the target needs 42.3 GB for its weights in bfloat16; cuda:0 has 39.5 GB free``.
     """
     if not fits(model, dtype, device, saving=saving):
-        kept = " (FP8 weights kept as stored)" if saving else ""
         raise DFlashError(f"the {what} needs {(weight_bytes(model, dtype) - saving) / 1e9:.1f} GB for its weights in "
-                          f"{str(dtype).removeprefix('torch.')}{kept}; {torch.device(device)} has "
+                          f"{str(dtype).removeprefix('torch.')}{f' ({kept})' if saving else ''}; {torch.device(device)} has "
                           f"{available_memory(device) / 1e9:.1f} GB free")
 
 

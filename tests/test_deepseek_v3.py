@@ -486,9 +486,11 @@ def _kimi_config(**text):
     ({"model_type": "kimi_k25"}, r"^target config.json of model_type 'kimi_k25' lacks text_config$"),
     ({"model_type": "kimi_k25", "text_config": {"model_type": "qwen3"}},
      r"^target config.json of model_type 'kimi_k25' has a text_config of model_type 'qwen3'; expected deepseek_v3$"),
+    ({**_kimi_config(), "quantization_config": {"quant_method": "awq", "bits": 4}},
+     r"^the target checkpoint is quantized \(quant_method 'awq'\); dflash-torch reads unquantized "
+     r"float32/bfloat16/float16 weights only \(and fp8, compressed-tensors for this model_type\)$"),
     ({**_kimi_config(), "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}},
-     r"^the target checkpoint is quantized \(quant_method 'compressed-tensors'\); dflash-torch reads unquantized "
-     r"float32/bfloat16/float16 weights only \(and fp8 for this model_type\)$"),
+     r"^the target checkpoint's compressed-tensors quantization_config has no config_groups$"),
 ])
 def test_bad_configs_are_refused_in_one_line(cfg, message):
     with pytest.raises(DFlashError, match=message) as err:
@@ -517,3 +519,170 @@ def test_kimi_config_reads_the_text_config_and_the_wrapper_head():
                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}, "rope_theta": 50000.0}})
     m = 0.1 * __import__("math").log(64.0) + 1
     assert not kimi.tie_word_embeddings and abs(kimi.softmax_scale - 192 ** -0.5 * m * m) < 1e-12
+
+
+# --- compressed-tensors INT4 (Kimi-K2.5's published weights: its routed experts, groups of 32) ---
+
+KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
+ROUTED = lambda key: ".experts." in key  # noqa: E731  (not .shared_experts.)
+# attention, the dense MLP, shared and routed experts (and the projections of Kimi's vision tower, not read)
+EVERY_LAYER = lambda key: ".layers." in key  # noqa: E731
+INT4_CASES = {  # layout, group, what is quantized, where the quantization_config sits
+    "deepseek-experts-g32": ("deepseek", 32, ROUTED, "top"),
+    "kimi-experts-g32-in-text-config": ("kimi", 32, ROUTED, "text_config"),
+    "kimi-every-layer-g16": ("kimi", 16, EVERY_LAYER, "top"),
+}
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory, tokenizer_dir):
+    """A tiny Kimi-K2.5 in its published layout (one tensor per expert), with a tokenizer."""
+    target = save_kimi(kimi_model(seed=3), tmp_path_factory.mktemp("kimi") / "target")
+    copy_tokenizer(tokenizer_dir, target)
+    return target
+
+
+def int4(src: Path, dst: Path, group: int, which, where: str = "top") -> Path:
+    """``src`` with the projections ``which`` accepts (``kv_a_proj_with_mqa`` too) INT4,
+    symmetric, in groups of ``group``, packed by compressed-tensors; Kimi-K2.5's
+    quantization_config (its ``ignore`` list when only the routed experts are quantized), at
+    the top level or in the ``text_config``."""
+    from test_packed_int import scheme, to_packed
+
+    out = to_packed(src, dst, 4, group, which=which, suffixes=("_proj.weight", "_proj_with_mqa.weight"))
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["quantization_config"]
+    quant = scheme(4, group, KIMI_IGNORE if which is ROUTED else ["lm_head"])
+    (cfg["text_config"] if where == "text_config" else cfg)["quantization_config"] = quant
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def _int4_case(case: str, checkpoint, kimi_dir, tmp_path) -> tuple[Path, Path, int, bool, str]:
+    """(source, quantized checkpoint, group, attention quantized, decoder prefix in the file)."""
+    layout, group, which, where = INT4_CASES[case]
+    src = checkpoint[0] if layout == "deepseek" else kimi_dir
+    prefix = "model." if layout == "deepseek" else "language_model.model."
+    return src, int4(src, tmp_path / "int4", group, which, where), group, which is EVERY_LAYER, prefix
+
+
+@pytest.mark.parametrize("case", list(INT4_CASES))
+def test_int4_weights_equal_the_librarys_dequantization(checkpoint, kimi_dir, tmp_path, case):
+    """Dequantized when loading (``int_weights="dequantize"``): every weight equals our model
+    loaded from compressed-tensors' own dequantization of the checkpoint, bit for bit, in
+    float32 and bfloat16 (the router float32 in both); the quantized ones differ from the
+    unquantized source (the test sees the rounding)."""
+    from test_packed_int import library_dequantized
+
+    src, quantized, group, attention, prefix = _int4_case(case, checkpoint, kimi_dir, tmp_path)
+    stored = load_file(str(quantized / "model.safetensors"))
+    assert stored[prefix + "layers.2.mlp.experts.7.down_proj.weight_packed"].dtype == torch.int32
+    assert (prefix + "layers.1.self_attn.kv_b_proj.weight_packed" in stored) == attention
+    assert (prefix + "layers.1.mlp.shared_experts.up_proj.weight_packed" in stored) == attention
+    assert TargetConfig.from_dict(json.loads((quantized / "config.json").read_text())).int_quant == (4, group)
+    oracle = library_dequantized(quantized, tmp_path / "oracle", 4, group)
+    for dtype in (torch.float32, torch.bfloat16):
+        mine = TargetModel.from_pretrained(quantized, dtype, int_weights="dequantize").state_dict()
+        theirs = TargetModel.from_pretrained(oracle, dtype).state_dict()
+        assert mine.keys() == theirs.keys()
+        for k in mine:
+            assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]), (dtype, k)
+        assert mine["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+        if dtype == torch.float32:
+            original = TargetModel.from_pretrained(src, dtype).state_dict()
+            for key, rounded in (("model.layers.1.mlp.experts.gate_up_proj", True),
+                                 ("model.layers.1.self_attn.kv_b_proj.weight", attention)):
+                assert torch.equal(mine[key], original[key]) != rounded, key
+
+
+@pytest.mark.parametrize("case", list(INT4_CASES))
+def test_int4_kept_packed_gives_the_dequantized_model_bit_for_bit(checkpoint, kimi_dir, tmp_path, case):
+    """Kept packed (``int_weights="packed"``): the routed experts as int32 words, every other
+    quantized linear an IntLinear, ``kv_b_proj`` (read per head by the absorbed attention)
+    dequantized when loading; the logits equal the dequantized model's bit for bit, in float32
+    and bfloat16; the memory check's saving (:func:`~dflash_torch.checkpoint.int_saving` of what
+    stays packed) is exactly what the packed model saves."""
+    from test_packed_int import _packed_layers
+
+    from dflash_torch import checkpoint as ckpt
+    from dflash_torch.models.moe import Experts
+    from dflash_torch.models.packed_int import IntLinear
+
+    _, quantized, group, attention, prefix = _int4_case(case, checkpoint, kimi_dir, tmp_path)
+    stored = load_file(str(quantized / "model.safetensors"))
+    linears = sum(k.startswith(prefix) and k.endswith("_packed") and ".experts." not in k and "kv_b_proj" not in k
+                  for k in stored)
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = TargetModel.from_pretrained(quantized, dtype, int_weights="dequantize")
+        packed = TargetModel.from_pretrained(quantized, dtype, int_weights="packed")
+        assert packed.config.keep_int and not plain.config.keep_int
+        assert _packed_layers(packed) == (linears, 2) and (linears > 0) == attention
+        for layer in packed.model.layers[1:]:
+            e = layer.mlp.experts
+            assert isinstance(e, Experts) and (e.int_bits, e.int_group) == (4, group)
+            assert e.gate_up_proj.dtype == e.down_proj.dtype == torch.int32 and e.gate_up_proj.shape == (8, 64, 8)
+        layer = packed.model.layers[1]
+        attn = layer.self_attn
+        assert type(attn.kv_b_proj) is deepseek_v3._KvUpProjection and attn.kv_b_proj.weight.dtype == dtype
+        assert torch.equal(attn.kv_b_proj.weight, plain.model.layers[1].self_attn.kv_b_proj.weight)
+        for module in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj,
+                       layer.mlp.shared_experts.down_proj, packed.model.layers[0].mlp.gate_proj):
+            assert isinstance(module, IntLinear) == attention and (attention or type(module) is torch.nn.Linear)
+        assert layer.mlp.gate.weight.dtype == torch.float32 and type(packed.lm_head) is torch.nn.Linear
+        assert torch.equal(forward_in_pieces(packed, IDS, [20, 10], False)[0],
+                           forward_in_pieces(plain, IDS, [20, 10], False)[0]), dtype
+        cfg, model_cls = packed.config, type(packed)
+        saving = ckpt.int_saving(quantized, dtype, 4, group, lambda k: model_cls.checkpoint_keys(cfg, k)
+                                 and not model_cls.dequantized_keys(cfg, k))
+        assert saving == ckpt.weight_bytes(plain, dtype) - ckpt.weight_bytes(packed, dtype) > 0
+
+
+def test_speculative_decoding_on_a_packed_int4_kimi_equals_target_only(kimi_dir, tmp_path):
+    """A Kimi-K2.5 layout whose every layer is INT4 (experts, attention, dense and shared MLPs)
+    kept packed: greedy speculative decoding (one sequence, and a batch of two) == target-only
+    decoding of the dequantized model."""
+    quantized = int4(kimi_dir, tmp_path / "int4", 16, EVERY_LAYER)
+    drafter = save_drafter(tmp_path / "drafter", drafter_config(quantized, block_size=8), seed=4)
+    packed = DFlashEngine.from_pretrained(quantized, drafter, dtype="float32", int_weights="packed")
+    assert packed.target.config.keep_int and packed.target.model.layers[2].mlp.experts.int_bits == 4
+    plain = DFlashEngine.from_pretrained(quantized, None, dtype="float32", no_draft=True, int_weights="dequantize")
+    prompts = ("def f(x):", "import os\n")
+    refs = [plain.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in prompts]
+    assert [packed.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in prompts] == refs
+    batch = DFlashEngine(packed.target, packed.tokenizer, packed.drafter, max_batch_size=2, max_context=128)
+    assert [o.token_ids for o in batch.generate_batch(list(prompts), max_new_tokens=24, ignore_eos=True)] == refs
+
+
+def test_kimi_k25_s_weights_held_packed_take_658_gb():
+    """Kimi-K2.5's published shapes (hidden 7168, 61 layers, the first dense, 384 routed experts
+    of 2048, one shared, vocab 163840, MLA ranks 1536 / 512, 64 heads) with its routed experts
+    kept packed (INT4 words, float32 scales per 32 columns) and everything else bfloat16: the
+    README's figure. Dequantized to bfloat16 they would take 2.05 TB."""
+    from dflash_torch import checkpoint as ckpt
+    from dflash_torch.models.moe import Experts
+
+    cfg = TargetConfig.from_dict({"model_type": "kimi_k25", "tie_word_embeddings": False, "text_config": {
+        "model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384,
+        "num_experts_per_tok": 8, "n_shared_experts": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_group": 1, "topk_group": 1,
+        "first_k_dense_replace": 1, "vocab_size": 163840, "num_nextn_predict_layers": 0,
+        "quantization_config": dict(INT4_KIMI, ignore=KIMI_IGNORE)}})
+    assert cfg.int_quant == (4, 32)
+    with torch.device("meta"):
+        model = deepseek_v3.Model(cfg)
+    routed = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+    assert routed == 60 * 384 * 3 * 7168 * 2048
+    assert ckpt.weight_bytes(model, torch.bfloat16) == 2_052_816_464_896
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.keep_int(*cfg.int_quant)
+    rest = 2_052_816_464_896 - 2 * routed  # (bfloat16: embeddings, head, attention, dense and shared MLPs, routers)
+    assert ckpt.weight_bytes(model, torch.bfloat16) == rest + routed // 2 + routed // 32 * 4 == 657_623_182_336
+
+
+INT4_KIMI = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                 "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+                 "dynamic": False, "actorder": None, "observer": "minmax"}, "input_activations": None,
+                 "output_activations": None}}, "kv_cache_scheme": None}

@@ -61,13 +61,14 @@ def scheme(bits: int, group: int | None, ignore: list[str]) -> dict:
             "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}}
 
 
-def to_packed(src: Path, dst: Path, bits: int, group: int | None, which=lambda key: True) -> Path:
-    """``src`` with every decoder projection ``X.weight`` that ``which`` accepts stored as
-    ``X.weight_packed`` / ``X.weight_scale`` / ``X.weight_shape`` (packed by compressed-tensors),
-    and the config's quantization_config."""
+def to_packed(src: Path, dst: Path, bits: int, group: int | None, which=lambda key: True,
+              suffixes: tuple[str, ...] = ("_proj.weight",)) -> Path:
+    """``src`` with every decoder projection ``X.weight`` (a name ending in one of ``suffixes``)
+    that ``which`` accepts stored as ``X.weight_packed`` / ``X.weight_scale`` / ``X.weight_shape``
+    (packed by compressed-tensors), and the config's quantization_config."""
     shutil.copytree(src, dst)
     state = load_file(str(dst / "model.safetensors"))
-    for key in [k for k in state if k.endswith("_proj.weight") and which(k)]:
+    for key in [k for k in state if k.endswith(suffixes) and which(k)]:
         q, scale = quantize(state.pop(key), bits, group)
         state[key + "_packed"] = pack_to_int32(q, bits)
         state[key + "_scale"] = scale
@@ -93,7 +94,8 @@ def library_dequantized(src: Path, dst: Path, bits: int, group: int | None) -> P
         state[name] = ct_dequantize(q, state.pop(name + "_scale").float(), None, _args(bits, group))
     save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((dst / "config.json").read_text())
-    del cfg["quantization_config"]
+    for where in (cfg, cfg.get("text_config") or {}):  # (a wrapper's may sit in its text_config)
+        where.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
 

@@ -58,7 +58,12 @@ Fine-grained FP8 (DeepSeek-V3's official format) loads through :mod:`.fp8`; with
 ``--fp8 packed`` every FP8 linear stays FP8 except ``kv_b_proj``, whose matrix the absorbed
 attention reads per head: it is dequantized when loading (``heads * (qk_nope + v_head_dim) *
 kv_lora_rank`` values a layer, 33 MB in bfloat16 for DeepSeek-V3; the memory check counts it
-as packed). Kimi-K2.5's published weights (compressed-tensors INT4) are refused.
+dequantized). Compressed-tensors ``pack-quantized`` integers (Kimi-K2.5's published weights:
+its routed experts INT4 in groups of 32, everything else bfloat16) load through
+:mod:`.packed_int`, dequantized when loading or, ``int_weights="packed"``, kept packed: the
+experts as int32 words, a quantized linear as an
+:class:`~dflash_torch.models.packed_int.IntLinear`, and ``kv_b_proj`` again dequantized when
+loading (its packed words and scales do not count as kept in the memory check).
 """
 
 from __future__ import annotations
@@ -79,7 +84,9 @@ from .moe import Experts, dispatch_experts, fuse_expert_weights
 from .rope import Rotary, apply_rope
 from .target import DecoderLayer, TargetModel, _Step
 
-QUANTIZATION_METHODS = ("fp8",)  # fine-grained FP8 weights (DeepSeek-V3's official format, see fp8.py)
+# fine-grained FP8 (DeepSeek-V3's official format, fp8.py); compressed-tensors pack-quantized integers (Kimi-K2.5's
+# INT4 experts, packed_int.py)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
 
 WRAPPERS = {"kimi_k25": "deepseek_v3"}
 TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # a kimi_k25 text_config's model_type ("kimi_k2": older configs)
@@ -220,8 +227,9 @@ def parse_config(cfg: dict) -> DeepseekV3Config:
 class _KvUpProjection(nn.Linear):
     """``kv_b_proj`` (``kv_lora_rank`` -> ``heads * (qk_nope_head_dim + v_head_dim)``), whose
     matrix the absorbed attention reads per head rather than applying it to rows. A subclass,
-    so that an FP8 checkpoint loaded ``--fp8 packed`` dequantizes it when loading instead of
-    making it an :class:`~dflash_torch.models.fp8.Fp8Linear` (which only applies its matrix)."""
+    so that a checkpoint loaded ``--fp8 packed`` / ``--int-weights packed`` dequantizes it when
+    loading instead of making it an :class:`~dflash_torch.models.fp8.Fp8Linear` or
+    :class:`~dflash_torch.models.packed_int.IntLinear` (which only apply their matrix)."""
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
@@ -477,6 +485,12 @@ class Model(TargetModel):
         if cfg.checkpoint_prefix == KIMI_DECODER[0] and key.startswith("lm_head."):
             return "language_model." + key
         return super().checkpoint_name(cfg, key)
+
+    @classmethod
+    def dequantized_keys(cls, cfg: DeepseekV3Config, key: str) -> bool:
+        """``kv_b_proj``, which the absorbed attention reads per head, is dequantized when
+        loading even where the other weights are kept packed (:class:`_KvUpProjection`)."""
+        return ".self_attn.kv_b_proj.weight" in key
 
     @classmethod
     def float32_keys(cls, cfg: DeepseekV3Config, key: str) -> bool:

@@ -178,6 +178,14 @@ class TargetModel(nn.Module):
         return False
 
     @classmethod
+    def dequantized_keys(cls, cfg: TargetConfig, key: str) -> bool:
+        """Whether a quantized checkpoint tensor (its name in the checkpoint: an FP8 weight or
+        an ``X.weight_packed``) is dequantized when loading even where the checkpoint's
+        weights are kept packed (a matrix the model reads other than by applying it, e.g.
+        DeepSeek-V3's ``kv_b_proj``): the memory check then counts it dequantized. False here."""
+        return False
+
+    @classmethod
     def checkpoint_name(cls, cfg: TargetConfig, key: str) -> str:
         """The name in the checkpoint of this model's parameter ``key`` (for messages)."""
         if cfg.checkpoint_prefix != "model." and key.startswith("model."):
@@ -226,15 +234,17 @@ class TargetModel(nn.Module):
                 cfg.keep_mxfp4 = True
                 model = model_cls(cfg)
         keep = lambda k: model_cls.checkpoint_keys(cfg, k)  # noqa: E731
+        kept_packed = lambda k: keep(k) and not model_cls.dequantized_keys(cfg, k)  # noqa: E731
         saving, keep_fp8 = 0, False
         if cfg.fp8_block is not None and fp8 != "dequantize":
-            saving = fp8_saving(model_dir, dtype, cfg.fp8_block, keep)  # (< 0 where the row scales outweigh it)
+            saving = fp8_saving(model_dir, dtype, cfg.fp8_block, kept_packed)  # (< 0 where the row scales outweigh it)
             keep_fp8 = fp8 == "packed" or (saving > 0 and not fits(model, dtype, device, share=0.9))
         keep_int = False
         if cfg.int_quant is not None and int_weights != "dequantize":
-            saving = int_saving(model_dir, dtype, *cfg.int_quant, keep)
+            saving = int_saving(model_dir, dtype, *cfg.int_quant, kept_packed)
             keep_int = int_weights == "packed" or (saving > 0 and not fits(model, dtype, device, share=0.9))
-        check_fits(model, dtype, device, "target", saving=saving if keep_fp8 or keep_int else 0)
+        check_fits(model, dtype, device, "target", saving=saving if keep_fp8 or keep_int else 0,
+                   kept="packed integer weights kept packed" if keep_int else "FP8 weights kept as stored")
         state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=keep_fp8,
                                 int_quant=cfg.int_quant, keep_int=keep_int,
                                 float32=lambda k: model_cls.float32_keys(cfg, k))
