@@ -152,8 +152,8 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             ``X.weight_scale`` and ``X.weight_shape`` is dequantized into ``X.weight`` in
             ``dtype`` as it is read; None: a checkpoint without packed integer weights.
         keep_int: with ``int_quant``, keep each packed weight instead: ``X.weight`` the int32
-            words (on ``device``) and ``X.weight_scale`` its scales in float32, after
-            checking them (rows of whole words only).
+            words (on ``device``) and ``X.weight_scale`` its scales (as stored), after checking
+            them (rows of whole words only).
         float32: the names of floating-point tensors cast to float32 instead of ``dtype``
             (e.g. a router transformers keeps in float32); None: none.
 
@@ -403,25 +403,33 @@ def int_saving(model_dir: Path, dtype: torch.dtype, bits: int, group: int | None
     """Bytes saved by keeping a checkpoint's packed integer weights packed instead of
     dequantizing them into ``dtype``: per ``X.weight_packed`` (that ``keep`` accepts) of
     ``rows`` x ``words``, ``rows * words * 32 / bits`` elements of ``dtype`` less the words
-    themselves and the float32 scales (``rows * words * 32 / bits / group`` each, or one per
-    row). Reads only the files' headers.
+    themselves and the scales as stored (``X.weight_scale``). Reads only the files' headers.
 
     Raises:
         DFlashError: a weight file that is not valid safetensors.
     """
     from .models import packed_int
 
-    saved = 0
+    headers = {}  # name -> (shape, dtype) of the packed words and scales (any shard)
     for file in weight_files(model_dir):
         with _open(file) as f:
             for key in f.keys():
-                if not key.endswith(packed_int.PACKED) or (keep is not None and not keep(key)):
-                    continue
-                *lead, rows, words = f.get_slice(key).get_shape()
-                n = math.prod(lead) * rows
-                cols = words * 32 // bits
-                saved += n * (cols * dtype.itemsize - words * 4 - (cols // group if group else 1) * 4)
+                if key.endswith((packed_int.PACKED, ".weight" + packed_int.SCALE)):
+                    part = f.get_slice(key)
+                    headers[key] = (part.get_shape(), part.get_dtype())
+    saved = 0
+    for key, (shape, _) in headers.items():
+        if not key.endswith(packed_int.PACKED) or (keep is not None and not keep(key)):
+            continue
+        *lead, rows, words = shape
+        saved += math.prod(lead) * rows * (words * 32 // bits * dtype.itemsize - words * 4)
+        scale = headers.get(key.removesuffix(packed_int.PACKED) + packed_int.SCALE)
+        if scale is not None:
+            saved -= math.prod(scale[0]) * _SAFETENSORS_BYTES.get(scale[1], 4)
     return saved
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}  # (bytes per element of a scale's dtype)
 
 
 def fp8_saving(model_dir: Path, dtype: torch.dtype, block: tuple[int, int],

@@ -64,11 +64,11 @@ class Experts(nn.Module):
                 scales = torch.empty(*w.shape[:-1], -(-w.shape[-1] // block_cols))
                 setattr(self, name + "_scale", nn.Parameter(scales, requires_grad=False))
 
-    def keep_int(self, bits: int, group: int | None) -> None:
+    def keep_int(self, bits: int, group: int | None, scale_dtype: torch.dtype = torch.float32) -> None:
         """Hold the matrices as packed integers (meta, to load into;
         :mod:`~dflash_torch.models.packed_int`): int32 words ``[E, rows, cols * bits / 32]``
-        and float32 scales ``[E, rows, cols / group or 1]``; each forward dequantizes the
-        experts it runs."""
+        and scales ``[E, rows, cols / group or 1]`` in ``scale_dtype``; each forward
+        dequantizes the experts it runs."""
         from .packed_int import words
 
         self.int_bits, self.int_group = bits, group or 0
@@ -77,7 +77,7 @@ class Experts(nn.Module):
                 w = getattr(self, name)
                 packed = torch.empty(*w.shape[:-1], words(w.shape[-1], bits), dtype=torch.int32)
                 setattr(self, name, nn.Parameter(packed, requires_grad=False))
-                scales = torch.empty(*w.shape[:-1], w.shape[-1] // group if group else 1)
+                scales = torch.empty(*w.shape[:-1], w.shape[-1] // group if group else 1, dtype=scale_dtype)
                 setattr(self, name + "_scale", nn.Parameter(scales, requires_grad=False))
 
     def quantization(self) -> dict:
@@ -138,7 +138,7 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
             each expert run is dequantized to ``x.dtype``.
         fp8_block_cols: the block width of FP8 matrices (0 otherwise).
         int_bits, int_group: > 0: the matrices are packed integers (int32 words
-            ``[E, rows, cols * int_bits / 32]``, float32 scales ``[E, rows, cols / int_group]``,
+            ``[E, rows, cols * int_bits / 32]``, scales ``[E, rows, cols / int_group]``,
             or ``[E, rows, 1]`` when ``int_group`` is 0; :mod:`~dflash_torch.models.packed_int`).
 
     While a CUDA graph is being captured (``--compile`` on CUDA), where nothing may be

@@ -22,7 +22,7 @@ transformers' loading of such a checkpoint (tested).
 Modules the config ``ignore``s are stored unquantized and load as they are. Loading
 dequantizes each weight as it is read (:func:`dequantize`), or (``int_weights="packed"``)
 keeps it packed: an :class:`IntLinear` (or stacked experts) holding the int32 words and
-float32 scales, dequantizing what each forward runs with the same arithmetic (so the same
+the scales (in the checkpoint's dtype), dequantizing what each forward runs with the same arithmetic (so the same
 values), at about a quarter (4 bits) or half (8 bits) of bfloat16's memory.
 """
 
@@ -146,7 +146,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, b
 def check_parts(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, bits: int, group: int | None,
                 name: str = "weight", whole_words: bool = False) -> tuple[torch.Tensor, int]:
     """Check a packed weight's parts (as :func:`dequantize`'s arguments) and return its scales
-    in float32 on ``packed``'s device and its number of columns.
+    (in their own dtype, on ``packed``'s device) and its number of columns.
 
     Args:
         whole_words: also require that each row fills whole int32 words (``in * bits`` a
@@ -170,7 +170,7 @@ def check_parts(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, 
     if tuple(scale.shape) != want or not scale.is_floating_point():
         raise DFlashError(f"{name}{SCALE} is {str(scale.dtype).removeprefix('torch.')} {tuple(scale.shape)}, "
                           f"expected floating point {want}")
-    scale = scale.to(device=packed.device, dtype=torch.float32)
+    scale = scale.to(device=packed.device)
     if not bool(torch.isfinite(scale).all()):
         raise DFlashError(f"{name}{SCALE} holds NaN or infinite values (a corrupt checkpoint)")
     if whole_words and cols * bits % 32:
@@ -181,11 +181,12 @@ def check_parts(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, 
 
 def dequantize_groups(packed: torch.Tensor, scales: torch.Tensor, bits: int, group: int | None, cols: int,
                       dtype: torch.dtype) -> torch.Tensor:
-    """:func:`dequantize` of checked parts: ``scales`` float32 ``[..., out, in / group or 1]``,
-    ``cols`` the columns ``in``. No host read (CUDA graphs can capture it)."""
+    """:func:`dequantize` of checked parts: ``scales`` ``[..., out, in / group or 1]`` (any
+    floating dtype: widened exactly to float32), ``cols`` the columns ``in``. No host read
+    (CUDA graphs can capture it)."""
     q = unpack(packed, bits, cols).to(torch.float32)
     per = group or cols
-    return (q.unflatten(-1, (cols // per, per)) * scales[..., None]).flatten(-2).to(dtype)
+    return (q.unflatten(-1, (cols // per, per)) * scales.float()[..., None]).flatten(-2).to(dtype)
 
 
 def words(cols: int, bits: int) -> int:
@@ -195,25 +196,28 @@ def words(cols: int, bits: int) -> int:
 
 class IntLinear(nn.Module):
     """A linear layer whose weight stays packed: ``weight`` int32 ``[out, in * bits / 32]``
-    (the checkpoint's ``weight_packed``), ``weight_scale`` float32 ``[out, in / group or 1]``,
+    (the checkpoint's ``weight_packed``), ``weight_scale`` ``[out, in / group or 1]`` (in the
+    checkpoint's dtype, e.g. bfloat16: widened exactly when used),
     ``bias`` (in the model's dtype) or None. Each forward dequantizes the weight into the
     input's dtype (:func:`dequantize_groups`) and applies it: the output of an ``nn.Linear``
     holding the dequantized weight."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group: int | None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group: int | None,
+                 scale_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.in_features, self.out_features, self.int_bits, self.int_group = in_features, out_features, bits, group or 0
         self.weight = nn.Parameter(torch.empty(out_features, words(in_features, bits), dtype=torch.int32),
                                    requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(out_features, in_features // group if group else 1),
-                                         requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, in_features // group if group else 1,
+                                                     dtype=scale_dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     @classmethod
-    def like(cls, linear: nn.Module, bits: int, group: int | None) -> "IntLinear":
+    def like(cls, linear: nn.Module, bits: int, group: int | None, scale_dtype: torch.dtype = torch.float32
+             ) -> "IntLinear":
         """An (uninitialised, meta) :class:`IntLinear` of ``linear``'s shape, to load into."""
         with torch.device("meta"):
-            return cls(linear.in_features, linear.out_features, linear.bias is not None, bits, group)
+            return cls(linear.in_features, linear.out_features, linear.bias is not None, bits, group, scale_dtype)
 
     @classmethod
     def joined(cls, parts: list["IntLinear"]) -> "IntLinear":
@@ -221,7 +225,7 @@ class IntLinear(nn.Module):
         with a bias or all without) side by side: their words, scales and biases stacked."""
         first = parts[0]
         out = cls.like(nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
-                                 device="meta"), first.int_bits, first.int_group or None)
+                                 device="meta"), first.int_bits, first.int_group or None, first.weight_scale.dtype)
         with torch.no_grad():
             for name in ("weight", "weight_scale", "bias"):
                 if getattr(first, name) is not None:

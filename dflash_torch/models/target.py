@@ -514,10 +514,10 @@ def _keep_int(model: nn.Module, state: dict[str, torch.Tensor], scheme: tuple[in
             continue
         if type(owner) is nn.Linear and attr == "weight":
             parent, child = path.rsplit(".", 1)
-            setattr(model.get_submodule(parent), child, IntLinear.like(owner, *scheme))
+            setattr(model.get_submodule(parent), child, IntLinear.like(owner, *scheme, state[key].dtype))
         elif isinstance(owner, Experts) and attr in ("gate_up_proj", "down_proj"):
             if not owner.int_bits:
-                owner.keep_int(*scheme)
+                owner.keep_int(*scheme, state[key].dtype)
         else:
             cols = getattr(owner, attr).shape[-1] if hasattr(owner, attr) else state[name].shape[-1] * 32 // scheme[0]
             state[name] = dequantize_groups(state[name], state.pop(key), scheme[0], scheme[1], cols, dtype)
