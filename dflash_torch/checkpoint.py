@@ -153,7 +153,7 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             ``dtype`` as it is read; None: a checkpoint without packed integer weights.
         keep_int: with ``int_quant``, keep each packed weight instead: ``X.weight`` the int32
             words (on ``device``) and ``X.weight_scale`` its scales (as stored), after checking
-            them (rows of whole words only).
+            them; a weight whose rows end inside a word is dequantized all the same.
         float32: the names of floating-point tensors cast to float32 instead of ``dtype``
             (e.g. a router transformers keeps in float32); None: none.
 
@@ -163,8 +163,8 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             not say FP8; with ``fp8_block``: an FP8 weight without its scale or a scale without
             its weight, static activation scales (``input_scale``), or a pair
             :func:`~dflash_torch.models.fp8.dequantize` refuses; with ``keep_fp8``: a NaN
-            byte, or a product that overflows ``dtype``; with ``int_quant``: a packed weight
-            without its scale or shape, a scale or shape without its packed weight, a zero
+            byte, or a product that overflows ``dtype``; with ``int_quant``: a weight stored
+            both packed and not, a packed weight without its scale or shape, a scale or shape without its packed weight, a zero
             point or group index, or what :func:`~dflash_torch.models.packed_int.dequantize`
             refuses.
     """
@@ -182,6 +182,8 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                     continue  # (read with its packed weight)
                 if int_quant is not None and key.endswith(packed_int.PACKED):
                     name = key.removesuffix(packed_int.PACKED)
+                    if name in source:  # (which one would win would depend on the files' order)
+                        raise DFlashError(f"{model_dir}: both {name} and the packed {key}")
                     parts = []
                     for suffix in (packed_int.SCALE, packed_int.SHAPE):
                         if name + suffix not in source:
@@ -189,11 +191,11 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                         with _open(source[name + suffix]) as g:
                             parts.append(g.get_tensor(name + suffix))
                     packed = f.get_tensor(key).to(device)
-                    if keep_int:
-                        scale, _ = packed_int.check_parts(packed, parts[0], parts[1], *int_quant, name, whole_words=True)
+                    scale, cols = packed_int.check_parts(packed, parts[0], parts[1], *int_quant, name)
+                    if keep_int and cols * int_quant[0] % 32 == 0:
                         state[name], state[name + packed_int.SCALE] = packed, scale
-                    else:
-                        state[name] = packed_int.dequantize(packed, *parts, *int_quant, dtype, name)
+                    else:  # (a row that ends inside a word is dequantized even when the others stay packed)
+                        state[name] = packed_int.dequantize_groups(packed, scale, *int_quant, cols, dtype)
                     continue
                 if fp8_block is not None and key.endswith(fp8.SCALE_SUFFIX):
                     if key.removesuffix(fp8.SCALE_SUFFIX) not in source:
@@ -419,8 +421,8 @@ def int_saving(model_dir: Path, dtype: torch.dtype, bits: int, group: int | None
                     headers[key] = (part.get_shape(), part.get_dtype())
     saved = 0
     for key, (shape, _) in headers.items():
-        if not key.endswith(packed_int.PACKED) or (keep is not None and not keep(key)):
-            continue
+        if not key.endswith(packed_int.PACKED) or len(shape) < 2 or (keep is not None and not keep(key)):
+            continue  # (a packed weight that is not a matrix is refused when it is read)
         *lead, rows, words = shape
         saved += math.prod(lead) * rows * (words * 32 // bits * dtype.itemsize - words * 4)
         scale = headers.get(key.removesuffix(packed_int.PACKED) + packed_int.SCALE)

@@ -335,6 +335,12 @@ class DFlashEngine:
                 recommended = exc
         drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev, config=draft_raw)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8, int_weights=int_weights)
+        for option, value, kept in (("mxfp4", mxfp4, model.config.keep_mxfp4), ("fp8", fp8, model.config.keep_fp8),
+                                    ("int-weights", int_weights, model.config.keep_int)):
+            if kept and value == "auto":  # (much slower rounds: say so)
+                log.warning(f"dflash-torch: the target's quantized weights are kept packed (--{option} auto: "
+                            f"dequantized they would not fit in 90% of the free memory); each forward dequantizes "
+                            f"them, so rounds are slower")
         if drafter is not None:  # (a Speculators drafter may ship copies of the target's embedding / LM head)
             freed = drafter.share_with(model)
             if freed:

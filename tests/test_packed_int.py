@@ -186,7 +186,8 @@ def _set(key, value):
     (_quant(strategy="tensor"), "strategy 'tensor'"),
     (_quant(dynamic=True), "dynamic weight scales"),
     (_set("kv_cache_scheme", {"num_bits": 8}), "kv_cache_scheme"),
-    (_set("sparsity_config", {"format": "sparse-24-bitmask"}), "sparsity_config"),
+    (_set("sparsity_config", {"format": "sparse-24-bitmask"}), "sparsity_config of format 'sparse-24-bitmask'"),
+    (_set("transform_config", {"config_groups": {"u": {"type": "hadamard"}}}), "transform_config"),
     (_set("config_groups", {}), "no config_groups"),
     (lambda cfg: cfg["quantization_config"]["config_groups"].__setitem__("group_1", {
         "targets": ["re:.*mlp.*"], "format": "pack-quantized",
@@ -217,6 +218,15 @@ def test_bad_packed_weights_are_refused_in_one_line(w4a16, tmp_path, state, mess
     with pytest.raises(DFlashError, match=message) as err:
         TargetModel.from_pretrained(target, torch.float32)
     assert "\n" not in str(err.value)
+
+
+def test_a_dense_sparsity_config_and_an_empty_transform_config_change_nothing(w4a16, tmp_path):
+    """(helper-11) llm-compressor writes them: "dense" means no sparsity."""
+    target = edited_checkpoint(w4a16[0], tmp_path / "dense", config=lambda cfg: cfg["quantization_config"].update(
+        sparsity_config={"format": "dense", "global_sparsity": 0.14, "sparsity_structure": "unstructured"},
+        transform_config={}))
+    assert torch.equal(_logits(TargetModel.from_pretrained(target, torch.float32)),
+                       _logits(TargetModel.from_pretrained(w4a16[0], torch.float32)))
 
 
 def test_families_without_packed_integer_weights_refuse_them(tmp_path):
@@ -340,10 +350,45 @@ def test_the_int_weights_option_is_checked(w4a16, tmp_path):
         DFlashEngine.from_pretrained(target, drafter, int_weights="unpacked")
 
 
-def test_rows_ending_inside_a_word_are_dequantized_but_not_kept_packed(tmp_path):
+def test_rows_ending_inside_a_word_are_dequantized_while_the_others_stay_packed(tmp_path):
     src = make_target(tmp_path / "src", "qwen3", tokenizer=False, intermediate_size=70)
     quantized = to_packed(src, tmp_path / "q", 4, None)  # (down_proj: 70 columns, 280 bits)
     plain = TargetModel.from_pretrained(quantized, torch.float32, int_weights="dequantize")
     assert plain.model.layers[0].mlp.down_proj.weight.shape == (64, 70)
-    with pytest.raises(DFlashError, match="rows of 70 4-bit integers, which end inside an int32 word"):
-        TargetModel.from_pretrained(quantized, torch.float32, int_weights="packed")
+    packed = TargetModel.from_pretrained(quantized, torch.float32, int_weights="packed")
+    mlp = packed.model.layers[0].mlp
+    assert type(mlp.down_proj) is torch.nn.Linear and isinstance(mlp.up_proj, packed_int.IntLinear)
+    assert torch.equal(_logits(packed), _logits(plain))
+
+
+def test_a_quantized_lm_head_is_dequantized_when_the_decoder_stays_packed(w4a16, tmp_path):
+    """(helper-11: a traceback) The head, which drafters read too, is dequantized; the logits
+    are those of the dequantized model."""
+    src = make_target(tmp_path / "src", "qwen3", tokenizer=False, tie_word_embeddings=False)
+    quantized = to_packed(src, tmp_path / "q", 4, 16, which=lambda k: True)
+    def pack_head(weights):
+        q, scale = quantize(weights.pop("lm_head.weight"), 4, 16)
+        weights.update({"lm_head.weight_packed": pack_to_int32(q, 4), "lm_head.weight_scale": scale,
+                        "lm_head.weight_shape": torch.tensor(q.shape)})
+
+    head = edited_checkpoint(quantized, tmp_path / "head", state=pack_head)
+    plain = TargetModel.from_pretrained(head, torch.float32, int_weights="dequantize")
+    packed = TargetModel.from_pretrained(head, torch.float32, int_weights="packed")
+    assert type(packed.lm_head) is torch.nn.Linear and packed.lm_head.weight.dtype == torch.float32
+    assert isinstance(packed.model.layers[0].self_attn.q_proj, packed_int.IntLinear)
+    assert torch.equal(_logits(packed), _logits(plain))
+
+
+def test_a_weight_stored_both_packed_and_not_is_refused(w4a16, tmp_path):
+    target = edited_checkpoint(w4a16[0], tmp_path / "both", state=lambda w: w.__setitem__(P, torch.zeros(32, 64)))
+    for mode in ("dequantize", "packed"):
+        with pytest.raises(DFlashError, match=rf"both {P} and the packed {P}_packed"):
+            TargetModel.from_pretrained(target, torch.float32, int_weights=mode)
+
+
+def test_a_packed_weight_that_is_not_a_matrix_is_refused_in_one_line_in_every_mode(w4a16, tmp_path):
+    target = edited_checkpoint(w4a16[0], tmp_path / "flat", state=lambda w: w.__setitem__(
+        P + "_packed", w[P + "_packed"].flatten()))
+    for mode in ("auto", "dequantize", "packed"):
+        with pytest.raises(DFlashError, match="is int32 with 1 dimensions, expected int32"):
+            TargetModel.from_pretrained(target, torch.float32, int_weights=mode)

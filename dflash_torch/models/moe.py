@@ -354,7 +354,8 @@ def _check_expert_group(state: dict[str, torch.Tensor], prefix: str, experts: di
             raise DFlashError(f"{where}: both per-expert weights and the stacked {prefix}.{stacked}")
     scaled = {p + "_scale" in experts[e] for e in range(num_experts) for p in _PROJS}
     if len(scaled) > 1:  # (an FP8 checkpoint quantizes all of a layer's experts or none)
-        raise DFlashError(f"{where}: FP8 scales for some experts' matrices but not for others")
+        raise DFlashError(f"{where}: some experts' matrices are kept quantized (with scales) and others not; "
+                          "load the checkpoint dequantized (--fp8 / --int-weights dequantize)")
     gate0, down0 = state[experts[0]["gate_proj"]], state[experts[0]["down_proj"]]
     # (packed integers, kept as int32 words: a row holds several columns, so down is not gate's transpose)
     down_shape = tuple(down0.shape) if gate0.dtype == torch.int32 else tuple(gate0.shape[::-1])

@@ -53,7 +53,8 @@ def check_config(quant: dict, what: str = "target") -> tuple[int, int | None]:
             sparse formats), quantized activations (``input_activations``, W8A8 schemes),
             weights that are not ``int`` of 4 or 8 bits, asymmetric, with a strategy other
             than ``group`` / ``channel``, or with ``actorder: "group"``; config groups whose
-            weight schemes differ; a KV cache scheme.
+            weight schemes differ; a KV cache scheme; a sparse format (``sparsity_config``
+            other than ``dense``); online transforms (a ``transform_config``).
     """
     where = f"the {what} checkpoint's compressed-tensors quantization_config"
     if quant.get("format", "pack-quantized") != "pack-quantized":
@@ -65,8 +66,14 @@ def check_config(quant: dict, what: str = "target") -> tuple[int, int | None]:
     if quant.get("kv_cache_scheme"):
         raise DFlashError(f"{where} has a kv_cache_scheme (a quantized KV cache); dflash-torch reads only "
                           "weight-only schemes")
-    if quant.get("sparsity_config"):
-        raise DFlashError(f"{where} has a sparsity_config; dflash-torch reads only dense pack-quantized weights")
+    sparsity = quant.get("sparsity_config")
+    if sparsity and not (isinstance(sparsity, dict) and sparsity.get("format") == "dense"):
+        raise DFlashError(f"{where} has a sparsity_config of format "
+                          f"{sparsity.get('format') if isinstance(sparsity, dict) else sparsity!r}; dflash-torch reads "
+                          "only dense pack-quantized weights")
+    if quant.get("transform_config"):
+        raise DFlashError(f"{where} has a transform_config (online rotations, e.g. QuIP / SpinQuant); dflash-torch "
+                          "reads only plain pack-quantized weights")
     schemes = set()
     for name, group in groups.items():
         if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
@@ -144,17 +151,12 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, b
 
 
 def check_parts(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, bits: int, group: int | None,
-                name: str = "weight", whole_words: bool = False) -> tuple[torch.Tensor, int]:
+                name: str = "weight") -> tuple[torch.Tensor, int]:
     """Check a packed weight's parts (as :func:`dequantize`'s arguments) and return its scales
     (in their own dtype, on ``packed``'s device) and its number of columns.
 
-    Args:
-        whole_words: also require that each row fills whole int32 words (``in * bits`` a
-            multiple of 32), as a weight kept packed must: its columns then follow from its
-            words alone.
-
     Raises:
-        DFlashError: as :func:`dequantize`; with ``whole_words``, rows that end inside a word.
+        DFlashError: as :func:`dequantize`.
     """
     if packed.dtype != torch.int32 or packed.dim() < 2:
         raise DFlashError(f"{name}{PACKED} is {str(packed.dtype).removeprefix('torch.')} with {packed.dim()} "
@@ -173,9 +175,6 @@ def check_parts(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, 
     scale = scale.to(device=packed.device)
     if not bool(torch.isfinite(scale).all()):
         raise DFlashError(f"{name}{SCALE} holds NaN or infinite values (a corrupt checkpoint)")
-    if whole_words and cols * bits % 32:
-        raise DFlashError(f"{name} has rows of {cols} {bits}-bit integers, which end inside an int32 word; "
-                          "such weights can only be dequantized (int_weights dequantize)")
     return scale, cols
 
 

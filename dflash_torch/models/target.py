@@ -470,12 +470,16 @@ class TargetModel(nn.Module):
         return attn.output(attn.attend(q, ck, cv, step.biases[layer.sliding_window, attn.heads // attn.kv_heads]), gate)
 
 
+DECODER_LAYERS = "model.layers."  # (the linears that keep quantized weights: a decoder layer's)
+
+
 def _keep_fp8(model: nn.Module, state: dict[str, torch.Tensor], block_cols: int, dtype: torch.dtype) -> None:
     """Give every matrix that ``state`` holds as FP8 with row scales (``NAME`` and
     ``NAME_scale``) an FP8 layer of ``model`` (built on the meta device) to load into: an
-    ``nn.Linear`` becomes an :class:`~dflash_torch.models.fp8.Fp8Linear`, stacked experts
-    keep FP8 matrices (:meth:`~dflash_torch.models.moe.Experts.keep_fp8`); a matrix held by
-    anything else is dequantized into ``dtype`` in ``state`` (the values loading gives)."""
+    ``nn.Linear`` of a decoder layer becomes an :class:`~dflash_torch.models.fp8.Fp8Linear`,
+    stacked experts keep FP8 matrices (:meth:`~dflash_torch.models.moe.Experts.keep_fp8`); a
+    matrix held by anything else (e.g. a quantized LM head, which drafters read too) is
+    dequantized into ``dtype`` in ``state`` (the values loading gives)."""
     from .moe import Experts
 
     for key in [k for k in state if k.endswith(fp8_format.ROW_SCALE_SUFFIX)]:
@@ -485,7 +489,7 @@ def _keep_fp8(model: nn.Module, state: dict[str, torch.Tensor], block_cols: int,
             owner = model.get_submodule(path)
         except AttributeError:  # (not a parameter of this model: the unknown-weight check names it)
             continue
-        if type(owner) is nn.Linear and attr == "weight":
+        if type(owner) is nn.Linear and attr == "weight" and path.startswith(DECODER_LAYERS):
             parent, child = path.rsplit(".", 1)
             setattr(model.get_submodule(parent), child, fp8_format.Fp8Linear.like(owner, block_cols))
         elif isinstance(owner, Experts) and attr in ("gate_up_proj", "down_proj"):
@@ -512,7 +516,7 @@ def _keep_int(model: nn.Module, state: dict[str, torch.Tensor], scheme: tuple[in
             owner = model.get_submodule(path)
         except AttributeError:  # (not a parameter of this model: the unknown-weight check names it)
             continue
-        if type(owner) is nn.Linear and attr == "weight":
+        if type(owner) is nn.Linear and attr == "weight" and path.startswith(DECODER_LAYERS):
             parent, child = path.rsplit(".", 1)
             setattr(model.get_submodule(parent), child, IntLinear.like(owner, *scheme, state[key].dtype))
         elif isinstance(owner, Experts) and attr in ("gate_up_proj", "down_proj"):
