@@ -57,15 +57,21 @@ def test_sample_anchors_respects_lengths_and_loss_mask():
     assert sorted(anchors[1][valid[1]].tolist()) == [1, 2]
 
 
-@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+@pytest.mark.parametrize("arch", ["dflash", "dflash2", "sliding", "sliding-noncausal"])
 @pytest.mark.parametrize("B", [16, 5])
 def test_training_forward_equals_inference_path(tiny_pair, B, arch):
     """All blocks of a batch in one forward (block mask; DFlash 2: convolutions within each
-    block, the embedding scale) give the logits of the inference path, block by block."""
+    block, the embedding scale; sliding: layers with sliding windows of 6 and 3 beside a
+    full one, as drafters for Gemma 4 / gpt-oss have, their blocks causal (the format's
+    default rule) or not) give the logits of the inference path, block by block."""
     target_dir, _ = tiny_pair
     target = TargetModel.from_pretrained(target_dir, torch.float32)
     if arch == "dflash":
         cfg = drafter_config(target_dir, num_layers=2, block_size=B)
+    elif arch.startswith("sliding"):
+        cfg = drafter_config(target_dir, num_layers=3, block_size=B)
+        cfg.sliding_windows = [6, 3, None]
+        cfg.causal_layers = [False] * 3 if arch == "sliding-noncausal" else [True, True, False]
     else:
         cfg = dflash2_config(target_dir, num_layers=2, block_size=B, taps=3)
         cfg.dflash2.input_embedding_scale = 1.25

@@ -10,7 +10,9 @@ committed when the drafter proposes at ``a``). All blocks of a sequence go throu
   at inference (RoPE at their absolute positions);
 * keys ``[T, T + n * B)`` are the block rows (RoPE at ``a .. a + B - 1``);
 * a row of block ``i`` sees the context keys at positions ``< a_i`` and all ``B`` keys of
-  its own block (non-causal), nothing of another block.
+  its own block (non-causal), nothing of another block; in a drafter layer with a sliding
+  window only the keys within the window of the row's position, in a causal layer only its
+  own block's keys up to itself (:func:`layer_masks`: the rules inference applies).
 
 Slot ``k`` (``1 <= k < B``) of a block goes through the drafter's final norm and the
 target's frozen LM head and predicts the token at ``a + k`` (no shift); its
@@ -92,8 +94,42 @@ def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
     return tokens, positions
 
 
-def _block_attention(q, kc, vc, kb, vb, ctx_mask: torch.Tensor, n: int, B: int) -> torch.Tensor:
-    """Attention of block rows over context keys (under ``ctx_mask``) and their own block.
+def layer_masks(ctx_mask: torch.Tensor, row_positions: torch.Tensor, window: int | None, causal: bool, B: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What one drafter layer's block rows see, as inference has it (the drafter's
+    ``_visible``: a sliding window counted from each row's position, a causal block):
+
+    * context keys: ``ctx_mask`` ``[b, n * B, T]``, and where the layer has a window, only
+      positions ``> p - window`` for the row at position ``p`` (``row_positions``
+      ``[b, n * B]``);
+    * its own block's ``B`` keys: all of them (None), or the bool ``[B, B]`` rule of
+      :func:`_block_rule` (row ``r`` sees key ``k``).
+    """
+    ctx = ctx_mask
+    if window is not None:
+        T = ctx_mask.shape[2]
+        ctx = ctx & (torch.arange(T, device=ctx.device)[None, None, :] > row_positions[:, :, None] - window)
+    rule = None if window is None and not causal else _block_rule(window, causal, B, ctx_mask.device)
+    return ctx, rule
+
+
+def _block_rule(window: int | None, causal: bool, B: int, device) -> torch.Tensor:
+    """Bool ``[B, B]``: block row ``r`` sees block key ``k`` (``k <= r`` when ``causal``;
+    ``k > r - window`` when the layer has a window)."""
+    r = torch.arange(B, device=device)[:, None]
+    k = torch.arange(B, device=device)[None, :]
+    rule = torch.ones(B, B, dtype=torch.bool, device=device)
+    if causal:
+        rule = rule & (k <= r)
+    if window is not None:
+        rule = rule & (k > r - window)
+    return rule
+
+
+def _block_attention(q, kc, vc, kb, vb, ctx_mask: torch.Tensor, n: int, B: int,
+                     blk_rule: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of block rows over context keys (under ``ctx_mask``) and their own block
+    (every key, or those ``blk_rule`` ``[B, B]`` allows).
 
     The dense mask is block diagonal over the block keys, so each row's scores are
     ``[context (T) | own block (B)]``: a joint softmax over ``T + B`` keys instead of
@@ -107,7 +143,8 @@ def _block_attention(q, kc, vc, kb, vb, ctx_mask: torch.Tensor, n: int, B: int) 
     qb = q.view(b, h, n, B, d)
     s_blk = torch.matmul(qb, kb.view(b, h, n, B, d).transpose(-1, -2))  # [b, h, n, B, B]
     scores = torch.cat([s_ctx, s_blk], dim=-1).float() * scale
-    keep = torch.cat([ctx_mask.view(b, 1, n, B, T), ctx_mask.new_ones(b, 1, n, B, B)], dim=-1)
+    own = ctx_mask.new_ones(b, 1, n, B, B) if blk_rule is None else blk_rule.expand(b, 1, n, B, B)
+    keep = torch.cat([ctx_mask.view(b, 1, n, B, T), own], dim=-1)
     p = scores.masked_fill(~keep, float("-inf")).softmax(dim=-1).to(q.dtype)
     out = torch.matmul(p[..., :T].reshape(b, h, rows, T), vc)
     return out + torch.matmul(p[..., T:], vb.view(b, h, n, B, d)).view(b, h, rows, d)
@@ -123,7 +160,9 @@ def drafter_blocks_forward(drafter: DFlashDrafter, target: TargetModel, features
         block_tokens, block_positions: ``[b, n, B]`` from :func:`block_inputs`.
         mask: the dense ``[b, n * B, T + n * B]`` mask of :func:`block_attention_mask`
             (plain SDPA over all keys: the reference), or None for the equivalent
-            block-structured attention that skips the other blocks' keys (training).
+            block-structured attention that skips the other blocks' keys (training). Either
+            way each layer's sliding window and causal block (:func:`layer_masks`) narrow it,
+            as at inference.
 
     Returns:
         final-normed drafter hidden states ``[b, n, B, H]``.
@@ -137,7 +176,13 @@ def drafter_blocks_forward(drafter: DFlashDrafter, target: TargetModel, features
         (k.view(k.shape[0], b, T, -1).transpose(0, 1), v.view(v.shape[0], b, T, -1).transpose(0, 1))
         for k, v in drafter.context_kv(features.reshape(b * T, -1), ctx_pos)
     ]
-    ctx_mask = context_mask(block_positions[:, :, 0], T, B) if mask is None else None
+    ctx_mask = context_mask(block_positions[:, :, 0], T, B) if mask is None else mask[..., :T]
+    row_positions = block_positions.reshape(b, rows)
+    kinds = {}  # (sliding window, causal) -> that layer kind's (context mask, block rule)
+    for layer in drafter.layers:
+        kind = (layer.sliding_window, layer.causal)
+        if kind not in kinds:
+            kinds[kind] = layer_masks(ctx_mask, row_positions, *kind, B)
     x = drafter.block_input(drafter.embed(target, block_tokens.reshape(-1)))  # [b * rows, H]
     cos, sin = drafter.rotary.cos_sin(block_positions.reshape(-1), x.dtype)
     for i, layer in enumerate(drafter.layers):
@@ -152,11 +197,13 @@ def drafter_blocks_forward(drafter: DFlashDrafter, target: TargetModel, features
         groups = q.shape[1] // kb.shape[1]
         kc, vc, kb, vb = (t.to(q.dtype).repeat_interleave(groups, dim=1) if groups > 1 else t.to(q.dtype)
                           for t in (kc, vc, kb, vb))
+        layer_ctx, rule = kinds[layer.sliding_window, layer.causal]
         if mask is None:
-            out = _block_attention(q, kc, vc, kb, vb, ctx_mask, n, B)
+            out = _block_attention(q, kc, vc, kb, vb, layer_ctx, n, B, rule)
         else:
+            blocks = mask[..., T:] if rule is None else mask[..., T:] & rule.repeat(n, n)
             k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.cat([layer_ctx, blocks], dim=2)[:, None])
         out = out.transpose(1, 2).reshape(b * rows, -1)
         x = x + layer.attention_output(out, state, B)
         x = x + layer.mlp_output(x, B)
