@@ -475,42 +475,47 @@ DECODER_LAYERS = "model.layers."  # (the linears that keep quantized weights: a 
 
 def _keep_fp8(model: nn.Module, state: dict[str, torch.Tensor], block_cols: int, dtype: torch.dtype) -> None:
     """Give every matrix that ``state`` holds as FP8 with row scales (``NAME`` and
-    ``NAME_scale``) an FP8 layer of ``model`` (built on the meta device) to load into: an
-    ``nn.Linear`` of a decoder layer becomes an :class:`~dflash_torch.models.fp8.Fp8Linear`,
-    stacked experts keep FP8 matrices (:meth:`~dflash_torch.models.moe.Experts.keep_fp8`); a
-    matrix held by anything else (e.g. a quantized LM head, which drafters read too) is
-    dequantized into ``dtype`` in ``state`` (the values loading gives)."""
-    from .moe import Experts
+    ``NAME_scale``) an FP8 layer of ``model`` (built on the meta device) to load into
+    (:func:`_keep_quantized`): a decoder layer's ``nn.Linear`` becomes an
+    :class:`~dflash_torch.models.fp8.Fp8Linear`, stacked experts keep FP8 matrices
+    (:meth:`~dflash_torch.models.moe.Experts.keep_fp8`), anything else is dequantized into
+    ``dtype`` in ``state`` (the values loading gives)."""
+    def keep_experts(experts, scales):
+        if not experts.fp8_block_cols:
+            experts.keep_fp8(block_cols)
 
-    for key in [k for k in state if k.endswith(fp8_format.ROW_SCALE_SUFFIX)]:
-        name = key.removesuffix(fp8_format.ROW_SCALE_SUFFIX)
-        path, attr = name.rsplit(".", 1)
-        try:
-            owner = model.get_submodule(path)
-        except AttributeError:  # (not a parameter of this model: the unknown-weight check names it)
-            continue
-        if type(owner) is nn.Linear and attr == "weight" and path.startswith(DECODER_LAYERS):
-            parent, child = path.rsplit(".", 1)
-            setattr(model.get_submodule(parent), child, fp8_format.Fp8Linear.like(owner, block_cols))
-        elif isinstance(owner, Experts) and attr in ("gate_up_proj", "down_proj"):
-            if not owner.fp8_block_cols:
-                owner.keep_fp8(block_cols)
-        else:
-            state[name] = fp8_format.dequantize_rows(state[name], state.pop(key), block_cols, dtype)
+    _keep_quantized(model, state, lambda linear, scales: fp8_format.Fp8Linear.like(linear, block_cols), keep_experts,
+                    lambda weight, scales, cols: fp8_format.dequantize_rows(weight, scales, block_cols, dtype))
 
 
 def _keep_int(model: nn.Module, state: dict[str, torch.Tensor], scheme: tuple[int, int | None], dtype: torch.dtype
               ) -> None:
     """As :func:`_keep_fp8`, for packed integer weights (``NAME`` int32 words and
-    ``NAME_scale``): an ``nn.Linear`` becomes an :class:`~dflash_torch.models.packed_int.IntLinear`,
-    stacked experts keep packed matrices; a matrix held by anything else is dequantized into
-    ``dtype`` in ``state``."""
-    from .moe import Experts
+    ``NAME_scale``, in the checkpoint's dtype): :class:`~dflash_torch.models.packed_int.IntLinear`
+    layers and packed experts."""
     from .packed_int import IntLinear, dequantize_groups
 
-    packed = lambda k: getattr(state.get(k.removesuffix(fp8_format.ROW_SCALE_SUFFIX)), "dtype", None) == torch.int32  # noqa: E731
-    for key in [k for k in state if k.endswith(fp8_format.ROW_SCALE_SUFFIX) and packed(k)]:
-        name = key.removesuffix(fp8_format.ROW_SCALE_SUFFIX)
+    def keep_experts(experts, scales):
+        if not experts.int_bits:
+            experts.keep_int(*scheme, scales.dtype)
+
+    _keep_quantized(model, state, lambda linear, scales: IntLinear.like(linear, *scheme, scales.dtype), keep_experts,
+                    lambda weight, scales, cols: dequantize_groups(
+                        weight, scales, *scheme, cols or weight.shape[-1] * 32 // scheme[0], dtype))
+
+
+def _keep_quantized(model: nn.Module, state: dict[str, torch.Tensor], linear, keep_experts, dequantize) -> None:
+    """For each matrix ``NAME`` that ``state`` holds quantized with its scales ``NAME_scale``:
+    a decoder layer's ``nn.Linear`` owning it is replaced by ``linear(that linear, scales)``
+    (a meta layer to load into), stacked experts get ``keep_experts(experts, scales)``, and a
+    matrix held by anything else (e.g. a quantized LM head, which drafters read too) is
+    dequantized in ``state`` by ``dequantize(matrix, scales, columns)`` (columns None where
+    the owner has no such parameter: the unknown-weight check then names it)."""
+    from .moe import Experts
+
+    suffix = fp8_format.ROW_SCALE_SUFFIX
+    for key in [k for k in state if k.endswith(suffix) and k.removesuffix(suffix) in state]:
+        name = key.removesuffix(suffix)
         path, attr = name.rsplit(".", 1)
         try:
             owner = model.get_submodule(path)
@@ -518,13 +523,12 @@ def _keep_int(model: nn.Module, state: dict[str, torch.Tensor], scheme: tuple[in
             continue
         if type(owner) is nn.Linear and attr == "weight" and path.startswith(DECODER_LAYERS):
             parent, child = path.rsplit(".", 1)
-            setattr(model.get_submodule(parent), child, IntLinear.like(owner, *scheme, state[key].dtype))
+            setattr(model.get_submodule(parent), child, linear(owner, state[key]))
         elif isinstance(owner, Experts) and attr in ("gate_up_proj", "down_proj"):
-            if not owner.int_bits:
-                owner.keep_int(*scheme, state[key].dtype)
+            keep_experts(owner, state[key])
         else:
-            cols = getattr(owner, attr).shape[-1] if hasattr(owner, attr) else state[name].shape[-1] * 32 // scheme[0]
-            state[name] = dequantize_groups(state[name], state.pop(key), scheme[0], scheme[1], cols, dtype)
+            cols = getattr(owner, attr).shape[-1] if hasattr(owner, attr) else None
+            state[name] = dequantize(state[name], state.pop(key), cols)
 
 
 def _name_of_part(key: str, t: torch.Tensor) -> str:
