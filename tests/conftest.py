@@ -389,10 +389,6 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
     :data:`HYBRID_FAMILIES`; ``self_scale``:
     c's own multiple of ``u`` (higher: longer runs of c); ``agree_token``: c.
     """
-    from safetensors.torch import load_file
-
-    from dflash_torch.models.drafter import DFlashDrafter
-
     root = Path(root)
     if model_type == "qwen3":
         target = make_target(root / "target", "qwen3", seed=1, tokenizer=False, tie_word_embeddings=False)
@@ -407,6 +403,20 @@ def make_agreeable_pair(root: Path, tokenizer_dir: Path, *, block_size: int = 16
                                     moe=model_type == "gemma4_moe", tie_word_embeddings=False)
     else:
         target = make_hybrid_target(root / "target", model_type, seed=1, tokenizer=False)
+    return make_agreeable(target, tokenizer_dir, root, model_type, block_size=block_size, alpha=alpha, beta=beta,
+                          self_scale=self_scale, agree_token=agree_token)
+
+
+def make_agreeable(target: Path, tokenizer_dir: Path, root: Path, model_type: str, *, block_size: int = 16,
+                   alpha: float = 0.5, beta: float = 2.5, self_scale: float = -1.0,
+                   agree_token: int = AGREE_TOKEN) -> tuple[Path, Path]:
+    """:func:`make_agreeable_pair`'s recipe applied to an untied target saved at ``target``
+    (one safetensors file, rewritten; of ``model_type``), and its drafter saved under
+    ``root / "drafter"``: (target, drafter)."""
+    from safetensors.torch import load_file
+
+    from dflash_torch.models.drafter import DFlashDrafter
+
     state = load_file(str(target / "model.safetensors"))
     g = torch.Generator().manual_seed(0)
     u = torch.randn(state["lm_head.weight"].shape[1], generator=g)

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_forward_matches_transformers,
                       check_greedy_equals_transformers, check_many_accepted_tokens_are_lossless, copy_tokenizer,
-                      drafter_config, edited_checkpoint, forward_in_pieces, load_hf, save_drafter)
+                      drafter_config, edited_checkpoint, forward_in_pieces, load_hf, make_agreeable, save_drafter)
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models import deepseek_v3
 from dflash_torch.models.config import TargetConfig
@@ -127,34 +127,6 @@ def save_kimi(model, out_dir: Path, *, published: bool = True) -> Path:
     return out_dir
 
 
-def agreeable(target: Path, tokenizer_dir: Path, root: Path, *, alpha: float, beta: float, self_scale: float,
-              block_size: int = 16, agree_token: int = 42) -> tuple[Path, Path]:
-    """conftest's :func:`make_agreeable_pair` recipe on a DeepSeek-V3 target: every token's
-    embedding gets a random multiple of a shared direction ``u`` (token c: ``self_scale * alpha u``), c's
-    lm_head row is ``beta u``; a drafter of small random weights then proposes c nearly
-    everywhere, accepted wherever the target predicts c."""
-    state = load_file(str(target / "model.safetensors"))
-    g = torch.Generator().manual_seed(0)
-    u = torch.randn(state["lm_head.weight"].shape[1], generator=g)
-    u /= u.norm()
-    scale = torch.rand(state["lm_head.weight"].shape[0], 1, generator=g) * 2
-    scale[agree_token] = self_scale
-    state["model.embed_tokens.weight"] += alpha * scale * u
-    state["lm_head.weight"][agree_token] = beta * u
-    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
-    copy_tokenizer(tokenizer_dir, target)
-    from dflash_torch.models.drafter import DFlashDrafter
-
-    cfg = drafter_config(target, block_size=block_size)
-    torch.manual_seed(0)
-    model = DFlashDrafter(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.02)
-    return target, save_drafter(root / "drafter", cfg, model.state_dict())
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tokenizer_dir):
     """(target_dir, random drafter_dir, B = 16) of the tiny DeepSeek-V3 target."""
@@ -168,7 +140,7 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
 def agree_pair(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("deepseek_v3-agree")
     target = make_deepseek_target(root / "target", seed=1)
-    return agreeable(target, tokenizer_dir, root, alpha=1.0, beta=5.0, self_scale=0.3)
+    return make_agreeable(target, tokenizer_dir, root, "deepseek_v3", alpha=1.0, beta=5.0, self_scale=0.3)
 
 
 IDS = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(1))
