@@ -40,7 +40,7 @@ from . import llama
 from .attention import Attention
 from .config import MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, rotary_fraction
 from .layers import RMSNorm
-from .moe import SparseMoE, dispatch_experts, fuse_expert_weights
+from .moe import SparseMoE, fuse_expert_weights
 from .target import DecoderLayer
 
 DEFAULT_ROPE_THETA = 5_000_000.0  # (transformers' MiniMaxM2Config default, for a config that gives none)
@@ -140,9 +140,10 @@ class WholeProjectionNormAttention(Attention):
 
 
 class SigmoidRoutedMoE(SparseMoE):
-    """:class:`~dflash_torch.models.moe.SparseMoE` with MiniMax-M2's router (see the module
-    docstring). Parameters as there, plus ``e_score_correction_bias`` ``[E]`` (in the
-    model's dtype, as transformers loads it)."""
+    """:class:`~dflash_torch.models.moe.SparseMoE` (no shared expert) with MiniMax-M2's router
+    (see the module docstring): its forward dispatches the experts this :meth:`route`
+    chooses. Parameters as there, plus ``e_score_correction_bias`` ``[E]`` (in the model's
+    dtype, as transformers loads it)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int):
         super().__init__(hidden, num_experts, top_k, intermediate, norm_topk_prob=True)
@@ -155,12 +156,6 @@ class SigmoidRoutedMoE(SparseMoE):
         experts = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, experts)
         return weights / weights.sum(dim=-1, keepdim=True), experts
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, H]`` -> ``[T, H]`` in ``x.dtype``."""
-        weights, experts = self.route(x)
-        e = self.experts
-        return dispatch_experts(x, experts, weights, e.gate_up_proj, e.down_proj, **e.quantization())
 
 
 class Model(llama.Model):
