@@ -346,6 +346,12 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat([x[..., :-d], turned], dim=-1)
 
 
+def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The attention output's RoPE at minus the query's position (K = V carried the keys'
+    rotation into the values)."""
+    return rope_tail(x, cos, -sin)
+
+
 class Rope(nn.Module):
     """One RoPE table (``inv_freq`` ``[rope_dim / 2]``) and its attention factor."""
 
@@ -620,7 +626,7 @@ class Attention(nn.Module):
                 out = out + torch.einsum("nhtk,nkd->nthd", p, vals)
             else:
                 out = out + torch.einsum("nhtk,ntkd->nthd", p, vals)
-        out = rope_tail(out.reshape(n * t, heads, hd), cos[:, None], -sin[:, None])
+        out = unrotate(out.reshape(n * t, heads, hd), cos[:, None], sin[:, None])
         grouped = out.reshape(n * t, self.groups, heads * hd // self.groups)
         w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
         return self.o_b_proj(torch.einsum("rgi,goi->rgo", grouped, w).flatten(1))
