@@ -143,29 +143,30 @@ def _fresh(model, max_rows=None):
 
 
 def test_batched_slots_match_transformers(models):
-    """Two sequences prefilled alone in their slots then verified in blocks of 8 together
-    (rings of window + 7 rows) == transformers on each."""
+    """Two sequences of 43 tokens prefilled alone in their slots then verified in blocks of
+    8 and a last one of 3 together, in slots of exactly 43 positions (rings of window + 7
+    rows; the last HCA window, 40..47, runs past the buffer's end) == transformers on each."""
     from dflash_torch.batch import SlotKVCache
     from dflash_torch.cache import TargetCache
 
-    ours, hf, ref = models
-    other = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(2))
+    ours, hf, _ = models
+    seqs = [torch.randint(0, VOCAB, (43,), generator=torch.Generator().manual_seed(s)) for s in (2, 4)]
     with torch.no_grad():
-        ref2 = hf(other[None]).logits[0]
+        refs = [hf(seq[None]).logits[0] for seq in seqs]
     heads, dims = zip(*ours.kv_shapes())
-    slots = SlotKVCache.allocate(ours.num_kv_layers, 3, heads, 64, dims, torch.float32, "cpu", ours.kv_windows(), 8)
+    slots = SlotKVCache.allocate(ours.num_kv_layers, 3, heads, 43, dims, torch.float32, "cpu", ours.kv_windows(), 8)
     outs = [[], []]
     with torch.no_grad():
-        for j, seq in enumerate((IDS, other)):
+        for j, seq in enumerate(seqs):
             for s in (0, 8):
                 outs[j].append(ours(seq[s:s + 8], torch.arange(s, s + 8), TargetCache(slots.slot(j)), s + 8)[0])
-        for s in (16, 24, 32):
-            lg, _ = ours(torch.cat([IDS[s:s + 8], other[s:s + 8]]), torch.stack([torch.arange(s, s + 8)] * 2),
-                         TargetCache(slots.first(2)), s + 8)
-            outs[0].append(lg[:8])
-            outs[1].append(lg[8:])
-    torch.testing.assert_close(torch.cat(outs[0]), ref.logits[0], rtol=0, atol=ATOL)
-    torch.testing.assert_close(torch.cat(outs[1]), ref2, rtol=0, atol=ATOL)
+        for s, e in ((16, 24), (24, 32), (32, 40), (40, 43)):
+            lg, _ = ours(torch.cat([seq[s:e] for seq in seqs]), torch.stack([torch.arange(s, e)] * 2),
+                         TargetCache(slots.first(2)), e)
+            outs[0].append(lg[:e - s])
+            outs[1].append(lg[e - s:])
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(torch.cat(out), ref, rtol=0, atol=ATOL)
 
 
 def test_rejected_rows_are_rewritten(models):
@@ -249,12 +250,12 @@ def test_sinks_and_indexer_weights_matter(models, checkpoint, tmp_path):
 def test_cache_slots(checkpoint):
     """Per layer: the window (key = value: its halves, 16 + 16), and for CSA / HCA the
     compressor's per-token inputs (CSA: 2 x 64 + 2 x 32 = 192 values; HCA: 64) in a ring
-    window of 2 * ratio / ratio, and the entries (CSA: 32 + 16 = 48; HCA: 32), every
-    position kept."""
+    window of 2 * ratio / ratio, and the entries (CSA: 32 + 16 = 48 values over a window's
+    4 rows, 12 a row; HCA: 32 over 8 rows, 4 a row), every position kept."""
     ours = TargetModel.from_pretrained(checkpoint[0], torch.float32)
     assert ours.num_kv_layers == 10
-    assert ours.kv_shapes() == [(1, 16), (1, 16), (1, 96), (1, 24), (1, 16), (1, 32), (1, 16), (1, 16), (1, 96),
-                                (1, 24)]
+    assert ours.kv_shapes() == [(1, 16), (1, 16), (1, 96), (1, 6), (1, 16), (1, 32), (1, 2), (1, 16), (1, 96),
+                                (1, 6)]
     assert ours.kv_windows() == [6, 6, 8, None, 6, 8, None, 6, 8, None]
     cache = ours.new_cache(4)
     cache.reset(64)
@@ -273,9 +274,10 @@ def test_published_flash_shapes():
         model = deepseek_v4.Model(cfg)
     params = sum(p.numel() for p in model.parameters())
     assert 280e9 < params < 300e9, params
-    # per token, bfloat16: every window / input slot is a ring (fixed), every entry slot one row a token
+    # per token, bfloat16: the window and input slots are rings (a fixed size); the entry slots hold
+    # an entry (CSA: 512 + 128 values; HCA: 512) over its window's rows (4: 160 a row; 128: 4 a row)
     per_token = sum(h * d * 2 * 2 for (h, d), w in zip(model.kv_shapes(), model.kv_windows()) if w is None)
-    assert per_token == 2 * (21 * (512 + 128) + 20 * 512)
+    assert per_token == 2 * (21 * 160 + 20 * 4) == 6880
 
 
 def test_greedy_speculative_equals_transformers_generate(checkpoint):

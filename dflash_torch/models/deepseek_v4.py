@@ -44,20 +44,25 @@ halves (as ``deepseek_v3.py`` holds MLA's latent):
 2. CSA / HCA: the compressor's per-token inputs (its ``kv_proj`` and ``gate_proj`` outputs,
    for CSA also the indexer's), window ``2 * ratio`` (CSA) or ``ratio`` (HCA): a ring keeps
    every position a later window reads;
-3. CSA / HCA: the compressed entries (CSA: and the indexer's compressed keys), every
-   position kept: entry ``w`` is written at the row of its window's last token,
-   ``(w + 1) * ratio - 1``, so "visible to ``p``" is "row ``<= p``" and the entries are the
-   rows ``ratio - 1 :: ratio``; the other rows hold zeros and are never read.
+3. CSA / HCA: the compressed entries (CSA: with the indexer's compressed keys), every position
+   kept, entry ``w`` spread over the rows of its own window, ``w * ratio .. (w + 1) * ratio - 1``,
+   ``ceil(entry / ratio)`` values a row: the compressed cache's own size, ``entry / ratio``
+   values a token (DeepSeek-V4-Flash: 160 a token for a CSA layer, 4 for an HCA layer).
 
-A forward over positions ``[s, s + T)`` writes its tokens' rows in all three and, for every
-window that ends in it, computes that entry from the inputs slot (its earlier tokens there,
-written by earlier forwards) and writes it; it reads only rows at positions up to its own.
-Every row a forward writes is a function of positions ``<= `` that row, so a rejected draft
-block needs no rollback beyond the length: the next forward over those positions rewrites
-them. Fixed shapes: a forward computes the entries of ``T // ratio + 2`` candidate windows
-around its positions and keeps those that end in it (no data-dependent shape); the indexer
-takes the top-k over every entry row of the attended span with the invisible ones at
-``-inf`` and masks the invisible picks.
+A forward over positions ``[s, s + T)`` writes its tokens' rows in the first two and, for every
+window that ends in it, computes that entry from the inputs slot (the window's earlier tokens
+there, written by earlier forwards) and writes all of its rows (rows before ``s`` included);
+it reads only complete entries, visible to the query at ``p`` when ``(w + 1) * ratio - 1 <= p``.
+Every value a forward writes is a function of positions up to the row's window end, and a row
+of an entry is only read once the forward holding that window's end has (re)written it: a
+rejected draft block needs no rollback beyond the length, the next forward over those
+positions rewrites what it wrote. Fixed shapes: a block of T rows computes the ``ceil(T /
+ratio)`` windows that end first at or after ``s`` (every window ending in it, and at most one
+that does not, which starts inside the block: that one rewrites its rows up to the block's last
+with the values they hold, its rows past the block redirected to the block's last row, so no
+write leaves the buffer and no two writes of one row differ); the indexer takes the top-k over
+every complete entry of the attended span with the invisible ones at ``-inf`` and masks the
+invisible picks.
 
 **Context features for drafters.** Layer ``l``'s feature is the mean over the ``hc_mult``
 streams of its output streams (vLLM's DeepSeek-V4 auxiliary hidden-state capture, which
@@ -577,14 +582,22 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(h))
         self.compressor = None if kind == SLIDING else CompressedKV(cfg, kind)
 
+    def entry_width(self) -> int:
+        """Values of one compressed entry: the compressor's, then (CSA) the indexer's key."""
+        c = self.compressor
+        return c.head + (c.indexer.head if c.indexer is not None else 0)
+
+    def chunk(self) -> int:
+        """Values of an entry each of its window's ``ratio`` rows holds (the last padded)."""
+        return -(-self.entry_width() // self.compressor.ratio)
+
     def shapes(self) -> list[tuple[tuple[int, int], int | None]]:
         """((kv_heads, head_dim), window) of each of this layer's cache slots."""
         out = [((1, _halves(self.head_dim)), None)]
         c = self.compressor
         if c is not None:
             width = c.width + (c.indexer.width if c.indexer is not None else 0)
-            entry = c.head + (c.indexer.head if c.indexer is not None else 0)
-            out += [((1, _halves(width)), c.c * c.ratio), ((1, _halves(entry)), None)]
+            out += [((1, _halves(width)), c.c * c.ratio), ((1, _halves(self.chunk())), None)]
         return out
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, kv: KVCache, step: "Step") -> torch.Tensor:
@@ -633,21 +646,31 @@ class Attention(nn.Module):
 
     def _entries(self, h: torch.Tensor, kv: KVCache, step: "Step"):
         """Write this block's compressor inputs and the entries of the windows that end in
-        it; read back every entry of the attended span: (entries ``[N, E, head_dim]``,
+        it; read back every complete entry of the attended span: (entries ``[N, E, head_dim]``,
         indexer keys ``[N, E, index_head_dim]`` or None, visible bool ``[N, T, E]``), all
-        None when the span holds no entry row."""
+        None when the span holds no whole window.
+
+        Entry ``w`` lies in the entries slot spread over its window's rows ``w * ratio ..
+        (w + 1) * ratio - 1``, :meth:`chunk` values each. A block of T rows computes the
+        ``ceil(T / ratio)`` windows ending first at or after its first position; those that
+        end in the block are written whole (rows before the block included), the last one
+        if it does not (it then starts inside the block) rewrites its rows up to the
+        block's last with the values they hold (its rows past it redirected there)."""
         c, idx = self.compressor, self.compressor.indexer
         _, slot_in, slot_e = self.slots
         n, t = step.pos.shape
         r, cr = c.ratio, c.c * c.ratio
+        dev = h.device
         rows = c.inputs(h) if idx is None else torch.cat([c.inputs(h), idx.inputs(h)], dim=-1)
         _write(kv, slot_in, step.positions, rows)
         width = rows.shape[-1]
         buf = _rows(kv, slot_in, None, width)  # [N, rows, width]
         ring = kv.layer_ring(slot_in)
-        k = t // r + 2  # candidate windows: every window that can end in this block
-        windows = step.pos[:, :1] // r + torch.arange(k, device=h.device)  # [N, K]
-        tok = (windows - (c.c - 1))[..., None] * r + torch.arange(cr, device=h.device)  # [N, K, cr] positions
+        k = -(-t // r)
+        first, last = step.pos[:, :1], step.pos[:, -1:]
+        ends = first + torch.remainder(r - 1 - first, r) + r * torch.arange(k, device=dev)  # [N, K]
+        windows = ends // r
+        tok = (windows - (c.c - 1))[..., None] * r + torch.arange(cr, device=dev)  # [N, K, cr] positions
         index = torch.remainder(tok, ring) if ring is not None else tok.clamp(0, buf.shape[1] - 1)
         gathered = torch.gather(buf, 1, index.reshape(n, -1, 1).expand(-1, -1, width)).view(n, k, cr, width)
         valid = tok >= 0
@@ -656,21 +679,21 @@ class Attention(nn.Module):
         if idx is not None:
             ikey = rope_tail(idx.pool(gathered[..., c.width:], valid).reshape(n * k, -1), cos, sin)
             entry = torch.cat([entry, ikey], dim=-1)
-        entry = entry.view(n, k, -1)
-        # each row of the block: its window's entry where the row ends that window, else zeros
-        ends = torch.remainder(step.pos, r) == r - 1  # [N, T]
-        which = (step.pos // r - step.pos[:, :1] // r).clamp(0, k - 1)
-        out = torch.gather(entry, 1, which[..., None].expand(-1, -1, entry.shape[-1]))
-        out = torch.where(ends[..., None], out, torch.zeros_like(out))
-        _write(kv, slot_e, step.positions, out.reshape(n * t, -1))
-        span = _rows(kv, slot_e, step.kv_len, entry.shape[-1])
-        strided = span[:, r - 1::r]  # [N, E, entry]
-        e = strided.shape[1]
+        ew, cw = self.entry_width(), self.chunk()
+        entry = F.pad(entry, (0, r * cw - ew)).view(n, k, r, cw)
+        target = torch.minimum(windows[..., None] * r + torch.arange(r, device=dev), last[..., None])  # [N, K, r]
+        stored = _rows(kv, slot_e, None, cw)
+        held = torch.gather(stored, 1, target.reshape(n, -1, 1).expand(-1, -1, cw)).view(n, k, r, cw)
+        values = torch.where((ends <= last)[..., None, None], entry, held)
+        _write(kv, slot_e, target.reshape(-1) if step.positions.dim() == 1 else target.reshape(n, -1),
+               values.reshape(-1, cw))
+        span = _rows(kv, slot_e, step.kv_len, cw)
+        e = span.shape[1] // r
         if e == 0:
             return None, None, None
-        end_rows = (torch.arange(e, device=h.device) + 1) * r - 1
-        visible = end_rows <= step.pos[..., None]  # [N, T, E]
-        return strided[..., :c.head], strided[..., c.head:] if idx is not None else None, visible
+        entries = span[:, :e * r].reshape(n, e, r * cw)
+        visible = (torch.arange(e, device=dev) + 1) * r - 1 <= step.pos[..., None]  # [N, T, E]
+        return entries[..., :c.head], entries[..., c.head:ew] if idx is not None else None, visible
 
     def _select(self, h, q_res, index_keys, visible, step):
         """The indexer's picks: int64 ``[N, T, k]`` entry indices and bool ``[N, T, k]``
