@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
                       check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
-                      load_hf, make_agreeable, save_drafter)
+                      load_hf, make_agreeable, save_drafter, to_speculators)
 from dflash_torch import DFlashError
 from dflash_torch.models import deepseek_v4
 from dflash_torch.models.config import TargetConfig
@@ -311,6 +311,20 @@ def test_prefix_reuse_decodes_as_without(agree_pair):
     off, _, _ = conversation(target, drafter, False, GREEDY)
     same_runs(on, off)
     assert reused[0] == 0 and reused[1] > 0 and reused[2] > 0
+
+
+def test_speculators_drafter_is_lossless(agree_pair, tmp_path):
+    """A Speculators-format drafter reading the embedding and the last layer's output (aux
+    ids 0 and 4, the mean of its streams) decodes exactly the target's own tokens."""
+    from dflash_torch import DFlashEngine
+
+    target, drafter = agree_pair
+    spec = DFlashEngine.from_pretrained(target, to_speculators(drafter, target, tmp_path / "spec", aux_ids=[0, 4]))
+    alone = DFlashEngine(spec.target, spec.tokenizer)
+    for prompt in ([5, 17, 99, 3], list(range(2, 30))):
+        out = spec.generate(prompt, max_new_tokens=40, ignore_eos=True)
+        assert out.token_ids == alone.generate(prompt, max_new_tokens=40, ignore_eos=True).token_ids
+        assert max(out.stats.acceptance_lengths) > 1
 
 
 def published_layout(src: Path, dst: Path, *, extra: dict | None = None) -> Path:
