@@ -112,6 +112,7 @@ DEFAULTS = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048,
 DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
 DEFAULT_HASH_LAYERS = 3
 DEFAULT_ROPE_FRACTION = 64 / 512
+_SCORES_PER_CHUNK = 1 << 25  # scores held at once (query rows are taken in chunks)
 
 
 @dataclass
@@ -602,7 +603,8 @@ class Attention(nn.Module):
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, kv: KVCache, step: "Step") -> torch.Tensor:
         """``h`` ``[R, hidden]`` (the layer's normed input; N sequences' rows one after another)
-        -> ``[R, hidden]``, writing this layer's cache rows."""
+        -> ``[R, hidden]``, writing this layer's cache rows. Queries run in chunks of rows
+        (about 2**25 scores held at once: the indexer's per head, the attention's)."""
         n, t = step.pos.shape
         hd, heads = self.head_dim, self.heads
         cos, sin = step.rope[self.rope_key]
@@ -612,37 +614,59 @@ class Attention(nn.Module):
         key = rope_tail(self.kv_norm(self.kv_proj(h)), cos, sin)
         _write(kv, self.slots[0], step.positions, key)
         keys = _rows(kv, self.slots[0], step.kv_len, hd)  # [N, Tk, hd]
-        logits = [torch.einsum("nthd,nkd->nhtk", q, keys) * self.scale + step.window_bias[:, None]]
-        values = [keys]
         c = self.compressor
+        entries = index_keys = visible = None
         if c is not None:
             entries, index_keys, visible = self._entries(h, kv, step)
-            if entries is not None:
-                if c.indexer is None:  # HCA: every visible entry
-                    logits.append(torch.einsum("nthd,ned->nhte", q, entries) * self.scale
-                                  + _bias(visible, q.dtype)[:, None])
-                    values.append(entries)
-                else:  # CSA: the indexer's top-k of the visible entries
-                    picks, valid = self._select(h, q_res, index_keys, visible, step)
-                    e, d = entries.shape[1], entries.shape[2]
-                    chosen = torch.gather(entries[:, None].expand(n, t, e, d), 2, picks[..., None].expand(-1, -1, -1, d))
-                    logits.append(torch.einsum("nthd,ntkd->nhtk", q, chosen) * self.scale
-                                  + _bias(valid, q.dtype)[:, None])
-                    values.append(chosen)
-        sinks = self.sinks.to(q.dtype).view(1, heads, 1, 1).expand(n, heads, t, 1)
-        probs = torch.softmax(torch.cat(logits + [sinks], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
-        out, start = 0, 0
-        for part, vals in zip(logits, values):
-            p = probs[..., start:start + part.shape[-1]]
-            start += part.shape[-1]
-            if vals.dim() == 3:
-                out = out + torch.einsum("nhtk,nkd->nthd", p, vals)
+        per_row = heads * keys.shape[1]
+        if entries is not None:
+            e = entries.shape[1]
+            if c.indexer is None:
+                per_row += heads * e
             else:
-                out = out + torch.einsum("nhtk,ntkd->nthd", p, vals)
+                k = min(c.indexer.top_k, e)
+                per_row = max(per_row + heads * k, c.indexer.heads * e, k * hd)
+        rows = max(1, _SCORES_PER_CHUNK // (n * per_row))
+        h3, r3 = h.view(n, t, -1), q_res.view(n, t, -1)
+        outs = []
+        for a in range(0, t, rows):
+            part = slice(a, a + rows)
+            outs.append(self._attend(q[:, part], keys, step.window_bias[:, part], entries, index_keys,
+                                     None if visible is None else visible[:, part], h3[:, part], r3[:, part],
+                                     [x.view(n, t, -1)[:, part] for x in step.rope["compress"]]))
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         out = unrotate(out.reshape(n * t, heads, hd), cos[:, None], sin[:, None])
         grouped = out.reshape(n * t, self.groups, heads * hd // self.groups)
         w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
         return self.o_b_proj(torch.einsum("rgi,goi->rgo", grouped, w).flatten(1))
+
+    def _attend(self, q, keys, window_bias, entries, index_keys, visible, h, q_res, compress_rope) -> torch.Tensor:
+        """Attention of the query rows ``q`` ``[N, Tq, H, hd]`` over the window's ``keys``
+        ``[N, Tk, hd]`` (mask ``window_bias`` ``[N, Tq, Tk]``) and the entries (``[N, E, hd]``,
+        ``visible`` ``[N, Tq, E]``; CSA: those the indexer picks), with the sinks: softmax in
+        float32 (the sinks float32), -> ``[N, Tq, H, hd]``."""
+        n, tq, heads, _ = q.shape
+        logits = [torch.einsum("nthd,nkd->nhtk", q, keys) * self.scale + window_bias[:, None]]
+        values = [keys]
+        if entries is not None:
+            if index_keys is None:  # HCA: every visible entry
+                logits.append(torch.einsum("nthd,ned->nhte", q, entries) * self.scale + _bias(visible, q.dtype)[:, None])
+                values.append(entries)
+            else:  # CSA: the indexer's top-k of the visible entries
+                picks, valid = self._select(h, q_res, index_keys, visible, compress_rope)
+                e, d = entries.shape[1], entries.shape[2]
+                chosen = torch.gather(entries[:, None].expand(n, tq, e, d), 2, picks[..., None].expand(-1, -1, -1, d))
+                logits.append(torch.einsum("nthd,ntkd->nhtk", q, chosen) * self.scale + _bias(valid, q.dtype)[:, None])
+                values.append(chosen)
+        sinks = self.sinks.float().view(1, heads, 1, 1).expand(n, heads, tq, 1)
+        probs = torch.softmax(torch.cat([x.float() for x in logits] + [sinks], dim=-1), dim=-1).to(q.dtype)
+        out, start = 0, 0
+        for part, vals in zip(logits, values):
+            p = probs[..., start:start + part.shape[-1]]
+            start += part.shape[-1]
+            spec = "nhtk,nkd->nthd" if vals.dim() == 3 else "nhtk,ntkd->nthd"
+            out = out + torch.einsum(spec, p, vals)
+        return out
 
     def _entries(self, h: torch.Tensor, kv: KVCache, step: "Step"):
         """Write this block's compressor inputs and the entries of the windows that end in
@@ -695,16 +719,17 @@ class Attention(nn.Module):
         visible = (torch.arange(e, device=dev) + 1) * r - 1 <= step.pos[..., None]  # [N, T, E]
         return entries[..., :c.head], entries[..., c.head:ew] if idx is not None else None, visible
 
-    def _select(self, h, q_res, index_keys, visible, step):
-        """The indexer's picks: int64 ``[N, T, k]`` entry indices and bool ``[N, T, k]``
-        (False: an invisible pick, masked)."""
+    def _select(self, h, q_res, index_keys, visible, compress_rope):
+        """The indexer's picks for query rows (``h`` ``[N, Tq, hidden]``, ``q_res`` their
+        query latent, ``compress_rope`` their compress cos / sin ``[N, Tq, rope_dim / 2]``):
+        int64 ``[N, Tq, k]`` entry indices and bool ``[N, Tq, k]`` (False: an invisible pick,
+        masked). Scores ``sum_h w_h relu(q_h . k) / sqrt(index_head_dim)`` in float32, ``w`` =
+        ``weights_proj(h) / sqrt(index_n_heads)``."""
         idx = self.compressor.indexer
-        n, t = step.pos.shape
-        cos, sin = step.rope["compress"]
-        q = rope_tail(idx.q_b_proj(q_res).view(n * t, idx.heads, idx.head), cos[:, None], sin[:, None])
-        q = q.view(n, t, idx.heads, idx.head)
+        cos, sin = compress_rope
+        q = rope_tail(idx.q_b_proj(q_res).view(*q_res.shape[:2], idx.heads, idx.head), cos[:, :, None], sin[:, :, None])
         scores = F.relu(torch.einsum("ntai,nei->ntae", q.float(), index_keys.float())) * idx.head ** -0.5
-        weights = idx.scorer.weights_proj(h).float().view(n, t, idx.heads) * idx.heads ** -0.5
+        weights = idx.scorer.weights_proj(h).float() * idx.heads ** -0.5
         scores = (scores * weights[..., None]).sum(dim=2).masked_fill(~visible, float("-inf"))
         picks = scores.topk(min(idx.top_k, scores.shape[-1]), dim=-1).indices
         return picks, torch.gather(visible, 2, picks)
