@@ -250,7 +250,9 @@ BAD_CONFIGS = [
     (_layer("use_sliding_window", False), r"has sliding_attention layers but no window \(sliding_window is null, or "
                                           r"use_sliding_window false turns it off\)"),
     (_set("aux_hidden_state_layer_ids", [1, 9]), r"include \[9\], beyond the target's 4 layers"),
-    (_set("target_hidden_size", 128), r"target_hidden_size 128 differs from its hidden_size 64"),
+    (_set("target_hidden_size", 128), r"incompatible pair: the drafter reads target features of 128 values a layer "
+                                      r"\(target_hidden_size\), the target's layers give 64"),
+    (_set("target_hidden_size", 0), r"target_hidden_size must be an integer >= 1, got 0"),
     (_layer("rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      r"partial_rotary_factor 0.5"),
     (_set("draft_vocab_size", VOCAB + 1), rf"draft_vocab_size {VOCAB + 1} exceeds the vocabulary of {VOCAB} tokens"),
@@ -387,6 +389,26 @@ def test_per_layer_type_rope_takes_the_sliding_entry():
         "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
     assert DrafterConfig.from_dict(cfg).rope_theta == 500000.0
+
+
+def test_target_hidden_size_sets_the_width_fc_reads():
+    """``target_hidden_size`` (a target whose layers give wider feature rows than the drafter's
+    hidden size, e.g. DeepSeek-V4's four residual streams) is the width of each target layer's
+    features that ``fc`` reads; equal to the hidden size or absent, it changes nothing."""
+    from dflash_torch.models.config import DrafterConfig
+
+    cfg = json.loads((DATA / "draft-vocab-causal" / "config.json").read_text())
+    hidden = cfg["transformer_layer_config"]["hidden_size"]
+    layers = len(cfg["aux_hidden_state_layer_ids"])
+    plain = DrafterConfig.from_dict(cfg)
+    assert plain.feature_size == hidden and plain.target_hidden_size is None
+    cfg["target_hidden_size"] = hidden
+    assert DrafterConfig.from_dict(cfg).target_hidden_size is None
+    cfg["target_hidden_size"] = 4 * hidden
+    wide = DrafterConfig.from_dict(cfg)
+    assert wide.feature_size == 4 * hidden
+    fc = SpeculatorsDrafter(wide).fc
+    assert (fc.in_features, fc.out_features) == (layers * 4 * hidden, hidden)
 
 
 def test_a_drafter_for_another_model_family_is_warned_about(agree_speculators_pair, tmp_path, caplog):

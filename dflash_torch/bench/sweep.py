@@ -22,7 +22,7 @@ def sweep_bytes(cfg: DrafterConfig, context_len: int, block_size: int, dtype: to
     takes: the random feature rows (made in float32, then cast), the injected cache and the
     recompute mode's re-projected keys and values, of every drafter layer."""
     elem = torch.empty((), dtype=dtype).element_size()
-    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    width = len(cfg.target_layer_ids) * cfg.feature_size
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
     return (context_len + block_size + 1) * ((4 + elem) * width + 2 * elem * kv)
 

@@ -258,6 +258,13 @@ class TargetConfig:
     int_quant: tuple[int, int | None] | None = None  # (bits, group_size) of packed integer weights (see packed_int.py)
     keep_int: bool = False  # hold them packed, dequantizing them each forward (set when loading)
 
+    @property
+    def feature_size(self) -> int:
+        """Values of one layer's feature row (``TargetModel.forward``'s ``feature_layers``):
+        ``hidden_size`` here; a family whose residual stream is wider (several streams)
+        says more."""
+        return self.hidden_size
+
     def __post_init__(self):
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
@@ -632,6 +639,13 @@ class DrafterConfig:
     hidden_act: str = "silu"  # the MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU), a key of layers.ACTIVATIONS
     causal_layers: list[bool] | None = None  # per layer: block rows see the block causally (None given: no layer)
     speculators: "SpeculatorsSettings | None" = None  # set for a Speculators-format drafter (models/speculators.py)
+    target_hidden_size: int | None = None  # values of one target layer's feature row; None: hidden_size
+
+    @property
+    def feature_size(self) -> int:
+        """Values of one target layer's feature row that ``fc`` reads (``target_hidden_size``,
+        else ``hidden_size``)."""
+        return self.hidden_size if self.target_hidden_size is None else self.target_hidden_size
 
     def __post_init__(self):
         if self.causal_layers is None:  # (one form for "no causal layer", so parsed and built configs compare equal)
@@ -873,13 +887,17 @@ def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
     """Check that a drafter was made for this target.
 
     Raises:
-        DFlashError: one line naming both values, for a hidden size mismatch, a
+        DFlashError: one line naming both values, for a hidden size or feature width
+            (:attr:`DrafterConfig.feature_size`) mismatch, a
             target layer id outside the target, a different ``num_target_layers``,
             a mask token id outside the vocabulary, or a different vocabulary size; a
             Speculators drafter's aux id beyond the target's layer count.
     """
     if drafter.hidden_size != target.hidden_size:
         raise DFlashError(f"incompatible pair: drafter hidden_size {drafter.hidden_size} != target hidden_size {target.hidden_size}")
+    if drafter.feature_size != target.feature_size:
+        raise DFlashError(f"incompatible pair: the drafter reads target features of {drafter.feature_size} values a layer "
+                          f"(target_hidden_size), the target's layers give {target.feature_size}")
     if drafter.num_target_layers is not None and drafter.num_target_layers != target.num_hidden_layers:
         raise DFlashError(
             f"incompatible pair: drafter num_target_layers {drafter.num_target_layers} != target num_hidden_layers {target.num_hidden_layers}"

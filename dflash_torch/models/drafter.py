@@ -103,7 +103,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, w) for w in cfg.sliding_windows)
         for layer, causal in zip(self.layers, cfg.causal_layers):
             layer.causal = causal  # (block rows see the block up to themselves: visible_keys)
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.feature_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings)
@@ -192,7 +192,7 @@ class DFlashDrafter(nn.Module):
                        max_rows)
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
-        """Target features ``[n, k * hidden]`` -> context rows ``c`` ``[n, hidden]``."""
+        """Target features ``[n, k * feature_size]`` -> context rows ``c`` ``[n, hidden]``."""
         return self.hidden_norm(self.fc(features))
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -259,7 +259,7 @@ class DFlashDrafter(nn.Module):
                 attend over the whole preallocated buffer under a mask (fixed shapes).
             mask_keys: ``kv_len`` is a length bucket that may exceed ``s + B``: mask the
                 cache entries past the block (implied by ``kv_len=None``).
-            inject: optional ``(features [n, k * hidden], feature_positions [n])`` to
+            inject: optional ``(features [n, k * feature_size], feature_positions [n])`` to
                 inject in the same pass (:class:`InjectedContext` only): each layer
                 projects those context rows and the block rows through one
                 ``k_proj``/``v_proj`` call and writes the context rows first, so a block
@@ -390,7 +390,7 @@ class InjectedContext:
         self.cache.reset(capacity)
 
     def inject(self, drafter: DFlashDrafter, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """KV injection: project ``features`` ``[n, k * hidden]`` of ``positions`` ``[n]``
+        """KV injection: project ``features`` ``[n, k * feature_size]`` of ``positions`` ``[n]``
         through ``fc``, ``hidden_norm`` and each layer's ``k_proj``/``k_norm``/RoPE and
         ``v_proj``, and write them into the cache. Rows past the committed length may be
         written too (fixed shapes): the next block overwrites them before they are read."""
@@ -417,7 +417,7 @@ class RecomputedContext:
         self.features, self.length = [], 0
 
     def inject(self, drafter: DFlashDrafter, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append feature rows ``[n, k * hidden]``; ``positions`` must continue the context."""
+        """Append feature rows ``[n, k * feature_size]``; ``positions`` must continue the context."""
         if int(positions[0]) != self.length:
             raise RuntimeError(f"recompute context expects position {self.length}, got {int(positions[0])}")
         self.features.append(features)

@@ -95,7 +95,7 @@ def read_config(cfg: dict) -> DrafterConfig:
         DFlashError: another Speculators model type (e.g. ``dspark``, ``eagle3``), a
             drafter trained to predict from its anchor slot (``sample_from_anchor``), no
             ``transformer_layer_config`` / ``mask_token_id`` / ``aux_hidden_state_layer_ids``,
-            a negative aux id, a ``target_hidden_size`` other than the drafter's hidden size,
+            a negative aux id, a ``target_hidden_size`` that is not an integer >= 1,
             partial RoPE, sliding-window layers without a window, a draft vocabulary larger
             than the target's, a ``quantization_config``, a layer config transformers' own
             class refuses, or anything :meth:`DrafterConfig.from_dict` refuses in it.
@@ -124,9 +124,6 @@ def read_config(cfg: dict) -> DrafterConfig:
     ids = sorted(ids)  # (vLLM captures them walking the layers: the features come in layer order)
     hidden = layer.get("hidden_size")
     target_hidden = check_int(cfg, "target_hidden_size", "drafter")
-    if target_hidden is not None and target_hidden != hidden:
-        raise DFlashError(f"drafter config.json target_hidden_size {target_hidden} differs from its hidden_size {hidden}; "
-                          "dflash-torch runs drafters of the target's hidden size")
     rope = layer.get("rope_parameters")
     if isinstance(rope, dict) and isinstance(rope.get("sliding_attention"), dict):
         rope = layer["rope_parameters"] = rope["sliding_attention"]  # (per-layer-type RoPE: the library takes this one)
@@ -149,6 +146,7 @@ def read_config(cfg: dict) -> DrafterConfig:
     dflash.update(architectures=["DFlashDraftModel"], block_size=block_size,
                   dflash_config={"mask_token_id": cfg["mask_token_id"], "target_layer_ids": [i - 1 for i in ids]})
     out = DrafterConfig.from_dict(dflash)
+    out.target_hidden_size = None if target_hidden in (None, hidden) else target_hidden
     non_causal = bool_field(cfg, "sliding_window_non_causal", "drafter", False)
     out.causal_layers = [w is not None and not non_causal for w in out.sliding_windows]
     spec = cfg.get("speculators_config")
