@@ -78,13 +78,40 @@ def make_v4_target(out_dir: Path, *, seed: int = 0, **overrides) -> Path:
     return Path(out_dir)
 
 
+def v4_drafter(target: Path, out_dir: Path, *, std: float = 0.08, seed: int = 0, layer_ids=None) -> Path:
+    """A random Speculators-format DFlash drafter (B = 8, two layers, weights N(0, std)) reading
+    the multi-stream features of the V4 target at ``target`` (``target_hidden_size`` =
+    ``hc_mult * hidden_size``, as RedHatAI/DeepSeek-V4-Flash-speculator.dflash), of target
+    layers ``layer_ids`` (aux ids + 1; default: the DFlash reference's spread)."""
+    import json
+
+    from dflash_torch.models.drafter import DFlashDrafter
+
+    tcfg = json.loads((target / "config.json").read_text())
+    cfg = drafter_config(target, block_size=8, target_layer_ids=layer_ids)
+    cfg.target_hidden_size = tcfg["hc_mult"] * tcfg["hidden_size"]
+    torch.manual_seed(seed)
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, std)
+    plain = save_drafter(Path(str(out_dir) + "-dflash"), cfg, model.state_dict())
+    out = to_speculators(plain, target, out_dir)
+    spec = json.loads((out / "config.json").read_text())
+    spec["target_hidden_size"] = cfg.target_hidden_size
+    spec["speculators_config"]["verifier"]["architectures"] = ["DeepseekV4ForCausalLM"]
+    (out / "config.json").write_text(json.dumps(spec, indent=2))
+    return out
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tokenizer_dir):
     """(target_dir, random drafter_dir) of the tiny DeepSeek-V4 target."""
     root = tmp_path_factory.mktemp("deepseek_v4")
     target = make_v4_target(root / "target", seed=3)
     copy_tokenizer(tokenizer_dir, target)
-    return target, save_drafter(root / "drafter", drafter_config(target, block_size=8), seed=3)
+    return target, v4_drafter(target, root / "drafter", seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -118,22 +145,23 @@ def run_pieces(model, ids, pieces, *, static=False, max_rows=None, features=True
     ([5] * 8, False, 5), ([3, 5, 4, 4, 4, 5, 5, 5, 5], True, 5)],
     ids=["one-pass", "pieces", "token-by-token", "fixed-shapes", "rings", "rings-fixed-shapes"])
 def test_forward_matches_transformers(models, pieces, static, max_rows):
-    """Logits and each layer's feature (the mean of its output streams, as vLLM captures
-    DeepSeek-V4's auxiliary hidden states) == transformers' whole-sequence forward; with
-    ``max_rows`` the window and compressor-input slots are rings of window + 4 rows."""
+    """Logits and each layer's feature (its output streams one after another, as the
+    published drafter reads them) == transformers' whole-sequence forward; with ``max_rows``
+    the window and compressor-input slots are rings of window + 4 rows."""
     ours, _, ref = models
     logits, feats = run_pieces(ours, IDS, pieces, static=static, max_rows=max_rows)
     torch.testing.assert_close(logits, ref.logits[0], rtol=0, atol=ATOL)
-    h = ours.config.hidden_size
+    w = ours.config.feature_size
+    assert w == 3 * ours.config.hidden_size
     for layer in range(ours.config.num_hidden_layers - 1):  # (HF's last entry is the final-normed output)
-        torch.testing.assert_close(feats[:, layer * h:(layer + 1) * h], ref.hidden_states[layer + 1][0].mean(dim=1),
+        torch.testing.assert_close(feats[:, layer * w:(layer + 1) * w], ref.hidden_states[layer + 1][0].flatten(1),
                                    rtol=0, atol=ATOL)
     last = ours.config.num_hidden_layers
     with torch.no_grad():
         _, f = ours(IDS, torch.arange(40), _fresh(ours), 40, feature_layers=[-1, last - 1, last])
     embed = ours.model.embed_tokens(IDS)
-    torch.testing.assert_close(f[:, :h], embed, rtol=0, atol=0)
-    torch.testing.assert_close(f[:, h:2 * h], f[:, 2 * h:], rtol=0, atol=0)
+    torch.testing.assert_close(f[:, :w], embed.repeat(1, 3), rtol=0, atol=0)
+    torch.testing.assert_close(f[:, w:2 * w], f[:, 2 * w:], rtol=0, atol=0)
 
 
 def test_query_chunks_match_transformers(models, monkeypatch):
@@ -295,10 +323,13 @@ def test_greedy_speculative_equals_transformers_generate(checkpoint):
 
 @pytest.fixture(scope="module")
 def agree_pair(tmp_path_factory, tokenizer_dir):
+    """(target_dir, drafter_dir): the agreeable recipe (conftest's :func:`make_agreeable`) on a V4
+    target, with a Speculators drafter of small weights (N(0, 0.02)) reading its streams."""
     root = tmp_path_factory.mktemp("deepseek_v4_agree")
     target = make_v4_target(root / "target", seed=1)
     # (c's own multiple of u as large as the others' mean: runs of c that the context ends, tau 1..8)
-    return make_agreeable(target, tokenizer_dir, root, "deepseek_v4", block_size=8, alpha=1.0, self_scale=1.0)
+    target, _ = make_agreeable(target, tokenizer_dir, root, "deepseek_v4", block_size=8, alpha=1.0, self_scale=1.0)
+    return target, v4_drafter(target, root / "spec", std=0.02)
 
 
 def test_many_accepted_tokens_are_lossless(agree_pair):
@@ -322,18 +353,23 @@ def test_prefix_reuse_decodes_as_without(agree_pair):
     assert reused[0] == 0 and reused[1] > 0 and reused[2] > 0
 
 
-def test_speculators_drafter_is_lossless(agree_pair, tmp_path):
-    """A Speculators-format drafter reading the embedding and the last layer's output (aux
-    ids 0 and 4, the mean of its streams) decodes exactly the target's own tokens."""
+def test_embedding_and_last_layer_features_are_lossless(agree_pair, tmp_path):
+    """A drafter reading the embedding and the last layer's streams (aux ids 0 and 4)
+    decodes exactly the target's own tokens; a DFlash-format drafter, which reads features
+    of hidden_size values a layer, is refused in one line."""
     from dflash_torch import DFlashEngine
 
-    target, drafter = agree_pair
-    spec = DFlashEngine.from_pretrained(target, to_speculators(drafter, target, tmp_path / "spec", aux_ids=[0, 4]))
+    target, _ = agree_pair
+    spec = DFlashEngine.from_pretrained(target, v4_drafter(target, tmp_path / "spec", std=0.02, layer_ids=[-1, 3]))
     alone = DFlashEngine(spec.target, spec.tokenizer)
     for prompt in ([5, 17, 99, 3], list(range(2, 30))):
         out = spec.generate(prompt, max_new_tokens=40, ignore_eos=True)
         assert out.token_ids == alone.generate(prompt, max_new_tokens=40, ignore_eos=True).token_ids
         assert max(out.stats.acceptance_lengths) > 1
+    plain = save_drafter(tmp_path / "plain", drafter_config(target, block_size=8))
+    with pytest.raises(DFlashError, match="reads target features of 32 values a layer") as e:
+        DFlashEngine.from_pretrained(target, plain)
+    assert "\n" not in str(e.value)
 
 
 def published_layout(src: Path, dst: Path, *, extra: dict | None = None) -> Path:

@@ -64,12 +64,14 @@ write leaves the buffer and no two writes of one row differ); the indexer takes 
 every complete entry of the attended span with the invisible ones at ``-inf`` and masks the
 invisible picks.
 
-**Context features for drafters.** Layer ``l``'s feature is the mean over the ``hc_mult``
-streams of its output streams (vLLM's DeepSeek-V4 auxiliary hidden-state capture, which
-the Speculators DFlash drafter for DeepSeek-V4-Flash was trained on, per the design this
-module follows); ``num_hidden_layers`` (the last layer's output before the final norm)
-is the same mean of the last layer; :data:`~dflash_torch.models.target.EMBEDDING_OUTPUT`
-the embedding.
+**Context features for drafters.** Layer ``l``'s feature row is its ``hc_mult`` output
+streams one after another (``hc_mult * hidden_size`` values, the target's ``feature_size``):
+the published drafter RedHatAI/DeepSeek-V4-Flash-speculator.dflash "consumes multi-stream
+hidden states from the base model (hc_mult=4)", "target hidden width 4 x 4096 = 16384" (its
+model card), captured by vLLM. ``num_hidden_layers`` is the last layer's output streams (before
+``hc_head`` and the final norm; so is ``num_hidden_layers - 1``: there is no per-layer normed
+output here); :data:`~dflash_torch.models.target.EMBEDDING_OUTPUT` the embedding copied into
+each stream (the first layer's input streams).
 
 **Checkpoints.** DeepSeek's own tensor names are read, at the top level (the published
 checkpoints: ``embed.weight``, ``layers.{i}.attn.wq_a.weight``, ``layers.{i}.ffn.experts.{e}.w1.weight``,
@@ -141,6 +143,11 @@ class DeepseekV4Config(TargetConfig):
     compress_rope_scaling: dict | None = None
     num_nextn_predict_layers: int = 0
     names: dict = field(default_factory=dict)  # our parameter name -> its name in the checkpoint (set when loading)
+
+    @property
+    def feature_size(self) -> int:
+        """A layer's feature row: its ``hc_mult`` output streams, ``hc_mult * hidden_size`` values."""
+        return self.hc_mult * self.hidden_size
 
 
 def _rope_parts(text: dict, fraction: float) -> dict[str, dict]:
@@ -824,8 +831,9 @@ class Model(TargetModel):
                 feature_layers: list[int] | None = None, logits_from: int = 0, commit=None,
                 defer_commit: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As :meth:`TargetModel.forward` (``commit`` / ``defer_commit`` are for recurrent
-        layers: none here). Feature ``l``: the mean of layer ``l``'s output streams (and
-        ``num_hidden_layers``: the last layer's); ``EMBEDDING_OUTPUT``: the embedding."""
+        layers: none here). Feature ``l``: layer ``l``'s output streams ``[T, hc_mult *
+        hidden]`` (``num_hidden_layers``: the last layer's); ``EMBEDDING_OUTPUT``: the
+        embedding in each stream."""
         cfg = self.config
         x = self.model.embed_tokens(input_ids)
         pos = positions if positions.dim() == 2 else positions[None]
@@ -844,8 +852,8 @@ class Model(TargetModel):
         compress = self.rotary["compress"]
         step = Step(pos, positions, kv_len, rope, _bias(visible, x.dtype), lambda p: compress.cos_sin(p, x.dtype))
         wanted = set(feature_layers or ())
-        captured = {EMBEDDING_OUTPUT: x} if EMBEDDING_OUTPUT in wanted else {}
         streams = x[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+        captured = {EMBEDDING_OUTPUT: streams.flatten(1)} if EMBEDDING_OUTPUT in wanted else {}
         for i, layer in enumerate(self.model.layers):
             post, comb, collapsed = layer.attn_hc(streams)
             out = layer.self_attn(layer.input_layernorm(collapsed), input_ids, kvc, step)
@@ -854,7 +862,7 @@ class Model(TargetModel):
             out = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids)
             streams = mix_streams(streams, out, post, comb)
             if i in wanted or (i == len(self.model.layers) - 1 and i + 1 in wanted):
-                captured[i] = captured[i + 1] = streams.mean(dim=1)
+                captured[i] = captured[i + 1] = streams.flatten(1)
         hidden = self.model.norm(self.model.hc_head(streams[logits_from:]))
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         return self.output_logits(hidden), features
