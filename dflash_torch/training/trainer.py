@@ -162,6 +162,10 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
     target whose every MLP is a mixture of experts) the width a token passes through:
     ``top_k * moe_intermediate_size + shared_expert_intermediate_size``."""
     L = target_cfg.num_hidden_layers
+    if target_cfg.feature_size != target_cfg.hidden_size:
+        raise DFlashError(f"training a drafter for a {target_cfg.model_type} target is not supported: its layers' "
+                          f"features are {target_cfg.feature_size} values wide (several residual streams), which "
+                          "the DFlash format this trainer writes cannot describe")
     if cfg.init_from_target and cfg.num_layers > L:
         raise DFlashError(f"--init-from-target copies the target's last --num-layers layers: at most {L}, "
                           f"got {cfg.num_layers}")
