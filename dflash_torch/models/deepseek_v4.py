@@ -622,15 +622,17 @@ class Attention(nn.Module):
         _write(kv, self.slots[0], step.positions, key)
         keys = _rows(kv, self.slots[0], step.kv_len, hd)  # [N, Tk, hd]
         c = self.compressor
-        entries = index_keys = visible = None
+        store = entries = index_keys = visible = None
         if c is not None:
-            entries, index_keys, visible = self._entries(h, kv, step)
+            store, visible = self._entries(h, kv, step)
         per_row = heads * keys.shape[1]
-        if entries is not None:
-            e = entries.shape[1]
-            if c.indexer is None:
+        if store is not None:
+            e = store.count
+            if c.indexer is None:  # (every entry attended: read them all once)
+                entries = store.values(0, c.head)
                 per_row += heads * e
-            else:
+            else:  # (the indexer's keys of every entry; the picked entries' values per chunk of queries)
+                entries, index_keys = store, store.values(c.head, self.entry_width())
                 k = min(c.indexer.top_k, e)
                 per_row = max(per_row + heads * k, c.indexer.heads * e, k * hd)
         rows = max(1, _SCORES_PER_CHUNK // (n * per_row))
@@ -649,9 +651,10 @@ class Attention(nn.Module):
 
     def _attend(self, q, keys, window_bias, entries, index_keys, visible, h, q_res, compress_rope) -> torch.Tensor:
         """Attention of the query rows ``q`` ``[N, Tq, H, hd]`` over the window's ``keys``
-        ``[N, Tk, hd]`` (mask ``window_bias`` ``[N, Tq, Tk]``) and the entries (``[N, E, hd]``,
-        ``visible`` ``[N, Tq, E]``; CSA: those the indexer picks), with the sinks: softmax in
-        float32 (the sinks float32), -> ``[N, Tq, H, hd]``."""
+        ``[N, Tk, hd]`` (mask ``window_bias`` ``[N, Tq, Tk]``) and the entries (HCA: all,
+        ``[N, E, hd]``; CSA: those the indexer picks, read from ``entries``, an
+        :class:`_Entries`; ``visible`` ``[N, Tq, E]``), with the sinks: softmax in float32 (the
+        sinks float32), -> ``[N, Tq, H, hd]``."""
         n, tq, heads, _ = q.shape
         logits = [torch.einsum("nthd,nkd->nhtk", q, keys) * self.scale + window_bias[:, None]]
         values = [keys]
@@ -661,8 +664,7 @@ class Attention(nn.Module):
                 values.append(entries)
             else:  # CSA: the indexer's top-k of the visible entries
                 picks, valid = self._select(h, q_res, index_keys, visible, compress_rope)
-                e, d = entries.shape[1], entries.shape[2]
-                chosen = torch.gather(entries[:, None].expand(n, tq, e, d), 2, picks[..., None].expand(-1, -1, -1, d))
+                chosen = entries.values(0, self.head_dim, picks)
                 logits.append(torch.einsum("nthd,ntkd->nhtk", q, chosen) * self.scale + _bias(valid, q.dtype)[:, None])
                 values.append(chosen)
         sinks = self.sinks.float().view(1, heads, 1, 1).expand(n, heads, tq, 1)
@@ -677,9 +679,8 @@ class Attention(nn.Module):
 
     def _entries(self, h: torch.Tensor, kv: KVCache, step: "Step"):
         """Write this block's compressor inputs and the entries of the windows that end in
-        it; read back every complete entry of the attended span: (entries ``[N, E, head_dim]``,
-        indexer keys ``[N, E, index_head_dim]`` or None, visible bool ``[N, T, E]``), all
-        None when the span holds no whole window.
+        it: (the complete entries of the attended span, an :class:`_Entries`, and visible bool
+        ``[N, T, E]``), both None when the span holds no whole window.
 
         Entry ``w`` lies in the entries slot spread over its window's rows ``w * ratio ..
         (w + 1) * ratio - 1``, :meth:`chunk` values each. A block of T rows computes the
@@ -695,15 +696,15 @@ class Attention(nn.Module):
         rows = c.inputs(h) if idx is None else torch.cat([c.inputs(h), idx.inputs(h)], dim=-1)
         _write(kv, slot_in, step.positions, rows)
         width = rows.shape[-1]
-        buf = _rows(kv, slot_in, None, width)  # [N, rows, width]
         ring = kv.layer_ring(slot_in)
+        held_rows = kv.view(slot_in, None)[0].shape[-2]
         k = -(-t // r)
         first, last = step.pos[:, :1], step.pos[:, -1:]
         ends = first + torch.remainder(r - 1 - first, r) + r * torch.arange(k, device=dev)  # [N, K]
         windows = ends // r
         tok = (windows - (c.c - 1))[..., None] * r + torch.arange(cr, device=dev)  # [N, K, cr] positions
-        index = torch.remainder(tok, ring) if ring is not None else tok.clamp(0, buf.shape[1] - 1)
-        gathered = torch.gather(buf, 1, index.reshape(n, -1, 1).expand(-1, -1, width)).view(n, k, cr, width)
+        index = torch.remainder(tok, ring) if ring is not None else tok.clamp(0, held_rows - 1)
+        gathered = _gather_rows(kv, slot_in, index.reshape(n, -1), width).view(n, k, cr, width)
         valid = tok >= 0
         cos, sin = step.compress_rope((windows * r).reshape(-1))
         entry = rope_tail(c.pool(gathered[..., :c.width], valid).reshape(n * k, -1), cos, sin)
@@ -713,18 +714,15 @@ class Attention(nn.Module):
         ew, cw = self.entry_width(), self.chunk()
         entry = F.pad(entry, (0, r * cw - ew)).view(n, k, r, cw)
         target = torch.minimum(windows[..., None] * r + torch.arange(r, device=dev), last[..., None])  # [N, K, r]
-        stored = _rows(kv, slot_e, None, cw)
-        held = torch.gather(stored, 1, target.reshape(n, -1, 1).expand(-1, -1, cw)).view(n, k, r, cw)
+        held = _gather_rows(kv, slot_e, target.reshape(n, -1), cw).view(n, k, r, cw)
         values = torch.where((ends <= last)[..., None, None], entry, held)
         _write(kv, slot_e, target.reshape(-1) if step.positions.dim() == 1 else target.reshape(n, -1),
                values.reshape(-1, cw))
-        span = _rows(kv, slot_e, step.kv_len, cw)
-        e = span.shape[1] // r
-        if e == 0:
-            return None, None, None
-        entries = span[:, :e * r].reshape(n, e, r * cw)
-        visible = (torch.arange(e, device=dev) + 1) * r - 1 <= step.pos[..., None]  # [N, T, E]
-        return entries[..., :c.head], entries[..., c.head:ew] if idx is not None else None, visible
+        store = _Entries(*kv.view(slot_e, step.kv_len), r, cw)
+        if store.count == 0:
+            return None, None
+        visible = (torch.arange(store.count, device=dev) + 1) * r - 1 <= step.pos[..., None]  # [N, T, E]
+        return store, visible
 
     def _select(self, h, q_res, index_keys, visible, compress_rope):
         """The indexer's picks for query rows (``h`` ``[N, Tq, hidden]``, ``q_res`` their
@@ -752,6 +750,45 @@ def _rows(kv, slot: int, end: int | None, width: int) -> torch.Tensor:
     if k.dim() == 3:
         k, v = k[None], v[None]
     return torch.cat([k[:, 0], v[:, 0]], dim=-1)[..., :width]
+
+
+def _gather_rows(kv, slot: int, index: torch.Tensor, width: int) -> torch.Tensor:
+    """A slot's rows ``index`` (int64 ``[N, M]``, rows of its buffers) -> ``[N, M, width]``."""
+    k, v = kv.view(slot, None)
+    if k.dim() == 3:
+        k, v = k[None], v[None]
+    at = index[..., None]
+    return torch.cat([torch.gather(k[:, 0], 1, at.expand(-1, -1, k.shape[-1])),
+                      torch.gather(v[:, 0], 1, at.expand(-1, -1, v.shape[-1]))], dim=-1)[..., :width]
+
+
+class _Entries:
+    """The complete entries of an entries slot's first ``Tk`` rows, read in place from its
+    key and value buffers (``[N, 1, Tk, half]``; one sequence: ``[1, Tk, half]``): entry ``w``
+    is rows ``w * ratio ..``, each ``cw`` values split in the two halves."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, ratio: int, cw: int):
+        if k.dim() == 3:
+            k, v = k[None], v[None]
+        n, _, tk, half = k.shape
+        self.count, self.ratio, self.cw = tk // ratio, ratio, cw
+        rows = self.count * ratio
+        self.k = k[:, 0, :rows].reshape(n, self.count, ratio, half)
+        self.v = v[:, 0, :rows].reshape(n, self.count, ratio, half)
+
+    def values(self, lo: int, hi: int, picks: torch.Tensor | None = None) -> torch.Tensor:
+        """Values ``[lo, hi)`` of every entry, ``[N, E, hi - lo]``, or of the entries ``picks``
+        (int64 ``[N, Tq, k]``) -> ``[N, Tq, k, hi - lo]``; only the rows holding them are read."""
+        first, end = lo // self.cw, -(-hi // self.cw)
+        k, v = self.k[:, :, first:end], self.v[:, :, first:end]
+        if picks is not None:
+            n, tq, _ = picks.shape
+            take = lambda x: torch.gather(  # noqa: E731
+                x.flatten(2)[:, None].expand(n, tq, -1, -1), 2,
+                picks[..., None].expand(-1, -1, -1, x.shape[2] * x.shape[3])).unflatten(-1, x.shape[2:])
+            k, v = take(k), take(v)
+        rows = torch.cat([k, v], dim=-1)[..., :self.cw].flatten(-2)
+        return rows[..., lo - first * self.cw:hi - first * self.cw]
 
 
 def _write(kv, slot: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
