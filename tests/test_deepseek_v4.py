@@ -32,6 +32,7 @@ from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_g
                       check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
                       load_hf, make_agreeable, save_drafter, to_speculators)
 from dflash_torch import DFlashError
+from dflash_torch.cache import cache_bytes
 from dflash_torch.models import deepseek_v4
 from dflash_torch.models.config import TargetConfig
 from dflash_torch.models.target import TargetModel
@@ -297,6 +298,8 @@ def test_cache_slots(checkpoint):
     cache = ours.new_cache(4)
     cache.reset(64)
     assert [t.shape[1] for t in cache.kv.k[:4]] == [9, 9, 11, 256]
+    held = sum(t.numel() * t.element_size() for t in cache.kv.k + cache.kv.v)
+    assert cache_bytes(ours, None, 1, 256, max_rows=4) == held  # (the memory check counts what is allocated)
 
 
 def test_published_flash_shapes():
