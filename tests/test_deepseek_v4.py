@@ -5,16 +5,21 @@ window of 6, compress rates 4 (CSA) and 8 (HCA) so windows complete often, an in
 top-k layers with score correction biases, YaRN on the compress RoPE; random sinks,
 hyper-connection weights and position biases:
 
-* our forward == transformers' (logits, and every layer's output as the mean of its streams),
-  in one pass, in pieces, token by token, with fixed shapes, with rings shorter than the
-  sequence, and for sequences batched in cache slots;
+* our forward == transformers' (logits, and every layer's output streams, the drafters'
+  features), in one pass, in pieces, token by token, with fixed shapes, with rings shorter
+  than the sequence, in chunks of one query row, for sequences batched in cache slots, and
+  after rejected blocks (their rows rewritten);
 * guards: each part computed the wrong way (the indexer's choice, the overlapping half of CSA
-  windows, the hyper-connection mix's transpose, hash routing, the output's inverse RoPE,
-  the sinks) makes the comparison fail, so it has power;
-* the cache layout (slots per layer) and DeepSeek-V4-Flash's published shapes;
+  windows, the hyper-connection mix's transpose, hash routing, the output's inverse RoPE)
+  makes the comparison fail, and perturbing the sinks or the indexer's query weights changes
+  transformers' logits while ours still match, so the comparisons have power;
+* the cache layout (slots per layer, the memory check's bytes) and DeepSeek-V4-Flash's
+  published shapes (284.3B parameters, 6,880 bytes of cache a token in bfloat16);
 * greedy target-only and speculative decoding == transformers' greedy ``generate``; an
   agreeable pair accepting several tokens a round is lossless (eager, chunked, fixed shapes,
-  batched, compiled without recompiles, prefix reuse);
+  batched, compiled without recompiles, prefix reuse); drafters are in the Speculators
+  format with ``target_hidden_size`` = ``hc_mult * hidden_size`` (as the published one); a
+  DFlash-format drafter, and training one, are refused in one line;
 * the published layout (top-level DeepSeek names) loads to the same logits, the
   multi-token-prediction tensors are not read, unknown tensors are refused; legacy config
   keys fold as transformers folds them; unsupported configs are refused in one line.
