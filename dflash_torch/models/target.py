@@ -530,7 +530,8 @@ def _keep_fp4(model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dty
     from .mxfp4 import BLOCK, dequantize_fp4
 
     def keep_experts(experts, scales):
-        experts.keep_mxfp4()
+        if not experts.mxfp4:
+            experts.keep_mxfp4()
 
     _keep_quantized(model, state, None, keep_experts, lambda weight, scales, cols: dequantize_fp4(weight, scales, dtype),
                     torch.uint8)
