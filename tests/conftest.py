@@ -418,10 +418,11 @@ def make_agreeable(target: Path, tokenizer_dir: Path, root: Path, model_type: st
     from dflash_torch.models.drafter import DFlashDrafter
 
     state = load_file(str(target / "model.safetensors"))
+    head = "head.weight" if "head.weight" in state else "lm_head.weight"  # (DeepSeek-V4 saves DeepSeek's name)
     g = torch.Generator().manual_seed(0)
-    u = torch.randn(state["lm_head.weight"].shape[1], generator=g)
+    u = torch.randn(state[head].shape[1], generator=g)
     u /= u.norm()
-    scale = torch.rand(state["lm_head.weight"].shape[0], 1, generator=g) * 2
+    scale = torch.rand(state[head].shape[0], 1, generator=g) * 2
     scale[agree_token] = self_scale
     embed = "model.language_model.embed_tokens.weight" if model_type == "muse_glimmer" else "model.embed_tokens.weight"
     state[embed] += alpha * scale * u
@@ -431,7 +432,7 @@ def make_agreeable(target: Path, tokenizer_dir: Path, root: Path, model_type: st
     if model_type.startswith("gemma4"):  # sublayer outputs at 0.3 of their norm (which scales by w): u survives
         for key in [k for k in state if k.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"))]:
             state[key] = torch.full_like(state[key], 1 + MUSE_AGREE_POST_NORM)
-    state["lm_head.weight"][agree_token] = beta * u
+    state[head][agree_token] = beta * u
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     copy_tokenizer(tokenizer_dir, target)
     cfg = drafter_config(target, block_size=block_size)

@@ -105,13 +105,15 @@ class Experts(nn.Module):
 
 
 def expert_activation(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float, swiglu_alpha: float,
-                      gelu_tanh: bool = False) -> torch.Tensor:
+                      gelu_tanh: bool = False, swiglu_offset: float = 1.0) -> torch.Tensor:
     """An expert's gated activation of its ``gate`` and ``up`` projections (same shape).
 
     ``gelu_tanh``: GeGLU, ``gelu_tanh(gate) * up`` (Gemma 4). Else ``swiglu_limit == 0``:
     SwiGLU, ``silu(gate) * up`` (Qwen MoE); ``swiglu_limit > 0``: gpt-oss's clamped variant
     (transformers' ``GptOssExperts``): ``gate`` clamped to at most the limit, ``up`` to
-    ``[-limit, limit]``, then ``gate * sigmoid(alpha * gate) * (up + 1)``.
+    ``[-limit, limit]``, then ``gate * sigmoid(alpha * gate) * (up + 1)``; with
+    ``swiglu_offset`` 0 (DeepSeek-V4's clamped SwiGLU, transformers' ``DeepseekV4Experts``):
+    the same clamps, then ``silu(gate) * up``.
     """
     if gelu_tanh:
         return ACTIVATIONS["gelu_tanh"](gate) * up
@@ -119,7 +121,9 @@ def expert_activation(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float,
         return F.silu(gate) * up
     gate = gate.clamp(max=swiglu_limit)
     up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
-    return gate * torch.sigmoid(gate * swiglu_alpha) * (up + 1)
+    if swiglu_offset == 0:
+        return F.silu(gate) * up
+    return gate * torch.sigmoid(gate * swiglu_alpha) * (up + swiglu_offset)
 
 
 @torch.library.custom_op("dflash_torch::dispatch_experts", mutates_args=())
@@ -128,7 +132,8 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                      down_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0,
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
                      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0,
-                     gelu_tanh: bool = False, int_bits: int = 0, int_group: int = 0) -> torch.Tensor:
+                     gelu_tanh: bool = False, int_bits: int = 0, int_group: int = 0,
+                     swiglu_offset: float = 1.0) -> torch.Tensor:
     """Run each token through its chosen experts and sum the weighted outputs.
 
     Only the experts that some token chose are computed: the ``T * k`` (token, expert)
@@ -146,8 +151,8 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         gate_up_proj: ``[E, 2 * I, hidden]`` (each expert's gate rows, then its up rows);
             down_proj: ``[E, hidden, I]``.
         gate_up_bias: ``[E, 2 * I]`` or None; down_bias: ``[E, hidden]`` or None (gpt-oss).
-        swiglu_limit, swiglu_alpha, gelu_tanh: the activation (:func:`expert_activation`;
-            0, False: SwiGLU).
+        swiglu_limit, swiglu_alpha, gelu_tanh, swiglu_offset: the activation
+            (:func:`expert_activation`; 0, False: SwiGLU).
         gate_up_scales, down_scales: None, or the matrices are MXFP4 (uint8 blocks
             ``[E, rows, cols / 32, 16]``, scales ``[E, rows, cols / 32]``,
             :mod:`~dflash_torch.models.mxfp4`), or FP8 (``float8_e4m3fn`` matrices, float32
@@ -168,7 +173,7 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return gathered_experts(x, experts, weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
                                 swiglu_limit, swiglu_alpha, gate_up_scales, down_scales, fp8_block_cols, gelu_tanh,
-                                int_bits, int_group)
+                                int_bits, int_group, swiglu_offset)
     t, k = experts.shape
     quant, inter = (int_bits, int_group), gate_up_proj.shape[1] // 2  # (the down matrices' columns)
     out = torch.zeros_like(x)
@@ -188,7 +193,7 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         gate_up_w = _expert(gate_up_proj, gate_up_scales, e, x.dtype, fp8_block_cols, quant, x.shape[-1])
         down_w = _expert(down_proj, down_scales, e, x.dtype, fp8_block_cols, quant, inter)
         gate, up = F.linear(x[tokens], gate_up_w, None if gate_up_bias is None else gate_up_bias[e]).chunk(2, dim=-1)
-        h = F.linear(expert_activation(gate, up, swiglu_limit, swiglu_alpha, gelu_tanh), down_w,
+        h = F.linear(expert_activation(gate, up, swiglu_limit, swiglu_alpha, gelu_tanh, swiglu_offset), down_w,
                      None if down_bias is None else down_bias[e])
         out.index_add_(0, tokens, (h * pair_weights[pairs, None]).to(out.dtype))
     return out
@@ -213,7 +218,8 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                      down_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0,
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
                      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0,
-                     gelu_tanh: bool = False, int_bits: int = 0, int_group: int = 0) -> torch.Tensor:
+                     gelu_tanh: bool = False, int_bits: int = 0, int_group: int = 0,
+                     swiglu_offset: float = 1.0) -> torch.Tensor:
     """:func:`dispatch_experts` (same arguments and result) with no data-dependent shape
     and no host read, so that a CUDA graph can capture it: every (token, expert) pair
     gathers its expert's weights and the ``T * k`` pairs run as two batched matmuls. It
@@ -237,7 +243,7 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         gate_up = gate_up + gate_up_bias[ids]
     gate, up = gate_up.chunk(2, dim=-1)
     h = torch.bmm(per_pair(down_proj, down_scales, gate_up_proj.shape[1] // 2),
-                  expert_activation(gate, up, swiglu_limit, swiglu_alpha, gelu_tanh)[:, :, None])[..., 0]
+                  expert_activation(gate, up, swiglu_limit, swiglu_alpha, gelu_tanh, swiglu_offset)[:, :, None])[..., 0]
     if down_bias is not None:
         h = h + down_bias[ids]  # [T * k, hidden]
     return (h * weights.reshape(-1, 1)).to(x.dtype).view(t, k, -1).sum(dim=1)
@@ -248,7 +254,7 @@ def _(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_pro
       down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
       swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
       down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0, gelu_tanh: bool = False, int_bits: int = 0,
-      int_group: int = 0) -> torch.Tensor:
+      int_group: int = 0, swiglu_offset: float = 1.0) -> torch.Tensor:
     return torch.empty_like(x)
 
 

@@ -1,0 +1,417 @@
+"""DeepSeek-V4 targets (``deepseek_v4``) against transformers' own ``DeepseekV4ForCausalLM``, on
+a tiny random checkpoint covering every part: four layers (sliding, CSA, HCA, CSA), a sliding
+window of 6, compress rates 4 (CSA) and 8 (HCA) so windows complete often, an indexer keeping
+3 entries of up to 10 (its choice matters), 3 hyper-connection streams, a hash-routed layer and
+top-k layers with score correction biases, YaRN on the compress RoPE; random sinks,
+hyper-connection weights and position biases:
+
+* our forward == transformers' (logits, and every layer's output as the mean of its streams),
+  in one pass, in pieces, token by token, with fixed shapes, with rings shorter than the
+  sequence, and for sequences batched in cache slots;
+* guards: each part computed the wrong way (the indexer's choice, the overlapping half of CSA
+  windows, the hyper-connection mix's transpose, hash routing, the output's inverse RoPE,
+  the sinks) makes the comparison fail, so it has power;
+* the cache layout (slots per layer) and DeepSeek-V4-Flash's published shapes;
+* greedy target-only and speculative decoding == transformers' greedy ``generate``; an
+  agreeable pair accepting several tokens a round is lossless (eager, chunked, fixed shapes,
+  batched, compiled without recompiles, prefix reuse);
+* the published layout (top-level DeepSeek names) loads to the same logits, the
+  multi-token-prediction tensors are not read, unknown tensors are refused; legacy config
+  keys fold as transformers folds them; unsupported configs are refused in one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
+                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
+                      load_hf, make_agreeable, save_drafter)
+from dflash_torch import DFlashError
+from dflash_torch.models import deepseek_v4
+from dflash_torch.models.config import TargetConfig
+from dflash_torch.models.target import TargetModel
+
+SLIDING, CSA, HCA = deepseek_v4.SLIDING, deepseek_v4.CSA, deepseek_v4.HCA
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32.0,
+        "beta_slow": 1.0}
+TINY = dict(vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+            head_dim=32, q_lora_rank=24, num_experts_per_tok=2, n_routed_experts=4,
+            layer_types=[SLIDING, CSA, HCA, CSA], compress_rates={CSA: 4, HCA: 8},
+            mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_mult=3, sliding_window=6, o_groups=2,
+            o_lora_rank=8, index_n_heads=8, index_head_dim=16, index_topk=3, partial_rotary_factor=0.25,
+            max_position_embeddings=1024, rope_parameters=YARN, eos_token_id=EOS_ID, bos_token_id=EOS_ID,
+            pad_token_id=EOS_ID, tie_word_embeddings=False)
+IDS = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
+ATOL = 1e-5
+
+
+def make_v4_target(out_dir: Path, *, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random ``DeepseekV4ForCausalLM`` (:data:`TINY` plus ``overrides``; eager
+    experts): matrices N(0, 0.1), norms N(1, 0.2), the other vectors (hyper-connection bases
+    and scales, sinks, position biases) N(0, 0.5), score correction biases N(0, 0.3), a
+    random token -> experts table."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV4Config(**{**TINY, **overrides}, experts_implementation="eager")
+    model = transformers.DeepseekV4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+            elif name.endswith("norm.weight"):
+                p.normal_(1, 0.2)
+            else:
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                experts, k = config.n_routed_experts, config.num_experts_per_tok
+                b.copy_(torch.stack([torch.randperm(experts)[:k] for _ in range(b.shape[0])]))
+            elif name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
+    model.save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer_dir):
+    """(target_dir, random drafter_dir) of the tiny DeepSeek-V4 target."""
+    root = tmp_path_factory.mktemp("deepseek_v4")
+    target = make_v4_target(root / "target", seed=3)
+    copy_tokenizer(tokenizer_dir, target)
+    return target, save_drafter(root / "drafter", drafter_config(target, block_size=8), seed=3)
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    """(ours, transformers', transformers' output on :data:`IDS` with hidden states)."""
+    ours = TargetModel.from_pretrained(checkpoint[0], torch.float32)
+    hf = load_hf(checkpoint[0])
+    with torch.no_grad():
+        ref = hf(IDS[None], output_hidden_states=True)
+    return ours, hf, ref
+
+
+def run_pieces(model, ids, pieces, *, static=False, max_rows=None, features=True):
+    """Logits (and layers 0..L-1's features) of ``ids`` fed in consecutive pieces."""
+    cache = model.new_cache(max_rows)
+    cache.reset(64)
+    layers = list(range(model.config.num_hidden_layers)) if features else None
+    logits, feats, start = [], [], 0
+    with torch.no_grad():
+        for n in pieces:
+            lg, f = model(ids[start:start + n], torch.arange(start, start + n), cache,
+                          None if static else start + n, feature_layers=layers)
+            logits.append(lg)
+            feats.append(f)
+            start += n
+    return torch.cat(logits), torch.cat(feats) if features else None
+
+
+@pytest.mark.parametrize("pieces,static,max_rows", [
+    ([40], False, None), ([11, 1, 7, 5, 16], False, None), ([1] * 40, False, None), ([16, 13, 11], True, None),
+    ([5] * 8, False, 5), ([3, 5, 4, 4, 4, 5, 5, 5, 5], True, 5)],
+    ids=["one-pass", "pieces", "token-by-token", "fixed-shapes", "rings", "rings-fixed-shapes"])
+def test_forward_matches_transformers(models, pieces, static, max_rows):
+    """Logits and each layer's feature (the mean of its output streams, as vLLM captures
+    DeepSeek-V4's auxiliary hidden states) == transformers' whole-sequence forward; with
+    ``max_rows`` the window and compressor-input slots are rings of window + 4 rows."""
+    ours, _, ref = models
+    logits, feats = run_pieces(ours, IDS, pieces, static=static, max_rows=max_rows)
+    torch.testing.assert_close(logits, ref.logits[0], rtol=0, atol=ATOL)
+    h = ours.config.hidden_size
+    for layer in range(ours.config.num_hidden_layers - 1):  # (HF's last entry is the final-normed output)
+        torch.testing.assert_close(feats[:, layer * h:(layer + 1) * h], ref.hidden_states[layer + 1][0].mean(dim=1),
+                                   rtol=0, atol=ATOL)
+    last = ours.config.num_hidden_layers
+    with torch.no_grad():
+        _, f = ours(IDS, torch.arange(40), _fresh(ours), 40, feature_layers=[-1, last - 1, last])
+    embed = ours.model.embed_tokens(IDS)
+    torch.testing.assert_close(f[:, :h], embed, rtol=0, atol=0)
+    torch.testing.assert_close(f[:, h:2 * h], f[:, 2 * h:], rtol=0, atol=0)
+
+
+def _fresh(model, max_rows=None):
+    cache = model.new_cache(max_rows)
+    cache.reset(64)
+    return cache
+
+
+def test_batched_slots_match_transformers(models):
+    """Two sequences prefilled alone in their slots then verified in blocks of 8 together
+    (rings of window + 7 rows) == transformers on each."""
+    from dflash_torch.batch import SlotKVCache
+    from dflash_torch.cache import TargetCache
+
+    ours, hf, ref = models
+    other = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref2 = hf(other[None]).logits[0]
+    heads, dims = zip(*ours.kv_shapes())
+    slots = SlotKVCache.allocate(ours.num_kv_layers, 3, heads, 64, dims, torch.float32, "cpu", ours.kv_windows(), 8)
+    outs = [[], []]
+    with torch.no_grad():
+        for j, seq in enumerate((IDS, other)):
+            for s in (0, 8):
+                outs[j].append(ours(seq[s:s + 8], torch.arange(s, s + 8), TargetCache(slots.slot(j)), s + 8)[0])
+        for s in (16, 24, 32):
+            lg, _ = ours(torch.cat([IDS[s:s + 8], other[s:s + 8]]), torch.stack([torch.arange(s, s + 8)] * 2),
+                         TargetCache(slots.first(2)), s + 8)
+            outs[0].append(lg[:8])
+            outs[1].append(lg[8:])
+    torch.testing.assert_close(torch.cat(outs[0]), ref.logits[0], rtol=0, atol=ATOL)
+    torch.testing.assert_close(torch.cat(outs[1]), ref2, rtol=0, atol=ATOL)
+
+
+def test_rejected_rows_are_rewritten(models):
+    """A block of wrong tokens verified and then rolled back (a rejected draft), then the
+    right tokens from the same position: the logits are those of the right tokens alone
+    (every row a forward writes is rewritten by the next forward over its position)."""
+    ours, _, ref = models
+    for max_rows in (None, 8):
+        cache = _fresh(ours, max_rows)
+        out = []
+        with torch.no_grad():
+            out.append(ours(IDS[:13], torch.arange(13), cache, 13)[0])
+            for s in range(13, 40, 7):
+                e = min(s + 7, 40)
+                wrong = (IDS[s:e] + 5) % VOCAB
+                ours(wrong, torch.arange(s, e), cache, e)  # (rejected: the cache length stays at s)
+                out.append(ours(IDS[s:e], torch.arange(s, e), cache, e)[0])
+        torch.testing.assert_close(torch.cat(out), ref.logits[0], rtol=0, atol=ATOL)
+
+
+def _wrong_select(self, h, q_res, index_keys, visible, step):
+    picks = torch.arange(visible.shape[-1]).expand(*visible.shape)
+    return picks, visible  # every visible entry: no indexer
+
+
+def _wrong_pool(self, tokens, valid):
+    if self.c == 2:  # the overlapping half (window w - 1's) dropped
+        valid = valid & (torch.arange(tokens.shape[-2]) >= self.ratio)
+    return _POOL(self, tokens, valid)
+
+
+_POOL = deepseek_v4.Compressor.pool
+
+
+def _wrong_mix(streams, out, post, comb):
+    return post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb, streams)  # (comb not transposed)
+
+
+def _wrong_router(self, x, input_ids):
+    if not self.hashed:
+        return _ROUTE(self, x, input_ids)
+    scores = torch.nn.functional.softplus(torch.nn.functional.linear(x.float(), self.weight.float())).sqrt()
+    experts = torch.topk(scores, self.top_k, dim=-1)[1]  # (hash layers routed by score)
+    weights = scores.gather(1, experts)
+    return weights / weights.sum(dim=-1, keepdim=True) * self.scaling, experts
+
+
+_ROUTE = deepseek_v4.Router.forward
+
+
+@pytest.mark.parametrize("part,target,wrong", [
+    ("indexer selection", (deepseek_v4.Attention, "_select"), _wrong_select),
+    ("CSA overlap half", (deepseek_v4.Compressor, "pool"), _wrong_pool),
+    ("hyper-connection comb transpose", (deepseek_v4, "mix_streams"), _wrong_mix),
+    ("hash routing", (deepseek_v4.Router, "forward"), _wrong_router),
+    ("inverse output RoPE", (deepseek_v4, "unrotate"), lambda x, cos, sin: x),
+])
+def test_each_part_is_guarded(models, monkeypatch, part, target, wrong):
+    """Each part computed the wrong way changes the logits beyond the tolerance (so the
+    comparisons above would fail), and the right way matches."""
+    ours, _, ref = models
+    monkeypatch.setattr(*target, wrong)
+    logits, _ = run_pieces(ours, IDS, [40], features=False)
+    assert (logits - ref.logits[0]).abs().max() > 1e-3, part
+
+
+def test_sinks_and_indexer_weights_matter(models, checkpoint, tmp_path):
+    """Perturbing the sinks, or the indexer's query projection (which acts only through
+    which entries a query attends), changes transformers' logits and ours still match."""
+    _, _, ref = models
+    for key in ("model.layers.1.attn.attn_sink", "model.layers.3.attn.indexer.wq_b.weight"):
+        target = edited_checkpoint(checkpoint[0], tmp_path / key, state=lambda w: w.update({key: w[key] * -2}))
+        hf = load_hf(target)
+        with torch.no_grad():
+            new = hf(IDS[None]).logits[0]
+        assert (new - ref.logits[0]).abs().max() > 1e-3, key
+        logits, _ = run_pieces(TargetModel.from_pretrained(target, torch.float32), IDS, [17, 23], features=False)
+        torch.testing.assert_close(logits, new, rtol=0, atol=ATOL)
+
+
+def test_cache_slots(checkpoint):
+    """Per layer: the window (key = value: its halves, 16 + 16), and for CSA / HCA the
+    compressor's per-token inputs (CSA: 2 x 64 + 2 x 32 = 192 values; HCA: 64) in a ring
+    window of 2 * ratio / ratio, and the entries (CSA: 32 + 16 = 48; HCA: 32), every
+    position kept."""
+    ours = TargetModel.from_pretrained(checkpoint[0], torch.float32)
+    assert ours.num_kv_layers == 10
+    assert ours.kv_shapes() == [(1, 16), (1, 16), (1, 96), (1, 24), (1, 16), (1, 32), (1, 16), (1, 16), (1, 96),
+                                (1, 24)]
+    assert ours.kv_windows() == [6, 6, 8, None, 6, 8, None, 6, 8, None]
+    cache = ours.new_cache(4)
+    cache.reset(64)
+    assert [t.shape[1] for t in cache.kv.k[:4]] == [9, 9, 11, 256]
+
+
+def test_published_flash_shapes():
+    """DeepSeek-V4-Flash's published shapes (43 layers: 2 sliding then CSA / HCA alternating)
+    on the meta device: the parameter count and the cache's bytes a token (see the report)."""
+    ratios = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)] + [0]
+    cfg = deepseek_v4.parse_config({"model_type": "deepseek_v4", "compress_ratios": ratios, "num_hash_layers": 3,
+                                    "qk_rope_head_dim": 64, "rope_scaling": {"type": "yarn", "factor": 16,
+                                    "original_max_position_embeddings": 65536}})
+    assert cfg.layer_types.count(CSA) == 21 and cfg.layer_types.count(HCA) == 20
+    with torch.device("meta"):
+        model = deepseek_v4.Model(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    assert 280e9 < params < 300e9, params
+    # per token, bfloat16: every window / input slot is a ring (fixed), every entry slot one row a token
+    per_token = sum(h * d * 2 * 2 for (h, d), w in zip(model.kv_shapes(), model.kv_windows()) if w is None)
+    assert per_token == 2 * (21 * (512 + 128) + 20 * 512)
+
+
+def test_greedy_speculative_equals_transformers_generate(checkpoint):
+    check_greedy_equals_transformers(*checkpoint, block_sizes=(3, 8))
+
+
+@pytest.fixture(scope="module")
+def agree_pair(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("deepseek_v4_agree")
+    target = make_v4_target(root / "target", seed=1)
+    # (c's own multiple of u as large as the others' mean: runs of c that the context ends, tau 1..8)
+    return make_agreeable(target, tokenizer_dir, root, "deepseek_v4", block_size=8, alpha=1.0, self_scale=1.0)
+
+
+def test_many_accepted_tokens_are_lossless(agree_pair):
+    check_many_accepted_tokens_are_lossless(*agree_pair)
+
+
+def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_pair):
+    check_compiled_rounds_are_lossless(*agree_pair)
+
+
+def test_prefix_reuse_decodes_as_without(agree_pair):
+    from test_prefix_reuse import GREEDY, conversation, same_runs
+
+    from dflash_torch.models.drafter import DFlashDrafter
+
+    target, drafter = (TargetModel.from_pretrained(agree_pair[0], torch.float32),
+                       DFlashDrafter.from_pretrained(agree_pair[1], torch.float32))
+    on, prompts, reused = conversation(target, drafter, True, GREEDY)
+    off, _, _ = conversation(target, drafter, False, GREEDY)
+    same_runs(on, off)
+    assert reused[0] == 0 and reused[1] > 0 and reused[2] > 0
+
+
+def published_layout(src: Path, dst: Path, *, extra: dict | None = None) -> Path:
+    """``src`` rewritten with the published checkpoint's top-level DeepSeek names
+    (``embed.weight``, ``layers.*``, ``norm.weight``, ``hc_head_fn`` ..., ``head.weight``)."""
+    top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+           "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+           "model.hc_head.hc_scale": "hc_head_scale"}
+
+    def rename(state):
+        renamed = {top.get(k, k.removeprefix("model.")): v for k, v in state.items()}
+        state.clear()
+        state.update(renamed, **(extra or {}))
+
+    return edited_checkpoint(src, dst, state=rename)
+
+
+def test_published_layout_loads_and_mtp_is_not_read(models, checkpoint, tmp_path):
+    _, _, ref = models
+    mtp = {"mtp.0.attn.wq_a.weight": torch.zeros(24, 32), "mtp.0.hc_head_fn": torch.zeros(3, 96)}
+    target = published_layout(checkpoint[0], tmp_path / "published", extra=mtp)
+    assert "layers.0.attn.wq_a.weight" in load_file(str(target / "model.safetensors"))
+    logits, _ = run_pieces(TargetModel.from_pretrained(target, torch.float32), IDS, [40], features=False)
+    torch.testing.assert_close(logits, ref.logits[0], rtol=0, atol=ATOL)
+    bad = published_layout(checkpoint[0], tmp_path / "unknown", extra={"layers.0.attn.wfoo.weight": torch.zeros(2)})
+    with pytest.raises(DFlashError, match="layers.0.attn.wfoo.weight"):
+        TargetModel.from_pretrained(bad, torch.float32)
+
+
+def test_bfloat16_keeps_float32_parts(checkpoint):
+    ours = TargetModel.from_pretrained(checkpoint[0], torch.bfloat16)
+    dtypes = {k: p.dtype for k, p in ours.state_dict().items()}
+    for key in ("model.layers.0.attn_hc.fn", "model.layers.1.self_attn.sinks", "model.hc_head.hc_fn",
+                "model.layers.1.self_attn.compressor.position_bias", "model.layers.2.mlp.gate.e_score_correction_bias",
+                "model.layers.1.self_attn.compressor.indexer.kv_norm.weight", "model.norm.weight"):
+        assert dtypes[key] == torch.float32, key
+    assert dtypes["model.layers.0.self_attn.q_a_proj.weight"] == torch.bfloat16
+    assert dtypes["model.layers.0.mlp.gate.tid2eid"] == torch.int64
+    logits, _ = run_pieces(ours, IDS, [20, 20], features=False)
+    assert torch.isfinite(logits).all()
+
+
+LEGACY = [
+    {"compress_ratios": [0, 4, 128, 4, 0], "num_hash_layers": 2, "qk_rope_head_dim": 8},
+    {"compress_ratios": [4, 128, 4, 128, 4], "compress_rate_hca": 128, "rope_scaling":
+        {"type": "yarn", "factor": 16, "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1}},
+    {"compress_rate_csa": 8, "compress_rate_hca": 16, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+    {"layer_types": [SLIDING, SLIDING, CSA, HCA], "mlp_layer_types": ["moe", "hash_moe", "moe", "moe"]},
+    {},
+]
+
+
+@pytest.mark.parametrize("legacy", LEGACY, ids=range(len(LEGACY)))
+def test_legacy_config_folds_as_transformers(legacy):
+    """Layer types, MLP types, compress rates, the rotated size and both RoPE tables (with
+    their attention factor) equal what transformers' ``DeepseekV4Config`` makes of the same
+    keys."""
+    import transformers
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+                max_position_embeddings=4096)
+    raw = {**base, **legacy}
+    hf = transformers.DeepseekV4Config(**raw)
+    ours = deepseek_v4.parse_config({"model_type": "deepseek_v4", **raw})
+    assert ours.layer_types == hf.layer_types and ours.mlp_layer_types == hf.mlp_layer_types
+    assert ours.compress_rates == hf.compress_rates and ours.rope_dim == hf.qk_rope_head_dim
+    rot = DeepseekV4RotaryEmbedding(hf)
+    model_rot = deepseek_v4.Model.make_rotary(type("M", (), {"config": ours})())
+    for key in ("main", "compress"):
+        torch.testing.assert_close(model_rot[key].inv_freq, getattr(rot, f"{key}_inv_freq"), rtol=1e-6, atol=0)
+        assert model_rot[key].attention_factor == pytest.approx(getattr(rot, f"{key}_attention_scaling"))
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"compress_ratios": [0, 4, 64, 4]}, "compress_ratios"),
+    ({"compress_ratios": [0, 4, 128, 4], "compress_rate_csa": 8}, "disagrees"),
+    ({"layer_types": [SLIDING, "full_attention", HCA, CSA]}, "layer_types"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"n_shared_experts": 2}, "n_shared_experts"),
+    ({"num_key_value_heads": 4}, "num_key_value_heads"),
+    ({"norm_topk_prob": False}, "norm_topk_prob"),
+    ({"swiglu_limit": 0}, "swiglu_limit"),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}, "quantized"),
+])
+def test_unsupported_configs_are_refused(change, match):
+    raw = {"model_type": "deepseek_v4", **TINY, **change}
+    if "compress_ratios" in change:
+        raw.pop("layer_types")
+        raw.pop("compress_rates")
+    with pytest.raises(DFlashError, match=match) as e:
+        TargetConfig.from_dict(raw)
+    assert "\n" not in str(e.value)
+
+
+def test_checkpoint_names():
+    """DeepSeek's names (top level or under ``model.``) map onto transformers' in-memory names."""
+    assert deepseek_v4.our_name("layers.3.attn.indexer.compressor.ape") == \
+        "model.layers.3.self_attn.compressor.indexer.position_bias"
+    assert deepseek_v4.our_name("model.layers.0.ffn.experts.5.w3.weight") == "model.layers.0.mlp.experts.5.up_proj.weight"
+    assert deepseek_v4.our_name("layers.2.ffn.gate.bias") == "model.layers.2.mlp.gate.e_score_correction_bias"
+    assert deepseek_v4.our_name("hc_head_scale") == "model.hc_head.hc_scale"
+    assert deepseek_v4.our_name("head.weight") == "lm_head.weight"
+    assert deepseek_v4.our_name("model.layers.1.self_attn.q_a_proj.weight") == "model.layers.1.self_attn.q_a_proj.weight"
