@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from dflash_torch import DFlashError
 from dflash_torch.checkpoint import fp4_saving, fp8_saving
 from dflash_torch.models import fp8, mxfp4
-from dflash_torch.models.moe import dispatch_experts, gathered_experts
+from dflash_torch.models.moe import Experts, dispatch_experts, gathered_experts
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 PUBLISHED_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
@@ -398,3 +398,156 @@ def test_fp4_experts_are_read_for_deepseek_v4_only_and_must_be_there(host, fp4_h
     with pytest.raises(DFlashError, match=r"^mxfp4 packed keeps MXFP4 expert weights packed, but the target checkpoint "
                                           r"has none"):
         TargetModel.from_pretrained(plain_fp8, torch.float32, mxfp4="packed")
+
+
+# --- DeepSeek-V4 itself ---
+
+V4_FP8 = re.compile(r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123])\.weight$")
+V4_FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory, tokenizer_dir):
+    """A tiny DeepSeek-V4 (test_deepseek_v4's, experts 32 wide) in the published layout:
+    DeepSeek's top-level names; wq_a, wq_b, wkv, wo_a, wo_b, the indexer's wq_b and the shared
+    experts e4m3 with ue8m0 scales per [8, 8] block; the routed experts FP4; the compressors',
+    the indexer's weights_proj, the router, norms, hyper-connections, embeddings and head as
+    they were; ``expert_dtype: "fp4"`` at the top level of config.json."""
+    from test_deepseek_v4 import make_v4_target, published_layout
+
+    from conftest import copy_tokenizer
+
+    root = tmp_path_factory.mktemp("v4-quant")
+    src = make_v4_target(root / "src", seed=3, moe_intermediate_size=32)
+    copy_tokenizer(tokenizer_dir, src)
+    top = published_layout(src, root / "top")
+    return to_published_layout(top, root / "published", (8, 8), V4_FP8.search, V4_FP4.search)
+
+
+V4_IDS = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1))
+
+
+def test_deepseek_v4_s_published_weights_load_as_transformers_loads_them(v4):
+    """DeepSeek-V4 in its published layout: dequantized when loading, our weights equal those
+    transformers loads from the same checkpoint (float32 and bfloat16, bit for bit), and the
+    float32 logits its model's; kept packed (FP8 linears, FP4 experts, either or both; wo_a,
+    read as a matrix, dequantized when loading), the logits equal the dequantized model's bit
+    for bit, one pass and in pieces."""
+    import transformers
+    from test_deepseek_v4 import run_pieces
+
+    from dflash_torch.models import deepseek_v4
+    from dflash_torch.models.target import TargetModel
+
+    stored = load_file(str(v4 / "model.safetensors"))
+    assert stored["layers.1.attn.wq_a.weight"].dtype == fp8.FORMAT
+    assert stored["layers.1.attn.wo_a.scale"].dtype == torch.float8_e8m0fnu
+    assert stored["layers.1.attn.indexer.wq_b.scale"].dtype == torch.float8_e8m0fnu
+    assert stored["layers.1.ffn.experts.2.w2.weight"].dtype == torch.int8
+    assert stored["layers.1.ffn.experts.2.w2.scale"].shape == (32, 1)  # (hidden 32, moe_intermediate 32)
+    assert stored["layers.1.attn.compressor.wkv.weight"].dtype == torch.float32
+    assert json.loads((v4 / "config.json").read_text())["expert_dtype"] == "fp4"
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = TargetModel.from_pretrained(v4, dtype)
+        hf = transformers.DeepseekV4ForCausalLM.from_pretrained(str(v4), dtype=dtype,
+                                                                experts_implementation="eager").eval()
+        mine, theirs = ours.state_dict(), hf.state_dict()
+        assert mine.keys() <= theirs.keys()
+        for k in mine:
+            assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]), (dtype, k)
+        refs = {(40,): run_pieces(ours, V4_IDS, [40], features=False)[0],
+                (17, 1, 22): run_pieces(ours, V4_IDS, [17, 1, 22], features=False)[0]}
+        if dtype == torch.float32:
+            with torch.no_grad():
+                torch.testing.assert_close(refs[40,], hf(V4_IDS[None]).logits[0], rtol=0, atol=1e-5)
+        for fp8_mode, mxfp4_mode in (("packed", "packed"), ("dequantize", "packed"), ("packed", "dequantize")):
+            packed = TargetModel.from_pretrained(v4, dtype, fp8=fp8_mode, mxfp4=mxfp4_mode)
+            attn, moe = packed.model.layers[1].self_attn, packed.model.layers[1].mlp
+            assert isinstance(attn.q_a_proj, fp8.Fp8Linear) == (fp8_mode == "packed")
+            assert isinstance(attn.compressor.indexer.q_b_proj, fp8.Fp8Linear) == (fp8_mode == "packed")
+            assert type(attn.o_a_proj) is deepseek_v4.GroupedProjection and attn.o_a_proj.weight.dtype == dtype
+            assert moe.experts.mxfp4 == (mxfp4_mode == "packed")
+            for pieces, ref in refs.items():
+                assert torch.equal(run_pieces(packed, V4_IDS, list(pieces), features=False)[0], ref), (dtype, pieces)
+
+
+def test_speculative_decoding_on_a_packed_deepseek_v4_equals_target_only(v4, tmp_path):
+    """DeepSeek-V4 in its published layout, FP8 linears and FP4 experts kept packed: greedy
+    speculative decoding (one sequence, and a batch of two) == target-only decoding of the
+    dequantized model."""
+    from conftest import drafter_config, save_drafter
+
+    from dflash_torch import DFlashEngine
+
+    drafter = save_drafter(tmp_path / "drafter", drafter_config(v4, block_size=8), seed=4)
+    packed = DFlashEngine.from_pretrained(v4, drafter, dtype="float32", fp8="packed", mxfp4="packed")
+    assert packed.target.config.keep_fp8 and packed.target.config.keep_mxfp4
+    plain = DFlashEngine.from_pretrained(v4, None, dtype="float32", no_draft=True, fp8="dequantize", mxfp4="dequantize")
+    prompts = ("def f(x):", "import os\n")
+    refs = [plain.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in prompts]
+    assert [packed.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in prompts] == refs
+    batch = DFlashEngine(packed.target, packed.tokenizer, packed.drafter, max_batch_size=2, max_context=128)
+    assert [o.token_ids for o in batch.generate_batch(list(prompts), max_new_tokens=24, ignore_eos=True)] == refs
+
+
+def test_deepseek_v4_s_memory_check_counts_what_is_kept(v4):
+    """The headers' estimate of what keeping packed saves is exact for DeepSeek-V4 (wo_a counted
+    dequantized: it is)."""
+    from dflash_torch import checkpoint
+    from dflash_torch.models.target import TargetModel
+
+    dtype = torch.bfloat16
+    plain = checkpoint.weight_bytes(TargetModel.from_pretrained(v4, dtype), dtype)
+    model = TargetModel.from_pretrained(v4, dtype, fp8="packed", mxfp4="packed")
+    cfg, cls = model.config, type(model)
+    keep = lambda k: cls.checkpoint_keys(cfg, k)  # noqa: E731
+    saved = fp4_saving(v4, dtype, keep) + fp8_saving(v4, dtype, (8, 8), lambda k: keep(k) and not cls.dequantized_keys(cfg, k))
+    assert checkpoint.weight_bytes(model, dtype) == plain - saved
+
+
+FLASH_CONFIG = {  # deepseek-ai/DeepSeek-V4-Flash's config.json (its architecture keys, as published)
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "expert_dtype": "fp4", "hc_eps": 1e-06,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "head_dim": 512, "hidden_act": "silu", "hidden_size": 4096,
+    "index_head_dim": 128, "index_n_heads": 64, "index_topk": 512, "max_position_embeddings": 1048576,
+    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 64, "num_experts_per_tok": 6, "num_hidden_layers": 43, "num_hash_layers": 3,
+    "num_key_value_heads": 1, "num_nextn_predict_layers": 1, "o_groups": 8, "o_lora_rank": 1024, "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64, "quantization_config": PUBLISHED_QUANT, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 65536,
+                     "type": "yarn"}, "rope_theta": 10000, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus",
+    "sliding_window": 128, "swiglu_limit": 10.0, "tie_word_embeddings": False, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "vocab_size": 129280, "compress_rope_theta": 160000,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0], "bos_token_id": 0, "eos_token_id": 1, "attention_bias": False}
+
+
+def test_deepseek_v4_flash_s_weights_held_packed_take_158_gb():
+    """DeepSeek-V4-Flash's published config (284.3 B parameters without the MTP layer) read as
+    FP8 with ue8m0 block scales of [128, 128] and FP4 experts; held in bfloat16 with its FP4
+    experts packed (bytes and one-byte exponents: 277.0 B parameters in 147 GB) and its FP8
+    linears kept (e4m3 plus float32 row scales; wo_a dequantized, as loading does), the weights
+    take 157.5 GB (146.7 GiB); dequantized to bfloat16, 568.7 GB. (Its published files, the MTP
+    layer included, are 159.6 GB.)"""
+    from torch import nn
+
+    from dflash_torch import checkpoint as ckpt
+    from dflash_torch.models import deepseek_v4
+    from dflash_torch.models.config import TargetConfig
+
+    cfg = TargetConfig.from_dict(FLASH_CONFIG)
+    assert (cfg.fp8_block, cfg.fp8_scale_fmt, cfg.fp4_experts, cfg.mxfp4) == ((128, 128), "ue8m0", True, True)
+    with torch.device("meta"):
+        model = deepseek_v4.Model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == 284_332_240_471
+    assert ckpt.weight_bytes(model, torch.bfloat16) == 568_664_480_942
+    published_bf16 = ("compressor.kv_proj", "compressor.gate_proj", "indexer.kv_proj", "indexer.gate_proj", "weights_proj")
+    routed = fp8_weights = 0
+    for name, m in list(model.named_modules()):
+        if type(m) is nn.Linear and name.startswith("model.layers.") and not name.endswith(published_bf16):
+            parent, child = name.rsplit(".", 1)
+            setattr(model.get_submodule(parent), child, fp8.Fp8Linear.like(m, 128))
+            fp8_weights += m.weight.numel()
+        elif isinstance(m, Experts):
+            routed += sum(p.numel() for p in m.parameters())
+            m.keep_mxfp4()
+    assert routed == 43 * 256 * 3 * 4096 * 2048 and fp8_weights == 4_414_504_960
+    assert ckpt.weight_bytes(model, torch.bfloat16) == 157_506_886_830
