@@ -44,12 +44,17 @@ def e8m0(exponents: torch.Tensor) -> torch.Tensor:
     return (exponents + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
-def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` ``[rows, cols]`` (multiples of ``block``) as e4m3 and one ue8m0 scale per block: the
-    least power of two that brings the block's largest magnitude within e4m3's 448."""
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int], scale_fmt: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``[rows, cols]`` (multiples of ``block``) as e4m3 and one scale per block: the least
+    power of two that brings the block's largest magnitude within e4m3's 448, as ue8m0
+    (``scale_fmt="ue8m0"``), or that magnitude over 448 in float32 (``"float"``)."""
     rows, cols = w.shape
     b = w.float().reshape(rows // block[0], block[0], cols // block[1], block[1])
-    exp = torch.ceil(torch.log2(b.abs().amax((1, 3)).clamp(min=2.0 ** -100) / 448)).int()
+    amax = b.abs().amax((1, 3)).clamp(min=2.0 ** -100)
+    if scale_fmt == "float":
+        scale = amax / 448
+        return (b / scale[:, None, :, None]).reshape(rows, cols).to(fp8.FORMAT), scale
+    exp = torch.ceil(torch.log2(amax / 448)).int()
     q = (b / torch.exp2(exp.float())[:, None, :, None]).reshape(rows, cols).to(fp8.FORMAT)
     return q, e8m0(exp)
 
@@ -68,25 +73,29 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def to_published_layout(src: Path, dst: Path, block: tuple[int, int], fp8_keys, fp4_keys, *,
-                        expert_dtype_at: str = "top") -> Path:
+                        expert_dtype_at: str = "top", base: bool = False) -> Path:
     """A copy of the single-file checkpoint ``src`` at ``dst`` in DeepSeek-V4's published
     layout: the weights ``fp8_keys`` accepts as e4m3 with ue8m0 block scales, those
     ``fp4_keys`` accepts as FP4, each scale named ``X.scale``; ``expert_dtype: "fp4"`` at the
     top level of config.json (``expert_dtype_at="top"``) or in its quantization_config
-    (``"quant"``)."""
+    (``"quant"``). ``base``: DeepSeek-V4-Flash-Base's layout instead (``expert_dtype: "fp8"``:
+    those experts e4m3 too; float32 scales, no ``scale_fmt``)."""
     shutil.copytree(src, dst)
     out = {}
     for key, w in load_file(str(src / "model.safetensors")).items():
-        if key.endswith(".weight") and fp4_keys(key):
+        if key.endswith(".weight") and fp4_keys(key) and not base:
             out[key], out[key.removesuffix("weight") + "scale"] = quantize_fp4(w)
-        elif key.endswith(".weight") and fp8_keys(key):
-            out[key], out[key.removesuffix("weight") + "scale"] = quantize_fp8(w, block)
+        elif key.endswith(".weight") and (fp8_keys(key) or base and fp4_keys(key)):
+            out[key], out[key.removesuffix("weight") + "scale"] = quantize_fp8(w, block, "float" if base else "ue8m0")
         else:
             out[key] = w
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"] = dict(PUBLISHED_QUANT, weight_block_size=list(block))
     (cfg if expert_dtype_at == "top" else cfg["quantization_config"])["expert_dtype"] = "fp4"
+    if base:  # DeepSeek-V4-Flash-Base: FP8 experts, float32 scales
+        cfg["expert_dtype"] = "fp8"
+        cfg["quantization_config"].pop("scale_fmt")
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
 
@@ -551,3 +560,31 @@ def test_deepseek_v4_flash_s_weights_held_packed_take_158_gb():
             m.keep_mxfp4()
     assert routed == 43 * 256 * 3 * 4096 * 2048 and fp8_weights == 4_414_504_960
     assert ckpt.weight_bytes(model, torch.bfloat16) == 157_506_886_830
+
+
+def test_deepseek_v4_flash_base_s_layout_fp8_experts_with_float_scales(v4, tmp_path):
+    """DeepSeek-V4-Flash-Base's layout (``expert_dtype: "fp8"``: the experts e4m3 like the
+    linears, float32 block scales still named ``X.scale``): equal to transformers' loading,
+    bit for bit; kept packed (FP8 experts included), the dequantized model's logits bit for
+    bit; ``--mxfp4 packed`` is refused (no FP4 experts)."""
+    import transformers
+    from test_deepseek_v4 import make_v4_target, published_layout, run_pieces
+
+    from dflash_torch.models.target import TargetModel
+
+    top = published_layout(make_v4_target(tmp_path / "src", seed=3, moe_intermediate_size=32), tmp_path / "top")
+    base = to_published_layout(top, tmp_path / "base", (8, 8), V4_FP8.search, V4_FP4.search, base=True)
+    stored = load_file(str(base / "model.safetensors"))
+    assert stored["layers.1.ffn.experts.2.w2.weight"].dtype == fp8.FORMAT
+    assert stored["layers.1.ffn.experts.2.w2.scale"].dtype == torch.float32
+    ours = TargetModel.from_pretrained(base, torch.float32)
+    assert not ours.config.fp4_experts and ours.config.fp8_scale_fmt == "float"
+    theirs = transformers.DeepseekV4ForCausalLM.from_pretrained(str(base), dtype=torch.float32).state_dict()
+    for k, t in ours.state_dict().items():
+        assert torch.equal(t, theirs[k]), k
+    packed = TargetModel.from_pretrained(base, torch.float32, fp8="packed")
+    assert packed.model.layers[1].mlp.experts.fp8_block_cols == 8
+    assert torch.equal(run_pieces(packed, V4_IDS, [40], features=False)[0],
+                       run_pieces(ours, V4_IDS, [40], features=False)[0])
+    with pytest.raises(DFlashError, match="^mxfp4 packed keeps MXFP4 expert weights packed, but the target checkpoint has none"):
+        TargetModel.from_pretrained(base, torch.float32, mxfp4="packed")
