@@ -199,11 +199,13 @@ class TargetModel(nn.Module):
         """Load a Hugging Face checkpoint directory with the class of its family.
 
         Args:
-            mxfp4: how to hold expert matrices a checkpoint stores in MXFP4 (gpt-oss):
+            mxfp4: how to hold expert matrices a checkpoint stores in MXFP4 (gpt-oss) or
+                FP4 (DeepSeek-V4-Flash's ``expert_dtype: "fp4"``, the same numbers):
                 ``"dequantize"`` them when loading (fastest), keep them ``"packed"`` (a
                 quarter of bfloat16's memory; each forward dequantizes the experts it
                 runs), or ``"auto"``: dequantize when the weights then take at most 90% of
-                the device's free memory, else keep them packed.
+                the device's free memory, else keep them packed (DeepSeek-V4: decided
+                before ``fp8``'s ``"auto"``, which then counts the experts as kept).
             fp8: the same for the weights of a fine-grained FP8 checkpoint
                 (:mod:`~dflash_torch.models.fp8`): ``"dequantize"``, ``"packed"`` (1 byte a
                 weight plus float32 row scales, about half of bfloat16; each forward
