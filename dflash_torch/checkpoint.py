@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -133,7 +134,8 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                     keep: Callable[[str], bool] | None = None,
                     fp8_block: tuple[int, int] | None = None, keep_fp8: bool = False,
                     int_quant: tuple[int, int | None] | None = None, keep_int: bool = False,
-                    float32: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+                    float32: Callable[[str], bool] | None = None, scale_fmt: str = "float",
+                    fp4: bool = False, keep_fp4: bool = False) -> dict[str, torch.Tensor]:
     """Load the tensors of a checkpoint, cast to ``dtype``, onto ``device``.
 
     Args:
@@ -156,6 +158,17 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             them; a weight whose rows end inside a word is dequantized all the same.
         float32: the names of floating-point tensors cast to float32 instead of ``dtype``
             (e.g. a router transformers keeps in float32); None: none.
+        scale_fmt: with ``fp8_block``, the config's ``scale_fmt`` (``"float"``, or ``"ue8m0"``:
+            one-byte power-of-two scales, DeepSeek-V4). The scale of an FP8 ``X.weight`` is
+            ``X.weight_scale_inv`` or, as DeepSeek names it, ``X.scale`` (a ``X.scale`` beside
+            an unquantized ``X.weight`` is an ordinary tensor).
+        fp4: with ``fp8_block``, the checkpoint's experts are FP4 (DeepSeek-V4's ``expert_dtype:
+            "fp4"``): an int8 ``X.weight`` with its scale is an FP4 pair
+            (:func:`~dflash_torch.models.mxfp4.check_fp4_pair`), dequantized into ``dtype`` as it
+            is read (:func:`~dflash_torch.models.mxfp4.dequantize_fp4`).
+        keep_fp4: with ``fp4``, keep each FP4 pair instead: ``X.weight`` its bytes (uint8
+            ``[..., rows, cols / 2]``) and ``X.weight_scale`` its exponents (uint8 ``[..., rows,
+            cols / 32]``), after checking that they are finite.
 
     Raises:
         DFlashError: a weight file that is not valid safetensors (corrupt or truncated), a
@@ -166,12 +179,16 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             byte, or a product that overflows ``dtype``; with ``int_quant``: a weight stored
             both packed and not, a packed weight without its scale or shape, a scale or shape without its packed weight, a zero
             point or group index, or what :func:`~dflash_torch.models.packed_int.dequantize`
-            refuses.
+            refuses; with ``fp8_block``: a weight with two scales (``X.weight_scale_inv`` and
+            ``X.scale``), an int8 weight with a scale where ``fp4`` is False, a routed expert's
+            FP8 weight where it is True (a mixed layout), or an FP4 pair
+            :func:`~dflash_torch.models.mxfp4.check_fp4_pair` refuses.
     """
-    from .models import fp8, packed_int
+    from .models import fp8, mxfp4, packed_int
 
     files = weight_files(model_dir)
     source = _tensor_sources(model_dir, files)
+    kinds = _tensor_dtypes(files) if fp8_block is not None else {}
     state = {}
     for file in files:
         with _open(file) as f:
@@ -202,31 +219,88 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                         raise DFlashError(f"{model_dir}: FP8 scale {key} has no weight "
                                           f"{key.removesuffix(fp8.SCALE_SUFFIX)}")
                     continue  # read with its weight
+                if fp8_block is not None and _deepseek_scale(key, kinds):
+                    continue  # (DeepSeek's name for the scale of X.weight: read with it)
                 if fp8_block is not None and key.rsplit(".", 1)[-1] in fp8.STATIC_SCALES:
                     raise DFlashError(f"{model_dir}: {key} is a static FP8 activation scale; dflash-torch reads "
                                       "only dynamic-activation FP8 checkpoints")
                 t = f.get_tensor(key)
-                scale_key = key + fp8.SCALE_SUFFIX
-                if fp8_block is not None and scale_key in source:
+                scale_key = _scale_name(model_dir, key, kinds) if fp8_block is not None else None
+                if scale_key is not None:
                     with _open(source[scale_key]) as g:
                         scale = g.get_tensor(scale_key)
+                    if t.dtype == torch.int8:  # two FP4 elements a byte (DeepSeek-V4's expert_dtype 'fp4')
+                        if not fp4:
+                            raise DFlashError(f"{model_dir}: weight {key} is int8 with a scale {scale_key} (FP4 "
+                                              "experts) but config.json declares no expert_dtype 'fp4'")
+                        mxfp4.check_fp4_pair(t, scale, key, scale_key)
+                        if keep_fp4:
+                            state[key] = t.view(torch.uint8).to(device)
+                            state[key + fp8.ROW_SCALE_SUFFIX] = scale.view(torch.uint8).to(device)
+                        else:
+                            state[key] = mxfp4.dequantize_fp4(t.to(device), scale.to(device), dtype)
+                        continue
+                    if fp4 and t.dtype == fp8.FORMAT and _ROUTED_EXPERT.search(key):
+                        raise DFlashError(f"{model_dir}: routed expert weight {key} is float8_e4m3fn but config.json "
+                                          "declares expert_dtype 'fp4' (a mixed layout)")
                     if keep_fp8:
-                        fp8.check_pair(t, scale, fp8_block, key)
+                        fp8.check_pair(t, scale, fp8_block, key, scale_fmt, scale_key)
                         fp8.check_finite_bytes(t, key)
                         t, rows = t.to(device), fp8.row_scales(scale.to(device), fp8_block, t.shape[-2])
                         fp8.check_finite_product(t, rows, fp8_block[1], dtype, key)
                         state[key], state[key + fp8.ROW_SCALE_SUFFIX] = t, rows
                     else:
-                        state[key] = fp8.dequantize(t.to(device), scale, fp8_block, dtype, key)
+                        state[key] = fp8.dequantize(t.to(device), scale, fp8_block, dtype, key, scale_fmt, scale_key)
                 elif t.dtype in _FLOAT8:
                     raise DFlashError(
                         f"{model_dir}: weight {key} is {str(t.dtype).removeprefix('torch.')}"
-                        + (f" without its scale {scale_key}" if fp8_block is not None else
+                        + (f" without its scale {key + fp8.SCALE_SUFFIX}"
+                           + (f" (or {key.removesuffix('.weight')}.scale)" if key.endswith(".weight") else "")
+                           if fp8_block is not None else
                            " but config.json has no FP8 quantization_config (quant_method 'fp8')"))
                 else:
                     want = torch.float32 if float32 is not None and float32(key) else dtype
                     state[key] = t.to(device=device, dtype=want) if t.is_floating_point() else t.to(device)
     return state
+
+
+_QUANTIZED_KINDS = ("F8_E4M3", "F8_E5M2", "I8")  # safetensors dtypes of weights whose X.scale is their scale
+_ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # (a routed expert's weight, per expert)
+
+
+def _deepseek_scale(key: str, kinds: dict[str, str]) -> bool:
+    """Whether ``key`` is ``X.scale``, DeepSeek's name for the scale of a quantized
+    ``X.weight`` (a float8 or int8 weight in the checkpoint; ``kinds``: name -> safetensors
+    dtype), as transformers' FP8 loader and vLLM read it (``X.weight_scale_inv``)."""
+    return key.endswith(".scale") and kinds.get(key.removesuffix(".scale") + ".weight") in _QUANTIZED_KINDS
+
+
+def _scale_name(model_dir: Path, key: str, kinds: dict[str, str]) -> str | None:
+    """The name of the scale of the weight ``key`` in the checkpoint: ``key + "_scale_inv"``, or
+    ``X.scale`` for a quantized ``X.weight`` (:func:`_deepseek_scale`); None when it has none.
+
+    Raises:
+        DFlashError: both.
+    """
+    from .models import fp8
+
+    names = [key + fp8.SCALE_SUFFIX]
+    if key.endswith(".weight") and kinds.get(key) in _QUANTIZED_KINDS:
+        names.append(key.removesuffix(".weight") + ".scale")
+    found = [n for n in names if n in kinds]
+    if len(found) > 1:
+        raise DFlashError(f"{model_dir}: weight {key} has two scales, {found[0]} and {found[1]}")
+    return found[0] if found else None
+
+
+def _tensor_dtypes(files: list[Path]) -> dict[str, str]:
+    """Each tensor's safetensors dtype (``"F8_E4M3"``, ``"I8"``, ``"BF16"``, ...; headers only)."""
+    kinds = {}
+    for file in files:
+        with _open(file) as f:
+            for key in f.keys():
+                kinds[key] = f.get_slice(key).get_dtype()
+    return kinds
 
 
 def _packed_int_part(model_dir: Path, key: str, source: dict[str, Path]) -> bool:
@@ -432,6 +506,35 @@ def int_saving(model_dir: Path, dtype: torch.dtype, bits: int, group: int | None
 
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}  # (bytes per element of a scale's dtype)
+
+
+def fp4_saving(model_dir: Path, dtype: torch.dtype, keep: Callable[[str], bool] | None = None) -> int:
+    """Bytes saved by keeping a DeepSeek-V4 checkpoint's FP4 experts packed instead of
+    dequantizing them into ``dtype``: per int8 ``X.weight`` ``[..., rows, cols / 2]`` with a
+    scale (``X.scale`` or ``X.weight_scale_inv``; that ``keep`` accepts), ``rows * cols``
+    elements of ``dtype`` less its bytes and its one-byte scales (``rows * cols / 32``).
+    Reads only the files' headers.
+
+    Raises:
+        DFlashError: a weight file that is not valid safetensors.
+    """
+    from .models import mxfp4
+
+    shapes, kinds = {}, {}
+    for file in weight_files(model_dir):
+        with _open(file) as f:
+            for key in f.keys():
+                part = f.get_slice(key)
+                shapes[key], kinds[key] = part.get_shape(), part.get_dtype()
+    saved = 0
+    for key, kind in kinds.items():
+        if kind != "I8" or len(shapes[key]) < 2 or (keep is not None and not keep(key)):
+            continue
+        if key + "_scale_inv" not in kinds and not (key.endswith(".weight") and key[:-7] + ".scale" in kinds):
+            continue  # (an int8 weight without a scale is refused when it is read)
+        numel = math.prod(shapes[key])  # bytes: two elements each
+        saved += 2 * numel * dtype.itemsize - numel - 2 * numel // mxfp4.BLOCK
+    return saved
 
 
 def fp8_saving(model_dir: Path, dtype: torch.dtype, block: tuple[int, int],

@@ -30,7 +30,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=None, help="longest prompt + generation in tokens (default: the target's limit)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch, at most the machine's CPUs (default: torch's choice)")
     p.add_argument("--mxfp4", default="auto", choices=["auto", "dequantize", "packed"],
-                   help="MXFP4 expert weights (gpt-oss): dequantize when loading, keep packed (a quarter of the "
+                   help="MXFP4 / FP4 expert weights (gpt-oss, DeepSeek-V4-Flash): dequantize when loading, keep packed (a quarter of the "
                         "memory, slower), or auto (default: dequantize if that fits in 90%% of free memory)")
     p.add_argument("--fp8", default="auto", choices=["auto", "dequantize", "packed"],
                    help="weights of a fine-grained FP8 checkpoint (e.g. Qwen3-8B-FP8): dequantize when loading, keep "

@@ -241,7 +241,8 @@ class DFlashEngine:
                 :class:`~dflash_torch.batch.BatchDecoder`; default None: always draft). Refused
                 where no batched round drafts: with ``no_draft``, ``draft_mode="recompute"``
                 (one sequence at a time) or ``block_size=1``.
-            mxfp4: MXFP4 expert weights (gpt-oss checkpoints): ``"dequantize"`` when
+            mxfp4: MXFP4 expert weights (gpt-oss checkpoints; DeepSeek-V4-Flash's FP4 experts,
+                the same numbers): ``"dequantize"`` when
                 loading, keep them ``"packed"`` (a quarter of the memory, slower rounds), or
                 ``"auto"`` (default): dequantize when they then fit in 90% of the free memory
                 (:meth:`TargetModel.from_pretrained <dflash_torch.models.target.TargetModel.from_pretrained>`).

@@ -463,7 +463,7 @@ def test_legacy_config_folds_as_transformers(legacy):
     ({"num_key_value_heads": 4}, "num_key_value_heads"),
     ({"norm_topk_prob": False}, "norm_topk_prob"),
     ({"swiglu_limit": 0}, "swiglu_limit"),
-    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}, "quantized"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantized"),  # (FP8: test_deepseek_v4_quant.py)
 ])
 def test_unsupported_configs_are_refused(change, match):
     raw = {"model_type": "deepseek_v4", **TINY, **change}

@@ -492,7 +492,16 @@ def _set(key, value):
     (_quant(fmt="e5m2"), None, r"FP8 quantization_config has fmt 'e5m2'; dflash-torch reads only 'e4m3'"),
     (_quant(weight_block_size=None), None, r"weight_block_size None; dflash-torch reads only block-wise scales"),
     (_quant(weight_block_size=[16]), None, r"weight_block_size \[16\]"),
-    (_quant(scale_fmt="ue8m0"), None, r"scale_fmt 'ue8m0'; dflash-torch reads only float scales"),
+    (_quant(scale_fmt="ue8m0"), None,
+     r"FP8 scale model\.layers\.\d\..*weight_scale_inv has dtype float32; the config's scale_fmt 'ue8m0' stores "
+     r"float8_e8m0fnu"),
+    (_quant(scale_fmt="e4m3"), None, r"scale_fmt 'e4m3'; dflash-torch reads only 'float' and 'ue8m0' scales"),
+    (None, _set(Q + ".weight_scale_inv", lambda w: w[Q + ".weight_scale_inv"].log2().round().add(127).to(torch.uint8)
+                .view(torch.float8_e8m0fnu)),
+     rf"FP8 scale {Q}\.weight_scale_inv has dtype float8_e8m0fnu; expected float32 or bfloat16 \(e8m0 scales need "
+     r"scale_fmt 'ue8m0'"),
+    (None, lambda w: w.update({Q + ".scale": w[Q + ".weight_scale_inv"].clone()}),
+     rf"weight {Q}\.weight has two scales, {Q}\.weight_scale_inv and {Q}\.scale$"),
     (_quant(modules_to_convert=["model.embed_tokens"]), None, r"modules_to_convert \(FP8 embeddings\)"),
     (lambda c: c.update(quantization_config={"quant_method": "compressed-tensors", "format": "float-quantized"}), None,
      r"compressed-tensors quantization_config has format 'float-quantized'; dflash-torch reads only 'pack-quantized'"),

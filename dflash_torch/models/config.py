@@ -254,6 +254,8 @@ class TargetConfig:
     mxfp4: bool = False  # the checkpoint stores its expert matrices in MXFP4 (gpt-oss; see mxfp4.py)
     keep_mxfp4: bool = False  # hold them packed, dequantizing the experts each forward runs (set when loading)
     fp8_block: tuple[int, int] | None = None  # weight_block_size of a fine-grained FP8 checkpoint (see fp8.py)
+    fp8_scale_fmt: str = "float"  # its scale_fmt: "float", or "ue8m0" (one-byte powers of two, DeepSeek-V4)
+    fp4_experts: bool = False  # its routed experts are FP4 (DeepSeek-V4's expert_dtype "fp4"; mxfp4 is then True)
     keep_fp8: bool = False  # hold its weights as stored, dequantizing them each forward (set when loading)
     int_quant: tuple[int, int | None] | None = None  # (bits, group_size) of packed integer weights (see packed_int.py)
     keep_int: bool = False  # hold them packed, dequantizing them each forward (set when loading)
@@ -293,6 +295,12 @@ class TargetConfig:
         quant = quantization_config(cfg)
         if quant is not None and quant.get("quant_method") == "fp8":
             config.fp8_block = fp8.check_config(quant, "target")
+            config.fp8_scale_fmt = fp8.scale_format(quant, "target")
+            if fp8.expert_format(cfg, quant, "target") == "fp4":
+                if not getattr(module, "FP4_EXPERTS", False):
+                    raise DFlashError(f"the target checkpoint declares expert_dtype 'fp4' (FP4 experts); dflash-torch "
+                                      f"reads those for deepseek_v4 only, not {cfg.get('model_type')!r}")
+                config.fp4_experts = config.mxfp4 = True  # (the experts' numbers are MXFP4's: --mxfp4 says how to hold them)
         if quant is not None and quant.get("quant_method") == packed_int.METHOD:
             config.int_quant = packed_int.check_config(quant, "target")
         return config

@@ -78,7 +78,12 @@ checkpoints: ``embed.weight``, ``layers.{i}.attn.wq_a.weight``, ``layers.{i}.ffn
 ``hc_head_fn``, ``head.weight`` ...) or under ``model.`` (what transformers' ``save_pretrained``
 writes), and transformers' in-memory names; per-expert weights are stacked when loading;
 the multi-token-prediction layers (``mtp.*``) are not read; any other unknown tensor is
-refused. Quantized checkpoints (the published FP8 / FP4 ones) are refused for now.
+refused. The published quantized checkpoints load (:mod:`.fp8`, :mod:`.mxfp4`): FP8 linears
+with ue8m0 block scales named ``X.scale`` and, with ``expert_dtype: "fp4"``, FP4 routed
+experts; dequantized when loading, bit for bit as transformers loads them, or kept packed
+(``fp8="packed"``: FP8 linears as :class:`~dflash_torch.models.fp8.Fp8Linear`;
+``mxfp4="packed"``: the experts as MXFP4 blocks), except ``o_a_proj``, which the grouped
+output projection reads as a matrix: dequantized when loading (:class:`GroupedProjection`).
 """
 
 from __future__ import annotations
@@ -96,6 +101,10 @@ from .config import MoEConfig, TargetConfig, base_target_fields, bool_field, che
 from .moe import Experts, dispatch_experts, fuse_expert_weights
 from .rope import rope_attention_factor, rope_inv_freq, rotary_dim
 from .target import EMBEDDING_OUTPUT, TargetModel
+
+# the published weights: fine-grained FP8 (ue8m0 scales named X.scale, fp8.py) with FP4 routed experts (mxfp4.py)
+QUANTIZATION_METHODS = ("fp8",)
+FP4_EXPERTS = True  # expert_dtype "fp4" is read for this family (checkpoint.load_state_dict's fp4)
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -563,6 +572,14 @@ def _halves(width: int) -> int:
     return -(-width // 2)
 
 
+class GroupedProjection(nn.Linear):
+    """``o_a_proj``, whose matrix the grouped output projection reads per group rather than
+    applying it to rows. A subclass, so that a checkpoint loaded ``fp8="packed"`` dequantizes
+    it when loading (only a decoder layer's plain ``nn.Linear`` becomes an
+    :class:`~dflash_torch.models.fp8.Fp8Linear`); :meth:`Model.dequantized_keys` counts it
+    dequantized in the memory check."""
+
+
 class Attention(nn.Module):
     """DeepSeek-V4 attention of one layer (see the module docstring). Hugging Face names:
     ``q_a_proj``, ``q_a_norm``, ``q_b_proj``, ``kv_proj``, ``kv_norm``, ``o_a_proj``,
@@ -585,7 +602,7 @@ class Attention(nn.Module):
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
         self.kv_proj = nn.Linear(hidden, d, bias=False)
         self.kv_norm = Norm(d, cfg.rms_norm_eps)
-        self.o_a_proj = nn.Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.o_a_proj = GroupedProjection(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False)
         self.sinks = nn.Parameter(torch.empty(h))
         self.compressor = None if kind == SLIDING else CompressedKV(cfg, kind)
@@ -941,6 +958,13 @@ class Model(TargetModel):
     @classmethod
     def checkpoint_name(cls, cfg: DeepseekV4Config, key: str) -> str:
         return cfg.names.get(key, key)
+
+    @classmethod
+    def dequantized_keys(cls, cfg: DeepseekV4Config, key: str) -> bool:
+        """``o_a_proj`` (DeepSeek's ``attn.wo_a``), which the grouped output projection reads as
+        a matrix, is dequantized when loading even where the other weights are kept packed
+        (:class:`GroupedProjection`)."""
+        return our_name(key).endswith(".self_attn.o_a_proj.weight")
 
     @classmethod
     def float32_keys(cls, cfg: DeepseekV4Config, key: str) -> bool:

@@ -22,6 +22,16 @@ blocks, can be split and joined like the weight's, e.g. to stack experts or fuse
 projections), and each forward dequantizes what it runs (:func:`dequantize_rows`: the same
 float32 product rounded once, so the same values as when loading): every
 :class:`Fp8Linear` its matrix, a mixture of experts only the experts some token chose.
+
+DeepSeek-V4's published checkpoints (DeepSeek-V4-Flash) use the same format with two
+differences: ``scale_fmt: "ue8m0"``, each block scale a power of two stored in one byte
+(``float8_e8m0fnu``, value ``2 ** (byte - 127)``; transformers also reads such scales stored
+as ``uint8``), and the scale of ``X.weight`` named ``X.scale`` (transformers' FP8 loader
+renames ``X.scale`` to ``X.weight_scale_inv``; vLLM's DeepSeek-V4 weight mapper does too).
+An e8m0 scale widens to float32 exactly, so the arithmetic above is unchanged. Their routed
+experts are FP4 (``expert_dtype: "fp4"``, top level in ``config.json`` or in the
+``quantization_config``; :mod:`.mxfp4`'s :func:`~.mxfp4.dequantize_fp4`); DeepSeek-V4-Flash-Base's
+(``expert_dtype: "fp8"``) are FP8 like its linears.
 """
 
 from __future__ import annotations
@@ -38,6 +48,9 @@ from ..errors import DFlashError
 FORMAT = torch.float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 ROW_SCALE_SUFFIX = "_scale"  # held packed: X.weight -> X.weight_scale (row scales, float32)
+SCALE_FORMATS = ("float", "ue8m0")  # scale_fmt: float32 / bfloat16 scales, or one-byte powers of two (DeepSeek-V4)
+E8M0 = getattr(torch, "float8_e8m0fnu", None)  # (the dtype of ue8m0 scales; torch >= 2.7)
+EXPERT_FORMATS = ("fp8", "fp4")  # expert_dtype: the routed experts' format in a DeepSeek-V4 FP8 checkpoint
 STATIC_SCALES = ("input_scale", "activation_scale")  # per-tensor activation scales of a static scheme
 _ELEMENTS_PER_CHUNK = 1 << 24  # float32 temporaries of at most 64 MB
 
@@ -51,7 +64,7 @@ def check_config(quant: dict, what: str = "target") -> tuple[int, int]:
             than ``"dynamic"`` (static activation scales), ``fmt`` other than ``"e4m3"`` (or
             ``"float8_e4m3fn"``), a
             ``weight_block_size`` that is not two integers >= 1 (e.g. null: one scale per
-            tensor), ``scale_fmt`` other than ``"float"`` (e.g. ``"ue8m0"``), or FP8
+            tensor), ``scale_fmt`` other than ``"float"`` or ``"ue8m0"``, or FP8
             embeddings (``modules_to_convert``).
     """
     where = f"the {what} checkpoint's FP8 quantization_config"
@@ -67,12 +80,54 @@ def check_config(quant: dict, what: str = "target") -> tuple[int, int]:
             or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
         raise DFlashError(f"{where} has weight_block_size {block!r}; dflash-torch reads only block-wise scales "
                           "(two integers, e.g. [128, 128])")
-    scale_fmt = quant.get("scale_fmt") or "float"
-    if scale_fmt != "float":
-        raise DFlashError(f"{where} has scale_fmt {scale_fmt!r}; dflash-torch reads only float scales")
+    scale_format(quant, what)
     if quant.get("modules_to_convert"):
         raise DFlashError(f"{where} has modules_to_convert (FP8 embeddings); dflash-torch reads only FP8 linear weights")
     return block[0], block[1]
+
+
+def scale_format(quant: dict, what: str = "target") -> str:
+    """The ``scale_fmt`` of an FP8 ``quantization_config``: ``"float"`` (absent or null: float32
+    or bfloat16 scales) or ``"ue8m0"`` (one-byte powers of two, DeepSeek-V4).
+
+    Raises:
+        DFlashError: any other value.
+    """
+    scale_fmt = quant.get("scale_fmt") or "float"
+    if scale_fmt not in SCALE_FORMATS:
+        raise DFlashError(f"the {what} checkpoint's FP8 quantization_config has scale_fmt {scale_fmt!r}; dflash-torch "
+                          "reads only 'float' and 'ue8m0' scales")
+    return scale_fmt
+
+
+def expert_format(cfg: dict, quant: dict, what: str = "target") -> str | None:
+    """The ``expert_dtype`` an FP8 checkpoint declares for its routed experts (DeepSeek-V4:
+    ``"fp4"``, DeepSeek-V4-Flash's FP4 experts, or ``"fp8"``), at the top level of
+    ``config.json`` (``cfg``, as DeepSeek-V4-Flash publishes it) or in its
+    ``quantization_config`` (``quant``, where transformers moves it); None when neither says.
+
+    Raises:
+        DFlashError: a value other than ``"fp4"`` / ``"fp8"``, or two places that disagree.
+    """
+    values = {where: d["expert_dtype"] for where, d in (("config.json", cfg), ("quantization_config", quant))
+              if d.get("expert_dtype") is not None}
+    for where, value in values.items():
+        if value not in EXPERT_FORMATS:
+            raise DFlashError(f"the {what} checkpoint's {where} has expert_dtype {value!r}; dflash-torch reads "
+                              "'fp4' (FP4 experts with ue8m0 scales per 32) and 'fp8'")
+    if len(set(values.values())) > 1:
+        raise DFlashError(f"the {what} checkpoint's config.json has expert_dtype {values['config.json']!r} but its "
+                          f"quantization_config {values['quantization_config']!r}")
+    return next(iter(values.values()), None)
+
+
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """float32 values of block scales: a float32 / bfloat16 / float16 / ``float8_e8m0fnu``
+    scale widened (exactly), a ``uint8`` one read as the e8m0 exponent ``2 ** (byte - 127)``
+    (as transformers reads it). e8m0's 0xFF is NaN, a uint8 255 infinite."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.float() - 127.0)
+    return scale.float()
 
 
 def scale_shape(weight_shape: torch.Size | tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
@@ -82,7 +137,7 @@ def scale_shape(weight_shape: torch.Size | tuple[int, ...], block: tuple[int, in
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
-               name: str = "weight") -> torch.Tensor:
+               name: str = "weight", scale_fmt: str = "float", scale_name: str | None = None) -> torch.Tensor:
     """The matrix that an FP8 ``weight`` and its block scales encode, in ``dtype``.
 
     Each element (exact in float32) times its block's scale (float32; a bfloat16 or
@@ -92,20 +147,24 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
 
     Args:
         weight: ``float8_e4m3fn`` ``[..., out, in]`` (at least 2 dimensions).
-        scale_inv: floating point ``[..., ceil(out / bo), ceil(in / bi)]``, finite.
+        scale_inv: ``[..., ceil(out / bo), ceil(in / bi)]``, finite: floating point
+            (``scale_fmt`` ``"float"``), or ``float8_e8m0fnu`` / ``uint8`` (``"ue8m0"``,
+            :func:`scale_values`).
         block: ``(bo, bi)``, the ``weight_block_size`` of the checkpoint's config.
         dtype: float32, bfloat16 or float16.
         name: the weight's name, for errors.
+        scale_fmt: the config's ``scale_fmt`` (:func:`scale_format`).
+        scale_name: the scale's name, for errors (default ``name + "_scale_inv"``).
 
     Returns:
         ``[..., out, in]`` in ``dtype``, on the device of ``weight``.
 
     Raises:
         DFlashError: a weight that is not ``float8_e4m3fn`` or has fewer than 2 dimensions, a
-            scale that is not floating point (or is itself FP8), of another shape, or not
-            finite (NaN, inf).
+            scale of another dtype than ``scale_fmt`` says, of another shape, or not finite
+            (NaN, inf).
     """
-    check_pair(weight, scale_inv, block, name)
+    check_pair(weight, scale_inv, block, name, scale_fmt, scale_name)
     *lead, rows, cols = weight.shape
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     w, s, o = weight.reshape(-1, rows, cols), scale_inv.to(weight.device).reshape(-1, *scale_inv.shape[-2:]), out.view(-1, rows, cols)
@@ -114,29 +173,43 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
         for r in range(0, rows, step):
             stop = min(rows, r + step)
             # the scale of each row (its block row's) and column (its block column's)
-            scale = s[m, r // block[0]: math.ceil(stop / block[0])].float()
+            scale = scale_values(s[m, r // block[0]: math.ceil(stop / block[0])])
             scale = scale.repeat_interleave(block[0], dim=0)[: stop - r].repeat_interleave(block[1], dim=1)[:, :cols]
             o[m, r:stop] = (w[m, r:stop].float() * scale).to(dtype)
     return out
 
 
-def check_pair(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> None:
+def check_pair(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str,
+               scale_fmt: str = "float", scale_name: str | None = None) -> None:
     """Raise :class:`DFlashError` unless ``weight`` and ``scale_inv`` are what
     :func:`dequantize` reads (see there)."""
+    scale_name = scale_name or name + SCALE_SUFFIX
     if weight.dtype != FORMAT:
         raise DFlashError(f"FP8 weight {name} has dtype {str(weight.dtype).removeprefix('torch.')}; "
                           "the config's FP8 format (fmt) is float8_e4m3fn")
     if weight.dim() < 2:
         raise DFlashError(f"FP8 weight {name} has shape {tuple(weight.shape)}; block scales need a matrix")
-    if not scale_inv.is_floating_point() or scale_inv.element_size() < 2:
-        raise DFlashError(f"FP8 scale {name}{SCALE_SUFFIX} has dtype {str(scale_inv.dtype).removeprefix('torch.')}; "
-                          "expected float32 or bfloat16")
+    check_scale_dtype(scale_inv, scale_fmt, scale_name)
     expected = scale_shape(weight.shape, block)
     if tuple(scale_inv.shape) != expected:
-        raise DFlashError(f"FP8 scale {name}{SCALE_SUFFIX} has shape {tuple(scale_inv.shape)}; weight "
+        raise DFlashError(f"FP8 scale {scale_name} has shape {tuple(scale_inv.shape)}; weight "
                           f"{tuple(weight.shape)} in blocks of {list(block)} needs {expected}")
-    if not bool(torch.isfinite(scale_inv).all()):
-        raise DFlashError(f"FP8 scale {name}{SCALE_SUFFIX} holds NaN or infinite values (a corrupt checkpoint)")
+    if not bool(torch.isfinite(scale_values(scale_inv)).all()):
+        raise DFlashError(f"FP8 scale {scale_name} holds NaN or infinite values (a corrupt checkpoint)")
+
+
+def check_scale_dtype(scale: torch.Tensor, scale_fmt: str, scale_name: str) -> None:
+    """Raise :class:`DFlashError` unless ``scale``'s dtype is one ``scale_fmt`` stores: float32,
+    bfloat16 or float16 for ``"float"``; ``float8_e8m0fnu`` or ``uint8`` (its bytes) for ``"ue8m0"``."""
+    dtype = str(scale.dtype).removeprefix("torch.")
+    if scale_fmt == "ue8m0":
+        if scale.dtype not in (E8M0, torch.uint8):
+            raise DFlashError(f"FP8 scale {scale_name} has dtype {dtype}; the config's scale_fmt 'ue8m0' stores "
+                              "float8_e8m0fnu (one-byte powers of two)")
+    elif not scale.is_floating_point() or scale.element_size() < 2:
+        raise DFlashError(f"FP8 scale {scale_name} has dtype {dtype}; expected float32 or bfloat16"
+                          + (" (e8m0 scales need scale_fmt 'ue8m0' in the quantization_config)"
+                             if scale.dtype in (E8M0, torch.uint8) else ""))
 
 
 def check_finite_bytes(weight: torch.Tensor, name: str) -> None:
@@ -163,8 +236,9 @@ def check_finite_product(weight: torch.Tensor, scales: torch.Tensor, block_cols:
 def row_scales(scale_inv: torch.Tensor, block: tuple[int, int], rows: int) -> torch.Tensor:
     """The block scales ``[..., ceil(rows / bo), G]`` of a weight with ``rows`` rows as one
     scale row per weight row: float32 ``[..., rows, G]`` (each block row repeated ``bo``
-    times, the last one cut to the rows it covers). Exact (a bfloat16 scale widens exactly)."""
-    return scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :].contiguous()
+    times, the last one cut to the rows it covers). Exact (a bfloat16 or e8m0 scale widens
+    exactly, :func:`scale_values`)."""
+    return scale_values(scale_inv).repeat_interleave(block[0], dim=-2)[..., :rows, :].contiguous()
 
 
 def dequantize_rows(weight: torch.Tensor, scales: torch.Tensor, block_cols: int, dtype: torch.dtype) -> torch.Tensor:

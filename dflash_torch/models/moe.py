@@ -46,6 +46,7 @@ class Experts(nn.Module):
 
     fp8_block_cols = 0  # > 0: the matrices stay FP8, in blocks of this many columns
     int_bits = int_group = 0  # int_bits > 0: the matrices stay packed integers (group 0: per output channel)
+    mxfp4 = False  # the matrices stay MXFP4 (DeepSeek-V4's FP4 experts, :meth:`keep_mxfp4`)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
@@ -62,6 +63,22 @@ class Experts(nn.Module):
                 w = getattr(self, name)
                 setattr(self, name, nn.Parameter(torch.empty(w.shape, dtype=fp8.FORMAT), requires_grad=False))
                 scales = torch.empty(*w.shape[:-1], -(-w.shape[-1] // block_cols))
+                setattr(self, name + "_scale", nn.Parameter(scales, requires_grad=False))
+
+    def keep_mxfp4(self) -> None:
+        """Hold the matrices as MXFP4 (meta, to load into; :mod:`~dflash_torch.models.mxfp4`):
+        uint8 blocks ``[E, rows, cols / 32, 16]`` and exponents ``[E, rows, cols / 32]``, the
+        bytes of DeepSeek-V4's FP4 experts (:func:`~dflash_torch.models.mxfp4.fp4_as_blocks`);
+        each forward dequantizes the experts it runs."""
+        from .mxfp4 import BLOCK
+
+        self.mxfp4 = True
+        with torch.device("meta"):
+            for name in ("gate_up_proj", "down_proj"):
+                w = getattr(self, name)
+                blocks = torch.empty(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK // 2, dtype=torch.uint8)
+                setattr(self, name, nn.Parameter(blocks, requires_grad=False))
+                scales = torch.empty(*w.shape[:-1], w.shape[-1] // BLOCK, dtype=torch.uint8)
                 setattr(self, name + "_scale", nn.Parameter(scales, requires_grad=False))
 
     def keep_int(self, bits: int, group: int | None, scale_dtype: torch.dtype = torch.float32) -> None:
@@ -363,8 +380,9 @@ def _check_expert_group(state: dict[str, torch.Tensor], prefix: str, experts: di
         raise DFlashError(f"{where}: some experts' matrices are kept quantized (with scales) and others not; "
                           "load the checkpoint dequantized (--fp8 / --int-weights dequantize)")
     gate0, down0 = state[experts[0]["gate_proj"]], state[experts[0]["down_proj"]]
-    # (packed integers, kept as int32 words: a row holds several columns, so down is not gate's transpose)
-    down_shape = tuple(down0.shape) if gate0.dtype == torch.int32 else tuple(gate0.shape[::-1])
+    # (packed integers, kept as int32 words, or FP4 bytes kept as uint8: a row holds several columns, so down is not
+    # gate's transpose)
+    down_shape = tuple(down0.shape) if gate0.dtype in (torch.int32, torch.uint8) else tuple(gate0.shape[::-1])
     expected = {"gate_proj": tuple(gate0.shape), "up_proj": tuple(gate0.shape), "down_proj": down_shape}
     if gate0.dim() != 2 or tuple(down0.shape) != expected["down_proj"]:
         raise DFlashError(f"{where}: expert 0 has gate_proj {tuple(gate0.shape)} and down_proj {tuple(down0.shape)}, "

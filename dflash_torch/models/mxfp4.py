@@ -8,6 +8,14 @@ each block (value ``2 ** (s - 127)``). A 4-bit element is a sign bit and an E2M1
 0, 0.5, 1, 1.5, 2, 3, 4 or 6. Every element times its scale is exact in bfloat16 and
 float32, so dequantizing loses nothing (OCP Microscaling Formats (MX) v1.0 specification;
 the layout of the gpt-oss checkpoints as transformers' ``integrations/mxfp4.py`` reads it).
+
+DeepSeek-V4-Flash stores its routed experts in the same numbers, another layout (its FP8
+checkpoint's ``expert_dtype: "fp4"``; transformers' ``Fp8Dequantize`` and ``FP8Experts``
+read it): ``X.weight`` int8 ``[..., rows, cols / 2]``, the row's elements two a byte, the low
+nibble first, and ``X.scale`` ``float8_e8m0fnu`` ``[..., rows, cols / 32]``, one power of two
+per 32 elements of a row. That is this module's layout with the 16 bytes of each block side
+by side (:func:`fp4_as_blocks` views one as the other); :func:`dequantize_fp4` dequantizes it
+with transformers' arithmetic (float32 product, rounded once).
 """
 
 from __future__ import annotations
@@ -72,6 +80,61 @@ def _check_layout(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None
     if blocks.dim() < 3 or blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise DFlashError(f"MXFP4 weight {name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
                           f"match (expected [..., rows, G, {BLOCK // 2}] and [..., rows, G])")
+
+
+_FP4_ROWS_PER_CHUNK = 1 << 12  # rows of an FP4 matrix dequantized at once (float32 temporaries)
+
+
+def check_fp4_pair(weight: torch.Tensor, scale: torch.Tensor, name: str = "weight",
+                   scale_name: str | None = None) -> None:
+    """Raise :class:`DFlashError` (one line naming the weight) unless ``weight`` and ``scale`` are
+    a DeepSeek-V4 FP4 pair :func:`dequantize_fp4` reads: an int8 (or uint8) weight
+    ``[..., rows, cols / 2]`` with at least 2 dimensions, a ``float8_e8m0fnu`` (or ``uint8``)
+    scale ``[..., rows, cols / 32]``, finite in float32 and bfloat16 (:func:`check_finite`)."""
+    from .fp8 import E8M0
+
+    scale_name = scale_name or name + "_scale_inv"
+    if weight.dtype not in (torch.int8, torch.uint8) or weight.dim() < 2:
+        raise DFlashError(f"FP4 weight {name} is {str(weight.dtype).removeprefix('torch.')} {tuple(weight.shape)}, "
+                          "expected int8 [..., rows, cols / 2] (two FP4 elements a byte)")
+    if scale.dtype not in (E8M0, torch.uint8):
+        raise DFlashError(f"FP4 scale {scale_name} has dtype {str(scale.dtype).removeprefix('torch.')}; FP4 experts "
+                          "read only float8_e8m0fnu scales (one power of two per 32 elements)")
+    cols = 2 * weight.shape[-1]
+    want = (*weight.shape[:-1], cols // BLOCK)
+    if cols % BLOCK or tuple(scale.shape) != want:
+        raise DFlashError(f"FP4 scale {scale_name} has shape {tuple(scale.shape)}; weight {name} "
+                          f"{tuple(weight.shape)} ({cols} columns) in groups of {BLOCK} needs "
+                          f"{want if cols % BLOCK == 0 else 'a multiple of 32 columns'}")
+    check_finite(*fp4_as_blocks(weight, scale), name)
+
+
+def fp4_as_blocks(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DeepSeek-V4 FP4 pair (int8 ``[..., rows, cols / 2]``, e8m0 ``[..., rows, cols / 32]``)
+    as this module's uint8 ``blocks`` ``[..., rows, cols / 32, 16]`` and ``scales``
+    ``[..., rows, cols / 32]``: views of the same bytes (the same elements in the same order)."""
+    return weight.view(torch.uint8).unflatten(-1, (-1, BLOCK // 2)), scale.view(torch.uint8)
+
+
+def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The matrix a checked DeepSeek-V4 FP4 pair (:func:`check_fp4_pair`) encodes, in ``dtype``:
+    each element (its E2M1 value, the low nibble first) times its group's power of two in
+    float32, rounded once to ``dtype``, as transformers' ``Fp8Dequantize`` computes it (for
+    float32 and bfloat16 also what :func:`dequantize` gives for :func:`fp4_as_blocks` of the
+    pair: every product is exact there).
+
+    Returns:
+        ``[..., rows, cols]`` in ``dtype``, on ``weight``'s device.
+    """
+    blocks, scales = fp4_as_blocks(weight, scale)
+    out = torch.empty(*scales.shape[:-1], scales.shape[-1] * BLOCK, dtype=dtype, device=weight.device)
+    pairs = _byte_values(torch.float32, weight.device)
+    flat_blocks, flat_scales, flat_out = blocks.flatten(0, -3), scales.flatten(0, -2), out.flatten(0, -2)
+    for i in range(0, flat_blocks.shape[0], _FP4_ROWS_PER_CHUNK):
+        b, s = flat_blocks[i:i + _FP4_ROWS_PER_CHUNK], flat_scales[i:i + _FP4_ROWS_PER_CHUNK]
+        values = F.embedding(b.int(), pairs).flatten(-2)  # [rows, G, 32] float32, low nibble first
+        flat_out[i:i + _FP4_ROWS_PER_CHUNK] = (values * torch.exp2(s.float() - 127)[..., None]).flatten(-2).to(dtype)
+    return out
 
 
 def dequantize_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from ..cache import KVCache, RecurrentState, TargetCache, ring_positions
-from ..checkpoint import all_finite, check_fits, fits, fp8_saving, int_saving, load_config, load_state_dict
+from ..checkpoint import (all_finite, check_fits, fits, fp4_saving, fp8_saving, int_saving, load_config,
+                          load_state_dict)
 from ..errors import DFlashError
 from ..options import check_fp8, check_int_weights, check_mxfp4
 from . import fp8 as fp8_format
@@ -198,11 +199,13 @@ class TargetModel(nn.Module):
         """Load a Hugging Face checkpoint directory with the class of its family.
 
         Args:
-            mxfp4: how to hold expert matrices a checkpoint stores in MXFP4 (gpt-oss):
+            mxfp4: how to hold expert matrices a checkpoint stores in MXFP4 (gpt-oss) or
+                FP4 (DeepSeek-V4-Flash's ``expert_dtype: "fp4"``, the same numbers):
                 ``"dequantize"`` them when loading (fastest), keep them ``"packed"`` (a
                 quarter of bfloat16's memory; each forward dequantizes the experts it
                 runs), or ``"auto"``: dequantize when the weights then take at most 90% of
-                the device's free memory, else keep them packed.
+                the device's free memory, else keep them packed (DeepSeek-V4: decided
+                before ``fp8``'s ``"auto"``, which then counts the experts as kept).
             fp8: the same for the weights of a fine-grained FP8 checkpoint
                 (:mod:`~dflash_torch.models.fp8`): ``"dequantize"``, ``"packed"`` (1 byte a
                 weight plus float32 row scales, about half of bfloat16; each forward
@@ -230,28 +233,42 @@ class TargetModel(nn.Module):
         model_cls = family(cfg.model_type).Model if cls is TargetModel else cls
         with torch.device("meta"):
             model = model_cls(cfg)
-            if cfg.mxfp4 and (mxfp4 == "packed" or (mxfp4 == "auto" and not fits(model, dtype, device, share=0.9))):
-                cfg.keep_mxfp4 = True
+            if cfg.mxfp4 and not cfg.fp4_experts and (
+                    mxfp4 == "packed" or (mxfp4 == "auto" and not fits(model, dtype, device, share=0.9))):
+                cfg.keep_mxfp4 = True  # (gpt-oss: the model holds its experts packed)
                 model = model_cls(cfg)
         keep = lambda k: model_cls.checkpoint_keys(cfg, k)  # noqa: E731
         kept_packed = lambda k: keep(k) and not model_cls.dequantized_keys(cfg, k)  # noqa: E731
-        saving, keep_fp8 = 0, False
+        saving, keep_fp8, fp4_saved, keep_fp4 = 0, False, 0, False
+        if cfg.fp4_experts:  # DeepSeek-V4's FP4 experts (in an FP8 checkpoint): kept packed first, the bulk of it
+            fp4_saved = fp4_saving(model_dir, dtype, keep)
+            if fp4_saved == 0:
+                raise DFlashError(f"target checkpoint {model_dir}: config.json declares expert_dtype 'fp4' but the "
+                                  "checkpoint holds no FP4 (int8) expert weights")
+            keep_fp4 = mxfp4 == "packed" or (mxfp4 == "auto" and not fits(model, dtype, device, share=0.9))
         if cfg.fp8_block is not None and fp8 != "dequantize":
             saving = fp8_saving(model_dir, dtype, cfg.fp8_block, kept_packed)  # (< 0 where the row scales outweigh it)
-            keep_fp8 = fp8 == "packed" or (saving > 0 and not fits(model, dtype, device, share=0.9))
+            keep_fp8 = fp8 == "packed" or (saving > 0 and not fits(model, dtype, device, share=0.9,
+                                                                   saving=fp4_saved if keep_fp4 else 0))
         keep_int = False
         if cfg.int_quant is not None and int_weights != "dequantize":
             saving = int_saving(model_dir, dtype, *cfg.int_quant, kept_packed)
             keep_int = int_weights == "packed" or (saving > 0 and not fits(model, dtype, device, share=0.9))
-        check_fits(model, dtype, device, "target", saving=saving if keep_fp8 or keep_int else 0,
-                   kept="packed integer weights kept packed" if keep_int else "FP8 weights kept as stored")
+        kept = [what for what, held in (("FP4 experts kept packed", keep_fp4), ("FP8 weights kept as stored", keep_fp8),
+                                         ("packed integer weights kept packed", keep_int)) if held]
+        check_fits(model, dtype, device, "target", saving=(saving if keep_fp8 or keep_int else 0)
+                   + (fp4_saved if keep_fp4 else 0), kept=", ".join(kept) or "FP8 weights kept as stored")
         state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=keep_fp8,
                                 int_quant=cfg.int_quant, keep_int=keep_int,
-                                float32=lambda k: model_cls.float32_keys(cfg, k))
+                                float32=lambda k: model_cls.float32_keys(cfg, k), scale_fmt=cfg.fp8_scale_fmt,
+                                fp4=cfg.fp4_experts, keep_fp4=keep_fp4)
         state = model_cls.convert_checkpoint(cfg, state)
         if keep_fp8:
             cfg.keep_fp8 = True
             _keep_fp8(model, state, cfg.fp8_block[1], dtype)
+        if keep_fp4:
+            cfg.keep_mxfp4 = True
+            _keep_fp4(model, state, dtype)
         if keep_int:
             cfg.keep_int = True
             _keep_int(model, state, cfg.int_quant, dtype)
@@ -485,7 +502,8 @@ def _keep_fp8(model: nn.Module, state: dict[str, torch.Tensor], block_cols: int,
             experts.keep_fp8(block_cols)
 
     _keep_quantized(model, state, lambda linear, scales: fp8_format.Fp8Linear.like(linear, block_cols), keep_experts,
-                    lambda weight, scales, cols: fp8_format.dequantize_rows(weight, scales, block_cols, dtype))
+                    lambda weight, scales, cols: fp8_format.dequantize_rows(weight, scales, block_cols, dtype),
+                    fp8_format.FORMAT)
 
 
 def _keep_int(model: nn.Module, state: dict[str, torch.Tensor], scheme: tuple[int, int | None], dtype: torch.dtype
@@ -501,27 +519,53 @@ def _keep_int(model: nn.Module, state: dict[str, torch.Tensor], scheme: tuple[in
 
     _keep_quantized(model, state, lambda linear, scales: IntLinear.like(linear, *scheme, scales.dtype), keep_experts,
                     lambda weight, scales, cols: dequantize_groups(
-                        weight, scales, *scheme, cols or weight.shape[-1] * 32 // scheme[0], dtype))
+                        weight, scales, *scheme, cols or weight.shape[-1] * 32 // scheme[0], dtype), torch.int32)
 
 
-def _keep_quantized(model: nn.Module, state: dict[str, torch.Tensor], linear, keep_experts, dequantize) -> None:
-    """For each matrix ``NAME`` that ``state`` holds quantized with its scales ``NAME_scale``:
-    a decoder layer's ``nn.Linear`` owning it is replaced by ``linear(that linear, scales)``
-    (a meta layer to load into), stacked experts get ``keep_experts(experts, scales)``, and a
-    matrix held by anything else (e.g. a quantized LM head, which drafters read too) is
-    dequantized in ``state`` by ``dequantize(matrix, scales, columns)`` (columns None where
-    the owner has no such parameter: the unknown-weight check then names it)."""
+def _keep_fp4(model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """As :func:`_keep_fp8`, for DeepSeek-V4's FP4 experts (``NAME`` uint8 ``[..., rows, cols /
+    2]`` and ``NAME_scale`` uint8 ``[..., rows, cols / 32]``, :func:`~dflash_torch.checkpoint.load_state_dict`
+    with ``keep_fp4``): stacked experts hold them as MXFP4 blocks and scales
+    (:meth:`~dflash_torch.models.moe.Experts.keep_mxfp4`; the same bytes, ``[..., rows, cols /
+    32, 16]``), anything else (a decoder linear too) is dequantized into ``dtype``."""
+    from .moe import Experts
+    from .mxfp4 import BLOCK, dequantize_fp4
+
+    def keep_experts(experts, scales):
+        if not experts.mxfp4:
+            experts.keep_mxfp4()
+
+    _keep_quantized(model, state, None, keep_experts, lambda weight, scales, cols: dequantize_fp4(weight, scales, dtype),
+                    torch.uint8)
+    for name, owner in model.named_modules():  # the kept experts' bytes, as the MXFP4 blocks they are
+        if isinstance(owner, Experts) and owner.mxfp4:
+            for attr in ("gate_up_proj", "down_proj"):
+                key = f"{name}.{attr}"
+                if key in state and state[key].dim() == 3:
+                    state[key] = state[key].unflatten(-1, (-1, BLOCK // 2))
+
+
+def _keep_quantized(model: nn.Module, state: dict[str, torch.Tensor], linear, keep_experts, dequantize,
+                    held: torch.dtype) -> None:
+    """For each matrix ``NAME`` that ``state`` holds quantized (in dtype ``held``) with its
+    scales ``NAME_scale``: a decoder layer's ``nn.Linear`` owning it is replaced by
+    ``linear(that linear, scales)`` (a meta layer to load into; None: dequantized instead),
+    stacked experts get ``keep_experts(experts, scales)``, and a matrix held by anything else
+    (e.g. a quantized LM head, which drafters read too) is dequantized in ``state`` by
+    ``dequantize(matrix, scales, columns)`` (columns None where the owner has no such
+    parameter: the unknown-weight check then names it)."""
     from .moe import Experts
 
     suffix = fp8_format.ROW_SCALE_SUFFIX
-    for key in [k for k in state if k.endswith(suffix) and k.removesuffix(suffix) in state]:
+    for key in [k for k in state if k.endswith(suffix) and k.removesuffix(suffix) in state
+                and state[k.removesuffix(suffix)].dtype == held]:
         name = key.removesuffix(suffix)
         path, attr = name.rsplit(".", 1)
         try:
             owner = model.get_submodule(path)
         except AttributeError:  # (not a parameter of this model: the unknown-weight check names it)
             continue
-        if type(owner) is nn.Linear and attr == "weight" and path.startswith(DECODER_LAYERS):
+        if linear is not None and type(owner) is nn.Linear and attr == "weight" and path.startswith(DECODER_LAYERS):
             parent, child = path.rsplit(".", 1)
             setattr(model.get_submodule(parent), child, linear(owner, state[key]))
         elif isinstance(owner, Experts) and attr in ("gate_up_proj", "down_proj"):
