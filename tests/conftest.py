@@ -528,8 +528,8 @@ def to_speculators(drafter_dir: Path, target_dir: Path, out_dir: Path, *, draft_
     cfg = json.loads((drafter_dir / "config.json").read_text())
     weights = load_file(str(drafter_dir / "model.safetensors"))
     target = load_file(str(target_dir / "model.safetensors"))
-    table = target["model.embed_tokens.weight"]
-    head = target.get("lm_head.weight", table)
+    table = target.get("model.embed_tokens.weight", target.get("embed.weight"))  # (DeepSeek-V4 as published: embed.)
+    head = target.get("lm_head.weight", target.get("head.weight", table))
     n = cfg["num_hidden_layers"]
     layer_types = ["full_attention"] * n
     if sliding_window is not None:
@@ -869,3 +869,30 @@ def make_gemma4_target(out_dir: Path, *, seed: int = 0, tokenizer: bool = True, 
     if tokenizer:
         make_tokenizer(out_dir)
     return Path(out_dir)
+
+
+def v4_drafter(target: Path, out_dir: Path, *, std: float = 0.08, seed: int = 0, layer_ids=None) -> Path:
+    """A random Speculators-format DFlash drafter (B = 8, two layers, weights N(0, std)) reading
+    the multi-stream features of the V4 target at ``target`` (``target_hidden_size`` =
+    ``hc_mult * hidden_size``, as RedHatAI/DeepSeek-V4-Flash-speculator.dflash), of target
+    layers ``layer_ids`` (aux ids + 1; default: the DFlash reference's spread)."""
+    import json
+
+    from dflash_torch.models.drafter import DFlashDrafter
+
+    tcfg = json.loads((target / "config.json").read_text())
+    cfg = drafter_config(target, block_size=8, target_layer_ids=layer_ids)
+    cfg.target_hidden_size = tcfg["hc_mult"] * tcfg["hidden_size"]
+    torch.manual_seed(seed)
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, std)
+    plain = save_drafter(Path(str(out_dir) + "-dflash"), cfg, model.state_dict())
+    out = to_speculators(plain, target, out_dir)
+    spec = json.loads((out / "config.json").read_text())
+    spec["target_hidden_size"] = cfg.target_hidden_size
+    spec["speculators_config"]["verifier"]["architectures"] = ["DeepseekV4ForCausalLM"]
+    (out / "config.json").write_text(json.dumps(spec, indent=2))
+    return out

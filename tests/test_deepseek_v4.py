@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 
 from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
                       check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
-                      load_hf, make_agreeable, save_drafter, to_speculators)
+                      load_hf, make_agreeable, save_drafter, v4_drafter)
 from dflash_torch import DFlashError
 from dflash_torch.cache import cache_bytes
 from dflash_torch.models import deepseek_v4
@@ -82,33 +82,6 @@ def make_v4_target(out_dir: Path, *, seed: int = 0, **overrides) -> Path:
                 b.normal_(0, 0.3)
     model.save_pretrained(str(out_dir))
     return Path(out_dir)
-
-
-def v4_drafter(target: Path, out_dir: Path, *, std: float = 0.08, seed: int = 0, layer_ids=None) -> Path:
-    """A random Speculators-format DFlash drafter (B = 8, two layers, weights N(0, std)) reading
-    the multi-stream features of the V4 target at ``target`` (``target_hidden_size`` =
-    ``hc_mult * hidden_size``, as RedHatAI/DeepSeek-V4-Flash-speculator.dflash), of target
-    layers ``layer_ids`` (aux ids + 1; default: the DFlash reference's spread)."""
-    import json
-
-    from dflash_torch.models.drafter import DFlashDrafter
-
-    tcfg = json.loads((target / "config.json").read_text())
-    cfg = drafter_config(target, block_size=8, target_layer_ids=layer_ids)
-    cfg.target_hidden_size = tcfg["hc_mult"] * tcfg["hidden_size"]
-    torch.manual_seed(seed)
-    model = DFlashDrafter(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, std)
-    plain = save_drafter(Path(str(out_dir) + "-dflash"), cfg, model.state_dict())
-    out = to_speculators(plain, target, out_dir)
-    spec = json.loads((out / "config.json").read_text())
-    spec["target_hidden_size"] = cfg.target_hidden_size
-    spec["speculators_config"]["verifier"]["architectures"] = ["DeepseekV4ForCausalLM"]
-    (out / "config.json").write_text(json.dumps(spec, indent=2))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -484,11 +484,11 @@ def test_speculative_decoding_on_a_packed_deepseek_v4_equals_target_only(v4, tmp
     """DeepSeek-V4 in its published layout, FP8 linears and FP4 experts kept packed: greedy
     speculative decoding (one sequence, and a batch of two) == target-only decoding of the
     dequantized model."""
-    from conftest import drafter_config, save_drafter
+    from conftest import v4_drafter
 
     from dflash_torch import DFlashEngine
 
-    drafter = save_drafter(tmp_path / "drafter", drafter_config(v4, block_size=8), seed=4)
+    drafter = v4_drafter(v4, tmp_path / "drafter", seed=4)
     packed = DFlashEngine.from_pretrained(v4, drafter, dtype="float32", fp8="packed", mxfp4="packed")
     assert packed.target.config.keep_fp8 and packed.target.config.keep_mxfp4
     plain = DFlashEngine.from_pretrained(v4, None, dtype="float32", no_draft=True, fp8="dequantize", mxfp4="dequantize")

@@ -904,8 +904,9 @@ def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
     if drafter.hidden_size != target.hidden_size:
         raise DFlashError(f"incompatible pair: drafter hidden_size {drafter.hidden_size} != target hidden_size {target.hidden_size}")
     if drafter.feature_size != target.feature_size:
+        given = "target_hidden_size" if drafter.target_hidden_size is not None else "its hidden_size"
         raise DFlashError(f"incompatible pair: the drafter reads target features of {drafter.feature_size} values a layer "
-                          f"(target_hidden_size), the target's layers give {target.feature_size}")
+                          f"({given}), the target's layers give {target.feature_size}")
     if drafter.num_target_layers is not None and drafter.num_target_layers != target.num_hidden_layers:
         raise DFlashError(
             f"incompatible pair: drafter num_target_layers {drafter.num_target_layers} != target num_hidden_layers {target.num_hidden_layers}"
