@@ -287,6 +287,41 @@ def test_packed_w4a16_moe_modes_and_batch_on_cuda_graphs_equal_target_only(tmp_p
     _modes_and_batch_equal_target_only(target, DFlashDrafter.from_pretrained(drafter_dir, torch.float32, "cuda"), "cuda")
 
 
+def _deepseek_v4_modes_equal_target_only(root, tokenizer_dir, device: str, packed: bool) -> None:
+    """:func:`_modes_and_batch_equal_target_only` for an agreeable DeepSeek-V4 pair (test_deepseek_v4's
+    recipe: hyper-connection streams, compressed entries and the indexer in the KV cache slots,
+    a Speculators drafter reading the streams) on ``device``; ``packed``: the target in its
+    published layout (test_deepseek_v4_quant's: FP8 linears with ue8m0 scales, FP4 experts),
+    both kept packed."""
+    from test_deepseek_v4 import make_v4_target, published_layout
+    from test_deepseek_v4_quant import V4_FP4, V4_FP8, to_published_layout
+
+    from conftest import make_agreeable, v4_drafter
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    target = make_v4_target(root / "target", seed=1, moe_intermediate_size=32)
+    target, _ = make_agreeable(target, tokenizer_dir, root, "deepseek_v4", block_size=8, alpha=1.0, self_scale=1.0)
+    drafter_dir = v4_drafter(target, root / "spec", std=0.02)
+    options = {}
+    if packed:
+        target = to_published_layout(published_layout(target, root / "top"), root / "published", (8, 8),
+                                     V4_FP8.search, V4_FP4.search)
+        options = dict(fp8="packed", mxfp4="packed")
+    model = TargetModel.from_pretrained(target, torch.float32, device, **options)
+    assert model.config.keep_fp8 == packed and model.config.keep_mxfp4 == packed
+    _modes_and_batch_equal_target_only(model, DFlashDrafter.from_pretrained(drafter_dir, torch.float32, device), device)
+
+
+@cuda
+@pytest.mark.parametrize("packed", [False, True], ids=["unquantized", "published-packed"])
+def test_deepseek_v4_modes_and_batch_on_cuda_graphs_equal_target_only(packed, tmp_path, tokenizer_dir):
+    """DeepSeek-V4 on CUDA: every mode and a compiled batch commit the target-only tokens (the
+    compressed-entry writes and the indexer's top-k inside CUDA graphs; packed: FP8 linears and
+    FP4 experts dequantized inside them)."""
+    _deepseek_v4_modes_equal_target_only(tmp_path, tokenizer_dir, "cuda", packed)
+
+
 @cuda
 def test_compiled_hybrid_batch_on_cuda_graphs_equals_alone(agree_hybrid_pair):
     """float32 on CUDA, a hybrid target: the compiled batch (inductor, CUDA graphs) with
