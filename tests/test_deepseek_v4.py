@@ -143,6 +143,20 @@ def test_forward_matches_transformers(models, pieces, static, max_rows):
     torch.testing.assert_close(f[:, w:2 * w], f[:, 2 * w:], rtol=0, atol=0)
 
 
+def test_indexer_ties_pick_the_same_entries_in_any_shape(tmp_path):
+    """One indexer head: its ReLU makes many entries score exactly 0, so the top-k often cuts
+    through a tie. The picks among equal scores must not depend on the forward's shape (a
+    verify block against the same rows one at a time, a batch against one sequence): one
+    pass, pieces and token by token give the same logits (``topk`` picked differently per
+    shape, 0.2 apart, and speculative decoding differed from target-only)."""
+    ours = TargetModel.from_pretrained(make_v4_target(tmp_path / "t", seed=2, index_n_heads=1, index_topk=2),
+                                       torch.float32)
+    whole, _ = run_pieces(ours, IDS, [40], static=False, features=False)
+    for pieces in ([1] * 40, [8] * 5, [3, 7, 2, 9, 11, 8]):
+        logits, _ = run_pieces(ours, IDS, pieces, static=False, features=False)
+        torch.testing.assert_close(logits, whole, rtol=0, atol=ATOL)
+
+
 def test_query_chunks_match_transformers(models, monkeypatch):
     """With a budget of 64 scores, every query row attends in a chunk of its own: the same."""
     ours, _, ref = models

@@ -746,14 +746,18 @@ class Attention(nn.Module):
         query latent, ``compress_rope`` their compress cos / sin ``[N, Tq, rope_dim / 2]``):
         int64 ``[N, Tq, k]`` entry indices and bool ``[N, Tq, k]`` (False: an invisible pick,
         masked). Scores ``sum_h w_h relu(q_h . k) / sqrt(index_head_dim)`` in float32, ``w`` =
-        ``weights_proj(h) / sqrt(index_n_heads)``."""
+        ``weights_proj(h) / sqrt(index_n_heads)``. Equal scores (the ReLU makes exact zeros
+        common) are picked lowest entry first: a stable sort, not ``topk``, whose choice among
+        ties depends on the shape it runs on (a verify block and the same rows one at a time
+        would attend to different entries); transformers' ``topk`` picks among them as it
+        happens to, so only there can the two differ."""
         idx = self.compressor.indexer
         cos, sin = compress_rope
         q = rope_tail(idx.q_b_proj(q_res).view(*q_res.shape[:2], idx.heads, idx.head), cos[:, :, None], sin[:, :, None])
         scores = F.relu(torch.einsum("ntai,nei->ntae", q.float(), index_keys.float())) * idx.head ** -0.5
         weights = idx.scorer.weights_proj(h).float() * idx.heads ** -0.5
         scores = (scores * weights[..., None]).sum(dim=2).masked_fill(~visible, float("-inf"))
-        picks = scores.topk(min(idx.top_k, scores.shape[-1]), dim=-1).indices
+        picks = scores.sort(dim=-1, descending=True, stable=True).indices[..., :min(idx.top_k, scores.shape[-1])]
         return picks, torch.gather(visible, 2, picks)
 
 
