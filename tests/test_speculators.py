@@ -403,7 +403,7 @@ def test_target_hidden_size_sets_the_width_fc_reads():
     plain = DrafterConfig.from_dict(cfg)
     assert plain.feature_size == hidden and plain.target_hidden_size is None
     cfg["target_hidden_size"] = hidden
-    assert DrafterConfig.from_dict(cfg).target_hidden_size is None
+    assert DrafterConfig.from_dict(cfg).feature_size == hidden
     cfg["target_hidden_size"] = 4 * hidden
     wide = DrafterConfig.from_dict(cfg)
     assert wide.feature_size == 4 * hidden

@@ -146,7 +146,7 @@ def read_config(cfg: dict) -> DrafterConfig:
     dflash.update(architectures=["DFlashDraftModel"], block_size=block_size,
                   dflash_config={"mask_token_id": cfg["mask_token_id"], "target_layer_ids": [i - 1 for i in ids]})
     out = DrafterConfig.from_dict(dflash)
-    out.target_hidden_size = None if target_hidden in (None, hidden) else target_hidden
+    out.target_hidden_size = target_hidden
     non_causal = bool_field(cfg, "sliding_window_non_causal", "drafter", False)
     out.causal_layers = [w is not None and not non_causal for w in out.sliding_windows]
     spec = cfg.get("speculators_config")
