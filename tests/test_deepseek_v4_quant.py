@@ -514,6 +514,37 @@ def test_deepseek_v4_s_memory_check_counts_what_is_kept(v4):
     assert checkpoint.weight_bytes(model, dtype) == plain - saved
 
 
+
+V4X = "layers.1.ffn.experts.2.w1"  # (an FP4 expert weight, as the published layout names it)
+
+
+@pytest.mark.parametrize("state,message", [
+    (lambda w: w.pop(V4X + ".scale"),
+     rf"weight {V4X}\.weight is an FP4 weight \(int8\) without its scale {V4X}\.scale \(or {V4X}\.weight_scale_inv\)$"),
+    (_set(V4X + ".weight", lambda w: w[V4X + ".weight"].view(torch.uint8)),
+     rf"weight {V4X}\.weight is uint8 with a scale {V4X}\.scale; quantized FP8 weights are float8_e4m3fn, FP4 weights "
+     r"int8 \(two e2m1 values a byte\)$"),
+    (_set("layers.1.attn_norm.scale", lambda w: e8m0(torch.zeros(1, dtype=torch.int32))),
+     r"layers\.1\.attn_norm\.scale is a scale \(float8_e8m0fnu\) beside the unquantized weight "
+     r"layers\.1\.attn_norm\.weight \(float32\); a scale belongs to a quantized weight$"),
+    (_set("layers.1.attn.wfoo.scale", lambda w: e8m0(torch.zeros(1, 1, dtype=torch.int32))),
+     r"layers\.1\.attn\.wfoo\.scale is a scale \(float8_e8m0fnu\) without its weight layers\.1\.attn\.wfoo\.weight$"),
+], ids=["fp4-scale-missing", "fp4-weight-uint8", "scale-beside-unquantized", "scale-without-weight"])
+@pytest.mark.parametrize("mode", ["dequantize", "packed", "auto"])
+def test_deepseek_v4_s_bad_quantized_tensors_are_named_in_one_line(v4, tmp_path, state, message, mode):
+    """A missing FP4 scale, FP4 bytes stored as uint8, a ue8m0 scale beside an unquantized
+    weight or without one: one line naming the tensors as the checkpoint names them, the same
+    whether the weights are dequantized or kept packed."""
+    from conftest import edited_checkpoint
+
+    from dflash_torch.models.target import TargetModel
+
+    bad = edited_checkpoint(v4, tmp_path / "bad", state=state)
+    with pytest.raises(DFlashError, match=rf"^{re.escape(str(bad))}: {message}") as err:
+        TargetModel.from_pretrained(bad, torch.float32, fp8=mode, mxfp4=mode)
+    assert "\n" not in str(err.value)
+
+
 FLASH_CONFIG = {  # deepseek-ai/DeepSeek-V4-Flash's config.json (its architecture keys, as published)
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "expert_dtype": "fp4", "hc_eps": 1e-06,
     "hc_mult": 4, "hc_sinkhorn_iters": 20, "head_dim": 512, "hidden_act": "silu", "hidden_size": 4096,
