@@ -181,8 +181,11 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             point or group index, or what :func:`~dflash_torch.models.packed_int.dequantize`
             refuses; with ``fp8_block``: a weight with two scales (``X.weight_scale_inv`` and
             ``X.scale``), an int8 weight with a scale where ``fp4`` is False, a routed expert's
-            FP8 weight where it is True (a mixed layout), or an FP4 pair
-            :func:`~dflash_torch.models.mxfp4.check_fp4_pair` refuses.
+            FP8 weight where it is True (a mixed layout), an int8 ``X.weight`` without its scale
+            where it is True, an FP4 pair :func:`~dflash_torch.models.mxfp4.check_fp4_pair`
+            refuses, or an ``X.scale`` that :func:`_check_scale_owner` refuses (beside a weight
+            neither quantized nor floating point, e.g. FP4 bytes stored as uint8; a float8 scale
+            beside an unquantized weight or without one).
     """
     from .models import fp8, mxfp4, packed_int
 
@@ -221,6 +224,8 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                     continue  # read with its weight
                 if fp8_block is not None and _deepseek_scale(key, kinds):
                     continue  # (DeepSeek's name for the scale of X.weight: read with it)
+                if fp8_block is not None and key.endswith(".scale"):
+                    _check_scale_owner(model_dir, key, kinds, fp4)
                 if fp8_block is not None and key.rsplit(".", 1)[-1] in fp8.STATIC_SCALES:
                     raise DFlashError(f"{model_dir}: {key} is a static FP8 activation scale; dflash-torch reads "
                                       "only dynamic-activation FP8 checkpoints")
@@ -251,6 +256,9 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                         state[key], state[key + fp8.ROW_SCALE_SUFFIX] = t, rows
                     else:
                         state[key] = fp8.dequantize(t.to(device), scale, fp8_block, dtype, key, scale_fmt, scale_key)
+                elif fp4 and t.dtype == torch.int8 and key.endswith(".weight"):
+                    raise DFlashError(f"{model_dir}: weight {key} is an FP4 weight (int8) without its scale "
+                                      f"{key.removesuffix('.weight')}.scale (or {key + fp8.SCALE_SUFFIX})")
                 elif t.dtype in _FLOAT8:
                     raise DFlashError(
                         f"{model_dir}: weight {key} is {str(t.dtype).removeprefix('torch.')}"
@@ -273,6 +281,38 @@ def _deepseek_scale(key: str, kinds: dict[str, str]) -> bool:
     ``X.weight`` (a float8 or int8 weight in the checkpoint; ``kinds``: name -> safetensors
     dtype), as transformers' FP8 loader and vLLM read it (``X.weight_scale_inv``)."""
     return key.endswith(".scale") and kinds.get(key.removesuffix(".scale") + ".weight") in _QUANTIZED_KINDS
+
+
+_KIND_NAMES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
+               "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "I64": "int64", "I32": "int32", "I16": "int16",
+               "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool"}
+_FLOAT_KINDS = ("F64", "F32", "BF16", "F16")  # (unquantized floating point)
+
+
+def _check_scale_owner(model_dir: Path, key: str, kinds: dict[str, str], fp4: bool) -> None:
+    """Refuse an ``X.scale`` that is not DeepSeek's scale of a quantized ``X.weight``
+    (:func:`_deepseek_scale`) but looks like one: beside an ``X.weight`` that is neither
+    quantized (float8 / int8) nor floating point (e.g. FP4 bytes stored as uint8), or a float8
+    ``X.scale`` (a quantization scale: ue8m0 bytes) with no ``X.weight`` or beside an unquantized one.
+    A floating-point ``X.scale`` beside a floating-point ``X.weight`` is an ordinary tensor.
+
+    Raises:
+        DFlashError: as above, in one line naming the tensors as the checkpoint names them.
+    """
+    weight = key.removesuffix(".scale") + ".weight"
+    kind, own = kinds.get(weight), kinds.get(key, "")
+    if kind in _QUANTIZED_KINDS:
+        return
+    if kind is not None and kind not in _FLOAT_KINDS:
+        formats = "FP8 weights are float8_e4m3fn" + (", FP4 weights int8 (two e2m1 values a byte)" if fp4 else "")
+        raise DFlashError(f"{model_dir}: weight {weight} is {_KIND_NAMES.get(kind, kind)} with a scale {key}; "
+                          f"quantized {formats}")
+    if not own.startswith("F8_"):
+        return  # (an ordinary tensor)
+    if kind is None:
+        raise DFlashError(f"{model_dir}: {key} is a scale ({_KIND_NAMES.get(own, own)}) without its weight {weight}")
+    raise DFlashError(f"{model_dir}: {key} is a scale ({_KIND_NAMES.get(own, own)}) beside the unquantized weight "
+                      f"{weight} ({_KIND_NAMES.get(kind, kind)}); a scale belongs to a quantized weight")
 
 
 def _scale_name(model_dir: Path, key: str, kinds: dict[str, str]) -> str | None:

@@ -514,6 +514,89 @@ def test_deepseek_v4_s_memory_check_counts_what_is_kept(v4):
     assert checkpoint.weight_bytes(model, dtype) == plain - saved
 
 
+
+V4X = "layers.1.ffn.experts.2.w1"  # (an FP4 expert weight, as the published layout names it)
+
+
+@pytest.mark.parametrize("state,message", [
+    (lambda w: w.pop(V4X + ".scale"),
+     rf"weight {V4X}\.weight is an FP4 weight \(int8\) without its scale {V4X}\.scale \(or {V4X}\.weight_scale_inv\)$"),
+    (_set(V4X + ".weight", lambda w: w[V4X + ".weight"].view(torch.uint8)),
+     rf"weight {V4X}\.weight is uint8 with a scale {V4X}\.scale; quantized FP8 weights are float8_e4m3fn, FP4 weights "
+     r"int8 \(two e2m1 values a byte\)$"),
+    (_set("layers.1.attn_norm.scale", lambda w: e8m0(torch.zeros(1, dtype=torch.int32))),
+     r"layers\.1\.attn_norm\.scale is a scale \(float8_e8m0fnu\) beside the unquantized weight "
+     r"layers\.1\.attn_norm\.weight \(float32\); a scale belongs to a quantized weight$"),
+    (_set("layers.1.attn.wfoo.scale", lambda w: e8m0(torch.zeros(1, 1, dtype=torch.int32))),
+     r"layers\.1\.attn\.wfoo\.scale is a scale \(float8_e8m0fnu\) without its weight layers\.1\.attn\.wfoo\.weight$"),
+], ids=["fp4-scale-missing", "fp4-weight-uint8", "scale-beside-unquantized", "scale-without-weight"])
+@pytest.mark.parametrize("mode", ["dequantize", "packed", "auto"])
+def test_deepseek_v4_s_bad_quantized_tensors_are_named_in_one_line(v4, tmp_path, state, message, mode):
+    """A missing FP4 scale, FP4 bytes stored as uint8, a ue8m0 scale beside an unquantized
+    weight or without one: one line naming the tensors as the checkpoint names them, the same
+    whether the weights are dequantized or kept packed."""
+    from conftest import edited_checkpoint
+
+    from dflash_torch.models.target import TargetModel
+
+    bad = edited_checkpoint(v4, tmp_path / "bad", state=state)
+    with pytest.raises(DFlashError, match=rf"^{re.escape(str(bad))}: {message}") as err:
+        TargetModel.from_pretrained(bad, torch.float32, fp8=mode, mxfp4=mode)
+    assert "\n" not in str(err.value)
+
+
+def _quantize_rows(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_fp8` of ``w`` whose rows need not fill the last block (a router's
+    ``[experts, hidden]``): zero rows padded for the scales, dropped from the weight."""
+    rows = w.shape[0]
+    q, s = quantize_fp8(torch.cat([w, w.new_zeros(-rows % block[0], w.shape[1])]), block)
+    return q[:rows].contiguous(), s
+
+
+def test_deepseek_v4_s_quantized_head_router_and_embeddings_load_packed_as_dequantized(v4, tmp_path):
+    """An FP8 ``head.weight``, router ``ffn.gate.weight`` and ``embed.weight`` (ue8m0 ``X.scale``;
+    the published checkpoint keeps them unquantized): dequantized when loading, the weights
+    transformers loads, bit for bit; with the linears and experts kept packed they are
+    dequantized all the same (not decoder linears) and the logits equal the dequantized
+    model's bit for bit; the memory estimate counts them dequantized."""
+    import transformers
+    from conftest import edited_checkpoint
+    from test_deepseek_v4 import run_pieces
+
+    from dflash_torch import checkpoint
+    from dflash_torch.models.target import TargetModel
+
+    keys = ("head", "layers.1.ffn.gate", "layers.2.ffn.gate", "embed")
+
+    def quantize(w):
+        for k in keys:
+            w[k + ".weight"], w[k + ".scale"] = _quantize_rows(w[k + ".weight"], (8, 8))
+
+    q = edited_checkpoint(v4, tmp_path / "q", state=quantize)
+    stored = load_file(str(q / "model.safetensors"))
+    plain = TargetModel.from_pretrained(q, torch.float32, fp8="dequantize", mxfp4="dequantize")
+    mine = plain.state_dict()
+    for key, ours in zip(keys, ("lm_head.weight", "model.layers.1.mlp.gate.weight", "model.layers.2.mlp.gate.weight",
+                                "model.embed_tokens.weight")):
+        assert stored[key + ".weight"].dtype == fp8.FORMAT
+        assert torch.equal(mine[ours], hf_dequantizer()(stored[key + ".weight"], stored[key + ".scale"],
+                                                        output_dtype=torch.float32)), key
+    # (transformers' model reads the routers so too; a quantized head or embedding it reads unscaled)
+    theirs = transformers.DeepseekV4ForCausalLM.from_pretrained(str(q), dtype=torch.float32,
+                                                                experts_implementation="eager").state_dict()
+    for k in ("model.layers.1.mlp.gate.weight", "model.layers.2.mlp.gate.weight"):
+        assert torch.equal(mine[k], theirs[k]), k
+    ref = run_pieces(plain, V4_IDS, [40], features=False)[0]
+    for fp8_mode, mxfp4_mode in (("packed", "packed"), ("packed", "dequantize")):
+        packed = TargetModel.from_pretrained(q, torch.float32, fp8=fp8_mode, mxfp4=mxfp4_mode)
+        assert isinstance(packed.model.layers[1].self_attn.q_a_proj, fp8.Fp8Linear)
+        assert type(packed.lm_head) is torch.nn.Linear and packed.lm_head.weight.dtype == torch.float32
+        assert torch.equal(run_pieces(packed, V4_IDS, [40], features=False)[0], ref), (fp8_mode, mxfp4_mode)
+    cls, cfg = type(packed), packed.config
+    saved = fp8_saving(q, torch.float32, (8, 8), lambda k: not cls.dequantized_keys(cfg, k))
+    assert checkpoint.weight_bytes(packed, torch.float32) == checkpoint.weight_bytes(plain, torch.float32) - saved
+
+
 FLASH_CONFIG = {  # deepseek-ai/DeepSeek-V4-Flash's config.json (its architecture keys, as published)
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "expert_dtype": "fp4", "hc_eps": 1e-06,
     "hc_mult": 4, "hc_sinkhorn_iters": 20, "head_dim": 512, "hidden_act": "silu", "hidden_size": 4096,

@@ -98,6 +98,7 @@ from torch import nn
 from ..cache import KVCache, ring_positions
 from ..errors import DFlashError
 from .config import MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, number_field
+from .fp8 import ROW_SCALE_SUFFIX
 from .moe import Experts, dispatch_experts, fuse_expert_weights
 from .rope import rope_attention_factor, rope_inv_freq, rotary_dim
 from .target import EMBEDDING_OUTPUT, TargetModel
@@ -967,8 +968,12 @@ class Model(TargetModel):
     def dequantized_keys(cls, cfg: DeepseekV4Config, key: str) -> bool:
         """``o_a_proj`` (DeepSeek's ``attn.wo_a``), which the grouped output projection reads as
         a matrix, is dequantized when loading even where the other weights are kept packed
-        (:class:`GroupedProjection`)."""
-        return our_name(key).endswith(".self_attn.o_a_proj.weight")
+        (:class:`GroupedProjection`); so is a quantized weight outside the decoder layers'
+        linears (the embeddings, the head, a router's ``gate.weight``: not published
+        quantized, dequantized if they are, as :func:`~dflash_torch.models.target._keep_quantized` does)."""
+        name = our_name(key)
+        return (name.endswith((".self_attn.o_a_proj.weight", ".mlp.gate.weight"))
+                or not name.startswith("model.layers."))
 
     @classmethod
     def float32_keys(cls, cfg: DeepseekV4Config, key: str) -> bool:
@@ -1026,7 +1031,12 @@ def our_name(key: str) -> str:
     """A checkpoint tensor's name as this model names it: DeepSeek's names (top level, as
     published, or under ``model.``, as transformers saves them) renamed as transformers'
     conversion mapping does; transformers' in-memory names kept; anything else unchanged
-    (then refused as unknown)."""
+    (then refused as unknown). The row scales of a weight kept FP8 (``X.weight_scale``,
+    :data:`~dflash_torch.models.fp8.ROW_SCALE_SUFFIX`) follow their weight's name (e.g.
+    ``head.weight_scale`` -> ``lm_head.weight_scale``, ``layers.1.ffn.gate.weight_scale`` ->
+    ``model.layers.1.mlp.gate.weight_scale``)."""
+    if key.endswith(".weight" + ROW_SCALE_SUFFIX):
+        return our_name(key.removesuffix(ROW_SCALE_SUFFIX)) + ROW_SCALE_SUFFIX
     if key in ("lm_head.weight",) or key.startswith("model.") and not _LAYER.match(key):
         rest = key.removeprefix("model.")
         return _TOP_RENAMES.get(rest, key)
