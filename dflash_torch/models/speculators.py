@@ -122,7 +122,6 @@ def read_config(cfg: dict) -> DrafterConfig:
     if min(ids) < 0:
         raise DFlashError(f"drafter config.json aux_hidden_state_layer_ids {ids} include {min(ids)}")
     ids = sorted(ids)  # (vLLM captures them walking the layers: the features come in layer order)
-    hidden = layer.get("hidden_size")
     target_hidden = check_int(cfg, "target_hidden_size", "drafter")
     rope = layer.get("rope_parameters")
     if isinstance(rope, dict) and isinstance(rope.get("sliding_attention"), dict):
