@@ -38,7 +38,7 @@ from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_g
                       load_hf, make_agreeable, save_drafter, v4_drafter)
 from dflash_torch import DFlashError
 from dflash_torch.cache import cache_bytes
-from dflash_torch.models import deepseek_v4
+from dflash_torch.models import deepseek_v4, deepseek_v4_attention
 from dflash_torch.models.config import TargetConfig
 from dflash_torch.models.target import TargetModel
 
@@ -160,7 +160,7 @@ def test_indexer_ties_pick_the_same_entries_in_any_shape(tmp_path):
 def test_query_chunks_match_transformers(models, monkeypatch):
     """With a budget of 64 scores, every query row attends in a chunk of its own: the same."""
     ours, _, ref = models
-    monkeypatch.setattr(deepseek_v4, "_SCORES_PER_CHUNK", 64)
+    monkeypatch.setattr(deepseek_v4_attention, "_SCORES_PER_CHUNK", 64)
     for pieces, static in (([40], False), ([16, 13, 11], True)):
         logits, _ = run_pieces(ours, IDS, pieces, static=static, features=False)
         torch.testing.assert_close(logits, ref.logits[0], rtol=0, atol=ATOL)
@@ -228,7 +228,7 @@ def _wrong_pool(self, tokens, valid):
     return _POOL(self, tokens, valid)
 
 
-_POOL = deepseek_v4.Compressor.pool
+_POOL = deepseek_v4_attention.Compressor.pool
 
 
 def _wrong_mix(streams, out, post, comb):
@@ -248,11 +248,11 @@ _ROUTE = deepseek_v4.Router.forward
 
 
 @pytest.mark.parametrize("part,target,wrong", [
-    ("indexer selection", (deepseek_v4.Attention, "_select"), _wrong_select),
-    ("CSA overlap half", (deepseek_v4.Compressor, "pool"), _wrong_pool),
+    ("indexer selection", (deepseek_v4_attention.Attention, "_select"), _wrong_select),
+    ("CSA overlap half", (deepseek_v4_attention.Compressor, "pool"), _wrong_pool),
     ("hyper-connection comb transpose", (deepseek_v4, "mix_streams"), _wrong_mix),
     ("hash routing", (deepseek_v4.Router, "forward"), _wrong_router),
-    ("inverse output RoPE", (deepseek_v4, "unrotate"), lambda x, cos, sin: x),
+    ("inverse output RoPE", (deepseek_v4_attention, "unrotate"), lambda x, cos, sin: x),
 ])
 def test_each_part_is_guarded(models, monkeypatch, part, target, wrong):
     """Each part computed the wrong way changes the logits beyond the tolerance (so the

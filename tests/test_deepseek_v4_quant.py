@@ -445,7 +445,7 @@ def test_deepseek_v4_s_published_weights_load_as_transformers_loads_them(v4):
     import transformers
     from test_deepseek_v4 import run_pieces
 
-    from dflash_torch.models import deepseek_v4
+    from dflash_torch.models import deepseek_v4_attention
     from dflash_torch.models.target import TargetModel
 
     stored = load_file(str(v4 / "model.safetensors"))
@@ -474,7 +474,7 @@ def test_deepseek_v4_s_published_weights_load_as_transformers_loads_them(v4):
             attn, moe = packed.model.layers[1].self_attn, packed.model.layers[1].mlp
             assert isinstance(attn.q_a_proj, fp8.Fp8Linear) == (fp8_mode == "packed")
             assert isinstance(attn.compressor.indexer.q_b_proj, fp8.Fp8Linear) == (fp8_mode == "packed")
-            assert type(attn.o_a_proj) is deepseek_v4.GroupedProjection and attn.o_a_proj.weight.dtype == dtype
+            assert type(attn.o_a_proj) is deepseek_v4_attention.GroupedProjection and attn.o_a_proj.weight.dtype == dtype
             assert moe.experts.mxfp4 == (mxfp4_mode == "packed")
             for pieces, ref in refs.items():
                 assert torch.equal(run_pieces(packed, V4_IDS, list(pieces), features=False)[0], ref), (dtype, pieces)
