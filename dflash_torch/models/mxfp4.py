@@ -82,9 +82,6 @@ def _check_layout(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None
                           f"match (expected [..., rows, G, {BLOCK // 2}] and [..., rows, G])")
 
 
-_FP4_ROWS_PER_CHUNK = 1 << 12  # rows of an FP4 matrix dequantized at once (float32 temporaries)
-
-
 def check_fp4_pair(weight: torch.Tensor, scale: torch.Tensor, name: str = "weight",
                    scale_name: str | None = None) -> None:
     """Raise :class:`DFlashError` (one line naming the weight) unless ``weight`` and ``scale`` are
@@ -118,23 +115,15 @@ def fp4_as_blocks(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tens
 
 def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The matrix a checked DeepSeek-V4 FP4 pair (:func:`check_fp4_pair`) encodes, in ``dtype``:
-    each element (its E2M1 value, the low nibble first) times its group's power of two in
-    float32, rounded once to ``dtype``, as transformers' ``Fp8Dequantize`` computes it (for
-    float32 and bfloat16 also what :func:`dequantize` gives for :func:`fp4_as_blocks` of the
-    pair: every product is exact there).
+    :func:`dequantize` of :func:`fp4_as_blocks` of the pair (each element, its E2M1 value with
+    the low nibble first, times its group's power of two). That is what transformers'
+    ``Fp8Dequantize`` computes (the product in float32, rounded once to ``dtype``): in float32
+    and bfloat16, the dtypes the engine runs in, every product is exact.
 
     Returns:
         ``[..., rows, cols]`` in ``dtype``, on ``weight``'s device.
     """
-    blocks, scales = fp4_as_blocks(weight, scale)
-    out = torch.empty(*scales.shape[:-1], scales.shape[-1] * BLOCK, dtype=dtype, device=weight.device)
-    pairs = _byte_values(torch.float32, weight.device)
-    flat_blocks, flat_scales, flat_out = blocks.flatten(0, -3), scales.flatten(0, -2), out.flatten(0, -2)
-    for i in range(0, flat_blocks.shape[0], _FP4_ROWS_PER_CHUNK):
-        b, s = flat_blocks[i:i + _FP4_ROWS_PER_CHUNK], flat_scales[i:i + _FP4_ROWS_PER_CHUNK]
-        values = F.embedding(b.int(), pairs).flatten(-2)  # [rows, G, 32] float32, low nibble first
-        flat_out[i:i + _FP4_ROWS_PER_CHUNK] = (values * torch.exp2(s.float() - 127)[..., None]).flatten(-2).to(dtype)
-    return out
+    return dequantize(*fp4_as_blocks(weight, scale), dtype)
 
 
 def dequantize_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
