@@ -315,19 +315,26 @@ def _check_scale_owner(model_dir: Path, key: str, kinds: dict[str, str], fp4: bo
                       f"{weight} ({_KIND_NAMES.get(kind, kind)}); a scale belongs to a quantized weight")
 
 
-def _scale_name(model_dir: Path, key: str, kinds: dict[str, str]) -> str | None:
-    """The name of the scale of the weight ``key`` in the checkpoint: ``key + "_scale_inv"``, or
-    ``X.scale`` for a quantized ``X.weight`` (:func:`_deepseek_scale`); None when it has none.
-
-    Raises:
-        DFlashError: both.
-    """
+def _scale_names(key: str, kinds: dict[str, str]) -> list[str]:
+    """The scales the checkpoint holds (``kinds``: name -> safetensors dtype) for the weight
+    ``key``: ``key + "_scale_inv"`` and, for a quantized ``X.weight`` (:func:`_deepseek_scale`),
+    ``X.scale``."""
     from .models import fp8
 
     names = [key + fp8.SCALE_SUFFIX]
     if key.endswith(".weight") and kinds.get(key) in _QUANTIZED_KINDS:
         names.append(key.removesuffix(".weight") + ".scale")
-    found = [n for n in names if n in kinds]
+    return [n for n in names if n in kinds]
+
+
+def _scale_name(model_dir: Path, key: str, kinds: dict[str, str]) -> str | None:
+    """The name of the scale of the weight ``key`` in the checkpoint (:func:`_scale_names`);
+    None when it has none.
+
+    Raises:
+        DFlashError: both.
+    """
+    found = _scale_names(key, kinds)
     if len(found) > 1:
         raise DFlashError(f"{model_dir}: weight {key} has two scales, {found[0]} and {found[1]}")
     return found[0] if found else None
@@ -570,7 +577,7 @@ def fp4_saving(model_dir: Path, dtype: torch.dtype, keep: Callable[[str], bool] 
     for key, kind in kinds.items():
         if kind != "I8" or len(shapes[key]) < 2 or (keep is not None and not keep(key)):
             continue
-        if key + "_scale_inv" not in kinds and not (key.endswith(".weight") and key[:-7] + ".scale" in kinds):
+        if not _scale_names(key, kinds):
             continue  # (an int8 weight without a scale is refused when it is read)
         numel = math.prod(shapes[key])  # bytes: two elements each
         saved += 2 * numel * dtype.itemsize - numel - 2 * numel // mxfp4.BLOCK
