@@ -72,10 +72,10 @@ from torch import nn
 from ..cache import ring_positions
 from ..errors import DFlashError
 from .config import MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, number_field
-from .deepseek_v4_attention import CSA, HCA, SLIDING, Attention, Norm, Rope, Step, _bias, unit_norm
+from .deepseek_v4_attention import CSA, HCA, SLIDING, Attention, Norm, Step, _bias, unit_norm
 from .fp8 import ROW_SCALE_SUFFIX
 from .moe import Experts, dispatch_experts, fuse_expert_weights
-from .rope import rotary_dim
+from .rope import Rotary, rotary_dim
 from .target import EMBEDDING_OUTPUT, TargetModel
 
 # the published weights: fine-grained FP8 (ue8m0 scales named X.scale, fp8.py) with FP4 routed experts (mxfp4.py)
@@ -466,10 +466,10 @@ class Model(TargetModel):
     def make_rotary(self) -> nn.Module:
         cfg = self.config
         return nn.ModuleDict({
-            "main": Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor,
-                         cfg.max_position_embeddings),
-            "compress": Rope(cfg.head_dim, cfg.compress_rope_theta, cfg.compress_rope_scaling,
-                             cfg.partial_rotary_factor, cfg.max_position_embeddings)})
+            "main": Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor,
+                           cfg.max_position_embeddings),
+            "compress": Rotary(cfg.head_dim, cfg.compress_rope_theta, cfg.compress_rope_scaling,
+                               cfg.partial_rotary_factor, cfg.max_position_embeddings)})
 
     def kv_shapes(self) -> list[tuple[int, int]]:
         return [shape for layer in self.model.layers for shape, _ in layer.self_attn.shapes()]
@@ -489,7 +489,7 @@ class Model(TargetModel):
         x = self.model.embed_tokens(input_ids)
         pos = positions if positions.dim() == 2 else positions[None]
         flat = pos.reshape(-1)
-        rope = {key: rot.cos_sin(flat, x.dtype) for key, rot in self.rotary.items()}
+        rope = {key: rot.pair_cos_sin(flat, x.dtype) for key, rot in self.rotary.items()}
         kvc = cache.kv
         span = kvc.capacity if kv_len is None else kv_len
         rows = kvc.layer_ring(self.model.layers[0].slot)
@@ -501,7 +501,7 @@ class Model(TargetModel):
             held = ring_positions(pos, rows, min(span, rows)).unsqueeze(-2)
             visible = (held <= q_pos) & (held > q_pos - cfg.sliding_window) & (held >= 0)
         compress = self.rotary["compress"]
-        step = Step(pos, positions, kv_len, rope, _bias(visible, x.dtype), lambda p: compress.cos_sin(p, x.dtype))
+        step = Step(pos, positions, kv_len, rope, _bias(visible, x.dtype), lambda p: compress.pair_cos_sin(p, x.dtype))
         wanted = set(feature_layers or ())
         streams = x[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         captured = {EMBEDDING_OUTPUT: streams.flatten(1)} if EMBEDDING_OUTPUT in wanted else {}

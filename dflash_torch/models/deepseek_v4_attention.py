@@ -2,7 +2,7 @@
 of keys (= values) plus, for CSA / HCA layers, compressed entries (CSA: those its Lightning
 indexer picks), with per-head sinks and a grouped low-rank output projection; and the
 building blocks the decoder shares with it (float32-weight RMSNorm, interleaved RoPE on a
-head's trailing channels).
+head's trailing channels, its tables :meth:`~dflash_torch.models.rope.Rotary.pair_cos_sin`).
 
 **What the cache holds (all in the engine's KV cache, so batching, fixed shapes, prefix
 reuse and the memory accounting work unchanged).** Each layer owns one to three cache slots
@@ -45,7 +45,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import KVCache
-from .rope import rope_attention_factor, rope_inv_freq
 
 if TYPE_CHECKING:
     from .deepseek_v4 import DeepseekV4Config
@@ -88,22 +87,6 @@ def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     """The attention output's RoPE at minus the query's position (K = V carried the keys'
     rotation into the values)."""
     return rope_tail(x, cos, -sin)
-
-
-class Rope(nn.Module):
-    """One RoPE table (``inv_freq`` ``[rope_dim / 2]``) and its attention factor."""
-
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None, fraction: float, max_positions: int):
-        super().__init__()
-        self.attention_factor = rope_attention_factor(scaling, max_positions)
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling, fraction, max_positions),
-                             persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[*positions.shape, rope_dim / 2]`` in ``dtype``."""
-        freqs = positions.float()[..., None] * self.inv_freq
-        cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
-        return cos.to(dtype), sin.to(dtype)
 
 
 class Compressor(nn.Module):

@@ -200,11 +200,17 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin tables ``[T, rotary_dim]`` in ``dtype`` for int64 ``positions`` ``[T]``,
-        computed in float32 and multiplied by ``attention_factor`` before the cast."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        """cos, sin tables ``[T, rotary_dim]`` in ``dtype`` for int64 ``positions`` ``[T]``
+        (rotate-half RoPE: :meth:`pair_cos_sin`'s tables twice)."""
+        cos, sin = self.pair_cos_sin(positions, dtype)
+        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+    def pair_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[*positions.shape, rotary_dim // 2]`` in ``dtype``, one entry per rotated
+        pair of channels (as interleaved RoPE reads them), computed in float32 and multiplied by
+        ``attention_factor`` before the cast."""
+        freqs = positions.float()[..., None] * self.inv_freq
+        cos, sin = freqs.cos(), freqs.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
