@@ -69,14 +69,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import ring_positions
 from ..errors import DFlashError
 from .config import MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, number_field
 from .deepseek_v4_attention import CSA, HCA, SLIDING, Attention, Norm, Step, _bias, unit_norm
 from .fp8 import ROW_SCALE_SUFFIX
 from .moe import Experts, dispatch_experts, fuse_expert_weights
 from .rope import Rotary, rotary_dim
-from .target import EMBEDDING_OUTPUT, TargetModel
+from .target import EMBEDDING_OUTPUT, TargetModel, visible_rows
 
 # the published weights: fine-grained FP8 (ue8m0 scales named X.scale, fp8.py) with FP4 routed experts (mxfp4.py)
 QUANTIZATION_METHODS = ("fp8",)
@@ -492,14 +491,7 @@ class Model(TargetModel):
         rope = {key: rot.pair_cos_sin(flat, x.dtype) for key, rot in self.rotary.items()}
         kvc = cache.kv
         span = kvc.capacity if kv_len is None else kv_len
-        rows = kvc.layer_ring(self.model.layers[0].slot)
-        q_pos = pos[..., None]
-        if rows is None:
-            k_pos = torch.arange(span, device=x.device)
-            visible = (k_pos <= q_pos) & (k_pos > q_pos - cfg.sliding_window)
-        else:
-            held = ring_positions(pos, rows, min(span, rows)).unsqueeze(-2)
-            visible = (held <= q_pos) & (held > q_pos - cfg.sliding_window) & (held >= 0)
+        visible = visible_rows(pos, span, cfg.sliding_window, kvc.layer_ring(self.model.layers[0].slot))
         compress = self.rotary["compress"]
         step = Step(pos, positions, kv_len, rope, _bias(visible, x.dtype), lambda p: compress.pair_cos_sin(p, x.dtype))
         wanted = set(feature_layers or ())

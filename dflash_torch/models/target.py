@@ -110,6 +110,20 @@ class _Step:
     kv_len: int | None
 
 
+def visible_rows(positions: torch.Tensor, span: int, window: int | None, rows: int | None) -> torch.Tensor:
+    """Which of a layer's first ``span`` cache rows each query sees: bool ``[..., T, span]`` for
+    int64 ``positions`` ``[..., T]``. Causal; with a sliding ``window`` (tokens) only the last
+    ``window`` positions; ``rows``: the layer keeps a ring of that many rows (with a window),
+    each row masked by the position it holds (:func:`~dflash_torch.cache.ring_positions`)."""
+    q_pos = positions[..., None]
+    if rows is not None:
+        held = ring_positions(positions, rows, min(span, rows)).unsqueeze(-2)
+        return (held <= q_pos) & (held > q_pos - window) & (held >= 0)
+    k_pos = torch.arange(span, device=positions.device)
+    visible = k_pos <= q_pos
+    return visible if window is None else visible & (k_pos > q_pos - window)
+
+
 EMBEDDING_OUTPUT = -1  # the feature id of the decoder's input rows (see TargetModel.forward's feature_layers)
 
 
@@ -442,19 +456,9 @@ class TargetModel(nn.Module):
         biases = {}
         if self.num_kv_layers:
             span = cache.capacity if kv_len is None else kv_len
-            k_pos = torch.arange(span, device=x.device)
-            q_pos = positions[..., None]
-            causal = k_pos <= q_pos
             for window, groups in self.attention_masks:
                 rows = None if window is None else cache.kv.ring_rows(window)
-                if window is None:
-                    visible = causal
-                elif rows is None:
-                    visible = causal & (k_pos > q_pos - window)
-                else:  # a ring: the position each of its rows holds
-                    held = ring_positions(positions, rows, min(span, rows)).unsqueeze(-2)
-                    visible = (held <= q_pos) & (held > q_pos - window) & (held >= 0)
-                biases[window, groups] = attention_bias(visible, groups, x.dtype)
+                biases[window, groups] = attention_bias(visible_rows(positions, span, window, rows), groups, x.dtype)
         step = _Step(positions, rope, biases, kv_len)
         wanted = set(feature_layers or ())
         captured = {EMBEDDING_OUTPUT: x} if EMBEDDING_OUTPUT in wanted else {}
