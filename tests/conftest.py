@@ -896,3 +896,11 @@ def v4_drafter(target: Path, out_dir: Path, *, std: float = 0.08, seed: int = 0,
     spec["speculators_config"]["verifier"]["architectures"] = ["DeepseekV4ForCausalLM"]
     (out / "config.json").write_text(json.dumps(spec, indent=2))
     return out
+
+
+def assert_same_weights(mine: dict, theirs: dict, *context) -> None:
+    """Two state dicts hold the same names, and under each the same dtype and values, bit for
+    bit (``context``: what an assertion message names besides the tensor's name)."""
+    assert mine.keys() == theirs.keys()
+    for k in mine:
+        assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]), (*context, k)

@@ -33,7 +33,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_forward_matches_transformers,
                       check_greedy_equals_transformers, check_many_accepted_tokens_are_lossless, copy_tokenizer,
-                      drafter_config, edited_checkpoint, forward_in_pieces, load_hf, make_agreeable, save_drafter)
+                      assert_same_weights, drafter_config, edited_checkpoint, forward_in_pieces, load_hf,
+                      make_agreeable, save_drafter)
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models import deepseek_v3
 from dflash_torch.models.config import TargetConfig
@@ -367,9 +368,7 @@ def test_fp8_checkpoint_equals_transformers_dequantized(checkpoint, tmp_path):
             hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(oracle), dtype=dtype,
                                                                     experts_implementation="eager").eval()
             mine, theirs = ours.state_dict(), hf.state_dict()
-            assert mine.keys() == theirs.keys()
-            for k in mine:
-                assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]), (block, dtype, k)
+            assert_same_weights(mine, theirs, block, dtype)
             if dtype == torch.float32:
                 with torch.no_grad():
                     ref = hf(IDS[None]).logits[0]
@@ -560,9 +559,7 @@ def test_int4_weights_equal_the_librarys_dequantization(checkpoint, kimi_dir, tm
     for dtype in (torch.float32, torch.bfloat16):
         mine = TargetModel.from_pretrained(quantized, dtype, int_weights="dequantize").state_dict()
         theirs = TargetModel.from_pretrained(oracle, dtype).state_dict()
-        assert mine.keys() == theirs.keys()
-        for k in mine:
-            assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]), (dtype, k)
+        assert_same_weights(mine, theirs, dtype)
         assert mine["model.layers.1.mlp.gate.weight"].dtype == torch.float32
         if dtype == torch.float32:
             original = TargetModel.from_pretrained(src, dtype).state_dict()

@@ -220,7 +220,7 @@ def test_the_published_layout_loads_as_transformers_loads_it(host, fp4_host):
     logits its model's. Kept packed (FP8 linears as Fp8Linear, FP4 experts as MXFP4 blocks;
     either alone or both), the logits equal the dequantized model's bit for bit."""
     import transformers
-    from conftest import forward_in_pieces
+    from conftest import assert_same_weights, forward_in_pieces
 
     from dflash_torch.models.target import TargetModel
 
@@ -234,9 +234,7 @@ def test_the_published_layout_loads_as_transformers_loads_it(host, fp4_host):
         hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(host), dtype=dtype,
                                                                 experts_implementation="eager").eval()
         mine, theirs = ours.state_dict(), hf.state_dict()
-        assert mine.keys() == theirs.keys()
-        for k in mine:
-            assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]), (dtype, k)
+        assert_same_weights(mine, theirs, dtype)
         ref = forward_in_pieces(ours, IDS, [20, 10], False)[0]
         if dtype == torch.float32:
             with torch.no_grad():
