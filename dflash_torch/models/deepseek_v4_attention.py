@@ -37,7 +37,7 @@ invisible picks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -296,26 +296,19 @@ class Attention(nn.Module):
         rows = c.inputs(h) if idx is None else torch.cat([c.inputs(h), idx.inputs(h)], dim=-1)
         _write(kv, slot_in, step.positions, rows)
         width = rows.shape[-1]
-        ring = kv.layer_ring(slot_in)
-        held_rows = kv.view(slot_in, None)[0].shape[-2]
-        k = -(-t // r)
-        first, last = step.pos[:, :1], step.pos[:, -1:]
-        ends = first + torch.remainder(r - 1 - first, r) + r * torch.arange(k, device=dev)  # [N, K]
-        windows = ends // r
-        tok = (windows - (c.c - 1))[..., None] * r + torch.arange(cr, device=dev)  # [N, K, cr] positions
-        index = torch.remainder(tok, ring) if ring is not None else tok.clamp(0, held_rows - 1)
-        gathered = _gather_rows(kv, slot_in, index.reshape(n, -1), width).view(n, k, cr, width)
-        valid = tok >= 0
-        cos, sin = step.compress_rope((windows * r).reshape(-1))
+        plan = step.windows(r, c.c, kv.layer_ring(slot_in), kv.view(slot_in, None)[0].shape[-2])
+        k = plan.ends.shape[-1]
+        gathered = _gather_rows(kv, slot_in, plan.index.reshape(n, -1), width).view(n, k, cr, width)
+        valid, (cos, sin) = plan.valid, plan.rope
         entry = rope_tail(c.pool(gathered[..., :c.width], valid).reshape(n * k, -1), cos, sin)
         if idx is not None:
             ikey = rope_tail(idx.pool(gathered[..., c.width:], valid).reshape(n * k, -1), cos, sin)
             entry = torch.cat([entry, ikey], dim=-1)
         ew, cw = self.entry_width(), self.chunk()
         entry = F.pad(entry, (0, r * cw - ew)).view(n, k, r, cw)
-        target = torch.minimum(windows[..., None] * r + torch.arange(r, device=dev), last[..., None])  # [N, K, r]
+        target = plan.target
         held = _gather_rows(kv, slot_e, target.reshape(n, -1), cw).view(n, k, r, cw)
-        values = torch.where((ends <= last)[..., None, None], entry, held)
+        values = torch.where(plan.complete[..., None, None], entry, held)
         _write(kv, slot_e, target.reshape(-1) if step.positions.dim() == 1 else target.reshape(n, -1),
                values.reshape(-1, cw))
         store = _Entries(*kv.view(slot_e, step.kv_len), r, cw)
@@ -404,6 +397,23 @@ def _write(kv, slot: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
 
 
 @dataclass
+class Windows:
+    """Which compressed windows a block computes, the same for every layer of one ratio
+    (:meth:`Step.windows`): ``ends`` ``[N, K]`` their last positions, ``index`` ``[N, K, c *
+    ratio]`` the inputs slot's rows of their tokens (``valid``: those at positions >= 0),
+    ``rope`` the compress cos / sin at their first positions, ``target`` ``[N, K, ratio]`` the
+    entries slot's rows each writes (past the block's last position redirected to it) and
+    ``complete`` ``[N, K]`` whether the window ends in the block."""
+
+    ends: torch.Tensor
+    index: torch.Tensor
+    valid: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+    target: torch.Tensor
+    complete: torch.Tensor
+
+
+@dataclass
 class Step:
     """What every layer of one forward shares: ``pos`` ``[N, T]``, the caller's ``positions``,
     ``kv_len``, the RoPE tables of the block's positions per key, the window mask ``[N, T, Tk]``
@@ -415,3 +425,23 @@ class Step:
     rope: dict
     window_bias: torch.Tensor
     compress_rope: object
+    _windows: dict = field(default_factory=dict)
+
+    def windows(self, ratio: int, c: int, ring: int | None, held_rows: int) -> Windows:
+        """The :class:`Windows` of this block for compressors of ``ratio`` (``c`` = 2: CSA's
+        overlapping windows) whose inputs slot is a ring of ``ring`` rows (None: ``held_rows``
+        rows, every position), computed once per forward and shared by those layers: the
+        ``ceil(T / ratio)`` windows ending first at or after the block's first position."""
+        key = (ratio, c, ring, held_rows)
+        if key not in self._windows:
+            dev, r = self.pos.device, ratio
+            k = -(-self.pos.shape[1] // r)
+            first, last = self.pos[:, :1], self.pos[:, -1:]
+            ends = first + torch.remainder(r - 1 - first, r) + r * torch.arange(k, device=dev)  # [N, K]
+            windows = ends // r
+            tok = (windows - (c - 1))[..., None] * r + torch.arange(c * r, device=dev)  # [N, K, c * r] positions
+            index = torch.remainder(tok, ring) if ring is not None else tok.clamp(0, held_rows - 1)
+            target = torch.minimum(windows[..., None] * r + torch.arange(r, device=dev), last[..., None])
+            self._windows[key] = Windows(ends, index, tok >= 0, self.compress_rope((windows * r).reshape(-1)), target,
+                                         ends <= last)
+        return self._windows[key]
