@@ -18,6 +18,7 @@ import torch
 from ..errors import DFlashError, OptionError
 
 if TYPE_CHECKING:
+    from .laguna_drafter import LagunaDraftSettings
     from .speculators import SpeculatorsSettings
 
 
@@ -611,6 +612,8 @@ class DFlash2Settings:
         return out
 
 
+LAGUNA_ARCHITECTURE = "DFlashLagunaForCausalLM"  # poolside's Laguna DFlash drafters (models/laguna_drafter.py)
+
 # transformers' own DFlash drafters ("assistant" models, run by its DFlashTokenCandidateGenerator):
 # a DFlash drafter whose config keeps block_size, mask_token_id and target_layer_ids at the
 # top level and whose context projection (fc, hidden_norm) is named encoder.fc, encoder.output_norm_enc
@@ -648,6 +651,13 @@ class DrafterConfig:
     causal_layers: list[bool] | None = None  # per layer: block rows see the block causally (None given: no layer)
     speculators: "SpeculatorsSettings | None" = None  # set for a Speculators-format drafter (models/speculators.py)
     target_hidden_size: int | None = None  # values of one target layer's feature row; None: hidden_size
+    laguna: "LagunaDraftSettings | None" = None  # set for a Laguna DFlash drafter (models/laguna_drafter.py)
+
+    @property
+    def partial_rotary_factor(self) -> float:
+        """The fraction of each head that the drafter's RoPE rotates (1 but for a Laguna
+        DFlash drafter whose config asks for less)."""
+        return 1.0 if self.laguna is None else self.laguna.partial_rotary_factor
 
     @property
     def feature_size(self) -> int:
@@ -668,7 +678,9 @@ class DrafterConfig:
 
         A Speculators-format ``config.json`` (vLLM's speculators library:
         ``speculators_model_type: "dflash"``) is read by
-        :func:`~dflash_torch.models.speculators.read_config`.
+        :func:`~dflash_torch.models.speculators.read_config`, a Laguna DFlash one
+        (``architectures: ["DFlashLagunaForCausalLM"]``) by
+        :func:`~dflash_torch.models.laguna_drafter.read_config`.
 
         Raises:
             DFlashError: not a DFlash drafter, a quantized checkpoint, no mask token id, no
@@ -681,6 +693,10 @@ class DrafterConfig:
 
             return read_config(cfg)
         archs = architectures(cfg, "drafter")
+        if LAGUNA_ARCHITECTURE in archs:
+            from .laguna_drafter import read_config
+
+            return read_config(cfg)
         dflash = object_field(cfg, "dflash_config", "drafter") or {}
         assistant = any(a in ASSISTANT_ARCHITECTURES for a in archs if isinstance(a, str))
         if assistant:  # (transformers' DFlash assistants keep the DFlash settings at the top level)
@@ -777,6 +793,9 @@ class DrafterConfig:
                 rules have no place in this format)."""
         if self.speculators is not None:
             raise DFlashError("a Speculators-format drafter config has no DFlash-format config.json")
+        if self.laguna is not None:  # (its aux norms, gate and context input norm have no place in this format)
+            raise DFlashError("a Laguna DFlash drafter config has no DFlash-format config.json (dflash-torch runs "
+                              "that format, it does not write or train it)")
         cfg = {
             "architectures": ["DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"],
             "model_type": "qwen3",
@@ -923,5 +942,8 @@ def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
         )
     if not 0 <= drafter.mask_token_id < target.vocab_size:
         raise DFlashError(f"incompatible pair: drafter mask_token_id {drafter.mask_token_id} is outside the target vocabulary of {target.vocab_size}")
+    if drafter.laguna is not None and drafter.vocab_size != target.vocab_size:  # (it drafts through the target's LM head)
+        raise DFlashError(f"incompatible pair: drafter draft_vocab_size {drafter.vocab_size} != target vocab_size "
+                          f"{target.vocab_size} (a Laguna DFlash drafter reads the target's LM head)")
     if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
         raise DFlashError(f"incompatible pair: drafter vocab_size {drafter.vocab_size} != target vocab_size {target.vocab_size}")

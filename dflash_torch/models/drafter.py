@@ -37,7 +37,12 @@ from .rope import Rotary
 def drafter_class(cfg: DrafterConfig) -> type["DFlashDrafter"]:
     """The module class of a drafter config: :class:`DFlashDrafter`,
     :class:`~dflash_torch.models.dflash2.DFlash2Drafter` for a DFlash 2 config or
-    :class:`~dflash_torch.models.speculators.SpeculatorsDrafter` for a Speculators-format one."""
+    :class:`~dflash_torch.models.speculators.SpeculatorsDrafter` for a Speculators-format one,
+    :class:`~dflash_torch.models.laguna_drafter.LagunaDrafter` for a Laguna DFlash one."""
+    if cfg.laguna is not None:
+        from .laguna_drafter import LagunaDrafter
+
+        return LagunaDrafter
     if cfg.dflash2 is not None:
         from .dflash2 import DFlash2Drafter
 
@@ -68,6 +73,11 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sliding_window = sliding_window
+
+    def context_input(self, c: torch.Tensor) -> torch.Tensor:
+        """Context rows ``c`` ``[n, hidden]`` -> what this layer projects their keys/values
+        from: ``c`` itself (the DFlash reference; a Laguna DFlash layer norms them first)."""
+        return c
 
     def attention_input(self, x: torch.Tensor, block_len: int) -> tuple[torch.Tensor, object]:
         """Residual stream ``x`` ``[T, hidden]`` -> the attention's input (queries and the
@@ -106,7 +116,8 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.feature_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor,
+                             max_position_embeddings=cfg.max_position_embeddings)
 
     @staticmethod
     def from_pretrained(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
@@ -145,7 +156,7 @@ class DFlashDrafter(nn.Module):
             raise DFlashError(f"drafter checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
         unknown = sorted((state.keys() - expected.keys()) | taken)
         if unknown:  # never run a checkpoint in part: weights we do not know would be silently dropped
-            kind = "DFlash 2" if cfg.dflash2 else "DFlash"
+            kind = "DFlash 2" if cfg.dflash2 else "Laguna DFlash" if cfg.laguna else "DFlash"
             raise DFlashError(f"drafter checkpoint {model_dir} has weights a {kind} drafter does not use "
                               f"(an unsupported variant?): {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
         for k, v in expected.items():
@@ -157,7 +168,8 @@ class DFlashDrafter(nn.Module):
             if not all_finite(state[k]):  # e.g. a diverged training run
                 raise DFlashError(f"drafter weight {name(k)} holds NaN or infinite values (a corrupt or diverged checkpoint)")
         model.load_state_dict(state, strict=True, assign=True)
-        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings).to(device)
+        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor,
+                              max_position_embeddings=cfg.max_position_embeddings).to(device)
         return model.eval()
 
     def adapt_checkpoint(self, state: dict[str, torch.Tensor], model_dir: Path) -> dict[str, torch.Tensor]:
@@ -199,7 +211,7 @@ class DFlashDrafter(nn.Module):
         """Per-layer context keys/values ``[kv_heads, n, head_dim]`` of feature rows at ``positions`` ``[n]``."""
         c = self.project_context(features)
         cos, sin = self.rotary.cos_sin(positions, c.dtype)
-        return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
+        return [layer.self_attn.key_value(layer.context_input(c), cos, sin) for layer in self.layers]
 
     def embed(self, target, tokens: torch.Tensor) -> torch.Tensor:
         """The block's token embeddings ``[..., hidden]`` of int64 ``tokens`` ``[...]``: the
@@ -291,7 +303,7 @@ class DFlashDrafter(nn.Module):
             h, state = layer.attention_input(x, B)
             attn = layer.self_attn
             if n_ctx:
-                k_all, v_all = attn.key_value(torch.cat([ctx_rows, h]), cos_all, sin_all)
+                k_all, v_all = attn.key_value(torch.cat([layer.context_input(ctx_rows), h]), cos_all, sin_all)
                 context.cache.write(i, ctx_positions, k_all[:, :n_ctx], v_all[:, :n_ctx])
                 kb, vb = k_all[:, n_ctx:], v_all[:, n_ctx:]
             else:

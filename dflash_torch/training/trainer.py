@@ -195,7 +195,7 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None
     Raises:
         DFlashError: a checkpoint that does not load or does not fit the target, a
             DFlash 2 source with ``--arch dflash`` (its modules would be dropped), or a
-            Speculators-format source.
+            Speculators-format or Laguna DFlash source.
     """
     src_dir = checkpoint_dir(cfg.init_from, "init_from")
     raw = load_config(src_dir)
@@ -204,6 +204,9 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None
     src_cfg = DrafterConfig.from_dict(raw)
     if src_cfg.speculators is not None:  # (its own embedding / LM head / attention rules: not this trainer's format)
         raise DFlashError(f"--init-from {cfg.init_from} is a Speculators-format drafter; dflash-torch trains "
+                          "DFlash-format drafters (initialize from one of those, or train from scratch)")
+    if src_cfg.laguna is not None:  # (its aux norms, output gate and context input norm: not this trainer's format)
+        raise DFlashError(f"--init-from {cfg.init_from} is a Laguna DFlash drafter; dflash-torch trains "
                           "DFlash-format drafters (initialize from one of those, or train from scratch)")
     validate_pair(target_cfg, src_cfg)
     if src_cfg.dflash2 is not None and cfg.arch != "dflash2":
