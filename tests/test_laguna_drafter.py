@@ -12,6 +12,7 @@ Qwen3 target of conftest.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -19,7 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import MASK_ID, assert_same_weights, edited_checkpoint
+from conftest import (
+    MASK_ID,
+    assert_same_weights,
+    check_compiled_rounds_are_lossless,
+    edited_checkpoint,
+)
 from safetensors.torch import load_file, save_file
 
 from dflash_torch import DFlashEngine, DFlashError
@@ -30,6 +36,7 @@ from dflash_torch.models.drafter import (
     InjectedContext,
     RecomputedContext,
 )
+from dflash_torch.models.fusing import fuse_projections
 from dflash_torch.models.laguna_drafter import LagunaDrafter
 
 ATOL = 1e-5
@@ -187,6 +194,9 @@ def ours(drafter, embed, feats, block, s, mode):
         ctx = InjectedContext(drafter, max_rows=n)
     else:
         ctx = InjectedContext(drafter)
+    if mode == "fused":  # (k_proj / v_proj joined, as the engine does on a GPU; the gate stays its own)
+        drafter = copy.deepcopy(drafter)
+        assert fuse_projections(drafter, query=False) > 0 and drafter.layers[0].self_attn.kv_proj is not None
     ctx.reset(96)
     if mode == "static":  # fixed shapes: the whole buffer under a mask, stale rows past the block
         for t in ctx.cache.k + ctx.cache.v:
@@ -205,7 +215,7 @@ def ours(drafter, embed, feats, block, s, mode):
     return hidden[1:] @ embed.T
 
 
-MODES = ["slice", "static", "recompute", "folded", "ring"]
+MODES = ["slice", "static", "recompute", "folded", "ring", "fused"]
 
 
 def test_the_published_config_reads_as_the_format_says(target):
@@ -368,10 +378,18 @@ def test_refusals_are_one_line(case, target, tmp_path):
     assert "\n" not in str(err.value)
 
 
-def test_pairing_and_writing_are_refused(target, tmp_path):
+def test_pairing_writing_and_training_are_refused(target, tmp_path):
     """A vocabulary other than the target's is refused at pairing (it drafts through the
-    target's LM head); its config has no DFlash-format config.json to write."""
+    target's LM head); its config has no DFlash-format config.json to write, and training
+    does not start from it."""
+    from dflash_torch.models.config import TargetConfig
+    from dflash_torch.training.trainer import TrainConfig, load_init_drafter
+
     target_dir, _ = target
+    good = save_laguna(tmp_path / "good", laguna_config(target_dir), laguna_weights(laguna_config(target_dir)))
+    train = TrainConfig(target=str(target_dir), data=[], out=str(tmp_path / "out"), init_from=str(good))
+    with pytest.raises(DFlashError, match="is a Laguna DFlash drafter; dflash-torch trains DFlash-format drafters"):
+        load_init_drafter(train, TargetConfig.from_dict(json.loads((target_dir / "config.json").read_text())))
     cfg = laguna_config(target_dir, vocab_size=400, draft_vocab_size=400)
     d = save_laguna(tmp_path / "d", cfg, laguna_weights(cfg))
     with pytest.raises(DFlashError, match="drafter draft_vocab_size 400 != target vocab_size 320"):
@@ -417,3 +435,12 @@ def test_speculative_decoding_equals_the_target_alone(engines, block_size):
     batch = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, block_size=block_size, max_batch_size=2, max_context=128)
     assert [o.token_ids for o in batch.generate_batch(prompts, **kw)] == refs
     assert sum(taus) / len(taus) > 1.5 and len(set(taus)) >= 3, sorted(set(taus))  # (drafts were accepted)
+
+
+def test_compiled_rounds_are_lossless(engines, agree_pair, tmp_path):
+    """Compiled rounds (torch.compile, eager backend) commit the eager decoder's tokens, with
+    no recompilation after warm-up and no graph break (the gate traces with the rest)."""
+    target_dir, _ = agree_pair
+    cfg = laguna_config(target_dir)
+    d = save_laguna(tmp_path / "d", cfg, laguna_weights(cfg, seed=2, std=0.02, norm_std=0.1))
+    check_compiled_rounds_are_lossless(target_dir, d)
