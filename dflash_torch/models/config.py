@@ -4,7 +4,8 @@ Targets: :class:`TargetConfig`, filled by the parser of each family module (see
 :mod:`dflash_torch.models.registry`) from the helpers here. Drafters: the published
 DFlash format (``architectures: ["DFlashDraftModel"]``, see the DFlash reference
 implementation z-lab/dflash, ``dflash/model.py``) and the DFlash 2 format
-(``architectures: ["DFlash2DraftModel"]``, :class:`DFlash2Settings`).
+(``architectures: ["DFlash2DraftModel"]``, :class:`DFlash2Settings`); the Speculators and
+Laguna DFlash formats are read by their own modules (``speculators.py``, ``laguna_drafter.py``).
 """
 
 from __future__ import annotations
@@ -711,7 +712,7 @@ class DrafterConfig:
             raise DFlashError(
                 f"the drafter checkpoint is not a DFlash drafter (architectures={archs}); "
                 "expected architectures ['DFlashDraftModel'] or ['DFlash2DraftModel'] with a dflash_config, "
-                f"or one of {list(ASSISTANT_ARCHITECTURES)}"
+                f"['{LAGUNA_ARCHITECTURE}'], or one of {list(ASSISTANT_ARCHITECTURES)}"
             )
         refuse_quantized(cfg, "drafter")
         _require(cfg, ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"], "drafter")

@@ -124,8 +124,9 @@ class DFlashDrafter(nn.Module):
                         config: dict | None = None) -> "DFlashDrafter":
         """Load a published-format drafter checkpoint directory: a DFlash drafter (also in
         transformers' assistant format, e.g. ``MuseGlimmerAssistantModel``), a DFlash 2 one
-        (then a :class:`~dflash_torch.models.dflash2.DFlash2Drafter`) or a Speculators-format
-        one (then a :class:`~dflash_torch.models.speculators.SpeculatorsDrafter`). ``config``:
+        (then a :class:`~dflash_torch.models.dflash2.DFlash2Drafter`), a Speculators-format
+        one (then a :class:`~dflash_torch.models.speculators.SpeculatorsDrafter`) or a Laguna
+        DFlash one (then a :class:`~dflash_torch.models.laguna_drafter.LagunaDrafter`). ``config``:
         its ``config.json`` dict as read and completed by the caller (e.g. a mask token id
         resolved with the target's tokenizer, :func:`~dflash_torch.models.config.fill_mask_token_id`);
         None reads the file.
