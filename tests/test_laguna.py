@@ -374,3 +374,59 @@ def test_unknown_or_missing_weights_are_refused_in_one_line(checkpoint, tmp_path
     with pytest.raises(DFlashError, match=message) as err:
         TargetModel.from_pretrained(target, torch.float32)
     assert "\n" not in str(err.value)
+
+
+def _parse(**cfg):
+    from dflash_torch.models.laguna import parse_config
+
+    base = dict(model_type="laguna", vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=48, sliding_window=8, num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                layer_types=["full_attention"] + ["sliding_attention"] * 3)
+    base.update(cfg)
+    return parse_config(base)
+
+
+def test_the_flat_schema_folds_as_vllm_reads_it():
+    """Without swa_rope_parameters' own factor, the sliding layers take the top-level one (vLLM
+    injects it into every layer's RoPE); a flat rope_parameters is the full layers' RoPE; the
+    flat defaults are vLLM's (base 500,000, whole heads) while a config with no RoPE key at
+    all takes transformers'; mlp_only_layers / decoder_sparse_step pick the dense layers (all
+    of them without experts); qkv_bias alone biases q/k/v but not o_proj."""
+    cfg = _parse(rope_theta=1e6, partial_rotary_factor=0.5, swa_rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    assert cfg.rope == {"full_attention": (1e6, None, 0.5), "sliding_attention": (1e4, None, 0.5)}
+    flat = _parse(rope_parameters={"rope_type": "yarn", "rope_theta": 2e5, "factor": 4.0,
+                                   "original_max_position_embeddings": 64})
+    assert flat.rope["full_attention"][0] == 2e5 and flat.rope["full_attention"][1]["factor"] == 4.0
+    assert flat.rope["sliding_attention"] == flat.rope["full_attention"] and flat.rope["full_attention"][2] == 1.0
+    assert _parse(rope_theta=500000.0).rope["sliding_attention"] == (500000.0, None, 1.0)
+    assert _parse().rope == {"full_attention": (500000.0, None, 0.5), "sliding_attention": (10000.0, None, 1.0)}
+    assert _parse(mlp_only_layers=[0, 2]).moe_layers == [False, True, False, True]
+    assert _parse(decoder_sparse_step=2).moe_layers == [False, True, False, True]
+    dense = _parse(num_experts=0, mlp_only_layers=[])
+    assert dense.moe is None and dense.moe_layers == [False] * 4
+    biased = _parse(qkv_bias=True)
+    assert biased.qkv_bias and not biased.attention_bias
+
+
+def test_laguna_s_shapes_build_with_two_mask_groupings():
+    """Laguna-S-2.1's attention layout (48 layers, hidden 3072, FULL, SWA, SWA, SWA; 48 query
+    heads on full layers, 72 on sliding ones, 8 key/value heads of 128; YaRN over half of
+    each full head): built on the meta device, one mask per (window, query heads per key/value
+    head), keys and values of 8 x 128 in every layer, a gate per head."""
+    from dflash_torch.models.laguna import Model
+
+    cfg = _parse(vocab_size=100352, hidden_size=3072, num_hidden_layers=48, num_attention_heads=48,
+                 num_key_value_heads=8, head_dim=128, sliding_window=512,
+                 layer_types=["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(48)],
+                 num_attention_heads_per_layer=[48 if i % 4 == 0 else 72 for i in range(48)],
+                 rope_parameters={"full_attention": {**YARN, "original_max_position_embeddings": 8192},
+                                  "sliding_attention": SLIDING}, max_position_embeddings=131072)
+    with torch.device("meta"):
+        model = Model(cfg)
+    assert model.attention_masks == ((None, 6), (512, 9)) and set(model.kv_shapes()) == {(8, 128)}
+    assert model.model.layers[1].self_attn.g_proj.weight.shape == (72, 3072)
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (48 * 128, 3072)
+    assert model.kv_windows()[:4] == [None, 512, 512, 512]
+    rotary = Model.make_rotary(model)
+    assert rotary["full_attention"].rotary_dim == 64 and rotary["sliding_attention"].rotary_dim == 128

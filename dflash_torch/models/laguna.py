@@ -308,19 +308,23 @@ def parse_config(cfg: dict) -> LagunaConfig:
     if attention_bias and not qkv_bias:
         raise DFlashError("target config.json sets attention_bias true and qkv_bias false: transformers' Laguna "
                           "reads biases on q/k/v/o, vLLM's on o_proj only; ambiguous")
+    rope = _rope_of_types(cfg, types, fields["max_position_embeddings"])
+    theta, scaling, partial = rope.get("full_attention", rope.get("sliding_attention"))
     fields.update(
+        rope_theta=theta,  # (the full layers' RoPE, for what reads one; the layers read rope)
+        rope_scaling=scaling,
+        partial_rotary_factor=partial,
         layer_types=types,
         moe=moe,
         moe_layers=[t == "sparse" for t in mlp_types],
         qk_norm=True,
         attention_output_gate=True,
         attention_bias=attention_bias,
-        partial_rotary_factor=1.0,  # (per layer type: rope)
         sliding_window=window,
         layer_heads=list(heads),
         gate_per_head=gate_per_head,
         qkv_bias=qkv_bias,
-        rope=_rope_of_types(cfg, types, fields["max_position_embeddings"]),
+        rope=rope,
         routed_scaling_factor=number_field(cfg, "moe_routed_scaling_factor", "target", 1.0),
         router_softcap=0.0 if cap in (None, 0, 0.0) else number_field(cfg, "moe_router_logit_softcapping", "target", 0.0),
     )
