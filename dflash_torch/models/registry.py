@@ -32,6 +32,7 @@ FAMILIES = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k25": "deepseek_v3",
     "deepseek_v4": "deepseek_v4",
+    "laguna": "laguna",
 }
 
 
