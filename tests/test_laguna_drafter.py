@@ -444,3 +444,35 @@ def test_compiled_rounds_are_lossless(engines, agree_pair, tmp_path):
     cfg = laguna_config(target_dir)
     d = save_laguna(tmp_path / "d", cfg, laguna_weights(cfg, seed=2, std=0.02, norm_std=0.1))
     check_compiled_rounds_are_lossless(target_dir, d)
+
+
+def test_the_published_pairing_laguna_target_and_laguna_drafter(tmp_path, tokenizer_dir):
+    """The pair as poolside publishes it: a Laguna target (``laguna``: per-layer query heads,
+    gated attention, RoPE per layer type, experts) with a Laguna DFlash drafter reading its
+    layers 0, 2 and 3. Greedy speculative decoding (eager, fixed shapes, a batch of two, block
+    sizes 16 and 4) gives the target-only tokens, and drafts are accepted."""
+    from conftest import make_agreeable
+    from test_laguna import make_laguna_target
+
+    target_dir, _ = make_agreeable(make_laguna_target(tmp_path / "target", seed=1), tokenizer_dir, tmp_path, "laguna")
+    cfg = laguna_config(target_dir)
+    d = save_laguna(tmp_path / "laguna-drafter", cfg, laguna_weights(cfg, seed=2, std=0.02, norm_std=0.1))
+    spec = DFlashEngine.from_pretrained(target_dir, d)
+    assert isinstance(spec.drafter, LagunaDrafter) and spec.target.config.model_type == "laguna"
+    alone = DFlashEngine(spec.target, spec.tokenizer)
+    prompts = ["def f(x):", "import os\nimport sys\n"]
+    kw = dict(max_new_tokens=32, ignore_eos=True)
+    refs = [alone.generate(p, **kw).token_ids for p in prompts]
+    taus = []
+    for block_size in (B, 4):
+        for engine in (DFlashEngine(spec.target, spec.tokenizer, spec.drafter, block_size=block_size),
+                       DFlashEngine(spec.target, spec.tokenizer, spec.drafter, block_size=block_size, static=True,
+                                    max_context=128)):
+            for prompt, ref in zip(prompts, refs):
+                out = engine.generate(prompt, **kw)
+                assert out.token_ids == ref
+                taus += out.stats.acceptance_lengths
+        batch = DFlashEngine(spec.target, spec.tokenizer, spec.drafter, block_size=block_size, max_batch_size=2,
+                             max_context=128)
+        assert [o.token_ids for o in batch.generate_batch(prompts, **kw)] == refs
+    assert sum(taus) / len(taus) > 1.4 and len(set(taus)) >= 3, sorted(set(taus))  # (drafts were accepted: tau 1.82)
