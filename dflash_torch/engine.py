@@ -1209,7 +1209,8 @@ def _load_tokenizer(model_dir: Path):
     """The target's tokenizer via ``AutoTokenizer``.
 
     Raises:
-        DFlashError: no tokenizer files in the checkpoint, or a tokenizer that fails to load.
+        DFlashError: no tokenizer files in the checkpoint, a tokenizer that fails to load, or a
+            config.json that transformers' config class refuses (AutoTokenizer reads it too).
     """
     from transformers import AutoTokenizer
 
@@ -1218,4 +1219,8 @@ def _load_tokenizer(model_dir: Path):
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
-        raise DFlashError(f"cannot load the tokenizer of {model_dir}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # (one line, all of it)
+        if type(exc).__name__ == "StrictDataclassFieldValidationError":  # (its config class refused config.json)
+            raise DFlashError(f"transformers refuses {Path(model_dir) / 'config.json'} (AutoTokenizer reads it to load "
+                              f"the tokenizer): {detail}") from None
+        raise DFlashError(f"cannot load the tokenizer of {model_dir}: {detail or type(exc).__name__}") from None

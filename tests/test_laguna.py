@@ -363,6 +363,21 @@ def test_config_errors_are_refused_in_one_line(checkpoint, tmp_path, config, mes
     assert "\n" not in str(err.value)
 
 
+def test_a_config_transformers_refuses_is_named_in_one_line(checkpoint, tmp_path):
+    """A config our parser reads but transformers' LagunaConfig refuses (a null sliding_window
+    with only full-attention layers) fails where AutoTokenizer reads it: one whole line naming
+    config.json and transformers' reason, not a cut-off message blaming the tokenizer."""
+    from dflash_torch import DFlashEngine
+
+    target = edited_checkpoint(checkpoint[0], tmp_path / "edited", config=lambda cfg: cfg.update(
+        sliding_window=None, layer_types=["full_attention"] * 4))
+    TargetModel.from_pretrained(target, torch.float32)  # (our parser reads it)
+    with pytest.raises(DFlashError, match=r"transformers refuses .*config\.json \(AutoTokenizer reads it to load the "
+                       r"tokenizer\): Validation error for field 'sliding_window': TypeError: .*expected int") as err:
+        DFlashEngine.from_pretrained(target, no_draft=True)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda w: w.update({"model.layers.1.self_attn.sinks": torch.zeros(6)}), r"does not use .*model\.layers\.1\.self_attn\.sinks"),
     (lambda w: w.pop("model.layers.2.mlp.experts.3.up_proj.weight"), r"model\.layers\.2\.mlp\.experts: expert 3 lacks up_proj\.weight"),

@@ -901,12 +901,12 @@ def block_causality(cfg: dict, dflash: dict, layer_types: list[str], plain: bool
     Raises:
         DFlashError: ``is_causal`` / ``causal`` not true or false.
     """
-    explicit = cfg.get("is_causal")
+    explicit, key = cfg.get("is_causal"), "is_causal"
     if explicit is None:
-        explicit = dflash.get("causal")
+        explicit, key = dflash.get("causal"), "dflash_config.causal"
     if explicit is not None:
         if not isinstance(explicit, bool):
-            raise DFlashError(f"drafter config.json is_causal must be true or false, got {explicit!r}")
+            raise DFlashError(f"drafter config.json {key} must be true or false, got {explicit!r}")
         return [explicit] * len(layer_types)
     return [plain and t == "sliding_attention" for t in layer_types]
 

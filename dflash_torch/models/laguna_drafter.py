@@ -120,7 +120,8 @@ def read_config(cfg: dict) -> DrafterConfig:
             (``num_experts`` > 0), a ``draft_vocab_size`` other than ``vocab_size`` (or
             neither given), ``eagle_aux_hidden_state_layer_ids`` other than
             ``target_layer_ids`` + 1, no ``dflash_config.target_layer_ids``, two
-            ``num_target_layers``, an unknown ``gating``, per-layer head counts or gates,
+            ``num_target_layers``, ``target_layer_ids`` not increasing, no ``dflash_config``,
+            an unknown ``gating``, per-layer head counts or gates,
             attention sinks or biases, a partial rotary factor that rotates no even number
             of channels, a quantized checkpoint, or what :meth:`DrafterConfig.from_dict`
             refuses in the rest.
@@ -142,11 +143,17 @@ def read_config(cfg: dict) -> DrafterConfig:
                           "through the target's LM head, over the whole vocabulary (no draft-to-target map)")
     if vocab is None and draft_vocab is None:
         raise DFlashError("Laguna DFlash drafter config.json lacks draft_vocab_size (and vocab_size)")
-    dflash = object_field(cfg, "dflash_config", "drafter") or {}
+    dflash = object_field(cfg, "dflash_config", "drafter")
+    if dflash is None:
+        raise DFlashError("Laguna DFlash drafter config.json lacks dflash_config (its block_size, mask_token_id and "
+                          "target_layer_ids)")
     ids = dflash.get("target_layer_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise DFlashError(f"Laguna DFlash drafter dflash_config.target_layer_ids must be a non-empty list of "
                           f"integers, got {ids!r}")
+    if any(a >= b for a, b in zip(ids, ids[1:])):  # (vLLM gathers the layers' outputs in layer order, each once)
+        raise DFlashError(f"Laguna DFlash drafter dflash_config.target_layer_ids {ids} must be increasing (vLLM "
+                          "feeds the target layers' outputs to fc in layer order, each once)")
     eagle = cfg.get("eagle_aux_hidden_state_layer_ids")
     if eagle is not None and eagle != [i + 1 for i in ids]:
         raise DFlashError(f"Laguna DFlash drafter eagle_aux_hidden_state_layer_ids {eagle!r} are not "
