@@ -186,8 +186,10 @@ def parse_config(cfg: dict) -> DeepseekV3Config:
     if text["topk_group"] > groups or top_k > text["topk_group"] * (experts // groups):
         raise DFlashError(f"target num_experts_per_tok {top_k} and topk_group {text['topk_group']} must fit in "
                           f"n_group {groups} groups of {experts // groups} experts")
-    fields = base_target_fields({k: v for k, v in text.items() if k != "head_dim"}, "deepseek_v3")
-    refuse_partial_rotary(fields, "deepseek_v3")
+    # (a text decoder of DeepSeek-V3's layout under another model_type, glm4_moe_lite, keeps its name)
+    name = "deepseek_v3" if wrapper else cfg.get("model_type", "deepseek_v3")
+    fields = base_target_fields({k: v for k, v in text.items() if k != "head_dim"}, name)
+    refuse_partial_rotary(fields, name)
     scaling = fields["rope_scaling"]
     qk_head_dim = text["qk_nope_head_dim"] + text["qk_rope_head_dim"]
     scale = qk_head_dim ** -0.5
