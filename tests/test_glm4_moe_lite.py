@@ -16,8 +16,9 @@ score correction biases):
   ``num_nextn_predict_layers``) is not read; other unknown weights are refused; bad configs are
   refused in one line; GLM-4.7-Flash's shapes (transformers' defaults) are read as transformers
   reads them;
-* fine-grained FP8 (as DeepSeek-V3's loads) == transformers' own loading of it, and kept
-  packed == dequantized bit for bit; the router float32 in bfloat16.
+* fine-grained FP8 (as DeepSeek-V3's loads) == transformers' own loading of it, and
+  compressed-tensors W4A16 == the library's own dequantization; kept packed == dequantized bit
+  for bit; the router float32 in bfloat16.
 """
 
 from __future__ import annotations
@@ -321,3 +322,28 @@ def test_fp8_checkpoint_equals_transformers_and_packed_equals_dequantized(checkp
         assert layer.self_attn.kv_b_proj.weight.dtype == dtype
         assert torch.equal(forward_in_pieces(packed, IDS, [20, 10], False)[0],
                            forward_in_pieces(ours, IDS, [20, 10], False)[0]), dtype
+
+
+def test_int4_weights_equal_the_librarys_dequantization_and_packed_the_dequantized(checkpoint, tmp_path):
+    """compressed-tensors W4A16 (``pack-quantized``, symmetric, groups of 16; every projection,
+    as DeepSeek-V3's loads): dequantized when loading, our weights equal our model loaded from
+    compressed-tensors' own dequantization bit for bit, in float32 and bfloat16 (the router
+    float32); kept packed (``kv_b_proj`` dequantized when loading), the logits equal the
+    dequantized model's bit for bit."""
+    from test_packed_int import _packed_layers, library_dequantized, to_packed
+
+    target_dir, _ = checkpoint
+    quantized = to_packed(target_dir, tmp_path / "int4", 4, 16, suffixes=("_proj.weight", "_proj_with_mqa.weight"))
+    assert load_file(str(quantized / "model.safetensors"))["model.layers.1.mlp.experts.7.down_proj.weight_packed"].dtype \
+        == torch.int32
+    oracle = library_dequantized(quantized, tmp_path / "oracle", 4, 16)
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = TargetModel.from_pretrained(quantized, dtype, int_weights="dequantize")
+        mine = plain.state_dict()
+        assert_same_weights(mine, TargetModel.from_pretrained(oracle, dtype).state_dict(), dtype)
+        assert mine["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+        packed = TargetModel.from_pretrained(quantized, dtype, int_weights="packed")
+        linears, experts = _packed_layers(packed)
+        assert linears > 0 and experts == 2 and packed.model.layers[1].self_attn.kv_b_proj.weight.dtype == dtype
+        assert torch.equal(forward_in_pieces(packed, IDS, [20, 10], False)[0],
+                           forward_in_pieces(plain, IDS, [20, 10], False)[0]), dtype

@@ -1,6 +1,7 @@
 """DeepSeek-V3-architecture targets: ``deepseek_v3`` (``DeepseekV3ForCausalLM``: DeepSeek-V3,
 DeepSeek-R1, Kimi-K2) and ``kimi_k25`` (``Kimi_K25ForConditionalGeneration``: Kimi-K2.5, a
-multimodal wrapper whose ``text_config`` is a ``deepseek_v3`` decoder), decoded as text.
+multimodal wrapper whose ``text_config`` is a ``deepseek_v3`` decoder), decoded as text; the
+model also runs ``glm4_moe_lite`` (GLM-4.7-Flash, :mod:`.glm4_moe_lite`: its config parsed into this one's).
 Layout as in transformers' ``modeling_deepseek_v3.py``:
 
 * **Multi-head latent attention (MLA).** Queries: ``q_b_proj(q_a_layernorm(q_a_proj(x)))``
