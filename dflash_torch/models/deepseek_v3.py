@@ -1,6 +1,7 @@
 """DeepSeek-V3-architecture targets: ``deepseek_v3`` (``DeepseekV3ForCausalLM``: DeepSeek-V3,
 DeepSeek-R1, Kimi-K2) and ``kimi_k25`` (``Kimi_K25ForConditionalGeneration``: Kimi-K2.5, a
-multimodal wrapper whose ``text_config`` is a ``deepseek_v3`` decoder), decoded as text.
+multimodal wrapper whose ``text_config`` is a ``deepseek_v3`` decoder), decoded as text; the
+model also runs ``glm4_moe_lite`` (GLM-4.7-Flash, :mod:`.glm4_moe_lite`: its config parsed into this one's).
 Layout as in transformers' ``modeling_deepseek_v3.py``:
 
 * **Multi-head latent attention (MLA).** Queries: ``q_b_proj(q_a_layernorm(q_a_proj(x)))``
@@ -186,8 +187,10 @@ def parse_config(cfg: dict) -> DeepseekV3Config:
     if text["topk_group"] > groups or top_k > text["topk_group"] * (experts // groups):
         raise DFlashError(f"target num_experts_per_tok {top_k} and topk_group {text['topk_group']} must fit in "
                           f"n_group {groups} groups of {experts // groups} experts")
-    fields = base_target_fields({k: v for k, v in text.items() if k != "head_dim"}, "deepseek_v3")
-    refuse_partial_rotary(fields, "deepseek_v3")
+    # (a text decoder of DeepSeek-V3's layout under another model_type, glm4_moe_lite, keeps its name)
+    name = "deepseek_v3" if wrapper else cfg.get("model_type", "deepseek_v3")
+    fields = base_target_fields({k: v for k, v in text.items() if k != "head_dim"}, name)
+    refuse_partial_rotary(fields, name)
     scaling = fields["rope_scaling"]
     qk_head_dim = text["qk_nope_head_dim"] + text["qk_rope_head_dim"]
     scale = qk_head_dim ** -0.5

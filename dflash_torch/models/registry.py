@@ -31,6 +31,7 @@ FAMILIES = {
     "minimax_m2": "minimax_m2",
     "deepseek_v3": "deepseek_v3",
     "kimi_k25": "deepseek_v3",
+    "glm4_moe_lite": "glm4_moe_lite",
     "deepseek_v4": "deepseek_v4",
     "laguna": "laguna",
 }
