@@ -312,7 +312,7 @@ def test_the_multi_token_prediction_layer_is_not_read(checkpoint, tmp_path):
     """A checkpoint with DeepSeek-V3's MTP layer (``model.layers.3.*``: a decoder layer plus
     its own norms, projection and head, as published) decodes as the one without; with
     ``num_nextn_predict_layers`` 0 those weights are unknown and refused, as is any other
-    unknown weight."""
+    unknown weight; a config that would take a decoder layer for an MTP one is refused."""
     target_dir, _ = checkpoint
 
     def add_mtp(w):
@@ -333,6 +333,14 @@ def test_the_multi_token_prediction_layer_is_not_read(checkpoint, tmp_path):
     with pytest.raises(DFlashError, match=r"^target checkpoint .* has weights this deepseek_v3 model does not use "
                                           r"\(an unsupported variant\?\): model\.layers\.3\."):
         TargetModel.from_pretrained(no_mtp, torch.float32)
+    # a config that counts a decoder layer as MTP (num_hidden_layers one short, two MTP layers) would
+    # silently drop that layer: refused, since a real MTP layer has eh_proj
+    short = edited_checkpoint(mtp, tmp_path / "short", config=lambda c: c.update(num_hidden_layers=2,
+                                                                                  num_nextn_predict_layers=2))
+    with pytest.raises(DFlashError, match=r"^target checkpoint .*: layer 2 is past num_hidden_layers 2 within "
+                                          r"num_nextn_predict_layers 2, but has no eh_proj\.weight: not a multi-token-"
+                                          r"prediction layer \(check num_hidden_layers and num_nextn_predict_layers\)$"):
+        TargetModel.from_pretrained(short, torch.float32)
     extra = edited_checkpoint(target_dir, tmp_path / "extra",
                               state=lambda w: w.update({"model.layers.1.self_attn.k_norm.weight": torch.ones(8)}))
     with pytest.raises(DFlashError, match=r"does not use .*: model\.layers\.1\.self_attn\.k_norm\.weight$"):

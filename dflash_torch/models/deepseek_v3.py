@@ -462,6 +462,27 @@ class Model(TargetModel):
         return True
 
     @classmethod
+    def check_skipped(cls, cfg: DeepseekV3Config, skipped: set[str], model_dir) -> None:
+        """Each multi-token-prediction layer skipped holds ``eh_proj`` (what makes one): a layer
+        in that range without it is a decoder layer that a wrong ``num_hidden_layers`` /
+        ``num_nextn_predict_layers`` would silently drop.
+
+        Raises:
+            DFlashError: a skipped layer without ``eh_proj.weight``.
+        """
+        layers = {}
+        for key in skipped:
+            name = cls._decoder_key(cfg, key)
+            if name is not None and name.startswith("model.layers."):
+                layers.setdefault(int(name.split(".")[2]), set()).add(name)
+        for i, names in sorted(layers.items()):
+            if f"model.layers.{i}.eh_proj.weight" not in names:
+                raise DFlashError(f"target checkpoint {model_dir}: layer {i} is past num_hidden_layers "
+                                  f"{cfg.num_hidden_layers} within num_nextn_predict_layers "
+                                  f"{cfg.num_nextn_predict_layers}, but has no eh_proj.weight: not a multi-token-"
+                                  "prediction layer (check num_hidden_layers and num_nextn_predict_layers)")
+
+    @classmethod
     def convert_checkpoint(cls, cfg: DeepseekV3Config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A wrapper's decoder weights renamed under ``model.`` / ``lm_head.`` (and
         ``cfg.checkpoint_prefix`` set to the layout found, for messages); per-expert weights

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..cache import KVCache, RecurrentState, TargetCache, ring_positions
 from ..checkpoint import (all_finite, check_fits, fits, fp4_saving, fp8_saving, int_saving, load_config,
-                          load_state_dict)
+                          load_state_dict, tensor_names)
 from ..errors import DFlashError
 from ..options import check_fp8, check_int_weights, check_mxfp4
 from . import fp8 as fp8_format
@@ -181,6 +181,15 @@ class TargetModel(nn.Module):
         return True
 
     @classmethod
+    def check_skipped(cls, cfg: TargetConfig, skipped: set[str], model_dir: Path) -> None:
+        """Check the checkpoint tensors that :meth:`checkpoint_keys` skips (``skipped``: their
+        names) are what the family means to skip (nothing to check here).
+
+        Raises:
+            DFlashError: a family's override finds a tensor it would drop wrongly.
+        """
+
+    @classmethod
     def convert_checkpoint(cls, cfg: TargetConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Map checkpoint tensor names/layouts onto this model's parameters (in place)."""
         return state
@@ -272,6 +281,7 @@ class TargetModel(nn.Module):
                                          ("packed integer weights kept packed", keep_int)) if held]
         check_fits(model, dtype, device, "target", saving=(saving if keep_fp8 or keep_int else 0)
                    + (fp4_saved if keep_fp4 else 0), kept=", ".join(kept) or "FP8 weights kept as stored")
+        model_cls.check_skipped(cfg, {k for k in tensor_names(model_dir) if not keep(k)}, model_dir)
         state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=keep_fp8,
                                 int_quant=cfg.int_quant, keep_int=keep_int,
                                 float32=lambda k: model_cls.float32_keys(cfg, k), scale_fmt=cfg.fp8_scale_fmt,
