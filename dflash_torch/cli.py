@@ -28,6 +28,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
     p.add_argument("--compile", action="store_true", help="fixed-shape rounds compiled with torch.compile")
     p.add_argument("--max-context", type=int, default=None, help="longest prompt + generation in tokens (default: the target's limit)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per prefill forward (default 256; smaller bounds one forward's memory)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch, at most the machine's CPUs (default: torch's choice)")
     p.add_argument("--mxfp4", default="auto", choices=["auto", "dequantize", "packed"],
                    help="MXFP4 / FP4 expert weights (gpt-oss, DeepSeek-V4-Flash): dequantize when loading, keep packed (a quarter of the "
@@ -186,6 +188,7 @@ def load_engine(args: argparse.Namespace):
         block_size=args.block_size, draft_mode=args.draft_mode, no_draft=args.no_draft,
         compile=args.compile, max_context=args.max_context, mxfp4=args.mxfp4, fp8=args.fp8,
         int_weights=args.int_weights,
+        **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk is not None else {}),
         **({"max_batch_size": args.max_batch_size} if hasattr(args, "max_batch_size") else {}),
         **({"reuse_prefix": not args.no_prefix_reuse} if hasattr(args, "no_prefix_reuse") else {}),
         **({"draft_max_batch_size": args.draft_max_batch_size} if hasattr(args, "draft_max_batch_size") else {}),

@@ -203,6 +203,7 @@ class DFlashEngine:
         fuse: bool | None = None,
         static: bool = False,
         max_context: int | None = None,
+        prefill_chunk: int = 256,
         max_batch_size: int = 8,
         reuse_prefix: bool = True,
         draft_max_batch_size: int | str | None = None,
@@ -232,6 +233,9 @@ class DFlashEngine:
             static: fixed-shape rounds without compiling.
             max_context: longest prompt + generation in tokens (default: the target's
                 ``max_position_embeddings``); fixed-shape modes preallocate it.
+            prefill_chunk: prompt tokens per prefill forward (default 256): larger reads a
+                long prompt in fewer forwards, smaller bounds the activations of one (and
+                of a joining prompt in a batch round).
             max_batch_size: sequences decoded together by :meth:`generate_batch`
                 (its caches hold ``max_batch_size`` x ``max_context`` positions).
             reuse_prefix: prompt-prefix reuse in the batch decoder (see
@@ -308,14 +312,15 @@ class DFlashEngine:
         options.check_fp8(fp8, target_cfg.fp8_block is not None, has_mxfp4=target_cfg.mxfp4)
         options.check_int_weights(int_weights, target_cfg.int_quant is not None)
         check_max_batch_size(max_batch_size)
+        options.check_count(prefill_chunk, "prefill_chunk")
         check_draft_max_batch_size(draft_max_batch_size, drafter=not no_draft, draft_mode=draft_mode,
                                    block_size=block_size)
         # the weights are read, converted and packed on the compute thread, like every round
         return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, draft_raw=draft_raw, pack=pack,
                            fuse=fuse_by_default(dev) if fuse is None else fuse, mxfp4=mxfp4, fp8=fp8,
                            int_weights=int_weights, block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
-                           max_context=max_context, max_batch_size=max_batch_size, reuse_prefix=reuse_prefix,
-                           draft_max_batch_size=draft_max_batch_size)
+                           max_context=max_context, prefill_chunk=prefill_chunk, max_batch_size=max_batch_size,
+                           reuse_prefix=reuse_prefix, draft_max_batch_size=draft_max_batch_size)
 
     @classmethod
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,

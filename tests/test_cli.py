@@ -121,6 +121,16 @@ def test_no_draft_equals_speculative_output(json_output, pair_args):
     assert json_output["stats"]["mean_acceptance_length"] > 1
 
 
+def test_a_small_prefill_chunk_decodes_the_same(json_output, pair_args, api):
+    """--prefill-chunk (prefill_chunk= in the API) reads the prompt in pieces of that many
+    tokens: the same tokens as the default chunk of 256."""
+    assert len(api.tokenizer(PROMPT)["input_ids"]) > 3
+    proc = run_cli("generate", *pair_args, "--prompt", PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json",
+                   "--prefill-chunk", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert parse_single_json(proc.stdout)["token_ids"] == json_output["token_ids"]
+
+
 def test_tiny_temperature_decodes_as_greedy(json_output, pair_args):
     """A temperature of 1e-40 is the greedy limit, not a traceback (issue 14)."""
     proc = run_cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json",

@@ -385,6 +385,8 @@ BAD_OPTIONS = [
     ("--max-context", "0", MODEL_COMMANDS, "--max-context"),
     ("--max-context", "1", MODEL_COMMANDS, "--max-context"),  # no room for a prompt token and a generated one
     ("--max-context", "100000", MODEL_COMMANDS, "--max-context"),
+    ("--prefill-chunk", "0", ("generate", "serve"), "--prefill-chunk must be an integer >= 1, got 0$"),
+    ("--prefill-chunk", "8", ("bench",), "bench times every mode at the default prefill chunk \\(256\\); drop --prefill-chunk$"),
     ("--dtype", "int8", MODEL_COMMANDS, "unsupported --dtype .int8."),
     ("--dtype", "float16", MODEL_COMMANDS, "--dtype float16 is not supported"),
     ("--device", "tpu", MODEL_COMMANDS, "--device .tpu."),

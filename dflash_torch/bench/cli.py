@@ -210,6 +210,8 @@ def _run(args: argparse.Namespace) -> int:
                           "drop --no-draft, --compile and --draft-mode")
     if args.max_context is not None:
         raise DFlashError("bench sizes the context from the prompts and --max-new-tokens; drop --max-context")
+    if args.prefill_chunk is not None:
+        raise DFlashError("bench times every mode at the default prefill chunk (256); drop --prefill-chunk")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
         batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
