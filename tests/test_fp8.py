@@ -34,6 +34,22 @@ RTOL = 1e-4  # as test_models: our forward against transformers' (the weights th
 BF16_TIE = 0.125  # a logit gap this small at a bf16 divergence is a near-tie (2 ulps of bf16 at 8-16)
 
 
+def bfloat16_near_tie_taus(pair, prompts=("def f(x):", "class A:\n    pass\n"), max_new_tokens: int = 32) -> list[int]:
+    """Speculative decoding of a (target dir, drafter dir) pair in bfloat16 against the same
+    target alone: every divergence is a near-tie of the target (a logit gap within
+    :data:`BF16_TIE`; a batched verify may flip those, DESIGN.md). -> the acceptance lengths."""
+    spec = DFlashEngine.from_pretrained(*pair, dtype="bfloat16")
+    target_only = DFlashEngine(spec.target, spec.tokenizer)
+    taus = []
+    for prompt in prompts:
+        ref = target_only.generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
+        out = spec.generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
+        for d in divergences(spec.target, [spec.encode_prompt(prompt)], [ref.token_ids], [out.token_ids]):
+            assert abs(d["logit_gap"]) <= BF16_TIE, (prompt, d)
+        taus += out.stats.acceptance_lengths
+    return taus
+
+
 def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` ``[rows, cols]`` -> (float8_e4m3fn ``[rows, cols]``, float32 scales
     ``[ceil(rows / bo), ceil(cols / bi)]``): each block divided by max |w| / 448."""

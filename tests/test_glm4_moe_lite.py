@@ -159,36 +159,18 @@ def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_pair):
 def test_prefix_reuse_decodes_as_without(agree_pair):
     """A three-turn conversation through the batch decoder reuses its history's latent rows
     and decodes exactly as with reuse off (tokens, acceptance lengths, prompt rows)."""
-    from test_prefix_reuse import GREEDY, conversation, same_runs
+    from test_prefix_reuse import reuse_decodes_as_without
 
-    from dflash_torch.models.drafter import DFlashDrafter
-
-    target, drafter = (TargetModel.from_pretrained(agree_pair[0], torch.float32),
-                       DFlashDrafter.from_pretrained(agree_pair[1], torch.float32))
-    on, prompts, reused = conversation(target, drafter, True, GREEDY)
-    off, _, _ = conversation(target, drafter, False, GREEDY)
-    same_runs(on, off)
+    prompts, reused = reuse_decodes_as_without(agree_pair)
     assert reused[0] == 0 and reused[1] > len(prompts[0]) and reused[2] > len(prompts[1])
 
 
 def test_bfloat16_speculative_decoding_is_the_target_s_own_but_near_ties(agree_pair):
     """bfloat16: speculative decoding commits target-only decoding's tokens, but where a
     batched verify flips a near-tie of the target (DESIGN.md), with drafts accepted."""
-    from test_fp8 import BF16_TIE
+    from test_fp8 import bfloat16_near_tie_taus
 
-    from dflash_torch import DFlashEngine
-    from dflash_torch.bench.modes import divergences
-
-    spec = DFlashEngine.from_pretrained(*agree_pair, dtype="bfloat16")
-    target_only = DFlashEngine(spec.target, spec.tokenizer)
-    taus = []
-    for prompt in ("def f(x):", "class A:\n    pass\n"):
-        ref = target_only.generate(prompt, max_new_tokens=32, ignore_eos=True)
-        out = spec.generate(prompt, max_new_tokens=32, ignore_eos=True)
-        for d in divergences(spec.target, [spec.encode_prompt(prompt)], [ref.token_ids], [out.token_ids]):
-            assert abs(d["logit_gap"]) <= BF16_TIE, (prompt, d)
-        taus += out.stats.acceptance_lengths
-    assert max(taus) > 4
+    assert max(bfloat16_near_tie_taus(agree_pair)) > 4
 
 
 def test_the_multi_token_prediction_layer_is_not_read(checkpoint, tmp_path):

@@ -316,15 +316,9 @@ def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_laguna):
 
 
 def test_prefix_reuse_decodes_as_without(agree_laguna):
-    from test_prefix_reuse import GREEDY, conversation, same_runs
+    from test_prefix_reuse import reuse_decodes_as_without
 
-    from dflash_torch.models.drafter import DFlashDrafter
-
-    target, drafter = (TargetModel.from_pretrained(agree_laguna[0], torch.float32),
-                       DFlashDrafter.from_pretrained(agree_laguna[1], torch.float32))
-    on, _, reused = conversation(target, drafter, True, GREEDY)
-    off, _, _ = conversation(target, drafter, False, GREEDY)
-    same_runs(on, off)
+    _, reused = reuse_decodes_as_without(agree_laguna)
     assert reused[0] == 0 and reused[1] > 0 and reused[2] > 0
 
 

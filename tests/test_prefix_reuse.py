@@ -96,7 +96,21 @@ def same_runs(on: Turns, off: Turns) -> None:
     for sid in on.out:
         assert on.result(sid) == off.result(sid), sid
         torch.testing.assert_close(on.rows[sid], off.rows[sid], rtol=1e-4, atol=1e-4, msg=lambda m: f"{sid!r}: {m}")
-        torch.testing.assert_close(on.rows[sid], off.rows[sid], rtol=1e-4, atol=1e-4, msg=lambda m: f"{sid!r}: {m}")
+
+
+def reuse_decodes_as_without(pair) -> tuple[list, list[int]]:
+    """The :func:`conversation` on a (target dir, drafter dir) pair in float32, with prefix reuse
+    on and off: every turn decodes the same (:func:`same_runs`). -> (the turns' prompts, the
+    prompt rows reused per turn with reuse on), for the caller's own bounds."""
+    from dflash_torch.models.drafter import DFlashDrafter
+    from dflash_torch.models.target import TargetModel
+
+    target, drafter = (TargetModel.from_pretrained(pair[0], torch.float32),
+                       DFlashDrafter.from_pretrained(pair[1], torch.float32))
+    on, prompts, reused = conversation(target, drafter, True, GREEDY)
+    off, _, _ = conversation(target, drafter, False, GREEDY)
+    same_runs(on, off)
+    return prompts, reused
 
 
 def conversation(target, drafter, reuse: bool, params: SamplingParams, **kw):

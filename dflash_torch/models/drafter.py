@@ -116,8 +116,13 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.feature_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor,
-                             max_position_embeddings=cfg.max_position_embeddings)
+        self.rotary = self.make_rotary(cfg)
+
+    @staticmethod
+    def make_rotary(cfg: DrafterConfig) -> Rotary:
+        """The drafter's RoPE tables (built again on the load device after a meta-device build)."""
+        return Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor,
+                      max_position_embeddings=cfg.max_position_embeddings)
 
     @staticmethod
     def from_pretrained(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
@@ -169,8 +174,7 @@ class DFlashDrafter(nn.Module):
             if not all_finite(state[k]):  # e.g. a diverged training run
                 raise DFlashError(f"drafter weight {name(k)} holds NaN or infinite values (a corrupt or diverged checkpoint)")
         model.load_state_dict(state, strict=True, assign=True)
-        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor,
-                              max_position_embeddings=cfg.max_position_embeddings).to(device)
+        model.rotary = model.make_rotary(cfg).to(device)
         return model.eval()
 
     def adapt_checkpoint(self, state: dict[str, torch.Tensor], model_dir: Path) -> dict[str, torch.Tensor]:

@@ -58,7 +58,7 @@ from .config import (ROPE_SCALING_KEYS, MoEConfig, TargetConfig, _rope, base_tar
                      check_layer_types, number_field)
 from .layers import MLP, RMSNorm
 from .minimax_m2 import SigmoidRoutedMoE
-from .moe import dispatch_experts, fuse_expert_weights
+from .moe import fuse_expert_weights
 from .rope import Rotary
 from .target import DecoderLayer, TargetModel
 
@@ -331,6 +331,18 @@ def parse_config(cfg: dict) -> LagunaConfig:
     return LagunaConfig(**fields)
 
 
+def softplus_gated(attended: torch.Tensor, gate: torch.Tensor, heads: int, per_head: bool) -> torch.Tensor:
+    """Laguna's output gate: ``attended`` ``[T, heads * head_dim]`` times ``softplus(gate)``
+    (computed in float32, cast to ``attended``'s dtype); ``gate`` ``[T, heads]`` broadcast over
+    each head's channels (``per_head``) or ``[T, heads * head_dim]``. (The target's attention and
+    the Laguna DFlash drafter's layers share it.)"""
+    g = F.softplus(gate.float()).to(attended.dtype)
+    if not per_head:
+        return attended * g
+    t = attended.shape[0]
+    return (attended.view(t, heads, -1) * g[..., None]).view(t, -1)
+
+
 class LagunaAttention(Attention):
     """Laguna attention (see the module docstring): per-head q/k RMSNorm, RoPE, and the
     output times ``softplus(g_proj(h))``; ``g_proj.weight`` ``[heads, hidden]`` (a gate per
@@ -351,16 +363,8 @@ class LagunaAttention(Attention):
         return super().query_gate(x, cos, sin)[0], self.g_proj(x)
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """``o_proj(attended * softplus(gate))`` for ``attended`` ``[T, heads * head_dim]``: the
-        softplus in float32, cast to ``attended``'s dtype, a per-head gate broadcast over its
-        ``head_dim`` channels."""
-        g = F.softplus(gate.float()).to(attended.dtype)
-        if self.gate_per_head:
-            t = attended.shape[0]
-            attended = (attended.view(t, self.heads, self.head_dim) * g[..., None]).view(t, -1)
-        else:
-            attended = attended * g
-        return self.o_proj(attended)
+        """``o_proj`` of ``attended`` ``[T, heads * head_dim]`` gated by :func:`softplus_gated`."""
+        return self.o_proj(softplus_gated(attended, gate, self.heads, self.gate_per_head))
 
 
 class LagunaMoE(SigmoidRoutedMoE):
@@ -389,10 +393,7 @@ class LagunaMoE(SigmoidRoutedMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H]`` -> ``experts(x) * routed_scaling_factor + shared_experts(x)`` ``[T, H]``
         (``x.dtype``)."""
-        weights, experts = self.route(x)
-        e = self.experts
-        out = dispatch_experts(x, experts, weights, e.gate_up_proj, e.down_proj, **e.quantization())
-        out = out * self.routed_scaling_factor
+        out = super().forward(x) * self.routed_scaling_factor  # (the routed experts: no shared expert there)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 

@@ -39,12 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import DFlashError
 from .config import DrafterConfig, check_int, object_field, refuse_quantized
 from .drafter import DFlashDrafter, DraftLayer
+from .laguna import softplus_gated
 from .layers import RMSNorm
 from .rope import rotary_dim
 
@@ -214,12 +214,7 @@ class LagunaDraftLayer(DraftLayer):
     def attention_output(self, attended: torch.Tensor, state: object, block_len: int) -> torch.Tensor:
         attn = self.self_attn
         if attn.g_proj is not None:
-            gate = F.softplus(attn.g_proj(state).float()).to(attended.dtype)
-            if self.gating == "per-head":
-                rows = attended.shape[0]
-                attended = (attended.view(rows, attn.heads, attn.head_dim) * gate[..., None]).reshape(rows, -1)
-            else:
-                attended = attended * gate
+            attended = softplus_gated(attended, attn.g_proj(state), attn.heads, self.gating == "per-head")
         return attn.o_proj(attended)
 
 

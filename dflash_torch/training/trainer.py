@@ -32,7 +32,6 @@ from ..errors import DFlashError
 from ..models.config import (DFlash2Settings, DrafterConfig, TargetConfig, default_target_layer_ids, fill_mask_token_id,
                              needs_mask_token_id, validate_pair)
 from ..models.drafter import DFlashDrafter, drafter_class
-from ..models.rope import Rotary
 from ..models.target import TargetModel
 from .data import (
     Example, TrainingData, collate, corpus_files, read_corpus, step_generator, tokenize_conversation, tokenize_documents,
@@ -527,8 +526,7 @@ class Trainer:
         self.log(f"data: {data_stats}")
 
         drafter = drafter_class(dcfg)(dcfg)
-        drafter.rotary = Rotary(dcfg.head_dim, dcfg.rope_theta, dcfg.rope_scaling,
-                                 max_position_embeddings=dcfg.max_position_embeddings)
+        drafter.rotary = drafter.make_rotary(dcfg)
         init_drafter_weights(drafter)
         if cfg.init_from_target:
             copy_target_layers(drafter, target)
