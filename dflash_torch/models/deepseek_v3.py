@@ -285,12 +285,18 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.heads, self.nope_dim + self.v_dim, self.rank)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                q_resid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[T, hidden]`` -> absorbed queries ``[H, T, kv_lora_rank + qk_rope_head_dim]``
         (``[q_nope @ W_uk, rotated q_pe]``) and the latent rows ``[T, kv_lora_rank +
-        qk_rope_head_dim]`` (``[kv_a_layernorm(c), rotated k_pe]``), in ``x.dtype``."""
+        qk_rope_head_dim]`` (``[kv_a_layernorm(c), rotated k_pe]``), in ``x.dtype``.
+        ``q_resid``: ``q_a_layernorm(q_a_proj(x))`` when the caller has it already (computed
+        here otherwise)."""
         t = x.shape[0]
-        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)) if q_resid is None else q_resid)
         q = q.view(t, self.heads, self.nope_dim + self.rope_dim).transpose(0, 1)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)

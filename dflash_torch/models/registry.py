@@ -32,6 +32,8 @@ FAMILIES = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k25": "deepseek_v3",
     "glm4_moe_lite": "glm4_moe_lite",
+    "deepseek_v32": "deepseek_v32",
+    "glm_moe_dsa": "deepseek_v32",
     "deepseek_v4": "deepseek_v4",
     "laguna": "laguna",
 }

@@ -4,7 +4,8 @@ intermediate layer outputs (the DFlash context features).
 
 :class:`TargetModel` is the shared decoder; each family module (``llama.py``,
 ``qwen3_moe.py``, ``qwen3_5.py``, ``qwen3_next.py``, ``gpt_oss.py``, ``muse_glimmer.py``, ``gemma4.py``,
-``minimax_m2.py``, ``deepseek_v3.py``, ``deepseek_v4.py``, ``laguna.py``, ``glm4_moe_lite.py`` on ``deepseek_v3.py``)
+``minimax_m2.py``, ``deepseek_v3.py``, ``deepseek_v4.py``, ``laguna.py``, ``glm4_moe_lite.py`` and
+``deepseek_v32.py`` on ``deepseek_v3.py``)
 says how its config reads, which layers it builds and how its checkpoint's weight names
 map onto them.
 :func:`dflash_torch.models.registry.family` finds the module of a ``model_type``.
@@ -12,7 +13,7 @@ map onto them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -102,12 +103,15 @@ class _Backbone(nn.Module):
 class _Step:
     """What every attention layer of one forward shares: ``rope``, the cos/sin tables per
     :attr:`DecoderLayer.rope_key`; ``biases``, the additive mask per (sliding window, query
-    heads per key/value head), window None for full causal attention."""
+    heads per key/value head), window None for full causal attention; ``carried``, what a
+    layer leaves for later layers of the same forward (DeepSeek Sparse Attention: the last
+    indexer's sparse mask, which GLM-MoE-DSA's "shared" layers reuse)."""
 
     positions: torch.Tensor
     rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]]
     biases: dict[tuple[int | None, int], torch.Tensor]
     kv_len: int | None
+    carried: dict = field(default_factory=dict)
 
 
 def visible_rows(positions: torch.Tensor, span: int, window: int | None, rows: int | None) -> torch.Tensor:
