@@ -25,7 +25,9 @@ Layout as in transformers' ``modular_deepseek_v32.py`` and ``modular_glm_moe_dsa
   ``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0`` (defaults 2 and 1: every
   layer full). DeepSeek-V3.2 runs an indexer on every layer.
 * **MLP**: a dense SwiGLU MLP or DeepSeek-V3's mixture of experts per ``mlp_layer_types``
-  (default: the first ``first_k_dense_replace`` layers dense), router as DeepSeek-V3's.
+  (default: the first ``first_k_dense_replace`` layers dense; when both are given
+  ``mlp_layer_types`` wins, as in transformers, whose saved configs hold both), router as
+  DeepSeek-V3's.
 
 **Cache.** The indexer's key is one row per token, like the latent: a layer with an indexer
 caches ``[c, k_pe, index_k]`` (``kv_lora_rank + qk_rope_head_dim + index_head_dim`` = 704
@@ -162,6 +164,7 @@ def parse_config(cfg: dict) -> DsaConfig:
             than ``"indexed_attention"`` per layer; a null ``first_k_dense_replace`` without
             ``mlp_layer_types``; those of :func:`indexer_types`, of
             :func:`glm4_moe_lite.mlp_layer_types <dflash_torch.models.glm4_moe_lite.mlp_layer_types>`
+            (not ``num_hidden_layers`` values of ``"dense"`` / ``"sparse"``)
             and of :func:`deepseek_v3.parse_config <dflash_torch.models.deepseek_v3.parse_config>`
             (routing, shapes, partial rotary factor, ...).
     """
@@ -191,7 +194,8 @@ def parse_config(cfg: dict) -> DsaConfig:
             raise DFlashError("target config.json has null first_k_dense_replace (and no mlp_layer_types)")
         dense = min(first, layers)
         text["mlp_layer_types"] = ["dense"] * dense + ["sparse"] * (layers - dense)
-    sparse = glm4_moe_lite.mlp_layer_types(text)
+    # (mlp_layer_types wins over first_k_dense_replace, as in transformers, which saves both)
+    sparse = glm4_moe_lite.mlp_layer_types({k: v for k, v in text.items() if k != "first_k_dense_replace"})
     # first_k_dense_replace only to satisfy deepseek_v3's parse: the layers are set from mlp_layer_types below
     dropped = ("mlp_layer_types", "layer_types", "rope_interleave", *GLM_ONLY_KEYS)
     base = deepseek_v3.parse_config({k: v for k, v in text.items() if k not in dropped} | {"first_k_dense_replace": 0})
