@@ -88,7 +88,9 @@ def checkpoint(request, tmp_path_factory, tokenizer_dir):
 def agree_pair(request, tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp(f"{request.param}-agree")
     target = make_dsa_target(root / "target", request.param, seed=1)
-    return make_agreeable(target, tokenizer_dir, root, request.param, alpha=1.0, beta=5.0, self_scale=0.3)
+    # (c's own share of u, tuned so that rounds accept from 1 to 16 tokens, with both kinds of rounds common)
+    self_scale = {"deepseek_v32": 0.6, "glm_moe_dsa": 0.3}[request.param]
+    return make_agreeable(target, tokenizer_dir, root, request.param, alpha=1.0, beta=5.0, self_scale=self_scale)
 
 
 @pytest.mark.parametrize("pieces,static", [([30], False), ([11, 1, 7, 11], False), ([16, 14], True)])
@@ -251,10 +253,11 @@ def test_prefix_reuse_decodes_as_without(agree_pair):
 
 def test_bfloat16_speculative_decoding_is_the_target_s_own_but_near_ties(agree_pair):
     """bfloat16: speculative decoding commits target-only decoding's tokens, but where a
-    batched verify flips a near-tie of the target (DESIGN.md), with drafts accepted."""
+    batched verify flips a near-tie of the target (DESIGN.md), with rounds accepting two
+    drafts or more."""
     from test_fp8 import bfloat16_near_tie_taus
 
-    assert max(bfloat16_near_tie_taus(agree_pair)) > 4
+    assert max(bfloat16_near_tie_taus(agree_pair)) > 2
 
 
 def test_the_multi_token_prediction_layer_is_not_read(checkpoint, tmp_path):
