@@ -16,7 +16,8 @@ the sparsity bites; 8 experts in 4 groups, the first layer dense; GLM's middle l
   bfloat16 == target-only but at near-ties);
 * the multi-token-prediction layer is not read; bad configs are refused in one line; the
   published shapes (transformers' defaults) are read as transformers reads them; fine-grained
-  FP8 == transformers' own loading of it, kept packed == dequantized bit for bit.
+  FP8 == transformers' own loading of it, compressed-tensors W4A16 == the library's own
+  dequantization; kept packed == dequantized bit for bit.
 """
 
 from __future__ import annotations
@@ -403,3 +404,32 @@ def test_fp8_checkpoint_equals_transformers_and_packed_equals_dequantized(checkp
         assert attn.kv_b_proj.weight.dtype == dtype
         assert torch.equal(forward_in_pieces(packed, IDS, [20, 10], False)[0],
                            forward_in_pieces(ours, IDS, [20, 10], False)[0]), dtype
+
+
+def test_int4_weights_equal_the_librarys_dequantization_and_packed_the_dequantized(checkpoint, tmp_path):
+    """compressed-tensors W4A16 (``pack-quantized``, symmetric, groups of 16; every projection,
+    the indexer's too): dequantized when loading, our weights equal our model loaded from
+    compressed-tensors' own dequantization bit for bit, in float32 and bfloat16 (the router
+    float32); kept packed (the indexer's linears packed, ``kv_b_proj`` dequantized when loading),
+    the logits equal the dequantized model's bit for bit."""
+    from test_packed_int import _packed_layers, library_dequantized, to_packed
+
+    from dflash_torch.models.packed_int import IntLinear
+
+    target_dir, _ = checkpoint
+    quantized = to_packed(target_dir, tmp_path / "int4", 4, 16,
+                          suffixes=("_proj.weight", "_proj_with_mqa.weight", ".wq_b.weight", ".wk.weight"))
+    assert load_file(str(quantized / "model.safetensors"))[
+        "model.layers.0.self_attn.indexer.wk.weight_packed"].dtype == torch.int32
+    oracle = library_dequantized(quantized, tmp_path / "oracle", 4, 16)
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = TargetModel.from_pretrained(quantized, dtype, int_weights="dequantize")
+        mine = plain.state_dict()
+        assert_same_weights(mine, TargetModel.from_pretrained(oracle, dtype).state_dict(), dtype)
+        assert mine["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+        packed = TargetModel.from_pretrained(quantized, dtype, int_weights="packed")
+        linears, experts = _packed_layers(packed)
+        attn = packed.model.layers[0].self_attn
+        assert experts == 2 and isinstance(attn.indexer.wq_b, IntLinear) and attn.kv_b_proj.weight.dtype == dtype
+        assert torch.equal(forward_in_pieces(packed, IDS, [20, 10], False)[0],
+                           forward_in_pieces(plain, IDS, [20, 10], False)[0]), dtype

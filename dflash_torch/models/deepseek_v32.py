@@ -53,7 +53,8 @@ Checkpoints: as :mod:`.deepseek_v3` (per-expert weights stacked; the multi-token
 layers ``model.layers.{num_hidden_layers + i}.*``, ``i < num_nextn_predict_layers`` (layer 61 of
 DeepSeek-V3.2, 78 of GLM-5), not read; any other unknown weight refused). Fine-grained FP8
 (DeepSeek-V3.2's and GLM-5-FP8's format) loads through :mod:`.fp8`, the indexer's FP8 linears
-included (kept FP8 with ``--fp8 packed``, as every linear but ``kv_b_proj``).
+included (kept FP8 with ``--fp8 packed``, as every linear but ``kv_b_proj``); compressed-tensors
+``pack-quantized`` integers through :mod:`.packed_int` likewise (``--int-weights packed``).
 """
 
 from __future__ import annotations
