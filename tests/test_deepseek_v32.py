@@ -340,6 +340,10 @@ GLM = {**TEXT, "model_type": "glm_moe_dsa", "index_topk": 4}
     ({**V32, "index_n_heads": 2.5}, r"^target config.json index_n_heads must be an integer >= 1, got 2.5$"),
     ({**V32, "index_head_dim": 4}, r"^target index_head_dim 4 < qk_rope_head_dim 8: "),
     ({**V32, "rope_interleave": False}, r"^target config.json rope_interleave False is not supported"),
+    ({**GLM, "indexer_rope_interleave": False},
+     r"^target config.json indexer_rope_interleave False is not supported for glm_moe_dsa: .* in interleaved pairs"),
+    ({**V32, "indexer_rope_interleave": True}, r"^target config.json indexer_rope_interleave True is not supported "
+                                               r"for deepseek_v32: .* in consecutive halves"),
     ({**V32, "index_topk_pattern": "FSF"}, r"^target config.json index_topk_pattern is a glm_moe_dsa key"),
     ({**GLM, "indexer_types": ["full", "shared"]},
      r"^target config.json indexer_types must give 'full' or 'shared' for each of the 3 layers, got \['full', 'shared'\]$"),
@@ -433,3 +437,37 @@ def test_int4_weights_equal_the_librarys_dequantization_and_packed_the_dequantiz
         assert experts == 2 and isinstance(attn.indexer.wq_b, IntLinear) and attn.kv_b_proj.weight.dtype == dtype
         assert torch.equal(forward_in_pieces(packed, IDS, [20, 10], False)[0],
                            forward_in_pieces(plain, IDS, [20, 10], False)[0]), dtype
+
+
+def test_a_glm_5_config_as_published_reads_as_transformers_reads_it():
+    """A GLM-5-series config.json as zai-org publishes them (the keys transformers 5.x saves plus
+    those vLLM reads: ``indexer_rope_interleave`` true, ``index_share_for_mtp_iteration``,
+    ``moe_router_dtype``, ``head_dim`` 192 / ``qk_head_dim`` 256; an indexer on layers 0-2 and every
+    fourth from 6, the others shared): the layers that run an indexer, the experts, the shapes and the stop tokens are
+    transformers'; the same config with ``indexer_types`` written out reads the same."""
+    import transformers
+
+    published = {
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "attention_bias": False,
+        "eos_token_id": [154820, 154827, 154829], "first_k_dense_replace": 3, "head_dim": 192, "hidden_act": "silu",
+        "hidden_size": 6144, "index_head_dim": 128, "index_n_heads": 32, "index_share_for_mtp_iteration": True,
+        "index_skip_topk_offset": 3, "index_topk": 2048, "index_topk_freq": 4, "index_topk_pattern": None,
+        "indexer_rope_interleave": True, "intermediate_size": 12288, "kv_lora_rank": 512,
+        "max_position_embeddings": 1048576, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+        "moe_router_dtype": "float32", "n_group": 1, "n_routed_experts": 256, "n_shared_experts": 1,
+        "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 8, "num_hidden_layers": 78,
+        "num_key_value_heads": 64, "num_nextn_predict_layers": 1, "pad_token_id": 154820, "q_lora_rank": 2048,
+        "qk_head_dim": 256, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05,
+        "rope_interleave": True, "rope_parameters": {"rope_theta": 8000000, "rope_type": "default"},
+        "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False, "topk_group": 1,
+        "topk_method": "noaux_tc", "vocab_size": 154880}
+    hf = transformers.GlmMoeDsaConfig(**{k: v for k, v in published.items()
+                                         if k not in ("architectures", "model_type")})
+    ours = TargetConfig.from_dict(published)
+    assert ours.indexer_full == [t == "full" for t in hf.indexer_types]
+    assert [i for i, full in enumerate(ours.indexer_full) if full] == [0, 1, 2, *range(6, 78, 4)]
+    assert ours.moe_layers == [t == "sparse" for t in hf.mlp_layer_types]
+    assert (ours.num_hidden_layers, ours.q_lora_rank, ours.v_head_dim, ours.index_n_heads, ours.index_interleave,
+            ours.eos_token_ids, ours.rope_theta) == (78, 2048, 256, 32, True, [154820, 154827, 154829], 8000000)
+    written = TargetConfig.from_dict({**published, "indexer_types": hf.indexer_types})
+    assert written.indexer_full == ours.indexer_full

@@ -12,10 +12,15 @@ Layout as in transformers' ``modular_deepseek_v32.py`` and ``modular_glm_moe_dsa
   the attention's own query latent), ``index_n_heads`` heads of ``index_head_dim``; its key, one
   per token, is ``k_norm(wk(x))`` (``k_norm`` a LayerNorm with bias, eps 1e-6). RoPE (the
   attention's tables) rotates the first ``qk_rope_head_dim`` channels of both: consecutive halves
-  for DeepSeek-V3.2, interleaved pairs for GLM-MoE-DSA. A query's score of a key is
+  for DeepSeek-V3.2, interleaved pairs for GLM-MoE-DSA (a config's ``indexer_rope_interleave``,
+  which vLLM reads and transformers does not, must agree). A query's score of a key is
   ``sum_h w_h * relu(q_h . k) / sqrt(index_head_dim)`` in float32, ``w = weights_proj(x) /
   sqrt(index_n_heads)``; over the keys the causal mask lets it see, the ``index_topk`` best are
   the only ones its attention reads (all of them while it sees no more than ``index_topk``).
+  DeepSeek's reference inference code and vLLM score with queries and keys rotated by a Hadamard
+  transform (dot products unchanged) and quantized to FP8; transformers and dflash-torch score
+  the unquantized values, so where two keys' scores are within FP8's rounding the keys chosen can
+  differ from those engines' (the output stays the target's own, as dflash-torch computes it).
   ``weights_proj`` runs in the model's dtype (transformers keeps it float32 only for float16,
   which dflash-torch does not run).
 * **Shared layers** (GLM-MoE-DSA): ``indexer_types`` says per layer ``"full"`` (runs its
@@ -161,7 +166,9 @@ def parse_config(cfg: dict) -> DsaConfig:
         DFlashError: one line: a null ``q_lora_rank`` (transformers' DSA attention always has
             the query's low rank); ``rope_interleave`` false (transformers' classes always
             interleave); a null or non-positive ``index_topk`` / ``index_head_dim`` /
-            ``index_n_heads``; ``index_head_dim`` < ``qk_rope_head_dim``; ``layer_types`` other
+            ``index_n_heads``; ``index_head_dim`` < ``qk_rope_head_dim``; an
+            ``indexer_rope_interleave`` other than the model type's (true for ``glm_moe_dsa``,
+            false for ``deepseek_v32``: transformers ignores the key, vLLM follows it); ``layer_types`` other
             than ``"indexed_attention"`` per layer; a null ``first_k_dense_replace`` without
             ``mlp_layer_types``; those of :func:`indexer_types`, of
             :func:`glm4_moe_lite.mlp_layer_types <dflash_torch.models.glm4_moe_lite.mlp_layer_types>`
@@ -181,6 +188,12 @@ def parse_config(cfg: dict) -> DsaConfig:
     if text.get("rope_interleave") not in (None, True):
         raise DFlashError(f"target config.json rope_interleave {text['rope_interleave']!r} is not supported: "
                           f"transformers' {cfg.get('model_type')} always rotates interleaved pairs")
+    said = text.get("indexer_rope_interleave")
+    if said is not None and said is not glm:
+        raise DFlashError(f"target config.json indexer_rope_interleave {said!r} is not supported for "
+                          f"{cfg.get('model_type')}: transformers' class rotates the indexer's channels "
+                          f"{'in interleaved pairs' if glm else 'in consecutive halves'} whatever it says, vLLM "
+                          "follows the key: the two would run different models")
     if text["index_head_dim"] < text["qk_rope_head_dim"]:
         raise DFlashError(f"target index_head_dim {text['index_head_dim']} < qk_rope_head_dim "
                           f"{text['qk_rope_head_dim']}: the indexer rotates its first qk_rope_head_dim channels")
