@@ -471,3 +471,30 @@ def test_a_glm_5_config_as_published_reads_as_transformers_reads_it():
             ours.eos_token_ids, ours.rope_theta) == (78, 2048, 256, 32, True, [154820, 154827, 154829], 8000000)
     written = TargetConfig.from_dict({**published, "indexer_types": hf.indexer_types})
     assert written.indexer_full == ours.indexer_full
+
+
+def test_a_shared_layer_s_indexer_weights_are_not_read(checkpoint, tmp_path):
+    """A GLM-MoE-DSA checkpoint that keeps an indexer on a "shared" layer (layer 1 of the "FSF"
+    tiny model: a copy of layer 0's), as checkpoints trained with every indexer may, loads and
+    decodes as the one without (transformers builds none there); a full layer's indexer weights
+    missing are still refused."""
+    target_dir, _ = checkpoint
+    if TargetConfig.from_dict(json.loads((target_dir / "config.json").read_text())).indexer_full[1]:
+        pytest.skip("every layer of this model type runs an indexer")
+
+    def add_indexer(w):
+        for key in [k for k in w if k.startswith("model.layers.0.self_attn.indexer.")]:
+            w[key.replace("model.layers.0.", "model.layers.1.")] = w[key].clone()
+
+    kept = edited_checkpoint(target_dir, tmp_path / "kept", state=add_indexer)
+    torch.testing.assert_close(_logits(TargetModel.from_pretrained(kept, torch.float32)),
+                               _logits(TargetModel.from_pretrained(target_dir, torch.float32)), rtol=0, atol=0)
+
+    def drop_indexer(w):
+        for key in [k for k in w if k.startswith("model.layers.2.self_attn.indexer.wk.")]:
+            del w[key]
+
+    with pytest.raises(DFlashError, match=r"model\.layers\.2\.self_attn\.indexer\.wk\.weight") as err:
+        TargetModel.from_pretrained(edited_checkpoint(target_dir, tmp_path / "missing", state=drop_indexer),
+                                    torch.float32)
+    assert "\n" not in str(err.value)

@@ -56,7 +56,8 @@ the causal one with the unchosen keys masked; shared layers reuse the last full 
 
 Checkpoints: as :mod:`.deepseek_v3` (per-expert weights stacked; the multi-token-prediction
 layers ``model.layers.{num_hidden_layers + i}.*``, ``i < num_nextn_predict_layers`` (layer 61 of
-DeepSeek-V3.2, 78 of GLM-5), not read; any other unknown weight refused). Fine-grained FP8
+DeepSeek-V3.2, 78 of GLM-5), not read; nor the indexer weights a checkpoint may hold for a
+"shared" layer, which runs none; any other unknown weight refused). Fine-grained FP8
 (DeepSeek-V3.2's and GLM-5-FP8's format) loads through :mod:`.fp8`, the indexer's FP8 linears
 included (kept FP8 with ``--fp8 packed``, as every linear but ``kv_b_proj``); compressed-tensors
 ``pack-quantized`` integers through :mod:`.packed_int` likewise (``--int-weights packed``).
@@ -313,6 +314,29 @@ class Model(deepseek_v3.Model):
         layer = super().make_layer(index, kind, slot)
         layer.self_attn = SparseLatentAttention(self.config, self.config.indexer_full[index])
         return layer
+
+    @staticmethod
+    def _shared_indexer(cfg: DsaConfig, key: str) -> bool:
+        """Whether ``key`` is an indexer weight of a decoder layer that shares the choice of the
+        last full layer (and so runs no indexer)."""
+        if not key.startswith("model.layers.") or ".self_attn.indexer." not in key:
+            return False
+        index = key.split(".")[2]
+        return index.isdigit() and int(index) < cfg.num_hidden_layers and not cfg.indexer_full[int(index)]
+
+    @classmethod
+    def checkpoint_keys(cls, cfg: DsaConfig, key: str) -> bool:
+        """As DeepSeek-V3's (the multi-token-prediction layers are not read), and a "shared"
+        layer's indexer weights are not read either: a checkpoint may keep every layer's indexer
+        while its ``indexer_types`` has some layers reuse another's choice, which then never run
+        (transformers builds no indexer on those layers and ignores the weights)."""
+        return super().checkpoint_keys(cfg, key) and not cls._shared_indexer(cfg, key)
+
+    @classmethod
+    def check_skipped(cls, cfg: DsaConfig, skipped: set[str], model_dir) -> None:
+        """DeepSeek-V3's check of the multi-token-prediction layers skipped (the shared layers'
+        indexer weights are skipped by design)."""
+        super().check_skipped(cfg, {k for k in skipped if not cls._shared_indexer(cfg, k)}, model_dir)
 
     @staticmethod
     def _self_attention(layer: DecoderLayer, h: torch.Tensor, kv: KVCache, step: _Step) -> torch.Tensor:
