@@ -627,7 +627,8 @@ ASSISTANT_ROPE_THETA = 500000.0
 
 @dataclass
 class DrafterConfig:
-    """Shape and DFlash settings of a drafter (no embedding, no LM head of its own)."""
+    """Shape and DFlash settings of a drafter (an embedding table and LM head of its own only
+    where ``own_embedding`` / ``own_lm_head`` or a format's settings say so)."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -653,6 +654,10 @@ class DrafterConfig:
     speculators: "SpeculatorsSettings | None" = None  # set for a Speculators-format drafter (models/speculators.py)
     target_hidden_size: int | None = None  # values of one target layer's feature row; None: hidden_size
     laguna: "LagunaDraftSettings | None" = None  # set for a Laguna DFlash drafter (models/laguna_drafter.py)
+    # a DFlash-format drafter's own embed_tokens / lm_head (config.json has_embed_tokens / has_lm_head; None: whether
+    # its checkpoint ships embed_tokens.weight / lm_head.weight, decided when loading it); False for the other formats
+    own_embedding: bool | None = False
+    own_lm_head: bool | None = False
 
     @property
     def partial_rotary_factor(self) -> float:
@@ -761,6 +766,14 @@ class DrafterConfig:
             raise DFlashError("drafter layer_types uses sliding_attention but sliding_window is not set")
         theta, scaling = _rope(cfg, "drafter")
         v2 = DFlash2Settings.from_dict(cfg, cfg["hidden_size"], cfg.get("vocab_size")) if "DFlash2DraftModel" in archs else None
+        own = {key: cfg.get(key) if cfg.get(key) is None else bool_field(cfg, key, "drafter", False)
+               for key in ("has_embed_tokens", "has_lm_head")}
+        if v2 is not None and any(own.values()):
+            raise DFlashError("drafter config.json: a DFlash 2 drafter with its own embedding table or LM head "
+                              "(has_embed_tokens / has_lm_head true) is not supported")
+        if (own["has_embed_tokens"] or own["has_lm_head"]) and not isinstance(cfg.get("vocab_size"), int):
+            raise DFlashError("drafter config.json has_embed_tokens / has_lm_head true needs vocab_size (the rows of "
+                              "its own table)")
         causal = block_causality(cfg, dflash, layer_types, plain=not assistant and v2 is None)
         return cls(
             hidden_size=cfg["hidden_size"],
@@ -784,6 +797,8 @@ class DrafterConfig:
             checkpoint_names=dict(ASSISTANT_WEIGHTS) if assistant else {},
             hidden_act="silu" if act in SILU_NAMES else "gelu_tanh",
             causal_layers=causal,
+            own_embedding=False if v2 is not None else own["has_embed_tokens"],
+            own_lm_head=False if v2 is not None else own["has_lm_head"],
         )
 
     def to_dict(self) -> dict:
@@ -828,6 +843,9 @@ class DrafterConfig:
                 raise DFlashError("a DFlash-format config.json says one block causality for every layer (is_causal); "
                                   f"this drafter has {causal}")
             cfg["is_causal"] = causal[0]
+        for key, own in (("has_embed_tokens", self.own_embedding), ("has_lm_head", self.own_lm_head)):
+            if own:
+                cfg[key] = True
         if self.rope_scaling:
             cfg["rope_scaling"] = self.rope_scaling
         if self.max_position_embeddings is not None:

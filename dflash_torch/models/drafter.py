@@ -95,9 +95,12 @@ class DraftLayer(nn.Module):
 
 class DFlashDrafter(nn.Module):
     """DFlash draft model. Parameter names match published checkpoints:
-    ``layers.*``, ``fc``, ``hidden_norm``, ``norm``. It has no embedding and no LM
-    head: callers embed the block with the target's ``embed_tokens`` and apply the
-    target's ``lm_head`` to the output.
+    ``layers.*``, ``fc``, ``hidden_norm``, ``norm``. As the DFlash reference's, it embeds
+    the block with the target's ``embed_tokens`` and applies the target's ``lm_head`` to the
+    output; a self-contained checkpoint that ships its own ``embed_tokens.weight``
+    (``[vocab, hidden]``) or ``lm_head.weight`` (``[vocab, hidden]``) uses those instead, as
+    vLLM's DFlash drafters do (config.json ``has_embed_tokens`` / ``has_lm_head``; absent:
+    whether the checkpoint ships them).
 
     Drafting is split in two so that the decoding loop serves every drafter family
     alike: :meth:`draft_scores` (tensor work only, no sampling parameters: the part a
@@ -117,6 +120,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = self.make_rotary(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if cfg.own_embedding else None
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if cfg.own_lm_head else None
 
     @staticmethod
     def make_rotary(cfg: DrafterConfig) -> Rotary:
@@ -146,6 +151,14 @@ class DFlashDrafter(nn.Module):
             from .speculators import match_checkpoint
 
             match_checkpoint(cfg, tensor_names(model_dir))
+        elif None in (cfg.own_embedding, cfg.own_lm_head):  # (not said in config.json: as the checkpoint has them)
+            names = tensor_names(model_dir)
+            for attr, name in (("own_embedding", "embed_tokens.weight"), ("own_lm_head", "lm_head.weight")):
+                if getattr(cfg, attr) is None:
+                    setattr(cfg, attr, name in names)
+            if (cfg.own_embedding or cfg.own_lm_head) and not isinstance(cfg.vocab_size, int):
+                raise DFlashError(f"drafter checkpoint {model_dir} ships its own embed_tokens / lm_head, but its "
+                                  "config.json has no vocab_size (the rows of that table)")
         with torch.device("meta"):
             model = drafter_class(cfg)(cfg)
         check_fits(model, dtype, device, "drafter")
@@ -187,9 +200,18 @@ class DFlashDrafter(nn.Module):
         return list(self.config.target_layer_ids)
 
     def share_with(self, target) -> int:
-        """Drop the drafter's copies of target weights in favour of the target's own; returns
-        the bytes freed (none here: a DFlash drafter keeps no copies)."""
-        return 0
+        """Drop the drafter's own embedding table / LM head where they equal the target's bit
+        for bit (a self-contained checkpoint's copies), reading the target's rows and head
+        instead (as stored, as the copies gave them); returns the bytes freed."""
+        freed = 0
+        if self.embed_tokens is not None and same_tensor(self.embed_tokens.weight, target.model.embed_tokens.weight):
+            freed += self.embed_tokens.weight.nbytes
+            self.embed_tokens = None
+        head = getattr(target.lm_head, "weight", None)
+        if self.lm_head is not None and head is not None and same_tensor(self.lm_head.weight, head):
+            freed += self.lm_head.weight.nbytes
+            self.lm_head = None
+        return freed
 
     def kv_windows(self) -> list[int | None]:
         """What each layer's cache must keep for a block (tokens; None: every position): the
@@ -220,7 +242,13 @@ class DFlashDrafter(nn.Module):
 
     def embed(self, target, tokens: torch.Tensor) -> torch.Tensor:
         """The block's token embeddings ``[..., hidden]`` of int64 ``tokens`` ``[...]``: the
-        target's (:meth:`TargetModel.embed`, as the DFlash reference embeds its blocks)."""
+        target's (:meth:`TargetModel.embed`, as the DFlash reference embeds its blocks); with
+        an embedding table of its own, its rows as stored (no family scale), also once
+        :meth:`share_with` has swapped an equal copy for the target's table."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens(tokens)
+        if self.config.own_embedding:
+            return target.model.embed_tokens(tokens)
         return target.embed(tokens)
 
     def block_input(self, block_embeds: torch.Tensor) -> torch.Tensor:
@@ -339,7 +367,13 @@ class DFlashDrafter(nn.Module):
         """The draft logits ``[..., V]`` of final hidden rows ``slots`` ``[..., hidden]``: the
         target's LM head with the target's own output scale (:meth:`TargetModel.output_logits`;
         Muse Glimmer's multiplier and soft cap), as the DFlash reference's drafters take it, so
-        that sampled drafts are on the target's scale. (The same for training and decoding.)"""
+        that sampled drafts are on the target's scale. (The same for training and decoding.)
+        With an LM head of its own: that head's logits as they are (no output scale or soft
+        cap), also once :meth:`share_with` has swapped an equal copy for the target's head."""
+        if self.lm_head is not None:
+            return self.lm_head(slots)
+        if self.config.own_lm_head:
+            return target.logits(slots)
         return target.output_logits(slots)
 
     def choose_draft(self, scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -445,3 +479,8 @@ class RecomputedContext:
         feats = torch.cat(self.features, dim=0)
         self.features = [feats]
         return drafter.context_kv(feats, torch.arange(feats.shape[0], device=feats.device))
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same values in the same shape, dtype and device."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)

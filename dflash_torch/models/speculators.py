@@ -41,7 +41,7 @@ from torch import nn
 
 from ..errors import DFlashError
 from .config import DrafterConfig, bool_field, check_int, object_field, refuse_quantized
-from .drafter import DFlashDrafter, DraftLayer
+from .drafter import DFlashDrafter, DraftLayer, same_tensor
 
 DEFAULT_DRAFT_VOCAB = 32000  # speculators' DFlashSpeculatorConfig defaults
 DEFAULT_BLOCK_SIZE = 8
@@ -278,11 +278,11 @@ class SpeculatorsDrafter(DFlashDrafter):
         bytes freed."""
         freed = 0
         table = target.model.embed_tokens.weight
-        if self.embed_tokens is not None and _same(self.embed_tokens.weight, table):
+        if self.embed_tokens is not None and same_tensor(self.embed_tokens.weight, table):
             freed += self.embed_tokens.weight.nbytes
             self.embed_tokens = None
         head = getattr(target.lm_head, "weight", None)
-        if self.lm_head is not None and self.d2t is None and head is not None and _same(self.lm_head.weight, head):
+        if self.lm_head is not None and self.d2t is None and head is not None and same_tensor(self.lm_head.weight, head):
             freed += self.lm_head.weight.nbytes
             self.lm_head = None
         return freed
@@ -327,6 +327,3 @@ class SpeculatorsDrafter(DFlashDrafter):
             return k_pos <= last
         return (k_pos >= positions[..., :1, None] - layer.sliding_window) & (k_pos <= last)
 
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
