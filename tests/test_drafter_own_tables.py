@@ -128,3 +128,16 @@ def test_the_config_written_says_what_it_has():
     assert written["has_embed_tokens"] is True and "has_lm_head" not in written
     assert DrafterConfig.from_dict(written).own_embedding is True
     assert "has_embed_tokens" not in DrafterConfig(**base).to_dict()
+
+
+def test_training_from_a_drafter_with_tables_of_its_own_is_refused_in_one_line(agree_pair, tmp_path):
+    from dflash_torch.models.target import TargetModel
+    from dflash_torch.training.trainer import TrainConfig, load_init_drafter
+
+    target, drafter = agree_pair
+    table, _ = _target_tables(target)
+    source = _with_tables(drafter, tmp_path / "own", embed=table)
+    cfg = TrainConfig(target=str(target), data=[], out=str(tmp_path / "out"), init_from=str(source))
+    with pytest.raises(DFlashError, match=r"^--init-from .* ships its own embedding table / LM head; dflash-torch "
+                                          r"trains drafters that read the target's"):
+        load_init_drafter(cfg, TargetModel.from_pretrained(target, torch.float32).config)

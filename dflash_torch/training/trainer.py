@@ -193,8 +193,9 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None
 
     Raises:
         DFlashError: a checkpoint that does not load or does not fit the target, a
-            DFlash 2 source with ``--arch dflash`` (its modules would be dropped), or a
-            Speculators-format or Laguna DFlash source.
+            DFlash 2 source with ``--arch dflash`` (its modules would be dropped), a
+            Speculators-format or Laguna DFlash source, or one with its own embedding table
+            or LM head.
     """
     src_dir = checkpoint_dir(cfg.init_from, "init_from")
     raw = load_config(src_dir)
@@ -211,6 +212,9 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None
     if src_cfg.dflash2 is not None and cfg.arch != "dflash2":
         raise DFlashError(f"--init-from {cfg.init_from} is a DFlash 2 drafter; train it with --arch dflash2")
     source = DFlashDrafter.from_pretrained(src_dir, torch.float32, config=raw)
+    if source.config.own_embedding or source.config.own_lm_head:  # (this trainer's drafters read the target's)
+        raise DFlashError(f"--init-from {cfg.init_from} ships its own embedding table / LM head; dflash-torch trains "
+                          "drafters that read the target's (initialize from one without, or train from scratch)")
     dcfg = replace(src_cfg, vocab_size=target_cfg.vocab_size, num_target_layers=target_cfg.num_hidden_layers)
     if src_cfg.dflash2 is None:
         dcfg.dflash2 = dflash2_settings(cfg, target_cfg.hidden_size, target_cfg.vocab_size)
