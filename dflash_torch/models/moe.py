@@ -39,7 +39,9 @@ _PROJS = ("gate_proj", "up_proj", "down_proj")
 class Experts(nn.Module):
     """Stacked SwiGLU expert weights (uninitialised: loaded from a checkpoint).
 
-    Parameters: ``gate_up_proj`` ``[num_experts, 2 * intermediate, hidden]`` and
+    Parameters: ``gate_up_proj`` ``[num_experts, 2 * intermediate, hidden]`` (with
+    ``gated=False``: non-gated experts, Nemotron-H's, ``[num_experts, intermediate, hidden]``,
+    the up rows only; run them with :func:`dispatch_experts`'s ``relu2``) and
     ``down_proj`` ``[num_experts, hidden, intermediate]``; after :meth:`keep_fp8`, those in
     ``float8_e4m3fn`` and their row scales ``gate_up_proj_scale``, ``down_proj_scale``.
     """
@@ -48,9 +50,10 @@ class Experts(nn.Module):
     int_bits = int_group = 0  # int_bits > 0: the matrices stay packed integers (group 0: per output channel)
     mxfp4 = False  # the matrices stay MXFP4 (DeepSeek-V4's FP4 experts, :meth:`keep_mxfp4`)
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, gated: bool = True):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.gated = gated
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, (2 if gated else 1) * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.gate_up_proj_scale = self.down_proj_scale = None
 
@@ -133,7 +136,7 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
                      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0,
                      gelu_tanh: bool = False, int_bits: int = 0, int_group: int = 0,
-                     swiglu_offset: float = 1.0) -> torch.Tensor:
+                     swiglu_offset: float = 1.0, relu2: bool = False) -> torch.Tensor:
     """Run each token through its chosen experts and sum the weighted outputs.
 
     Only the experts that some token chose are computed: the ``T * k`` (token, expert)
@@ -153,6 +156,8 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         gate_up_bias: ``[E, 2 * I]`` or None; down_bias: ``[E, hidden]`` or None (gpt-oss).
         swiglu_limit, swiglu_alpha, gelu_tanh, swiglu_offset: the activation
             (:func:`expert_activation`; 0, False: SwiGLU).
+        relu2: non-gated experts (Nemotron-H): ``gate_up_proj`` ``[E, I, hidden]`` holds the
+            up rows only and an expert computes ``down(relu(up(x)) ** 2)``.
         gate_up_scales, down_scales: None, or the matrices are MXFP4 (uint8 blocks
             ``[E, rows, cols / 32, 16]``, scales ``[E, rows, cols / 32]``,
             :mod:`~dflash_torch.models.mxfp4`), or FP8 (``float8_e4m3fn`` matrices, float32
@@ -173,9 +178,9 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return gathered_experts(x, experts, weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
                                 swiglu_limit, swiglu_alpha, gate_up_scales, down_scales, fp8_block_cols, gelu_tanh,
-                                int_bits, int_group, swiglu_offset)
+                                int_bits, int_group, swiglu_offset, relu2)
     t, k = experts.shape
-    quant, inter = (int_bits, int_group), gate_up_proj.shape[1] // 2  # (the down matrices' columns)
+    quant, inter = (int_bits, int_group), gate_up_proj.shape[1] // (1 if relu2 else 2)  # (the down matrices' columns)
     out = torch.zeros_like(x)
     # pairs in (slot, token) order, grouped by expert (stable sort): the row order of
     # transformers' eager loop, so each expert's matmul sees the same rows
@@ -192,9 +197,10 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         tokens = pairs % t
         gate_up_w = _expert(gate_up_proj, gate_up_scales, e, x.dtype, fp8_block_cols, quant, x.shape[-1])
         down_w = _expert(down_proj, down_scales, e, x.dtype, fp8_block_cols, quant, inter)
-        gate, up = F.linear(x[tokens], gate_up_w, None if gate_up_bias is None else gate_up_bias[e]).chunk(2, dim=-1)
-        h = F.linear(expert_activation(gate, up, swiglu_limit, swiglu_alpha, gelu_tanh, swiglu_offset), down_w,
-                     None if down_bias is None else down_bias[e])
+        gate_up = F.linear(x[tokens], gate_up_w, None if gate_up_bias is None else gate_up_bias[e])
+        act = F.relu(gate_up).square() if relu2 else expert_activation(
+            *gate_up.chunk(2, dim=-1), swiglu_limit, swiglu_alpha, gelu_tanh, swiglu_offset)
+        h = F.linear(act, down_w, None if down_bias is None else down_bias[e])
         out.index_add_(0, tokens, (h * pair_weights[pairs, None]).to(out.dtype))
     return out
 
@@ -219,7 +225,7 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
                      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0,
                      gelu_tanh: bool = False, int_bits: int = 0, int_group: int = 0,
-                     swiglu_offset: float = 1.0) -> torch.Tensor:
+                     swiglu_offset: float = 1.0, relu2: bool = False) -> torch.Tensor:
     """:func:`dispatch_experts` (same arguments and result) with no data-dependent shape
     and no host read, so that a CUDA graph can capture it: every (token, expert) pair
     gathers its expert's weights and the ``T * k`` pairs run as two batched matmuls. It
@@ -241,9 +247,10 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     gate_up = torch.bmm(per_pair(gate_up_proj, gate_up_scales, x.shape[-1]), rows)[..., 0]
     if gate_up_bias is not None:
         gate_up = gate_up + gate_up_bias[ids]
-    gate, up = gate_up.chunk(2, dim=-1)
-    h = torch.bmm(per_pair(down_proj, down_scales, gate_up_proj.shape[1] // 2),
-                  expert_activation(gate, up, swiglu_limit, swiglu_alpha, gelu_tanh, swiglu_offset)[:, :, None])[..., 0]
+    act = F.relu(gate_up).square() if relu2 else expert_activation(
+        *gate_up.chunk(2, dim=-1), swiglu_limit, swiglu_alpha, gelu_tanh, swiglu_offset)
+    h = torch.bmm(per_pair(down_proj, down_scales, gate_up_proj.shape[1] // (1 if relu2 else 2)),
+                  act[:, :, None])[..., 0]
     if down_bias is not None:
         h = h + down_bias[ids]  # [T * k, hidden]
     return (h * weights.reshape(-1, 1)).to(x.dtype).view(t, k, -1).sum(dim=1)
@@ -254,7 +261,7 @@ def _(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_pro
       down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
       swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
       down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0, gelu_tanh: bool = False, int_bits: int = 0,
-      int_group: int = 0, swiglu_offset: float = 1.0) -> torch.Tensor:
+      int_group: int = 0, swiglu_offset: float = 1.0, relu2: bool = False) -> torch.Tensor:
     return torch.empty_like(x)
 
 

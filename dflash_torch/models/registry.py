@@ -36,6 +36,7 @@ FAMILIES = {
     "glm_moe_dsa": "deepseek_v32",
     "deepseek_v4": "deepseek_v4",
     "laguna": "laguna",
+    "nemotron_h": "nemotron_h",
 }
 
 

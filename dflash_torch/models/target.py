@@ -4,8 +4,9 @@ intermediate layer outputs (the DFlash context features).
 
 :class:`TargetModel` is the shared decoder; each family module (``llama.py``,
 ``qwen3_moe.py``, ``qwen3_5.py``, ``qwen3_next.py``, ``gpt_oss.py``, ``muse_glimmer.py``, ``gemma4.py``,
-``minimax_m2.py``, ``deepseek_v3.py``, ``deepseek_v4.py``, ``laguna.py``, ``glm4_moe_lite.py`` and
-``deepseek_v32.py`` on ``deepseek_v3.py``)
+``minimax_m2.py``, ``deepseek_v3.py``, ``deepseek_v4.py``, ``laguna.py``, ``glm4_moe_lite.py``,
+``deepseek_v32.py`` on ``deepseek_v3.py`` and ``nemotron_h.py``, whose blocks hold one sublayer each:
+:class:`MixerBlock`, :class:`MlpBlock`)
 says how its config reads, which layers it builds and how its checkpoint's weight names
 map onto them.
 :func:`dflash_torch.models.registry.family` finds the module of a ``model_type``.
@@ -36,8 +37,9 @@ class DecoderLayer(nn.Module):
     ``linear_attn``) then the MLP (``mlp``: dense or mixture of experts), both residual.
 
     Attributes:
-        kind: ``"full_attention"``, ``"sliding_attention"`` or ``"linear_attention"``.
-        slot: this layer's index in the KV cache or in the recurrent state.
+        kind: ``"full_attention"``, ``"sliding_attention"``, ``"linear_attention"`` or
+            :data:`MLP_ONLY` (a block without a token mixer, :class:`MlpBlock`).
+        slot: this layer's index in the KV cache or in the recurrent state (-1: neither).
         sliding_window: for ``"sliding_attention"``, how many positions a query sees (itself
             and the ``sliding_window - 1`` before it; a decoder's cache keeps a ring of the
             last positions for it, see :meth:`TargetModel.new_cache`);
@@ -68,6 +70,37 @@ class DecoderLayer(nn.Module):
     def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The residual stream after the MLP: ``x + mlp(post_attention_layernorm(x))``."""
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+MLP_ONLY = "mlp"  # the kind of a layer with an MLP (dense or experts) and no token mixer (Nemotron-H's blocks)
+
+
+def has_kv(kind: str) -> bool:
+    """Whether a layer of ``kind`` keeps keys and values in the KV cache (an attention layer:
+    not a linear-attention layer, not an :data:`MLP_ONLY` block)."""
+    return kind not in ("linear_attention", MLP_ONLY)
+
+
+class MixerBlock(DecoderLayer):
+    """A block of one norm, one token mixer and its residual, with no MLP (Nemotron-H's
+    attention and Mamba-2 blocks): ``x + mixer(input_layernorm(x))``. Kind
+    ``"full_attention"`` (the mixer is ``self_attn``) or ``"linear_attention"``
+    (``linear_attn``)."""
+
+    def __init__(self, kind: str, mixer: nn.Module, norm: nn.Module, slot: int):
+        super().__init__(kind, mixer, None, norm, None, slot)
+
+    def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class MlpBlock(DecoderLayer):
+    """A block of one norm, one MLP (dense or a mixture of experts) and its residual, with no
+    token mixer (Nemotron-H's MLP and MoE blocks; kind :data:`MLP_ONLY`):
+    ``x + mlp(post_attention_layernorm(x))``. The decoder loop runs only :meth:`add_mlp`."""
+
+    def __init__(self, mlp: nn.Module, norm: nn.Module, slot: int):
+        super().__init__(MLP_ONLY, None, mlp, None, norm, slot)
 
 
 class SandwichDecoderLayer(DecoderLayer):
@@ -148,14 +181,14 @@ class TargetModel(nn.Module):
         self.config = cfg
         layers, kv_slots, linear_slots = [], 0, 0
         for i, kind in enumerate(cfg.layer_types):
-            slot = linear_slots if kind == "linear_attention" else kv_slots
+            slot = linear_slots if kind == "linear_attention" else kv_slots if has_kv(kind) else -1
             layers.append(self.make_layer(i, kind, slot))
             linear_slots += kind == "linear_attention"
-            kv_slots += kind != "linear_attention"
+            kv_slots += has_kv(kind)
         self.num_kv_layers = kv_slots
         # the attention masks a forward builds: one per (sliding window (None: full causal), query heads per kv head)
         self.attention_masks = tuple({(layer.sliding_window, layer.self_attn.heads // layer.self_attn.kv_heads): None
-                                      for layer in layers if layer.kind != "linear_attention"})
+                                      for layer in layers if has_kv(layer.kind)})
         embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model = _Backbone(embed, layers, self.norm_class(cfg.hidden_size, cfg.rms_norm_eps))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -351,11 +384,11 @@ class TargetModel(nn.Module):
     def kv_shapes(self) -> list[tuple[int, int]]:
         """``(kv_heads, head_dim)`` of each attention layer's KV cache, in cache slot order."""
         return [(layer.self_attn.kv_heads, layer.self_attn.head_dim) for layer in self.model.layers
-                if layer.kind != "linear_attention"]
+                if has_kv(layer.kind)]
 
     def kv_windows(self) -> list[int | None]:
         """Each attention layer's sliding window (tokens; None: full attention), in cache slot order."""
-        return [layer.sliding_window for layer in self.model.layers if layer.kind != "linear_attention"]
+        return [layer.sliding_window for layer in self.model.layers if has_kv(layer.kind)]
 
     def new_cache(self, max_rows: int | None = None) -> TargetCache:
         """An empty cache matching this model's layers, heads, dtype and device.
@@ -477,12 +510,15 @@ class TargetModel(nn.Module):
         wanted = set(feature_layers or ())
         captured = {EMBEDDING_OUTPUT: x} if EMBEDDING_OUTPUT in wanted else {}
         for i, layer in enumerate(self.model.layers):
-            h = layer.input_layernorm(x)
-            if layer.kind == "linear_attention":
-                mixed = layer.linear_attn(h, cache.recurrent, layer.slot, commit, defer_commit)  # N sequences at once
+            if layer.kind == MLP_ONLY:  # (a block without a token mixer)
+                x = layer.add_mlp(x)
             else:
-                mixed = self._self_attention(layer, h, cache.kv, step)
-            x = layer.add_mlp(layer.add_mixer(x, mixed))
+                h = layer.input_layernorm(x)
+                if layer.kind == "linear_attention":
+                    mixed = layer.linear_attn(h, cache.recurrent, layer.slot, commit, defer_commit)  # N sequences at once
+                else:
+                    mixed = self._self_attention(layer, h, cache.kv, step)
+                x = layer.add_mlp(layer.add_mixer(x, mixed))
             if i in wanted:
                 captured[i] = x
         last = len(self.model.layers) - 1
