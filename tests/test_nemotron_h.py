@@ -57,7 +57,8 @@ def make_nemotron_target(out_dir: Path, *, seed: int = 0, layout: str = "backbon
               eos_token_id=EOS_ID, bos_token_id=EOS_ID, pad_token_id=EOS_ID, tie_word_embeddings=False)
     kw.update(overrides)
     model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**kw)).eval()
-    with torch.no_grad():  # dt_bias around 0: softplus(dt) stays far above time_step_min (see mamba2.py)
+    with torch.no_grad():  # dt_bias around 0: softplus(dt) stays far above time_step_min, where transformers'
+        # prompt path clamps (see mamba2.py; test_small_time_steps_are_not_clamped)
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.08)
@@ -324,7 +325,7 @@ def test_published_nano_config_reads_as_transformers_reads_it():
     assert ours.block_types.count("linear_attention") == 23 and ours.block_types.count("moe") == 23
     assert [i for i, t in enumerate(ours.layer_types) if t == "full_attention"] == [5, 12, 19, 26, 33, 42]
     for key in ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel", "head_dim",
-                "num_key_value_heads", "n_group", "topk_group", "routed_scaling_factor", "time_step_min"):
+                "num_key_value_heads", "n_group", "topk_group", "routed_scaling_factor"):
         assert getattr(ours, key) == getattr(theirs, key), key
     assert (ours.moe.num_experts, ours.moe.top_k, ours.moe.intermediate_size, ours.moe.shared_expert_intermediate_size) \
         == (theirs.n_routed_experts, theirs.num_experts_per_tok, theirs.moe_intermediate_size,
@@ -338,3 +339,30 @@ def test_published_nano_config_reads_as_transformers_reads_it():
     ref = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     assert shapes == ref
     assert sum(v.numel() for v in mine.state_dict().values()) == 31_577_940_288  # (the "31.6B total" of its card)
+
+
+def test_small_time_steps_are_not_clamped(checkpoints, tmp_path):
+    """Heads whose ``softplus(dt + dt_bias)`` falls below ``time_step_min`` (0.001): our logits
+    are transformers' with its prompt path's floor at ``time_step_min`` taken away (the time-step
+    limit ``[0, inf)`` of NVIDIA's reference code, vLLM and transformers' own one-token path), and
+    that floor would have changed them: the two transformers paths disagree there, ours is one."""
+    target_dir, _ = checkpoints["plain"]
+
+    def small_steps(w):
+        for key in [k for k in w if k.endswith("mixer.dt_bias")]:
+            w[key][::2] = -9.0  # (softplus ~ 1.2e-4 on every other head)
+
+    target = edited_checkpoint(target_dir, tmp_path / "small-dt", state=small_steps)
+    ids = torch.randint(2, VOCAB, (40,), generator=torch.Generator().manual_seed(2))
+    hf, ours = load_hf(target), TargetModel.from_pretrained(target, torch.float32)
+    with torch.no_grad():
+        floored = hf(ids[None]).logits[0]
+        for module in hf.modules():
+            if hasattr(module, "time_step_limit"):
+                module.time_step_limit = (0.0, float("inf"))
+        unclamped = hf(ids[None]).logits[0]
+        cache = ours.new_cache()
+        cache.reset(64)
+        logits, _ = ours(ids, torch.arange(40), cache, 40)
+    torch.testing.assert_close(logits, unclamped, rtol=1e-4, atol=1e-4)
+    assert (logits - floored).abs().max() > 1e-3

@@ -10,7 +10,7 @@ One input projection gives the gate ``z`` (``heads * head_dim``), the convolutio
 (``conv_kernel`` taps, with bias) and SiLU, then splits into ``x`` (``[heads, head_dim]``),
 ``B`` and ``C`` (``[groups, state_size]``, each group shared by ``heads / groups``
 consecutive heads). Per head, with a scalar ``A = -exp(A_log)`` and
-``dt_t = max(softplus(dt_t + dt_bias), time_step_min)``, the state ``S`` (``[state_size,
+``dt_t = softplus(dt_t + dt_bias)``, the state ``S`` (``[state_size,
 head_dim]``, float32; transformers holds its transpose) and the output::
 
     S_t = exp(dt_t A) S_{t-1} + B_t (dt_t x_t)^T,     y_t = S_t^T C_t + D x_t
@@ -28,10 +28,13 @@ convolution state's window. The output ``y`` is multiplied by ``silu(z)``, norma
 group of ``heads * head_dim / groups`` channels (RMS, float32) and scaled by ``norm.weight``
 before ``out_proj``.
 
-``time_step_min`` is a lower bound on ``dt`` as transformers' chunked (prompt) path applies it
-(``time_step_limit = (time_step_min, inf)``, whatever ``config.json``'s ``time_step_limit``
-says); transformers' one-token path does not clamp. The two agree wherever
-``softplus(dt + dt_bias) >= time_step_min``; here every token is clamped, as a prompt is.
+``dt`` is not clamped: the time-step limit is ``[0, inf)`` (``time_step_limit``, the only one
+:mod:`.nemotron_h` accepts), as NVIDIA's reference code (mamba_ssm's ``dt_limit``), vLLM and
+transformers' one-token path compute it. transformers' chunked (prompt) path alone raises
+``dt`` to ``time_step_min`` (an initialisation bound of ``dt_bias``; its
+``time_step_limit = (time_step_min, inf)``), so it disagrees with its own token-by-token
+decoding wherever ``softplus(dt + dt_bias) < time_step_min``; dflash-torch decodes one way
+throughout.
 """
 
 from __future__ import annotations
@@ -104,16 +107,15 @@ class Mamba2Mixer(nn.Module):
         state_size: ``ssm_state_size``.
         conv_kernel: taps of the convolution.
         eps: the gated norm's epsilon.
-        time_step_min: the lower bound on ``dt`` (see the module docstring).
         proj_bias: biases on ``in_proj`` and ``out_proj`` (``use_bias``).
         conv_bias: a bias on the convolution (``use_conv_bias``).
     """
 
     def __init__(self, hidden: int, heads: int, head_dim: int, groups: int, state_size: int, conv_kernel: int,
-                 eps: float, time_step_min: float, proj_bias: bool = False, conv_bias: bool = True):
+                 eps: float, proj_bias: bool = False, conv_bias: bool = True):
         super().__init__()
         self.heads, self.head_dim, self.groups, self.state_size = heads, head_dim, groups, state_size
-        self.kernel, self.time_step_min = conv_kernel, time_step_min
+        self.kernel = conv_kernel
         self.inner = heads * head_dim
         self.conv_dim = self.inner + 2 * groups * state_size
         self.nv, self.dk, self.dv = heads, state_size, head_dim
@@ -158,7 +160,7 @@ class Mamba2Mixer(nn.Module):
             return t.float().reshape(N, T, self.groups, self.state_size).transpose(1, 2).repeat_interleave(per_group, 1)
 
         B, C = by_head(B), by_head(C)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.time_step_min)  # [N * T, H]
+        dt = F.softplus(dt.float() + self.dt_bias.float())  # [N * T, H] (no clamp: the module docstring)
         dt = dt.reshape(N, T, self.heads).transpose(1, 2)  # [N, H, T]
         a = dt * -self.A_log.float().exp()[:, None]
         u = x * dt[..., None]

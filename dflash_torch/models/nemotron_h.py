@@ -95,7 +95,6 @@ class NemotronHConfig(TargetConfig):
     n_groups: int = 8
     ssm_state_size: int = 128
     conv_kernel: int = 4
-    time_step_min: float = 0.001
     use_conv_bias: bool = True
     use_bias: bool = False
     mlp_bias: bool = False
@@ -140,8 +139,8 @@ def parse_config(cfg: dict) -> NemotronHConfig:
         DFlashError: one line: those of :func:`block_types`; a key of the wrong type or out of
             range; Mamba-2 shapes that do not add up (``n_groups`` not dividing
             ``mamba_num_heads``); activations other than ``relu2`` (MLPs) and ``silu`` (Mamba-2);
-            ``time_step_limit`` other than ``[0, inf]`` (transformers does not read it and clamps
-            at ``time_step_min``; other engines apply it); a ``sliding_window`` (transformers'
+            ``time_step_limit`` other than ``[0, inf]`` (the Mamba-2 time step is not clamped:
+            :mod:`.mamba2`); a ``sliding_window`` (transformers'
             attention ignores it, other engines may not); ``attention_bias`` true (transformers
             builds no biases); MoE groups that do not split the experts into groups of 2 or more,
             or more experts per token than the chosen groups hold.
@@ -174,7 +173,7 @@ def parse_config(cfg: dict) -> NemotronHConfig:
     limit = text.get("time_step_limit")
     if limit is not None and (not isinstance(limit, (list, tuple)) or [_number(v) for v in limit] != [0, math.inf]):
         raise DFlashError(f"target config.json time_step_limit {limit!r} is not supported (only [0.0, inf]: "
-                          "transformers' nemotron_h does not read it, other engines clamp dt to it)")
+                          "the Mamba-2 time step is not clamped, as NVIDIA's reference code and vLLM run it)")
     if text.get("sliding_window") is not None:
         raise DFlashError(f"target config.json sliding_window {text['sliding_window']!r} is not supported for "
                           "nemotron_h (transformers' attention ignores it, other engines may apply it)")
@@ -209,7 +208,6 @@ def parse_config(cfg: dict) -> NemotronHConfig:
         n_groups=text["n_groups"],
         ssm_state_size=text["ssm_state_size"],
         conv_kernel=text["conv_kernel"],
-        time_step_min=float(number_field(text, "time_step_min", "target", 0.001)),
         use_conv_bias=bool_field(text, "use_conv_bias", "target", True),
         use_bias=bool_field(text, "use_bias", "target", False),
         mlp_bias=bool_field(text, "mlp_bias", "target", False),
@@ -301,7 +299,7 @@ class Model(TargetModel):
             return MlpBlock(mlp, norm, slot)
         if kind == "linear_attention":
             mixer = Mamba2Mixer(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups,
-                                cfg.ssm_state_size, cfg.conv_kernel, cfg.rms_norm_eps, cfg.time_step_min,
+                                cfg.ssm_state_size, cfg.conv_kernel, cfg.rms_norm_eps,
                                 proj_bias=cfg.use_bias, conv_bias=cfg.use_conv_bias)
         else:
             mixer = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
