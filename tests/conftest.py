@@ -775,6 +775,26 @@ def edited_checkpoint(src: Path, dst: Path, *, config=None, state=None) -> Path:
     return dst
 
 
+def randomize_moe_weights(model, prefix: str = "", *, correction_std: float = 0.3) -> None:
+    """Larger-than-default weights for a tiny MoE target built with transformers' class (peaked,
+    less tie-prone logits): matrices N(0, 0.08), norm weights N(1, 0.2), LayerNorm biases
+    N(0, 0.2), score correction biases N(0, ``correction_std``) (so that they change which
+    experts are chosen); only parameters whose names start with ``prefix``."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.startswith(prefix):
+                continue
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif name.endswith("norm.weight"):
+                p.normal_(1, 0.2)
+            elif name.endswith("norm.bias"):
+                p.normal_(0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, correction_std)
+
+
 def make_minimax_m2_target(out_dir: Path, *, seed: int = 0, tokenizer: bool = True, published_config: bool = False,
                            **overrides) -> Path:
     """Save a tiny random MiniMax-M2 target with transformers' ``MiniMaxM2ForCausalLM``: 4
@@ -792,15 +812,7 @@ def make_minimax_m2_target(out_dir: Path, *, seed: int = 0, tokenizer: bool = Tr
                experts_implementation="eager")
     cfg.update(overrides)
     model = transformers.MiniMaxM2ForCausalLM(transformers.MiniMaxM2Config(**cfg)).eval()
-    with torch.no_grad():  # larger-than-default weights give peaked, less tie-prone logits
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-            elif name.endswith("norm.weight"):
-                p.normal_(1, 0.2)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
+    randomize_moe_weights(model, correction_std=0.1)
     model.save_pretrained(str(out_dir))
     if published_config:
         config = json.loads((Path(out_dir) / "config.json").read_text())

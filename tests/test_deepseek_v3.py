@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_forward_matches_transformers,
                       check_greedy_equals_transformers, check_many_accepted_tokens_are_lossless, copy_tokenizer,
                       assert_same_weights, drafter_config, edited_checkpoint, forward_in_pieces, load_hf,
-                      make_agreeable, save_drafter)
+                      make_agreeable, randomize_moe_weights, save_drafter)
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models import deepseek_v3
 from dflash_torch.models.config import TargetConfig
@@ -50,22 +50,6 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermed
             pad_token_id=EOS_ID, tie_word_embeddings=False)
 
 
-def _randomize(model, prefix: str = "") -> None:
-    """Larger-than-default weights (peaked, less tie-prone logits), norms around 1 and score
-    correction biases that change which experts are chosen."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.startswith(prefix):
-                continue
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-            elif name.endswith("norm.weight"):
-                p.normal_(1, 0.2)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.3)
-
-
 def make_deepseek_target(out_dir: Path, *, seed: int = 0, **overrides) -> Path:
     """Save a tiny random ``DeepseekV3ForCausalLM`` (:data:`TEXT` plus ``overrides``;
     transformers' eager experts, the oracle's reference loop)."""
@@ -74,7 +58,7 @@ def make_deepseek_target(out_dir: Path, *, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     config = transformers.DeepseekV3Config(**{**TEXT, **overrides}, experts_implementation="eager")
     model = transformers.DeepseekV3ForCausalLM(config).eval()
-    _randomize(model)
+    randomize_moe_weights(model)
     model.save_pretrained(str(out_dir))
     return Path(out_dir)
 
@@ -90,8 +74,8 @@ def kimi_model(seed: int = 0):
         vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                            pos_emb_height=4, pos_emb_width=4))
     model = transformers.Kimi_K25ForConditionalGeneration(config).eval()
-    _randomize(model, "model.language_model.")
-    _randomize(model, "lm_head.")
+    randomize_moe_weights(model, "model.language_model.")
+    randomize_moe_weights(model, "lm_head.")
     return model
 
 

@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from conftest import (EOS_ID, VOCAB, assert_same_weights, check_compiled_rounds_are_lossless,
                       check_forward_matches_transformers, check_greedy_equals_transformers,
                       check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
-                      forward_in_pieces, load_hf, make_agreeable, save_drafter)
+                      forward_in_pieces, load_hf, make_agreeable, randomize_moe_weights, save_drafter)
 from dflash_torch import DFlashError
 from dflash_torch.models import deepseek_v3, glm4_moe_lite
 from dflash_torch.models.config import TargetConfig
@@ -58,15 +58,7 @@ def make_glm_target(out_dir: Path, *, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     config = transformers.Glm4MoeLiteConfig(**{**TEXT, **overrides}, experts_implementation="eager")
     model = transformers.Glm4MoeLiteForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-            elif name.endswith("norm.weight"):
-                p.normal_(1, 0.2)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.3)
+    randomize_moe_weights(model)
     model.save_pretrained(str(out_dir))
     return Path(out_dir)
 
