@@ -180,13 +180,7 @@ def parse_config(cfg: dict) -> DeepseekV3Config:
     if kv_heads is not None and kv_heads != heads:
         raise DFlashError(f"target num_key_value_heads {kv_heads} != num_attention_heads {heads}: multi-head latent "
                           "attention expands its latent to every head (transformers' DeepSeek-V3 runs only equal counts)")
-    experts, groups, top_k = text["n_routed_experts"], text["n_group"], text["num_experts_per_tok"]
-    if experts % groups or experts // groups < 2:
-        raise DFlashError(f"target n_group {groups} must split n_routed_experts {experts} into groups of 2 or more "
-                          "experts")
-    if text["topk_group"] > groups or top_k > text["topk_group"] * (experts // groups):
-        raise DFlashError(f"target num_experts_per_tok {top_k} and topk_group {text['topk_group']} must fit in "
-                          f"n_group {groups} groups of {experts // groups} experts")
+    experts, groups, top_k = check_expert_groups(text)
     # (a text decoder of DeepSeek-V3's layout under another model_type, glm4_moe_lite, keeps its name)
     name = "deepseek_v3" if wrapper else cfg.get("model_type", "deepseek_v3")
     fields = base_target_fields({k: v for k, v in text.items() if k != "head_dim"}, name)
@@ -225,6 +219,24 @@ def parse_config(cfg: dict) -> DeepseekV3Config:
         wrapped=wrapper,
     )
     return DeepseekV3Config(**fields)
+
+
+def check_expert_groups(text: dict) -> tuple[int, int, int]:
+    """``n_routed_experts``, ``n_group`` and ``num_experts_per_tok`` of a config with DeepSeek-V3's
+    group-limited router (integers, checked by the caller), once they fit together.
+
+    Raises:
+        DFlashError: one line: groups that do not split the experts into groups of 2 or more;
+            more experts per token than the ``topk_group`` chosen groups hold.
+    """
+    experts, groups, top_k = text["n_routed_experts"], text["n_group"], text["num_experts_per_tok"]
+    if experts % groups or experts // groups < 2:
+        raise DFlashError(f"target n_group {groups} must split n_routed_experts {experts} into groups of 2 or more "
+                          "experts")
+    if text["topk_group"] > groups or top_k > text["topk_group"] * (experts // groups):
+        raise DFlashError(f"target num_experts_per_tok {top_k} and topk_group {text['topk_group']} must fit in "
+                          f"n_group {groups} groups of {experts // groups} experts")
+    return experts, groups, top_k
 
 
 class _KvUpProjection(nn.Linear):

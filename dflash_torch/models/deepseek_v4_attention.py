@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import KVCache
+from .layers import Float32WeightRMSNorm
 
 if TYPE_CHECKING:
     from .deepseek_v4 import DeepseekV4Config
@@ -53,18 +54,7 @@ SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily
 _SCORES_PER_CHUNK = 1 << 25  # scores held at once (query rows are taken in chunks)
 
 
-class Norm(nn.Module):
-    """RMSNorm with a float32 weight, multiplied in float32 and cast once (transformers'
-    ``DeepseekV4RMSNorm``)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (self.weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+Norm = Float32WeightRMSNorm  # (transformers' DeepseekV4RMSNorm)
 
 
 def unit_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -46,6 +46,21 @@ class ZeroCenteredRMSNorm(nn.Module):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
+class Float32WeightRMSNorm(nn.Module):
+    """RMSNorm whose weight multiplies in float32 before the one cast back (transformers'
+    ``DeepseekV4RMSNorm``, ``NemotronHRMSNorm``): ``(weight * x * rsqrt(mean(x**2) + eps)).to(x.dtype)``,
+    unlike :class:`RMSNorm`, which casts first."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (self.weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
 def fused_linear(parts: list[nn.Module]) -> nn.Module:
     """One layer whose output is the outputs of ``parts`` (linears over the same input
     width, all with a bias or all without) side by side, in order. ``nn.Linear`` parts: an

@@ -55,7 +55,8 @@ from torch import nn
 from ..errors import DFlashError
 from .attention import Attention
 from .config import MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, number_field
-from .deepseek_v3 import TopkRouter
+from .deepseek_v3 import TopkRouter, check_expert_groups
+from .layers import Float32WeightRMSNorm
 from .mamba2 import Mamba2Mixer
 from .moe import Experts, dispatch_experts
 from .target import MLP_ONLY, DecoderLayer, MixerBlock, MlpBlock, TargetModel
@@ -182,13 +183,7 @@ def parse_config(cfg: dict) -> NemotronHConfig:
                           "builds its attention without biases)")
     moe = None
     if "moe" in types:
-        experts, groups, top_k = text["n_routed_experts"], text["n_group"], text["num_experts_per_tok"]
-        if experts % groups or experts // groups < 2:
-            raise DFlashError(f"target n_group {groups} must split n_routed_experts {experts} into groups of 2 or "
-                              "more experts")
-        if text["topk_group"] > groups or top_k > text["topk_group"] * (experts // groups):
-            raise DFlashError(f"target num_experts_per_tok {top_k} and topk_group {text['topk_group']} must fit in "
-                              f"n_group {groups} groups of {experts // groups} experts")
+        experts, _, top_k = check_expert_groups(text)
         moe = MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=text["moe_intermediate_size"],
                         norm_topk_prob=bool_field(text, "norm_topk_prob", "target", True),
                         shared_expert_intermediate_size=text["moe_shared_expert_intermediate_size"])
@@ -226,21 +221,6 @@ def _number(value):
     if isinstance(value, dict) and set(value) == {"__float__"}:
         return {"Infinity": math.inf, "-Infinity": -math.inf}.get(value["__float__"], math.nan)
     return value
-
-
-class FloatWeightRMSNorm(nn.Module):
-    """RMSNorm with the weight applied in float32 before the cast back (transformers'
-    ``NemotronHRMSNorm``): ``(weight * x * rsqrt(mean(x**2) + eps)).to(x.dtype)``."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x32).to(x.dtype)
 
 
 class Relu2MLP(nn.Module):
@@ -288,11 +268,11 @@ class NemotronHMoE(nn.Module):
 class Model(TargetModel):
     """A Nemotron-H decoder: one block per ``layer_types`` entry (see the module docstring)."""
 
-    norm_class = FloatWeightRMSNorm
+    norm_class = Float32WeightRMSNorm
 
     def make_layer(self, index: int, kind: str, slot: int) -> DecoderLayer:
         cfg = self.config
-        norm = FloatWeightRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = Float32WeightRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if kind == MLP_ONLY:
             mlp = NemotronHMoE(cfg) if cfg.moe_layers[index] else Relu2MLP(cfg.hidden_size, cfg.intermediate_size,
                                                                               cfg.mlp_bias)
