@@ -654,10 +654,10 @@ class DrafterConfig:
     speculators: "SpeculatorsSettings | None" = None  # set for a Speculators-format drafter (models/speculators.py)
     target_hidden_size: int | None = None  # values of one target layer's feature row; None: hidden_size
     laguna: "LagunaDraftSettings | None" = None  # set for a Laguna DFlash drafter (models/laguna_drafter.py)
-    # a DFlash-format drafter's own embed_tokens / lm_head (config.json has_embed_tokens / has_lm_head; None: whether
-    # its checkpoint ships embed_tokens.weight / lm_head.weight, decided when loading it); False for the other formats
-    own_embedding: bool | None = False
-    own_lm_head: bool | None = False
+    # a DFlash-format drafter's own embed_tokens / lm_head (config.json has_embed_tokens / has_lm_head; where it says
+    # neither, DFlashDrafter.from_pretrained sets them as the checkpoint has them); False for the other formats
+    own_embedding: bool = False
+    own_lm_head: bool = False
 
     @property
     def partial_rotary_factor(self) -> float:
@@ -766,8 +766,7 @@ class DrafterConfig:
             raise DFlashError("drafter layer_types uses sliding_attention but sliding_window is not set")
         theta, scaling = _rope(cfg, "drafter")
         v2 = DFlash2Settings.from_dict(cfg, cfg["hidden_size"], cfg.get("vocab_size")) if "DFlash2DraftModel" in archs else None
-        own = {key: cfg.get(key) if cfg.get(key) is None else bool_field(cfg, key, "drafter", False)
-               for key in ("has_embed_tokens", "has_lm_head")}
+        own = {key: bool_field(cfg, key, "drafter", False) for key in ("has_embed_tokens", "has_lm_head")}
         if v2 is not None and any(own.values()):
             raise DFlashError("drafter config.json: a DFlash 2 drafter with its own embedding table or LM head "
                               "(has_embed_tokens / has_lm_head true) is not supported")

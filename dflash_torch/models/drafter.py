@@ -146,22 +146,19 @@ class DFlashDrafter(nn.Module):
                 wrong shape, not floating point (e.g. int8) or not finite (NaN / inf), or
                 what the class's :meth:`adapt_checkpoint` refuses.
         """
-        cfg = DrafterConfig.from_dict(load_config(model_dir) if config is None else config)
+        raw = load_config(model_dir) if config is None else config
+        cfg = DrafterConfig.from_dict(raw)
         if cfg.speculators is not None:  # (which optional tensors it ships decides the modules)
             from .speculators import match_checkpoint
 
             match_checkpoint(cfg, tensor_names(model_dir))
-        elif None in (cfg.own_embedding, cfg.own_lm_head):  # (not said in config.json: as the checkpoint has them)
-            names = tensor_names(model_dir)
-            for attr, name in (("own_embedding", "embed_tokens.weight"), ("own_lm_head", "lm_head.weight")):
-                if getattr(cfg, attr) is None:
-                    setattr(cfg, attr, name in names)
-            if (cfg.own_embedding or cfg.own_lm_head) and not isinstance(cfg.vocab_size, int):
-                raise DFlashError(f"drafter checkpoint {model_dir} ships its own embed_tokens / lm_head, but its "
-                                  "config.json has no vocab_size (the rows of that table)")
         with torch.device("meta"):
             model = drafter_class(cfg)(cfg)
-        check_fits(model, dtype, device, "drafter")
+        check_fits(model, dtype, device, "drafter")  # (before any file is opened: tables of its own only add to it)
+        if _find_own_tables(cfg, raw, model_dir):
+            with torch.device("meta"):
+                model = drafter_class(cfg)(cfg)
+            check_fits(model, dtype, device, "drafter")
         state = model.adapt_checkpoint(load_state_dict(model_dir, dtype, device), model_dir)
         expected = model.state_dict()
         names = cfg.checkpoint_names  # (our name -> the checkpoint's, for the transformers-format drafters)
@@ -479,6 +476,25 @@ class RecomputedContext:
         feats = torch.cat(self.features, dim=0)
         self.features = [feats]
         return drafter.context_kv(feats, torch.arange(feats.shape[0], device=feats.device))
+
+
+def _find_own_tables(cfg: DrafterConfig, raw: dict, model_dir: Path) -> bool:
+    """Where a DFlash-format drafter's ``config.json`` (``raw``) says neither ``has_embed_tokens``
+    nor ``has_lm_head``, set ``cfg.own_embedding`` / ``cfg.own_lm_head`` as its checkpoint ships
+    ``embed_tokens.weight`` / ``lm_head.weight`` (as vLLM reads them); returns whether it ships one.
+
+    Raises:
+        DFlashError: it ships one but its config.json has no ``vocab_size``.
+    """
+    plain = cfg.speculators is None and cfg.laguna is None and cfg.dflash2 is None
+    if not plain or any(raw.get(key) is not None for key in ("has_embed_tokens", "has_lm_head")):
+        return False
+    names = tensor_names(model_dir)
+    cfg.own_embedding, cfg.own_lm_head = "embed_tokens.weight" in names, "lm_head.weight" in names
+    if (cfg.own_embedding or cfg.own_lm_head) and not isinstance(cfg.vocab_size, int):
+        raise DFlashError(f"drafter checkpoint {model_dir} ships its own embed_tokens / lm_head, but its "
+                          "config.json has no vocab_size (the rows of that table)")
+    return cfg.own_embedding or cfg.own_lm_head
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
