@@ -235,9 +235,16 @@ class GatedDeltaNet(nn.Module):
             n: rows to keep: an int or a 0-dim int64 tensor in ``[1, T]`` for every
                 sequence, or ``[N]`` int64 in ``[0, T]`` per sequence (0: that state stays).
         """
-        conv_in, k, u, G = state.stashed(slot)
-        state.ssm[slot].copy_(state_after(state.ssm[slot], k, u, G, n))
-        state.conv[slot].copy_(_window(conv_in, n, self.kernel - 1))
+        commit_stashed(state, slot, n, self.kernel - 1)
+
+
+def commit_stashed(state: RecurrentState, slot: int, n, width: int) -> None:
+    """Advance layer ``slot``'s states over the first ``n`` rows (as in :meth:`GatedDeltaNet.commit`)
+    of the block it stashed as ``(conv_in, k, u, G)``: the SSM state by :func:`state_after`, the
+    convolution's ``width`` inputs by :func:`_window` (Gated DeltaNet's and Mamba-2's rollback)."""
+    conv_in, k, u, G = state.stashed(slot)
+    state.ssm[slot].copy_(state_after(state.ssm[slot], k, u, G, n))
+    state.conv[slot].copy_(_window(conv_in, n, width))
 
 
 def _window(conv_in: torch.Tensor, n, width: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import RecurrentState
-from .gated_deltanet import CHUNK, _window, state_after
+from .gated_deltanet import CHUNK, _window, commit_stashed, state_after
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -199,6 +199,4 @@ class Mamba2Mixer(nn.Module):
             n: rows to keep: an int or a 0-dim int64 tensor in ``[1, T]`` for every
                 sequence, or ``[N]`` int64 in ``[0, T]`` per sequence (0: that state stays).
         """
-        conv_in, B, u, G = state.stashed(slot)
-        state.ssm[slot].copy_(state_after(state.ssm[slot], B, u, G, n))
-        state.conv[slot].copy_(_window(conv_in, n, self.kernel - 1))
+        commit_stashed(state, slot, n, self.kernel - 1)  # (the stash: conv inputs, B as keys, dt x, G)

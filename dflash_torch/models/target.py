@@ -510,15 +510,14 @@ class TargetModel(nn.Module):
         wanted = set(feature_layers or ())
         captured = {EMBEDDING_OUTPUT: x} if EMBEDDING_OUTPUT in wanted else {}
         for i, layer in enumerate(self.model.layers):
-            if layer.kind == MLP_ONLY:  # (a block without a token mixer)
-                x = layer.add_mlp(x)
-            else:
+            if layer.kind != MLP_ONLY:  # (a block without a token mixer has its MLP only)
                 h = layer.input_layernorm(x)
                 if layer.kind == "linear_attention":
                     mixed = layer.linear_attn(h, cache.recurrent, layer.slot, commit, defer_commit)  # N sequences at once
                 else:
                     mixed = self._self_attention(layer, h, cache.kv, step)
-                x = layer.add_mlp(layer.add_mixer(x, mixed))
+                x = layer.add_mixer(x, mixed)
+            x = layer.add_mlp(x)
             if i in wanted:
                 captured[i] = x
         last = len(self.model.layers) - 1
