@@ -33,8 +33,9 @@ buffer and the second in the value buffer (as :mod:`.deepseek_v3` stores its lat
 their memory accounting (:func:`~dflash_torch.cache.cache_bytes`), slots, rings, prefix reuse and
 compiled rounds work as they are, with exactly the bytes of the keys and values
 (MiMo-V2-Flash: 9 full layers x 4 heads + 39 sliding layers x 8 heads, 320 values each:
-122,880 bytes a token in bfloat16 with every position kept; the 39 sliding layers' rings are
-bounded by the window). Attention reads the halves in place: each query's logits are the
+222,720 bytes a token in bfloat16 with every position kept; with the decoders' rings only the
+full layers grow, 23,040 bytes a token, each sliding layer keeping ``129 + max_rows - 1`` rows).
+Attention reads the halves in place: each query's logits are the
 products with the key parts of both halves, the values are read from where they lie.
 
 **Configs.** Keys left out take the defaults of transformers' ``MiMoV2FlashConfig`` (the
