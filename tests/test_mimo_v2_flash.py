@@ -201,7 +201,7 @@ def test_bfloat16_routing_matches_transformers(checkpoint, model):
 
 
 def test_published_shapes_as_transformers_builds_them():
-    """The published config: windows of 129 (sliding_window_size 128 + 1), RoPE over 64 of 192
+    """The published config (with its FP8 quantization_config, 128 x 128 blocks): windows of 129 (sliding_window_size 128 + 1), RoPE over 64 of 192
     channels (5e6 on full layers, 1e4 on sliding ones), 4 / 8 key/value heads, 9 full layers;
     every weight has transformers' shape (both built on the meta device); the KV cache holds
     320 values per key/value head and token, 222,720 bytes a token in bfloat16 with every
@@ -213,6 +213,9 @@ def test_published_shapes_as_transformers_builds_them():
     from dflash_torch.models.mimo_v2_flash import Model
 
     cfg = TargetConfig.from_dict(dict(PUBLISHED))
+    quantized = TargetConfig.from_dict({**PUBLISHED, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}})
+    assert quantized.fp8_block == (128, 128) and cfg.fp8_block is None
     assert cfg.sliding_window == 129 and cfg.rope == {"full_attention": (5e6, 0.334), "sliding_attention": (1e4, 0.334)}
     assert cfg.rms_norm_eps == 1e-5 and cfg.routed_scaling_factor == 1.0 and cfg.attention_value_scale == 0.707
     theirs_cfg = transformers.MiMoV2FlashConfig.from_dict(dict(PUBLISHED))
