@@ -37,6 +37,7 @@ FAMILIES = {
     "deepseek_v4": "deepseek_v4",
     "laguna": "laguna",
     "nemotron_h": "nemotron_h",
+    "mimo_v2_flash": "mimo_v2_flash",
 }
 
 
