@@ -5,7 +5,7 @@ intermediate layer outputs (the DFlash context features).
 :class:`TargetModel` is the shared decoder; each family module (``llama.py``,
 ``qwen3_moe.py``, ``qwen3_5.py``, ``qwen3_next.py``, ``gpt_oss.py``, ``muse_glimmer.py``, ``gemma4.py``,
 ``minimax_m2.py``, ``deepseek_v3.py``, ``deepseek_v4.py``, ``laguna.py``, ``glm4_moe_lite.py``,
-``deepseek_v32.py`` on ``deepseek_v3.py`` and ``nemotron_h.py``, whose blocks hold one sublayer each:
+``deepseek_v32.py`` on ``deepseek_v3.py``, ``mimo_v2_flash.py`` and ``nemotron_h.py``, whose blocks hold one sublayer each:
 :class:`MixerBlock`, :class:`MlpBlock`)
 says how its config reads, which layers it builds and how its checkpoint's weight names
 map onto them.
