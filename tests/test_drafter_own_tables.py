@@ -88,7 +88,8 @@ def test_has_embed_tokens_and_has_lm_head_are_checked_against_the_checkpoint(agr
     with pytest.raises(DFlashError, match=r"drafter checkpoint .* lacks weights: embed_tokens\.weight$"):
         DFlashDrafter.from_pretrained(said, torch.float32)
     denied = _with_tables(drafter, tmp_path / "denied", embed=table, config=lambda c: c.update(has_embed_tokens=False))
-    with pytest.raises(DFlashError, match=r"has weights a DFlash drafter does not use .*: embed_tokens\.weight$"):
+    with pytest.raises(DFlashError, match=r"ships embed_tokens\.weight but its config\.json says has_embed_tokens: "
+                                          r"false \(set it true .*\)$"):
         DFlashDrafter.from_pretrained(denied, torch.float32)
     no_vocab = _with_tables(drafter, tmp_path / "no-vocab", embed=table, config=lambda c: c.pop("vocab_size"))
     with pytest.raises(DFlashError, match=r"ships its own embed_tokens / lm_head, but its config\.json has no "

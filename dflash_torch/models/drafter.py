@@ -171,6 +171,10 @@ class DFlashDrafter(nn.Module):
         if missing:
             raise DFlashError(f"drafter checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
         unknown = sorted((state.keys() - expected.keys()) | taken)
+        for table, key in (("embed_tokens.weight", "has_embed_tokens"), ("lm_head.weight", "has_lm_head")):
+            if table in unknown and raw.get(key) is False and not cfg.dflash2:
+                raise DFlashError(f"drafter checkpoint {model_dir} ships {table} but its config.json says {key}: false "
+                                  f"(set it true to use the drafter's own table, or remove the tensor)")
         if unknown:  # never run a checkpoint in part: weights we do not know would be silently dropped
             kind = "DFlash 2" if cfg.dflash2 else "Laguna DFlash" if cfg.laguna else "DFlash"
             raise DFlashError(f"drafter checkpoint {model_dir} has weights a {kind} drafter does not use "
