@@ -112,12 +112,33 @@ def test_bad_own_table_keys_are_refused_in_one_line(agree_pair, extra, message):
         DrafterConfig.from_dict(cfg)
 
 
-def test_a_dflash2_drafter_with_tables_of_its_own_is_refused(agree_dflash2_pair):
-    _, drafter = agree_dflash2_pair
-    cfg = {**json.loads((drafter / "config.json").read_text()), "has_lm_head": True}
-    with pytest.raises(DFlashError, match=r"^drafter config.json: a DFlash 2 drafter with its own embedding table or "
-                                          r"LM head .* is not supported$"):
-        DrafterConfig.from_dict(cfg)
+def test_a_dflash2_drafter_s_own_tables_copies_dropped_others_used(agree_dflash2_pair, tmp_path):
+    """DFlash 2: copies of the target's tables (config.json silent) are dropped and change
+    nothing; other tables are used (its head's logits feed the selector's unary scores) and
+    the output stays the target's own."""
+    target, drafter = agree_dflash2_pair
+    plain = DFlashEngine.from_pretrained(target, drafter)
+    table, head = _target_tables(target)
+    copies = DFlashEngine.from_pretrained(target, _with_tables(drafter, tmp_path / "copies", embed=table, head=head))
+    assert copies.drafter.embed_tokens is None and copies.drafter.lm_head is None
+    assert copies.drafter.config.own_embedding and copies.drafter.config.own_lm_head
+    a, b = _run(plain), _run(copies)
+    assert a.token_ids == b.token_ids and a.stats.acceptance_lengths == b.stats.acceptance_lengths
+    hidden = plain.target.config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    own_embed, own_head = torch.randn(VOCAB, hidden, generator=g), torch.randn(VOCAB, hidden, generator=g) * 0.05
+    engine = DFlashEngine.from_pretrained(target, _with_tables(drafter, tmp_path / "own", embed=own_embed, head=own_head,
+                                                               config=lambda c: c.update(has_embed_tokens=True,
+                                                                                         has_lm_head=True)))
+    d = engine.drafter
+    rows = torch.randn(2, hidden, generator=g).to(d.lm_head.weight.dtype)
+    torch.testing.assert_close(d.draft_logits(engine.target, rows), d.unary_scores(rows @ d.lm_head.weight.T))
+    ids = torch.tensor([3, 4, 250])
+    torch.testing.assert_close(d.embed(engine.target, ids), own_embed[ids].to(d.embed_tokens.weight.dtype),
+                               rtol=0, atol=0)
+    c = _run(engine)
+    assert c.token_ids == a.token_ids  # (lossless whatever it drafts)
+    assert c.stats.acceptance_lengths != a.stats.acceptance_lengths  # (its own tables do draft otherwise)
 
 
 def test_the_config_written_says_what_it_has():

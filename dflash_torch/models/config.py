@@ -767,9 +767,6 @@ class DrafterConfig:
         theta, scaling = _rope(cfg, "drafter")
         v2 = DFlash2Settings.from_dict(cfg, cfg["hidden_size"], cfg.get("vocab_size")) if "DFlash2DraftModel" in archs else None
         own = {key: bool_field(cfg, key, "drafter", False) for key in ("has_embed_tokens", "has_lm_head")}
-        if v2 is not None and any(own.values()):
-            raise DFlashError("drafter config.json: a DFlash 2 drafter with its own embedding table or LM head "
-                              "(has_embed_tokens / has_lm_head true) is not supported")
         if (own["has_embed_tokens"] or own["has_lm_head"]) and not isinstance(cfg.get("vocab_size"), int):
             raise DFlashError("drafter config.json has_embed_tokens / has_lm_head true needs vocab_size (the rows of "
                               "its own table)")
@@ -796,8 +793,8 @@ class DrafterConfig:
             checkpoint_names=dict(ASSISTANT_WEIGHTS) if assistant else {},
             hidden_act="silu" if act in SILU_NAMES else "gelu_tanh",
             causal_layers=causal,
-            own_embedding=False if v2 is not None else own["has_embed_tokens"],
-            own_lm_head=False if v2 is not None else own["has_lm_head"],
+            own_embedding=own["has_embed_tokens"],
+            own_lm_head=own["has_lm_head"],
         )
 
     def to_dict(self) -> dict:

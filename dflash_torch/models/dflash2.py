@@ -252,8 +252,15 @@ class DFlash2Drafter(DFlashDrafter):
         LM head through :meth:`unary_scores`; a config that leaves ``output_multiplier`` at 1
         and no soft cap takes the target's own output scale instead
         (:meth:`TargetModel.output_logits`; the same for targets that have none), as the DFlash
-        reference does."""
+        reference does. With an LM head of its own (``has_lm_head``, also once
+        :meth:`~dflash_torch.models.drafter.DFlashDrafter.share_with` has swapped an equal copy
+        for the target's head): that head's logits through :meth:`unary_scores` (no target
+        output scale), as a DFlash drafter's own head gives them as they are."""
         s = self.config.dflash2
+        if self.lm_head is not None:
+            return self.unary_scores(self.lm_head(slots))
+        if self.config.own_lm_head:
+            return self.unary_scores(target.logits(slots))
         if s.output_multiplier == 1.0 and s.final_logit_softcapping is None:
             return target.output_logits(slots).float()
         return self.unary_scores(target.logits(slots))

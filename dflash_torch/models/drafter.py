@@ -172,7 +172,7 @@ class DFlashDrafter(nn.Module):
             raise DFlashError(f"drafter checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
         unknown = sorted((state.keys() - expected.keys()) | taken)
         for table, key in (("embed_tokens.weight", "has_embed_tokens"), ("lm_head.weight", "has_lm_head")):
-            if table in unknown and raw.get(key) is False and not cfg.dflash2:
+            if table in unknown and raw.get(key) is False:
                 raise DFlashError(f"drafter checkpoint {model_dir} ships {table} but its config.json says {key}: false "
                                   f"(set it true to use the drafter's own table, or remove the tensor)")
         if unknown:  # never run a checkpoint in part: weights we do not know would be silently dropped
@@ -483,15 +483,14 @@ class RecomputedContext:
 
 
 def _find_own_tables(cfg: DrafterConfig, raw: dict, model_dir: Path) -> bool:
-    """Where a DFlash-format drafter's ``config.json`` (``raw``) says neither ``has_embed_tokens``
+    """Where a DFlash- or DFlash 2-format drafter's ``config.json`` (``raw``) says neither ``has_embed_tokens``
     nor ``has_lm_head``, set ``cfg.own_embedding`` / ``cfg.own_lm_head`` as its checkpoint ships
     ``embed_tokens.weight`` / ``lm_head.weight`` (as vLLM reads them); returns whether it ships one.
 
     Raises:
         DFlashError: it ships one but its config.json has no ``vocab_size``.
     """
-    plain = cfg.speculators is None and cfg.laguna is None and cfg.dflash2 is None
-    if not plain or any(raw.get(key) is not None for key in ("has_embed_tokens", "has_lm_head")):
+    if cfg.speculators is not None or cfg.laguna is not None or any(raw.get(key) is not None for key in ("has_embed_tokens", "has_lm_head")):
         return False
     names = tensor_names(model_dir)
     cfg.own_embedding, cfg.own_lm_head = "embed_tokens.weight" in names, "lm_head.weight" in names
