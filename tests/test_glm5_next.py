@@ -382,8 +382,8 @@ P = "model.language_model.layers."
     (_add(P + "0.self_attn.rope.inv_freq"), "does not use"),
     (lambda s: s.pop(P + "0.self_attn.k_conv1d.weight"), "part of its split convolution"),
     (lambda s: s.pop(P + "1.mlp.experts.3.up_proj.weight"), "up_proj"),
-    (lambda s: s.pop(P + "3.self_attn.A_log"), "lacks weights: model.language_model.layers.3.self_attn.forget_gate.A_log"),
-    (lambda s: s.pop(P + "4.hc_ffn_fn"), "lacks weights: model.language_model.layers.4.ffn_hc.fn"),
+    (lambda s: s.pop(P + "3.self_attn.A_log"), "lacks weights: model.language_model.layers.3.self_attn.A_log"),
+    (lambda s: s.pop(P + "4.hc_ffn_fn"), "lacks weights: model.language_model.layers.4.hc_ffn_fn"),
     (lambda s: s.update({P + "0.attn_hc.fn": s[P + "0.hc_attn_fn"].clone()}), "twice"),
 ])
 def test_bad_checkpoints_are_refused_in_one_line(checkpoints, tmp_path, edit, message):
@@ -409,6 +409,18 @@ def test_mtp_layer_is_skipped_and_a_text_config_over_the_tower_is_refused(checkp
         cfg.update(cfg.pop("text_config"))
     with pytest.raises(DFlashError, match="vision tower"):
         TargetModel.from_pretrained(edited_checkpoint(src, tmp_path / "text", config=text_only), torch.float32)
+    # a glm5_next_text config over the decoder alone, and a glm5_next config keeping its text keys at the
+    # top level (no text_config, as transformers reads one), load the same model
+    def no_tower(state):
+        for key in [k for k in state if k.startswith("model.visual.")]:
+            del state[key]
+    text = edited_checkpoint(src, tmp_path / "text-only", config=text_only, state=no_tower)
+
+    def flat(cfg):
+        cfg.update({k: v for k, v in cfg.pop("text_config").items() if k != "model_type"})
+    for target in (text, edited_checkpoint(src, tmp_path / "flat", config=flat)):
+        b = TargetModel.from_pretrained(target, torch.float32).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # GLM-5.3-Flash as transformers' Glm5NextConfig defaults describe it (zai-org/GLM-5.3-Flash)

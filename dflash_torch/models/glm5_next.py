@@ -130,6 +130,7 @@ class Glm5NextConfig(deepseek_v32.DsaConfig):
     hc_eps: float = 1e-6
     hc_sinkhorn_iters: int = 20
     swiglu_limit: float = 10.0
+    published_names: bool = False  # the checkpoint uses the published names (hc_attn_fn ...; set when loading)
 
     @property
     def feature_size(self) -> int:
@@ -509,6 +510,7 @@ class Model(deepseek_v32.Model):
                 decoder) and :func:`~dflash_torch.models.moe.fuse_expert_weights`.
         """
         state = unwrap_language_model(cfg, state, TOWERS, "vision tower", "GLM-5.3-Flash", "glm5_next")
+        cfg.published_names = any(k.endswith(tuple(HC_NAMES)) for k in state)
         state = fuse_expert_weights(state, cfg.moe.num_experts)
         for i, kind in enumerate(cfg.layer_types):
             layer = f"model.layers.{i}."
@@ -532,9 +534,15 @@ class Model(deepseek_v32.Model):
 
     @classmethod
     def checkpoint_name(cls, cfg: Glm5NextConfig, key: str) -> str:
-        """transformers' name of our parameter ``key`` (under ``model.language_model.`` where the
-        checkpoint keeps the decoder there)."""
+        """The checkpoint's name of our parameter ``key``: transformers' in-memory name, or the
+        published one (what ``save_pretrained`` writes) where the checkpoint uses those, under
+        ``model.language_model.`` where the checkpoint keeps the decoder there."""
         key = key.replace(".linear_attn.", ".self_attn.")
+        if cfg.published_names:
+            key = key.replace(".self_attn.forget_gate.", ".self_attn.")
+            key = key.replace(".self_attn.conv1d.weight", ".self_attn.q_conv1d.weight")
+            for theirs, ours in HC_NAMES.items():
+                key = key.replace("." + ours, "." + theirs)
         if cfg.checkpoint_prefix != "model." and key.startswith("model."):
             return cfg.checkpoint_prefix + key[len("model."):]
         return key
