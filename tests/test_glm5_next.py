@@ -12,6 +12,8 @@ sparse indexer + hyper-connections + clamped MoE) against transformers' own
   every pool kept, the rollback with a per-head decay);
 * greedy speculative decoding == transformers' greedy ``generate``; an agreeable pair whose
   rounds accept many tokens is lossless eager, chunked, fixed-shape, batched and compiled;
+* fine-grained FP8 (every projection, the experts, KDA's and the indexer's linears) == transformers
+  loading it; kept packed == dequantized bit for bit;
 * transformers' in-memory names load the same model; refusals in one line; GLM-5.3-Flash's
   config as transformers' defaults describe it reads as transformers reads it (parameter shapes,
   KV-cache bytes a token).
@@ -301,6 +303,41 @@ def test_transformers_in_memory_names_load_the_same_model(models, checkpoints, t
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+def test_fp8_checkpoint_equals_transformers_dequantization_and_packed_equals_dequantized(checkpoints, tmp_path):
+    """Fine-grained FP8 (e4m3, blocks of [8, 16]) on every projection of the published names (KDA's
+    ``q/k/v/b/f_*/g_*/o_proj``, the latent attention's, the indexer's ``wq_b`` / ``wk`` /
+    ``weights_proj``, dense, shared and per-expert MLPs): our float32 logits == those of transformers
+    loading the FP8 checkpoint itself (on the CPU: dequantized); kept packed (FP8
+    linears, the experts as stored, ``kv_b_proj`` dequantized) the logits equal the dequantized
+    model's bit for bit, in float32 and bfloat16."""
+    import transformers
+    from test_fp8 import to_fp8
+
+    from dflash_torch.models import fp8
+
+    quantized = to_fp8(checkpoints["safe-gate"], tmp_path / "fp8", (8, 16),
+                       suffixes=("_proj.weight", "_proj_with_mqa.weight", ".wq_b.weight", ".wk.weight"))
+    stored = load_file(str(quantized / "model.safetensors"))
+    for key in ("0.self_attn.f_b_proj", "0.self_attn.q_proj", "1.self_attn.indexer.wk", "1.mlp.experts.3.up_proj",
+                "1.self_attn.kv_b_proj"):
+        assert stored[f"{P}{key}.weight"].dtype == fp8.FORMAT, key
+    hf = transformers.Glm5NextForConditionalGeneration.from_pretrained(str(quantized), dtype=torch.float32,
+                                                                       experts_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(IDS[None]).logits[0]
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = TargetModel.from_pretrained(quantized, dtype)
+        packed = TargetModel.from_pretrained(quantized, dtype, fp8="packed")
+        layers = packed.model.layers
+        assert isinstance(layers[0].linear_attn.forget_gate.f_b_proj, fp8.Fp8Linear)
+        assert isinstance(layers[1].self_attn.indexer.wk, fp8.Fp8Linear)
+        assert layers[1].self_attn.kv_b_proj.weight.dtype == dtype and layers[1].mlp.experts.fp8_block_cols == 16
+        a, b = _forward(plain, IDS[:50], [30, 20], False)[0], _forward(packed, IDS[:50], [30, 20], False)[0]
+        assert torch.equal(a, b), dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(_forward(plain, IDS, [90], False)[0], ref, rtol=ATOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_greedy_speculative_equals_transformers_generate(checkpoints, tmp_path, shape):
     drafter = glm5_drafter(checkpoints[shape], tmp_path / "spec")
@@ -357,8 +394,8 @@ def _edit(key, value, text=True):
     (_edit("n_group", 3), "n_group 3 must split n_routed_experts 8"),
     (_edit("linear_head_dim", "8"), "linear_head_dim must be an integer"),
     (_edit("text_config", {"model_type": "qwen3"}, text=False), "expected glm5_next_text"),
-    (_edit("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}, text=False),
-     "quant_method 'fp8'"),
+    (_edit("quantization_config", {"quant_method": "modelopt", "quant_algo": "FP8"}, text=False),
+     "quant_method 'modelopt'"),
 ])
 def test_bad_configs_are_refused_in_one_line(checkpoints, tmp_path, edit, message):
     target = edited_checkpoint(checkpoints["safe-gate"], tmp_path / "t", config=edit)

@@ -68,7 +68,11 @@ read too), ``lm_head.weight``; per-expert weights are stacked when loading; the
 multi-token-prediction layers ``model.language_model.layers.{num_hidden_layers + i}.*`` (``i <
 num_nextn_predict_layers``, default 1: transformers skips layer 45 of the published model)
 and a shared layer's indexer weights are not read; any other unknown weight is refused.
-Quantized checkpoints (FP8 included) are refused in one line.
+Fine-grained FP8 (DeepSeek's format: ``weight_scale_inv`` per block) loads through :mod:`.fp8`,
+dequantized when loading or, with ``--fp8 packed``, kept FP8 (every decoder linear, KDA's and the
+indexer's included, as an :class:`~dflash_torch.models.fp8.Fp8Linear`; the experts as stored;
+``kv_b_proj``, which the absorbed attention reads per head, dequantized when loading); other
+quantized checkpoints are refused in one line.
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ from .moe import Experts, dispatch_experts, fuse_expert_weights
 from .multimodal import INNER, text_config, unwrap_language_model
 from .target import EMBEDDING_OUTPUT, DecoderLayer, _Step, visible_rows
 
-QUANTIZATION_METHODS = ()  # none: a quantized checkpoint (FP8 included) is refused in one line
+QUANTIZATION_METHODS = ("fp8",)  # fine-grained FP8 (fp8.py); any other quantized checkpoint is refused in one line
 WRAPPERS = ("glm5_next",)
 TEXT_MODEL_TYPE = "glm5_next_text"
 TOWERS = ("model.visual.",)
