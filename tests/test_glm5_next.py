@@ -417,6 +417,7 @@ P = "model.language_model.layers."
     (_add(P + "1.self_attn.q_a_proj.bias", (48,)), "does not use"),  # attention biases the config does not announce
     (_add(P + "5.eh_proj.weight", (64, 128)), "does not use"),  # an MTP layer num_nextn_predict_layers 0 does not announce
     (_add(P + "0.self_attn.rope.inv_freq"), "does not use"),
+    (_add(P + "0.self_attn.indexer.wk.weight", (16, 64)), "does not use"),  # (a KDA layer has no indexer)
     (lambda s: s.pop(P + "0.self_attn.k_conv1d.weight"), "part of its split convolution"),
     (lambda s: s.pop(P + "1.mlp.experts.3.up_proj.weight"), "up_proj"),
     (lambda s: s.pop(P + "3.self_attn.A_log"), "lacks weights: model.language_model.layers.3.self_attn.A_log"),
@@ -432,10 +433,11 @@ def test_bad_checkpoints_are_refused_in_one_line(checkpoints, tmp_path, edit, me
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def test_mtp_layer_is_skipped_and_a_text_config_over_the_tower_is_refused(checkpoints, models, tmp_path):
+def test_mtp_and_shared_indexer_weights_are_skipped_text_configs_load(checkpoints, models, tmp_path):
     src = checkpoints["safe-gate"]
     mtp = edited_checkpoint(src, tmp_path / "mtp", state=lambda s: s.update({
-        P + "5.eh_proj.weight": torch.zeros(64, 128), P + "5.shared_head.norm.weight": torch.ones(64)}))
+        P + "5.eh_proj.weight": torch.zeros(64, 128), P + "5.shared_head.norm.weight": torch.ones(64),
+        P + "2.self_attn.indexer.wk.weight": torch.zeros(16, 64)}))  # (layer 2 shares layer 1's choice: no indexer)
     a, b = models["safe-gate"][1].state_dict(), TargetModel.from_pretrained(mtp, torch.float32).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     not_mtp = edited_checkpoint(src, tmp_path / "not-mtp", state=_add(P + "5.input_layernorm.weight", (64,)))

@@ -488,6 +488,14 @@ class Model(deepseek_v32.Model):
         """A checkpoint name with the decoder under ``model.`` (``model.language_model.X`` -> ``model.X``)."""
         return "model." + key[len(INNER):] if key.startswith(INNER) else key
 
+    @staticmethod
+    def _shared_indexer(cfg: Glm5NextConfig, key: str) -> bool:
+        """Whether ``key`` is an indexer weight of a *shared indexed* layer (which runs none; a
+        KDA layer's "indexer weights" are nothing GLM-5.3-Flash has: refused as unknown)."""
+        if not deepseek_v32.Model._shared_indexer(cfg, key):
+            return False
+        return cfg.layer_types[int(key.split(".")[2])] == "full_attention"
+
     @classmethod
     def checkpoint_keys(cls, cfg: Glm5NextConfig, key: str) -> bool:
         """Skip a wrapper's vision tower, the multi-token-prediction layers and the shared
