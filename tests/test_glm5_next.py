@@ -500,3 +500,36 @@ def test_published_config_reads_as_transformers_reads_it():
     assert per_token == 11 * 768 * 2 == 16_896
     # and the KDA state per sequence: 34 layers of 64 heads of 128 x 128 float32 plus 3 conv inputs of 3 * 8192 each
     assert cache_bytes(mine, None, 1, 0) == 34 * (64 * 128 * 128 * 4 + 3 * 3 * 8192 * 4)  # (float32 on meta)
+
+
+@pytest.mark.parametrize("text, refused", [
+    (dict(linear_attn_config={"head_dim": 64, "num_heads": 32, "short_conv_kernel_size": 3, "gate_lower_bound": None,
+                              "safe_gate": False}), False),
+    (dict(linear_attn_config={"num_heads": 16, "gate_lower_bound": None}), False),  # (safe_gate default: bound -5)
+    (dict(num_hidden_layers=4, layer_types=["linear_attention", "indexed_attention", "indexed_attention",
+          "linear_attention"], index_topk_pattern="FFSF"), False),
+    (dict(num_hidden_layers=6, index_topk_freq=2, index_skip_topk_offset=2, layer_types=["indexed_attention"] * 6,
+          mlp_layer_types=["dense"] + ["sparse"] * 5), False),  # (full, full, shared, full, shared, full)
+    (dict(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"]), False),
+    # layer 7 shares layer 6's choice, but layer 6 is a KDA layer: transformers fails when it runs
+    (dict(num_hidden_layers=8, index_topk_pattern="FFSFFFFS"), True),
+])
+def test_config_variants_read_as_transformers_reads_them(text, refused):
+    """The keys transformers' ``Glm5NextTextConfig`` derives others from (``linear_attn_config``,
+    ``index_topk_pattern``, ``index_topk_freq`` / ``index_skip_topk_offset``, ``full_attention`` as
+    ``indexed_attention``, fewer than three layers) read as it reads them."""
+    import transformers
+
+    theirs = transformers.Glm5NextConfig(text_config=dict(text)).text_config
+    published = {**PUBLISHED, "text_config": {"model_type": "glm5_next_text", **text}}
+    if refused:
+        with pytest.raises(DFlashError, match="layer 7 a shared indexed layer, but layer 6 is not"):
+            TargetConfig.from_dict(published)
+        return
+    ours = TargetConfig.from_dict(published)
+    assert [k == "linear_attention" for k in ours.layer_types] == [k == "linear_attention" for k in theirs.layer_types]
+    assert ours.indexer_full == [k == "indexed_attention" and m == "full"
+                                 for k, m in zip(theirs.layer_types, theirs.indexer_types)]
+    assert ours.moe_layers == [t == "sparse" for t in theirs.mlp_layer_types]
+    for key in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "linear_lower_bound"):
+        assert getattr(ours, key) == getattr(theirs, key), key
