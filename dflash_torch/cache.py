@@ -1,5 +1,6 @@
 """Per-sequence caches: a static, preallocated KV cache (attention layers of the target
-and the drafter) and the recurrent state of linear-attention layers (Gated DeltaNet).
+and the drafter) and the recurrent state of linear-attention layers (Gated DeltaNet,
+Mamba-2, Kimi Delta Attention).
 
 Both the target and the drafter keep a KV cache. Entries are written at absolute
 positions by index assignment (so positions may be a device tensor and shapes never
@@ -183,7 +184,7 @@ class KVCache(RingLayers):
 
 
 class RecurrentState:
-    """The state of a target's linear-attention (Gated DeltaNet) layers for ``sequences``
+    """The state of a target's linear-attention (Gated DeltaNet, Mamba-2, KDA) layers for ``sequences``
     sequences (1 for :class:`~dflash_torch.decoding.SpeculativeDecoder`; a batch decoder's
     slots otherwise), with a leading sequence dimension N throughout.
 

@@ -93,28 +93,31 @@ def state_after(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, G: torch.
 
     Args:
         state: ``[N, H, d_k, d_v]`` before the chunk; k ``[N, H, T, d_k]``, u ``[N, H, T, d_v]``,
-            G ``[N, H, T]`` from :func:`delta_rule_chunk`.
+            G ``[N, H, T]`` from :func:`delta_rule_chunk` (one log decay per head and token), or
+            ``[N, H, T, d_k]`` (one per key channel: Kimi Delta Attention, :mod:`.kda`, where
+            ``S_n = diag(exp(G_{n-1})) S_0 + sum_{j < n} (exp(G_{n-1} - G_j) * k_j) u_j^T``).
         n: tokens to keep: an int or a 0-dim int64 tensor in ``[1, T]`` for every sequence,
             or an int64 tensor ``[N]`` in ``[0, T]`` per sequence (0: the state before the chunk).
 
     Returns:
         ``[N, H, d_k, d_v]`` float32.
     """
-    T = G.shape[-1]
+    T = k.shape[-2]
+    G = G if G.dim() == k.dim() else G[..., None]  # [N, H, T, c]: c = d_k (per channel) or 1 (per head)
     if isinstance(n, int) and n == T:
-        g_end = G[..., -1:]  # [N, H, 1]
+        g_end = G[..., -1:, :]  # [N, H, 1, c]
         weights = (g_end - G).exp()
     elif not torch.is_tensor(n) or n.dim() == 0:  # one count for every sequence (the single-sequence commit)
         last = (n - 1).view(1) if torch.is_tensor(n) else torch.tensor([n - 1], device=G.device)
-        g_end = G.index_select(-1, last)
-        keep = torch.arange(T, device=G.device) < n
+        g_end = G.index_select(-2, last)
+        keep = (torch.arange(T, device=G.device) < n)[:, None]  # [T, 1]
         weights = (g_end - G).masked_fill(~keep, float("-inf")).exp()
-    else:  # a count per sequence, [N] -> [N, 1, 1]
-        n = n.view(-1, 1, 1)
-        g_end = G.gather(-1, (n - 1).clamp(min=0).expand(*G.shape[:-1], 1)).masked_fill(n < 1, 0.0)
-        keep = torch.arange(T, device=G.device) < n  # [N, 1, T]
+    else:  # a count per sequence, [N] -> [N, 1, 1, 1]
+        n = n.view(-1, 1, 1, 1)
+        g_end = G.gather(-2, (n - 1).clamp(min=0).expand(*G.shape[:-2], 1, G.shape[-1])).masked_fill(n < 1, 0.0)
+        keep = torch.arange(T, device=G.device)[:, None] < n  # [N, 1, T, 1]
         weights = (g_end - G).masked_fill(~keep, float("-inf")).exp()
-    return state * g_end.exp()[..., None] + (k * weights[..., None]).transpose(-1, -2) @ u
+    return state * g_end.exp().transpose(-1, -2) + (k * weights).transpose(-1, -2) @ u
 
 
 class GatedDeltaNet(nn.Module):

@@ -38,6 +38,8 @@ FAMILIES = {
     "laguna": "laguna",
     "nemotron_h": "nemotron_h",
     "mimo_v2_flash": "mimo_v2_flash",
+    "glm5_next": "glm5_next",
+    "glm5_next_text": "glm5_next",
 }
 
 

@@ -5,8 +5,9 @@ intermediate layer outputs (the DFlash context features).
 :class:`TargetModel` is the shared decoder; each family module (``llama.py``,
 ``qwen3_moe.py``, ``qwen3_5.py``, ``qwen3_next.py``, ``gpt_oss.py``, ``muse_glimmer.py``, ``gemma4.py``,
 ``minimax_m2.py``, ``deepseek_v3.py``, ``deepseek_v4.py``, ``laguna.py``, ``glm4_moe_lite.py``,
-``deepseek_v32.py`` on ``deepseek_v3.py``, ``mimo_v2_flash.py`` and ``nemotron_h.py``, whose blocks hold one sublayer each:
-:class:`MixerBlock`, :class:`MlpBlock`)
+``deepseek_v32.py`` on ``deepseek_v3.py``, ``mimo_v2_flash.py``, ``glm5_next.py`` (on ``deepseek_v32.py``, with
+``deepseek_v4.py``'s hyper-connections and ``kda.py``'s linear attention) and ``nemotron_h.py``, whose blocks hold
+one sublayer each: :class:`MixerBlock`, :class:`MlpBlock`)
 says how its config reads, which layers it builds and how its checkpoint's weight names
 map onto them.
 :func:`dflash_torch.models.registry.family` finds the module of a ``model_type``.
