@@ -184,8 +184,9 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             are read (:mod:`~dflash_torch.models.nvfp4`; the activation scales are dropped):
             ``"compressed-tensors"`` (each ``X.weight_packed`` with its ``X.weight_scale`` and
             ``X.weight_global_scale``), ``"modelopt"`` (each uint8 ``X.weight`` with its
-            ``X.weight_scale`` and ``X.weight_scale_2``) or ``"modelopt-fp8"`` (each
-            float8_e4m3fn ``X.weight`` with its per-tensor ``X.weight_scale``); None: none.
+            ``X.weight_scale`` and ``X.weight_scale_2``), ``"modelopt-fp8"`` (each
+            float8_e4m3fn ``X.weight`` with its per-tensor ``X.weight_scale``) or
+            ``"modelopt-mixed"`` (either, by the weight's dtype); None: none.
 
     Raises:
         DFlashError: a weight file that is not valid safetensors (corrupt or truncated), a
@@ -298,8 +299,9 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                     state[key] = t.to(device=device, dtype=want) if t.is_floating_point() else t.to(device)
     if nvfp4 is not None and not dequantized:
         what = {"compressed-tensors": "compressed-tensors nvfp4-pack-quantized weights (X.weight_packed)",
-                "modelopt": "ModelOpt NVFP4 weights (uint8 X.weight with X.weight_scale_2)"}.get(
-                    nvfp4, "ModelOpt FP8 weights (float8_e4m3fn X.weight with X.weight_scale)")
+                "modelopt": "ModelOpt NVFP4 weights (uint8 X.weight with X.weight_scale_2)",
+                "modelopt-fp8": "ModelOpt FP8 weights (float8_e4m3fn X.weight with X.weight_scale)"}.get(
+                    nvfp4, "ModelOpt MIXED_PRECISION weights (uint8 or float8_e4m3fn X.weight with X.weight_scale)")
         raise DFlashError(f"{model_dir}: config.json declares {what.split(' (')[0]} but the checkpoint holds none "
                           f"({what.split(' (')[1]}")
     return state
@@ -348,31 +350,35 @@ def _nvfp4_tensor(model_dir: Path, f, key: str, source: dict[str, Path], kinds: 
                     raise DFlashError(f"{model_dir}: {key} has no NVFP4 weight {owner}")
                 return key, None
         return None
-    algo_kind = "U8" if fmt == nvfp4.MODELOPT else "F8_E4M3"  # (a quantized X.weight's safetensors dtype)
-    what = "NVFP4" if fmt == nvfp4.MODELOPT else "FP8"
+    allowed = {"modelopt": ("U8",), "modelopt-fp8": ("F8_E4M3",)}.get(fmt, ("U8", "F8_E4M3"))  # (safetensors dtypes)
+    what = {"modelopt": "NVFP4", "modelopt-fp8": "FP8"}.get(fmt, "MIXED_PRECISION")
     if key.endswith(".weight") and kinds.get(key) in ("U8", "F8_E4M3"):
         base = key.removesuffix("weight")
-        if kinds[key] != algo_kind:
+        if kinds[key] not in allowed:
             raise DFlashError(f"{model_dir}: weight {key} is {_KIND_NAMES[kinds[key]]} in a ModelOpt {what} checkpoint "
-                              f"(its quantized weights are {_KIND_NAMES[algo_kind]}; a mixed-precision layout?)")
-        needed = (nvfp4.MO_SCALE, nvfp4.MO_SCALE_2) if fmt == nvfp4.MODELOPT else (nvfp4.MO_SCALE,)
+                              f"(its quantized weights are {_KIND_NAMES[allowed[0]]}; a mixed-precision layout?)")
+        nvfp4_weight = kinds[key] == "U8"
+        needed = (nvfp4.MO_SCALE, nvfp4.MO_SCALE_2) if nvfp4_weight else (nvfp4.MO_SCALE,)
         for suffix in needed:
             if base + suffix not in source:
-                raise DFlashError(f"{model_dir}: {what} weight {key} has no {base + suffix}")
+                raise DFlashError(f"{model_dir}: {'NVFP4' if nvfp4_weight else 'FP8'} weight {key} has no "
+                                  f"{base + suffix}")
         t = f.get_tensor(key).to(device)
-        if fmt == nvfp4.MODELOPT:
+        if nvfp4_weight:
             return key, nvfp4.dequantize_modelopt(t, part(base + nvfp4.MO_SCALE), part(base + nvfp4.MO_SCALE_2),
                                                   dtype, key)
         if base + nvfp4.MO_SCALE_2 in source:
-            raise DFlashError(f"{model_dir}: FP8 weight {key} has a {base + nvfp4.MO_SCALE_2} (an NVFP4 scale) in a "
-                              "ModelOpt FP8 checkpoint")
+            raise DFlashError(f"{model_dir}: FP8 weight {key} has a {base + nvfp4.MO_SCALE_2} (an NVFP4 scale); "
+                              "ModelOpt's FP8 weights have one per-tensor weight_scale")
         return key, nvfp4.dequantize_modelopt_fp8(t, part(base + nvfp4.MO_SCALE), dtype, key)
     for suffix in (nvfp4.MO_SCALE_2, nvfp4.MO_SCALE, nvfp4.MO_INPUT):
         if key.endswith("." + suffix):
             owner = key.removesuffix(suffix) + "weight"
-            if kinds.get(owner) != algo_kind:
+            owners = ("U8",) if suffix == nvfp4.MO_SCALE_2 else allowed
+            if kinds.get(owner) not in owners:
                 raise DFlashError(f"{model_dir}: {key} is a ModelOpt {what} scale, but "
-                                  + (f"{owner} is {_KIND_NAMES.get(kinds[owner], kinds[owner])}, not {what}"
+                                  + (f"{owner} is {_KIND_NAMES.get(kinds[owner], kinds[owner])}, not "
+                                     f"{' or '.join(_KIND_NAMES[k] for k in owners)}"
                                      if owner in kinds else f"there is no {owner}"))
             return key, None
     return None

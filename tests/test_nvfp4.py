@@ -436,6 +436,30 @@ def test_modelopt_fp8_weights_equal_the_reference_rounded_once(tmp_path, dtype):
         check_rounded_once(ours[name], exact, dtype, name)
 
 
+def test_modelopt_mixed_precision_and_w4a16_nvfp4_load_each_weight_by_its_dtype(tmp_path):
+    """MIXED_PRECISION (experts NVFP4, the rest FP8, as NVIDIA's mixed releases) == each part
+    loaded from a checkpoint of its one algorithm; W4A16_NVFP4 (no input_scale) == NVFP4."""
+    src = make_hybrid_target(tmp_path / "src", "qwen3_moe", tokenizer=False)
+    experts = to_modelopt(src, tmp_path / "experts", which=lambda k: ".experts." in k)
+    rest = to_modelopt(src, tmp_path / "rest", which=lambda k: ".experts." not in k, algo="FP8")
+    layers = {k.removesuffix(".weight"): {"quant_algo": "NVFP4", "group_size": 16} if ".experts." in k
+              else {"quant_algo": "FP8"} for k in load_file(str(src / "model.safetensors")) if _quantized(k, bool)}
+
+    def mix(state):
+        state.update({k: v for k, v in load_file(str(experts / "model.safetensors")).items() if ".experts." in k})
+
+    mixed = edited_checkpoint(rest, tmp_path / "mixed", state=mix, config=lambda cfg: cfg["quantization_config"].update(
+        quant_algo="MIXED_PRECISION", quantized_layers=layers))
+    mine = TargetModel.from_pretrained(mixed, torch.bfloat16).state_dict()
+    nv, fp = (TargetModel.from_pretrained(d, torch.bfloat16).state_dict() for d in (experts, rest))
+    for k in mine:
+        assert torch.equal(mine[k], (nv if ".experts." in k else fp)[k]), k
+    w4a16 = edited_checkpoint(experts, tmp_path / "w4a16", config=_set("quant_algo", "W4A16_NVFP4"), state=lambda w: [
+        w.pop(k) for k in [k for k in w if k.endswith("input_scale")]])
+    theirs = TargetModel.from_pretrained(w4a16, torch.bfloat16).state_dict()
+    assert all(torch.equal(theirs[k], nv[k]) for k in nv)
+
+
 def test_modelopt_speculative_decoding_equals_target_only_hybrid(nemotron):
     _check_speculative_equals_target_only(*nemotron[1:])
 
@@ -526,11 +550,17 @@ def modelopt_dense(tmp_path_factory):
 
 @pytest.mark.parametrize("config,message", [
     (_set("quant_algo", "W4A8_AWQ"), "quant_algo 'W4A8_AWQ'"),
-    (_set("quant_algo", "MIXED_PRECISION"), "quant_algo 'MIXED_PRECISION'"),
+    (_set("quant_algo", "FP8_PB_WO"), "quant_algo 'FP8_PB_WO'"),
+    (_set("quant_algo", "MIXED_PRECISION"), "'MIXED_PRECISION' without quantized_layers"),
+    (lambda cfg: cfg["quantization_config"].update(quant_algo="MIXED_PRECISION", quantized_layers={
+        "model.layers.0.mlp.down_proj": {"quant_algo": "NVFP4", "group_size": 16},
+        "model.layers.0.mlp.up_proj": {"quant_algo": "W4A8_AWQ"}}), "'model.layers.0.mlp.up_proj' has quant_algo 'W4A8_AWQ'"),
+    (lambda cfg: cfg["quantization_config"].update(quant_algo="MIXED_PRECISION", quantized_layers={
+        "model.layers.0.mlp.down_proj": {"quant_algo": "NVFP4", "group_size": 32}}), "group_size 32"),
     (_set("group_size", 32), "group_size 32"),
     (_set("kv_cache_scheme", {"num_bits": 8, "type": "float"}), "quantizes the KV cache"),
     (_set("kv_cache_quant_algo", "FP8"), "quantizes the KV cache"),
-    (_set("quant_algo", "FP8"), "is a ModelOpt FP8 scale, but .* is uint8, not FP8"),
+    (_set("quant_algo", "FP8"), "is a ModelOpt FP8 scale, but .* is uint8, not float8_e4m3fn"),
 ])
 def test_modelopt_configs_that_cannot_be_read_exactly_are_refused_in_one_line(modelopt_dense, tmp_path, config,
                                                                               message):
@@ -546,7 +576,7 @@ def test_modelopt_configs_that_cannot_be_read_exactly_are_refused_in_one_line(mo
     (lambda w: w.__setitem__(P + "weight_scale_2", torch.tensor(float("inf"))), "not a positive finite number"),
     (lambda w: w.__setitem__(P + "weight_scale_2", torch.tensor(-1.0)), "not a positive finite number"),
     (lambda w: w.__setitem__(P + "weight_scale_2", torch.ones(3)), r"\(3,\), expected float32 with one value"),
-    (lambda w: w.__setitem__(P + "weight", torch.zeros(32, 64, dtype=nvfp4.FP8)), "is a ModelOpt NVFP4 scale, but .* is float8_e4m3fn, not NVFP4"),
+    (lambda w: w.__setitem__(P + "weight", torch.zeros(32, 64, dtype=nvfp4.FP8)), "is a ModelOpt NVFP4 scale, but .* is float8_e4m3fn, not uint8"),
     (lambda w: w.__setitem__(P + "weight_scale", w[P + "weight_scale"].to(torch.bfloat16)), "expected float8_e4m3fn"),
     (lambda w: w.__setitem__("model.layers.0.mlp.up_proj.input_scale", torch.tensor(1.0)),
      "up_proj.input_scale is a ModelOpt NVFP4 scale, but model.layers.0.mlp.up_proj.weight is float32"),

@@ -262,7 +262,7 @@ class TargetConfig:
     int_quant: tuple[int, int | None] | None = None  # (bits, group_size) of packed integer weights (see packed_int.py)
     keep_int: bool = False  # hold them packed, dequantizing them each forward (set when loading)
     # weights dequantized when loading (see nvfp4.py): "compressed-tensors" (nvfp4-pack-quantized),
-    # "modelopt" (ModelOpt NVFP4) or "modelopt-fp8" (ModelOpt per-tensor FP8); None: none
+    # "modelopt" (ModelOpt NVFP4), "modelopt-fp8" (ModelOpt per-tensor FP8) or "modelopt-mixed" (both); None: none
     nvfp4: str | None = None
 
     @property
@@ -316,8 +316,7 @@ class TargetConfig:
             else:
                 config.int_quant = packed_int.check_config(quant, "target")
         if quant is not None and quant.get("quant_method") == nvfp4.MODELOPT:
-            algo = nvfp4.check_modelopt_config(quant, "target")
-            config.nvfp4 = nvfp4.MODELOPT if algo == "NVFP4" else "modelopt-fp8"
+            config.nvfp4 = nvfp4.check_modelopt_config(quant, "target")
         return config
 
 

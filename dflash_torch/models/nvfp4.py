@@ -51,7 +51,12 @@ from ..errors import DFlashError
 
 CT_METHOD, CT_FORMAT = "compressed-tensors", "nvfp4-pack-quantized"
 MODELOPT = "modelopt"
-MODELOPT_ALGOS = ("NVFP4", "FP8")
+NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")  # (the same weights; W4A16 with unquantized activations)
+LAYER_ALGOS = (*NVFP4_ALGOS, "FP8")  # what a MIXED_PRECISION checkpoint's layers may use
+MODELOPT_ALGOS = (*LAYER_ALGOS, "MIXED_PRECISION")
+# TargetConfig.nvfp4 of a ModelOpt checkpoint, by quant_algo
+MODELOPT_FORMATS = {"NVFP4": "modelopt", "W4A16_NVFP4": "modelopt", "FP8": "modelopt-fp8",
+                    "MIXED_PRECISION": "modelopt-mixed"}
 GROUP = 16  # columns per FP8 group scale
 FP8 = torch.float8_e4m3fn
 # compressed-tensors: X.weight_packed, X.weight_scale, X.weight_global_scale; X.input_global_scale (not used)
@@ -148,28 +153,45 @@ def _describe(args: dict) -> str:
 
 
 def check_modelopt_config(quant: dict, what: str = "target") -> str:
-    """The ``quant_algo`` (``"NVFP4"`` or ``"FP8"``) of a ModelOpt ``quantization_config``
-    (``quant_method: "modelopt"``: in ``config.json``, or built from ``hf_quant_config.json``
-    by :func:`hf_quant_config`).
+    """How the weights of a ModelOpt checkpoint are stored (``quant_method: "modelopt"``:
+    ``quantization_config`` in ``config.json``, or built from ``hf_quant_config.json`` by
+    :func:`hf_quant_config`), as :class:`~dflash_torch.models.config.TargetConfig`'s
+    ``nvfp4`` says it: ``"modelopt"`` (``quant_algo`` ``"NVFP4"`` or ``"W4A16_NVFP4"``),
+    ``"modelopt-fp8"`` (``"FP8"``, per-tensor scales) or ``"modelopt-mixed"``
+    (``"MIXED_PRECISION"`` whose ``quantized_layers`` each use one of those: each weight is
+    then read by its dtype, uint8 NVFP4, float8_e4m3fn FP8).
 
     Raises:
-        DFlashError: one line: another ``quant_algo`` (e.g. ``W4A8_AWQ``, ``MIXED_PRECISION``,
-            ``FP8_PB_WO``, ``W4A16_NVFP4``), NVFP4 with a ``group_size`` other than 16, a
-            quantized KV cache (``kv_cache_quant_algo`` / ``kv_cache_scheme``).
+        DFlashError: one line: another ``quant_algo`` (e.g. ``W4A8_AWQ``, ``FP8_PB_WO``,
+            ``NVFP4_AWQ``, ``MXFP8``), a MIXED_PRECISION layer using one, or with no
+            ``quantized_layers``; NVFP4 with a ``group_size`` other than 16; a quantized KV
+            cache (``kv_cache_quant_algo`` / ``kv_cache_scheme``).
     """
     where = f"the {what} checkpoint's ModelOpt quantization_config"
     algo = quant.get("quant_algo")
     if not isinstance(algo, str) or algo.upper() not in MODELOPT_ALGOS:
-        raise DFlashError(f"{where} has quant_algo {algo!r}; dflash-torch reads 'NVFP4' (FP4 weights, FP8 scales per "
-                          "16) and 'FP8' (per-tensor scales)")
+        raise DFlashError(f"{where} has quant_algo {algo!r}; dflash-torch reads 'NVFP4' / 'W4A16_NVFP4' (FP4 weights, "
+                          "FP8 scales per 16), 'FP8' (per-tensor scales) and 'MIXED_PRECISION' of those")
     algo = algo.upper()
-    if quant.get("kv_cache_quant_algo") or quant.get("kv_cache_scheme"):
-        raise DFlashError(f"{where} quantizes the KV cache (kv_cache_quant_algo "
-                          f"{quant.get('kv_cache_quant_algo') or quant.get('kv_cache_scheme')!r}); dflash-torch reads "
-                          "only weight quantization")
-    if algo == "NVFP4" and quant.get("group_size", GROUP) != GROUP:
-        raise DFlashError(f"{where} has group_size {quant.get('group_size')!r}; NVFP4 scales groups of 16")
-    return algo
+    kv = quant.get("kv_cache_quant_algo") or quant.get("kv_cache_scheme")
+    if kv:
+        raise DFlashError(f"{where} quantizes the KV cache (kv_cache_quant_algo {kv!r}); dflash-torch reads only "
+                          "weight quantization")
+    layers = {"quant_algo": {"quant_algo": algo, "group_size": quant.get("group_size", GROUP)}}
+    if algo == "MIXED_PRECISION":
+        layers = quant.get("quantized_layers")
+        if not isinstance(layers, dict) or not layers:
+            raise DFlashError(f"{where} has quant_algo 'MIXED_PRECISION' without quantized_layers (each quantized "
+                              "layer's quant_algo)")
+    for name, layer in layers.items():
+        here = where if algo != "MIXED_PRECISION" else f"{where}: quantized_layers {name!r}"
+        layer_algo = layer.get("quant_algo") if isinstance(layer, dict) else None
+        if not isinstance(layer_algo, str) or layer_algo.upper() not in LAYER_ALGOS:
+            raise DFlashError(f"{here} has quant_algo {layer_algo!r}; dflash-torch reads 'NVFP4', 'W4A16_NVFP4' and "
+                              "'FP8' layers")
+        if layer_algo.upper() in NVFP4_ALGOS and layer.get("group_size", GROUP) != GROUP:
+            raise DFlashError(f"{here} has group_size {layer.get('group_size')!r}; NVFP4 scales groups of 16")
+    return MODELOPT_FORMATS[algo]
 
 
 @functools.lru_cache(maxsize=None)
