@@ -593,6 +593,18 @@ def test_bad_modelopt_tensors_are_refused_in_one_line(modelopt_dense, tmp_path, 
     assert "\n" not in str(err.value)
 
 
+def test_packed_modes_say_nvfp4_weights_are_dequantized_only(ct_dense, modelopt_dense):
+    """NVFP4 / ModelOpt weights are dequantized when loading; the packed modes of the other
+    formats refuse them in one line, naming what they keep packed."""
+    with pytest.raises(DFlashError, match="format 'pack-quantized'") as err:
+        TargetModel.from_pretrained(ct_dense[0], torch.float32, int_weights="packed")
+    assert "\n" not in str(err.value)
+    with pytest.raises(DFlashError, match="quant_method 'fp8'"):
+        TargetModel.from_pretrained(modelopt_dense, torch.float32, fp8="packed")
+    model = TargetModel.from_pretrained(modelopt_dense, torch.float32, fp8="auto", int_weights="auto")
+    assert model.config.nvfp4 == "modelopt" and model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+
+
 def test_families_without_modelopt_support_refuse_it(tmp_path):
     from conftest import make_gpt_oss_target
 
