@@ -554,7 +554,8 @@ def modelopt_dense(tmp_path_factory):
     (_set("quant_algo", "MIXED_PRECISION"), "'MIXED_PRECISION' without quantized_layers"),
     (lambda cfg: cfg["quantization_config"].update(quant_algo="MIXED_PRECISION", quantized_layers={
         "model.layers.0.mlp.down_proj": {"quant_algo": "NVFP4", "group_size": 16},
-        "model.layers.0.mlp.up_proj": {"quant_algo": "W4A8_AWQ"}}), "'model.layers.0.mlp.up_proj' has quant_algo 'W4A8_AWQ'"),
+        "model.layers.0.mlp.up_proj": {"quant_algo": "W4A8_AWQ"}}),
+     "'model.layers.0.mlp.up_proj' has quant_algo 'W4A8_AWQ'"),
     (lambda cfg: cfg["quantization_config"].update(quant_algo="MIXED_PRECISION", quantized_layers={
         "model.layers.0.mlp.down_proj": {"quant_algo": "NVFP4", "group_size": 32}}), "group_size 32"),
     (_set("group_size", 32), "group_size 32"),
@@ -576,7 +577,8 @@ def test_modelopt_configs_that_cannot_be_read_exactly_are_refused_in_one_line(mo
     (lambda w: w.__setitem__(P + "weight_scale_2", torch.tensor(float("inf"))), "not a positive finite number"),
     (lambda w: w.__setitem__(P + "weight_scale_2", torch.tensor(-1.0)), "not a positive finite number"),
     (lambda w: w.__setitem__(P + "weight_scale_2", torch.ones(3)), r"\(3,\), expected float32 with one value"),
-    (lambda w: w.__setitem__(P + "weight", torch.zeros(32, 64, dtype=nvfp4.FP8)), "is a ModelOpt NVFP4 scale, but .* is float8_e4m3fn, not uint8"),
+    (lambda w: w.__setitem__(P + "weight", torch.zeros(32, 64, dtype=nvfp4.FP8)),
+     "is a ModelOpt NVFP4 scale, but .* is float8_e4m3fn, not uint8"),
     (lambda w: w.__setitem__(P + "weight_scale", w[P + "weight_scale"].to(torch.bfloat16)), "expected float8_e4m3fn"),
     (lambda w: w.__setitem__("model.layers.0.mlp.up_proj.input_scale", torch.tensor(1.0)),
      "up_proj.input_scale is a ModelOpt NVFP4 scale, but model.layers.0.mlp.up_proj.weight is float32"),

@@ -132,8 +132,8 @@ def check_ct_config(quant: dict, what: str = "target") -> None:
                               "reads one format per checkpoint")
         here = f"{where}: config group {name!r}"
         if not _is_nvfp4(group["weights"]) or group["weights"].get("dynamic", False):
-            raise DFlashError(f"{here} has weights {_describe(group['weights'])}; {CT_FORMAT} holds NVFP4 weights (4-bit "
-                              "float, strategy 'tensor_group', symmetric, group_size 16, stored scales)")
+            raise DFlashError(f"{here} has weights {_describe(group['weights'])}; {CT_FORMAT} holds NVFP4 weights "
+                              "(4-bit float, strategy 'tensor_group', symmetric, group_size 16, stored scales)")
         acts = group.get("input_activations")
         if acts and not _is_nvfp4(acts):
             raise DFlashError(f"{here} quantizes input_activations as {_describe(acts)}; dflash-torch reads NVFP4 "
