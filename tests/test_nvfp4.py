@@ -196,9 +196,10 @@ def test_ct_nvfp4_with_quantized_activations_loads_the_same_weights(ct_dense, tm
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "qwen3_5_moe"])
 def test_ct_moe_and_hybrid_weights_equal_the_librarys_decompression(tmp_path, family):
-    """Per-expert matrices (stacked when loading), a hybrid's linear-attention projections."""
+    """Per-expert matrices (stacked when loading), a hybrid's linear-attention projections, a
+    multimodal wrapper (its vision tower, quantized too, is not read)."""
     src = make_hybrid_target(tmp_path / "src", family, tokenizer=False)
     target = to_ct_nvfp4(src, tmp_path / "ct")
     stored = load_file(str(target / "model.safetensors"))
@@ -605,6 +606,19 @@ def test_packed_modes_say_nvfp4_weights_are_dequantized_only(ct_dense, modelopt_
         TargetModel.from_pretrained(modelopt_dense, torch.float32, fp8="packed")
     model = TargetModel.from_pretrained(modelopt_dense, torch.float32, fp8="auto", int_weights="auto")
     assert model.config.nvfp4 == "modelopt" and model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{", "hf_quant_config.json is not valid JSON"),
+    ('{"producer": {"name": "modelopt"}}', "hf_quant_config.json has no 'quantization' object"),
+    ('{"producer": {"name": "other"}, "quantization": {"quant_algo": "NVFP4"}}', "quant_method 'other'"),
+])
+def test_a_bad_hf_quant_config_is_refused_in_one_line(nemotron, tmp_path, text, message):
+    legacy = to_modelopt(nemotron[0], tmp_path / "legacy", legacy=True)
+    (legacy / "hf_quant_config.json").write_text(text)
+    with pytest.raises(DFlashError, match=message) as err:
+        TargetModel.from_pretrained(legacy, torch.float32)
+    assert "\n" not in str(err.value)
 
 
 def test_families_without_modelopt_support_refuse_it(tmp_path):
