@@ -92,12 +92,23 @@ def read_json_object(path: Path) -> dict:
 
 
 def load_config(model_dir: Path) -> dict:
-    """Read ``config.json`` of a checkpoint directory as a dict.
+    """Read ``config.json`` of a checkpoint directory as a dict. An older NVIDIA ModelOpt
+    checkpoint declares its quantization in a separate ``hf_quant_config.json``: where
+    ``config.json`` has no ``quantization_config``, that file's is set as it
+    (:func:`~dflash_torch.models.nvfp4.hf_quant_config`), so that it is read or refused like
+    one written in ``config.json``.
 
     Raises:
-        DFlashError: see :func:`read_json_object`.
+        DFlashError: see :func:`read_json_object`; a ``hf_quant_config.json`` that is not
+            valid JSON with a ``quantization`` object.
     """
-    return read_json_object(Path(model_dir) / "config.json")
+    from .models.nvfp4 import hf_quant_config
+
+    cfg = read_json_object(Path(model_dir) / "config.json")
+    quant = hf_quant_config(model_dir, cfg)
+    if quant is not None:
+        cfg["quantization_config"] = quant
+    return cfg
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -135,7 +146,7 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                     fp8_block: tuple[int, int] | None = None, keep_fp8: bool = False,
                     int_quant: tuple[int, int | None] | None = None, keep_int: bool = False,
                     float32: Callable[[str], bool] | None = None, scale_fmt: str = "float",
-                    fp4: bool = False, keep_fp4: bool = False) -> dict[str, torch.Tensor]:
+                    fp4: bool = False, keep_fp4: bool = False, nvfp4: str | None = None) -> dict[str, torch.Tensor]:
     """Load the tensors of a checkpoint, cast to ``dtype``, onto ``device``.
 
     Args:
@@ -169,6 +180,13 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
         keep_fp4: with ``fp4``, keep each FP4 pair instead: ``X.weight`` its bytes (uint8
             ``[..., rows, cols / 2]``) and ``X.weight_scale`` its exponents (uint8 ``[..., rows,
             cols / 32]``), after checking that they are finite.
+        nvfp4: the format of a checkpoint whose weights are dequantized into ``dtype`` as they
+            are read (:mod:`~dflash_torch.models.nvfp4`; the activation scales are dropped):
+            ``"compressed-tensors"`` (each ``X.weight_packed`` with its ``X.weight_scale`` and
+            ``X.weight_global_scale``), ``"modelopt"`` (each uint8 ``X.weight`` with its
+            ``X.weight_scale`` and ``X.weight_scale_2``), ``"modelopt-fp8"`` (each
+            float8_e4m3fn ``X.weight`` with its per-tensor ``X.weight_scale``) or
+            ``"modelopt-mixed"`` (either, by the weight's dtype); None: none.
 
     Raises:
         DFlashError: a weight file that is not valid safetensors (corrupt or truncated), a
@@ -185,19 +203,29 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             where it is True, an FP4 pair :func:`~dflash_torch.models.mxfp4.check_fp4_pair`
             refuses, or an ``X.scale`` that :func:`_check_scale_owner` refuses (beside a weight
             neither quantized nor floating point, e.g. FP4 bytes stored as uint8; a float8 scale
-            beside an unquantized weight or without one).
+            beside an unquantized weight or without one); with ``nvfp4``: a weight stored both
+            packed and not, a quantized weight without one of its scales, a scale without its
+            quantized weight, a zero point, a float8 weight in an NVFP4 checkpoint, no quantized
+            weight at all, or what :mod:`~dflash_torch.models.nvfp4`'s dequantizers refuse.
     """
     from .models import fp8, mxfp4, packed_int
 
     files = weight_files(model_dir)
     source = _tensor_sources(model_dir, files)
-    kinds = _tensor_dtypes(files) if fp8_block is not None else {}
-    state = {}
+    kinds = _tensor_dtypes(files) if fp8_block is not None or nvfp4 is not None else {}
+    state, dequantized = {}, 0
     for file in files:
         with _open(file) as f:
             for key in f.keys():
                 if keep is not None and not keep(key):
                     continue
+                if nvfp4 is not None:
+                    read = _nvfp4_tensor(model_dir, f, key, source, kinds, nvfp4, dtype, device)
+                    if read is not None:
+                        if read[1] is not None:
+                            state[read[0]] = read[1]
+                            dequantized += 1
+                        continue
                 if int_quant is not None and _packed_int_part(model_dir, key, source):
                     continue  # (read with its packed weight)
                 if int_quant is not None and key.endswith(packed_int.PACKED):
@@ -269,7 +297,91 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                 else:
                     want = torch.float32 if float32 is not None and float32(key) else dtype
                     state[key] = t.to(device=device, dtype=want) if t.is_floating_point() else t.to(device)
+    if nvfp4 is not None and not dequantized:
+        what = {"compressed-tensors": "compressed-tensors nvfp4-pack-quantized weights (X.weight_packed)",
+                "modelopt": "ModelOpt NVFP4 weights (uint8 X.weight with X.weight_scale_2)",
+                "modelopt-fp8": "ModelOpt FP8 weights (float8_e4m3fn X.weight with X.weight_scale)"}.get(
+                    nvfp4, "ModelOpt MIXED_PRECISION weights (uint8 or float8_e4m3fn X.weight with X.weight_scale)")
+        raise DFlashError(f"{model_dir}: config.json declares {what.split(' (')[0]} but the checkpoint holds none "
+                          f"({what.split(' (')[1]}")
     return state
+
+
+def _nvfp4_tensor(model_dir: Path, f, key: str, source: dict[str, Path], kinds: dict[str, str], fmt: str,
+                  dtype: torch.dtype, device) -> tuple[str, torch.Tensor | None] | None:
+    """Read ``key`` of an NVFP4 / ModelOpt checkpoint (``fmt``: see :func:`load_state_dict`'s
+    ``nvfp4``) from the open file ``f``: ``(X.weight, its dequantized matrix)`` for a quantized
+    weight, ``(key, None)`` for a part read with its weight or an activation scale (not used),
+    None for an ordinary tensor.
+
+    Raises:
+        DFlashError: as :func:`load_state_dict` says for ``nvfp4``.
+    """
+    from .models import nvfp4
+
+    def part(name: str) -> torch.Tensor:
+        with _open(source[name]) as g:
+            return g.get_tensor(name)
+
+    if fmt == nvfp4.CT_METHOD:
+        suffixes = (nvfp4.CT_SCALE, nvfp4.CT_GLOBAL, "weight_shape", nvfp4.CT_INPUT)
+        if key.endswith("." + nvfp4.CT_PACKED):
+            name = key.removesuffix("_packed")
+            base = name.removesuffix("weight")
+            if name in source:  # (which one would win would depend on the files' order)
+                raise DFlashError(f"{model_dir}: both {name} and the packed {key}")
+            for suffix in (nvfp4.CT_SCALE, nvfp4.CT_GLOBAL):
+                if base + suffix not in source:
+                    raise DFlashError(f"{model_dir}: NVFP4 weight {key} has no {base + suffix}")
+            packed = f.get_tensor(key).to(device)
+            if base + "weight_shape" in source:  # (older writers stored the shape too)
+                shape = part(base + "weight_shape")
+                if shape.is_floating_point() or shape.flatten().tolist() != [packed.shape[-2], 2 * packed.shape[-1]]:
+                    raise DFlashError(f"{model_dir}: {base}weight_shape {shape.tolist()} does not match {key} of "
+                                      f"shape {tuple(packed.shape)} (two FP4 values a byte)")
+            return name, nvfp4.dequantize_ct(packed, part(base + nvfp4.CT_SCALE), part(base + nvfp4.CT_GLOBAL),
+                                             dtype, name)
+        if key.endswith(".weight_zero_point"):
+            raise DFlashError(f"{model_dir}: {key} is a zero point (an asymmetric scheme); NVFP4 weights are symmetric")
+        for suffix in suffixes:
+            if key.endswith("." + suffix):
+                owner = key.removesuffix(suffix) + nvfp4.CT_PACKED
+                if owner not in source:
+                    raise DFlashError(f"{model_dir}: {key} has no NVFP4 weight {owner}")
+                return key, None
+        return None
+    allowed = {"modelopt": ("U8",), "modelopt-fp8": ("F8_E4M3",)}.get(fmt, ("U8", "F8_E4M3"))  # (safetensors dtypes)
+    what = {"modelopt": "NVFP4", "modelopt-fp8": "FP8"}.get(fmt, "MIXED_PRECISION")
+    if key.endswith(".weight") and kinds.get(key) in ("U8", "F8_E4M3"):
+        base = key.removesuffix("weight")
+        if kinds[key] not in allowed:
+            raise DFlashError(f"{model_dir}: weight {key} is {_KIND_NAMES[kinds[key]]} in a ModelOpt {what} checkpoint "
+                              f"(its quantized weights are {_KIND_NAMES[allowed[0]]}; a mixed-precision layout?)")
+        nvfp4_weight = kinds[key] == "U8"
+        needed = (nvfp4.MO_SCALE, nvfp4.MO_SCALE_2) if nvfp4_weight else (nvfp4.MO_SCALE,)
+        for suffix in needed:
+            if base + suffix not in source:
+                raise DFlashError(f"{model_dir}: {'NVFP4' if nvfp4_weight else 'FP8'} weight {key} has no "
+                                  f"{base + suffix}")
+        t = f.get_tensor(key).to(device)
+        if nvfp4_weight:
+            return key, nvfp4.dequantize_modelopt(t, part(base + nvfp4.MO_SCALE), part(base + nvfp4.MO_SCALE_2),
+                                                  dtype, key)
+        if base + nvfp4.MO_SCALE_2 in source:
+            raise DFlashError(f"{model_dir}: FP8 weight {key} has a {base + nvfp4.MO_SCALE_2} (an NVFP4 scale); "
+                              "ModelOpt's FP8 weights have one per-tensor weight_scale")
+        return key, nvfp4.dequantize_modelopt_fp8(t, part(base + nvfp4.MO_SCALE), dtype, key)
+    for suffix in (nvfp4.MO_SCALE_2, nvfp4.MO_SCALE, nvfp4.MO_INPUT):
+        if key.endswith("." + suffix):
+            owner = key.removesuffix(suffix) + "weight"
+            owners = ("U8",) if suffix == nvfp4.MO_SCALE_2 else allowed
+            if kinds.get(owner) not in owners:
+                raise DFlashError(f"{model_dir}: {key} is a ModelOpt {what} scale, but "
+                                  + (f"{owner} is {_KIND_NAMES.get(kinds[owner], kinds[owner])}, not "
+                                     f"{' or '.join(_KIND_NAMES[k] for k in owners)}"
+                                     if owner in kinds else f"there is no {owner}"))
+            return key, None
+    return None
 
 
 _QUANTIZED_KINDS = ("F8_E4M3", "F8_E5M2", "I8")  # safetensors dtypes of weights whose X.scale is their scale

@@ -309,7 +309,8 @@ def check_int_weights(value, has_int: bool | None = None, name: str = "int_weigh
         OptionError: any other value, or ``"packed"`` for a checkpoint without them.
     """
     return _check_packing(value, has_int, name, "keeps packed integer weights packed",
-                          "its config.json has no quantization_config with quant_method 'compressed-tensors'; ")
+                          "its config.json has no quantization_config with quant_method 'compressed-tensors' "
+                          "and format 'pack-quantized'; ")
 
 
 def _check_packing(value, present: bool | None, name: str, packed: str, why: str, *others: str) -> str:

@@ -438,7 +438,8 @@ def _kimi_config(**text):
      r"^target config.json of model_type 'kimi_k25' has a text_config of model_type 'qwen3'; expected deepseek_v3$"),
     ({**_kimi_config(), "quantization_config": {"quant_method": "awq", "bits": 4}},
      r"^the target checkpoint is quantized \(quant_method 'awq'\); dflash-torch reads unquantized "
-     r"float32/bfloat16/float16 weights only \(and fp8, compressed-tensors for this model_type\)$"),
+     r"float32/bfloat16/float16 weights only \(and fp8, compressed-tensors, modelopt for this "
+     r"model_type\)$"),
     ({**_kimi_config(), "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}},
      r"^the target checkpoint's compressed-tensors quantization_config has no config_groups$"),
 ])

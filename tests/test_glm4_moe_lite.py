@@ -256,7 +256,8 @@ def test_glm_4_7_flash_s_shapes_are_read_as_transformers_reads_them():
      r"^target partial_rotary_factor 0.5 is not supported for model_type 'glm4_moe_lite'"),
     ({**TEXT, "quantization_config": {"quant_method": "awq", "bits": 4}},
      r"^the target checkpoint is quantized \(quant_method 'awq'\); dflash-torch reads unquantized "
-     r"float32/bfloat16/float16 weights only \(and fp8, compressed-tensors for this model_type\)$"),
+     r"float32/bfloat16/float16 weights only \(and fp8, compressed-tensors, modelopt for this "
+     r"model_type\)$"),
 ])
 def test_bad_configs_are_refused_in_one_line(cfg, message):
     with pytest.raises(DFlashError, match=message) as err:

@@ -13,7 +13,7 @@
   full layers' RoPE (as vLLM); a nested and a legacy RoPE that disagree are refused;
 * checkpoints: per-expert (as ``save_pretrained`` writes them) or stacked, the in-memory
   names of transformers too; FP8 blocks and W4A16 dequantized when loading equal the
-  dequantized checkpoint, packed == dequantized bit for bit; NVFP4 refused;
+  dequantized checkpoint, packed == dequantized bit for bit (NVFP4: tests/test_nvfp4.py);
 * greedy speculative decoding == transformers' greedy ``generate``; an agreeable pair is
   lossless eager, chunked, fixed shapes, batched, compiled (no recompile), with prefix reuse;
 * config errors and unknown weights are refused in one line.
@@ -285,11 +285,16 @@ def test_w4a16_dequantized_and_packed(checkpoint, tmp_path):
     assert torch.equal(_logits(packed), _logits(plain))
 
 
-def test_nvfp4_is_refused_in_one_line(checkpoint, tmp_path):
-    for i, quant in enumerate([{"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-                                "config_groups": {}}, {"quant_method": "modelopt", "quant_algo": "NVFP4"}]):
+def test_an_nvfp4_config_without_nvfp4_weights_is_refused_in_one_line(checkpoint, tmp_path):
+    """(NVFP4 Laguna checkpoints load: tests/test_nvfp4.py.) A config that declares NVFP4 over
+    unquantized weights, or without config groups, is refused."""
+    for i, (quant, message) in enumerate([
+            ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {}},
+             "no config_groups"),
+            ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "declares ModelOpt NVFP4 weights but the checkpoint "
+                                                                  "holds none")]):
         target = edited_checkpoint(checkpoint[0], tmp_path / f"q{i}", config=lambda c: c.update(quantization_config=quant))
-        with pytest.raises(DFlashError, match="nvfp4|quant_method 'modelopt'") as err:
+        with pytest.raises(DFlashError, match=message) as err:
             TargetModel.from_pretrained(target, torch.float32)
         assert "\n" not in str(err.value)
 

@@ -260,7 +260,8 @@ def _edit(key, value):
     (_edit("n_group", 3), "n_group 3 must split n_routed_experts 8"),
     (_edit("num_experts_per_tok", 5), "num_experts_per_tok 5 and topk_group 1 must fit"),
     (_edit("mamba_head_dim", "8"), "mamba_head_dim must be an integer"),
-    (_edit("quantization_config", {"quant_method": "modelopt", "quant_algo": "FP8"}), "quant_method 'modelopt'"),
+    (_edit("quantization_config", {"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}), "quant_algo 'W4A8_AWQ'"),
+    (_edit("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}), "quant_method 'fp8'"),
 ])
 def test_bad_configs_are_refused_in_one_line(checkpoints, tmp_path, edit, message):
     target = edited_checkpoint(checkpoints["latent-groups"][0], tmp_path / "t", config=edit)

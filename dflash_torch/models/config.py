@@ -261,6 +261,9 @@ class TargetConfig:
     keep_fp8: bool = False  # hold its weights as stored, dequantizing them each forward (set when loading)
     int_quant: tuple[int, int | None] | None = None  # (bits, group_size) of packed integer weights (see packed_int.py)
     keep_int: bool = False  # hold them packed, dequantizing them each forward (set when loading)
+    # weights dequantized when loading (see nvfp4.py): "compressed-tensors" (nvfp4-pack-quantized),
+    # "modelopt" (ModelOpt NVFP4), "modelopt-fp8" (ModelOpt per-tensor FP8) or "modelopt-mixed" (both); None: none
+    nvfp4: str | None = None
 
     @property
     def feature_size(self) -> int:
@@ -288,7 +291,7 @@ class TargetConfig:
         archs = architectures(cfg, "target")
         if any(a.startswith("DFlash") for a in archs):
             raise OptionError("target must be the target LLM's checkpoint, not a DFlash drafter's", "target")
-        from . import fp8, packed_int
+        from . import fp8, nvfp4, packed_int
 
         module = family(cfg.get("model_type"))
         refuse_quantized(cfg, "target", allowed=getattr(module, "QUANTIZATION_METHODS", ()))
@@ -304,7 +307,16 @@ class TargetConfig:
                                       f"reads those for deepseek_v4 only, not {cfg.get('model_type')!r}")
                 config.fp4_experts = config.mxfp4 = True  # (the experts' numbers are MXFP4's: --mxfp4 says how to hold them)
         if quant is not None and quant.get("quant_method") == packed_int.METHOD:
-            config.int_quant = packed_int.check_config(quant, "target")
+            groups = quant.get("config_groups")
+            formats = {quant.get("format")} | {g.get("format") for g in (groups.values() if isinstance(groups, dict)
+                                                                        else ()) if isinstance(g, dict)}
+            if nvfp4.CT_FORMAT in formats:
+                nvfp4.check_ct_config(quant, "target")
+                config.nvfp4 = nvfp4.CT_METHOD
+            else:
+                config.int_quant = packed_int.check_config(quant, "target")
+        if quant is not None and quant.get("quant_method") == nvfp4.MODELOPT:
+            config.nvfp4 = nvfp4.check_modelopt_config(quant, "target")
         return config
 
 

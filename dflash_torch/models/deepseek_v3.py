@@ -86,8 +86,8 @@ from .rope import Rotary, apply_rope
 from .target import DecoderLayer, TargetModel, _Step
 
 # fine-grained FP8 (DeepSeek-V3's official format, fp8.py); compressed-tensors pack-quantized integers (Kimi-K2.5's
-# INT4 experts, packed_int.py)
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
+# INT4 experts, packed_int.py); NVFP4 (compressed-tensors or ModelOpt) and ModelOpt FP8, dequantized (nvfp4.py)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")
 
 WRAPPERS = {"kimi_k25": "deepseek_v3"}
 TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # a kimi_k25 text_config's model_type ("kimi_k2": older configs)

@@ -62,7 +62,7 @@ from .moe import fuse_expert_weights
 from .rope import Rotary
 from .target import DecoderLayer, TargetModel
 
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")  # dequantized when loading (fp8.py, packed_int.py)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")  # dequantized when loading (fp8, packed_int, nvfp4)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 MLP_TYPES = ("dense", "sparse")
 # transformers' LagunaConfig defaults (for keys a config leaves out)

@@ -9,7 +9,7 @@ from .config import TargetConfig, base_target_fields, bool_field, refuse_partial
 from .layers import MLP, RMSNorm
 from .target import DecoderLayer, TargetModel
 
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")  # dequantized when loading (fp8.py, packed_int.py)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")  # dequantized when loading (fp8, packed_int, nvfp4)
 
 
 def parse_config(cfg: dict) -> TargetConfig:

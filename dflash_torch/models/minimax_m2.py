@@ -44,7 +44,7 @@ from .moe import SparseMoE, fuse_expert_weights
 from .target import DecoderLayer
 
 DEFAULT_ROPE_THETA = 5_000_000.0  # (transformers' MiniMaxM2Config default, for a config that gives none)
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")  # dequantized when loading (fp8.py, packed_int.py)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")  # dequantized when loading (fp8, packed_int, nvfp4)
 
 _EXPERT = re.compile(r"^(?P<prefix>.*)\.block_sparse_moe\.(?P<rest>.*)$")
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

@@ -38,8 +38,10 @@ Checkpoints: transformers' names (``model.embeddings``, ``model.layers.{i}.norm`
 (``backbone.`` in place of ``model.``), experts stacked (``mixer.experts.up_proj``) or per
 expert (``mixer.experts.{e}.up_proj.weight``, stacked when loading). The multi-token-prediction
 weights (``mtp.*``) are skipped when ``num_nextn_predict_layers`` announces them, refused as
-unknown otherwise. Quantized checkpoints (e.g. NVIDIA's ``-FP8`` releases, ModelOpt FP8 with
-per-tensor scales) are refused.
+unknown otherwise. NVIDIA's ModelOpt releases (``quant_method: "modelopt"``: ``-NVFP4``, FP4
+weights in groups of 16, and ``-FP8``, per-tensor FP8) are dequantized when loading
+(:mod:`~dflash_torch.models.nvfp4`; activations unquantized); other quantized checkpoints
+are refused.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from .mamba2 import Mamba2Mixer
 from .moe import Experts, dispatch_experts
 from .target import MLP_ONLY, DecoderLayer, MixerBlock, MlpBlock, TargetModel
 
-QUANTIZATION_METHODS = ()  # none: a quantized checkpoint (ModelOpt FP8, NVFP4, ...) is refused in one line
+QUANTIZATION_METHODS = ("modelopt",)  # ModelOpt NVFP4 / per-tensor FP8, dequantized when loading (nvfp4.py)
 
 # transformers' NemotronHConfig defaults, for keys a config.json leaves out (an explicit null stays null)
 DEFAULTS = dict(vocab_size=131072, hidden_size=4096, tie_word_embeddings=False, eos_token_id=2,

@@ -49,8 +49,9 @@ def check_config(quant: dict, what: str = "target") -> tuple[int, int | None]:
 
     Raises:
         DFlashError: one line, for what cannot be run exactly: a format other than
-            ``pack-quantized`` (e.g. ``float-quantized`` FP8, ``nvfp4-pack-quantized``,
-            sparse formats), quantized activations (``input_activations``, W8A8 schemes),
+            ``pack-quantized`` (e.g. ``float-quantized`` FP8, sparse formats;
+            ``nvfp4-pack-quantized`` is read by :mod:`~dflash_torch.models.nvfp4`, the target
+            config sends it there), quantized activations (``input_activations``, W8A8 schemes),
             weights that are not ``int`` of 4 or 8 bits, asymmetric, with a strategy other
             than ``group`` / ``channel``, or with ``actorder: "group"``; config groups whose
             weight schemes differ; a KV cache scheme; a sparse format (``sparsity_config``

@@ -26,7 +26,7 @@ from .moe import fuse_expert_weights
 from .multimodal import text_config, unwrap_language_model
 from .target import DecoderLayer, TargetModel, gated_deltanet, sparse_moe
 
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")  # dequantized when loading (fp8.py, packed_int.py)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")  # dequantized when loading (fp8, packed_int, nvfp4)
 
 WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 IGNORED_PREFIXES = ("mtp.", "model.mtp.")

@@ -14,7 +14,7 @@ from .config import TargetConfig, base_target_fields, bool_field, moe_config, re
 from .moe import fuse_expert_weights
 from .target import DecoderLayer, sparse_moe
 
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")  # dequantized when loading (fp8.py, packed_int.py)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")  # dequantized when loading (fp8, packed_int, nvfp4)
 
 
 def parse_config(cfg: dict) -> TargetConfig:

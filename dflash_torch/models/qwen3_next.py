@@ -22,7 +22,7 @@ from .config import (TargetConfig, base_target_fields, bool_field, layer_types, 
                      rotary_fraction, sparse_layers)
 from .moe import fuse_expert_weights
 
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")  # dequantized when loading (fp8.py, packed_int.py)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")  # dequantized when loading (fp8, packed_int, nvfp4)
 
 
 def parse_config(cfg: dict) -> TargetConfig:

@@ -323,7 +323,7 @@ class TargetModel(nn.Module):
         state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=keep_fp8,
                                 int_quant=cfg.int_quant, keep_int=keep_int,
                                 float32=lambda k: model_cls.float32_keys(cfg, k), scale_fmt=cfg.fp8_scale_fmt,
-                                fp4=cfg.fp4_experts, keep_fp4=keep_fp4)
+                                fp4=cfg.fp4_experts, keep_fp4=keep_fp4, nvfp4=cfg.nvfp4)
         state = model_cls.convert_checkpoint(cfg, state)
         if keep_fp8:
             cfg.keep_fp8 = True
