@@ -371,6 +371,10 @@ def _nvfp4_tensor(model_dir: Path, f, key: str, source: dict[str, Path], kinds: 
             raise DFlashError(f"{model_dir}: FP8 weight {key} has a {base + nvfp4.MO_SCALE_2} (an NVFP4 scale); "
                               "ModelOpt's FP8 weights have one per-tensor weight_scale")
         return key, nvfp4.dequantize_modelopt_fp8(t, part(base + nvfp4.MO_SCALE), dtype, key)
+    if key.endswith((".k_scale", ".v_scale")):  # (an FP8 KV cache's scales: the cache stays in the model's dtype)
+        if kinds.get(key) != "F32" or f.get_slice(key).get_shape() not in ([], [1]):
+            raise DFlashError(f"{model_dir}: {key} is not a per-tensor KV cache scale (float32, one value)")
+        return key, None
     for suffix in (nvfp4.MO_SCALE_2, nvfp4.MO_SCALE, nvfp4.MO_INPUT):
         if key.endswith("." + suffix):
             owner = key.removesuffix(suffix) + "weight"

@@ -560,8 +560,8 @@ def modelopt_dense(tmp_path_factory):
     (lambda cfg: cfg["quantization_config"].update(quant_algo="MIXED_PRECISION", quantized_layers={
         "model.layers.0.mlp.down_proj": {"quant_algo": "NVFP4", "group_size": 32}}), "group_size 32"),
     (_set("group_size", 32), "group_size 32"),
-    (_set("kv_cache_scheme", {"num_bits": 8, "type": "float"}), "quantizes the KV cache"),
-    (_set("kv_cache_quant_algo", "FP8"), "quantizes the KV cache"),
+    (_set("kv_cache_scheme", {"num_bits": 8, "type": "float"}), "has a kv_cache_scheme"),
+    (_set("kv_cache_quant_algo", "NVFP4"), "quantizes the KV cache as kv_cache_quant_algo 'NVFP4'"),
     (_set("quant_algo", "FP8"), "is a ModelOpt FP8 scale, but .* is uint8, not float8_e4m3fn"),
 ])
 def test_modelopt_configs_that_cannot_be_read_exactly_are_refused_in_one_line(modelopt_dense, tmp_path, config,
@@ -570,6 +570,27 @@ def test_modelopt_configs_that_cannot_be_read_exactly_are_refused_in_one_line(mo
     with pytest.raises(DFlashError, match=message) as err:
         TargetModel.from_pretrained(target, torch.float32)
     assert "\n" not in str(err.value)
+
+
+def _kv_scales(w):
+    for key in [k for k in w if k.endswith(("k_proj.weight", "v_proj.weight"))]:
+        w[key.removesuffix("weight") + ("k_scale" if ".k_proj." in key else "v_scale")] = torch.tensor(0.02)
+
+
+def test_an_fp8_kv_cache_is_kept_in_the_model_dtype(modelopt_dense, tmp_path):
+    """kv_cache_quant_algo FP8 (NVIDIA's Nemotron releases): the k_scale / v_scale are not read,
+    the model is the one without them; a scale that is not per-tensor is refused."""
+    kv = edited_checkpoint(modelopt_dense, tmp_path / "kv", state=_kv_scales,
+                           config=_set("kv_cache_quant_algo", "FP8"))
+    assert any(k.endswith(".k_scale") for k in load_file(str(kv / "model.safetensors")))
+    a = TargetModel.from_pretrained(modelopt_dense, torch.float32).state_dict()
+    b = TargetModel.from_pretrained(kv, torch.float32).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    bad = edited_checkpoint(kv, tmp_path / "bad", state=lambda w: w.__setitem__(
+        "model.layers.0.self_attn.k_proj.k_scale", torch.ones(4)))
+    with pytest.raises(DFlashError, match=r"k_proj\.k_scale is not a per-tensor KV cache scale \(float32, one "
+                                          r"value\)$"):
+        TargetModel.from_pretrained(bad, torch.float32)
 
 
 @pytest.mark.parametrize("state,message", [

@@ -33,9 +33,12 @@ Activations are not quantized: the weights are dequantized when loading (into fl
 bfloat16 / float16, the dtype the model runs in) and the model runs unquantized, as
 compressed-tensors' decompression leaves it and as vLLM's weight-only FP4 (Marlin) path runs
 on GPUs without FP4 tensor cores; the activation scales (``input_global_scale``,
-``input_scale``) are read for nothing but their presence. Modules the config ignores /
+``input_scale``) are read for nothing but their presence. Likewise a ModelOpt checkpoint's
+FP8 KV cache (``kv_cache_quant_algo: "FP8"``, NVIDIA's Nemotron NVFP4 / FP8 releases): the
+KV cache is kept in the model's dtype and the per-tensor ``*.k_scale`` / ``*.v_scale``
+(float32, one value) are not read, as vLLM does with ``--kv-cache-dtype auto``. Modules the config ignores /
 excludes are stored unquantized and load as they are. What cannot be run exactly (another
-``quant_algo``, a quantized KV cache, a group size other than 16, scales of the wrong dtype
+``quant_algo``, a KV cache quantized otherwise than FP8, a group size other than 16, scales of the wrong dtype
 or shape, non-finite or non-positive per-tensor scales, ...) is refused in one line.
 """
 
@@ -164,8 +167,8 @@ def check_modelopt_config(quant: dict, what: str = "target") -> str:
     Raises:
         DFlashError: one line: another ``quant_algo`` (e.g. ``W4A8_AWQ``, ``FP8_PB_WO``,
             ``NVFP4_AWQ``, ``MXFP8``), a MIXED_PRECISION layer using one, or with no
-            ``quantized_layers``; NVFP4 with a ``group_size`` other than 16; a quantized KV
-            cache (``kv_cache_quant_algo`` / ``kv_cache_scheme``).
+            ``quantized_layers``; NVFP4 with a ``group_size`` other than 16; a KV cache
+            quantized otherwise than ``kv_cache_quant_algo: "FP8"`` (or a ``kv_cache_scheme``).
     """
     where = f"the {what} checkpoint's ModelOpt quantization_config"
     algo = quant.get("quant_algo")
@@ -173,10 +176,13 @@ def check_modelopt_config(quant: dict, what: str = "target") -> str:
         raise DFlashError(f"{where} has quant_algo {algo!r}; dflash-torch reads 'NVFP4' / 'W4A16_NVFP4' (FP4 weights, "
                           "FP8 scales per 16), 'FP8' (per-tensor scales) and 'MIXED_PRECISION' of those")
     algo = algo.upper()
-    kv = quant.get("kv_cache_quant_algo") or quant.get("kv_cache_scheme")
-    if kv:
-        raise DFlashError(f"{where} quantizes the KV cache (kv_cache_quant_algo {kv!r}); dflash-torch reads only "
-                          "weight quantization")
+    if quant.get("kv_cache_scheme"):
+        raise DFlashError(f"{where} has a kv_cache_scheme {quant['kv_cache_scheme']!r}; dflash-torch reads "
+                          "ModelOpt's kv_cache_quant_algo 'FP8' only")
+    kv = quant.get("kv_cache_quant_algo")
+    if kv and not (isinstance(kv, str) and kv.upper() == "FP8"):
+        raise DFlashError(f"{where} quantizes the KV cache as kv_cache_quant_algo {kv!r}; dflash-torch reads 'FP8' "
+                          "(kept in the model's dtype) or none")
     layers = {"quant_algo": {"quant_algo": algo, "group_size": quant.get("group_size", GROUP)}}
     if algo == "MIXED_PRECISION":
         layers = quant.get("quantized_layers")
