@@ -163,3 +163,14 @@ def test_training_from_a_drafter_with_tables_of_its_own_is_refused_in_one_line(a
     with pytest.raises(DFlashError, match=r"^--init-from .* ships its own embedding table / LM head; dflash-torch "
                                           r"trains drafters that read the target's"):
         load_init_drafter(cfg, TargetModel.from_pretrained(target, torch.float32).config)
+
+
+def test_a_learned_mask_embedding_file_is_refused_not_ignored(agree_dflash2_pair, tmp_path):
+    """A drafter shipping mask_embedding.pt (a community DFlash 2 drafter's learned mask
+    embedding, a pickle beside its safetensors) is refused in one line, not run without it."""
+    _, drafter = agree_dflash2_pair
+    d = edited_checkpoint(drafter, tmp_path / "mask")
+    torch.save(torch.zeros(8), d / "mask_embedding.pt")
+    with pytest.raises(DFlashError, match=r"^drafter .* ships mask_embedding\.pt \(a learned mask-token embedding "
+                                          r"outside its safetensors\); .* does not read that file$"):
+        DFlashDrafter.from_pretrained(d, torch.float32)

@@ -142,11 +142,16 @@ class DFlashDrafter(nn.Module):
         None reads the file.
 
         Raises:
-            DFlashError: not a DFlash config, or weights missing, unknown, of the
+            DFlashError: not a DFlash config, a ``mask_embedding.pt`` beside it (a learned
+                mask embedding, not read), or weights missing, unknown, of the
                 wrong shape, not floating point (e.g. int8) or not finite (NaN / inf), or
                 what the class's :meth:`adapt_checkpoint` refuses.
         """
         raw = load_config(model_dir) if config is None else config
+        if (Path(model_dir) / "mask_embedding.pt").exists():  # (a pickle beside the safetensors: never silently unread)
+            raise DFlashError(f"drafter {model_dir} ships mask_embedding.pt (a learned mask-token embedding outside "
+                              "its safetensors); dflash-torch embeds mask tokens with the embedding table and does "
+                              "not read that file")
         cfg = DrafterConfig.from_dict(raw)
         if cfg.speculators is not None:  # (which optional tensors it ships decides the modules)
             from .speculators import match_checkpoint
