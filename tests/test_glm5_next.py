@@ -393,6 +393,7 @@ def _edit(key, value, text=True):
     (_edit("mlp_layer_types", ["dense"] * 4), "mlp_layer_types must list"),
     (_edit("n_group", 3), "n_group 3 must split n_routed_experts 8"),
     (_edit("linear_head_dim", "8"), "linear_head_dim must be an integer"),
+    (_edit("linear_lower_bound", 3.0), "linear_lower_bound must be a negative number or null"),
     (_edit("text_config", {"model_type": "qwen3"}, text=False), "expected glm5_next_text"),
     (_edit("quantization_config", {"quant_method": "modelopt", "quant_algo": "FP8"}, text=False),
      "quant_method 'modelopt'"),

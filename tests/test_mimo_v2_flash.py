@@ -357,6 +357,7 @@ def test_prefix_reuse_decodes_as_without(agree_mimo):
     ({"hybrid_layer_pattern": [0, 1, 1, 1]}, r"hybrid_layer_pattern \[0, 1, 1, 1\] disagrees with the layer_types"),
     ({"hybrid_layer_pattern": [0, 2, 1, 0]}, "hybrid_layer_pattern must list 0 .full. or 1"),
     ({"moe_layer_freq": [1, 1, 1, 1]}, r"moe_layer_freq \[1, 1, 1, 1\] disagrees with the mlp_layer_types"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope_scaling .* is not supported by mimo_v2_flash"),
     ({"rope_theta": 1e7}, "rope_theta 10000000.0 disagrees with the full_attention layers' rope_theta 5000000.0"),
     ({"swa_rope_theta": 5e6}, "swa_rope_theta 5000000.0 disagrees with the sliding_attention layers' rope_theta"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 disagrees with the full_attention layers'"),
@@ -406,3 +407,18 @@ def test_unknown_or_missing_weights_are_refused_in_one_line(checkpoint, tmp_path
     with pytest.raises(DFlashError, match=message) as err:
         TargetModel.from_pretrained(target, torch.float32)
     assert "\n" not in str(err.value)
+
+
+def test_init_from_target_leaves_mimo_attention_layers_as_they_are(checkpoint):
+    """--init-from-target on a target whose attention is not the shared ``Attention`` class
+    (values narrower than keys, sinks): no layer is copied, nothing fails (was an AttributeError)."""
+    from dflash_torch.models.drafter import DFlashDrafter
+    from dflash_torch.training.objective import copy_target_layers
+
+    target_dir = checkpoint[0]
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    drafter = DFlashDrafter(drafter_config(target_dir, num_layers=2))
+    before = {k: v.clone() for k, v in drafter.layers.state_dict().items()}
+    copy_target_layers(drafter, target)
+    after = drafter.layers.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

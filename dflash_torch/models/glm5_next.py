@@ -234,8 +234,9 @@ def parse_config(cfg: dict) -> Glm5NextConfig:
     if text.get("hidden_act") != "silu":
         raise DFlashError(f"target config.json hidden_act {text.get('hidden_act')!r} is not supported (only 'silu')")
     lower = text.get("linear_lower_bound")
-    if lower is not None and (isinstance(lower, bool) or not isinstance(lower, (int, float))):
-        raise DFlashError(f"target config.json linear_lower_bound must be a number or null, got {lower!r}")
+    if lower is not None and (isinstance(lower, bool) or not isinstance(lower, (int, float)) or not lower < 0):
+        raise DFlashError(f"target config.json linear_lower_bound must be a negative number or null (a decay; "
+                          f"otherwise the KDA state grows without bound), got {lower!r}")
     layers = text["num_hidden_layers"]
     kinds = text.get("layer_types")
     if kinds is None:

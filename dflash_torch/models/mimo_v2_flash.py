@@ -270,6 +270,9 @@ def parse_config(cfg: dict) -> MiMoV2FlashConfig:
         raise DFlashError(f"target num_experts_per_tok {top_k} must be in [1, n_routed_experts={experts}]")
     if not all(sparse) and check_int(text, "intermediate_size", "target") is None:
         raise DFlashError("target config.json has dense layers (mlp_layer_types) but intermediate_size is null")
+    if text.get("rope_scaling"):  # (transformers' mimo_v2_flash reads no scaling: a KeyError there)
+        raise DFlashError(f"target config.json rope_scaling {text['rope_scaling']!r} is not supported by "
+                          "mimo_v2_flash (RoPE per layer type from rope_parameters, unscaled)")
     legacy_rope = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")  # (read by _rope)
     fields = base_target_fields({k: v for k, v in text.items() if k not in legacy_rope}, "mimo_v2_flash")
     full = rope.get("full_attention", rope.get("sliding_attention"))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..models.attention import Attention
 from ..models.dflash2 import GroupedDynamicConv
 from ..models.drafter import DFlashDrafter
 from ..models.layers import RMSNorm, ZeroCenteredRMSNorm
@@ -389,7 +390,7 @@ def copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
         src = src_layer.state_dict()
         dst = {k: v for k, v in d_layer.state_dict().items() if not k.startswith(("attention_conv.", "mlp_conv."))}
         attn = getattr(src_layer, "self_attn", None)
-        plain = attn is not None and not attn.output_gate and type(src_layer.input_layernorm) is RMSNorm
+        plain = isinstance(attn, Attention) and not attn.output_gate and type(src_layer.input_layernorm) is RMSNorm
         if plain and all(k in src and src[k].shape == v.shape for k, v in dst.items()):
             d_layer.load_state_dict({k: src[k].to(v.dtype) for k, v in dst.items()}, strict=False)
     drafter.norm.weight.copy_(norm_scale(target.model.norm))
