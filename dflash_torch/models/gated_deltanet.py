@@ -205,28 +205,7 @@ class GatedDeltaNet(nn.Module):
         if groups > 1:
             q, k = q.repeat_interleave(groups, 1), k.repeat_interleave(groups, 1)
         v = v.float().transpose(1, 2)  # [N, nv, T, dv]
-        s0 = state.ssm[slot]
-        if defer:
-            if T > CHUNK:
-                raise ValueError(f"a deferred (verify) block holds at most {CHUNK} tokens, got {T}")
-            out, u, G = delta_rule_chunk(q, k, v, g, beta, s0)
-            state.stash(slot, conv_in, k, u, G)
-        else:
-            if commit is not None:  # rows past the committed ones leave the state unchanged (g = 0, beta = 0)
-                keep = torch.arange(T, device=x.device) < (commit if isinstance(commit, int) else commit.view(-1, 1, 1))
-                g, beta = g * keep, beta * keep
-            outs = []
-            for c0 in range(0, T, CHUNK):
-                c1 = min(c0 + CHUNK, T)
-                chunk = slice(c0, c1)
-                out_c, u, G = delta_rule_chunk(q[..., chunk, :], k[..., chunk, :], v[..., chunk, :], g[..., chunk],
-                                               beta[..., chunk], s0)
-                s0 = state_after(s0, k[..., chunk, :], u, G, c1 - c0)
-                outs.append(out_c)
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-            state.ssm[slot].copy_(s0)
-            n = T if commit is None else commit
-            state.conv[slot].copy_(_window(conv_in, n, self.kernel - 1))
+        out = run_chunks(delta_rule_chunk, q, k, v, g, beta, state, slot, conv_in, self.kernel - 1, commit, defer)
         out = self.norm(out.transpose(1, 2).to(dtype), z.reshape(N, T, self.nv, self.dv))
         return self.out_proj(out.reshape(N * T, self.nv * self.dv))
 
@@ -239,6 +218,43 @@ class GatedDeltaNet(nn.Module):
                 sequence, or ``[N]`` int64 in ``[0, T]`` per sequence (0: that state stays).
         """
         commit_stashed(state, slot, n, self.kernel - 1)
+
+
+def run_chunks(chunk_fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: RecurrentState, slot: int, conv_in: torch.Tensor, width: int, commit=None,
+               defer: bool = False) -> torch.Tensor:
+    """The delta rule over T rows of N sequences, ``CHUNK`` rows at a time, for Gated DeltaNet
+    and Kimi Delta Attention (``chunk_fn``: :func:`delta_rule_chunk` or KDA's, same signature):
+    q, k ``[N, H, T, dk]``, v ``[N, H, T, dv]`` (float32), the log decays ``g`` ``[N, H, T]``
+    (per head) or ``[N, H, T, dk]`` (per key channel), ``beta`` ``[N, H, T]``. Returns the
+    outputs ``[N, H, T, dv]`` (float32) and advances layer ``slot`` of ``state`` (its conv
+    state from ``conv_in``, whose last ``width`` rows it keeps) over all rows, or the first
+    ``commit`` (an int, 0-dim or ``[N]`` int64 tensor); with ``defer`` it leaves the states
+    as they are and stashes what :func:`commit_stashed` needs (a verify).
+
+    Raises:
+        ValueError: a deferred block of more than ``CHUNK`` rows.
+    """
+    T = q.shape[2]
+    s0 = state.ssm[slot]
+    if defer:
+        if T > CHUNK:
+            raise ValueError(f"a deferred (verify) block holds at most {CHUNK} tokens, got {T}")
+        out, u, G = chunk_fn(q, k, v, g, beta, s0)
+        state.stash(slot, conv_in, k, u, G)
+        return out
+    if commit is not None:  # rows past the committed ones leave the state unchanged (g = 0, beta = 0)
+        keep = torch.arange(T, device=q.device) < (commit if isinstance(commit, int) else commit.view(-1, 1, 1))
+        g, beta = g * (keep[..., None] if g.dim() == 4 else keep), beta * keep
+    outs = []
+    for c0 in range(0, T, CHUNK):
+        c = slice(c0, min(c0 + CHUNK, T))
+        out_c, u, G = chunk_fn(q[:, :, c], k[:, :, c], v[:, :, c], g[:, :, c], beta[:, :, c], s0)
+        s0 = state_after(s0, k[:, :, c], u, G, c.stop - c.start)
+        outs.append(out_c)
+    state.ssm[slot].copy_(s0)
+    state.conv[slot].copy_(_window(conv_in, T if commit is None else commit, width))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
 def commit_stashed(state: RecurrentState, slot: int, n, width: int) -> None:

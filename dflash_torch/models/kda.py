@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import RecurrentState
-from .gated_deltanet import CHUNK, _l2norm, _window, commit_stashed, state_after
+from .gated_deltanet import _l2norm, commit_stashed, run_chunks
 
 
 class KdaGatedNorm(nn.Module):
@@ -192,26 +192,7 @@ class KimiDeltaAttention(nn.Module):
         v = v.float().transpose(1, 2)
         g = self.forget_gate(x).view(N, T, H, d).transpose(1, 2)  # [N, H, T, d]
         beta = torch.sigmoid(self.b_proj(x)).float().view(N, T, H).transpose(1, 2)  # [N, H, T]
-        s0 = state.ssm[slot]
-        if defer:
-            if T > CHUNK:
-                raise ValueError(f"a deferred (verify) block holds at most {CHUNK} tokens, got {T}")
-            out, u, G = kda_chunk(q, k, v, g, beta, s0)
-            state.stash(slot, conv_in, k, u, G)
-        else:
-            if commit is not None:  # rows past the committed ones leave the state unchanged (g = 0, beta = 0)
-                keep = torch.arange(T, device=x.device) < (commit if isinstance(commit, int) else commit.view(-1, 1, 1))
-                g, beta = g * keep[..., None], beta * keep
-            outs = []
-            for c0 in range(0, T, CHUNK):
-                part = slice(c0, min(c0 + CHUNK, T))
-                out_c, u, G = kda_chunk(q[..., part, :], k[..., part, :], v[..., part, :], g[..., part, :],
-                                        beta[..., part], s0)
-                s0 = state_after(s0, k[..., part, :], u, G, part.stop - part.start)
-                outs.append(out_c)
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-            state.ssm[slot].copy_(s0)
-            state.conv[slot].copy_(_window(conv_in, T if commit is None else commit, self.kernel - 1))
+        out = run_chunks(kda_chunk, q, k, v, g, beta, state, slot, conv_in, self.kernel - 1, commit, defer)
         gate = self.g_b_proj(self.g_a_proj(x)).view(N, T, H, d)
         out = self.o_norm(out.transpose(1, 2).to(dtype), gate)
         return self.o_proj(out.reshape(N * T, H * d))
