@@ -66,16 +66,18 @@ tokens taken this way.
 
 The policy (a least-recently-used set over the free slots): retained prefixes live only
 in slots no sequence uses. A leaver's rows go to the highest such slot that holds no
-retained prefix, else stay in its own slot when nothing moves into it, else replace the
-least recently used prefix. When a prompt's prefill starts in a slot that holds a
-retained prefix it does not take, that prefix moves to a higher free slot (an empty one,
-or the least recently used prefix's if that one is older; else it is dropped). Any other
+retained prefix, else stay in its own slot when nothing moves into it, else it trades
+slots with the last decoding sequence (rows and states exchanged) and keeps them in the
+slot it then frees, so no retained prefix is dropped (as many conversations as slots each
+find theirs); only where a partly prefilled joiner is to move into that slot does the
+least recently used prefix give way. When a prompt's prefill starts in a slot that holds a
+retained prefix it does not take, that prefix moves to a higher free slot: an empty one,
+else the slot of the prefix the prompt takes (the two trade slots), else the least
+recently used prefix's if that one is older (else it is dropped). Any other
 write drops a retained prefix in its slot (a shared prefill's copies when the batch grows
 into it, :meth:`~BatchDecoder.warmup`). A fixed-shape round's padding row in such a slot
 runs past the retained length when that fits the round's length bucket, else the prefix
-is dropped (never a longer bucket, so no new graph). In a full batch, a leaver trades
-slots with the last decoding sequence first (rows and states exchanged), so that its
-rows stay in the slot then freed. A sequence held past its budget (run
+is dropped (never a longer bucket, so no new graph). A sequence held past its budget (run
 as padding) and a joining sequence that leaves keep nothing.
 
 Prompt logprobs (``prompt_logprobs=k`` of :meth:`~BatchDecoder.add` / :meth:`~BatchDecoder.join`)
@@ -764,23 +766,25 @@ class BatchDecoder:
         """Keep the rows of the decoding sequence in slot ``index`` (about to leave) as a
         retained prefix -> the slot it now leaves from. Its last accepted feature rows are
         injected into its drafter context, then its slot is copied into a slot that stays
-        unused once it has left (the highest without a retained prefix, else the least
-        recently used one's), or left in place when it is such a slot itself. In a full
-        batch it trades slots with the last decoding sequence, whose slot is then the one
-        left free (unless a partly prefilled joiner is to move there: then nothing is kept)."""
+        unused once it has left (the highest without a retained prefix), or left in place
+        when it is such a slot itself. Where every such slot holds a retained prefix, it
+        trades slots with the last decoding sequence, whose slot is then the one left free
+        and keeps it (no retained prefix is dropped); with a partly prefilled joiner to move
+        there, the least recently used retained prefix gives way (none: nothing is kept)."""
         q = self._seqs[index]
         if q.padded:  # (its drafter rows may hold a stale injection)
             return index
         n, head = len(self._seqs), self._joining[0] if self._joining else None
         low = n + 1 if head is not None and head.prefilled else n  # slots from here on hold nothing live
         candidates = list(range(low, self.max_batch_size))
-        if low == n and not candidates:  # a full batch: the last slot will be free
+        empty = [i for i in candidates if i not in self._retained]
+        if low == n and not empty:  # the last slot will be free: keep the rows there
             index = self._swap_last(index)
         if index == n - 1 and low == n:  # the last slot, which nothing moves into
             candidates.append(index)
+            empty.append(index)
         if not candidates:
             return index
-        empty = [i for i in candidates if i not in self._retained]
         dst = max(empty) if empty else min(candidates, key=lambda i: self._retained[i].used)
         self._park_pending(q, index)  # (what the next propose would have injected) ...
         self._flush(q, index)  # ... and what target-only rounds left
@@ -797,12 +801,7 @@ class BatchDecoder:
         if index == last:
             return index
         q, moved = self._seqs[index], self._seqs[last]
-        end = min(max(q.s, moved.s + self.block_size + 1), self.target_kv.capacity)
-        self.target_kv.swap(index, last, end)
-        if self.draft_kv is not None:
-            self.draft_kv.swap(index, last, end)
-        if self.target_state is not None:
-            self.target_state.swap(index, last)
+        self._swap(index, last, min(max(q.s, moved.s + self.block_size + 1), self.target_kv.capacity))
         self._seqs[index], self._seqs[last] = moved, q
         return last
 
@@ -812,9 +811,10 @@ class BatchDecoder:
         kept in place) -> the prompt tokens they cover (0: none), counted in
         ``reused_prefill_tokens``, and when they cover it all (the same prompt again) the
         prompt's last logits ``[V]`` (else None). A retained prefix that ``slot`` holds
-        otherwise moves to a higher slot (an empty one, else the least recently used one's,
-        if older). ``reuse`` False (a prompt whose every token must be read: prompt logprobs):
-        no prefix is taken, a retained prefix in ``slot`` still moves up."""
+        otherwise moves to a higher slot: an empty one, else it trades slots with the one
+        taken (whose rows the prompt now holds), else the least recently used one's, if older.
+        ``reuse`` False (a prompt whose every token must be read: prompt logprobs): no prefix
+        is taken, a retained prefix in ``slot`` still moves up."""
         best, src = 0, None
         for i, r in (self._retained.items() if reuse else ()):
             n = self._usable(r, prompt)
@@ -825,19 +825,25 @@ class BatchDecoder:
             kept = self._retained.pop(slot)
             self._reuse(slot, kept, best)  # (the prompt's rows now)
             return best, kept.prompt_logits if best == len(prompt) else None
+        kept = self._retained.get(src)
         victim = self._retained.get(slot)  # (never where a partly read prompt was: add() moved it up one)
         if victim is not None:
             higher = [i for i in range(slot + 1, self.max_batch_size) if i != src]
             empty = [i for i in higher if i not in self._retained]
-            dst = max(empty) if empty else min(higher, key=lambda i: self._retained[i].used, default=None)
-            if dst is not None and (empty or self._retained[dst].used < victim.used):
-                self._move(slot, dst, len(victim.ids))
-                self._retained[dst] = self._retained.pop(slot)
-        if src is None:
+            if not empty and kept is not None:  # the taken prefix's slot keeps the victim
+                self._swap(slot, src, max(len(victim.ids), best))
+                self._retained[src] = self._retained.pop(slot)
+                src = slot
+            else:
+                dst = max(empty) if empty else min(higher, key=lambda i: self._retained[i].used, default=None)
+                if dst is not None and (empty or self._retained[dst].used < victim.used):
+                    self._move(slot, dst, len(victim.ids))
+                    self._retained[dst] = self._retained.pop(slot)
+        if kept is None:
             return 0, None
-        kept = self._retained[src]
         kept.used = self._tick
-        self._move(src, slot, best)
+        if src != slot:
+            self._move(src, slot, best)
         self._reuse(slot, kept, best)
         return best, kept.prompt_logits if best == len(prompt) else None
 
@@ -910,6 +916,14 @@ class BatchDecoder:
             self.draft_kv.move(src, dst, end)
         if self.target_state is not None:
             self.target_state.move(src, dst)
+
+    def _swap(self, a: int, b: int, end: int) -> None:
+        """Exchange slots ``a`` and ``b``'s positions ``[0, end)`` (and recurrent states)."""
+        self.target_kv.swap(a, b, end)
+        if self.draft_kv is not None:
+            self.draft_kv.swap(a, b, end)
+        if self.target_state is not None:
+            self.target_state.swap(a, b)
 
     @torch.inference_mode()
     def step(self) -> dict[Hashable, Round]:

@@ -43,6 +43,12 @@ class Turns:
         self.budgets[sid], self.prompts[sid] = budget, prompt
         self.batch.join(sid, prompt, params, budget)
 
+    def add(self, sid, prompt, params, budget):
+        """As :meth:`join`, through :meth:`BatchDecoder.add` (its prefill now)."""
+        self.budgets[sid], self.prompts[sid] = budget, prompt
+        self.out[sid] = self.batch.add(sid, prompt, params, budget).tokens
+        self.rows[sid] = slot_rows(self.batch, self.batch.seq_ids.index(sid), len(prompt))
+
     def step(self):
         for sid, rnd in self.batch.step().items():
             if rnd.acceptance_length is None:
@@ -268,6 +274,54 @@ def test_a_full_batch_keeps_the_rows_of_a_sequence_leaving_a_middle_slot(request
     same_runs(on, off)
 
 
+def owner(batch: BatchDecoder, prompts: dict) -> dict:
+    """Retained slot -> the sequence id whose prompt its rows begin with."""
+    return {i: next(sid for sid, p in prompts.items() if r.ids[:len(p)] == p) for i, r in batch._retained.items()}
+
+
+@pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "ring_models"],
+                         ids=["attention", "qwen35-hybrid", "gpt-oss-rings"])
+def test_a_full_batch_keeps_every_leavers_rows(request, models):
+    """Three slots, all decoding (as many conversations as slots): the turn in the last
+    slot leaves, and keeps its rows there; then the turn in slot 0, which keeps its rows in
+    the slot it frees, trading slots with the last decoding sequence (it used to drop the
+    first's rows for them, the least recently used retained prefix then).
+    Their next turns then join in the order that puts the first into the slot holding the
+    other's rows: those trade slots with the rows it takes (they used to be dropped). Both
+    next turns reuse all their rows, and every sequence decodes as with reuse off."""
+    target, drafter = request.getfixturevalue(models)
+    runs, order = {}, None
+    for reuse in (True, False):
+        t = Turns.of(target, drafter, 3, reuse)
+        batch = t.batch
+        first = {sid: [4 + k] + varied_prompts(target, 1, seed=70 + k, length=C + 3 * k)[0]
+                 for k, sid in enumerate("ab")}
+        for sid, prompt, params, budget in (("b", first["b"], GREEDY, 40),
+                                            ("c", [3] + varied_prompts(target, 1, seed=72, length=8)[0], SAMPLED, 150),
+                                            ("a", first["a"], GREEDY, 6)):
+            t.add(sid, prompt, params, budget)  # (prefilled now, in slots 0, 1, 2: the batch is full)
+        t.until_gone("a")
+        t.until_gone("b")
+        assert "c" in batch
+        kept = owner(batch, first) if reuse else {}
+        assert not reuse or sorted(kept) == [1, 2], kept
+        order = order or [kept[2], kept[1]]  # (the rows in the higher slot join first)
+        reused = {}
+        for sid in order:
+            before = batch.reused_prefill_tokens
+            t.join(sid + "1", t.valid(sid, first[sid]) + MORE, GREEDY, 8)
+            t.step()
+            reused[sid] = batch.reused_prefill_tokens - before
+        for sid in order:
+            t.until_gone(sid + "1")
+        t.until_gone("c")
+        runs[reuse] = t, kept, reused
+    (on, kept, reused), (off, _, reused_off) = runs[True], runs[False]
+    assert sorted(kept.values()) == ["a", "b"]
+    assert reused == {sid: len(on.valid(sid, on.prompts[sid])) for sid in "ab"} and set(reused_off.values()) == {0}
+    same_runs(on, off)
+
+
 @pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "hybrid_models", "ring_models"],
                          ids=["attention", "qwen35-hybrid", "qwen3-next-hybrid-moe", "gpt-oss-rings"])
 def test_the_same_prompt_again_is_not_read(request, models):
@@ -287,9 +341,7 @@ def test_the_same_prompt_again_is_not_read(request, models):
             if k < 2:
                 t.join(k, p, params, 12)
             else:  # (add: its prefill now, not in a step)
-                t.budgets[k], t.prompts[k] = 12, p
-                t.out[k] = batch.add(k, p, params, 12).tokens
-                t.rows[k] = slot_rows(batch, batch.seq_ids.index(k), len(p))
+                t.add(k, p, params, 12)
             t.until_gone(k)
             read.append(batch.prefill_tokens - before[0])
             reused.append(batch.reused_prefill_tokens - before[1])

@@ -1,0 +1,103 @@
+#!/usr/bin/env python
+"""Many conversations over a few slots, with and without prompt-prefix reuse: how much of
+each turn's history is taken from a retained prefix instead of being read again.
+
+``--conversations`` conversations of ``--turns`` turns share one
+:class:`~dflash_torch.batch.BatchDecoder` of ``--max-batch-size`` slots, as the server runs
+them (add, step, remove). Each turn's prompt is the last prompt + its reply
+(``--reply-tokens``, greedy) + a new message of ``--message-tokens`` tokens (pieces of
+the shipped ``prompts.jsonl``); between turns a conversation waits 0 to ``--max-think``
+rounds (seeded), and a turn waits for a free slot in arrival order. It prints the prompt
+tokens that retained rows could have given (each turn's last prompt and reply: the rows
+its last turn left valid; a message that goes on as the reply did gives more), those
+reused, those read, and the wall time; both modes must give the same tokens.
+
+    python scripts/prefix_reuse_batch.py --threads 1                       # 4 conversations, 4 slots
+    python scripts/prefix_reuse_batch.py --conversations 6 --max-batch-size 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+import torch
+from batching_common import add_common_args, load_engine, shipped_tokens, write_json
+
+from dflash_torch import SamplingParams
+from dflash_torch.batch import BatchDecoder
+
+
+def run(engine, args, messages: list[list[list[int]]], reuse: bool) -> dict:
+    """Every conversation's turns through one batch -> tokens and counts."""
+    convs, reply = args.conversations, args.reply_tokens
+    context = sum(len(m) for m in messages[0]) + args.turns * reply + engine.decoder.block_size + 1
+    batch = BatchDecoder(engine.target, engine.drafter, max_batch_size=args.max_batch_size, max_context=context,
+                         prefill_chunk=engine.decoder.prefill_chunk, reuse_prefix=reuse)
+    rng = random.Random(args.seed)
+    prompts = {c: list(messages[c][0]) for c in range(convs)}
+    turn, wait = dict.fromkeys(range(convs), 0), {c: rng.randrange(args.max_think + 1) for c in range(convs)}
+    out, replies, queue, live = {}, {c: [] for c in range(convs)}, [], set()
+    reusable = 0
+    t0 = time.perf_counter()
+    while queue or live or any(turn[c] < args.turns for c in range(convs)):
+        for c in range(convs):
+            if c not in live and c not in queue and turn[c] < args.turns:
+                wait[c] -= 1
+                if wait[c] < 0:
+                    queue.append(c)
+        while queue and batch.free_slots:
+            c = queue.pop(0)
+            out[c] = list(batch.add(c, prompts[c], SamplingParams(), reply).tokens)
+            live.add(c)
+        for c, rnd in batch.step().items():
+            out[c] += rnd.tokens
+        for c in [c for c in live if len(out[c]) >= reply]:
+            batch.remove(c)
+            live.discard(c)
+            replies[c].append(out[c][:reply])
+            turn[c] += 1
+            if turn[c] < args.turns:
+                reusable += len(prompts[c]) + reply - 1  # (the last committed token's rows were not written)
+                prompts[c] += out[c][:reply] + messages[c][turn[c]]
+            wait[c] = rng.randrange(args.max_think + 1)
+    return {"seconds": time.perf_counter() - t0, "reusable": reusable, "reused": batch.reused_prefill_tokens,
+            "read": batch.prefill_tokens, "tokens": replies}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--max-batch-size", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--message-tokens", type=int, default=64, help="tokens of each new message")
+    ap.add_argument("--reply-tokens", type=int, default=24, help="tokens of each reply (greedy)")
+    ap.add_argument("--max-think", type=int, default=5, help="most rounds a conversation waits between turns")
+    ap.add_argument("--seed", type=int, default=0)
+    add_common_args(ap, pair=True)
+    args = ap.parse_args()
+    engine = load_engine(args)
+    m, n = args.message_tokens, args.conversations * args.turns
+    corpus = shipped_tokens(engine, n * m)
+    messages = [[corpus[(c * args.turns + k) * m:(c * args.turns + k + 1) * m] for k in range(args.turns)]
+                for c in range(args.conversations)]
+    results = {}
+    with torch.inference_mode():
+        for reuse in (True, False):
+            r = results[reuse] = run(engine, args, messages, reuse)
+            print(f"reuse {'on ' if reuse else 'off'}: reused {r['reused']} of {r['reusable']} reusable prompt tokens "
+                  f"({r['reused'] / max(r['reusable'], 1):.0%}), read {r['read']}, {r['seconds']:.2f} s", flush=True)
+    same = results[True]["tokens"] == results[False]["tokens"]
+    print(f"{args.conversations} conversations x {args.turns} turns over {args.max_batch_size} slots, messages of {m} "
+          f"tokens, replies of {args.reply_tokens}; {args.dtype}, {torch.get_num_threads()} thread(s); "
+          f"outputs identical: {same}")
+    write_json(args, {k: {x: v for x, v in r.items() if x != "tokens"} for k, r in
+                      (("reuse on", results[True]), ("reuse off", results[False]))} | {"identical": same})
+    if not same:
+        sys.exit("the two modes gave different tokens")
+
+
+if __name__ == "__main__":
+    main()
