@@ -203,7 +203,8 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             where it is True, an FP4 pair :func:`~dflash_torch.models.mxfp4.check_fp4_pair`
             refuses, or an ``X.scale`` that :func:`_check_scale_owner` refuses (beside a weight
             neither quantized nor floating point, e.g. FP4 bytes stored as uint8; a float8 scale
-            beside an unquantized weight or without one); with ``nvfp4``: a weight stored both
+            beside an unquantized weight or without one), no FP8 (or FP4) weight at all (among
+            those ``keep`` takes); with ``nvfp4``: a weight stored both
             packed and not, a quantized weight without one of its scales, a scale without its
             quantized weight, a zero point, a float8 weight in an NVFP4 checkpoint, no quantized
             weight at all, or what :mod:`~dflash_torch.models.nvfp4`'s dequantizers refuse.
@@ -262,6 +263,7 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                 if scale_key is not None:
                     with _open(source[scale_key]) as g:
                         scale = g.get_tensor(scale_key)
+                    dequantized += 1
                     if t.dtype == torch.int8:  # two FP4 elements a byte (DeepSeek-V4's expert_dtype 'fp4')
                         if not fp4:
                             raise DFlashError(f"{model_dir}: weight {key} is int8 with a scale {scale_key} (FP4 "
@@ -297,6 +299,9 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                 else:
                     want = torch.float32 if float32 is not None and float32(key) else dtype
                     state[key] = t.to(device=device, dtype=want) if t.is_floating_point() else t.to(device)
+    if fp8_block is not None and not dequantized:
+        raise DFlashError(f"{model_dir}: config.json declares fine-grained FP8 weights (quant_method 'fp8') but the "
+                          f"checkpoint holds none (float8_e4m3fn X.weight with X.weight{fp8.SCALE_SUFFIX})")
     if nvfp4 is not None and not dequantized:
         what = {"compressed-tensors": "compressed-tensors nvfp4-pack-quantized weights (X.weight_packed)",
                 "modelopt": "ModelOpt NVFP4 weights (uint8 X.weight with X.weight_scale_2)",

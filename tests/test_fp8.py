@@ -502,6 +502,14 @@ def _set(key, value):
     return edit
 
 
+def _unquantized(w):
+    """Every FP8 weight replaced by a float32 one (its scale dropped): a config that says FP8
+    over weights that are not."""
+    for key in [k for k in w if k.endswith("_scale_inv")]:
+        del w[key]
+        w[key.removesuffix("_scale_inv")] = torch.zeros(w[key.removesuffix("_scale_inv")].shape)
+
+
 @pytest.mark.parametrize("config,state,message", [
     (_quant(activation_scheme="static"), None, r"FP8 quantization_config has activation_scheme 'static'; .*only 'dynamic'"),
     (None, _set(Q + ".input_scale", lambda w: torch.ones(())), rf"{Q}\.input_scale is a static FP8 activation scale"),
@@ -534,6 +542,9 @@ def _set(key, value):
      rf"FP8 weight {Q}\.weight has dtype float8_e5m2; the config's FP8 format \(fmt\) is float8_e4m3fn"),
     (lambda c: c.pop("quantization_config"), None,
      r"weight model\.layers\.\d\..*is float8_e4m3fn but config\.json has no FP8 quantization_config"),
+    (None, _unquantized,
+     r"config\.json declares fine-grained FP8 weights \(quant_method 'fp8'\) but the checkpoint holds none "
+     r"\(float8_e4m3fn X\.weight with X\.weight_scale_inv\)$"),
 ])
 @pytest.mark.parametrize("mode", ["dequantize", "packed"])
 def test_what_cannot_run_exactly_is_refused_in_one_line(whole_blocks, tokenizer_dir, tmp_path, config, state, message, mode):
