@@ -65,7 +65,8 @@ tokens; seeded sampling: the same tokens). ``reused_prefill_tokens`` counts the 
 tokens taken this way.
 
 The policy (a least-recently-used set over the free slots): retained prefixes live only
-in slots no sequence uses. A leaver's rows go to the highest such slot that holds no
+in slots no sequence uses (the free ones, and the ``prefix_slots`` past ``max_batch_size``,
+which only ever hold retained prefixes). A leaver's rows go to the highest such slot that holds no
 retained prefix, else stay in its own slot when nothing moves into it, else it trades
 slots with the last decoding sequence (rows and states exchanged) and keeps them in the
 slot it then frees, so no retained prefix is dropped (as many conversations as slots each
@@ -143,6 +144,20 @@ def check_draft_max_batch_size(value, *, drafter: bool = True, draft_mode: str =
     if block_size == 1:
         raise OptionError("draft_max_batch_size has no effect with block size 1 (every round is target-only); "
                           "drop it", "draft_max_batch_size", "block size")
+    return value
+
+
+def check_prefix_slots(value, reuse_prefix: bool = True) -> int:
+    """Validate ``prefix_slots``: an integer >= 0, and 0 with ``reuse_prefix`` off.
+
+    Raises:
+        OptionError: any other value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise OptionError(f"prefix_slots must be an integer >= 0, got {value!r}", "prefix_slots")
+    if value and not reuse_prefix:
+        raise OptionError("prefix_slots hold retained prefixes, which reuse_prefix off never keeps; drop it",
+                          "prefix_slots", "reuse_prefix")
     return value
 
 
@@ -430,6 +445,9 @@ class BatchDecoder:
         reuse_prefix: keep a leaving sequence's rows in a free slot and let a prompt that
             starts with its tokens reuse them (see the module docstring; default True;
             False: every prompt is read whole).
+        prefix_slots: slots beyond ``max_batch_size`` that hold only retained prefixes (no
+            sequence decodes there), so that more conversations than sequences held keep
+            their rows (default 0: only the free slots keep them); each costs a slot's caches.
         draft_max_batch_size: a round of more than this many sequences runs target-only: each
             sequence's block is its one committed token; ``"auto"``: each round drafts or
             not by the measured goodput of both kinds of rounds at its number of sequences
@@ -447,12 +465,13 @@ class BatchDecoder:
             sequences decoded, or the ``"auto"`` policy chose so).
         policy: the :class:`~dflash_torch.draft_policy.DraftPolicy` of ``"auto"``, else None.
 
-    The caches (``max_batch_size`` slots of ``max_context + max(2 B, prefill_chunk) + 1``
-    positions, target and drafter) are allocated here, once.
+    The caches (``max_batch_size + prefix_slots`` slots of ``max_context + max(2 B,
+    prefill_chunk) + 1`` positions, target and drafter) are allocated here, once.
 
     Raises:
         DFlashError: invalid block size (above 64 for a hybrid target) / max_batch_size /
-            max_context / prefill_budget / draft_max_batch_size (any but None without a
+            max_context / prefill_budget / prefix_slots (nonzero with reuse_prefix off) /
+            draft_max_batch_size (any but None without a
             drafter or with block size 1: no round drafts), a flag that is not a bool, or
             caches that do not fit the device's free memory.
     """
@@ -461,7 +480,7 @@ class BatchDecoder:
                  max_batch_size: int = 8, max_context: int | None = None, prefill_chunk: int = 256,
                  static: bool = False, compile: bool = False, compile_backend: str = "inductor",
                  prefill_budget: int | None = None, share_prefill: bool = True, reuse_prefix: bool = True,
-                 draft_max_batch_size: int | None = None):
+                 draft_max_batch_size: int | None = None, prefix_slots: int = 0):
         trained = drafter.config.block_size if drafter is not None else None
         B = check_block_size(block_size, trained) or trained or 1
         # hybrid targets: a verify leaves the recurrent states as they were; each sequence's
@@ -476,6 +495,8 @@ class BatchDecoder:
         self.prefill_chunk = check_count(prefill_chunk, "prefill_chunk")
         self.share_prefill = check_flag(share_prefill, "share_prefill")
         self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
+        self.prefix_slots = check_prefix_slots(prefix_slots, self.reuse_prefix)
+        self.slots = self.max_batch_size + self.prefix_slots  # (those past max_batch_size hold retained prefixes only)
         self.draft_max_batch_size = check_draft_max_batch_size(draft_max_batch_size, drafter=drafter is not None,
                                                                block_size=B)
         self.policy = DraftPolicy() if self.draft_max_batch_size == "auto" else None
@@ -497,28 +518,28 @@ class BatchDecoder:
         rings = rings or (drafts is not None and any(ring_sizes(drafts.kv_windows(), draft_rows)))
         self._resumable_only = target.recurrent or rings
         checkpoints = self._resumable_only and self.reuse_prefix
-        need = cache_bytes(target, drafts, self.max_batch_size, capacity, max_rows, checkpoints, draft_rows)
+        need = cache_bytes(target, drafts, self.slots, capacity, max_rows, checkpoints, draft_rows)
         free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
-            raise OptionError(f"the caches of max_batch_size {self.max_batch_size} x max_context {self.max_context} "
-                              f"need {need / 2**30:.2f} GiB but {self.device.type} has {free / 2**30:.2f} GiB free; "
+            raise OptionError(f"the caches of {self._slots_text()} x max_context {self.max_context} need "
+                              f"{need / 2**30:.2f} GiB but {self.device.type} has {free / 2**30:.2f} GiB free; "
                               "lower either", "max_batch_size", "max_context")
         w = target.model.embed_tokens.weight
         heads, dims = zip(*target.kv_shapes()) if target.num_kv_layers else ((), ())
         try:
-            self.target_kv = SlotKVCache.allocate(target.num_kv_layers, self.max_batch_size, heads, capacity, dims,
+            self.target_kv = SlotKVCache.allocate(target.num_kv_layers, self.slots, heads, capacity, dims,
                                                   w.dtype, self.device, target.kv_windows(), max_rows, checkpoints)
-            self.target_state = (SlotRecurrentState.allocate(target, self.max_batch_size, checkpoints)
+            self.target_state = (SlotRecurrentState.allocate(target, self.slots, checkpoints)
                                  if target.recurrent else None)
             self.draft_kv = None
             if drafts is not None:
                 d = drafter.config
-                self.draft_kv = SlotKVCache.allocate(d.num_hidden_layers, self.max_batch_size, d.num_key_value_heads,
+                self.draft_kv = SlotKVCache.allocate(d.num_hidden_layers, self.slots, d.num_key_value_heads,
                                                      capacity, d.head_dim, drafter.fc.weight.dtype, self.device,
                                                      drafter.kv_windows(), draft_rows, checkpoints)
         except torch.OutOfMemoryError:
-            raise OptionError(f"out of memory allocating the caches of max_batch_size {self.max_batch_size} x "
-                              f"max_context {self.max_context}; lower either", "max_batch_size", "max_context") from None
+            raise OptionError(f"out of memory allocating the caches of {self._slots_text()} x max_context "
+                              f"{self.max_context}; lower either", "max_batch_size", "max_context") from None
         self._seqs: list[_Sequence] = []  # decoding, slot = index
         self._joining: deque[_Joining] = deque()  # prefilling, FIFO; the head's slot is len(self._seqs)
         self._retained: dict[int, _Retained] = {}  # slot -> retained prefix (only in slots no sequence uses)
@@ -542,6 +563,10 @@ class BatchDecoder:
             reserve_graphs(sum(len(v) for v in self._round_buckets().values()) * length_buckets(capacity))
             self._draft_fn = torch.compile(self._draft_step, **opts)
             self._verify_fn = torch.compile(self._verify_step, **opts)
+
+    def _slots_text(self) -> str:
+        extra = f" + prefix_slots {self.prefix_slots}" if self.prefix_slots else ""
+        return f"max_batch_size {self.max_batch_size}{extra}"
 
     def batch_bucket(self, n: int) -> int:
         """Rows of a round of ``n`` sequences: ``n``, or with fixed shapes the smallest
@@ -776,7 +801,7 @@ class BatchDecoder:
             return index
         n, head = len(self._seqs), self._joining[0] if self._joining else None
         low = n + 1 if head is not None and head.prefilled else n  # slots from here on hold nothing live
-        candidates = list(range(low, self.max_batch_size))
+        candidates = list(range(low, self.slots))
         empty = [i for i in candidates if i not in self._retained]
         if low == n and not empty:  # the last slot will be free: keep the rows there
             index = self._swap_last(index)
@@ -828,7 +853,7 @@ class BatchDecoder:
         kept = self._retained.get(src)
         victim = self._retained.get(slot)  # (never where a partly read prompt was: add() moved it up one)
         if victim is not None:
-            higher = [i for i in range(slot + 1, self.max_batch_size) if i != src]
+            higher = [i for i in range(slot + 1, self.slots) if i != src]
             empty = [i for i in higher if i not in self._retained]
             if not empty and kept is not None:  # the taken prefix's slot keeps the victim
                 self._swap(slot, src, max(len(victim.ids), best))

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from . import compute, options
-from .batch import BatchDecoder, check_draft_max_batch_size, check_max_batch_size
+from .batch import BatchDecoder, check_draft_max_batch_size, check_max_batch_size, check_prefix_slots
 from .checkpoint import available_memory, checkpoint_dir, load_config, read_json_object
 from .decoding import Round, SpeculativeDecoder
 from .errors import DFlashError, OptionError
@@ -152,7 +152,8 @@ class DFlashEngine:
     :meth:`batch_decoder`, whose caches are allocated on first use).
 
     ``reuse_prefix``: the batch decoder keeps a finished sequence's rows and lets a later
-    prompt that starts with its tokens reuse them (``BatchDecoder(reuse_prefix=...)``).
+    prompt that starts with its tokens reuse them (``BatchDecoder(reuse_prefix=...)``);
+    ``prefix_slots``: its slots that only keep such rows (``BatchDecoder(prefix_slots=...)``).
 
     ``draft_max_batch_size``: the batch decoder's rounds of more than this many sequences run
     target-only, or ``"auto"``: where measured goodput favours it
@@ -170,10 +171,11 @@ class DFlashEngine:
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
                  block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash",
                  max_batch_size: int = 8, reuse_prefix: bool = True, draft_max_batch_size: int | str | None = None,
-                 **decoder_options):
+                 prefix_slots: int = 0, **decoder_options):
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
         self.max_batch_size = check_max_batch_size(max_batch_size)
         self.reuse_prefix = options.check_flag(reuse_prefix, "reuse_prefix")
+        self.prefix_slots = check_prefix_slots(prefix_slots, self.reuse_prefix)
         self._batch: BatchDecoder | None = None
         self.decoder = compute.run(SpeculativeDecoder, target, drafter, block_size=block_size, draft_mode=draft_mode,
                                    **decoder_options)
@@ -207,6 +209,7 @@ class DFlashEngine:
         max_batch_size: int = 8,
         reuse_prefix: bool = True,
         draft_max_batch_size: int | str | None = None,
+        prefix_slots: int = 0,
         mxfp4: str = "auto",
         fp8: str = "auto",
         int_weights: str = "auto",
@@ -240,6 +243,9 @@ class DFlashEngine:
                 (its caches hold ``max_batch_size`` x ``max_context`` positions).
             reuse_prefix: prompt-prefix reuse in the batch decoder (see
                 :class:`~dflash_torch.batch.BatchDecoder`; default True).
+            prefix_slots: batch decoder slots that only keep finished sequences' rows for
+                prefix reuse, beyond ``max_batch_size`` (default 0: only free slots keep
+                them; each costs ``max_context`` positions of cache).
             draft_max_batch_size: batch decoder rounds of more than this many sequences run
                 target-only; ``"auto"``: each round drafts or not by measured goodput (see
                 :class:`~dflash_torch.batch.BatchDecoder`; default None: always draft). Refused
@@ -312,6 +318,7 @@ class DFlashEngine:
         options.check_fp8(fp8, target_cfg.fp8_block is not None, has_mxfp4=target_cfg.mxfp4)
         options.check_int_weights(int_weights, target_cfg.int_quant is not None)
         check_max_batch_size(max_batch_size)
+        check_prefix_slots(prefix_slots, reuse_prefix)
         options.check_count(prefill_chunk, "prefill_chunk")
         check_draft_max_batch_size(draft_max_batch_size, drafter=not no_draft, draft_mode=draft_mode,
                                    block_size=block_size)
@@ -320,7 +327,8 @@ class DFlashEngine:
                            fuse=fuse_by_default(dev) if fuse is None else fuse, mxfp4=mxfp4, fp8=fp8,
                            int_weights=int_weights, block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
                            max_context=max_context, prefill_chunk=prefill_chunk, max_batch_size=max_batch_size,
-                           reuse_prefix=reuse_prefix, draft_max_batch_size=draft_max_batch_size)
+                           reuse_prefix=reuse_prefix, draft_max_batch_size=draft_max_batch_size,
+                           prefix_slots=prefix_slots)
 
     @classmethod
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
@@ -862,7 +870,7 @@ class DFlashEngine:
                                        max_batch_size=self.max_batch_size, max_context=self.max_context,
                                        prefill_chunk=self.decoder.prefill_chunk, static=self.decoder.static,
                                        compile=self.decoder.compiled, reuse_prefix=self.reuse_prefix,
-                                       draft_max_batch_size=self.draft_max_batch_size)
+                                       draft_max_batch_size=self.draft_max_batch_size, prefix_slots=self.prefix_slots)
         return self._batch
 
     def request_params(self, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

@@ -13,7 +13,7 @@ its last turn left valid; a message that goes on as the reply did gives more), t
 reused, those read, and the wall time; both modes must give the same tokens.
 
     python scripts/prefix_reuse_batch.py --threads 1                       # 4 conversations, 4 slots
-    python scripts/prefix_reuse_batch.py --conversations 6 --max-batch-size 4
+    python scripts/prefix_reuse_batch.py --conversations 6 --max-batch-size 4 --prefix-slots 2
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def run(engine, args, messages: list[list[list[int]]], reuse: bool) -> dict:
     convs, reply = args.conversations, args.reply_tokens
     context = sum(len(m) for m in messages[0]) + args.turns * reply + engine.decoder.block_size + 1
     batch = BatchDecoder(engine.target, engine.drafter, max_batch_size=args.max_batch_size, max_context=context,
-                         prefill_chunk=engine.decoder.prefill_chunk, reuse_prefix=reuse)
+                         prefill_chunk=engine.decoder.prefill_chunk, reuse_prefix=reuse,
+                         prefix_slots=args.prefix_slots if reuse else 0)
     rng = random.Random(args.seed)
     prompts = {c: list(messages[c][0]) for c in range(convs)}
     turn, wait = dict.fromkeys(range(convs), 0), {c: rng.randrange(args.max_think + 1) for c in range(convs)}
@@ -71,6 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--max-batch-size", type=int, default=4)
+    ap.add_argument("--prefix-slots", type=int, default=0, help="slots that only keep retained prefixes")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--message-tokens", type=int, default=64, help="tokens of each new message")
     ap.add_argument("--reply-tokens", type=int, default=24, help="tokens of each reply (greedy)")
@@ -90,7 +92,8 @@ def main() -> None:
             print(f"reuse {'on ' if reuse else 'off'}: reused {r['reused']} of {r['reusable']} reusable prompt tokens "
                   f"({r['reused'] / max(r['reusable'], 1):.0%}), read {r['read']}, {r['seconds']:.2f} s", flush=True)
     same = results[True]["tokens"] == results[False]["tokens"]
-    print(f"{args.conversations} conversations x {args.turns} turns over {args.max_batch_size} slots, messages of {m} "
+    print(f"{args.conversations} conversations x {args.turns} turns over {args.max_batch_size} slots "
+          f"(+ {args.prefix_slots} prefix slots), messages of {m} "
           f"tokens, replies of {args.reply_tokens}; {args.dtype}, {torch.get_num_threads()} thread(s); "
           f"outputs identical: {same}")
     write_json(args, {k: {x: v for x, v in r.items() if x != "tokens"} for k, r in

@@ -394,6 +394,7 @@ BAD_OPTIONS = [
     ("--api-key", " ", ("serve",), "api-key"),
     ("--api-key", "sk with spaces", ("serve",), "api-key"),
     ("--draft-max-batch-size", "0", ("serve", "bench"), "--draft-max-batch-size must be an integer >= 1 or 'auto'"),
+    ("--prefix-slots", "-1", ("serve",), "--prefix-slots must be an integer >= 0, got -1$"),
     # (an empty name served the directory's name, a blank one served "  ")
     ("--model-name", "", ("serve",), "--model-name must not be empty"),
     ("--model-name", "  ", ("serve",), "--model-name must not be empty"),

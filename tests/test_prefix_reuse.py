@@ -322,6 +322,63 @@ def test_a_full_batch_keeps_every_leavers_rows(request, models):
     same_runs(on, off)
 
 
+@pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "ring_models"],
+                         ids=["attention", "qwen35-hybrid", "gpt-oss-rings"])
+def test_prefix_slots_keep_more_conversations_than_the_batch_holds(request, models):
+    """Fixed shapes, two slots and three prefix slots: five conversations take a turn each
+    (one at a time, beside another sequence decoding), then a second turn each, the most
+    recent first: the four most recent find all their rows (one in the free slot, which
+    padding rows run past, three in prefix slots, which no round touches), the first none;
+    with no prefix slots only the last one's are kept (in the one free slot). Every turn
+    decodes as with reuse off."""
+    target, drafter = request.getfixturevalue(models)
+    runs = {}
+    for reuse, extra in ((True, 3), (True, 0), (False, 0)):
+        t = Turns.of(target, drafter, 2, reuse, prefix_slots=extra, static=True)
+        batch = t.batch
+        assert batch.target_kv.k[0].shape[0] == 2 + extra
+        t.join("o", [3] + varied_prompts(target, 1, seed=80, length=8)[0], SAMPLED, 150)
+        first = {k: [4 + k] + varied_prompts(target, 1, seed=81 + k, length=C + 2 * k)[0] for k in range(5)}
+        for k, p in first.items():
+            t.join(k, p, GREEDY, 6 + k)
+            t.until_gone(k)
+        reused = [0] * 5
+        for k in reversed(range(5)):  # (the most recent first: each miss replaces the least recently used rows)
+            before = batch.reused_prefill_tokens
+            t.join(("next", k), t.valid(k, first[k]) + MORE, GREEDY, 5)
+            t.until_gone(("next", k))
+            reused[k] = batch.reused_prefill_tokens - before
+        assert "o" in batch
+        t.until_gone("o")
+        runs[reuse, extra] = t, reused
+    (on, reused), (_, reused_few), (off, reused_off) = runs[True, 3], runs[True, 0], runs[False, 0]
+    full = [len(on.valid(k, on.prompts[k])) for k in range(5)]
+    assert reused == [0] + full[1:] and reused_few == [0] * 4 + full[4:] and reused_off == [0] * 5
+    same_runs(on, off)
+    same_runs(runs[True, 0][0], off)
+
+
+def test_prefix_slots_are_checked(agree_models, tiny_pair, tmp_path, capsys):  # noqa: F811 (the imported fixture)
+    from dflash_torch.cli import main as cli_main
+    from dflash_torch.errors import OptionError
+
+    target, drafter = agree_models
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(OptionError, match=rf"^prefix_slots must be an integer >= 0, got {bad!r}$"):
+            BatchDecoder(target, drafter, max_batch_size=1, max_context=64, prefix_slots=bad)
+    with pytest.raises(OptionError, match="^prefix_slots hold retained prefixes, which reuse_prefix off never keeps; "
+                                          "drop it$"):
+        DFlashEngine.from_pretrained(*tiny_pair, reuse_prefix=False, prefix_slots=2)
+    engine = DFlashEngine.from_pretrained(*tiny_pair, max_batch_size=2, max_context=64, prefix_slots=3)
+    assert engine.batch_decoder().slots == 5 and engine.batch_decoder().target_kv.k[0].shape[0] == 5
+    pair = ["--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1])]
+    for args, why in ((["--no-prefix-reuse"], "--no-prefix-reuse"), (["--max-batch-size", "1"], "--max-batch-size 1"),
+                      (["--draft-mode", "recompute"], "--draft-mode recompute")):
+        assert cli_main(["serve", *pair, "--prefix-slots", "2", *args]) == 2
+        err = capsys.readouterr().err
+        assert err == f"dflash-torch: error: --prefix-slots has no effect with {why} (no prefix is reused); drop it\n"
+
+
 @pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "hybrid_models", "ring_models"],
                          ids=["attention", "qwen35-hybrid", "qwen3-next-hybrid-moe", "gpt-oss-rings"])
 def test_the_same_prompt_again_is_not_read(request, models):
@@ -481,3 +538,4 @@ def test_the_same_prompt_again_behind_a_chunk_over_the_prefill_budget(agree_mode
     (on, both, read), (off, _, read_off) = runs[True], runs[False]
     assert both and read == C and read_off == C + len(p)
     same_runs(on, off)
+

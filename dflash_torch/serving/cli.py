@@ -36,6 +36,10 @@ def register(sub) -> None:
                    help="read every prompt whole (default: a prompt that starts with a finished sequence's "
                         "tokens, such as the next turn of a chat, reuses its rows and reads only the rest; not "
                         "with --draft-mode recompute, which decodes one sequence at a time)")
+    p.add_argument("--prefix-slots", type=int, default=0, metavar="N",
+                   help="cache slots beyond --max-batch-size that only keep finished sequences' rows for prefix "
+                        "reuse, so that more conversations than --max-batch-size keep theirs (default 0: only the "
+                        "free slots keep them; each slot costs --max-context positions of cache)")
     p.add_argument("--draft-max-batch-size", type=int_or_auto, default=None, metavar="N|auto",
                    help="draft only while at most N sequences decode; rounds of more run target-only (where a "
                         "verify's cost grows with its rows, as on a CPU, many streams decode faster without drafts). "
@@ -86,6 +90,10 @@ def _serve(args: argparse.Namespace) -> int:
         if not args.compile:
             raise DFlashError("--warmup-context has no effect without --compile (nothing is compiled); drop it")
     check_keepalive(args.sse_keepalive, "--sse-keepalive")
+    if args.prefix_slots and (args.no_prefix_reuse or args.max_batch_size == 1 or args.draft_mode == "recompute"):
+        why = ("--no-prefix-reuse" if args.no_prefix_reuse else "--max-batch-size 1" if args.max_batch_size == 1
+               else "--draft-mode recompute")
+        raise DFlashError(f"--prefix-slots has no effect with {why} (no prefix is reused); drop it")
     import socket
 
     try:  # fail before loading models when the address is taken
