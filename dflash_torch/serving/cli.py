@@ -114,7 +114,9 @@ def _serve(args: argparse.Namespace) -> int:
     scheduler = app.state.scheduler
     print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "
           f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
-          f"slot{'s' if scheduler.max_batch_size > 1 else ''}, queue {scheduler.max_queue}, "
+          f"slot{'s' if scheduler.max_batch_size > 1 else ''}"
+          + (f" + {args.prefix_slots} prefix slot{'s' if args.prefix_slots > 1 else ''}" if args.prefix_slots else "")
+          + f", queue {scheduler.max_queue}, "
           f"reasoning parser {app.state.reasoning_parser}, tool call parser {app.state.tool_call_parser})", flush=True)
     if app.state.sampling_defaults:
         taken = dict(app.state.sampling_defaults)
