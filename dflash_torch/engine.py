@@ -1003,7 +1003,8 @@ class DFlashEngine:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise DFlashError("prompts must be a non-empty list")
         if all(isinstance(p, dict) for p in prompts) or all(
-                hasattr(p, "__index__") and not isinstance(p, (bool, list, str)) for p in prompts):
+                hasattr(p, "__index__") and getattr(p, "ndim", 0) == 0 and not isinstance(p, (bool, list, str))
+                for p in prompts):  # (token ids: ints, NumPy / torch scalars; not arrays or tensors of ids)
             raise DFlashError("prompts is a list of prompts, and this looks like one prompt (token ids or chat "
                               "messages): pass [prompt]")
         n = len(prompts)

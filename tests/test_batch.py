@@ -215,6 +215,22 @@ def test_generate_batch_equals_generate(agree_engine):
     assert engine.batch_decoder().free_slots == 3  # every slot was freed
 
 
+def test_generate_batch_takes_arrays_and_tensors_of_token_ids(agree_engine):
+    """Each prompt of generate_batch may be anything generate takes: 1-D NumPy arrays and
+    torch tensors of token ids too (they were read as one prompt of scalars and refused);
+    a list of scalar ids (NumPy or torch too) is still refused as one prompt."""
+    import numpy as np
+
+    engine = agree_engine
+    prompts = mixed_prompts(engine.target, 2)
+    expected = [engine.generate(p, max_new_tokens=8, ignore_eos=True).token_ids for p in prompts]
+    for kind in (np.array, torch.tensor):
+        got = engine.generate_batch([kind(p) for p in prompts], max_new_tokens=8, ignore_eos=True)
+        assert [g.token_ids for g in got] == expected
+        with pytest.raises(DFlashError, match=r"this looks like one prompt .*: pass \[prompt\]$"):
+            engine.generate_batch([kind(t) for t in prompts[0]], max_new_tokens=8)
+
+
 def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models):
     engine = agree_engine
     with pytest.raises(DFlashError, match="3 values for 2 prompts"):
