@@ -112,7 +112,10 @@ def load_config(model_dir: Path) -> dict:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint (single file or all shards of the index).
+    """The safetensors files of a checkpoint: ``model.safetensors`` when there is one, else
+    the shards of ``model.safetensors.index.json``, else every ``*.safetensors`` file (the
+    order transformers reads them in, so a directory holding both a single file and an
+    index loads the weights transformers loads).
 
     Raises:
         DFlashError: if no safetensors weights are present, the index is not valid JSON with a
@@ -120,8 +123,10 @@ def weight_files(model_dir: Path) -> list[Path]:
             link of an interrupted download, a directory).
     """
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
+    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    if single.exists() or single.is_symlink():
+        files = [single]
+    elif index.is_file():
         weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
             raise DFlashError(f"{index} has no weight_map (an object mapping each weight to its shard file)")
@@ -130,8 +135,8 @@ def weight_files(model_dir: Path) -> list[Path]:
         if missing:
             raise DFlashError(f"{model_dir}: shard(s) listed in model.safetensors.index.json are missing: {', '.join(missing)}")
         return [model_dir / s for s in shards]
-    single = model_dir / "model.safetensors"
-    files = [single] if single.exists() or single.is_symlink() else sorted(model_dir.glob("*.safetensors"))
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise DFlashError(f"{model_dir} has no safetensors weights (model.safetensors or model.safetensors.index.json)")
     unreadable = [f.name for f in files if not f.is_file()]  # a dangling link (a download cut short), a directory

@@ -75,6 +75,32 @@ def test_checkpoint_layout_is_what_the_case_claims(case):
     assert cfg.num_key_value_heads == hf.config.num_key_value_heads
 
 
+def test_a_single_file_beside_an_index_is_read_as_transformers_reads_it(tmp_path):
+    """A directory holding both ``model.safetensors`` and a sharded copy (index + shards) of
+    other weights (a stale re-save): the single file is read, as transformers reads it (the
+    index used to win: other weights, silently); the index's shards need not be whole then."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_target(tmp_path / "both", "qwen3", tokenizer=False, max_shard_size="150KB")
+    shards = sorted(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    state = load_file(str(path / shards[0]))
+    for s in shards[1:]:
+        state.update(load_file(str(path / s)))
+    g = torch.Generator().manual_seed(0)
+    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v for k, v in state.items()},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / shards[-1]).unlink()  # (transformers reads none of them)
+    hf = load_hf(path)
+    ids = torch.arange(3, 12)
+    ours = TargetModel.from_pretrained(path, torch.float32)
+    cache = ours.new_cache()
+    cache.reset(len(ids))
+    with torch.no_grad():
+        logits, _ = ours(ids, torch.arange(len(ids)), cache, len(ids), [0])
+        ref = hf(ids[None]).logits[0]
+    assert rel_err(logits, ref) <= RTOL
+
+
 def test_full_forward_logits_and_every_layer_match_transformers(case):
     name, _, hf, ours, ids = case
     ref_logits, ref_hidden = hf_forward(hf, ids)
