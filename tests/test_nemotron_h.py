@@ -367,3 +367,23 @@ def test_small_time_steps_are_not_clamped(checkpoints, tmp_path):
         logits, _ = ours(ids, torch.arange(40), cache, 40)
     torch.testing.assert_close(logits, unclamped, rtol=1e-4, atol=1e-4)
     assert (logits - floored).abs().max() > 1e-3
+
+
+def test_init_from_target_where_the_first_copied_block_has_no_input_norm(tmp_path):
+    """``train --init-from-target``'s layer copy on a Nemotron-H whose block ``l0`` (the
+    first the drafter would copy) is an MLP block and whose features include block
+    ``l0 - 1``: ``fc`` starts as the selection of that slice, and ``hidden_norm`` keeps its
+    fresh initialisation (an MLP block has no norm before an attention; it used to fail
+    with an AttributeError); the drafter's layer (of another kind) is left as it was."""
+    from dflash_torch.models.drafter import DFlashDrafter
+    from dflash_torch.training.objective import copy_target_layers
+
+    target_dir = make_nemotron_target(tmp_path / "t", hybrid_override_pattern="M*E-", n_group=1, topk_group=1)
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    assert target.model.layers[3].input_layernorm is None
+    drafter = DFlashDrafter(drafter_config(target_dir, num_layers=1, target_layer_ids=[2]))
+    fresh = {k: v.clone() for k, v in drafter.state_dict().items()}
+    copy_target_layers(drafter, target)
+    assert torch.equal(drafter.fc.weight, torch.eye(H)) and torch.equal(drafter.hidden_norm.weight, fresh["hidden_norm.weight"])
+    assert all(torch.equal(v, fresh["layers.0." + k]) for k, v in drafter.layers[0].state_dict().items())
+    torch.testing.assert_close(drafter.norm.weight, target.model.norm.weight)

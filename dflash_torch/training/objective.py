@@ -378,7 +378,8 @@ def copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
     of that feature slice and ``hidden_norm`` as layer ``l0``'s input norm, so the first
     drafter layer's context keys/values start equal to the target layer's own (its
     attention over the context, induction heads included, works from step 0);
-    otherwise ``fc`` and ``hidden_norm`` keep their fresh initialisation. Layers of
+    otherwise ``fc`` and ``hidden_norm`` keep their fresh initialisation (``hidden_norm``
+    also where layer ``l0`` has no input norm: a Nemotron-H MLP or MoE block). Layers of
     another kind (linear attention, gated attention, mixture of experts, ``(1 + weight)``
     norms: hybrid and MoE targets) or shape are left as they are; norms are copied as the
     scale they apply. A DFlash 2 drafter's convolutions and selector are left as they are.
@@ -400,7 +401,9 @@ def copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
         j = ids.index(l0 - 1)
         drafter.fc.weight.zero_()
         drafter.fc.weight[:, j * H:(j + 1) * H] = torch.eye(H)
-        drafter.hidden_norm.weight.copy_(norm_scale(layers[l0].input_layernorm))
+        norm = getattr(layers[l0], "input_layernorm", None)  # (none before a Nemotron-H MLP / MoE block's mixer)
+        if isinstance(norm, (RMSNorm, ZeroCenteredRMSNorm)) and norm.weight.shape == drafter.hidden_norm.weight.shape:
+            drafter.hidden_norm.weight.copy_(norm_scale(norm))
 
 
 def norm_scale(norm: torch.nn.Module) -> torch.Tensor:
