@@ -12,7 +12,7 @@ DeepSeek-V3's mixture of experts) against transformers' own ``KimiLinearForCausa
   after feeding only those n rows;
 * greedy speculative decoding == transformers' greedy ``generate`` (block sizes, recompute, fixed
   shapes, batched); an agreeable pair whose rounds accept many tokens is lossless eager, chunked,
-  fixed-shape and batched, and prefix reuse decodes as without;
+  fixed-shape, batched and compiled (no recompilation), and prefix reuse decodes as without;
 * transformers' in-memory names load the same model; bad configs and checkpoints are refused in
   one line; Kimi-Linear-48B-A3B's published config reads as transformers reads it (parameter
   shapes, count, cache bytes).
@@ -27,9 +27,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import (EOS_ID, VOCAB, check_greedy_equals_transformers, check_many_accepted_tokens_are_lossless,
-                      copy_tokenizer, drafter_config, edited_checkpoint, forward_in_pieces, load_hf, make_agreeable,
-                      save_drafter)
+from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
+                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
+                      forward_in_pieces, load_hf, make_agreeable, save_drafter)
 from dflash_torch import DFlashError
 from dflash_torch.cache import cache_bytes
 from dflash_torch.models import kda, kimi_linear
@@ -354,3 +354,7 @@ def test_published_config_reads_as_transformers_reads_it():
     assert sum(h * d * 2 * 2 for h, d in mine.kv_shapes()) == 7 * 576 * 2 == 8_064
     # the KDA state per sequence: 20 layers of 32 heads of 128 x 128 float32 plus 3 conv inputs of 3 * 4096 each
     assert cache_bytes(mine, None, 1, 0) == 20 * (32 * 128 * 128 * 4 + 3 * 3 * 4096 * 4)
+
+
+def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_pair):
+    check_compiled_rounds_are_lossless(*agree_pair)

@@ -136,8 +136,8 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 class KimiDeltaAttention(nn.Module):
     """A KDA token mixer over N sequences at once (N = 1 for one sequence).
 
-    Hugging Face parameter names (``Glm5NextTextLinearAttention``, under a layer's ``self_attn.``
-    in the checkpoint): ``q_proj``, ``k_proj``, ``v_proj`` (``[heads * d, hidden]`` each),
+    Hugging Face parameter names (``KimiLinearDeltaAttention``, ``Glm5NextTextLinearAttention``;
+    under a layer's ``self_attn.`` in the checkpoint, see :func:`convert_layer`): ``q_proj``, ``k_proj``, ``v_proj`` (``[heads * d, hidden]`` each),
     ``conv1d`` (depthwise over ``[q, k, v]``, no bias, float32), ``forget_gate.*``
     (:class:`ForgetGate`), ``b_proj`` (``[heads, hidden]``: ``beta = sigmoid(b_proj(x))``),
     ``g_a_proj`` / ``g_b_proj`` (the output gate's low rank), ``o_norm`` (:class:`KdaGatedNorm`),
