@@ -358,3 +358,32 @@ def test_published_config_reads_as_transformers_reads_it():
 
 def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_pair):
     check_compiled_rounds_are_lossless(*agree_pair)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(linear_attn_config={"num_heads": 8}),  # no layer lists: transformers' default (layers 4, 8, ... full)
+    dict(linear_attn_config=None, linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=3,
+         first_k_dense_replace=3),
+    dict(num_experts=None, num_local_experts=16, num_expert_group=None, n_group=4, topk_group=2,
+         num_experts_per_token=None, num_experts_per_tok=3, num_shared_experts=None, n_shared_experts=2,
+         moe_renormalize=None, norm_topk_prob=False, model_max_length=None, max_position_embeddings=2048),
+    dict(layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+         mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
+])
+def test_config_variants_read_as_transformers_reads_them(changes):
+    """transformers' own names, defaults and derivations (layer types without lists, dense layers
+    from ``first_k_dense_replace``, ``linear_*`` keys at the top level) read as it reads them."""
+    import transformers
+
+    layers = 9 if "linear_attn_config" in changes else 4  # (9: past the published lists of TINY's 4 layers)
+    cfg = {k: v for k, v in _config(num_hidden_layers=layers, **changes).items() if v is not None}
+    theirs = transformers.KimiLinearConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    ours = TargetConfig.from_dict(cfg)
+    assert ours.layer_types == theirs.layer_types
+    assert ours.moe_layers == [t == "sparse" for t in theirs.mlp_layer_types]
+    assert (ours.moe.num_experts, ours.moe.top_k, ours.moe.norm_topk_prob, ours.moe.shared_expert_intermediate_size) \
+        == (theirs.num_local_experts, theirs.num_experts_per_tok, theirs.norm_topk_prob,
+            theirs.moe_intermediate_size * theirs.n_shared_experts)
+    for key in ("n_group", "topk_group", "max_position_embeddings", "linear_num_heads", "linear_head_dim",
+                "linear_conv_kernel_dim"):
+        assert getattr(ours, key) == getattr(theirs, key), key
