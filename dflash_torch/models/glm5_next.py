@@ -85,7 +85,7 @@ from torch import nn
 
 from ..cache import KVCache
 from ..errors import DFlashError
-from . import deepseek_v3, deepseek_v32
+from . import deepseek_v3, deepseek_v32, kda
 from .config import MoEConfig, base_target_fields, bool_field, check_int, number_field
 from .deepseek_v4 import ClampedMLP, HyperConnection, mix_streams
 from .kda import KimiDeltaAttention
@@ -114,8 +114,6 @@ FLOAT32_SUFFIXES = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias", "co
                     "_hc.base", "_hc.scale", ".hc_attn_base", ".hc_attn_scale", ".hc_ffn_base", ".hc_ffn_scale")
 # the published checkpoint's names (what save_pretrained writes) of a layer's parameters -> transformers' in-memory ones
 HC_NAMES = {f"hc_{part}_{w}": f"{part}_hc.{w}" for part in ("attn", "ffn") for w in ("fn", "base", "scale")}
-GATE_NAMES = ("f_a_proj.", "f_b_proj.", "dt_bias", "A_log")  # KDA's forget gate, flat under self_attn. when published
-CONV_PARTS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")  # KDA's convolution, split when published
 
 
 @dataclasses.dataclass
@@ -528,21 +526,10 @@ class Model(deepseek_v32.Model):
         for i, kind in enumerate(cfg.layer_types):
             layer = f"model.layers.{i}."
             for theirs, ours in HC_NAMES.items():
-                _rename(state, layer + theirs, layer + ours)
+                kda.rename_weight(state, layer + theirs, layer + ours)
             if kind != "linear_attention":
                 continue
-            attn = layer + "self_attn."
-            parts = [attn + p for p in CONV_PARTS]
-            if any(p in state for p in parts):
-                if not all(p in state for p in parts) or attn + "conv1d.weight" in state:
-                    raise DFlashError(f"the target checkpoint's layer {i} holds a part of its split convolution "
-                                      f"({', '.join(CONV_PARTS)}) but not all of them, or next to conv1d.weight")
-                state[attn + "conv1d.weight"] = torch.cat([state.pop(p) for p in parts])
-            for key in [k for k in state if k.startswith(attn)]:
-                rest = key[len(attn):]
-                if rest.startswith(GATE_NAMES):
-                    rest = "forget_gate." + rest
-                _rename(state, key, layer + "linear_attn." + rest)
+            kda.convert_layer(state, layer, i)
         return state
 
     @classmethod
@@ -550,10 +537,8 @@ class Model(deepseek_v32.Model):
         """The checkpoint's name of our parameter ``key``: transformers' in-memory name, or the
         published one (what ``save_pretrained`` writes) where the checkpoint uses those, under
         ``model.language_model.`` where the checkpoint keeps the decoder there."""
-        key = key.replace(".linear_attn.", ".self_attn.")
+        key = kda.checkpoint_name(key, cfg.published_names)
         if cfg.published_names:
-            key = key.replace(".self_attn.forget_gate.", ".self_attn.")
-            key = key.replace(".self_attn.conv1d.weight", ".self_attn.q_conv1d.weight")
             for theirs, ours in HC_NAMES.items():
                 key = key.replace("." + ours, "." + theirs)
         if cfg.checkpoint_prefix != "model." and key.startswith("model."):
@@ -566,14 +551,3 @@ class Model(deepseek_v32.Model):
         ``A_log``, the hyper-connections' ``base`` and ``scale`` stay float32 (as in transformers)."""
         return key.endswith(FLOAT32_SUFFIXES)
 
-
-def _rename(state: dict[str, torch.Tensor], old: str, new: str) -> None:
-    """Move ``state[old]`` to ``state[new]`` (nothing when ``old`` is absent).
-
-    Raises:
-        DFlashError: the checkpoint holds the weight under both names.
-    """
-    if old in state:
-        if new in state:
-            raise DFlashError(f"the target checkpoint holds {new} twice (as {old} too)")
-        state[new] = state.pop(old)

@@ -1,10 +1,18 @@
-"""Kimi Delta Attention (KDA): the linear-attention layers of GLM-5.3-Flash (``glm5_next``),
-with the exact rollback speculative decoding needs.
+"""Kimi Delta Attention (KDA): the linear-attention layers of Kimi Linear (``kimi_linear``)
+and GLM-5.3-Flash (``glm5_next``), with the exact rollback speculative decoding needs.
 
 Math: the gated delta rule with a *per key channel* forget gate, from Kimi Team, "Kimi
 Linear: An Expressive, Efficient Attention Architecture" (arXiv 2510.26692), built on the
 delta rule of Yang et al. (NeurIPS 2024; ICLR 2025; see :mod:`.gated_deltanet`). Layer
-layout as in transformers' ``Glm5NextTextLinearAttention`` (``modeling_glm5_next.py``).
+layout as in transformers' ``KimiLinearDeltaAttention`` (``modeling_kimi_linear.py``) and
+``Glm5NextTextLinearAttention`` (``modeling_glm5_next.py``): the same parameters and function,
+except that GLM-5.3-Flash's forget gate is by default a bounded sigmoid ("safe gate") where
+Kimi Linear's is the softplus one (:class:`ForgetGate`'s ``lower_bound`` None).
+
+Checkpoints (both families): a KDA layer's weights lie under ``model.layers.{i}.self_attn.``;
+the published ones keep the forget gate's ``f_a_proj`` / ``f_b_proj`` / ``dt_bias`` / ``A_log``
+flat there and the convolution split into ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``
+(:func:`convert_layer` joins and renames them; :func:`checkpoint_name` names them back).
 
 Per head, with a float32 state ``S`` ``[d_k, d_v]`` and, for each token ``t``, ``q_t`` and
 ``k_t`` L2-normalised (``q_t`` also scaled by ``d_k ** -0.5``), ``g_t`` a log decay per key
@@ -46,7 +54,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import RecurrentState
+from ..errors import DFlashError
 from .gated_deltanet import _l2norm, commit_stashed, run_chunks
+
+GATE_NAMES = ("f_a_proj.", "f_b_proj.", "dt_bias", "A_log")  # the forget gate's, flat under self_attn. when published
+CONV_PARTS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")  # the convolution, split when published
 
 
 class KdaGatedNorm(nn.Module):
@@ -124,8 +136,8 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 class KimiDeltaAttention(nn.Module):
     """A KDA token mixer over N sequences at once (N = 1 for one sequence).
 
-    Hugging Face parameter names (``Glm5NextTextLinearAttention``, under a layer's ``self_attn.``
-    in the checkpoint): ``q_proj``, ``k_proj``, ``v_proj`` (``[heads * d, hidden]`` each),
+    Hugging Face parameter names (``KimiLinearDeltaAttention``, ``Glm5NextTextLinearAttention``;
+    under a layer's ``self_attn.`` in the checkpoint, see :func:`convert_layer`): ``q_proj``, ``k_proj``, ``v_proj`` (``[heads * d, hidden]`` each),
     ``conv1d`` (depthwise over ``[q, k, v]``, no bias, float32), ``forget_gate.*``
     (:class:`ForgetGate`), ``b_proj`` (``[heads, hidden]``: ``beta = sigmoid(b_proj(x))``),
     ``g_a_proj`` / ``g_b_proj`` (the output gate's low rank), ``o_norm`` (:class:`KdaGatedNorm`),
@@ -202,3 +214,51 @@ class KimiDeltaAttention(nn.Module):
         block: the rollback of a verify (``n``: an int or a 0-dim int64 tensor in ``[1, T]``
         for every sequence, or ``[N]`` int64 in ``[0, T]`` per sequence, 0: that state stays)."""
         commit_stashed(state, slot, n, self.kernel - 1)
+
+
+def rename_weight(state: dict[str, torch.Tensor], old: str, new: str) -> None:
+    """Move ``state[old]`` to ``state[new]`` (nothing when ``old`` is absent).
+
+    Raises:
+        DFlashError: the checkpoint holds the weight under both names.
+    """
+    if old in state:
+        if new in state:
+            raise DFlashError(f"the target checkpoint holds {new} twice (as {old} too)")
+        state[new] = state.pop(old)
+
+
+def convert_layer(state: dict[str, torch.Tensor], layer: str, index: int) -> None:
+    """Rename, in place, one KDA layer's checkpoint weights ``{layer}self_attn.*`` (``layer``:
+    e.g. ``"model.layers.3."``; transformers' in-memory names or the published ones, see the
+    module docstring) to :class:`KimiDeltaAttention`'s under ``{layer}linear_attn.``, the split
+    convolution ``[q_conv1d; k_conv1d; v_conv1d]`` joined into ``conv1d.weight`` ``[3 * heads *
+    d, 1, kernel]``.
+
+    Raises:
+        DFlashError: one line: a part of the split convolution without the others or beside a
+            joined ``conv1d.weight``; a weight held under both of its names (:func:`rename_weight`).
+    """
+    attn = layer + "self_attn."
+    parts = [attn + p for p in CONV_PARTS]
+    if any(p in state for p in parts):
+        if not all(p in state for p in parts) or attn + "conv1d.weight" in state:
+            raise DFlashError(f"the target checkpoint's layer {index} holds a part of its split convolution "
+                              f"({', '.join(CONV_PARTS)}) but not all of them, or next to conv1d.weight")
+        state[attn + "conv1d.weight"] = torch.cat([state.pop(p) for p in parts])
+    for key in [k for k in state if k.startswith(attn)]:
+        rest = key[len(attn):]
+        if rest.startswith(GATE_NAMES):
+            rest = "forget_gate." + rest
+        rename_weight(state, key, layer + "linear_attn." + rest)
+
+
+def checkpoint_name(key: str, published: bool) -> str:
+    """The checkpoint's name of a parameter ``key`` of a KDA layer (``...linear_attn.X``; other
+    keys unchanged): under ``self_attn.``, as :func:`convert_layer` found it (``published``: the
+    forget gate flat, the convolution as its first part, ``q_conv1d``)."""
+    key = key.replace(".linear_attn.", ".self_attn.")
+    if published:
+        key = key.replace(".self_attn.forget_gate.", ".self_attn.")
+        key = key.replace(".self_attn.conv1d.weight", ".self_attn.q_conv1d.weight")
+    return key

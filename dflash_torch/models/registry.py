@@ -40,6 +40,7 @@ FAMILIES = {
     "mimo_v2_flash": "mimo_v2_flash",
     "glm5_next": "glm5_next",
     "glm5_next_text": "glm5_next",
+    "kimi_linear": "kimi_linear",
 }
 
 

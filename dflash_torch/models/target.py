@@ -6,7 +6,8 @@ intermediate layer outputs (the DFlash context features).
 ``qwen3_moe.py``, ``qwen3_5.py``, ``qwen3_next.py``, ``gpt_oss.py``, ``muse_glimmer.py``, ``gemma4.py``,
 ``minimax_m2.py``, ``deepseek_v3.py``, ``deepseek_v4.py``, ``laguna.py``, ``glm4_moe_lite.py``,
 ``deepseek_v32.py`` on ``deepseek_v3.py``, ``mimo_v2_flash.py``, ``glm5_next.py`` (on ``deepseek_v32.py``, with
-``deepseek_v4.py``'s hyper-connections and ``kda.py``'s linear attention) and ``nemotron_h.py``, whose blocks hold
+``deepseek_v4.py``'s hyper-connections and ``kda.py``'s linear attention), ``kimi_linear.py`` (``kda.py``'s
+linear attention beside ``deepseek_v3.py``'s latent attention and experts) and ``nemotron_h.py``, whose blocks hold
 one sublayer each: :class:`MixerBlock`, :class:`MlpBlock`)
 says how its config reads, which layers it builds and how its checkpoint's weight names
 map onto them.
