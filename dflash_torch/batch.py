@@ -110,7 +110,7 @@ from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import (check_block_size, check_count, check_flag, check_max_context, check_max_new_tokens, check_prompt_ids,
-                      check_prompt_logprobs)
+                      check_prompt_logprobs, plain)
 from .sampling import (LogitsProcessor, SamplingParams, accept_greedy, accept_sampling, choose, first_logprobs,
                        first_token, probabilities, token_logprobs)
 
@@ -130,6 +130,7 @@ def check_draft_max_batch_size(value, *, drafter: bool = True, draft_mode: str =
     Raises:
         OptionError: anything else, or a limit where no batched round drafts.
     """
+    value = plain(value)
     if value is None:
         return value
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -153,6 +154,7 @@ def check_prefix_slots(value, reuse_prefix: bool = True) -> int:
     Raises:
         OptionError: any other value.
     """
+    value = plain(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise OptionError(f"prefix_slots must be an integer >= 0, got {value!r}", "prefix_slots")
     if value and not reuse_prefix:
@@ -167,6 +169,7 @@ def check_max_batch_size(value, name: str = "max_batch_size") -> int:
     Raises:
         OptionError: anything else.
     """
+    value = plain(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise OptionError(f"{name} must be an integer >= 1, got {value!r}", name)
     return value

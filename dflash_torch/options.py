@@ -84,6 +84,7 @@ def check_count(value, name: str) -> int:
 def check_threads(value, name: str = "threads") -> int:
     """CPU threads for torch: an integer in [1, ``os.cpu_count()``] (threads beyond the
     machine's CPUs only contend for them); >= 1 where the CPU count is unknown."""
+    value = plain(value)
     cpus = os.cpu_count()
     if cpus is None:
         return check_count(value, name)
@@ -94,7 +95,9 @@ def check_threads(value, name: str = "threads") -> int:
 
 def check_max_context(value, limit: int, name: str = "max_context") -> int | None:
     """Longest prompt + generation in tokens: None (the target's ``limit``) or an integer in
-    [2, limit] (a prompt token and a generated token need 2)."""
+    [2, limit] (a prompt token and a generated token need 2; a NumPy integer too, returned
+    as a Python int)."""
+    value = plain(value)
     if value is not None and (not _is_int(value) or not MIN_CONTEXT <= value <= limit):
         raise OptionError(f"{name} must be an integer in [{MIN_CONTEXT}, {limit}] (the target's "
                           f"max_position_embeddings), got {value!r}", name)
@@ -129,7 +132,9 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_new_tokens: int
 
 def check_block_size(value, trained: int | None, name: str = "block size") -> int | None:
     """Tokens per draft block: None (the drafter's ``trained`` block size) or an integer in
-    [1, trained]; ``trained`` None means target-only decoding, where only None or 1 fit."""
+    [1, trained]; ``trained`` None means target-only decoding, where only None or 1 fit (a
+    NumPy integer too, returned as a Python int)."""
+    value = plain(value)
     if trained is None:
         if value not in (None, 1) or isinstance(value, bool):
             raise OptionError(f"{name} {value!r} needs a drafter (target-only decoding commits one token per step)",

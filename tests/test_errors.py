@@ -453,6 +453,22 @@ def test_python_api_refuses_the_same_values(tiny_pair, kw, words):
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
+def test_numpy_integers_are_taken_by_every_integer_option(tiny_pair):
+    """NumPy integers are the same numbers (as README says, wherever numbers are taken): every
+    integer option of from_pretrained takes them (block size, context, batch sizes were
+    refused: "must be an integer ..., got np.int64(4)") and holds them as Python ints."""
+    import numpy as np
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, block_size=np.int64(4), max_context=np.int32(128),
+                                          max_batch_size=np.int64(2), draft_max_batch_size=np.int64(1),
+                                          prefix_slots=np.int64(1), prefill_chunk=np.int16(8))
+    batch = engine.batch_decoder()
+    values = (engine.block_size, engine.max_context, engine.max_batch_size, engine.draft_max_batch_size,
+              batch.block_size, batch.max_context, batch.max_batch_size, batch.draft_max_batch_size, batch.prefix_slots,
+              batch.prefill_chunk)
+    assert values == (4, 128, 2, 1, 4, 128, 2, 1, 1, 8) and {type(v) for v in values} == {int}
+
+
 def test_threads_are_validated_in_python_too():
     from dflash_torch import compute
 
