@@ -584,9 +584,18 @@ class DFlashEngine:
     def decode(self, token_ids: list[int], skip: frozenset[int] = frozenset()) -> str:
         """Text of token ids (no space clean-up), special tokens kept except those in ``skip``.
 
+        Args:
+            token_ids: a list or tuple of ints (NumPy integers too), or a 1-D NumPy array or
+                torch tensor of them.
+
         Raises:
-            DFlashError: an id outside the target's vocabulary ``[0, vocab_size)``.
+            DFlashError: ids that are not such a sequence of integers (a bool is not a
+                token id), or an id outside the target's vocabulary ``[0, vocab_size)``.
         """
+        token_ids = options.plain(token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids)
+        if not isinstance(token_ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int)
+                                                           for t in token_ids):
+            raise DFlashError(f"token_ids must be a list of integer token ids, got {token_ids!r:.60}")
         bad = [t for t in token_ids if not 0 <= t < self.target.config.vocab_size]
         if bad:
             raise DFlashError(f"token id {bad[0]} is outside the vocabulary [0, {self.target.config.vocab_size})")

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REFUSING_TEMPLATE, copy_tokenizer, dflash2_config, drafter_config, make_target, save_drafter
 from dflash_torch import DFlashEngine, DFlashError
@@ -467,6 +468,21 @@ def test_numpy_integers_are_taken_by_every_integer_option(tiny_pair):
               batch.block_size, batch.max_context, batch.max_batch_size, batch.draft_max_batch_size, batch.prefix_slots,
               batch.prefill_chunk)
     assert values == (4, 128, 2, 1, 4, 128, 2, 1, 1, 8) and {type(v) for v in values} == {int}
+
+
+def test_decode_takes_token_ids_only(tiny_pair):
+    """engine.decode (README's logprobs example uses it) refuses what is not a sequence of
+    integer ids in one line (it raised bare TypeErrors, and decoded True as id 1), and takes
+    NumPy arrays and torch tensors of ids as their lists."""
+    import numpy as np
+
+    engine = DFlashEngine.from_pretrained(tiny_pair[0], no_draft=True)
+    for bad in ("abc", 5, [1.5], [None], [True], None):
+        with pytest.raises(DFlashError, match="^token_ids must be a list of integer token ids, got "):
+            engine.decode(bad)
+    text = engine.decode([5, 6, 7])
+    assert text and engine.decode(np.array([5, 6, 7])) == engine.decode(torch.tensor([5, 6, 7])) == \
+        engine.decode((np.int64(5), 6, 7)) == text
 
 
 def test_threads_are_validated_in_python_too():
