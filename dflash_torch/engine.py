@@ -1243,7 +1243,7 @@ def _load_tokenizer(model_dir: Path):
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
         detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # (one line, all of it)
-        if type(exc).__name__ == "StrictDataclassFieldValidationError":  # (its config class refused config.json)
+        if type(exc).__name__.startswith("StrictDataclass"):  # (its config class refused config.json: a field, or them together)
             raise DFlashError(f"transformers refuses {Path(model_dir) / 'config.json'} (AutoTokenizer reads it to load "
                               f"the tokenizer): {detail}") from None
         raise DFlashError(f"cannot load the tokenizer of {model_dir}: {detail or type(exc).__name__}") from None
