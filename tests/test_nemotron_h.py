@@ -344,9 +344,9 @@ def test_published_nano_config_reads_as_transformers_reads_it():
 
 def test_small_time_steps_are_not_clamped(checkpoints, tmp_path):
     """Heads whose ``softplus(dt + dt_bias)`` falls below ``time_step_min`` (0.001): our logits
-    are transformers' with its prompt path's floor at ``time_step_min`` taken away (the time-step
-    limit ``[0, inf)`` of NVIDIA's reference code, vLLM and transformers' own one-token path), and
-    that floor would have changed them: the two transformers paths disagree there, ours is one."""
+    are transformers' with the time-step limit ``[0, inf)`` (NVIDIA's reference code, vLLM, and
+    transformers' own default since it dropped the floor at ``time_step_min`` its prompt path
+    had), and that floor would have changed them."""
     target_dir, _ = checkpoints["plain"]
 
     def small_steps(w):
@@ -356,12 +356,15 @@ def test_small_time_steps_are_not_clamped(checkpoints, tmp_path):
     target = edited_checkpoint(target_dir, tmp_path / "small-dt", state=small_steps)
     ids = torch.randint(2, VOCAB, (40,), generator=torch.Generator().manual_seed(2))
     hf, ours = load_hf(target), TargetModel.from_pretrained(target, torch.float32)
+    mixers = [module for module in hf.modules() if hasattr(module, "time_step_limit")]
+    assert mixers
     with torch.no_grad():
-        floored = hf(ids[None]).logits[0]
-        for module in hf.modules():
-            if hasattr(module, "time_step_limit"):
-                module.time_step_limit = (0.0, float("inf"))
-        unclamped = hf(ids[None]).logits[0]
+        logits_with = {}
+        for limit in ((hf.config.time_step_min, float("inf")), (0.0, float("inf"))):
+            for module in mixers:  # (set both ways: transformers' default limit changed between versions)
+                module.time_step_limit = limit
+            logits_with[limit[0]] = hf(ids[None]).logits[0]
+        floored, unclamped = logits_with[hf.config.time_step_min], logits_with[0.0]
         cache = ours.new_cache()
         cache.reset(64)
         logits, _ = ours(ids, torch.arange(40), cache, 40)
