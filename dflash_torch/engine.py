@@ -631,8 +631,9 @@ class DFlashEngine:
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
         """The compiler of this engine's structured-output constraints (the target's tokenizer,
-        vocabulary and EOS ids; compiled constraints cached)."""
-        return GrammarCompiler(self.tokenizer, self.target.config.vocab_size, sorted(self.stop_token_ids))
+        vocabulary, EOS ids and special tokens; compiled constraints cached)."""
+        return GrammarCompiler(self.tokenizer, self.target.config.vocab_size, sorted(self.stop_token_ids),
+                               sorted(self.special_token_ids))
 
     @functools.cached_property
     def _byte_values(self) -> dict[str, int] | None:

@@ -201,9 +201,14 @@ class Grammar:
         eos_token_ids: the ids that end the output once the constraint is complete.
     """
 
-    def __init__(self, spec: StructuredOutput, grammar: str, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, spec: StructuredOutput, grammar: str, tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
+                 special_token_ids: Sequence[int] = (), token_text: dict[int, str] | None = None):
         self.spec, self.grammar, self.tokenizer, self.vocab_size = spec, grammar, tokenizer, vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        # int64 [S]: the special tokens (EOS included) whose mask bits are checked (GrammarState._check_special)
+        self.checked_ids = torch.tensor(sorted({int(t) for t in (*special_token_ids, *eos_token_ids)
+                                                if 0 <= int(t) < vocab_size}), dtype=torch.long)
+        self.token_text = token_text or {}  # special token id -> its text (for messages)
 
     def state(self, device: torch.device | str) -> "GrammarState":
         """A new sequence's :class:`GrammarState` (nothing consumed yet), masks on ``device``."""
@@ -220,14 +225,17 @@ class GrammarCompiler:
         tokenizer: the target's Hugging Face tokenizer (a fast, ``tokenizers``-backed one).
         vocab_size: the target's vocabulary size (>= the tokenizer's tokens: the rest are never allowed).
         eos_token_ids: the model's EOS ids: where a complete constraint lets the output end.
+        special_token_ids: the tokenizer's special tokens (none by default): each one a mask
+            allows is checked against the matcher (see :meth:`GrammarState._check_special`).
 
     The tokenizer's conversion (about a second for a 150k vocabulary) happens on the first
     :meth:`compile`; the last :data:`GRAMMAR_CACHE_SIZE` constraints stay compiled.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], special_token_ids: Sequence[int] = ()):
         self.hf_tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
+        self.special_token_ids = sorted(int(t) for t in special_token_ids)
         self._tokenizer = None
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -280,7 +288,9 @@ class GrammarCompiler:
             if not bool(first.any()):
                 raise OptionError(f"structured_output {spec.kind} allows no output with this tokenizer",
                                   "structured_output")
-            grammar = Grammar(spec, text, tokenizer, self.vocab_size, self.eos_token_ids)
+            special = sorted({*self.special_token_ids, *self.eos_token_ids})
+            names = dict(zip(special, self.hf_tokenizer.convert_ids_to_tokens(special)))
+            grammar = Grammar(spec, text, tokenizer, self.vocab_size, self.eos_token_ids, self.special_token_ids, names)
             self._cache[key] = grammar
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -349,6 +359,10 @@ class GrammarState:
         self.vocab_size, self.device = grammar.vocab_size, torch.device(device)
         self._words = (self.vocab_size + 31) // 32
         self.eos = frozenset(grammar.eos_token_ids)
+        ids = grammar.checked_ids
+        self._checked = (ids, ids >> 5, ids & 31)  # (the special tokens, their mask words and bits)
+        self._token_text = grammar.token_text
+        self._special_refused: list[int] = []  # special tokens the last computed mask allowed and _check_special cleared
         self.path: list[int] = []
         self.snaps = [matcher]
         self.rows: dict[tuple[int, ...], torch.Tensor] = {}  # path prefix -> bit mask there (refusals cleared)
@@ -379,8 +393,16 @@ class GrammarState:
             matcher = self.snaps[-1]
             row = torch.empty(self._words, dtype=torch.int32)
             matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+            self._special_refused = []
             if matcher.is_error():
                 error = _first_line(matcher.get_error())
+            else:
+                self._check_special(row, matcher)
+                if self._special_refused and not bool(row.any()):
+                    t = self._special_refused[0]
+                    error = (f"the constraint requires the text of the special token {t} "
+                             f"({self._token_text.get(t, '?')!r}) here, which the tokenizer reads as that token, "
+                             "not as text: this output cannot be written")
             self.rows[key] = row
         if error is None and bool(row.any()):
             return row
@@ -391,6 +413,27 @@ class GrammarState:
         self.failed = error or self._last_error or "the constraint allows no token here"
         self.rows[key] = row = self._eos_row()
         return row
+
+    def _check_special(self, row: torch.Tensor, matcher) -> None:
+        """Clear the bits of the special tokens that bit mask ``row`` (int32 ``[W]``, just
+        computed by ``matcher``) allows but the matcher cannot take there: an EOS before the
+        constraint is complete, another special token that it fails to consume. llguidance
+        lets such a token's id through where the constraint forces the token's literal text
+        (``{"const": "<|endoftext|>"}``: its tokenizer reads the text as the special token,
+        whose bytes do not match it), which would end the output early (an EOS) or fail the
+        request. The check costs a lookup of the few special tokens' bits per mask."""
+        ids, words, bits = self._checked
+        if not ids.numel():
+            return
+        for t in ids[(row[words] >> bits) & 1 == 1].tolist():
+            if t in self.eos:
+                ok = matcher.is_accepting()
+            else:
+                trial = matcher.deep_copy()
+                ok = trial.consume_token(t) and not trial.is_error()
+            if not ok:
+                _set_bit(row, t, False)
+                self._special_refused.append(t)
 
     def _refuse(self, token: int) -> None:
         """The path's last token is refused where it stands: its bit is cleared in the mask

@@ -482,6 +482,39 @@ def test_a_constraint_that_fails_mid_decoding_raises_in_python():
         DFlashEngine.from_pretrained(no_draft=True, dtype="float32").generate("x = ", max_new_tokens=8).token_ids
 
 
+def test_the_text_of_a_special_token_in_a_constraint_is_text_or_refused():
+    """A constraint whose text holds a special token's text (``<|endoftext|>``, the EOS, and
+    ``<|MASK|>`` of the shipped tokenizer): llguidance's masks let the special token's id
+    through there, which ended the output early (an EOS: ``"`` for ``{"const":
+    "<|endoftext|>"}``, invalid JSON, finish_reason stop) or failed on a parser error. Now a
+    special token is allowed only where the matcher takes it (an EOS only where the
+    constraint is complete): where the text can be written as text it is (an alternative,
+    a JSON string that is not forced whole), where llguidance forces exactly that token
+    the request fails in one line saying why; a grammar that names a special token as a
+    token (llguidance's ``<|MASK|>`` outside quotes) still gets it. Speculative and
+    target-only alike."""
+    import re
+
+    for engine in (DFlashEngine.from_pretrained(dtype="float32"), DFlashEngine.from_pretrained(no_draft=True, dtype="float32")):
+        for so, token in (({"json": {"const": "<|endoftext|>"}}, "0 ('<|endoftext|>')"),
+                          ({"choice": ["a<|MASK|>"]}, "1 ('<|MASK|>')")):
+            message = (f"structured output failed: the constraint requires the text of the special token {token} here, "
+                       "which the tokenizer reads as that token, not as text: this output cannot be written")
+            with pytest.raises(DFlashError, match=f"^{re.escape(message)}$"):
+                engine.generate("x = ", max_new_tokens=20, structured_output=so)
+        r = engine.generate("x = ", max_new_tokens=20, structured_output={"choice": ["<|MASK|>", "plain"]})
+        assert r.text in ("<|MASK|>", "plain") and 1 not in r.token_ids and r.finish_reason == "stop"
+        try:  # (whether llguidance forces the string whole here depends on the whitespace taken before it)
+            r = engine.generate("x = ", max_new_tokens=60, structured_output={"json": {
+                "type": "object", "properties": {"a": {"const": "<|endoftext|>"}}, "required": ["a"]}})
+            assert json.loads(r.text) == {"a": "<|endoftext|>"} and r.finish_reason == "stop", r.text
+        except DFlashError as exc:
+            assert str(exc).startswith("structured output failed: the constraint requires the text of the special "
+                                       "token 0 ('<|endoftext|>') here"), exc
+        r = engine.generate("x = ", max_new_tokens=20, structured_output={"grammar": 'start: "ab" <|MASK|> "cd"'})
+        assert r.text == "ab<|MASK|>cd" and 1 in r.token_ids
+
+
 def test_hermes_grammar_takes_the_tokenizers_own_call_marker_tokens(tmp_path):
     """Where ``<tool_call>`` / ``</tool_call>`` are added tokens (Qwen3's tokenizer), which
     llguidance never matches to text, the forced-call grammar takes those tokens (as well as
