@@ -264,6 +264,7 @@ class TargetConfig:
     # weights dequantized when loading (see nvfp4.py): "compressed-tensors" (nvfp4-pack-quantized),
     # "modelopt" (ModelOpt NVFP4), "modelopt-fp8" (ModelOpt per-tensor FP8) or "modelopt-mixed" (both); None: none
     nvfp4: str | None = None
+    keep_nvfp4: bool = False  # hold the NVFP4 weights packed, dequantizing them each forward (set when loading)
 
     @property
     def feature_size(self) -> int:
