@@ -32,7 +32,12 @@ has a ``float8_e4m3fn`` scale, and the whole matrix a float32 scale.
 Activations are not quantized: the weights are dequantized when loading (into float32 /
 bfloat16 / float16, the dtype the model runs in) and the model runs unquantized, as
 compressed-tensors' decompression leaves it and as vLLM's weight-only FP4 (Marlin) path runs
-on GPUs without FP4 tensor cores; the activation scales (``input_global_scale``,
+on GPUs without FP4 tensor cores; or (``nvfp4="packed"``) each NVFP4 weight is kept as stored:
+an :class:`Nvfp4Linear` (or NVFP4 experts) holding the FP4 bytes, the float8 group scales and
+the per-tensor scale of each row (float32), 4.5 bits a weight (about 0.28 of bfloat16), and
+dequantizing what each forward runs by the same code as loading (:func:`dequantize_rows`),
+so the values, and the logits, are the same bit for bit. ModelOpt's per-tensor FP8 weights
+are dequantized when loading in every mode. The activation scales (``input_global_scale``,
 ``input_scale``) are read for nothing but their presence. Likewise a ModelOpt checkpoint's
 FP8 KV cache (``kv_cache_quant_algo: "FP8"``, NVIDIA's Nemotron NVFP4 / FP8 releases): the
 KV cache is kept in the model's dtype and the per-tensor ``*.k_scale`` / ``*.v_scale``
