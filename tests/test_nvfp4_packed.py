@@ -337,3 +337,17 @@ def test_joined_scales_split_exactly():
     assert joined.dtype == torch.uint8 and joined.shape == (3, 5, 8)
     s, r = nvfp4.split_scales(joined)
     assert torch.equal(s.view(torch.uint8), scale.view(torch.uint8)) and torch.equal(r, rows)
+
+
+@pytest.mark.parametrize("family", ["laguna", "minimax_m2", "deepseek_v3"])
+def test_other_families_packed_give_the_dequantized_model_bit_for_bit(tmp_path, family):
+    """Each family's layout (per-expert w1 / w2 / w3, MLA's projections: kv_b_proj, read per
+    head, is dequantized when loading) kept packed: the dequantized model's logits, bfloat16."""
+    from test_nvfp4 import _family_target
+
+    target = to_modelopt(_family_target(tmp_path, family), tmp_path / "mo")
+    plain = TargetModel.from_pretrained(target, torch.bfloat16, nvfp4="dequantize")
+    packed = TargetModel.from_pretrained(target, torch.bfloat16, nvfp4="packed")
+    linears, experts = _packed_layers(packed)
+    assert linears > 0 and experts > 0
+    assert torch.equal(_logits(packed), _logits(plain))
