@@ -151,7 +151,8 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                     fp8_block: tuple[int, int] | None = None, keep_fp8: bool = False,
                     int_quant: tuple[int, int | None] | None = None, keep_int: bool = False,
                     float32: Callable[[str], bool] | None = None, scale_fmt: str = "float",
-                    fp4: bool = False, keep_fp4: bool = False, nvfp4: str | None = None) -> dict[str, torch.Tensor]:
+                    fp4: bool = False, keep_fp4: bool = False, nvfp4: str | None = None,
+                    keep_nvfp4: bool = False) -> dict[str, torch.Tensor]:
     """Load the tensors of a checkpoint, cast to ``dtype``, onto ``device``.
 
     Args:
@@ -192,6 +193,11 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             ``X.weight_scale`` and ``X.weight_scale_2``), ``"modelopt-fp8"`` (each
             float8_e4m3fn ``X.weight`` with its per-tensor ``X.weight_scale``) or
             ``"modelopt-mixed"`` (either, by the weight's dtype); None: none.
+        keep_nvfp4: with ``nvfp4``, keep each NVFP4 weight instead (ModelOpt's FP8 weights are
+            dequantized all the same): ``X.weight`` its bytes (uint8 ``[..., rows, cols / 2]``)
+            and ``X.weight_scale`` its scales (:func:`~dflash_torch.models.nvfp4.joined_scales`:
+            uint8 ``[..., rows, cols / 16 + 4]``), after checking that its values are finite
+            in ``dtype``.
 
     Raises:
         DFlashError: a weight file that is not valid safetensors (corrupt or truncated), a
@@ -226,10 +232,10 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                 if keep is not None and not keep(key):
                     continue
                 if nvfp4 is not None:
-                    read = _nvfp4_tensor(model_dir, f, key, source, kinds, nvfp4, dtype, device)
+                    read = _nvfp4_tensor(model_dir, f, key, source, kinds, nvfp4, dtype, device, keep_nvfp4)
                     if read is not None:
                         if read[1] is not None:
-                            state[read[0]] = read[1]
+                            state.update(read[1])
                             dequantized += 1
                         continue
                 if int_quant is not None and _packed_int_part(model_dir, key, source):
@@ -318,11 +324,12 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
 
 
 def _nvfp4_tensor(model_dir: Path, f, key: str, source: dict[str, Path], kinds: dict[str, str], fmt: str,
-                  dtype: torch.dtype, device) -> tuple[str, torch.Tensor | None] | None:
+                  dtype: torch.dtype, device, keep: bool = False) -> tuple[str, dict[str, torch.Tensor] | None] | None:
     """Read ``key`` of an NVFP4 / ModelOpt checkpoint (``fmt``: see :func:`load_state_dict`'s
-    ``nvfp4``) from the open file ``f``: ``(X.weight, its dequantized matrix)`` for a quantized
-    weight, ``(key, None)`` for a part read with its weight or an activation scale (not used),
-    None for an ordinary tensor.
+    ``nvfp4``) from the open file ``f``: ``(key, {X.weight: its dequantized matrix})`` for a
+    quantized weight (``keep``: an NVFP4 one as ``{X.weight: its bytes, X.weight_scale: its
+    joined scales}``), ``(key, None)`` for a part read with its weight or an activation scale
+    (not used), None for an ordinary tensor.
 
     Raises:
         DFlashError: as :func:`load_state_dict` says for ``nvfp4``.
@@ -332,6 +339,11 @@ def _nvfp4_tensor(model_dir: Path, f, key: str, source: dict[str, Path], kinds: 
     def part(name: str) -> torch.Tensor:
         with _open(source[name]) as g:
             return g.get_tensor(name)
+
+    def kept(name: str, packed: torch.Tensor, scale: torch.Tensor, rows_scale: torch.Tensor, kind: int) -> dict:
+        scale = scale.to(device)
+        nvfp4.check_finite(packed, scale, rows_scale.to(device), kind, dtype, key)
+        return {name: packed, name + "_scale": nvfp4.joined_scales(scale, rows_scale)}
 
     if fmt == nvfp4.CT_METHOD:
         suffixes = (nvfp4.CT_SCALE, nvfp4.CT_GLOBAL, "weight_shape", nvfp4.CT_INPUT)
@@ -349,8 +361,11 @@ def _nvfp4_tensor(model_dir: Path, f, key: str, source: dict[str, Path], kinds: 
                 if shape.is_floating_point() or shape.flatten().tolist() != [packed.shape[-2], 2 * packed.shape[-1]]:
                     raise DFlashError(f"{model_dir}: {base}weight_shape {shape.tolist()} does not match {key} of "
                                       f"shape {tuple(packed.shape)} (two FP4 values a byte)")
-            return name, nvfp4.dequantize_ct(packed, part(base + nvfp4.CT_SCALE), part(base + nvfp4.CT_GLOBAL),
-                                             dtype, name)
+            scale, global_scale = part(base + nvfp4.CT_SCALE), part(base + nvfp4.CT_GLOBAL)
+            if keep:
+                rows = nvfp4.check_parts(packed, scale, global_scale, key, base + nvfp4.CT_SCALE, base + nvfp4.CT_GLOBAL)
+                return key, kept(name, packed, scale, rows, nvfp4.CT)
+            return key, {name: nvfp4.dequantize_ct(packed, scale, global_scale, dtype, name)}
         if key.endswith(".weight_zero_point"):
             raise DFlashError(f"{model_dir}: {key} is a zero point (an asymmetric scheme); NVFP4 weights are symmetric")
         for suffix in suffixes:
@@ -375,12 +390,15 @@ def _nvfp4_tensor(model_dir: Path, f, key: str, source: dict[str, Path], kinds: 
                                   f"{base + suffix}")
         t = f.get_tensor(key).to(device)
         if nvfp4_weight:
-            return key, nvfp4.dequantize_modelopt(t, part(base + nvfp4.MO_SCALE), part(base + nvfp4.MO_SCALE_2),
-                                                  dtype, key)
+            scale, scale_2 = part(base + nvfp4.MO_SCALE), part(base + nvfp4.MO_SCALE_2)
+            if keep:
+                rows = nvfp4.check_parts(t, scale, scale_2, key, base + nvfp4.MO_SCALE, base + nvfp4.MO_SCALE_2)
+                return key, kept(key, t, scale, rows, nvfp4.MODELOPT_NVFP4)
+            return key, {key: nvfp4.dequantize_modelopt(t, scale, scale_2, dtype, key)}
         if base + nvfp4.MO_SCALE_2 in source:
             raise DFlashError(f"{model_dir}: FP8 weight {key} has a {base + nvfp4.MO_SCALE_2} (an NVFP4 scale); "
                               "ModelOpt's FP8 weights have one per-tensor weight_scale")
-        return key, nvfp4.dequantize_modelopt_fp8(t, part(base + nvfp4.MO_SCALE), dtype, key)
+        return key, {key: nvfp4.dequantize_modelopt_fp8(t, part(base + nvfp4.MO_SCALE), dtype, key)}
     if key.endswith((".k_scale", ".v_scale")):  # (an FP8 KV cache's scales: the cache stays in the model's dtype)
         if kinds.get(key) != "F32" or f.get_slice(key).get_shape() not in ([], [1]):
             raise DFlashError(f"{model_dir}: {key} is not a per-tensor KV cache scale (float32, one value)")
@@ -707,6 +725,42 @@ def fp4_saving(model_dir: Path, dtype: torch.dtype, keep: Callable[[str], bool] 
             continue  # (an int8 weight without a scale is refused when it is read)
         numel = math.prod(shapes[key])  # bytes: two elements each
         saved += 2 * numel * dtype.itemsize - numel - 2 * numel // mxfp4.BLOCK
+    return saved
+
+
+def nvfp4_saving(model_dir: Path, dtype: torch.dtype, fmt: str, keep: Callable[[str], bool] | None = None) -> int:
+    """Bytes saved by keeping a checkpoint's NVFP4 weights packed instead of dequantizing them
+    into ``dtype`` (``fmt``: :class:`~dflash_torch.models.config.TargetConfig`'s ``nvfp4``):
+    per NVFP4 weight (that ``keep`` accepts by its name in the checkpoint: compressed-tensors'
+    ``X.weight_packed``, ModelOpt's uint8 ``X.weight``) of ``rows`` x ``cols / 2`` bytes,
+    ``rows * cols`` elements of ``dtype`` less what stays held
+    (:class:`~dflash_torch.models.nvfp4.Nvfp4Linear`): the bytes, one float8 scale per 16
+    columns and a float32 scale per row. ModelOpt's FP8 weights are dequantized: no saving.
+    Reads only the files' headers.
+
+    Raises:
+        DFlashError: a weight file that is not valid safetensors.
+    """
+    from .models import nvfp4
+
+    shapes, kinds = {}, {}
+    for file in weight_files(model_dir):
+        with _open(file) as f:
+            for key in f.keys():
+                part = f.get_slice(key)
+                shapes[key], kinds[key] = part.get_shape(), part.get_dtype()
+    saved = 0
+    for key, shape in shapes.items():
+        if fmt == nvfp4.CT_METHOD:
+            quantized = key.endswith("." + nvfp4.CT_PACKED)
+        else:
+            quantized = key.endswith(".weight") and kinds[key] == "U8" and (
+                key.removesuffix("weight") + nvfp4.MO_SCALE_2) in kinds
+        if not quantized or len(shape) < 2 or (keep is not None and not keep(key)):
+            continue
+        *lead, rows, half = shape
+        cols = 2 * half
+        saved += math.prod(lead) * rows * (cols * dtype.itemsize - half - cols // nvfp4.GROUP - 4)
     return saved
 
 

@@ -42,6 +42,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="packed integer weights of a compressed-tensors W4A16 / W8A16 checkpoint: dequantize when "
                         "loading, keep them packed (about a quarter / half of bfloat16's memory, slower), or auto "
                         "(default: dequantize if that fits in 90%% of free memory)")
+    p.add_argument("--nvfp4", default="auto", choices=["auto", "dequantize", "packed"],
+                   help="NVFP4 weights of a compressed-tensors nvfp4-pack-quantized or ModelOpt NVFP4 checkpoint: "
+                        "dequantize when loading, keep them packed (about 0.28 of bfloat16's memory, slower, the same "
+                        "logits), or auto (default: dequantize if that fits in 90%% of free memory)")
 
 
 def int_or_auto(text: str) -> int | str:
@@ -187,7 +191,7 @@ def load_engine(args: argparse.Namespace):
         args.target, args.draft, dtype=args.dtype, device=args.device,
         block_size=args.block_size, draft_mode=args.draft_mode, no_draft=args.no_draft,
         compile=args.compile, max_context=args.max_context, mxfp4=args.mxfp4, fp8=args.fp8,
-        int_weights=args.int_weights,
+        int_weights=args.int_weights, nvfp4=args.nvfp4,
         **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk is not None else {}),
         **({"max_batch_size": args.max_batch_size} if hasattr(args, "max_batch_size") else {}),
         **({"reuse_prefix": not args.no_prefix_reuse} if hasattr(args, "no_prefix_reuse") else {}),

@@ -213,6 +213,7 @@ class DFlashEngine:
         mxfp4: str = "auto",
         fp8: str = "auto",
         int_weights: str = "auto",
+        nvfp4: str = "auto",
     ) -> "DFlashEngine":
         """Load a target and a DFlash drafter from local directories or cached Hugging Face ids.
 
@@ -263,6 +264,10 @@ class DFlashEngine:
             int_weights: the same for the packed integer weights of a compressed-tensors
                 W4A16 / W8A16 checkpoint (kept ``"packed"``: about a quarter / half of
                 bfloat16's memory).
+            nvfp4: the same for the NVFP4 weights of a compressed-tensors
+                ``nvfp4-pack-quantized`` or ModelOpt NVFP4 / MIXED_PRECISION checkpoint (kept
+                ``"packed"``: 4.5 bits a weight, about 0.28 of bfloat16's memory; the same
+                logits, bit for bit; ModelOpt's per-tensor FP8 weights are dequantized in every mode).
 
         Raises:
             DFlashError: missing files, incompatible pair, bad dtype / device / block size /
@@ -317,6 +322,8 @@ class DFlashEngine:
         options.check_mxfp4(mxfp4, target_cfg.mxfp4)
         options.check_fp8(fp8, target_cfg.fp8_block is not None, has_mxfp4=target_cfg.mxfp4)
         options.check_int_weights(int_weights, target_cfg.int_quant is not None)
+        options.check_nvfp4(nvfp4, target_cfg.nvfp4 not in (None, "modelopt-fp8"),
+                            fp8_only=target_cfg.nvfp4 == "modelopt-fp8")
         check_max_batch_size(max_batch_size)
         check_prefix_slots(prefix_slots, reuse_prefix)
         options.check_count(prefill_chunk, "prefill_chunk")
@@ -325,7 +332,7 @@ class DFlashEngine:
         # the weights are read, converted and packed on the compute thread, like every round
         return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, draft_raw=draft_raw, pack=pack,
                            fuse=fuse_by_default(dev) if fuse is None else fuse, mxfp4=mxfp4, fp8=fp8,
-                           int_weights=int_weights, block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
+                           int_weights=int_weights, nvfp4=nvfp4, block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
                            max_context=max_context, prefill_chunk=prefill_chunk, max_batch_size=max_batch_size,
                            reuse_prefix=reuse_prefix, draft_max_batch_size=draft_max_batch_size,
                            prefix_slots=prefix_slots)
@@ -333,7 +340,7 @@ class DFlashEngine:
     @classmethod
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
               dev: torch.device, *, draft_raw: dict | None, pack: bool, fuse: bool, mxfp4: str, fp8: str,
-              int_weights: str, **engine_options) -> "DFlashEngine":
+              int_weights: str, nvfp4: str, **engine_options) -> "DFlashEngine":
         tokenizer = _load_tokenizer(target_dir)  # (first: its errors come before minutes of reading weights)
         if len(tokenizer) > target_cfg.vocab_size:
             raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {target_cfg.vocab_size}")
@@ -348,9 +355,11 @@ class DFlashEngine:
             except DFlashError as exc:  # (refused where it is used: serve --generation-config auto)
                 recommended = exc
         drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev, config=draft_raw)
-        model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8, int_weights=int_weights)
+        model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8, int_weights=int_weights,
+                                            nvfp4=nvfp4)
         for option, value, kept in (("mxfp4", mxfp4, model.config.keep_mxfp4), ("fp8", fp8, model.config.keep_fp8),
-                                    ("int-weights", int_weights, model.config.keep_int)):
+                                    ("int-weights", int_weights, model.config.keep_int),
+                                    ("nvfp4", nvfp4, model.config.keep_nvfp4)):
             if kept and value == "auto":  # (much slower rounds: say so)
                 log.warning(f"dflash-torch: the target's quantized weights are kept packed (--{option} auto: "
                             f"dequantized they would not fit in 90% of the free memory); each forward dequantizes "

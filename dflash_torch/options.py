@@ -279,7 +279,7 @@ def check_choice(value, choices: tuple[str, ...], name: str) -> str:
     return value
 
 
-MXFP4_MODES = FP8_MODES = INT_WEIGHTS_MODES = ("auto", "dequantize", "packed")  # how to hold quantized weights
+MXFP4_MODES = FP8_MODES = INT_WEIGHTS_MODES = NVFP4_MODES = ("auto", "dequantize", "packed")  # how to hold quantized weights
 
 
 def check_mxfp4(value, has_mxfp4: bool | None = None, name: str = "mxfp4") -> str:
@@ -316,6 +316,21 @@ def check_int_weights(value, has_int: bool | None = None, name: str = "int_weigh
     return _check_packing(value, has_int, name, "keeps packed integer weights packed",
                           "its config.json has no quantization_config with quant_method 'compressed-tensors' "
                           "and format 'pack-quantized'; ")
+
+
+def check_nvfp4(value, has_nvfp4: bool | None = None, name: str = "nvfp4", fp8_only: bool = False) -> str:
+    """How to hold the NVFP4 weights of a compressed-tensors ``nvfp4-pack-quantized`` or
+    ModelOpt NVFP4 / MIXED_PRECISION checkpoint: one of :data:`NVFP4_MODES`; ``"packed"`` only
+    for a checkpoint that has them (``has_nvfp4``; None: not known yet; ``fp8_only``: the
+    checkpoint is ModelOpt per-tensor FP8, which is always dequantized, and the message says so).
+
+    Raises:
+        OptionError: any other value, or ``"packed"`` for a checkpoint without NVFP4 weights.
+    """
+    why = ("its weights are ModelOpt per-tensor FP8, dequantized when loading; " if fp8_only else
+           "its config.json declares no NVFP4 weights (compressed-tensors 'nvfp4-pack-quantized', ModelOpt "
+           "'NVFP4' or 'MIXED_PRECISION' with NVFP4 layers); ")
+    return _check_packing(value, has_nvfp4, name, "keeps NVFP4 weights packed", why)
 
 
 def _check_packing(value, present: bool | None, name: str, packed: str, why: str, *others: str) -> str:

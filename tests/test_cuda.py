@@ -287,6 +287,24 @@ def test_packed_w4a16_moe_modes_and_batch_on_cuda_graphs_equal_target_only(tmp_p
     _modes_and_batch_equal_target_only(target, DFlashDrafter.from_pretrained(drafter_dir, torch.float32, "cuda"), "cuda")
 
 
+@cuda
+def test_packed_nvfp4_moe_modes_and_batch_on_cuda_graphs_equal_target_only(tmp_path, tokenizer_dir):
+    """A Qwen3-MoE ModelOpt NVFP4 target kept packed on CUDA (nvfp4="packed"): each forward
+    dequantizes its linears and, inside the CUDA graphs, the chosen experts with the loader's
+    arithmetic; every mode and a compiled batch commit the target-only tokens."""
+    from conftest import make_agreeable_pair
+    from test_nvfp4 import to_modelopt
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    target_dir, drafter_dir = make_agreeable_pair(tmp_path / "pair", tokenizer_dir, block_size=8,
+                                                  model_type="qwen3_moe", alpha=1.0, self_scale=0.0)
+    quantized = to_modelopt(target_dir, tmp_path / "nvfp4")
+    target = TargetModel.from_pretrained(quantized, torch.float32, "cuda", nvfp4="packed")
+    assert target.config.keep_nvfp4
+    _modes_and_batch_equal_target_only(target, DFlashDrafter.from_pretrained(drafter_dir, torch.float32, "cuda"), "cuda")
+
+
 def _deepseek_v4_modes_equal_target_only(root, tokenizer_dir, device: str, packed: bool) -> None:
     """:func:`_modes_and_batch_equal_target_only` for an agreeable DeepSeek-V4 pair (test_deepseek_v4's
     recipe: hyper-connection streams, compressed entries and the indexer in the KV cache slots,

@@ -617,9 +617,10 @@ def test_bad_modelopt_tensors_are_refused_in_one_line(modelopt_dense, tmp_path, 
     assert "\n" not in str(err.value)
 
 
-def test_packed_modes_say_nvfp4_weights_are_dequantized_only(ct_dense, modelopt_dense):
-    """NVFP4 / ModelOpt weights are dequantized when loading; the packed modes of the other
-    formats refuse them in one line, naming what they keep packed."""
+def test_the_other_formats_packed_modes_refuse_nvfp4_checkpoints(ct_dense, modelopt_dense):
+    """The packed modes of the other formats refuse NVFP4 / ModelOpt checkpoints in one line,
+    naming what they keep packed; auto loads them dequantized where they fit (nvfp4="packed":
+    test_nvfp4_packed.py)."""
     with pytest.raises(DFlashError, match="format 'pack-quantized'") as err:
         TargetModel.from_pretrained(ct_dense[0], torch.float32, int_weights="packed")
     assert "\n" not in str(err.value)

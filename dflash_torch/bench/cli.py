@@ -257,7 +257,7 @@ def _run(args: argparse.Namespace) -> int:
                           "(without one, --modes target-only,target-only-compiled time the target alone)")
     engine = DFlashEngine.from_pretrained(args.target, args.draft, dtype=args.dtype, device=args.device,
                                           block_size=args.block_size, mxfp4=args.mxfp4, fp8=args.fp8,
-                                          int_weights=args.int_weights,
+                                          int_weights=args.int_weights, nvfp4=args.nvfp4,
                                           no_draft=args.target is not None and args.draft is None)
     prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl", args.num_prompts or None)
     prompt_ids = [engine.encode_prompt(p, args.chat, args.chat_template_kwargs) for p in prompts]
@@ -286,6 +286,8 @@ def _run(args: argparse.Namespace) -> int:
         "fp8": "packed" if engine.target.config.keep_fp8 else ("dequantized" if engine.target.config.fp8_block else None),
         "int_weights": "packed" if engine.target.config.keep_int else (
             "dequantized" if engine.target.config.int_quant else None),
+        "nvfp4": "packed" if engine.target.config.keep_nvfp4 else (
+            "dequantized" if engine.target.config.nvfp4 else None),
     }
     runs = [] if not modes else run_modes([ALL_MODES[name] for name in modes], engine.target, engine.drafter, prompt_ids,
                      block_size=args.block_size, max_new_tokens=args.max_new_tokens, max_context=max_context,

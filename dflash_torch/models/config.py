@@ -261,9 +261,11 @@ class TargetConfig:
     keep_fp8: bool = False  # hold its weights as stored, dequantizing them each forward (set when loading)
     int_quant: tuple[int, int | None] | None = None  # (bits, group_size) of packed integer weights (see packed_int.py)
     keep_int: bool = False  # hold them packed, dequantizing them each forward (set when loading)
-    # weights dequantized when loading (see nvfp4.py): "compressed-tensors" (nvfp4-pack-quantized),
-    # "modelopt" (ModelOpt NVFP4), "modelopt-fp8" (ModelOpt per-tensor FP8) or "modelopt-mixed" (both); None: none
+    # NVFP4 / ModelOpt weights (see nvfp4.py; dequantized when loading unless keep_nvfp4): "compressed-tensors"
+    # (nvfp4-pack-quantized), "modelopt" (ModelOpt NVFP4), "modelopt-fp8" (ModelOpt per-tensor FP8) or
+    # "modelopt-mixed" (both); None: none
     nvfp4: str | None = None
+    keep_nvfp4: bool = False  # hold the NVFP4 weights packed, dequantizing them each forward (set when loading)
 
     @property
     def feature_size(self) -> int:

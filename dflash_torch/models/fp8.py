@@ -270,8 +270,10 @@ def kept_parameters(model: nn.Module) -> set[int]:
     """The ids of the parameters below ``model`` that stay FP8 with their row scales (those of
     modules with a nonzero ``fp8_block_cols``: :class:`Fp8Linear`, FP8 experts) or packed
     integers with their scales (a nonzero ``int_bits``: :class:`~.packed_int.IntLinear`,
-    packed experts): what the loader does not cast to the model's dtype."""
+    packed experts) or NVFP4 bytes with their scales (a nonzero ``nvfp4_kind``:
+    :class:`~.nvfp4.Nvfp4Linear`, NVFP4 experts): what the loader does not cast to the model's dtype."""
     return {id(p) for m in model.modules() if getattr(m, "fp8_block_cols", 0) or getattr(m, "int_bits", 0)
+            or getattr(m, "nvfp4_kind", 0)
             for name, p in m.named_parameters(recurse=False) if name != "bias"}
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fp8 import Fp8Linear
+from .nvfp4 import Nvfp4Linear
 from .packed_int import IntLinear
 
 
@@ -68,7 +69,8 @@ def fused_linear(parts: list[nn.Module]) -> nn.Module:
     in their dtype and device; FP8 parts (:class:`~dflash_torch.models.fp8.Fp8Linear`, one
     block width): an ``Fp8Linear`` of their stacked weights and row scales; packed integer
     parts (:class:`~dflash_torch.models.packed_int.IntLinear`, one scheme): an ``IntLinear``
-    of their stacked words and scales; a mix of kinds (a quantized checkpoint whose config
+    of their stacked words and scales; NVFP4 parts (:class:`~dflash_torch.models.nvfp4.Nvfp4Linear`,
+    one kind): an ``Nvfp4Linear`` of their stacked bytes and scales; a mix of kinds (a quantized checkpoint whose config
     keeps some of them unquantized): a :class:`JoinedLinear` that runs each part."""
     if all(type(p) is nn.Linear for p in parts):
         with torch.device("meta"):
@@ -82,6 +84,8 @@ def fused_linear(parts: list[nn.Module]) -> nn.Module:
         return Fp8Linear.joined(parts)
     if all(isinstance(p, IntLinear) for p in parts) and len({(p.int_bits, p.int_group) for p in parts}) == 1:
         return IntLinear.joined(parts)
+    if all(isinstance(p, Nvfp4Linear) for p in parts) and len({p.nvfp4_kind for p in parts}) == 1:
+        return Nvfp4Linear.joined(parts)
     return JoinedLinear(parts)
 
 

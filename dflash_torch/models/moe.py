@@ -49,6 +49,7 @@ class Experts(nn.Module):
     fp8_block_cols = 0  # > 0: the matrices stay FP8, in blocks of this many columns
     int_bits = int_group = 0  # int_bits > 0: the matrices stay packed integers (group 0: per output channel)
     mxfp4 = False  # the matrices stay MXFP4 (DeepSeek-V4's FP4 experts, :meth:`keep_mxfp4`)
+    nvfp4_kind = 0  # > 0: the matrices stay NVFP4 (:meth:`keep_nvfp4`; the kind, nvfp4.CT or nvfp4.MODELOPT_NVFP4)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, gated: bool = True):
         super().__init__()
@@ -56,6 +57,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, (2 if gated else 1) * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.gate_up_proj_scale = self.down_proj_scale = None
+        self.gate_up_proj_scale_2 = self.down_proj_scale_2 = None
 
     def keep_fp8(self, block_cols: int) -> None:
         """Hold the matrices FP8 (meta, to load into; :mod:`~dflash_torch.models.fp8`): each
@@ -100,11 +102,32 @@ class Experts(nn.Module):
                 scales = torch.empty(*w.shape[:-1], w.shape[-1] // group if group else 1, dtype=scale_dtype)
                 setattr(self, name + "_scale", nn.Parameter(scales, requires_grad=False))
 
+    def keep_nvfp4(self, kind: int) -> None:
+        """Hold the matrices as NVFP4 (meta, to load into; :mod:`~dflash_torch.models.nvfp4`):
+        uint8 bytes ``[E, rows, cols / 2]``, float8_e4m3fn group scales ``[E, rows, cols / 16]``
+        and float32 per-tensor scales ``[E, rows]`` (one per row: gate and up rows may differ)
+        applied as ``kind`` says (:data:`~dflash_torch.models.nvfp4.CT` or
+        :data:`~dflash_torch.models.nvfp4.MODELOPT_NVFP4`); each forward dequantizes the experts it
+        runs, with the loader's arithmetic."""
+        from .nvfp4 import FP8, GROUP
+
+        self.nvfp4_kind = kind
+        with torch.device("meta"):
+            for name in ("gate_up_proj", "down_proj"):
+                w = getattr(self, name)
+                setattr(self, name, nn.Parameter(torch.empty(*w.shape[:-1], w.shape[-1] // 2, dtype=torch.uint8),
+                                                 requires_grad=False))
+                setattr(self, name + "_scale", nn.Parameter(torch.empty(*w.shape[:-1], w.shape[-1] // GROUP,
+                                                                        dtype=FP8), requires_grad=False))
+                setattr(self, name + "_scale_2", nn.Parameter(torch.empty(w.shape[:-1]), requires_grad=False))
+
     def quantization(self) -> dict:
         """The keyword arguments of :func:`dispatch_experts` that say how the matrices are held
-        (scales, FP8 block columns, packed integer scheme)."""
+        (scales, FP8 block columns, packed integer scheme, NVFP4 per-tensor scales)."""
+        nvfp4 = dict(gate_up_scales_2=self.gate_up_proj_scale_2, down_scales_2=self.down_proj_scale_2,
+                     nvfp4=self.nvfp4_kind) if self.nvfp4_kind else {}
         return dict(gate_up_scales=self.gate_up_proj_scale, down_scales=self.down_proj_scale,
-                    fp8_block_cols=self.fp8_block_cols, int_bits=self.int_bits, int_group=self.int_group)
+                    fp8_block_cols=self.fp8_block_cols, int_bits=self.int_bits, int_group=self.int_group, **nvfp4)
 
 
 def expert_activation(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float, swiglu_alpha: float,
@@ -136,7 +159,8 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
                      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0,
                      gelu_tanh: bool = False, int_bits: int = 0, int_group: int = 0,
-                     swiglu_offset: float = 1.0, relu2: bool = False) -> torch.Tensor:
+                     swiglu_offset: float = 1.0, relu2: bool = False, gate_up_scales_2: torch.Tensor | None = None,
+                     down_scales_2: torch.Tensor | None = None, nvfp4: int = 0) -> torch.Tensor:
     """Run each token through its chosen experts and sum the weighted outputs.
 
     Only the experts that some token chose are computed: the ``T * k`` (token, expert)
@@ -167,6 +191,10 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         int_bits, int_group: > 0: the matrices are packed integers (int32 words
             ``[E, rows, cols * int_bits / 32]``, scales ``[E, rows, cols / int_group]``,
             or ``[E, rows, 1]`` when ``int_group`` is 0; :mod:`~dflash_torch.models.packed_int`).
+        gate_up_scales_2, down_scales_2, nvfp4: ``nvfp4`` > 0: the matrices are NVFP4 (uint8
+            bytes ``[E, rows, cols / 2]``, float8_e4m3fn group scales ``[E, rows, cols / 16]``
+            in ``gate_up_scales`` / ``down_scales``, float32 per-row per-tensor scales ``[E,
+            rows]`` in these, applied as ``nvfp4`` says: :func:`~dflash_torch.models.nvfp4.dequantize_rows`).
 
     While a CUDA graph is being captured (``--compile`` on CUDA), where nothing may be
     read to the host, it runs :func:`gathered_experts` instead, which the graph's replays
@@ -178,7 +206,7 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return gathered_experts(x, experts, weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
                                 swiglu_limit, swiglu_alpha, gate_up_scales, down_scales, fp8_block_cols, gelu_tanh,
-                                int_bits, int_group, swiglu_offset, relu2)
+                                int_bits, int_group, swiglu_offset, relu2, gate_up_scales_2, down_scales_2, nvfp4)
     t, k = experts.shape
     quant, inter = (int_bits, int_group), gate_up_proj.shape[1] // (1 if relu2 else 2)  # (the down matrices' columns)
     out = torch.zeros_like(x)
@@ -195,8 +223,9 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         pairs = order[start:start + n]
         start += n
         tokens = pairs % t
-        gate_up_w = _expert(gate_up_proj, gate_up_scales, e, x.dtype, fp8_block_cols, quant, x.shape[-1])
-        down_w = _expert(down_proj, down_scales, e, x.dtype, fp8_block_cols, quant, inter)
+        gate_up_w = _expert(gate_up_proj, gate_up_scales, e, x.dtype, fp8_block_cols, quant, x.shape[-1],
+                            gate_up_scales_2, nvfp4)
+        down_w = _expert(down_proj, down_scales, e, x.dtype, fp8_block_cols, quant, inter, down_scales_2, nvfp4)
         gate_up = F.linear(x[tokens], gate_up_w, None if gate_up_bias is None else gate_up_bias[e])
         act = F.relu(gate_up).square() if relu2 else expert_activation(
             *gate_up.chunk(2, dim=-1), swiglu_limit, swiglu_alpha, gelu_tanh, swiglu_offset)
@@ -206,12 +235,17 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
 
 
 def _expert(weight: torch.Tensor, scales: torch.Tensor | None, e, dtype: torch.dtype, fp8_block_cols: int = 0,
-            quant: tuple[int, int] = (0, 0), cols: int = 0) -> torch.Tensor:
+            quant: tuple[int, int] = (0, 0), cols: int = 0, scales_2: torch.Tensor | None = None,
+            nvfp4: int = 0) -> torch.Tensor:
     """Expert ``e``'s matrix (``e`` a slice or an index tensor: those experts' matrices) in
-    ``dtype``, dequantized when MXFP4, FP8 or packed integers (``quant``: bits and group;
-    ``cols``: the matrix's columns)."""
+    ``dtype``, dequantized when MXFP4, FP8, packed integers (``quant``: bits and group;
+    ``cols``: the matrix's columns) or NVFP4 (``nvfp4`` > 0, ``scales_2`` the per-row scales)."""
     if scales is None:
         return weight[e]
+    if nvfp4:
+        from .nvfp4 import dequantize_rows
+
+        return dequantize_rows(weight[e], scales[e], scales_2[e], nvfp4, dtype)
     if weight.dtype == fp8.FORMAT:
         return fp8.dequantize_rows(weight[e], scales[e], fp8_block_cols, dtype)
     if weight.dtype == torch.int32:
@@ -225,7 +259,8 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
                      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0,
                      gelu_tanh: bool = False, int_bits: int = 0, int_group: int = 0,
-                     swiglu_offset: float = 1.0, relu2: bool = False) -> torch.Tensor:
+                     swiglu_offset: float = 1.0, relu2: bool = False, gate_up_scales_2: torch.Tensor | None = None,
+                     down_scales_2: torch.Tensor | None = None, nvfp4: int = 0) -> torch.Tensor:
     """:func:`dispatch_experts` (same arguments and result) with no data-dependent shape
     and no host read, so that a CUDA graph can capture it: every (token, expert) pair
     gathers its expert's weights and the ``T * k`` pairs run as two batched matmuls. It
@@ -238,18 +273,19 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     ids = experts.reshape(-1)  # token-major pairs
     quant = (int_bits, int_group)
 
-    def per_pair(weight: torch.Tensor, scales: torch.Tensor | None, cols: int) -> torch.Tensor:  # [T * k, rows, cols]
+    def per_pair(weight: torch.Tensor, scales: torch.Tensor | None, cols: int,
+                 scales_2: torch.Tensor | None) -> torch.Tensor:  # [T * k, rows, cols]
         if scales is not None and ids.numel() < weight.shape[0]:
-            return _expert(weight, scales, ids, x.dtype, fp8_block_cols, quant, cols)
-        return _expert(weight, scales, slice(None), x.dtype, fp8_block_cols, quant, cols)[ids]
+            return _expert(weight, scales, ids, x.dtype, fp8_block_cols, quant, cols, scales_2, nvfp4)
+        return _expert(weight, scales, slice(None), x.dtype, fp8_block_cols, quant, cols, scales_2, nvfp4)[ids]
 
     rows = x.repeat_interleave(k, dim=0)[:, :, None]  # [T * k, hidden, 1]
-    gate_up = torch.bmm(per_pair(gate_up_proj, gate_up_scales, x.shape[-1]), rows)[..., 0]
+    gate_up = torch.bmm(per_pair(gate_up_proj, gate_up_scales, x.shape[-1], gate_up_scales_2), rows)[..., 0]
     if gate_up_bias is not None:
         gate_up = gate_up + gate_up_bias[ids]
     act = F.relu(gate_up).square() if relu2 else expert_activation(
         *gate_up.chunk(2, dim=-1), swiglu_limit, swiglu_alpha, gelu_tanh, swiglu_offset)
-    h = torch.bmm(per_pair(down_proj, down_scales, gate_up_proj.shape[1] // (1 if relu2 else 2)),
+    h = torch.bmm(per_pair(down_proj, down_scales, gate_up_proj.shape[1] // (1 if relu2 else 2), down_scales_2),
                   act[:, :, None])[..., 0]
     if down_bias is not None:
         h = h + down_bias[ids]  # [T * k, hidden]
@@ -261,7 +297,8 @@ def _(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_pro
       down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
       swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
       down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0, gelu_tanh: bool = False, int_bits: int = 0,
-      int_group: int = 0, swiglu_offset: float = 1.0, relu2: bool = False) -> torch.Tensor:
+      int_group: int = 0, swiglu_offset: float = 1.0, relu2: bool = False, gate_up_scales_2: torch.Tensor | None = None,
+      down_scales_2: torch.Tensor | None = None, nvfp4: int = 0) -> torch.Tensor:
     return torch.empty_like(x)
 
 

@@ -312,8 +312,8 @@ class Model(TargetModel):
         if part == "norm":
             return f"model.layers.{i}.{'post_attention_layernorm' if kind == MLP_ONLY else 'input_layernorm'}.{rest}"
         sub = {"linear_attention": "linear_attn", "full_attention": "self_attn", MLP_ONLY: "mlp"}[kind]
-        if cfg.moe_layers[i] and rest == "experts.up_proj":
-            rest = "experts.gate_up_proj"
+        if cfg.moe_layers[i] and rest in ("experts.up_proj", "experts.up_proj_scale"):
+            rest = rest.replace("experts.up_proj", "experts.gate_up_proj")
         return f"model.layers.{i}.{sub}.{rest}"
 
     @classmethod
@@ -355,13 +355,16 @@ class Model(TargetModel):
         return key.endswith((".mixer.gate.weight", ".mixer.gate.e_score_correction_bias"))
 
 
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>up_proj|down_proj)\.weight"
+                         r"(?P<scale>_scale)?$")
 
 
 def _stack_experts(state: dict[str, torch.Tensor], num_experts: int) -> None:
     """Per-expert ``P.{e}.up_proj.weight`` ``[I, d]`` / ``P.{e}.down_proj.weight`` ``[d, I]``
     -> stacked ``P.up_proj`` ``[E, I, d]`` / ``P.down_proj`` ``[E, d, I]`` (transformers' layout),
-    in place, layer by layer.
+    in place, layer by layer; NVFP4 weights kept packed come with their scales
+    (``P.{e}.up_proj.weight_scale``, :func:`~dflash_torch.models.nvfp4.joined_scales`), stacked
+    alike into ``P.up_proj_scale`` / ``P.down_proj_scale``.
 
     Raises:
         DFlashError: one line naming the layer: an expert id >= E, an expert or a matrix
@@ -371,22 +374,24 @@ def _stack_experts(state: dict[str, torch.Tensor], num_experts: int) -> None:
     for key in state:
         m = _PER_EXPERT.match(key)
         if m:
-            groups.setdefault(m["prefix"], {})[int(m["expert"]), m["proj"]] = key
+            groups.setdefault(m["prefix"], {})[int(m["expert"]), m["proj"] + (m["scale"] or "")] = key
     for prefix, keys in groups.items():
         where = f"expert weights of {prefix}"
         extra = sorted({e for e, _ in keys if e >= num_experts})
         if extra:
             raise DFlashError(f"{where}: expert ids {extra[:8]} are outside n_routed_experts {num_experts}")
-        for proj in ("up_proj", "down_proj"):
+        scaled = ("up_proj_scale", "down_proj_scale") if any(p.endswith("_scale") for _, p in keys) else ()
+        for proj in ("up_proj", "down_proj", *scaled):
+            label = proj.removesuffix("_scale") + ".weight" + ("_scale" if proj.endswith("_scale") else "")
             absent = [e for e in range(num_experts) if (e, proj) not in keys]
             if absent:
-                raise DFlashError(f"{where}: experts {absent[:8]} lack {proj}.weight (n_routed_experts {num_experts})")
+                raise DFlashError(f"{where}: experts {absent[:8]} lack {label} (n_routed_experts {num_experts})")
             if f"{prefix}.{proj}" in state:
                 raise DFlashError(f"{where}: both per-expert weights and the stacked {prefix}.{proj}")
             first = state[keys[0, proj]]
             for e in range(num_experts):
                 t = state[keys[e, proj]]
                 if t.shape != first.shape or t.dtype != first.dtype or t.dim() != 2:
-                    raise DFlashError(f"{where}: expert {e} {proj}.weight is {tuple(t.shape)} {t.dtype}, expected "
+                    raise DFlashError(f"{where}: expert {e} {label} is {tuple(t.shape)} {t.dtype}, expected "
                                       f"{tuple(first.shape)} {first.dtype} like expert 0")
             state[f"{prefix}.{proj}"] = torch.stack([state.pop(keys[e, proj]) for e in range(num_experts)])

@@ -32,7 +32,12 @@ has a ``float8_e4m3fn`` scale, and the whole matrix a float32 scale.
 Activations are not quantized: the weights are dequantized when loading (into float32 /
 bfloat16 / float16, the dtype the model runs in) and the model runs unquantized, as
 compressed-tensors' decompression leaves it and as vLLM's weight-only FP4 (Marlin) path runs
-on GPUs without FP4 tensor cores; the activation scales (``input_global_scale``,
+on GPUs without FP4 tensor cores; or (``nvfp4="packed"``) each NVFP4 weight is kept as stored:
+an :class:`Nvfp4Linear` (or NVFP4 experts) holding the FP4 bytes, the float8 group scales and
+the per-tensor scale of each row (float32), 4.5 bits a weight (about 0.28 of bfloat16), and
+dequantizing what each forward runs by the same code as loading (:func:`dequantize_rows`),
+so the values, and the logits, are the same bit for bit. ModelOpt's per-tensor FP8 weights
+are dequantized when loading in every mode. The activation scales (``input_global_scale``,
 ``input_scale``) are read for nothing but their presence. Likewise a ModelOpt checkpoint's
 FP8 KV cache (``kv_cache_quant_algo: "FP8"``, NVIDIA's Nemotron NVFP4 / FP8 releases): the
 KV cache is kept in the model's dtype and the per-tensor ``*.k_scale`` / ``*.v_scale``
@@ -296,12 +301,15 @@ def dequantize_ct(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch
     """
     base = name.removesuffix("weight")
     gs = check_parts(packed, scale, global_scale, base + CT_PACKED, base + CT_SCALE, base + CT_GLOBAL)
+    return dequantize_rows(packed, scale, gs, CT, dtype)
 
-    def rows(p, s, g):
-        ratio = s.float() / g[:, None]  # (float32 quotient, as the library divides)
-        return (unpack(p).unflatten(-1, (-1, GROUP)) * ratio[..., None]).flatten(-2).to(dtype)
 
-    return _by_rows([packed, scale], gs, (*packed.shape[:-1], 2 * packed.shape[-1]), dtype, packed.device, rows)
+def _ct_rows(p: torch.Tensor, s: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """compressed-tensors' arithmetic on ``r`` rows: ``p`` uint8 ``[r, cols / 2]``, ``s``
+    float8_e4m3fn ``[r, cols / 16]``, ``g`` float32 ``[r]`` (the global scale of each row) ->
+    ``[r, cols]`` in ``dtype``."""
+    ratio = s.float() / g[:, None]  # (float32 quotient, as the library divides)
+    return (unpack(p).unflatten(-1, (-1, GROUP)) * ratio[..., None]).flatten(-2).to(dtype)
 
 
 def dequantize_modelopt(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype,
@@ -324,12 +332,41 @@ def dequantize_modelopt(packed: torch.Tensor, scale: torch.Tensor, scale_2: torc
     """
     base = name.removesuffix("weight")
     s2 = check_parts(packed, scale, scale_2, name, base + MO_SCALE, base + MO_SCALE_2)
+    return dequantize_rows(packed, scale, s2, MODELOPT_NVFP4, dtype)
 
-    def rows(p, s, g):
-        block = s.double() * g.double()[:, None]  # exact: at most 4 + 24 significant bits
-        return round_once((unpack(p).double().unflatten(-1, (-1, GROUP)) * block[..., None]).flatten(-2), dtype)
 
-    return _by_rows([packed, scale], s2, (*packed.shape[:-1], 2 * packed.shape[-1]), dtype, packed.device, rows)
+def _modelopt_rows(p: torch.Tensor, s: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """ModelOpt's arithmetic on ``r`` rows (as :func:`_ct_rows`, ``g`` the ``weight_scale_2``
+    of each row): exact in float64, rounded once."""
+    block = s.double() * g.double()[:, None]  # exact: at most 4 + 24 significant bits
+    return round_once((unpack(p).double().unflatten(-1, (-1, GROUP)) * block[..., None]).flatten(-2), dtype)
+
+
+CT, MODELOPT_NVFP4 = 1, 2  # how the per-tensor scale applies (Nvfp4Linear.nvfp4_kind, Experts.nvfp4)
+_ROWS = {CT: _ct_rows, MODELOPT_NVFP4: _modelopt_rows}
+
+
+def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, rows_scale: torch.Tensor, kind: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The matrix of checked NVFP4 parts, in ``dtype``: what :func:`dequantize_ct` (``kind``
+    :data:`CT`) or :func:`dequantize_modelopt` (:data:`MODELOPT_NVFP4`) gives for them, by the
+    same code, a few rows at a time. No host read (CUDA graphs can capture it).
+
+    Args:
+        packed: uint8 ``[..., rows, cols / 2]``.
+        scale: float8_e4m3fn ``[..., rows, cols / 16]``.
+        rows_scale: float32, the per-tensor scale of each row (``[..., rows]``, or flat:
+            as many values as rows), on ``packed``'s device.
+        kind: :data:`CT` (``fp4 * (scale / rows_scale)``) or :data:`MODELOPT_NVFP4`
+            (``fp4 * scale * rows_scale``).
+        dtype: float32, bfloat16 or float16.
+
+    Returns:
+        ``[..., rows, cols]`` in ``dtype``, on ``packed``'s device.
+    """
+    fn = _ROWS[kind]
+    return _by_rows([packed, scale], rows_scale.reshape(-1), (*packed.shape[:-1], 2 * packed.shape[-1]), dtype,
+                    packed.device, lambda p, s, g: fn(p, s, g, dtype))
 
 
 def dequantize_modelopt_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
@@ -378,3 +415,104 @@ def round_once(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     bits = torch.where(up, bits - 1, bits)
     bits = torch.where(inexact, bits | 1, bits)
     return bits.view(torch.float32).to(dtype)
+
+
+# --- kept packed (nvfp4="packed") ---
+
+ROW_SCALE_2_SUFFIX = "_scale_2"  # held packed: X.weight -> X.weight_scale_2 (float32, the per-tensor scale of each row)
+
+
+def joined_scales(scale: torch.Tensor, rows_scale: torch.Tensor) -> torch.Tensor:
+    """One tensor holding an NVFP4 weight's scales, as loading carries them to the model
+    (through the families' renaming and the stacking of experts, like the one scale tensor
+    of the other formats): uint8 ``[..., rows, cols / 16 + 4]``, each row's
+    float8_e4m3fn group scales' bytes then its float32 per-tensor scale's 4 bytes (the
+    machine's byte order). :func:`split_scales` undoes it exactly.
+
+    Args:
+        scale: float8_e4m3fn ``[..., rows, cols / 16]``.
+        rows_scale: float32 with one value per row (``[..., rows]`` or flat).
+    """
+    tail = rows_scale.to(device=scale.device, dtype=torch.float32).reshape(*scale.shape[:-1], 1).view(torch.uint8)
+    return torch.cat([scale.view(torch.uint8), tail], dim=-1)
+
+
+def split_scales(joined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(group scales float8_e4m3fn [..., rows, cols / 16], per-row scales float32 [..., rows])``
+    of :func:`joined_scales`'s ``joined`` (new tensors)."""
+    return joined[..., :-4].contiguous().view(FP8), joined[..., -4:].contiguous().view(torch.float32)[..., 0]
+
+
+def check_finite(packed: torch.Tensor, scale: torch.Tensor, rows_scale: torch.Tensor, kind: int, dtype: torch.dtype,
+                 name: str) -> None:
+    """Raise :class:`DFlashError` unless every value of the weight (:func:`dequantize_rows`) is
+    finite in ``dtype``, as a dequantized weight must be (e.g. a tiny ``weight_global_scale``
+    overflows): checked a few rows at a time, nothing kept."""
+    p, s, g = packed.reshape(-1, packed.shape[-1]), scale.reshape(-1, scale.shape[-1]), rows_scale.reshape(-1)
+    step = max(1, _ELEMENTS_PER_CHUNK // (2 * p.shape[1]))
+    for r in range(0, p.shape[0], step):
+        if not bool(torch.isfinite(_ROWS[kind](p[r:r + step], s[r:r + step], g[r:r + step], dtype)).all()):
+            raise DFlashError(f"NVFP4 weight {name} times its scales is not finite in "
+                              f"{str(dtype).removeprefix('torch.')} (a corrupt checkpoint)")
+
+
+class Nvfp4Linear(torch.nn.Module):
+    """A linear layer whose weight stays NVFP4: ``weight`` uint8 ``[out, in / 2]`` (two FP4
+    values a byte, as stored), ``weight_scale`` float8_e4m3fn ``[out, in / 16]`` (the group
+    scales, as stored), ``weight_scale_2`` float32 ``[out]`` (the per-tensor scale of each
+    row: compressed-tensors' ``weight_global_scale``, a divisor, or ModelOpt's
+    ``weight_scale_2``, a factor, as ``nvfp4_kind`` says: :data:`CT` or
+    :data:`MODELOPT_NVFP4`), ``bias`` (in the model's dtype) or None. Each forward dequantizes
+    the weight into the input's dtype with the loader's arithmetic (:func:`dequantize_rows`)
+    and applies it: the output of an ``nn.Linear`` holding the dequantized weight, bit for
+    bit, in about 0.28 of its bfloat16 memory (4.5 bits a weight) between forwards."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, kind: int):
+        super().__init__()
+        self.in_features, self.out_features, self.nvfp4_kind = in_features, out_features, kind
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features // 2, dtype=torch.uint8),
+                                         requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(torch.empty(out_features, in_features // GROUP, dtype=FP8),
+                                               requires_grad=False)
+        self.weight_scale_2 = torch.nn.Parameter(torch.empty(out_features), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    @classmethod
+    def like(cls, linear: torch.nn.Module, kind: int) -> "Nvfp4Linear":
+        """An (uninitialised, meta) :class:`Nvfp4Linear` of ``linear``'s shape, to load into."""
+        with torch.device("meta"):
+            return cls(linear.in_features, linear.out_features, linear.bias is not None, kind)
+
+    @classmethod
+    def joined(cls, parts: list["Nvfp4Linear"]) -> "Nvfp4Linear":
+        """One layer whose output is the outputs of ``parts`` (same input width and kind, all
+        with a bias or all without) side by side: their bytes, scales and biases stacked (each
+        row keeps its own per-tensor scale)."""
+        first = parts[0]
+        out = cls.like(torch.nn.Linear(first.in_features, sum(p.out_features for p in parts),
+                                       bias=first.bias is not None, device="meta"), first.nvfp4_kind)
+        with torch.no_grad():
+            for name in ("weight", "weight_scale", "weight_scale_2", "bias"):
+                if getattr(first, name) is not None:
+                    setattr(out, name, torch.nn.Parameter(torch.cat([getattr(p, name) for p in parts]),
+                                                          requires_grad=False))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in]`` -> ``[..., out]`` in ``x.dtype``."""
+        return nvfp4_linear(x, self.weight, self.weight_scale, self.weight_scale_2, self.nvfp4_kind, self.bias)
+
+
+@torch.library.custom_op("dflash_torch::nvfp4_linear", mutates_args=())
+def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows_scale: torch.Tensor, kind: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, dequantize_rows(weight, scale, rows_scale, kind, x.dtype), bias)``: a custom
+    operator, so that ``torch.compile`` keeps it one opaque node running the loader's eager
+    arithmetic (traced, inductor may fuse the float64 products and roundings differently)."""
+    return torch.nn.functional.linear(x, dequantize_rows(weight, scale, rows_scale, kind, x.dtype), bias)
+
+
+@nvfp4_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows_scale: torch.Tensor, kind: int,
+      bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -24,9 +24,9 @@ from torch import nn
 
 from ..cache import KVCache, RecurrentState, TargetCache, ring_positions
 from ..checkpoint import (all_finite, check_fits, fits, fp4_saving, fp8_saving, int_saving, load_config,
-                          load_state_dict, tensor_names)
-from ..errors import DFlashError
-from ..options import check_fp8, check_int_weights, check_mxfp4
+                          load_state_dict, nvfp4_saving, tensor_names)
+from ..errors import DFlashError, OptionError
+from ..options import check_fp8, check_int_weights, check_mxfp4, check_nvfp4
 from . import fp8 as fp8_format
 from .config import TargetConfig
 from .gated_deltanet import GatedDeltaNet
@@ -257,7 +257,8 @@ class TargetModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                        mxfp4: str = "auto", fp8: str = "auto", int_weights: str = "auto") -> "TargetModel":
+                        mxfp4: str = "auto", fp8: str = "auto", int_weights: str = "auto",
+                        nvfp4: str = "auto") -> "TargetModel":
         """Load a Hugging Face checkpoint directory with the class of its family.
 
         Args:
@@ -277,10 +278,18 @@ class TargetModel(nn.Module):
                 W4A16 / W8A16 checkpoint (:mod:`~dflash_torch.models.packed_int`; ``"packed"``:
                 the int32 words plus float32 scales, about a quarter (4 bits) or half (8 bits)
                 of bfloat16).
+            nvfp4: the same for the NVFP4 weights of a compressed-tensors
+                ``nvfp4-pack-quantized`` or ModelOpt NVFP4 / MIXED_PRECISION checkpoint
+                (:mod:`~dflash_torch.models.nvfp4`; ``"packed"``: the FP4 bytes, the float8
+                group scales and a float32 scale per row, 4.5 bits a weight, about 0.28 of
+                bfloat16; each forward dequantizes what it runs with the loader's arithmetic,
+                so the logits are those of ``"dequantize"``, bit for bit). ModelOpt's
+                per-tensor FP8 weights are dequantized when loading in every mode.
 
         Raises:
-            DFlashError: unsupported config; ``mxfp4="packed"`` / ``fp8="packed"`` for a
-                checkpoint without MXFP4 / FP8 weights; weights that would not fit in the device's free memory
+            DFlashError: unsupported config; ``mxfp4="packed"`` / ``fp8="packed"`` /
+                ``int_weights="packed"`` / ``nvfp4="packed"`` for a checkpoint without such
+                weights (:class:`~dflash_torch.errors.OptionError`); weights that would not fit in the device's free memory
                 (:func:`~dflash_torch.checkpoint.check_fits`); weights missing, unknown (an
                 unsupported variant, e.g. biases the config does not announce), of the
                 wrong shape, not floating point (e.g. int8: quantized) or not finite (NaN, inf).
@@ -292,6 +301,7 @@ class TargetModel(nn.Module):
         check_mxfp4(mxfp4, cfg.mxfp4)
         check_fp8(fp8, cfg.fp8_block is not None, has_mxfp4=cfg.mxfp4)
         check_int_weights(int_weights, cfg.int_quant is not None)
+        check_nvfp4(nvfp4, cfg.nvfp4 not in (None, "modelopt-fp8"), fp8_only=cfg.nvfp4 == "modelopt-fp8")
         model_cls = family(cfg.model_type).Model if cls is TargetModel else cls
         with torch.device("meta"):
             model = model_cls(cfg)
@@ -316,15 +326,24 @@ class TargetModel(nn.Module):
         if cfg.int_quant is not None and int_weights != "dequantize":
             saving = int_saving(model_dir, dtype, *cfg.int_quant, kept_packed)
             keep_int = int_weights == "packed" or (saving > 0 and not fits(model, dtype, device, share=0.9))
+        keep_nvfp4 = False
+        if cfg.nvfp4 not in (None, "modelopt-fp8") and nvfp4 != "dequantize":
+            saving = nvfp4_saving(model_dir, dtype, cfg.nvfp4, kept_packed)
+            if nvfp4 == "packed" and saving == 0:  # (e.g. a MIXED_PRECISION checkpoint whose layers are all FP8)
+                raise OptionError("nvfp4 packed keeps NVFP4 weights packed, but the target checkpoint has none (no "
+                                  "uint8 NVFP4 weight among the weights it reads; its FP8 weights are dequantized "
+                                  "when loading; use auto or dequantize)", "nvfp4")
+            keep_nvfp4 = nvfp4 == "packed" or (saving > 0 and not fits(model, dtype, device, share=0.9))
         kept = [what for what, held in (("FP4 experts kept packed", keep_fp4), ("FP8 weights kept as stored", keep_fp8),
-                                         ("packed integer weights kept packed", keep_int)) if held]
-        check_fits(model, dtype, device, "target", saving=(saving if keep_fp8 or keep_int else 0)
+                                         ("packed integer weights kept packed", keep_int),
+                                         ("NVFP4 weights kept packed", keep_nvfp4)) if held]
+        check_fits(model, dtype, device, "target", saving=(saving if keep_fp8 or keep_int or keep_nvfp4 else 0)
                    + (fp4_saved if keep_fp4 else 0), kept=", ".join(kept) or "FP8 weights kept as stored")
         model_cls.check_skipped(cfg, {k for k in tensor_names(model_dir) if not keep(k)}, model_dir)
         state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=keep_fp8,
                                 int_quant=cfg.int_quant, keep_int=keep_int,
                                 float32=lambda k: model_cls.float32_keys(cfg, k), scale_fmt=cfg.fp8_scale_fmt,
-                                fp4=cfg.fp4_experts, keep_fp4=keep_fp4, nvfp4=cfg.nvfp4)
+                                fp4=cfg.fp4_experts, keep_fp4=keep_fp4, nvfp4=cfg.nvfp4, keep_nvfp4=keep_nvfp4)
         state = model_cls.convert_checkpoint(cfg, state)
         if keep_fp8:
             cfg.keep_fp8 = True
@@ -335,6 +354,9 @@ class TargetModel(nn.Module):
         if keep_int:
             cfg.keep_int = True
             _keep_int(model, state, cfg.int_quant, dtype)
+        if keep_nvfp4:
+            cfg.keep_nvfp4 = True
+            _keep_nvfp4(model, state, cfg.nvfp4, dtype)
         if cfg.tie_word_embeddings:
             head, embed = state.pop("lm_head.weight", None), state.get("model.embed_tokens.weight")
             if head is not None and embed is not None and not (head.shape == embed.shape and torch.equal(head, embed)):
@@ -575,6 +597,32 @@ def _keep_int(model: nn.Module, state: dict[str, torch.Tensor], scheme: tuple[in
     _keep_quantized(model, state, lambda linear, scales: IntLinear.like(linear, *scheme, scales.dtype), keep_experts,
                     lambda weight, scales, cols: dequantize_groups(
                         weight, scales, *scheme, cols or weight.shape[-1] * 32 // scheme[0], dtype), torch.int32)
+
+
+def _keep_nvfp4(model: nn.Module, state: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype) -> None:
+    """As :func:`_keep_fp8`, for NVFP4 weights (``NAME`` uint8 ``[..., rows, cols / 2]`` and
+    ``NAME_scale``, :func:`~dflash_torch.models.nvfp4.joined_scales`, from
+    :func:`~dflash_torch.checkpoint.load_state_dict` with ``keep_nvfp4``; ``fmt``: the
+    checkpoint's format, :class:`~.config.TargetConfig`'s ``nvfp4``):
+    :class:`~dflash_torch.models.nvfp4.Nvfp4Linear` layers and NVFP4 experts
+    (:meth:`~dflash_torch.models.moe.Experts.keep_nvfp4`), anything else dequantized into
+    ``dtype``; then each kept ``NAME_scale`` split into the group scales (``NAME_scale``)
+    and the per-row scales (``NAME_scale_2``) the layers hold."""
+    from .nvfp4 import CT, CT_METHOD, MODELOPT_NVFP4, ROW_SCALE_2_SUFFIX, Nvfp4Linear, dequantize_rows, split_scales
+
+    kind = CT if fmt == CT_METHOD else MODELOPT_NVFP4
+    suffix = fp8_format.ROW_SCALE_SUFFIX
+
+    def keep_experts(experts, scales):
+        if not experts.nvfp4_kind:
+            experts.keep_nvfp4(kind)
+
+    _keep_quantized(model, state, lambda linear, scales: Nvfp4Linear.like(linear, kind), keep_experts,
+                    lambda weight, scales, cols: dequantize_rows(weight, *split_scales(scales), kind, dtype),
+                    torch.uint8)
+    for key in [k for k in state if k.endswith(suffix) and k.removesuffix(suffix) in state
+                and state[k.removesuffix(suffix)].dtype == torch.uint8]:
+        state[key], state[key.removesuffix(suffix) + ROW_SCALE_2_SUFFIX] = split_scales(state[key])
 
 
 def _keep_fp4(model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
