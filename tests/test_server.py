@@ -548,11 +548,27 @@ def test_a_client_that_leaves_while_sending_its_body_is_no_error(server):
     assert "Traceback" not in server.log.read_text(), server.log.read_text()
 
 
+def test_a_body_declared_far_over_the_limit_is_refused_before_it_is_sent(server):
+    """A Content-Length far over the body limit (a terabyte) gets its 413 at once, from the
+    header, instead of after the server has read (and dropped) the whole body."""
+    port = int(server.base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 999999999999\r\n\r\n"
+                     b'{"prompt": "' + b"x" * 1000)
+        head = sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 413 ") and b"999999999999 bytes" in head and b"request_too_large" in head, head
+
+
 def test_auth_and_routes(server):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     for key in (None, "sk-wrong"):
         r = server.post("/v1/completions", body, key=key)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    for header, words in (({}, "missing API key"), ({"Authorization": API_KEY}, "malformed Authorization header"),
+                          ({"Authorization": "Basic abc"}, "malformed Authorization header")):
+        r = httpx.post(f"{server.base}/v1/completions", json=body, headers=header, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["message"].startswith(words), r.text
     assert httpx.get(f"{server.base}/v1/models").status_code == 401
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="sk-wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)

@@ -484,14 +484,27 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        if not header.strip():
             raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise APIError(401, "malformed Authorization header: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
         if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
+    def too_large(size: int) -> APIError:
+        return APIError(413, f"the request body ({size} bytes) is larger than this server accepts ({max_body} bytes: "
+                             f"no longer prompt fits the model's context of {engine.max_context} tokens)",
+                        code="request_too_large")
+
     async def read_body(request: Request) -> bytes:
         """The body, unless it is larger than ``max_body``: then the rest is read and dropped
-        (a client still sending would get a reset instead of the answer) and it is a 413."""
+        (a client still sending would get a reset instead of the answer) and it is a 413; a
+        body that declares (``Content-Length``) more than 8 x ``max_body`` is a 413 at once,
+        nothing read."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > 8 * max_body:
+            raise too_large(int(declared))
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
@@ -501,9 +514,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         except ClientDisconnect:  # it left while sending: nobody to answer
             raise ClientGone() from None
         if size > max_body:
-            raise APIError(413, f"the request body ({size} bytes) is larger than this server accepts ({max_body} bytes: "
-                                f"no longer prompt fits the model's context of {engine.max_context} tokens)",
-                           code="request_too_large")
+            raise too_large(size)
         return b"".join(chunks)
 
     async def parse(request: Request, schema):
