@@ -526,7 +526,7 @@ class BatchDecoder:
         if free is not None and need > 0.9 * free:
             raise OptionError(f"the caches of {self._slots_text()} x max_context {self.max_context} need "
                               f"{need / 2**30:.2f} GiB but {self.device.type} has {free / 2**30:.2f} GiB free; "
-                              "lower either", "max_batch_size", "max_context")
+                              f"lower {self._lower()}", *self._sizes())
         w = target.model.embed_tokens.weight
         heads, dims = zip(*target.kv_shapes()) if target.num_kv_layers else ((), ())
         try:
@@ -542,7 +542,7 @@ class BatchDecoder:
                                                      drafter.kv_windows(), draft_rows, checkpoints)
         except torch.OutOfMemoryError:
             raise OptionError(f"out of memory allocating the caches of {self._slots_text()} x max_context "
-                              f"{self.max_context}; lower either", "max_batch_size", "max_context") from None
+                              f"{self.max_context}; lower {self._lower()}", *self._sizes()) from None
         self._seqs: list[_Sequence] = []  # decoding, slot = index
         self._joining: deque[_Joining] = deque()  # prefilling, FIFO; the head's slot is len(self._seqs)
         self._retained: dict[int, _Retained] = {}  # slot -> retained prefix (only in slots no sequence uses)
@@ -570,6 +570,13 @@ class BatchDecoder:
     def _slots_text(self) -> str:
         extra = f" + prefix_slots {self.prefix_slots}" if self.prefix_slots else ""
         return f"max_batch_size {self.max_batch_size}{extra}"
+
+    def _sizes(self) -> tuple[str, ...]:
+        """The options that size the caches (an :class:`OptionError`'s names)."""
+        return ("max_batch_size", "prefix_slots", "max_context") if self.prefix_slots else ("max_batch_size", "max_context")
+
+    def _lower(self) -> str:
+        return "one of them" if self.prefix_slots else "either"
 
     def batch_bucket(self, n: int) -> int:
         """Rows of a round of ``n`` sequences: ``n``, or with fixed shapes the smallest
