@@ -51,7 +51,7 @@ class SamplingParams:
     Attributes:
         temperature: 0 for greedy decoding, else any finite value > 0 (logits are divided
             by it; see :func:`probabilities`). Stored as a float.
-        top_k: keep the k most likely tokens (0 = no limit).
+        top_k: keep the k most likely tokens (0 = no limit; -1, vLLM's spelling, is taken as 0).
         top_p: keep the smallest set of tokens whose probability reaches top_p (1 = off);
             the most likely token is always kept. Stored as a float.
         min_p: in [0, 1] (0 = off; vLLM's and transformers' ``min_p``): after temperature,
@@ -111,8 +111,10 @@ class SamplingParams:
         t = _real(self.temperature)
         if t is None or not math.isfinite(t) or t < 0:
             raise OptionError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise OptionError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}", "top_k")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise OptionError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}", "top_k")
+        if self.top_k == -1:  # (vLLM's and the OpenAI server's spelling of off)
+            object.__setattr__(self, "top_k", 0)
         p = _real(self.top_p)
         if p is None or not (0 < p <= 1):
             raise OptionError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")

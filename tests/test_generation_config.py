@@ -58,7 +58,7 @@ BAD_RECOMMENDED = [  # (field, value, the one-line error)
     ("temperature", "0.6", "generation_config.json: temperature must be a finite number >= 0, got '0.6'"),
     ("top_p", 0, "generation_config.json: top_p must be in (0, 1], got 0"),
     ("min_p", 1.5, "generation_config.json: min_p must be in [0, 1] (0 = off), got 1.5"),
-    ("top_k", 2.5, "generation_config.json: top_k must be an integer >= 0 (0 = off), got 2.5"),
+    ("top_k", 2.5, "generation_config.json: top_k must be an integer >= -1 (0 or -1 = off), got 2.5"),
     ("max_new_tokens", 0, "generation_config.json: max_new_tokens must be an integer >= 1, got 0"),
     ("repetition_penalty", -1, "generation_config.json: repetition_penalty must be a finite number > 0"),
 ]

@@ -222,13 +222,18 @@ def test_min_p_matches_transformers_min_p_warper():
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
-                                dict(top_p=1.5), dict(top_k=-1), dict(top_k=2.5), dict(temperature=10**400),
+                                dict(top_p=1.5), dict(top_k=-2), dict(top_k=2.5), dict(temperature=10**400),
                                 dict(top_p=10**400), dict(min_p=-0.1), dict(min_p=1.01), dict(min_p=float("nan")),
                                 dict(min_p="0.1")])
 def test_invalid_sampling_parameters(kw):
     with pytest.raises(DFlashError) as err:
         SamplingParams(**kw)
     assert "\n" not in str(err.value)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    """top_k -1 (vLLM's and the server's spelling of no limit) is taken as 0, as the server takes it."""
+    assert SamplingParams(top_k=-1, temperature=1.0) == SamplingParams(top_k=0, temperature=1.0)
 
 
 # --- every accepted parameter value decodes: extreme temperatures, top-p, top-k, logits ----
