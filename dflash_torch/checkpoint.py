@@ -699,6 +699,22 @@ def int_saving(model_dir: Path, dtype: torch.dtype, bits: int, group: int | None
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}  # (bytes per element of a scale's dtype)
 
 
+def _headers(model_dir: Path) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Every tensor's shape and safetensors dtype (``"F8_E4M3"``, ``"U8"``, ...) by name,
+    from the files' headers alone.
+
+    Raises:
+        DFlashError: a weight file that is not valid safetensors.
+    """
+    shapes, kinds = {}, {}
+    for file in weight_files(model_dir):
+        with _open(file) as f:
+            for key in f.keys():
+                part = f.get_slice(key)
+                shapes[key], kinds[key] = part.get_shape(), part.get_dtype()
+    return shapes, kinds
+
+
 def fp4_saving(model_dir: Path, dtype: torch.dtype, keep: Callable[[str], bool] | None = None) -> int:
     """Bytes saved by keeping a DeepSeek-V4 checkpoint's FP4 experts packed instead of
     dequantizing them into ``dtype``: per int8 ``X.weight`` ``[..., rows, cols / 2]`` with a
@@ -711,12 +727,7 @@ def fp4_saving(model_dir: Path, dtype: torch.dtype, keep: Callable[[str], bool] 
     """
     from .models import mxfp4
 
-    shapes, kinds = {}, {}
-    for file in weight_files(model_dir):
-        with _open(file) as f:
-            for key in f.keys():
-                part = f.get_slice(key)
-                shapes[key], kinds[key] = part.get_shape(), part.get_dtype()
+    shapes, kinds = _headers(model_dir)
     saved = 0
     for key, kind in kinds.items():
         if kind != "I8" or len(shapes[key]) < 2 or (keep is not None and not keep(key)):
@@ -743,12 +754,7 @@ def nvfp4_saving(model_dir: Path, dtype: torch.dtype, fmt: str, keep: Callable[[
     """
     from .models import nvfp4
 
-    shapes, kinds = {}, {}
-    for file in weight_files(model_dir):
-        with _open(file) as f:
-            for key in f.keys():
-                part = f.get_slice(key)
-                shapes[key], kinds[key] = part.get_shape(), part.get_dtype()
+    shapes, kinds = _headers(model_dir)
     saved = 0
     for key, shape in shapes.items():
         if fmt == nvfp4.CT_METHOD:
