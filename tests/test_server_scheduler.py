@@ -626,7 +626,9 @@ def test_a_chat_conversation_reuses_its_history(server, tiny_pair, tmp_path_fact
         plain_replies, plain_reads = chat(plain)
     assert replies == plain_replies
     assert [read for read, _ in plain_reads] == [prompt for _, prompt in plain_reads]
-    assert reads[0] == plain_reads[0]
+    # the first turn: read whole but for the chat template's opening tokens, which an earlier test's
+    # chat left in a retained prefix (the module's server keeps every leaver's rows)
+    assert reads[0][1] == plain_reads[0][1] and reads[0][1] - 4 <= reads[0][0] <= reads[0][1]
     for k in (1, 2):  # the last turn's prompt is not read again (but for its last token or so: this
         # test template renders a reply in the history unlike its generation prompt, "# assistant:" + "\n")
         assert reads[k][0] <= reads[k][1] - reads[k - 1][1] + 2, k
