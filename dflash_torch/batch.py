@@ -842,43 +842,56 @@ class BatchDecoder:
 
     def _take_prefix(self, slot: int, prompt: list[int], reuse: bool = True) -> tuple[int, torch.Tensor | None]:
         """Before a prompt's prefill in ``slot`` (the first slot no sequence uses): the rows
-        of the retained prefix that match the most of ``prompt`` go into ``slot`` (copied, or
-        kept in place) -> the prompt tokens they cover (0: none), counted in
-        ``reused_prefill_tokens``, and when they cover it all (the same prompt again) the
-        prompt's last logits ``[V]`` (else None). A retained prefix that ``slot`` holds
-        otherwise moves to a higher slot: an empty one, else it trades slots with the one
-        taken (whose rows the prompt now holds), else the least recently used one's, if older.
-        ``reuse`` False (a prompt whose every token must be read: prompt logprobs): no prefix
-        is taken, a retained prefix in ``slot`` still moves up."""
+        of the retained prefix that match the most of ``prompt`` go into ``slot`` -> the
+        prompt tokens they cover (0: none), counted in ``reused_prefill_tokens``, and when
+        they cover it all (the same prompt again) the prompt's last logits ``[V]`` (else None).
+
+        A prefix whose own prompt the prompt holds (the next turn of its conversation, a
+        retry) is taken: kept in place, or copied (the copy left behind is not counted as
+        used: the first to give way). One that shares less with it (another conversation's,
+        sharing a system prompt) is copied and stays retained, as used now. A retained
+        prefix that ``slot`` holds and that is not taken moves to a higher slot: an empty
+        one, else it trades slots with a prefix taken (whose rows the prompt now holds), else
+        it replaces the least recently used of the others (a prefix used in part too, by
+        trading slots with it) if that one is older (else it is dropped). ``reuse`` False (a
+        prompt whose every token must be read: prompt logprobs): no prefix is taken, a
+        retained prefix in ``slot`` still moves up."""
         best, src = 0, None
         for i, r in (self._retained.items() if reuse else ()):
             n = self._usable(r, prompt)
             if n > best or (n == best and n and i == slot):
                 best, src = n, i
         self._tick += 1
-        if src == slot:
-            kept = self._retained.pop(slot)
-            self._reuse(slot, kept, best)  # (the prompt's rows now)
-            return best, kept.prompt_logits if best == len(prompt) else None
         kept = self._retained.get(src)
+        taken = kept is not None and best >= kept.prompt_len  # (the prompt holds its prompt: the next turn, a retry)
         victim = self._retained.get(slot)  # (never where a partly read prompt was: add() moved it up one)
-        if victim is not None:
+        if victim is not None and not (taken and src == slot):
             higher = [i for i in range(slot + 1, self.slots) if i != src]
             empty = [i for i in higher if i not in self._retained]
-            if not empty and kept is not None:  # the taken prefix's slot keeps the victim
+            if empty:
+                dst = max(empty)
+            elif taken:
+                dst = src
+            else:  # the least recently used of the others (the prefix used in part among them), if older
+                others = higher + ([src] if kept is not None and src != slot else [])
+                dst = min(others, key=lambda i: self._retained[i].used, default=None)
+                dst = dst if dst is not None and self._retained[dst].used < victim.used else None
+            if dst is not None and dst == src:  # the taken prefix's slot keeps the victim (and the prompt its rows)
                 self._swap(slot, src, max(len(victim.ids), best))
                 self._retained[src] = self._retained.pop(slot)
                 src = slot
-            else:
-                dst = max(empty) if empty else min(higher, key=lambda i: self._retained[i].used, default=None)
-                if dst is not None and (empty or self._retained[dst].used < victim.used):
-                    self._move(slot, dst, len(victim.ids))
-                    self._retained[dst] = self._retained.pop(slot)
+            elif dst is not None:
+                self._move(slot, dst, len(victim.ids))
+                self._retained[dst] = self._retained.pop(slot)
+                src = dst if src == slot else src  # (a prefix used in part moves with its rows)
         if kept is None:
             return 0, None
-        kept.used = self._tick
+        if not taken:
+            kept.used = self._tick
         if src != slot:
-            self._move(src, slot, best)
+            self._move(src, slot, best)  # (a copy: the prefix stays retained)
+        else:
+            self._retained.pop(slot, None)  # (its rows are the prompt's now)
         self._reuse(slot, kept, best)
         return best, kept.prompt_logits if best == len(prompt) else None
 

@@ -322,6 +322,47 @@ def test_a_full_batch_keeps_every_leavers_rows(request, models):
     same_runs(on, off)
 
 
+@pytest.mark.parametrize("models", ["agree_models", "qwen35_models"], ids=["attention", "qwen35-hybrid"])
+def test_a_prompt_sharing_only_a_start_copies_it_and_leaves_the_history(request, models):
+    """Two slots (one decoding all along) and a prefix slot, which a one-off request's rows
+    fill: a conversation's turn then leaves its history in the free slot, where the next
+    prompt, sharing only its first tokens (a system prompt), lands: that prompt copies those
+    rows and the history moves to the prefix slot, in place of the older one-off rows (it
+    used to be taken in place for its first tokens, and written over); the conversation's
+    next turn reuses all of it. (A hybrid target shares no such start: its state is known
+    only at the ends of a prefix and of its prompt; its history moves all the same.) Every
+    sequence decodes as with reuse off."""
+    target, drafter = request.getfixturevalue(models)
+    runs = {}
+    for reuse in (True, False):
+        t = Turns.of(target, drafter, 2, reuse, prefix_slots=1 if reuse else 0)
+        batch = t.batch
+        system = [4] + varied_prompts(target, 1, seed=90, length=C)[0]
+        t.add("o", [3] + varied_prompts(target, 1, seed=91, length=8)[0], SAMPLED, 150)
+        t.join("z", [6] + varied_prompts(target, 1, seed=94, length=5)[0], GREEDY, 4)
+        t.until_gone("z")
+        p0 = system + varied_prompts(target, 1, seed=92, length=9)[0]
+        t.join("a", p0, GREEDY, 10)
+        t.until_gone("a")
+        kept = sorted(batch._retained)
+        before = batch.reused_prefill_tokens
+        t.join("other", system + [5] + varied_prompts(target, 1, seed=93, length=6)[0], GREEDY, 6)
+        t.until_gone("other")
+        shared = batch.reused_prefill_tokens - before
+        before = batch.reused_prefill_tokens
+        t.join("a1", t.valid("a", p0) + MORE, GREEDY, 8)
+        t.until_gone("a1")
+        assert "o" in batch
+        t.until_gone("o")
+        runs[reuse] = t, kept, shared, batch.reused_prefill_tokens - before
+    (on, kept, shared, reused), (off, _, shared_off, reused_off) = runs[True], runs[False]
+    # (a hybrid target's state is known only where a prefix or its prompt ends: no system prompt to share)
+    assert kept == [1, 2] and shared == (0 if target.recurrent else len(system))
+    assert reused == len(on.valid("a", on.prompts["a"]))
+    assert shared_off == reused_off == 0
+    same_runs(on, off)
+
+
 @pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "ring_models"],
                          ids=["attention", "qwen35-hybrid", "gpt-oss-rings"])
 def test_prefix_slots_keep_more_conversations_than_the_batch_holds(request, models):
