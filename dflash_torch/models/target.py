@@ -393,6 +393,10 @@ class TargetModel(nn.Module):
                 raise DFlashError(f"target weight {name(_name_of_part(k, state[k]))} holds NaN or infinite values "
                                   "(a corrupt checkpoint)")
         model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=True)
+        if keep_nvfp4:  # (each NVFP4 layer's dequantization tables, in the model's dtype)
+            from .nvfp4 import build_tables
+
+            build_tables(model, dtype)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rotary = model.make_rotary().to(device)
