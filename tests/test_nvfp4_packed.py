@@ -103,7 +103,7 @@ def test_the_dequantized_weights_of_packed_layers_are_the_loaders(quantized):
     checked = 0
     for name, m in packed.named_modules():
         if isinstance(m, nvfp4.Nvfp4Linear):
-            w = nvfp4.lookup(m.weight, m.weight_scale, m.table, m.row_table)
+            w = nvfp4.lookup_pairs(m.weight, m.weight_scale, m.table, m.row_table)
             assert m.table.dtype == torch.bfloat16 and torch.equal(w, plain[name + ".weight"]), name
             checked += 1
         elif isinstance(m, Experts):
@@ -370,25 +370,28 @@ TABLE_SCALES = {nvfp4.CT: [1.0, 2688 / 0.37, 3.0, 7e-3, 1e36],
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", [nvfp4.CT, nvfp4.MODELOPT_NVFP4], ids=["ct", "modelopt"])
 def test_the_tables_give_the_loaders_values_for_every_scale_byte_and_nibble(kind, dtype):
-    """A matrix holding every (finite group-scale byte, nibble) pair under each of several
-    per-tensor scales, its rows shuffled so the tables (one per distinct scale) interleave:
-    read from its tables (:func:`nvfp4.lookup`) it is what the loader dequantizes
-    (dequantize_ct / dequantize_modelopt, a matrix per scale), bit for bit."""
+    """A matrix holding every (finite group-scale byte, packed byte) pair, so every (byte,
+    nibble) pair, under each of several per-tensor scales, its rows shuffled so the tables
+    (one per distinct scale) interleave: read from its tables (:func:`nvfp4.lookup`, and by
+    byte pairs, :func:`nvfp4.lookup_pairs`) it is what the loader dequantizes (dequantize_ct /
+    dequantize_modelopt, a matrix per scale), bit for bit."""
     scales = torch.tensor(TABLE_SCALES[kind], dtype=torch.float32)
     n, b = scales.numel(), FINITE_BYTES.numel()
-    nibbles = torch.arange(16, dtype=torch.uint8)
-    packed = (nibbles[0::2] | (nibbles[1::2] << 4)).expand(n, b, 8).contiguous()  # each row: nibbles 0..15
-    scale = FINITE_BYTES.view(nvfp4.FP8)[None, :, None].expand(n, b, 1).contiguous()
+    packed = torch.arange(256, dtype=torch.uint8).expand(n, b, 256).contiguous()  # each row: bytes 0..255
+    scale = FINITE_BYTES.view(nvfp4.FP8)[None, :, None].expand(n, b, 32).contiguous()
     loader = nvfp4.dequantize_ct if kind == nvfp4.CT else nvfp4.dequantize_modelopt
-    want = loader(packed, scale, scales, dtype).view(n * b, 16)
+    want = loader(packed, scale, scales, dtype).view(n * b, 512)
     assert torch.isfinite(want).all() and (want != 0).any() and (want.abs() < torch.finfo(dtype).tiny).any()
     order = torch.randperm(n * b, generator=torch.Generator().manual_seed(kind))
     rows_scale = nvfp4.check_parts(packed, scale, scales, "p", "s", "g")
     table, rows = nvfp4.tables(rows_scale[order], kind, dtype)
     assert table.shape == (n, 4096) and table.dtype == dtype and rows.dtype == torch.int32
-    got = nvfp4.lookup(packed.view(n * b, 8)[order], scale.view(n * b, 1)[order], table, rows)
+    packed, scale = packed.view(n * b, 256)[order], scale.view(n * b, 32)[order]
     bits = torch.int32 if dtype == torch.float32 else torch.int16  # (compared as bits: -0.0 is not 0.0)
-    assert torch.equal(got.view(bits), want[order].view(bits))
+    assert torch.equal(nvfp4.lookup(packed, scale, table, rows).view(bits), want[order].view(bits))
+    pairs = nvfp4.pair_tables(table)
+    assert pairs.shape == (n, 65536, 2) and pairs.dtype == dtype
+    assert torch.equal(nvfp4.lookup_pairs(packed, scale, pairs, rows).view(bits), want[order].view(bits))
 
 
 def test_an_nvfp4_linear_runs_only_on_tables_of_its_dtype():
@@ -404,4 +407,4 @@ def test_an_nvfp4_linear_runs_only_on_tables_of_its_dtype():
         layer(torch.zeros(1, 32))
     assert torch.equal(layer(torch.zeros(1, 32, dtype=torch.bfloat16)), torch.zeros(1, 16, dtype=torch.bfloat16))
     joined = nvfp4.Nvfp4Linear.joined([layer, layer])
-    assert joined.table.shape == (1, 4096) and torch.equal(joined.row_table, torch.zeros(32, dtype=torch.int32))
+    assert joined.table.shape == (1, 65536, 2) and torch.equal(joined.row_table, torch.zeros(32, dtype=torch.int32))

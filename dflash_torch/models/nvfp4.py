@@ -516,6 +516,43 @@ def lookup(packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, rows:
     return out
 
 
+def pair_tables(table: torch.Tensor) -> torch.Tensor:
+    """:func:`tables`' ``table`` ``[T, 4096]`` by packed byte: ``[T, 65536, 2]`` in its dtype,
+    entry ``[t, scale_byte * 256 + byte]`` the values of ``byte``'s low and high nibbles
+    (elements ``2j`` and ``2j + 1``) under ``scale_byte``, for :func:`lookup_pairs` (one
+    gather a byte instead of a value: 256 KB a table in bfloat16, 512 KB in float32)."""
+    b = torch.arange(256, device=table.device)
+    by_byte = table.view(-1, 256, 16)
+    return torch.stack([by_byte[:, :, b & 15], by_byte[:, :, b >> 4]], dim=-1).reshape(-1, 256 * 256, 2)
+
+
+def lookup_pairs(packed: torch.Tensor, scale: torch.Tensor, pairs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """:func:`lookup` reading :func:`pair_tables` (the same values, bit for bit): each
+    packed byte's two values gathered at once (as one integer of twice the dtype's width),
+    int32 indices of 2 bytes a weight, for at most 2**23 weights at once. No host read.
+
+    Args:
+        packed: uint8 ``[..., rows, cols / 2]``.
+        scale: float8_e4m3fn ``[..., rows, cols / 16]``.
+        pairs: ``[T, 65536, 2]`` (float32, bfloat16 or float16), on ``packed``'s device.
+        rows: int32 ``[..., rows]`` (or flat), each row's table (``0 <= rows < T``).
+
+    Returns:
+        ``[..., rows, cols]`` in ``pairs``' dtype, on ``packed``'s device.
+    """
+    cols = 2 * packed.shape[-1]
+    out = torch.empty((*packed.shape[:-1], cols), dtype=pairs.dtype, device=packed.device)
+    word = torch.int64 if pairs.dtype.itemsize == 4 else torch.int32
+    flat, values = out.view(-1, cols).view(word), pairs.view(word).view(-1)  # [rows, cols / 2] words
+    p = packed.reshape(flat.shape[0], cols // GROUP, GROUP // 2)
+    s, r_table = scale.reshape(flat.shape[0], cols // GROUP).view(torch.uint8), rows.reshape(-1)
+    step = max(1, _ELEMENTS_PER_CHUNK // cols)
+    for r in range(0, flat.shape[0], step):
+        base = ((r_table[r:r + step, None] * 256 + s[r:r + step].int()) * 256)[..., None]  # int32 [r, groups, 1]
+        torch.index_select(values, 0, (p[r:r + step] + base).view(-1), out=flat[r:r + step].view(-1))
+    return out
+
+
 def check_finite(packed: torch.Tensor, scale: torch.Tensor, rows_scale: torch.Tensor, kind: int, dtype: torch.dtype,
                  name: str) -> None:
     """Raise :class:`DFlashError` unless every value of the weight (:func:`dequantize_rows`) is
@@ -536,13 +573,13 @@ class Nvfp4Linear(torch.nn.Module):
     row: compressed-tensors' ``weight_global_scale``, a divisor, or ModelOpt's
     ``weight_scale_2``, a factor, as ``nvfp4_kind`` says: :data:`CT` or
     :data:`MODELOPT_NVFP4`), ``bias`` (in the model's dtype) or None; and, once loaded,
-    :meth:`build_tables` (buffers, not saved): ``table`` ``[T, 4096]`` in the model's dtype
-    and ``row_table`` int32 ``[out]`` (:func:`tables`: one table per distinct per-tensor
-    scale, a joined layer's parts each keeping theirs). Each forward dequantizes the weight
-    by reading the tables (:func:`lookup`, the loader's values) and applies it: the output of
-    an ``nn.Linear`` holding the dequantized weight, bit for bit, in about 0.28 of its
-    bfloat16 memory (4.5 bits a weight) between forwards, plus 8 KB (bfloat16) or 16 KB
-    (float32) a table."""
+    :meth:`build_tables` (buffers, not saved): ``table`` ``[T, 65536, 2]`` in the model's
+    dtype and ``row_table`` int32 ``[out]`` (:func:`tables`, :func:`pair_tables`: one table
+    per distinct per-tensor scale, a joined layer's parts each keeping theirs). Each forward
+    dequantizes the weight by reading the tables (:func:`lookup_pairs`, the loader's values)
+    and applies it: the output of an ``nn.Linear`` holding the dequantized weight, bit for
+    bit, in about 0.28 of its bfloat16 memory (4.5 bits a weight) between forwards, plus 256
+    KB (bfloat16) or 512 KB (float32) a table."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, kind: int):
         super().__init__()
@@ -563,9 +600,11 @@ class Nvfp4Linear(torch.nn.Module):
             return cls(linear.in_features, linear.out_features, linear.bias is not None, kind)
 
     def build_tables(self, dtype: torch.dtype) -> None:
-        """Build ``table`` and ``row_table`` (:func:`tables`) for forwards in ``dtype``
-        (float32, bfloat16 or float16), on the weight's device, from the loaded scales."""
-        self.table, self.row_table = tables(self.weight_scale_2, self.nvfp4_kind, dtype)
+        """Build ``table`` and ``row_table`` (:func:`tables`, :func:`pair_tables`) for forwards
+        in ``dtype`` (float32, bfloat16 or float16), on the weight's device, from the loaded
+        scales."""
+        table, self.row_table = tables(self.weight_scale_2, self.nvfp4_kind, dtype)
+        self.table = pair_tables(table)
 
     @classmethod
     def joined(cls, parts: list["Nvfp4Linear"]) -> "Nvfp4Linear":
@@ -601,10 +640,10 @@ class Nvfp4Linear(torch.nn.Module):
 @torch.library.custom_op("dflash_torch::nvfp4_linear", mutates_args=())
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, table: torch.Tensor,
                  row_table: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, lookup(weight, scale, table, row_table), bias)`` (``table`` in
+    """``F.linear(x, lookup_pairs(weight, scale, table, row_table), bias)`` (``table`` in
     ``x.dtype``): a custom operator, so that ``torch.compile`` keeps it one opaque node
-    running the eager gather (:func:`lookup`)."""
-    return torch.nn.functional.linear(x, lookup(weight, scale, table, row_table), bias)
+    running the eager gather (:func:`lookup_pairs`)."""
+    return torch.nn.functional.linear(x, lookup_pairs(weight, scale, table, row_table), bias)
 
 
 @nvfp4_linear.register_fake
