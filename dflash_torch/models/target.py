@@ -282,8 +282,9 @@ class TargetModel(nn.Module):
                 ``nvfp4-pack-quantized`` or ModelOpt NVFP4 / MIXED_PRECISION checkpoint
                 (:mod:`~dflash_torch.models.nvfp4`; ``"packed"``: the FP4 bytes, the float8
                 group scales and a float32 scale per row, 4.5 bits a weight, about 0.28 of
-                bfloat16; each forward dequantizes what it runs with the loader's arithmetic,
-                so the logits are those of ``"dequantize"``, bit for bit). ModelOpt's
+                bfloat16, plus small tables; each forward dequantizes what it runs by reading
+                tables the loader's arithmetic fills when loading, so the logits are those of
+                ``"dequantize"``, bit for bit). ModelOpt's
                 per-tensor FP8 weights are dequantized when loading in every mode.
 
         Raises:
