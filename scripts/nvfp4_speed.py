@@ -1,13 +1,14 @@
 """Target-only decoding speed of an NVFP4 target (compressed-tensors ``nvfp4-pack-quantized``
 or ModelOpt NVFP4) dequantized when loading vs kept packed (``nvfp4="packed"``: dequantized
-per forward with the loader's arithmetic), the memory each takes, and whether the tokens are
+per forward from tables the loader's arithmetic fills), the memory each takes, and whether the tokens are
 the same.
 
 Builds a random checkpoint of the chosen family and width (transformers' own class, the
 shipped default tokenizer), quantizes every decoder projection with the test suite's
 quantizers (``--format ct``: compressed-tensors' own NVFP4 compressor; ``modelopt``: the
 format as ModelOpt writes it), then decodes the same prompt with both modes in one process,
-alternating, and prints tokens/s, weight bytes and whether the tokens are the same.
+alternating, and prints tokens/s, weight bytes, the packed layers' dequantization tables'
+bytes and whether the tokens are the same.
 
     python scripts/nvfp4_speed.py --family qwen3 --hidden 1024 --layers 4 --tokens 64 --dtype bfloat16 [--format modelopt]
 """
@@ -68,6 +69,9 @@ def main() -> None:
                                                       nvfp4=mode)
                    for mode in ("dequantize", "packed")}
         compare(engines, args.tokens, args.reps)
+        tables = sum(b.numel() * b.element_size() for m in engines["packed"].target.modules()
+                     if getattr(m, "nvfp4_kind", 0) for b in m.buffers(recurse=False))
+        print(f"packed tables (not in weights): {tables / 1e6:.1f} MB")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

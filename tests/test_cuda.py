@@ -290,8 +290,8 @@ def test_packed_w4a16_moe_modes_and_batch_on_cuda_graphs_equal_target_only(tmp_p
 @cuda
 def test_packed_nvfp4_moe_modes_and_batch_on_cuda_graphs_equal_target_only(tmp_path, tokenizer_dir):
     """A Qwen3-MoE ModelOpt NVFP4 target kept packed on CUDA (nvfp4="packed"): each forward
-    dequantizes its linears and, inside the CUDA graphs, the chosen experts with the loader's
-    arithmetic; every mode and a compiled batch commit the target-only tokens."""
+    dequantizes its linears and, inside the CUDA graphs, the chosen experts from tables (on the
+    GPU) the loader's arithmetic fills; every mode and a compiled batch commit the target-only tokens."""
     from conftest import make_agreeable_pair
     from test_nvfp4 import to_modelopt
 

@@ -95,21 +95,21 @@ def test_packed_weights_give_the_dequantized_model_bit_for_bit(quantized, family
 
 
 def test_the_dequantized_weights_of_packed_layers_are_the_loaders(quantized):
-    """Each Nvfp4Linear's matrix (and each expert's) dequantized as its forward does equals
-    the weight loaded dequantized, value for value."""
+    """Each Nvfp4Linear's matrix (and each expert's) dequantized as its forward does (read from
+    its tables) equals the weight loaded dequantized, value for value."""
     target = quantized("qwen3_moe", "modelopt")
     plain = TargetModel.from_pretrained(target, torch.bfloat16, nvfp4="dequantize").state_dict()
     packed = TargetModel.from_pretrained(target, torch.bfloat16, nvfp4="packed")
     checked = 0
     for name, m in packed.named_modules():
         if isinstance(m, nvfp4.Nvfp4Linear):
-            w = nvfp4.dequantize_rows(m.weight, m.weight_scale, m.weight_scale_2, m.nvfp4_kind, torch.bfloat16)
-            assert torch.equal(w, plain[name + ".weight"]), name
+            w = nvfp4.lookup_pairs(m.weight, m.weight_scale, m.table, m.row_table)
+            assert m.table.dtype == torch.bfloat16 and torch.equal(w, plain[name + ".weight"]), name
             checked += 1
         elif isinstance(m, Experts):
             for attr in ("gate_up_proj", "down_proj"):
-                w = nvfp4.dequantize_rows(getattr(m, attr), getattr(m, attr + "_scale"),
-                                          getattr(m, attr + "_scale_2"), m.nvfp4_kind, torch.bfloat16)
+                w = nvfp4.lookup(getattr(m, attr), getattr(m, attr + "_scale"), getattr(m, attr + "_table"),
+                                 getattr(m, attr + "_rows"))
                 assert torch.equal(w, plain[f"{name}.{attr}"]), name
                 checked += 1
     assert checked == 6 * 4 + 6 * 2  # (q, k, v, o; the experts)
@@ -313,6 +313,7 @@ def test_a_compiled_nvfp4_linear_equals_the_eager_one(kind):
         layer.weight_scale_2.copy_(torch.rand(48, generator=g) + 0.5)
         layer.bias.copy_(torch.randn(48, generator=g))
     layer.bias.data = layer.bias.data.to(torch.bfloat16)
+    layer.build_tables(torch.bfloat16)
     x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
     compiled = torch.compile(layer, backend="inductor", fullgraph=True)
     assert torch.equal(compiled(x), layer(x))
@@ -354,3 +355,56 @@ def test_other_families_packed_give_the_dequantized_model_bit_for_bit(tmp_path, 
     linears, experts = _packed_layers(packed)
     assert linears > 0 and experts > 0
     assert torch.equal(_logits(packed), _logits(plain))
+
+
+# every finite float8_e4m3fn byte (the loader refuses the NaN bytes 0x7F and 0xFF): zero, the
+# subnormals 0x01-0x07, the normals up to 448 (0x7E), and the negative ones
+FINITE_BYTES = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+# per-tensor scales: typical ones, 1, and ones whose products are subnormal (CT: 1e36 divides;
+# ModelOpt: 1e-36 multiplies) or large; all products finite in float32 and bfloat16, as the
+# loader's finiteness check requires
+TABLE_SCALES = {nvfp4.CT: [1.0, 2688 / 0.37, 3.0, 7e-3, 1e36],
+                nvfp4.MODELOPT_NVFP4: [1.0, 0.37 / 2688, 1 / 3, 1e-36, 1e30]}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", [nvfp4.CT, nvfp4.MODELOPT_NVFP4], ids=["ct", "modelopt"])
+def test_the_tables_give_the_loaders_values_for_every_scale_byte_and_nibble(kind, dtype):
+    """A matrix holding every (finite group-scale byte, packed byte) pair, so every (byte,
+    nibble) pair, under each of several per-tensor scales, its rows shuffled so the tables
+    (one per distinct scale) interleave: read from its tables (:func:`nvfp4.lookup`, and by
+    byte pairs, :func:`nvfp4.lookup_pairs`) it is what the loader dequantizes (dequantize_ct /
+    dequantize_modelopt, a matrix per scale), bit for bit."""
+    scales = torch.tensor(TABLE_SCALES[kind], dtype=torch.float32)
+    n, b = scales.numel(), FINITE_BYTES.numel()
+    packed = torch.arange(256, dtype=torch.uint8).expand(n, b, 256).contiguous()  # each row: bytes 0..255
+    scale = FINITE_BYTES.view(nvfp4.FP8)[None, :, None].expand(n, b, 32).contiguous()
+    loader = nvfp4.dequantize_ct if kind == nvfp4.CT else nvfp4.dequantize_modelopt
+    want = loader(packed, scale, scales, dtype).view(n * b, 512)
+    assert torch.isfinite(want).all() and (want != 0).any() and (want.abs() < torch.finfo(dtype).tiny).any()
+    order = torch.randperm(n * b, generator=torch.Generator().manual_seed(kind))
+    rows_scale = nvfp4.check_parts(packed, scale, scales, "p", "s", "g")
+    table, rows = nvfp4.tables(rows_scale[order], kind, dtype)
+    assert table.shape == (n, 4096) and table.dtype == dtype and rows.dtype == torch.int32
+    packed, scale = packed.view(n * b, 256)[order], scale.view(n * b, 32)[order]
+    bits = torch.int32 if dtype == torch.float32 else torch.int16  # (compared as bits: -0.0 is not 0.0)
+    assert torch.equal(nvfp4.lookup(packed, scale, table, rows).view(bits), want[order].view(bits))
+    pairs = nvfp4.pair_tables(table)
+    assert pairs.shape == (n, 65536, 2) and pairs.dtype == dtype
+    assert torch.equal(nvfp4.lookup_pairs(packed, scale, pairs, rows).view(bits), want[order].view(bits))
+
+
+def test_an_nvfp4_linear_runs_only_on_tables_of_its_dtype():
+    layer = nvfp4.Nvfp4Linear.like(torch.nn.Linear(32, 16, bias=False), nvfp4.CT).to_empty(device="cpu")
+    with torch.no_grad():
+        layer.weight.zero_()
+        layer.weight_scale.copy_(torch.ones(16, 2).to(nvfp4.FP8))
+        layer.weight_scale_2.fill_(2.0)
+    with pytest.raises(DFlashError, match="no tables"):
+        layer(torch.zeros(1, 32))
+    layer.build_tables(torch.bfloat16)
+    with pytest.raises(DFlashError, match="tables in torch.bfloat16"):
+        layer(torch.zeros(1, 32))
+    assert torch.equal(layer(torch.zeros(1, 32, dtype=torch.bfloat16)), torch.zeros(1, 16, dtype=torch.bfloat16))
+    joined = nvfp4.Nvfp4Linear.joined([layer, layer])
+    assert joined.table.shape == (1, 65536, 2) and torch.equal(joined.row_table, torch.zeros(32, dtype=torch.int32))

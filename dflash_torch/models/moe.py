@@ -107,11 +107,15 @@ class Experts(nn.Module):
         uint8 bytes ``[E, rows, cols / 2]``, float8_e4m3fn group scales ``[E, rows, cols / 16]``
         and float32 per-tensor scales ``[E, rows]`` (one per row: gate and up rows may differ)
         applied as ``kind`` says (:data:`~dflash_torch.models.nvfp4.CT` or
-        :data:`~dflash_torch.models.nvfp4.MODELOPT_NVFP4`); each forward dequantizes the experts it
-        runs, with the loader's arithmetic."""
+        :data:`~dflash_torch.models.nvfp4.MODELOPT_NVFP4`); once loaded, :meth:`build_tables`
+        builds their dequantization tables, and each forward dequantizes the experts it runs by
+        reading them (the loader's values)."""
         from .nvfp4 import FP8, GROUP
 
         self.nvfp4_kind = kind
+        for name in ("gate_up_proj", "down_proj"):
+            self.register_buffer(name + "_table", None, persistent=False)
+            self.register_buffer(name + "_rows", None, persistent=False)
         with torch.device("meta"):
             for name in ("gate_up_proj", "down_proj"):
                 w = getattr(self, name)
@@ -121,11 +125,29 @@ class Experts(nn.Module):
                                                                         dtype=FP8), requires_grad=False))
                 setattr(self, name + "_scale_2", nn.Parameter(torch.empty(w.shape[:-1]), requires_grad=False))
 
+    def build_tables(self, dtype: torch.dtype) -> None:
+        """NVFP4 experts (loaded): build ``gate_up_proj_table`` / ``down_proj_table`` ``[T,
+        4096]`` in ``dtype`` and ``gate_up_proj_rows`` / ``down_proj_rows`` int32 ``[E, rows]``
+        (:func:`~dflash_torch.models.nvfp4.tables`: one table per distinct per-tensor scale of
+        the stack, each expert row's index), on the matrices' device."""
+        from .nvfp4 import tables
+
+        for name in ("gate_up_proj", "down_proj"):
+            table, rows = tables(getattr(self, name + "_scale_2"), self.nvfp4_kind, dtype)
+            setattr(self, name + "_table", table)
+            setattr(self, name + "_rows", rows)
+
     def quantization(self) -> dict:
         """The keyword arguments of :func:`dispatch_experts` that say how the matrices are held
-        (scales, FP8 block columns, packed integer scheme, NVFP4 per-tensor scales)."""
-        nvfp4 = dict(gate_up_scales_2=self.gate_up_proj_scale_2, down_scales_2=self.down_proj_scale_2,
-                     nvfp4=self.nvfp4_kind) if self.nvfp4_kind else {}
+        (scales, FP8 block columns, packed integer scheme, NVFP4 tables).
+
+        Raises:
+            DFlashError: NVFP4 experts whose tables are not built (:meth:`build_tables`)."""
+        if self.nvfp4_kind and self.gate_up_proj_table is None:
+            raise DFlashError("NVFP4 experts ran before their tables were built (Experts.build_tables(dtype) builds "
+                              "them for the model's dtype)")
+        nvfp4 = dict(gate_up_table=self.gate_up_proj_table, gate_up_rows=self.gate_up_proj_rows,
+                     down_table=self.down_proj_table, down_rows=self.down_proj_rows) if self.nvfp4_kind else {}
         return dict(gate_up_scales=self.gate_up_proj_scale, down_scales=self.down_proj_scale,
                     fp8_block_cols=self.fp8_block_cols, int_bits=self.int_bits, int_group=self.int_group, **nvfp4)
 
@@ -159,8 +181,9 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
                      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0,
                      gelu_tanh: bool = False, int_bits: int = 0, int_group: int = 0,
-                     swiglu_offset: float = 1.0, relu2: bool = False, gate_up_scales_2: torch.Tensor | None = None,
-                     down_scales_2: torch.Tensor | None = None, nvfp4: int = 0) -> torch.Tensor:
+                     swiglu_offset: float = 1.0, relu2: bool = False, gate_up_table: torch.Tensor | None = None,
+                     gate_up_rows: torch.Tensor | None = None, down_table: torch.Tensor | None = None,
+                     down_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Run each token through its chosen experts and sum the weighted outputs.
 
     Only the experts that some token chose are computed: the ``T * k`` (token, expert)
@@ -191,10 +214,10 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         int_bits, int_group: > 0: the matrices are packed integers (int32 words
             ``[E, rows, cols * int_bits / 32]``, scales ``[E, rows, cols / int_group]``,
             or ``[E, rows, 1]`` when ``int_group`` is 0; :mod:`~dflash_torch.models.packed_int`).
-        gate_up_scales_2, down_scales_2, nvfp4: ``nvfp4`` > 0: the matrices are NVFP4 (uint8
-            bytes ``[E, rows, cols / 2]``, float8_e4m3fn group scales ``[E, rows, cols / 16]``
-            in ``gate_up_scales`` / ``down_scales``, float32 per-row per-tensor scales ``[E,
-            rows]`` in these, applied as ``nvfp4`` says: :func:`~dflash_torch.models.nvfp4.dequantize_rows`).
+        gate_up_table, gate_up_rows, down_table, down_rows: tables given: the matrices are NVFP4
+            (uint8 bytes ``[E, rows, cols / 2]``, float8_e4m3fn group scales ``[E, rows, cols /
+            16]`` in ``gate_up_scales`` / ``down_scales``) read from their tables (``[T, 4096]``
+            in ``x.dtype``, each row's int32 ``[E, rows]``: :func:`~dflash_torch.models.nvfp4.lookup`).
 
     While a CUDA graph is being captured (``--compile`` on CUDA), where nothing may be
     read to the host, it runs :func:`gathered_experts` instead, which the graph's replays
@@ -206,9 +229,11 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return gathered_experts(x, experts, weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
                                 swiglu_limit, swiglu_alpha, gate_up_scales, down_scales, fp8_block_cols, gelu_tanh,
-                                int_bits, int_group, swiglu_offset, relu2, gate_up_scales_2, down_scales_2, nvfp4)
+                                int_bits, int_group, swiglu_offset, relu2, gate_up_table, gate_up_rows, down_table,
+                                down_rows)
     t, k = experts.shape
     quant, inter = (int_bits, int_group), gate_up_proj.shape[1] // (1 if relu2 else 2)  # (the down matrices' columns)
+    up_nvfp4, down_nvfp4 = _nvfp4(gate_up_table, gate_up_rows), _nvfp4(down_table, down_rows)
     out = torch.zeros_like(x)
     # pairs in (slot, token) order, grouped by expert (stable sort): the row order of
     # transformers' eager loop, so each expert's matmul sees the same rows
@@ -223,9 +248,8 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
         pairs = order[start:start + n]
         start += n
         tokens = pairs % t
-        gate_up_w = _expert(gate_up_proj, gate_up_scales, e, x.dtype, fp8_block_cols, quant, x.shape[-1],
-                            gate_up_scales_2, nvfp4)
-        down_w = _expert(down_proj, down_scales, e, x.dtype, fp8_block_cols, quant, inter, down_scales_2, nvfp4)
+        gate_up_w = _expert(gate_up_proj, gate_up_scales, e, x.dtype, fp8_block_cols, quant, x.shape[-1], up_nvfp4)
+        down_w = _expert(down_proj, down_scales, e, x.dtype, fp8_block_cols, quant, inter, down_nvfp4)
         gate_up = F.linear(x[tokens], gate_up_w, None if gate_up_bias is None else gate_up_bias[e])
         act = F.relu(gate_up).square() if relu2 else expert_activation(
             *gate_up.chunk(2, dim=-1), swiglu_limit, swiglu_alpha, gelu_tanh, swiglu_offset)
@@ -234,18 +258,24 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     return out
 
 
+def _nvfp4(table: torch.Tensor | None, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return None if table is None else (table, rows)
+
+
 def _expert(weight: torch.Tensor, scales: torch.Tensor | None, e, dtype: torch.dtype, fp8_block_cols: int = 0,
-            quant: tuple[int, int] = (0, 0), cols: int = 0, scales_2: torch.Tensor | None = None,
-            nvfp4: int = 0) -> torch.Tensor:
+            quant: tuple[int, int] = (0, 0), cols: int = 0,
+            nvfp4: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Expert ``e``'s matrix (``e`` a slice or an index tensor: those experts' matrices) in
     ``dtype``, dequantized when MXFP4, FP8, packed integers (``quant``: bits and group;
-    ``cols``: the matrix's columns) or NVFP4 (``nvfp4`` > 0, ``scales_2`` the per-row scales)."""
+    ``cols``: the matrix's columns) or NVFP4 (``nvfp4``: the stack's table ``[T, 4096]`` in
+    ``dtype`` and its rows' tables, int32 ``[E, rows]``; only expert ``e``'s rows are read)."""
     if scales is None:
         return weight[e]
-    if nvfp4:
-        from .nvfp4 import dequantize_rows
+    if nvfp4 is not None:
+        from .nvfp4 import lookup
 
-        return dequantize_rows(weight[e], scales[e], scales_2[e], nvfp4, dtype)
+        table, rows = nvfp4
+        return lookup(weight[e], scales[e], table, rows[e])
     if weight.dtype == fp8.FORMAT:
         return fp8.dequantize_rows(weight[e], scales[e], fp8_block_cols, dtype)
     if weight.dtype == torch.int32:
@@ -259,8 +289,9 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
                      swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
                      down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0,
                      gelu_tanh: bool = False, int_bits: int = 0, int_group: int = 0,
-                     swiglu_offset: float = 1.0, relu2: bool = False, gate_up_scales_2: torch.Tensor | None = None,
-                     down_scales_2: torch.Tensor | None = None, nvfp4: int = 0) -> torch.Tensor:
+                     swiglu_offset: float = 1.0, relu2: bool = False, gate_up_table: torch.Tensor | None = None,
+                     gate_up_rows: torch.Tensor | None = None, down_table: torch.Tensor | None = None,
+                     down_rows: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`dispatch_experts` (same arguments and result) with no data-dependent shape
     and no host read, so that a CUDA graph can capture it: every (token, expert) pair
     gathers its expert's weights and the ``T * k`` pairs run as two batched matmuls. It
@@ -274,18 +305,20 @@ def gathered_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     quant = (int_bits, int_group)
 
     def per_pair(weight: torch.Tensor, scales: torch.Tensor | None, cols: int,
-                 scales_2: torch.Tensor | None) -> torch.Tensor:  # [T * k, rows, cols]
+                 nvfp4: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # [T * k, rows, cols]
         if scales is not None and ids.numel() < weight.shape[0]:
-            return _expert(weight, scales, ids, x.dtype, fp8_block_cols, quant, cols, scales_2, nvfp4)
-        return _expert(weight, scales, slice(None), x.dtype, fp8_block_cols, quant, cols, scales_2, nvfp4)[ids]
+            return _expert(weight, scales, ids, x.dtype, fp8_block_cols, quant, cols, nvfp4)
+        return _expert(weight, scales, slice(None), x.dtype, fp8_block_cols, quant, cols, nvfp4)[ids]
 
     rows = x.repeat_interleave(k, dim=0)[:, :, None]  # [T * k, hidden, 1]
-    gate_up = torch.bmm(per_pair(gate_up_proj, gate_up_scales, x.shape[-1], gate_up_scales_2), rows)[..., 0]
+    gate_up = torch.bmm(per_pair(gate_up_proj, gate_up_scales, x.shape[-1], _nvfp4(gate_up_table, gate_up_rows)),
+                        rows)[..., 0]
     if gate_up_bias is not None:
         gate_up = gate_up + gate_up_bias[ids]
     act = F.relu(gate_up).square() if relu2 else expert_activation(
         *gate_up.chunk(2, dim=-1), swiglu_limit, swiglu_alpha, gelu_tanh, swiglu_offset)
-    h = torch.bmm(per_pair(down_proj, down_scales, gate_up_proj.shape[1] // (1 if relu2 else 2), down_scales_2),
+    h = torch.bmm(per_pair(down_proj, down_scales, gate_up_proj.shape[1] // (1 if relu2 else 2),
+                           _nvfp4(down_table, down_rows)),
                   act[:, :, None])[..., 0]
     if down_bias is not None:
         h = h + down_bias[ids]  # [T * k, hidden]
@@ -297,8 +330,9 @@ def _(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_pro
       down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
       swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0, gate_up_scales: torch.Tensor | None = None,
       down_scales: torch.Tensor | None = None, fp8_block_cols: int = 0, gelu_tanh: bool = False, int_bits: int = 0,
-      int_group: int = 0, swiglu_offset: float = 1.0, relu2: bool = False, gate_up_scales_2: torch.Tensor | None = None,
-      down_scales_2: torch.Tensor | None = None, nvfp4: int = 0) -> torch.Tensor:
+      int_group: int = 0, swiglu_offset: float = 1.0, relu2: bool = False, gate_up_table: torch.Tensor | None = None,
+      gate_up_rows: torch.Tensor | None = None, down_table: torch.Tensor | None = None,
+      down_rows: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(x)
 
 

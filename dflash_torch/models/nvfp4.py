@@ -35,8 +35,10 @@ compressed-tensors' decompression leaves it and as vLLM's weight-only FP4 (Marli
 on GPUs without FP4 tensor cores; or (``nvfp4="packed"``) each NVFP4 weight is kept as stored:
 an :class:`Nvfp4Linear` (or NVFP4 experts) holding the FP4 bytes, the float8 group scales and
 the per-tensor scale of each row (float32), 4.5 bits a weight (about 0.28 of bfloat16), and
-dequantizing what each forward runs by the same code as loading (:func:`dequantize_rows`),
-so the values, and the logits, are the same bit for bit. ModelOpt's per-tensor FP8 weights
+dequantizing what each forward runs by reading tables the loader's own arithmetic
+(:func:`dequantize_rows`) fills once: for one per-tensor scale a weight depends on its
+group scale's byte and its nibble alone, 4096 values (:func:`tables`, :func:`lookup`), so
+the values, and the logits, are the same bit for bit. ModelOpt's per-tensor FP8 weights
 are dequantized when loading in every mode. The activation scales (``input_global_scale``,
 ``input_scale``) are read for nothing but their presence. Likewise a ModelOpt checkpoint's
 FP8 KV cache (``kv_cache_quant_algo: "FP8"``, NVIDIA's Nemotron NVFP4 / FP8 releases): the
@@ -443,6 +445,114 @@ def split_scales(joined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return joined[..., :-4].contiguous().view(FP8), joined[..., -4:].contiguous().view(torch.float32)[..., 0]
 
 
+TABLE = 256 * 16  # values of a table: one per (float8 group-scale byte, FP4 nibble)
+
+
+@functools.lru_cache(maxsize=None)
+def _grid(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every (group-scale byte, nibble) pair as NVFP4 parts of 256 rows of 16 columns: uint8
+    ``[256, 8]`` (row ``b``'s nibbles 0..15 in order) and float8_e4m3fn ``[256, 1]`` (row
+    ``b``'s scale: the byte ``b``)."""
+    nibbles = torch.arange(16, dtype=torch.uint8, device=device)
+    packed = (nibbles[0::2] | (nibbles[1::2] << 4)).expand(256, 8).contiguous()
+    return packed, torch.arange(256, dtype=torch.uint8, device=device).view(FP8)[:, None]
+
+
+def tables(rows_scale: torch.Tensor, kind: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dequantization tables of NVFP4 weights whose rows have the per-tensor scales
+    ``rows_scale``: for a fixed per-tensor scale a weight is a function of its group scale's
+    byte and its nibble alone, so each distinct scale gets the 4096 values of
+    :func:`dequantize_rows` (the loader's arithmetic, run on every pair: exact by
+    construction), and :func:`lookup` dequantizes by reading them. One host read (the number
+    of distinct scales).
+
+    Args:
+        rows_scale: float32, the per-tensor scale of each row, any shape (``[rows]``,
+            stacked experts ``[E, rows]``), checked (:func:`check_parts`).
+        kind: :data:`CT` or :data:`MODELOPT_NVFP4`.
+        dtype: float32, bfloat16 or float16.
+
+    Returns:
+        ``(table, rows)``: ``table`` ``[T, 4096]`` in ``dtype`` on ``rows_scale``'s device
+        (``T`` distinct scales; entry ``byte * 16 + nibble``: NaN for the NaN bytes 0x7F and
+        0xFF, which checked scales never hold), ``rows`` int32 of ``rows_scale``'s shape,
+        each row's table.
+    """
+    distinct, rows = torch.unique(rows_scale.reshape(-1), return_inverse=True)
+    packed, scale = _grid(rows_scale.device)
+    t = distinct.numel()
+    table = dequantize_rows(packed.repeat(t, 1), scale.repeat(t, 1), distinct.repeat_interleave(256), kind, dtype)
+    return table.view(t, TABLE), rows.to(torch.int32).view(rows_scale.shape)
+
+
+def lookup(packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The matrix of checked NVFP4 parts read from their :func:`tables`: what
+    :func:`dequantize_rows` gives for them, bit for bit, a few rows at a time (int32
+    indices, 4 bytes a weight, for at most 2**23 weights at once). No host read (CUDA
+    graphs can capture it).
+
+    Args:
+        packed: uint8 ``[..., rows, cols / 2]``.
+        scale: float8_e4m3fn ``[..., rows, cols / 16]``.
+        table: ``[T, 4096]``, on ``packed``'s device.
+        rows: int32 ``[..., rows]`` (or flat), each row's table (``0 <= rows < T``).
+
+    Returns:
+        ``[..., rows, cols]`` in ``table``'s dtype, on ``packed``'s device.
+    """
+    cols = 2 * packed.shape[-1]
+    out = torch.empty((*packed.shape[:-1], cols), dtype=table.dtype, device=packed.device)
+    flat, values = out.view(-1, cols), table.view(-1)
+    p = packed.reshape(flat.shape[0], cols // GROUP, GROUP // 2)
+    s, r_table = scale.reshape(flat.shape[0], cols // GROUP).view(torch.uint8), rows.reshape(-1)
+    step = max(1, _ELEMENTS_PER_CHUNK // cols)
+    for r in range(0, flat.shape[0], step):
+        pr = p[r:r + step]
+        base = (r_table[r:r + step, None] * TABLE + s[r:r + step].int() * 16)[..., None]  # int32 [r, groups, 1]
+        idx = torch.empty((*pr.shape, 2), dtype=torch.int32, device=packed.device)
+        torch.add(base, pr & 15, out=idx[..., 0])  # (element 2j: the low nibble)
+        torch.add(base, pr >> 4, out=idx[..., 1])
+        torch.index_select(values, 0, idx.view(-1), out=flat[r:r + step].view(-1))
+    return out
+
+
+def pair_tables(table: torch.Tensor) -> torch.Tensor:
+    """:func:`tables`' ``table`` ``[T, 4096]`` by packed byte: ``[T, 65536, 2]`` in its dtype,
+    entry ``[t, scale_byte * 256 + byte]`` the values of ``byte``'s low and high nibbles
+    (elements ``2j`` and ``2j + 1``) under ``scale_byte``, for :func:`lookup_pairs` (one
+    gather a byte instead of a value: 256 KB a table in bfloat16, 512 KB in float32)."""
+    b = torch.arange(256, device=table.device)
+    by_byte = table.view(-1, 256, 16)
+    return torch.stack([by_byte[:, :, b & 15], by_byte[:, :, b >> 4]], dim=-1).reshape(-1, 256 * 256, 2)
+
+
+def lookup_pairs(packed: torch.Tensor, scale: torch.Tensor, pairs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """:func:`lookup` reading :func:`pair_tables` (the same values, bit for bit): each
+    packed byte's two values gathered at once (as one integer of twice the dtype's width),
+    int32 indices of 2 bytes a weight, for at most 2**23 weights at once. No host read.
+
+    Args:
+        packed: uint8 ``[..., rows, cols / 2]``.
+        scale: float8_e4m3fn ``[..., rows, cols / 16]``.
+        pairs: ``[T, 65536, 2]`` (float32, bfloat16 or float16), on ``packed``'s device.
+        rows: int32 ``[..., rows]`` (or flat), each row's table (``0 <= rows < T``).
+
+    Returns:
+        ``[..., rows, cols]`` in ``pairs``' dtype, on ``packed``'s device.
+    """
+    cols = 2 * packed.shape[-1]
+    out = torch.empty((*packed.shape[:-1], cols), dtype=pairs.dtype, device=packed.device)
+    word = torch.int64 if pairs.dtype.itemsize == 4 else torch.int32
+    flat, values = out.view(-1, cols).view(word), pairs.view(word).view(-1)  # [rows, cols / 2] words
+    p = packed.reshape(flat.shape[0], cols // GROUP, GROUP // 2)
+    s, r_table = scale.reshape(flat.shape[0], cols // GROUP).view(torch.uint8), rows.reshape(-1)
+    step = max(1, _ELEMENTS_PER_CHUNK // cols)
+    for r in range(0, flat.shape[0], step):
+        base = ((r_table[r:r + step, None] * 256 + s[r:r + step].int()) * 256)[..., None]  # int32 [r, groups, 1]
+        torch.index_select(values, 0, (p[r:r + step] + base).view(-1), out=flat[r:r + step].view(-1))
+    return out
+
+
 def check_finite(packed: torch.Tensor, scale: torch.Tensor, rows_scale: torch.Tensor, kind: int, dtype: torch.dtype,
                  name: str) -> None:
     """Raise :class:`DFlashError` unless every value of the weight (:func:`dequantize_rows`) is
@@ -462,10 +572,14 @@ class Nvfp4Linear(torch.nn.Module):
     scales, as stored), ``weight_scale_2`` float32 ``[out]`` (the per-tensor scale of each
     row: compressed-tensors' ``weight_global_scale``, a divisor, or ModelOpt's
     ``weight_scale_2``, a factor, as ``nvfp4_kind`` says: :data:`CT` or
-    :data:`MODELOPT_NVFP4`), ``bias`` (in the model's dtype) or None. Each forward dequantizes
-    the weight into the input's dtype with the loader's arithmetic (:func:`dequantize_rows`)
+    :data:`MODELOPT_NVFP4`), ``bias`` (in the model's dtype) or None; and, once loaded,
+    :meth:`build_tables` (buffers, not saved): ``table`` ``[T, 65536, 2]`` in the model's
+    dtype and ``row_table`` int32 ``[out]`` (:func:`tables`, :func:`pair_tables`: one table
+    per distinct per-tensor scale, a joined layer's parts each keeping theirs). Each forward
+    dequantizes the weight by reading the tables (:func:`lookup_pairs`, the loader's values)
     and applies it: the output of an ``nn.Linear`` holding the dequantized weight, bit for
-    bit, in about 0.28 of its bfloat16 memory (4.5 bits a weight) between forwards."""
+    bit, in about 0.28 of its bfloat16 memory (4.5 bits a weight) between forwards, plus 256
+    KB (bfloat16) or 512 KB (float32) a table."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, kind: int):
         super().__init__()
@@ -476,6 +590,8 @@ class Nvfp4Linear(torch.nn.Module):
                                                requires_grad=False)
         self.weight_scale_2 = torch.nn.Parameter(torch.empty(out_features), requires_grad=False)
         self.bias = torch.nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.register_buffer("table", None, persistent=False)
+        self.register_buffer("row_table", None, persistent=False)
 
     @classmethod
     def like(cls, linear: torch.nn.Module, kind: int) -> "Nvfp4Linear":
@@ -483,11 +599,19 @@ class Nvfp4Linear(torch.nn.Module):
         with torch.device("meta"):
             return cls(linear.in_features, linear.out_features, linear.bias is not None, kind)
 
+    def build_tables(self, dtype: torch.dtype) -> None:
+        """Build ``table`` and ``row_table`` (:func:`tables`, :func:`pair_tables`) for forwards
+        in ``dtype`` (float32, bfloat16 or float16), on the weight's device, from the loaded
+        scales."""
+        table, self.row_table = tables(self.weight_scale_2, self.nvfp4_kind, dtype)
+        self.table = pair_tables(table)
+
     @classmethod
     def joined(cls, parts: list["Nvfp4Linear"]) -> "Nvfp4Linear":
         """One layer whose output is the outputs of ``parts`` (same input width and kind, all
-        with a bias or all without) side by side: their bytes, scales and biases stacked (each
-        row keeps its own per-tensor scale)."""
+        with a bias or all without; tables built for one dtype or not built) side by side:
+        their bytes, scales and biases stacked (each row keeps its own per-tensor scale), and
+        their tables (one per distinct scale of them all)."""
         first = parts[0]
         out = cls.like(torch.nn.Linear(first.in_features, sum(p.out_features for p in parts),
                                        bias=first.bias is not None, device="meta"), first.nvfp4_kind)
@@ -496,23 +620,42 @@ class Nvfp4Linear(torch.nn.Module):
                 if getattr(first, name) is not None:
                     setattr(out, name, torch.nn.Parameter(torch.cat([getattr(p, name) for p in parts]),
                                                           requires_grad=False))
+        if first.table is not None:
+            out.build_tables(first.table.dtype)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., in]`` -> ``[..., out]`` in ``x.dtype``."""
-        return nvfp4_linear(x, self.weight, self.weight_scale, self.weight_scale_2, self.nvfp4_kind, self.bias)
+        """``x`` ``[..., in]`` in the tables' dtype -> ``[..., out]`` in ``x.dtype``.
+
+        Raises:
+            DFlashError: no tables built (:meth:`build_tables`), or built for another dtype.
+        """
+        if self.table is None or self.table.dtype != x.dtype:
+            raise DFlashError(f"an NVFP4 linear layer ran on {str(x.dtype).removeprefix('torch.')} input with "
+                              f"{'no tables' if self.table is None else 'tables in ' + str(self.table.dtype)} "
+                              "(Nvfp4Linear.build_tables(dtype) builds them for the model's dtype)")
+        return nvfp4_linear(x, self.weight, self.weight_scale, self.table, self.row_table, self.bias)
 
 
 @torch.library.custom_op("dflash_torch::nvfp4_linear", mutates_args=())
-def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows_scale: torch.Tensor, kind: int,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, dequantize_rows(weight, scale, rows_scale, kind, x.dtype), bias)``: a custom
-    operator, so that ``torch.compile`` keeps it one opaque node running the loader's eager
-    arithmetic (traced, inductor may fuse the float64 products and roundings differently)."""
-    return torch.nn.functional.linear(x, dequantize_rows(weight, scale, rows_scale, kind, x.dtype), bias)
+def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, table: torch.Tensor,
+                 row_table: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, lookup_pairs(weight, scale, table, row_table), bias)`` (``table`` in
+    ``x.dtype``): a custom operator, so that ``torch.compile`` keeps it one opaque node
+    running the eager gather (:func:`lookup_pairs`)."""
+    return torch.nn.functional.linear(x, lookup_pairs(weight, scale, table, row_table), bias)
 
 
 @nvfp4_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows_scale: torch.Tensor, kind: int,
+def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, row_table: torch.Tensor,
       bias: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def build_tables(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Build the tables (:func:`tables`) of every NVFP4 layer below ``model`` (loaded):
+    :class:`Nvfp4Linear` layers and NVFP4 experts (a nonzero ``nvfp4_kind``), for
+    forwards in ``dtype``."""
+    for m in model.modules():
+        if getattr(m, "nvfp4_kind", 0):
+            m.build_tables(dtype)

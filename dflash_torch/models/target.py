@@ -282,8 +282,9 @@ class TargetModel(nn.Module):
                 ``nvfp4-pack-quantized`` or ModelOpt NVFP4 / MIXED_PRECISION checkpoint
                 (:mod:`~dflash_torch.models.nvfp4`; ``"packed"``: the FP4 bytes, the float8
                 group scales and a float32 scale per row, 4.5 bits a weight, about 0.28 of
-                bfloat16; each forward dequantizes what it runs with the loader's arithmetic,
-                so the logits are those of ``"dequantize"``, bit for bit). ModelOpt's
+                bfloat16, plus small tables; each forward dequantizes what it runs by reading
+                tables the loader's arithmetic fills when loading, so the logits are those of
+                ``"dequantize"``, bit for bit). ModelOpt's
                 per-tensor FP8 weights are dequantized when loading in every mode.
 
         Raises:
@@ -393,6 +394,10 @@ class TargetModel(nn.Module):
                 raise DFlashError(f"target weight {name(_name_of_part(k, state[k]))} holds NaN or infinite values "
                                   "(a corrupt checkpoint)")
         model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=True)
+        if keep_nvfp4:  # (each NVFP4 layer's dequantization tables, in the model's dtype)
+            from .nvfp4 import build_tables
+
+            build_tables(model, dtype)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rotary = model.make_rotary().to(device)
