@@ -1,15 +1,18 @@
-"""Target-only decoding speed of a quantized target (fine-grained FP8, or compressed-tensors
-W4A16 / W8A16 packed integers) dequantized when loading vs kept as stored (``fp8="packed"``
-/ ``int_weights="packed"``: dequantized per forward), and the memory each takes.
+"""Target-only decoding speed of a quantized target (fine-grained FP8, compressed-tensors
+W4A16 / W8A16 packed integers, or NVFP4) dequantized when loading vs kept as stored
+(``fp8="packed"`` / ``int_weights="packed"`` / ``nvfp4="packed"``: dequantized per forward),
+and the memory each takes.
 
 Builds a random checkpoint of the chosen family and width (transformers' own class, the
 shipped default tokenizer), quantizes every decoder projection with the test suite's
 quantizers (``--format fp8``: FP8 in blocks of 128 x 128 as the official ``*-FP8``
 checkpoints do; ``w4a16`` / ``w8a16``: symmetric integers per group of 128 columns, packed
-by compressed-tensors), then decodes the same prompt with both modes in one process,
+by compressed-tensors; ``nvfp4-ct``: compressed-tensors' own NVFP4 compressor; ``nvfp4-modelopt``:
+NVFP4 as ModelOpt writes it), then decodes the same prompt with both modes in one process,
 alternating, and prints tokens/s, weight bytes and whether the tokens are the same.
 
     python scripts/fp8_speed.py --family qwen3 --hidden 1024 --layers 4 --tokens 64 --dtype bfloat16 [--format w4a16]
+    python scripts/fp8_speed.py --threads 2 --tokens 32 --format nvfp4-modelopt
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import make_hybrid_target, make_target  # noqa: E402  (the test suite's checkpoint builders)
 from test_fp8 import to_fp8  # noqa: E402  (its FP8 quantizer)
+from test_nvfp4 import to_ct_nvfp4, to_modelopt  # noqa: E402  (its NVFP4 quantizers)
 from test_packed_int import to_packed  # noqa: E402  (its W4A16 / W8A16 quantizer)
 from dflash_torch import DFlashEngine  # noqa: E402
 from mxfp4_speed import compare  # noqa: E402  (its timing of the two modes)
@@ -44,7 +48,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--format", default="fp8", choices=["fp8", "w4a16", "w8a16"])
+    ap.add_argument("--format", default="fp8", choices=["fp8", "w4a16", "w8a16", "nvfp4-ct", "nvfp4-modelopt"])
     args = ap.parse_args()
     if args.threads:
         import torch
@@ -66,15 +70,21 @@ def main() -> None:
             src = make_hybrid_target(work / "src", args.family, tokenizer=False, **shape, **extra)
         if args.format == "fp8":
             target = to_fp8(src, work / "q", (128, 128), suffixes=("_proj.weight", "in_proj_qkvz.weight"))
+        elif args.format.startswith("nvfp4"):
+            target = (to_ct_nvfp4 if args.format == "nvfp4-ct" else to_modelopt)(src, work / "q")
         else:
             target = to_packed(src, work / "q", 4 if args.format == "w4a16" else 8, 128)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(TOKENIZER / name, target / name)
-        option = "fp8" if args.format == "fp8" else "int_weights"
+        option = {"fp8": "fp8", "nvfp4-ct": "nvfp4", "nvfp4-modelopt": "nvfp4"}.get(args.format, "int_weights")
         engines = {mode: DFlashEngine.from_pretrained(target, no_draft=True, dtype=args.dtype, device=args.device,
                                                       **{option: mode})
                    for mode in ("dequantize", "packed")}
         compare(engines, args.tokens, args.reps)
+        if option == "nvfp4":  # (its lookup tables, built when loading)
+            tables = sum(b.numel() * b.element_size() for m in engines["packed"].target.modules()
+                         if getattr(m, "nvfp4_kind", 0) for b in m.buffers(recurse=False))
+            print(f"packed tables (not in weights): {tables / 1e6:.1f} MB")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
