@@ -148,8 +148,9 @@ def check_draft_max_batch_size(value, *, drafter: bool = True, draft_mode: str =
     return value
 
 
-def check_prefix_slots(value, reuse_prefix: bool = True) -> int:
-    """Validate ``prefix_slots``: an integer >= 0, and 0 with ``reuse_prefix`` off.
+def check_prefix_slots(value, reuse_prefix: bool = True, draft_mode: str = "inject") -> int:
+    """Validate ``prefix_slots``: an integer >= 0, and 0 with ``reuse_prefix`` off or
+    ``draft_mode="recompute"`` (which decodes one sequence at a time, without prefix reuse).
 
     Raises:
         OptionError: any other value.
@@ -160,6 +161,9 @@ def check_prefix_slots(value, reuse_prefix: bool = True) -> int:
     if value and not reuse_prefix:
         raise OptionError("prefix_slots hold retained prefixes, which reuse_prefix off never keeps; drop it",
                           "prefix_slots", "reuse_prefix")
+    if value and draft_mode == "recompute":
+        raise OptionError("prefix_slots has no effect with draft_mode 'recompute' (it decodes one sequence at a time, "
+                          "without prefix reuse); drop it", "prefix_slots", "draft_mode")
     return value
 
 

@@ -325,7 +325,7 @@ class DFlashEngine:
         options.check_nvfp4(nvfp4, target_cfg.nvfp4 not in (None, "modelopt-fp8"),
                             fp8_only=target_cfg.nvfp4 == "modelopt-fp8")
         check_max_batch_size(max_batch_size)
-        check_prefix_slots(prefix_slots, reuse_prefix)
+        check_prefix_slots(prefix_slots, reuse_prefix, draft_mode)
         options.check_count(prefill_chunk, "prefill_chunk")
         check_draft_max_batch_size(draft_max_batch_size, drafter=not no_draft, draft_mode=draft_mode,
                                    block_size=block_size)

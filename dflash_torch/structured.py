@@ -403,6 +403,7 @@ class GrammarState:
                     error = (f"the constraint requires the text of the special token {t} "
                              f"({self._token_text.get(t, '?')!r}) here, which the tokenizer reads as that token, "
                              "not as text: this output cannot be written")
+                    self._last_error = error  # (the reason, should the committed tokens end here)
             self.rows[key] = row
         if error is None and bool(row.any()):
             return row

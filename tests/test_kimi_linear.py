@@ -272,7 +272,8 @@ def _config(**changes) -> dict:
     (dict(mlp_layer_types=["dense"] * 4), "first_k_dense_replace 1 disagrees with mlp_layer_types"),
     (dict(mlp_layer_types=["dense", "moe", "sparse", "sparse"]), "mlp_layer_types must list"),
     (dict(**{"linear_attn_config.head_dim": "8"}), "linear_head_dim must be an integer"),
-    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}), "quant_method 'fp8'"),
+    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}), "quant_method 'fp8'); dflash-torch reads unquantized float32/bfloat16/float16 weights only for "
+     "model_type 'kimi_linear'"),
 ])
 def test_bad_configs_are_refused_in_one_line(changes, message):
     with pytest.raises(DFlashError) as err:

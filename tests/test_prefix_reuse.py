@@ -410,6 +410,9 @@ def test_prefix_slots_are_checked(agree_models, tiny_pair, tmp_path, capsys):  #
     with pytest.raises(OptionError, match="^prefix_slots hold retained prefixes, which reuse_prefix off never keeps; "
                                           "drop it$"):
         DFlashEngine.from_pretrained(*tiny_pair, reuse_prefix=False, prefix_slots=2)
+    with pytest.raises(OptionError, match=r"^prefix_slots has no effect with draft_mode 'recompute' \(it decodes one "
+                                          r"sequence at a time, without prefix reuse\); drop it$"):
+        DFlashEngine.from_pretrained(*tiny_pair, draft_mode="recompute", prefix_slots=2)
     engine = DFlashEngine.from_pretrained(*tiny_pair, max_batch_size=2, max_context=64, prefix_slots=3)
     assert engine.batch_decoder().slots == 5 and engine.batch_decoder().target_kv.k[0].shape[0] == 5
     pair = ["--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1])]

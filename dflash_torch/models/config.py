@@ -347,7 +347,9 @@ def refuse_quantized(cfg: dict, what: str, allowed: tuple[str, ...] = ()) -> Non
         method = quant.get("quant_method", "unknown")
         if method in allowed:
             return
-        also = f" (and {', '.join(allowed)} for this model_type)" if allowed else ""
+        model_type = cfg.get("model_type")
+        also = (f" (and {', '.join(allowed)} for this model_type)" if allowed
+                else f" for model_type {model_type!r}" if isinstance(model_type, str) and what == "target" else "")
         raise DFlashError(f"the {what} checkpoint is quantized (quant_method {method!r}); "
                           f"dflash-torch reads unquantized float32/bfloat16/float16 weights only{also}")
 
