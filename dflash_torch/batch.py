@@ -103,7 +103,8 @@ import torch
 from .cache import (KVCache, RecurrentState, RingLayers, TargetCache, buffer_rows, cache_bytes, layer_shapes,
                     ring_sizes, static_buffer)
 from .checkpoint import available_memory
-from .decoding import Round, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs, without_shape_plans
+from .decoding import (Round, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs, tag_compile_caches,
+                       without_shape_plans)
 from .draft_policy import DraftPolicy
 from .errors import DFlashError, OptionError
 from .models.drafter import DFlashDrafter, InjectedContext
@@ -568,6 +569,7 @@ class BatchDecoder:
             if self.device.type == "cuda":
                 opts["mode"] = "reduce-overhead"
             reserve_graphs(sum(len(v) for v in self._round_buckets().values()) * length_buckets(capacity))
+            tag_compile_caches()
             self._draft_fn = torch.compile(self._draft_step, **opts)
             self._verify_fn = torch.compile(self._verify_step, **opts)
 

@@ -94,6 +94,29 @@ def reserve_graphs(n: int) -> None:
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, _graphs_reserved)
 
 
+def tag_compile_caches() -> str:
+    """Tie torch.compile's on-disk caches to the signatures of this package's custom
+    operators -> the tag set (``torch.compiler.config.cache_key_tag``, after any tag of the
+    user's own).
+
+    Inductor's cache keys do not cover a custom operator's schema, so code compiled
+    against one version of an operator's arguments (say, before an argument was renamed)
+    would be loaded again after an upgrade and fail when it runs ("Unknown keyword argument
+    ... for operator 'dflash_torch::...'"). The tag is a hash of every ``dflash_torch::``
+    operator's schema: a change to any of them misses the old entries."""
+    import hashlib
+
+    from .models import fp8, moe, nvfp4, packed_int  # noqa: F401  (their operators registered)
+
+    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("dflash_torch::"))
+    schemas = "\n".join(str(getattr(torch.ops.dflash_torch, n.split("::", 1)[1]).default._schema) for n in names)
+    ours = "dflash_torch-ops-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
+    config = torch.compiler.config
+    user = config.cache_key_tag.split("dflash_torch-ops-")[0].rstrip("+")
+    config.cache_key_tag = f"{user}+{ours}" if user else ours
+    return config.cache_key_tag
+
+
 def eager_fallbacks() -> int:
     """Compiled functions that torch.compile stopped compiling in this process because
     they reached the recompile limit: they run eager from then on (a silent loss of
@@ -271,6 +294,7 @@ class SpeculativeDecoder:
                 compile_mode = "reduce-overhead"
             opts = dict(dynamic=False, backend=compile_backend, mode=compile_mode)
             reserve_graphs(length_buckets(self.target_cache.capacity))
+            tag_compile_caches()
             self._prefill_fn = torch.compile(self._prefill_step, **opts)
             self._draft_fn = torch.compile(self._draft_step, **opts)
             self._verify_fn = torch.compile(self._verify_step, **opts)

@@ -204,3 +204,32 @@ def test_engine_warmup_context(agree_pair):
     batched = engine.generate_batch([prompt, [7, 8, 9]], max_new_tokens=300, ignore_eos=True)
     assert dynamo_utils.counters["frames"]["total"] == frames, "a graph was built after warmup(context=400)"
     assert batched[0].token_ids == out.token_ids == spec.generate(prompt, max_new_tokens=300, ignore_eos=True).token_ids
+
+
+def test_compile_caches_are_tied_to_the_custom_operators_schemas(tiny_pair):
+    """A compiled decoder tags torch.compile's cache keys with a hash of every
+    ``dflash_torch::`` operator's schema (after a tag of the user's own): inductor's keys
+    do not cover a custom operator's schema, and code cached against an older signature
+    (an argument since renamed) was loaded again and failed ("Unknown keyword argument
+    'gate_up_scales_2' for operator 'dflash_torch::dispatch_experts'"). Another schema gives
+    another tag; the same schemas the same one."""
+    from dflash_torch.decoding import tag_compile_caches
+
+    config = torch.compiler.config
+    saved = config.cache_key_tag
+    try:
+        config.cache_key_tag = "mine"
+        target = TargetModel.from_pretrained(tiny_pair[0], torch.float32)
+        drafter = DFlashDrafter.from_pretrained(tiny_pair[1], torch.float32)
+        SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager")
+        tag = config.cache_key_tag
+        assert tag.startswith("mine+dflash_torch-ops-") and tag_compile_caches() == tag
+        lib = torch.library.Library("dflash_torch", "FRAGMENT")
+        lib.define("tag_probe(Tensor x) -> Tensor")  # (as if an operator's schema changed)
+        try:
+            assert tag_compile_caches() not in (tag, "mine")
+        finally:
+            lib._destroy()
+        assert tag_compile_caches() == tag
+    finally:
+        config.cache_key_tag = saved
