@@ -582,6 +582,48 @@ def agree_speculators_pair(agree_pair, tmp_path_factory) -> tuple[Path, Path]:
                                   draft_tokens=SPEC_DRAFT_TOKENS, sliding_window=8)
 
 
+def incremental_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The logits ``[60, V]`` of ``ids[:60]`` read as decoding reads them: a prefill chunk of
+    40 tokens, a deferred verify block of 16 committed in part (7 rows), then single tokens
+    (a hybrid target's deferred commit path)."""
+    with torch.no_grad():
+        cache = model.new_cache()
+        cache.reset(128)
+        steps = [model(ids[:40], torch.arange(40), cache, 40)[0]]
+        block, _ = model(ids[40:56], torch.arange(40, 56), cache, 56, defer_commit=True)
+        steps.append(block[:7])
+        model.commit(cache, torch.tensor(7))
+        for p in range(47, 60):
+            steps.append(model(ids[p:p + 1], torch.tensor([p]), cache, p + 1)[0])
+    return torch.cat(steps)
+
+
+def check_rollback(model, ids: torch.Tensor, counts, block: int = 16) -> None:
+    """A hybrid target's rollback: for each accepted count n of ``counts``, after a 20-token
+    prefix, a verify block of ``block`` tokens deferred and then committed n rows leaves the
+    recurrent state (convolution and recurrent) that feeding only those n tokens leaves (up
+    to float32 rounding of batched against shorter inputs), the next 4 tokens' logits agree,
+    and a deferred block leaves the state as it was. ``ids``: at least ``24 + 2 * block``."""
+    with torch.no_grad():
+        for n in counts:
+            verified, fed = model.new_cache(), model.new_cache()
+            for cache in (verified, fed):
+                cache.reset(64)
+                model(ids[:20], torch.arange(20), cache, 20)
+            model(ids[20:20 + block], torch.arange(20, 20 + block), verified, 20 + block, defer_commit=True)
+            model.commit(verified, torch.tensor(n))
+            model(ids[20:20 + n], torch.arange(20, 20 + n), fed, 20 + n)
+            for a, b in zip(verified.recurrent.conv + verified.recurrent.ssm, fed.recurrent.conv + fed.recurrent.ssm):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            la = model(ids[20 + n:24 + n], torch.arange(20 + n, 24 + n), verified, 24 + n)[0]
+            lb = model(ids[20 + n:24 + n], torch.arange(20 + n, 24 + n), fed, 24 + n)[0]
+            torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-5)
+            before = [t.clone() for t in fed.recurrent.ssm + fed.recurrent.conv]
+            model(ids[24 + n:24 + n + block], torch.arange(24 + n, 24 + n + block), fed, 24 + n + block,
+                  defer_commit=True)
+            assert all(torch.equal(x, y) for x, y in zip(before, fed.recurrent.ssm + fed.recurrent.conv)), n
+
+
 def forward_in_pieces(model, ids: torch.Tensor, pieces: list[int], static: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A target's logits and all layers' outputs of ``ids`` fed in consecutive pieces of the
     given lengths (``static``: attending over the whole preallocated cache, as fixed shapes do)."""

@@ -29,8 +29,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
-                      check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
-                      load_hf, save_drafter, to_speculators)
+                      check_many_accepted_tokens_are_lossless, check_rollback, copy_tokenizer, drafter_config,
+                      edited_checkpoint, incremental_logits, load_hf, save_drafter, to_speculators)
 from dflash_torch import DFlashError
 from dflash_torch.cache import RecurrentState, cache_bytes
 from dflash_torch.models import glm5_next, kda
@@ -175,16 +175,8 @@ def test_forward_matches_transformers(models, shape):
     for static in (False, True):  # pieces through the cache, eager and over the whole preallocated buffer
         lg, _ = _forward(ours, IDS[:70], [23, 16, 1, 1, 29], static)
         torch.testing.assert_close(lg, ref.logits[0, :70], rtol=ATOL, atol=PIECES_ATOL)
-    with torch.no_grad():  # a prefill chunk, a deferred verify block committed in part, single tokens
-        cache = ours.new_cache()
-        cache.reset(128)
-        steps = [ours(IDS[:40], torch.arange(40), cache, 40)[0]]
-        block, _ = ours(IDS[40:56], torch.arange(40, 56), cache, 56, defer_commit=True)
-        steps.append(block[:7])
-        ours.commit(cache, torch.tensor(7))
-        for p in range(47, 60):
-            steps.append(ours(IDS[p:p + 1], torch.tensor([p]), cache, p + 1)[0])
-    torch.testing.assert_close(torch.cat(steps), ref.logits[0, :60], rtol=ATOL, atol=PIECES_ATOL)
+    # a prefill chunk, a deferred verify block committed in part, single tokens
+    torch.testing.assert_close(incremental_logits(ours, IDS), ref.logits[0, :60], rtol=ATOL, atol=PIECES_ATOL)
 
 
 def test_power_a_wrong_part_is_caught(models, monkeypatch):
@@ -211,25 +203,7 @@ def test_power_a_wrong_part_is_caught(models, monkeypatch):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_rollback_equals_feeding_only_the_accepted_tokens(models, shape):
     _, model = models[shape]
-    ids = torch.randint(2, VOCAB, (60,), generator=torch.Generator().manual_seed(2))
-    B = 16
-    with torch.no_grad():
-        for n in range(1, B + 1):
-            verified, fed = model.new_cache(), model.new_cache()
-            for cache in (verified, fed):
-                cache.reset(64)
-                model(ids[:20], torch.arange(20), cache, 20)
-            model(ids[20:20 + B], torch.arange(20, 20 + B), verified, 20 + B, defer_commit=True)
-            model.commit(verified, torch.tensor(n))
-            model(ids[20:20 + n], torch.arange(20, 20 + n), fed, 20 + n)
-            for a, b in zip(verified.recurrent.conv + verified.recurrent.ssm, fed.recurrent.conv + fed.recurrent.ssm):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # (float32 rounding of batched vs shorter inputs)
-            la = model(ids[20 + n:24 + n], torch.arange(20 + n, 24 + n), verified, 24 + n)[0]
-            lb = model(ids[20 + n:24 + n], torch.arange(20 + n, 24 + n), fed, 24 + n)[0]
-            torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-5)
-            before = [t.clone() for t in fed.recurrent.ssm + fed.recurrent.conv]  # a deferred block changes nothing
-            model(ids[24 + n:24 + n + B], torch.arange(24 + n, 24 + n + B), fed, 24 + n + B, defer_commit=True)
-            assert all(torch.equal(x, y) for x, y in zip(before, fed.recurrent.ssm + fed.recurrent.conv))
+    check_rollback(model, torch.randint(2, VOCAB, (60,), generator=torch.Generator().manual_seed(2)), range(1, 17))
 
 
 def test_kda_rollback_needs_the_per_channel_decay(models):

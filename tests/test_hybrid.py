@@ -29,8 +29,8 @@ import torch._dynamo
 import torch._dynamo.utils as dynamo_utils
 from safetensors import safe_open
 
-from conftest import (HYBRID_FAMILIES, copy_tokenizer, drafter_config, hf_greedy, load_hf, make_agreeable_pair,
-                      make_hybrid_target, save_drafter)
+from conftest import (HYBRID_FAMILIES, check_rollback, copy_tokenizer, drafter_config, hf_greedy, incremental_logits,
+                      load_hf, make_agreeable_pair, make_hybrid_target, save_drafter)
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.decoding import SpeculativeDecoder
 from dflash_torch.models.drafter import DFlashDrafter
@@ -76,15 +76,7 @@ def test_forward_matches_transformers(checkpoints, family):
     for layer in range(6):
         assert rel_err(feats[:, layer * 64:(layer + 1) * 64], ref.hidden_states[layer + 1][0]) < RTOL
     # the incremental path: a prefill chunk, a deferred verify block committed in part, single tokens
-    with torch.no_grad():
-        cache.reset(128)
-        steps = [ours(ids[:40], torch.arange(40), cache, 40)[0]]
-        block, _ = ours(ids[40:56], torch.arange(40, 56), cache, 56, defer_commit=True)
-        steps.append(block[:7])
-        ours.commit(cache, torch.tensor(7))
-        for p in range(47, 60):
-            steps.append(ours(ids[p:p + 1], torch.tensor([p]), cache, p + 1)[0])
-    assert rel_err(torch.cat(steps), ref.logits[0, :60]) < RTOL
+    assert rel_err(incremental_logits(ours, ids), ref.logits[0, :60]) < RTOL
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
@@ -105,23 +97,7 @@ def test_sharded_checkpoint_with_tied_embeddings(tmp_path, family):
 def test_rollback_equals_feeding_only_the_accepted_tokens(checkpoints, family):
     target_dir, _ = checkpoints[family]
     model = TargetModel.from_pretrained(target_dir, torch.float32)
-    ids = torch.randint(2, 320, (52,), generator=torch.Generator().manual_seed(2))
-    B = 16
-    with torch.no_grad():
-        for n in range(1, B + 1):
-            verified, fed = model.new_cache(), model.new_cache()
-            for cache in (verified, fed):
-                cache.reset(64)  # room for the prefix and two blocks
-                model(ids[:20], torch.arange(20), cache, 20)
-            model(ids[20:20 + B], torch.arange(20, 20 + B), verified, 20 + B, defer_commit=True)
-            model.commit(verified, torch.tensor(n))
-            model(ids[20:20 + n], torch.arange(20, 20 + n), fed, 20 + n)
-            for a, b in zip(verified.recurrent.conv + verified.recurrent.ssm, fed.recurrent.conv + fed.recurrent.ssm):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # float32 rounding of batched vs shorter inputs
-            # a deferred block leaves the state as it was until committed
-            before = [t.clone() for t in fed.recurrent.ssm]
-            model(ids[20 + n:20 + n + B], torch.arange(20 + n, 20 + n + B), fed, 20 + n + B, defer_commit=True)
-            assert all(torch.equal(x, y) for x, y in zip(before, fed.recurrent.ssm))
+    check_rollback(model, torch.randint(2, 320, (60,), generator=torch.Generator().manual_seed(2)), range(1, 17))
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])

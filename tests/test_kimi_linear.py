@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
                       check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
-                      forward_in_pieces, load_hf, make_agreeable, save_drafter)
+                      check_rollback, forward_in_pieces, incremental_logits, load_hf, make_agreeable, save_drafter)
 from dflash_torch import DFlashError
 from dflash_torch.cache import cache_bytes
 from dflash_torch.models import kda, kimi_linear
@@ -129,16 +129,7 @@ def test_forward_matches_transformers(models):
     for static in (False, True):  # pieces through the cache, eager and over the whole preallocated buffer
         lg, _ = forward_in_pieces(ours, IDS[:70], [23, 16, 1, 1, 29], static)
         torch.testing.assert_close(lg, ref.logits[0, :70], rtol=ATOL, atol=PIECES_ATOL)
-    with torch.no_grad():  # a prefill chunk, a deferred verify block committed in part, single tokens
-        cache = ours.new_cache()
-        cache.reset(128)
-        steps = [ours(IDS[:40], torch.arange(40), cache, 40)[0]]
-        block, _ = ours(IDS[40:56], torch.arange(40, 56), cache, 56, defer_commit=True)
-        steps.append(block[:7])
-        ours.commit(cache, torch.tensor(7))
-        for p in range(47, 60):
-            steps.append(ours(IDS[p:p + 1], torch.tensor([p]), cache, p + 1)[0])
-    mine = torch.cat(steps)
+    mine = incremental_logits(ours, IDS)  # a prefill chunk, a deferred verify block committed in part, single tokens
     torch.testing.assert_close(mine, ref.logits[0, :60], rtol=ATOL, atol=PIECES_ATOL)
     torch.testing.assert_close(mine, _hf_token_by_token(hf, IDS[:60], 40), rtol=ATOL, atol=PIECES_ATOL)
 
@@ -185,22 +176,7 @@ def test_the_details_matter(models, monkeypatch):
 
 def test_rollback_equals_feeding_only_the_accepted_tokens(models):
     _, model = models
-    ids = torch.randint(2, VOCAB, (60,), generator=torch.Generator().manual_seed(2))
-    B = 16
-    with torch.no_grad():
-        for n in (1, 6, 16):
-            verified, fed = model.new_cache(), model.new_cache()
-            for cache in (verified, fed):
-                cache.reset(64)
-                model(ids[:20], torch.arange(20), cache, 20)
-            model(ids[20:20 + B], torch.arange(20, 20 + B), verified, 20 + B, defer_commit=True)
-            model.commit(verified, torch.tensor(n))
-            model(ids[20:20 + n], torch.arange(20, 20 + n), fed, 20 + n)
-            for a, b in zip(verified.recurrent.conv + verified.recurrent.ssm, fed.recurrent.conv + fed.recurrent.ssm):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-            la = model(ids[20 + n:24 + n], torch.arange(20 + n, 24 + n), verified, 24 + n)[0]
-            lb = model(ids[20 + n:24 + n], torch.arange(20 + n, 24 + n), fed, 24 + n)[0]
-            torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-5)
+    check_rollback(model, torch.randint(2, VOCAB, (60,), generator=torch.Generator().manual_seed(2)), (1, 6, 16))
 
 
 def test_greedy_speculative_equals_transformers_generate(checkpoint):

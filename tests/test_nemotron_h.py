@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_forward_matches_transformers,
-                      check_greedy_equals_transformers, check_many_accepted_tokens_are_lossless, copy_tokenizer,
-                      drafter_config, edited_checkpoint, load_hf, save_drafter)
+                      check_greedy_equals_transformers, check_many_accepted_tokens_are_lossless, check_rollback,
+                      copy_tokenizer, drafter_config, edited_checkpoint, incremental_logits, load_hf, save_drafter)
 from dflash_torch import DFlashError
 from dflash_torch.cache import RecurrentState
 from dflash_torch.models import nemotron_h
@@ -113,15 +113,7 @@ def test_forward_matches_transformers(checkpoints, shape):
     for static in (False, True):
         check_forward_matches_transformers(ours, hf, ids[:60], [23, 16, 1, 1, 19], static)
     # a prefill chunk, a deferred verify block committed in part, single tokens
-    with torch.no_grad():
-        cache.reset(128)
-        steps = [ours(ids[:40], torch.arange(40), cache, 40)[0]]
-        block, _ = ours(ids[40:56], torch.arange(40, 56), cache, 56, defer_commit=True)
-        steps.append(block[:7])
-        ours.commit(cache, torch.tensor(7))
-        for p in range(47, 60):
-            steps.append(ours(ids[p:p + 1], torch.tensor([p]), cache, p + 1)[0])
-    torch.testing.assert_close(torch.cat(steps), ref.logits[0, :60], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(incremental_logits(ours, ids), ref.logits[0, :60], rtol=1e-4, atol=1e-4)
 
 
 def test_both_checkpoint_layouts_load_the_same_model(checkpoints, tmp_path):
@@ -139,27 +131,7 @@ def test_both_checkpoint_layouts_load_the_same_model(checkpoints, tmp_path):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_rollback_equals_feeding_only_the_accepted_tokens(checkpoints, shape):
     model = TargetModel.from_pretrained(checkpoints[shape][0], torch.float32)
-    ids = torch.randint(2, VOCAB, (60,), generator=torch.Generator().manual_seed(2))
-    B = 16
-    with torch.no_grad():
-        for n in range(1, B + 1):
-            verified, fed = model.new_cache(), model.new_cache()
-            for cache in (verified, fed):
-                cache.reset(64)
-                model(ids[:20], torch.arange(20), cache, 20)
-            model(ids[20:20 + B], torch.arange(20, 20 + B), verified, 20 + B, defer_commit=True)
-            model.commit(verified, torch.tensor(n))
-            model(ids[20:20 + n], torch.arange(20, 20 + n), fed, 20 + n)
-            for a, b in zip(verified.recurrent.conv + verified.recurrent.ssm, fed.recurrent.conv + fed.recurrent.ssm):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # float32 rounding of batched vs shorter inputs
-            # the next tokens read the same state: same logits
-            la = model(ids[20 + n:24 + n], torch.arange(20 + n, 24 + n), verified, 24 + n)[0]
-            lb = model(ids[20 + n:24 + n], torch.arange(20 + n, 24 + n), fed, 24 + n)[0]
-            torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-5)
-            # a deferred block leaves the state as it was until committed
-            before = [t.clone() for t in fed.recurrent.ssm + fed.recurrent.conv]
-            model(ids[24 + n:24 + n + B], torch.arange(24 + n, 24 + n + B), fed, 24 + n + B, defer_commit=True)
-            assert all(torch.equal(x, y) for x, y in zip(before, fed.recurrent.ssm + fed.recurrent.conv))
+    check_rollback(model, torch.randint(2, VOCAB, (60,), generator=torch.Generator().manual_seed(2)), range(1, 17))
 
 
 def test_batched_mamba2_equals_one_sequence_at_a_time(checkpoints):
