@@ -605,6 +605,15 @@ class DFlashEngine:
         if not isinstance(token_ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int)
                                                            for t in token_ids):
             raise DFlashError(f"token_ids must be a list of integer token ids, got {token_ids!r:.60}")
+        return self._decode(token_ids, skip)
+
+    def _decode(self, token_ids: list[int], skip: frozenset[int] = frozenset()) -> str:
+        """:meth:`decode` of ids known to be a list of ints (the engine's own: the stopper's
+        window every round, :meth:`token_bytes`), without checking their types again.
+
+        Raises:
+            DFlashError: an id outside the target's vocabulary ``[0, vocab_size)``.
+        """
         bad = [t for t in token_ids if not 0 <= t < self.target.config.vocab_size]
         if bad:
             raise DFlashError(f"token id {bad[0]} is outside the vocabulary [0, {self.target.config.vocab_size})")
@@ -630,7 +639,7 @@ class DFlashEngine:
             piece = self.tokenizer.convert_ids_to_tokens(token_id)
             if isinstance(piece, str) and all(c in self._byte_values for c in piece):
                 return bytes(self._byte_values[c] for c in piece)
-        return self.decode([token_id]).encode("utf-8")
+        return self._decode([token_id]).encode("utf-8")
 
     def token_text(self, token_id: int) -> str:
         """:meth:`token_bytes` as a string: UTF-8, bytes that are not valid UTF-8 on their own
@@ -954,7 +963,7 @@ class DFlashEngine:
         stops = options.check_stop(stop)
         stop_ids = set() if ignore_eos else set(self.stop_token_ids)
         stop_ids.update(options.check_stop_token_ids(stop_token_ids, self.target.config.vocab_size))
-        decode = functools.partial(self.decode, skip=skip) if skip else self.decode
+        decode = functools.partial(self._decode, skip=skip) if skip else self._decode
         return Stopper(decode, stops, stop_ids, max_new_tokens, min_tokens, include_stop_str_in_output)
 
     def generate_batch(
