@@ -529,9 +529,8 @@ class BatchDecoder:
         need = cache_bytes(target, drafts, self.slots, capacity, max_rows, checkpoints, draft_rows)
         free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
-            raise OptionError(f"the caches of {self._slots_text()} x max_context {self.max_context} need "
-                              f"{need / 2**30:.2f} GiB but {self.device.type} has {free / 2**30:.2f} GiB free; "
-                              f"lower {self._lower()}", *self._sizes())
+            raise self._caches_error("", f" need {need / 2**30:.2f} GiB but {self.device.type} has "
+                                         f"{free / 2**30:.2f} GiB free")
         w = target.model.embed_tokens.weight
         heads, dims = zip(*target.kv_shapes()) if target.num_kv_layers else ((), ())
         try:
@@ -546,8 +545,7 @@ class BatchDecoder:
                                                      capacity, d.head_dim, drafter.fc.weight.dtype, self.device,
                                                      drafter.kv_windows(), draft_rows, checkpoints)
         except torch.OutOfMemoryError:
-            raise OptionError(f"out of memory allocating the caches of {self._slots_text()} x max_context "
-                              f"{self.max_context}; lower {self._lower()}", *self._sizes()) from None
+            raise self._caches_error("out of memory allocating ") from None
         self._seqs: list[_Sequence] = []  # decoding, slot = index
         self._joining: deque[_Joining] = deque()  # prefilling, FIFO; the head's slot is len(self._seqs)
         self._retained: dict[int, _Retained] = {}  # slot -> retained prefix (only in slots no sequence uses)
@@ -573,16 +571,12 @@ class BatchDecoder:
             self._draft_fn = torch.compile(self._draft_step, **opts)
             self._verify_fn = torch.compile(self._verify_step, **opts)
 
-    def _slots_text(self) -> str:
-        extra = f" + prefix_slots {self.prefix_slots}" if self.prefix_slots else ""
-        return f"max_batch_size {self.max_batch_size}{extra}"
-
-    def _sizes(self) -> tuple[str, ...]:
-        """The options that size the caches (an :class:`OptionError`'s names)."""
-        return ("max_batch_size", "prefix_slots", "max_context") if self.prefix_slots else ("max_batch_size", "max_context")
-
-    def _lower(self) -> str:
-        return "one of them" if self.prefix_slots else "either"
+    def _caches_error(self, head: str, detail: str = "") -> OptionError:
+        """The refusal of caches too large for the device, naming the options that size them."""
+        slots = f"max_batch_size {self.max_batch_size}" + (f" + prefix_slots {self.prefix_slots}" if self.prefix_slots else "")
+        names = ("max_batch_size", "prefix_slots", "max_context") if self.prefix_slots else ("max_batch_size", "max_context")
+        return OptionError(f"{head}the caches of {slots} x max_context {self.max_context}{detail}; "
+                           f"lower {'one of them' if self.prefix_slots else 'either'}", *names)
 
     def batch_bucket(self, n: int) -> int:
         """Rows of a round of ``n`` sequences: ``n``, or with fixed shapes the smallest
