@@ -151,7 +151,7 @@ def check_draft_max_batch_size(value, *, drafter: bool = True, draft_mode: str =
 
 def check_prefix_slots(value, reuse_prefix: bool = True, draft_mode: str = "inject") -> int:
     """Validate ``prefix_slots``: an integer >= 0, and 0 with ``reuse_prefix`` off or
-    ``draft_mode="recompute"`` (which decodes one sequence at a time, without prefix reuse).
+    ``draft_mode="recompute"`` (which decodes one sequence at a time, keeping the last one's rows only).
 
     Raises:
         OptionError: any other value.
@@ -164,7 +164,7 @@ def check_prefix_slots(value, reuse_prefix: bool = True, draft_mode: str = "inje
                           "prefix_slots", "reuse_prefix")
     if value and draft_mode == "recompute":
         raise OptionError("prefix_slots has no effect with draft_mode 'recompute' (it decodes one sequence at a time, "
-                          "without prefix reuse); drop it", "prefix_slots", "draft_mode")
+                          "keeping the last one's rows only); drop it", "prefix_slots", "draft_mode")
     return value
 
 

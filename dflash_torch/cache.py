@@ -168,6 +168,18 @@ class KVCache(RingLayers):
             self._allocate(-(-capacity // 256) * 256)
         self.length = 0
 
+    def resume(self, capacity: int, length: int) -> None:
+        """Go on from the first ``length`` positions written (prefix reuse); room for at least
+        ``capacity`` positions. Growing buffers (to a multiple of 256) copy those rows over: a
+        position's row index does not change (a ring's rows, once wrapped, stay as many)."""
+        if capacity > self.capacity:
+            old = self.k + self.v
+            self._allocate(-(-capacity // 256) * 256)
+            for new, rows in zip(self.k + self.v, old):
+                n = min(length, rows.shape[1])
+                new[:, :n] = rows[:, :n]
+        self.length = length
+
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ``[kv_heads, T, head_dim]`` at int64 ``positions`` ``[T]`` (in a
         ring: at ``positions % rows``)."""
@@ -272,6 +284,11 @@ class TargetCache:
         self.kv.reset(capacity)
         if self.recurrent is not None:
             self.recurrent.clear()
+
+    def resume(self, capacity: int, length: int) -> None:
+        """Go on from the first ``length`` positions (:meth:`KVCache.resume`); the recurrent
+        state stays as it is (it must be that of those positions)."""
+        self.kv.resume(capacity, length)
 
 
 def recurrent_bytes(target) -> int:

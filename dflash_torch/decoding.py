@@ -164,7 +164,8 @@ class Round:
         verify_time: seconds of the target forward (the prefill time for the prefill step).
         total_time: seconds of the whole step.
         cached_tokens: prompt tokens of the prefill step taken from a retained prefix
-            instead of read (:class:`~dflash_torch.batch.BatchDecoder` prefix reuse; else 0).
+            instead of read (prefix reuse, ``reuse_prefix`` of this decoder or of
+            :class:`~dflash_torch.batch.BatchDecoder`; else 0).
         logprobs: with ``SamplingParams.logprobs`` set, one
             :class:`~dflash_torch.sampling.TokenLogprob` per token of ``tokens`` (the
             target's distribution at its position: the verify's row for an accepted or
@@ -188,6 +189,23 @@ class Round:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
+
+
+@dataclass
+class _Kept:
+    """What the caches hold at a yield of a run (prefix reuse, see ``SpeculativeDecoder``'s
+    ``reuse_prefix``): the rows of every token of ``tokens`` (the prompt, then the tokens
+    committed) but the last, and the drafter context of those before ``pending``'s rows
+    (``(features [n, F], start)``: the last verify's, which the next propose injects; or
+    None). ``saved``: where the caches cannot go back (recurrent states, rings), copies of
+    those tensors at the end of the prompt (``prompt_len`` tokens), else None; ``logits``:
+    the prompt's last logits ``[V]`` (the same prompt again reads nothing)."""
+
+    tokens: list[int]
+    prompt_len: int
+    saved: list[torch.Tensor] | None
+    logits: torch.Tensor
+    pending: tuple | None = None
 
 
 class SpeculativeDecoder:
@@ -216,6 +234,20 @@ class SpeculativeDecoder:
         compile_mode: torch.compile mode (default: "reduce-overhead" on CUDA, the
             compiler's default elsewhere); e.g. "max-autotune" (CUDA graphs too, with
             GEMM autotuning: minutes more to compile).
+        reuse_prefix: prefix reuse (default False): the caches keep the last sequence's
+            rows, and a prompt that starts with its tokens (the next turn of a
+            conversation: the last prompt, its reply, a new message) goes on from them
+            and reads only the rest (:attr:`Round.cached_tokens`). The rows are those of
+            the last sequence's prompt and every token committed but its last; the prompt's
+            last token is read (its logits choose the first token), unless it is the very
+            same prompt again (its last logits are kept). A hybrid target's
+            recurrent state, and a sliding-window layer's ring (target or drafter), hold only
+            the last position written; for such models a copy of them is also kept at the end
+            of the last prompt, so a prompt reuses all the rows when it holds them all, else
+            those of the last prompt when it starts with it (a reply cut by a stop string, a
+            chat template that renders the last reply without its thinking), else none. A
+            request with ``prompt_logprobs`` reads its whole prompt. The output is the same
+            as without (token for token in float32).
 
     Raises:
         DFlashError: invalid block size, draft mode, or a mode combination that cannot work;
@@ -236,6 +268,7 @@ class SpeculativeDecoder:
         max_context: int | None = None,
         compile_backend: str = "inductor",
         compile_mode: str | None = None,
+        reuse_prefix: bool = False,
     ):
         if draft_mode not in DRAFT_MODES:
             raise DFlashError(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}")
@@ -254,6 +287,9 @@ class SpeculativeDecoder:
         self.max_rows = max(block_size, self.prefill_chunk)  # the most rows one forward writes (rings: see cache.py)
         self.target_cache = target.new_cache(self.max_rows)
         self._run = 0  # the rounds() generator that owns the caches (a later call takes them over)
+        self.reuse_prefix = reuse_prefix
+        self.reused_prefill_tokens = 0  # prompt tokens taken from the caches instead of read, over all runs
+        self._kept: _Kept | None = None  # prefix reuse: None while a step writes the caches
         self.feature_layers = drafter.feature_layers(target) if drafter is not None and block_size > 1 else None
         if self.feature_layers is None:
             self.context = None
@@ -265,6 +301,9 @@ class SpeculativeDecoder:
         self._arange_block = torch.arange(block_size, device=self.device)
         self._arange_chunk = torch.arange(prefill_chunk, device=self.device)
         mask_id = drafter.config.mask_token_id if drafter is not None else 0
+        # where the caches cannot go back to an earlier position (see reuse_prefix)
+        rings = self.target_cache.kv.rings + (self.context.cache.rings if isinstance(self.context, InjectedContext) else [])
+        self._whole_prefix_only = target.recurrent or any(r is not None for r in rings)
         self._mask_tail = torch.full((block_size - 1,), mask_id, dtype=torch.long, device=self.device)
         if self.static:  # preallocate once: buffer shapes never change afterwards
             capacity = self.max_context + self.max_rows + 1
@@ -329,13 +368,16 @@ class SpeculativeDecoder:
         Returns:
             the length buckets warmed up (0 when not compiled).
         """
+        self._kept = None
         if not self.compiled:
             return 0
         context = max(2, min(context, self.max_context))
         B, C, dev = self.block_size, self.prefill_chunk, self.device
-        # prefill chunks start at multiples of C below the longest prompt (context - 1 tokens)
+        # prefill chunks start at multiples of C below the longest prompt (context - 1 tokens);
+        # with prefix reuse, anywhere below it
         cap = self.target_cache.capacity
-        for kv_len in kv_buckets(C, (context - 2) // C * C + C, cap):
+        last_chunk = context - 2 if self.reuse_prefix else (context - 2) // C * C
+        for kv_len in kv_buckets(C, last_chunk + C, cap):
             chunk = torch.zeros(C, dtype=torch.long, device=dev)
             self._prefill_fn(chunk, torch.tensor(kv_len - C, device=dev), kv_len, torch.tensor(C, device=dev))
         lengths = kv_buckets(1 + B, context - 1 + B, cap)
@@ -406,14 +448,14 @@ class SpeculativeDecoder:
             torch.cuda.synchronize(self.device)
 
     def _prefill(self, ids: torch.Tensor, n_prompt: int, scored: list | None = None, prompt: list[int] | None = None,
-                 top: int = 0) -> torch.Tensor:
-        """Run the prompt through the target chunk by chunk, injecting every row's
-        features; returns the logits ``[V]`` of the last prompt row. With ``scored`` (a
+                 top: int = 0, start: int = 0) -> torch.Tensor:
+        """Run the prompt from position ``start`` through the target chunk by chunk, injecting
+        every row's features; returns the logits ``[V]`` of the last prompt row. With ``scored`` (a
         list), each chunk's valid rows also score the prompt's tokens (``prompt``, ``top``
         alternatives; :func:`prompt_chunk_logprobs`), appended to it as the chunk is read
         (before the next chunk's forward: a CUDA graph's replay may reuse the logits' memory)."""
         C = self.prefill_chunk
-        for c0 in range(0, n_prompt, C):
+        for c0 in range(start, n_prompt, C):
             c1 = min(c0 + C, n_prompt)
             if self.static:  # fixed chunk shape: pad; pad rows land past the prompt and get overwritten
                 chunk = torch.zeros(C, dtype=torch.long, device=self.device)
@@ -469,6 +511,49 @@ class SpeculativeDecoder:
         params.check_vocab(self.target.config.vocab_size)
         return self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs)
 
+    def _reusable(self, kept: _Kept | None, prompt: list[int]) -> tuple[int, bool]:
+        """Prompt tokens the caches hold (prefix reuse; see ``reuse_prefix``), and whether they
+        are those of ``kept``'s prompt, to be restored from its copies: the common start of
+        ``prompt`` and ``kept``'s rows, short of the prompt's last token; where the caches
+        cannot go back (``_whole_prefix_only``), all of those rows, else ``kept``'s prompt, else none.
+        The very same prompt again is reused whole (its last logits are kept)."""
+        if kept is None or not self.reuse_prefix:
+            return 0, False
+        rows = len(kept.tokens) - 1
+        if len(prompt) == kept.prompt_len and kept.tokens[: len(prompt)] == prompt:  # the same prompt again
+            return len(prompt), self._whole_prefix_only and rows > len(prompt)
+        limit, n = min(rows, len(prompt) - 1), 0
+        while n < limit and kept.tokens[n] == prompt[n]:
+            n += 1
+        if not self._whole_prefix_only or n == rows:
+            return n, False
+        if kept.saved is not None and n >= kept.prompt_len:
+            return kept.prompt_len, True
+        return 0, False
+
+    def _unwound(self) -> list[torch.Tensor]:
+        """The tensors that cannot go back to an earlier position: the rings of the target's
+        (and inject mode's drafter's) sliding-window layers, and a hybrid target's recurrent states."""
+        caches = [self.target_cache.kv] + ([self.context.cache] if isinstance(self.context, InjectedContext) else [])
+        tensors = [t for kv in caches for t, r in zip(kv.k + kv.v, kv.rings + kv.rings) if r is not None]
+        state = self.target_cache.recurrent
+        return tensors + (state.conv + state.ssm if state is not None else [])
+
+    def _resume(self, kept: _Kept, capacity: int, length: int, restore: bool) -> None:
+        """Go on from the caches' first ``length`` positions (room for ``capacity``): first the
+        drafter's context gets ``kept``'s pending feature rows (the next propose would have
+        injected them), then, with ``restore``, the recurrent states and rings go back to
+        ``kept``'s copies (at the end of its prompt: ``length``)."""
+        if kept.pending is not None:
+            rows, start = kept.pending
+            self.context.inject(self.drafter, rows, start + self._arange_block[: rows.shape[0]])
+        if restore:
+            for t, saved in zip(self._unwound(), kept.saved):
+                t.copy_(saved)
+        self.target_cache.resume(capacity, length)
+        if self.context is not None:
+            self.context.resume(capacity, length)
+
     def _check_owner(self, run: int) -> None:
         """On resuming the ``rounds()`` generator ``run``: a later one reset the caches it decodes from."""
         if self._run != run:
@@ -481,25 +566,37 @@ class SpeculativeDecoder:
         self._run += 1
         run = self._run
         B, dev, static = self.block_size, self.device, self.static
-        if not static:
-            capacity = n_prompt + max_new_tokens + B + 1
+        kept, self._kept = self._kept, None  # (prefix reuse: see _Kept)
+        prompt = list(prompt_ids)
+        t0 = time.perf_counter()
+        reused, restore = self._reusable(kept, prompt) if prompt_logprobs is None else (0, False)
+        capacity = self.target_cache.capacity if static else n_prompt + max_new_tokens + B + 1
+        if reused:
+            self._resume(kept, capacity, reused, restore)
+        else:  # fixed shapes: the preallocated buffers stay; recurrent states are zeroed in place
             self.target_cache.reset(capacity)
-            if self.context is not None:
+            if self.context is not None and not static:
                 self.context.reset(capacity)
-        else:  # the preallocated buffers stay; recurrent states are zeroed in place
-            self.target_cache.reset(self.target_cache.capacity)
+        self.reused_prefill_tokens += reused
         generator = params.generator(dev)
 
-        t0 = time.perf_counter()
         scored = None if prompt_logprobs is None else []
-        last_logits = self._prefill(torch.tensor(prompt_ids, dtype=torch.long, device=dev), n_prompt, scored,
-                                    list(prompt_ids), prompt_logprobs or 0)
+        if reused == n_prompt:  # the same prompt again
+            last_logits = kept.logits
+        else:
+            last_logits = self._prefill(torch.tensor(prompt, dtype=torch.long, device=dev), n_prompt, scored,
+                                        prompt, prompt_logprobs or 0, start=reused)
         token, processor = first_token(last_logits, prompt_ids, params, generator)  # (None: nothing processes logits)
         first = int(token)
         logprobs = first_logprobs(last_logits, first, params)
         t1 = time.perf_counter()
-        yield Round([first], None, 0.0, t1 - t0, t1 - t0, logprobs=logprobs, prompt_logprobs=scored,
-                    error=processor.error if processor is not None else None)
+        saved = None
+        if self.reuse_prefix and self._whole_prefix_only:
+            saved = [t.clone() for t in self._unwound()]
+        if self.reuse_prefix:  # (a copy: a view would hold the whole chunk's logits)
+            self._kept = kept = _Kept(prompt + [first], n_prompt, saved, last_logits.clone())
+        yield Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=reused, logprobs=logprobs,
+                    prompt_logprobs=scored, error=processor.error if processor is not None else None)
         self._check_owner(run)
 
         s = n_prompt  # position of ``token``: committed, its features not yet known
@@ -515,6 +612,7 @@ class SpeculativeDecoder:
             pending_start = s_dev.clone()  # not ``s_dev`` itself: aliased inputs would compile a second graph
         while committed < max_new_tokens:
             t0 = time.perf_counter()
+            self._kept = None
             pos = s_dev if static else s
             kv_len = self.kv_bucket(s + B) if static else s + B
             draft_probs = None
@@ -557,6 +655,10 @@ class SpeculativeDecoder:
                 self._commit_fn(a_dev + 1)
             self._sync()
             t3 = time.perf_counter()
+            if self.reuse_prefix:
+                kept.tokens += tokens
+                kept.pending = (pending[: a + 1], s) if folded else None
+                self._kept = kept
             s += a + 1
             s_dev = s_dev + (a_dev + 1)
             committed += a + 1

@@ -60,7 +60,7 @@ class GenerationStats:
     ``1 + sum(acceptance_lengths) == generated_tokens``.
     ``decode_tokens_per_second`` counts the tokens after the first (which prefill
     produces) over ``decode_time``. ``cached_prompt_tokens``: prompt tokens taken from a
-    retained prefix instead of read (prefix reuse of the batch decoder; else 0). A request
+    retained prefix instead of read (prefix reuse, ``reuse_prefix``; else 0). A request
     that ends with the token prefill produced (e.g. an EOS, or ``max_new_tokens=1``) runs no
     decoding round: ``acceptance_lengths`` is then empty and ``mean_acceptance_length``,
     ``decode_time`` and ``decode_tokens_per_second`` are 0.0 (the CLI prints "no decoding
@@ -139,7 +139,8 @@ class DFlashEngine:
 
     One request runs at a time: a lock serialises threads, and a second request
     from the thread that holds an unfinished stream raises :class:`DFlashError`
-    (it could never proceed). Each request starts from clean caches.
+    (it could never proceed). Each request starts from clean caches, or from the rows of
+    the last request's tokens that its prompt starts with (``reuse_prefix``, below).
 
     Any thread may call it: the torch work (loading, every decoding round) runs on the
     process's one compute thread (:mod:`dflash_torch.compute`), so calls from several
@@ -151,8 +152,11 @@ class DFlashEngine:
     ``max_batch_size``: sequences :meth:`generate_batch` decodes together (the slots of
     :meth:`batch_decoder`, whose caches are allocated on first use).
 
-    ``reuse_prefix``: the batch decoder keeps a finished sequence's rows and lets a later
-    prompt that starts with its tokens reuse them (``BatchDecoder(reuse_prefix=...)``);
+    ``reuse_prefix``: the caches keep a finished sequence's rows and a later prompt that
+    starts with its tokens (the next turn of a chat) reuses them instead of reading them
+    again: one request at a time, the last request's (``SpeculativeDecoder(reuse_prefix=...)``),
+    and in the batch decoder every finished sequence's that its slots can keep
+    (``BatchDecoder(reuse_prefix=...)``);
     ``prefix_slots``: its slots that only keep such rows (``BatchDecoder(prefix_slots=...)``).
 
     ``draft_max_batch_size``: the batch decoder's rounds of more than this many sequences run
@@ -178,7 +182,7 @@ class DFlashEngine:
         self.prefix_slots = check_prefix_slots(prefix_slots, self.reuse_prefix)
         self._batch: BatchDecoder | None = None
         self.decoder = compute.run(SpeculativeDecoder, target, drafter, block_size=block_size, draft_mode=draft_mode,
-                                   **decoder_options)
+                                   reuse_prefix=self.reuse_prefix, **decoder_options)
         self.draft_max_batch_size = check_draft_max_batch_size(draft_max_batch_size, drafter=drafter is not None,
                                                                draft_mode=draft_mode, block_size=self.block_size)
         self.max_prompt_chars = _max_prompt_chars(tokenizer, self.max_context)

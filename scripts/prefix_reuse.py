@@ -4,7 +4,9 @@
 
 Three turns go through an empty :class:`~dflash_torch.batch.BatchDecoder` of
 ``--max-batch-size`` slots (the server's default 8) as the server runs them (join, step,
-remove): turn k's prompt is turn k-1's prompt + its reply (``--reply-tokens``, greedy) +
+remove), or with ``--one-at-a-time`` through a
+:class:`~dflash_torch.decoding.SpeculativeDecoder` (as ``DFlashEngine.generate`` and
+``serve --max-batch-size 1`` decode, keeping the last request's rows): turn k's prompt is turn k-1's prompt + its reply (``--reply-tokens``, greedy) +
 a new message of ``--message-tokens`` tokens (pieces of the shipped ``prompts.jsonl``),
 so turn 3 reads a ~1,500-token prompt by default. ``--history-reply-tokens K`` keeps only
 the first K tokens of each reply in the next prompt (a reply cut by a stop string, or a
@@ -14,6 +16,7 @@ reused. Both modes must give the same tokens. ``--reps`` repetitions (a fresh de
 alternate which mode runs first; medians are reported.
 
     python scripts/prefix_reuse.py --threads 1                 # shipped pair, float32
+    python scripts/prefix_reuse.py --threads 1 --one-at-a-time # one sequence at a time
     python scripts/prefix_reuse.py --target T --drafter D      # another pair (e.g. a hybrid target)
 """
 
@@ -29,6 +32,7 @@ from batching_common import add_common_args, load_engine, shipped_tokens, write_
 
 from dflash_torch import SamplingParams
 from dflash_torch.batch import BatchDecoder
+from dflash_torch.decoding import SpeculativeDecoder
 
 
 def turn(batch: BatchDecoder, sid, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
@@ -46,20 +50,41 @@ def turn(batch: BatchDecoder, sid, prompt: list[int], new_tokens: int) -> tuple[
     return out[:new_tokens], ttft
 
 
+def serial_turn(decoder: SpeculativeDecoder, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+    """One request decoded alone -> its tokens and its time to first token (seconds)."""
+    t0 = time.perf_counter()
+    out, ttft = [], None
+    for rnd in decoder.rounds(prompt, SamplingParams(), new_tokens):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        out += rnd.tokens
+    return out[:new_tokens], ttft
+
+
 def conversation(engine, messages: list[list[int]], reply_tokens: int, reuse: bool, max_batch_size: int,
-                 history_tokens: int | None = None) -> dict:
+                 history_tokens: int | None = None, one_at_a_time: bool = False) -> dict:
     context = sum(map(len, messages)) + len(messages) * reply_tokens
-    batch = BatchDecoder(engine.target, engine.drafter, max_batch_size=max_batch_size, max_context=context,
-                         prefill_chunk=engine.decoder.prefill_chunk, reuse_prefix=reuse)
+    if one_at_a_time:
+        decoder = SpeculativeDecoder(engine.target, engine.drafter, max_context=context + engine.block_size,
+                                     prefill_chunk=engine.decoder.prefill_chunk, reuse_prefix=reuse)
+    else:
+        batch = BatchDecoder(engine.target, engine.drafter, max_batch_size=max_batch_size, max_context=context,
+                             prefill_chunk=engine.decoder.prefill_chunk, reuse_prefix=reuse)
     prompt, replies, ttfts, read, reused = [], [], [], [], []
     for k, message in enumerate(messages):
         prompt = prompt + (replies[-1][:history_tokens] if replies else []) + message
-        r0, u0 = batch.prefill_tokens, batch.reused_prefill_tokens
-        reply, ttft = turn(batch, k, prompt, reply_tokens)
+        if one_at_a_time:
+            u0 = decoder.reused_prefill_tokens
+            reply, ttft = serial_turn(decoder, prompt, reply_tokens)
+            reused.append(decoder.reused_prefill_tokens - u0)
+            read.append(len(prompt) - reused[-1])
+        else:
+            r0, u0 = batch.prefill_tokens, batch.reused_prefill_tokens
+            reply, ttft = turn(batch, k, prompt, reply_tokens)
+            read.append(batch.prefill_tokens - r0)
+            reused.append(batch.reused_prefill_tokens - u0)
         replies.append(reply)
         ttfts.append(ttft)
-        read.append(batch.prefill_tokens - r0)
-        reused.append(batch.reused_prefill_tokens - u0)
     return {"ttft_s": ttfts, "prompt_tokens": len(prompt), "read": read, "reused": reused, "tokens": replies}
 
 
@@ -71,6 +96,8 @@ def main() -> None:
     ap.add_argument("--history-reply-tokens", type=int, default=None,
                     help="tokens of each reply kept in the next prompt (default: all)")
     ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="decode the turns with SpeculativeDecoder (one sequence at a time) instead of BatchDecoder")
     add_common_args(ap, pair=True)
     args = ap.parse_args()
     engine = load_engine(args)
@@ -80,12 +107,13 @@ def main() -> None:
     assert all(len(x) == m for x in messages), "the shipped prompts are too short for these messages"
     labels = {True: "reuse on", False: "reuse off"}
     with torch.inference_mode():
-        conversation(engine, [x[:100] for x in messages[:2]], 8, True, args.max_batch_size)  # warm-up
+        conversation(engine, [x[:100] for x in messages[:2]], 8, True, args.max_batch_size,
+                     one_at_a_time=args.one_at_a_time)  # warm-up
         results = {True: [], False: []}
         for rep in range(args.reps):
             for reuse in ((True, False) if rep % 2 == 0 else (False, True)):
                 r = conversation(engine, messages, args.reply_tokens, reuse, args.max_batch_size,
-                                 args.history_reply_tokens)
+                                 args.history_reply_tokens, args.one_at_a_time)
                 results[reuse].append(r)
                 print(f"rep {rep} {labels[reuse]:9}: time to first token per turn "
                       f"{' / '.join(f'{t:.2f}' for t in r['ttft_s'])} s, prompt tokens read {r['read']}, "

@@ -411,16 +411,18 @@ def test_prefix_slots_are_checked(agree_models, tiny_pair, tmp_path, capsys):  #
                                           "drop it$"):
         DFlashEngine.from_pretrained(*tiny_pair, reuse_prefix=False, prefix_slots=2)
     with pytest.raises(OptionError, match=r"^prefix_slots has no effect with draft_mode 'recompute' \(it decodes one "
-                                          r"sequence at a time, without prefix reuse\); drop it$"):
+                                          r"sequence at a time, keeping the last one's rows only\); drop it$"):
         DFlashEngine.from_pretrained(*tiny_pair, draft_mode="recompute", prefix_slots=2)
     engine = DFlashEngine.from_pretrained(*tiny_pair, max_batch_size=2, max_context=64, prefix_slots=3)
     assert engine.batch_decoder().slots == 5 and engine.batch_decoder().target_kv.k[0].shape[0] == 5
     pair = ["--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1])]
-    for args, why in ((["--no-prefix-reuse"], "--no-prefix-reuse"), (["--max-batch-size", "1"], "--max-batch-size 1"),
-                      (["--draft-mode", "recompute"], "--draft-mode recompute")):
+    serial = "(one sequence at a time, which keeps the last request's rows only)"
+    for args, why in ((["--no-prefix-reuse"], "--no-prefix-reuse (no prefix is reused)"),
+                      (["--max-batch-size", "1"], f"--max-batch-size 1 {serial}"),
+                      (["--draft-mode", "recompute"], f"--draft-mode recompute {serial}")):
         assert cli_main(["serve", *pair, "--prefix-slots", "2", *args]) == 2
         err = capsys.readouterr().err
-        assert err == f"dflash-torch: error: --prefix-slots has no effect with {why} (no prefix is reused); drop it\n"
+        assert err == f"dflash-torch: error: --prefix-slots has no effect with {why}; drop it\n"
 
 
 @pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "hybrid_models", "ring_models"],

@@ -446,6 +446,10 @@ class InjectedContext:
         """Forget all context; room for ``capacity`` positions."""
         self.cache.reset(capacity)
 
+    def resume(self, capacity: int, length: int) -> None:
+        """Keep the context of the first ``length`` positions; room for ``capacity`` positions."""
+        self.cache.resume(capacity, length)
+
     def inject(self, drafter: DFlashDrafter, features: torch.Tensor, positions: torch.Tensor) -> None:
         """KV injection: project ``features`` ``[n, k * feature_size]`` of ``positions`` ``[n]``
         through ``fc``, ``hidden_norm`` and each layer's ``k_proj``/``k_norm``/RoPE and
@@ -472,6 +476,11 @@ class RecomputedContext:
 
     def reset(self, capacity: int) -> None:
         self.features, self.length = [], 0
+
+    def resume(self, capacity: int, length: int) -> None:
+        """Keep the feature rows of the first ``length`` positions."""
+        self.features = [torch.cat(self.features)[:length]] if length else []
+        self.length = length
 
     def inject(self, drafter: DFlashDrafter, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Append feature rows ``[n, k * feature_size]``; ``positions`` must continue the context."""

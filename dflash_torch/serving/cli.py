@@ -34,8 +34,9 @@ def register(sub) -> None:
                         "past it compiles its bucket's graphs while every stream waits")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="read every prompt whole (default: a prompt that starts with a finished sequence's "
-                        "tokens, such as the next turn of a chat, reuses its rows and reads only the rest; not "
-                        "with --draft-mode recompute, which decodes one sequence at a time)")
+                        "tokens, such as the next turn of a chat, reuses its rows and reads only the rest; one "
+                        "sequence at a time, with --max-batch-size 1 or --draft-mode recompute, the last "
+                        "request's rows)")
     p.add_argument("--prefix-slots", type=int, default=0, metavar="N",
                    help="cache slots beyond --max-batch-size that only keep finished sequences' rows for prefix "
                         "reuse, so that more conversations than --max-batch-size keep theirs (default 0: only the "
@@ -91,9 +92,11 @@ def _serve(args: argparse.Namespace) -> int:
             raise DFlashError("--warmup-context has no effect without --compile (nothing is compiled); drop it")
     check_keepalive(args.sse_keepalive, "--sse-keepalive")
     if args.prefix_slots and (args.no_prefix_reuse or args.max_batch_size == 1 or args.draft_mode == "recompute"):
-        why = ("--no-prefix-reuse" if args.no_prefix_reuse else "--max-batch-size 1" if args.max_batch_size == 1
-               else "--draft-mode recompute")
-        raise DFlashError(f"--prefix-slots has no effect with {why} (no prefix is reused); drop it")
+        if args.no_prefix_reuse:
+            raise DFlashError("--prefix-slots has no effect with --no-prefix-reuse (no prefix is reused); drop it")
+        why = "--max-batch-size 1" if args.max_batch_size == 1 else "--draft-mode recompute"
+        raise DFlashError(f"--prefix-slots has no effect with {why} (one sequence at a time, which keeps the last "
+                          "request's rows only); drop it")
     import socket
 
     try:  # fail before loading models when the address is taken

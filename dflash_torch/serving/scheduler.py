@@ -239,7 +239,7 @@ class SerialBackend:
     def __init__(self, engine):
         self.engine = engine
         self.prefill_tokens = 0
-        self.reused_prefill_tokens = 0  # (one sequence at a time: no prefix reuse)
+        self.reused_prefill_tokens = 0
         self.target_only_rounds = 0  # (nor a batch to stop drafting for)
         self.seq: Sequence | None = None
         self._chunks = None
@@ -248,13 +248,16 @@ class SerialBackend:
     def add(self, seq: Sequence) -> None:
         assert self.seq is None, "the serial backend has one slot"
         chunks = self.engine.stream(seq.prompt_ids, max_new_tokens=seq.max_new_tokens, **seq.kwargs)
+        reused = self.engine.decoder.reused_prefill_tokens
         try:
             first = next(chunks)  # checks the request, then prefills
         except BaseException:
             chunks.close()
             raise
         self.seq, self._chunks, self._first = seq, chunks, first
-        self.prefill_tokens += len(seq.prompt_ids)
+        reused = self.engine.decoder.reused_prefill_tokens - reused  # (the last request's rows: prefix reuse)
+        self.prefill_tokens += len(seq.prompt_ids) - reused
+        self.reused_prefill_tokens += reused
 
     def step(self) -> list[tuple[Sequence, StreamChunk]]:
         seq = self.seq

@@ -1,0 +1,278 @@
+"""Prefix reuse one sequence at a time (``SpeculativeDecoder(reuse_prefix=True)``, the
+engine's ``generate`` / ``stream`` and ``serve --max-batch-size 1``): the caches keep the
+last request's rows (target K/V, drafter context, the last verify's features not yet
+injected) and a prompt that starts with its tokens reads only the rest. Every turn decodes
+exactly as with reuse off (tokens and acceptance lengths, greedy and seeded sampling; float32),
+eager, fixed shapes, recompute and target-only, on attention, DFlash 2, mixture-of-experts,
+hybrid and sliding-window (ring) models; the count of reused rows is exact."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import varied_prompts
+from test_batch import agree_models, hybrid_models, qwen35_models, ring_models  # noqa: F401 (fixtures)
+from test_server import API_KEY, MODEL
+from test_server_scheduler import _serve
+
+from dflash_torch import DFlashEngine, SamplingParams, decoding
+from dflash_torch.decoding import SpeculativeDecoder
+
+C = 16  # prefill chunk: prompts here read in several chunks, and a reused prefix ends inside one
+GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.9, top_k=50, seed=17)
+MORE = [7, 8, 9, 10]  # a user's next message
+
+
+def turn(decoder: SpeculativeDecoder, prompt: list[int], budget: int, params: SamplingParams = GREEDY, **kw):
+    """Decode ``prompt`` until ``budget`` tokens are committed -> (every token committed, the
+    rounds' acceptance lengths, the prompt tokens reused, the prompt's rows afterwards
+    (:func:`prompt_rows`; None where rings keep only the last positions))."""
+    tokens, taus, reused = [], [], None
+    for rnd in decoder.rounds(prompt, params, budget, **kw):
+        if rnd.acceptance_length is None:
+            reused = rnd.cached_tokens
+        else:
+            taus.append(rnd.acceptance_length)
+        tokens += rnd.tokens
+    rings = decoder.target_cache.kv.rings + getattr(getattr(decoder.context, "cache", None), "rings", [])
+    return tokens, taus, reused, None if any(rings) else prompt_rows(decoder, len(prompt))
+
+
+def same_turns(on: list, off: list) -> None:
+    """The same tokens and acceptance lengths with reuse on and off, and the same prompt rows
+    (up to float rounding: reused rows were computed by verify blocks and injections, read ones
+    by prefill chunks; wrong drafter context rows need not change this pair's drafts)."""
+    assert [o[:2] for o in on] == [o[:2] for o in off]
+    for k, (a, b) in enumerate(zip(on, off)):
+        if a[3] is not None:
+            torch.testing.assert_close(a[3], b[3], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"turn {k}: {m}")
+
+
+def prompt_rows(decoder: SpeculativeDecoder, n: int) -> torch.Tensor:
+    """The target K/V and drafter context rows of positions ``[0, n)`` (no rings here), flattened."""
+    parts = [t[:, :n] for t in decoder.target_cache.kv.k + decoder.target_cache.kv.v]
+    context = decoder.context
+    if isinstance(context, decoding.InjectedContext):
+        parts += [t[:, :n] for t in context.cache.k + context.cache.v]
+    elif context is not None:
+        parts.append(torch.cat(context.features)[:n])
+    return torch.cat([t.float().flatten() for t in parts])
+
+
+def decoders(target, drafter, mode: str, **kw) -> dict[bool, SpeculativeDecoder]:
+    """A decoder with prefix reuse and one without, in ``mode``."""
+    opts = dict(max_context=512, prefill_chunk=C, static=mode == "static",
+                draft_mode="recompute" if mode == "recompute" else "inject", **kw)
+    return {reuse: SpeculativeDecoder(target, None if mode == "target-only" else drafter, reuse_prefix=reuse, **opts)
+            for reuse in (True, False)}
+
+
+CASES = [("agree_models", "eager"), ("agree_models", "static"), ("agree_models", "recompute"),
+         ("agree_models", "target-only"), ("dflash2_models", "eager"), ("moe_models", "eager"), ("moe_models", "static")]
+
+
+@pytest.mark.parametrize("models,mode", CASES, ids=[f"{m.split('_')[0]}-{mode}" for m, mode in CASES])
+def test_each_turn_reuses_the_last_requests_rows(request, models, mode):
+    """Turn 1 keeps 20 tokens of turn 0's reply (a stop string): it reuses turn 0's prompt and
+    those tokens; turn 2 holds turn 1's whole reply: it reuses every row (all but the last
+    token committed); turn 3 diverges inside the first prompt; turn 4 is turn 3 again (nothing
+    read: its last logits are kept); turn 5 grows past the eager caches' first allocation (256
+    positions: the rows are copied into the larger buffers). Every turn (a sampled one too)
+    decodes as with reuse off; greedy turns as target-only decoding."""
+    target, drafter = request.getfixturevalue(models)
+    runs = {reuse: [] for reuse in (True, False)}
+    for reuse, decoder in decoders(target, drafter, mode).items():
+        outs, prompts = runs[reuse], [varied_prompts(target, 1, seed=41, length=2 * C + 3)[0]]
+        outs.append(turn(decoder, prompts[0], 30))
+        prompts.append(prompts[0] + outs[0][0][:20] + MORE)
+        outs.append(turn(decoder, prompts[1], 25, SAMPLED))
+        prompts.append(prompts[1] + outs[1][0] + MORE)
+        outs.append(turn(decoder, prompts[2], 15))
+        prompts += [prompts[0][:7] + MORE] * 2
+        outs += [turn(decoder, prompts[3], 12), turn(decoder, prompts[4], 12)]
+        prompts.append(prompts[4] + outs[4][0] + varied_prompts(target, 1, seed=5, length=280)[0])
+        outs.append(turn(decoder, prompts[5], 10))
+    on, off = runs[True], runs[False]
+    same_turns(on, off)
+    assert [o[2] for o in off] == [0] * 6
+    n = [len(p) for p in prompts]
+    assert [o[2] for o in on] == [0, n[0] + 20, n[1] + len(on[1][0]) - 1, 7, n[4], n[4] + len(on[4][0]) - 1]
+    assert n[5] > 256 + 15
+    if mode == "eager":
+        alone = SpeculativeDecoder(target, None, max_context=512)
+        for k in (0, 2, 3, 5):
+            assert on[k][0][:10] == turn(alone, prompts[k], 10)[0][:10], k
+
+
+HYBRID = [("hybrid_models", "eager"), ("qwen35_models", "eager"), ("qwen35_models", "static"), ("ring_models", "eager"),
+          ("ring_models", "static")]
+
+
+@pytest.mark.parametrize("models,mode", HYBRID, ids=[f"{m.split('_')[0]}-{mode}" for m, mode in HYBRID])
+def test_hybrid_and_ring_models_reuse_all_rows_or_the_last_prompt(request, models, mode):
+    """A recurrent state (a ring: the last positions written) is known at the end of the
+    kept rows and, from its copy, at the end of the prompt they began with: a prompt that
+    extends all the rows reuses them; one that diverges inside the reply reuses that prompt
+    (the copy is restored); one that diverges inside it is read whole; the same prompt again
+    reads nothing (the copy and its last logits). (The ring models' first reply is longer
+    than the rings' slack, so only the copy has the prompt's rings.)"""
+    target, drafter = request.getfixturevalue(models)
+    first = 100 if models == "ring_models" else 20
+    runs = {reuse: [] for reuse in (True, False)}
+    for reuse, decoder in decoders(target, drafter, mode).items():
+        outs, prompts = runs[reuse], [varied_prompts(target, 1, seed=43, length=C + 5)[0]]
+        outs.append(turn(decoder, prompts[0], first))
+        prompts.append(prompts[0] + outs[0][0] + MORE)  # extends every row
+        outs.append(turn(decoder, prompts[1], 20, SAMPLED))
+        prompts.append(prompts[1] + outs[1][0][:2] + MORE)  # diverges inside the reply
+        outs.append(turn(decoder, prompts[2], 20))
+        prompts.append(prompts[2][:5] + MORE)  # diverges inside the prompt
+        outs.append(turn(decoder, prompts[3], 15))
+        prompts.append(prompts[3])  # the same prompt again: its copies and last logits
+        outs.append(turn(decoder, prompts[4], 15, SAMPLED))
+    on, off = runs[True], runs[False]
+    same_turns(on, off)
+    n = [len(p) for p in prompts]
+    assert [o[2] for o in on] == [0, n[0] + len(on[0][0]) - 1, n[1], 0, n[4]]
+
+
+def test_a_run_left_early_or_taken_over_keeps_its_rows(agree_models):  # noqa: F811 (the imported fixture)
+    """A run closed after two rounds (a stop string) and one a later ``rounds()`` call takes
+    over keep the rows of their last round, the drafter's context too (its last verify's
+    features were still pending): the next prompt that holds them reuses them and decodes as
+    a decoder without reuse."""
+    target, drafter = agree_models
+    dec, fresh = (SpeculativeDecoder(target, drafter, prefill_chunk=C, reuse_prefix=r) for r in (True, False))
+    prompt = varied_prompts(target, 1, seed=44, length=C + 9)[0]
+    run = dec.rounds(prompt, GREEDY, 200)
+    tokens = [t for _, rnd in zip(range(3), run) for t in rnd.tokens]
+    run.close()
+    nxt = prompt + tokens + MORE
+    got = turn(dec, nxt, 20)
+    assert got[2] == len(prompt) + len(tokens) - 1
+    same_turns([got], [turn(fresh, nxt, 20)])
+    suspended = dec.rounds(nxt, GREEDY, 200)
+    tokens = [t for _, rnd in zip(range(2), suspended) for t in rnd.tokens]
+    after = nxt + tokens + MORE
+    got = turn(dec, after, 20)  # (takes the caches over from the suspended run)
+    assert got[2] == len(nxt) + len(tokens) - 1
+    same_turns([got], [turn(fresh, after, 20)])
+    with pytest.raises(decoding.DFlashError, match="took over its caches"):
+        next(suspended)
+
+
+def test_a_round_that_fails_leaves_nothing_to_reuse(agree_models, monkeypatch):  # noqa: F811 (the imported fixture)
+    """A failure inside a round (after its verify wrote the caches) leaves the rows unknown:
+    the next prompt is read whole, and decodes as without reuse."""
+    target, drafter = agree_models
+    dec, fresh = (SpeculativeDecoder(target, drafter, prefill_chunk=C, reuse_prefix=r) for r in (True, False))
+    prompt = varied_prompts(target, 1, seed=45, length=C + 3)[0]
+    calls, accept = [], decoding.accept_greedy
+
+    def failing_third(*args):
+        calls.append(None)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        return accept(*args)
+
+    monkeypatch.setattr(decoding, "accept_greedy", failing_third)
+    with pytest.raises(RuntimeError, match="^injected failure$"):
+        turn(dec, prompt, 200)
+    monkeypatch.undo()
+    got = turn(dec, prompt + MORE, 20)
+    assert got[2] == 0
+    same_turns([got], [turn(fresh, prompt + MORE, 20)])
+
+
+def test_prompt_logprobs_read_the_whole_prompt(agree_models):  # noqa: F811 (the imported fixture)
+    """A request for prompt logprobs scores every prompt token, so it reuses nothing (its
+    logprobs are those without reuse); the next turn reuses its rows."""
+    target, drafter = agree_models
+    dec, fresh = (SpeculativeDecoder(target, drafter, prefill_chunk=C, reuse_prefix=r) for r in (True, False))
+    prompt = varied_prompts(target, 1, seed=46, length=C + 3)[0]
+    first = turn(dec, prompt, 12)
+    again = prompt + first[0] + MORE
+    scored = [next(d.rounds(again, GREEDY, 12, prompt_logprobs=2)) for d in (dec, fresh)]
+    assert scored[0].cached_tokens == 0
+    assert scored[0].prompt_logprobs[1:] == scored[1].prompt_logprobs[1:] and len(scored[0].prompt_logprobs) == len(again)
+    assert turn(dec, again + MORE, 10)[2] == len(again)  # (the scored run kept its prompt's rows)
+
+
+def test_engine_turns_and_one_slot_server_reuse_the_last_request(tiny_pair, tmp_path):
+    """``DFlashEngine.generate`` (reuse on by default) reports the reused rows in
+    ``stats.cached_prompt_tokens`` and gives reuse off's tokens; ``serve --max-batch-size 1``
+    (one sequence at a time) reports them in ``usage.prompt_tokens_details.cached_tokens``
+    and counts them in ``/metrics``."""
+    engines = {reuse: DFlashEngine.from_pretrained(*tiny_pair, reuse_prefix=reuse, max_context=512)
+               for reuse in (True, False)}
+    prompt = "def fibonacci(n):"
+    outs = {}
+    for reuse, engine in engines.items():
+        first = engine.generate(prompt, max_new_tokens=24, ignore_eos=True)
+        second = engine.generate(prompt + first.text + "\n\ndef main():", max_new_tokens=24, ignore_eos=True)
+        outs[reuse] = first, second
+    (first, second), (first_off, second_off) = outs[True], outs[False]
+    assert (first.token_ids, second.token_ids) == (first_off.token_ids, second_off.token_ids)
+    assert first.stats.cached_prompt_tokens == 0 and second_off.stats.cached_prompt_tokens == 0
+    n = len(engines[True].encode_prompt(prompt))
+    assert second.stats.cached_prompt_tokens >= n  # (the reply's tokens too, as far as they tokenize the same)
+    again = [engines[True].generate(prompt, max_new_tokens=8, logprobs=2) for _ in range(2)]
+    assert again[1].stats.cached_prompt_tokens == n and again[0].logprobs == again[1].logprobs  # (bit for bit)
+
+    with _serve(tiny_pair, tmp_path, "--max-batch-size", "1") as srv:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key=API_KEY)
+        kw = dict(model=MODEL, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+        r1 = client.completions.create(prompt=prompt, **kw)
+        r2 = client.completions.create(prompt=prompt + r1.choices[0].text + "\n\ndef main():", **kw)
+        assert r1.usage.prompt_tokens_details.cached_tokens == 0
+        cached = r2.usage.prompt_tokens_details.cached_tokens
+        assert cached == second.stats.cached_prompt_tokens and r2.choices[0].text == second.text
+        metrics = httpx.get(srv.base + "/metrics", timeout=10).text
+        assert f"dflash_reused_prefill_tokens_total {float(cached)}" in metrics
+        assert f"dflash_prefill_tokens_total {float(r1.usage.prompt_tokens + r2.usage.prompt_tokens - cached)}" in metrics
+
+
+def test_reuse_keeps_no_more_state_than_needed(agree_models, qwen35_models):  # noqa: F811 (the imported fixtures)
+    """Attention-only models keep no copies; a hybrid keeps one of its recurrent states (not of
+    the K/V rows): the memory prefix reuse costs one sequence at a time."""
+    for (target, drafter), copies in ((agree_models, 0), (qwen35_models, None)):
+        dec = SpeculativeDecoder(target, drafter, prefill_chunk=C, reuse_prefix=True)
+        turn(dec, varied_prompts(target, 1, seed=47, length=C + 3)[0], 8)
+        saved = dec._kept.saved
+        if copies == 0:
+            assert saved is None
+        else:
+            state = dec.target_cache.recurrent
+            assert len(saved) == len(state.conv) + len(state.ssm)
+            assert [t.shape for t in saved] == [t.shape for t in state.conv + state.ssm]
+
+
+def test_compiled_turns_build_no_graph_after_warmup(agree_models):  # noqa: F811 (the imported fixture)
+    """Compiled (the "eager" backend: TorchDynamo's guards decide recompilation): after
+    ``warmup()``, turns that reuse rows (a prefill starting inside a chunk, or none at all for
+    the same prompt again) build no graph and decode as without reuse."""
+    import torch._dynamo
+    import torch._dynamo.utils as dynamo_utils
+
+    target, drafter = agree_models
+    runs = {}
+    for reuse in (True, False):
+        torch._dynamo.reset()
+        dynamo_utils.counters.clear()
+        dec = SpeculativeDecoder(target, drafter, max_context=200, prefill_chunk=32, compile=True,
+                                 compile_backend="eager", reuse_prefix=reuse)
+        dec.warmup(200)
+        graphs, frames = dynamo_utils.counters["stats"]["unique_graphs"], dynamo_utils.counters["frames"]["total"]
+        outs, p0 = [], varied_prompts(target, 1, seed=48, length=C + 5)[0]
+        outs.append(turn(dec, p0, 20))
+        p1 = p0 + outs[0][0][:20] + MORE
+        outs.append(turn(dec, p1, 30, SAMPLED))
+        outs += [turn(dec, p1, 30, SAMPLED), turn(dec, p1 + outs[1][0] + p0 * 3, 20)]
+        assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a graph was built after warm-up"
+        assert dynamo_utils.counters["frames"]["total"] == frames, "a frame was re-traced after warm-up"
+        runs[reuse] = outs, [len(p0), len(p1)]
+    (on, n), (off, _) = runs[True], runs[False]
+    assert [o[:2] for o in on] == [o[:2] for o in off]
+    assert [o[2] for o in on] == [0, n[0] + min(20, len(on[0][0]) - 1), n[1], n[1] + len(on[2][0]) - 1]
