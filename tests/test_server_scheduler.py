@@ -298,8 +298,9 @@ def test_a_full_queue_answers_503_with_retry_after_at_once(tiny_pair, tmp_path):
         err = _assert_openai_error(r, 503)
         assert err["code"] == "queue_full" and err["type"] == "server_error", err
         # (it said "2 sequences wait ... (at most 1)": the bound counts the free slots too)
-        assert err["message"] == ("the server is busy: 1 sequences wait for a slot and this request's 1 do not fit "
-                                  "(0 free slots, then at most 1 waiting: --max-queue); retry in 1 s"), err
+        assert err["message"] == ("the server is busy: this request's 1 sequences do not fit behind the 1 queued "
+                                  "(room for 1: 0 free slots, then 1 waiting, --max-queue); retry in 1 s"), err
+        assert httpx.head(f"{srv.base}/health", timeout=10).status_code == 200  # (load balancers' probes)
         assert int(r.headers["retry-after"]) >= 1
         with pytest.raises(openai.InternalServerError):
             srv.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)

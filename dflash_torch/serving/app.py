@@ -1131,7 +1131,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         return {"id": model_id, "object": "model", "created": created, "owned_by": "dflash-torch",
                 "max_model_len": engine.max_context}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
     async def health():
         return {"status": "ok", "model": model_id}
 

@@ -8,7 +8,7 @@ name                                   type       meaning
 dflash_requests_total                  counter    HTTP requests by ``endpoint`` and ``status``
 dflash_request_latency_seconds         histogram  request latency (whole stream included) by endpoint
 dflash_time_to_first_token_seconds     histogram  from arrival to the first generated token
-dflash_requests_cancelled_total        counter    generations dropped or stopped early: the client went away
+dflash_requests_cancelled_total        counter    generations (choices: a request's n) dropped or stopped early: the client went away
 dflash_prompt_tokens_total             counter    prompt tokens of started generations
 dflash_prefill_tokens_total            counter    prompt tokens the target read (choices sharing a prompt: once)
 dflash_reused_prefill_tokens_total     counter    prompt tokens taken from a retained prefix instead (prefix reuse)

@@ -113,8 +113,9 @@ class QueueFull(Exception):
     """The waiting queue cannot take the job now; retry after ``retry_after`` seconds."""
 
     def __init__(self, waiting: int, asked: int, max_queue: int, free: int, retry_after: int = RETRY_AFTER_S):
-        super().__init__(f"the server is busy: {waiting} sequences wait for a slot and this request's {asked} do not "
-                         f"fit ({free} free slots, then at most {max_queue} waiting: --max-queue); retry in {retry_after} s")
+        super().__init__(f"the server is busy: this request's {asked} sequences do not fit behind the {waiting} "
+                         f"queued (room for {free + max_queue}: {free} free slots, then {max_queue} waiting, "
+                         f"--max-queue); retry in {retry_after} s")
         self.retry_after = retry_after
 
 
