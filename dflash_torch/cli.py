@@ -1,7 +1,7 @@
 """The ``dflash-torch`` command line.
 
 Subcommands: ``generate`` (here), and the ones registered by their own modules
-(``serve``, ``train``, ``bench``). A user error prints one line to stderr and exits 2;
+(``chat``, ``serve``, ``train``, ``bench``). A user error prints one line to stderr and exits 2;
 an error about an option's value names the option as the user typed it (``--max-new-tokens``),
 not as the Python API spells it (``max_new_tokens``).
 """
@@ -359,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     add_structured_output_args(g)
     g.set_defaults(func=_generate)
-    for module in ("serving.cli", "training.cli", "bench.cli"):
+    for module in ("chat", "serving.cli", "training.cli", "bench.cli"):
         try:
             mod = __import__(f"dflash_torch.{module}", fromlist=["register"])
         except ImportError:

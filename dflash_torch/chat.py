@@ -1,0 +1,119 @@
+"""``dflash-torch chat``: a conversation with the model in the terminal.
+
+Each line typed is a user message; the reply streams as it is decoded, then one line of
+stats on stderr. The conversation goes through the tokenizer's chat template every turn,
+and the engine's prefix reuse (one sequence at a time: the last request's rows) reads
+only what the last turn did not: the new message, and the last reply where the template
+renders it otherwise than generated. Lines starting with ``/`` are commands: ``/reset``
+(forget the conversation, keep ``--system``), ``/exit`` (or end of input, Ctrl-D). Ctrl-C
+stops a reply (what was generated is kept in the conversation); at the prompt it exits.
+A request the engine refuses (e.g. a conversation that outgrew ``--max-context``) prints
+its error and the conversation goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .cli import (
+    add_chat_template_kwargs_arg,
+    add_model_args,
+    add_sampling_args,
+    load_engine,
+)
+from .errors import DFlashError
+
+HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D); Ctrl-C stops a reply"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("chat", help="chat with the model in the terminal (multi-turn, streamed)")
+    p.add_argument("--system", default=None, help="a system message that starts the conversation")
+    add_chat_template_kwargs_arg(p, "(every turn)")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=_chat)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from . import compute
+
+    with compute.this_thread():  # loading and decoding on this thread, interrupted by Ctrl-C as usual
+        return _chat_here(args)
+
+
+def _chat_here(args: argparse.Namespace) -> int:
+    engine = load_engine(args)
+    if getattr(engine.tokenizer, "chat_template", None) is None:
+        raise DFlashError("the target's tokenizer has no chat template; use 'dflash-torch generate' for plain text")
+    start = [{"role": "system", "content": args.system}] if args.system is not None else []
+    messages = list(start)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, min_p=args.min_p, seed=args.seed, presence_penalty=args.presence_penalty,
+                  frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                  logit_bias=args.logit_bias, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                  chat=True, chat_template_kwargs=args.chat_template_kwargs)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401 (line editing and history for input())
+        except ImportError:
+            pass
+        print(f"[{HELP}]", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            if text in ("/exit", "/quit"):
+                return 0
+            if text == "/reset":
+                messages = list(start)
+                print("[conversation reset]", file=sys.stderr)
+            else:
+                print(f"[unknown command {text!r}; {HELP}]", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = _reply(engine, messages, kwargs)
+        if reply is None:  # refused: the message is not part of the conversation
+            messages.pop()
+        else:
+            messages.append({"role": "assistant", "content": reply})
+
+
+def _reply(engine, messages: list[dict], kwargs: dict) -> str | None:
+    """Stream one reply to stdout and its stats line to stderr -> its text (what was
+    generated before a Ctrl-C too), or None when the engine refused the request."""
+    parts, stats, finish = [], None, None
+    chunks = engine.stream(messages, **kwargs)
+    try:
+        for chunk in chunks:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            parts.append(chunk.text)
+            stats, finish = chunk.stats, chunk.finish_reason
+    except KeyboardInterrupt:
+        finish = "interrupted"
+    except DFlashError as exc:
+        print(f"dflash-torch: error: {exc}", file=sys.stderr)
+        return None
+    finally:
+        chunks.close()  # (frees the engine for the next turn)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if stats is not None:
+        decode = (f"mean tau {stats.mean_acceptance_length:.2f}, decode {stats.decode_tokens_per_second:.1f} tok/s, "
+                  if stats.acceptance_lengths else "no decoding round, ")
+        print(f"[{stats.generated_tokens} tokens, finish={finish}, {decode}prefill {stats.prefill_time * 1000:.0f} ms, "
+              f"{stats.cached_prompt_tokens} of {stats.prompt_tokens} prompt tokens reused]", file=sys.stderr, flush=True)
+    else:
+        print(f"[finish={finish}]", file=sys.stderr, flush=True)
+    return "".join(parts)

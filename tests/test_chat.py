@@ -1,0 +1,113 @@
+"""``dflash-torch chat``: a real subprocess fed lines on stdin; its replies are the Python
+API's replies to the same conversation (float32, greedy), the engine's prefix reuse reads
+only what each turn adds, ``/reset`` starts over, and a refused turn leaves the
+conversation as it was."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from test_cli import run_cli
+
+from dflash_torch import DFlashEngine
+
+SYSTEM = "You write Python."
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    return DFlashEngine.from_pretrained(*tiny_pair, dtype="float32")
+
+
+def replies(engine, turns: list[list[str]]) -> list[str]:
+    """The engine's replies to conversations: each list of user messages, after the system
+    message, each turn's reply kept in the conversation."""
+    out = []
+    for messages in turns:
+        conversation = [{"role": "system", "content": SYSTEM}]
+        for text in messages:
+            conversation.append({"role": "user", "content": text})
+            reply = engine.generate(conversation, chat=True, max_new_tokens=NEW).text
+            conversation.append({"role": "assistant", "content": reply})
+            out.append(reply)
+    return out
+
+
+def stats_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("[") and "prompt tokens reused]" in line]
+
+
+def test_chat_replies_are_the_engines_and_reuse_the_last_turn(tiny_pair, engine):
+    target, drafter = tiny_pair
+    stdin = "def f(x):\nclass A:\n\n/reset\ndef f(x):\n/what\n/exit\nnever read\n"
+    proc = run_cli("chat", "--target", str(target), "--draft", str(drafter), "--dtype", "float32", "--system", SYSTEM,
+                   "--max-new-tokens", str(NEW), stdin=stdin)
+    assert proc.returncode == 0, proc.stderr
+    expected = replies(engine, [["def f(x):", "class A:"], ["def f(x):"]])
+    assert proc.stdout == "".join(r + "\n" for r in expected)
+    lines = stats_lines(proc.stderr)
+    assert len(lines) == 3, proc.stderr
+    reused = [int(line.split(", ")[-1].split(" of ")[0]) for line in lines]
+    first = len(engine.encode_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "def f(x):"}],
+                                     chat=True))
+    assert reused[0] == 0 and reused[1] >= first - 1, lines  # (turn 2 holds turn 1's prompt)
+    assert "[conversation reset]" in proc.stderr and "unknown command '/what'" in proc.stderr
+
+
+def test_a_refused_turn_leaves_the_conversation_as_it_was(tiny_pair, engine):
+    target, drafter = tiny_pair
+    long = "x = 1; " * 40
+    proc = run_cli("chat", "--target", str(target), "--draft", str(drafter), "--dtype", "float32", "--system", SYSTEM,
+                   "--max-new-tokens", str(NEW), "--max-context", "160", stdin=f"{long}\ndef f(x):\n")
+    assert proc.returncode == 0, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("dflash-torch: error: ")]
+    assert len(errors) == 1 and "context of 160 tokens" in errors[0], proc.stderr
+    assert proc.stdout == replies(engine, [["def f(x):"]])[0] + "\n"
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(tiny_pair, tmp_path):
+    target = shutil.copytree(tiny_pair[0], tmp_path / "target")
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    proc = run_cli("chat", "--target", str(target), "--no-draft", stdin="hi\n")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("dflash-torch: error: the target's tokenizer has no chat template; use 'dflash-torch "
+                           "generate' for plain text\n")
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_pair):
+    """SIGINT while a reply streams ends that reply (what it wrote is kept); the next line
+    gets a reply as usual, and ``/exit`` ends the chat with status 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    target, drafter = tiny_pair
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "chat", "--target", str(target), "--draft",
+                             str(drafter), "--block-size", "1", "--max-new-tokens", "900",
+                             "--ignore-eos"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env)
+    try:
+        proc.stdin.write(b"def f(x):\n")
+        proc.stdin.flush()
+        os.set_blocking(proc.stdout.fileno(), False)
+        deadline = time.monotonic() + 120
+        while not proc.stdout.read(64):  # the reply has started
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(b"class A:\n/exit\n", timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err.decode()
+    assert proc.returncode == 0, err
+    assert "[finish=interrupted]" in err and len(stats_lines(err)) == 1, err
