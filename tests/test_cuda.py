@@ -201,6 +201,31 @@ def test_cuda_modes_equal_target_only_with_cuda_graphs(pair, request):
     assert compile_counts() == (frames, 0), "recompiled after warm-up, or skipped CUDA graphs"
 
 
+@cuda
+@pytest.mark.parametrize("pair", ["agree_pair", "agree_hybrid_pair"])
+def test_prefix_reuse_one_at_a_time_on_cuda_graphs_equals_target_only(pair, request):
+    """float32 on CUDA, compiled (CUDA graphs) with ``reuse_prefix``: a turn that extends the
+    last one's rows, one that diverges inside the last reply (a hybrid: restored from the
+    prompt-end copy), one inside the prompt, and the same prompt again commit the target-only
+    tokens; no graph is skipped or recompiled after warm-up."""
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    target, drafter = _load(request.getfixturevalue(pair), "cuda")
+    alone = SpeculativeDecoder(target, None)
+    decoder = SpeculativeDecoder(target, drafter, compile=True, max_context=512, prefill_chunk=32, reuse_prefix=True)
+    decoder.warmup(512)
+    frames, skips = compile_counts()
+    assert skips == 0, "a compiled graph ran without CUDA graphs"
+    p0 = varied_prompts(target, 1, seed=3, length=40)[0]
+    first = run_rounds(decoder, p0, 30)[0]
+    prompts = [p0 + first + [7, 8], None, p0[:9] + [7, 8]]
+    prompts[1] = prompts[0] + run_rounds(decoder, prompts[0], 30)[0][:3] + [9]
+    for prompt in prompts + [prompts[2]]:
+        assert run_rounds(decoder, prompt, 60)[0] == run_rounds(alone, prompt, 60)[0]
+    assert decoder.reused_prefill_tokens > len(p0)
+    assert compile_counts() == (frames, 0), "recompiled after warm-up, or skipped CUDA graphs"
+
+
 def _gpt_oss_modes_equal_target_only(pair, device: str, mxfp4: str) -> None:
     """:func:`_modes_and_batch_equal_target_only` for a gpt-oss target (experts dequantized
     or kept MXFP4) on ``device``."""
