@@ -197,7 +197,9 @@ class _Kept:
     ``reuse_prefix``): the rows of every token of ``tokens`` (the prompt, then the tokens
     committed) but the last, and the drafter context of those before ``pending``'s rows
     (``(features [n, F], start)``: the last verify's, which the next propose injects; or
-    None). ``saved``: where the caches cannot go back (recurrent states, rings), copies of
+    None). A round writes no row before ``len(tokens) - 1`` but those pending rows, with the
+    same values: left midway (an exception, Ctrl-C), it leaves these rows valid, except where
+    the caches cannot go back. ``saved``: where the caches cannot go back (recurrent states, rings), copies of
     those tensors at the end of the prompt (``prompt_len`` tokens), else None; ``logits``:
     the prompt's last logits ``[V]`` (the same prompt again reads nothing)."""
 
@@ -612,7 +614,8 @@ class SpeculativeDecoder:
             pending_start = s_dev.clone()  # not ``s_dev`` itself: aliased inputs would compile a second graph
         while committed < max_new_tokens:
             t0 = time.perf_counter()
-            self._kept = None
+            if self._whole_prefix_only:  # (a round left midway, e.g. by Ctrl-C, may have moved them)
+                self._kept = None
             pos = s_dev if static else s
             kv_len = self.kv_bucket(s + B) if static else s + B
             draft_probs = None
@@ -655,9 +658,9 @@ class SpeculativeDecoder:
                 self._commit_fn(a_dev + 1)
             self._sync()
             t3 = time.perf_counter()
-            if self.reuse_prefix:
-                kept.tokens += tokens
+            if self.reuse_prefix:  # (in this order: a round left midway keeps the last yield's rows)
                 kept.pending = (pending[: a + 1], s) if folded else None
+                kept.tokens += tokens
                 self._kept = kept
             s += a + 1
             s_dev = s_dev + (a_dev + 1)

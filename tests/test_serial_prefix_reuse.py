@@ -163,13 +163,16 @@ def test_a_run_left_early_or_taken_over_keeps_its_rows(agree_models):  # noqa: F
         next(suspended)
 
 
-def test_a_round_that_fails_leaves_nothing_to_reuse(agree_models, monkeypatch):  # noqa: F811 (the imported fixture)
-    """A failure inside a round (after its verify wrote the caches) leaves the rows unknown:
-    the next prompt is read whole, and decodes as without reuse."""
-    target, drafter = agree_models
+@pytest.mark.parametrize("models", ["agree_models", "qwen35_models"], ids=["attention", "qwen35-hybrid"])
+def test_a_round_that_fails_midway(request, models, monkeypatch):
+    """A failure inside a round (after its verify wrote the caches; Ctrl-C in ``chat``) leaves
+    the rows of the last round that ended: an attention target reuses them (the round wrote
+    none before them but the pending context rows, with the same values); a hybrid target's
+    recurrent state may have moved, so its next prompt is read whole. Both decode as without reuse."""
+    target, drafter = request.getfixturevalue(models)
     dec, fresh = (SpeculativeDecoder(target, drafter, prefill_chunk=C, reuse_prefix=r) for r in (True, False))
     prompt = varied_prompts(target, 1, seed=45, length=C + 3)[0]
-    calls, accept = [], decoding.accept_greedy
+    calls, accept, committed = [], decoding.accept_greedy, []
 
     def failing_third(*args):
         calls.append(None)
@@ -179,11 +182,13 @@ def test_a_round_that_fails_leaves_nothing_to_reuse(agree_models, monkeypatch): 
 
     monkeypatch.setattr(decoding, "accept_greedy", failing_third)
     with pytest.raises(RuntimeError, match="^injected failure$"):
-        turn(dec, prompt, 200)
+        for rnd in dec.rounds(prompt, GREEDY, 200):
+            committed += rnd.tokens
     monkeypatch.undo()
-    got = turn(dec, prompt + MORE, 20)
-    assert got[2] == 0
-    same_turns([got], [turn(fresh, prompt + MORE, 20)])
+    nxt = prompt + committed + MORE
+    got = turn(dec, nxt, 20)
+    assert got[2] == (0 if models == "qwen35_models" else len(prompt) + len(committed) - 1)
+    same_turns([got], [turn(fresh, nxt, 20)])
 
 
 def test_prompt_logprobs_read_the_whole_prompt(agree_models):  # noqa: F811 (the imported fixture)
