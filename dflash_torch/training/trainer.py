@@ -437,7 +437,7 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
             f"(at most a fifth of the sequences, a tenth of the text windows, and {cfg.batch} left to train on)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     data = TrainingData(stream, chat + distilled, cfg.seq_len, pad, cfg.raw_fraction)
-    stats = dict(blob["stats"], val_sequences=len(val_rows), train_examples=len(chat) + len(distilled))
+    stats = dict(blob["stats"], val_sequences=len(val_rows), chat_and_distilled_examples=len(chat) + len(distilled))
     return data, val_rows, stats
 
 
