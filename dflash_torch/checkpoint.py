@@ -524,7 +524,9 @@ def _open(file: Path):
     """``safe_open`` of one weight file (CPU tensors).
 
     Raises:
-        DFlashError: a file that is not valid safetensors (corrupt or truncated).
+        DFlashError: a file that is not valid safetensors (corrupt or truncated); memory that
+            cannot be had while the file is read (mapped, or its tensors allocated: a limit on
+            the process's memory such as ``ulimit -v``, or a device out of memory).
     """
     from safetensors import SafetensorError
 
@@ -533,6 +535,11 @@ def _open(file: Path):
             yield f
     except SafetensorError as e:
         raise DFlashError(f"{file} is not a valid safetensors file (corrupt or truncated?): {e}") from None
+    except (RuntimeError, MemoryError) as e:  # (torch's "unable to mmap", "can't allocate memory", CUDA OOM)
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, MemoryError) or "mmap" in text or "allocate" in text:
+            raise DFlashError(f"out of memory reading the weights in {file}: {text}") from None
+        raise
 
 
 def tensor_names(model_dir: Path) -> set[str]:

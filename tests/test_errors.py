@@ -1011,3 +1011,34 @@ def test_api_misuse_found_by_a_trial_gets_a_clear_error(engine):
     for bad in (-1, vocab):
         with pytest.raises(DFlashError, match=rf"^token id {bad} is outside the vocabulary \[0, {vocab}\)$"):
             engine.decode([3, bad])
+
+
+def test_weights_that_cannot_be_mapped_or_allocated_are_one_line_errors(tiny_pair, monkeypatch, capsys):
+    """A process that may not map or allocate the weights (``ulimit -v``, a device out of
+    memory: torch raises RuntimeError, injected here into safetensors' open) gets one line
+    naming the file; another RuntimeError is not taken for one."""
+    import dflash_torch.checkpoint as checkpoint
+
+    real = checkpoint.safe_open
+
+    def failing(message):
+        def open_(*args, **kwargs):
+            raise RuntimeError(message)
+        return open_
+
+    target = str(tiny_pair[0])
+    monkeypatch.setattr(checkpoint, "safe_open", failing(f"unable to mmap 1064 bytes from file <{target}/model.safetensors>:"
+                                                         " Cannot allocate memory (12)"))
+    assert cli_main(["generate", "x", "--target", target, "--no-draft", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"dflash-torch: error: out of memory reading the weights in {target}/model.safetensors: unable to "
+                   f"mmap 1064 bytes from file <{target}/model.safetensors>: Cannot allocate memory (12)\n")
+    monkeypatch.setattr(checkpoint, "safe_open", failing("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: "
+                                                         "can't allocate memory: you tried to allocate 10 bytes"))
+    with pytest.raises(DFlashError, match=r"^out of memory reading the weights in .*: \[enforce fail .*can't allocate"):
+        DFlashEngine.from_pretrained(target, no_draft=True)
+    monkeypatch.setattr(checkpoint, "safe_open", failing("a bug"))
+    with pytest.raises(RuntimeError, match="^a bug$"):
+        DFlashEngine.from_pretrained(target, no_draft=True)
+    monkeypatch.setattr(checkpoint, "safe_open", real)
+    assert DFlashEngine.from_pretrained(target, no_draft=True).generate("x", max_new_tokens=2).token_ids
