@@ -296,7 +296,8 @@ class DFlashEngine:
         if no_draft and draft_mode == "recompute":  # (as a block size: an option of the drafter)
             raise OptionError("draft_mode 'recompute' needs a drafter (target-only decoding drafts nothing); drop "
                               "draft_mode (or no_draft)", "draft_mode", "draft_mode", "no_draft")
-        if target is None:
+        default_target = target is None
+        if default_target:
             target = DEFAULT_TARGET
             if draft is None and not no_draft:
                 draft = DEFAULT_DRAFTER
@@ -314,7 +315,13 @@ class DFlashEngine:
                 draft_raw, note = fill_mask_token_id(draft_raw, _load_tokenizer(target_dir), target_cfg.vocab_size)
                 log.info(f"dflash-torch: {note}")
             draft_cfg = DrafterConfig.from_dict(draft_raw)
-            validate_pair(target_cfg, draft_cfg)
+            try:
+                validate_pair(target_cfg, draft_cfg)
+            except DFlashError as exc:
+                if not default_target or draft == DEFAULT_DRAFTER:
+                    raise
+                raise DFlashError(f"{exc} (no target was given, so the shipped default target was used: give the "
+                                  "drafter's target)") from None
             if draft_cfg.speculators is not None:
                 from .models.speculators import verifier_mismatch
 

@@ -1042,3 +1042,18 @@ def test_weights_that_cannot_be_mapped_or_allocated_are_one_line_errors(tiny_pai
         DFlashEngine.from_pretrained(target, no_draft=True)
     monkeypatch.setattr(checkpoint, "safe_open", real)
     assert DFlashEngine.from_pretrained(target, no_draft=True).generate("x", max_new_tokens=2).token_ids
+
+
+def test_a_drafter_without_its_target_says_the_default_target_was_used(tiny_pair, capsys):
+    """``--draft`` alone pairs the drafter with the shipped target: when they do not fit, the
+    error says that no target was given (not only the mismatch); with the target it is the
+    mismatch alone."""
+    drafter = str(tiny_pair[1])
+    assert cli_main(["generate", "x", "--draft", drafter]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-torch: error: incompatible pair: ") and err.endswith(
+        " (no target was given, so the shipped default target was used: give the drafter's target)\n"), err
+    from dflash_torch.engine import DEFAULT_TARGET
+
+    with pytest.raises(DFlashError, match=r"^incompatible pair: [^(]*$"):
+        DFlashEngine.from_pretrained(DEFAULT_TARGET, drafter)
