@@ -545,3 +545,19 @@ def test_bench_tau_counts_the_tokens_kept_when_the_last_round_overshoots(agree_p
         dflash = next(r for r in rows if r["mode"] == "dflash")
         assert dflash["mean_acceptance_length"] * dflash["mean_batch"] * dflash["rounds"] == \
             pytest.approx(dflash["decode_tokens"])
+
+
+def test_a_sweep_past_the_pairs_context_says_so(tiny_pair, tmp_path, capsys):
+    """``--sweep`` lengths above the target's context (1024 here) are timed (the drafter's
+    cost at that length) with a note that this pair cannot reach them; those within it are not named."""
+    from dflash_torch.cli import main as cli_main
+
+    target, drafter = tiny_pair
+    rc = cli_main(["bench", "--target", str(target), "--draft", str(drafter), "--out", str(tmp_path / "o"),
+                   "--dtype", "float32", "--modes", "target-only", "--num-prompts", "1", "--max-new-tokens", "4",
+                   "--sweep", "128,1024,2048", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert ("note: --sweep lengths 2048 exceed the target's context of 1024 tokens: the loaded drafter's sweep times "
+            "contexts this pair cannot reach (the cost alone)\n") in err
+    assert json.loads((tmp_path / "o" / "bench.json").read_text())["sweep"]["lengths"] == [128, 1024, 2048]

@@ -273,6 +273,11 @@ def _run(args: argparse.Namespace) -> int:
         for shape in sweep_shapes:
             check_sweep_fits(shape_drafter_config(target_config(shape), 5, engine.block_size), lengths,
                              engine.block_size, dtype, device, f"a {shape}-shaped drafter", built=False)
+        beyond = [n for n in lengths if n > limit]
+        if beyond and engine.drafter is not None:
+            print(f"note: --sweep lengths {', '.join(map(str, beyond))} exceed the target's context of {limit} tokens: "
+                  "the loaded drafter's sweep times contexts this pair cannot reach (the cost alone)",
+                  file=sys.stderr, flush=True)
     report = {
         "target": str(args.target or DEFAULT_TARGET), "draft": None if engine.drafter is None else str(args.draft or DEFAULT_DRAFTER),
         "dtype": str(dtype).removeprefix("torch."), "device": args.device, "block_size": engine.block_size,
