@@ -153,13 +153,54 @@ def dflash2_settings(cfg: TrainConfig, hidden_size: int, vocab_size: int) -> DFl
                            selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
 
 
-def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_id: int) -> DrafterConfig:
+def _ids_text(ids: list[int]) -> str:
+    return ",".join(str(i) for i in ids)
+
+
+def _usable(ids: list[int], L: int) -> bool:
+    """Target layer ids inside ``L`` layers, each read once, in increasing order."""
+    return all(0 <= i < L for i in ids) and all(a < b for a, b in zip(ids, ids[1:]))
+
+
+def default_layer_ids(L: int, n: int) -> tuple[list[int], str | None]:
+    """The ``target_layer_ids`` of an ``n``-layer drafter trained for an ``L``-layer target
+    without ``--target-layer-ids``: the DFlash reference rule (:func:`default_target_layer_ids`),
+    and a warning line where it repeats a layer or reads them out of order (below 4 target
+    layers, or more drafter layers than layers 1 .. L - 3).
+
+    Raises:
+        DFlashError: the rule names layers outside the target's (below 3 target layers),
+            with a ``--num-layers`` whose ids fit, if any, and ``--target-layer-ids``.
+    """
+    ids = default_target_layer_ids(L, n)
+    if _usable(ids, L):
+        return ids, None
+    rule = f"the DFlash rule spreads them from layer 1 to layer L - 3 = {L - 3}"
+    # the most drafter layers whose ids the rule picks usable (1 at least: it reads layer L // 2)
+    fewer = next((m for m in range(n - 1, 0, -1) if _usable(default_target_layer_ids(L, m), L)), None)
+    example = _ids_text([i * (L - 1) // (n - 1) for i in range(n)]) if 1 < n <= L else None
+    choose = f"choose {n} layers with --target-layer-ids" + (f" (e.g. {example})" if example else "")
+    if any(not 0 <= i < L for i in ids):
+        raise DFlashError(f"the default target layers of a {n}-layer drafter are {ids} ({rule}), outside the target's "
+                          f"{L} layer{'s' if L > 1 else ''}: pass " + (f"--num-layers {fewer}, or " if fewer else "") + choose)
+    faults = []
+    if len(set(ids)) < len(ids):
+        faults.append("repeat layers")
+    if any(a > b for a, b in zip(ids, ids[1:])):
+        faults.append("are not in increasing order")
+    return ids, (f"WARNING: the default target layers of a {n}-layer drafter for this {L}-layer target are {ids} "
+                 f"({rule}), which {' and '.join(faults)}: {choose}" + (f", or pass --num-layers {fewer}" if fewer else ""))
+
+
+def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_id: int, warn=None) -> DrafterConfig:
     """A drafter shaped like the target's layers (hidden size, heads, RoPE), ``num_layers`` deep,
     with the DFlash 2 modules for ``--arch dflash2`` (:func:`dflash2_settings`).
 
     Its MLP width is ``--intermediate-size``, else the target's dense MLP width, else (a
     target whose every MLP is a mixture of experts) the width a token passes through:
-    ``top_k * moe_intermediate_size + shared_expert_intermediate_size``."""
+    ``top_k * moe_intermediate_size + shared_expert_intermediate_size``. Its target layers
+    are ``--target-layer-ids``, else :func:`default_layer_ids`, whose warning (if any) goes
+    to ``warn`` once the whole config is valid."""
     L = target_cfg.num_hidden_layers
     if target_cfg.feature_size != target_cfg.hidden_size:
         raise DFlashError(f"training a drafter for a {target_cfg.model_type} target is not supported: its layers' "
@@ -168,13 +209,19 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
     if cfg.init_from_target and cfg.num_layers > L:
         raise DFlashError(f"--init-from-target copies the target's last --num-layers layers: at most {L}, "
                           f"got {cfg.num_layers}")
-    layer_ids = cfg.target_layer_ids or default_target_layer_ids(L, cfg.num_layers)
-    bad = [i for i in layer_ids if not 0 <= i < L]
-    if bad:
-        raise DFlashError(f"--target-layer-ids {bad} outside the target's {L} layers")
+    note = None
+    if cfg.target_layer_ids is None:  # (the DFlash rule: it fails, or repeats layers, on shallow targets)
+        layer_ids, note = default_layer_ids(L, cfg.num_layers)
+    else:
+        layer_ids = cfg.target_layer_ids
+        if not layer_ids:  # (an empty --target-layer-ids "" fell back to the rule unsaid)
+            raise DFlashError("--target-layer-ids needs at least one target layer id")
+        bad = [i for i in layer_ids if not 0 <= i < L]
+        if bad:
+            raise DFlashError(f"--target-layer-ids {bad} outside the target's {L} layers")
     if cfg.block_size < 2:
         raise DFlashError(f"--block-size must be >= 2, got {cfg.block_size}")
-    return DrafterConfig(
+    dcfg = DrafterConfig(
         hidden_size=target_cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
         head_dim=target_cfg.head_dim, intermediate_size=cfg.intermediate_size or _mlp_width(target_cfg),
@@ -184,6 +231,9 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
         sliding_windows=[None] * cfg.num_layers, max_position_embeddings=target_cfg.max_position_embeddings,
         dflash2=dflash2_settings(cfg, target_cfg.hidden_size, target_cfg.vocab_size),
     )
+    if note and warn is not None:
+        warn(note)
+    return dcfg
 
 
 def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None) -> tuple[DFlashDrafter, DrafterConfig]:
@@ -507,7 +557,7 @@ class Trainer:
         from ..engine import _load_tokenizer
 
         tokenizer = _load_tokenizer(target_dir)
-        source = None
+        source, notes = None, []
         if cfg.init_from:
             source, dcfg = load_init_drafter(cfg, target_cfg, tokenizer)
             how = f"from --init-from {cfg.init_from}"
@@ -518,13 +568,15 @@ class Trainer:
                 self.log(f"WARNING: --mask-token-id {mask_id} is the tokenizer's {used[mask_id].upper()} token, which "
                          "the training data holds; the drafter cannot tell a masked slot from it (give an id the data "
                          "never uses, or leave the option out)")
-            dcfg = make_drafter_config(target_cfg, cfg, mask_id)
+            dcfg = make_drafter_config(target_cfg, cfg, mask_id, warn=notes.append)
         if cfg.seq_len <= dcfg.block_size:
             raise DFlashError(f"--seq-len ({cfg.seq_len}) must be longer than the block size ({dcfg.block_size})")
         gamma = cfg.gamma or default_gamma(dcfg.block_size)
         extra = f", DFlash 2 modules {dcfg.dflash2}" if dcfg.dflash2 else ""
         self.log(f"drafter: {dcfg.num_hidden_layers} layers, B={dcfg.block_size}, target_layer_ids={dcfg.target_layer_ids}, "
                  f"mask_token_id={dcfg.mask_token_id} ({how}), gamma={gamma:g}{extra}")
+        for note in notes:
+            self.log(note)
 
         data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log)
         self.log(f"data: {data_stats}")
