@@ -1015,3 +1015,45 @@ def test_default_target_layers_on_shallow_targets_say_what_to_pass(tmp_path, tok
     ids = json.loads((out / "config.json").read_text())["dflash_config"]["target_layer_ids"]
     assert ids == ([1, 0] if L == 3 else [1, 1, 1, 1])
 
+
+def test_resume_names_the_drafter_settings_that_differ_before_the_data_step(tiny_pair, tmp_path, capsys, monkeypatch):
+    """--resume with other drafter settings than the checkpoint's: each named as a flag with
+    both values (it said "a different drafter configuration"), and, as a missing checkpoint,
+    said before the data is prepared (it came after)."""
+    import dflash_torch.training.trainer as trainer_mod
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair  # 4 layers: the default 2-layer drafter reads [1, 1]
+    text = tmp_path / "c.txt"
+    text.write_text("\n".join(corpus_texts(8_000)))
+    out = tmp_path / "out"
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--batch", "2", "--seq-len", "32",
+            "--anchors-per-seq", "2", "--val-seqs", "0", "--no-progress"]
+    ckpt = out / "train_work" / "checkpoint.pt"
+
+    def no_data(*a, **k):
+        raise AssertionError("the data step ran")
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "prepare_data", no_data)
+        assert cli_main(args + ["--resume", "--steps", "2"]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"dflash-torch: error: --resume: no checkpoint at {ckpt}"]
+    assert cli_main(args + ["--steps", "1", "--num-layers", "1", "--block-size", "8"]) == 0
+    capsys.readouterr()
+    tail = " (give the checkpoint's values to continue it, or leave out --resume and pass --overwrite to start over)"
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "prepare_data", no_data)
+        assert cli_main(args + ["--resume", "--steps", "2"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"dflash-torch: error: --resume: {ckpt} was trained with another drafter configuration: --num-layers 2 "
+            "here, 1 in the checkpoint; --block-size 16 here, 8 in the checkpoint; --target-layer-ids 1,1 here, 2 in "
+            "the checkpoint" + tail]
+        assert cli_main(args + ["--resume", "--steps", "2", "--num-layers", "1", "--block-size", "8", "--arch",
+                                "dflash2", "--intermediate-size", "96"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"dflash-torch: error: --resume: {ckpt} was trained with another drafter configuration: --arch dflash2 "
+            "here, dflash in the checkpoint; --intermediate-size 96 here, 128 in the checkpoint" + tail]
+    # the same settings: it goes on from the checkpoint
+    assert cli_main(args + ["--resume", "--steps", "2", "--num-layers", "1", "--block-size", "8"]) == 0
+    assert "resume: step 1" in capsys.readouterr().err
+    assert torch.load(ckpt, weights_only=False)["step"] == 2
