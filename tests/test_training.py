@@ -949,3 +949,111 @@ def test_a_learning_rate_that_blows_the_weights_up_is_an_error_not_a_saved_draft
         Trainer(cfg, log=lambda m: None).run()
     assert "lower --lr" in str(err.value) and "\n" not in str(err.value)
     assert not (Path(cfg.out) / "model.safetensors").exists()
+
+
+def test_default_target_layers_keep_the_reference_rule_where_it_fits():
+    """The DFlash rule's ids are kept, silently, for targets deep enough (28 / 36 layers:
+    [1, 25], [1, 17, 33], ...); below that they fail or repeat layers with what to pass."""
+    from dflash_torch.models.config import default_target_layer_ids
+    from dflash_torch.training.trainer import default_layer_ids
+
+    for L in (6, 28, 36, 64):
+        for n in range(1, 6 if L > 6 else 4):
+            assert default_layer_ids(L, n) == (default_target_layer_ids(L, n), None), (L, n)
+    assert default_layer_ids(28, 2)[0] == [1, 25] and default_layer_ids(36, 3)[0] == [1, 17, 33]
+    assert default_layer_ids(5, 2) == ([1, 2], None) and default_layer_ids(2, 1) == ([1], None)
+    ids, note = default_layer_ids(5, 4)  # (with fewer drafter layers the rule's ids are distinct)
+    assert ids == [1, 1, 2, 2] and note.endswith("which repeat layers: choose 4 layers with --target-layer-ids "
+                                                 "(e.g. 0,1,2,4), or pass --num-layers 2"), note
+
+
+SHALLOW_TARGET_CASES = {  # (target layers, extra flags): the exact line (a warning: trained all the same)
+    # (it said "--target-layer-ids [-1] outside the target's 2 layers", a flag the user never gave)
+    "2-layer": (2, [], "dflash-torch: error: the default target layers of a 2-layer drafter are [1, -1] (the DFlash "
+                       "rule spreads them from layer 1 to layer L - 3 = -1), outside the target's 2 layers: pass "
+                       "--num-layers 1, or choose 2 layers with --target-layer-ids (e.g. 0,1)"),
+    "1-layer": (1, [], "dflash-torch: error: the default target layers of a 2-layer drafter are [1, -2] (the DFlash "
+                       "rule spreads them from layer 1 to layer L - 3 = -2), outside the target's 1 layer: pass "
+                       "--num-layers 1, or choose 2 layers with --target-layer-ids"),
+    # (given ids: the error names the flag, as before)
+    "2-layer-given": (2, ["--target-layer-ids", "0,-1"],
+                      "dflash-torch: error: --target-layer-ids [-1] outside the target's 2 layers"),
+    "empty-given": (2, ["--target-layer-ids", ""],  # (it fell back to the rule unsaid)
+                    "dflash-torch: error: --target-layer-ids needs at least one target layer id"),
+    # (trained on [1, 0] / [1, 1, 1, 1] without a word)
+    "3-layer": (3, [], "WARNING: the default target layers of a 2-layer drafter for this 3-layer target are [1, 0] "
+                       "(the DFlash rule spreads them from layer 1 to layer L - 3 = 0), which are not in increasing "
+                       "order: choose 2 layers with --target-layer-ids (e.g. 0,2), or pass --num-layers 1"),
+    "4-layer-4-deep": (4, ["--num-layers", "4"],
+                       "WARNING: the default target layers of a 4-layer drafter for this 4-layer target are "
+                       "[1, 1, 1, 1] (the DFlash rule spreads them from layer 1 to layer L - 3 = 1), which repeat "
+                       "layers: choose 4 layers with --target-layer-ids (e.g. 0,1,2,3), or pass --num-layers 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(SHALLOW_TARGET_CASES))
+def test_default_target_layers_on_shallow_targets_say_what_to_pass(tmp_path, tokenizer_dir, capsys, case):
+    from conftest import make_target
+
+    from dflash_torch.cli import main as cli_main
+
+    L, flags, line = SHALLOW_TARGET_CASES[case]
+    target = make_target(tmp_path / "t", num_hidden_layers=L, tokenizer=False)
+    copy_tokenizer(tokenizer_dir, target)
+    capsys.readouterr()  # (transformers' saving bar)
+    text = tmp_path / "c.txt"
+    text.write_text("\n".join(corpus_texts(8_000)))
+    out = tmp_path / "out"
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--steps", "1", "--batch", "2",
+            "--seq-len", "32", "--block-size", "4", "--anchors-per-seq", "2", "--val-seqs", "0", "--no-progress", *flags]
+    code = cli_main(args)
+    err = capsys.readouterr().err.splitlines()
+    if "error" in line:
+        assert code == 2 and err == [line], err
+        return
+    assert code == 0 and [e for e in err if "WARNING" in e] == [line], err
+    ids = json.loads((out / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    assert ids == ([1, 0] if L == 3 else [1, 1, 1, 1])
+
+
+def test_resume_names_the_drafter_settings_that_differ_before_the_data_step(tiny_pair, tmp_path, capsys, monkeypatch):
+    """--resume with other drafter settings than the checkpoint's: each named as a flag with
+    both values (it said "a different drafter configuration"), and, as a missing checkpoint,
+    said before the data is prepared (it came after)."""
+    import dflash_torch.training.trainer as trainer_mod
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair  # 4 layers: the default 2-layer drafter reads [1, 1]
+    text = tmp_path / "c.txt"
+    text.write_text("\n".join(corpus_texts(8_000)))
+    out = tmp_path / "out"
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--batch", "2", "--seq-len", "32",
+            "--anchors-per-seq", "2", "--val-seqs", "0", "--no-progress"]
+    ckpt = out / "train_work" / "checkpoint.pt"
+
+    def no_data(*a, **k):
+        raise AssertionError("the data step ran")
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "prepare_data", no_data)
+        assert cli_main(args + ["--resume", "--steps", "2"]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"dflash-torch: error: --resume: no checkpoint at {ckpt}"]
+    assert cli_main(args + ["--steps", "1", "--num-layers", "1", "--block-size", "8"]) == 0
+    capsys.readouterr()
+    tail = " (give the checkpoint's values to continue it, or leave out --resume and pass --overwrite to start over)"
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "prepare_data", no_data)
+        assert cli_main(args + ["--resume", "--steps", "2"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"dflash-torch: error: --resume: {ckpt} was trained with another drafter configuration: --num-layers 2 "
+            "here, 1 in the checkpoint; --block-size 16 here, 8 in the checkpoint; --target-layer-ids 1,1 here, 2 in "
+            "the checkpoint" + tail]
+        assert cli_main(args + ["--resume", "--steps", "2", "--num-layers", "1", "--block-size", "8", "--arch",
+                                "dflash2", "--intermediate-size", "96"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"dflash-torch: error: --resume: {ckpt} was trained with another drafter configuration: --arch dflash2 "
+            "here, dflash in the checkpoint; --intermediate-size 96 here, 128 in the checkpoint" + tail]
+    # the same settings: it goes on from the checkpoint
+    assert cli_main(args + ["--resume", "--steps", "2", "--num-layers", "1", "--block-size", "8"]) == 0
+    assert "resume: step 1" in capsys.readouterr().err
+    assert torch.load(ckpt, weights_only=False)["step"] == 2

@@ -153,13 +153,54 @@ def dflash2_settings(cfg: TrainConfig, hidden_size: int, vocab_size: int) -> DFl
                            selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
 
 
-def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_id: int) -> DrafterConfig:
+def _ids_text(ids: list[int]) -> str:
+    return ",".join(str(i) for i in ids)
+
+
+def _usable(ids: list[int], L: int) -> bool:
+    """Target layer ids inside ``L`` layers, each read once, in increasing order."""
+    return all(0 <= i < L for i in ids) and all(a < b for a, b in zip(ids, ids[1:]))
+
+
+def default_layer_ids(L: int, n: int) -> tuple[list[int], str | None]:
+    """The ``target_layer_ids`` of an ``n``-layer drafter trained for an ``L``-layer target
+    without ``--target-layer-ids``: the DFlash reference rule (:func:`default_target_layer_ids`),
+    and a warning line where it repeats a layer or reads them out of order (below 4 target
+    layers, or more drafter layers than layers 1 .. L - 3).
+
+    Raises:
+        DFlashError: the rule names layers outside the target's (below 3 target layers),
+            with a ``--num-layers`` whose ids fit, if any, and ``--target-layer-ids``.
+    """
+    ids = default_target_layer_ids(L, n)
+    if _usable(ids, L):
+        return ids, None
+    rule = f"the DFlash rule spreads them from layer 1 to layer L - 3 = {L - 3}"
+    # the most drafter layers whose ids the rule picks usable (1 at least: it reads layer L // 2)
+    fewer = next((m for m in range(n - 1, 0, -1) if _usable(default_target_layer_ids(L, m), L)), None)
+    example = _ids_text([i * (L - 1) // (n - 1) for i in range(n)]) if 1 < n <= L else None
+    choose = f"choose {n} layers with --target-layer-ids" + (f" (e.g. {example})" if example else "")
+    if any(not 0 <= i < L for i in ids):
+        raise DFlashError(f"the default target layers of a {n}-layer drafter are {ids} ({rule}), outside the target's "
+                          f"{L} layer{'s' if L > 1 else ''}: pass " + (f"--num-layers {fewer}, or " if fewer else "") + choose)
+    faults = []
+    if len(set(ids)) < len(ids):
+        faults.append("repeat layers")
+    if any(a > b for a, b in zip(ids, ids[1:])):
+        faults.append("are not in increasing order")
+    return ids, (f"WARNING: the default target layers of a {n}-layer drafter for this {L}-layer target are {ids} "
+                 f"({rule}), which {' and '.join(faults)}: {choose}" + (f", or pass --num-layers {fewer}" if fewer else ""))
+
+
+def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_id: int, warn=None) -> DrafterConfig:
     """A drafter shaped like the target's layers (hidden size, heads, RoPE), ``num_layers`` deep,
     with the DFlash 2 modules for ``--arch dflash2`` (:func:`dflash2_settings`).
 
     Its MLP width is ``--intermediate-size``, else the target's dense MLP width, else (a
     target whose every MLP is a mixture of experts) the width a token passes through:
-    ``top_k * moe_intermediate_size + shared_expert_intermediate_size``."""
+    ``top_k * moe_intermediate_size + shared_expert_intermediate_size``. Its target layers
+    are ``--target-layer-ids``, else :func:`default_layer_ids`, whose warning (if any) goes
+    to ``warn`` once the whole config is valid."""
     L = target_cfg.num_hidden_layers
     if target_cfg.feature_size != target_cfg.hidden_size:
         raise DFlashError(f"training a drafter for a {target_cfg.model_type} target is not supported: its layers' "
@@ -168,13 +209,19 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
     if cfg.init_from_target and cfg.num_layers > L:
         raise DFlashError(f"--init-from-target copies the target's last --num-layers layers: at most {L}, "
                           f"got {cfg.num_layers}")
-    layer_ids = cfg.target_layer_ids or default_target_layer_ids(L, cfg.num_layers)
-    bad = [i for i in layer_ids if not 0 <= i < L]
-    if bad:
-        raise DFlashError(f"--target-layer-ids {bad} outside the target's {L} layers")
+    note = None
+    if cfg.target_layer_ids is None:  # (the DFlash rule: it fails, or repeats layers, on shallow targets)
+        layer_ids, note = default_layer_ids(L, cfg.num_layers)
+    else:
+        layer_ids = cfg.target_layer_ids
+        if not layer_ids:  # (an empty --target-layer-ids "" fell back to the rule unsaid)
+            raise DFlashError("--target-layer-ids needs at least one target layer id")
+        bad = [i for i in layer_ids if not 0 <= i < L]
+        if bad:
+            raise DFlashError(f"--target-layer-ids {bad} outside the target's {L} layers")
     if cfg.block_size < 2:
         raise DFlashError(f"--block-size must be >= 2, got {cfg.block_size}")
-    return DrafterConfig(
+    dcfg = DrafterConfig(
         hidden_size=target_cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
         head_dim=target_cfg.head_dim, intermediate_size=cfg.intermediate_size or _mlp_width(target_cfg),
@@ -184,6 +231,51 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
         sliding_windows=[None] * cfg.num_layers, max_position_embeddings=target_cfg.max_position_embeddings,
         dflash2=dflash2_settings(cfg, target_cfg.hidden_size, target_cfg.vocab_size),
     )
+    if note and warn is not None:
+        warn(note)
+    return dcfg
+
+
+# the drafter config.json keys that training flags set, and the flag (the others come from the target)
+DRAFTER_FLAGS = {"architectures": "--arch", "num_hidden_layers": "--num-layers", "block_size": "--block-size",
+                 "target_layer_ids": "--target-layer-ids", "intermediate_size": "--intermediate-size",
+                 "mask_token_id": "--mask-token-id", "conv_kernel_size": "--conv-kernel-size",
+                 "conv_group_size": "--conv-group-size", "selector_rank": "--selector-rank",
+                 "selector_top_k": "--selector-top-k"}
+SHAPE_KEYS = ("num_hidden_layers", "block_size", "target_layer_ids", "intermediate_size", "mask_token_id")
+
+
+def drafter_config_differences(here: dict, there: dict, init_from: bool = False) -> list[str]:
+    """What differs between two drafter ``config.json`` dicts (this run's and a checkpoint's),
+    one entry a setting, named by its flag where a flag sets it (``--num-layers 2 here, 1 in
+    the checkpoint``), else by its key (the target's, or with ``init_from`` the ``--init-from``
+    drafter's, shape)."""
+    def flat(d: dict) -> dict:
+        out = {k: v for k, v in d.items() if k != "dflash_config"}
+        out.update(d.get("dflash_config") or {})
+        if isinstance(out.get("architectures"), list):
+            out["architectures"] = {"DFlash2DraftModel": "dflash2", "DFlashDraftModel": "dflash"}.get(
+                out["architectures"][0], out["architectures"][0])
+        return out
+
+    a, b = flat(here), flat(there)
+    skip = {"layer_types"} if a.get("num_hidden_layers") != b.get("num_hidden_layers") else set()  # (one per layer)
+    if a.get("architectures") != b.get("architectures"):  # (the DFlash 2 keys of one side only)
+        skip |= a.keys() ^ b.keys()
+    def show(v) -> str:  # (as the flag takes it)
+        return _ids_text(v) if isinstance(v, list) else "none" if v is None else str(v)
+
+    order = list(DRAFTER_FLAGS)  # (the flags first, in this order)
+    out = []
+    for key in sorted(a.keys() | b.keys(), key=lambda k: (order.index(k) if k in order else len(order), k)):
+        if key in skip or a.get(key) == b.get(key):
+            continue
+        flag = DRAFTER_FLAGS.get(key)
+        if flag and not (init_from and key in SHAPE_KEYS):  # (with --init-from the shape is the source drafter's)
+            out.append(f"{flag} {show(a.get(key))} here, {show(b.get(key))} in the checkpoint")
+        else:
+            out.append(f"{key} {a.get(key)!r} here, {b.get(key)!r} in the checkpoint")
+    return out
 
 
 def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None) -> tuple[DFlashDrafter, DrafterConfig]:
@@ -498,6 +590,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         corpus_files(cfg.data)  # (a missing --data path: an error before the target loads, not after its log lines)
+        ckpt_path = cfg.work_path() / CHECKPOINT
+        if cfg.resume and not ckpt_path.is_file():  # (it was found out after the data was prepared)
+            raise DFlashError(f"--resume: no checkpoint at {ckpt_path}")
         target_dir = checkpoint_dir(cfg.target, "target")
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
         if cfg.seq_len > target_cfg.max_position_embeddings:
@@ -507,7 +602,7 @@ class Trainer:
         from ..engine import _load_tokenizer
 
         tokenizer = _load_tokenizer(target_dir)
-        source = None
+        source, notes = None, []
         if cfg.init_from:
             source, dcfg = load_init_drafter(cfg, target_cfg, tokenizer)
             how = f"from --init-from {cfg.init_from}"
@@ -518,13 +613,43 @@ class Trainer:
                 self.log(f"WARNING: --mask-token-id {mask_id} is the tokenizer's {used[mask_id].upper()} token, which "
                          "the training data holds; the drafter cannot tell a masked slot from it (give an id the data "
                          "never uses, or leave the option out)")
-            dcfg = make_drafter_config(target_cfg, cfg, mask_id)
+            dcfg = make_drafter_config(target_cfg, cfg, mask_id, warn=notes.append)
         if cfg.seq_len <= dcfg.block_size:
             raise DFlashError(f"--seq-len ({cfg.seq_len}) must be longer than the block size ({dcfg.block_size})")
+        st = None
+        if cfg.resume:  # (before the data is prepared, which can take long)
+            try:  # (mapped: its tensors are read when the drafter and optimizer take them, after the data step)
+                st = torch.load(ckpt_path, weights_only=False, mmap=True)
+            except Exception as exc:
+                raise DFlashError(f"--resume: cannot read {ckpt_path}: {' '.join(str(exc).split())[:200]}") from None
+            differ = drafter_config_differences(dcfg.to_dict(), st["drafter_config"], bool(cfg.init_from))
+            if differ:
+                raise DFlashError(f"--resume: {ckpt_path} was trained with another drafter configuration: "
+                                  f"{'; '.join(differ)} (give the checkpoint's values to continue it, or leave out "
+                                  "--resume and pass --overwrite to start over)")
         gamma = cfg.gamma or default_gamma(dcfg.block_size)
         extra = f", DFlash 2 modules {dcfg.dflash2}" if dcfg.dflash2 else ""
         self.log(f"drafter: {dcfg.num_hidden_layers} layers, B={dcfg.block_size}, target_layer_ids={dcfg.target_layer_ids}, "
                  f"mask_token_id={dcfg.mask_token_id} ({how}), gamma={gamma:g}{extra}")
+        for note in notes:
+            self.log(note)
+        if st is not None:  # (said before the data step too)
+            step, elapsed_prev = st["step"], st["elapsed"]
+            self.log(f"resume: step {step}, {elapsed_prev / 60:.1f} min trained")
+            before = st.get("train_config") or {}
+            changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {before[k]!r})" for k in RECIPE
+                       if k in before and before[k] != getattr(cfg, k)]
+            if st.get("target_dir") not in (None, str(target_dir.resolve())):  # (another target, however it is spelt)
+                changed.insert(0, f"--target {str(target_dir.resolve())!r} (was {st['target_dir']!r})")
+            if cfg.steps is not None and step >= cfg.steps:
+                self.log(f"resume: the checkpoint is at step {step}, --steps {cfg.steps} is reached: no training; "
+                         "the drafter is exported as it is (give a larger --steps to train on)")
+            elif cfg.time_budget_min is not None and elapsed_prev >= cfg.time_budget_min * 60:
+                self.log(f"resume: the checkpoint has trained {elapsed_prev / 60:.1f} min, --time-budget-min "
+                         f"{cfg.time_budget_min:g} is spent: no training; the drafter is exported as it is")
+            if changed:  # (allowed, e.g. on purpose; but then not the run an uninterrupted one would be)
+                self.log(f"resume: WARNING: the recipe differs from the checkpoint's run: {', '.join(changed)}; "
+                         "training goes on with the new values")
 
         data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log)
         self.log(f"data: {data_stats}")
@@ -545,34 +670,13 @@ class Trainer:
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
-        work = cfg.work_path()
-        work.mkdir(parents=True, exist_ok=True)
-        ckpt_path = work / CHECKPOINT
+        cfg.work_path().mkdir(parents=True, exist_ok=True)
         step, elapsed_prev, history, evals = 0, 0.0, [], []
-        if cfg.resume:
-            if not ckpt_path.is_file():
-                raise DFlashError(f"--resume: no checkpoint at {ckpt_path}")
-            st = torch.load(ckpt_path, weights_only=False)
-            if st["drafter_config"] != dcfg.to_dict():
-                raise DFlashError(f"--resume: {ckpt_path} was trained with a different drafter configuration")
+        if st is not None:
             drafter.load_state_dict(st["drafter"])
             opt.load_state_dict(st["optimizer"])
             step, elapsed_prev, history, evals = st["step"], st["elapsed"], st["history"], st["evals"]
-            self.log(f"resume: step {step}, {elapsed_prev / 60:.1f} min trained")
-            before = st.get("train_config") or {}
-            changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {before[k]!r})" for k in RECIPE
-                       if k in before and before[k] != getattr(cfg, k)]
-            if st.get("target_dir") not in (None, str(target_dir.resolve())):  # (another target, however it is spelt)
-                changed.insert(0, f"--target {str(target_dir.resolve())!r} (was {st['target_dir']!r})")
-            if cfg.steps is not None and step >= cfg.steps:
-                self.log(f"resume: the checkpoint is at step {step}, --steps {cfg.steps} is reached: no training; "
-                         "the drafter is exported as it is (give a larger --steps to train on)")
-            elif cfg.time_budget_min is not None and elapsed_prev >= cfg.time_budget_min * 60:
-                self.log(f"resume: the checkpoint has trained {elapsed_prev / 60:.1f} min, --time-budget-min "
-                         f"{cfg.time_budget_min:g} is spent: no training; the drafter is exported as it is")
-            if changed:  # (allowed, e.g. on purpose; but then not the run an uninterrupted one would be)
-                self.log(f"resume: WARNING: the recipe differs from the checkpoint's run: {', '.join(changed)}; "
-                         "training goes on with the new values")
+            del st  # (its tensors now live in the drafter and the optimizer)
 
         budget = cfg.time_budget_min * 60 if cfg.time_budget_min is not None else None
         t_train = time.time()
