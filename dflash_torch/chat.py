@@ -25,15 +25,24 @@ from .cli import (
 from .errors import DFlashError
 
 HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D); Ctrl-C stops a reply"
+# the sampling flags that --generation-config auto fills from generation_config.json when not given, and
+# their values otherwise (generate's defaults)
+RECOMMENDED = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+               "max_new_tokens": 256}
 
 
 def register(sub) -> None:
     p = sub.add_parser("chat", help="chat with the model in the terminal (multi-turn, streamed)")
     p.add_argument("--system", default=None, help="a system message that starts the conversation")
     add_chat_template_kwargs_arg(p, "(every turn)")
+    p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                   help="sampling values not given as flags (--temperature, --top-k, --top-p, --min-p, "
+                        "--repetition-penalty, --max-new-tokens): auto (default) takes those the target's "
+                        "generation_config.json recommends, as serve does; none (or a value the file does not set) "
+                        "keeps generate's defaults (greedy, 256 tokens)")
     add_model_args(p)
     add_sampling_args(p)
-    p.set_defaults(func=_chat)
+    p.set_defaults(func=_chat, **dict.fromkeys(RECOMMENDED))  # (None: not given)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -49,11 +58,15 @@ def _chat_here(args: argparse.Namespace) -> int:
         raise DFlashError("the target's tokenizer has no chat template; use 'dflash-torch generate' for plain text")
     start = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages = list(start)
-    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, min_p=args.min_p, seed=args.seed, presence_penalty=args.presence_penalty,
-                  frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+    recommended = engine.generation_defaults if args.generation_config == "auto" else {}
+    taken = {k: v for k, v in recommended.items() if k in RECOMMENDED and getattr(args, k) is None}
+    kwargs = {k: taken.get(k, v) if getattr(args, k) is None else getattr(args, k) for k, v in RECOMMENDED.items()}
+    kwargs.update(seed=args.seed, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                   logit_bias=args.logit_bias, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
                   chat=True, chat_template_kwargs=args.chat_template_kwargs)
+    if taken:
+        print("[sampling from the target's generation_config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items())
+              + " (flags override it; --generation-config none: generate's defaults)]", file=sys.stderr)
     interactive = sys.stdin.isatty()
     if interactive:
         try:

@@ -111,3 +111,33 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_pair):
     err = err.decode()
     assert proc.returncode == 0, err
     assert "[finish=interrupted]" in err and len(stats_lines(err)) == 1, err
+
+
+def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path):
+    """``--generation-config auto`` (the default): the sampling values the target's
+    generation_config.json recommends, where no flag gives them, said on stderr; a flag
+    overrides its value; ``none``: generate's defaults (greedy)."""
+    target = shutil.copytree(tiny_pair[0], tmp_path / "target")
+    config = json.loads((target / "generation_config.json").read_text()) if (target / "generation_config.json").exists() else {}
+    config.update(temperature=0.8, top_k=7, max_new_tokens=6)
+    (target / "generation_config.json").write_text(json.dumps(config))
+    api = DFlashEngine.from_pretrained(target, tiny_pair[1], dtype="float32")
+    conversation = [{"role": "user", "content": "def f(x):"}]
+
+    def chat(*flags):
+        proc = run_cli("chat", "--target", str(target), "--draft", str(tiny_pair[1]), "--dtype", "float32", *flags,
+                       stdin="def f(x):\n")
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    proc = chat("--seed", "3")
+    assert proc.stdout == api.generate(conversation, chat=True, temperature=0.8, top_k=7, max_new_tokens=6,
+                                       seed=3).text + "\n"
+    assert "[sampling from the target's generation_config.json: temperature 0.8, top_k 7, max_new_tokens 6 (flags " \
+           "override it; --generation-config none: generate's defaults)]" in proc.stderr
+    proc = chat("--temperature", "0")
+    assert proc.stdout == api.generate(conversation, chat=True, max_new_tokens=6).text + "\n"
+    assert "top_k 7, max_new_tokens 6" in proc.stderr and "temperature 0.8" not in proc.stderr
+    proc = chat("--generation-config", "none", "--max-new-tokens", "9")
+    assert proc.stdout == api.generate(conversation, chat=True, max_new_tokens=9).text + "\n"
+    assert "generation_config" not in proc.stderr
