@@ -246,8 +246,9 @@ class DFlashEngine:
                 of a joining prompt in a batch round).
             max_batch_size: sequences decoded together by :meth:`generate_batch`
                 (its caches hold ``max_batch_size`` x ``max_context`` positions).
-            reuse_prefix: prompt-prefix reuse in the batch decoder (see
-                :class:`~dflash_torch.batch.BatchDecoder`; default True).
+            reuse_prefix: prompt-prefix reuse (default True): in :meth:`generate` / :meth:`stream`,
+                of the last request's rows (``SpeculativeDecoder(reuse_prefix=...)``), and in the
+                batch decoder (see :class:`~dflash_torch.batch.BatchDecoder`).
             prefix_slots: batch decoder slots that only keep finished sequences' rows for
                 prefix reuse, beyond ``max_batch_size`` (default 0: only free slots keep
                 them; each costs ``max_context`` positions of cache).
