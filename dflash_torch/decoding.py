@@ -23,8 +23,8 @@ from .errors import DFlashError, OptionError
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
-from .options import (check_block_size, check_count, check_max_context, check_max_new_tokens, check_prompt_logprobs,
-                      check_prompt_ids)
+from .options import (check_block_size, check_count, check_flag, check_max_context, check_max_new_tokens,
+                      check_prompt_logprobs, check_prompt_ids)
 from .sampling import (SamplingParams, TokenLogprob, accept_greedy, accept_sampling, choose, first_logprobs,
                        first_token, probabilities, token_logprobs)
 
@@ -289,7 +289,7 @@ class SpeculativeDecoder:
         self.max_rows = max(block_size, self.prefill_chunk)  # the most rows one forward writes (rings: see cache.py)
         self.target_cache = target.new_cache(self.max_rows)
         self._run = 0  # the rounds() generator that owns the caches (a later call takes them over)
-        self.reuse_prefix = reuse_prefix
+        self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
         self.reused_prefill_tokens = 0  # prompt tokens taken from the caches instead of read, over all runs
         self._kept: _Kept | None = None  # prefix reuse: None while a step writes the caches
         self.feature_layers = drafter.feature_layers(target) if drafter is not None and block_size > 1 else None

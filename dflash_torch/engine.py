@@ -187,7 +187,8 @@ class DFlashEngine:
                                                                draft_mode=draft_mode, block_size=self.block_size)
         self.max_prompt_chars = _max_prompt_chars(tokenizer, self.max_context)
         self.lock = threading.Lock()
-        self._owner: int | None = None  # thread id of the open stream, if any
+        self._owner: threading.Thread | None = None  # the thread of the open stream, if any (not its id: a new
+        # thread may get a finished one's id)
         self.stop_token_ids = set(target.config.eos_token_ids)
         self._generation_defaults: dict | DFlashError = {}
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -812,11 +813,11 @@ class DFlashEngine:
         params, stopper = self.request_params(max_new_tokens, **sampling)
         options.check_prompt_logprobs(prompt_logprobs)
         prompt_ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
-        if self._owner == threading.get_ident():
+        if self._owner is threading.current_thread():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
         with self._locked():  # other threads wait their turn
-            self._owner = threading.get_ident()
+            self._owner = threading.current_thread()
             chunks = self._stream(prompt_ids, params, stopper, prompt_logprobs)
             try:
                 yield chunks
@@ -1077,7 +1078,7 @@ class DFlashEngine:
                     raise
                 raise DFlashError(f"prompt {i}: {exc}") from None
             requests.append((ids, params, stopper, scored))
-        if self._owner == threading.get_ident():
+        if self._owner is threading.current_thread():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
         with self._locked():

@@ -281,3 +281,10 @@ def test_compiled_turns_build_no_graph_after_warmup(agree_models):  # noqa: F811
     (on, n), (off, _) = runs[True], runs[False]
     assert [o[:2] for o in on] == [o[:2] for o in off]
     assert [o[2] for o in on] == [0, n[0] + min(20, len(on[0][0]) - 1), n[1], n[1] + len(on[2][0]) - 1]
+
+
+def test_reuse_prefix_must_be_a_bool(agree_models):  # noqa: F811 (the imported fixture)
+    target, drafter = agree_models
+    for bad in ("no", 1, None):
+        with pytest.raises(decoding.OptionError, match=rf"^reuse_prefix must be True or False, got {bad!r}$"):
+            SpeculativeDecoder(target, drafter, reuse_prefix=bad)

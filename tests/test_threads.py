@@ -230,3 +230,34 @@ def test_on_chunk_that_calls_its_own_engine_gets_an_error_not_a_deadlock(tiny_pa
     assert not t.is_alive(), "deadlock: on_chunk's request waits for the request that called it"
     assert "must not call the engine" in str(out["error"]) and len(errors) == 1
     assert engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids == ref.token_ids
+
+
+def test_a_new_thread_waits_for_a_stream_a_finished_thread_left_open(tiny_pair):
+    """A thread that ends holding an open stream: a request from a new thread (which may get
+    the finished thread's id) waits for that stream to be closed, and is not told that it
+    holds it itself; then it runs as usual."""
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    held, result = [], {}
+
+    def open_one():
+        stream = engine.stream("def f(x):", max_new_tokens=32)
+        next(stream)
+        held.append(stream)  # (still referenced: still open)
+
+    first = threading.Thread(target=open_one)
+    first.start()
+    first.join()
+
+    def request():
+        try:
+            result["out"] = engine.generate("class A:", max_new_tokens=8).token_ids
+        except Exception as exc:  # (a wrong "still open in this thread" error)
+            result["error"] = exc
+
+    second = threading.Thread(target=request)
+    second.start()
+    second.join(1.0)
+    assert second.is_alive() and not result, result  # waiting, not refused
+    held[0].close()
+    second.join(60)
+    assert "error" not in result and result["out"] == engine.generate("class A:", max_new_tokens=8).token_ids
