@@ -3,12 +3,12 @@
 Each line typed is a user message; the reply streams as it is decoded, then one line of
 stats on stderr. The conversation goes through the tokenizer's chat template every turn,
 and the engine's prefix reuse (one sequence at a time: the last request's rows) reads
-only what the last turn did not: the new message, and the last reply where the template
-renders it otherwise than generated. Lines starting with ``/`` are commands: ``/reset``
-(forget the conversation, keep ``--system``), ``/exit`` (or end of input, Ctrl-D). Ctrl-C
-stops a reply (what was generated is kept in the conversation); at the prompt it exits.
-A request the engine refuses (e.g. a conversation that outgrew ``--max-context``) prints
-its error and the conversation goes on.
+only the part of each prompt that the last request's tokens do not start. Lines starting
+with ``/`` are commands: ``/reset`` (forget the conversation, keep ``--system``), ``/exit``
+(or end of input, Ctrl-D); ``//`` starts a message with ``/``. Ctrl-C stops a reply (what was
+generated is kept in the conversation); at the prompt it exits. A turn the engine refuses
+(e.g. a conversation that outgrew ``--max-context``) prints its error and the conversation
+goes on without it; options that would refuse every turn are refused at start.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .cli import (
 )
 from .errors import DFlashError
 
-HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D); Ctrl-C stops a reply"
+HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D), // for a message starting with /; Ctrl-C stops a reply"
 # the sampling flags that --generation-config auto fills from generation_config.json when not given, and
 # their values otherwise (generate's defaults)
 RECOMMENDED = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -32,7 +32,8 @@ RECOMMENDED = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repe
 
 
 def register(sub) -> None:
-    p = sub.add_parser("chat", help="chat with the model in the terminal (multi-turn, streamed)")
+    # (no abbreviations: ``--chat``, a generate flag, would read as --chat-template-kwargs)
+    p = sub.add_parser("chat", help="chat with the model in the terminal (multi-turn, streamed)", allow_abbrev=False)
     p.add_argument("--system", default=None, help="a system message that starts the conversation")
     add_chat_template_kwargs_arg(p, "(every turn)")
     p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
@@ -40,6 +41,8 @@ def register(sub) -> None:
                         "--repetition-penalty, --max-new-tokens): auto (default) takes those the target's "
                         "generation_config.json recommends, as serve does; none (or a value the file does not set) "
                         "keeps generate's defaults (greedy, 256 tokens)")
+    p.add_argument("--no-prefix-reuse", action="store_true",
+                   help="read every turn's whole prompt (default: the part the last turn's tokens hold is reused)")
     add_model_args(p)
     add_sampling_args(p)
     p.set_defaults(func=_chat, **dict.fromkeys(RECOMMENDED))  # (None: not given)
@@ -56,17 +59,12 @@ def _chat_here(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     if getattr(engine.tokenizer, "chat_template", None) is None:
         raise DFlashError("the target's tokenizer has no chat template; use 'dflash-torch generate' for plain text")
+    kwargs = _sampling(engine, args)
     start = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages = list(start)
-    recommended = engine.generation_defaults if args.generation_config == "auto" else {}
-    taken = {k: v for k, v in recommended.items() if k in RECOMMENDED and getattr(args, k) is None}
-    kwargs = {k: taken.get(k, v) if getattr(args, k) is None else getattr(args, k) for k, v in RECOMMENDED.items()}
-    kwargs.update(seed=args.seed, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                  logit_bias=args.logit_bias, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
-                  chat=True, chat_template_kwargs=args.chat_template_kwargs)
-    if taken:
-        print("[sampling from the target's generation_config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items())
-              + " (flags override it; --generation-config none: generate's defaults)]", file=sys.stderr)
+    for stream in (sys.stdin, sys.stdout):  # (bytes that are not text: one turn's error, not a traceback)
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="surrogateescape" if stream is sys.stdin else "replace")
     interactive = sys.stdin.isatty()
     if interactive:
         try:
@@ -82,19 +80,20 @@ def _chat_here(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return 130
-        text = line.strip()
-        if not text:
+        text = _utf8(line)
+        if text is None or not text.strip():
             continue
-        if text.startswith("/"):
-            if text in ("/exit", "/quit"):
+        if text.startswith("/") and not text.startswith("//"):
+            command = text.strip()
+            if command in ("/exit", "/quit"):
                 return 0
-            if text == "/reset":
+            if command == "/reset":
                 messages = list(start)
                 print("[conversation reset]", file=sys.stderr)
             else:
-                print(f"[unknown command {text!r}; {HELP}]", file=sys.stderr)
+                print(f"[unknown command {command!r}; {HELP}]", file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": line})
+        messages.append({"role": "user", "content": text[1:] if text.startswith("//") else text})
         reply = _reply(engine, messages, kwargs)
         if reply is None:  # refused: the message is not part of the conversation
             messages.pop()
@@ -102,21 +101,59 @@ def _chat_here(args: argparse.Namespace) -> int:
             messages.append({"role": "assistant", "content": reply})
 
 
+def _sampling(engine, args: argparse.Namespace) -> dict:
+    """The ``stream`` keyword arguments of every turn: the flags, else (``--generation-config
+    auto``) the target's generation_config.json, else generate's defaults; said on stderr
+    where the file gave them.
+
+    Raises:
+        DFlashError: values the engine refuses (as a turn would, for every turn), or a
+            ``--max-new-tokens`` that leaves no room for a prompt in the context.
+    """
+    recommended = engine.generation_defaults if args.generation_config == "auto" else {}
+    taken = {k: v for k, v in recommended.items() if k in RECOMMENDED and getattr(args, k) is None}
+    kwargs = {k: taken.get(k, v) if getattr(args, k) is None else getattr(args, k) for k, v in RECOMMENDED.items()}
+    kwargs.update(seed=args.seed, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                  logit_bias=args.logit_bias, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    engine.request_params(**kwargs)  # (checked now: refused at every turn otherwise)
+    if kwargs["max_new_tokens"] >= engine.max_context:
+        given = "" if args.max_new_tokens is not None else (
+            " (generation_config.json's)" if "max_new_tokens" in taken else " (the default)")
+        raise DFlashError(f"--max-new-tokens {kwargs['max_new_tokens']}{given} leaves no room for a prompt in the "
+                          f"context of {engine.max_context} tokens; lower it (or raise --max-context)")
+    if taken:
+        print("[sampling from the target's generation_config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items())
+              + " (flags override it; --generation-config none: generate's defaults)]", file=sys.stderr)
+    return dict(kwargs, chat=True, chat_template_kwargs=args.chat_template_kwargs)
+
+
+def _utf8(line: str) -> str | None:
+    """A line read from stdin as text, or None (said on stderr) where its bytes are not UTF-8."""
+    try:
+        return line.encode(sys.stdin.encoding or "utf-8", "surrogateescape").decode("utf-8")
+    except (UnicodeDecodeError, UnicodeEncodeError, LookupError) as exc:
+        at = f" (byte 0x{exc.object[exc.start]:02x})" if isinstance(exc, UnicodeDecodeError) else ""
+        print(f"dflash-torch: error: the line is not UTF-8 text{at}; it was not sent", file=sys.stderr)
+        return None
+
+
 def _reply(engine, messages: list[dict], kwargs: dict) -> str | None:
     """Stream one reply to stdout and its stats line to stderr -> its text (what was
     generated before a Ctrl-C too), or None when the engine refused the request."""
-    parts, stats, finish = [], None, None
+    parts, tokens, stats, finish = [], 0, None, None
     chunks = engine.stream(messages, **kwargs)
     try:
         for chunk in chunks:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             parts.append(chunk.text)
+            tokens += len(chunk.token_ids)
             stats, finish = chunk.stats, chunk.finish_reason
     except KeyboardInterrupt:
         finish = "interrupted"
     except DFlashError as exc:
-        print(f"dflash-torch: error: {exc}", file=sys.stderr)
+        hint = "; /reset starts a new conversation" if "exceeds the context" in str(exc) else ""
+        print(f"dflash-torch: error: {exc}{hint}", file=sys.stderr)
         return None
     finally:
         chunks.close()  # (frees the engine for the next turn)
@@ -127,6 +164,6 @@ def _reply(engine, messages: list[dict], kwargs: dict) -> str | None:
                   if stats.acceptance_lengths else "no decoding round, ")
         print(f"[{stats.generated_tokens} tokens, finish={finish}, {decode}prefill {stats.prefill_time * 1000:.0f} ms, "
               f"{stats.cached_prompt_tokens} of {stats.prompt_tokens} prompt tokens reused]", file=sys.stderr, flush=True)
-    else:
-        print(f"[finish={finish}]", file=sys.stderr, flush=True)
+    else:  # (stopped before the last chunk, which carries the stats)
+        print(f"[{tokens} tokens, finish={finish}]", file=sys.stderr, flush=True)
     return "".join(parts)

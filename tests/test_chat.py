@@ -6,6 +6,7 @@ conversation as it was."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -110,7 +111,7 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_pair):
             proc.kill()
     err = err.decode()
     assert proc.returncode == 0, err
-    assert "[finish=interrupted]" in err and len(stats_lines(err)) == 1, err
+    assert re.search(r"^\[[1-9][0-9]* tokens, finish=interrupted\]$", err, re.M) and len(stats_lines(err)) == 1, err
 
 
 def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path):
@@ -141,3 +142,29 @@ def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path)
     proc = chat("--generation-config", "none", "--max-new-tokens", "9")
     assert proc.stdout == api.generate(conversation, chat=True, max_new_tokens=9).text + "\n"
     assert "generation_config" not in proc.stderr
+
+
+def test_bad_lines_and_options(tiny_pair, engine):
+    """A line that is not UTF-8 is not sent (one error line, the chat goes on); ``//`` starts
+    a message with ``/``; options that would refuse every turn are refused at start (exit 2,
+    the flag named, nothing read); ``--chat`` (a generate flag) is not taken for
+    ``--chat-template-kwargs``."""
+    import subprocess
+    import sys
+
+    target, drafter = tiny_pair
+    pair = ["--target", str(target), "--draft", str(drafter), "--dtype", "float32"]
+    proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "chat", *pair, "--max-new-tokens", str(NEW),
+                           "--system", SYSTEM], input=b"\xff\xfe bad\n//path\n", capture_output=True, timeout=240)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert "dflash-torch: error: the line is not UTF-8 text (byte 0xff); it was not sent\n" in err
+    conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "/path"}]
+    assert proc.stdout.decode() == engine.generate(conversation, chat=True, max_new_tokens=NEW).text + "\n"
+    for flags, line in ((["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+                        (["--max-context", "10"], "--max-new-tokens 256 (the default) leaves no room for a prompt in "
+                                                  "the context of 10 tokens; lower it (or raise --max-context)"),
+                        (["--chat"], "unrecognized arguments: --chat (see --help)")):
+        proc = run_cli("chat", *pair, *flags, stdin="hi\n")
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr.splitlines()[-1] == f"dflash-torch: error: {line}", proc.stderr
