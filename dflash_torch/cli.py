@@ -243,6 +243,8 @@ def _generate_here(args: argparse.Namespace) -> int:
         warn_compile_losses(args)
         return 0
     stats, finish = None, None
+    if hasattr(sys.stdout, "reconfigure"):  # (a character stdout cannot encode: replaced, not a traceback)
+        sys.stdout.reconfigure(errors="replace")
     for chunk in engine.stream(prompt, **kwargs):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()

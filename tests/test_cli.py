@@ -269,3 +269,13 @@ def test_help_says_when_the_shipped_drafter_and_the_batch_slots_apply(capsys, mo
         assert "(default: the shipped drafter, which goes with the shipped target only)" in text, command
         if command == "serve":
             assert "--draft-mode recompute decodes one sequence at a time: one slot" in text
+
+
+def test_text_stdout_cannot_encode_is_replaced_not_a_traceback():
+    """A stdout that cannot encode the output (``PYTHONIOENCODING=ascii``): ``?`` for what
+    it cannot write, exit 0 (it was a UnicodeEncodeError traceback); token 2431 of the
+    shipped tokenizer is a right single quotation mark."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="ascii")
+    proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "generate", "x", "--max-new-tokens", "3",
+                           "--logit-bias", '{"2431": 100}'], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0 and proc.stdout == "???\n", proc.stderr
