@@ -199,13 +199,15 @@ class _Kept:
     (``(features [n, F], start)``: the last verify's, which the next propose injects; or
     None). A round writes no row before ``len(tokens) - 1`` but those pending rows, with the
     same values: left midway (an exception, Ctrl-C), it leaves these rows valid, except where
-    the caches cannot go back. ``saved``: where the caches cannot go back (recurrent states, rings), copies of
-    those tensors at the end of the prompt (``prompt_len`` tokens), else None; ``logits``:
-    the prompt's last logits ``[V]`` (the same prompt again reads nothing)."""
+    the caches cannot go back. ``saved``: where the caches cannot go back (recurrent states,
+    rings), copies of those tensors at position ``saved_at`` of the prompt (its end, or the
+    ``checkpoint`` of :meth:`SpeculativeDecoder.rounds`), else None; ``logits``: the prompt's
+    (``prompt_len`` tokens) last logits ``[V]`` (the same prompt again reads nothing)."""
 
     tokens: list[int]
     prompt_len: int
     saved: list[torch.Tensor] | None
+    saved_at: int
     logits: torch.Tensor
     pending: tuple | None = None
 
@@ -480,7 +482,7 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def rounds(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-               prompt_logprobs: int | None = None) -> Iterator[Round]:
+               prompt_logprobs: int | None = None, checkpoint: int | None = None) -> Iterator[Round]:
         """Decode until ``max_new_tokens`` tokens have been committed (or the caller stops).
 
         Args:
@@ -491,6 +493,12 @@ class SpeculativeDecoder:
             prompt_logprobs: None (default: nothing computed) or k in [0, 20]: the prefill
                 round's ``prompt_logprobs``, from the logits the prefill computes anyway
                 (no extra forward; the same tokens as without).
+            checkpoint: None (default) or a position in ``(0, len(prompt_ids)]``: with
+                ``reuse_prefix``, where a hybrid or sliding-window model keeps the copy of its
+                recurrent states and rings instead of the prompt's end (the prefill stops there
+                to take it): e.g. the end of a chat's messages before the template's opening of
+                the reply, which the next turn's prompt starts with even where the template
+                renders the reply otherwise than it was generated (without its thinking).
 
         Yields:
             one :class:`Round` for the prefill, then one per decoding round. Each round
@@ -500,7 +508,7 @@ class SpeculativeDecoder:
             DFlashError: empty prompt, token ids (of the prompt, of ``params``' logit_bias or
                 min_tokens_ids) outside the vocabulary, ``params`` not a :class:`SamplingParams`,
                 ``max_new_tokens`` not an integer >= 1, a prompt plus ``max_new_tokens``
-                longer than the context, or an invalid ``prompt_logprobs``; and, when the
+                longer than the context, an invalid ``prompt_logprobs`` or ``checkpoint``; and, when the
                 generator is resumed, a later ``rounds()`` of this decoder having taken its
                 caches (one sequence at a time: use :class:`~dflash_torch.batch.BatchDecoder`
                 for several).
@@ -511,7 +519,16 @@ class SpeculativeDecoder:
         check_max_new_tokens(max_new_tokens)
         n_prompt = check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
         params.check_vocab(self.target.config.vocab_size)
-        return self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs)
+        if checkpoint is not None and (isinstance(checkpoint, bool) or not isinstance(checkpoint, int)
+                                       or not 0 < checkpoint <= n_prompt):
+            raise DFlashError(f"checkpoint must be None or a position in (0, {n_prompt}], got {checkpoint!r}")
+        return self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs, checkpoint)
+
+    @property
+    def takes_checkpoint(self) -> bool:
+        """Whether :meth:`rounds`' ``checkpoint`` takes effect: prefix reuse on a hybrid or
+        sliding-window model (whose copies it places)."""
+        return self.reuse_prefix and self._whole_prefix_only
 
     def _reusable(self, kept: _Kept | None, prompt: list[int]) -> tuple[int, bool]:
         """Prompt tokens the caches hold (prefix reuse; see ``reuse_prefix``), and whether they
@@ -523,14 +540,17 @@ class SpeculativeDecoder:
             return 0, False
         rows = len(kept.tokens) - 1
         if len(prompt) == kept.prompt_len and kept.tokens[: len(prompt)] == prompt:  # the same prompt again
-            return len(prompt), self._whole_prefix_only and rows > len(prompt)
+            if not self._whole_prefix_only or rows == len(prompt):
+                return len(prompt), False
+            if kept.saved_at == len(prompt):
+                return len(prompt), True
         limit, n = min(rows, len(prompt) - 1), 0
         while n < limit and kept.tokens[n] == prompt[n]:
             n += 1
         if not self._whole_prefix_only or n == rows:
             return n, False
-        if kept.saved is not None and n >= kept.prompt_len:
-            return kept.prompt_len, True
+        if kept.saved is not None and n >= kept.saved_at:
+            return kept.saved_at, True
         return 0, False
 
     def _unwound(self) -> list[torch.Tensor]:
@@ -545,7 +565,7 @@ class SpeculativeDecoder:
         """Go on from the caches' first ``length`` positions (room for ``capacity``): first the
         drafter's context gets ``kept``'s pending feature rows (the next propose would have
         injected them), then, with ``restore``, the recurrent states and rings go back to
-        ``kept``'s copies (at the end of its prompt: ``length``)."""
+        ``kept``'s copies (at ``length``, their ``saved_at``)."""
         if kept.pending is not None:
             rows, start = kept.pending
             self.context.inject(self.drafter, rows, start + self._arange_block[: rows.shape[0]])
@@ -564,7 +584,7 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()  # (a generator: torch applies it at every resume)
     def _decode(self, prompt_ids: list[int], n_prompt: int, params: SamplingParams, max_new_tokens: int,
-                prompt_logprobs: int | None) -> Iterator[Round]:
+                prompt_logprobs: int | None, checkpoint: int | None = None) -> Iterator[Round]:
         self._run += 1
         run = self._run
         B, dev, static = self.block_size, self.device, self.static
@@ -583,20 +603,25 @@ class SpeculativeDecoder:
         generator = params.generator(dev)
 
         scored = None if prompt_logprobs is None else []
+        copies = self.takes_checkpoint  # (copies of what cannot go back: see _Kept)
+        saved, saved_at = None, n_prompt
         if reused == n_prompt:  # the same prompt again
             last_logits = kept.logits
         else:
-            last_logits = self._prefill(torch.tensor(prompt, dtype=torch.long, device=dev), n_prompt, scored,
-                                        prompt, prompt_logprobs or 0, start=reused)
+            ids, start = torch.tensor(prompt, dtype=torch.long, device=dev), reused
+            if copies and checkpoint is not None and reused <= checkpoint < n_prompt:  # (the copies there)
+                if reused < checkpoint:
+                    self._prefill(ids, checkpoint, scored, prompt, prompt_logprobs or 0, start=reused)
+                saved, saved_at, start = [t.clone() for t in self._unwound()], checkpoint, checkpoint
+            last_logits = self._prefill(ids, n_prompt, scored, prompt, prompt_logprobs or 0, start=start)
         token, processor = first_token(last_logits, prompt_ids, params, generator)  # (None: nothing processes logits)
         first = int(token)
         logprobs = first_logprobs(last_logits, first, params)
         t1 = time.perf_counter()
-        saved = None
-        if self.reuse_prefix and self._whole_prefix_only:
+        if copies and saved is None:
             saved = [t.clone() for t in self._unwound()]
         if self.reuse_prefix:  # (a copy: a view would hold the whole chunk's logits)
-            self._kept = kept = _Kept(prompt + [first], n_prompt, saved, last_logits.clone())
+            self._kept = kept = _Kept(prompt + [first], n_prompt, saved, saved_at, last_logits.clone())
         yield Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=reused, logprobs=logprobs,
                     prompt_logprobs=scored, error=processor.error if processor is not None else None)
         self._check_owner(run)

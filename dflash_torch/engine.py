@@ -813,12 +813,13 @@ class DFlashEngine:
         params, stopper = self.request_params(max_new_tokens, **sampling)
         options.check_prompt_logprobs(prompt_logprobs)
         prompt_ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
+        checkpoint = self._history_end(prompt, chat, chat_template_kwargs, tools, prompt_ids)
         if self._owner is threading.current_thread():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
         with self._locked():  # other threads wait their turn
             self._owner = threading.current_thread()
-            chunks = self._stream(prompt_ids, params, stopper, prompt_logprobs)
+            chunks = self._stream(prompt_ids, params, stopper, prompt_logprobs, checkpoint)
             try:
                 yield chunks
             finally:
@@ -844,10 +845,28 @@ class DFlashEngine:
         finally:
             self.lock.release()
 
-    def _stream(self, prompt_ids, params, stopper: Stopper, prompt_logprobs: int | None = None) -> Iterator[StreamChunk]:
+    def _history_end(self, prompt, chat: bool, chat_template_kwargs, tools, prompt_ids: list[int]) -> int | None:
+        """Where a chat prompt's messages end, before the template's opening of the reply: the
+        decoder's ``checkpoint`` (:meth:`SpeculativeDecoder.rounds`) where it takes one (prefix
+        reuse on a hybrid or sliding-window model), for the next turn's prompt starts there
+        even where the template renders the reply otherwise than it was generated; None for
+        other prompts and models, or where that rendering does not start the prompt's tokens."""
+        if not self.decoder.takes_checkpoint or not (chat or (
+                isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt))):
+            return None
+        try:
+            history = self.encode_prompt(prompt, chat, chat_template_kwargs, tools, add_generation_prompt=False,
+                                         check_length=False)
+        except DFlashError:  # (a template that cannot end without the opening: no checkpoint)
+            return None
+        n = len(history)
+        return n if 0 < n < len(prompt_ids) and prompt_ids[:n] == history else None
+
+    def _stream(self, prompt_ids, params, stopper: Stopper, prompt_logprobs: int | None = None,
+                checkpoint: int | None = None) -> Iterator[StreamChunk]:
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.block_size,
                                 draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
-        rounds = self.decoder.rounds(prompt_ids, params, stopper.max_new_tokens, prompt_logprobs)
+        rounds = self.decoder.rounds(prompt_ids, params, stopper.max_new_tokens, prompt_logprobs, checkpoint)
         try:
             for rnd in rounds:
                 chunk = self.record_round(rnd, stats, stopper)

@@ -288,3 +288,57 @@ def test_reuse_prefix_must_be_a_bool(agree_models):  # noqa: F811 (the imported 
     for bad in ("no", 1, None):
         with pytest.raises(decoding.OptionError, match=rf"^reuse_prefix must be True or False, got {bad!r}$"):
             SpeculativeDecoder(target, drafter, reuse_prefix=bad)
+
+
+CHECKPOINTED = [("hybrid_models", "eager"), ("qwen35_models", "static"), ("ring_models", "eager")]
+
+
+@pytest.mark.parametrize("models,mode", CHECKPOINTED, ids=[f"{m.split('_')[0]}-{mode}" for m, mode in CHECKPOINTED])
+def test_a_checkpoint_inside_the_prompt_keeps_the_copies_there(request, models, mode):
+    """``rounds(checkpoint=c)``: a hybrid (ring) model's copies are taken at position c of
+    the prompt (a chat's messages before the template's opening of the reply), so a next
+    prompt that starts with the first c tokens but not with the whole prompt (a template that
+    renders the reply otherwise) reuses c of them (it reused none with copies at the prompt's
+    end); the same prompt again restores them there and reads the rest; every turn decodes
+    as without reuse. A checkpoint outside the prompt is refused."""
+    target, drafter = request.getfixturevalue(models)
+    runs = {reuse: [] for reuse in (True, False)}
+    for reuse, decoder in decoders(target, drafter, mode).items():
+        outs, prompts = runs[reuse], [varied_prompts(target, 1, seed=51, length=C + 9)[0]]
+        outs.append(turn(decoder, prompts[0], 20, checkpoint=len(prompts[0]) - 3))
+        prompts.append(prompts[0][:-3] + MORE + outs[0][0][2:9] + MORE)  # (the reply rendered otherwise)
+        outs.append(turn(decoder, prompts[1], 20, SAMPLED, checkpoint=len(prompts[1]) - 3))
+        outs.append(turn(decoder, prompts[1], 20, checkpoint=len(prompts[1]) - 3))  # the same prompt again
+        outs.append(turn(decoder, prompts[1][:-3] + [3, 4], 12, checkpoint=len(prompts[1]) - 3))  # (at the copy)
+    on, off = runs[True], runs[False]
+    same_turns(on, off)
+    n = [len(p) for p in prompts]
+    assert [o[2] for o in on] == [0, n[0] - 3, n[1] - 3, n[1] - 3] and [o[2] for o in off] == [0] * 4
+    decoder = decoders(target, drafter, mode)[True]
+    for bad in (0, n[0] + 1, True, 2.0):
+        with pytest.raises(decoding.DFlashError, match=rf"^checkpoint must be None or a position in \(0, {n[0]}\], "
+                                                       rf"got {bad!r}$"):
+            decoder.rounds(prompts[0], GREEDY, 4, checkpoint=bad)
+
+
+def test_hybrid_chat_turns_reuse_the_last_messages(agree_hybrid_pair):
+    """Through the engine: a chat (messages) on a hybrid target whose template renders a past
+    reply otherwise than its opening of the reply (this tokenizer's: "# assistant:\\n" then
+    "# assistant: text"): each turn reuses the rows of the last turn's messages (the
+    checkpoint the engine gives, where the template's rendering without the opening ends),
+    and decodes as reuse off."""
+    engines = {reuse: DFlashEngine.from_pretrained(*agree_hybrid_pair, dtype="float32", reuse_prefix=reuse)
+               for reuse in (True, False)}
+    outs, history = {}, []
+    for reuse, engine in engines.items():
+        messages, outs[reuse] = [{"role": "system", "content": "be brief"}], []
+        for text in ("def f(x):", "class A:", "import os"):
+            messages.append({"role": "user", "content": text})
+            r = engine.generate(messages, chat=True, max_new_tokens=12)
+            if reuse:
+                history.append(len(engine.encode_prompt(messages, add_generation_prompt=False)))
+            messages.append({"role": "assistant", "content": r.text})
+            outs[reuse].append((r.token_ids, r.stats.cached_prompt_tokens))
+    assert [o[0] for o in outs[True]] == [o[0] for o in outs[False]]
+    assert [o[1] for o in outs[True]] == [0, history[0], history[1]] and history[0] > 10
+    assert [o[1] for o in outs[False]] == [0, 0, 0]
