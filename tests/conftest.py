@@ -802,6 +802,27 @@ def dflash2_models(agree_dflash2_pair):
     return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
 
 
+def added_tensor(key: str, shape=(4,)):
+    """A ``state`` edit of :func:`edited_checkpoint`: a zero tensor ``key`` of ``shape`` added."""
+    def edit(state):
+        state[key] = torch.zeros(shape)
+    return edit
+
+
+def check_gathered_dispatch(model, tokens: int) -> None:
+    """The expert dispatch CUDA graphs capture (every pair gathers its expert) equals the
+    sparse one, on layer 1's mixture of experts of ``model`` (width 64) for ``tokens`` tokens."""
+    from dflash_torch.models.moe import dispatch_experts, gathered_experts
+
+    moe = model.model.layers[1].mlp
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+    weights, ids = moe.route(x)
+    e = moe.experts
+    sparse = dispatch_experts(x, ids, weights, e.gate_up_proj, e.down_proj, **e.quantization())
+    gathered = gathered_experts(x, ids, weights, e.gate_up_proj, e.down_proj, **e.quantization())
+    torch.testing.assert_close(gathered, sparse, rtol=1e-5, atol=1e-6)
+
+
 def edited_checkpoint(src: Path, dst: Path, *, config=None, state=None) -> Path:
     """A copy of the single-file checkpoint ``src`` at ``dst``, with ``config(cfg)`` applied to
     its config.json dict and ``state(weights)`` to its tensors (both edit in place)."""

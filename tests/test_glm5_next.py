@@ -28,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
+from conftest import (EOS_ID, VOCAB, added_tensor, check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
                       check_many_accepted_tokens_are_lossless, check_rollback, copy_tokenizer, drafter_config,
                       edited_checkpoint, incremental_logits, load_hf, save_drafter, to_speculators)
 from dflash_torch import DFlashError
@@ -379,20 +379,14 @@ def test_bad_configs_are_refused_in_one_line(checkpoints, tmp_path, edit, messag
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def _add(key, shape=(4,)):
-    def edit(state):
-        state[key] = torch.zeros(shape)
-    return edit
-
-
 P = "model.language_model.layers."
 
 
 @pytest.mark.parametrize("edit, message", [
-    (_add(P + "1.self_attn.q_a_proj.bias", (48,)), "does not use"),  # attention biases the config does not announce
-    (_add(P + "5.eh_proj.weight", (64, 128)), "does not use"),  # an MTP layer num_nextn_predict_layers 0 does not announce
-    (_add(P + "0.self_attn.rope.inv_freq"), "does not use"),
-    (_add(P + "0.self_attn.indexer.wk.weight", (16, 64)), "does not use"),  # (a KDA layer has no indexer)
+    (added_tensor(P + "1.self_attn.q_a_proj.bias", (48,)), "does not use"),  # attention biases the config does not announce
+    (added_tensor(P + "5.eh_proj.weight", (64, 128)), "does not use"),  # an MTP layer num_nextn_predict_layers 0 does not announce
+    (added_tensor(P + "0.self_attn.rope.inv_freq"), "does not use"),
+    (added_tensor(P + "0.self_attn.indexer.wk.weight", (16, 64)), "does not use"),  # (a KDA layer has no indexer)
     (lambda s: s.pop(P + "0.self_attn.k_conv1d.weight"), "part of its split convolution"),
     (lambda s: s.pop(P + "1.mlp.experts.3.up_proj.weight"), "up_proj"),
     (lambda s: s.pop(P + "3.self_attn.A_log"), "lacks weights: model.language_model.layers.3.self_attn.A_log"),
@@ -415,7 +409,7 @@ def test_mtp_and_shared_indexer_weights_are_skipped_text_configs_load(checkpoint
         P + "2.self_attn.indexer.wk.weight": torch.zeros(16, 64)}))  # (layer 2 shares layer 1's choice: no indexer)
     a, b = models["safe-gate"][1].state_dict(), TargetModel.from_pretrained(mtp, torch.float32).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    not_mtp = edited_checkpoint(src, tmp_path / "not-mtp", state=_add(P + "5.input_layernorm.weight", (64,)))
+    not_mtp = edited_checkpoint(src, tmp_path / "not-mtp", state=added_tensor(P + "5.input_layernorm.weight", (64,)))
     with pytest.raises(DFlashError, match="no eh_proj.weight"):
         TargetModel.from_pretrained(not_mtp, torch.float32)
 

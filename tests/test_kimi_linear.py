@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
+from conftest import (EOS_ID, VOCAB, added_tensor, check_compiled_rounds_are_lossless, check_greedy_equals_transformers,
                       check_many_accepted_tokens_are_lossless, copy_tokenizer, drafter_config, edited_checkpoint,
                       check_rollback, forward_in_pieces, incremental_logits, load_hf, make_agreeable, save_drafter)
 from dflash_torch import DFlashError
@@ -257,19 +257,13 @@ def test_bad_configs_are_refused_in_one_line(changes, message):
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def _add(key, shape=(4,)):
-    def edit(state):
-        state[key] = torch.zeros(shape)
-    return edit
-
-
 L = "model.layers."
 
 
 @pytest.mark.parametrize("edit, message", [
-    (_add(L + "2.self_attn.q_a_proj.weight", (24, 64)), "does not use"),  # a low rank the config does not announce
-    (_add(L + "4.eh_proj.weight", (64, 128)), "does not use"),  # a layer num_nextn_predict_layers 0 does not announce
-    (_add(L + "0.self_attn.conv1d.bias", (96,)), "variant?): model.layers.0.self_attn.conv1d.bias"),
+    (added_tensor(L + "2.self_attn.q_a_proj.weight", (24, 64)), "does not use"),  # a low rank the config does not announce
+    (added_tensor(L + "4.eh_proj.weight", (64, 128)), "does not use"),  # a layer num_nextn_predict_layers 0 does not announce
+    (added_tensor(L + "0.self_attn.conv1d.bias", (96,)), "variant?): model.layers.0.self_attn.conv1d.bias"),
     (lambda s: s.pop(L + "0.self_attn.k_conv1d.weight"), "part of its split convolution"),
     (lambda s: s.pop(L + "1.block_sparse_moe.experts.3.w3.weight"), "expert 3 lacks up_proj.weight"),
     (lambda s: s.pop(L + "3.self_attn.A_log"), "lacks weights: model.layers.3.self_attn.A_log"),

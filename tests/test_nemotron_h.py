@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import (EOS_ID, VOCAB, check_compiled_rounds_are_lossless, check_forward_matches_transformers,
+from conftest import (EOS_ID, VOCAB, added_tensor, check_compiled_rounds_are_lossless, check_forward_matches_transformers,
                       check_greedy_equals_transformers, check_many_accepted_tokens_are_lossless, check_rollback,
                       copy_tokenizer, drafter_config, edited_checkpoint, incremental_logits, load_hf, save_drafter)
 from dflash_torch import DFlashError
@@ -242,16 +242,10 @@ def test_bad_configs_are_refused_in_one_line(checkpoints, tmp_path, edit, messag
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def _add(key, shape=(4,)):
-    def edit(state):
-        state[key] = torch.zeros(shape)
-    return edit
-
-
 @pytest.mark.parametrize("edit, message", [
-    (_add("backbone.layers.1.mixer.q_proj.bias", (64,)), "does not use"),  # attention biases: not in transformers
-    (_add("mtp.layers.0.eh_proj.weight"), "does not use"),  # MTP weights, not announced
-    (_add("backbone.layers.8.norm.weight"), "does not use"),  # a block past the pattern
+    (added_tensor("backbone.layers.1.mixer.q_proj.bias", (64,)), "does not use"),  # attention biases: not in transformers
+    (added_tensor("mtp.layers.0.eh_proj.weight"), "does not use"),  # MTP weights, not announced
+    (added_tensor("backbone.layers.8.norm.weight"), "does not use"),  # a block past the pattern
     (lambda s: s.pop("backbone.layers.2.mixer.experts.3.up_proj.weight"), "experts [3] lack up_proj.weight"),
     (lambda s: s.pop("backbone.layers.0.mixer.D"), "lacks weights: backbone.layers.0.mixer.D"),
     (lambda s: s.update({"model.embeddings.weight": s["backbone.embeddings.weight"].clone()}), "holds model.embeddings.weight twice"),
@@ -266,7 +260,7 @@ def test_bad_checkpoints_are_refused_in_one_line(checkpoints, tmp_path, edit, me
 def test_announced_mtp_weights_are_skipped(checkpoints, tmp_path):
     src = checkpoints["latent-groups"][0]
     target = edited_checkpoint(src, tmp_path / "t", config=_edit("num_nextn_predict_layers", 1),
-                               state=_add("mtp.layers.0.eh_proj.weight"))
+                               state=added_tensor("mtp.layers.0.eh_proj.weight"))
     a, b = TargetModel.from_pretrained(src, torch.float32), TargetModel.from_pretrained(target, torch.float32)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 

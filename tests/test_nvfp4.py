@@ -437,9 +437,10 @@ def test_modelopt_fp8_weights_equal_the_reference_rounded_once(tmp_path, dtype):
         check_rounded_once(ours[name], exact, dtype, name)
 
 
-def test_modelopt_mixed_precision_and_w4a16_nvfp4_load_each_weight_by_its_dtype(tmp_path):
-    """MIXED_PRECISION (experts NVFP4, the rest FP8, as NVIDIA's mixed releases) == each part
-    loaded from a checkpoint of its one algorithm; W4A16_NVFP4 (no input_scale) == NVFP4."""
+def modelopt_mixed(tmp_path: Path) -> tuple[Path, Path, Path, dict]:
+    """A tiny Qwen3-MoE target as ModelOpt's MIXED_PRECISION releases store it (experts NVFP4,
+    the other linear layers FP8) -> (that checkpoint, the experts-only NVFP4 one, the FP8
+    one it was made of, its ``quantized_layers``), under ``tmp_path``."""
     src = make_hybrid_target(tmp_path / "src", "qwen3_moe", tokenizer=False)
     experts = to_modelopt(src, tmp_path / "experts", which=lambda k: ".experts." in k)
     rest = to_modelopt(src, tmp_path / "rest", which=lambda k: ".experts." not in k, algo="FP8")
@@ -451,6 +452,13 @@ def test_modelopt_mixed_precision_and_w4a16_nvfp4_load_each_weight_by_its_dtype(
 
     mixed = edited_checkpoint(rest, tmp_path / "mixed", state=mix, config=lambda cfg: cfg["quantization_config"].update(
         quant_algo="MIXED_PRECISION", quantized_layers=layers))
+    return mixed, experts, rest, layers
+
+
+def test_modelopt_mixed_precision_and_w4a16_nvfp4_load_each_weight_by_its_dtype(tmp_path):
+    """MIXED_PRECISION (experts NVFP4, the rest FP8, as NVIDIA's mixed releases) == each part
+    loaded from a checkpoint of its one algorithm; W4A16_NVFP4 (no input_scale) == NVFP4."""
+    mixed, experts, rest, _ = modelopt_mixed(tmp_path)
     mine = TargetModel.from_pretrained(mixed, torch.bfloat16).state_dict()
     nv, fp = (TargetModel.from_pretrained(d, torch.bfloat16).state_dict() for d in (experts, rest))
     for k in mine:

@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (copy_tokenizer, drafter_config, edited_checkpoint, forward_in_pieces, make_hybrid_target,
-                      make_target, save_drafter)
+from conftest import (check_gathered_dispatch, copy_tokenizer, drafter_config, edited_checkpoint, forward_in_pieces,
+                      make_hybrid_target, make_target, save_drafter)
 from test_nvfp4 import nemotron, to_ct_nvfp4, to_modelopt  # noqa: F401  (nemotron: a fixture)
 from dflash_torch import DFlashError, checkpoint
 from dflash_torch.errors import OptionError
@@ -214,19 +214,9 @@ def test_auto_keeps_packed_only_when_the_dequantized_weights_would_not_fit(quant
 def test_modelopt_mixed_precision_keeps_nvfp4_packed_and_dequantizes_fp8(tmp_path):
     """MIXED_PRECISION: the NVFP4 experts kept packed, the FP8 layers dequantized (in every
     mode); the logits those of the dequantized model."""
-    from test_nvfp4 import _quantized
+    from test_nvfp4 import modelopt_mixed
 
-    src = make_hybrid_target(tmp_path / "src", "qwen3_moe", tokenizer=False)
-    experts = to_modelopt(src, tmp_path / "experts", which=lambda k: ".experts." in k)
-    rest = to_modelopt(src, tmp_path / "rest", which=lambda k: ".experts." not in k, algo="FP8")
-    layers = {k.removesuffix(".weight"): {"quant_algo": "NVFP4", "group_size": 16} if ".experts." in k
-              else {"quant_algo": "FP8"} for k in load_file(str(src / "model.safetensors")) if _quantized(k, bool)}
-
-    def mix(state):
-        state.update({k: v for k, v in load_file(str(experts / "model.safetensors")).items() if ".experts." in k})
-
-    mixed = edited_checkpoint(rest, tmp_path / "mixed", state=mix, config=lambda cfg: cfg["quantization_config"].update(
-        quant_algo="MIXED_PRECISION", quantized_layers=layers))
+    mixed, _, rest, layers = modelopt_mixed(tmp_path)
     plain = TargetModel.from_pretrained(mixed, torch.bfloat16, nvfp4="dequantize")
     packed = TargetModel.from_pretrained(mixed, torch.bfloat16, nvfp4="packed")
     assert _packed_layers(packed) == (0, 6)
@@ -322,16 +312,8 @@ def test_a_compiled_nvfp4_linear_equals_the_eager_one(kind):
 @pytest.mark.parametrize("tokens", [1, 6])
 def test_gathered_dispatch_of_nvfp4_experts_equals_the_sparse_one(quantized, tokens):
     """The dispatch CUDA graphs capture (every pair gathers its expert) == the sparse one."""
-    from dflash_torch.models.moe import dispatch_experts, gathered_experts
-
     model = TargetModel.from_pretrained(quantized("qwen3_moe", "ct"), torch.float32, nvfp4="packed")
-    moe = model.model.layers[1].mlp
-    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
-    weights, ids = moe.route(x)
-    e = moe.experts
-    sparse = dispatch_experts(x, ids, weights, e.gate_up_proj, e.down_proj, **e.quantization())
-    gathered = gathered_experts(x, ids, weights, e.gate_up_proj, e.down_proj, **e.quantization())
-    torch.testing.assert_close(gathered, sparse, rtol=1e-5, atol=1e-6)
+    check_gathered_dispatch(model, tokens)
 
 
 def test_joined_scales_split_exactly():

@@ -26,8 +26,8 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 from safetensors.torch import load_file, save_file
 
-from conftest import (check_greedy_equals_transformers, copy_tokenizer, drafter_config, edited_checkpoint,
-                      forward_in_pieces, make_hybrid_target, make_target, save_drafter)
+from conftest import (check_gathered_dispatch, check_greedy_equals_transformers, copy_tokenizer, drafter_config,
+                      edited_checkpoint, forward_in_pieces, make_hybrid_target, make_target, save_drafter)
 from dflash_torch import DFlashError
 from dflash_torch.models import packed_int
 from dflash_torch.models.target import TargetModel
@@ -284,17 +284,9 @@ def test_packed_weights_give_the_dequantized_model_bit_for_bit(tmp_path, family,
 @pytest.mark.parametrize("tokens", [1, 6])
 def test_gathered_dispatch_of_packed_experts_equals_the_sparse_one(tmp_path, tokens):
     """The dispatch CUDA graphs capture (every pair gathers its expert) == the sparse one."""
-    from dflash_torch.models.moe import dispatch_experts, gathered_experts
-
     src = make_hybrid_target(tmp_path / "src", "qwen3_moe", tokenizer=False)
     model = TargetModel.from_pretrained(to_packed(src, tmp_path / "q", 4, 16), torch.float32, int_weights="packed")
-    moe = model.model.layers[1].mlp
-    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
-    weights, ids = moe.route(x)
-    e = moe.experts
-    sparse = dispatch_experts(x, ids, weights, e.gate_up_proj, e.down_proj, **e.quantization())
-    gathered = gathered_experts(x, ids, weights, e.gate_up_proj, e.down_proj, **e.quantization())
-    torch.testing.assert_close(gathered, sparse, rtol=1e-5, atol=1e-6)
+    check_gathered_dispatch(model, tokens)
 
 
 def test_a_compiled_int_linear_equals_the_eager_one():
