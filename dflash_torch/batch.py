@@ -56,11 +56,13 @@ A hybrid target's recurrent state cannot be rolled back to an earlier
 position, nor can the rings of a target's sliding-window layers (they hold the last
 ``window + max(B, prefill_chunk) - 1`` positions written, see :mod:`~dflash_torch.cache`),
 so each slot also keeps a checkpoint of them, saved at the end of its prompt's
-prefill: such a retained prefix serves a prompt that extends its ids exactly (the
-state at its end), else one that starts with the prompt it began from (the checkpoint:
-the next turn of a chat whose template renders the last reply differently from the
-tokens generated, e.g. without its thinking, or a reply cut by a stop string or
-``max_tokens``, and that prompt itself, with its kept logits), else none. Outputs are those of a prefill of the whole prompt (float32 greedy: the same
+prefill, or where the prefill passes the ``checkpoint`` the caller gives (where a chat's
+messages end, before the template's opening of the reply): such a retained prefix serves
+a prompt that extends its ids exactly (the state at its end), else one that starts with
+the ids up to its checkpoint (the next turn of a chat whose template renders the last
+reply differently from the tokens generated, e.g. without its thinking, given that
+position as ``checkpoint``; a reply cut by a stop string or ``max_tokens``; that prompt
+itself, with its kept logits where the checkpoint is its end), else none. Outputs are those of a prefill of the whole prompt (float32 greedy: the same
 tokens; seeded sampling: the same tokens). ``reused_prefill_tokens`` counts the prompt
 tokens taken this way.
 
@@ -381,7 +383,8 @@ class _Sequence:
     backlog: list[torch.Tensor] = field(default_factory=list)  # target-only rounds' feature rows, not yet injected
     backlog_start: int = 0  # position of the backlog's first row
     ids: list[int] = field(default_factory=list)  # prompt + committed tokens (ids[s] is ``token``)
-    prompt_len: int = 0  # a hybrid target's slot checkpoint holds the recurrent state at this position
+    prompt_len: int = 0  # tokens of its prompt
+    saved_at: int = 0  # a hybrid / ring target's slot checkpoint holds its recurrent state / rings at this position
     prompt_logits: torch.Tensor | None = None  # [V] its prompt's last logits (reuse_prefix: an identical prompt reuses them)
     padded: bool = False  # ran a round past its budget (as padding): its slot is not retained
     processor: LogitsProcessor | None = None  # what processes its logits (bias, penalties, min_tokens), if anything
@@ -398,8 +401,9 @@ class _Retained:
 
     ids: list[int]
     used: int  # when it was made or last reused (BatchDecoder._tick): the least recent is dropped first
-    prompt_len: int = 0  # hybrid targets: the slot's checkpoint is the recurrent state at this position
+    prompt_len: int = 0  # tokens of the prompt the rows began with
     prompt_logits: torch.Tensor | None = None  # [V] the target's logits at the end of that prompt
+    saved_at: int = 0  # hybrid / ring targets: the slot's checkpoint holds the state / rings at this position
 
 
 @dataclass
@@ -418,6 +422,8 @@ class _Joining:
     sharers: list[_Joining] = field(default_factory=list)  # same prompt: copies of its prefill
     prompt_logprobs: int | None = None  # alternatives per prompt token to report (None: none)
     scored: list | None = None  # with prompt_logprobs: the prompt logprobs of the chunks read so far
+    checkpoint: int | None = None  # where its slot's checkpoint is to be taken (see BatchDecoder.add)
+    saved_at: int = 0  # where it is taken (set when its prefill starts)
 
     @property
     def slots(self) -> int:
@@ -679,9 +685,12 @@ class BatchDecoder:
             yield from q.sharers
 
     def _check_new(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-                   prompt_logprobs: int | None = None) -> int:
+                   prompt_logprobs: int | None = None, checkpoint: int | None = None) -> int:
         """The checks of :meth:`add` / :meth:`join` -> the prompt's length."""
         check_prompt_logprobs(prompt_logprobs)
+        if checkpoint is not None and (isinstance(checkpoint, bool) or not isinstance(checkpoint, int)
+                                       or not 0 < checkpoint <= len(prompt_ids)):
+            raise DFlashError(f"checkpoint must be None or a position in (0, {len(prompt_ids)}], got {checkpoint!r}")
         if not isinstance(params, SamplingParams):
             raise DFlashError(f"params must be a SamplingParams, got {type(params).__name__}")
         try:
@@ -698,7 +707,7 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-            prompt_logprobs: int | None = None) -> Round:
+            prompt_logprobs: int | None = None, checkpoint: int | None = None) -> Round:
         """Take a sequence into a free slot and run its whole prefill (alone, now; ahead of
         any sequence still joining).
 
@@ -712,16 +721,23 @@ class BatchDecoder:
             prompt_logprobs: None (default) or k in [0, 20]: the prefill round's
                 ``prompt_logprobs`` (every prompt token scored by the prefill's own logits;
                 the prompt is then read whole, see the module docstring).
+            checkpoint: None (default) or a position in ``(0, len(prompt_ids)]``: where a
+                hybrid or sliding-window model (with ``reuse_prefix``) keeps its slot's
+                checkpoint, instead of the prompt's end, when its prefill reads that position
+                (as :meth:`SpeculativeDecoder.rounds`' ``checkpoint``): where a chat's
+                messages end, before the template's opening of the reply, so that the next
+                turn reuses the history even where the template renders the reply otherwise.
+                No effect on other models, nor on the tokens.
 
         Returns:
             the prefill's :class:`~dflash_torch.decoding.Round` (one committed token).
 
         Raises:
             DFlashError: ``params`` not a :class:`SamplingParams`, no free slot, a duplicate
-                ``seq_id``, an empty prompt, token ids outside the vocabulary, or prompt +
-                ``max_new_tokens`` beyond ``max_context``.
+                ``seq_id``, an empty prompt, token ids outside the vocabulary, prompt +
+                ``max_new_tokens`` beyond ``max_context``, or an invalid ``checkpoint``.
         """
-        n_prompt = self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs)
+        n_prompt = self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs, checkpoint)
         t0 = time.perf_counter()
         slot = len(self._seqs)
         head = self._joining[0] if self._joining else None
@@ -730,22 +746,30 @@ class BatchDecoder:
         prompt = [int(t) for t in prompt_ids]
         scored = None if prompt_logprobs is None else []
         start, last = self._take_prefix(slot, prompt, reuse=scored is None)
+        saved_at = self._saved_at(checkpoint, start, n_prompt) if last is None else n_prompt
         if last is None:
-            last = self._prefill(slot, torch.tensor(prompt, dtype=torch.long, device=self.device), start, scored,
-                                 prompt, prompt_logprobs or 0)
+            ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
+            if start < saved_at < n_prompt:
+                self._prefill(slot, ids[:saved_at], start, scored, prompt, prompt_logprobs or 0)
+            if saved_at < n_prompt:
+                self._save(slot)
+                start = saved_at
+            last = self._prefill(slot, ids, start, scored, prompt, prompt_logprobs or 0)
         generator = params.generator(self.device)
         token, processor = first_token(last, prompt, params, generator)
         first = int(token)
-        self._save(slot)  # (the state at the prompt's end: a later prompt may diverge after it)
+        if saved_at == n_prompt:
+            self._save(slot)  # (the state at the prompt's end: a later prompt may diverge after it)
         self._seqs.append(_Sequence(seq_id, params, generator, max_new_tokens, n_prompt, token, 1, ids=prompt + [first],
-                                    prompt_len=n_prompt, prompt_logits=self._keep_logits(last), processor=processor))
+                                    prompt_len=n_prompt, prompt_logits=self._keep_logits(last), processor=processor,
+                                    saved_at=saved_at))
         logprobs = first_logprobs(last, first, params)
         t1 = time.perf_counter()
         return Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=start, logprobs=logprobs,
                      prompt_logprobs=scored, error=processor.error if processor is not None else None)
 
     def join(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-             prompt_logprobs: int | None = None) -> None:
+             prompt_logprobs: int | None = None, checkpoint: int | None = None) -> None:
         """Take a sequence into a free slot; its prompt is prefilled by the next
         :meth:`step` s, in chunks, after their rounds: joining sequences take turns in
         arrival order, ``prefill_budget`` prompt tokens per step (a step without a round
@@ -760,13 +784,14 @@ class BatchDecoder:
 
         Args and raises: as :meth:`add`.
         """
-        self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs)
+        self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs, checkpoint)
         prompt = [int(t) for t in prompt_ids]
         leader = next((q for q in self._joining if q.prompt == prompt and q.prompt_logprobs == prompt_logprobs),
                       None) if self.share_prefill else None
         ids = leader.ids if leader is not None else torch.tensor(prompt, dtype=torch.long, device=self.device)
         q = _Joining(seq_id, params, params.generator(self.device), max_new_tokens, ids, prompt,
-                     prompt_logprobs=prompt_logprobs, scored=None if prompt_logprobs is None else [])
+                     prompt_logprobs=prompt_logprobs, scored=None if prompt_logprobs is None else [],
+                     checkpoint=checkpoint)
         if leader is not None:
             leader.sharers.append(q)
         else:
@@ -826,7 +851,7 @@ class BatchDecoder:
         if dst != index:
             self._move(index, dst, q.s)
         self._tick += 1
-        self._retained[dst] = _Retained(q.ids[:q.s], self._tick, q.prompt_len, q.prompt_logits)
+        self._retained[dst] = _Retained(q.ids[:q.s], self._tick, q.prompt_len, q.prompt_logits, q.saved_at)
         return index
 
     def _swap_last(self, index: int) -> int:
@@ -863,7 +888,7 @@ class BatchDecoder:
                 best, src = n, i
         self._tick += 1
         kept = self._retained.get(src)
-        taken = kept is not None and best >= kept.prompt_len  # (the prompt holds its prompt: the next turn, a retry)
+        taken = kept is not None and best >= min(kept.prompt_len, kept.saved_at)  # (the next turn, a retry)
         victim = self._retained.get(slot)  # (never where a partly read prompt was: add() moved it up one)
         if victim is not None and not (taken and src == slot):
             higher = [i for i in range(slot + 1, self.slots) if i != src]
@@ -895,6 +920,14 @@ class BatchDecoder:
         self._reuse(slot, kept, best)
         return best, kept.prompt_logits if best == len(prompt) else None
 
+    def _saved_at(self, checkpoint: int | None, start: int, n_prompt: int) -> int:
+        """Where a prompt of ``n_prompt`` tokens whose prefill starts at ``start`` (the rows
+        reused) takes its slot's checkpoint: at ``checkpoint`` where one is given, the model
+        takes checkpoints and the prefill reads that position, else at the prompt's end."""
+        if self.reuse_prefix and self._resumable_only and checkpoint is not None and start <= checkpoint:
+            return checkpoint
+        return n_prompt
+
     def _save(self, slot: int) -> None:
         """At the end of a prompt's prefill in ``slot``, with ``reuse_prefix``: keep a copy of
         what can only be resumed where it was last written (a hybrid target's recurrent
@@ -907,7 +940,7 @@ class BatchDecoder:
     def _reuse(self, slot: int, kept: _Retained, n: int) -> None:
         """``slot`` holds the rows of retained prefix ``kept`` and a prompt reuses the first
         ``n`` of them: a hybrid target's state and a sliding-window target's rings there go
-        back to their checkpoint (at ``kept.prompt_len``) when ``n`` is short of ``kept``'s
+        back to their checkpoint (at ``kept.saved_at``) when ``n`` is short of ``kept``'s
         length; counted."""
         if n < len(kept.ids) and self._resumable_only:
             for part in (self.target_kv, self.draft_kv, self.target_state):
@@ -920,18 +953,21 @@ class BatchDecoder:
         ``prompt`` is the prompt ``kept`` began with (its last logits were kept), else their
         common start, short of the prompt's last token. A hybrid target's recurrent state, and
         a sliding-window target's rings (which hold only the last positions written), are
-        known at two positions only, the end of ``kept`` and the end of the prompt it started
-        from (its checkpoint): the later of these that the common start reaches, or 0."""
+        known at two positions only, the end of ``kept`` and ``kept.saved_at`` (its checkpoint:
+        the end of the prompt it began with, or where that prompt's chat messages ended): the
+        later of these that the common start reaches, or 0 (the same prompt again is reused
+        whole only where one of them is its end)."""
         n = 0
         for a, b in zip(kept.ids, prompt):
             if a != b:
                 break
             n += 1
-        if n == len(prompt) == kept.prompt_len and kept.prompt_logits is not None:
+        if (n == len(prompt) == kept.prompt_len and kept.prompt_logits is not None
+                and (not self._resumable_only or n in (len(kept.ids), kept.saved_at))):
             return n  # the same prompt again: its last logits are kept too
         n = min(n, len(prompt) - 1)
         if self._resumable_only:
-            return next((m for m in (len(kept.ids), kept.prompt_len) if m <= n), 0)
+            return next((m for m in (len(kept.ids), kept.saved_at) if m <= n), 0)
         return n
 
     def _remove_joining(self, seq_id: Hashable) -> bool:
@@ -944,7 +980,7 @@ class BatchDecoder:
                 if q.sharers:
                     heir = q.sharers.pop(0)
                     heir.sharers, heir.prefilled, heir.prefill_time = q.sharers, q.prefilled, q.prefill_time
-                    heir.reused, heir.scored = q.reused, q.scored
+                    heir.reused, heir.scored, heir.checkpoint, heir.saved_at = q.reused, q.scored, q.checkpoint, q.saved_at
                     self._joining[j] = heir
                 else:
                     del self._joining[j]
@@ -1080,27 +1116,35 @@ class BatchDecoder:
         decoding sequences -> their prefill rounds."""
         rounds, used, C = {}, 0, self.prefill_chunk
         while self._joining:
-            q, last = self._joining[0], None
-            if not q.prefilled and self._retained:
-                q.prefilled, last = self._take_prefix(len(self._seqs), q.prompt, reuse=q.scored is None)
-                q.reused = q.prefilled
-            n = min(C, q.ids.shape[0] - q.prefilled)  # (0 when the prompt was reused whole)
+            q, last, P = self._joining[0], None, self._joining[0].ids.shape[0]
+            if not q.prefilled:
+                if self._retained:
+                    q.prefilled, last = self._take_prefix(len(self._seqs), q.prompt, reuse=q.scored is None)
+                    q.reused = q.prefilled
+                q.saved_at = self._saved_at(q.checkpoint, q.prefilled, P) if last is None else P
+                if q.prefilled == q.saved_at < P:  # (reused up to the checkpoint)
+                    self._save(len(self._seqs))
+            end = q.saved_at if q.prefilled < q.saved_at else P  # (a chunk ends at the checkpoint)
+            n = min(C, end - q.prefilled)  # (0 when the prompt was reused whole)
             if n and used and (bounded or rounds) and used + n > self.prefill_budget:  # (a prompt reused whole reads 0)
                 break
             t0 = time.perf_counter()
             if last is None:
-                logits = self._prefill_chunk(len(self._seqs), q.ids, q.prefilled)
+                logits = self._prefill_chunk(len(self._seqs), q.ids[:end], q.prefilled)
                 if q.scored is not None:
                     q.scored += prompt_chunk_logprobs(logits, q.prompt, q.prefilled, q.prompt_logprobs)
                 last = logits[-1]
             q.prefilled += n
             used += n
-            if q.prefilled < q.ids.shape[0]:
+            if q.prefilled == q.saved_at < P:
+                self._save(len(self._seqs))  # (see add; it moves with the slot)
+            if q.prefilled < P:
                 q.prefill_time += time.perf_counter() - t0
                 continue
             self._joining.popleft()
             slot, kept_logits = len(self._seqs), self._keep_logits(last)
-            self._save(slot)  # (see add; each sharer's slot gets a copy)
+            if q.saved_at == P:
+                self._save(slot)  # (see add; each sharer's slot gets a copy)
             for sharer in [q] + q.sharers:  # (slot's contents copied into each sharer's slot)
                 if sharer is not q:
                     self._move(slot, len(self._seqs), q.prefilled)
@@ -1108,7 +1152,7 @@ class BatchDecoder:
                 first = int(token)
                 self._seqs.append(_Sequence(sharer.seq_id, sharer.params, sharer.generator, sharer.max_new_tokens,
                                             q.prefilled, token, 1, ids=q.prompt + [first], prompt_len=q.prefilled,
-                                            prompt_logits=kept_logits, processor=processor))
+                                            prompt_logits=kept_logits, processor=processor, saved_at=q.saved_at))
                 elapsed = q.prefill_time + time.perf_counter() - t0
                 rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed, cached_tokens=q.reused,
                                               logprobs=first_logprobs(last, first, sharer.params),

@@ -39,14 +39,14 @@ class Turns:
         return cls(BatchDecoder(target, drafter, max_batch_size=slots, max_context=200, prefill_chunk=C,
                                 reuse_prefix=reuse, **kw))
 
-    def join(self, sid, prompt, params, budget):
+    def join(self, sid, prompt, params, budget, **kw):
         self.budgets[sid], self.prompts[sid] = budget, prompt
-        self.batch.join(sid, prompt, params, budget)
+        self.batch.join(sid, prompt, params, budget, **kw)
 
-    def add(self, sid, prompt, params, budget):
+    def add(self, sid, prompt, params, budget, **kw):
         """As :meth:`join`, through :meth:`BatchDecoder.add` (its prefill now)."""
         self.budgets[sid], self.prompts[sid] = budget, prompt
-        self.out[sid] = self.batch.add(sid, prompt, params, budget).tokens
+        self.out[sid] = self.batch.add(sid, prompt, params, budget, **kw).tokens
         self.rows[sid] = slot_rows(self.batch, self.batch.seq_ids.index(sid), len(prompt))
 
     def step(self):
@@ -423,6 +423,74 @@ def test_prefix_slots_are_checked(agree_models, tiny_pair, tmp_path, capsys):  #
         assert cli_main(["serve", *pair, "--prefix-slots", "2", *args]) == 2
         err = capsys.readouterr().err
         assert err == f"dflash-torch: error: --prefix-slots has no effect with {why}; drop it\n"
+
+
+OPEN = [5, 6]  # a chat template's opening of the reply (outside the varied prompts' set, as MORE)
+
+
+def chat_turns(target, drafter, reuse: bool, checkpoint: bool, add: bool):
+    """A chat of three turns and a retry of the third, on three slots while another sequence
+    decodes (it leaves during turn 2: the turns' slots move), each turn's prompt its history
+    then ``OPEN``; the next history renders the reply otherwise than it was generated (its
+    first token replaced, as a template that strips the thinking), so the next prompt
+    leaves the last one where its history ends. With ``checkpoint``, each turn gives that
+    position (:meth:`BatchDecoder.join` / ``add``'s ``checkpoint``). Before each turn a
+    short unrelated request passes through the slot the turn takes. -> the Turns, the
+    histories' lengths and the prompt rows reused per turn."""
+    t = Turns.of(target, drafter, 3, reuse)
+    batch = t.batch
+    t.join("o", varied_prompts(target, 1, seed=40, length=9)[0], GREEDY, 70)
+    history, lengths, reused = varied_prompts(target, 1, seed=41, length=2 * C + 3)[0], [], []
+    for k, (budget, params) in enumerate(((20, GREEDY), (25, SAMPLED), (15, GREEDY), (15, GREEDY))):
+        if k in (1, 2):
+            history = history + OPEN[:1] + [4] + t.out[k - 1][1:t.budgets[k - 1]] + MORE
+        if k:
+            t.join(("z", k), [3] + varied_prompts(target, 1, seed=k, length=5)[0], GREEDY, 5)
+            t.until_gone(("z", k))
+        lengths.append(len(history))
+        before = batch.reused_prefill_tokens
+        (t.add if add else t.join)(k, history + OPEN, params, budget, **({"checkpoint": len(history)} if checkpoint else {}))
+        t.until_gone(k)
+        reused.append(batch.reused_prefill_tokens - before)
+    t.until_gone("o")
+    return t, lengths, reused
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["join", "add"])
+@pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "hybrid_models", "ring_models"],
+                         ids=["attention", "qwen35-hybrid", "qwen3-next-hybrid-moe", "gpt-oss-rings"])
+def test_a_chat_checkpoint_lets_the_next_turn_reuse_its_history(request, models, add):
+    """Where the template renders the last reply otherwise than it was generated, the next
+    turn leaves the last prompt where its messages end. A hybrid or ring model, whose
+    checkpoint is at the prompt's end by default, reuses nothing of it; given the history's
+    end as ``checkpoint``, it keeps its checkpoint there and reuses exactly the history (an
+    attention model, with or without one, the common start), and the retry of turn 2 reuses
+    its history (a hybrid model) or all of it (attention: its last logits are kept). Every turn decodes
+    as with reuse off, through join and through add."""
+    target, drafter = request.getfixturevalue(models)
+    on, lengths, reused = chat_turns(target, drafter, True, True, add)
+    off, lengths_off, reused_off = chat_turns(target, drafter, False, True, add)
+    _, _, at_end = chat_turns(target, drafter, True, False, add)
+    assert lengths == lengths_off and reused_off == [0, 0, 0, 0]
+    same_runs(on, off)
+    if models == "agree_models":  # (the common start: the history and the opening's first token; the retry: all)
+        assert reused == [0, lengths[0] + 1, lengths[1] + 1, lengths[2] + len(OPEN)]
+    else:
+        assert reused == [0, lengths[0], lengths[1], lengths[2]]
+    assert on.result(3)[0] == on.result(2)[0]
+    assert at_end == (reused if models == "agree_models" else [0, 0, 0, lengths[2] + len(OPEN)])
+
+
+def test_a_checkpoint_is_checked(agree_models):  # noqa: F811 (the imported fixture)
+    """``checkpoint`` must be a position inside the prompt: anything else is refused by
+    join and add, and the batch is left as it was."""
+    target, drafter = agree_models
+    batch = BatchDecoder(target, drafter, max_batch_size=1, max_context=64, prefill_chunk=C)
+    for bad in (0, 6, -1, True, 2.0, "3"):
+        for call in (batch.join, batch.add):
+            with pytest.raises(DFlashError, match=r"checkpoint must be None or a position in \(0, 5\]"):
+                call("a", [1, 2, 3, 4, 5], GREEDY, 4, checkpoint=bad)
+    assert batch.seq_ids == [] and batch.free_slots == 1
 
 
 @pytest.mark.parametrize("models", ["agree_models", "qwen35_models", "hybrid_models", "ring_models"],
