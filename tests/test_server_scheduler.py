@@ -572,10 +572,10 @@ def test_cached_tokens_of_n_choices_are_those_no_choice_read(tiny_pair, tmp_path
         for stream in (False, True):
             first = f"def cached_by_choices_{int(stream)}(x):\n    return [x] * 3\n"
             c.completions.create(prompt=first, max_tokens=2, **_kw(0.0))  # (its rows retained in a free slot)
-            busy = iter(c.completions.create(prompt="class Busy:", max_tokens=60, stream=True, **_kw(0.0)))
+            busy = iter(c.completions.create(prompt="class Busy:", max_tokens=200, stream=True, **_kw(0.0)))
             next(busy)  # decoding in the other slot
             before = read()
-            kw = dict(prompt=first + "print(3)\n", max_tokens=150, n=2, **_kw(0.0))
+            kw = dict(prompt=first + "print(3)\n", max_tokens=400, n=2, **_kw(0.0))  # (longer than busy's rest)
             if stream:
                 usage = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))[-1].usage
             else:
