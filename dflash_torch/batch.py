@@ -665,6 +665,12 @@ class BatchDecoder:
     # --- the step-level API ---
 
     @property
+    def takes_checkpoint(self) -> bool:
+        """Whether the ``checkpoint`` of :meth:`add` / :meth:`join` takes effect: prefix reuse
+        on a hybrid or sliding-window model (whose slot checkpoints it places)."""
+        return self.reuse_prefix and self._resumable_only
+
+    @property
     def free_slots(self) -> int:
         """Sequences that can still be added or joined."""
         return self.max_batch_size - len(self._seqs) - sum(q.slots for q in self._joining)
@@ -924,7 +930,7 @@ class BatchDecoder:
         """Where a prompt of ``n_prompt`` tokens whose prefill starts at ``start`` (the rows
         reused) takes its slot's checkpoint: at ``checkpoint`` where one is given, the model
         takes checkpoints and the prefill reads that position, else at the prompt's end."""
-        if self.reuse_prefix and self._resumable_only and checkpoint is not None and start <= checkpoint:
+        if self.takes_checkpoint and checkpoint is not None and start <= checkpoint:
             return checkpoint
         return n_prompt
 

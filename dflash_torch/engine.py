@@ -734,6 +734,7 @@ class DFlashEngine:
         prompt_logprobs: int | None = None,
         skip_special_tokens: bool = False,
         include_stop_str_in_output: bool = False,
+        history_end: int | None = None,
     ) -> Iterator[StreamChunk]:
         """Generate, yielding text deltas as rounds commit tokens.
 
@@ -781,6 +782,13 @@ class DFlashEngine:
                 before it, and the k most likely tokens there (``StreamChunk.prompt_logprobs``;
                 see :class:`GenerationResult`), taken from the logits the prefill computes
                 anyway (no extra forward). The tokens are the same with or without.
+            history_end: None (default) or a position in ``(0, len(prompt)]`` of a token-id
+                prompt rendered from chat messages: where its messages end, before the
+                template's opening of the reply (:meth:`history_end`, which a prompt given as
+                messages gets by itself). A hybrid or sliding-window model keeps its
+                prefix-reuse copies there, so that the next turn of the chat reuses the
+                history even where the template renders this reply otherwise. The tokens
+                are the same with or without.
 
         Yields:
             :class:`StreamChunk`; the last one has ``finish_reason`` and ``stats``.
@@ -795,7 +803,7 @@ class DFlashEngine:
                            logprobs=logprobs, chat_template_kwargs=chat_template_kwargs, tools=tools,
                            structured_output=structured_output, prompt_logprobs=prompt_logprobs,
                            skip_special_tokens=skip_special_tokens,
-                           include_stop_str_in_output=include_stop_str_in_output) as chunks:
+                           include_stop_str_in_output=include_stop_str_in_output, history_end=history_end) as chunks:
             # each round runs on the compute thread (see dflash_torch.compute), whichever
             # thread iterates this stream
             while (chunk := compute.run(next, chunks, None)) is not None:
@@ -804,16 +812,21 @@ class DFlashEngine:
     @contextlib.contextmanager
     def _request(self, prompt, *, max_new_tokens: int = 256, chat: bool = False,
                  chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-                 prompt_logprobs: int | None = None, **sampling) -> Iterator[Iterator[StreamChunk]]:
+                 prompt_logprobs: int | None = None, history_end: int | None = None,
+                 **sampling) -> Iterator[Iterator[StreamChunk]]:
         """Check a request, tokenize its prompt, take the engine (see the class docstring) and
         give the request's chunks, to be pulled on the compute thread; frees the engine on exit.
         ``sampling``: the sampling and stop arguments of :meth:`stream` (see :meth:`request_params`).
         NumPy values are taken as the numbers they hold (:func:`~dflash_torch.options.plain`)."""
-        max_new_tokens, prompt_logprobs, sampling = options.plain((max_new_tokens, prompt_logprobs, sampling))
+        max_new_tokens, prompt_logprobs, history_end, sampling = options.plain(
+            (max_new_tokens, prompt_logprobs, history_end, sampling))
         params, stopper = self.request_params(max_new_tokens, **sampling)
         options.check_prompt_logprobs(prompt_logprobs)
         prompt_ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
-        checkpoint = self._history_end(prompt, chat, chat_template_kwargs, tools, prompt_ids)
+        if history_end is None:
+            checkpoint = self.history_end(prompt, prompt_ids, chat, chat_template_kwargs, tools)
+        else:
+            checkpoint = options.check_history_end(history_end, len(prompt_ids))
         if self._owner is threading.current_thread():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
@@ -845,19 +858,43 @@ class DFlashEngine:
         finally:
             self.lock.release()
 
-    def _history_end(self, prompt, chat: bool, chat_template_kwargs, tools, prompt_ids: list[int]) -> int | None:
-        """Where a chat prompt's messages end, before the template's opening of the reply: the
-        decoder's ``checkpoint`` (:meth:`SpeculativeDecoder.rounds`) where it takes one (prefix
-        reuse on a hybrid or sliding-window model), for the next turn's prompt starts there
-        even where the template renders the reply otherwise than it was generated; None for
-        other prompts and models, or where that rendering does not start the prompt's tokens."""
-        if not self.decoder.takes_checkpoint or not (chat or (
+    def history_end(self, prompt, prompt_ids: list[int], chat: bool = False,
+                    chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> int | None:
+        """Where a chat prompt's messages end in its token ids, before the template's opening
+        of the reply: the ``history_end`` of :meth:`stream` (the decoders' ``checkpoint``,
+        see :meth:`SpeculativeDecoder.rounds`), where the next turn's prompt starts over
+        from even where the template renders the reply otherwise than it was generated.
+
+        Args:
+            prompt, chat, chat_template_kwargs, tools: as :meth:`encode_prompt` took them.
+            prompt_ids: :meth:`encode_prompt`'s token ids of that prompt (with the generation prompt).
+
+        Returns:
+            the number of tokens of the messages rendered without the generation prompt,
+            where those tokens start ``prompt_ids`` and are fewer, and the template renders
+            the reply otherwise in the next turn: the messages, a reply and a next user
+            message rendered do not start with ``prompt_ids`` (a reasoning model's
+            history without its thinking). None where they do (ChatML without thinking:
+            the prompt's own end serves the next turn, with its opening of the reply), for
+            a prompt that is not a chat, where the renderings do not start ``prompt_ids``
+            (or the template cannot render them), and on a model that keeps no
+            prefix-reuse copies (attention targets: their rows serve any common start;
+            prefix reuse off), where it would serve nothing (not rendered then).
+        """
+        takes = self.decoder.takes_checkpoint or (self._batch is not None and self._batch.takes_checkpoint)
+        if not takes or not (chat or (
                 isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt))):
             return None
+        messages = prompt if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": prompt}]
+        probe = [{"role": "assistant", "content": "OK."}, {"role": "user", "content": "And?"}]  # (a next turn)
         try:
             history = self.encode_prompt(prompt, chat, chat_template_kwargs, tools, add_generation_prompt=False,
                                          check_length=False)
-        except DFlashError:  # (a template that cannot end without the opening: no checkpoint)
+            following = self.encode_prompt(list(messages) + probe, chat, chat_template_kwargs, tools,
+                                           add_generation_prompt=False, check_length=False)
+        except DFlashError:  # (a template that cannot end without the opening, or refuses the probe)
+            return None
+        if following[:len(prompt_ids)] == prompt_ids:  # (the next turn renders this prompt again: its end serves)
             return None
         n = len(history)
         return n if 0 < n < len(prompt_ids) and prompt_ids[:n] == history else None
@@ -1096,7 +1133,7 @@ class DFlashEngine:
                 if n == 1 or (stopper is None and _shared_by_all(exc, per)):  # (no prompt to name)
                     raise
                 raise DFlashError(f"prompt {i}: {exc}") from None
-            requests.append((ids, params, stopper, scored))
+            requests.append((ids, params, stopper, scored, self.history_end(prompt, ids, chat, chat_template_kwargs, tools)))
         if self._owner is threading.current_thread():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")
@@ -1106,8 +1143,8 @@ class DFlashEngine:
             return compute.run(self._run_batch, requests)
 
     def _run_batch(self, requests: list) -> list[GenerationResult]:
-        """Decode ``requests`` (prompt ids, params, stopper, prompt_logprobs) through the batch
-        decoder; on the compute thread."""
+        """Decode ``requests`` (prompt ids, params, stopper, prompt_logprobs, history end)
+        through the batch decoder; on the compute thread."""
         batch = self.batch_decoder()
         if batch.seq_ids:  # (its rounds would step them too, and their Rounds would be lost)
             raise DFlashError(f"generate_batch cannot run while engine.batch_decoder() holds sequences of its own "
@@ -1119,10 +1156,10 @@ class DFlashEngine:
             while waiting or state:
                 while waiting and batch.free_slots:
                     i = waiting.pop(0)
-                    ids, params, stopper, scored = requests[i]
+                    ids, params, stopper, scored, checkpoint = requests[i]
                     stats = GenerationStats(prompt_tokens=len(ids), block_size=self.block_size,
                                             draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
-                    batch.join(i, ids, params, stopper.max_new_tokens, scored)  # (its prefill runs in the steps)
+                    batch.join(i, ids, params, stopper.max_new_tokens, scored, checkpoint)  # (prefilled by the steps)
                     state[i] = (stats, stopper, [])
                 for i, rnd in batch.step().items():
                     self._batch_round(batch, i, rnd, state, results)

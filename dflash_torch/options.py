@@ -268,6 +268,15 @@ def check_prompt_logprobs(value, name: str = "prompt_logprobs") -> int | None:
     return value
 
 
+def check_history_end(value, prompt_tokens: int, name: str = "history_end") -> int:
+    """Where a chat prompt's messages end (``DFlashEngine.stream``'s ``history_end``): an
+    integer position in ``(0, prompt_tokens]``."""
+    if not _is_int(value) or not 0 < value <= prompt_tokens:
+        raise OptionError(f"{name} must be None or a position in the prompt's {prompt_tokens} tokens, (0, "
+                          f"{prompt_tokens}], got {value!r}", name)
+    return value
+
+
 def check_choice(value, choices: tuple[str, ...], name: str) -> str:
     """``value`` when it is one of ``choices``.
 

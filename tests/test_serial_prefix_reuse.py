@@ -17,7 +17,7 @@ from test_batch import agree_models, hybrid_models, qwen35_models, ring_models  
 from test_server import API_KEY, MODEL
 from test_server_scheduler import _serve
 
-from dflash_torch import DFlashEngine, SamplingParams, decoding
+from dflash_torch import DFlashEngine, DFlashError, SamplingParams, decoding
 from dflash_torch.decoding import SpeculativeDecoder
 
 C = 16  # prefill chunk: prompts here read in several chunks, and a reused prefix ends inside one
@@ -342,3 +342,75 @@ def test_hybrid_chat_turns_reuse_the_last_messages(agree_hybrid_pair):
     assert [o[0] for o in outs[True]] == [o[0] for o in outs[False]]
     assert [o[1] for o in outs[True]] == [0, history[0], history[1]] and history[0] > 10
     assert [o[1] for o in outs[False]] == [0, 0, 0]
+
+
+def test_hybrid_chat_turns_reuse_the_last_messages_in_batches_and_behind_the_server(agree_hybrid_pair, tmp_path):
+    """The chat of :func:`test_hybrid_chat_turns_reuse_the_last_messages` through
+    ``generate_batch`` (the batch decoder: join's ``checkpoint``), and through a server
+    (batched, and one sequence at a time: ``history_end`` of ``engine.stream``) with the
+    openai client: each turn reuses the last turn's messages (``usage.prompt_tokens_details
+    .cached_tokens``), and gives the engine's reply."""
+    engine = DFlashEngine.from_pretrained(*agree_hybrid_pair, dtype="float32")
+    texts = ("def f(x):", "class A:", "import os")
+
+    def chat(reply):
+        messages, out = [{"role": "system", "content": "be brief"}], []
+        for text in texts:
+            messages.append({"role": "user", "content": text})
+            history = len(engine.encode_prompt(messages, add_generation_prompt=False))
+            content, cached = reply(messages)
+            messages.append({"role": "assistant", "content": content})
+            out.append((content, cached, history))
+        return out
+
+    def batch(messages):
+        r = engine.generate_batch([messages], chat=True, max_new_tokens=12)[0]
+        return r.text, r.stats.cached_prompt_tokens
+
+    alone = chat(lambda m: (engine.generate(m, chat=True, max_new_tokens=12).text, None))
+    turns = chat(batch)
+    assert [t[0] for t in turns] == [t[0] for t in alone]
+    assert [t[1] for t in turns] == [0, turns[0][2], turns[1][2]] and turns[0][2] > 10
+    for extra in ((), ("--max-batch-size", "1")):
+        with _serve(agree_hybrid_pair, tmp_path, "--dtype", "float32", *extra) as srv:
+            client = openai.OpenAI(base_url=srv.base + "/v1", api_key=API_KEY)
+
+            def served(messages):
+                r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+                return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+            got = chat(served)
+        assert got == turns, extra
+
+
+def test_history_end_of_token_id_prompts(agree_hybrid_pair, tiny_pair, tmp_path):
+    """``DFlashEngine.history_end`` gives where a chat's messages end in its token ids (on a
+    model that keeps copies, with a template that renders the reply otherwise in the next
+    turn; None where the next turn renders the whole prompt again, on an attention model, and
+    for a plain text); ``stream`` / ``generate`` take it with a token-id prompt (the next turn
+    then reuses the history as a chat given as messages does) and refuse anything but a
+    position in the prompt."""
+    import shutil
+
+    engine = DFlashEngine.from_pretrained(*agree_hybrid_pair, dtype="float32")
+    messages = [{"role": "user", "content": "def f(x):"}]
+    ids = engine.encode_prompt(messages)
+    end = engine.history_end(messages, ids)
+    assert end == len(engine.encode_prompt(messages, add_generation_prompt=False)) < len(ids)
+    assert engine.history_end("def f(x):", engine.encode_prompt("def f(x):")) is None
+    for bad in (0, len(ids) + 1, -1, True, 2.5, "3"):
+        with pytest.raises(DFlashError, match=rf"^history_end must be None or a position in the prompt's {len(ids)} "):
+            engine.generate(ids, max_new_tokens=2, history_end=bad)
+    reply = engine.generate(ids, max_new_tokens=12, history_end=end)
+    messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "class A:"}]
+    ids = engine.encode_prompt(messages)
+    second = engine.generate(ids, max_new_tokens=12, history_end=engine.history_end(messages, ids))
+    assert second.stats.cached_prompt_tokens == end
+    assert second.token_ids == engine.generate(messages, max_new_tokens=12).token_ids
+    attention = DFlashEngine.from_pretrained(*tiny_pair, max_context=256)
+    assert attention.history_end(messages, attention.encode_prompt(messages)) is None
+    chatml = shutil.copytree(agree_hybrid_pair[0], tmp_path / "target")  # (its opening of the reply starts a past reply)
+    (chatml / "chat_template.jinja").write_text("{% for m in messages %}# {{ m['role'] }}:\n{{ m['content'] }}\n"
+                                                "{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}")
+    engine = DFlashEngine.from_pretrained(chatml, agree_hybrid_pair[1], dtype="float32")
+    assert engine.history_end(messages, engine.encode_prompt(messages)) is None

@@ -291,7 +291,7 @@ class _Scoring:
 
     def __init__(self, req, kind: str, prompts: list, prepared: list, n: int, decode, special_ids: frozenset[int]):
         self.n = n
-        self.ids = [ids for ids, _ in prepared]
+        self.ids = [ids for ids, _, _ in prepared]
         self.echo = kind == "completion" and bool(req.echo)
         self.echo_k = req.logprobs if self.echo and req.logprobs is not None else None
         self.vllm_k = req.prompt_logprobs
@@ -630,9 +630,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     def prepare(prompts: list, chat: bool, requested: int | None, default: int | None,
                 template_kwargs: dict | None, tools: list[dict] | None,
-                prompt_options: dict | None = None, max_tokens_name: str = "max_tokens") -> list[tuple[list[int], int]]:
-        """``(token ids, max new tokens)`` of each prompt (in a thread: tokenizing a long
-        prompt holds neither the engine nor the event loop)."""
+                prompt_options: dict | None = None,
+                max_tokens_name: str = "max_tokens") -> list[tuple[list[int], int, int | None]]:
+        """``(token ids, max new tokens, history end)`` of each prompt (in a thread: tokenizing
+        a long prompt holds neither the engine nor the event loop); the history end of a chat
+        that ends with the opening of the reply (see :meth:`DFlashEngine.history_end`), else None."""
         vocab = engine.target.config.vocab_size
         out = []
         for i, prompt in enumerate(prompts):
@@ -640,7 +642,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 ids = engine.encode_prompt(prompt, chat, template_kwargs, tools, **(prompt_options or {}))
                 if any(not 0 <= t < vocab for t in ids):  # checked for every prompt before any runs
                     raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
-                out.append((ids, fit_max_tokens(engine, len(ids), requested, default, max_tokens_name)))
+                opens_reply = chat and (prompt_options or {}).get("add_generation_prompt", True)
+                end = engine.history_end(prompt, ids, chat, template_kwargs, tools) if opens_reply else None
+                out.append((ids, fit_max_tokens(engine, len(ids), requested, default, max_tokens_name), end))
             except DFlashError as exc:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 raise APIError(400, where + str(exc), param=param_of(exc)) from None
@@ -786,9 +790,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             param, kwargs["structured_output"] = await asyncio.to_thread(request_constraint, req, chat, tools, prompt_tail)
             job.param_aliases["structured_output"] = param
         await asyncio.to_thread(check_sampling, prepared[0][1], kwargs, job.param_aliases)
-        for ids, max_new_tokens in prepared:
+        for ids, max_new_tokens, end in prepared:
             for j in range(n):
-                job.add(ids, max_new_tokens, {**kwargs, "seed": choice_seed(kwargs["seed"], j)})
+                job.add(ids, max_new_tokens, {**kwargs, "seed": choice_seed(kwargs["seed"], j), "history_end": end})
         try:
             scheduler.submit(job)
         except ShuttingDown:
@@ -796,7 +800,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         except QueueFull as exc:
             raise APIError(503, str(exc), type="server_error", code="queue_full",
                            headers={"Retry-After": str(exc.retry_after)}) from None
-        prompt_tokens = sum(len(ids) for ids, _ in prepared)  # once per prompt, whatever n
+        prompt_tokens = sum(len(ids) for ids, _, _ in prepared)  # once per prompt, whatever n
         scoring = _Scoring(req, kind, prompts, prepared, n, engine.decode, engine.special_token_ids)
         try:
             ev = await next_event(job, request)  # waits in the queue, then for prefill

@@ -187,7 +187,7 @@ class Sequence:
     index: int                         # the choice's index in the response
     prompt_ids: list[int]
     max_new_tokens: int
-    kwargs: dict                       # sampling / stop arguments of engine.stream (seed included)
+    kwargs: dict                       # arguments of engine.stream: sampling, stop, seed, history_end
     got_token: bool = False
     text: list[str] = field(default_factory=list)       # a non-streamed choice's output so far
     token_ids: list[int] = field(default_factory=list)
@@ -304,12 +304,12 @@ class BatchedBackend:
 
         e = self.engine
         kwargs = dict(seq.kwargs)
-        prompt_logprobs = kwargs.pop("prompt_logprobs", None)
+        prompt_logprobs, history_end = kwargs.pop("prompt_logprobs", None), kwargs.pop("history_end", None)
         params, stopper = e.request_params(seq.max_new_tokens, **kwargs)  # (checked as engine.stream checks them)
         stats = GenerationStats(prompt_tokens=len(seq.prompt_ids), block_size=e.block_size,
                                 draft_mode=e.decoder.draft_mode if e.drafter is not None else None)
         # (prefilled by the steps; with prompt_logprobs, read whole: see dflash_torch.batch)
-        e.batch_decoder().join(seq, seq.prompt_ids, params, stopper.max_new_tokens, prompt_logprobs)
+        e.batch_decoder().join(seq, seq.prompt_ids, params, stopper.max_new_tokens, prompt_logprobs, history_end)
         self._state[seq] = (stats, stopper)
 
     @property
