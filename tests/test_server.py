@@ -587,6 +587,29 @@ def test_auth_and_routes(server):
     assert server.post("/v1/completions", body).status_code == 200
 
 
+def test_ignored_request_fields_are_logged_once(server):
+    """Fields the server does not know are ignored (as vLLM does; the request is answered),
+    and the server's log names each once (with the endpoint), at the default --log-level
+    warning and above: a misspelt ``max_token`` does not pass unseen."""
+    def logged(words: str, count: int) -> None:
+        for _ in range(50):
+            lines = [line for line in server.log.read_text().splitlines() if words in line]
+            if len(lines) >= count:
+                break
+            time.sleep(0.1)
+        assert len(lines) == count, (words, lines)
+
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "max_tokn_unknown": 5, "colour_unknown": "red"}
+    for _ in range(2):
+        assert server.post("/v1/completions", body).status_code == 200
+    logged("WARNING:  /v1/completions: ignored the request fields 'max_tokn_unknown', 'colour_unknown' (not known", 1)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "colour_unknown": 1,
+            "shape_unknown": 2}
+    assert server.post("/v1/chat/completions", chat).status_code == 200
+    logged("/v1/chat/completions: ignored the request field 'shape_unknown' (", 1)
+    logged("colour_unknown", 1)
+
+
 def test_concurrent_streams_with_disconnects(server, cli_reference, capsys):
     c = server.client()
     n_clients, leavers, leave_after = 7, {1, 4, 6}, 3  # 6: non-streaming, gives up after 0.3 s

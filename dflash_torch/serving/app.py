@@ -91,13 +91,13 @@ from .constraints import after_reasoning, special_token, think_end_token, with_w
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesInputError,
                        ResponsesRequest, TokenizeChatRequest, TokenizeCompletionRequest, conflicting_fields,
-                       describe_validation_error, responses_message, responses_param, unsupported_field,
-                       CHAT_TEMPLATE_REFUSED)
+                       describe_validation_error, ignored_fields, responses_message, responses_param,
+                       unsupported_field, CHAT_TEMPLATE_REFUSED)
 from .reasoning import (GEMMA4_CLOSE, GEMMA4_OPEN, HARMONY_MARKERS, THINK_CLOSE, THINK_OPEN, check_reasoning_parser,
                         resolve_parser)
 from .responses import ResponseBuilder, marker_pieces, sse_event
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
-                        make_backend, param_of)
+                        log, make_backend, param_of)
 from .tools import (CALL_CLOSE, CALL_OPEN, FORCED_CALL_GRAMMARS, GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_QUOTE,
                     MINIMAX_CALL_CLOSE, MINIMAX_CALL_OPEN, check_tool_parser, new_reply_parser, parse_reply,
                     resolve_tool_parser)
@@ -106,6 +106,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # where omitted sampling values come from: the target's generation_config.json, or OpenAI's defaults
 GENERATION_CONFIGS = ("auto", "none")
 DISCONNECT_POLL_S = 0.5
+IGNORED_LOGGED = 256  # the most ignored field names a server logs (their names are the clients' to choose)
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
              "/health", "/metrics"}
 
@@ -522,7 +523,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         decoded JSON object that returns the class to validate it with)."""
         body = await read_body(request)
         try:
-            return validate_body(body, schema)
+            return validate_body(body, schema, request.url.path)
         except APIError:
             raise
         except RecursionError:  # the JSON parser, the Unicode check or pydantic went too deep
@@ -530,7 +531,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         except Exception as exc:  # whatever else a parser raises on a body is the body's fault
             raise APIError(400, f"the request body cannot be parsed: {type(exc).__name__}") from None
 
-    def validate_body(body: bytes, schema):
+    def validate_body(body: bytes, schema, path: str):
         try:
             data = json.loads(body)
         except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of over 4300 digits
@@ -553,11 +554,23 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if req.model is not None and req.model != model_id:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_id!r}",
                            param="model", code="model_not_found")
+        warn_ignored(schema, data, path)
         if isinstance(req, ResponsesRequest):
             return validate_responses(req)
         if getattr(req, "samples", False):  # (not /tokenize's or /detokenize's: they sample nothing)
             check_fields(req)
         return req
+
+    warned: set[str] = set()  # ignored fields already logged (each once; at most IGNORED_LOGGED of them)
+
+    def warn_ignored(schema, data: dict, path: str) -> None:
+        """Log the request fields ``schema`` ignores (a misspelt ``max_token`` would otherwise
+        pass unseen), each name once per server."""
+        fresh = [k for k in ignored_fields(schema, data) if k not in warned][:IGNORED_LOGGED - len(warned)]
+        if fresh:
+            warned.update(fresh)
+            log.warning("%s: ignored the request field%s %s (not known to this server; each logged once)", path,
+                        "s" if len(fresh) > 1 else "", ", ".join(repr(k[:80]) for k in fresh))
 
     def check_fields(req) -> None:
         bad = conflicting_fields(req)

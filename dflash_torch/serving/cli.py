@@ -4,6 +4,7 @@ API with uvicorn."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from ..errors import DFlashError
@@ -138,6 +139,12 @@ def _serve(args: argparse.Namespace) -> int:
             app.state.scheduler.shutdown()
             await super().shutdown(sockets=sockets)
 
+    handler = logging.StreamHandler()  # (the server's own messages, at uvicorn's --log-level)
+    handler.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
+    logger = logging.getLogger("dflash_torch")
+    logger.addHandler(handler)
+    logger.setLevel(args.log_level.upper())
+    logger.propagate = False
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     server = Server(config)
     server.run()

@@ -517,6 +517,15 @@ def _tool_choice_name(choice) -> str:
 CHAT_TEMPLATE_REFUSED = "chat_template is not supported: chats are rendered with the model's own chat template"
 
 
+def ignored_fields(schema: type[BaseModel], data: dict) -> list[str]:
+    """The top-level fields of a request body ``data`` that ``schema`` does not know and so
+    ignores (``extra="ignore"``; names and aliases known), in the body's order."""
+    if schema.model_config.get("extra") != "ignore":
+        return []
+    known = {name for name in schema.model_fields} | {f.alias for f in schema.model_fields.values() if f.alias}
+    return [key for key in data if key not in known]
+
+
 def unsupported_field(req: _Request) -> tuple[str, str] | None:
     """``(param, message)`` for the first field whose value the engine cannot honour.
 
