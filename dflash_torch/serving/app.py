@@ -554,11 +554,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if req.model is not None and req.model != model_id:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_id!r}",
                            param="model", code="model_not_found")
-        warn_ignored(schema, data, path)
         if isinstance(req, ResponsesRequest):
-            return validate_responses(req)
-        if getattr(req, "samples", False):  # (not /tokenize's or /detokenize's: they sample nothing)
+            req = validate_responses(req)
+        elif getattr(req, "samples", False):  # (not /tokenize's or /detokenize's: they sample nothing)
             check_fields(req)
+        warn_ignored(schema, data, path)  # (of a request taken)
         return req
 
     warned: set[str] = set()  # ignored fields already logged (each once; at most IGNORED_LOGGED of them)
