@@ -627,15 +627,19 @@ class BatchDecoder:
         """Run a dummy round at every batch bucket and every length bucket up to ``context``
         tokens (default: the whole cache), so that a compiled decoder builds those graphs now
         rather than in a request. Only while no sequence is held (it writes into every slot).
+        An eager decoder (not fixed shapes) runs none: it has no shapes to prepare (each
+        length is one of its own), and one round per length would take minutes.
 
         Returns:
-            the rounds run.
+            the rounds run (0 for an eager decoder).
 
         Raises:
             DFlashError: sequences are held.
         """
         if self._seqs or self._joining:
             raise DFlashError("warmup() needs an empty batch (it overwrites every slot)")
+        if not self.static:
+            return 0
         self._retained.clear()
         cap, runs = self.target_kv.capacity, 0
         for B, sizes in self._round_buckets().items():

@@ -443,9 +443,11 @@ class DFlashEngine:
             seconds it took.
 
         Raises:
-            DFlashError: invalid ``max_new_tokens`` or ``context`` (not an integer >= 1).
+            DFlashError: invalid ``max_new_tokens`` or ``context`` (not an integer >= 1), or
+                ``batch`` not a bool.
         """
         options.check_max_new_tokens(max_new_tokens)
+        options.check_flag(batch, "batch")
         context = 256 if context is None else options.check_count(context, "context")
         t0 = time.perf_counter()
         prompt = [getattr(self.tokenizer, "eos_token_id", None) or 0] * max(1, min(8, self.max_context - 2))

@@ -626,6 +626,17 @@ def test_compiled_batch_rounds_do_not_recompile(agree_models, join):
         batch.warmup()
 
 
+def test_an_eager_batch_warmup_runs_no_round(agree_models, agree_engine):  # noqa: F811 (the imported fixture)
+    """An eager batch decoder has no shapes to prepare: warmup() runs nothing (a round per
+    length and batch size of a 4,096-position cache took minutes) and leaves it as it was;
+    the engine's ``warmup(batch=...)`` takes a bool only."""
+    target, drafter = agree_models
+    batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=1024)
+    assert batch.warmup() == 0 and batch.free_slots == 2
+    with pytest.raises(DFlashError, match="^batch must be True or False, got 'yes'$"):
+        agree_engine.warmup(batch="yes")
+
+
 def test_compiled_hybrid_batch_rounds_do_not_recompile(hybrid_models):
     """A hybrid target, fixed shapes compiled: after warmup() (batch buckets 1, 2, 3 x the
     133-position cache) rounds of sequences joining and leaving reuse the graphs (the
