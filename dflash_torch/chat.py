@@ -20,6 +20,7 @@ from .cli import (
     add_chat_template_kwargs_arg,
     add_model_args,
     add_sampling_args,
+    error_message,
     load_engine,
 )
 from .errors import DFlashError
@@ -94,7 +95,7 @@ def _chat_here(args: argparse.Namespace) -> int:
                 print(f"[unknown command {command!r}; {HELP}]", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text[1:] if text.startswith("//") else text})
-        reply = _reply(engine, messages, kwargs)
+        reply = _reply(engine, messages, kwargs, args.option_flags, len(messages) > len(start) + 1)
         if reply is None:  # refused: the message is not part of the conversation
             messages.pop()
         else:
@@ -110,7 +111,10 @@ def _sampling(engine, args: argparse.Namespace) -> dict:
         DFlashError: values the engine refuses (as a turn would, for every turn), or a
             ``--max-new-tokens`` that leaves no room for a prompt in the context.
     """
-    recommended = engine.generation_defaults if args.generation_config == "auto" else {}
+    try:
+        recommended = engine.generation_defaults if args.generation_config == "auto" else {}
+    except DFlashError as exc:  # (refused whole, as serve does, even for a value a flag gives)
+        raise DFlashError(f"{exc} (--generation-config none: generate's defaults)") from None
     taken = {k: v for k, v in recommended.items() if k in RECOMMENDED and getattr(args, k) is None}
     kwargs = {k: taken.get(k, v) if getattr(args, k) is None else getattr(args, k) for k, v in RECOMMENDED.items()}
     kwargs.update(seed=args.seed, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -137,9 +141,11 @@ def _utf8(line: str) -> str | None:
         return None
 
 
-def _reply(engine, messages: list[dict], kwargs: dict) -> str | None:
+def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], history: bool) -> str | None:
     """Stream one reply to stdout and its stats line to stderr -> its text (what was
-    generated before a Ctrl-C too), or None when the engine refused the request."""
+    generated before a Ctrl-C too), or None when the engine refused the request (its
+    error naming the flags, ``flags``: :func:`~dflash_torch.cli.error_message`; a prompt
+    past the context with a hint to /reset where the conversation has past turns, ``history``)."""
     parts, tokens, stats, finish = [], 0, None, None
     chunks = engine.stream(messages, **kwargs)
     try:
@@ -152,8 +158,8 @@ def _reply(engine, messages: list[dict], kwargs: dict) -> str | None:
     except KeyboardInterrupt:
         finish = "interrupted"
     except DFlashError as exc:
-        hint = "; /reset starts a new conversation" if "exceeds the context" in str(exc) else ""
-        print(f"dflash-torch: error: {exc}{hint}", file=sys.stderr)
+        hint = "; /reset starts a new conversation" if history and "exceeds the context" in str(exc) else ""
+        print(f"dflash-torch: error: {error_message(exc, flags)}{hint}", file=sys.stderr)
         return None
     finally:
         chunks.close()  # (frees the engine for the next turn)

@@ -62,11 +62,14 @@ def test_a_refused_turn_leaves_the_conversation_as_it_was(tiny_pair, engine):
     target, drafter = tiny_pair
     long = "x = 1; " * 40
     proc = run_cli("chat", "--target", str(target), "--draft", str(drafter), "--dtype", "float32", "--system", SYSTEM,
-                   "--max-new-tokens", str(NEW), "--max-context", "160", stdin=f"{long}\ndef f(x):\n")
+                   "--max-new-tokens", str(NEW), "--max-context", "160", stdin=f"{long}\ndef f(x):\n{long}\nclass A:\n")
     assert proc.returncode == 0, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("dflash-torch: error: ")]
-    assert len(errors) == 1 and "context of 160 tokens" in errors[0], proc.stderr
-    assert proc.stdout == replies(engine, [["def f(x):"]])[0] + "\n"
+    assert len(errors) == 2, proc.stderr
+    pattern = rf"dflash-torch: error: prompt \(\d+ tokens\) \+ --max-new-tokens \({NEW}\) exceeds the context of 160 tokens"
+    assert re.fullmatch(pattern, errors[0]), errors  # (the first turn: nothing to /reset)
+    assert re.fullmatch(pattern + "; /reset starts a new conversation", errors[1]), errors
+    assert proc.stdout == "".join(r + "\n" for r in replies(engine, [["def f(x):", "class A:"]]))
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused(tiny_pair, tmp_path):
@@ -142,6 +145,12 @@ def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path)
     proc = chat("--generation-config", "none", "--max-new-tokens", "9")
     assert proc.stdout == api.generate(conversation, chat=True, max_new_tokens=9).text + "\n"
     assert "generation_config" not in proc.stderr
+    config.update(temperature=-3)  # (a file with a bad value is refused whole, as serve refuses it)
+    (target / "generation_config.json").write_text(json.dumps(config))
+    proc = run_cli("chat", "--target", str(target), "--draft", str(tiny_pair[1]), "--temperature", "0", stdin="hi\n")
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
+        "dflash-torch: error: generation_config.json: temperature must be a finite number >= 0, got -3 "
+        "(--generation-config none: generate's defaults)"), proc.stderr
 
 
 def test_bad_lines_and_options(tiny_pair, engine):
