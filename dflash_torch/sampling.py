@@ -19,6 +19,7 @@ stay lossless for the processed target (see :func:`penalize`).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,7 +58,11 @@ class SamplingParams:
         min_p: in [0, 1] (0 = off; vLLM's and transformers' ``min_p``): after temperature,
             drop the tokens whose probability is below ``min_p`` times the most likely
             token's (before top-p, as vLLM orders them). Stored as a float.
-        seed: seed of the request's random generator (None = nondeterministic).
+        seed: seed of the request's random generator (None = nondeterministic), an
+            integer in [-2**63, 2**64), taken modulo 2**64. On a CPU (whose generator,
+            torch's Mersenne Twister, keeps 32 bits of a seed) a seed outside [0, 2**32)
+            seeds it with a BLAKE2b hash of its 64 bits, so that seeds differing only
+            above bit 31 sample differently.
         logprobs: report each generated token's log-probability (:func:`token_logprobs`)
             with this many most likely alternatives, 0 to :data:`MAX_LOGPROBS` (0: the
             chosen token's only); None (default): none, at no cost. Does not change
@@ -189,6 +194,9 @@ class SamplingParams:
         g = torch.Generator(device=device)
         if self.seed is None:
             g.seed()
+        elif g.device.type == "cpu" and not 0 <= self.seed < 2**32:  # (see seed)
+            digest = hashlib.blake2b((self.seed % 2**64).to_bytes(8, "little"), digest_size=4).digest()
+            g.manual_seed(int.from_bytes(digest, "little"))
         else:
             g.manual_seed(self.seed)
         return g

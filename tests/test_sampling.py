@@ -185,6 +185,19 @@ def test_top_k_1_sampling_equals_greedy(agree_pair):
         assert out.stats.mean_acceptance_length > 1.5
 
 
+def test_seeds_differing_above_bit_31_sample_differently_on_a_cpu():
+    """torch's CPU generator keeps 32 bits of a seed: a seed outside [0, 2**32) seeds it
+    with a hash of its 64 bits, so 0, 2**32, 2**40, 7 * 2**32 (and -1, 2**32 - 1) draw
+    differently; a seed in [0, 2**32) seeds it as torch does; seeds are taken modulo 2**64."""
+    def draws(seed: int) -> list[float]:
+        return torch.rand(4, generator=SamplingParams(temperature=1.0, seed=seed).generator("cpu")).tolist()
+
+    seeds = [0, 2**32, 2**40, 7 * 2**32, -1, 2**32 - 1, 5, 5 + 2**33, 2**63 - 1]
+    assert len({tuple(draws(s)) for s in seeds}) == len(seeds)
+    assert draws(5) == torch.rand(4, generator=torch.Generator().manual_seed(5)).tolist()
+    assert draws(-1) == draws(2**64 - 1) and draws(2**40) == draws(2**40)
+
+
 def test_sampling_is_reproducible_with_a_seed(tiny_pair):
     """Seeds make requests reproducible; different seeds give different samples."""
     target, drafter = tiny_pair
