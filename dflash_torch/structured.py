@@ -283,8 +283,12 @@ class GrammarCompiler:
             if not probe.is_error():
                 probe.unsafe_compute_mask_ptr(first.data_ptr(), first.numel() * 4)
             if probe.is_error():  # (llguidance cannot start it: e.g. NoExtensionBias for an empty language)
+                error = _first_line(probe.get_error())
+                if "NoExtensionBias" in error:  # (no string matches it: [^\s\S], [a&&b], x: x)
+                    raise OptionError(f"structured_output {spec.kind} allows no output: no text matches it "
+                                      f"(llguidance: {error})", "structured_output")
                 raise OptionError(f"structured_output {spec.kind} cannot be used (llguidance fails on it before the "
-                                  f"first token): {_first_line(probe.get_error())}", "structured_output")
+                                  f"first token): {error}", "structured_output")
             if not bool(first.any()):
                 raise OptionError(f"structured_output {spec.kind} allows no output with this tokenizer",
                                   "structured_output")

@@ -483,10 +483,12 @@ def test_bad_constraints_are_refused_in_one_line(engines, spec, words):
     assert "\n" not in str(info.value) and str(info.value).startswith("structured_output")
 
 
-@pytest.mark.parametrize("spec", [{"regex": "[^\\x00-\\x{10FFFF}]"}, {"grammar": "start: A\nA: /[a-z]+/ & /[0-9]+/"}])
+@pytest.mark.parametrize("spec", [{"regex": "[^\\x00-\\x{10FFFF}]"}, {"grammar": "start: A\nA: /[a-z]+/ & /[0-9]+/"},
+                                  {"regex": "[^\\s\\S]"}, {"regex": "[a&&b]"}, {"grammar": "start: x\nx: x"}])
 def test_constraints_with_no_output_are_refused_when_compiled(engines, spec):
-    """A constraint whose language has no first token is refused before decoding, in one line."""
-    with pytest.raises(DFlashError, match="allows no output|cannot be used") as info:
+    """A constraint whose language has no first token (no text matches it) is refused before
+    decoding, in one line that says so."""
+    with pytest.raises(DFlashError, match=r"^structured_output (regex|grammar) allows no output") as info:
         engines["tiny"].grammars.compile(spec)
     assert "\n" not in str(info.value)
 
