@@ -177,6 +177,21 @@ def test_streamed_pieces_give_the_same_calls_and_content(case, cuts):
     assert _calls([c for g in got for c in g[2]]) == calls
 
 
+def test_numbers_beyond_a_float_are_kept_as_written():
+    """A call's JSON may hold a number no float holds (``1E400``: valid JSON, which the grammar
+    of a forced call allows): the call is parsed (hermes; qwen3_coder for a parameter of type
+    number) and its arguments keep the number's text (``json.dumps`` would write Infinity,
+    which no JSON parser reads); a string that looks like the placeholder stays a string."""
+    args = '{"city": "\\u0000", "ratio": 70387E78376883, "hours": [1e999, -2E+500, 1.5, "x"]}'
+    reply = f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
+    _, content, calls = parse_reply(new_reply_parser("none", "hermes", "", TOOLS), reply, True)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", args)]
+    assert json.loads(calls[0].arguments, parse_float=str)["ratio"] == "70387E78376883"
+    reply = "<tool_call>\n<function=get_weather>\n<parameter=ratio>\n-1e999\n</parameter>\n</function>\n</tool_call>"
+    _, _, calls = parse_reply(new_reply_parser("none", "qwen3_coder", "", TOOLS), reply, True)
+    assert [c.arguments for c in calls] == ['{"ratio": -1e999}']
+
+
 def test_text_that_may_begin_a_marker_is_held_back_only_while_it_may_complete():
     p = new_reply_parser("none", "hermes")
     assert p.feed("Hi <tool") == ("", "Hi", [])  # (the space: next to a call, it would be dropped)

@@ -91,19 +91,27 @@ class ToolCall:
 MAX_DEPTH = 100  # objects and lists nested in one call's arguments (deeper: a malformed call)
 
 
+class _BigNumber:
+    """A JSON number beyond a float's range (``1E400``: valid JSON, which a grammar-forced call
+    may hold), kept as its text: :func:`_dumps` writes it back as it was (``json.dumps`` would
+    write the float's inf as ``Infinity``, which is not JSON)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+
 def _json(text: str):
-    """``json.loads`` of strict JSON: NaN, Infinity and numbers beyond a float's range (which
-    ``json.dumps`` would write back as no JSON parser reads them), and objects or lists nested
-    more than :data:`MAX_DEPTH` deep, are refused.
+    """``json.loads`` of strict JSON: NaN and Infinity, and objects or lists nested more than
+    :data:`MAX_DEPTH` deep, are refused; a number beyond a float's range is a :class:`_BigNumber`.
 
     Raises:
         ValueError: text that is not such JSON, or nested too deeply to read (a RecursionError).
     """
-    def finite(number: str) -> float:
+    def finite(number: str) -> float | _BigNumber:
         value = float(number)
-        if not math.isfinite(value):
-            raise ValueError(f"{number} is out of a float's range")
-        return value
+        return value if math.isfinite(value) else _BigNumber(number)
 
     def constant(name: str):
         raise ValueError(f"{name} is not JSON")
@@ -131,7 +139,19 @@ def _json_object(text: str) -> dict | None:
 
 
 def _dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False)
+    """JSON text of ``obj`` (characters as they are); a :class:`_BigNumber` as its own text."""
+    numbers, nonce = [], uuid.uuid4().hex  # (a string of obj dumps to a placeholder only by guessing it)
+
+    def placeholder(value) -> str:
+        if not isinstance(value, _BigNumber):
+            raise TypeError(f"{type(value).__name__} is not JSON")
+        numbers.append(value.text)
+        return f"{nonce}:{len(numbers) - 1}"
+
+    text = json.dumps(obj, ensure_ascii=False, default=placeholder)
+    for i, number in enumerate(numbers):
+        text = text.replace(f'"{nonce}:{i}"', number, 1)
+    return text
 
 
 class ToolParser:
@@ -286,7 +306,7 @@ class Qwen3CoderParser(ToolParser):
             if value in _coder_words(option):
                 return option
         types = schema_types(schema, root) or []
-        want = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None), "object": dict,
+        want = {"integer": int, "number": (int, float, _BigNumber), "boolean": bool, "null": type(None), "object": dict,
                 "array": list}
         for t in types:
             if t not in want:
@@ -400,8 +420,9 @@ class MiniMaxM2Parser(Qwen3CoderParser):
                 return int(value)
             if t == "number" and _NUMBER.fullmatch(value):
                 number = float(value)
-                if math.isfinite(number):
-                    return int(number) if number.is_integer() and abs(number) < 2 ** 63 else number
+                if not math.isfinite(number):
+                    return _BigNumber(value)
+                return int(number) if number.is_integer() and abs(number) < 2 ** 63 else number
             if t == "boolean" and value.lower() in _BOOLEANS:
                 return _BOOLEANS[value.lower()]
             if t in ("object", "array"):
