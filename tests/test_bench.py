@@ -28,8 +28,9 @@ def test_bench_cli_writes_report(tiny_pair, tmp_path):
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]))
     out = tmp_path / "out"
     proc = run_bench(tiny_pair, "--prompts", str(prompts), "--max-new-tokens", "12", "--modes", "target-only,inject,recompute",
-                     "--sweep", "16,64", "--out", str(out), "--no-progress")
+                     "--sweep", "16,64", "--out", str(out), "--no-progress", "--num-prompts", "5")
     assert proc.returncode == 0, proc.stderr
+    assert f"bench: 2 prompts in {prompts}, fewer than --num-prompts 5: timing 2" in proc.stderr
     report = json.loads((out / "bench.json").read_text())
     names = [m["name"] for m in report["modes"]]
     assert names == ["target-only", "inject", "recompute"]
@@ -285,7 +286,8 @@ def test_bench_refuses_bad_options_with_one_line(tiny_pair, tmp_path, capsys):
              (["--max-context", "100"], "--max-context"), (["--out", str(a_file)], "--out"),
              (["--sweep-shapes", "qwen9-huge"], "unknown shape"), (["--shapes", "qwen3-1.7b,qwen9-huge"], "qwen3-next-80b-a3b"),
              (["--modes", "inject,target-only,inject"], "more than once"),
-             (["--draft-max-batch-size", "2"], "--draft-max-batch-size applies to --batch-sizes")]
+             (["--draft-max-batch-size", "2"], "--draft-max-batch-size applies to --batch-sizes"),
+             (["--shapes-compiled"], "--shapes-compiled applies to --shapes only")]
     for extra, words in cases:
         assert cli_main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()

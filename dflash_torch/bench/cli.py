@@ -237,6 +237,8 @@ def _run(args: argparse.Namespace) -> int:
     bad = [s for s in shapes + sweep_shapes if s not in SHAPES]
     if bad:
         raise DFlashError(f"unknown shape(s) {bad}; choose from {', '.join(SHAPES)}")
+    if args.shapes_compiled and not shapes:  # (nothing would be compiled)
+        raise DFlashError("--shapes-compiled applies to --shapes only; add --shapes or drop it")
     for shape in shapes:  # a shape that cannot fit is refused before anything is timed
         layers_that_fit(shape, dtype, args.device)
     try:
@@ -260,6 +262,9 @@ def _run(args: argparse.Namespace) -> int:
                                           int_weights=args.int_weights, nvfp4=args.nvfp4,
                                           no_draft=args.target is not None and args.draft is None)
     prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl", args.num_prompts or None)
+    if args.num_prompts and len(prompts) < args.num_prompts:
+        print(f"bench: {len(prompts)} prompt{'s' if len(prompts) > 1 else ''} in {args.prompts or 'the shipped set'}, "
+              f"fewer than --num-prompts {args.num_prompts}: timing {len(prompts)}", file=sys.stderr)
     prompt_ids = [engine.encode_prompt(p, args.chat, args.chat_template_kwargs) for p in prompts]
     limit = engine.target.config.max_position_embeddings
     for i, ids in enumerate(prompt_ids):  # (bench caps its caches at the target's context)
