@@ -381,8 +381,11 @@ def error_message(exc: DFlashError, flags: dict[str, str]) -> str:
             flag = flags.get(name.replace(" ", "_"))
             if flag is not None:
                 message = message.replace(name, flag, 1)
-                if message.startswith(f"{flag} {flag[2:]} "):  # ("structured_output regex is invalid" for --regex)
-                    message = flag + message[2 * len(flag) - 1:]
+                # ("structured_output regex is invalid" for --regex, "... json schema ..." / "... json ..." for --json-schema)
+                for word in (flag[2:], flag[2:].replace("-", " "), STRUCTURED_FLAGS.get(flag)):
+                    if word and message.startswith(f"{flag} {word} "):
+                        message = flag + message[len(flag) + 1 + len(word):]
+                        break
     return message
 
 

@@ -436,6 +436,9 @@ def test_cli_flags_equal_the_python_api(tmp_path, capsys):
     (["--json-schema", "{bad"], "--json-schema must be a JSON schema"),
     (["--json-schema", "@/nonexistent/schema.json"], "--json-schema: cannot read"),
     (["--grammar", "start: nothing_here"], "error: --grammar is invalid"),
+    (["--json-schema", '{"type": "nope"}'], "error: --json-schema is invalid: "),  # (was "--json-schema json is ...")
+    (["--json-schema", "false"], "error: --json-schema false allows no value"),
+    (["--regex", "[a&&b]"], "error: --regex allows no output: no text matches it"),
     (["--choice", "a", "--ignore-eos"], "--ignore-eos cannot be combined with a structured output"),
 ])
 def test_cli_errors_are_one_line_exit_2(flags, message, capsys):
