@@ -33,4 +33,5 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public names (and the module's dunders), not the helpers this file imports."""
+    return sorted({n for n in globals() if n.startswith("__")} | set(__all__))

@@ -229,9 +229,10 @@ def test_ctrl_c_while_the_command_line_starts_exits_130_without_a_traceback(pair
     import signal
     import time
 
-    code = "import sys, dflash_torch.cli; print('torch' in sys.modules)"
+    code = ("import sys, dflash_torch.cli; print('torch' in sys.modules, "
+            "[n for n in dir(dflash_torch) if not n.startswith('__')] == sorted(dflash_torch.__all__))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "False", out
+    assert out.returncode == 0 and out.stdout.strip() == "False True", out  # (dir: the public names only)
     proc = subprocess.Popen([sys.executable, "-m", "dflash_torch", "generate", *pair_args, PROMPT],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
     deadline = time.monotonic() + 60
