@@ -758,13 +758,13 @@ class BatchDecoder:
         start, last = self._take_prefix(slot, prompt, reuse=scored is None)
         saved_at = self._saved_at(checkpoint, start, n_prompt) if last is None else n_prompt
         if last is None:
-            ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
+            ids, read = torch.tensor(prompt, dtype=torch.long, device=self.device), start
             if start < saved_at < n_prompt:
                 self._prefill(slot, ids[:saved_at], start, scored, prompt, prompt_logprobs or 0)
             if saved_at < n_prompt:
                 self._save(slot)
-                start = saved_at
-            last = self._prefill(slot, ids, start, scored, prompt, prompt_logprobs or 0)
+                read = saved_at
+            last = self._prefill(slot, ids, read, scored, prompt, prompt_logprobs or 0)
         generator = params.generator(self.device)
         token, processor = first_token(last, prompt, params, generator)
         first = int(token)

@@ -32,6 +32,7 @@ class Turns:
 
     def __init__(self, batch: BatchDecoder):
         self.batch, self.out, self.taus, self.budgets, self.prompts, self.rows = batch, {}, {}, {}, {}, {}
+        self.cached = {}  # each sequence's prefill Round.cached_tokens
 
     @classmethod
     def of(cls, target, drafter, slots: int, reuse: bool, **kw) -> "Turns":
@@ -46,13 +47,15 @@ class Turns:
     def add(self, sid, prompt, params, budget, **kw):
         """As :meth:`join`, through :meth:`BatchDecoder.add` (its prefill now)."""
         self.budgets[sid], self.prompts[sid] = budget, prompt
-        self.out[sid] = self.batch.add(sid, prompt, params, budget, **kw).tokens
+        rnd = self.batch.add(sid, prompt, params, budget, **kw)
+        self.out[sid], self.cached[sid] = rnd.tokens, rnd.cached_tokens
         self.rows[sid] = slot_rows(self.batch, self.batch.seq_ids.index(sid), len(prompt))
 
     def step(self):
         for sid, rnd in self.batch.step().items():
             if rnd.acceptance_length is None:
                 self.rows[sid] = slot_rows(self.batch, self.batch.seq_ids.index(sid), len(self.prompts[sid]))
+                self.cached[sid] = rnd.cached_tokens
             if rnd.acceptance_length is not None and len(self.out[sid]) < self.budgets[sid]:
                 self.taus.setdefault(sid, []).append(rnd.acceptance_length)
             self.out.setdefault(sid, []).extend(rnd.tokens)
@@ -473,6 +476,7 @@ def test_a_chat_checkpoint_lets_the_next_turn_reuse_its_history(request, models,
     _, _, at_end = chat_turns(target, drafter, True, False, add)
     assert lengths == lengths_off and reused_off == [0, 0, 0, 0]
     same_runs(on, off)
+    assert [on.cached[k] for k in range(4)] == reused  # (each prefill Round's cached_tokens)
     if models == "agree_models":  # (the common start: the history and the opening's first token; the retry: all)
         assert reused == [0, lengths[0] + 1, lengths[1] + 1, lengths[2] + len(OPEN)]
     else:
