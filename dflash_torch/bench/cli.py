@@ -27,7 +27,7 @@ def register(sub) -> None:
     p.add_argument("--chat", action="store_true",
                    help="apply the target tokenizer's chat template to each prompt (as a user message)")
     add_chat_template_kwargs_arg(p, "(with --chat)")
-    p.add_argument("--num-prompts", type=int, default=16, help="prompts to use (default 16; 0 = all)")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts to use (default 16; 0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
     p.add_argument("--modes", default="target-only,inject,recompute,target-only-compiled,inject-compiled",
                    help="comma-separated: target-only, inject, recompute, target-only-compiled, inject-compiled "
@@ -203,8 +203,9 @@ def _run(args: argparse.Namespace) -> int:
         raise DFlashError("--chat-template-kwargs apply to chat prompts only: add --chat")
     device = resolve_device(args.device)  # (both checked again by from_pretrained; here before --out is created)
     dtype = resolve_dtype(args.dtype, device=device)
-    if args.num_prompts < 0:
-        raise DFlashError(f"--num-prompts must be >= 0 (0 = all), got {args.num_prompts}")
+    asked = args.num_prompts  # (None: not given, the default 16)
+    if asked is not None and asked < 0:
+        raise DFlashError(f"--num-prompts must be >= 0 (0 = all), got {asked}")
     if args.no_draft or args.compile or args.draft_mode != "inject":
         raise DFlashError("bench picks target-only / inject / recompute / compiled runs with --modes; "
                           "drop --no-draft, --compile and --draft-mode")
@@ -261,10 +262,11 @@ def _run(args: argparse.Namespace) -> int:
                                           block_size=args.block_size, mxfp4=args.mxfp4, fp8=args.fp8,
                                           int_weights=args.int_weights, nvfp4=args.nvfp4,
                                           no_draft=args.target is not None and args.draft is None)
-    prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl", args.num_prompts or None)
-    if args.num_prompts and len(prompts) < args.num_prompts:
+    prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl",
+                           16 if asked is None else asked or None)
+    if asked and len(prompts) < asked:  # (said where --num-prompts was given)
         print(f"bench: {len(prompts)} prompt{'s' if len(prompts) > 1 else ''} in {args.prompts or 'the shipped set'}, "
-              f"fewer than --num-prompts {args.num_prompts}: timing {len(prompts)}", file=sys.stderr)
+              f"fewer than --num-prompts {asked}: timing {len(prompts)}", file=sys.stderr)
     prompt_ids = [engine.encode_prompt(p, args.chat, args.chat_template_kwargs) for p in prompts]
     limit = engine.target.config.max_position_embeddings
     for i, ids in enumerate(prompt_ids):  # (bench caps its caches at the target's context)
