@@ -113,7 +113,7 @@ from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import (check_block_size, check_count, check_flag, check_max_context, check_max_new_tokens, check_prompt_ids,
-                      check_prompt_logprobs, plain)
+                      check_prompt_logprobs, check_prompt_position, plain)
 from .sampling import (LogitsProcessor, SamplingParams, accept_greedy, accept_sampling, choose, first_logprobs,
                        first_token, probabilities, token_logprobs)
 
@@ -698,9 +698,7 @@ class BatchDecoder:
                    prompt_logprobs: int | None = None, checkpoint: int | None = None) -> int:
         """The checks of :meth:`add` / :meth:`join` -> the prompt's length."""
         check_prompt_logprobs(prompt_logprobs)
-        if checkpoint is not None and (isinstance(checkpoint, bool) or not isinstance(checkpoint, int)
-                                       or not 0 < checkpoint <= len(prompt_ids)):
-            raise DFlashError(f"checkpoint must be None or a position in (0, {len(prompt_ids)}], got {checkpoint!r}")
+        check_prompt_position(checkpoint, len(prompt_ids), "checkpoint")
         if not isinstance(params, SamplingParams):
             raise DFlashError(f"params must be a SamplingParams, got {type(params).__name__}")
         try:

@@ -24,7 +24,7 @@ from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import (check_block_size, check_count, check_flag, check_max_context, check_max_new_tokens,
-                      check_prompt_logprobs, check_prompt_ids)
+                      check_prompt_logprobs, check_prompt_ids, check_prompt_position)
 from .sampling import (SamplingParams, TokenLogprob, accept_greedy, accept_sampling, choose, first_logprobs,
                        first_token, probabilities, token_logprobs)
 
@@ -519,9 +519,7 @@ class SpeculativeDecoder:
         check_max_new_tokens(max_new_tokens)
         n_prompt = check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
         params.check_vocab(self.target.config.vocab_size)
-        if checkpoint is not None and (isinstance(checkpoint, bool) or not isinstance(checkpoint, int)
-                                       or not 0 < checkpoint <= n_prompt):
-            raise DFlashError(f"checkpoint must be None or a position in (0, {n_prompt}], got {checkpoint!r}")
+        check_prompt_position(checkpoint, n_prompt, "checkpoint")
         return self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs, checkpoint)
 
     @property

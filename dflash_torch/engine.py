@@ -828,7 +828,7 @@ class DFlashEngine:
         if history_end is None:
             checkpoint = self.history_end(prompt, prompt_ids, chat, chat_template_kwargs, tools)
         else:
-            checkpoint = options.check_history_end(history_end, len(prompt_ids))
+            checkpoint = options.check_prompt_position(history_end, len(prompt_ids), "history_end", counted=True)
         if self._owner is threading.current_thread():
             raise DFlashError("another stream of this engine is still open in this thread; "
                               "consume it to the end or close() it before starting a new request")

@@ -268,12 +268,13 @@ def check_prompt_logprobs(value, name: str = "prompt_logprobs") -> int | None:
     return value
 
 
-def check_history_end(value, prompt_tokens: int, name: str = "history_end") -> int:
-    """Where a chat prompt's messages end (``DFlashEngine.stream``'s ``history_end``): an
-    integer position in ``(0, prompt_tokens]``."""
-    if not _is_int(value) or not 0 < value <= prompt_tokens:
-        raise OptionError(f"{name} must be None or a position in the prompt's {prompt_tokens} tokens, (0, "
-                          f"{prompt_tokens}], got {value!r}", name)
+def check_prompt_position(value, prompt_tokens: int, name: str, counted: bool = False) -> int | None:
+    """None or an integer position in ``(0, prompt_tokens]`` of a prompt: where a chat's
+    messages end (``DFlashEngine.stream``'s ``history_end``, the decoders' ``checkpoint``).
+    ``counted``: the message says how many tokens the prompt has."""
+    if value is not None and (not _is_int(value) or not 0 < value <= prompt_tokens):
+        where = f"the prompt's {prompt_tokens} tokens, " if counted else ""
+        raise OptionError(f"{name} must be None or a position in {where}(0, {prompt_tokens}], got {value!r}", name)
     return value
 
 
