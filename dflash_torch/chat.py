@@ -5,7 +5,7 @@ stats on stderr. The conversation goes through the tokenizer's chat template eve
 and the engine's prefix reuse (one sequence at a time: the last request's rows) reads
 only the part of each prompt that the last request's tokens do not start. Lines starting
 with ``/`` are commands: ``/reset`` (forget the conversation, keep ``--system``), ``/exit``
-(or end of input, Ctrl-D); ``//`` starts a message with ``/``. Ctrl-C stops a reply (what was
+(or end of input, Ctrl-D), ``/help``; ``//`` starts a message with ``/``. Ctrl-C stops a reply (what was
 generated is kept in the conversation); at the prompt it exits. A turn the engine refuses
 (e.g. a conversation that outgrew ``--max-context``) prints its error and the conversation
 goes on without it; options that would refuse every turn are refused at start.
@@ -25,7 +25,8 @@ from .cli import (
 )
 from .errors import DFlashError
 
-HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D), // for a message starting with /; Ctrl-C stops a reply"
+HELP = ("commands: /reset (forget the conversation), /exit (or Ctrl-D), /help (this list), // for a message starting "
+        "with /; Ctrl-C stops a reply")
 # the sampling flags that --generation-config auto fills from generation_config.json when not given, and
 # their values otherwise (generate's defaults)
 RECOMMENDED = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -91,6 +92,8 @@ def _chat_here(args: argparse.Namespace) -> int:
             if command == "/reset":
                 messages = list(start)
                 print("[conversation reset]", file=sys.stderr)
+            elif command in ("/help", "/?"):
+                print(f"[{HELP}]", file=sys.stderr)
             else:
                 print(f"[unknown command {command!r}; {HELP}]", file=sys.stderr)
             continue

@@ -43,7 +43,7 @@ def stats_lines(stderr: str) -> list[str]:
 
 def test_chat_replies_are_the_engines_and_reuse_the_last_turn(tiny_pair, engine):
     target, drafter = tiny_pair
-    stdin = "def f(x):\nclass A:\n\n/reset\ndef f(x):\n/what\n/exit\nnever read\n"
+    stdin = "def f(x):\nclass A:\n\n/reset\ndef f(x):\n/what\n/help\n/exit\nnever read\n"
     proc = run_cli("chat", "--target", str(target), "--draft", str(drafter), "--dtype", "float32", "--system", SYSTEM,
                    "--max-new-tokens", str(NEW), stdin=stdin)
     assert proc.returncode == 0, proc.stderr
@@ -56,6 +56,7 @@ def test_chat_replies_are_the_engines_and_reuse_the_last_turn(tiny_pair, engine)
                                      chat=True))
     assert reused[0] == 0 and reused[1] >= first - 1, lines  # (turn 2 holds turn 1's prompt)
     assert "[conversation reset]" in proc.stderr and "unknown command '/what'" in proc.stderr
+    assert proc.stderr.count("/reset (forget the conversation)") == 2 and "unknown command '/help'" not in proc.stderr
 
 
 def test_a_refused_turn_leaves_the_conversation_as_it_was(tiny_pair, engine):
