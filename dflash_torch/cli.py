@@ -99,7 +99,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
     p.add_argument("--min-p", type=float, default=0.0,
                    help="in [0, 1]: drop tokens less likely than min-p times the most likely one (default 0 = off)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampler (with --temperature > 0): the same seed and options give the same output "
+                   "(default: none, a new sample each run)")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="in [-2, 2], subtracted from the logit of every token generated so far (default 0 = off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
