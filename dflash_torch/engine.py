@@ -47,6 +47,7 @@ ASSETS = Path(__file__).parent / "assets" / "default"
 DEFAULT_TARGET = ASSETS / "target"
 DEFAULT_DRAFTER = ASSETS / "drafter"
 log = logging.getLogger("dflash_torch")
+STALLED_STREAM_S = 10.0  # seconds a request from the thread that read an open stream last waits for it to move
 
 
 @dataclass
@@ -137,9 +138,11 @@ class StreamChunk:
 class DFlashEngine:
     """A loaded target (+ optional DFlash drafter) and its tokenizer.
 
-    One request runs at a time: a lock serialises threads, and a second request
-    from the thread that holds an unfinished stream raises :class:`DFlashError`
-    (it could never proceed). Each request starts from clean caches, or from the rows of
+    One request runs at a time: a lock serialises threads. A request from the thread
+    that read an unfinished stream last waits for that stream to be read on (from
+    another thread of a pool: Starlette's ``iterate_in_threadpool``, asyncio's
+    ``run_in_executor``) and raises :class:`DFlashError` where it has not moved for
+    ``STALLED_STREAM_S`` seconds (then only this thread could read it: it would never proceed). Each request starts from clean caches, or from the rows of
     the last request's tokens that its prompt starts with (``reuse_prefix``, below).
 
     Any thread may call it: the torch work (loading, every decoding round) runs on the
@@ -808,7 +811,10 @@ class DFlashEngine:
                            include_stop_str_in_output=include_stop_str_in_output, history_end=history_end) as chunks:
             # each round runs on the compute thread (see dflash_torch.compute), whichever
             # thread iterates this stream
-            while (chunk := compute.run(next, chunks, None)) is not None:
+            while True:
+                self._owner = threading.current_thread()  # (the reader: a pool's threads take turns)
+                if (chunk := compute.run(next, chunks, None)) is None:
+                    return
                 yield chunk
 
     @contextlib.contextmanager
@@ -829,9 +835,6 @@ class DFlashEngine:
             checkpoint = self.history_end(prompt, prompt_ids, chat, chat_template_kwargs, tools)
         else:
             checkpoint = options.check_prompt_position(history_end, len(prompt_ids), "history_end", counted=True)
-        if self._owner is threading.current_thread():
-            raise DFlashError("another stream of this engine is still open in this thread; "
-                              "consume it to the end or close() it before starting a new request")
         with self._locked():  # other threads wait their turn
             self._owner = threading.current_thread()
             chunks = self._stream(prompt_ids, params, stopper, prompt_logprobs, checkpoint)
@@ -850,11 +853,25 @@ class DFlashEngine:
         Raises:
             DFlashError: on the compute thread while another request holds the lock (an
                 ``on_chunk`` callback that calls its engine): that request needs the
-                compute thread to end, so waiting for it would never end.
+                compute thread to end, so waiting for it would never end. In the thread that
+                read the open stream last, where no thread reads it on for
+                ``STALLED_STREAM_S`` seconds (it waits on this thread, which waits on it).
         """
-        if not self.lock.acquire(blocking=not compute.on_compute_thread()):
-            raise DFlashError("this engine is busy with the request that runs this code; on_chunk (or any code run "
-                              "on the compute thread) must not call the engine")
+        if compute.on_compute_thread():
+            if not self.lock.acquire(blocking=False):
+                raise DFlashError("this engine is busy with the request that runs this code; on_chunk (or any code "
+                                  "run on the compute thread) must not call the engine")
+        else:
+            me, since = threading.current_thread(), time.monotonic()
+            while self._owner is me:
+                if self.lock.acquire(timeout=0.05):
+                    break
+                if time.monotonic() - since >= STALLED_STREAM_S:
+                    raise DFlashError(f"another stream of this engine is still open, read last by this thread, and "
+                                      f"no thread has read it on for {STALLED_STREAM_S:g} s; consume it to the end or "
+                                      "close() it before starting a new request")
+            else:  # (another thread reads the stream on, or holds the engine: wait for it)
+                self.lock.acquire()
         try:
             yield
         finally:
@@ -1136,9 +1153,6 @@ class DFlashEngine:
                     raise
                 raise DFlashError(f"prompt {i}: {exc}") from None
             requests.append((ids, params, stopper, scored, self.history_end(prompt, ids, chat, chat_template_kwargs, tools)))
-        if self._owner is threading.current_thread():
-            raise DFlashError("another stream of this engine is still open in this thread; "
-                              "consume it to the end or close() it before starting a new request")
         with self._locked():
             if not self.batched:
                 return compute.run(lambda: [self._collect(self._stream(*request), None) for request in requests])

@@ -213,13 +213,15 @@ def test_stats_are_consistent(engines, references, tiny_pair):
     assert stopped.finish_reason == "stop" and stopped.stats.prompt_tokens == len(prompt)
 
 
-def test_unfinished_stream_in_same_thread_is_an_error_not_a_hang(tiny_pair):
-    """A second request while this thread still holds an open stream can never run:
-    it must raise at once; after close() the engine serves again."""
+def test_unfinished_stream_in_same_thread_is_an_error_not_a_hang(tiny_pair, monkeypatch):
+    """A second request while this thread read an open stream last, and no thread reads it
+    on, can never run: it raises once the stream has not moved for STALLED_STREAM_S
+    seconds; after close() the engine serves again."""
     import pytest
 
-    from dflash_torch import DFlashEngine, DFlashError
+    from dflash_torch import DFlashEngine, DFlashError, engine as engine_module
 
+    monkeypatch.setattr(engine_module, "STALLED_STREAM_S", 0.3)
     target, drafter = tiny_pair
     engine = DFlashEngine.from_pretrained(target, drafter)
     first = engine.stream("def f(x):", max_new_tokens=20, ignore_eos=True)

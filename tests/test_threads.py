@@ -9,6 +9,7 @@ decoding)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from torch.nn.modules.module import register_module_forward_pre_hook, register_module_parameter_registration_hook
@@ -261,3 +262,38 @@ def test_a_new_thread_waits_for_a_stream_a_finished_thread_left_open(tiny_pair):
     held[0].close()
     second.join(60)
     assert "error" not in result and result["out"] == engine.generate("class A:", max_new_tokens=8).token_ids
+
+
+def test_a_stream_read_by_a_pools_threads_in_turn_lets_the_first_reader_wait(tiny_pair, monkeypatch):
+    """A stream whose first chunk one pool thread read and whose rest another reads (as
+    Starlette's iterate_in_threadpool and asyncio's run_in_executor do): a request on the
+    first thread waits for the stream to end, then runs, instead of being refused as if it
+    held the stream itself."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash_torch import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "STALLED_STREAM_S", 0.5)  # (the rest is read on within it)
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    alone = engine.generate("class A:", max_new_tokens=8, ignore_eos=True).token_ids
+    whole = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True).token_ids
+    first, second = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+    gate = threading.Event()
+    stream = engine.stream(PROMPT, max_new_tokens=24, ignore_eos=True)
+    head = first.submit(next, stream).result(60).token_ids
+
+    def rest():
+        gate.wait(60)
+        out = []
+        for chunk in stream:
+            out += chunk.token_ids
+            time.sleep(0.1)  # (slower than the stall limit in all: the reads on keep the wait going)
+        return out
+
+    tail = second.submit(rest)
+    other = first.submit(engine.generate, "class A:", max_new_tokens=8, ignore_eos=True)
+    time.sleep(0.2)
+    gate.set()
+    assert other.result(120).token_ids == alone
+    assert head + tail.result(120) == whole
+    first.shutdown(), second.shutdown()
