@@ -74,7 +74,8 @@ class SamplingParams:
         repetition_penalty: > 0 (1 = off): the logit of every token of the prompt or
             generated so far is divided by it when positive, else multiplied by it
             (a result beyond float32's range is clamped to it). Stored as a float.
-        logit_bias: token id -> bias in [-100, 100] (OpenAI's ``logit_bias``), added to the
+        logit_bias: token id (an int, or its decimal string as in an OpenAI request body)
+            -> bias in [-100, 100] (OpenAI's ``logit_bias``), added to the
             target's logits before penalties, temperature, top-k, top-p and the greedy
             argmax: -100 in effect bans a token, 100 forces it. Stored as a new dict of
             int -> float; None (default) or empty: off. Ids are checked against the
@@ -250,8 +251,11 @@ def _check_logit_bias(bias) -> dict[int, float] | None:
         raise OptionError(f"logit_bias must be a mapping of token ids to biases, got {bias!r}", "logit_bias")
     out = {}
     for token, value in bias.items():
+        if isinstance(token, str) and token.isascii() and token.isdigit() and len(token.lstrip("0")) <= 18:
+            token = int(token)  # (an OpenAI request body's key: "50256"; longer ones are no vocabulary's ids)
         if not _is_token_id(token):
-            raise OptionError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}", "logit_bias")
+            raise OptionError(f"logit_bias keys must be token ids (integers >= 0, or their decimal strings), "
+                              f"got {token!r}", "logit_bias")
         x = _real(value)
         if x is None or not -MAX_LOGIT_BIAS <= x <= MAX_LOGIT_BIAS:
             raise OptionError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}",

@@ -291,7 +291,9 @@ def test_min_tokens_with_the_engine(agree_pair, agree_engine):
 @pytest.mark.parametrize("kw,name", [
     (dict(logit_bias={5: 101}), "logit_bias"), (dict(logit_bias={5: float("nan")}), "logit_bias"),
     (dict(logit_bias={5: "1"}), "logit_bias"), (dict(logit_bias={5: True}), "logit_bias"),
-    (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={"-1": 1.0}), "logit_bias"),
+    (dict(logit_bias={" 5": 1.0}), "logit_bias"), (dict(logit_bias={"5.0": 1.0}), "logit_bias"),
+    (dict(logit_bias={"1" * 19: 1.0}), "logit_bias"), (dict(logit_bias={"５": 1.0}), "logit_bias"),
     (dict(logit_bias=[(5, 1.0)]), "logit_bias"), (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=1.5), "min_tokens"), (dict(min_tokens=True), "min_tokens")])
 def test_bad_values_are_refused(kw, name, tiny_target_only):
@@ -300,6 +302,13 @@ def test_bad_values_are_refused(kw, name, tiny_target_only):
     assert exc.value.names == (name,) and "\n" not in str(exc.value)
     with pytest.raises(DFlashError, match=f"^{name} "):
         tiny_target_only.generate("x", max_new_tokens=2, **kw)
+
+
+def test_decimal_string_keys_as_in_an_openai_body_are_token_ids(tiny_target_only):
+    assert SamplingParams(logit_bias={"5": 1, "007": -2.5, 9: 3}).logit_bias == {5: 1.0, 7: -2.5, 9: 3.0}
+    e = tiny_target_only
+    forced = e.generate("x", max_new_tokens=4, logit_bias={"42": 100}).token_ids
+    assert forced == e.generate("x", max_new_tokens=4, logit_bias={42: 100}).token_ids == [42] * 4
 
 
 def test_ids_outside_the_vocabulary_and_min_tokens_above_max_are_refused(tiny_target_only, tiny_pair):
