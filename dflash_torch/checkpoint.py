@@ -131,6 +131,7 @@ def weight_files(model_dir: Path) -> list[Path]:
         if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
             raise DFlashError(f"{index} has no weight_map (an object mapping each weight to its shard file)")
         shards = sorted(set(weight_map.values()))
+        check_links(model_dir, shards)
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:
             raise DFlashError(f"{model_dir}: shard(s) listed in model.safetensors.index.json are missing: {', '.join(missing)}")
@@ -139,11 +140,30 @@ def weight_files(model_dir: Path) -> list[Path]:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise DFlashError(f"{model_dir} has no safetensors weights (model.safetensors or model.safetensors.index.json)")
-    unreadable = [f.name for f in files if not f.is_file()]  # a dangling link (a download cut short), a directory
+    check_links(model_dir, [f.name for f in files])
+    unreadable = [f.name for f in files if not f.is_file()]  # (a directory)
     if unreadable:
-        raise DFlashError(f"{model_dir}: {', '.join(unreadable)} is not a readable file (a broken link of an "
-                          "interrupted download? download the checkpoint again)")
+        raise DFlashError(f"{model_dir}: {', '.join(unreadable)} is not a readable file")
     return files
+
+
+def check_links(model_dir: Path, names=None) -> None:
+    """Refuse a checkpoint file that is a link to nothing: huggingface_hub links a
+    snapshot's files to its blobs, and a download cut short leaves links without them.
+
+    Args:
+        model_dir: the checkpoint directory.
+        names: the file names to check (default: every file of ``model_dir``).
+
+    Raises:
+        DFlashError: naming the broken links.
+    """
+    model_dir = Path(model_dir)
+    paths = model_dir.iterdir() if names is None else (model_dir / n for n in names)
+    broken = sorted(p.name for p in paths if p.is_symlink() and not p.exists())
+    if broken:
+        raise DFlashError(f"{model_dir}: {', '.join(broken)} {'is a broken link' if len(broken) == 1 else 'are broken links'}"
+                          " (an interrupted download? download the checkpoint again)")
 
 
 def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",

@@ -30,7 +30,7 @@ import torch
 
 from . import compute, options
 from .batch import BatchDecoder, check_draft_max_batch_size, check_max_batch_size, check_prefix_slots
-from .checkpoint import available_memory, checkpoint_dir, load_config, read_json_object
+from .checkpoint import available_memory, check_links, checkpoint_dir, load_config, read_json_object
 from .decoding import Round, SpeculativeDecoder
 from .errors import DFlashError, OptionError
 from .models.config import (DrafterConfig, TargetConfig, check_vocab_ids, eos_token_ids, fill_mask_token_id,
@@ -1336,11 +1336,13 @@ def _load_tokenizer(model_dir: Path):
     """The target's tokenizer via ``AutoTokenizer``.
 
     Raises:
-        DFlashError: no tokenizer files in the checkpoint, a tokenizer that fails to load, or a
-            config.json that transformers' config class refuses (AutoTokenizer reads it too).
+        DFlashError: no tokenizer files in the checkpoint, a file that is a broken link (of an
+            interrupted download), a tokenizer that fails to load, or a config.json that
+            transformers' config class refuses (AutoTokenizer reads it too).
     """
     from transformers import AutoTokenizer
 
+    check_links(model_dir)  # (else transformers blames a missing sentencepiece for a missing tokenizer.json)
     if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
         raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     try:

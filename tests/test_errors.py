@@ -63,6 +63,15 @@ def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     shards = sorted(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))
     (sharded / shards[-1]).unlink()
     paths["missing_shard"] = sharded
+    dangling_shard = root / "dangling-shard"  # (a sharded snapshot whose last blob never came)
+    shutil.copytree(sharded, dangling_shard)
+    (dangling_shard / shards[-1]).symlink_to(root / "blobs" / "never-downloaded-shard")
+    paths["dangling_shard"] = dangling_shard
+    dangling_tokenizer = root / "dangling-tokenizer"  # (transformers blamed a missing sentencepiece / tiktoken)
+    shutil.copytree(target, dangling_tokenizer)
+    (dangling_tokenizer / "tokenizer.json").unlink()
+    (dangling_tokenizer / "tokenizer.json").symlink_to(root / "blobs" / "never-downloaded-tokenizer")
+    paths["dangling_tokenizer"] = dangling_tokenizer
 
     from safetensors.torch import load_file, save_file
     lacking = root / "lacking-tensor"
@@ -115,7 +124,9 @@ LOAD_CASES = [
     ("missing-weights", dict(target="no_weights"), "safetensors"),
     ("missing-shard", dict(target="missing_shard"), "missing"),
     # (a FileNotFoundError / OSError traceback)
-    ("dangling-weights-link", dict(target="dangling_link"), "model.safetensors is not a readable file (a broken link"),
+    ("dangling-weights-link", dict(target="dangling_link"), "model.safetensors is a broken link (an interrupted download"),
+    ("dangling-shard-link", dict(target="dangling_shard"), ".safetensors is a broken link (an interrupted download"),
+    ("dangling-tokenizer-link", dict(target="dangling_tokenizer"), "tokenizer.json is a broken link (an interrupted down"),
     ("weights-path-is-a-directory", dict(target="weights_dir"), "model.safetensors is not a readable file"),
     ("missing-tensor", dict(target="lacking_tensor"), "up_proj"),
     ("drafter-unknown-weights", dict(draft="drafter_extra"), "attention_conv"),
