@@ -397,7 +397,8 @@ class DFlashEngine:
             else:
                 for m in models:
                     pack_linears(m)
-        engine = cls(model, tokenizer, drafter, name=Path(str(target)).name, **engine_options)
+        given = Path(str(target))  # (a local directory: its name; a Hugging Face id: as given, as vLLM names it)
+        engine = cls(model, tokenizer, drafter, name=given.name if given.exists() else str(target), **engine_options)
         engine.stop_token_ids.update(eos)
         engine._generation_defaults = recommended
         return engine

@@ -915,6 +915,22 @@ def test_tokenizer_errors_come_before_any_weight_is_read(tiny_pair, tokenizer_di
                                      no_draft=case != "no-tokenizer")
 
 
+def test_an_engine_from_a_hugging_face_id_is_named_by_it(tiny_pair, tmp_path, monkeypatch):
+    """(The name ``serve`` gives the model by default: a cached id kept only its last part,
+    "tiny", and clients asking for "acme/tiny", as vLLM names it, got a 404.)"""
+    from huggingface_hub import constants
+
+    target, _ = tiny_pair
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(target, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(snapshot.name)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert DFlashEngine.from_pretrained("acme/tiny", no_draft=True).name == "acme/tiny"
+    assert DFlashEngine.from_pretrained(str(snapshot), no_draft=True).name == snapshot.name  # (a directory: its name)
+
+
 @pytest.mark.parametrize("with_config", [True, False])
 def test_hugging_face_ids_resolve_from_the_local_cache(tiny_pair, tmp_path, monkeypatch, with_config):
     """A cached repo id resolves to its snapshot; one cached without its config.json is
