@@ -22,7 +22,8 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $DFLASH_API_KEY, else no key)")
-    p.add_argument("--model-name", default=None, help="model id clients use (default: the target directory's name, or its Hugging Face id as given)")
+    p.add_argument("--model-name", default=None,
+                   help="model id clients use (default: the target directory's name, or its Hugging Face id as given)")
     p.add_argument("--max-batch-size", type=int, default=8,
                    help="most sequences decoded together (default 8; --draft-mode recompute decodes one "
                         "sequence at a time: one slot)")
