@@ -189,7 +189,7 @@ class DFlashDrafter(nn.Module):
                 raise DFlashError(f"drafter weight {name(k)} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
             if v.is_floating_point() and not state[k].is_floating_point():
                 raise DFlashError(f"drafter weight {name(k)} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
-                                  "dflash-torch reads float32/bfloat16/float16 weights only (a quantized checkpoint?)")
+                                  "dflash-torch reads floating-point weights only (float32 / bfloat16 / float16 / float64; a quantized checkpoint?)")
             if not all_finite(state[k]):  # e.g. a diverged training run
                 raise DFlashError(f"drafter weight {name(k)} holds NaN or infinite values (a corrupt or diverged checkpoint)")
         model.load_state_dict(state, strict=True, assign=True)

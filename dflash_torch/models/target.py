@@ -389,7 +389,7 @@ class TargetModel(nn.Module):
                 continue
             if not state[k].is_floating_point():
                 raise DFlashError(f"target weight {name(k)} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
-                                  "dflash-torch reads float32/bfloat16/float16 weights only (a quantized checkpoint?)")
+                                  "dflash-torch reads floating-point weights only (float32 / bfloat16 / float16 / float64; a quantized checkpoint?)")
             if not all_finite(state[k]):
                 raise DFlashError(f"target weight {name(_name_of_part(k, state[k]))} holds NaN or infinite values "
                                   "(a corrupt checkpoint)")
