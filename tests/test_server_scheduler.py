@@ -304,8 +304,13 @@ def test_a_full_queue_answers_503_with_retry_after_at_once(tiny_pair, tmp_path):
         assert int(r.headers["retry-after"]) >= 1
         with pytest.raises(openai.InternalServerError):
             srv.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
-        # two choices are more than the queue holds: a 400, whatever the load
-        assert srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 2}).status_code == 400
+        # three choices are more than the slot and the queue hold: a 400, whatever the load
+        err = _assert_openai_error(srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 3}), 400)
+        assert err["param"] == "n" and err["message"] == (
+            "3 choices (1 prompts x n=3) are more than this server holds (2: 1 slots, --max-batch-size, and 1 waiting, "
+            "--max-queue)"), err
+        r = srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 2})  # (two fit, once both are free)
+        assert _assert_openai_error(r, 503)["code"] == "queue_full"
         # so are token ids outside the vocabulary (they were a 503 "retry in 1 s" while the queue was full)
         for field, value in (("logit_bias", {"999999": 5}), ("stop_token_ids", [999999])):
             r = srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, field: value})
@@ -321,6 +326,8 @@ def test_a_full_queue_answers_503_with_retry_after_at_once(tiny_pair, tmp_path):
         assert m[("dflash_rejected_requests_total", ())] >= 2
         assert _gauge(m, "dflash_running_requests") == 0 and _gauge(m, "dflash_waiting_requests") == 0
         assert srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).status_code == 200
+        r = srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "n": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
         assert json.loads(events[0][len("data: "):])["choices"][0]["index"] == 0
         assert "Traceback" not in srv.log.read_text()
 

@@ -779,9 +779,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         as a Response."""
         arrived = time.perf_counter()
         n = req.n or 1
-        if n * len(prompts) > scheduler.max_queue:
+        room = scheduler.max_batch_size + scheduler.max_queue  # (a request that fits it may wait for it: a 503)
+        if n * len(prompts) > room:
             raise APIError(400, f"{n * len(prompts)} choices ({len(prompts)} prompts x n={n}) are more than this server "
-                                f"queues ({scheduler.max_queue}, --max-queue)", param="n" if len(prompts) == 1 else "prompt")
+                                f"holds ({room}: {scheduler.max_batch_size} slots, --max-batch-size, and "
+                                f"{scheduler.max_queue} waiting, --max-queue)", param="n" if len(prompts) == 1 else "prompt")
         template_kwargs = req.template_kwargs(default_template_kwargs) if chat else None
         tools = req.engine_tools() if chat else None
         requested = 1 if req.scores_only() else req.requested_max_tokens()  # (scores only: one token, dropped)
