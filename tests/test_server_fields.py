@@ -1,6 +1,7 @@
 """Request fields through the OpenAI-compatible server, on a real ``dflash-torch serve``
 subprocess with the real ``openai`` client and raw HTTP: fields the server does not know,
-inside the request's objects too, are logged once by their path (and ignored)."""
+inside the request's objects too, are logged once by their path (and ignored); vLLM's
+``stream_options.continuous_usage_stats``."""
 
 from __future__ import annotations
 
@@ -102,4 +103,36 @@ def test_unknown_fields_in_the_request_objects_are_logged_by_path_once(server):
     assert sorted(found) == sorted(want), found
     assert "WARNING:  /v1/responses: ignored the request fields 'text.fromat', 'reasoning.efort', 'input[].nmae', " \
            "'structured_outputs.disable_fallbak' (not known to this server; each logged once)" in server.log.read_text()
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(server):
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): each chunk's
+    ``usage`` counts the prompt and the tokens generated so far; the last chunk has the whole usage."""
+    c = server.client()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for chat in (True, False):
+        kw = dict(model=MODEL, max_tokens=6, temperature=0, stream=True, stream_options=options,
+                  extra_body={"ignore_eos": True})
+        stream = c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw) if chat else \
+            c.completions.create(prompt="def f(x):", **kw)
+        chunks = list(stream)
+        last = chunks[-1]
+        assert not last.choices and last.usage.completion_tokens == 6, last
+        prompt = last.usage.prompt_tokens
+        counts = []
+        for chunk in chunks[:-1]:
+            u = chunk.usage
+            assert u.prompt_tokens == prompt and u.total_tokens == prompt + u.completion_tokens, chunk
+            counts.append(u.completion_tokens)
+        assert counts == sorted(counts) and counts[-1] == 6 and counts[0] == (0 if chat else 1), counts
+        # without it: usage null on the chunks, as before
+        kw["stream_options"] = {"include_usage": True}
+        plain = list(c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw) if chat else
+                     c.completions.create(prompt="def f(x):", **kw))
+        assert all(chunk.usage is None for chunk in plain[:-1]) and plain[-1].usage.completion_tokens == 6
+    # continuous_usage_stats alone (no include_usage): no usage at all, as vLLM
+    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                             "max_tokens": 2, "stream": True,
+                                             "stream_options": {"continuous_usage_stats": True}})
+    assert r.status_code == 200 and '"usage"' not in r.text, r.text
 

@@ -916,12 +916,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                             scoring: _Scoring):
         created_at = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        include_usage = req.include_usage
+        include_usage, continuous_usage = req.include_usage, req.continuous_usage
 
         def frame(choices, **extra):
             d = {"id": rid, "object": obj, "created": created_at, "model": model_id, "system_fingerprint": None,
                  "choices": choices}
-            if include_usage:
+            if continuous_usage:  # (vLLM's continuous_usage_stats: the tokens so far, on every chunk)
+                d["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
+                              "total_tokens": prompt_tokens + n_tokens}
+            elif include_usage:
                 d["usage"] = None
             d.update(extra)
             return _sse(d)

@@ -44,11 +44,13 @@ JSONSchema = dict[StrictStr, Any] | StrictBool  # (true and false are JSON schem
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` (a last chunk with the usage); OpenAI's
-    ``include_obfuscation`` is accepted (the chunks carry no ``obfuscation``)."""
+    """``stream_options``: ``include_usage`` (a last chunk with the usage) and vLLM's
+    ``continuous_usage_stats`` (with ``include_usage``, every chunk has the usage so far);
+    OpenAI's ``include_obfuscation`` is accepted (the chunks carry no ``obfuscation``)."""
     model_config = ConfigDict(extra="ignore")
     ALSO_KNOWN: ClassVar[frozenset[str]] = frozenset({"include_obfuscation"})
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class JSONSchemaFormat(BaseModel):
@@ -274,6 +276,12 @@ class _Request(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): the usage
+        so far on every chunk."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def requested_max_tokens(self) -> int | None:
         return getattr(self, self.max_tokens_field())
