@@ -1,7 +1,8 @@
 """Request fields through the OpenAI-compatible server, on a real ``dflash-torch serve``
 subprocess with the real ``openai`` client and raw HTTP: fields the server does not know,
 inside the request's objects too, are logged once by their path (and ignored); vLLM's
-``stream_options.continuous_usage_stats``."""
+``stream_options.continuous_usage_stats``; a chat that overflows the context names
+``messages`` (Responses: ``input``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 import time
 
 import pytest
-from test_server import MODEL
+from test_server import LONG_PROMPT, MODEL, _assert_openai_error
 from test_server_scheduler import _serve
 
 LOGGED = re.compile(r"WARNING: .*: (ignored|passed) the request fields? (.*?) (?:\(not known|to the chat template)")
@@ -136,3 +137,18 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(server):
                                              "stream_options": {"continuous_usage_stats": True}})
     assert r.status_code == 200 and '"usage"' not in r.text, r.text
 
+
+def test_a_chat_that_overflows_the_context_names_messages(server):
+    """A chat whose messages do not fit the context is a 400 about ``messages`` (Responses:
+    ``input``), not about a ``prompt`` the request does not have; a completion's stays ``prompt``."""
+    messages = [{"role": "user", "content": LONG_PROMPT}]
+    for stream in (False, True):
+        err = _assert_openai_error(server.post("/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                                                        "max_tokens": 4, "stream": stream}), 400)
+        assert err["param"] == "messages" and "does not fit the model's context" in err["message"], err
+        err = _assert_openai_error(server.post("/v1/responses", {"model": MODEL, "input": LONG_PROMPT,
+                                                                 "max_output_tokens": 4, "stream": stream}), 400)
+        assert err["param"] == "input" and "does not fit the model's context" in err["message"], err
+    err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT,
+                                                               "max_tokens": 4}), 400)
+    assert err["param"] == "prompt", err

@@ -665,7 +665,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 out.append((ids, fit_max_tokens(engine, len(ids), requested, default, max_tokens_name), end))
             except DFlashError as exc:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
-                raise APIError(400, where + str(exc), param=param_of(exc)) from None
+                param = param_of(exc)
+                if chat and param == "prompt":  # (a chat's prompt is its messages, rendered)
+                    param = "messages"
+                raise APIError(400, where + str(exc), param=param) from None
         return out
 
     def check_sampling(max_new_tokens: int, kwargs: dict, aliases: dict) -> None:
