@@ -374,7 +374,7 @@ BAD_REQUESTS = [
     ("max_tokens past context", "/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
     ("seed too large", "/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "seed"),
     ("prompt longer than context", "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 4}, 400, "prompt"),
-    ("chat longer than context", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "prompt"),
+    ("chat longer than context", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("empty token list", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("token id out of vocab", "/v1/completions", {"prompt": [5, 10**6]}, 400, "prompt"),
@@ -515,9 +515,9 @@ def test_oversized_prompts_are_refused_before_tokenizing_and_others_are_served(s
     t.join(120)
     err = _assert_openai_error(r_huge, 413)
     assert err["code"] == "request_too_large" and "bytes" in err["message"], err
-    for r in (r_big, r_chat):
+    for r, param in ((r_big, "prompt"), (r_chat, "messages")):
         err = _assert_openai_error(r, 400)
-        assert err["param"] == "prompt" and f"{len(big)} characters" in err["message"], err
+        assert err["param"] == param and f"{len(big)} characters" in err["message"], err
     assert outcome["small"].usage.completion_tokens == 8
     # the bound is safe: a prompt just under it is tokenized, and refused by its token count
     limit = local_engine.max_prompt_chars

@@ -91,7 +91,7 @@ from .constraints import after_reasoning, special_token, think_end_token, with_w
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesInputError,
                        ResponsesRequest, TokenizeChatRequest, TokenizeCompletionRequest, conflicting_fields,
-                       describe_validation_error, ignored_fields, responses_message, responses_param,
+                       describe_validation_error, unknown_fields, responses_message, responses_param,
                        unsupported_field, CHAT_TEMPLATE_REFUSED)
 from .reasoning import (GEMMA4_CLOSE, GEMMA4_OPEN, HARMONY_MARKERS, THINK_CLOSE, THINK_OPEN, check_reasoning_parser,
                         resolve_parser)
@@ -558,19 +558,24 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             req = validate_responses(req)
         elif getattr(req, "samples", False):  # (not /tokenize's or /detokenize's: they sample nothing)
             check_fields(req)
-        warn_ignored(schema, data, path)  # (of a request taken)
+        warn_unknown(req, data, path)  # (of a request taken)
         return req
 
-    warned: set[str] = set()  # ignored fields already logged (each once; at most IGNORED_LOGGED of them)
+    warned: set[str] = set()  # unknown fields already logged (each once; at most IGNORED_LOGGED of them)
 
-    def warn_ignored(schema, data: dict, path: str) -> None:
-        """Log the request fields ``schema`` ignores (a misspelt ``max_token`` would otherwise
-        pass unseen), each name once per server."""
-        fresh = [k for k in ignored_fields(schema, data) if k not in warned][:IGNORED_LOGGED - len(warned)]
-        if fresh:
-            warned.update(fresh)
-            log.warning("%s: ignored the request field%s %s (not known to this server; each logged once)", path,
-                        "s" if len(fresh) > 1 else "", ", ".join(repr(k[:80]) for k in fresh))
+    def warn_unknown(req, data: dict, path: str) -> None:
+        """Log the fields of the request ``req`` (``data`` validated) that the server does not
+        know (a misspelt ``max_token`` or ``text.fromat`` would otherwise pass unseen), by
+        their path, each once per server: ignored, or (a tool's function's) passed to the chat
+        template as sent (:func:`~.protocol.unknown_fields`)."""
+        ignored, passed = unknown_fields(req, data)
+        for fields, what in ((ignored, "ignored the request field%s %s (not known to this server; each logged once)"),
+                             (passed, "passed the request field%s %s to the chat template as sent (not known to "
+                                      "this server; each logged once)")):
+            fresh = [k for k in fields if k not in warned][:IGNORED_LOGGED - len(warned)]
+            if fresh:
+                warned.update(fresh)
+                log.warning("%s: " + what, path, "s" if len(fresh) > 1 else "", ", ".join(repr(k) for k in fresh))
 
     def check_fields(req) -> None:
         bad = conflicting_fields(req)
@@ -660,7 +665,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 out.append((ids, fit_max_tokens(engine, len(ids), requested, default, max_tokens_name), end))
             except DFlashError as exc:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
-                raise APIError(400, where + str(exc), param=param_of(exc)) from None
+                param = param_of(exc)
+                if chat and param == "prompt":  # (a chat's prompt is its messages, rendered)
+                    param = "messages"
+                raise APIError(400, where + str(exc), param=param) from None
         return out
 
     def check_sampling(max_new_tokens: int, kwargs: dict, aliases: dict) -> None:
@@ -913,12 +921,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                             scoring: _Scoring):
         created_at = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        include_usage = req.include_usage
+        include_usage, continuous_usage = req.include_usage, req.continuous_usage
 
         def frame(choices, **extra):
             d = {"id": rid, "object": obj, "created": created_at, "model": model_id, "system_fingerprint": None,
                  "choices": choices}
-            if include_usage:
+            if continuous_usage:  # (vLLM's continuous_usage_stats: the tokens so far, on every chunk)
+                d["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
+                              "total_tokens": prompt_tokens + n_tokens}
+            elif include_usage:
                 d["usage"] = None
             d.update(extra)
             return _sse(d)

@@ -4,10 +4,10 @@ cannot honour.
 Parsing is strict about types (``"5"`` is not an integer, ``true`` is not a number)
 and about ranges; fields the server does not know are ignored (OpenAI's own API refuses
 them; ignoring them lets clients that send newer or other servers' fields work, as
-vLLM does), except chat-only fields sent to ``/v1/responses``, refused naming the Responses
-equivalent. Fields it knows but cannot honour with a non-default value (``best_of``
-other than ``n``, ``suffix``, ...) are refused with a 400 by
-:func:`unsupported_field`; values that contradict each other by :func:`conflicting_fields`.
+vLLM does) and logged, in nested objects too (:func:`unknown_fields`), except chat-only
+fields sent to ``/v1/responses``, refused naming the Responses equivalent. Fields it knows
+but cannot honour with a non-default value (``best_of`` other than ``n``, ``suffix``, ...)
+are refused with a 400 by :func:`unsupported_field`; values that contradict each other by :func:`conflicting_fields`.
 
 Scoring the prompt: completions' ``echo`` (the prompt's text before the completion, and with
 ``logprobs`` the prompt's tokens' logprobs first; ``max_tokens`` 0 then returns the prompt
@@ -44,8 +44,13 @@ JSONSchema = dict[StrictStr, Any] | StrictBool  # (true and false are JSON schem
 
 
 class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` (a last chunk with the usage) and vLLM's
+    ``continuous_usage_stats`` (with ``include_usage``, every chunk has the usage so far);
+    OpenAI's ``include_obfuscation`` is accepted (the chunks carry no ``obfuscation``)."""
     model_config = ConfigDict(extra="ignore")
+    ALSO_KNOWN: ClassVar[frozenset[str]] = frozenset({"include_obfuscation"})
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class JSONSchemaFormat(BaseModel):
@@ -97,6 +102,8 @@ class StructuredOutputs(BaseModel):
     for its other backends (``disable_fallback``, ...) are ignored; ``structural_tag`` is refused."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    ALSO_KNOWN: ClassVar[frozenset[str]] = frozenset({"disable_fallback", "disable_any_whitespace",
+                                                  "disable_additional_properties"})
     json_: JSONSchema | StrictStr | None = Field(None, alias="json")
     regex: StrictStr | None = None
     choice: list[StrictStr] | None = None
@@ -270,6 +277,12 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): the usage
+        so far on every chunk."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def requested_max_tokens(self) -> int | None:
         return getattr(self, self.max_tokens_field())
 
@@ -328,6 +341,8 @@ class ToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    # (OpenAI's fields of an assistant message a client sends back as it got it: not read)
+    ALSO_KNOWN: ClassVar[frozenset[str]] = frozenset({"refusal", "annotations", "audio", "function_call"})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
@@ -373,6 +388,8 @@ class ChatMessage(BaseModel):
 
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="allow")  # (whatever else the client sends reaches the template)
+    EXTRA_TO_TEMPLATE: ClassVar[bool] = True
+    ALSO_KNOWN: ClassVar[frozenset[str]] = frozenset({"strict"})  # (OpenAI's; it reaches the template too)
     name: StrictStr
     description: StrictStr | None = None
     parameters: dict[StrictStr, Any] | None = None  # a JSON schema
@@ -380,6 +397,7 @@ class FunctionDef(BaseModel):
 
 class ToolDef(BaseModel):
     model_config = ConfigDict(extra="allow")
+    EXTRA_TO_TEMPLATE: ClassVar[bool] = True
     type: Literal["function"]
     function: FunctionDef
 
@@ -517,13 +535,42 @@ def _tool_choice_name(choice) -> str:
 CHAT_TEMPLATE_REFUSED = "chat_template is not supported: chats are rendered with the model's own chat template"
 
 
-def ignored_fields(schema: type[BaseModel], data: dict) -> list[str]:
-    """The top-level fields of a request body ``data`` that ``schema`` does not know and so
-    ignores (``extra="ignore"``; names and aliases known), in the body's order."""
-    if schema.model_config.get("extra") != "ignore":
-        return []
-    known = {name for name in schema.model_fields} | {f.alias for f in schema.model_fields.values() if f.alias}
-    return [key for key in data if key not in known]
+def unknown_fields(req: BaseModel, data: dict) -> tuple[list[str], list[str]]:
+    """The fields of a request body ``data`` that its model ``req`` (``data`` validated) does
+    not know, named by their path (``max_token``, ``text.fromat``, ``messages[].nmae``: ``[]``
+    for any item of a list), each once (an object's own before those in its fields):
+    ``(ignored, passed on)``, the
+    latter those of a model that hands what it does not know to the chat template as sent
+    (``EXTRA_TO_TEMPLATE``: a tool's function). A model's fields, their aliases and its
+    ``ALSO_KNOWN`` (fields clients send that it does not read) are known. The objects that
+    the request's models took are walked; free-form ones (a tool's ``parameters``, a JSON
+    schema, ``metadata``, ``logit_bias``, ``chat_template_kwargs``, a call's ``arguments``,
+    ...: not models) are not."""
+    ignored: dict[str, None] = {}
+    passed: dict[str, None] = {}
+    _unknown_fields(req, data, "", ignored, passed)
+    return list(ignored), list(passed)
+
+
+def _unknown_fields(model: BaseModel, data: dict, path: str, ignored: dict, passed: dict) -> None:
+    cls = type(model)
+    fields = cls.model_fields
+    known = set(fields) | {f.alias for f in fields.values() if f.alias} | getattr(cls, "ALSO_KNOWN", frozenset())
+    found = passed if getattr(cls, "EXTRA_TO_TEMPLATE", False) else ignored
+    for key in data:
+        if key not in known:
+            found.setdefault(path + key[:80], None)
+    for name, info in fields.items():
+        key = info.alias if info.alias is not None and info.alias in data else name
+        raw, value = data.get(key), getattr(model, name)
+        if isinstance(value, BaseModel) and isinstance(raw, dict):
+            _unknown_fields(value, raw, f"{path}{key}.", ignored, passed)
+        elif isinstance(value, list) and isinstance(raw, list) and len(value) == len(raw):
+            for item, raw_item in zip(value, raw):
+                if isinstance(item, BaseModel) and isinstance(raw_item, dict):
+                    _unknown_fields(item, raw_item, f"{path}{key}[].", ignored, passed)
+    for where, item, raw_item in getattr(model, "_validated_items", None) or ():  # (ResponsesRequest's, validated apart)
+        _unknown_fields(item, raw_item, f"{path}{where}.", ignored, passed)
 
 
 def unsupported_field(req: _Request) -> tuple[str, str] | None:
@@ -607,14 +654,20 @@ class ResponsesInputError(Exception):
         self.param, self.message, self.unsupported = param, message, unsupported
 
 
+# (the fields of OpenAI's output items and parts that a client sends back as input: not read)
+_OUTPUT_ITEM_FIELDS = frozenset({"id", "status"})
+
+
 class _Part(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    ALSO_KNOWN: ClassVar[frozenset[str]] = frozenset({"annotations", "logprobs"})
     type: StrictStr
     text: StrictStr | None = None
 
 
 class _InputMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    ALSO_KNOWN: ClassVar[frozenset[str]] = _OUTPUT_ITEM_FIELDS
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: StrictStr | list[_Part]
@@ -622,6 +675,7 @@ class _InputMessage(BaseModel):
 
 class _FunctionCallItem(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    ALSO_KNOWN: ClassVar[frozenset[str]] = _OUTPUT_ITEM_FIELDS
     type: Literal["function_call"]
     call_id: StrictStr
     name: StrictStr
@@ -630,6 +684,7 @@ class _FunctionCallItem(BaseModel):
 
 class _FunctionCallOutputItem(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    ALSO_KNOWN: ClassVar[frozenset[str]] = _OUTPUT_ITEM_FIELDS
     type: Literal["function_call_output"]
     call_id: StrictStr
     output: StrictStr | list[_Part]
@@ -637,6 +692,7 @@ class _FunctionCallOutputItem(BaseModel):
 
 class _ReasoningItem(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    ALSO_KNOWN: ClassVar[frozenset[str]] = _OUTPUT_ITEM_FIELDS | {"encrypted_content"}
     type: Literal["reasoning"]
     content: list[_Part] | None = None
     summary: list[_Part] | None = None
@@ -707,6 +763,7 @@ class ResponsesTool(BaseModel):
     ``description``, ``parameters``, ``strict``); other types are refused (:meth:`ResponsesRequest.unsupported`)."""
 
     model_config = ConfigDict(extra="allow")
+    EXTRA_TO_TEMPLATE: ClassVar[bool] = True  # (chat_tool: as a chat tool's function's)
     type: StrictStr
     name: StrictStr | None = None
     description: StrictStr | None = None
@@ -875,6 +932,9 @@ class ResponsesRequest(BaseModel):
     include_stop_str_in_output: Any = None
     _chat: Any = PrivateAttr(None)  # (the chat request it is served as, once checked)
     _sources: Any = PrivateAttr(None)  # (InputSources of its chat messages, once made)
+    # (the objects validated apart, for unknown_fields: ("input[]", item, the item's dict), and
+    # ("structured_outputs", the chat request's, the dict sent))
+    _validated_items: Any = PrivateAttr(None)
 
     def chat_only(self) -> tuple[str, str] | None:
         """``(param, message)`` of the first parameter sent that is Chat Completions' (or
@@ -951,6 +1011,7 @@ class ResponsesRequest(BaseModel):
         """:meth:`input_messages` and where each message (and tool call) came from."""
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
         sources = InputSources([] if self.instructions is None else ["instructions"])
+        self._validated_items = []
         if isinstance(self.input, str):
             sources.messages.append("input")
             return messages + [{"role": "user", "content": self.input}], sources
@@ -968,6 +1029,7 @@ class ResponsesRequest(BaseModel):
                                                             f"(message, function_call, function_call_output and "
                                                             f"reasoning are)", unsupported=True)
             parsed = _validate_item(_ITEMS[kind], item, where)
+            self._validated_items.append(("input[]", parsed, item))
             if kind == "reasoning":
                 reasoning.append(_parts_text(parsed.content or [], f"{where}.content"))
                 continue
@@ -1029,6 +1091,8 @@ class ResponsesRequest(BaseModel):
             body["reasoning_effort"] = self.reasoning.effort  # (chat maps it: REASONING_EFFORTS)
         chat = ResponsesChatRequest.model_validate(body)
         chat._messages = messages
+        if chat.structured_outputs is not None and isinstance(self.structured_outputs, dict):
+            self._validated_items.append(("structured_outputs", chat.structured_outputs, self.structured_outputs))
         return chat
 
     def echo(self, chat: ChatCompletionRequest, defaults: dict | None = None) -> dict:

@@ -1,0 +1,154 @@
+"""Request fields through the OpenAI-compatible server, on a real ``dflash-torch serve``
+subprocess with the real ``openai`` client and raw HTTP: fields the server does not know,
+inside the request's objects too, are logged once by their path (and ignored); vLLM's
+``stream_options.continuous_usage_stats``; a chat that overflows the context names
+``messages`` (Responses: ``input``)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from test_server import LONG_PROMPT, MODEL, _assert_openai_error
+from test_server_scheduler import _serve
+
+LOGGED = re.compile(r"WARNING: .*: (ignored|passed) the request fields? (.*?) (?:\(not known|to the chat template)")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair, tmp_path_factory):
+    with _serve(tiny_pair, tmp_path_factory.mktemp("fields")) as srv:
+        yield srv
+
+
+def _logged(server, want: int) -> list[tuple[str, str]]:
+    """``(ignored | passed, path)`` of each field the server's log names (waiting for ``want`` of them)."""
+    for _ in range(50):
+        found = [(m.group(1), name) for m in LOGGED.finditer(server.log.read_text())
+                 for name in re.findall(r"'([^']*)'", m.group(2))]
+        if len(found) >= want:
+            break
+        time.sleep(0.1)
+    return found
+
+
+PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "strcit_free": True}}, "required": ["city"]}
+# each field an OpenAI client sends (the assistant message as the client got it back, ...) and each
+# free-form object (a JSON schema, logit_bias, chat_template_kwargs, a call's arguments) holds no warning
+CHAT = {
+    "model": MODEL, "max_tokens": 2, "temperature": 0,
+    "messages": [
+        {"role": "system", "content": "be brief", "name": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "weather?"}], "name": "u", "nmae": "typo"},
+        {"role": "assistant", "content": None, "refusal": None, "annotations": [], "audio": None,
+         "function_call": None,
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit_free": 1}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+        {"role": "user", "content": "thanks"},
+    ],
+    "tools": [{"type": "function", "function": {"name": "get_weather", "description": "the weather",
+                                                "parameters": PARAMETERS, "strict": True, "strcit": True}}],
+    "tool_choice": "auto", "parallel_tool_calls": True,
+    "logit_bias": {"5": 1.0}, "chat_template_kwargs": {"enable_thinking": False, "nested_free": {"a": 1}},
+    "response_format": {"type": "json_schema",
+                        "json_schema": {"name": "w", "description": "d", "strict": True, "strcit": True,
+                                        "schema": {"type": "object", "additionalProperties_free": 1}}},
+}
+RESPONSES = {
+    "model": MODEL, "max_output_tokens": 2, "temperature": 0, "instructions": "be brief",
+    "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x = "}], "nmae": "typo"},
+        # (an output of an earlier response sent back as input, as the client got it)
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None, "status": "completed",
+         "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "1", "annotations": [], "logprobs": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f", "arguments": "{}", "status": "completed"},
+        {"type": "function_call_output", "call_id": "c1", "output": "2", "id": "fco_1", "status": "completed"},
+    ],
+    "text": {"fromat": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}, "verbosity": "low"},
+    "reasoning": {"efort": "low", "summary": "auto"}, "metadata": {"k_free": "v"},
+    "structured_outputs": {"regex": "[0-9]+", "disable_fallback": True, "disable_fallbak": True},
+    "tools": [{"type": "function", "name": "f", "description": "d", "parameters": PARAMETERS, "strict": True,
+               "strcit": True}],
+    "stream": True, "stream_options": {"include_obfuscation": False},
+}
+
+
+def test_unknown_fields_in_the_request_objects_are_logged_by_path_once(server):
+    """A misspelt field inside an object (``text.fromat``, ``stream_options.include_usgae``,
+    ``messages[].nmae``, ...) is ignored, as a top-level one is, and logged once by its path; a
+    tool function's unknown field reaches the chat template, and its log says so; the fields
+    OpenAI clients send and the free-form objects' contents are not logged."""
+    for _ in range(2):  # (each logged once)
+        r = server.post("/v1/chat/completions", CHAT)
+        assert r.status_code == 200, r.text
+        r = server.post("/v1/chat/completions", {**CHAT, "response_format": None, "stream": True,
+                                                 "stream_options": {"include_usgae": True, "include_obfuscation": True}})
+        assert r.status_code == 200 and '"usage"' not in r.text, r.text  # (include_usage misspelt: not honoured)
+        r = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True,
+                                            "stream_options": {"include_usage": True, "include_usgae": True},
+                                            "structured_outputs": {"regex": "[a-z]+", "disable_fallback": True}})
+        assert r.status_code == 200 and '"usage": {' in r.text, r.text
+        r = server.post("/v1/responses", RESPONSES)
+        assert r.status_code == 200, r.text
+        # (text.format misspelt: not applied, the response says text)
+        assert '"text": {"format": {"type": "text"}, "verbosity": "low"}' in r.text, r.text
+    want = [("ignored", "messages[].nmae"), ("ignored", "response_format.json_schema.strcit"),
+            ("passed", "tools[].function.strcit"), ("ignored", "stream_options.include_usgae"),
+            ("ignored", "text.fromat"), ("ignored", "reasoning.efort"), ("ignored", "input[].nmae"),
+            ("ignored", "structured_outputs.disable_fallbak"), ("passed", "tools[].strcit")]
+    found = _logged(server, len(want))
+    assert sorted(found) == sorted(want), found
+    assert "WARNING:  /v1/responses: ignored the request fields 'text.fromat', 'reasoning.efort', 'input[].nmae', " \
+           "'structured_outputs.disable_fallbak' (not known to this server; each logged once)" in server.log.read_text()
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(server):
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): each chunk's
+    ``usage`` counts the prompt and the tokens generated so far; the last chunk has the whole usage."""
+    c = server.client()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for chat in (True, False):
+        kw = dict(model=MODEL, max_tokens=6, temperature=0, stream=True, stream_options=options,
+                  extra_body={"ignore_eos": True})
+        stream = c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw) if chat else \
+            c.completions.create(prompt="def f(x):", **kw)
+        chunks = list(stream)
+        last = chunks[-1]
+        assert not last.choices and last.usage.completion_tokens == 6, last
+        prompt = last.usage.prompt_tokens
+        counts = []
+        for chunk in chunks[:-1]:
+            u = chunk.usage
+            assert u.prompt_tokens == prompt and u.total_tokens == prompt + u.completion_tokens, chunk
+            counts.append(u.completion_tokens)
+        assert counts == sorted(counts) and counts[-1] == 6 and counts[0] == (0 if chat else 1), counts
+        # without it: usage null on the chunks, as before
+        kw["stream_options"] = {"include_usage": True}
+        plain = list(c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw) if chat else
+                     c.completions.create(prompt="def f(x):", **kw))
+        assert all(chunk.usage is None for chunk in plain[:-1]) and plain[-1].usage.completion_tokens == 6
+    # continuous_usage_stats alone (no include_usage): no usage at all, as vLLM
+    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                             "max_tokens": 2, "stream": True,
+                                             "stream_options": {"continuous_usage_stats": True}})
+    assert r.status_code == 200 and '"usage"' not in r.text, r.text
+
+
+def test_a_chat_that_overflows_the_context_names_messages(server):
+    """A chat whose messages do not fit the context is a 400 about ``messages`` (Responses:
+    ``input``), not about a ``prompt`` the request does not have; a completion's stays ``prompt``."""
+    messages = [{"role": "user", "content": LONG_PROMPT}]
+    for stream in (False, True):
+        err = _assert_openai_error(server.post("/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                                                        "max_tokens": 4, "stream": stream}), 400)
+        assert err["param"] == "messages" and "does not fit the model's context" in err["message"], err
+        err = _assert_openai_error(server.post("/v1/responses", {"model": MODEL, "input": LONG_PROMPT,
+                                                                 "max_output_tokens": 4, "stream": stream}), 400)
+        assert err["param"] == "input" and "does not fit the model's context" in err["message"], err
+    err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT,
+                                                               "max_tokens": 4}), 400)
+    assert err["param"] == "prompt", err
