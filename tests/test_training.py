@@ -303,6 +303,52 @@ def test_conversations_without_a_reply_in_seq_len_are_left_out_and_whole_ones_wa
     assert not any("WARNING" in m for m in lines), lines
 
 
+def test_too_little_chat_data_whose_replies_lie_past_seq_len_says_to_raise_it_also_from_the_cache(tiny_pair, tmp_path):
+    """(trial C: the error said to lower --seq-len, and a second run, from the data cache,
+    did not say that conversations were left out at all)"""
+    from dflash_torch.training.trainer import prepare_data
+
+    target_dir, _ = tiny_pair
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "word " * 40},
+                                                      {"role": "assistant", "content": "ok"}]}) + "\n" for _ in range(3)))
+    cfg = _cfg(tmp_path, target_dir, data, val_seqs=0, batch=2, seq_len=16)
+    for run in ("tokenized", "from the cache"):
+        lines = []
+        with pytest.raises(DFlashError) as err:
+            prepare_data(cfg, Path(target_dir), _tok(target_dir), lines.append)
+        msg = str(err.value)
+        assert "0 chat conversations (left out: 3 with no assistant reply within --seq-len 16 tokens)" in msg, (run, msg)
+        assert "raise --seq-len" in msg and "lower --batch or --seq-len" not in msg, (run, msg)
+        assert "data: 3 conversations have no assistant reply within --seq-len 16 tokens; left out" in lines, (run, lines)
+    assert lines[0].startswith("data: loaded ")
+
+
+def test_conversations_without_an_assistant_turn_are_left_out_and_said(tiny_pair, tmp_path):
+    """A conversation's loss lies on its assistant turns: one with none has no loss and is
+    left out, in a line (trial C: it trained on all its tokens, the user's text, unsaid)."""
+    from dflash_torch.training.trainer import prepare_data
+
+    target_dir, _ = tiny_pair
+    tok = _tok(target_dir)
+    user_only = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me about 3 things"}]
+    ex = tokenize_conversation(tok, user_only)
+    assert len(ex.ids) > 0 and not ex.loss_mask.any() and not ex.whole
+    data = tmp_path / "chat.jsonl"
+    reply = [{"role": "user", "content": "sort a list"}, {"role": "assistant", "content": "sorted(x)"}]
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (reply, user_only, user_only)))
+    cfg = _cfg(tmp_path, target_dir, data, val_seqs=0, batch=1)
+    for run in ("tokenized", "from the cache"):
+        lines = []
+        train, _, stats = prepare_data(cfg, Path(target_dir), tok, lines.append)
+        assert len(train.examples) == 1 and stats["conversations_without_assistant_turn"] == 2, (run, stats)
+        assert f"data: 2 conversations have no assistant turn, e.g. {data}:2; left out (a conversation's loss lies on " \
+               "its assistant turns)" in lines, (run, lines)
+    cfg = _cfg(tmp_path / "b", target_dir, data, val_seqs=0, batch=2)
+    with pytest.raises(DFlashError, match=r"1 chat conversations \(left out: 2 with no assistant turn\) make 1 sequences"):
+        prepare_data(cfg, Path(target_dir), tok, lambda m: None)
+
+
 def test_a_mask_token_the_data_holds_is_warned(tiny_pair, tmp_path):
     """(helper-24: --mask-token-id 0, the EOS, was taken silently)"""
     from transformers import AutoTokenizer
@@ -717,8 +763,9 @@ def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
         "text-surrogate": ("d.jsonl", 2, good + b'{"text": "a \\ud800 b"}\n', "surrogate \\ud800"),
         "chat-surrogate": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "user", "content": "hi \udfff"}]}).encode()
                            + b"\n", "surrogate \\udfff"),
-        "chat-template-refuses": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "robot", "content": "hi"}]}).encode()
-                                  + b"\n", "unknown role robot"),
+        "chat-template-refuses": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "robot", "content": "hi"},
+                                                                                 {"role": "assistant", "content": "ok"}]})
+                                  .encode() + b"\n", "unknown role robot"),
     }[case]
     path = tmp_path / name
     path.parent.mkdir(exist_ok=True)
