@@ -19,7 +19,7 @@ from dflash_torch.training.objective import (
     block_attention_mask, block_inputs, copy_target_layers, drafter_blocks_forward, greedy_walk, sample_anchors,
     target_features,
 )
-from dflash_torch.training.trainer import TrainConfig, Trainer
+from dflash_torch.training.trainer import TrainConfig, Trainer, init_from_target_note
 
 from conftest import copy_tokenizer, corpus_texts, dflash2_config, drafter_config, make_hybrid_target, save_drafter
 
@@ -533,7 +533,9 @@ def test_init_from_target_reproduces_target_layer_context_kv(tiny_pair):
     target = TargetModel.from_pretrained(target_dir, torch.float32)
     cfg = drafter_config(target_dir, num_layers=2)  # L = 4: ids [1, 1], copies layers 2 and 3
     drafter = DFlashDrafter(cfg)
-    copy_target_layers(drafter, target)
+    copied = copy_target_layers(drafter, target)
+    assert copied == [(0, 2, None), (1, 3, None)]
+    assert init_from_target_note(copied) == "init: --init-from-target: drafter layers 0, 1 start as target layers 2, 3"
     ids = torch.randint(2, 320, (1, 12), generator=torch.Generator().manual_seed(0))
     feats = target_features(target, ids, torch.tensor([12]), cfg.target_layer_ids)[0]
     # the input of target layer 2 is the output of layer 1
@@ -547,6 +549,17 @@ def test_init_from_target_reproduces_target_layer_context_kv(tiny_pair):
     torch.testing.assert_close(v, v_ref)
 
 
+def test_init_from_target_says_which_layers_it_copied_and_warns_where_none():
+    """(trial C: on a Gemma 4, gpt-oss or Qwen3.5 target it copied no layer, unsaid)"""
+    assert init_from_target_note([(0, 5, None)]) == "init: --init-from-target: drafter layer 0 starts as target layer 5"
+    assert init_from_target_note([(0, 4, "gated attention"), (1, 5, None)]) == \
+        ("init: --init-from-target: drafter layer 1 starts as target layer 5; drafter layer 0 keeps its random "
+         "initialisation (target layer 4: gated attention)")
+    assert init_from_target_note([(0, 2, "no q/k norms"), (1, 3, "no q/k norms")]) == \
+        ("init: WARNING: --init-from-target copied no layer (target layers 2, 3: no q/k norms); drafter layers 0, 1 "
+         "keep their random initialisation")
+
+
 def test_training_a_drafter_for_a_hybrid_moe_target(tmp_path, tokenizer_dir):
     """A Qwen3.5-MoE target (Gated DeltaNet + gated attention, (1 + w) norms, experts only):
     --init-from-target copies no layer of another kind and takes its norms as the scale they
@@ -558,12 +571,16 @@ def test_training_a_drafter_for_a_hybrid_moe_target(tmp_path, tokenizer_dir):
     target = TargetModel.from_pretrained(target_dir, torch.float32)
     drafter = DFlashDrafter(drafter_config(target_dir, num_layers=1))
     fresh = {k: v.clone() for k, v in drafter.layers[0].state_dict().items()}
-    copy_target_layers(drafter, target)
+    (copied,) = copy_target_layers(drafter, target)
+    assert copied[:2] == (0, 5) and "no dense MLP" in copied[2], copied
     assert all(torch.equal(v, fresh[k]) for k, v in drafter.layers[0].state_dict().items())
     torch.testing.assert_close(drafter.norm.weight, 1 + target.model.norm.weight)
     assert target.model.norm.weight.abs().max() > 0.01  # the offset is really there
     cfg = _cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), init_from_target=True)
-    Trainer(cfg, log=lambda m: None).run()
+    lines = []
+    Trainer(cfg, log=lines.append).run()
+    assert any(m.startswith("init: WARNING: --init-from-target copied no layer (target layer 5: ") and
+               m.endswith("; drafter layer 0 keeps its random initialisation") for m in lines), lines
     conf = json.loads((Path(cfg.out) / "config.json").read_text())
     assert conf["intermediate_size"] == 2 * 32 + 48  # top_k * moe_intermediate_size + shared expert
     spec = DFlashEngine.from_pretrained(target_dir, cfg.out)

@@ -325,6 +325,35 @@ def copy_drafter(drafter: DFlashDrafter, source: DFlashDrafter) -> list[str]:
     return sorted(dst.keys() - src.keys())
 
 
+def _layers_text(word: str, ids: list[int]) -> str:
+    return f"{word}{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+
+
+def init_from_target_note(copied: list[tuple[int, int, str | None]]) -> str:
+    """The line that says what ``--init-from-target`` copied (:func:`copy_target_layers`'s
+    result): which drafter layers start as which target layers, and why the others do not;
+    a WARNING where none does."""
+    kept = [i for i, _, why in copied if why is not None]
+    reasons: dict[str, list[int]] = {}
+    for _, layer, why in copied:
+        if why is not None:
+            reasons.setdefault(why, []).append(layer)
+    why = "; ".join(f"{_layers_text('target layer', layers)}: {w}" for w, layers in reasons.items())
+    done = [(i, layer) for i, layer, w in copied if w is None]
+    if not done:
+        return (f"init: WARNING: --init-from-target copied no layer ({why}); {_layers_text('drafter layer', kept)} "
+                f"{_keep(kept)} random initialisation")
+    line = (f"init: --init-from-target: {_layers_text('drafter layer', [i for i, _ in done])} "
+            f"start{'s' if len(done) == 1 else ''} as {_layers_text('target layer', [layer for _, layer in done])}")
+    if kept:
+        line += f"; {_layers_text('drafter layer', kept)} {_keep(kept)} random initialisation ({why})"
+    return line
+
+
+def _keep(ids: list[int]) -> str:
+    return "keeps its" if len(ids) == 1 else "keep their"
+
+
 def _mlp_width(target_cfg: TargetConfig) -> int:
     moe = target_cfg.moe
     if target_cfg.intermediate_size or moe is None:
@@ -693,7 +722,9 @@ class Trainer:
         drafter.rotary = drafter.make_rotary(dcfg)
         init_drafter_weights(drafter)
         if cfg.init_from_target:
-            copy_target_layers(drafter, target)
+            copied = copy_target_layers(drafter, target)
+            if st is None:  # (a resumed run takes the checkpoint's weights instead)
+                self.log(init_from_target_note(copied))
         if source is not None:
             fresh = copy_drafter(drafter, source)
             self.log(f"init: weights of {cfg.init_from}" + (f"; new: {len(fresh)} tensors of the DFlash 2 modules" if fresh else ""))
