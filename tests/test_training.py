@@ -967,6 +967,39 @@ def test_train_cli_refuses_bad_or_too_little_data_in_one_line(tiny_pair, tmp_pat
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+def test_a_ctrl_c_while_the_data_is_prepared_is_said_and_leaves_no_empty_dirs(tiny_pair, tmp_path, capsys, monkeypatch):
+    """(trial C: a Ctrl-C during --self-distill's data step exited 130 unsaid, leaving an empty
+    --out and work dir; one during training says so and saves a checkpoint)"""
+    import os
+    import signal
+    import time
+
+    import dflash_torch.training.distill as distill
+    from dflash_torch.cli import main as cli_main
+
+    def interrupted(*args, **kwargs):  # (a real SIGINT, as the terminal sends it)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        raise AssertionError("no KeyboardInterrupt")
+
+    monkeypatch.setattr(distill, "self_distill", interrupted)
+    target, _ = tiny_pair
+    data = _jsonl(tmp_path / "d.jsonl")
+    kept = tmp_path / "kept"  # an --out that was there before the run stays
+    kept.mkdir()
+    for out in (tmp_path / "new" / "out", kept):
+        args = ["train", "--target", str(target), "--data", str(data), "--out", str(out), "--steps", "2", "--batch", "2",
+                "--seq-len", "64", "--block-size", "8", "--num-layers", "1", "--self-distill", "4", "--no-progress"]
+        with pytest.raises(SystemExit) as exit_:  # (as one during training)
+            cli_main(args)
+        assert exit_.value.code == 130
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1] == "interrupted while preparing the data: no step was trained", err
+        assert "Traceback" not in err
+    assert not (tmp_path / "new" / "out").exists() and (tmp_path / "new").is_dir()
+    assert kept.is_dir() and not any(kept.iterdir())
+
+
 def test_training_that_diverges_stops_with_one_line_and_writes_no_drafter(tiny_pair, tmp_path, capsys):
     """A learning rate that blows the weights up ends training at the first non-finite loss
     or gradient, before the update reaches the weights: exit 2 with one line, no drafter

@@ -574,7 +574,11 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
         blob = _tokenize_data(cfg, target_dir, tokenizer, log)
         work.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
-        torch.save(blob, tmp)
+        try:
+            torch.save(blob, tmp)
+        except BaseException:  # (a Ctrl-C or a full disk: no half-written file left behind)
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, cache)
         for old in work.glob("data-*"):
             if old != cache and re.fullmatch(r"data-[0-9a-f]{16}\.(pt|tmp)", old.name):
@@ -645,6 +649,18 @@ class Trainer:
         return result
 
     def run(self) -> dict:
+        """Train and export (see the class); a Ctrl-C before training begins says so in a
+        line and exits 130, as one during training does once it has saved a checkpoint."""
+        self._interrupt_note = "while preparing the data: no step was trained"  # (None once training begins)
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            if self._interrupt_note is None:
+                raise
+            self.log(f"interrupted {self._interrupt_note}")
+            raise SystemExit(130) from None
+
+    def _run(self) -> dict:
         cfg = self.cfg
         t_start = time.time()
         if cfg.steps is None and cfg.time_budget_min is None:
@@ -717,6 +733,7 @@ class Trainer:
 
         data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log)
         self.log(f"data: {data_stats}")
+        self._interrupt_note = f"before training began: no step was trained (the prepared data is kept in {cfg.work_path()})"
 
         drafter = drafter_class(dcfg)(dcfg)
         drafter.rotary = drafter.make_rotary(dcfg)
@@ -780,6 +797,7 @@ class Trainer:
                 evals.append(last_eval)
                 self.log(f"eval step 0: val_loss {last_eval['val_loss']} val_tau {last_eval['val_tau']}")
         loss_ema = None
+        self._interrupt_note = None
         try:
             while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed() < budget):
                 lr = lr_at(step, progress(), cfg)
