@@ -19,7 +19,7 @@ from dflash_torch.training.objective import (
     block_attention_mask, block_inputs, copy_target_layers, drafter_blocks_forward, greedy_walk, sample_anchors,
     target_features,
 )
-from dflash_torch.training.trainer import TrainConfig, Trainer
+from dflash_torch.training.trainer import TrainConfig, Trainer, init_from_target_note
 
 from conftest import copy_tokenizer, corpus_texts, dflash2_config, drafter_config, make_hybrid_target, save_drafter
 
@@ -303,6 +303,52 @@ def test_conversations_without_a_reply_in_seq_len_are_left_out_and_whole_ones_wa
     assert not any("WARNING" in m for m in lines), lines
 
 
+def test_too_little_chat_data_whose_replies_lie_past_seq_len_says_to_raise_it_also_from_the_cache(tiny_pair, tmp_path):
+    """(trial C: the error said to lower --seq-len, and a second run, from the data cache,
+    did not say that conversations were left out at all)"""
+    from dflash_torch.training.trainer import prepare_data
+
+    target_dir, _ = tiny_pair
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "word " * 40},
+                                                      {"role": "assistant", "content": "ok"}]}) + "\n" for _ in range(3)))
+    cfg = _cfg(tmp_path, target_dir, data, val_seqs=0, batch=2, seq_len=16)
+    for run in ("tokenized", "from the cache"):
+        lines = []
+        with pytest.raises(DFlashError) as err:
+            prepare_data(cfg, Path(target_dir), _tok(target_dir), lines.append)
+        msg = str(err.value)
+        assert "0 chat conversations (left out: 3 with no assistant reply within --seq-len 16 tokens)" in msg, (run, msg)
+        assert "raise --seq-len" in msg and "lower --batch or --seq-len" not in msg, (run, msg)
+        assert "data: 3 conversations have no assistant reply within --seq-len 16 tokens; left out" in lines, (run, lines)
+    assert lines[0].startswith("data: loaded ")
+
+
+def test_conversations_without_an_assistant_turn_are_left_out_and_said(tiny_pair, tmp_path):
+    """A conversation's loss lies on its assistant turns: one with none has no loss and is
+    left out, in a line (trial C: it trained on all its tokens, the user's text, unsaid)."""
+    from dflash_torch.training.trainer import prepare_data
+
+    target_dir, _ = tiny_pair
+    tok = _tok(target_dir)
+    user_only = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me about 3 things"}]
+    ex = tokenize_conversation(tok, user_only)
+    assert len(ex.ids) > 0 and not ex.loss_mask.any() and not ex.whole
+    data = tmp_path / "chat.jsonl"
+    reply = [{"role": "user", "content": "sort a list"}, {"role": "assistant", "content": "sorted(x)"}]
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (reply, user_only, user_only)))
+    cfg = _cfg(tmp_path, target_dir, data, val_seqs=0, batch=1)
+    for run in ("tokenized", "from the cache"):
+        lines = []
+        train, _, stats = prepare_data(cfg, Path(target_dir), tok, lines.append)
+        assert len(train.examples) == 1 and stats["conversations_without_assistant_turn"] == 2, (run, stats)
+        assert f"data: 2 conversations have no assistant turn, e.g. {data}:2; left out (a conversation's loss lies on " \
+               "its assistant turns)" in lines, (run, lines)
+    cfg = _cfg(tmp_path / "b", target_dir, data, val_seqs=0, batch=2)
+    with pytest.raises(DFlashError, match=r"1 chat conversations \(left out: 2 with no assistant turn\) make 1 sequences"):
+        prepare_data(cfg, Path(target_dir), tok, lambda m: None)
+
+
 def test_a_mask_token_the_data_holds_is_warned(tiny_pair, tmp_path):
     """(helper-24: --mask-token-id 0, the EOS, was taken silently)"""
     from transformers import AutoTokenizer
@@ -487,7 +533,9 @@ def test_init_from_target_reproduces_target_layer_context_kv(tiny_pair):
     target = TargetModel.from_pretrained(target_dir, torch.float32)
     cfg = drafter_config(target_dir, num_layers=2)  # L = 4: ids [1, 1], copies layers 2 and 3
     drafter = DFlashDrafter(cfg)
-    copy_target_layers(drafter, target)
+    copied = copy_target_layers(drafter, target)
+    assert copied == [(0, 2, None), (1, 3, None)]
+    assert init_from_target_note(copied) == "init: --init-from-target: drafter layers 0, 1 start as target layers 2, 3"
     ids = torch.randint(2, 320, (1, 12), generator=torch.Generator().manual_seed(0))
     feats = target_features(target, ids, torch.tensor([12]), cfg.target_layer_ids)[0]
     # the input of target layer 2 is the output of layer 1
@@ -501,6 +549,17 @@ def test_init_from_target_reproduces_target_layer_context_kv(tiny_pair):
     torch.testing.assert_close(v, v_ref)
 
 
+def test_init_from_target_says_which_layers_it_copied_and_warns_where_none():
+    """(trial C: on a Gemma 4, gpt-oss or Qwen3.5 target it copied no layer, unsaid)"""
+    assert init_from_target_note([(0, 5, None)]) == "init: --init-from-target: drafter layer 0 starts as target layer 5"
+    assert init_from_target_note([(0, 4, "gated attention"), (1, 5, None)]) == \
+        ("init: --init-from-target: drafter layer 1 starts as target layer 5; drafter layer 0 keeps its random "
+         "initialisation (target layer 4: gated attention)")
+    assert init_from_target_note([(0, 2, "no q/k norms"), (1, 3, "no q/k norms")]) == \
+        ("init: WARNING: --init-from-target copied no layer (target layers 2, 3: no q/k norms); drafter layers 0, 1 "
+         "keep their random initialisation")
+
+
 def test_training_a_drafter_for_a_hybrid_moe_target(tmp_path, tokenizer_dir):
     """A Qwen3.5-MoE target (Gated DeltaNet + gated attention, (1 + w) norms, experts only):
     --init-from-target copies no layer of another kind and takes its norms as the scale they
@@ -512,12 +571,16 @@ def test_training_a_drafter_for_a_hybrid_moe_target(tmp_path, tokenizer_dir):
     target = TargetModel.from_pretrained(target_dir, torch.float32)
     drafter = DFlashDrafter(drafter_config(target_dir, num_layers=1))
     fresh = {k: v.clone() for k, v in drafter.layers[0].state_dict().items()}
-    copy_target_layers(drafter, target)
+    (copied,) = copy_target_layers(drafter, target)
+    assert copied[:2] == (0, 5) and "no dense MLP" in copied[2], copied
     assert all(torch.equal(v, fresh[k]) for k, v in drafter.layers[0].state_dict().items())
     torch.testing.assert_close(drafter.norm.weight, 1 + target.model.norm.weight)
     assert target.model.norm.weight.abs().max() > 0.01  # the offset is really there
     cfg = _cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), init_from_target=True)
-    Trainer(cfg, log=lambda m: None).run()
+    lines = []
+    Trainer(cfg, log=lines.append).run()
+    assert any(m.startswith("init: WARNING: --init-from-target copied no layer (target layer 5: ") and
+               m.endswith("; drafter layer 0 keeps its random initialisation") for m in lines), lines
     conf = json.loads((Path(cfg.out) / "config.json").read_text())
     assert conf["intermediate_size"] == 2 * 32 + 48  # top_k * moe_intermediate_size + shared expert
     spec = DFlashEngine.from_pretrained(target_dir, cfg.out)
@@ -717,8 +780,9 @@ def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
         "text-surrogate": ("d.jsonl", 2, good + b'{"text": "a \\ud800 b"}\n', "surrogate \\ud800"),
         "chat-surrogate": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "user", "content": "hi \udfff"}]}).encode()
                            + b"\n", "surrogate \\udfff"),
-        "chat-template-refuses": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "robot", "content": "hi"}]}).encode()
-                                  + b"\n", "unknown role robot"),
+        "chat-template-refuses": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "robot", "content": "hi"},
+                                                                                 {"role": "assistant", "content": "ok"}]})
+                                  .encode() + b"\n", "unknown role robot"),
     }[case]
     path = tmp_path / name
     path.parent.mkdir(exist_ok=True)
@@ -901,6 +965,39 @@ def test_train_cli_refuses_bad_or_too_little_data_in_one_line(tiny_pair, tmp_pat
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("dflash-torch: error: ") and words in err, err
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_ctrl_c_while_the_data_is_prepared_is_said_and_leaves_no_empty_dirs(tiny_pair, tmp_path, capsys, monkeypatch):
+    """(trial C: a Ctrl-C during --self-distill's data step exited 130 unsaid, leaving an empty
+    --out and work dir; one during training says so and saves a checkpoint)"""
+    import os
+    import signal
+    import time
+
+    import dflash_torch.training.distill as distill
+    from dflash_torch.cli import main as cli_main
+
+    def interrupted(*args, **kwargs):  # (a real SIGINT, as the terminal sends it)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        raise AssertionError("no KeyboardInterrupt")
+
+    monkeypatch.setattr(distill, "self_distill", interrupted)
+    target, _ = tiny_pair
+    data = _jsonl(tmp_path / "d.jsonl")
+    kept = tmp_path / "kept"  # an --out that was there before the run stays
+    kept.mkdir()
+    for out in (tmp_path / "new" / "out", kept):
+        args = ["train", "--target", str(target), "--data", str(data), "--out", str(out), "--steps", "2", "--batch", "2",
+                "--seq-len", "64", "--block-size", "8", "--num-layers", "1", "--self-distill", "4", "--no-progress"]
+        with pytest.raises(SystemExit) as exit_:  # (as one during training)
+            cli_main(args)
+        assert exit_.value.code == 130
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1] == "interrupted while preparing the data: no step was trained", err
+        assert "Traceback" not in err
+    assert not (tmp_path / "new" / "out").exists() and (tmp_path / "new").is_dir()
+    assert kept.is_dir() and not any(kept.iterdir())
 
 
 def test_training_that_diverges_stops_with_one_line_and_writes_no_drafter(tiny_pair, tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from pathlib import Path
 
@@ -175,6 +176,12 @@ def _train(args: argparse.Namespace) -> int:
         save_dtype=args.save_dtype, progress=not args.no_progress,
         **{k: d[k].default if getattr(args, k) is None else getattr(args, k) for k in DFLASH2_OPTIONS},
     )
-    _check(args, cfg)
-    Trainer(cfg).run()
+    new_dirs = [path for path in (cfg.work_path(), Path(args.out)) if not path.exists()]  # (_check makes them)
+    try:
+        _check(args, cfg)
+        Trainer(cfg).run()
+    finally:  # (a run stopped, e.g. by Ctrl-C while it prepares the data, left them empty)
+        for path in new_dirs:  # (the work dir first: it may lie in --out)
+            with contextlib.suppress(OSError):
+                path.rmdir()
     return 0

@@ -24,9 +24,10 @@ Two kinds of training sequences come out of it:
   concatenated into one stream; a batch row is a random ``seq_len`` window of it
   (loss on every position);
 * **examples**: separate sequences with a loss mask: chat conversations (loss on the
-  assistant turns when the template renders turn by turn consistently, else everywhere)
-  and self-distilled sequences (prompt + the target's own greedy continuation, loss on
-  the continuation; see :mod:`.distill`).
+  assistant turns when the template renders turn by turn consistently, else everywhere;
+  one with no assistant turn has no loss, and training leaves it out) and self-distilled
+  sequences (prompt + the target's own greedy continuation, loss on the continuation;
+  see :mod:`.distill`).
 
 Batches are a pure function of ``(seed, step)`` so a resumed run draws exactly the
 batches an uninterrupted one would.
@@ -413,7 +414,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
     (a token that joins the generation prompt's last characters to the reply's first, as a
     byte-level BPE can, included). When a turn cannot be found, or the tokenizer gives no
     character offsets, the loss covers every token instead (``Example.whole``); a
-    conversation cut by ``max_len`` before its first reply has no loss at all.
+    conversation with no assistant turn, or cut by ``max_len`` before its first reply,
+    has no loss at all.
 
     Raises:
         DFlashError: no chat template, or one that refuses the conversation (naming ``where``).
@@ -433,7 +435,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
             consistent = False
             break
         mask |= torch.tensor([a < turn[1] and b > turn[0] for a, b in spans], dtype=torch.bool)
-    if not consistent or not any(m["role"] == "assistant" for m in messages):
+    if not consistent:
         mask[:] = True
     return Example(torch.tensor(full, dtype=torch.long), mask, whole=not consistent)
 

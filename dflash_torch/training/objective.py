@@ -369,7 +369,7 @@ def init_drafter_weights(drafter: DFlashDrafter, std: float = 0.02) -> None:
 
 
 @torch.no_grad()
-def copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
+def copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> list[tuple[int, int, str | None]]:
     """Start the drafter from the target's last N decoder layers and its final norm.
 
     Drafter layer i takes the weights of target layer ``l0 + i`` with ``l0 = L - N`` (the
@@ -380,20 +380,26 @@ def copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
     attention over the context, induction heads included, works from step 0);
     otherwise ``fc`` and ``hidden_norm`` keep their fresh initialisation (``hidden_norm``
     also where layer ``l0`` has no input norm: a Nemotron-H MLP or MoE block). Layers of
-    another kind (linear attention, gated attention, mixture of experts, ``(1 + weight)``
-    norms: hybrid and MoE targets) or shape are left as they are; norms are copied as the
-    scale they apply. A DFlash 2 drafter's convolutions and selector are left as they are.
+    another kind (linear attention, gated attention, mixture of experts, norms other than
+    a plain RMSNorm: hybrid, MoE and Gemma targets) or shape are left as they are; norms
+    are copied as the scale they apply. A DFlash 2 drafter's convolutions and selector are
+    left as they are.
+
+    Returns:
+        ``(drafter layer, target layer, why not)`` for each drafter layer: ``why not`` is
+        None where the layer was copied, else what keeps the target layer from it.
     """
     n, layers = len(drafter.layers), target.model.layers
     l0 = len(layers) - n
+    copied = []
     for i, d_layer in enumerate(drafter.layers):
         src_layer = layers[l0 + i]
-        src = src_layer.state_dict()
         dst = {k: v for k, v in d_layer.state_dict().items() if not k.startswith(("attention_conv.", "mlp_conv."))}
-        attn = getattr(src_layer, "self_attn", None)
-        plain = isinstance(attn, Attention) and not attn.output_gate and type(src_layer.input_layernorm) is RMSNorm
-        if plain and all(k in src and src[k].shape == v.shape for k, v in dst.items()):
+        why = _uncopyable(src_layer, dst)
+        if why is None:
+            src = src_layer.state_dict()
             d_layer.load_state_dict({k: src[k].to(v.dtype) for k, v in dst.items()}, strict=False)
+        copied.append((i, l0 + i, why))
     drafter.norm.weight.copy_(norm_scale(target.model.norm))
     ids = drafter.config.target_layer_ids
     H = drafter.config.hidden_size
@@ -404,6 +410,35 @@ def copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
         norm = getattr(layers[l0], "input_layernorm", None)  # (none before a Nemotron-H MLP / MoE block's mixer)
         if isinstance(norm, (RMSNorm, ZeroCenteredRMSNorm)) and norm.weight.shape == drafter.hidden_norm.weight.shape:
             drafter.hidden_norm.weight.copy_(norm_scale(norm))
+    return copied
+
+
+def _uncopyable(src_layer: torch.nn.Module, dst: dict[str, torch.Tensor]) -> str | None:
+    """Why target layer ``src_layer`` cannot start a drafter layer whose weights are ``dst``
+    (None when it can: plain softmax attention, plain RMSNorms, every weight of ``dst``'s
+    shape)."""
+    attn = getattr(src_layer, "self_attn", None)
+    src = src_layer.state_dict()
+    why = []
+    if attn is None:  # (a linear-attention, Mamba or MLP block)
+        why.append("no softmax attention")
+    elif not isinstance(attn, Attention):  # (e.g. multi-head latent attention)
+        why.append("attention of another kind")
+    elif attn.output_gate:
+        why.append("gated attention")
+    if type(getattr(src_layer, "input_layernorm", None)) is not RMSNorm:
+        why.append("norms other than a plain RMSNorm")
+    missing = [k.removesuffix(".weight") for k in dst if k not in src]
+    other = [k.removesuffix(".weight") for k, v in dst.items() if k in src and src[k].shape != v.shape]
+    if any(k.startswith("mlp.") for k in missing):
+        why.append("no dense MLP")
+    elif any(k.startswith("mlp.") for k in other):
+        why.append("an MLP of another width")
+    misfit = [k for k in missing + other if not k.startswith("mlp.")]
+    if isinstance(attn, Attention) and misfit:  # (the drafter's attention has q/k norms: a Llama target's has none)
+        qk_norms = not other and set(misfit) <= {"self_attn.q_norm", "self_attn.k_norm"}
+        why.append("no q/k norms" if qk_norms else "attention weights of another shape")
+    return ", ".join(why) or None
 
 
 def norm_scale(norm: torch.nn.Module) -> torch.Tensor:

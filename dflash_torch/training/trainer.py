@@ -325,6 +325,35 @@ def copy_drafter(drafter: DFlashDrafter, source: DFlashDrafter) -> list[str]:
     return sorted(dst.keys() - src.keys())
 
 
+def _layers_text(word: str, ids: list[int]) -> str:
+    return f"{word}{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+
+
+def init_from_target_note(copied: list[tuple[int, int, str | None]]) -> str:
+    """The line that says what ``--init-from-target`` copied (:func:`copy_target_layers`'s
+    result): which drafter layers start as which target layers, and why the others do not;
+    a WARNING where none does."""
+    kept = [i for i, _, why in copied if why is not None]
+    reasons: dict[str, list[int]] = {}
+    for _, layer, why in copied:
+        if why is not None:
+            reasons.setdefault(why, []).append(layer)
+    why = "; ".join(f"{_layers_text('target layer', layers)}: {w}" for w, layers in reasons.items())
+    done = [(i, layer) for i, layer, w in copied if w is None]
+    if not done:
+        return (f"init: WARNING: --init-from-target copied no layer ({why}); {_layers_text('drafter layer', kept)} "
+                f"{_keep(kept)} random initialisation")
+    line = (f"init: --init-from-target: {_layers_text('drafter layer', [i for i, _ in done])} "
+            f"start{'s' if len(done) == 1 else ''} as {_layers_text('target layer', [layer for _, layer in done])}")
+    if kept:
+        line += f"; {_layers_text('drafter layer', kept)} {_keep(kept)} random initialisation ({why})"
+    return line
+
+
+def _keep(ids: list[int]) -> str:
+    return "keeps its" if len(ids) == 1 else "keep their"
+
+
 def _mlp_width(target_cfg: TargetConfig) -> int:
     moe = target_cfg.moe
     if target_cfg.intermediate_size or moe is None:
@@ -363,7 +392,7 @@ def deferred_interrupt():
             raise KeyboardInterrupt
 
 
-CACHE_FORMAT = 3  # 3: chat loss masks from character spans; .json record files
+CACHE_FORMAT = 4  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out
 """Version of the tokenized-data cache; part of its key (bump when tokenization changes)."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -399,10 +428,14 @@ def data_key(cfg: TrainConfig, target_dir: Path) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def check_data_size(cfg: TrainConfig, stream_tokens: int, n_chat: int, n_distilled: int) -> None:
+def check_data_size(cfg: TrainConfig, stream_tokens: int, n_chat: int, n_distilled: int, *, no_turn: int = 0,
+                    past_seq_len: int = 0) -> None:
     """Refuse data that cannot fill one training step of ``batch`` sequences plus, with
     ``val_seqs``, one held-out sequence. A window of ``seq_len`` tokens of the text
     stream, a chat conversation and a self-distilled sequence count as one sequence each.
+    ``no_turn`` and ``past_seq_len`` count the conversations left out (no assistant turn;
+    no assistant reply within ``seq_len`` tokens): named in the error, and with the
+    latter it advises a longer ``--seq-len``, not a shorter one.
 
     Raises:
         DFlashError: too little data, with the counts and what is needed.
@@ -412,12 +445,18 @@ def check_data_size(cfg: TrainConfig, stream_tokens: int, n_chat: int, n_distill
     if have >= cfg.batch + (1 if cfg.val_seqs else 0):
         return
     parts = [f"{stream_tokens} tokens of text ({windows} windows of --seq-len {cfg.seq_len})"]
-    if n_chat:
-        parts.append(f"{n_chat} chat conversations")
+    left = ([f"{no_turn} with no assistant turn"] if no_turn else []) + \
+        ([f"{past_seq_len} with no assistant reply within --seq-len {cfg.seq_len} tokens"] if past_seq_len else [])
+    if n_chat or left:
+        parts.append(f"{n_chat} chat conversations" + (f" (left out: {', '.join(left)})" if left else ""))
     if cfg.self_distill:
         parts.append(f"{n_distilled} self-distilled sequences")
     val = f" and the eval split (--val-seqs {cfg.val_seqs}) 1 more" if cfg.val_seqs else ""
-    fixes = "add data, or lower --batch or --seq-len" + (", or pass --val-seqs 0" if cfg.val_seqs else "")
+    if past_seq_len:  # (a shorter --seq-len leaves out more of them)
+        fixes = ("add data, lower --batch, or raise --seq-len so that the conversations' replies fit in it"
+                 + (", or pass --val-seqs 0" if cfg.val_seqs else ""))
+    else:
+        fixes = "add data, or lower --batch or --seq-len" + (", or pass --val-seqs 0" if cfg.val_seqs else "")
     raise DFlashError(f"too little training data: {', '.join(parts)} make {have} sequences; "
                       f"one step of --batch {cfg.batch} needs {cfg.batch}{val}: {fixes}")
 
@@ -451,27 +490,45 @@ def split_eval(cfg: TrainConfig, stream: torch.Tensor, chat: list[Example], dist
 
 
 def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> dict:
-    """Read, tokenize and self-distill the data (the blob :func:`prepare_data` caches)."""
+    """Read, tokenize and self-distill the data (the blob :func:`prepare_data` caches).
+
+    Its ``notes`` are the lines said about the data (files skipped, conversations left
+    out or trained on all their tokens), said again when the blob is loaded from the cache."""
     t0 = time.time()
+    notes: list[str] = []
+
+    def note(line: str) -> None:
+        notes.append(line)
+        log(line)
+
     corpus = read_corpus(cfg.data)
     if corpus.skipped:
-        log(f"data: skipped {len(corpus.skipped)} files that are not UTF-8 text, e.g. {corpus.skipped[0]}")
+        note(f"data: skipped {len(corpus.skipped)} files that are not UTF-8 text, e.g. {corpus.skipped[0]}")
     stream = tokenize_documents(tokenizer, corpus.documents)
-    chat = [tokenize_conversation(tokenizer, m, cfg.seq_len, corpus.source(i)) for i, m in enumerate(corpus.conversations)]
-    whole = [corpus.source(i) for i, e in enumerate(chat) if e.whole]
+    has_turn = [any(t["role"] == "assistant" for t in m) for m in corpus.conversations]
+    replied = [i for i, h in enumerate(has_turn) if h]
+    no_turn = len(has_turn) - len(replied)
+    if no_turn:  # (no token of theirs carries loss; they trained on all their tokens, unsaid)
+        first = has_turn.index(False)
+        still = "; --self-distill still takes prompts from them" if cfg.self_distill else ""
+        note(f"data: {no_turn} conversation{'s have' if no_turn > 1 else ' has'} no assistant turn, e.g. "
+             f"{corpus.source(first)}; left out (a conversation's loss lies on its assistant turns{still})")
+    chat = [tokenize_conversation(tokenizer, corpus.conversations[i], cfg.seq_len, corpus.source(i)) for i in replied]
+    whole = [corpus.source(i) for i, e in zip(replied, chat) if e.whole]
     if whole:  # (their user and system text is trained on too)
-        log(f"data: WARNING: {len(whole)} of {len(chat)} conversations have assistant turns the chat template does not "
-            f"render where the turn-by-turn rendering puts them, e.g. {whole[0]}; the loss covers all their tokens")
-    unused = sum(not e.loss_mask.any() for e in chat)
-    if unused:
-        log(f"data: {unused} conversation{'s have' if unused > 1 else ' has'} no assistant reply within --seq-len "
-            f"{cfg.seq_len} tokens; left out")
+        note(f"data: WARNING: {len(whole)} of {len(chat)} conversations have assistant turns the chat template does not "
+             f"render where the turn-by-turn rendering puts them, e.g. {whole[0]}; the loss covers all their tokens")
+    past = sum(not e.loss_mask.any() for e in chat)
+    if past:
+        note(f"data: {past} conversation{'s have' if past > 1 else ' has'} no assistant reply within --seq-len "
+             f"{cfg.seq_len} tokens; left out")
         chat = [e for e in chat if e.loss_mask.any()]
+    left_out = {"no_turn": no_turn, "past_seq_len": past}
     distilled: list[Example] = []
     if cfg.self_distill > 0:
         from .distill import distill_prompts, self_distill
 
-        check_data_size(cfg, stream.numel(), len(chat), cfg.self_distill)  # before the costly part
+        check_data_size(cfg, stream.numel(), len(chat), cfg.self_distill, **left_out)  # before the costly part
         prompts, is_chat = distill_prompts(tokenizer, corpus, cfg.self_distill, cfg.seq_len, prefix_min=cfg.prefix_min,
                                            prefix_max=cfg.prefix_max, seed=cfg.seed)
         if not prompts:
@@ -481,15 +538,17 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> dict:
                               f"{shortest} tokens (half of --prefix-min) follows a line start{chat_too}; "
                               "add data or lower --prefix-min")
         if len(prompts) < cfg.self_distill:
-            log(f"data: self-distill found only {len(prompts)} of {cfg.self_distill} prompts in the data")
-            check_data_size(cfg, stream.numel(), len(chat), len(prompts))
+            note(f"data: self-distill found only {len(prompts)} of {cfg.self_distill} prompts in the data")
+            check_data_size(cfg, stream.numel(), len(chat), len(prompts), **left_out)
         t1 = time.time()
         distilled = self_distill(target_dir, tokenizer, prompts, is_chat, cfg.seq_len,
                                  batch_size=cfg.self_distill_batch, progress=cfg.progress)
         log(f"data: self-distilled {len(distilled)} sequences in {time.time() - t1:.0f}s")
     return {"stream": stream, "chat": [(e.ids, e.loss_mask) for e in chat],
-            "distilled": [(e.ids, e.loss_mask) for e in distilled],
+            "distilled": [(e.ids, e.loss_mask) for e in distilled], "notes": notes,
             "stats": {"documents": len(corpus.documents), "conversations": len(corpus.conversations),
+                      "conversations_without_assistant_turn": no_turn, "conversations_reply_past_seq_len": past,
+                      "conversations_on_all_tokens": len(whole),
                       "skipped_files": len(corpus.skipped), "stream_tokens": int(stream.numel()),
                       "distilled_sequences": len(distilled),
                       "distilled_tokens": sum(int(e.loss_mask.sum()) for e in distilled),
@@ -509,11 +568,17 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
     if cache.is_file():
         blob = torch.load(cache, weights_only=False)
         log(f"data: loaded {cache}")
+        for line in blob["notes"]:  # (what the run that made it said about the data)
+            log(line)
     else:
         blob = _tokenize_data(cfg, target_dir, tokenizer, log)
         work.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
-        torch.save(blob, tmp)
+        try:
+            torch.save(blob, tmp)
+        except BaseException:  # (a Ctrl-C or a full disk: no half-written file left behind)
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, cache)
         for old in work.glob("data-*"):
             if old != cache and re.fullmatch(r"data-[0-9a-f]{16}\.(pt|tmp)", old.name):
@@ -522,7 +587,10 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
     stream = blob["stream"]
     chat = [Example(i, m) for i, m in blob["chat"]]
     distilled = [Example(i, m) for i, m in blob["distilled"]]
-    check_data_size(cfg, stream.numel(), len(chat), len(distilled))
+    stats = blob["stats"]
+    check_data_size(cfg, stream.numel(), len(chat), len(distilled),
+                    no_turn=stats["conversations_without_assistant_turn"],
+                    past_seq_len=stats["conversations_reply_past_seq_len"])
     stream, chat, distilled, val_rows = split_eval(cfg, stream, chat, distilled)
     if cfg.val_seqs and len(val_rows) < cfg.val_seqs:  # (split_eval's caps; it said so only in the log's stats)
         log(f"data: holding out {len(val_rows)} sequence{'' if len(val_rows) == 1 else 's'} for evaluation, not --val-seqs {cfg.val_seqs} "
@@ -581,6 +649,18 @@ class Trainer:
         return result
 
     def run(self) -> dict:
+        """Train and export (see the class); a Ctrl-C before training begins says so in a
+        line and exits 130, as one during training does once it has saved a checkpoint."""
+        self._interrupt_note = "while preparing the data: no step was trained"  # (None once training begins)
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            if self._interrupt_note is None:
+                raise
+            self.log(f"interrupted {self._interrupt_note}")
+            raise SystemExit(130) from None
+
+    def _run(self) -> dict:
         cfg = self.cfg
         t_start = time.time()
         if cfg.steps is None and cfg.time_budget_min is None:
@@ -653,12 +733,15 @@ class Trainer:
 
         data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log)
         self.log(f"data: {data_stats}")
+        self._interrupt_note = f"before training began: no step was trained (the prepared data is kept in {cfg.work_path()})"
 
         drafter = drafter_class(dcfg)(dcfg)
         drafter.rotary = drafter.make_rotary(dcfg)
         init_drafter_weights(drafter)
         if cfg.init_from_target:
-            copy_target_layers(drafter, target)
+            copied = copy_target_layers(drafter, target)
+            if st is None:  # (a resumed run takes the checkpoint's weights instead)
+                self.log(init_from_target_note(copied))
         if source is not None:
             fresh = copy_drafter(drafter, source)
             self.log(f"init: weights of {cfg.init_from}" + (f"; new: {len(fresh)} tensors of the DFlash 2 modules" if fresh else ""))
@@ -714,6 +797,7 @@ class Trainer:
                 evals.append(last_eval)
                 self.log(f"eval step 0: val_loss {last_eval['val_loss']} val_tau {last_eval['val_tau']}")
         loss_ema = None
+        self._interrupt_note = None
         try:
             while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed() < budget):
                 lr = lr_at(step, progress(), cfg)
