@@ -591,3 +591,24 @@ def test_sentencepiece_sampled_text_is_the_pipeline_text(sp_engine):
             assert e.generate(p, seed=seed, **kw).text == out.text
     assert saw_bytes > 10
     assert e.byte_token_ids == byte_ids and not byte_ids & e.special_token_ids
+
+
+@pytest.mark.parametrize("extra", [[], ["--max-batch-size", "1"]], ids=["batched", "serial"])
+def test_sentencepiece_text_from_the_server(sentencepiece_pair, sp_engine, tmp_path, extra):
+    """The server (its batched backend, and the serial one; a real HTTP client) gives the
+    same text: completions, streamed or not, and chat, with the first word's space; a stop
+    string with it fires."""
+    from test_server import MODEL
+    from test_server_scheduler import _serve
+
+    the = sp_engine.tokenizer.convert_tokens_to_ids("▁the▁")
+    kw = dict(model=MODEL, max_tokens=3, temperature=0, logit_bias={str(the): 100}, extra_body={"ignore_eos": True})
+    with _serve(sentencepiece_pair, tmp_path, *extra) as srv:
+        c = srv.client()
+        assert c.completions.create(prompt="x is", **kw).choices[0].text == " the  the  the "
+        streamed = c.completions.create(prompt="x is", stream=True, **kw)
+        assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == " the  the  the "
+        stopped = c.completions.create(prompt="x is", stop=[" the"], **kw).choices[0]
+        assert (stopped.text, stopped.finish_reason) == ("", "stop")
+        reply = c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw).choices[0]
+        assert reply.message.content == " the  the  the "
