@@ -94,7 +94,10 @@ class GenerationResult:
     """A finished request.
 
     Attributes:
-        text: the generated text (without a stop token's text, cut before a stop string).
+        text: the generated text (without a stop token's text, cut before a stop string):
+            what the tokens add to the text of the prompt's last few tokens, as vLLM and
+            transformers' pipelines decode it (a SentencePiece tokenizer's first word keeps
+            its space; see :mod:`dflash_torch.stopping`).
         token_ids: generated token ids, up to and including the stop token (or the token
             that completed a stop string); never past it.
         finish_reason: ``"stop"`` (stop token or string) or ``"length"`` (max_new_tokens).

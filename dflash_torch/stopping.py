@@ -102,7 +102,9 @@ class IncrementalText:
     could still turn the whole run, valid so far, into U+FFFD characters.
     The pieces, plus :meth:`flush` at the end, concatenate to
     ``decode(context + all tokens)[len(decode(context)):]`` (``decode(all tokens)``
-    without context), and no piece is changed by a later token.
+    without context), and no piece is changed by a later token (for decoders whose text
+    of a token depends on no more than the token before it, its byte run and the UTF-8
+    character it is part of: byte-level BPE, Metaspace, SentencePiece with byte fallback).
     Cost: two decodes of a few tokens per token (none for a held token).
 
     Args:
