@@ -95,7 +95,10 @@ class GenerationResult:
     """A finished request.
 
     Attributes:
-        text: the generated text (without a stop token's text, cut before a stop string).
+        text: the generated text (without a stop token's text, cut before a stop string):
+            what the tokens add to the text of the prompt's last few tokens, as vLLM and
+            transformers' pipelines decode it (a SentencePiece tokenizer's first word keeps
+            its space; see :mod:`dflash_torch.stopping`).
         token_ids: generated token ids, up to and including the stop token (or the token
             that completed a stop string); never past it.
         finish_reason: ``"stop"`` (stop token or string) or ``"length"`` (max_new_tokens).
@@ -647,6 +650,17 @@ class DFlashEngine:
         added = getattr(self.tokenizer, "added_tokens_decoder", {})
         return frozenset(self.tokenizer.all_special_ids) | {i for i, tok in added.items() if getattr(tok, "special", False)}
 
+    @functools.cached_property
+    def byte_token_ids(self) -> frozenset[int]:
+        """Ids of a byte-fallback (SentencePiece-style) vocabulary's byte tokens ``<0x00>`` ..
+        ``<0xFF>`` (none in a byte-level BPE one): a run of them decodes as one, valid UTF-8
+        or one U+FFFD per byte, so the output text takes a run when it ends
+        (:class:`~dflash_torch.stopping.IncrementalText`)."""
+        names = [f"<0x{b:02X}>" for b in range(256)]
+        ids = self.tokenizer.convert_tokens_to_ids(names)
+        return frozenset(i for name, i in zip(names, ids) if isinstance(i, int) and i != self.tokenizer.unk_token_id
+                         and self.tokenizer.convert_ids_to_tokens(i) == name)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token adds to the text (the ``bytes`` of OpenAI's logprobs).
 
@@ -923,6 +937,7 @@ class DFlashEngine:
                 checkpoint: int | None = None) -> Iterator[StreamChunk]:
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.block_size,
                                 draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
+        stopper.start(prompt_ids)
         rounds = self.decoder.rounds(prompt_ids, params, stopper.max_new_tokens, prompt_logprobs, checkpoint)
         try:
             for rnd in rounds:
@@ -1053,7 +1068,8 @@ class DFlashEngine:
         stop_ids = set() if ignore_eos else set(self.stop_token_ids)
         stop_ids.update(options.check_stop_token_ids(stop_token_ids, self.target.config.vocab_size))
         decode = functools.partial(self._decode, skip=skip) if skip else self._decode
-        return Stopper(decode, stops, stop_ids, max_new_tokens, min_tokens, include_stop_str_in_output)
+        return Stopper(decode, stops, stop_ids, max_new_tokens, min_tokens, include_stop_str_in_output,
+                       self.byte_token_ids)
 
     def generate_batch(
         self,
@@ -1176,6 +1192,7 @@ class DFlashEngine:
                     ids, params, stopper, scored, checkpoint = requests[i]
                     stats = GenerationStats(prompt_tokens=len(ids), block_size=self.block_size,
                                             draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
+                    stopper.start(ids)
                     batch.join(i, ids, params, stopper.max_new_tokens, scored, checkpoint)  # (prefilled by the steps)
                     state[i] = (stats, stopper, [])
                 for i, rnd in batch.step().items():

@@ -20,13 +20,17 @@ after the first ``min_tokens``: an occurrence completed within them does not cou
 completed later may start in their text). The stop tokens cannot occur there: the
 decoder masks them (``SamplingParams.min_tokens``).
 
-Text is decoded incrementally (:class:`IncrementalText`), so a round costs decodes of a
-few tokens, not of the whole output. Stop strings are matched against complete text:
-a token that ends inside a multi-byte character adds no text until a later token
-completes it (trailing U+FFFD characters count when a character follows them, or at
-the end of generation). Streamed text never contains characters that a later token
-could still turn into the start of a stop string (:func:`partial_stop`), and the
-output text never contains a stop string.
+The text is what the output adds to a few of the prompt's last tokens
+(:meth:`Stopper.start`): ``decode(context + output)[len(decode(context)):]``, as vLLM and
+transformers' pipelines give it (a SentencePiece tokenizer's first word keeps its
+space). It is decoded incrementally (:class:`IncrementalText`), so a round costs
+decodes of a few tokens, not of the whole output. Stop strings are matched against
+complete text: a token that ends inside a multi-byte character adds no text until a
+later token completes it (trailing U+FFFD characters count when a character follows
+them, or at the end of generation), and a byte-fallback tokenizer's byte tokens add
+their text when a token that is not one follows them (or at the end). Streamed text
+never contains characters that a later token could still turn into the start of a
+stop string (:func:`partial_stop`), and the output text never contains a stop string.
 """
 
 from __future__ import annotations
@@ -71,8 +75,19 @@ def partial_stop(text: str, stops: Sequence[str]) -> int:
     return longest
 
 
+CONTEXT_TOKENS = 4  # prompt tokens decoded before the output (Stopper.start): a word-start marker
+# depends on the token before it, so a few are plenty (vLLM's detokenizer starts from 4 too)
+
+
 class IncrementalText:
-    """The text of a growing token sequence, decoded over a short window of tokens.
+    """The text of a growing token sequence after some context tokens, decoded over a short
+    window of tokens.
+
+    The text of tokens ``t`` after the context ``c`` (a few tokens of the prompt, see
+    :meth:`start`) is ``decode(c + t)[len(decode(c)):]``: what they add to the context's
+    text, as vLLM's detokenizer and transformers' pipelines (``return_full_text=False``)
+    give it, so a SentencePiece word-start marker on the first token is a space (decoded
+    alone it would be stripped).
 
     Each :meth:`push` decodes the tokens since the last clean character boundary plus,
     as context, the tokens of the text piece before them (for tokenizers whose decoding
@@ -81,25 +96,43 @@ class IncrementalText:
     U+FFFD characters: those may be an incomplete multi-byte character that a later
     token completes, so they are returned only once a later character follows them, or
     by :meth:`flush`. UTF-8 is decoded left to right, so everything before them is final.
-    The pieces, plus :meth:`flush` at the end, concatenate to ``decode(all tokens)``.
-    Cost: two decodes of a few tokens per token.
+    A run of ``held`` tokens (a byte-fallback tokenizer's byte tokens ``<0xHH>``, whose
+    run decodes as one: as UTF-8 if it is valid, else one U+FFFD per byte) is returned
+    once a token outside it ends the run, or by :meth:`flush`: until then a later byte
+    could still turn the whole run, valid so far, into U+FFFD characters.
+    The pieces, plus :meth:`flush` at the end, concatenate to
+    ``decode(context + all tokens)[len(decode(context)):]`` (``decode(all tokens)``
+    without context), and no piece is changed by a later token (for decoders whose text
+    of a token depends on no more than the token before it, its byte run and the UTF-8
+    character it is part of: byte-level BPE, Metaspace, SentencePiece with byte fallback).
+    Cost: two decodes of a few tokens per token (none for a held token).
 
     Args:
         decode: token ids -> text (the engine's ``decode``).
+        held: the ids of byte tokens (empty: none).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode = decode
+    def __init__(self, decode: Callable[[list[int]], str], held: frozenset[int] = frozenset()):
+        self.decode, self.held = decode, held
         self.window: list[int] = []  # context tokens, then the tokens since the last clean boundary
         self.context = 0  # leading tokens of the window that are context
         self.returned = 0  # characters of decode(window) already returned (the context's included)
 
+    def start(self, context: Sequence[int]) -> None:
+        """Decode the tokens to come after ``context`` (before the first :meth:`push`)."""
+        self.window, self.context = list(context), len(context)
+        self.returned = len(self.decode(self.window)) if self.window else 0
+
     def push(self, token: int) -> str:
         """Append a token; return the complete text it added (possibly '')."""
         self.window.append(token)
+        if token in self.held:  # (a byte run: final once a token outside it ends it)
+            return ""
         text = self.decode(self.window)
         complete = text.rstrip("\ufffd")
-        new, self.returned = complete[self.returned:], len(complete)
+        # (returned never goes down: a context that ends inside a character, which the
+        # new tokens complete, keeps that character in the context's text)
+        new, self.returned = complete[self.returned:], max(self.returned, len(complete))
         if len(complete) == len(text):  # a clean boundary: the new tokens become the next context
             del self.window[: self.context]
             self.context = len(self.window)
@@ -107,7 +140,8 @@ class IncrementalText:
         return new
 
     def flush(self) -> str:
-        """The text not returned yet: trailing U+FFFD characters ('' if none)."""
+        """The text not returned yet: trailing U+FFFD characters and a trailing run of held
+        tokens ('' if none)."""
         if len(self.window) == self.context:
             return ""
         return self.decode(self.window)[self.returned:]
@@ -124,15 +158,30 @@ class Stopper:
         min_tokens: tokens generated before stop strings are looked for (0 to ``max_new_tokens``).
         include_stop: the output text keeps the stop string that ended it (vLLM's
             ``include_stop_str_in_output``; the text is cut after it instead of before).
+        held: byte tokens, whose text waits for the end of their run (see :class:`IncrementalText`).
     """
 
     def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], stop_ids, max_new_tokens: int,
-                 min_tokens: int = 0, include_stop: bool = False):
-        self.text = IncrementalText(decode)
+                 min_tokens: int = 0, include_stop: bool = False, held: frozenset[int] = frozenset()):
+        self.text = IncrementalText(decode, held)
         self.stops, self.stop_ids, self.max_new_tokens = list(stops), stop_ids, max_new_tokens
         self.min_tokens, self.include_stop = min_tokens, include_stop
         self.generated = 0  # tokens kept so far
         self.unsent = ""  # text decided but not yet returned (held back: a stop string may start in it)
+        self.prompt_tail: list[int] | None = None  # (start: the context, taken at the first feed)
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        """Take the prompt's last tokens as the text's context (before the first :meth:`feed`,
+        which decodes them): the last ``CONTEXT_TOKENS`` of them, more while those decode to
+        no text (special tokens the decode skips), at most ``4 * CONTEXT_TOKENS``."""
+        self.prompt_tail = list(prompt_ids[-4 * CONTEXT_TOKENS:])
+
+    def _take_context(self) -> None:
+        tail, self.prompt_tail = self.prompt_tail, None
+        n = min(CONTEXT_TOKENS, len(tail))
+        while n < len(tail) and not self.text.decode(tail[-n:]):
+            n = min(2 * n, len(tail))
+        self.text.start(tail[len(tail) - n:])
 
     def feed(self, tokens: Sequence[int]) -> tuple[str, int, str | None]:
         """Walk one round's committed tokens in order.
@@ -142,6 +191,8 @@ class Stopper:
             kept (all of them unless generation ends in this round) and the finish
             reason (``"stop"``, ``"length"``, or None while generation goes on).
         """
+        if self.prompt_tail is not None:
+            self._take_context()
         for kept, token in enumerate(tokens, 1):
             self.generated += 1
             if token in self.stop_ids:

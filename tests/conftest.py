@@ -63,6 +63,33 @@ def make_tokenizer(out_dir: Path, vocab_size: int = VOCAB) -> None:
     fast.save_pretrained(str(out_dir))
 
 
+def make_sentencepiece_tokenizer(vocab_size: int = 700):
+    """A Llama-2-style tokenizer (a ``PreTrainedTokenizerFast``): SentencePiece BPE with the
+    word-start marker ``▁`` (a space, dropped at the start of a decode), byte fallback (the
+    256 byte tokens ``<0x00>`` .. ``<0xFF>``: a run of them decodes as UTF-8 if valid, else
+    one U+FFFD per byte), ``<unk>`` = 0, ``<s>`` = 1 (put before each prompt), ``</s>`` = 2."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials + [f"<0x{b:02X}>" for b in range(256)],
+                                  show_progress=False, max_token_length=8)
+    tok.train_from_iterator([line for t in corpus_texts(60_000) for line in t.splitlines() if line.strip()], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    spec = json.loads(tok.to_str())
+    for added in spec["added_tokens"]:  # (the byte tokens are ordinary tokens, as in Llama 2's vocabulary)
+        added["special"] = added["content"] in specials
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}[assistant]{% endif %}")
+    return fast
+
+
 # a chat template that refuses a system message, as real templates refuse roles out of order
 REFUSING_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
                      "supported') }}{% endif %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}# assistant:\n")
@@ -346,6 +373,19 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("pair")
     target = make_target(root / "target")
     drafter = save_drafter(root / "drafter", drafter_config(target))
+    return target, drafter
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(target_dir, drafter_dir): a tiny Llama target with :func:`make_sentencepiece_tokenizer`'s
+    tokenizer and a random B=8 drafter."""
+    root = tmp_path_factory.mktemp("sentencepiece")
+    tok = make_sentencepiece_tokenizer()
+    target = make_target(root / "target", "llama", tokenizer=False, vocab_size=len(tok), eos_token_id=2,
+                         bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    tok.save_pretrained(str(target))
+    drafter = save_drafter(root / "drafter", drafter_config(target, mask_token_id=0, block_size=8))
     return target, drafter
 
 

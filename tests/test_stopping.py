@@ -8,13 +8,14 @@ independent; streamed deltas add up to the final text; stats add up."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import AGREE_TOKEN, corpus_texts, varied_prompts
+from conftest import AGREE_TOKEN, corpus_texts, make_sentencepiece_tokenizer, varied_prompts
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.stopping import IncrementalText, Stopper, find_stop, partial_stop
 
@@ -247,7 +248,10 @@ def decoders(tokenizer_dir):
     """name -> (decode, vocabulary size): the byte-level BPE test tokenizer (its single-byte
     tokens make incomplete and invalid UTF-8 common), the shipped default pair's, and a
     SentencePiece-style one (Metaspace: a word-start marker whose space is dropped at the
-    start of a decode, so a token's text depends on the token before it)."""
+    start of a decode, so a token's text depends on the token before it), and a Llama-2-style
+    one with byte fallback (a run of byte tokens decodes as one: a byte can turn the run
+    before it into U+FFFD characters). Each with its byte tokens (the engine's
+    ``byte_token_ids``)."""
     from tokenizers import Tokenizer, decoders as dec, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -259,8 +263,12 @@ def decoders(tokenizer_dir):
                                                                  show_progress=False))
     toks = {"byte-level": AutoTokenizer.from_pretrained(str(tokenizer_dir)),
             "default": AutoTokenizer.from_pretrained(str(DEFAULT_TARGET)),
-            "metaspace": PreTrainedTokenizerFast(tokenizer_object=meta, unk_token="<unk>", eos_token="</s>")}
-    return {name: (hf_decode(t), len(t)) for name, t in toks.items()}
+            "metaspace": PreTrainedTokenizerFast(tokenizer_object=meta, unk_token="<unk>", eos_token="</s>"),
+            "byte-fallback": make_sentencepiece_tokenizer()}
+    held = {name: frozenset(i for i in range(len(t)) if re.fullmatch("<0x[0-9A-F]{2}>", t.convert_ids_to_tokens(i)))
+            for name, t in toks.items()}
+    assert len(held["byte-fallback"]) == 256 and not held["byte-level"] and not held["default"]
+    return {name: (hf_decode(t), len(t), held[name]) for name, t in toks.items()}
 
 
 @st.composite
@@ -290,10 +298,16 @@ def overlapping_stops(draw, text: str):
     return draw(st.permutations([s for s in stops if s] or ["\x00never"]))
 
 
-def reference_stop(decode, ids, stops, stop_ids, max_new_tokens, include=False):
+def reference_stop(decode, ids, stops, stop_ids, max_new_tokens, include=False, held=frozenset(), context=()):
     """The definition, by brute force: one token at a time, the whole text decoded again
-    (``include``: the text keeps the stop string, the longest of those starting first).
+    (``include``: the text keeps the stop string, the longest of those starting first;
+    ``held``: byte tokens, whose text counts once a token outside them follows; ``context``:
+    tokens before ``ids``, their text not part of the output's).
     Returns (text, number of tokens kept, finish reason)."""
+    start = len(decode(list(context)))
+
+    def text_of(k):
+        return decode(list(context) + ids[:k])[start:]
 
     def cut(text):
         found = [(text.find(s), -len(s)) for s in stops if s in text]
@@ -302,25 +316,30 @@ def reference_stop(decode, ids, stops, stop_ids, max_new_tokens, include=False):
         start, minus_length = min(found)
         return text[:start - minus_length] if include else text[:start]
 
-    def end(text, k, reason):  # trailing U+FFFD characters are final at the end
+    def end(text, k, reason):  # trailing U+FFFD characters (and byte tokens) are final at the end
         kept = cut(text)
         return (kept, k, "stop") if kept is not None else (text, k, reason)
 
+    text = ""
     for k in range(1, len(ids) + 1):
         if ids[k - 1] in stop_ids:
-            return end(decode(ids[:k - 1]), k, "stop")
-        text = decode(ids[:k]).rstrip("\ufffd")  # complete text after token k
+            return end(text_of(k - 1), k, "stop")
+        if ids[k - 1] not in held:  # (else: no new complete text)
+            text = text_of(k).rstrip("\ufffd")  # complete text after token k
         kept = cut(text)  # none was complete before token k
         if kept is not None:
             return kept, k, "stop"
         if k == max_new_tokens:
-            return end(decode(ids[:k]), k, "length")
+            return end(text_of(k), k, "length")
     raise AssertionError("max_new_tokens is past the tokens")
 
 
-def run_stopper(decode, ids, stops, stop_ids, max_new_tokens, sizes, include=False):
-    """Feed ``ids`` to a :class:`Stopper` in rounds of ``sizes`` tokens (cycled) until it finishes."""
-    stopper = Stopper(decode, stops, stop_ids, max_new_tokens, include_stop=include)
+def run_stopper(decode, ids, stops, stop_ids, max_new_tokens, sizes, include=False, held=frozenset(), context=None):
+    """Feed ``ids`` to a :class:`Stopper` in rounds of ``sizes`` tokens (cycled) until it finishes
+    (``context``: the prompt, given to :meth:`Stopper.start`)."""
+    stopper = Stopper(decode, stops, stop_ids, max_new_tokens, include_stop=include, held=held)
+    if context is not None:
+        stopper.start(context)
     deltas, kept, i, r = [], 0, 0, 0
     while True:
         tokens = ids[i:i + sizes[r % len(sizes)]]
@@ -361,36 +380,74 @@ def test_find_stop_and_partial_stop_match_their_definitions(text, cut, stops):
     assert partial_stop(text, stops) == max([k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
 
 
+NAMES = ["byte-level", "default", "metaspace", "byte-fallback"]
+
+
 @PROPERTY
-@given(data=st.data(), name=st.sampled_from(["byte-level", "default", "metaspace"]))
+@given(data=st.data(), name=st.sampled_from(NAMES))
 def test_incremental_text_is_the_decoded_text(decoders, data, name):
-    decode, vocab = decoders[name]
+    """The pieces add up to what the tokens add to the context's text, each as soon as it is
+    final: after each token, the complete text (byte tokens: once a token outside them
+    follows); no piece is taken back (a byte-fallback run turned into U+FFFD characters
+    by a later byte repeated its text before)."""
+    decode, vocab, held = decoders[name]
+    context = data.draw(st.one_of(st.just([]), token_runs(vocab, max_size=6)))
     ids = data.draw(token_runs(vocab))
-    text, pieces = IncrementalText(decode), []
+    start = len(decode(context))
+    text, pieces = IncrementalText(decode, held), []
+    text.start(context)
     for k, t in enumerate(ids, 1):
         pieces.append(text.push(t))
-        assert "".join(pieces) == decode(ids[:k]).rstrip("\ufffd")
-    assert "".join(pieces) + text.flush() == decode(ids)
+        if t in held:
+            assert pieces[-1] == ""
+        else:
+            assert "".join(pieces) == decode(context + ids[:k])[start:].rstrip("\ufffd")
+    assert "".join(pieces) + text.flush() == decode(context + ids)[start:]
+
+
+def test_incremental_text_of_a_byte_run_that_a_later_byte_makes_invalid(decoders):
+    """The trial's tokens <0x0D> <0xE9> ar: '\r' alone, but the run '\r\xe9' is not UTF-8,
+    so the text is two U+FFFD characters: '\r' was returned, then again as U+FFFD."""
+    decode, vocab, held = decoders["byte-fallback"]
+    tok = make_sentencepiece_tokenizer()
+    ids = tok.convert_tokens_to_ids(["<0x0D>", "<0xE9>", "ar", "<0x0D>"])
+    assert decode(ids[:1]) == "\r" and decode(ids[:3]) == "\ufffd\ufffdar"
+    text = IncrementalText(decode, held)
+    pieces = [text.push(t) for t in ids]
+    assert pieces == ["", "", "\ufffd\ufffdar", ""] and text.flush() == "\r"
+    # with the context a SentencePiece word-start marker keeps its space
+    word = tok.convert_tokens_to_ids("▁")
+    text = IncrementalText(decode, held)
+    text.start(tok.encode("x is"))
+    assert decode([word]) == "" and text.push(word) == " "
 
 
 @PROPERTY
-@given(data=st.data(), name=st.sampled_from(["byte-level", "default", "metaspace"]))
+@given(data=st.data(), name=st.sampled_from(NAMES))
 def test_stopper_decides_as_token_at_a_time_whatever_the_rounds(decoders, data, name):
-    """Random token sequences, overlapping stop strings cut from their text, a stop token
-    id, max_new_tokens and round sizes: the text, the kept tokens and the finish reason
-    are the brute-force oracle's (rounds of one token: target-only decoding)."""
-    decode, vocab = decoders[name]
+    """Random token sequences after a random prompt, overlapping stop strings cut from their
+    text, a stop token id, max_new_tokens and round sizes: the text, the kept tokens and
+    the finish reason are the brute-force oracle's (rounds of one token: target-only
+    decoding)."""
+    decode, vocab, held = decoders[name]
+    prompt = data.draw(st.one_of(st.just([]), token_runs(vocab, max_size=12)))
+    n = 4  # Stopper.start's context: the prompt's last 4 tokens, 8 or 16 where those decode to ''
+    while n < min(len(prompt), 16) and not decode(prompt[-n:]):
+        n *= 2
+    context = prompt[-n:]
     ids = data.draw(token_runs(vocab))
-    stops = data.draw(overlapping_stops(decode(ids)))
+    stops = data.draw(overlapping_stops(decode(context + ids)[len(decode(context)):]))
     stop_ids = set(data.draw(st.lists(st.sampled_from(ids), max_size=1)))
     max_new_tokens = data.draw(st.integers(1, len(ids)))
     sizes = data.draw(st.lists(st.integers(1, 16), min_size=1, max_size=6))
-    want = reference_stop(decode, ids, stops, stop_ids, max_new_tokens)
-    assert run_stopper(decode, ids, stops, stop_ids, max_new_tokens, [1]) == want
-    assert run_stopper(decode, ids, stops, stop_ids, max_new_tokens, sizes) == want
+    kw = dict(held=held, context=context)
+    want = reference_stop(decode, ids, stops, stop_ids, max_new_tokens, **kw)
+    assert run_stopper(decode, ids, stops, stop_ids, max_new_tokens, [1], held=held, context=prompt) == want
+    assert run_stopper(decode, ids, stops, stop_ids, max_new_tokens, sizes, held=held, context=prompt) == want
     assert not any(s in want[0] for s in stops)
-    kept = reference_stop(decode, ids, stops, stop_ids, max_new_tokens, include=True)  # the stop string kept
-    assert run_stopper(decode, ids, stops, stop_ids, max_new_tokens, sizes, include=True) == kept
+    kept = reference_stop(decode, ids, stops, stop_ids, max_new_tokens, include=True, **kw)  # the stop string kept
+    assert run_stopper(decode, ids, stops, stop_ids, max_new_tokens, sizes, include=True, held=held,
+                       context=prompt) == kept
     assert kept[1:] == want[1:] and kept[0].startswith(want[0])
 
 
@@ -472,3 +529,88 @@ def test_skip_special_tokens_and_include_stop_str_in_output():
     assert batch[1].text == engine.generate(prompt, stop=[stop], **kw).text
     with pytest.raises(DFlashError, match="skip_special_tokens must be True or False"):
         engine.generate(prompt, skip_special_tokens="yes")
+
+
+@pytest.fixture(scope="module")
+def sp_engine(sentencepiece_pair):
+    """A speculative engine over a Llama-2-style (SentencePiece, byte fallback) tokenizer."""
+    return DFlashEngine.from_pretrained(*sentencepiece_pair)
+
+
+def pipeline_text(engine, prompt_ids, out_ids, skip=False):
+    """transformers' text-generation pipeline's text (``return_full_text=False``): the
+    decoded prompt and output less the decoded prompt."""
+    def decode(ids):
+        return engine.tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+    return decode(prompt_ids + out_ids)[len(decode(prompt_ids)):]
+
+
+def test_sentencepiece_output_text_keeps_its_first_space(sp_engine):
+    """A SentencePiece tokenizer drops a word-start marker's space at the start of a decode:
+    the first output word kept it only with the prompt decoded before it (vLLM's and
+    transformers' text). Text, chat and token-id prompts, prompts ending in special tokens
+    (skipped from the text or not); generate, stream and the batch decoder; a stop string
+    with the space fires at that first token."""
+    e = sp_engine
+    the = e.tokenizer.convert_tokens_to_ids("▁the▁")
+    assert e.decode([the]) == "the "
+    bos, eos = 1, 2
+    x_is = e.encode_prompt("x is")
+    assert x_is[0] == bos
+    prompts = ["x is", [{"role": "user", "content": "hi"}], x_is, x_is + [eos], x_is + [eos, bos], [bos]]
+    for skip in (False, True):
+        kw = dict(max_new_tokens=3, logit_bias={the: 100.0}, ignore_eos=True, skip_special_tokens=skip)
+        outs = [e.generate(p, **kw) for p in prompts]
+        batch = e.generate_batch(prompts, **kw)
+        for p, out, batched in zip(prompts, outs, batch):
+            ids = e.encode_prompt(p)
+            assert out.token_ids == [the] * 3
+            want = pipeline_text(e, ids, out.token_ids, skip)
+            assert out.text == batched.text == "".join(c.text for c in e.stream(p, **kw)) == want, (p, skip)
+            first_space = not (skip and p == [bos])  # (the prompt decodes to nothing: no space before)
+            assert want == (" the  the  the " if first_space else "the  the  the "), (p, skip)
+            stopped = e.generate(p, **{**kw, "stop": [" the"]})
+            assert (stopped.text, stopped.token_ids, stopped.finish_reason) == (
+                ("", [the], "stop") if first_space else ("the ", [the, the], "stop"))
+            assert e.generate_batch([p], **{**kw, "stop": [" the"]})[0].token_ids == stopped.token_ids
+
+
+def test_sentencepiece_sampled_text_is_the_pipeline_text(sp_engine):
+    """Sampled outputs (byte tokens among them, the output text taking a run of them when it
+    ends) are transformers' pipeline text, one sequence and batched."""
+    e = sp_engine
+    vocab = e.tokenizer.get_vocab()
+    byte_ids = {vocab[f"<0x{b:02X}>"] for b in range(256)}
+    prompts = ["def f(x):\n    return", "x is", "import os\n", [{"role": "user", "content": "hi"}]]
+    kw = dict(max_new_tokens=24, temperature=1.5, ignore_eos=True, logit_bias={b: 2.0 for b in byte_ids})
+    saw_bytes = 0
+    for seed in range(3):
+        outs = e.generate_batch(prompts, seed=seed, **kw)
+        for p, out in zip(prompts, outs):
+            ids = e.encode_prompt(p)
+            saw_bytes += sum(t in byte_ids for t in out.token_ids)
+            assert out.text == pipeline_text(e, ids, out.token_ids)
+            assert e.generate(p, seed=seed, **kw).text == out.text
+    assert saw_bytes > 10
+    assert e.byte_token_ids == byte_ids and not byte_ids & e.special_token_ids
+
+
+@pytest.mark.parametrize("extra", [[], ["--max-batch-size", "1"]], ids=["batched", "serial"])
+def test_sentencepiece_text_from_the_server(sentencepiece_pair, sp_engine, tmp_path, extra):
+    """The server (its batched backend, and the serial one; a real HTTP client) gives the
+    same text: completions, streamed or not, and chat, with the first word's space; a stop
+    string with it fires."""
+    from test_server import MODEL
+    from test_server_scheduler import _serve
+
+    the = sp_engine.tokenizer.convert_tokens_to_ids("▁the▁")
+    kw = dict(model=MODEL, max_tokens=3, temperature=0, logit_bias={str(the): 100}, extra_body={"ignore_eos": True})
+    with _serve(sentencepiece_pair, tmp_path, *extra) as srv:
+        c = srv.client()
+        assert c.completions.create(prompt="x is", **kw).choices[0].text == " the  the  the "
+        streamed = c.completions.create(prompt="x is", stream=True, **kw)
+        assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == " the  the  the "
+        stopped = c.completions.create(prompt="x is", stop=[" the"], **kw).choices[0]
+        assert (stopped.text, stopped.finish_reason) == ("", "stop")
+        reply = c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw).choices[0]
+        assert reply.message.content == " the  the  the "

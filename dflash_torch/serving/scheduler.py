@@ -306,6 +306,7 @@ class BatchedBackend:
         kwargs = dict(seq.kwargs)
         prompt_logprobs, history_end = kwargs.pop("prompt_logprobs", None), kwargs.pop("history_end", None)
         params, stopper = e.request_params(seq.max_new_tokens, **kwargs)  # (checked as engine.stream checks them)
+        stopper.start(seq.prompt_ids)
         stats = GenerationStats(prompt_tokens=len(seq.prompt_ids), block_size=e.block_size,
                                 draft_mode=e.decoder.draft_mode if e.drafter is not None else None)
         # (prefilled by the steps; with prompt_logprobs, read whole: see dflash_torch.batch)
