@@ -40,6 +40,7 @@ _tasks: queue.SimpleQueue = queue.SimpleQueue()
 _closed = False
 _claimed: threading.Thread | None = None  # the thread inside ``this_thread()``, if any
 _running: Future | None = None  # the call running on the dedicated thread
+_inline = threading.local()  # depth: the run() calls running inline in this (claimed) thread
 _interrupted: set[Future] = set()  # calls whose caller got Ctrl-C and waits for them to end
 
 
@@ -104,7 +105,11 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
     """
     current = threading.current_thread()
     if current is _claimed:
-        return fn(*args, **kwargs)
+        _inline.depth = getattr(_inline, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _inline.depth -= 1
     thread = _thread or _start()
     future: Future = Future()
     with _lock:  # (a task queued after _stop's sentinel would never run)
@@ -127,9 +132,10 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
 
 
 def on_compute_thread() -> bool:
-    """Whether the caller is the dedicated compute thread (inside a :func:`run` call): a
-    call there must not wait for another thread's engine call, which waits for it."""
-    return _thread is not None and threading.current_thread() is _thread
+    """Whether the caller runs inside a :func:`run` call: on the dedicated compute thread, or
+    inline in the thread that :func:`this_thread` claimed. A call there must not wait for
+    another thread's engine call, which waits for it."""
+    return (_thread is not None and threading.current_thread() is _thread) or getattr(_inline, "depth", 0) > 0
 
 
 def interrupted() -> bool:

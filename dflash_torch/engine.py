@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -141,11 +142,12 @@ class StreamChunk:
 class DFlashEngine:
     """A loaded target (+ optional DFlash drafter) and its tokenizer.
 
-    One request runs at a time: a lock serialises threads. A request from the thread
-    that read an unfinished stream last waits for that stream to be read on (from
-    another thread of a pool: Starlette's ``iterate_in_threadpool``, asyncio's
-    ``run_in_executor``) and raises :class:`DFlashError` where it has not moved for
-    ``STALLED_STREAM_S`` seconds (then only this thread could read it: it would never proceed). Each request starts from clean caches, or from the rows of
+    One request runs at a time: a lock serialises threads. A stream holds the engine until
+    its last chunk is read or it is closed. A request from a thread that has read an
+    unfinished stream waits for it to be read on (by another thread of a pool: Starlette's
+    ``iterate_in_threadpool``, asyncio's ``run_in_executor``) and raises
+    :class:`DFlashError` where no thread has read it for ``STALLED_STREAM_S`` seconds (if
+    only this thread reads it, it would never proceed). Each request starts from clean caches, or from the rows of
     the last request's tokens that its prompt starts with (``reuse_prefix``, below).
 
     Any thread may call it: the torch work (loading, every decoding round) runs on the
@@ -193,8 +195,10 @@ class DFlashEngine:
                                                                draft_mode=draft_mode, block_size=self.block_size)
         self.max_prompt_chars = _max_prompt_chars(tokenizer, self.max_context)
         self.lock = threading.Lock()
-        self._owner: threading.Thread | None = None  # the thread of the open stream, if any (not its id: a new
-        # thread may get a finished one's id)
+        # the threads that have read the open stream (not their ids: a new thread may get a finished one's id),
+        # whether one reads it now and when its last read ended (time.monotonic(), seconds)
+        self._readers: weakref.WeakSet = weakref.WeakSet()
+        self._reading, self._read_at = False, 0.0
         self.stop_token_ids = set(target.config.eos_token_ids)
         self._generation_defaults: dict | DFlashError = {}
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -827,10 +831,18 @@ class DFlashEngine:
             # each round runs on the compute thread (see dflash_torch.compute), whichever
             # thread iterates this stream
             while True:
-                self._owner = threading.current_thread()  # (the reader: a pool's threads take turns)
-                if (chunk := compute.run(next, chunks, None)) is None:
+                self._readers.add(threading.current_thread())  # (a pool's threads may take turns)
+                self._reading = True
+                try:
+                    chunk = compute.run(next, chunks, None)
+                finally:
+                    self._reading, self._read_at = False, time.monotonic()
+                if chunk is None:
                     return
+                if chunk.finish_reason is not None:
+                    break  # (the last chunk: the engine is freed before it is handed over)
                 yield chunk
+        yield chunk
 
     @contextlib.contextmanager
     def _request(self, prompt, *, max_new_tokens: int = 256, chat: bool = False,
@@ -851,7 +863,6 @@ class DFlashEngine:
         else:
             checkpoint = options.check_prompt_position(history_end, len(prompt_ids), "history_end", counted=True)
         with self._locked():  # other threads wait their turn
-            self._owner = threading.current_thread()
             chunks = self._stream(prompt_ids, params, stopper, prompt_logprobs, checkpoint)
             try:
                 yield chunks
@@ -859,7 +870,7 @@ class DFlashEngine:
                 try:
                     compute.run(chunks.close)
                 finally:  # (even when a Ctrl-C interrupts the close)
-                    self._owner = None
+                    self._readers = weakref.WeakSet()
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -868,24 +879,26 @@ class DFlashEngine:
         Raises:
             DFlashError: on the compute thread while another request holds the lock (an
                 ``on_chunk`` callback that calls its engine): that request needs the
-                compute thread to end, so waiting for it would never end. In the thread that
-                read the open stream last, where no thread reads it on for
-                ``STALLED_STREAM_S`` seconds (it waits on this thread, which waits on it).
+                compute thread to end, so waiting for it would never end. In a thread that
+                has read the open stream, where no thread has read it for
+                ``STALLED_STREAM_S`` seconds (if only this thread reads it, it waits on this
+                thread, which waits on it).
         """
         if compute.on_compute_thread():
             if not self.lock.acquire(blocking=False):
                 raise DFlashError("this engine is busy with the request that runs this code; on_chunk (or any code "
                                   "run on the compute thread) must not call the engine")
         else:
-            me, since = threading.current_thread(), time.monotonic()
-            while self._owner is me:
+            while threading.current_thread() in self._readers:
                 if self.lock.acquire(timeout=0.05):
                     break
-                if time.monotonic() - since >= STALLED_STREAM_S:
-                    raise DFlashError(f"another stream of this engine is still open, read last by this thread, and "
-                                      f"no thread has read it on for {STALLED_STREAM_S:g} s; consume it to the end or "
-                                      "close() it before starting a new request")
-            else:  # (another thread reads the stream on, or holds the engine: wait for it)
+                if not self._reading and time.monotonic() - self._read_at >= STALLED_STREAM_S:
+                    raise DFlashError(f"another stream of this engine is still open, this thread has read it, and no "
+                                      f"thread has read it for {STALLED_STREAM_S:g} s; consume it to the end or close() "
+                                      "it before starting a new request from this thread (or raise "
+                                      "dflash_torch.engine.STALLED_STREAM_S for a stream that other threads read "
+                                      "slowly)")
+            else:  # (another thread reads the stream, or holds the engine: wait for it)
                 self.lock.acquire()
         try:
             yield

@@ -8,6 +8,7 @@ decoding)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -197,13 +198,17 @@ def test_repeated_ctrl_c_stops_as_soon_and_leaves_the_engine_usable(tiny_pair, c
     assert int(rounds) < 100 and after == "4", proc.stdout  # not 900 rounds
 
 
+@pytest.mark.parametrize("claimed", [False, True])
 @pytest.mark.parametrize("call", ["generate", "stream", "generate_batch"])
-def test_on_chunk_that_calls_its_own_engine_gets_an_error_not_a_deadlock(tiny_pair, call):
+def test_on_chunk_that_calls_its_own_engine_gets_an_error_not_a_deadlock(tiny_pair, call, claimed, monkeypatch):
     """on_chunk runs on the compute thread while the request holds the engine: a request
-    it starts could only wait for the one that waits for it. It gets a DFlashError, and
-    the engine stays usable."""
-    from dflash_torch import DFlashError
+    it starts could only wait for the one that waits for it. It gets a DFlashError at once
+    (also where the request runs inline in a thread that compute.this_thread() claimed, as
+    the CLI's: it waited for the stall limit, then blamed a stream), and the engine stays
+    usable."""
+    from dflash_torch import DFlashError, compute, engine as engine_module
 
+    monkeypatch.setattr(engine_module, "STALLED_STREAM_S", 60.0)  # (what it waited for)
     engine = DFlashEngine.from_pretrained(*tiny_pair)
     ref = engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
     errors = []
@@ -221,13 +226,14 @@ def test_on_chunk_that_calls_its_own_engine_gets_an_error_not_a_deadlock(tiny_pa
 
     def request():
         try:
-            engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True, on_chunk=on_chunk)
+            with compute.this_thread() if claimed else contextlib.nullcontext():
+                engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True, on_chunk=on_chunk)
         except DFlashError as exc:
             out["error"] = exc
 
     t = threading.Thread(target=request, daemon=True)  # (a deadlock must not hang the suite)
     t.start()
-    t.join(120)
+    t.join(30)
     assert not t.is_alive(), "deadlock: on_chunk's request waits for the request that called it"
     assert "must not call the engine" in str(out["error"]) and len(errors) == 1
     assert engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids == ref.token_ids
@@ -297,3 +303,51 @@ def test_a_stream_read_by_a_pools_threads_in_turn_lets_the_first_reader_wait(tin
     assert other.result(120).token_ids == alone
     assert head + tail.result(120) == whole
     first.shutdown(), second.shutdown()
+
+
+def test_a_thread_that_read_a_stream_handed_on_and_left_open_is_refused_not_stuck(tiny_pair, monkeypatch):
+    """This thread read a stream first, another read one chunk more and ended, leaving it
+    open: a request of this thread is refused once the stream has not been read for the
+    stall limit (it waited for ever: only the last reader was checked), and after close()
+    the engine serves again."""
+    from dflash_torch import DFlashError, engine as engine_module
+
+    monkeypatch.setattr(engine_module, "STALLED_STREAM_S", 0.3)
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    stream = engine.stream(PROMPT, max_new_tokens=24, ignore_eos=True)
+    out = {}
+
+    def first_reader():
+        next(stream)
+        helper = threading.Thread(target=next, args=(stream,))  # (reads one chunk more, then ends)
+        helper.start()
+        helper.join(60)
+        try:
+            out["ids"] = engine.generate("class A:", max_new_tokens=4).token_ids
+        except DFlashError as exc:
+            out["error"] = str(exc)
+
+    t = threading.Thread(target=first_reader, daemon=True)  # (a deadlock must not hang the suite)
+    t.start()
+    t.join(30)
+    assert not t.is_alive() and "no thread has read it for 0.3 s" in out.get("error", ""), out
+    stream.close()
+    assert engine.generate("class A:", max_new_tokens=4).token_ids
+
+
+def test_a_stream_whose_last_chunk_was_read_frees_the_engine(tiny_pair, monkeypatch):
+    """The chunk with the finish_reason is handed over after the engine is freed: a request
+    from the same thread runs at once, without waiting for the stream's StopIteration."""
+    from dflash_torch import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "STALLED_STREAM_S", 60.0)
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    stream = engine.stream(PROMPT, max_new_tokens=8, ignore_eos=True)
+    chunks = [next(stream)]
+    while chunks[-1].finish_reason is None:
+        chunks.append(next(stream))
+    start = time.monotonic()
+    assert engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids == [
+        t for c in chunks for t in c.token_ids]
+    assert time.monotonic() - start < 30 and not engine.lock.locked()
+    assert list(stream) == []
