@@ -814,6 +814,53 @@ def test_sigint_ends_every_request_cleanly(tmp_path):
     assert "Traceback" not in text and "CancelledError" not in text, text
 
 
+@pytest.mark.parametrize("signals", [1, 2])
+def test_sigint_during_a_prefill_exits_cleanly(tmp_path, signals):
+    """Ctrl-C (once, or twice in quick succession) while the engine prefills a long prompt:
+    the streaming request gets a 503 and the server exits with 130 once the prefill is done. The
+    process aborted ("terminate called without an active exception", status 134) when its
+    interpreter exited while the compute thread was inside a torch op, and a second Ctrl-C
+    logged the lifespan task's CancelledError traceback."""
+    import signal
+
+    port = _free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as fh:
+        # one slot: the serial backend prefills a prompt whole, in one step (about 0.5 s for
+        # this prompt on the shipped pair), which uvicorn's shutdown takes less time than
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash_torch.cli", "serve", "--port", str(port), "--model-name", "x",
+             "--max-batch-size", "1"],
+            stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    base = f"http://127.0.0.1:{port}"
+    answer = {}
+
+    def stream():
+        body = {"model": "x", "prompt": [1000 + i % 50 for i in range(4000)], "stream": True, "max_tokens": 16}
+        answer["response"] = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+
+    try:
+        _wait_until_up(proc, base, log, 120)
+        client = threading.Thread(target=stream)
+        client.start()
+        while "dflash_running_requests 1.0" not in httpx.get(f"{base}/metrics", timeout=10).text:
+            time.sleep(0.01)  # until the prefill starts
+        proc.send_signal(signal.SIGINT)
+        if signals == 2:
+            time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+        client.join(60)
+        status = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert status == 130, (status, text)
+    # (a stream's first bytes wait for its prefill: the request gets a 503)
+    assert _assert_openai_error(answer["response"], 503)["code"] == "server_shutting_down"
+    assert "Traceback" not in text and "CancelledError" not in text and "terminate called" not in text, text
+
+
 def test_a_chat_template_that_refuses_the_messages_is_a_400(tiny_pair, tmp_path):
     """A template's raise_exception (here: no system role) was a 500 "internal server
     error: TemplateError"; it is the client's messages that are refused."""

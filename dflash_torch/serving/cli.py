@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from ..errors import DFlashError
 from ..options import check_api_key, check_count, check_keepalive, check_model_name
@@ -138,6 +139,8 @@ def _serve(args: argparse.Namespace) -> int:
             # time runs out and it cancels them (a bare 500, a stream cut short, a traceback)
             app.state.scheduler.shutdown()
             await super().shutdown(sockets=sockets)
+            if self.force_exit:  # a second Ctrl-C skips the app's shutdown; asyncio.run would then cancel
+                await self.lifespan.shutdown()  # its lifespan task, which logs a CancelledError traceback
 
     handler = logging.StreamHandler()  # (the server's own messages, at uvicorn's --log-level)
     handler.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
@@ -147,6 +150,20 @@ def _serve(args: argparse.Namespace) -> int:
     logger.propagate = False
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     server = Server(config)
-    server.run()
+    try:
+        server.run()  # (after Ctrl-C, raises KeyboardInterrupt: uvicorn raises the signal again once shut down)
+    finally:
+        _wait_for_engine(scheduler)
     return 0 if server.started else 1
 
+
+def _wait_for_engine(scheduler) -> None:
+    """Let the running round finish before the process exits: an interpreter that exits while
+    the compute thread is inside a torch op aborts the process ("terminate called without an
+    active exception"). Another Ctrl-C meanwhile exits at once, without finalizing."""
+    try:
+        scheduler.close()
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
