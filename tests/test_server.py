@@ -755,6 +755,45 @@ def _assert_openai_error(r: httpx.Response, status: int) -> dict:
     return err
 
 
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_serve_listens_on_ipv6(tiny_pair, tmp_path, capsys):
+    """--host ::1 serves (the check that the address is free bound an IPv4 socket and refused
+    it: "Address family for hostname not supported"); a taken IPv6 port and the bracketed
+    form are refused before the models load, in one line."""
+    from dflash_torch.cli import main as cli_main
+
+    with socket.create_server(("::1", 0), family=socket.AF_INET6) as busy:
+        port = busy.getsockname()[1]
+        assert cli_main(["serve", "--host", "::1", "--port", str(port), "--target", "/nonexistent"]) == 2
+    assert cli_main(["serve", "--host", "[::1]", "--port", str(port), "--target", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dflash-torch: error: cannot listen on [::1]:{port}: Address already in use",
+                   "dflash-torch: error: --host takes an IPv6 address without brackets: --host ::1, not [::1]"], err
+
+    log = tmp_path / "server.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(tiny_pair[0]),
+                                 "--no-draft", "--host", "::1", "--port", str(port), "--model-name", "x"],
+                                stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    base = f"http://[::1]:{port}"
+    try:
+        _wait_until_up(proc, base, log)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        out = client.completions.create(model="x", prompt=PROMPT, max_tokens=2, temperature=0)
+        assert out.choices[0].finish_reason in ("length", "stop")
+    finally:
+        stop(proc)
+    assert f"serving 'x' on {base}/v1 " in log.read_text()
+
+
 def test_sigint_ends_every_request_cleanly(tmp_path):
     """Ctrl-C while one client streams and another waits in the queue: the stream ends
     with an error event and [DONE], the queued request gets a 503 with OpenAI's error
