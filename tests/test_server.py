@@ -732,6 +732,10 @@ def test_serve_refuses_a_busy_port_before_loading_models(capsys):
         assert cli_main(["serve", "--port", str(port), "--target", "/nonexistent"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot listen on 127.0.0.1" in err[0], err
+    # --host "": every interface, as uvicorn listens then (it was "Name or service not known")
+    assert cli_main(["serve", "--host", "", "--port", str(port), "--target", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot listen" not in err[0] and "/nonexistent" in err[0], err
 
 
 def _wait_until_up(proc: subprocess.Popen, base: str, log: Path, timeout_s: float = 180) -> None:

@@ -170,7 +170,8 @@ def check_listen(host: str, port: int) -> None:
     if host.startswith("[") and host.endswith("]"):
         raise DFlashError(f"--host takes an IPv6 address without brackets: --host {host[1:-1]}, not {host}")
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        # (as asyncio: "" is every interface)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         with contextlib.ExitStack() as sockets:
             for family, kind, proto, _, address in dict.fromkeys(infos):
                 sock = sockets.enter_context(socket.socket(family, kind, proto))
