@@ -19,7 +19,8 @@ def register(sub) -> None:
                        description="Serve /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, "
                                    "/tokenize, /detokenize, /health and /metrics.")
     add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind: IPv4, IPv6 without brackets (::1, ::) or a host name (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $DFLASH_API_KEY, else no key)")
