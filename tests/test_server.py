@@ -732,6 +732,10 @@ def test_serve_refuses_a_busy_port_before_loading_models(capsys):
         assert cli_main(["serve", "--port", str(port), "--target", "/nonexistent"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot listen on 127.0.0.1" in err[0], err
+    # --host "": every interface, as uvicorn listens then (it was "Name or service not known")
+    assert cli_main(["serve", "--host", "", "--port", str(port), "--target", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot listen" not in err[0] and "/nonexistent" in err[0], err
 
 
 def _wait_until_up(proc: subprocess.Popen, base: str, log: Path, timeout_s: float = 180) -> None:
@@ -753,6 +757,45 @@ def _assert_openai_error(r: httpx.Response, status: int) -> dict:
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"] and "\n" not in err["message"], err
     return err
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_serve_listens_on_ipv6(tiny_pair, tmp_path, capsys):
+    """--host ::1 serves (the check that the address is free bound an IPv4 socket and refused
+    it: "Address family for hostname not supported"); a taken IPv6 port and the bracketed
+    form are refused before the models load, in one line."""
+    from dflash_torch.cli import main as cli_main
+
+    with socket.create_server(("::1", 0), family=socket.AF_INET6) as busy:
+        port = busy.getsockname()[1]
+        assert cli_main(["serve", "--host", "::1", "--port", str(port), "--target", "/nonexistent"]) == 2
+    assert cli_main(["serve", "--host", "[::1]", "--port", str(port), "--target", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dflash-torch: error: cannot listen on [::1]:{port}: Address already in use",
+                   "dflash-torch: error: --host takes an IPv6 address without brackets: --host ::1, not [::1]"], err
+
+    log = tmp_path / "server.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(tiny_pair[0]),
+                                 "--no-draft", "--host", "::1", "--port", str(port), "--model-name", "x"],
+                                stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    base = f"http://[::1]:{port}"
+    try:
+        _wait_until_up(proc, base, log)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        out = client.completions.create(model="x", prompt=PROMPT, max_tokens=2, temperature=0)
+        assert out.choices[0].finish_reason in ("length", "stop")
+    finally:
+        stop(proc)
+    assert f"serving 'x' on {base}/v1 " in log.read_text()
 
 
 def test_sigint_ends_every_request_cleanly(tmp_path):
@@ -812,6 +855,53 @@ def test_sigint_ends_every_request_cleanly(tmp_path):
     err = _assert_openai_error(queued["response"], 503)
     assert err["code"] == "server_shutting_down", err
     assert "Traceback" not in text and "CancelledError" not in text, text
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_sigint_during_a_prefill_exits_cleanly(tmp_path, signals):
+    """Ctrl-C (once, or twice in quick succession) while the engine prefills a long prompt:
+    the streaming request gets a 503 and the server exits with 130 once the prefill is done. The
+    process aborted ("terminate called without an active exception", status 134) when its
+    interpreter exited while the compute thread was inside a torch op, and a second Ctrl-C
+    logged the lifespan task's CancelledError traceback."""
+    import signal
+
+    port = _free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as fh:
+        # one slot: the serial backend prefills a prompt whole, in one step (about 0.5 s for
+        # this prompt on the shipped pair), which uvicorn's shutdown takes less time than
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash_torch.cli", "serve", "--port", str(port), "--model-name", "x",
+             "--max-batch-size", "1"],
+            stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    base = f"http://127.0.0.1:{port}"
+    answer = {}
+
+    def stream():
+        body = {"model": "x", "prompt": [1000 + i % 50 for i in range(4000)], "stream": True, "max_tokens": 16}
+        answer["response"] = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+
+    try:
+        _wait_until_up(proc, base, log, 120)
+        client = threading.Thread(target=stream)
+        client.start()
+        while "dflash_running_requests 1.0" not in httpx.get(f"{base}/metrics", timeout=10).text:
+            time.sleep(0.01)  # until the prefill starts
+        proc.send_signal(signal.SIGINT)
+        if signals == 2:
+            time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+        client.join(60)
+        status = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert status == 130, (status, text)
+    # (a stream's first bytes wait for its prefill: the request gets a 503)
+    assert _assert_openai_error(answer["response"], 503)["code"] == "server_shutting_down"
+    assert "Traceback" not in text and "CancelledError" not in text and "terminate called" not in text, text
 
 
 def test_a_chat_template_that_refuses_the_messages_is_a_400(tiny_pair, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from ..errors import DFlashError
 from ..options import check_api_key, check_count, check_keepalive, check_model_name
@@ -18,7 +19,8 @@ def register(sub) -> None:
                        description="Serve /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, "
                                    "/tokenize, /detokenize, /health and /metrics.")
     add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind: IPv4, IPv6 without brackets (::1, ::) or a host name (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $DFLASH_API_KEY, else no key)")
@@ -99,13 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
         why = "--max-batch-size 1" if args.max_batch_size == 1 else "--draft-mode recompute"
         raise DFlashError(f"--prefix-slots has no effect with {why} (one sequence at a time, which keeps the last "
                           "request's rows only); drop it")
-    import socket
-
-    try:  # fail before loading models when the address is taken
-        with socket.create_server((args.host, args.port)):
-            pass
-    except OSError as e:
-        raise DFlashError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    check_listen(args.host, args.port)  # (fail before loading models when the address is taken)
     engine = load_engine(args)
     if args.compile:
         print("dflash-torch: compiling the decoding graphs (one-off) ...", flush=True)
@@ -117,7 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
                      reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                      generation_config=args.generation_config, sse_keepalive=args.sse_keepalive)
     scheduler = app.state.scheduler
-    print(f"dflash-torch: serving {app.state.model_id!r} on http://{args.host}:{args.port}/v1 "
+    print(f"dflash-torch: serving {app.state.model_id!r} on http://{_host_port(args.host, args.port)}/v1 "
           f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
           f"slot{'s' if scheduler.max_batch_size > 1 else ''}"
           + (f" + {args.prefix_slots} prefix slot{'s' if args.prefix_slots > 1 else ''}" if args.prefix_slots else "")
@@ -139,6 +135,8 @@ def _serve(args: argparse.Namespace) -> int:
             # time runs out and it cancels them (a bare 500, a stream cut short, a traceback)
             app.state.scheduler.shutdown()
             await super().shutdown(sockets=sockets)
+            if self.force_exit:  # a second Ctrl-C skips the app's shutdown; asyncio.run would then cancel
+                await self.lifespan.shutdown()  # its lifespan task, which logs a CancelledError traceback
 
     handler = logging.StreamHandler()  # (the server's own messages, at uvicorn's --log-level)
     handler.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
@@ -148,6 +146,52 @@ def _serve(args: argparse.Namespace) -> int:
     logger.propagate = False
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     server = Server(config)
-    server.run()
+    try:
+        server.run()  # (after Ctrl-C, raises KeyboardInterrupt: uvicorn raises the signal again once shut down)
+    finally:
+        _wait_for_engine(scheduler)
     return 0 if server.started else 1
 
+
+def _host_port(host: str, port: int) -> str:
+    """``host:port`` as in a URL (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_listen(host: str, port: int) -> None:
+    """Check that the server can listen on ``host``, ``port``: bind a socket to every address
+    ``host`` resolves to (IPv4 and IPv6), as uvicorn (asyncio's ``create_server``) will.
+
+    Raises:
+        DFlashError: ``host`` in brackets (``[::1]``: give ``::1``), does not resolve, or an
+            address is taken or not this machine's.
+    """
+    import contextlib
+    import socket
+
+    if host.startswith("[") and host.endswith("]"):
+        raise DFlashError(f"--host takes an IPv6 address without brackets: --host {host[1:-1]}, not {host}")
+    try:
+        # (as asyncio: "" is every interface)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        with contextlib.ExitStack() as sockets:
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                sock = sockets.enter_context(socket.socket(family, kind, proto))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:  # (as asyncio: [::] is not also 0.0.0.0)
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+    except OSError as e:
+        raise DFlashError(f"cannot listen on {_host_port(host, port)}: {e.strerror}") from None
+
+
+def _wait_for_engine(scheduler) -> None:
+    """Let the running round finish before the process exits: an interpreter that exits while
+    the compute thread is inside a torch op aborts the process ("terminate called without an
+    active exception"). Another Ctrl-C meanwhile exits at once, without finalizing."""
+    try:
+        scheduler.close()
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)

@@ -444,6 +444,13 @@ class Scheduler:
         for seq in dropped:
             self._done(seq)
 
+    def close(self) -> None:
+        """:meth:`shutdown`, then wait until the engine is idle: the running round (or prefill)
+        finishes and the scheduler thread ends. A process must not exit before: its interpreter
+        would stop the compute thread inside a torch op, which aborts the process."""
+        self.shutdown()
+        self._thread.join()
+
     def open_jobs(self) -> int:
         """Jobs with a sequence that has not ended (the leak check of the tests)."""
         with self._cond:
