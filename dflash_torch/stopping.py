@@ -133,7 +133,10 @@ class IncrementalText:
         # (returned never goes down: a context that ends inside a character, which the
         # new tokens complete, keeps that character in the context's text)
         new, self.returned = complete[self.returned:], max(self.returned, len(complete))
-        if len(complete) == len(text):  # a clean boundary: the new tokens become the next context
+        if len(complete) == len(text) and new:  # a clean boundary: the new tokens become the next context
+            # (not tokens that added no text, e.g. special tokens the decode skips: as a context they
+            # would decode to nothing, and a decoder that strips a decode's leading space would strip
+            # the next word's)
             del self.window[: self.context]
             self.context = len(self.window)
             self.returned = len(self.decode(self.window))
@@ -173,14 +176,22 @@ class Stopper:
     def start(self, prompt_ids: Sequence[int]) -> None:
         """Take the prompt's last tokens as the text's context (before the first :meth:`feed`,
         which decodes them): the last ``CONTEXT_TOKENS`` of them, more while those decode to
-        no text (special tokens the decode skips), at most ``4 * CONTEXT_TOKENS``."""
+        no text (special tokens the decode skips: twice as many) or start inside a
+        character of a byte-fallback run (a held token whose text starts with U+FFFD: one
+        more, back to the character's first byte), at most ``4 * CONTEXT_TOKENS``."""
         self.prompt_tail = list(prompt_ids[-4 * CONTEXT_TOKENS:])
 
     def _take_context(self) -> None:
         tail, self.prompt_tail = self.prompt_tail, None
         n = min(CONTEXT_TOKENS, len(tail))
-        while n < len(tail) and not self.text.decode(tail[-n:]):
-            n = min(2 * n, len(tail))
+        while n < len(tail):
+            text = self.text.decode(tail[-n:])
+            if not text:  # (special tokens the decode skips)
+                n = min(2 * n, len(tail))
+            elif tail[-n] in self.text.held and text.startswith("\ufffd"):  # (inside a byte run's character:
+                n += 1  # the output's byte tokens would join an invalid run; back to the character's start)
+            else:
+                break
         self.text.start(tail[len(tail) - n:])
 
     def feed(self, tokens: Sequence[int]) -> tuple[str, int, str | None]:

@@ -422,6 +422,43 @@ def test_incremental_text_of_a_byte_run_that_a_later_byte_makes_invalid(decoders
     assert decode([word]) == "" and text.push(word) == " "
 
 
+def test_text_after_a_prompt_ending_in_a_byte_run_and_after_skipped_special_tokens(decoders):
+    """(helper-51) A prompt ending in byte-fallback characters ("Say 中文": 6 byte tokens,
+    the last 4 start inside 中): the output's bytes joined that invalid run, U+FFFD for
+    'AAA'. With skip_special_tokens, a word after a skipped special token lost its space
+    (the special token alone became the context and decoded to nothing)."""
+    tok = make_sentencepiece_tokenizer()
+    decode, _, held = decoders["byte-fallback"]
+    prompt = tok.encode("Say 中文")
+    a = tok.convert_tokens_to_ids("<0x41>")
+    assert sum(t in held for t in prompt[-6:]) == 6 and decode(prompt[-4:]).startswith("\ufffd")
+    stopper = Stopper(decode, [], set(), 3, held=held)
+    stopper.start(prompt)
+    assert stopper.feed([a, a, a]) == ("AAA", 3, "length") and decode(prompt + [a] * 3)[len(decode(prompt)):] == "AAA"
+
+    def skipping(ids):
+        return tok.decode(ids, skip_special_tokens=True)
+
+    unk, bos = tok.convert_tokens_to_ids(["<unk>", "<s>"])
+    prompt = tok.encode("Hello", add_special_tokens=False)
+    for out in ([unk, *tok.encode(" the cat", add_special_tokens=False)],
+                [*tok.encode(" the", add_special_tokens=False), unk, *tok.encode(" cat", add_special_tokens=False)],
+                [bos, *tok.encode(" cat", add_special_tokens=False)]):
+        want = skipping(prompt + out)[len(skipping(prompt)):]
+        assert want.endswith(" cat")
+        for sizes in ([1], [len(out)]):
+            stopper = Stopper(skipping, [" cat"], set(), 16)
+            stopper.start(prompt)
+            pieces, i = [], 0
+            while i < len(out):
+                piece, kept, finish = stopper.feed(out[i:i + sizes[0]])
+                pieces.append(piece)
+                i += kept
+                if finish:
+                    break
+            assert finish == "stop" and "".join(pieces) == want[:-len(" cat")], (out, sizes, pieces)
+
+
 @PROPERTY
 @given(data=st.data(), name=st.sampled_from(NAMES))
 def test_stopper_decides_as_token_at_a_time_whatever_the_rounds(decoders, data, name):
@@ -431,10 +468,16 @@ def test_stopper_decides_as_token_at_a_time_whatever_the_rounds(decoders, data, 
     decoding)."""
     decode, vocab, held = decoders[name]
     prompt = data.draw(st.one_of(st.just([]), token_runs(vocab, max_size=12)))
-    n = 4  # Stopper.start's context: the prompt's last 4 tokens, 8 or 16 where those decode to ''
-    while n < min(len(prompt), 16) and not decode(prompt[-n:]):
-        n *= 2
-    context = prompt[-n:]
+    tail = prompt[-16:]  # Stopper.start's context: the prompt's last 4 tokens, twice as many while those decode to
+    n = min(4, len(tail))  # '', one more while they start inside a byte run's character
+    while n < len(tail):
+        if not decode(tail[-n:]):
+            n = min(2 * n, len(tail))
+        elif tail[-n] in held and decode(tail[-n:]).startswith("\ufffd"):
+            n += 1
+        else:
+            break
+    context = tail[len(tail) - n:]
     ids = data.draw(token_runs(vocab))
     stops = data.draw(overlapping_stops(decode(context + ids)[len(decode(context)):]))
     stop_ids = set(data.draw(st.lists(st.sampled_from(ids), max_size=1)))
