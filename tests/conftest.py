@@ -81,8 +81,11 @@ def make_sentencepiece_tokenizer(vocab_size: int = 700):
     tok.train_from_iterator([line for t in corpus_texts(60_000) for line in t.splitlines() if line.strip()], trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     spec = json.loads(tok.to_str())
-    for added in spec["added_tokens"]:  # (the byte tokens are ordinary tokens, as in Llama 2's vocabulary)
-        added["special"] = added["content"] in specials
+    # (the byte tokens are ordinary tokens of the model's vocabulary, not added ones, as in Llama 2's: llguidance
+    # reads an added token's text literally, "<0xE9>", and a model token's as its byte)
+    spec["added_tokens"] = [added for added in spec["added_tokens"] if added["content"] in specials]
+    for added in spec["added_tokens"]:
+        added["special"] = True
     fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>",
                                    eos_token="</s>", unk_token="<unk>")
     fast.chat_template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
