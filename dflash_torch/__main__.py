@@ -1,8 +1,6 @@
 """``python -m dflash_torch``: the ``dflash-torch`` command line."""
 
-import sys
-
-from .cli import main
+from .cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

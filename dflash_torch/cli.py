@@ -408,5 +408,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def entry() -> None:
+    """The ``dflash-torch`` command: :func:`main`, then exit with its status. Where a call still
+    runs on the compute thread (a second Ctrl-C stopped waiting for it), the process exits
+    without finalizing the interpreter, which would stop that thread inside a torch op and
+    abort the process ("terminate called without an active exception")."""
+    from . import compute
+
+    code = main()
+    if compute.busy():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -138,6 +138,11 @@ def on_compute_thread() -> bool:
     return (_thread is not None and threading.current_thread() is _thread) or getattr(_inline, "depth", 0) > 0
 
 
+def busy() -> bool:
+    """Whether a call runs on the dedicated compute thread now."""
+    return _running is not None
+
+
 def interrupted() -> bool:
     """Whether the caller of the running call was interrupted (Ctrl-C) and waits for it to
     end: a long call should check it between steps and stop."""

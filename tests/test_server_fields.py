@@ -131,6 +131,14 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(server):
         plain = list(c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw) if chat else
                      c.completions.create(prompt="def f(x):", **kw))
         assert all(chunk.usage is None for chunk in plain[:-1]) and plain[-1].usage.completion_tokens == 6
+    # n choices: each chunk counts its own choice's tokens (as vLLM), the last one all of them
+    chunks = list(c.completions.create(model=MODEL, prompt="def f(x):", n=2, max_tokens=6, temperature=0, stream=True,
+                                       stream_options=options, extra_body={"ignore_eos": True}))
+    seen = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        seen[chunk.choices[0].index].append(chunk.usage.completion_tokens)
+    assert all(v == sorted(v) and v[-1] == 6 for v in seen.values()), seen
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == prompt
     # continuous_usage_stats alone (no include_usage): no usage at all, as vLLM
     r = server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                              "max_tokens": 2, "stream": True,

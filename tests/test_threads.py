@@ -351,3 +351,27 @@ def test_a_stream_whose_last_chunk_was_read_frees_the_engine(tiny_pair, monkeypa
         t for c in chunks for t in c.token_ids]
     assert time.monotonic() - start < 30 and not engine.lock.locked()
     assert list(stream) == []
+
+
+def test_the_command_exits_without_aborting_while_the_compute_thread_is_busy():
+    """A second Ctrl-C stops waiting for the compute thread (e.g. while serve --compile
+    compiles): the command then returns while a torch op runs there, and an interpreter that
+    finalizes then aborts the process ("terminate called without an active exception", status
+    134). The dflash-torch entry point exits without finalizing instead, with the status."""
+    import subprocess
+    import sys
+
+    script = (
+        "import threading, time, torch\n"
+        "from dflash_torch import cli, compute\n"
+        "def busy():\n"
+        "    x = torch.randn(1500, 1500)\n"
+        "    for _ in range(400):\n"
+        "        x = torch.tanh(x @ x.T / 1500)\n"
+        "threading.Thread(target=lambda: compute.run(busy), daemon=True).start()\n"
+        "while not compute.busy():\n"
+        "    time.sleep(0.01)\n"
+        "cli.main = lambda argv=None: 130\n"
+        "cli.entry()\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr)

@@ -926,9 +926,13 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         def frame(choices, **extra):
             d = {"id": rid, "object": obj, "created": created_at, "model": model_id, "system_fingerprint": None,
                  "choices": choices}
-            if continuous_usage:  # (vLLM's continuous_usage_stats: the tokens so far, on every chunk)
-                d["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
-                              "total_tokens": prompt_tokens + n_tokens}
+            if continuous_usage:  # (vLLM's continuous_usage_stats: on every chunk, its choice's tokens so far)
+                if choices:
+                    i = choices[0]["index"]
+                    p, c = len(job.sequences[i].prompt_ids), choice_tokens[i]
+                else:
+                    p, c = prompt_tokens, n_tokens
+                d["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
             elif include_usage:
                 d["usage"] = None
             d.update(extra)
@@ -964,6 +968,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                     **extra}
 
         n_tokens, left = 0, len(job.sequences)
+        choice_tokens = [0] * left  # (each choice's tokens so far)
         cached = [0] * left  # (each choice's, set as it finishes)
         if kind == "chat":
             for i in range(left):
@@ -988,6 +993,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 echoed[i] = True
                 chunk = replace(chunk, text=scoring.echo_text(i) + chunk.text)
             n_tokens += len(chunk.token_ids)
+            choice_tokens[i] += len(chunk.token_ids)
             reasoning_text, text, calls = ("", chunk.text, []) if parsers is None else parsers[i].feed(chunk.text)
             # a piece with text (not all held back by a parser: no empty delta), or with tokens whose
             # logprobs were asked for (their text may be held back), or the prompt's logprobs
