@@ -413,10 +413,9 @@ def entry() -> None:
     runs on the compute thread (a second Ctrl-C stopped waiting for it), the process exits
     without finalizing the interpreter, which would stop that thread inside a torch op and
     abort the process ("terminate called without an active exception")."""
-    from . import compute
-
     code = main()
-    if compute.busy():
+    compute = sys.modules.get(f"{__package__}.compute")  # (not imported: nothing ran there; nor is torch loaded)
+    if compute is not None and compute.busy():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
