@@ -92,6 +92,11 @@ def test_unknown_fields_in_the_request_objects_are_logged_by_path_once(server):
                                             "stream_options": {"include_usage": True, "include_usgae": True},
                                             "structured_outputs": {"regex": "[a-z]+", "disable_fallback": True}})
         assert r.status_code == 200 and '"usage": {' in r.text, r.text
+        for body in ({"model": MODEL, "prompt": "hi", "add_special_tokenz": False, "temperature": 0.5},
+                     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "return_tokn_strs": True,
+                      "max_tokens": 3}):  # (/tokenize: the known fields it does not read are not logged)
+            r = server.post("/tokenize", body)
+            assert r.status_code == 200 and r.json()["count"] > 0, r.text
         r = server.post("/v1/responses", RESPONSES)
         assert r.status_code == 200, r.text
         # (text.format misspelt: not applied, the response says text)
@@ -99,7 +104,8 @@ def test_unknown_fields_in_the_request_objects_are_logged_by_path_once(server):
     want = [("ignored", "messages[].nmae"), ("ignored", "response_format.json_schema.strcit"),
             ("passed", "tools[].function.strcit"), ("ignored", "stream_options.include_usgae"),
             ("ignored", "text.fromat"), ("ignored", "reasoning.efort"), ("ignored", "input[].nmae"),
-            ("ignored", "structured_outputs.disable_fallbak"), ("passed", "tools[].strcit")]
+            ("ignored", "structured_outputs.disable_fallbak"), ("passed", "tools[].strcit"),
+            ("ignored", "add_special_tokenz"), ("ignored", "return_tokn_strs")]
     found = _logged(server, len(want))
     assert sorted(found) == sorted(want), found
     assert "WARNING:  /v1/responses: ignored the request fields 'text.fromat', 'reasoning.efort', 'input[].nmae', " \

@@ -1100,13 +1100,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise _as_responses(exc, req) from None
 
     def tokenize_schema(data: dict):
-        """The /tokenize request class of a body; the fields tokenizing does not read (the
-        sampling fields, ...) are dropped unchecked, as vLLM ignores them there. Both a
-        ``prompt`` and ``messages`` are refused (which one to tokenize?)."""
+        """The /tokenize request class of a body; the fields it knows that tokenizing does not
+        read (the sampling fields, ...) are dropped unchecked, as vLLM ignores them there (those
+        it does not know stay, to be logged as ignored). Both a ``prompt`` and ``messages`` are
+        refused (which one to tokenize?)."""
         if "messages" in data and "prompt" in data:
             raise APIError(400, "/tokenize takes a prompt or messages, not both", param="messages")
         schema = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
-        for key in set(data) - schema.READS:
+        known = set(schema.model_fields) | {f.alias for f in schema.model_fields.values() if f.alias}
+        for key in (set(data) & known) - schema.READS:
             del data[key]
         return schema
 
