@@ -87,7 +87,10 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tiny_pair, tmp_path):
 
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_pair):
     """SIGINT while a reply streams ends that reply (what it wrote is kept); the next line
-    gets a reply as usual, and ``/exit`` ends the chat with status 0."""
+    gets a reply as usual, and ``/exit`` ends the chat with status 0. (500 new tokens: the
+    interrupted reply may have run for a while on a loaded machine, and the next turn's
+    prompt, which holds it, must leave room for them in the 1,024-token context; with 900 a
+    reply of 79 tokens made the next turn overflow it.)"""
     import os
     import signal
     import subprocess
@@ -97,7 +100,7 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_pair):
     target, drafter = tiny_pair
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "chat", "--target", str(target), "--draft",
-                             str(drafter), "--block-size", "1", "--max-new-tokens", "900",
+                             str(drafter), "--block-size", "1", "--max-new-tokens", "500",
                              "--ignore-eos"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=env)
     try:
