@@ -125,15 +125,16 @@ def test_ctrl_c_stops_a_generate_after_the_current_round(tiny_pair):
     import textwrap
 
     code = textwrap.dedent(f"""
-        import os, signal
+        import signal, threading
         from dflash_torch import DFlashEngine
 
         engine = DFlashEngine.from_pretrained({str(tiny_pair[0])!r}, {str(tiny_pair[1])!r}, block_size=1)
         chunks = []
         def on_chunk(chunk):  # on the compute thread
             chunks.append(chunk)
-            if len(chunks) == 3:
-                os.kill(os.getpid(), signal.SIGINT)
+            if len(chunks) == 3:  # (to the main thread, as a terminal's Ctrl-C lands: a process-wide kill may be
+                # taken by another thread, and the main thread then sleeps through it until the call ends)
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         try:
             engine.generate("def f(x):", max_new_tokens=900, ignore_eos=True, on_chunk=on_chunk)
         except KeyboardInterrupt:
