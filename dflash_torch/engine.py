@@ -48,7 +48,7 @@ ASSETS = Path(__file__).parent / "assets" / "default"
 DEFAULT_TARGET = ASSETS / "target"
 DEFAULT_DRAFTER = ASSETS / "drafter"
 log = logging.getLogger("dflash_torch")
-STALLED_STREAM_S = 10.0  # seconds a request from the thread that read an open stream last waits for it to move
+STALLED_STREAM_S = 10.0  # seconds a request from a thread that has read an open stream waits for it to be read on
 
 
 @dataclass

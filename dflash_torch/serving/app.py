@@ -91,7 +91,7 @@ from .constraints import after_reasoning, special_token, think_end_token, with_w
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesInputError,
                        ResponsesRequest, TokenizeChatRequest, TokenizeCompletionRequest, conflicting_fields,
-                       describe_validation_error, unknown_fields, responses_message, responses_param,
+                       describe_validation_error, known_fields, unknown_fields, responses_message, responses_param,
                        unsupported_field, CHAT_TEMPLATE_REFUSED)
 from .reasoning import (GEMMA4_CLOSE, GEMMA4_OPEN, HARMONY_MARKERS, THINK_CLOSE, THINK_OPEN, check_reasoning_parser,
                         resolve_parser)
@@ -1107,8 +1107,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if "messages" in data and "prompt" in data:
             raise APIError(400, "/tokenize takes a prompt or messages, not both", param="messages")
         schema = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
-        known = set(schema.model_fields) | {f.alias for f in schema.model_fields.values() if f.alias}
-        for key in (set(data) & known) - schema.READS:
+        for key in (set(data) & known_fields(schema)) - schema.READS:
             del data[key]
         return schema
 

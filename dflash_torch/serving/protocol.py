@@ -552,10 +552,17 @@ def unknown_fields(req: BaseModel, data: dict) -> tuple[list[str], list[str]]:
     return list(ignored), list(passed)
 
 
+def known_fields(cls: type[BaseModel]) -> set[str]:
+    """The request fields the model ``cls`` knows: its fields, their aliases and its
+    ``ALSO_KNOWN`` (fields clients send that it does not read)."""
+    fields = cls.model_fields
+    return set(fields) | {f.alias for f in fields.values() if f.alias} | getattr(cls, "ALSO_KNOWN", frozenset())
+
+
 def _unknown_fields(model: BaseModel, data: dict, path: str, ignored: dict, passed: dict) -> None:
     cls = type(model)
     fields = cls.model_fields
-    known = set(fields) | {f.alias for f in fields.values() if f.alias} | getattr(cls, "ALSO_KNOWN", frozenset())
+    known = known_fields(cls)
     found = passed if getattr(cls, "EXTRA_TO_TEMPLATE", False) else ignored
     for key in data:
         if key not in known:
