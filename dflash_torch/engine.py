@@ -668,15 +668,35 @@ class DFlashEngine:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token adds to the text (the ``bytes`` of OpenAI's logprobs).
 
-        Exact for byte-level BPE tokenizers (Qwen, Llama 3), whose token may hold part of a
-        multi-byte UTF-8 character (its text alone would be U+FFFD); for their added tokens
-        and for other tokenizers, the UTF-8 of :meth:`decode` of the token alone.
+        Byte-level BPE tokenizers (Qwen, Llama 3): the token's bytes, which may hold part of
+        a multi-byte UTF-8 character (its text alone would be U+FFFD). A byte-fallback
+        vocabulary's byte token ``<0xNN>`` (Llama 2, Gemma): its one byte. Another token of
+        the vocabulary: the text it adds after a plain word, so a SentencePiece word-start
+        piece ``▁the`` is ``b" the"`` (decoded alone, its space is dropped as at the start
+        of a text). Added tokens: the UTF-8 of :meth:`decode` of the token alone.
         """
-        if self._byte_values is not None and token_id not in self.tokenizer.added_tokens_decoder:
+        if token_id in self.tokenizer.added_tokens_decoder:
+            return self._decode([token_id]).encode("utf-8")
+        if self._byte_values is not None:
             piece = self.tokenizer.convert_ids_to_tokens(token_id)
             if isinstance(piece, str) and all(c in self._byte_values for c in piece):
                 return bytes(self._byte_values[c] for c in piece)
+        elif token_id in self.byte_token_ids:
+            return bytes([int(self.tokenizer.convert_ids_to_tokens(token_id)[3:5], 16)])
+        elif self._anchor is not None:
+            anchor, anchor_text = self._anchor
+            text = self._decode([*anchor, token_id])
+            if text.startswith(anchor_text):
+                return text[len(anchor_text):].encode("utf-8")
         return self._decode([token_id]).encode("utf-8")
+
+    @functools.cached_property
+    def _anchor(self) -> tuple[list[int], str] | None:
+        """The tokens of a plain word and their text, after which :meth:`token_bytes` reads
+        the text another token adds (None where the tokenizer does not read "a" back)."""
+        ids = self.tokenizer.encode("a", add_special_tokens=False)
+        text = self._decode(ids) if ids and not set(ids) & set(self.tokenizer.added_tokens_decoder) else ""
+        return (ids, text) if text.strip() == "a" else None
 
     def token_text(self, token_id: int) -> str:
         """:meth:`token_bytes` as a string: UTF-8, bytes that are not valid UTF-8 on their own

@@ -204,3 +204,22 @@ def test_token_bytes_are_exact_for_a_byte_level_vocabulary(local_engine):
     assert partial, "the test tokenizer should split some characters over tokens"
     assert b"".join(local_engine.token_bytes(t) for t in ids) == text.encode("utf-8")
     assert local_engine.token_bytes(0) == local_engine.decode([0]).encode("utf-8")  # an added token: its text
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary(sentencepiece_pair):
+    """A Llama-2-style vocabulary (SentencePiece pieces, byte fallback): a word-start piece
+    ``▁the`` adds " the" (decoded alone its space is dropped, as at a text's start), a byte
+    token ``<0xNN>`` its one byte; an output's tokens' bytes, joined, are its text's UTF-8,
+    and so are the logprobs' ``token`` s of a generation."""
+    engine = DFlashEngine.from_pretrained(*sentencepiece_pair)
+    the = engine.tokenizer.convert_tokens_to_ids("▁the▁")
+    assert engine.decode([the]) == "the "
+    assert engine.token_bytes(the) == b" the " and engine.token_text(the) == " the "
+    text = "x is déjà 日本 the end"
+    ids = engine.encode_prompt(text)[1:]  # (less <s>)
+    assert any(t in engine.byte_token_ids for t in ids), "some characters should fall back to byte tokens"
+    assert b"".join(engine.token_bytes(t) for t in ids) == b" " + text.encode("utf-8")  # (with the marker put first)
+    assert engine.token_bytes(1) == b"<s>"  # an added token: its text
+    out = engine.generate("x is", max_new_tokens=12, logprobs=0, ignore_eos=True,
+                          logit_bias={the: 3.0, engine.tokenizer.convert_tokens_to_ids("<0xC3>"): 2.0})
+    assert b"".join(engine.token_bytes(e.token_id) for e in out.logprobs) == out.text.encode("utf-8")
