@@ -43,7 +43,7 @@ CHAT = {
         {"role": "user", "content": [{"type": "text", "text": "weather?"}], "name": "u", "nmae": "typo"},
         {"role": "assistant", "content": None, "refusal": None, "annotations": [], "audio": None,
          "function_call": None,
-         "tool_calls": [{"id": "call_1", "type": "function",
+         "tool_calls": [{"id": "call_1", "type": "function", "index": 0,  # (kept by clients that joined deltas)
                          "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit_free": 1}}}]},
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
         {"role": "user", "content": "thanks"},

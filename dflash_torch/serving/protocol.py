@@ -332,8 +332,10 @@ class FunctionCall(BaseModel):
 
 
 class ToolCall(BaseModel):
-    """A call of an earlier assistant message."""
+    """A call of an earlier assistant message (its ``index``, which clients that joined a
+    stream's deltas keep, is not read)."""
     model_config = ConfigDict(extra="ignore")
+    ALSO_KNOWN: ClassVar[frozenset[str]] = frozenset({"index"})
     id: StrictStr | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
