@@ -37,13 +37,16 @@ from dflash_torch import DFlashEngine
 from dflash_torch.engine import DEFAULT_TARGET
 from dflash_torch.serving.constraints import (
     after_reasoning,
-    think_end_token,
+    think_tokens,
     with_whitespace,
 )
 from dflash_torch.structured import StructuredOutput
 
+# opens <think> (Qwen3.5's thinking mode); with enable_thinking false writes an empty reasoning, closed (as
+# Qwen3's templates do); with model_thinks neither (Qwen3's thinking mode: the model writes <think> itself)
 THINKING = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}"
-            "# assistant:\n{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}{% endif %}")
+            "# assistant:\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+            "{% elif not model_thinks %}<think>\n{% endif %}{% endif %}")
 MESSAGES = [{"role": "user", "content": "Who is it? Answer in JSON."}]
 GRAMMAR = '%ignore /[ ]+/\nstart: "x" rest\nrest: "}" | "y" rest'  # (its own %ignore; a "}" inside)
 
@@ -88,7 +91,8 @@ def test_the_grammar_is_the_rest_of_the_reasoning_then_the_constraint(which, shi
     of the constraint (JSON with the engine's whitespace default), nothing before ``</think>``."""
     engine = DFlashEngine.from_pretrained(shipped_thinking if which == "text" else thinking_pair[0], no_draft=True)
     tokenizer = engine.grammars.tokenizer()
-    end = think_end_token(engine.tokenizer, tokenizer)
+    tokens = think_tokens(engine.tokenizer, tokenizer)
+    end = tokens[1]
     assert (end is None) == (which == "text")
     assert len(engine.tokenizer.encode("</think>", add_special_tokens=False)) == (4 if which == "text" else 1)
 
@@ -99,21 +103,27 @@ def test_the_grammar_is_the_rest_of_the_reasoning_then_the_constraint(which, shi
 
     for spec, good, bad in ACCEPTS:
         plain = StructuredOutput.coerce(spec)
-        wrapped = after_reasoning(plain, end)
+        wrapped = after_reasoning(plain, "opened", tokens)
+        optional = after_reasoning(plain, "optional", tokens)  # (the reply may open a reasoning)
         for text in good:
             assert accepts(plain, text), (spec, text)
             assert accepts(wrapped, "a </thi nk> <think>\n</think>" + text), (spec, text)
             assert not accepts(wrapped, text) and not accepts(wrapped, "a</think>\n" + text), (spec, text)
             assert not accepts(wrapped, "a</think></think>" + text), (spec, text)  # (the first </think> ends it)
+            assert accepts(optional, text) and accepts(optional, "<think>\na <think></think>" + text), (spec, text)
+            assert not accepts(optional, "a</think>" + text) and not accepts(optional, "<think>a" + text), (spec, text)
+            assert not accepts(optional, "<think>a</think></think>" + text), (spec, text)
         for text in bad:
             assert not accepts(plain, text) and not accepts(wrapped, "a</think>" + text), (spec, text)
+            assert not accepts(optional, text) and not accepts(optional, "<think>a</think>" + text), (spec, text)
     # a whitespace pattern, and a schema's own x-guidance, hold after the reasoning too
     compact = with_whitespace(StructuredOutput(json_object=True), "[ ]?")
-    for spec in (compact, after_reasoning(compact, end)):
+    for spec in (compact, after_reasoning(compact, "opened", tokens)):
         prefix = "" if spec is compact else "a</think>"
         assert accepts(spec, prefix + '{"a": 1}') and not accepts(spec, prefix + '{"a":  1}')
         assert not accepts(spec, prefix + '{"a":\n1}')
-    own = after_reasoning(StructuredOutput(json={"type": "object", "x-guidance": {"whitespace_flexible": False}}), end)
+    own = after_reasoning(StructuredOutput(json={"type": "object", "x-guidance": {"whitespace_flexible": False}}),
+                          "opened", tokens)
     assert accepts(own, 'a</think>{"a":1}') and not accepts(own, 'a</think>{"a": 1}')
 
 
@@ -189,8 +199,29 @@ def test_forced_tool_calls_follow_the_reasoning_closed_by_its_token(servers):
     assert _calls(got.message.tool_calls) == calls
 
 
+def test_a_reply_may_open_its_reasoning_then_the_constraint(servers, thinking_pair):
+    """The template neither opens nor closes a reasoning (Qwen3's thinking mode: the model
+    writes ``<think>`` itself): the reply may think first, then the constraint applies (it
+    applied from the first token, so such a model could not think). Speculative, target-only
+    and Python with the grammar of :func:`after_reasoning` ``"optional"`` agree."""
+    spec, alone = servers
+    engine = DFlashEngine.from_pretrained(thinking_pair[0], no_draft=True)
+    tokens = think_tokens(engine.tokenizer, engine.grammars.tokenizer())
+    kwargs = {"model_thinks": True}
+    assert not engine.decode(engine.encode_prompt(MESSAGES, chat_template_kwargs=kwargs)).rstrip().endswith("think>")
+    for (body, ok), structured in ((CASES[0], {"json": PERSON}), (CASES[2], {"choice": CHOICES})):
+        grammar = after_reasoning(StructuredOutput.coerce(structured), "optional", tokens).grammar
+        raw = engine.generate(MESSAGES, chat=True, max_new_tokens=600, structured_output={"grammar": grammar},
+                              chat_template_kwargs=kwargs).text
+        assert raw.startswith("<think>") and "</think>" in raw, raw  # (this model thinks when it may)
+        reasoning, content = raw[len("<think>"):].split("</think>", 1)
+        for client in (spec, alone):
+            msg = _chat(client, extra_body={**body, "chat_template_kwargs": kwargs}).choices[0].message
+            assert (msg.reasoning_content, msg.content) == (reasoning, content) and ok(content), (body, msg)
+
+
 def test_without_a_reasoning_nothing_changes(servers, thinking_pair):
-    """The template opens no reasoning (``enable_thinking`` false), or the endpoint is
+    """The template closed the reasoning (``enable_thinking`` false), or the endpoint is
     completions: the constraint applies from the first token, as in Python."""
     spec, _ = servers
     engine = DFlashEngine.from_pretrained(thinking_pair[0], no_draft=True)

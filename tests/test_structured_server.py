@@ -229,8 +229,16 @@ def test_tool_call_grammar_accepts_what_the_hermes_parser_reads(accepts):
     assert not accepts(hermes_grammar(TOOLS), one.replace("Oslo", "Rome"))  # (not in the enum)
     assert not accepts(hermes_grammar(TOOLS), "Sure. " + one)
     thought = "first </thin k> then</think>\n\n" + two
-    assert accepts(hermes_grammar(TOOLS, in_reasoning=True), thought)
-    assert not accepts(hermes_grammar(TOOLS, in_reasoning=True), two)
+    assert accepts(hermes_grammar(TOOLS, reasoning="opened"), thought)
+    assert not accepts(hermes_grammar(TOOLS, reasoning="opened"), two)
+    # a reply that may open a reasoning (Qwen3's thinking mode: the model writes <think>)
+    optional = hermes_grammar(TOOLS, reasoning="optional")
+    assert accepts(optional, two) and accepts(optional, "<think>\n" + thought)
+    assert not accepts(optional, thought) and not accepts(optional, "Sure. " + one)
+    # a function without parameters takes none (OpenAI: "an empty parameter list")
+    bare = [{"type": "function", "function": {"name": "get_time"}}]
+    assert accepts(hermes_grammar(bare), '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert not accepts(hermes_grammar(bare), '<tool_call>\n{"name": "get_time", "arguments": {"x": 1}}\n</tool_call>')
     reasoning, content, calls = parse_reply(new_reply_parser("think", "hermes", "<think>\n"), thought, True)
     assert (reasoning, content) == ("first </thin k> then", "")
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo", "days": 2}),
@@ -335,8 +343,8 @@ def test_qwen3_coder_call_grammar_accepts_what_the_template_writes_and_the_parse
         assert not accepts(grammar, _rendered_calls(engine.tokenizer, bad)), bad
     assert not accepts(grammar, "Sure. " + one)
     thought = "first </thin k> then</think>\n\n" + one
-    assert accepts(qwen3_coder_grammar(CODER_TOOLS, in_reasoning=True), thought)
-    assert not accepts(qwen3_coder_grammar(CODER_TOOLS, in_reasoning=True), one)
+    assert accepts(qwen3_coder_grammar(CODER_TOOLS, reasoning="opened"), thought)
+    assert not accepts(qwen3_coder_grammar(CODER_TOOLS, reasoning="opened"), one)
     # schemas as pydantic writes them: Optional[...] (anyOf with null), nested models ($defs, $ref,
     # allOf), a required key the properties do not describe, type lists, an enum of arrays
     model = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}

@@ -36,7 +36,9 @@ constraint is compiled (and checked: a 400 names its field) in a thread before t
 queues, so a slow compile holds neither the engine nor the event loop. In a chat whose
 template opened a reasoning (``<think>`` at the prompt's end, ``think`` reasoning parser),
 the constraint applies after it (:func:`.constraints.after_reasoning`): ``content`` is the
-constrained output, ``reasoning_content`` the thinking. vLLM's ``guided_whitespace_pattern``
+constrained output, ``reasoning_content`` the thinking; where the template neither opened
+nor closed one, the reply may open a reasoning first (``<think>`` ... ``</think>``, as
+Qwen3's thinking mode writes it), then the constraint applies. vLLM's ``guided_whitespace_pattern``
 sets a JSON constraint's whitespace (:func:`.constraints.with_whitespace`).
 
 Defaults follow OpenAI's API: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
@@ -87,7 +89,7 @@ from ..engine import StreamChunk
 from ..errors import DFlashError
 from ..options import check_api_key, check_chat_template_kwargs, check_keepalive, check_model_name
 from ..structured import StructuredOutput
-from .constraints import after_reasoning, special_token, think_end_token, with_whitespace
+from .constraints import after_reasoning, special_token, think_tokens, with_whitespace
 from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesInputError,
                        ResponsesRequest, TokenizeChatRequest, TokenizeCompletionRequest, conflicting_fields,
@@ -700,9 +702,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         return structured
 
     @functools.cache
-    def think_end() -> int | None:
-        """The tokenizer's one token for ``</think>`` that grammars name by id (:func:`think_end_token`)."""
-        return think_end_token(engine.tokenizer, engine.grammars.tokenizer())
+    def think() -> tuple[int | None, int | None]:
+        """The tokenizer's one token for ``<think>`` and for ``</think>`` that grammars name by
+        id (:func:`think_tokens`)."""
+        return think_tokens(engine.tokenizer, engine.grammars.tokenizer())
 
     @functools.cache
     def call_tokens() -> tuple[int | None, int | None]:
@@ -727,20 +730,28 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         ids = {engine.tokenizer.convert_tokens_to_ids(m) for m in markers}
         return frozenset(i for i in ids if isinstance(i, int) and i in engine.special_token_ids)
 
-    def opens_reasoning(prompt_tail: str) -> bool:
-        """Whether a chat prompt ending in ``prompt_tail`` opened a reasoning the reply continues
-        (the ``think`` format; :class:`~.reasoning.ThinkParser` reads the reply the same way)."""
-        return reasoning == "think" and prompt_tail.rstrip().endswith(THINK_OPEN)
+    def reply_reasoning(prompt_tail: str) -> str | None:
+        """How a chat reply after a prompt ending in ``prompt_tail`` reasons, for its
+        constraint (:func:`.constraints.reasoning_start`; the ``think`` format, as
+        :class:`~.reasoning.ThinkParser` reads the reply): ``"opened"``, the template opened a
+        ``<think>`` the reply continues (Qwen3.5's thinking mode); ``"optional"``, the reply may
+        open one (Qwen3's thinking mode: the model writes ``<think>``); None: no reasoning (no
+        ``think`` format, not a chat, or the prompt closed one: thinking off)."""
+        if reasoning != "think":
+            return None
+        tail = prompt_tail.rstrip()
+        return "opened" if tail.endswith(THINK_OPEN) else None if tail.endswith(THINK_CLOSE) else "optional"
 
-    def tool_call_constraint(req, tools: list[dict], opened: bool) -> tuple[str, dict]:
+    def tool_call_constraint(req, tools: list[dict], reply: str | None) -> tuple[str, dict]:
         """``(param, structured output)`` of a chat request whose ``tool_choice`` forces calls
         (``required`` or a named function): the grammar of its tools' calls in the server's
-        format (:data:`.tools.FORCED_CALL_GRAMMARS`; starting inside the reasoning when the
-        template opened one); a tool the format cannot write is a 400 about ``tools``."""
+        format (:data:`.tools.FORCED_CALL_GRAMMARS`; after the reasoning the template opened or
+        the reply may open, ``reply``: :func:`reply_reasoning`); a tool the format cannot
+        write is a 400 about ``tools``."""
         name = req.tool_choice.function.name if not isinstance(req.tool_choice, str) else None
         try:
-            grammar = FORCED_CALL_GRAMMARS[tool_calls](tools, name, req.parallel_tool_calls is not False, opened,
-                                                       think_end() if opened else None, call_tokens())
+            grammar = FORCED_CALL_GRAMMARS[tool_calls](tools, name, req.parallel_tool_calls is not False, reply,
+                                                       think(), call_tokens())
         except DFlashError as exc:
             raise APIError(400, str(exc), param="tools") from None
         return "tools", {"grammar": grammar}
@@ -755,11 +766,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     def request_constraint(req, chat: bool, tools: list[dict] | None, prompt_tail: str) -> tuple[str, StructuredOutput] | None:
         """``(param, compiled structured output)`` of a request (in a thread), None for none:
         its constraint as sent (checked and compiled first: a 400 names its field), with its
-        JSON whitespace pattern, and in a chat whose template opened a reasoning, after it
-        (:mod:`.constraints`); or the tool calls ``tool_choice`` forces."""
-        opened = chat and opens_reasoning(prompt_tail)
+        JSON whitespace pattern, and in a chat whose template opened a reasoning (or whose reply
+        may open one), after it (:mod:`.constraints`); or the tool calls ``tool_choice`` forces."""
+        reply = reply_reasoning(prompt_tail) if chat else None
         if chat and req.forces_tool_calls():
-            param, spec = tool_call_constraint(req, tools, opened)
+            param, spec = tool_call_constraint(req, tools, reply)
             return param, compile_constraint(spec, param)
         found = req.constraint()
         if found is None:
@@ -775,8 +786,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 why = exc.message.split(" is invalid: ", 1)[-1].rstrip(": ")
                 raise APIError(400, f"{name} {pattern[:80]!r} is not a valid whitespace pattern (a regex): {why}",
                                param=field) from None
-        if opened:
-            structured = compile_constraint(after_reasoning(structured, think_end()), param, " after the reasoning")
+        if reply is not None:
+            structured = compile_constraint(after_reasoning(structured, reply, think()), param, " after the reasoning")
         return param, structured
 
     async def run(request: Request, req, prompts: list, chat: bool, default_max_tokens: int | None, kind: str,

@@ -1,12 +1,15 @@
 """A chat request's structured output, as the server hands it to the engine.
 
 * **After the reasoning** (:func:`after_reasoning`): when the chat template opened a
-  ``<think>`` in the prompt (Qwen3 / Qwen3.5 thinking mode; the reply is reasoning up to
+  ``<think>`` in the prompt (Qwen3.5's thinking mode; the reply is reasoning up to
   ``</think>``, then the answer: :class:`~.reasoning.ThinkParser`), the request's constraint
   applies to the answer, not to the reasoning, as vLLM does: the reply is constrained to
   any text up to the first ``</think>`` (:func:`reasoning_rules`), then, right after it,
   exactly what the constraint allows, so ``content`` is the constrained output and
-  ``reasoning_content`` the thinking. The constraint is embedded in one llguidance Lark
+  ``reasoning_content`` the thinking. Where the template neither opened nor closed a
+  reasoning (Qwen3's thinking mode, whose model writes ``<think>`` itself), the reply may
+  open one first (``<think>``, any text up to ``</think>``), or start with the constraint's
+  output (:func:`reasoning_start`). The constraint is embedded in one llguidance Lark
   grammar: a JSON schema with ``%json`` (with the engine's JSON defaults,
   :data:`~dflash_torch.structured.JSON_DEFAULTS`, unless the schema has its own
   ``x-guidance``), ``json_object`` as the schema ``{"type": "object"}``, a regex as a
@@ -20,7 +23,7 @@
 
 ``</think>`` may be text (several tokens) or one token of the tokenizer: llguidance reads a
 tokenizer's added tokens as special tokens, which text in a grammar never matches, so such
-a token is named in the grammar by its id (``<[id]>``, :func:`think_end_token`).
+a token is named in the grammar by its id (``<[id]>``, :func:`think_tokens`); ``<think>`` alike.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import json
 from collections.abc import Mapping
 
 from ..structured import JSON_DEFAULTS, StructuredOutput
-from .reasoning import THINK_CLOSE
+from .reasoning import THINK_CLOSE, THINK_OPEN
 
 _CLOSE_REGEX = THINK_CLOSE.replace("/", "\\/")  # (in a /.../ terminal)
 
@@ -56,9 +59,9 @@ def special_token(hf_tokenizer, llg_tokenizer, text: str) -> int | None:
     return int(ids[0])
 
 
-def think_end_token(hf_tokenizer, llg_tokenizer) -> int | None:
-    """:func:`special_token` of ``</think>``."""
-    return special_token(hf_tokenizer, llg_tokenizer, THINK_CLOSE)
+def think_tokens(hf_tokenizer, llg_tokenizer) -> tuple[int | None, int | None]:
+    """:func:`special_token` of ``<think>`` and of ``</think>``."""
+    return special_token(hf_tokenizer, llg_tokenizer, THINK_OPEN), special_token(hf_tokenizer, llg_tokenizer, THINK_CLOSE)
 
 
 def text_or_token(text: str, token: int | None) -> str:
@@ -103,8 +106,28 @@ def constraint_rule(spec: StructuredOutput) -> str:
     return "constraint: %lark {\n" + spec.grammar + "\n}\n"
 
 
-def after_reasoning(spec: StructuredOutput, end_token: int | None = None) -> StructuredOutput:
-    """A grammar of a reply that starts inside a reasoning: the rest of it up to ``</think>``
-    (:func:`reasoning_rules`), then right after it an output of ``spec``."""
-    return StructuredOutput(grammar="start: reasoning_rest constraint\n" + constraint_rule(spec)
-                            + reasoning_rules(end_token))
+def reasoning_start(reasoning: str | None, think_tokens: tuple[int | None, int | None] = (None, None),
+                    gap: str = "") -> tuple[str, str]:
+    """``(expression, rules)``: the Lark expression a constrained reply starts with, and the
+    rules it uses. ``reasoning``: ``"opened"``, the template opened a ``<think>`` in the
+    prompt: the rest of that reasoning up to ``</think>`` (:func:`reasoning_rules`);
+    ``"optional"``, the reply may open one (``<think>`` first, as Qwen3's thinking mode
+    writes it) and close it; None: nothing. ``think_tokens``: the tokenizer's one token for
+    ``<think>`` and for ``</think>`` (:func:`special_token`, None: text); ``gap``: an
+    expression after the reasoning (e.g. a few whitespace characters)."""
+    if reasoning is None:
+        return "", ""
+    think_open, think_end = think_tokens
+    rules = reasoning_rules(think_end)
+    if reasoning == "opened":
+        return f"reasoning_rest {gap}", rules
+    return f"(reasoning {gap})? ", f"reasoning: {text_or_token(THINK_OPEN, think_open)} reasoning_rest\n" + rules
+
+
+def after_reasoning(spec: StructuredOutput, reasoning: str = "opened",
+                    think_tokens: tuple[int | None, int | None] = (None, None)) -> StructuredOutput:
+    """A grammar of a reply that starts inside a reasoning (``reasoning`` ``"opened"``: the
+    rest of it up to ``</think>``) or may open one (``"optional"``), then, right after it
+    (or from the start), an output of ``spec`` (:func:`reasoning_start`)."""
+    start, rules = reasoning_start(reasoning, think_tokens)
+    return StructuredOutput(grammar=f"start: {start}constraint\n" + constraint_rule(spec) + rules)

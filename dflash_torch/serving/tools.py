@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 
 from ..errors import DFlashError
 from ..options import JSON_TYPES, check_choice
-from .constraints import reasoning_rules, text_or_token
+from .constraints import reasoning_start, text_or_token
 from .reasoning import HarmonyParser, ReasoningParser, _held, new_parser
 
 PARSERS = ("auto", "none", "hermes", "qwen3_coder", "minimax_m2", "gemma4", "harmony")
@@ -639,17 +639,17 @@ class ReplyParser:
 # The arguments of constrained hermes calls: JSON as the templates render a call (``tojson``:
 # ", " and ": ", no other whitespace); a tool's own "x-guidance" options override these.
 HERMES_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# the rest of a reasoning the template opened (:func:`.constraints.reasoning_rules`: any text up
-# to the first </think>), then at most 4 whitespace characters before the first call
-_REST_OF_REASONING = 'reasoning_rest /[ \\t\\r\\n]{0,4}/ '
+# at most 4 whitespace characters between a reasoning's </think> and the first call
+_AFTER_REASONING = '/[ \\t\\r\\n]{0,4}/'
 
 
 def _arguments_schema(function: dict) -> dict | bool:
     """A tool's ``parameters`` as the schema of its call's ``arguments``: an object (``type``
-    ``object`` unless the schema names a type), no parameters: any object."""
+    ``object`` unless the schema names a type); no ``parameters``: the empty object (OpenAI:
+    "omitting parameters defines a function with an empty parameter list")."""
     params = function.get("parameters")
     if not isinstance(params, dict):
-        return {"type": "object", "x-guidance": HERMES_JSON_OPTIONS}
+        return {"type": "object", "properties": {}, "additionalProperties": False, "x-guidance": HERMES_JSON_OPTIONS}
     schema = dict(params)
     schema.setdefault("type", "object")
     guidance = schema.get("x-guidance")
@@ -669,19 +669,19 @@ def _called_functions(tools: list[dict], name: str | None) -> list[dict]:
     return functions
 
 
-def _calls_grammar(alternatives: list[str], rules: list[str], one: bool, in_reasoning: bool,
-                   think_end: int | None) -> str:
+def _calls_grammar(alternatives: list[str], rules: list[str], one: bool, reasoning: str | None,
+                   think_tokens: tuple[int | None, int | None]) -> str:
     """The grammar of a reply that is only calls: ``alternatives`` (one Lark expression per
     callable function) and their ``rules``; ``one``: exactly one call, else one or more
-    separated by a newline; ``in_reasoning``: first the rest of the reasoning the template opened."""
+    separated by a newline; ``reasoning``: first the rest of the reasoning the template
+    opened, or a reasoning the reply may open (:func:`.constraints.reasoning_start`)."""
     calls = "call" if one else 'call ("\\n" call)*'
-    start = f"start: {_REST_OF_REASONING if in_reasoning else ''}{calls}\n"
-    return (start + "call: " + " | ".join(alternatives) + "\n" + "".join(rules)
-            + (reasoning_rules(think_end) if in_reasoning else ""))
+    head, reasoning_rules = reasoning_start(reasoning, think_tokens, _AFTER_REASONING)
+    return f"start: {head}{calls}\n" + "call: " + " | ".join(alternatives) + "\n" + "".join(rules) + reasoning_rules
 
 
 def hermes_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
-                   in_reasoning: bool = False, think_end: int | None = None,
+                   reasoning: str | None = None, think_tokens: tuple[int | None, int | None] = (None, None),
                    call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
     """An llguidance Lark grammar (:class:`~dflash_torch.structured.StructuredOutput`
     ``grammar``) of a reply that is only hermes tool calls, as :class:`HermesParser` reads
@@ -690,11 +690,13 @@ def hermes_grammar(tools: list[dict], name: str | None = None, parallel: bool = 
     ``parameters`` schema (:data:`HERMES_JSON_OPTIONS`). ``name``: that function only, one
     call (``tool_choice`` a named function); else one call or more (``tool_choice``
     ``required``), separated by a newline, or exactly one when ``parallel`` is False. The
-    reply ends (EOS) after the last call. ``in_reasoning``: the template opened a
-    ``<think>`` in the prompt: the reply first closes it (any text up to ``</think>``,
-    then up to 4 whitespace characters; ``think_end``: the tokenizer's one token for
-    ``</think>``, :func:`.constraints.think_end_token`, else None: it is text); a reply that
-    was not inside a reasoning cannot open one. ``call_tokens``: the tokenizer's one token
+    reply ends (EOS) after the last call. ``reasoning``: ``"opened"``, the template opened a
+    ``<think>`` in the prompt: the reply first closes it (any text up to ``</think>``, then
+    up to 4 whitespace characters); ``"optional"``: the reply may first open a reasoning
+    and close it (a model that writes its own ``<think>``, as Qwen3's thinking mode); None:
+    no reasoning (:func:`.constraints.reasoning_start`; ``think_tokens``: the tokenizer's
+    one token for ``<think>`` and ``</think>``, :func:`.constraints.think_tokens`, None
+    where it is text). ``call_tokens``: the tokenizer's one token
     for ``<tool_call>`` and for ``</tool_call>`` where it has them (Qwen3's added tokens,
     :func:`.constraints.special_token`), which llguidance never matches to the text, so the
     grammar also takes the token (else the model would have to spell the marker out).
@@ -707,7 +709,7 @@ def hermes_grammar(tools: list[dict], name: str | None = None, parallel: bool = 
         head = json.dumps(f'\n{{"name": {_dumps(fn["name"])}, "arguments": ')
         alternatives.append(f"{call_open} {head} arguments_{i} {json.dumps('}' + chr(10))} {call_close}")
         rules.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(fn))}\n")
-    return _calls_grammar(alternatives, rules, name is not None or not parallel, in_reasoning, think_end)
+    return _calls_grammar(alternatives, rules, name is not None or not parallel, reasoning, think_tokens)
 
 
 # a qwen3_coder text value: any text up to the first newline + </parameter> + newline (the
@@ -835,7 +837,7 @@ def _check_coder_name(name: str, what: str) -> None:
 
 
 def qwen3_coder_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
-                        in_reasoning: bool = False, think_end: int | None = None,
+                        reasoning: str | None = None, think_tokens: tuple[int | None, int | None] = (None, None),
                         call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
     """As :func:`hermes_grammar`, for the ``qwen3_coder`` format (Qwen3-Coder, Qwen3.5,
     Qwen3.6), as their chat templates write a call and :class:`Qwen3CoderParser` reads it:
@@ -865,7 +867,7 @@ def qwen3_coder_grammar(tools: list[dict], name: str | None = None, parallel: bo
             parts.append(f"parameter_{i}_{j}" + ("" if key in required else "?"))
         head = json.dumps(f"\n<function={fn['name']}>\n")
         alternatives.append(" ".join([call_open, head, *parts, json.dumps("</function>\n"), call_close]))
-    return _calls_grammar(alternatives, rules, name is not None or not parallel, in_reasoning, think_end)
+    return _calls_grammar(alternatives, rules, name is not None or not parallel, reasoning, think_tokens)
 
 
 # the grammar of forced calls (tool_choice required or a named function) of each format that has one
