@@ -567,6 +567,29 @@ def test_cached_tokens_count_each_prompt_once_with_a_list_and_n(server):
         assert cached >= base - 1, stream  # (at least the first prompt's, but its last token)
 
 
+def test_prompt_tokens_metric_counts_each_choice_and_says_so(server):
+    """n=4 choices of a prompt: ``dflash_prompt_tokens_total`` grows by the prompt once per
+    choice (as the generated tokens and the sequence gauges count choices), the prefill and
+    reused counters by the prompt once (the choices share its prefill), as ``usage``; the
+    metric's HELP says so (it said "Prompt tokens of started generations", read as the
+    usage's count)."""
+    c = server.client()
+
+    def read() -> tuple[float, float]:
+        m = server.metrics()
+        return (m[("dflash_prompt_tokens_total", ())],
+                m[("dflash_prefill_tokens_total", ())] + m[("dflash_reused_prefill_tokens_total", ())])
+
+    before = read()
+    usage = c.completions.create(prompt="def counted_per_choice(y):\n", max_tokens=3, n=4, **_kw(0.0)).usage
+    after = read()
+    assert after[0] - before[0] == 4 * usage.prompt_tokens
+    assert after[1] - before[1] == usage.prompt_tokens
+    text = httpx.get(f"{server.base}/metrics", timeout=30).text
+    assert ("# HELP dflash_prompt_tokens_total Prompt tokens of started generations, counted for each choice (a "
+            "request of n choices of a prompt: n times; its usage.prompt_tokens counts the prompt once)") in text, text
+
+
 def test_cached_tokens_of_n_choices_are_those_no_choice_read(tiny_pair, tmp_path_factory):
     """n=2 choices of a prompt that extends a retained one, on 2 slots while another stream
     decodes: choice 0 takes the retained rows in the free slot, choice 1 waits for the
