@@ -1104,9 +1104,11 @@ class ResponsesRequest(BaseModel):
             self._validated_items.append(("structured_outputs", chat.structured_outputs, self.structured_outputs))
         return chat
 
-    def echo(self, chat: ChatCompletionRequest, defaults: dict | None = None) -> dict:
+    def echo(self, chat: ChatCompletionRequest, defaults: dict | None = None, max_output_tokens: int | None = None) -> dict:
         """The request's settings as a Response object repeats them (``temperature`` and
-        ``top_p`` as served: ``defaults`` as in :meth:`ChatCompletionRequest.sampling_kwargs`)."""
+        ``top_p`` as served: ``defaults`` as in :meth:`ChatCompletionRequest.sampling_kwargs`;
+        ``max_output_tokens`` the limit that applied, where given: the request's, else the
+        ``generation_config.json``'s ``max_new_tokens`` or the rest of the context)."""
         sampling = chat.sampling_values(defaults)
         choice = self.tool_choice
         if isinstance(choice, ResponsesToolChoice):
@@ -1114,7 +1116,7 @@ class ResponsesRequest(BaseModel):
         fmt = self.text.format if self.text is not None and self.text.format is not None else None
         reasoning = self.reasoning or ResponsesReasoning()
         return {
-            "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+            "instructions": self.instructions, "max_output_tokens": self.max_output_tokens if max_output_tokens is None else max_output_tokens,
             "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
             "previous_response_id": None,
             "reasoning": {"effort": reasoning.effort, "summary": reasoning.summary or reasoning.generate_summary},
