@@ -135,13 +135,23 @@ def test_the_server_defaults_to_the_recommended_sampling(recommended_pair, tmp_p
         assert client.chat.completions.create(**chat, max_tokens=9).usage.completion_tokens == 9
         # a Response repeats the values it was served with
         resp = client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
-        assert (resp.temperature, resp.top_p) == (0.7, 0.9)
+        assert (resp.temperature, resp.top_p, resp.max_output_tokens) == (0.7, 0.9, 3)
+        # the limit too, where the file's max_new_tokens applied (it said null while cut at 6), streamed or not
+        resp = client.responses.create(model=MODEL, input="hi", extra_body={"ignore_eos": True})
+        assert (resp.status, resp.incomplete_details.reason, resp.usage.output_tokens) == ("incomplete",
+                                                                                          "max_output_tokens", 6)
+        assert resp.max_output_tokens == 6
+        events = list(client.responses.create(model=MODEL, input="hi", stream=True, extra_body={"ignore_eos": True}))
+        assert events[0].response.max_output_tokens == 6 and events[-1].response.max_output_tokens == 6
     with _serve(recommended_pair, tmp_path_factory.mktemp("none"), "--generation-config", "none") as srv:
         client = srv.client()
         assert [_completion(client, seed) for seed in range(4)] == \
             [_completion(client, seed, **openai_defaults) for seed in range(4)]
         resp = client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
         assert (resp.temperature, resp.top_p) == (1.0, 1.0)
+        # no limit asked or recommended: the rest of the context applied, and is the one repeated
+        resp = client.responses.create(model=MODEL, input="hi", extra_body={"ignore_eos": True})
+        assert resp.max_output_tokens == resp.usage.output_tokens > 6 and resp.status == "incomplete"
         assert "generation_config.json" not in srv.log.read_text()
 
 

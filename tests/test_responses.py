@@ -106,6 +106,23 @@ def test_text_equals_chat_completions_and_the_engine(servers):
     assert (r.instructions, r.metadata) == ("Be brief.", {"k": "v"})
 
 
+def test_a_refusal_part_of_an_assistant_message_item_is_its_text(servers):
+    """An assistant message item sent back as OpenAI returned it may hold a ``refusal``
+    content part: its text joins the content as an output_text part's does, as chat reads
+    refusal parts (it was a 400 "only text content is supported")."""
+    spec, _ = servers
+    items = [{"role": "user", "content": "def f(x):"},
+             {"type": "message", "role": "assistant", "content": [
+                 {"type": "output_text", "text": "  return x", "annotations": []},
+                 {"type": "refusal", "refusal": "I can't help with that."}]},
+             {"role": "user", "content": "class A:"}]
+    r = _respond(spec, input=items, max_output_tokens=8)
+    history = [{"role": "user", "content": "def f(x):"},
+               {"role": "assistant", "content": "  return x\nI can't help with that."},
+               {"role": "user", "content": "class A:"}]
+    chat = spec.chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=8)
+    assert r.output_text == chat.choices[0].message.content and r.usage.input_tokens == chat.usage.prompt_tokens
+
 def test_streamed_events_give_the_non_streamed_response(servers):
     spec, _ = servers
     whole = _respond(spec, input=PROMPT, max_output_tokens=40)
@@ -239,6 +256,11 @@ BAD = [  # (body fields, status, param, words of the message)
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
      "input.0.content.0.type", "only text"),
     ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input.0.role", "invalid value"),
+    # (OpenAI's refusal content part: an assistant message's output, not a user's)
+    ({"input": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}, 400, "input.0.content.0.type",
+     "input.0.content.0 is a refusal part, which only an assistant message may hold"),
+    ({"input": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "refusal"}]}]}, 400,
+     "input.1.content.0.refusal", "missing required parameter: input.1.content.0.refusal"),
     ({"input": ["hi"]}, 400, "input", "expected one of"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "name": "f", "arguments": "{}"}]}, 400,
      "input.1.call_id", "missing"),

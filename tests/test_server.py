@@ -252,6 +252,38 @@ def test_chat_stream_and_not(server, local_engine):
     assert tokens[0] == tokens[1] == local_engine.encode_prompt(joined, chat=True)
 
 
+
+def test_refusal_parts_of_an_assistant_message_are_its_text(server, local_engine):
+    """OpenAI's assistant messages may hold ``{"type": "refusal", "refusal": ...}`` parts (a
+    client sends back what it got): their text joins the content as a text part's does, as
+    vLLM reads them (they were a 400 "expected one of str, list[TextPart]"). A part type this
+    server cannot read is a 400 naming the type, not the union's summary; a refusal part
+    elsewhere than in an assistant message too."""
+    c = server.client()
+    parts = [{"role": "user", "content": "def f(x):"},
+             {"role": "assistant", "content": [{"type": "text", "text": "  return x"},
+                                               {"type": "refusal", "refusal": "I can't help with that."}]},
+             {"role": "user", "content": "class A:"}]
+    joined = [parts[0], {"role": "assistant", "content": "  return x\nI can't help with that."}, parts[2]]
+    tokens = [server.post("/tokenize", {"model": MODEL, "messages": m}).json()["tokens"] for m in (parts, joined)]
+    assert tokens[0] == tokens[1] == local_engine.encode_prompt(joined, chat=True)
+    r = c.chat.completions.create(messages=parts, max_tokens=8, **_greedy())
+    assert r.choices[0].message.content == c.chat.completions.create(messages=joined, max_tokens=8,
+                                                                     **_greedy()).choices[0].message.content
+    for content, role, words in (
+            ([{"type": "image_url", "image_url": {"url": "x"}}], "user",
+             "part 0 has type 'image_url': only text parts are supported (and refusal parts in an assistant message)"),
+            ([{"type": "text", "text": "a"}, {"type": "input_audio", "input_audio": {}}], "assistant",
+             "part 1 has type 'input_audio': only text parts are supported (and refusal parts in an assistant message)"),
+            ([{"type": "refusal", "refusal": "no"}], "user",
+             "part 0 is a refusal part, which only an assistant message may hold"),
+            ([{"type": "refusal"}], "assistant", "part 0 (type 'refusal') has no 'refusal' string"),
+            ([{"type": "text"}], "user", "part 0 (type 'text') has no 'text' string")):
+        messages = [{"role": "user", "content": "hi"}, {"role": role, "content": content}]
+        err = _assert_openai_error(server.post("/v1/chat/completions", {"model": MODEL, "messages": messages}), 400)
+        assert err["param"] == "messages.1.content", err
+        assert err["message"] == f"invalid value for messages.1.content: {words}", err
+
 def test_seeded_sampling_reproducible(server):
     c = server.client()
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0.9, top_p=0.95,

@@ -297,9 +297,10 @@ def test_a_full_queue_answers_503_with_retry_after_at_once(tiny_pair, tmp_path):
         r = srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
         err = _assert_openai_error(r, 503)
         assert err["code"] == "queue_full" and err["type"] == "server_error", err
-        # (it said "2 sequences wait ... (at most 1)": the bound counts the free slots too)
-        assert err["message"] == ("the server is busy: this request's 1 sequences do not fit behind the 1 queued "
-                                  "(room for 1: 0 free slots, then 1 waiting, --max-queue); retry in 1 s"), err
+        # (it said "2 sequences wait ... (at most 1)": the bound counts the free slots too; then
+        # "this request's 1 sequences do not fit behind the 1 queued (room for 1: 0 free slots, ...)")
+        assert err["message"] == ("the server is full: 1 of 1 slots busy (--max-batch-size) and 1 of 1 waiting "
+                                  "places taken (--max-queue); retry in 1 s"), err
         assert httpx.head(f"{srv.base}/health", timeout=10).status_code == 200  # (load balancers' probes)
         assert int(r.headers["retry-after"]) >= 1
         with pytest.raises(openai.InternalServerError):
@@ -310,7 +311,10 @@ def test_a_full_queue_answers_503_with_retry_after_at_once(tiny_pair, tmp_path):
             "3 choices (1 prompts x n=3) are more than this server holds (2: 1 slots, --max-batch-size, and 1 waiting, "
             "--max-queue)"), err
         r = srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 2})  # (two fit, once both are free)
-        assert _assert_openai_error(r, 503)["code"] == "queue_full"
+        err = _assert_openai_error(r, 503)
+        assert err["code"] == "queue_full" and err["message"] == (
+            "the server has no room for this request's 2 choices now: 1 of 1 slots busy (--max-batch-size) and 1 of 1 "
+            "waiting places taken (--max-queue); retry in 1 s"), err
         # so are token ids outside the vocabulary (they were a 503 "retry in 1 s" while the queue was full)
         for field, value in (("logit_bias", {"999999": 5}), ("stop_token_ids", [999999])):
             r = srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, field: value})
@@ -563,6 +567,29 @@ def test_cached_tokens_count_each_prompt_once_with_a_list_and_n(server):
         assert cached >= base - 1, stream  # (at least the first prompt's, but its last token)
 
 
+def test_prompt_tokens_metric_counts_each_choice_and_says_so(server):
+    """n=4 choices of a prompt: ``dflash_prompt_tokens_total`` grows by the prompt once per
+    choice (as the generated tokens and the sequence gauges count choices), the prefill and
+    reused counters by the prompt once (the choices share its prefill), as ``usage``; the
+    metric's HELP says so (it said "Prompt tokens of started generations", read as the
+    usage's count)."""
+    c = server.client()
+
+    def read() -> tuple[float, float]:
+        m = server.metrics()
+        return (m[("dflash_prompt_tokens_total", ())],
+                m[("dflash_prefill_tokens_total", ())] + m[("dflash_reused_prefill_tokens_total", ())])
+
+    before = read()
+    usage = c.completions.create(prompt="def counted_per_choice(y):\n", max_tokens=3, n=4, **_kw(0.0)).usage
+    after = read()
+    assert after[0] - before[0] == 4 * usage.prompt_tokens
+    assert after[1] - before[1] == usage.prompt_tokens
+    text = httpx.get(f"{server.base}/metrics", timeout=30).text
+    assert ("# HELP dflash_prompt_tokens_total Prompt tokens of started generations, counted for each choice (a "
+            "request of n choices of a prompt: n times; its usage.prompt_tokens counts the prompt once)") in text, text
+
+
 def test_cached_tokens_of_n_choices_are_those_no_choice_read(tiny_pair, tmp_path_factory):
     """n=2 choices of a prompt that extends a retained one, on 2 slots while another stream
     decodes: choice 0 takes the retained rows in the free slot, choice 1 waits for the
@@ -703,3 +730,16 @@ def test_draft_max_batch_size_runs_busy_rounds_target_only(server, tiny_pair, tm
     default_texts, default_rounds = ask(server)
     assert texts == default_texts
     assert plain_rounds > 0 and default_rounds == 0
+
+
+def test_queue_full_message_counts_waiting_sequences_as_busy_slots_first():
+    """Two requests queued before the scheduler admitted either (no slot taken yet): the
+    message said "behind the 2 queued (room for 2: 1 free slots, ...)"; the waiting ones
+    take the free slot first, so the slot is busy and the one waiting place taken."""
+    from dflash_torch.serving.scheduler import QueueFull
+
+    assert str(QueueFull(2, 1, 1, 1)) == ("the server is full: 1 of 1 slots busy (--max-batch-size) and 1 of 1 "
+                                          "waiting places taken (--max-queue); retry in 1 s")
+    assert str(QueueFull(3, 2, 4, 1)) == ("the server has no room for this request's 2 choices now: 3 of 4 slots "
+                                          "busy (--max-batch-size) and 0 of 1 waiting places taken (--max-queue); "
+                                          "retry in 1 s")

@@ -851,7 +851,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             if parsers is not None and parsers[0] is None:
                 parsers = None
             if kind == "responses":
-                builder = ResponseBuilder(rid, model_id, responses.echo(req, sampling_defaults))
+                builder = ResponseBuilder(rid, model_id, responses.echo(req, sampling_defaults, prepared[0][1]))
                 parser = None if parsers is None else parsers[0]
                 if req.stream:
                     return _JobStreamingResponse(sse(response_stream(job, builder, parser, prompt_tokens, responses)), job,

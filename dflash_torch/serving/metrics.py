@@ -9,7 +9,8 @@ dflash_requests_total                  counter    HTTP requests by ``endpoint`` 
 dflash_request_latency_seconds         histogram  request latency (whole stream included) by endpoint
 dflash_time_to_first_token_seconds     histogram  from arrival to the first generated token
 dflash_requests_cancelled_total        counter    generations (choices: a request's n) dropped or stopped early: the client went away
-dflash_prompt_tokens_total             counter    prompt tokens of started generations
+dflash_prompt_tokens_total             counter    prompt tokens of started generations, each choice
+                                                  its own (n choices: n times; ``usage.prompt_tokens``: once)
 dflash_prefill_tokens_total            counter    prompt tokens the target read (choices sharing a prompt: once)
 dflash_reused_prefill_tokens_total     counter    prompt tokens taken from a retained prefix instead (prefix reuse)
 dflash_generated_tokens_total          counter    generated (committed, emitted) tokens
@@ -35,7 +36,9 @@ process_*                              (various)  the process's memory, CPU, ope
 A request with several choices (a list of prompts, ``n`` > 1) runs one sequence per
 choice: the running, waiting and batch figures count sequences. Its choices of one
 prompt share that prompt's prefill (batched backend): ``dflash_prefill_tokens_total``
-grows by the prompt once, ``dflash_prompt_tokens_total`` once per choice.
+grows by the prompt once, ``dflash_prompt_tokens_total`` once per choice (as the
+generated, cancelled and sequence figures count choices; ``usage.prompt_tokens`` of the
+response counts each prompt once).
 """
 
 from __future__ import annotations
@@ -65,7 +68,9 @@ class ServerMetrics:
         self.ttft = Histogram("dflash_time_to_first_token_seconds", "Seconds from request arrival to the first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.cancelled = Counter("dflash_requests_cancelled", "Generations stopped early because the client went away", registry=r)
-        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of started generations", registry=r)
+        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of started generations, counted for each "
+                                     "choice (a request of n choices of a prompt: n times; its usage.prompt_tokens "
+                                     "counts the prompt once)", registry=r)
         self.prefill_tokens = Counter("dflash_prefill_tokens", "Prompt tokens the target read (a prompt shared by "
                                       "several choices is read once)", registry=r)
         self.reused_prefill_tokens = Counter("dflash_reused_prefill_tokens", "Prompt tokens taken from a retained "

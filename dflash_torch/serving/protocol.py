@@ -319,10 +319,18 @@ class CompletionRequest(_Request):
         return [p]
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
+    """A part of a message's list ``content``: ``{"type": "text", "text": ...}``, or in an
+    assistant message OpenAI's ``{"type": "refusal", "refusal": ...}``, whose text joins the
+    content as a text part's does (as vLLM reads it). Other types (images, audio, files)
+    are refused by :meth:`ChatMessage._check_parts`, which names the type."""
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: StrictStr
+    type: StrictStr
+    text: StrictStr | None = None
+    refusal: StrictStr | None = None
+
+    def value(self) -> str:
+        return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
 class FunctionCall(BaseModel):
@@ -346,13 +354,28 @@ class ChatMessage(BaseModel):
     # (OpenAI's fields of an assistant message a client sends back as it got it: not read)
     ALSO_KNOWN: ClassVar[frozenset[str]] = frozenset({"refusal", "annotations", "audio", "function_call"})
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None  # (role tool: the call it answers)
     # an earlier reply's reasoning, as the server returns it (vLLM's newer name: reasoning)
     reasoning_content: StrictStr | None = None
     reasoning: StrictStr | None = None
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _check_parts(cls, content, info):
+        """Text parts, and refusal parts in an assistant message, each with its text."""
+        role = info.data.get("role")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if part.type == "refusal" and role not in (None, "assistant"):
+                raise ValueError(f"part {j} is a refusal part, which only an assistant message may hold")
+            if part.type not in ("text", "refusal"):
+                raise ValueError(f"part {j} has type {part.type[:40]!r}: only text parts are supported (and "
+                                 f"refusal parts in an assistant message)")
+            if getattr(part, part.type) is None:
+                raise ValueError(f"part {j} (type {part.type!r}) has no {part.type!r} string")
+        return content
 
     @model_validator(mode="after")
     def _content_given(self):
@@ -367,7 +390,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)  # (as vLLM joins text parts)
+        return "\n".join(part.value() for part in self.content)  # (as vLLM joins text and refusal parts)
 
     def engine_message(self) -> dict:
         """The message for :meth:`DFlashEngine.encode_prompt` ("developer" is OpenAI's newer
@@ -637,7 +660,7 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
                 accepted.append(eloc[depth])
         param = ".".join(str(x) for x in loc[:depth]) or None
         return f"invalid value for {param}: expected one of {', '.join(accepted)}", param
-    msg = err.get("msg", "invalid value")
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")  # (pydantic's word for a validator's ValueError)
     return (f"invalid value for {param}: {msg}" if param else msg), param
 
 
@@ -672,6 +695,7 @@ class _Part(BaseModel):
     ALSO_KNOWN: ClassVar[frozenset[str]] = frozenset({"annotations", "logprobs"})
     type: StrictStr
     text: StrictStr | None = None
+    refusal: StrictStr | None = None  # (an assistant message's refusal part: OpenAI's output content)
 
 
 class _InputMessage(BaseModel):
@@ -713,16 +737,23 @@ _ITEMS = {"message": _InputMessage, "function_call": _FunctionCallItem, "functio
 _STATEFUL_ITEMS = {"item_reference": "an item_reference needs stored responses; this server keeps none (send the item itself)"}
 
 
-def _parts_text(parts: str | list[_Part], where: str) -> str:
+def _parts_text(parts: str | list[_Part], where: str, role: str | None = None) -> str:
+    """The text of ``parts``: text parts, and in an assistant message (``role``) refusal
+    parts (``refusal``: its text, as chat's refusal parts, see :class:`ContentPart`)."""
     if isinstance(parts, str):
         return parts
     for j, part in enumerate(parts):
-        if part.type not in TEXT_PART_TYPES + ("reasoning_text", "summary_text"):
+        if part.type == "refusal" and role != "assistant":
+            raise ResponsesInputError(f"{where}.{j}.type", f"{where}.{j} is a refusal part, which only an assistant "
+                                                            f"message may hold")
+        if part.type not in TEXT_PART_TYPES + ("reasoning_text", "summary_text", "refusal"):
             raise ResponsesInputError(f"{where}.{j}.type", f"only text content is supported (input_text, output_text); "
                                                             f"{where}.{j} is {part.type[:40]!r}", unsupported=True)
-        if part.text is None:
-            raise ResponsesInputError(f"{where}.{j}.text", f"missing required parameter: {where}.{j}.text")
-    return "\n".join(part.text for part in parts)  # (as chat content parts, see ChatMessage.text)
+        field = "refusal" if part.type == "refusal" else "text"
+        if getattr(part, field) is None:
+            raise ResponsesInputError(f"{where}.{j}.{field}", f"missing required parameter: {where}.{j}.{field}")
+    # (as chat content parts, see ChatMessage.text)
+    return "\n".join(part.refusal if part.type == "refusal" else part.text for part in parts)
 
 
 def _validate_item(schema, item: dict, where: str):
@@ -1064,7 +1095,7 @@ class ResponsesRequest(BaseModel):
                            "content": _parts_text(parsed.output, f"{where}.output")}
             else:
                 role = "system" if parsed.role == "developer" else parsed.role
-                message = {"role": role, "content": _parts_text(parsed.content, f"{where}.content")}
+                message = {"role": role, "content": _parts_text(parsed.content, f"{where}.content", role)}
             if message["role"] == "assistant" and "".join(reasoning):
                 message["reasoning_content"] = "".join(reasoning)
             if message["role"] != "assistant" or reasoning:
@@ -1104,9 +1135,11 @@ class ResponsesRequest(BaseModel):
             self._validated_items.append(("structured_outputs", chat.structured_outputs, self.structured_outputs))
         return chat
 
-    def echo(self, chat: ChatCompletionRequest, defaults: dict | None = None) -> dict:
+    def echo(self, chat: ChatCompletionRequest, defaults: dict | None = None, max_output_tokens: int | None = None) -> dict:
         """The request's settings as a Response object repeats them (``temperature`` and
-        ``top_p`` as served: ``defaults`` as in :meth:`ChatCompletionRequest.sampling_kwargs`)."""
+        ``top_p`` as served: ``defaults`` as in :meth:`ChatCompletionRequest.sampling_kwargs`;
+        ``max_output_tokens`` the limit that applied, where given: the request's, else the
+        ``generation_config.json``'s ``max_new_tokens`` or the rest of the context)."""
         sampling = chat.sampling_values(defaults)
         choice = self.tool_choice
         if isinstance(choice, ResponsesToolChoice):
@@ -1114,7 +1147,7 @@ class ResponsesRequest(BaseModel):
         fmt = self.text.format if self.text is not None and self.text.format is not None else None
         reasoning = self.reasoning or ResponsesReasoning()
         return {
-            "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+            "instructions": self.instructions, "max_output_tokens": self.max_output_tokens if max_output_tokens is None else max_output_tokens,
             "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
             "previous_response_id": None,
             "reasoning": {"effort": reasoning.effort, "summary": reasoning.summary or reasoning.generate_summary},

@@ -110,12 +110,19 @@ class ShuttingDown(Exception):
 
 
 class QueueFull(Exception):
-    """The waiting queue cannot take the job now; retry after ``retry_after`` seconds."""
+    """The slots and the waiting places cannot take the job now; retry after ``retry_after`` seconds.
 
-    def __init__(self, waiting: int, asked: int, max_queue: int, free: int, retry_after: int = RETRY_AFTER_S):
-        super().__init__(f"the server is busy: this request's {asked} sequences do not fit behind the {waiting} "
-                         f"queued (room for {free + max_queue}: {free} free slots, then {max_queue} waiting, "
-                         f"--max-queue); retry in {retry_after} s")
+    ``held`` sequences run or wait; waiting ones take a free slot first, so the message
+    counts them as the busy slots and then the taken waiting places."""
+
+    def __init__(self, held: int, asked: int, max_batch_size: int, max_queue: int, retry_after: int = RETRY_AFTER_S):
+        busy = min(held, max_batch_size)
+        state = (f"{busy} of {max_batch_size} slots busy (--max-batch-size) and {held - busy} of {max_queue} "
+                 f"waiting places taken (--max-queue); retry in {retry_after} s")
+        if asked == 1:
+            super().__init__(f"the server is full: {state}")
+        else:
+            super().__init__(f"the server has no room for this request's {asked} choices now: {state}")
         self.retry_after = retry_after
 
 
@@ -403,10 +410,10 @@ class Scheduler:
         with self._cond:
             if self.closed:
                 raise ShuttingDown()
-            free = max(0, self.max_batch_size - len(self._running))
-            if len(self._waiting) + len(job.sequences) > self.max_queue + free:
+            held = len(self._waiting) + len(self._running)
+            if held + len(job.sequences) > self.max_batch_size + self.max_queue:
                 self.metrics.rejected.inc()
-                raise QueueFull(len(self._waiting), len(job.sequences), self.max_queue, free)
+                raise QueueFull(held, len(job.sequences), self.max_batch_size, self.max_queue)
             job.scheduler, job.unfinished = self, len(job.sequences)
             self._jobs.add(job)
             self._waiting.extend(job.sequences)
