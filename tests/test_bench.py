@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -598,3 +599,24 @@ def test_compiled_modes_build_every_length_bucket_before_the_timed_decodes(tmp_p
             assert res.recompiles_after_warmup == 0
         else:  # without a warm-up every graph is built while timed, and counted
             assert res.recompiles_after_warmup > 0
+
+
+def test_bench_help_leaves_out_the_decoding_options_it_refuses(tmp_path, capsys, monkeypatch):
+    """bench picks the decoding with --modes and sizes the context itself: its --help does not
+    offer --no-draft, --compile, --draft-mode, --max-context and --prefill-chunk (generate's
+    still does), and each is still refused in one line."""
+    from dflash_torch.cli import main as cli_main
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    refused = ["--no-draft", "--compile", "--draft-mode", "--max-context", "--prefill-chunk"]
+    for command in ("bench", "generate"):
+        with pytest.raises(SystemExit):
+            cli_main([command, "--help"])
+        text = capsys.readouterr().out  # (an option in the usage line "[--flag ...]" or starting a line of its own)
+        offered = [flag for flag in refused if re.search(rf"(\[|^\s+){flag}\b(?!-)", text, re.M)]
+        assert offered == ([] if command == "bench" else refused), command
+    for extra in (["--no-draft"], ["--compile"], ["--draft-mode", "recompute"], ["--max-context", "100"],
+                  ["--prefill-chunk", "64"]):
+        assert cli_main(["bench", "--out", str(tmp_path / "o"), *extra]) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and extra[0] in err[0], (extra, err)
