@@ -571,11 +571,11 @@ def test_compiled_modes_build_every_length_bucket_before_the_timed_decodes(tmp_p
 
     The pair accepts all 16 tokens of every block, so a decode starting at position p
     runs rounds at p, p + 16, ...; the length buckets here are 256, 512 and 768 keys (the
-    caches of max_context 500 hold 757 positions), a round at s reaching 768 when
+    caches of max_context 500 hold 768 positions), a round at s reaching 768 when
     s + 16 > 512. The timed decode of the 17-token prompt has a round at 497; the warm-up's
-    decode of the 5-token prompt to the context limit has rounds at 485 and then at 501,
-    past its last round's start (498): it never reached 768, so its graphs were built in a
-    timed decode (bench on the shipped pair: "inject-compiled: 2 recompile(s) after warm-up").
+    decode of the 5-token prompt to the context limit (495 tokens) has its last round at
+    485: it never reached 768, whose graphs were then built in a timed decode (as bench on
+    the shipped pair did: "inject-compiled: 2 recompile(s) after warm-up").
     torch.compile runs with dynamo's "eager" backend: every graph is traced and counted as
     with inductor, at a fraction of the compile time."""
     from conftest import make_agreeable_pair
