@@ -16,20 +16,28 @@ import sys
 from .errors import DFlashError, OptionError
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every subcommand that loads a target + drafter pair."""
+def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
+    """Options shared by every subcommand that loads a target + drafter pair.
+
+    ``decoding`` False: for a command that picks the decoding itself (bench), whose
+    --draft-mode, --no-draft, --compile, --max-context and --prefill-chunk are parsed (for
+    it to refuse them with a message) but left out of its --help."""
+
+    def shown(text: str) -> str:
+        return text if decoding else argparse.SUPPRESS
+
     p.add_argument("--target", help="target checkpoint dir or cached HF id (default: the shipped default target)")
     p.add_argument("--draft", help="DFlash drafter checkpoint dir or cached HF id (default: the shipped drafter, "
                                   "which goes with the shipped target only)")
     p.add_argument("--dtype", default="auto", help="auto (default: bfloat16 on CUDA, float32 on CPU), float32 or bfloat16")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft block (default: the drafter's)")
-    p.add_argument("--draft-mode", default="inject", choices=["inject", "recompute"], help="drafter context: persistent injected KV cache (default) or cache-less recompute")
-    p.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
-    p.add_argument("--compile", action="store_true", help="fixed-shape rounds compiled with torch.compile")
-    p.add_argument("--max-context", type=int, default=None, help="longest prompt + generation in tokens (default: the target's limit)")
+    p.add_argument("--draft-mode", default="inject", choices=["inject", "recompute"], help=shown("drafter context: persistent injected KV cache (default) or cache-less recompute"))
+    p.add_argument("--no-draft", action="store_true", help=shown("target-only autoregressive decoding"))
+    p.add_argument("--compile", action="store_true", help=shown("fixed-shape rounds compiled with torch.compile"))
+    p.add_argument("--max-context", type=int, default=None, help=shown("longest prompt + generation in tokens (default: the target's limit)"))
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prompt tokens per prefill forward (default 256; smaller bounds one forward's memory)")
+                   help=shown("prompt tokens per prefill forward (default 256; smaller bounds one forward's memory)"))
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch, at most the machine's CPUs (default: torch's choice)")
     p.add_argument("--mxfp4", default="auto", choices=["auto", "dequantize", "packed"],
                    help="MXFP4 / FP4 expert weights (gpt-oss, DeepSeek-V4-Flash): dequantize when loading, keep packed (a quarter of the "

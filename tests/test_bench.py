@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -563,3 +564,59 @@ def test_a_sweep_past_the_pairs_context_says_so(tiny_pair, tmp_path, capsys):
     assert ("note: --sweep lengths 2048 exceed the target's context of 1024 tokens: the loaded drafter's sweep times "
             "contexts this pair cannot reach (the cost alone)\n") in err
     assert json.loads((tmp_path / "o" / "bench.json").read_text())["sweep"]["lengths"] == [128, 1024, 2048]
+
+
+def test_compiled_modes_build_every_length_bucket_before_the_timed_decodes(tmp_path, tokenizer_dir, monkeypatch):
+    """A compiled mode's timed decodes compile nothing, whatever the acceptance lengths.
+
+    The pair accepts all 16 tokens of every block, so a decode starting at position p
+    runs rounds at p, p + 16, ...; the length buckets here are 256, 512 and 768 keys (the
+    caches of max_context 500 hold 768 positions), a round at s reaching 768 when
+    s + 16 > 512. The timed decode of the 17-token prompt has a round at 497; the warm-up's
+    decode of the 5-token prompt to the context limit (495 tokens) has its last round at
+    485: it never reached 768, whose graphs were then built in a timed decode (as bench on
+    the shipped pair did: "inject-compiled: 2 recompile(s) after warm-up").
+    torch.compile runs with dynamo's "eager" backend: every graph is traced and counted as
+    with inductor, at a fraction of the compile time."""
+    from conftest import make_agreeable_pair
+
+    from dflash_torch.bench.modes import ALL_MODES, run_modes
+    from dflash_torch.models.target import TargetModel
+
+    target_dir, drafter_dir = make_agreeable_pair(tmp_path, tokenizer_dir, alpha=1.0, self_scale=0.0)
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **opts: compile_(fn, **{**opts, "backend": "eager"}))
+    prompts = [list(range(5, 10)), list(range(40, 57))]
+    for warmup_prompts in (1, 0):
+        torch._dynamo.reset()
+        (res, outputs), = run_modes([ALL_MODES["inject-compiled"]], target, drafter, prompts, block_size=None,
+                                    max_new_tokens=482, max_context=500, warmup_prompts=warmup_prompts, progress=False)
+        assert res.acceptance_histogram == {1: 2, 16: 60}  # (whole blocks; each decode's last round keeps 1)
+        assert res.eager_fallbacks == 0
+        if warmup_prompts:
+            assert res.recompiles_after_warmup == 0
+        else:  # without a warm-up every graph is built while timed, and counted
+            assert res.recompiles_after_warmup > 0
+
+
+def test_bench_help_leaves_out_the_decoding_options_it_refuses(tmp_path, capsys, monkeypatch):
+    """bench picks the decoding with --modes and sizes the context itself: its --help does not
+    offer --no-draft, --compile, --draft-mode, --max-context and --prefill-chunk (generate's
+    still does), and each is still refused in one line."""
+    from dflash_torch.cli import main as cli_main
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    refused = ["--no-draft", "--compile", "--draft-mode", "--max-context", "--prefill-chunk"]
+    for command in ("bench", "generate"):
+        with pytest.raises(SystemExit):
+            cli_main([command, "--help"])
+        text = capsys.readouterr().out  # (an option in the usage line "[--flag ...]" or starting a line of its own)
+        offered = [flag for flag in refused if re.search(rf"(\[|^\s+){flag}\b(?!-)", text, re.M)]
+        assert offered == ([] if command == "bench" else refused), command
+    for extra in (["--no-draft"], ["--compile"], ["--draft-mode", "recompute"], ["--max-context", "100"],
+                  ["--prefill-chunk", "64"]):
+        assert cli_main(["bench", "--out", str(tmp_path / "o"), *extra]) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and extra[0] in err[0], (extra, err)

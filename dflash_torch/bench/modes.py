@@ -131,6 +131,11 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
     between modes hold even when absolute speeds drift. Recompiles are counted per
     mode around its own decodes.
 
+    ``warmup_prompts``: warm-up passes per mode (the longest prompt's prefill and the
+    shortest prompt decoded to ``max_context``), after which a compiled mode has built
+    the graphs of every length bucket up to ``max_context``. With 0, nothing is warmed
+    up: compiled modes compile while timed (and count it as recompiles).
+
     Returns:
         per mode, in the order of ``specs``: its figures and the generated ids of each prompt.
     """
@@ -143,9 +148,13 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
                                      draft_mode=spec.draft_mode, compile=spec.compile, max_context=max_context)
         t0 = time.perf_counter()
         skips, fallbacks = compile_counts()[1], eager_fallbacks()
-        # warm-up: the longest prompt's prefill and the shortest prompt decoded to the
-        # context limit reach every length bucket of the fixed-shape modes, so compiled
-        # modes build all their graphs here
+        # warm-up: a compiled mode first calls each compiled step at every length bucket up
+        # to the context (SpeculativeDecoder.warmup); which buckets a decode reaches depends
+        # on its acceptance lengths, so decoding prompts alone may miss one (its graph would
+        # then be built in a timed decode). Then the longest prompt's prefill and the shortest
+        # prompt decoded to the context limit run every mode's rounds as the timed decodes do.
+        if spec.compile and warmup_prompts:
+            decoder.warmup(max_context)
         longest, shortest = max(prompt_ids, key=len), min(prompt_ids, key=len)
         for _ in range(warmup_prompts):
             list(decoder.rounds(longest, params, min(2 * decoder.block_size, max_context - len(longest))))
