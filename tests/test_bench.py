@@ -472,7 +472,7 @@ def test_prompt_file_errors_name_the_file_and_line(tmp_path):
     f = tmp_path / "p.jsonl"
     for lines, words in [(['{"prompt": "a"}', '{"prompt": ""}'], f"{f}:2: the prompt must be a non-empty string, got ''"),
                          (['{"text": 5}'], f"{f}:1: the prompt must be a non-empty string, got 5"),
-                         (['["a"]'], f"{f}:1: expected a JSON object with a 'prompt' field"),
+                         (['["a"]'], f"{f}:1: expected a JSON object with a 'prompt' (or 'text') field"),
                          (['{"prompt": "a"}', '{oops'], f"{f}:2: not valid JSON (Expecting property name enclosed in "
                                                         "double quotes)"),
                          (['{"prompt": "a\\ud800"}'], f"{f}:1: the prompt is not valid Unicode text (a lone surrogate escape)"),

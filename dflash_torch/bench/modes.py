@@ -102,7 +102,7 @@ def load_prompts(path: Path, limit: int | None) -> list[str]:
         try:
             prompt = obj["prompt"] if "prompt" in obj else obj["text"]
         except (KeyError, TypeError):
-            raise DFlashError(f"{path}:{i + 1}: expected a JSON object with a 'prompt' field") from None
+            raise DFlashError(f"{path}:{i + 1}: expected a JSON object with a 'prompt' (or 'text') field") from None
         if not isinstance(prompt, str) or not prompt:
             raise DFlashError(f"{path}:{i + 1}: the prompt must be a non-empty string, got {prompt!r}")
         try:  # (a JSON escape such as \ud800 decodes to a lone surrogate, which no tokenizer takes)
