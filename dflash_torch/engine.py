@@ -475,8 +475,9 @@ class DFlashEngine:
                       check_length: bool = True) -> list[int]:
         """Token ids of a prompt: text, chat messages (``[{"role", "content"}]``) or ids.
 
-        Chat messages are OpenAI's: ``role`` and ``content`` (a string; None or absent for
-        an assistant message with ``tool_calls``), and optionally ``name``,
+        Chat messages are OpenAI's: ``role`` and ``content`` (a string, or a list of text
+        parts ``{"type": "text", "text": str}`` joined by newlines, as the server joins them;
+        None or absent for an assistant message with ``tool_calls``), and optionally ``name``,
         ``tool_call_id`` (role ``tool``), ``tool_calls`` (``[{"id", "type": "function",
         "function": {"name", "arguments"}}]``). A call's ``arguments`` given as a JSON
         string (OpenAI's protocol) is parsed into a dict before templating (templates such
@@ -1279,7 +1280,7 @@ def _chat_messages(messages: list) -> list[dict]:
 
     Raises:
         DFlashError: a message that is not a dict with a string ``role`` and a string
-            ``content`` (None allowed with ``tool_calls``), ``tool_calls`` that are not a
+            ``content`` (or a list of text parts; None allowed with ``tool_calls``), ``tool_calls`` that are not a
             list of ``{"function": {"name": str, "arguments": ...}}``, or ``arguments`` that
             are not a JSON object (a dict or its JSON text).
     """
@@ -1287,6 +1288,8 @@ def _chat_messages(messages: list) -> list[dict]:
         raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})")
     out = []
     for i, m in enumerate(messages):
+        if isinstance(m.get("content"), list):
+            m = {**m, "content": _parts_text(m["content"], m.get("role"), i)}
         calls = m.get("tool_calls")
         content_ok = isinstance(m.get("content"), str) or (calls and m.get("content") is None)
         if not isinstance(m.get("role"), str) or not content_ok:
@@ -1303,6 +1306,24 @@ def _chat_messages(messages: list) -> list[dict]:
         out.append({**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _call_arguments(
             c["function"].get("arguments", {}), i, j)}} for j, c in enumerate(calls)]})
     return out
+
+
+def _parts_text(parts: list, role, message: int) -> str:
+    """A message's ``content`` given as OpenAI's list of parts: the texts of its text parts
+    (``{"type": "text", "text": str}``; in an assistant message also ``{"type": "refusal",
+    "refusal": str}``) joined by newlines, as the server (and vLLM) joins them.
+
+    Raises:
+        DFlashError: a part of another kind (an image, ...) or without its string."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        field = "refusal" if kind == "refusal" and role == "assistant" else "text" if kind == "text" else None
+        if field is None or not isinstance(part.get(field), str):
+            raise DFlashError(f"chat message {message}: content part {j} must be {{'type': 'text', 'text': str}} (or, in "
+                              f"an assistant message, {{'type': 'refusal', 'refusal': str}}); got {str(part)[:80]}")
+        texts.append(part[field])
+    return "\n".join(texts)
 
 
 def _call_arguments(arguments, message: int, call: int) -> dict:

@@ -308,6 +308,23 @@ def test_an_earlier_replys_reasoning_reaches_the_template(local_engine, monkeypa
         assert "[Think.]" in local_engine.decode(local_engine.encode_prompt(sent))
 
 
+def test_content_parts_are_joined_as_the_server_joins_them(local_engine):
+    """A message's content given as OpenAI's list of parts (text parts; refusal parts in an
+    assistant message) is their texts joined by newlines, the prompt the server's chat
+    completions give the same messages."""
+    from dflash_torch.serving.protocol import ChatCompletionRequest
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "c"}, {"type": "refusal", "refusal": "no"}]},
+                {"role": "user", "content": "d"}]
+    joined = [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "c\nno"},
+              {"role": "user", "content": "d"}]
+    ids = local_engine.encode_prompt(messages)
+    assert ids == local_engine.encode_prompt(joined) == _oracle(local_engine.tokenizer, joined)
+    assert ids == local_engine.encode_prompt(ChatCompletionRequest(messages=messages).engine_messages())
+    assert messages[0]["content"][0] == {"type": "text", "text": "a"}  # (the caller's messages are not changed)
+
+
 @pytest.mark.parametrize("prompt,kwargs,message", [
     (CONVERSATION, {"tools": {"name": "f"}}, r"^tools must be a list of objects"),
     (CONVERSATION, {"tools": ["f"]}, r"^tools must be a list of objects"),
@@ -319,6 +336,11 @@ def test_an_earlier_replys_reasoning_reaches_the_template(local_engine, monkeypa
      r"^tool call arguments must be a JSON object: message 0, call 0: got int"),
     ([{"role": "assistant", "tool_calls": [{"name": "f"}]}], {}, r"^chat messages need tool_calls as a list"),
     ([{"role": "assistant", "content": None}], {}, r"^chat messages must be a list of"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
+     r"^chat message 0: content part 0 must be \{'type': 'text', 'text': str\}"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "no"}]}], {},
+     r"^chat message 0: content part 1 must be"),
+    ([{"role": "user", "content": [{"type": "text"}]}], {}, r"^chat message 0: content part 0 must be"),
     # malformed parameter schemas, named (helper-27: blamed on chat_template_kwargs, or free text in forced calls)
     (CONVERSATION, {"tools": [_tool({"type": "object", "properties": [1]})]},
      r"^tools\[0\]\.function\.parameters\.properties must be an object of parameter schemas, got \[1\]"),
