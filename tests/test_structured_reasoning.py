@@ -220,6 +220,23 @@ def test_a_reply_may_open_its_reasoning_then_the_constraint(servers, thinking_pa
             assert (msg.reasoning_content, msg.content) == (reasoning, content) and ok(content), (body, msg)
 
 
+def test_a_continued_answer_does_not_open_a_reasoning(servers, thinking_pair):
+    """continue_final_message of an assistant answer (the template neither opened nor closed
+    a reasoning): the constraint applies from the first token, as in Python; the model
+    does not open a reasoning in the middle of the answer it continues."""
+    spec, _ = servers
+    engine = DFlashEngine.from_pretrained(thinking_pair[0], no_draft=True)
+    messages = MESSAGES + [{"role": "assistant", "content": "Sure: "}]
+    kwargs = {"model_thinks": True}
+    ids = engine.encode_prompt(messages, add_generation_prompt=False, continue_final_message=True,
+                               chat_template_kwargs=kwargs)
+    want = engine.generate(ids, max_new_tokens=600, structured_output={"choice": CHOICES}).text
+    msg = _chat(spec, messages=messages, extra_body={"guided_choice": CHOICES, "continue_final_message": True,
+                                                     "add_generation_prompt": False, "chat_template_kwargs": kwargs})
+    msg = msg.choices[0].message
+    assert (msg.content, getattr(msg, "reasoning_content", None)) == (want, None)
+
+
 def test_without_a_reasoning_nothing_changes(servers, thinking_pair):
     """The template closed the reasoning (``enable_thinking`` false), or the endpoint is
     completions: the constraint applies from the first token, as in Python."""

@@ -814,6 +814,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             last = req.messages[-1].text()
             if last.rfind(THINK_OPEN) > last.rfind(THINK_CLOSE):
                 prompt_tail = THINK_OPEN
+            elif reasoning == "think":  # or inside its answer: no reasoning to open first (reply_reasoning)
+                prompt_tail = THINK_CLOSE
         kwargs = req.sampling_kwargs(sampling_defaults)
         if chat and kwargs["skip_special_tokens"] and (reasoning != "none" or tools):
             kwargs["skip_special_tokens"] = parser_markers(bool(tools))  # (all special tokens but the parsers' markers)
