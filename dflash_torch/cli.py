@@ -32,7 +32,7 @@ def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     p.add_argument("--dtype", default="auto", help="auto (default: bfloat16 on CUDA, float32 on CPU), float32 or bfloat16")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
     p.add_argument("--block-size", type=int, default=None, help="tokens per draft block (default: the drafter's)")
-    p.add_argument("--draft-mode", default="inject", choices=["inject", "recompute"], help=shown("drafter context: persistent injected KV cache (default) or cache-less recompute"))
+    p.add_argument("--draft-mode", default="inject" if decoding else None, choices=["inject", "recompute"], help=shown("drafter context: persistent injected KV cache (default) or cache-less recompute"))
     p.add_argument("--no-draft", action="store_true", help=shown("target-only autoregressive decoding"))
     p.add_argument("--compile", action="store_true", help=shown("fixed-shape rounds compiled with torch.compile"))
     p.add_argument("--max-context", type=int, default=None, help=shown("longest prompt + generation in tokens (default: the target's limit)"))

@@ -615,7 +615,7 @@ def test_bench_help_leaves_out_the_decoding_options_it_refuses(tmp_path, capsys,
         text = capsys.readouterr().out  # (an option in the usage line "[--flag ...]" or starting a line of its own)
         offered = [flag for flag in refused if re.search(rf"(\[|^\s+){flag}\b(?!-)", text, re.M)]
         assert offered == ([] if command == "bench" else refused), command
-    for extra in (["--no-draft"], ["--compile"], ["--draft-mode", "recompute"], ["--max-context", "100"],
+    for extra in (["--no-draft"], ["--compile"], ["--draft-mode", "recompute"], ["--draft-mode", "inject"], ["--max-context", "100"],
                   ["--prefill-chunk", "64"]):
         assert cli_main(["bench", "--out", str(tmp_path / "o"), *extra]) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()

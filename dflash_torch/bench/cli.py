@@ -206,7 +206,7 @@ def _run(args: argparse.Namespace) -> int:
     asked = args.num_prompts  # (None: not given, the default 16)
     if asked is not None and asked < 0:
         raise DFlashError(f"--num-prompts must be >= 0 (0 = all), got {asked}")
-    if args.no_draft or args.compile or args.draft_mode != "inject":
+    if args.no_draft or args.compile or args.draft_mode is not None:
         raise DFlashError("bench picks target-only / inject / recompute / compiled runs with --modes; "
                           "drop --no-draft, --compile and --draft-mode")
     if args.max_context is not None:
