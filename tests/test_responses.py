@@ -261,6 +261,8 @@ BAD = [  # (body fields, status, param, words of the message)
      "input.0.content.0 is a refusal part, which only an assistant message may hold"),
     ({"input": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "refusal"}]}]}, 400,
      "input.1.content.0.refusal", "missing required parameter: input.1.content.0.refusal"),
+    ({"input": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": 5}]}]},
+     400, "input.1.content", "part 0's 'refusal' must be a string, got int"),  # (was "expected one of str, list[_Part]")
     ({"input": ["hi"]}, 400, "input", "expected one of"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "name": "f", "arguments": "{}"}]}, 400,
      "input.1.call_id", "missing"),

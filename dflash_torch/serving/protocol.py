@@ -319,6 +319,24 @@ class CompletionRequest(_Request):
         return [p]
 
 
+def check_parts(parts):
+    """A message's list ``content`` checked before its parts are read: each an object with a
+    string ``type`` and, where it has ``text`` or ``refusal``, a string there (as the part's
+    model reads them; otherwise pydantic would name only the union of content's types).
+
+    Raises:
+        ValueError: the first part that is not so, named by its index."""
+    for j, part in enumerate(parts if isinstance(parts, list) else ()):
+        if not isinstance(part, dict):
+            raise ValueError(f"part {j} must be a content part (an object with a 'type'), got {type(part).__name__}")
+        if not isinstance(part.get("type"), str):
+            raise ValueError(f"part {j} needs a string 'type'")
+        for field in ("text", "refusal"):
+            if part.get(field) is not None and not isinstance(part[field], str):
+                raise ValueError(f"part {j}'s {field!r} must be a string, got {type(part[field]).__name__}")
+    return parts
+
+
 class ContentPart(BaseModel):
     """A part of a message's list ``content``: ``{"type": "text", "text": ...}``, or in an
     assistant message OpenAI's ``{"type": "refusal", "refusal": ...}``, whose text joins the
@@ -361,6 +379,8 @@ class ChatMessage(BaseModel):
     # an earlier reply's reasoning, as the server returns it (vLLM's newer name: reasoning)
     reasoning_content: StrictStr | None = None
     reasoning: StrictStr | None = None
+
+    _parts_first = field_validator("content", mode="before")(check_parts)
 
     @field_validator("content", mode="after")
     @classmethod
@@ -704,6 +724,8 @@ class _InputMessage(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: StrictStr | list[_Part]
+
+    _parts_first = field_validator("content", mode="before")(check_parts)
 
 
 class _FunctionCallItem(BaseModel):
