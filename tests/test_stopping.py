@@ -657,3 +657,17 @@ def test_sentencepiece_text_from_the_server(sentencepiece_pair, sp_engine, tmp_p
         assert (stopped.text, stopped.finish_reason) == ("", "stop")
         reply = c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw).choices[0]
         assert reply.message.content == " the  the  the "
+        # logprobs: each token's text is the text it adds (the first word's space too), and
+        # echo's text_offset s index the echoed text (after <s>, whose text it does not hold;
+        # a token-id prompt without <s> decodes without its first word's space)
+        lp = c.completions.create(prompt="x is", logprobs=1, **kw).choices[0].logprobs
+        assert "".join(lp.tokens) == " the  the  the " and lp.text_offset == [0, 5, 10]
+        for prompt in ("x is", sp_engine.encode_prompt("x is")[1:]):
+            got = c.completions.create(prompt=prompt, echo=True, logprobs=1, **kw).choices[0]
+            assert got.text == "x is the  the  the "
+            tokens, offsets = got.logprobs.tokens, got.logprobs.text_offset
+            assert offsets[0] == 0 and offsets == sorted(offsets)
+            assert offsets[-3:] == [4, 9, 14]
+            for token, offset in zip(tokens, offsets):
+                if offset > 0:  # (past the start: the tokens before it hold text the echo drops)
+                    assert got.text[offset:offset + len(token)] == token, (tokens, offsets)

@@ -214,13 +214,14 @@ class _TextOffsets:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._chars = 0  # characters decoded so far
         self.skip = skip  # generated tokens without text (skip_special_tokens): they add no characters
+        self.lead = 0  # characters of the tokens' text before the echoed text's start (see _Scoring.echo_logprobs)
 
     def advance(self, data: bytes) -> int:
         """The offset of the next token, of bytes ``data``."""
         started = bool(self._utf8.getstate()[0])  # a character begun by the tokens before, not complete yet
         start = self._chars + started
         self._chars += len(self._utf8.decode(data))
-        return start
+        return max(0, start - self.lead)
 
 
 def _completion_logprobs(entries, token_info, offsets: _TextOffsets) -> dict:
@@ -309,9 +310,16 @@ class _Scoring:
         return self.texts[self.prompt_of(choice)] if self.echo else ""
 
     def echo_logprobs(self, choice: int, scored, token_info, offsets: _TextOffsets) -> dict | None:
+        """The prompt's logprobs object (:func:`_echo_logprobs`). Where the echoed text is the
+        end of its tokens' text (a BOS token's text, a SentencePiece first word's space,
+        before it), ``offsets`` count from the echoed text's start."""
         if self.echo_k is None or scored is None:
             return None
-        return _echo_logprobs(self.ids[self.prompt_of(choice)], scored, self.echo_k, token_info, offsets)
+        ids, text = self.ids[self.prompt_of(choice)], self.echo_text(choice)
+        spelled = b"".join(token_info(t)[1] for t in ids).decode("utf-8", errors="replace")
+        if spelled.endswith(text):
+            offsets.lead = len(spelled) - len(text)
+        return _echo_logprobs(ids, scored, self.echo_k, token_info, offsets)
 
     def vllm(self, choice: int, scored, token_info) -> dict:
         """``{"prompt_logprobs": [...]}`` for a choice's dict, or {} when not asked."""
