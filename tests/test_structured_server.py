@@ -524,6 +524,9 @@ def test_the_text_of_a_special_token_in_a_constraint_is_text_or_refused():
                                        "token 0 ('<|endoftext|>') here"), exc
         r = engine.generate("x = ", max_new_tokens=20, structured_output={"grammar": 'start: "ab" <|MASK|> "cd"'})
         assert r.text == "ab<|MASK|>cd" and 1 in r.token_ids
+        # an EOS the grammar names as a token ends the output there (it was refused as if forced as text)
+        r = engine.generate("x = ", max_new_tokens=20, structured_output={"grammar": 'start: "ab" <|endoftext|>'})
+        assert (r.text, r.token_ids[-1], r.finish_reason) == ("ab", 0, "stop")
 
 
 def test_hermes_grammar_takes_the_tokenizers_own_call_marker_tokens(tmp_path):
