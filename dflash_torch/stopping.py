@@ -142,6 +142,16 @@ class IncrementalText:
             self.returned = len(self.decode(self.window))
         return new
 
+    def pending(self) -> str:
+        """The text a trailing run of held tokens adds if the tokens end here, where the run's
+        bytes so far are valid UTF-8 that ends at a character boundary ('' otherwise, and
+        where no run is open): a stop string may complete in it (a later byte could still
+        turn the run into U+FFFD characters, so it is not returned by :meth:`push`)."""
+        if len(self.window) == self.context or self.window[-1] not in self.held:
+            return ""
+        text = self.decode(self.window)[self.returned:]
+        return "" if "\ufffd" in text else text
+
     def flush(self) -> str:
         """The text not returned yet: trailing U+FFFD characters and a trailing run of held
         tokens ('' if none)."""
@@ -216,6 +226,14 @@ class Stopper:
                     if self.generated > self.min_tokens else None
                 if cut is not None:
                     text, self.unsent = self.unsent[:cut], ""
+                    return text, kept, "stop"
+            elif self.stops and token in self.text.held and self.generated > self.min_tokens:
+                # a stop string completed inside a byte run still open: the output ends at this
+                # token, so the run ends here too and its text so far is final
+                run = self.text.pending()
+                cut = find_stop(self.unsent + run, len(self.unsent), self.stops, self.include_stop) if run else None
+                if cut is not None:
+                    text, self.unsent = (self.unsent + run)[:cut], ""
                     return text, kept, "stop"
             if self.generated >= self.max_new_tokens:
                 return self._finish(kept, "length")

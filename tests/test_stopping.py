@@ -671,3 +671,22 @@ def test_sentencepiece_text_from_the_server(sentencepiece_pair, sp_engine, tmp_p
             for token, offset in zip(tokens, offsets):
                 if offset > 0:  # (past the start: the tokens before it hold text the echo drops)
                     assert got.text[offset:offset + len(token)] == token, (tokens, offsets)
+
+
+def test_a_stop_string_completed_inside_a_byte_run_ends_the_output_there(sp_engine, sentencepiece_pair):
+    """A run of byte tokens (a byte-fallback vocabulary's ``<0xE4> <0xB8> <0xAD>`` for 中)
+    is held until a token outside it ends it (a later byte could turn it into U+FFFD
+    characters), but a stop string completed inside it ends the output at the token that
+    completes it (it ran on to the end of the run: past the stop in token ids, logprobs and
+    usage). Speculative and target-only alike."""
+    regex = {"regex": "中中中 x"}
+    whole = sp_engine.generate("x is", max_new_tokens=20, structured_output=regex)
+    assert whole.text == "中中中 x" and all(t in sp_engine.byte_token_ids for t in whole.token_ids[:9])
+    for engine in (sp_engine, DFlashEngine.from_pretrained(sentencepiece_pair[0], no_draft=True)):
+        for include, text in ((False, ""), (True, "中")):
+            got = engine.generate("x is", max_new_tokens=20, structured_output=regex, stop=["中"],
+                                  include_stop_str_in_output=include, logprobs=0)
+            assert (got.text, got.token_ids, got.finish_reason) == (text, whole.token_ids[:3], "stop")
+            assert len(got.logprobs) == 3
+        got = engine.generate("x is", max_new_tokens=20, structured_output=regex, stop=["中中"])
+        assert (got.text, got.token_ids) == ("", whole.token_ids[:6])
