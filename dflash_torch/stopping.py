@@ -117,17 +117,44 @@ class IncrementalText:
         self.window: list[int] = []  # context tokens, then the tokens since the last clean boundary
         self.context = 0  # leading tokens of the window that are context
         self.returned = 0  # characters of decode(window) already returned (the context's included)
+        self.open_run = 0  # the context's trailing held tokens while the run they end may go on (start)
 
     def start(self, context: Sequence[int]) -> None:
         """Decode the tokens to come after ``context`` (before the first :meth:`push`)."""
-        self.window, self.context = list(context), len(context)
+        self.window, self.context, self.open_run = list(context), len(context), 0
         self.returned = len(self.decode(self.window)) if self.window else 0
+        # a context that ends in a run of held tokens, which the output may go on: the
+        # characters of the context's bytes are known once the run ends (_settle)
+        while self.open_run < len(self.window) and self.window[-1 - self.open_run] in self.held:
+            self.open_run += 1
+
+    def _settle(self) -> None:
+        """Count the characters of the context's trailing run in ``returned`` once the run has
+        ended (or the output ends): a run decodes as one, as UTF-8 if it is valid, else one
+        U+FFFD per byte, so the context's bytes may end inside a character the output's bytes
+        complete (that character is the context's) or turn invalid with them."""
+        k, self.open_run = self.open_run, 0
+        start = self.context - k
+        end = start + k
+        while end < len(self.window) and self.window[end] in self.held:
+            end += 1
+        run = self.decode(self.window[start:end])
+        owned = k  # (invalid: one U+FFFD per byte)
+        if "\ufffd" not in run:  # valid: the characters that start in the context's k bytes
+            owned, at = 0, 0
+            for char in run:
+                if at >= k:
+                    break
+                owned, at = owned + 1, at + len(char.encode("utf-8"))
+        self.returned = (len(self.decode(self.window[:start])) if start else 0) + owned
 
     def push(self, token: int) -> str:
         """Append a token; return the complete text it added (possibly '')."""
         self.window.append(token)
         if token in self.held:  # (a byte run: final once a token outside it ends it)
             return ""
+        if self.open_run:
+            self._settle()
         text = self.decode(self.window)
         complete = text.rstrip("\ufffd")
         # (returned never goes down: a context that ends inside a character, which the
@@ -147,7 +174,7 @@ class IncrementalText:
         bytes so far are valid UTF-8 that ends at a character boundary ('' otherwise, and
         where no run is open): a stop string may complete in it (a later byte could still
         turn the run into U+FFFD characters, so it is not returned by :meth:`push`)."""
-        if len(self.window) == self.context or self.window[-1] not in self.held:
+        if len(self.window) == self.context or self.window[-1] not in self.held or self.open_run:
             return ""
         text = self.decode(self.window)[self.returned:]
         return "" if "\ufffd" in text else text
@@ -157,6 +184,8 @@ class IncrementalText:
         tokens ('' if none)."""
         if len(self.window) == self.context:
             return ""
+        if self.open_run:
+            self._settle()
         return self.decode(self.window)[self.returned:]
 
 

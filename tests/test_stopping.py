@@ -690,3 +690,29 @@ def test_a_stop_string_completed_inside_a_byte_run_ends_the_output_there(sp_engi
             assert len(got.logprobs) == 3
         got = engine.generate("x is", max_new_tokens=20, structured_output=regex, stop=["中中"])
         assert (got.text, got.token_ids) == ("", whole.token_ids[:6])
+
+
+def test_a_context_that_ends_inside_a_byte_run(sp_engine):
+    """A token-id prompt whose last tokens are byte tokens of a character the output's bytes
+    complete (a byte-fallback decoder writes one U+FFFD per byte of an incomplete run, so
+    the context's text was too long by those characters and the output lost its first
+    ones: ' x' came out 'x', a stop string ' x' never fired): the character is the
+    context's, the output's text starts after it. A complete character that output bytes
+    turn invalid stays the context's too (the output's byte is its one U+FFFD)."""
+    e = sp_engine
+    byte = {b: e.tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+    emoji = [byte[b] for b in "😀".encode()]
+    prompt = e.encode_prompt("x is")
+    after = e.encode_prompt("x中 y")[1:]  # (less <s>; "▁x ..." adds " x" after the emoji)
+    for cut in (1, 2, 3):  # the prompt ends after `cut` of the emoji's 4 bytes
+        out = emoji[cut:] + after
+        text = IncrementalText(e.decode, e.byte_token_ids)
+        text.start(prompt + emoji[:cut])
+        got = "".join(text.push(t) for t in out) + text.flush()
+        assert got == e.decode(prompt + emoji + after)[len(e.decode(prompt + emoji)):] == " x中 y", (cut, got)
+        stopper = Stopper(e.decode, [" x"], set(), 20, held=e.byte_token_ids)
+        stopper.start(prompt + emoji[:cut])
+        assert stopper.feed(out)[::2] == ("", "stop"), cut
+    text = IncrementalText(e.decode, e.byte_token_ids)
+    text.start(prompt + emoji)
+    assert text.push(byte[0xE4]) + text.flush() == "\ufffd"  # (the run turned invalid: 5 U+FFFD, 4 of them the prompt's)
