@@ -168,6 +168,9 @@ CASES = [  # (request fields, check of the content)
     ({"guided_grammar": GRAMMAR}, lambda t: re.fullmatch(r"x( *y)* *\}", t)),
     ({"guided_json": PERSON, "guided_whitespace_pattern": ""},  # (no whitespace at all)
      lambda t: conforms(json.loads(t), PERSON) and not re.search(r"\s", t)),
+    # structured_outputs holding only options beside another field's constraint: they apply to it
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+      "structured_outputs": {"whitespace_pattern": ""}}, lambda t: conforms(json.loads(t), PERSON) and not re.search(r"\s", t)),
 ]
 
 
@@ -268,6 +271,9 @@ BAD = [  # (body, param, words of the message)
     ({"structured_outputs": {"json": PERSON, "whitespace_pattern": "[a-"}}, "structured_outputs",
      "structured_outputs.whitespace_pattern '[a-' is not a valid whitespace pattern"),
     ({"guided_grammar": "start: nothing"}, "guided_grammar", "grammar is invalid"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs",
+     "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got none"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got regex, choice"),
 ]
 
 

@@ -536,7 +536,8 @@ def conflicting_fields(req: _Request) -> tuple[str, str] | None:
         return "tool_choice", "tool_choice needs tools"
     if req.structured_outputs is not None and req.structured_outputs.structural_tag is None:
         given = req.structured_outputs.given()  # (structural_tag: refused as unsupported, unsupported_field)
-        if len(given) != 1:
+        # (none given beside another field's constraint: its options, e.g. whitespace_pattern, apply to that one)
+        if len(given) > 1 or not (given or req.constraints()):
             return "structured_outputs", (f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KINDS)}; "
                                           f"got {', '.join(given) or 'none'}")
     found = req.constraints()
