@@ -422,8 +422,8 @@ class GrammarState:
     def _check_special(self, row: torch.Tensor, matcher) -> None:
         """Clear the bits of the special tokens that bit mask ``row`` (int32 ``[W]``, just
         computed by ``matcher``) allows but the matcher cannot take there: an EOS before the
-        constraint is complete (unless the grammar names it there), another special token that
-        it fails to consume. llguidance
+        constraint is complete (unless the grammar names it there and may end after it), another
+        special token that it fails to consume. llguidance
         lets such a token's id through where the constraint forces the token's literal text
         (``{"const": "<|endoftext|>"}``: its tokenizer reads the text as the special token,
         whose bytes do not match it), which would end the output early (an EOS) or fail the
@@ -433,9 +433,10 @@ class GrammarState:
             return
         for t in ids[(row[words] >> bits) & 1 == 1].tolist():
             ok = t in self.eos and matcher.is_accepting()
-            if not ok:  # (an EOS the grammar names as a token is consumed there as other special tokens are)
-                trial = matcher.deep_copy()
-                ok = trial.consume_token(t) and not trial.is_error()
+            if not ok:  # (an EOS the grammar names as a token is consumed there, as other special tokens
+                trial = matcher.deep_copy()  # are, where the output may end after it: it ends the output)
+                ok = trial.consume_token(t) and not trial.is_error() and (
+                    t not in self.eos or trial.is_accepting() or trial.is_stopped())
             if not ok:
                 _set_bit(row, t, False)
                 self._special_refused.append(t)

@@ -527,6 +527,8 @@ def test_the_text_of_a_special_token_in_a_constraint_is_text_or_refused():
         # an EOS the grammar names as a token ends the output there (it was refused as if forced as text)
         r = engine.generate("x = ", max_new_tokens=20, structured_output={"grammar": 'start: "ab" <|endoftext|>'})
         assert (r.text, r.token_ids[-1], r.finish_reason) == ("ab", 0, "stop")
+        with pytest.raises(DFlashError, match="special token 0"):  # (not where the grammar goes on after it)
+            engine.generate("x = ", max_new_tokens=20, structured_output={"grammar": 'start: "ab" <|endoftext|> "c"'})
 
 
 def test_hermes_grammar_takes_the_tokenizers_own_call_marker_tokens(tmp_path):
