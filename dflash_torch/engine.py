@@ -656,6 +656,11 @@ class DFlashEngine:
         return frozenset(self.tokenizer.all_special_ids) | {i for i, tok in added.items() if getattr(tok, "special", False)}
 
     @functools.cached_property
+    def byte_values(self) -> dict[int, int]:
+        """:attr:`byte_token_ids` -> the byte each stands for (``<0xE9>``: 0xE9)."""
+        return {t: int(self.tokenizer.convert_ids_to_tokens(t)[3:5], 16) for t in self.byte_token_ids}
+
+    @functools.cached_property
     def byte_token_ids(self) -> frozenset[int]:
         """Ids of a byte-fallback (SentencePiece-style) vocabulary's byte tokens ``<0x00>`` ..
         ``<0xFF>`` (none in a byte-level BPE one): a run of them decodes as one, valid UTF-8
@@ -683,7 +688,7 @@ class DFlashEngine:
             if isinstance(piece, str) and all(c in self._byte_values for c in piece):
                 return bytes(self._byte_values[c] for c in piece)
         elif token_id in self.byte_token_ids:
-            return bytes([int(self.tokenizer.convert_ids_to_tokens(token_id)[3:5], 16)])
+            return bytes([self.byte_values[token_id]])
         elif self._anchor is not None:
             anchor, anchor_text = self._anchor
             text = self._decode([*anchor, token_id])
@@ -1103,7 +1108,7 @@ class DFlashEngine:
         stop_ids.update(options.check_stop_token_ids(stop_token_ids, self.target.config.vocab_size))
         decode = functools.partial(self._decode, skip=skip) if skip else self._decode
         return Stopper(decode, stops, stop_ids, max_new_tokens, min_tokens, include_stop_str_in_output,
-                       self.byte_token_ids)
+                       self.byte_values)
 
     def generate_batch(
         self,

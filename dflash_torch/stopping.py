@@ -35,7 +35,9 @@ stop string (:func:`partial_stop`), and the output text never contains a stop st
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import codecs
+from collections.abc import Mapping
+from typing import Callable, Collection, Sequence
 
 
 def find_stop(text: str, new_from: int, stops: Sequence[str], include: bool = False) -> int | None:
@@ -109,10 +111,12 @@ class IncrementalText:
 
     Args:
         decode: token ids -> text (the engine's ``decode``).
-        held: the ids of byte tokens (empty: none).
+        held: the ids of byte tokens (empty: none), or a mapping of them to their byte values
+            (the engine's :attr:`~dflash_torch.engine.DFlashEngine.byte_values`), by which a
+            run's characters are counted exactly (without it, by decoding the run alone).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], held: frozenset[int] = frozenset()):
+    def __init__(self, decode: Callable[[list[int]], str], held: Collection[int] = frozenset()):
         self.decode, self.held = decode, held
         self.window: list[int] = []  # context tokens, then the tokens since the last clean boundary
         self.context = 0  # leading tokens of the window that are context
@@ -133,20 +137,45 @@ class IncrementalText:
         ended (or the output ends): a run decodes as one, as UTF-8 if it is valid, else one
         U+FFFD per byte, so the context's bytes may end inside a character the output's bytes
         complete (that character is the context's) or turn invalid with them."""
-        k, self.open_run = self.open_run, 0
+        self.returned, self.open_run = self._context_chars(), 0
+
+    def _run_start(self, end: int) -> int:
+        start = end
+        while start > 0 and self.window[start - 1] in self.held:
+            start -= 1
+        return start
+
+    def _run_text(self, start: int, end: int) -> tuple[str, bool]:
+        """The text of the window's run ``start:end`` (from the byte values where ``held``
+        maps them, else as the window decodes it) and whether it is valid UTF-8."""
+        if not isinstance(self.held, Mapping):
+            text = self.decode(self.window[:end])[len(self.decode(self.window[:start])) if start else 0:]
+            return text, "\ufffd" not in text
+        data = bytes(self.held[t] for t in self.window[start:end])
+        try:
+            return data.decode("utf-8"), True
+        except UnicodeDecodeError:
+            return "\ufffd" * len(data), False
+
+    def _context_chars(self) -> int:
+        """What ``returned`` is while the context's trailing run of ``open_run`` tokens goes
+        on into the window's held tokens after it (see :meth:`_settle`)."""
+        k = self.open_run
         start = self.context - k
         end = start + k
         while end < len(self.window) and self.window[end] in self.held:
             end += 1
-        run = self.decode(self.window[start:end])
-        owned = k  # (invalid: one U+FFFD per byte)
-        if "\ufffd" not in run:  # valid: the characters that start in the context's k bytes
+        prefix = len(self.decode(self.window[:start])) if start else 0
+        run, valid = self._run_text(start, end)
+        owned = k
+        if valid:  # the characters that start in the context's k bytes
             owned, at = 0, 0
             for char in run:
                 if at >= k:
                     break
                 owned, at = owned + 1, at + len(char.encode("utf-8"))
-        self.returned = (len(self.decode(self.window[:start])) if start else 0) + owned
+        dropped = len(run) - (len(self.decode(self.window[:end])) - prefix)  # (a stripped leading space)
+        return prefix + max(0, owned - max(0, dropped))
 
     def push(self, token: int) -> str:
         """Append a token; return the complete text it added (possibly '')."""
@@ -170,13 +199,20 @@ class IncrementalText:
         return new
 
     def pending(self) -> str:
-        """The text a trailing run of held tokens adds if the tokens end here, where the run's
-        bytes so far are valid UTF-8 that ends at a character boundary ('' otherwise, and
-        where no run is open): a stop string may complete in it (a later byte could still
-        turn the run into U+FFFD characters, so it is not returned by :meth:`push`)."""
-        if len(self.window) == self.context or self.window[-1] not in self.held or self.open_run:
+        """The text a trailing run of held tokens adds if the tokens end here, where it is
+        final so far: the run's bytes are valid UTF-8 that ends at a character boundary, or
+        (with byte values) already invalid ('' otherwise, and where no run is open): a stop
+        string may complete in it (a later byte could still turn a valid run into U+FFFD
+        characters, so it is not returned by :meth:`push`)."""
+        if len(self.window) == self.context or self.window[-1] not in self.held:
             return ""
-        text = self.decode(self.window)[self.returned:]
+        text = self.decode(self.window)[self._context_chars() if self.open_run else self.returned:]
+        if "\ufffd" in text and isinstance(self.held, Mapping):  # a run already invalid stays so: final
+            data = bytes(self.held[t] for t in self.window[self._run_start(len(self.window)):])
+            try:
+                codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+            except UnicodeDecodeError:
+                return text
         return "" if "\ufffd" in text else text
 
     def flush(self) -> str:
@@ -204,7 +240,7 @@ class Stopper:
     """
 
     def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], stop_ids, max_new_tokens: int,
-                 min_tokens: int = 0, include_stop: bool = False, held: frozenset[int] = frozenset()):
+                 min_tokens: int = 0, include_stop: bool = False, held: Collection[int] = frozenset()):
         self.text = IncrementalText(decode, held)
         self.stops, self.stop_ids, self.max_new_tokens = list(stops), stop_ids, max_new_tokens
         self.min_tokens, self.include_stop = min_tokens, include_stop

@@ -301,8 +301,9 @@ def overlapping_stops(draw, text: str):
 def reference_stop(decode, ids, stops, stop_ids, max_new_tokens, include=False, held=frozenset(), context=()):
     """The definition, by brute force: one token at a time, the whole text decoded again
     (``include``: the text keeps the stop string, the longest of those starting first;
-    ``held``: byte tokens, whose text counts once a token outside them follows; ``context``:
-    tokens before ``ids``, their text not part of the output's).
+    ``held``: byte tokens, whose text counts once a token outside them follows, or for a stop
+    string once their run so far is valid UTF-8 at a character boundary; ``context``:
+    tokens before ``ids`` not ending in a byte token, their text not part of the output's).
     Returns (text, number of tokens kept, finish reason)."""
     start = len(decode(list(context)))
 
@@ -327,6 +328,8 @@ def reference_stop(decode, ids, stops, stop_ids, max_new_tokens, include=False, 
         if ids[k - 1] not in held:  # (else: no new complete text)
             text = text_of(k).rstrip("\ufffd")  # complete text after token k
         kept = cut(text)  # none was complete before token k
+        if kept is None and ids[k - 1] in held and "\ufffd" not in text_of(k)[len(text):]:
+            kept = cut(text_of(k))  # (a run of byte tokens valid so far: its text is final if the output ends here)
         if kept is not None:
             return kept, k, "stop"
         if k == max_new_tokens:
@@ -468,6 +471,8 @@ def test_stopper_decides_as_token_at_a_time_whatever_the_rounds(decoders, data, 
     decoding)."""
     decode, vocab, held = decoders[name]
     prompt = data.draw(st.one_of(st.just([]), token_runs(vocab, max_size=12)))
+    while prompt and prompt[-1] in held:  # (a prompt ending inside a byte run: test_a_context_that_ends_inside_a_byte_run)
+        prompt = prompt[:-1]
     tail = prompt[-16:]  # Stopper.start's context: the prompt's last 4 tokens, twice as many while those decode to
     n = min(4, len(tail))  # '', one more while they start inside a byte run's character
     while n < len(tail):
@@ -698,21 +703,34 @@ def test_a_context_that_ends_inside_a_byte_run(sp_engine):
     the context's text was too long by those characters and the output lost its first
     ones: ' x' came out 'x', a stop string ' x' never fired): the character is the
     context's, the output's text starts after it. A complete character that output bytes
-    turn invalid stays the context's too (the output's byte is its one U+FFFD)."""
+    turn invalid stays the context's too (the output's byte is its one U+FFFD); a run
+    starting with a space byte (which a decode alone strips) counts it; a stop string in the
+    output's part of such a run, or in a run already invalid, ends the output at once."""
     e = sp_engine
     byte = {b: e.tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+    assert all(e.byte_values[byte[b]] == b for b in range(256))
     emoji = [byte[b] for b in "😀".encode()]
     prompt = e.encode_prompt("x is")
     after = e.encode_prompt("x中 y")[1:]  # (less <s>; "▁x ..." adds " x" after the emoji)
+
+    def text_of(context, out):
+        text = IncrementalText(e.decode, e.byte_values)
+        text.start(context)
+        return "".join(text.push(t) for t in out) + text.flush()
+
     for cut in (1, 2, 3):  # the prompt ends after `cut` of the emoji's 4 bytes
         out = emoji[cut:] + after
-        text = IncrementalText(e.decode, e.byte_token_ids)
-        text.start(prompt + emoji[:cut])
-        got = "".join(text.push(t) for t in out) + text.flush()
-        assert got == e.decode(prompt + emoji + after)[len(e.decode(prompt + emoji)):] == " x中 y", (cut, got)
-        stopper = Stopper(e.decode, [" x"], set(), 20, held=e.byte_token_ids)
+        assert text_of(prompt + emoji[:cut], out) == " x中 y", cut
+        stopper = Stopper(e.decode, [" x"], set(), 20, held=e.byte_values)
         stopper.start(prompt + emoji[:cut])
         assert stopper.feed(out)[::2] == ("", "stop"), cut
-    text = IncrementalText(e.decode, e.byte_token_ids)
-    text.start(prompt + emoji)
-    assert text.push(byte[0xE4]) + text.flush() == "\ufffd"  # (the run turned invalid: 5 U+FFFD, 4 of them the prompt's)
+    assert text_of(prompt + emoji, [byte[0xE4]]) == "\ufffd"  # (the run turned invalid: 5 U+FFFD, 4 the prompt's)
+    zhong = [byte[b] for b in "中".encode()]
+    assert text_of([byte[0x20]], zhong) == "中"  # (a run decoded alone drops its leading space)
+    assert text_of([0, byte[0x20], *zhong[:2]], zhong[2:]) == ""
+    stopper = Stopper(e.decode, ["a"], set(), 20, held=e.byte_values)  # (a stop in the output's part of the run)
+    stopper.start(prompt + zhong[:1])
+    assert stopper.feed(zhong[1:] + [byte[0x61]] * 4)[1:] == (3, "stop")
+    stopper = Stopper(e.decode, ["\ufffd"], set(), 20, held=e.byte_values)  # (0xFF: never valid, so final)
+    stopper.start(prompt)
+    assert stopper.feed([byte[0xFF]] + [byte[0x41]] * 7)[1:] == (1, "stop")
