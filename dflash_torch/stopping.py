@@ -140,6 +140,7 @@ class IncrementalText:
         self.returned, self.open_run = self._context_chars(), 0
 
     def _run_start(self, end: int) -> int:
+        """Where the run of held tokens that ends at window position ``end`` starts."""
         start = end
         while start > 0 and self.window[start - 1] in self.held:
             start -= 1
