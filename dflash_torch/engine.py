@@ -656,20 +656,21 @@ class DFlashEngine:
         return frozenset(self.tokenizer.all_special_ids) | {i for i, tok in added.items() if getattr(tok, "special", False)}
 
     @functools.cached_property
-    def byte_values(self) -> dict[int, int]:
-        """:attr:`byte_token_ids` -> the byte each stands for (``<0xE9>``: 0xE9)."""
-        return {t: int(self.tokenizer.convert_ids_to_tokens(t)[3:5], 16) for t in self.byte_token_ids}
-
-    @functools.cached_property
-    def byte_token_ids(self) -> frozenset[int]:
-        """Ids of a byte-fallback (SentencePiece-style) vocabulary's byte tokens ``<0x00>`` ..
-        ``<0xFF>`` (none in a byte-level BPE one): a run of them decodes as one, valid UTF-8
-        or one U+FFFD per byte, so the output text takes a run when it ends
+    def byte_token_values(self) -> dict[int, int]:
+        """A byte-fallback (SentencePiece-style) vocabulary's byte tokens ``<0x00>`` ..
+        ``<0xFF>`` -> the byte each stands for (``<0xE9>``: 0xE9; empty in a byte-level BPE
+        vocabulary): a run of them decodes as one, valid UTF-8 or one U+FFFD per byte, so the
+        output text takes a run when it ends, counted by these values
         (:class:`~dflash_torch.stopping.IncrementalText`)."""
         names = [f"<0x{b:02X}>" for b in range(256)]
         ids = self.tokenizer.convert_tokens_to_ids(names)
-        return frozenset(i for name, i in zip(names, ids) if isinstance(i, int) and i != self.tokenizer.unk_token_id
-                         and self.tokenizer.convert_ids_to_tokens(i) == name)
+        return {i: b for b, (name, i) in enumerate(zip(names, ids)) if isinstance(i, int)
+                and i != self.tokenizer.unk_token_id and self.tokenizer.convert_ids_to_tokens(i) == name}
+
+    @functools.cached_property
+    def byte_token_ids(self) -> frozenset[int]:
+        """The ids of :attr:`byte_token_values`."""
+        return frozenset(self.byte_token_values)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token adds to the text (the ``bytes`` of OpenAI's logprobs).
@@ -688,7 +689,7 @@ class DFlashEngine:
             if isinstance(piece, str) and all(c in self._byte_values for c in piece):
                 return bytes(self._byte_values[c] for c in piece)
         elif token_id in self.byte_token_ids:
-            return bytes([self.byte_values[token_id]])
+            return bytes([self.byte_token_values[token_id]])
         elif self._anchor is not None:
             anchor, anchor_text = self._anchor
             text = self._decode([*anchor, token_id])
@@ -1108,7 +1109,7 @@ class DFlashEngine:
         stop_ids.update(options.check_stop_token_ids(stop_token_ids, self.target.config.vocab_size))
         decode = functools.partial(self._decode, skip=skip) if skip else self._decode
         return Stopper(decode, stops, stop_ids, max_new_tokens, min_tokens, include_stop_str_in_output,
-                       self.byte_values)
+                       self.byte_token_values)
 
     def generate_batch(
         self,

@@ -112,7 +112,7 @@ class IncrementalText:
     Args:
         decode: token ids -> text (the engine's ``decode``).
         held: the ids of byte tokens (empty: none), or a mapping of them to their byte values
-            (the engine's :attr:`~dflash_torch.engine.DFlashEngine.byte_values`), by which a
+            (the engine's :attr:`~dflash_torch.engine.DFlashEngine.byte_token_values`), by which a
             run's characters are counted exactly (without it, by decoding the run alone).
     """
 

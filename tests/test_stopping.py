@@ -708,29 +708,29 @@ def test_a_context_that_ends_inside_a_byte_run(sp_engine):
     output's part of such a run, or in a run already invalid, ends the output at once."""
     e = sp_engine
     byte = {b: e.tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
-    assert all(e.byte_values[byte[b]] == b for b in range(256))
+    assert all(e.byte_token_values[byte[b]] == b for b in range(256))
     emoji = [byte[b] for b in "😀".encode()]
     prompt = e.encode_prompt("x is")
     after = e.encode_prompt("x中 y")[1:]  # (less <s>; "▁x ..." adds " x" after the emoji)
 
     def text_of(context, out):
-        text = IncrementalText(e.decode, e.byte_values)
+        text = IncrementalText(e.decode, e.byte_token_values)
         text.start(context)
         return "".join(text.push(t) for t in out) + text.flush()
 
     for cut in (1, 2, 3):  # the prompt ends after `cut` of the emoji's 4 bytes
         out = emoji[cut:] + after
         assert text_of(prompt + emoji[:cut], out) == " x中 y", cut
-        stopper = Stopper(e.decode, [" x"], set(), 20, held=e.byte_values)
+        stopper = Stopper(e.decode, [" x"], set(), 20, held=e.byte_token_values)
         stopper.start(prompt + emoji[:cut])
         assert stopper.feed(out)[::2] == ("", "stop"), cut
     assert text_of(prompt + emoji, [byte[0xE4]]) == "\ufffd"  # (the run turned invalid: 5 U+FFFD, 4 the prompt's)
     zhong = [byte[b] for b in "中".encode()]
     assert text_of([byte[0x20]], zhong) == "中"  # (a run decoded alone drops its leading space)
     assert text_of([0, byte[0x20], *zhong[:2]], zhong[2:]) == ""
-    stopper = Stopper(e.decode, ["a"], set(), 20, held=e.byte_values)  # (a stop in the output's part of the run)
+    stopper = Stopper(e.decode, ["a"], set(), 20, held=e.byte_token_values)  # (a stop in the output's part of the run)
     stopper.start(prompt + zhong[:1])
     assert stopper.feed(zhong[1:] + [byte[0x61]] * 4)[1:] == (3, "stop")
-    stopper = Stopper(e.decode, ["\ufffd"], set(), 20, held=e.byte_values)  # (0xFF: never valid, so final)
+    stopper = Stopper(e.decode, ["\ufffd"], set(), 20, held=e.byte_token_values)  # (0xFF: never valid, so final)
     stopper.start(prompt)
     assert stopper.feed([byte[0xFF]] + [byte[0x41]] * 7)[1:] == (1, "stop")

@@ -765,6 +765,7 @@ def _parts_text(parts: str | list[_Part], where: str, role: str | None = None) -
     parts (``refusal``: its text, as chat's refusal parts, see :class:`ContentPart`)."""
     if isinstance(parts, str):
         return parts
+    texts = []
     for j, part in enumerate(parts):
         if part.type == "refusal" and role != "assistant":
             raise ResponsesInputError(f"{where}.{j}.type", f"{where}.{j} is a refusal part, which only an assistant "
@@ -775,8 +776,8 @@ def _parts_text(parts: str | list[_Part], where: str, role: str | None = None) -
         field = "refusal" if part.type == "refusal" else "text"
         if getattr(part, field) is None:
             raise ResponsesInputError(f"{where}.{j}.{field}", f"missing required parameter: {where}.{j}.{field}")
-    # (as chat content parts, see ChatMessage.text)
-    return "\n".join(part.refusal if part.type == "refusal" else part.text for part in parts)
+        texts.append(getattr(part, field))
+    return "\n".join(texts)  # (as chat content parts, see ChatMessage.text)
 
 
 def _validate_item(schema, item: dict, where: str):
