@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import queue
 import threading
 from concurrent import futures
@@ -79,6 +80,22 @@ def _stop() -> None:
         _closed = True
         if _thread is not None:
             _tasks.put(None)
+
+
+def _after_fork() -> None:
+    """In a forked child (``os.fork``, multiprocessing's ``fork`` start method, a server that
+    loads the model before forking its workers): the parent's compute thread does not exist
+    there, so the child starts its own at its first call (a call queued to the parent's
+    would wait forever). A call the parent had running is not the child's."""
+    global _lock, _thread, _tasks, _running, _claimed
+    _lock, _thread, _tasks, _running = threading.Lock(), None, queue.SimpleQueue(), None
+    _interrupted.clear()
+    if _claimed is not threading.current_thread():
+        _claimed = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 @contextlib.contextmanager

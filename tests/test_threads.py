@@ -9,8 +9,11 @@ decoding)."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import os
 import threading
 import time
+import warnings
 
 import pytest
 from torch.nn.modules.module import register_module_forward_pre_hook, register_module_parameter_registration_hook
@@ -376,3 +379,35 @@ def test_the_command_exits_without_aborting_while_the_compute_thread_is_busy():
         "cli.entry()\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 130 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr)
+
+
+def _child_generates(engine, tiny_pair, conn):
+    """In a forked child: the parent's engine, and a new engine loaded there."""
+    try:
+        ids = engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True).token_ids
+        fresh = DFlashEngine.from_pretrained(*tiny_pair).generate(PROMPT, max_new_tokens=12, ignore_eos=True)
+        conn.send((ids, fresh.token_ids))
+    except BaseException as e:
+        conn.send(repr(e))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_runs_the_parents_engine_and_loads_its_own(tiny_pair):
+    """After fork (multiprocessing's fork start method, a server that loads the model before
+    forking its workers) the parent's compute thread does not exist in the child: the child
+    starts its own (its calls waited forever on the parent's)."""
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    ref = engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True).token_ids
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    with warnings.catch_warnings():  # (Python >= 3.12 warns on fork in a process with threads)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        child = ctx.Process(target=_child_generates, args=(engine, tiny_pair, send))
+        child.start()
+    try:
+        assert receive.poll(120), "the forked child's engine calls did not return"
+        assert receive.recv() == (ref, ref)
+    finally:
+        child.kill()
+        child.join()
+    assert engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True).token_ids == ref  # the parent's still runs
