@@ -291,6 +291,11 @@ BAD = [  # (body fields, status, param, words of the message)
     ({"stream_options": {"include_usage": True}}, 400, "stream_options.include_usage", "usage is always"),
     ({"functions": [{"name": "f"}]}, 400, "functions", "use tools"),
     ({"prompt_logprobs": 1}, 400, "prompt_logprobs", "not a Responses parameter"),
+    # (chat's prompt options: a response is a new assistant turn; they were ignored)
+    ({"continue_final_message": True, "add_generation_prompt": False}, 400, "continue_final_message",
+     "/v1/chat/completions parameter"),
+    ({"add_generation_prompt": False}, 400, "add_generation_prompt", "new assistant turn"),
+    ({"chat_template": "{{ 'x' }}"}, 400, "chat_template", "the model's own chat template"),
     # errors of the chat machinery and the engine, in the Responses API's names
     ({"min_tokens": 5}, 400, "min_tokens", "at most max_output_tokens (4)"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {

@@ -927,6 +927,9 @@ CHAT_ONLY_PARAMS = {
     "function_call": "use tool_choice",
     "modalities": "the output is text",
     "audio": "the output is text",
+    "continue_final_message": "it is a /v1/chat/completions parameter (a response is a new assistant turn)",
+    "add_generation_prompt": "it is a /v1/chat/completions parameter (a response is a new assistant turn)",
+    "chat_template": "it is a /v1/chat/completions parameter (" + CHAT_TEMPLATE_REFUSED.split(": ", 1)[1] + ")",
 }
 CHAT_ONLY_STREAM_OPTIONS = {"include_usage": "the usage is always in the last event (response.completed or "
                                              "response.incomplete)"}
