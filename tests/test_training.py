@@ -1154,3 +1154,34 @@ def test_resume_names_the_drafter_settings_that_differ_before_the_data_step(tiny
     assert cli_main(args + ["--resume", "--steps", "2", "--num-layers", "1", "--block-size", "8"]) == 0
     assert "resume: step 1" in capsys.readouterr().err
     assert torch.load(ckpt, weights_only=False)["step"] == 2
+
+
+@torch.no_grad()
+def test_greedy_walk_on_text_counts_only_drafts_the_target_would_take(agree_pair):
+    """On text that is not the target's own greedy continuation, a draft counts only where it
+    equals the text and the target's greedy choice there (transformers' model as the oracle),
+    so a round's tau never exceeds what the engine would accept after that context. (A text of
+    the agreeable drafter's favourite token: it drafts the text everywhere, the target takes it
+    only sometimes; val_tau counted the full block every round.)"""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import AGREE_TOKEN
+
+    target_dir, drafter_dir = agree_pair
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    B = drafter.config.block_size
+    ids = torch.tensor([5, 9, 17] + [AGREE_TOKEN] * 61)
+    start = 3
+    oracle = AutoModelForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
+    takes = oracle(ids[None]).logits[0, :-1].argmax(-1) == ids[1:]  # takes[p - 1]: position p is the target's choice
+    taus = greedy_walk(drafter, target, ids, start)
+    assert taus
+    s = start
+    for tau in taus:
+        run = 0  # the target's choices from s + 1 on that the text holds
+        while run < B - 1 and bool(takes[s + run]):
+            run += 1
+        assert tau - 1 <= run, (s, tau, run)
+        s += tau
+    assert max(taus) > 1 and min(taus) < B  # the target takes some drafts, not all

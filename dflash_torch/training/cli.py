@@ -81,9 +81,9 @@ def register(sub) -> None:
                    help=f"longest self-distill prompt (tokens, default {d['prefix_max'].default})")
     p.add_argument("--raw-fraction", type=float, default=d["raw_fraction"].default,
                    help="share of batch rows from the raw corpus when examples exist (default 0.25)")
-    p.add_argument("--val-seqs", type=int, default=d["val_seqs"].default, help=f"sequences set apart for the acceptance estimate (0: none; default {d['val_seqs'].default})")
+    p.add_argument("--val-seqs", type=int, default=d["val_seqs"].default, help=f"sequences set apart for validation: val_loss and val_tau, the acceptance length of greedy decoding replayed along them (exact on --self-distill rows; on other text a lower bound, drafts counted where the text holds the target's greedy choice) (0: none; default {d['val_seqs'].default})")
     p.add_argument("--eval-every", type=int, default=d["eval_every"].default,
-                   help=f"steps between acceptance estimates (default {d['eval_every'].default})")
+                   help=f"steps between validations (default {d['eval_every'].default})")
     p.add_argument("--ckpt-every", type=int, default=d["ckpt_every"].default,
                    help=f"steps between resumable checkpoints (default {d['ckpt_every'].default})")
     p.add_argument("--threads", "--num-threads", dest="num_threads", type=int, default=None, help="torch CPU threads, at most the machine's CPUs (default: torch's choice)")

@@ -447,26 +447,52 @@ def norm_scale(norm: torch.nn.Module) -> torch.Tensor:
     return 1.0 + norm.weight if isinstance(norm, ZeroCenteredRMSNorm) else norm.weight
 
 
+@torch.autocast("cpu", enabled=False)
+def target_greedy_tokens(target: TargetModel, ids: torch.Tensor, start: int,
+                         layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's greedy choices along a sequence, teacher-forced, and its features.
+
+    Args:
+        ids: int64 ``[T]``; start: the first position whose choice is wanted (>= 1).
+    Returns:
+        ``(greedy, features)``: int64 ``[T]``, ``greedy[p]`` the target's argmax for
+        position ``p`` given ``ids[:p]`` (-1 before ``start``), and the features
+        ``[1, T, k * H]`` of :func:`target_features` (one forward gives both).
+    """
+    T = ids.shape[0]
+    cache = target.new_cache()
+    cache.reset(T)
+    logits, features = target(ids, torch.arange(T, device=ids.device), cache, T, layer_ids, logits_from=start - 1)
+    greedy = torch.full((T,), -1, dtype=torch.long, device=ids.device)
+    greedy[start:] = logits[:-1].argmax(dim=-1)
+    return greedy, features[None]
+
+
 @torch.no_grad()
 def greedy_walk(drafter: DFlashDrafter, target: TargetModel, ids: torch.Tensor, start: int,
-                features: torch.Tensor | None = None, chunk: int = 128) -> list[int]:
-    """Acceptance lengths of greedy speculative decoding replayed on a known greedy sequence.
+                chunk: int = 128) -> list[int]:
+    """Acceptance lengths of greedy speculative decoding replayed along a known sequence.
 
-    When ``ids[start:]`` is the target's own greedy continuation of ``ids[:start]``,
-    the rounds of real decoding are: propose the block at ``s`` (first ``s = start``),
-    accept the leading draft tokens equal to ``ids[s + 1 ...]``, commit ``tau``
-    tokens, ``s += tau``. The drafter is run at every position (teacher forcing, the
-    same context features the engine would hold; its greedy drafts are those of the
-    engine: :meth:`~dflash_torch.models.drafter.DFlashDrafter.choose_draft`) and the
-    walk is replayed; it stops when a block would run past the sequence. Returns the
-    tau of each round.
+    The rounds of decoding ``ids[start:]`` after ``ids[:start]``: propose the block at
+    ``s`` (first ``s = start``), accept the leading draft tokens that equal
+    ``ids[s + 1 ...]`` and are the target's greedy choices there
+    (:func:`target_greedy_tokens`), commit ``tau`` tokens, ``s += tau``. The drafter is
+    run at every position (teacher forcing, the same context features the engine would
+    hold; its greedy drafts are those of the engine:
+    :meth:`~dflash_torch.models.drafter.DFlashDrafter.choose_draft`) and the walk is
+    replayed; it stops when a block would run past the sequence. Returns the tau of each
+    round. Where ``ids[start:]`` is the target's own greedy continuation (self-distilled
+    rows) these are the engine's rounds exactly; on other text (a corpus, a chat's
+    replies) each round's tau is a lower bound of what the engine would accept after the
+    same context (a draft the target would take that differs from the text is counted
+    rejected), and the walk follows the text, not the target's own continuation.
     """
     B = drafter.config.block_size
     T = ids.shape[0]
     if T - start < B:
         return []
-    if features is None:
-        features = target_features(target, ids[None], torch.tensor([T]), drafter.config.target_layer_ids)
+    greedy, features = target_greedy_tokens(target, ids, start, drafter.config.target_layer_ids)
+    agrees = ids == greedy  # the text's token is the target's greedy choice
     accepted = torch.zeros(T, dtype=torch.long)
     positions_all = torch.arange(start, T - B + 1)
     for c in range(0, positions_all.numel(), chunk):
@@ -474,8 +500,8 @@ def greedy_walk(drafter: DFlashDrafter, target: TargetModel, ids: torch.Tensor, 
         tokens, positions = block_inputs(ids[None], anchors, B, drafter.config.mask_token_id)
         hidden = drafter_blocks_forward(drafter, target, features, tokens, positions)
         pred = drafter.choose_draft(drafter.draft_scores(hidden, tokens[..., 0], target), GREEDY, None)[0][0]  # [n, B - 1]
-        labels = ids[positions[0, :, 1:]]
-        accepted[anchors[0]] = (pred == labels).long().cumprod(dim=-1).sum(dim=-1)
+        slots = positions[0, :, 1:]
+        accepted[anchors[0]] = ((pred == ids[slots]) & agrees[slots]).long().cumprod(dim=-1).sum(dim=-1)
     taus, s = [], start
     while s + B <= T:
         tau = 1 + int(accepted[s])

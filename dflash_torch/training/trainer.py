@@ -615,7 +615,7 @@ class Trainer:
     def evaluate(self, drafter, target, rows, gamma, walk_rows: int = 16) -> dict:
         """Validation loss and slot accuracy on fixed random anchors, and the acceptance
         length of greedy decoding replayed on the first ``walk_rows`` rows (exact for
-        self-distilled rows: see :func:`greedy_walk`)."""
+        self-distilled rows, a lower bound on other text: see :func:`greedy_walk`)."""
         if not rows:
             return {}
         cfg = self.cfg
