@@ -63,6 +63,7 @@ def _chat_here(args: argparse.Namespace) -> int:
         raise DFlashError("the target's tokenizer has no chat template; use 'dflash-torch generate' for plain text")
     kwargs = _sampling(engine, args)
     start = [{"role": "system", "content": args.system}] if args.system is not None else []
+    _check_system(engine, start, kwargs)
     messages = list(start)
     for stream in (sys.stdin, sys.stdout):  # (bytes that are not text: one turn's error, not a traceback)
         if hasattr(stream, "reconfigure"):
@@ -132,6 +133,25 @@ def _sampling(engine, args: argparse.Namespace) -> dict:
         print("[sampling from the target's generation_config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items())
               + " (flags override it; --generation-config none: generate's defaults)]", file=sys.stderr)
     return dict(kwargs, chat=True, chat_template_kwargs=args.chat_template_kwargs)
+
+
+def _check_system(engine, start: list[dict], kwargs: dict) -> None:
+    """Refuse a ``--system`` message that would refuse every turn: one the chat template
+    refuses, or one that leaves no room for a one-word message and ``--max-new-tokens``.
+
+    Raises:
+        DFlashError: naming ``--system`` and why.
+    """
+    if not start:
+        return
+    try:
+        ids = engine.encode_prompt(start + [{"role": "user", "content": "hi"}], True, kwargs["chat_template_kwargs"])
+    except DFlashError as exc:
+        raise DFlashError(f"--system: {exc}") from None
+    if len(ids) + kwargs["max_new_tokens"] > engine.max_context:
+        raise DFlashError(f"--system leaves no room for a turn: with a one-word message the prompt takes {len(ids)} "
+                          f"tokens, and with --max-new-tokens {kwargs['max_new_tokens']} that exceeds the context of "
+                          f"{engine.max_context} tokens; shorten it, lower --max-new-tokens or raise --max-context")
 
 
 def _utf8(line: str) -> str | None:

@@ -10,6 +10,7 @@ import re
 import shutil
 
 import pytest
+from conftest import REFUSING_TEMPLATE
 from test_cli import run_cli
 
 from dflash_torch import DFlashEngine
@@ -157,7 +158,7 @@ def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path)
         "(--generation-config none: generate's defaults)"), proc.stderr
 
 
-def test_bad_lines_and_options(tiny_pair, engine):
+def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
     """A line that is not UTF-8 is not sent (one error line, the chat goes on); ``//`` starts
     a message with ``/``; options that would refuse every turn are refused at start (exit 2,
     the flag named, nothing read); ``--chat`` (a generate flag) is not taken for
@@ -167,6 +168,8 @@ def test_bad_lines_and_options(tiny_pair, engine):
 
     target, drafter = tiny_pair
     pair = ["--target", str(target), "--draft", str(drafter), "--dtype", "float32"]
+    refusing = shutil.copytree(target, tmp_path / "refusing")
+    (refusing / "chat_template.jinja").write_text(REFUSING_TEMPLATE)
     proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "chat", *pair, "--max-new-tokens", str(NEW),
                            "--system", SYSTEM], input=b"\xff\xfe bad\n//path\n", capture_output=True, timeout=240)
     err = proc.stderr.decode()
@@ -177,7 +180,12 @@ def test_bad_lines_and_options(tiny_pair, engine):
     for flags, line in ((["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
                         (["--max-context", "10"], "--max-new-tokens 256 (the default) leaves no room for a prompt in "
                                                   "the context of 10 tokens; lower it (or raise --max-context)"),
-                        (["--chat"], "unrecognized arguments: --chat (see --help)")):
-        proc = run_cli("chat", *pair, *flags, stdin="hi\n")
+                        (["--chat"], "unrecognized arguments: --chat (see --help)"),
+                        # (a --system that refuses every turn: each turn printed its error, exit 0)
+                        (["--max-context", "64", "--max-new-tokens", "10", "--system", "be brief " * 40],
+                         "--system leaves no room for a turn: with a one-word message the prompt takes "),
+                        (["--target", str(refusing), "--no-draft", "--system", "be brief"],
+                         "--system: the chat template refuses these messages: System role not supported")):
+        proc = run_cli("chat", *(flags if flags[0] == "--target" else [*pair, *flags]), stdin="hi\n")
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr
-        assert proc.stderr.splitlines()[-1] == f"dflash-torch: error: {line}", proc.stderr
+        assert proc.stderr.splitlines()[-1].startswith(f"dflash-torch: error: {line}"), proc.stderr
