@@ -83,7 +83,7 @@ def _chat_here(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return 130
-        text = _utf8(line)
+        text = _utf8(line.removesuffix("\r"))  # (a line of a CRLF file)
         if text is None or not text.strip():
             continue
         if text.startswith("/") and not text.startswith("//"):

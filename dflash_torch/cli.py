@@ -103,7 +103,7 @@ def add_chat_template_kwargs_arg(p: argparse.ArgumentParser, what: str) -> None:
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="maximum generated tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1 = off; default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
     p.add_argument("--min-p", type=float, default=0.0,
                    help="in [0, 1]: drop tokens less likely than min-p times the most likely one (default 0 = off)")
@@ -226,6 +226,8 @@ def _generate_here(args: argparse.Namespace) -> int:
             raise DFlashError("no prompt: pass --prompt TEXT, a positional prompt, or pipe it on stdin")
         stdin = getattr(sys.stdin, "buffer", None)  # (bytes: the locale's error handler may be strict)
         prompt = utf8_text(stdin.read(), "the prompt on stdin") if stdin is not None else sys.stdin.read()
+        if args.chat:  # (a message: the final line break that echo or an editor adds is not part of it, as in chat)
+            prompt = prompt.removesuffix("\n").removesuffix("\r")
     else:  # (argv holds undecodable bytes as surrogate escapes)
         prompt = utf8_text(os.fsencode(prompt), "the prompt argument")
     if args.chat_template_kwargs is not None and not args.chat:

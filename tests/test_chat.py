@@ -160,7 +160,7 @@ def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path)
 
 def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
     """A line that is not UTF-8 is not sent (one error line, the chat goes on); ``//`` starts
-    a message with ``/``; options that would refuse every turn are refused at start (exit 2,
+    a message with ``/`` (a CRLF line's ``\\r`` is not part of it); options that would refuse every turn are refused at start (exit 2,
     the flag named, nothing read); ``--chat`` (a generate flag) is not taken for
     ``--chat-template-kwargs``."""
     import subprocess
@@ -171,7 +171,7 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
     refusing = shutil.copytree(target, tmp_path / "refusing")
     (refusing / "chat_template.jinja").write_text(REFUSING_TEMPLATE)
     proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "chat", *pair, "--max-new-tokens", str(NEW),
-                           "--system", SYSTEM], input=b"\xff\xfe bad\n//path\n", capture_output=True, timeout=240)
+                           "--system", SYSTEM], input=b"\xff\xfe bad\n//path\r\n", capture_output=True, timeout=240)
     err = proc.stderr.decode()
     assert proc.returncode == 0, err
     assert "dflash-torch: error: the line is not UTF-8 text (byte 0xff); it was not sent\n" in err

@@ -280,3 +280,17 @@ def test_text_stdout_cannot_encode_is_replaced_not_a_traceback():
     proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "generate", "x", "--max-new-tokens", "3",
                            "--logit-bias", '{"2431": 100}'], capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0 and proc.stdout == "???\n", proc.stderr
+
+
+def test_a_chat_prompt_on_stdin_loses_its_final_line_break(pair_args, api):
+    """``echo hi | generate --chat``: the message is "hi", as ``generate hi --chat`` and a
+    ``chat`` line send it (the line break echo adds was part of the user message); a text
+    prompt keeps it."""
+    want = api.generate([{"role": "user", "content": "hi"}], max_new_tokens=4, ignore_eos=True).token_ids
+    for stdin in ("hi\n", "hi\r\n"):
+        proc = run_cli("generate", *pair_args, "--chat", "--max-new-tokens", "4", "--ignore-eos", "--json", stdin=stdin)
+        assert proc.returncode == 0, proc.stderr
+        out = parse_single_json(proc.stdout)
+        assert out["token_ids"] == want and out["stats"]["prompt_tokens"] == len(api.encode_prompt("hi", chat=True))
+    proc = run_cli("generate", *pair_args, "--max-new-tokens", "4", "--ignore-eos", "--json", stdin="def f(x):\n")
+    assert parse_single_json(proc.stdout)["stats"]["prompt_tokens"] == len(api.encode_prompt("def f(x):\n"))
