@@ -14,6 +14,12 @@ for every position, gives the set of tokens that keep the output inside the lang
   output is exactly what the target alone, constrained, produces (greedy: token for
   token; sampling: in distribution). A draft token the grammar refuses gets probability 0
   under the masked target, so acceptance stops there whatever the drafter proposed.
+  A token after which the constraint allows nothing (a *dead end*: only a special token's
+  text could follow, which the tokenizer reads as that token) is refused where the mask
+  after it is computed: greedy decoding computes it for every token it chooses
+  (:meth:`GrammarState.mask_greedy`), so its decisions do not depend on the drafts
+  (target-only decoding refuses it too); sampled decoding computes it for the drafts, and a
+  sampled token that leads into a dead end fails the sequence in the next round.
 * **propose** (acceptance only): the drafter's slots are chosen one after another, each
   among the tokens the grammar allows after the drafts before it
   (:meth:`GrammarState.next_allowed`, :meth:`GrammarState.advance`), so every draft is a
@@ -507,6 +513,19 @@ class GrammarState:
             known = torch.cat([known, known.new_ones(len(draft) + 1 - known.shape[0], self.vocab_size)])
         return known.to(self.device)
 
+    def _take(self, token: int) -> bool:
+        """:meth:`advance` by ``token``, then compute the mask after it: a token after which
+        the constraint allows nothing (a dead end: e.g. only a special token's text could
+        follow, which the tokenizer reads as that token) is refused where it stands, as one
+        llguidance fails to consume is. Returns whether the path was extended."""
+        if not self.advance(token):
+            return False
+        if token in self.eos:
+            return True
+        n = len(self.path)
+        self._row()  # (cached: the next position's mask; a dead end refuses the token)
+        return len(self.path) == n
+
     def mask_greedy(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
         """Greedy decoding's masks of a verify block, computed only where they change a
         decision: ``logits`` float32 ``[R, V]`` (processed, row j after ``d_1 .. d_j``) ->
@@ -516,30 +535,36 @@ class GrammarState:
         the masked row is then a different token); elsewhere the argmax is allowed, so it
         is also the masked argmax (the first index of the maximum either way). Each chosen
         token is consumed on the way (the path ends with the round's tokens, which the
-        commit then finds there); one llguidance fails to consume counts as refused and its
-        row is decided again. Returns ``logits`` itself when no row is masked."""
+        commit then finds there), and the mask after it computed (:meth:`_take`): a token
+        llguidance fails to consume, or that leads into a dead end, counts as refused and its
+        row is decided again (a row whose every token is refused refuses the token before
+        it, whose row is decided again). So every decision is the same whatever the drafts
+        were: the best token that does not lead into a dead end, as target-only decoding
+        (no drafts) takes it. Returns ``logits`` itself when no row is masked."""
         draft = [int(t) for t in draft]
-        choices = logits.argmax(dim=-1).tolist()
         self._rewind(0)
+        if self._ended():
+            return logits
+        choices = logits.argmax(dim=-1).tolist()
         masked: dict[int, torch.Tensor] = {}  # row -> its bit mask (refusals cleared in place)
-        j = 0
-        while j <= len(draft) and not self._ended():  # (past an accepted EOS decoding stops)
-            choice = choices[j]
-            while not self.advance(choice):  # refused: decide the row on its mask
-                row = self._row()
-                if row is None:
-                    if len(self.path) < j:  # the last token led into a dead end (now refused): row j - 1 again
-                        j -= 1
-                        row = self._row()
-                    if row is None:
-                        break
-                masked[j] = row
-                choice = _masked_argmax(logits[j], row, self.vocab_size)
-            else:
-                if j < len(draft) and choice == draft[j]:
+        j, choice = 0, choices[0]  # (the path holds the committed tokens and d_1 .. d_j)
+        while True:
+            if self._take(choice):
+                if j < len(draft) and choice == draft[j] and not self._ended():
                     j += 1
+                    choice = choices[j]
                     continue
-            break
+                break  # (the round's last decision: a choice other than the draft, or an EOS)
+            row = self._row()
+            while row is None and self.path:  # every token of the row refused: its path's last token too
+                row = self._row()
+            if row is None:
+                break
+            j = len(self.path)  # (the row decided again: this one, or one before it)
+            for later in [k for k in masked if k > j]:
+                del masked[later]
+            masked[j] = row
+            choice = _masked_argmax(logits[j], row, self.vocab_size)
         if not masked:
             return logits
         out = logits.clone()

@@ -369,6 +369,27 @@ def test_speculative_equals_constrained_target_only(engines, mode):
     assert max(taus) > 3, mode  # drafts were accepted: the comparison saw multi-token rounds
 
 
+# after "Ix" only the special token's text could follow, which the tokenizer reads as that token
+DEAD_END_SPECS = [{"choice": ["Ix<|MASK|>", "IA"]}, {"json": {"enum": ["Ix<|endoftext|>", "IA"]}}]
+
+
+@pytest.mark.parametrize("mode", ["inject", "static", "dflash2"])
+def test_a_token_that_leads_into_a_dead_end_is_refused_whatever_the_drafts(engines, mode):
+    """A token after which the constraint allows nothing is refused where it is chosen, in
+    target-only and speculative decoding alike: target-only decoding committed it and then
+    failed, while speculative decoding, whose verify masks look past a drafted token, refused
+    it there and wrote the other choice; which one happened depended on the drafts."""
+    engine, reference = engines[mode], engines["target"]
+    for spec in DEAD_END_SPECS:
+        for prompt in ([5, 9, 13], [100, 7], "x = "):
+            ref = reference.generate(prompt, max_new_tokens=20, structured_output=spec)
+            out = engine.generate(prompt, max_new_tokens=20, structured_output=spec)
+            assert out.token_ids == ref.token_ids and ref.text.strip('"') == "IA", (mode, spec, prompt, ref.text)
+            if mode == "inject":
+                batch = engine.generate_batch([prompt, prompt], max_new_tokens=20, structured_output=spec)
+                assert [o.token_ids for o in batch] == [ref.token_ids] * 2
+
+
 def test_constraint_changes_the_output_and_is_honoured(engines):
     """Guard: without the constraint the target writes other tokens; with it, the text
     matches (the regex, a choice, JSON valid under the schema) and ends with EOS."""
