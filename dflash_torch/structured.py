@@ -157,9 +157,15 @@ class StructuredOutput:
         return next(k for k in KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object))
 
     def key(self) -> str:
-        """A canonical text of the constraint (equal constraints, equal keys): the compile cache's key."""
+        """A canonical text of the constraint (equal constraints, equal keys): the compile cache's key.
+
+        Raises:
+            OptionError: a value that is not JSON (a set, a NaN or infinite number in a schema)."""
         value = getattr(self, self.kind)  # (key order kept: a schema's property order is the output's)
-        return self.kind + ":" + json.dumps(list(value) if isinstance(value, tuple) else value)
+        try:
+            return self.kind + ":" + json.dumps(list(value) if isinstance(value, tuple) else value, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise OptionError(f"structured_output {self.kind} must be JSON: {e}", "structured_output") from None
 
     def llguidance_grammar(self) -> str:
         """The constraint as an llguidance grammar (not yet checked).

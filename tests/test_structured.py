@@ -488,6 +488,9 @@ def target_logits(engine, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("spec, words", [
     ({"json": {"type": "foo"}}, "json is invalid"),
+    # (not JSON: a TypeError traceback from the cache key; NaN reached llguidance as null)
+    ({"json": {"enum": {"a", "b"}}}, "json must be JSON: Object of type set is not JSON serializable"),
+    ({"json": {"type": "number", "minimum": float("nan")}}, "json must be JSON: Out of range float values"),
     ({"json": "{not json"}, "not JSON"),
     ({"regex": "[a-z"}, "regex is invalid"),
     ({"grammar": "start: 'yes'"}, "grammar is invalid"),
