@@ -49,6 +49,20 @@ DEFAULT_TARGET = ASSETS / "target"
 DEFAULT_DRAFTER = ASSETS / "drafter"
 log = logging.getLogger("dflash_torch")
 STALLED_STREAM_S = 10.0  # seconds a request from a thread that has read an open stream waits for it to be read on
+_ENGINES: weakref.WeakSet = weakref.WeakSet()  # every engine of the process (for _after_fork)
+
+
+def _after_fork() -> None:
+    """In a forked child: an engine whose lock a parent's request held (a thread that does
+    not exist in the child) is marked, so that the child's calls get an error, not a wait
+    for ever."""
+    for engine in list(_ENGINES):
+        if engine.lock.locked():
+            engine.lock, engine._forked_busy = threading.Lock(), True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 @dataclass
@@ -195,6 +209,8 @@ class DFlashEngine:
                                                                draft_mode=draft_mode, block_size=self.block_size)
         self.max_prompt_chars = _max_prompt_chars(tokenizer, self.max_context)
         self.lock = threading.Lock()
+        self._forked_busy = False  # (a forked child's copy of an engine that ran a request: _after_fork)
+        _ENGINES.add(self)
         # the threads that have read the open stream (not their ids: a new thread may get a finished one's id),
         # whether one reads it now and when its last read ended (time.monotonic(), seconds)
         self._readers: weakref.WeakSet = weakref.WeakSet()
@@ -909,8 +925,13 @@ class DFlashEngine:
                 compute thread to end, so waiting for it would never end. In a thread that
                 has read the open stream, where no thread has read it for
                 ``STALLED_STREAM_S`` seconds (if only this thread reads it, it waits on this
-                thread, which waits on it).
+                thread, which waits on it). In a forked child, on an engine whose parent ran
+                a request when the process forked (its state is that request's, halfway).
         """
+        if self._forked_busy:
+            raise DFlashError("this engine was running a request in the parent process when the process forked, so "
+                              "this copy holds that request's state halfway; load a new engine in the child (or fork "
+                              "while no request runs)")
         if compute.on_compute_thread():
             if not self.lock.acquire(blocking=False):
                 raise DFlashError("this engine is busy with the request that runs this code; on_chunk (or any code "

@@ -411,3 +411,36 @@ def test_a_forked_child_runs_the_parents_engine_and_loads_its_own(tiny_pair):
         child.kill()
         child.join()
     assert engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True).token_ids == ref  # the parent's still runs
+
+
+def _child_calls(engine, conn):
+    try:
+        engine.generate(PROMPT, max_new_tokens=4)
+        conn.send("no error")
+    except BaseException as e:
+        conn.send(str(e))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_request_runs_gets_an_error_for_that_engine(tiny_pair):
+    """The parent's open stream holds the engine when it forks: the child's copy holds that
+    request's state halfway and its lock held by a thread the child does not have (its calls
+    waited for ever): the child gets an error saying so."""
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    stream = engine.stream(PROMPT, max_new_tokens=12, ignore_eos=True)
+    next(stream)
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        child = ctx.Process(target=_child_calls, args=(engine, send))
+        child.start()
+    try:
+        assert receive.poll(120), "the forked child's call did not return"
+        assert receive.recv().startswith("this engine was running a request in the parent process when the process "
+                                         "forked")
+    finally:
+        child.kill()
+        child.join()
+    stream.close()
+    assert len(engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True).token_ids) == 4  # the parent's goes on
