@@ -55,6 +55,42 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # gets those instead
 JSON_DEFAULTS = {"whitespace_pattern": r"(?:\r?\n)?[\x20\x09]{0,16}"}
 GRAMMAR_CACHE_SIZE = 64  # compiled constraints kept per engine (a server sees the same schema again and again)
+# llguidance builds a grammar recursively, on the calling thread's stack: about 3 KB a level of a
+# chain of Lark rules, 8 to 13 KB a level of a chain of JSON-schema $refs (llguidance 1.9), so
+# 3,000 chained rules overflowed an 8 MiB thread stack (a segmentation fault: the process died).
+# Grammars are built on a thread with this stack (virtual memory, touched only as deep as a
+# grammar goes), and their text is at most MAX_GRAMMAR_CHARS, whose deepest chains fit it.
+GRAMMAR_STACK_BYTES = 512 * 2**20
+MAX_GRAMMAR_CHARS = 1_000_000
+_stack_lock = threading.Lock()  # (threading.stack_size is the process's: set for one thread at a time)
+
+
+def on_grammar_stack(fn):
+    """``fn()`` on a new thread with a :data:`GRAMMAR_STACK_BYTES` stack (llguidance's
+    grammar construction recurses once per level of nesting); its result, or its exception
+    raised here. Runs inline where the platform cannot set a thread's stack size."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # (raised in the caller)
+            box["error"] = e
+
+    with _stack_lock:
+        try:
+            previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+        except (ValueError, RuntimeError):  # (not settable here)
+            return fn()
+        try:
+            thread = threading.Thread(target=run, name="dflash-grammar", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in box:
+        raise box.pop("error")
+    return box.pop("value")
 
 
 def _load_llguidance():
@@ -114,6 +150,8 @@ class StructuredOutput:
                 except ValueError as e:
                     raise OptionError(f"structured_output json must be a JSON schema; its text is not JSON: {e}",
                                       "structured_output") from None
+                except RecursionError:
+                    raise OptionError("structured_output json is nested too deeply", "structured_output") from None
             if schema is False:
                 raise OptionError("structured_output json schema false allows no value", "structured_output")
             if schema is True:  # (the schema true: any JSON value, as {})
@@ -166,6 +204,8 @@ class StructuredOutput:
             return self.kind + ":" + json.dumps(list(value) if isinstance(value, tuple) else value, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise OptionError(f"structured_output {self.kind} must be JSON: {e}", "structured_output") from None
+        except RecursionError:
+            raise OptionError(f"structured_output {self.kind} is nested too deeply", "structured_output") from None
 
     def llguidance_grammar(self) -> str:
         """The constraint as an llguidance grammar (not yet checked).
@@ -285,12 +325,15 @@ class GrammarCompiler:
                 return self._cache[key]
             LLMatcher = _load_llguidance().LLMatcher
             text = spec.llguidance_grammar()
+            if len(text) > MAX_GRAMMAR_CHARS:
+                raise OptionError(f"structured_output {spec.kind} is too large: its grammar has {len(text):,} "
+                                  f"characters (at most {MAX_GRAMMAR_CHARS:,})", "structured_output")
             tokenizer = self.tokenizer()
-            error, messages = LLMatcher.validate_grammar_with_warnings(text, tokenizer)
+            error, messages = on_grammar_stack(lambda: LLMatcher.validate_grammar_with_warnings(text, tokenizer))
             if error:
                 raise OptionError(f"structured_output {spec.kind} is invalid: {_first_line(messages[0], spec.kind)}",
                                   "structured_output")
-            probe = LLMatcher(tokenizer, text, log_level=0)  # (a language with no first token: refused now)
+            probe = on_grammar_stack(lambda: LLMatcher(tokenizer, text, log_level=0))  # (a language with no first token: refused now)
             first = torch.empty((self.vocab_size + 31) // 32, dtype=torch.int32)
             if not probe.is_error():
                 probe.unsafe_compute_mask_ptr(first.data_ptr(), first.numel() * 4)
@@ -367,7 +410,7 @@ class GrammarState:
 
     def __init__(self, grammar: Grammar, device: torch.device | str):
         llg = _load_llguidance()
-        matcher = llg.LLMatcher(grammar.tokenizer, grammar.grammar, log_level=0)
+        matcher = on_grammar_stack(lambda: llg.LLMatcher(grammar.tokenizer, grammar.grammar, log_level=0))
         if matcher.is_error():
             raise OptionError(f"structured_output {grammar.spec.kind} is invalid: "
                               f"{_first_line(matcher.get_error(), grammar.spec.kind)}",
