@@ -37,10 +37,12 @@ its own sequence only (:attr:`GrammarState.failed`, ``Round.error``).
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -58,39 +60,41 @@ GRAMMAR_CACHE_SIZE = 64  # compiled constraints kept per engine (a server sees t
 # llguidance builds a grammar recursively, on the calling thread's stack: about 3 KB a level of a
 # chain of Lark rules, 8 to 13 KB a level of a chain of JSON-schema $refs (llguidance 1.9), so
 # 3,000 chained rules overflowed an 8 MiB thread stack (a segmentation fault: the process died).
-# Grammars are built on a thread with this stack (virtual memory, touched only as deep as a
+# Grammars are built on one thread with this stack (virtual memory, touched only as deep as a
 # grammar goes), and their text is at most MAX_GRAMMAR_CHARS, whose deepest chains fit it.
 GRAMMAR_STACK_BYTES = 512 * 2**20
 MAX_GRAMMAR_CHARS = 1_000_000
-_stack_lock = threading.Lock()  # (threading.stack_size is the process's: set for one thread at a time)
+_grammar_lock = threading.Lock()
+_grammar_thread: ThreadPoolExecutor | None = None  # (its one thread has that stack)
+
+
+def _after_fork() -> None:
+    global _grammar_lock, _grammar_thread  # (a forked child has no grammar thread: it starts its own)
+    _grammar_lock, _grammar_thread = threading.Lock(), None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def on_grammar_stack(fn):
-    """``fn()`` on a new thread with a :data:`GRAMMAR_STACK_BYTES` stack (llguidance's
-    grammar construction recurses once per level of nesting); its result, or its exception
-    raised here. Runs inline where the platform cannot set a thread's stack size."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # (raised in the caller)
-            box["error"] = e
-
-    with _stack_lock:
-        try:
-            previous = threading.stack_size(GRAMMAR_STACK_BYTES)
-        except (ValueError, RuntimeError):  # (not settable here)
-            return fn()
-        try:
-            thread = threading.Thread(target=run, name="dflash-grammar", daemon=True)
-            thread.start()
-        finally:
-            threading.stack_size(previous)
-    thread.join()
-    if "error" in box:
-        raise box.pop("error")
-    return box.pop("value")
+    """``fn()`` on the process's grammar thread, whose stack is :data:`GRAMMAR_STACK_BYTES`
+    (llguidance's grammar construction recurses once per level of nesting); its result, or
+    its exception raised here. Runs inline where the platform cannot set a thread's stack size."""
+    global _grammar_thread
+    with _grammar_lock:
+        if _grammar_thread is None:
+            try:
+                previous = threading.stack_size(GRAMMAR_STACK_BYTES)  # (the process's: for this one thread)
+            except (ValueError, RuntimeError):  # (not settable here)
+                return fn()
+            try:
+                pool = ThreadPoolExecutor(1, thread_name_prefix="dflash-grammar")
+                pool.submit(int).result()  # (its thread starts now, with that stack)
+            finally:
+                threading.stack_size(previous)
+            _grammar_thread = pool
+    return _grammar_thread.submit(fn).result()
 
 
 def _load_llguidance():
