@@ -1316,13 +1316,14 @@ class BatchDecoder:
         for i in own:
             q = seqs[i]
             x = logits[i] if q.processor is None else q.processor.apply(logits[i], block[i, 1:])
+            limit = q.processor.draft_limit if q.processor is not None else None
             if q.params.greedy:
-                a_rows[i], b_rows[i] = accept_greedy(block[i, 1:], x)
+                a_rows[i], b_rows[i] = accept_greedy(block[i, 1:], x, limit)
             elif B == 1:
                 a_rows[i], b_rows[i] = accepted[i], choose(x, q.params, q.generator)[0]
             else:
                 a_rows[i], b_rows[i] = accept_sampling(block[i, 1:], draft_probs[i], probabilities(x, q.params),
-                                                       q.generator)
+                                                       q.generator, limit)
         return torch.stack(a_rows).to(torch.long), torch.stack(b_rows)
 
 

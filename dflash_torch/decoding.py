@@ -657,12 +657,13 @@ class SpeculativeDecoder:
             scores = logits  # (logprobs are of the raw logits)
             if processor is not None:  # row j follows the drafts before it (see sampling.LogitsProcessor)
                 scores = processor.apply(logits, block[1:])
+            limit = processor.draft_limit if processor is not None else None
             if B == 1:
                 a_dev, bonus = torch.zeros((), dtype=torch.long, device=dev), choose(scores, params, generator)[0]
             elif params.greedy:
-                a_dev, bonus = accept_greedy(block[1:], scores)
+                a_dev, bonus = accept_greedy(block[1:], scores, limit)
             else:
-                a_dev, bonus = accept_sampling(block[1:], draft_probs, probabilities(scores, params), generator)
+                a_dev, bonus = accept_sampling(block[1:], draft_probs, probabilities(scores, params), generator, limit)
             out = torch.cat([a_dev.view(1).to(block.dtype), block[1:], bonus.view(1)]).tolist()  # the one host sync
             a = out[0]
             tokens = out[1:a + 1] + [out[-1]]

@@ -515,6 +515,13 @@ class LogitsProcessor:
         return x
 
     @property
+    def draft_limit(self) -> int | None:
+        """How many drafts of the block :meth:`apply` last processed may be accepted (None:
+        all): a draft that leads into a dead end of the constraint ends the round
+        (:attr:`~dflash_torch.structured.GrammarState.draft_limit`)."""
+        return self.grammar.draft_limit if self.grammar is not None else None
+
+    @property
     def error(self) -> str | None:
         """Why this sequence cannot go on (its grammar failed: see
         :attr:`~dflash_torch.structured.GrammarState.failed`), else None."""
@@ -586,13 +593,16 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return sample(probabilities(logits, params), generator)
 
 
-def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor,
+                  limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance, on the device (no host sync), of one block or of a batch of
     blocks (any leading dimensions ``...``).
 
     Args:
         draft: int64 ``[..., B-1]`` draft tokens for positions ``s+1 .. s+B-1``.
         target_logits: ``[..., B, V]`` target logits of the verify block (row j predicts ``s+j+1``).
+        limit: at most this many drafts are accepted (None: all): the block is decided as
+            one of ``limit`` drafts (a structured output's dead end, :attr:`LogitsProcessor.draft_limit`).
 
     Returns:
         int64 tensors ``(a, token)`` of shape ``[...]`` (0-dim for one block): a accepted
@@ -600,6 +610,8 @@ def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[tor
     """
     choice = greedy_tokens(target_logits)
     a = (draft == choice[..., :-1]).int().cumprod(-1).sum(-1)
+    if limit is not None:
+        a = a.clamp_max(limit)
     return a, choice.gather(-1, a[..., None])[..., 0]
 
 
@@ -608,6 +620,7 @@ def accept_sampling(
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     generator: torch.Generator | None,
+    limit: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative rejection sampling (lossless), on the device (no host sync).
 
@@ -615,6 +628,8 @@ def accept_sampling(
         draft: int64 ``[B-1]``, drawn from ``draft_probs``.
         draft_probs: float32 ``[B-1, V]`` drafter distributions q.
         target_probs: float32 ``[B, V]`` target distributions p (row j for position ``s+j+1``).
+        limit: at most this many drafts are accepted (None: all): the block is decided as
+            one of ``limit`` drafts, row ``limit``'s token drawn from p (as the last row's).
 
     Returns:
         0-dim int64 tensors ``(a, token)`` as in :func:`accept_greedy`. One candidate
@@ -629,6 +644,9 @@ def accept_sampling(
     u = torch.rand(n, generator=generator, device=draft.device)
     a = (u * q_d < p_d).int().cumprod(0).sum()
     q_pad = torch.cat([draft_probs, torch.zeros_like(draft_probs[:1])], dim=0)
+    if limit is not None:
+        a = a.clamp_max(limit)
+        q_pad[limit:] = 0.0
     residual = (target_probs - q_pad).clamp_min(0.0)
     total = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(total > 0, residual / total.clamp_min(1e-30), target_probs)

@@ -14,12 +14,12 @@ for every position, gives the set of tokens that keep the output inside the lang
   output is exactly what the target alone, constrained, produces (greedy: token for
   token; sampling: in distribution). A draft token the grammar refuses gets probability 0
   under the masked target, so acceptance stops there whatever the drafter proposed.
-  A token after which the constraint allows nothing (a *dead end*: only a special token's
-  text could follow, which the tokenizer reads as that token) is refused where the mask
-  after it is computed: greedy decoding computes it for every token it chooses
-  (:meth:`GrammarState.mask_greedy`), so its decisions do not depend on the drafts
-  (target-only decoding refuses it too); sampled decoding computes it for the drafts, and a
-  sampled token that leads into a dead end fails the sequence in the next round.
+  A token after which the constraint allows nothing (a *dead end*: e.g. only a special
+  token's text could follow, which the tokenizer reads as that token) is not avoided, as
+  target-only decoding, which sees no further than its committed tokens, does not avoid
+  it: a draft that leads into one may be the round's last token but is never accepted
+  (:attr:`GrammarState.draft_limit`: no decision is made past it), so where the target
+  takes it, it is committed and the sequence fails in the next round, as target-only.
 * **propose** (acceptance only): the drafter's slots are chosen one after another, each
   among the tokens the grammar allows after the drafts before it
   (:meth:`GrammarState.next_allowed`, :meth:`GrammarState.advance`), so every draft is a
@@ -432,6 +432,10 @@ class GrammarState:
         self.ended = False  # the committed tokens end with an EOS
         self.failed: str | None = None  # why the constraint cannot go on (see the class docstring)
         self._last_error: str | None = None  # llguidance's reason for the last token it failed to consume
+        self.dead: dict[tuple[int, ...], str] = {}  # path prefix -> why nothing can follow it (a dead end)
+        # how many of the last verify block's drafts may be accepted (None: all): a draft after which
+        # nothing can follow ends the round as its last token (see mask_greedy)
+        self.draft_limit: int | None = None
 
     def _ended(self) -> bool:
         """Whether the path (else the committed tokens) ends with an EOS."""
@@ -445,8 +449,10 @@ class GrammarState:
 
     def _row(self) -> torch.Tensor | None:
         """The bit mask at the end of the path (cached); None past an EOS, where nothing is
-        allowed, or where the path led llguidance to fail (its last token then counts as
-        refused, and the path is one token shorter)."""
+        allowed, or where the path leads into a dead end: nothing can follow it (llguidance
+        fails, or allows no token; the reason is kept in :attr:`dead`). A dead end is not
+        avoided: where the committed tokens reach it, the sequence fails (:attr:`failed`), as
+        target-only decoding, which looks no further than the committed tokens, fails there."""
         if self._ended():
             return None
         key = tuple(self.path)
@@ -459,6 +465,7 @@ class GrammarState:
             self._special_refused = []
             if matcher.is_error():
                 error = _first_line(matcher.get_error())
+                row.zero_()
             else:
                 self._check_special(row, matcher)
                 if self._special_refused and not bool(row.any()):
@@ -466,15 +473,15 @@ class GrammarState:
                     error = (f"the constraint requires the text of the special token {t} "
                              f"({self._token_text.get(t, '?')!r}) here, which the tokenizer reads as that token, "
                              "not as text: this output cannot be written")
-                    self._last_error = error  # (the reason, should the committed tokens end here)
             self.rows[key] = row
-        if error is None and bool(row.any()):
+        if key not in self.dead and not bool(row.any()):  # (also a row whose tokens were all refused since)
+            self.dead[key] = error or self._last_error or "the constraint allows no token here"
+        if key not in self.dead:
             return row
-        if self.path:  # the path's last token led into a dead end: refuse it there
-            self._refuse(self.path[-1])
+        if self.path:
             return None
-        # where the committed tokens stand nothing can follow (compile-time checks catch most of this)
-        self.failed = error or self._last_error or "the constraint allows no token here"
+        # where the committed tokens stand nothing can follow: the sequence ends (EOS only) with the error
+        self.failed = self.dead.pop(key)
         self.rows[key] = row = self._eos_row()
         return row
 
@@ -506,6 +513,7 @@ class GrammarState:
         sees it too); the token and the mask after it are dropped."""
         _set_bit(self.rows[tuple(self.path[:-1])], token, False)
         self.rows.pop(tuple(self.path), None)
+        self.dead.pop(tuple(self.path), None)
         self._rewind(len(self.path) - 1)
 
     def _unpack(self, row: torch.Tensor) -> torch.Tensor:
@@ -553,10 +561,13 @@ class GrammarState:
         committed token reaches: acceptance stops at the refused token, decoding at the EOS)."""
         draft = [int(t) for t in draft]
         self._rewind(0)
+        self.draft_limit = None
         rows = []
         for j in range(len(draft) + 1):
             row = self._row()
             if row is None:
+                if not self._ended():  # d_j leads into a dead end: it can end the round, not be accepted
+                    self.draft_limit = j - 1
                 break
             rows.append(row)
             if j == len(draft) or not self.advance(draft[j]):
@@ -565,19 +576,6 @@ class GrammarState:
         if known.shape[0] <= len(draft):
             known = torch.cat([known, known.new_ones(len(draft) + 1 - known.shape[0], self.vocab_size)])
         return known.to(self.device)
-
-    def _take(self, token: int) -> bool:
-        """:meth:`advance` by ``token``, then compute the mask after it: a token after which
-        the constraint allows nothing (a dead end: e.g. only a special token's text could
-        follow, which the tokenizer reads as that token) is refused where it stands, as one
-        llguidance fails to consume is. Returns whether the path was extended."""
-        if not self.advance(token):
-            return False
-        if token in self.eos:
-            return True
-        n = len(self.path)
-        self._row()  # (cached: the next position's mask; a dead end refuses the token)
-        return len(self.path) == n
 
     def mask_greedy(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
         """Greedy decoding's masks of a verify block, computed only where they change a
@@ -588,36 +586,31 @@ class GrammarState:
         the masked row is then a different token); elsewhere the argmax is allowed, so it
         is also the masked argmax (the first index of the maximum either way). Each chosen
         token is consumed on the way (the path ends with the round's tokens, which the
-        commit then finds there), and the mask after it computed (:meth:`_take`): a token
-        llguidance fails to consume, or that leads into a dead end, counts as refused and its
-        row is decided again (a row whose every token is refused refuses the token before
-        it, whose row is decided again). So every decision is the same whatever the drafts
-        were: the best token that does not lead into a dead end, as target-only decoding
-        (no drafts) takes it. Returns ``logits`` itself when no row is masked."""
+        commit then finds there); one llguidance fails to consume counts as refused and its
+        row is decided again. A draft after which nothing can follow (a dead end) sets
+        :attr:`draft_limit`: it can be the round's last token, not an accepted one, so no
+        decision is made past it (target-only decoding commits it and then fails). Returns
+        ``logits`` itself when no row is masked."""
         draft = [int(t) for t in draft]
-        self._rewind(0)
-        if self._ended():
-            return logits
         choices = logits.argmax(dim=-1).tolist()
+        self._rewind(0)
+        self.draft_limit = None
         masked: dict[int, torch.Tensor] = {}  # row -> its bit mask (refusals cleared in place)
-        j, choice = 0, choices[0]  # (the path holds the committed tokens and d_1 .. d_j)
-        while True:
-            if self._take(choice):
-                if j < len(draft) and choice == draft[j] and not self._ended():
-                    j += 1
-                    choice = choices[j]
-                    continue
-                break  # (the round's last decision: a choice other than the draft, or an EOS)
-            row = self._row()
-            while row is None and self.path:  # every token of the row refused: its path's last token too
+        j = 0
+        while j <= len(draft) and not self._ended():  # (past an accepted EOS decoding stops)
+            choice = choices[j]
+            while not self.advance(choice):  # refused: decide the row on its mask
                 row = self._row()
-            if row is None:
-                break
-            j = len(self.path)  # (the row decided again: this one, or one before it)
-            for later in [k for k in masked if k > j]:
-                del masked[later]
-            masked[j] = row
-            choice = _masked_argmax(logits[j], row, self.vocab_size)
+                if row is None:  # (j >= 1: at the committed tokens a dead end fails, with an EOS row)
+                    self.draft_limit = j - 1  # d_j leads into a dead end: row j - 1's choice ends the round
+                    break
+                masked[j] = row
+                choice = _masked_argmax(logits[j], row, self.vocab_size)
+            else:
+                if j < len(draft) and choice == draft[j]:
+                    j += 1
+                    continue
+            break
         if not masked:
             return logits
         out = logits.clone()
@@ -643,5 +636,6 @@ class GrammarState:
         k, path = len(self.path), tuple(self.path)
         self.ended = self._ended()
         self.rows = {key[k:]: row for key, row in self.rows.items() if key[:k] == path}
+        self.dead = {key[k:]: why for key, why in self.dead.items() if key[:k] == path}
         self.snaps = [self.snaps[-1]]
         self.path = []
