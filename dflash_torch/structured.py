@@ -557,8 +557,9 @@ class GrammarState:
     def masks(self, draft: Sequence[int] = ()) -> torch.Tensor:
         """The masks of a verify block ``[t0, d_1 .. d_{R-1}]``: bool ``[R, V]`` on the device,
         row j the tokens allowed after the committed tokens and ``d_1 .. d_j``; rows past a
-        draft token the grammar refuses, or past an EOS, are all True (positions no
-        committed token reaches: acceptance stops at the refused token, decoding at the EOS)."""
+        draft token the grammar refuses, past an EOS, or past a draft that leads into a dead
+        end, are all True (positions no committed token reaches: acceptance stops at the
+        refused token, decoding at the EOS, and :attr:`draft_limit` before the dead-ending draft)."""
         draft = [int(t) for t in draft]
         self._rewind(0)
         self.draft_limit = None
