@@ -628,8 +628,11 @@ def accept_sampling(
         draft: int64 ``[B-1]``, drawn from ``draft_probs``.
         draft_probs: float32 ``[B-1, V]`` drafter distributions q.
         target_probs: float32 ``[B, V]`` target distributions p (row j for position ``s+j+1``).
-        limit: at most this many drafts are accepted (None: all): the block is decided as
-            one of ``limit`` drafts, row ``limit``'s token drawn from p (as the last row's).
+        limit: at most this many drafts are accepted (None: all): where draft ``limit``
+            (0-based: the one after them) passes its test, it is the round's last token
+            instead of an accepted draft (no token is chosen after it: a structured
+            output's dead end, :attr:`LogitsProcessor.draft_limit`); row ``limit``'s token
+            is then distributed as p, as every row's is.
 
     Returns:
         0-dim int64 tensors ``(a, token)`` as in :func:`accept_greedy`. One candidate
@@ -644,13 +647,12 @@ def accept_sampling(
     u = torch.rand(n, generator=generator, device=draft.device)
     a = (u * q_d < p_d).int().cumprod(0).sum()
     q_pad = torch.cat([draft_probs, torch.zeros_like(draft_probs[:1])], dim=0)
-    if limit is not None:
-        a = a.clamp_max(limit)
-        q_pad[limit:] = 0.0
     residual = (target_probs - q_pad).clamp_min(0.0)
     total = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(total > 0, residual / total.clamp_min(1e-30), target_probs)
     candidates = sample(residual, generator)
+    if limit is not None:  # (draft `limit` accepted: it ends the round)
+        return a.clamp_max(limit), torch.where(a > limit, draft[limit], candidates[a.clamp_max(limit)])
     return a, candidates[a]
 
 

@@ -17,9 +17,10 @@ for every position, gives the set of tokens that keep the output inside the lang
   A token after which the constraint allows nothing (a *dead end*: e.g. only a special
   token's text could follow, which the tokenizer reads as that token) is not avoided, as
   target-only decoding, which sees no further than its committed tokens, does not avoid
-  it: a draft that leads into one may be the round's last token but is never accepted
-  (:attr:`GrammarState.draft_limit`: no decision is made past it), so where the target
-  takes it, it is committed and the sequence fails in the next round, as target-only.
+  it: a draft that leads into one is, where the target takes it (its greedy choice, or
+  its acceptance test passed), the round's last token, no decision made past it
+  (:attr:`GrammarState.draft_limit`), so it is committed and the sequence fails in the
+  next round, as target-only; sampled, each row's token keeps the target's distribution.
 * **propose** (acceptance only): the drafter's slots are chosen one after another, each
   among the tokens the grammar allows after the drafts before it
   (:meth:`GrammarState.next_allowed`, :meth:`GrammarState.advance`), so every draft is a
@@ -589,8 +590,8 @@ class GrammarState:
         token is consumed on the way (the path ends with the round's tokens, which the
         commit then finds there); one llguidance fails to consume counts as refused and its
         row is decided again. A draft after which nothing can follow (a dead end) sets
-        :attr:`draft_limit`: it can be the round's last token, not an accepted one, so no
-        decision is made past it (target-only decoding commits it and then fails). Returns
+        :attr:`draft_limit`: it can be the round's last token, so no decision is made past
+        it (target-only decoding commits it and then fails). Returns
         ``logits`` itself when no row is masked."""
         draft = [int(t) for t in draft]
         choices = logits.argmax(dim=-1).tolist()
