@@ -105,7 +105,7 @@ import torch
 from .cache import (KVCache, RecurrentState, RingLayers, TargetCache, buffer_rows, cache_bytes, layer_shapes,
                     ring_sizes, static_buffer)
 from .checkpoint import available_memory
-from .decoding import (Round, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs, tag_compile_caches,
+from .decoding import (Round, check_models, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs, tag_compile_caches,
                        without_shape_plans)
 from .draft_policy import DraftPolicy
 from .errors import DFlashError, OptionError
@@ -483,7 +483,8 @@ class BatchDecoder:
     prefill_chunk) + 1`` positions, target and drafter) are allocated here, once.
 
     Raises:
-        DFlashError: invalid block size (above 64 for a hybrid target) / max_batch_size /
+        DFlashError: a target or drafter that is not one (:func:`~dflash_torch.decoding.check_models`),
+            invalid block size (above 64 for a hybrid target) / max_batch_size /
             max_context / prefill_budget / prefix_slots (nonzero with reuse_prefix off) /
             draft_max_batch_size (any but None without a
             drafter or with block size 1: no round drafts), a flag that is not a bool, or
@@ -495,6 +496,7 @@ class BatchDecoder:
                  static: bool = False, compile: bool = False, compile_backend: str = "inductor",
                  prefill_budget: int | None = None, share_prefill: bool = True, reuse_prefix: bool = True,
                  draft_max_batch_size: int | None = None, prefix_slots: int = 0):
+        check_models(target, drafter)
         trained = drafter.config.block_size if drafter is not None else None
         B = check_block_size(block_size, trained) or trained or 1
         # hybrid targets: a verify leaves the recurrent states as they were; each sequence's

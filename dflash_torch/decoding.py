@@ -49,6 +49,22 @@ def without_shape_plans(step: Callable) -> Callable:
     return run
 
 
+def check_models(target, drafter) -> None:
+    """Refuse a decoder's ``target`` / ``drafter`` that are not the models it runs.
+
+    Raises:
+        DFlashError: ``target`` is not a :class:`TargetModel` or ``drafter`` not a
+            :class:`DFlashDrafter` (or None); a :class:`~dflash_torch.engine.DFlashEngine`
+            given for either is named, with the attribute that holds the model.
+    """
+    for value, name, kind in ((target, "target", TargetModel), (drafter, "drafter", DFlashDrafter)):
+        if value is None and name == "drafter" or isinstance(value, kind):
+            continue
+        got = "TargetModel" if isinstance(value, TargetModel) else type(value).__name__  # (families' classes are "Model")
+        hint = f" (pass engine.{name})" if hasattr(value, name) and hasattr(value, "tokenizer") else ""
+        raise DFlashError(f"{name} must be a {kind.__name__}{' or None' if name == 'drafter' else ''}, got {got}{hint}")
+
+
 def kv_bucket(n: int, capacity: int) -> int:
     """Keys to attend over when ``n`` positions must be visible (fixed shapes): the
     smallest power of two >= max(n, 256), capped at ``capacity`` (the cache's)."""
@@ -254,7 +270,8 @@ class SpeculativeDecoder:
             as without (token for token in float32).
 
     Raises:
-        DFlashError: invalid block size, draft mode, or a mode combination that cannot work;
+        DFlashError: a target or drafter that is not one (:func:`check_models`), invalid
+            block size, draft mode, or a mode combination that cannot work;
             with fixed shapes, caches of ``max_context`` that do not fit in 90% of the
             device's free memory (an :class:`~dflash_torch.errors.OptionError` naming
             ``max_context``, before allocating them).
@@ -276,6 +293,7 @@ class SpeculativeDecoder:
     ):
         if draft_mode not in DRAFT_MODES:
             raise DFlashError(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}")
+        check_models(target, drafter)
         self.target, self.drafter, self.draft_mode = target, drafter, draft_mode
         trained = drafter.config.block_size if drafter is not None else None
         block_size = check_block_size(block_size, trained) or trained or 1

@@ -244,6 +244,11 @@ def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models):
     with pytest.raises(DFlashError, match="max_batch_size must be an integer >= 1"):
         DFlashEngine.from_pretrained(*agree_pair, max_batch_size=0)
     target, drafter = agree_models
+    for decoder in (BatchDecoder, SpeculativeDecoder):
+        with pytest.raises(DFlashError, match=r"^target must be a TargetModel, got DFlashEngine \(pass engine.target\)$"):
+            decoder(engine, drafter)
+        with pytest.raises(DFlashError, match=r"^drafter must be a DFlashDrafter or None, got TargetModel$"):
+            decoder(target, target)
     with pytest.raises(DFlashError, match=r"max_batch_size 1000000000 x max_context 1024 need .*; lower either"):
         BatchDecoder(target, drafter, max_batch_size=10**9)
     batch = BatchDecoder(target, drafter, max_batch_size=1, max_context=64)
