@@ -117,7 +117,7 @@ def test_selector_loss_matches_a_loop_reference(tiny_pair, tmp_path):
     labels[..., ::2] = top[..., ::2, 2]  # every other slot's label is a candidate (rank 2)
     labels[0, 0, 1] = top[0, 0, 1, 0]
     valid = torch.rand(b, n, S, generator=g) > 0.2
-    got = selector_loss(drafter, hidden, unary, anchors, labels, valid, gamma=3.0)
+    got, weight = selector_loss(drafter, hidden, unary, anchors, labels, valid, gamma=3.0)
     w = slot_weights(S, 3.0)
     num = den = 0.0
     for i in range(b):
@@ -134,6 +134,20 @@ def test_selector_loss_matches_a_loop_reference(tiny_pair, tmp_path):
                 num, den = num + w[k] * ce, den + w[k]
     assert den > 0
     torch.testing.assert_close(got, num / den)
+    assert weight == pytest.approx(float(den))
+    got, weight = selector_loss(drafter, hidden, unary, anchors, labels, torch.zeros_like(valid), gamma=3.0)
+    assert weight == 0.0 and float(got.detach()) == 0.0  # no slot counts: no measurement
+    # batch_loss reports it as no value (validation's mean skips it; it read 0.0 before)
+    from dflash_torch.training.objective import batch_loss, sample_anchors
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    ids = torch.randint(0, 320, (2, 24), generator=g)
+    lengths, mask = torch.tensor([24, 24]), torch.ones(2, 24, dtype=torch.bool)
+    anchors, ok = sample_anchors(lengths, mask, 3, g)
+    assert bool(ok.any())
+    out = batch_loss(drafter, target, ids, lengths, mask, anchors, ok, 3.0)
+    assert out.selector_loss is not None and out.selector_weight_sum > 0
+    out = batch_loss(drafter, target, ids, lengths, mask, anchors, torch.zeros_like(ok), 3.0)
+    assert out.selector_loss is None and out.selector_weight_sum == 0.0
 
 
 def _jsonl(path: Path) -> Path:

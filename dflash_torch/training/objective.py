@@ -216,7 +216,8 @@ class BlockLoss:
     """The weighted loss of a batch of blocks and its diagnostics.
 
     ``loss`` (with grad) is the weighted mean cross-entropy over valid slots (plus, for
-    a DFlash 2 drafter, the weighted selector loss, whose value is ``selector_loss``);
+    a DFlash 2 drafter, the weighted selector loss, whose value is ``selector_loss``: None
+    where no slot's label is among its candidates, and ``selector_weight_sum`` its weight);
     ``accepted`` ``[blocks]`` counts the leading slots whose greedy draft (argmax, or the
     DFlash 2 walk) equals the label, for blocks whose ``B - 1`` labels are all valid;
     ``tau`` estimates the acceptance length as ``1 + mean(accepted)`` (teacher-forced:
@@ -230,6 +231,7 @@ class BlockLoss:
     slot_correct: torch.Tensor
     slot_count: torch.Tensor
     selector_loss: float | None = None
+    selector_weight_sum: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -310,7 +312,8 @@ def selector_loss(drafter, hidden: torch.Tensor, unary: torch.Tensor, anchor_tok
         anchor_tokens: int64 ``[b, n]``; labels, valid: ``[b, n, B - 1]``.
 
     Returns:
-        a 0-dim float32 tensor (with grad).
+        (the loss, a 0-dim float32 tensor with grad; the sum of the qualifying slots'
+        weights, a float: 0.0 where no slot qualifies and the loss is no measurement).
     """
     sel = drafter.candidate_selector
     values, ids = sel.candidates(unary)
@@ -319,7 +322,8 @@ def selector_loss(drafter, hidden: torch.Tensor, unary: torch.Tensor, anchor_tok
     hit = ids == labels[..., None]
     weights = slot_weights(labels.shape[-1], gamma, labels.device) * (hit.any(-1) & valid).float()
     ce = F.cross_entropy(scores.reshape(-1, scores.shape[-1]), hit.float().argmax(-1).reshape(-1), reduction="none")
-    return (ce.view(labels.shape) * weights).sum() / weights.sum().clamp(min=1e-9)
+    total = weights.sum()
+    return (ce.view(labels.shape) * weights).sum() / total.clamp(min=1e-9), float(total)
 
 
 def batch_loss(drafter: DFlashDrafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor, loss_mask: torch.Tensor,
@@ -343,8 +347,8 @@ def batch_loss(drafter: DFlashDrafter, target: TargetModel, ids: torch.Tensor, l
             drafts, _ = drafter.choose_draft(drafter.draft_scores(hidden, tokens[..., 0], target), GREEDY, None)
     out = weighted_block_loss(logits, labels, valid, gamma, stats, drafts)
     if cfg.dflash2 is not None:
-        sel = selector_loss(drafter, hidden[:, :, 1:], logits, tokens[..., 0], labels, valid, gamma)
-        out.selector_loss = float(sel.detach())
+        sel, out.selector_weight_sum = selector_loss(drafter, hidden[:, :, 1:], logits, tokens[..., 0], labels, valid, gamma)
+        out.selector_loss = float(sel.detach()) if out.selector_weight_sum else None
         if selector_weight:
             out.loss = out.loss + selector_weight * sel
     return out

@@ -620,7 +620,7 @@ class Trainer:
             return {}
         cfg = self.cfg
         drafter.eval()
-        ce, w, sel = 0.0, 0.0, []
+        ce, w, sel, sel_w = 0.0, 0.0, 0.0, 0.0
         slot_c = slot_n = None
         gen = torch.Generator().manual_seed(12345)
         taus: list[int] = []
@@ -632,7 +632,7 @@ class Trainer:
             ce += out.ce_sum
             w += out.weight_sum
             if out.selector_loss is not None:
-                sel.append(out.selector_loss)
+                sel, sel_w = sel + out.selector_loss * out.selector_weight_sum, sel_w + out.selector_weight_sum
             slot_c = out.slot_correct if slot_c is None else slot_c + out.slot_correct
             slot_n = out.slot_count if slot_n is None else slot_n + out.slot_count
         for ids, mask in rows[:walk_rows]:
@@ -644,8 +644,8 @@ class Trainer:
         result = {"val_loss": round(ce / max(w, 1e-9), 4),
                   "val_tau": round(sum(taus) / len(taus), 3) if taus else None,
                   "val_slot_acc": [round(float(c) / max(int(n), 1), 3) for c, n in zip(slot_c, slot_n)]}
-        if sel:
-            result["val_selector_loss"] = round(sum(sel) / len(sel), 4)
+        if drafter.config.dflash2 is not None:  # weighted by the slots that count (None where none did)
+            result["val_selector_loss"] = round(sel / sel_w, 4) if sel_w else None
         return result
 
     def run(self) -> dict:
