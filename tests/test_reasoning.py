@@ -190,3 +190,24 @@ def test_skip_special_tokens_keeps_the_markers_a_reply_parser_reads(tmp_path_fac
         msg = client.chat.completions.create(model=model, messages=started, max_tokens=40, temperature=0,
                                              extra_body={"ignore_eos": True, **opts}).choices[0].message
         assert (msg.reasoning_content, msg.content) == tuple(go_on.split("</think>", 1))
+
+
+@pytest.mark.parametrize("kind,prompt,reply,thinking", [
+    ("think", "", "<think>abc", True), ("think", "", "<think>abc</think>", False), ("think", "", "abc", False),
+    ("think", "assistant\n<think>\n", "", True), ("think", "assistant\n<think>\n", "x</think>", False),
+    ("gemma4", "", "<|channel>thought\nabc", True), ("gemma4", "", "<|channel>thought\nabc<channel|>", False),
+    ("harmony", "", "<|channel|>analysis<|message|>abc", True),
+    ("harmony", "", "<|channel|>analysis<|message|>abc<|end|>", False),
+    ("harmony", "", "<|channel|>final<|message|>abc", False)])
+def test_a_parser_says_whether_the_reply_is_still_thinking(kind, prompt, reply, thinking):
+    """(A Responses reasoning item cut by the token limit is incomplete only while thinking.)"""
+    from dflash_torch.serving.tools import new_reply_parser
+
+    parser = new_parser(kind, prompt)
+    split(parser, reply)
+    assert parser.thinking is thinking
+    reply_parser = new_reply_parser(kind, "harmony" if kind == "harmony" else "none", prompt)
+    for piece in reply:
+        reply_parser.feed(piece)
+    reply_parser.finish(False)
+    assert reply_parser.thinking is thinking

@@ -451,6 +451,19 @@ def test_reasoning_items_of_a_thinking_model(thinking_pair, tmp_path_factory):
         # the reasoning item sent back (with the next turn): accepted
         back = [m for m in messages] + [item.to_dict() for item in r.output] + [{"role": "user", "content": "more"}]
         assert _respond(client, input=back, max_output_tokens=2).usage.output_tokens == 2
+        # cut just after </think>: the reasoning closed, its item is complete (the response is
+        # not); one token earlier it was cut while thinking (both items' states, streamed too)
+        from dflash_torch import DFlashEngine
+
+        engine = DFlashEngine.from_pretrained(*thinking_pair)
+        ids = engine.generate(messages, max_new_tokens=40, ignore_eos=True).token_ids
+        n = ids.index(engine.tokenizer.convert_tokens_to_ids("</think>")) + 1
+        for limit, state in ((n, "completed"), (n - 1, "incomplete")):
+            r = _respond(client, input=messages, max_output_tokens=limit, extra_body={"ignore_eos": True})
+            assert r.status == "incomplete" and [(i.type, i.status) for i in r.output] == [("reasoning", state)]
+            assert r.output[0].content[0].text == msg.reasoning_content
+            final = _events(client, input=messages, max_output_tokens=limit, extra_body={"ignore_eos": True})[-1]
+            assert final.type == "response.incomplete" and final.response.output[0].status == state
 
 
 def test_input_items_become_chat_messages():

@@ -1063,7 +1063,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             reasoning_tokens = len(engine.tokenizer.encode(thought, add_special_tokens=False)) if thought else 0
             events += builder.finish(chunk.finish_reason, prompt_tokens, state["tokens"],
                                      chunk.stats.cached_prompt_tokens, reasoning_tokens,
-                                     {"dflash": _stats_summary(chunk.stats)})
+                                     {"dflash": _stats_summary(chunk.stats)}, parser is not None and parser.thinking)
         return events
 
     async def response_complete(job: Job, request: Request, builder: ResponseBuilder, parser, prompt_tokens: int):

@@ -47,6 +47,12 @@ class ReasoningParser:
         """``(reasoning, answer)`` of the text held back, at the end of the reply."""
         return "", ""
 
+    @property
+    def thinking(self) -> bool:
+        """Whether the reply is inside its reasoning (text fed now would be reasoning): a
+        reply cut here was cut while thinking; one cut after the reasoning closed was not."""
+        return False
+
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a marker."""
@@ -103,6 +109,10 @@ class ThinkParser(ReasoningParser):
         if self.state == "reasoning" and self.channel and self.channel.startswith(rest):
             return "", ""  # (cut inside the channel's name line)
         return (rest, "") if self.state in ("reasoning", "opened") else ("", rest)
+
+    @property
+    def thinking(self) -> bool:
+        return self.state in ("reasoning", "opened")
 
 
 class Gemma4Parser(ThinkParser):
@@ -162,6 +172,10 @@ class HarmonyParser(ReasoningParser):
         if self.state != "body" or not rest:
             return "", ""
         return (rest, "") if self.channel == "analysis" else ("", rest)
+
+    @property
+    def thinking(self) -> bool:
+        return self.state == "body" and self.channel == "analysis"
 
 
 def check_reasoning_parser(value: str, name: str = "reasoning_parser") -> str:

@@ -635,6 +635,12 @@ class ReplyParser:
         content, calls = self.tools.feed(answer)
         return reasoning, content + self.tools.finish(), calls
 
+    @property
+    def thinking(self) -> bool:
+        """Whether the reply is inside its reasoning (:attr:`ReasoningParser.thinking`)."""
+        reasoning = self.tools if isinstance(self.tools, HarmonyToolParser) else self.reasoning
+        return reasoning is not None and reasoning.thinking
+
 
 # The arguments of constrained hermes calls: JSON as the templates render a call (``tojson``:
 # ", " and ": ", no other whitespace); a tool's own "x-guidance" options override these.
