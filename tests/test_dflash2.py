@@ -254,6 +254,11 @@ def test_greedy_walk_equals_the_brute_force_reference(tiny_pair, tmp_path, scale
         h = (hidden[1:] @ sel.hidden_projection.weight.T).double()
         want = reference_walk(unary, h, sel.predecessor_codebook.double(), sel.successor_codebook.double(), int(anchor), 6)
         assert tokens.tolist() == want
+        # the lattice's edge scores themselves (a sampled walk draws from them): unary + pairwise
+        pred = torch.cat([anchor.expand(1, 6), ids[:-1]])  # [slots, K] predecessors
+        pair = torch.einsum("lir,lr,ljr->lij", sel.predecessor_codebook.double()[pred], h,
+                            sel.successor_codebook.double()[ids])
+        torch.testing.assert_close(scores.double(), unary.gather(-1, ids)[:, None, :] + pair, atol=1e-4, rtol=1e-4)
         departures += sum(t != int(u.argmax()) for t, u in zip(want, unary))
     assert departures > 5  # the pairwise term really changes choices
 

@@ -49,6 +49,16 @@ def test_policy_times_both_kinds_then_runs_the_faster_and_explores_the_other():
     assert decisions(loses, 8, 14, 1.5, {True: 0.2, False: 0.1}) == [1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0]
 
 
+def test_tau_counts_the_sequences_that_decoded_not_the_rounds_rows():
+    """tau is tokens per decoding sequence: a round of 4 sequences where 2 had used their
+    budget (held as padding) and the other 2 committed 10 tokens has tau 5, not 2.5."""
+    p = DraftPolicy(tau_smoothing=1.0)
+    p.record(4, True, 2, 10, 0.2)
+    assert p.tau == pytest.approx(5.0)
+    p.record(4, True, 4, 8, 0.2)
+    assert p.tau == pytest.approx(2.0)
+
+
 def test_policy_skips_first_rounds_follows_a_change_and_keeps_batch_sizes_apart():
     p = DraftPolicy(explore_every=6, probe_rounds=2, smoothing=0.5, tau_smoothing=0.3)
     p.record(2, True, 2, 8, 5.0)  # a first drafting round at 2 sequences: its time is not counted, its tau is

@@ -248,3 +248,61 @@ def test_block_causality_follows_the_published_rule(tiny_pair):
     # a config written back says what the rule would not give
     cfg = DrafterConfig.from_dict(dict(base, is_causal=False))
     assert cfg.to_dict()["is_causal"] is False and "is_causal" not in DrafterConfig.from_dict(base).to_dict()
+
+
+def recorded_drafts(decoder) -> list:
+    """Record the draft scores of every propose of ``decoder`` (a SpeculativeDecoder or a
+    BatchDecoder, not compiled): a list that fills as it decodes."""
+    seen, step = [], decoder._draft_fn
+
+    def record(*args, **kwargs):
+        scores = step(*args, **kwargs)
+        seen.append(scores.clone())
+        return scores
+
+    decoder._draft_fn = record
+    return seen
+
+
+@torch.inference_mode()
+def test_decoders_draft_as_the_recomputed_context_round_after_round(tiny_pair):
+    """The decoding loops inject the context where it belongs: the draft logits of every
+    round of the sliced and the fixed-shape loop, and of each sequence of a batch (eager
+    and fixed shapes), equal those of the cache-less recompute loop, with varying accepted
+    counts (sampling at a high temperature, seeded: the same tokens in every loop). (The
+    tokens cannot show this: drafts change only how many are accepted, and few are.)"""
+    from conftest import run_rounds
+    from dflash_torch.batch import BatchDecoder
+    from dflash_torch.decoding import SpeculativeDecoder
+    from dflash_torch.sampling import SamplingParams
+
+    target = TargetModel.from_pretrained(tiny_pair[0], torch.float32)
+    drafter = DFlashDrafter.from_pretrained(tiny_pair[1], torch.float32)
+    prompts, n = [[5, 6, 7], list(range(10, 40))], 24
+    params = [SamplingParams(temperature=1.5, seed=20 + i) for i in range(len(prompts))]
+    want, taus = [], []
+    for prompt, p in zip(prompts, params):
+        rec = SpeculativeDecoder(target, drafter, block_size=8, draft_mode="recompute")
+        scores = recorded_drafts(rec)
+        taus += run_rounds(rec, prompt, n, p)[1]
+        want.append(scores)
+    assert max(taus) > 1  # (some drafts accepted: the rows injected vary)
+    for static in (False, True):
+        for prompt, p, expected in zip(prompts, params, want):
+            decoder = SpeculativeDecoder(target, drafter, block_size=8, static=static, max_context=128)
+            scores = recorded_drafts(decoder)
+            run_rounds(decoder, prompt, n, p)
+            assert len(scores) == len(expected) > 3
+            for rnd, (got, ref) in enumerate(zip(scores, expected)):
+                torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL, msg=f"static={static} round {rnd}")
+        batch = BatchDecoder(target, drafter, block_size=8, max_batch_size=2, max_context=128, static=static)
+        scores = recorded_drafts(batch)
+        for i, prompt in enumerate(prompts):
+            batch.add(i, prompt, params[i], n)
+        rounds = {0: 0, 1: 0}
+        while (done := batch.step()) and len(scores) < 8:
+            for i in done:  # (slot i: sequence i, none left)
+                torch.testing.assert_close(scores[-1][i], want[i][rounds[i]], atol=ATOL, rtol=ATOL,
+                                           msg=f"batch static={static} sequence {i} round {rounds[i]}")
+                rounds[i] += 1
+        assert min(rounds.values()) > 3

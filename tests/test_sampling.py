@@ -397,3 +397,38 @@ def test_extreme_sampling_values_decode(extreme_engines, dtype, draft):
         if is_greedy:
             assert out.token_ids == greedy.token_ids, name
             assert out.stats.acceptance_lengths == greedy.stats.acceptance_lengths, name
+
+
+def test_top_p_drops_a_token_once_the_mass_before_it_reaches_top_p():
+    """Top-p's boundary: a token is dropped when the tokens ranked before it already reach
+    top_p exactly (the smallest set whose probability reaches top_p), equal probabilities
+    ranked by id. Exact in float32: equal logits give probabilities 1/2 and 1/4."""
+    def kept(logits, top_p):
+        return probabilities(torch.tensor([logits]), SamplingParams(temperature=1.0, top_p=top_p))[0].tolist()
+
+    assert kept([0.0, 0.0], 0.5) == [1.0, 0.0]
+    assert kept([0.0, 0.0, 0.0, 0.0], 0.5) == [0.5, 0.5, 0.0, 0.0]
+    assert kept([0.0, 0.0, 0.0, 0.0], 0.75) == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
+    assert kept([0.0, 0.0, 0.0, 0.0], 0.5000001) == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
+
+
+def test_accept_sampling_with_a_limit_never_commits_a_rejected_draft():
+    """With a draft limit k, draft k ends the round only where it passes its test; where it
+    is rejected, row k's token is drawn from the residual as without a limit. A draft the
+    target gives probability 0 is always rejected, so it is never committed; and with q
+    unlike p, row k's token is still distributed as p (chi-square)."""
+    g = torch.Generator().manual_seed(7)
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    for _ in range(50):
+        a, token = accept_sampling(torch.tensor([0]), q, p, g, limit=0)
+        assert (int(a), int(token)) == (0, 1)
+    p = torch.tensor([[0.2, 0.3, 0.5], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[0.5, 0.5, 0.0]])
+    counts, n = {}, 4000
+    for _ in range(n):
+        draft = sample(q, g)
+        a, token = accept_sampling(draft, q, p, g, limit=0)
+        assert int(a) == 0
+        counts[int(token)] = counts.get(int(token), 0) + 1
+    assert chi_square_pvalue(counts, dict(enumerate(p[0].tolist())), n) > ALPHA

@@ -106,6 +106,21 @@ def test_each_turn_reuses_the_last_requests_rows(request, models, mode):
             assert on[k][0][:10] == turn(alone, prompts[k], 10)[0][:10], k
 
 
+def test_a_prompt_inside_the_last_requests_rows_reads_its_last_token(agree_models):  # noqa: F811 (the imported fixture)
+    """A prompt that the caches' rows hold whole but that is not the last prompt (the last
+    prompt and the start of its reply; the last prompt cut short) reuses all its tokens but
+    the last, which it reads for its logits: it decodes as with reuse off."""
+    target, drafter = agree_models
+    runs = {}
+    for reuse, decoder in decoders(target, drafter, "eager").items():
+        p0 = varied_prompts(target, 1, seed=41, length=2 * C + 3)[0]
+        first = turn(decoder, p0, 20)
+        grown = p0 + first[0][:5]
+        runs[reuse] = [first[:3], turn(decoder, grown, 12)[:3], turn(decoder, p0[:-3], 12)[:3]]
+    assert [r[:2] for r in runs[True]] == [r[:2] for r in runs[False]]
+    assert [r[2] for r in runs[True]] == [0, 2 * C + 3 + 5 - 1, 2 * C + 3 - 3 - 1]
+
+
 HYBRID = [("hybrid_models", "eager"), ("qwen35_models", "eager"), ("qwen35_models", "static"), ("ring_models", "eager"),
           ("ring_models", "static")]
 
