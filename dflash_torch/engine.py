@@ -267,7 +267,8 @@ class DFlashEngine:
                 :class:`~dflash_torch.decoding.SpeculativeDecoder`).
             static: fixed-shape rounds without compiling.
             max_context: longest prompt + generation in tokens (default: the target's
-                ``max_position_embeddings``); fixed-shape modes preallocate it.
+                context: ``max_position_embeddings``, or more under YaRN, see
+                :func:`~dflash_torch.options.target_context`); fixed-shape modes preallocate it.
             prefill_chunk: prompt tokens per prefill forward (default 256): larger reads a
                 long prompt in fewer forwards, smaller bounds the activations of one (and
                 of a joining prompt in a batch round).
@@ -357,7 +358,7 @@ class DFlashEngine:
                 if warning:
                     log.warning(f"dflash-torch: {warning}")
         options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
-        options.check_max_context(max_context, target_cfg.max_position_embeddings)
+        options.check_max_context(max_context, target_cfg)
         options.check_mxfp4(mxfp4, target_cfg.mxfp4)
         options.check_fp8(fp8, target_cfg.fp8_block is not None, has_mxfp4=target_cfg.mxfp4)
         options.check_int_weights(int_weights, target_cfg.int_quant is not None)
