@@ -140,7 +140,9 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_new_tokens: int
     Raises:
         DFlashError: a prompt that is not a list of integers (Python or NumPy integers,
             0-dim integer tensors; not bools), an empty prompt, ids outside ``[0, vocab_size)``,
-            or prompt plus ``max_new_tokens`` beyond ``max_context``.
+            a prompt of ``max_context`` tokens or more (no room for a new token: an
+            :class:`OptionError` naming the prompt), or prompt plus ``max_new_tokens``
+            beyond ``max_context`` (one naming ``max_new_tokens``).
     """
     if not isinstance(prompt_ids, list):  # (the step-level APIs; the engine's calls take tuples, ranges, tensors)
         raise DFlashError(f"prompt token ids must be a list of integers, got a {type(prompt_ids).__name__} "
@@ -153,6 +155,9 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_new_tokens: int
         raise DFlashError("the prompt is empty (0 tokens)")
     if any(not 0 <= t.__index__() < vocab_size for t in prompt_ids):
         raise DFlashError(f"prompt token ids must be in [0, {vocab_size})")
+    if n_prompt >= max_context:  # (lowering max_new_tokens cannot help)
+        raise OptionError(f"the prompt ({n_prompt} tokens) leaves no room for a new token in the context of "
+                          f"{max_context} tokens", "prompt")
     if n_prompt + max_new_tokens > max_context:
         raise OptionError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
                           f"of {max_context} tokens", "max_new_tokens")
