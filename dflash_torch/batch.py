@@ -440,7 +440,7 @@ class BatchDecoder:
         block_size: tokens per block B (default: the drafter's); 1 = target-only.
         max_batch_size: sequences held at once (slots).
         max_context: longest prompt + generation per sequence (tokens); default: the
-            target's ``max_position_embeddings``.
+            target's context (:func:`~dflash_torch.options.target_context`).
         prefill_chunk: prompt tokens per prefill forward.
         prefill_budget: prompt tokens of joining sequences (:meth:`join`) prefilled per
             :meth:`step`, in whole chunks, at least one chunk per step (default
@@ -506,8 +506,7 @@ class BatchDecoder:
             raise DFlashError(f"block size {B} exceeds {CHUNK}, the longest verify block of a hybrid target")
         self.target, self.drafter, self.block_size = target, drafter, B
         self.max_batch_size = check_max_batch_size(max_batch_size)
-        limit = target.config.max_position_embeddings
-        self.max_context = check_max_context(max_context, limit) or limit
+        self.max_context = check_max_context(max_context, target.config)
         self.prefill_chunk = check_count(prefill_chunk, "prefill_chunk")
         self.share_prefill = check_flag(share_prefill, "share_prefill")
         self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")

@@ -181,7 +181,8 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
     except KeyboardInterrupt:
         finish = "interrupted"
     except DFlashError as exc:
-        hint = "; /reset starts a new conversation" if history and "exceeds the context" in str(exc) else ""
+        full = "exceeds the context" in str(exc) or "leaves no room for a new token" in str(exc)
+        hint = "; /reset starts a new conversation" if history and full else ""
         print(f"dflash-torch: error: {error_message(exc, flags)}{hint}", file=sys.stderr)
         return None
     finally:

@@ -100,8 +100,8 @@ def add_chat_template_kwargs_arg(p: argparse.ArgumentParser, what: str) -> None:
                         "'{\"reasoning_effort\": \"low\"}' (gpt-oss)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256, help="maximum generated tokens (default 256)")
+def add_sampling_args(p: argparse.ArgumentParser, max_new_help: str = "default 256") -> None:
+    p.add_argument("--max-new-tokens", type=int, default=None, help=f"maximum generated tokens ({max_new_help})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1 = off; default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --json: each prompt token's log-probability under the target (the first: null) and "
                         "its K most likely alternatives, 0 to 20 (the object's 'prompt_logprobs')")
     add_model_args(g)
-    add_sampling_args(g)
+    add_sampling_args(g, "default 256, cut to the context the prompt leaves")
     add_structured_output_args(g)
     g.set_defaults(func=_generate)
     for module in ("chat", "serving.cli", "training.cli", "bench.cli"):

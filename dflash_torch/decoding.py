@@ -249,7 +249,7 @@ class SpeculativeDecoder:
             the same pass) and verify with ``torch.compile``
             (CPU: inductor; CUDA: mode "reduce-overhead", i.e. CUDA graphs).
         max_context: longest prompt + generation (tokens); default: the target's
-            ``max_position_embeddings``.
+            context (:func:`~dflash_torch.options.target_context`).
         compile_backend: torch.compile backend (default "inductor").
         compile_mode: torch.compile mode (default: "reduce-overhead" on CUDA, the
             compiler's default elsewhere); e.g. "max-autotune" (CUDA graphs too, with
@@ -302,8 +302,7 @@ class SpeculativeDecoder:
             fixed = "compile" if compile else "static"
             raise OptionError(f"draft_mode 'recompute' grows its shapes every round; it cannot run with {fixed} "
                               "(fixed shapes)", "draft_mode", fixed)
-        limit = target.config.max_position_embeddings
-        self.max_context = check_max_context(max_context, limit) or limit
+        self.max_context = check_max_context(max_context, target.config)
         self.block_size = block_size
         self.prefill_chunk = check_count(prefill_chunk, "prefill_chunk")
         self.max_rows = max(block_size, self.prefill_chunk)  # the most rows one forward writes (rings: see cache.py)

@@ -49,6 +49,7 @@ DEFAULT_TARGET = ASSETS / "target"
 DEFAULT_DRAFTER = ASSETS / "drafter"
 log = logging.getLogger("dflash_torch")
 STALLED_STREAM_S = 10.0  # seconds a request from a thread that has read an open stream waits for it to be read on
+DEFAULT_MAX_NEW_TOKENS = 256  # a request that gives no max_new_tokens: this many, cut to the context its prompt leaves
 _ENGINES: weakref.WeakSet = weakref.WeakSet()  # every engine of the process (for _after_fork)
 
 
@@ -267,7 +268,8 @@ class DFlashEngine:
                 :class:`~dflash_torch.decoding.SpeculativeDecoder`).
             static: fixed-shape rounds without compiling.
             max_context: longest prompt + generation in tokens (default: the target's
-                ``max_position_embeddings``); fixed-shape modes preallocate it.
+                context: ``max_position_embeddings``, or more under YaRN, see
+                :func:`~dflash_torch.options.target_context`); fixed-shape modes preallocate it.
             prefill_chunk: prompt tokens per prefill forward (default 256): larger reads a
                 long prompt in fewer forwards, smaller bounds the activations of one (and
                 of a joining prompt in a batch round).
@@ -357,7 +359,7 @@ class DFlashEngine:
                 if warning:
                     log.warning(f"dflash-torch: {warning}")
         options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
-        options.check_max_context(max_context, target_cfg.max_position_embeddings)
+        options.check_max_context(max_context, target_cfg)
         options.check_mxfp4(mxfp4, target_cfg.mxfp4)
         options.check_fp8(fp8, target_cfg.fp8_block is not None, has_mxfp4=target_cfg.mxfp4)
         options.check_int_weights(int_weights, target_cfg.int_quant is not None)
@@ -779,7 +781,7 @@ class DFlashEngine:
         self,
         prompt: str | list[dict] | list[int],
         *,
-        max_new_tokens: int = 256,
+        max_new_tokens: int | None = None,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
@@ -807,7 +809,10 @@ class DFlashEngine:
 
         Args:
             prompt: text, chat messages, or token ids.
-            max_new_tokens: at most this many generated tokens (>= 1).
+            max_new_tokens: at most this many generated tokens (>= 1); a prompt plus this
+                many tokens must fit :attr:`max_context`. None (default):
+                :data:`DEFAULT_MAX_NEW_TOKENS` (256), cut to the context the prompt leaves
+                (as the server cuts a request's default).
             temperature, top_k, top_p, min_p, seed: see :class:`SamplingParams`.
             presence_penalty, frequency_penalty, repetition_penalty: see :class:`SamplingParams`
                 (0, 0, 1 = off); speculative decoding stays lossless with them.
@@ -888,7 +893,7 @@ class DFlashEngine:
         yield chunk
 
     @contextlib.contextmanager
-    def _request(self, prompt, *, max_new_tokens: int = 256, chat: bool = False,
+    def _request(self, prompt, *, max_new_tokens: int | None = None, chat: bool = False,
                  chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
                  prompt_logprobs: int | None = None, history_end: int | None = None,
                  **sampling) -> Iterator[Iterator[StreamChunk]]:
@@ -898,9 +903,12 @@ class DFlashEngine:
         NumPy values are taken as the numbers they hold (:func:`~dflash_torch.options.plain`)."""
         max_new_tokens, prompt_logprobs, history_end, sampling = options.plain(
             (max_new_tokens, prompt_logprobs, history_end, sampling))
-        params, stopper = self.request_params(max_new_tokens, **sampling)
+        params, stopper = self.request_params(DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
+                                              **sampling)
         options.check_prompt_logprobs(prompt_logprobs)
         prompt_ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
+        if max_new_tokens is None:
+            self._fit_default(stopper, params.min_tokens, len(prompt_ids))
         if history_end is None:
             checkpoint = self.history_end(prompt, prompt_ids, chat, chat_template_kwargs, tools)
         else:
@@ -914,6 +922,21 @@ class DFlashEngine:
                     compute.run(chunks.close)
                 finally:  # (even when a Ctrl-C interrupts the close)
                     self._readers = weakref.WeakSet()
+
+    def _fit_default(self, stopper: Stopper, min_tokens: int, prompt_tokens: int) -> None:
+        """Cut the default ``max_new_tokens`` of ``stopper`` (a request that gave none) to the
+        context a prompt of ``prompt_tokens`` leaves, where it leaves some (else the prompt is
+        refused as it is with any ``max_new_tokens``: :func:`~dflash_torch.options.check_prompt_ids`).
+
+        Raises:
+            OptionError: a ``min_tokens`` above the tokens left.
+        """
+        room = self.max_context - prompt_tokens
+        if 1 <= room < stopper.max_new_tokens:
+            if min_tokens > room:
+                raise OptionError(f"min_tokens ({min_tokens}) exceeds the {room} tokens left in the context of "
+                                  f"{self.max_context} tokens after the prompt ({prompt_tokens} tokens)", "min_tokens")
+            stopper.max_new_tokens = room
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -1136,7 +1159,7 @@ class DFlashEngine:
         self,
         prompts: Sequence[str | list[dict] | list[int]],
         *,
-        max_new_tokens: int | Sequence[int] = 256,
+        max_new_tokens: int | None | Sequence[int | None] = None,
         temperature: float | Sequence[float] = 0.0,
         top_k: int | Sequence[int] = 0,
         top_p: float | Sequence[float] = 1.0,
@@ -1221,10 +1244,14 @@ class DFlashEngine:
         for i, prompt in enumerate(prompts):  # every prompt is checked before any is decoded
             stopper = None  # (set: the options are fine, an error is about the prompt itself)
             try:
-                params, stopper = self.request_params(**{name: values[i] for name, values in per.items()
-                                                         if name != "prompt_logprobs"})
+                given = per["max_new_tokens"][i]
+                params, stopper = self.request_params(
+                    DEFAULT_MAX_NEW_TOKENS if given is None else given,
+                    **{name: values[i] for name, values in per.items() if name not in ("prompt_logprobs", "max_new_tokens")})
                 scored = options.check_prompt_logprobs(per["prompt_logprobs"][i])
                 ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
+                if given is None:
+                    self._fit_default(stopper, params.min_tokens, len(ids))
                 options.check_prompt_ids(ids, self.target.config.vocab_size, stopper.max_new_tokens, self.max_context)
             except DFlashError as exc:
                 if n == 1 or (stopper is None and _shared_by_all(exc, per)):  # (no prompt to name)

@@ -93,15 +93,44 @@ def check_threads(value, name: str = "threads") -> int:
     return value
 
 
-def check_max_context(value, limit: int, name: str = "max_context") -> int | None:
-    """Longest prompt + generation in tokens: None (the target's ``limit``) or an integer in
-    [2, limit] (a prompt token and a generated token need 2; a NumPy integer too, returned
-    as a Python int)."""
+def target_context(config) -> tuple[int, str]:
+    """The longest context the target ``config`` (a :class:`~dflash_torch.models.config.TargetConfig`)
+    runs, in tokens, and where that number comes from (for messages).
+
+    ``max_position_embeddings``; for a YaRN rule with a ``factor``, the larger of that and
+    ``original_max_position_embeddings`` (default ``max_position_embeddings``, as YaRN's
+    frequencies read it) x ``factor``: YaRN stretches the pre-training context by its factor
+    (as vLLM derives its maximum length), and a config may keep ``max_position_embeddings``
+    as shipped when it adds the rule (the Qwen3 model cards' recipe). Linear and llama3
+    rules leave it at ``max_position_embeddings`` (llama3 configs state the extended length
+    there). The RoPE itself still reads ``max_position_embeddings``, as transformers does.
+    """
+    limit = config.max_position_embeddings
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") == "yarn" and scaling.get("factor") is not None:
+        original = scaling.get("original_max_position_embeddings") or limit
+        stretched = int(original * scaling["factor"])
+        if stretched > limit:
+            return stretched, f"YaRN factor {scaling['factor']} x original_max_position_embeddings {original}"
+    return limit, "max_position_embeddings"
+
+
+def context_limit(config) -> int:
+    """The target's context in tokens (:func:`target_context`)."""
+    return target_context(config)[0]
+
+
+def check_max_context(value, config, name: str = "max_context") -> int:
+    """Longest prompt + generation in tokens: None (the target's context,
+    :func:`target_context` of its ``config``) or an integer in [2, that] (a prompt token
+    and a generated token need 2; a NumPy integer too, returned as a Python int); returns
+    the value, the target's context for None."""
+    limit, source = target_context(config)
     value = plain(value)
     if value is not None and (not _is_int(value) or not MIN_CONTEXT <= value <= limit):
         raise OptionError(f"{name} must be an integer in [{MIN_CONTEXT}, {limit}] (the target's "
-                          f"max_position_embeddings), got {value!r}", name)
-    return value
+                          f"context: {source}), got {value!r}", name)
+    return limit if value is None else value
 
 
 def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_new_tokens: int, max_context: int) -> int:
@@ -111,7 +140,9 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_new_tokens: int
     Raises:
         DFlashError: a prompt that is not a list of integers (Python or NumPy integers,
             0-dim integer tensors; not bools), an empty prompt, ids outside ``[0, vocab_size)``,
-            or prompt plus ``max_new_tokens`` beyond ``max_context``.
+            a prompt of ``max_context`` tokens or more (no room for a new token: an
+            :class:`OptionError` naming the prompt), or prompt plus ``max_new_tokens``
+            beyond ``max_context`` (one naming ``max_new_tokens``).
     """
     if not isinstance(prompt_ids, list):  # (the step-level APIs; the engine's calls take tuples, ranges, tensors)
         raise DFlashError(f"prompt token ids must be a list of integers, got a {type(prompt_ids).__name__} "
@@ -124,6 +155,9 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_new_tokens: int
         raise DFlashError("the prompt is empty (0 tokens)")
     if any(not 0 <= t.__index__() < vocab_size for t in prompt_ids):
         raise DFlashError(f"prompt token ids must be in [0, {vocab_size})")
+    if n_prompt >= max_context:  # (lowering max_new_tokens cannot help)
+        raise OptionError(f"the prompt ({n_prompt} tokens) leaves no room for a new token in the context of "
+                          f"{max_context} tokens", "prompt")
     if n_prompt + max_new_tokens > max_context:
         raise OptionError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
                           f"of {max_context} tokens", "max_new_tokens")

@@ -228,6 +228,76 @@ def test_context_limit_is_exact(engine, tiny_pair):
         small.generate(prompt, max_new_tokens=9, ignore_eos=True)
 
 
+def test_a_default_max_new_tokens_is_cut_to_the_context_a_given_one_is_refused(engine, tiny_pair, capsys):
+    """A request that gives no max_new_tokens gets 256 cut to the context its prompt leaves
+    (as the server cuts its default; it was refused: "prompt (30 tokens) + max_new_tokens
+    (256) exceeds the context of 40 tokens"): generate, stream, generate_batch and the
+    command line. A given value that does not fit stays refused; a min_tokens above the
+    tokens left is named as such; 256 stands where it fits."""
+    from dflash_torch.errors import OptionError
+
+    small = DFlashEngine(engine.target, engine.tokenizer, engine.drafter, max_context=40)
+    ids = list(range(5, 35))  # 30 tokens: 10 left
+    ref = small.generate(ids, max_new_tokens=10, ignore_eos=True)
+    out = small.generate(ids, ignore_eos=True)
+    assert (out.token_ids, out.finish_reason) == (ref.token_ids, "length") and len(ref.token_ids) == 10
+    assert [t for c in small.stream(ids, ignore_eos=True) for t in c.token_ids] == ref.token_ids
+    assert [r.token_ids for r in small.generate_batch([ids, ids[:25]], ignore_eos=True)] == [
+        ref.token_ids, small.generate(ids[:25], max_new_tokens=15, ignore_eos=True).token_ids]
+    assert [len(r.token_ids) for r in small.generate_batch([ids, ids[:25]], max_new_tokens=[None, 3],
+                                                            ignore_eos=True)] == [10, 3]
+    with pytest.raises(OptionError, match=r"^prompt \(30 tokens\) \+ max_new_tokens \(11\) exceeds the context of 40 "
+                                          r"tokens$"):
+        small.generate(ids, max_new_tokens=11)
+    with pytest.raises(OptionError, match=r"^min_tokens \(11\) exceeds the 10 tokens left in the context of 40 tokens "
+                                          r"after the prompt \(30 tokens\)$"):
+        small.generate(ids, min_tokens=11)
+    with pytest.raises(DFlashError, match=r"^prompt 1: min_tokens \(11\) exceeds the 10 tokens left"):
+        small.generate_batch([ids[:20], ids], min_tokens=11)
+    assert len(small.generate(ids, min_tokens=10).token_ids) == 10
+    wide = DFlashEngine(engine.target, engine.tokenizer, engine.drafter, max_context=300)
+    assert len(wide.generate(ids, ignore_eos=True).token_ids) == 256  # (the default, where it fits)
+    # the command line: no --max-new-tokens is the default, cut; a given one is refused
+    target, drafter = tiny_pair
+    text = "def f(x):\n    return x + 1\n" * 3
+    n = len(engine.encode_prompt(text))
+    argv = ["generate", text, "--target", str(target), "--draft", str(drafter), "--max-context", str(n + 5),
+            "--ignore-eos", "--json"]
+    assert cli_main(argv) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 5
+    assert cli_main(argv + ["--max-new-tokens", "6"]) == 2
+    assert capsys.readouterr().err == (f"dflash-torch: error: prompt ({n} tokens) + --max-new-tokens (6) exceeds the "
+                                       f"context of {n + 5} tokens\n")
+
+
+def test_a_prompt_that_fills_the_context_is_named_not_max_new_tokens(engine, tiny_pair, capsys):
+    """A prompt of max_context tokens or more leaves no room for a token, whatever
+    max_new_tokens: the error names the prompt (it named max_new_tokens, which lowering
+    cannot help): generate, generate_batch, the decoders and the command line."""
+    from dflash_torch.errors import OptionError
+    from dflash_torch.sampling import SamplingParams
+
+    small = DFlashEngine(engine.target, engine.tokenizer, engine.drafter, max_context=40)
+    for ids in (list(range(5, 45)), list(range(5, 50))):
+        line = f"the prompt ({len(ids)} tokens) leaves no room for a new token in the context of 40 tokens"
+        for call in (lambda: small.generate(ids, max_new_tokens=1), lambda: small.generate(ids),
+                     lambda: small.generate_batch([ids], max_new_tokens=1),
+                     lambda: list(small.decoder.rounds(ids, SamplingParams(), 1))):
+            with pytest.raises(OptionError) as err:
+                call()
+            assert str(err.value) == line and err.value.name == "prompt", str(err.value)
+    with pytest.raises(DFlashError, match=r"^prompt 1: the prompt \(40 tokens\) leaves no room"):
+        small.generate_batch([list(range(5, 15)), list(range(5, 45))])
+    target, drafter = tiny_pair
+    text = "def f(x):\n    return x + 1\n" * 3
+    n = len(engine.encode_prompt(text))
+    for extra in ([], ["--max-new-tokens", "1"]):
+        assert cli_main(["generate", text, "--target", str(target), "--draft", str(drafter), "--max-context", str(n),
+                         *extra]) == 2
+        assert capsys.readouterr().err == (f"dflash-torch: error: the prompt ({n} tokens) leaves no room for a new "
+                                           f"token in the context of {n} tokens\n")
+
+
 def test_dflash2_drafter_loads_and_decodes(bad, capsys):
     """A DFlash 2 drafter (architectures DFlash2DraftModel) is loaded in full, not refused:
     through the API and the command line."""

@@ -326,3 +326,54 @@ def test_a_gpt_oss_config_without_rope_takes_transformers_default(tmp_path, thet
     ours, ref = _logits(target, 60)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     assert TargetModel.from_pretrained(target, torch.float32).config.rope_theta == (theta or 150000.0)
+
+
+def test_yarn_extends_the_context_to_original_times_factor_and_decodes_there_as_transformers(tmp_path):
+    """YaRN added as the Qwen3 model card says (``rope_scaling`` with factor 4 and the
+    pre-training length as original, ``max_position_embeddings`` left as shipped): the
+    context is max(max_position_embeddings, original x factor) (vLLM's length; transformers
+    runs any length), not max_position_embeddings (a max_context past it was refused). Past
+    max_position_embeddings our prompt logits and greedy tokens are transformers'; the limit
+    is named truthfully, and the trainer's --seq-len check reads it too. Linear and llama3
+    keep max_position_embeddings (llama3 configs state the extended length there)."""
+    from conftest import hf_greedy
+    from dflash_torch.options import check_max_context, target_context
+    from dflash_torch.training.trainer import TrainConfig, Trainer
+
+    path = make_target(tmp_path / "t", "qwen3", max_position_embeddings=80, num_hidden_layers=2)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_theta"] = 10000.0
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert target_context(TargetConfig.from_dict(cfg)) == (
+        256, "YaRN factor 4.0 x original_max_position_embeddings 64")
+    engine = DFlashEngine.from_pretrained(path, no_draft=True)
+    assert engine.max_context == 256
+    hf = load_hf(path)
+    ids = torch.randint(2, cfg["vocab_size"], (230,), generator=torch.Generator().manual_seed(3)).tolist()
+    out = engine.generate(ids, max_new_tokens=26, ignore_eos=True, prompt_logprobs=0)
+    assert out.token_ids == hf_greedy(hf, ids, 26)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    ours = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
+    torch.testing.assert_close(ours, ref[torch.arange(len(ids) - 1), ids[1:]], rtol=1e-4, atol=1e-4)
+    batch = DFlashEngine(engine.target, engine.tokenizer, max_batch_size=2)
+    assert batch.max_context == 256
+    assert [o.token_ids for o in batch.generate_batch([ids, ids[:200]], max_new_tokens=[26, 8], ignore_eos=True)] == [
+        out.token_ids, hf_greedy(hf, ids[:200], 8)]
+    with pytest.raises(DFlashError, match=r"^max_context must be an integer in \[2, 256\] \(the target's context: YaRN "
+                                          r"factor 4.0 x original_max_position_embeddings 64\), got 257$"):
+        DFlashEngine.from_pretrained(path, no_draft=True, max_context=257)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(DFlashError, match=r"^--seq-len 257 exceeds the target's context of 256 tokens$"):
+        Trainer(TrainConfig(target=str(path), data=[str(data)], out=str(tmp_path / "o"), work_dir=str(tmp_path / "w"),
+                            steps=1, seq_len=257, progress=False), log=lambda m: None).run()
+    for rule in ({"rope_type": "linear", "factor": 4.0},
+                 {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64},
+                 {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}):
+        assert target_context(TargetConfig.from_dict(dict(cfg, rope_scaling=rule))) == (80, "max_position_embeddings")
+    with pytest.raises(DFlashError, match=r"in \[2, 80\] \(the target's context: max_position_embeddings\), got 81$"):
+        check_max_context(81, TargetConfig.from_dict(dict(cfg, rope_scaling=rule)))

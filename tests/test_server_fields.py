@@ -166,3 +166,40 @@ def test_a_chat_that_overflows_the_context_names_messages(server):
     err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT,
                                                                "max_tokens": 4}), 400)
     assert err["param"] == "prompt", err
+
+
+def test_min_tokens_above_the_room_a_prompt_leaves_names_that_room_not_a_max_tokens_never_sent(server):
+    """A request without max_tokens whose prompt leaves fewer tokens than its min_tokens: the
+    400 says min_tokens exceeds the tokens left after the prompt (it said "min_tokens (20) must
+    be at most max_tokens (4)", the default cut to the room, a value the client never sent):
+    completions (each prompt of several), chat and Responses; a max_tokens sent stays named."""
+    ctx = server.post("/tokenize", {"model": MODEL, "prompt": "a"}).json()["max_model_len"]
+    room_line = "min_tokens (20) exceeds the 4 tokens left in the context of {} tokens after the prompt ({} tokens)"
+    ids = [66] * (ctx - 4)
+    err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": ids, "min_tokens": 20}), 400)
+    assert (err["message"], err["param"]) == (room_line.format(ctx, ctx - 4), "min_tokens"), err
+    err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": [[66] * 5, ids],
+                                                               "min_tokens": 20}), 400)
+    assert (err["message"], err["param"]) == ("prompt 1: " + room_line.format(ctx, ctx - 4), "min_tokens"), err
+    err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": ids, "min_tokens": 20,
+                                                               "max_tokens": 4}), 400)
+    assert (err["message"], err["param"]) == ("min_tokens (20) must be at most max_tokens (4)", "min_tokens"), err
+    ok = server.post("/v1/completions", {"model": MODEL, "prompt": ids, "min_tokens": 4, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4, ok.text
+    # a chat (and a Response) whose rendered messages leave 4 tokens
+    def count(k):
+        return server.post("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "a " * k}]}).json()["count"]
+    k = ctx // 2
+    while count(k) < ctx - 4:
+        k += max(1, (ctx - 4 - count(k)) // 2)
+    while count(k) > ctx - 4:
+        k -= 1
+    n = count(k)
+    assert ctx - 20 < n <= ctx - 4, n
+    line = room_line.replace("4 tokens left", f"{ctx - n} tokens left").format(ctx, n)
+    err = _assert_openai_error(server.post("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "a " * k}], "min_tokens": 20}), 400)
+    assert (err["message"], err["param"]) == (line, "min_tokens"), err
+    err = _assert_openai_error(server.post("/v1/responses", {
+        "model": MODEL, "input": [{"role": "user", "content": "a " * k}], "min_tokens": 20}), 400)
+    assert (err["message"], err["param"]) == (line, "min_tokens"), err

@@ -15,7 +15,7 @@ import torch
 
 from .. import compute
 from ..errors import DFlashError
-from ..options import check_max_new_tokens, resolve_device, resolve_dtype
+from ..options import check_max_new_tokens, context_limit, resolve_device, resolve_dtype
 
 
 def register(sub) -> None:
@@ -268,12 +268,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"bench: {len(prompts)} prompt{'s' if len(prompts) > 1 else ''} in {args.prompts or 'the shipped set'}, "
               f"fewer than --num-prompts {asked}: timing {len(prompts)}", file=sys.stderr)
     prompt_ids = [engine.encode_prompt(p, args.chat, args.chat_template_kwargs) for p in prompts]
-    limit = engine.target.config.max_position_embeddings
+    limit = context_limit(engine.target.config)
     for i, ids in enumerate(prompt_ids):  # (bench caps its caches at the target's context)
         if len(ids) + args.max_new_tokens > limit:
             raise DFlashError(f"prompt {i + 1} ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds "
                               f"the target's context of {limit} tokens")
-    max_context = min(engine.target.config.max_position_embeddings, max(map(len, prompt_ids)) + args.max_new_tokens + 1)
+    max_context = min(limit, max(map(len, prompt_ids)) + args.max_new_tokens + 1)
     if lengths:  # (before anything is timed: a sweep that cannot fit was a traceback after the modes)
         if engine.drafter is not None:
             check_sweep_fits(engine.drafter.config, lengths, engine.block_size, dtype, device)

@@ -153,12 +153,14 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
 
 
 def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: int | None,
-                   name: str = "max_tokens") -> int:
+                   name: str = "max_tokens", min_tokens: int = 0) -> int:
     """Tokens to generate for a prompt of ``prompt_tokens``: ``requested`` (the request's
     field ``name``), else ``default`` cut to the context, else the whole rest of the context.
 
     Raises:
-        ParamError: an empty prompt, or a prompt (+ ``requested``) that does not fit.
+        ParamError: an empty prompt, a prompt (+ ``requested``) that does not fit, or, with
+            no ``requested``, a ``min_tokens`` above the tokens the prompt leaves (named as
+            such: the cut default is no value the client sent).
     """
     if prompt_tokens == 0:  # (engine.stream([]) would read [] as an empty chat conversation)
         raise ParamError("the prompt is empty (0 tokens)", "prompt")
@@ -167,6 +169,9 @@ def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: i
         raise ParamError(f"the prompt ({prompt_tokens} tokens) does not fit the model's context of "
                          f"{engine.max_context} tokens (at least one token must be generated)", "prompt")
     if requested is None:
+        if min_tokens > room:
+            raise ParamError(f"min_tokens ({min_tokens}) exceeds the {room} tokens left in the context of "
+                             f"{engine.max_context} tokens after the prompt ({prompt_tokens} tokens)", "min_tokens")
         return room if default is None else min(default, room)
     if requested > room:
         raise ParamError(f"{name} ({requested}) + the prompt ({prompt_tokens} tokens) exceed the model's "

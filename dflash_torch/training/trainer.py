@@ -33,6 +33,7 @@ from ..models.config import (DFlash2Settings, DrafterConfig, TargetConfig, defau
                              needs_mask_token_id, validate_pair)
 from ..models.drafter import DFlashDrafter, drafter_class
 from ..models.target import TargetModel
+from ..options import context_limit
 from .data import (
     Example, TrainingData, collate, corpus_files, read_corpus, step_generator, tokenize_conversation, tokenize_documents,
 )
@@ -675,8 +676,8 @@ class Trainer:
             raise DFlashError(f"--resume: no checkpoint at {ckpt_path}")
         target_dir = checkpoint_dir(cfg.target, "target")
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
-        if cfg.seq_len > target_cfg.max_position_embeddings:
-            raise DFlashError(f"--seq-len {cfg.seq_len} exceeds the target's context of {target_cfg.max_position_embeddings} tokens")
+        if cfg.seq_len > context_limit(target_cfg):
+            raise DFlashError(f"--seq-len {cfg.seq_len} exceeds the target's context of {context_limit(target_cfg)} tokens")
         target = TargetModel.from_pretrained(target_dir, torch.float32)
         target.requires_grad_(False)
         from ..engine import _load_tokenizer
