@@ -669,7 +669,7 @@ ASSISTANT_ARCHITECTURES = ("MuseGlimmerAssistantModel",)
 ASSISTANT_WEIGHTS = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
 # what transformers' MuseGlimmerAssistantConfig takes when a key is absent (every layer a window of 2048)
 ASSISTANT_DEFAULTS = {"sliding_window": 2048, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072}
-ASSISTANT_ROPE_THETA = 500000.0
+ASSISTANT_ROPE_THETA = 500000.0  # (its default_theta: where neither its rope dict nor the top level gives one)
 
 
 @dataclass
@@ -755,8 +755,6 @@ class DrafterConfig:
         if assistant:  # (transformers' DFlash assistants keep the DFlash settings at the top level)
             dflash = {k: cfg.get(k) for k in ("mask_token_id", "target_layer_ids", "block_size")}
             cfg = {**ASSISTANT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
-            if cfg.get("rope_parameters") is None and cfg.get("rope_scaling") is None and "rope_theta" not in cfg:
-                cfg["rope_theta"] = ASSISTANT_ROPE_THETA
             if cfg.get("layer_types") is None:
                 cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"] if isinstance(
                     cfg.get("num_hidden_layers"), int) else None
@@ -811,7 +809,7 @@ class DrafterConfig:
         windows = [cfg.get("sliding_window") if t == "sliding_attention" else None for t in layer_types]
         if any(t == "sliding_attention" for t in layer_types) and not cfg.get("sliding_window"):
             raise DFlashError("drafter layer_types uses sliding_attention but sliding_window is not set")
-        theta, scaling = _rope(cfg, "drafter")
+        theta, scaling = _rope(cfg, "drafter", ASSISTANT_ROPE_THETA if assistant else 10000.0)
         v2 = DFlash2Settings.from_dict(cfg, cfg["hidden_size"], cfg.get("vocab_size")) if "DFlash2DraftModel" in archs else None
         own = {key: bool_field(cfg, key, "drafter", False) for key in ("has_embed_tokens", "has_lm_head")}
         if (own["has_embed_tokens"] or own["has_lm_head"]) and not isinstance(cfg.get("vocab_size"), int):
