@@ -406,6 +406,9 @@ LEGACY = [
     {"compress_ratios": [4, 128, 4, 128, 4], "compress_rate_hca": 128, "rope_scaling":
         {"type": "yarn", "factor": 16, "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1}},
     {"compress_rate_csa": 8, "compress_rate_hca": 16, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+    # (both: transformers reads rope_scaling in place of rope_parameters; the latter's factor 16 was read)
+    {"rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256},
+     "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
     {"layer_types": [SLIDING, SLIDING, CSA, HCA], "mlp_layer_types": ["moe", "hash_moe", "moe", "moe"]},
     {},
 ]

@@ -770,6 +770,11 @@ MALFORMED_CONFIGS = [
      "target config.json rope_scaling.factor must be a number > 0, got '8'"),
     ("target", _set("rope_scaling", {"rope_type": "linear", "factor": -4.0}),
      "target config.json rope_scaling.factor must be a number > 0, got -4.0"),
+    # a drafter's unsupported or incomplete rule: the message did not say whose config it was
+    ("drafter", _set("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
+     "drafter config.json rope_scaling: unsupported rope scaling type 'dynamic'; supported: linear, llama3, yarn"),
+    ("drafter", _set("rope_scaling", {"rope_type": "linear"}),
+     "drafter config.json rope_scaling: rope scaling type 'linear' lacks factor"),
     ("generation", b"{", "generation_config.json is not valid JSON"),
     ("generation", _set("eos_token_id", "0"), "generation_config.json eos_token_id must be a token id or a list of them, got '0'"),
     ("index", b"{oops", "model.safetensors.index.json is not valid JSON"),

@@ -247,6 +247,43 @@ def test_the_wrappers_own_tie_word_embeddings_ties_its_head(checkpoints, tmp_pat
     check_forward_matches_transformers(ours, load_hf(tmp_path / "t"), torch.arange(3, 25), [22], False)
 
 
+@pytest.mark.parametrize("text_type,wrapper", [("gemma4_text", "gemma4"), ("gemma4_unified_text", "gemma4_unified")])
+def test_rope_scaling_is_read_as_transformers_reads_it(text_type, wrapper):
+    """``rope_scaling`` keyed by layer type replaces ``rope_parameters`` (as in transformers);
+    a flat rule, on a text config or in a wrapper's ``text_config``, is refused (it was
+    dropped: plain RoPE, the logits of the file without it); on the wrapper itself it is
+    not read (transformers' wrapper config ignores it too)."""
+    import transformers
+
+    from dflash_torch.models.config import TargetConfig
+
+    required = dict(vocab_size=320, hidden_size=64, num_hidden_layers=7, num_attention_heads=4, intermediate_size=96,
+                    hidden_size_per_layer_input=0)
+    text_cls = transformers.Gemma4TextConfig if text_type == "gemma4_text" else transformers.Gemma4UnifiedTextConfig
+    nested = {"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
+              "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 5e5}}
+    text = dict(required, rope_scaling=nested, rope_parameters=DEFAULT_GEMMA4_ROPE)
+    assert text_cls(**json.loads(json.dumps(text))).rope_parameters == nested
+    ours = TargetConfig.from_dict(dict(text, model_type=text_type)).rope
+    assert ours == {"sliding_attention": (20000.0, None),
+                    "full_attention": (5e5, {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 1.0})}
+    flat = {"rope_type": "linear", "factor": 8.0}
+    for cfg in (dict(required, model_type=text_type, rope_scaling=flat),
+                {"model_type": wrapper, "text_config": dict(required, rope_scaling=flat)}):
+        with pytest.raises(DFlashError, match=r"^target config.json rope_scaling \{'rope_type': 'linear', 'factor': "
+                                              r"8.0\} is not supported by Gemma 4"):
+            TargetConfig.from_dict(cfg)
+    wrapped = TargetConfig.from_dict({"model_type": wrapper, "text_config": required, "rope_scaling": flat})
+    assert wrapped.rope == TargetConfig.from_dict({"model_type": wrapper, "text_config": required}).rope
+    assert transformers.CONFIG_MAPPING[wrapper](text_config=required, rope_scaling=flat).text_config.rope_parameters == (
+        text_cls(**required).rope_parameters)
+
+
+DEFAULT_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                       "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                          "rope_theta": 1000000.0}}
+
+
 def _text(edit):
     """A config edit applied to the wrapper's ``text_config``."""
     return lambda cfg: edit(cfg["text_config"])
@@ -278,6 +315,10 @@ def _text(edit):
      r"^target sliding_attention layers have head sizes \[8, 16\]"),
     (_text(lambda t: t.update(layer_types=["sliding_attention"] * 6)), None,
      r"^target layer_types must end with full_attention"),
+    # a flat rope_scaling rule was dropped: the file ran with plain RoPE (transformers cannot run it either)
+    (_text(lambda t: t.update(rope_scaling={"rope_type": "linear", "factor": 8.0})), None,
+     r"^target config.json rope_scaling \{'rope_type': 'linear', 'factor': 8.0\} is not supported by Gemma 4 "
+     r"\(RoPE per layer type from rope_parameters\)$"),
     (_text(lambda t: t.update(enable_moe_block=True)), None,
      r"^target config.json sets enable_moe_block but lacks num_experts, top_k_experts, moe_intermediate_size$"),
     (None, lambda w: w.pop("model.language_model.layers.2.layer_scalar"),

@@ -174,10 +174,16 @@ def test_announced_mtp_layers_are_not_read_and_others_are_refused(checkpoint, tm
             TargetModel.from_pretrained(_with_mtp_layers(target_dir, tmp_path / f"bad{i}", layers, edit), torch.float32)
 
 
-def test_a_config_without_rope_theta_takes_transformers_default(checkpoint, tmp_path):
-    """transformers' MiniMaxM2Config defaults rope_theta to 5e6 (not the usual 10000)."""
+@pytest.mark.parametrize("rope", [
+    dict(rope_parameters=None),
+    # (transformers reads rope_scaling in place of rope_parameters: a rope_theta in the latter does not count)
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+], ids=["no-rope", "both-keys"])
+def test_a_config_without_rope_theta_takes_transformers_default(checkpoint, tmp_path, rope):
+    """transformers' MiniMaxM2Config defaults rope_theta to 5e6 (not the usual 10000; a config
+    with both rope dicts got 10000)."""
     target = edited_checkpoint(checkpoint[0], tmp_path / "edited", config=lambda cfg: cfg.update(
-        rope_parameters=None, rotary_dim=8))
+        rope, rotary_dim=8))
     assert "rope_theta" not in json.loads((target / "config.json").read_text())
     ours = TargetModel.from_pretrained(target, torch.float32)
     assert ours.config.rope_theta == 5e6

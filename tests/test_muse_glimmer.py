@@ -284,9 +284,12 @@ def test_bad_assistant_checkpoints_are_refused_by_their_own_names(assistant, tmp
         DFlashDrafter.from_pretrained(bad, torch.float32)
 
 
-def test_assistant_config_defaults_are_transformers(assistant, tmp_path):
+@pytest.mark.parametrize("rope", [{}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+                                  {"rope_parameters": {"rope_type": "default"}}], ids=["none", "scaling", "parameters"])
+def test_assistant_config_defaults_are_transformers(assistant, tmp_path, rope):
     """A config without the keys transformers defaults (RoPE, layer types, window) reads
-    them as ``MuseGlimmerAssistantConfig`` does: RoPE base 500000, every layer a window of 2048."""
+    them as ``MuseGlimmerAssistantConfig`` does: RoPE base 500000 (also where a rope dict
+    gives no rope_theta: it was 10000), every layer a window of 2048."""
     import shutil
 
     from transformers import MuseGlimmerAssistantConfig
@@ -297,6 +300,8 @@ def test_assistant_config_defaults_are_transformers(assistant, tmp_path):
     cfg = json.loads((bare / "config.json").read_text())
     for key in ("rope_parameters", "layer_types", "sliding_window", "rms_norm_eps"):
         cfg.pop(key)
+    cfg.pop("rope_theta", None)
+    cfg.update(rope)
     (bare / "config.json").write_text(json.dumps(cfg))
     ours = DFlashDrafter.from_pretrained(bare, torch.float32).config
     ref = MuseGlimmerAssistantConfig.from_pretrained(str(bare))

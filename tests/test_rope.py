@@ -171,20 +171,26 @@ def test_rope_scaling_dict_holds_only_the_scaling_rule():
 
 
 @pytest.mark.parametrize("cfg, message", [
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "unsupported rope scaling type 'dynamic'; supported: linear, llama3, yarn"),
-    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0]}}, "unsupported rope scaling type 'longrope'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     "config.json rope_scaling: unsupported rope scaling type 'dynamic'; supported: linear, llama3, yarn"),
+    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0]}},
+     "config.json rope_parameters: unsupported rope scaling type 'longrope'; supported: linear, llama3, yarn"),
     ({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 1024}},
-     "rope scaling type 'yarn' lacks factor"),
+     "config.json rope_parameters: rope scaling type 'yarn' lacks factor"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-     "rope scaling type 'yarn' lacks original_max_position_embeddings (or max_position_embeddings)"),
+     "config.json rope_parameters: rope scaling type 'yarn' lacks original_max_position_embeddings (or max_position_embeddings)"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 1024}},
+     "config.json rope_parameters: rope scaling type 'yarn' lacks max_position_embeddings (to derive its null factor)"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}},
-     "rope scaling type 'llama3' lacks low_freq_factor, high_freq_factor"),
-    ({"rope_scaling": {"rope_type": "linear"}}, "rope scaling type 'linear' lacks factor"),
+     "config.json rope_scaling: rope scaling type 'llama3' lacks low_freq_factor, high_freq_factor"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "config.json rope_scaling: rope scaling type 'linear' lacks factor"),
 ])
-def test_bad_rope_configs_give_one_line_errors(cfg, message):
+@pytest.mark.parametrize("what", ["target", "drafter"])
+def test_bad_rope_configs_give_one_line_errors(cfg, message, what):
+    """Each names the file it is about (a drafter's bad rule read as if the target's were bad)."""
     with pytest.raises(DFlashError) as err:
-        _rope(cfg)
-    assert message in str(err.value) and "\n" not in str(err.value)
+        _rope(cfg, what)
+    assert str(err.value) == f"{what} {message}"
 
 
 def test_odd_or_empty_rotary_dim_is_refused():
@@ -285,7 +291,7 @@ def test_yarn_with_a_null_factor_derives_it_like_transformers(tmp_path):
     ours, ref = _logits(target)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     del cfg["rope_parameters"]["factor"]
-    with pytest.raises(DFlashError, match="^rope scaling type 'yarn' lacks factor$"):
+    with pytest.raises(DFlashError, match="^target config.json rope_parameters: rope scaling type 'yarn' lacks factor$"):
         _rope(cfg)
 
 
@@ -309,10 +315,20 @@ def test_partial_rotary_is_refused_where_transformers_rotates_whole_heads(tmp_pa
         TargetModel.from_pretrained(target, torch.float32)
 
 
-@pytest.mark.parametrize("theta", [None, 5000.0])
-def test_a_gpt_oss_config_without_rope_takes_transformers_default(tmp_path, theta):
+OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize("rope, theta", [
+    ({}, None), ({}, 5000.0),
+    ({"rope_scaling": OSS_YARN}, None), ({"rope_parameters": OSS_YARN}, None), ({"rope_scaling": OSS_YARN}, 5000.0),
+    ({"rope_parameters": {**OSS_YARN, "rope_theta": 150000.0}, "rope_scaling": {**OSS_YARN, "factor": 8.0}}, None),
+], ids=["none", "none-top-theta", "scaling-no-theta", "parameters-no-theta", "scaling-top-theta", "both-keys"])
+def test_a_gpt_oss_config_without_rope_theta_takes_transformers_default(tmp_path, rope, theta):
     """No ``rope_parameters`` / ``rope_scaling``: GptOssConfig's YaRN (factor 32, original 4096,
-    not truncated), with the top-level ``rope_theta`` or 150000 (it was plain RoPE, theta 10000)."""
+    not truncated); a ``rope_theta`` nowhere (neither in the rope dict read nor at the top
+    level; a ``rope_scaling`` is read in place of ``rope_parameters``): GptOssConfig's
+    default_theta, 150000 (it was plain RoPE, theta 10000, with no rope dict; theta 10000 with one)."""
     from conftest import make_gpt_oss_target
 
     target = make_gpt_oss_target(tmp_path / "oss", tokenizer=False)
@@ -320,9 +336,11 @@ def test_a_gpt_oss_config_without_rope_takes_transformers_default(tmp_path, thet
     cfg.pop("rope_parameters", None)
     cfg.pop("rope_scaling", None)
     cfg.pop("rope_theta", None)
+    cfg.update(copy.deepcopy(rope))
     if theta is not None:
         cfg["rope_theta"] = theta
     (target / "config.json").write_text(json.dumps(cfg))
+    assert transformers.GptOssConfig.from_dict(copy.deepcopy(cfg)).rope_parameters["rope_theta"] == (theta or 150000.0)
     ours, ref = _logits(target, 60)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     assert TargetModel.from_pretrained(target, torch.float32).config.rope_theta == (theta or 150000.0)
@@ -377,3 +395,48 @@ def test_yarn_extends_the_context_to_original_times_factor_and_decodes_there_as_
         assert target_context(TargetConfig.from_dict(dict(cfg, rope_scaling=rule))) == (80, "max_position_embeddings")
     with pytest.raises(DFlashError, match=r"in \[2, 80\] \(the target's context: max_position_embeddings\), got 81$"):
         check_max_context(81, TargetConfig.from_dict(dict(cfg, rope_scaling=rule)))
+
+
+def test_defaults_are_those_of_transformers_config_classes():
+    """:func:`transformers_default`, the source of a target's ``max_position_embeddings`` and
+    ``rope_theta`` where its config gives none, says what each family's transformers config
+    class fills in (a multimodal wrapper: its text config's)."""
+    from dflash_torch.models.config import transformers_default
+    from dflash_torch.models.registry import FAMILIES
+
+    for model_type in FAMILIES:
+        cls = transformers.CONFIG_MAPPING[model_type]
+        theirs = cls(rope_scaling={"rope_type": "linear", "factor": 2.0})
+        text = getattr(theirs, "text_config", None) or theirs
+        if isinstance(text.rope_parameters, dict) and "rope_theta" in text.rope_parameters:
+            assert transformers_default(model_type, "default_theta") == text.rope_parameters["rope_theta"], model_type
+        if model_type != "kimi_k25":  # (its text_config class is AutoConfig: parsed as deepseek_v3)
+            assert transformers_default(model_type, "max_position_embeddings") == text.max_position_embeddings, model_type
+    assert transformers_default("gpt_oss", "default_theta") == 150000.0
+    assert transformers_default("no_such_model", "max_position_embeddings") is None
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+def test_a_target_without_max_position_embeddings_takes_transformers_default(tmp_path, family):
+    """No ``max_position_embeddings``: the model type's transformers default (Qwen3 32768,
+    Llama 2048; it was 4096), both as the context length and where YaRN derives a null
+    factor from it (the logits differed from transformers' by up to 1 nat)."""
+    target = make_target(tmp_path / family, family, tokenizer=False, max_position_embeddings=2048, rope_parameters={
+        "rope_type": "yarn", "factor": None, "original_max_position_embeddings": 256, "rope_theta": 10000.0})
+    cfg = json.loads((target / "config.json").read_text())
+    del cfg["max_position_embeddings"]
+    (target / "config.json").write_text(json.dumps(cfg))
+    expected = transformers.CONFIG_MAPPING[family]().max_position_embeddings
+    assert TargetConfig.from_dict(cfg).max_position_embeddings == expected != 4096
+    ours, ref = _logits(target, 60)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_no_max_position_embeddings_and_no_default_is_refused():
+    from dflash_torch.models.config import base_target_fields
+
+    cfg = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    with pytest.raises(DFlashError, match=r"^target config.json lacks max_position_embeddings \(transformers has no "
+                                          r"default for model_type 'no_such_model'\)$"):
+        base_target_fields(cfg, "no_such_model")
+    assert base_target_fields(dict(cfg, max_position_embeddings=100), "no_such_model")["max_position_embeddings"] == 100

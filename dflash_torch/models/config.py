@@ -30,13 +30,15 @@ ROPE_SCALING_KEYS = {"linear": ("factor",), "llama3": ("factor", "low_freq_facto
 _NOT_SCALING = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 
-def _rope(cfg: dict, what: str = "target") -> tuple[float, dict | None]:
+def _rope(cfg: dict, what: str = "target", default_theta: float = 10000.0) -> tuple[float, dict | None]:
     """RoPE base and scaling rule from either the v4 (``rope_theta`` + ``rope_scaling``)
-    or the v5 (``rope_parameters``) transformers layout.
+    or the v5 (``rope_parameters``) transformers layout. As in transformers, a
+    ``rope_scaling`` dict is read in place of ``rope_parameters`` when both are given.
 
     Returns:
-        ``(rope_theta, scaling)``. ``rope_theta`` comes from the rope dict if it has one,
-        else the top level, else 10000. ``scaling`` is None for plain RoPE (no dict,
+        ``(rope_theta, scaling)``. ``rope_theta`` comes from the rope dict read if it has one,
+        else the top level, else ``default_theta`` (transformers' config class default of
+        the model type: :func:`transformers_default`). ``scaling`` is None for plain RoPE (no dict,
         ``rope_type`` default, or ``mrope``: multimodal RoPE with equal text positions is
         plain RoPE), else a new dict holding ``rope_type`` (linear, llama3, yarn) and that
         rule's parameters only: ``rope_theta``, ``partial_rotary_factor``,
@@ -49,15 +51,16 @@ def _rope(cfg: dict, what: str = "target") -> tuple[float, dict | None]:
     Raises:
         DFlashError: an unsupported rope type (names the supported ones), a rule's
             required key missing, a rope dict that is not an object, a ``rope_theta`` that
-            is not a number > 0 (``what``: target / drafter, for the message).
+            is not a number > 0; each message names the file (``what``: target / drafter).
     """
     params = object_field(cfg, "rope_scaling", what) or object_field(cfg, "rope_parameters", what) or {}
-    theta = number_field(params, "rope_theta", what, number_field(cfg, "rope_theta", what, 10000.0))
+    theta = number_field(params, "rope_theta", what, number_field(cfg, "rope_theta", what, default_theta))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in ("default", "mrope"):
         return float(theta), None
+    where = f"{what} config.json {'rope_scaling' if cfg.get('rope_scaling') else 'rope_parameters'}"
     if kind not in ROPE_SCALING_KEYS:
-        raise DFlashError(f"unsupported rope scaling type {kind!r}; supported: {', '.join(ROPE_SCALING_KEYS)}")
+        raise DFlashError(f"{where}: unsupported rope scaling type {kind!r}; supported: {', '.join(ROPE_SCALING_KEYS)}")
     scaling = {k: v for k, v in params.items() if k not in _NOT_SCALING and k != "type"}
     scaling["rope_type"] = kind
     if kind in ("llama3", "yarn") and cfg.get("original_max_position_embeddings") is not None:
@@ -66,9 +69,10 @@ def _rope(cfg: dict, what: str = "target") -> tuple[float, dict | None]:
     missing = [k for k in ROPE_SCALING_KEYS[kind] if scaling.get(k) is None and not (kind == "yarn" and k in scaling)]
     if kind in ("llama3", "yarn") and not (scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")):
         missing.append("original_max_position_embeddings (or max_position_embeddings)")
+    elif kind == "yarn" and scaling.get("factor") is None and "factor" in scaling and not cfg.get("max_position_embeddings"):
+        missing.append("max_position_embeddings (to derive its null factor)")
     if missing:
-        raise DFlashError(f"rope scaling type {kind!r} lacks {', '.join(missing)}")
-    where = f"{what} config.json {'rope_scaling' if cfg.get('rope_scaling') else 'rope_parameters'}"
+        raise DFlashError(f"{where}: rope scaling type {kind!r} lacks {', '.join(missing)}")
     for key, value in scaling.items():
         if value is None or key == "rope_type":
             continue
@@ -84,6 +88,23 @@ def _rope(cfg: dict, what: str = "target") -> tuple[float, dict | None]:
         if not ok:
             raise DFlashError(f"{where}.{key} must be {want}, got {value!r}")
     return float(theta), scaling
+
+
+def transformers_default(model_type: str, key: str) -> float | None:
+    """The default of ``key`` in transformers' config class of ``model_type`` (a multimodal
+    wrapper without it: its text config class's), e.g. ``max_position_embeddings``, or
+    ``default_theta`` (the RoPE base it takes when a config gives none); None where
+    transformers has no such model type, or the class no such numeric default."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        cls = CONFIG_MAPPING[model_type]
+    except (KeyError, ImportError):
+        return None
+    if not hasattr(cls, key):
+        cls = getattr(cls, "sub_configs", {}).get("text_config", cls)
+    value = getattr(cls, key, None)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _require(cfg: dict, keys: list[str], what: str) -> None:
@@ -366,17 +387,27 @@ def quantization_config(cfg: dict) -> dict | None:
 
 
 def base_target_fields(cfg: dict, model_type: str) -> dict:
-    """The common :class:`TargetConfig` fields of a (text) ``config.json`` dict.
+    """The common :class:`TargetConfig` fields of a (text) ``config.json`` dict. Where it
+    gives no ``max_position_embeddings`` or no ``rope_theta``, those of transformers' config
+    class of ``model_type`` apply (:func:`transformers_default`; the RoPE rule sees that
+    context length too, as transformers' does).
 
     Raises:
-        DFlashError: missing keys, unsupported rope scaling.
+        DFlashError: missing keys (``max_position_embeddings`` too, where transformers has
+            no default for ``model_type``), unsupported rope scaling.
     """
     _require(cfg, ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"], "target")
     for key in ("num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"):
         check_int(cfg, key, "target", minimum=MIN_POSITIONS if key == "max_position_embeddings" else 1)
     check_activation(cfg, "target")
+    if cfg.get("max_position_embeddings") is None:
+        default = transformers_default(model_type, "max_position_embeddings")
+        if default is None:
+            raise DFlashError(f"target config.json lacks max_position_embeddings (transformers has no default for "
+                              f"model_type {model_type!r})")
+        cfg = dict(cfg, max_position_embeddings=default)
     heads = cfg["num_attention_heads"]
-    theta, scaling = _rope(cfg, "target")
+    theta, scaling = _rope(cfg, "target", transformers_default(model_type, "default_theta") or 10000.0)
     eos = check_vocab_ids(eos_token_ids(cfg.get("eos_token_id"), "target config.json"), cfg["vocab_size"],
                           "target config.json")
     return dict(
@@ -391,7 +422,7 @@ def base_target_fields(cfg: dict, model_type: str) -> dict:
         rms_norm_eps=number_field(cfg, "rms_norm_eps", "target", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
+        max_position_embeddings=cfg["max_position_embeddings"],
         tie_word_embeddings=bool_field(cfg, "tie_word_embeddings", "target", False),
         attention_bias=bool_field(cfg, "attention_bias", "target", False),
         qk_norm=False,
@@ -638,7 +669,7 @@ ASSISTANT_ARCHITECTURES = ("MuseGlimmerAssistantModel",)
 ASSISTANT_WEIGHTS = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
 # what transformers' MuseGlimmerAssistantConfig takes when a key is absent (every layer a window of 2048)
 ASSISTANT_DEFAULTS = {"sliding_window": 2048, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072}
-ASSISTANT_ROPE_THETA = 500000.0
+ASSISTANT_ROPE_THETA = 500000.0  # (its default_theta: where neither its rope dict nor the top level gives one)
 
 
 @dataclass
@@ -724,8 +755,6 @@ class DrafterConfig:
         if assistant:  # (transformers' DFlash assistants keep the DFlash settings at the top level)
             dflash = {k: cfg.get(k) for k in ("mask_token_id", "target_layer_ids", "block_size")}
             cfg = {**ASSISTANT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
-            if cfg.get("rope_parameters") is None and cfg.get("rope_scaling") is None and "rope_theta" not in cfg:
-                cfg["rope_theta"] = ASSISTANT_ROPE_THETA
             if cfg.get("layer_types") is None:
                 cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"] if isinstance(
                     cfg.get("num_hidden_layers"), int) else None
@@ -780,7 +809,7 @@ class DrafterConfig:
         windows = [cfg.get("sliding_window") if t == "sliding_attention" else None for t in layer_types]
         if any(t == "sliding_attention" for t in layer_types) and not cfg.get("sliding_window"):
             raise DFlashError("drafter layer_types uses sliding_attention but sliding_window is not set")
-        theta, scaling = _rope(cfg, "drafter")
+        theta, scaling = _rope(cfg, "drafter", ASSISTANT_ROPE_THETA if assistant else 10000.0)
         v2 = DFlash2Settings.from_dict(cfg, cfg["hidden_size"], cfg.get("vocab_size")) if "DFlash2DraftModel" in archs else None
         own = {key: bool_field(cfg, key, "drafter", False) for key in ("has_embed_tokens", "has_lm_head")}
         if (own["has_embed_tokens"] or own["has_lm_head"]) and not isinstance(cfg.get("vocab_size"), int):

@@ -136,10 +136,12 @@ def _rope_parts(text: dict, fraction: float) -> dict[str, dict]:
     """The "main" and "compress" RoPE parameter dicts, folded as transformers'
     ``DeepseekV4Config.__post_init__`` folds them (a nested ``rope_parameters`` as it is;
     else a flat ``rope_parameters`` / ``rope_scaling`` rule applies to "compress" only, with
-    YaRN's attention factor 1 unless given; "main" is plain RoPE of ``rope_theta``)."""
-    rp = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    YaRN's attention factor 1 unless given; "main" is plain RoPE of ``rope_theta``). A
+    ``rope_scaling`` is read in place of ``rope_parameters``, as transformers reads it."""
+    key = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
+    rp = text.get(key) or {}
     if not isinstance(rp, dict):
-        raise DFlashError(f"target config.json rope_parameters must be an object, got {rp!r}")
+        raise DFlashError(f"target config.json {key} must be an object, got {rp!r}")
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         parts = {"main": dict(rp["main"]), "compress": dict(rp["compress"])}
         for part in parts.values():

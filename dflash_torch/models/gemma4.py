@@ -35,7 +35,8 @@ and audio towers and their projections (``model.vision_tower.``, ``model.embed_v
 ``model.vision_embedder.``, ``model.embed_audio.``) are not read. Refused in one line: the
 per-layer input embeddings and shared key/value layers of the small on-device models
 (``hidden_size_per_layer_input`` > 0, ``num_kv_shared_layers`` > 0: gemma-4-E2B / E4B),
-bidirectional text attention, RoPE types other than default and proportional.
+bidirectional text attention, RoPE types other than default and proportional, a flat ``rope_scaling``
+rule (transformers' Gemma 4 refuses it too).
 """
 
 from __future__ import annotations
@@ -85,13 +86,20 @@ class Gemma4Config(TargetConfig):
 
 def _rope(text: dict, types: list[str]) -> dict[str, tuple[float, dict | None]]:
     """The RoPE of each layer type in ``types`` from ``rope_parameters`` (keyed by layer
-    type; transformers' default when absent).
+    type; transformers' default when absent). A ``rope_scaling`` keyed by layer type is read
+    in its place, as transformers does.
 
     Raises:
         DFlashError: a layer type without one, a type other than default / proportional, a
-            theta, factor or partial_rotary_factor out of range.
+            theta, factor or partial_rotary_factor out of range; any other ``rope_scaling``
+            (a flat rule such as ``{"rope_type": "linear", "factor": 8.0}``, which
+            transformers' Gemma 4 cannot run either).
     """
-    params = text.get("rope_parameters")
+    scaling = text.get("rope_scaling")
+    if scaling and not (isinstance(scaling, dict) and any(k in LAYER_TYPES for k in scaling)):
+        raise DFlashError(f"target config.json rope_scaling {scaling!r} is not supported by Gemma 4 (RoPE per "
+                          "layer type from rope_parameters)")
+    params = scaling or text.get("rope_parameters")
     if params is None:
         params = DEFAULT_ROPE
     if not isinstance(params, dict):

@@ -36,7 +36,8 @@ from .target import DecoderLayer, TargetModel
 
 QUANTIZATION_METHODS = ("mxfp4",)  # the quant_method values this family reads (see mxfp4.py)
 LAYER_TYPES = ("sliding_attention", "full_attention")
-# transformers' GptOssConfig rope when a config has none (that of the published checkpoints)
+# transformers' GptOssConfig rope when a config has none (that of the published checkpoints); where no
+# rope_theta is given, GptOssConfig's default_theta (150000) applies (config.base_target_fields)
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
 _SCORES_PER_CHUNK = 1 << 25  # attention logits held at once (query rows are taken in chunks)
@@ -61,7 +62,7 @@ def parse_config(cfg: dict) -> GptOssConfig:
             top-k outside the experts.
     """
     if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):  # transformers' GptOssConfig default
-        cfg = dict(cfg, rope_parameters={**DEFAULT_ROPE, "rope_theta": number_field(cfg, "rope_theta", "target", 150000.0)})
+        cfg = dict(cfg, rope_parameters=dict(DEFAULT_ROPE))  # (its rope_theta: the top level's, else 150000)
     fields = base_target_fields(cfg, "gpt_oss")
     refuse_partial_rotary(fields, "gpt_oss")
     n = cfg["num_hidden_layers"]

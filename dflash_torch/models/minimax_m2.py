@@ -43,7 +43,6 @@ from .layers import RMSNorm
 from .moe import SparseMoE, fuse_expert_weights
 from .target import DecoderLayer
 
-DEFAULT_ROPE_THETA = 5_000_000.0  # (transformers' MiniMaxM2Config default, for a config that gives none)
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")  # dequantized when loading (fp8, packed_int, nvfp4)
 
 _EXPERT = re.compile(r"^(?P<prefix>.*)\.block_sparse_moe\.(?P<rest>.*)$")
@@ -66,10 +65,7 @@ def parse_config(cfg: dict) -> TargetConfig:
     if experts is None or "num_experts_per_tok" not in cfg:
         raise DFlashError("target config.json lacks num_local_experts or num_experts_per_tok")
     _refuse_variants(cfg)
-    fields = base_target_fields(cfg, "minimax_m2")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if "rope_theta" not in cfg and not (isinstance(rope, dict) and "rope_theta" in rope):
-        fields["rope_theta"] = DEFAULT_ROPE_THETA
+    fields = base_target_fields(cfg, "minimax_m2")  # (no rope_theta given: MiniMaxM2Config's 5,000,000)
     fields["partial_rotary_factor"] = _partial_rotary(cfg, fields["head_dim"])
     num_experts = check_int({"num_local_experts": experts}, "num_local_experts", "target", minimum=1)
     top_k = check_int(cfg, "num_experts_per_tok", "target", minimum=1)
