@@ -653,11 +653,10 @@ def test_bench_refuses_what_it_can_check_before_timing(tiny_pair, tmp_path, caps
     """Each of these was refused (or a traceback, or a silent no-op) only after the modes
     had been timed, or named options bench does not have (max_batch_size, --max-context):
     now one line, exit 2, naming bench's own flags, before anything is timed (helper-74)."""
-    from dflash_torch import batch
-    from dflash_torch.bench import shapes
+    from dflash_torch.bench import batching, shapes
     from dflash_torch.cli import main as cli_main
 
-    monkeypatch.setattr(batch, "available_memory", lambda device: 2**30)  # a 1 GiB machine for the caches
+    monkeypatch.setattr(batching, "available_memory", lambda device: 2**30)  # a 1 GiB machine for the caches
     monkeypatch.setattr(shapes, "device_memory", lambda device: 2**31)  # qwen3-0.6b in float32: 4 of 28 layers fit
     target, drafter = tiny_pair
     out = tmp_path / "o"
@@ -698,6 +697,29 @@ def test_unmeasured_figures_are_none_not_zero_or_a_division_by_zero(tiny_pair):
         assert r["aggregate_decode_tokens_per_second"] is None and r["mean_acceptance_length"] is None
         assert r["speedup_vs_target_only"] is None and r["scaling_vs_batch_1"] is None
     assert "| 2 | dflash |" in batch_table(rows)
+
+
+def test_batch_caches_bytes_is_what_the_batch_decoder_counts(tiny_pair, monkeypatch):
+    """bench refuses a batch size whose caches cannot fit before timing, without allocating
+    them: its count is the batch decoder's own (just above it the decoder refuses, in bench's
+    words; just below, it is built)."""
+    from dflash_torch import batch
+    from dflash_torch.bench.batching import _batch_decoder, batch_caches_bytes
+    from dflash_torch.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(tiny_pair[0], torch.float32)
+    drafter = DFlashDrafter.from_pretrained(tiny_pair[1], torch.float32)
+    for d, block_size in ((drafter, 4), (drafter, None), (None, None)):
+        need = batch_caches_bytes(target, d, 3, 100, block_size)
+        for scale, fits in ((0.999, False), (1.001, True)):
+            monkeypatch.setattr(batch, "available_memory", lambda device, free=need / 0.9 * scale: free)
+            if fits:
+                _batch_decoder(target, d, 3, 100, block_size, None)
+            else:
+                with pytest.raises(DFlashError, match=r"^--batch-sizes 3: the caches of 3 sequences x 100 positions \(the "
+                                                      r"longest prompt \+ --max-new-tokens\) need .*; lower --batch-sizes "
+                                                      "or --max-new-tokens$"):
+                    _batch_decoder(target, d, 3, 100, block_size, None)
 
 
 def test_batch_sizes_with_a_prompt_that_fills_the_context(tiny_pair, tmp_path, capsys):

@@ -18,7 +18,9 @@ import time
 
 import torch
 
-from ..batch import BatchDecoder
+from ..batch import BACKLOG_ROWS, BatchDecoder
+from ..cache import cache_bytes
+from ..checkpoint import available_memory
 from ..errors import DFlashError, OptionError
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
@@ -115,16 +117,32 @@ def _batch_decoder(target: TargetModel, drafter: DFlashDrafter | None, n: int, m
         raise DFlashError(f"--batch-sizes {n}: {message}") from None
 
 
+def batch_caches_bytes(target: TargetModel, drafter: DFlashDrafter | None, n: int, max_context: int,
+                       block_size: int | None = None) -> int:
+    """Bytes of the caches of the batch decoder of one row at batch size ``n`` (see
+    :func:`batch_size_bench`: prefix reuse off, the default prefill chunk of 256), counted as
+    :class:`~dflash_torch.batch.BatchDecoder` counts them before it allocates them."""
+    B = block_size or (drafter.config.block_size if drafter is not None else 1)
+    chunk = 256
+    return cache_bytes(target, drafter if drafter is not None and B > 1 else None, n,
+                       max_context + max(2 * B, chunk) + 1, max(B, chunk), False, max(B, chunk, BACKLOG_ROWS + B))
+
+
 def check_batch_fits(target: TargetModel, drafter: DFlashDrafter | None, n: int, max_context: int,
-                     block_size: int | None = None, draft_max_batch_size: int | str | None = None) -> None:
-    """Build (and free) the batch decoder of batch size ``n``, as :func:`batch_size_bench`
-    will, so that caches too large for the device are refused before anything is timed.
+                     block_size: int | None = None) -> None:
+    """Refuse a batch size whose caches (:func:`batch_caches_bytes`) would not fit in 90% of
+    the device's free memory, as the batch decoder would, but before anything is timed and
+    without allocating them.
 
     Raises:
-        DFlashError: naming ``--batch-sizes`` (and what else sizes the caches).
+        DFlashError: naming ``--batch-sizes`` and ``--max-new-tokens``.
     """
-    batch = _batch_decoder(target, drafter, n, max_context, block_size, draft_max_batch_size)
-    del batch
+    device = target.model.embed_tokens.weight.device
+    need, free = batch_caches_bytes(target, drafter, n, max_context, block_size), available_memory(device)
+    if free is not None and need > 0.9 * free:
+        raise DFlashError(f"--batch-sizes {n}: the caches of {n} sequences x {max_context} positions (the longest prompt "
+                          f"+ --max-new-tokens) need {need / 2**30:.2f} GiB but {device.type} has {free / 2**30:.2f} GiB "
+                          "free; lower --batch-sizes or --max-new-tokens")
 
 
 @torch.inference_mode()

@@ -313,9 +313,8 @@ def _run(args: argparse.Namespace) -> int:
             raise DFlashError(f"prompt {i + 1} ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds "
                               f"the target's context of {limit} tokens")
     max_context = min(engine.target.config.max_position_embeddings, max(map(len, prompt_ids)) + args.max_new_tokens + 1)
-    if batch_sizes:  # (the largest batch's caches, sized and allocated as the timed run will: before anything is timed)
-        check_batch_fits(engine.target, engine.drafter, max(batch_sizes), max_context, block_size=args.block_size,
-                         draft_max_batch_size=args.draft_max_batch_size)
+    if batch_sizes:  # (the largest batch's caches: before anything is timed)
+        check_batch_fits(engine.target, engine.drafter, max(batch_sizes), max_context, block_size=args.block_size)
     plots = _plot_files(bool(modes), bool(lengths) and (engine.drafter is not None or bool(sweep_shapes)),
                         bool(batch_sizes))
     for name in ["bench.json", *plots]:  # (a write that fails after the timing would lose the results)
