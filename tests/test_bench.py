@@ -5,6 +5,7 @@ import math
 import re
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ def test_bench_cli_writes_report(tiny_pair, tmp_path):
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]))
     out = tmp_path / "out"
     proc = run_bench(tiny_pair, "--prompts", str(prompts), "--max-new-tokens", "12", "--modes", "target-only,inject,recompute",
-                     "--sweep", "16,64", "--out", str(out), "--no-progress", "--num-prompts", "5")
+                     "--sweep", "64,16", "--out", str(out), "--no-progress", "--num-prompts", "5")
     assert proc.returncode == 0, proc.stderr
     assert f"bench: 2 prompts in {prompts}, fewer than --num-prompts 5: timing 2" in proc.stderr
     report = json.loads((out / "bench.json").read_text())
@@ -51,6 +52,7 @@ def test_bench_cli_writes_report(tiny_pair, tmp_path):
     assert report["sweep"]["lengths"] == [16, 64] and len(report["sweep"]["inject"]) == 2
     assert (out / "modes.png").stat().st_size > 0 and (out / "sweep.png").stat().st_size > 0
     assert "| inject" in proc.stdout
+    assert "ratio 64/16: inject " in proc.stdout  # (--sweep 64,16 is timed shortest first)
 
 
 def test_bench_rejects_unknown_mode(tiny_pair, tmp_path):
@@ -81,7 +83,16 @@ def test_sweep_and_round_vs_step_small_shape(tiny_pair):
     assert r["target_step_s"] > 0 and r["round_s"] > 0
     assert (r["layers"], r["layers_timed"], r["scaled"], r["measured"]) == (4, 4, False, None)
     assert r["experts_hit_per_moe_layer"] is None and r["moe"] is None
-    assert r["projected_speedup"]["mean (paper, Qwen3-8B)"] == 6.49 * r["target_step_s"] / r["round_s"]
+    # (a round of B=4 accepts at most 4 tokens: the paper's tau, all above 4, projects nothing)
+    assert set(r["projected_speedup"].values()) == {None}
+    r = round_vs_step(TINY_QWEN3, torch.float32, context=16, block_size=5, repeats=1, draft_layers=2)
+    assert r["projected_speedup"] == {"mean (paper, Qwen3-8B)": None, "MT-Bench": 4.24 * r["target_step_s"] / r["round_s"],
+                                      "MATH-500": None}
+    table = _shapes_table([r]).splitlines()
+    assert table[4].endswith("| - |") and any(line.startswith("PROJECTED '-': the paper's tau 6.49") for line in table)
+    # the growth from the shortest length to the longest, whatever their order
+    sweep = context_sweep(drafter, embed, [32, 8], block_size=4, repeats=1)
+    assert sweep["ratio_longest_over_shortest"]["inject"] == sweep["inject"][0] / sweep["inject"][1]
 
 
 def _finite_positive(*values):
@@ -620,3 +631,174 @@ def test_bench_help_leaves_out_the_decoding_options_it_refuses(tmp_path, capsys,
         assert cli_main(["bench", "--out", str(tmp_path / "o"), *extra]) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and extra[0] in err[0], (extra, err)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2 for bench, got 1: the first token comes from the prefill"),
+    (["--shapes", "qwen3-0.6b", "--block-size", "1"], "--shapes times DFlash rounds of --block-size tokens, which must be "
+                                                      ">= 2, got 1"),
+    (["--no-draft-given", "--shapes", "qwen3-0.6b"], "--shapes times DFlash rounds at the drafter's block size, and this "
+                                                     "target has no --draft"),
+    (["--no-draft-given", "--sweep", "64", "--sweep-shapes", "qwen3-0.6b"], "--sweep-shapes times DFlash rounds"),
+    (["--sweep-shapes", "qwen3-0.6b"], "--sweep-shapes sweeps the --sweep context lengths, and --sweep is empty"),
+    (["--sweep", "128,64,128"], "--sweep lists a context length more than once"),
+    (["--prompts", ""], "--prompts is empty"),
+    (["--out", ""], "--out is empty"),
+    (["--batch-sizes", "100000"], "--batch-sizes 100000: the caches of 100000 sequences x "),
+    (["--bench-json-is-a-dir"], "bench.json: it is a directory"),
+    (["--shapes", "qwen3-0.6b", "--shapes-compiled"], "--shapes-compiled times shape qwen3-0.6b with all 28 layers in "
+                                                      "memory; only 3 fit on cpu"),
+])
+def test_bench_refuses_what_it_can_check_before_timing(tiny_pair, tmp_path, capsys, monkeypatch, extra, words):
+    """Each of these was refused (or a traceback, or a silent no-op) only after the modes
+    had been timed, or named options bench does not have (max_batch_size, --max-context):
+    now one line, exit 2, naming bench's own flags, before anything is timed (helper-74)."""
+    from dflash_torch.bench import batching, shapes
+    from dflash_torch.cli import main as cli_main
+
+    monkeypatch.setattr(batching, "available_memory", lambda device: 2**30)  # a 1 GiB machine for the caches
+    monkeypatch.setattr(shapes, "device_memory", lambda device: 2**31)  # qwen3-0.6b in float32: 4 of 28 layers fit
+    target, drafter = tiny_pair
+    out = tmp_path / "o"
+    args = ["bench", "--target", str(target), "--draft", str(drafter), "--out", str(out), "--dtype", "float32",
+            "--modes", "target-only", "--num-prompts", "1", "--max-new-tokens", "4", "--sweep", "", "--no-progress"]
+    if "--no-draft-given" in extra:
+        args[3:5] = []
+    if "--bench-json-is-a-dir" in extra:
+        (out / "bench.json").mkdir(parents=True)
+    rc = cli_main(args + [a for a in extra if a not in ("--no-draft-given", "--bench-json-is-a-dir")])
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and words in err[0], err
+    assert "max_batch_size" not in err[0] and "--max-context" not in err[0], err
+    assert "target-only:" not in captured.out  # (nothing was timed)
+
+
+def test_unmeasured_figures_are_none_not_zero_or_a_division_by_zero(tiny_pair):
+    """With one new token (it comes from the prefill) no decoding round runs: tok/s, tau and
+    their ratios are None ("-"), not 0.0 (run_modes) or a ZeroDivisionError (batch_size_bench)."""
+    from dflash_torch.bench.batching import batch_size_bench, batch_table
+    from dflash_torch.bench.cli import _table
+    from dflash_torch.bench.modes import ALL_MODES, run_modes
+    from dflash_torch.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(tiny_pair[0], torch.float32)
+    drafter = DFlashDrafter.from_pretrained(tiny_pair[1], torch.float32)
+    prompts = [list(range(5, 12)), list(range(40, 49))]
+    runs = run_modes([ALL_MODES["target-only"], ALL_MODES["inject"]], target, drafter, prompts, block_size=4,
+                     max_new_tokens=1, max_context=64, warmup_prompts=0, progress=False)
+    for res, outputs in runs:
+        assert [len(o) for o in outputs] == [1, 1] and res.rounds == 0
+        assert res.decode_tokens_per_second is None and res.mean_acceptance_length is None
+    row = [line for line in _table([asdict(res) for res, _ in runs]).splitlines() if line.startswith("| inject")][0]
+    assert row.split("|")[2].strip() == "-" and row.split("|")[5].strip() == "-"
+    rows = batch_size_bench(target, drafter, prompts, [1, 2], 1, block_size=4, progress=False)
+    for r in rows:
+        assert r["aggregate_decode_tokens_per_second"] is None and r["mean_acceptance_length"] is None
+        assert r["speedup_vs_target_only"] is None and r["scaling_vs_batch_1"] is None
+    assert "| 2 | dflash |" in batch_table(rows)
+
+
+def test_batch_caches_bytes_is_what_the_batch_decoder_counts(tiny_pair, monkeypatch):
+    """bench refuses a batch size whose caches cannot fit before timing, without allocating
+    them: its count is the batch decoder's own (just above it the decoder refuses, in bench's
+    words; just below, it is built)."""
+    from dflash_torch import batch
+    from dflash_torch.bench.batching import _batch_decoder, batch_caches_bytes
+    from dflash_torch.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(tiny_pair[0], torch.float32)
+    drafter = DFlashDrafter.from_pretrained(tiny_pair[1], torch.float32)
+    for d, block_size in ((drafter, 4), (drafter, None), (None, None)):
+        need = batch_caches_bytes(target, d, 3, 100, block_size)
+        for scale, fits in ((0.999, False), (1.001, True)):
+            monkeypatch.setattr(batch, "available_memory", lambda device, free=need / 0.9 * scale: free)
+            if fits:
+                _batch_decoder(target, d, 3, 100, block_size, None)
+            else:
+                with pytest.raises(DFlashError, match=r"^--batch-sizes 3: the caches of 3 sequences x 100 positions \(the "
+                                                      r"longest prompt \+ --max-new-tokens\) need .*; lower --batch-sizes "
+                                                      "or --max-new-tokens$"):
+                    _batch_decoder(target, d, 3, 100, block_size, None)
+
+
+def test_batch_sizes_with_a_prompt_that_fills_the_context(tiny_pair, tmp_path, capsys):
+    """A prompt + --max-new-tokens exactly the target's context (1024): the batch caches are
+    capped at it, as the modes' are (they asked for 1025 positions: "--max-context must be an
+    integer in [2, 1024]" after the modes were timed, and no bench.json)."""
+    from dflash_torch.cli import main as cli_main
+
+    target, drafter = tiny_pair
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x = 1\n" * 200}) + "\n")
+    args = ["bench", "--target", str(target), "--draft", str(drafter), "--prompts", str(prompts), "--sweep", "",
+            "--modes", "target-only", "--batch-sizes", "1", "--block-size", "4", "--no-progress",
+            "--out", str(tmp_path / "o")]
+    assert cli_main(args + ["--max-new-tokens", "5000"]) == 2  # (the error names the prompt's length)
+    n = int(re.search(r"prompt 1 \((\d+) tokens\)", capsys.readouterr().err).group(1))
+    assert 900 < n < 1022, n
+    rc = cli_main(args + ["--max-new-tokens", str(1024 - n)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    rows = json.loads((tmp_path / "o" / "bench.json").read_text())["batch_sizes"]
+    assert [r["mode"] for r in rows] == ["target-only", "dflash"] and rows[1]["outputs_identical_to_target_only"]
+    assert all(r["generated_tokens"] == 4 * (1024 - n) for r in rows)
+
+
+def test_bench_json_survives_a_plot_that_cannot_be_written_and_stale_plots_go(tiny_pair, tmp_path, capsys,
+                                                                              monkeypatch):
+    """The plots are written after bench.json; one that fails is one line (exit 2), the
+    results kept (bench.json lists no plot then). A plot this run does not make (an earlier
+    run's sweep.png, batch_sizes.png) is removed from --out: it would not show these results."""
+    from dflash_torch.bench import cli as bench_cli
+    from dflash_torch.cli import main as cli_main
+
+    target, drafter = tiny_pair
+    out = tmp_path / "o"
+    out.mkdir()
+    for name in ("sweep.png", "batch_sizes.png", "mine.png"):
+        (out / name).write_bytes(b"old")
+    args = ["bench", "--target", str(target), "--draft", str(drafter), "--out", str(out), "--modes", "target-only",
+            "--num-prompts", "1", "--max-new-tokens", "4", "--sweep", "", "--no-progress"]
+    assert cli_main(args) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "mine.png", "modes.png"]
+    assert json.loads((out / "bench.json").read_text())["plots"] == [str(out / "modes.png")]
+    (out / "bench.json").unlink()
+
+    def no_room(report, where):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench_cli, "_plots", no_room)
+    rc = cli_main(args)
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert rc == 2 and err == [f"dflash-torch: error: wrote {out / 'bench.json'}, but cannot write the plots in {out}: "
+                               "No space left on device"], err
+    report = json.loads((out / "bench.json").read_text())
+    assert [m["name"] for m in report["modes"]] == ["target-only"] and report["plots"] == []
+    assert "| target-only" in captured.out  # (the table was printed before the plots)
+
+
+def test_prompt_file_may_be_a_pipe(tmp_path):
+    """``--prompts /dev/stdin`` or a process substitution (a pipe, not a regular file) is read
+    (it was refused: "does not exist")."""
+    import os
+    import threading
+
+    from dflash_torch.bench.modes import load_prompts
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def feed():
+        with open(fifo, "w") as f:
+            f.write('{"prompt": "a"}\n{"prompt": "b"}\n')
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    try:
+        assert load_prompts(fifo, None) == ["a", "b"]
+    finally:
+        if writer.is_alive():  # (refused without reading: let the writer's open return)
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(10)

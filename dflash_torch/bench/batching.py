@@ -18,9 +18,13 @@ import time
 
 import torch
 
-from ..batch import BatchDecoder
+from ..batch import BACKLOG_ROWS, BatchDecoder
+from ..cache import cache_bytes
+from ..checkpoint import available_memory
+from ..errors import DFlashError, OptionError
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
+from ..options import context_limit
 from ..sampling import SamplingParams
 
 
@@ -81,15 +85,72 @@ def serve_all(batch: BatchDecoder, prompt_ids: list[list[int]], max_new_tokens: 
     generated = sum(len(t) for t in tokens.values())
     return {"wall_s": wall, "decode_s": decode_s, "generated_tokens": generated,
             "decode_tokens": generated - len(prompt_ids), "latencies_s": latencies, "rounds": rounds,
-            "mean_batch": batch_rows / rounds if rounds else 0.0,
-            "mean_acceptance_length": sum(taus) / len(taus) if taus else 0.0,
+            "mean_batch": batch_rows / rounds if rounds else None,
+            "mean_acceptance_length": sum(taus) / len(taus) if taus else None,
             "outputs": [tokens[i] for i in range(len(prompt_ids))]}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """a / b, None where b is 0 (a figure that was not measured: no decoding round)."""
+    return a / b if b else None
+
+
+def _batch_max_context(target: TargetModel, prompt_ids: list[list[int]], max_new_tokens: int) -> int:
+    """The caches' context: the longest prompt + ``max_new_tokens`` + 1, at most the target's."""
+    return min(context_limit(target.config), max(map(len, prompt_ids)) + max_new_tokens + 1)
+
+
+def _batch_decoder(target: TargetModel, drafter: DFlashDrafter | None, n: int, max_context: int,
+                   block_size: int | None, draft_max_batch_size: int | str | None) -> BatchDecoder:
+    """The batch decoder of one row (``reuse_prefix`` off: the requests cycle the prompts, a
+    retained prefix would spare their prefills). Its refusals name bench's flags."""
+    try:
+        return BatchDecoder(target, drafter, block_size=block_size if drafter is not None else None,
+                            max_batch_size=n, max_context=max_context, reuse_prefix=False,
+                            draft_max_batch_size=draft_max_batch_size if drafter is not None else None)
+    except OptionError as e:  # (the decoder's option names -> bench's flags, or what bench sizes itself)
+        message = str(e).replace(f"max_batch_size {n} x max_context {max_context}",
+                                 f"{n} sequences x {max_context} positions (the longest prompt + --max-new-tokens)")
+        message = message.replace("; lower either", "; lower --batch-sizes or --max-new-tokens")
+        for name, flag in (("draft_max_batch_size", "--draft-max-batch-size"), ("max_batch_size", "--batch-sizes"),
+                           ("max_context", "the context"), ("block size", "--block-size")):
+            message = message.replace(name, flag)
+        raise DFlashError(f"--batch-sizes {n}: {message}") from None
+
+
+def batch_caches_bytes(target: TargetModel, drafter: DFlashDrafter | None, n: int, max_context: int,
+                       block_size: int | None = None) -> int:
+    """Bytes of the caches of the batch decoder of one row at batch size ``n`` (see
+    :func:`batch_size_bench`: prefix reuse off, the default prefill chunk of 256), counted as
+    :class:`~dflash_torch.batch.BatchDecoder` counts them before it allocates them."""
+    B = block_size or (drafter.config.block_size if drafter is not None else 1)
+    chunk = 256
+    return cache_bytes(target, drafter if drafter is not None and B > 1 else None, n,
+                       max_context + max(2 * B, chunk) + 1, max(B, chunk), False, max(B, chunk, BACKLOG_ROWS + B))
+
+
+def check_batch_fits(target: TargetModel, drafter: DFlashDrafter | None, n: int, max_context: int,
+                     block_size: int | None = None) -> None:
+    """Refuse a batch size whose caches (:func:`batch_caches_bytes`) would not fit in 90% of
+    the device's free memory, as the batch decoder would, but before anything is timed and
+    without allocating them.
+
+    Raises:
+        DFlashError: naming ``--batch-sizes`` and ``--max-new-tokens``.
+    """
+    device = target.model.embed_tokens.weight.device
+    need, free = batch_caches_bytes(target, drafter, n, max_context, block_size), available_memory(device)
+    if free is not None and need > 0.9 * free:
+        raise DFlashError(f"--batch-sizes {n}: the caches of {n} sequences x {max_context} positions (the longest prompt "
+                          f"+ --max-new-tokens) need {need / 2**30:.2f} GiB but {device.type} has {free / 2**30:.2f} GiB "
+                          "free; lower --batch-sizes or --max-new-tokens")
 
 
 @torch.inference_mode()
 def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_ids: list[list[int]],
                      batch_sizes: list[int], max_new_tokens: int, block_size: int | None = None,
-                     draft_max_batch_size: int | str | None = None, progress: bool = True) -> list[dict]:
+                     draft_max_batch_size: int | str | None = None, progress: bool = True,
+                     max_context: int | None = None) -> list[dict]:
     """One row per (batch size, mode): ``mode`` ``"dflash"`` or ``"target-only"``,
     ``batch_size``, ``requests`` (:func:`requests_for`: the same at every batch size),
     ``aggregate_decode_tokens_per_second`` (decode tokens / decode time),
@@ -99,8 +160,12 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
     at the same batch size), ``scaling_vs_batch_1`` (aggregate decode tok/s over the same
     mode's at batch size 1, when 1 is measured) and ``outputs_identical_to_target_only``.
     A short warm-up run precedes each measurement. ``draft_max_batch_size``: DFlash
-    rounds of more sequences run target-only (:class:`~dflash_torch.batch.BatchDecoder`)."""
-    max_context = max(map(len, prompt_ids)) + max_new_tokens + 1
+    rounds of more sequences run target-only (:class:`~dflash_torch.batch.BatchDecoder`).
+    ``max_context``: the caches' (default: the longest prompt + ``max_new_tokens`` + 1, at
+    most the target's). A figure that was not measured (with ``max_new_tokens`` 1 no round
+    decodes: tok/s, tau, ratios) is None."""
+    if max_context is None:
+        max_context = _batch_max_context(target, prompt_ids, max_new_tokens)
     requests = requests_for(prompt_ids, batch_sizes)
     rows = []
     for n in batch_sizes:
@@ -108,35 +173,37 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
         for mode, d in (("target-only", None), ("dflash", drafter)):
             if mode == "dflash" and drafter is None:
                 continue
-            # (reuse_prefix off: the requests cycle the prompts, a retained prefix would spare their prefills)
-            batch = BatchDecoder(target, d, block_size=block_size if d is not None else None, max_batch_size=n,
-                                 max_context=max_context, reuse_prefix=False,
-                                 draft_max_batch_size=draft_max_batch_size if d is not None else None)
+            batch = _batch_decoder(target, d, n, max_context, block_size, draft_max_batch_size)
             serve_all(batch, prompt_ids[:n], min(8, max_new_tokens))  # warm-up
             r = serve_all(batch, requests, max_new_tokens)
             outputs[mode] = r.pop("outputs")
             lat = r.pop("latencies_s")
             row = {"mode": mode, "batch_size": n, "requests": len(requests), **r,
-                   "aggregate_decode_tokens_per_second": r["decode_tokens"] / r["decode_s"],
-                   "aggregate_tokens_per_second": r["generated_tokens"] / r["wall_s"],
+                   "aggregate_decode_tokens_per_second": _ratio(r["decode_tokens"], r["decode_s"]) if r["decode_tokens"] else None,
+                   "aggregate_tokens_per_second": _ratio(r["generated_tokens"], r["wall_s"]),
                    "p50_latency_s": _percentile(lat, 0.5), "p95_latency_s": _percentile(lat, 0.95),
                    "speedup_vs_target_only": None, "scaling_vs_batch_1": None,
                    "outputs_identical_to_target_only": None}
             rows.append(row)
             if progress:
-                print(f"batch {n} {mode}: {row['aggregate_decode_tokens_per_second']:.1f} tok/s, "
-                      f"p50 {row['p50_latency_s']:.2f} s, tau {row['mean_acceptance_length']:.2f}, "
-                      f"mean batch {row['mean_batch']:.2f}", flush=True)
+                print(f"batch {n} {mode}: {_fmt(row['aggregate_decode_tokens_per_second'], '.1f')} tok/s, "
+                      f"p50 {row['p50_latency_s']:.2f} s, tau {_fmt(row['mean_acceptance_length'], '.2f')}, "
+                      f"mean batch {_fmt(row['mean_batch'], '.2f')}", flush=True)
         if "dflash" in outputs:
             base = next(r for r in rows if r["batch_size"] == n and r["mode"] == "target-only")
-            rows[-1]["speedup_vs_target_only"] = (rows[-1]["aggregate_decode_tokens_per_second"]
-                                                  / base["aggregate_decode_tokens_per_second"])
+            if base["aggregate_decode_tokens_per_second"] and rows[-1]["aggregate_decode_tokens_per_second"]:
+                rows[-1]["speedup_vs_target_only"] = (rows[-1]["aggregate_decode_tokens_per_second"]
+                                                      / base["aggregate_decode_tokens_per_second"])
             rows[-1]["outputs_identical_to_target_only"] = outputs["dflash"] == outputs["target-only"]
     for row in rows:
         one = next((r for r in rows if r["batch_size"] == 1 and r["mode"] == row["mode"]), None)
-        if one is not None:
+        if one is not None and one["aggregate_decode_tokens_per_second"] and row["aggregate_decode_tokens_per_second"]:
             row["scaling_vs_batch_1"] = row["aggregate_decode_tokens_per_second"] / one["aggregate_decode_tokens_per_second"]
     return rows
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def batch_table(rows: list[dict]) -> str:
@@ -145,11 +212,12 @@ def batch_table(rows: list[dict]) -> str:
              "p95 latency s | tau | DFlash / target-only | vs target-only |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     same = {None: "-", True: "identical", False: "DIFFERS"}
+    fmt = _fmt
     for r in rows:
-        fmt = lambda v, spec: "-" if v is None else format(v, spec)
-        lines.append(f"| {r['batch_size']} | {r['mode']} | {r['mean_batch']:.2f} | {r['aggregate_decode_tokens_per_second']:.1f} | "
-                     f"{fmt(r['scaling_vs_batch_1'], '.2f')} | {r['aggregate_tokens_per_second']:.1f} | "
-                     f"{r['p50_latency_s']:.2f} | {r['p95_latency_s']:.2f} | {r['mean_acceptance_length']:.2f} | "
+        lines.append(f"| {r['batch_size']} | {r['mode']} | {fmt(r['mean_batch'], '.2f')} | "
+                     f"{fmt(r['aggregate_decode_tokens_per_second'], '.1f')} | "
+                     f"{fmt(r['scaling_vs_batch_1'], '.2f')} | {fmt(r['aggregate_tokens_per_second'], '.1f')} | "
+                     f"{r['p50_latency_s']:.2f} | {r['p95_latency_s']:.2f} | {fmt(r['mean_acceptance_length'], '.2f')} | "
                      f"{fmt(r['speedup_vs_target_only'], '.2f')} | {same[r['outputs_identical_to_target_only']]} |")
     return "\n".join(lines)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -61,16 +62,21 @@ def _lossless(r: dict) -> str:
     return f"{len(r['divergences'])} differ (max gap {gap:.3f})"
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    """A figure, or "-" where it was not measured (None)."""
+    return "-" if value is None else format(value, spec)
+
+
 def _table(rows: list[dict]) -> str:
     head = ["mode", "tok/s", "x target", "x target same compile", "tau", "propose ms", "verify ms", "other ms", "recompiles",
             "CUDA graphs skipped", "peak MB", "vs target-only"]
     lines = [head]
     for r in rows:
         lines.append([
-            r["name"], f"{r['decode_tokens_per_second']:.1f}",
+            r["name"], _fmt(r["decode_tokens_per_second"], ".1f"),
             "-" if r["speedup_vs_target_only"] is None else f"{r['speedup_vs_target_only']:.2f}",
             "-" if r["speedup_vs_target_only_same_compile"] is None else f"{r['speedup_vs_target_only_same_compile']:.2f}",
-            f"{r['mean_acceptance_length']:.2f}", f"{r['propose_time_per_round'] * 1e3:.2f}",
+            _fmt(r["mean_acceptance_length"], ".2f"), f"{r['propose_time_per_round'] * 1e3:.2f}",
             f"{r['verify_time_per_round'] * 1e3:.2f}", f"{r['other_time_per_round'] * 1e3:.2f}",
             "-" if r["recompiles_after_warmup"] is None else str(r["recompiles_after_warmup"]),
             "-" if r["cudagraphs_skipped"] is None else str(r["cudagraphs_skipped"]),
@@ -109,11 +115,14 @@ def _shapes_table(shapes: list[dict]) -> str:
         lines.append(f"| {name} | {sh['model_type']} | {sh['target_step_s'] * 1e3:.2f} | {sh['round_s'] * 1e3:.2f} | "
                      f"{sh['propose_s'] * 1e3:.2f} | {sh['verify_s'] * 1e3:.2f} | {sh['round_over_step']:.2f} | {floor} | "
                      f"{timed} | {hits} | "
-                     f"{sh['projected_speedup'][tau]:.2f}x |")
+                     f"{_fmt(sh['projected_speedup'][tau], '.2f')}{'' if sh['projected_speedup'][tau] is None else 'x'} |")
     if any(sh["scaled"] for sh in shapes):
         lines.append("SCALED rows: only whole periods of the layer pattern were built (the weights would not fit "
                      "comfortably in RAM); their per-layer time is scaled to the full depth (bench.json: 'measured').")
-    lines.append(f"PROJECTED = tau x step / round at the paper's tau ({tau}); the random models accept nothing. "
+    if any(sh["projected_speedup"][tau] is None for sh in shapes):
+        lines.append(f"PROJECTED '-': the paper's tau {PUBLISHED_TAU[tau]} (measured with blocks of 16) exceeds B; "
+                     "a round of B tokens accepts at most B.")
+    lines.append(f"PROJECTED = tau x step / round at the paper's tau ({tau}, B=16); the random models accept nothing. "
                  "Round/step by weights read = (bytes a step reads + bytes a propose reads) / step bytes: the "
                  "round/step of forwards that all run at the same fraction of the memory bandwidth.")
     return "\n".join(lines)
@@ -134,6 +143,11 @@ def drafting_modes(modes: list[dict]) -> list[dict]:
     return [m for m in modes if ALL_MODES[m["name"]].drafter]
 
 
+def _plot_files(modes: bool, sweeps: bool, batch_sizes: bool) -> list[str]:
+    """The names of the plots a run writes in --out: with modes, sweeps, batch sizes."""
+    return [name for name, on in (("modes.png", modes), ("sweep.png", sweeps), ("batch_sizes.png", batch_sizes)) if on]
+
+
 def _plots(report: dict, out: Path) -> list[str]:
     import matplotlib
 
@@ -145,7 +159,7 @@ def _plots(report: dict, out: Path) -> list[str]:
     if modes:
         fig, ax = plt.subplots(1, 2, figsize=(11, 4))
         names = [m["name"] for m in modes]
-        ax[0].bar(names, [m["decode_tokens_per_second"] for m in modes], color="tab:blue")
+        ax[0].bar(names, [m["decode_tokens_per_second"] or 0.0 for m in modes], color="tab:blue")  # (None: no bar)
         ax[0].set_ylabel("decode tokens/s")
         ax[0].set_title("Decode throughput")
         ax[0].tick_params(axis="x", rotation=30)
@@ -190,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from ..cli import set_threads, warn_compile
     from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
-    from .batching import batch_plot, batch_size_bench, batch_table
+    from .batching import batch_plot, batch_size_bench, batch_table, check_batch_fits
     from ..batch import check_draft_max_batch_size
     from .modes import ALL_MODES, divergences, load_prompts, run_modes
     from .shapes import SHAPES, build_drafter, layers_that_fit, round_vs_step
@@ -199,6 +213,13 @@ def _run(args: argparse.Namespace) -> int:
 
     set_threads(args)
     check_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
+    if args.max_new_tokens < 2:  # (the first token comes from the prefill: no round to time, no tok/s or tau)
+        raise DFlashError(f"--max-new-tokens must be >= 2 for bench, got {args.max_new_tokens}: the first token comes "
+                          "from the prefill, so with one there is no decoding round to time")
+    if args.prompts is not None and not args.prompts.strip():
+        raise DFlashError("--prompts is empty; give a JSONL prompt file (or leave --prompts out for the shipped prompts)")
+    if not args.out.strip():
+        raise DFlashError("--out is empty; give an output directory (default bench_out)")
     if args.chat_template_kwargs is not None and not args.chat:
         raise DFlashError("--chat-template-kwargs apply to chat prompts only: add --chat")
     device = resolve_device(args.device)  # (both checked again by from_pretrained; here before --out is created)
@@ -241,13 +262,31 @@ def _run(args: argparse.Namespace) -> int:
     if args.shapes_compiled and not shapes:  # (nothing would be compiled)
         raise DFlashError("--shapes-compiled applies to --shapes only; add --shapes or drop it")
     for shape in shapes:  # a shape that cannot fit is refused before anything is timed
-        layers_that_fit(shape, dtype, args.device)
+        fit = layers_that_fit(shape, dtype, args.device)[0]
+        layers = target_config(shape).num_hidden_layers
+        if args.shapes_compiled and fit < layers:
+            raise DFlashError(f"--shapes-compiled times shape {shape} with all {layers} layers in memory; only {fit} "
+                              f"fit on {args.device}: drop --shapes-compiled (or this shape)")
     try:
         lengths = [int(x) for x in args.sweep.split(",") if x.strip()]
     except ValueError:
         raise DFlashError(f"--sweep must be comma-separated integers, got {args.sweep!r}") from None
     if any(n < 1 for n in lengths):
         raise DFlashError(f"--sweep context lengths must be >= 1, got {args.sweep!r}")
+    if len(set(lengths)) != len(lengths):
+        raise DFlashError(f"--sweep lists a context length more than once, got {args.sweep!r}")
+    lengths.sort()  # (the table, the plot and the ratio go from the shortest to the longest)
+    if sweep_shapes and not lengths:  # (nothing would be swept)
+        raise DFlashError("--sweep-shapes sweeps the --sweep context lengths, and --sweep is empty; "
+                          "give --sweep lengths or drop --sweep-shapes")
+    if shapes or sweep_shapes:  # (they time a random drafter's blocks of bench's block size)
+        flag = "--shapes" if shapes else "--sweep-shapes"
+        if args.target is not None and args.draft is None:
+            raise DFlashError(f"{flag} times DFlash rounds at the drafter's block size, and this target has no --draft: "
+                              f"add --draft or drop {flag}")
+        if args.block_size is not None and args.block_size < 2:
+            raise DFlashError(f"{flag} times DFlash rounds of --block-size tokens, which must be >= 2, got "
+                              f"{args.block_size}: raise --block-size or drop {flag}")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -274,6 +313,16 @@ def _run(args: argparse.Namespace) -> int:
             raise DFlashError(f"prompt {i + 1} ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds "
                               f"the target's context of {limit} tokens")
     max_context = min(limit, max(map(len, prompt_ids)) + args.max_new_tokens + 1)
+    if batch_sizes:  # (the largest batch's caches: before anything is timed)
+        check_batch_fits(engine.target, engine.drafter, max(batch_sizes), max_context, block_size=args.block_size)
+    plots = _plot_files(bool(modes), bool(lengths) and (engine.drafter is not None or bool(sweep_shapes)),
+                        bool(batch_sizes))
+    for name in ["bench.json", *plots]:  # (a write that fails after the timing would lose the results)
+        if (out / name).is_dir():
+            raise DFlashError(f"cannot write {out / name}: it is a directory (bench writes its results there); "
+                              "remove it or give another --out")
+    if not os.access(out, os.W_OK):
+        raise DFlashError(f"cannot write in --out {out}: permission denied")
     if lengths:  # (before anything is timed: a sweep that cannot fit was a traceback after the modes)
         if engine.drafter is not None:
             check_sweep_fits(engine.drafter.config, lengths, engine.block_size, dtype, device)
@@ -309,18 +358,22 @@ def _run(args: argparse.Namespace) -> int:
     if reference is None and modes:
         print("note: no eager target-only mode in --modes: no speedup over it and no output identity check",
               file=sys.stderr, flush=True)
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
     for res, outputs in runs:
         spec = ALL_MODES[res.name]
         if reference is not None and res.name != "target-only":
-            res.speedup_vs_target_only = res.decode_tokens_per_second / reference[0].decode_tokens_per_second
+            res.speedup_vs_target_only = ratio(res.decode_tokens_per_second, reference[0].decode_tokens_per_second)
             res.outputs_identical_to_target_only = outputs == reference[1]
             res.divergences = divergences(engine.target, prompt_ids, reference[1], outputs)
         # like-for-like: a DFlash mode against target-only run with the same compile setting
         base = by_name.get("target-only-compiled" if spec.compile else "target-only")
         if spec.drafter and base is not None:
-            res.speedup_vs_target_only_same_compile = res.decode_tokens_per_second / base[0].decode_tokens_per_second
+            res.speedup_vs_target_only_same_compile = ratio(res.decode_tokens_per_second, base[0].decode_tokens_per_second)
         report["modes"].append(asdict(res))
-        print(f"{res.name}: {res.decode_tokens_per_second:.1f} tok/s, tau {res.mean_acceptance_length:.2f}", flush=True)
+        print(f"{res.name}: {_fmt(res.decode_tokens_per_second, '.1f')} tok/s, tau {_fmt(res.mean_acceptance_length, '.2f')}",
+              flush=True)
         warn_compile(res.name, res.recompiles_after_warmup, res.cudagraphs_skipped, res.eager_fallbacks)
     if lengths and engine.drafter is not None:
         report["sweep"] = context_sweep(engine.drafter, engine.target.model.embed_tokens, lengths, engine.block_size)
@@ -341,14 +394,14 @@ def _run(args: argparse.Namespace) -> int:
                              sh["eager_fallbacks"])
     if batch_sizes:
         report["batch_sizes"] = batch_size_bench(engine.target, engine.drafter, prompt_ids, batch_sizes,
-                                                 args.max_new_tokens, block_size=args.block_size,
+                                                 args.max_new_tokens, block_size=args.block_size, max_context=max_context,
                                                  draft_max_batch_size=args.draft_max_batch_size,
                                                  progress=not args.no_progress)
-    report["plots"] = _plots(report, out)
-    if batch_sizes:
-        batch_plot(report["batch_sizes"], out / "batch_sizes.png")
-        report["plots"].append(str(out / "batch_sizes.png"))
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    report["plots"] = [str(out / name) for name in plots]
+    try:
+        (out / "bench.json").write_text(json.dumps(report, indent=2))
+    except OSError as e:
+        raise DFlashError(f"cannot write {out / 'bench.json'}: {e.strerror}") from None
     print()
     if report["modes"]:
         print(_table(report["modes"]))
@@ -363,8 +416,19 @@ def _run(args: argparse.Namespace) -> int:
         for n, a, b in zip(s["lengths"], s["inject"], s["recompute"]):
             print(f"| {n} | {a * 1e3:.2f} | {b * 1e3:.2f} |")
         r = s["ratio_longest_over_shortest"]
-        print(f"ratio {s['lengths'][-1]}/{s['lengths'][0]}: inject {r['inject']:.2f}, recompute {r['recompute']:.2f}")
+        print(f"ratio {max(s['lengths'])}/{min(s['lengths'])}: inject {r['inject']:.2f}, recompute {r['recompute']:.2f}")
     if report["shapes"]:
         print(_shapes_table(report["shapes"]))
+    try:
+        _plots(report, out)
+        if batch_sizes:
+            batch_plot(report["batch_sizes"], out / "batch_sizes.png")
+    except OSError as e:  # (the results are in bench.json already; it lists no plot then)
+        report["plots"] = []
+        (out / "bench.json").write_text(json.dumps(report, indent=2))
+        raise DFlashError(f"wrote {out / 'bench.json'}, but cannot write the plots in {out}: {e.strerror}") from None
+    for name in {"modes.png", "sweep.png", "batch_sizes.png"} - set(plots):  # (an earlier run's, not of these results)
+        if (out / name).is_file():
+            (out / name).unlink()
     print(f"\nwrote {out / 'bench.json'} and {', '.join(report['plots'])}")
     return 0

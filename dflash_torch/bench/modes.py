@@ -48,17 +48,19 @@ class ModeResult:
     ``eager_fallbacks``: compiled steps that reached torch's recompile limit while this
     mode warmed up or decoded, and so ran eager after it (compiled modes): anything but
     0 is a defect, and the mode's figures are not compiled figures.
+    ``decode_tokens_per_second`` and ``mean_acceptance_length``: None where no decoding
+    round ran (``max_new_tokens`` 1: every token came from a prefill).
     """
 
     name: str
     prompts: int = 0
     generated_tokens: int = 0
     decode_time: float = 0.0
-    decode_tokens_per_second: float = 0.0
+    decode_tokens_per_second: float | None = 0.0
     speedup_vs_target_only: float | None = None
     speedup_vs_target_only_same_compile: float | None = None
     rounds: int = 0
-    mean_acceptance_length: float = 0.0
+    mean_acceptance_length: float | None = 0.0
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
     propose_time_per_round: float = 0.0
     verify_time_per_round: float = 0.0
@@ -76,16 +78,19 @@ def load_prompts(path: Path, limit: int | None) -> list[str]:
     """Prompts from a JSONL file (objects with a ``prompt`` or ``text`` field).
 
     Raises:
-        DFlashError: a missing file, one that is not UTF-8, a line that is not JSON or
+        DFlashError: a missing or unreadable file, one that is not UTF-8, a line that is not JSON or
             not an object with a non-empty string ``prompt`` / ``text``, no prompt at all
             (naming the file and line).
     """
     path = Path(path)
     if path.is_dir():
         raise DFlashError(f"prompt file {path} is a directory; pass a JSONL file of {{\"prompt\": ...}} lines")
-    if not path.is_file():
+    if not path.exists():
         raise DFlashError(f"prompt file {path} does not exist")
-    data = path.read_bytes()
+    try:  # (any readable file: a pipe such as /dev/stdin or a process substitution too)
+        data = path.read_bytes()
+    except OSError as e:
+        raise DFlashError(f"cannot read prompt file {path}: {e.strerror}") from None
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -194,9 +199,9 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
         res.prompts = len(prompt_ids)
         res.generated_tokens = sum(len(out) - 1 for out in mode_outputs)
         res.decode_time = total
-        res.decode_tokens_per_second = res.generated_tokens / total if total else 0.0
+        res.decode_tokens_per_second = res.generated_tokens / total if taus and total else None
         res.rounds = len(taus)
-        res.mean_acceptance_length = sum(taus) / len(taus) if taus else 0.0
+        res.mean_acceptance_length = sum(taus) / len(taus) if taus else None
         res.acceptance_histogram = dict(sorted(Counter(taus).items()))
         if taus:
             res.propose_time_per_round = sum(r.propose_time for r in decoding) / len(taus)

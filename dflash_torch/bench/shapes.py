@@ -436,7 +436,9 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         host sync and commit; the round's rest is what its parts cost together beyond that),
         ``round_over_step``, ``layers``, ``layers_timed``, ``scaled``, the measured
         pieces of a scaled result (``measured``), ``experts_hit_per_moe_layer`` (distinct
-        experts in one verify, None without MoE) and ``projected_speedup``.
+        experts in one verify, None without MoE) and ``projected_speedup`` (tau x step /
+        round at each of :data:`PUBLISHED_TAU`, the paper's acceptance lengths at B=16;
+        None where that tau exceeds ``block_size``: a round accepts at most B tokens).
 
     Raises:
         DFlashError: an unknown shape name, a config its parser refuses, or a target of
@@ -569,7 +571,7 @@ def round_vs_step(shape: str | dict, dtype: torch.dtype = torch.bfloat16, device
         "target_step_s": step, "round_s": rnd, "propose_s": propose, "verify_s": verify, "round_over_step": rnd / step,
         "measured": measured, "experts_hit_per_moe_layer": hits,
         "moe": None if cfg.moe is None else {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k},
-        "projected_speedup": {k: tau * step / rnd for k, tau in PUBLISHED_TAU.items()}, "profile": profiled, **counts,
+        "projected_speedup": {k: tau * step / rnd if tau <= B else None for k, tau in PUBLISHED_TAU.items()}, "profile": profiled, **counts,
     }
     target = drafter = base = spec = None  # free the large weights before the next shape is built
     gc.collect()

@@ -92,10 +92,11 @@ def context_sweep(drafter: DFlashDrafter, embed: torch.nn.Module, lengths: list[
                   repeats: int = 5) -> dict:
     """``{"lengths": [...], "inject": [s...], "recompute": [s...], "ratio_longest_over_shortest":
     {"inject": r, "recompute": r}}``: median propose seconds per length, and the growth
-    from the first length to the last."""
+    from the shortest length to the longest."""
     out = {"lengths": list(lengths), "inject": [], "recompute": []}
     for n in lengths:
         for mode in ("inject", "recompute"):
             out[mode].append(propose_time(drafter, embed, mode, n, block_size, repeats))
-    out["ratio_longest_over_shortest"] = {m: out[m][-1] / out[m][0] for m in ("inject", "recompute")}
+    longest, shortest = lengths.index(max(lengths)), lengths.index(min(lengths))
+    out["ratio_longest_over_shortest"] = {m: out[m][longest] / out[m][shortest] for m in ("inject", "recompute")}
     return out
