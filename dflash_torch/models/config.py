@@ -386,6 +386,11 @@ def quantization_config(cfg: dict) -> dict | None:
     return quant if isinstance(quant, dict) else {"quant_method": "unknown"}
 
 
+# the RoPE bases of the config classes whose default is not 10000, for a transformers whose config
+# classes do not state them as class attributes (transformers_default then knows none)
+_DEFAULT_THETA = {"gpt_oss": 150000.0, "minimax_m2": 5_000_000.0}
+
+
 def base_target_fields(cfg: dict, model_type: str) -> dict:
     """The common :class:`TargetConfig` fields of a (text) ``config.json`` dict. Where it
     gives no ``max_position_embeddings`` or no ``rope_theta``, those of transformers' config
@@ -407,7 +412,8 @@ def base_target_fields(cfg: dict, model_type: str) -> dict:
                               f"model_type {model_type!r})")
         cfg = dict(cfg, max_position_embeddings=default)
     heads = cfg["num_attention_heads"]
-    theta, scaling = _rope(cfg, "target", transformers_default(model_type, "default_theta") or 10000.0)
+    default_theta = transformers_default(model_type, "default_theta") or _DEFAULT_THETA.get(model_type, 10000.0)
+    theta, scaling = _rope(cfg, "target", default_theta)
     eos = check_vocab_ids(eos_token_ids(cfg.get("eos_token_id"), "target config.json"), cfg["vocab_size"],
                           "target config.json")
     return dict(
