@@ -27,6 +27,7 @@ hyper-connection weights and position biases:
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -411,6 +412,11 @@ LEGACY = [
      "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
     {"layer_types": [SLIDING, SLIDING, CSA, HCA], "mlp_layer_types": ["moe", "hash_moe", "moe", "moe"]},
     {},
+    # nested parts without rope_theta: both take the top-level rope_theta (a KeyError before)
+    {"rope_theta": 5000.0, "compress_rope_theta": 77777.0, "partial_rotary_factor": 0.25, "rope_parameters": {
+        "main": {"rope_type": "default", "partial_rotary_factor": 0.25},
+        "compress": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                     "partial_rotary_factor": 0.25}}},
 ]
 
 
@@ -425,7 +431,7 @@ def test_legacy_config_folds_as_transformers(legacy):
     base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
                 max_position_embeddings=4096)
     raw = {**base, **legacy}
-    hf = transformers.DeepseekV4Config(**raw)
+    hf = transformers.DeepseekV4Config(**copy.deepcopy(raw))  # (it fills the nested rope dicts in place)
     ours = deepseek_v4.parse_config({"model_type": "deepseek_v4", **raw})
     assert ours.layer_types == hf.layer_types and ours.mlp_layer_types == hf.mlp_layer_types
     assert ours.compress_rates == hf.compress_rates and ours.rope_dim == hf.qk_rope_head_dim

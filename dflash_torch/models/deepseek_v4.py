@@ -136,7 +136,8 @@ def _rope_parts(text: dict, fraction: float) -> dict[str, dict]:
     """The "main" and "compress" RoPE parameter dicts, folded as transformers'
     ``DeepseekV4Config.__post_init__`` folds them (a nested ``rope_parameters`` as it is;
     else a flat ``rope_parameters`` / ``rope_scaling`` rule applies to "compress" only, with
-    YaRN's attention factor 1 unless given; "main" is plain RoPE of ``rope_theta``). A
+    YaRN's attention factor 1 unless given; "main" is plain RoPE of ``rope_theta``; a nested
+    part without a ``rope_theta`` takes the top-level ``rope_theta``, the compress part too). A
     ``rope_scaling`` is read in place of ``rope_parameters``, as transformers reads it."""
     key = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
     rp = text.get(key) or {}
@@ -146,6 +147,7 @@ def _rope_parts(text: dict, fraction: float) -> dict[str, dict]:
         parts = {"main": dict(rp["main"]), "compress": dict(rp["compress"])}
         for part in parts.values():
             part.setdefault("rope_type", part.get("type", "default"))
+            part.setdefault("rope_theta", text["rope_theta"])  # (both parts: transformers' fill, not compress_rope_theta)
         return parts
     flat = {k: v for k, v in rp.items() if k not in ("main", "compress")}
     if "type" in flat and "rope_type" not in flat:  # (the legacy key, as transformers standardises it)
