@@ -101,17 +101,22 @@ def target_context(config) -> tuple[int, str]:
     ``original_max_position_embeddings`` (default ``max_position_embeddings``, as YaRN's
     frequencies read it) x ``factor``: YaRN stretches the pre-training context by its factor
     (as vLLM derives its maximum length), and a config may keep ``max_position_embeddings``
-    as shipped when it adds the rule (the Qwen3 model cards' recipe). Linear and llama3
-    rules leave it at ``max_position_embeddings`` (llama3 configs state the extended length
-    there). The RoPE itself still reads ``max_position_embeddings``, as transformers does.
+    as shipped when it adds the rule (the Qwen3 model cards' recipe). A linear rule
+    (position interpolation) stretches ``max_position_embeddings`` by its factor, as vLLM
+    reads it (e.g. a 4096-position model with factor 4 runs 16,384 tokens). llama3 rules
+    leave it at ``max_position_embeddings`` (llama3 configs state the extended length there;
+    vLLM does not stretch them either). The RoPE itself still reads
+    ``max_position_embeddings``, as transformers does.
     """
     limit = config.max_position_embeddings
     scaling = config.rope_scaling or {}
-    if scaling.get("rope_type") == "yarn" and scaling.get("factor") is not None:
-        original = scaling.get("original_max_position_embeddings") or limit
-        stretched = int(original * scaling["factor"])
+    kind, factor = scaling.get("rope_type"), scaling.get("factor")
+    if kind in ("yarn", "linear") and factor is not None:
+        original = (scaling.get("original_max_position_embeddings") if kind == "yarn" else None) or limit
+        stretched = int(original * factor)
         if stretched > limit:
-            return stretched, f"YaRN factor {scaling['factor']} x original_max_position_embeddings {original}"
+            name = "original_max_position_embeddings" if kind == "yarn" else "max_position_embeddings"
+            return stretched, f"{'YaRN' if kind == 'yarn' else 'linear'} factor {factor} x {name} {original}"
     return limit, "max_position_embeddings"
 
 

@@ -352,8 +352,9 @@ def test_yarn_extends_the_context_to_original_times_factor_and_decodes_there_as_
     context is max(max_position_embeddings, original x factor) (vLLM's length; transformers
     runs any length), not max_position_embeddings (a max_context past it was refused). Past
     max_position_embeddings our prompt logits and greedy tokens are transformers'; the limit
-    is named truthfully, and the trainer's --seq-len check reads it too. Linear and llama3
-    keep max_position_embeddings (llama3 configs state the extended length there)."""
+    is named truthfully, and the trainer's --seq-len check reads it too. A linear rule
+    stretches max_position_embeddings by its factor (vLLM's length; the logits there are
+    transformers'); llama3 keeps it (its configs state the extended length there)."""
     from conftest import hf_greedy
     from dflash_torch.options import check_max_context, target_context
     from dflash_torch.training.trainer import TrainConfig, Trainer
@@ -388,7 +389,14 @@ def test_yarn_extends_the_context_to_original_times_factor_and_decodes_there_as_
     with pytest.raises(DFlashError, match=r"^--seq-len 257 exceeds the target's context of 256 tokens$"):
         Trainer(TrainConfig(target=str(path), data=[str(data)], out=str(tmp_path / "o"), work_dir=str(tmp_path / "w"),
                             steps=1, seq_len=257, progress=False), log=lambda m: None).run()
-    for rule in ({"rope_type": "linear", "factor": 4.0},
+    linear = dict(cfg, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    assert target_context(TargetConfig.from_dict(linear)) == (320, "linear factor 4.0 x max_position_embeddings 80")
+    (path / "config.json").write_text(json.dumps(linear))
+    engine, hf = DFlashEngine.from_pretrained(path, no_draft=True), load_hf(path)
+    assert engine.max_context == 320
+    out = engine.generate(ids, max_new_tokens=12, ignore_eos=True)
+    assert out.token_ids == hf_greedy(hf, ids, 12)
+    for rule in ({"rope_type": "linear", "factor": 0.5},
                  {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64},
                  {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}):
