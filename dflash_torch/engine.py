@@ -169,6 +169,10 @@ class DFlashEngine:
     process's one compute thread (:mod:`dflash_torch.compute`), so calls from several
     threads never split torch across thread teams; tokenizing runs in the caller's thread.
 
+    Raises :class:`DFlashError` for a ``tokenizer`` that is not one (no ``encode``,
+    ``decode``, ``get_vocab``), a ``target`` / ``drafter`` that is not one
+    (:func:`~dflash_torch.decoding.check_models`) and the options' bad values.
+
     ``max_prompt_chars``: the longest text prompt (characters) that could fit
     ``max_context`` tokens; a longer one is refused without being tokenized.
 
@@ -199,6 +203,10 @@ class DFlashEngine:
                  block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash",
                  max_batch_size: int = 8, reuse_prefix: bool = True, draft_max_batch_size: int | str | None = None,
                  prefix_slots: int = 0, **decoder_options):
+        if not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode", "get_vocab")):
+            raise DFlashError(f"tokenizer must be a transformers tokenizer (e.g. AutoTokenizer.from_pretrained of the "
+                              f"target's directory), got {type(tokenizer).__name__}: DFlashEngine(target, tokenizer, "
+                              "drafter) takes it second")
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
         self.max_batch_size = check_max_batch_size(max_batch_size)
         self.reuse_prefix = options.check_flag(reuse_prefix, "reuse_prefix")

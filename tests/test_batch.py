@@ -244,6 +244,9 @@ def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models):
     with pytest.raises(DFlashError, match="max_batch_size must be an integer >= 1"):
         DFlashEngine.from_pretrained(*agree_pair, max_batch_size=0)
     target, drafter = agree_models
+    for tokenizer in (drafter, None, engine):  # (the drafter given second, where the tokenizer goes)
+        with pytest.raises(DFlashError, match=rf"^tokenizer must be a transformers tokenizer .*got {type(tokenizer).__name__}"):
+            DFlashEngine(target, tokenizer, drafter)
     for decoder in (BatchDecoder, SpeculativeDecoder):
         with pytest.raises(DFlashError, match=r"^target must be a TargetModel, got DFlashEngine \(pass engine.target\)$"):
             decoder(engine, drafter)
