@@ -835,8 +835,8 @@ class Trainer:
                     history.append({"step": step, "loss": round(loss_acc / n_acc, 4),
                                     "train_tau": round(out.tau, 3) if out.accepted.numel() else None,
                                     "lr": lr, "grad_norm": round(gnorm, 3), "elapsed_s": round(elapsed(), 1)})
-                    if out.selector_loss is not None:
-                        history[-1]["selector_loss"] = round(out.selector_loss, 4)
+                    if drafter.config.dflash2 is not None:  # (null: no slot's label among its candidates)
+                        history[-1]["selector_loss"] = None if out.selector_loss is None else round(out.selector_loss, 4)
                     loss_acc, n_acc = 0.0, 0
                 if step % cfg.eval_every == 0 and val_rows:
                     last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
