@@ -273,6 +273,13 @@ def test_rope_scaling_is_read_as_transformers_reads_it(text_type, wrapper):
         with pytest.raises(DFlashError, match=r"^target config.json rope_scaling \{'rope_type': 'linear', 'factor': "
                                               r"8.0\} is not supported by Gemma 4"):
             TargetConfig.from_dict(cfg)
+    # errors of a keyed rope_scaling name it, not rope_parameters
+    only_full = {"full_attention": nested["full_attention"]}
+    with pytest.raises(DFlashError, match=r"^target config.json rope_scaling has no object for sliding_attention"):
+        TargetConfig.from_dict(dict(required, model_type=text_type, rope_scaling=only_full))
+    no_theta = {**nested, "sliding_attention": {"rope_type": "default"}}
+    with pytest.raises(DFlashError, match=r"^target config.json rope_scaling.sliding_attention lacks rope_theta"):
+        TargetConfig.from_dict(dict(required, model_type=text_type, rope_scaling=no_theta))
     wrapped = TargetConfig.from_dict({"model_type": wrapper, "text_config": required, "rope_scaling": flat})
     assert wrapped.rope == TargetConfig.from_dict({"model_type": wrapper, "text_config": required}).rope
     assert transformers.CONFIG_MAPPING[wrapper](text_config=required, rope_scaling=flat).text_config.rope_parameters == (

@@ -99,30 +99,31 @@ def _rope(text: dict, types: list[str]) -> dict[str, tuple[float, dict | None]]:
     if scaling and not (isinstance(scaling, dict) and any(k in LAYER_TYPES for k in scaling)):
         raise DFlashError(f"target config.json rope_scaling {scaling!r} is not supported by Gemma 4 (RoPE per "
                           "layer type from rope_parameters)")
+    key = "rope_scaling" if scaling else "rope_parameters"  # (the field read, for messages)
     params = scaling or text.get("rope_parameters")
     if params is None:
         params = DEFAULT_ROPE
     if not isinstance(params, dict):
-        raise DFlashError(f"target config.json rope_parameters must be an object keyed by layer type, got {params!r}")
+        raise DFlashError(f"target config.json {key} must be an object keyed by layer type, got {params!r}")
     out = {}
     for kind in sorted(set(types)):
         p = params.get(kind)
         if not isinstance(p, dict):
-            raise DFlashError(f"target config.json rope_parameters has no object for {kind} layers "
+            raise DFlashError(f"target config.json {key} has no object for {kind} layers "
                               f"(Gemma 4 keys them by layer type), got {p!r}")
         rope_type = p.get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
-            raise DFlashError(f"target rope_parameters.{kind}.rope_type {rope_type!r} is not supported for Gemma 4 "
+            raise DFlashError(f"target {key}.{kind}.rope_type {rope_type!r} is not supported for Gemma 4 "
                               f"({', '.join(ROPE_TYPES)})")
         if p.get("rope_theta") is None:
-            raise DFlashError(f"target config.json rope_parameters.{kind} lacks rope_theta")
+            raise DFlashError(f"target config.json {key}.{kind} lacks rope_theta")
         theta = _number(p, "rope_theta", kind, 10000.0)
         if rope_type == "default":
             out[kind] = (theta, None)
             continue
         fraction = _number(p, "partial_rotary_factor", kind, 1.0)
         if fraction > 1:
-            raise DFlashError(f"target config.json rope_parameters.{kind}.partial_rotary_factor must be in (0, 1], "
+            raise DFlashError(f"target config.json {key}.{kind}.partial_rotary_factor must be in (0, 1], "
                               f"got {fraction!r}")
         out[kind] = (theta, {"rope_type": "proportional", "partial_rotary_factor": fraction,
                              "factor": _number(p, "factor", kind, 1.0)})
