@@ -635,6 +635,7 @@ def test_bench_help_leaves_out_the_decoding_options_it_refuses(tmp_path, capsys,
 
 @pytest.mark.parametrize("extra, words", [
     (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2 for bench, got 1: the first token comes from the prefill"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 2 for bench, got 0: the first token comes from the prefill"),
     (["--shapes", "qwen3-0.6b", "--block-size", "1"], "--shapes times DFlash rounds of --block-size tokens, which must be "
                                                       ">= 2, got 1"),
     (["--no-draft-given", "--shapes", "qwen3-0.6b"], "--shapes times DFlash rounds at the drafter's block size, and this "
@@ -722,6 +723,32 @@ def test_batch_caches_bytes_is_what_the_batch_decoder_counts(tiny_pair, monkeypa
                     _batch_decoder(target, d, 3, 100, block_size, None)
 
 
+def test_batch_sizes_build_one_decoder_at_a_time(tiny_pair, monkeypatch):
+    """Each batch decoder's caches are freed before the next are allocated, so the up-front
+    check, which counts one decoder's, holds (the target-only decoder was alive while the
+    DFlash one was built: a batch size between about 56% and 90% of free memory passed the
+    check and was refused after the modes were timed)."""
+    import weakref
+
+    from dflash_torch.bench import batching
+    from dflash_torch.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(tiny_pair[0], torch.float32)
+    drafter = DFlashDrafter.from_pretrained(tiny_pair[1], torch.float32)
+    built, build = [], batching._batch_decoder
+
+    def tracked(*args):
+        alive = [ref for ref in built if ref() is not None]
+        assert not alive, f"{len(alive)} earlier decoder(s) alive"
+        decoder = build(*args)
+        built.append(weakref.ref(decoder))
+        return decoder
+
+    monkeypatch.setattr(batching, "_batch_decoder", tracked)
+    rows = batching.batch_size_bench(target, drafter, [[5, 6, 7], [8, 9]], [1, 2], 4, progress=False)
+    assert len(built) == 4 and len(rows) == 4
+
+
 def test_batch_sizes_with_a_prompt_that_fills_the_context(tiny_pair, tmp_path, capsys):
     """A prompt + --max-new-tokens exactly the target's context (1024): the batch caches are
     capped at it, as the modes' are (they asked for 1025 positions: "--max-context must be an
@@ -766,17 +793,27 @@ def test_bench_json_survives_a_plot_that_cannot_be_written_and_stale_plots_go(ti
     (out / "bench.json").unlink()
 
     def no_room(report, where):
-        raise OSError(28, "No space left on device")
+        raise OSError(28, "No space left on device", str(where / "modes.png"))
 
     monkeypatch.setattr(bench_cli, "_plots", no_room)
     rc = cli_main(args)
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
-    assert rc == 2 and err == [f"dflash-torch: error: wrote {out / 'bench.json'}, but cannot write the plots in {out}: "
-                               "No space left on device"], err
+    assert rc == 2 and err == [f"dflash-torch: error: wrote {out / 'bench.json'}, but cannot write the plot "
+                               f"{out / 'modes.png'}: No space left on device"], err
     report = json.loads((out / "bench.json").read_text())
     assert [m["name"] for m in report["modes"]] == ["target-only"] and report["plots"] == []
     assert "| target-only" in captured.out  # (the table was printed before the plots)
+    # bench.json itself cannot be written (here: its temporary file's name is taken): the tables
+    # are printed, an earlier bench.json is left whole (it was truncated), one line says so
+    monkeypatch.undo()
+    before = (out / "bench.json").read_text()
+    (out / "bench.json.part").mkdir()
+    rc = cli_main(args)
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.err.strip().splitlines() == [
+        f"dflash-torch: error: cannot write {out / 'bench.json'}: Is a directory (the figures are printed above)"]
+    assert "| target-only" in captured.out and (out / "bench.json").read_text() == before
 
 
 def test_prompt_file_may_be_a_pipe(tmp_path):

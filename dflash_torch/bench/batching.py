@@ -14,6 +14,7 @@ row reports its mean batch occupancy (``mean_batch``).
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -173,6 +174,8 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
         for mode, d in (("target-only", None), ("dflash", drafter)):
             if mode == "dflash" and drafter is None:
                 continue
+            batch = None  # (the last decoder's caches go before the next are allocated: check_batch_fits counts one)
+            gc.collect()
             batch = _batch_decoder(target, d, n, max_context, block_size, draft_max_batch_size)
             serve_all(batch, prompt_ids[:n], min(8, max_new_tokens))  # warm-up
             r = serve_all(batch, requests, max_new_tokens)

@@ -29,7 +29,7 @@ def register(sub) -> None:
                    help="apply the target tokenizer's chat template to each prompt (as a user message)")
     add_chat_template_kwargs_arg(p, "(with --chat)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts to use (default 16; 0 = all)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt, at least 2: the first comes from the prefill (default 256)")
     p.add_argument("--modes", default="target-only,inject,recompute,target-only-compiled,inject-compiled",
                    help="comma-separated: target-only, inject, recompute, target-only-compiled, inject-compiled "
                         "(default: all five)")
@@ -148,6 +148,23 @@ def _plot_files(modes: bool, sweeps: bool, batch_sizes: bool) -> list[str]:
     return [name for name, on in (("modes.png", modes), ("sweep.png", sweeps), ("batch_sizes.png", batch_sizes)) if on]
 
 
+def _write_report(report: dict, out: Path) -> None:
+    """``report`` as ``out/bench.json``, whole or not at all: written beside it, then renamed
+    over it (a full disk leaves an earlier run's file as it was).
+
+    Raises:
+        DFlashError: the file cannot be written (the tables are printed before).
+    """
+    path, part = out / "bench.json", out / "bench.json.part"
+    try:
+        part.write_text(json.dumps(report, indent=2))
+        os.replace(part, path)
+    except OSError as e:
+        if part.is_file():
+            part.unlink()
+        raise DFlashError(f"cannot write {path}: {e.strerror} (the figures are printed above)") from None
+
+
 def _plots(report: dict, out: Path) -> list[str]:
     import matplotlib
 
@@ -212,10 +229,10 @@ def _run(args: argparse.Namespace) -> int:
     from .sweep import check_sweep_fits, context_sweep
 
     set_threads(args)
-    check_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
-    if args.max_new_tokens < 2:  # (the first token comes from the prefill: no round to time, no tok/s or tau)
+    if isinstance(args.max_new_tokens, int) and args.max_new_tokens < 2:  # (no round to time, no tok/s or tau)
         raise DFlashError(f"--max-new-tokens must be >= 2 for bench, got {args.max_new_tokens}: the first token comes "
-                          "from the prefill, so with one there is no decoding round to time")
+                          "from the prefill, so with fewer there is no decoding round to time")
+    check_max_new_tokens(args.max_new_tokens, "--max-new-tokens")
     if args.prompts is not None and not args.prompts.strip():
         raise DFlashError("--prompts is empty; give a JSONL prompt file (or leave --prompts out for the shipped prompts)")
     if not args.out.strip():
@@ -398,10 +415,6 @@ def _run(args: argparse.Namespace) -> int:
                                                  draft_max_batch_size=args.draft_max_batch_size,
                                                  progress=not args.no_progress)
     report["plots"] = [str(out / name) for name in plots]
-    try:
-        (out / "bench.json").write_text(json.dumps(report, indent=2))
-    except OSError as e:
-        raise DFlashError(f"cannot write {out / 'bench.json'}: {e.strerror}") from None
     print()
     if report["modes"]:
         print(_table(report["modes"]))
@@ -419,14 +432,16 @@ def _run(args: argparse.Namespace) -> int:
         print(f"ratio {max(s['lengths'])}/{min(s['lengths'])}: inject {r['inject']:.2f}, recompute {r['recompute']:.2f}")
     if report["shapes"]:
         print(_shapes_table(report["shapes"]))
+    _write_report(report, out)  # (after the tables: a write that fails loses no figure)
     try:
         _plots(report, out)
         if batch_sizes:
             batch_plot(report["batch_sizes"], out / "batch_sizes.png")
     except OSError as e:  # (the results are in bench.json already; it lists no plot then)
         report["plots"] = []
-        (out / "bench.json").write_text(json.dumps(report, indent=2))
-        raise DFlashError(f"wrote {out / 'bench.json'}, but cannot write the plots in {out}: {e.strerror}") from None
+        _write_report(report, out)
+        raise DFlashError(f"wrote {out / 'bench.json'}, but cannot write the plot {e.filename or out}: "
+                          f"{e.strerror}") from None
     for name in {"modes.png", "sweep.png", "batch_sizes.png"} - set(plots):  # (an earlier run's, not of these results)
         if (out / name).is_file():
             (out / name).unlink()
