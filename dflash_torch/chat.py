@@ -23,12 +23,12 @@ from .cli import (
     error_message,
     load_engine,
 )
-from .errors import DFlashError
+from .errors import DFlashError, OptionError
 
 HELP = ("commands: /reset (forget the conversation), /exit (or Ctrl-D), /help (this list), // for a message starting "
         "with /; Ctrl-C stops a reply")
 # the sampling flags that --generation-config auto fills from generation_config.json when not given, and
-# their values otherwise (generate's defaults)
+# their values otherwise (greedy, 256 tokens; without --max-new-tokens each turn's is cut to the context its prompt leaves)
 RECOMMENDED = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
                "max_new_tokens": 256}
 
@@ -42,7 +42,8 @@ def register(sub) -> None:
                    help="sampling values not given as flags (--temperature, --top-k, --top-p, --min-p, "
                         "--repetition-penalty, --max-new-tokens): auto (default) takes those the target's "
                         "generation_config.json recommends, as serve does; none (or a value the file does not set) "
-                        "keeps generate's defaults (greedy, 256 tokens)")
+                        "keeps greedy decoding and 256 tokens; without --max-new-tokens a turn's tokens are cut to "
+                        "the context its prompt leaves")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="read every turn's whole prompt (default: the part the last turn's tokens hold is reused)")
     add_model_args(p)
@@ -63,7 +64,7 @@ def _chat_here(args: argparse.Namespace) -> int:
         raise DFlashError("the target's tokenizer has no chat template; use 'dflash-torch generate' for plain text")
     kwargs = _sampling(engine, args)
     start = [{"role": "system", "content": args.system}] if args.system is not None else []
-    _check_system(engine, start, kwargs)
+    _check_start(engine, start, kwargs)
     messages = list(start)
     for stream in (sys.stdin, sys.stdout):  # (bytes that are not text: one turn's error, not a traceback)
         if hasattr(stream, "reconfigure"):
@@ -108,46 +109,70 @@ def _chat_here(args: argparse.Namespace) -> int:
 
 def _sampling(engine, args: argparse.Namespace) -> dict:
     """The ``stream`` keyword arguments of every turn: the flags, else (``--generation-config
-    auto``) the target's generation_config.json, else generate's defaults; said on stderr
-    where the file gave them.
+    auto``) the target's generation_config.json, else greedy decoding and 256 tokens; said
+    on stderr where the file gave them. Without ``--max-new-tokens`` the engine's
+    ``default_max_new_tokens`` is set to the file's (or 256) and each turn gets it cut to
+    the context its prompt leaves, as the server cuts its default (``max_new_tokens`` None).
 
     Raises:
-        DFlashError: values the engine refuses (as a turn would, for every turn), or a
-            ``--max-new-tokens`` that leaves no room for a prompt in the context.
+        DFlashError: values the engine refuses (as a turn would, for every turn), a
+            ``--max-new-tokens`` that leaves no room for a prompt in the context, or a
+            ``--min-tokens`` above the default.
     """
     try:
-        recommended = engine.generation_defaults if args.generation_config == "auto" else {}
+        recommended = {}
+        if args.generation_config == "auto":
+            recommended = dict(engine.generation_defaults)
+            if engine.recommended_max_new_tokens is not None:
+                recommended["max_new_tokens"] = engine.recommended_max_new_tokens
     except DFlashError as exc:  # (refused whole, as serve does, even for a value a flag gives)
-        raise DFlashError(f"{exc} (--generation-config none: generate's defaults)") from None
+        raise DFlashError(f"{exc} (--generation-config none: greedy decoding, 256 tokens)") from None
     taken = {k: v for k, v in recommended.items() if k in RECOMMENDED and getattr(args, k) is None}
     kwargs = {k: taken.get(k, v) if getattr(args, k) is None else getattr(args, k) for k, v in RECOMMENDED.items()}
     kwargs.update(seed=args.seed, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                   logit_bias=args.logit_bias, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.max_new_tokens is None:  # (a default: cut to the context each turn leaves)
+        default = kwargs["max_new_tokens"]
+        if isinstance(args.min_tokens, int) and args.min_tokens > default:
+            whose = ", generation_config.json's" if "max_new_tokens" in taken else ""
+            raise OptionError(f"min_tokens ({args.min_tokens}) exceeds the default max_new_tokens ({default}{whose}), "
+                              "which applies where none is given", "min_tokens", "max_new_tokens")
     engine.request_params(**kwargs)  # (checked now: refused at every turn otherwise)
-    if kwargs["max_new_tokens"] >= engine.max_context:
-        given = "" if args.max_new_tokens is not None else (
-            " (generation_config.json's)" if "max_new_tokens" in taken else " (the default)")
-        raise DFlashError(f"--max-new-tokens {kwargs['max_new_tokens']}{given} leaves no room for a prompt in the "
+    if args.max_new_tokens is None:
+        engine.default_max_new_tokens, kwargs["max_new_tokens"] = kwargs["max_new_tokens"], None
+    elif kwargs["max_new_tokens"] >= engine.max_context:
+        raise DFlashError(f"--max-new-tokens {kwargs['max_new_tokens']} leaves no room for a prompt in the "
                           f"context of {engine.max_context} tokens; lower it (or raise --max-context)")
     if taken:
         print("[sampling from the target's generation_config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items())
-              + " (flags override it; --generation-config none: generate's defaults)]", file=sys.stderr)
+              + " (flags override it; --generation-config none: greedy decoding, 256 tokens)]", file=sys.stderr)
     return dict(kwargs, chat=True, chat_template_kwargs=args.chat_template_kwargs)
 
 
-def _check_system(engine, start: list[dict], kwargs: dict) -> None:
-    """Refuse a ``--system`` message that would refuse every turn: one the chat template
-    refuses, or one that leaves no room for a one-word message and ``--max-new-tokens``.
+def _check_start(engine, start: list[dict], kwargs: dict) -> None:
+    """Refuse a ``--system`` message (``start``) that would refuse every turn: one the chat
+    template refuses, or one that leaves no room for a one-word message and
+    ``--max-new-tokens`` (without it: a token, or ``--min-tokens``); without ``--system``, a
+    ``--max-context`` that leaves no such room.
 
     Raises:
-        DFlashError: naming ``--system`` and why.
+        DFlashError: naming ``--system`` (or ``--max-context``) and why.
     """
-    if not start:
-        return
     try:
         ids = engine.encode_prompt(start + [{"role": "user", "content": "hi"}], True, kwargs["chat_template_kwargs"])
     except DFlashError as exc:
-        raise DFlashError(f"--system: {exc}") from None
+        raise DFlashError(f"--system: {exc}" if start else str(exc)) from None
+    if kwargs["max_new_tokens"] is None:  # (the default, cut to the room: at least a token, or --min-tokens)
+        need = max(1, kwargs["min_tokens"])
+        if len(ids) + need > engine.max_context:
+            what = "--system leaves" if start else f"--max-context {engine.max_context} leaves"
+            more = f"--min-tokens {need}" if need > 1 else "a new token"
+            raise DFlashError(f"{what} no room for a turn: with a one-word message the prompt takes {len(ids)} tokens "
+                              f"and {more} exceeds the context of {engine.max_context} tokens; "
+                              + ("shorten it or raise --max-context" if start else "raise it"))
+        return
+    if not start:
+        return
     if len(ids) + kwargs["max_new_tokens"] > engine.max_context:
         raise DFlashError(f"--system leaves no room for a turn: with a one-word message the prompt takes {len(ids)} "
                           f"tokens, and with --max-new-tokens {kwargs['max_new_tokens']} that exceeds the context of "

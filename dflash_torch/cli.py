@@ -370,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --json: each prompt token's log-probability under the target (the first: null) and "
                         "its K most likely alternatives, 0 to 20 (the object's 'prompt_logprobs')")
     add_model_args(g)
-    add_sampling_args(g, "default 256, cut to the context the prompt leaves")
+    add_sampling_args(g, "default: the target's generation_config.json's max_new_tokens, else 256; cut to the "
+                         "context the prompt leaves")
     add_structured_output_args(g)
     g.set_defaults(func=_generate)
     for module in ("chat", "serving.cli", "training.cli", "bench.cli"):

@@ -49,7 +49,8 @@ DEFAULT_TARGET = ASSETS / "target"
 DEFAULT_DRAFTER = ASSETS / "drafter"
 log = logging.getLogger("dflash_torch")
 STALLED_STREAM_S = 10.0  # seconds a request from a thread that has read an open stream waits for it to be read on
-DEFAULT_MAX_NEW_TOKENS = 256  # a request that gives no max_new_tokens: this many, cut to the context its prompt leaves
+DEFAULT_MAX_NEW_TOKENS = 256  # a request that gives no max_new_tokens (and no generation_config.json's): this many,
+# cut to the context its prompt leaves
 _ENGINES: weakref.WeakSet = weakref.WeakSet()  # every engine of the process (for _after_fork)
 
 
@@ -192,11 +193,19 @@ class DFlashEngine:
 
     ``generation_defaults``: the sampling the target's ``generation_config.json`` recommends
     (:func:`~dflash_torch.sampling.generation_defaults`: ``temperature``, ``top_k``,
-    ``top_p``, ``min_p``, ``repetition_penalty``, ``max_new_tokens``, those it sets), as
-    keyword arguments of :meth:`generate` (``engine.generate(prompt, **engine.generation_defaults)``);
-    ``{}`` without the file; a bad value there is an error when they are read, not when
-    loading. The server's requests default to them (``serve --generation-config auto``);
-    :meth:`generate` itself defaults to greedy decoding.
+    ``top_p``, ``min_p``, ``repetition_penalty``, those it sets), as keyword arguments of
+    :meth:`generate` (``engine.generate(prompt, **engine.generation_defaults)``); ``{}``
+    without the file; a bad value there is an error when they are read, not when loading.
+    The server's requests default to them (``serve --generation-config auto``);
+    :meth:`generate` itself defaults to greedy decoding. The file's ``max_new_tokens``
+    (``recommended_max_new_tokens``) is not among them: it is ``default_max_new_tokens``,
+    which a request without ``max_new_tokens`` gets cut to the context its prompt leaves,
+    as the server cuts it.
+
+    ``default_max_new_tokens``: the ``max_new_tokens`` of a request that gives none, cut
+    to the context its prompt leaves: :data:`DEFAULT_MAX_NEW_TOKENS` (256), or where
+    :meth:`from_pretrained` finds a valid ``max_new_tokens`` in ``generation_config.json``,
+    that value; may be set.
     """
 
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
@@ -226,6 +235,7 @@ class DFlashEngine:
         self._reading, self._read_at = False, 0.0
         self.stop_token_ids = set(target.config.eos_token_ids)
         self._generation_defaults: dict | DFlashError = {}
+        self.default_max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.stop_token_ids.add(int(tokenizer.eos_token_id))
 
@@ -434,12 +444,21 @@ class DFlashEngine:
         engine = cls(model, tokenizer, drafter, name=given.name if given.exists() else str(target), **engine_options)
         engine.stop_token_ids.update(eos)
         engine._generation_defaults = recommended
+        if isinstance(recommended, dict) and "max_new_tokens" in recommended:
+            engine.default_max_new_tokens = recommended["max_new_tokens"]
+        elif isinstance(recommended, DFlashError) and gen.get("max_new_tokens") is not None:
+            try:  # (the file's max_new_tokens alone: fine where only another field is bad)
+                engine.default_max_new_tokens = generation_defaults({"max_new_tokens": gen["max_new_tokens"]})[
+                    "max_new_tokens"]
+            except DFlashError:
+                pass  # (refused where the file is read: generation_defaults, recommended_max_new_tokens)
         return engine
 
     @property
     def generation_defaults(self) -> dict:
         """The sampling the target's ``generation_config.json`` recommends (see the class
-        docstring); ``{}`` without the file.
+        docstring), its ``max_new_tokens`` left out (:attr:`recommended_max_new_tokens`,
+        :attr:`default_max_new_tokens`); ``{}`` without the file.
 
         Raises:
             DFlashError: a value there out of its range or of the wrong type (the message
@@ -448,7 +467,18 @@ class DFlashEngine:
         """
         if isinstance(self._generation_defaults, DFlashError):
             raise DFlashError(str(self._generation_defaults))
-        return dict(self._generation_defaults)
+        return {k: v for k, v in self._generation_defaults.items() if k != "max_new_tokens"}
+
+    @property
+    def recommended_max_new_tokens(self) -> int | None:
+        """The target's ``generation_config.json``'s ``max_new_tokens``, None where it sets
+        none (the server's limit of a chat request without ``max_tokens``).
+
+        Raises:
+            DFlashError: as :attr:`generation_defaults` (the file is refused whole).
+        """
+        self.generation_defaults  # (raises for a bad file)
+        return self._generation_defaults.get("max_new_tokens")
 
     @property
     def block_size(self) -> int:
@@ -819,14 +849,16 @@ class DFlashEngine:
             prompt: text, chat messages, or token ids.
             max_new_tokens: at most this many generated tokens (>= 1); a prompt plus this
                 many tokens must fit :attr:`max_context`. None (default):
-                :data:`DEFAULT_MAX_NEW_TOKENS` (256), cut to the context the prompt leaves
-                (as the server cuts a request's default).
+                :attr:`default_max_new_tokens` (``generation_config.json``'s ``max_new_tokens``,
+                else 256), cut to the context the prompt leaves (as the server cuts a
+                request's default).
             temperature, top_k, top_p, min_p, seed: see :class:`SamplingParams`.
             presence_penalty, frequency_penalty, repetition_penalty: see :class:`SamplingParams`
                 (0, 0, 1 = off); speculative decoding stays lossless with them.
             logit_bias: token id -> bias in [-100, 100], added to the target's logits
                 (OpenAI's ``logit_bias``; see :class:`SamplingParams`); ids in [0, vocab size).
-            min_tokens: the first ``min_tokens`` tokens (<= ``max_new_tokens``) cannot be a stop
+            min_tokens: the first ``min_tokens`` tokens (<= ``max_new_tokens``, or without it
+                <= the default cut to the context) cannot be a stop
                 token (EOS unless ``ignore_eos``, ``stop_token_ids``: masked), and stop strings
                 completed within them do not count (vLLM's ``min_tokens``).
             stop: stop string(s): generation ends after the first token that completes
@@ -911,12 +943,11 @@ class DFlashEngine:
         NumPy values are taken as the numbers they hold (:func:`~dflash_torch.options.plain`)."""
         max_new_tokens, prompt_logprobs, history_end, sampling = options.plain(
             (max_new_tokens, prompt_logprobs, history_end, sampling))
-        params, stopper = self.request_params(DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
-                                              **sampling)
+        params, stopper = self.request_params(self._unfitted(max_new_tokens, sampling.get("min_tokens", 0)), **sampling)
         options.check_prompt_logprobs(prompt_logprobs)
         prompt_ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
         if max_new_tokens is None:
-            self._fit_default(stopper, params.min_tokens, len(prompt_ids))
+            stopper.max_new_tokens = self._default_limit(prompt_ids, params.min_tokens)
         if history_end is None:
             checkpoint = self.history_end(prompt, prompt_ids, chat, chat_template_kwargs, tools)
         else:
@@ -931,20 +962,35 @@ class DFlashEngine:
                 finally:  # (even when a Ctrl-C interrupts the close)
                     self._readers = weakref.WeakSet()
 
-    def _fit_default(self, stopper: Stopper, min_tokens: int, prompt_tokens: int) -> None:
-        """Cut the default ``max_new_tokens`` of ``stopper`` (a request that gave none) to the
-        context a prompt of ``prompt_tokens`` leaves, where it leaves some (else the prompt is
-        refused as it is with any ``max_new_tokens``: :func:`~dflash_torch.options.check_prompt_ids`).
+    def _unfitted(self, max_new_tokens: int | None, min_tokens) -> int:
+        """``max_new_tokens`` to check a request's options with before its prompt is known:
+        the given one, else one that ``min_tokens`` fits (checked against the default
+        once the prompt is known: :meth:`_default_limit`)."""
+        if max_new_tokens is not None:
+            return max_new_tokens
+        if isinstance(min_tokens, int) and not isinstance(min_tokens, bool):
+            return max(self.default_max_new_tokens, min_tokens)
+        return self.default_max_new_tokens
+
+    def _default_limit(self, prompt_ids: list[int], min_tokens: int) -> int:
+        """The ``max_new_tokens`` of a request that gave none: :attr:`default_max_new_tokens`
+        cut to the context ``prompt_ids`` leave (as the server cuts its default).
 
         Raises:
-            OptionError: a ``min_tokens`` above the tokens left.
+            DFlashError: bad prompt ids, or a prompt that leaves no room for a token
+                (:func:`~dflash_torch.options.check_prompt_ids`, as with any ``max_new_tokens``).
+            OptionError: a ``min_tokens`` above what applies, named: the tokens left after
+                the prompt, or the default (a value the caller never gave).
         """
-        room = self.max_context - prompt_tokens
-        if 1 <= room < stopper.max_new_tokens:
-            if min_tokens > room:
+        n = options.check_prompt_ids(prompt_ids, self.target.config.vocab_size, 1, self.max_context)
+        default, room = self.default_max_new_tokens, self.max_context - n
+        if min_tokens > min(default, room):
+            if room < default:
                 raise OptionError(f"min_tokens ({min_tokens}) exceeds the {room} tokens left in the context of "
-                                  f"{self.max_context} tokens after the prompt ({prompt_tokens} tokens)", "min_tokens")
-            stopper.max_new_tokens = room
+                                  f"{self.max_context} tokens after the prompt ({n} tokens)", "min_tokens")
+            raise OptionError(f"min_tokens ({min_tokens}) exceeds the default max_new_tokens ({default}), which "
+                              "applies where none is given", "min_tokens", "max_new_tokens")
+        return min(default, room)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -1253,13 +1299,13 @@ class DFlashEngine:
             stopper = None  # (set: the options are fine, an error is about the prompt itself)
             try:
                 given = per["max_new_tokens"][i]
-                params, stopper = self.request_params(
-                    DEFAULT_MAX_NEW_TOKENS if given is None else given,
-                    **{name: values[i] for name, values in per.items() if name not in ("prompt_logprobs", "max_new_tokens")})
+                sampling = {name: values[i] for name, values in per.items()
+                            if name not in ("prompt_logprobs", "max_new_tokens")}
+                params, stopper = self.request_params(self._unfitted(given, sampling["min_tokens"]), **sampling)
                 scored = options.check_prompt_logprobs(per["prompt_logprobs"][i])
                 ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
                 if given is None:
-                    self._fit_default(stopper, params.min_tokens, len(ids))
+                    stopper.max_new_tokens = self._default_limit(ids, params.min_tokens)
                 options.check_prompt_ids(ids, self.target.config.vocab_size, stopper.max_new_tokens, self.max_context)
             except DFlashError as exc:
                 if n == 1 or (stopper is None and _shared_by_all(exc, per)):  # (no prompt to name)

@@ -209,9 +209,11 @@ GENERATION_DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetiti
 
 def generation_defaults(config: dict, where: str = "generation_config.json") -> dict:
     """The sampling defaults a model's ``generation_config.json`` recommends: those of
-    :data:`GENERATION_DEFAULT_FIELDS` it sets (a null is unset), as keyword arguments of
-    :meth:`DFlashEngine.generate` (``temperature``, ``top_k``, ``top_p``, ``min_p``,
-    ``repetition_penalty``, ``max_new_tokens``). ``top_k`` -1 (vLLM's "off") is 0.
+    :data:`GENERATION_DEFAULT_FIELDS` it sets (a null is unset): ``temperature``, ``top_k``,
+    ``top_p``, ``min_p``, ``repetition_penalty`` (keyword arguments of
+    :meth:`DFlashEngine.generate`: :attr:`DFlashEngine.generation_defaults`) and
+    ``max_new_tokens`` (the engine's default, cut to the context a prompt leaves:
+    :attr:`DFlashEngine.default_max_new_tokens`). ``top_k`` -1 (vLLM's "off") is 0.
     ``do_sample`` is not read (as vLLM, which applies these values whatever it says).
 
     Raises:

@@ -126,7 +126,7 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_pair):
 def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path):
     """``--generation-config auto`` (the default): the sampling values the target's
     generation_config.json recommends, where no flag gives them, said on stderr; a flag
-    overrides its value; ``none``: generate's defaults (greedy)."""
+    overrides its value; ``none``: greedy decoding, 256 tokens."""
     target = shutil.copytree(tiny_pair[0], tmp_path / "target")
     config = json.loads((target / "generation_config.json").read_text()) if (target / "generation_config.json").exists() else {}
     config.update(temperature=0.8, top_k=7, max_new_tokens=6)
@@ -144,7 +144,7 @@ def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path)
     assert proc.stdout == api.generate(conversation, chat=True, temperature=0.8, top_k=7, max_new_tokens=6,
                                        seed=3).text + "\n"
     assert "[sampling from the target's generation_config.json: temperature 0.8, top_k 7, max_new_tokens 6 (flags " \
-           "override it; --generation-config none: generate's defaults)]" in proc.stderr
+           "override it; --generation-config none: greedy decoding, 256 tokens)]" in proc.stderr
     proc = chat("--temperature", "0")
     assert proc.stdout == api.generate(conversation, chat=True, max_new_tokens=6).text + "\n"
     assert "top_k 7, max_new_tokens 6" in proc.stderr and "temperature 0.8" not in proc.stderr
@@ -156,7 +156,7 @@ def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path)
     proc = run_cli("chat", "--target", str(target), "--draft", str(tiny_pair[1]), "--temperature", "0", stdin="hi\n")
     assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
         "dflash-torch: error: generation_config.json: temperature must be a finite number >= 0, got -3 "
-        "(--generation-config none: generate's defaults)"), proc.stderr
+        "(--generation-config none: greedy decoding, 256 tokens)"), proc.stderr
 
 
 def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
@@ -179,8 +179,13 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
     conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "/path"}]
     assert proc.stdout.decode() == engine.generate(conversation, chat=True, max_new_tokens=NEW).text + "\n"
     for flags, line in ((["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
-                        (["--max-context", "10"], "--max-new-tokens 256 (the default) leaves no room for a prompt in "
-                                                  "the context of 10 tokens; lower it (or raise --max-context)"),
+                        (["--max-context", "10", "--max-new-tokens", "10"],
+                         "--max-new-tokens 10 leaves no room for a prompt in the context of 10 tokens; lower it (or "
+                         "raise --max-context)"),
+                        (["--max-context", "10"], "--max-context 10 leaves no room for a turn: with a one-word message "
+                                                  "the prompt takes "),
+                        (["--min-tokens", "300"], "--min-tokens (300) exceeds the default --max-new-tokens (256), which "
+                                                  "applies where none is given"),
                         (["--chat"], "unrecognized arguments: --chat (see --help)"),
                         # (a --system that refuses every turn: each turn printed its error, exit 0)
                         (["--max-context", "64", "--max-new-tokens", "10", "--system", "be brief " * 40],
@@ -190,3 +195,28 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
         proc = run_cli("chat", *(flags if flags[0] == "--target" else [*pair, *flags]), stdin="hi\n")
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr
         assert proc.stderr.splitlines()[-1].startswith(f"dflash-torch: error: {line}"), proc.stderr
+
+
+def test_the_default_max_new_tokens_is_cut_to_the_context_a_turn_leaves(tiny_pair, engine, tmp_path):
+    """Without --max-new-tokens a turn gets the default (generation_config.json's
+    max_new_tokens, else 256) cut to the context its prompt leaves, as ``generate`` and the
+    server cut theirs (chat exited at start: "--max-new-tokens 256 (the default) leaves no
+    room for a prompt in the context of 200 tokens"); ``--generation-config none`` cuts 256,
+    not the file's; a given --max-new-tokens that does not fit stays refused."""
+    target = shutil.copytree(tiny_pair[0], tmp_path / "target")
+    path = target / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    (target / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": 5}))
+    conversation = [{"role": "user", "content": "def f(x):"}]
+    room = 120 - len(engine.encode_prompt(conversation, chat=True))
+    pair = ["--target", str(target), "--draft", str(tiny_pair[1]), "--dtype", "float32", "--max-context", "120",
+            "--ignore-eos"]
+    for flags, n in ((["--generation-config", "none"], room), ([], 5)):
+        proc = run_cli("chat", *pair, *flags, stdin="def f(x):\n")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == engine.generate(conversation, chat=True, max_new_tokens=n, ignore_eos=True).text + "\n"
+        assert stats_lines(proc.stderr)[0].startswith(f"[{n} tokens, finish=length"), proc.stderr
+    proc = run_cli("chat", *pair, "--max-new-tokens", str(room + 1), stdin="def f(x):\n")
+    assert proc.returncode == 0 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("dflash-torch: error: prompt ("), proc.stderr
+    assert f"+ --max-new-tokens ({room + 1}) exceeds the context of 120 tokens" in proc.stderr

@@ -270,6 +270,37 @@ def test_a_default_max_new_tokens_is_cut_to_the_context_a_given_one_is_refused(e
                                        f"context of {n + 5} tokens\n")
 
 
+def test_a_min_tokens_above_the_default_names_what_applies(engine, tiny_pair, capsys):
+    """A min_tokens above the default with no max_new_tokens given names what applies: the
+    tokens the prompt leaves in the context or the default, whichever is smaller (it said
+    "min_tokens (300) must be at most max_new_tokens (256)", a value the caller never
+    gave): generate, stream, generate_batch and the command line. A given max_new_tokens
+    keeps its message."""
+    from dflash_torch.errors import OptionError
+
+    ids = list(range(5, 35))  # 30 tokens
+    left = r"^min_tokens \(300\) exceeds the 10 tokens left in the context of 40 tokens after the prompt \(30 tokens\)$"
+    default = r"^min_tokens \(300\) exceeds the default max_new_tokens \(256\), which applies where none is given$"
+    for context, words in ((40, left), (400, default)):
+        e = DFlashEngine(engine.target, engine.tokenizer, engine.drafter, max_context=context)
+        for call in (lambda: e.generate(ids, min_tokens=300), lambda: list(e.stream(ids, min_tokens=300)),
+                     lambda: e.generate_batch([ids], min_tokens=300)):
+            with pytest.raises(OptionError, match=words):
+                call()
+        with pytest.raises(OptionError, match=r"^min_tokens \(300\) must be at most max_new_tokens \(9\)$"):
+            e.generate(ids, min_tokens=300, max_new_tokens=9)
+    target, drafter = tiny_pair
+    text = "def f(x):\n    return x + 1\n" * 3
+    n = len(engine.encode_prompt(text))
+    argv = ["generate", text, "--target", str(target), "--draft", str(drafter), "--min-tokens", "300"]
+    assert cli_main(argv + ["--max-context", str(n + 5)]) == 2
+    assert capsys.readouterr().err == (f"dflash-torch: error: --min-tokens (300) exceeds the 5 tokens left in the "
+                                       f"context of {n + 5} tokens after the prompt ({n} tokens)\n")
+    assert cli_main(argv + ["--max-context", "400"]) == 2
+    assert capsys.readouterr().err == ("dflash-torch: error: --min-tokens (300) exceeds the default --max-new-tokens "
+                                       "(256), which applies where none is given\n")
+
+
 def test_a_prompt_that_fills_the_context_is_named_not_max_new_tokens(engine, tiny_pair, capsys):
     """A prompt of max_context tokens or more leaves no room for a token, whatever
     max_new_tokens: the error names the prompt (it named max_new_tokens, which lowering

@@ -1,7 +1,8 @@
 """The sampling a model's ``generation_config.json`` recommends, and ``min_p``.
 
-* ``DFlashEngine.generation_defaults`` reads ``temperature``, ``top_k``, ``top_p``, ``min_p``,
-  ``repetition_penalty`` and ``max_new_tokens`` (vLLM's list); a bad value is refused where
+* ``DFlashEngine.generation_defaults`` reads ``temperature``, ``top_k``, ``top_p``, ``min_p``
+  and ``repetition_penalty`` (vLLM's list, less ``max_new_tokens``: the engine's default,
+  cut to the context a prompt leaves as the server cuts it); a bad value is refused where
   it is used (the server's defaults), not when loading.
 * A real ``dflash-torch serve`` subprocess gives a request that omits them the recommended
   values (vLLM's ``--generation-config auto``), and OpenAI's defaults with
@@ -41,17 +42,49 @@ def recommended_pair(tiny_pair, tmp_path_factory):
     return _with_generation_config(target, tmp_path_factory.mktemp("gen") / "target", RECOMMENDED), drafter
 
 
+SAMPLING = {k: v for k, v in RECOMMENDED.items() if k != "max_new_tokens"}
+
+
 def test_generation_defaults_are_the_fields_it_sets(recommended_pair, tiny_pair, tmp_path):
     engine = DFlashEngine.from_pretrained(*recommended_pair)
-    assert engine.generation_defaults == RECOMMENDED
-    assert DFlashEngine.from_pretrained(*tiny_pair).generation_defaults == {}  # (it sets none of them)
+    assert engine.generation_defaults == SAMPLING
+    assert engine.recommended_max_new_tokens == engine.default_max_new_tokens == RECOMMENDED["max_new_tokens"]
+    plain = DFlashEngine.from_pretrained(*tiny_pair)
+    assert plain.generation_defaults == {}  # (it sets none of them)
+    assert (plain.recommended_max_new_tokens, plain.default_max_new_tokens) == (None, 256)
     # null is unset, top_k -1 is vLLM's "off", other fields are not sampling defaults
     other = _with_generation_config(tiny_pair[0], tmp_path / "other",
                                     {"temperature": None, "top_k": -1, "num_beams": 4, "max_length": 99})
     assert DFlashEngine.from_pretrained(other, no_draft=True).generation_defaults == {"top_k": 0}
-    # they are keyword arguments of generate (which itself defaults to greedy)
+    # they are keyword arguments of generate (which itself defaults to greedy; its length to the file's)
     out = engine.generate("def f(x):", seed=1, ignore_eos=True, **engine.generation_defaults)
     assert len(out.token_ids) == RECOMMENDED["max_new_tokens"]
+    assert len(engine.generate("def f(x):", ignore_eos=True).token_ids) == RECOMMENDED["max_new_tokens"]
+
+
+def test_the_recommended_max_new_tokens_is_cut_to_the_context_as_the_server_cuts_it(tiny_pair, tmp_path):
+    """``generate(prompt, **engine.generation_defaults)`` (the README's recipe for sampling as
+    the server does for requests that omit values) with generation_config.json's
+    max_new_tokens 20 and a prompt that leaves 8 tokens: 8 tokens, as the server and
+    ``generate(prompt)`` give (it was refused: "prompt (32 tokens) + max_new_tokens (20)
+    exceeds the context of 40 tokens"); where it fits, the file's 20, not 256; a given
+    max_new_tokens that does not fit stays refused."""
+    from dflash_torch.serving import create_app
+
+    target = _with_generation_config(tiny_pair[0], tmp_path / "t", {"temperature": 0.0, "max_new_tokens": 20})
+    engine = DFlashEngine.from_pretrained(target, tiny_pair[1], max_context=40)
+    ids = list(range(5, 37))  # 32 tokens: 8 left
+    ref = engine.generate(ids, max_new_tokens=8, ignore_eos=True).token_ids
+    assert engine.generate(ids, ignore_eos=True, **engine.generation_defaults).token_ids == ref
+    assert engine.generate(ids, ignore_eos=True).token_ids == ref
+    assert [r.token_ids for r in engine.generate_batch([ids, ids[:10]], ignore_eos=True)] == [
+        ref, engine.generate(ids[:10], max_new_tokens=20, ignore_eos=True).token_ids]
+    with pytest.raises(DFlashError, match=r"^prompt \(32 tokens\) \+ max_new_tokens \(20\) exceeds"):
+        engine.generate(ids, max_new_tokens=20)
+    # the server takes the file's value as the limit of a chat request without max_tokens (it read it from
+    # generation_defaults)
+    assert create_app(engine).state.sampling_defaults == {"temperature": 0.0, "max_new_tokens": 20}
+    assert create_app(engine, generation_config="none").state.sampling_defaults == {}
 
 
 BAD_RECOMMENDED = [  # (field, value, the one-line error)
@@ -67,21 +100,28 @@ BAD_RECOMMENDED = [  # (field, value, the one-line error)
 @pytest.mark.parametrize("field,value,words", BAD_RECOMMENDED, ids=[c[0] for c in BAD_RECOMMENDED])
 def test_a_bad_recommended_value_is_refused_where_it_is_used(tiny_pair, tmp_path, field, value, words):
     """A checkpoint whose generation_config.json recommends a bad value still loads and
-    generates (generate never reads it); its generation_defaults, and a server that would
-    take them, are refused in one line naming the file and field."""
+    generates (generate reads only its max_new_tokens, where valid, as its default length);
+    its generation_defaults, recommended_max_new_tokens, and a server that would take them,
+    are refused in one line naming the file and field."""
     from dflash_torch.serving import create_app
 
     target = _with_generation_config(tiny_pair[0], tmp_path / "bad", {field: value})
     engine = DFlashEngine.from_pretrained(target, no_draft=True)
     assert len(engine.generate("x", max_new_tokens=2, ignore_eos=True).token_ids) == 2
-    for use in (lambda: engine.generation_defaults, lambda: create_app(engine)):
+    # (the default length: a bad max_new_tokens there is not taken, another field's bad value leaves it)
+    assert engine.default_max_new_tokens == 256
+    for use in (lambda: engine.generation_defaults, lambda: engine.recommended_max_new_tokens,
+                lambda: create_app(engine)):
         with pytest.raises(DFlashError) as err:
             use()
         assert str(err.value).startswith(words) and "\n" not in str(err.value), str(err.value)
     create_app(engine, generation_config="none")  # (the file's sampling unread)
     # an integral float is the integer it holds
     target = _with_generation_config(tiny_pair[0], tmp_path / "float", {"top_k": 20.0, "max_new_tokens": 8.0})
-    assert DFlashEngine.from_pretrained(target, no_draft=True).generation_defaults == {"top_k": 20, "max_new_tokens": 8}
+    floats = DFlashEngine.from_pretrained(target, no_draft=True)
+    assert (floats.generation_defaults, floats.default_max_new_tokens) == ({"top_k": 20}, 8)
+    target = _with_generation_config(tiny_pair[0], tmp_path / "both", {"top_p": 0, "max_new_tokens": 8})
+    assert DFlashEngine.from_pretrained(target, no_draft=True).default_max_new_tokens == 8
 
 
 def test_min_p_1_sampling_is_greedy_decoding(agree_pair):

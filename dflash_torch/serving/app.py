@@ -432,7 +432,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     if generation_config not in GENERATION_CONFIGS:
         raise DFlashError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, got {generation_config!r}")
     try:
-        sampling_defaults = dict(engine.generation_defaults) if generation_config == "auto" else {}
+        sampling_defaults = {}
+        if generation_config == "auto":
+            sampling_defaults = dict(engine.generation_defaults)
+            if engine.recommended_max_new_tokens is not None:  # (the limit of a chat request without max_tokens)
+                sampling_defaults["max_new_tokens"] = engine.recommended_max_new_tokens
     except DFlashError as exc:
         raise DFlashError(f"{exc} (to leave the file's sampling unread and keep OpenAI's defaults: serve "
                           "--generation-config none, create_app(generation_config='none'))") from None
