@@ -171,7 +171,7 @@ class DFlashEngine:
     threads never split torch across thread teams; tokenizing runs in the caller's thread.
 
     Raises :class:`DFlashError` for a ``tokenizer`` that is not one (no ``encode``,
-    ``decode``, ``get_vocab``), a ``target`` / ``drafter`` that is not one
+    ``decode``, ``get_vocab``, ``convert_tokens_to_ids``: e.g. a ``tokenizers.Tokenizer``), a ``target`` / ``drafter`` that is not one
     (:func:`~dflash_torch.decoding.check_models`) and the options' bad values.
 
     ``max_prompt_chars``: the longest text prompt (characters) that could fit
@@ -212,7 +212,8 @@ class DFlashEngine:
                  block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash",
                  max_batch_size: int = 8, reuse_prefix: bool = True, draft_max_batch_size: int | str | None = None,
                  prefix_slots: int = 0, **decoder_options):
-        if not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode", "get_vocab")):
+        if not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode", "get_vocab",
+                                                                   "convert_tokens_to_ids")):
             raise DFlashError(f"tokenizer must be a transformers tokenizer (e.g. AutoTokenizer.from_pretrained of the "
                               f"target's directory), got {type(tokenizer).__name__}: DFlashEngine(target, tokenizer, "
                               "drafter) takes it second")
@@ -235,7 +236,7 @@ class DFlashEngine:
         self._reading, self._read_at = False, 0.0
         self.stop_token_ids = set(target.config.eos_token_ids)
         self._generation_defaults: dict | DFlashError = {}
-        self.default_max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+        self._default_max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.stop_token_ids.add(int(tokenizer.eos_token_id))
 
@@ -468,6 +469,20 @@ class DFlashEngine:
         if isinstance(self._generation_defaults, DFlashError):
             raise DFlashError(str(self._generation_defaults))
         return {k: v for k, v in self._generation_defaults.items() if k != "max_new_tokens"}
+
+    @property
+    def default_max_new_tokens(self) -> int:
+        """The ``max_new_tokens`` of a request that gives none (tokens), cut to the context
+        its prompt leaves (see the class docstring).
+
+        Raises:
+            DFlashError: set to anything but an integer >= 1.
+        """
+        return self._default_max_new_tokens
+
+    @default_max_new_tokens.setter
+    def default_max_new_tokens(self, value) -> None:
+        self._default_max_new_tokens = options.check_max_new_tokens(options.plain(value), "default_max_new_tokens")
 
     @property
     def recommended_max_new_tokens(self) -> int | None:
@@ -964,13 +979,20 @@ class DFlashEngine:
 
     def _unfitted(self, max_new_tokens: int | None, min_tokens) -> int:
         """``max_new_tokens`` to check a request's options with before its prompt is known:
-        the given one, else one that ``min_tokens`` fits (checked against the default
-        once the prompt is known: :meth:`_default_limit`)."""
+        the given one, else :attr:`default_max_new_tokens` (cut to the context once the
+        prompt is known: :meth:`_default_limit`).
+
+        Raises:
+            OptionError: without ``max_new_tokens``, a ``min_tokens`` above the default (named
+                as such: the default is no value the caller gave).
+        """
         if max_new_tokens is not None:
             return max_new_tokens
-        if isinstance(min_tokens, int) and not isinstance(min_tokens, bool):
-            return max(self.default_max_new_tokens, min_tokens)
-        return self.default_max_new_tokens
+        default = self.default_max_new_tokens
+        if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > default:
+            raise OptionError(f"min_tokens ({min_tokens}) exceeds the default max_new_tokens ({default}), which "
+                              "applies where none is given", "min_tokens", "max_new_tokens")
+        return default
 
     def _default_limit(self, prompt_ids: list[int], min_tokens: int) -> int:
         """The ``max_new_tokens`` of a request that gave none: :attr:`default_max_new_tokens`
@@ -979,18 +1001,14 @@ class DFlashEngine:
         Raises:
             DFlashError: bad prompt ids, or a prompt that leaves no room for a token
                 (:func:`~dflash_torch.options.check_prompt_ids`, as with any ``max_new_tokens``).
-            OptionError: a ``min_tokens`` above what applies, named: the tokens left after
-                the prompt, or the default (a value the caller never gave).
+            OptionError: a ``min_tokens`` above the tokens left after the prompt, named so.
         """
         n = options.check_prompt_ids(prompt_ids, self.target.config.vocab_size, 1, self.max_context)
-        default, room = self.default_max_new_tokens, self.max_context - n
-        if min_tokens > min(default, room):
-            if room < default:
-                raise OptionError(f"min_tokens ({min_tokens}) exceeds the {room} tokens left in the context of "
-                                  f"{self.max_context} tokens after the prompt ({n} tokens)", "min_tokens")
-            raise OptionError(f"min_tokens ({min_tokens}) exceeds the default max_new_tokens ({default}), which "
-                              "applies where none is given", "min_tokens", "max_new_tokens")
-        return min(default, room)
+        room = self.max_context - n
+        if min_tokens > room:
+            raise OptionError(f"min_tokens ({min_tokens}) exceeds the {room} tokens left in the context of "
+                              f"{self.max_context} tokens after the prompt ({n} tokens)", "min_tokens")
+        return min(self.default_max_new_tokens, room)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

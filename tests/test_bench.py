@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -647,6 +648,7 @@ def test_bench_help_leaves_out_the_decoding_options_it_refuses(tmp_path, capsys,
     (["--out", ""], "--out is empty"),
     (["--batch-sizes", "100000"], "--batch-sizes 100000: the caches of 100000 sequences x "),
     (["--bench-json-is-a-dir"], "bench.json: it is a directory"),
+    (["--part-is-a-dir"], "bench.json.part: it is a directory"),
     (["--shapes", "qwen3-0.6b", "--shapes-compiled"], "--shapes-compiled times shape qwen3-0.6b with all 28 layers in "
                                                       "memory; only 3 fit on cpu"),
 ])
@@ -667,7 +669,9 @@ def test_bench_refuses_what_it_can_check_before_timing(tiny_pair, tmp_path, caps
         args[3:5] = []
     if "--bench-json-is-a-dir" in extra:
         (out / "bench.json").mkdir(parents=True)
-    rc = cli_main(args + [a for a in extra if a not in ("--no-draft-given", "--bench-json-is-a-dir")])
+    if "--part-is-a-dir" in extra:
+        (out / "bench.json.part").mkdir(parents=True)
+    rc = cli_main(args + [a for a in extra if a not in ("--no-draft-given", "--bench-json-is-a-dir", "--part-is-a-dir")])
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and words in err[0], err
@@ -804,16 +808,23 @@ def test_bench_json_survives_a_plot_that_cannot_be_written_and_stale_plots_go(ti
     report = json.loads((out / "bench.json").read_text())
     assert [m["name"] for m in report["modes"]] == ["target-only"] and report["plots"] == []
     assert "| target-only" in captured.out  # (the table was printed before the plots)
-    # bench.json itself cannot be written (here: its temporary file's name is taken): the tables
-    # are printed, an earlier bench.json is left whole (it was truncated), one line says so
+    # bench.json itself cannot be written (here: no room on the device): the tables are printed,
+    # an earlier bench.json is left whole (it was truncated), one line says so
     monkeypatch.undo()
     before = (out / "bench.json").read_text()
-    (out / "bench.json.part").mkdir()
+
+    def full(self, text, *a, **k):
+        raise OSError(28, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_text", full)
     rc = cli_main(args)
+    monkeypatch.undo()
     captured = capsys.readouterr()
     assert rc == 2 and captured.err.strip().splitlines() == [
-        f"dflash-torch: error: cannot write {out / 'bench.json'}: Is a directory (the figures are printed above)"]
+        f"dflash-torch: error: cannot write {out / 'bench.json'}: No space left on device (the figures are printed "
+        "above)"], captured.err
     assert "| target-only" in captured.out and (out / "bench.json").read_text() == before
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "mine.png", "modes.png"]
 
 
 def test_prompt_file_may_be_a_pipe(tmp_path):

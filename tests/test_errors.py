@@ -11,6 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -271,20 +272,22 @@ def test_a_default_max_new_tokens_is_cut_to_the_context_a_given_one_is_refused(e
 
 
 def test_a_min_tokens_above_the_default_names_what_applies(engine, tiny_pair, capsys):
-    """A min_tokens above the default with no max_new_tokens given names what applies: the
-    tokens the prompt leaves in the context or the default, whichever is smaller (it said
-    "min_tokens (300) must be at most max_new_tokens (256)", a value the caller never
-    gave): generate, stream, generate_batch and the command line. A given max_new_tokens
-    keeps its message."""
+    """A min_tokens above what applies with no max_new_tokens given names it: the default
+    (known before the prompt: a generate_batch's shared min_tokens is no prompt's fault),
+    else the tokens the prompt leaves in the context (it said "min_tokens (300) must be at
+    most max_new_tokens (256)", a value the caller never gave): generate, stream,
+    generate_batch and the command line. A given max_new_tokens keeps its message."""
     from dflash_torch.errors import OptionError
 
     ids = list(range(5, 35))  # 30 tokens
-    left = r"^min_tokens \(300\) exceeds the 10 tokens left in the context of 40 tokens after the prompt \(30 tokens\)$"
+    left = r"^min_tokens \(20\) exceeds the 10 tokens left in the context of 40 tokens after the prompt \(30 tokens\)$"
     default = r"^min_tokens \(300\) exceeds the default max_new_tokens \(256\), which applies where none is given$"
-    for context, words in ((40, left), (400, default)):
+    for context, least, words in ((40, 20, left), (40, 300, default), (400, 300, default)):
         e = DFlashEngine(engine.target, engine.tokenizer, engine.drafter, max_context=context)
-        for call in (lambda: e.generate(ids, min_tokens=300), lambda: list(e.stream(ids, min_tokens=300)),
-                     lambda: e.generate_batch([ids], min_tokens=300)):
+        for call in (lambda: e.generate(ids, min_tokens=least), lambda: list(e.stream(ids, min_tokens=least)),
+                     lambda: e.generate_batch([ids], min_tokens=least),
+                     lambda: e.generate_batch([ids, ids[:5]], min_tokens=least) if least > 256 else e.generate(
+                         ids, min_tokens=least)):
             with pytest.raises(OptionError, match=words):
                 call()
         with pytest.raises(OptionError, match=r"^min_tokens \(300\) must be at most max_new_tokens \(9\)$"):
@@ -293,12 +296,28 @@ def test_a_min_tokens_above_the_default_names_what_applies(engine, tiny_pair, ca
     text = "def f(x):\n    return x + 1\n" * 3
     n = len(engine.encode_prompt(text))
     argv = ["generate", text, "--target", str(target), "--draft", str(drafter), "--min-tokens", "300"]
-    assert cli_main(argv + ["--max-context", str(n + 5)]) == 2
-    assert capsys.readouterr().err == (f"dflash-torch: error: --min-tokens (300) exceeds the 5 tokens left in the "
+    assert cli_main(argv[:-1] + ["20", "--max-context", str(n + 5)]) == 2
+    assert capsys.readouterr().err == (f"dflash-torch: error: --min-tokens (20) exceeds the 5 tokens left in the "
                                        f"context of {n + 5} tokens after the prompt ({n} tokens)\n")
     assert cli_main(argv + ["--max-context", "400"]) == 2
     assert capsys.readouterr().err == ("dflash-torch: error: --min-tokens (300) exceeds the default --max-new-tokens "
                                        "(256), which applies where none is given\n")
+
+
+def test_default_max_new_tokens_is_checked_when_set_and_a_raw_tokenizer_is_refused(engine):
+    """``engine.default_max_new_tokens`` may be set, to an integer >= 1 only (None or "64" was
+    a TypeError at the next request, -3 a message about a max_new_tokens never given); a
+    ``tokenizers.Tokenizer`` (tokenizer.json read by the tokenizers library, not transformers)
+    is refused when the engine is built (it was an AttributeError at the first request)."""
+    e = DFlashEngine(engine.target, engine.tokenizer, engine.drafter)
+    for bad in (None, "64", -3, 0, 2.5, True):
+        with pytest.raises(DFlashError, match=r"^default_max_new_tokens must be an integer >= 1, got "):
+            e.default_max_new_tokens = bad
+    e.default_max_new_tokens = np.int64(3)
+    assert e.default_max_new_tokens == 3 and len(e.generate([5, 6, 7], ignore_eos=True).token_ids) == 3
+    raw = engine.tokenizer.backend_tokenizer
+    with pytest.raises(DFlashError, match=r"^tokenizer must be a transformers tokenizer .*got Tokenizer"):
+        DFlashEngine(engine.target, raw, engine.drafter)
 
 
 def test_a_prompt_that_fills_the_context_is_named_not_max_new_tokens(engine, tiny_pair, capsys):

@@ -176,16 +176,23 @@ def test_min_tokens_above_the_room_a_prompt_leaves_names_that_room_not_a_max_tok
     ctx = server.post("/tokenize", {"model": MODEL, "prompt": "a"}).json()["max_model_len"]
     room_line = "min_tokens (20) exceeds the 4 tokens left in the context of {} tokens after the prompt ({} tokens)"
     ids = [66] * (ctx - 4)
-    err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": ids, "min_tokens": 20}), 400)
-    assert (err["message"], err["param"]) == (room_line.format(ctx, ctx - 4), "min_tokens"), err
+    ten = room_line.replace("(20)", "(10)")  # (completions' default is 16: within it, the room is what is short)
+    err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": ids, "min_tokens": 10}), 400)
+    assert (err["message"], err["param"]) == (ten.format(ctx, ctx - 4), "min_tokens"), err
     err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": [[66] * 5, ids],
-                                                               "min_tokens": 20}), 400)
-    assert (err["message"], err["param"]) == ("prompt 1: " + room_line.format(ctx, ctx - 4), "min_tokens"), err
+                                                               "min_tokens": 10}), 400)
+    assert (err["message"], err["param"]) == ("prompt 1: " + ten.format(ctx, ctx - 4), "min_tokens"), err
     err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": ids, "min_tokens": 20,
                                                                "max_tokens": 4}), 400)
     assert (err["message"], err["param"]) == ("min_tokens (20) must be at most max_tokens (4)", "min_tokens"), err
     ok = server.post("/v1/completions", {"model": MODEL, "prompt": ids, "min_tokens": 4, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4, ok.text
+    # above completions' default of 16: that default is named (not "max_tokens (16)", a value never sent), and
+    # no prompt, as it is every prompt's
+    for prompt in ([66] * 5, [[66] * 5, ids]):
+        err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": prompt, "min_tokens": 20}), 400)
+        assert (err["message"], err["param"]) == (
+            "min_tokens (20) exceeds the default max_tokens (16), which applies where none is given", "min_tokens"), err
     # a chat (and a Response) whose rendered messages leave 4 tokens
     def count(k):
         return server.post("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "a " * k}]}).json()["count"]

@@ -334,7 +334,7 @@ def _run(args: argparse.Namespace) -> int:
         check_batch_fits(engine.target, engine.drafter, max(batch_sizes), max_context, block_size=args.block_size)
     plots = _plot_files(bool(modes), bool(lengths) and (engine.drafter is not None or bool(sweep_shapes)),
                         bool(batch_sizes))
-    for name in ["bench.json", *plots]:  # (a write that fails after the timing would lose the results)
+    for name in ["bench.json", "bench.json.part", *plots]:  # (a write that fails after the timing would lose the results)
         if (out / name).is_dir():
             raise DFlashError(f"cannot write {out / name}: it is a directory (bench writes its results there); "
                               "remove it or give another --out")

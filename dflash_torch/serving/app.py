@@ -668,6 +668,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         a long prompt holds neither the engine nor the event loop); the history end of a chat
         that ends with the opening of the reply (see :meth:`DFlashEngine.history_end`), else None."""
         vocab = engine.target.config.vocab_size
+        if requested is None and default is not None and min_tokens > default:  # (every prompt's: no prompt named)
+            raise APIError(400, f"min_tokens ({min_tokens}) exceeds the default {max_tokens_name} ({default}), which "
+                                "applies where none is given", param="min_tokens")
         out = []
         for i, prompt in enumerate(prompts):
             try:

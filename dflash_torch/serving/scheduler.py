@@ -160,7 +160,8 @@ def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: i
     Raises:
         ParamError: an empty prompt, a prompt (+ ``requested``) that does not fit, or, with
             no ``requested``, a ``min_tokens`` above the tokens the prompt leaves (named as
-            such: the cut default is no value the client sent).
+            such: the cut default is no value the client sent; one above ``default`` itself is
+            refused before any prompt is read).
     """
     if prompt_tokens == 0:  # (engine.stream([]) would read [] as an empty chat conversation)
         raise ParamError("the prompt is empty (0 tokens)", "prompt")
