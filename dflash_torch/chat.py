@@ -167,8 +167,8 @@ def _check_start(engine, start: list[dict], kwargs: dict) -> None:
         if len(ids) + need > engine.max_context:
             what = "--system leaves" if start else f"--max-context {engine.max_context} leaves"
             more = f"--min-tokens {need}" if need > 1 else "a new token"
-            raise DFlashError(f"{what} no room for a turn: with a one-word message the prompt takes {len(ids)} tokens "
-                              f"and {more} exceeds the context of {engine.max_context} tokens; "
+            raise DFlashError(f"{what} no room for a turn: with a one-word message the prompt takes {len(ids)} tokens, "
+                              f"and with {more} that exceeds the context of {engine.max_context} tokens; "
                               + ("shorten it or raise --max-context" if start else "raise it"))
         return
     if not start:

@@ -451,8 +451,9 @@ class DFlashEngine:
             try:  # (the file's max_new_tokens alone: fine where only another field is bad)
                 engine.default_max_new_tokens = generation_defaults({"max_new_tokens": gen["max_new_tokens"]})[
                     "max_new_tokens"]
-            except DFlashError:
-                pass  # (refused where the file is read: generation_defaults, recommended_max_new_tokens)
+            except DFlashError as exc:  # (refused where the file is read: generation_defaults, serve, chat)
+                log.warning(f"dflash-torch: {exc}; a request without max_new_tokens gets "
+                            f"{DEFAULT_MAX_NEW_TOKENS} tokens (cut to the context its prompt leaves)")
         return engine
 
     @property
@@ -476,13 +477,16 @@ class DFlashEngine:
         its prompt leaves (see the class docstring).
 
         Raises:
-            DFlashError: set to anything but an integer >= 1.
+            DFlashError: set to anything but an integer >= 1 (an integral float is its integer).
         """
         return self._default_max_new_tokens
 
     @default_max_new_tokens.setter
     def default_max_new_tokens(self, value) -> None:
-        self._default_max_new_tokens = options.check_max_new_tokens(options.plain(value), "default_max_new_tokens")
+        value = options.plain(value)
+        if isinstance(value, float) and value.is_integer():  # (as generation_config.json's value is read)
+            value = int(value)
+        self._default_max_new_tokens = options.check_max_new_tokens(value, "default_max_new_tokens")
 
     @property
     def recommended_max_new_tokens(self) -> int | None:

@@ -162,7 +162,7 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_new_tokens: int
         raise DFlashError(f"prompt token ids must be in [0, {vocab_size})")
     if n_prompt >= max_context:  # (lowering max_new_tokens cannot help)
         raise OptionError(f"the prompt ({n_prompt} tokens) leaves no room for a new token in the context of "
-                          f"{max_context} tokens", "prompt")
+                          f"{max_context} tokens; shorten it or raise max_context", "prompt", "max_context")
     if n_prompt + max_new_tokens > max_context:
         raise OptionError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
                           f"of {max_context} tokens", "max_new_tokens")

@@ -329,7 +329,8 @@ def test_a_prompt_that_fills_the_context_is_named_not_max_new_tokens(engine, tin
 
     small = DFlashEngine(engine.target, engine.tokenizer, engine.drafter, max_context=40)
     for ids in (list(range(5, 45)), list(range(5, 50))):
-        line = f"the prompt ({len(ids)} tokens) leaves no room for a new token in the context of 40 tokens"
+        line = (f"the prompt ({len(ids)} tokens) leaves no room for a new token in the context of 40 tokens; "
+                "shorten it or raise max_context")
         for call in (lambda: small.generate(ids, max_new_tokens=1), lambda: small.generate(ids),
                      lambda: small.generate_batch([ids], max_new_tokens=1),
                      lambda: list(small.decoder.rounds(ids, SamplingParams(), 1))):
@@ -345,7 +346,7 @@ def test_a_prompt_that_fills_the_context_is_named_not_max_new_tokens(engine, tin
         assert cli_main(["generate", text, "--target", str(target), "--draft", str(drafter), "--max-context", str(n),
                          *extra]) == 2
         assert capsys.readouterr().err == (f"dflash-torch: error: the prompt ({n} tokens) leaves no room for a new "
-                                           f"token in the context of {n} tokens\n")
+                                           f"token in the context of {n} tokens; shorten it or raise --max-context\n")
 
 
 def test_dflash2_drafter_loads_and_decodes(bad, capsys):

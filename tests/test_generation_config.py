@@ -98,7 +98,7 @@ BAD_RECOMMENDED = [  # (field, value, the one-line error)
 
 
 @pytest.mark.parametrize("field,value,words", BAD_RECOMMENDED, ids=[c[0] for c in BAD_RECOMMENDED])
-def test_a_bad_recommended_value_is_refused_where_it_is_used(tiny_pair, tmp_path, field, value, words):
+def test_a_bad_recommended_value_is_refused_where_it_is_used(tiny_pair, tmp_path, caplog, field, value, words):
     """A checkpoint whose generation_config.json recommends a bad value still loads and
     generates (generate reads only its max_new_tokens, where valid, as its default length);
     its generation_defaults, recommended_max_new_tokens, and a server that would take them,
@@ -106,7 +106,12 @@ def test_a_bad_recommended_value_is_refused_where_it_is_used(tiny_pair, tmp_path
     from dflash_torch.serving import create_app
 
     target = _with_generation_config(tiny_pair[0], tmp_path / "bad", {field: value})
-    engine = DFlashEngine.from_pretrained(target, no_draft=True)
+    with caplog.at_level("WARNING", logger="dflash_torch"):
+        engine = DFlashEngine.from_pretrained(target, no_draft=True)
+    said = [r.getMessage() for r in caplog.records if "a request without max_new_tokens gets" in r.getMessage()]
+    # a bad length there is said when loading (generate took 256 without a word where chat and serve refuse it)
+    assert said == ([f"dflash-torch: {words}; a request without max_new_tokens gets 256 tokens (cut to the context "
+                     "its prompt leaves)"] if field == "max_new_tokens" else []), said
     assert len(engine.generate("x", max_new_tokens=2, ignore_eos=True).token_ids) == 2
     # (the default length: a bad max_new_tokens there is not taken, another field's bad value leaves it)
     assert engine.default_max_new_tokens == 256
@@ -120,6 +125,8 @@ def test_a_bad_recommended_value_is_refused_where_it_is_used(tiny_pair, tmp_path
     target = _with_generation_config(tiny_pair[0], tmp_path / "float", {"top_k": 20.0, "max_new_tokens": 8.0})
     floats = DFlashEngine.from_pretrained(target, no_draft=True)
     assert (floats.generation_defaults, floats.default_max_new_tokens) == ({"top_k": 20}, 8)
+    floats.default_max_new_tokens = 5.0  # (set as the file gives it: an integral float too)
+    assert floats.default_max_new_tokens == 5 and type(floats.default_max_new_tokens) is int
     target = _with_generation_config(tiny_pair[0], tmp_path / "both", {"top_p": 0, "max_new_tokens": 8})
     assert DFlashEngine.from_pretrained(target, no_draft=True).default_max_new_tokens == 8
 
