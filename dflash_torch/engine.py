@@ -404,7 +404,7 @@ class DFlashEngine:
         tokenizer = _load_tokenizer(target_dir)  # (first: its errors come before minutes of reading weights)
         if len(tokenizer) > target_cfg.vocab_size:
             raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {target_cfg.vocab_size}")
-        eos, recommended = [], {}  # (generation_config.json's, read before any weight: its errors come first)
+        eos, recommended, length = [], {}, None  # (generation_config.json's, read before any weight: its errors come first)
         gen_cfg = target_dir / "generation_config.json"
         if gen_cfg.is_file():
             gen = read_json_object(gen_cfg)
@@ -414,6 +414,11 @@ class DFlashEngine:
                 recommended = generation_defaults(gen)
             except DFlashError as exc:  # (refused where it is used: serve --generation-config auto)
                 recommended = exc
+            try:  # the default length: the file's max_new_tokens alone (taken where another field is bad)
+                length = generation_defaults({"max_new_tokens": gen.get("max_new_tokens")}).get("max_new_tokens")
+            except DFlashError as exc:  # (refused where the file is read: generation_defaults, serve, chat)
+                log.warning(f"dflash-torch: {exc}; a request without max_new_tokens gets "
+                            f"{DEFAULT_MAX_NEW_TOKENS} tokens (cut to the context its prompt leaves)")
         drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev, config=draft_raw)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8, int_weights=int_weights,
                                             nvfp4=nvfp4)
@@ -445,15 +450,8 @@ class DFlashEngine:
         engine = cls(model, tokenizer, drafter, name=given.name if given.exists() else str(target), **engine_options)
         engine.stop_token_ids.update(eos)
         engine._generation_defaults = recommended
-        if isinstance(recommended, dict) and "max_new_tokens" in recommended:
-            engine.default_max_new_tokens = recommended["max_new_tokens"]
-        elif isinstance(recommended, DFlashError) and gen.get("max_new_tokens") is not None:
-            try:  # (the file's max_new_tokens alone: fine where only another field is bad)
-                engine.default_max_new_tokens = generation_defaults({"max_new_tokens": gen["max_new_tokens"]})[
-                    "max_new_tokens"]
-            except DFlashError as exc:  # (refused where the file is read: generation_defaults, serve, chat)
-                log.warning(f"dflash-torch: {exc}; a request without max_new_tokens gets "
-                            f"{DEFAULT_MAX_NEW_TOKENS} tokens (cut to the context its prompt leaves)")
+        if length is not None:
+            engine.default_max_new_tokens = length
         return engine
 
     @property

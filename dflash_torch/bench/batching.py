@@ -27,6 +27,7 @@ from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from ..options import context_limit
 from ..sampling import SamplingParams
+from . import fmt, ratio
 
 
 REQUESTS_PER_SLOT = 4
@@ -89,11 +90,6 @@ def serve_all(batch: BatchDecoder, prompt_ids: list[list[int]], max_new_tokens: 
             "mean_batch": batch_rows / rounds if rounds else None,
             "mean_acceptance_length": sum(taus) / len(taus) if taus else None,
             "outputs": [tokens[i] for i in range(len(prompt_ids))]}
-
-
-def _ratio(a: float, b: float) -> float | None:
-    """a / b, None where b is 0 (a figure that was not measured: no decoding round)."""
-    return a / b if b else None
 
 
 def _batch_max_context(target: TargetModel, prompt_ids: list[list[int]], max_new_tokens: int) -> int:
@@ -182,31 +178,27 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
             outputs[mode] = r.pop("outputs")
             lat = r.pop("latencies_s")
             row = {"mode": mode, "batch_size": n, "requests": len(requests), **r,
-                   "aggregate_decode_tokens_per_second": _ratio(r["decode_tokens"], r["decode_s"]) if r["decode_tokens"] else None,
-                   "aggregate_tokens_per_second": _ratio(r["generated_tokens"], r["wall_s"]),
+                   "aggregate_decode_tokens_per_second": ratio(r["decode_tokens"], r["decode_s"]),
+                   "aggregate_tokens_per_second": ratio(r["generated_tokens"], r["wall_s"]),
                    "p50_latency_s": _percentile(lat, 0.5), "p95_latency_s": _percentile(lat, 0.95),
                    "speedup_vs_target_only": None, "scaling_vs_batch_1": None,
                    "outputs_identical_to_target_only": None}
             rows.append(row)
             if progress:
-                print(f"batch {n} {mode}: {_fmt(row['aggregate_decode_tokens_per_second'], '.1f')} tok/s, "
-                      f"p50 {row['p50_latency_s']:.2f} s, tau {_fmt(row['mean_acceptance_length'], '.2f')}, "
-                      f"mean batch {_fmt(row['mean_batch'], '.2f')}", flush=True)
+                print(f"batch {n} {mode}: {fmt(row['aggregate_decode_tokens_per_second'], '.1f')} tok/s, "
+                      f"p50 {row['p50_latency_s']:.2f} s, tau {fmt(row['mean_acceptance_length'], '.2f')}, "
+                      f"mean batch {fmt(row['mean_batch'], '.2f')}", flush=True)
         if "dflash" in outputs:
             base = next(r for r in rows if r["batch_size"] == n and r["mode"] == "target-only")
-            if base["aggregate_decode_tokens_per_second"] and rows[-1]["aggregate_decode_tokens_per_second"]:
-                rows[-1]["speedup_vs_target_only"] = (rows[-1]["aggregate_decode_tokens_per_second"]
-                                                      / base["aggregate_decode_tokens_per_second"])
+            rows[-1]["speedup_vs_target_only"] = ratio(rows[-1]["aggregate_decode_tokens_per_second"],
+                                                       base["aggregate_decode_tokens_per_second"])
             rows[-1]["outputs_identical_to_target_only"] = outputs["dflash"] == outputs["target-only"]
     for row in rows:
         one = next((r for r in rows if r["batch_size"] == 1 and r["mode"] == row["mode"]), None)
-        if one is not None and one["aggregate_decode_tokens_per_second"] and row["aggregate_decode_tokens_per_second"]:
-            row["scaling_vs_batch_1"] = row["aggregate_decode_tokens_per_second"] / one["aggregate_decode_tokens_per_second"]
+        if one is not None:
+            row["scaling_vs_batch_1"] = ratio(row["aggregate_decode_tokens_per_second"],
+                                              one["aggregate_decode_tokens_per_second"])
     return rows
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def batch_table(rows: list[dict]) -> str:
@@ -215,7 +207,6 @@ def batch_table(rows: list[dict]) -> str:
              "p95 latency s | tau | DFlash / target-only | vs target-only |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     same = {None: "-", True: "identical", False: "DIFFERS"}
-    fmt = _fmt
     for r in rows:
         lines.append(f"| {r['batch_size']} | {r['mode']} | {fmt(r['mean_batch'], '.2f')} | "
                      f"{fmt(r['aggregate_decode_tokens_per_second'], '.1f')} | "

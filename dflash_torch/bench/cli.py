@@ -17,6 +17,7 @@ import torch
 from .. import compute
 from ..errors import DFlashError
 from ..options import check_max_new_tokens, context_limit, resolve_device, resolve_dtype
+from . import fmt, ratio
 
 
 def register(sub) -> None:
@@ -62,21 +63,15 @@ def _lossless(r: dict) -> str:
     return f"{len(r['divergences'])} differ (max gap {gap:.3f})"
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    """A figure, or "-" where it was not measured (None)."""
-    return "-" if value is None else format(value, spec)
-
-
 def _table(rows: list[dict]) -> str:
     head = ["mode", "tok/s", "x target", "x target same compile", "tau", "propose ms", "verify ms", "other ms", "recompiles",
             "CUDA graphs skipped", "peak MB", "vs target-only"]
     lines = [head]
     for r in rows:
         lines.append([
-            r["name"], _fmt(r["decode_tokens_per_second"], ".1f"),
-            "-" if r["speedup_vs_target_only"] is None else f"{r['speedup_vs_target_only']:.2f}",
-            "-" if r["speedup_vs_target_only_same_compile"] is None else f"{r['speedup_vs_target_only_same_compile']:.2f}",
-            _fmt(r["mean_acceptance_length"], ".2f"), f"{r['propose_time_per_round'] * 1e3:.2f}",
+            r["name"], fmt(r["decode_tokens_per_second"], ".1f"),
+            fmt(r["speedup_vs_target_only"], ".2f"), fmt(r["speedup_vs_target_only_same_compile"], ".2f"),
+            fmt(r["mean_acceptance_length"], ".2f"), f"{r['propose_time_per_round'] * 1e3:.2f}",
             f"{r['verify_time_per_round'] * 1e3:.2f}", f"{r['other_time_per_round'] * 1e3:.2f}",
             "-" if r["recompiles_after_warmup"] is None else str(r["recompiles_after_warmup"]),
             "-" if r["cudagraphs_skipped"] is None else str(r["cudagraphs_skipped"]),
@@ -84,8 +79,8 @@ def _table(rows: list[dict]) -> str:
             _lossless(r),
         ])
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
-    return "\n".join([fmt(lines[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(r) for r in lines[1:]])
+    line = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
+    return "\n".join([line(lines[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in lines[1:]])
 
 
 def _layers_timed(sh: dict) -> str:
@@ -115,7 +110,7 @@ def _shapes_table(shapes: list[dict]) -> str:
         lines.append(f"| {name} | {sh['model_type']} | {sh['target_step_s'] * 1e3:.2f} | {sh['round_s'] * 1e3:.2f} | "
                      f"{sh['propose_s'] * 1e3:.2f} | {sh['verify_s'] * 1e3:.2f} | {sh['round_over_step']:.2f} | {floor} | "
                      f"{timed} | {hits} | "
-                     f"{_fmt(sh['projected_speedup'][tau], '.2f')}{'' if sh['projected_speedup'][tau] is None else 'x'} |")
+                     f"{fmt(sh['projected_speedup'][tau], '.2f')}{'' if sh['projected_speedup'][tau] is None else 'x'} |")
     if any(sh["scaled"] for sh in shapes):
         lines.append("SCALED rows: only whole periods of the layer pattern were built (the weights would not fit "
                      "comfortably in RAM); their per-layer time is scaled to the full depth (bench.json: 'measured').")
@@ -375,9 +370,6 @@ def _run(args: argparse.Namespace) -> int:
     if reference is None and modes:
         print("note: no eager target-only mode in --modes: no speedup over it and no output identity check",
               file=sys.stderr, flush=True)
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return a / b if a and b else None
-
     for res, outputs in runs:
         spec = ALL_MODES[res.name]
         if reference is not None and res.name != "target-only":
@@ -389,7 +381,7 @@ def _run(args: argparse.Namespace) -> int:
         if spec.drafter and base is not None:
             res.speedup_vs_target_only_same_compile = ratio(res.decode_tokens_per_second, base[0].decode_tokens_per_second)
         report["modes"].append(asdict(res))
-        print(f"{res.name}: {_fmt(res.decode_tokens_per_second, '.1f')} tok/s, tau {_fmt(res.mean_acceptance_length, '.2f')}",
+        print(f"{res.name}: {fmt(res.decode_tokens_per_second, '.1f')} tok/s, tau {fmt(res.mean_acceptance_length, '.2f')}",
               flush=True)
         warn_compile(res.name, res.recompiles_after_warmup, res.cudagraphs_skipped, res.eager_fallbacks)
     if lengths and engine.drafter is not None:

@@ -108,7 +108,7 @@ class ThinkParser(ReasoningParser):
         rest, self.buffer = self.buffer, ""
         if self.state == "reasoning" and self.channel and self.channel.startswith(rest):
             return "", ""  # (cut inside the channel's name line)
-        return (rest, "") if self.state in ("reasoning", "opened") else ("", rest)
+        return (rest, "") if self.thinking else ("", rest)
 
     @property
     def thinking(self) -> bool:

@@ -676,8 +676,8 @@ class Trainer:
             raise DFlashError(f"--resume: no checkpoint at {ckpt_path}")
         target_dir = checkpoint_dir(cfg.target, "target")
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
-        if cfg.seq_len > context_limit(target_cfg):
-            raise DFlashError(f"--seq-len {cfg.seq_len} exceeds the target's context of {context_limit(target_cfg)} tokens")
+        if cfg.seq_len > (limit := context_limit(target_cfg)):
+            raise DFlashError(f"--seq-len {cfg.seq_len} exceeds the target's context of {limit} tokens")
         target = TargetModel.from_pretrained(target_dir, torch.float32)
         target.requires_grad_(False)
         from ..engine import _load_tokenizer
