@@ -712,7 +712,7 @@ class BatchDecoder:
             raise DFlashError(f"the batch is full ({self.max_batch_size} sequences)")
         check_max_new_tokens(max_new_tokens)
         params.check_vocab(self.target.config.vocab_size)
-        return check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
+        return check_prompt_ids(prompt_ids, self.target.config, max_new_tokens, self.max_context)
 
     @torch.inference_mode()
     def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,

@@ -24,6 +24,7 @@ from .cli import (
     load_engine,
 )
 from .errors import DFlashError, OptionError
+from .options import context_limit
 
 HELP = ("commands: /reset (forget the conversation), /exit (or Ctrl-D), /help (this list), // for a message starting "
         "with /; Ctrl-C stops a reply")
@@ -142,7 +143,7 @@ def _sampling(engine, args: argparse.Namespace) -> dict:
         engine.default_max_new_tokens, kwargs["max_new_tokens"] = kwargs["max_new_tokens"], None
     elif kwargs["max_new_tokens"] >= engine.max_context:
         raise DFlashError(f"--max-new-tokens {kwargs['max_new_tokens']} leaves no room for a prompt in the "
-                          f"context of {engine.max_context} tokens; lower it (or raise --max-context)")
+                          f"context of {engine.max_context} tokens; lower it" + _or_raise(engine, " (or raise --max-context)"))
     if taken:
         print("[sampling from the target's generation_config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items())
               + " (flags override it; --generation-config none: greedy decoding, 256 tokens)]", file=sys.stderr)
@@ -165,18 +166,31 @@ def _check_start(engine, start: list[dict], kwargs: dict) -> None:
     if kwargs["max_new_tokens"] is None:  # (the default, cut to the room: at least a token, or --min-tokens)
         need = max(1, kwargs["min_tokens"])
         if len(ids) + need > engine.max_context:
-            what = "--system leaves" if start else f"--max-context {engine.max_context} leaves"
+            below = engine.max_context < context_limit(engine.target.config)
+            if start:
+                what, advice = "--system leaves", ["shorten it"] + ["raise --max-context"] * below
+            else:
+                what = f"--max-context {engine.max_context} leaves" if below else "the target's context leaves"
+                advice = ["raise it"] * below
+            advice = advice + ["lower --min-tokens"] * (need > 1) or ["use a target with a longer context"]
             more = f"--min-tokens {need}" if need > 1 else "a new token"
             raise DFlashError(f"{what} no room for a turn: with a one-word message the prompt takes {len(ids)} tokens, "
                               f"and with {more} that exceeds the context of {engine.max_context} tokens; "
-                              + ("shorten it or raise --max-context" if start else "raise it"))
+                              + " or ".join([", ".join(advice[:-1]), advice[-1]] if len(advice) > 1 else advice))
         return
     if not start:
         return
     if len(ids) + kwargs["max_new_tokens"] > engine.max_context:
         raise DFlashError(f"--system leaves no room for a turn: with a one-word message the prompt takes {len(ids)} "
                           f"tokens, and with --max-new-tokens {kwargs['max_new_tokens']} that exceeds the context of "
-                          f"{engine.max_context} tokens; shorten it, lower --max-new-tokens or raise --max-context")
+                          f"{engine.max_context} tokens; shorten it" + _or_raise(engine, ", lower --max-new-tokens or raise "
+                          "--max-context", " or lower --max-new-tokens"))
+
+
+def _or_raise(engine, hint: str, otherwise: str = "") -> str:
+    """``hint`` (advice to raise --max-context) where the engine's context is below the
+    target's, else ``otherwise`` (it cannot be raised)."""
+    return hint if engine.max_context < context_limit(engine.target.config) else otherwise
 
 
 def _utf8(line: str) -> str | None:

@@ -534,7 +534,7 @@ class SpeculativeDecoder:
         if not isinstance(params, SamplingParams):
             raise DFlashError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_max_new_tokens(max_new_tokens)
-        n_prompt = check_prompt_ids(prompt_ids, self.target.config.vocab_size, max_new_tokens, self.max_context)
+        n_prompt = check_prompt_ids(prompt_ids, self.target.config, max_new_tokens, self.max_context)
         params.check_vocab(self.target.config.vocab_size)
         check_prompt_position(checkpoint, n_prompt, "checkpoint")
         return self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs, checkpoint)

@@ -1005,7 +1005,7 @@ class DFlashEngine:
                 (:func:`~dflash_torch.options.check_prompt_ids`, as with any ``max_new_tokens``).
             OptionError: a ``min_tokens`` above the tokens left after the prompt, named so.
         """
-        n = options.check_prompt_ids(prompt_ids, self.target.config.vocab_size, 1, self.max_context)
+        n = options.check_prompt_ids(prompt_ids, self.target.config, 1, self.max_context)
         room = self.max_context - n
         if min_tokens > room:
             raise OptionError(f"min_tokens ({min_tokens}) exceeds the {room} tokens left in the context of "
@@ -1326,7 +1326,7 @@ class DFlashEngine:
                 ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
                 if given is None:
                     stopper.max_new_tokens = self._default_limit(ids, params.min_tokens)
-                options.check_prompt_ids(ids, self.target.config.vocab_size, stopper.max_new_tokens, self.max_context)
+                options.check_prompt_ids(ids, self.target.config, stopper.max_new_tokens, self.max_context)
             except DFlashError as exc:
                 if n == 1 or (stopper is None and _shared_by_all(exc, per)):  # (no prompt to name)
                     raise

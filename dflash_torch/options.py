@@ -138,15 +138,17 @@ def check_max_context(value, config, name: str = "max_context") -> int:
     return limit if value is None else value
 
 
-def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_new_tokens: int, max_context: int) -> int:
+def check_prompt_ids(prompt_ids: list[int], config, max_new_tokens: int, max_context: int) -> int:
     """A prompt's token ids for a decoding of ``max_new_tokens`` within ``max_context``
-    tokens; returns the prompt's length (tokens).
+    tokens, on the target of ``config`` (a :class:`~dflash_torch.models.config.TargetConfig`:
+    its vocabulary and context); returns the prompt's length (tokens).
 
     Raises:
         DFlashError: a prompt that is not a list of integers (Python or NumPy integers,
             0-dim integer tensors; not bools), an empty prompt, ids outside ``[0, vocab_size)``,
             a prompt of ``max_context`` tokens or more (no room for a new token: an
-            :class:`OptionError` naming the prompt), or prompt plus ``max_new_tokens``
+            :class:`OptionError` naming the prompt, and ``max_context`` where it is below the
+            target's context), or prompt plus ``max_new_tokens``
             beyond ``max_context`` (one naming ``max_new_tokens``).
     """
     if not isinstance(prompt_ids, list):  # (the step-level APIs; the engine's calls take tuples, ranges, tensors)
@@ -155,14 +157,20 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int, max_new_tokens: int
     if any(isinstance(t, bool) or not hasattr(t, "__index__") for t in prompt_ids):
         shown = prompt_ids if isinstance(prompt_ids, (str, list)) and len(prompt_ids) <= 8 else type(prompt_ids).__name__
         raise DFlashError(f"prompt token ids must be integers, got {shown!r}")
+    vocab_size = config.vocab_size
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
         raise DFlashError("the prompt is empty (0 tokens)")
     if any(not 0 <= t.__index__() < vocab_size for t in prompt_ids):
         raise DFlashError(f"prompt token ids must be in [0, {vocab_size})")
     if n_prompt >= max_context:  # (lowering max_new_tokens cannot help)
-        raise OptionError(f"the prompt ({n_prompt} tokens) leaves no room for a new token in the context of "
-                          f"{max_context} tokens; shorten it or raise max_context", "prompt", "max_context")
+        limit = context_limit(config)
+        if max_context < limit:
+            raise OptionError(f"the prompt ({n_prompt} tokens) leaves no room for a new token in the context of "
+                              f"{max_context} tokens; shorten it or raise max_context (up to {limit})",
+                              "prompt", "max_context")
+        raise OptionError(f"the prompt ({n_prompt} tokens) leaves no room for a new token in the target's context "
+                          f"of {max_context} tokens; shorten it", "prompt")
     if n_prompt + max_new_tokens > max_context:
         raise OptionError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
                           f"of {max_context} tokens", "max_new_tokens")

@@ -69,7 +69,7 @@ def test_a_refused_turn_leaves_the_conversation_as_it_was(tiny_pair, engine):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("dflash-torch: error: ")]
     assert len(errors) == 2, proc.stderr
     # (the prompt alone exceeds the context: named, not --max-new-tokens)
-    pattern = r"dflash-torch: error: the prompt \((1[6-9]\d|[2-9]\d\d) tokens\) leaves no room for a new token in the context of 160 tokens; shorten it or raise --max-context"
+    pattern = r"dflash-torch: error: the prompt \((1[6-9]\d|[2-9]\d\d) tokens\) leaves no room for a new token in the context of 160 tokens; shorten it or raise --max-context \(up to 1024\)"
     assert re.fullmatch(pattern, errors[0]), errors  # (the first turn: nothing to /reset)
     assert re.fullmatch(pattern + "; /reset starts a new conversation", errors[1]), errors
     assert proc.stdout == "".join(r + "\n" for r in replies(engine, [["def f(x):", "class A:"]]))
@@ -171,6 +171,8 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
     pair = ["--target", str(target), "--draft", str(drafter), "--dtype", "float32"]
     refusing = shutil.copytree(target, tmp_path / "refusing")
     (refusing / "chat_template.jinja").write_text(REFUSING_TEMPLATE)
+    long_system = len(engine.encode_prompt([{"role": "system", "content": "be brief " * 700},
+                                            {"role": "user", "content": "hi"}], chat=True))
     proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "chat", *pair, "--max-new-tokens", str(NEW),
                            "--system", SYSTEM], input=b"\xff\xfe bad\n//path\r\n", capture_output=True, timeout=240)
     err = proc.stderr.decode()
@@ -191,10 +193,18 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
                         (["--max-context", "64", "--max-new-tokens", "10", "--system", "be brief " * 40],
                          "--system leaves no room for a turn: with a one-word message the prompt takes "),
                         (["--target", str(refusing), "--no-draft", "--system", "be brief"],
-                         "--system: the chat template refuses these messages: System role not supported")):
+                         "--system: the chat template refuses these messages: System role not supported"),
+                        # (at the target's own context: no advice to raise --max-context, which cannot go higher)
+                        (["--system", "be brief " * 700], f"--system leaves no room for a turn: with a one-word message "
+                         f"the prompt takes {long_system} tokens, and with a new token that exceeds the context of 1024 "
+                         "tokens; shorten it\n"),
+                        (["--system", "be brief " * 700, "--max-new-tokens", "4"], "--system leaves no room for a turn: "
+                         f"with a one-word message the prompt takes {long_system} tokens, and with --max-new-tokens 4 "
+                         "that exceeds the context of 1024 tokens; shorten it or lower --max-new-tokens\n")):
         proc = run_cli("chat", *(flags if flags[0] == "--target" else [*pair, *flags]), stdin="hi\n")
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr
-        assert proc.stderr.splitlines()[-1].startswith(f"dflash-torch: error: {line}"), proc.stderr
+        last = proc.stderr.splitlines(keepends=True)[-1]
+        assert last.startswith(f"dflash-torch: error: {line}"), proc.stderr
 
 
 def test_the_default_max_new_tokens_is_cut_to_the_context_a_turn_leaves(tiny_pair, engine, tmp_path):

@@ -330,7 +330,7 @@ def test_a_prompt_that_fills_the_context_is_named_not_max_new_tokens(engine, tin
     small = DFlashEngine(engine.target, engine.tokenizer, engine.drafter, max_context=40)
     for ids in (list(range(5, 45)), list(range(5, 50))):
         line = (f"the prompt ({len(ids)} tokens) leaves no room for a new token in the context of 40 tokens; "
-                "shorten it or raise max_context")
+                "shorten it or raise max_context (up to 1024)")
         for call in (lambda: small.generate(ids, max_new_tokens=1), lambda: small.generate(ids),
                      lambda: small.generate_batch([ids], max_new_tokens=1),
                      lambda: list(small.decoder.rounds(ids, SamplingParams(), 1))):
@@ -346,7 +346,20 @@ def test_a_prompt_that_fills_the_context_is_named_not_max_new_tokens(engine, tin
         assert cli_main(["generate", text, "--target", str(target), "--draft", str(drafter), "--max-context", str(n),
                          *extra]) == 2
         assert capsys.readouterr().err == (f"dflash-torch: error: the prompt ({n} tokens) leaves no room for a new "
-                                           f"token in the context of {n} tokens; shorten it or raise --max-context\n")
+                                           f"token in the context of {n} tokens; shorten it or raise --max-context "
+                                           "(up to 1024)\n")
+    # at the target's own context (1024 tokens) raising max_context is no advice: it cannot go higher
+    ids = [5 + i % 300 for i in range(1024)]
+    for call in (lambda: engine.generate(ids, max_new_tokens=1), lambda: engine.generate_batch([ids])):
+        with pytest.raises(OptionError) as err:
+            call()
+        assert str(err.value).endswith("the prompt (1024 tokens) leaves no room for a new token in the target's "
+                                       "context of 1024 tokens; shorten it") and err.value.names == ("prompt",), err.value
+    long = "x = 1; " * 400
+    assert len(engine.encode_prompt(long)) >= 1024
+    assert cli_main(["generate", long, "--target", str(target), "--draft", str(drafter)]) == 2
+    assert re.fullmatch(r"dflash-torch: error: the prompt \(\d+ tokens\) leaves no room for a new token in the "
+                        r"target's context of 1024 tokens; shorten it\n", capsys.readouterr().err)
 
 
 def test_dflash2_drafter_loads_and_decodes(bad, capsys):
