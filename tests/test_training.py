@@ -284,6 +284,41 @@ def test_chat_loss_with_templates_that_render_earlier_turns_otherwise(tiny_pair,
     assert ex.whole and ex.loss_mask.all()
 
 
+# Mistral v0.3's way: the system prompt goes into the last user turn (of a conversation that ends with one)
+MISTRAL = ("{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+           "{% set turns = messages[1:] %}{% else %}{% set turns = messages %}{% endif %}{% for m in turns %}"
+           "{% if m.role == 'user' %}{% if loop.last and system is defined %}{{ '[INST] ' + system + '\\n\\n' + m.content"
+           " + '[/INST]' }}{% else %}{{ '[INST] ' + m.content + '[/INST]' }}{% endif %}"
+           "{% else %}{{ ' ' + m.content|trim + eos_token }}{% endif %}{% endfor %}")
+# a header that counts the messages: every earlier turn's rendering alone differs from the conversation's
+COUNTED = ("Conversation of {{ messages|length }} messages\n{% for m in messages %}{{ '# ' + m.role + ': ' + m.content"
+           " + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '# assistant: ' }}{% endif %}")
+
+
+@pytest.mark.parametrize("template, system, want", [
+    ("mistral", False, [" Hello!<|endoftext|>", " Sure thing.<|endoftext|>"]),
+    ("mistral", True, None), ("counted", False, None), ("counted", True, None)])
+def test_chat_loss_never_lies_on_user_turns_the_template_renders_otherwise_later(tiny_pair, template, system, want):
+    """A template that renders the turns before a reply otherwise once the conversation goes
+    on: the generation prompt departs from the text inside a user turn, and the loss covered
+    the user's text with no WARNING (trial-91). Such a conversation now trains on all its
+    tokens (``whole``, counted in the WARNING line); where the turns do render alike, the loss
+    lies on the replies."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    tok.chat_template = MISTRAL if template == "mistral" else COUNTED
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "More please"}, {"role": "assistant", "content": "Sure thing."}]
+    if system:
+        messages.insert(0, {"role": "system", "content": "Be brief."})
+    ex = tokenize_conversation(tok, messages)
+    if want is None:
+        assert ex.whole and ex.loss_mask.all()
+    else:
+        assert not ex.whole and _masked_spans(tok, ex) == want
+
+
 def test_read_corpus_and_chat_loss_mask(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair
     corpus = read_corpus([_jsonl(tmp_path / "d.jsonl")])

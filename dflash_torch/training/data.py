@@ -356,8 +356,11 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
 
     It starts where ``text`` departs from the generation prompt that precedes the turn (at
     its end, or earlier where the template writes the turn's opening differently, e.g. a
-    space instead of the prompt's line end), but not before the turns before it, rendered
-    alone, depart from ``text``. It ends at the end of the turn rendered alone, when that is
+    space instead of the prompt's line end), but not inside the turns before it: those,
+    rendered alone, must be in ``text`` up to where the generation prompt adds to them (a
+    template that renders earlier turns otherwise as the conversation goes on, e.g.
+    Mistral's system prompt in the last user turn or a header that counts the messages,
+    gives None). It ends at the end of the turn rendered alone, when that is
     a prefix of ``text``. A template may render the last assistant turn differently from
     earlier ones (Qwen3's writes an empty ``<think></think>`` into the last one only, and
     drops earlier turns' reasoning): the turn then ends at the end of the longest tail of
@@ -373,7 +376,10 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
     if opening >= 0:
         prompt = turn[:opening]  # (a conversation that opens with the reply: what the template writes first)
     start = len(os.path.commonprefix([prompt, text]))
-    if start < len(os.path.commonprefix([before, text])):  # (the prompt departs inside the turns before it)
+    # the turns before it must be in ``text`` as they render alone: a template that renders them otherwise once the
+    # conversation goes on (Mistral's system prompt in the last user turn, a header counting the messages) departs
+    # inside them, and the loss would start on a user's text
+    if start < max(len(os.path.commonprefix([before, text])), len(os.path.commonprefix([before, prompt]))):
         return None
     if text.startswith(turn) and len(turn) > start:
         try:  # the reply ends where a generation prompt would follow it (not at an end-of-text after the last turn)

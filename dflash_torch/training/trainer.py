@@ -393,7 +393,8 @@ def deferred_interrupt():
             raise KeyboardInterrupt
 
 
-CACHE_FORMAT = 4  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out
+CACHE_FORMAT = 5  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
+# 5: no reply span inside the turns before it
 """Version of the tokenized-data cache; part of its key (bump when tokenization changes)."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
