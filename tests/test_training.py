@@ -818,7 +818,7 @@ STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['user', 'assi
 
 
 @pytest.mark.parametrize("case", ["jsonl-not-utf8", "jsonl-in-dir-not-utf8", "text-not-utf8", "text-surrogate",
-                                  "chat-surrogate", "chat-template-refuses"])
+                                  "chat-surrogate", "chat-template-refuses", "text-and-messages", "chat-image-part"])
 def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
     target_dir, _ = tiny_pair
     tok = _tok(target_dir)
@@ -833,6 +833,10 @@ def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
         "chat-template-refuses": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "robot", "content": "hi"},
                                                                                  {"role": "assistant", "content": "ok"}]})
                                   .encode() + b"\n", "unknown role robot"),
+        "text-and-messages": ("d.jsonl", 2, good + json.dumps({"text": "a", "messages": []}).encode() + b"\n",
+                              "either a 'text' string or a 'messages' list, not both"),
+        "chat-image-part": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode() + b"\n", "content part 0 must be"),
     }[case]
     path = tmp_path / name
     path.parent.mkdir(exist_ok=True)
@@ -844,6 +848,45 @@ def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
         _prepare(cfg, tok, target_dir)
     msg = str(err.value)
     assert msg.startswith(f"{path}:{line}: ") and words in msg and "\n" not in msg, msg
+
+
+# a template that writes tool calls (Qwen3's hermes format)
+TOOLS_TEMPLATE = (
+    "{%- for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
+    "{% endif %}{% for tc in m.tool_calls or [] %}\n<tool_call>\n{\"name\": \"{{ tc.function.name }}\", "
+    "\"arguments\": {{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_data_takes_the_messages_the_engine_takes(tiny_pair, tmp_path):
+    """OpenAI's content parts and assistant turns with tool calls and a null content, as the
+    engine's chat path and the server take them, are training data too (the whole file was
+    refused: trial-91), rendered as the engine renders them (parts joined by line ends, a
+    call's JSON arguments as a mapping), the loss on the replies and calls."""
+    target_dir, _ = tiny_pair
+    tok = _tok(target_dir)
+    tok.chat_template = TOOLS_TEMPLATE
+    parts = [{"role": "user", "content": [{"type": "text", "text": "PART one"}, {"type": "text", "text": "PART two"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "REPLY text"}]}]
+    tools = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "TOOL says sunny"},
+             {"role": "assistant", "content": "It is sunny."}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (parts, tools)))
+    data, _, _ = _prepare(_cfg(tmp_path, target_dir, path, val_seqs=0, batch=1, seq_len=256, raw_fraction=0.0), tok,
+                          target_dir)
+    texts = [tok.decode(ex.ids.tolist()) for ex in data.examples]
+    assert "<|im_start|>user\nPART one\nPART two<|im_end|>" in texts[0]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in texts[1]
+    losses = [_masked_spans(tok, ex) for ex in data.examples]
+    assert [s.strip() for s in losses[0]] == ["REPLY text<|im_end|>"]
+    assert [s.strip() for s in losses[1]] == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "It is sunny.<|im_end|>"]
+    assert not any(ex.whole for ex in data.examples)
 
 
 def test_directory_skips_files_that_are_not_text(tiny_pair, tmp_path):

@@ -9,7 +9,10 @@ Inputs (``--data``, any mix):
   valid records) one document each;
 * a ``.jsonl`` file: one record per line, either ``{"text": str}`` (a document) or
   ``{"messages": [{"role", "content"}, ...]}`` (a chat conversation, rendered with the
-  target tokenizer's chat template; a message's ``reasoning_content`` string is kept);
+  target tokenizer's chat template), not both; messages as the engine's chat path takes
+  them (:meth:`~dflash_torch.engine.DFlashEngine.encode_prompt`: a content string or list
+  of text parts, ``tool_calls`` with a None content, ``name``, ``tool_call_id``), and a
+  message's ``reasoning_content`` string is kept;
 * a ``.json`` file: a JSON array of such records, one record, or records one per line
   (as Hugging Face ``datasets``' JSON loader reads them).
 
@@ -43,6 +46,7 @@ from typing import Iterator
 
 import torch
 
+from ..engine import _chat_messages
 from ..errors import DFlashError
 
 
@@ -113,19 +117,20 @@ def _check_unicode(text: str, where: str) -> str:
 
 
 def _add_record(rec, where: str, corpus: Corpus) -> None:
+    if isinstance(rec, dict) and "text" in rec and "messages" in rec:
+        raise DFlashError(f"{where}: a record holds either a 'text' string or a 'messages' list, not both")
     if isinstance(rec, dict) and isinstance(rec.get("text"), str):
         corpus.documents.append(_check_unicode(rec["text"], where))
     elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-        msgs = rec["messages"]
-        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
-            raise DFlashError(f"{where}: messages must be a list of {{'role': str, 'content': str}}")
+        try:  # (the messages the engine's chat path takes, as it takes them)
+            msgs = _chat_messages(rec["messages"])
+        except DFlashError as exc:
+            raise DFlashError(f"{where}: {exc}") from None
         if any("reasoning_content" in m and not isinstance(m["reasoning_content"], str) for m in msgs):
             raise DFlashError(f"{where}: a message's reasoning_content must be a string")
+        _check_unicode(json.dumps(msgs, ensure_ascii=False), where)
         if msgs:  # (a reasoning_content is kept: templates such as Qwen3's render it)
-            corpus.conversations.append([
-                {"role": _check_unicode(m["role"], where), "content": _check_unicode(m["content"], where),
-                 **({"reasoning_content": _check_unicode(m["reasoning_content"], where)}
-                    if isinstance(m.get("reasoning_content"), str) else {})} for m in msgs])
+            corpus.conversations.append(msgs)
             corpus.conversation_sources.append(where)
     else:
         raise DFlashError(f"{where}: expected an object with a 'text' string or a 'messages' list")

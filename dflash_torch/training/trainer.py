@@ -394,7 +394,7 @@ def deferred_interrupt():
 
 
 CACHE_FORMAT = 5  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
-# 5: no reply span inside the turns before it
+# 5: no reply span inside the turns before it; messages as the engine takes them (parts, tool calls, names)
 """Version of the tokenized-data cache; part of its key (bump when tokenization changes)."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
