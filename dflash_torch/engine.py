@@ -640,8 +640,7 @@ class DFlashEngine:
         """The named parameters of the tokenizer's ``apply_chat_template``, and ``messages``
         (the variable it renders the conversation as): no extra template variable may take
         these names."""
-        params = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
-        return [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)] + ["messages"]
+        return reserved_template_variables(self.tokenizer)
 
     def _render_chat(self, messages: list[dict], template_kwargs: dict) -> str:
         """The tokenizer's chat template applied to ``messages`` with ``template_kwargs``: the
@@ -1400,6 +1399,13 @@ def byte_level_alphabet() -> list[str]:
             out.append(chr(256 + extra))
             extra += 1
     return out
+
+
+def reserved_template_variables(tokenizer) -> list[str]:
+    """The named parameters of ``tokenizer.apply_chat_template``, and ``messages``: the names
+    no extra chat template variable may take (see :meth:`DFlashEngine.reserved_template_variables`)."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)] + ["messages"]
 
 
 def _chat_messages(messages: list) -> list[dict]:

@@ -665,6 +665,8 @@ REFUSED_TRAIN_OPTIONS = {
     "dflash2-default-option-for-dflash": "--selector-top-k is an option of DFlash 2 drafters",  # (its default value too)
     # (a NotADirectoryError traceback once the target had loaded)
     "out-under-a-file": "cannot use --out ",
+    # (an argument of the template call itself, as generate/chat/serve refuse it)
+    "template-kwargs-reserved": "--chat-template-kwargs cannot set add_generation_prompt",
 }
 
 
@@ -723,6 +725,8 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
     elif case == "out-under-a-file":
         (tmp_path / "afile").write_text("x")
         args[args.index("--out") + 1] = str(tmp_path / "afile" / "sub")
+    elif case == "template-kwargs-reserved":
+        args += ["--chat-template-kwargs", '{"add_generation_prompt": false}']
     else:
         args += ["--save-dtype", "float16"]
     target_files = {p.name: p.read_bytes() for p in Path(target).iterdir() if p.is_file()}
@@ -733,6 +737,55 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
     if case == "out-holds-drafter":  # and --overwrite is the way through
         assert cli_main(args + ["--overwrite", "--batch", "2", "--seq-len", "64", "--val-seqs", "0"]) == 0
         assert (out / "model.safetensors").stat().st_mode & 0o644 == 0o644
+
+
+# Qwen3's non-thinking mode, in short: an empty think block opens every reply and the generation prompt
+NO_THINKING = ("{% set empty = '<think>\\n\\n</think>\\n\\n' if enable_thinking is defined and not enable_thinking "
+               "else '' %}{% for m in messages %}# {{ m['role'] }}: {{ empty if m['role'] == 'assistant' else '' }}"
+               "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}# assistant: {{ empty }}{% endif %}")
+
+
+def test_train_renders_the_chat_data_with_chat_template_kwargs(tiny_pair, tmp_path, capsys):
+    """--chat-template-kwargs (as generate/chat/bench/serve take it) renders the chat data
+    and the self-distill prompts, e.g. Qwen3's non-thinking mode that the published
+    drafters were trained on (train had no such option: trial-91); it is part of the data
+    cache's key and of the recipe a --resume compares."""
+    from dflash_torch.cli import main as cli_main
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target)
+    (target / "chat_template.jinja").write_text(NO_THINKING)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i} about lists"},
+                                                     {"role": "assistant", "content": f"answer {i}: sorted(x)"}]}) + "\n"
+                            for i in range(12)))
+    out = tmp_path / "out"
+    args = ["train", "--target", str(target), "--data", str(data), "--out", str(out), "--steps", "1", "--batch", "2",
+            "--seq-len", "128", "--val-seqs", "0", "--num-layers", "1", "--block-size", "8", "--no-progress",
+            "--self-distill", "2", "--prefix-min", "4", "--chat-template-kwargs", '{"enable_thinking": false}']
+    assert cli_main(args) == 0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    blob = torch.load(next((out / "train_work").glob("data-*.pt")), weights_only=False)
+    for ids, mask in blob["chat"]:
+        text, loss = tok.decode(ids.tolist()), tok.decode(ids[mask].tolist())
+        assert text.startswith("# user: question") and "# assistant: <think>\n\n</think>\n\nanswer" in text, text
+        assert loss.startswith("answer") and "question" not in loss, loss  # (the think block is the prompt's)
+    assert len(blob["distilled"]) == 2
+    for ids, mask in blob["distilled"]:  # (the prompts end with the non-thinking generation prompt)
+        assert tok.decode(ids[~mask].tolist()).endswith("# assistant: <think>\n\n</think>\n\n")
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["config"]["chat_template_kwargs"] == {"enable_thinking": False}
+    capsys.readouterr()
+    # resumed with other variables: the recipe differs, said; the data is made again (not the cache's)
+    args[args.index("--steps") + 1] = "2"
+    args[-1] = '{"enable_thinking": true}'
+    assert cli_main(args + ["--resume"]) == 0
+    said = capsys.readouterr().err
+    assert "--chat-template-kwargs {'enable_thinking': True} (was {'enable_thinking': False})" in said, said
+    blob = torch.load(next((out / "train_work").glob("data-*.pt")), weights_only=False)
+    assert all("<think>" not in tok.decode(ids.tolist()) for ids, _ in blob["chat"])
 
 
 def test_train_dflash2_from_a_dflash_drafter_round_trips(tiny_pair, tmp_path, capsys):

@@ -7,6 +7,7 @@ import contextlib
 import math
 from pathlib import Path
 
+from ..cli import add_chat_template_kwargs_arg
 from ..errors import DFlashError
 from ..options import check_threads, resolve_dtype
 from .trainer import ARCHS, CHECKPOINT, TrainConfig, Trainer
@@ -79,6 +80,7 @@ def register(sub) -> None:
                    help=f"shortest self-distill prompt (tokens, default {d['prefix_min'].default})")
     p.add_argument("--prefix-max", type=int, default=d["prefix_max"].default,
                    help=f"longest self-distill prompt (tokens, default {d['prefix_max'].default})")
+    add_chat_template_kwargs_arg(p, "for rendering the chat data and the self-distill prompts taken from it")
     p.add_argument("--raw-fraction", type=float, default=d["raw_fraction"].default,
                    help="share of batch rows from the raw corpus when examples exist (default 0.25)")
     p.add_argument("--val-seqs", type=int, default=d["val_seqs"].default, help=f"sequences set apart for validation: val_loss and val_tau, the acceptance length of greedy decoding replayed along them (exact on --self-distill rows; on other text a lower bound, drafts counted where the text holds the target's greedy choice) (0: none; default {d['val_seqs'].default})")
@@ -173,7 +175,7 @@ def _train(args: argparse.Namespace) -> int:
         self_distill=args.self_distill, self_distill_batch=args.self_distill_batch, prefix_min=args.prefix_min,
         prefix_max=args.prefix_max, raw_fraction=args.raw_fraction, val_seqs=args.val_seqs, eval_every=args.eval_every,
         ckpt_every=args.ckpt_every, num_threads=args.num_threads, autocast=not args.no_autocast,
-        save_dtype=args.save_dtype, progress=not args.no_progress,
+        save_dtype=args.save_dtype, progress=not args.no_progress, chat_template_kwargs=args.chat_template_kwargs,
         **{k: d[k].default if getattr(args, k) is None else getattr(args, k) for k in DFLASH2_OPTIONS},
     )
     new_dirs = [path for path in (cfg.work_path(), Path(args.out)) if not path.exists()]  # (_check makes them)

@@ -315,26 +315,25 @@ def tokenize_documents(tokenizer, documents: list[str]) -> torch.Tensor:
     return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.long)
 
 
-def _render_text(tokenizer, messages: list[dict], generation_prompt: bool, where: str) -> str:
+def _render_text(tokenizer, messages: list[dict], generation_prompt: bool, where: str,
+                 template_kwargs: dict | None = None) -> str:
     from jinja2 import TemplateError
 
     if not messages:  # (the turns before an opening assistant turn; transformers refuses to render none)
         return ""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                             **(template_kwargs or {}))
     except TemplateError as exc:
         raise DFlashError(f"{where}: the target's chat template refuses this conversation ({' '.join(str(exc).split())})") from None
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool, max_tokens: int | None, where: str) -> list[int]:
-    return encode_text(tokenizer, _render_text(tokenizer, messages, generation_prompt, where), max_tokens)
-
-
-def chat_prompt(tokenizer, messages: list[dict], max_tokens: int | None = None, where: str = "a conversation") -> list[int]:
+def chat_prompt(tokenizer, messages: list[dict], max_tokens: int | None = None, where: str = "a conversation",
+                template_kwargs: dict | None = None) -> list[int]:
     """Token ids of the prompt that precedes the last assistant turn (all turns if none),
-    cut to its first ``max_tokens``."""
+    cut to its first ``max_tokens``; ``template_kwargs``: extra chat template variables."""
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
-    return _render(tokenizer, messages[:last], True, max_tokens, where)
+    return encode_text(tokenizer, _render_text(tokenizer, messages[:last], True, where, template_kwargs), max_tokens)
 
 
 def _token_spans(tokenizer, text: str, max_tokens: int | None) -> list[tuple[int, int]] | None:
@@ -355,7 +354,8 @@ def _token_spans(tokenizer, text: str, max_tokens: int | None) -> list[tuple[int
     return spans
 
 
-def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: str) -> tuple[int, int] | None:
+def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: str,
+                    template_kwargs: dict | None = None) -> tuple[int, int] | None:
     """Where assistant turn ``i`` lies in ``text``, the whole conversation rendered, in
     characters; None when it cannot be found.
 
@@ -373,9 +373,9 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
     ``text`` has after the start and before the next message's content; or, for a template
     that writes more after the last turn (Phi-3's end-of-text), at the end of the longest
     head of it (whole lines) that ``text`` has at the start."""
-    before = _render_text(tokenizer, messages[:i], False, where)
-    prompt = _render_text(tokenizer, messages[:i], True, where)
-    turn = _render_text(tokenizer, messages[:i + 1], False, where)
+    before = _render_text(tokenizer, messages[:i], False, where, template_kwargs)
+    prompt = _render_text(tokenizer, messages[:i], True, where, template_kwargs)
+    turn = _render_text(tokenizer, messages[:i + 1], False, where, template_kwargs)
     content = messages[i].get("content")
     opening = turn.find(content) if not messages[:i] and isinstance(content, str) and content.strip() else -1
     if opening >= 0:
@@ -388,7 +388,7 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
         return None
     if text.startswith(turn) and len(turn) > start:
         try:  # the reply ends where a generation prompt would follow it (not at an end-of-text after the last turn)
-            ended = _render_text(tokenizer, messages[:i + 1], True, where)
+            ended = _render_text(tokenizer, messages[:i + 1], True, where, template_kwargs)
         except DFlashError:
             ended = turn
         end = len(os.path.commonprefix([turn, ended]))
@@ -399,7 +399,7 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
     nxt = messages[i + 1].get("content") if i + 1 < len(messages) else None
     limit = -1
     if isinstance(nxt, str) and nxt.strip():  # where the next message's text is: in the rendering up to it
-        upto = _render_text(tokenizer, messages[:i + 2], False, where)
+        upto = _render_text(tokenizer, messages[:i + 2], False, where, template_kwargs)
         limit = upto.rfind(nxt, start, len(os.path.commonprefix([upto, text])))
         if limit < 0:
             limit = text.find(nxt, start)
@@ -416,9 +416,11 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
     return None
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None = None, where: str = "a conversation") -> Example:
+def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None = None, where: str = "a conversation",
+                          template_kwargs: dict | None = None) -> Example:
     """A chat conversation with loss on its assistant turns, cut to its first ``max_len``
-    tokens (the part a training sequence can hold; the rest is not tokenized).
+    tokens (the part a training sequence can hold; the rest is not tokenized), rendered
+    with the extra chat template variables ``template_kwargs`` (e.g. ``{"enable_thinking": False}``).
 
     Assistant turns are found in the rendered text (:func:`_assistant_span`: rendering the
     conversation turn by turn), and a token carries the loss when its characters overlap one
@@ -433,7 +435,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DFlashError(f"{where}: chat ('messages') training data needs a tokenizer with a chat template")
-    text = _render_text(tokenizer, messages, False, where)
+    text = _render_text(tokenizer, messages, False, where, template_kwargs)
     full = encode_text(tokenizer, text, max_len)
     spans = _token_spans(tokenizer, text, max_len)
     mask = torch.zeros(len(full), dtype=torch.bool)
@@ -441,7 +443,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
     for i, m in enumerate(messages):
         if not consistent or m["role"] != "assistant":
             continue
-        turn = _assistant_span(tokenizer, messages, i, text, where)
+        turn = _assistant_span(tokenizer, messages, i, text, where, template_kwargs)
         if turn is None:
             consistent = False
             break

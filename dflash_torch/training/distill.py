@@ -107,12 +107,13 @@ def greedy_continuations(model, prompts: list[list[int]], max_new: list[int], pa
 
 
 def distill_prompts(tokenizer, corpus: Corpus, n: int, seq_len: int, *, prefix_min: int = 32, prefix_max: int = 256,
-                    seed: int = 0) -> tuple[list[list[int]], list[bool]]:
+                    seed: int = 0, template_kwargs: dict | None = None) -> tuple[list[list[int]], list[bool]]:
     """Up to ``n`` prompts (token ids) for self-distillation and whether each is a chat prompt.
 
     Chat prompts (everything before a conversation's last assistant turn) are drawn in
     proportion to the conversations' share of the corpus and kept when shorter than
-    ``seq_len - 16`` tokens; text prompts are cut by :func:`text_prompts` from
+    ``seq_len - 16`` tokens (rendered with the extra chat template variables
+    ``template_kwargs``); text prompts are cut by :func:`text_prompts` from
     ``prefix_min..prefix_max`` tokens (at most ``seq_len - 16``). Fewer than ``n`` come
     back when the data is too short to cut them.
     """
@@ -126,7 +127,7 @@ def distill_prompts(tokenizer, corpus: Corpus, n: int, seq_len: int, *, prefix_m
     prompts: list[list[int]] = []
     for _ in range(n_chat):
         k = rng.randrange(len(corpus.conversations))
-        p = chat_prompt(tokenizer, corpus.conversations[k], seq_len - 15, corpus.source(k))
+        p = chat_prompt(tokenizer, corpus.conversations[k], seq_len - 15, corpus.source(k), template_kwargs)
         if 0 < len(p) <= seq_len - 16:
             prompts.append(p)
     chat = [True] * len(prompts)

@@ -33,7 +33,7 @@ from ..models.config import (DFlash2Settings, DrafterConfig, TargetConfig, defau
                              needs_mask_token_id, validate_pair)
 from ..models.drafter import DFlashDrafter, drafter_class
 from ..models.target import TargetModel
-from ..options import context_limit
+from ..options import check_chat_template_kwargs, context_limit
 from .data import (
     Example, TrainingData, collate, corpus_files, read_corpus, step_generator, tokenize_conversation, tokenize_documents,
 )
@@ -48,7 +48,7 @@ ARCHS = ("dflash", "dflash2")
 # --steps / --time-budget-min: resuming to train longer is what they are for)
 RECIPE = ("data", "batch", "seq_len", "anchors_per_seq", "lr", "min_lr_frac", "warmup_steps",
           "weight_decay", "grad_clip", "gamma", "seed", "self_distill", "self_distill_batch", "prefix_min", "prefix_max",
-          "raw_fraction", "val_seqs", "autocast", "selector_loss_weight")
+          "raw_fraction", "val_seqs", "autocast", "selector_loss_weight", "chat_template_kwargs")
 
 
 @dataclass
@@ -98,6 +98,7 @@ class TrainConfig:
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
+    chat_template_kwargs: dict | None = None  # extra chat template variables for the chat data and self-distill prompts
 
     def work_path(self) -> Path:
         return Path(self.work_dir) if self.work_dir else Path(self.out) / "train_work"
@@ -426,7 +427,7 @@ def data_key(cfg: TrainConfig, target_dir: Path) -> str:
     parts = {"format": CACHE_FORMAT, "target": target, "data": [str(Path(p).expanduser().resolve()) for p in cfg.data],
              "files": [[str(f.resolve()), _file_digest(f)] for f, _ in corpus_files(cfg.data)],
              "seq_len": cfg.seq_len, "self_distill": cfg.self_distill, "prefix": [cfg.prefix_min, cfg.prefix_max],
-             "seed": cfg.seed}
+             "seed": cfg.seed, "chat_template_kwargs": cfg.chat_template_kwargs}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -515,7 +516,8 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> dict:
         still = "; --self-distill still takes prompts from them" if cfg.self_distill else ""
         note(f"data: {no_turn} conversation{'s have' if no_turn > 1 else ' has'} no assistant turn, e.g. "
              f"{corpus.source(first)}; left out (a conversation's loss lies on its assistant turns{still})")
-    chat = [tokenize_conversation(tokenizer, corpus.conversations[i], cfg.seq_len, corpus.source(i)) for i in replied]
+    chat = [tokenize_conversation(tokenizer, corpus.conversations[i], cfg.seq_len, corpus.source(i),
+                                  cfg.chat_template_kwargs) for i in replied]
     whole = [corpus.source(i) for i, e in zip(replied, chat) if e.whole]
     if whole:  # (their user and system text is trained on too)
         note(f"data: WARNING: {len(whole)} of {len(chat)} conversations have assistant turns the chat template does not "
@@ -532,7 +534,8 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> dict:
 
         check_data_size(cfg, stream.numel(), len(chat), cfg.self_distill, **left_out)  # before the costly part
         prompts, is_chat = distill_prompts(tokenizer, corpus, cfg.self_distill, cfg.seq_len, prefix_min=cfg.prefix_min,
-                                           prefix_max=cfg.prefix_max, seed=cfg.seed)
+                                           prefix_max=cfg.prefix_max, seed=cfg.seed,
+                                           template_kwargs=cfg.chat_template_kwargs)
         if not prompts:
             shortest = max(1, min(cfg.prefix_min, cfg.prefix_max, cfg.seq_len - 16) // 2)
             chat_too = f", and no chat prompt is shorter than --seq-len - 16 = {cfg.seq_len - 16} tokens" if chat else ""
@@ -679,11 +682,17 @@ class Trainer:
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
         if cfg.seq_len > (limit := context_limit(target_cfg)):
             raise DFlashError(f"--seq-len {cfg.seq_len} exceeds the target's context of {limit} tokens")
-        target = TargetModel.from_pretrained(target_dir, torch.float32)
-        target.requires_grad_(False)
-        from ..engine import _load_tokenizer
+        from ..engine import _load_tokenizer, reserved_template_variables
 
         tokenizer = _load_tokenizer(target_dir)
+        if cfg.chat_template_kwargs is not None:  # (before the target loads)
+            check_chat_template_kwargs(cfg.chat_template_kwargs, reserved_template_variables(tokenizer),
+                                       "--chat-template-kwargs")
+            if not getattr(tokenizer, "chat_template", None):
+                raise DFlashError("--chat-template-kwargs apply to chat ('messages') data, which needs a target "
+                                  "tokenizer with a chat template; this one has none")
+        target = TargetModel.from_pretrained(target_dir, torch.float32)
+        target.requires_grad_(False)
         source, notes = None, []
         if cfg.init_from:
             source, dcfg = load_init_drafter(cfg, target_cfg, tokenizer)
