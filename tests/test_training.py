@@ -788,6 +788,33 @@ def test_train_renders_the_chat_data_with_chat_template_kwargs(tiny_pair, tmp_pa
     assert all("<think>" not in tok.decode(ids.tolist()) for ids, _ in blob["chat"])
 
 
+def test_overwrite_removes_the_replaced_checkpoints_weight_files_only(tiny_pair, tmp_path, capsys):
+    """--overwrite into a directory holding a sharded checkpoint left its shards and index
+    beside the new model.safetensors (trial-91); they go now, the directory's other files
+    stay. Shards alone (no config.json) are a checkpoint too: refused without --overwrite."""
+    from conftest import make_target
+
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    out = make_target(tmp_path / "out", max_shard_size="100KB", tokenizer=False)
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file()
+    (out / "config.json").unlink()
+    (out / "notes.txt").write_text("mine")
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--steps", "1", "--batch", "2",
+            "--seq-len", "64", "--val-seqs", "0", "--num-layers", "1", "--no-progress"]
+    assert cli_main(args) == 2
+    assert "already holds a checkpoint: pass --overwrite" in capsys.readouterr().err
+    assert cli_main(args + ["--overwrite"]) == 0
+    assert f"removed the weight files of the checkpoint replaced in {out}: model-" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "notes.txt", "train_work", "training_log.json"]
+    assert DFlashEngine.from_pretrained(target, out).drafter is not None
+
+
 def test_train_dflash2_from_a_dflash_drafter_round_trips(tiny_pair, tmp_path, capsys):
     """``train --arch dflash2 --init-from`` a DFlash drafter: the backbone starts as the
     source's (identity convolutions, small random codebooks), the selector loss falls, and

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..cli import add_chat_template_kwargs_arg
 from ..errors import DFlashError
 from ..options import check_threads, resolve_dtype
-from .trainer import ARCHS, CHECKPOINT, TrainConfig, Trainer
+from .trainer import ARCHS, CHECKPOINT, STALE_WEIGHTS, TrainConfig, Trainer
 
 # the drafter's shape: with --init-from it comes from the source drafter
 SHAPE_OPTIONS = {"num_layers": "--num-layers", "block_size": "--block-size", "target_layer_ids": "--target-layer-ids",
@@ -152,7 +152,7 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
     if not (args.overwrite or args.resume):
         if (work / CHECKPOINT).exists():
             raise DFlashError(f"{work} holds a training checkpoint: pass --resume to continue it or --overwrite to start over")
-        if any((out / f).exists() for f in ("config.json", "model.safetensors")):
+        if out.is_dir() and any(f.name == "config.json" or STALE_WEIGHTS.fullmatch(f.name) for f in out.iterdir()):
             raise DFlashError(f"--out {args.out} already holds a checkpoint: pass --overwrite to replace it")
     for name, path in {"--out": Path(args.out), "--work-dir": cfg.work_path()}.items():
         try:  # (made before the target loads: it failed with a traceback after)

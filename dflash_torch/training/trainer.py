@@ -875,7 +875,7 @@ class Trainer:
             evals.append(last_eval)
         save_checkpoint()
         train_time = elapsed()
-        out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype)
+        out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype, self.log)
         info = {
             "command": "dflash-torch train " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "train" else None,
             "config": asdict(cfg), "drafter_config": dcfg.to_dict(), "mask_token_id_source": how, "gamma": gamma,
@@ -891,8 +891,35 @@ class Trainer:
         return info
 
 
-def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, dtype: str = "bfloat16") -> Path:
-    """Write ``config.json`` + ``model.safetensors`` in the published DFlash (or DFlash 2) drafter format."""
+STALE_WEIGHTS = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
+"""Names of the weight and index files a checkpoint in ``--out`` may hold besides ``model.safetensors``."""
+
+
+def remove_stale_weights(out_dir: Path) -> list[str]:
+    """Remove the weight files of a checkpoint that ``model.safetensors`` in ``out_dir``
+    replaces (shards, ``.bin`` weights, their index files: names of :data:`STALE_WEIGHTS`,
+    and the files the indexes list), so that no loader reads them instead or beside it;
+    the directory's other files are kept. Returns the names removed."""
+    names = {f.name for f in out_dir.iterdir() if STALE_WEIGHTS.fullmatch(f.name)} - {"model.safetensors"}
+    for index in [n for n in names if n.endswith(".index.json")]:
+        try:
+            listed = json.loads((out_dir / index).read_text())["weight_map"].values()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # (not an index: its own name goes only)
+            continue
+        names |= {s for s in listed if isinstance(s, str) and "/" not in s and "\\" not in s
+                  and s.endswith((".safetensors", ".bin")) and s != "model.safetensors"}
+    removed = []
+    for name in sorted(names):
+        if (out_dir / name).is_file() or (out_dir / name).is_symlink():
+            (out_dir / name).unlink()
+            removed.append(name)
+    return removed
+
+
+def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, dtype: str = "bfloat16",
+                   log=None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in the published DFlash (or DFlash 2) drafter format;
+    the weight files of a checkpoint it replaces are removed (:func:`remove_stale_weights`; said to ``log``)."""
     from safetensors.torch import save_file
 
     from ..options import resolve_dtype
@@ -902,6 +929,9 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
     state = {k: v.detach().to(torch_dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out_dir / "model.safetensors", 0o644)  # safetensors creates it owner-only
+    removed = remove_stale_weights(out_dir)
+    if removed and log is not None:
+        log(f"removed the weight files of the checkpoint replaced in {out_dir}: {', '.join(removed)}")
     cfg = dcfg.to_dict()
     cfg["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
