@@ -788,6 +788,22 @@ def test_train_renders_the_chat_data_with_chat_template_kwargs(tiny_pair, tmp_pa
     assert all("<think>" not in tok.decode(ids.tolist()) for ids, _ in blob["chat"])
 
 
+def test_a_val_tau_of_none_says_why(tiny_pair, tmp_path, capsys):
+    """Held-out rows whose replies are shorter than a block leave nothing to replay: val_tau
+    is None, and the log and the eval line now say why (trial-91: no word)."""
+    target, _ = tiny_pair
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                     {"role": "assistant", "content": "ok"}]}) + "\n"
+                            for i in range(20)))
+    lines: list[str] = []
+    info = Trainer(_cfg(tmp_path, target, data, steps=1, block_size=8, val_seqs=2, raw_fraction=0.0),
+                   log=lines.append).run()
+    final = info["final_eval"]
+    assert final["val_tau"] is None and "no held-out row holds a block of 8 tokens" in final["val_tau_note"], final
+    assert any(m.startswith("eval step 0: val_loss") and "val_tau None (no held-out row holds" in m for m in lines), lines
+
+
 def test_overwrite_removes_the_replaced_checkpoints_weight_files_only(tiny_pair, tmp_path, capsys):
     """--overwrite into a directory holding a sharded checkpoint left its shards and index
     beside the new model.safetensors (trial-91); they go now, the directory's other files

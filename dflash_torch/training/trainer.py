@@ -620,7 +620,8 @@ class Trainer:
     def evaluate(self, drafter, target, rows, gamma, walk_rows: int = 16) -> dict:
         """Validation loss and slot accuracy on fixed random anchors, and the acceptance
         length of greedy decoding replayed on the first ``walk_rows`` rows (exact for
-        self-distilled rows, a lower bound on other text: see :func:`greedy_walk`)."""
+        self-distilled rows, a lower bound on other text: see :func:`greedy_walk`); where
+        no row holds a block to replay (``val_tau`` None), ``val_tau_note`` says why."""
         if not rows:
             return {}
         cfg = self.cfg
@@ -649,6 +650,10 @@ class Trainer:
         result = {"val_loss": round(ce / max(w, 1e-9), 4),
                   "val_tau": round(sum(taus) / len(taus), 3) if taus else None,
                   "val_slot_acc": [round(float(c) / max(int(n), 1), 3) for c, n in zip(slot_c, slot_n)]}
+        if not taus:  # (it was None with no word why)
+            which = f"none of the first {walk_rows} held-out rows" if len(rows) > walk_rows else "no held-out row"
+            result["val_tau_note"] = (f"{which} holds a block of {drafter.config.block_size} tokens from its first "
+                                      "position with loss (a reply's start) on within --seq-len: nothing to replay")
         if drafter.config.dflash2 is not None:  # weighted by the slots that count (None where none did)
             result["val_selector_loss"] = round(sel / sel_w, 4) if sel_w else None
         return result
@@ -806,7 +811,7 @@ class Trainer:
             last_eval = {"step": 0, **self.evaluate(drafter, target, val_rows, gamma)}
             if last_eval.get("val_loss") is not None:
                 evals.append(last_eval)
-                self.log(f"eval step 0: val_loss {last_eval['val_loss']} val_tau {last_eval['val_tau']}")
+                self.log(_eval_line(last_eval))
         loss_ema = None
         self._interrupt_note = None
         try:
@@ -851,7 +856,7 @@ class Trainer:
                 if step % cfg.eval_every == 0 and val_rows:
                     last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
                     evals.append(last_eval)
-                    self.log(f"eval step {step}: val_loss {last_eval['val_loss']} val_tau {last_eval['val_tau']}")
+                    self.log(_eval_line(last_eval))
                 if step % cfg.ckpt_every == 0:
                     save_checkpoint()
                 post = {"loss": f"{loss_ema:.3f}", "lr": f"{lr:.1e}"}
@@ -893,6 +898,12 @@ class Trainer:
 
 STALE_WEIGHTS = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
 """Names of the weight and index files a checkpoint in ``--out`` may hold besides ``model.safetensors``."""
+
+
+def _eval_line(e: dict) -> str:
+    """The line said for an evaluation (see :meth:`Trainer.evaluate`)."""
+    note = f" ({e['val_tau_note']})" if "val_tau_note" in e else ""
+    return f"eval step {e['step']}: val_loss {e['val_loss']} val_tau {e['val_tau']}{note}"
 
 
 def remove_stale_weights(out_dir: Path) -> list[str]:
