@@ -297,17 +297,21 @@ COUNTED = ("Conversation of {{ messages|length }} messages\n{% for m in messages
 
 @pytest.mark.parametrize("template, system, want", [
     ("mistral", False, [" Hello!<|endoftext|>", " Sure thing.<|endoftext|>"]),
-    ("mistral", True, None), ("counted", False, None), ("counted", True, None)])
+    # (found by their contents: from the reply's first character, the space the template writes before it not)
+    ("mistral", True, ["Hello!<|endoftext|>", "Sure thing.<|endoftext|>"]),
+    ("counted", False, ["Hello!\n", "Sure thing.\n"]), ("counted", True, ["Hello!\n", "Sure thing.\n"]),
+    ("counted-upper", True, None)])
 def test_chat_loss_never_lies_on_user_turns_the_template_renders_otherwise_later(tiny_pair, template, system, want):
     """A template that renders the turns before a reply otherwise once the conversation goes
     on: the generation prompt departs from the text inside a user turn, and the loss covered
-    the user's text with no WARNING (trial-91). Such a conversation now trains on all its
-    tokens (``whole``, counted in the WARNING line); where the turns do render alike, the loss
-    lies on the replies."""
+    the user's text with no WARNING (trial-91). The replies are found by their contents'
+    places instead; where those cannot be found either (a template that changes the text),
+    the conversation trains on all its tokens (``whole``, counted in the WARNING line)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
-    tok.chat_template = MISTRAL if template == "mistral" else COUNTED
+    tok.chat_template = {"mistral": MISTRAL, "counted": COUNTED,
+                         "counted-upper": COUNTED.replace("m.content", "m.content|upper")}[template]
     messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
                 {"role": "user", "content": "More please"}, {"role": "assistant", "content": "Sure thing."}]
     if system:

@@ -27,7 +27,8 @@ Two kinds of training sequences come out of it:
   concatenated into one stream; a batch row is a random ``seq_len`` window of it
   (loss on every position);
 * **examples**: separate sequences with a loss mask: chat conversations (loss on the
-  assistant turns when the template renders turn by turn consistently, else everywhere;
+  assistant turns when the template renders turn by turn consistently or the messages'
+  contents are found in the rendered text, else everywhere;
   one with no assistant turn has no loss, and training leaves it out) and self-distilled
   sequences (prompt + the target's own greedy continuation, loss on the continuation;
   see :mod:`.distill`).
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -416,6 +418,53 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
     return None
 
 
+def _marked(messages: list[dict], j: int | None = None) -> list[dict]:
+    """``messages`` (the first ``j + 1`` with ``j``) with each string content replaced by a marker naming it."""
+    return [{**m, "content": f"@@dflash-content-{k}@@"} if isinstance(m.get("content"), str) else m
+            for k, m in enumerate(messages[:None if j is None else j + 1])]
+
+
+def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str,
+                  template_kwargs: dict | None = None) -> tuple[int, int] | None:
+    """Where assistant turn ``i`` lies in ``text``, found by its content instead of the
+    turn-by-turn rendering (:func:`_assistant_span`'s fallback); None when it cannot be.
+
+    The conversation is rendered with each message's content replaced by a marker; where
+    that rendering, each marker replaced by its content (as given or stripped, as a
+    ``trim`` writes it), is ``text`` exactly, every content's place in ``text`` is known.
+    The turn then spans its content and what the template writes after it as the last turn
+    (its closing marker), as far as ``text`` has it, never into the next message's content.
+    """
+    if not isinstance(messages[i].get("content"), str) or "@@dflash-content-" in text:
+        return None
+    marked = _render_text(tokenizer, _marked(messages), False, where, template_kwargs)
+    places: dict[int, tuple[int, int]] = {}
+    at = 0
+    pieces = re.split(r"@@dflash-content-(\d+)@@", marked)
+    for k in range(1, len(pieces), 2):
+        literal, j = pieces[k - 1], int(pieces[k])
+        if not text.startswith(literal, at) or j in places or j >= len(messages):
+            return None
+        at += len(literal)
+        given = messages[j]["content"]
+        value = given if text.startswith(given, at) else given.strip()
+        if not text.startswith(value, at):
+            return None
+        places[j] = (at, at + len(value))
+        at += len(value)
+    if text[at:] != pieces[-1] or i not in places:
+        return None
+    start, end = places[i]
+    last = _render_text(tokenizer, _marked(messages, i), False, where, template_kwargs)
+    closing = last[last.find(f"@@dflash-content-{i}@@") + len(f"@@dflash-content-{i}@@"):]
+    shared = len(os.path.commonprefix([closing, text[end:]]))
+    if shared < len(closing):  # (the next turn follows inside it: back to a line or a marker's end)
+        shared = max(text.rfind("\n", end, end + shared), text.rfind(">", end, end + shared)) + 1 - end
+        shared = max(shared, 0)
+    limit = min((a for a, _ in places.values() if a >= end), default=len(text))
+    return start, max(min(end + shared, limit), start + 1)
+
+
 def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None = None, where: str = "a conversation",
                           template_kwargs: dict | None = None) -> Example:
     """A chat conversation with loss on its assistant turns, cut to its first ``max_len``
@@ -423,7 +472,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
     with the extra chat template variables ``template_kwargs`` (e.g. ``{"enable_thinking": False}``).
 
     Assistant turns are found in the rendered text (:func:`_assistant_span`: rendering the
-    conversation turn by turn), and a token carries the loss when its characters overlap one
+    conversation turn by turn; else :func:`_content_span`: by the places of the messages'
+    contents), and a token carries the loss when its characters overlap one
     (a token that joins the generation prompt's last characters to the reply's first, as a
     byte-level BPE can, included). When a turn cannot be found, or the tokenizer gives no
     character offsets, the loss covers every token instead (``Example.whole``); a
@@ -443,7 +493,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
     for i, m in enumerate(messages):
         if not consistent or m["role"] != "assistant":
             continue
-        turn = _assistant_span(tokenizer, messages, i, text, where, template_kwargs)
+        turn = _assistant_span(tokenizer, messages, i, text, where, template_kwargs) or \
+            _content_span(tokenizer, messages, i, text, where, template_kwargs)
         if turn is None:
             consistent = False
             break

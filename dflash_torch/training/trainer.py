@@ -394,8 +394,9 @@ def deferred_interrupt():
             raise KeyboardInterrupt
 
 
-CACHE_FORMAT = 5  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
-# 5: no reply span inside the turns before it; messages as the engine takes them (parts, tool calls, names)
+CACHE_FORMAT = 6  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
+# 5: no reply span inside the turns before it; messages as the engine takes them (parts, tool calls, names);
+# 6: replies found by their contents
 """Version of the tokenized-data cache; part of its key (bump when tokenization changes)."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
