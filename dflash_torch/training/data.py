@@ -437,7 +437,11 @@ def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str
     """
     if not isinstance(messages[i].get("content"), str) or "@@dflash-content-" in text:
         return None
-    marked = _render_text(tokenizer, _marked(messages), False, where, template_kwargs)
+    try:  # (a template may refuse the markers where it takes the contents)
+        marked = _render_text(tokenizer, _marked(messages), False, where, template_kwargs)
+        last = _render_text(tokenizer, _marked(messages, i), False, where, template_kwargs)
+    except DFlashError:
+        return None
     places: dict[int, tuple[int, int]] = {}
     at = 0
     pieces = re.split(r"@@dflash-content-(\d+)@@", marked)
@@ -455,7 +459,6 @@ def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str
     if text[at:] != pieces[-1] or i not in places:
         return None
     start, end = places[i]
-    last = _render_text(tokenizer, _marked(messages, i), False, where, template_kwargs)
     closing = last[last.find(f"@@dflash-content-{i}@@") + len(f"@@dflash-content-{i}@@"):]
     shared = len(os.path.commonprefix([closing, text[end:]]))
     if shared < len(closing):  # (the next turn follows inside it: back to a line or a marker's end)
