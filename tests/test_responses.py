@@ -341,6 +341,24 @@ def test_bad_requests_are_errors_naming_the_responses_parameter(servers, body, s
         assert not chat_names or (chat_names == {param} and e["code"] == "unknown_parameter"), e
 
 
+def test_stream_options_without_stream_is_refused_as_in_chat(servers):
+    """``stream_options`` without ``stream: true`` is a 400 in /v1/responses as in chat and
+    completions (it was taken without a word); with ``stream`` it is accepted."""
+    spec, _ = servers
+    for path, body in (("responses", {"input": "hi", "max_output_tokens": 2,
+                                      "stream_options": {"include_obfuscation": False}}),
+                       ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                             "stream_options": {"include_usage": True}})):
+        h = httpx.post(f"{spec.base_url}{path}", json={"model": MODEL, **body},
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+        e = h.json()["error"]
+        assert h.status_code == 400 and e["param"] == "stream_options", e
+        assert e["message"] == "stream_options is only allowed when stream is true", e
+    h = _raw(spec, {"model": MODEL, "input": "hi", "max_output_tokens": 2, "stream": True,
+                    "stream_options": {"include_obfuscation": False}})
+    assert h.status_code == 200 and h.text.startswith("event: response.created"), h.text
+
+
 def test_ignored_fields_and_the_client_error_type(servers):
     spec, _ = servers
     r = _respond(spec, input="x", max_output_tokens=2, store=False, truncation="disabled", user="u",

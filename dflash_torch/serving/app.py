@@ -604,6 +604,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         bad = req.chat_only()
         if bad is not None:  # (OpenAI: an unknown parameter)
             raise APIError(400, bad[1], param=bad[0], code="unknown_parameter")
+        if req.stream_options is not None and not req.stream:  # (as chat's, and OpenAI's)
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         bad = req.unsupported()
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
