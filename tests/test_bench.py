@@ -305,6 +305,14 @@ def test_bench_refuses_bad_options_with_one_line(tiny_pair, tmp_path, capsys):
         assert cli_main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], (extra, err)
+    # a run refused after --out was made (here: a target that is no checkpoint) leaves no empty --out behind,
+    # nor the parents it made; a directory that was there stays
+    made = tmp_path / "new" / "deeper" / "o"
+    assert cli_main(["bench", "--target", str(a_file), "--draft", str(drafter), "--out", str(made)]) == 2
+    assert "--target" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    assert cli_main(["bench", "--target", str(a_file), "--draft", str(drafter), "--out", str(tmp_path / "kept")]) == 2
+    assert (tmp_path / "kept").is_dir()
 
 
 def test_a_shape_that_cannot_fit_is_refused_before_anything_is_timed(tiny_pair, tmp_path, capsys, monkeypatch):

@@ -208,9 +208,29 @@ def _plots(report: dict, out: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    # all of bench's torch work (its engine's too) on this thread: one OpenMP thread team
-    with compute.this_thread():
-        return _run(args)
+    """Run bench; a run that fails (a refusal, a model that does not load, Ctrl-C) removes
+    the ``--out`` directories it made while they are still empty."""
+    made = _missing_dirs(Path(args.out)) if args.out.strip() else []
+    try:
+        # all of bench's torch work (its engine's too) on this thread: one OpenMP thread team
+        with compute.this_thread():
+            return _run(args)
+    except BaseException:
+        for path in made:  # (the deepest first; a directory something was written into stays)
+            try:
+                path.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, deepest first (what ``mkdir(parents=True)`` makes)."""
+    missing = []
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 def _run(args: argparse.Namespace) -> int:
