@@ -143,7 +143,7 @@ def _sampling(engine, args: argparse.Namespace) -> dict:
         engine.default_max_new_tokens, kwargs["max_new_tokens"] = kwargs["max_new_tokens"], None
     elif kwargs["max_new_tokens"] >= engine.max_context:
         raise DFlashError(f"--max-new-tokens {kwargs['max_new_tokens']} leaves no room for a prompt in the "
-                          f"context of {engine.max_context} tokens; lower it" + _or_raise(engine, " (or raise --max-context)"))
+                          f"context of {engine.max_context} tokens; lower it" + " (or raise --max-context)" * _can_raise(engine, kwargs["max_new_tokens"] + 1))
     if taken:
         print("[sampling from the target's generation_config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items())
               + " (flags override it; --generation-config none: greedy decoding, 256 tokens)]", file=sys.stderr)
@@ -166,11 +166,12 @@ def _check_start(engine, start: list[dict], kwargs: dict) -> None:
     if kwargs["max_new_tokens"] is None:  # (the default, cut to the room: at least a token, or --min-tokens)
         need = max(1, kwargs["min_tokens"])
         if len(ids) + need > engine.max_context:
-            below = engine.max_context < context_limit(engine.target.config)
+            below = _can_raise(engine, len(ids) + need)
             if start:
                 what, advice = "--system leaves", ["shorten it"] + ["raise --max-context"] * below
             else:
-                what = f"--max-context {engine.max_context} leaves" if below else "the target's context leaves"
+                what = (f"--max-context {engine.max_context} leaves" if engine.max_context < context_limit(engine.target.config)
+                        else "the target's context leaves")
                 advice = ["raise it"] * below
             advice = advice + ["lower --min-tokens"] * (need > 1) or ["use a target with a longer context"]
             more = f"--min-tokens {need}" if need > 1 else "a new token"
@@ -183,14 +184,15 @@ def _check_start(engine, start: list[dict], kwargs: dict) -> None:
     if len(ids) + kwargs["max_new_tokens"] > engine.max_context:
         raise DFlashError(f"--system leaves no room for a turn: with a one-word message the prompt takes {len(ids)} "
                           f"tokens, and with --max-new-tokens {kwargs['max_new_tokens']} that exceeds the context of "
-                          f"{engine.max_context} tokens; shorten it" + _or_raise(engine, ", lower --max-new-tokens or raise "
-                          "--max-context", " or lower --max-new-tokens"))
+                          f"{engine.max_context} tokens; shorten it" + (
+                              ", lower --max-new-tokens or raise --max-context"
+                              if _can_raise(engine, len(ids) + kwargs["max_new_tokens"]) else " or lower --max-new-tokens"))
 
 
-def _or_raise(engine, hint: str, otherwise: str = "") -> str:
-    """``hint`` (advice to raise --max-context) where the engine's context is below the
-    target's, else ``otherwise`` (it cannot be raised)."""
-    return hint if engine.max_context < context_limit(engine.target.config) else otherwise
+def _can_raise(engine, tokens: int) -> bool:
+    """Whether a larger --max-context, up to the target's context, would hold ``tokens``
+    (advice to raise it is given only then)."""
+    return engine.max_context < tokens <= context_limit(engine.target.config)
 
 
 def _utf8(line: str) -> str | None:

@@ -147,8 +147,8 @@ def check_prompt_ids(prompt_ids: list[int], config, max_new_tokens: int, max_con
         DFlashError: a prompt that is not a list of integers (Python or NumPy integers,
             0-dim integer tensors; not bools), an empty prompt, ids outside ``[0, vocab_size)``,
             a prompt of ``max_context`` tokens or more (no room for a new token: an
-            :class:`OptionError` naming the prompt, and ``max_context`` where it is below the
-            target's context), or prompt plus ``max_new_tokens``
+            :class:`OptionError` naming the prompt, and ``max_context`` where a larger one, up
+            to the target's context, would hold it), or prompt plus ``max_new_tokens``
             beyond ``max_context`` (one naming ``max_new_tokens``).
     """
     if not isinstance(prompt_ids, list):  # (the step-level APIs; the engine's calls take tuples, ranges, tensors)
@@ -165,12 +165,14 @@ def check_prompt_ids(prompt_ids: list[int], config, max_new_tokens: int, max_con
         raise DFlashError(f"prompt token ids must be in [0, {vocab_size})")
     if n_prompt >= max_context:  # (lowering max_new_tokens cannot help)
         limit = context_limit(config)
-        if max_context < limit:
+        if n_prompt < limit:  # (a longer max_context would hold it)
             raise OptionError(f"the prompt ({n_prompt} tokens) leaves no room for a new token in the context of "
                               f"{max_context} tokens; shorten it or raise max_context (up to {limit})",
                               "prompt", "max_context")
-        raise OptionError(f"the prompt ({n_prompt} tokens) leaves no room for a new token in the target's context "
-                          f"of {max_context} tokens; shorten it", "prompt")
+        context = "the target's context" if max_context == limit else "the context"
+        beyond = "" if max_context == limit else f" (the target's context is {limit} tokens)"
+        raise OptionError(f"the prompt ({n_prompt} tokens) leaves no room for a new token in {context} of "
+                          f"{max_context} tokens; shorten it{beyond}", "prompt")
     if n_prompt + max_new_tokens > max_context:
         raise OptionError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
                           f"of {max_context} tokens", "max_new_tokens")

@@ -200,7 +200,15 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
                          "tokens; shorten it\n"),
                         (["--system", "be brief " * 700, "--max-new-tokens", "4"], "--system leaves no room for a turn: "
                          f"with a one-word message the prompt takes {long_system} tokens, and with --max-new-tokens 4 "
-                         "that exceeds the context of 1024 tokens; shorten it or lower --max-new-tokens\n")):
+                         "that exceeds the context of 1024 tokens; shorten it or lower --max-new-tokens\n"),
+                        # (below it, where even the target's context could not hold it: no advice to raise it either)
+                        (["--system", "be brief " * 700, "--max-context", "1000"], "--system leaves no room for a "
+                         f"turn: with a one-word message the prompt takes {long_system} tokens, and with a new token "
+                         "that exceeds the context of 1000 tokens; shorten it\n"),
+                        (["--max-context", "64", "--max-new-tokens", "64"], "--max-new-tokens 64 leaves no room for a "
+                         "prompt in the context of 64 tokens; lower it (or raise --max-context)\n"),
+                        (["--max-context", "1024", "--max-new-tokens", "1024"], "--max-new-tokens 1024 leaves no room "
+                         "for a prompt in the context of 1024 tokens; lower it\n")):
         proc = run_cli("chat", *(flags if flags[0] == "--target" else [*pair, *flags]), stdin="hi\n")
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr
         last = proc.stderr.splitlines(keepends=True)[-1]

@@ -355,6 +355,11 @@ def test_a_prompt_that_fills_the_context_is_named_not_max_new_tokens(engine, tin
             call()
         assert str(err.value).endswith("the prompt (1024 tokens) leaves no room for a new token in the target's "
                                        "context of 1024 tokens; shorten it") and err.value.names == ("prompt",), err.value
+    # nor below it, for a prompt longer than the target's context
+    with pytest.raises(OptionError) as err:
+        small.generate(ids, max_new_tokens=1)
+    assert str(err.value) == ("the prompt (1024 tokens) leaves no room for a new token in the context of 40 tokens; "
+                              "shorten it (the target's context is 1024 tokens)") and err.value.names == ("prompt",)
     long = "x = 1; " * 400
     assert len(engine.encode_prompt(long)) >= 1024
     assert cli_main(["generate", long, "--target", str(target), "--draft", str(drafter)]) == 2
