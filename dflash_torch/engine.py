@@ -629,7 +629,7 @@ class DFlashEngine:
             template_kwargs = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
             if continue_final_message:
                 template_kwargs["continue_final_message"] = True
-            return self._encode(self._render_chat(messages, template_kwargs), add_special_tokens=False)
+            return self._encode(render_chat(self.tokenizer, messages, template_kwargs), add_special_tokens=False)
         if not isinstance(prompt, str):
             raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages")
         if check_length:
@@ -641,41 +641,6 @@ class DFlashEngine:
         (the variable it renders the conversation as): no extra template variable may take
         these names."""
         return reserved_template_variables(self.tokenizer)
-
-    def _render_chat(self, messages: list[dict], template_kwargs: dict) -> str:
-        """The tokenizer's chat template applied to ``messages`` with ``template_kwargs``: the
-        extra template variables and ``apply_chat_template``'s own ``add_generation_prompt``
-        (default true) and ``continue_final_message`` options.
-
-        Raises:
-            DFlashError: the template refuses the messages (its ``raise_exception``, e.g.
-                roles out of order) or cannot be rendered at all (a broken template), or
-                the messages, tools or variables are nested too deeply to render.
-        """
-        import jinja2
-
-        try:
-            template_kwargs = {"add_generation_prompt": True, **template_kwargs}
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
-        except (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError) as exc:
-            raise DFlashError(f"the model's chat template cannot be rendered: {' '.join(str(exc).split())}") from None
-        except jinja2.TemplateError as exc:
-            raise DFlashError(f"the chat template refuses these messages: {' '.join(str(exc).split())}") from None
-        except TypeError as exc:  # e.g. a template function (raise_exception) shadowed by a chat_template_kwargs value
-            extra = set(template_kwargs) - {"add_generation_prompt", "continue_final_message", "tools"}
-            given = [n for n, on in (("chat_template_kwargs", extra), ("tools", "tools" in template_kwargs)) if on]
-            what = " or ".join(["these messages", *given])
-            message = f"the chat template cannot render {what}: {' '.join(str(exc).split())}"
-            raise (OptionError(message, *given) if given else DFlashError(message)) from None
-        except ValueError as exc:  # (transformers: continue_final_message with a last message the template drops)
-            if not template_kwargs.get("continue_final_message"):
-                raise
-            raise OptionError(f"continue_final_message: the chat template does not render the last message's text "
-                              f"as sent, so the prompt cannot end inside it ({' '.join(str(exc).split())})",
-                              "continue_final_message") from None
-        except RecursionError:  # (jinja and its tojson recurse once per level of nesting)
-            raise DFlashError("the chat template cannot render these messages: their content, tool calls, tools or "
-                              "chat_template_kwargs are nested too deeply") from None
 
     def _check_length(self, chars: int) -> None:
         if chars > self.max_prompt_chars:
@@ -1399,6 +1364,43 @@ def byte_level_alphabet() -> list[str]:
             out.append(chr(256 + extra))
             extra += 1
     return out
+
+
+def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> str:
+    """``tokenizer``'s chat template applied to ``messages`` with ``template_kwargs``: the
+    extra template variables and ``apply_chat_template``'s own ``add_generation_prompt``
+    (default true) and ``continue_final_message`` options. The engine's chat path
+    (:meth:`DFlashEngine.encode_prompt`) and chat training data render with it.
+
+    Raises:
+        DFlashError: the template refuses the messages (its ``raise_exception``, e.g.
+            roles out of order) or cannot be rendered at all (a broken template), or
+            the messages, tools or variables are nested too deeply to render.
+    """
+    import jinja2
+
+    try:
+        template_kwargs = {"add_generation_prompt": True, **template_kwargs}
+        return tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+    except (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError) as exc:
+        raise DFlashError(f"the model's chat template cannot be rendered: {' '.join(str(exc).split())}") from None
+    except jinja2.TemplateError as exc:
+        raise DFlashError(f"the chat template refuses these messages: {' '.join(str(exc).split())}") from None
+    except TypeError as exc:  # e.g. a template function (raise_exception) shadowed by a chat_template_kwargs value
+        extra = set(template_kwargs) - {"add_generation_prompt", "continue_final_message", "tools"}
+        given = [n for n, on in (("chat_template_kwargs", extra), ("tools", "tools" in template_kwargs)) if on]
+        what = " or ".join(["these messages", *given])
+        message = f"the chat template cannot render {what}: {' '.join(str(exc).split())}"
+        raise (OptionError(message, *given) if given else DFlashError(message)) from None
+    except ValueError as exc:  # (transformers: continue_final_message with a last message the template drops)
+        if not template_kwargs.get("continue_final_message"):
+            raise
+        raise OptionError(f"continue_final_message: the chat template does not render the last message's text "
+                          f"as sent, so the prompt cannot end inside it ({' '.join(str(exc).split())})",
+                          "continue_final_message") from None
+    except RecursionError:  # (jinja and its tojson recurse once per level of nesting)
+        raise DFlashError("the chat template cannot render these messages: their content, tool calls, tools or "
+                          "chat_template_kwargs are nested too deeply") from None
 
 
 def reserved_template_variables(tokenizer) -> list[str]:

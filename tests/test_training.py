@@ -918,8 +918,14 @@ STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['user', 'assi
 
 
 @pytest.mark.parametrize("case", ["jsonl-not-utf8", "jsonl-in-dir-not-utf8", "text-not-utf8", "text-surrogate",
-                                  "chat-surrogate", "chat-template-refuses", "text-and-messages", "chat-image-part"])
+                                  "chat-surrogate", "chat-template-refuses", "text-and-messages", "chat-image-part",
+                                  "chat-template-type-error", "chat-kwarg-shadows-function", "json-nested-deep",
+                                  "json-array-nested-deep"])
 def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
+    """A bad record or a template that cannot render one is refused in one line naming the
+    file and line (a template's TypeError, a variable shadowing ``raise_exception`` and
+    JSON nested too deeply were tracebacks: trial-94; the data renders as the engine's chat
+    path renders it, tool call arguments as a mapping)."""
     target_dir, _ = tiny_pair
     tok = _tok(target_dir)
     good = json.dumps({"text": "def f(x):\n    return x\n" * 40}).encode() + b"\n"
@@ -937,17 +943,33 @@ def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
                               "either a 'text' string or a 'messages' list, not both"),
         "chat-image-part": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode() + b"\n", "content part 0 must be"),
+        "chat-template-type-error": ("d.jsonl", 2, good + json.dumps({"messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}]}).encode() + b"\n",
+            "the chat template cannot render these messages: can only concatenate str"),
+        "chat-kwarg-shadows-function": ("d.jsonl", 2, good + json.dumps({"messages": [
+            {"role": "robot", "content": "hi"}, {"role": "assistant", "content": "ok"}]}).encode() + b"\n",
+            "cannot render these messages or chat_template_kwargs: 'int' object is not callable"),
+        "json-nested-deep": ("d.jsonl", 2, good + b'{"text": "hi", "meta": ' + b"[" * 100000 + b"]" * 100000 + b"}\n",
+                             "nested too deeply"),
+        "json-array-nested-deep": ("d.json", None, b"[" * 100000 + b"]" * 100000, "nested too deeply"),
     }[case]
     path = tmp_path / name
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(body)
-    if case == "chat-template-refuses":
+    if case in ("chat-template-refuses", "chat-kwarg-shadows-function"):
         tok.chat_template = STRICT_TEMPLATE
-    cfg = _cfg(tmp_path, target_dir, path.parent if case.startswith("jsonl-in-dir") else path, val_seqs=0, batch=1)
+    if case == "chat-template-type-error":  # (DeepSeek-V3's way: the call's arguments joined to a string)
+        tok.chat_template = ("{% for m in messages %}{{ m.role + ': ' }}{% if m.tool_calls %}"
+                             "{{ 'call ' + m.tool_calls[0].function.arguments }}{% else %}{{ m.content }}{% endif %}"
+                             "\n{% endfor %}")
+    kwargs = {"raise_exception": 1} if case == "chat-kwarg-shadows-function" else None
+    cfg = _cfg(tmp_path, target_dir, path.parent if case.startswith("jsonl-in-dir") else path, val_seqs=0, batch=1,
+               chat_template_kwargs=kwargs)
     with pytest.raises(DFlashError) as err:
         _prepare(cfg, tok, target_dir)
     msg = str(err.value)
-    assert msg.startswith(f"{path}:{line}: ") and words in msg and "\n" not in msg, msg
+    assert msg.startswith(f"{path}:{line}: " if line else f"{path}: ") and words in msg and "\n" not in msg, msg
 
 
 # a template that writes tool calls (Qwen3's hermes format)

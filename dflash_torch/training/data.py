@@ -48,7 +48,7 @@ from typing import Iterator
 
 import torch
 
-from ..engine import _chat_messages
+from ..engine import _chat_messages, render_chat
 from ..errors import DFlashError
 
 
@@ -149,6 +149,8 @@ def _read_jsonl(path: Path, corpus: Corpus) -> None:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DFlashError(f"{where}: not valid JSON ({exc.msg})") from None
+            except RecursionError:
+                raise DFlashError(f"{where}: the JSON is nested too deeply to read") from None
             _add_record(rec, where, corpus)
 
 
@@ -161,7 +163,7 @@ def _looks_like_records(path: Path) -> bool:
             first = json.loads(text)
         except ValueError:
             first = json.loads(text.lstrip().split("\n", 1)[0])
-    except (ValueError, OSError):
+    except (ValueError, OSError, RecursionError):
         return False
     if isinstance(first, list):
         first = first[0] if first else None
@@ -177,6 +179,11 @@ def _read_json(path: Path, corpus: Corpus) -> None:
     except json.JSONDecodeError as exc:
         if text.lstrip().startswith("["):
             raise DFlashError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        _read_jsonl(path, corpus)
+        return
+    except RecursionError:
+        if text.lstrip().startswith("["):
+            raise DFlashError(f"{path}: the JSON is nested too deeply to read") from None
         _read_jsonl(path, corpus)
         return
     for i, rec in enumerate(whole) if isinstance(whole, list) else [(None, whole)]:
@@ -319,15 +326,16 @@ def tokenize_documents(tokenizer, documents: list[str]) -> torch.Tensor:
 
 def _render_text(tokenizer, messages: list[dict], generation_prompt: bool, where: str,
                  template_kwargs: dict | None = None) -> str:
-    from jinja2 import TemplateError
+    """The messages rendered as the engine's chat path renders them (:func:`~dflash_torch.engine.render_chat`).
 
+    Raises:
+        DFlashError: the template refuses or cannot render them (naming ``where``)."""
     if not messages:  # (the turns before an opening assistant turn; transformers refuses to render none)
         return ""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                             **(template_kwargs or {}))
-    except TemplateError as exc:
-        raise DFlashError(f"{where}: the target's chat template refuses this conversation ({' '.join(str(exc).split())})") from None
+        return render_chat(tokenizer, messages, {**(template_kwargs or {}), "add_generation_prompt": generation_prompt})
+    except DFlashError as exc:
+        raise DFlashError(f"{where}: {exc}") from None
 
 
 def chat_prompt(tokenizer, messages: list[dict], max_tokens: int | None = None, where: str = "a conversation",
