@@ -323,6 +323,146 @@ def test_chat_loss_never_lies_on_user_turns_the_template_renders_otherwise_later
         assert not ex.whole and _masked_spans(tok, ex) == want
 
 
+# --- the loss mask of chat data, checked against where each message's text lies -------------
+# Templates in the styles of real families (written for these tests): each message's text, character by character,
+# is found by rendering it with every content character replaced by one naming its message (the oracle).
+STYLE_TEMPLATES = {
+    "chatml": ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
+    "qwen3-reasoning": QWEN3_REASONING,
+    # Qwen3.5's guard: a conversation (or a part of one) with no user turn is refused
+    "user-guard": ("{% set ns = namespace(user=false) %}{% for m in messages %}{% if m.role == 'user' %}"
+                   "{% set ns.user = true %}{% endif %}{% endfor %}{% if not ns.user %}"
+                   "{{ raise_exception('No user turn in these messages.') }}{% endif %}" + LAST_TURN_DIFFERS),
+    "phi3": PHI3,
+    # Phi-3's own: roles other than system, user and assistant are not written
+    "phi3-drops-tools": ("{% for m in messages %}{% if m.role in ['system', 'user', 'assistant'] %}"
+                         "{{ '<|' + m.role + '|>\\n' + m.content + '<|end|>\\n' }}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"),
+    # gpt-oss's: the last reply closes with <|return|>, a reply a generation prompt follows with <|end|>
+    "harmony": ("{% for m in messages %}{% if m.role == 'assistant' %}{{ '<|start|>assistant<|channel|>final<|message|>'"
+                " + m.content }}{% if loop.last and not add_generation_prompt %}{{ '<|return|>' }}{% else %}"
+                "{{ '<|end|>' }}{% endif %}{% else %}{{ '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}"
+                "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"),
+    "llama3": ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n'"
+               " + m.content|trim + '<|eot_id|>' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"),
+    "gemma": ("{% for m in messages %}{% set role = 'model' if m.role == 'assistant' else 'user' %}"
+              "{{ '<start_of_turn>' + role + '\\n' + m.content|trim + '<end_of_turn>\\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"),
+    # DeepSeek-R1's: the generation prompt opens the reasoning, "<think>\\n"
+    "r1": ("{% for m in messages %}{% if m.role == 'user' %}{{ '<｜User｜>' + m.content }}{% elif m.role == 'assistant' %}"
+           "{{ '<｜Assistant｜>' + m.content + '<｜end▁of▁sentence｜>' }}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"),
+    "mistral": MISTRAL,
+    "counted": COUNTED,
+    "no-closing-last": ("{% for m in messages %}{% if m.role == 'assistant' %}{{ 'ASSISTANT: ' + m.content }}"
+                        "{% if not loop.last %}{{ '</s>' }}{% endif %}{{ '\\n' }}{% else %}"
+                        "{{ m.role|upper + ': ' + m.content + '\\n' }}{% endif %}{% endfor %}"
+                        "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"),
+}
+
+
+def _conversations() -> dict[str, list[dict]]:
+    def u(c):
+        return {"role": "user", "content": c}
+
+    def a(c):
+        return {"role": "assistant", "content": c}
+    base = [u("Hi there"), a("Hello! How can I help?"), u("Tell me a joke"), a("Why did the chicken cross?")]
+    return {
+        "base": base, "system": [{"role": "system", "content": "You are terse."}, *base],
+        "empty-user-between-same-replies": [u("Can you help me?"), a("Sure."), u(""), a("Sure."),
+                                            u("Thanks! My card number is 1234."), a("Sure.")],
+        "tool-between": [u("q"), a("ans"), {"role": "tool", "content": "res"}, u("secret"), a("ans")],
+        "greeting-first": [{"role": "system", "content": "Be kind."}, a("Hi, how can I help?"),
+                           u("What is 2+2?"), a("4")],
+        "reply-starts-with-lt": [u("Write HTML"), a("<html><body>hi</body></html>")],
+        "empty-reply": [u("Hi"), a(""), u("More"), a("Yes.")],
+        "same-reply-thrice": [u("a"), a("ok"), u("b"), a("ok"), u("c"), a("ok")],
+        "reply-holds-user-text": [u("4"), a("The answer is 4."), u("hi"), a("hi, 4 again")],
+        "multiline": [u("list\nthings"), a("one\ntwo\n"), u("more"), a("\nthree\n")],
+    }
+
+
+def _owner(tok, messages: list[dict], text: str) -> list[int] | None:
+    """For each character of ``text``: the index of the message whose content it is, or -1."""
+    alt = [{**m, "content": "".join(c if c.isspace() else chr(0xE000 + k) for c in m["content"])}
+           for k, m in enumerate(messages)]
+    other = tok.apply_chat_template(alt, tokenize=False)
+    if len(other) != len(text):
+        return None
+    owner = [ord(x) - 0xE000 if 0xE000 <= ord(x) < 0xE000 + len(messages) else -1 for x in other]
+    assert all(o >= 0 or x == y for o, x, y in zip(owner, other, text))
+    return owner
+
+
+@pytest.mark.parametrize("template", sorted(STYLE_TEMPLATES))
+def test_chat_loss_lies_on_replies_only_for_many_templates(tiny_pair, template):
+    """Whatever way a reply's span is found, no character of a user's, system's or tool's
+    text (or another reply's) carries the loss unless the conversation trains on all its
+    tokens (``whole``, counted in the WARNING line), and each non-empty reply's text does
+    (trial-94: an empty user turn between two same replies, or a tool turn Phi-3 does not
+    write, put the loss on the user's text after it with no word; gpt-oss's last reply, a
+    reply opening with "<" after R1's "<think>\\n", and a Qwen3.5-style guard refusing a
+    partial conversation, left text of replies off the loss or refused the run)."""
+    from transformers import AutoTokenizer
+
+    from dflash_torch.training.data import _token_spans
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    tok.chat_template = STYLE_TEMPLATES[template]
+    if tok.bos_token is None:
+        tok.bos_token = "<|endoftext|>"
+    wholes = []
+    for label, messages in _conversations().items():
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False)
+        except Exception:  # (a conversation the template refuses: refused as training data too)
+            with pytest.raises(DFlashError):
+                tokenize_conversation(tok, messages)
+            continue
+        ex = tokenize_conversation(tok, messages)
+        owner = _owner(tok, messages, text)
+        assert owner is not None, (template, label)
+        if ex.whole:
+            assert ex.loss_mask.all()
+            wholes.append(label)
+            continue
+        on = [False] * len(text)
+        for (s, e), m in zip(_token_spans(tok, text, None), ex.loss_mask.tolist()):
+            on[s:e] = [m] * (e - s) if m else on[s:e]
+        wrong = {messages[o]["role"] + str(o) for c, o in enumerate(owner) if on[c] and o >= 0
+                 and messages[o]["role"] != "assistant"}
+        assert not wrong, (template, label, wrong, [text[c] for c in range(len(text)) if on[c]])
+        missed = [c for c, o in enumerate(owner) if o >= 0 and messages[o]["role"] == "assistant" and not on[c]
+                  and not text[c].isspace()]
+        assert not missed, (template, label, text[missed[0]:missed[-1] + 1])
+    # every conversation here has its replies found by one method or the other
+    assert wholes == [], (template, wholes)
+
+
+def test_a_template_refusing_a_part_of_a_conversation_does_not_refuse_the_run(tiny_pair, tmp_path):
+    """A Qwen3.5-style guard refuses the part before an opening greeting ([system] alone has
+    no user turn); the conversation renders whole, so it trains on its replies (trial-94: the
+    run was refused, saying the template refuses this conversation)."""
+    from dflash_torch.training.trainer import prepare_data
+
+    target_dir, _ = tiny_pair
+    tok = _tok(target_dir)
+    tok.chat_template = STYLE_TEMPLATES["user-guard"]
+    greeting = [{"role": "system", "content": "Be kind."}, {"role": "assistant", "content": "Hi, how can I help?"},
+                {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."}]
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": greeting}) + "\n")
+    lines = []
+    data, _, _ = prepare_data(_cfg(tmp_path, target_dir, path, val_seqs=0, batch=1, seq_len=512, raw_fraction=0.0),
+                              target_dir, tok, lines.append)
+    assert not any("WARNING" in m for m in lines), lines
+    [ex] = data.examples
+    assert not ex.whole and [s.strip() for s in _masked_spans(tok, ex)] == [
+        "Hi, how can I help?", "<think>\n\n</think>\n\nIt is 4.<|im_end|>"]
+
 def test_read_corpus_and_chat_loss_mask(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair
     corpus = read_corpus([_jsonl(tmp_path / "d.jsonl")])

@@ -28,7 +28,8 @@ Two kinds of training sequences come out of it:
   (loss on every position);
 * **examples**: separate sequences with a loss mask: chat conversations (loss on the
   assistant turns when the template renders turn by turn consistently or the messages'
-  contents are found in the rendered text, else everywhere;
+  contents are found in the rendered text, and the span found holds the reply and no
+  other message's text, else everywhere;
   one with no assistant turn has no loss, and training leaves it out) and self-distilled
   sequences (prompt + the target's own greedy continuation, loss on the continuation;
   see :mod:`.distill`).
@@ -365,7 +366,7 @@ def _token_spans(tokenizer, text: str, max_tokens: int | None) -> list[tuple[int
 
 
 def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: str,
-                    template_kwargs: dict | None = None) -> tuple[int, int] | None:
+                    template_kwargs: dict | None = None, places: _Places | None = None) -> tuple[int, int] | None:
     """Where assistant turn ``i`` lies in ``text``, the whole conversation rendered, in
     characters; None when it cannot be found.
 
@@ -380,7 +381,8 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
     earlier ones (Qwen3's writes an empty ``<think></think>`` into the last one only, and
     drops earlier turns' reasoning): the turn then ends at the end of the longest tail of
     its rendering alone (from a line start on: its last lines and the closing marker) that
-    ``text`` has after the start and before the next message's content; or, for a template
+    ``text`` has after the start and before the next message's content (the next content
+    ``places`` has, when it placed every content: :func:`_content_places`); or, for a template
     that writes more after the last turn (Phi-3's end-of-text), at the end of the longest
     head of it (whole lines) that ``text`` has at the start."""
     before = _render_text(tokenizer, messages[:i], False, where, template_kwargs)
@@ -408,7 +410,9 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
     body = turn[len(os.path.commonprefix([prompt, turn])):]
     nxt = messages[i + 1].get("content") if i + 1 < len(messages) else None
     limit = -1
-    if isinstance(nxt, str) and nxt.strip():  # where the next message's text is: in the rendering up to it
+    if places is not None and places.whole:  # (the next content the template writes, however empty or dropped
+        limit = min((a for j, (a, _) in places.at.items() if j != i and a >= start), default=len(text))  # the next)
+    elif isinstance(nxt, str) and nxt.strip():  # where the next message's text is: in the rendering up to it
         upto = _render_text(tokenizer, messages[:i + 2], False, where, template_kwargs)
         limit = upto.rfind(nxt, start, len(os.path.commonprefix([upto, text])))
         if limit < 0:
@@ -432,27 +436,24 @@ def _marked(messages: list[dict], j: int | None = None) -> list[dict]:
             for k, m in enumerate(messages[:None if j is None else j + 1])]
 
 
-def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str,
-                  template_kwargs: dict | None = None) -> tuple[int, int] | None:
-    """Where assistant turn ``i`` lies in ``text``, found by its content instead of the
-    turn-by-turn rendering (:func:`_assistant_span`'s fallback); None when it cannot be.
+@dataclass
+class _Places:
+    """Where the messages' string contents lie in the rendered conversation (characters):
+    ``at[j] = (start, end)`` for each content found, ``lost`` the indices of the contents the
+    template writes otherwise (not found), ``whole``: every content was placed at once (the
+    text is the template's text and the contents, each in its place)."""
 
-    The conversation is rendered with each message's content replaced by a marker; where
-    that rendering, each marker replaced by its content (as given or stripped, as a
-    ``trim`` writes it), is ``text`` exactly, every content's place in ``text`` is known.
-    The turn then spans its content and what the template writes after it as the last turn
-    (its closing marker), as far as ``text`` has it, never into the next message's content.
-    """
-    if not isinstance(messages[i].get("content"), str) or "@@dflash-content-" in text:
-        return None
-    try:  # (a template may refuse the markers where it takes the contents)
-        marked = _render_text(tokenizer, _marked(messages), False, where, template_kwargs)
-        last = _render_text(tokenizer, _marked(messages, i), False, where, template_kwargs)
-    except DFlashError:
-        return None
+    at: dict[int, tuple[int, int]]
+    lost: set[int]
+    whole: bool
+
+
+def _fill(pieces: list[str], messages: list[dict], text: str) -> dict[int, tuple[int, int]] | None:
+    """The places of the contents named by the markers in ``pieces`` (a marked rendering
+    split at its markers) when, each marker replaced by its content (as given or stripped,
+    as a ``trim`` writes it), it is ``text`` exactly; else None."""
     places: dict[int, tuple[int, int]] = {}
     at = 0
-    pieces = re.split(r"@@dflash-content-(\d+)@@", marked)
     for k in range(1, len(pieces), 2):
         literal, j = pieces[k - 1], int(pieces[k])
         if not text.startswith(literal, at) or j in places or j >= len(messages):
@@ -464,16 +465,106 @@ def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str
             return None
         places[j] = (at, at + len(value))
         at += len(value)
-    if text[at:] != pieces[-1] or i not in places:
+    return places if text[at:] == pieces[-1] else None
+
+
+def _content_places(tokenizer, messages: list[dict], text: str, where: str,
+                    template_kwargs: dict | None = None) -> _Places:
+    """Where each message's string content lies in ``text`` (the conversation rendered).
+
+    The conversation is rendered with each string content replaced by a marker; where that
+    rendering, each marker replaced by its content, is ``text`` exactly, every content's
+    place is known. Else (a template that changes some content, as Qwen3's drops earlier
+    replies' reasoning) each content is placed alone: rendered with only it replaced by a
+    marker, a content is placed when that rendering, its marker replaced by it, is ``text``;
+    one whose marker the template does not write is not in ``text`` at all."""
+    strings = [j for j, m in enumerate(messages) if isinstance(m.get("content"), str)]
+    if "@@dflash-content-" in text:
+        return _Places({}, set(strings), False)
+    split = re.compile(r"@@dflash-content-(\d+)@@")
+    try:  # (a template may refuse the markers where it takes the contents)
+        places = _fill(split.split(_render_text(tokenizer, _marked(messages), False, where, template_kwargs)),
+                       messages, text)
+    except DFlashError:
+        places = None
+    if places is not None:
+        return _Places(places, set(), True)
+    found = _Places({}, set(), False)
+    for j in strings:
+        one = [{**m, "content": f"@@dflash-content-{j}@@"} if k == j else m for k, m in enumerate(messages)]
+        try:
+            pieces = split.split(_render_text(tokenizer, one, False, where, template_kwargs))
+        except DFlashError:
+            pieces = None
+        place = _fill(pieces, messages, text) if pieces is not None else None
+        if place is not None:
+            found.at.update(place)
+        elif pieces is None or len(pieces) > 1:  # (refused, or written otherwise; no marker: not written at all)
+            found.lost.add(j)
+    return found
+
+
+def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str,
+                  template_kwargs: dict | None, places: _Places) -> tuple[int, int] | None:
+    """Where assistant turn ``i`` lies in ``text``, found by its content's place (``places``,
+    every content placed at once: :func:`_content_places`) instead of the turn-by-turn rendering (:func:`_assistant_span`'s
+    fallback); None when it cannot be.
+
+    The turn spans its content and what the template writes after it as the last turn
+    (its closing marker), as far as ``text`` has it, never into the next message's content
+    (its content alone where the template refuses the conversation cut after it).
+    """
+    if not places.whole or i not in places.at:
         return None
-    start, end = places[i]
-    closing = last[last.find(f"@@dflash-content-{i}@@") + len(f"@@dflash-content-{i}@@"):]
+    marker = f"@@dflash-content-{i}@@"
+    try:
+        last = _render_text(tokenizer, _marked(messages, i), False, where, template_kwargs)
+    except DFlashError:  # (Qwen3.5's refuses a conversation with no user turn yet: the content alone)
+        last = marker
+    start, end = places.at[i]
+    closing = last[last.find(marker) + len(marker):]
     shared = len(os.path.commonprefix([closing, text[end:]]))
     if shared < len(closing):  # (the next turn follows inside it: back to a line or a marker's end)
         shared = max(text.rfind("\n", end, end + shared), text.rfind(">", end, end + shared)) + 1 - end
         shared = max(shared, 0)
-    limit = min((a for a, _ in places.values() if a >= end), default=len(text))
-    return start, max(min(end + shared, limit), start + 1)
+    limit = min((a for j, (a, _) in places.at.items() if j != i and a >= end), default=len(text))
+    end = min(end + shared, limit)
+    return (start, end) if end > start else None
+
+
+def _widened(span: tuple[int, int], content, text: str) -> tuple[int, int]:
+    """``span`` started back at its reply's content where it starts inside it (a generation
+    prompt that ends as the reply begins: DeepSeek-R1's ``<think>\\n`` before a reply that
+    starts with ``<``)."""
+    s, e = span
+    mine = content.strip() if isinstance(content, str) else ""
+    p = text.rfind(mine, 0, e) if mine else -1
+    return (p, e) if 0 <= p < s < p + len(mine) <= e else span
+
+
+def _sound(span: tuple[int, int], messages: list[dict], i: int, text: str, places: _Places,
+           taken: list[tuple[int, int]]) -> bool:
+    """Whether ``span``, found for assistant turn ``i``, may carry its loss: it holds the
+    reply's content (where that is not empty and ``text`` has it), it overlaps no other
+    message's content (placed by ``places``; one the template writes otherwise must not be
+    in the span outside the reply's content, unless another reply's), and no other
+    assistant turn's span (``taken``)."""
+    s, e = span
+    if not 0 <= s < e <= len(text) or any(s < b and a < e for a, b in taken):
+        return False
+    content = messages[i].get("content")
+    mine = content.strip() if isinstance(content, str) else ""
+    if i in places.at:
+        a, b = places.at[i]
+        if b > a and not (s <= a and b <= e):
+            return False
+    elif mine and mine in text and mine not in text[s:e]:
+        return False
+    if any((a < e and b > s) if b > a else s < a < e for j, (a, b) in places.at.items() if j != i):
+        return False
+    rest = text[s:e].replace(mine, "\0", 1) if mine else text[s:e]
+    return not any(messages[j]["content"].strip() and messages[j]["content"].strip() in rest
+                   for j in places.lost if j != i and messages[j]["role"] != "assistant")
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None = None, where: str = "a conversation",
@@ -486,10 +577,14 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
     conversation turn by turn; else :func:`_content_span`: by the places of the messages'
     contents), and a token carries the loss when its characters overlap one
     (a token that joins the generation prompt's last characters to the reply's first, as a
-    byte-level BPE can, included). When a turn cannot be found, or the tokenizer gives no
-    character offsets, the loss covers every token instead (``Example.whole``); a
-    conversation with no assistant turn, or cut by ``max_len`` before its first reply,
-    has no loss at all.
+    byte-level BPE can, included). Either way a span is used only when it holds the reply's
+    content, overlaps no other message's content (:func:`_content_places`) and no other
+    reply's span (:func:`_sound`); a template that refuses a part of the conversation
+    rendered alone leaves that method without a span. When a turn cannot be found so, or the
+    tokenizer gives no character offsets, the loss covers every token instead
+    (``Example.whole``); an empty reply in its place whose closing cannot be told carries no
+    loss; a conversation with no assistant turn, or cut by ``max_len`` before its first
+    reply, has no loss at all.
 
     Raises:
         DFlashError: no chat template, or one that refuses the conversation (naming ``where``).
@@ -501,14 +596,27 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
     spans = _token_spans(tokenizer, text, max_len)
     mask = torch.zeros(len(full), dtype=torch.bool)
     consistent = spans is not None and len(spans) == len(full)
+    places = _content_places(tokenizer, messages, text, where, template_kwargs) if consistent else None
+    taken: list[tuple[int, int]] = []
     for i, m in enumerate(messages):
         if not consistent or m["role"] != "assistant":
             continue
-        turn = _assistant_span(tokenizer, messages, i, text, where, template_kwargs) or \
-            _content_span(tokenizer, messages, i, text, where, template_kwargs)
+        turn = None
+        for find in (_assistant_span, _content_span):
+            try:  # (a template may refuse the turns before a reply rendered alone: that method finds nothing)
+                found = find(tokenizer, messages, i, text, where, template_kwargs, places)
+            except DFlashError:
+                found = None
+            found = found and _widened(found, m.get("content"), text)
+            if found is not None and _sound(found, messages, i, text, places, taken):
+                turn = found
+                break
+        if turn is None and not (m.get("content") or "").strip() and not m.get("tool_calls") and i in places.at:
+            continue  # (an empty reply, in its place, whose closing cannot be told from the next turn: no loss)
         if turn is None:
             consistent = False
             break
+        taken.append(turn)
         mask |= torch.tensor([a < turn[1] and b > turn[0] for a, b in spans], dtype=torch.bool)
     if not consistent:
         mask[:] = True

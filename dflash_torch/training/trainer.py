@@ -394,9 +394,9 @@ def deferred_interrupt():
             raise KeyboardInterrupt
 
 
-CACHE_FORMAT = 6  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
+CACHE_FORMAT = 7  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
 # 5: no reply span inside the turns before it; messages as the engine takes them (parts, tool calls, names);
-# 6: replies found by their contents
+# 6: replies found by their contents; 7: spans checked against the messages' contents (none on a user's text)
 """Version of the tokenized-data cache; part of its key (bump when tokenization changes)."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -521,8 +521,8 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> dict:
                                   cfg.chat_template_kwargs) for i in replied]
     whole = [corpus.source(i) for i, e in zip(replied, chat) if e.whole]
     if whole:  # (their user and system text is trained on too)
-        note(f"data: WARNING: {len(whole)} of {len(chat)} conversations have assistant turns the chat template does not "
-             f"render where the turn-by-turn rendering puts them, e.g. {whole[0]}; the loss covers all their tokens")
+        note(f"data: WARNING: {len(whole)} of {len(chat)} conversations have assistant turns not found apart from the "
+             f"other messages' text in the chat template's rendering, e.g. {whole[0]}; the loss covers all their tokens")
     past = sum(not e.loss_mask.any() for e in chat)
     if past:
         note(f"data: {past} conversation{'s have' if past > 1 else ' has'} no assistant reply within --seq-len "
