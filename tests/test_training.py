@@ -588,6 +588,11 @@ def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
         "role": "assistant", "content": "a", "reasoning_content": "because"}]}) + "\n")
     assert read_corpus([tmp_path / "r.jsonl"]).conversations[0][1] == {"role": "assistant", "content": "a",
                                                                        "reasoning_content": "because"}
+    # a null field is an absent one (datasets writes the other kind's field as null): not "holds both" (trial-94)
+    (tmp_path / "nulls.jsonl").write_text(json.dumps({"text": None, **chat}) + "\n" +
+                                          json.dumps({"text": "delta", "messages": None}) + "\n")
+    corpus = read_corpus([tmp_path / "nulls.jsonl"])
+    assert corpus.conversations == [chat["messages"]] and corpus.documents == ["delta"]
 
 
 def test_training_reduces_loss_and_exports_loadable_drafter(tiny_pair, tmp_path):
@@ -1060,7 +1065,7 @@ STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['user', 'assi
 @pytest.mark.parametrize("case", ["jsonl-not-utf8", "jsonl-in-dir-not-utf8", "text-not-utf8", "text-surrogate",
                                   "chat-surrogate", "chat-template-refuses", "text-and-messages", "chat-image-part",
                                   "chat-template-type-error", "chat-kwarg-shadows-function", "json-nested-deep",
-                                  "json-array-nested-deep"])
+                                  "json-array-nested-deep", "message-not-an-object"])
 def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
     """A bad record or a template that cannot render one is refused in one line naming the
     file and line (a template's TypeError, a variable shadowing ``raise_exception`` and
@@ -1092,6 +1097,8 @@ def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
             "cannot render these messages or chat_template_kwargs: 'int' object is not callable"),
         "json-nested-deep": ("d.jsonl", 2, good + b'{"text": "hi", "meta": ' + b"[" * 100000 + b"]" * 100000 + b"}\n",
                              "nested too deeply"),
+        "message-not-an-object": ("d.jsonl", 2, good + json.dumps({"messages": ["hello"]}).encode() + b"\n",
+                                  "message 0 is not an object: each message must be {'role': str, 'content': str}"),
         "json-array-nested-deep": ("d.json", None, b"[" * 100000 + b"]" * 100000, "nested too deeply"),
     }[case]
     path = tmp_path / name

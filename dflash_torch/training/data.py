@@ -120,11 +120,17 @@ def _check_unicode(text: str, where: str) -> str:
 
 
 def _add_record(rec, where: str, corpus: Corpus) -> None:
+    if isinstance(rec, dict):  # (a null field is an absent one, as datasets' JSON writer leaves the other kind's)
+        rec = {k: v for k, v in rec.items() if not (k in ("text", "messages") and v is None)}
     if isinstance(rec, dict) and "text" in rec and "messages" in rec:
         raise DFlashError(f"{where}: a record holds either a 'text' string or a 'messages' list, not both")
     if isinstance(rec, dict) and isinstance(rec.get("text"), str):
         corpus.documents.append(_check_unicode(rec["text"], where))
     elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+        bad = next((k for k, m in enumerate(rec["messages"]) if not isinstance(m, dict)), None)
+        if bad is not None:  # (the engine's words would offer token ids, which training records cannot hold)
+            raise DFlashError(f"{where}: message {bad} is not an object: each message must be "
+                              "{'role': str, 'content': str}")
         try:  # (the messages the engine's chat path takes, as it takes them)
             msgs = _chat_messages(rec["messages"])
         except DFlashError as exc:
