@@ -939,7 +939,8 @@ def test_train_renders_the_chat_data_with_chat_template_kwargs(tiny_pair, tmp_pa
 
 def test_a_val_tau_of_none_says_why(tiny_pair, tmp_path, capsys):
     """Held-out rows whose replies are shorter than a block leave nothing to replay: val_tau
-    is None, and the log and the eval line now say why (trial-91: no word)."""
+    is None, and the log and the eval line now say why (trial-91: no word); draft slots
+    never measured have a val_slot_acc of None."""
     target, _ = tiny_pair
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
@@ -951,6 +952,11 @@ def test_a_val_tau_of_none_says_why(tiny_pair, tmp_path, capsys):
     final = info["final_eval"]
     assert final["val_tau"] is None and "no held-out row holds a block of 8 tokens" in final["val_tau_note"], final
     assert any(m.startswith("eval step 0: val_loss") and "val_tau None (no held-out row holds" in m for m in lines), lines
+    # the row ends at its last token here, not at --seq-len: the note says either (it named --seq-len alone, trial-94)
+    assert "before the row ends (at its last token or at --seq-len 64)" in final["val_tau_note"], final
+    # slots no anchor of these short replies reaches are unmeasured: None, not an accuracy of 0.0 (trial-94)
+    acc = final["val_slot_acc"]
+    assert acc[-1] is None and all(a is None or 0.0 <= a <= 1.0 for a in acc), acc
 
 
 def test_overwrite_removes_the_replaced_checkpoints_weight_files_only(tiny_pair, tmp_path, capsys):

@@ -622,7 +622,9 @@ class Trainer:
         """Validation loss and slot accuracy on fixed random anchors, and the acceptance
         length of greedy decoding replayed on the first ``walk_rows`` rows (exact for
         self-distilled rows, a lower bound on other text: see :func:`greedy_walk`); where
-        no row holds a block to replay (``val_tau`` None), ``val_tau_note`` says why."""
+        no row holds a block to replay (``val_tau`` None), ``val_tau_note`` says why.
+        ``val_slot_acc[k]``: the accuracy of draft slot ``k`` over the anchors where it was
+        measured, None where it never was (no anchor with a label there)."""
         if not rows:
             return {}
         cfg = self.cfg
@@ -650,11 +652,12 @@ class Trainer:
         drafter.train()
         result = {"val_loss": round(ce / max(w, 1e-9), 4),
                   "val_tau": round(sum(taus) / len(taus), 3) if taus else None,
-                  "val_slot_acc": [round(float(c) / max(int(n), 1), 3) for c, n in zip(slot_c, slot_n)]}
+                  "val_slot_acc": [round(float(c) / int(n), 3) if n else None for c, n in zip(slot_c, slot_n)]}
         if not taus:  # (it was None with no word why)
             which = f"none of the first {walk_rows} held-out rows" if len(rows) > walk_rows else "no held-out row"
             result["val_tau_note"] = (f"{which} holds a block of {drafter.config.block_size} tokens from its first "
-                                      "position with loss (a reply's start) on within --seq-len: nothing to replay")
+                                      "position with loss (a reply's start) on before the row ends (at its last "
+                                      f"token or at --seq-len {cfg.seq_len}): nothing to replay")
         if drafter.config.dflash2 is not None:  # weighted by the slots that count (None where none did)
             result["val_selector_loss"] = round(sel / sel_w, 4) if sel_w else None
         return result
