@@ -442,6 +442,34 @@ def test_chat_loss_lies_on_replies_only_for_many_templates(tiny_pair, template):
     assert wholes == [], (template, wholes)
 
 
+# gpt-oss's tool calls: a call's reasoning (the message's content) is written only while it is the last message
+HARMONY_CALLS = STYLE_TEMPLATES["harmony"].replace(
+    "{% if m.role == 'assistant' %}",
+    "{% if m.tool_calls %}{% if loop.last %}{{ '<|start|>assistant<|channel|>analysis<|message|>' + m.content + "
+    "'<|end|>' }}{% endif %}{{ '<|start|>assistant to=functions.' + m.tool_calls[0].function.name + "
+    "'<|channel|>commentary json<|message|>' + m.tool_calls[0].function.arguments|tojson + '<|call|>' }}"
+    "{% elif m.role == 'assistant' %}", 1)
+
+
+def test_chat_loss_on_gpt_oss_style_replies_and_calls(tiny_pair):
+    """gpt-oss's style writes no line ends, closes the last reply with <|return|> and one a
+    turn follows with <|end|> (trial-94: the last reply had no loss but its opening's
+    "<|channel|>final<|message|>"; earlier replies' <|end|> had none), and drops a call's
+    reasoning once the conversation goes on (the call's turn was not found: all tokens)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    tok.chat_template = HARMONY_CALLS
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "Let me check.", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sure, it is sunny."}]
+    ex = tokenize_conversation(tok, messages)
+    assert not ex.whole and _masked_spans(tok, ex) == [
+        "Hello!<|end|>", ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+        "Sure, it is sunny.<|return|>"]
+
 def test_a_template_refusing_a_part_of_a_conversation_does_not_refuse_the_run(tiny_pair, tmp_path):
     """A Qwen3.5-style guard refuses the part before an opening greeting ([system] alone has
     no user turn); the conversation renders whole, so it trains on its replies (trial-94: the

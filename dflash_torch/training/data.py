@@ -386,7 +386,7 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
     a prefix of ``text``. A template may render the last assistant turn differently from
     earlier ones (Qwen3's writes an empty ``<think></think>`` into the last one only, and
     drops earlier turns' reasoning): the turn then ends at the end of the longest tail of
-    its rendering alone (from a line start on: its last lines and the closing marker) that
+    its rendering alone (from a line start or a marker's end on: its last lines and the closing marker) that
     ``text`` has after the start and before the next message's content (the next content
     ``places`` has, when it placed every content: :func:`_content_places`); or, for a template
     that writes more after the last turn (Phi-3's end-of-text), at the end of the longest
@@ -425,7 +425,8 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
             limit = text.find(nxt, start)
     limit = len(text) if limit < 0 else limit
     lines = [k + 1 for k, c in enumerate(body) if c == "\n"]
-    for cut in [0] + lines:  # the longest tail first
+    marks = [k + 1 for k, c in enumerate(body) if c in "\n>"]  # (gpt-oss writes no line ends: marker ends too)
+    for cut in [0] + marks:  # the longest tail first
         tail = body[cut:]
         found = text.find(tail, start, limit) if tail.strip() else -1
         if found >= 0:
@@ -517,8 +518,10 @@ def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str
     fallback); None when it cannot be.
 
     The turn spans its content and what the template writes after it as the last turn
-    (its closing marker), as far as ``text`` has it, never into the next message's content
-    (its content alone where the template refuses the conversation cut after it).
+    (its closing marker), as far as ``text`` has it, or where ``text`` has none of that, what
+    it writes after it before a generation prompt up to its first line or marker end; never
+    into the next message's content (its content alone where the template refuses the
+    conversation cut after it).
     """
     if not places.whole or i not in places.at:
         return None
@@ -533,6 +536,14 @@ def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str
     if shared < len(closing):  # (the next turn follows inside it: back to a line or a marker's end)
         shared = max(text.rfind("\n", end, end + shared), text.rfind(">", end, end + shared)) + 1 - end
         shared = max(shared, 0)
+    if not shared:  # (gpt-oss closes the last reply with <|return|>, one a turn follows with <|end|>)
+        try:
+            ended = _render_text(tokenizer, _marked(messages, i), True, where, template_kwargs)
+        except DFlashError:
+            ended = marker
+        agree = len(os.path.commonprefix([ended[ended.find(marker) + len(marker):], text[end:]]))
+        ends = [k + 1 for k in (text.find("\n", end, end + agree), text.find(">", end, end + agree)) if k >= 0]
+        shared = min(ends, default=end) - end  # (up to its first line or marker end: the next turn's opening not)
     limit = min((a for j, (a, _) in places.at.items() if j != i and a >= end), default=len(text))
     end = min(end + shared, limit)
     return (start, end) if end > start else None
