@@ -4,8 +4,9 @@ A block-diffusion drafter proposes a block of tokens in one forward pass,
 conditioned on the target's hidden features; the target verifies the block in one
 pass. The output is exactly the target's own.
 
-The names below are imported on first use (PEP 562), so that ``import dflash_torch.cli``
-(the command line's ``--help``, a Ctrl-C at start-up) does not wait for torch.
+The names below are imported on first use (PEP 562), so that ``import dflash_torch`` (and
+``dflash_torch.errors``) does not wait for torch; the command line imports it while it
+builds its parser (see :func:`dflash_torch.cli.main`).
 """
 
 from __future__ import annotations
