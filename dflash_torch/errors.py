@@ -23,3 +23,6 @@ class OptionError(DFlashError):
         super().__init__(message)
         self.name = name
         self.names = (name, *others)
+
+    def __reduce__(self):  # (pickled with its names: an error raised in a worker process comes back whole)
+        return type(self), (str(self), *self.names), self.__dict__

@@ -1228,3 +1228,37 @@ def test_a_drafter_without_its_target_says_the_default_target_was_used(tiny_pair
 
     with pytest.raises(DFlashError, match=r"^incompatible pair: [^(]*$"):
         DFlashEngine.from_pretrained(DEFAULT_TARGET, drafter)
+
+
+def _refused_in_a_worker(kwargs: dict):
+    """A worker's job: a request with a bad option (run in another process)."""
+    from dflash_torch.sampling import SamplingParams
+
+    SamplingParams(**kwargs)
+
+
+def test_errors_pickle_whole_so_a_process_pool_hands_them_back(engine):
+    """An OptionError (most user mistakes) or a server ParamError survives pickling with its
+    names: raised in a ProcessPoolExecutor worker it comes back as itself (it broke the pool,
+    BrokenProcessPool for every later job, and hung multiprocessing.Pool: __init__ needs the
+    option's name, which the default pickling dropped)."""
+    import concurrent.futures
+    import multiprocessing
+    import pickle
+
+    from dflash_torch.errors import OptionError
+    from dflash_torch.serving.scheduler import ParamError
+
+    with pytest.raises(OptionError) as err:
+        engine.generate("x", max_new_tokens=0)
+    errors = [err.value, OptionError("top_p must be in (0, 1]", "top_p", "temperature"), ParamError("bad n", "n"),
+              ParamError("bad", None)]
+    errors[1].extra = 3  # (attributes set after raising come back too)
+    for e in errors:
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e) and back.__dict__ == e.__dict__, (e, back)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with pytest.raises(OptionError, match="temperature") as err:
+            pool.submit(_refused_in_a_worker, {"temperature": -1}).result(timeout=120)
+        assert err.value.name == "temperature"
+        assert pool.submit(_refused_in_a_worker, {}).result(timeout=120) is None  # (the pool still works)

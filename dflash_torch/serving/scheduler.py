@@ -92,6 +92,9 @@ class ParamError(DFlashError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # (pickled with its param, as OptionError)
+        return type(self), (str(self), self.param), self.__dict__
+
 
 def param_of(exc: DFlashError) -> str | None:
     if isinstance(exc, ParamError):
