@@ -616,6 +616,10 @@ def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
         "role": "assistant", "content": "a", "reasoning_content": "because"}]}) + "\n")
     assert read_corpus([tmp_path / "r.jsonl"]).conversations[0][1] == {"role": "assistant", "content": "a",
                                                                        "reasoning_content": "because"}
+    # a null reasoning_content is an absent one, as the chat API takes it (it refused the run: trial-97)
+    (tmp_path / "rn.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {
+        "role": "assistant", "content": "a", "reasoning_content": None}]}) + "\n")
+    assert read_corpus([tmp_path / "rn.jsonl"]).conversations[0][1] == {"role": "assistant", "content": "a"}
     # a null field is an absent one (datasets writes the other kind's field as null): not "holds both" (trial-94)
     (tmp_path / "nulls.jsonl").write_text(json.dumps({"text": None, **chat}) + "\n" +
                                           json.dumps({"text": "delta", "messages": None}) + "\n")

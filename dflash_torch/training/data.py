@@ -12,7 +12,7 @@ Inputs (``--data``, any mix):
   target tokenizer's chat template), not both; messages as the engine's chat path takes
   them (:meth:`~dflash_torch.engine.DFlashEngine.encode_prompt`: a content string or list
   of text parts, ``tool_calls`` with a None content, ``name``, ``tool_call_id``), and a
-  message's ``reasoning_content`` string is kept;
+  message's ``reasoning_content`` string is kept (a null one is absent);
 * a ``.json`` file: a JSON array of such records, one record, or records one per line
   (as Hugging Face ``datasets``' JSON loader reads them).
 
@@ -135,6 +135,8 @@ def _add_record(rec, where: str, corpus: Corpus) -> None:
             msgs = _chat_messages(rec["messages"])
         except DFlashError as exc:
             raise DFlashError(f"{where}: {exc}") from None
+        # (a null reasoning_content is an absent one, as the chat API takes it)
+        msgs = [{k: v for k, v in m.items() if not (k == "reasoning_content" and v is None)} for m in msgs]
         if any("reasoning_content" in m and not isinstance(m["reasoning_content"], str) for m in msgs):
             raise DFlashError(f"{where}: a message's reasoning_content must be a string")
         _check_unicode(json.dumps(msgs, ensure_ascii=False), where)
