@@ -382,7 +382,13 @@ def _conversations() -> dict[str, list[dict]]:
         "same-reply-thrice": [u("a"), a("ok"), u("b"), a("ok"), u("c"), a("ok")],
         "reply-holds-user-text": [u("4"), a("The answer is 4."), u("hi"), a("hi, 4 again")],
         "multiline": [u("list\nthings"), a("one\ntwo\n"), u("more"), a("\nthree\n")],
+        "replies-end-in-markup": [u("code"), a("Sure:\n```\nx = 1\n```\n"), u("bold"), a("<b>bold</b>")],
     }
+
+
+# the closing markers STYLE_TEMPLATES write after a reply: each one after a reply's text must carry the loss
+CLOSINGS = ["<|im_end|>", "<|end|>", "<|return|>", "<|eot_id|>", "<end_of_turn>", "<｜end▁of▁sentence｜>", "</s>",
+            "<|endoftext|>"]
 
 
 def _owner(tok, messages: list[dict], text: str) -> list[int] | None:
@@ -405,7 +411,9 @@ def test_chat_loss_lies_on_replies_only_for_many_templates(tiny_pair, template):
     (trial-94: an empty user turn between two same replies, or a tool turn Phi-3 does not
     write, put the loss on the user's text after it with no word; gpt-oss's last reply, a
     reply opening with "<" after R1's "<think>\\n", and a Qwen3.5-style guard refusing a
-    partial conversation, left text of replies off the loss or refused the run)."""
+    partial conversation, left text of replies off the loss or refused the run). The closing
+    marker written after a reply carries it too (trial-97: gpt-oss's <|return|> / <|end|> after a
+    reply ending in a line end or ">" did not)."""
     from transformers import AutoTokenizer
 
     from dflash_torch.training.data import _token_spans
@@ -438,6 +446,14 @@ def test_chat_loss_lies_on_replies_only_for_many_templates(tiny_pair, template):
         missed = [c for c, o in enumerate(owner) if o >= 0 and messages[o]["role"] == "assistant" and not on[c]
                   and not text[c].isspace()]
         assert not missed, (template, label, text[missed[0]:missed[-1] + 1])
+        # the closing written after a reply's text (before the next message's) carries it: the drafter learns to stop
+        for i in {o for o in owner if o >= 0 and messages[o]["role"] == "assistant"}:
+            end = max(c for c, o in enumerate(owner) if o == i) + 1
+            nxt = next((c for c in range(end, len(text)) if owner[c] >= 0), len(text))
+            hits = [(p, mark) for mark in CLOSINGS if (p := text.find(mark, end, nxt)) >= 0]
+            if hits:
+                p, mark = min(hits)
+                assert all(on[p:p + len(mark)]), (template, label, i, mark)
     # every conversation here has its replies found by one method or the other
     assert wholes == [], (template, wholes)
 
@@ -489,7 +505,7 @@ def test_a_template_refusing_a_part_of_a_conversation_does_not_refuse_the_run(ti
     assert not any("WARNING" in m for m in lines), lines
     [ex] = data.examples
     assert not ex.whole and [s.strip() for s in _masked_spans(tok, ex)] == [
-        "Hi, how can I help?", "<think>\n\n</think>\n\nIt is 4.<|im_end|>"]
+        "Hi, how can I help?<|im_end|>", "<think>\n\n</think>\n\nIt is 4.<|im_end|>"]
 
 def test_read_corpus_and_chat_loss_mask(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair

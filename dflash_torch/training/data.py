@@ -521,7 +521,9 @@ def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str
 
     The turn spans its content and what the template writes after it as the last turn
     (its closing marker), as far as ``text`` has it, or where ``text`` has none of that, what
-    it writes after it before a generation prompt up to its first line or marker end; never
+    it writes after it before a generation prompt up to its first line or marker end, or where it
+    writes neither (or refuses the conversation cut after the reply) but writes a closing after
+    a last reply, what ``text`` has after it up to its first line or marker end; never
     into the next message's content (its content alone where the template refuses the
     conversation cut after it).
     """
@@ -531,9 +533,9 @@ def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str
     try:
         last = _render_text(tokenizer, _marked(messages, i), False, where, template_kwargs)
     except DFlashError:  # (Qwen3.5's refuses a conversation with no user turn yet: the content alone)
-        last = marker
+        last = None
     start, end = places.at[i]
-    closing = last[last.find(marker) + len(marker):]
+    closing = last[last.find(marker) + len(marker):] if last is not None else ""
     shared = len(os.path.commonprefix([closing, text[end:]]))
     if shared < len(closing):  # (the next turn follows inside it: back to a line or a marker's end)
         shared = max(text.rfind("\n", end, end + shared), text.rfind(">", end, end + shared)) + 1 - end
@@ -546,6 +548,9 @@ def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str
         agree = len(os.path.commonprefix([ended[ended.find(marker) + len(marker):], text[end:]]))
         ends = [k + 1 for k in (text.find("\n", end, end + agree), text.find(">", end, end + agree)) if k >= 0]
         shared = min(ends, default=end) - end  # (up to its first line or marker end: the next turn's opening not)
+    if not shared and (last is None or closing):  # (a closing the template writes only where a turn follows it,
+        ends = [k + 1 for k in (text.find("\n", end), text.find(">", end)) if k >= 0]  # a </s>: its first such end)
+        shared = min(ends, default=end) - end
     limit = min((a for j, (a, _) in places.at.items() if j != i and a >= end), default=len(text))
     end = min(end + shared, limit)
     return (start, end) if end > start else None
@@ -559,6 +564,24 @@ def _widened(span: tuple[int, int], content, text: str) -> tuple[int, int]:
     mine = content.strip() if isinstance(content, str) else ""
     p = text.rfind(mine, 0, e) if mine else -1
     return (p, e) if 0 <= p < s < p + len(mine) <= e else span
+
+
+def _closed(span: tuple[int, int], tokenizer, messages: list[dict], i: int, text: str, where: str,
+            template_kwargs: dict | None, places: _Places) -> bool:
+    """Whether ``span``, found for assistant turn ``i`` turn by turn, holds the closing the
+    template writes after the reply's text (its end-of-turn marker: what the drafter learns
+    to stop on). A span that ends at or before the end of the reply's text (placed by
+    ``places``) does not where :func:`_content_span`, which takes the closing the template
+    writes there, ends later (a cut back to a line or marker end that lands at the end of a
+    reply ending in one: gpt-oss's ``<|return|>`` or ``<|end|>`` after a reply ending in a line end)."""
+    a, b = places.at.get(i, (0, 0))
+    if b <= a or span[1] > b:
+        return True
+    try:
+        whole = _content_span(tokenizer, messages, i, text, where, template_kwargs, places)
+    except DFlashError:
+        return True
+    return whole is None or whole[1] <= span[1]
 
 
 def _sound(span: tuple[int, int], messages: list[dict], i: int, text: str, places: _Places,
@@ -627,6 +650,9 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
             except DFlashError:
                 found = None
             found = found and _widened(found, m.get("content"), text)
+            if found is not None and find is _assistant_span and not _closed(found, tokenizer, messages, i, text, where,
+                                                                              template_kwargs, places):
+                continue  # (it ends at the reply's text, before the closing the template writes: by the content)
             if found is not None and _sound(found, messages, i, text, places, taken):
                 turn = found
                 break
