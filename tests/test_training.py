@@ -486,6 +486,22 @@ def test_chat_loss_on_gpt_oss_style_replies_and_calls(tiny_pair):
         "Hello!<|end|>", ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
         "Sure, it is sunny.<|return|>"]
 
+def test_chat_loss_of_an_opening_reply_never_lies_on_the_default_system_prompt(tiny_pair):
+    """A conversation opening with a reply whose text the template's default system prompt
+    also holds (Qwen2.5's "a helpful assistant"): the loss started at that earlier occurrence
+    and covered the rest of the system prompt and the turn's header, with no WARNING (trial-97)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    tok.chat_template = (
+        "{% if messages[0].role != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+        "{% endif %}" + STYLE_TEMPLATES["chatml"])
+    messages = [{"role": "assistant", "content": "a helpful assistant"}, {"role": "user", "content": "thanks"},
+                {"role": "assistant", "content": "welcome"}]
+    ex = tokenize_conversation(tok, messages)
+    assert not ex.whole and _masked_spans(tok, ex) == ["a helpful assistant<|im_end|>\n", "welcome<|im_end|>\n"]
+
+
 def test_a_template_refusing_a_part_of_a_conversation_does_not_refuse_the_run(tiny_pair, tmp_path):
     """A Qwen3.5-style guard refuses the part before an opening greeting ([system] alone has
     no user turn); the conversation renders whole, so it trains on its replies (trial-94: the

@@ -397,7 +397,15 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
     prompt = _render_text(tokenizer, messages[:i], True, where, template_kwargs)
     turn = _render_text(tokenizer, messages[:i + 1], False, where, template_kwargs)
     content = messages[i].get("content")
-    opening = turn.find(content) if not messages[:i] and isinstance(content, str) and content.strip() else -1
+    opening = -1
+    if not messages[:i] and isinstance(content, str) and content.strip():  # (where the template writes the content:
+        marker = f"@@dflash-content-{i}@@"  # not an earlier occurrence of its text, as in a default system prompt)
+        try:
+            marked = _render_text(tokenizer, _marked(messages, i), False, where, template_kwargs)
+        except DFlashError:
+            marked = ""
+        head = marked[:marked.find(marker)] if marker in marked else None
+        opening = len(head) if head is not None and turn.startswith(head) else turn.rfind(content)
     if opening >= 0:
         prompt = turn[:opening]  # (a conversation that opens with the reply: what the template writes first)
     start = len(os.path.commonprefix([prompt, text]))
@@ -589,8 +597,9 @@ def _sound(span: tuple[int, int], messages: list[dict], i: int, text: str, place
     """Whether ``span``, found for assistant turn ``i``, may carry its loss: it holds the
     reply's content (where that is not empty and ``text`` has it), it overlaps no other
     message's content (placed by ``places``; one the template writes otherwise must not be
-    in the span outside the reply's content, unless another reply's), and no other
-    assistant turn's span (``taken``)."""
+    in the span outside the reply's content, unless another reply's), no other assistant
+    turn's span (``taken``), and, for a reply before every other content (after the
+    template's preamble alone), no earlier occurrence of the reply's text."""
     s, e = span
     if not 0 <= s < e <= len(text) or any(s < b and a < e for a, b in taken):
         return False
@@ -600,6 +609,9 @@ def _sound(span: tuple[int, int], messages: list[dict], i: int, text: str, place
         a, b = places.at[i]
         if b > a and not (s <= a and b <= e):
             return False
+        first = not any(p < a for j, (p, _) in places.at.items() if j != i)  # (only the template's text before it)
+        if first and mine and mine in text[s:a]:  # (it starts at an earlier occurrence of the reply's text: a default
+            return False  # system prompt's "a helpful assistant" before a conversation that opens with that reply)
     elif mine and mine in text and mine not in text[s:e]:
         return False
     if any((a < e and b > s) if b > a else s < a < e for j, (a, b) in places.at.items() if j != i):
