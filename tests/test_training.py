@@ -484,7 +484,7 @@ def test_chat_loss_on_gpt_oss_style_replies_and_calls(tiny_pair):
     ex = tokenize_conversation(tok, messages)
     assert not ex.whole and _masked_spans(tok, ex) == [
         "Hello!<|end|>", ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
-        "Sure, it is sunny.<|return|>"]
+        "<|channel|>final<|message|>Sure, it is sunny.<|return|>"]
 
 def test_chat_loss_of_an_opening_reply_never_lies_on_the_default_system_prompt(tiny_pair):
     """A conversation opening with a reply whose text the template's default system prompt
@@ -500,6 +500,26 @@ def test_chat_loss_of_an_opening_reply_never_lies_on_the_default_system_prompt(t
                 {"role": "assistant", "content": "welcome"}]
     ex = tokenize_conversation(tok, messages)
     assert not ex.whole and _masked_spans(tok, ex) == ["a helpful assistant<|im_end|>\n", "welcome<|im_end|>\n"]
+
+
+def test_chat_loss_covers_gpt_oss_style_reasoning_of_the_last_reply(tiny_pair):
+    """gpt-oss writes the last reply's reasoning (``thinking``, its analysis channel) before its
+    final channel, and none in a generation prompt's turn: the model generates it, so it carries
+    the loss (trial-97: only the final channel's text did)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    tok.chat_template = STYLE_TEMPLATES["harmony"].replace(
+        "{{ '<|start|>assistant<|channel|>final<|message|>' + m.content }}",
+        "{% if m.thinking and loop.last and not add_generation_prompt %}"
+        "{{ '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}{% endif %}"
+        "{{ '<|start|>assistant<|channel|>final<|message|>' + m.content }}", 1)
+    messages = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4", "thinking": "Add two and two: four."}]
+    ex = tokenize_conversation(tok, messages)
+    assert not ex.whole and "".join(_masked_spans(tok, ex)) == (
+        "<|channel|>analysis<|message|>Add two and two: four.<|end|><|start|>assistant<|channel|>final<|message|>"
+        "4<|return|>")
 
 
 def test_a_template_refusing_a_part_of_a_conversation_does_not_refuse_the_run(tiny_pair, tmp_path):

@@ -629,7 +629,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
 
     Assistant turns are found in the rendered text (:func:`_assistant_span`: rendering the
     conversation turn by turn; else :func:`_content_span`: by the places of the messages'
-    contents), and a token carries the loss when its characters overlap one
+    contents, from where the turn departs from its generation prompt when that is before the
+    content, as gpt-oss's last reply's reasoning is), and a token carries the loss when its characters overlap one
     (a token that joins the generation prompt's last characters to the reply's first, as a
     byte-level BPE can, included). Either way a span is used only when it holds the reply's
     content, overlaps no other message's content (:func:`_content_places`) and no other
@@ -655,18 +656,26 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
     for i, m in enumerate(messages):
         if not consistent or m["role"] != "assistant":
             continue
-        turn = None
+        turn = opened = None
         for find in (_assistant_span, _content_span):
             try:  # (a template may refuse the turns before a reply rendered alone: that method finds nothing)
                 found = find(tokenizer, messages, i, text, where, template_kwargs, places)
             except DFlashError:
                 found = None
             found = found and _widened(found, m.get("content"), text)
-            if found is not None and find is _assistant_span and not _closed(found, tokenizer, messages, i, text, where,
-                                                                              template_kwargs, places):
-                continue  # (it ends at the reply's text, before the closing the template writes: by the content)
-            if found is not None and _sound(found, messages, i, text, places, taken):
-                turn = found
+            if found is not None and find is _assistant_span:
+                opened = found[0]  # (where the turn departs from its generation prompt)
+                if not _closed(found, tokenizer, messages, i, text, where, template_kwargs, places):
+                    continue  # (it ends at the reply's text, before the closing the template writes: by the content)
+            # found by its content: from where the turn departs from its generation prompt where that is before it
+            # (gpt-oss's last reply's reasoning, written only in the last turn: the generation prompt's turn has none)
+            wider = [(opened, found[1])] if find is _content_span and found and opened is not None and opened < found[0] \
+                else []
+            for span in wider + ([found] if found is not None else []):
+                if _sound(span, messages, i, text, places, taken):
+                    turn = span
+                    break
+            if turn is not None:
                 break
         if turn is None and not (m.get("content") or "").strip() and not m.get("tool_calls") and i in places.at:
             continue  # (an empty reply, in its place, whose closing cannot be told from the next turn: no loss)
