@@ -522,6 +522,27 @@ def test_chat_loss_covers_gpt_oss_style_reasoning_of_the_last_reply(tiny_pair):
         "4<|return|>")
 
 
+def test_chat_loss_of_a_gpt_oss_style_call_with_an_empty_content_and_thinking(tiny_pair):
+    """gpt-oss refuses a call's content given with its thinking and takes an empty one as none:
+    the contents' markers put one in the empty content's place, the template refused that, and
+    the conversation trained on all its tokens, the user's included (trial-97)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    tok.chat_template = HARMONY_CALLS.replace(
+        "{% if m.tool_calls %}", "{% if m.tool_calls %}{% if m.content and m.thinking %}"
+        "{{ raise_exception('Cannot pass both content and thinking in an assistant message with tool calls!') }}"
+        "{% endif %}", 1)
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "user", "content": "Weather? My account: 12345"},
+                {"role": "assistant", "content": "", "thinking": "I should call the tool.", "tool_calls": [call]},
+                {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+    ex = tokenize_conversation(tok, messages)
+    assert not ex.whole and _masked_spans(tok, ex) == [
+        ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+        "<|channel|>final<|message|>It is sunny.<|return|>"]
+
+
 def test_a_template_refusing_a_part_of_a_conversation_does_not_refuse_the_run(tiny_pair, tmp_path):
     """A Qwen3.5-style guard refuses the part before an opening greeting ([system] alone has
     no user turn); the conversation renders whole, so it trains on its replies (trial-94: the

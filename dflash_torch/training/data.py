@@ -489,7 +489,8 @@ def _content_places(tokenizer, messages: list[dict], text: str, where: str,
                     template_kwargs: dict | None = None) -> _Places:
     """Where each message's string content lies in ``text`` (the conversation rendered).
 
-    The conversation is rendered with each string content replaced by a marker; where that
+    The conversation is rendered with each string content replaced by a marker (a reply's
+    empty one left as it is where the template refuses that marked); where that
     rendering, each marker replaced by its content, is ``text`` exactly, every content's
     place is known. Else (a template that changes some content, as Qwen3's drops earlier
     replies' reasoning) each content is placed alone: rendered with only it replaced by a
@@ -499,11 +500,16 @@ def _content_places(tokenizer, messages: list[dict], text: str, where: str,
     if "@@dflash-content-" in text:
         return _Places({}, set(strings), False)
     split = re.compile(r"@@dflash-content-(\d+)@@")
-    try:  # (a template may refuse the markers where it takes the contents)
-        places = _fill(split.split(_render_text(tokenizer, _marked(messages), False, where, template_kwargs)),
-                       messages, text)
-    except DFlashError:
-        places = None
+    places = None
+    # (a template may refuse the markers where it takes the contents; gpt-oss's refuses a call's content with its
+    # thinking, and takes an empty one as none: then the replies' empty contents are left as they are, unplaced)
+    for marked in (_marked(messages), [m if m["role"] == "assistant" and m.get("content") == "" else n
+                                       for m, n in zip(messages, _marked(messages))]):
+        try:
+            places = _fill(split.split(_render_text(tokenizer, marked, False, where, template_kwargs)), messages, text)
+            break
+        except DFlashError:
+            continue
     if places is not None:
         return _Places(places, set(), True)
     found = _Places({}, set(), False)
