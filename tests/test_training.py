@@ -543,6 +543,24 @@ def test_chat_loss_of_a_gpt_oss_style_call_with_an_empty_content_and_thinking(ti
         "<|channel|>final<|message|>It is sunny.<|return|>"]
 
 
+def test_chat_loss_covers_the_closing_where_a_template_writes_a_content_otherwise(tiny_pair):
+    """gpt-oss writes a tool's content as JSON: the contents are not all placed at once, and the
+    last reply's <|return|> after a reply ending in ">" had no loss (trial-97)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    plain = "'<|start|>' + m.role + '<|message|>' + m.content + '<|end|>'"
+    assert plain in HARMONY_CALLS
+    tok.chat_template = HARMONY_CALLS.replace(plain, plain.replace(
+        "m.content", "(m.content|tojson if m.role == 'tool' else m.content)"))
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
+                {"role": "tool", "content": "sunny\n"}, {"role": "assistant", "content": "It is <b>sunny</b>"}]
+    ex = tokenize_conversation(tok, messages)
+    assert not ex.whole and _masked_spans(tok, ex)[-1] == "<|channel|>final<|message|>It is <b>sunny</b><|return|>"
+
+
 def test_a_template_refusing_a_part_of_a_conversation_does_not_refuse_the_run(tiny_pair, tmp_path):
     """A Qwen3.5-style guard refuses the part before an opening greeting ([system] alone has
     no user turn); the conversation renders whole, so it trains on its replies (trial-94: the

@@ -543,12 +543,21 @@ def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str
     """
     if not places.whole or i not in places.at:
         return None
+    start, end = places.at[i]
+    end = _closing_end(tokenizer, messages, i, text, where, template_kwargs, places)
+    return (start, end) if end > start else None
+
+
+def _closing_end(tokenizer, messages: list[dict], i: int, text: str, where: str, template_kwargs: dict | None,
+                 places: _Places) -> int:
+    """Where the closing the template writes after assistant turn ``i``'s content (placed by
+    ``places``) ends in ``text``: :func:`_content_span`'s end."""
     marker = f"@@dflash-content-{i}@@"
     try:
         last = _render_text(tokenizer, _marked(messages, i), False, where, template_kwargs)
     except DFlashError:  # (Qwen3.5's refuses a conversation with no user turn yet: the content alone)
         last = None
-    start, end = places.at[i]
+    end = places.at[i][1]
     closing = last[last.find(marker) + len(marker):] if last is not None else ""
     shared = len(os.path.commonprefix([closing, text[end:]]))
     if shared < len(closing):  # (the next turn follows inside it: back to a line or a marker's end)
@@ -566,8 +575,7 @@ def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str
         ends = [k + 1 for k in (text.find("\n", end), text.find(">", end)) if k >= 0]  # a </s>: its first such end)
         shared = min(ends, default=end) - end
     limit = min((a for j, (a, _) in places.at.items() if j != i and a >= end), default=len(text))
-    end = min(end + shared, limit)
-    return (start, end) if end > start else None
+    return min(end + shared, limit)
 
 
 def _widened(span: tuple[int, int], content, text: str) -> tuple[int, int]:
@@ -580,22 +588,20 @@ def _widened(span: tuple[int, int], content, text: str) -> tuple[int, int]:
     return (p, e) if 0 <= p < s < p + len(mine) <= e else span
 
 
-def _closed(span: tuple[int, int], tokenizer, messages: list[dict], i: int, text: str, where: str,
-            template_kwargs: dict | None, places: _Places) -> bool:
-    """Whether ``span``, found for assistant turn ``i`` turn by turn, holds the closing the
-    template writes after the reply's text (its end-of-turn marker: what the drafter learns
-    to stop on). A span that ends at or before the end of the reply's text (placed by
-    ``places``) does not where :func:`_content_span`, which takes the closing the template
-    writes there, ends later (a cut back to a line or marker end that lands at the end of a
-    reply ending in one: gpt-oss's ``<|return|>`` or ``<|end|>`` after a reply ending in a line end)."""
+def _completed(span: tuple[int, int], tokenizer, messages: list[dict], i: int, text: str, where: str,
+               template_kwargs: dict | None, places: _Places) -> tuple[int, int]:
+    """``span``, found for assistant turn ``i`` turn by turn, with the closing the template
+    writes after the reply's text (its end-of-turn marker: what the drafter learns to stop on)
+    where it ends at or before the end of that text (placed by ``places``): up to
+    :func:`_closing_end` (a cut back to a line or marker end that lands at the end of a reply
+    ending in one: gpt-oss's ``<|return|>`` or ``<|end|>`` after a reply ending in a line end)."""
     a, b = places.at.get(i, (0, 0))
     if b <= a or span[1] > b:
-        return True
+        return span
     try:
-        whole = _content_span(tokenizer, messages, i, text, where, template_kwargs, places)
+        return span[0], max(span[1], _closing_end(tokenizer, messages, i, text, where, template_kwargs, places))
     except DFlashError:
-        return True
-    return whole is None or whole[1] <= span[1]
+        return span
 
 
 def _sound(span: tuple[int, int], messages: list[dict], i: int, text: str, places: _Places,
@@ -671,8 +677,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int | None =
             found = found and _widened(found, m.get("content"), text)
             if found is not None and find is _assistant_span:
                 opened = found[0]  # (where the turn departs from its generation prompt)
-                if not _closed(found, tokenizer, messages, i, text, where, template_kwargs, places):
-                    continue  # (it ends at the reply's text, before the closing the template writes: by the content)
+                found = _completed(found, tokenizer, messages, i, text, where, template_kwargs, places)
             # found by its content: from where the turn departs from its generation prompt where that is before it
             # (gpt-oss's last reply's reasoning, written only in the last turn: the generation prompt's turn has none)
             wider = [(opened, found[1])] if find is _content_span and found and opened is not None and opened < found[0] \
