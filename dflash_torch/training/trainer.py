@@ -397,7 +397,8 @@ def deferred_interrupt():
 CACHE_FORMAT = 8  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
 # 5: no reply span inside the turns before it; messages as the engine takes them (parts, tool calls, names);
 # 6: replies found by their contents; 7: spans checked against the messages' contents (none on a user's text);
-# 8: each reply's closing marker in its span (a reply ending in a line end or ">"); an opening reply's span at its place
+# 8: each reply's closing marker in its span (a reply ending in a line end or ">"); an opening reply's span at its place;
+# gpt-oss's last reasoning in its reply's span; a call's empty content left unmarked
 """Version of the tokenized-data cache; part of its key (bump when tokenization changes)."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
