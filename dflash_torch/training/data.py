@@ -571,9 +571,11 @@ def _closing_end(tokenizer, messages: list[dict], i: int, text: str, where: str,
         agree = len(os.path.commonprefix([ended[ended.find(marker) + len(marker):], text[end:]]))
         ends = [k + 1 for k in (text.find("\n", end, end + agree), text.find(">", end, end + agree)) if k >= 0]
         shared = min(ends, default=end) - end  # (up to its first line or marker end: the next turn's opening not)
-    if not shared and (last is None or closing):  # (a closing the template writes only where a turn follows it,
-        ends = [k + 1 for k in (text.find("\n", end), text.find(">", end)) if k >= 0]  # a </s>: its first such end)
-        shared = min(ends, default=end) - end
+    if not shared and (last is None or closing):  # (a closing the template writes only where a turn follows it, a
+        # </s>: one marker, spaces before it at most; never text up to a line end, which may hold the next turn's
+        # header and, joined in a token, the start of its content)
+        marker = re.match(r"[ \t]*<[^\s<>]+>", text[end:])
+        shared = marker.end() if marker else 0
     limit = min((a for j, (a, _) in places.at.items() if j != i and a >= end), default=len(text))
     return min(end + shared, limit)
 
