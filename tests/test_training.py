@@ -356,6 +356,12 @@ STYLE_TEMPLATES = {
            "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"),
     "mistral": MISTRAL,
     "counted": COUNTED,
+    # </s> after the last reply only, turns apart by a space: a closing taken up to a line end after an earlier reply
+    # ran over "USER: " into the user's first word (trial-98)
+    "space-apart": ("{% for m in messages %}{% if m.role == 'assistant' %}{{ 'ASSISTANT: ' + m.content }}"
+                    "{% if loop.last %}{{ '</s>' }}{% else %}{{ ' ' }}{% endif %}{% else %}"
+                    "{{ m.role|upper + ': ' + m.content + ' ' }}{% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"),
     "no-closing-last": ("{% for m in messages %}{% if m.role == 'assistant' %}{{ 'ASSISTANT: ' + m.content }}"
                         "{% if not loop.last %}{{ '</s>' }}{% endif %}{{ '\\n' }}{% else %}"
                         "{{ m.role|upper + ': ' + m.content + '\\n' }}{% endif %}{% endfor %}"
