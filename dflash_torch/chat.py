@@ -142,8 +142,13 @@ def _sampling(engine, args: argparse.Namespace) -> dict:
     if args.max_new_tokens is None:
         engine.default_max_new_tokens, kwargs["max_new_tokens"] = kwargs["max_new_tokens"], None
     elif kwargs["max_new_tokens"] >= engine.max_context:
+        try:  # (raising --max-context is advice only where it would hold a one-word message's prompt too)
+            least = len(engine.encode_prompt([{"role": "user", "content": "hi"}], True, args.chat_template_kwargs))
+        except DFlashError:
+            least = 1
         raise DFlashError(f"--max-new-tokens {kwargs['max_new_tokens']} leaves no room for a prompt in the "
-                          f"context of {engine.max_context} tokens; lower it" + " (or raise --max-context)" * _can_raise(engine, kwargs["max_new_tokens"] + 1))
+                          f"context of {engine.max_context} tokens; lower it"
+                          + " (or raise --max-context)" * _can_raise(engine, kwargs["max_new_tokens"] + least))
     if taken:
         print("[sampling from the target's generation_config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items())
               + " (flags override it; --generation-config none: greedy decoding, 256 tokens)]", file=sys.stderr)

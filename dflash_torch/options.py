@@ -165,10 +165,11 @@ def check_prompt_ids(prompt_ids: list[int], config, max_new_tokens: int, max_con
         raise DFlashError(f"prompt token ids must be in [0, {vocab_size})")
     if n_prompt >= max_context:  # (lowering max_new_tokens cannot help)
         limit = context_limit(config)
-        if n_prompt < limit:  # (a longer max_context would hold it)
+        if n_prompt < limit:  # (a longer max_context would hold it: with max_new_tokens, or with fewer)
+            fewer = "" if n_prompt + max_new_tokens <= limit else " with fewer max_new_tokens"
             raise OptionError(f"the prompt ({n_prompt} tokens) leaves no room for a new token in the context of "
-                              f"{max_context} tokens; shorten it or raise max_context (up to {limit})",
-                              "prompt", "max_context")
+                              f"{max_context} tokens; shorten it or raise max_context (up to {limit}){fewer}",
+                              "prompt", "max_context", "max_new_tokens")
         context = "the target's context" if max_context == limit else "the context"
         beyond = "" if max_context == limit else f" (the target's context is {limit} tokens)"
         raise OptionError(f"the prompt ({n_prompt} tokens) leaves no room for a new token in {context} of "

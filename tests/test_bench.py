@@ -310,6 +310,10 @@ def test_bench_refuses_bad_options_with_one_line(tiny_pair, tmp_path, capsys):
     made = tmp_path / "new" / "deeper" / "o"
     assert cli_main(["bench", "--target", str(a_file), "--draft", str(drafter), "--out", str(made)]) == 2
     assert "--target" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    dotted = tmp_path / "made" / ".." / "sib"  # (mkdir makes made/ and sib/: both go)
+    assert cli_main(["bench", "--target", str(a_file), "--draft", str(drafter), "--out", str(dotted)]) == 2
+    capsys.readouterr()
+    assert not (tmp_path / "made").exists() and not (tmp_path / "sib").exists()
     (tmp_path / "kept").mkdir()
     assert cli_main(["bench", "--target", str(a_file), "--draft", str(drafter), "--out", str(tmp_path / "kept")]) == 2
     assert (tmp_path / "kept").is_dir()

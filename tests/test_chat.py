@@ -208,7 +208,10 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
                         (["--max-context", "64", "--max-new-tokens", "64"], "--max-new-tokens 64 leaves no room for a "
                          "prompt in the context of 64 tokens; lower it (or raise --max-context)\n"),
                         (["--max-context", "1024", "--max-new-tokens", "1024"], "--max-new-tokens 1024 leaves no room "
-                         "for a prompt in the context of 1024 tokens; lower it\n")):
+                         "for a prompt in the context of 1024 tokens; lower it\n"),
+                        # (nor where the target's context would not hold a one-word message's prompt and them)
+                        (["--max-context", "1000", "--max-new-tokens", "1023"], "--max-new-tokens 1023 leaves no room "
+                         "for a prompt in the context of 1000 tokens; lower it\n")):
         proc = run_cli("chat", *(flags if flags[0] == "--target" else [*pair, *flags]), stdin="hi\n")
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr
         last = proc.stderr.splitlines(keepends=True)[-1]

@@ -355,6 +355,11 @@ def test_a_prompt_that_fills_the_context_is_named_not_max_new_tokens(engine, tin
             call()
         assert str(err.value).endswith("the prompt (1024 tokens) leaves no room for a new token in the target's "
                                        "context of 1024 tokens; shorten it") and err.value.names == ("prompt",), err.value
+    # below it, where max_new_tokens would not fit the target's context either, raising max_context needs fewer
+    with pytest.raises(OptionError) as err:
+        small.generate(list(range(5, 45)), max_new_tokens=990)
+    assert str(err.value) == ("the prompt (40 tokens) leaves no room for a new token in the context of 40 tokens; "
+                              "shorten it or raise max_context (up to 1024) with fewer max_new_tokens"), err.value
     # nor below it, for a prompt longer than the target's context
     with pytest.raises(OptionError) as err:
         small.generate(ids, max_new_tokens=1)

@@ -220,17 +220,19 @@ def run(args: argparse.Namespace) -> int:
             try:
                 path.rmdir()
             except OSError:
-                break
+                pass
         raise
 
 
 def _missing_dirs(path: Path) -> list[Path]:
-    """``path`` and its ancestors that do not exist yet, deepest first (what ``mkdir(parents=True)`` makes)."""
-    missing = []
+    """The directories ``path.mkdir(parents=True)`` would make: ``path`` and its ancestors
+    that do not exist yet, as absolute paths (a ``..`` in ``path`` makes the directory
+    before it too), deepest first."""
+    missing = set()
     while not path.exists() and not path.is_symlink() and path != path.parent:
-        missing.append(path)
+        missing.add(Path(os.path.abspath(path)))
         path = path.parent
-    return missing
+    return sorted((p for p in missing if not os.path.lexists(p)), key=lambda p: len(p.parts), reverse=True)
 
 
 def _run(args: argparse.Namespace) -> int:
