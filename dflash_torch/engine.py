@@ -1294,7 +1294,7 @@ class DFlashEngine:
             except DFlashError as exc:
                 if n == 1 or (stopper is None and _shared_by_all(exc, per)):  # (no prompt to name)
                     raise
-                raise DFlashError(f"prompt {i}: {exc}") from None
+                raise _of_prompt(exc, i) from None
             requests.append((ids, params, stopper, scored, self.history_end(prompt, ids, chat, chat_template_kwargs, tools)))
         with self._locked():
             if not self.batched:
@@ -1336,7 +1336,7 @@ class DFlashEngine:
         try:
             chunks.append(self.record_round(rnd, stats, stopper))
         except DFlashError as exc:
-            raise DFlashError(f"prompt {i}: {exc}" if len(results) > 1 else str(exc)) from None
+            raise (_of_prompt(exc, i) if len(results) > 1 else exc) from None
         if chunks[-1].finish_reason is not None:
             results[i] = self._result(chunks)
             batch.remove(i)
@@ -1364,6 +1364,14 @@ def byte_level_alphabet() -> list[str]:
             out.append(chr(256 + extra))
             extra += 1
     return out
+
+
+def _of_prompt(exc: DFlashError, i: int) -> DFlashError:
+    """``exc`` about prompt ``i`` of a batch: its message after ``prompt i:``, an
+    :class:`OptionError` still one with its names (the command line names the flags)."""
+    if isinstance(exc, OptionError):
+        return OptionError(f"prompt {i}: {exc}", *exc.names)
+    return DFlashError(f"prompt {i}: {exc}")
 
 
 def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> str:

@@ -337,8 +337,9 @@ def test_a_prompt_that_fills_the_context_is_named_not_max_new_tokens(engine, tin
             with pytest.raises(OptionError) as err:
                 call()
             assert str(err.value) == line and err.value.name == "prompt", str(err.value)
-    with pytest.raises(DFlashError, match=r"^prompt 1: the prompt \(40 tokens\) leaves no room"):
+    with pytest.raises(OptionError, match=r"^prompt 1: the prompt \(40 tokens\) leaves no room") as err:
         small.generate_batch([list(range(5, 15)), list(range(5, 45))])
+    assert err.value.names == ("prompt", "max_context", "max_new_tokens")  # (a plain DFlashError lost them)
     target, drafter = tiny_pair
     text = "def f(x):\n    return x + 1\n" * 3
     n = len(engine.encode_prompt(text))
