@@ -1682,3 +1682,38 @@ def test_greedy_walk_on_text_counts_only_drafts_the_target_would_take(agree_pair
         assert tau - 1 <= run, (s, tau, run)
         s += tau
     assert max(taus) > 1 and min(taus) < B  # the target takes some drafts, not all
+
+
+# Qwen3's way with calls: a line end before <tool_call> only after a content; earlier turns' reasoning dropped
+QWEN3_CALLS = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}{% if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if loop.index0 > ns.last and m.reasoning_content %}{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}"
+    "{% endif %}{{ m.content or '' }}{% if m.tool_calls %}{% if m.content %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>' + m.tool_calls[0].function.name + '</tool_call>' }}{% endif %}{{ '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_chat_loss_of_a_qwen3_style_call_with_an_empty_content_and_reasoning(tiny_pair):
+    """A call whose content is "" with reasoning, under a template that writes a line end
+    before the call only after a content (Qwen3's): the contents are placed with the empty
+    one left unmarked, so each reply has its span (it trained on all its tokens, counted:
+    common agent data; trial-98)."""
+    from transformers import AutoTokenizer
+
+    from dflash_torch.engine import _chat_messages
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    tok.chat_template = QWEN3_CALLS
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "reasoning_content": "I need the tool.", "tool_calls": [call]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+                {"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "Thanks a lot"},
+                {"role": "assistant", "content": "You are welcome."}]
+    ex = tokenize_conversation(tok, _chat_messages(messages))
+    assert not ex.whole
+    spans = "".join(_masked_spans(tok, ex))
+    assert "get_weather" in spans and "It is sunny." in spans and "You are welcome." in spans, spans
+    assert "Paris" not in spans and "sunny<" not in spans and "Thanks" not in spans, spans

@@ -501,15 +501,17 @@ def _content_places(tokenizer, messages: list[dict], text: str, where: str,
         return _Places({}, set(strings), False)
     split = re.compile(r"@@dflash-content-(\d+)@@")
     places = None
-    # (a template may refuse the markers where it takes the contents; gpt-oss's refuses a call's content with its
-    # thinking, and takes an empty one as none: then the replies' empty contents are left as they are, unplaced)
+    # (a template may refuse the markers where it takes the contents, or write them otherwise: gpt-oss's refuses a
+    # call's content with its thinking, and takes an empty one as none; Qwen3's writes a line end before a call only
+    # after a content: then the replies' empty contents are left as they are, unplaced)
     for marked in (_marked(messages), [m if m["role"] == "assistant" and m.get("content") == "" else n
                                        for m, n in zip(messages, _marked(messages))]):
         try:
             places = _fill(split.split(_render_text(tokenizer, marked, False, where, template_kwargs)), messages, text)
-            break
         except DFlashError:
             continue
+        if places is not None:
+            break
     if places is not None:
         return _Places(places, set(), True)
     found = _Places({}, set(), False)
