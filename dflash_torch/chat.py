@@ -23,8 +23,8 @@ from .cli import (
     error_message,
     load_engine,
 )
-from .errors import DFlashError, OptionError
-from .options import context_limit
+from .errors import DFlashError
+from .options import check_min_tokens_default, context_limit
 
 HELP = ("commands: /reset (forget the conversation), /exit (or Ctrl-D), /help (this list), // for a message starting "
         "with /; Ctrl-C stops a reply")
@@ -133,11 +133,8 @@ def _sampling(engine, args: argparse.Namespace) -> dict:
     kwargs.update(seed=args.seed, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                   logit_bias=args.logit_bias, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
     if args.max_new_tokens is None:  # (a default: cut to the context each turn leaves)
-        default = kwargs["max_new_tokens"]
-        if isinstance(args.min_tokens, int) and args.min_tokens > default:
-            whose = ", generation_config.json's" if "max_new_tokens" in taken else ""
-            raise OptionError(f"min_tokens ({args.min_tokens}) exceeds the default max_new_tokens ({default}{whose}), "
-                              "which applies where none is given", "min_tokens", "max_new_tokens")
+        whose = ", generation_config.json's" if "max_new_tokens" in taken else ""
+        check_min_tokens_default(args.min_tokens, kwargs["max_new_tokens"], whose=whose)
     engine.request_params(**kwargs)  # (checked now: refused at every turn otherwise)
     if args.max_new_tokens is None:
         engine.default_max_new_tokens, kwargs["max_new_tokens"] = kwargs["max_new_tokens"], None

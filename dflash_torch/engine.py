@@ -954,11 +954,8 @@ class DFlashEngine:
         """
         if max_new_tokens is not None:
             return max_new_tokens
-        default = self.default_max_new_tokens
-        if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > default:
-            raise OptionError(f"min_tokens ({min_tokens}) exceeds the default max_new_tokens ({default}), which "
-                              "applies where none is given", "min_tokens", "max_new_tokens")
-        return default
+        options.check_min_tokens_default(min_tokens, self.default_max_new_tokens)
+        return self.default_max_new_tokens
 
     def _default_limit(self, prompt_ids: list[int], min_tokens: int) -> int:
         """The ``max_new_tokens`` of a request that gave none: :attr:`default_max_new_tokens`
@@ -970,11 +967,7 @@ class DFlashEngine:
             OptionError: a ``min_tokens`` above the tokens left after the prompt, named so.
         """
         n = options.check_prompt_ids(prompt_ids, self.target.config, 1, self.max_context)
-        room = self.max_context - n
-        if min_tokens > room:
-            raise OptionError(f"min_tokens ({min_tokens}) exceeds the {room} tokens left in the context of "
-                              f"{self.max_context} tokens after the prompt ({n} tokens)", "min_tokens")
-        return min(self.default_max_new_tokens, room)
+        return min(self.default_max_new_tokens, options.check_min_tokens_room(min_tokens, n, self.max_context))
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

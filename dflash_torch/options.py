@@ -180,6 +180,33 @@ def check_prompt_ids(prompt_ids: list[int], config, max_new_tokens: int, max_con
     return n_prompt
 
 
+def check_min_tokens_default(min_tokens, default: int, name: str = "max_new_tokens", whose: str = "") -> None:
+    """Refuse a ``min_tokens`` above ``default``, the length that applies where a request
+    gives none (named as such: the default is no value the caller gave); ``name``: how the
+    caller spells the length, ``whose``: where the default comes from (", generation_config.json's").
+
+    Raises:
+        OptionError: naming ``min_tokens`` and ``name``.
+    """
+    if _is_int(min_tokens) and min_tokens > default:
+        raise OptionError(f"min_tokens ({min_tokens}) exceeds the default {name} ({default}{whose}), which applies "
+                          "where none is given", "min_tokens", name)
+
+
+def check_min_tokens_room(min_tokens: int, n_prompt: int, max_context: int) -> int:
+    """The tokens a prompt of ``n_prompt`` tokens leaves in ``max_context``, where a request
+    gave no length (its default is cut to them).
+
+    Raises:
+        OptionError: a ``min_tokens`` above them, named so.
+    """
+    room = max_context - n_prompt
+    if min_tokens > room:
+        raise OptionError(f"min_tokens ({min_tokens}) exceeds the {room} tokens left in the context of {max_context} "
+                          f"tokens after the prompt ({n_prompt} tokens)", "min_tokens")
+    return room
+
+
 def check_block_size(value, trained: int | None, name: str = "block size") -> int | None:
     """Tokens per draft block: None (the drafter's ``trained`` block size) or an integer in
     [1, trained]; ``trained`` None means target-only decoding, where only None or 1 fit (a

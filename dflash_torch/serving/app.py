@@ -87,7 +87,7 @@ from starlette.requests import ClientDisconnect
 
 from ..engine import StreamChunk
 from ..errors import DFlashError
-from ..options import check_api_key, check_chat_template_kwargs, check_keepalive, check_model_name
+from ..options import check_api_key, check_chat_template_kwargs, check_keepalive, check_min_tokens_default, check_model_name
 from ..structured import StructuredOutput
 from .constraints import after_reasoning, special_token, think_tokens, with_whitespace
 from .metrics import MetricsMiddleware, ServerMetrics
@@ -670,9 +670,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         a long prompt holds neither the engine nor the event loop); the history end of a chat
         that ends with the opening of the reply (see :meth:`DFlashEngine.history_end`), else None."""
         vocab = engine.target.config.vocab_size
-        if requested is None and default is not None and min_tokens > default:  # (every prompt's: no prompt named)
-            raise APIError(400, f"min_tokens ({min_tokens}) exceeds the default {max_tokens_name} ({default}), which "
-                                "applies where none is given", param="min_tokens")
+        if requested is None and default is not None:  # (every prompt's: no prompt named)
+            try:
+                check_min_tokens_default(min_tokens, default, max_tokens_name)
+            except DFlashError as exc:
+                raise APIError(400, str(exc), param="min_tokens") from None
         out = []
         for i, prompt in enumerate(prompts):
             try:

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from .. import compute
 from ..engine import StreamChunk
 from ..errors import DFlashError, OptionError
+from ..options import check_min_tokens_room
 from .metrics import ServerMetrics
 
 log = logging.getLogger("dflash_torch.serving")
@@ -161,10 +162,11 @@ def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: i
     field ``name``), else ``default`` cut to the context, else the whole rest of the context.
 
     Raises:
-        ParamError: an empty prompt, a prompt (+ ``requested``) that does not fit, or, with
-            no ``requested``, a ``min_tokens`` above the tokens the prompt leaves (named as
-            such: the cut default is no value the client sent; one above ``default`` itself is
-            refused before any prompt is read).
+        ParamError: an empty prompt, a prompt (+ ``requested``) that does not fit.
+        OptionError: with no ``requested``, a ``min_tokens`` above the tokens the prompt
+            leaves (:func:`~dflash_torch.options.check_min_tokens_room`; named as such: the cut
+            default is no value the client sent; one above ``default`` itself is refused
+            before any prompt is read).
     """
     if prompt_tokens == 0:  # (engine.stream([]) would read [] as an empty chat conversation)
         raise ParamError("the prompt is empty (0 tokens)", "prompt")
@@ -173,9 +175,7 @@ def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: i
         raise ParamError(f"the prompt ({prompt_tokens} tokens) does not fit the model's context of "
                          f"{engine.max_context} tokens (at least one token must be generated)", "prompt")
     if requested is None:
-        if min_tokens > room:
-            raise ParamError(f"min_tokens ({min_tokens}) exceeds the {room} tokens left in the context of "
-                             f"{engine.max_context} tokens after the prompt ({prompt_tokens} tokens)", "min_tokens")
+        check_min_tokens_room(min_tokens, prompt_tokens, engine.max_context)
         return room if default is None else min(default, room)
     if requested > room:
         raise ParamError(f"{name} ({requested}) + the prompt ({prompt_tokens} tokens) exceed the model's "
