@@ -399,7 +399,7 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
     content = messages[i].get("content")
     opening = -1
     if not messages[:i] and isinstance(content, str) and content.strip():  # (where the template writes the content:
-        marker = f"@@dflash-content-{i}@@"  # not an earlier occurrence of its text, as in a default system prompt)
+        marker = _marker(i)  # not an earlier occurrence of its text, as in a default system prompt)
         try:
             marked = _render_text(tokenizer, _marked(messages, i), False, where, template_kwargs)
         except DFlashError:
@@ -447,9 +447,19 @@ def _assistant_span(tokenizer, messages: list[dict], i: int, text: str, where: s
     return None
 
 
+_MARKER_OPENING = "@@dflash-content-"
+_MARKERS = re.compile(re.escape(_MARKER_OPENING) + r"(\d+)@@")
+"""The markers that stand for the messages' contents in a marked rendering (:func:`_marked`)."""
+
+
+def _marker(k: int) -> str:
+    """The marker of message ``k``'s content."""
+    return f"{_MARKER_OPENING}{k}@@"
+
+
 def _marked(messages: list[dict], j: int | None = None) -> list[dict]:
     """``messages`` (the first ``j + 1`` with ``j``) with each string content replaced by a marker naming it."""
-    return [{**m, "content": f"@@dflash-content-{k}@@"} if isinstance(m.get("content"), str) else m
+    return [{**m, "content": _marker(k)} if isinstance(m.get("content"), str) else m
             for k, m in enumerate(messages[:None if j is None else j + 1])]
 
 
@@ -497,28 +507,25 @@ def _content_places(tokenizer, messages: list[dict], text: str, where: str,
     marker, a content is placed when that rendering, its marker replaced by it, is ``text``;
     one whose marker the template does not write is not in ``text`` at all."""
     strings = [j for j, m in enumerate(messages) if isinstance(m.get("content"), str)]
-    if "@@dflash-content-" in text:
+    if _MARKER_OPENING in text:  # (a text holding the markers' opening: no content could be told from them)
         return _Places({}, set(strings), False)
-    split = re.compile(r"@@dflash-content-(\d+)@@")
-    places = None
     # (a template may refuse the markers where it takes the contents, or write them otherwise: gpt-oss's refuses a
     # call's content with its thinking, and takes an empty one as none; Qwen3's writes a line end before a call only
     # after a content: then the replies' empty contents are left as they are, unplaced)
-    for marked in (_marked(messages), [m if m["role"] == "assistant" and m.get("content") == "" else n
-                                       for m, n in zip(messages, _marked(messages))]):
+    marked = _marked(messages)
+    for variant in (marked, [m if m["role"] == "assistant" and m.get("content") == "" else n
+                             for m, n in zip(messages, marked)]):
         try:
-            places = _fill(split.split(_render_text(tokenizer, marked, False, where, template_kwargs)), messages, text)
+            places = _fill(_MARKERS.split(_render_text(tokenizer, variant, False, where, template_kwargs)), messages, text)
         except DFlashError:
             continue
         if places is not None:
-            break
-    if places is not None:
-        return _Places(places, set(), True)
+            return _Places(places, set(), True)
     found = _Places({}, set(), False)
     for j in strings:
-        one = [{**m, "content": f"@@dflash-content-{j}@@"} if k == j else m for k, m in enumerate(messages)]
+        one = [{**m, "content": _marker(j)} if k == j else m for k, m in enumerate(messages)]
         try:
-            pieces = split.split(_render_text(tokenizer, one, False, where, template_kwargs))
+            pieces = _MARKERS.split(_render_text(tokenizer, one, False, where, template_kwargs))
         except DFlashError:
             pieces = None
         place = _fill(pieces, messages, text) if pieces is not None else None
@@ -545,7 +552,7 @@ def _content_span(tokenizer, messages: list[dict], i: int, text: str, where: str
     """
     if not places.whole or i not in places.at:
         return None
-    start, end = places.at[i]
+    start = places.at[i][0]
     end = _closing_end(tokenizer, messages, i, text, where, template_kwargs, places)
     return (start, end) if end > start else None
 
@@ -554,7 +561,7 @@ def _closing_end(tokenizer, messages: list[dict], i: int, text: str, where: str,
                  places: _Places) -> int:
     """Where the closing the template writes after assistant turn ``i``'s content (placed by
     ``places``) ends in ``text``: :func:`_content_span`'s end."""
-    marker = f"@@dflash-content-{i}@@"
+    marker = _marker(i)
     try:
         last = _render_text(tokenizer, _marked(messages, i), False, where, template_kwargs)
     except DFlashError:  # (Qwen3.5's refuses a conversation with no user turn yet: the content alone)
