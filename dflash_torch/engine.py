@@ -554,7 +554,8 @@ class DFlashEngine:
         ``tool_call_id`` (role ``tool``), ``tool_calls`` (``[{"id", "type": "function",
         "function": {"name", "arguments"}}]``). A call's ``arguments`` given as a JSON
         string (OpenAI's protocol) is parsed into a dict before templating (templates such
-        as gpt-oss's and Qwen3-Coder's need a mapping); a dict is taken as is.
+        as gpt-oss's and Qwen3-Coder's need a mapping); a dict is taken as is; ``""``, None
+        or no ``arguments`` is ``{}`` (as vLLM takes them).
 
         A text (or messages' contents) longer than :attr:`max_prompt_chars` characters
         cannot fit the context and is refused before it is tokenized (unless
@@ -1419,7 +1420,7 @@ def _chat_messages(messages: list) -> list[dict]:
         DFlashError: a message that is not a dict with a string ``role`` and a string
             ``content`` (or a list of text parts; None allowed with ``tool_calls``), ``tool_calls`` that are not a
             list of ``{"function": {"name": str, "arguments": ...}}``, or ``arguments`` that
-            are not a JSON object (a dict or its JSON text).
+            are not a JSON object (a dict or its JSON text; ``""`` and None are ``{}``).
     """
     if not all(isinstance(m, dict) for m in messages):
         raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})")
@@ -1464,7 +1465,10 @@ def _parts_text(parts: list, role, message: int) -> str:
 
 
 def _call_arguments(arguments, message: int, call: int) -> dict:
-    """A tool call's arguments as a dict: a dict, or a JSON object's text."""
+    """A tool call's arguments as a dict: a dict, or a JSON object's text; ``""`` and None
+    are ``{}`` (a call without arguments, as vLLM takes them)."""
+    if arguments is None or arguments == "":
+        return {}
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)

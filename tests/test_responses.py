@@ -205,6 +205,30 @@ def test_function_calls_the_model_writes_and_a_multi_turn_input(server, scripted
     assert r.usage.input_tokens == len(_oracle(tok, _with_dict_arguments(history), tools=CHAT_TOOLS))
 
 
+def test_a_function_call_item_with_empty_arguments_is_a_call_without_arguments(server, scripted_pair):
+    """``arguments`` ``""`` is ``{}``, as in chat (trial-97: a 400); text that is not a JSON
+    object is refused, naming the item's ``arguments``."""
+    from transformers import AutoTokenizer
+
+    client = server.client()
+    model = client.models.list().data[0].id
+    turn = [{"type": "function_call", "call_id": "call_a", "name": "get_time", "arguments": ""},
+            {"type": "function_call_output", "call_id": "call_a", "output": "14:05"}]
+    r = client.responses.create(model=model, input=TOOL_MESSAGES + turn, tools=flat(CHAT_TOOLS), temperature=0,
+                                max_output_tokens=1)
+    history = TOOL_MESSAGES + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "14:05"}]
+    tok = AutoTokenizer.from_pretrained(str(scripted_pair[0]))
+    assert r.usage.input_tokens == len(_oracle(tok, history, tools=CHAT_TOOLS))
+    for bad, words in (("{oops", "not valid JSON"), ("[1]", "got a JSON list")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=model, input=TOOL_MESSAGES + [{**turn[0], "arguments": bad}, turn[1]],
+                                    tools=flat(CHAT_TOOLS), max_output_tokens=1)
+        assert err.value.body["param"] == "input.1.arguments" and words in err.value.body["message"], err.value.body
+
+
 def test_forced_tool_calls_equal_chat_completions(servers):
     spec, _ = servers
     messages = [{"role": "user", "content": "Who is it? Answer in JSON."}]

@@ -466,10 +466,12 @@ BAD_REQUESTS = [
     ("tool call arguments not JSON", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
          {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": '}}]},
-                   {"role": "tool", "tool_call_id": "call_1", "content": "1"}]}, 400, "messages"),
+                   {"role": "tool", "tool_call_id": "call_1", "content": "1"}]}, 400,
+     "messages.1.tool_calls.0.function.arguments"),
     ("tool call arguments not an object", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
-         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}]}]}, 400, "messages"),
+         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}]}]}, 400,
+     "messages.1.tool_calls.0.function.arguments"),
     ("response_format of an unknown type", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, 400, "response_format.type"),
     ("json mode with ignore_eos", "/v1/completions",

@@ -615,14 +615,47 @@ def test_server_refuses_calls_whose_arguments_are_not_json_objects(server):
     model = client.models.list().data[0].id
     bad = MESSAGES + [{"role": "assistant", "tool_calls": [
         {"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": "{oops"}}]}]
+    where = "messages.1.tool_calls.0.function.arguments"  # (the exact path, as a missing field's; was "messages")
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=model, messages=bad, tools=TOOLS)
-    assert err.value.body["param"] == "messages" and "not valid JSON" in err.value.body["message"]
+    assert err.value.body["param"] == where and "not valid JSON" in err.value.body["message"]
+    assert err.value.body["message"].startswith(f"invalid value for {where}: must be a JSON object's text")
     deep = MESSAGES + [{"role": "assistant", "tool_calls": [
         {"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": "[" * 5000 + "]" * 5000}}]}]
     with pytest.raises(openai.BadRequestError) as err:  # (not a 500)
         client.chat.completions.create(model=model, messages=deep, tools=TOOLS)
-    assert err.value.body["param"] == "messages" and "nested too deeply" in err.value.body["message"]
+    assert err.value.body["param"] == where and "nested too deeply" in err.value.body["message"]
+    listed = MESSAGES + [{"role": "assistant", "tool_calls": [
+        {"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+        {"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "[1]"}}]}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=listed, tools=TOOLS)
+    assert err.value.body["param"] == "messages.1.tool_calls.1.function.arguments"
+    assert "got a JSON list" in err.value.body["message"]
+    missing = MESSAGES + [{"role": "assistant", "tool_calls": [{"id": "call_a", "type": "function",
+                                                                  "function": {"name": "get_time"}}]}]
+    with pytest.raises(openai.BadRequestError) as err:  # (OpenAI requires the field)
+        client.chat.completions.create(model=model, messages=missing, tools=TOOLS)
+    assert err.value.body["param"] == where and err.value.body["message"] == f"missing required parameter: {where}"
+
+
+def test_server_takes_empty_call_arguments_as_an_empty_object(server, scripted_pair):
+    """An earlier call's ``arguments`` ``""`` or null is ``{}``, as vLLM takes them (trial-97:
+    a 400 "not valid JSON"): the prompt is the one of ``{}``."""
+    tok = AutoTokenizer.from_pretrained(str(scripted_pair[0]))
+    client = server.client()
+    model = client.models.list().data[0].id
+
+    def history(arguments):
+        return MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_a", "content": "14:05"}]
+
+    want = len(_oracle(tok, history({}), tools=TOOLS))
+    for arguments in ("", None, "{}"):
+        r = client.chat.completions.create(model=model, messages=history(arguments), tools=TOOLS, temperature=0,
+                                           max_tokens=1)
+        assert r.usage.prompt_tokens == want, arguments
 
 
 # --- Gemma 4: its thought channel and calls, the markers special tokens --------------------------

@@ -354,7 +354,34 @@ class ContentPart(BaseModel):
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: StrictStr
-    arguments: StrictStr | dict[StrictStr, Any]  # OpenAI: a JSON object's text (a dict is taken too)
+    # OpenAI: a JSON object's text (a dict is taken too; "" and null are {}, as vLLM takes them)
+    arguments: StrictStr | dict[StrictStr, Any] | None
+
+    @field_validator("arguments", mode="after")
+    @classmethod
+    def _json_object(cls, arguments):
+        """A JSON object's text (kept as sent: the engine parses it) or a dict; ``""`` and
+        None are ``{}`` (a call without arguments, as vLLM takes them)."""
+        if arguments is None or arguments == "":
+            return {}
+        if isinstance(arguments, str):
+            check_json_object(arguments)
+        return arguments
+
+
+def check_json_object(text: str) -> None:
+    """``text`` is a JSON object's text (a tool call's ``arguments``: the chat template renders it as one).
+
+    Raises:
+        ValueError: it is not, in words that follow the field's name."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"must be a JSON object's text: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError("must be a JSON object's text: nested too deeply") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a JSON object's text, got a JSON {type(value).__name__}")
 
 
 class ToolCall(BaseModel):
@@ -794,15 +821,13 @@ def _validate_item(schema, item: dict, where: str):
 
 
 def _check_arguments(arguments: str, where: str) -> None:
-    """A function_call item's ``arguments``: a JSON object's text (the chat template renders it as one)."""
+    """A function_call item's ``arguments``: a JSON object's text, or ``""`` (``{}``, as chat's)."""
+    if arguments == "":
+        return
     try:
-        value = json.loads(arguments)
+        check_json_object(arguments)
     except ValueError as exc:
-        raise ResponsesInputError(where, f"{where} must be a JSON object's text: not valid JSON ({exc})") from None
-    except RecursionError:
-        raise ResponsesInputError(where, f"{where} must be a JSON object's text: nested too deeply") from None
-    if not isinstance(value, dict):
-        raise ResponsesInputError(where, f"{where} must be a JSON object's text, got a JSON {type(value).__name__}")
+        raise ResponsesInputError(where, f"{where} {exc}") from None
 
 
 class InputSources:
