@@ -505,6 +505,35 @@ def test_bad_input(server, name, path, body, status, param):
         assert err["param"] == param, err
 
 
+NAMED = '{"type": "function", "function": {"name": ...}}'
+BAD_TOOL_CHOICES = [  # (tool_choice, param, the message's start); trial-97: all "expected one of literal[...]"
+    ({"type": "function", "function": {}}, "tool_choice.function.name", "tool_choice.function.name is missing; "),
+    ({"type": "function", "function": {"name": 1}}, "tool_choice.function.name",
+     "tool_choice.function.name must be a string, got a number; "),
+    ({"function": {"name": 1}}, "tool_choice.type", "tool_choice.type is missing; "),
+    ({"type": "function", "name": "f"}, "tool_choice.function",
+     "tool_choice.function is missing ({'name': ...} beside type is the Responses API's form); "),
+    ({"type": "function", "function": "f"}, "tool_choice.function", "tool_choice.function must be an object, got a "
+                                                                     "string; "),
+    ({"type": "tool", "function": {"name": "f"}}, "tool_choice.type", "tool_choice.type must be 'function', got 'tool'; "),
+    ("Auto", "tool_choice", ""),
+    (5, "tool_choice", ""),
+]
+
+
+@pytest.mark.parametrize("choice,param,start", BAD_TOOL_CHOICES, ids=[str(b[0]) for b in BAD_TOOL_CHOICES])
+def test_a_malformed_tool_choice_says_what_is_wrong_and_the_forms_taken(server, choice, param, start):
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                                tool_choice=choice, max_tokens=3)
+    body = err.value.body
+    assert body["param"] == param, body
+    forms = f"tool_choice must be 'none', 'auto', 'required' or {NAMED}"
+    want = start + forms if start else f"{forms}; got {'Auto' if choice == 'Auto' else 'a number'}"
+    assert body["message"] == (want.replace("got Auto", "got 'Auto'")), body
+
+
 def test_huge_numbers_get_an_error_a_client_can_act_on(server):
     for body in ({"prompt": "x", "logit_bias": {"1" * 5000: 1}}, '{"prompt": "x", "max_tokens": %s}' % ("1" * 5000)):
         err = _assert_openai_error(server.post("/v1/completions", body, raw=isinstance(body, str)), 400)

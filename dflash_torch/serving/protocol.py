@@ -485,6 +485,72 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+class FieldError(ValueError):
+    """A validator's error about a part of its field: ``param`` the part's path below the
+    field (``function.name`` of ``tool_choice``), which :func:`describe_validation_error` names."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_tool_choice(value, chat: bool):
+    """``tool_choice`` as sent, checked before it is typed, so that an error says what is
+    wrong with it and names the forms taken: ``"none"``, ``"auto"``, ``"required"`` or a
+    named function, ``{"type": "function", "function": {"name": ...}}`` in chat completions
+    (``chat``), ``{"type": "function", "name": ...}`` in the Responses API (whose other
+    types are refused later, :meth:`ResponsesRequest.unsupported`).
+
+    Raises:
+        FieldError: a string not among those, a value neither a string nor an object, or an
+            object without its ``type`` or (chat) its ``function.name`` string."""
+    named = '{"type": "function", "function": {"name": ...}}' if chat else '{"type": "function", "name": ...}'
+    forms = f"tool_choice must be 'none', 'auto', 'required' or {named}"
+    if value is None or value in TOOL_CHOICES:
+        return value
+    if isinstance(value, str):
+        raise FieldError(f"{forms}; got {value[:40]!r}", "")
+    if not isinstance(value, dict):
+        raise FieldError(f"{forms}; got {_json_type(value)}", "")
+    if "type" not in value:
+        raise FieldError(f"tool_choice.type is missing; {forms}", "type")
+    if not isinstance(value["type"], str):
+        raise FieldError(f"tool_choice.type must be a string, got {_json_type(value['type'])}; {forms}", "type")
+    if not chat:
+        if value.get("name") is not None and not isinstance(value["name"], str):
+            raise FieldError(f"tool_choice.name must be a string, got {_json_type(value['name'])}; {forms}", "name")
+        if value["type"] == "function" and "name" not in value and "function" in value:
+            raise FieldError(f"tool_choice.name is missing ({{'function': {{'name': ...}}}} is chat completions' form); "
+                             f"{forms}", "name")
+        return value
+    if value["type"] != "function":
+        raise FieldError(f"tool_choice.type must be 'function', got {value['type'][:40]!r}; {forms}", "type")
+    function = value.get("function")
+    if function is None:
+        hint = " ({'name': ...} beside type is the Responses API's form)" if "name" in value else ""
+        raise FieldError(f"tool_choice.function is missing{hint}; {forms}", "function")
+    if not isinstance(function, dict):
+        raise FieldError(f"tool_choice.function must be an object, got {_json_type(function)}; {forms}", "function")
+    if "name" not in function:
+        raise FieldError(f"tool_choice.function.name is missing; {forms}", "function.name")
+    if not isinstance(function["name"], str):
+        raise FieldError(f"tool_choice.function.name must be a string, got {_json_type(function['name'])}; {forms}",
+                         "function.name")
+    return value
+
+
+def _json_type(value) -> str:
+    """The JSON type of a decoded value, in words (``an object``, ``a number``, ...)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {dict: "an object", list: "an array", str: "a string"}.get(type(value), "null")
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
     echo: StrictBool | None = False  # (vLLM's chat extension: refused, see unsupported_field)
@@ -505,6 +571,11 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template: Any = None  # (vLLM's per-request template: refused, see unsupported_field)
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value):
+        return check_tool_choice(value, chat=True)
 
     def prompt_options(self) -> dict:
         """The chat template options of :meth:`DFlashEngine.encode_prompt` this request sets."""
@@ -709,6 +780,9 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
         param = ".".join(str(x) for x in loc[:depth]) or None
         return f"invalid value for {param}: expected one of {', '.join(accepted)}", param
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")  # (pydantic's word for a validator's ValueError)
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):  # (a validator that names the part of its field, in its own words)
+        return msg, ".".join(p for p in (param, cause.param) if p) or None
     return (f"invalid value for {param}: {msg}" if param else msg), param
 
 
@@ -1023,6 +1097,12 @@ class ResponsesRequest(BaseModel):
     skip_special_tokens: Any = None
     include_stop_str_in_output: Any = None
     _chat: Any = PrivateAttr(None)  # (the chat request it is served as, once checked)
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value):
+        return check_tool_choice(value, chat=False)
+
     _sources: Any = PrivateAttr(None)  # (InputSources of its chat messages, once made)
     # (the objects validated apart, for unknown_fields: ("input[]", item, the item's dict), and
     # ("structured_outputs", the chat request's, the dict sent))
