@@ -205,6 +205,20 @@ def test_function_calls_the_model_writes_and_a_multi_turn_input(server, scripted
     assert r.usage.input_tokens == len(_oracle(tok, _with_dict_arguments(history), tools=CHAT_TOOLS))
 
 
+def test_parallel_tool_calls_false_gives_the_first_function_call_only(server):
+    """As chat's: the reply's first call only (trial-97: both), streamed and not alike."""
+    client = server.client()
+    model = client.models.list().data[0].id
+    kw = dict(model=model, input=TOOL_MESSAGES, tools=flat(CHAT_TOOLS), parallel_tool_calls=False)
+    r = client.responses.create(temperature=0, **kw)
+    assert [item.type for item in r.output] == ["message", "function_call"] and r.output_text == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in r.output[1:]] == WANT_CALLS[:1]
+    assert r.parallel_tool_calls is False and r.status == "completed"
+    events = _events(client, **kw)
+    assert len([ev for ev in events if ev.type == "response.function_call_arguments.delta"]) == 1
+    assert events[-1].type == "response.completed" and _shape(events[-1].response) == _shape(r)
+
+
 def test_a_function_call_item_with_empty_arguments_is_a_call_without_arguments(server, scripted_pair):
     """``arguments`` ``""`` is ``{}``, as in chat (trial-97: a 400); text that is not a JSON
     object is refused, naming the item's ``arguments``."""

@@ -561,6 +561,32 @@ def test_server_streams_tool_calls(server):
     assert not [d for d in deltas if d.get("content") == "" and set(d) == {"content"}], deltas
 
 
+def test_parallel_tool_calls_false_returns_the_first_call_only(server):
+    """``parallel_tool_calls: false`` with ``tool_choice`` auto: the reply's first call only, as
+    vLLM returns it (OpenAI: at most one call; trial-97: both calls), streamed and not alike
+    (no delta of the second call)."""
+    client = server.client()
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=MESSAGES, tools=TOOLS, temperature=0, parallel_tool_calls=False)
+    r = client.chat.completions.create(n=2, **kw)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+        assert _message_calls(choice.message.tool_calls) == WANT_CALLS[:1]
+    content, calls, finish = {}, {}, {}
+    for chunk in client.chat.completions.create(n=2, stream=True, **kw):
+        for ch in chunk.choices:
+            content[ch.index] = content.get(ch.index, "") + (ch.delta.content or "")
+            calls.setdefault(ch.index, []).extend(ch.delta.tool_calls or [])
+            if ch.finish_reason is not None:
+                finish[ch.index] = ch.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls"} and content == {0: "Let me check.", 1: "Let me check."}
+    for index in (0, 1):
+        assert [c.index for c in calls[index]] == [0] and _message_calls(calls[index]) == WANT_CALLS[:1]
+    # true (or not given): every call
+    r = client.chat.completions.create(**{**kw, "parallel_tool_calls": True})
+    assert _message_calls(r.choices[0].message.tool_calls) == WANT_CALLS
+
+
 def test_keepalive_frames_fill_silences_and_end_with_the_stream():
     import asyncio
 

@@ -24,7 +24,8 @@ with ``Retry-After`` when the queue is full, 503 once the server shuts down (a s
 fails after it started ends with an error event and ``[DONE]``); a 500 means a server bug.
 
 Chat replies are split into ``reasoning_content`` (:mod:`.reasoning`), ``content`` and, for
-a request with ``tools``, ``tool_calls`` (:mod:`.tools`).
+a request with ``tools``, ``tool_calls`` (:mod:`.tools`; with ``parallel_tool_calls`` false,
+the reply's first call only, as vLLM).
 
 Structured outputs (both endpoints): ``response_format`` (OpenAI: ``json_object``,
 ``json_schema``), ``structured_outputs`` and ``guided_json`` / ``guided_regex`` /
@@ -869,7 +870,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             # (a chat has one prompt; its end tells whether the template opened the reasoning; calls
             # are looked for when the model was given tools)
             parsers = None if kind == "completion" else \
-                [new_reply_parser(reasoning, tool_calls if tools else "none", prompt_tail, tools) for _ in job.sequences]
+                [new_reply_parser(reasoning, tool_calls if tools else "none", prompt_tail, tools,
+                                  req.parallel_tool_calls is not False) for _ in job.sequences]
             if parsers is not None and parsers[0] is None:
                 parsers = None
             if kind == "responses":

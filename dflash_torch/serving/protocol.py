@@ -558,7 +558,7 @@ class ChatCompletionRequest(_Request):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    # (tool_choice auto: accepted, the reply has the calls the model writes; required: false allows one call only)
+    # (false: tool_choice auto returns the reply's first call only, as vLLM; required: the grammar allows one call only)
     parallel_tool_calls: StrictBool | None = None
     functions: list[Any] | None = None
     function_call: Any = None

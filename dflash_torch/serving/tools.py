@@ -609,13 +609,32 @@ def _skip_space(text: str, at: int) -> int:
 class ReplyParser:
     """A chat reply's reasoning, content and tool calls, piece by piece: the reasoning
     parser (:mod:`.reasoning`, or none) splits off the reasoning, the tool parser (or none)
-    finds the calls in the answer; or one :class:`HarmonyToolParser` for both."""
+    finds the calls in the answer; or one :class:`HarmonyToolParser` for both. ``one_call``
+    (a request's ``parallel_tool_calls`` false): the reply's first call only, as vLLM returns
+    it (OpenAI: at most one call); the calls after it are dropped, the text around them kept."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | HarmonyToolParser | None):
-        self.reasoning, self.tools = reasoning, tools
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | HarmonyToolParser | None,
+                 one_call: bool = False):
+        self.reasoning, self.tools, self.one_call = reasoning, tools, one_call
+        self.calls = 0  # (the calls returned so far)
+
+    def _kept(self, parts: tuple[str, str, list[ToolCall]]) -> tuple[str, str, list[ToolCall]]:
+        reasoning, content, calls = parts
+        if self.one_call:
+            calls = calls[:max(0, 1 - self.calls)]
+        self.calls += len(calls)
+        return reasoning, content, calls
 
     def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
         """``(reasoning, content, calls)`` that ``text`` (the next piece of the reply) adds."""
+        return self._kept(self._feed(text))
+
+    def finish(self, complete: bool) -> tuple[str, str, list[ToolCall]]:
+        """What is held back, at the end of the reply; ``complete``: it ended with a stop
+        token or string (not cut by ``max_tokens``)."""
+        return self._kept(self._finish(complete))
+
+    def _feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
         if isinstance(self.tools, HarmonyToolParser):
             return self.tools.take(text)
         reasoning, answer = ("", text) if self.reasoning is None else self.reasoning.feed(text)
@@ -624,9 +643,7 @@ class ReplyParser:
         content, calls = self.tools.feed(answer)
         return reasoning, content, calls
 
-    def finish(self, complete: bool) -> tuple[str, str, list[ToolCall]]:
-        """What is held back, at the end of the reply; ``complete``: it ended with a stop
-        token or string (not cut by ``max_tokens``)."""
+    def _finish(self, complete: bool) -> tuple[str, str, list[ToolCall]]:
         if isinstance(self.tools, HarmonyToolParser):
             return self.tools.finish_reply(complete)
         reasoning, answer = ("", "") if self.reasoning is None else self.reasoning.finish()
@@ -919,18 +936,19 @@ def resolve_tool_parser(choice: str, model_type: str, chat_template: str | dict 
 
 
 def new_reply_parser(reasoning: str, tools_kind: str, prompt_text: str = "",
-                     tools: list[dict] | None = None) -> ReplyParser | None:
+                     tools: list[dict] | None = None, parallel: bool = True) -> ReplyParser | None:
     """The parser of a chat reply to a prompt ending in ``prompt_text``: ``reasoning`` and
     ``tools_kind`` resolved (``none`` for a request without tools); ``tools``: the
-    request's (for the value types of ``qwen3_coder``). None when both are ``none``."""
+    request's (for the value types of ``qwen3_coder``); ``parallel`` false (the request's
+    ``parallel_tool_calls``): the reply's first call only. None when both are ``none``."""
     if tools_kind == "harmony":
-        return ReplyParser(None, HarmonyToolParser())
+        return ReplyParser(None, HarmonyToolParser(), not parallel)
     tool_parser = {"hermes": HermesParser, "qwen3_coder": lambda: Qwen3CoderParser(tools),
                    "minimax_m2": lambda: MiniMaxM2Parser(tools), "gemma4": Gemma4Parser}.get(tools_kind)
     reasoning_parser = new_parser(reasoning, prompt_text)
     if reasoning_parser is None and tool_parser is None:
         return None
-    return ReplyParser(reasoning_parser, tool_parser and tool_parser())
+    return ReplyParser(reasoning_parser, tool_parser and tool_parser(), not parallel)
 
 
 def parse_reply(parser: ReplyParser, text: str, complete: bool) -> tuple[str, str, list[ToolCall]]:
