@@ -534,6 +534,20 @@ def test_a_malformed_tool_choice_says_what_is_wrong_and_the_forms_taken(server, 
     assert body["message"] == (want.replace("got Auto", "got 'Auto'")), body
 
 
+def test_created_is_when_the_request_came_streamed_and_not(server):
+    """``created`` is the request's time, as OpenAI and vLLM stamp it, not when its generation
+    ended (trial-97: a non-streamed reply's was); streamed chunks carry the same."""
+    client = server.client()
+    for stream in (False, True):
+        sent = time.time()
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=900,
+                                           temperature=0, n=4, stream=stream, extra_body={"ignore_eos": True})
+        stamps = {chunk.created for chunk in r} if stream else {r.created}
+        took = time.time() - sent
+        assert took > 2, took  # (a reply stamped when it ended would be >= 2 s late)
+        assert len(stamps) == 1 and int(sent) <= stamps.pop() <= int(sent) + 1
+
+
 def test_huge_numbers_get_an_error_a_client_can_act_on(server):
     for body in ({"prompt": "x", "logit_bias": {"1" * 5000: 1}}, '{"prompt": "x", "max_tokens": %s}' % ("1" * 5000)):
         err = _assert_openai_error(server.post("/v1/completions", body, raw=isinstance(body, str)), 400)

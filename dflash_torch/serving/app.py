@@ -818,6 +818,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         ``responses``: the chat request ``req`` made of ``responses`` (one choice), answered
         as a Response."""
         arrived = time.perf_counter()
+        created_at = int(time.time())  # (OpenAI's created: when the request came, streamed or not)
         n = req.n or 1
         room = scheduler.max_batch_size + scheduler.max_queue  # (a request that fits it may wait for it: a 503)
         if n * len(prompts) > room:
@@ -875,7 +876,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             if parsers is not None and parsers[0] is None:
                 parsers = None
             if kind == "responses":
-                builder = ResponseBuilder(rid, model_id, responses.echo(req, sampling_defaults, prepared[0][1]))
+                builder = ResponseBuilder(rid, model_id, responses.echo(req, sampling_defaults, prepared[0][1]),
+                                          created_at)
                 parser = None if parsers is None else parsers[0]
                 if req.stream:
                     return _JobStreamingResponse(sse(response_stream(job, builder, parser, prompt_tokens, responses)), job,
@@ -883,16 +885,17 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 return await response_complete(job, request, builder, parser, prompt_tokens)
             if req.stream:
-                return _JobStreamingResponse(sse(stream_events(job, req, rid, kind, prompt_tokens, n, parsers, scoring)), job,
+                return _JobStreamingResponse(sse(stream_events(job, req, rid, created_at, kind, prompt_tokens, n, parsers,
+                                                               scoring)), job,
                                              media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return await complete(job, request, rid, kind, prompt_tokens, n, parsers, scoring)
+            return await complete(job, request, rid, created_at, kind, prompt_tokens, n, parsers, scoring)
         except BaseException:
             job.cancel()
             raise
 
-    async def complete(job: Job, request: Request, rid: str, kind: str, prompt_tokens: int, n: int, parsers,
-                       scoring: _Scoring):
+    async def complete(job: Job, request: Request, rid: str, created_at: int, kind: str, prompt_tokens: int, n: int,
+                       parsers, scoring: _Scoring):
         outs = [{"text": [], "tokens": 0, "finish": None, "stats": None, "logprobs": None, "prompt_logprobs": None}
                 for _ in job.sequences]
         left = len(outs)
@@ -945,16 +948,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 choice["dflash"] = _stats_summary(out["stats"])
             choices.append(choice)
         body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": model_id, "system_fingerprint": None,
+                "created": created_at, "model": model_id, "system_fingerprint": None,
                 "choices": choices, "usage": usage,
                 "dflash": _stats_summary(outs[0]["stats"]) if len(outs) == 1 else None}
         if kind == "chat" and "prompt_logprobs" in choices[0]:  # (where vLLM's chat responses have them; one prompt)
             body["prompt_logprobs"] = choices[0]["prompt_logprobs"]
         return JSONResponse(body)
 
-    async def stream_events(job: Job, req, rid: str, kind: str, prompt_tokens: int, n: int, parsers,
+    async def stream_events(job: Job, req, rid: str, created_at: int, kind: str, prompt_tokens: int, n: int, parsers,
                             scoring: _Scoring):
-        created_at = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         include_usage, continuous_usage = req.include_usage, req.continuous_usage
 

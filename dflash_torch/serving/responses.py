@@ -57,11 +57,12 @@ class ResponseBuilder:
         rid: the response's id (``resp_...``).
         model: the model id.
         echo: the request's settings the response repeats (:meth:`ResponsesRequest.echo`).
+        created_at: when the request came (Unix seconds; default: now).
     """
 
-    def __init__(self, rid: str, model: str, echo: dict):
+    def __init__(self, rid: str, model: str, echo: dict, created_at: int | None = None):
         self.rid, self.model, self.echo = rid, model, echo
-        self.created_at = int(time.time())
+        self.created_at = int(time.time()) if created_at is None else created_at
         self.items: list[dict] = []  # the output items, as they stand
         self.open: int | None = None  # the index of the reasoning or message item text goes to, if any
         self.sequence = 0
