@@ -280,6 +280,16 @@ def check_api_key(value: str | None, name: str = "api_key") -> str | None:
     return key
 
 
+def check_strings(value, name: str) -> list[str]:
+    """A list of strings (a server's CORS origins, methods or headers), as a list.
+
+    Raises:
+        OptionError: not a list (or tuple) of strings."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise OptionError(f"{name} must be a list of strings, e.g. [\"*\"], got {str(value)[:80]}", name)
+    return list(value)
+
+
 def check_model_name(value: str | None, name: str = "model_name") -> str | None:
     """The model id a server serves: None (the default name) or a non-blank string.
 

@@ -669,6 +669,64 @@ def test_auth_and_routes(server):
     assert server.post("/v1/completions", body).status_code == 200
 
 
+def _preflight(base: str, origin: str, method: str = "POST", headers: str = "authorization, content-type"):
+    return httpx.options(f"{base}/v1/chat/completions", timeout=30, headers={
+        "Origin": origin, "Access-Control-Request-Method": method, "Access-Control-Request-Headers": headers})
+
+
+def test_cors_lets_browsers_call_the_server_and_preflights_need_no_key(server):
+    """CORS as vLLM's defaults (any origin, method and header; no credentials): a browser's
+    preflight OPTIONS, which carries no API key, is answered (trial-97: a 405), and the
+    answers, errors included, carry Access-Control-Allow-Origin."""
+    r = _preflight(server.base, "http://app.example")
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == "*"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert r.headers["access-control-allow-headers"] == "authorization, content-type"
+    assert "access-control-allow-credentials" not in r.headers
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for key, status in ((API_KEY, 200), (None, 401)):
+        headers = {"Origin": "http://app.example", **({"Authorization": f"Bearer {key}"} if key else {})}
+        r = httpx.post(f"{server.base}/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == status and r.headers["access-control-allow-origin"] == "*", r.text
+    # (an OPTIONS that is no preflight still reaches the routes: none takes it)
+    assert httpx.options(f"{server.base}/v1/chat/completions", timeout=30).status_code == 405
+
+
+def test_cors_flags_restrict_origins_methods_and_headers(tiny_pair, tmp_path):
+    from test_server_scheduler import _serve
+
+    with _serve(tiny_pair, tmp_path, "--allowed-origins", '["http://app.example"]', "--allowed-methods", '["POST"]',
+                "--allowed-headers", '["Authorization", "Content-Type"]', "--allow-credentials") as srv:
+        r = _preflight(srv.base, "http://app.example")
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == "http://app.example"
+        assert r.headers["access-control-allow-credentials"] == "true"
+        for origin, method, headers, why in (("http://other.example", "POST", "content-type", "origin"),
+                                             ("http://app.example", "DELETE", "content-type", "method"),
+                                             ("http://app.example", "POST", "x-other", "headers")):
+            r = _preflight(srv.base, origin, method, headers)
+            assert r.status_code == 400 and r.text == f"Disallowed CORS {why}", (r.status_code, r.text)
+        r = httpx.post(f"{srv.base}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+            headers={"Origin": "http://app.example", "Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+        assert r.headers["access-control-allow-credentials"] == "true"
+
+
+@pytest.mark.parametrize("flag,value", [("--allowed-origins", "[oops"), ("--allowed-origins", "http://app.example"),
+                                        ("--allowed-methods", '{"a": 1}'), ("--allowed-headers", '["a", 1]')])
+def test_serve_refuses_cors_flags_that_are_not_json_lists_of_strings(flag, value, capsys):
+    from dflash_torch.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["serve", "--port", str(_free_port()), flag, value, "--target", "/nonexistent"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dflash-torch: error: argument {flag}: must be a JSON list of "
+                                               f"strings, e.g. '[\"*\"]'"), err
+
+
 def test_ignored_request_fields_are_logged_once(server):
     """Fields the server does not know are ignored (as vLLM does; the request is answered),
     and the server's log names each once (with the endpoint), at the default --log-level

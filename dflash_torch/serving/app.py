@@ -22,6 +22,8 @@ input (any body the JSON parser or the validation cannot take included), 401 for
 or wrong API key, 404 for an unknown model or route, 413 for a body over that limit, 503
 with ``Retry-After`` when the queue is full, 503 once the server shuts down (a stream that
 fails after it started ends with an error event and ``[DONE]``); a 500 means a server bug.
+CORS headers (starlette's ``CORSMiddleware``; ``create_app``'s ``allowed_origins``, ...) let
+browsers' scripts call the server; a preflight ``OPTIONS`` needs no API key.
 
 Chat replies are split into ``reasoning_content`` (:mod:`.reasoning`), ``content`` and, for
 a request with ``tools``, ``tool_calls`` (:mod:`.tools`; with ``parallel_tool_calls`` false,
@@ -84,11 +86,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from ..engine import StreamChunk
 from ..errors import DFlashError
-from ..options import check_api_key, check_chat_template_kwargs, check_keepalive, check_min_tokens_default, check_model_name
+from ..options import (check_api_key, check_chat_template_kwargs, check_flag, check_keepalive, check_min_tokens_default,
+                       check_model_name, check_strings)
 from ..structured import StructuredOutput
 from .constraints import after_reasoning, special_token, think_tokens, with_whitespace
 from .metrics import MetricsMiddleware, ServerMetrics
@@ -379,7 +383,9 @@ async def with_keepalive(frames: AsyncIterator[str], interval: float) -> AsyncIt
 def create_app(engine, api_key: str | None = None, model_name: str | None = None, *, max_batch_size: int = 8,
                max_queue: int = 64, chat_template_kwargs: dict | None = None,
                reasoning_parser: str = "auto", tool_call_parser: str = "auto",
-               generation_config: str = "auto", sse_keepalive: float = 15.0) -> FastAPI:
+               generation_config: str = "auto", sse_keepalive: float = 15.0,
+               allowed_origins: list[str] = ("*",), allowed_methods: list[str] = ("*",),
+               allowed_headers: list[str] = ("*",), allow_credentials: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -412,6 +418,12 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             (as vLLM's ``--generation-config vllm``).
         sse_keepalive: seconds (> 0) a stream may go without an event before the server
             sends an SSE comment line (``: keep-alive``), which clients skip; 0: never.
+        allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS, so that
+            a browser's scripts may call the server (starlette's ``CORSMiddleware``, as vLLM's
+            flags of those names): the origins, methods and request headers allowed
+            (``"*"``: any; default any of each) and whether credentials (the browser's
+            cookies and HTTP authentication) may be sent (default false). A preflight
+            ``OPTIONS`` request is answered without the API key (browsers send none with it).
 
     Raises:
         DFlashError: an empty API key or one that is not printable ASCII; an empty or
@@ -420,7 +432,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             or ``harmony`` tool calls without ``harmony`` reasoning; ``max_batch_size``
             or ``max_queue`` not an integer >= 1; a ``generation_config`` other than ``auto``
             or ``none``, or ``auto`` with a bad value in the target's ``generation_config.json``;
-            ``sse_keepalive`` not a finite number >= 0; batch caches of ``max_batch_size`` x the
+            ``sse_keepalive`` not a finite number >= 0; the CORS lists not lists of strings or
+            ``allow_credentials`` not a bool; batch caches of ``max_batch_size`` x the
             engine's context that do not fit the device.
     """
     api_key = check_api_key(api_key)
@@ -442,6 +455,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         raise DFlashError(f"{exc} (to leave the file's sampling unread and keep OpenAI's defaults: serve "
                           "--generation-config none, create_app(generation_config='none'))") from None
     keepalive = check_keepalive(sse_keepalive)
+    cors = dict(allow_origins=check_strings(allowed_origins, "allowed_origins"),
+                allow_methods=check_strings(allowed_methods, "allowed_methods"),
+                allow_headers=check_strings(allowed_headers, "allowed_headers"),
+                allow_credentials=check_flag(allow_credentials, "allow_credentials"))
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
     scheduler = Scheduler(make_backend(engine, max_batch_size), metrics, max_queue=max_queue)
     metrics.open_requests.set_function(scheduler.open_jobs)
@@ -461,6 +478,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     app.state.reasoning_parser, app.state.tool_call_parser = reasoning, tool_calls
     app.state.sampling_defaults = sampling_defaults
     app.add_middleware(MetricsMiddleware, metrics=metrics, endpoints=ENDPOINTS)
+    # (outermost: a preflight is answered before the routes, whose API key check it does not reach)
+    app.add_middleware(CORSMiddleware, **cors)
 
     # ---- errors -------------------------------------------------------------------------
     @app.exception_handler(APIError)

@@ -12,6 +12,20 @@ from ..errors import DFlashError
 from ..options import check_api_key, check_count, check_keepalive, check_model_name
 
 
+def json_strings(text: str) -> list[str]:
+    """argparse type of the CORS flags (``--allowed-origins``, ...): a JSON list of strings, as vLLM takes them."""
+    import json
+
+    what = "a JSON list of strings, e.g. '[\"*\"]'"
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"must be {what} ({exc})") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text[:80]!r}")
+    return value
+
+
 def register(sub) -> None:
     from ..cli import add_chat_template_kwargs_arg, add_model_args, int_or_auto
 
@@ -70,6 +84,17 @@ def register(sub) -> None:
     p.add_argument("--sse-keepalive", type=float, default=15.0, metavar="SECONDS",
                    help="send an SSE comment line (': keep-alive', which clients skip) on a stream that has sent "
                         "nothing for this long, e.g. while a tool call is held back until complete (default 15; 0: never)")
+    p.add_argument("--allowed-origins", type=json_strings, default=["*"], metavar="JSON",
+                   help="CORS: the origins whose browser scripts may call the server, a JSON list, e.g. "
+                        "'[\"http://localhost:3000\"]' (default [\"*\"]: any)")
+    p.add_argument("--allowed-methods", type=json_strings, default=["*"], metavar="JSON",
+                   help="CORS: the HTTP methods they may use, a JSON list (default [\"*\"]: any)")
+    p.add_argument("--allowed-headers", type=json_strings, default=["*"], metavar="JSON",
+                   help="CORS: the request headers they may send, a JSON list (default [\"*\"]: any)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: let them send credentials, the browser's cookies and HTTP authentication (default: "
+                        "not; a script's own Authorization header is a request header, allowed by --allowed-headers). "
+                        "Preflight OPTIONS requests are answered without the API key")
     add_chat_template_kwargs_arg(p, "for every chat request (a request's own chat_template_kwargs and "
                                     "reasoning_effort override them)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -111,7 +136,9 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,
                      max_queue=args.max_queue, chat_template_kwargs=args.chat_template_kwargs,
                      reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                     generation_config=args.generation_config, sse_keepalive=args.sse_keepalive)
+                     generation_config=args.generation_config, sse_keepalive=args.sse_keepalive,
+                     allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                     allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     scheduler = app.state.scheduler
     print(f"dflash-torch: serving {app.state.model_id!r} on http://{_host_port(args.host, args.port)}/v1 "
           f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
