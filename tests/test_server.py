@@ -544,7 +544,8 @@ def test_created_is_when_the_request_came_streamed_and_not(server):
                                            temperature=0, n=4, stream=stream, extra_body={"ignore_eos": True})
         stamps = {chunk.created for chunk in r} if stream else {r.created}
         took = time.time() - sent
-        assert took > 2, took  # (a reply stamped when it ended would be >= 2 s late)
+        if took < 2:  # (the check needs a reply stamped when it ended to be >= 2 s late)
+            pytest.skip(f"the reply took {took:.1f} s, too fast to tell when it was stamped")
         assert len(stamps) == 1 and int(sent) <= stamps.pop() <= int(sent) + 1
 
 
