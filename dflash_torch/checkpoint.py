@@ -31,16 +31,22 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
             local Hugging Face cache.
 
     Raises:
-        DFlashError: if it is empty, or neither a directory with ``config.json`` nor a cached repo.
+        DFlashError: if it is empty, neither a directory with ``config.json`` nor a cached repo,
+            or a directory this process may not list or enter (``cannot read DIR: Permission denied``).
     """
     if not str(name_or_path).strip():  # (Path("") is ".", the current directory)
         raise DFlashError("the checkpoint path is empty: pass a checkpoint directory or a cached Hugging Face id")
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise DFlashError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
-        return path
-    if path.exists():
+    try:
+        if path.is_dir():
+            os.listdir(path)  # (loading lists it: a directory that cannot be listed is refused here)
+            if not (path / "config.json").is_file():  # (PermissionError in a directory that cannot be entered)
+                raise DFlashError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+            return path
+        exists = path.exists()
+    except OSError as exc:
+        raise DFlashError(f"cannot read {path}: {exc.strerror}") from None
+    if exists:
         raise DFlashError(f"{path} is a file; pass the checkpoint directory")
     name = str(name_or_path)
     if name.count("/") == 1 and not name.startswith((".", "/")):
@@ -156,11 +162,14 @@ def check_links(model_dir: Path, names=None) -> None:
         names: the file names to check (default: every file of ``model_dir``).
 
     Raises:
-        DFlashError: naming the broken links.
+        DFlashError: naming the broken links; a directory this process may not list or enter.
     """
     model_dir = Path(model_dir)
-    paths = model_dir.iterdir() if names is None else (model_dir / n for n in names)
-    broken = sorted(p.name for p in paths if p.is_symlink() and not p.exists())
+    try:
+        paths = list(model_dir.iterdir()) if names is None else [model_dir / n for n in names]
+        broken = sorted(p.name for p in paths if p.is_symlink() and not p.exists())
+    except OSError as exc:
+        raise DFlashError(f"cannot read {model_dir}: {exc.strerror}") from None
     if broken:
         raise DFlashError(f"{model_dir}: {', '.join(broken)} {'is a broken link' if len(broken) == 1 else 'are broken links'}"
                           " (an interrupted download? download the checkpoint again)")
@@ -544,12 +553,17 @@ def _open(file: Path):
     """``safe_open`` of one weight file (CPU tensors).
 
     Raises:
-        DFlashError: a file that is not valid safetensors (corrupt or truncated); memory that
+        DFlashError: a file this process may not read (``cannot read FILE: Permission
+            denied``); a file that is not valid safetensors (corrupt or truncated); memory that
             cannot be had while the file is read (mapped, or its tensors allocated: a limit on
             the process's memory such as ``ulimit -v``, or a device out of memory).
     """
     from safetensors import SafetensorError
 
+    try:  # (safe_open reports every failure to open as "No such file or directory")
+        open(file, "rb").close()
+    except OSError as e:
+        raise DFlashError(f"cannot read {file}: {e.strerror}") from None
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             yield f

@@ -1268,3 +1268,90 @@ def test_errors_pickle_whole_so_a_process_pool_hands_them_back(engine):
             pool.submit(_refused_in_a_worker, {"temperature": -1}).result(timeout=120)
         assert err.value.name == "temperature"
         assert pool.submit(_refused_in_a_worker, {}).result(timeout=120) is None  # (the pool still works)
+
+
+_NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]  # (root as an ordinary user: modes apply)
+
+_UNREADABLE_SCRIPT = r'''
+import contextlib, io, json, sys
+from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except BaseException as exc:
+            rc = repr(exc)
+    out.append([rc, err.getvalue()])
+for target, draft in json.loads(sys.argv[2]):
+    try:
+        DFlashEngine.from_pretrained(target, draft)
+        out.append("loaded")
+    except DFlashError as exc:
+        out.append(str(exc))
+    except BaseException as exc:
+        out.append(repr(exc))
+print(json.dumps(out))
+'''
+
+
+def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_pair, tokenizer_dir, tmp_path):
+    """A weight file this process may not read (the target's, the drafter's, a shard of an
+    index) was a traceback, ``FileNotFoundError: No such file or directory`` (safe_open's word
+    for every failure to open); a checkpoint directory it may not list or enter a
+    PermissionError from pathlib; from_pretrained raised them bare. Each is one line naming the
+    file or directory, exit 2, from generate, chat, serve and bench. Root reads whatever the
+    modes say, so as root the commands run without the capabilities that let it (setpriv)."""
+    import subprocess
+    import sys
+
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: file modes do not apply")
+        probe = tmp_path / "probe"
+        probe.write_text("x")
+        probe.chmod(0)
+        if subprocess.run([*_NO_DAC, "cat", str(probe)], capture_output=True).returncode == 0:
+            pytest.skip("setpriv does not drop root's file access here")
+        prefix = _NO_DAC
+    target, drafter = tiny_pair
+    sharded = make_target(tmp_path / "sharded", "qwen3", tokenizer=False, max_shard_size="150KB")
+    copy_tokenizer(tokenizer_dir, sharded)
+    shard = sorted(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))[0]
+    denied = "Permission denied"
+    cases = []  # (target, drafter, path made unreadable, its mode, the message)
+    for name, which, rel, mode in (("weights", "target", "model.safetensors", 0),
+                                   ("drafter-weights", "drafter", "model.safetensors", 0),
+                                   ("dir-000", "target", "", 0), ("dir-444", "target", "", 0o444),
+                                   ("dir-111", "target", "", 0o111), ("drafter-dir", "drafter", "", 0)):
+        t, d = shutil.copytree(target, tmp_path / name / "t"), shutil.copytree(drafter, tmp_path / name / "d")
+        path = (t if which == "target" else d) / rel if rel else (t if which == "target" else d)
+        flag = "" if rel else f"{which.replace('drafter', 'draft')}: "
+        cases.append((t, d, path, mode, f"{flag}cannot read {path}: {denied}"))
+    cases.append((sharded, drafter, sharded / shard, 0, f"cannot read {sharded / shard}: {denied}"))
+    for _, _, path, mode, _ in cases:
+        path.chmod(mode)
+    try:
+        argvs = [["generate", "x", "--target", str(t), "--draft", str(d)] for t, d, *_ in cases]
+        for t, d, _, _, _ in (cases[0], cases[2]):
+            pair = ["--target", str(t), "--draft", str(d)]
+            argvs += [["chat", *pair], ["serve", *pair],
+                      ["bench", *pair, "--out", str(tmp_path / f"bench-{len(argvs)}")]]
+        proc = subprocess.run([*prefix, sys.executable, "-c", _UNREADABLE_SCRIPT, json.dumps(argvs),
+                               json.dumps([[str(t), str(d)] for t, d, *_ in cases])],
+                              capture_output=True, text=True, timeout=600, input="",
+                              env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+    finally:
+        for _, _, path, _, _ in cases:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    cli, api = out[:len(argvs)], out[len(argvs):]
+    words = [c[4] for c in cases] + [cases[i][4] for i in (0, 2) for _ in range(3)]
+    for argv, (rc, err), msg in zip(argvs, cli, words):
+        msg = msg.replace("target: ", "--target: ").replace("draft: ", "--draft: ")
+        assert (rc, err) == (2, f"dflash-torch: error: {msg}\n"), argv
+    assert api == [c[4] for c in cases]
