@@ -361,7 +361,8 @@ class DFlashEngine:
             draft_dir = checkpoint_dir(draft, "draft")
             draft_raw = load_config(draft_dir)
             if needs_mask_token_id(draft_raw):  # (resolved with the target's tokenizer, as SGLang does)
-                draft_raw, note = fill_mask_token_id(draft_raw, _load_tokenizer(target_dir), target_cfg.vocab_size)
+                draft_raw, note = fill_mask_token_id(draft_raw, _load_tokenizer(target_dir, target_cfg.vocab_size),
+                                                      target_cfg.vocab_size)
                 log.info(f"dflash-torch: {note}")
             draft_cfg = DrafterConfig.from_dict(draft_raw)
             try:
@@ -401,9 +402,7 @@ class DFlashEngine:
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
               dev: torch.device, *, draft_raw: dict | None, pack: bool, fuse: bool, mxfp4: str, fp8: str,
               int_weights: str, nvfp4: str, **engine_options) -> "DFlashEngine":
-        tokenizer = _load_tokenizer(target_dir)  # (first: its errors come before minutes of reading weights)
-        if len(tokenizer) > target_cfg.vocab_size:
-            raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {target_cfg.vocab_size}")
+        tokenizer = _load_tokenizer(target_dir, target_cfg.vocab_size)  # (first: before minutes of reading weights)
         eos, recommended, length = [], {}, None  # (generation_config.json's, read before any weight: its errors come first)
         gen_cfg = target_dir / "generation_config.json"
         if gen_cfg.is_file():
@@ -1543,15 +1542,24 @@ def _max_prompt_chars(tokenizer, max_context: int) -> int:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")  # (named when the tokens are missing)
 
 
-def _load_tokenizer(model_dir: Path):
+def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
     """The target's tokenizer via ``AutoTokenizer``.
+
+    Args:
+        vocab_size: the target's; where given, a tokenizer of more tokens, or of fewer than
+            half as many, is refused. (A real tokenizer is at most a little smaller than its
+            model's embedding, padded to a round size; transformers builds a tokenizer of its
+            special tokens alone from a ``tokenizer_config.json`` whose vocabulary files are
+            missing, as a partial download leaves it.)
 
     Raises:
         DFlashError: no tokenizer files in the checkpoint, a file that is a broken link (of an
-            interrupted download), a tokenizer that fails to load, or a config.json that
-            transformers' config class refuses (AutoTokenizer reads it too).
+            interrupted download), a tokenizer that fails to load, a config.json that
+            transformers' config class refuses (AutoTokenizer reads it too), a size that does
+            not fit ``vocab_size`` (see above).
     """
     from transformers import AutoTokenizer
 
@@ -1559,10 +1567,19 @@ def _load_tokenizer(model_dir: Path):
     if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
         raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
         detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # (one line, all of it)
         if type(exc).__name__.startswith("StrictDataclass"):  # (its config class refused config.json: a field, or them together)
             raise DFlashError(f"transformers refuses {Path(model_dir) / 'config.json'} (AutoTokenizer reads it to load "
                               f"the tokenizer): {detail}") from None
         raise DFlashError(f"cannot load the tokenizer of {model_dir}: {detail or type(exc).__name__}") from None
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {vocab_size}")
+    if vocab_size is not None and 2 * len(tokenizer) < vocab_size:
+        absent = [f for f in VOCABULARY_FILES if not (Path(model_dir) / f).is_file()]
+        absent = f"no {', '.join(absent[:-1])} or {absent[-1]}; " if len(absent) > 1 else f"no {absent[0]}; " if absent else ""
+        raise DFlashError(f"the tokenizer of {model_dir} has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}"
+                          f", far fewer than the target's vocab_size ({vocab_size}): its vocabulary files are missing "
+                          f"or incomplete ({absent}an interrupted download?)")
+    return tokenizer

@@ -1355,3 +1355,41 @@ def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_
         msg = msg.replace("target: ", "--target: ").replace("draft: ", "--draft: ")
         assert (rc, err) == (2, f"dflash-torch: error: {msg}\n"), argv
     assert api == [c[4] for c in cases]
+
+
+def test_a_tokenizer_without_its_vocabulary_files_is_refused(tiny_pair, tmp_path, capsys):
+    """A target whose tokenizer_config.json is there but not its vocabulary (no tokenizer.json,
+    vocab.json, merges.txt: a partial download) loaded transformers' tokenizer of its special
+    tokens alone, one token: generate said "the prompt is empty (0 tokens)", serve answered
+    token-id prompts with "". It is refused when loading (generate, the Python API, train),
+    naming the files it lacks; a tokenizer a few tokens short of vocab_size still loads."""
+    from dflash_torch.engine import _load_tokenizer
+
+    target, drafter = tiny_pair
+    bare = shutil.copytree(target, tmp_path / "bare")
+    (bare / "tokenizer.json").unlink()
+    (bare / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Qwen2Tokenizer"}))
+    words = (f"the tokenizer of {bare} has 1 token, far fewer than the target's vocab_size (320): its vocabulary files "
+             "are missing or incomplete (no tokenizer.json, tokenizer.model, vocab.json or merges.txt; an interrupted "
+             "download?)")
+    with pytest.raises(DFlashError) as err:
+        DFlashEngine.from_pretrained(bare, no_draft=True)
+    assert str(err.value) == words
+    with pytest.raises(DFlashError) as err:
+        DFlashEngine.from_pretrained(bare, drafter)
+    assert str(err.value) == words
+    assert cli_main(["generate", "def f(x):", "--target", str(bare), "--no-draft"]) == 2
+    assert capsys.readouterr().err == f"dflash-torch: error: {words}\n"
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    assert cli_main(["train", "--target", str(bare), "--data", str(text), "--out", str(tmp_path / "out"), "--steps", "1",
+                     "--no-progress"]) == 2
+    assert capsys.readouterr().err.endswith(f"dflash-torch: error: {words}\n")
+    # a real tokenizer is often a little smaller than vocab_size (padded): down to half of it loads
+    assert len(_load_tokenizer(target, 320)) == len(_load_tokenizer(target, 640)) == 320
+    with pytest.raises(DFlashError, match=r"^the tokenizer of .* has 320 tokens, far fewer than the target's "
+                                          r"vocab_size \(641\): its vocabulary files are missing or incomplete "
+                                          r"\(no tokenizer.model, vocab.json or merges.txt; an interrupted download\?\)$"):
+        _load_tokenizer(target, 641)
+    with pytest.raises(DFlashError, match="^the tokenizer has 320 tokens but the target's vocab_size is 300$"):
+        _load_tokenizer(target, 300)

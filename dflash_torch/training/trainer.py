@@ -696,7 +696,7 @@ class Trainer:
             raise DFlashError(f"--seq-len {cfg.seq_len} exceeds the target's context of {limit} tokens")
         from ..engine import _load_tokenizer, reserved_template_variables
 
-        tokenizer = _load_tokenizer(target_dir)
+        tokenizer = _load_tokenizer(target_dir, target_cfg.vocab_size)
         if cfg.chat_template_kwargs is not None:  # (before the target loads)
             check_chat_template_kwargs(cfg.chat_template_kwargs, reserved_template_variables(tokenizer),
                                        "--chat-template-kwargs")
