@@ -445,8 +445,11 @@ class DFlashEngine:
             else:
                 for m in models:
                     pack_linears(m)
-        given = Path(str(target))  # (a local directory: its name; a Hugging Face id: as given, as vLLM names it)
-        engine = cls(model, tokenizer, drafter, name=given.name if given.exists() else str(target), **engine_options)
+        # a local directory: its name ("." and "~/x" included: the directory's own, absolute, links kept as given);
+        # a Hugging Face id: as given, as vLLM names it
+        given = Path(str(target)).expanduser()
+        name = Path(os.path.abspath(given)).name if given.exists() else str(target)
+        engine = cls(model, tokenizer, drafter, name=name, **engine_options)
         engine.stop_token_ids.update(eos)
         engine._generation_defaults = recommended
         if length is not None:

@@ -1081,6 +1081,23 @@ def test_an_engine_from_a_hugging_face_id_is_named_by_it(tiny_pair, tmp_path, mo
     assert DFlashEngine.from_pretrained(str(snapshot), no_draft=True).name == snapshot.name  # (a directory: its name)
 
 
+def test_an_engine_from_a_relative_or_home_path_is_named_by_its_directory(tiny_pair, tmp_path, monkeypatch):
+    """The name ``serve`` gives the model by default is the target directory's own: ``--target .``
+    served the model id "" (the name of Path(".")), ``..`` the id "..", and ``~/x/target`` the id
+    "~/x/target" (the ~ was not expanded to see that it is a directory)."""
+    target, _ = tiny_pair
+    home = tmp_path / "home"
+    copy = shutil.copytree(target, home / "models" / "tiny-target")
+    (copy / "sub").mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for cwd, given in ((copy, "."), (copy, "./"), (copy / "sub", ".."), (copy / "sub", "../"), (home, "models/tiny-target/"),
+                       (tmp_path, "~/models/tiny-target"), (copy / "sub", "../../tiny-target")):
+        monkeypatch.chdir(cwd)
+        assert DFlashEngine.from_pretrained(given, no_draft=True).name == "tiny-target", given
+    (tmp_path / "link").symlink_to(copy)  # (a link: the name it is given by)
+    assert DFlashEngine.from_pretrained(tmp_path / "link", no_draft=True).name == "link"
+
+
 @pytest.mark.parametrize("with_config", [True, False])
 def test_hugging_face_ids_resolve_from_the_local_cache(tiny_pair, tmp_path, monkeypatch, with_config):
     """A cached repo id resolves to its snapshot; one cached without its config.json is
