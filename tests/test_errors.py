@@ -818,6 +818,8 @@ MALFORMED_CONFIGS = [
     ("drafter", _set("dflash_config", [1]), "dflash_config must be an object, got [1]"),
     ("drafter", _set("rms_norm_eps", "x"), "drafter config.json rms_norm_eps must be a number > 0"),
     ("drafter", _set("sliding_window", "x"), "drafter config.json sliding_window must be an integer >= 1, got 'x'"),
+    # ("incompatible pair: drafter vocab_size 320 != target vocab_size 320")
+    ("drafter", _set("vocab_size", "320"), "drafter config.json vocab_size must be an integer >= 1, got '320'"),
     ("target", _set("eos_token_id", ["0"]), "target config.json eos_token_id must be a token id or a list of them"),
     # (a corrupt field: where transformers' tokenizer loader reads config.json it failed as "cannot load the
     # tokenizer ... module 'torch' has no attribute 'bogus'", elsewhere it passed unnoticed)

@@ -784,7 +784,7 @@ class DrafterConfig:
             raise DFlashError(f"drafter config.json has two block sizes: block_size {cfg['block_size']!r} and "
                               f"dflash_config.block_size {dflash['block_size']!r}; make them equal")
         check_int({"block_size": block_size}, "block_size", "drafter", minimum=2)
-        for key in ("num_key_value_heads", "head_dim", "sliding_window"):
+        for key in ("num_key_value_heads", "head_dim", "sliding_window", "vocab_size"):
             check_int(cfg, key, "drafter")
         n = cfg["num_hidden_layers"]
         num_target_layers = check_int(cfg, "num_target_layers", "drafter")
