@@ -124,7 +124,8 @@ def weight_files(model_dir: Path) -> list[Path]:
     index loads the weights transformers loads).
 
     Raises:
-        DFlashError: if no safetensors weights are present, the index is not valid JSON with a
+        DFlashError: if no safetensors weights are present (naming any ``*.bin`` weights there,
+            which it does not read, and how to convert them), the index is not valid JSON with a
             ``weight_map``, a shard is missing, or a weight file is not a readable file (a dangling
             link of an interrupted download, a directory).
     """
@@ -145,7 +146,12 @@ def weight_files(model_dir: Path) -> list[Path]:
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise DFlashError(f"{model_dir} has no safetensors weights (model.safetensors or model.safetensors.index.json)")
+        pickles = sorted(f.name for f in model_dir.glob("*.bin"))  # (pytorch_model.bin, its shards)
+        hint = (f"; it holds {', '.join(pickles[:3])}{' ...' if len(pickles) > 3 else ''} (PyTorch pickle weights), "
+                "which dflash-torch does not read: convert them to safetensors, e.g. load the model with transformers "
+                "and save_pretrained(DIR, safe_serialization=True)") if pickles else ""
+        raise DFlashError(f"{model_dir} has no safetensors weights (model.safetensors or model.safetensors.index.json)"
+                          + hint)
     check_links(model_dir, [f.name for f in files])
     unreadable = [f.name for f in files if not f.is_file()]  # (a directory)
     if unreadable:

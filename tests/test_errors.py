@@ -47,6 +47,10 @@ def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     shutil.copy(target / "config.json", no_weights / "config.json")
     copy_tokenizer(tokenizer_dir, no_weights)
     paths["no_weights"] = no_weights
+    bin_only = shutil.copytree(no_weights, root / "bin-only")  # (transformers' older format, a pickle)
+    from safetensors.torch import load_file
+    torch.save(load_file(str(target / "model.safetensors")), bin_only / "pytorch_model.bin")
+    paths["bin_only"] = bin_only
 
     for name in ("dangling_link", "weights_dir"):  # an interrupted download's link to a missing blob; a directory
         broken = root / name
@@ -123,6 +127,11 @@ LOAD_CASES = [
     ("missing-config", dict(target="no_config"), "config.json"),
     ("empty-path", dict(target="empty"), "the checkpoint path is empty"),  # ("" was ".": "'.' has no config.json")
     ("missing-weights", dict(target="no_weights"), "safetensors"),
+    # (no word that the pickle beside it is not read)
+    ("pickle-weights-only", dict(target="bin_only"), "has no safetensors weights (model.safetensors or "
+     "model.safetensors.index.json); it holds pytorch_model.bin (PyTorch pickle weights), which dflash-torch does not "
+     "read: convert them to safetensors, e.g. load the model with transformers and save_pretrained(DIR, "
+     "safe_serialization=True)"),
     ("missing-shard", dict(target="missing_shard"), "missing"),
     # (a FileNotFoundError / OSError traceback)
     ("dangling-weights-link", dict(target="dangling_link"), "model.safetensors is a broken link (an interrupted download"),
