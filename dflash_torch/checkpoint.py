@@ -159,6 +159,28 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def missing_note(model_dir: Path, missing: list[str], unused=()) -> str:
+    """What a checkpoint tells of the weights ``missing`` (their names in it) that it lacks, as
+    a note to follow ``lacks weights: ...`` ("" where it tells nothing): index entries that map
+    them to shards without them; all of them found among ``unused`` (the checkpoint's weights
+    the model does not take) under one prefix, e.g. ``model.fc.weight`` for ``fc.weight``."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if not (model_dir / "model.safetensors").exists() and index.is_file():  # (else the index is not read)
+        weight_map = read_json_object(index).get("weight_map") or {}
+        wrong = [m for m in missing if m in weight_map]  # (each listed shard was read: it is not in its shard)
+        if wrong:
+            entries = ", ".join(f"{m} to {weight_map[m]}" for m in wrong[:3])
+            return (f" (model.safetensors.index.json maps {entries}{' ...' if len(wrong) > 3 else ''}, which does not "
+                    f"hold {'it' if len(wrong) == 1 else 'them'}: a wrong index?)")
+    prefixes = {n[: -len(m)] for m in missing for n in unused if n.endswith("." + m)}
+    if len(prefixes) == 1 and all(next(iter(prefixes)) + m in unused for m in missing):
+        prefix = next(iter(prefixes))
+        return (f" (it holds them under the prefix {prefix!r}: {prefix}{missing[0]}{', ...' if len(missing) > 1 else ''}; "
+                f"rename them without it)")
+    return ""
+
+
 def check_links(model_dir: Path, names=None) -> None:
     """Refuse a checkpoint file that is a link to nothing: huggingface_hub links a
     snapshot's files to its blobs, and a download cut short leaves links without them.

@@ -23,6 +23,8 @@ from dflash_torch.cli import main as cli_main
 @pytest.fixture(scope="module")
 def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     """Broken or mismatched checkpoints next to the good tiny pair."""
+    from safetensors.torch import load_file, save_file
+
     target, drafter = tiny_pair
     root = tmp_path_factory.mktemp("bad")
     paths = {"target": target, "drafter": drafter, "missing": root / "does-not-exist", "empty": ""}
@@ -48,7 +50,6 @@ def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     copy_tokenizer(tokenizer_dir, no_weights)
     paths["no_weights"] = no_weights
     bin_only = shutil.copytree(no_weights, root / "bin-only")  # (transformers' older format, a pickle)
-    from safetensors.torch import load_file
     torch.save(load_file(str(target / "model.safetensors")), bin_only / "pytorch_model.bin")
     paths["bin_only"] = bin_only
 
@@ -66,6 +67,12 @@ def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     sharded = make_target(root / "sharded", "qwen3", tokenizer=False, max_shard_size="150KB")
     copy_tokenizer(tokenizer_dir, sharded)
     shards = sorted(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    wrong_index = shutil.copytree(sharded, root / "wrong-index")  # (its index maps the embedding to a shard without it)
+    shard = json.loads((wrong_index / "model.safetensors.index.json").read_text())["weight_map"]["model.embed_tokens.weight"]
+    held = load_file(str(wrong_index / shard))
+    del held["model.embed_tokens.weight"]
+    save_file(held, str(wrong_index / shard), metadata={"format": "pt"})
+    paths["wrong_index"], paths["wrong_index_shard"] = wrong_index, shard
     (sharded / shards[-1]).unlink()
     paths["missing_shard"] = sharded
     dangling_shard = root / "dangling-shard"  # (a sharded snapshot whose last blob never came)
@@ -78,7 +85,6 @@ def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     (dangling_tokenizer / "tokenizer.json").symlink_to(root / "blobs" / "never-downloaded-tokenizer")
     paths["dangling_tokenizer"] = dangling_tokenizer
 
-    from safetensors.torch import load_file, save_file
     lacking = root / "lacking-tensor"
     shutil.copytree(target, lacking)
     state = load_file(str(lacking / "model.safetensors"))
@@ -86,6 +92,10 @@ def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     save_file(state, str(lacking / "model.safetensors"))
     paths["lacking_tensor"] = lacking
 
+    prefixed = shutil.copytree(drafter, root / "drafter-prefixed")  # (every weight under "model.")
+    save_file({f"model.{k}": v for k, v in load_file(str(drafter / "model.safetensors")).items()},
+              str(prefixed / "model.safetensors"))
+    paths["drafter_prefixed"] = prefixed
     extra = root / "drafter-extra-weights"  # e.g. a DFlash 2 drafter's convolution weights
     shutil.copytree(drafter, extra)
     dstate = load_file(str(extra / "model.safetensors"))
@@ -139,6 +149,13 @@ LOAD_CASES = [
     ("dangling-tokenizer-link", dict(target="dangling_tokenizer"), "tokenizer.json is a broken link (an interrupted down"),
     ("weights-path-is-a-directory", dict(target="weights_dir"), "model.safetensors is not a readable file"),
     ("missing-tensor", dict(target="lacking_tensor"), "up_proj"),
+    # (the index entry was not named: "lacks weights: model.embed_tokens.weight")
+    ("index-maps-to-the-wrong-shard", dict(target="wrong_index"), "lacks weights: model.embed_tokens.weight "
+     "(model.safetensors.index.json maps model.embed_tokens.weight to model-0000"),
+    # (all named as missing: "lacks weights: fc.weight, hidden_norm.weight, ...")
+    ("drafter-weights-under-a-prefix", dict(draft="drafter_prefixed"), "lacks weights: fc.weight, hidden_norm.weight, "
+     "layers.0.input_layernorm.weight, layers.0.mlp.down_proj.weight, layers.0.mlp.gate_proj.weight ... (it holds them "
+     "under the prefix 'model.': model.fc.weight, ...; rename them without it)"),
     ("drafter-unknown-weights", dict(draft="drafter_extra"), "attention_conv"),
     ("dflash2-without-its-weights", dict(draft="dflash2_lacking"), "lacks weights: candidate_selector.hidden_projection.weight"),
     ("dflash2-without-its-settings", dict(draft="dflash2_bare"), "lacks dflash_config.conv_kernel_size"),

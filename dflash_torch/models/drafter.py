@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..cache import KVCache, ring_positions
-from ..checkpoint import all_finite, check_fits, load_config, load_state_dict, tensor_names
+from ..checkpoint import all_finite, check_fits, load_config, load_state_dict, missing_note, tensor_names
 from ..errors import DFlashError
 from ..sampling import SamplingParams, greedy_tokens, probabilities, sample
 from ..structured import GrammarState
@@ -174,7 +174,8 @@ class DFlashDrafter(nn.Module):
                 state[ours] = state.pop(theirs)
         missing = sorted(map(name, expected.keys() - state.keys()))
         if missing:
-            raise DFlashError(f"drafter checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+            raise DFlashError(f"drafter checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}"
+                              f"{' ...' if len(missing) > 5 else ''}{missing_note(model_dir, missing, state.keys() - expected.keys())}")
         unknown = sorted((state.keys() - expected.keys()) | taken)
         for table, key in (("embed_tokens.weight", "has_embed_tokens"), ("lm_head.weight", "has_lm_head")):
             if table in unknown and raw.get(key) is False:

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..cache import KVCache, RecurrentState, TargetCache, ring_positions
 from ..checkpoint import (all_finite, check_fits, fits, fp4_saving, fp8_saving, int_saving, load_config,
-                          load_state_dict, nvfp4_saving, tensor_names)
+                          load_state_dict, missing_note, nvfp4_saving, tensor_names)
 from ..errors import DFlashError, OptionError
 from ..options import check_fp8, check_int_weights, check_mxfp4, check_nvfp4
 from . import fp8 as fp8_format
@@ -368,7 +368,8 @@ class TargetModel(nn.Module):
         name = lambda k: model_cls.checkpoint_name(cfg, k)  # noqa: E731
         missing = sorted(map(name, expected - state.keys()))
         if missing:
-            raise DFlashError(f"target checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+            raise DFlashError(f"target checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}"
+                              f"{' ...' if len(missing) > 5 else ''}{missing_note(model_dir, missing)}")
         unused = sorted(name(k) for k in state.keys() - expected if not k.endswith("rotary_emb.inv_freq"))
         if unused:
             raise DFlashError(
