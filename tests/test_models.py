@@ -178,6 +178,31 @@ def test_config_without_tie_word_embeddings_is_untied_as_in_transformers(tmp_pat
     assert rel_err(logits, ref) <= RTOL
 
 
+def test_tied_target_stored_as_its_head_alone_runs_as_transformers_runs_it(tiny_pair, tmp_path):
+    """tie_word_embeddings true with the shared table stored as lm_head.weight only (no
+    model.embed_tokens.weight): transformers ties it and runs it; it was refused, "lacks
+    weights: model.embed_tokens.weight". The head is the embedding too: greedy decoding (the
+    target alone, with the drafter, batched) gives transformers' tokens."""
+    from safetensors.torch import load_file
+
+    from conftest import check_greedy_equals_transformers, edited_checkpoint
+
+    target, drafter = tiny_pair
+
+    def head_only(w):
+        w["lm_head.weight"] = w.pop("model.embed_tokens.weight")
+
+    path = edited_checkpoint(target, tmp_path / "head-only", state=head_only)
+    stored = load_file(str(path / "model.safetensors"))
+    assert "model.embed_tokens.weight" not in stored and json.loads((path / "config.json").read_text())["tie_word_embeddings"]
+    hf = load_hf(path)  # (the oracle reads the head as the embedding too)
+    assert torch.equal(hf.model.embed_tokens.weight, stored["lm_head.weight"])
+    model = TargetModel.from_pretrained(path, torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.model.embed_tokens.weight, stored["lm_head.weight"])
+    check_greedy_equals_transformers(path, drafter, block_sizes=(16,))
+
+
 def test_tied_config_with_a_head_of_its_own_is_refused(tmp_path):
     """tie_word_embeddings true and an lm_head.weight unlike the embeddings: which one the
     author meant is unknown, so the checkpoint is refused, not run with one of them dropped;

@@ -360,7 +360,9 @@ class TargetModel(nn.Module):
             _keep_nvfp4(model, state, cfg.nvfp4, dtype)
         if cfg.tie_word_embeddings:
             head, embed = state.pop("lm_head.weight", None), state.get("model.embed_tokens.weight")
-            if head is not None and embed is not None and not (head.shape == embed.shape and torch.equal(head, embed)):
+            if head is not None and embed is None:  # (the tied table stored as the head alone: transformers ties it so)
+                state["model.embed_tokens.weight"] = head
+            elif head is not None and not (head.shape == embed.shape and torch.equal(head, embed)):
                 raise DFlashError(f"target checkpoint {model_dir}: config.json ties the output head to the embeddings "
                                   "(tie_word_embeddings true) but the weights hold an lm_head.weight of its own; "
                                   "set tie_word_embeddings to false to run that head")
