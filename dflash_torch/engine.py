@@ -1572,6 +1572,8 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
+        if isinstance(exc, PermissionError) and exc.filename:  # (a file this process may not read)
+            raise DFlashError(f"cannot read {exc.filename}: {exc.strerror}") from None
         detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # (one line, all of it)
         if type(exc).__name__.startswith("StrictDataclass"):  # (its config class refused config.json: a field, or them together)
             raise DFlashError(f"transformers refuses {Path(model_dir) / 'config.json'} (AutoTokenizer reads it to load "

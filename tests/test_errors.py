@@ -1346,7 +1346,8 @@ def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_
     """A weight file this process may not read (the target's, the drafter's, a shard of an
     index) was a traceback, ``FileNotFoundError: No such file or directory`` (safe_open's word
     for every failure to open); a checkpoint directory it may not list or enter a
-    PermissionError from pathlib; from_pretrained raised them bare. Each is one line naming the
+    PermissionError from pathlib; from_pretrained raised them bare (and an unreadable tokenizer.json
+    was "cannot load the tokenizer of DIR: [Errno 13] ..."). Each is one line naming the
     file or directory, exit 2, from generate, chat, serve and bench. Root reads whatever the
     modes say, so as root the commands run without the capabilities that let it (setpriv)."""
     import subprocess
@@ -1370,6 +1371,7 @@ def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_
     cases = []  # (target, drafter, path made unreadable, its mode, the message)
     for name, which, rel, mode in (("weights", "target", "model.safetensors", 0),
                                    ("drafter-weights", "drafter", "model.safetensors", 0),
+                                   ("tokenizer", "target", "tokenizer.json", 0),
                                    ("dir-000", "target", "", 0), ("dir-444", "target", "", 0o444),
                                    ("dir-111", "target", "", 0o111), ("drafter-dir", "drafter", "", 0)):
         t, d = shutil.copytree(target, tmp_path / name / "t"), shutil.copytree(drafter, tmp_path / name / "d")
@@ -1381,7 +1383,7 @@ def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_
         path.chmod(mode)
     try:
         argvs = [["generate", "x", "--target", str(t), "--draft", str(d)] for t, d, *_ in cases]
-        for t, d, _, _, _ in (cases[0], cases[2]):
+        for t, d, _, _, _ in (cases[0], cases[3]):
             pair = ["--target", str(t), "--draft", str(d)]
             argvs += [["chat", *pair], ["serve", *pair],
                       ["bench", *pair, "--out", str(tmp_path / f"bench-{len(argvs)}")]]
@@ -1395,7 +1397,7 @@ def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.splitlines()[-1])
     cli, api = out[:len(argvs)], out[len(argvs):]
-    words = [c[4] for c in cases] + [cases[i][4] for i in (0, 2) for _ in range(3)]
+    words = [c[4] for c in cases] + [cases[i][4] for i in (0, 3) for _ in range(3)]
     for argv, (rc, err), msg in zip(argvs, cli, words):
         msg = msg.replace("target: ", "--target: ").replace("draft: ", "--draft: ")
         assert (rc, err) == (2, f"dflash-torch: error: {msg}\n"), argv
