@@ -1482,7 +1482,7 @@ def _call_arguments(arguments, message: int, call: int) -> dict:
                               "nested too deeply") from None
     if not isinstance(arguments, dict):
         raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
-                          f"got {type(arguments).__name__}")
+                          f"got {options.json_type(arguments)}")
     return arguments
 
 

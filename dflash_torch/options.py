@@ -43,6 +43,21 @@ def plain(value):
     return value
 
 
+def json_type(value) -> str:
+    """The JSON type of a value, in words (``an object``, ``an array``, ``a string``,
+    ``a number``, ``a boolean``, ``null``); a value of no JSON type: its Python type's name."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    for kind, words in ((str, "a string"), (dict, "an object"), ((list, tuple), "an array")):
+        if isinstance(value, kind):
+            return words
+    return type(value).__name__
+
+
 def as_prompt(prompt):
     """A prompt as :meth:`DFlashEngine.encode_prompt` reads it: a tuple or ``range`` as a list,
     a 1-D integer tensor or NumPy array of token ids as a list of ints; anything else as it is.

@@ -333,7 +333,13 @@ def test_content_parts_are_joined_as_the_server_joins_them(local_engine):
     ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}], {},
      r"^tool call arguments must be a JSON object: message 0, call 0: not valid JSON"),
     ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "3"}}]}], {},
-     r"^tool call arguments must be a JSON object: message 0, call 0: got int"),
+     r"^tool call arguments must be a JSON object: message 0, call 0: got a number$"),
+    # (JSON's names of the types, not Python's: trial-101 said NoneType, list, int, str, bool)
+    *[([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": text}}]}], {},
+       rf"^tool call arguments must be a JSON object: message 0, call 0: got {words}$")
+      for text, words in (("null", "null"), ("[]", "an array"), ('"s"', "a string"), ("true", "a boolean"))],
+    ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]}], {},
+     r"^tool call arguments must be a JSON object: message 0, call 0: got an array$"),
     ([{"role": "assistant", "tool_calls": [{"name": "f"}]}], {}, r"^chat messages need tool_calls as a list"),
     ([{"role": "assistant", "content": None}], {}, r"^chat messages must be a list of"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
@@ -657,7 +663,16 @@ def test_server_refuses_calls_whose_arguments_are_not_json_objects(server):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=model, messages=listed, tools=TOOLS)
     assert err.value.body["param"] == "messages.1.tool_calls.1.function.arguments"
-    assert "got a JSON list" in err.value.body["message"]
+    assert err.value.body["message"].endswith("must be a JSON object's text, got an array")
+    # JSON's names of the types (trial-101: "got a JSON NoneType", list, int, str, bool)
+    for text, words in (("null", "null"), ("[]", "an array"), ("5", "a number"), ('"s"', "a string"),
+                        ("true", "a boolean")):
+        called = MESSAGES + [{"role": "assistant", "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": text}}]}]
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model, messages=called, tools=TOOLS)
+        assert err.value.body["param"] == where
+        assert err.value.body["message"] == f"invalid value for {where}: must be a JSON object's text, got {words}"
     missing = MESSAGES + [{"role": "assistant", "tool_calls": [{"id": "call_a", "type": "function",
                                                                   "function": {"name": "get_time"}}]}]
     with pytest.raises(openai.BadRequestError) as err:  # (OpenAI requires the field)

@@ -32,6 +32,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError, field_validator, model_validator)
 
+from ..options import json_type
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
@@ -381,7 +382,7 @@ def check_json_object(text: str) -> None:
     except RecursionError:
         raise ValueError("must be a JSON object's text: nested too deeply") from None
     if not isinstance(value, dict):
-        raise ValueError(f"must be a JSON object's text, got a JSON {type(value).__name__}")
+        raise ValueError(f"must be a JSON object's text, got {json_type(value)}")
 
 
 class ToolCall(BaseModel):
@@ -514,14 +515,14 @@ def check_tool_choice(value, chat: bool):
     if isinstance(value, str):
         raise FieldError(f"{forms}; got {value[:40]!r}", "")
     if not isinstance(value, dict):
-        raise FieldError(f"{forms}; got {_json_type(value)}", "")
+        raise FieldError(f"{forms}; got {json_type(value)}", "")
     if "type" not in value:
         raise FieldError(f"tool_choice.type is missing; {forms}", "type")
     if not isinstance(value["type"], str):
-        raise FieldError(f"tool_choice.type must be a string, got {_json_type(value['type'])}; {forms}", "type")
+        raise FieldError(f"tool_choice.type must be a string, got {json_type(value['type'])}; {forms}", "type")
     if not chat:
         if value.get("name") is not None and not isinstance(value["name"], str):
-            raise FieldError(f"tool_choice.name must be a string, got {_json_type(value['name'])}; {forms}", "name")
+            raise FieldError(f"tool_choice.name must be a string, got {json_type(value['name'])}; {forms}", "name")
         if value["type"] == "function" and "name" not in value and "function" in value:
             raise FieldError(f"tool_choice.name is missing ({{'function': {{'name': ...}}}} is chat completions' form); "
                              f"{forms}", "name")
@@ -533,22 +534,13 @@ def check_tool_choice(value, chat: bool):
         hint = " ({'name': ...} beside type is the Responses API's form)" if "name" in value else ""
         raise FieldError(f"tool_choice.function is missing{hint}; {forms}", "function")
     if not isinstance(function, dict):
-        raise FieldError(f"tool_choice.function must be an object, got {_json_type(function)}; {forms}", "function")
+        raise FieldError(f"tool_choice.function must be an object, got {json_type(function)}; {forms}", "function")
     if "name" not in function:
         raise FieldError(f"tool_choice.function.name is missing; {forms}", "function.name")
     if not isinstance(function["name"], str):
-        raise FieldError(f"tool_choice.function.name must be a string, got {_json_type(function['name'])}; {forms}",
+        raise FieldError(f"tool_choice.function.name must be a string, got {json_type(function['name'])}; {forms}",
                          "function.name")
     return value
-
-
-def _json_type(value) -> str:
-    """The JSON type of a decoded value, in words (``an object``, ``a number``, ...)."""
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    return {dict: "an object", list: "an array", str: "a string"}.get(type(value), "null")
 
 
 class ChatCompletionRequest(_Request):
