@@ -220,7 +220,8 @@ def test_parallel_tool_calls_false_gives_the_first_function_call_only(server):
 
 
 def test_a_function_call_item_with_empty_arguments_is_a_call_without_arguments(server, scripted_pair):
-    """``arguments`` ``""`` is ``{}``, as in chat (trial-97: a 400); text that is not a JSON
+    """``arguments`` ``""`` is ``{}``, as in chat (trial-97: a 400), and so are null and no
+    ``arguments`` (trial-101: null was refused in pydantic's words); text that is not a JSON
     object is refused, naming the item's ``arguments``."""
     from transformers import AutoTokenizer
 
@@ -236,6 +237,11 @@ def test_a_function_call_item_with_empty_arguments_is_a_call_without_arguments(s
         {"role": "tool", "tool_call_id": "call_a", "content": "14:05"}]
     tok = AutoTokenizer.from_pretrained(str(scripted_pair[0]))
     assert r.usage.input_tokens == len(_oracle(tok, history, tools=CHAT_TOOLS))
+    call = {k: v for k, v in turn[0].items() if k != "arguments"}
+    for item in ({**call, "arguments": None}, call):
+        r = client.responses.create(model=model, input=TOOL_MESSAGES + [item, turn[1]], tools=flat(CHAT_TOOLS),
+                                    temperature=0, max_output_tokens=1)
+        assert r.usage.input_tokens == len(_oracle(tok, history, tools=CHAT_TOOLS)), item
     for bad, words in (("{oops", "not valid JSON"), ("[1]", "must be a JSON object's text, got an array"),
                        ("null", "got null"), ("5", "got a number"), ('"s"', "got a string"), ("true", "got a boolean")):
         with pytest.raises(openai.BadRequestError) as err:

@@ -355,14 +355,15 @@ class ContentPart(BaseModel):
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: StrictStr
-    # OpenAI: a JSON object's text (a dict is taken too; "" and null are {}, as vLLM takes them)
-    arguments: StrictStr | dict[StrictStr, Any] | None
+    # OpenAI: a JSON object's text (a dict is taken too; "", null and no arguments are {}, as vLLM takes them)
+    arguments: StrictStr | dict[StrictStr, Any] | None = Field(None, validate_default=True)
 
     @field_validator("arguments", mode="after")
     @classmethod
     def _json_object(cls, arguments):
-        """A JSON object's text (kept as sent: the engine parses it) or a dict; ``""`` and
-        None are ``{}`` (a call without arguments, as vLLM takes them)."""
+        """A JSON object's text (kept as sent: the engine parses it) or a dict; ``""``,
+        None and no ``arguments`` are ``{}`` (a call without arguments, as vLLM and the
+        engine take them)."""
         if arguments is None or arguments == "":
             return {}
         if isinstance(arguments, str):
@@ -828,7 +829,7 @@ class _FunctionCallItem(BaseModel):
     type: Literal["function_call"]
     call_id: StrictStr
     name: StrictStr
-    arguments: StrictStr
+    arguments: StrictStr | None = None  # (null or none: {}, as chat's)
 
 
 class _FunctionCallOutputItem(BaseModel):
@@ -886,9 +887,10 @@ def _validate_item(schema, item: dict, where: str):
         raise ResponsesInputError(full, message) from None
 
 
-def _check_arguments(arguments: str, where: str) -> None:
-    """A function_call item's ``arguments``: a JSON object's text, or ``""`` (``{}``, as chat's)."""
-    if arguments == "":
+def _check_arguments(arguments: str | None, where: str) -> None:
+    """A function_call item's ``arguments``: a JSON object's text, or ``""``, None or none
+    (``{}``, as chat's)."""
+    if arguments is None or arguments == "":
         return
     try:
         check_json_object(arguments)
@@ -1201,7 +1203,7 @@ class ResponsesRequest(BaseModel):
                 _check_arguments(parsed.arguments, f"{where}.arguments")
                 call_ids.add(parsed.call_id)
                 call = {"id": parsed.call_id, "type": "function",
-                        "function": {"name": parsed.name, "arguments": parsed.arguments}}
+                        "function": {"name": parsed.name, "arguments": parsed.arguments or ""}}
                 last = messages[-1] if messages else None
                 if last is not None and last["role"] == "assistant" and not reasoning:  # (the same turn)
                     last.setdefault("tool_calls", []).append(call)
