@@ -552,7 +552,8 @@ class DFlashEngine:
 
         Chat messages are OpenAI's: ``role`` and ``content`` (a string, or a list of text
         parts ``{"type": "text", "text": str}`` joined by newlines, as the server joins them;
-        None or absent for an assistant message with ``tool_calls``), and optionally ``name``,
+        None or absent for an assistant message with ``tool_calls``: ``""``, as the server
+        takes it), and optionally ``name``,
         ``tool_call_id`` (role ``tool``), ``tool_calls`` (``[{"id", "type": "function",
         "function": {"name", "arguments"}}]``). A call's ``arguments`` given as a JSON
         string (OpenAI's protocol) is parsed into a dict before templating (templates such
@@ -1416,7 +1417,8 @@ def reserved_template_variables(tokenizer) -> list[str]:
 
 def _chat_messages(messages: list) -> list[dict]:
     """Checked chat messages (see :meth:`DFlashEngine.encode_prompt`), with each tool call's
-    ``arguments`` JSON string parsed into a dict (copies; the caller's are not changed).
+    ``arguments`` JSON string parsed into a dict and a ``content`` None or absent (beside
+    ``tool_calls``) as ``""``, as the server sends it (copies; the caller's are not changed).
 
     Raises:
         DFlashError: a message that is not a dict with a string ``role`` and a string
@@ -1435,6 +1437,8 @@ def _chat_messages(messages: list) -> list[dict]:
         if not isinstance(m.get("role"), str) or not content_ok:
             raise DFlashError("chat messages must be a list of {'role': str, 'content': str} (content may be None "
                               "with tool_calls)")
+        if m.get("content") is None:  # (with tool_calls: "", as the server sends it, see ChatMessage.text)
+            m = {**m, "content": ""}
         if calls is None:
             out.append(m)
             continue

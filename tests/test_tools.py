@@ -308,6 +308,28 @@ def test_an_earlier_replys_reasoning_reaches_the_template(local_engine, monkeypa
         assert "[Think.]" in local_engine.decode(local_engine.encode_prompt(sent))
 
 
+def test_an_assistant_message_of_calls_alone_is_the_servers_prompt():
+    """An assistant message with ``tool_calls`` and ``content`` None (or none) is the prompt
+    of ``content`` ``""``, as the server takes it (trial-101: on the shipped default pair,
+    whose template adds the content to a string, encode_prompt and generate refused it)."""
+    from dflash_torch import DFlashEngine
+    from dflash_torch.serving.protocol import ChatCompletionRequest
+
+    engine = DFlashEngine.from_pretrained()
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+    def history(**content):
+        return [{"role": "user", "content": "q"}, {"role": "assistant", **content, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c", "content": "r"}]
+
+    want = engine.encode_prompt(history(content=""))
+    assert engine.encode_prompt(history(content=None)) == engine.encode_prompt(history()) == want
+    assert engine.encode_prompt(ChatCompletionRequest(messages=history(content=None)).engine_messages()) == want
+    assert history(content=None)[1]["content"] is None
+    out = engine.generate(history(content=None), max_new_tokens=2, temperature=0)
+    assert out.token_ids == engine.generate(history(content=""), max_new_tokens=2, temperature=0).token_ids
+
+
 def test_content_parts_are_joined_as_the_server_joins_them(local_engine):
     """A message's content given as OpenAI's list of parts (text parts; refusal parts in an
     assistant message) is their texts joined by newlines, the prompt the server's chat
