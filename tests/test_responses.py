@@ -350,8 +350,19 @@ BAD = [  # (body fields, status, param, words of the message)
      "tools", "tools[0].parameters must be the JSON Schema of an object"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type", "function tools"),
     ({"tools": [{"type": "function"}]}, 400, "tools.0.name", "missing"),
-    ({"tools": FLAT_TOOLS, "tool_choice": {"type": "allowed_tools", "tools": []}}, 400, "tool_choice.type", "not supported"),
-    ({"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice", "not among"),
+    # (trial-101: the forms were quoted Python's way, {'type': 'function', 'name': ...})
+    ({"tools": FLAT_TOOLS, "tool_choice": {"type": "allowed_tools", "tools": []}}, 400, "tool_choice.type",
+     """tool_choice must be 'none', 'auto', 'required' or {"type": "function", "name": ...}; 'allowed_tools' is not """
+     "supported"),
+    # (the exact path, trial-101: tool_choice)
+    ({"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice.name", "not among"),
+    # (trial-101: "missing required parameter: tool_choice.name", the forms unnamed, null as missing)
+    ({"tools": FLAT_TOOLS, "tool_choice": {"type": "function"}}, 400, "tool_choice.name",
+     """tool_choice.name is missing; tool_choice must be 'none', 'auto', 'required' or {"type": "function", "name": """
+     "...}"),
+    ({"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": None}}, 400, "tool_choice.name",
+     """tool_choice.name must be a string, got null; tool_choice must be 'none', 'auto', 'required' or {"type": """
+     '"function", "name": ...}'),
     # (trial-97: "expected one of literal['none','auto','required']", the object form unnamed)
     ({"tools": FLAT_TOOLS, "tool_choice": "Auto"}, 400, "tool_choice",
      """tool_choice must be 'none', 'auto', 'required' or {"type": "function", "name": ...}; got 'Auto'"""),

@@ -272,8 +272,9 @@ BAD = [  # (endpoint, body, param, words of the message)
     ("completion", {"guided_regex": "a", "min_tokens": 2}, "min_tokens", "min_tokens"),
     ("chat", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "cannot be combined"),
-    ("chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     "not among"),
+    # (the exact path, trial-101: tool_choice)
+    ("chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name", "tool_choice names the function 'nope', which is not among the request's tools"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "tools",
      "tools[0].function.parameters.properties.a.type must name JSON types"),

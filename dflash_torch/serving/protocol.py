@@ -499,6 +499,12 @@ class FieldError(ValueError):
         self.param = param
 
 
+def tool_choice_forms(chat: bool) -> str:
+    """The words that name the ``tool_choice`` values taken, in chat completions (``chat``) or the Responses API."""
+    named = '{"type": "function", "function": {"name": ...}}' if chat else '{"type": "function", "name": ...}'
+    return f"tool_choice must be 'none', 'auto', 'required' or {named}"
+
+
 def check_tool_choice(value, chat: bool):
     """``tool_choice`` as sent, checked before it is typed, so that an error says what is
     wrong with it and names the forms taken: ``"none"``, ``"auto"``, ``"required"`` or a
@@ -509,8 +515,7 @@ def check_tool_choice(value, chat: bool):
     Raises:
         FieldError: a string not among those, a value neither a string nor an object, or an
             object without its ``type`` or (chat) its ``function.name`` string."""
-    named = '{"type": "function", "function": {"name": ...}}' if chat else '{"type": "function", "name": ...}'
-    forms = f"tool_choice must be 'none', 'auto', 'required' or {named}"
+    forms = tool_choice_forms(chat)
     if value is None or value in TOOL_CHOICES:
         return value
     if isinstance(value, str):
@@ -522,11 +527,12 @@ def check_tool_choice(value, chat: bool):
     if not isinstance(value["type"], str):
         raise FieldError(f"tool_choice.type must be a string, got {json_type(value['type'])}; {forms}", "type")
     if not chat:
-        if value.get("name") is not None and not isinstance(value["name"], str):
+        if "name" not in value and value["type"] == "function":
+            hint = " ({'function': {'name': ...}} is chat completions' form)" if "function" in value else ""
+            raise FieldError(f"tool_choice.name is missing{hint}; {forms}", "name")
+        if "name" in value and not isinstance(value["name"], str) and (value["type"] == "function" or
+                                                                        value["name"] is not None):
             raise FieldError(f"tool_choice.name must be a string, got {json_type(value['name'])}; {forms}", "name")
-        if value["type"] == "function" and "name" not in value and "function" in value:
-            raise FieldError(f"tool_choice.name is missing ({{'function': {{'name': ...}}}} is chat completions' form); "
-                             f"{forms}", "name")
         return value
     if value["type"] != "function":
         raise FieldError(f"tool_choice.type must be 'function', got {value['type'][:40]!r}; {forms}", "type")
@@ -651,7 +657,8 @@ def conflicting_fields(req: _Request) -> tuple[str, str] | None:
                                    f"calls; it cannot be combined with {_constraint_name(found[0])}")
         if isinstance(req.tool_choice, NamedToolChoice) and \
                 req.tool_choice.function.name not in [tool.function.name for tool in req.tools]:
-            return "tool_choice", (f"tool_choice names the function {req.tool_choice.function.name!r}, which is "
+            return "tool_choice.function.name", (f"tool_choice names the function {req.tool_choice.function.name!r}, "
+                                                 "which is "
                                    "not among the request's tools")
     return None
 
@@ -1141,8 +1148,7 @@ class ResponsesRequest(BaseModel):
                            f"only function tools are supported; tools.{i} is {tool.type[:40]!r}"))
         if isinstance(self.tool_choice, ResponsesToolChoice):
             checks.append(("tool_choice.type", self.tool_choice.type != "function",
-                           f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'name': ...}}; "
-                           f"{self.tool_choice.type[:40]!r} is not supported"))
+                           f"{tool_choice_forms(chat=False)}; {self.tool_choice.type[:40]!r} is not supported"))
         for param, bad, message in checks:
             if bad:
                 return param, message
@@ -1154,9 +1160,7 @@ class ResponsesRequest(BaseModel):
         for i, tool in enumerate(self.tools or []):
             if tool.name is None:
                 return f"tools.{i}.name"
-        if isinstance(self.tool_choice, ResponsesToolChoice) and self.tool_choice.name is None:
-            return "tool_choice.name"
-        return None
+        return None  # (tool_choice's name: checked as sent, see check_tool_choice)
 
     def input_messages(self) -> list[dict]:
         """The conversation as chat messages (:meth:`DFlashEngine.encode_prompt`'s):
