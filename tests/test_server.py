@@ -690,6 +690,7 @@ def test_cors_lets_browsers_call_the_server_and_preflights_need_no_key(server):
         headers = {"Origin": "http://app.example", **({"Authorization": f"Bearer {key}"} if key else {})}
         r = httpx.post(f"{server.base}/v1/chat/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == status and r.headers["access-control-allow-origin"] == "*", r.text
+        assert r.headers["access-control-expose-headers"] == "Retry-After"  # (a 503's, trial-101: unreadable)
     # (an OPTIONS that is no preflight still reaches the routes: none takes it)
     assert httpx.options(f"{server.base}/v1/chat/completions", timeout=30).status_code == 405
 
@@ -697,7 +698,8 @@ def test_cors_lets_browsers_call_the_server_and_preflights_need_no_key(server):
 def test_cors_flags_restrict_origins_methods_and_headers(tiny_pair, tmp_path):
     from test_server_scheduler import _serve
 
-    with _serve(tiny_pair, tmp_path, "--allowed-origins", '["http://app.example"]', "--allowed-methods", '["POST"]',
+    # (methods in any case: trial-101, '["post"]' failed every preflight, starlette comparing them as written)
+    with _serve(tiny_pair, tmp_path, "--allowed-origins", '["http://app.example"]', "--allowed-methods", '["post"]',
                 "--allowed-headers", '["Authorization", "Content-Type"]', "--allow-credentials") as srv:
         r = _preflight(srv.base, "http://app.example")
         assert r.status_code == 200, r.text

@@ -303,6 +303,11 @@ def test_a_full_queue_answers_503_with_retry_after_at_once(tiny_pair, tmp_path):
                                   "places taken (--max-queue); retry in 1 s"), err
         assert httpx.head(f"{srv.base}/health", timeout=10).status_code == 200  # (load balancers' probes)
         assert int(r.headers["retry-after"]) >= 1
+        r = httpx.post(f"{srv.base}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4},
+                       headers={**headers, "Origin": "http://app.example"}, timeout=60)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        # (a browser's script may read it: trial-101, it was not exposed)
+        assert r.headers["access-control-expose-headers"] == "Retry-After"
         with pytest.raises(openai.InternalServerError):
             srv.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
         # three choices are more than the slot and the queue hold: a 400, whatever the load

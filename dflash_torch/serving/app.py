@@ -443,10 +443,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             sends an SSE comment line (``: keep-alive``), which clients skip; 0: never.
         allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS, so that
             a browser's scripts may call the server (starlette's ``CORSMiddleware``, as vLLM's
-            flags of those names): the origins, methods and request headers allowed
-            (``"*"``: any; default any of each) and whether credentials (the browser's
-            cookies and HTTP authentication) may be sent (default false). A preflight
-            ``OPTIONS`` request is answered without the API key (browsers send none with it).
+            flags of those names): the origins, methods (in any case: ``post`` is ``POST``)
+            and request headers allowed (``"*"``: any; default any of each) and whether
+            credentials (the browser's cookies and HTTP authentication) may be sent (default
+            false). A preflight ``OPTIONS`` request is answered without the API key (browsers
+            send none with it); a 503's ``Retry-After`` is exposed to the browser's scripts.
 
     Raises:
         DFlashError: an empty API key or one that is not printable ASCII; an empty or
@@ -478,10 +479,12 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         raise DFlashError(f"{exc} (to leave the file's sampling unread and keep OpenAI's defaults: serve "
                           "--generation-config none, create_app(generation_config='none'))") from None
     keepalive = check_keepalive(sse_keepalive)
+    # (methods in capitals: starlette compares a preflight's method, which browsers send so, as written;
+    # Retry-After exposed: a browser's script reads it on a 503)
     cors = dict(allow_origins=check_strings(allowed_origins, "allowed_origins"),
-                allow_methods=check_strings(allowed_methods, "allowed_methods"),
+                allow_methods=[m.upper() for m in check_strings(allowed_methods, "allowed_methods")],
                 allow_headers=check_strings(allowed_headers, "allowed_headers"),
-                allow_credentials=check_flag(allow_credentials, "allow_credentials"))
+                allow_credentials=check_flag(allow_credentials, "allow_credentials"), expose_headers=["Retry-After"])
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
     scheduler = Scheduler(make_backend(engine, max_batch_size), metrics, max_queue=max_queue)
     metrics.open_requests.set_function(scheduler.open_jobs)
