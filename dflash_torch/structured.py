@@ -230,7 +230,10 @@ class StructuredOutput:
         if kind == "regex":
             return LLMatcher.grammar_from_regex(self.regex)
         if kind == "choice":  # (Lark string literals take JSON's escapes)
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+            # one terminal, not one rule per choice: llguidance's parser holds at most 2,000 items a
+            # row (a rule "start: a | b | ..." of more choices failed at the first token); a terminal's
+            # alternatives are one lexeme, matched by its lexer, which takes any number
+            return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in self.choice))
         return LLMatcher.grammar_from_lark(self.grammar)
 
 

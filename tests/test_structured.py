@@ -55,7 +55,7 @@ def oracle_grammar(spec: dict) -> str:
     if kind == "regex":
         return M.grammar_from_regex(value)
     if kind == "choice":
-        return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+        return M.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in value))
     return M.grammar_from_lark(value)
 
 
@@ -445,6 +445,22 @@ def test_constraint_changes_the_output_and_is_honoured(engines):
     value = json.loads(out.text)
     assert set(value) == {"ok", "n", "tag"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 99
     assert value["tag"] in ("A", "B", "IX")
+
+
+def test_a_choice_of_thousands_of_strings(engines):
+    """vLLM's guided_choice takes long lists: 5,000 choices (llguidance's parser refused a rule of
+    more than 2,000 alternatives at the first token) decode speculatively as target-only, and
+    one far down the list is written where a logit bias leads to it."""
+    words = [f"w{i}" for i in range(4999)] + ["zebra crossing"]
+    spec = {"choice": words}
+    for prompt in ([5, 9, 13], "x = "):
+        ref = engines["target"].generate(prompt, max_new_tokens=16, structured_output=spec)
+        assert ref.text in words and ref.finish_reason == "stop", ref.text
+        assert engines["inject"].generate(prompt, max_new_tokens=16, structured_output=spec).token_ids == ref.token_ids
+    first = engines["target"].tokenizer.encode("zebra crossing", add_special_tokens=False)[0]
+    for mode in ("target", "inject"):
+        out = engines[mode].generate([5, 9, 13], max_new_tokens=16, structured_output=spec, logit_bias={first: 100.0})
+        assert out.text == "zebra crossing" and out.finish_reason == "stop", (mode, out.text)
 
 
 @pytest.mark.parametrize("mode", ["inject", "static"])
