@@ -51,12 +51,13 @@ import torch
 from .errors import DFlashError, OptionError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-# JSON: whitespace between two tokens is at most one line break and 16 spaces or tabs of
-# indentation (compact and pretty-printed JSON; llguidance's default is any amount, and a model
-# that keeps writing newlines there never finishes: the shipped model wrote 32 of them, the
-# limit before, after each key); a schema with its own "x-guidance" options (llguidance's)
-# gets those instead
-JSON_DEFAULTS = {"whitespace_pattern": r"(?:\r?\n)?[\x20\x09]{0,16}"}
+# JSON: whitespace between two tokens is at most one line break and 64 spaces or tabs of
+# indentation (compact JSON, and pretty-printed JSON up to 16 levels deep at 4 spaces a level,
+# 32 at 2, 64 at a tab: json.dumps(v, indent=4) went past 16 at 5 levels; llguidance's default is
+# any amount, and a model that keeps writing newlines there never finishes: the shipped model
+# wrote 32 of them, the limit before, after each key); a schema with its own "x-guidance" options
+# (llguidance's) gets those instead
+JSON_DEFAULTS = {"whitespace_pattern": r"(?:\r?\n)?[\x20\x09]{0,64}"}
 GRAMMAR_CACHE_SIZE = 64  # compiled constraints kept per engine (a server sees the same schema again and again)
 # llguidance builds a grammar recursively, on the calling thread's stack: about 3 KB a level of a
 # chain of Lark rules, 8 to 13 KB a level of a chain of JSON-schema $refs (llguidance 1.9), so
@@ -114,7 +115,8 @@ class StructuredOutput:
     Attributes:
         json: a JSON schema (a dict, or its JSON text): the output is one JSON value valid
             under it (OpenAI's ``response_format`` ``json_schema``; vLLM's ``json``), with at
-            most one line break and 16 spaces or tabs between two tokens of JSON (:data:`JSON_DEFAULTS`;
+            most one line break and 64 spaces or tabs between two tokens of JSON (:data:`JSON_DEFAULTS`:
+            pretty-printed JSON up to 16 levels deep at 4 spaces a level;
             a schema with ``x-guidance`` options, llguidance's, gets those instead: e.g.
             ``{"whitespace_flexible": false}`` for compact JSON).
         json_object: True: the output is any JSON object (OpenAI's ``json_object``).

@@ -641,6 +641,31 @@ def test_constraints_that_cannot_end_are_refused(engines):
         SamplingParams(grammar="start: x")
 
 
+def _writes(engine, spec, text: str) -> bool:
+    """Whether the constraint lets the output be exactly ``text`` (its tokens, then EOS)."""
+    state = engine.grammars.compile(spec).state("cpu")
+    return all(state.advance(t) for t in engine.tokenizer.encode(text, add_special_tokens=False)) and \
+        state.allows(EOS_ID)
+
+
+def test_pretty_printed_json_is_allowed_and_the_whitespace_bounded(engines):
+    """The default JSON whitespace (one line break and at most 64 spaces or tabs) takes
+    json.dumps(v, indent=4) 16 levels deep, indent=2 32 deep, tabs 64 deep (16 spaces refused
+    indent=4 past 4 levels); more whitespace than that, or a blank line, is refused."""
+    e = engines["tiny"]
+
+    def nested(depth):
+        return {"a": nested(depth - 1)} if depth else 1
+
+    for indent, depth in ((4, 16), (2, 32), ("\t", 64), (None, 64)):
+        text = json.dumps(nested(depth), indent=indent)
+        assert _writes(e, {"json_object": True}, text), (indent, depth)
+        assert _writes(e, {"json": {"type": "object"}}, text), (indent, depth)
+    assert _writes(e, {"json_object": True}, '{\n' + " " * 64 + '"a": 1}')
+    assert not _writes(e, {"json_object": True}, '{\n' + " " * 65 + '"a": 1}')
+    assert not _writes(e, {"json_object": True}, '{\n\n"a": 1}')
+
+
 def test_compiled_constraints_are_cached_per_spec(engines):
     """The same constraint (a dict, its StructuredOutput, a schema as text) compiles once."""
     c: GrammarCompiler = engines["tiny"].grammars

@@ -77,7 +77,7 @@ def thinking_pair(tmp_path_factory):
 
 ACCEPTS = [  # (constraint, outputs it allows, outputs it refuses)
     ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "description": "} {"}},
-     ['{"a": 1}', '{"a":\n  2}'], ['{"b": 1}', '\n{"a": 1}', '{"a":' + " " * 33 + "1}"]),
+     ['{"a": 1}', '{"a":\n  2}'], ['{"b": 1}', '\n{"a": 1}', '{"a":' + " " * 65 + "1}"]),  # (at most 64)
     ({"json_object": True}, ['{"a": "x"}', "{}"], ["[1]", '"x"']),
     ({"regex": r"a/b\/c[/]+\d"}, ["a/b/c//1"], ["a/b/c1", "a\\/b/c/1"]),
     ({"choice": ['say "hi"', "a\\b", "x"]}, ['say "hi"', "a\\b", "x"], ["y", "say hi", "a"]),
