@@ -121,6 +121,31 @@ def test_json_schema_and_json_object_are_lossless_streamed_and_not_with_n_and_lo
         assert _chat(spec, extra_body=body).choices[0].message.content == content
 
 
+def test_disable_any_whitespace_is_the_whitespace_pattern_nothing(servers):
+    """vLLM's structured_outputs.disable_any_whitespace true: JSON without whitespace (as the
+    whitespace pattern ""), beside response_format too; with another kind of constraint it has
+    nothing to do; with a whitespace pattern as well, a 400."""
+    spec, alone = servers
+    person = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    loose = _complete(alone, extra_body={"response_format": person}).choices[0].text
+    assert re.search(r"\s", loose), loose  # (guard: this model writes whitespace in JSON by default)
+    tight = _complete(alone, extra_body={"guided_json": PERSON, "guided_whitespace_pattern": ""}).choices[0].text
+    assert not re.search(r"\s", tight) and conforms(json.loads(tight), PERSON), tight
+    for body in ({"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}},
+                 {"response_format": person, "structured_outputs": {"disable_any_whitespace": True}}):
+        assert _complete(spec, extra_body=body).choices[0].text == tight, body
+        assert _complete(alone, extra_body=body).choices[0].text == tight, body
+    assert _complete(spec, extra_body={"structured_outputs": {"json": PERSON, "disable_any_whitespace": False}}
+                     ).choices[0].text == loose
+    regex = _complete(spec, extra_body={"guided_regex": REGEX}).choices[0].text
+    assert _complete(spec, extra_body={"structured_outputs": {"regex": REGEX, "disable_any_whitespace": True}}
+                     ).choices[0].text == regex
+    with pytest.raises(openai.BadRequestError) as err:
+        _complete(spec, extra_body={"guided_whitespace_pattern": " ", "structured_outputs": {
+            "json_object": True, "disable_any_whitespace": True}})
+    assert err.value.body["param"] == "structured_outputs" and "both given" in err.value.body["message"]
+
+
 def test_regex_choice_and_grammar_are_lossless(servers):
     spec, alone = servers
     cases = [({"guided_regex": REGEX}, lambda t: re.fullmatch(REGEX, t)),

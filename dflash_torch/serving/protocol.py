@@ -21,6 +21,8 @@ of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and vLLM's old
 them per request (:meth:`_Request.constraint`). vLLM's ``guided_whitespace_pattern`` (or
 ``structured_outputs.whitespace_pattern``) sets a JSON constraint's whitespace
 (:meth:`_Request.whitespace_pattern`); with no JSON constraint it is refused.
+``structured_outputs.disable_any_whitespace`` true is the pattern ``""`` (no whitespace) for a
+JSON constraint; with another one it has nothing to do.
 """
 
 from __future__ import annotations
@@ -99,18 +101,20 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema or its JSON text),
     ``regex``, ``choice``, ``grammar`` (llguidance's Lark syntax) and ``json_object``
-    (true); ``whitespace_pattern``: a JSON constraint's whitespace (a regex). vLLM's options
-    for its other backends (``disable_fallback``, ...) are ignored; ``structural_tag`` is refused."""
+    (true); ``whitespace_pattern``: a JSON constraint's whitespace (a regex);
+    ``disable_any_whitespace`` true: none (the whitespace pattern ``""``; a JSON-only option,
+    so with another kind of constraint it has nothing to do). vLLM's options for its other
+    backends (``disable_fallback``, ...) are ignored; ``structural_tag`` is refused."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    ALSO_KNOWN: ClassVar[frozenset[str]] = frozenset({"disable_fallback", "disable_any_whitespace",
-                                                  "disable_additional_properties"})
+    ALSO_KNOWN: ClassVar[frozenset[str]] = frozenset({"disable_fallback", "disable_additional_properties"})
     json_: JSONSchema | StrictStr | None = Field(None, alias="json")
     regex: StrictStr | None = None
     choice: list[StrictStr] | None = None
     grammar: StrictStr | None = None
     json_object: StrictBool | None = None
     whitespace_pattern: StrictStr | None = None
+    disable_any_whitespace: StrictBool | None = None
     structural_tag: Any = None
 
     def given(self) -> list[str]:
@@ -218,9 +222,17 @@ class _Request(BaseModel):
 
     def whitespace_pattern(self) -> tuple[str, str] | None:
         """``(param, regex)``: the whitespace between the tokens of the request's JSON
-        constraint (a JSON schema or ``json_object``; see :meth:`whitespace_patterns`), None for none."""
+        constraint (a JSON schema or ``json_object``; see :meth:`whitespace_patterns`), None for none;
+        ``structured_outputs.disable_any_whitespace`` true is the pattern ``""`` for a JSON
+        constraint (none for another kind: it has no JSON whitespace to disable)."""
         found = self.whitespace_patterns()
-        return found[0] if found else None
+        if found:
+            return found[0]
+        constraint = self.constraint()
+        if self.structured_outputs is not None and self.structured_outputs.disable_any_whitespace and \
+                constraint is not None and next(iter(constraint[1])) in ("json", "json_object"):
+            return "structured_outputs", ""
+        return None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -642,6 +654,10 @@ def conflicting_fields(req: _Request) -> tuple[str, str] | None:
         return found[1][0], (f"one structured-output constraint per request: {_constraint_name(found[0])} and "
                              f"{_constraint_name(found[1])} both given")
     spaces = req.whitespace_patterns()
+    if spaces and req.structured_outputs is not None and req.structured_outputs.disable_any_whitespace:
+        name = "structured_outputs.whitespace_pattern" if spaces[0][0] == "structured_outputs" else spaces[0][0]
+        return "structured_outputs", (f"structured_outputs.disable_any_whitespace and {name} both given: "
+                                      "one JSON whitespace setting per request")
     if len(spaces) > 1:
         return spaces[1][0], ("one JSON whitespace pattern per request: guided_whitespace_pattern and "
                               "structured_outputs.whitespace_pattern both given")
