@@ -66,6 +66,9 @@ GRAMMAR_CACHE_SIZE = 64  # compiled constraints kept per engine (a server sees t
 # grammar goes), and their text is at most MAX_GRAMMAR_CHARS, whose deepest chains fit it.
 GRAMMAR_STACK_BYTES = 512 * 2**20
 MAX_GRAMMAR_CHARS = 1_000_000
+# first tokens a compile tries to consume (until one is consumed) before it refuses a constraint
+# that llguidance fails on at its first token (GrammarCompiler._check_first_tokens)
+FIRST_TOKEN_PROBES = 64
 _grammar_lock = threading.Lock()
 _grammar_thread: ThreadPoolExecutor | None = None  # (its one thread has that stack)
 
@@ -357,6 +360,8 @@ class GrammarCompiler:
             if not bool(first.any()):
                 raise OptionError(f"structured_output {spec.kind} allows no output with this tokenizer",
                                   "structured_output")
+            if not probe.is_accepting():  # (an empty output allowed: the EOS is a first token that works)
+                self._check_first_tokens(spec, probe, first)
             special = sorted({*self.special_token_ids, *self.eos_token_ids})
             names = dict(zip(special, self.hf_tokenizer.convert_ids_to_tokens(special)))
             grammar = Grammar(spec, text, tokenizer, self.vocab_size, self.eos_token_ids, self.special_token_ids, names)
@@ -364,6 +369,25 @@ class GrammarCompiler:
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
             return grammar
+
+    def _check_first_tokens(self, spec: StructuredOutput, matcher, first: torch.Tensor) -> None:
+        """Refuse a constraint that llguidance fails on at every first token its mask ``first``
+        allows (int32 ``[W]``; special tokens left out; at most :data:`FIRST_TOKEN_PROBES` of them
+        tried, in id order, until one is consumed: one, mostly): llguidance's parser and
+        lexer limits are met only when a token is consumed (e.g. a regex ``a{1000}{1000}``: "too
+        many expressions constructed"; ``start: x`` / ``x: "a" x``: "Too many items"), so such a
+        constraint passed the checks above and failed every request at its first token."""
+        allowed = unpack_bitmask(first[None], self.vocab_size)[0].nonzero().flatten().tolist()
+        special = {*self.special_token_ids, *self.eos_token_ids}
+        error = None
+        for t in [t for t in allowed if t not in special][:FIRST_TOKEN_PROBES]:
+            trial = matcher.deep_copy()
+            if trial.consume_token(t) and not trial.is_error():
+                return
+            error = error or _first_line(trial.get_error())
+        if error is not None:
+            raise OptionError(f"structured_output {spec.kind} cannot be used (llguidance fails on it at its first "
+                              f"token): {error}", "structured_output")
 
 
 _BITS = None  # int32 [32]: 1 << i

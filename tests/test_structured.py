@@ -599,6 +599,29 @@ def test_constraints_with_no_output_are_refused_when_compiled(engines, spec):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("spec, words", [
+    ({"regex": "a{1000}{1000}"}, "lexer error: too many expressions constructed"),
+    ({"grammar": 'start: x\nx: "a" x'}, "parser error: Too many items"),
+    ({"grammar": 'start: "[1,2,3]" x\nx: "a" x'}, "parser error: Too many items"),  # (after forced text)
+])
+def test_constraints_llguidance_fails_on_at_the_first_token_are_refused_when_compiled(engines, spec, words):
+    """llguidance's parser and lexer limits are met when a token is consumed: a constraint that
+    fails at every first token is refused before decoding (generate and stream raise before a
+    token), not at decoding time."""
+    e = engines["tiny"]
+    want = rf"^structured_output {next(iter(spec))} cannot be used \(llguidance fails on it at its first token\): "
+    with pytest.raises(DFlashError, match=want + ".*" + words.replace("(", r"\(")) as info:
+        e.grammars.compile(spec)
+    assert "\n" not in str(info.value)
+    with pytest.raises(DFlashError, match=want):
+        e.generate("x", max_new_tokens=4, structured_output=spec)
+    chunks = e.stream("x", max_new_tokens=4, structured_output=spec)
+    with pytest.raises(DFlashError, match=want):
+        next(iter(chunks))
+    # (one usable first token is enough: the others are refused where they stand, as decoding does)
+    assert e.generate("x", max_new_tokens=4, structured_output={"grammar": 'start: "b" | x\nx: "a" x'}).text == "b"
+
+
 def test_grammars_llguidance_cannot_roll_back_decode_speculatively(engines):
     """max_tokens= lexemes (llguidance cannot roll them back): matchers are copied, never
     rolled back, so speculative decoding == target-only decoding for them too."""

@@ -303,6 +303,13 @@ BAD = [  # (endpoint, body, param, words of the message)
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "tools",
      "tools[0].function.parameters.properties.a.type must name JSON types"),
+    # llguidance fails on these at their first token (its parser's and lexer's limits): refused when
+    # compiled, before a stream's headers (were a 200, then an error event)
+    ("completion", {"guided_regex": "a{1000}{1000}"}, "guided_regex",
+     "regex cannot be used (llguidance fails on it at its first token): lexer error: too many expressions"),
+    ("chat", {"guided_grammar": 'start: x\nx: "a" x'}, "guided_grammar", "grammar cannot be used"),
+    ("completion", {"structured_outputs": {"grammar": 'start: "[1,2]" x\nx: "a" x'}}, "structured_outputs",
+     "Too many items"),
     # a keyword llguidance does not implement: the grammar cannot be built
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"},
@@ -483,7 +490,9 @@ def test_cli_errors_are_one_line_exit_2(flags, message, capsys):
     assert err.startswith("dflash-torch: error: ") and message in err and err.count("\n") == 1, err
 
 
-DEAD_END = 'start: x\nx: "a" x'  # compiles (a first token exists), but llguidance cannot go on after it
+# compiles (its first token, a digit, is consumed), but llguidance cannot go on after it (';' or ',' then
+# "a" forever: "Too many items"); start: x / x: "a" x, which fails so at its first token, is refused when compiled
+DEAD_END = 'start: /[0-9]/ /[;,]/ x\nx: "a" x'
 
 
 def test_a_constraint_that_fails_mid_decoding_fails_its_request_alone(servers):
