@@ -372,15 +372,18 @@ class GrammarCompiler:
 
     def _check_first_tokens(self, spec: StructuredOutput, matcher, first: torch.Tensor) -> None:
         """Refuse a constraint that llguidance fails on at every first token its mask ``first``
-        allows (int32 ``[W]``; special tokens left out; at most :data:`FIRST_TOKEN_PROBES` of them
-        tried, in id order, until one is consumed: one, mostly): llguidance's parser and
+        allows (int32 ``[W]``; EOS left out; at most :data:`FIRST_TOKEN_PROBES` of them tried,
+        special tokens first, until one is consumed: one, mostly): llguidance's parser and
         lexer limits are met only when a token is consumed (e.g. a regex ``a{1000}{1000}``: "too
         many expressions constructed"; ``start: x`` / ``x: "a" x``: "Too many items"), so such a
         constraint passed the checks above and failed every request at its first token."""
         allowed = unpack_bitmask(first[None], self.vocab_size)[0].nonzero().flatten().tolist()
-        special = {*self.special_token_ids, *self.eos_token_ids}
+        special, eos = set(self.special_token_ids), set(self.eos_token_ids)
+        # (special tokens first: a grammar may name one, e.g. a tool-call marker, where the mask also
+        # lets through byte tokens that llguidance then fails to consume)
+        order = sorted((t for t in allowed if t not in eos), key=lambda t: t not in special)
         error = None
-        for t in [t for t in allowed if t not in special][:FIRST_TOKEN_PROBES]:
+        for t in order[:FIRST_TOKEN_PROBES]:
             trial = matcher.deep_copy()
             if trial.consume_token(t) and not trial.is_error():
                 return
