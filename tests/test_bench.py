@@ -119,10 +119,6 @@ def test_round_vs_step_hybrid_moe_full_and_layer_subset():
     # once more for the 4 layers not built
     assert m["target_step_layers_s"] < m["target_step_s"] < part["target_step_s"]
     assert m["round_layers_and_commit_s"] < m["round_s"] < part["round_s"]
-    # ... and agree with the full build within a loose factor (a shared machine's noise; no
-    # timing thresholds beyond sanity)
-    for key in ("target_step_s", "round_s"):
-        assert full[key] / 5 < part[key] < full[key] * 5, (key, full[key], part[key])
     table = _shapes_table([full, part]).splitlines()
     rows = [line for line in table if line.startswith("| custom | qwen3_5_moe_text |")]
     assert len(rows) == 2 and "| all 8 |" in rows[0] and "| 4 of 8, SCALED |" in rows[1]
