@@ -32,7 +32,8 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
 
     Raises:
         DFlashError: if it is empty, neither a directory with ``config.json`` nor a cached repo,
-            or a directory this process may not list or enter (``cannot read DIR: Permission denied``).
+            or a directory (or a part of a Hugging Face cache entry: its folder, refs/main, snapshot,
+            blobs) this process may not read (``cannot read PATH: Permission denied``).
     """
     if not str(name_or_path).strip():  # (Path("") is ".", the current directory)
         raise DFlashError("the checkpoint path is empty: pass a checkpoint directory or a cached Hugging Face id")
@@ -56,13 +57,44 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
             local = snapshot_download(repo_id=name, local_files_only=True)
         except Exception:
             local = None
-        if local and (Path(local) / "config.json").is_file():
-            return Path(local)
+        if not local:
+            denied = _unreadable_cache_entry(name)
+            if denied is not None:
+                raise DFlashError(f"cannot read {denied}: Permission denied")
         if local:
+            config = Path(local) / "config.json"
+            try:  # (a shared cache whose snapshot or blobs this process may not read)
+                os.listdir(local)
+                found = config.is_file()
+            except OSError as exc:
+                raise DFlashError(f"cannot read {exc.filename or config}: {exc.strerror}") from None
+            if found:
+                return Path(local)
             raise DFlashError(f"model {name!r} is in the Hugging Face cache ({local}) without its config.json "
                               "(an incomplete download?)")
         raise DFlashError(f"model {name!r} is not a local directory and is not in the Hugging Face cache (offline)")
     raise DFlashError(f"model directory {name!r} does not exist")
+
+
+def _unreadable_cache_entry(name: str) -> Path | None:
+    """The part of the Hugging Face cache entry of the repo ``name`` (its folder, ``refs``,
+    ``refs/main``, ``snapshots``) that this process may not read, else None: huggingface_hub
+    then says only that the repo is not cached."""
+    from huggingface_hub import constants
+
+    root = Path(constants.HF_HUB_CACHE)
+    repo = root / ("models--" + name.replace("/", "--"))
+    for part in (root, repo, repo / "refs", repo / "refs" / "main", repo / "snapshots"):
+        try:
+            if part.name == "main":
+                part.open("rb").close()
+            else:
+                os.listdir(part)
+        except PermissionError:
+            return part
+        except OSError:
+            continue
+    return None
 
 
 def checkpoint_dir(value, name: str) -> Path:

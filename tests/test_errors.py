@@ -1317,6 +1317,24 @@ def test_errors_pickle_whole_so_a_process_pool_hands_them_back(engine):
 
 _NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]  # (root as an ordinary user: modes apply)
 
+def _as_an_ordinary_user(tmp_path) -> list[str]:
+    """The command prefix under which file modes apply to this process's children (root reads
+    whatever the modes say: setpriv drops the capabilities that let it); skips the test where
+    there is none."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: file modes do not apply")
+    probe = tmp_path / "probe"
+    probe.write_text("x")
+    probe.chmod(0)
+    if subprocess.run([*_NO_DAC, "cat", str(probe)], capture_output=True).returncode == 0:
+        pytest.skip("setpriv does not drop root's file access here")
+    return _NO_DAC
+
+
 _UNREADABLE_SCRIPT = r'''
 import contextlib, io, json, sys
 from dflash_torch import DFlashEngine, DFlashError
@@ -1353,16 +1371,7 @@ def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_
     import subprocess
     import sys
 
-    prefix = []
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("running as root without setpriv: file modes do not apply")
-        probe = tmp_path / "probe"
-        probe.write_text("x")
-        probe.chmod(0)
-        if subprocess.run([*_NO_DAC, "cat", str(probe)], capture_output=True).returncode == 0:
-            pytest.skip("setpriv does not drop root's file access here")
-        prefix = _NO_DAC
+    prefix = _as_an_ordinary_user(tmp_path)
     target, drafter = tiny_pair
     sharded = make_target(tmp_path / "sharded", "qwen3", tokenizer=False, max_shard_size="150KB")
     copy_tokenizer(tokenizer_dir, sharded)
@@ -1402,6 +1411,63 @@ def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_
         msg = msg.replace("target: ", "--target: ").replace("draft: ", "--draft: ")
         assert (rc, err) == (2, f"dflash-torch: error: {msg}\n"), argv
     assert api == [c[4] for c in cases]
+
+
+def _cache_repo(hub: Path, repo_id: str, source: Path) -> Path:
+    """``source``'s files in the Hugging Face cache ``hub`` as huggingface_hub keeps them: blobs
+    named by their hash, a snapshot of links to them, refs/main naming the snapshot."""
+    import hashlib
+
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for file in sorted(source.iterdir()):
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copy(file, blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snapshot.name)
+    return repo
+
+
+def test_unreadable_hugging_face_cache_entries_are_one_line_errors(tiny_pair, tmp_path):
+    """A cached repo whose blobs or snapshot this process may not read (a shared HF_HOME) was a
+    PermissionError traceback from pathlib, from the command line and from_pretrained; one whose
+    folder or refs/main it may not read was "not in the Hugging Face cache". Each is
+    ``cannot read PATH: Permission denied``, exit 2."""
+    import subprocess
+    import sys
+
+    prefix = _as_an_ordinary_user(tmp_path)
+    target, drafter = tiny_pair
+    hub = tmp_path / "hub"
+    repos = {name: _cache_repo(hub, f"acme/{name}", drafter if name.startswith("d") else target)
+             for name in ("t", "t-blobs", "t-snapshot", "t-ref", "t-repo", "d", "d-blobs")}
+    snapshot = "snapshots/" + "a" * 40
+    cases = [("t-blobs", "d", repos["t-blobs"] / "blobs", repos["t-blobs"] / snapshot / "config.json"),
+             ("t-snapshot", "d", repos["t-snapshot"] / snapshot, repos["t-snapshot"] / snapshot),
+             ("t-ref", "d", repos["t-ref"] / "refs" / "main", repos["t-ref"] / "refs" / "main"),
+             ("t-repo", "d", repos["t-repo"], repos["t-repo"]),
+             ("t", "d-blobs", repos["d-blobs"] / "blobs", repos["d-blobs"] / snapshot / "config.json")]
+    for _, _, path, _ in cases:
+        path.chmod(0)
+    try:
+        argvs = [["generate", "x", "--target", f"acme/{t}", "--draft", f"acme/{d}"] for t, d, _, _ in cases]
+        proc = subprocess.run([*prefix, sys.executable, "-c", _UNREADABLE_SCRIPT, json.dumps(argvs),
+                               json.dumps([[f"acme/{t}", f"acme/{d}"] for t, d, _, _ in cases])],
+                              capture_output=True, text=True, timeout=600, input="",
+                              env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                                       HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1"))
+    finally:
+        for _, _, path, _ in cases:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    words = [f"{'draft' if d.endswith('blobs') else 'target'}: cannot read {named}: Permission denied"
+             for _, d, _, named in cases]
+    assert out[:len(cases)] == [[2, f"dflash-torch: error: --{w}\n"] for w in words]
+    assert out[len(cases):] == words
 
 
 def test_a_tokenizer_without_its_vocabulary_files_is_refused(tiny_pair, tmp_path, capsys):
