@@ -1717,3 +1717,76 @@ def test_chat_loss_of_a_qwen3_style_call_with_an_empty_content_and_reasoning(tin
     spans = "".join(_masked_spans(tok, ex))
     assert "get_weather" in spans and "It is sunny." in spans and "You are welcome." in spans, spans
     assert "Paris" not in spans and "sunny<" not in spans and "Thanks" not in spans, spans
+
+
+_RUN_AS_A_USER = r'''
+import contextlib, io, json, sys
+from dflash_torch.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    std, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(std), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except BaseException as exc:
+            rc = repr(exc)
+    out.append([rc, std.getvalue() + err.getvalue()])
+print(json.dumps(out))
+'''
+
+
+def test_train_refuses_unreadable_data_and_unwritable_work_dirs_in_one_line(tiny_pair, tmp_path):
+    """As an ordinary user (root reads whatever the modes say: setpriv drops that): an
+    unreadable file at the top of the target directory that loading does not need (a
+    README.md) was a PermissionError traceback from hashing it for the data cache's key, and
+    so was an unreadable --data file; an unreadable --data directory was "holds no text", an
+    unreadable directory below it was passed over (skipped_files 0); a --work-dir this process
+    may not write was a RuntimeError traceback from torch.save after the data was prepared.
+    The README.md trains; the others are one line naming the path, exit 2, before the target
+    loads."""
+    import os
+    import subprocess
+    import sys
+
+    from test_errors import _as_an_ordinary_user
+
+    prefix = _as_an_ordinary_user(tmp_path)
+    target = shutil.copytree(tiny_pair[0], tmp_path / "target")
+    (target / "README.md").write_text("# a model\n")
+    text = "def f(x):\n    return x\n" * 50
+    data = tmp_path / "a.txt"
+    data.write_text(text)
+    (tmp_path / "dir" / "sub").mkdir(parents=True)
+    for name in ("dir/a.txt", "dir/sub/b.txt", "file-dir/a.txt", "file-dir/b.txt", "closed-dir/a.txt",
+                 "dir/.hidden/c.txt", "unreadable.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    work = tmp_path / "work"
+    work.mkdir()
+    modes = {target / "README.md": 0, tmp_path / "unreadable.txt": 0, tmp_path / "dir" / "sub": 0,
+             tmp_path / "file-dir" / "b.txt": 0, tmp_path / "closed-dir": 0, tmp_path / "dir" / ".hidden": 0,
+             work: 0o555}
+    args = ["--steps", "1", "--batch", "2", "--seq-len", "64", "--val-seqs", "0", "--no-progress"]
+    cases = [(data, [], None),  # (the README.md: trains)
+             (tmp_path / "unreadable.txt", [], tmp_path / "unreadable.txt"),
+             (tmp_path / "dir", [], tmp_path / "dir" / "sub"),  # (not its hidden .hidden, which is not read)
+             (tmp_path / "file-dir", [], tmp_path / "file-dir" / "b.txt"),
+             (tmp_path / "closed-dir", [], tmp_path / "closed-dir"),
+             (data, ["--work-dir", str(work)], None)]
+    argvs = [["train", "--target", str(target), "--data", str(d), "--out", str(tmp_path / f"out{i}"), *args, *more]
+             for i, (d, more, _) in enumerate(cases)]
+    for path, mode in modes.items():
+        path.chmod(mode)
+    try:
+        proc = subprocess.run([*prefix, sys.executable, "-c", _RUN_AS_A_USER, json.dumps(argvs)], capture_output=True,
+                              text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        for path in modes:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out[0][0] == 0, out[0]
+    assert (tmp_path / "out0" / "model.safetensors").is_file()
+    want = [f"dflash-torch: error: cannot read {path}: Permission denied\n" for _, _, path in cases[1:-1]]
+    want.append(f"dflash-torch: error: cannot use --work-dir {work} as a directory: Permission denied\n")
+    assert out[1:] == [[2, w] for w in want]

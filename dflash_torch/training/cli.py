@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import tempfile
 from pathlib import Path
 
 from ..cli import add_chat_template_kwargs_arg
@@ -155,8 +156,9 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
         if out.is_dir() and any(f.name == "config.json" or STALE_WEIGHTS.fullmatch(f.name) for f in out.iterdir()):
             raise DFlashError(f"--out {args.out} already holds a checkpoint: pass --overwrite to replace it")
     for name, path in {"--out": Path(args.out), "--work-dir": cfg.work_path()}.items():
-        try:  # (made before the target loads: it failed with a traceback after)
+        try:  # (made before the target loads: it failed with a traceback after; so did one it may not write)
             path.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=path).close()
         except OSError as exc:
             raise DFlashError(f"cannot use {name} {path} as a directory: {exc.strerror or exc}") from None
 

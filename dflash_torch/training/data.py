@@ -16,7 +16,8 @@ Inputs (``--data``, any mix):
 * a ``.json`` file: a JSON array of such records, one record, or records one per line
   (as Hugging Face ``datasets``' JSON loader reads them).
 
-A file given must be UTF-8 text; in a directory, files that are not are skipped. Bad
+A file given must be UTF-8 text; in a directory, files that are not are skipped (a file
+or directory this process may not read is refused, naming it, not skipped). Bad
 bytes, bad JSON and strings that are not valid Unicode are refused naming the file and
 line. Text is tokenized in bounded pieces (:func:`text_pieces`): the memory it takes
 grows with the corpus, not with its longest line.
@@ -76,19 +77,28 @@ def corpus_files(paths: list[str | Path]) -> list[tuple[Path, bool]]:
     whether it was given itself (``True``) or found in a given directory (``False``).
 
     Raises:
-        DFlashError: a path that does not exist.
+        DFlashError: a path that does not exist, or a directory (a non-hidden one below a
+            given directory too) that this process may not read.
     """
+    def unreadable(exc: OSError):
+        raise DFlashError(f"cannot read {exc.filename}: {exc.strerror or exc}")
+
     files: list[tuple[Path, bool]] = []
     for p in paths:
         path = Path(p).expanduser()
-        if path.is_dir():
-            for f in sorted(path.rglob("*")):
-                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts):
-                    files.append((f, False))
-        elif path.is_file():
-            files.append((path, True))
-        else:
-            raise DFlashError(f"training data {path} does not exist")
+        try:
+            if path.is_dir():
+                found = []
+                for top, dirs, names in os.walk(path, onerror=unreadable):  # (rglob passed over unreadable ones)
+                    dirs[:] = [d for d in dirs if not d.startswith(".")]
+                    found += [Path(top, n) for n in names if not n.startswith(".")]
+                files += [(f, False) for f in sorted(found) if f.is_file()]
+            elif path.is_file():
+                files.append((path, True))
+            else:
+                raise DFlashError(f"training data {path} does not exist")
+        except PermissionError as exc:  # (is_file of a link into a directory that may not be entered)
+            raise DFlashError(f"cannot read {exc.filename}: Permission denied") from None
     return files
 
 
@@ -206,39 +216,49 @@ def read_corpus(paths: list[str | Path]) -> Corpus:
     are skipped (listed in ``Corpus.skipped``), but its ``.jsonl`` files must be valid.
 
     Raises:
-        DFlashError: a missing path, a file given that is not UTF-8, malformed JSONL
-            (naming the file and line), or no usable text at all.
+        DFlashError: a missing path, a file or directory this process may not read, a file
+            given that is not UTF-8, malformed JSONL (naming the file and line), or no usable
+            text at all.
     """
     corpus = Corpus()
     for path, given in corpus_files(paths):
-        if path.suffix.lower() == ".jsonl":
-            _read_jsonl(path, corpus)
-            continue
-        if path.suffix.lower() == ".json":
-            records = Corpus()
-            try:
-                _read_json(path, records)
-            except DFlashError:
-                if given or _looks_like_records(path):
-                    raise
-            else:  # (in a directory, a .json file that is not records, e.g. a package.json, is a document)
-                corpus.documents += records.documents
-                corpus.conversations += records.conversations
-                corpus.conversation_sources += records.conversation_sources
-                continue
         try:
-            text = _decode(path.read_bytes(), path)
-        except DFlashError:
-            if given:
-                raise
-            corpus.skipped.append(path)
-            continue
-        if text:
-            corpus.documents.append(text)
+            _read_file(path, given, corpus)
+        except OSError as exc:  # (a file this process may not read is refused, not skipped: it is not bad data)
+            raise DFlashError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not corpus.documents and not corpus.conversations:
         skipped = f" ({len(corpus.skipped)} files skipped as not UTF-8 text)" if corpus.skipped else ""
         raise DFlashError(f"the training data {' '.join(map(str, paths))} holds no text{skipped}")
     return corpus
+
+
+def _read_file(path: Path, given: bool, corpus: Corpus) -> None:
+    """Add the file ``path`` (``given`` itself, else found in a directory) to ``corpus``, as
+    :func:`read_corpus` describes."""
+    if path.suffix.lower() == ".jsonl":
+        _read_jsonl(path, corpus)
+        return
+    if path.suffix.lower() == ".json":
+        records = Corpus()
+        try:
+            _read_json(path, records)
+        except DFlashError:
+            if given or _looks_like_records(path):
+                raise
+        else:  # (in a directory, a .json file that is not records, e.g. a package.json, is a document)
+            corpus.documents += records.documents
+            corpus.conversations += records.conversations
+            corpus.conversation_sources += records.conversation_sources
+            return
+    try:
+        text = _decode(path.read_bytes(), path)
+    except DFlashError:
+        if given:
+            raise
+        corpus.skipped.append(path)
+        return
+    if text:
+        corpus.documents.append(text)
 
 
 @dataclass

@@ -405,12 +405,33 @@ CACHE_FORMAT = 9  # 3: chat loss masks from character spans; .json record files;
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
-def _file_digest(path: Path) -> str:
+def _file_digest(path: Path, unreadable: str | None = None) -> str:
+    """The SHA-256 of the file ``path``'s content; ``unreadable`` for one this process may not
+    read where given.
+
+    Raises:
+        DFlashError: ``path`` cannot be read (without ``unreadable``).
+    """
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    except PermissionError:
+        if unreadable is not None:
+            return unreadable
+        raise DFlashError(f"cannot read {path}: Permission denied") from None
+    except OSError as exc:
+        raise DFlashError(f"cannot read {path}: {exc.strerror or exc}") from None
     return h.hexdigest()
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False for a link into a directory this process may not enter."""
+    try:
+        return path.is_file()
+    except PermissionError:
+        return False
 
 
 def data_key(cfg: TrainConfig, target_dir: Path) -> str:
@@ -423,11 +444,14 @@ def data_key(cfg: TrainConfig, target_dir: Path) -> str:
     file system's timestamp granularity; a file copied or unpacked with its old mtime);
     hashing reads each byte once, about 1 s per GB, far less than tokenizing it.
 
+    A file of the target directory this process may not read counts as "unreadable": one
+    that loading needs was refused before, and one it does not (a README.md) may stay so.
+
     Raises:
-        DFlashError: a data path that does not exist.
+        DFlashError: a data path that does not exist or cannot be read.
     """
-    target = [[f.name, _file_digest(f)] for f in sorted(target_dir.iterdir())
-              if f.is_file() and (cfg.self_distill or not f.name.endswith(WEIGHT_SUFFIXES))]
+    target = [[f.name, _file_digest(f, "unreadable")] for f in sorted(target_dir.iterdir())
+              if _is_file(f) and (cfg.self_distill or not f.name.endswith(WEIGHT_SUFFIXES))]
     parts = {"format": CACHE_FORMAT, "target": target, "data": [str(Path(p).expanduser().resolve()) for p in cfg.data],
              "files": [[str(f.resolve()), _file_digest(f)] for f, _ in corpus_files(cfg.data)],
              "seq_len": cfg.seq_len, "self_distill": cfg.self_distill, "prefix": [cfg.prefix_min, cfg.prefix_max],
@@ -686,7 +710,11 @@ class Trainer:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        corpus_files(cfg.data)  # (a missing --data path: an error before the target loads, not after its log lines)
+        for file, _ in corpus_files(cfg.data):  # (a missing or unreadable --data path: an error before the target
+            try:                                 # loads, not after its log lines)
+                open(file, "rb").close()
+            except OSError as exc:
+                raise DFlashError(f"cannot read {file}: {exc.strerror or exc}") from None
         ckpt_path = cfg.work_path() / CHECKPOINT
         if cfg.resume and not ckpt_path.is_file():  # (it was found out after the data was prepared)
             raise DFlashError(f"--resume: no checkpoint at {ckpt_path}")
