@@ -41,7 +41,13 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     try:
         if path.is_dir():
             os.listdir(path)  # (loading lists it: a directory that cannot be listed is refused here)
-            if not (path / "config.json").is_file():  # (PermissionError in a directory that cannot be entered)
+            config = path / "config.json"
+            try:
+                found = config.is_file()  # (PermissionError in a directory that cannot be entered: named below)
+            except OSError as exc:
+                config.lstat()  # (it can be entered: config.json is a link into a directory that cannot be)
+                raise DFlashError(f"cannot read {config}: {exc.strerror}") from None
+            if not found:
                 raise DFlashError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
             return path
         exists = path.exists()
@@ -222,14 +228,23 @@ def check_links(model_dir: Path, names=None) -> None:
         names: the file names to check (default: every file of ``model_dir``).
 
     Raises:
-        DFlashError: naming the broken links; a directory this process may not list or enter.
+        DFlashError: naming the broken links; a directory this process may not list or enter;
+            a link into a directory it may not enter (naming the link).
     """
     model_dir = Path(model_dir)
     try:
         paths = list(model_dir.iterdir()) if names is None else [model_dir / n for n in names]
-        broken = sorted(p.name for p in paths if p.is_symlink() and not p.exists())
+        links = [p for p in paths if p.is_symlink()]
     except OSError as exc:
         raise DFlashError(f"cannot read {model_dir}: {exc.strerror}") from None
+    broken = []
+    for link in links:
+        try:
+            if not link.exists():
+                broken.append(link.name)
+        except OSError as exc:  # (a link into a directory this process may not enter: it is the file that cannot be read)
+            raise DFlashError(f"cannot read {link}: {exc.strerror}") from None
+    broken.sort()
     if broken:
         raise DFlashError(f"{model_dir}: {', '.join(broken)} {'is a broken link' if len(broken) == 1 else 'are broken links'}"
                           " (an interrupted download? download the checkpoint again)")

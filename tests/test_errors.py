@@ -1413,6 +1413,45 @@ def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_
     assert api == [c[4] for c in cases]
 
 
+def test_files_linked_into_an_unreadable_directory_are_named(tiny_pair, tmp_path):
+    """A checkpoint directory whose files are links into a directory this process may not
+    enter (a store of blobs) said ``cannot read DIR`` of the readable checkpoint directory;
+    the file is named (its weights, its config.json, its tokenizer.json)."""
+    import subprocess
+    import sys
+
+    prefix = _as_an_ordinary_user(tmp_path)
+    target, drafter = tiny_pair
+    cases = []  # (the checkpoint, the store made unreadable, the file named)
+    for name, linked in (("weights", ["model.safetensors"]), ("config", None), ("tokenizer", ["tokenizer.json"])):
+        store, checkpoint = tmp_path / name / "store", tmp_path / name / "linked"
+        shutil.copytree(target, store)
+        checkpoint.mkdir()
+        for file in sorted(store.iterdir()):
+            if linked is None or file.name in linked:
+                (checkpoint / file.name).symlink_to(os.path.join("..", "store", file.name))
+            else:
+                shutil.copy(file, checkpoint / file.name)
+        cases.append((checkpoint, store, checkpoint / (linked[0] if linked else "config.json")))
+    for _, store, _ in cases:
+        store.chmod(0)
+    try:
+        argvs = [["generate", "x", "--target", str(c), "--draft", str(drafter)] for c, _, _ in cases]
+        proc = subprocess.run([*prefix, sys.executable, "-c", _UNREADABLE_SCRIPT, json.dumps(argvs),
+                               json.dumps([[str(c), str(drafter)] for c, _, _ in cases])],
+                              capture_output=True, text=True, timeout=600, input="",
+                              env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+    finally:
+        for _, store, _ in cases:
+            store.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    words = [f"{'target: ' if file.name == 'config.json' else ''}cannot read {file}: Permission denied"
+             for _, _, file in cases]
+    assert out[:len(cases)] == [[2, f"dflash-torch: error: {w.replace('target: ', '--target: ')}\n"] for w in words]
+    assert out[len(cases):] == words
+
+
 def _cache_repo(hub: Path, repo_id: str, source: Path) -> Path:
     """``source``'s files in the Hugging Face cache ``hub`` as huggingface_hub keeps them: blobs
     named by their hash, a snapshot of links to them, refs/main naming the snapshot."""
