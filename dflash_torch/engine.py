@@ -1550,6 +1550,8 @@ def _max_prompt_chars(tokenizer, max_context: int) -> int:
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")  # (named when the tokens are missing)
+TOKENIZER_READ = (*VOCABULARY_FILES, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                  "chat_template.jinja")  # (opened first: the tokenizers library's errors do not name the file)
 
 
 def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
@@ -1564,7 +1566,8 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
 
     Raises:
         DFlashError: no tokenizer files in the checkpoint, a file that is a broken link (of an
-            interrupted download), a tokenizer that fails to load, a config.json that
+            interrupted download) or that this process may not read (``cannot read FILE:
+            Permission denied``), a tokenizer that fails to load, a config.json that
             transformers' config class refuses (AutoTokenizer reads it too), a size that does
             not fit ``vocab_size`` (see above).
     """
@@ -1573,6 +1576,13 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
     check_links(model_dir)  # (else transformers blames a missing sentencepiece for a missing tokenizer.json)
     if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
         raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    for name in TOKENIZER_READ:  # (an unreadable vocab.json was "Error while initializing BPE: Permission denied")
+        try:
+            open(Path(model_dir) / name, "rb").close()
+        except (FileNotFoundError, IsADirectoryError):
+            pass
+        except OSError as exc:
+            raise DFlashError(f"cannot read {Path(model_dir) / name}: {exc.strerror}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises many types for a missing/broken tokenizer

@@ -1452,6 +1452,49 @@ def test_files_linked_into_an_unreadable_directory_are_named(tiny_pair, tmp_path
     assert out[len(cases):] == words
 
 
+def _slow_tokenizer_files(checkpoint: Path) -> Path:
+    """``checkpoint``'s tokenizer.json as the vocab.json and merges.txt of a byte-level BPE
+    tokenizer (GPT2Tokenizer), without the tokenizer.json."""
+    tok = json.loads((checkpoint / "tokenizer.json").read_text())
+    (checkpoint / "vocab.json").write_text(json.dumps(tok["model"]["vocab"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    (checkpoint / "merges.txt").write_text("#version: 0.2\n" + "".join(m + "\n" for m in merges))
+    (checkpoint / "tokenizer.json").unlink()
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    return checkpoint
+
+
+def test_an_unreadable_vocab_or_merges_file_is_named(tiny_pair, tmp_path):
+    """A tokenizer of vocab.json and merges.txt (no tokenizer.json) one of which this process
+    may not read was "cannot load the tokenizer of DIR: Error while initializing BPE:
+    Permission denied (os error 13)", naming neither; it is ``cannot read FILE``."""
+    import subprocess
+    import sys
+
+    prefix = _as_an_ordinary_user(tmp_path)
+    target, drafter = tiny_pair
+    readable = _slow_tokenizer_files(shutil.copytree(target, tmp_path / "readable"))
+    assert DFlashEngine.from_pretrained(readable, no_draft=True).tokenizer.vocab_size > 100  # (it loads)
+    files = []
+    for name in ("vocab.json", "merges.txt"):
+        files.append(shutil.copytree(readable, tmp_path / f"no-{name}") / name)
+        files[-1].chmod(0)
+    try:
+        argvs = [["generate", "x", "--target", str(f.parent), "--draft", str(drafter)] for f in files]
+        proc = subprocess.run([*prefix, sys.executable, "-c", _UNREADABLE_SCRIPT, json.dumps(argvs),
+                               json.dumps([[str(f.parent), str(drafter)] for f in files])],
+                              capture_output=True, text=True, timeout=600, input="",
+                              env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+    finally:
+        for file in files:
+            file.chmod(0o644)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    words = [f"cannot read {file}: Permission denied" for file in files]
+    assert out == [[2, f"dflash-torch: error: {w}\n"] for w in words] + words
+
+
 def _cache_repo(hub: Path, repo_id: str, source: Path) -> Path:
     """``source``'s files in the Hugging Face cache ``hub`` as huggingface_hub keeps them: blobs
     named by their hash, a snapshot of links to them, refs/main naming the snapshot."""
