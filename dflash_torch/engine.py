@@ -1569,7 +1569,8 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
             interrupted download) or that this process may not read (``cannot read FILE:
             Permission denied``), a tokenizer that fails to load, a config.json that
             transformers' config class refuses (AutoTokenizer reads it too), a size that does
-            not fit ``vocab_size`` (see above).
+            not fit ``vocab_size`` (see above; too few tokens names the vocabulary file where
+            there is one, else the files missing).
     """
     from transformers import AutoTokenizer
 
@@ -1597,6 +1598,12 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
         raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {vocab_size}")
     if vocab_size is not None and 2 * len(tokenizer) < vocab_size:
         absent = [f for f in VOCABULARY_FILES if not (Path(model_dir) / f).is_file()]
+        whole = [f for f in VOCABULARY_FILES[:2] if f not in absent] or (["vocab.json and merges.txt"] if not (
+            {"vocab.json", "merges.txt"} & set(absent)) else [])
+        if whole:  # (a vocabulary is there, not too few files: listing the others as missing misled)
+            raise DFlashError(f"the tokenizer of {model_dir} has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}"
+                              f", far fewer than the target's vocab_size ({vocab_size}): too few for this target (a "
+                              f"wrong or incomplete {whole[0]}?)")
         absent = f"no {', '.join(absent[:-1])} or {absent[-1]}; " if len(absent) > 1 else f"no {absent[0]}; " if absent else ""
         raise DFlashError(f"the tokenizer of {model_dir} has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}"
                           f", far fewer than the target's vocab_size ({vocab_size}): its vocabulary files are missing "
