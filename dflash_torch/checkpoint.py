@@ -164,7 +164,7 @@ def weight_files(model_dir: Path) -> list[Path]:
     Raises:
         DFlashError: if no safetensors weights are present (naming any ``*.bin`` weights there,
             which it does not read, and how to convert them), the index is not valid JSON with a
-            ``weight_map``, a shard is missing, or a weight file is not a readable file (a dangling
+            ``weight_map`` of shard file names in the directory (naming a bad entry), a shard is missing, or a weight file is not a readable file (a dangling
             link of an interrupted download, a directory).
     """
     model_dir = Path(model_dir)
@@ -173,8 +173,15 @@ def weight_files(model_dir: Path) -> list[Path]:
         files = [single]
     elif index.is_file():
         weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+        if not isinstance(weight_map, dict):
             raise DFlashError(f"{index} has no weight_map (an object mapping each weight to its shard file)")
+        for name, shard in weight_map.items():  # (one bad entry was "has no weight_map"; "/etc/passwd" was opened)
+            if not isinstance(shard, str):
+                raise DFlashError(f"{index}: weight_map maps {name} to {json.dumps(shard)}, not a shard file name")
+            norm = os.path.normpath(shard)
+            if not shard or os.path.isabs(shard) or norm == "." or norm == ".." or norm.startswith(".." + os.sep):
+                raise DFlashError(f"{index}: weight_map maps {name} to {shard!r}, which is not a file of the "
+                                  f"checkpoint (a file name in {model_dir})")
         shards = sorted(set(weight_map.values()))
         check_links(model_dir, shards)
         missing = [s for s in shards if not (model_dir / s).is_file()]

@@ -813,6 +813,11 @@ def _set(path: str, value):
 
 
 # (which checkpoint, its config.json edit or raw bytes, words of the one-line error)
+def _map_embedding(shard):
+    """An edit of a shard index: the embedding's entry mapped to ``shard``."""
+    return lambda index: index["weight_map"].__setitem__("model.embed_tokens.weight", shard)
+
+
 MALFORMED_CONFIGS = [
     ("target", _set("model_type", ["qwen3"]), "unsupported target model_type ['qwen3']"),
     ("target", _set("vocab_size", "320"), "target config.json vocab_size must be an integer >= 1, got '320'"),
@@ -882,6 +887,14 @@ MALFORMED_CONFIGS = [
     ("generation", _set("eos_token_id", "0"), "generation_config.json eos_token_id must be a token id or a list of them, got '0'"),
     ("index", b"{oops", "model.safetensors.index.json is not valid JSON"),
     ("index", b'{"metadata": {}}', "has no weight_map"),
+    # (an entry that is not a name was "has no weight_map"; a path out of the checkpoint was opened)
+    ("index", _map_embedding(5), "weight_map maps model.embed_tokens.weight to 5, not a shard file name"),
+    ("index", _map_embedding(None), "weight_map maps model.embed_tokens.weight to null, not a shard file name"),
+    ("index", _map_embedding("/etc/passwd"), "weight_map maps model.embed_tokens.weight to '/etc/passwd', which is not a "
+                                             "file of the checkpoint (a file name in "),
+    ("index", _map_embedding("../sharded/model-00001-of-00002.safetensors"),
+     "weight_map maps model.embed_tokens.weight to '../sharded/model-00001-of-00002.safetensors', which is not a file"),
+    ("index", _map_embedding(""), "weight_map maps model.embed_tokens.weight to '', which is not a file of the checkpoint"),
 ]
 
 
