@@ -9,6 +9,13 @@ with ``/`` are commands: ``/reset`` (forget the conversation, keep ``--system``)
 generated is kept in the conversation); at the prompt it exits. A turn the engine refuses
 (e.g. a conversation that outgrew ``--max-context``) prints its error and the conversation
 goes on without it; options that would refuse every turn are refused at start.
+
+A reasoning model's reply (the format the server's ``auto`` reasoning parser picks: ``<think>``
+templates, gpt-oss's harmony channels) shows its reasoning after a ``[reasoning]`` line, then its
+answer after an ``[answer]`` line, markers dropped; the conversation keeps the answer as the
+assistant's content (and the reasoning as ``reasoning_content`` where the template reads that),
+as a client of the server sends it back. A reply the template cannot take back is said on stderr
+and its turn is not kept.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from .cli import (
 )
 from .errors import DFlashError
 from .options import check_min_tokens_default, context_limit
+from .serving.reasoning import new_parser, resolve_parser
 
 HELP = ("commands: /reset (forget the conversation), /exit (or Ctrl-D), /help (this list), // for a message starting "
         "with /; Ctrl-C stops a reply")
@@ -70,6 +78,11 @@ def _chat_here(args: argparse.Namespace) -> int:
     for stream in (sys.stdin, sys.stdout):  # (bytes that are not text: one turn's error, not a traceback)
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="surrogateescape" if stream is sys.stdin else "replace")
+    # how replies split into reasoning and answer (the server's auto reasoning parser): the answer is
+    # what goes back to the model (reasoning too where the template reads reasoning_content)
+    template = getattr(engine.tokenizer, "chat_template", None)
+    reasoning = resolve_parser("auto", engine.target.config.model_type, template)
+    keeps_reasoning = "reasoning_content" in str(template)
     interactive = sys.stdin.isatty()
     if interactive:
         try:
@@ -101,11 +114,19 @@ def _chat_here(args: argparse.Namespace) -> int:
                 print(f"[unknown command {command!r}; {HELP}]", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text[1:] if text.startswith("//") else text})
-        reply = _reply(engine, messages, kwargs, args.option_flags, len(messages) > len(start) + 1)
+        reply = _reply(engine, messages, kwargs, args.option_flags, len(messages) > len(start) + 1, reasoning)
         if reply is None:  # refused: the message is not part of the conversation
             messages.pop()
-        else:
-            messages.append({"role": "assistant", "content": reply})
+            continue
+        thought, answer = reply
+        messages.append({"role": "assistant", "content": answer,
+                         **({"reasoning_content": thought} if keeps_reasoning and thought else {})})
+        try:  # (a reply the template cannot take back would refuse every later turn)
+            engine.encode_prompt(messages, True, kwargs["chat_template_kwargs"], check_length=False)
+        except DFlashError as exc:
+            del messages[-2:]
+            print(f"dflash-torch: error: the reply cannot be sent back to the model ({exc}); this turn is not kept "
+                  "in the conversation", file=sys.stderr)
 
 
 def _sampling(engine, args: argparse.Namespace) -> dict:
@@ -207,18 +228,42 @@ def _utf8(line: str) -> str | None:
         return None
 
 
-def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], history: bool) -> str | None:
-    """Stream one reply to stdout and its stats line to stderr -> its text (what was
-    generated before a Ctrl-C too), or None when the engine refused the request (its
+def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], history: bool,
+           reasoning: str = "none") -> tuple[str, str] | None:
+    """Stream one reply to stdout and its stats line to stderr -> ``(reasoning, answer)``
+    (what was generated before a Ctrl-C too), or None when the engine refused the request (its
     error naming the flags, ``flags``: :func:`~dflash_torch.cli.error_message`; a prompt
-    past the context with a hint to /reset where the conversation has past turns, ``history``)."""
-    parts, tokens, stats, finish = [], 0, None, None
+    past the context with a hint to /reset where the conversation has past turns, ``history``).
+
+    ``reasoning``: the reply's format (:mod:`~dflash_torch.serving.reasoning`): its reasoning
+    is shown after a ``[reasoning]`` line, then the answer after an ``[answer]`` line (markers
+    such as harmony's dropped); ``none``: the reply is all answer, shown as it is."""
+    tokens, stats, finish = 0, None, None
+    parts = {"reasoning": [], "answer": []}
+    parser = None
+    if reasoning != "none":
+        try:  # (whether the template opened the reasoning: the prompt's end)
+            tail = engine.decode(engine.encode_prompt(messages, True, kwargs["chat_template_kwargs"])[-8:])
+        except DFlashError:
+            tail = ""  # (refused by stream below, with its message)
+        parser = new_parser(reasoning, tail)
+    shown = [None]  # the part shown last
+
+    def show(thought: str, answer: str) -> None:
+        for name, text in (("reasoning", thought), ("answer", answer)):
+            if not text:
+                continue
+            if shown[0] != name and (name == "reasoning" or shown[0] is not None):
+                sys.stdout.write(("" if shown[0] is None else "\n") + f"[{name}]\n")
+            shown[0] = name
+            parts[name].append(text)
+            sys.stdout.write(text)
+        sys.stdout.flush()
+
     chunks = engine.stream(messages, **kwargs)
     try:
         for chunk in chunks:
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-            parts.append(chunk.text)
+            show(*(parser.feed(chunk.text) if parser is not None else ("", chunk.text)))
             tokens += len(chunk.token_ids)
             stats, finish = chunk.stats, chunk.finish_reason
     except KeyboardInterrupt:
@@ -230,6 +275,8 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
         return None
     finally:
         chunks.close()  # (frees the engine for the next turn)
+    if parser is not None:
+        show(*parser.finish())
     sys.stdout.write("\n")
     sys.stdout.flush()
     if stats is not None:
@@ -239,4 +286,4 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
               f"{stats.cached_prompt_tokens} of {stats.prompt_tokens} prompt tokens reused]", file=sys.stderr, flush=True)
     else:  # (stopped before the last chunk, which carries the stats)
         print(f"[{tokens} tokens, finish={finish}]", file=sys.stderr, flush=True)
-    return "".join(parts)
+    return "".join(parts["reasoning"]), "".join(parts["answer"])

@@ -241,3 +241,73 @@ def test_the_default_max_new_tokens_is_cut_to_the_context_a_turn_leaves(tiny_pai
     assert proc.returncode == 0 and proc.stdout == "", proc.stderr
     assert proc.stderr.splitlines()[-1].startswith("dflash-torch: error: prompt ("), proc.stderr
     assert f"+ --max-new-tokens ({room + 1}) exceeds the context of 120 tokens" in proc.stderr
+
+
+HARMONY_TEMPLATE = """{{- "<|start|>system<|message|>Reasoning: medium<|end|>" }}
+{%- for message in messages -%}
+  {%- if message.role == 'assistant' -%}
+    {%- if "<|channel|>analysis<|message|>" in message.content or "<|channel|>final<|message|>" in message.content %}
+      {{- raise_exception("You have passed a message containing <|channel|> tags in the content field.") }}
+    {%- endif %}
+    {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+  {%- else -%}
+    {{- "<|start|>" + message.role + "<|message|>" + message.content + "<|end|>" }}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"""
+
+
+@pytest.fixture(scope="module")
+def harmony_target(tmp_path_factory):
+    """A tiny gpt-oss target whose tokenizer has harmony's markers (special tokens) and gpt-oss's
+    chat-template check that an assistant's content holds no channel markers."""
+    from conftest import make_gpt_oss_target, make_tokenizer
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("harmony")
+    target = make_gpt_oss_target(root / "target", seed=3, tokenizer=False)
+    make_tokenizer(root / "tok", vocab_size=317)
+    tok = AutoTokenizer.from_pretrained(str(root / "tok"))
+    tok.add_tokens([AddedToken("<|channel|>", special=True), AddedToken("<|message|>", special=True)],
+                   special_tokens=True)
+    tok.add_tokens([AddedToken("analysis", special=False)])
+    tok.chat_template = HARMONY_TEMPLATE
+    tok.save_pretrained(str(target))
+    return target
+
+
+def test_a_harmony_reply_goes_back_as_its_answer(harmony_target):
+    """gpt-oss: a reply's analysis channel is shown as reasoning, its markers are not shown, and
+    the conversation keeps the answer alone (the template refuses channel markers in an
+    assistant's content: every later turn was refused)."""
+    from dflash_torch.serving.reasoning import HarmonyParser, split
+
+    bias = '{"317": 100, "318": 100, "319": 100}'  # (<|channel|>, <|message|>, analysis: a reply of harmony markup)
+    proc = run_cli("chat", "--target", str(harmony_target), "--no-draft", "--dtype", "float32", "--logit-bias", bias,
+                   "--temperature", "1", "--seed", "1", "--max-new-tokens", "200",
+                   stdin="hello\nsecond question\nthird question\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "error" not in proc.stderr and len(stats_lines(proc.stderr)) == 3, proc.stderr
+    assert "<|channel|>" not in proc.stdout and "<|message|>" not in proc.stdout
+    assert "[reasoning]\n" in proc.stdout
+    # each turn's prompt holds the last one's whole: what went back is what the next turn reads
+    reused = [int(line.split(", ")[-1].split(" of ")[0]) for line in stats_lines(proc.stderr)]
+    assert reused[1] > 0 and reused[2] > reused[1], proc.stderr
+    assert split(HarmonyParser(), "<|channel|>analysis<|message|>a<|end|>") == ("a", "")
+
+
+def test_a_reply_the_template_refuses_is_not_kept(tiny_pair, tmp_path):
+    """A reply the chat template cannot take back (here: any assistant message) is said on
+    stderr and left out of the conversation, so the next turn is not refused for it."""
+    target = shutil.copytree(tiny_pair[0], tmp_path / "target")
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ raise_exception('no "
+                               "assistant') }}{% endif %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}# assistant:\n")
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    proc = run_cli("chat", "--target", str(target), "--no-draft", "--dtype", "float32", "--max-new-tokens", "4",
+                   stdin="hello\nagain\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("the reply cannot be sent back to the model") == 2, proc.stderr
+    assert len(stats_lines(proc.stderr)) == 2, proc.stderr
