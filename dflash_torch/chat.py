@@ -27,8 +27,10 @@ from .cli import (
     add_chat_template_kwargs_arg,
     add_model_args,
     add_sampling_args,
+    check_stdout,
     error_message,
     load_engine,
+    write_stdout,
 )
 from .errors import DFlashError
 from .options import check_min_tokens_default, context_limit
@@ -68,6 +70,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _chat_here(args: argparse.Namespace) -> int:
+    check_stdout()
     engine = load_engine(args)
     if getattr(engine.tokenizer, "chat_template", None) is None:
         raise DFlashError("the target's tokenizer has no chat template; use 'dflash-torch generate' for plain text")
@@ -92,7 +95,7 @@ def _chat_here(args: argparse.Namespace) -> int:
         print(f"[{HELP}]", file=sys.stderr)
     while True:
         try:
-            line = input(">>> " if interactive else "")
+            line = input(">>> ") if interactive else _read_line()
         except EOFError:
             return 0
         except KeyboardInterrupt:
@@ -218,6 +221,19 @@ def _can_raise(engine, tokens: int) -> bool:
     return engine.max_context < tokens <= context_limit(engine.target.config)
 
 
+def _read_line() -> str:
+    """The next line of a stdin that is not a terminal, without its line break (as input()
+    reads it, but writing no prompt: input("") fails where stdout cannot take output).
+
+    Raises:
+        EOFError: at the end of the input.
+    """
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.removesuffix("\n")
+
+
 def _utf8(line: str) -> str | None:
     """A line read from stdin as text, or None (said on stderr) where its bytes are not UTF-8."""
     try:
@@ -250,15 +266,17 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
     shown = [None]  # the part shown last
 
     def show(thought: str, answer: str) -> None:
+        out = []
         for name, text in (("reasoning", thought), ("answer", answer)):
             if not text:
                 continue
             if shown[0] != name and (name == "reasoning" or shown[0] is not None):
-                sys.stdout.write(("" if shown[0] is None else "\n") + f"[{name}]\n")
+                out.append(("" if shown[0] is None else "\n") + f"[{name}]\n")
             shown[0] = name
             parts[name].append(text)
-            sys.stdout.write(text)
-        sys.stdout.flush()
+            out.append(text)
+        if out:
+            write_stdout("".join(out))
 
     chunks = engine.stream(messages, **kwargs)
     try:
@@ -277,8 +295,7 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
         chunks.close()  # (frees the engine for the next turn)
     if parser is not None:
         show(*parser.finish())
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    write_stdout("\n")
     if stats is not None:
         decode = (f"mean tau {stats.mean_acceptance_length:.2f}, decode {stats.decode_tokens_per_second:.1f} tok/s, "
                   if stats.acceptance_lengths else "no decoding round, ")

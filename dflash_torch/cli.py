@@ -2,6 +2,8 @@
 
 Subcommands: ``generate`` (here), and the ones registered by their own modules
 (``chat``, ``serve``, ``train``, ``bench``). A user error prints one line to stderr and exits 2;
+output that stdout cannot take (closed, a full disk) one line and exits 1 (a reader that went
+away, a broken pipe, ends the command quietly);
 an error about an option's value names the option as the user typed it (``--max-new-tokens``),
 not as the Python API spells it (``max_new_tokens``).
 """
@@ -13,7 +15,7 @@ import json
 import os
 import sys
 
-from .errors import DFlashError, OptionError
+from .errors import DFlashError, OptionError, OutputError
 
 
 def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
@@ -54,6 +56,32 @@ def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
                    help="NVFP4 weights of a compressed-tensors nvfp4-pack-quantized or ModelOpt NVFP4 checkpoint: "
                         "dequantize when loading, keep them packed (about 0.28 of bfloat16's memory, slower, the same "
                         "logits), or auto (default: dequantize if that fits in 90%% of free memory)")
+
+
+def check_stdout() -> None:
+    """Refuse to start where stdout is closed (``>&-``): the output would be lost.
+
+    Raises:
+        OutputError: stdout is closed.
+    """
+    if sys.stdout is None:
+        raise OutputError("stdout is closed: nowhere to write the output")
+
+
+def write_stdout(text: str) -> None:
+    """Write ``text`` to stdout and flush it.
+
+    Raises:
+        BrokenPipeError: the reader went away (as before: the command ends quietly).
+        OutputError: any other error writing it (e.g. ``No space left on device``).
+    """
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise OutputError(f"cannot write the output to stdout: {exc.strerror or exc}") from None
 
 
 def int_or_auto(text: str) -> int | str:
@@ -218,6 +246,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _generate_here(args: argparse.Namespace) -> int:
+    check_stdout()
     if args.prompt is not None and args.prompt_text is not None:
         raise DFlashError("give the prompt either as an argument or with --prompt, not both")
     prompt = args.prompt if args.prompt is not None else args.prompt_text
@@ -249,19 +278,18 @@ def _generate_here(args: argparse.Namespace) -> int:
         if out.prompt_logprobs is not None:  # (the first prompt token has none: null)
             first, rest = out.prompt_logprobs[0], out.prompt_logprobs[1:]
             prompt_logprobs = [None if first is None else logprobs_json(engine, [first])[0]] + logprobs_json(engine, rest)
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                          "stats": out.stats.to_dict(), "logprobs": logprobs_json(engine, out.logprobs),
-                          "prompt_logprobs": prompt_logprobs}))
+        write_stdout(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                                 "stats": out.stats.to_dict(), "logprobs": logprobs_json(engine, out.logprobs),
+                                 "prompt_logprobs": prompt_logprobs}) + "\n")
         warn_compile_losses(args)
         return 0
     stats, finish = None, None
     if hasattr(sys.stdout, "reconfigure"):  # (a character stdout cannot encode: replaced, not a traceback)
         sys.stdout.reconfigure(errors="replace")
     for chunk in engine.stream(prompt, **kwargs):
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
+        write_stdout(chunk.text)
         stats, finish = chunk.stats, chunk.finish_reason
-    sys.stdout.write("\n")
+    write_stdout("\n")
     # the first token comes from the prefill: with one token there was no decoding round
     decode = (f"mean tau {stats.mean_acceptance_length:.2f}, decode {stats.decode_tokens_per_second:.1f} tok/s, "
               if stats.acceptance_lengths else "no decoding round, ")
@@ -416,7 +444,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
+        _drop_stdout()
         return 0
+    except OutputError as exc:
+        _drop_stdout()
+        print(f"dflash-torch: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null after it failed, so that the interpreter's flush of what its
+    buffer still holds at exit does not fail again ("Exception ignored ...", status 120)."""
+    if sys.stdout is not None:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
 
 
 def entry() -> None:

@@ -26,3 +26,8 @@ class OptionError(DFlashError):
 
     def __reduce__(self):  # (pickled with its names: an error raised in a worker process comes back whole)
         return type(self), (str(self), *self.names), self.__dict__
+
+
+class OutputError(Exception):
+    """The command line's stdout cannot take the output (closed, or its disk full): one line
+    on stderr, exit status 1 (not a user error)."""

@@ -294,3 +294,21 @@ def test_a_chat_prompt_on_stdin_loses_its_final_line_break(pair_args, api):
         assert out["token_ids"] == want and out["stats"]["prompt_tokens"] == len(api.encode_prompt("hi", chat=True))
     proc = run_cli("generate", *pair_args, "--max-new-tokens", "4", "--ignore-eos", "--json", stdin="def f(x):\n")
     assert parse_single_json(proc.stdout)["stats"]["prompt_tokens"] == len(api.encode_prompt("def f(x):\n"))
+
+
+@pytest.mark.parametrize("command", ["generate", "generate --json", "chat"])
+def test_output_stdout_cannot_take_is_one_line_and_status_1(tiny_pair, command):
+    """stdout on a full disk (/dev/full) or closed (``>&-``): one line on stderr, exit status 1
+    (were an OSError or AttributeError traceback, and --json with stdout closed exited 0)."""
+    args = [sys.executable, "-m", "dflash_torch.cli", *command.split(), "--target", str(tiny_pair[0]), "--no-draft",
+            "--max-new-tokens", "3"] + (["def f(x):"] if command.startswith("generate") else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(args, input="hi\nho\n", stdout=full, stderr=subprocess.PIPE, text=True, env=env,
+                              timeout=240)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "dflash-torch: error: cannot write the output to stdout: No space left on device"
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    proc = subprocess.run(args, input="hi\n", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          timeout=240, preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 1 and proc.stderr == "dflash-torch: error: stdout is closed: nowhere to write the output\n"
