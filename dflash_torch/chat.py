@@ -207,12 +207,13 @@ def _check_start(engine, start: list[dict], kwargs: dict) -> None:
         return
     if not start:
         return
-    if len(ids) + kwargs["max_new_tokens"] > engine.max_context:
-        raise DFlashError(f"--system leaves no room for a turn: with a one-word message the prompt takes {len(ids)} "
-                          f"tokens, and with --max-new-tokens {kwargs['max_new_tokens']} that exceeds the context of "
-                          f"{engine.max_context} tokens; shorten it" + (
-                              ", lower --max-new-tokens or raise --max-context"
-                              if _can_raise(engine, len(ids) + kwargs["max_new_tokens"]) else " or lower --max-new-tokens"))
+    n, new = len(ids), kwargs["max_new_tokens"]
+    if n + new > engine.max_context:
+        fits = n + max(1, kwargs["min_tokens"]) <= engine.max_context  # (a lower --max-new-tokens would do)
+        advice = ["shorten it"] + ["lower --max-new-tokens"] * fits + ["raise --max-context"] * _can_raise(engine, n + new)
+        raise DFlashError(f"--system leaves no room for a turn: with a one-word message the prompt takes {n} tokens, "
+                          f"and with --max-new-tokens {new} that exceeds the context of {engine.max_context} tokens; "
+                          + " or ".join([", ".join(advice[:-1]), advice[-1]] if len(advice) > 1 else advice))
 
 
 def _can_raise(engine, tokens: int) -> bool:

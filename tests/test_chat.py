@@ -200,7 +200,10 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
                          "tokens; shorten it\n"),
                         (["--system", "be brief " * 700, "--max-new-tokens", "4"], "--system leaves no room for a turn: "
                          f"with a one-word message the prompt takes {long_system} tokens, and with --max-new-tokens 4 "
-                         "that exceeds the context of 1024 tokens; shorten it or lower --max-new-tokens\n"),
+                         "that exceeds the context of 1024 tokens; shorten it\n"),  # (the prompt alone exceeds it)
+                        (["--system", "be brief " * 700, "--max-new-tokens", "4", "--max-context", "1000"],
+                         f"--system leaves no room for a turn: with a one-word message the prompt takes {long_system} "
+                         "tokens, and with --max-new-tokens 4 that exceeds the context of 1000 tokens; shorten it\n"),
                         # (below it, where even the target's context could not hold it: no advice to raise it either)
                         (["--system", "be brief " * 700, "--max-context", "1000"], "--system leaves no room for a "
                          f"turn: with a one-word message the prompt takes {long_system} tokens, and with a new token "
