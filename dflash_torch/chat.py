@@ -180,10 +180,10 @@ def _check_start(engine, start: list[dict], kwargs: dict) -> None:
     """Refuse a ``--system`` message (``start``) that would refuse every turn: one the chat
     template refuses, or one that leaves no room for a one-word message and
     ``--max-new-tokens`` (without it: a token, or ``--min-tokens``); without ``--system``, a
-    ``--max-context`` that leaves no such room.
+    ``--max-context`` or ``--max-new-tokens`` that leaves no such room.
 
     Raises:
-        DFlashError: naming ``--system`` (or ``--max-context``) and why.
+        DFlashError: naming ``--system`` (or ``--max-context``, ``--max-new-tokens``) and why.
     """
     try:
         ids = engine.encode_prompt(start + [{"role": "user", "content": "hi"}], True, kwargs["chat_template_kwargs"])
@@ -205,13 +205,19 @@ def _check_start(engine, start: list[dict], kwargs: dict) -> None:
                               f"and with {more} that exceeds the context of {engine.max_context} tokens; "
                               + " or ".join([", ".join(advice[:-1]), advice[-1]] if len(advice) > 1 else advice))
         return
-    if not start:
-        return
     n, new = len(ids), kwargs["max_new_tokens"]
     if n + new > engine.max_context:
         fits = n + max(1, kwargs["min_tokens"]) <= engine.max_context  # (a lower --max-new-tokens would do)
-        advice = ["shorten it"] + ["lower --max-new-tokens"] * fits + ["raise --max-context"] * _can_raise(engine, n + new)
-        raise DFlashError(f"--system leaves no room for a turn: with a one-word message the prompt takes {n} tokens, "
+        if start:
+            what = "--system leaves"
+        elif fits:
+            what = f"--max-new-tokens {new} leaves"
+        else:
+            what = (f"--max-context {engine.max_context} leaves" if engine.max_context < context_limit(engine.target.config)
+                    else "the target's context leaves")
+        advice = (["shorten it"] * bool(start) + ["lower --max-new-tokens"] * fits
+                  + ["raise --max-context"] * _can_raise(engine, n + new) or ["use a target with a longer context"])
+        raise DFlashError(f"{what} no room for a turn: with a one-word message the prompt takes {n} tokens, "
                           f"and with --max-new-tokens {new} that exceeds the context of {engine.max_context} tokens; "
                           + " or ".join([", ".join(advice[:-1]), advice[-1]] if len(advice) > 1 else advice))
 

@@ -173,6 +173,9 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
     (refusing / "chat_template.jinja").write_text(REFUSING_TEMPLATE)
     long_system = len(engine.encode_prompt([{"role": "system", "content": "be brief " * 700},
                                             {"role": "user", "content": "hi"}], chat=True))
+    least = len(engine.encode_prompt([{"role": "user", "content": "hi"}], chat=True))  # (no --system)
+    assert least > 6
+    turn = f"no room for a turn: with a one-word message the prompt takes {least} tokens, and with --max-new-tokens"
     proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "chat", *pair, "--max-new-tokens", str(NEW),
                            "--system", SYSTEM], input=b"\xff\xfe bad\n//path\r\n", capture_output=True, timeout=240)
     err = proc.stderr.decode()
@@ -208,6 +211,14 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
                         (["--system", "be brief " * 700, "--max-context", "1000"], "--system leaves no room for a "
                          f"turn: with a one-word message the prompt takes {long_system} tokens, and with a new token "
                          "that exceeds the context of 1000 tokens; shorten it\n"),
+                        # (without --system too: the shortest turn and --max-new-tokens past the context; chat
+                        # started and refused every turn, exit 0)
+                        (["--max-context", str(least + 5), "--max-new-tokens", "10"], f"--max-new-tokens 10 leaves {turn} "
+                         f"10 that exceeds the context of {least + 5} tokens; lower --max-new-tokens or raise --max-context\n"),
+                        (["--max-new-tokens", str(1025 - least)], f"--max-new-tokens {1025 - least} leaves {turn} "
+                         f"{1025 - least} that exceeds the context of 1024 tokens; lower --max-new-tokens\n"),
+                        (["--max-context", "6", "--max-new-tokens", "2"], f"--max-context 6 leaves {turn} 2 that exceeds "
+                         "the context of 6 tokens; raise --max-context\n"),
                         (["--max-context", "64", "--max-new-tokens", "64"], "--max-new-tokens 64 leaves no room for a "
                          "prompt in the context of 64 tokens; lower it (or raise --max-context)\n"),
                         (["--max-context", "1024", "--max-new-tokens", "1024"], "--max-new-tokens 1024 leaves no room "
