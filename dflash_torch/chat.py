@@ -58,7 +58,8 @@ def register(sub) -> None:
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="read every turn's whole prompt (default: the part the last turn's tokens hold is reused)")
     add_model_args(p)
-    add_sampling_args(p)
+    add_sampling_args(p, "default: the target's generation_config.json's max_new_tokens, else 256; cut to the context "
+                         "each turn's prompt leaves", recommended=True)
     p.set_defaults(func=_chat, **dict.fromkeys(RECOMMENDED))  # (None: not given)
 
 

@@ -128,13 +128,23 @@ def add_chat_template_kwargs_arg(p: argparse.ArgumentParser, what: str) -> None:
                         "'{\"reasoning_effort\": \"low\"}' (gpt-oss)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser, max_new_help: str = "default 256") -> None:
+def add_sampling_args(p: argparse.ArgumentParser, max_new_help: str = "default 256", recommended: bool = False) -> None:
+    """The sampling flags. ``recommended``: the command takes --max-new-tokens, --temperature,
+    --top-k, --top-p, --min-p and --repetition-penalty from the target's generation_config.json
+    where they are not given (chat), and their help says so."""
+
+    def default(value: str, key: str) -> str:
+        return f"default: the target's generation_config.json's {key}, else {value}" if recommended else f"default {value}"
+
     p.add_argument("--max-new-tokens", type=int, default=None, help=f"maximum generated tokens ({max_new_help})")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1 = off; default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="in [0, 1]: drop tokens less likely than min-p times the most likely one (default 0 = off)")
+    p.add_argument("--temperature", type=float, default=None if recommended else 0.0,
+                   help=f"0 = greedy ({default('0', 'temperature')})")
+    p.add_argument("--top-k", type=int, default=None if recommended else 0,
+                   help=f"keep the k most likely tokens (0 or -1 = off; {default('0', 'top_k')})")
+    p.add_argument("--top-p", type=float, default=None if recommended else 1.0,
+                   help=f"1 = off ({default('1', 'top_p')})")
+    p.add_argument("--min-p", type=float, default=None if recommended else 0.0,
+                   help=f"in [0, 1]: drop tokens less likely than min-p times the most likely one ({default('0', 'min_p')}; 0 = off)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the sampler (with --temperature > 0): the same seed and options give the same output "
                    "(default: none, a new sample each run)")
@@ -142,8 +152,9 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_help: str = "default 2
                    help="in [-2, 2], subtracted from the logit of every token generated so far (default 0 = off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="in [-2, 2], times each token's count so far, subtracted from its logit (default 0 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 0, divides positive / multiplies negative logits of prompt and generated tokens (default 1 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=None if recommended else 1.0,
+                   help="> 0, divides positive / multiplies negative logits of prompt and generated tokens "
+                        f"({default('1', 'repetition_penalty')}; 1 = off)")
     p.add_argument("--logit-bias", type=logit_bias_json, default=None, metavar="JSON",
                    help="token id -> bias in [-100, 100] added to its logit, a JSON object, e.g. '{\"0\": -100}' "
                         "(-100 bans the token, 100 forces it)")

@@ -325,3 +325,19 @@ def test_a_reply_the_template_refuses_is_not_kept(tiny_pair, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("the reply cannot be sent back to the model") == 2, proc.stderr
     assert len(stats_lines(proc.stderr)) == 2, proc.stderr
+
+
+def test_help_says_where_the_sampling_defaults_come_from():
+    """chat takes its sampling defaults from generation_config.json (--generation-config auto):
+    its --help says so per flag (it said "(default 256)", "0 = greedy (default)"); generate,
+    which decodes greedily unless told, says its fixed defaults."""
+    chat = " ".join(run_cli("chat", "--help").stdout.split())
+    for flag, key, value in (("--max-new-tokens", "max_new_tokens", "256"), ("--temperature", "temperature", "0"),
+                             ("--top-k", "top_k", "0"), ("--top-p", "top_p", "1"), ("--min-p", "min_p", "0"),
+                             ("--repetition-penalty", "repetition_penalty", "1")):
+        line = chat.split(f"{flag} {flag[2:].upper().replace('-', '_')} ", 1)[1].split(" --", 1)[0]
+        assert f"default: the target's generation_config.json's {key}, else {value}" in line, (flag, line)
+    assert "greedy (default)" not in chat and "tokens (default 256)" not in chat
+    generate = " ".join(run_cli("generate", "--help").stdout.split())
+    assert "0 = greedy (default 0)" in generate and "1 = off (default 1)" in generate
+    assert "generation_config.json's max_new_tokens, else 256" in generate
