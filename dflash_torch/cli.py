@@ -261,6 +261,8 @@ def _generate_here(args: argparse.Namespace) -> int:
     if args.prompt is not None and args.prompt_text is not None:
         raise DFlashError("give the prompt either as an argument or with --prompt, not both")
     prompt = args.prompt if args.prompt is not None else args.prompt_text
+    if args.prompt == "-":  # (stdin, as Unix tools read "-"; --prompt - is the text "-")
+        prompt = None
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise DFlashError("no prompt: pass --prompt TEXT, a positional prompt, or pipe it on stdin")
@@ -397,8 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dflash-torch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
-    g.add_argument("prompt", nargs="?", default=None, help="prompt text (or --prompt, or stdin)")
-    g.add_argument("--prompt", dest="prompt_text", default=None, help="prompt text")
+    g.add_argument("prompt", nargs="?", default=None, help="prompt text (or --prompt; left out or -: read from stdin)")
+    g.add_argument("--prompt", dest="prompt_text", default=None, help="prompt text (taken as it is, - too)")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     add_chat_template_kwargs_arg(g, "(with --chat)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

@@ -858,3 +858,18 @@ def test_prompt_file_may_be_a_pipe(tmp_path):
         if writer.is_alive():  # (refused without reading: let the writer's open return)
             os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
         writer.join(10)
+
+
+def test_bench_prompts_dash_reads_stdin(tiny_pair, tmp_path):
+    """``bench --prompts -`` reads the JSONL prompts from stdin (it said "prompt file - does not
+    exist"); an error in them names <stdin> and the line."""
+    target, drafter = tiny_pair
+    args = [sys.executable, "-m", "dflash_torch.cli", "bench", "--target", str(target), "--prompts", "-",
+            "--max-new-tokens", "4", "--modes", "target-only", "--sweep", "", "--out", str(tmp_path / "out"),
+            "--no-progress"]
+    proc = subprocess.run(args, input='{"prompt": "x = 1"}\n{"prompt": "y = 2"}\n', capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["prompts"] == 2
+    proc = subprocess.run(args, input='{"prompt": "x = 1"}\nnot json\n', capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr == "dflash-torch: error: <stdin>:2: not valid JSON (Expecting value)\n"

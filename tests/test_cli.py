@@ -312,3 +312,17 @@ def test_output_stdout_cannot_take_is_one_line_and_status_1(tiny_pair, command):
     proc = subprocess.run(args, input="hi\n", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                           timeout=240, preexec_fn=lambda: os.close(1))
     assert proc.returncode == 1 and proc.stderr == "dflash-torch: error: stdout is closed: nowhere to write the output\n"
+
+
+def test_a_dash_prompt_reads_stdin(tiny_pair):
+    """``generate -`` reads the prompt from stdin as Unix tools read ``-`` (it generated from the
+    text "-", stdin ignored); ``--prompt -`` is the text "-"."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    pair = ["--target", str(tiny_pair[0]), "--no-draft", "--max-new-tokens", "2", "--json"]
+    proc = run_cli("generate", "-", *pair, stdin="import os\nimport sys\n")
+    assert proc.returncode == 0, proc.stderr
+    assert parse_single_json(proc.stdout)["stats"]["prompt_tokens"] == len(tok("import os\nimport sys\n")["input_ids"])
+    proc = run_cli("generate", "--prompt", "-", *pair, stdin="import os\nimport sys\n")
+    assert parse_single_json(proc.stdout)["stats"]["prompt_tokens"] == len(tok("-")["input_ids"])

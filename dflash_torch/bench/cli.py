@@ -25,7 +25,7 @@ def register(sub) -> None:
 
     p = sub.add_parser("bench", help="benchmark target-only vs DFlash (inject / recompute, eager / compiled)")
     add_model_args(p, decoding=False)  # (bench picks the decoding with --modes)
-    p.add_argument("--prompts", default=None, help="JSONL prompt file (default: the shipped held-out code prompts)")
+    p.add_argument("--prompts", default=None, help="JSONL prompt file, - for stdin (default: the shipped held-out code prompts)")
     p.add_argument("--chat", action="store_true",
                    help="apply the target tokenizer's chat template to each prompt (as a user message)")
     add_chat_template_kwargs_arg(p, "(with --chat)")

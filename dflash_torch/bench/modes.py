@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -75,7 +76,7 @@ class ModeResult:
 
 
 def load_prompts(path: Path, limit: int | None) -> list[str]:
-    """Prompts from a JSONL file (objects with a ``prompt`` or ``text`` field).
+    """Prompts from a JSONL file (objects with a ``prompt`` or ``text`` field); ``-``: stdin.
 
     Raises:
         DFlashError: a missing or unreadable file, one that is not UTF-8, a line that is not JSON or
@@ -83,14 +84,20 @@ def load_prompts(path: Path, limit: int | None) -> list[str]:
             (naming the file and line).
     """
     path = Path(path)
-    if path.is_dir():
+    if str(path) == "-":  # (stdin, as Unix tools read "-")
+        stdin = getattr(sys.stdin, "buffer", None)
+        if stdin is None:
+            raise DFlashError("prompt file - is stdin, which is closed")
+        path, data = "<stdin>", stdin.read()
+    elif path.is_dir():
         raise DFlashError(f"prompt file {path} is a directory; pass a JSONL file of {{\"prompt\": ...}} lines")
-    if not path.exists():
+    elif not path.exists():
         raise DFlashError(f"prompt file {path} does not exist")
-    try:  # (any readable file: a pipe such as /dev/stdin or a process substitution too)
-        data = path.read_bytes()
-    except OSError as e:
-        raise DFlashError(f"cannot read prompt file {path}: {e.strerror}") from None
+    else:
+        try:  # (any readable file: a pipe such as /dev/stdin or a process substitution too)
+            data = path.read_bytes()
+        except OSError as e:
+            raise DFlashError(f"cannot read prompt file {path}: {e.strerror}") from None
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
