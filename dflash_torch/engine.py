@@ -1551,7 +1551,7 @@ def _max_prompt_chars(tokenizer, max_context: int) -> int:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")  # (named when the tokens are missing)
 TOKENIZER_READ = (*VOCABULARY_FILES, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                  "chat_template.jinja")  # (opened first: the tokenizers library's errors do not name the file)
+                  "chat_template.jinja")  # (tried when loading fails: the tokenizers library's errors do not name the file)
 
 
 def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
@@ -1566,8 +1566,9 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
 
     Raises:
         DFlashError: no tokenizer files in the checkpoint, a file that is a broken link (of an
-            interrupted download) or that this process may not read (``cannot read FILE:
-            Permission denied``), a tokenizer that fails to load, a config.json that
+            interrupted download), a tokenizer that fails to load (``cannot read FILE: Permission
+            denied`` where a tokenizer file is one this process may not read; one that the
+            tokenizer does not need is no error), a config.json that
             transformers' config class refuses (AutoTokenizer reads it too), a size that does
             not fit ``vocab_size`` (see above; too few tokens names the vocabulary file where
             there is one, else the files missing).
@@ -1577,18 +1578,18 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
     check_links(model_dir)  # (else transformers blames a missing sentencepiece for a missing tokenizer.json)
     if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
         raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
-    for name in TOKENIZER_READ:  # (an unreadable vocab.json was "Error while initializing BPE: Permission denied")
-        try:
-            open(Path(model_dir) / name, "rb").close()
-        except (FileNotFoundError, IsADirectoryError):
-            pass
-        except OSError as exc:
-            raise DFlashError(f"cannot read {Path(model_dir) / name}: {exc.strerror}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
         if isinstance(exc, PermissionError) and exc.filename:  # (a file this process may not read)
             raise DFlashError(f"cannot read {exc.filename}: {exc.strerror}") from None
+        for name in TOKENIZER_READ:  # (an unreadable vocab.json was "Error while initializing BPE: Permission denied";
+            try:                     # looked for only now: one it does not need, beside a tokenizer.json, is fine)
+                open(Path(model_dir) / name, "rb").close()
+            except (FileNotFoundError, IsADirectoryError):
+                pass
+            except OSError as e:
+                raise DFlashError(f"cannot read {Path(model_dir) / name}: {e.strerror}") from None
         detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # (one line, all of it)
         if type(exc).__name__.startswith("StrictDataclass"):  # (its config class refused config.json: a field, or them together)
             raise DFlashError(f"transformers refuses {Path(model_dir) / 'config.json'} (AutoTokenizer reads it to load "

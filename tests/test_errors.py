@@ -1508,6 +1508,35 @@ def test_an_unreadable_vocab_or_merges_file_is_named(tiny_pair, tmp_path):
     assert out == [[2, f"dflash-torch: error: {w}\n"] for w in words] + words
 
 
+def test_an_unreadable_tokenizer_file_it_does_not_need_is_no_error(tiny_pair, tmp_path):
+    """Beside a tokenizer.json, a vocab.json and merges.txt (or a tokenizer.model) this process
+    may not read are files AutoTokenizer does not open: the target loads, as transformers loads
+    it (they were refused, "cannot read DIR/vocab.json", opened before loading)."""
+    import subprocess
+    import sys
+
+    prefix = _as_an_ordinary_user(tmp_path)
+    target, drafter = tiny_pair
+    slow = _slow_tokenizer_files(shutil.copytree(target, tmp_path / "slow"))
+    both = shutil.copytree(target, tmp_path / "both")
+    files = [shutil.copy(slow / name, both / name) for name in ("vocab.json", "merges.txt")]
+    model = shutil.copytree(target, tmp_path / "model")
+    (model / "tokenizer.model").write_bytes(b"\0" * 64)
+    files = [Path(f) for f in files] + [model / "tokenizer.model"]
+    for file in files:
+        file.chmod(0)
+    try:
+        proc = subprocess.run([*prefix, sys.executable, "-c", _UNREADABLE_SCRIPT, json.dumps([]),
+                               json.dumps([[str(d), str(drafter)] for d in (both, model)])],
+                              capture_output=True, text=True, timeout=600, input="",
+                              env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+    finally:
+        for file in files:
+            file.chmod(0o644)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == ["loaded", "loaded"]
+
+
 def _cache_repo(hub: Path, repo_id: str, source: Path) -> Path:
     """``source``'s files in the Hugging Face cache ``hub`` as huggingface_hub keeps them: blobs
     named by their hash, a snapshot of links to them, refs/main naming the snapshot."""
