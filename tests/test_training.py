@@ -1115,6 +1115,38 @@ def test_overwrite_removes_the_replaced_checkpoints_weight_files_only(tiny_pair,
     assert DFlashEngine.from_pretrained(target, out).drafter is not None
 
 
+def test_train_refuses_an_out_that_is_a_cached_target_or_init_from(tiny_pair, tmp_path, capsys, monkeypatch):
+    """``--target ORG/ID --out <its snapshot in the Hugging Face cache> --overwrite`` was accepted
+    (only a --target that is a directory was compared): the drafter's config.json was written
+    through the snapshot's link into the target's blob. The target's directory, found as
+    loading finds it (also through a link to it), and a cached --init-from's are refused;
+    the cache is unchanged."""
+    from huggingface_hub import constants
+    from test_errors import _cache_repo
+
+    from dflash_torch.cli import main as cli_main
+
+    target, drafter = tiny_pair
+    hub = tmp_path / "hub"
+    snapshots = {n: _cache_repo(hub, f"acme/{n}", src) / "snapshots" / ("a" * 40) for n, src in (("t", target), ("d", drafter))}
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cached = {p: p.read_bytes() for p in hub.rglob("*") if p.is_file()}
+    (tmp_path / "link").symlink_to(snapshots["t"])
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    args = ["train", "--target", "acme/t", "--data", str(text), "--steps", "1", "--batch", "2", "--seq-len", "64",
+            "--val-seqs", "0", "--no-progress", "--overwrite"]
+    cases = [(snapshots["t"], [], "the target's directory"), (tmp_path / "link", [], "the target's directory"),
+             (snapshots["d"], ["--init-from", "acme/d"], "the directory of --init-from acme/d in the Hugging Face cache")]
+    for out, more, whose in cases:
+        assert cli_main([*args, "--out", str(out), *more]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"dflash-torch: error: --out {out} is {whose}; give the drafter its own directory"], err
+    assert {p: p.read_bytes() for p in hub.rglob("*") if p.is_file()} == cached
+    assert not any(p.name == "train_work" for p in hub.rglob("*"))
+
+
 def test_train_dflash2_from_a_dflash_drafter_round_trips(tiny_pair, tmp_path, capsys):
     """``train --arch dflash2 --init-from`` a DFlash drafter: the backbone starts as the
     source's (identity convolutions, small random codebooks), the selector loss falls, and

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import tempfile
 from pathlib import Path
 
+from ..checkpoint import resolve_model_dir
 from ..cli import add_chat_template_kwargs_arg
 from ..errors import DFlashError
 from ..options import check_threads, resolve_dtype
@@ -147,8 +149,16 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
         raise DFlashError(f"--seq-len ({args.seq_len}) must be longer than the block size ({cfg.block_size})")
     resolve_dtype(args.save_dtype, "--save-dtype")
     out = Path(args.out)
-    if Path(args.target).is_dir() and out.exists() and out.resolve() == Path(args.target).resolve():
-        raise DFlashError(f"--out {args.out} is the target's directory; give the drafter its own directory")
+    if out.exists():  # (a cached id's snapshot too: the drafter was written through its links into the blobs)
+        cached_init = args.init_from is not None and not Path(args.init_from).is_dir()
+        for whose, name in (("the target's directory", args.target), (f"the directory of --init-from {args.init_from} in "
+                            "the Hugging Face cache", args.init_from if cached_init else None)):
+            try:
+                source = None if name is None else resolve_model_dir(name)
+            except DFlashError:  # (said where it loads)
+                source = None
+            if source is not None and os.path.realpath(out) == os.path.realpath(source):
+                raise DFlashError(f"--out {args.out} is {whose}; give the drafter its own directory")
     work = cfg.work_path()
     if not (args.overwrite or args.resume):
         if (work / CHECKPOINT).exists():
