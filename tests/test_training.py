@@ -1147,6 +1147,39 @@ def test_train_refuses_an_out_that_is_a_cached_target_or_init_from(tiny_pair, tm
     assert not any(p.name == "train_work" for p in hub.rglob("*"))
 
 
+def test_train_never_writes_through_a_link_in_out(tiny_pair, tmp_path, capsys, monkeypatch):
+    """``--out DIR --overwrite`` where DIR's config.json and weights are links (a linked layout, a
+    snapshot of the Hugging Face cache given as a directory, fine-tuned in place with
+    --init-from) wrote config.json through its link into the file it names (a blob no longer
+    holding what its name says). The links are replaced by new files; what they named is
+    unchanged."""
+    from test_errors import _cache_repo
+
+    from dflash_torch.cli import main as cli_main
+
+    target, drafter = tiny_pair
+    source = shutil.copytree(drafter, tmp_path / "source")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (linked / name).symlink_to(source / name)
+    (source / "training_log.json").write_text("{}")
+    (linked / "training_log.json").symlink_to(source / "training_log.json")
+    snapshot = _cache_repo(tmp_path / "hub", "acme/d", drafter) / "snapshots" / ("a" * 40)
+    kept = {p: p.read_bytes() for p in [*source.iterdir(), *(tmp_path / "hub").rglob("blobs/*")]}
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    args = ["train", "--target", str(target), "--data", str(text), "--steps", "1", "--batch", "2", "--seq-len", "64",
+            "--val-seqs", "0", "--no-progress", "--overwrite"]
+    for out, more in ((linked, ["--num-layers", "1"]), (snapshot, ["--init-from", str(snapshot)])):
+        assert cli_main([*args, "--out", str(out), *more]) == 0, capsys.readouterr().err
+        for name in ("config.json", "model.safetensors", "training_log.json"):
+            assert (out / name).is_file() and not (out / name).is_symlink(), (out, name)
+        assert DFlashEngine.from_pretrained(target, out).drafter is not None
+    assert {p: p.read_bytes() for p in kept} == kept
+    assert json.loads((linked / "config.json").read_text())["num_hidden_layers"] == 1
+
+
 def test_train_dflash2_from_a_dflash_drafter_round_trips(tiny_pair, tmp_path, capsys):
     """``train --arch dflash2 --init-from`` a DFlash drafter: the backbone starts as the
     source's (identity convolutions, small random codebooks), the selector loss falls, and

@@ -925,6 +925,7 @@ class Trainer:
             "final_eval": evals[-1] if evals else None, "eval_history": evals, "loss_history": history,
             "torch_version": torch.__version__,
         }
+        _unlink_if_link(out_dir / "training_log.json")
         (out_dir / "training_log.json").write_text(json.dumps(info, indent=2) + "\n")
         self.log(f"saved drafter to {out_dir} (step {step}, train loss {info['final_train_loss']}, "
                  f"eval {info['final_eval']}, {train_time / 60:.1f} min)")
@@ -965,7 +966,8 @@ def remove_stale_weights(out_dir: Path) -> list[str]:
 def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, dtype: str = "bfloat16",
                    log=None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` in the published DFlash (or DFlash 2) drafter format;
-    the weight files of a checkpoint it replaces are removed (:func:`remove_stale_weights`; said to ``log``)."""
+    the weight files of a checkpoint it replaces are removed (:func:`remove_stale_weights`; said to ``log``),
+    and a file of those names that is a link is replaced by a new file (what it links to is left as it is)."""
     from safetensors.torch import save_file
 
     from ..options import resolve_dtype
@@ -973,6 +975,7 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
     torch_dtype = resolve_dtype(dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch_dtype).contiguous() for k, v in drafter.state_dict().items()}
+    _unlink_if_link(out_dir / "model.safetensors")
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out_dir / "model.safetensors", 0o644)  # safetensors creates it owner-only
     removed = remove_stale_weights(out_dir)
@@ -980,5 +983,13 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
         log(f"removed the weight files of the checkpoint replaced in {out_dir}: {', '.join(removed)}")
     cfg = dcfg.to_dict()
     cfg["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    _unlink_if_link(out_dir / "config.json")
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out_dir
+
+
+def _unlink_if_link(path: Path) -> None:
+    """Remove ``path`` where it is a symbolic link, so that what is written there next is a new
+    file, not written through the link into the file it names (a Hugging Face cache's blob)."""
+    if path.is_symlink():
+        path.unlink()
