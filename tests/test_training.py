@@ -1855,3 +1855,41 @@ def test_train_refuses_unreadable_data_and_unwritable_work_dirs_in_one_line(tiny
     want = [f"dflash-torch: error: cannot read {path}: Permission denied\n" for _, _, path in cases[1:-1]]
     want.append(f"dflash-torch: error: cannot use --work-dir {work} as a directory: Permission denied\n")
     assert out[1:] == [[2, w] for w in want]
+
+
+def test_train_refuses_an_out_or_work_dir_it_may_not_list_in_one_line(tiny_pair, tmp_path):
+    """As an ordinary user: an existing --out this process may enter and write but not list
+    (mode 311), or not enter at all (000), with or without --overwrite, and a --work-dir it may
+    not enter, were PermissionError tracebacks from looking into them; each is ``cannot use
+    --out DIR as a directory: Permission denied``, exit 2, and the directory is left."""
+    import os
+    import subprocess
+    import sys
+
+    from test_errors import _as_an_ordinary_user
+
+    prefix = _as_an_ordinary_user(tmp_path)
+    target, _ = tiny_pair
+    data = tmp_path / "a.txt"
+    data.write_text("def f(x):\n    return x\n" * 50)
+    args = ["--steps", "1", "--batch", "2", "--seq-len", "64", "--val-seqs", "0", "--no-progress"]
+    cases = [(0o311, "--out", []), (0o311, "--out", ["--overwrite"]), (0, "--out", []), (0, "--out", ["--overwrite"]),
+             (0, "--work-dir", [])]
+    dirs = [tmp_path / f"d{i}" for i in range(len(cases))]
+    argvs = [["train", "--target", str(target), "--data", str(data), *args, *more, "--out",
+              str(d if flag == "--out" else tmp_path / f"out{i}"), *(["--work-dir", str(d)] if flag == "--work-dir" else [])]
+             for i, ((_, flag, more), d) in enumerate(zip(cases, dirs))]
+    for (mode, _, _), d in zip(cases, dirs):
+        d.mkdir()
+        d.chmod(mode)
+    try:
+        proc = subprocess.run([*prefix, sys.executable, "-c", _RUN_AS_A_USER, json.dumps(argvs)], capture_output=True,
+                              text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        for d in dirs:
+            d.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out == [[2, f"dflash-torch: error: cannot use {flag} {d} as a directory: Permission denied\n"]
+                   for (_, flag, _), d in zip(cases, dirs)]
+    assert all(d.is_dir() and not any(d.iterdir()) for d in dirs)

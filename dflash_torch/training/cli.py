@@ -142,9 +142,14 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
         raise DFlashError(f"--prefix-min ({args.prefix_min}) must be <= --prefix-max ({args.prefix_max})")
     if not 0 <= args.raw_fraction <= 1:
         raise DFlashError(f"--raw-fraction must be in [0, 1], got {args.raw_fraction}")
-    for name, path in {"--out": args.out, "--work-dir": args.work_dir}.items():
-        if path is not None and Path(path).exists() and not Path(path).is_dir():
-            raise DFlashError(f"{name} {path} is a file; give a directory")
+    for name, path, given in (("--out", Path(args.out), True), ("--work-dir", cfg.work_path(), args.work_dir is not None)):
+        try:  # (one it may not list or enter was a PermissionError traceback from looking into it below)
+            if path.is_dir():
+                os.listdir(path)
+            elif given and path.exists():
+                raise DFlashError(f"{name} {path} is a file; give a directory")
+        except OSError as exc:
+            raise DFlashError(f"cannot use {name} {path} as a directory: {exc.strerror or exc}") from None
     if args.init_from is None and args.seq_len <= cfg.block_size:
         raise DFlashError(f"--seq-len ({args.seq_len}) must be longer than the block size ({cfg.block_size})")
     resolve_dtype(args.save_dtype, "--save-dtype")
@@ -173,6 +178,15 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
             raise DFlashError(f"cannot use {name} {path} as a directory: {exc.strerror or exc}") from None
 
 
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; True where that cannot be told (in a directory this process may
+    not enter: _check says so)."""
+    try:
+        return path.exists()
+    except OSError:
+        return True
+
+
 def _train(args: argparse.Namespace) -> int:
     d = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(
@@ -190,7 +204,7 @@ def _train(args: argparse.Namespace) -> int:
         save_dtype=args.save_dtype, progress=not args.no_progress, chat_template_kwargs=args.chat_template_kwargs,
         **{k: d[k].default if getattr(args, k) is None else getattr(args, k) for k in DFLASH2_OPTIONS},
     )
-    new_dirs = [path for path in (cfg.work_path(), Path(args.out)) if not path.exists()]  # (_check makes them)
+    new_dirs = [path for path in (cfg.work_path(), Path(args.out)) if not _exists(path)]  # (_check makes them)
     try:
         _check(args, cfg)
         Trainer(cfg).run()
