@@ -1893,3 +1893,53 @@ def test_train_refuses_an_out_or_work_dir_it_may_not_list_in_one_line(tiny_pair,
     assert out == [[2, f"dflash-torch: error: cannot use {flag} {d} as a directory: Permission denied\n"]
                    for (_, flag, _), d in zip(cases, dirs)]
     assert all(d.is_dir() and not any(d.iterdir()) for d in dirs)
+
+
+def test_a_data_cache_that_cannot_be_read_back_is_made_again(tiny_pair, tmp_path, capsys):
+    """A data cache in the work dir that is truncated, empty, not such a cache, or (as an
+    ordinary user) one this process may not read was a traceback from torch.load; it is made
+    again, said in a WARNING line, and the run trains on the same data."""
+    import os
+    import subprocess
+    import sys
+
+    from test_errors import _as_an_ordinary_user
+
+    from dflash_torch.cli import main as cli_main
+    from dflash_torch.training.trainer import prepare_data
+
+    target, _ = tiny_pair
+    data = tmp_path / "a.txt"
+    data.write_text("def f(x):\n    return x + 1\n" * 60)
+    cfg = _cfg(tmp_path, target, data, val_seqs=0, batch=1, seq_len=32)
+    tok = _tok(target)
+    first, _, _ = _prepare(cfg, tok, target)
+    [cache] = Path(cfg.work_dir).glob("data-*.pt")
+    whole = cache.read_bytes()
+    torch.save([1, 2], tmp_path / "list.pt")
+    for damaged in (whole[:100], b"", (tmp_path / "list.pt").read_bytes()):
+        cache.write_bytes(damaged)
+        said = []
+        again, _, _ = prepare_data(cfg, Path(target), tok, said.append)
+        assert again.stream.tolist() == first.stream.tolist()
+        assert [s for s in said if "WARNING" in s][0].startswith(f"data: WARNING: cannot read back {cache} ("), said
+        said.clear()
+        prepare_data(cfg, Path(target), tok, said.append)
+        assert f"data: loaded {cache}" in said and not any("WARNING" in s for s in said), said
+    prefix = _as_an_ordinary_user(tmp_path)
+    work = tmp_path / "work"
+    argv = ["train", "--target", str(target), "--data", str(data), "--out", str(tmp_path / "out"), "--work-dir", str(work),
+            "--steps", "1", "--batch", "2", "--seq-len", "64", "--val-seqs", "0", "--no-progress", "--overwrite"]
+    assert cli_main(argv) == 0
+    capsys.readouterr()
+    [cache] = work.glob("data-*.pt")
+    cache.chmod(0)
+    try:
+        proc = subprocess.run([*prefix, sys.executable, "-c", _RUN_AS_A_USER, json.dumps([argv])], capture_output=True,
+                              text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        cache.chmod(0o644)
+    assert proc.returncode == 0, proc.stderr
+    [[rc, text]] = json.loads(proc.stdout.splitlines()[-1])
+    assert rc == 0, text
+    assert f"data: WARNING: cannot read back {cache} (Permission denied); making it again\n" in text

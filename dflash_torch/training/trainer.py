@@ -588,9 +588,26 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> dict:
                       "prepare_time_s": round(time.time() - t0, 1)}}
 
 
+def _load_data_cache(cache: Path, log) -> dict | None:
+    """The data cache ``cache`` (as :func:`prepare_data` saves it), else None where it cannot
+    be read back (this process may not read it; truncated, empty, not such a cache), said to
+    ``log`` as a WARNING: it is made again."""
+    try:
+        blob = torch.load(cache, weights_only=False)
+        if not (isinstance(blob, dict) and {"stream", "chat", "distilled", "notes", "stats"} <= blob.keys()):
+            raise ValueError("not a data cache")
+    except Exception as exc:  # (torch.load raises many types for a damaged file)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else (str(exc).strip().splitlines() or
+                                                                            [type(exc).__name__])[0].split(". ")[0]
+        log(f"data: WARNING: cannot read back {cache} ({why}); making it again")
+        return None
+    return blob
+
+
 def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[TrainingData, list, dict]:
     """Tokenized (and self-distilled) data, cached in the work dir under :func:`data_key`
-    (a new cache replaces the work dir's older ones), and a validation set (:func:`split_eval`).
+    (a new cache replaces the work dir's older ones, and one that cannot be read back, with a
+    WARNING), and a validation set (:func:`split_eval`).
 
     Raises:
         DFlashError: unreadable or malformed data (naming the file), or too little of it
@@ -598,8 +615,8 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
     """
     work = cfg.work_path()
     cache = work / f"data-{data_key(cfg, target_dir)}.pt"
-    if cache.is_file():
-        blob = torch.load(cache, weights_only=False)
+    blob = _load_data_cache(cache, log) if cache.is_file() else None
+    if blob is not None:
         log(f"data: loaded {cache}")
         for line in blob["notes"]:  # (what the run that made it said about the data)
             log(line)
