@@ -1943,3 +1943,21 @@ def test_a_data_cache_that_cannot_be_read_back_is_made_again(tiny_pair, tmp_path
     [[rc, text]] = json.loads(proc.stdout.splitlines()[-1])
     assert rc == 0, text
     assert f"data: WARNING: cannot read back {cache} (Permission denied); making it again\n" in text
+
+
+def test_train_data_that_is_not_a_regular_file_is_said_so(tiny_pair, tmp_path, capsys):
+    """--data a FIFO or /dev/null was "training data X does not exist" (it exists); it is
+    "training data X is not a regular file", exit 2, before anything opens it."""
+    import os
+
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for data in (fifo, Path("/dev/null")):
+        args = ["train", "--target", str(target), "--data", str(data), "--out", str(tmp_path / "out"), "--steps", "1",
+                "--no-progress"]
+        assert cli_main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"dflash-torch: error: training data {data} is not a regular file"], err

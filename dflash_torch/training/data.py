@@ -77,7 +77,8 @@ def corpus_files(paths: list[str | Path]) -> list[tuple[Path, bool]]:
     whether it was given itself (``True``) or found in a given directory (``False``).
 
     Raises:
-        DFlashError: a path that does not exist, or a directory (a non-hidden one below a
+        DFlashError: a path that does not exist or is not a regular file or a directory (a
+            FIFO, a device), or a directory (a non-hidden one below a
             given directory too) that this process may not read.
     """
     def unreadable(exc: OSError):
@@ -95,6 +96,8 @@ def corpus_files(paths: list[str | Path]) -> list[tuple[Path, bool]]:
                 files += [(f, False) for f in sorted(found) if f.is_file()]
             elif path.is_file():
                 files.append((path, True))
+            elif path.exists():  # (a FIFO, a pipe, /dev/null: "does not exist" was said)
+                raise DFlashError(f"training data {path} is not a regular file")
             else:
                 raise DFlashError(f"training data {path} does not exist")
         except PermissionError as exc:  # (is_file of a link into a directory that may not be entered)
