@@ -235,15 +235,16 @@ def check_links(model_dir: Path, names=None) -> None:
         names: the file names to check (default: every file of ``model_dir``).
 
     Raises:
-        DFlashError: naming the broken links; a directory this process may not list or enter;
-            a link into a directory it may not enter (naming the link).
+        DFlashError: naming the broken links; a directory this process may not list or enter,
+            or a file of ``names`` in one (naming the path that failed); a link into a directory
+            it may not enter (naming the link).
     """
     model_dir = Path(model_dir)
     try:
         paths = list(model_dir.iterdir()) if names is None else [model_dir / n for n in names]
         links = [p for p in paths if p.is_symlink()]
-    except OSError as exc:
-        raise DFlashError(f"cannot read {model_dir}: {exc.strerror}") from None
+    except OSError as exc:  # (the path that failed: a file of an index's subdirectory that may not be entered too)
+        raise DFlashError(f"cannot read {exc.filename or model_dir}: {exc.strerror}") from None
     broken = []
     for link in links:
         try:

@@ -1426,6 +1426,38 @@ def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_
     assert api == [c[4] for c in cases]
 
 
+def test_a_shard_in_an_index_subdirectory_that_may_not_be_entered_is_named(tiny_pair, tokenizer_dir, tmp_path):
+    """An index whose shard lies in a subdirectory (``w/SHARD``, which loads) this process may
+    not enter was "cannot read DIR: Permission denied", naming the readable checkpoint
+    directory; it names the path that failed."""
+    import subprocess
+    import sys
+
+    prefix = _as_an_ordinary_user(tmp_path)
+    _, drafter = tiny_pair
+    sharded = make_target(tmp_path / "sharded", "qwen3", tokenizer=False, max_shard_size="150KB")
+    copy_tokenizer(tokenizer_dir, sharded)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    (sharded / "w").mkdir()
+    (sharded / shard).rename(sharded / "w" / shard)
+    index["weight_map"] = {k: "w/" + v if v == shard else v for k, v in index["weight_map"].items()}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    (sharded / "w").chmod(0)
+    try:
+        argvs = [["generate", "x", "--target", str(sharded), "--draft", str(drafter)]]
+        proc = subprocess.run([*prefix, sys.executable, "-c", _UNREADABLE_SCRIPT, json.dumps(argvs),
+                               json.dumps([[str(sharded), str(drafter)]])],
+                              capture_output=True, text=True, timeout=600, input="",
+                              env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+    finally:
+        (sharded / "w").chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    words = f"cannot read {sharded / 'w' / shard}: Permission denied"
+    assert json.loads(proc.stdout.splitlines()[-1]) == [[2, f"dflash-torch: error: {words}\n"], words]
+    assert DFlashEngine.from_pretrained(sharded, drafter).drafter is not None  # (entered: it loads)
+
+
 def test_files_linked_into_an_unreadable_directory_are_named(tiny_pair, tmp_path):
     """A checkpoint directory whose files are links into a directory this process may not
     enter (a store of blobs) said ``cannot read DIR`` of the readable checkpoint directory;
