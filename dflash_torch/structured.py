@@ -291,7 +291,11 @@ class GrammarCompiler:
         vocab_size: the target's vocabulary size (>= the tokenizer's tokens: the rest are never allowed).
         eos_token_ids: the model's EOS ids: where a complete constraint lets the output end.
         special_token_ids: the tokenizer's special tokens (none by default): each one a mask
-            allows is checked against the matcher (see :meth:`GrammarState._check_special`).
+            allows is checked against the matcher (see :meth:`GrammarState._check_special`),
+            as is every token that llguidance's tokenizer takes as special (its
+            ``is_special_token``: e.g. added tokens such as Qwen3's ``<think>`` and
+            ``<tool_call>``, though the tokenizer marks them special=False), whose text
+            llguidance never matches as text.
 
     The tokenizer's conversion (about a second for a 150k vocabulary) happens on the first
     :meth:`compile`; the last :data:`GRAMMAR_CACHE_SIZE` constraints stay compiled.
@@ -302,6 +306,7 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
         self.special_token_ids = sorted(int(t) for t in special_token_ids)
         self._tokenizer = None
+        self._checked: list[int] | None = None  # the tokens whose mask bits are checked (checked_ids)
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -322,6 +327,16 @@ class GrammarCompiler:
                 raise DFlashError(f"structured outputs need a fast (tokenizers) tokenizer; this one cannot be read: "
                                   f"{_first_line(e)}") from None
         return self._tokenizer
+
+    def checked_ids(self) -> list[int]:
+        """The tokens whose mask bits are checked against the matcher (sorted): the EOS ids,
+        :attr:`special_token_ids` and the tokenizer's tokens that llguidance takes as special."""
+        if self._checked is None:
+            tokenizer = self.tokenizer()
+            n = min(self.vocab_size, len(self.hf_tokenizer))  # (not the padding ids past the tokenizer's tokens)
+            llg_special = (t for t in range(n) if tokenizer.is_special_token(t))
+            self._checked = sorted({*self.special_token_ids, *self.eos_token_ids, *llg_special})
+        return self._checked
 
     def compile(self, spec) -> Grammar:
         """The compiled constraint of ``spec`` (a :class:`StructuredOutput` or its dict form).
@@ -360,11 +375,15 @@ class GrammarCompiler:
             if not bool(first.any()):
                 raise OptionError(f"structured_output {spec.kind} allows no output with this tokenizer",
                                   "structured_output")
+            checked = self.checked_ids()
+            names = dict(zip(checked, self.hf_tokenizer.convert_ids_to_tokens(checked)))
+            refused = refuse_special(first, probe, checked, set(self.eos_token_ids))
+            if refused and not bool(first.any()):  # (only a special token's text can come first)
+                raise OptionError(f"structured_output {spec.kind} cannot be used: "
+                                  f"{special_refusal(*refused[0], names)}", "structured_output")
             if not probe.is_accepting():  # (an empty output allowed: the EOS is a first token that works)
                 self._check_first_tokens(spec, probe, first)
-            special = sorted({*self.special_token_ids, *self.eos_token_ids})
-            names = dict(zip(special, self.hf_tokenizer.convert_ids_to_tokens(special)))
-            grammar = Grammar(spec, text, tokenizer, self.vocab_size, self.eos_token_ids, self.special_token_ids, names)
+            grammar = Grammar(spec, text, tokenizer, self.vocab_size, self.eos_token_ids, checked, names)
             self._cache[key] = grammar
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -378,7 +397,7 @@ class GrammarCompiler:
         many expressions constructed"; ``start: x`` / ``x: "a" x``: "Too many items"), so such a
         constraint passed the checks above and failed every request at its first token."""
         allowed = unpack_bitmask(first[None], self.vocab_size)[0].nonzero().flatten().tolist()
-        special, eos = set(self.special_token_ids), set(self.eos_token_ids)
+        special, eos = set(self.checked_ids()), set(self.eos_token_ids)
         # (special tokens first: a grammar may name one, e.g. a tool-call marker, where the mask also
         # lets through byte tokens that llguidance then fails to consume)
         order = sorted((t for t in allowed if t not in eos), key=lambda t: t not in special)
@@ -391,6 +410,42 @@ class GrammarCompiler:
         if error is not None:
             raise OptionError(f"structured_output {spec.kind} cannot be used (llguidance fails on it at its first "
                               f"token): {error}", "structured_output")
+
+
+def refuse_special(row: torch.Tensor, matcher, checked: Sequence[int], eos) -> list[tuple[int, bool]]:
+    """Clear the bits of the special tokens ``checked`` that bit mask ``row`` (int32 ``[W]``,
+    just computed by ``matcher``) allows but the matcher cannot take there: an EOS before the
+    constraint is complete (unless the grammar names it there and may end after it), another
+    special token that it fails to consume. llguidance lets such a token's id through where
+    the constraint forces the token's literal text (``{"const": "<|endoftext|>"}``: its
+    tokenizer reads the text as the special token, whose bytes do not match it), which would
+    end the output early (an EOS) or fail the request. Returns the refused tokens, each with
+    whether the matcher consumed it (an EOS that the grammar names where the constraint
+    cannot end after it) or not (its text forced)."""
+    refused = []
+    for t in checked:
+        if not _bit(row, t):
+            continue
+        ok = consumed = t in eos and matcher.is_accepting()
+        if not ok:  # (an EOS the grammar names as a token is consumed there, as other special tokens
+            trial = matcher.deep_copy()  # are, where the output may end after it: it ends the output)
+            consumed = trial.consume_token(t) and not trial.is_error()
+            ok = consumed and (t not in eos or trial.is_accepting() or trial.is_stopped())
+        if not ok:
+            _set_bit(row, t, False)
+            refused.append((t, consumed))
+    return refused
+
+
+def special_refusal(token: int, consumed: bool, names: Mapping[int, str]) -> str:
+    """Why nothing can be written where only the refused special ``token`` was allowed
+    (:func:`refuse_special`)."""
+    name = f"{token} ({names.get(token, '?')!r})"
+    if consumed:  # (an EOS the grammar names, with more of the constraint after it)
+        return (f"the constraint requires the special token {name} here, which ends the output (a stop token) "
+                "before the constraint is complete: this output cannot be written")
+    return (f"the constraint requires the text of the special token {name} here, which the tokenizer reads as "
+            "that token, not as text: this output cannot be written")
 
 
 _BITS = None  # int32 [32]: 1 << i
@@ -458,7 +513,6 @@ class GrammarState:
         ids = grammar.checked_ids
         self._checked = (ids, ids >> 5, ids & 31)  # (the special tokens, their mask words and bits)
         self._token_text = grammar.token_text
-        self._special_refused: list[int] = []  # special tokens the last computed mask allowed and _check_special cleared
         self.path: list[int] = []
         self.snaps = [matcher]
         self.rows: dict[tuple[int, ...], torch.Tensor] = {}  # path prefix -> bit mask there (refusals cleared)
@@ -495,17 +549,13 @@ class GrammarState:
             matcher = self.snaps[-1]
             row = torch.empty(self._words, dtype=torch.int32)
             matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-            self._special_refused = []
             if matcher.is_error():
                 error = _first_line(matcher.get_error())
                 row.zero_()
             else:
-                self._check_special(row, matcher)
-                if self._special_refused and not bool(row.any()):
-                    t = self._special_refused[0]
-                    error = (f"the constraint requires the text of the special token {t} "
-                             f"({self._token_text.get(t, '?')!r}) here, which the tokenizer reads as that token, "
-                             "not as text: this output cannot be written")
+                refused = self._check_special(row, matcher)
+                if refused and not bool(row.any()):
+                    error = special_refusal(*refused[0], self._token_text)
             self.rows[key] = row
         if key not in self.dead and not bool(row.any()):  # (also a row whose tokens were all refused since)
             self.dead[key] = error or self._last_error or "the constraint allows no token here"
@@ -518,27 +568,15 @@ class GrammarState:
         self.rows[key] = row = self._eos_row()
         return row
 
-    def _check_special(self, row: torch.Tensor, matcher) -> None:
+    def _check_special(self, row: torch.Tensor, matcher) -> list[tuple[int, bool]]:
         """Clear the bits of the special tokens that bit mask ``row`` (int32 ``[W]``, just
-        computed by ``matcher``) allows but the matcher cannot take there: an EOS before the
-        constraint is complete (unless the grammar names it there and may end after it), another
-        special token that it fails to consume. llguidance
-        lets such a token's id through where the constraint forces the token's literal text
-        (``{"const": "<|endoftext|>"}``: its tokenizer reads the text as the special token,
-        whose bytes do not match it), which would end the output early (an EOS) or fail the
-        request. The check costs a lookup of the few special tokens' bits per mask."""
+        computed by ``matcher``) allows but the matcher cannot take there
+        (:func:`refuse_special`); returns those refused. The check costs a lookup of the
+        special tokens' bits per mask."""
         ids, words, bits = self._checked
         if not ids.numel():
-            return
-        for t in ids[(row[words] >> bits) & 1 == 1].tolist():
-            ok = t in self.eos and matcher.is_accepting()
-            if not ok:  # (an EOS the grammar names as a token is consumed there, as other special tokens
-                trial = matcher.deep_copy()  # are, where the output may end after it: it ends the output)
-                ok = trial.consume_token(t) and not trial.is_error() and (
-                    t not in self.eos or trial.is_accepting() or trial.is_stopped())
-            if not ok:
-                _set_bit(row, t, False)
-                self._special_refused.append(t)
+            return []
+        return refuse_special(row, matcher, ids[(row[words] >> bits) & 1 == 1].tolist(), self.eos)
 
     def _refuse(self, token: int) -> None:
         """The path's last token is refused where it stands: its bit is cleared in the mask

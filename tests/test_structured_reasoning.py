@@ -33,7 +33,7 @@ from test_structured_server import (
     conforms,
 )
 
-from dflash_torch import DFlashEngine
+from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.engine import DEFAULT_TARGET
 from dflash_torch.serving.constraints import (
     after_reasoning,
@@ -284,3 +284,37 @@ def test_bad_requests_are_400s_naming_the_field(servers, body, param, words):
         _chat(spec, max_tokens=8, extra_body=body)
     e = err.value.body
     assert e["param"] == param and words in e["message"] and "\n" not in e["message"], e
+
+
+def test_the_text_of_an_added_non_special_token_is_refused_clearly(thinking_pair, servers):
+    """``</think>`` here is an added token with special=False (as Qwen3's tokenizer has
+    ``<think>`` and ``<tool_call>``), which llguidance's tokenizer takes as special all the
+    same: it never matches its text as text. A constraint that forces that text failed on
+    llguidance's raw parser error (``token "\\xff[318]" doesn't satisfy the grammar; forced
+    bytes: got '<'; applying '\\xff'``: at the first token when compiled, else mid-decoding);
+    now it fails with the message of the engine's special tokens, when compiled where the
+    text comes first. A grammar naming the token still gets it. Python API (speculative and
+    target-only) and server."""
+    target, drafter = thinking_pair
+    alone = DFlashEngine.from_pretrained(target, no_draft=True, dtype="float32")
+    end = alone.tokenizer.convert_tokens_to_ids("</think>")
+    assert end not in alone.special_token_ids and alone.grammars.tokenizer().is_special_token(end)
+    assert end in alone.grammars.checked_ids()
+    reason = (f"the constraint requires the text of the special token {end} ('</think>') here, which the tokenizer "
+              "reads as that token, not as text: this output cannot be written")
+    for engine in (DFlashEngine.from_pretrained(target, drafter, dtype="float32"), alone):
+        for so in ({"regex": "</think>[a-z]{2}"}, {"choice": ["</think>"]}):
+            with pytest.raises(DFlashError, match=f"^{re.escape(f'structured_output {next(iter(so))} cannot be used: {reason}')}$"):
+                engine.generate("x = ", max_new_tokens=20, structured_output=so)
+        with pytest.raises(DFlashError, match=f"^{re.escape(f'structured output failed: {reason}')}$"):
+            engine.generate("x = ", max_new_tokens=20, structured_output={"json": {"const": "</think>"}})
+        r = engine.generate("x = ", max_new_tokens=20, structured_output={"grammar": f'start: "ab" <[{end}]> "cd"'})
+        assert (r.text, r.finish_reason) == ("ab</think>cd", "stop") and end in r.token_ids
+    spec, _ = servers
+    for body, param, words in (({"structured_outputs": {"regex": "</think>[a-z]{2}"}}, "structured_outputs",
+                                f"structured_outputs regex cannot be used: {reason}"),
+                               ({"guided_json": {"const": "</think>"}}, "guided_json", f"structured output failed: {reason}")):
+        with pytest.raises(openai.BadRequestError) as err:
+            spec.completions.create(model=MODEL, prompt="x = ", max_tokens=20, temperature=0, extra_body=body)
+        e = err.value.body
+        assert e["param"] == param and words in e["message"] and "\n" not in e["message"], e
