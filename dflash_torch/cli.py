@@ -264,7 +264,7 @@ def _generate_here(args: argparse.Namespace) -> int:
     if args.prompt == "-":  # (stdin, as Unix tools read "-"; --prompt - is the text "-")
         prompt = None
     if prompt is None:
-        if sys.stdin is None or sys.stdin.isatty():
+        if sys.stdin is None or (sys.stdin.isatty() and args.prompt != "-"):  # ("-" reads a terminal to Ctrl-D, as cat -)
             raise DFlashError("no prompt: pass --prompt TEXT, a positional prompt, or pipe it on stdin")
         stdin = getattr(sys.stdin, "buffer", None)  # (bytes: the locale's error handler may be strict)
         prompt = utf8_text(stdin.read(), "the prompt on stdin") if stdin is not None else sys.stdin.read()

@@ -326,3 +326,31 @@ def test_a_dash_prompt_reads_stdin(tiny_pair):
     assert parse_single_json(proc.stdout)["stats"]["prompt_tokens"] == len(tok("import os\nimport sys\n")["input_ids"])
     proc = run_cli("generate", "--prompt", "-", *pair, stdin="import os\nimport sys\n")
     assert parse_single_json(proc.stdout)["stats"]["prompt_tokens"] == len(tok("-")["input_ids"])
+
+
+def test_a_dash_prompt_reads_a_terminal_to_its_end(tiny_pair):
+    """``generate -`` on a terminal reads what is typed up to Ctrl-D, as ``cat -`` does (it was
+    refused: 'no prompt'); a bare ``generate`` there is still refused."""
+    import pty
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    pair = ["--target", str(tiny_pair[0]), "--no-draft", "--max-new-tokens", "2", "--json"]
+    for args, typed in ((["-"], "import os\n"), ([], None)):
+        master, slave = pty.openpty()
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "dflash_torch", "generate", *args, *pair], stdin=slave,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+            os.close(slave)
+            if typed is not None:
+                os.write(master, typed.encode() + b"\x04")  # (the line, then Ctrl-D at the start of the next)
+            out, err = proc.communicate(timeout=300)
+        finally:
+            os.close(master)
+        if typed is None:
+            assert proc.returncode == 2 and "no prompt" in err, err
+        else:
+            assert proc.returncode == 0, err
+            assert parse_single_json(out)["stats"]["prompt_tokens"] == len(tok("import os\n")["input_ids"])
