@@ -1373,6 +1373,20 @@ print(json.dumps(out))
 '''
 
 
+def _unreadable_run(prefix: list[str], argvs: list[list[str]], pairs: list[list[str]], **env: str) -> list:
+    """Run :data:`_UNREADABLE_SCRIPT` under ``prefix`` (:func:`_as_an_ordinary_user`): each
+    command line of ``argvs``, then ``from_pretrained`` of each (target, drafter) of ``pairs``
+    -> its JSON output (``[rc, stderr]`` per command, ``"loaded"`` or the error per pair)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([*prefix, sys.executable, "-c", _UNREADABLE_SCRIPT, json.dumps(argvs), json.dumps(pairs)],
+                          capture_output=True, text=True, timeout=600, input="",
+                          env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **env))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_pair, tokenizer_dir, tmp_path):
     """A weight file this process may not read (the target's, the drafter's, a shard of an
     index) was a traceback, ``FileNotFoundError: No such file or directory`` (safe_open's word
@@ -1381,8 +1395,6 @@ def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_
     was "cannot load the tokenizer of DIR: [Errno 13] ..."). Each is one line naming the
     file or directory, exit 2, from generate, chat, serve and bench. Root reads whatever the
     modes say, so as root the commands run without the capabilities that let it (setpriv)."""
-    import subprocess
-    import sys
 
     prefix = _as_an_ordinary_user(tmp_path)
     target, drafter = tiny_pair
@@ -1409,15 +1421,10 @@ def test_unreadable_weights_and_checkpoint_directories_are_one_line_errors(tiny_
             pair = ["--target", str(t), "--draft", str(d)]
             argvs += [["chat", *pair], ["serve", *pair],
                       ["bench", *pair, "--out", str(tmp_path / f"bench-{len(argvs)}")]]
-        proc = subprocess.run([*prefix, sys.executable, "-c", _UNREADABLE_SCRIPT, json.dumps(argvs),
-                               json.dumps([[str(t), str(d)] for t, d, *_ in cases])],
-                              capture_output=True, text=True, timeout=600, input="",
-                              env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+        out = _unreadable_run(prefix, argvs, [[str(t), str(d)] for t, d, *_ in cases])
     finally:
         for _, _, path, _, _ in cases:
             path.chmod(0o755 if path.is_dir() else 0o644)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.splitlines()[-1])
     cli, api = out[:len(argvs)], out[len(argvs):]
     words = [c[4] for c in cases] + [cases[i][4] for i in (0, 3) for _ in range(3)]
     for argv, (rc, err), msg in zip(argvs, cli, words):
@@ -1430,8 +1437,6 @@ def test_a_shard_in_an_index_subdirectory_that_may_not_be_entered_is_named(tiny_
     """An index whose shard lies in a subdirectory (``w/SHARD``, which loads) this process may
     not enter was "cannot read DIR: Permission denied", naming the readable checkpoint
     directory; it names the path that failed."""
-    import subprocess
-    import sys
 
     prefix = _as_an_ordinary_user(tmp_path)
     _, drafter = tiny_pair
@@ -1446,15 +1451,11 @@ def test_a_shard_in_an_index_subdirectory_that_may_not_be_entered_is_named(tiny_
     (sharded / "w").chmod(0)
     try:
         argvs = [["generate", "x", "--target", str(sharded), "--draft", str(drafter)]]
-        proc = subprocess.run([*prefix, sys.executable, "-c", _UNREADABLE_SCRIPT, json.dumps(argvs),
-                               json.dumps([[str(sharded), str(drafter)]])],
-                              capture_output=True, text=True, timeout=600, input="",
-                              env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+        out = _unreadable_run(prefix, argvs, [[str(sharded), str(drafter)]])
     finally:
         (sharded / "w").chmod(0o755)
-    assert proc.returncode == 0, proc.stderr
     words = f"cannot read {sharded / 'w' / shard}: Permission denied"
-    assert json.loads(proc.stdout.splitlines()[-1]) == [[2, f"dflash-torch: error: {words}\n"], words]
+    assert out == [[2, f"dflash-torch: error: {words}\n"], words]
     assert DFlashEngine.from_pretrained(sharded, drafter).drafter is not None  # (entered: it loads)
 
 
@@ -1462,8 +1463,6 @@ def test_files_linked_into_an_unreadable_directory_are_named(tiny_pair, tmp_path
     """A checkpoint directory whose files are links into a directory this process may not
     enter (a store of blobs) said ``cannot read DIR`` of the readable checkpoint directory;
     the file is named (its weights, its config.json, its tokenizer.json)."""
-    import subprocess
-    import sys
 
     prefix = _as_an_ordinary_user(tmp_path)
     target, drafter = tiny_pair
@@ -1482,15 +1481,10 @@ def test_files_linked_into_an_unreadable_directory_are_named(tiny_pair, tmp_path
         store.chmod(0)
     try:
         argvs = [["generate", "x", "--target", str(c), "--draft", str(drafter)] for c, _, _ in cases]
-        proc = subprocess.run([*prefix, sys.executable, "-c", _UNREADABLE_SCRIPT, json.dumps(argvs),
-                               json.dumps([[str(c), str(drafter)] for c, _, _ in cases])],
-                              capture_output=True, text=True, timeout=600, input="",
-                              env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+        out = _unreadable_run(prefix, argvs, [[str(c), str(drafter)] for c, _, _ in cases])
     finally:
         for _, store, _ in cases:
             store.chmod(0o755)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.splitlines()[-1])
     words = [f"{'target: ' if file.name == 'config.json' else ''}cannot read {file}: Permission denied"
              for _, _, file in cases]
     assert out[:len(cases)] == [[2, f"dflash-torch: error: {w.replace('target: ', '--target: ')}\n"] for w in words]
@@ -1514,8 +1508,6 @@ def test_an_unreadable_vocab_or_merges_file_is_named(tiny_pair, tmp_path):
     """A tokenizer of vocab.json and merges.txt (no tokenizer.json) one of which this process
     may not read was "cannot load the tokenizer of DIR: Error while initializing BPE:
     Permission denied (os error 13)", naming neither; it is ``cannot read FILE``."""
-    import subprocess
-    import sys
 
     prefix = _as_an_ordinary_user(tmp_path)
     target, drafter = tiny_pair
@@ -1527,15 +1519,10 @@ def test_an_unreadable_vocab_or_merges_file_is_named(tiny_pair, tmp_path):
         files[-1].chmod(0)
     try:
         argvs = [["generate", "x", "--target", str(f.parent), "--draft", str(drafter)] for f in files]
-        proc = subprocess.run([*prefix, sys.executable, "-c", _UNREADABLE_SCRIPT, json.dumps(argvs),
-                               json.dumps([[str(f.parent), str(drafter)] for f in files])],
-                              capture_output=True, text=True, timeout=600, input="",
-                              env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+        out = _unreadable_run(prefix, argvs, [[str(f.parent), str(drafter)] for f in files])
     finally:
         for file in files:
             file.chmod(0o644)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.splitlines()[-1])
     words = [f"cannot read {file}: Permission denied" for file in files]
     assert out == [[2, f"dflash-torch: error: {w}\n"] for w in words] + words
 
@@ -1544,8 +1531,6 @@ def test_an_unreadable_tokenizer_file_it_does_not_need_is_no_error(tiny_pair, tm
     """Beside a tokenizer.json, a vocab.json and merges.txt (or a tokenizer.model) this process
     may not read are files AutoTokenizer does not open: the target loads, as transformers loads
     it (they were refused, "cannot read DIR/vocab.json", opened before loading)."""
-    import subprocess
-    import sys
 
     prefix = _as_an_ordinary_user(tmp_path)
     target, drafter = tiny_pair
@@ -1558,15 +1543,11 @@ def test_an_unreadable_tokenizer_file_it_does_not_need_is_no_error(tiny_pair, tm
     for file in files:
         file.chmod(0)
     try:
-        proc = subprocess.run([*prefix, sys.executable, "-c", _UNREADABLE_SCRIPT, json.dumps([]),
-                               json.dumps([[str(d), str(drafter)] for d in (both, model)])],
-                              capture_output=True, text=True, timeout=600, input="",
-                              env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+        out = _unreadable_run(prefix, [], [[str(d), str(drafter)] for d in (both, model)])
     finally:
         for file in files:
             file.chmod(0o644)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.splitlines()[-1]) == ["loaded", "loaded"]
+    assert out == ["loaded", "loaded"]
 
 
 def _cache_repo(hub: Path, repo_id: str, source: Path) -> Path:
@@ -1592,8 +1573,6 @@ def test_unreadable_hugging_face_cache_entries_are_one_line_errors(tiny_pair, tm
     PermissionError traceback from pathlib, from the command line and from_pretrained; one whose
     folder or refs/main it may not read was "not in the Hugging Face cache". Each is
     ``cannot read PATH: Permission denied``, exit 2."""
-    import subprocess
-    import sys
 
     prefix = _as_an_ordinary_user(tmp_path)
     target, drafter = tiny_pair
@@ -1610,16 +1589,11 @@ def test_unreadable_hugging_face_cache_entries_are_one_line_errors(tiny_pair, tm
         path.chmod(0)
     try:
         argvs = [["generate", "x", "--target", f"acme/{t}", "--draft", f"acme/{d}"] for t, d, _, _ in cases]
-        proc = subprocess.run([*prefix, sys.executable, "-c", _UNREADABLE_SCRIPT, json.dumps(argvs),
-                               json.dumps([[f"acme/{t}", f"acme/{d}"] for t, d, _, _ in cases])],
-                              capture_output=True, text=True, timeout=600, input="",
-                              env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                                       HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1"))
+        out = _unreadable_run(prefix, argvs, [[f"acme/{t}", f"acme/{d}"] for t, d, _, _ in cases],
+                              HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1")
     finally:
         for _, _, path, _ in cases:
             path.chmod(0o755 if path.is_dir() else 0o644)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.splitlines()[-1])
     words = [f"{'draft' if d.endswith('blobs') else 'target'}: cannot read {named}: Permission denied"
              for _, d, _, named in cases]
     assert out[:len(cases)] == [[2, f"dflash-torch: error: --{w}\n"] for w in words]
