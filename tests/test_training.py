@@ -1800,6 +1800,19 @@ print(json.dumps(out))
 '''
 
 
+def _run_as_a_user(prefix: list[str], argvs: list[list[str]]) -> list:
+    """Run :data:`_RUN_AS_A_USER` under ``prefix`` (test_errors' ``_as_an_ordinary_user``) ->
+    ``[rc, stdout + stderr]`` of each command line of ``argvs``."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([*prefix, sys.executable, "-c", _RUN_AS_A_USER, json.dumps(argvs)], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def test_train_refuses_unreadable_data_and_unwritable_work_dirs_in_one_line(tiny_pair, tmp_path):
     """As an ordinary user (root reads whatever the modes say: setpriv drops that): an
     unreadable file at the top of the target directory that loading does not need (a
@@ -1809,9 +1822,6 @@ def test_train_refuses_unreadable_data_and_unwritable_work_dirs_in_one_line(tiny
     may not write was a RuntimeError traceback from torch.save after the data was prepared.
     The README.md trains; the others are one line naming the path, exit 2, before the target
     loads."""
-    import os
-    import subprocess
-    import sys
 
     from test_errors import _as_an_ordinary_user
 
@@ -1843,13 +1853,10 @@ def test_train_refuses_unreadable_data_and_unwritable_work_dirs_in_one_line(tiny
     for path, mode in modes.items():
         path.chmod(mode)
     try:
-        proc = subprocess.run([*prefix, sys.executable, "-c", _RUN_AS_A_USER, json.dumps(argvs)], capture_output=True,
-                              text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        out = _run_as_a_user(prefix, argvs)
     finally:
         for path in modes:
             path.chmod(0o755 if path.is_dir() else 0o644)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.splitlines()[-1])
     assert out[0][0] == 0, out[0]
     assert (tmp_path / "out0" / "model.safetensors").is_file()
     want = [f"dflash-torch: error: cannot read {path}: Permission denied\n" for _, _, path in cases[1:-1]]
@@ -1862,9 +1869,6 @@ def test_train_refuses_an_out_or_work_dir_it_may_not_list_in_one_line(tiny_pair,
     (mode 311), or not enter at all (000), with or without --overwrite, and a --work-dir it may
     not enter, were PermissionError tracebacks from looking into them; each is ``cannot use
     --out DIR as a directory: Permission denied``, exit 2, and the directory is left."""
-    import os
-    import subprocess
-    import sys
 
     from test_errors import _as_an_ordinary_user
 
@@ -1883,13 +1887,10 @@ def test_train_refuses_an_out_or_work_dir_it_may_not_list_in_one_line(tiny_pair,
         d.mkdir()
         d.chmod(mode)
     try:
-        proc = subprocess.run([*prefix, sys.executable, "-c", _RUN_AS_A_USER, json.dumps(argvs)], capture_output=True,
-                              text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        out = _run_as_a_user(prefix, argvs)
     finally:
         for d in dirs:
             d.chmod(0o755)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.splitlines()[-1])
     assert out == [[2, f"dflash-torch: error: cannot use {flag} {d} as a directory: Permission denied\n"]
                    for (_, flag, _), d in zip(cases, dirs)]
     assert all(d.is_dir() and not any(d.iterdir()) for d in dirs)
@@ -1899,9 +1900,6 @@ def test_a_data_cache_that_cannot_be_read_back_is_made_again(tiny_pair, tmp_path
     """A data cache in the work dir that is truncated, empty, not such a cache, or (as an
     ordinary user) one this process may not read was a traceback from torch.load; it is made
     again, said in a WARNING line, and the run trains on the same data."""
-    import os
-    import subprocess
-    import sys
 
     from test_errors import _as_an_ordinary_user
 
@@ -1935,12 +1933,10 @@ def test_a_data_cache_that_cannot_be_read_back_is_made_again(tiny_pair, tmp_path
     [cache] = work.glob("data-*.pt")
     cache.chmod(0)
     try:
-        proc = subprocess.run([*prefix, sys.executable, "-c", _RUN_AS_A_USER, json.dumps([argv])], capture_output=True,
-                              text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        out = _run_as_a_user(prefix, [argv])
     finally:
         cache.chmod(0o644)
-    assert proc.returncode == 0, proc.stderr
-    [[rc, text]] = json.loads(proc.stdout.splitlines()[-1])
+    [[rc, text]] = out
     assert rc == 0, text
     assert f"data: WARNING: cannot read back {cache} (Permission denied); making it again\n" in text
 
