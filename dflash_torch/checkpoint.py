@@ -67,18 +67,17 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
             denied = _unreadable_cache_entry(name)
             if denied is not None:
                 raise DFlashError(f"cannot read {denied}: Permission denied")
-        if local:
-            config = Path(local) / "config.json"
-            try:  # (a shared cache whose snapshot or blobs this process may not read)
-                os.listdir(local)
-                found = config.is_file()
-            except OSError as exc:
-                raise DFlashError(f"cannot read {exc.filename or config}: {exc.strerror}") from None
-            if found:
-                return Path(local)
-            raise DFlashError(f"model {name!r} is in the Hugging Face cache ({local}) without its config.json "
-                              "(an incomplete download?)")
-        raise DFlashError(f"model {name!r} is not a local directory and is not in the Hugging Face cache (offline)")
+            raise DFlashError(f"model {name!r} is not a local directory and is not in the Hugging Face cache (offline)")
+        config = Path(local) / "config.json"
+        try:  # (a shared cache whose snapshot or blobs this process may not read)
+            os.listdir(local)
+            found = config.is_file()
+        except OSError as exc:
+            raise DFlashError(f"cannot read {exc.filename or config}: {exc.strerror}") from None
+        if found:
+            return Path(local)
+        raise DFlashError(f"model {name!r} is in the Hugging Face cache ({local}) without its config.json "
+                          "(an incomplete download?)")
     raise DFlashError(f"model directory {name!r} does not exist")
 
 
