@@ -1253,7 +1253,10 @@ class DFlashEngine:
                 that do not fit.
         """
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise DFlashError("prompts must be a non-empty list")
+            given = "an empty one" if isinstance(prompts, (list, tuple)) else type(prompts).__name__
+            if getattr(prompts, "ndim", 0) == 2:  # (a tensor or NumPy array of token ids, a prompt a row)
+                given = f"a 2-D {given} of shape {tuple(prompts.shape)}: {options.ROWS_HINT}"
+            raise DFlashError(f"prompts must be a non-empty list of prompts, got {given}")
         if all(isinstance(p, dict) for p in prompts) or all(
                 hasattr(p, "__index__") and getattr(p, "ndim", 0) == 0 and not isinstance(p, (bool, list, str))
                 for p in prompts):  # (token ids: ints, NumPy / torch scalars; not arrays or tensors of ids)

@@ -58,13 +58,17 @@ def json_type(value) -> str:
     return type(value).__name__
 
 
+ROWS_HINT = "generate_batch(list(ids)) takes its rows as prompts, each without its padding"  # (of an [N, L] batch of ids)
+
+
 def as_prompt(prompt):
     """A prompt as :meth:`DFlashEngine.encode_prompt` reads it: a tuple or ``range`` as a list,
     a 1-D integer tensor or NumPy array of token ids as a list of ints; anything else as it is.
 
     Raises:
         DFlashError: a tensor or array that is not 1-D (the message says how to pass one
-            row of a ``[1, N]`` batch), or not of integers.
+            row of a ``[1, N]`` batch, or the rows of an ``[N, L]`` one to
+            :meth:`DFlashEngine.generate_batch`), or not of integers.
     """
     import numpy as np
 
@@ -73,7 +77,11 @@ def as_prompt(prompt):
     if isinstance(prompt, (torch.Tensor, np.ndarray)):
         kind = "tensor" if isinstance(prompt, torch.Tensor) else "array"
         if prompt.ndim != 1:
-            hint = " (a batch of one, e.g. a tokenizer's input_ids: pass its row, ids[0])" if prompt.ndim == 2 else ""
+            hint = ""
+            if prompt.ndim == 2 and len(prompt) == 1:
+                hint = " (a batch of one, e.g. a tokenizer's input_ids: pass its row, ids[0])"
+            elif prompt.ndim == 2 and len(prompt) > 1:
+                hint = f" ({len(prompt)} prompts: {ROWS_HINT})"
             raise DFlashError(f"a prompt {kind} of token ids must be 1-D, got shape {tuple(prompt.shape)}{hint}")
         integer = not (prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool) \
             if kind == "tensor" else np.issubdtype(prompt.dtype, np.integer)

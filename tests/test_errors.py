@@ -1202,8 +1202,12 @@ def test_prompts_as_tuples_ranges_and_1_d_tensors_or_arrays(engine):
                    torch.tensor([5, 7, 3], dtype=torch.int32)):
         assert engine.generate(prompt, max_new_tokens=4).token_ids == want, prompt
     assert engine.generate(range(5, 8), max_new_tokens=4).token_ids == engine.generate([5, 6, 7], max_new_tokens=4).token_ids
-    for prompt, words in ((torch.tensor([[5, 7, 3]]), "must be 1-D, got shape (1, 3) (a batch of one"),
-                          (np.zeros((2, 2), dtype=np.int64), "must be 1-D, got shape (2, 2)"),
+    rows = "generate_batch(list(ids)) takes its rows as prompts, each without its padding)"
+    for prompt, words in ((torch.tensor([[5, 7, 3]]), "must be 1-D, got shape (1, 3) (a batch of one, e.g. a "
+                                                      "tokenizer's input_ids: pass its row, ids[0])"),
+                          # more than one row: not ids[0], which would drop the other prompts
+                          (np.zeros((2, 2), dtype=np.int64), f"must be 1-D, got shape (2, 2) (2 prompts: {rows}"),
+                          (torch.tensor([[5, 6], [7, 8], [9, 10]]), f"must be 1-D, got shape (3, 2) (3 prompts: {rows}"),
                           (torch.tensor([5.0, 7.0]), "must be integers, got a tensor of torch.float32"),
                           (np.array([0.5]), "must be integers, got an array of float64")):
         with pytest.raises(DFlashError, match=re.escape(words)):
@@ -1240,6 +1244,18 @@ def test_api_misuse_found_by_a_trial_gets_a_clear_error(engine):
         with pytest.raises(DFlashError, match=r"^prompts is a list of prompts, .*: pass \[prompt\]$"):
             engine.generate_batch(prompt, max_new_tokens=2)
     assert len(engine.generate_batch([[5, 6, 7]], max_new_tokens=2)) == 1
+    # a tensor or array of several prompts (it said "prompts must be a non-empty list")
+    ids = [[5, 6], [7, 8]]
+    for kind, name in ((torch.tensor, "Tensor"), (np.array, "ndarray")):
+        with pytest.raises(DFlashError, match=re.escape(f"prompts must be a non-empty list of prompts, got a 2-D {name} of "
+                                                        "shape (2, 2): generate_batch(list(ids)) takes its rows as "
+                                                        "prompts, each without its padding")):
+            engine.generate_batch(kind(ids), max_new_tokens=2)
+        assert [r.token_ids for r in engine.generate_batch(list(kind(ids)), max_new_tokens=2)] == \
+            [r.token_ids for r in engine.generate_batch(ids, max_new_tokens=2)]
+    for prompts, given in (([], "an empty one"), ("hi", "str")):
+        with pytest.raises(DFlashError, match=f"^prompts must be a non-empty list of prompts, got {given}$"):
+            engine.generate_batch(prompts, max_new_tokens=2)
     with pytest.raises(DFlashError, match="^chat applies to a text prompt"):
         engine.encode_prompt([5, 6, 7], chat=True)
     vocab = engine.target.config.vocab_size
