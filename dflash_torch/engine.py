@@ -600,9 +600,7 @@ class DFlashEngine:
             raise OptionError("continue_final_message needs add_generation_prompt false: the prompt ends either inside "
                               "the last message or after the opening of a new assistant turn",
                               "continue_final_message", "add_generation_prompt")
-        template_kwargs = None if chat_template_kwargs is None else \
-            options.check_chat_template_kwargs(chat_template_kwargs, self.reserved_template_variables())
-        tools = options.check_tools(tools)
+        template_kwargs, tools = self._chat_options(chat_template_kwargs, tools)
         prompt = options.as_prompt(prompt)
         if isinstance(prompt, list) and not prompt:
             raise DFlashError("the prompt is empty (no tokens or messages)")
@@ -639,6 +637,14 @@ class DFlashEngine:
         if check_length:
             self._check_length(len(prompt))
         return self._encode(prompt)
+
+    def _chat_options(self, chat_template_kwargs: dict | None, tools: list[dict] | None) -> tuple[dict | None, list | None]:
+        """:meth:`encode_prompt`'s ``chat_template_kwargs`` and ``tools``, checked (what
+        :func:`~dflash_torch.options.check_chat_template_kwargs` and
+        :func:`~dflash_torch.options.check_tools` return)."""
+        template_kwargs = None if chat_template_kwargs is None else \
+            options.check_chat_template_kwargs(chat_template_kwargs, self.reserved_template_variables())
+        return template_kwargs, options.check_tools(tools)
 
     def reserved_template_variables(self) -> list[str]:
         """The named parameters of the tokenizer's ``apply_chat_template``, and ``messages``
@@ -1278,6 +1284,7 @@ class DFlashEngine:
                    skip_special_tokens=_per_prompt(skip_special_tokens, n, "skip_special_tokens"),
                    include_stop_str_in_output=_per_prompt(include_stop_str_in_output, n, "include_stop_str_in_output"))
         options.check_flag(chat, "chat")
+        self._chat_options(chat_template_kwargs, tools)  # (one value for all prompts: its error names no prompt)
         requests = []
         for i, prompt in enumerate(prompts):  # every prompt is checked before any is decoded
             stopper = None  # (set: the options are fine, an error is about the prompt itself)

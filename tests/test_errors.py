@@ -1264,6 +1264,20 @@ def test_api_misuse_found_by_a_trial_gets_a_clear_error(engine):
             engine.decode([3, bad])
 
 
+def test_a_bad_option_of_all_prompts_names_no_prompt(engine):
+    """chat_template_kwargs and tools are one value for all the prompts of generate_batch: an
+    error about that value names no prompt (it said "prompt 0: ..."); one about a prompt with
+    it still names the prompt."""
+    messages = [{"role": "user", "content": "a"}]
+    for kw, words in ((dict(chat_template_kwargs=[{"a": 1}, {"a": 2}]),
+                       "chat_template_kwargs must be an object (a dict) with string keys, got [{'a': 1}, {'a': 2}]"),
+                      (dict(tools={"type": "function"}), "tools must be a list of objects (dicts), got {'type': 'function'}")):
+        with pytest.raises(DFlashError, match="^" + re.escape(words) + "$"):
+            engine.generate_batch([messages, messages], max_new_tokens=2, **kw)
+    with pytest.raises(DFlashError, match=r"^prompt 1: chat_template_kwargs apply to chat prompts only"):
+        engine.generate_batch([messages, [5, 6]], chat_template_kwargs={"a": 1}, max_new_tokens=2)
+
+
 def test_weights_that_cannot_be_mapped_or_allocated_are_one_line_errors(tiny_pair, monkeypatch, capsys):
     """A process that may not map or allocate the weights (``ulimit -v``, a device out of
     memory: torch raises RuntimeError, injected here into safetensors' open) gets one line
