@@ -155,6 +155,36 @@ class StreamChunk:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
+@functools.cache
+def _keywords(*takes: Callable) -> list[str]:
+    """The names that the functions ``takes`` accept as keyword arguments (``self`` aside)."""
+    return [name for f in takes for name, p in inspect.signature(f).parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name != "self"]
+
+
+def _check_arguments(method: str, kwargs: dict, *takes: Callable) -> None:
+    """Raises TypeError, as Python does for ``method``, for a keyword that none of ``takes``
+    accepts, naming the closest one they do (``max_tokens``: did you mean ``max_new_tokens``?)."""
+    import difflib
+
+    known = _keywords(*takes)
+    for name in kwargs:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{method}() got an unexpected keyword argument {name!r}{hint}")
+
+
+def _named_arguments(method: Callable) -> Callable:
+    """``method``, whose unknown keyword argument is :func:`_check_arguments`' TypeError
+    (with its hint) instead of Python's."""
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        _check_arguments(method.__qualname__, kwargs, method)
+        return method(self, *args, **kwargs)
+    return checked
+
+
 class DFlashEngine:
     """A loaded target (+ optional DFlash drafter) and its tokenizer.
 
@@ -212,6 +242,7 @@ class DFlashEngine:
                  block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash",
                  max_batch_size: int = 8, reuse_prefix: bool = True, draft_max_batch_size: int | str | None = None,
                  prefix_slots: int = 0, **decoder_options):
+        _check_arguments("DFlashEngine.__init__", decoder_options, SpeculativeDecoder, DFlashEngine)
         if not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode", "get_vocab",
                                                                    "convert_tokens_to_ids")):
             raise DFlashError(f"tokenizer must be a transformers tokenizer (e.g. AutoTokenizer.from_pretrained of the "
@@ -780,7 +811,7 @@ class DFlashEngine:
         commits it; an exception it raises stops the generation and is raised here. It
         must not call the engine (such a call raises :class:`DFlashError`).
         """
-        _check_arguments("generate", kwargs, self.stream)
+        _check_arguments("DFlashEngine.generate", kwargs, DFlashEngine.stream)
         if on_chunk is not None and not callable(on_chunk):
             raise OptionError(f"on_chunk must be a function of a StreamChunk (or None), got {type(on_chunk).__name__}",
                               "on_chunk")
@@ -806,6 +837,7 @@ class DFlashEngine:
         return GenerationResult("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
                                 last.finish_reason, last.stats, logprobs, chunks[0].prompt_logprobs)
 
+    @_named_arguments
     def stream(
         self,
         prompt: str | list[dict] | list[int],
@@ -1196,6 +1228,7 @@ class DFlashEngine:
         return Stopper(decode, stops, stop_ids, max_new_tokens, min_tokens, include_stop_str_in_output,
                        self.byte_token_values)
 
+    @_named_arguments
     def generate_batch(
         self,
         prompts: Sequence[str | list[dict] | list[int]],
@@ -1498,19 +1531,6 @@ def _call_arguments(arguments, message: int, call: int) -> dict:
         raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
                           f"got {options.json_type(arguments)}")
     return arguments
-
-
-def _check_arguments(method: str, kwargs: dict, takes: Callable) -> None:
-    """Raises TypeError, as Python does for ``method``, for a keyword ``takes`` has not,
-    naming the closest one it has (``max_tokens``: did you mean ``max_new_tokens``?)."""
-    import difflib
-
-    known = [p.name for p in inspect.signature(takes).parameters.values() if p.kind is p.KEYWORD_ONLY]
-    for name in kwargs:
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise TypeError(f"{method}() got an unexpected keyword argument {name!r}{hint}")
 
 
 def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list:

@@ -1229,9 +1229,25 @@ def test_numpy_scalars_are_the_numbers_they_hold(engine):
 
 
 def test_a_misspelt_argument_or_a_callback_that_is_not_one_is_named(engine):
-    with pytest.raises(TypeError, match=r"^generate\(\) got an unexpected keyword argument 'max_tokens' \(did you mean "
-                                        r"'max_new_tokens'\?\)$"):
-        engine.generate("x", max_tokens=5)
+    """generate, stream and generate_batch name the closest argument (stream and generate_batch
+    gave Python's TypeError without it); the constructor names DFlashEngine (it named
+    SpeculativeDecoder, which the user did not call), as Python names a method."""
+    for method, call in (("generate", lambda **kw: engine.generate("x", **kw)),
+                         ("stream", lambda **kw: engine.stream("x", **kw)),
+                         ("generate_batch", lambda **kw: engine.generate_batch(["x", "y"], **kw))):
+        with pytest.raises(TypeError, match=rf"^DFlashEngine\.{method}\(\) got an unexpected keyword argument "
+                                            r"'max_tokens' \(did you mean 'max_new_tokens'\?\)$"):
+            call(max_tokens=5)
+        with pytest.raises(TypeError, match=rf"^DFlashEngine\.{method}\(\) got an unexpected keyword argument 'bogus'$"):
+            call(bogus=1)
+    parts = engine.target, engine.tokenizer, engine.drafter
+    with pytest.raises(TypeError, match=r"^DFlashEngine\.__init__\(\) got an unexpected keyword argument 'bogus'$"):
+        DFlashEngine(*parts, bogus=1)
+    for wrong, right in (("prefil_chunk", "prefill_chunk"), ("max_batchsize", "max_batch_size")):
+        with pytest.raises(TypeError, match=rf"^DFlashEngine\.__init__\(\) got an unexpected keyword argument "
+                                            rf"'{wrong}' \(did you mean '{right}'\?\)$"):
+            DFlashEngine(*parts, **{wrong: 1})
+    assert DFlashEngine(*parts, prefill_chunk=64).decoder.prefill_chunk == 64
     with pytest.raises(DFlashError, match=r"^on_chunk must be a function of a StreamChunk \(or None\), got int$"):
         engine.generate("x", max_new_tokens=2, on_chunk=5)
 
