@@ -182,6 +182,29 @@ def check_max_batch_size(value, name: str = "max_batch_size") -> int:
     return value
 
 
+DEFAULT_MAX_BATCH_SIZE = 8  # an engine's slots where none are given (and a server's)
+
+
+def check_engine_max_batch_size(value, *, drafter: bool = True, draft_mode: str = "inject") -> int:
+    """An engine's ``max_batch_size`` (:func:`check_max_batch_size`), for a decoder with a
+    drafter or not (``drafter``) and its ``draft_mode``. None: the default,
+    :data:`DEFAULT_MAX_BATCH_SIZE`, but 1 with ``draft_mode="recompute"`` (with a drafter),
+    which decodes one sequence at a time; there a larger value would have no effect, so it
+    is refused.
+
+    Raises:
+        OptionError: not an integer >= 1, or > 1 with ``draft_mode="recompute"``.
+    """
+    serial = drafter and draft_mode == "recompute"
+    if plain(value) is None:
+        return 1 if serial else DEFAULT_MAX_BATCH_SIZE
+    value = check_max_batch_size(value)
+    if value > 1 and serial:
+        raise OptionError("max_batch_size has no effect with draft_mode 'recompute' (it decodes one sequence at a "
+                          "time); drop it", "max_batch_size", "draft_mode")
+    return value
+
+
 class SlotKVCache(RingLayers):
     """Keys and values of many sequences: ``k[layer]``/``v[layer]`` of shape
     ``[slots, kv_heads, rows, head_dim]``, one slot per sequence (``rows``: the capacity,

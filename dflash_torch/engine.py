@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from . import compute, options
-from .batch import BatchDecoder, check_draft_max_batch_size, check_max_batch_size, check_prefix_slots
+from .batch import BatchDecoder, check_draft_max_batch_size, check_engine_max_batch_size, check_prefix_slots
 from .checkpoint import available_memory, check_links, checkpoint_dir, load_config, read_json_object
 from .decoding import Round, SpeculativeDecoder
 from .errors import DFlashError, OptionError
@@ -208,7 +208,9 @@ class DFlashEngine:
     ``max_context`` tokens; a longer one is refused without being tokenized.
 
     ``max_batch_size``: sequences :meth:`generate_batch` decodes together (the slots of
-    :meth:`batch_decoder`, whose caches are allocated on first use).
+    :meth:`batch_decoder`, whose caches are allocated on first use); None: 8, or 1 with
+    ``draft_mode="recompute"``, which decodes one sequence at a time (a larger value is
+    refused there: it would have no effect).
 
     ``reuse_prefix``: the caches keep a finished sequence's rows and a later prompt that
     starts with its tokens (the next turn of a chat) reuses them instead of reading them
@@ -240,7 +242,7 @@ class DFlashEngine:
 
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
                  block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash",
-                 max_batch_size: int = 8, reuse_prefix: bool = True, draft_max_batch_size: int | str | None = None,
+                 max_batch_size: int | None = None, reuse_prefix: bool = True, draft_max_batch_size: int | str | None = None,
                  prefix_slots: int = 0, **decoder_options):
         _check_arguments("DFlashEngine.__init__", decoder_options, SpeculativeDecoder, DFlashEngine)
         if not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode", "get_vocab",
@@ -249,7 +251,8 @@ class DFlashEngine:
                               f"target's directory), got {type(tokenizer).__name__}: DFlashEngine(target, tokenizer, "
                               "drafter) takes it second")
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
-        self.max_batch_size = check_max_batch_size(max_batch_size)
+        self.max_batch_size = check_engine_max_batch_size(max_batch_size, drafter=drafter is not None,
+                                                          draft_mode=draft_mode)
         self.reuse_prefix = options.check_flag(reuse_prefix, "reuse_prefix")
         self.prefix_slots = check_prefix_slots(prefix_slots, self.reuse_prefix)
         self._batch: BatchDecoder | None = None
@@ -288,7 +291,7 @@ class DFlashEngine:
         static: bool = False,
         max_context: int | None = None,
         prefill_chunk: int = 256,
-        max_batch_size: int = 8,
+        max_batch_size: int | None = None,
         reuse_prefix: bool = True,
         draft_max_batch_size: int | str | None = None,
         prefix_slots: int = 0,
@@ -324,7 +327,9 @@ class DFlashEngine:
                 long prompt in fewer forwards, smaller bounds the activations of one (and
                 of a joining prompt in a batch round).
             max_batch_size: sequences decoded together by :meth:`generate_batch`
-                (its caches hold ``max_batch_size`` x ``max_context`` positions).
+                (its caches hold ``max_batch_size`` x ``max_context`` positions); default
+                8, or 1 with ``draft_mode="recompute"``, which decodes one sequence at a time
+                (a larger value is refused there: it would have no effect).
             reuse_prefix: prompt-prefix reuse (default True): in :meth:`generate` / :meth:`stream`,
                 of the last request's rows (``SpeculativeDecoder(reuse_prefix=...)``), and in the
                 batch decoder (see :class:`~dflash_torch.batch.BatchDecoder`).
@@ -358,7 +363,8 @@ class DFlashEngine:
                 max_context, a yes/no option that is not a bool (see :mod:`dflash_torch.options`;
                 checked before any weight is read), ``compile=True`` with
                 ``draft_mode="recompute"`` (its shapes grow every round), ``draft_max_batch_size``
-                where it has no effect (see above).
+                where it has no effect (see above), ``max_batch_size`` > 1 with
+                ``draft_mode="recompute"``.
         """
         for name, flag in dict(no_draft=no_draft, compile=compile, pack=pack, static=static,
                                reuse_prefix=reuse_prefix).items():
@@ -416,7 +422,7 @@ class DFlashEngine:
         options.check_int_weights(int_weights, target_cfg.int_quant is not None)
         options.check_nvfp4(nvfp4, target_cfg.nvfp4 not in (None, "modelopt-fp8"),
                             fp8_only=target_cfg.nvfp4 == "modelopt-fp8")
-        check_max_batch_size(max_batch_size)
+        check_engine_max_batch_size(max_batch_size, drafter=not no_draft, draft_mode=draft_mode)
         check_prefix_slots(prefix_slots, reuse_prefix, draft_mode)
         options.check_count(prefill_chunk, "prefill_chunk")
         check_draft_max_batch_size(draft_max_batch_size, drafter=not no_draft, draft_mode=draft_mode,

@@ -313,8 +313,8 @@ def test_a_full_queue_answers_503_with_retry_after_at_once(tiny_pair, tmp_path):
         # three choices are more than the slot and the queue hold: a 400, whatever the load
         err = _assert_openai_error(srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 3}), 400)
         assert err["param"] == "n" and err["message"] == (
-            "3 choices (1 prompts x n=3) are more than this server holds (2: 1 slots, --max-batch-size, and 1 waiting, "
-            "--max-queue)"), err
+            "3 choices (1 prompt x n=3) are more than this server holds (2: 1 slot (--max-batch-size) and 1 waiting "
+            "place (--max-queue))"), err
         r = srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 2})  # (two fit, once both are free)
         err = _assert_openai_error(r, 503)
         assert err["code"] == "queue_full" and err["message"] == (
@@ -341,13 +341,150 @@ def test_a_full_queue_answers_503_with_retry_after_at_once(tiny_pair, tmp_path):
         assert "Traceback" not in srv.log.read_text()
 
 
-@pytest.mark.parametrize("flag", ["--max-queue", "--max-batch-size", "--warmup-context"])
-def test_serve_refuses_bad_slot_flags_before_loading_models(flag, capsys):
+class _Streams:
+    """Streams of long completions that run until told to stop (each holds a slot)."""
+
+    def __init__(self, srv):
+        self.srv, self.stop, self.threads, self.started = srv, threading.Event(), [], []
+
+    def start(self):
+        started = threading.Event()
+        body = {"model": MODEL, "prompt": PROMPT, "stream": True, "temperature": 0, "max_tokens": 1000,
+                "ignore_eos": True}
+
+        def stream():
+            with httpx.stream("POST", f"{self.srv.base}/v1/completions", json=body,
+                              headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as r:
+                for _ in r.iter_lines():
+                    started.set()
+                    if self.stop.is_set():
+                        return  # closes the connection
+
+        t = threading.Thread(target=stream)
+        t.start()
+        self.threads.append(t)
+        assert started.wait(120), self.srv.log.read_text()
+
+    def wait_for(self, name: str, value: float):
+        while _gauge(self.srv.metrics(), name) != value:
+            self.stop.wait(0.05)
+
+    def end(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+        self.wait_for("dflash_running_requests", 0)
+
+
+def test_max_queue_0_serves_while_a_slot_is_free_and_answers_503_at_once_when_all_are_busy(tiny_pair, tmp_path):
+    """--max-queue 0: no waiting places (it was refused, "--max-queue must be an integer >= 1").
+    With two slots, a request runs while one stream holds a slot; with both busy, one gets
+    a 503 with Retry-After at once; requests one after the other never meet a busy slot
+    (a slot is free before its request's answer ends)."""
+    with _serve(tiny_pair, tmp_path, "--max-batch-size", "2", "--max-queue", "0") as srv:
+        assert "slots, queue 0," in srv.log.read_text()
+        for _ in range(6):  # back to back
+            assert srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).status_code == 200
+        r = srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "n": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+        err = _assert_openai_error(srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 3}), 400)
+        assert err["param"] == "n" and err["message"] == (
+            "3 choices (1 prompt x n=3) are more than this server holds (2: 2 slots (--max-batch-size) and no waiting "
+            "places (--max-queue 0))"), err
+        streams = _Streams(srv)
+        streams.start()
+        streams.wait_for("dflash_running_requests", 1)
+        r = srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text  # the free slot
+        err = _assert_openai_error(srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 2}), 503)
+        assert err["message"] == ("the server has no room for this request's 2 choices now: 1 of 2 slots busy "
+                                  "(--max-batch-size) and no waiting places (--max-queue 0); retry in 1 s"), err
+        streams.start()
+        streams.wait_for("dflash_running_requests", 2)
+        r = srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        err = _assert_openai_error(r, 503)
+        assert err["code"] == "queue_full" and int(r.headers["retry-after"]) >= 1
+        assert err["message"] == ("the server is full: 2 of 2 slots busy (--max-batch-size) and no waiting places "
+                                  "(--max-queue 0); retry in 1 s"), err
+        assert all(t.is_alive() for t in streams.threads)  # the refusal did not wait for them
+        streams.end()
+        assert srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).status_code == 200
+        m = srv.metrics()
+        assert m[("dflash_rejected_requests_total", ())] == 2 and _gauge(m, "dflash_waiting_requests") == 0
+        assert "Traceback" not in srv.log.read_text()
+
+
+def test_recompute_messages_name_it_as_the_cause_of_its_one_slot(tiny_pair, tmp_path):
+    """--draft-mode recompute decodes one sequence at a time: the 400 of too many choices and
+    the 503 of a full server said "1 slots, --max-batch-size" / "1 of 1 slots busy
+    (--max-batch-size)", blaming a flag that had not set it (and "1 prompts")."""
+    with _serve(tiny_pair, tmp_path, "--draft-mode", "recompute", "--max-queue", "1") as srv:
+        assert "1 slot, queue 1," in srv.log.read_text()
+        err = _assert_openai_error(srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 3}), 400)
+        assert err["message"] == (
+            "3 choices (1 prompt x n=3) are more than this server holds (2: 1 slot (--draft-mode recompute decodes "
+            "one sequence at a time) and 1 waiting place (--max-queue))"), err
+        streams = _Streams(srv)
+        streams.start()
+        streams.wait_for("dflash_running_requests", 1)
+        waiting = {}
+        second = threading.Thread(target=lambda: waiting.setdefault(
+            "r", srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})))
+        second.start()
+        streams.wait_for("dflash_waiting_requests", 1)
+        err = _assert_openai_error(srv.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}), 503)
+        assert err["message"] == ("the server is full: 1 of 1 slots busy (--draft-mode recompute decodes one sequence "
+                                  "at a time) and 1 of 1 waiting places taken (--max-queue); retry in 1 s"), err
+        streams.end()
+        second.join(120)
+        assert waiting["r"].status_code == 200, waiting["r"].text
+
+
+def test_max_batch_size_above_1_with_recompute_is_refused_in_one_line(tiny_pair, capsys):
+    """It has no effect (one sequence at a time), as --prefix-slots and --draft-max-batch-size
+    there: the CLI refuses it before loading models, and so do from_pretrained and create_app.
+    Left out (or 1) it is one slot."""
+    from dflash_torch import DFlashEngine
+    from dflash_torch.cli import main as cli_main
+    from dflash_torch.errors import DFlashError
+    from dflash_torch.serving.app import create_app
+
+    argv = ["serve", "--port", str(_free_port()), "--draft-mode", "recompute", "--target", "/nonexistent"]
+    assert cli_main([*argv, "--max-batch-size", "4"]) == 2
+    assert capsys.readouterr().err == ("dflash-torch: error: --max-batch-size has no effect with --draft-mode "
+                                       "recompute (it decodes one sequence at a time); drop it\n")
+    for ok in ([], ["--max-batch-size", "1"]):  # (then the missing target)
+        assert cli_main([*argv, *ok]) == 2
+        assert "--max-batch-size" not in capsys.readouterr().err
+    with pytest.raises(DFlashError) as exc:
+        DFlashEngine.from_pretrained(*tiny_pair, draft_mode="recompute", max_batch_size=4)
+    assert str(exc.value) == ("max_batch_size has no effect with draft_mode 'recompute' (it decodes one sequence at "
+                              "a time); drop it")
+    engine = DFlashEngine.from_pretrained(*tiny_pair, draft_mode="recompute")
+    assert engine.max_batch_size == 1
+    assert DFlashEngine.from_pretrained(*tiny_pair, draft_mode="recompute", max_batch_size=1).max_batch_size == 1
+    assert DFlashEngine.from_pretrained(*tiny_pair).max_batch_size == 8
+    with pytest.raises(DFlashError) as exc:
+        DFlashEngine(engine.target, engine.tokenizer, engine.drafter, draft_mode="recompute", max_batch_size=2)
+    assert str(exc.value).startswith("max_batch_size has no effect with draft_mode 'recompute'")
+    with pytest.raises(DFlashError) as exc:
+        create_app(engine, max_batch_size=4)
+    assert str(exc.value) == ("max_batch_size has no effect with an engine of draft_mode 'recompute' (it decodes one "
+                              "sequence at a time); drop it")
+    for kw in ({}, {"max_batch_size": 1}):
+        app = create_app(engine, **kw)
+        assert app.state.scheduler.max_batch_size == 1
+        app.state.scheduler.close()
+
+
+@pytest.mark.parametrize("flag, value, least", [("--max-queue", "-1", ">= 0"), ("--max-batch-size", "0", ">= 1"),
+                                               ("--warmup-context", "0", ">= 1")])
+def test_serve_refuses_bad_slot_flags_before_loading_models(flag, value, least, capsys):
     from dflash_torch.cli import main as cli_main
 
-    assert cli_main(["serve", "--port", str(_free_port()), flag, "0", "--target", "/nonexistent"]) == 2
+    assert cli_main(["serve", "--port", str(_free_port()), flag, value, "--target", "/nonexistent"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and flag in err[0] and ">= 1" in err[0], err
+    assert len(err) == 1 and flag in err[0] and least in err[0], err
 
 
 def test_serve_refuses_warmup_context_without_compile(capsys):
@@ -748,3 +885,6 @@ def test_queue_full_message_counts_waiting_sequences_as_busy_slots_first():
     assert str(QueueFull(3, 2, 4, 1)) == ("the server has no room for this request's 2 choices now: 3 of 4 slots "
                                           "busy (--max-batch-size) and 0 of 1 waiting places taken (--max-queue); "
                                           "retry in 1 s")
+    assert str(QueueFull(1, 1, 1, 0, slots_why="--draft-mode recompute decodes one sequence at a time")) == (
+        "the server is full: 1 of 1 slots busy (--draft-mode recompute decodes one sequence at a time) and no "
+        "waiting places (--max-queue 0); retry in 1 s")

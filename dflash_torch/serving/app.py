@@ -89,6 +89,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
+from ..batch import DEFAULT_MAX_BATCH_SIZE
 from ..engine import StreamChunk
 from ..errors import DFlashError
 from ..options import (check_api_key, check_chat_template_kwargs, check_flag, check_keepalive, check_min_tokens_default,
@@ -104,8 +105,8 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
 from .reasoning import (GEMMA4_CLOSE, GEMMA4_OPEN, HARMONY_MARKERS, THINK_CLOSE, THINK_OPEN, check_reasoning_parser,
                         resolve_parser)
 from .responses import ResponseBuilder, marker_pieces, sse_event
-from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, choice_seed, fit_max_tokens,
-                        log, make_backend, param_of)
+from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, check_slots, choice_seed,
+                        fit_max_tokens, log, make_backend, param_of)
 from .tools import (CALL_CLOSE, CALL_OPEN, FORCED_CALL_GRAMMARS, GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_QUOTE,
                     MINIMAX_CALL_CLOSE, MINIMAX_CALL_OPEN, check_tool_parser, new_reply_parser, parse_reply,
                     resolve_tool_parser)
@@ -157,6 +158,11 @@ def _as_responses(exc: APIError, req: ResponsesRequest) -> APIError:
 def _one_line(exc: Exception) -> str:
     text = " ".join(str(exc).split())
     return text[:300] or type(exc).__name__
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 slot``, ``3 slots``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _sse(obj) -> str:
@@ -403,7 +409,7 @@ async def with_keepalive(frames: AsyncIterator[str], interval: float) -> AsyncIt
                 await it.aclose()
 
 
-def create_app(engine, api_key: str | None = None, model_name: str | None = None, *, max_batch_size: int = 8,
+def create_app(engine, api_key: str | None = None, model_name: str | None = None, *, max_batch_size: int | None = None,
                max_queue: int = 64, chat_template_kwargs: dict | None = None,
                reasoning_parser: str = "auto", tool_call_parser: str = "auto",
                generation_config: str = "auto", sse_keepalive: float = 15.0,
@@ -416,10 +422,13 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``
             (``/health`` and ``/metrics`` stay open); surrounding whitespace is dropped.
         model_name: the model id clients must use (default: ``engine.name``).
-        max_batch_size: most sequences decoded together (slots); an engine that decodes
-            one sequence at a time has one (see :func:`.scheduler.make_backend`).
-        max_queue: sequences that may wait for a slot; a request that does not fit gets
-            a 503 with ``Retry-After`` at once.
+        max_batch_size: most sequences decoded together (slots; default 8, at most the
+            engine's ``max_batch_size``); an engine that decodes one sequence at a time
+            (``draft_mode="recompute"``) has one, and refuses a larger ``max_batch_size``
+            (see :func:`.scheduler.make_backend`).
+        max_queue: sequences that may wait for a slot (0: none, a request is taken only
+            when free slots hold all its choices); a request that does not fit gets a 503
+            with ``Retry-After`` at once.
         chat_template_kwargs: extra chat template variables of every chat request (e.g.
             ``{"enable_thinking": False}``); a request's own ``chat_template_kwargs`` and
             ``reasoning_effort`` override them (:meth:`DFlashEngine.encode_prompt`).
@@ -454,7 +463,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             blank ``model_name``; ``chat_template_kwargs`` not a dict of string keys or setting
             an argument of the template call; an unknown ``reasoning_parser`` or ``tool_call_parser``,
             or ``harmony`` tool calls without ``harmony`` reasoning; ``max_batch_size``
-            or ``max_queue`` not an integer >= 1; a ``generation_config`` other than ``auto``
+            not an integer >= 1, or > 1 for an engine of ``draft_mode="recompute"``;
+            ``max_queue`` not an integer >= 0; a ``generation_config`` other than ``auto``
             or ``none``, or ``auto`` with a bad value in the target's ``generation_config.json``;
             ``sse_keepalive`` not a finite number >= 0; the CORS lists not lists of strings or
             ``allow_credentials`` not a bool; batch caches of ``max_batch_size`` x the
@@ -486,6 +496,12 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 allow_headers=check_strings(allowed_headers, "allowed_headers"),
                 allow_credentials=check_flag(allow_credentials, "allow_credentials"), expose_headers=["Retry-After"])
     metrics = ServerMetrics(block_size=getattr(engine, "block_size", 16) or 16)
+    if max_batch_size is None:
+        max_batch_size = DEFAULT_MAX_BATCH_SIZE
+    elif max_batch_size != 1 and not getattr(engine, "batched", True):  # (as from_pretrained refuses it)
+        check_slots(max_batch_size, "max_batch_size")
+        raise DFlashError("max_batch_size has no effect with an engine of draft_mode 'recompute' (it decodes one "
+                          "sequence at a time); drop it")
     scheduler = Scheduler(make_backend(engine, max_batch_size), metrics, max_queue=max_queue)
     metrics.open_requests.set_function(scheduler.open_jobs)
     created = int(time.time())
@@ -867,9 +883,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         n = req.n or 1
         room = scheduler.max_batch_size + scheduler.max_queue  # (a request that fits it may wait for it: a 503)
         if n * len(prompts) > room:
-            raise APIError(400, f"{n * len(prompts)} choices ({len(prompts)} prompts x n={n}) are more than this server "
-                                f"holds ({room}: {scheduler.max_batch_size} slots, --max-batch-size, and "
-                                f"{scheduler.max_queue} waiting, --max-queue)", param="n" if len(prompts) == 1 else "prompt")
+            slots, queue = scheduler.max_batch_size, scheduler.max_queue
+            raise APIError(400, f"{n * len(prompts)} choices ({_count(len(prompts), 'prompt')} x n={n}) are more than "
+                                f"this server holds ({room}: {_count(slots, 'slot')} ({scheduler.slots_why}) and "
+                                f"{_count(queue, 'waiting place') if queue else 'no waiting places'} (--max-queue"
+                                f"{'' if queue else ' 0'}))", param="n" if len(prompts) == 1 else "prompt")
         template_kwargs = req.template_kwargs(default_template_kwargs) if chat else None
         tools = req.engine_tools() if chat else None
         requested = 1 if req.scores_only() else req.requested_max_tokens()  # (scores only: one token, dropped)

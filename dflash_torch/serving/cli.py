@@ -40,12 +40,12 @@ def register(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $DFLASH_API_KEY, else no key)")
     p.add_argument("--model-name", default=None,
                    help="model id clients use (default: the target directory's name, or its Hugging Face id as given)")
-    p.add_argument("--max-batch-size", type=int, default=8,
+    p.add_argument("--max-batch-size", type=int, default=None,
                    help="most sequences decoded together (default 8; --draft-mode recompute decodes one "
-                        "sequence at a time: one slot)")
+                        "sequence at a time: one slot, and refuses a larger value)")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="sequences that may wait for a slot (default 64); a request that does not fit gets "
-                        "503 with Retry-After")
+                   help="sequences that may wait for a slot (default 64; 0: none, a request is taken only when "
+                        "free slots hold all its choices); a request that does not fit gets 503 with Retry-After")
     p.add_argument("--warmup-context", type=int, default=None,
                    help="with --compile: build at start-up the graphs of every length bucket that sequences "
                         "of up to this many tokens reach (default 256, the first bucket); a request that goes "
@@ -113,8 +113,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise DFlashError(f"--port must be in [1, 65535], got {args.port}")
     api_key = check_api_key(args.api_key, "--api-key (or $DFLASH_API_KEY)")
     check_model_name(args.model_name, "--model-name")
-    check_slots(args.max_batch_size, "--max-batch-size")
-    check_slots(args.max_queue, "--max-queue")
+    if args.max_batch_size is not None:  # (None: 8, or 1 with --draft-mode recompute)
+        check_slots(args.max_batch_size, "--max-batch-size")
+        if args.max_batch_size > 1 and args.draft_mode == "recompute" and not args.no_draft:
+            raise DFlashError("--max-batch-size has no effect with --draft-mode recompute (it decodes one sequence "
+                              "at a time); drop it")
+    check_slots(args.max_queue, "--max-queue", minimum=0)
     if args.warmup_context is not None:
         check_count(args.warmup_context, "--warmup-context")
         if not args.compile:
@@ -130,7 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     if args.compile:
         print("dflash-torch: compiling the decoding graphs (one-off) ...", flush=True)
-        took = engine.warmup(batch=args.max_batch_size > 1, context=args.warmup_context or 256)
+        took = engine.warmup(batch=engine.max_batch_size > 1, context=args.warmup_context or 256)
         print(f"dflash-torch: compiled in {took:.1f} s", flush=True)
         warn_compile_losses(args)
     app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,

@@ -117,12 +117,15 @@ class QueueFull(Exception):
     """The slots and the waiting places cannot take the job now; retry after ``retry_after`` seconds.
 
     ``held`` sequences run or wait; waiting ones take a free slot first, so the message
-    counts them as the busy slots and then the taken waiting places."""
+    counts them as the busy slots and then the taken waiting places. ``slots_why``: what
+    set the number of slots (the backend's ``slots_why``)."""
 
-    def __init__(self, held: int, asked: int, max_batch_size: int, max_queue: int, retry_after: int = RETRY_AFTER_S):
+    def __init__(self, held: int, asked: int, max_batch_size: int, max_queue: int, retry_after: int = RETRY_AFTER_S,
+                 slots_why: str = "--max-batch-size"):
         busy = min(held, max_batch_size)
-        state = (f"{busy} of {max_batch_size} slots busy (--max-batch-size) and {held - busy} of {max_queue} "
-                 f"waiting places taken (--max-queue); retry in {retry_after} s")
+        waiting = (f"{held - busy} of {max_queue} waiting places taken (--max-queue)" if max_queue
+                   else "no waiting places (--max-queue 0)")
+        state = f"{busy} of {max_batch_size} slots busy ({slots_why}) and {waiting}; retry in {retry_after} s"
         if asked == 1:
             super().__init__(f"the server is full: {state}")
         else:
@@ -130,14 +133,15 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
-def check_slots(value, name: str) -> int:
-    """``--max-batch-size`` / ``--max-queue``: an integer >= 1.
+def check_slots(value, name: str, minimum: int = 1) -> int:
+    """``--max-batch-size`` / ``--max-queue``: an integer >= ``minimum`` (1; the queue's 0:
+    no waiting places).
 
     Raises:
         DFlashError: anything else (``name`` is the option's name in the message).
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DFlashError(f"{name} must be an integer >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise DFlashError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
 
 
@@ -253,8 +257,9 @@ class SerialBackend:
 
     max_batch_size = 1
 
-    def __init__(self, engine):
+    def __init__(self, engine, slots_why: str = "--max-batch-size"):
         self.engine = engine
+        self.slots_why = slots_why  # (why one slot, for the server's messages)
         self.prefill_tokens = 0
         self.reused_prefill_tokens = 0
         self.target_only_rounds = 0  # (nor a batch to stop drafting for)
@@ -312,6 +317,8 @@ class BatchedBackend:
     def __init__(self, engine, max_batch_size: int):
         self.engine = engine
         self.max_batch_size = min(max_batch_size, engine.max_batch_size)
+        self.slots_why = ("--max-batch-size" if self.max_batch_size == max_batch_size
+                          else "the engine's max_batch_size")  # (for the server's messages)
         compute.run(engine.batch_decoder)
         self._state: dict[Sequence, tuple] = {}  # seq -> (stats, stopper)
 
@@ -371,14 +378,19 @@ def make_backend(engine, max_batch_size: int):
     :class:`BatchedBackend` (``min(max_batch_size, engine.max_batch_size)`` slots) for an
     engine with a batch decoder (pure-attention and hybrid targets), else (also for an
     engine that is not ``batched``: ``draft_mode="recompute"``) :class:`SerialBackend` (one slot).
+    Its ``slots_why`` says what set the number of slots, for the server's messages.
 
     Raises:
         DFlashError: ``max_batch_size`` not an integer >= 1, or batch caches that do not fit.
     """
     check_slots(max_batch_size, "max_batch_size")
-    if max_batch_size > 1 and hasattr(engine, "batch_decoder") and getattr(engine, "batched", True):
-        return BatchedBackend(engine, max_batch_size)
-    return SerialBackend(engine)
+    if max_batch_size == 1:
+        return SerialBackend(engine)
+    if not hasattr(engine, "batch_decoder"):
+        return SerialBackend(engine, "the engine decodes one sequence at a time")
+    if not getattr(engine, "batched", True):
+        return SerialBackend(engine, "--draft-mode recompute decodes one sequence at a time")
+    return BatchedBackend(engine, max_batch_size)
 
 
 class Scheduler:
@@ -387,16 +399,18 @@ class Scheduler:
     Args:
         backend: see the module docstring (e.g. :func:`make_backend`).
         metrics: the app's :class:`ServerMetrics`.
-        max_queue: waiting sequences beyond the free slots (>= 1).
+        max_queue: waiting sequences beyond the free slots (>= 0; 0: a job is taken only
+            when free slots hold all its sequences).
 
     Raises:
-        DFlashError: ``max_queue`` is not an integer >= 1.
+        DFlashError: ``max_queue`` is not an integer >= 0.
     """
 
     def __init__(self, backend, metrics: ServerMetrics, max_queue: int = 64):
         self.backend, self.metrics = backend, metrics
         self.max_batch_size = check_slots(backend.max_batch_size, "max_batch_size")
-        self.max_queue = check_slots(max_queue, "max_queue")
+        self.max_queue = check_slots(max_queue, "max_queue", minimum=0)
+        self.slots_why = getattr(backend, "slots_why", "--max-batch-size")  # (what set max_batch_size)
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # only the drive loop changes it
@@ -422,7 +436,8 @@ class Scheduler:
             held = len(self._waiting) + len(self._running)
             if held + len(job.sequences) > self.max_batch_size + self.max_queue:
                 self.metrics.rejected.inc()
-                raise QueueFull(held, len(job.sequences), self.max_batch_size, self.max_queue)
+                raise QueueFull(held, len(job.sequences), self.max_batch_size, self.max_queue,
+                                slots_why=self.slots_why)
             job.scheduler, job.unfinished = self, len(job.sequences)
             self._jobs.add(job)
             self._waiting.extend(job.sequences)
