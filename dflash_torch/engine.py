@@ -546,8 +546,9 @@ class DFlashEngine:
         return self.decoder.max_context
 
     def warmup(self, max_new_tokens: int = 32, batch: bool = False, context: int | None = None) -> float:
-        """Run one short greedy generation so that a compiled engine builds its graphs
-        for the first length bucket (256 keys) now rather than in the first request.
+        """Run one short greedy generation, then every compiled step at each length bucket
+        up to ``context``, so that a compiled engine builds its graphs now rather than in
+        the first requests.
         Prompt (up to 8 tokens) and generation (up to ``max_new_tokens``) are cut to fit
         ``max_context``, leaving room for two generated tokens (the first comes from the
         prefill, the second from a decoding round) whenever the context has it.
@@ -557,10 +558,12 @@ class DFlashEngine:
             batch: also build the batch decoder's graphs (every batch-size bucket)
                 (:meth:`BatchDecoder.warmup`), as a server that batches needs.
             context: build the graphs of every length bucket that a sequence of up to
-                ``context`` tokens reaches (capped at ``max_context``; default 256, the
-                first bucket): a compiled engine then compiles nothing while it decodes
-                such sequences. Each bucket is a compile per step (times the batch
-                buckets with ``batch``): about 10 to 30 s each on a CPU.
+                ``context`` tokens reaches (capped at ``max_context``; default 256: the
+                first bucket, and the second where rounds near the end of such a sequence
+                or a prefill chunk after a reused prefix reach past it): a compiled engine
+                then compiles nothing while it decodes such sequences. Each bucket is a
+                compile per step (times the batch buckets with ``batch``): about 10 to 30 s
+                each on a CPU.
 
         Returns:
             seconds it took.
@@ -575,8 +578,9 @@ class DFlashEngine:
         t0 = time.perf_counter()
         prompt = [getattr(self.tokenizer, "eos_token_id", None) or 0] * max(1, min(8, self.max_context - 2))
         self.generate(prompt, max_new_tokens=min(max_new_tokens, self.max_context - len(prompt)), ignore_eos=True)
-        if context > 256:
-            compute.run(lambda: self.decoder.warmup(context))
+        # (every bucket up to context: even a short sequence reaches the second one, where its
+        # last rounds pass 256 keys or a reused prefix puts a prefill chunk past them)
+        compute.run(lambda: self.decoder.warmup(context))
         if batch:
             compute.run(lambda: self.batch_decoder().warmup(context))
         return time.perf_counter() - t0

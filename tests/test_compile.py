@@ -233,3 +233,26 @@ def test_compile_caches_are_tied_to_the_custom_operators_schemas(tiny_pair):
         assert tag_compile_caches() == tag
     finally:
         config.cache_key_tag = saved
+
+
+def test_engine_default_warmup_covers_short_sequences_past_the_first_bucket(agree_pair):
+    """DFlashEngine.warmup() (context 256) builds every graph a sequence of up to 256 tokens
+    reaches, the second bucket's too: a prefill chunk after a reused prefix (chunk padded to
+    256 rows from the reuse offset: the 512-key bucket) and the last rounds of a 250-token
+    sequence (a block past 256 keys). It built only the first bucket's, so a chat's second
+    turn compiled (1.2 s for the tiny pair, 10-30 s on a real model)."""
+    from dflash_torch import DFlashEngine
+
+    target, drafter = _load(agree_pair)
+    spec = DFlashEngine.from_pretrained(agree_pair[0], no_draft=True)
+    torch._dynamo.reset()
+    engine = DFlashEngine(target, spec.tokenizer, drafter, max_context=512, compile=True, compile_backend="eager")
+    engine.warmup()
+    frames = dynamo_utils.counters["frames"]["total"]
+    first = engine.generate(list(range(2, 30)), max_new_tokens=20, ignore_eos=True)
+    again = engine.generate(list(range(2, 30)) + first.token_ids + [5, 6, 7], max_new_tokens=20, ignore_eos=True)
+    assert again.stats.cached_prompt_tokens > 0  # (a reused prefix: the prefill chunk starts past 0)
+    long = engine.generate([(7 * i) % 300 + 2 for i in range(200)], max_new_tokens=50, ignore_eos=True)
+    assert dynamo_utils.counters["frames"]["total"] == frames, "a graph was built after warmup()"
+    assert long.token_ids == spec.generate([(7 * i) % 300 + 2 for i in range(200)], max_new_tokens=50,
+                                           ignore_eos=True).token_ids
