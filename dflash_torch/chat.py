@@ -8,7 +8,10 @@ with ``/`` are commands: ``/reset`` (forget the conversation, keep ``--system``)
 (or end of input, Ctrl-D), ``/help``; ``//`` starts a message with ``/``. Ctrl-C stops a reply (what was
 generated is kept in the conversation); at the prompt it exits. A turn the engine refuses
 (e.g. a conversation that outgrew ``--max-context``) prints its error and the conversation
-goes on without it; options that would refuse every turn are refused at start.
+goes on without it; options that would refuse every turn are refused at start. With
+``--compile`` the decoding graphs of turns up to ``--warmup-context`` tokens of context
+(default 256) are built at start, as ``serve`` builds them; a turn that builds a graph after
+that (a longer conversation reaching a new length bucket) says so in its stats line.
 
 A reasoning model's reply (the format the server's ``auto`` reasoning parser picks: ``<think>``
 templates, gpt-oss's harmony channels) shows its reasoning after a ``[reasoning]`` line, then its
@@ -27,9 +30,12 @@ from .cli import (
     add_chat_template_kwargs_arg,
     add_model_args,
     add_sampling_args,
+    add_warmup_arg,
     check_stdout,
+    check_warmup_context,
     error_message,
     load_engine,
+    warm_up,
     write_stdout,
 )
 from .errors import DFlashError
@@ -58,6 +64,7 @@ def register(sub) -> None:
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="read every turn's whole prompt (default: the part the last turn's tokens hold is reused)")
     add_model_args(p)
+    add_warmup_arg(p, "a turn that goes past it compiles its bucket's graphs first (its stats line says so)")
     add_sampling_args(p, "default: the target's generation_config.json's max_new_tokens, else 256; cut to the context "
                          "each turn's prompt leaves", recommended=True)
     p.set_defaults(func=_chat, **dict.fromkeys(RECOMMENDED))  # (None: not given)
@@ -72,12 +79,14 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _chat_here(args: argparse.Namespace) -> int:
     check_stdout()
+    check_warmup_context(args)
     engine = load_engine(args)
     if getattr(engine.tokenizer, "chat_template", None) is None:
         raise DFlashError("the target's tokenizer has no chat template; use 'dflash-torch generate' for plain text")
     kwargs = _sampling(engine, args)
     start = [{"role": "system", "content": args.system}] if args.system is not None else []
     _check_start(engine, start, kwargs)
+    warm_up(engine, args, file=sys.stderr)  # (--compile: the graphs of turns up to --warmup-context tokens, now)
     messages = list(start)
     for stream in (sys.stdin, sys.stdout):  # (bytes that are not text: one turn's error, not a traceback)
         if hasattr(stream, "reconfigure"):
@@ -261,7 +270,11 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
 
     ``reasoning``: the reply's format (:mod:`~dflash_torch.serving.reasoning`): its reasoning
     is shown after a ``[reasoning]`` line, then the answer after an ``[answer]`` line (markers
-    such as harmony's dropped); ``none``: the reply is all answer, shown as it is."""
+    such as harmony's dropped); ``none``: the reply is all answer, shown as it is.
+
+    With a compiled engine, a turn that built a graph (torch's count of traced frames grew:
+    e.g. a length bucket reached for the first time) ends its stats line with ``; times
+    include a one-off compilation``."""
     tokens, stats, finish = 0, None, None
     parts = {"reasoning": [], "answer": []}
     parser = None
@@ -286,6 +299,11 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
         if out:
             write_stdout("".join(out))
 
+    compiled = engine.decoder.compiled
+    if compiled:  # (a turn that builds a graph, e.g. for a length bucket past the warm-up's, says so)
+        from .decoding import compile_counts
+
+        frames = compile_counts()[0]
     chunks = engine.stream(messages, **kwargs)
     try:
         for chunk in chunks:
@@ -307,8 +325,10 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
     if stats is not None:
         decode = (f"mean tau {stats.mean_acceptance_length:.2f}, decode {stats.decode_tokens_per_second:.1f} tok/s, "
                   if stats.acceptance_lengths else "no decoding round, ")
+        built = compiled and compile_counts()[0] > frames
         print(f"[{stats.generated_tokens} tokens, finish={finish}, {decode}prefill {stats.prefill_time * 1000:.0f} ms, "
-              f"{stats.cached_prompt_tokens} of {stats.prompt_tokens} prompt tokens reused]", file=sys.stderr, flush=True)
+              f"{stats.cached_prompt_tokens} of {stats.prompt_tokens} prompt tokens reused"
+              f"{'; times include a one-off compilation' if built else ''}]", file=sys.stderr, flush=True)
     else:  # (stopped before the last chunk, which carries the stats)
         print(f"[{tokens} tokens, finish={finish}]", file=sys.stderr, flush=True)
     return "".join(parts["reasoning"]), "".join(parts["answer"])

@@ -343,6 +343,41 @@ def utf8_text(data: bytes, what: str) -> str:
         raise DFlashError(f"{what} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
 
 
+def add_warmup_arg(p: argparse.ArgumentParser, past: str) -> None:
+    """``--warmup-context`` (serve, chat): how far :func:`warm_up` builds the graphs;
+    ``past``: what happens to a sequence that goes past it."""
+    p.add_argument("--warmup-context", type=int, default=None,
+                   help="with --compile: build at start-up the graphs of every length bucket that sequences "
+                        f"of up to this many tokens reach (default 256); {past}")
+
+
+def check_warmup_context(args: argparse.Namespace) -> None:
+    """Refuse a ``--warmup-context`` that is not a count, or that is given without ``--compile``.
+
+    Raises:
+        DFlashError: naming ``--warmup-context``.
+    """
+    from .options import check_count
+
+    if args.warmup_context is not None:
+        check_count(args.warmup_context, "--warmup-context")
+        if not args.compile:
+            raise DFlashError("--warmup-context has no effect without --compile (nothing is compiled); drop it")
+
+
+def warm_up(engine, args: argparse.Namespace, batch: bool = False, file=None) -> None:
+    """With ``--compile``: build the decoding graphs now (:meth:`DFlashEngine.warmup`, up to
+    ``--warmup-context`` tokens, default 256; ``batch``: the batch decoder's too), saying so
+    and how long it took on ``file`` (default stdout), then :func:`warn_compile_losses`."""
+    if not args.compile:
+        return
+    file = sys.stdout if file is None else file
+    print("dflash-torch: compiling the decoding graphs (one-off) ...", file=file, flush=True)
+    took = engine.warmup(batch=batch, context=args.warmup_context or 256)
+    print(f"dflash-torch: compiled in {took:.1f} s", file=file, flush=True)
+    warn_compile_losses(args)
+
+
 def warn_compile_losses(args: argparse.Namespace) -> None:
     """With ``--compile``: :func:`warn_compile` for the compiled steps of this process
     that ran eager and (on CUDA) the graphs that ran without CUDA graphs."""

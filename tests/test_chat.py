@@ -39,7 +39,7 @@ def replies(engine, turns: list[list[str]]) -> list[str]:
 
 
 def stats_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("[") and "prompt tokens reused]" in line]
+    return [line for line in stderr.splitlines() if line.startswith("[") and "prompt tokens reused" in line]
 
 
 def test_chat_replies_are_the_engines_and_reuse_the_last_turn(tiny_pair, engine):
@@ -341,3 +341,71 @@ def test_help_says_where_the_sampling_defaults_come_from():
     generate = " ".join(run_cli("generate", "--help").stdout.split())
     assert "0 = greedy (default 0)" in generate and "1 = off (default 1)" in generate
     assert "generation_config.json's max_new_tokens, else 256" in generate
+
+
+def test_chat_compile_warms_up_and_says_when_a_turn_compiled(tiny_pair, monkeypatch, capsys):
+    """``chat --compile`` builds its graphs at start as serve does (up to --warmup-context,
+    default 256): a second turn, whose prefill after the reused prefix reaches the 512-key
+    bucket, then builds none (it compiled that bucket, a 10-30 s stall on a real model). A
+    turn that does build a graph (past a --warmup-context 1) says so in its stats line, and
+    only then. (In-process, with the engine compiled by the eager backend: inductor's
+    compiles take minutes on this CPU.)"""
+    import io
+    import sys
+
+    import torch._dynamo
+
+    from dflash_torch import chat, cli
+    from dflash_torch.decoding import compile_counts
+
+    target, drafter = tiny_pair
+    plain = DFlashEngine.from_pretrained(target, drafter, dtype="float32")
+    built: list[int] = []  # graphs (frames traced) each turn built
+
+    def load(args):
+        torch._dynamo.reset()
+        engine = DFlashEngine(plain.target, plain.tokenizer, plain.drafter, max_context=args.max_context,
+                              compile=args.compile, compile_backend="eager")
+        stream = engine.stream
+
+        def counted(*a, **kw):
+            before = compile_counts()[0]
+            yield from stream(*a, **kw)
+            built.append(compile_counts()[0] - before)
+
+        engine.stream = counted
+        return engine
+
+    monkeypatch.setattr(chat, "load_engine", load)
+
+    def run(*extra: str) -> str:
+        built.clear()
+        monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\nand again\n"))
+        args = cli.build_parser().parse_args(["chat", "--target", str(target), "--draft", str(drafter), "--compile",
+                                             "--max-context", "512", "--max-new-tokens", "40", "--ignore-eos", *extra])
+        assert args.func(args) == 0
+        return capsys.readouterr().err
+
+    err = run()
+    assert "dflash-torch: compiling the decoding graphs (one-off) ..." in err and "dflash-torch: compiled in" in err
+    lines = stats_lines(err)
+    assert len(lines) == 2 and int(lines[1].split(", ")[-1].split(" of ")[0]) > 0, err  # (turn 2 reuses turn 1)
+    assert built == [0, 0], err  # no turn built a graph after the warm-up
+    assert "compilation" not in err, err
+    err = run("--warmup-context", "1")  # (the first bucket only: turn 2's prefill chunk past the reused prefix compiles)
+    lines = stats_lines(err)
+    assert built[0] == 0 and built[1] > 0, err
+    assert not lines[0].endswith("; times include a one-off compilation]"), err
+    assert lines[1].endswith("reused; times include a one-off compilation]"), err
+
+
+@pytest.mark.parametrize("extra, message", [(["--compile", "--warmup-context", "0"], "--warmup-context must be an integer >= 1, got 0"),
+                                            (["--warmup-context", "100"], "--warmup-context has no effect without --compile")])
+def test_chat_refuses_a_bad_warmup_context_before_loading_models(extra, message, capsys):
+    """chat's --warmup-context is serve's: a count, with --compile only, refused in one line
+    before the models load."""
+    from dflash_torch.cli import main as cli_main
+
+    assert cli_main(["chat", *extra, "--target", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

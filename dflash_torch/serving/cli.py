@@ -9,7 +9,7 @@ import os
 import sys
 
 from ..errors import DFlashError
-from ..options import check_api_key, check_count, check_keepalive, check_model_name
+from ..options import check_api_key, check_keepalive, check_model_name
 
 
 def json_strings(text: str) -> list[str]:
@@ -27,7 +27,7 @@ def json_strings(text: str) -> list[str]:
 
 
 def register(sub) -> None:
-    from ..cli import add_chat_template_kwargs_arg, add_model_args, int_or_auto
+    from ..cli import add_chat_template_kwargs_arg, add_model_args, add_warmup_arg, int_or_auto
 
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/responses)",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, "
@@ -46,10 +46,7 @@ def register(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a slot (default 64; 0: none, a request is taken only when "
                         "free slots hold all its choices); a request that does not fit gets 503 with Retry-After")
-    p.add_argument("--warmup-context", type=int, default=None,
-                   help="with --compile: build at start-up the graphs of every length bucket that sequences "
-                        "of up to this many tokens reach (default 256, the first bucket); a request that goes "
-                        "past it compiles its bucket's graphs while every stream waits")
+    add_warmup_arg(p, "a request that goes past it compiles its bucket's graphs while every stream waits")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="read every prompt whole (default: a prompt that starts with a finished sequence's "
                         "tokens, such as the next turn of a chat, reuses its rows and reads only the rest; one "
@@ -105,7 +102,7 @@ def register(sub) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..cli import load_engine, warn_compile_losses
+    from ..cli import check_warmup_context, load_engine, warm_up
     from .app import create_app
     from .scheduler import check_slots
 
@@ -119,10 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise DFlashError("--max-batch-size has no effect with --draft-mode recompute (it decodes one sequence "
                               "at a time); drop it")
     check_slots(args.max_queue, "--max-queue", minimum=0)
-    if args.warmup_context is not None:
-        check_count(args.warmup_context, "--warmup-context")
-        if not args.compile:
-            raise DFlashError("--warmup-context has no effect without --compile (nothing is compiled); drop it")
+    check_warmup_context(args)
     check_keepalive(args.sse_keepalive, "--sse-keepalive")
     if args.prefix_slots and (args.no_prefix_reuse or args.max_batch_size == 1 or args.draft_mode == "recompute"):
         if args.no_prefix_reuse:
@@ -132,11 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
                           "request's rows only); drop it")
     check_listen(args.host, args.port)  # (fail before loading models when the address is taken)
     engine = load_engine(args)
-    if args.compile:
-        print("dflash-torch: compiling the decoding graphs (one-off) ...", flush=True)
-        took = engine.warmup(batch=engine.max_batch_size > 1, context=args.warmup_context or 256)
-        print(f"dflash-torch: compiled in {took:.1f} s", flush=True)
-        warn_compile_losses(args)
+    warm_up(engine, args, batch=engine.max_batch_size > 1)
     app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,
                      max_queue=args.max_queue, chat_template_kwargs=args.chat_template_kwargs,
                      reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
