@@ -555,8 +555,10 @@ class DFlashEngine:
 
         Args:
             max_new_tokens: tokens of that generation.
-            batch: also build the batch decoder's graphs (every batch-size bucket)
-                (:meth:`BatchDecoder.warmup`), as a server that batches needs.
+            batch: build the batch decoder's graphs (every batch-size bucket,
+                :meth:`BatchDecoder.warmup`), as a server that batches needs, instead of the
+                single-sequence decoder's beyond what the short generation builds (such a
+                server decodes every request in the batch decoder).
             context: build the graphs of every length bucket that a sequence of up to
                 ``context`` tokens reaches (capped at ``max_context``; default 256: the
                 first bucket, and the second where rounds near the end of such a sequence
@@ -578,11 +580,11 @@ class DFlashEngine:
         t0 = time.perf_counter()
         prompt = [getattr(self.tokenizer, "eos_token_id", None) or 0] * max(1, min(8, self.max_context - 2))
         self.generate(prompt, max_new_tokens=min(max_new_tokens, self.max_context - len(prompt)), ignore_eos=True)
-        # (every bucket up to context: even a short sequence reaches the second one, where its
-        # last rounds pass 256 keys or a reused prefix puts a prefill chunk past them)
-        compute.run(lambda: self.decoder.warmup(context))
         if batch:
             compute.run(lambda: self.batch_decoder().warmup(context))
+        else:  # (every bucket up to context: even a short sequence reaches the second one, where
+            # its last rounds pass 256 keys or a reused prefix puts a prefill chunk past them)
+            compute.run(lambda: self.decoder.warmup(context))
         return time.perf_counter() - t0
 
     def encode_prompt(self, prompt: str | list[dict] | list[int], chat: bool = False,

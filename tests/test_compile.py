@@ -184,8 +184,10 @@ def test_warmup_builds_every_bucket_up_to_its_context(agree_pair, agree_hybrid_p
 
 
 def test_engine_warmup_context(agree_pair):
-    """DFlashEngine.warmup(context=...) warms the single-sequence and the batch decoder up
-    to that context (then a 300-token request builds no graph); a bad context is refused."""
+    """DFlashEngine.warmup(context=...) warms the single-sequence decoder, and
+    warmup(batch=True, context=...) the batch decoder (as a server that batches needs, the
+    single-sequence one only as far as its short generation goes), up to that context: then
+    a 300-token request builds no graph, alone or in a batch; a bad context is refused."""
     import pytest
 
     from dflash_torch import DFlashEngine, DFlashError
@@ -197,6 +199,7 @@ def test_engine_warmup_context(agree_pair):
                           max_batch_size=2)
     with pytest.raises(DFlashError, match="context must be an integer >= 1, got 0"):
         engine.warmup(context=0)
+    engine.warmup(context=400)
     engine.warmup(batch=True, context=400)
     frames = dynamo_utils.counters["frames"]["total"]
     prompt = list(range(2, 30))
