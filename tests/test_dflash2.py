@@ -116,6 +116,9 @@ CONFIG_ERRORS = {
     "negative-softcap": (dict(final_logit_softcapping=-1.0), "final_logit_softcapping"),
     "causal-block": (dict(is_causal=True), "is_causal"),
     "shift-label-variant": (dict(shift_label=True), "shift_label"),
+    "selector-vocab-below-top-k": (dict(selector_vocab_size=8), "selector_vocab_size must be an integer from "
+                                                                "selector_top_k (16) to vocab_size (320), got 8"),
+    "selector-vocab-above-vocab": (dict(selector_vocab_size=V + 1), "selector_vocab_size"),
     # block_size at the top level too, another value: which one the drafter was trained for is unknown
     "two-block-sizes": (dict(top_block_size=16), "two block sizes: block_size 16 and dflash_config.block_size 8"),
 }
@@ -432,3 +435,38 @@ def test_bfloat16_engine_with_a_dflash2_drafter(agree_dflash2_pair):
     engine = DFlashEngine.from_pretrained(*agree_dflash2_pair, dtype="bfloat16")
     out = engine.generate("def f(x):", max_new_tokens=40, ignore_eos=True)
     assert len(out.token_ids) == 40 and max(out.stats.acceptance_lengths) > 1
+
+
+def test_selector_vocab_size_keeps_drafts_below_it(agree_dflash2_pair, tmp_path):
+    """``dflash_config.selector_vocab_size`` (NeMo-Automodel's DFlash 2 export: the tokenizer's
+    ids, the embedding rows past them padding): the selector's candidates, and so every
+    draft, are ids below it; verification is unchanged (greedy output = target-only), and
+    it round-trips through to_dict."""
+    from conftest import edited_checkpoint
+    from dflash_torch.models.config import DrafterConfig
+
+    target_dir, drafter_dir = agree_dflash2_pair
+    limit = 150  # (the agreeable pair drafts ids across the vocabulary: some at or past it)
+    capped = edited_checkpoint(drafter_dir, tmp_path / "capped",
+                               config=lambda c: c["dflash_config"].update(selector_vocab_size=limit))
+    prompt = list(range(2, 40))
+    reference = DFlashEngine.from_pretrained(target_dir, no_draft=True).generate(prompt, max_new_tokens=48,
+                                                                                 ignore_eos=True).token_ids
+    drafted = {}
+    for name, d in (("whole", drafter_dir), ("capped", capped)):
+        engine = DFlashEngine.from_pretrained(target_dir, d)
+        seen, step = [], engine.decoder._draft_fn
+
+        def record(*args, _step=step, _seen=seen, **kwargs):
+            scores = _step(*args, **kwargs)
+            _seen.append(scores[0].clone())  # (a DFlash 2 drafter's scores: candidate ids, edge scores)
+            return scores
+
+        engine.decoder._draft_fn = record
+        assert engine.generate(prompt, max_new_tokens=48, ignore_eos=True).token_ids == reference
+        drafted[name] = torch.cat([ids.reshape(-1) for ids in seen])
+    assert int(drafted["whole"].max()) >= limit  # (so the cap has something to exclude)
+    assert int(drafted["capped"].max()) < limit
+    cfg = DrafterConfig.from_dict(json.loads((capped / "config.json").read_text()))
+    assert cfg.dflash2.selector_vocab_size == limit
+    assert DrafterConfig.from_dict(cfg.to_dict()).dflash2.selector_vocab_size == limit

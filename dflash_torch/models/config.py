@@ -600,6 +600,9 @@ class DFlash2Settings:
         output_multiplier: factor on the draft logits before the selector (default 1).
         final_logit_softcapping: ``cap`` of ``tanh(v / cap) * cap`` on the draft logits
             after ``output_multiplier``, or None (default).
+        selector_vocab_size: the selector proposes token ids below it only (NeMo-Automodel's
+            export: the tokenizer's ids, the rows past them padding of the embedding table),
+            or None (default): the whole vocabulary.
     """
 
     conv_kernel_size: int
@@ -609,6 +612,7 @@ class DFlash2Settings:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    selector_vocab_size: int | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict, hidden_size: int, vocab_size: int | None) -> "DFlash2Settings":
@@ -652,7 +656,8 @@ class DFlash2Settings:
             raise DFlashError(f"DFlash 2 drafter final_logit_softcapping must be > 0 (or null for none), got {cap!r}")
         return cls(**ints, input_embedding_scale=float(floats["input_embedding_scale"]),
                    output_multiplier=float(floats["output_multiplier"]),
-                   final_logit_softcapping=None if cap is None else float(cap))
+                   final_logit_softcapping=None if cap is None else float(cap),
+                   selector_vocab_size=_selector_vocab(value("selector_vocab_size"), ints["selector_top_k"], vocab_size))
 
     def to_dict(self) -> dict:
         """The ``dflash_config`` entries (optional ones only when not the default)."""
@@ -663,7 +668,22 @@ class DFlash2Settings:
             out["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping is not None:
             out["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.selector_vocab_size is not None:
+            out["selector_vocab_size"] = self.selector_vocab_size
         return out
+
+
+def _selector_vocab(size, top_k: int, vocab_size: int) -> int | None:
+    """A DFlash 2 ``selector_vocab_size`` checked: None, or an integer from ``top_k`` (the
+    candidates it must hold) to ``vocab_size``.
+
+    Raises:
+        DFlashError: any other value.
+    """
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not top_k <= size <= vocab_size):
+        raise DFlashError(f"DFlash 2 drafter selector_vocab_size must be an integer from selector_top_k ({top_k}) to "
+                          f"vocab_size ({vocab_size}), got {size!r}")
+    return size
 
 
 LAGUNA_ARCHITECTURE = "DFlashLagunaForCausalLM"  # poolside's Laguna DFlash drafters (models/laguna_drafter.py)

@@ -243,9 +243,15 @@ class DFlash2Drafter(DFlashDrafter):
 
     def draft_scores(self, hidden, anchor, target):
         """The lattice of :meth:`CandidateSelector.lattice` for the draft slots: candidate
-        ids int64 ``[..., B-1, K]`` and edge scores float32 ``[..., B-1, K, K]``."""
+        ids int64 ``[..., B-1, K]`` and edge scores float32 ``[..., B-1, K, K]``. With a
+        ``selector_vocab_size``, the ids at or past it are never candidates."""
         slots = hidden[..., 1:, :]
-        return self.candidate_selector.lattice(slots, self.draft_logits(target, slots), anchor)
+        unary = self.draft_logits(target, slots)
+        limit = self.config.dflash2.selector_vocab_size
+        if limit is not None and limit < unary.shape[-1]:
+            unary = torch.cat([unary[..., :limit], unary.new_full((*unary.shape[:-1], unary.shape[-1] - limit),
+                                                                  float("-inf"))], dim=-1)
+        return self.candidate_selector.lattice(slots, unary, anchor)
 
     def draft_logits(self, target, slots):
         """The unary scores (float32 ``[..., V]``) of final hidden rows ``slots``: the target's
