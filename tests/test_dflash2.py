@@ -116,6 +116,7 @@ CONFIG_ERRORS = {
     "negative-softcap": (dict(final_logit_softcapping=-1.0), "final_logit_softcapping"),
     "causal-block": (dict(is_causal=True), "is_causal"),
     "shift-label-variant": (dict(shift_label=True), "shift_label"),
+    "anchor-sampling-variant": (dict(sample_from_anchor=True), "sample_from_anchor true"),
     "selector-vocab-below-top-k": (dict(selector_vocab_size=8), "selector_vocab_size must be an integer from "
                                                                 "selector_top_k (16) to vocab_size (320), got 8"),
     "selector-vocab-above-vocab": (dict(selector_vocab_size=V + 1), "selector_vocab_size"),

@@ -847,6 +847,18 @@ MALFORMED_CONFIGS = [
      "drafter config.json dflash_config.mask_token must be a non-empty string, got 7"),
     ("drafter", _set("dflash_config.mask_token_id", 1.5), "mask_token_id must be an integer >= 0, got 1.5"),
     ("drafter", _set("dflash_config", [1]), "dflash_config must be an object, got [1]"),
+    # drafter variants that change its computation: refused by their key, not run wrongly
+    ("drafter", _set("dflash_config.sample_from_anchor", True), "drafter config.json has sample_from_anchor true (the "
+     "anchor slot predicts too, a DSpark-style block); dflash-torch runs DFlash blocks whose anchor is the last committed token"),
+    ("drafter", _set("sample_from_anchor", True), "drafter config.json has sample_from_anchor true"),
+    ("drafter", _set("dflash_config.shift_label", True), "DFlash drafter config sets shift_label=True; only "
+     "shift_label=False is supported"),
+    ("drafter", _set("projector_type", "domino"), "DFlash drafter config sets projector_type='domino'; only "
+     "projector_type=None is supported"),
+    ("drafter", _set("dflash_config.attention_sink_bias", True), "drafter config.json sets "
+     "dflash_config.attention_sink_bias true (a learned attention-sink logit per head, MiMo-style); dflash-torch's "
+     "DFlash drafter has no attention sinks"),
+    ("drafter", _set("add_swa_attention_sink_bias", True), "drafter config.json sets add_swa_attention_sink_bias true"),
     ("drafter", _set("rms_norm_eps", "x"), "drafter config.json rms_norm_eps must be a number > 0"),
     ("drafter", _set("sliding_window", "x"), "drafter config.json sliding_window must be an integer >= 1, got 'x'"),
     # ("incompatible pair: drafter vocab_size 320 != target vocab_size 320")

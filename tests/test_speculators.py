@@ -235,6 +235,10 @@ BAD_CONFIGS = [
     (_set("speculators_model_type", "dspark"), r"is a Speculators 'dspark' model; dflash-torch runs Speculators 'dflash'"),
     (_set("speculators_model_type", "eagle3"), r"Speculators 'eagle3' model"),
     (_set("sample_from_anchor", True), r"sample_from_anchor true"),
+    # speculators' Domino projector and shifted labels change what the slots predict: refused by that key
+    (_set("shift_label", True), r"^Speculators drafter config sets shift_label=True; only shift_label=False is supported$"),
+    (_set("projector_type", "domino"), r"^Speculators drafter config sets projector_type='domino'; only "
+                                       r"projector_type='dflash' is supported$"),
     (_drop("transformer_layer_config"), r"lacks transformer_layer_config"),
     (_set("transformer_layer_config", [1]), r"transformer_layer_config must be an object, got \[1\]"),
     (_layer("model_type", "no_such_model"), r"has model_type 'no_such_model', which transformers does not know"),
@@ -295,6 +299,26 @@ def test_bad_speculators_checkpoints_are_refused(agree_speculators_pair, tmp_pat
     bad = edited_checkpoint(drafter, tmp_path / "bad", **{part: edit})
     with pytest.raises(DFlashError, match=message):
         DFlashEngine.from_pretrained(target, bad)
+
+
+def test_a_domino_checkpoint_is_refused_by_its_projector_type(agree_speculators_pair, tmp_path):
+    """A Domino speculator (projector_type domino, shift_label true, its correction head's
+    weights) is named by its projector_type, before the weights are read; the defaults
+    speculators writes for a plain DFlash one (projector_type dflash, shift_label false,
+    pure_draft_prefix_len 1, auf false) load."""
+    target, drafter = agree_speculators_pair
+
+    def domino_head(w):
+        w["domino_head.prefix_gru.weight_ih_l0"] = torch.zeros(48, 64)
+        w["domino_head.embed_proj.0.weight"] = torch.zeros(16, 80)
+
+    domino = edited_checkpoint(drafter, tmp_path / "domino", state=domino_head, config=lambda c: c.update(
+        projector_type="domino", shift_label=True, pure_draft_prefix_len=1, emb_dim=16, gru_hidden_dim=16))
+    with pytest.raises(DFlashError, match=r"^Speculators drafter config sets projector_type='domino'"):
+        DFlashEngine.from_pretrained(target, domino)
+    plain = edited_checkpoint(drafter, tmp_path / "plain", config=lambda c: c.update(
+        projector_type="dflash", shift_label=False, pure_draft_prefix_len=1, auf=False, emb_dim=256, gru_hidden_dim=1024))
+    assert DFlashEngine.from_pretrained(target, plain).drafter.config.speculators is not None
 
 
 def test_training_only_tensors_are_dropped(agree_speculators_pair, tmp_path):

@@ -579,10 +579,34 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 # DFlash 2 keys of ``dflash_config`` (a top-level key of the same name is read too)
 DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-# keys of DFlash 2 training variants that change the drafter's math, with the value we run
-# (a config that sets another value is refused rather than run wrongly)
-DFLASH2_VARIANT_KEYS = {"attention_mode": "gqa", "shift_label": False, "pure_draft_prefix_len": 0, "projector_type": None,
-                        "is_causal": False}
+# keys of drafter training variants that change what the drafter computes, with the values we
+# run (the first is named in the error; null reads as unset): a DFlash, DFlash 2 or Speculators
+# config that sets another value is refused rather than run wrongly (refuse_variants)
+# ("dflash": speculators' name of the plain DFlash projector, the alternative to its Domino one)
+VARIANT_KEYS = {"projector_type": (None, "dflash"), "shift_label": (False,), "pure_draft_prefix_len": (0,),
+                "attention_mode": ("gqa",)}
+DFLASH2_VARIANT_KEYS = {**VARIANT_KEYS, "projector_type": (None,), "is_causal": (False,)}
+
+
+def refuse_variants(value, kind: str, keys: dict[str, tuple]) -> None:
+    """Refuse a drafter trained as a variant dflash-torch does not run: ``sample_from_anchor``
+    true (the anchor slot predicts too, a DSpark-style block), or a key of ``keys``
+    (e.g. :data:`VARIANT_KEYS`) set to a value outside its tuple. ``value(key)``: the
+    config's value of ``key`` (None when absent); ``kind``: the format, for the message.
+
+    Raises:
+        DFlashError: one line naming the key and its value.
+    """
+    anchor = value("sample_from_anchor")
+    if anchor is not None and not isinstance(anchor, bool):
+        raise DFlashError(f"drafter config.json sample_from_anchor must be true or false, got {anchor!r}")
+    if anchor:
+        raise DFlashError("drafter config.json has sample_from_anchor true (the anchor slot predicts too, a "
+                          "DSpark-style block); dflash-torch runs DFlash blocks whose anchor is the last committed token")
+    for key, runs in keys.items():
+        got = value(key)
+        if got is not None and got not in runs:
+            raise DFlashError(f"{kind} drafter config sets {key}={got!r}; only {key}={runs[0]!r} is supported")
 
 
 @dataclass
@@ -631,10 +655,7 @@ class DFlash2Settings:
         missing = [k for k in DFLASH2_REQUIRED if value(k) is None]
         if missing:
             raise DFlashError(f"DFlash 2 drafter config.json lacks dflash_config.{', dflash_config.'.join(missing)}")
-        for key, runs in DFLASH2_VARIANT_KEYS.items():
-            got = value(key, runs)
-            if got != runs and not (runs is False and got is None):
-                raise DFlashError(f"DFlash 2 drafter config sets {key}={got!r}; only {key}={runs!r} is supported")
+        refuse_variants(value, "DFlash 2", DFLASH2_VARIANT_KEYS)
         ints = {k: value(k) for k in DFLASH2_REQUIRED}
         bad = [k for k, v in ints.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if bad:
@@ -791,6 +812,9 @@ class DrafterConfig:
                 f"['{LAGUNA_ARCHITECTURE}'], or one of {list(ASSISTANT_ARCHITECTURES)}"
             )
         refuse_quantized(cfg, "drafter")
+        if "DFlash2DraftModel" not in archs:  # (DFlash2Settings.from_dict refuses DFlash 2's, is_causal too)
+            refuse_variants(lambda key: dflash.get(key, cfg.get(key)), "DFlash", VARIANT_KEYS)
+        refuse_attention_sinks(cfg, dflash)
         _require(cfg, ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"], "drafter")
         if dflash.get("mask_token_id") is None:
             raise DFlashError(f"drafter config.json lacks {'' if assistant else 'dflash_config.'}mask_token_id"
@@ -973,6 +997,22 @@ def fill_mask_token_id(cfg: dict, tokenizer, vocab_size: int) -> tuple[dict, str
     dflash["mask_token_id"] = token_id
     return {**cfg, "dflash_config": dflash}, (f"the drafter's config.json has no mask_token_id: mask token {token!r} "
                                               f"is id {token_id} ({how})")
+
+
+def refuse_attention_sinks(cfg: dict, dflash: dict) -> None:
+    """Refuse a drafter whose attention has a learned sink logit per head
+    (``dflash_config.attention_sink_bias``, or the top-level ``add_swa_attention_sink_bias``
+    vLLM falls back to): dflash-torch's DFlash drafter has none, and without the sink the
+    attention weights differ.
+
+    Raises:
+        DFlashError: either key true (one line naming it).
+    """
+    for where, value in (("dflash_config.attention_sink_bias", dflash.get("attention_sink_bias")),
+                         ("add_swa_attention_sink_bias", cfg.get("add_swa_attention_sink_bias"))):
+        if bool_field({where: value}, where, "drafter", False):
+            raise DFlashError(f"drafter config.json sets {where} true (a learned attention-sink logit per head, "
+                              "MiMo-style); dflash-torch's DFlash drafter has no attention sinks")
 
 
 def block_causality(cfg: dict, dflash: dict, layer_types: list[str], plain: bool) -> list[bool]:

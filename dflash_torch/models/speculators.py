@@ -40,12 +40,16 @@ import torch
 from torch import nn
 
 from ..errors import DFlashError
-from .config import DrafterConfig, bool_field, check_int, object_field, refuse_quantized
+from .config import DrafterConfig, bool_field, check_int, object_field, refuse_quantized, refuse_variants
 from .drafter import DFlashDrafter, DraftLayer, same_tensor
 
 DEFAULT_DRAFT_VOCAB = 32000  # speculators' DFlashSpeculatorConfig defaults
 DEFAULT_BLOCK_SIZE = 8
 TRAINING_ONLY = ("verifier_lm_head.weight", "verifier_norm.weight")  # the training loss's copies of the target's
+# speculators' variant keys that change the drafter's output, with the values we run (refuse_variants): a
+# Domino projector (a causal correction head) and labels shifted by one slot; pure_draft_prefix_len (default 1)
+# only shapes Domino's head, auf only training's loss mask
+VARIANT_KEYS = {"projector_type": ("dflash", None), "shift_label": (False,)}
 
 
 @dataclass
@@ -93,7 +97,8 @@ def read_config(cfg: dict) -> DrafterConfig:
 
     Raises:
         DFlashError: another Speculators model type (e.g. ``dspark``, ``eagle3``), a
-            drafter trained to predict from its anchor slot (``sample_from_anchor``), no
+            drafter trained to predict from its anchor slot (``sample_from_anchor``), a
+            Domino projector or shifted labels (:data:`VARIANT_KEYS`), no
             ``transformer_layer_config`` / ``mask_token_id`` / ``aux_hidden_state_layer_ids``,
             a negative aux id, a ``target_hidden_size`` that is not an integer >= 1,
             partial RoPE, sliding-window layers without a window, a draft vocabulary larger
@@ -110,9 +115,7 @@ def read_config(cfg: dict) -> DrafterConfig:
     if kind != "dflash":
         raise DFlashError(f"drafter config.json is a Speculators {kind!r} model; dflash-torch runs Speculators "
                           "'dflash' drafters only")
-    if bool_field(cfg, "sample_from_anchor", "drafter", False):
-        raise DFlashError("drafter config.json has sample_from_anchor true (the anchor slot predicts too, a "
-                          "DSpark-style block); dflash-torch runs DFlash blocks whose anchor is the last committed token")
+    refuse_variants(cfg.get, "Speculators", VARIANT_KEYS)
     layer = _layer_config(cfg)
     if cfg.get("mask_token_id") is None:
         raise DFlashError("drafter config.json (Speculators format) lacks mask_token_id")
