@@ -7,6 +7,7 @@ both draft modes generate identical tokens."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -52,10 +53,11 @@ def reference_block_logits(drafter: DFlashDrafter, target: TargetModel, ctx_feat
     for i, layer in enumerate(drafter.layers):
         a = layer.self_attn
         h = _rms(x, layer.input_layernorm.weight, eps)
-        q = _rope(_rms(_linear(h, a.q_proj).view(B, nh, hd), a.q_norm.weight, eps), blk_pos, cfg.rope_theta)
+        qk_norm = (lambda x, norm: _rms(x, norm.weight, eps)) if cfg.qk_norm else (lambda x, norm: x)
+        q = _rope(qk_norm(_linear(h, a.q_proj).view(B, nh, hd), a.q_norm), blk_pos, cfg.rope_theta)
         src = torch.cat([c, h])  # context rows, then block rows
         k = _linear(src, a.k_proj).view(-1, nkv, hd)
-        k = _rope(_rms(k, a.k_norm.weight, eps), torch.cat([ctx_pos, blk_pos]), cfg.rope_theta)
+        k = _rope(qk_norm(k, a.k_norm), torch.cat([ctx_pos, blk_pos]), cfg.rope_theta)
         v = _linear(src, a.v_proj).view(-1, nkv, hd)
         k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
         att = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)  # non-causal: all keys visible ...
@@ -75,7 +77,7 @@ def reference_block_logits(drafter: DFlashDrafter, target: TargetModel, ctx_feat
 
 
 @pytest.fixture(scope="module", params=["3-layers-incl-last-target-layer", "sliding-window-layer",
-                                        "sliding-window-non-causal", "attention-bias"])
+                                        "sliding-window-non-causal", "attention-bias", "use-swa", "no-qk-norm"])
 def models(request, tiny_pair, tmp_path_factory):
     target_dir, _ = tiny_pair
     cfg = drafter_config(target_dir, num_layers=3 if request.param.startswith("3") else 2, block_size=16,
@@ -85,9 +87,20 @@ def models(request, tiny_pair, tmp_path_factory):
         cfg.causal_layers = [request.param == "sliding-window-layer", False]
     if request.param == "attention-bias":  # q/k/v and o_proj biases, as the reference drafter has them
         cfg.attention_bias = True
+    if request.param == "no-qk-norm":  # dflash_config.use_qk_norm false: no q/k RMSNorms (nor their weights)
+        cfg.qk_norm = False
     d = save_drafter(tmp_path_factory.mktemp("ctx-drafter"), cfg, seed=11)
+    if request.param == "use-swa":  # MiMo's layout: no layer_types, dflash_config.use_swa: every layer slides, non-causal
+        written = json.loads((d / "config.json").read_text())
+        for key in ("layer_types", "sliding_window", "is_causal"):
+            written.pop(key, None)
+        written["dflash_config"].update(use_swa=True, swa_window_size=4)
+        (d / "config.json").write_text(json.dumps(written))
+        cfg.sliding_windows, cfg.causal_layers = [4, 4], [False, False]
     drafter = DFlashDrafter.from_pretrained(d, torch.float32)
     assert [layer.causal for layer in drafter.layers] == (cfg.causal_layers or [False] * cfg.num_hidden_layers)
+    assert [layer.sliding_window for layer in drafter.layers] == cfg.sliding_windows
+    assert (drafter.layers[0].self_attn.q_norm is None) == (not cfg.qk_norm)
     biases = [m.bias for m in drafter.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None]
     assert len(biases) == (4 * cfg.num_hidden_layers if cfg.attention_bias else 0)
     assert all(b.abs().sum() > 0 for b in biases)
@@ -248,6 +261,75 @@ def test_block_causality_follows_the_published_rule(tiny_pair):
     # a config written back says what the rule would not give
     cfg = DrafterConfig.from_dict(dict(base, is_causal=False))
     assert cfg.to_dict()["is_causal"] is False and "is_causal" not in DrafterConfig.from_dict(base).to_dict()
+
+
+def test_use_swa_slides_every_layer_as_vllm_does(tiny_pair):
+    """``dflash_config.use_swa`` (MiMo's DFlash drafters; vLLM's ``_resolve_layer_attention``):
+    where ``layer_types`` names no sliding layer (absent or all full), every layer gets the
+    window ``dflash_config.swa_window_size`` (else ``sliding_window``) and the block stays
+    non-causal; where ``layer_types`` has sliding layers it decides, as without the key.
+    ``swa_window_size`` alone gives the window of ``layer_types``' sliding layers (SGLang's
+    fallback); with a different ``sliding_window`` it is refused (the two engines disagree on
+    which one wins). A config written back keeps the windows and the causality."""
+    from dflash_torch import DFlashError
+    from dflash_torch.models.config import DrafterConfig
+
+    _, drafter = tiny_pair
+    base = json.loads((drafter / "config.json").read_text())
+
+    def parsed(dflash=None, **edits):
+        cfg = json.loads(json.dumps(base))
+        cfg["dflash_config"].update(dflash or {})
+        for key, value in edits.items():
+            if value is None:
+                cfg.pop(key, None)
+            else:
+                cfg[key] = value
+        out = DrafterConfig.from_dict(cfg)
+        return out.sliding_windows, out.causal_layers
+
+    full, mixed = ["full_attention"] * 2, ["sliding_attention", "full_attention"]
+    swa = dict(use_swa=True, swa_window_size=8)
+    assert parsed(swa, layer_types=full) == ([8, 8], [False, False])
+    assert parsed(swa, layer_types=None) == ([8, 8], [False, False])
+    assert parsed(dict(use_swa=True), layer_types=None, sliding_window=6) == ([6, 6], [False, False])
+    assert parsed(swa, layer_types=full, is_causal=True) == ([8, 8], [True, True])
+    assert parsed(swa, layer_types=mixed) == ([8, None], [True, False])
+    assert parsed(dict(swa_window_size=8), layer_types=mixed, sliding_window=None) == ([8, None], [True, False])
+    assert parsed(dict(use_swa=False, swa_window_size=8), layer_types=full) == ([None, None], [False, False])
+    with pytest.raises(DFlashError, match="two sliding windows: sliding_window 6 and dflash_config.swa_window_size 8"):
+        parsed(swa, sliding_window=6)
+    cfg = json.loads(json.dumps(base))
+    cfg["dflash_config"].update(swa)
+    written = DrafterConfig.from_dict(DrafterConfig.from_dict(cfg).to_dict())
+    assert (written.sliding_windows, written.causal_layers) == ([8, 8], [False, False])
+
+
+@pytest.mark.parametrize("layout", ["use-swa", "no-qk-norm"])
+def test_use_swa_and_no_qk_norm_drafters_decode_as_the_target(tiny_pair, tmp_path, layout):
+    """Greedy speculative decoding with a drafter of either layout (dflash_config.use_swa with a
+    window of 4; use_qk_norm false, no q/k norm weights) gives the target-only tokens, in the
+    sliced and the fixed-shape loops and a batch (generate_batch)."""
+    from conftest import edited_checkpoint, run_rounds
+    from dflash_torch.decoding import SpeculativeDecoder
+
+    target_dir, drafter_dir = tiny_pair
+    if layout == "use-swa":
+        d = edited_checkpoint(drafter_dir, tmp_path / layout, config=lambda c: (
+            c.pop("layer_types", None), c["dflash_config"].update(use_swa=True, swa_window_size=4)))
+    else:
+        d = edited_checkpoint(drafter_dir, tmp_path / layout, config=lambda c: c["dflash_config"].update(use_qk_norm=False),
+                              state=lambda w: [w.pop(k) for k in list(w) if k.endswith(("q_norm.weight", "k_norm.weight"))])
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(d, torch.float32)
+    assert [layer.sliding_window for layer in drafter.layers] == ([4, 4] if layout == "use-swa" else [None, None])
+    prompts = [[5, 6, 7], list(range(10, 40))]
+    refs = [run_rounds(SpeculativeDecoder(target, None), p, 40)[0] for p in prompts]
+    for static in (False, True):
+        decoder = SpeculativeDecoder(target, drafter, block_size=8, static=static, max_context=128)
+        assert [run_rounds(decoder, p, 40)[0] for p in prompts] == refs, static
+    engine = DFlashEngine.from_pretrained(target_dir, d)
+    assert [out.token_ids for out in engine.generate_batch(prompts, max_new_tokens=40, ignore_eos=True)] == refs
 
 
 def recorded_drafts(decoder) -> list:

@@ -859,6 +859,16 @@ MALFORMED_CONFIGS = [
      "dflash_config.attention_sink_bias true (a learned attention-sink logit per head, MiMo-style); dflash-torch's "
      "DFlash drafter has no attention sinks"),
     ("drafter", _set("add_swa_attention_sink_bias", True), "drafter config.json sets add_swa_attention_sink_bias true"),
+    ("drafter", _set("dflash_config.use_swa", "yes"), "drafter config.json dflash_config.use_swa must be true or false, "
+     "got 'yes'"),
+    ("drafter", _set("dflash_config.use_swa", True), "drafter dflash_config.use_swa is true but neither "
+     "dflash_config.swa_window_size nor sliding_window is set"),
+    ("drafter", _set("dflash_config.swa_window_size", 0), "drafter config.json dflash_config.swa_window_size must be "
+     "an integer >= 1, got 0"),
+    ("drafter", lambda c: (c.update(sliding_window=8), c["dflash_config"].update(use_swa=True, swa_window_size=4)),
+     "drafter config.json has two sliding windows: sliding_window 8 and dflash_config.swa_window_size 4; make them equal"),
+    ("drafter", _set("dflash_config.use_qk_norm", "no"), "drafter config.json dflash_config.use_qk_norm must be true "
+     "or false, got 'no'"),
     ("drafter", _set("rms_norm_eps", "x"), "drafter config.json rms_norm_eps must be a number > 0"),
     ("drafter", _set("sliding_window", "x"), "drafter config.json sliding_window must be an integer >= 1, got 'x'"),
     # ("incompatible pair: drafter vocab_size 320 != target vocab_size 320")

@@ -752,6 +752,7 @@ class DrafterConfig:
     # neither, DFlashDrafter.from_pretrained sets them as the checkpoint has them); False for the other formats
     own_embedding: bool = False
     own_lm_head: bool = False
+    qk_norm: bool = True  # per-head q/k RMSNorms in the drafter's attention (dflash_config.use_qk_norm false: none)
 
     @property
     def partial_rotary_factor(self) -> float:
@@ -786,7 +787,12 @@ class DrafterConfig:
             DFlashError: not a DFlash drafter, a quantized checkpoint, no mask token id, no
                 block size, missing keys, an MLP activation other than SiLU / GELU-tanh, bad
                 DFlash 2 settings (:meth:`DFlash2Settings.from_dict`), a Speculators
-                config :func:`~dflash_torch.models.speculators.read_config` refuses.
+                config :func:`~dflash_torch.models.speculators.read_config` refuses, a
+                training variant we do not run (:func:`refuse_variants`: ``sample_from_anchor``,
+                ``shift_label``, ``projector_type``, ... in ``dflash_config`` or at the top
+                level), attention sinks (:func:`refuse_attention_sinks`), bad sliding
+                windows (:func:`sliding_windows`: ``dflash_config.use_swa`` /
+                ``swa_window_size``).
         """
         if "speculators_model_type" in cfg:
             from .speculators import read_config
@@ -856,9 +862,7 @@ class DrafterConfig:
         for kind in layer_types:
             if kind not in ("full_attention", "sliding_attention"):
                 raise DFlashError(f"drafter layer_types must be full_attention or sliding_attention, got {kind!r}")
-        windows = [cfg.get("sliding_window") if t == "sliding_attention" else None for t in layer_types]
-        if any(t == "sliding_attention" for t in layer_types) and not cfg.get("sliding_window"):
-            raise DFlashError("drafter layer_types uses sliding_attention but sliding_window is not set")
+        windows = sliding_windows(cfg, dflash, layer_types)
         theta, scaling = _rope(cfg, "drafter", ASSISTANT_ROPE_THETA if assistant else 10000.0)
         v2 = DFlash2Settings.from_dict(cfg, cfg["hidden_size"], cfg.get("vocab_size")) if "DFlash2DraftModel" in archs else None
         own = {key: bool_field(cfg, key, "drafter", False) for key in ("has_embed_tokens", "has_lm_head")}
@@ -890,6 +894,8 @@ class DrafterConfig:
             causal_layers=causal,
             own_embedding=own["has_embed_tokens"],
             own_lm_head=own["has_lm_head"],
+            qk_norm=bool_field({"dflash_config.use_qk_norm": dflash.get("use_qk_norm")}, "dflash_config.use_qk_norm",
+                               "drafter", True),
         )
 
     def to_dict(self) -> dict:
@@ -937,6 +943,8 @@ class DrafterConfig:
         for key, own in (("has_embed_tokens", self.own_embedding), ("has_lm_head", self.own_lm_head)):
             if own:
                 cfg[key] = True
+        if not self.qk_norm:
+            cfg["dflash_config"]["use_qk_norm"] = False
         if self.rope_scaling:
             cfg["rope_scaling"] = self.rope_scaling
         if self.max_position_embeddings is not None:
@@ -997,6 +1005,37 @@ def fill_mask_token_id(cfg: dict, tokenizer, vocab_size: int) -> tuple[dict, str
     dflash["mask_token_id"] = token_id
     return {**cfg, "dflash_config": dflash}, (f"the drafter's config.json has no mask_token_id: mask token {token!r} "
                                               f"is id {token_id} ({how})")
+
+
+def sliding_windows(cfg: dict, dflash: dict, layer_types: list[str]) -> list[int | None]:
+    """Per drafter layer, its sliding window (None: full attention), as vLLM's DFlash drafter
+    resolves them: the ``sliding_attention`` layers of ``layer_types``, or every layer where
+    ``dflash_config.use_swa`` is true and ``layer_types`` names none (absent or all
+    full; MiMo's DFlash drafters); the window is ``dflash_config.swa_window_size``, else
+    ``sliding_window``. (Block causality stays :func:`block_causality`'s, from
+    ``layer_types``: a window that ``use_swa`` adds leaves the block non-causal.)
+
+    Raises:
+        DFlashError: ``use_swa`` not true or false, a window that is not an integer >= 1,
+            sliding layers without a window, or ``swa_window_size`` and ``sliding_window``
+            that differ (SGLang reads the one, vLLM the other).
+    """
+    use_swa = bool_field({"dflash_config.use_swa": dflash.get("use_swa")}, "dflash_config.use_swa", "drafter", False)
+    size = check_int({"dflash_config.swa_window_size": dflash.get("swa_window_size")}, "dflash_config.swa_window_size",
+                     "drafter")
+    top = cfg.get("sliding_window")
+    if None not in (size, top) and size != top:
+        raise DFlashError(f"drafter config.json has two sliding windows: sliding_window {top!r} and "
+                          f"dflash_config.swa_window_size {size!r}; make them equal")
+    window = top if size is None else size
+    sliding = [t == "sliding_attention" for t in layer_types]
+    if use_swa and not any(sliding):
+        sliding = [True] * len(layer_types)
+    if any(sliding) and not window:
+        raise DFlashError("drafter layer_types uses sliding_attention but sliding_window is not set"
+                          if not use_swa else "drafter dflash_config.use_swa is true but neither "
+                          "dflash_config.swa_window_size nor sliding_window is set")
+    return [window if s else None for s in sliding]
 
 
 def refuse_attention_sinks(cfg: dict, dflash: dict) -> None:

@@ -4,7 +4,8 @@ mask tokens in one forward pass, conditioned on target features through its K/V.
 Follows the DFlash paper (arXiv 2602.06036) and the reference implementation
 (z-lab/dflash, ``dflash/model.py``): context features ``c_p = hidden_norm(fc(f_p))``
 enter every layer only as keys/values (``k_norm(k_proj(c_p))`` with RoPE at ``p``,
-``v_proj(c_p)``); queries come from the block only; attention is non-causal.
+``v_proj(c_p)``; no q/k norms where ``dflash_config.use_qk_norm`` is false); queries come
+from the block only; attention is non-causal.
 
 Two ways to hold the context (the ``draft_mode``):
 
@@ -67,7 +68,7 @@ class DraftLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            cfg.attention_bias, True, cfg.rms_norm_eps, o_bias=cfg.attention_bias,
+            cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps, o_bias=cfg.attention_bias,
         )
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, activation=cfg.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
