@@ -330,6 +330,13 @@ def test_use_swa_and_no_qk_norm_drafters_decode_as_the_target(tiny_pair, tmp_pat
         assert [run_rounds(decoder, p, 40)[0] for p in prompts] == refs, static
     engine = DFlashEngine.from_pretrained(target_dir, d)
     assert [out.token_ids for out in engine.generate_batch(prompts, max_new_tokens=40, ignore_eos=True)] == refs
+    if layout == "no-qk-norm":  # the weights shipped beside use_qk_norm false: the key is named
+        from dflash_torch import DFlashError
+
+        kept = edited_checkpoint(drafter_dir, tmp_path / "kept", config=lambda c: c["dflash_config"].update(use_qk_norm=False))
+        with pytest.raises(DFlashError, match=r"ships q/k norm weights \(layers.0.self_attn.k_norm.weight, ...\) but its "
+                                              r"config.json says dflash_config.use_qk_norm: false"):
+            DFlashDrafter.from_pretrained(kept, torch.float32)
 
 
 def recorded_drafts(decoder) -> list:

@@ -182,6 +182,10 @@ class DFlashDrafter(nn.Module):
             if table in unknown and raw.get(key) is False:
                 raise DFlashError(f"drafter checkpoint {model_dir} ships {table} but its config.json says {key}: false "
                                   f"(set it true to use the drafter's own table, or remove the tensor)")
+        qk = [k for k in unknown if k.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight"))]
+        if qk and not cfg.qk_norm:
+            raise DFlashError(f"drafter checkpoint {model_dir} ships q/k norm weights ({qk[0]}, ...) but its config.json "
+                              "says dflash_config.use_qk_norm: false (set it true to use them, or remove the tensors)")
         if unknown:  # never run a checkpoint in part: weights we do not know would be silently dropped
             kind = "DFlash 2" if cfg.dflash2 else "Laguna DFlash" if cfg.laguna else "DFlash"
             raise DFlashError(f"drafter checkpoint {model_dir} has weights a {kind} drafter does not use "
