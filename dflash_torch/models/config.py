@@ -719,6 +719,51 @@ ASSISTANT_DEFAULTS = {"sliding_window": 2048, "rms_norm_eps": 1e-5, "max_positio
 ASSISTANT_ROPE_THETA = 500000.0  # (its default_theta: where neither its rope dict nor the top level gives one)
 
 
+# what the DFlash reference's drafter (z-lab/dflash, ``dflash/model.py``) reads from its config object,
+# besides the RoPE keys: where a drafter's config.json leaves one out, the default of transformers' config class
+# of its model_type applies (:func:`with_transformers_defaults`)
+REFERENCE_CONFIG_KEYS = ("num_key_value_heads", "head_dim", "rms_norm_eps", "attention_bias", "hidden_act",
+                         "layer_types", "sliding_window", "max_position_embeddings")
+
+
+def with_transformers_defaults(cfg: dict) -> dict:
+    """A DFlash-format drafter ``config.json`` dict completed as the DFlash reference reads it:
+    the reference builds its drafter from the config object transformers makes of the file
+    (``AutoConfig``: the config class of its ``model_type``), so a key the file leaves out
+    takes that class's value. Here :data:`REFERENCE_CONFIG_KEYS` and, where the file has no
+    ``rope_scaling`` / ``rope_parameters``, the RoPE rule (``rope_parameters``, or the older
+    ``rope_scaling`` + ``rope_theta``) that are absent or null in ``cfg`` are taken from
+    ``transformers.AutoConfig.for_model(model_type, **cfg)``; e.g. a ``gpt_oss`` drafter gets
+    gpt-oss's alternating 128-token sliding-window layers and YaRN RoPE, a ``qwen3`` one with
+    ``use_sliding_window`` and ``max_window_layers`` the layer types transformers derives from
+    them. Values the file gives are kept. A ``model_type`` transformers does not know (or a
+    file it refuses: the parser's own checks then name the fault) leaves ``cfg`` as it is.
+
+    Returns:
+        ``cfg`` itself, or a new dict with the values taken from transformers added.
+    """
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str):
+        return cfg
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
+    except Exception:  # (unknown model type, or values transformers refuses)
+        return cfg
+    filled = {k: getattr(hf, k, None) for k in REFERENCE_CONFIG_KEYS if cfg.get(k) is None}
+    if cfg.get("rope_scaling") is None and cfg.get("rope_parameters") is None:
+        params = getattr(hf, "rope_parameters", None)
+        if isinstance(params, dict) and "rope_type" in params:  # (transformers 5; not one rule per layer type)
+            filled["rope_parameters"] = dict(params)
+        elif params is None:  # (transformers 4)
+            filled["rope_scaling"] = getattr(hf, "rope_scaling", None)
+            if cfg.get("rope_theta") is None:
+                filled["rope_theta"] = getattr(hf, "rope_theta", None)
+    filled = {k: v for k, v in filled.items() if v is not None}
+    return {**cfg, **filled} if filled else cfg
+
+
 @dataclass
 class DrafterConfig:
     """Shape and DFlash settings of a drafter (an embedding table and LM head of its own only
@@ -834,6 +879,8 @@ class DrafterConfig:
             raise DFlashError(f"drafter config.json has two block sizes: block_size {cfg['block_size']!r} and "
                               f"dflash_config.block_size {dflash['block_size']!r}; make them equal")
         check_int({"block_size": block_size}, "block_size", "drafter", minimum=2)
+        if not assistant:  # (the keys the file leaves out, as the DFlash reference reads them)
+            cfg = with_transformers_defaults(cfg)
         for key in ("num_key_value_heads", "head_dim", "sliding_window", "vocab_size"):
             check_int(cfg, key, "drafter")
         n = cfg["num_hidden_layers"]

@@ -1,0 +1,131 @@
+"""A DFlash drafter config.json read as the DFlash reference reads it: keys the file leaves
+out take the defaults of transformers' config class of its ``model_type``.
+
+* z-lab/gpt-oss-20b-DFlash's layout (``model_type: "gpt_oss"``, no layer_types,
+  sliding_window or rope dict, shrunk): transformers' GptOssConfig's alternating 128-token
+  sliding-window layers and YaRN RoPE (our cos/sin == transformers' rotary embedding's, the
+  reference's ``Qwen3RotaryEmbedding``); greedy speculative decoding with such a drafter ==
+  target-only decoding over a prompt longer than the window;
+* a qwen3 drafter with ``use_sliding_window`` + ``max_window_layers`` and no layer_types:
+  the layer types transformers derives;
+* the values a file gives keep winning.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+from dflash_torch import DFlashEngine
+from dflash_torch.models.config import DrafterConfig
+from dflash_torch.models.drafter import DFlashDrafter
+from dflash_torch.models.rope import Rotary
+
+
+def gpt_oss_drafter_json(hidden: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, layers: int = 2,
+                         vocab: int = 512, target_layer_ids=(0, 1)) -> dict:
+    """z-lab/gpt-oss-20b-DFlash's config.json (as published, 2026-04), shrunk."""
+    return {"architectures": ["DFlashDraftModel"], "attention_bias": True, "attention_dropout": 0.0, "block_size": 8,
+            "bos_token_id": 0, "dflash_config": {"mask_token_id": 1, "target_layer_ids": list(target_layer_ids)},
+            "dtype": "bfloat16", "eos_token_id": 0, "head_dim": head_dim, "hidden_act": "silu", "hidden_size": hidden,
+            "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2 * hidden,
+            "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": heads,
+            "num_hidden_layers": layers, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+            "vocab_size": vocab}
+
+
+def hf_config(cfg: dict):
+    return AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+
+
+def test_gpt_oss_drafter_gets_transformers_sliding_windows_and_yarn():
+    cfg = gpt_oss_drafter_json(layers=4)
+    hf = hf_config(cfg)
+    d = DrafterConfig.from_dict(cfg)
+    assert hf.layer_types == ["sliding_attention", "full_attention"] * 2 and hf.sliding_window == 128
+    assert d.sliding_windows == [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
+    rope = hf.rope_parameters
+    assert rope["rope_type"] == "yarn" and d.rope_theta == rope["rope_theta"] == 150000
+    assert d.rope_scaling == {k: v for k, v in rope.items() if k != "rope_theta"}
+    assert (d.head_dim, d.rms_norm_eps, d.attention_bias) == (hf.head_dim, hf.rms_norm_eps, hf.attention_bias)
+    # the reference's RoPE: transformers' Qwen3RotaryEmbedding of that config object (inv_freq: we compute it in
+    # float64 then round, transformers in float32, a few ulp apart; cos/sin where those ulp do not show)
+    hf_rotary = Qwen3RotaryEmbedding(hf)
+    rotary = Rotary(d.head_dim, d.rope_theta, d.rope_scaling, max_position_embeddings=d.max_position_embeddings)
+    torch.testing.assert_close(rotary.inv_freq, hf_rotary.inv_freq, rtol=1e-6, atol=0)
+    assert rotary.attention_factor == pytest.approx(hf_rotary.attention_scaling, rel=1e-12) and rotary.attention_factor > 1
+    positions = torch.tensor([0, 1, 7, 100, 1000])
+    want_cos, want_sin = hf_rotary(torch.zeros(1, dtype=torch.float32), positions[None])
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    torch.testing.assert_close(cos, want_cos[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sin, want_sin[0], atol=1e-5, rtol=1e-5)
+    plain_cos, _ = Rotary(d.head_dim, d.rope_theta, None).cos_sin(positions, torch.float32)
+    assert (plain_cos - want_cos[0]).abs().max() > 0.1  # (what the file read as written gave: far off)
+
+
+def test_qwen3_use_sliding_window_and_max_window_layers_give_transformers_layer_types():
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+           "block_size": 8, "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1,
+           "rope_theta": 1000000.0, "dflash_config": {"mask_token_id": 1, "target_layer_ids": [0, 1, 2]}}
+    hf = hf_config(cfg)
+    assert hf.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    d = DrafterConfig.from_dict(cfg)
+    assert d.sliding_windows == [None, 32, 32]
+    assert (d.rope_theta, d.rope_scaling, d.rms_norm_eps) == (1000000.0, None, hf.rms_norm_eps)
+    # without use_sliding_window (the published Qwen3 drafters): every layer full attention, as before
+    d = DrafterConfig.from_dict({**cfg, "use_sliding_window": False})
+    assert d.sliding_windows == [None] * 3 and (d.rope_theta, d.rope_scaling) == (1000000.0, None)
+
+
+@pytest.mark.parametrize("explicit, windows, scaling", [
+    ({"layer_types": ["full_attention", "full_attention"]}, [None, None], "yarn"),
+    ({"sliding_window": 16}, [16, None], "yarn"),
+    ({"rope_scaling": {"rope_type": "default"}}, [128, None], None),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 150000}}, [128, None], "linear"),
+])
+def test_values_the_file_gives_win(explicit, windows, scaling):
+    d = DrafterConfig.from_dict({**gpt_oss_drafter_json(), **explicit})
+    assert d.sliding_windows == windows
+    assert (d.rope_scaling or {}).get("rope_type") == scaling
+    assert d.rope_theta == 150000
+
+
+def test_unknown_model_type_reads_the_file_as_written():
+    cfg = {**gpt_oss_drafter_json(), "model_type": "no_such_family"}
+    d = DrafterConfig.from_dict(cfg)
+    assert d.sliding_windows == [None, None] and d.rope_scaling is None
+
+
+def test_gpt_oss_layout_drafter_is_lossless_over_its_window(agree_gpt_oss_pair, tmp_path):
+    """The published gpt-oss drafter layout on a tiny gpt-oss target: its layers use
+    transformers' 128-token windows and YaRN, and greedy speculative decoding of a prompt
+    longer than the window equals target-only decoding."""
+    target, _ = agree_gpt_oss_pair
+    t = json.loads((target / "config.json").read_text())
+    cfg = gpt_oss_drafter_json(t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"],
+                               vocab=t["vocab_size"], target_layer_ids=(0, 2))
+    d = DrafterConfig.from_dict(cfg)
+    assert d.sliding_windows == [128, None] and d.rope_scaling["rope_type"] == "yarn"
+    torch.manual_seed(0)
+    model = DFlashDrafter(d)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(drafter / "model.safetensors"))
+    (drafter / "config.json").write_text(json.dumps(cfg))
+    prompt = [(7 * i) % 300 + 10 for i in range(150)]
+    ref = DFlashEngine.from_pretrained(target, no_draft=True).generate(prompt, max_new_tokens=32, ignore_eos=True)
+    engine = DFlashEngine.from_pretrained(target, drafter)
+    assert engine.drafter.kv_windows() == [128, None]
+    out = engine.generate(prompt, max_new_tokens=32, ignore_eos=True)
+    assert out.token_ids == ref.token_ids
+    assert out.stats.mean_acceptance_length > 1  # (drafts were accepted: the drafter's path ran)
