@@ -14,6 +14,7 @@ out take the defaults of transformers' config class of its ``model_type``.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+import dflash_torch
 from dflash_torch import DFlashEngine
 from dflash_torch.models.config import DrafterConfig
 from dflash_torch.models.drafter import DFlashDrafter
@@ -94,6 +96,15 @@ def test_values_the_file_gives_win(explicit, windows, scaling):
     assert d.sliding_windows == windows
     assert (d.rope_scaling or {}).get("rope_type") == scaling
     assert d.rope_theta == 150000
+
+
+@pytest.mark.parametrize("name", ["drafter", "drafter-dflash1"])
+def test_the_shipped_qwen3_drafters_read_as_before(name):
+    """The shipped default drafters (model_type qwen3, every key the reference reads given or
+    with the value we took before): the same config as without transformers' defaults."""
+    cfg = json.loads((Path(dflash_torch.__file__).parent / "assets" / "default" / name / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3"
+    assert DrafterConfig.from_dict(cfg) == DrafterConfig.from_dict({k: v for k, v in cfg.items() if k != "model_type"})
 
 
 def test_unknown_model_type_reads_the_file_as_written():

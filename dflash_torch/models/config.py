@@ -722,17 +722,19 @@ ASSISTANT_ROPE_THETA = 500000.0  # (its default_theta: where neither its rope di
 # what the DFlash reference's drafter (z-lab/dflash, ``dflash/model.py``) reads from its config object,
 # besides the RoPE keys: where a drafter's config.json leaves one out, the default of transformers' config class
 # of its model_type applies (:func:`with_transformers_defaults`)
+# (and max_position_embeddings, which its RoPE reads only for a llama3 / yarn rule's original context length)
 REFERENCE_CONFIG_KEYS = ("num_key_value_heads", "head_dim", "rms_norm_eps", "attention_bias", "hidden_act",
-                         "layer_types", "sliding_window", "max_position_embeddings")
+                         "layer_types", "sliding_window")
 
 
 def with_transformers_defaults(cfg: dict) -> dict:
     """A DFlash-format drafter ``config.json`` dict completed as the DFlash reference reads it:
     the reference builds its drafter from the config object transformers makes of the file
     (``AutoConfig``: the config class of its ``model_type``), so a key the file leaves out
-    takes that class's value. Here :data:`REFERENCE_CONFIG_KEYS` and, where the file has no
-    ``rope_scaling`` / ``rope_parameters``, the RoPE rule (``rope_parameters``, or the older
-    ``rope_scaling`` + ``rope_theta``) that are absent or null in ``cfg`` are taken from
+    takes that class's value. Here :data:`REFERENCE_CONFIG_KEYS`, where the file has no
+    ``rope_scaling`` / ``rope_parameters`` the RoPE rule (``rope_parameters``, or the older
+    ``rope_scaling`` + ``rope_theta``), and for a llama3 / yarn rule ``max_position_embeddings``,
+    each where absent or null in ``cfg``, are taken from
     ``transformers.AutoConfig.for_model(model_type, **cfg)``; e.g. a ``gpt_oss`` drafter gets
     gpt-oss's alternating 128-token sliding-window layers and YaRN RoPE, a ``qwen3`` one with
     ``use_sliding_window`` and ``max_window_layers`` the layer types transformers derives from
@@ -760,6 +762,12 @@ def with_transformers_defaults(cfg: dict) -> dict:
             filled["rope_scaling"] = getattr(hf, "rope_scaling", None)
             if cfg.get("rope_theta") is None:
                 filled["rope_theta"] = getattr(hf, "rope_theta", None)
+    filled = {k: v for k, v in filled.items() if v is not None}
+    rope = {**cfg, **filled}
+    rope = rope.get("rope_scaling") or rope.get("rope_parameters")
+    if cfg.get("max_position_embeddings") is None and isinstance(rope, dict) and rope.get(
+            "rope_type", rope.get("type")) in ("llama3", "yarn"):
+        filled["max_position_embeddings"] = getattr(hf, "max_position_embeddings", None)
     filled = {k: v for k, v in filled.items() if v is not None}
     return {**cfg, **filled} if filled else cfg
 
