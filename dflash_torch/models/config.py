@@ -828,7 +828,10 @@ class DrafterConfig:
         """Parse a DFlash (``DFlashDraftModel``), DFlash 2 (``DFlash2DraftModel``) or
         transformers-format DFlash (:data:`ASSISTANT_ARCHITECTURES`, e.g.
         ``MuseGlimmerAssistantModel``: the settings at the top level, the context
-        projection's weights under ``encoder.``) drafter ``config.json``.
+        projection's weights under ``encoder.``) drafter ``config.json``. Keys a DFlash or
+        DFlash 2 file leaves out (layer types, sliding window, RoPE rule, ...) take the
+        defaults of transformers' config class of its ``model_type``, as the DFlash reference
+        reads them (:func:`with_transformers_defaults`).
 
         A Speculators-format ``config.json`` (vLLM's speculators library:
         ``speculators_model_type: "dflash"``) is read by
