@@ -547,6 +547,26 @@ def test_target_only_modes_need_no_drafter_and_a_drafting_mode_says_what_to_do(t
         assert len(err) == 1 and "--draft" in err[0] and "--no-draft" not in err[0], err
 
 
+def test_the_default_sweep_is_skipped_quietly_without_a_drafter(tiny_pair, tmp_path, capsys):
+    """A target without --draft skips the default --sweep (nothing to sweep) and says nothing;
+    an explicit --sweep is refused before anything is timed (it was skipped silently, exit 0,
+    "sweep": null); --sweep '' is fine."""
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    base = ["bench", "--target", str(target), "--num-prompts", "1", "--max-new-tokens", "2", "--modes", "target-only",
+            "--no-progress"]
+    for i, extra in enumerate(([], ["--sweep", ""], ["--sweep", " "])):
+        out = tmp_path / f"o{i}"
+        assert cli_main(base + ["--out", str(out), *extra]) == 0, (extra, capsys.readouterr().err)
+        assert json.loads((out / "bench.json").read_text())["sweep"] is None
+        assert not (out / "sweep.png").exists() and "sweep" not in capsys.readouterr().err
+    assert cli_main(base + ["--out", str(tmp_path / "p"), "--sweep", "128,512"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sweep" in err[0] and "--draft" in err[0], err
+    assert not (tmp_path / "p").exists()
+
+
 def test_bench_tau_counts_the_tokens_kept_when_the_last_round_overshoots(agree_pair):
     """An agreeable pair accepts long blocks, so the round that reaches --max-new-tokens
     commits more than is kept: tau counts only what is kept, as the DFlash reference's
@@ -650,6 +670,8 @@ def test_bench_help_leaves_out_the_decoding_options_it_refuses(tmp_path, capsys,
     (["--no-draft-given", "--shapes", "qwen3-0.6b"], "--shapes times DFlash rounds at the drafter's block size, and this "
                                                      "target has no --draft"),
     (["--no-draft-given", "--sweep", "64", "--sweep-shapes", "qwen3-0.6b"], "--sweep-shapes times DFlash rounds"),
+    (["--no-draft-given", "--sweep", "128,512"], "--sweep times the drafter's propose at these context lengths, and "
+                                                 "this target has no --draft: add --draft or drop --sweep"),
     (["--sweep-shapes", "qwen3-0.6b"], "--sweep-shapes sweeps the --sweep context lengths, and --sweep is empty"),
     (["--sweep", "128,64,128"], "--sweep lists a context length more than once"),
     (["--prompts", ""], "--prompts is empty"),
