@@ -855,6 +855,33 @@ def test_dflash2_logged_loss_is_the_cross_entropy_as_val_loss(tiny_pair, tmp_pat
     assert first[0]["loss"] == first[1]["loss"] and first[1]["selector_loss"] > 0.1, first
 
 
+def test_the_last_loss_history_row_has_the_keys_and_values_of_the_others(tiny_pair, tmp_path, monkeypatch):
+    """The last row of loss_history, of steps between logged ones, had "train_tau": null and,
+    with --arch dflash2, no selector_loss (trial-118): a --steps run logs its last step as the
+    others, and a --time-budget-min stop measures the last step's train_tau on its batch."""
+    from dflash_torch.training import trainer
+
+    target_dir, _ = tiny_pair
+    data = _jsonl(tmp_path / "d.jsonl")
+    clock = [0.0]  # (the budget run: each step takes one second of a fake clock)
+    monkeypatch.setattr(trainer.time, "time", lambda: clock[0])
+    real_generator = trainer.step_generator
+
+    def step_generator(seed, step):
+        clock[0] += 1.0
+        return real_generator(seed, step)
+
+    monkeypatch.setattr(trainer, "step_generator", step_generator)
+    for name, kw in (("steps", dict(steps=3)), ("budget", dict(steps=None, time_budget_min=2.5 / 60))):
+        cfg = _cfg(tmp_path / name, target_dir, data, arch="dflash2", selector_rank=8, selector_top_k=8,
+                   log_every=10, val_seqs=0, **kw)
+        history = Trainer(cfg, log=lambda m: None).run()["loss_history"]
+        assert [h["step"] for h in history] == [1, 3], (name, history)
+        assert history[0].keys() == history[1].keys() and "selector_loss" in history[1], (name, history)
+        assert all(isinstance(h["train_tau"], float) and 1.0 <= h["train_tau"] <= 8.0 for h in history), (name, history)
+        assert all(isinstance(h["selector_loss"], float) for h in history), (name, history)
+
+
 def test_init_from_target_reproduces_target_layer_context_kv(tiny_pair):
     target_dir, _ = tiny_pair
     target = TargetModel.from_pretrained(target_dir, torch.float32)

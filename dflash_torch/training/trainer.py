@@ -854,6 +854,17 @@ class Trainer:
                         "drafter_config": dcfg.to_dict(), "train_config": asdict(cfg)}, tmp)
             os.replace(tmp, ckpt_path)
 
+        def log_row(out, at: float | None = None) -> dict:
+            """The loss_history row of ``step``: the mean loss of the steps since the last row,
+            ``train_tau`` (and a DFlash 2 drafter's ``selector_loss``) of ``out``, the step's batch; trained
+            ``at`` seconds (default: now)."""
+            row = {"step": step, "loss": round(loss_acc / n_acc, 4),
+                   "train_tau": round(out.tau, 3) if out.accepted.numel() else None,
+                   "lr": lr, "grad_norm": round(gnorm, 3), "elapsed_s": round(elapsed() if at is None else at, 1)}
+            if drafter.config.dflash2 is not None:  # (null: no slot's label among its candidates)
+                row["selector_loss"] = None if out.selector_loss is None else round(out.selector_loss, 4)
+            return row
+
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not cfg.progress, dynamic_ncols=True)
@@ -874,7 +885,8 @@ class Trainer:
                 gen = step_generator(cfg.seed, step)
                 batch = data.sample(cfg.batch, gen)
                 anchors, valid = sample_anchors(batch.lengths, batch.loss_mask, cfg.anchors_per_seq, gen)
-                logging = (step + 1) % cfg.log_every == 0 or step == 0
+                # (the --steps run's last step is logged too: its row, like the others, has the step's train_tau)
+                logging = (step + 1) % cfg.log_every == 0 or step == 0 or step + 1 == cfg.steps
                 with self._autocast():
                     out = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid, gamma,
                                      stats=logging, selector_weight=cfg.selector_loss_weight)
@@ -899,11 +911,7 @@ class Trainer:
                 loss_acc += loss
                 n_acc += 1
                 if logging:
-                    history.append({"step": step, "loss": round(loss_acc / n_acc, 4),
-                                    "train_tau": round(out.tau, 3) if out.accepted.numel() else None,
-                                    "lr": lr, "grad_norm": round(gnorm, 3), "elapsed_s": round(elapsed(), 1)})
-                    if drafter.config.dflash2 is not None:  # (null: no slot's label among its candidates)
-                        history[-1]["selector_loss"] = None if out.selector_loss is None else round(out.selector_loss, 4)
+                    history.append(log_row(out))
                     loss_acc, n_acc = 0.0, 0
                 if step % cfg.eval_every == 0 and val_rows:
                     last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
@@ -924,9 +932,13 @@ class Trainer:
             self.log(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with --resume")
             raise SystemExit(130) from None
         bar.close()
-        if n_acc:
-            history.append({"step": step, "loss": round(loss_acc / n_acc, 4), "train_tau": None,
-                            "lr": lr, "grad_norm": round(gnorm, 3), "elapsed_s": round(elapsed(), 1)})
+        if n_acc:  # (a --time-budget-min stop after steps not yet logged: the last step did not measure its
+            # train_tau, which is measured now on its batch, after its update; its selector_loss is its own)
+            at = elapsed()
+            with torch.no_grad(), self._autocast():
+                out.accepted = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid,
+                                          gamma, selector_weight=cfg.selector_loss_weight).accepted
+            history.append(log_row(out, at))
         if val_rows and (not evals or evals[-1]["step"] != step):
             last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
             evals.append(last_eval)
