@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from .errors import DFlashError, OptionError, OutputError
 
@@ -82,6 +83,29 @@ def write_stdout(text: str) -> None:
         raise
     except OSError as exc:
         raise OutputError(f"cannot write the output to stdout: {exc.strerror or exc}") from None
+
+
+def _lexists(path: Path) -> bool:
+    """Whether ``path`` is there (a dangling link too); True where that cannot be told."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def missing_dirs(path: Path) -> list[Path]:
+    """The directories ``path.mkdir(parents=True)`` would make: ``path`` and its ancestors
+    that do not exist yet, as absolute paths (a ``..`` in ``path`` makes the directory
+    before it too), deepest first. A command that fails removes those it made (bench,
+    train)."""
+    missing = set()
+    while not _lexists(path) and path != path.parent:
+        missing.add(Path(os.path.abspath(path)))
+        path = path.parent
+    return sorted((p for p in missing if not _lexists(p)), key=lambda p: len(p.parts), reverse=True)
 
 
 def int_or_auto(text: str) -> int | str:

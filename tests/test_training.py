@@ -1585,8 +1585,33 @@ def test_a_ctrl_c_while_the_data_is_prepared_is_said_and_leaves_no_empty_dirs(ti
         err = capsys.readouterr().err
         assert err.strip().splitlines()[-1] == "interrupted while preparing the data: no step was trained", err
         assert "Traceback" not in err
-    assert not (tmp_path / "new" / "out").exists() and (tmp_path / "new").is_dir()
+    assert not (tmp_path / "new").exists()  # (made for --out too: removed with it, as bench does)
     assert kept.is_dir() and not any(kept.iterdir())
+
+
+def test_a_run_refused_before_its_data_is_prepared_removes_the_dirs_it_made_only(tiny_pair, tmp_path, capsys):
+    """"too little training data" left the --out it made behind, holding train_work/data-*.pt
+    (trial-118): a run that fails before its data is prepared removes the directories it
+    made, whole, as a Ctrl-C then does; directories that were there stay, with their files."""
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    data = tmp_path / "tiny.txt"
+    data.write_text("ab")
+    kept, work = tmp_path / "kept", tmp_path / "work"
+    for d in (kept, work):
+        d.mkdir()
+        (d / "mine.txt").write_text("the user's")
+    for out, extra in ((tmp_path / "a" / "b" / "out", []), (kept, []), (tmp_path / "c" / "out", ["--work-dir", str(work)]),
+                       (tmp_path / "d" / "out", ["--work-dir", str(tmp_path / "d" / "w")])):
+        args = ["train", "--target", str(target), "--data", str(data), "--out", str(out), "--steps", "2", "--batch", "2",
+                "--seq-len", "64", "--no-progress", *extra]
+        assert cli_main(args) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("dflash-torch: error: too little training data"), err
+    assert not any((tmp_path / name).exists() for name in "acd")
+    assert sorted(f.name for f in kept.iterdir()) == ["mine.txt"]  # (its train_work, made by the run, is gone)
+    assert (work / "mine.txt").read_text() == "the user's" and any(work.glob("data-*.pt"))  # (the user's work dir)
 
 
 def test_training_that_diverges_stops_with_one_line_and_writes_no_drafter(tiny_pair, tmp_path, capsys):
@@ -1607,6 +1632,7 @@ def test_training_that_diverges_stops_with_one_line_and_writes_no_drafter(tiny_p
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(errors) == 1 and "dflash-torch: error: training diverged at step" in errors[0] and "--lr" in errors[0], errors
     assert not (out / "model.safetensors").exists()
+    assert any((out / "train_work").glob("data-*.pt"))  # (the prepared data is kept for the run with a lower --lr)
 
 
 def test_self_distill_draws_no_progress_bar_when_told_not_to(tiny_pair, capsys):

@@ -214,7 +214,9 @@ def _plots(report: dict, out: Path) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Run bench; a run that fails (a refusal, a model that does not load, Ctrl-C) removes
     the ``--out`` directories it made while they are still empty."""
-    made = _missing_dirs(Path(args.out)) if args.out.strip() else []
+    from ..cli import missing_dirs
+
+    made = missing_dirs(Path(args.out)) if args.out.strip() else []
     try:
         # all of bench's torch work (its engine's too) on this thread: one OpenMP thread team
         with compute.this_thread():
@@ -226,17 +228,6 @@ def run(args: argparse.Namespace) -> int:
             except OSError:
                 pass
         raise
-
-
-def _missing_dirs(path: Path) -> list[Path]:
-    """The directories ``path.mkdir(parents=True)`` would make: ``path`` and its ancestors
-    that do not exist yet, as absolute paths (a ``..`` in ``path`` makes the directory
-    before it too), deepest first."""
-    missing = set()
-    while not path.exists() and not path.is_symlink() and path != path.parent:
-        missing.add(Path(os.path.abspath(path)))
-        path = path.parent
-    return sorted((p for p in missing if not os.path.lexists(p)), key=lambda p: len(p.parts), reverse=True)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -178,15 +179,6 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
             raise DFlashError(f"cannot use {name} {path} as a directory: {exc.strerror or exc}") from None
 
 
-def _exists(path: Path) -> bool:
-    """Whether ``path`` exists; True where that cannot be told (in a directory this process may
-    not enter: _check says so)."""
-    try:
-        return path.exists()
-    except OSError:
-        return True
-
-
 def _train(args: argparse.Namespace) -> int:
     d = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(
@@ -204,12 +196,25 @@ def _train(args: argparse.Namespace) -> int:
         save_dtype=args.save_dtype, progress=not args.no_progress, chat_template_kwargs=args.chat_template_kwargs,
         **{k: d[k].default if getattr(args, k) is None else getattr(args, k) for k in DFLASH2_OPTIONS},
     )
-    new_dirs = [path for path in (cfg.work_path(), Path(args.out)) if not _exists(path)]  # (_check makes them)
+    from ..cli import missing_dirs
+
+    # the directories this run makes (_check makes them): a run that stops before its data is prepared (a refusal,
+    # too little data, a Ctrl-C) removes them whole, as nothing in them is worth keeping; one that stops later
+    # keeps them (the prepared data, a checkpoint to --resume), removing only those still empty
+    made = sorted(set(missing_dirs(cfg.work_path())) | set(missing_dirs(Path(args.out))),
+                  key=lambda p: len(p.parts), reverse=True)
+    trainer = None
     try:
         _check(args, cfg)
-        Trainer(cfg).run()
-    finally:  # (a run stopped, e.g. by Ctrl-C while it prepares the data, left them empty)
-        for path in new_dirs:  # (the work dir first: it may lie in --out)
+        trainer = Trainer(cfg)
+        trainer.run()
+    except BaseException:
+        if not args.resume and (trainer is None or not trainer.data_prepared):
+            for path in reversed(made):  # (the outermost first)
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+        for path in made:  # (the deepest first)
             with contextlib.suppress(OSError):
                 path.rmdir()
+        raise
     return 0

@@ -657,6 +657,9 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, log=None):
         self.cfg = cfg
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.data_prepared = False
+        """Whether :meth:`run` got as far as the prepared data (kept in the work dir, as what
+        training writes after it): a run that stops before has nothing worth keeping."""
 
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.autocast else nullcontext()
@@ -800,6 +803,7 @@ class Trainer:
                          "training goes on with the new values")
 
         data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log)
+        self.data_prepared = True
         self.log(f"data: {data_stats}")
         self._interrupt_note = f"before training began: no step was trained (the prepared data is kept in {cfg.work_path()})"
 
