@@ -724,6 +724,25 @@ def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
     assert corpus.conversations == [chat["messages"]] and corpus.documents == ["delta"]
 
 
+def test_train_help_says_what_a_directory_makes_of_a_json_file_that_is_not_records(tmp_path, capsys):
+    """A .json file that is not records is refused given itself but read as a text document
+    in a --data directory (as data.py says: a directory's files are read as they come, e.g.
+    a package.json of a code corpus); train --help said only "text files, directories, or
+    JSONL" (trial-118)."""
+    from dflash_torch.cli import main as cli_main
+
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "package.json").write_text('{"name": "x"}')
+    assert read_corpus([tmp_path / "dir"]).documents == ['{"name": "x"}']
+    with pytest.raises(DFlashError, match=r"package\.json: expected an object with a 'text' string"):
+        read_corpus([tmp_path / "dir" / "package.json"])
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    help_ = " ".join(capsys.readouterr().out.split())
+    assert "a .json file that is not records, e.g. a package.json, is a text document" in help_, help_
+    assert "a file that is not UTF-8 text is skipped" in help_ and ".json files of {'text'} / {'messages'}" in help_
+
+
 def test_training_reduces_loss_and_exports_loadable_drafter(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair
     cfg = _cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=100, self_distill=6, self_distill_batch=4,

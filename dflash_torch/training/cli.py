@@ -38,7 +38,10 @@ def register(sub) -> None:
     )
     d = TrainConfig.__dataclass_fields__
     p.add_argument("--target", required=True, help="target checkpoint dir or cached HF id")
-    p.add_argument("--data", required=True, nargs="+", help="text files, directories, or JSONL ({'text'} / {'messages'})")
+    p.add_argument("--data", required=True, nargs="+", help="text files (a document each), JSONL or .json files of {'text'} / {'messages'} "
+                        "records (a .json: an array of them, one, or JSON Lines), or directories (every non-hidden file "
+                        "below them as above; there, a .json file that is not records, e.g. a package.json, is a text document, "
+                        "and a file that is not UTF-8 text is skipped)")
     p.add_argument("--out", required=True, help="output drafter directory (config.json + model.safetensors)")
     p.add_argument("--work-dir", default=None, help="data cache and resumable checkpoint (default: OUT/train_work)")
     p.add_argument("--arch", choices=ARCHS, default=d["arch"].default,
