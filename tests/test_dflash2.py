@@ -41,7 +41,8 @@ def published_config(**dflash_overrides) -> dict:
     return dict(architectures=["DFlash2DraftModel"], model_type="qwen3", hidden_size=H, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-6,
                 rope_theta=10000.0, attention_bias=False, hidden_act="silu", vocab_size=V, num_target_layers=4,
-                layer_types=["sliding_attention", "full_attention"], sliding_window=8, is_causal=False,
+                layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
+                is_causal=False,
                 dflash_config=dflash)
 
 

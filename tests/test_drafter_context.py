@@ -239,7 +239,7 @@ def test_block_causality_follows_the_published_rule(tiny_pair):
 
     _, drafter = tiny_pair
     base = json.loads((drafter / "config.json").read_text())
-    base.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    base.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True)
 
     def causal(**edits):
         cfg = json.loads(json.dumps(base))

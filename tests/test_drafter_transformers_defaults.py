@@ -140,3 +140,130 @@ def test_gpt_oss_layout_drafter_is_lossless_over_its_window(agree_gpt_oss_pair, 
     out = engine.generate(prompt, max_new_tokens=32, ignore_eos=True)
     assert out.token_ids == ref.token_ids
     assert out.stats.mean_acceptance_length > 1  # (drafts were accepted: the drafter's path ran)
+
+
+# --- a null key, a file transformers refuses, its log lines, the caller's dict --------------------------------
+
+@pytest.mark.parametrize("key", ["use_cache", "tie_word_embeddings", "attention_dropout", "head_dim"])
+def test_a_null_key_reads_as_absent(key):
+    """transformers 5 refuses a null where its class wants a value; a null reads as absent (as
+    everywhere in the parser), so the other keys still take transformers' defaults."""
+    d = DrafterConfig.from_dict({**gpt_oss_drafter_json(), key: None})
+    assert d.sliding_windows == [128, None] and d.rope_scaling["rope_type"] == "yarn"
+    assert d == DrafterConfig.from_dict({k: v for k, v in gpt_oss_drafter_json().items() if k != key})
+
+
+def test_a_file_transformers_refuses_says_so_in_one_warning(caplog):
+    cfg = {**gpt_oss_drafter_json(), "use_cache": "yes"}
+    with caplog.at_level("WARNING", logger="dflash_torch"):
+        d = DrafterConfig.from_dict(cfg)
+    assert d.sliding_windows == [None, None] and d.rope_scaling is None  # (the file as written)
+    [record] = [r for r in caplog.records if r.name == "dflash_torch"]
+    message = record.getMessage()
+    assert "\n" not in message and "GptOssConfig (model_type 'gpt_oss')" in message
+    assert "Field 'use_cache' expected bool, got str (value: 'yes')" in message
+    assert "do not take that class's defaults" in message
+
+
+NOTICES = {  # edits of a qwen3 drafter config on which transformers logs or warns while it reads the file
+    "mistral-layer-types": {"model_type": "mistral", "layer_types": ["full_attention"] * 2},
+    "yarn-factor": {"rope_scaling": {"rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 1024},
+                    "max_position_embeddings": 8192},  # (factor 3 != 8192 / 1024)
+    "pad-token-id": {"pad_token_id": 7777},  # (outside the vocabulary)
+}
+
+
+def test_transformers_notices_do_not_reach_the_terminal():
+    """In a fresh process (transformers' log handler on the real stderr, Python's warnings
+    shown): reading the configs prints nothing; transformers itself does print on them."""
+    import os
+    import subprocess
+    import sys
+
+    base = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+            "vocab_size": 512, "block_size": 8, "dflash_config": {"mask_token_id": 1, "target_layer_ids": [0, 1]}}
+    cfgs = [{**base, **edits} for edits in NOTICES.values()]
+    script = ("import json, sys, transformers\n"
+              "from dflash_torch.models.config import DrafterConfig\n"
+              "cfgs = json.loads(sys.argv[2])\n"
+              "for cfg in cfgs:\n"
+              "    if sys.argv[1] == 'ours':\n"
+              "        DrafterConfig.from_dict(cfg)\n"
+              "    else:\n"
+              "        transformers.AutoConfig.for_model(**cfg)\n"
+              "print(transformers.logging.get_verbosity())\n")
+    env = {**os.environ, "PYTHONWARNINGS": "always", "PYTHONPATH": str(Path(dflash_torch.__file__).parents[1])}
+
+    def run(who):
+        return subprocess.run([sys.executable, "-c", script, who, json.dumps(cfgs)], capture_output=True, text=True,
+                              env=env, timeout=120, check=True)
+
+    ours, theirs = run("ours"), run("transformers")
+    for words in ("Mistral model with layer_types", "RoPE scaling factor", "pad_token_id"):
+        assert words in theirs.stderr
+    assert ours.stderr == "" and ours.stdout == theirs.stdout  # (and transformers' verbosity as it was)
+
+
+def test_the_callers_dict_is_not_changed_and_to_dict_shares_nothing():
+    import copy
+
+    cfg = {**gpt_oss_drafter_json(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings": 4096}
+    before = copy.deepcopy(cfg)
+    d = DrafterConfig.from_dict(cfg)
+    assert cfg == before
+    out = d.to_dict()
+    out["rope_scaling"]["factor"] = 99.0
+    assert d.rope_scaling["factor"] == 4.0
+
+
+# --- sliding windows ----------------------------------------------------------------------------------------
+
+def test_swa_window_size_wins_over_a_default_sliding_window():
+    """dflash_config.swa_window_size with no sliding_window in the file: transformers' default
+    window (gpt-oss's 128) yields to it, as vLLM uses it; a sliding_window the file gives and
+    that differs is still refused."""
+    cfg = gpt_oss_drafter_json()
+    cfg["dflash_config"].update(use_swa=True, swa_window_size=512)
+    assert DrafterConfig.from_dict(cfg).sliding_windows == [512, None]
+    with pytest.raises(dflash_torch.DFlashError, match="two sliding windows: sliding_window 128 and "
+                                                      "dflash_config.swa_window_size 512"):
+        DrafterConfig.from_dict({**cfg, "sliding_window": 128})
+
+
+def qwen3_sliding_drafter_json(**edits) -> dict:
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+            "vocab_size": 512, "block_size": 8, "dflash_config": {"mask_token_id": 1, "target_layer_ids": [0, 1]},
+            "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, **edits}
+
+
+@pytest.mark.parametrize("use_sliding_window", [False, None])
+def test_sliding_layers_whose_window_transformers_drops_are_refused(use_sliding_window):
+    """model_type qwen3 without use_sliding_window true: transformers' Qwen3Config (the DFlash
+    reference) gives sliding_window None, so those layers run no window there."""
+    cfg = qwen3_sliding_drafter_json(use_sliding_window=use_sliding_window)
+    assert hf_config({k: v for k, v in cfg.items() if v is not None}).sliding_window is None
+    with pytest.raises(dflash_torch.DFlashError) as err:
+        DrafterConfig.from_dict(cfg)
+    assert str(err.value) == (
+        "drafter config.json has sliding_attention layers and sliding_window 8, but transformers' Qwen3Config "
+        "(model_type 'qwen3') gives no window (use_sliding_window false turns it off): transformers and the DFlash "
+        "reference run those layers with no window, and vLLM refuses the file; set use_sliding_window true")
+    d = DrafterConfig.from_dict(qwen3_sliding_drafter_json(use_sliding_window=True))
+    assert d.sliding_windows == [8, None]
+
+
+def test_a_written_config_keeps_its_windows_in_transformers():
+    """to_dict (what ``dflash-torch train`` writes) says use_sliding_window true where a layer
+    slides: transformers (the DFlash reference, vLLM) reads the windows dflash-torch runs."""
+    for cfg in (gpt_oss_drafter_json(layers=4), qwen3_sliding_drafter_json(use_sliding_window=True)):
+        d = DrafterConfig.from_dict(cfg)
+        out = d.to_dict()
+        assert out["use_sliding_window"] is True
+        hf = hf_config(out)
+        assert [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types] == d.sliding_windows
+        assert DrafterConfig.from_dict(out) == d
+    out = DrafterConfig.from_dict({**qwen3_sliding_drafter_json(), "layer_types": None, "sliding_window": None}).to_dict()
+    assert "use_sliding_window" not in out and "sliding_window" not in out
+

@@ -10,7 +10,11 @@ Laguna DFlash formats are read by their own modules (``speculators.py``, ``lagun
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import logging
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +25,8 @@ from ..errors import DFlashError, OptionError
 if TYPE_CHECKING:
     from .laguna_drafter import LagunaDraftSettings
     from .speculators import SpeculatorsSettings
+
+log = logging.getLogger("dflash_torch")
 
 
 MIN_POSITIONS = 2  # a target must hold one prompt token and one generated token
@@ -727,6 +733,34 @@ REFERENCE_CONFIG_KEYS = ("num_key_value_heads", "head_dim", "rms_norm_eps", "att
                          "layer_types", "sliding_window")
 
 
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' log lines and Python warnings silenced (its notices about a config it
+    reads, e.g. deprecated ``rope_scaling`` or a YaRN factor, are not actionable in dflash-torch)."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def transformers_config_class(model_type) -> type | None:
+    """transformers' config class of ``model_type`` (None: not a model type it knows)."""
+    if not isinstance(model_type, str):
+        return None
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        return CONFIG_MAPPING[model_type]
+    except (ImportError, KeyError, ValueError):
+        return None
+
+
 def with_transformers_defaults(cfg: dict) -> dict:
     """A DFlash-format drafter ``config.json`` dict completed as the DFlash reference reads it:
     the reference builds its drafter from the config object transformers makes of the file
@@ -735,34 +769,65 @@ def with_transformers_defaults(cfg: dict) -> dict:
     ``rope_scaling`` / ``rope_parameters`` the RoPE rule (``rope_parameters``, or the older
     ``rope_scaling`` + ``rope_theta``), and for a llama3 / yarn rule ``max_position_embeddings``,
     each where absent or null in ``cfg``, are taken from
-    ``transformers.AutoConfig.for_model(model_type, **cfg)``; e.g. a ``gpt_oss`` drafter gets
-    gpt-oss's alternating 128-token sliding-window layers and YaRN RoPE, a ``qwen3`` one with
+    ``transformers.AutoConfig.for_model(model_type, **cfg)`` (given a deep copy of ``cfg``'s
+    non-null keys: a null reads as absent, as everywhere in dflash-torch's parser; its log
+    lines and warnings silenced); e.g. a ``gpt_oss`` drafter gets gpt-oss's alternating
+    128-token sliding-window layers and YaRN RoPE, a ``qwen3`` one with
     ``use_sliding_window`` and ``max_window_layers`` the layer types transformers derives from
-    them. Values the file gives are kept. A ``model_type`` transformers does not know (or a
-    file it refuses: the parser's own checks then name the fault) leaves ``cfg`` as it is.
+    them. Values the file gives are kept; a ``sliding_window`` the file leaves out is not
+    taken where ``dflash_config.swa_window_size`` gives the window (vLLM's DFlash drafter
+    uses that). A ``model_type`` transformers does not know leaves ``cfg`` as it is; a file
+    transformers refuses too, with a one-line WARNING (logger ``dflash_torch``) naming the
+    model type and transformers' reason (the parser's own checks then name a fault in the
+    keys dflash-torch reads).
 
     Returns:
         ``cfg`` itself, or a new dict with the values taken from transformers added.
+
+    Raises:
+        DFlashError: ``sliding_attention`` layers and a ``sliding_window`` that transformers'
+            class drops (``qwen3``, ``qwen2``, ``qwen3_moe``: ``use_sliding_window`` not true),
+            so that transformers and the DFlash reference run those layers with no window
+            and vLLM refuses the file.
     """
     model_type = cfg.get("model_type")
-    if not isinstance(model_type, str):
+    config_class = transformers_config_class(model_type)
+    if config_class is None:
         return cfg
-    try:
-        from transformers import AutoConfig
+    given = copy.deepcopy({k: v for k, v in cfg.items() if k != "model_type" and v is not None})
+    with quiet_transformers():
+        try:
+            from transformers import AutoConfig
 
-        hf = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
-    except Exception:  # (unknown model type, or values transformers refuses)
-        return cfg
+            hf = AutoConfig.for_model(model_type, **given)
+        except Exception as exc:  # (transformers' own validation of a user's file: any of its errors)
+            reason = " ".join(str(exc).split())
+            log.warning(f"dflash-torch: WARNING: the drafter's config.json does not load in transformers' "
+                        f"{config_class.__name__} (model_type {model_type!r}): {reason[:300]}"
+                        f"{' ...' if len(reason) > 300 else ''}; the keys it leaves out do not take that class's "
+                        "defaults (layer types, sliding window, RoPE rule, ...), as the DFlash reference would")
+            return cfg
+    dflash = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    types = cfg.get("layer_types") if cfg.get("layer_types") is not None else getattr(hf, "layer_types", None)
+    if (cfg.get("sliding_window") is not None and getattr(hf, "sliding_window", None) is None
+            and dflash.get("swa_window_size") is None and isinstance(types, list) and "sliding_attention" in types):
+        raise DFlashError(f"drafter config.json has sliding_attention layers and sliding_window "
+                          f"{cfg['sliding_window']!r}, but transformers' {config_class.__name__} (model_type "
+                          f"{model_type!r}) gives no window (use_sliding_window false turns it off): transformers and "
+                          "the DFlash reference run those layers with no window, and vLLM refuses the file; set "
+                          "use_sliding_window true")
     filled = {k: getattr(hf, k, None) for k in REFERENCE_CONFIG_KEYS if cfg.get(k) is None}
+    if dflash.get("swa_window_size") is not None:  # (the window given: a default sliding_window yields to it)
+        filled.pop("sliding_window", None)
     if cfg.get("rope_scaling") is None and cfg.get("rope_parameters") is None:
         params = getattr(hf, "rope_parameters", None)
         if isinstance(params, dict) and "rope_type" in params:  # (transformers 5; not one rule per layer type)
-            filled["rope_parameters"] = dict(params)
+            filled["rope_parameters"] = copy.deepcopy(params)
         elif params is None:  # (transformers 4)
-            filled["rope_scaling"] = getattr(hf, "rope_scaling", None)
+            filled["rope_scaling"] = copy.deepcopy(getattr(hf, "rope_scaling", None))
             if cfg.get("rope_theta") is None:
                 filled["rope_theta"] = getattr(hf, "rope_theta", None)
-    filled = {k: v for k, v in filled.items() if v is not None}
+    filled = {k: copy.deepcopy(v) for k, v in filled.items() if v is not None}
     rope = {**cfg, **filled}
     rope = rope.get("rope_scaling") or rope.get("rope_parameters")
     if cfg.get("max_position_embeddings") is None and isinstance(rope, dict) and rope.get(
@@ -806,7 +871,6 @@ class DrafterConfig:
     own_embedding: bool = False
     own_lm_head: bool = False
     qk_norm: bool = True  # per-head q/k RMSNorms in the drafter's attention (dflash_config.use_qk_norm false: none)
-
     @property
     def partial_rotary_factor(self) -> float:
         """The fraction of each head that the drafter's RoPE rotates (1 but for a Laguna
@@ -848,7 +912,8 @@ class DrafterConfig:
                 ``shift_label``, ``projector_type``, ... in ``dflash_config`` or at the top
                 level), attention sinks (:func:`refuse_attention_sinks`), bad sliding
                 windows (:func:`sliding_windows`: ``dflash_config.use_swa`` /
-                ``swa_window_size``).
+                ``swa_window_size``; :func:`with_transformers_defaults`: a window
+                transformers drops).
         """
         if "speculators_model_type" in cfg:
             from .speculators import read_config
@@ -957,7 +1022,11 @@ class DrafterConfig:
         )
 
     def to_dict(self) -> dict:
-        """A ``config.json`` dict in the published DFlash (or, with ``dflash2``, DFlash 2) drafter format.
+        """A ``config.json`` dict in the published DFlash (or, with ``dflash2``, DFlash 2) drafter format
+        (``model_type`` qwen3; where a layer slides, ``use_sliding_window`` true, which
+        transformers' Qwen3Config needs to keep the window, so transformers, the DFlash
+        reference and vLLM read the drafter as dflash-torch does). A new dict: it shares no
+        object with this config.
 
         Raises:
             DFlashError: a Speculators-format config (its own embedding, LM head and attention
@@ -1004,12 +1073,13 @@ class DrafterConfig:
         if not self.qk_norm:
             cfg["dflash_config"]["use_qk_norm"] = False
         if self.rope_scaling:
-            cfg["rope_scaling"] = self.rope_scaling
+            cfg["rope_scaling"] = copy.deepcopy(self.rope_scaling)
         if self.max_position_embeddings is not None:
             cfg["max_position_embeddings"] = self.max_position_embeddings
         windows = [w for w in self.sliding_windows if w]
-        if windows:
+        if windows:  # (transformers' Qwen3Config keeps the window only with use_sliding_window true)
             cfg["sliding_window"] = windows[0]
+            cfg["use_sliding_window"] = True
         return cfg
 
 

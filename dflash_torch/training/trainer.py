@@ -261,6 +261,8 @@ def drafter_config_differences(here: dict, there: dict, init_from: bool = False)
         return out
 
     a, b = flat(here), flat(there)
+    # (use_sliding_window follows the windows, which are compared: a checkpoint saved before it was written lacks it)
+    a.pop("use_sliding_window", None), b.pop("use_sliding_window", None)
     skip = {"layer_types"} if a.get("num_hidden_layers") != b.get("num_hidden_layers") else set()  # (one per layer)
     if a.get("architectures") != b.get("architectures"):  # (the DFlash 2 keys of one side only)
         skip |= a.keys() ^ b.keys()
