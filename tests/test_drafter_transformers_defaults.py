@@ -267,3 +267,25 @@ def test_a_written_config_keeps_its_windows_in_transformers():
     out = DrafterConfig.from_dict({**qwen3_sliding_drafter_json(), "layer_types": None, "sliding_window": None}).to_dict()
     assert "use_sliding_window" not in out and "sliding_window" not in out
 
+
+# --- rope_parameters per layer type ---------------------------------------------------------------------------
+
+def test_rope_parameters_per_layer_type_read_as_the_one_they_give():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "original_max_position_embeddings": 1024}
+    cfg = {**qwen3_sliding_drafter_json(use_sliding_window=True),
+           "rope_parameters": {"full_attention": dict(yarn), "sliding_attention": dict(yarn)}}
+    d = DrafterConfig.from_dict(cfg)
+    assert d == DrafterConfig.from_dict({**cfg, "rope_parameters": yarn})
+    assert d.rope_theta == 1e6 and d.rope_scaling["rope_type"] == "yarn" and d.rope_scaling["factor"] == 4.0
+
+
+def test_rope_parameters_per_layer_type_that_differ_are_refused():
+    cfg = {**qwen3_sliding_drafter_json(use_sliding_window=True), "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    with pytest.raises(dflash_torch.DFlashError) as err:
+        DrafterConfig.from_dict(cfg)
+    assert "\n" not in str(err.value) and str(err.value).startswith(
+        "drafter config.json rope_parameters gives one RoPE per layer type (full_attention, sliding_attention) and "
+        "they differ: ") and str(err.value).endswith("dflash-torch's DFlash drafter runs one RoPE in every layer")
+

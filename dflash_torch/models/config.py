@@ -733,6 +733,27 @@ REFERENCE_CONFIG_KEYS = ("num_key_value_heads", "head_dim", "rms_norm_eps", "att
                          "layer_types", "sliding_window")
 
 
+def one_rope_for_every_layer(cfg: dict) -> dict:
+    """``cfg`` with a ``rope_parameters`` given per layer type (``{"full_attention": {...},
+    "sliding_attention": {...}}``, as transformers 5 writes it) read as the one RoPE its
+    entries all give (as the Speculators reader flattens them): dflash-torch's DFlash drafter
+    runs one RoPE in every layer. Other configs come back as they are.
+
+    Raises:
+        DFlashError: entries that differ, or keys besides the layer types (one line).
+    """
+    rope = cfg.get("rope_parameters")
+    kinds = ("full_attention", "sliding_attention")
+    if not isinstance(rope, dict) or not any(k in kinds for k in rope):
+        return cfg
+    entries = list(rope.values())
+    if any(k not in kinds for k in rope) or not all(isinstance(e, dict) for e in entries) or any(
+            e != entries[0] for e in entries):
+        raise DFlashError(f"drafter config.json rope_parameters gives one RoPE per layer type ({', '.join(rope)}) and "
+                          f"they differ: {rope!r}; dflash-torch's DFlash drafter runs one RoPE in every layer")
+    return {**cfg, "rope_parameters": dict(entries[0])}
+
+
 @contextlib.contextmanager
 def quiet_transformers():
     """transformers' log lines and Python warnings silenced (its notices about a config it
@@ -913,7 +934,8 @@ class DrafterConfig:
                 level), attention sinks (:func:`refuse_attention_sinks`), bad sliding
                 windows (:func:`sliding_windows`: ``dflash_config.use_swa`` /
                 ``swa_window_size``; :func:`with_transformers_defaults`: a window
-                transformers drops).
+                transformers drops), a ``rope_parameters`` per layer type whose entries
+                differ (:func:`one_rope_for_every_layer`).
         """
         if "speculators_model_type" in cfg:
             from .speculators import read_config
@@ -956,7 +978,7 @@ class DrafterConfig:
                               f"dflash_config.block_size {dflash['block_size']!r}; make them equal")
         check_int({"block_size": block_size}, "block_size", "drafter", minimum=2)
         if not assistant:  # (the keys the file leaves out, as the DFlash reference reads them)
-            cfg = with_transformers_defaults(cfg)
+            cfg = with_transformers_defaults(one_rope_for_every_layer(cfg))
         for key in ("num_key_value_heads", "head_dim", "sliding_window", "vocab_size"):
             check_int(cfg, key, "drafter")
         n = cfg["num_hidden_layers"]
