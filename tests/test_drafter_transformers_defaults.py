@@ -289,3 +289,33 @@ def test_rope_parameters_per_layer_type_that_differ_are_refused():
         "drafter config.json rope_parameters gives one RoPE per layer type (full_attention, sliding_attention) and "
         "they differ: ") and str(err.value).endswith("dflash-torch's DFlash drafter runs one RoPE in every layer")
 
+
+# --- an error a transformers default caused says so -----------------------------------------------------------
+
+def test_an_error_from_a_transformers_default_names_it(tiny_pair, tmp_path):
+    """A qwen3 drafter whose config.json leaves out head_dim / num_key_value_heads /
+    attention_bias: transformers' Qwen3Config defaults (head_dim 128, 32 key/value heads, no
+    bias) do not fit its weights or heads, and the error says where the value came from."""
+    from conftest import edited_checkpoint
+
+    _, drafter = tiny_pair
+    cfg = json.loads((drafter / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["head_dim"] != 128 and cfg["num_attention_heads"] % 32
+    d = edited_checkpoint(drafter, tmp_path / "no-head-dim", config=lambda c: c.pop("head_dim"))
+    with pytest.raises(dflash_torch.DFlashError, match=r"self_attn\.\w+_proj\.weight has shape .*, config implies .* "
+                       r"\(head_dim 128: transformers' Qwen3Config default, the file gives none\)$"):
+        DFlashDrafter.from_pretrained(d, torch.float32)
+    cfg.pop("num_key_value_heads")
+    with pytest.raises(dflash_torch.DFlashError, match=rf"^drafter num_attention_heads {cfg['num_attention_heads']} is "
+                       r"not a multiple of num_key_value_heads 32 \(num_key_value_heads 32: transformers' Qwen3Config "
+                       r"default, the file gives none\)$"):
+        DrafterConfig.from_dict(cfg)
+    d = edited_checkpoint(drafter, tmp_path / "bias", config=lambda c: (c.pop("attention_bias", None), c.update(
+        model_type="gpt_oss", rope_theta=150000)))
+    with pytest.raises(dflash_torch.DFlashError, match=r"lacks weights: .*_proj\.bias.*\(attention_bias True: "
+                       r"transformers' GptOssConfig default, the file gives none\)$"):
+        DFlashDrafter.from_pretrained(d, torch.float32)
+    # a value the file gives: no note
+    d = edited_checkpoint(drafter, tmp_path / "head-dim-8", config=lambda c: c.update(head_dim=8))
+    with pytest.raises(dflash_torch.DFlashError, match=r"config implies \(\d+, \d+\)$"):
+        DFlashDrafter.from_pretrained(d, torch.float32)

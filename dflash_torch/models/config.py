@@ -858,6 +858,14 @@ def with_transformers_defaults(cfg: dict) -> dict:
     return {**cfg, **filled} if filled else cfg
 
 
+def transformers_default_note(taken: dict[str, str], values: dict, *keys: str) -> str:
+    """`` (head_dim 128: transformers' Qwen3Config default, the file gives none)`` for those of
+    ``keys`` in ``taken`` (key -> the config class whose default it took; ``values``: their
+    values), "" where none is."""
+    parts = [f"{k} {values[k]!r}: transformers' {taken[k]} default, the file gives none" for k in keys if k in taken]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 @dataclass
 class DrafterConfig:
     """Shape and DFlash settings of a drafter (an embedding table and LM head of its own only
@@ -892,6 +900,15 @@ class DrafterConfig:
     own_embedding: bool = False
     own_lm_head: bool = False
     qk_norm: bool = True  # per-head q/k RMSNorms in the drafter's attention (dflash_config.use_qk_norm false: none)
+    # the keys config.json leaves out that took transformers' defaults (with_transformers_defaults): key -> its class
+    transformers_defaults: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def default_note(self, *keys: str) -> str:
+        """Where any of ``keys`` took transformers' default (the file gives none), a note for
+        an error message it may have caused, e.g. `` (head_dim 128: transformers' Qwen3Config
+        default, the file gives none)``; else ""."""
+        return transformers_default_note(self.transformers_defaults, {k: getattr(self, k) for k in keys}, *keys)
+
     @property
     def partial_rotary_factor(self) -> float:
         """The fraction of each head that the drafter's RoPE rotates (1 but for a Laguna
@@ -977,8 +994,13 @@ class DrafterConfig:
             raise DFlashError(f"drafter config.json has two block sizes: block_size {cfg['block_size']!r} and "
                               f"dflash_config.block_size {dflash['block_size']!r}; make them equal")
         check_int({"block_size": block_size}, "block_size", "drafter", minimum=2)
+        taken = {}  # key -> the transformers config class whose default it took
         if not assistant:  # (the keys the file leaves out, as the DFlash reference reads them)
-            cfg = with_transformers_defaults(one_rope_for_every_layer(cfg))
+            given, cfg = cfg, with_transformers_defaults(one_rope_for_every_layer(cfg))
+            if cfg is not given:
+                kind = transformers_config_class(cfg.get("model_type")).__name__
+                taken = {k: kind for k in ("head_dim", "num_key_value_heads", "attention_bias")
+                         if given.get(k) is None and cfg.get(k) is not None}
         for key in ("num_key_value_heads", "head_dim", "sliding_window", "vocab_size"):
             check_int(cfg, key, "drafter")
         n = cfg["num_hidden_layers"]
@@ -1001,6 +1023,11 @@ class DrafterConfig:
             raise DFlashError(f"drafter config.json hidden_act {act!r} is not supported "
                               f"(silu, or GELU-tanh: {', '.join(GELU_TANH_NAMES)})")
         heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if isinstance(heads, int) and heads % kv_heads:
+            note = transformers_default_note(taken, {"num_key_value_heads": kv_heads}, "num_key_value_heads")
+            raise DFlashError(f"drafter num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                              f"{kv_heads}{note}")
         layer_types = cfg.get("layer_types") or ["full_attention"] * n
         if not isinstance(layer_types, list) or len(layer_types) != n:
             raise DFlashError(f"drafter layer_types must be a list of {n} entries (num_hidden_layers), got {layer_types!r}")
@@ -1041,6 +1068,7 @@ class DrafterConfig:
             own_lm_head=own["has_lm_head"],
             qk_norm=bool_field({"dflash_config.use_qk_norm": dflash.get("use_qk_norm")}, "dflash_config.use_qk_norm",
                                "drafter", True),
+            transformers_defaults=taken,
         )
 
     def to_dict(self) -> dict:

@@ -176,7 +176,8 @@ class DFlashDrafter(nn.Module):
         missing = sorted(map(name, expected.keys() - state.keys()))
         if missing:
             raise DFlashError(f"drafter checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}"
-                              f"{' ...' if len(missing) > 5 else ''}{missing_note(model_dir, missing, state.keys() - expected.keys())}")
+                              f"{' ...' if len(missing) > 5 else ''}{missing_note(model_dir, missing, state.keys() - expected.keys())}"
+                              + (cfg.default_note("attention_bias") if any(k.endswith("_proj.bias") for k in missing) else ""))
         unknown = sorted((state.keys() - expected.keys()) | taken)
         for table, key in (("embed_tokens.weight", "has_embed_tokens"), ("lm_head.weight", "has_lm_head")):
             if table in unknown and raw.get(key) is False:
@@ -189,10 +190,12 @@ class DFlashDrafter(nn.Module):
         if unknown:  # never run a checkpoint in part: weights we do not know would be silently dropped
             kind = "DFlash 2" if cfg.dflash2 else "Laguna DFlash" if cfg.laguna else "DFlash"
             raise DFlashError(f"drafter checkpoint {model_dir} has weights a {kind} drafter does not use "
-                              f"(an unsupported variant?): {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+                              f"(an unsupported variant?): {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
+                              + (cfg.default_note("attention_bias") if any(k.endswith("_proj.bias") for k in unknown) else ""))
         for k, v in expected.items():
             if tuple(state[k].shape) != tuple(v.shape):
-                raise DFlashError(f"drafter weight {name(k)} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
+                raise DFlashError(f"drafter weight {name(k)} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}"
+                                  + (cfg.default_note("head_dim", "num_key_value_heads") if ".self_attn." in k else ""))
             if v.is_floating_point() and not state[k].is_floating_point():
                 raise DFlashError(f"drafter weight {name(k)} has dtype {str(state[k].dtype).removeprefix('torch.')}; "
                                   "dflash-torch reads floating-point weights only (float32 / bfloat16 / float16 / float64; a quantized checkpoint?)")
