@@ -32,7 +32,7 @@ def ring_models(agree_gpt_oss_pair, tmp_path_factory):
     8 on its first layer (a ring of 8 + 64 + 16 - 1 rows: a backlog of injections is one write)."""
     target_dir, drafter_dir = agree_gpt_oss_pair
     drafter_dir = edited_checkpoint(drafter_dir, tmp_path_factory.mktemp("ring-drafter") / "d", config=lambda c: c.update(
-        layer_types=["sliding_attention", "full_attention"], sliding_window=8))
+        layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True))
     return TargetModel.from_pretrained(target_dir, torch.float32), DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
 
 

@@ -347,7 +347,8 @@ def test_the_published_drafter_layout_decodes_losslessly(checkpoints, tmp_path):
     target's scale ignore): greedy output is target-only decoding's."""
     target_dir, drafter_dir = checkpoints["dense"]
     cfg = json.loads((drafter_dir / "config.json").read_text())
-    cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=4, final_logit_softcapping=10.0)
+    cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=4, use_sliding_window=True,
+               final_logit_softcapping=10.0)
     sliding = edited_checkpoint(drafter_dir, tmp_path / "sliding", config=lambda c: (c.clear(), c.update(cfg)))
     spec = DFlashEngine.from_pretrained(target_dir, sliding)
     assert spec.drafter.config.sliding_windows == [4, None]
