@@ -952,7 +952,9 @@ class DrafterConfig:
                 windows (:func:`sliding_windows`: ``dflash_config.use_swa`` /
                 ``swa_window_size``; :func:`with_transformers_defaults`: a window
                 transformers drops), a ``rope_parameters`` per layer type whose entries
-                differ (:func:`one_rope_for_every_layer`).
+                differ (:func:`one_rope_for_every_layer`), ``num_attention_heads`` not a multiple
+                of ``num_key_value_heads``. A message about a value taken from transformers'
+                defaults says so (:meth:`default_note`).
         """
         if "speculators_model_type" in cfg:
             from .speculators import read_config
