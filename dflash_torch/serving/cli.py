@@ -67,10 +67,13 @@ def register(sub) -> None:
                         "analysis / final channels), none (all content), or auto (default: harmony for gpt-oss, gemma4 "
                         "when the chat template mentions <|channel>, think when it mentions <think>)")
     p.add_argument("--tool-call-parser", default="auto",
-                   choices=["auto", "none", "hermes", "qwen3_coder", "minimax_m2", "gemma4", "harmony"],
+                   choices=["auto", "none", "hermes", "qwen3_coder", "glm45", "glm47", "minimax_m2", "gemma4", "harmony"],
                    help="find the tool calls of chat replies to requests with tools (message.tool_calls): hermes "
                         "(<tool_call>{json}</tool_call>: Qwen2.5, Qwen3), qwen3_coder (<tool_call><function=...>: "
-                        "Qwen3-Coder, Qwen3.5, Qwen3.6), minimax_m2 (<minimax:tool_call><invoke name=...>: MiniMax-M2), "
+                        "Qwen3-Coder, Qwen3.5, Qwen3.6), glm45 (<tool_call>NAME<arg_key>K</arg_key><arg_value>V"
+                        "</arg_value>...</tool_call>, a newline after each part: GLM-4.5, GLM-4.6), glm47 (the same "
+                        "without the newlines: GLM-4.7, GLM-5, GLM-5.1), "
+                        "minimax_m2 (<minimax:tool_call><invoke name=...>: MiniMax-M2), "
                         "gemma4 (<|tool_call>call:NAME{...}<tool_call|>: Gemma 4), "
                         "harmony (gpt-oss), none (replies stay text), or auto (default: by the model and its chat "
                         "template)")

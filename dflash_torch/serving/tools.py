@@ -12,6 +12,15 @@ Formats (``serve --tool-call-parser``):
   (else the text).
   A ``</parameter>`` inside a value is taken as text (a value ends at the ``</parameter>`` that
   the next ``<parameter=`` or the ``</function>`` follows).
+* ``glm45`` (GLM-4.5, GLM-4.6) and ``glm47`` (GLM-4.7, GLM-5, GLM-5.1):
+  ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...</tool_call>``
+  blocks, any number of them; GLM-4.7 / 5 write no newlines (``<tool_call>NAME<arg_key>...``,
+  the calls one right after the other). One parser reads both (:class:`Glm45Parser`): a
+  value is typed by the tool's schema as for ``qwen3_coder`` (the JSON value of a type
+  other than string it allows, when it parses as one; else the text as written); a value
+  of a parameter the schema does not describe is its JSON value where it parses as JSON,
+  else the text (GLM's templates write strings as they are, other values as ``tojson``).
+  The two names differ only in the layout of forced calls.
 * ``gemma4`` (Gemma 4): ``<|tool_call>call:NAME{ARGUMENTS}<tool_call|>`` blocks, any number
   of them, the arguments in Gemma's own notation: ``key:value`` pairs split by commas, keys
   bare, strings between ``<|"|>`` markers, objects in ``{}``, lists in ``[]``, other values
@@ -46,10 +55,11 @@ the reasoning parser, and the tool calls are looked for in the answer
 one message structure, so one parser, :class:`HarmonyToolParser` (the reasoning module's
 :class:`~.reasoning.HarmonyParser` that also reads recipients), does both.
 
-``tool_choice`` ``required`` or a named function (hermes and qwen3_coder): :func:`hermes_grammar`
-and :func:`qwen3_coder_grammar` are llguidance grammars that constrain the reply to the calls
-themselves (structured outputs, :mod:`dflash_torch.structured`), so that the parser above
-reads them.
+``tool_choice`` ``required`` or a named function (hermes, qwen3_coder, glm45, glm47):
+:func:`hermes_grammar`, :func:`qwen3_coder_grammar`, :func:`glm45_grammar` and
+:func:`glm47_grammar` are llguidance grammars that constrain the reply to the calls
+themselves, written as the model's chat template writes them (structured outputs,
+:mod:`dflash_torch.structured`), so that the parser above reads them.
 
 Parsers are fed the reply in pieces and return what each piece adds; text that may still
 become a marker is held back until it cannot. The result does not depend on where the
@@ -69,7 +79,7 @@ from ..options import JSON_TYPES, check_choice
 from .constraints import reasoning_start, text_or_token
 from .reasoning import HarmonyParser, ReasoningParser, _held, new_parser
 
-PARSERS = ("auto", "none", "hermes", "qwen3_coder", "minimax_m2", "gemma4", "harmony")
+PARSERS = ("auto", "none", "hermes", "qwen3_coder", "glm45", "glm47", "minimax_m2", "gemma4", "harmony")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MINIMAX_CALL_OPEN, MINIMAX_CALL_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
@@ -435,6 +445,61 @@ class MiniMaxM2Parser(Qwen3CoderParser):
         return value
 
 
+# GLM's calls: ``<tool_call>NAME`` then ``<arg_key>KEY</arg_key>`` ``<arg_value>VALUE</arg_value>`` pairs
+# (GLM-4.5 / 4.6: each on its own line; GLM-4.7 / 5: no whitespace), then ``</tool_call>``
+GLM_KEY_OPEN, GLM_KEY_CLOSE, GLM_VALUE_OPEN, GLM_VALUE_CLOSE = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>", re.S)
+# between two arguments: where a value may end (it may hold an </arg_value>)
+_GLM_BOUNDARY = re.compile(r"</arg_value>\s*(?=<arg_key>)")
+
+
+class Glm45Parser(Qwen3CoderParser):
+    """GLM's ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>``
+    (GLM-4.5 / 4.6 write a newline after the name and after each tag pair, GLM-4.7 / 5
+    nothing; any whitespace there is read); ``tools`` as :class:`Qwen3CoderParser`'s.
+
+    The name is the text before the first ``<arg_key>`` (without its surrounding whitespace;
+    none, or one holding a newline or ``<``: not a call); the call holds nothing but its
+    arguments (whitespace aside), a value ending at the ``</arg_value>`` that the next
+    ``<arg_key>`` or the call's end follows; a key loses its surrounding whitespace, a value
+    is kept as written and typed by :meth:`convert`."""
+
+    def parse_block(self, body: str) -> ToolCall | None:
+        at = body.find(GLM_KEY_OPEN)
+        name, rest = (body, "") if at < 0 else (body[:at], body[at:])
+        name = name.strip()
+        if not name or any(c in name for c in "<\n"):
+            return None
+        args = {}
+        rest = rest.strip()
+        if rest:
+            pieces = _GLM_BOUNDARY.split(rest)
+            if not pieces[-1].endswith(GLM_VALUE_CLOSE):
+                return None
+            pieces[-1] = pieces[-1][:-len(GLM_VALUE_CLOSE)]
+            props, root = self.schemas.get(name, ({}, {}))
+            for piece in pieces:
+                m = _GLM_ARGUMENT.match(piece)
+                if m is None:
+                    return None
+                key = m.group(1).strip()
+                args[key] = self.convert(piece[m.end():], props.get(key), root)
+        return ToolCall(name, _dumps(args))
+
+    @staticmethod
+    def convert(value: str, schema, root: dict | None = None) -> object:
+        """``value`` as GLM's template writes it back (a string as itself, any other value as
+        ``tojson``): the ``enum`` / ``const`` value it writes; where the schema says its types,
+        as :meth:`Qwen3CoderParser.convert` reads them; where it does not (no schema), the
+        JSON value when it parses as one, else the text."""
+        if schema_types(schema, root) is not None or _enum(schema, root):
+            return Qwen3CoderParser.convert(value, schema, root)
+        try:
+            return _json(value.strip())
+        except ValueError:
+            return value
+
+
 class HarmonyToolParser(HarmonyParser):
     """gpt-oss's harmony messages: reasoning, answer and calls (see the module docstring)."""
 
@@ -693,12 +758,13 @@ def _called_functions(tools: list[dict], name: str | None) -> list[dict]:
 
 
 def _calls_grammar(alternatives: list[str], rules: list[str], one: bool, reasoning: str | None,
-                   think_tokens: tuple[int | None, int | None]) -> str:
+                   think_tokens: tuple[int | None, int | None], separator: str = "\n") -> str:
     """The grammar of a reply that is only calls: ``alternatives`` (one Lark expression per
     callable function) and their ``rules``; ``one``: exactly one call, else one or more
-    separated by a newline; ``reasoning``: first the rest of the reasoning the template
-    opened, or a reasoning the reply may open (:func:`.constraints.reasoning_start`)."""
-    calls = "call" if one else 'call ("\\n" call)*'
+    separated by ``separator`` (a newline unless told); ``reasoning``: first the rest of the
+    reasoning the template opened, or a reasoning the reply may open
+    (:func:`.constraints.reasoning_start`)."""
+    calls = "call" if one else f"call ({json.dumps(separator)} call)*" if separator else "call+"
     head, reasoning_rules = reasoning_start(reasoning, think_tokens, _AFTER_REASONING)
     return f"start: {head}{calls}\n" + "call: " + " | ".join(alternatives) + "\n" + "".join(rules) + reasoning_rules
 
@@ -893,8 +959,99 @@ def qwen3_coder_grammar(tools: list[dict], name: str | None = None, parallel: bo
     return _calls_grammar(alternatives, rules, name is not None or not parallel, reasoning, think_tokens)
 
 
+# a GLM text value: any text up to the first </arg_value>, that closing included
+_GLM_TEXT = "/(?s:.*)<\\/arg_value>/"
+
+
+def _glm_value(schema, rule: str, rules: list[str], root: dict) -> str:
+    """The Lark expression of one GLM argument's value and its closing ``</arg_value>``, as
+    :meth:`Glm45Parser.convert` reads it back valid under ``schema`` (``root``: the tool's
+    ``parameters``): a choice (``enum`` / ``const``) as its values written as the template
+    writes them (a string as itself, any other value as ``tojson``); a schema whose types
+    (:func:`schema_types`) are JSON ones other than ``string``, as that JSON valid under it
+    (``%json``, written as ``tojson``); any other as text (without ``</arg_value>``)."""
+    schema = schema if isinstance(schema, dict) else {}
+    options = _enum(schema, root)
+    end = json.dumps(GLM_VALUE_CLOSE)
+    if options:
+        words = list(dict.fromkeys(o if isinstance(o, str) else json.dumps(o, ensure_ascii=False) for o in options))
+        return "(" + " | ".join(json.dumps(w, ensure_ascii=False) for w in words) + f") {end}"
+    types = schema_types(schema, root)
+    if types is None or "string" in types:
+        rules.append(f"{rule}[lazy]: {_GLM_TEXT}\n")
+        return rule
+    own = [g for g in (root.get("x-guidance"), schema.get("x-guidance")) if isinstance(g, dict)]
+    typed = {**schema, "x-guidance": {k: v for g in [HERMES_JSON_OPTIONS, *own] for k, v in g.items()}}
+    for key in ("$defs", "definitions"):
+        if isinstance(root.get(key), dict) and key not in typed:
+            typed[key] = root[key]
+    rules.append(f"{rule}: %json {json.dumps(typed)}\n")
+    return f"{rule} {end}"
+
+
+def _check_glm_name(name: str, what: str) -> None:
+    """Raises DFlashError for a name a GLM call cannot write (a name or key that is empty,
+    has surrounding whitespace, or holds ``<`` or a newline, would not read back as itself)."""
+    if not name or name != name.strip() or any(c in name for c in "<\n"):
+        raise DFlashError(f"tools {what} {name[:80]!r} cannot be written as a GLM call "
+                          "(it is empty, has surrounding whitespace, or holds '<' or a newline)")
+
+
+def _glm_grammar(tools: list[dict], name: str | None, parallel: bool, reasoning: str | None,
+                 think_tokens: tuple[int | None, int | None], call_tokens: tuple[int | None, int | None],
+                 compact: bool) -> str:
+    """:func:`glm45_grammar` (``compact`` False: a newline after the name and after each
+    tag pair, calls separated by a newline) or :func:`glm47_grammar` (``compact``: none)."""
+    rules, alternatives = [], []
+    line = "" if compact else "\n"
+    call_open, call_close = (text_or_token(text, token) for text, token in zip((CALL_OPEN, CALL_CLOSE), call_tokens))
+    for i, fn in enumerate(_called_functions(tools, name)):
+        _check_glm_name(fn["name"], "function name")
+        params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+        required = params.get("required") if isinstance(params.get("required"), list) else []
+        parts = []
+        extra = {key: {} for key in required if isinstance(key, str) and key not in props}
+        for j, (key, schema) in enumerate({**props, **extra}.items()):
+            _check_glm_name(key, f"parameter name of {fn['name']!r}")
+            value = _glm_value(schema, f"value_{i}_{j}", rules, params)
+            head = json.dumps(f"{GLM_KEY_OPEN}{key}{GLM_KEY_CLOSE}{line}{GLM_VALUE_OPEN}", ensure_ascii=False)
+            rules.append(f"parameter_{i}_{j}: {head} {value}" + (f" {json.dumps(line)}" if line else "") + "\n")
+            parts.append(f"parameter_{i}_{j}" + ("" if key in required else "?"))
+        head = json.dumps(fn["name"] + line, ensure_ascii=False)
+        alternatives.append(" ".join([call_open, head, *parts, call_close]))
+    return _calls_grammar(alternatives, rules, name is not None or not parallel, reasoning, think_tokens, line)
+
+
+def glm45_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
+                  reasoning: str | None = None, think_tokens: tuple[int | None, int | None] = (None, None),
+                  call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
+    """As :func:`hermes_grammar`, for GLM-4.5 / 4.6's calls as their chat template writes
+    them and :class:`Glm45Parser` reads them: ``<tool_call>NAME\n`` then each parameter of
+    the tool's ``parameters`` ``properties``, in that order, as
+    ``<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n`` (those in ``required``
+    always, the others optionally; then the ``required`` keys that ``properties`` does not
+    describe, as text; no other keys), then ``</tool_call>``; calls separated by a newline;
+    VALUE as :func:`_glm_value` constrains it.
+
+    Raises:
+        DFlashError: ``tools`` has no function (named ``name``), or a function or parameter
+            name the format cannot write (:func:`_check_glm_name`)."""
+    return _glm_grammar(tools, name, parallel, reasoning, think_tokens, call_tokens, compact=False)
+
+
+def glm47_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
+                  reasoning: str | None = None, think_tokens: tuple[int | None, int | None] = (None, None),
+                  call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
+    """As :func:`glm45_grammar`, for GLM-4.7 / GLM-5's calls, which their chat template
+    writes without whitespace: ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE
+    </arg_value>...</tool_call>``, calls one right after the other."""
+    return _glm_grammar(tools, name, parallel, reasoning, think_tokens, call_tokens, compact=True)
+
+
 # the grammar of forced calls (tool_choice required or a named function) of each format that has one
-FORCED_CALL_GRAMMARS = {"hermes": hermes_grammar, "qwen3_coder": qwen3_coder_grammar}
+FORCED_CALL_GRAMMARS = {"hermes": hermes_grammar, "qwen3_coder": qwen3_coder_grammar, "glm45": glm45_grammar,
+                        "glm47": glm47_grammar}
 
 
 def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:
@@ -909,7 +1066,9 @@ def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:
 def resolve_tool_parser(choice: str, model_type: str, chat_template: str | dict | None, reasoning: str) -> str:
     """The format a server with ``--tool-call-parser choice`` uses: ``auto`` is ``harmony``
     for gpt-oss, ``gemma4`` for a chat template with ``<|tool_call>``, ``minimax_m2`` for one
-    with ``<minimax:tool_call>``, ``qwen3_coder`` for one
+    with ``<minimax:tool_call>``, ``glm47`` for one with ``<tool_call>`` and
+    ``</arg_key><arg_value>`` (GLM-4.7 / 5), ``glm45`` for one with ``<tool_call>`` and
+    ``<arg_key>`` otherwise (GLM-4.5 / 4.6), ``qwen3_coder`` for one
     with ``<tool_call>`` and ``<function=``, ``hermes`` for one with ``<tool_call>`` only, else
     ``none``. ``chat_template``: the
     tokenizer's (a dict of named templates: the ``tool_use`` one if any, else ``default``);
@@ -928,7 +1087,8 @@ def resolve_tool_parser(choice: str, model_type: str, chat_template: str | dict 
             chat_template = chat_template or ""
             choice = "gemma4" if GEMMA4_CALL_OPEN in chat_template else \
                 "minimax_m2" if MINIMAX_CALL_OPEN in chat_template else "none" if CALL_OPEN not in chat_template else \
-                "qwen3_coder" if "<function=" in chat_template else "hermes"
+                ("glm47" if GLM_KEY_CLOSE + GLM_VALUE_OPEN in chat_template else "glm45") \
+                if GLM_KEY_OPEN in chat_template else "qwen3_coder" if "<function=" in chat_template else "hermes"
     if choice == "harmony" and reasoning != "harmony":
         raise DFlashError(f"--tool-call-parser harmony needs --reasoning-parser harmony (or auto with a gpt-oss "
                           f"target), not {reasoning}")
@@ -939,11 +1099,12 @@ def new_reply_parser(reasoning: str, tools_kind: str, prompt_text: str = "",
                      tools: list[dict] | None = None, parallel: bool = True) -> ReplyParser | None:
     """The parser of a chat reply to a prompt ending in ``prompt_text``: ``reasoning`` and
     ``tools_kind`` resolved (``none`` for a request without tools); ``tools``: the
-    request's (for the value types of ``qwen3_coder``); ``parallel`` false (the request's
+    request's (for the value types of ``qwen3_coder``, ``glm45`` / ``glm47``, ``minimax_m2``); ``parallel`` false (the request's
     ``parallel_tool_calls``): the reply's first call only. None when both are ``none``."""
     if tools_kind == "harmony":
         return ReplyParser(None, HarmonyToolParser(), not parallel)
     tool_parser = {"hermes": HermesParser, "qwen3_coder": lambda: Qwen3CoderParser(tools),
+                   "glm45": lambda: Glm45Parser(tools), "glm47": lambda: Glm45Parser(tools),
                    "minimax_m2": lambda: MiniMaxM2Parser(tools), "gemma4": Gemma4Parser}.get(tools_kind)
     reasoning_parser = new_parser(reasoning, prompt_text)
     if reasoning_parser is None and tool_parser is None:
