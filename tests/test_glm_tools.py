@@ -180,16 +180,25 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 @pytest.mark.parametrize("kind", ["glm45", "glm47"])
-def test_forced_calls_are_written_as_glm_writes_them(kind, tmp_path, tokenizer_dir):
+@pytest.mark.parametrize("markers", ["text", "special tokens"])
+def test_forced_calls_are_written_as_glm_writes_them(kind, markers, tmp_path, tokenizer_dir):
     """A server of a tiny model with GLM's template (--tool-call-parser auto: the GLM parser):
     tool_choice a named function / required (one call: a random model would call on and on)
     gives the call of target-only decoding with the grammar, and the template renders that
-    call back as the very text the model wrote."""
-    from conftest import make_target
+    call back as the very text the model wrote. ``markers`` "special tokens": GLM's markers
+    (``<tool_call>``, ``<arg_key>`` ...) are each one special token, as in GLM's tokenizers:
+    the grammar takes them as tokens, and the server keeps them for the parser."""
+    from tokenizers import AddedToken
+
+    from conftest import VOCAB, make_target
+    from dflash_torch.serving.tools import GLM_MARKERS
     from test_server_scheduler import _serve
 
-    target = make_target(tmp_path / "target", "qwen3")
+    target = make_target(tmp_path / "target", "qwen3", vocab_size=VOCAB + len(GLM_MARKERS))
     tok = AutoTokenizer.from_pretrained(str(target))
+    if markers == "special tokens":
+        tok.add_tokens([AddedToken(m, special=True, normalized=False) for m in GLM_MARKERS])
+        assert all(len(tok.encode(m, add_special_tokens=False)) == 1 for m in GLM_MARKERS)
     tok.chat_template = TEMPLATES[kind]
     tok.save_pretrained(str(target))
     off = {"enable_thinking": False}
@@ -200,8 +209,10 @@ def test_forced_calls_are_written_as_glm_writes_them(kind, tmp_path, tokenizer_d
         model = client.models.list().data[0].id
         for tool_choice, name in [({"type": "function", "function": {"name": "get_weather"}}, "get_weather"),
                                   ("required", None)]:
+            ids = tuple(tok.convert_tokens_to_ids(m) if markers == "special tokens" else None for m in GLM_MARKERS)
+            grammar = GRAMMARS[kind](FORCED_TOOLS, name, parallel=False, call_tokens=ids)
             want = engine.generate(MESSAGES, chat=True, tools=FORCED_TOOLS, chat_template_kwargs=off, max_new_tokens=200,
-                                   structured_output={"grammar": GRAMMARS[kind](FORCED_TOOLS, name, parallel=False)})
+                                   structured_output={"grammar": grammar}, skip_special_tokens=False)
             assert want.finish_reason == "stop" and want.text.startswith("<tool_call>"), want.text
             r = client.chat.completions.create(model=model, messages=MESSAGES, tools=FORCED_TOOLS,
                                                tool_choice=tool_choice, parallel_tool_calls=False, temperature=0,

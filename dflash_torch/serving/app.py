@@ -107,7 +107,8 @@ from .reasoning import (GEMMA4_CLOSE, GEMMA4_OPEN, HARMONY_MARKERS, THINK_CLOSE,
 from .responses import ResponseBuilder, marker_pieces, sse_event
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, check_slots, choice_seed,
                         fit_max_tokens, log, make_backend, param_of)
-from .tools import (CALL_CLOSE, CALL_OPEN, FORCED_CALL_GRAMMARS, GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_QUOTE,
+from .tools import (CALL_CLOSE, CALL_OPEN, FORCED_CALL_GRAMMARS, FORCED_CALL_MARKERS, GEMMA4_CALL_CLOSE,
+                    GEMMA4_CALL_OPEN, GEMMA4_QUOTE, GLM_MARKERS,
                     MINIMAX_CALL_CLOSE, MINIMAX_CALL_OPEN, check_tool_parser, new_reply_parser, parse_reply,
                     resolve_tool_parser)
 
@@ -790,10 +791,13 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         return think_tokens(engine.tokenizer, engine.grammars.tokenizer())
 
     @functools.cache
-    def call_tokens() -> tuple[int | None, int | None]:
-        """The tokenizer's one token for ``<tool_call>`` and for ``</tool_call>``, if any (:func:`special_token`)."""
+    def call_tokens() -> tuple[int | None, ...]:
+        """The tokenizer's one token for each marker of the server's forced calls
+        (:data:`.tools.FORCED_CALL_MARKERS`: ``<tool_call>`` and ``</tool_call>``, GLM's
+        ``<arg_key>`` ... too), if any (:func:`special_token`)."""
         llg = engine.grammars.tokenizer()
-        return special_token(engine.tokenizer, llg, CALL_OPEN), special_token(engine.tokenizer, llg, CALL_CLOSE)
+        markers = FORCED_CALL_MARKERS.get(tool_calls, (CALL_OPEN, CALL_CLOSE))
+        return tuple(special_token(engine.tokenizer, llg, m) for m in markers)
 
     @functools.cache
     def parser_markers(with_tools: bool) -> frozenset[int]:
@@ -807,6 +811,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             markers += (CALL_OPEN, CALL_CLOSE)
         elif with_tools and tool_calls == "gemma4":
             markers += (GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_QUOTE)
+        elif with_tools and tool_calls in ("glm45", "glm47"):
+            markers += GLM_MARKERS
         elif with_tools and tool_calls == "minimax_m2":
             markers += (MINIMAX_CALL_OPEN, MINIMAX_CALL_CLOSE)
         ids = {engine.tokenizer.convert_tokens_to_ids(m) for m in markers}
@@ -841,7 +847,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     def check_tool_call_format(req) -> None:
         if tool_calls not in FORCED_CALL_GRAMMARS:
             raise APIError(400, f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'a named function'!r}"
-                                f" needs the hermes or qwen3_coder tool-call format, which constrained decoding writes; "
+                                f" needs the hermes, qwen3_coder, glm45 or glm47 tool-call format, which constrained "
+                                f"decoding writes; "
                                 f"this server's is {tool_calls!r} (--tool-call-parser); use tool_choice 'auto' or 'none'",
                            param="tool_choice", code="unsupported_parameter")
 

@@ -448,6 +448,7 @@ class MiniMaxM2Parser(Qwen3CoderParser):
 # GLM's calls: ``<tool_call>NAME`` then ``<arg_key>KEY</arg_key>`` ``<arg_value>VALUE</arg_value>`` pairs
 # (GLM-4.5 / 4.6: each on its own line; GLM-4.7 / 5: no whitespace), then ``</tool_call>``
 GLM_KEY_OPEN, GLM_KEY_CLOSE, GLM_VALUE_OPEN, GLM_VALUE_CLOSE = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+GLM_MARKERS = (CALL_OPEN, CALL_CLOSE, GLM_KEY_OPEN, GLM_KEY_CLOSE, GLM_VALUE_OPEN, GLM_VALUE_CLOSE)
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>", re.S)
 # between two arguments: where a value may end (it may hold an </arg_value>)
 _GLM_BOUNDARY = re.compile(r"</arg_value>\s*(?=<arg_key>)")
@@ -963,22 +964,27 @@ def qwen3_coder_grammar(tools: list[dict], name: str | None = None, parallel: bo
 _GLM_TEXT = "/(?s:.*)<\\/arg_value>/"
 
 
-def _glm_value(schema, rule: str, rules: list[str], root: dict) -> str:
+def _glm_value(schema, rule: str, rules: list[str], root: dict, close_token: int | None = None) -> str:
     """The Lark expression of one GLM argument's value and its closing ``</arg_value>``, as
     :meth:`Glm45Parser.convert` reads it back valid under ``schema`` (``root``: the tool's
     ``parameters``): a choice (``enum`` / ``const``) as its values written as the template
     writes them (a string as itself, any other value as ``tojson``); a schema whose types
     (:func:`schema_types`) are JSON ones other than ``string``, as that JSON valid under it
-    (``%json``, written as ``tojson``); any other as text (without ``</arg_value>``)."""
+    (``%json``, written as ``tojson``); any other as text. ``close_token``: the tokenizer's
+    one token for ``</arg_value>``, also taken (:func:`.constraints.special_token`)."""
     schema = schema if isinstance(schema, dict) else {}
     options = _enum(schema, root)
-    end = json.dumps(GLM_VALUE_CLOSE)
+    end = text_or_token(GLM_VALUE_CLOSE, close_token)
     if options:
         words = list(dict.fromkeys(o if isinstance(o, str) else json.dumps(o, ensure_ascii=False) for o in options))
         return "(" + " | ".join(json.dumps(w, ensure_ascii=False) for w in words) + f") {end}"
     types = schema_types(schema, root)
-    if types is None or "string" in types:
-        rules.append(f"{rule}[lazy]: {_GLM_TEXT}\n")
+    if types is None or "string" in types:  # (any text up to the first </arg_value>, that included)
+        if close_token is None:
+            rules.append(f"{rule}[lazy]: {_GLM_TEXT}\n")
+        else:
+            rules.append(f"{rule}: {rule}_end | {rule}_text <[{int(close_token)}]>\n{rule}_end[lazy]: {_GLM_TEXT}\n"
+                         f"{rule}_text: /(?s:.*)/\n")
         return rule
     own = [g for g in (root.get("x-guidance"), schema.get("x-guidance")) if isinstance(g, dict)]
     typed = {**schema, "x-guidance": {k: v for g in [HERMES_JSON_OPTIONS, *own] for k, v in g.items()}}
@@ -1004,7 +1010,9 @@ def _glm_grammar(tools: list[dict], name: str | None, parallel: bool, reasoning:
     tag pair, calls separated by a newline) or :func:`glm47_grammar` (``compact``: none)."""
     rules, alternatives = [], []
     line = "" if compact else "\n"
-    call_open, call_close = (text_or_token(text, token) for text, token in zip((CALL_OPEN, CALL_CLOSE), call_tokens))
+    tokens = dict(zip(GLM_MARKERS, [*call_tokens, *[None] * len(GLM_MARKERS)]))
+    call_open, call_close, key_open, key_close, value_open = (text_or_token(m, tokens[m]) for m in GLM_MARKERS[:5])
+    newline = f" {json.dumps(line)}" if line else ""
     for i, fn in enumerate(_called_functions(tools, name)):
         _check_glm_name(fn["name"], "function name")
         params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
@@ -1014,9 +1022,9 @@ def _glm_grammar(tools: list[dict], name: str | None, parallel: bool, reasoning:
         extra = {key: {} for key in required if isinstance(key, str) and key not in props}
         for j, (key, schema) in enumerate({**props, **extra}.items()):
             _check_glm_name(key, f"parameter name of {fn['name']!r}")
-            value = _glm_value(schema, f"value_{i}_{j}", rules, params)
-            head = json.dumps(f"{GLM_KEY_OPEN}{key}{GLM_KEY_CLOSE}{line}{GLM_VALUE_OPEN}", ensure_ascii=False)
-            rules.append(f"parameter_{i}_{j}: {head} {value}" + (f" {json.dumps(line)}" if line else "") + "\n")
+            value = _glm_value(schema, f"value_{i}_{j}", rules, params, tokens[GLM_VALUE_CLOSE])
+            head = f"{key_open} {json.dumps(key, ensure_ascii=False)} {key_close}{newline} {value_open}"
+            rules.append(f"parameter_{i}_{j}: {head} {value}{newline}\n")
             parts.append(f"parameter_{i}_{j}" + ("" if key in required else "?"))
         head = json.dumps(fn["name"] + line, ensure_ascii=False)
         alternatives.append(" ".join([call_open, head, *parts, call_close]))
@@ -1025,14 +1033,16 @@ def _glm_grammar(tools: list[dict], name: str | None, parallel: bool, reasoning:
 
 def glm45_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
                   reasoning: str | None = None, think_tokens: tuple[int | None, int | None] = (None, None),
-                  call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
+                  call_tokens: tuple[int | None, ...] = (None, None)) -> str:
     """As :func:`hermes_grammar`, for GLM-4.5 / 4.6's calls as their chat template writes
     them and :class:`Glm45Parser` reads them: ``<tool_call>NAME\n`` then each parameter of
     the tool's ``parameters`` ``properties``, in that order, as
     ``<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n`` (those in ``required``
     always, the others optionally; then the ``required`` keys that ``properties`` does not
     describe, as text; no other keys), then ``</tool_call>``; calls separated by a newline;
-    VALUE as :func:`_glm_value` constrains it.
+    VALUE as :func:`_glm_value` constrains it. ``call_tokens``: the tokenizer's one token (or
+    None) for each of :data:`GLM_MARKERS` in that order (GLM's tokenizer has them all as
+    added tokens), each also taken where given (as :func:`hermes_grammar`'s).
 
     Raises:
         DFlashError: ``tools`` has no function (named ``name``), or a function or parameter
@@ -1042,7 +1052,7 @@ def glm45_grammar(tools: list[dict], name: str | None = None, parallel: bool = T
 
 def glm47_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
                   reasoning: str | None = None, think_tokens: tuple[int | None, int | None] = (None, None),
-                  call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
+                  call_tokens: tuple[int | None, ...] = (None, None)) -> str:
     """As :func:`glm45_grammar`, for GLM-4.7 / GLM-5's calls, which their chat template
     writes without whitespace: ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE
     </arg_value>...</tool_call>``, calls one right after the other."""
@@ -1052,6 +1062,9 @@ def glm47_grammar(tools: list[dict], name: str | None = None, parallel: bool = T
 # the grammar of forced calls (tool_choice required or a named function) of each format that has one
 FORCED_CALL_GRAMMARS = {"hermes": hermes_grammar, "qwen3_coder": qwen3_coder_grammar, "glm45": glm45_grammar,
                         "glm47": glm47_grammar}
+# the markers whose one token (where the tokenizer has one) each format's grammar takes as its call_tokens
+FORCED_CALL_MARKERS = {"hermes": (CALL_OPEN, CALL_CLOSE), "qwen3_coder": (CALL_OPEN, CALL_CLOSE), "glm45": GLM_MARKERS,
+                       "glm47": GLM_MARKERS}
 
 
 def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:
