@@ -759,15 +759,15 @@ def _called_functions(tools: list[dict], name: str | None) -> list[dict]:
 
 
 def _calls_grammar(alternatives: list[str], rules: list[str], one: bool, reasoning: str | None,
-                   think_tokens: tuple[int | None, int | None], separator: str = "\n") -> str:
+                   think_tokens: tuple[int | None, int | None], separator: str = "\n", lead: str = "") -> str:
     """The grammar of a reply that is only calls: ``alternatives`` (one Lark expression per
     callable function) and their ``rules``; ``one``: exactly one call, else one or more
     separated by ``separator`` (a newline unless told); ``reasoning``: first the rest of the
     reasoning the template opened, or a reasoning the reply may open
-    (:func:`.constraints.reasoning_start`)."""
+    (:func:`.constraints.reasoning_start`); ``lead``: a Lark expression before all that."""
     calls = "call" if one else f"call ({json.dumps(separator)} call)*" if separator else "call+"
     head, reasoning_rules = reasoning_start(reasoning, think_tokens, _AFTER_REASONING)
-    return f"start: {head}{calls}\n" + "call: " + " | ".join(alternatives) + "\n" + "".join(rules) + reasoning_rules
+    return f"start: {lead}{head}{calls}\n" + "call: " + " | ".join(alternatives) + "\n" + "".join(rules) + reasoning_rules
 
 
 def hermes_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
@@ -1028,7 +1028,9 @@ def _glm_grammar(tools: list[dict], name: str | None, parallel: bool, reasoning:
             parts.append(f"parameter_{i}_{j}" + ("" if key in required else "?"))
         head = json.dumps(fn["name"] + line, ensure_ascii=False)
         alternatives.append(" ".join([call_open, head, *parts, call_close]))
-    return _calls_grammar(alternatives, rules, name is not None or not parallel, reasoning, think_tokens, line)
+    # (GLM-4.5 / 4.6 begin a reply with a newline: the template writes one before a reasoning or a call)
+    return _calls_grammar(alternatives, rules, name is not None or not parallel, reasoning, think_tokens, line,
+                          "" if compact else '"\\n"? ')
 
 
 def glm45_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
@@ -1040,7 +1042,8 @@ def glm45_grammar(tools: list[dict], name: str | None = None, parallel: bool = T
     ``<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n`` (those in ``required``
     always, the others optionally; then the ``required`` keys that ``properties`` does not
     describe, as text; no other keys), then ``</tool_call>``; calls separated by a newline;
-    VALUE as :func:`_glm_value` constrains it. ``call_tokens``: the tokenizer's one token (or
+    VALUE as :func:`_glm_value` constrains it; the reply may begin with a newline (as GLM-4.5 /
+    4.6 write ``\\n<think>`` and ``\\n<tool_call>``). ``call_tokens``: the tokenizer's one token (or
     None) for each of :data:`GLM_MARKERS` in that order (GLM's tokenizer has them all as
     added tokens), each also taken where given (as :func:`hermes_grammar`'s).
 
