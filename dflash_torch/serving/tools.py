@@ -1004,7 +1004,7 @@ def _check_glm_name(name: str, what: str) -> None:
 
 
 def _glm_grammar(tools: list[dict], name: str | None, parallel: bool, reasoning: str | None,
-                 think_tokens: tuple[int | None, int | None], call_tokens: tuple[int | None, int | None],
+                 think_tokens: tuple[int | None, int | None], call_tokens: tuple[int | None, ...],
                  compact: bool) -> str:
     """:func:`glm45_grammar` (``compact`` False: a newline after the name and after each
     tag pair, calls separated by a newline) or :func:`glm47_grammar` (``compact``: none)."""
