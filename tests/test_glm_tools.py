@@ -1,15 +1,14 @@
 """GLM's tool calls (GLM-4.5 / 4.6: ``glm45``, GLM-4.7 / 5: ``glm47``):
 ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>``, read whole
-and streamed (dflash_torch/serving/tools.py), picked by ``--tool-call-parser auto`` from the
-published chat templates (tests/data/glm46.jinja: llama.cpp's models/templates/GLM-4.6.jinja;
-tests/data/glm47.jinja: GLM-4.7-Flash's), and forced calls (``tool_choice`` required / a named
-function) written in GLM's own layout: a real server of a tiny model with the template, whose
-calls the template renders back as the very text the model wrote."""
+and streamed (dflash_torch/serving/tools.py), picked by ``--tool-call-parser auto`` from
+chat templates in GLM's layout (GLM45_TEMPLATE / GLM47_TEMPLATE below, small templates of our
+own), and forced calls (``tool_choice`` required / a named function) written in GLM's own
+layout: a real server of a tiny model with such a template, whose calls the template renders
+back as the very text the model wrote."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -18,8 +17,36 @@ from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.serving.tools import (Glm45Parser, glm45_grammar, glm47_grammar, new_reply_parser, parse_reply,
                                         resolve_tool_parser)
 
-DATA = Path(__file__).parent / "data"
-TEMPLATES = {"glm45": (DATA / "glm46.jinja").read_text(), "glm47": (DATA / "glm47.jinja").read_text()}
+# small templates that follow GLM's layout: the tools in the system part, the roles as <|user|> /
+# <|assistant|> / <|observation|> (tool results in <tool_response>), an optional <think>...</think>,
+# and each call's arguments as <arg_key> / <arg_value> pairs, a string value as it is, any other as
+# JSON. GLM-4.5 / 4.6 put a newline before each call, after its name and after each pair, and the
+# reply after <|assistant|> begins with a newline; GLM-4.7 / 5 write none of those newlines.
+GLM45_TEMPLATE = (  # (transformers drops a newline that follows a {% ... %} tag: they come before the tags)
+    "[gMASK]<sop>{% if tools %}<|system|>\n# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools>{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'tool' %}{% if loop.first or loop.previtem.role != 'tool' %}"
+    "<|observation|>{% endif %}{{ '\\n<tool_response>\\n' ~ m.content ~ '\\n</tool_response>' }}"
+    "{% elif m.role == 'assistant' %}<|assistant|>\n<think>{{ m.reasoning_content or '' }}</think>"
+    "{{ '\\n' ~ m.content if m.content else '' }}{% for tc in m.tool_calls or [] %}{% set tc = tc.function %}"
+    "{{ '\\n<tool_call>' ~ tc.name ~ '\\n' }}{% for k, v in tc.arguments | items %}<arg_key>{{ k }}</arg_key>\n"
+    "<arg_value>{{ v if v is string else v | tojson }}</arg_value>\n{% endfor %}</tool_call>{% endfor %}"
+    "{% else %}<|{{ m.role }}|>\n{{ m.content }}{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{{ '\\n<think></think>' if enable_thinking is false else '' }}"
+    "{% endif %}")
+GLM47_TEMPLATE = (
+    "[gMASK]<sop>{% if tools %}<|system|>\n# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools>{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'tool' %}{% if loop.first or loop.previtem.role != 'tool' %}"
+    "<|observation|>{% endif %}<tool_response>{{ m.content }}</tool_response>"
+    "{% elif m.role == 'assistant' %}<|assistant|>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+    "{% endif %}</think>{{ m.content or '' }}{% for tc in m.tool_calls or [] %}{% set tc = tc.function %}"
+    "<tool_call>{{ tc.name }}{% for k, v in tc.arguments | items %}<arg_key>{{ k }}</arg_key><arg_value>"
+    "{{ v if v is string else v | tojson }}</arg_value>{% endfor %}</tool_call>{% endfor %}"
+    "{% else %}<|{{ m.role }}|>{{ m.content }}{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{{ '</think>' if enable_thinking is false else '<think>' }}"
+    "{% endif %}")
+TEMPLATES = {"glm45": GLM45_TEMPLATE, "glm47": GLM47_TEMPLATE}
 GRAMMARS = {"glm45": glm45_grammar, "glm47": glm47_grammar}
 
 WEATHER = {"type": "function", "function": {
@@ -96,7 +123,7 @@ def test_streamed_char_by_char_equals_whole(case):
         assert ends and all(reply[:i + 1].endswith("</tool_call>") for i in ends)
 
 
-def test_auto_picks_glm_from_the_published_templates():
+def test_auto_picks_glm_from_glm_templates():
     assert resolve_tool_parser("auto", "glm4_moe", TEMPLATES["glm45"], "think") == "glm45"
     assert resolve_tool_parser("auto", "glm4_moe_lite", TEMPLATES["glm47"], "think") == "glm47"
     tokenizer_style = {"default": TEMPLATES["glm47"]}
@@ -124,9 +151,19 @@ def _assistant(calls: list[tuple[str, dict]]) -> dict:
         {"type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]}
 
 
+@pytest.mark.parametrize("kind,reply", [("glm45", GLM45), ("glm47", GLM47)])
+def test_templates_write_the_replies_the_parsers_read(kind, reply, tokenizer_dir):
+    """The templates write a reply with reasoning, text and two calls as GLM45 / GLM47 above."""
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    user = [{"role": "user", "content": "hi"}]
+    prompt = _render(tok, TEMPLATES[kind], user, add_generation_prompt=True)
+    assistant = {**_assistant(BOTH), "content": "Let me check.", "reasoning_content": "Need both."}
+    assert _render(tok, TEMPLATES[kind], user + [assistant]) == prompt + reply
+
+
 @pytest.mark.parametrize("kind", ["glm45", "glm47"])
 def test_grammar_takes_what_the_template_writes_and_the_parser_reads(kind, tokenizer_dir):
-    """The forced-call grammar accepts the calls as the published template writes them (the
+    """The forced-call grammar accepts the calls as GLM's template writes them (the
     arguments in the schema's order) and refuses others; the parser reads them back."""
     from llguidance import LLMatcher
 
@@ -147,7 +184,7 @@ def test_grammar_takes_what_the_template_writes_and_the_parser_reads(kind, token
     grammar = GRAMMARS[kind](TOOLS)
     for calls in [[c] for c in good] + [good]:
         rendered = _render(tok, TEMPLATES[kind], user + [_assistant(calls)], enable_thinking=False)
-        text = rendered[len(prompt):].removeprefix("\n")  # (GLM-4.6 writes a newline before its calls)
+        text = rendered[len(prompt):].removeprefix("\n")  # (GLM-4.5 / 4.6 write a newline before their calls)
         assert rendered.startswith(prompt) and text.startswith("<tool_call>"), rendered
         assert accepts(grammar, text), text
         _, content, parsed = parse_reply(new_reply_parser("none", kind, tools=TOOLS), text, True)
@@ -164,7 +201,7 @@ def test_grammar_takes_what_the_template_writes_and_the_parser_reads(kind, token
         assert not accepts(grammar, text), bad
     assert not accepts(grammar, "Sure. " + one)
     assert accepts(GRAMMARS[kind](TOOLS, reasoning="opened"), "first</think>" + one)
-    # GLM-4.6 begins a reply with a newline (before its <think> or its call); GLM-4.7 does not
+    # GLM-4.5 / 4.6 begin a reply with a newline (before their <think> or call); GLM-4.7 does not
     assert accepts(GRAMMARS[kind](TOOLS, reasoning="optional"), "\n<think>a</think>\n" + one) == (kind == "glm45")
     assert accepts(GRAMMARS[kind](TOOLS), "\n" + one) == (kind == "glm45")
     with pytest.raises(DFlashError, match="cannot be written as a GLM call"):
@@ -224,6 +261,6 @@ def test_forced_calls_are_written_as_glm_writes_them(kind, markers, tmp_path, to
             calls = [(c.function.name, json.loads(c.function.arguments)) for c in r.message.tool_calls]
             assert calls and all(name is None or n == name for n, _ in calls)
             rendered = _render(tok, TEMPLATES[kind], MESSAGES + [_assistant(calls)], enable_thinking=False)
-            # (GLM-4.6's template writes a newline before the calls: the model may write it, or not)
+            # (GLM-4.5 / 4.6's template writes a newline before the calls: the model may write it, or not)
             newline = "\n" if kind == "glm45" and not want.text.startswith("\n") else ""
             assert rendered == prompt + newline + want.text, (rendered[len(prompt):], want.text)
