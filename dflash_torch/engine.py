@@ -601,7 +601,9 @@ class DFlashEngine:
         "function": {"name", "arguments"}}]``). A call's ``arguments`` given as a JSON
         string (OpenAI's protocol) is parsed into a dict before templating (templates such
         as gpt-oss's and Qwen3-Coder's need a mapping); a dict is taken as is; ``""``, None
-        or no ``arguments`` is ``{}`` (as vLLM takes them).
+        or no ``arguments`` is ``{}`` (as vLLM takes them). A template that cannot render
+        the dicts (DeepSeek V3's, V3.1's and R1's join the arguments to a string) gets them
+        as JSON text: each call's as sent, a dict's as compact JSON (:func:`render_chat`).
 
         A text (or messages' contents) longer than :attr:`max_prompt_chars` characters
         cannot fit the context and is refused before it is tokenized (unless
@@ -1432,26 +1434,33 @@ def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> str:
     (default true) and ``continue_final_message`` options. The engine's chat path
     (:meth:`DFlashEngine.encode_prompt`) and chat training data render with it.
 
+    Tool calls' ``arguments`` reach the template as mappings (what :func:`_chat_messages`
+    makes of them); a template that fails on that (a TypeError or its own error: DeepSeek
+    V3's, V3.1's and R1's join the arguments to a string) renders them again as JSON text:
+    the text each call was sent as, else its compact JSON (see :func:`_render`).
+
     Raises:
         DFlashError: the template refuses the messages (its ``raise_exception``, e.g.
             roles out of order) or cannot be rendered at all (a broken template), or
-            the messages, tools or variables are nested too deeply to render.
+            the messages, tools or variables are nested too deeply to render. A
+            TypeError names the tools or ``chat_template_kwargs`` (an
+            :class:`OptionError` with those names) only when the messages render without
+            them; otherwise it names the messages.
     """
     import jinja2
 
+    template_kwargs = {"add_generation_prompt": True, **template_kwargs}
     try:
-        template_kwargs = {"add_generation_prompt": True, **template_kwargs}
-        return tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+        return _render(tokenizer, messages, template_kwargs)
     except (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError) as exc:
         raise DFlashError(f"the model's chat template cannot be rendered: {' '.join(str(exc).split())}") from None
     except jinja2.TemplateError as exc:
         raise DFlashError(f"the chat template refuses these messages: {' '.join(str(exc).split())}") from None
     except TypeError as exc:  # e.g. a template function (raise_exception) shadowed by a chat_template_kwargs value
-        extra = set(template_kwargs) - {"add_generation_prompt", "continue_final_message", "tools"}
-        given = [n for n, on in (("chat_template_kwargs", extra), ("tools", "tools" in template_kwargs)) if on]
-        what = " or ".join(["these messages", *given])
+        blamed = _blamed_options(tokenizer, messages, template_kwargs)
+        what = " or ".join(f"these {n}" for n in blamed) or "these messages"
         message = f"the chat template cannot render {what}: {' '.join(str(exc).split())}"
-        raise (OptionError(message, *given) if given else DFlashError(message)) from None
+        raise (OptionError(message, *blamed) if blamed else DFlashError(message)) from None
     except ValueError as exc:  # (transformers: continue_final_message with a last message the template drops)
         if not template_kwargs.get("continue_final_message"):
             raise
@@ -1461,6 +1470,64 @@ def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> str:
     except RecursionError:  # (jinja and its tojson recurse once per level of nesting)
         raise DFlashError("the chat template cannot render these messages: their content, tool calls, tools or "
                           "chat_template_kwargs are nested too deeply") from None
+
+
+def _render(tokenizer, messages: list[dict], template_kwargs: dict) -> str:
+    """The template applied to ``messages`` with each tool call's ``arguments`` a mapping
+    (the templates of gpt-oss, Qwen3-Coder, ... iterate it or write it with ``tojson``); if
+    that fails (a TypeError or a template error, not a broken template) and some message
+    has tool calls, applied again with each call's arguments as JSON text (DeepSeek's
+    templates write ``'<｜tool▁sep｜>' + arguments``): the text the call was sent as, as
+    the client's own rendering of its messages has it, else its compact JSON. When both
+    fail, the first failure is raised."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+    except (TypeError, jinja2.TemplateError) as exc:
+        if isinstance(exc, (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError)) or \
+                not any(m.get("tool_calls") for m in messages):
+            raise
+        try:
+            return tokenizer.apply_chat_template(_with_text_arguments(messages), tokenize=False, **template_kwargs)
+        except Exception:
+            raise exc from None
+
+
+def _with_text_arguments(messages: list[dict]) -> list[dict]:
+    """``messages`` with each tool call's mapping ``arguments`` as JSON text: the text it was
+    sent as (:class:`_Arguments`), else compact JSON (copies)."""
+    def text(arguments):
+        if isinstance(arguments, _Arguments):
+            return arguments.text
+        return json.dumps(arguments, ensure_ascii=False, separators=(",", ":")) if isinstance(arguments, dict) \
+            else arguments
+    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": text(c["function"].get("arguments"))}}
+                                 if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
+                                 for c in m["tool_calls"]]} if isinstance(m.get("tool_calls"), list) else m
+            for m in messages]
+
+
+def _blamed_options(tokenizer, messages: list[dict], template_kwargs: dict) -> list[str]:
+    """What a TypeError of the template is provably due to: ``chat_template_kwargs`` and
+    ``tools`` given in ``template_kwargs`` whose leaving out lets the messages render (both,
+    when only leaving out both does); none (the messages) when the messages do not render
+    without them either."""
+    own = {"add_generation_prompt", "continue_final_message"}
+    given = {"chat_template_kwargs": set(template_kwargs) - own - {"tools"},
+             "tools": {"tools"} & set(template_kwargs)}
+    given = {name: keys for name, keys in given.items() if keys}
+
+    def renders(left_out: set) -> bool:
+        try:
+            _render(tokenizer, messages, {k: v for k, v in template_kwargs.items() if k not in left_out})
+        except Exception:
+            return False
+        return True
+
+    if not given or not renders(set().union(*given.values())):
+        return []
+    return [name for name, keys in given.items() if renders(keys)] or list(given)
 
 
 def reserved_template_variables(tokenizer) -> list[str]:
@@ -1525,12 +1592,24 @@ def _parts_text(parts: list, role, message: int) -> str:
     return "\n".join(texts)
 
 
+class _Arguments(dict):
+    """A tool call's arguments parsed from JSON text, with ``text``, the text as sent (what a
+    template that writes the arguments as text renders: :func:`_render`)."""
+
+    def __init__(self, value: dict, text: str):
+        super().__init__(value)
+        self.text = text
+
+
 def _call_arguments(arguments, message: int, call: int) -> dict:
-    """A tool call's arguments as a dict: a dict, or a JSON object's text; ``""`` and None
-    are ``{}`` (a call without arguments, as vLLM takes them)."""
+    """A tool call's arguments as a dict: a dict, or a JSON object's text (an
+    :class:`_Arguments` that keeps it); ``""`` and None are ``{}`` (a call without
+    arguments, as vLLM takes them)."""
     if arguments is None or arguments == "":
         return {}
+    text = None
     if isinstance(arguments, str):
+        text = arguments
         try:
             arguments = json.loads(arguments)
         except ValueError as exc:
@@ -1542,7 +1621,7 @@ def _call_arguments(arguments, message: int, call: int) -> dict:
     if not isinstance(arguments, dict):
         raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
                           f"got {options.json_type(arguments)}")
-    return arguments
+    return _Arguments(arguments, text) if text is not None else arguments
 
 
 def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list:

@@ -402,15 +402,67 @@ def test_valid_parameter_schemas_pass(local_engine, parameters):
 
 
 def test_a_template_that_cannot_render_the_tools_names_them(local_engine, monkeypatch):
-    """A TypeError while rendering names what the request added: the tools here, not
-    chat_template_kwargs (none were sent); with neither, the messages (it was re-raised: a 500)."""
+    """A TypeError while rendering names what the request added only when the messages
+    render without it: the tools here, not chat_template_kwargs (they render); a template
+    that fails on the messages names them, whatever else was sent (trial-126: "param":
+    "tools", "these messages or chat_template_kwargs or tools", for a DeepSeek template's
+    failure on the calls' arguments)."""
     monkeypatch.setattr(local_engine.tokenizer, "chat_template",
-                        "{% for t in tools or [] %}{{ t.function.name + 1 }}{% endfor %}{{ messages[0].content + 1 }}")
-    with pytest.raises(DFlashError, match=r"^the chat template cannot render these messages or tools: ") as err:
-        local_engine.encode_prompt("hi", chat=True, tools=[TIME])
-    assert err.value.name == "tools"
-    with pytest.raises(DFlashError, match=r"^the chat template cannot render these messages: ") as err:
-        local_engine.encode_prompt("hi", chat=True)
+                        "{% for t in tools or [] %}{{ t.function.name + 1 }}{% endfor %}{{ messages[0].content }}")
+    for kwargs in ({}, {"chat_template_kwargs": {"x": 1}}):
+        with pytest.raises(DFlashError, match=r"^the chat template cannot render these tools: ") as err:
+            local_engine.encode_prompt("hi", chat=True, tools=[TIME], **kwargs)
+        assert err.value.names == ("tools",)
+    local_engine.encode_prompt("hi", chat=True, chat_template_kwargs={"x": 1})
+    monkeypatch.setattr(local_engine.tokenizer, "chat_template",
+                        "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}{{ messages[0].content + 1 }}")
+    for kwargs in ({}, {"tools": [TIME]}, {"tools": [TIME], "chat_template_kwargs": {"x": 1}}):
+        with pytest.raises(DFlashError, match=r"^the chat template cannot render these messages: ") as err:
+            local_engine.encode_prompt("hi", chat=True, **kwargs)
+        assert not hasattr(err.value, "name")
+
+
+# DeepSeek V3's, V3.1's and R1's way: a call's arguments joined to a string (a template of our own)
+JOINING_TEMPLATE = (
+    "{%- if tools %}## Tools{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n{% endif %}"
+    "{%- for m in messages %}<|{{ m.role }}|>{{ m.content or '' }}{% for tc in m.tool_calls or [] %}"
+    "{{ '<|call|>' + tc.function.name + '<|sep|>' + tc.function.arguments + '<|end|>' }}{% endfor %}\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _with_text_arguments(messages: list[dict], **dumps) -> list[dict]:
+    """The conversation with each call's dict arguments as JSON text (``json.dumps(**dumps)``)."""
+    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"],
+                                                                                              **dumps)}}
+                                 for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
+
+
+def test_a_template_that_joins_the_arguments_to_a_string_gets_their_text(local_engine, monkeypatch):
+    """DeepSeek's templates write ``'<｜tool▁sep｜>' + arguments``: a dict was a 400 (trial-126:
+    every conversation with an earlier call). Such a template gets each call's arguments as
+    the text it was sent as (the prompt is the client's own rendering of its messages), a
+    dict's as compact JSON; a template that needs a mapping still gets one (above)."""
+    tok = local_engine.tokenizer
+    monkeypatch.setattr(tok, "chat_template", JOINING_TEMPLATE)
+    want = _oracle(tok, CONVERSATION, tools=TOOLS)  # (the arguments as sent: JSON text)
+    assert local_engine.encode_prompt(CONVERSATION, tools=TOOLS) == want
+    assert local_engine.encode_prompt(CONVERSATION) == _oracle(tok, CONVERSATION) != want
+    assert local_engine.encode_prompt(CONVERSATION, tools=TOOLS, chat_template_kwargs={"x": 1}) == want
+    assert local_engine.generate(CONVERSATION, tools=TOOLS, max_new_tokens=1).stats.prompt_tokens == len(want)
+    spaced = [{**m, "tool_calls": [{"function": {"name": "get_time", "arguments": ' {"a" :  "é"} '}}]}
+              if m.get("tool_calls") else m for m in CONVERSATION]
+    assert local_engine.encode_prompt(spaced) == _oracle(tok, spaced)  # (kept as written)
+    dicts = _with_dict_arguments(CONVERSATION)
+    compact = _oracle(tok, _with_text_arguments(dicts, separators=(",", ":"), ensure_ascii=False), tools=TOOLS)
+    assert local_engine.encode_prompt(dicts, tools=TOOLS) == compact
+    empty = [{**m, "tool_calls": [{"function": {"name": "get_time", "arguments": arguments}}]}
+             if m.get("tool_calls") else m for m in CONVERSATION for arguments in ("",)]
+    assert "<|sep|>{}<|end|>" in tok.decode(local_engine.encode_prompt(empty))  # ("" is {}, as vLLM takes it)
+    # a template that fails either way: the first failure (on the mapping), named as the messages'
+    monkeypatch.setattr(tok, "chat_template", JOINING_TEMPLATE.replace("+ '<|end|>'", "+ 1"))
+    with pytest.raises(DFlashError, match=r"^the chat template cannot render these messages: can only concatenate "
+                                          r"str \(not \"dict\"\) to str$") as err:
+        local_engine.encode_prompt(CONVERSATION, tools=TOOLS, chat_template_kwargs={"x": 1})
     assert not hasattr(err.value, "name")
 
 

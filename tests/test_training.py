@@ -1340,7 +1340,7 @@ def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
             "the chat template cannot render these messages: can only concatenate str"),
         "chat-kwarg-shadows-function": ("d.jsonl", 2, good + json.dumps({"messages": [
             {"role": "robot", "content": "hi"}, {"role": "assistant", "content": "ok"}]}).encode() + b"\n",
-            "cannot render these messages or chat_template_kwargs: 'int' object is not callable"),
+            "cannot render these messages: 'int' object is not callable"),
         "json-nested-deep": ("d.jsonl", 2, good + b'{"text": "hi", "meta": ' + b"[" * 100000 + b"]" * 100000 + b"}\n",
                              "nested too deeply"),
         "message-not-an-object": ("d.jsonl", 2, good + json.dumps({"messages": ["hello"]}).encode() + b"\n",
@@ -1352,9 +1352,9 @@ def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
     path.write_bytes(body)
     if case in ("chat-template-refuses", "chat-kwarg-shadows-function"):
         tok.chat_template = STRICT_TEMPLATE
-    if case == "chat-template-type-error":  # (DeepSeek-V3's way: the call's arguments joined to a string)
+    if case == "chat-template-type-error":  # (the call's arguments joined to a string, then to a number)
         tok.chat_template = ("{% for m in messages %}{{ m.role + ': ' }}{% if m.tool_calls %}"
-                             "{{ 'call ' + m.tool_calls[0].function.arguments }}{% else %}{{ m.content }}{% endif %}"
+                             "{{ 'call ' + m.tool_calls[0].function.arguments + 1 }}{% else %}{{ m.content }}{% endif %}"
                              "\n{% endfor %}")
     kwargs = {"raise_exception": 1} if case == "chat-kwarg-shadows-function" else None
     cfg = _cfg(tmp_path, target_dir, path.parent if case.startswith("jsonl-in-dir") else path, val_seqs=0, batch=1,
