@@ -604,6 +604,7 @@ def test_server_returns_tool_calls(server, scripted_pair):
         {"role": "tool", "tool_call_id": "call_a", "content": "sunny"}]
     r = client.chat.completions.create(model=model, messages=history, tools=TOOLS, temperature=0, max_tokens=1)
     assert r.usage.prompt_tokens == len(_oracle(tok, _with_dict_arguments(history), tools=TOOLS))
+    assert "--tool-call-parser auto" not in server.log.read_text()  # (auto found hermes: no warning)
 
 
 def test_server_streams_tool_calls(server):
@@ -771,6 +772,58 @@ def test_server_takes_empty_call_arguments_as_an_empty_object(server, scripted_p
         r = client.chat.completions.create(model=model, messages=history(arguments), tools=TOOLS, temperature=0,
                                            max_tokens=1)
         assert r.usage.prompt_tokens == want, arguments
+
+
+def test_unparsed_calls_warning_only_for_auto_none_and_a_template_with_tools():
+    from dflash_torch.serving.cli import unparsed_calls_warning
+
+    assert unparsed_calls_warning("auto", "none", JOINING_TEMPLATE).startswith("--tool-call-parser auto knows no ")
+    assert unparsed_calls_warning("auto", "none", {"default": "{{ messages }}", "tool_use": JOINING_TEMPLATE})
+    assert unparsed_calls_warning("none", "none", JOINING_TEMPLATE) is None  # (asked for)
+    assert unparsed_calls_warning("auto", "hermes", HERMES_TEMPLATE) is None
+    assert unparsed_calls_warning("auto", "none", "{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert unparsed_calls_warning("auto", "none", None) is None
+
+
+def test_server_renders_a_joining_templates_history_and_warns_of_its_unparsed_calls(tmp_path_factory, tokenizer_dir):
+    """A DeepSeek-style template (arguments joined to a string; call markers no parser
+    knows): a conversation with an earlier call renders as the client's own rendering of its
+    messages, in chat, Responses and /tokenize (trial-126: a 400 naming the tools); auto
+    picks no parser, which start-up says in one WARNING line (trial-126: silent), and the
+    reply's call comes back as text."""
+    from test_server_scheduler import _serve
+
+    from dflash_torch.serving.tools import PARSERS
+
+    root = tmp_path_factory.mktemp("joining-tools")
+    script = ["Checking.", "<|call|>get_time<|sep|>", "{}<|end|>"]
+    target, drafter, reply_ids = make_scripted_pair(root, tokenizer_dir, ASSISTANT, script, JOINING_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(str(target))
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "sunny"}]
+    want = _oracle(tok, history, tools=TOOLS)
+    with _serve((target, drafter), root) as server:
+        client = server.client()
+        model = client.models.list().data[0].id
+        choice = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, temperature=0).choices[0]
+        assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == ("".join(script), None, "stop")
+        r = client.chat.completions.create(model=model, messages=history, tools=TOOLS, temperature=0, max_tokens=1)
+        assert r.usage.prompt_tokens == len(want)
+        r = server.post("/tokenize", {"model": model, "messages": history, "tools": TOOLS})
+        assert r.status_code == 200 and r.json()["tokens"] == want
+        items = [{"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                 {"type": "function_call_output", "call_id": "call_a", "output": "sunny"}]
+        flat = [{"type": "function", **t["function"]} for t in TOOLS]
+        r = client.responses.create(model=model, input=MESSAGES + items, tools=flat, temperature=0, max_output_tokens=1)
+        assert r.usage.input_tokens == len(want)
+        warnings = [line for line in server.log.read_text().splitlines() if "WARNING" in line]
+    known = ", ".join(p for p in PARSERS if p not in ("auto", "none"))
+    assert warnings == [
+        "WARNING:  --tool-call-parser auto knows no tool call format of this chat template, which renders tools: the "
+        "tool calls that replies write come back as text in content (finish_reason stop); the parsers: "
+        f"{known} (--tool-call-parser NAME)"]
 
 
 # --- Gemma 4: its thought channel and calls, the markers special tokens --------------------------

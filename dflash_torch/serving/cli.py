@@ -168,6 +168,9 @@ def _serve(args: argparse.Namespace) -> int:
     logger.addHandler(handler)
     logger.setLevel(args.log_level.upper())
     logger.propagate = False
+    if (warning := unparsed_calls_warning(args.tool_call_parser, app.state.tool_call_parser,
+                                          getattr(engine.tokenizer, "chat_template", None))) is not None:
+        logger.warning(warning)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     server = Server(config)
     try:
@@ -175,6 +178,24 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         _wait_for_engine(scheduler)
     return 0 if server.started else 1
+
+
+def unparsed_calls_warning(choice: str, resolved: str, chat_template: str | dict | None) -> str | None:
+    """The start-up warning of ``--tool-call-parser auto`` that found no call format it knows
+    (``resolved`` ``none``) in a chat template that renders tools (its source names
+    ``tools``; a dict of named templates: any of them): the calls a reply writes come back as
+    its text. None otherwise."""
+    import re
+
+    from .tools import PARSERS
+
+    sources = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
+    if choice != "auto" or resolved != "none" or not any(re.search(r"\btools\b", str(t)) for t in sources):
+        return None
+    known = ", ".join(p for p in PARSERS if p not in ("auto", "none"))
+    return ("--tool-call-parser auto knows no tool call format of this chat template, which renders tools: the tool "
+            "calls that replies write come back as text in content (finish_reason stop); the parsers: "
+            f"{known} (--tool-call-parser NAME)")
 
 
 def _host_port(host: str, port: int) -> str:
