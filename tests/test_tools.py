@@ -779,6 +779,8 @@ def test_unparsed_calls_warning_only_for_auto_none_and_a_template_with_tools():
 
     assert unparsed_calls_warning("auto", "none", JOINING_TEMPLATE).startswith("--tool-call-parser auto knows no ")
     assert unparsed_calls_warning("auto", "none", {"default": "{{ messages }}", "tool_use": JOINING_TEMPLATE})
+    calls_only = "{% for m in messages %}{% for tc in m.tool_calls or [] %}{{ tc.function.name }}{% endfor %}{% endfor %}"
+    assert unparsed_calls_warning("auto", "none", calls_only)  # (DeepSeek V3.1's: no tools, their calls)
     assert unparsed_calls_warning("none", "none", JOINING_TEMPLATE) is None  # (asked for)
     assert unparsed_calls_warning("auto", "hermes", HERMES_TEMPLATE) is None
     assert unparsed_calls_warning("auto", "none", "{% for m in messages %}{{ m.content }}{% endfor %}") is None
@@ -821,8 +823,8 @@ def test_server_renders_a_joining_templates_history_and_warns_of_its_unparsed_ca
         warnings = [line for line in server.log.read_text().splitlines() if "WARNING" in line]
     known = ", ".join(p for p in PARSERS if p not in ("auto", "none"))
     assert warnings == [
-        "WARNING:  --tool-call-parser auto knows no tool call format of this chat template, which renders tools: the "
-        "tool calls that replies write come back as text in content (finish_reason stop); the parsers: "
+        "WARNING:  --tool-call-parser auto knows no tool call format of this chat template, which renders tools or "
+        "tool calls: the tool calls that replies write come back as text in content (finish_reason stop); the parsers: "
         f"{known} (--tool-call-parser NAME)"]
 
 

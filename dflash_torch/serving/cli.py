@@ -182,18 +182,18 @@ def _serve(args: argparse.Namespace) -> int:
 
 def unparsed_calls_warning(choice: str, resolved: str, chat_template: str | dict | None) -> str | None:
     """The start-up warning of ``--tool-call-parser auto`` that found no call format it knows
-    (``resolved`` ``none``) in a chat template that renders tools (its source names
-    ``tools``; a dict of named templates: any of them): the calls a reply writes come back as
-    its text. None otherwise."""
+    (``resolved`` ``none``) in a chat template that renders tools or tool calls (its source
+    names ``tools`` or ``tool_calls``, as Kimi-K2's and DeepSeek's do; a dict of named
+    templates: any of them): the calls a reply writes come back as its text. None otherwise."""
     import re
 
     from .tools import PARSERS
 
     sources = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
-    if choice != "auto" or resolved != "none" or not any(re.search(r"\btools\b", str(t)) for t in sources):
+    if choice != "auto" or resolved != "none" or not any(re.search(r"\btool(s|_calls)\b", str(t)) for t in sources):
         return None
     known = ", ".join(p for p in PARSERS if p not in ("auto", "none"))
-    return ("--tool-call-parser auto knows no tool call format of this chat template, which renders tools: the tool "
+    return ("--tool-call-parser auto knows no tool call format of this chat template, which renders tools or tool calls: the tool "
             "calls that replies write come back as text in content (finish_reason stop); the parsers: "
             f"{known} (--tool-call-parser NAME)")
 
