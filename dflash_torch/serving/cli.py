@@ -193,8 +193,8 @@ def unparsed_calls_warning(choice: str, resolved: str, chat_template: str | dict
     if choice != "auto" or resolved != "none" or not any(re.search(r"\btool(s|_calls)\b", str(t)) for t in sources):
         return None
     known = ", ".join(p for p in PARSERS if p not in ("auto", "none"))
-    return ("--tool-call-parser auto knows no tool call format of this chat template, which renders tools or tool calls: the tool "
-            "calls that replies write come back as text in content (finish_reason stop); the parsers: "
+    return ("--tool-call-parser auto knows no tool call format of this chat template, which renders tools or tool "
+            "calls: the tool calls that replies write come back as text in content (finish_reason stop); the parsers: "
             f"{known} (--tool-call-parser NAME)")
 
 
