@@ -2029,3 +2029,22 @@ def test_train_data_that_is_not_a_regular_file_is_said_so(tiny_pair, tmp_path, c
         assert cli_main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"dflash-torch: error: training data {data} is not a regular file"], err
+
+
+def test_the_default_mlp_width_of_a_drafter_for_an_all_expert_target_is_what_a_token_passes_through():
+    """make_drafter_config's MLP width: the target's dense width where a layer has a dense MLP
+    (a Qwen3-MoE with mlp_only_layers); where every MLP is a mixture of experts, top_k x the
+    expert width (+ a shared expert), not the config's intermediate_size, which is then one
+    expert's (gpt-oss: it gave 24, not 2 x 24) or unused (Qwen3-MoE: it gave its 128)."""
+    from dflash_torch.models.config import TargetConfig
+    from dflash_torch.training.trainer import make_drafter_config
+
+    base = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                vocab_size=300, rms_norm_eps=1e-6, max_position_embeddings=512)
+    gpt_oss = {"model_type": "gpt_oss", **base, "intermediate_size": 24, "num_local_experts": 4,
+               "num_experts_per_tok": 2, "sliding_window": 8}
+    qwen3_moe = {"model_type": "qwen3_moe", **base, "intermediate_size": 128, "moe_intermediate_size": 32,
+                 "num_experts": 4, "num_experts_per_tok": 2}
+    cfg = TrainConfig(target="t", data=["d"], out="o", num_layers=1)
+    for target, width in ((gpt_oss, 2 * 24), (qwen3_moe, 2 * 32), ({**qwen3_moe, "mlp_only_layers": [0]}, 128)):
+        assert make_drafter_config(TargetConfig.from_dict(target), cfg, 1).intermediate_size == width, target

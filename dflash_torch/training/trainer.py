@@ -359,8 +359,12 @@ def _keep(ids: list[int]) -> str:
 
 
 def _mlp_width(target_cfg: TargetConfig) -> int:
+    """:func:`make_drafter_config`'s default MLP width: the target's dense MLP width where some
+    layer has one; else (every MLP a mixture of experts, whose config's ``intermediate_size``
+    is then an expert's width, as gpt-oss's, or unused, as a Qwen3-MoE's without
+    ``mlp_only_layers``) the width a token passes through."""
     moe = target_cfg.moe
-    if target_cfg.intermediate_size or moe is None:
+    if moe is None or (not all(target_cfg.moe_layers) and target_cfg.intermediate_size):
         return target_cfg.intermediate_size
     return moe.top_k * moe.intermediate_size + moe.shared_expert_intermediate_size
 
