@@ -1416,6 +1416,38 @@ def test_directory_skips_files_that_are_not_text(tiny_pair, tmp_path):
         read_corpus([tmp_path / "dir"])
 
 
+def test_a_data_directory_holding_out_and_the_work_dir_leaves_them_out_and_says_so(tiny_pair, tmp_path):
+    target_dir, _ = tiny_pair
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("def f(x):\n    return x + 1\n" * 60)
+    cfg = _cfg(tmp_path, target_dir, data, val_seqs=0, batch=1, seq_len=32, out=str(data / "drafter"),
+               work_dir=str(data / "work"))
+    (data / "drafter").mkdir()  # (as train makes them before it reads the data)
+    (data / "work").mkdir()
+    tok = _tok(target_dir)
+    lines: list[str] = []
+    from dflash_torch.training.trainer import data_key, prepare_data
+
+    key = data_key(cfg, Path(target_dir))
+    first, _, info = prepare_data(cfg, Path(target_dir), tok, lines.append)
+    # the drafter's files and the run's log, as a finished run leaves them
+    (data / "drafter" / "config.json").write_text(json.dumps({"model_type": "dflash"}))
+    (data / "drafter" / "training_log.json").write_text(json.dumps({"history": []}))
+    (data / "work" / "notes.txt").write_text("not data")
+    assert data_key(cfg, Path(target_dir)) == key  # (the cache stays: no "removed ... made from other data")
+    lines.clear()
+    second, _, info2 = prepare_data(cfg, Path(target_dir), tok, lines.append)
+    assert info2["documents"] == info["documents"] == 1 and torch.equal(second.stream, first.stream)
+    assert any("loaded" in line for line in lines), lines
+    said = [line for line in lines if "left out" in line]
+    assert len(said) == 2 and f"left out {data / 'drafter'} (this run's --out or --work-dir)" in said[0], lines
+    assert read_corpus([data], [data / "drafter", data / "work"]).excluded == [data / "drafter", data / "work"]
+    # a data directory inside --out is read whole, and a file given itself is read wherever it lies
+    assert len(read_corpus([data / "work"], [data]).documents) == 1
+    assert len(read_corpus([data / "work" / "notes.txt"], [data / "work"]).documents) == 1
+
+
 def test_data_cache_follows_contents_not_paths_or_mtimes(tiny_pair, tmp_path):
     import os
 

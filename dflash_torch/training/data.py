@@ -59,22 +59,30 @@ class Corpus:
     """Raw inputs: plain documents and chat conversations.
 
     ``conversation_sources[i]`` names where conversation ``i`` comes from (``path:line``);
-    ``skipped`` lists the files of directories that were left out as not UTF-8 text.
+    ``skipped`` lists the files of directories that were left out as not UTF-8 text;
+    ``excluded`` the directories below a given directory that were left out as asked
+    (``exclude`` of :func:`read_corpus`).
     """
 
     documents: list[str] = field(default_factory=list)
     conversations: list[list[dict]] = field(default_factory=list)
     conversation_sources: list[str] = field(default_factory=list)
     skipped: list[Path] = field(default_factory=list)
+    excluded: list[Path] = field(default_factory=list)
 
     def source(self, i: int) -> str:
         """Where conversation ``i`` comes from, for error messages."""
         return self.conversation_sources[i] if i < len(self.conversation_sources) else f"conversation {i}"
 
 
-def corpus_files(paths: list[str | Path]) -> list[tuple[Path, bool]]:
+def corpus_files(paths: list[str | Path], exclude: list[str | Path] = (),
+                 excluded: list[Path] | None = None) -> list[tuple[Path, bool]]:
     """The files :func:`read_corpus` reads for ``paths``, in reading order, each with
     whether it was given itself (``True``) or found in a given directory (``False``).
+
+    A directory of ``exclude`` found below a given directory is left out with everything
+    below it (and appended to ``excluded`` when given): a run's own output directory
+    inside its data directory.
 
     Raises:
         DFlashError: a path that does not exist or is not a regular file or a directory (a
@@ -84,6 +92,7 @@ def corpus_files(paths: list[str | Path]) -> list[tuple[Path, bool]]:
     def unreadable(exc: OSError):
         raise DFlashError(f"cannot read {exc.filename}: {exc.strerror or exc}")
 
+    skip = {os.path.realpath(Path(e).expanduser()) for e in exclude}
     files: list[tuple[Path, bool]] = []
     for p in paths:
         path = Path(p).expanduser()
@@ -92,6 +101,10 @@ def corpus_files(paths: list[str | Path]) -> list[tuple[Path, bool]]:
                 found = []
                 for top, dirs, names in os.walk(path, onerror=unreadable):  # (rglob passed over unreadable ones)
                     dirs[:] = [d for d in dirs if not d.startswith(".")]
+                    for d in [d for d in dirs if os.path.realpath(Path(top, d)) in skip]:
+                        dirs.remove(d)
+                        if excluded is not None and Path(top, d) not in excluded:
+                            excluded.append(Path(top, d))
                     found += [Path(top, n) for n in names if not n.startswith(".")]
                 files += [(f, False) for f in sorted(found) if f.is_file()]
             elif path.is_file():
@@ -212,8 +225,9 @@ def _read_json(path: Path, corpus: Corpus) -> None:
         _add_record(rec, f"{path}" + ("" if i is None else f": record {i}"), corpus)
 
 
-def read_corpus(paths: list[str | Path]) -> Corpus:
-    """Read text files, directories and JSONL files (see the module docstring).
+def read_corpus(paths: list[str | Path], exclude: list[str | Path] = ()) -> Corpus:
+    """Read text files, directories and JSONL files (see the module docstring), leaving
+    out the directories of ``exclude`` found below a given directory (``Corpus.excluded``).
 
     A file given itself must be UTF-8; in a directory, files that are not UTF-8 text
     are skipped (listed in ``Corpus.skipped``), but its ``.jsonl`` files must be valid.
@@ -224,7 +238,7 @@ def read_corpus(paths: list[str | Path]) -> Corpus:
             text at all.
     """
     corpus = Corpus()
-    for path, given in corpus_files(paths):
+    for path, given in corpus_files(paths, exclude, corpus.excluded):
         try:
             _read_file(path, given, corpus)
         except OSError as exc:  # (a file this process may not read is refused, not skipped: it is not bad data)

@@ -103,6 +103,11 @@ class TrainConfig:
     def work_path(self) -> Path:
         return Path(self.work_dir) if self.work_dir else Path(self.out) / "train_work"
 
+    def own_dirs(self) -> list[Path]:
+        """The directories this run writes (``--out``, the work dir): left out of a ``--data``
+        directory that holds them, lest a later run train on the drafter's own files."""
+        return [Path(self.out), self.work_path()]
+
 
 def resolve_mask_token_id(tokenizer, vocab_size: int, override: int | None) -> tuple[int, str]:
     """The block mask token id and how it was chosen.
@@ -459,7 +464,7 @@ def data_key(cfg: TrainConfig, target_dir: Path) -> str:
     target = [[f.name, _file_digest(f, "unreadable")] for f in sorted(target_dir.iterdir())
               if _is_file(f) and (cfg.self_distill or not f.name.endswith(WEIGHT_SUFFIXES))]
     parts = {"format": CACHE_FORMAT, "target": target, "data": [str(Path(p).expanduser().resolve()) for p in cfg.data],
-             "files": [[str(f.resolve()), _file_digest(f)] for f, _ in corpus_files(cfg.data)],
+             "files": [[str(f.resolve()), _file_digest(f)] for f, _ in corpus_files(cfg.data, cfg.own_dirs())],
              "seq_len": cfg.seq_len, "self_distill": cfg.self_distill, "prefix": [cfg.prefix_min, cfg.prefix_max],
              "seed": cfg.seed, "chat_template_kwargs": cfg.chat_template_kwargs}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
@@ -538,7 +543,9 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> dict:
         notes.append(line)
         log(line)
 
-    corpus = read_corpus(cfg.data)
+    corpus = read_corpus(cfg.data, cfg.own_dirs())
+    for d in corpus.excluded:
+        note(f"data: left out {d} (this run's --out or --work-dir) and everything below it")
     if corpus.skipped:
         note(f"data: skipped {len(corpus.skipped)} files that are not UTF-8 text, e.g. {corpus.skipped[0]}")
     stream = tokenize_documents(tokenizer, corpus.documents)
@@ -736,7 +743,7 @@ class Trainer:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        for file, _ in corpus_files(cfg.data):  # (a missing or unreadable --data path: an error before the target
+        for file, _ in corpus_files(cfg.data, cfg.own_dirs()):  # (a missing or unreadable --data path: an error before the target
             try:                                 # loads, not after its log lines)
                 open(file, "rb").close()
             except OSError as exc:
