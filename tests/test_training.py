@@ -743,6 +743,30 @@ def test_train_help_says_what_a_directory_makes_of_a_json_file_that_is_not_recor
     assert "a file that is not UTF-8 text is skipped" in help_ and ".json files of {'text'} / {'messages'}" in help_
 
 
+def test_train_says_it_holds_the_target_in_float32_on_the_cpu_and_refuses_one_too_big(tiny_pair, tmp_path, capsys,
+                                                                                         monkeypatch):
+    """train loads the target in float32 on the CPU, which neither --help nor the refusal of a
+    target too big for the memory said (trial-127)."""
+    from dflash_torch import checkpoint
+    from dflash_torch.cli import main as cli_main
+
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    help_ = " ".join(capsys.readouterr().out.split())
+    assert "Training runs on the CPU: the target is loaded in float32 (about 4 bytes a parameter of RAM" in help_, help_
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    monkeypatch.setattr(checkpoint, "available_memory", lambda device: 1000)
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(tmp_path / "out"), "--steps", "1",
+            "--no-progress", "--seq-len", "64", "--batch", "2", "--val-seqs", "0"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "for its weights in float32; cpu has 0.0 GB free (train loads the target in float32 on " \
+        "the CPU, about 4 bytes a parameter" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
 def test_training_reduces_loss_and_exports_loadable_drafter(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair
     cfg = _cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=100, self_distill=6, self_distill_batch=4,

@@ -34,7 +34,10 @@ def register(sub) -> None:
         "train", help="train a DFlash drafter for a target model",
         description="Train a DFlash drafter (random anchors, block attention mask, decay-weighted loss; "
                     "DFlash paper sec. 4.2), or with --arch dflash2 a DFlash 2 drafter (grouped dynamic convolutions "
-                    "and a candidate selector, plus the selector loss), and save it in the published checkpoint format.",
+                    "and a candidate selector, plus the selector loss), and save it in the published checkpoint format. "
+                    "Training runs on the CPU: the target is loaded in float32 (about 4 bytes a parameter of RAM, "
+                    "e.g. 32 GB for an 8B target; a target whose float32 weights exceed the available memory is "
+                    "refused before it loads), the drafter trains there too.",
     )
     d = TrainConfig.__dataclass_fields__
     p.add_argument("--target", required=True, help="target checkpoint dir or cached HF id")

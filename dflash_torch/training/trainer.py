@@ -764,7 +764,13 @@ class Trainer:
             if not getattr(tokenizer, "chat_template", None):
                 raise DFlashError("--chat-template-kwargs apply to chat ('messages') data, which needs a target "
                                   "tokenizer with a chat template; this one has none")
-        target = TargetModel.from_pretrained(target_dir, torch.float32)
+        try:  # (train holds the target in float32 on the CPU: check_fits refuses one that cannot fit, in one line)
+            target = TargetModel.from_pretrained(target_dir, torch.float32)
+        except DFlashError as exc:
+            if str(exc).startswith("the target needs "):
+                raise DFlashError(f"{exc} (train loads the target in float32 on the CPU, about 4 bytes a parameter; "
+                                  "the drafter and its optimizer need more beyond it)") from None
+            raise
         target.requires_grad_(False)
         source, notes = None, []
         if cfg.init_from:
