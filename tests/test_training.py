@@ -1529,6 +1529,38 @@ def test_too_little_data_is_refused_with_the_counts(tiny_pair, tmp_path):
         _prepare(_cfg(tmp_path, target_dir, tiny, val_seqs=0, batch=1), tok, target_dir)
 
 
+def test_too_little_chat_data_and_a_capped_eval_split_say_what_helps(tiny_pair, tmp_path):
+    """Chat-only data too small for --batch advised a lower --seq-len, which adds no sequence;
+    a --val-seqs cut down to one said "a tenth of the text windows" while the rows came from
+    the conversations only (trial-127)."""
+    from dflash_torch.training.trainer import prepare_data
+
+    target_dir, _ = tiny_pair
+    tok = _tok(target_dir)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"add {i}"},
+                                                     {"role": "assistant", "content": f"x + {i}"}]}) + "\n"
+                            for i in range(6)))
+    with pytest.raises(DFlashError) as err:
+        _prepare(_cfg(tmp_path, target_dir, chat, val_seqs=0, batch=7, seq_len=32), tok, target_dir)
+    msg = str(err.value)
+    assert "6 chat conversations make 6 sequences" in msg and "lower --batch or --seq-len" not in msg, msg
+    assert msg.endswith("add data (each conversation or self-distilled sequence is one sequence, whatever --seq-len; "
+                        "text makes one per --seq-len tokens), or lower --batch"), msg
+    text = tmp_path / "c.txt"  # (with text, a shorter --seq-len makes more windows)
+    text.write_text("def f(x):\n    return x\n" * 20)
+    with pytest.raises(DFlashError, match=r"add data, or lower --batch or --seq-len$"):
+        _prepare(_cfg(tmp_path, target_dir, text, val_seqs=0, batch=99, seq_len=16), tok, target_dir)
+    lines: list[str] = []
+    cfg = _cfg(tmp_path, target_dir, chat, val_seqs=3, batch=2, seq_len=32)
+    cfg.data.append(str(text))
+    _, val_rows, _ = prepare_data(cfg, Path(target_dir), tok, lines.append)
+    said = [line for line in lines if "holding out" in line]
+    assert len(val_rows) == 1 and said == [
+        "data: holding out 1 sequence for evaluation, not --val-seqs 3: they are taken from one kind of data only, "
+        "here the 6 chat conversations, at most a fifth of them, leaving at least --batch 2 sequences to train on"], lines
+
+
 def test_self_distill_that_finds_too_little_is_refused(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair
     tok = _tok(target_dir)

@@ -497,10 +497,20 @@ def check_data_size(cfg: TrainConfig, stream_tokens: int, n_chat: int, n_distill
     if past_seq_len:  # (a shorter --seq-len leaves out more of them)
         fixes = ("add data, lower --batch, or raise --seq-len so that the conversations' replies fit in it"
                  + (", or pass --val-seqs 0" if cfg.val_seqs else ""))
-    else:
+    elif stream_tokens:
         fixes = "add data, or lower --batch or --seq-len" + (", or pass --val-seqs 0" if cfg.val_seqs else "")
+    else:  # (a conversation or a self-distilled sequence is one sequence whatever --seq-len: a shorter one adds none)
+        fixes = ("add data (each conversation or self-distilled sequence is one sequence, whatever --seq-len; text "
+                 "makes one per --seq-len tokens), or lower --batch" + (", or pass --val-seqs 0" if cfg.val_seqs else ""))
     raise DFlashError(f"too little training data: {', '.join(parts)} make {have} sequences; "
                       f"one step of --batch {cfg.batch} needs {cfg.batch}{val}: {fixes}")
+
+
+def eval_kind(cfg: TrainConfig, stream: torch.Tensor, chat: list, distilled: list) -> tuple[str, dict[str, int]]:
+    """The kind of sequences :func:`split_eval` holds out (``"distilled"``, ``"chat"`` or
+    ``"text"``) and the count of each kind (``"text"``: windows of ``seq_len`` tokens)."""
+    counts = {"distilled": len(distilled), "chat": len(chat), "text": stream.numel() // cfg.seq_len}
+    return next((k for k, c in counts.items() if c >= 5), max(counts, key=counts.get)), counts
 
 
 def split_eval(cfg: TrainConfig, stream: torch.Tensor, chat: list[Example], distilled: list[Example]):
@@ -518,8 +528,7 @@ def split_eval(cfg: TrainConfig, stream: torch.Tensor, chat: list[Example], dist
     """
     if not cfg.val_seqs:
         return stream, chat, distilled, []
-    counts = {"distilled": len(distilled), "chat": len(chat), "text": stream.numel() // cfg.seq_len}
-    kind = next((k for k, c in counts.items() if c >= 5), max(counts, key=counts.get))
+    kind, counts = eval_kind(cfg, stream, chat, distilled)
     k = min(cfg.val_seqs, max(1, counts[kind] // (10 if kind == "text" else 5)), sum(counts.values()) - cfg.batch)
     if kind == "text":
         cut = stream.numel() - k * cfg.seq_len
@@ -654,10 +663,14 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
     check_data_size(cfg, stream.numel(), len(chat), len(distilled),
                     no_turn=stats["conversations_without_assistant_turn"],
                     past_seq_len=stats["conversations_reply_past_seq_len"])
+    kind, counts = eval_kind(cfg, stream, chat, distilled)
     stream, chat, distilled, val_rows = split_eval(cfg, stream, chat, distilled)
     if cfg.val_seqs and len(val_rows) < cfg.val_seqs:  # (split_eval's caps; it said so only in the log's stats)
-        log(f"data: holding out {len(val_rows)} sequence{'' if len(val_rows) == 1 else 's'} for evaluation, not --val-seqs {cfg.val_seqs} "
-            f"(at most a fifth of the sequences, a tenth of the text windows, and {cfg.batch} left to train on)")
+        whole = {"distilled": f"the {counts[kind]} self-distilled sequences", "chat": f"the {counts[kind]} chat "
+                 f"conversations", "text": f"the {counts[kind]} windows of the text"}[kind]
+        log(f"data: holding out {len(val_rows)} sequence{'' if len(val_rows) == 1 else 's'} for evaluation, not --val-seqs "
+            f"{cfg.val_seqs}: they are taken from one kind of data only, here {whole}, at most a "
+            f"{'tenth' if kind == 'text' else 'fifth'} of them, leaving at least --batch {cfg.batch} sequences to train on")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     data = TrainingData(stream, chat + distilled, cfg.seq_len, pad, cfg.raw_fraction)
     stats = dict(blob["stats"], val_sequences=len(val_rows), chat_and_distilled_examples=len(chat) + len(distilled))
