@@ -813,10 +813,13 @@ def test_resume_continues_identically(tiny_pair, tmp_path):
         assert torch.equal(a["drafter"][k], b["drafter"][k]), k
     assert [h["loss"] for h in a["history"]] == [h["loss"] for h in b["history"]]
     lines = []  # another recipe on resume: allowed, with a warning naming what changed (it was silent)
-    half.steps, half.lr = 5, 1e-3
+    half.steps, half.lr, half.gamma, half.autocast = 5, 1e-3, 2.0, False
     Trainer(half, log=lines.append).run()
     warned = [m for m in lines if "WARNING" in m]
     assert len(warned) == 1 and "--lr 0.001 (was 0.003)" in warned[0] and "--steps" not in warned[0], lines
+    # options named as typed, defaults as values (it said "--gamma 2.0 (was None), --autocast False (was True)")
+    assert "--gamma 2 (was the default, 3.5), --no-autocast given (was not)" in warned[0], warned
+    half.gamma, half.autocast = None, True
     # another target of the same shape: warned too (it was silent); the same one spelt otherwise is not
     import shutil
     other = tmp_path / "other-target"
@@ -1131,7 +1134,7 @@ def test_train_renders_the_chat_data_with_chat_template_kwargs(tiny_pair, tmp_pa
     args[-1] = '{"enable_thinking": true}'
     assert cli_main(args + ["--resume"]) == 0
     said = capsys.readouterr().err
-    assert "--chat-template-kwargs {'enable_thinking': True} (was {'enable_thinking': False})" in said, said
+    assert """--chat-template-kwargs '{"enable_thinking": true}' (was '{"enable_thinking": false}')""" in said, said
     blob = torch.load(next((out / "train_work").glob("data-*.pt")), weights_only=False)
     assert all("<think>" not in tok.decode(ids.tolist()) for ids, _ in blob["chat"])
 

@@ -470,6 +470,29 @@ def data_key(cfg: TrainConfig, target_dir: Path) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def recipe_change(key: str, now, was, block_size: int) -> str:
+    """A change of the recipe setting ``key`` (a :data:`RECIPE` field) from ``was`` to
+    ``now``, as the user types the option: ``--gamma 2 (was the default, 3.5)``,
+    ``--no-autocast given (was not)``."""
+    if key == "autocast":  # (the option is --no-autocast)
+        return "--no-autocast given (was not)" if not now else "--no-autocast left out (was given)"
+    if key == "min_lr_frac":  # (no option: a TrainConfig field)
+        return f"min_lr_frac {now!r} (was {was!r})"
+
+    def value(v) -> str:
+        if v is None:
+            return f"the default, {default_gamma(block_size):g}" if key == "gamma" else "not given"
+        if isinstance(v, float):
+            return f"{v:g}"
+        if isinstance(v, list):
+            return " ".join(map(str, v))
+        if isinstance(v, dict):
+            return f"'{json.dumps(v)}'"
+        return str(v)
+
+    return f"--{key.replace('_', '-')} {value(now)} (was {value(was)})"
+
+
 def check_data_size(cfg: TrainConfig, stream_tokens: int, n_chat: int, n_distilled: int, *, no_turn: int = 0,
                     past_seq_len: int = 0) -> None:
     """Refuse data that cannot fill one training step of ``batch`` sequences plus, with
@@ -820,7 +843,7 @@ class Trainer:
             step, elapsed_prev = st["step"], st["elapsed"]
             self.log(f"resume: step {step}, {elapsed_prev / 60:.1f} min trained")
             before = st.get("train_config") or {}
-            changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {before[k]!r})" for k in RECIPE
+            changed = [recipe_change(k, getattr(cfg, k), before[k], dcfg.block_size) for k in RECIPE
                        if k in before and before[k] != getattr(cfg, k)]
             if st.get("target_dir") not in (None, str(target_dir.resolve())):  # (another target, however it is spelt)
                 changed.insert(0, f"--target {str(target_dir.resolve())!r} (was {st['target_dir']!r})")
