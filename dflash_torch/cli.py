@@ -540,8 +540,18 @@ def entry() -> None:
     """The ``dflash-torch`` command: :func:`main`, then exit with its status. Where a call still
     runs on the compute thread (a second Ctrl-C stopped waiting for it), the process exits
     without finalizing the interpreter, which would stop that thread inside a torch op and
-    abort the process ("terminate called without an active exception")."""
-    code = main()
+    abort the process ("terminate called without an active exception"). A command ended by
+    Ctrl-C (status 130) ignores a further one while the interpreter exits: it raised
+    ``KeyboardInterrupt`` tracebacks from the exit callbacks ("Exception ignored in atexit
+    callback")."""
+    try:
+        code = main()
+    except SystemExit as exc:  # (train's Ctrl-C: SystemExit(130) once its checkpoint is saved)
+        code = exc.code
+    if code == 130:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     compute = sys.modules.get(f"{__package__}.compute")  # (not imported: nothing ran there; nor is torch loaded)
     if compute is not None and compute.busy():
         sys.stdout.flush()

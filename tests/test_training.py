@@ -2139,3 +2139,56 @@ def test_the_default_mlp_width_of_a_drafter_for_an_all_expert_target_is_what_a_t
     cfg = TrainConfig(target="t", data=["d"], out="o", num_layers=1)
     for target, width in ((gpt_oss, 2 * 24), (qwen3_moe, 2 * 32), ({**qwen3_moe, "mlp_only_layers": [0]}, 128)):
         assert make_drafter_config(TargetConfig.from_dict(target), cfg, 1).intermediate_size == width, target
+
+
+_CTRL_C_THRICE = r'''
+import atexit, os, signal, sys, time
+import torch
+import dflash_torch.training.trainer as trainer
+from dflash_torch.cli import entry
+
+calls, loss, save = [], trainer.batch_loss, torch.save
+
+def batch_loss(*args, **kwargs):  # Ctrl-C while training (the third step)
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+    return loss(*args, **kwargs)
+
+def saving(obj, path, *args, **kwargs):  # and again while the checkpoint is saved
+    if str(path).endswith("checkpoint.tmp"):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+    return save(obj, path, *args, **kwargs)
+
+def at_exit():  # and once more while the interpreter exits (run before torch's own exit callbacks)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)
+
+trainer.batch_loss, torch.save = batch_loss, saving
+atexit.register(at_exit)
+sys.argv = ["dflash-torch", *sys.argv[1:]]
+entry()
+'''
+
+
+def test_ctrl_c_again_while_train_saves_and_exits_ends_quietly(tiny_pair, tmp_path):
+    """A second Ctrl-C while train saved its checkpoint on the first (or while the process
+    exited) printed "Exception ignored in atexit callback ... KeyboardInterrupt" with a
+    traceback (trial-127): the save goes on whole and the process ends with 130, quietly."""
+    import os
+    import subprocess
+    import sys
+
+    target, _ = tiny_pair
+    data = _jsonl(tmp_path / "d.jsonl")
+    out = tmp_path / "out"
+    args = ["train", "--target", str(target), "--data", str(data), "--out", str(out), "--steps", "50", "--batch", "2",
+            "--seq-len", "64", "--block-size", "8", "--num-layers", "1", "--val-seqs", "0", "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", _CTRL_C_THRICE, *args], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 130, run.stderr
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr
+    assert "interrupted: checkpoint of step 2 saved to" in run.stderr.strip().splitlines()[-1], run.stderr
+    assert torch.load(out / "train_work" / "checkpoint.pt", weights_only=False)["step"] == 2

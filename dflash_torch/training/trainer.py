@@ -987,7 +987,13 @@ class Trainer:
                 bar.update(1)
         except KeyboardInterrupt:  # Ctrl-C: keep what was trained
             bar.close()
-            save_checkpoint()
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # (a second Ctrl-C: the save
+            try:                                                                       # goes on, whole)
+                save_checkpoint()
+            finally:
+                if main:
+                    signal.signal(signal.SIGINT, previous)
             self.log(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with --resume")
             raise SystemExit(130) from None
         bar.close()
