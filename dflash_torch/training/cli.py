@@ -37,14 +37,14 @@ def register(sub) -> None:
                     "and a candidate selector, plus the selector loss), and save it in the published checkpoint format. "
                     "Training runs on the CPU: the target is loaded in float32 (about 4 bytes a parameter of RAM, "
                     "e.g. 32 GB for an 8B target; a target whose float32 weights exceed the available memory is "
-                    "refused before it loads), the drafter trains there too.",
+                    "refused before it loads); the drafter trains there too.",
     )
     d = TrainConfig.__dataclass_fields__
     p.add_argument("--target", required=True, help="target checkpoint dir or cached HF id")
     p.add_argument("--data", required=True, nargs="+", help="text files (a document each), JSONL or .json files of {'text'} / {'messages'} "
                         "records (a .json: an array of them, one, or JSON Lines), or directories (every non-hidden file "
                         "below them as above; there, a .json file that is not records, e.g. a package.json, is a text document, "
-                        "and a file that is not UTF-8 text is skipped)")
+                        "a file that is not UTF-8 text is skipped, and this run's --out and --work-dir are left out)")
     p.add_argument("--out", required=True, help="output drafter directory (config.json + model.safetensors)")
     p.add_argument("--work-dir", default=None, help="data cache and resumable checkpoint (default: OUT/train_work)")
     p.add_argument("--arch", choices=ARCHS, default=d["arch"].default,

@@ -779,8 +779,9 @@ class Trainer:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        for file, _ in corpus_files(cfg.data, cfg.own_dirs()):  # (a missing or unreadable --data path: an error before the target
-            try:                                 # loads, not after its log lines)
+        # (a missing or unreadable --data path: an error before the target loads, not after its log lines)
+        for file, _ in corpus_files(cfg.data, cfg.own_dirs()):
+            try:
                 open(file, "rb").close()
             except OSError as exc:
                 raise DFlashError(f"cannot read {file}: {exc.strerror or exc}") from None
