@@ -1022,3 +1022,13 @@ def assert_same_weights(mine: dict, theirs: dict, *context) -> None:
     assert mine.keys() == theirs.keys()
     for k in mine:
         assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]), (*context, k)
+
+
+# two tools of a chat request (the tool-call parser and forced-call tests)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "hours": {"type": "array"}, "ratio": {"type": ["number", "null"]}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TOOLS = [WEATHER, TIME]

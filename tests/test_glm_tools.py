@@ -17,6 +17,8 @@ from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.serving.tools import (Glm45Parser, glm45_grammar, glm47_grammar, new_reply_parser, parse_reply,
                                         resolve_tool_parser)
 
+from conftest import TOOLS
+
 # small templates that follow GLM's layout: the tools in the system part, the roles as <|user|> /
 # <|assistant|> / <|observation|> (tool results in <tool_response>), an optional <think>...</think>,
 # and each call's arguments as <arg_key> / <arg_value> pairs, a string value as it is, any other as
@@ -49,13 +51,6 @@ GLM47_TEMPLATE = (
 TEMPLATES = {"glm45": GLM45_TEMPLATE, "glm47": GLM47_TEMPLATE}
 GRAMMARS = {"glm45": glm45_grammar, "glm47": glm47_grammar}
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
-        "hours": {"type": "array"}, "ratio": {"type": ["number", "null"]}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-TOOLS = [WEATHER, TIME]
 
 GLM45 = ("\n<think>Need both.</think>\nLet me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
          "<arg_value>New York</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>metric</arg_key>\n"

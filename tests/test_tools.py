@@ -19,13 +19,8 @@ from transformers import AutoTokenizer
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.serving.tools import new_reply_parser, parse_reply, resolve_tool_parser
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
-        "hours": {"type": "array"}, "ratio": {"type": ["number", "null"]}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-TOOLS = [WEATHER, TIME]
+from conftest import TIME, TOOLS
+
 
 
 def _tool(parameters) -> dict:

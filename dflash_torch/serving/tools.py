@@ -926,6 +926,17 @@ def _check_coder_name(name: str, what: str) -> None:
                           "(it is empty or holds '>' or a newline)")
 
 
+def _call_parameters(fn: dict) -> tuple[dict, list[tuple[str, dict, bool]]]:
+    """A function's ``parameters`` schema (``{}`` where it has none) and the keys its calls
+    write, in order: ``(key, schema, required)`` for its ``properties``, then for the
+    ``required`` keys they do not describe (schema ``{}``: any text)."""
+    params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    required = params.get("required") if isinstance(params.get("required"), list) else []
+    extra = {key: {} for key in required if isinstance(key, str) and key not in props}
+    return params, [(key, schema, key in required) for key, schema in {**props, **extra}.items()]
+
+
 def qwen3_coder_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
                         reasoning: str | None = None, think_tokens: tuple[int | None, int | None] = (None, None),
                         call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
@@ -944,17 +955,13 @@ def qwen3_coder_grammar(tools: list[dict], name: str | None = None, parallel: bo
     call_open, call_close = (text_or_token(text, token) for text, token in zip((CALL_OPEN, CALL_CLOSE), call_tokens))
     for i, fn in enumerate(_called_functions(tools, name)):
         _check_coder_name(fn["name"], "function name")
-        params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
-        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-        required = params.get("required") if isinstance(params.get("required"), list) else []
+        params, keys = _call_parameters(fn)
         parts = []
-        # (a required key the properties do not describe: any text)
-        extra = {key: {} for key in required if isinstance(key, str) and key not in props}
-        for j, (key, schema) in enumerate({**props, **extra}.items()):
+        for j, (key, schema, required) in enumerate(keys):
             _check_coder_name(key, f"parameter name of {fn['name']!r}")
             value = _coder_value(schema, f"value_{i}_{j}", rules, params)
             rules.append(f"parameter_{i}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {value}\n")
-            parts.append(f"parameter_{i}_{j}" + ("" if key in required else "?"))
+            parts.append(f"parameter_{i}_{j}" + ("" if required else "?"))
         head = json.dumps(f"\n<function={fn['name']}>\n")
         alternatives.append(" ".join([call_open, head, *parts, json.dumps("</function>\n"), call_close]))
     return _calls_grammar(alternatives, rules, name is not None or not parallel, reasoning, think_tokens)
@@ -1015,17 +1022,14 @@ def _glm_grammar(tools: list[dict], name: str | None, parallel: bool, reasoning:
     newline = f" {json.dumps(line)}" if line else ""
     for i, fn in enumerate(_called_functions(tools, name)):
         _check_glm_name(fn["name"], "function name")
-        params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
-        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-        required = params.get("required") if isinstance(params.get("required"), list) else []
+        params, keys = _call_parameters(fn)
         parts = []
-        extra = {key: {} for key in required if isinstance(key, str) and key not in props}
-        for j, (key, schema) in enumerate({**props, **extra}.items()):
+        for j, (key, schema, required) in enumerate(keys):
             _check_glm_name(key, f"parameter name of {fn['name']!r}")
             value = _glm_value(schema, f"value_{i}_{j}", rules, params, tokens[GLM_VALUE_CLOSE])
             head = f"{key_open} {json.dumps(key, ensure_ascii=False)} {key_close}{newline} {value_open}"
             rules.append(f"parameter_{i}_{j}: {head} {value}{newline}\n")
-            parts.append(f"parameter_{i}_{j}" + ("" if key in required else "?"))
+            parts.append(f"parameter_{i}_{j}" + ("" if required else "?"))
         head = json.dumps(fn["name"] + line, ensure_ascii=False)
         alternatives.append(" ".join([call_open, head, *parts, call_close]))
     # (GLM-4.5 / 4.6 begin a reply with a newline: the template writes one before a reasoning or a call)
