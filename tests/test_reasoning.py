@@ -144,6 +144,11 @@ def test_server_splits_reasoning_from_content_streamed_and_not(thinking_pair, tm
                 if delta is not None and getattr(delta, key, None):
                     parts[key].append(getattr(delta, key))
         assert ("".join(parts["reasoning_content"]), "".join(parts["content"])) == (reasoning, answer)
+        # a reply cut inside its reasoning has no answer: content null, as vLLM's and as streamed (it was "")
+        first = engine.generate(messages, max_new_tokens=1, ignore_eos=True).text
+        assert first and "</think>" not in first
+        msg = client.chat.completions.create(**{**kw, "max_tokens": 1}).choices[0].message
+        assert (msg.reasoning_content, msg.content) == (first, None)
         # completions are not chat replies: raw text
         text = client.completions.create(model=model, prompt=engine.decode(engine.encode_prompt(messages)),
                                          max_tokens=40, temperature=0, extra_body={"ignore_eos": True}).choices[0].text

@@ -1002,8 +1002,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 if parsers is not None:
                     reasoning_text, message["content"], calls = parse_reply(parsers[i], content, finish == "stop")
                     message["reasoning_content"] = reasoning_text or None
-                    if calls:
+                    if calls or reasoning_text:  # (an answer of nothing beside them: null, as vLLM's and as streamed)
                         message["content"] = message["content"] or None
+                    if calls:
                         message["tool_calls"] = [call.to_openai() for call in calls]
                         finish = "tool_calls" if finish == "stop" else finish
                 choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
