@@ -1604,14 +1604,16 @@ class _Arguments(dict):
 def _call_arguments(arguments, message: int, call: int) -> dict:
     """A tool call's arguments as a dict: a dict, or a JSON object's text (an
     :class:`_Arguments` that keeps it); ``""`` and None are ``{}`` (a call without
-    arguments, as vLLM takes them)."""
+    arguments, as vLLM takes them). Strict JSON: NaN and Infinity are refused (as is a
+    dict holding a float NaN or infinity); a number beyond a float's range in the text is
+    taken."""
     if arguments is None or arguments == "":
         return {}
     text = None
     if isinstance(arguments, str):
         text = arguments
         try:
-            arguments = json.loads(arguments)
+            arguments = options.strict_json(arguments)
         except ValueError as exc:
             raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
                               f"not valid JSON ({exc})") from None
@@ -1621,6 +1623,9 @@ def _call_arguments(arguments, message: int, call: int) -> dict:
     if not isinstance(arguments, dict):
         raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
                           f"got {options.json_type(arguments)}")
+    if text is None and options.non_finite(arguments):  # (text: 1e400 is valid JSON, NaN was refused above)
+        raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
+                          "holds NaN or infinity, which JSON has not")
     return _Arguments(arguments, text) if text is not None else arguments
 
 

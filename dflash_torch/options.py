@@ -13,6 +13,8 @@ see :func:`dflash_torch.cli.main`).
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from typing import Sequence
 
@@ -41,6 +43,34 @@ def plain(value):
     if isinstance(value, dict):
         return {plain(k): plain(v) for k, v in value.items()}
     return value
+
+
+def strict_json(text: str):
+    """``json.loads`` of ``text`` as strict JSON: ``NaN``, ``Infinity`` and ``-Infinity``
+    (which Python's parser takes, JSON has not) are refused; a number beyond a float's
+    range (``1e400``, valid JSON) is read as Python reads it.
+
+    Raises:
+        ValueError: text that is not JSON (RecursionError: nested too deeply to read)."""
+    def constant(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=constant)
+
+
+def non_finite(value) -> bool:
+    """Whether ``value`` (a dict or list, walked without recursion) holds a float NaN or
+    infinity, which JSON cannot write (``json.dumps`` writes ``NaN`` / ``Infinity``)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return True
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return False
 
 
 def json_type(value) -> str:

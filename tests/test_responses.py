@@ -243,7 +243,8 @@ def test_a_function_call_item_with_empty_arguments_is_a_call_without_arguments(s
                                     temperature=0, max_output_tokens=1)
         assert r.usage.input_tokens == len(_oracle(tok, history, tools=CHAT_TOOLS)), item
     for bad, words in (("{oops", "not valid JSON"), ("[1]", "must be a JSON object's text, got an array"),
-                       ("null", "got null"), ("5", "got a number"), ('"s"', "got a string"), ("true", "got a boolean")):
+                       ("null", "got null"), ("5", "got a number"), ('"s"', "got a string"), ("true", "got a boolean"),
+                       ('{"a": NaN}', "NaN is not JSON")):  # (strict JSON: trial-134)
         with pytest.raises(openai.BadRequestError) as err:
             client.responses.create(model=model, input=TOOL_MESSAGES + [{**turn[0], "arguments": bad}, turn[1]],
                                     tools=flat(CHAT_TOOLS), max_output_tokens=1)

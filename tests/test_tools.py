@@ -357,6 +357,13 @@ def test_content_parts_are_joined_as_the_server_joins_them(local_engine):
       for text, words in (("null", "null"), ("[]", "an array"), ('"s"', "a string"), ("true", "a boolean"))],
     ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]}], {},
      r"^tool call arguments must be a JSON object: message 0, call 0: got an array$"),
+    # (strict JSON, as the reply parsers read it: trial-134 rendered NaN)
+    *[([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": text}}]}], {},
+       rf"^tool call arguments must be a JSON object: message 0, call 0: not valid JSON \({name} is not JSON\)$")
+      for text, name in (('{"a": NaN}', "NaN"), ('{"a": [-Infinity]}', "-Infinity"), ('{"a": Infinity}', "Infinity"))],
+    *[([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": [number]}}}]}], {},
+       r"^tool call arguments must be a JSON object: message 0, call 0: holds NaN or infinity, which JSON has not$")
+      for number in (float("nan"), float("inf"), float("-inf"))],
     ([{"role": "assistant", "tool_calls": [{"name": "f"}]}], {}, r"^chat messages need tool_calls as a list"),
     ([{"role": "assistant", "content": None}], {}, r"^chat messages must be a list of"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
@@ -447,6 +454,9 @@ def test_a_template_that_joins_the_arguments_to_a_string_gets_their_text(local_e
     spaced = [{**m, "tool_calls": [{"function": {"name": "get_time", "arguments": ' {"a" :  "é"} '}}]}
               if m.get("tool_calls") else m for m in CONVERSATION]
     assert local_engine.encode_prompt(spaced) == _oracle(tok, spaced)  # (kept as written)
+    big = [{**m, "tool_calls": [{"function": {"name": "get_time", "arguments": '{"a": 1e400}'}}]}
+           if m.get("tool_calls") else m for m in CONVERSATION]  # (valid JSON, taken; NaN is not: above)
+    assert '<|sep|>{"a": 1e400}<|end|>' in tok.decode(local_engine.encode_prompt(big))
     dicts = _with_dict_arguments(CONVERSATION)
     compact = _oracle(tok, _with_text_arguments(dicts, separators=(",", ":"), ensure_ascii=False), tools=TOOLS)
     assert local_engine.encode_prompt(dicts, tools=TOOLS) == compact
@@ -727,6 +737,22 @@ def test_server_refuses_calls_whose_arguments_are_not_json_objects(server):
     with pytest.raises(openai.BadRequestError) as err:  # (not a 500)
         client.chat.completions.create(model=model, messages=deep, tools=TOOLS)
     assert err.value.body["param"] == where and "nested too deeply" in err.value.body["message"]
+    for arguments in ('{"a": NaN}', '{"a": {"b": Infinity}}'):  # (strict JSON: trial-134 rendered NaN)
+        strict = MESSAGES + [{"role": "assistant", "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": arguments}}]}]
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model, messages=strict, tools=TOOLS)
+        assert err.value.body["param"] == where and "is not JSON" in err.value.body["message"]
+    import httpx
+    import test_server
+
+    body = {"model": model, "tools": TOOLS, "messages": MESSAGES + [{"role": "assistant", "tool_calls": [  # (raw body:
+        {"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": {"a": None}}}]}]}  # NaN)
+    text = json.dumps(body).replace('"a": null', '"a": NaN')
+    reply = httpx.post(f"{server.base}/v1/chat/completions", content=text, timeout=60,
+                       headers={"content-type": "application/json", "Authorization": f"Bearer {test_server.API_KEY}"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == where, reply.text
+    assert "holds NaN or Infinity" in reply.json()["error"]["message"]
     listed = MESSAGES + [{"role": "assistant", "tool_calls": [
         {"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
         {"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "[1]"}}]}]

@@ -27,14 +27,13 @@ JSON constraint; with another one it has nothing to do.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError, field_validator, model_validator)
 
-from ..options import json_type
+from ..options import json_type, non_finite, strict_json
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
@@ -380,7 +379,12 @@ class FunctionCall(BaseModel):
             return {}
         if isinstance(arguments, str):
             check_json_object(arguments)
+        elif non_finite(arguments):  # (a body's NaN / Infinity: Python's parser takes them)
+            raise ValueError(NON_FINITE)
         return arguments
+
+
+NON_FINITE = "must be a JSON object: it holds NaN or Infinity, which JSON has not"
 
 
 def check_json_object(text: str) -> None:
@@ -389,7 +393,7 @@ def check_json_object(text: str) -> None:
     Raises:
         ValueError: it is not, in words that follow the field's name."""
     try:
-        value = json.loads(text)
+        value = strict_json(text)
     except ValueError as exc:
         raise ValueError(f"must be a JSON object's text: not valid JSON ({exc})") from None
     except RecursionError:
