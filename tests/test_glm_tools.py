@@ -259,3 +259,34 @@ def test_forced_calls_are_written_as_glm_writes_them(kind, markers, tmp_path, to
             # (GLM-4.5 / 4.6's template writes a newline before the calls: the model may write it, or not)
             newline = "\n" if kind == "glm45" and not want.text.startswith("\n") else ""
             assert rendered == prompt + newline + want.text, (rendered[len(prompt):], want.text)
+
+
+@pytest.mark.parametrize("kind", ["glm45", "glm47"])
+def test_a_required_parameter_with_an_empty_enum_cannot_be_forced(kind, tokenizer_dir):
+    """``"enum": []`` allows no value: a required parameter's forced call is refused (its
+    grammar took any text until max_tokens, trial-134), untyped, a string or through a
+    ``$ref``; an optional one is left out of the call (as hermes' JSON schema leaves it)."""
+    from llguidance import LLMatcher
+
+    from conftest import EOS_ID
+    from dflash_torch.structured import GrammarCompiler
+
+    def tool(e: dict, required: list[str]) -> list[dict]:
+        return [{"type": "function", "function": {"name": "pick", "parameters": {
+            "type": "object", "properties": {"e": e, "n": {"type": "integer"}}, "required": required,
+            "$defs": {"none": {"enum": []}}}}}]
+
+    for e in ({"enum": []}, {"type": "string", "enum": []}, {"type": "integer", "enum": []}, {"$ref": "#/$defs/none"}):
+        with pytest.raises(DFlashError, match=r"^tools function 'pick': its required parameter 'e' allows no value "
+                                              r"\(an empty enum\), so no call can be written$"):
+            GRAMMARS[kind](tool(e, ["e"]), "pick")
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    llg = GrammarCompiler(tok, len(tok), [EOS_ID]).tokenizer()
+    grammar = GRAMMARS[kind](tool({"enum": []}, ["n"]), "pick")
+    user = [{"role": "user", "content": "hi"}]
+    prompt = _render(tok, TEMPLATES[kind], user, add_generation_prompt=True, enable_thinking=False)
+    for args, ok in (({"n": 1}, True), ({"e": "x", "n": 1}, False), ({"n": 1, "e": "x"}, False)):
+        text = _render(tok, TEMPLATES[kind], user + [_assistant([("pick", args)])], enable_thinking=False)
+        m = LLMatcher(llg, LLMatcher.grammar_from_lark(grammar))
+        tokens = tok.encode(text[len(prompt):].removeprefix("\n"), add_special_tokens=False)
+        assert (all(m.consume_token(t) for t in tokens) and m.is_accepting()) == ok, args

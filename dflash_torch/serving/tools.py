@@ -929,12 +929,26 @@ def _check_coder_name(name: str, what: str) -> None:
 def _call_parameters(fn: dict) -> tuple[dict, list[tuple[str, dict, bool]]]:
     """A function's ``parameters`` schema (``{}`` where it has none) and the keys its calls
     write, in order: ``(key, schema, required)`` for its ``properties``, then for the
-    ``required`` keys they do not describe (schema ``{}``: any text)."""
+    ``required`` keys they do not describe (schema ``{}``: any text). A property whose
+    schema (or the definition its ``$ref`` names) is ``"enum": []`` allows no value: an
+    optional one is left out (no call writes it, as hermes' JSON schema leaves it out).
+
+    Raises:
+        DFlashError: a required property that allows no value (no call can be written)."""
     params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
     props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
     required = params.get("required") if isinstance(params.get("required"), list) else []
     extra = {key: {} for key in required if isinstance(key, str) and key not in props}
-    return params, [(key, schema, key in required) for key, schema in {**props, **extra}.items()]
+    keys = []
+    for key, schema in {**props, **extra}.items():
+        resolved = _resolve(schema, params)
+        if isinstance(resolved, dict) and resolved.get("enum") == []:
+            if key in required:
+                raise DFlashError(f"tools function {fn['name']!r}: its required parameter {key!r} allows no value "
+                                  "(an empty enum), so no call can be written")
+            continue
+        keys.append((key, schema, key in required))
+    return params, keys
 
 
 def qwen3_coder_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
@@ -950,7 +964,8 @@ def qwen3_coder_grammar(tools: list[dict], name: str | None = None, parallel: bo
 
     Raises:
         DFlashError: ``tools`` has no function (named ``name``), or a function or parameter
-            name the format cannot write (:func:`_check_coder_name`)."""
+            name the format cannot write (:func:`_check_coder_name`), or a required parameter that
+            allows no value (``"enum": []``: :func:`_call_parameters`)."""
     rules, alternatives = [], []
     call_open, call_close = (text_or_token(text, token) for text, token in zip((CALL_OPEN, CALL_CLOSE), call_tokens))
     for i, fn in enumerate(_called_functions(tools, name)):
@@ -1053,7 +1068,8 @@ def glm45_grammar(tools: list[dict], name: str | None = None, parallel: bool = T
 
     Raises:
         DFlashError: ``tools`` has no function (named ``name``), or a function or parameter
-            name the format cannot write (:func:`_check_glm_name`)."""
+            name the format cannot write (:func:`_check_glm_name`), or a required parameter that
+            allows no value (``"enum": []``: :func:`_call_parameters`)."""
     return _glm_grammar(tools, name, parallel, reasoning, think_tokens, call_tokens, compact=False)
 
 
