@@ -1701,8 +1701,8 @@ def test_a_ctrl_c_while_the_data_is_prepared_is_said_and_leaves_no_empty_dirs(ti
 
 def test_a_run_refused_before_its_data_is_prepared_removes_the_dirs_it_made_only(tiny_pair, tmp_path, capsys):
     """"too little training data" left the --out it made behind, holding train_work/data-*.pt
-    (trial-118): a run that fails before its data is prepared removes the directories it
-    made, whole, as a Ctrl-C then does; directories that were there stay, with their files."""
+    (trial-118): a run refused for too little data removes the data cache it wrote, then the
+    directories it made, now empty; directories that were there stay, with their files."""
     from dflash_torch.cli import main as cli_main
 
     target, _ = tiny_pair
@@ -1721,7 +1721,45 @@ def test_a_run_refused_before_its_data_is_prepared_removes_the_dirs_it_made_only
         assert err[-1].startswith("dflash-torch: error: too little training data"), err
     assert not any((tmp_path / name).exists() for name in "acd")
     assert sorted(f.name for f in kept.iterdir()) == ["mine.txt"]  # (its train_work, made by the run, is gone)
-    assert (work / "mine.txt").read_text() == "the user's" and any(work.glob("data-*.pt"))  # (the user's work dir)
+    assert sorted(f.name for f in work.iterdir()) == ["mine.txt"]  # (the user's work dir, without the run's cache)
+
+
+def test_a_stopped_run_removes_no_file_another_run_wrote_into_a_directory_it_made(tiny_pair, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """A run that stops removed the directories it made whole, with what another run wrote
+    there meanwhile (trial-136: two runs under one new parent, the first stopped while it
+    prepared its data, deleted the second's finished drafter): it removes only its own data
+    cache and the directories it made that are then empty. And a --data directory that is
+    this run's --out or --work-dir is refused (the drafter's own files were read as data)."""
+    import dflash_torch.training.trainer as trainer
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    data = tmp_path / "tiny.txt"
+    data.write_text("ab")
+    other = tmp_path / "runs" / "b" / "config.json"
+    check = trainer.check_data_size
+
+    def another_run_saves_meanwhile(*args, **kwargs):
+        other.parent.mkdir(parents=True)
+        other.write_text("{}")  # (another run's drafter, saved while this one prepared its data)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "check_data_size", another_run_saves_meanwhile)
+    args = ["train", "--target", str(target), "--data", str(data), "--steps", "2", "--batch", "2", "--seq-len", "64",
+            "--no-progress"]
+    assert cli_main([*args, "--out", str(tmp_path / "runs" / "a")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("dflash-torch: error: too little training data")
+    assert other.read_text() == "{}" and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["b"]
+    monkeypatch.setattr(trainer, "check_data_size", check)
+    (tmp_path / "own").mkdir()
+    for extra in (["--out", str(tmp_path / "own")], ["--out", str(tmp_path / "x"), "--work-dir", str(tmp_path / "own")]):
+        args_own = ["train", "--target", str(target), "--data", str(tmp_path / "own"), *extra, "--no-progress"]
+        assert cli_main(args_own) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        name = "--out" if extra[1].endswith("own") else "--work-dir"
+        assert err == [f"dflash-torch: error: --data {tmp_path / 'own'} is this run's {name}: the drafter's own files "
+                       "would be read as data; put the data in a directory of its own"], err
 
 
 def test_training_that_diverges_stops_with_one_line_and_writes_no_drafter(tiny_pair, tmp_path, capsys):

@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import math
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -172,6 +171,11 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
             if source is not None and os.path.realpath(out) == os.path.realpath(source):
                 raise DFlashError(f"--out {args.out} is {whose}; give the drafter its own directory")
     work = cfg.work_path()
+    own = {os.path.realpath(work): "--work-dir", os.path.realpath(out): "--out"}
+    for given in args.data:  # (one below them is read without them: read_corpus leaves them out)
+        if os.path.realpath(given) in own:
+            raise DFlashError(f"--data {given} is this run's {own[os.path.realpath(given)]}: the drafter's own files "
+                              "would be read as data; put the data in a directory of its own")
     if not (args.overwrite or args.resume):
         if (work / CHECKPOINT).exists():
             raise DFlashError(f"{work} holds a training checkpoint: pass --resume to continue it or --overwrite to start over")
@@ -204,21 +208,15 @@ def _train(args: argparse.Namespace) -> int:
     )
     from ..cli import missing_dirs
 
-    # the directories this run makes (_check makes them): a run that stops before its data is prepared (a refusal,
-    # too little data, a Ctrl-C) removes them whole, as nothing in them is worth keeping; one that stops later
-    # keeps them (the prepared data, a checkpoint to --resume), removing only those still empty
+    # the directories this run makes (_check makes them): a run that stops removes those still empty, deepest
+    # first (one refused for too little data removes its data cache first: prepare_data); never a file, which
+    # may be another run's written meanwhile into a directory this one made (a shared new parent or work dir)
     made = sorted(set(missing_dirs(cfg.work_path())) | set(missing_dirs(Path(args.out))),
                   key=lambda p: len(p.parts), reverse=True)
-    trainer = None
     try:
         _check(args, cfg)
-        trainer = Trainer(cfg)
-        trainer.run()
+        Trainer(cfg).run()
     except BaseException:
-        if not args.resume and (trainer is None or not trainer.data_prepared):
-            for path in reversed(made):  # (the outermost first)
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path, ignore_errors=True)
         for path in made:  # (the deepest first)
             with contextlib.suppress(OSError):
                 path.rmdir()

@@ -661,6 +661,7 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
     work = cfg.work_path()
     cache = work / f"data-{data_key(cfg, target_dir)}.pt"
     blob = _load_data_cache(cache, log) if cache.is_file() else None
+    written = blob is None  # (this run writes the cache)
     if blob is not None:
         log(f"data: loaded {cache}")
         for line in blob["notes"]:  # (what the run that made it said about the data)
@@ -683,9 +684,14 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
     chat = [Example(i, m) for i, m in blob["chat"]]
     distilled = [Example(i, m) for i, m in blob["distilled"]]
     stats = blob["stats"]
-    check_data_size(cfg, stream.numel(), len(chat), len(distilled),
-                    no_turn=stats["conversations_without_assistant_turn"],
-                    past_seq_len=stats["conversations_reply_past_seq_len"])
+    try:
+        check_data_size(cfg, stream.numel(), len(chat), len(distilled),
+                        no_turn=stats["conversations_without_assistant_turn"],
+                        past_seq_len=stats["conversations_reply_past_seq_len"])
+    except DFlashError:
+        if written:  # (this run's cache of data too small to train on: nothing to keep)
+            cache.unlink(missing_ok=True)
+        raise
     kind, counts = eval_kind(cfg, stream, chat, distilled)
     stream, chat, distilled, val_rows = split_eval(cfg, stream, chat, distilled)
     if cfg.val_seqs and len(val_rows) < cfg.val_seqs:  # (split_eval's caps; it said so only in the log's stats)
@@ -706,9 +712,6 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, log=None):
         self.cfg = cfg
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.data_prepared = False
-        """Whether :meth:`run` got as far as the prepared data (kept in the work dir, as what
-        training writes after it): a run that stops before has nothing worth keeping."""
 
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.autocast else nullcontext()
@@ -859,7 +862,6 @@ class Trainer:
                          "training goes on with the new values")
 
         data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log)
-        self.data_prepared = True
         self.log(f"data: {data_stats}")
         self._interrupt_note = f"before training began: no step was trained (the prepared data is kept in {cfg.work_path()})"
 
