@@ -623,7 +623,9 @@ def test_conversations_without_a_reply_in_seq_len_are_left_out_and_whole_ones_wa
 
 def test_too_little_chat_data_whose_replies_lie_past_seq_len_says_to_raise_it_also_from_the_cache(tiny_pair, tmp_path):
     """(trial C: the error said to lower --seq-len, and a second run, from the data cache,
-    did not say that conversations were left out at all)"""
+    did not say that conversations were left out at all; a refused run now removes the cache
+    it wrote of data too small to train on, so the second run reads the data again and says
+    the same)"""
     from dflash_torch.training.trainer import prepare_data
 
     target_dir, _ = tiny_pair
@@ -631,7 +633,7 @@ def test_too_little_chat_data_whose_replies_lie_past_seq_len_says_to_raise_it_al
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "word " * 40},
                                                       {"role": "assistant", "content": "ok"}]}) + "\n" for _ in range(3)))
     cfg = _cfg(tmp_path, target_dir, data, val_seqs=0, batch=2, seq_len=16)
-    for run in ("tokenized", "from the cache"):
+    for run in ("tokenized", "again"):
         lines = []
         with pytest.raises(DFlashError) as err:
             prepare_data(cfg, Path(target_dir), _tok(target_dir), lines.append)
@@ -639,7 +641,7 @@ def test_too_little_chat_data_whose_replies_lie_past_seq_len_says_to_raise_it_al
         assert "0 chat conversations (left out: 3 with no assistant reply within --seq-len 16 tokens)" in msg, (run, msg)
         assert "raise --seq-len" in msg and "lower --batch or --seq-len" not in msg, (run, msg)
         assert "data: 3 conversations have no assistant reply within --seq-len 16 tokens; left out" in lines, (run, lines)
-    assert lines[0].startswith("data: loaded ")
+        assert not lines[0].startswith("data: loaded ") and not list(cfg.work_path().glob("data-*")), (run, lines)
 
 
 def test_conversations_without_an_assistant_turn_are_left_out_and_said(tiny_pair, tmp_path):
