@@ -808,6 +808,18 @@ _CODER_TEXT = "/(?s:.*)\\n<\\/parameter>\\n/"
 _CODER_VALUE_END = json.dumps("\n</parameter>\n")
 
 
+def _json_value_schema(schema: dict, root: dict) -> dict:
+    """A parameter's ``schema`` as the ``%json`` of a forced call's typed value: with the JSON
+    options of hermes' calls, then the tool's own (its ``parameters``' ``x-guidance``), then
+    the property's, and the tool's ``$defs`` / ``definitions`` (which a ``$ref`` inside names)."""
+    own = [g for g in (root.get("x-guidance"), schema.get("x-guidance")) if isinstance(g, dict)]
+    typed = {**schema, "x-guidance": {k: v for g in [HERMES_JSON_OPTIONS, *own] for k, v in g.items()}}
+    for key in ("$defs", "definitions"):
+        if isinstance(root.get(key), dict) and key not in typed:
+            typed[key] = root[key]
+    return typed
+
+
 def _coder_value(schema, rule: str, rules: list[str], root: dict) -> str:
     """The Lark expression of one ``qwen3_coder`` parameter's value and its closing
     ``\\n</parameter>\\n``, as :meth:`Qwen3CoderParser.convert` reads it back valid under
@@ -828,14 +840,9 @@ def _coder_value(schema, rule: str, rules: list[str], root: dict) -> str:
     if types is None or "string" in types:
         rules.append(f"{rule}[lazy]: {_CODER_TEXT}\n")
         return rule
-    # the JSON options: as hermes', then the tool's own (its parameters' x-guidance), then the property's
-    own = [g for g in (root.get("x-guidance"), schema.get("x-guidance")) if isinstance(g, dict)]
-    typed = {**schema, "x-guidance": {k: v for g in [HERMES_JSON_OPTIONS, *own] for k, v in g.items()}}
-    for key in ("$defs", "definitions"):  # (a $ref inside names the tool's definitions)
-        if isinstance(root.get(key), dict) and key not in typed:
-            typed[key] = root[key]
     words = (["None"] if "null" in types else []) + (["True", "False"] if "boolean" in types else [])
-    rules.append(f"{rule}: %json {json.dumps(typed)}" + "".join(f" | {json.dumps(w)}" for w in words) + "\n")
+    rules.append(f"{rule}: %json {json.dumps(_json_value_schema(schema, root))}"
+                 + "".join(f" | {json.dumps(w)}" for w in words) + "\n")
     return f"{rule} {_CODER_VALUE_END}"
 
 
@@ -1008,12 +1015,7 @@ def _glm_value(schema, rule: str, rules: list[str], root: dict, close_token: int
             rules.append(f"{rule}: {rule}_end | {rule}_text <[{int(close_token)}]>\n{rule}_end[lazy]: {_GLM_TEXT}\n"
                          f"{rule}_text: /(?s:.*)/\n")
         return rule
-    own = [g for g in (root.get("x-guidance"), schema.get("x-guidance")) if isinstance(g, dict)]
-    typed = {**schema, "x-guidance": {k: v for g in [HERMES_JSON_OPTIONS, *own] for k, v in g.items()}}
-    for key in ("$defs", "definitions"):
-        if isinstance(root.get(key), dict) and key not in typed:
-            typed[key] = root[key]
-    rules.append(f"{rule}: %json {json.dumps(typed)}\n")
+    rules.append(f"{rule}: %json {json.dumps(_json_value_schema(schema, root))}\n")
     return f"{rule} {end}"
 
 
