@@ -695,6 +695,35 @@ def test_cors_lets_browsers_call_the_server_and_preflights_need_no_key(server):
     assert httpx.options(f"{server.base}/v1/chat/completions", timeout=30).status_code == 405
 
 
+def test_a_server_bug_is_a_500_a_browser_can_read(local_engine):
+    """A handler that raises is answered with a 500 in OpenAI's error shape that carries the
+    CORS headers (starlette's own 500 answered outside CORS: a browser saw a network error
+    instead of the message); 4xx errors are unchanged. (A route added here raises, for no
+    route of ours is known to.)"""
+    from starlette.testclient import TestClient
+
+    from dflash_torch.serving.app import create_app
+
+    app = create_app(local_engine)
+
+    async def boom():
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/boom", boom)
+    try:
+        client = TestClient(app, raise_server_exceptions=False)
+        r = client.get("/boom", headers={"Origin": "http://app.example"})
+        assert r.status_code == 500 and r.headers["access-control-allow-origin"] == "*", (r.status_code, r.headers)
+        assert r.json()["error"]["type"] == "server_error", r.text
+        assert r.json()["error"]["message"] == "internal server error: RuntimeError", r.text
+        with pytest.raises(RuntimeError, match="a bug"):  # (raised again, for the server to log its traceback)
+            TestClient(app).get("/boom")
+        r = client.get("/v1/nope", headers={"Origin": "http://app.example"})
+        assert r.status_code == 404 and r.headers["access-control-allow-origin"] == "*", r.text
+    finally:
+        app.state.scheduler.close()
+
+
 def test_cors_flags_restrict_origins_methods_and_headers(tiny_pair, tmp_path):
     from test_server_scheduler import _serve
 

@@ -147,6 +147,35 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
     return JSONResponse(error_body(message, type, param, code), status_code=status)
 
 
+class ServerErrorMiddleware:
+    """Pure ASGI middleware: a request whose handler raised before its response started is
+    answered with a 500 in OpenAI's error shape, inside the CORS middleware so that a
+    browser's script can read it (starlette's own 500, outermost, has no CORS headers); the
+    exception is raised again so that the server logs its traceback. A stream that fails
+    after it started is not this middleware's (its error event is the route's)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_wrapper(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:
+            if not started:
+                response = error_response(500, f"internal server error: {type(exc).__name__}", type="server_error")
+                await response(scope, receive, send)
+            raise
+
+
 def _as_responses(exc: APIError, req: ResponsesRequest) -> APIError:
     """An error of the chat machinery serving the Responses request ``req``, with the Responses
     API's parameter names (``text.format`` for ``response_format``, ``input.3.content`` for
@@ -521,6 +550,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     app.state.reasoning_parser, app.state.tool_call_parser = reasoning, tool_calls
     app.state.sampling_defaults = sampling_defaults
     app.add_middleware(MetricsMiddleware, metrics=metrics, endpoints=ENDPOINTS)
+    app.add_middleware(ServerErrorMiddleware)
     # (outermost: a preflight is answered before the routes, whose API key check it does not reach)
     app.add_middleware(CORSMiddleware, **cors)
 
@@ -551,10 +581,6 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         message = {404: f"no such endpoint: {request.method} {request.url.path}",
                    405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
         return error_response(exc.status_code, message, code=code)
-
-    @app.exception_handler(Exception)
-    async def _server_error(request: Request, exc: Exception):
-        return error_response(500, f"internal server error: {type(exc).__name__}", type="server_error")
 
     # ---- helpers ------------------------------------------------------------------------
     def check_auth(request: Request) -> None:
