@@ -492,7 +492,17 @@ def test_prompt_file_errors_name_the_file_and_line(tmp_path):
     f = tmp_path / "p.jsonl"
     for lines, words in [(['{"prompt": "a"}', '{"prompt": ""}'], f"{f}:2: the prompt must be a non-empty string, got ''"),
                          (['{"text": 5}'], f"{f}:1: the prompt must be a non-empty string, got 5"),
-                         (['["a"]'], f"{f}:1: expected a JSON object with a 'prompt' (or 'text') field"),
+                         (['["a"]'], f"{f}:1: expected a JSON object with a 'prompt' (or 'text') field, or 'messages'"),
+                         (['{"messages": []}'], f"{f}:1: 'messages' must be a non-empty list of chat messages "
+                                                '({"role": ..., "content": ...} objects), got []'),
+                         (['{"messages": ["hi"]}'], f"{f}:1: 'messages' must be a non-empty list of chat messages "
+                                                    '({"role": ..., "content": ...} objects), got [\'hi\']'),
+                         (['{"messages": [{"role": "user", "content": "a"}], "text": "a"}'],
+                          f"{f}:1: the object has both 'messages' and a text ('text'); keep one"),
+                         (['{"messages": [{"role": "user", "content": "\\udfff"}]}'],
+                          f"{f}:1: the prompt is not valid Unicode text (a lone surrogate escape)"),
+                         (['{"prompt": "' + "x" * 80 + '", "x": 1}', '{"text": ["' + "y" * 80 + '"]}'],
+                          f"{f}:2: the prompt must be a non-empty string, got ['{'y' * 55}..."),
                          (['{"prompt": "a"}', '{oops'], f"{f}:2: not valid JSON (Expecting property name enclosed in "
                                                         "double quotes)"),
                          (['{"prompt": "a\\ud800"}'], f"{f}:1: the prompt is not valid Unicode text (a lone surrogate escape)"),
@@ -509,8 +519,8 @@ def test_prompt_file_errors_name_the_file_and_line(tmp_path):
     with pytest.raises(DFlashError) as err:
         load_prompts(f, None)
     assert str(err.value) == f"{f}:2: not UTF-8 text (byte 0xe9)"
-    f.write_text('{"prompt": "a"}\n\n{"text": "b"}\n')
-    assert load_prompts(f, None) == ["a", "b"] and load_prompts(f, 1) == ["a"]
+    f.write_text('{"prompt": "a"}\n\n{"text": "b"}\n{"messages": [{"role": "user", "content": "c"}]}\n')
+    assert load_prompts(f, None) == ["a", "b", [{"role": "user", "content": "c"}]] and load_prompts(f, 1) == ["a"]
 
 
 def test_a_prompt_longer_than_the_context_is_one_line(tiny_pair, tmp_path, capsys):

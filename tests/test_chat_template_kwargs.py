@@ -167,6 +167,17 @@ def test_bench_chat_prompts_with_variables(switch_pair, tmp_path, capsys):
     assert report["prompt_tokens"] == [len(_oracle(target_dir, enable_thinking=False))]
     assert report["chat"] is True and report["chat_template_kwargs"] == {"enable_thinking": False}
     assert report["mxfp4"] is None
+    # ({"messages"} prompts are chats without --chat: the same tokens; a template's refusal names the prompt)
+    prompts.write_text(json.dumps({"prompt": "x"}) + "\n" + json.dumps({"messages": MESSAGES}) + "\n")
+    assert cli_main(base + ["--max-new-tokens", "4", "--modes", "target-only", "--sweep", "", "--out",
+                            str(tmp_path / "out"), "--no-progress",
+                            "--chat-template-kwargs", '{"enable_thinking": false}']) == 0
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert report["prompt_tokens"][1] == len(_oracle(target_dir, enable_thinking=False)), report["prompt_tokens"]
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
     capsys.readouterr()
+    assert cli_main(base + ["--out", str(tmp_path / "bad")]) == 2
+    assert capsys.readouterr().err.startswith("dflash-torch: error: prompt 1: chat messages must be a list of ")
+    prompts.write_text(json.dumps({"prompt": MESSAGES[0]["content"]}) + "\n")
     assert cli_main(base + ["--chat-template-kwargs", '{"enable_thinking": false}', "--out", str(tmp_path / "bad")]) == 2
     assert "--chat-template-kwargs apply to chat prompts only: add --chat" in capsys.readouterr().err

@@ -28,7 +28,8 @@ def register(sub) -> None:
 
     p = sub.add_parser("bench", help="benchmark target-only vs DFlash (inject / recompute, eager / compiled)")
     add_model_args(p, decoding=False)  # (bench picks the decoding with --modes)
-    p.add_argument("--prompts", default=None, help="JSONL prompt file, - for stdin (default: the shipped held-out code prompts)")
+    p.add_argument("--prompts", default=None, help="JSONL prompt file of {\"prompt\": text} or {\"messages\": [...]} "
+                   "lines, - for stdin (default: the shipped held-out code prompts)")
     p.add_argument("--chat", action="store_true",
                    help="apply the target tokenizer's chat template to each prompt (as a user message)")
     add_chat_template_kwargs_arg(p, "(with --chat)")
@@ -249,8 +250,6 @@ def _run(args: argparse.Namespace) -> int:
         raise DFlashError("--prompts is empty; give a JSONL prompt file (or leave --prompts out for the shipped prompts)")
     if not args.out.strip():
         raise DFlashError("--out is empty; give an output directory (default bench_out)")
-    if args.chat_template_kwargs is not None and not args.chat:
-        raise DFlashError("--chat-template-kwargs apply to chat prompts only: add --chat")
     device = resolve_device(args.device)  # (both checked again by from_pretrained; here before --out is created)
     dtype = resolve_dtype(args.dtype, device=device)
     asked = args.num_prompts  # (None: not given, the default 16)
@@ -321,6 +320,11 @@ def _run(args: argparse.Namespace) -> int:
         # (the default sweep is skipped quietly for a target timed without a drafter; one asked for is not)
         raise DFlashError("--sweep times the drafter's propose at these context lengths, and this target has no "
                           "--draft: add --draft or drop --sweep")
+    prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl",
+                           16 if asked is None else asked or None)
+    if args.chat_template_kwargs is not None and not args.chat and all(isinstance(p, str) for p in prompts):
+        raise DFlashError("--chat-template-kwargs apply to chat prompts only: add --chat (or give {\"messages\": ...} "
+                          "prompts)")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -335,12 +339,16 @@ def _run(args: argparse.Namespace) -> int:
                                           block_size=args.block_size, mxfp4=args.mxfp4, fp8=args.fp8,
                                           int_weights=args.int_weights, nvfp4=args.nvfp4,
                                           no_draft=args.target is not None and args.draft is None)
-    prompts = load_prompts(Path(args.prompts) if args.prompts else ASSETS / "prompts.jsonl",
-                           16 if asked is None else asked or None)
     if asked and len(prompts) < asked:  # (said where --num-prompts was given)
         print(f"bench: {len(prompts)} prompt{'s' if len(prompts) > 1 else ''} in {args.prompts or 'the shipped set'}, "
               f"fewer than --num-prompts {asked}: timing {len(prompts)}", file=sys.stderr)
-    prompt_ids = [engine.encode_prompt(p, args.chat, args.chat_template_kwargs) for p in prompts]
+    prompt_ids = []
+    for i, prompt in enumerate(prompts):
+        try:  # (chat_template_kwargs apply to the chats only: --chat's, or {"messages"} prompts)
+            chat = args.chat or isinstance(prompt, list)
+            prompt_ids.append(engine.encode_prompt(prompt, args.chat, args.chat_template_kwargs if chat else None))
+        except DFlashError as exc:  # (a message list the template or the checks refuse)
+            raise DFlashError(f"prompt {i + 1}: {exc}") from None
     limit = context_limit(engine.target.config)
     for i, ids in enumerate(prompt_ids):  # (bench caps its caches at the target's context)
         if len(ids) + args.max_new_tokens > limit:

@@ -75,13 +75,21 @@ class ModeResult:
     divergences: list[dict] = field(default_factory=list)
 
 
-def load_prompts(path: Path, limit: int | None) -> list[str]:
-    """Prompts from a JSONL file (objects with a ``prompt`` or ``text`` field); ``-``: stdin.
+def load_prompts(path: Path, limit: int | None) -> list[str | list[dict]]:
+    """Prompts from a JSONL file; ``-``: stdin. Each line is an object with a ``prompt`` or
+    ``text`` field (a string), or a ``messages`` field (a chat: OpenAI's ``[{"role",
+    "content"}, ...]``, which the engine renders with the target's chat template, as
+    :meth:`~dflash_torch.DFlashEngine.encode_prompt` does; the messages themselves are
+    checked there).
+
+    Returns:
+        the prompts, in file order, at most ``limit`` (None: all): strings, and message lists.
 
     Raises:
         DFlashError: a missing or unreadable file, one that is not UTF-8, a line that is not JSON or
-            not an object with a non-empty string ``prompt`` / ``text``, no prompt at all
-            (naming the file and line).
+            not an object with a non-empty string ``prompt`` / ``text`` or a non-empty list of
+            objects ``messages`` (not both kinds), text that is not valid Unicode, no prompt at
+            all (naming the file and line).
     """
     path = Path(path)
     if str(path) == "-":  # (stdin, as Unix tools read "-")
@@ -107,24 +115,39 @@ def load_prompts(path: Path, limit: int | None) -> list[str]:
     for i, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
+        where = f"{path}:{i + 1}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DFlashError(f"{path}:{i + 1}: not valid JSON ({exc.msg})") from None
-        try:
+            raise DFlashError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict) or not {"prompt", "text", "messages"} & obj.keys():
+            raise DFlashError(f"{where}: expected a JSON object with a 'prompt' (or 'text') field, or 'messages'")
+        if "messages" in obj:
+            if {"prompt", "text"} & obj.keys():
+                raise DFlashError(f"{where}: the object has both 'messages' and a text "
+                                  f"({', '.join(repr(k) for k in ('prompt', 'text') if k in obj)}); keep one")
+            prompt = obj["messages"]
+            if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
+                raise DFlashError(f"{where}: 'messages' must be a non-empty list of chat messages "
+                                  f"({{\"role\": ..., \"content\": ...}} objects), got {_short(prompt)}")
+        else:
             prompt = obj["prompt"] if "prompt" in obj else obj["text"]
-        except (KeyError, TypeError):
-            raise DFlashError(f"{path}:{i + 1}: expected a JSON object with a 'prompt' (or 'text') field") from None
-        if not isinstance(prompt, str) or not prompt:
-            raise DFlashError(f"{path}:{i + 1}: the prompt must be a non-empty string, got {prompt!r}")
+            if not isinstance(prompt, str) or not prompt:
+                raise DFlashError(f"{where}: the prompt must be a non-empty string, got {_short(prompt)}")
         try:  # (a JSON escape such as \ud800 decodes to a lone surrogate, which no tokenizer takes)
-            prompt.encode("utf-8")
+            json.dumps(prompt, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            raise DFlashError(f"{path}:{i + 1}: the prompt is not valid Unicode text (a lone surrogate escape)") from None
+            raise DFlashError(f"{where}: the prompt is not valid Unicode text (a lone surrogate escape)") from None
         prompts.append(prompt)
     if not prompts:
         raise DFlashError(f"{path} has no prompts")
     return prompts[:limit] if limit else prompts
+
+
+def _short(value, width: int = 60) -> str:
+    """``repr(value)``, cut to ``width`` characters (for an error message)."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _peak_memory_mb(device: torch.device) -> float:
