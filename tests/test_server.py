@@ -289,6 +289,25 @@ def test_refusal_parts_of_an_assistant_message_are_its_text(server, local_engine
         assert err["param"] == "messages.1.content", err
         assert err["message"] == f"invalid value for messages.1.content: {words}", err
 
+
+def test_an_assistant_messages_refusal_field_is_its_text(server, local_engine):
+    """OpenAI returns a refusal as the message's ``refusal`` with content null; a client that
+    sends that message back keeps its text in the history, as a refusal part's (trial-138: it
+    was dropped without a word, the turn rendered empty). Elsewhere than in an assistant
+    message it is a 400, as a refusal part is."""
+    history = [{"role": "user", "content": "def f(x):"}, None, {"role": "user", "content": "class A:"}]
+    for message, text in (({"role": "assistant", "content": None, "refusal": "I can't help with that."},
+                           "I can't help with that."),
+                          ({"role": "assistant", "content": "  return x", "refusal": "no"}, "  return x\nno")):
+        history[1] = message
+        tokens = server.post("/tokenize", {"model": MODEL, "messages": history}).json()["tokens"]
+        assert tokens == local_engine.encode_prompt([history[0], {"role": "assistant", "content": text}, history[2]])
+    err = _assert_openai_error(server.post("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "hi", "refusal": "no"}]}), 400)
+    assert err["message"] == ("invalid value for messages.0: a user message has a refusal, which only an assistant "
+                              "message may hold"), err
+
+
 def test_seeded_sampling_reproducible(server):
     c = server.client()
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0.9, top_p=0.95,
@@ -460,6 +479,10 @@ BAD_REQUESTS = [
       "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice"),
     ("tool_choice without tools", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, 400, "tool_choice"),
+    ("two different tools of one name", "/v1/chat/completions",  # (trial-138: the last one's schema was used)
+     {"messages": [{"role": "user", "content": "x"}], "tools": [
+         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}},
+         {"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("a tool without a name", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]}, 400,
      "tools.0.function.name"),

@@ -415,9 +415,10 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     # (OpenAI's fields of an assistant message a client sends back as it got it: not read)
-    ALSO_KNOWN: ClassVar[frozenset[str]] = frozenset({"refusal", "annotations", "audio", "function_call"})
+    ALSO_KNOWN: ClassVar[frozenset[str]] = frozenset({"annotations", "audio", "function_call"})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
+    refusal: StrictStr | None = None  # (an assistant message OpenAI returned: its text, as a refusal part's)
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None  # (role tool: the call it answers)
@@ -448,14 +449,19 @@ class ChatMessage(BaseModel):
         only tool calls): a user message without one was rendered as an empty turn."""
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content (a string or a list of text parts)")
+        if self.refusal is not None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message has a refusal, which only an assistant message may hold")
         return self
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.value() for part in self.content)  # (as vLLM joins text and refusal parts)
+        """The message's text: its content's (text and refusal parts joined by newlines, as
+        vLLM joins them), then its ``refusal`` (an assistant message's, as OpenAI returns it
+        with content null; it was dropped, the reply read as an empty turn)."""
+        if self.content is None or isinstance(self.content, str):
+            text = self.content or ""
+        else:
+            text = "\n".join(part.value() for part in self.content)
+        return "\n".join(t for t in (text, self.refusal) if t) if self.refusal else text
 
     def engine_message(self) -> dict:
         """The message for :meth:`DFlashEngine.encode_prompt` ("developer" is OpenAI's newer
