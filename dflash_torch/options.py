@@ -527,16 +527,25 @@ def check_tools(value, name: str = "tools") -> list[dict] | None:
     None, or a list of dicts (an empty list is None).
 
     Raises:
-        OptionError: anything else.
+        OptionError: anything else, a function's ``parameters`` that are not the JSON Schema
+            of an object, or two different functions of one name (a call of it could mean
+            either; the same definition twice is taken).
     """
     if value is None or (isinstance(value, (list, tuple)) and not value):
         return None
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, dict) for t in value):
         raise OptionError(f"{name} must be a list of objects (dicts), got {value!r}"[:300], name)
+    named: dict[str, int] = {}  # function name -> the index of its first tool
     for i, tool in enumerate(value):
         fn = tool.get("function")
         if isinstance(fn, dict) and fn.get("parameters") is not None:
             _check_parameters(fn["parameters"], f"{name}[{i}].function.parameters", name)
+        fname = fn.get("name") if isinstance(fn, dict) else None
+        if isinstance(fname, str):
+            first = named.setdefault(fname, i)
+            if value[first] != tool:
+                raise OptionError(f"{name}[{first}] and {name}[{i}] are two different functions named {fname!r}"[:300]
+                                  + ": a call of it could mean either; give each its own name", name)
     return list(value)
 
 

@@ -383,6 +383,10 @@ def test_content_parts_are_joined_as_the_server_joins_them(local_engine):
     (CONVERSATION, {"tools": [_tool({"type": "object", "required": "a"})]},
      r"^tools\[0\]\.function\.parameters\.required must be a list of parameter names"),
     (CONVERSATION, {"tools": [_tool([1])]}, r"^tools\[0\]\.function\.parameters must be a JSON Schema object"),
+    # (trial-138: two functions of one name, the last one's schema used for a forced call of it)
+    (CONVERSATION, {"tools": [TIME, _tool({"type": "object"}), _tool({"type": "object"}), _tool({"required": []})]},
+     r"^tools\[1\] and tools\[3\] are two different functions named 'f': a call of it could mean either; "
+     r"give each its own name$"),
 ])
 def test_bad_tools_and_calls_are_one_line_errors(local_engine, prompt, kwargs, message):
     with pytest.raises(DFlashError, match=message) as err:
