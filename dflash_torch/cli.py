@@ -316,7 +316,9 @@ def _generate_here(args: argparse.Namespace) -> int:
             first, rest = out.prompt_logprobs[0], out.prompt_logprobs[1:]
             prompt_logprobs = [None if first is None else logprobs_json(engine, [first])[0]] + logprobs_json(engine, rest)
         write_stdout(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                                 "stats": out.stats.to_dict(), "logprobs": logprobs_json(engine, out.logprobs),
+                                 # (--compile: this one run's times include building the graphs)
+                                 "stats": {**out.stats.to_dict(), "times_include_compilation": bool(args.compile)},
+                                 "logprobs": logprobs_json(engine, out.logprobs),
                                  "prompt_logprobs": prompt_logprobs}) + "\n")
         warn_compile_losses(args)
         return 0
@@ -391,13 +393,18 @@ def check_warmup_context(args: argparse.Namespace) -> None:
 
 def warm_up(engine, args: argparse.Namespace, batch: bool = False, file=None) -> None:
     """With ``--compile``: build the decoding graphs now (:meth:`DFlashEngine.warmup`, up to
-    ``--warmup-context`` tokens, default 256; ``batch``: the batch decoder's too), saying so
-    and how long it took on ``file`` (default stdout), then :func:`warn_compile_losses`."""
+    ``--warmup-context`` tokens, default 256, capped at the context with a note on stderr;
+    ``batch``: the batch decoder's too), saying so and how long it took on ``file`` (default
+    stdout), then :func:`warn_compile_losses`."""
     if not args.compile:
         return
     file = sys.stdout if file is None else file
+    context = args.warmup_context or 256
+    if args.warmup_context is not None and context > engine.max_context:  # (engine.warmup caps it)
+        print(f"note: --warmup-context {context} is more than the context of {engine.max_context} tokens: the graphs "
+              f"are built up to {engine.max_context}", file=sys.stderr, flush=True)
     print("dflash-torch: compiling the decoding graphs (one-off) ...", file=file, flush=True)
-    took = engine.warmup(batch=batch, context=args.warmup_context or 256)
+    took = engine.warmup(batch=batch, context=context)
     print(f"dflash-torch: compiled in {took:.1f} s", file=file, flush=True)
     warn_compile_losses(args)
 

@@ -498,7 +498,9 @@ def test_prompt_file_errors_name_the_file_and_line(tmp_path):
                          (['{"messages": ["hi"]}'], f"{f}:1: 'messages' must be a non-empty list of chat messages "
                                                     '({"role": ..., "content": ...} objects), got [\'hi\']'),
                          (['{"messages": [{"role": "user", "content": "a"}], "text": "a"}'],
-                          f"{f}:1: the object has both 'messages' and a text ('text'); keep one"),
+                          f"{f}:1: the object has 'text' and 'messages': which is the prompt? keep one"),
+                         (['{"prompt": "a", "text": "b"}'], f"{f}:1: the object has 'prompt' and 'text': which is the "
+                                                            "prompt? keep one"),
                          (['{"messages": [{"role": "user", "content": "\\udfff"}]}'],
                           f"{f}:1: the prompt is not valid Unicode text (a lone surrogate escape)"),
                          (['{"prompt": "' + "x" * 80 + '", "x": 1}', '{"text": ["' + "y" * 80 + '"]}'],
@@ -614,6 +616,12 @@ def test_a_sweep_past_the_pairs_context_says_so(tiny_pair, tmp_path, capsys):
     assert ("note: --sweep lengths 2048 exceed the target's context of 1024 tokens: the loaded drafter's sweep times "
             "contexts this pair cannot reach (the cost alone)\n") in err
     assert json.loads((tmp_path / "o" / "bench.json").read_text())["sweep"]["lengths"] == [128, 1024, 2048]
+    # (the default sweep's 8192 is past most pairs' context, the shipped pair's too: no note every run, trial-140)
+    assert cli_main(["bench", "--target", str(target), "--draft", str(drafter), "--out", str(tmp_path / "o"),
+                     "--dtype", "float32", "--modes", "target-only", "--num-prompts", "1", "--max-new-tokens", "4",
+                     "--no-progress"]) == 0
+    assert "note: --sweep" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "o" / "bench.json").read_text())["sweep"]["lengths"] == [128, 512, 2048, 8192]
 
 
 def test_compiled_modes_build_every_length_bucket_before_the_timed_decodes(tmp_path, tokenizer_dir, monkeypatch):

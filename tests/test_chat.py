@@ -397,6 +397,11 @@ def test_chat_compile_warms_up_and_says_when_a_turn_compiled(tiny_pair, monkeypa
     assert built[0] == 0 and built[1] > 0, err
     assert not lines[0].endswith("; times include a one-off compilation]"), err
     assert lines[1].endswith("reused; times include a one-off compilation]"), err
+    assert "note: --warmup-context" not in err
+    err = run("--warmup-context", "600")  # (capped at the context, now with a note: trial-140, it was silent)
+    assert ("note: --warmup-context 600 is more than the context of 512 tokens: the graphs are built up to 512\n"
+            in err), err
+    assert built == [0, 0], err
 
 
 @pytest.mark.parametrize("extra, message", [(["--compile", "--warmup-context", "0"], "--warmup-context must be an integer >= 1, got 0"),

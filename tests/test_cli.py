@@ -58,6 +58,7 @@ def test_json_is_one_object_with_the_documented_keys(json_output, api):
     assert taus == ref.stats.acceptance_lengths
     assert out["stats"]["mean_acceptance_length"] == pytest.approx(sum(taus) / len(taus))
     assert out["stats"]["decode_tokens_per_second"] > 0
+    assert out["stats"]["times_include_compilation"] is False  # (true with --compile, as the text stats line says)
 
 
 def test_logprobs_in_the_json_object_are_the_python_apis(json_output, pair_args, api):

@@ -87,8 +87,8 @@ def load_prompts(path: Path, limit: int | None) -> list[str | list[dict]]:
 
     Raises:
         DFlashError: a missing or unreadable file, one that is not UTF-8, a line that is not JSON or
-            not an object with a non-empty string ``prompt`` / ``text`` or a non-empty list of
-            objects ``messages`` (not both kinds), text that is not valid Unicode, no prompt at
+            not an object with one of a non-empty string ``prompt`` / ``text`` and a non-empty
+            list of objects ``messages``, text that is not valid Unicode, no prompt at
             all (naming the file and line).
     """
     path = Path(path)
@@ -122,10 +122,10 @@ def load_prompts(path: Path, limit: int | None) -> list[str | list[dict]]:
             raise DFlashError(f"{where}: not valid JSON ({exc.msg})") from None
         if not isinstance(obj, dict) or not {"prompt", "text", "messages"} & obj.keys():
             raise DFlashError(f"{where}: expected a JSON object with a 'prompt' (or 'text') field, or 'messages'")
+        given = [k for k in ("prompt", "text", "messages") if k in obj]
+        if len(given) > 1:
+            raise DFlashError(f"{where}: the object has {' and '.join(map(repr, given))}: which is the prompt? keep one")
         if "messages" in obj:
-            if {"prompt", "text"} & obj.keys():
-                raise DFlashError(f"{where}: the object has both 'messages' and a text "
-                                  f"({', '.join(repr(k) for k in ('prompt', 'text') if k in obj)}); keep one")
             prompt = obj["messages"]
             if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
                 raise DFlashError(f"{where}: 'messages' must be a non-empty list of chat messages "
