@@ -1726,6 +1726,36 @@ def test_a_run_refused_before_its_data_is_prepared_removes_the_dirs_it_made_only
     assert sorted(f.name for f in work.iterdir()) == ["mine.txt"]  # (the user's work dir, without the run's cache)
 
 
+def test_a_run_refused_for_too_little_data_keeps_the_work_dirs_older_data_cache(tiny_pair, tmp_path, capsys):
+    """A run refused for too little data deleted the work dir's cache of other data ("made from
+    other data or settings") before it was refused (trial-137): the older caches go only once
+    the new data passed the size check, i.e. once the run trains on it."""
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    good, tiny = tmp_path / "good.txt", tmp_path / "tiny.txt"
+    good.write_text("def f(x):\n    return x\n" * 50)
+    tiny.write_text("ab")
+    work = tmp_path / "work"
+    args = ["train", "--target", str(target), "--out", str(tmp_path / "out"), "--work-dir", str(work), "--steps", "1",
+            "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0", "--num-layers", "1",
+            "--block-size", "8", "--no-progress", "--overwrite"]
+    assert cli_main([*args, "--data", str(good)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    (cache,) = work.glob("data-*.pt")
+    assert cli_main([*args, "--data", str(tiny)]) == 2
+    err = capsys.readouterr().err
+    assert "too little training data" in err.strip().splitlines()[-1] and "removed" not in err, err
+    assert list(work.glob("data-*")) == [cache]  # (the refused run's own cache is gone, the older one stays)
+    assert cli_main([*args, "--data", str(good)]) == 0
+    assert f"data: loaded {cache}" in capsys.readouterr().err
+    more = tmp_path / "more.txt"  # (a run that trains on other data replaces it, and says so)
+    more.write_text("def g(y):\n    return y * 2\n" * 50)
+    assert cli_main([*args, "--data", str(more)]) == 0
+    assert f"data: removed {cache} (made from other data or settings)" in capsys.readouterr().err
+    assert len(list(work.glob("data-*"))) == 1 and not cache.exists()
+
+
 def test_a_stopped_run_removes_no_file_another_run_wrote_into_a_directory_it_made(tiny_pair, tmp_path, capsys,
                                                                                   monkeypatch):
     """A run that stops removed the directories it made whole, with what another run wrote

@@ -651,8 +651,8 @@ def _load_data_cache(cache: Path, log) -> dict | None:
 
 def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[TrainingData, list, dict]:
     """Tokenized (and self-distilled) data, cached in the work dir under :func:`data_key`
-    (a new cache replaces the work dir's older ones, and one that cannot be read back, with a
-    WARNING), and a validation set (:func:`split_eval`).
+    (a new cache replaces the work dir's older ones once the data passed :func:`check_data_size`,
+    and one that cannot be read back, with a WARNING), and a validation set (:func:`split_eval`).
 
     Raises:
         DFlashError: unreadable or malformed data (naming the file), or too little of it
@@ -676,10 +676,6 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
             tmp.unlink(missing_ok=True)
             raise
         os.replace(tmp, cache)
-        for old in work.glob("data-*"):
-            if old != cache and re.fullmatch(r"data-[0-9a-f]{16}\.(pt|tmp)", old.name):
-                old.unlink()
-                log(f"data: removed {old} (made from other data or settings)")
     stream = blob["stream"]
     chat = [Example(i, m) for i, m in blob["chat"]]
     distilled = [Example(i, m) for i, m in blob["distilled"]]
@@ -692,6 +688,11 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
         if written:  # (this run's cache of data too small to train on: nothing to keep)
             cache.unlink(missing_ok=True)
         raise
+    if written:  # (only now that this run trains on the new cache: a refused run keeps the older ones)
+        for old in work.glob("data-*"):
+            if old != cache and re.fullmatch(r"data-[0-9a-f]{16}\.(pt|tmp)", old.name):
+                old.unlink()
+                log(f"data: removed {old} (made from other data or settings)")
     kind, counts = eval_kind(cfg, stream, chat, distilled)
     stream, chat, distilled, val_rows = split_eval(cfg, stream, chat, distilled)
     if cfg.val_seqs and len(val_rows) < cfg.val_seqs:  # (split_eval's caps; it said so only in the log's stats)
