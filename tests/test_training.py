@@ -1255,6 +1255,83 @@ def test_train_never_writes_through_a_link_in_out(tiny_pair, tmp_path, capsys, m
     assert json.loads((linked / "config.json").read_text())["num_hidden_layers"] == 1
 
 
+def test_a_failed_or_interrupted_export_never_leaves_a_broken_drafter(tiny_pair, tmp_path, capsys, monkeypatch):
+    """A full disk (or a Ctrl-C) while the drafter was exported left --out with a truncated
+    model.safetensors beside the old config.json (with --overwrite the previous drafter was
+    gone), and exited 130 unsaid (trial-137). The files are written aside and moved into
+    place: a failed export says so in one line, leaves the old drafter whole, and --resume
+    exports it; a Ctrl-C during the export is ignored (the export goes on, whole)."""
+    import errno
+    import os
+    import signal
+
+    import safetensors.torch
+
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    out, work = tmp_path / "out", tmp_path / "work"
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--work-dir", str(work),
+            "--steps", "1", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0",
+            "--block-size", "8", "--no-progress"]
+    assert cli_main([*args, "--num-layers", "1"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    old = {f.name: f.read_bytes() for f in out.iterdir()}
+    save_file = safetensors.torch.save_file
+
+    def disk_full(state, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    assert cli_main([*args, "--num-layers", "2", "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"dflash-torch: error: cannot export the drafter to {out}: No space left on device; the checkpoint "
+                       f"of step 1 is saved in {work / 'checkpoint.pt'}: run again with --resume to export it"), err
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == old  # (no temporary file left either)
+    assert DFlashEngine.from_pretrained(target, out).drafter.config.num_hidden_layers == 1
+
+    def interrupted(state, path, metadata=None):  # (a real SIGINT, as the terminal sends it, while it writes)
+        os.kill(os.getpid(), signal.SIGINT)
+        return save_file(state, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    assert cli_main([*args, "--num-layers", "2", "--resume"]) == 0
+    assert f"saved drafter to {out}" in capsys.readouterr().err
+    assert DFlashEngine.from_pretrained(target, out).drafter.config.num_hidden_layers == 2
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors", "training_log.json"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_export_moves_the_new_config_into_place_last(tiny_pair, tmp_path, monkeypatch):
+    """A crash between the renames of an export leaves weights without a config.json, never
+    the new weights beside the old drafter's config.json."""
+    import os
+
+    import dflash_torch.training.trainer as trainer
+
+    target, drafter_dir = tiny_pair
+    out = shutil.copytree(drafter_dir, tmp_path / "out")
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    replace = os.replace
+
+    def crash_before_the_config(src, dst):  # (the file system's rename, failing for config.json only)
+        if Path(dst).name == "config.json":
+            raise OSError("crash")
+        return replace(src, dst)
+
+    monkeypatch.setattr(trainer.os, "replace", crash_before_the_config)
+    with pytest.raises(OSError, match="crash"):
+        trainer.export_drafter(drafter, drafter.config, out, "float32")
+    assert sorted(f.name for f in out.iterdir()) == ["model.safetensors"]  # (the temporary config is gone too)
+    monkeypatch.setattr(trainer.os, "replace", replace)
+    trainer.export_drafter(drafter, drafter.config, out, "float32")
+    assert DFlashEngine.from_pretrained(target, out).drafter is not None
+
+
 def test_train_dflash2_from_a_dflash_drafter_round_trips(tiny_pair, tmp_path, capsys):
     """``train --arch dflash2 --init-from`` a DFlash drafter: the backbone starts as the
     source's (identity convolutions, small random codebooks), the selector loss falls, and

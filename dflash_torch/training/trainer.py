@@ -19,6 +19,7 @@ import random
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -403,6 +404,21 @@ def deferred_interrupt():
             previous(signal.SIGINT, None)
         else:
             raise KeyboardInterrupt
+
+
+@contextmanager
+def ignored_interrupt():
+    """Ignore Ctrl-C (SIGINT) inside the block: a save or export it would cut short goes on,
+    whole (a second Ctrl-C while the checkpoint of the first is saved, one while the drafter
+    is exported). Only in the main thread (where Python delivers signals); elsewhere the
+    block runs as is."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
 
 
 CACHE_FORMAT = 9  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
@@ -991,13 +1007,8 @@ class Trainer:
                 bar.update(1)
         except KeyboardInterrupt:  # Ctrl-C: keep what was trained
             bar.close()
-            main = threading.current_thread() is threading.main_thread()
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # (a second Ctrl-C: the save
-            try:                                                                       # goes on, whole)
+            with ignored_interrupt():  # (a second Ctrl-C: the save goes on, whole)
                 save_checkpoint()
-            finally:
-                if main:
-                    signal.signal(signal.SIGINT, previous)
             self.log(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with --resume")
             raise SystemExit(130) from None
         bar.close()
@@ -1011,20 +1022,25 @@ class Trainer:
         if val_rows and (not evals or evals[-1]["step"] != step):
             last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
             evals.append(last_eval)
-        save_checkpoint()
-        train_time = elapsed()
-        out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype, self.log)
-        info = {
-            "command": "dflash-torch train " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "train" else None,
-            "config": asdict(cfg), "drafter_config": dcfg.to_dict(), "mask_token_id_source": how, "gamma": gamma,
-            "params": n_params, "steps": step, "train_time_s": round(train_time, 1),
-            "wall_time_s": round(time.time() - t_start, 1), "data": data_stats,
-            "final_train_loss": history[-1]["loss"] if history else None,
-            "final_eval": evals[-1] if evals else None, "eval_history": evals, "loss_history": history,
-            "torch_version": torch.__version__,
-        }
-        _unlink_if_link(out_dir / "training_log.json")
-        (out_dir / "training_log.json").write_text(json.dumps(info, indent=2) + "\n")
+        with ignored_interrupt():  # (a Ctrl-C now: the checkpoint, the drafter and its log are written whole)
+            save_checkpoint()
+            train_time = elapsed()
+            try:
+                out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype, self.log)
+            except OSError as exc:  # (a full disk: --out keeps what it held)
+                raise DFlashError(f"cannot export the drafter to {cfg.out}: {exc.strerror or exc}; the checkpoint of "
+                                  f"step {step} is saved in {ckpt_path}: run again with --resume to export it") from None
+            info = {
+                "command": "dflash-torch train " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "train" else None,
+                "config": asdict(cfg), "drafter_config": dcfg.to_dict(), "mask_token_id_source": how, "gamma": gamma,
+                "params": n_params, "steps": step, "train_time_s": round(train_time, 1),
+                "wall_time_s": round(time.time() - t_start, 1), "data": data_stats,
+                "final_train_loss": history[-1]["loss"] if history else None,
+                "final_eval": evals[-1] if evals else None, "eval_history": evals, "loss_history": history,
+                "torch_version": torch.__version__,
+            }
+            _unlink_if_link(out_dir / "training_log.json")
+            (out_dir / "training_log.json").write_text(json.dumps(info, indent=2) + "\n")
         self.log(f"saved drafter to {out_dir} (step {step}, train loss {info['final_train_loss']}, "
                  f"eval {info['final_eval']}, {train_time / 60:.1f} min)")
         return info
@@ -1065,7 +1081,18 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
                    log=None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` in the published DFlash (or DFlash 2) drafter format;
     the weight files of a checkpoint it replaces are removed (:func:`remove_stale_weights`; said to ``log``),
-    and a file of those names that is a link is replaced by a new file (what it links to is left as it is)."""
+    and a file of those names that is a link is replaced by a new file (what it links to is left as it is).
+
+    Both files are written to temporary files in ``out_dir`` first: an error (a full disk) or a
+    Ctrl-C while they are written removes them and leaves ``out_dir`` as it was. Then, with
+    Ctrl-C ignored, the old ``config.json`` is removed, the weights are moved into place and the
+    new ``config.json`` last, as the mark of a complete drafter: a crash between these renames
+    (a kill, a power cut) leaves weights without a config, never weights beside another
+    drafter's config.
+
+    Raises:
+        OSError: a file could not be written (``out_dir`` then holds what it held) or moved.
+    """
     from safetensors.torch import save_file
 
     from ..options import resolve_dtype
@@ -1073,17 +1100,35 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
     torch_dtype = resolve_dtype(dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch_dtype).contiguous() for k, v in drafter.state_dict().items()}
-    _unlink_if_link(out_dir / "model.safetensors")
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(out_dir / "model.safetensors", 0o644)  # safetensors creates it owner-only
-    removed = remove_stale_weights(out_dir)
-    if removed and log is not None:
-        log(f"removed the weight files of the checkpoint replaced in {out_dir}: {', '.join(removed)}")
     cfg = dcfg.to_dict()
     cfg["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
-    _unlink_if_link(out_dir / "config.json")
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    temps = []
+    try:
+        weights, config = _temp_path(out_dir, "model.safetensors", temps), _temp_path(out_dir, "config.json", temps)
+        save_file(state, str(weights), metadata={"format": "pt"})
+        config.write_text(json.dumps(cfg, indent=2) + "\n")
+        for tmp in (weights, config):
+            os.chmod(tmp, 0o644)  # (safetensors and mkstemp create them owner-only)
+        with ignored_interrupt():  # (os.replace replaces a link itself, not the file it names)
+            (out_dir / "config.json").unlink(missing_ok=True)
+            os.replace(weights, out_dir / "model.safetensors")
+            removed = remove_stale_weights(out_dir)
+            os.replace(config, out_dir / "config.json")
+    finally:
+        for tmp in temps:  # (those not moved into place: an error or a Ctrl-C while they were written)
+            tmp.unlink(missing_ok=True)
+    if removed and log is not None:
+        log(f"removed the weight files of the checkpoint replaced in {out_dir}: {', '.join(removed)}")
     return out_dir
+
+
+def _temp_path(out_dir: Path, name: str, made: list[Path]) -> Path:
+    """A new empty hidden file in ``out_dir`` (appended to ``made``) to write ``name`` to before
+    it replaces ``name``."""
+    fd, path = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
+    os.close(fd)
+    made.append(Path(path))
+    return made[-1]
 
 
 def _unlink_if_link(path: Path) -> None:
