@@ -1554,6 +1554,33 @@ def test_a_data_directory_holding_out_and_the_work_dir_leaves_them_out_and_says_
     assert len(read_corpus([data / "work" / "notes.txt"], [data / "work"]).documents) == 1
 
 
+def test_a_data_directory_follows_links_to_directories_once_and_leaves_out_the_runs_own(tmp_path):
+    """Links to directories inside a --data directory were passed over unsaid (links to files
+    were read; the help says every non-hidden file below it, trial-137): they are followed,
+    each directory once (a link back up the tree does not loop), and a link to this run's
+    --out or work dir is left out as the directory itself is."""
+    from dflash_torch.training.data import corpus_files
+
+    data, more, out = tmp_path / "data", tmp_path / "more", tmp_path / "out"
+    for d in (data, more / "sub", out):
+        d.mkdir(parents=True)
+    (data / "a.txt").write_text("a")
+    (more / "b.txt").write_text("b")
+    (more / "sub" / "c.txt").write_text("c")
+    (out / "config.json").write_text("{}")
+    (data / "linked").symlink_to(more)
+    (data / "twice").symlink_to(more)  # (the same directory again: read once)
+    (data / "loop").symlink_to(data)  # (a link back up: not read again)
+    (data / "linked" / "up").symlink_to(more)  # (more/up: a loop inside the linked directory)
+    (data / "drafter").symlink_to(out)
+    excluded: list[Path] = []
+    files = corpus_files([data], [out], excluded)
+    assert files == [(data / "a.txt", False), (data / "linked" / "b.txt", False),
+                     (data / "linked" / "sub" / "c.txt", False)], files
+    assert excluded == [data / "drafter"]
+    assert read_corpus([data], [out]).documents == ["a", "b", "c"]
+
+
 def test_data_cache_follows_contents_not_paths_or_mtimes(tiny_pair, tmp_path):
     import os
 

@@ -80,9 +80,10 @@ def corpus_files(paths: list[str | Path], exclude: list[str | Path] = (),
     """The files :func:`read_corpus` reads for ``paths``, in reading order, each with
     whether it was given itself (``True``) or found in a given directory (``False``).
 
-    A directory of ``exclude`` found below a given directory is left out with everything
-    below it (and appended to ``excluded`` when given): a run's own output directory
-    inside its data directory.
+    Links to directories below a given directory are followed, each directory (by its real
+    path) read once. A directory of ``exclude`` found below a given directory (itself or
+    through a link) is left out with everything below it (and appended to ``excluded`` when
+    given): a run's own output directory inside its data directory.
 
     Raises:
         DFlashError: a path that does not exist or is not a regular file or a directory (a
@@ -98,13 +99,18 @@ def corpus_files(paths: list[str | Path], exclude: list[str | Path] = (),
         path = Path(p).expanduser()
         try:
             if path.is_dir():
-                found = []
-                for top, dirs, names in os.walk(path, onerror=unreadable):  # (rglob passed over unreadable ones)
-                    dirs[:] = [d for d in dirs if not d.startswith(".")]
-                    for d in [d for d in dirs if os.path.realpath(Path(top, d)) in skip]:
-                        dirs.remove(d)
-                        if excluded is not None and Path(top, d) not in excluded:
+                found, seen = [], {os.path.realpath(path)}
+                # (rglob passed over unreadable ones; links to directories are followed, each directory read once:
+                # a link back up the tree would loop)
+                for top, dirs, names in os.walk(path, onerror=unreadable, followlinks=True):
+                    dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                    for d in list(dirs):
+                        real = os.path.realpath(Path(top, d))
+                        if real in skip and excluded is not None and Path(top, d) not in excluded:
                             excluded.append(Path(top, d))
+                        if real in skip or real in seen:
+                            dirs.remove(d)
+                        seen.add(real)
                     found += [Path(top, n) for n in names if not n.startswith(".")]
                 files += [(f, False) for f in sorted(found) if f.is_file()]
             elif path.is_file():
