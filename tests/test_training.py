@@ -1195,7 +1195,7 @@ def test_train_refuses_an_out_that_is_a_cached_target_or_init_from(tiny_pair, tm
     (only a --target that is a directory was compared): the drafter's config.json was written
     through the snapshot's link into the target's blob. The target's directory, found as
     loading finds it (also through a link to it), and a cached --init-from's are refused;
-    the cache is unchanged."""
+    the cache is unchanged. So is a --work-dir that is one of them (trial-137)."""
     from huggingface_hub import constants
     from test_errors import _cache_repo
 
@@ -1218,6 +1218,17 @@ def test_train_refuses_an_out_that_is_a_cached_target_or_init_from(tiny_pair, tm
         assert cli_main([*args, "--out", str(out), *more]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"dflash-torch: error: --out {out} is {whose}; give the drafter its own directory"], err
+    # a --work-dir there is refused too: its checkpoint.pt and data caches were written into the target's directory
+    for work, more, whose in [*cases, (target, [], "the target's directory")]:
+        args_work = [*args, "--out", str(tmp_path / "out"), "--work-dir", str(work), *more]
+        if work == target:
+            args_work[2] = str(target)
+        assert cli_main(args_work) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"dflash-torch: error: --work-dir {work} is {whose}; give the data cache and checkpoint a "
+                       "directory of their own"], err
+        assert not (tmp_path / "out").exists()
+    assert not any(p.name.startswith(("checkpoint", "data-")) for p in Path(target).iterdir())
     assert {p: p.read_bytes() for p in hub.rglob("*") if p.is_file()} == cached
     assert not any(p.name == "train_work" for p in hub.rglob("*"))
 

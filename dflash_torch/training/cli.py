@@ -160,7 +160,11 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
         raise DFlashError(f"--seq-len ({args.seq_len}) must be longer than the block size ({cfg.block_size})")
     resolve_dtype(args.save_dtype, "--save-dtype")
     out = Path(args.out)
-    if out.exists():  # (a cached id's snapshot too: the drafter was written through its links into the blobs)
+    # (a cached id's snapshot too: the drafter was written through its links into the blobs; the work dir's
+    # checkpoint.pt and data caches were written into the target's directory)
+    mine = {flag: (shown, path) for flag, shown, path in (
+        ("--out", args.out, out), ("--work-dir", args.work_dir or str(cfg.work_path()), cfg.work_path())) if path.exists()}
+    if mine:
         cached_init = args.init_from is not None and not Path(args.init_from).is_dir()
         for whose, name in (("the target's directory", args.target), (f"the directory of --init-from {args.init_from} in "
                             "the Hugging Face cache", args.init_from if cached_init else None)):
@@ -168,8 +172,11 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
                 source = None if name is None else resolve_model_dir(name)
             except DFlashError:  # (said where it loads)
                 source = None
-            if source is not None and os.path.realpath(out) == os.path.realpath(source):
-                raise DFlashError(f"--out {args.out} is {whose}; give the drafter its own directory")
+            for flag, (shown, path) in mine.items():
+                if source is not None and os.path.realpath(path) == os.path.realpath(source):
+                    own = "the drafter its own directory" if flag == "--out" else \
+                        "the data cache and checkpoint a directory of their own"
+                    raise DFlashError(f"{flag} {shown} is {whose}; give {own}")
     work = cfg.work_path()
     own = {os.path.realpath(work): "--work-dir", os.path.realpath(out): "--out"}
     for given in args.data:  # (one below them is read without them: read_corpus leaves them out)
