@@ -98,12 +98,13 @@ def _lexists(path: Path) -> bool:
 
 def missing_dirs(path: Path) -> list[Path]:
     """The directories ``path.mkdir(parents=True)`` would make: ``path`` and its ancestors
-    that do not exist yet, as absolute paths (a ``..`` in ``path`` makes the directory
-    before it too), deepest first. A command that fails removes those it made (bench,
-    train)."""
+    that do not exist yet, as the real paths the OS makes them at (a ``..`` in ``path``
+    makes the directory before it too, and one after a link to a directory goes up from
+    where the link leads), deepest first. A command that fails removes those it made
+    (bench, train)."""
     missing = set()
     while not _lexists(path) and path != path.parent:
-        missing.add(Path(os.path.abspath(path)))
+        missing.add(Path(os.path.realpath(path)))
         path = path.parent
     return sorted((p for p in missing if not _lexists(p)), key=lambda p: len(p.parts), reverse=True)
 

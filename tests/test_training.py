@@ -1841,6 +1841,31 @@ def test_a_run_refused_before_its_data_is_prepared_removes_the_dirs_it_made_only
     assert sorted(f.name for f in work.iterdir()) == ["mine.txt"]  # (the user's work dir, without the run's cache)
 
 
+def test_a_refused_run_removes_the_dirs_it_made_past_a_link_and_dot_dot(tiny_pair, tmp_path, capsys):
+    """``--out A/link/../new/sub`` with A/link a link to a directory: the OS makes the
+    directories from where the link leads (A/data/new/sub), but those recorded as made were
+    A/new/sub (``..`` dropped textually), so a refused run left A/data/new/sub behind (trial-137)."""
+    import os
+
+    from dflash_torch.cli import main as cli_main, missing_dirs
+
+    target, _ = tiny_pair
+    data = tmp_path / "tiny.txt"
+    data.write_text("ab")
+    (tmp_path / "data" / "drafter").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "data" / "drafter")
+    out = tmp_path / "link" / ".." / "new" / "sub"
+    real = Path(os.path.realpath(tmp_path))
+    assert missing_dirs(out) == [real / "data" / "new" / "sub", real / "data" / "new"]
+    assert sorted(missing_dirs(tmp_path / "x" / ".." / "y")) == [real / "x", real / "y"]  # (mkdir makes both)
+    args = ["train", "--target", str(target), "--data", str(data), "--out", str(out), "--steps", "1", "--batch", "2",
+            "--seq-len", "64", "--no-progress"]
+    assert cli_main(args) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("dflash-torch: error: too little training data")
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["drafter"]
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_run_refused_for_too_little_data_keeps_the_work_dirs_older_data_cache(tiny_pair, tmp_path, capsys):
     """A run refused for too little data deleted the work dir's cache of other data ("made from
     other data or settings") before it was refused (trial-137): the older caches go only once
