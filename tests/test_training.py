@@ -1317,6 +1317,45 @@ def test_a_failed_or_interrupted_export_never_leaves_a_broken_drafter(tiny_pair,
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_ctrl_c_in_the_last_evaluation_saves_a_checkpoint_that_resume_exports(tiny_pair, tmp_path, capsys,
+                                                                                monkeypatch):
+    """A Ctrl-C after the last step, in the final evaluation, exited 130 unsaid with the steps
+    since the last checkpoint lost: it saves a checkpoint as one during training does."""
+    import os
+    import signal
+    import time
+
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 200)
+    out, work = tmp_path / "out", tmp_path / "work"
+    evaluate, calls = Trainer.evaluate, []
+
+    def evaluating(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # (the first is the one before training)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+            raise AssertionError("no KeyboardInterrupt")
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluating)
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--work-dir", str(work),
+            "--steps", "2", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "2",
+            "--block-size", "8", "--num-layers", "1", "--no-progress"]
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(args)
+    assert exit_.value.code == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"interrupted: checkpoint of step 2 saved to {work / 'checkpoint.pt'}; continue with --resume", err
+    assert not out.joinpath("config.json").exists()
+    assert cli_main([*args, "--resume"]) == 0
+    assert "saved drafter to" in capsys.readouterr().err
+    assert json.loads((out / "training_log.json").read_text())["final_eval"]["step"] == 2
+
+
 def test_export_moves_the_new_config_into_place_last(tiny_pair, tmp_path, monkeypatch):
     """A crash between the renames of an export leaves weights without a config.json, never
     the new weights beside the old drafter's config.json."""

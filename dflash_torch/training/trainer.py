@@ -1005,23 +1005,23 @@ class Trainer:
                     post["min"] = f"{elapsed() / 60:.1f}"
                 bar.set_postfix(post, refresh=False)
                 bar.update(1)
+            bar.close()  # (a Ctrl-C in the last measurement or evaluation: as in training)
+            if n_acc:  # (a --time-budget-min stop after steps not yet logged: the last step did not measure its
+                # train_tau, which is measured now on its batch, after its update; its selector_loss is its own)
+                at = elapsed()
+                with torch.no_grad(), self._autocast():
+                    out.accepted = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid,
+                                              gamma, selector_weight=cfg.selector_loss_weight).accepted
+                history.append(log_row(out, at))
+            if val_rows and (not evals or evals[-1]["step"] != step):
+                last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
+                evals.append(last_eval)
         except KeyboardInterrupt:  # Ctrl-C: keep what was trained
             bar.close()
             with ignored_interrupt():  # (a second Ctrl-C: the save goes on, whole)
                 save_checkpoint()
             self.log(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with --resume")
             raise SystemExit(130) from None
-        bar.close()
-        if n_acc:  # (a --time-budget-min stop after steps not yet logged: the last step did not measure its
-            # train_tau, which is measured now on its batch, after its update; its selector_loss is its own)
-            at = elapsed()
-            with torch.no_grad(), self._autocast():
-                out.accepted = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid,
-                                          gamma, selector_weight=cfg.selector_loss_weight).accepted
-            history.append(log_row(out, at))
-        if val_rows and (not evals or evals[-1]["step"] != step):
-            last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
-            evals.append(last_eval)
         with ignored_interrupt():  # (a Ctrl-C now: the checkpoint, the drafter and its log are written whole)
             save_checkpoint()
             train_time = elapsed()
