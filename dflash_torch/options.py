@@ -220,17 +220,22 @@ def check_prompt_ids(prompt_ids: list[int], config, max_new_tokens: int, max_con
         limit = context_limit(config)
         if n_prompt < limit:  # (a longer max_context would hold it: with max_new_tokens, or with fewer)
             fewer = "" if n_prompt + max_new_tokens <= limit else " with fewer max_new_tokens"
-            raise OptionError(f"the prompt ({n_prompt} tokens) leaves no room for a new token in the context of "
+            raise OptionError(f"the prompt ({n_tokens(n_prompt)}) leaves no room for a new token in the context of "
                               f"{max_context} tokens; shorten it or raise max_context (up to {limit}){fewer}",
                               "prompt", "max_context", "max_new_tokens")
         context = "the target's context" if max_context == limit else "the context"
         beyond = "" if max_context == limit else f" (the target's context is {limit} tokens)"
-        raise OptionError(f"the prompt ({n_prompt} tokens) leaves no room for a new token in {context} of "
+        raise OptionError(f"the prompt ({n_tokens(n_prompt)}) leaves no room for a new token in {context} of "
                           f"{max_context} tokens; shorten it{beyond}", "prompt")
     if n_prompt + max_new_tokens > max_context:
-        raise OptionError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
+        raise OptionError(f"prompt ({n_tokens(n_prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context "
                           f"of {max_context} tokens", "max_new_tokens")
     return n_prompt
+
+
+def n_tokens(n: int) -> str:
+    """``"1 token"``, ``"5 tokens"``: a count of tokens for a message."""
+    return f"{n} token{'' if n == 1 else 's'}"
 
 
 def check_min_tokens_default(min_tokens, default: int, name: str = "max_new_tokens", whose: str = "") -> None:
@@ -256,7 +261,7 @@ def check_min_tokens_room(min_tokens: int, n_prompt: int, max_context: int) -> i
     room = max_context - n_prompt
     if min_tokens > room:
         raise OptionError(f"min_tokens ({min_tokens}) exceeds the {room} tokens left in the context of {max_context} "
-                          f"tokens after the prompt ({n_prompt} tokens)", "min_tokens")
+                          f"tokens after the prompt ({n_tokens(n_prompt)})", "min_tokens")
     return room
 
 

@@ -16,7 +16,7 @@ import torch
 
 from .. import compute
 from ..errors import DFlashError
-from ..options import check_max_new_tokens, context_limit, resolve_device, resolve_dtype
+from ..options import check_max_new_tokens, context_limit, n_tokens, resolve_device, resolve_dtype
 from . import fmt, ratio
 
 
@@ -352,7 +352,7 @@ def _run(args: argparse.Namespace) -> int:
     limit = context_limit(engine.target.config)
     for i, ids in enumerate(prompt_ids):  # (bench caps its caches at the target's context)
         if len(ids) + args.max_new_tokens > limit:
-            raise DFlashError(f"prompt {i + 1} ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds "
+            raise DFlashError(f"prompt {i + 1} ({n_tokens(len(ids))}) + --max-new-tokens ({args.max_new_tokens}) exceeds "
                               f"the target's context of {limit} tokens")
     max_context = min(limit, max(map(len, prompt_ids)) + args.max_new_tokens + 1)
     if batch_sizes:  # (the largest batch's caches: before anything is timed)

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from .. import compute
 from ..engine import StreamChunk
 from ..errors import DFlashError, OptionError
-from ..options import check_min_tokens_room
+from ..options import check_min_tokens_room, n_tokens
 from .metrics import ServerMetrics
 
 log = logging.getLogger("dflash_torch.serving")
@@ -176,13 +176,13 @@ def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: i
         raise ParamError("the prompt is empty (0 tokens)", "prompt")
     room = engine.max_context - prompt_tokens
     if room < 1:
-        raise ParamError(f"the prompt ({prompt_tokens} tokens) does not fit the model's context of "
+        raise ParamError(f"the prompt ({n_tokens(prompt_tokens)}) does not fit the model's context of "
                          f"{engine.max_context} tokens (at least one token must be generated)", "prompt")
     if requested is None:
         check_min_tokens_room(min_tokens, prompt_tokens, engine.max_context)
         return room if default is None else min(default, room)
     if requested > room:
-        raise ParamError(f"{name} ({requested}) + the prompt ({prompt_tokens} tokens) exceed the model's "
+        raise ParamError(f"{name} ({requested}) + the prompt ({n_tokens(prompt_tokens)}) exceed the model's "
                          f"context of {engine.max_context} tokens; use at most {room}", name)
     return requested
 
