@@ -28,16 +28,20 @@ MIN_CONTEXT = 2  # one prompt token and one generated token
 
 
 def plain(value):
-    """``value`` with NumPy scalars and arrays made Python values (``np.int64(4)`` -> ``4``,
-    ``np.float32(0.9)`` -> ``0.9``, ``np.True_`` -> ``True``, an array -> a list), in lists,
-    tuples and dict keys and values too; anything else as it is. The engine's options are
-    checked as Python values: NumPy's are the same numbers."""
+    """``value`` with NumPy and torch scalars and arrays made Python values (``np.int64(4)``
+    -> ``4``, ``np.float32(0.9)`` or ``torch.tensor(0.9)`` -> ``0.9``, ``np.True_`` ->
+    ``True``, an array or tensor -> a list), in lists, tuples and dict keys and values too;
+    anything else as it is. The engine's options are checked as Python values: NumPy's and
+    torch's are the same numbers (a 0-dim tensor was "must be a finite number, got
+    tensor(0.5000)")."""
     import numpy as np
 
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):
         return value.tolist()
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.ndim == 0 else value.tolist()
     if isinstance(value, (list, tuple)):
         return type(value)(plain(v) for v in value)
     if isinstance(value, dict):

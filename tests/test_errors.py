@@ -1250,6 +1250,14 @@ def test_numpy_scalars_are_the_numbers_they_hold(engine):
     assert engine.generate("def f(x):", **as_numpy).token_ids == engine.generate("def f(x):", **kw).token_ids
     batch = engine.generate_batch(["a", "b"], max_new_tokens=np.array([3, 4]), ignore_eos=True)
     assert [len(r.token_ids) for r in batch] == [3, 4]
+    # torch's too (trial-139: "temperature must be a finite number >= 0, got tensor(0.7000)", a number that is)
+    as_torch = {k: {torch.tensor(5): torch.tensor(-100.0)} if k == "logit_bias" else
+                [torch.tensor(3)] if k == "stop_token_ids" else torch.tensor(v) for k, v in kw.items()}
+    assert engine.generate("def f(x):", **as_torch).token_ids == engine.generate("def f(x):", **kw).token_ids
+    batch = engine.generate_batch(["a", "b"], max_new_tokens=torch.tensor([3, 4]), ignore_eos=True)
+    assert [len(r.token_ids) for r in batch] == [3, 4]
+    with pytest.raises(DFlashError, match=r"^temperature must be a finite number >= 0, got \[0\.5, 1\.0\]$"):
+        engine.generate("x", temperature=torch.tensor([0.5, 1.0]))
 
 
 def test_a_misspelt_argument_or_a_callback_that_is_not_one_is_named(engine):
