@@ -245,19 +245,23 @@ def _check_logit_bias(bias) -> dict[int, float] | None:
 
     Raises:
         OptionError: not a mapping, a key that is not an integer >= 0, a value that is not a
-            number in [-100, 100].
+            number in [-100, 100], two keys of one token (``5`` and ``"5"``, ``"5"`` and ``"05"``).
     """
     if bias is None:
         return None
     if not isinstance(bias, Mapping):
         raise OptionError(f"logit_bias must be a mapping of token ids to biases, got {bias!r}", "logit_bias")
-    out = {}
-    for token, value in bias.items():
+    out, keys = {}, {}  # (keys: token id -> the key that gave it)
+    for key, value in bias.items():
+        token = key
         if isinstance(token, str) and token.isascii() and token.isdigit() and len(token.lstrip("0")) <= 18:
             token = int(token)  # (an OpenAI request body's key: "50256"; longer ones are no vocabulary's ids)
         if not _is_token_id(token):
             raise OptionError(f"logit_bias keys must be token ids (integers >= 0, or their decimal strings), "
                               f"got {token!r}", "logit_bias")
+        if token in keys:  # (5 and "5", or "5" and "05": which bias is meant?)
+            raise OptionError(f"logit_bias gives token {token} twice (as {keys[token]!r} and {key!r})", "logit_bias")
+        keys[token] = key
         x = _real(value)
         if x is None or not -MAX_LOGIT_BIAS <= x <= MAX_LOGIT_BIAS:
             raise OptionError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}",

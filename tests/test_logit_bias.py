@@ -309,6 +309,10 @@ def test_decimal_string_keys_as_in_an_openai_body_are_token_ids(tiny_target_only
     e = tiny_target_only
     forced = e.generate("x", max_new_tokens=4, logit_bias={"42": 100}).token_ids
     assert forced == e.generate("x", max_new_tokens=4, logit_bias={42: 100}).token_ids == [42] * 4
+    # (two keys of one token: which bias is meant? trial-139, the last one won unsaid)
+    for bias, keys in (({5: 100, "5": -100}, "5 and '5'"), ({"5": 1, "05": 2}, "'5' and '05'")):
+        with pytest.raises(DFlashError, match=f"^logit_bias gives token 5 twice \\(as {keys}\\)$"):
+            e.generate("x", max_new_tokens=2, logit_bias=bias)
 
 
 def test_ids_outside_the_vocabulary_and_min_tokens_above_max_are_refused(tiny_target_only, tiny_pair):
