@@ -1635,12 +1635,17 @@ def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list
     ``stop``), a list is per prompt only when none of its items is of those types.
 
     Raises:
-        DFlashError: a per-prompt list whose length is not ``n``.
+        DFlashError: a per-prompt list whose length is not ``n``; with ``nested``, a list that
+            mixes those types with lists (neither a shared list nor one item per prompt).
     """
     value = options.plain(value)  # (a NumPy array of per-prompt values: a list)
     if not isinstance(value, (list, tuple)):
         return [value] * n
     if nested and (not value or any(isinstance(v, nested) and not isinstance(v, bool) for v in value)):
+        if any(isinstance(v, (list, tuple)) for v in value):
+            kind = " or ".join(t.__name__ for t in nested)
+            raise DFlashError(f"{name} mixes {kind} items and lists: give one list of {kind} items for all prompts, "
+                              f"or one item per prompt (each None, a {kind}, or a list of them)")
         return [value] * n
     if len(value) != n:
         raise DFlashError(f"{name} has {len(value)} values for {n} prompts (give one value, or one per prompt)")

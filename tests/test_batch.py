@@ -235,6 +235,12 @@ def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models):
     engine = agree_engine
     with pytest.raises(DFlashError, match="3 values for 2 prompts"):
         engine.generate_batch([[5, 6], [7]], max_new_tokens=[1, 2, 3])
+    # (trial-139: "stop must be a string or a list of strings", for a per-prompt form half given)
+    with pytest.raises(DFlashError, match=r"^stop mixes str items and lists: give one list of str items for all "
+                                          r"prompts, or one item per prompt \(each None, a str, or a list of them\)$"):
+        engine.generate_batch([[5, 6], [7]], stop=[["The"], "data"])
+    with pytest.raises(DFlashError, match=r"^stop_token_ids mixes int items and lists"):
+        engine.generate_batch([[5, 6], [7]], stop_token_ids=[3, [4]])
     with pytest.raises(DFlashError, match="non-empty list"):
         engine.generate_batch([])
     with pytest.raises(DFlashError, match="temperature"):
