@@ -116,6 +116,8 @@ CONFIG_ERRORS = {
     "zero-rank": (dict(selector_rank=0), "selector_rank"),
     "negative-softcap": (dict(final_logit_softcapping=-1.0), "final_logit_softcapping"),
     "causal-block": (dict(is_causal=True), "is_causal"),
+    # (Laguna's DFlash key, read for DFlash drafters: a DFlash 2 one runs non-causal block attention only)
+    "causal-block-dflash-config": (dict(causal=True), "sets causal=True; only causal=False is supported"),
     "shift-label-variant": (dict(shift_label=True), "shift_label"),
     "anchor-sampling-variant": (dict(sample_from_anchor=True), "sample_from_anchor true"),
     "selector-vocab-below-top-k": (dict(selector_vocab_size=8), "selector_vocab_size must be an integer from "

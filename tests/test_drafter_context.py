@@ -230,8 +230,8 @@ def test_draft_modes_generate_identical_tokens(agree_pair, tiny_pair, sampling):
 def test_block_causality_follows_the_published_rule(tiny_pair):
     """Which drafter layers see their block causally: a DFlash drafter's sliding-window layers
     (SGLang's and vLLM's DFlash drafters, SpecForge's training mask, dflash-mlx), unless
-    ``is_causal`` (or ``dflash_config.causal``) says it for every layer; DFlash 2 drafters and
-    transformers' assistants never."""
+    ``is_causal`` (or ``dflash_config.causal``; both, saying two things: refused) says it for every
+    layer; DFlash 2 drafters and transformers' assistants never."""
     import json
 
     from dflash_torch import DFlashError
@@ -252,7 +252,10 @@ def test_block_causality_follows_the_published_rule(tiny_pair):
 
     assert causal() == [True, False]
     assert causal(is_causal=False) == [False, False] and causal(is_causal=True) == [True, True]
-    assert causal(causal=True) == [True, True] and causal(causal=False, is_causal=True) == [True, True]
+    assert causal(causal=True) == [True, True] and causal(causal=True, is_causal=True) == [True, True]
+    with pytest.raises(DFlashError, match="sets is_causal true and dflash_config.causal false: which block attention "
+                                          "the drafter was trained with is unknown"):
+        causal(causal=False, is_causal=True)
     assert causal(layer_types=["full_attention"] * 2) == [False, False]
     dflash2 = dict(base["dflash_config"], conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
     assert causal(architectures=["DFlash2DraftModel"], dflash_config=dflash2) == [False, False]

@@ -591,7 +591,8 @@ DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "sel
 # ("dflash": speculators' name of the plain DFlash projector, the alternative to its Domino one)
 VARIANT_KEYS = {"projector_type": (None, "dflash"), "shift_label": (False,), "pure_draft_prefix_len": (0,),
                 "attention_mode": ("gqa",)}
-DFLASH2_VARIANT_KEYS = {**VARIANT_KEYS, "projector_type": (None,), "is_causal": (False,)}
+# (DFlash 2: block attention non-causal, whichever key says it: is_causal, or dflash_config.causal as Laguna's DFlash has it)
+DFLASH2_VARIANT_KEYS = {**VARIANT_KEYS, "projector_type": (None,), "is_causal": (False,), "causal": (False,)}
 
 
 def refuse_variants(value, kind: str, keys: dict[str, tuple]) -> None:
@@ -1243,15 +1244,20 @@ def block_causality(cfg: dict, dflash: dict, layer_types: list[str], plain: bool
     drafters and transformers' assistants see the block whole in every layer.
 
     Raises:
-        DFlashError: ``is_causal`` / ``causal`` not true or false.
+        DFlashError: ``is_causal`` / ``causal`` not true or false, or both given, one true and
+            the other false.
     """
-    explicit, key = cfg.get("is_causal"), "is_causal"
-    if explicit is None:
-        explicit, key = dflash.get("causal"), "dflash_config.causal"
-    if explicit is not None:
-        if not isinstance(explicit, bool):
-            raise DFlashError(f"drafter config.json {key} must be true or false, got {explicit!r}")
-        return [explicit] * len(layer_types)
+    given = {key: value for key, value in (("is_causal", cfg.get("is_causal")),
+                                           ("dflash_config.causal", dflash.get("causal"))) if value is not None}
+    for key, value in given.items():
+        if not isinstance(value, bool):
+            raise DFlashError(f"drafter config.json {key} must be true or false, got {value!r}")
+    if len(set(given.values())) > 1:
+        said = " and ".join(f"{key} {str(value).lower()}" for key, value in given.items())
+        raise DFlashError(f"drafter config.json sets {said}: which block attention the drafter was trained with "
+                          "is unknown; drop one of them")
+    if given:
+        return [next(iter(given.values()))] * len(layer_types)
     return [plain and t == "sliding_attention" for t in layer_types]
 
 

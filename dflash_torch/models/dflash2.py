@@ -35,7 +35,8 @@ that mirrors the upstream ``select``, an MLX Swift port, an ONNX export frontend
   (the first maximum, as ``argmax`` does). With zero codebooks the walk therefore
   proposes exactly the argmax of every slot, as a DFlash drafter would;
 * block attention stays non-causal in every layer, sliding-window ones included
-  (``is_causal: false``; a config asking for causal block attention is refused).
+  (``is_causal: false``; a config asking for causal block attention, ``is_causal`` or
+  ``dflash_config.causal`` true, is refused).
 """
 
 from __future__ import annotations
