@@ -428,8 +428,8 @@ class DFlashEngine:
         check_draft_max_batch_size(draft_max_batch_size, drafter=not no_draft, draft_mode=draft_mode,
                                    block_size=block_size)
         # the weights are read, converted and packed on the compute thread, like every round
-        return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, draft_raw=draft_raw, pack=pack,
-                           fuse=fuse_by_default(dev) if fuse is None else fuse, mxfp4=mxfp4, fp8=fp8,
+        return compute.run(cls._load, target, target_dir, target_cfg, draft_dir, torch_dtype, dev, draft_raw=draft_raw,
+                           draft_cfg=draft_cfg, pack=pack, fuse=fuse_by_default(dev) if fuse is None else fuse, mxfp4=mxfp4, fp8=fp8,
                            int_weights=int_weights, nvfp4=nvfp4, block_size=block_size, draft_mode=draft_mode, compile=compile, static=static,
                            max_context=max_context, prefill_chunk=prefill_chunk, max_batch_size=max_batch_size,
                            reuse_prefix=reuse_prefix, draft_max_batch_size=draft_max_batch_size,
@@ -437,7 +437,7 @@ class DFlashEngine:
 
     @classmethod
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
-              dev: torch.device, *, draft_raw: dict | None, pack: bool, fuse: bool, mxfp4: str, fp8: str,
+              dev: torch.device, *, draft_raw: dict | None, draft_cfg: DrafterConfig | None, pack: bool, fuse: bool, mxfp4: str, fp8: str,
               int_weights: str, nvfp4: str, **engine_options) -> "DFlashEngine":
         tokenizer = _load_tokenizer(target_dir, target_cfg.vocab_size)  # (first: before minutes of reading weights)
         eos, recommended, length = [], {}, None  # (generation_config.json's, read before any weight: its errors come first)
@@ -455,7 +455,8 @@ class DFlashEngine:
             except DFlashError as exc:  # (refused where the file is read: generation_defaults, serve, chat)
                 log.warning(f"dflash-torch: {exc}; a request without max_new_tokens gets "
                             f"{DEFAULT_MAX_NEW_TOKENS} tokens (cut to the context its prompt leaves)")
-        drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev, config=draft_raw)
+        drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev, config=draft_raw,
+                                                                                 parsed=draft_cfg)  # (parsed once)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8, int_weights=int_weights,
                                             nvfp4=nvfp4)
         for option, value, kept in (("mxfp4", mxfp4, model.config.keep_mxfp4), ("fp8", fp8, model.config.keep_fp8),

@@ -165,6 +165,19 @@ def test_a_file_transformers_refuses_says_so_in_one_warning(caplog):
     assert "do not take that class's defaults" in message
 
 
+
+def test_an_engine_load_says_the_warning_once(tiny_pair, tmp_path, caplog):
+    """The engine parses the drafter's config.json once (DFlashEngine.from_pretrained checks
+    it against the target, then loads the drafter with it): its warning is logged once."""
+    from conftest import edited_checkpoint
+
+    target, drafter = tiny_pair
+    d = edited_checkpoint(drafter, tmp_path / "drafter", config=lambda c: c.update(use_sliding_window="yes"))
+    with caplog.at_level("WARNING", logger="dflash_torch"):
+        DFlashEngine.from_pretrained(target, d, dtype="float32")
+    said = [r.getMessage() for r in caplog.records if "does not load in transformers" in r.getMessage()]
+    assert len(said) == 1 and "Qwen3Config (model_type 'qwen3')" in said[0], said
+
 NOTICES = {  # edits of a qwen3 drafter config on which transformers logs or warns while it reads the file
     "mistral-layer-types": {"model_type": "mistral", "layer_types": ["full_attention"] * 2},
     "yarn-factor": {"rope_scaling": {"rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 1024},

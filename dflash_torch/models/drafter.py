@@ -19,6 +19,7 @@ Two ways to hold the context (the ``draft_mode``):
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -132,7 +133,7 @@ class DFlashDrafter(nn.Module):
 
     @staticmethod
     def from_pretrained(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                        config: dict | None = None) -> "DFlashDrafter":
+                        config: dict | None = None, parsed: DrafterConfig | None = None) -> "DFlashDrafter":
         """Load a published-format drafter checkpoint directory: a DFlash drafter (also in
         transformers' assistant format, e.g. ``MuseGlimmerAssistantModel``), a DFlash 2 one
         (then a :class:`~dflash_torch.models.dflash2.DFlash2Drafter`), a Speculators-format
@@ -140,7 +141,9 @@ class DFlashDrafter(nn.Module):
         DFlash one (then a :class:`~dflash_torch.models.laguna_drafter.LagunaDrafter`). ``config``:
         its ``config.json`` dict as read and completed by the caller (e.g. a mask token id
         resolved with the target's tokenizer, :func:`~dflash_torch.models.config.fill_mask_token_id`);
-        None reads the file.
+        None reads the file. ``parsed``: ``config``'s :class:`DrafterConfig` where the caller
+        has it already (not parsed again, so that a warning of the parse is said once; the
+        caller's object is not changed), else None.
 
         Raises:
             DFlashError: not a DFlash config, a ``mask_embedding.pt`` beside it (a learned
@@ -153,7 +156,7 @@ class DFlashDrafter(nn.Module):
             raise DFlashError(f"drafter {model_dir} ships mask_embedding.pt (a learned mask-token embedding outside "
                               "its safetensors); dflash-torch embeds mask tokens with the embedding table and does "
                               "not read that file")
-        cfg = DrafterConfig.from_dict(raw)
+        cfg = DrafterConfig.from_dict(raw) if parsed is None else copy.deepcopy(parsed)
         if cfg.speculators is not None:  # (which optional tensors it ships decides the modules)
             from .speculators import match_checkpoint
 

@@ -313,7 +313,7 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None
     validate_pair(target_cfg, src_cfg)
     if src_cfg.dflash2 is not None and cfg.arch != "dflash2":
         raise DFlashError(f"--init-from {cfg.init_from} is a DFlash 2 drafter; train it with --arch dflash2")
-    source = DFlashDrafter.from_pretrained(src_dir, torch.float32, config=raw)
+    source = DFlashDrafter.from_pretrained(src_dir, torch.float32, config=raw, parsed=src_cfg)
     if source.config.own_embedding or source.config.own_lm_head:  # (this trainer's drafters read the target's)
         raise DFlashError(f"--init-from {cfg.init_from} ships its own embedding table / LM head; dflash-torch trains "
                           "drafters that read the target's (initialize from one without, or train from scratch)")
