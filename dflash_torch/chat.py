@@ -34,6 +34,7 @@ from .cli import (
     check_stdout,
     check_warmup_context,
     error_message,
+    interrupt_again,
     load_engine,
     warm_up,
     write_stdout,
@@ -319,6 +320,8 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
         return None
     finally:
         chunks.close()  # (frees the engine for the next turn)
+    if finish == "interrupted":  # (the chat goes on: the next Ctrl-C interrupts again)
+        interrupt_again()
     if parser is not None:
         show(*parser.finish())
     write_stdout("\n")

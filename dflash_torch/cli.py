@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -544,22 +545,62 @@ def _drop_stdout() -> None:
             pass
 
 
+_interrupts_raised: int | None = None  # the KeyboardInterrupts _on_sigint raised (None: it raises none)
+
+
+def _on_sigint(signum, frame) -> None:
+    """The command's SIGINT handler (see :func:`entry`): the first Ctrl-C raises
+    ``KeyboardInterrupt``; a second one does only while a call still runs on the compute
+    thread (:func:`dflash_torch.compute.busy`: it stops waiting for that call, and the process
+    exits at once), and any other is ignored, so that none interrupts the command's clean-up."""
+    global _interrupts_raised
+    compute = sys.modules.get(f"{__package__}.compute")
+    if _interrupts_raised == 0 or (_interrupts_raised == 1 and compute is not None and compute.busy()):
+        _interrupts_raised += 1
+        raise KeyboardInterrupt
+
+
+def interrupt_again() -> None:
+    """After a Ctrl-C that the command handled and goes on from (chat's interrupted reply): the
+    next Ctrl-C interrupts it again, as the first did (see :func:`entry`)."""
+    global _interrupts_raised
+    if _interrupts_raised is not None:
+        _interrupts_raised = 0
+
+
+def _on_unraisable(unraisable) -> None:
+    """The command's ``sys.unraisablehook``: a Ctrl-C that arrives just as SIGINT is set to be
+    ignored, CPython reports ("OSError: Signal 2 ignored due to race condition"); ignored is
+    what the command meant, so that report is dropped. Any other goes to Python's hook."""
+    if str(unraisable.exc_value) != f"Signal {signal.SIGINT.value} ignored due to race condition":
+        sys.__unraisablehook__(unraisable)
+
+
 def entry() -> None:
-    """The ``dflash-torch`` command: :func:`main`, then exit with its status. Where a call still
-    runs on the compute thread (a second Ctrl-C stopped waiting for it), the process exits
-    without finalizing the interpreter, which would stop that thread inside a torch op and
-    abort the process ("terminate called without an active exception"). A command ended by
-    Ctrl-C (status 130) ignores a further one while the interpreter exits: it raised
-    ``KeyboardInterrupt`` tracebacks from the exit callbacks ("Exception ignored in atexit
-    callback")."""
+    """The ``dflash-torch`` command: :func:`main`, then exit with its status. Ctrl-C (SIGINT)
+    raises ``KeyboardInterrupt`` once (the command then ends with status 130); a quick run of
+    further ones is ignored rather than raising tracebacks from the clean-up it interrupts or
+    from the exit callbacks ("Exception ignored in atexit callback"), except one that stops
+    waiting for a call on the compute thread (see :func:`dflash_torch.compute.run`). Where
+    such a call still runs, the process exits without finalizing the interpreter, which
+    would stop that thread inside a torch op and abort the process ("terminate called
+    without an active exception"). A process started with SIGINT ignored keeps it ignored."""
+    global _interrupts_raised
+    installed = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if installed:
+        _interrupts_raised = 0
+        sys.unraisablehook = _on_unraisable
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         code = main()
     except SystemExit as exc:  # (train's Ctrl-C: SystemExit(130) once its checkpoint is saved)
         code = exc.code
-    if code == 130:
-        import signal
-
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except KeyboardInterrupt:  # (one that lands after main's own handling)
+        code = 130
+    finally:
+        _interrupts_raised = None  # (the command has ended: a Ctrl-C now is ignored)
+    if installed:  # (and stays ignored while the interpreter finalizes, which would set a Python handler's
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # signal back to its default action: killed by SIGINT)
     compute = sys.modules.get(f"{__package__}.compute")  # (not imported: nothing ran there; nor is torch loaded)
     if compute is not None and compute.busy():
         sys.stdout.flush()
@@ -568,5 +609,7 @@ def entry() -> None:
     sys.exit(code)
 
 
-if __name__ == "__main__":
-    entry()
+if __name__ == "__main__":  # (python -m dflash_torch.cli: the package's module runs it, whose state chat shares)
+    from dflash_torch.cli import entry as _entry
+
+    _entry()

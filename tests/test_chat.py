@@ -123,6 +123,53 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_pair):
     assert re.search(r"^\[[1-9][0-9]* tokens, finish=interrupted\]$", err, re.M) and len(stats_lines(err)) == 1, err
 
 
+def test_ctrl_c_stops_each_reply_after_an_interrupted_one(tiny_pair):
+    """A command ignores the Ctrl-Cs after the one that stopped it (dflash_torch.cli.entry), but
+    chat goes on after an interrupted reply: there the next Ctrl-C stops the next reply too."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    target, drafter = tiny_pair
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "chat", "--target", str(target), "--draft",
+                             str(drafter), "--block-size", "1", "--max-new-tokens", "400",
+                             "--ignore-eos"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env)
+    err = b""
+
+    def wait(what):
+        deadline = time.monotonic() + 120
+        while not what():
+            assert time.monotonic() < deadline and proc.poll() is None, err
+            time.sleep(0.02)
+
+    try:
+        os.set_blocking(proc.stdout.fileno(), False)
+        os.set_blocking(proc.stderr.fileno(), False)
+        for turn, line in enumerate([b"def f(x):\n", b"class A:\n"], 1):
+            proc.stdin.write(line)
+            proc.stdin.flush()
+            wait(lambda: proc.stdout.read(64))  # the reply has started
+            proc.send_signal(signal.SIGINT)
+
+            def stopped():
+                nonlocal err
+                err += proc.stderr.read() or b""
+                return err.count(b"finish=interrupted") == turn
+
+            wait(stopped)
+            proc.stdout.read()  # (what the reply wrote meanwhile)
+        _, rest = proc.communicate(b"/exit\n", timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = (err + rest).decode()
+    assert proc.returncode == 0, err
+    assert len(re.findall(r"^\[[1-9][0-9]* tokens, finish=interrupted\]$", err, re.M)) == 2, err
+
 def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path):
     """``--generation-config auto`` (the default): the sampling values the target's
     generation_config.json recommends, where no flag gives them, said on stderr; a flag
