@@ -217,14 +217,19 @@ class SlotKVCache(RingLayers):
     With ``checkpoints``, each ring also has a second copy per slot, written by :meth:`save`
     and read back by :meth:`restore` (the ring at a prompt's end, for prefix reuse);
     :meth:`move` and :meth:`swap` carry them.
+
+    ``slots``, ``dtype`` and ``device`` are given apart from the buffers: a target with no
+    attention layer (all recurrent) has none.
     """
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], windows: list[int | None],
-                 rings: list[int | None], capacity: int, saved: list[torch.Tensor] | None = None):
+                 rings: list[int | None], capacity: int, slots: int, dtype: torch.dtype, device: torch.device,
+                 saved: list[torch.Tensor] | None = None):
         self.k, self.v = [static_buffer(t) for t in k], [static_buffer(t) for t in v]  # (views too: see cache.py)
         self.windows, self.rings, self._capacity = windows, rings, capacity
+        self.dtype, self.device = dtype, torch.device(device)
         self._saved = saved or []  # ring checkpoints: per ring layer, its keys then its values
-        self._rows = torch.arange(k[0].shape[0], device=k[0].device)
+        self._rows = torch.arange(slots, device=self.device)
         self._views: dict[int, SlotKVCache] = {}
 
     @classmethod
@@ -241,18 +246,19 @@ class SlotKVCache(RingLayers):
              for (heads, hd), n in zip(layer_shapes(num_layers, kv_heads, head_dim), buffer_rows(rings, capacity))]
         v = [torch.zeros_like(t) for t in k]
         saved = [torch.zeros_like(t) for t, r in zip(k + v, rings + rings) if r is not None] if checkpoints else None
-        return cls(k, v, windows, rings, capacity, saved)
+        return cls(k, v, windows, rings, capacity, slots, dtype, device, saved)
 
     def first(self, n: int) -> "SlotKVCache":
         """A view of slots ``[0, n)`` (the same object for the same ``n``)."""
         if n not in self._views:
             self._views[n] = SlotKVCache([t[:n] for t in self.k], [t[:n] for t in self.v], self.windows, self.rings,
-                                         self._capacity)
+                                         self._capacity, n, self.dtype, self.device)
         return self._views[n]
 
     def slot(self, i: int) -> KVCache:
         """Slot ``i`` as a single-sequence :class:`KVCache` (views: writes land in this cache)."""
-        return KVCache.of([t[i] for t in self.k], [t[i] for t in self.v], self.windows, self.rings, self._capacity)
+        return KVCache.of([t[i] for t in self.k], [t[i] for t in self.v], self.windows, self.rings, self._capacity,
+                          self.dtype, self.device)
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ``[kv_heads, n * T, head_dim]`` (the rows of n sequences in

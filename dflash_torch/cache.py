@@ -151,11 +151,12 @@ class KVCache(RingLayers):
 
     @classmethod
     def of(cls, k: list[torch.Tensor], v: list[torch.Tensor], windows: list[int | None], rings: list[int | None],
-           capacity: int) -> "KVCache":
+           capacity: int, dtype: torch.dtype, device: torch.device | str) -> "KVCache":
         """A cache over existing buffers ``[kv_heads, rows, head_dim]`` per layer (e.g. views
         of a slot of a :class:`~dflash_torch.batch.SlotKVCache`: writes land there), with
-        these windows, ring sizes and capacity (positions)."""
-        kv = cls(len(k), [t.shape[0] for t in k], [t.shape[2] for t in k], k[0].dtype, k[0].device, windows)
+        these windows, ring sizes, capacity (positions), dtype and device (those of the
+        buffers; given apart, as a target with no attention layer has no buffer)."""
+        kv = cls(len(k), [t.shape[0] for t in k], [t.shape[2] for t in k], dtype, device, windows)
         kv.rings, kv._capacity, kv.k, kv.v = list(rings), capacity, list(k), list(v)
         return kv
 

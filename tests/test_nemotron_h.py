@@ -356,3 +356,34 @@ def test_init_from_target_where_the_first_copied_block_has_no_input_norm(tmp_pat
     assert torch.equal(drafter.fc.weight, torch.eye(H)) and torch.equal(drafter.hidden_norm.weight, fresh["hidden_norm.weight"])
     assert all(torch.equal(v, fresh["layers.0." + k]) for k, v in drafter.layers[0].state_dict().items())
     torch.testing.assert_close(drafter.norm.weight, target.model.norm.weight)
+
+
+@pytest.mark.parametrize("pattern", ["MMMM", "M-ME"])
+def test_batches_of_a_target_with_no_attention_layer(tmp_path, tokenizer_dir, pattern):
+    """A target with no attention block (no K/V cache at all): batched engines, with a drafter
+    and target-only, give the single-sequence greedy tokens (those of transformers' forward
+    without a cache: its ``generate`` needs an attention layer), and a second call whose
+    prompts extend the first's reuses their rows (each slot's recurrent checkpoint). Batched
+    engines (every server) used to fail building their slot caches with an IndexError."""
+    from dflash_torch import DFlashEngine
+
+    target = make_nemotron_target(tmp_path / "t", hybrid_override_pattern=pattern, n_group=1, topk_group=1)
+    copy_tokenizer(tokenizer_dir, target)
+    drafter = save_drafter(tmp_path / "d", drafter_config(target, block_size=8))
+    spec = DFlashEngine.from_pretrained(target, drafter)
+    assert spec.target.num_kv_layers == 0
+    first = [[5, 17, 99, 3], list(range(2, 30))]
+    second = [p + [7, 8, 9] for p in first]
+    alone = DFlashEngine(spec.target, spec.tokenizer)
+    refs = {tuple(p): alone.generate(p, max_new_tokens=20, ignore_eos=True).token_ids for p in first + second}
+    hf, ids = load_hf(target), first[0]
+    with torch.no_grad():
+        for _ in range(20):
+            ids = ids + [int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax())]
+    assert ids[len(first[0]):] == refs[tuple(first[0])]
+    for drafts in (spec.drafter, None):
+        batch = DFlashEngine(spec.target, spec.tokenizer, drafts, max_batch_size=2, max_context=128)
+        for prompts in (first, second):
+            outs = batch.generate_batch(prompts, max_new_tokens=20, ignore_eos=True)
+            assert [o.token_ids for o in outs] == [refs[tuple(p)] for p in prompts], drafts
+        assert batch.batch_decoder().reused_prefill_tokens == sum(map(len, first))
