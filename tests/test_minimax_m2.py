@@ -202,12 +202,19 @@ def test_a_config_without_rope_theta_takes_transformers_default(checkpoint, tmp_
     ({"rotary_dim": 32, "rope_parameters": {"rope_theta": 5e6, "rope_type": "default"}}, "rotary_dim 32 exceeds head_dim 16"),
     ({"num_experts_per_tok": 7}, r"num_experts_per_tok 7 must be in \[1, num_local_experts=6\]"),
     ({"intermediate_size": None}, "lacks intermediate_size"),
+    ({"sliding_window": 4}, "sliding_window 4 is not supported for minimax_m2"),
 ])
 def test_configs_of_other_models_are_refused_in_one_line(checkpoint, tmp_path, config, message):
     target = edited_checkpoint(checkpoint[0], tmp_path / "edited", config=lambda cfg: cfg.update(config))
     with pytest.raises(DFlashError, match=message) as err:
         TargetModel.from_pretrained(target, torch.float32)
     assert "\n" not in str(err.value)
+
+
+def test_a_null_sliding_window_is_read(checkpoint, tmp_path):
+    """``sliding_window: null`` (what transformers writes by default) is full attention."""
+    target = edited_checkpoint(checkpoint[0], tmp_path / "edited", config=lambda cfg: cfg.update(sliding_window=None))
+    assert TargetModel.from_pretrained(target, torch.float32).kv_windows() == [None] * 4
 
 
 def test_a_missing_expert_is_named_in_one_line(checkpoint, tmp_path):

@@ -26,6 +26,8 @@ not read. The remote-code fields of the published configs that transformers' cla
 not read either are checked where they would describe another model (``attn_type_list``
 with linear-attention layers, ``qk_norm_type`` other than ``"per_layer"``,
 ``scoring_func`` other than ``"sigmoid"``, a shared expert, no routing bias), else ignored.
+A ``sliding_window`` (not null) is refused: transformers' attention mask ignores it while
+its cache applies it, so it describes no one model.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ def _refuse_variants(cfg: dict) -> None:
         if cfg.get(key, supported) != supported:
             raise DFlashError(f"target config.json {key} {cfg[key]!r} is not supported for minimax_m2 "
                               f"(only {supported!r})")
+    if cfg.get("sliding_window") is not None:
+        raise DFlashError(f"target config.json sliding_window {cfg['sliding_window']!r} is not supported for "
+                          "minimax_m2 (transformers' attention ignores it, other engines may apply it)")
     if check_int(cfg, "shared_intermediate_size", "target", minimum=0):
         raise DFlashError("target config.json has shared_intermediate_size > 0 (a shared expert); minimax_m2 "
                           "targets with a shared expert are not supported")
