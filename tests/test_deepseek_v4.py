@@ -417,6 +417,10 @@ LEGACY = [
         "main": {"rope_type": "default", "partial_rotary_factor": 0.25},
         "compress": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
                      "partial_rotary_factor": 0.25}}},
+    # nested parts without partial_rotary_factor, and with the one qk_rope_head_dim / head_dim gives
+    {"partial_rotary_factor": 0.5, "rope_parameters": {"main": {"rope_type": "default"}, "compress": {"rope_type": "default"}}},
+    {"qk_rope_head_dim": 8, "rope_parameters": {"main": {"partial_rotary_factor": 0.25},
+                                                "compress": {"partial_rotary_factor": 0.25}}},
 ]
 
 
@@ -454,6 +458,11 @@ def test_legacy_config_folds_as_transformers(legacy):
     ({"norm_topk_prob": False}, "norm_topk_prob"),
     ({"swiglu_limit": 0}, "swiglu_limit"),
     ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantized"),  # (FP8: test_deepseek_v4_quant.py)
+    # (transformers rotates each nested part by its own factor; we rotate by the top-level one)
+    ({"rope_parameters": {"main": {"partial_rotary_factor": 0.75}, "compress": {"partial_rotary_factor": 0.25}}},
+     r"rope_parameters.main.partial_rotary_factor 0.75 disagrees with the top-level partial_rotary_factor 0.25"),
+    ({"rope_parameters": {"main": {}, "compress": {**YARN, "partial_rotary_factor": 0.5}}},
+     r"rope_parameters.compress.partial_rotary_factor 0.5 disagrees with the top-level partial_rotary_factor 0.25"),
 ])
 def test_unsupported_configs_are_refused(change, match):
     raw = {"model_type": "deepseek_v4", **TINY, **change}

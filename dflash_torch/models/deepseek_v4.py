@@ -138,14 +138,25 @@ def _rope_parts(text: dict, fraction: float) -> dict[str, dict]:
     else a flat ``rope_parameters`` / ``rope_scaling`` rule applies to "compress" only, with
     YaRN's attention factor 1 unless given; "main" is plain RoPE of ``rope_theta``; a nested
     part without a ``rope_theta`` takes the top-level ``rope_theta``, the compress part too). A
-    ``rope_scaling`` is read in place of ``rope_parameters``, as transformers reads it."""
+    ``rope_scaling`` is read in place of ``rope_parameters``, as transformers reads it.
+    ``fraction``: the top-level ``partial_rotary_factor`` (given or derived).
+
+    Raises:
+        DFlashError: not an object, or a nested part's ``partial_rotary_factor`` that is not
+            ``fraction`` (transformers rotates that part by its own; this engine by
+            ``fraction``)."""
     key = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
     rp = text.get(key) or {}
     if not isinstance(rp, dict):
         raise DFlashError(f"target config.json {key} must be an object, got {rp!r}")
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         parts = {"main": dict(rp["main"]), "compress": dict(rp["compress"])}
-        for part in parts.values():
+        for name, part in parts.items():
+            given = part.get("partial_rotary_factor", fraction)
+            if isinstance(given, bool) or not isinstance(given, (int, float)) or given != fraction:
+                raise DFlashError(f"target config.json {key}.{name}.partial_rotary_factor {given!r} disagrees with "
+                                  f"the top-level partial_rotary_factor {fraction!r} (the one this engine rotates "
+                                  "by and sizes qk_rope_head_dim with); make them equal")
             part.setdefault("rope_type", part.get("type", "default"))
             part.setdefault("rope_theta", text["rope_theta"])  # (both parts: transformers' fill, not compress_rope_theta)
         return parts
