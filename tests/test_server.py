@@ -457,6 +457,8 @@ BAD_REQUESTS = [
     ("logit_bias above 100", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias.5"),
     ("logit_bias key not an id", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x5": 1}}, 400, "logit_bias"),
+    ("logit_bias of one token twice", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 1, "05": 2}}, 400,
+     "logit_bias"),  # (trial-146: the last one won)
     ("logit_bias id out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"100000": -100}}, 400, "logit_bias"),
     # (helper-27: Python's advice to call sys.set_int_max_str_digits)
     ("logit_bias key of 5000 digits", "/v1/completions", {"prompt": "x", "logit_bias": {"1" * 5000: 1}}, 400,

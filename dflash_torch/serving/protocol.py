@@ -175,7 +175,8 @@ class _Request(BaseModel):
     @field_validator("logit_bias", mode="after")
     @classmethod
     def _token_ids(cls, bias: dict[str, float] | None) -> dict[int, float] | None:
-        """The keys as token ids: decimal digits only (``"50256"``; not ``"-1"``, ``" 5"``, ``"5.0"``)."""
+        """The keys as token ids: decimal digits only (``"50256"``; not ``"-1"``, ``" 5"``, ``"5.0"``),
+        each token once (not ``"5"`` and ``"05"``)."""
         if bias is None:
             return None
         bad = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
@@ -185,7 +186,13 @@ class _Request(BaseModel):
         huge = next((d for d in digits.values() if len(d) > 18), None)
         if huge is not None:
             raise ValueError(f"keys must be token ids in the vocabulary, got one of {len(huge)} digits")
-        return {int(digits[k]): float(v) for k, v in bias.items()}
+        out, keys = {}, {}
+        for k, v in bias.items():
+            token = int(digits[k])
+            if token in keys:  # ("5" and "05": which bias is meant? the engine's check, whose keys these are)
+                raise ValueError(f"gives token {token} twice (as {keys[token]!r} and {k!r})")
+            out[token], keys[token] = float(v), k
+        return out
 
     def constraints(self) -> list[tuple[str, dict]]:
         """``(param, structured output)`` of each structured-output field given (a valid
