@@ -1315,6 +1315,24 @@ def test_a_failed_or_interrupted_export_never_leaves_a_broken_drafter(tiny_pair,
     assert DFlashEngine.from_pretrained(target, out).drafter.config.num_hidden_layers == 2
     assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors", "training_log.json"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    # weights that cannot be moved into place (a directory there): the old config.json stays (trial-146: removed)
+    config = (out / "config.json").read_bytes()
+    (out / "model.safetensors").unlink()
+    (out / "model.safetensors").mkdir()
+    assert cli_main([*args, "--num-layers", "2", "--overwrite"]) == 2
+    assert "dflash-torch: error: cannot export the drafter to" in capsys.readouterr().err
+    assert (out / "config.json").read_bytes() == config
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors", "training_log.json"]
+    # a training_log.json that cannot be written: one line (trial-146: a traceback), the drafter exported
+    (out / "model.safetensors").rmdir()
+    (out / "training_log.json").unlink()
+    (out / "training_log.json").mkdir()
+    assert cli_main([*args, "--num-layers", "2", "--overwrite"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dflash-torch: error: the drafter is saved in {out}, but its training_log.json could not be written: "
+        "Is a directory")
+    assert DFlashEngine.from_pretrained(target, out).drafter.config.num_hidden_layers == 2
 
 
 def test_a_ctrl_c_in_the_last_evaluation_saves_a_checkpoint_that_resume_exports(tiny_pair, tmp_path, capsys,

@@ -1025,11 +1025,6 @@ class Trainer:
         with ignored_interrupt():  # (a Ctrl-C now: the checkpoint, the drafter and its log are written whole)
             save_checkpoint()
             train_time = elapsed()
-            try:
-                out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype, self.log)
-            except OSError as exc:  # (a full disk: --out keeps what it held)
-                raise DFlashError(f"cannot export the drafter to {cfg.out}: {exc.strerror or exc}; the checkpoint of "
-                                  f"step {step} is saved in {ckpt_path}: run again with --resume to export it") from None
             info = {
                 "command": "dflash-torch train " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "train" else None,
                 "config": asdict(cfg), "drafter_config": dcfg.to_dict(), "mask_token_id_source": how, "gamma": gamma,
@@ -1039,8 +1034,16 @@ class Trainer:
                 "final_eval": evals[-1] if evals else None, "eval_history": evals, "loss_history": history,
                 "torch_version": torch.__version__,
             }
-            _unlink_if_link(out_dir / "training_log.json")
-            (out_dir / "training_log.json").write_text(json.dumps(info, indent=2) + "\n")
+            try:
+                out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype, self.log)
+            except OSError as exc:  # (a full disk: --out keeps what it held)
+                raise DFlashError(f"cannot export the drafter to {cfg.out}: {exc.strerror or exc}; the checkpoint of "
+                                  f"step {step} is saved in {ckpt_path}: run again with --resume to export it") from None
+            try:
+                _write_replacing(out_dir / "training_log.json", json.dumps(info, indent=2) + "\n")
+            except OSError as exc:
+                raise DFlashError(f"the drafter is saved in {out_dir}, but its training_log.json could not be "
+                                  f"written: {exc.strerror or exc}") from None
         self.log(f"saved drafter to {out_dir} (step {step}, train loss {info['final_train_loss']}, "
                  f"eval {info['final_eval']}, {train_time / 60:.1f} min)")
         return info
@@ -1085,8 +1088,9 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
 
     Both files are written to temporary files in ``out_dir`` first: an error (a full disk) or a
     Ctrl-C while they are written removes them and leaves ``out_dir`` as it was. Then, with
-    Ctrl-C ignored, the old ``config.json`` is removed, the weights are moved into place and the
-    new ``config.json`` last, as the mark of a complete drafter: a crash between these renames
+    Ctrl-C ignored, the old ``config.json`` is moved aside (and back where the weights cannot
+    be moved into place), the weights are moved into place and the new ``config.json`` last,
+    as the mark of a complete drafter: a crash between these renames
     (a kill, a power cut) leaves weights without a config, never weights beside another
     drafter's config.
 
@@ -1110,8 +1114,17 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
         for tmp in (weights, config):
             os.chmod(tmp, 0o644)  # (safetensors and mkstemp create them owner-only)
         with ignored_interrupt():  # (os.replace replaces a link itself, not the file it names)
-            (out_dir / "config.json").unlink(missing_ok=True)
-            os.replace(weights, out_dir / "model.safetensors")
+            old = out_dir / "config.json"
+            aside = None  # (the old config, kept until the new weights are in place)
+            if old.is_symlink() or old.exists():
+                aside = _temp_path(out_dir, "config.json.old", temps)
+                os.replace(old, aside)
+            try:
+                os.replace(weights, out_dir / "model.safetensors")
+            except OSError:  # (the old weights stay: so does their config)
+                if aside is not None:
+                    os.replace(aside, old)
+                raise
             removed = remove_stale_weights(out_dir)
             os.replace(config, out_dir / "config.json")
     finally:
@@ -1122,6 +1135,24 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
     return out_dir
 
 
+def _write_replacing(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file moved into place: an error (a full
+    disk) leaves what ``path`` held; a link there is replaced, not written through.
+
+    Raises:
+        OSError: it could not be written or moved.
+    """
+    temps: list[Path] = []
+    try:
+        tmp = _temp_path(path.parent, path.name, temps)
+        tmp.write_text(text)
+        os.chmod(tmp, 0o644)  # (mkstemp creates it owner-only)
+        os.replace(tmp, path)
+    finally:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
+
+
 def _temp_path(out_dir: Path, name: str, made: list[Path]) -> Path:
     """A new empty hidden file in ``out_dir`` (appended to ``made``) to write ``name`` to before
     it replaces ``name``."""
@@ -1129,10 +1160,3 @@ def _temp_path(out_dir: Path, name: str, made: list[Path]) -> Path:
     os.close(fd)
     made.append(Path(path))
     return made[-1]
-
-
-def _unlink_if_link(path: Path) -> None:
-    """Remove ``path`` where it is a symbolic link, so that what is written there next is a new
-    file, not written through the link into the file it names (a Hugging Face cache's blob)."""
-    if path.is_symlink():
-        path.unlink()
