@@ -546,17 +546,27 @@ def _drop_stdout() -> None:
 
 
 _interrupts_raised: int | None = None  # the KeyboardInterrupts _on_sigint raised (None: it raises none)
+_last_raised = 0.0  # when it raised the last one (time.monotonic(), seconds)
+INSIST_S = 1.0  # a Ctrl-C this long after the last one raised interrupts again (seconds)
 
 
 def _on_sigint(signum, frame) -> None:
     """The command's SIGINT handler (see :func:`entry`): the first Ctrl-C raises
-    ``KeyboardInterrupt``; a second one does only while a call still runs on the compute
-    thread (:func:`dflash_torch.compute.busy`: it stops waiting for that call, and the process
-    exits at once), and any other is ignored, so that none interrupts the command's clean-up."""
-    global _interrupts_raised
+    ``KeyboardInterrupt``; a second one does while a call still runs on the compute thread
+    (:func:`dflash_torch.compute.busy`: it stops waiting for that call, and the process exits
+    at once), and any one ``INSIST_S`` seconds or more after the last raised (the command
+    went on: an import swallowed it, trial-146, or its clean-up takes long); the quick
+    ones of a burst are ignored, so that none interrupts the command's clean-up."""
+    import time
+
+    global _interrupts_raised, _last_raised
+    if _interrupts_raised is None:
+        return
     compute = sys.modules.get(f"{__package__}.compute")
-    if _interrupts_raised == 0 or (_interrupts_raised == 1 and compute is not None and compute.busy()):
+    if _interrupts_raised == 0 or (_interrupts_raised == 1 and compute is not None and compute.busy()) \
+            or time.monotonic() - _last_raised >= INSIST_S:
         _interrupts_raised += 1
+        _last_raised = time.monotonic()
         raise KeyboardInterrupt
 
 

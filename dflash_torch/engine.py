@@ -1646,7 +1646,7 @@ def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list
         if any(isinstance(v, (list, tuple)) for v in value):
             kind = " or ".join(t.__name__ for t in nested)
             raise DFlashError(f"{name} mixes {kind} items and lists: give one list of {kind} items for all prompts, "
-                              f"or one item per prompt (each None, a {kind}, or a list of them)")
+                              f"or one item per prompt, each None or a list of {kind} items")
         return [value] * n
     if len(value) != n:
         raise DFlashError(f"{name} has {len(value)} values for {n} prompts (give one value, or one per prompt)")

@@ -237,7 +237,7 @@ def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models):
         engine.generate_batch([[5, 6], [7]], max_new_tokens=[1, 2, 3])
     # (trial-139: "stop must be a string or a list of strings", for a per-prompt form half given)
     with pytest.raises(DFlashError, match=r"^stop mixes str items and lists: give one list of str items for all "
-                                          r"prompts, or one item per prompt \(each None, a str, or a list of them\)$"):
+                                          r"prompts, or one item per prompt, each None or a list of str items$"):
         engine.generate_batch([[5, 6], [7]], stop=[["The"], "data"])
     with pytest.raises(DFlashError, match=r"^stop_token_ids mixes int items and lists"):
         engine.generate_batch([[5, 6], [7]], stop_token_ids=[3, [4]])

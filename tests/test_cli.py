@@ -249,6 +249,30 @@ def test_a_burst_of_ctrl_cs_exits_130_without_a_traceback(tiny_pair):
         assert b"Traceback" not in err and b"Exception ignored" not in err, err.decode()
 
 
+def test_a_ctrl_c_after_a_swallowed_one_interrupts_again(monkeypatch):
+    """The burst rule ignores the Ctrl-Cs right after the one raised; one that comes
+    cli.INSIST_S later raises again: a first one that an import swallowed (numpy's, inside
+    torch's, trial-146) left the command deaf to every later Ctrl-C. One while the compute
+    thread is busy raises too; none once the command has ended."""
+    import time
+
+    from dflash_torch import cli
+
+    monkeypatch.setattr(cli, "_interrupts_raised", 0)
+    monkeypatch.setattr(cli, "_last_raised", 0.0)
+    with pytest.raises(KeyboardInterrupt):
+        cli._on_sigint(2, None)
+    cli._on_sigint(2, None)  # (the burst's next one: ignored)
+    assert cli._interrupts_raised == 1
+    monkeypatch.setattr(cli, "_last_raised", time.monotonic() - cli.INSIST_S)
+    with pytest.raises(KeyboardInterrupt):
+        cli._on_sigint(2, None)
+    cli._on_sigint(2, None)
+    monkeypatch.setattr(cli, "_interrupts_raised", None)
+    monkeypatch.setattr(cli, "_last_raised", 0.0)
+    cli._on_sigint(2, None)  # (ended: ignored)
+
+
 def test_ctrl_c_while_the_command_line_starts_exits_130_without_a_traceback(pair_args):
     """Importing the command line does not import torch (the package's names load on first
     use), so a Ctrl-C while torch loads lands in ``main`` like any other: exit status 130,
