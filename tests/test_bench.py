@@ -521,7 +521,8 @@ def test_prompt_file_errors_name_the_file_and_line(tmp_path):
     with pytest.raises(DFlashError) as err:
         load_prompts(f, None)
     assert str(err.value) == f"{f}:2: not UTF-8 text (byte 0xe9)"
-    f.write_text('{"prompt": "a"}\n\n{"text": "b"}\n{"messages": [{"role": "user", "content": "c"}]}\n')
+    f.write_text('{"prompt": "a"}\n\n{"text": "b", "prompt": null}\n{"messages": [{"role": "user", "content": "c"}], '
+                 '"text": null}\n')  # (a null field is absent, as in train's records: trial-146)
     assert load_prompts(f, None) == ["a", "b", [{"role": "user", "content": "c"}]] and load_prompts(f, 1) == ["a"]
 
 

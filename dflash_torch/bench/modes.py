@@ -77,7 +77,7 @@ class ModeResult:
 
 def load_prompts(path: Path, limit: int | None) -> list[str | list[dict]]:
     """Prompts from a JSONL file; ``-``: stdin. Each line is an object with a ``prompt`` or
-    ``text`` field (a string), or a ``messages`` field (a chat: OpenAI's ``[{"role",
+    ``text`` field (a string), or a ``messages`` field (a null field counts as absent) (a chat: OpenAI's ``[{"role",
     "content"}, ...]``, which the engine renders with the target's chat template, as
     :meth:`~dflash_torch.DFlashEngine.encode_prompt` does; the messages themselves are
     checked there).
@@ -120,18 +120,18 @@ def load_prompts(path: Path, limit: int | None) -> list[str | list[dict]]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DFlashError(f"{where}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict) or not {"prompt", "text", "messages"} & obj.keys():
+        given = [k for k in ("prompt", "text", "messages") if obj.get(k) is not None] if isinstance(obj, dict) else []
+        if not given:  # (a null field counts as absent, as train's records)
             raise DFlashError(f"{where}: expected a JSON object with a 'prompt' (or 'text') field, or 'messages'")
-        given = [k for k in ("prompt", "text", "messages") if k in obj]
         if len(given) > 1:
             raise DFlashError(f"{where}: the object has {' and '.join(map(repr, given))}: which is the prompt? keep one")
-        if "messages" in obj:
+        if given == ["messages"]:
             prompt = obj["messages"]
             if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
                 raise DFlashError(f"{where}: 'messages' must be a non-empty list of chat messages "
                                   f"({{\"role\": ..., \"content\": ...}} objects), got {_short(prompt)}")
         else:
-            prompt = obj["prompt"] if "prompt" in obj else obj["text"]
+            prompt = obj[given[0]]
             if not isinstance(prompt, str) or not prompt:
                 raise DFlashError(f"{where}: the prompt must be a non-empty string, got {_short(prompt)}")
         try:  # (a JSON escape such as \ud800 decodes to a lone surrogate, which no tokenizer takes)
