@@ -95,16 +95,9 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_pair):
     reply of 79 tokens made the next turn overflow it.)"""
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
-    target, drafter = tiny_pair
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "chat", "--target", str(target), "--draft",
-                             str(drafter), "--block-size", "1", "--max-new-tokens", "500",
-                             "--ignore-eos"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env)
+    proc = _chat_process(tiny_pair, 500)
     try:
         proc.stdin.write(b"def f(x):\n")
         proc.stdin.flush()
@@ -128,16 +121,9 @@ def test_ctrl_c_stops_each_reply_after_an_interrupted_one(tiny_pair):
     chat goes on after an interrupted reply: there the next Ctrl-C stops the next reply too."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
-    target, drafter = tiny_pair
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "chat", "--target", str(target), "--draft",
-                             str(drafter), "--block-size", "1", "--max-new-tokens", "400",
-                             "--ignore-eos"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env)
+    proc = _chat_process(tiny_pair, 400)
     err = b""
 
     def wait(what):
@@ -169,6 +155,21 @@ def test_ctrl_c_stops_each_reply_after_an_interrupted_one(tiny_pair):
     err = (err + rest).decode()
     assert proc.returncode == 0, err
     assert len(re.findall(r"^\[[1-9][0-9]* tokens, finish=interrupted\]$", err, re.M)) == 2, err
+
+
+def _chat_process(pair, max_new_tokens: int):
+    """``dflash-torch chat`` on ``pair`` in a subprocess, its stdin, stdout and stderr piped
+    (one token per round: a reply long enough to be interrupted while it streams)."""
+    import os
+    import subprocess
+    import sys
+
+    target, drafter = pair
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "chat", "--target", str(target), "--draft",
+                             str(drafter), "--block-size", "1", "--max-new-tokens", str(max_new_tokens), "--ignore-eos"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
 
 def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path):
     """``--generation-config auto`` (the default): the sampling values the target's
