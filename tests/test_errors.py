@@ -1181,13 +1181,14 @@ def test_hugging_face_ids_resolve_from_the_local_cache(tiny_pair, tmp_path, monk
     if with_config:
         shutil.copy(target / "config.json", snapshot / "config.json")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # (read when huggingface_hub is imported)
     if with_config:
         assert resolve_model_dir("acme/tiny") == snapshot
     else:
         with pytest.raises(DFlashError, match=r"model 'acme/tiny' is in the Hugging Face cache \(.*\) without its config.json"):
             resolve_model_dir("acme/tiny")
-    with pytest.raises(DFlashError, match="'acme/other' is not a local directory and is not in the Hugging Face cache"):
+    with pytest.raises(DFlashError, match="'acme/other' is not a local directory and is not in the Hugging Face "
+                                          "cache; HF_HUB_OFFLINE is set, so it is not downloaded"):
         resolve_model_dir("acme/other")
 
 

@@ -1,0 +1,139 @@
+"""A Hugging Face id that is not in the cache is downloaded with huggingface_hub (its real
+client, over real HTTP) from a local server that answers the Hub's API for a few repos;
+then it is decoded exactly as the same checkpoint given as a directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pytest
+
+COMMIT = "c0ffee" + "0" * 34
+
+
+class _Hub(BaseHTTPRequestHandler):
+    """The Hub's API for the repos in ``self.server.repos`` (id -> directory): repo info,
+    the recursive file tree, and each file at ``/{id}/resolve/{revision}/{path}`` (HEAD
+    and GET). Any other repo answers 404 with the Hub's ``RepoNotFound`` error code."""
+
+    def log_message(self, *args):  # (quiet)
+        pass
+
+    def _files(self, root: Path) -> list[str]:
+        return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+    def _send(self, code: int, body: bytes = b"", headers: dict | None = None, head: bool = False):
+        self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _answer(self, head: bool):
+        path = unquote(urlparse(self.path).path).strip("/").split("/")
+        repos = self.server.repos
+        if path[:2] == ["api", "models"] and "/".join(path[2:4]) in repos:
+            root = repos["/".join(path[2:4])]
+            if path[4] == "revision":
+                info = {"id": "/".join(path[2:4]), "sha": COMMIT,
+                        "siblings": [{"rfilename": f} for f in self._files(root)]}
+                return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, head)
+            if path[4] == "tree":
+                tree = [{"type": "file", "path": f, "size": (root / f).stat().st_size,
+                         "oid": hashlib.sha1((root / f).read_bytes()).hexdigest()} for f in self._files(root)]
+                return self._send(200, json.dumps(tree).encode(), {"Content-Type": "application/json"}, head)
+        if len(path) >= 5 and "/".join(path[:2]) in repos and path[2] == "resolve":
+            file = repos["/".join(path[:2])] / "/".join(path[4:])
+            if file.is_file():
+                self.server.fetched.append("/".join(path[4:]))
+                data = file.read_bytes()
+                return self._send(200, data, {"X-Repo-Commit": COMMIT,
+                                              "ETag": '"' + hashlib.sha1(data).hexdigest() + '"'}, head)
+        self._send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"}, head)
+
+    def do_GET(self):
+        self._answer(head=False)
+
+    def do_HEAD(self):
+        self._answer(head=True)
+
+
+@pytest.fixture(scope="module")
+def hub(tiny_pair, tmp_path_factory):
+    """(endpoint URL, server): repos ``acme/target`` (the tiny target, plus files loading does not
+    read: PyTorch weights and an ``original/`` subfolder), ``acme/draft`` and ``acme/gguf``
+    (no config.json)."""
+    target, drafter = tiny_pair
+    root = tmp_path_factory.mktemp("hubrepos")
+    shutil.copytree(target, root / "target")
+    (root / "target" / "pytorch_model.bin").write_bytes(b"not read")
+    (root / "target" / "original").mkdir()
+    (root / "target" / "original" / "model.safetensors").write_bytes(b"not read")
+    (root / "gguf").mkdir()
+    (root / "gguf" / "model.gguf").write_bytes(b"GGUF")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
+    server.repos = {"acme/target": root / "target", "acme/draft": Path(drafter), "acme/gguf": root / "gguf"}
+    server.fetched = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", server
+    server.shutdown()
+
+
+def _generate(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_torch.cli", "generate", "def f(x):", "--max-new-tokens", "12",
+                           "--json", *args], capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                                   HF_HUB_DISABLE_PROGRESS_BARS="1", **env))
+
+
+def test_a_hub_id_not_cached_is_downloaded_then_read_from_the_cache(hub, tiny_pair, tmp_path):
+    endpoint, server = hub
+    target, drafter = tiny_pair
+    cache = tmp_path / "hub-cache"
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
+    local = _generate("--target", str(target), "--draft", str(drafter), env=env)
+    assert local.returncode == 0, local.stderr
+    server.fetched.clear()
+    got = _generate("--target", "acme/target", "--draft", "acme/draft", env=env)
+    assert got.returncode == 0, got.stderr
+    assert "downloading acme/target from the Hugging Face Hub" in got.stderr
+    assert json.loads(got.stdout)["text"] == json.loads(local.stdout)["text"]
+    assert json.loads(got.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
+    assert "model.safetensors" in server.fetched and "tokenizer.json" in server.fetched
+    assert "pytorch_model.bin" not in server.fetched and "original/model.safetensors" not in server.fetched
+    # cached now: used as it is, without the network (HF_HUB_OFFLINE, and a dead endpoint)
+    server.fetched.clear()
+    again = _generate("--target", "acme/target", "--draft", "acme/draft",
+                      env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
+    assert again.returncode == 0, again.stderr
+    assert "downloading" not in again.stderr and server.fetched == []
+    assert json.loads(again.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
+
+
+@pytest.mark.parametrize("model, env, message", [
+    ("acme/missing", {}, "cannot download model 'acme/missing' from the Hugging Face Hub: the Hub has no such "
+                         "model, or it is private"),
+    ("acme/gguf", {}, "model 'acme/gguf' on the Hugging Face Hub has no config.json"),
+    ("acme/target", {"HF_ENDPOINT": "http://127.0.0.1:9"}, "cannot download model 'acme/target' from the Hugging "
+                                                           "Face Hub: the Hub cannot be reached (ConnectError"),
+    ("acme/target", {"HF_HUB_OFFLINE": "1"}, "is not in the Hugging Face cache; HF_HUB_OFFLINE is set"),
+])
+def test_a_hub_id_that_cannot_be_downloaded_is_one_line(hub, tmp_path, model, env, message):
+    endpoint, _ = hub
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "hub-cache"), "HF_HUB_OFFLINE": "0", **env}
+    got = _generate("--target", model, "--no-draft", env=env)
+    assert got.returncode == 2, got.stderr
+    last = got.stderr.strip().splitlines()[-1]
+    assert message in last, got.stderr
+    assert "Traceback" not in got.stderr
