@@ -267,7 +267,8 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
     """Stream one reply to stdout and its stats line to stderr -> ``(reasoning, answer)``
     (what was generated before a Ctrl-C too), or None when the engine refused the request (its
     error naming the flags, ``flags``: :func:`~dflash_torch.cli.error_message`; a prompt
-    past the context with a hint to /reset where the conversation has past turns, ``history``).
+    past the context led by "this conversation no longer fits" and followed by a hint to /reset
+    where the conversation has past turns, ``history``).
 
     ``reasoning``: the reply's format (:mod:`~dflash_torch.serving.reasoning`): its reasoning
     is shown after a ``[reasoning]`` line, then the answer after an ``[answer]`` line (markers
@@ -315,8 +316,11 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
         finish = "interrupted"
     except DFlashError as exc:
         full = "exceeds the context" in str(exc) or "leaves no room for a new token" in str(exc)
-        hint = "; /reset starts a new conversation" if history and full else ""
-        print(f"dflash-torch: error: {error_message(exc, flags)}{hint}", file=sys.stderr)
+        if history and full:  # (the earlier turns fill it: shortening this message may not help)
+            print(f"dflash-torch: error: this conversation no longer fits: {error_message(exc, flags)}; /reset "
+                  "starts a new conversation (--max-context is set when the chat starts)", file=sys.stderr)
+        else:
+            print(f"dflash-torch: error: {error_message(exc, flags)}", file=sys.stderr)
         return None
     finally:
         chunks.close()  # (frees the engine for the next turn)

@@ -71,7 +71,9 @@ def test_a_refused_turn_leaves_the_conversation_as_it_was(tiny_pair, engine):
     # (the prompt alone exceeds the context: named, not --max-new-tokens)
     pattern = r"dflash-torch: error: the prompt \((1[6-9]\d|[2-9]\d\d) tokens\) leaves no room for a new token in the context of 160 tokens; shorten it or raise --max-context \(up to 1024\)"
     assert re.fullmatch(pattern, errors[0]), errors  # (the first turn: nothing to /reset)
-    assert re.fullmatch(pattern + "; /reset starts a new conversation", errors[1]), errors
+    assert re.fullmatch(pattern.replace("error: ", "error: this conversation no longer fits: ")
+                        + r"; /reset starts a new conversation \(--max-context is set when the chat starts\)",
+                        errors[1]), errors  # (led by what fills it: the earlier turns)
     assert proc.stdout == "".join(r + "\n" for r in replies(engine, [["def f(x):", "class A:"]]))
 
 
