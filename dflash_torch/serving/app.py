@@ -107,8 +107,8 @@ from .reasoning import (GEMMA4_CLOSE, GEMMA4_OPEN, HARMONY_MARKERS, THINK_CLOSE,
 from .responses import ResponseBuilder, marker_pieces, sse_event
 from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, check_slots, choice_seed,
                         fit_max_tokens, log, make_backend, param_of)
-from .tools import (CALL_CLOSE, CALL_OPEN, FORCED_CALL_GRAMMARS, FORCED_CALL_MARKERS, GEMMA4_CALL_CLOSE,
-                    GEMMA4_CALL_OPEN, GEMMA4_QUOTE, GLM_MARKERS,
+from .tools import (CALL_CLOSE, CALL_OPEN, DEEPSEEK_MARKERS, FORCED_CALL_GRAMMARS, FORCED_CALL_MARKERS,
+                    GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_QUOTE, GLM_MARKERS, KIMI_MARKERS,
                     MINIMAX_CALL_CLOSE, MINIMAX_CALL_OPEN, check_tool_parser, new_reply_parser, parse_reply,
                     resolve_tool_parser)
 
@@ -469,7 +469,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             the chat template mentions ``<|channel>``, ``think`` when it mentions ``<think>``,
             else none.
         tool_call_parser: how the tool calls of a chat reply to a request with ``tools`` are
-            found (:mod:`.tools`): ``hermes``, ``qwen3_coder``, ``gemma4``, ``harmony`` (gpt-oss; needs the
+            found (:mod:`.tools`): ``hermes``, ``qwen3_coder``, ``glm45``, ``glm47``, ``minimax_m2``,
+            ``gemma4``, ``kimi_k2``, ``deepseek_v31``, ``harmony`` (gpt-oss; needs the
             ``harmony`` reasoning parser), ``none`` (the reply stays text), or ``auto``
             (default): by the model and its chat template (:func:`.tools.resolve_tool_parser`).
         generation_config: ``auto`` (default, as vLLM's ``--generation-config auto``): a
@@ -841,6 +842,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             markers += GLM_MARKERS
         elif with_tools and tool_calls == "minimax_m2":
             markers += (MINIMAX_CALL_OPEN, MINIMAX_CALL_CLOSE)
+        elif with_tools and tool_calls == "kimi_k2":
+            markers += KIMI_MARKERS
+        elif with_tools and tool_calls == "deepseek_v31":
+            markers += DEEPSEEK_MARKERS
         ids = {engine.tokenizer.convert_tokens_to_ids(m) for m in markers}
         return frozenset(i for i in ids if isinstance(i, int) and i in engine.special_token_ids)
 

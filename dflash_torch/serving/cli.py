@@ -67,7 +67,8 @@ def register(sub) -> None:
                         "analysis / final channels), none (all content), or auto (default: harmony for gpt-oss, gemma4 "
                         "when the chat template mentions <|channel>, think when it mentions <think>)")
     p.add_argument("--tool-call-parser", default="auto",
-                   choices=["auto", "none", "hermes", "qwen3_coder", "glm45", "glm47", "minimax_m2", "gemma4", "harmony"],
+                   choices=["auto", "none", "hermes", "qwen3_coder", "glm45", "glm47", "minimax_m2", "gemma4", "kimi_k2",
+                            "deepseek_v31", "harmony"],
                    help="find the tool calls of chat replies to requests with tools (message.tool_calls): hermes "
                         "(<tool_call>{json}</tool_call>: Qwen2.5, Qwen3), qwen3_coder (<tool_call><function=...>: "
                         "Qwen3-Coder, Qwen3.5, Qwen3.6), glm45 (<tool_call>NAME<arg_key>K</arg_key><arg_value>V"
@@ -75,6 +76,10 @@ def register(sub) -> None:
                         "without the newlines: GLM-4.7, GLM-5, GLM-5.1), "
                         "minimax_m2 (<minimax:tool_call><invoke name=...>: MiniMax-M2), "
                         "gemma4 (<|tool_call>call:NAME{...}<tool_call|>: Gemma 4), "
+                        "kimi_k2 (<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX"
+                        "<|tool_call_argument_begin|>{json}<|tool_call_end|>...: Kimi-K2, K2.5), "
+                        "deepseek_v31 (<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}"
+                        "<｜tool▁call▁end｜>...: DeepSeek-V3.1; V3 / R1's function<｜tool▁sep｜>NAME ```json``` too), "
                         "harmony (gpt-oss), none (replies stay text), or auto (default: by the model and its chat "
                         "template)")
     p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
@@ -183,7 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
 def unparsed_calls_warning(choice: str, resolved: str, chat_template: str | dict | None) -> str | None:
     """The start-up warning of ``--tool-call-parser auto`` that found no call format it knows
     (``resolved`` ``none``) in a chat template that renders tools or tool calls (its source
-    names ``tools`` or ``tool_calls``, as Kimi-K2's and DeepSeek's do; a dict of named
+    names ``tools`` or ``tool_calls``; a dict of named
     templates: any of them): the calls a reply writes come back as its text. None otherwise."""
     import re
 

@@ -30,6 +30,15 @@ Formats (``serve --tool-call-parser``):
   each holding one or more calls (names quoted with ``"`` or ``'``, or bare), read as
   MiniMax's guide reads them (:class:`MiniMaxM2Parser`): text between calls is ignored, a
   value loses its surrounding whitespace and is typed by the tool's schema.
+* ``kimi_k2`` (Kimi-K2, K2.5): a ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``
+  section holding one or more calls ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
+  {...}<|tool_call_end|>`` (:class:`KimiK2Parser`); a call's ``id`` is its header
+  ``functions.NAME:IDX``, as Kimi's template writes a call back.
+* ``deepseek_v31`` (DeepSeek-V3.1; V3 and R1 too): a ``<｜tool▁calls▁begin｜>`` ...
+  ``<｜tool▁calls▁end｜>`` section (fullwidth bars, ``▁`` for spaces) holding one or more calls
+  ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``, or as V3 / R1 write them
+  ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>``
+  (:class:`DeepSeekV31Parser`).
 * ``harmony`` (gpt-oss): a message whose recipient is ``functions.NAME``
   (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``;
   the recipient may also follow the role, ``<|start|>assistant to=functions.NAME``). Its
@@ -40,11 +49,12 @@ Formats (``serve --tool-call-parser``):
 A call whose arguments are not a JSON object (strict JSON: no NaN or Infinity, no number
 beyond a float's range, at most :data:`MAX_DEPTH` objects or lists deep), or that is still
 open when the reply is cut (``max_tokens``), stays in the content as the model wrote it (for
-harmony: its body), so no text is lost. In the marked-block formats (``<tool_call>``,
-``<|tool_call>``), a close marker after which the call does not parse may be text inside an
-argument: the call is read on to the next close marker (unless an open marker comes first),
-so the text after a malformed call is held back until that is known. In the ``<tool_call>``
-formats, whitespace next to a call (the newlines templates put between calls) is dropped,
+harmony: its body), so no text is lost; in the formats of sections of calls (MiniMax, Kimi,
+DeepSeek), a section with such a call stays content whole. In the marked-block formats
+(``<tool_call>``, ``<|tool_call>``, the sections), a close marker after which the call does
+not parse may be text inside an argument: the call is read on to the next close marker
+(unless an open marker comes first), so the text after a malformed call is held back until
+that is known. In the ``<tool_call>`` formats and the sections, whitespace next to a call (the newlines templates put between calls) is dropped,
 except that text before and after calls stays apart (the first whitespace next to the calls
 between them, e.g. ``"Sure.\n<call>\nDone."`` gives ``"Sure.\nDone."``);
 Gemma 4's calls sit inside the text, which keeps its spaces.
@@ -79,7 +89,8 @@ from ..options import JSON_TYPES, check_choice
 from .constraints import reasoning_start, text_or_token
 from .reasoning import HarmonyParser, ReasoningParser, _held, new_parser
 
-PARSERS = ("auto", "none", "hermes", "qwen3_coder", "glm45", "glm47", "minimax_m2", "gemma4", "harmony")
+PARSERS = ("auto", "none", "hermes", "qwen3_coder", "glm45", "glm47", "minimax_m2", "gemma4", "kimi_k2", "deepseek_v31",
+           "harmony")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MINIMAX_CALL_OPEN, MINIMAX_CALL_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
@@ -499,6 +510,85 @@ class Glm45Parser(Qwen3CoderParser):
             return _json(value.strip())
         except ValueError:
             return value
+
+
+# Kimi-K2's calls: a section of calls, each ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
+# {JSON}<|tool_call_end|>``
+KIMI_SECTION_OPEN, KIMI_SECTION_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL_OPEN, KIMI_ARGUMENTS, KIMI_CALL_CLOSE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+KIMI_MARKERS = (KIMI_SECTION_OPEN, KIMI_SECTION_CLOSE, KIMI_CALL_OPEN, KIMI_ARGUMENTS, KIMI_CALL_CLOSE)
+# the header of a Kimi call: ``functions.NAME:IDX`` (the prefix and the index as the model may leave them out)
+_KIMI_HEADER = re.compile(r"(?:functions\.)?([^\s<]+?)(:\d+)?")
+# DeepSeek's calls (fullwidth bars, "▁" for spaces): a section of calls, each
+# ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{JSON}<｜tool▁call▁end｜>`` (V3.1) or
+# ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{JSON}\n```<｜tool▁call▁end｜>`` (V3, R1)
+DEEPSEEK_CALLS_OPEN, DEEPSEEK_CALLS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL_OPEN, DEEPSEEK_SEP, DEEPSEEK_CALL_CLOSE = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+DEEPSEEK_MARKERS = (DEEPSEEK_CALLS_OPEN, DEEPSEEK_CALLS_CLOSE, DEEPSEEK_CALL_OPEN, DEEPSEEK_SEP, DEEPSEEK_CALL_CLOSE)
+_DEEPSEEK_V3_CALL = re.compile(r"\s*([^\s`]+)\s*```json\s*(.*?)\s*```\s*", re.S)
+
+
+def _section_calls(body: str, call_open: str, call_close: str) -> list[str] | None:
+    """The insides of the calls (``call_open`` ... ``call_close``) of a section's ``body``
+    when it holds one or more and nothing else (whitespace aside), a call ending at the
+    ``call_close`` that the next call or the section's end follows (so its arguments may hold
+    one); None otherwise."""
+    text = body.strip()
+    if len(text) < len(call_open) + len(call_close) or not text.startswith(call_open) or not text.endswith(call_close):
+        return None
+    boundary = re.escape(call_close) + r"\s*" + re.escape(call_open)
+    return re.split(boundary, text[len(call_open):-len(call_close)])
+
+
+class KimiK2Parser(ToolParser):
+    """Kimi-K2's ``<|tool_calls_section_begin|>`` section of calls
+    ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>``
+    (any whitespace between the parts). A call's ``id`` is its header as written
+    (``functions.NAME:IDX``, which Kimi's template writes back for the call); the
+    ``functions.`` prefix and ``:IDX`` may be missing (then the id is a ``call_`` one). A
+    section holding anything but such calls (or none) stays text."""
+
+    OPEN, CLOSE = KIMI_SECTION_OPEN, KIMI_SECTION_CLOSE
+
+    def parse_block(self, body: str) -> list[ToolCall] | None:
+        insides = _section_calls(body, KIMI_CALL_OPEN, KIMI_CALL_CLOSE)
+        if insides is None:
+            return None
+        calls = []
+        for inside in insides:
+            header, sep, arguments = inside.partition(KIMI_ARGUMENTS)
+            m, obj = _KIMI_HEADER.fullmatch(header.strip()), _json_object(arguments.strip())
+            if not sep or m is None or obj is None:
+                return None
+            calls.append(ToolCall(m[1], _dumps(obj)))
+            if m[2]:
+                calls[-1].id = header.strip()
+        return calls
+
+
+class DeepSeekV31Parser(ToolParser):
+    """DeepSeek's ``<｜tool▁calls▁begin｜>`` section of calls, each as V3.1 writes it
+    (``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``) or as V3 / R1 do
+    (``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>``),
+    any whitespace between the parts. A section holding anything but such calls (or none)
+    stays text."""
+
+    OPEN, CLOSE = DEEPSEEK_CALLS_OPEN, DEEPSEEK_CALLS_CLOSE
+
+    def parse_block(self, body: str) -> list[ToolCall] | None:
+        insides = _section_calls(body, DEEPSEEK_CALL_OPEN, DEEPSEEK_CALL_CLOSE)
+        if insides is None:
+            return None
+        calls = []
+        for inside in insides:
+            name, sep, arguments = inside.partition(DEEPSEEK_SEP)
+            m = _DEEPSEEK_V3_CALL.fullmatch(arguments) if name.strip() == "function" else None
+            name, arguments = (m[1], m[2]) if m else (name.strip(), arguments)
+            obj = _json_object(arguments.strip())
+            if not sep or not name or any(c.isspace() or c == "<" for c in name) or obj is None:
+                return None
+            calls.append(ToolCall(name, _dumps(obj)))
+        return calls
 
 
 class HarmonyToolParser(HarmonyParser):
@@ -1103,7 +1193,9 @@ def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:
 
 def resolve_tool_parser(choice: str, model_type: str, chat_template: str | dict | None, reasoning: str) -> str:
     """The format a server with ``--tool-call-parser choice`` uses: ``auto`` is ``harmony``
-    for gpt-oss, ``gemma4`` for a chat template with ``<|tool_call>``, ``minimax_m2`` for one
+    for gpt-oss, ``kimi_k2`` for a chat template with ``<|tool_calls_section_begin|>``,
+    ``deepseek_v31`` for one with ``<｜tool▁calls▁begin｜>``, ``gemma4`` for one with
+    ``<|tool_call>``, ``minimax_m2`` for one
     with ``<minimax:tool_call>``, ``glm47`` for one with ``<tool_call>`` and
     ``</arg_key><arg_value>`` (GLM-4.7 / 5), ``glm45`` for one with ``<tool_call>`` and
     ``<arg_key>`` otherwise (GLM-4.5 / 4.6), ``qwen3_coder`` for one
@@ -1123,7 +1215,9 @@ def resolve_tool_parser(choice: str, model_type: str, chat_template: str | dict 
             if isinstance(chat_template, dict):
                 chat_template = chat_template.get("tool_use") or chat_template.get("default")
             chat_template = chat_template or ""
-            choice = "gemma4" if GEMMA4_CALL_OPEN in chat_template else \
+            choice = "kimi_k2" if KIMI_SECTION_OPEN in chat_template else \
+                "deepseek_v31" if DEEPSEEK_CALLS_OPEN in chat_template else \
+                "gemma4" if GEMMA4_CALL_OPEN in chat_template else \
                 "minimax_m2" if MINIMAX_CALL_OPEN in chat_template else "none" if CALL_OPEN not in chat_template else \
                 ("glm47" if GLM_KEY_CLOSE + GLM_VALUE_OPEN in chat_template else "glm45") \
                 if GLM_KEY_OPEN in chat_template else "qwen3_coder" if "<function=" in chat_template else "hermes"
@@ -1143,7 +1237,8 @@ def new_reply_parser(reasoning: str, tools_kind: str, prompt_text: str = "",
         return ReplyParser(None, HarmonyToolParser(), not parallel)
     tool_parser = {"hermes": HermesParser, "qwen3_coder": lambda: Qwen3CoderParser(tools),
                    "glm45": lambda: Glm45Parser(tools), "glm47": lambda: Glm45Parser(tools),
-                   "minimax_m2": lambda: MiniMaxM2Parser(tools), "gemma4": Gemma4Parser}.get(tools_kind)
+                   "minimax_m2": lambda: MiniMaxM2Parser(tools), "gemma4": Gemma4Parser, "kimi_k2": KimiK2Parser,
+                   "deepseek_v31": DeepSeekV31Parser}.get(tools_kind)
     reasoning_parser = new_parser(reasoning, prompt_text)
     if reasoning_parser is None and tool_parser is None:
         return None
