@@ -1,21 +1,21 @@
 """Tool calls in sections of calls (dflash_torch/serving/tools.py): Kimi-K2's
 (``--tool-call-parser kimi_k2``) and DeepSeek-V3.1's, V3's and R1's (``deepseek_v31``),
 whole replies and the same replies fed in pieces (the result does not depend on the cuts),
-``auto`` picking them from the chat template, ``parallel_tool_calls`` false; and a real
-server with a tiny model that writes the calls, its markers special tokens (a template of
-our own)."""
+``auto`` picking them from the chat template, ``parallel_tool_calls`` false; a real server
+with a tiny model that writes the calls, its markers special tokens (templates of our own);
+forced calls (``tool_choice`` required / a named function) as those templates write them."""
 
 from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_torch import DFlashEngine
-from dflash_torch.serving.tools import new_reply_parser, parse_reply, resolve_tool_parser
+from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.serving.tools import (DEEPSEEK_MARKERS, KIMI_MARKERS, deepseek_v31_grammar, kimi_k2_grammar,
+                                         new_reply_parser, parse_reply, resolve_tool_parser)
 
 from conftest import TOOLS
 
@@ -208,7 +208,7 @@ def test_server_returns_kimi_and_deepseek_calls(kind, tmp_path_factory, tokenize
     """--tool-call-parser auto picks the format from the template; the markers (special
     tokens) are kept for the parser when a request skips special tokens, so the content and
     calls are the same either way, whole and streamed; ``parallel_tool_calls`` false keeps
-    the first call; ``tool_choice`` required has no grammar in these formats: refused."""
+    the first call."""
     from test_server_scheduler import _serve
     from test_tools import make_scripted_pair
 
@@ -244,5 +244,114 @@ def test_server_returns_kimi_and_deepseek_calls(kind, tmp_path_factory, tokenize
         choice = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, temperature=0,
                                                 max_tokens=4).choices[0]
         assert (choice.message.content, choice.message.tool_calls) == ("".join(script[:4]), None)
-        with pytest.raises(openai.BadRequestError, match="needs the hermes, qwen3_coder, glm45 or glm47 tool-call format"):
-            client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required")
+
+
+# --- forced calls: the grammar writes the calls as the templates above write them ------------------
+
+GRAMMARS = {"kimi_k2": (kimi_k2_grammar, KIMI_TEMPLATE, KIMI_MARKERS, "<|im_end|>"),
+            "deepseek_v31": (deepseek_v31_grammar, DEEPSEEK_TEMPLATE, DEEPSEEK_MARKERS, "")}
+
+
+def _assistant(calls: list[tuple[str, dict]], ids: list[str] | None = None) -> dict:
+    ids = ids or [f"functions.{name}:{i}" for i, (name, _) in enumerate(calls)]
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": id_, "type": "function", "function": {"name": name, "arguments": args}}
+        for id_, (name, args) in zip(ids, calls)]}
+
+
+def _written(tok, kind: str, calls: list[tuple[str, dict]], tools: list[dict] = TOOLS, ids=None) -> str:
+    """The text the template writes for an assistant turn of ``calls`` (after the prompt; Kimi's
+    ``<|im_end|>`` left out)."""
+    _, template, _, end = GRAMMARS[kind]
+    prompt = tok.apply_chat_template(MESSAGES, chat_template=template, tools=tools, tokenize=False,
+                                     add_generation_prompt=True)
+    rendered = tok.apply_chat_template(MESSAGES + [_assistant(calls, ids)], chat_template=template, tools=tools,
+                                       tokenize=False)
+    assert rendered.startswith(prompt) and rendered.endswith(end), rendered
+    return rendered[len(prompt):len(rendered) - len(end)]
+
+
+@pytest.mark.parametrize("kind", GRAMMARS)
+def test_grammar_takes_what_the_template_writes_and_the_parser_reads(kind, tokenizer_dir):
+    from llguidance import LLMatcher
+    from transformers import AutoTokenizer
+
+    from conftest import EOS_ID
+    from dflash_torch.structured import GrammarCompiler
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    llg = GrammarCompiler(tok, len(tok), [EOS_ID]).tokenizer()
+
+    def accepts(grammar: str, text: str) -> bool:
+        m = LLMatcher(llg, LLMatcher.grammar_from_lark(grammar))
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    grammar = GRAMMARS[kind][0]
+    good = [("get_weather", {"city": "Oslo <|tool_call_end|>", "days": 2, "metric": False, "hours": [1, "a"],
+                             "ratio": None}), ("get_time", {}), ("get_weather", {"city": "Paris", "ratio": 2.5})]
+    for calls in [[c] for c in good] + [good]:
+        text = _written(tok, kind, calls)
+        assert accepts(grammar(TOOLS), text), text
+        _, content, parsed = parse_reply(new_reply_parser("none", kind, tools=TOOLS), text, True)
+        assert content == "" and _calls(parsed) == calls
+    one, two = _written(tok, kind, good[:1]), _written(tok, kind, good[:2])
+    assert not accepts(grammar(TOOLS, parallel=False), two) and accepts(grammar(TOOLS, parallel=False), one)
+    assert not accepts(grammar(TOOLS, "get_time"), one) and accepts(grammar(TOOLS, "get_weather"), one)
+    for bad in ([("get_weather", {"days": 2})], [("get_weather", {"city": "x", "days": 1.5})], [("nope", {})]):
+        assert not accepts(grammar(TOOLS), _written(tok, kind, bad)), bad
+    assert not accepts(grammar(TOOLS), "Sure. " + one)
+    assert accepts(grammar(TOOLS, reasoning="opened"), "first</think>" + one)
+    if kind == "kimi_k2":  # (the index: the model's own number, as written)
+        assert accepts(grammar(TOOLS), _written(tok, kind, good[:1], ids=["functions.get_weather:12"]))
+        assert not accepts(grammar(TOOLS), _written(tok, kind, good[:1], ids=["functions.get_weather:x"]))
+    with pytest.raises(DFlashError, match="cannot be written as a .* call"):
+        grammar([{"type": "function", "function": {"name": "get weather"}}])
+
+
+# bounded values (an enum, a small integer): a random model's forced call ends
+FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"],
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                   "metric": {"type": "boolean"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("kind", GRAMMARS)
+def test_forced_calls_are_written_as_the_template_writes_them(kind, tmp_path):
+    """A server of a tiny random model with the template above (--tool-call-parser auto),
+    its markers special tokens: tool_choice a named function / required (one call: a random
+    model would call on and on) gives the call of target-only decoding with the grammar (which
+    takes the markers as tokens), and the template renders that call back (Kimi: with the id
+    the server returned) as the very text the model wrote."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    from conftest import VOCAB, make_target
+    from test_server_scheduler import _serve
+
+    grammar, template, markers, _ = GRAMMARS[kind]
+    target = make_target(tmp_path / "target", "qwen3", vocab_size=VOCAB + len(markers))
+    tok = AutoTokenizer.from_pretrained(str(target))
+    tok.add_tokens([AddedToken(m, special=True, normalized=False) for m in markers])
+    assert all(len(tok.encode(m, add_special_tokens=False)) == 1 for m in markers)
+    tok.chat_template = template
+    tok.save_pretrained(str(target))
+    engine = DFlashEngine.from_pretrained(target, no_draft=True)
+    ids = tuple(tok.convert_tokens_to_ids(m) for m in markers)
+    with _serve((target, None), tmp_path, "--no-draft") as server:
+        client = server.client()
+        model = client.models.list().data[0].id
+        for tool_choice, name in [({"type": "function", "function": {"name": "get_weather"}}, "get_weather"),
+                                  ("required", None)]:
+            forced = grammar(FORCED_TOOLS, name, parallel=False, call_tokens=ids)
+            want = engine.generate(MESSAGES, chat=True, tools=FORCED_TOOLS, max_new_tokens=200,
+                                   structured_output={"grammar": forced}, skip_special_tokens=False)
+            assert want.finish_reason == "stop" and want.text.startswith(markers[0]), want.text
+            r = client.chat.completions.create(model=model, messages=MESSAGES, tools=FORCED_TOOLS,
+                                               tool_choice=tool_choice, parallel_tool_calls=False, temperature=0,
+                                               max_tokens=200).choices[0]
+            assert r.finish_reason == "tool_calls" and r.message.content is None, r
+            calls = [(c.function.name, json.loads(c.function.arguments)) for c in r.message.tool_calls]
+            assert len(calls) == 1 and name in (None, calls[0][0])
+            written = _written(tok, kind, calls, FORCED_TOOLS, [c.id for c in r.message.tool_calls])
+            assert written == want.text, (written, want.text)

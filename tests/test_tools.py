@@ -901,5 +901,6 @@ def test_server_reads_gemma4_reasoning_and_calls_whose_markers_are_special_token
             assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
                 ("get_weather", {"city": "Paris", "days": 2})]
         # tool_choice required has no grammar in this format: refused, as for harmony
-        with pytest.raises(openai.BadRequestError, match="needs the hermes, qwen3_coder, glm45 or glm47 tool-call format"):
+        with pytest.raises(openai.BadRequestError,
+                           match="needs the hermes, qwen3_coder, glm45, glm47, kimi_k2 or deepseek_v31 tool-call format"):
             client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required")

@@ -33,8 +33,8 @@ Structured outputs (both endpoints): ``response_format`` (OpenAI: ``json_object`
 ``json_schema``), ``structured_outputs`` and ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar`` (vLLM) constrain the output
 (:mod:`dflash_torch.structured`); chat ``tool_choice`` ``required`` or a named function
-constrains it to tool calls (:func:`.tools.hermes_grammar`, :func:`.tools.qwen3_coder_grammar`; those
-two formats only). A
+constrains it to tool calls (:data:`.tools.FORCED_CALL_GRAMMARS`: hermes, qwen3_coder, glm45,
+glm47, kimi_k2, deepseek_v31). A
 constraint is compiled (and checked: a 400 names its field) in a thread before the request
 queues, so a slow compile holds neither the engine nor the event loop. In a chat whose
 template opened a reasoning (``<think>`` at the prompt's end, ``think`` reasoning parser),
@@ -878,8 +878,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     def check_tool_call_format(req) -> None:
         if tool_calls not in FORCED_CALL_GRAMMARS:
             raise APIError(400, f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'a named function'!r}"
-                                f" needs the hermes, qwen3_coder, glm45 or glm47 tool-call format, which constrained "
-                                f"decoding writes; "
+                                f" needs the hermes, qwen3_coder, glm45, glm47, kimi_k2 or deepseek_v31 tool-call "
+                                f"format, which constrained decoding writes; "
                                 f"this server's is {tool_calls!r} (--tool-call-parser); use tool_choice 'auto' or 'none'",
                            param="tool_choice", code="unsupported_parameter")
 

@@ -65,9 +65,10 @@ the reasoning parser, and the tool calls are looked for in the answer
 one message structure, so one parser, :class:`HarmonyToolParser` (the reasoning module's
 :class:`~.reasoning.HarmonyParser` that also reads recipients), does both.
 
-``tool_choice`` ``required`` or a named function (hermes, qwen3_coder, glm45, glm47):
-:func:`hermes_grammar`, :func:`qwen3_coder_grammar`, :func:`glm45_grammar` and
-:func:`glm47_grammar` are llguidance grammars that constrain the reply to the calls
+``tool_choice`` ``required`` or a named function (hermes, qwen3_coder, glm45, glm47, kimi_k2,
+deepseek_v31): :func:`hermes_grammar`, :func:`qwen3_coder_grammar`, :func:`glm45_grammar`,
+:func:`glm47_grammar`, :func:`kimi_k2_grammar` and :func:`deepseek_v31_grammar` (V3.1's layout)
+are llguidance grammars that constrain the reply to the calls
 themselves, written as the model's chat template writes them (structured outputs,
 :mod:`dflash_torch.structured`), so that the parser above reads them.
 
@@ -849,14 +850,17 @@ def _called_functions(tools: list[dict], name: str | None) -> list[dict]:
 
 
 def _calls_grammar(alternatives: list[str], rules: list[str], one: bool, reasoning: str | None,
-                   think_tokens: tuple[int | None, int | None], separator: str = "\n", lead: str = "") -> str:
+                   think_tokens: tuple[int | None, int | None], separator: str = "\n", lead: str = "",
+                   section: tuple[str, str] = ("", "")) -> str:
     """The grammar of a reply that is only calls: ``alternatives`` (one Lark expression per
     callable function) and their ``rules``; ``one``: exactly one call, else one or more
     separated by ``separator`` (a newline unless told); ``reasoning``: first the rest of the
     reasoning the template opened, or a reasoning the reply may open
-    (:func:`.constraints.reasoning_start`); ``lead``: a Lark expression before all that."""
+    (:func:`.constraints.reasoning_start`); ``lead``: a Lark expression before all that;
+    ``section``: Lark expressions before and after the calls (Kimi's, DeepSeek's section)."""
     calls = "call" if one else f"call ({json.dumps(separator)} call)*" if separator else "call+"
     head, reasoning_rules = reasoning_start(reasoning, think_tokens, _AFTER_REASONING)
+    calls = " ".join(e for e in (section[0], calls, section[1]) if e)
     return f"start: {lead}{head}{calls}\n" + "call: " + " | ".join(alternatives) + "\n" + "".join(rules) + reasoning_rules
 
 
@@ -1174,12 +1178,65 @@ def glm47_grammar(tools: list[dict], name: str | None = None, parallel: bool = T
     return _glm_grammar(tools, name, parallel, reasoning, think_tokens, call_tokens, compact=True)
 
 
+def _check_section_name(name: str, what: str) -> None:
+    """Raises DFlashError for a function name a Kimi or DeepSeek call cannot write (the parsers
+    read a name without whitespace or ``<``)."""
+    if not name or any(c.isspace() or c == "<" for c in name):
+        raise DFlashError(f"tools function name {name[:80]!r} cannot be written as a {what} call "
+                          "(it is empty or holds whitespace or '<')")
+
+
+def kimi_k2_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
+                    reasoning: str | None = None, think_tokens: tuple[int | None, int | None] = (None, None),
+                    call_tokens: tuple[int | None, ...] = ()) -> str:
+    """As :func:`hermes_grammar`, for Kimi-K2's calls as :class:`KimiK2Parser` reads them:
+    ``<|tool_calls_section_begin|>``, then each call as
+    ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>ARGS<|tool_call_end|>``
+    (IDX: the model's own number, 1 to 6 digits; ARGS as hermes' arguments), one right after
+    the other, then ``<|tool_calls_section_end|>``. ``call_tokens``: the tokenizer's one token
+    (or None) for each of :data:`KIMI_MARKERS` in that order, each also taken where given.
+
+    Raises:
+        DFlashError: ``tools`` has no function (named ``name``), or a function name the
+            format cannot write (empty, or holding whitespace or ``<``)."""
+    tokens = dict(zip(KIMI_MARKERS, [*call_tokens, *[None] * len(KIMI_MARKERS)]))
+    section_open, section_close, call_open, arguments, call_close = (text_or_token(m, tokens[m]) for m in KIMI_MARKERS)
+    rules, alternatives = ["index: /(0|[1-9][0-9]{0,5})/\n"], []
+    for i, fn in enumerate(_called_functions(tools, name)):
+        _check_section_name(fn["name"], "Kimi")
+        head = json.dumps(f"functions.{fn['name']}:", ensure_ascii=False)
+        alternatives.append(f"{call_open} {head} index {arguments} arguments_{i} {call_close}")
+        rules.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(fn))}\n")
+    return _calls_grammar(alternatives, rules, name is not None or not parallel, reasoning, think_tokens, "",
+                          section=(section_open, section_close))
+
+
+def deepseek_v31_grammar(tools: list[dict], name: str | None = None, parallel: bool = True,
+                         reasoning: str | None = None, think_tokens: tuple[int | None, int | None] = (None, None),
+                         call_tokens: tuple[int | None, ...] = ()) -> str:
+    """As :func:`kimi_k2_grammar`, for DeepSeek-V3.1's calls: ``<｜tool▁calls▁begin｜>``, then
+    each call as ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>``, one right
+    after the other, then ``<｜tool▁calls▁end｜>``; ``call_tokens`` for :data:`DEEPSEEK_MARKERS`.
+
+    Raises:
+        DFlashError: as :func:`kimi_k2_grammar`'s."""
+    tokens = dict(zip(DEEPSEEK_MARKERS, [*call_tokens, *[None] * len(DEEPSEEK_MARKERS)]))
+    calls_open, calls_close, call_open, sep, call_close = (text_or_token(m, tokens[m]) for m in DEEPSEEK_MARKERS)
+    rules, alternatives = [], []
+    for i, fn in enumerate(_called_functions(tools, name)):
+        _check_section_name(fn["name"], "DeepSeek")
+        alternatives.append(f"{call_open} {json.dumps(fn['name'], ensure_ascii=False)} {sep} arguments_{i} {call_close}")
+        rules.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(fn))}\n")
+    return _calls_grammar(alternatives, rules, name is not None or not parallel, reasoning, think_tokens, "",
+                          section=(calls_open, calls_close))
+
+
 # the grammar of forced calls (tool_choice required or a named function) of each format that has one
 FORCED_CALL_GRAMMARS = {"hermes": hermes_grammar, "qwen3_coder": qwen3_coder_grammar, "glm45": glm45_grammar,
-                        "glm47": glm47_grammar}
+                        "glm47": glm47_grammar, "kimi_k2": kimi_k2_grammar, "deepseek_v31": deepseek_v31_grammar}
 # the markers whose one token (where the tokenizer has one) each format's grammar takes as its call_tokens
 FORCED_CALL_MARKERS = {"hermes": (CALL_OPEN, CALL_CLOSE), "qwen3_coder": (CALL_OPEN, CALL_CLOSE), "glm45": GLM_MARKERS,
-                       "glm47": GLM_MARKERS}
+                       "glm47": GLM_MARKERS, "kimi_k2": KIMI_MARKERS, "deepseek_v31": DEEPSEEK_MARKERS}
 
 
 def check_tool_parser(value: str, name: str = "tool_call_parser") -> str:
