@@ -580,6 +580,27 @@ def test_the_default_sweep_is_skipped_quietly_without_a_drafter(tiny_pair, tmp_p
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.parametrize("flag, value", [
+    ("--sweep", "128,,256"), ("--sweep", "128,"), ("--batch-sizes", ",2"), ("--modes", "target-only,,inject"),
+    ("--shapes", "qwen3-0.6b, ,qwen3-8b"), ("--sweep-shapes", "qwen3-0.6b,"),
+])
+def test_an_empty_item_in_a_comma_list_is_refused(tiny_pair, tmp_path, capsys, flag, value):
+    """``--sweep 128,,256`` (or an empty item in another comma list) is one line naming the
+    option, exit 2, before anything is timed (it was dropped silently: 128,256 was timed);
+    a whole value that is empty still means none (the test above, ``--modes ''``)."""
+    from dflash_torch.cli import main as cli_main
+
+    target, drafter = tiny_pair
+    args = ["bench", "--target", str(target), "--draft", str(drafter), "--out", str(tmp_path / "o"),
+            "--modes", "target-only", "--num-prompts", "1", "--max-new-tokens", "2", "--sweep", "", "--no-progress"]
+    rc = cli_main(args + [flag, value])
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert rc == 2 and err == [f"dflash-torch: error: {flag} has an empty item in {value!r}: separate its items with "
+                               "single commas"], err
+    assert "target-only:" not in captured.out and not (tmp_path / "o").exists()
+
+
 def test_bench_tau_counts_the_tokens_kept_when_the_last_round_overshoots(agree_pair):
     """An agreeable pair accepts long blocks, so the round that reaches --max-new-tokens
     commits more than is kept: tau counts only what is kept, as the DFlash reference's

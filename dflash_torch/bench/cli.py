@@ -143,6 +143,21 @@ def drafting_modes(modes: list[dict]) -> list[dict]:
     return [m for m in modes if ALL_MODES[m["name"]].drafter]
 
 
+def _comma_list(value: str, flag: str) -> list[str]:
+    """The items of ``flag``'s comma-separated ``value``, each stripped; ``[]`` for a value that
+    is empty (or blank), which the options document as "none".
+
+    Raises:
+        DFlashError: an empty item (``128,,256``, a leading or a trailing comma), naming ``flag``.
+    """
+    if not value.strip():
+        return []
+    items = [x.strip() for x in value.split(",")]
+    if "" in items:
+        raise DFlashError(f"{flag} has an empty item in {value!r}: separate its items with single commas")
+    return items
+
+
 def _plot_files(modes: bool, sweeps: bool, batch_sizes: bool) -> list[str]:
     """The names of the plots a run writes in --out: with modes, sweeps, batch sizes."""
     return [name for name, on in (("modes.png", modes), ("sweep.png", sweeps), ("batch_sizes.png", batch_sizes)) if on]
@@ -262,9 +277,10 @@ def _run(args: argparse.Namespace) -> int:
         raise DFlashError("bench sizes the context from the prompts and --max-new-tokens; drop --max-context")
     if args.prefill_chunk is not None:
         raise DFlashError("bench times every mode at the default prefill chunk (256); drop --prefill-chunk")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = _comma_list(args.modes, "--modes")
+    batch_sizes = _comma_list(args.batch_sizes, "--batch-sizes")  # (before the try: a DFlashError is a ValueError)
     try:
-        batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+        batch_sizes = [int(x) for x in batch_sizes]
     except ValueError:
         raise DFlashError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
     if any(n < 1 for n in batch_sizes) or len(set(batch_sizes)) != len(batch_sizes):
@@ -282,8 +298,8 @@ def _run(args: argparse.Namespace) -> int:
     repeated = sorted({m for m in modes if modes.count(m) > 1})
     if repeated:
         raise DFlashError(f"--modes lists {', '.join(repeated)} more than once")
-    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    sweep_shapes = [s.strip() for s in args.sweep_shapes.split(",") if s.strip()]
+    shapes = _comma_list(args.shapes, "--shapes")
+    sweep_shapes = _comma_list(args.sweep_shapes, "--sweep-shapes")
     bad = [s for s in shapes + sweep_shapes if s not in SHAPES]
     if bad:
         raise DFlashError(f"unknown shape(s) {bad}; choose from {', '.join(SHAPES)}")
@@ -296,8 +312,9 @@ def _run(args: argparse.Namespace) -> int:
             raise DFlashError(f"--shapes-compiled times shape {shape} with all {layers} layers in memory; only {fit} "
                               f"fit on {args.device}: drop --shapes-compiled (or this shape)")
     sweep = DEFAULT_SWEEP if args.sweep is None else args.sweep  # (None: not given)
+    lengths = _comma_list(sweep, "--sweep")
     try:
-        lengths = [int(x) for x in sweep.split(",") if x.strip()]
+        lengths = [int(x) for x in lengths]
     except ValueError:
         raise DFlashError(f"--sweep must be comma-separated integers, got {args.sweep!r}") from None
     if any(n < 1 for n in lengths):
