@@ -8,7 +8,10 @@ with ``/`` are commands: ``/reset`` (forget the conversation, keep ``--system``)
 (or end of input, Ctrl-D), ``/help``; ``//`` starts a message with ``/``. Ctrl-C stops a reply (what was
 generated is kept in the conversation); at the prompt it exits. A turn the engine refuses
 (e.g. a conversation that outgrew ``--max-context``) prints its error and the conversation
-goes on without it; options that would refuse every turn are refused at start. With
+goes on without it; options that would refuse every turn are refused at start. With stdin
+not a terminal (piped input), a line that failed (a turn refused, an unknown command, a line
+that is not UTF-8, a reply that cannot be sent back) makes the exit status 1 at the end of
+the input (or ``/exit``), after the lines that follow it are read as usual. With
 ``--compile`` the decoding graphs of turns up to ``--warmup-context`` tokens of context
 (default 256) are built at start, as ``serve`` builds them; a turn that builds a graph after
 that (a longer conversation reaching a new length bucket) says so in its stats line.
@@ -53,7 +56,11 @@ RECOMMENDED = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repe
 
 def register(sub) -> None:
     # (no abbreviations: ``--chat``, a generate flag, would read as --chat-template-kwargs)
-    p = sub.add_parser("chat", help="chat with the model in the terminal (multi-turn, streamed)", allow_abbrev=False)
+    p = sub.add_parser("chat", help="chat with the model in the terminal (multi-turn, streamed)", allow_abbrev=False,
+                       description="Chat with the model in the terminal: each line a user message, the reply streamed. "
+                                   "With piped input (stdin not a terminal), a line that failed (a turn refused, an "
+                                   "unknown command, a line that is not UTF-8, a reply that cannot be sent back) makes "
+                                   "the exit status 1 once the rest of the input has been read (or /exit).")
     p.add_argument("--system", default=None, help="a system message that starts the conversation")
     add_chat_template_kwargs_arg(p, "(every turn)")
     p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
@@ -98,6 +105,7 @@ def _chat_here(args: argparse.Namespace) -> int:
     reasoning = resolve_parser("auto", engine.target.config.model_type, template)
     keeps_reasoning = "reasoning_content" in str(template)
     interactive = sys.stdin.isatty()
+    failed = False  # (a line that failed: with piped input, the exit status is 1 at the end)
     if interactive:
         try:
             import readline  # noqa: F401 (line editing and history for input())
@@ -108,17 +116,18 @@ def _chat_here(args: argparse.Namespace) -> int:
         try:
             line = input(">>> ") if interactive else _read_line()
         except EOFError:
-            return 0
+            return int(failed and not interactive)
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return 130
         text = _utf8(line.removesuffix("\r"))  # (a line of a CRLF file)
+        failed |= text is None
         if text is None or not text.strip():
             continue
         if text.startswith("/") and not text.startswith("//"):
             command = text.strip()
             if command in ("/exit", "/quit"):
-                return 0
+                return int(failed and not interactive)
             if command == "/reset":
                 messages = list(start)
                 print("[conversation reset]", file=sys.stderr)
@@ -126,11 +135,13 @@ def _chat_here(args: argparse.Namespace) -> int:
                 print(f"[{HELP}]", file=sys.stderr)
             else:
                 print(f"[unknown command {command!r}; {HELP}]", file=sys.stderr)
+                failed = True
             continue
         messages.append({"role": "user", "content": text[1:] if text.startswith("//") else text})
         reply = _reply(engine, messages, kwargs, args.option_flags, len(messages) > len(start) + 1, reasoning)
         if reply is None:  # refused: the message is not part of the conversation
             messages.pop()
+            failed = True
             continue
         thought, answer = reply
         messages.append({"role": "assistant", "content": answer,
@@ -139,6 +150,7 @@ def _chat_here(args: argparse.Namespace) -> int:
             engine.encode_prompt(messages, True, kwargs["chat_template_kwargs"], check_length=False)
         except DFlashError as exc:
             del messages[-2:]
+            failed = True
             print(f"dflash-torch: error: the reply cannot be sent back to the model ({exc}); this turn is not kept "
                   "in the conversation", file=sys.stderr)
 

@@ -47,7 +47,7 @@ def test_chat_replies_are_the_engines_and_reuse_the_last_turn(tiny_pair, engine)
     stdin = "def f(x):\nclass A:\n\n/reset\ndef f(x):\n/what\n/help\n/exit\nnever read\n"
     proc = run_cli("chat", "--target", str(target), "--draft", str(drafter), "--dtype", "float32", "--system", SYSTEM,
                    "--max-new-tokens", str(NEW), stdin=stdin)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # (/what: piped input, a line failed)
     expected = replies(engine, [["def f(x):", "class A:"], ["def f(x):"]])
     assert proc.stdout == "".join(r + "\n" for r in expected)
     lines = stats_lines(proc.stderr)
@@ -65,7 +65,7 @@ def test_a_refused_turn_leaves_the_conversation_as_it_was(tiny_pair, engine):
     long = "x = 1; " * 40
     proc = run_cli("chat", "--target", str(target), "--draft", str(drafter), "--dtype", "float32", "--system", SYSTEM,
                    "--max-new-tokens", str(NEW), "--max-context", "160", stdin=f"{long}\ndef f(x):\n{long}\nclass A:\n")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # (piped input: the refused turns make the status 1, at the end)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("dflash-torch: error: ")]
     assert len(errors) == 2, proc.stderr
     # (the prompt alone exceeds the context: named, not --max-new-tokens)
@@ -229,7 +229,7 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "chat", *pair, "--max-new-tokens", str(NEW),
                            "--system", SYSTEM], input=b"\xff\xfe bad\n//path\r\n", capture_output=True, timeout=240)
     err = proc.stderr.decode()
-    assert proc.returncode == 0, err
+    assert proc.returncode == 1, err  # (the line not sent: piped input, the status is 1 after the rest was read)
     assert "dflash-torch: error: the line is not UTF-8 text (byte 0xff); it was not sent\n" in err
     conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "/path"}]
     assert proc.stdout.decode() == engine.generate(conversation, chat=True, max_new_tokens=NEW).text + "\n"
@@ -372,9 +372,39 @@ def test_a_reply_the_template_refuses_is_not_kept(tiny_pair, tmp_path):
     (target / "chat_template.jinja").unlink(missing_ok=True)
     proc = run_cli("chat", "--target", str(target), "--no-draft", "--dtype", "float32", "--max-new-tokens", "4",
                    stdin="hello\nagain\n")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # (piped input: the turns not kept make the status 1)
     assert proc.stderr.count("the reply cannot be sent back to the model") == 2, proc.stderr
     assert len(stats_lines(proc.stderr)) == 2, proc.stderr
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_piped_input_exits_1_after_a_line_that_failed(tiny_pair, engine, monkeypatch, capsys, tty):
+    """With stdin not a terminal, a line that failed (here an unknown command and a turn past
+    --max-context) makes the exit status 1, at the end: the lines after it are answered as
+    usual (it was 0, so a script could not tell). At a terminal the status stays 0.
+    (In-process: a pipe cannot be a terminal.)"""
+    import io
+    import sys
+
+    from dflash_torch import cli
+
+    class Input(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    target, drafter = tiny_pair
+    args = cli.build_parser().parse_args(["chat", "--target", str(target), "--draft", str(drafter), "--dtype",
+                                         "float32", "--system", SYSTEM, "--max-new-tokens", str(NEW),
+                                         "--max-context", "160"])
+    for lines, status in ((["/what", "x = 1; " * 40, "def f(x):"], 1), (["/help", "def f(x):"], 0),
+                          (["/what", "def f(x):", "/exit", "never read"], 1)):
+        monkeypatch.setattr(sys, "stdin", Input("".join(line + "\n" for line in lines)))
+        assert args.func(args) == (status if not tty else 0), lines
+        out, err = capsys.readouterr()
+        assert replies(engine, [["def f(x):"]])[0] + "\n" in out, (out, err)  # (the turn after it answered)
+        assert ("unknown command '/what'" in err) == ("/what" in lines), err
+    assert "makes the exit status 1 once the rest of the input has been read" in " ".join(
+        run_cli("chat", "--help").stdout.split())
 
 
 def test_help_says_where_the_sampling_defaults_come_from():
