@@ -1233,6 +1233,37 @@ def test_train_refuses_an_out_that_is_a_cached_target_or_init_from(tiny_pair, tm
     assert not any(p.name == "train_work" for p in hub.rglob("*"))
 
 
+def test_train_refuses_an_out_or_work_dir_inside_the_target(tiny_pair, tmp_path, capsys):
+    """``--out`` or ``--work-dir`` in a directory inside the target's (there or not yet, also
+    through a link to the target or a ``..``) was accepted: the drafter's files, or the data
+    caches and checkpoint.pt, were written into the target's checkpoint. Refused in one line,
+    as the target's directory itself is, before anything is made in it."""
+    from dflash_torch.cli import main as cli_main
+
+    target = shutil.copytree(tiny_pair[0], tmp_path / "target")  # (a run this lets through writes into it)
+    (target / "old").mkdir()
+    (tmp_path / "link").symlink_to(target)
+    before = sorted(p.relative_to(target) for p in target.rglob("*"))
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    args = ["train", "--target", str(target), "--data", str(text), "--steps", "1", "--batch", "2", "--seq-len", "64",
+            "--val-seqs", "0", "--no-progress"]
+    own = {"--out": "the drafter its own directory",
+           "--work-dir": "the data cache and checkpoint a directory of their own"}
+    for inside in (target / "drafter", target / "old", target / "new" / "deeper", tmp_path / "link" / "drafter",
+                   tmp_path / "elsewhere" / ".." / "target" / "x"):
+        for flag, more in (("--out", []), ("--work-dir", ["--out", str(tmp_path / "out")])):
+            assert cli_main([*args, *more, flag, str(inside)]) == 2, (flag, inside)
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err == [f"dflash-torch: error: {flag} {inside} is inside the target's directory; give {own[flag]} "
+                           "outside it"], err
+            assert not (tmp_path / "out").exists() and not (tmp_path / "elsewhere").exists()
+    assert sorted(p.relative_to(target) for p in target.rglob("*")) == before
+    # (a directory beside the target whose name starts with the target's is not inside it)
+    assert cli_main([*args, "--out", str(tmp_path / "target-drafter"), "--work-dir", str(tmp_path / "target2")]) == 0
+    assert (tmp_path / "target-drafter" / "config.json").is_file()
+
+
 def test_train_never_writes_through_a_link_in_out(tiny_pair, tmp_path, capsys, monkeypatch):
     """``--out DIR --overwrite`` where DIR's config.json and weights are links (a linked layout, a
     snapshot of the Hugging Face cache given as a directory, fine-tuned in place with

@@ -161,22 +161,23 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
     resolve_dtype(args.save_dtype, "--save-dtype")
     out = Path(args.out)
     # (a cached id's snapshot too: the drafter was written through its links into the blobs; the work dir's
-    # checkpoint.pt and data caches were written into the target's directory)
-    mine = {flag: (shown, path) for flag, shown, path in (
-        ("--out", args.out, out), ("--work-dir", args.work_dir or str(cfg.work_path()), cfg.work_path())) if path.exists()}
-    if mine:
-        cached_init = args.init_from is not None and not Path(args.init_from).is_dir()
-        for whose, name in (("the target's directory", args.target), (f"the directory of --init-from {args.init_from} in "
-                            "the Hugging Face cache", args.init_from if cached_init else None)):
-            try:
-                source = None if name is None else resolve_model_dir(name)
-            except DFlashError:  # (said where it loads)
-                source = None
-            for flag, (shown, path) in mine.items():
-                if source is not None and os.path.realpath(path) == os.path.realpath(source):
-                    own = "the drafter its own directory" if flag == "--out" else \
-                        "the data cache and checkpoint a directory of their own"
+    # checkpoint.pt and data caches were written into the target's directory, or a directory in it)
+    mine = {"--out": (args.out, out), "--work-dir": (args.work_dir or str(cfg.work_path()), cfg.work_path())}
+    cached_init = args.init_from is not None and not Path(args.init_from).is_dir()
+    for whose, name in (("the target's directory", args.target), (f"the directory of --init-from {args.init_from} in "
+                        "the Hugging Face cache", args.init_from if cached_init else None)):
+        try:
+            source = None if name is None else os.path.realpath(resolve_model_dir(name))
+        except DFlashError:  # (said where it loads)
+            source = None
+        for flag, (shown, path) in mine.items():
+            real = os.path.realpath(path)  # (where mkdir makes it: a path not there yet too)
+            if source is not None and (real == source or real.startswith(os.path.join(source, ""))):
+                own = "the drafter its own directory" if flag == "--out" else \
+                    "the data cache and checkpoint a directory of their own"
+                if real == source:
                     raise DFlashError(f"{flag} {shown} is {whose}; give {own}")
+                raise DFlashError(f"{flag} {shown} is inside {whose}; give {own} outside it")
     work = cfg.work_path()
     own = {os.path.realpath(work): "--work-dir", os.path.realpath(out): "--out"}
     for given in args.data:  # (one below them is read without them: read_corpus leaves them out)
