@@ -1680,6 +1680,26 @@ def test_a_data_directory_follows_links_to_directories_once_and_leaves_out_the_r
     assert read_corpus([data], [out]).documents == ["a", "b", "c"]
 
 
+def test_a_data_directory_reads_a_file_reached_through_two_links_once(tmp_path):
+    """A file reached through two file links inside a --data directory (or a link and its own
+    name) was read twice, its text trained on twice: each real file is read once, at its first
+    path in sorted order, as each linked directory is."""
+    from dflash_torch.training.data import corpus_files
+
+    data, more = tmp_path / "data", tmp_path / "more"
+    for d in (data / "sub", more):
+        d.mkdir(parents=True)
+    (data / "a.txt").write_text("a")
+    (more / "x.txt").write_text("x")
+    (data / "l1.txt").symlink_to(more / "x.txt")
+    (data / "sub" / "l2.txt").symlink_to(more / "x.txt")
+    (data / "z.txt").symlink_to(data / "a.txt")  # (a link to a file read under its own name)
+    (data / "linked").symlink_to(more)  # (x.txt a third time, through a link to its directory)
+    files = corpus_files([data])
+    assert files == [(data / "a.txt", False), (data / "l1.txt", False)], files
+    assert read_corpus([data]).documents == ["a", "x"]
+
+
 def test_data_cache_follows_contents_not_paths_or_mtimes(tiny_pair, tmp_path):
     import os
 

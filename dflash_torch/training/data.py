@@ -80,8 +80,9 @@ def corpus_files(paths: list[str | Path], exclude: list[str | Path] = (),
     """The files :func:`read_corpus` reads for ``paths``, in reading order, each with
     whether it was given itself (``True``) or found in a given directory (``False``).
 
-    Links to directories below a given directory are followed, each directory (by its real
-    path) read once. A directory of ``exclude`` found below a given directory (itself or
+    Links below a given directory are followed, each directory and each file (by its real
+    path) read once: a file reached through two links (or a link and its own name) is read
+    at its first path in sorted order. A directory of ``exclude`` found below a given directory (itself or
     through a link) is left out with everything below it (and appended to ``excluded`` when
     given): a run's own output directory inside its data directory.
 
@@ -112,7 +113,11 @@ def corpus_files(paths: list[str | Path], exclude: list[str | Path] = (),
                             dirs.remove(d)
                         seen.add(real)
                     found += [Path(top, n) for n in names if not n.startswith(".")]
-                files += [(f, False) for f in sorted(found) if f.is_file()]
+                for f in sorted(found):  # (a file reached through two links was read twice: duplicated data)
+                    real = os.path.realpath(f)
+                    if f.is_file() and real not in seen:
+                        seen.add(real)
+                        files.append((f, False))
             elif path.is_file():
                 files.append((path, True))
             elif path.exists():  # (a FIFO, a pipe, /dev/null: "does not exist" was said)
