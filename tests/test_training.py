@@ -1431,6 +1431,39 @@ def test_export_moves_the_new_config_into_place_last(tiny_pair, tmp_path, monkey
     assert DFlashEngine.from_pretrained(target, out).drafter is not None
 
 
+def test_export_flushes_each_file_before_it_is_moved_and_the_directory_after(tiny_pair, tmp_path, monkeypatch):
+    """The export moved its temporary files into place without flushing them: after a power
+    cut, a renamed file could be empty. Each file (config.json, model.safetensors,
+    training_log.json) is flushed whole through one helper before its rename, and --out after
+    the renames."""
+    import os
+
+    import dflash_torch.training.trainer as trainer
+
+    target, drafter_dir = tiny_pair
+    out = tmp_path / "out"
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    events, fsync, replace = [], trainer._fsync, os.replace
+
+    def flushed(path):  # (the real helper, its calls noted with what the file held)
+        fsync(path)
+        events.append(("fsync", Path(path), None if Path(path).is_dir() else Path(path).read_bytes()))
+
+    def moved(src, dst):
+        replace(src, dst)
+        events.append(("replace", Path(src), Path(dst)))
+
+    monkeypatch.setattr(trainer, "_fsync", flushed)
+    monkeypatch.setattr(trainer.os, "replace", moved)
+    trainer.export_drafter(drafter, drafter.config, out, "float32")
+    trainer._write_replacing(out / "training_log.json", '{"steps": 1}\n')
+    for name in ("model.safetensors", "config.json", "training_log.json"):
+        (i, src), = [(i, e[1]) for i, e in enumerate(events) if e[0] == "replace" and e[2] == out / name]
+        assert ("fsync", src, (out / name).read_bytes()) in events[:i], (name, events)  # (flushed whole, before)
+        assert ("fsync", out, None) in events[i + 1:], (name, events)  # (the rename flushed after it)
+    assert DFlashEngine.from_pretrained(target, out).drafter is not None
+
+
 def test_train_dflash2_from_a_dflash_drafter_round_trips(tiny_pair, tmp_path, capsys):
     """``train --arch dflash2 --init-from`` a DFlash drafter: the backbone starts as the
     source's (identity convolutions, small random codebooks), the selector loss falls, and

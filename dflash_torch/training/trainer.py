@@ -1092,7 +1092,8 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
     be moved into place), the weights are moved into place and the new ``config.json`` last,
     as the mark of a complete drafter: a crash between these renames
     (a kill, a power cut) leaves weights without a config, never weights beside another
-    drafter's config.
+    drafter's config. Each file is flushed to the disk before it is moved, and ``out_dir``
+    after the moves (:func:`_fsync`): a power cut cannot leave a moved file empty.
 
     Raises:
         OSError: a file could not be written (``out_dir`` then holds what it held) or moved.
@@ -1113,6 +1114,7 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
         config.write_text(json.dumps(cfg, indent=2) + "\n")
         for tmp in (weights, config):
             os.chmod(tmp, 0o644)  # (safetensors and mkstemp create them owner-only)
+            _fsync(tmp)  # (on the disk before its name is: a power cut after the rename left it empty)
         with ignored_interrupt():  # (os.replace replaces a link itself, not the file it names)
             old = out_dir / "config.json"
             aside = None  # (the old config, kept until the new weights are in place)
@@ -1127,6 +1129,7 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
                 raise
             removed = remove_stale_weights(out_dir)
             os.replace(config, out_dir / "config.json")
+            _fsync(out_dir)  # (the renames)
     finally:
         for tmp in temps:  # (those not moved into place: an error or a Ctrl-C while they were written)
             tmp.unlink(missing_ok=True)
@@ -1137,7 +1140,8 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
 
 def _write_replacing(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file moved into place: an error (a full
-    disk) leaves what ``path`` held; a link there is replaced, not written through.
+    disk) leaves what ``path`` held; a link there is replaced, not written through. The file is
+    flushed to the disk before it is moved, and its directory after (:func:`_fsync`).
 
     Raises:
         OSError: it could not be written or moved.
@@ -1147,10 +1151,33 @@ def _write_replacing(path: Path, text: str) -> None:
         tmp = _temp_path(path.parent, path.name, temps)
         tmp.write_text(text)
         os.chmod(tmp, 0o644)  # (mkstemp creates it owner-only)
+        _fsync(tmp)
         os.replace(tmp, path)
+        _fsync(path.parent)
     finally:
         for tmp in temps:
             tmp.unlink(missing_ok=True)
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` to the disk (``os.fsync``): a file's bytes, before it is moved into place,
+    or a directory's entries, after files were moved into it, so that a power cut cannot leave
+    a moved file's name on an empty file. A directory the OS cannot open or flush (Windows,
+    some network file systems) is passed over.
+
+    Raises:
+        OSError: a file that cannot be opened or flushed.
+    """
+    directory = path.is_dir()
+    try:
+        fd = os.open(path, os.O_RDONLY if directory else os.O_RDWR)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        if not directory:
+            raise
 
 
 def _temp_path(out_dir: Path, name: str, made: list[Path]) -> Path:
