@@ -302,7 +302,7 @@ def test_the_default_max_new_tokens_is_cut_to_the_context_a_turn_leaves(tiny_pai
         assert proc.stdout == engine.generate(conversation, chat=True, max_new_tokens=n, ignore_eos=True).text + "\n"
         assert stats_lines(proc.stderr)[0].startswith(f"[{n} tokens, finish=length"), proc.stderr
     proc = run_cli("chat", *pair, "--max-new-tokens", str(room + 1), stdin="def f(x):\n")
-    assert proc.returncode == 0 and proc.stdout == "", proc.stderr
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr  # (piped input: the refused turn makes the status 1)
     assert proc.stderr.splitlines()[-1].startswith("dflash-torch: error: prompt ("), proc.stderr
     assert f"+ --max-new-tokens ({room + 1}) exceeds the context of 120 tokens" in proc.stderr
 
