@@ -453,8 +453,9 @@ class DFlashEngine:
             try:  # the default length: the file's max_new_tokens alone (taken where another field is bad)
                 length = generation_defaults({"max_new_tokens": gen.get("max_new_tokens")}).get("max_new_tokens")
             except DFlashError as exc:  # (refused where the file is read: generation_defaults, serve, chat)
-                log.warning(f"dflash-torch: {exc}; a request without max_new_tokens gets "
-                            f"{DEFAULT_MAX_NEW_TOKENS} tokens (cut to the context its prompt leaves)")
+                log.warning(f"dflash-torch: {exc}; it is not taken as a default length (generate without "
+                            f"max_new_tokens gives {DEFAULT_MAX_NEW_TOKENS} tokens, cut to the context its prompt "
+                            "leaves; serve has its own default)")  # (true for every caller: serve's differs)
         drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev, config=draft_raw,
                                                                                  parsed=draft_cfg)  # (parsed once)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8, int_weights=int_weights,

@@ -108,10 +108,12 @@ def test_a_bad_recommended_value_is_refused_where_it_is_used(tiny_pair, tmp_path
     target = _with_generation_config(tiny_pair[0], tmp_path / "bad", {field: value})
     with caplog.at_level("WARNING", logger="dflash_torch"):
         engine = DFlashEngine.from_pretrained(target, no_draft=True)
-    said = [r.getMessage() for r in caplog.records if "a request without max_new_tokens gets" in r.getMessage()]
-    # a bad length there is said when loading (generate took 256 without a word where chat and serve refuse it)
-    assert said == ([f"dflash-torch: {words}; a request without max_new_tokens gets 256 tokens (cut to the context "
-                     "its prompt leaves)"] if field == "max_new_tokens" else []), said
+    said = [r.getMessage() for r in caplog.records if "not taken as a default length" in r.getMessage()]
+    # a bad length there is said when loading (generate took 256 without a word where chat and serve refuse it);
+    # in words true for serve too (it said "a request ... gets 256 tokens" where serve's default is another)
+    assert said == ([f"dflash-torch: {words}; it is not taken as a default length (generate without max_new_tokens "
+                     "gives 256 tokens, cut to the context its prompt leaves; serve has its own default)"]
+                    if field == "max_new_tokens" else []), said
     assert len(engine.generate("x", max_new_tokens=2, ignore_eos=True).token_ids) == 2
     # (the default length: a bad max_new_tokens there is not taken, another field's bad value leaves it)
     assert engine.default_max_new_tokens == 256
