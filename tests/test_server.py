@@ -673,6 +673,39 @@ def test_a_body_declared_far_over_the_limit_is_refused_before_it_is_sent(server)
     assert head.startswith(b"HTTP/1.1 413 ") and b"999999999999 bytes" in head and b"request_too_large" in head, head
 
 
+def test_a_gzip_or_deflate_body_is_decoded_and_other_encodings_are_a_415(server, local_engine):
+    """Some clients compress their bodies (``Content-Encoding: gzip``): gzip and deflate are
+    decoded (helper-152: "the request body is not valid JSON"), the decoded size under the
+    body limit (a zip bomb is a 413); another encoding is a 415 that names Content-Encoding,
+    data that is not of its encoding a 400."""
+    import gzip
+    import zlib
+
+    def post(data: bytes, encoding: str) -> httpx.Response:
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}",
+                   "Content-Encoding": encoding}
+        return httpx.post(f"{server.base}/v1/completions", content=data, headers=headers, timeout=120)
+
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode()
+    want = server.post("/v1/completions", json.loads(body)).json()["choices"][0]["text"]
+    for data, encoding in ((gzip.compress(body), "gzip"), (zlib.compress(body), "deflate"),
+                           (gzip.compress(body), "GZIP, identity"), (gzip.compress(gzip.compress(body)), "gzip, gzip")):
+        r = post(data, encoding)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (encoding, r.text)
+    err = _assert_openai_error(post(body, "br"), 415)
+    assert err["code"] == "unsupported_content_encoding" and "Content-Encoding 'br'" in err["message"], err
+    err = _assert_openai_error(post(body, "gzip"), 400)
+    assert err["message"].startswith("the request body is not valid gzip data (its Content-Encoding): "), err
+    err = _assert_openai_error(post(gzip.compress(body)[:-4], "gzip"), 400)
+    assert "ends before its compressed data does" in err["message"], err
+    max_body = 12 * local_engine.max_prompt_chars + 2**20
+    bomb = gzip.compress(b'{"prompt": "' + b"x" * max_body + b'"}')
+    assert len(bomb) < max_body // 100
+    err = _assert_openai_error(post(bomb, "gzip"), 413)
+    assert err["code"] == "request_too_large" and "decompressed (gzip" in err["message"], err
+    assert "Traceback" not in server.log.read_text()
+
+
 def test_auth_and_routes(server):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     for key in (None, "sk-wrong"):

@@ -16,12 +16,15 @@ and fit the context (tokenizing runs in a thread of its own, so it holds neither
 engine nor the event loop), a request's choices (one per prompt of a list, times ``n``)
 wait in a bounded queue and run in the engine's slots. A prompt longer than the engine's
 ``max_prompt_chars`` cannot fit and is refused before it is tokenized; a body larger than
-12 bytes per such character + 1 MiB is dropped as it arrives. Errors use OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``: 400 for any invalid or unsupported
-input (any body the JSON parser or the validation cannot take included), 401 for a missing
-or wrong API key, 404 for an unknown model or route, 413 for a body over that limit, 503
-with ``Retry-After`` when the queue is full, 503 once the server shuts down (a stream that
-fails after it started ends with an error event and ``[DONE]``); a 500 means a server bug.
+12 bytes per such character + 1 MiB is dropped as it arrives. A body sent with
+``Content-Encoding`` gzip or deflate is decoded (its decoded size under the same limit).
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for any
+invalid or unsupported input (any body the JSON parser or the validation cannot take, or
+not valid data of its Content-Encoding, included), 401 for a missing or wrong API key, 404
+for an unknown model or route, 413 for a body over that limit (sent or decoded), 415 for
+another Content-Encoding, 503 with ``Retry-After`` when the queue is full, 503 once the
+server shuts down (a stream that fails after it started ends with an error event and
+``[DONE]``); a 500 means a server bug.
 CORS headers (starlette's ``CORSMiddleware``; ``create_app``'s ``allowed_origins``, ...) let
 browsers' scripts call the server; a preflight ``OPTIONS`` needs no API key.
 
@@ -78,6 +81,7 @@ import hmac
 import json
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -117,6 +121,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 GENERATION_CONFIGS = ("auto", "none")
 DISCONNECT_POLL_S = 0.5
 IGNORED_LOGGED = 256  # the most ignored field names a server logs (their names are the clients' to choose)
+# the request bodies' Content-Encoding s taken -> zlib's wbits (deflate: the zlib format, as HTTP defines it)
+CONTENT_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
              "/health", "/metrics"}
 
@@ -188,6 +194,29 @@ def _as_responses(exc: APIError, req: ResponsesRequest) -> APIError:
 def _one_line(exc: Exception) -> str:
     text = " ".join(str(exc).split())
     return text[:300] or type(exc).__name__
+
+
+def _decompress(data: bytes, coding: str, limit: int) -> bytes:
+    """``data`` decoded from the content coding ``coding`` (a key of :data:`CONTENT_CODINGS`;
+    a gzip body of several members is their data joined), at most ``limit`` + 1 bytes of it:
+    a longer result is cut there, so that a small body that expands without end (a zip bomb)
+    costs no more than that.
+
+    Raises:
+        zlib.error, ValueError: ``data`` is not (whole) data of that coding."""
+    out = b""
+    while True:
+        d = zlib.decompressobj(CONTENT_CODINGS[coding])
+        out += d.decompress(data, limit + 1 - len(out))  # (at least 1: 0 would mean no limit)
+        if len(out) > limit:
+            return out
+        if not d.eof:
+            raise ValueError("it ends before its compressed data does")
+        data = d.unused_data
+        if not data:
+            return out
+        if coding == "deflate":
+            raise ValueError(f"{len(data)} bytes follow its compressed data")
 
 
 def _count(n: int, noun: str) -> str:
@@ -597,8 +626,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
-    def too_large(size: int) -> APIError:
-        return APIError(413, f"the request body ({size} bytes) is larger than this server accepts ({max_body} bytes: "
+    def too_large(what: str) -> APIError:
+        return APIError(413, f"{what} is larger than this server accepts ({max_body} bytes: "
                              f"no longer prompt fits the model's context of {engine.max_context} tokens)",
                         code="request_too_large")
 
@@ -609,7 +638,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         nothing read."""
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > 8 * max_body:
-            raise too_large(int(declared))
+            raise too_large(f"the request body ({int(declared)} bytes)")
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
@@ -619,13 +648,36 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         except ClientDisconnect:  # it left while sending: nobody to answer
             raise ClientGone() from None
         if size > max_body:
-            raise too_large(size)
+            raise too_large(f"the request body ({size} bytes)")
         return b"".join(chunks)
 
+    def decode_body(body: bytes, header: str) -> bytes:
+        """The body sent with the ``Content-Encoding`` ``header``, decoded: gzip and deflate
+        (in the order the header lists them; ``identity`` is none), each result at most
+        ``max_body`` bytes (a 413: a zip bomb is cut there); any other coding is a 415, data
+        that is not of its coding a 400."""
+        codings = [c.strip().lower() for c in header.split(",") if c.strip()]
+        unknown = [c for c in codings if c not in CONTENT_CODINGS and c != "identity"]
+        if unknown:
+            raise APIError(415, f"Content-Encoding {unknown[0][:40]!r} is not supported: send the body uncompressed, or "
+                                f"with Content-Encoding gzip or deflate", code="unsupported_content_encoding")
+        for coding in reversed(codings):
+            if coding == "identity":
+                continue
+            try:
+                body = _decompress(body, coding, max_body)
+            except (zlib.error, ValueError) as exc:
+                raise APIError(400, f"the request body is not valid {coding} data (its Content-Encoding): "
+                                    f"{_one_line(exc)}") from None
+            if len(body) > max_body:
+                raise too_large(f"the request body decompressed ({coding}, its Content-Encoding)")
+        return body
+
     async def parse(request: Request, schema):
-        """The request's body validated by ``schema`` (a model class, or a function of the
-        decoded JSON object that returns the class to validate it with)."""
-        body = await read_body(request)
+        """The request's body (decoded from its ``Content-Encoding``: :func:`decode_body`)
+        validated by ``schema`` (a model class, or a function of the decoded JSON object that
+        returns the class to validate it with)."""
+        body = decode_body(await read_body(request), request.headers.get("content-encoding", ""))
         try:
             return validate_body(body, schema, request.url.path)
         except APIError:
