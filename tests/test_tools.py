@@ -677,6 +677,28 @@ def test_parallel_tool_calls_false_returns_the_first_call_only(server):
     assert _message_calls(r.choices[0].message.tool_calls) == WANT_CALLS
 
 
+def test_a_reply_without_a_reasoning_parser_has_no_reasoning_content_field(server):
+    """With reasoning parser none (auto, for this template), a reply to a request with
+    ``tools`` has no ``reasoning_content`` field, streamed or not, as a reply without tools
+    (helper-152: ``"reasoning_content": null``), whether it calls tools or not."""
+    import httpx
+    import test_server
+
+    headers = {"Authorization": f"Bearer {test_server.API_KEY}"}
+    for extra in ({}, {"max_tokens": 3}, {"tool_choice": "none"}):  # (calls; text cut in a call; no tools told)
+        body = {"model": test_server.MODEL, "messages": MESSAGES, "tools": TOOLS, "temperature": 0, **extra}
+        r = httpx.post(f"{server.base}/v1/chat/completions", json=body, headers=headers, timeout=120)
+        message = r.json()["choices"][0]["message"]
+        assert r.status_code == 200 and "reasoning_content" not in message, (extra, r.text)
+        assert ("tool_calls" in message) == (not extra), message
+        with httpx.stream("POST", f"{server.base}/v1/chat/completions", json={**body, "stream": True},
+                          headers=headers, timeout=120) as r:
+            events = r.read().decode().split("\n\n")
+        deltas = [json.loads(e[len("data: "):])["choices"][0]["delta"] for e in events
+                  if e.startswith("data: {") and json.loads(e[len("data: "):])["choices"]]
+        assert deltas and not [d for d in deltas if "reasoning_content" in d], (extra, deltas)
+
+
 def test_keepalive_frames_fill_silences_and_end_with_the_stream():
     import asyncio
 

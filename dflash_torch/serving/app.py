@@ -1084,7 +1084,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 message, finish = {"role": "assistant", "content": content}, out["finish"]
                 if parsers is not None:
                     reasoning_text, message["content"], calls = parse_reply(parsers[i], content, finish == "stop")
-                    message["reasoning_content"] = reasoning_text or None
+                    if reasoning != "none":  # (no reasoning parser: no such field, as without tools)
+                        message["reasoning_content"] = reasoning_text or None
                     if calls or reasoning_text:  # (an answer of nothing beside them: null, as vLLM's and as streamed)
                         message["content"] = message["content"] or None
                     if calls:
