@@ -290,6 +290,27 @@ def test_refusal_parts_of_an_assistant_message_are_its_text(server, local_engine
         assert err["message"] == f"invalid value for messages.1.content: {words}", err
 
 
+def test_an_assistant_message_needs_content_tool_calls_or_a_refusal(server):
+    """An assistant message whose content is null or missing, without tool calls (none or an
+    empty list) and without a refusal, is a 400 naming the message, as OpenAI refuses it
+    (helper-152: taken, rendered as an empty turn); with tool calls or a refusal it is taken."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        for message in ({"role": "assistant", "content": None}, {"role": "assistant"},
+                        {"role": "assistant", "content": None, "tool_calls": [], "refusal": None}):
+            history = [{"role": "user", "content": "hi"}, message, {"role": "user", "content": "and?"}]
+            err = _assert_openai_error(server.post(path, {"model": MODEL, "messages": history, "max_tokens": 1}), 400)
+            assert err["param"] == "messages.1" and err["message"] == (
+                "invalid value for messages.1: an assistant message needs content (a string or a list of text "
+                "parts), tool_calls or a refusal"), (path, message, err)
+        for message in ({"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "assistant", "tool_calls": [call]}, {"role": "assistant", "refusal": "no"},
+                        {"role": "assistant", "content": ""}):
+            history = [{"role": "user", "content": "hi"}, message, {"role": "user", "content": "and?"}]
+            r = server.post(path, {"model": MODEL, "messages": history, "max_tokens": 1})
+            assert r.status_code == 200, (path, message, r.text)
+
+
 def test_an_assistant_messages_refusal_field_is_its_text(server, local_engine):
     """OpenAI returns a refusal as the message's ``refusal`` with content null; a client that
     sends that message back keeps its text in the history, as a refusal part's (trial-138: it

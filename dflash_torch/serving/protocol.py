@@ -452,10 +452,14 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _content_given(self):
-        """OpenAI requires ``content`` of every message but an assistant's (which may hold
-        only tool calls): a user message without one was rendered as an empty turn."""
+        """OpenAI requires ``content`` of every message but an assistant's with ``tool_calls``
+        (or, as OpenAI returns a refusal, a ``refusal``): a message without one was rendered
+        as an empty turn."""
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content (a string or a list of text parts)")
+        if self.content is None and self.role == "assistant" and not self.tool_calls and self.refusal is None:
+            raise ValueError("an assistant message needs content (a string or a list of text parts), tool_calls or "
+                             "a refusal")
         if self.refusal is not None and self.role != "assistant":
             raise ValueError(f"a {self.role} message has a refusal, which only an assistant message may hold")
         return self
