@@ -152,7 +152,7 @@ class _Request(BaseModel):
     presence_penalty: StrictFloat | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: StrictFloat | None = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     repetition_penalty: StrictFloat | None = Field(None, gt=0, allow_inf_nan=False)  # extension (vLLM); 1 = off
-    # token id (a decimal string, as JSON keys are) -> bias; ids past the vocabulary: the engine's 400
+    # token id (a decimal string, as JSON keys are) -> bias; ids past the vocabulary, one token twice: the engine's 400
     logit_bias: dict[StrictStr, Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS,
                                                             allow_inf_nan=False)]] | None = None
     min_tokens: StrictInt = Field(0, ge=0)  # extension (vLLM): no stop token (nor stop string) before that many
@@ -174,25 +174,21 @@ class _Request(BaseModel):
 
     @field_validator("logit_bias", mode="after")
     @classmethod
-    def _token_ids(cls, bias: dict[str, float] | None) -> dict[int, float] | None:
-        """The keys as token ids: decimal digits only (``"50256"``; not ``"-1"``, ``" 5"``, ``"5.0"``),
-        each token once (not ``"5"`` and ``"05"``)."""
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        """The keys are token ids: decimal digits only (``"50256"``; not ``"-1"``, ``" 5"``, ``"5.0"``),
+        at most 18 past leading zeros (longer ones are no vocabulary's). They stay strings: the
+        engine reads them as ids (:class:`~dflash_torch.sampling.SamplingParams`), and refuses one
+        token given twice (``"5"`` and ``"05"``) or an id past the vocabulary, a 400 before the
+        request queues."""
         if bias is None:
             return None
         bad = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
         if bad is not None:
             raise ValueError(f"keys must be token ids (decimal integers >= 0 as strings), got {bad!r}")
-        digits = {k: k.lstrip("0") or "0" for k in bias}  # (int() refuses strings of over 4300 digits)
-        huge = next((d for d in digits.values() if len(d) > 18), None)
-        if huge is not None:
+        huge = next((d for d in (k.lstrip("0") for k in bias) if len(d) > 18), None)
+        if huge is not None:  # (int() refuses strings of over 4300 digits; the message leaves it out)
             raise ValueError(f"keys must be token ids in the vocabulary, got one of {len(huge)} digits")
-        out, keys = {}, {}
-        for k, v in bias.items():
-            token = int(digits[k])
-            if token in keys:  # ("5" and "05": which bias is meant? the engine's check, whose keys these are)
-                raise ValueError(f"gives token {token} twice (as {keys[token]!r} and {k!r})")
-            out[token], keys[token] = float(v), k
-        return out
+        return bias
 
     def constraints(self) -> list[tuple[str, dict]]:
         """``(param, structured output)`` of each structured-output field given (a valid
