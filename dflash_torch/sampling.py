@@ -255,7 +255,9 @@ def _check_logit_bias(bias) -> dict[int, float] | None:
     for key, value in bias.items():
         token = key
         if isinstance(token, str) and token.isascii() and token.isdigit() and len(token.lstrip("0")) <= 18:
-            token = int(token)  # (an OpenAI request body's key: "50256"; longer ones are no vocabulary's ids)
+            # (an OpenAI request body's key: "50256"; longer ones are no vocabulary's ids; int() refuses
+            # strings of over 4300 digits, leading zeros too)
+            token = int(token.lstrip("0") or "0")
         if not _is_token_id(token):
             raise OptionError(f"logit_bias keys must be token ids (integers >= 0, or their decimal strings), "
                               f"got {token!r}", "logit_bias")

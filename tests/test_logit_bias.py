@@ -306,6 +306,8 @@ def test_bad_values_are_refused(kw, name, tiny_target_only):
 
 def test_decimal_string_keys_as_in_an_openai_body_are_token_ids(tiny_target_only):
     assert SamplingParams(logit_bias={"5": 1, "007": -2.5, 9: 3}).logit_bias == {5: 1.0, 7: -2.5, 9: 3.0}
+    # (helper-152: leading zeros past Python's 4300 digits were a ValueError of int())
+    assert SamplingParams(logit_bias={"0" * 5000 + "5": 1, "0" * 5000: 2}).logit_bias == {5: 1.0, 0: 2.0}
     e = tiny_target_only
     forced = e.generate("x", max_new_tokens=4, logit_bias={"42": 100}).token_ids
     assert forced == e.generate("x", max_new_tokens=4, logit_bias={42: 100}).token_ids == [42] * 4
