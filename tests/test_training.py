@@ -1464,6 +1464,36 @@ def test_export_flushes_each_file_before_it_is_moved_and_the_directory_after(tin
     assert DFlashEngine.from_pretrained(target, out).drafter is not None
 
 
+def test_the_data_cache_and_the_checkpoint_are_flushed_before_they_are_moved(tiny_pair, tmp_path, monkeypatch):
+    """The data cache and the training checkpoint (what --resume reads) were moved into place
+    unflushed, as the export's files were: each is flushed whole before its rename now."""
+    import os
+
+    import dflash_torch.training.trainer as trainer
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    events, fsync, replace = [], trainer._fsync, os.replace
+
+    def flushed(path):
+        fsync(path)
+        events.append(("fsync", Path(path), None if Path(path).is_dir() else Path(path).read_bytes()))
+
+    def moved(src, dst):
+        replace(src, dst)
+        events.append(("replace", Path(src), Path(dst)))
+
+    monkeypatch.setattr(trainer, "_fsync", flushed)
+    monkeypatch.setattr(trainer.os, "replace", moved)
+    Trainer(_cfg(tmp_path, target, text, steps=2, ckpt_every=1, val_seqs=0), log=lambda m: None).run()
+    work = tmp_path / "work"
+    for name in ("data-*.pt", trainer.CHECKPOINT):
+        (dst,) = work.glob(name)
+        i, src = [(i, e[1]) for i, e in enumerate(events) if e[0] == "replace" and e[2] == dst][-1]
+        assert ("fsync", src, dst.read_bytes()) in events[:i], (name, events)  # (the last one moved: flushed whole)
+
+
 def test_train_dflash2_from_a_dflash_drafter_round_trips(tiny_pair, tmp_path, capsys):
     """``train --arch dflash2 --init-from`` a DFlash drafter: the backbone starts as the
     source's (identity convolutions, small random codebooks), the selector loss falls, and

@@ -691,6 +691,7 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
         except BaseException:  # (a Ctrl-C or a full disk: no half-written file left behind)
             tmp.unlink(missing_ok=True)
             raise
+        _fsync(tmp)  # (on the disk before its name is, as the export's files)
         os.replace(tmp, cache)
     stream = blob["stream"]
     chat = [Example(i, m) for i, m in blob["chat"]]
@@ -931,6 +932,7 @@ class Trainer:
                         "target_dir": str(target_dir.resolve()),
                         "elapsed": elapsed(), "history": history, "evals": evals,
                         "drafter_config": dcfg.to_dict(), "train_config": asdict(cfg)}, tmp)
+            _fsync(tmp)  # (a power cut after the rename would leave --resume an empty checkpoint)
             os.replace(tmp, ckpt_path)
 
         def log_row(out, at: float | None = None) -> dict:
