@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import compute
 from .cache import cache_bytes
 from .checkpoint import available_memory
 from .errors import DFlashError, OptionError
@@ -474,9 +475,16 @@ class SpeculativeDecoder:
         every row's features; returns the logits ``[V]`` of the last prompt row. With ``scored`` (a
         list), each chunk's valid rows also score the prompt's tokens (``prompt``, ``top``
         alternatives; :func:`prompt_chunk_logprobs`), appended to it as the chunk is read
-        (before the next chunk's forward: a CUDA graph's replay may reuse the logits' memory)."""
+        (before the next chunk's forward: a CUDA graph's replay may reuse the logits' memory).
+
+        Raises:
+            KeyboardInterrupt: the caller of the compute thread's call got Ctrl-C
+                (:func:`~dflash_torch.compute.interrupted`), seen between chunks; ``rounds``
+                has dropped the kept prefix by then, so the next request prefills anew."""
         C = self.prefill_chunk
         for c0 in range(start, n_prompt, C):
+            if c0 > start and compute.interrupted():  # the caller got Ctrl-C: stop between chunks (nothing kept)
+                raise KeyboardInterrupt
             c1 = min(c0 + C, n_prompt)
             if self.static:  # fixed chunk shape: pad; pad rows land past the prompt and get overwritten
                 chunk = torch.zeros(C, dtype=torch.long, device=self.device)

@@ -152,6 +152,46 @@ def test_ctrl_c_stops_a_generate_after_the_current_round(tiny_pair):
     assert word == "interrupted" and 3 <= int(chunks) < 300 and after == "4", proc.stdout
 
 
+def test_ctrl_c_stops_a_long_prefill_between_its_chunks(tiny_pair):
+    """Ctrl-C during the prefill of a long prompt: it stops after the running chunk (it ran the
+    whole prompt first: seconds on a large model), and the next request, the same prompt,
+    prefills anew and gives target-only decoding's tokens."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import signal, threading
+        from dflash_torch import DFlashEngine
+
+        engine = DFlashEngine.from_pretrained({str(tiny_pair[0])!r}, {str(tiny_pair[1])!r}, prefill_chunk=4)
+        prompt = [5 + i % 300 for i in range(800)]  # (200 chunks)
+        chunks = []
+        run = engine.decoder._prefill_fn
+        def counted(*args):  # on the compute thread: Ctrl-C to the main thread during the first chunk
+            chunks.append(1)
+            if len(chunks) == 1:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            return run(*args)
+        engine.decoder._prefill_fn = counted
+        try:
+            engine.generate(prompt, max_new_tokens=4, ignore_eos=True)
+        except KeyboardInterrupt:
+            at = len(chunks)
+            again = engine.generate(prompt, max_new_tokens=4, ignore_eos=True)
+            alone = DFlashEngine.from_pretrained({str(tiny_pair[0])!r}, no_draft=True).generate(
+                prompt, max_new_tokens=4, ignore_eos=True)
+            print("interrupted", at, again.stats.cached_prompt_tokens, again.token_ids == alone.token_ids)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    word, at, cached, same = proc.stdout.split()
+    # (not 200 chunks: it stops once the main thread has taken the signal, a few GIL switch intervals under load)
+    assert word == "interrupted" and 1 <= int(at) < 150 and cached == "0" and same == "True", proc.stdout
+
+
 @pytest.mark.parametrize("call", ["generate", "generate_batch"])
 def test_repeated_ctrl_c_stops_as_soon_and_leaves_the_engine_usable(tiny_pair, call):
     """Ctrl-C pressed three times (1 ms, then 50 ms apart): the call still stops after its current round
