@@ -102,6 +102,7 @@ from typing import Hashable
 
 import torch
 
+from . import compute
 from .cache import (KVCache, RecurrentState, RingLayers, TargetCache, buffer_rows, cache_bytes, layer_shapes,
                     ring_sizes, static_buffer)
 from .checkpoint import available_memory
@@ -773,8 +774,12 @@ class BatchDecoder:
         Raises:
             DFlashError: ``params`` not a :class:`SamplingParams`, no free slot, a duplicate
                 ``seq_id``, an empty prompt, token ids outside the vocabulary, prompt +
-                ``max_new_tokens`` beyond ``max_context``, or an invalid ``checkpoint``.
+                ``max_new_tokens`` beyond ``max_context``, or an invalid ``checkpoint``; a call
+                from another thread while the compute thread runs an engine call
+                (:func:`~dflash_torch.compute.check_caller`: drive this decoder through
+                :func:`~dflash_torch.compute.run`).
         """
+        compute.check_caller("BatchDecoder.add")
         n_prompt = self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs, checkpoint)
         t0 = time.perf_counter()
         slot = len(self._seqs)
@@ -822,6 +827,7 @@ class BatchDecoder:
 
         Args and raises: as :meth:`add`.
         """
+        compute.check_caller("BatchDecoder.join")
         self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs, checkpoint)
         prompt = [int(t) for t in prompt_ids]
         leader = next((q for q in self._joining if q.prompt == prompt and q.prompt_logprobs == prompt_logprobs),
@@ -841,8 +847,10 @@ class BatchDecoder:
         joiner whose prefill others share hands it, and the part read, to the next of them).
 
         Raises:
-            DFlashError: no such sequence.
+            DFlashError: no such sequence; a call from another thread while the compute thread
+                runs an engine call (as :meth:`add`).
         """
+        compute.check_caller("BatchDecoder.remove")
         if self._remove_joining(seq_id):
             return
         index = next((i for i, q in enumerate(self._seqs) if q.seq_id == seq_id), None)
@@ -1060,7 +1068,12 @@ class BatchDecoder:
             ``{seq_id: Round}`` of the sequences decoded (``Round`` times are the whole
             batch's), and of the joining ones whose prefill ended (their first token); empty
             only when no sequence decodes or joins. One host sync per round.
+
+        Raises:
+            DFlashError: a call from another thread while the compute thread runs an engine
+                call (as :meth:`add`).
         """
+        compute.check_caller("BatchDecoder.step")
         rounds = self._round() if any(not q.done for q in self._seqs) else {}
         if self._joining:
             rounds.update(self._prefill_joining(bounded=bool(rounds)))

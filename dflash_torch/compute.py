@@ -160,6 +160,23 @@ def busy() -> bool:
     return _running is not None
 
 
+def check_caller(what: str) -> None:
+    """Refuse ``what`` (a step of a decoder, e.g. ``BatchDecoder.step``) called from another
+    thread while the compute thread runs a call: that call may be decoding with the same
+    caches (an engine's ``generate_batch``, a server's rounds), which the step would change
+    under it.
+
+    Raises:
+        DFlashError: naming ``what`` and :func:`run`, which waits its turn.
+    """
+    if _running is not None and not on_compute_thread():
+        from .errors import DFlashError
+
+        raise DFlashError(f"{what} was called from another thread while the compute thread runs an engine call "
+                          "(which may be decoding with the same caches): call it through dflash_torch.compute.run, "
+                          "which waits its turn")
+
+
 def interrupted() -> bool:
     """Whether the caller of the running call was interrupted (Ctrl-C) and waits for it to
     end: a long call should check it between steps and stop."""

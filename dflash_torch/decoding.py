@@ -536,8 +536,10 @@ class SpeculativeDecoder:
                 longer than the context, an invalid ``prompt_logprobs`` or ``checkpoint``; and, when the
                 generator is resumed, a later ``rounds()`` of this decoder having taken its
                 caches (one sequence at a time: use :class:`~dflash_torch.batch.BatchDecoder`
-                for several).
+                for several); a call from another thread while the compute thread runs an
+                engine call (:func:`~dflash_torch.compute.check_caller`).
         """
+        compute.check_caller("SpeculativeDecoder.rounds")
         check_prompt_logprobs(prompt_logprobs)
         if not isinstance(params, SamplingParams):
             raise DFlashError(f"params must be a SamplingParams, got {type(params).__name__}")

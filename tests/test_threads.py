@@ -283,6 +283,37 @@ def test_on_chunk_that_calls_its_own_engine_gets_an_error_not_a_deadlock(tiny_pa
     assert engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids == ref.token_ids
 
 
+def test_decoder_steps_from_another_thread_while_the_compute_thread_runs_are_refused(tiny_pair):
+    """``engine.batch_decoder().add`` (or ``decoder.rounds``) called from another thread while an
+    engine call ran on the compute thread changed the caches under it (a running generate_batch
+    died with a bare KeyError); it is refused in words naming compute.run, which then runs it."""
+    from dflash_torch import DFlashError, compute
+    from dflash_torch.sampling import SamplingParams
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, max_batch_size=2)
+    batch = engine.batch_decoder()
+    ids = engine.tokenizer.encode(PROMPT)
+    started, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=compute.run, args=(lambda: started.set() or release.wait(),))
+    holder.start()  # (an engine call running on the compute thread)
+    try:
+        assert started.wait(60)
+        steps = [lambda: batch.add("x", ids, SamplingParams(), 4), lambda: batch.join("x", ids, SamplingParams(), 4),
+                 batch.step, lambda: batch.remove("x"), lambda: engine.decoder.rounds(ids, SamplingParams(), 4)]
+        for step in steps:
+            with pytest.raises(DFlashError, match=r"(BatchDecoder\.\w+|SpeculativeDecoder\.rounds) was called from "
+                                                  r"another thread while the compute thread runs an engine call .* "
+                                                  r"call it through dflash_torch\.compute\.run"):
+                step()
+        assert batch.seq_ids == []
+    finally:
+        release.set()
+        holder.join()
+    first = compute.run(batch.add, "x", ids, SamplingParams(), 4)  # (through compute.run: its turn)
+    assert first.tokens == engine.generate(ids, max_new_tokens=1).token_ids
+    compute.run(batch.remove, "x")
+
+
 def test_a_new_thread_waits_for_a_stream_a_finished_thread_left_open(tiny_pair):
     """A thread that ends holding an open stream: a request from a new thread (which may get
     the finished thread's id) waits for that stream to be closed, and is not told that it
