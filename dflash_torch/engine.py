@@ -1055,9 +1055,10 @@ class DFlashEngine:
                 if not self._reading and time.monotonic() - self._read_at >= STALLED_STREAM_S:
                     raise DFlashError(f"another stream of this engine is still open, this thread has read it, and no "
                                       f"thread has read it for {STALLED_STREAM_S:g} s; consume it to the end or close() "
-                                      "it before starting a new request from this thread (or raise "
-                                      "dflash_torch.engine.STALLED_STREAM_S for a stream that other threads read "
-                                      "slowly)")
+                                      "it before starting a new request from this thread (a stream held by a variable "
+                                      "stays open, through an exception's traceback too: `with contextlib.closing("
+                                      "engine.stream(...)) as chunks:` closes it), or raise "
+                                      "dflash_torch.engine.STALLED_STREAM_S for a stream that other threads read slowly")
             else:  # (another thread reads the stream, or holds the engine: wait for it)
                 self.lock.acquire()
         try:

@@ -406,6 +406,7 @@ def test_a_thread_that_read_a_stream_handed_on_and_left_open_is_refused_not_stuc
     t.start()
     t.join(30)
     assert not t.is_alive() and "no thread has read it for 0.3 s" in out.get("error", ""), out
+    assert "held by a variable stays open, through an exception's traceback too" in out["error"], out  # (how it stays open)
     stream.close()
     assert engine.generate("class A:", max_new_tokens=4).token_ids
 
