@@ -1552,7 +1552,11 @@ def _chat_messages(messages: list) -> list[dict]:
             are not a JSON object (a dict or its JSON text; ``""`` and None are ``{}``).
     """
     if not all(isinstance(m, dict) for m in messages):
-        raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})")
+        nested = bool(messages) and all(isinstance(m, (list, tuple)) for m in messages)  # (a tokenizer's batch)
+        hint = "" if not nested else "; got a list of one list (a batch of one): pass its row, ids[0]" \
+            if len(messages) == 1 else f"; got a list of {len(messages)} lists ({len(messages)} prompts: generate_batch takes them)"
+        raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})"
+                          + hint)
     out = []
     for i, m in enumerate(messages):
         if isinstance(m.get("content"), list):

@@ -1234,6 +1234,9 @@ def test_prompts_as_tuples_ranges_and_1_d_tensors_or_arrays(engine):
                           (np.zeros((2, 2), dtype=np.int64), f"must be 1-D, got shape (2, 2) (2 prompts: {rows}"),
                           (torch.tensor([[5, 6], [7, 8], [9, 10]]), f"must be 1-D, got shape (3, 2) (3 prompts: {rows}"),
                           (torch.tensor([5.0, 7.0]), "must be integers, got a tensor of torch.float32"),
+                          # (a tokenizer's batch as lists: said as for a tensor)
+                          ([[5, 7, 3]], "got a list of one list (a batch of one): pass its row, ids[0]"),
+                          ([[5, 7], [3]], "got a list of 2 lists (2 prompts: generate_batch takes them)"),
                           (np.array([0.5]), "must be integers, got an array of float64")):
         with pytest.raises(DFlashError, match=re.escape(words)):
             engine.generate(prompt, max_new_tokens=2)
