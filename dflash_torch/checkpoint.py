@@ -29,14 +29,14 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
 
     Args:
         name_or_path: a local directory, or a Hugging Face repo id (``ORG/NAME``): its snapshot
-            in the local Hugging Face cache when there is one (used as it is, no network), else
-            downloaded into the cache (:func:`download`).
+            in the local Hugging Face cache when that holds the checkpoint (used as it is, no
+            network), else downloaded into the cache (:func:`dflash_torch.hub.snapshot`).
 
     Raises:
         DFlashError: if it is empty, neither a directory with ``config.json`` nor a repo id,
-            a repo id that is not cached and cannot be downloaded (see :func:`download`) or has no
-            ``config.json``, or a directory (or a part of a Hugging Face cache entry: its folder,
-            refs/main, snapshot, blobs) this process may not read (``cannot read PATH: Permission denied``).
+            a repo id that is not cached and cannot be downloaded (see :mod:`dflash_torch.hub`),
+            or a directory (or a part of a Hugging Face cache entry: its folder, refs/main,
+            snapshot, blobs) this process may not read (``cannot read PATH: Permission denied``).
     """
     if not str(name_or_path).strip():  # (Path("") is ".", the current directory)
         raise DFlashError("the checkpoint path is empty: pass a checkpoint directory or a Hugging Face id")
@@ -60,102 +60,10 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
         raise DFlashError(f"{path} is a file; pass the checkpoint directory")
     name = str(name_or_path)
     if name.count("/") == 1 and not name.startswith((".", "/")):
-        from huggingface_hub import snapshot_download
+        from .hub import snapshot
 
-        try:  # (the cache first: no network for a model already there)
-            local = snapshot_download(repo_id=name, local_files_only=True, allow_patterns=HUB_FILES,
-                                      ignore_patterns=HUB_SKIPPED)  # (complete in the files loading reads)
-        except Exception:
-            local = None
-        if not local:
-            denied = _unreadable_cache_entry(name)
-            if denied is not None:
-                raise DFlashError(f"cannot read {denied}: Permission denied")
-            local = download(name)
-        config = Path(local) / "config.json"
-        try:  # (a shared cache whose snapshot or blobs this process may not read)
-            os.listdir(local)
-            found = config.is_file()
-        except OSError as exc:
-            raise DFlashError(f"cannot read {exc.filename or config}: {exc.strerror}") from None
-        if found:
-            return Path(local)
-        raise DFlashError(f"model {name!r} is in the Hugging Face cache ({local}) without its config.json "
-                          "(an incomplete download?)")
-    raise DFlashError(f"model directory {name!r} does not exist")
-
-
-# The files of a Hub repo that loading reads: config, generation config, weights and their index,
-# tokenizer and chat template files; HUB_SKIPPED leaves out every subfolder (e.g. gpt-oss's original/,
-# whose consolidated weights would double the download).
-HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
-HUB_SKIPPED = ["*/*"]
-
-
-def download(name: str) -> str:
-    """Download the Hugging Face Hub repo ``name`` (``ORG/NAME``) into the Hugging Face cache
-    (``HF_HUB_CACHE``; huggingface_hub's progress bars on stderr) and return its snapshot
-    directory. Only the files loading reads are fetched (``HUB_FILES`` at the repo's top
-    level: safetensors weights, JSON configs, tokenizer and chat template files), never
-    PyTorch ``.bin`` weights or subfolders. A private or gated repo needs a token
-    (``hf auth login`` or ``HF_TOKEN``).
-
-    Raises:
-        DFlashError: ``HF_HUB_OFFLINE`` is set (the repo is not in the cache); the Hub cannot be
-            reached; the repo does not exist or this user may not read it (private, gated), or has
-            no ``config.json``; any other failure of the download (naming it), e.g. a full disk.
-    """
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    if constants.HF_HUB_OFFLINE:
-        raise DFlashError(f"model {name!r} is not a local directory and is not in the Hugging Face cache; "
-                          "HF_HUB_OFFLINE is set, so it is not downloaded")
-    import logging
-
-    logging.getLogger("dflash_torch").warning(
-        f"dflash-torch: downloading {name} from the Hugging Face Hub into {constants.HF_HUB_CACHE}")
-    try:
-        local = snapshot_download(repo_id=name, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIPPED)
-    except GatedRepoError:
-        reason = ("it is gated: accept its conditions on its Hub page, then log in "
-                  "(`hf auth login` or HF_TOKEN)")
-    except RepositoryNotFoundError:
-        reason = ("the Hub has no such model, or it is private and this user may not read it "
-                  "(log in: `hf auth login` or HF_TOKEN)")
-    except LocalEntryNotFoundError as exc:  # (the Hub could not be reached and nothing is cached)
-        cause = exc.__cause__ or exc.__context__
-        reason = (f"the Hub cannot be reached ({type(cause).__name__}: {cause})" if cause is not None
-                  else "the Hub cannot be reached") + "; set HF_HUB_OFFLINE=1 to use only the cache"
-    except Exception as exc:  # (HTTP errors, a full disk, ...: huggingface_hub's own message, first line)
-        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    else:
-        if (Path(local) / "config.json").is_file():
-            return local
-        raise DFlashError(f"model {name!r} on the Hugging Face Hub has no config.json: not a checkpoint in "
-                          "Hugging Face format (config.json + safetensors)")
-    raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: {reason}")
-
-
-def _unreadable_cache_entry(name: str) -> Path | None:
-    """The part of the Hugging Face cache entry of the repo ``name`` (its folder, ``refs``,
-    ``refs/main``, ``snapshots``) that this process may not read, else None: huggingface_hub
-    then says only that the repo is not cached."""
-    from huggingface_hub import constants
-
-    root = Path(constants.HF_HUB_CACHE)
-    repo = root / ("models--" + name.replace("/", "--"))
-    for part in (root, repo, repo / "refs", repo / "refs" / "main", repo / "snapshots"):
-        try:
-            if part.name == "main":
-                part.open("rb").close()
-            else:
-                os.listdir(part)
-        except PermissionError:
-            return part
-        except OSError:
-            continue
-    return None
+        return snapshot(name)
+    raise DFlashError(f"model directory {name!r} does not exist" + ("" if "/" in name else " (a Hugging Face id is ORG/NAME)"))
 
 
 def checkpoint_dir(value, name: str) -> Path:

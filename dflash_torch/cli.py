@@ -30,8 +30,8 @@ def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     def shown(text: str) -> str:
         return text if decoding else argparse.SUPPRESS
 
-    p.add_argument("--target", help="target checkpoint dir or cached HF id (default: the shipped default target)")
-    p.add_argument("--draft", help="DFlash drafter checkpoint dir or cached HF id (default: the shipped drafter, "
+    p.add_argument("--target", help="target checkpoint dir or HF id, downloaded unless cached (default: the shipped default target)")
+    p.add_argument("--draft", help="DFlash drafter checkpoint dir or HF id, downloaded unless cached (default: the shipped drafter, "
                                   "which goes with the shipped target only)")
     p.add_argument("--dtype", default="auto", help="auto (default: bfloat16 on CUDA, float32 on CPU), float32 or bfloat16")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
@@ -594,7 +594,9 @@ def entry() -> None:
     waiting for a call on the compute thread (see :func:`dflash_torch.compute.run`). Where
     such a call still runs, the process exits without finalizing the interpreter, which
     would stop that thread inside a torch op and abort the process ("terminate called
-    without an active exception"). A process started with SIGINT ignored keeps it ignored."""
+    without an active exception"); so it does where a download still runs
+    (:func:`dflash_torch.hub.downloading`), which would hold up the exit until the file it
+    fetches ends. A process started with SIGINT ignored keeps it ignored."""
     global _interrupts_raised
     installed = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if installed:
@@ -612,7 +614,8 @@ def entry() -> None:
     if installed:  # (and stays ignored while the interpreter finalizes, which would set a Python handler's
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # signal back to its default action: killed by SIGINT)
     compute = sys.modules.get(f"{__package__}.compute")  # (not imported: nothing ran there; nor is torch loaded)
-    if compute is not None and compute.busy():
+    hub = sys.modules.get(f"{__package__}.hub")  # (a download a Ctrl-C left: its threads would hold up the exit)
+    if (compute is not None and compute.busy()) or (hub is not None and hub.downloading()):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -300,7 +300,7 @@ class DFlashEngine:
         int_weights: str = "auto",
         nvfp4: str = "auto",
     ) -> "DFlashEngine":
-        """Load a target and a DFlash drafter from local directories or cached Hugging Face ids.
+        """Load a target and a DFlash drafter from local directories or Hugging Face ids (downloaded unless cached).
 
         Args:
             target: target checkpoint (default: the shipped default target).
@@ -375,7 +375,7 @@ class DFlashEngine:
         torch_dtype = options.resolve_dtype(dtype, device=dev)
         for name, path in (("target", target), ("draft", draft)):
             if path is not None and not isinstance(path, (str, os.PathLike)):
-                raise OptionError(f"{name} must be a checkpoint directory or a cached Hugging Face id (a str or a path), "
+                raise OptionError(f"{name} must be a checkpoint directory or a Hugging Face id (a str or a path), "
                                   f"got {path!r}", name)
         if no_draft and draft is not None:
             raise OptionError("no_draft decodes with the target alone; drop draft (or no_draft)", "no_draft", "draft")

@@ -8,9 +8,11 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -43,6 +45,8 @@ class _Hub(BaseHTTPRequestHandler):
     def _answer(self, head: bool):
         path = unquote(urlparse(self.path).path).strip("/").split("/")
         repos = self.server.repos
+        if "/".join(path[2:4]) in self.server.failing or "/".join(path[:2]) in self.server.failing:
+            return self._send(418, b'{"error": "I am a teapot"}', {}, head)
         if path[:2] == ["api", "models"] and "/".join(path[2:4]) in repos:
             root = repos["/".join(path[2:4])]
             if path[4] == "revision":
@@ -57,6 +61,8 @@ class _Hub(BaseHTTPRequestHandler):
             file = repos["/".join(path[:2])] / "/".join(path[4:])
             if file.is_file():
                 self.server.fetched.append("/".join(path[4:]))
+                if not head and file.suffix == ".safetensors" and "/".join(path[:2]) in self.server.held:
+                    self.server.hold.wait()  # (a download that does not end while the test holds it)
                 data = file.read_bytes()
                 return self._send(200, data, {"X-Repo-Commit": COMMIT,
                                               "ETag": '"' + hashlib.sha1(data).hexdigest() + '"'}, head)
@@ -82,11 +88,17 @@ def hub(tiny_pair, tmp_path_factory):
     (root / "target" / "original" / "model.safetensors").write_bytes(b"not read")
     (root / "gguf").mkdir()
     (root / "gguf" / "model.gguf").write_bytes(b"GGUF")
+    (root / "bin").mkdir()
+    shutil.copy(target / "config.json", root / "bin" / "config.json")
+    (root / "bin" / "pytorch_model.bin").write_bytes(b"pickle")
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
-    server.repos = {"acme/target": root / "target", "acme/draft": Path(drafter), "acme/gguf": root / "gguf"}
+    server.repos = {"acme/target": root / "target", "acme/draft": Path(drafter), "acme/gguf": root / "gguf",
+                    "acme/bin": root / "bin", "acme/slow": Path(drafter)}
+    server.failing, server.held, server.hold = {"acme/teapot"}, {"acme/slow"}, threading.Event()
     server.fetched = []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}", server
+    server.hold.set()
     server.shutdown()
 
 
@@ -128,6 +140,14 @@ def test_a_hub_id_not_cached_is_downloaded_then_read_from_the_cache(hub, tiny_pa
     ("acme/target", {"HF_ENDPOINT": "http://127.0.0.1:9"}, "cannot download model 'acme/target' from the Hugging "
                                                            "Face Hub: the Hub cannot be reached (ConnectError"),
     ("acme/target", {"HF_HUB_OFFLINE": "1"}, "is not in the Hugging Face cache; HF_HUB_OFFLINE is set"),
+    # (an HTTP error is not "cannot be reached", in one line)
+    ("acme/teapot", {}, "cannot download model 'acme/teapot' from the Hugging Face Hub: http://127.0.0.1:"),
+    # (.bin weights are not downloaded: named, with how to convert them)
+    ("acme/bin", {}, "model 'acme/bin' on the Hugging Face Hub has no safetensors weights; it holds pytorch_model.bin "
+                     "(PyTorch pickle weights), which dflash-torch does not read"),
+    ("acme/target@main", {}, "model 'acme/target@main' is not a local directory, nor a Hugging Face id (ORG/NAME: "
+                             "letters, digits, '-', '_' and '.'; a revision such as @main is not taken)"),
+    ("solo", {}, "model directory 'solo' does not exist (a Hugging Face id is ORG/NAME)"),
 ])
 def test_a_hub_id_that_cannot_be_downloaded_is_one_line(hub, tmp_path, model, env, message):
     endpoint, _ = hub
@@ -137,3 +157,52 @@ def test_a_hub_id_that_cannot_be_downloaded_is_one_line(hub, tmp_path, model, en
     last = got.stderr.strip().splitlines()[-1]
     assert message in last, got.stderr
     assert "Traceback" not in got.stderr
+    if model == "acme/teapot":
+        assert "answered" in last and "418" in last and "cannot be reached" not in last, last
+    if "@" in model or "/" not in model:  # (not a download that failed)
+        assert "downloading" not in got.stderr, got.stderr
+
+
+def test_a_cache_entry_without_the_weights_is_completed_by_a_download(hub, tiny_pair, tmp_path):
+    """A snapshot in the cache that holds only files other tools fetched (the config and the
+    tokenizer, not the weights) was taken as the checkpoint ("has no safetensors weights");
+    it is downloaded whole now (offline, it is named as incomplete)."""
+    endpoint, server = hub
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "hub-cache"), "HF_HUB_OFFLINE": "0"}
+    fetch = ("from huggingface_hub import hf_hub_download\n"
+             "for f in ('config.json', 'tokenizer.json', 'tokenizer_config.json'):\n"
+             "    hf_hub_download('acme/target', f)\n")
+    got = subprocess.run([sys.executable, "-c", fetch], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, HF_HUB_DISABLE_PROGRESS_BARS="1", **env))
+    assert got.returncode == 0, got.stderr
+    offline = _generate("--target", "acme/target", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
+    assert offline.returncode == 2 and "is in the Hugging Face cache incomplete" in offline.stderr, offline.stderr
+    server.fetched.clear()
+    got = _generate("--target", "acme/target", "--no-draft", env=env)
+    assert got.returncode == 0, got.stderr
+    assert "downloading acme/target" in got.stderr and "model.safetensors" in server.fetched
+    local = _generate("--target", str(tiny_pair[0]), "--no-draft", env=env)
+    assert json.loads(got.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
+
+
+def test_ctrl_c_during_a_download_exits_at_once(hub, tiny_pair, tmp_path):
+    """Ctrl-C while huggingface_hub downloads: the command ends with status 130 without waiting
+    for the file being fetched (it waited for the whole file: minutes for a large model)."""
+    endpoint, server = hub
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_ENDPOINT=endpoint, HF_HUB_CACHE=str(tmp_path / "hub-cache"),
+               HF_HUB_OFFLINE="0", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "generate", "x", "--target", str(tiny_pair[0]),
+                             "--draft", "acme/slow"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stderr:  # (the download has begun)
+            if "downloading acme/slow" in line:
+                break
+        while "model.safetensors" not in server.fetched:  # (its weights are being fetched: held by the server)
+            assert proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130  # (the held file never ends: without the fix it waited for it)
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()

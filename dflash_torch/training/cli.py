@@ -39,7 +39,7 @@ def register(sub) -> None:
                     "refused before it loads); the drafter trains there too.",
     )
     d = TrainConfig.__dataclass_fields__
-    p.add_argument("--target", required=True, help="target checkpoint dir or cached HF id")
+    p.add_argument("--target", required=True, help="target checkpoint dir or HF id, downloaded unless cached")
     p.add_argument("--data", required=True, nargs="+", help="text files (a document each), JSONL or .json files of {'text'} / {'messages'} "
                         "records (a .json: an array of them, one, or JSON Lines), or directories (every non-hidden file "
                         "below them as above; there, a .json file that is not records, e.g. a package.json, is a text document, "

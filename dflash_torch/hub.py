@@ -1,0 +1,208 @@
+"""Hugging Face Hub ids (``ORG/NAME``): their snapshot in the local Hugging Face cache, or a
+download into it with ``huggingface_hub`` (unless ``HF_HUB_OFFLINE`` is set).
+
+A snapshot in the cache that holds a ``config.json`` and its safetensors weights is used as
+it is, with no network (``hf download ORG/NAME`` updates it); one without them (a download cut
+short, or files fetched by other tools, e.g. only the tokenizer) is completed by a download.
+Only the files loading reads are fetched (:data:`HUB_FILES`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+from .errors import DFlashError
+
+# The files of a Hub repo that loading reads: config, generation config, weights and their index,
+# tokenizer and chat template files; HUB_SKIPPED leaves out every subfolder (e.g. gpt-oss's original/,
+# whose consolidated weights would double the download).
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+HUB_SKIPPED = ["*/*"]
+
+_downloads: set[threading.Thread] = set()  # downloads still running (one a Ctrl-C left behind, see download)
+
+
+def snapshot(name: str) -> Path:
+    """The local directory of the Hub repo ``name``: its snapshot in the cache when that holds
+    ``config.json`` and safetensors weights, else the snapshot :func:`download` fills.
+
+    Raises:
+        DFlashError: ``name`` is not a valid repo id (``ORG/NAME`` of letters, digits, ``-``,
+            ``_``, ``.``; a revision suffix such as ``@main`` is not taken); a part of its cache
+            entry this process may not read; see :func:`download` (not cached and offline, ...).
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise DFlashError(f"model {name!r} is not a local directory, nor a Hugging Face id (ORG/NAME: letters, digits, "
+                          "'-', '_' and '.'; a revision such as @main is not taken)") from None
+    try:  # (the cache first: no network for a model already there)
+        local = snapshot_download(repo_id=name, local_files_only=True, allow_patterns=HUB_FILES,
+                                  ignore_patterns=HUB_SKIPPED)
+    except Exception:
+        local = None
+    if local is not None:
+        try:  # (a shared cache whose snapshot or blobs this process may not read)
+            os.listdir(local)
+            complete = _complete(Path(local))
+        except OSError as exc:
+            raise DFlashError(f"cannot read {exc.filename or local}: {exc.strerror}") from None
+        if complete:
+            return Path(local)
+    denied = _unreadable_cache_entry(name)
+    if denied is not None:
+        raise DFlashError(f"cannot read {denied}: Permission denied")
+    return download(name, cached=local)
+
+
+def _complete(local: Path) -> bool:
+    """Whether a cached snapshot holds ``config.json`` and the safetensors weights loading reads
+    (a link to a blob that is not there, left by a download cut short, is not held).
+
+    Raises:
+        OSError: a part of it this process may not read."""
+    from .checkpoint import read_json_object
+
+    if not (local / "config.json").is_file():
+        return False
+    if (local / "model.safetensors").is_file():
+        return True
+    index = local / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(read_json_object(index)["weight_map"].values())
+        except (DFlashError, KeyError, AttributeError, TypeError):
+            return True  # (an index that is not one: loading names what is wrong with it)
+        return all(isinstance(s, str) and (local / s).is_file() for s in shards)
+    return any(f.is_file() for f in local.glob("*.safetensors"))
+
+
+def download(name: str, cached: str | None = None) -> Path:
+    """Download the Hugging Face Hub repo ``name`` (``ORG/NAME``) into the Hugging Face cache
+    (``HF_HUB_CACHE``; huggingface_hub's progress bars on stderr; files already there are
+    kept, an interrupted one resumed) and return its snapshot directory. Only the files
+    loading reads are fetched (:data:`HUB_FILES` at the repo's top level: safetensors
+    weights, JSON configs, tokenizer and chat template files), never PyTorch ``.bin``
+    weights or subfolders. A private or gated repo needs a token (``hf auth login`` or
+    ``HF_TOKEN``). ``cached``: an incomplete snapshot of it in the cache, if any (named when
+    offline).
+
+    The download runs in a thread of its own, so that Ctrl-C stops the wait at once
+    (``KeyboardInterrupt``; huggingface_hub's own threads finish the file they fetch unless
+    the process exits: the command line exits without waiting for them, see
+    :func:`downloading`).
+
+    Raises:
+        DFlashError: ``HF_HUB_OFFLINE`` is set; the Hub cannot be reached, or answers with an
+            HTTP error; the repo does not exist or this user may not read it (private, gated);
+            it has no ``config.json``, or no safetensors weights (naming ``.bin`` ones); any
+            other failure of the download (naming it), e.g. a full disk.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        where = (f"is in the Hugging Face cache incomplete ({cached}: no config.json or safetensors weights)"
+                 if cached else "is not a local directory and is not in the Hugging Face cache")
+        raise DFlashError(f"model {name!r} {where}; HF_HUB_OFFLINE is set, so it is not downloaded")
+    logging.getLogger("dflash_torch").warning(
+        f"dflash-torch: downloading {name} from the Hugging Face Hub into {constants.HF_HUB_CACHE}")
+    done: dict = {}
+
+    def fetch() -> None:
+        try:
+            done["dir"] = snapshot_download(repo_id=name, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIPPED)
+        except BaseException as exc:  # (handed to the caller)
+            done["error"] = exc
+
+    thread = threading.Thread(target=fetch, name=f"dflash-torch download {name}", daemon=True)
+    _downloads.add(thread)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)  # (a Ctrl-C lands here, between waits)
+    _downloads.discard(thread)
+    exc = done.get("error")
+    if exc is None:
+        return _downloaded(name, Path(done["dir"]))
+    if isinstance(exc, GatedRepoError):
+        reason = "it is gated: accept its conditions on its Hub page, then log in (`hf auth login` or HF_TOKEN)"
+    elif isinstance(exc, RepositoryNotFoundError):
+        reason = ("the Hub has no such model, or it is private and this user may not read it "
+                  "(log in: `hf auth login` or HF_TOKEN)")
+    elif isinstance(exc, LocalEntryNotFoundError):  # (the Hub did not answer, or answered an error, and nothing is cached)
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, HfHubHTTPError):
+            reason = f"{constants.ENDPOINT} answered {_first_line(cause)}"
+        else:
+            reason = ("the Hub cannot be reached" + (f" ({type(cause).__name__}: {_first_line(cause)})" if cause else "")
+                      + "; set HF_HUB_OFFLINE=1 to use only the cache")
+    elif isinstance(exc, Exception):  # (HTTP errors, a full disk, ...: huggingface_hub's own message, first line)
+        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+    else:
+        raise exc
+    raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: {reason}")
+
+
+def _downloaded(name: str, local: Path) -> Path:
+    """``local``, the snapshot just downloaded of ``name``, once it is seen to hold a checkpoint.
+
+    Raises:
+        DFlashError: no ``config.json``; no safetensors weights (naming the repo's ``.bin``
+            weights, which are not downloaded); see :func:`~dflash_torch.checkpoint.weight_files`."""
+    from .checkpoint import weight_files
+
+    if not (local / "config.json").is_file():
+        raise DFlashError(f"model {name!r} on the Hugging Face Hub has no config.json: not a checkpoint in "
+                          "Hugging Face format (config.json + safetensors)")
+    if not any(local.glob("*.safetensors")):
+        pickles = []
+        try:  # (what it holds instead: its file list, one more request)
+            from huggingface_hub import list_repo_files
+
+            pickles = [f for f in list_repo_files(name) if f.endswith(".bin") and "/" not in f]
+        except Exception:
+            pass
+        hint = (f"; it holds {', '.join(sorted(pickles)[:3])}{' ...' if len(pickles) > 3 else ''} (PyTorch pickle "
+                "weights), which dflash-torch does not read: convert them to safetensors, e.g. load the model with "
+                "transformers and save_pretrained(DIR, safe_serialization=True)") if pickles else ""
+        raise DFlashError(f"model {name!r} on the Hugging Face Hub has no safetensors weights{hint}")
+    weight_files(local)  # (a shard its index names that the repo lacks: named)
+    return local
+
+
+def downloading() -> bool:
+    """Whether a download that a Ctrl-C stopped waiting for still runs (its threads would hold
+    up the interpreter's exit until it ends)."""
+    return any(t.is_alive() for t in _downloads)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _unreadable_cache_entry(name: str) -> Path | None:
+    """The part of the Hugging Face cache entry of the repo ``name`` (its folder, ``refs``,
+    ``refs/main``, ``snapshots``) that this process may not read, else None: huggingface_hub
+    then says only that the repo is not cached."""
+    from huggingface_hub import constants
+
+    root = Path(constants.HF_HUB_CACHE)
+    repo = root / ("models--" + name.replace("/", "--"))
+    for part in (root, repo, repo / "refs", repo / "refs" / "main", repo / "snapshots"):
+        try:
+            if part.name == "main":
+                part.open("rb").close()
+            else:
+                os.listdir(part)
+        except PermissionError:
+            return part
+        except OSError:
+            continue
+    return None
