@@ -1228,6 +1228,14 @@ def test_train_refuses_an_out_that_is_a_cached_target_or_init_from(tiny_pair, tm
         assert err == [f"dflash-torch: error: --work-dir {work} is {whose}; give the data cache and checkpoint a "
                        "directory of their own"], err
         assert not (tmp_path / "out").exists()
+    # elsewhere in the target's cache folder (its blobs; a new directory there): deleting the model deleted the drafter
+    folder = hub / "models--acme--t"
+    for out in (folder / "blobs", folder / "out"):
+        assert cli_main([*args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"dflash-torch: error: --out {out} is inside the Hugging Face cache folder of acme/t "
+                       f"({folder}); give the drafter its own directory outside it"], err
+    assert not (folder / "out").exists()
     assert not any(p.name.startswith(("checkpoint", "data-")) for p in Path(target).iterdir())
     assert {p: p.read_bytes() for p in hub.rglob("*") if p.is_file()} == cached
     assert not any(p.name == "train_work" for p in hub.rglob("*"))

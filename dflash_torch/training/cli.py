@@ -170,14 +170,20 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
             source = None if name is None else os.path.realpath(resolve_model_dir(name))
         except DFlashError:  # (said where it loads)
             source = None
+        # (a cached id's whole cache folder, models--ORG--NAME: its blobs, and what deleting the model deletes)
+        folder = Path(source).parents[1] if source is not None and Path(source).parent.name == "snapshots" and \
+            Path(source).parents[1].name.startswith("models--") else None
         for flag, (shown, path) in mine.items():
             real = os.path.realpath(path)  # (where mkdir makes it: a path not there yet too)
+            own = "the drafter its own directory" if flag == "--out" else \
+                "the data cache and checkpoint a directory of their own"
             if source is not None and (real == source or real.startswith(os.path.join(source, ""))):
-                own = "the drafter its own directory" if flag == "--out" else \
-                    "the data cache and checkpoint a directory of their own"
                 if real == source:
                     raise DFlashError(f"{flag} {shown} is {whose}; give {own}")
                 raise DFlashError(f"{flag} {shown} is inside {whose}; give {own} outside it")
+            if folder is not None and (real == str(folder) or real.startswith(os.path.join(folder, ""))):
+                raise DFlashError(f"{flag} {shown} is inside the Hugging Face cache folder of {name} ({folder}); "
+                                  f"give {own} outside it")
     work = cfg.work_path()
     own = {os.path.realpath(work): "--work-dir", os.path.realpath(out): "--out"}
     for given in args.data:  # (one below them is read without them: read_corpus leaves them out)
