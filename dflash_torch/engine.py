@@ -459,7 +459,7 @@ class DFlashEngine:
         drafter = None if draft_dir is None else DFlashDrafter.from_pretrained(draft_dir, torch_dtype, dev, config=draft_raw,
                                                                                  parsed=draft_cfg)  # (parsed once)
         model = TargetModel.from_pretrained(target_dir, torch_dtype, dev, mxfp4=mxfp4, fp8=fp8, int_weights=int_weights,
-                                            nvfp4=nvfp4)
+                                            nvfp4=nvfp4, parsed=target_cfg)  # (parsed once)
         for option, value, kept in (("mxfp4", mxfp4, model.config.keep_mxfp4), ("fp8", fp8, model.config.keep_fp8),
                                     ("int-weights", int_weights, model.config.keep_int),
                                     ("nvfp4", nvfp4, model.config.keep_nvfp4)):

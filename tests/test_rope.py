@@ -452,3 +452,32 @@ def test_no_max_position_embeddings_and_no_default_is_refused():
                                           r"default for model_type 'no_such_model'\)$"):
         base_target_fields(cfg, "no_such_model")
     assert base_target_fields(dict(cfg, max_position_embeddings=100), "no_such_model")["max_position_embeddings"] == 100
+
+
+def test_keys_a_rope_rule_does_not_read_are_ignored_with_one_warning(tmp_path, caplog):
+    """YaRN's ``finetuned: true`` (NousResearch's Yarn-Llama-2 configs) or a ``comment`` were
+    refused ("rope_scaling.finetuned must be a number > 0, got True"); transformers warns of
+    unrecognized keys and runs. Now ignored, named in one WARNING per file and load (target and
+    drafter); the decoded tokens are transformers' (positions past the original length); the
+    keys the rule reads are still checked."""
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "finetuned": True,
+               "comment": "x", "low_freq_factor": None}
+    target = make_target(tmp_path / "t", "llama", max_position_embeddings=128)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg.update(rope_theta=10000.0, rope_scaling=scaling)  # (as the Yarn-Llama-2 files have it)
+    (target / "config.json").write_text(json.dumps(cfg))
+    drafter = save_drafter(tmp_path / "d", dataclasses.replace(drafter_config(target, block_size=4),
+                                                               rope_scaling=dict(scaling)))
+    with caplog.at_level("WARNING", logger="dflash_torch"):
+        spec = DFlashEngine.from_pretrained(target, drafter, dtype="float32")
+    assert [r.getMessage() for r in caplog.records if r.name == "dflash_torch"] == [
+        f"dflash-torch: WARNING: {what} config.json rope_scaling: ignoring finetuned, comment, which rope scaling "
+        "type 'yarn' does not read" for what in ("target", "drafter")]
+    assert spec.target.config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    prompt = list(range(2, 70))
+    with torch.no_grad():
+        ref = load_hf(target).generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None)
+    assert spec.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids == ref[0, len(prompt):].tolist()
+    with pytest.raises(DFlashError, match=r"^target config.json rope_scaling.factor must be a number > 0, got True$"):
+        _rope(dict(cfg, rope_scaling=dict(scaling, factor=True)))

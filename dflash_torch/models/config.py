@@ -32,6 +32,11 @@ log = logging.getLogger("dflash_torch")
 MIN_POSITIONS = 2  # a target must hold one prompt token and one generated token
 # required keys of each supported rope scaling rule (besides rope_type)
 ROPE_SCALING_KEYS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",)}
+# the keys each rule reads besides those (transformers' required and optional keys of the rule)
+ROPE_RULE_KEYS = {"linear": ("factor",),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                  "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+                           "attention_factor", "mscale", "mscale_all_dim")}
 # keys that transformers 5 keeps in rope_parameters next to the scaling rule, but are not scaling
 _NOT_SCALING = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
@@ -47,9 +52,12 @@ def _rope(cfg: dict, what: str = "target", default_theta: float = 10000.0) -> tu
         the model type: :func:`transformers_default`). ``scaling`` is None for plain RoPE (no dict,
         ``rope_type`` default, or ``mrope``: multimodal RoPE with equal text positions is
         plain RoPE), else a new dict holding ``rope_type`` (linear, llama3, yarn) and that
-        rule's parameters only: ``rope_theta``, ``partial_rotary_factor``,
+        rule's parameters only (:data:`ROPE_RULE_KEYS`): ``rope_theta``, ``partial_rotary_factor``,
         ``mrope_section`` and ``mrope_interleaved`` are dropped (the caller reads
-        ``partial_rotary_factor`` itself). For llama3/yarn, a top-level
+        ``partial_rotary_factor`` itself), and so is any other key the rule does not read
+        (e.g. YaRN's ``finetuned`` in some Llama-2 configs), with a one-line WARNING (logger
+        ``dflash_torch``) naming the non-null ones, as transformers warns of "unrecognized
+        keys" and runs. For llama3/yarn, a top-level
         ``original_max_position_embeddings`` overrides the dict's (as transformers'
         config standardisation does); when neither has it, it stays absent and
         :class:`~dflash_torch.models.rope.Rotary` uses ``max_position_embeddings``.
@@ -67,7 +75,12 @@ def _rope(cfg: dict, what: str = "target", default_theta: float = 10000.0) -> tu
     where = f"{what} config.json {'rope_scaling' if cfg.get('rope_scaling') else 'rope_parameters'}"
     if kind not in ROPE_SCALING_KEYS:
         raise DFlashError(f"{where}: unsupported rope scaling type {kind!r}; supported: {', '.join(ROPE_SCALING_KEYS)}")
-    scaling = {k: v for k, v in params.items() if k not in _NOT_SCALING and k != "type"}
+    scaling = {k: v for k, v in params.items() if k in ROPE_RULE_KEYS[kind]}
+    unread = [k for k, v in params.items() if k not in (*ROPE_RULE_KEYS[kind], *_NOT_SCALING, "type", "rope_type")
+              and v is not None]
+    if unread:
+        log.warning(f"dflash-torch: WARNING: {where}: ignoring {', '.join(unread)}, which rope scaling type "
+                    f"{kind!r} does not read")
     scaling["rope_type"] = kind
     if kind in ("llama3", "yarn") and cfg.get("original_max_position_embeddings") is not None:
         scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]

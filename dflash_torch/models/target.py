@@ -16,6 +16,7 @@ map onto them.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -258,10 +259,13 @@ class TargetModel(nn.Module):
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
                         mxfp4: str = "auto", fp8: str = "auto", int_weights: str = "auto",
-                        nvfp4: str = "auto") -> "TargetModel":
+                        nvfp4: str = "auto", parsed: TargetConfig | None = None) -> "TargetModel":
         """Load a Hugging Face checkpoint directory with the class of its family.
 
         Args:
+            parsed: the :class:`TargetConfig` of ``model_dir``'s ``config.json`` where the
+                caller has it already (not parsed again, so that a warning of the parse is
+                said once; the caller's object is not changed), else None (the file is read).
             mxfp4: how to hold expert matrices a checkpoint stores in MXFP4 (gpt-oss) or
                 FP4 (DeepSeek-V4-Flash's ``expert_dtype: "fp4"``, the same numbers):
                 ``"dequantize"`` them when loading (fastest), keep them ``"packed"`` (a
@@ -298,7 +302,7 @@ class TargetModel(nn.Module):
         from .registry import family
 
         raw = load_config(model_dir)
-        cfg = TargetConfig.from_dict(raw)
+        cfg = TargetConfig.from_dict(raw) if parsed is None else copy.deepcopy(parsed)
         check_mxfp4(mxfp4, cfg.mxfp4)
         check_fp8(fp8, cfg.fp8_block is not None, has_mxfp4=cfg.mxfp4)
         check_int_weights(int_weights, cfg.int_quant is not None)

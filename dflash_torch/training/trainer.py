@@ -823,7 +823,7 @@ class Trainer:
                 raise DFlashError("--chat-template-kwargs apply to chat ('messages') data, which needs a target "
                                   "tokenizer with a chat template; this one has none")
         try:  # (train holds the target in float32 on the CPU: check_fits refuses one that cannot fit, in one line)
-            target = TargetModel.from_pretrained(target_dir, torch.float32)
+            target = TargetModel.from_pretrained(target_dir, torch.float32, parsed=target_cfg)
         except DFlashError as exc:
             if str(exc).startswith("the target needs "):
                 raise DFlashError(f"{exc} (train loads the target in float32 on the CPU, about 4 bytes a parameter; "
