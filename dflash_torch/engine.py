@@ -35,7 +35,7 @@ from .checkpoint import available_memory, check_links, checkpoint_dir, load_conf
 from .decoding import Round, SpeculativeDecoder
 from .errors import DFlashError, OptionError
 from .models.config import (DrafterConfig, TargetConfig, check_vocab_ids, eos_token_ids, fill_mask_token_id,
-                            needs_mask_token_id, validate_pair)
+                            needs_mask_token_id, quiet_transformers, validate_pair)
 from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
 from .models.packing import pack_linears, packed_bytes, packing_supported
@@ -1707,17 +1707,26 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
             interrupted download), a tokenizer that fails to load (``cannot read FILE: Permission
             denied`` where a tokenizer file is one this process may not read; one that the
             tokenizer does not need is no error), a config.json that
-            transformers' config class refuses (AutoTokenizer reads it too), a size that does
+            transformers' config class refuses (AutoTokenizer reads it too; a top-level ``dtype`` /
+            ``torch_dtype`` "auto", which that class alone cannot read, is read as absent), a size that does
             not fit ``vocab_size`` (see above; too few tokens names the vocabulary file where
             there is one, else the files missing).
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     check_links(model_dir)  # (else transformers blames a missing sentencepiece for a missing tokenizer.json)
     if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
         raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    # (transformers' config class takes a dtype "auto" for a torch dtype's name and fails on torch.auto, unless
+    # given a dtype, as its model loader is: the tokenizer does not depend on it)
+    config_file = Path(model_dir) / "config.json"
+    auto = config_file.is_file() and "auto" in (read_json_object(config_file).get(k) for k in ("dtype", "torch_dtype"))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        config = {}
+        if auto:
+            with quiet_transformers():  # (its notice that torch_dtype is deprecated)
+                config = {"config": AutoConfig.from_pretrained(str(model_dir), dtype=None, torch_dtype=None)}
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), **config)
     except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
         if isinstance(exc, PermissionError) and exc.filename:  # (a file this process may not read)
             raise DFlashError(f"cannot read {exc.filename}: {exc.strerror}") from None

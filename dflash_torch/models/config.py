@@ -367,15 +367,20 @@ def check_dtype_field(cfg: dict, what: str) -> None:
     (``torch_dtype`` / ``dtype``, top level or in ``text_config``) that torch does not know.
     The engine loads in the dtype it is asked for, so such a value (a corrupt file) passed
     unnoticed, except where transformers' tokenizer loader reads this file: its error then
-    blamed the tokenizer."""
+    blamed the tokenizer. ``"auto"`` passes at the top level (the tokenizer loader reads it as
+    absent), not in ``text_config``, where transformers' config classes fail on it."""
     text = cfg.get("text_config")
-    for where in (cfg, text if isinstance(text, dict) else {}):
+    for where, prefix in ((cfg, ""), (text if isinstance(text, dict) else {}, "text_config.")):
         for key in ("torch_dtype", "dtype"):
             value = where.get(key)
-            if value is None or value == "auto":
+            if value is None or (value == "auto" and not prefix):
                 continue
+            if value == "auto":
+                raise DFlashError(f"{what} config.json {prefix}{key} 'auto' is not read by transformers' config classes "
+                                  "(they fail on it; only a top-level dtype may be 'auto'): give the weights' dtype "
+                                  "(e.g. 'bfloat16') or remove it")
             if not isinstance(value, str) or not isinstance(getattr(torch, value.removeprefix("torch."), None), torch.dtype):
-                raise DFlashError(f"{what} config.json {key} {value!r} is not a torch dtype (e.g. 'bfloat16')")
+                raise DFlashError(f"{what} config.json {prefix}{key} {value!r} is not a torch dtype (e.g. 'bfloat16')")
 
 
 def refuse_quantized(cfg: dict, what: str, allowed: tuple[str, ...] = ()) -> None:
@@ -805,7 +810,7 @@ def with_transformers_defaults(cfg: dict) -> dict:
     ``rope_scaling`` + ``rope_theta``), and for a llama3 / yarn rule ``max_position_embeddings``,
     each where absent or null in ``cfg``, are taken from
     ``transformers.AutoConfig.for_model(model_type, **cfg)`` (given a deep copy of ``cfg``'s
-    non-null keys: a null reads as absent, as everywhere in dflash-torch's parser; its log
+    non-null keys: a null, or a ``dtype`` / ``torch_dtype`` "auto", reads as absent, as everywhere in dflash-torch's parser; its log
     lines and warnings silenced); e.g. a ``gpt_oss`` drafter gets gpt-oss's alternating
     128-token sliding-window layers and YaRN RoPE, a ``qwen3`` one with
     ``use_sliding_window`` and ``max_window_layers`` the layer types transformers derives from
@@ -829,7 +834,10 @@ def with_transformers_defaults(cfg: dict) -> dict:
     config_class = transformers_config_class(model_type)
     if config_class is None:
         return cfg
-    given = copy.deepcopy({k: v for k, v in cfg.items() if k != "model_type" and v is not None})
+    # (a dtype "auto" reads as absent, as transformers' from_pretrained given a dtype reads it: its config class
+    # alone takes it for a torch dtype's name and fails on torch.auto)
+    given = copy.deepcopy({k: v for k, v in cfg.items() if k != "model_type" and v is not None
+                           and not (k in ("dtype", "torch_dtype") and v == "auto")})
     with quiet_transformers():
         try:
             from transformers import AutoConfig
