@@ -221,3 +221,34 @@ def test_tied_config_with_a_head_of_its_own_is_refused(tmp_path):
     good = edited_checkpoint(src, tmp_path / "good", config=lambda c: c.update(tie_word_embeddings=True), state=same_head)
     model = TargetModel.from_pretrained(good, torch.float32)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_a_dtype_auto_config_loads_as_transformers_loads_it(tmp_path, caplog, key):
+    """``"dtype": "auto"`` in config.json (target and drafter): transformers' model loader reads
+    it given a dtype, but its config class alone takes it for ``torch.auto``: the target was
+    refused ("cannot load the tokenizer ...: module 'torch' has no attribute 'auto'") and a
+    drafter's config lost transformers' defaults with a WARNING. In ``text_config``, where
+    transformers' config classes fail on it whatever the loader, it is refused in one line."""
+    import transformers
+
+    from conftest import drafter_config, hf_greedy, save_drafter
+    from dflash_torch import DFlashEngine, DFlashError
+
+    target = make_target(tmp_path / "t", "llama")
+    drafter = save_drafter(tmp_path / "d", drafter_config(target, block_size=4))
+    for path in (target, drafter):
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.pop("dtype", None), cfg.pop("torch_dtype", None)
+        (path / "config.json").write_text(json.dumps(dict(cfg, **{key: "auto"})))
+    with caplog.at_level("WARNING", logger="dflash_torch"):
+        spec = DFlashEngine.from_pretrained(target, drafter, dtype="float32")
+    assert [r.getMessage() for r in caplog.records if r.name == "dflash_torch"] == []
+    prompt = list(range(5, 25))
+    # (transformers' AutoModelForCausalLM reads it given a dtype; LlamaForCausalLM.from_pretrained fails on it too)
+    ref = hf_greedy(transformers.AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval(), prompt, 16)
+    assert spec.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids == ref
+    cfg = json.loads((target / "config.json").read_text())
+    with pytest.raises(DFlashError, match=rf"^target config.json text_config.{key} 'auto' is not read by transformers' "
+                                          r"config classes \(they fail on it; only a top-level dtype may be 'auto'\)"):
+        TargetConfig.from_dict(dict(cfg, text_config={key: "auto"}))
