@@ -145,7 +145,7 @@ def weight_files(model_dir: Path) -> list[Path]:
             if not shard or os.path.isabs(shard) or norm == "." or norm == ".." or norm.startswith(".." + os.sep):
                 raise DFlashError(f"{index}: weight_map maps {name} to {shard!r}, which is not a file of the "
                                   f"checkpoint (a file name in {model_dir})")
-        shards = sorted(set(weight_map.values()))
+        shards = sorted({os.path.normpath(s) for s in weight_map.values()})  # ("./a" and "a": one file)
         check_links(model_dir, shards)
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:

@@ -156,6 +156,27 @@ def test_static_cache_incremental_decoding_and_rollback(case, static):
         assert rel_err(logits, ref3[-1:]) <= RTOL
 
 
+def test_an_index_entry_written_with_a_leading_dot_slash_is_the_same_shard(tmp_path):
+    """``"./model-00002-of-00003.safetensors"`` for some weights of a shard the index names
+    plainly for others: one file, read once (it was read as two: "weight X is in both
+    model-00002... and model-00002..."), as transformers reads it."""
+    path = make_target(tmp_path / "dot", "qwen3", tokenizer=False, max_shard_size="150KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    names = sorted(index["weight_map"])
+    for name in names[::2]:
+        index["weight_map"][name] = "./" + index["weight_map"][name]
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    hf = load_hf(path)
+    ids = torch.arange(3, 12)
+    ours = TargetModel.from_pretrained(path, torch.float32)
+    cache = ours.new_cache()
+    cache.reset(len(ids))
+    with torch.no_grad():
+        logits, _ = ours(ids, torch.arange(len(ids)), cache, len(ids), [0])
+        ref = hf(ids[None]).logits[0]
+    assert rel_err(logits, ref) <= RTOL
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
 def test_config_without_tie_word_embeddings_is_untied_as_in_transformers(tmp_path, family):
     """transformers' Qwen3 / Qwen2 / Llama configs default to an untied head: a config.json
