@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import load_hf, make_target
+from dflash_torch import DFlashError
 from dflash_torch.models.config import TargetConfig
 from dflash_torch.models.target import TargetModel
 
@@ -273,3 +274,80 @@ def test_a_dtype_auto_config_loads_as_transformers_loads_it(tmp_path, caplog, ke
     with pytest.raises(DFlashError, match=rf"^target config.json text_config.{key} 'auto' is not read by transformers' "
                                           r"config classes \(they fail on it; only a top-level dtype may be 'auto'\)"):
         TargetConfig.from_dict(dict(cfg, text_config={key: "auto"}))
+
+
+def _matches_transformers(path, n: int = 40) -> None:
+    """Our target's logits over ``n`` positions (beyond the 8-token windows below) == transformers'."""
+    hf = load_hf(path)
+    ids = torch.arange(3, 3 + n)
+    ours = TargetModel.from_pretrained(path, torch.float32)
+    cache = ours.new_cache()
+    cache.reset(n)
+    with torch.no_grad():
+        logits, _ = ours(ids, torch.arange(n), cache, n, [0])
+        ref = hf(ids[None]).logits[0]
+    assert rel_err(logits, ref) <= RTOL
+
+
+SLIDING_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_sliding_layer_types_without_a_window_are_refused_like_a_drafter_s(tmp_path, family):
+    """``layer_types`` naming sliding layers while ``use_sliding_window`` is false or absent:
+    transformers' config drops the window and its forward fails; dflash-torch ran the model
+    silently with full attention. Refused in one line."""
+    path = make_target(tmp_path / "t", family, tokenizer=False)
+    cfg = json.loads((path / "config.json").read_text())
+    for use in ({}, {"use_sliding_window": False}):
+        edited = {**{k: v for k, v in cfg.items() if k != "use_sliding_window"}, "layer_types": SLIDING_TYPES,
+                  "sliding_window": 8, **use}
+        hf = transformers_config(edited)
+        assert hf.sliding_window is None and hf.layer_types == SLIDING_TYPES
+        with pytest.raises(DFlashError, match=r"^target config.json layer_types has sliding_attention layers but no "
+                                              r"window \(sliding_window is null, or use_sliding_window false turns it "
+                                              r"off, as transformers reads the file\)"):
+            TargetConfig.from_dict(edited)
+    with pytest.raises(DFlashError, match=rf"^target config.json slides 2 of 4 layers over 8 tokens \(use_sliding_window "
+                                          rf"true\): sliding-window attention is not supported for model_type '{family}'$"):
+        TargetConfig.from_dict(dict(cfg, layer_types=SLIDING_TYPES, sliding_window=8, use_sliding_window=True))
+
+
+@pytest.mark.parametrize("family, edit", [
+    ("qwen2", {"max_window_layers": 4}), ("qwen3", {"max_window_layers": 6}),
+    ("qwen3", {"layer_types": ["full_attention"] * 4}), ("qwen2", {"sliding_window": None}),
+    ("llama", {}),  # (transformers' Llama reads neither key: no window)
+], ids=["qwen2-max-window-layers", "qwen3-max-window-layers", "qwen3-all-full", "qwen2-null-window", "llama"])
+def test_use_sliding_window_where_no_layer_slides_runs_as_transformers(tmp_path, family, edit):
+    """``use_sliding_window: true`` was refused even where no layer slides as transformers reads
+    the file (every layer below ``max_window_layers``, every layer full, a null window) or where
+    the family reads no window (llama)."""
+    path = make_target(tmp_path / "t", family, tokenizer=False)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("layer_types", None)  # (as saved: derived from max_window_layers, all full)
+    cfg.update({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0, **edit})
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert "sliding_attention" not in (getattr(transformers_config(cfg), "layer_types", None) or [])
+    _matches_transformers(path)
+
+
+def test_qwen3_moe_slides_every_layer_where_transformers_gives_a_window(tmp_path):
+    from conftest import make_hybrid_target
+
+    path = make_hybrid_target(tmp_path / "moe", "qwen3_moe", tokenizer=False)
+    cfg = json.loads((path / "config.json").read_text())
+    with pytest.raises(DFlashError, match=r"^target config.json slides 6 of 6 layers over 8 tokens"):
+        TargetConfig.from_dict(dict(cfg, use_sliding_window=True, sliding_window=8))
+    without = {k: v for k, v in cfg.items() if k != "sliding_window"}
+    with pytest.raises(DFlashError, match=r"^target config.json slides 6 of 6 layers over 4096 tokens"):
+        TargetConfig.from_dict(dict(without, use_sliding_window=True))  # (transformers' default window)
+    assert TargetConfig.from_dict(dict(cfg, use_sliding_window=True, sliding_window=None)).moe is not None
+    # (transformers' Qwen3-MoE reads no layer types: all full attention without a window)
+    assert TargetConfig.from_dict(dict(cfg, layer_types=["sliding_attention"] * 6, sliding_window=8)).moe is not None
+
+
+def transformers_config(cfg: dict):
+    """transformers' config object of a config.json dict."""
+    import transformers
+
+    return transformers.AutoConfig.for_model(**cfg)

@@ -474,6 +474,45 @@ def refuse_partial_rotary(fields: dict, model_type: str) -> None:
                           f"model_type {model_type!r} (transformers' {model_type} rotates whole heads)")
 
 
+def refuse_sliding_layers(cfg: dict, model_type: str) -> None:
+    """Refuse a ``qwen2`` / ``qwen3`` / ``qwen3_moe`` target whose layers slide as transformers'
+    config class resolves the file (dflash-torch runs these families with full attention), or
+    that names ``sliding_attention`` layers transformers gives no window (its forward fails on
+    them; dflash-torch ran them silently with full attention). As transformers reads it: the
+    window is ``sliding_window`` (default 4096) where ``use_sliding_window`` is true, else none;
+    qwen2 / qwen3 layers are ``layer_types``, else sliding from ``max_window_layers`` (default
+    28) on where there is a window; every qwen3_moe layer slides where there is a window (it
+    reads no layer types). So ``use_sliding_window: true`` where no layer slides runs, as in
+    transformers. ``llama`` reads none of these keys (transformers' runs no window): nothing
+    is refused.
+
+    Raises:
+        DFlashError: sliding layers, with a window or without one; a ``layer_types`` or
+            ``max_window_layers`` of the wrong type.
+    """
+    if model_type not in ("qwen2", "qwen3", "qwen3_moe"):
+        return
+    n = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window", 4096) if bool_field(cfg, "use_sliding_window", "target", False) else None
+    if model_type == "qwen3_moe":
+        types = ["full_attention" if window is None else "sliding_attention"] * n
+    elif cfg.get("layer_types") is not None:
+        types = check_layer_types(cfg["layer_types"], n, ("full_attention", "sliding_attention"), model_type)
+    else:
+        first = check_int(cfg, "max_window_layers", "target", minimum=0)
+        first = 28 if first is None else first
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
+    sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    if sliding and window is None:
+        raise DFlashError("target config.json layer_types has sliding_attention layers but no window (sliding_window "
+                          "is null, or use_sliding_window false turns it off, as transformers reads the file): "
+                          "transformers' forward fails on them; make them full_attention if the model has no window")
+    if sliding:
+        raise DFlashError(f"target config.json slides {len(sliding)} of {n} layers over {window} tokens "
+                          f"(use_sliding_window true): sliding-window attention is not supported for model_type "
+                          f"{model_type!r}")
+
+
 def eos_token_ids(value, where: str) -> list[int]:
     """An ``eos_token_id`` value (null, an id, or a list of ids) as a list of ids.
 

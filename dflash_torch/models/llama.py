@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..errors import DFlashError
 from .attention import Attention
-from .config import TargetConfig, base_target_fields, bool_field, refuse_partial_rotary
+from .config import TargetConfig, base_target_fields, bool_field, refuse_partial_rotary, refuse_sliding_layers
 from .layers import MLP, RMSNorm
 from .target import DecoderLayer, TargetModel
 
@@ -16,7 +16,8 @@ def parse_config(cfg: dict) -> TargetConfig:
     """A ``qwen3`` / ``llama`` / ``qwen2`` ``config.json`` -> :class:`TargetConfig`.
 
     Raises:
-        DFlashError: missing keys, MLP biases, sliding-window attention or partial rotary
+        DFlashError: missing keys, MLP biases, sliding layers (qwen2 / qwen3:
+            :func:`~dflash_torch.models.config.refuse_sliding_layers`) or partial rotary
             (not supported).
     """
     model_type = cfg["model_type"]
@@ -24,8 +25,7 @@ def parse_config(cfg: dict) -> TargetConfig:
         raise DFlashError("target config.json lacks intermediate_size")
     if bool_field(cfg, "mlp_bias", "target", False):
         raise DFlashError("target configs with mlp_bias=true are not supported")
-    if bool_field(cfg, "use_sliding_window", "target", False):
-        raise DFlashError("target configs with use_sliding_window=true are not supported")
+    refuse_sliding_layers(cfg, model_type)
     fields = base_target_fields(cfg, model_type)
     refuse_partial_rotary(fields, model_type)
     fields.update(

@@ -10,7 +10,8 @@ import torch
 
 from ..errors import DFlashError
 from . import llama
-from .config import TargetConfig, base_target_fields, bool_field, moe_config, refuse_partial_rotary, sparse_layers
+from .config import (TargetConfig, base_target_fields, moe_config, refuse_partial_rotary, refuse_sliding_layers,
+                     sparse_layers)
 from .moe import fuse_expert_weights
 from .target import DecoderLayer, sparse_moe
 
@@ -21,10 +22,10 @@ def parse_config(cfg: dict) -> TargetConfig:
     """A ``qwen3_moe`` ``config.json`` -> :class:`TargetConfig`.
 
     Raises:
-        DFlashError: missing keys or sliding-window attention (not supported).
+        DFlashError: missing keys or sliding layers (not supported:
+            :func:`~dflash_torch.models.config.refuse_sliding_layers`).
     """
-    if bool_field(cfg, "use_sliding_window", "target", False):
-        raise DFlashError("target configs with use_sliding_window=true are not supported")
+    refuse_sliding_layers(cfg, "qwen3_moe")
     fields = base_target_fields(cfg, "qwen3_moe")
     refuse_partial_rotary(fields, "qwen3_moe")
     moe = moe_config(cfg)
