@@ -669,14 +669,17 @@ def test_decode_takes_token_ids_only(tiny_pair):
         engine.decode((np.int64(5), 6, 7)) == text
 
 
-def test_a_config_transformers_refuses_as_a_whole_is_named_not_the_tokenizer(tiny_pair, tmp_path):
+def test_a_config_transformers_refuses_as_a_whole_is_named_not_the_tokenizer(tmp_path):
     """A config.json whose fields transformers' config class refuses together (more
     layer_types than num_hidden_layers) fails where AutoTokenizer reads it: one line naming
-    config.json and transformers' reason (it blamed the tokenizer: "cannot load the tokenizer")."""
-    from conftest import edited_checkpoint
+    config.json and transformers' reason (it blamed the tokenizer: "cannot load the tokenizer").
+    (A Llama target: dflash-torch's parser reads no layer_types of it; a Qwen3 one's it refuses itself.)"""
+    from conftest import make_target
 
-    target = edited_checkpoint(tiny_pair[0], tmp_path / "t", config=lambda c: c.update(
-        layer_types=["full_attention"] * c["num_hidden_layers"], num_hidden_layers=c["num_hidden_layers"] - 1))
+    target = make_target(tmp_path / "t", "llama")
+    cfg = json.loads((target / "config.json").read_text())
+    cfg.update(layer_types=["full_attention"] * cfg["num_hidden_layers"], num_hidden_layers=cfg["num_hidden_layers"] - 1)
+    (target / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DFlashError, match=r"^transformers refuses .*config\.json \(AutoTokenizer reads it to load the "
                                           r"tokenizer\): .*num_hidden_layers.* must be equal to the number of .*layer_types") as err:
         DFlashEngine.from_pretrained(target, no_draft=True)
