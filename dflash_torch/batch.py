@@ -95,6 +95,8 @@ for later prompts. Sequences that do not ask are unchanged.
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -461,6 +463,29 @@ class _Joining:
         return 1 + len(self.sharers)
 
 
+def _exclusive(method):
+    """A public step of :class:`BatchDecoder` (``add``, ``join``, ``remove``, ``step``), one at a
+    time: refused from another thread while the compute thread runs an engine call
+    (:func:`~dflash_torch.compute.check_caller`), and while another thread is inside a step of
+    the same decoder (two steps at once changed each other's caches: an engine's
+    ``generate_batch`` started during a prefill driven from another thread died with a bare
+    ``KeyError``)."""
+    name = f"BatchDecoder.{method.__name__}"
+
+    @functools.wraps(method)
+    def one_at_a_time(self, *args, **kwargs):
+        compute.check_caller(name)
+        if not self._stepping.acquire(blocking=False):
+            raise DFlashError(f"{name} was called while another thread is inside a call of this BatchDecoder, which "
+                              "decodes one call at a time: drive it through dflash_torch.compute.run, which waits its turn")
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._stepping.release()
+
+    return one_at_a_time
+
+
 class BatchDecoder:
     """DFlash speculative decoding of up to ``max_batch_size`` sequences per round.
 
@@ -527,6 +552,7 @@ class BatchDecoder:
                  prefill_budget: int | None = None, share_prefill: bool = True, reuse_prefix: bool = True,
                  draft_max_batch_size: int | None = None, prefix_slots: int = 0):
         check_models(target, drafter)
+        self._stepping = threading.Lock()  # (held by the public step running: see _exclusive)
         trained = drafter.config.block_size if drafter is not None else None
         B = check_block_size(block_size, trained) or trained or 1
         # hybrid targets: a verify leaves the recurrent states as they were; each sequence's
@@ -744,6 +770,7 @@ class BatchDecoder:
         params.check_vocab(self.target.config.vocab_size)
         return check_prompt_ids(prompt_ids, self.target.config, max_new_tokens, self.max_context)
 
+    @_exclusive
     @torch.inference_mode()
     def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
             prompt_logprobs: int | None = None, checkpoint: int | None = None) -> Round:
@@ -779,7 +806,6 @@ class BatchDecoder:
                 (:func:`~dflash_torch.compute.check_caller`: drive this decoder through
                 :func:`~dflash_torch.compute.run`).
         """
-        compute.check_caller("BatchDecoder.add")
         n_prompt = self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs, checkpoint)
         t0 = time.perf_counter()
         slot = len(self._seqs)
@@ -811,6 +837,7 @@ class BatchDecoder:
         return Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=start, logprobs=logprobs,
                      prompt_logprobs=scored, error=processor.error if processor is not None else None)
 
+    @_exclusive
     def join(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
              prompt_logprobs: int | None = None, checkpoint: int | None = None) -> None:
         """Take a sequence into a free slot; its prompt is prefilled by the next
@@ -827,7 +854,6 @@ class BatchDecoder:
 
         Args and raises: as :meth:`add`.
         """
-        compute.check_caller("BatchDecoder.join")
         self._check_new(seq_id, prompt_ids, params, max_new_tokens, prompt_logprobs, checkpoint)
         prompt = [int(t) for t in prompt_ids]
         leader = next((q for q in self._joining if q.prompt == prompt and q.prompt_logprobs == prompt_logprobs),
@@ -841,6 +867,7 @@ class BatchDecoder:
         else:
             self._joining.append(q)
 
+    @_exclusive
     def remove(self, seq_id: Hashable) -> None:
         """Drop a sequence, decoding or joining; its slot is free at once (the last decoding
         slot's sequence moves into it, and a partly prefilled joiner into that one; a
@@ -850,7 +877,6 @@ class BatchDecoder:
             DFlashError: no such sequence; a call from another thread while the compute thread
                 runs an engine call (as :meth:`add`).
         """
-        compute.check_caller("BatchDecoder.remove")
         if self._remove_joining(seq_id):
             return
         index = next((i for i, q in enumerate(self._seqs) if q.seq_id == seq_id), None)
@@ -1056,6 +1082,7 @@ class BatchDecoder:
             self.target_state.swap(a, b)
 
     @torch.inference_mode()
+    @_exclusive
     def step(self) -> dict[Hashable, Round]:
         """One decoding round for every decoding sequence whose budget is not used up,
         then the prefill of joining sequences (:meth:`join`) for at most ``prefill_budget``
@@ -1073,7 +1100,6 @@ class BatchDecoder:
             DFlashError: a call from another thread while the compute thread runs an engine
                 call (as :meth:`add`).
         """
-        compute.check_caller("BatchDecoder.step")
         rounds = self._round() if any(not q.done for q in self._seqs) else {}
         if self._joining:
             rounds.update(self._prefill_joining(bounded=bool(rounds)))

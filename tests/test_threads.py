@@ -314,6 +314,42 @@ def test_decoder_steps_from_another_thread_while_the_compute_thread_runs_are_ref
     compute.run(batch.remove, "x")
 
 
+def test_a_batch_decoder_step_while_another_thread_is_inside_one_is_refused(tiny_pair, monkeypatch):
+    """A thread that drove the batch decoder itself (outside compute.run) while the engine was
+    idle, then a generate_batch started during its prefill: the two changed each other's caches
+    and generate_batch died with a bare KeyError. The second call is refused in words now, and
+    the first one ends as it would alone."""
+    from dflash_torch import DFlashError, compute
+    from dflash_torch.sampling import SamplingParams
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, max_batch_size=2)
+    batch = engine.batch_decoder()
+    ids = engine.tokenizer.encode(PROMPT)
+    inside, release, got = threading.Event(), threading.Event(), {}
+    prefill = batch._prefill
+
+    def held(*args, **kwargs):  # (the other thread, inside its add's prefill)
+        inside.set()
+        release.wait()
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(batch, "_prefill", held)
+    other = threading.Thread(target=lambda: got.update(first=batch.add("x", ids, SamplingParams(), 4)))
+    other.start()
+    try:
+        assert inside.wait(60)
+        with pytest.raises(DFlashError, match=r"BatchDecoder\.join was called while another thread is inside a call of "
+                                              r"this BatchDecoder, which decodes one call at a time"):
+            engine.generate_batch([PROMPT], max_new_tokens=4)
+    finally:
+        release.set()
+        other.join()
+    monkeypatch.undo()
+    assert got["first"].tokens == engine.generate(ids, max_new_tokens=1).token_ids
+    compute.run(batch.remove, "x")
+    assert engine.generate_batch([PROMPT], max_new_tokens=4)[0].token_ids == engine.generate(PROMPT, max_new_tokens=4).token_ids
+
+
 def test_a_new_thread_waits_for_a_stream_a_finished_thread_left_open(tiny_pair):
     """A thread that ends holding an open stream: a request from a new thread (which may get
     the finished thread's id) waits for that stream to be closed, and is not told that it
