@@ -240,6 +240,12 @@ def _is_token_id(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+def _key_shown(key) -> str:
+    """A ``logit_bias`` key as a message shows it: its repr, or for a string of over 20
+    characters (``"000…5"``: leading zeros are unbounded) its length."""
+    return f"a key of {len(key)} characters" if isinstance(key, str) and len(key) > 20 else repr(key)
+
+
 def _check_logit_bias(bias) -> dict[int, float] | None:
     """``SamplingParams.logit_bias`` checked: a new dict of int ids -> float biases, None when empty.
 
@@ -260,9 +266,10 @@ def _check_logit_bias(bias) -> dict[int, float] | None:
             token = int(token.lstrip("0") or "0")
         if not _is_token_id(token):
             raise OptionError(f"logit_bias keys must be token ids (integers >= 0, or their decimal strings), "
-                              f"got {token!r}", "logit_bias")
+                              f"got {_key_shown(token)}", "logit_bias")
         if token in keys:  # (5 and "5", or "5" and "05": which bias is meant?)
-            raise OptionError(f"logit_bias gives token {token} twice (as {keys[token]!r} and {key!r})", "logit_bias")
+            raise OptionError(f"logit_bias gives token {token} twice (as {_key_shown(keys[token])} and "
+                              f"{_key_shown(key)})", "logit_bias")
         keys[token] = key
         x = _real(value)
         if x is None or not -MAX_LOGIT_BIAS <= x <= MAX_LOGIT_BIAS:

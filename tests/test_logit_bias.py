@@ -312,9 +312,13 @@ def test_decimal_string_keys_as_in_an_openai_body_are_token_ids(tiny_target_only
     forced = e.generate("x", max_new_tokens=4, logit_bias={"42": 100}).token_ids
     assert forced == e.generate("x", max_new_tokens=4, logit_bias={42: 100}).token_ids == [42] * 4
     # (two keys of one token: which bias is meant? trial-139, the last one won unsaid)
-    for bias, keys in (({5: 100, "5": -100}, "5 and '5'"), ({"5": 1, "05": 2}, "'5' and '05'")):
+    # (trial-156: a key of 200,000 digits was quoted whole)
+    for bias, keys in (({5: 100, "5": -100}, "5 and '5'"), ({"5": 1, "05": 2}, "'5' and '05'"),
+                       ({"0" * 200_000 + "5": 1, 5: 2}, "a key of 200001 characters and 5")):
         with pytest.raises(DFlashError, match=f"^logit_bias gives token 5 twice \\(as {keys}\\)$"):
             e.generate("x", max_new_tokens=2, logit_bias=bias)
+    with pytest.raises(DFlashError, match=r"^logit_bias keys must be token ids .*, got a key of 5000 characters$"):
+        SamplingParams(logit_bias={"1" * 5000: 1})
 
 
 def test_ids_outside_the_vocabulary_and_min_tokens_above_max_are_refused(tiny_target_only, tiny_pair):
