@@ -700,23 +700,36 @@ def test_a_gzip_or_deflate_body_is_decoded_and_other_encodings_are_a_415(server,
     """Some clients compress their bodies (``Content-Encoding: gzip``): gzip and deflate are
     decoded (helper-152: "the request body is not valid JSON"), the decoded size under the
     body limit (a zip bomb is a 413); another encoding is a 415 that names Content-Encoding,
-    data that is not of its encoding a 400."""
+    data that is not of its encoding a 400. Several Content-Encoding lines are one list, in
+    order (trial-156: only the first was read); a 415 says which encodings are taken
+    (``Accept-Encoding``, RFC 7694); a gzip body of more members than a client sends is a 400
+    (trial-156: 170,000 empty members held the event loop for seconds)."""
     import gzip
     import zlib
 
-    def post(data: bytes, encoding: str) -> httpx.Response:
-        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}",
-                   "Content-Encoding": encoding}
+    from dflash_torch.serving.app import MAX_GZIP_MEMBERS
+
+    def post(data: bytes, *encodings: str) -> httpx.Response:
+        headers = [("Content-Type", "application/json"), ("Authorization", f"Bearer {API_KEY}")]
+        headers += [("Content-Encoding", e) for e in encodings]
         return httpx.post(f"{server.base}/v1/completions", content=data, headers=headers, timeout=120)
 
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode()
     want = server.post("/v1/completions", json.loads(body)).json()["choices"][0]["text"]
-    for data, encoding in ((gzip.compress(body), "gzip"), (zlib.compress(body), "deflate"),
-                           (gzip.compress(body), "GZIP, identity"), (gzip.compress(gzip.compress(body)), "gzip, gzip")):
-        r = post(data, encoding)
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (encoding, r.text)
-    err = _assert_openai_error(post(body, "br"), 415)
-    assert err["code"] == "unsupported_content_encoding" and "Content-Encoding 'br'" in err["message"], err
+    members = gzip.compress(body) + gzip.compress(b"") * (MAX_GZIP_MEMBERS - 1)
+    for data, encodings in ((gzip.compress(body), ["gzip"]), (zlib.compress(body), ["deflate"]),
+                            (gzip.compress(body), ["GZIP, identity"]), (gzip.compress(body), ["identity", "gzip"]),
+                            (gzip.compress(gzip.compress(body)), ["gzip, gzip"]), (members, ["gzip"]),
+                            (gzip.compress(zlib.compress(body)), ["deflate", "gzip"])):
+        r = post(data, *encodings)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (encodings, r.text)
+    for encodings in (["br"], ["gzip", "br"]):
+        r = post(gzip.compress(body), *encodings)
+        err = _assert_openai_error(r, 415)
+        assert err["code"] == "unsupported_content_encoding" and "Content-Encoding 'br'" in err["message"], err
+        assert r.headers["accept-encoding"] == "gzip, deflate", r.headers
+    err = _assert_openai_error(post(members + gzip.compress(b""), "gzip"), 400)
+    assert f"more than {MAX_GZIP_MEMBERS} gzip members" in err["message"], err
     err = _assert_openai_error(post(body, "gzip"), 400)
     assert err["message"].startswith("the request body is not valid gzip data (its Content-Encoding): "), err
     err = _assert_openai_error(post(gzip.compress(body)[:-4], "gzip"), 400)

@@ -17,14 +17,15 @@ engine nor the event loop), a request's choices (one per prompt of a list, times
 wait in a bounded queue and run in the engine's slots. A prompt longer than the engine's
 ``max_prompt_chars`` cannot fit and is refused before it is tokenized; a body larger than
 12 bytes per such character + 1 MiB is dropped as it arrives. A body sent with
-``Content-Encoding`` gzip or deflate is decoded (its decoded size under the same limit).
+``Content-Encoding`` gzip or deflate is decoded (its decoded size under the same limit; at
+most 64 gzip members).
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for any
 invalid or unsupported input (any body the JSON parser or the validation cannot take, or
 not valid data of its Content-Encoding, included), 401 for a missing or wrong API key, 404
-for an unknown model or route, 413 for a body over that limit (sent or decoded), 415 for
-another Content-Encoding, 503 with ``Retry-After`` when the queue is full, 503 once the
-server shuts down (a stream that fails after it started ends with an error event and
-``[DONE]``); a 500 means a server bug.
+for an unknown model or route, 413 for a body over that limit (sent or decoded), 415 (with
+``Accept-Encoding``) for another Content-Encoding, 503 with ``Retry-After`` when the queue is
+full, 503 once the server shuts down (a stream that fails after it started ends with an
+error event and ``[DONE]``); a 500 means a server bug.
 CORS headers (starlette's ``CORSMiddleware``; ``create_app``'s ``allowed_origins``, ...) let
 browsers' scripts call the server; a preflight ``OPTIONS`` needs no API key.
 
@@ -123,6 +124,8 @@ DISCONNECT_POLL_S = 0.5
 IGNORED_LOGGED = 256  # the most ignored field names a server logs (their names are the clients' to choose)
 # the request bodies' Content-Encoding s taken -> zlib's wbits (deflate: the zlib format, as HTTP defines it)
 CONTENT_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+# the most members a gzip request body may have (a client sends 1; each costs zlib a copy of the rest of the body)
+MAX_GZIP_MEMBERS = 64
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
              "/health", "/metrics"}
 
@@ -198,14 +201,15 @@ def _one_line(exc: Exception) -> str:
 
 def _decompress(data: bytes, coding: str, limit: int) -> bytes:
     """``data`` decoded from the content coding ``coding`` (a key of :data:`CONTENT_CODINGS`;
-    a gzip body of several members is their data joined), at most ``limit`` + 1 bytes of it:
-    a longer result is cut there, so that a small body that expands without end (a zip bomb)
-    costs no more than that.
+    a gzip body of several members, at most :data:`MAX_GZIP_MEMBERS` of them, is their data
+    joined), at most ``limit`` + 1 bytes of it: a longer result is cut there, so that a small
+    body that expands without end (a zip bomb) costs no more than that.
 
     Raises:
-        zlib.error, ValueError: ``data`` is not (whole) data of that coding."""
+        zlib.error, ValueError: ``data`` is not (whole) data of that coding, or has more
+            gzip members than that."""
     out = b""
-    while True:
+    for _ in range(MAX_GZIP_MEMBERS):
         d = zlib.decompressobj(CONTENT_CODINGS[coding])
         out += d.decompress(data, limit + 1 - len(out))  # (at least 1: 0 would mean no limit)
         if len(out) > limit:
@@ -217,6 +221,7 @@ def _decompress(data: bytes, coding: str, limit: int) -> bytes:
             return out
         if coding == "deflate":
             raise ValueError(f"{len(data)} bytes follow its compressed data")
+    raise ValueError(f"it has more than {MAX_GZIP_MEMBERS} gzip members (the most this server takes)")
 
 
 def _count(n: int, noun: str) -> str:
@@ -654,13 +659,14 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     def decode_body(body: bytes, header: str) -> bytes:
         """The body sent with the ``Content-Encoding`` ``header``, decoded: gzip and deflate
         (in the order the header lists them; ``identity`` is none), each result at most
-        ``max_body`` bytes (a 413: a zip bomb is cut there); any other coding is a 415, data
-        that is not of its coding a 400."""
+        ``max_body`` bytes (a 413: a zip bomb is cut there); any other coding is a 415 (with
+        ``Accept-Encoding``, as RFC 7694 asks), data that is not of its coding a 400."""
         codings = [c.strip().lower() for c in header.split(",") if c.strip()]
         unknown = [c for c in codings if c not in CONTENT_CODINGS and c != "identity"]
         if unknown:
             raise APIError(415, f"Content-Encoding {unknown[0][:40]!r} is not supported: send the body uncompressed, or "
-                                f"with Content-Encoding gzip or deflate", code="unsupported_content_encoding")
+                                f"with Content-Encoding gzip or deflate", code="unsupported_content_encoding",
+                           headers={"Accept-Encoding": "gzip, deflate"})
         for coding in reversed(codings):
             if coding == "identity":
                 continue
@@ -674,10 +680,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         return body
 
     async def parse(request: Request, schema):
-        """The request's body (decoded from its ``Content-Encoding``: :func:`decode_body`)
-        validated by ``schema`` (a model class, or a function of the decoded JSON object that
-        returns the class to validate it with)."""
-        body = decode_body(await read_body(request), request.headers.get("content-encoding", ""))
+        """The request's body (decoded from its ``Content-Encoding``, all its header lines in
+        order: :func:`decode_body`) validated by ``schema`` (a model class, or a function of the
+        decoded JSON object that returns the class to validate it with)."""
+        body = decode_body(await read_body(request), ", ".join(request.headers.getlist("content-encoding")))
         try:
             return validate_body(body, schema, request.url.path)
         except APIError:
