@@ -185,7 +185,8 @@ class SamplingParams:
         for name, ids in (("logit_bias", self.logit_bias or ()), ("min_tokens_ids", self.min_tokens_ids)):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
-                raise OptionError(f"{name} token ids must be in [0, {vocab_size}) (the vocabulary), got {min(bad)}",
+                raise OptionError(f"{name} token ids must be in [0, {vocab_size}) (the vocabulary), got "
+                                  f"{_key_shown(min(bad))}",
                                   name)
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
@@ -241,9 +242,14 @@ def _is_token_id(x) -> bool:
 
 
 def _key_shown(key) -> str:
-    """A ``logit_bias`` key as a message shows it: its repr, or for a string of over 20
-    characters (``"000…5"``: leading zeros are unbounded) its length."""
-    return f"a key of {len(key)} characters" if isinstance(key, str) and len(key) > 20 else repr(key)
+    """A ``logit_bias`` key (or token id) as a message shows it: its repr, or for a string of
+    over 20 characters (``"000…5"``: leading zeros are unbounded) its length, for an integer
+    of over 20 digits its size (Python refuses to print one of over 4300 digits)."""
+    if isinstance(key, str) and len(key) > 20:
+        return f"a key of {len(key)} characters"
+    if isinstance(key, int) and not -10**20 < key < 10**20:
+        return f"an integer of about {int(abs(key).bit_length() * 0.30103) + 1} digits"
+    return repr(key)
 
 
 def _check_logit_bias(bias) -> dict[int, float] | None:

@@ -319,6 +319,12 @@ def test_decimal_string_keys_as_in_an_openai_body_are_token_ids(tiny_target_only
             e.generate("x", max_new_tokens=2, logit_bias=bias)
     with pytest.raises(DFlashError, match=r"^logit_bias keys must be token ids .*, got a key of 5000 characters$"):
         SamplingParams(logit_bias={"1" * 5000: 1})
+    # (an int key of over 4300 digits: printing it was Python's ValueError)
+    with pytest.raises(DFlashError, match=r"^logit_bias keys must be token ids .*, got an integer of about 5001 digits$"):
+        SamplingParams(logit_bias={-10**5000: 1})
+    with pytest.raises(DFlashError, match=r"^logit_bias token ids must be in \[0, \d+\) \(the vocabulary\), got an "
+                                          r"integer of about 5001 digits$"):
+        e.generate("x", max_new_tokens=2, logit_bias={10**5000: 1})
 
 
 def test_ids_outside_the_vocabulary_and_min_tokens_above_max_are_refused(tiny_target_only, tiny_pair):
