@@ -1755,6 +1755,8 @@ def test_a_data_directory_reads_a_file_reached_through_two_links_once(tmp_path):
     """A file reached through two file links inside a --data directory (or a link and its own
     name) was read twice, its text trained on twice: each real file is read once, at its first
     path in sorted order, as each linked directory is."""
+    import os
+
     from dflash_torch.training.data import corpus_files
 
     data, more = tmp_path / "data", tmp_path / "more"
@@ -1769,6 +1771,13 @@ def test_a_data_directory_reads_a_file_reached_through_two_links_once(tmp_path):
     files = corpus_files([data])
     assert files == [(data / "a.txt", False), (data / "l1.txt", False)], files
     assert read_corpus([data]).documents == ["a", "x"]
+    # (trial-156: across --data arguments too: overlapping directories, a file given twice or also found in a
+    # given directory, a hard link; each was read again)
+    os.link(more / "x.txt", tmp_path / "hard.txt")
+    for paths in ([data, tmp_path / "data" / ".." / "data"], [data, data / "a.txt"], [data, more],
+                  [data, tmp_path / "hard.txt"]):
+        assert corpus_files(paths) == files, paths
+    assert corpus_files([data / "a.txt", data / "a.txt", data / "z.txt"]) == [(data / "a.txt", True)]
 
 
 def test_data_cache_follows_contents_not_paths_or_mtimes(tiny_pair, tmp_path):

@@ -80,9 +80,10 @@ def corpus_files(paths: list[str | Path], exclude: list[str | Path] = (),
     """The files :func:`read_corpus` reads for ``paths``, in reading order, each with
     whether it was given itself (``True``) or found in a given directory (``False``).
 
-    Links below a given directory are followed, each directory and each file (by its real
-    path) read once: a file reached through two links (or a link and its own name) is read
-    at its first path in sorted order. A directory of ``exclude`` found below a given directory (itself or
+    Links below a given directory are followed, each directory read once (by its real path),
+    and each file once in the whole run (by its device and inode: a file reached through two
+    links, a link and its own name, a hard link, two ``paths`` that overlap or name it twice):
+    at its first path, in the order of ``paths`` and, within a directory, in sorted order. A directory of ``exclude`` found below a given directory (itself or
     through a link) is left out with everything below it (and appended to ``excluded`` when
     given): a run's own output directory inside its data directory.
 
@@ -96,6 +97,14 @@ def corpus_files(paths: list[str | Path], exclude: list[str | Path] = (),
 
     skip = {os.path.realpath(Path(e).expanduser()) for e in exclude}
     files: list[tuple[Path, bool]] = []
+    taken: set[tuple[int, int]] = set()  # (device, inode) of the files taken: one file is read once in the run
+
+    def take(f: Path, given: bool) -> None:
+        st = f.stat()
+        if (st.st_dev, st.st_ino) not in taken:
+            taken.add((st.st_dev, st.st_ino))
+            files.append((f, given))
+
     for p in paths:
         path = Path(p).expanduser()
         try:
@@ -114,12 +123,10 @@ def corpus_files(paths: list[str | Path], exclude: list[str | Path] = (),
                         seen.add(real)
                     found += [Path(top, n) for n in names if not n.startswith(".")]
                 for f in sorted(found):  # (a file reached through two links was read twice: duplicated data)
-                    real = os.path.realpath(f)
-                    if f.is_file() and real not in seen:
-                        seen.add(real)
-                        files.append((f, False))
-            elif path.is_file():
-                files.append((path, True))
+                    if f.is_file():
+                        take(f, False)
+            elif path.is_file():  # (a file given again, or also found in a given directory, is read once)
+                take(path, True)
             elif path.exists():  # (a FIFO, a pipe, /dev/null: "does not exist" was said)
                 raise DFlashError(f"training data {path} is not a regular file")
             else:
