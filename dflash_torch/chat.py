@@ -274,13 +274,25 @@ def _utf8(line: str) -> str | None:
         return None
 
 
+def _fits_alone(engine, messages: list[dict], kwargs: dict) -> bool:
+    """Whether the last message of ``messages`` would fit the context in a new conversation
+    (after the system message, if any): where it would not, /reset cannot help."""
+    fresh = [m for m in messages[:1] if m.get("role") == "system"] + messages[-1:]
+    try:
+        n = len(engine.encode_prompt(fresh, True, kwargs["chat_template_kwargs"], check_length=False))
+    except DFlashError:
+        return False
+    need = kwargs["max_new_tokens"] or max(1, kwargs["min_tokens"])
+    return n + need <= engine.max_context
+
+
 def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], history: bool,
            reasoning: str = "none") -> tuple[str, str] | None:
     """Stream one reply to stdout and its stats line to stderr -> ``(reasoning, answer)``
     (what was generated before a Ctrl-C too), or None when the engine refused the request (its
     error naming the flags, ``flags``: :func:`~dflash_torch.cli.error_message`; a prompt
     past the context led by "this conversation no longer fits" and followed by a hint to /reset
-    where the conversation has past turns, ``history``).
+    where the conversation has past turns, ``history``, and the message alone would fit).
 
     ``reasoning``: the reply's format (:mod:`~dflash_torch.serving.reasoning`): its reasoning
     is shown after a ``[reasoning]`` line, then the answer after an ``[answer]`` line (markers
@@ -328,7 +340,7 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
         finish = "interrupted"
     except DFlashError as exc:
         full = "exceeds the context" in str(exc) or "leaves no room for a new token" in str(exc)
-        if history and full:  # (the earlier turns fill it: shortening this message may not help)
+        if history and full and _fits_alone(engine, messages, kwargs):  # (the earlier turns fill it)
             print(f"dflash-torch: error: this conversation no longer fits: {error_message(exc, flags)}; /reset "
                   "starts a new conversation (--max-context is set when the chat starts)", file=sys.stderr)
         else:

@@ -63,17 +63,26 @@ def test_chat_replies_are_the_engines_and_reuse_the_last_turn(tiny_pair, engine)
 def test_a_refused_turn_leaves_the_conversation_as_it_was(tiny_pair, engine):
     target, drafter = tiny_pair
     long = "x = 1; " * 40
+    system = [{"role": "system", "content": SYSTEM}]
+    # a message that fits a new conversation, not this one (the longest such: the history takes more room)
+    medium = next(
+        "y = 2; " * k for k in range(40, 0, -1)
+        if len(engine.encode_prompt(system + [{"role": "user", "content": "y = 2; " * k}], chat=True,
+                                    check_length=False)) + NEW <= 160)
     proc = run_cli("chat", "--target", str(target), "--draft", str(drafter), "--dtype", "float32", "--system", SYSTEM,
-                   "--max-new-tokens", str(NEW), "--max-context", "160", stdin=f"{long}\ndef f(x):\n{long}\nclass A:\n")
+                   "--max-new-tokens", str(NEW), "--max-context", "160",
+                   stdin=f"{long}\ndef f(x):\n{long}\n{medium}\nclass A:\n")
     assert proc.returncode == 1, proc.stderr  # (piped input: the refused turns make the status 1, at the end)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("dflash-torch: error: ")]
-    assert len(errors) == 2, proc.stderr
+    assert len(errors) == 3, proc.stderr
     # (the prompt alone exceeds the context: named, not --max-new-tokens)
     pattern = r"dflash-torch: error: the prompt \((1[6-9]\d|[2-9]\d\d) tokens\) leaves no room for a new token in the context of 160 tokens; shorten it or raise --max-context \(up to 1024\)"
     assert re.fullmatch(pattern, errors[0]), errors  # (the first turn: nothing to /reset)
-    assert re.fullmatch(pattern.replace("error: ", "error: this conversation no longer fits: ")
-                        + r"; /reset starts a new conversation \(--max-context is set when the chat starts\)",
-                        errors[1]), errors  # (led by what fills it: the earlier turns)
+    # (trial-156: a message too long for any conversation got the /reset hint after a first turn, where it cannot help)
+    assert re.fullmatch(pattern, errors[1]), errors
+    # a message that fits a new conversation: led by what fills the context, the earlier turns, and /reset
+    assert errors[2].startswith("dflash-torch: error: this conversation no longer fits: ") and errors[2].endswith(
+        "; /reset starts a new conversation (--max-context is set when the chat starts)"), errors
     assert proc.stdout == "".join(r + "\n" for r in replies(engine, [["def f(x):", "class A:"]]))
 
 
