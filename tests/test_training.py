@@ -1439,49 +1439,14 @@ def test_export_moves_the_new_config_into_place_last(tiny_pair, tmp_path, monkey
     assert DFlashEngine.from_pretrained(target, out).drafter is not None
 
 
-def test_export_flushes_each_file_before_it_is_moved_and_the_directory_after(tiny_pair, tmp_path, monkeypatch):
-    """The export moved its temporary files into place without flushing them: after a power
-    cut, a renamed file could be empty. Each file (config.json, model.safetensors,
-    training_log.json) is flushed whole through one helper before its rename, and --out after
-    the renames."""
+def _recorded_moves(monkeypatch) -> list[tuple]:
+    """The trainer's flushes (``_fsync``, the real one) and moves (``os.replace``, real), noted
+    in order as ``("fsync", path, the file's bytes or None for a directory)`` and
+    ``("replace", src, dst)``."""
     import os
 
     import dflash_torch.training.trainer as trainer
 
-    target, drafter_dir = tiny_pair
-    out = tmp_path / "out"
-    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
-    events, fsync, replace = [], trainer._fsync, os.replace
-
-    def flushed(path):  # (the real helper, its calls noted with what the file held)
-        fsync(path)
-        events.append(("fsync", Path(path), None if Path(path).is_dir() else Path(path).read_bytes()))
-
-    def moved(src, dst):
-        replace(src, dst)
-        events.append(("replace", Path(src), Path(dst)))
-
-    monkeypatch.setattr(trainer, "_fsync", flushed)
-    monkeypatch.setattr(trainer.os, "replace", moved)
-    trainer.export_drafter(drafter, drafter.config, out, "float32")
-    trainer._write_replacing(out / "training_log.json", '{"steps": 1}\n')
-    for name in ("model.safetensors", "config.json", "training_log.json"):
-        (i, src), = [(i, e[1]) for i, e in enumerate(events) if e[0] == "replace" and e[2] == out / name]
-        assert ("fsync", src, (out / name).read_bytes()) in events[:i], (name, events)  # (flushed whole, before)
-        assert ("fsync", out, None) in events[i + 1:], (name, events)  # (the rename flushed after it)
-    assert DFlashEngine.from_pretrained(target, out).drafter is not None
-
-
-def test_the_data_cache_and_the_checkpoint_are_flushed_before_they_are_moved(tiny_pair, tmp_path, monkeypatch):
-    """The data cache and the training checkpoint (what --resume reads) were moved into place
-    unflushed, as the export's files were: each is flushed whole before its rename now."""
-    import os
-
-    import dflash_torch.training.trainer as trainer
-
-    target, _ = tiny_pair
-    text = tmp_path / "c.txt"
-    text.write_text("def f(x):\n    return x\n" * 50)
     events, fsync, replace = [], trainer._fsync, os.replace
 
     def flushed(path):
@@ -1494,6 +1459,40 @@ def test_the_data_cache_and_the_checkpoint_are_flushed_before_they_are_moved(tin
 
     monkeypatch.setattr(trainer, "_fsync", flushed)
     monkeypatch.setattr(trainer.os, "replace", moved)
+    return events
+
+
+def test_export_flushes_each_file_before_it_is_moved_and_the_directory_after(tiny_pair, tmp_path, monkeypatch):
+    """The export moved its temporary files into place without flushing them: after a power
+    cut, a renamed file could be empty. Each file (config.json, model.safetensors,
+    training_log.json) is flushed whole through one helper before its rename, and --out after
+    the renames."""
+
+    import dflash_torch.training.trainer as trainer
+
+    target, drafter_dir = tiny_pair
+    out = tmp_path / "out"
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    events = _recorded_moves(monkeypatch)
+    trainer.export_drafter(drafter, drafter.config, out, "float32")
+    trainer._write_replacing(out / "training_log.json", '{"steps": 1}\n')
+    for name in ("model.safetensors", "config.json", "training_log.json"):
+        (i, src), = [(i, e[1]) for i, e in enumerate(events) if e[0] == "replace" and e[2] == out / name]
+        assert ("fsync", src, (out / name).read_bytes()) in events[:i], (name, events)  # (flushed whole, before)
+        assert ("fsync", out, None) in events[i + 1:], (name, events)  # (the rename flushed after it)
+    assert DFlashEngine.from_pretrained(target, out).drafter is not None
+
+
+def test_the_data_cache_and_the_checkpoint_are_flushed_before_they_are_moved(tiny_pair, tmp_path, monkeypatch):
+    """The data cache and the training checkpoint (what --resume reads) were moved into place
+    unflushed, as the export's files were: each is flushed whole before its rename now."""
+
+    import dflash_torch.training.trainer as trainer
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    events = _recorded_moves(monkeypatch)
     Trainer(_cfg(tmp_path, target, text, steps=2, ckpt_every=1, val_seqs=0), log=lambda m: None).run()
     work = tmp_path / "work"
     for name in ("data-*.pt", trainer.CHECKPOINT):
