@@ -76,6 +76,19 @@ def test_checkpoint_layout_is_what_the_case_claims(case):
     assert cfg.num_key_value_heads == hf.config.num_key_value_heads
 
 
+def _matches_transformers(path, n: int = 40) -> None:
+    """Our target's logits over ``n`` positions (from 3 on) == transformers' (float32)."""
+    hf = load_hf(path)
+    ids = torch.arange(3, 3 + n)
+    ours = TargetModel.from_pretrained(path, torch.float32)
+    cache = ours.new_cache()
+    cache.reset(n)
+    with torch.no_grad():
+        logits, _ = ours(ids, torch.arange(n), cache, n, [0])
+        ref = hf(ids[None]).logits[0]
+    assert rel_err(logits, ref) <= RTOL
+
+
 def test_a_single_file_beside_an_index_is_read_as_transformers_reads_it(tmp_path):
     """A directory holding both ``model.safetensors`` and a sharded copy (index + shards) of
     other weights (a stale re-save): the single file is read, as transformers reads it (the
@@ -91,15 +104,7 @@ def test_a_single_file_beside_an_index_is_read_as_transformers_reads_it(tmp_path
     save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v for k, v in state.items()},
               str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / shards[-1]).unlink()  # (transformers reads none of them)
-    hf = load_hf(path)
-    ids = torch.arange(3, 12)
-    ours = TargetModel.from_pretrained(path, torch.float32)
-    cache = ours.new_cache()
-    cache.reset(len(ids))
-    with torch.no_grad():
-        logits, _ = ours(ids, torch.arange(len(ids)), cache, len(ids), [0])
-        ref = hf(ids[None]).logits[0]
-    assert rel_err(logits, ref) <= RTOL
+    _matches_transformers(path, 9)
 
 
 def test_full_forward_logits_and_every_layer_match_transformers(case):
@@ -167,15 +172,7 @@ def test_an_index_entry_written_with_a_leading_dot_slash_is_the_same_shard(tmp_p
     for name in names[::2]:
         index["weight_map"][name] = "./" + index["weight_map"][name]
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    hf = load_hf(path)
-    ids = torch.arange(3, 12)
-    ours = TargetModel.from_pretrained(path, torch.float32)
-    cache = ours.new_cache()
-    cache.reset(len(ids))
-    with torch.no_grad():
-        logits, _ = ours(ids, torch.arange(len(ids)), cache, len(ids), [0])
-        ref = hf(ids[None]).logits[0]
-    assert rel_err(logits, ref) <= RTOL
+    _matches_transformers(path, 9)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
@@ -274,19 +271,6 @@ def test_a_dtype_auto_config_loads_as_transformers_loads_it(tmp_path, caplog, ke
     with pytest.raises(DFlashError, match=rf"^target config.json text_config.{key} 'auto' is not read by transformers' "
                                           r"config classes \(they fail on it; only a top-level dtype may be 'auto'\)"):
         TargetConfig.from_dict(dict(cfg, text_config={key: "auto"}))
-
-
-def _matches_transformers(path, n: int = 40) -> None:
-    """Our target's logits over ``n`` positions (beyond the 8-token windows below) == transformers'."""
-    hf = load_hf(path)
-    ids = torch.arange(3, 3 + n)
-    ours = TargetModel.from_pretrained(path, torch.float32)
-    cache = ours.new_cache()
-    cache.reset(n)
-    with torch.no_grad():
-        logits, _ = ours(ids, torch.arange(n), cache, n, [0])
-        ref = hf(ids[None]).logits[0]
-    assert rel_err(logits, ref) <= RTOL
 
 
 SLIDING_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
