@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of GPU decoding (CUDA graphs, eager CUDA, large-shape timing), in one run
 # of under 8 minutes on an H200. Needs only torch with CUDA, transformers, safetensors,
-# tokenizers, tqdm and matplotlib (no install, no download). Prints one summary table at
+# tokenizers, tqdm, matplotlib, psutil and pytest (no install, no download). Prints one summary table at
 # the end and writes probe.json, pair_bf16.json, qwen3_8b.json, pair_fp32.json (profile.json) and gpu_check.log
 # into OUT_DIR.
 #
