@@ -1,4 +1,4 @@
-"""Batched speculative decoding: many sequences per round (DESIGN.md, "Many sequences per round").
+"""Batched speculative decoding: many sequences per round.
 
 :class:`BatchDecoder` keeps up to ``max_batch_size`` sequences, each in a *slot* of
 preallocated caches. One :meth:`~BatchDecoder.step` runs one round for all of them at

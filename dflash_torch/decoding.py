@@ -1,5 +1,5 @@
 """The speculative decoding loop: prefill, then rounds of propose, verify, accept,
-rollback and inject (DESIGN.md, "One decoding round").
+rollback and inject (README.md, "How it works").
 
 :class:`SpeculativeDecoder` yields the tokens committed by each round; stopping
 (EOS, stop strings, max_new_tokens) is the caller's job (see ``engine.py``), which

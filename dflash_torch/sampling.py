@@ -1,6 +1,6 @@
 """Sampling parameters, logits processing and the acceptance rules of speculative decoding.
 
-Acceptance rules (both lossless, see DESIGN.md):
+Acceptance rules (both lossless: the output is distributed as the target's alone):
 
 * greedy: the longest prefix of draft tokens equal to the target's argmax, then the
   target's argmax at the first mismatch (the bonus / correction token);
@@ -565,7 +565,7 @@ class LogitsProcessor:
     def draft_scores(self, scores):
         """The drafter's scores with the logit bias and the min_tokens mask (no penalties):
         the drafter then proposes no banned token, which the target would reject. Any
-        proposal keeps decoding lossless (see DESIGN.md).
+        proposal keeps decoding lossless (the acceptance rules below decide on the target's scores).
 
         ``scores``: the draft logits ``[B-1, V]`` (row r predicts the same generated token as
         verify row r; the held ids get -inf), or a DFlash 2 lattice ``(ids [B-1, K], edges

@@ -1,4 +1,4 @@
-"""Stopping, decided on committed tokens one at a time (DESIGN.md, "Stopping").
+"""Stopping, decided on committed tokens one at a time.
 
 A decoding round commits several tokens at once. :class:`Stopper` walks them in order
 and decides exactly as one-token-at-a-time decoding would, whatever the round

@@ -244,7 +244,7 @@ def test_prefix_reuse_decodes_as_without(agree_pair):
 
 def test_bfloat16_speculative_decoding_is_the_target_s_own_but_near_ties(agree_pair):
     """bfloat16: speculative decoding commits target-only decoding's tokens, but where a
-    batched verify flips a near-tie of the target (DESIGN.md), with rounds accepting two
+    batched verify flips a near-tie of the target (README.md), with rounds accepting two
     drafts or more."""
     from test_fp8 import bfloat16_near_tie_taus
 

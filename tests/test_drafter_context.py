@@ -2,7 +2,7 @@
 (sliced or fixed-shape, injected on its own or folded into the next propose, sliding-window
 layers keeping every position or a ring) equal those of the cache-less drafter that re-projects every
 committed feature each round, and a from-scratch reference of the DFlash drafter
-(written here from DESIGN.md), round after round with varying accepted counts; and
+(written here from the DFlash paper's description), round after round with varying accepted counts; and
 both draft modes generate identical tokens."""
 
 from __future__ import annotations

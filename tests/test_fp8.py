@@ -37,7 +37,7 @@ BF16_TIE = 0.125  # a logit gap this small at a bf16 divergence is a near-tie (2
 def bfloat16_near_tie_taus(pair, prompts=("def f(x):", "class A:\n    pass\n"), max_new_tokens: int = 32) -> list[int]:
     """Speculative decoding of a (target dir, drafter dir) pair in bfloat16 against the same
     target alone: every divergence is a near-tie of the target (a logit gap within
-    :data:`BF16_TIE`; a batched verify may flip those, DESIGN.md). -> the acceptance lengths."""
+    :data:`BF16_TIE`; a batched verify may flip those, README.md). -> the acceptance lengths."""
     spec = DFlashEngine.from_pretrained(*pair, dtype="bfloat16")
     target_only = DFlashEngine(spec.target, spec.tokenizer)
     taus = []
@@ -244,7 +244,7 @@ def test_greedy_speculative_decoding_equals_target_only_on_fp8_targets(tmp_path,
                 out = spec.generate(prompt, max_new_tokens=24, ignore_eos=True)
                 if dtype == "float32":
                     assert out.token_ids == ref.token_ids, (model_type, dtype, prompt)
-                else:  # bf16: a batched verify may flip a near-tie of the target (DESIGN.md), nothing more
+                else:  # bf16: a batched verify may flip a near-tie of the target (README.md), nothing more
                     for d in divergences(spec.target, [spec.encode_prompt(prompt)], [ref.token_ids], [out.token_ids]):
                         assert abs(d["logit_gap"]) <= BF16_TIE, (model_type, prompt, d)
                 taus += out.stats.acceptance_lengths

@@ -242,7 +242,7 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
 
 @torch.inference_mode()
 def divergences(target, prompt_ids: list[list[int]], reference: list[list[int]], outputs: list[list[int]]) -> list[dict]:
-    """Where greedy outputs differ from the target-only reference (DESIGN.md: in bf16 a
+    """Where greedy outputs differ from the target-only reference (README.md: in bf16 a
     batched verify can flip near-ties; report them instead of hiding them).
 
     For each differing prompt: the first differing index (generated tokens), both tokens
