@@ -1038,7 +1038,8 @@ class DrafterConfig:
             raise DFlashError(
                 f"the drafter checkpoint is not a DFlash drafter (architectures={archs}); "
                 "expected architectures ['DFlashDraftModel'] or ['DFlash2DraftModel'] with a dflash_config, "
-                f"['{LAGUNA_ARCHITECTURE}'], or one of {list(ASSISTANT_ARCHITECTURES)}"
+                f"['{LAGUNA_ARCHITECTURE}'], one of {list(ASSISTANT_ARCHITECTURES)}, or a Speculators-format "
+                "config (speculators_model_type \"dflash\")"
             )
         refuse_quantized(cfg, "drafter")
         if "DFlash2DraftModel" not in archs:  # (DFlash2Settings.from_dict refuses DFlash 2's, is_causal too)
