@@ -52,7 +52,7 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int, default=None, help="block size B (default 16)")
     p.add_argument("--init-from-target", action="store_true", help="start the drafter layers from the target's last layers")
     p.add_argument("--init-from", default=None, metavar="DRAFTER",
-                   help="start from this DFlash drafter (its shape and weights; with --arch dflash2 a DFlash (v1) drafter's "
+                   help="start from this DFlash drafter, a dir or HF id (its shape and weights; with --arch dflash2 a DFlash (v1) drafter's "
                         "backbone, with identity convolutions and small random codebooks)")
     p.add_argument("--selector-loss-weight", type=float, default=None,
                    help="dflash2: weight of the selector loss (default 1)")
