@@ -477,7 +477,8 @@ def _exclusive(method):
         compute.check_caller(name)
         if not self._stepping.acquire(blocking=False):
             raise DFlashError(f"{name} was called while another thread is inside a call of this BatchDecoder, which "
-                              "decodes one call at a time: drive it through dflash_torch.compute.run, which waits its turn")
+                              "decodes one call at a time: drive every call of it through dflash_torch.compute.run (the "
+                              "other thread's too), which runs them in turn")
         try:
             return method(self, *args, **kwargs)
         finally:

@@ -338,8 +338,9 @@ def test_a_batch_decoder_step_while_another_thread_is_inside_one_is_refused(tiny
     other.start()
     try:
         assert inside.wait(60)
-        with pytest.raises(DFlashError, match=r"BatchDecoder\.join was called while another thread is inside a call of "
-                                              r"this BatchDecoder, which decodes one call at a time"):
+        with pytest.raises(DFlashError, match=r"BatchDecoder\.join was called while another thread is inside a call "
+                                              r"of this BatchDecoder, which decodes one call at a time: drive every "
+                                              r"call of it through dflash_torch\.compute\.run \(the other thread's too\)"):
             engine.generate_batch([PROMPT], max_new_tokens=4)
     finally:
         release.set()
