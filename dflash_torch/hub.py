@@ -22,7 +22,7 @@ from .errors import DFlashError
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 HUB_SKIPPED = ["*/*"]
 
-_downloads: set[threading.Thread] = set()  # downloads still running (one a Ctrl-C left behind, see download)
+_downloads: set[threading.Event] = set()  # each download's "finished", until its caller has seen it end
 
 
 def snapshot(name: str) -> Path:
@@ -105,7 +105,6 @@ def download(name: str, cached: str | None = None) -> Path:
             other failure of the download (naming it), e.g. a full disk.
     """
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     if constants.HF_HUB_OFFLINE:
         where = (f"is in the Hugging Face cache incomplete ({cached}: no config.json or safetensors weights)"
@@ -114,72 +113,89 @@ def download(name: str, cached: str | None = None) -> Path:
     logging.getLogger("dflash_torch").warning(
         f"dflash-torch: downloading {name} from the Hugging Face Hub into {constants.HF_HUB_CACHE}")
     done: dict = {}
+    finished = threading.Event()  # (not Thread.is_alive: a Ctrl-C in join() marks a running thread stopped)
 
     def fetch() -> None:
         try:
             done["dir"] = snapshot_download(repo_id=name, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIPPED)
         except BaseException as exc:  # (handed to the caller)
             done["error"] = exc
+        finally:
+            finished.set()
 
-    thread = threading.Thread(target=fetch, name=f"dflash-torch download {name}", daemon=True)
-    _downloads.add(thread)
-    thread.start()
-    while thread.is_alive():
-        thread.join(0.1)  # (a Ctrl-C lands here, between waits)
-    _downloads.discard(thread)
-    exc = done.get("error")
-    if exc is None:
-        return _downloaded(name, Path(done["dir"]))
+    _downloads.add(finished)
+    threading.Thread(target=fetch, name=f"dflash-torch download {name}", daemon=True).start()
+    while not finished.wait(0.1):  # (a Ctrl-C lands here, between waits)
+        pass
+    _downloads.discard(finished)
+    if "error" in done:
+        if not isinstance(done["error"], Exception):
+            raise done["error"]
+        raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: {_reason(done['error'])}")
+    return _downloaded(name, Path(done["dir"]))
+
+
+def _reason(exc: Exception) -> str:
+    """Why huggingface_hub's ``exc`` stopped a download, in a line."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
     if isinstance(exc, GatedRepoError):
-        reason = "it is gated: accept its conditions on its Hub page, then log in (`hf auth login` or HF_TOKEN)"
-    elif isinstance(exc, RepositoryNotFoundError):
-        reason = ("the Hub has no such model, or it is private and this user may not read it "
-                  "(log in: `hf auth login` or HF_TOKEN)")
-    elif isinstance(exc, LocalEntryNotFoundError):  # (the Hub did not answer, or answered an error, and nothing is cached)
-        cause = exc.__cause__ or exc.__context__
-        if isinstance(cause, HfHubHTTPError):
-            reason = f"{constants.ENDPOINT} answered {_first_line(cause)}"
-        else:
-            reason = ("the Hub cannot be reached" + (f" ({type(cause).__name__}: {_first_line(cause)})" if cause else "")
-                      + "; set HF_HUB_OFFLINE=1 to use only the cache")
-    elif isinstance(exc, Exception):  # (HTTP errors, a full disk, ...: huggingface_hub's own message, first line)
-        reason = f"{type(exc).__name__}: {_first_line(exc)}"
-    else:
-        raise exc
-    raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: {reason}")
+        return "it is gated: accept its conditions on its Hub page, then log in (`hf auth login` or HF_TOKEN)"
+    if isinstance(exc, RepositoryNotFoundError):
+        return "the Hub has no such model, or it is private and this user may not read it (log in: `hf auth login` or HF_TOKEN)"
+    cause = (exc.__cause__ or exc.__context__) if isinstance(exc, LocalEntryNotFoundError) else exc
+    if isinstance(cause, HfHubHTTPError):  # (the Hub answered an error)
+        return f"{constants.ENDPOINT} answered {_first_line(cause)}"
+    if isinstance(exc, LocalEntryNotFoundError) or _unreachable(cause):
+        return ("the Hub cannot be reached" + (f" ({type(cause).__name__}: {_first_line(cause)})" if cause else "")
+                + "; set HF_HUB_OFFLINE=1 to use only the cache")
+    return f"{type(exc).__name__}: {_first_line(exc)}"  # (a full disk, ...: huggingface_hub's own message)
+
+
+def _unreachable(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a connection error or a timeout of the HTTP client."""
+    return exc is not None and any(c.__name__ in ("ConnectError", "ConnectTimeout", "ReadTimeout", "TimeoutException",
+                                                  "ConnectionError", "Timeout") for c in type(exc).__mro__)
 
 
 def _downloaded(name: str, local: Path) -> Path:
     """``local``, the snapshot just downloaded of ``name``, once it is seen to hold a checkpoint.
+    Where it lacks one (huggingface_hub also returns a cached snapshot it could not complete),
+    the repo's file list tells whether the Hub lacks it or could not be asked.
 
     Raises:
-        DFlashError: no ``config.json``; no safetensors weights (naming the repo's ``.bin``
-            weights, which are not downloaded); see :func:`~dflash_torch.checkpoint.weight_files`."""
+        DFlashError: the Hub cannot be reached or answers an error (the snapshot incomplete);
+            no ``config.json``; no safetensors weights (naming the repo's ``.bin`` weights,
+            which are not downloaded); see :func:`~dflash_torch.checkpoint.weight_files`."""
     from .checkpoint import weight_files
 
-    if not (local / "config.json").is_file():
+    if _complete(local):
+        weight_files(local)  # (a shard its index names that the repo lacks: named)
+        return local
+    from huggingface_hub import list_repo_files
+
+    try:  # (what it holds: one more request)
+        files = [f for f in list_repo_files(name) if "/" not in f]
+    except Exception as exc:
+        raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: {_reason(exc)}") from None
+    if "config.json" not in files:
         raise DFlashError(f"model {name!r} on the Hugging Face Hub has no config.json: not a checkpoint in "
                           "Hugging Face format (config.json + safetensors)")
-    if not any(local.glob("*.safetensors")):
-        pickles = []
-        try:  # (what it holds instead: its file list, one more request)
-            from huggingface_hub import list_repo_files
-
-            pickles = [f for f in list_repo_files(name) if f.endswith(".bin") and "/" not in f]
-        except Exception:
-            pass
-        hint = (f"; it holds {', '.join(sorted(pickles)[:3])}{' ...' if len(pickles) > 3 else ''} (PyTorch pickle "
-                "weights), which dflash-torch does not read: convert them to safetensors, e.g. load the model with "
+    if not any(f.endswith(".safetensors") for f in files):
+        pickles = sorted(f for f in files if f.endswith(".bin"))
+        hint = (f"; it holds {', '.join(pickles[:3])}{' ...' if len(pickles) > 3 else ''} (PyTorch pickle weights), "
+                "which dflash-torch does not read: convert them to safetensors, e.g. load the model with "
                 "transformers and save_pretrained(DIR, safe_serialization=True)") if pickles else ""
         raise DFlashError(f"model {name!r} on the Hugging Face Hub has no safetensors weights{hint}")
-    weight_files(local)  # (a shard its index names that the repo lacks: named)
+    weight_files(local)  # (what the snapshot lacks of them, named)
     return local
 
 
 def downloading() -> bool:
     """Whether a download that a Ctrl-C stopped waiting for still runs (its threads would hold
     up the interpreter's exit until it ends)."""
-    return any(t.is_alive() for t in _downloads)
+    return any(not finished.is_set() for finished in _downloads)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -177,6 +177,10 @@ def test_a_cache_entry_without_the_weights_is_completed_by_a_download(hub, tiny_
     assert got.returncode == 0, got.stderr
     offline = _generate("--target", "acme/target", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
     assert offline.returncode == 2 and "is in the Hugging Face cache incomplete" in offline.stderr, offline.stderr
+    # (a Hub that cannot be reached: huggingface_hub returns the incomplete snapshot; it was "has no safetensors weights")
+    dead = _generate("--target", "acme/target", "--no-draft", env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
+    assert dead.returncode == 2 and "cannot download model 'acme/target' from the Hugging Face Hub: the Hub cannot be " \
+        "reached" in dead.stderr.strip().splitlines()[-1], dead.stderr
     server.fetched.clear()
     got = _generate("--target", "acme/target", "--no-draft", env=env)
     assert got.returncode == 0, got.stderr
@@ -190,7 +194,8 @@ def test_ctrl_c_during_a_download_exits_at_once(hub, tiny_pair, tmp_path):
     for the file being fetched (it waited for the whole file: minutes for a large model)."""
     endpoint, server = hub
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_ENDPOINT=endpoint, HF_HUB_CACHE=str(tmp_path / "hub-cache"),
-               HF_HUB_OFFLINE="0", HF_HUB_DISABLE_PROGRESS_BARS="1")
+               HF_HUB_OFFLINE="0", HF_HUB_DISABLE_PROGRESS_BARS="1",
+               HF_HUB_DOWNLOAD_TIMEOUT="600")  # (huggingface_hub's own read timeout would end the held file first)
     proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "generate", "x", "--target", str(tiny_pair[0]),
                              "--draft", "acme/slow"], stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -201,7 +206,7 @@ def test_ctrl_c_during_a_download_exits_at_once(hub, tiny_pair, tmp_path):
             assert proc.poll() is None
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 130  # (the held file never ends: without the fix it waited for it)
+        assert proc.wait(timeout=120) == 130  # (the held file never ends: without the fix it waited for it)
         assert "Traceback" not in proc.stderr.read()
     finally:
         proc.kill()
