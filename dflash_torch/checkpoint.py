@@ -28,13 +28,16 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     """Return the local directory of a checkpoint.
 
     Args:
-        name_or_path: a local directory, or a Hugging Face repo id (``ORG/NAME``): its snapshot
-            in the local Hugging Face cache when that holds the checkpoint (used as it is, no
+        name_or_path: a local directory, or a Hugging Face repo id (``ORG/NAME``, or
+            ``ORG/NAME@REVISION`` for a branch, tag or commit hash, e.g. ``acme/model@v2``,
+            ``acme/model@refs/pr/3``; else its ``main`` branch): its snapshot of that revision in
+            the local Hugging Face cache when that holds the checkpoint (used as it is, no
             network), else downloaded into the cache (:func:`dflash_torch.hub.snapshot`).
 
     Raises:
         DFlashError: if it is empty, neither a directory with ``config.json`` nor a repo id,
-            a repo id that is not cached and cannot be downloaded (see :mod:`dflash_torch.hub`),
+            a repo id that is not cached and cannot be downloaded, or a revision the Hub does not
+            have (see :mod:`dflash_torch.hub`),
             or a directory (or a part of a Hugging Face cache entry: its folder, refs/main,
             snapshot, blobs) this process may not read (``cannot read PATH: Permission denied``).
     """
@@ -59,7 +62,7 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     if exists:
         raise DFlashError(f"{path} is a file; pass the checkpoint directory")
     name = str(name_or_path)
-    if name.count("/") == 1 and not name.startswith((".", "/")):
+    if name.partition("@")[0].count("/") == 1 and not name.startswith((".", "/")):  # (refs/pr/3 of ORG/NAME@refs/pr/3)
         from .hub import snapshot
 
         return snapshot(name)

@@ -1,5 +1,7 @@
-"""Hugging Face Hub ids (``ORG/NAME``): their snapshot in the local Hugging Face cache, or a
-download into it with ``huggingface_hub`` (unless ``HF_HUB_OFFLINE`` is set).
+"""Hugging Face Hub ids (``ORG/NAME``, or ``ORG/NAME@REVISION`` for a branch, tag or commit hash
+of the repo, e.g. ``Qwen/Qwen3-8B@main``, ``acme/model@v2``, ``acme/model@refs/pr/3``; without
+one, its ``main`` branch): their snapshot in the local Hugging Face cache, or a download into it
+with ``huggingface_hub`` (unless ``HF_HUB_OFFLINE`` is set).
 
 A snapshot in the cache that holds a ``config.json`` and its safetensors weights is used as
 it is, with no network (``hf download ORG/NAME`` updates it); one without them (a download cut
@@ -25,25 +27,38 @@ HUB_SKIPPED = ["*/*"]
 _downloads: set[threading.Event] = set()  # each download's "finished", until its caller has seen it end
 
 
+def split_revision(name: str) -> tuple[str, str | None]:
+    """``(repo id, revision)`` of ``ORG/NAME@REVISION`` (split at the first ``@``: a revision
+    such as ``refs/pr/3`` holds slashes); ``(name, None)`` without an ``@``."""
+    repo, at, revision = name.partition("@")
+    return (repo, revision) if at else (name, None)
+
+
 def snapshot(name: str) -> Path:
-    """The local directory of the Hub repo ``name``: its snapshot in the cache when that holds
-    ``config.json`` and safetensors weights, else the snapshot :func:`download` fills.
+    """The local directory of the Hub repo ``name`` (``ORG/NAME``, or ``ORG/NAME@REVISION``: that
+    branch, tag or commit hash; else ``main``): its snapshot of that revision in the cache when
+    that holds ``config.json`` and safetensors weights, else the snapshot :func:`download` fills.
 
     Raises:
         DFlashError: ``name`` is not a valid repo id (``ORG/NAME`` of letters, digits, ``-``,
-            ``_``, ``.``; a revision suffix such as ``@main`` is not taken); a part of its cache
-            entry this process may not read; see :func:`download` (not cached and offline, ...).
+            ``_``, ``.``, with an optional ``@REVISION``), or its revision after ``@`` is empty;
+            a part of its cache entry this process may not read; see :func:`download` (not
+            cached and offline, no such revision, ...).
     """
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    repo, revision = split_revision(name)
     try:
-        validate_repo_id(name)
+        validate_repo_id(repo)
     except HFValidationError:
-        raise DFlashError(f"model {name!r} is not a local directory, nor a Hugging Face id (ORG/NAME: letters, digits, "
-                          "'-', '_' and '.'; a revision such as @main is not taken)") from None
+        raise DFlashError(f"model {name!r} is not a local directory, nor a Hugging Face id (ORG/NAME[@REVISION]: "
+                          "letters, digits, '-', '_' and '.', then optionally a branch, tag or commit hash)") from None
+    if revision is not None and not revision.strip():
+        raise DFlashError(f"model {name!r} names no revision after '@' (ORG/NAME@REVISION: a branch, tag or commit hash; "
+                          "ORG/NAME alone is the main branch)")
     try:  # (the cache first: no network for a model already there)
-        local = snapshot_download(repo_id=name, local_files_only=True, allow_patterns=HUB_FILES,
+        local = snapshot_download(repo_id=repo, revision=revision, local_files_only=True, allow_patterns=HUB_FILES,
                                   ignore_patterns=HUB_SKIPPED)
     except Exception:
         local = None
@@ -55,7 +70,7 @@ def snapshot(name: str) -> Path:
             raise DFlashError(f"cannot read {exc.filename or local}: {exc.strerror}") from None
         if complete:
             return Path(local)
-    denied = _unreadable_cache_entry(name)
+    denied = _unreadable_cache_entry(repo, revision)
     if denied is not None:
         raise DFlashError(f"cannot read {denied}: Permission denied")
     return download(name, cached=local)
@@ -84,7 +99,8 @@ def _complete(local: Path) -> bool:
 
 
 def download(name: str, cached: str | None = None) -> Path:
-    """Download the Hugging Face Hub repo ``name`` (``ORG/NAME``) into the Hugging Face cache
+    """Download the Hugging Face Hub repo ``name`` (``ORG/NAME``, its ``main`` branch, or
+    ``ORG/NAME@REVISION``, that branch, tag or commit hash) into the Hugging Face cache
     (``HF_HUB_CACHE``; huggingface_hub's progress bars on stderr; files already there are
     kept, an interrupted one resumed) and return its snapshot directory. Only the files
     loading reads are fetched (:data:`HUB_FILES` at the repo's top level: safetensors
@@ -101,14 +117,17 @@ def download(name: str, cached: str | None = None) -> Path:
     Raises:
         DFlashError: ``HF_HUB_OFFLINE`` is set; the Hub cannot be reached, or answers with an
             HTTP error; the repo does not exist or this user may not read it (private, gated);
+            it has no such revision;
             it has no ``config.json``, or no safetensors weights (naming ``.bin`` ones); any
             other failure of the download (naming it), e.g. a full disk.
     """
     from huggingface_hub import constants, snapshot_download
 
+    repo, revision = split_revision(name)
     if constants.HF_HUB_OFFLINE:
         where = (f"is in the Hugging Face cache incomplete ({cached}: no config.json or safetensors weights)"
-                 if cached else "is not a local directory and is not in the Hugging Face cache")
+                 if cached else "is not a local directory and is not in the Hugging Face cache" if revision is None
+                 else f"is not a local directory and its revision {revision!r} is not in the Hugging Face cache")
         raise DFlashError(f"model {name!r} {where}; HF_HUB_OFFLINE is set, so it is not downloaded")
     logging.getLogger("dflash_torch").warning(
         f"dflash-torch: downloading {name} from the Hugging Face Hub into {constants.HF_HUB_CACHE}")
@@ -117,7 +136,8 @@ def download(name: str, cached: str | None = None) -> Path:
 
     def fetch() -> None:
         try:
-            done["dir"] = snapshot_download(repo_id=name, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIPPED)
+            done["dir"] = snapshot_download(repo_id=repo, revision=revision, allow_patterns=HUB_FILES,
+                                            ignore_patterns=HUB_SKIPPED)
         except BaseException as exc:  # (handed to the caller)
             done["error"] = exc
         finally:
@@ -131,15 +151,19 @@ def download(name: str, cached: str | None = None) -> Path:
     if "error" in done:
         if not isinstance(done["error"], Exception):
             raise done["error"]
-        raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: {_reason(done['error'])}")
+        raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: "
+                          f"{_reason(done['error'], revision)}")
     return _downloaded(name, Path(done["dir"]))
 
 
-def _reason(exc: Exception) -> str:
-    """Why huggingface_hub's ``exc`` stopped a download, in a line."""
+def _reason(exc: Exception, revision: str | None = None) -> str:
+    """Why huggingface_hub's ``exc`` stopped a download of ``revision`` (None: ``main``), in a line."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
 
+    if isinstance(exc, RevisionNotFoundError):
+        return f"it has no revision {revision or 'main'!r} (a branch, tag or commit hash)"
     if isinstance(exc, GatedRepoError):
         return "it is gated: accept its conditions on its Hub page, then log in (`hf auth login` or HF_TOKEN)"
     if isinstance(exc, RepositoryNotFoundError):
@@ -160,7 +184,8 @@ def _unreachable(exc: BaseException | None) -> bool:
 
 
 def _downloaded(name: str, local: Path) -> Path:
-    """``local``, the snapshot just downloaded of ``name``, once it is seen to hold a checkpoint.
+    """``local``, the snapshot just downloaded of ``name`` (``ORG/NAME[@REVISION]``), once it is seen
+    to hold a checkpoint.
     Where it lacks one (huggingface_hub also returns a cached snapshot it could not complete),
     the repo's file list tells whether the Hub lacks it or could not be asked.
 
@@ -175,10 +200,11 @@ def _downloaded(name: str, local: Path) -> Path:
         return local
     from huggingface_hub import list_repo_files
 
+    repo, revision = split_revision(name)
     try:  # (what it holds: one more request)
-        files = [f for f in list_repo_files(name) if "/" not in f]
+        files = [f for f in list_repo_files(repo, revision=revision) if "/" not in f]
     except Exception as exc:
-        raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: {_reason(exc)}") from None
+        raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: {_reason(exc, revision)}") from None
     if "config.json" not in files:
         raise DFlashError(f"model {name!r} on the Hugging Face Hub has no config.json: not a checkpoint in "
                           "Hugging Face format (config.json + safetensors)")
@@ -203,17 +229,18 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _unreadable_cache_entry(name: str) -> Path | None:
-    """The part of the Hugging Face cache entry of the repo ``name`` (its folder, ``refs``,
-    ``refs/main``, ``snapshots``) that this process may not read, else None: huggingface_hub
-    then says only that the repo is not cached."""
+def _unreadable_cache_entry(name: str, revision: str | None = None) -> Path | None:
+    """The part of the Hugging Face cache entry of the repo ``name`` (``ORG/NAME``; its folder,
+    ``refs``, ``refs/REVISION``, ``refs/main`` without one, ``snapshots``) that this process may
+    not read, else None: huggingface_hub then says only that the repo is not cached."""
     from huggingface_hub import constants
 
     root = Path(constants.HF_HUB_CACHE)
     repo = root / ("models--" + name.replace("/", "--"))
-    for part in (root, repo, repo / "refs", repo / "refs" / "main", repo / "snapshots"):
+    ref = repo / "refs" / (revision or "main")  # (a commit hash has none: not there, passed over)
+    for part in (root, repo, repo / "refs", ref, repo / "snapshots"):
         try:
-            if part.name == "main":
+            if part == ref:
                 part.open("rb").close()
             else:
                 os.listdir(part)

@@ -1,6 +1,7 @@
 """A Hugging Face id that is not in the cache is downloaded with huggingface_hub (its real
 client, over real HTTP) from a local server that answers the Hub's API for a few repos;
-then it is decoded exactly as the same checkpoint given as a directory."""
+then it is decoded exactly as the same checkpoint given as a directory. ``ORG/NAME@REVISION``
+downloads that branch or commit."""
 
 from __future__ import annotations
 
@@ -18,14 +19,19 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import pytest
+import torch
 
 COMMIT = "c0ffee" + "0" * 34
+V2_COMMIT = "5ca1ab1e" + "0" * 32  # (acme/target's branch v2)
+PR_COMMIT = "9e" + "0" * 38  # (acme/draft's refs/pr/3: its main's files)
 
 
 class _Hub(BaseHTTPRequestHandler):
-    """The Hub's API for the repos in ``self.server.repos`` (id -> directory): repo info,
-    the recursive file tree, and each file at ``/{id}/resolve/{revision}/{path}`` (HEAD
-    and GET). Any other repo answers 404 with the Hub's ``RepoNotFound`` error code."""
+    """The Hub's API for the repos in ``self.server.repos`` (id -> directory of its main branch,
+    commit :data:`COMMIT`) at a revision (main, a branch or commit in ``self.server.revisions``:
+    id -> {revision: (commit, directory)}): repo info, the recursive file tree, and each file at
+    ``/{id}/resolve/{revision}/{path}`` (HEAD and GET). Any other repo answers 404 with the
+    Hub's ``RepoNotFound`` error code, any other revision with ``RevisionNotFound``."""
 
     def log_message(self, *args):  # (quiet)
         pass
@@ -42,15 +48,26 @@ class _Hub(BaseHTTPRequestHandler):
         if not head:
             self.wfile.write(body)
 
+    def _revision(self, repo: str, revision: str) -> tuple[str, Path] | None:
+        if revision in ("main", COMMIT):
+            return COMMIT, self.server.repos[repo]
+        return self.server.revisions.get(repo, {}).get(revision)
+
     def _answer(self, head: bool):
-        path = unquote(urlparse(self.path).path).strip("/").split("/")
+        path = [unquote(p) for p in urlparse(self.path).path.strip("/").split("/")]  # (refs/pr/3: one quoted part)
         repos = self.server.repos
         if "/".join(path[2:4]) in self.server.failing or "/".join(path[:2]) in self.server.failing:
             return self._send(418, b'{"error": "I am a teapot"}', {}, head)
-        if path[:2] == ["api", "models"] and "/".join(path[2:4]) in repos:
-            root = repos["/".join(path[2:4])]
+        api = path[:2] == ["api", "models"] and "/".join(path[2:4]) in repos
+        if api or (len(path) >= 5 and "/".join(path[:2]) in repos and path[2] == "resolve"):
+            found = self._revision("/".join(path[2:4]), path[5] if len(path) > 5 else "main") if api else \
+                self._revision("/".join(path[:2]), path[3])
+            if found is None:
+                return self._send(404, b'{"error": "Invalid rev id"}', {"X-Error-Code": "RevisionNotFound"}, head)
+            commit, root = found
+        if api:
             if path[4] == "revision":
-                info = {"id": "/".join(path[2:4]), "sha": COMMIT,
+                info = {"id": "/".join(path[2:4]), "sha": commit,
                         "siblings": [{"rfilename": f} for f in self._files(root)]}
                 return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, head)
             if path[4] == "tree":
@@ -58,13 +75,13 @@ class _Hub(BaseHTTPRequestHandler):
                          "oid": hashlib.sha1((root / f).read_bytes()).hexdigest()} for f in self._files(root)]
                 return self._send(200, json.dumps(tree).encode(), {"Content-Type": "application/json"}, head)
         if len(path) >= 5 and "/".join(path[:2]) in repos and path[2] == "resolve":
-            file = repos["/".join(path[:2])] / "/".join(path[4:])
+            file = root / "/".join(path[4:])
             if file.is_file():
                 self.server.fetched.append("/".join(path[4:]))
                 if not head and file.suffix == ".safetensors" and "/".join(path[:2]) in self.server.held:
                     self.server.hold.wait()  # (a download that does not end while the test holds it)
                 data = file.read_bytes()
-                return self._send(200, data, {"X-Repo-Commit": COMMIT,
+                return self._send(200, data, {"X-Repo-Commit": commit,
                                               "ETag": '"' + hashlib.sha1(data).hexdigest() + '"'}, head)
         self._send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"}, head)
 
@@ -78,11 +95,18 @@ class _Hub(BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def hub(tiny_pair, tmp_path_factory):
     """(endpoint URL, server): repos ``acme/target`` (the tiny target, plus files loading does not
-    read: PyTorch weights and an ``original/`` subfolder), ``acme/draft`` and ``acme/gguf``
-    (no config.json)."""
+    read: PyTorch weights and an ``original/`` subfolder; its branch ``v2``, commit
+    :data:`V2_COMMIT`, is ``server.v2``: the tiny target with another final norm), ``acme/draft``
+    and ``acme/gguf`` (no config.json)."""
+    from safetensors.torch import load_file, save_file
+
     target, drafter = tiny_pair
     root = tmp_path_factory.mktemp("hubrepos")
     shutil.copytree(target, root / "target")
+    shutil.copytree(target, root / "target-v2")
+    weights = load_file(root / "target-v2" / "model.safetensors")
+    weights["model.norm.weight"] = torch.linspace(0.1, 3.0, weights["model.norm.weight"].numel())
+    save_file(weights, root / "target-v2" / "model.safetensors", metadata={"format": "pt"})
     (root / "target" / "pytorch_model.bin").write_bytes(b"not read")
     (root / "target" / "original").mkdir()
     (root / "target" / "original" / "model.safetensors").write_bytes(b"not read")
@@ -94,6 +118,9 @@ def hub(tiny_pair, tmp_path_factory):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
     server.repos = {"acme/target": root / "target", "acme/draft": Path(drafter), "acme/gguf": root / "gguf",
                     "acme/bin": root / "bin", "acme/slow": Path(drafter)}
+    server.revisions = {"acme/target": {"v2": (V2_COMMIT, root / "target-v2"), V2_COMMIT: (V2_COMMIT, root / "target-v2")},
+                        "acme/draft": {"refs/pr/3": (PR_COMMIT, Path(drafter)), PR_COMMIT: (PR_COMMIT, Path(drafter))}}
+    server.v2 = root / "target-v2"
     server.failing, server.held, server.hold = {"acme/teapot"}, {"acme/slow"}, threading.Event()
     server.fetched = []
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -133,6 +160,35 @@ def test_a_hub_id_not_cached_is_downloaded_then_read_from_the_cache(hub, tiny_pa
     assert json.loads(again.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
 
 
+def test_a_revision_of_a_hub_id_is_downloaded_then_read_from_the_cache(hub, tiny_pair, tmp_path):
+    """``acme/target@v2`` (a branch) is the v2 checkpoint, not main's: it decodes what v2 given as a
+    directory decodes (with ``acme/draft@refs/pr/3``, a revision with slashes); then both are read
+    from the cache without the network; ``@COMMIT`` is downloaded too."""
+    endpoint, server = hub
+    target, drafter = tiny_pair
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "hub-cache"), "HF_HUB_OFFLINE": "0"}
+    main = _generate("--target", str(target), "--draft", str(drafter), env=env)
+    v2 = _generate("--target", str(server.v2), "--draft", str(drafter), env=env)
+    assert main.returncode == 0 and v2.returncode == 0, main.stderr + v2.stderr
+    want = json.loads(v2.stdout)["token_ids"]
+    assert want != json.loads(main.stdout)["token_ids"]
+    got = _generate("--target", "acme/target@v2", "--draft", "acme/draft@refs/pr/3", env=env)
+    assert got.returncode == 0, got.stderr
+    assert "downloading acme/target@v2 from the Hugging Face Hub" in got.stderr
+    assert json.loads(got.stdout)["token_ids"] == want
+    again = _generate("--target", "acme/target@v2", "--draft", "acme/draft@refs/pr/3",
+                      env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
+    assert again.returncode == 0, again.stderr
+    assert "downloading" not in again.stderr and json.loads(again.stdout)["token_ids"] == want
+    # (a commit hash: downloaded into a cache of its own, as the Hub answers it)
+    server.fetched.clear()
+    commit = _generate("--target", f"acme/target@{V2_COMMIT}", "--draft", str(drafter),
+                       env=dict(env, HF_HUB_CACHE=str(tmp_path / "other-cache")))
+    assert commit.returncode == 0, commit.stderr
+    assert f"downloading acme/target@{V2_COMMIT}" in commit.stderr and "model.safetensors" in server.fetched
+    assert json.loads(commit.stdout)["token_ids"] == want
+
+
 @pytest.mark.parametrize("model, env, message", [
     ("acme/missing", {}, "cannot download model 'acme/missing' from the Hugging Face Hub: the Hub has no such "
                          "model, or it is private"),
@@ -145,8 +201,13 @@ def test_a_hub_id_not_cached_is_downloaded_then_read_from_the_cache(hub, tiny_pa
     # (.bin weights are not downloaded: named, with how to convert them)
     ("acme/bin", {}, "model 'acme/bin' on the Hugging Face Hub has no safetensors weights; it holds pytorch_model.bin "
                      "(PyTorch pickle weights), which dflash-torch does not read"),
-    ("acme/target@main", {}, "model 'acme/target@main' is not a local directory, nor a Hugging Face id (ORG/NAME: "
-                             "letters, digits, '-', '_' and '.'; a revision such as @main is not taken)"),
+    # (a revision: one the Hub lacks, none after '@', one not cached offline; an id that is not one)
+    ("acme/target@nope", {}, "cannot download model 'acme/target@nope' from the Hugging Face Hub: it has no revision "
+                             "'nope'"),
+    ("acme/target@", {}, "model 'acme/target@' names no revision after '@'"),
+    ("acme/target@v2", {"HF_HUB_OFFLINE": "1"}, "model 'acme/target@v2' is not a local directory and its revision 'v2' "
+                                                "is not in the Hugging Face cache; HF_HUB_OFFLINE is set"),
+    ("acme/a..b@v2", {}, "model 'acme/a..b@v2' is not a local directory, nor a Hugging Face id (ORG/NAME[@REVISION]: "),
     ("solo", {}, "model directory 'solo' does not exist (a Hugging Face id is ORG/NAME)"),
 ])
 def test_a_hub_id_that_cannot_be_downloaded_is_one_line(hub, tmp_path, model, env, message):
@@ -159,7 +220,7 @@ def test_a_hub_id_that_cannot_be_downloaded_is_one_line(hub, tmp_path, model, en
     assert "Traceback" not in got.stderr
     if model == "acme/teapot":
         assert "answered" in last and "418" in last and "cannot be reached" not in last, last
-    if "@" in model or "/" not in model:  # (not a download that failed)
+    if model in ("acme/target@", "acme/a..b@v2", "solo"):  # (not a download that failed)
         assert "downloading" not in got.stderr, got.stderr
 
 
@@ -211,3 +272,23 @@ def test_ctrl_c_during_a_download_exits_at_once(hub, tiny_pair, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_python_api_takes_a_revision_from_the_cache(tiny_pair, tmp_path, monkeypatch):
+    """``DFlashEngine.from_pretrained("ORG/NAME@REVISION")``: that branch's or commit's snapshot
+    in the cache, not main's (offline: no network)."""
+    from huggingface_hub import constants
+
+    from dflash_torch import DFlashEngine
+    from dflash_torch.checkpoint import resolve_model_dir
+
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    main, v2 = (shutil.copytree(tiny_pair[0], repo / "snapshots" / sha) for sha in (COMMIT, V2_COMMIT))
+    (repo / "refs" / "refs" / "pr").mkdir(parents=True)
+    for ref, sha in (("main", COMMIT), ("v2", V2_COMMIT), ("refs/pr/3", V2_COMMIT)):
+        (repo / "refs" / ref).write_text(sha)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert [resolve_model_dir(f"acme/tiny{r}") for r in ("", "@main", "@v2", "@refs/pr/3", f"@{V2_COMMIT}")] == \
+        [main, main, v2, v2, v2]
+    assert DFlashEngine.from_pretrained(target="acme/tiny@v2", no_draft=True).name == "acme/tiny@v2"
