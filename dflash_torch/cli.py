@@ -30,8 +30,8 @@ def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     def shown(text: str) -> str:
         return text if decoding else argparse.SUPPRESS
 
-    p.add_argument("--target", help="target checkpoint dir or HF id, downloaded unless cached (default: the shipped default target)")
-    p.add_argument("--draft", help="DFlash drafter checkpoint dir or HF id, downloaded unless cached (default: the shipped drafter, "
+    p.add_argument("--target", help="target checkpoint dir or HF id (ORG/NAME[@REVISION]), downloaded unless cached (default: the shipped default target)")
+    p.add_argument("--draft", help="DFlash drafter checkpoint dir or HF id (ORG/NAME[@REVISION]), downloaded unless cached (default: the shipped drafter, "
                                   "which goes with the shipped target only)")
     p.add_argument("--dtype", default="auto", help="auto (default: bfloat16 on CUDA, float32 on CPU), float32 or bfloat16")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")

@@ -39,7 +39,7 @@ def register(sub) -> None:
                     "refused before it loads); the drafter trains there too.",
     )
     d = TrainConfig.__dataclass_fields__
-    p.add_argument("--target", required=True, help="target checkpoint dir or HF id, downloaded unless cached")
+    p.add_argument("--target", required=True, help="target checkpoint dir or HF id (ORG/NAME[@REVISION]: a branch, tag or commit), downloaded unless cached")
     p.add_argument("--data", required=True, nargs="+", help="text files (a document each), JSONL or .json files of {'text'} / {'messages'} "
                         "records (a .json: an array of them, one, or JSON Lines), or directories (every non-hidden file "
                         "below them as above; there, a .json file that is not records, e.g. a package.json, is a text document, "
@@ -52,7 +52,7 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int, default=None, help="block size B (default 16)")
     p.add_argument("--init-from-target", action="store_true", help="start the drafter layers from the target's last layers")
     p.add_argument("--init-from", default=None, metavar="DRAFTER",
-                   help="start from this DFlash drafter, a dir or HF id (its shape and weights; with --arch dflash2 a DFlash (v1) drafter's "
+                   help="start from this DFlash drafter, a dir or HF id, ORG/NAME[@REVISION] (its shape and weights; with --arch dflash2 a DFlash (v1) drafter's "
                         "backbone, with identity convolutions and small random codebooks)")
     p.add_argument("--selector-loss-weight", type=float, default=None,
                    help="dflash2: weight of the selector loss (default 1)")
