@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 
 import httpx
@@ -214,6 +215,60 @@ def test_eight_concurrent_openai_streams_some_leaving(server):
     for name in ("dflash_running_requests", "dflash_waiting_requests", "dflash_queue_depth", "dflash_open_requests"):
         assert _gauge(m, name) == 0, name
     assert "Traceback" not in server.log.read_text()
+
+
+def _deltas(server, before: dict, *names: str) -> list[float]:
+    m = server.metrics()
+    return [m.get((name, ()), 0.0) - before.get((name, ()), 0.0) for name in names]
+
+
+def test_acceptance_metrics_take_each_round_as_it_commits_cancelled_sequences_too(server):
+    """A decoding round's tau reaches /metrics when the round commits: a stream still running
+    shows its rounds, and a stream whose client leaves keeps them (they were missing: the
+    figures were taken from a sequence's final stats, which a cancelled one never has).
+    Every generated token is a sequence's first (prefill) token or a round's."""
+    names = ("dflash_generated_tokens_total", "dflash_acceptance_length_sum", "dflash_acceptance_length_count",
+             "dflash_time_to_first_token_seconds_count", "dflash_batch_size_sum", "dflash_requests_cancelled_total",
+             "dflash_request_acceptance_length_count")
+    before = server.metrics()
+    stream = server.client().completions.create(prompt=PROMPTS[1], max_tokens=900, stream=True, **_kw(0))
+    text, _, events = read_completion_stream(stream, 3)
+    assert events == 3 and text
+    taus_so_far = _deltas(server, before, "dflash_acceptance_length_count")[0]
+    stream.close()
+    for _ in range(300):  # (the server sees the client leave within a round or two)
+        d = dict(zip(names, _deltas(server, before, *names)))
+        if d["dflash_requests_cancelled_total"] == 1:
+            break
+        time.sleep(0.05)
+    assert d["dflash_requests_cancelled_total"] == 1
+    assert taus_so_far >= 2  # (3 chunks streamed: the prefill's and 2 rounds' at least)
+    assert d["dflash_acceptance_length_count"] >= taus_so_far and d["dflash_generated_tokens_total"] > 3
+    assert d["dflash_generated_tokens_total"] == (d["dflash_acceptance_length_sum"]
+                                                  + d["dflash_time_to_first_token_seconds_count"]), d
+    assert d["dflash_batch_size_sum"] == d["dflash_acceptance_length_count"]
+    assert d["dflash_request_acceptance_length_count"] == 0  # (a sequence's mean tau: finished ones)
+    m = server.metrics()
+    assert m[("dflash_mean_acceptance_length", ())] == pytest.approx(
+        m[("dflash_acceptance_length_sum", ())] / m[("dflash_acceptance_length_count", ())])
+
+
+def test_batch_size_is_observed_once_per_decoding_round_not_per_prefill_step(server, local_engine):
+    """``dflash_batch_size`` counts decoding rounds (it counted every engine step, the
+    prompt's prefill steps too); a request alone decodes one sequence per round, and the
+    acceptance figures hold its rounds as its stats list them."""
+    names = ("dflash_batch_size_count", "dflash_batch_size_sum", "dflash_acceptance_length_count",
+             "dflash_acceptance_length_sum", "dflash_request_acceptance_length_count")
+    long_prompt = "def f(x):\n    return x + 1\n" * 40
+    assert len(local_engine.encode_prompt(long_prompt)) > 256  # (prefilled in several steps)
+    for prompt in (PROMPTS[2], long_prompt):
+        before = server.metrics()
+        r = server.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 20, "temperature": 0,
+                                            "ignore_eos": True}).json()
+        hist = {int(k): v for k, v in r["dflash"]["acceptance_histogram"].items()}
+        rounds = sum(hist.values())
+        assert rounds >= 1 and 1 + sum(k * v for k, v in hist.items()) == r["usage"]["completion_tokens"] == 20
+        assert _deltas(server, before, *names) == [rounds, rounds, rounds, 19, 1], prompt
 
 
 def test_nothing_leaks_after_200_requests(server):

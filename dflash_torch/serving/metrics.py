@@ -17,14 +17,19 @@ dflash_generated_tokens_total          counter    generated (committed, emitted)
 dflash_target_only_rounds_total        counter    rounds run without drafts (more sequences than
                                                   ``--draft-max-batch-size``, or chosen by its
                                                   ``auto`` policy; their tau is 1)
-dflash_acceptance_length               histogram  tokens committed per decoding round (tau)
-dflash_mean_acceptance_length          gauge      mean tau over all rounds since start
+dflash_acceptance_length               histogram  tokens committed per decoding round (tau), one per sequence
+                                                  in the round, observed as the round commits (the rounds
+                                                  of cancelled sequences too)
+dflash_mean_acceptance_length          gauge      mean tau over all rounds since start (as the histogram)
 dflash_queue_depth                     gauge      sequences waiting for or holding the engine
 dflash_running_requests                gauge      sequences in the running batch (one per choice)
 dflash_waiting_requests                gauge      sequences waiting for a slot (one per choice)
 dflash_rejected_requests_total         counter    requests refused with 503 because the queue was full
-dflash_batch_size                      histogram  sequences in the batch, observed once per round
-dflash_request_acceptance_length       histogram  mean tau of each finished sequence (one with rounds)
+dflash_batch_size                      histogram  sequences that decoded in a round, observed once per
+                                                  decoding round (a step that only prefills: none; sequences
+                                                  still prefilling are not counted)
+dflash_request_acceptance_length       histogram  mean tau of each sequence that finished (with rounds;
+                                                  not a cancelled one)
 dflash_open_requests                   gauge      requests the scheduler holds (a leak check)
 dflash_threads                         gauge      live threads of the process (a leak check)
 dflash_event_loop_tasks                gauge      asyncio tasks of the server's event loop (a leak check)
@@ -39,6 +44,11 @@ prompt share that prompt's prefill (batched backend): ``dflash_prefill_tokens_to
 grows by the prompt once, ``dflash_prompt_tokens_total`` once per choice (as the
 generated, cancelled and sequence figures count choices; ``usage.prompt_tokens`` of the
 response counts each prompt once).
+
+Each sequence's first token is its prefill's, every later one a decoding round's, so
+``dflash_generated_tokens_total`` == ``dflash_acceptance_length_sum`` +
+``dflash_time_to_first_token_seconds_count`` (cancelled sequences included), and
+``dflash_acceptance_length_count`` == the sum of ``dflash_batch_size``.
 """
 
 from __future__ import annotations
@@ -78,7 +88,8 @@ class ServerMetrics:
         self.generated_tokens = Counter("dflash_generated_tokens", "Generated tokens", registry=r)
         self.target_only_rounds = Counter("dflash_target_only_rounds", "Rounds run without drafts (more sequences "
                                           "than --draft-max-batch-size, or chosen by its auto policy)", registry=r)
-        self.acceptance = Histogram("dflash_acceptance_length", "Tokens committed per decoding round (tau, bonus token included)",
+        self.acceptance = Histogram("dflash_acceptance_length", "Tokens committed per decoding round by each "
+                                    "sequence in it (tau, bonus token included), observed as the round commits",
                                     buckets=tuple(range(1, max(block_size, 1) + 1)), registry=r)
         self.mean_acceptance = Gauge("dflash_mean_acceptance_length", "Mean acceptance length over all decoding rounds since start",
                                      registry=r)
@@ -86,10 +97,12 @@ class ServerMetrics:
         self.running = Gauge("dflash_running_requests", "Sequences in the running batch (one per choice)", registry=r)
         self.waiting = Gauge("dflash_waiting_requests", "Sequences waiting for a slot (one per choice)", registry=r)
         self.rejected = Counter("dflash_rejected_requests", "Requests refused with 503 because the queue was full", registry=r)
-        self.batch_size = Histogram("dflash_batch_size", "Sequences in the batch, observed once per decoding round",
+        self.batch_size = Histogram("dflash_batch_size", "Sequences that decoded in a round (not those prefilling), observed "
+                                    "once per decoding round",
                                     buckets=BATCH_BUCKETS, registry=r)
         self.request_acceptance = Histogram(
-            "dflash_request_acceptance_length", "Mean acceptance length of each finished sequence (with decoding rounds)",
+            "dflash_request_acceptance_length", "Mean acceptance length of each finished sequence (with decoding rounds; "
+            "not a cancelled one)",
             buckets=tuple(1 + k / 2 for k in range(2 * max(block_size, 1) - 1)), registry=r)
         self.open_requests = Gauge("dflash_open_requests", "Requests the scheduler holds", registry=r)
         self.threads = Gauge("dflash_threads", "Live threads of the process", registry=r)
@@ -104,12 +117,13 @@ class ServerMetrics:
         self._rounds = 0
 
     def observe_request(self, taus: list[int]) -> None:
-        """A finished sequence's taus (one per decoding round)."""
+        """A finished sequence's taus (one per decoding round): its mean tau, if it ran a round
+        (its rounds are already in the per-round figures: :meth:`observe_rounds`)."""
         if taus:
             self.request_acceptance.observe(sum(taus) / len(taus))
-        self.observe_rounds(taus)
 
     def observe_rounds(self, taus: list[int]) -> None:
+        """One decoding round's taus (tokens committed), one per sequence that decoded in it."""
         for tau in taus:
             self.acceptance.observe(tau)
         with self._lock:

@@ -511,7 +511,6 @@ class Scheduler:
                     if not self._waiting:
                         return
                 continue
-            self.metrics.batch_size.observe(len(running))
             try:
                 results = self.backend.step()
             except Exception as exc:  # a failed round fails every sequence in it
@@ -521,6 +520,7 @@ class Scheduler:
                 continue
             finally:
                 self._count_backend()
+            self._count_round(results)
             for seq, chunk in results:
                 if isinstance(chunk, DFlashError):  # (that sequence alone failed; the backend let it go)
                     self._fail(seq, chunk)
@@ -558,6 +558,17 @@ class Scheduler:
         plain = self.backend.target_only_rounds
         self.metrics.target_only_rounds.inc(plain - self._target_only_rounds)
         self._target_only_rounds = plain
+
+    def _count_round(self, results: list) -> None:
+        """The acceptance and batch-size metrics of one step's decoding round, as it commits:
+        a chunk of a sequence that has its first token (the prefill's) is that sequence's
+        decoding round, its tau the tokens it committed (what :class:`GenerationStats`'s
+        ``acceptance_lengths`` records). A step that only prefills runs no round."""
+        taus = [len(chunk.token_ids) for seq, chunk in results
+                if not isinstance(chunk, DFlashError) and seq.got_token and chunk.token_ids]
+        if taus:
+            self.metrics.batch_size.observe(len(taus))
+            self.metrics.observe_rounds(taus)
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         if isinstance(exc, DFlashError):
@@ -598,8 +609,8 @@ class Scheduler:
             if not seq.got_token:
                 seq.got_token = True
                 m.ttft.observe(time.perf_counter() - job.arrived)
-        if chunk.stats is not None:
-            m.observe_request(list(chunk.stats.acceptance_lengths))
+        if chunk.stats is not None:  # (its rounds are observed as they commit: _count_round)
+            m.observe_request(chunk.stats.acceptance_lengths)
         if job.stream:
             job.put("chunk", chunk, seq.index)
             return
