@@ -1123,6 +1123,36 @@ def test_sigint_ends_every_request_cleanly(tmp_path):
     assert "Traceback" not in text and "CancelledError" not in text, text
 
 
+def _ignore_sigint() -> None:  # (as a shell does for a command it starts in the background: `serve &`)
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("sig, status", [("SIGINT", 130), ("SIGTERM", -15)])
+def test_a_server_started_with_sigint_ignored_exits_130_after_sigint(tiny_pair, tmp_path, sig, status):
+    """A server started with SIGINT ignored (`dflash-torch serve &` from a script) still shuts
+    down on SIGINT (uvicorn listens for it), and exits 130 as after any Ctrl-C: it exited 0,
+    since uvicorn's SIGINT raised again once shut down was ignored. SIGTERM still kills it
+    (status 143 in a shell), as uvicorn does."""
+    import signal
+
+    port, log = _free_port(), tmp_path / "server.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(tiny_pair[0]),
+                                 "--no-draft", "--port", str(port), "--log-level", "warning"],
+                                stdout=fh, stderr=subprocess.STDOUT, env=_env(), preexec_fn=_ignore_sigint)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_up(proc, base, log)
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(60) == status, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in log.read_text()
+
+
 @pytest.mark.parametrize("signals", [1, 2])
 def test_sigint_during_a_prefill_exits_cleanly(tmp_path, signals):
     """Ctrl-C (once, or twice in quick succession) while the engine prefills a long prompt:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from ..errors import DFlashError
@@ -158,6 +159,12 @@ def _serve(args: argparse.Namespace) -> int:
               + " (--generation-config none: OpenAI's defaults)", flush=True)
 
     class Server(uvicorn.Server):
+        interrupted = False  # (a Ctrl-C, SIGINT, ended it)
+
+        def handle_exit(self, sig, frame) -> None:
+            self.interrupted = self.interrupted or sig == signal.SIGINT
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets=None):
             # Ctrl-C / SIGTERM: end the generations first (a queued request gets a 503, a stream an
             # error event and [DONE], a running round finishes) rather than when uvicorn's graceful
@@ -182,6 +189,8 @@ def _serve(args: argparse.Namespace) -> int:
         server.run()  # (after Ctrl-C, raises KeyboardInterrupt: uvicorn raises the signal again once shut down)
     finally:
         _wait_for_engine(scheduler)
+    if server.interrupted:  # (and SIGINT ignored, as a process started in the background has it: uvicorn's
+        return 130  # signal raised again did nothing; 130 all the same. SIGTERM: raised again, it kills the process)
     return 0 if server.started else 1
 
 
