@@ -1153,6 +1153,54 @@ def test_a_server_started_with_sigint_ignored_exits_130_after_sigint(tiny_pair, 
     assert "Traceback" not in log.read_text()
 
 
+def _gauge_value(base: str, name: str) -> float:
+    line = next(ln for ln in httpx.get(f"{base}/metrics", timeout=10).text.splitlines() if ln.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def test_sigterm_answers_a_request_still_sending_its_body_with_a_503_at_once(tiny_pair, tmp_path):
+    """SIGTERM while a request's body is still arriving (its handler not yet at the scheduler):
+    it gets the 503 ``server_shutting_down`` at once; it waited uvicorn's graceful 5 s, then got
+    a bare text/plain 500, with a traceback in the log."""
+    import signal
+    import socket
+
+    port, log = _free_port(), tmp_path / "server.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(tiny_pair[0]),
+                                 "--no-draft", "--port", str(port)],
+                                stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_up(proc, base, log)
+        idle = _gauge_value(base, "dflash_event_loop_tasks")  # (the /metrics request's own task included)
+        body = json.dumps({"model": "x", "prompt": PROMPT, "max_tokens": 4}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
+            deadline = time.time() + 30
+            while _gauge_value(base, "dflash_event_loop_tasks") < idle + 1:  # (until its handler reads the body)
+                assert time.time() < deadline
+                time.sleep(0.05)
+            sent = time.time()
+            proc.send_signal(signal.SIGTERM)
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+            waited = time.time() - sent
+        assert proc.wait(30) == -15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"content-type: application/json" in head.lower(), reply
+    err = json.loads(payload)["error"]
+    assert err["code"] == "server_shutting_down" and err["type"] == "server_error", err
+    assert waited < 3, waited  # (at once, not after uvicorn's 5 s)
+    text = log.read_text()
+    assert "Traceback" not in text and "CancelledError" not in text, text
+
+
 @pytest.mark.parametrize("signals", [1, 2])
 def test_sigint_during_a_prefill_exits_cleanly(tmp_path, signals):
     """Ctrl-C (once, or twice in quick succession) while the engine prefills a long prompt:

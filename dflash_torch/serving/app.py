@@ -185,6 +185,69 @@ class ServerErrorMiddleware:
             raise
 
 
+class UnstartedRequests:
+    """The requests whose response has not started (the body still arriving, the prompt being
+    tokenized, the job waiting for its first token), for :meth:`end` to answer at once when the
+    server shuts down. Their handlers run inside :class:`ShutdownMiddleware`; the event loop's only."""
+
+    def __init__(self):
+        self.closed = False
+        self.tasks: set[asyncio.Task] = set()  # (their handlers' tasks)
+        self.ended: set[asyncio.Task] = set()  # (those end() cancelled)
+
+    def end(self) -> None:
+        """Cancel every such handler: its request gets a 503 ``server_shutting_down`` (as any
+        request from now on). Idempotent."""
+        self.closed = True
+        for task in self.tasks - self.ended:
+            self.ended.add(task)
+            task.cancel()
+
+
+class ShutdownMiddleware:
+    """Pure ASGI middleware: a request whose handler :meth:`UnstartedRequests.end` cancelled
+    before its response started, or that arrives after, gets a 503 ``server_shutting_down``
+    (OpenAI's error JSON) at once, its handler left without a traceback. Without it, uvicorn
+    waits its graceful time (5 s) for such a request, then cancels it: a bare 500 and a traceback."""
+
+    def __init__(self, app, unstarted: UnstartedRequests):
+        self.app, self.unstarted = app, unstarted
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        unstarted = self.unstarted
+        if unstarted.closed:
+            return await self._shutting_down(scope, receive, send)
+        task = asyncio.current_task()
+        started = False
+
+        async def send_wrapper(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                unstarted.tasks.discard(task)
+            await send(message)
+
+        unstarted.tasks.add(task)
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except asyncio.CancelledError:
+            if task not in unstarted.ended or started:  # (not ours: uvicorn's, or the response had started)
+                raise
+            if hasattr(task, "uncancel"):  # (Python 3.11+: the task goes on, no longer cancelled)
+                task.uncancel()
+            await self._shutting_down(scope, receive, send)
+        finally:
+            unstarted.tasks.discard(task)
+            unstarted.ended.discard(task)
+
+    @staticmethod
+    async def _shutting_down(scope, receive, send) -> None:
+        err = shutting_down()
+        await error_response(err.status, err.message, err.type, code=err.code)(scope, receive, send)
+
+
 def _as_responses(exc: APIError, req: ResponsesRequest) -> APIError:
     """An error of the chat machinery serving the Responses request ``req``, with the Responses
     API's parameter names (``text.format`` for ``response_format``, ``input.3.content`` for
@@ -575,15 +638,26 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     max_body = 12 * engine.max_prompt_chars + 2**20
     token_info = functools.lru_cache(maxsize=2**17)(lambda token_id: _token_info(engine, token_id))  # (logprobs)
 
+    unstarted = UnstartedRequests()
+
+    def shutdown() -> None:
+        """End every request at once (the server shuts down; on the event loop): the scheduler's
+        jobs (:meth:`Scheduler.shutdown`), and requests whose response has not started (a 503:
+        :class:`ShutdownMiddleware`). Idempotent."""
+        scheduler.shutdown()
+        unstarted.end()
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        scheduler.shutdown()
+        shutdown()
 
     app = FastAPI(title="dflash-torch", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine, app.state.metrics, app.state.scheduler, app.state.model_id = engine, metrics, scheduler, model_id
     app.state.reasoning_parser, app.state.tool_call_parser = reasoning, tool_calls
     app.state.sampling_defaults = sampling_defaults
+    app.state.shutdown = shutdown
+    app.add_middleware(ShutdownMiddleware, unstarted=unstarted)  # (innermost: its 503s are counted)
     app.add_middleware(MetricsMiddleware, metrics=metrics, endpoints=ENDPOINTS)
     app.add_middleware(ServerErrorMiddleware)
     # (outermost: a preflight is answered before the routes, whose API key check it does not reach)

@@ -168,8 +168,9 @@ def _serve(args: argparse.Namespace) -> int:
         async def shutdown(self, sockets=None):
             # Ctrl-C / SIGTERM: end the generations first (a queued request gets a 503, a stream an
             # error event and [DONE], a running round finishes) rather than when uvicorn's graceful
-            # time runs out and it cancels them (a bare 500, a stream cut short, a traceback)
-            app.state.scheduler.shutdown()
+            # time runs out and it cancels them (a bare 500, a stream cut short, a traceback); a request
+            # whose response has not started (its body arriving, its prompt being tokenized) gets a 503
+            app.state.shutdown()
             await super().shutdown(sockets=sockets)
             if self.force_exit:  # a second Ctrl-C skips the app's shutdown; asyncio.run would then cancel
                 await self.lifespan.shutdown()  # its lifespan task, which logs a CancelledError traceback
