@@ -596,7 +596,9 @@ def entry() -> None:
     would stop that thread inside a torch op and abort the process ("terminate called
     without an active exception"); so it does where a download still runs
     (:func:`dflash_torch.hub.downloading`), which would hold up the exit until the file it
-    fetches ends. A process started with SIGINT ignored keeps it ignored."""
+    fetches ends, and where a server's thread still tokenizes a prompt
+    (:func:`dflash_torch.serving.app.busy`: its request was answered, the tokenizing would hold
+    up the exit for as long as it runs). A process started with SIGINT ignored keeps it ignored."""
     global _interrupts_raised
     installed = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if installed:
@@ -615,7 +617,9 @@ def entry() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # signal back to its default action: killed by SIGINT)
     compute = sys.modules.get(f"{__package__}.compute")  # (not imported: nothing ran there; nor is torch loaded)
     hub = sys.modules.get(f"{__package__}.hub")  # (a download a Ctrl-C left: its threads would hold up the exit)
-    if (compute is not None and compute.busy()) or (hub is not None and hub.downloading()):
+    serving = sys.modules.get(f"{__package__}.serving.app")  # (a server's tokenizing left by a Ctrl-C: the same)
+    if (compute is not None and compute.busy()) or (hub is not None and hub.downloading()) or \
+            (serving is not None and serving.busy()):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

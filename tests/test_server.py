@@ -1168,7 +1168,7 @@ def test_sigterm_answers_a_request_still_sending_its_body_with_a_503_at_once(tin
     port, log = _free_port(), tmp_path / "server.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(tiny_pair[0]),
-                                 "--no-draft", "--port", str(port)],
+                                 "--no-draft", "--port", str(port), "--model-name", "x"],
                                 stdout=fh, stderr=subprocess.STDOUT, env=_env())
     base = f"http://127.0.0.1:{port}"
     try:
@@ -1198,6 +1198,55 @@ def test_sigterm_answers_a_request_still_sending_its_body_with_a_503_at_once(tin
     assert err["code"] == "server_shutting_down" and err["type"] == "server_error", err
     assert waited < 3, waited  # (at once, not after uvicorn's 5 s)
     text = log.read_text()
+    assert "Traceback" not in text and "CancelledError" not in text, text
+
+
+def test_sigint_while_prompts_are_tokenized_answers_them_and_exits_at_once(tiny_pair, tmp_path):
+    """Ctrl-C while /tokenize requests' long prompts are being tokenized (in threads beside the
+    event loop): they get the 503 ``server_shutting_down`` at once, and the server exits with 130
+    without waiting for the tokenizing to end (it got a bare 500 after uvicorn's 5 s, and the exit
+    waited for the tokenizer threads, about as long as they had left)."""
+    import signal
+
+    port, log = _free_port(), tmp_path / "server.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(tiny_pair[0]),
+                                 "--no-draft", "--port", str(port), "--model-name", "x"],
+                                stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    base = f"http://127.0.0.1:{port}"
+    answers = []
+    try:
+        _wait_until_up(proc, base, log)
+        idle = _gauge_value(base, "dflash_threads")
+        # about 1.2 MB, the longest body the tiny pair's /tokenize takes: seconds of tokenizing
+        body = {"model": "x", "prompt": "a b " * 290_000}
+        start = time.time()
+        one = httpx.post(f"{base}/tokenize", json=body, timeout=120)  # (its thread stays in the pool, idle)
+        alone = time.time() - start
+        assert one.status_code == 200 and one.json()["count"] > 500_000, one.text[:300]
+        clients = [threading.Thread(target=lambda: answers.append(httpx.post(f"{base}/tokenize", json=body,
+                                                                             timeout=120)))
+                   for _ in range(4)]
+        for t in clients:
+            t.start()
+        deadline = time.time() + 60
+        while _gauge_value(base, "dflash_threads") < idle + 4:  # (a thread for each: all 4 are tokenizing)
+            assert time.time() < deadline, log.read_text()
+            time.sleep(0.02)
+        sent = time.time()
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(120)
+        exited = time.time() - sent
+        for t in clients:
+            t.join(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert status == 130, (status, text)
+    assert len(answers) == 4 and all(_assert_openai_error(r, 503)["code"] == "server_shutting_down" for r in answers)
+    # (4 prompts tokenized at once take longer than one alone; the exit does not wait for them)
+    assert exited < alone / 2, (exited, alone)
     assert "Traceback" not in text and "CancelledError" not in text, text
 
 

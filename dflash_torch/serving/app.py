@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import concurrent.futures
 import contextlib
 import functools
 import hmac
@@ -183,6 +184,29 @@ class ServerErrorMiddleware:
                 response = error_response(500, f"internal server error: {type(exc).__name__}", type="server_error")
                 await response(scope, receive, send)
             raise
+
+
+# The threads that tokenize prompts and compile constraints beside the event loop: a pool of
+# the module's own, not the event loop's default one, which asyncio.run waits for when the server
+# exits (a long prompt's tokenizing held up an exit after Ctrl-C for seconds; see busy()).
+_pool = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="dflash-serve")
+_calls: set[concurrent.futures.Future] = set()  # (those not done)
+
+
+async def to_thread(fn, /, *args):
+    """``fn(*args)`` in a thread of the server's pool (the event loop goes on meanwhile);
+    its result, or its exception raised here."""
+    future = _pool.submit(fn, *args)
+    _calls.add(future)
+    future.add_done_callback(_calls.discard)
+    return await asyncio.wrap_future(future)
+
+
+def busy() -> bool:
+    """Whether a :func:`to_thread` call still runs (e.g. a request's prompt still being tokenized
+    after the request was answered at shutdown): an interpreter exiting now would wait for it
+    (the CLI exits without finalizing then, as :func:`dflash_torch.cli.entry` says)."""
+    return any(not f.done() for f in list(_calls))
 
 
 class UnstartedRequests:
@@ -1061,9 +1085,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         template_kwargs = req.template_kwargs(default_template_kwargs) if chat else None
         tools = req.engine_tools() if chat else None
         requested = 1 if req.scores_only() else req.requested_max_tokens()  # (scores only: one token, dropped)
-        prepared = await asyncio.to_thread(prepare, prompts, chat, requested, default_max_tokens,
-                                           template_kwargs, tools, req.prompt_options() if chat else None,
-                                           req.max_tokens_field(), req.min_tokens)
+        prepared = await to_thread(prepare, prompts, chat, requested, default_max_tokens,
+                                   template_kwargs, tools, req.prompt_options() if chat else None,
+                                   req.max_tokens_field(), req.min_tokens)
         prompt_tail = engine.decode(prepared[0][0][-8:]) if chat else ""  # (a chat has one prompt)
         if chat and req.continue_final_message:  # the reply goes on inside a thinking the last message opened
             last = req.messages[-1].text()
@@ -1078,9 +1102,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             check_tool_call_format(req)
         job = Job(loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived)
         if req.constraint() is not None or (chat and req.forces_tool_calls()):
-            param, kwargs["structured_output"] = await asyncio.to_thread(request_constraint, req, chat, tools, prompt_tail)
+            param, kwargs["structured_output"] = await to_thread(request_constraint, req, chat, tools, prompt_tail)
             job.param_aliases["structured_output"] = param
-        await asyncio.to_thread(check_sampling, prepared[0][1], kwargs, job.param_aliases)
+        await to_thread(check_sampling, prepared[0][1], kwargs, job.param_aliases)
         for ids, max_new_tokens, end in prepared:
             for j in range(n):
                 job.add(ids, max_new_tokens, {**kwargs, "seed": choice_seed(kwargs["seed"], j), "history_end": end})
@@ -1404,8 +1428,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 raise APIError(400, f"/tokenize takes one prompt, got {len(prompts)}", param="prompt")
             prompt, template_kwargs, tools, prompt_options = prompts[0], None, None, {}
         try:
-            ids = await asyncio.to_thread(functools.partial(engine.encode_prompt, **prompt_options, check_length=False),
-                                          prompt, chat, template_kwargs, tools)
+            ids = await to_thread(functools.partial(engine.encode_prompt, **prompt_options, check_length=False),
+                                  prompt, chat, template_kwargs, tools)
         except DFlashError as exc:
             raise APIError(400, str(exc), param=param_of(exc)) from None
         vocab = engine.target.config.vocab_size
