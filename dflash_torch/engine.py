@@ -485,9 +485,9 @@ class DFlashEngine:
                 for m in models:
                     pack_linears(m)
         # a local directory: its name ("." and "~/x" included: the directory's own, absolute, links kept as given);
-        # a Hugging Face id: as given, as vLLM names it
+        # a Hugging Face id: as given, as vLLM names it, without an @REVISION (vLLM takes that apart, --revision)
         given = Path(str(target)).expanduser()
-        name = Path(os.path.abspath(given)).name if given.exists() else str(target)
+        name = Path(os.path.abspath(given)).name if given.exists() else str(target).partition("@")[0]
         engine = cls(model, tokenizer, drafter, name=name, **engine_options)
         engine.stop_token_ids.update(eos)
         engine._generation_defaults = recommended
