@@ -598,7 +598,8 @@ def entry() -> None:
     (:func:`dflash_torch.hub.downloading`), which would hold up the exit until the file it
     fetches ends, and where a server's thread still tokenizes a prompt
     (:func:`dflash_torch.serving.app.busy`: its request was answered, the tokenizing would hold
-    up the exit for as long as it runs). A process started with SIGINT ignored keeps it ignored."""
+    up the exit for as long as it runs). A process started with SIGINT ignored keeps it ignored
+    (``serve`` excepted: once up, uvicorn stops on SIGINT whatever it inherited)."""
     global _interrupts_raised
     installed = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if installed:

@@ -34,6 +34,16 @@ def split_revision(name: str) -> tuple[str, str | None]:
     return (repo, revision) if at else (name, None)
 
 
+def _valid_revision(revision: str) -> bool:
+    """Whether ``revision`` may name a git branch, tag or commit (``git check-ref-format``'s
+    rules, in short): one that may not (``..``, ``./v2``) would be read as a path, in the
+    Hub's URLs (``@..`` gave ``main``) and in the cache's ``refs`` folder."""
+    parts = revision.split("/")
+    return (not any(c.isspace() or c in "~^:?*[\\" or ord(c) < 32 or ord(c) == 127 for c in revision)
+            and ".." not in revision and "@{" not in revision and not revision.endswith(".lock")
+            and all(part and not part.startswith(".") for part in parts))
+
+
 def snapshot(name: str) -> Path:
     """The local directory of the Hub repo ``name`` (``ORG/NAME``, or ``ORG/NAME@REVISION``: that
     branch, tag or commit hash; else ``main``): its snapshot of that revision in the cache when
@@ -41,7 +51,8 @@ def snapshot(name: str) -> Path:
 
     Raises:
         DFlashError: ``name`` is not a valid repo id (``ORG/NAME`` of letters, digits, ``-``,
-            ``_``, ``.``, with an optional ``@REVISION``), or its revision after ``@`` is empty;
+            ``_``, ``.``, with an optional ``@REVISION``), or its revision after ``@`` is empty or
+            not a git branch, tag or commit name (``..``, ``./v2``, whitespace);
             a part of its cache entry this process may not read; see :func:`download` (not
             cached and offline, no such revision, ...).
     """
@@ -57,6 +68,9 @@ def snapshot(name: str) -> Path:
     if revision is not None and not revision.strip():
         raise DFlashError(f"model {name!r} names no revision after '@' (ORG/NAME@REVISION: a branch, tag or commit hash; "
                           "ORG/NAME alone is the main branch)")
+    if revision is not None and not _valid_revision(revision):
+        raise DFlashError(f"model {name!r}: {revision!r} is not a branch, tag or commit name (git's rules: no "
+                          "whitespace, no '..', no part that is empty or starts with '.', none of ~ ^ : ? * [ \\)")
     try:  # (the cache first: no network for a model already there)
         local = snapshot_download(repo_id=repo, revision=revision, local_files_only=True, allow_patterns=HUB_FILES,
                                   ignore_patterns=HUB_SKIPPED)

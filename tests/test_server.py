@@ -1153,6 +1153,34 @@ def test_a_server_started_with_sigint_ignored_exits_130_after_sigint(tiny_pair, 
     assert "Traceback" not in log.read_text()
 
 
+def test_sigint_while_a_server_started_with_sigint_ignored_loads_exits_130(tiny_pair, tmp_path):
+    """SIGINT while a server started with SIGINT ignored (`serve &`) is still loading (here:
+    compiling its graphs) ends it with 130, as the same SIGINT once it serves does: it was
+    ignored until uvicorn installed its handler, and the server came up and went on serving."""
+    import signal
+
+    port, log = _free_port(), tmp_path / "server.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(tiny_pair[0]),
+                                 "--no-draft", "--compile", "--port", str(port)],
+                                stdout=fh, stderr=subprocess.STDOUT, env=_env(), preexec_fn=_ignore_sigint)
+    try:
+        deadline = time.time() + 120
+        while "compiling the decoding graphs" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        try:
+            status = proc.wait(120)
+        except subprocess.TimeoutExpired:
+            status = None
+        assert status == 130, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in log.read_text()
+
+
 def _gauge_value(base: str, name: str) -> float:
     line = next(ln for ln in httpx.get(f"{base}/metrics", timeout=10).text.splitlines() if ln.startswith(name + " "))
     return float(line.split()[1])

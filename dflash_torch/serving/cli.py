@@ -40,7 +40,8 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $DFLASH_API_KEY, else no key)")
     p.add_argument("--model-name", default=None,
-                   help="model id clients use (default: the target directory's name, or its Hugging Face id as given)")
+                   help="model id clients use (default: the target directory's name, or its Hugging Face id as given, "
+                        "without an @REVISION)")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="most sequences decoded together (default 8; --draft-mode recompute decodes one "
                         "sequence at a time: one slot, and refuses a larger value)")
@@ -115,6 +116,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .scheduler import check_slots
 
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # (started in the background from a script: once up,
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # uvicorn stops on SIGINT anyway; so does loading)
     if not 1 <= args.port <= 65535:
         raise DFlashError(f"--port must be in [1, 65535], got {args.port}")
     api_key = check_api_key(args.api_key, "--api-key (or $DFLASH_API_KEY)")
