@@ -1033,6 +1033,13 @@ def _has_ipv6_loopback() -> bool:
         return False
 
 
+def _serve_tiny(target, log, *args: str, **popen) -> subprocess.Popen:
+    """``dflash-torch serve`` of ``target`` alone (--no-draft) with ``args``, its output in ``log``."""
+    with open(log, "w") as fh:
+        return subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target), "--no-draft",
+                                 *args], stdout=fh, stderr=subprocess.STDOUT, env=_env(), **popen)
+
+
 @pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
 def test_serve_listens_on_ipv6(tiny_pair, tmp_path, capsys):
     """--host ::1 serves (the check that the address is free bound an IPv4 socket and refused
@@ -1049,10 +1056,7 @@ def test_serve_listens_on_ipv6(tiny_pair, tmp_path, capsys):
                    "dflash-torch: error: --host takes an IPv6 address without brackets: --host ::1, not [::1]"], err
 
     log = tmp_path / "server.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(tiny_pair[0]),
-                                 "--no-draft", "--host", "::1", "--port", str(port), "--model-name", "x"],
-                                stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    proc = _serve_tiny(tiny_pair[0], log, "--host", "::1", "--port", str(port), "--model-name", "x")
     base = f"http://[::1]:{port}"
     try:
         _wait_until_up(proc, base, log)
@@ -1138,10 +1142,7 @@ def test_a_server_started_with_sigint_ignored_exits_130_after_sigint(tiny_pair, 
     import signal
 
     port, log = _free_port(), tmp_path / "server.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(tiny_pair[0]),
-                                 "--no-draft", "--port", str(port), "--log-level", "warning"],
-                                stdout=fh, stderr=subprocess.STDOUT, env=_env(), preexec_fn=_ignore_sigint)
+    proc = _serve_tiny(tiny_pair[0], log, "--port", str(port), "--log-level", "warning", preexec_fn=_ignore_sigint)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_until_up(proc, base, log)
@@ -1160,10 +1161,7 @@ def test_sigint_while_a_server_started_with_sigint_ignored_loads_exits_130(tiny_
     import signal
 
     port, log = _free_port(), tmp_path / "server.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(tiny_pair[0]),
-                                 "--no-draft", "--compile", "--port", str(port)],
-                                stdout=fh, stderr=subprocess.STDOUT, env=_env(), preexec_fn=_ignore_sigint)
+    proc = _serve_tiny(tiny_pair[0], log, "--compile", "--port", str(port), preexec_fn=_ignore_sigint)
     try:
         deadline = time.time() + 120
         while "compiling the decoding graphs" not in log.read_text():
@@ -1194,10 +1192,7 @@ def test_sigterm_answers_a_request_still_sending_its_body_with_a_503_at_once(tin
     import socket
 
     port, log = _free_port(), tmp_path / "server.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(tiny_pair[0]),
-                                 "--no-draft", "--port", str(port), "--model-name", "x"],
-                                stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    proc = _serve_tiny(tiny_pair[0], log, "--port", str(port), "--model-name", "x")
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_until_up(proc, base, log)
@@ -1234,10 +1229,7 @@ def test_sigint_while_prompts_are_tokenized_answers_them_and_exits_at_once(tiny_
     import signal
 
     port, log = _free_port(), tmp_path / "server.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(tiny_pair[0]),
-                                 "--no-draft", "--port", str(port), "--model-name", "x"],
-                                stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    proc = _serve_tiny(tiny_pair[0], log, "--port", str(port), "--model-name", "x")
     base = f"http://127.0.0.1:{port}"
     answers = []
     try:
