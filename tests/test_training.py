@@ -1315,6 +1315,7 @@ def test_a_failed_or_interrupted_export_never_leaves_a_broken_drafter(tiny_pair,
     import os
     import signal
 
+    import safetensors
     import safetensors.torch
 
     from dflash_torch.cli import main as cli_main
@@ -1343,6 +1344,18 @@ def test_a_failed_or_interrupted_export_never_leaves_a_broken_drafter(tiny_pair,
                        f"of step 1 is saved in {work / 'checkpoint.pt'}: run again with --resume to export it"), err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == old  # (no temporary file left either)
     assert DFlashEngine.from_pretrained(target, out).drafter.config.num_hidden_layers == 1
+
+    def disk_full_as_safetensors_says_it(state, path, metadata=None):  # (not an OSError: trial-166, a traceback)
+        with open(path, "wb") as f:
+            f.write(b"\0" * 1000)
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full_as_safetensors_says_it)
+    assert cli_main([*args, "--num-layers", "2", "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"dflash-torch: error: cannot export the drafter to {out}: No space left on device; the checkpoint "
+                       f"of step 1 is saved in {work / 'checkpoint.pt'}: run again with --resume to export it"), err
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == old
 
     def interrupted(state, path, metadata=None):  # (a real SIGINT, as the terminal sends it, while it writes)
         os.kill(os.getpid(), signal.SIGINT)
@@ -2589,3 +2602,46 @@ def test_ctrl_c_again_while_train_saves_and_exits_ends_quietly(tiny_pair, tmp_pa
     assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr
     assert "interrupted: checkpoint of step 2 saved to" in run.stderr.strip().splitlines()[-1], run.stderr
     assert torch.load(out / "train_work" / "checkpoint.pt", weights_only=False)["step"] == 2
+
+
+def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_file(tiny_pair, tmp_path):
+    """A full disk while the training checkpoint was saved was a RuntimeError traceback from
+    torch.save ("unexpected pos ...") that left a partial checkpoint.tmp, and while the drafter
+    was exported a SafetensorError traceback (not an OSError: uncaught) (trial-166). Writes that
+    fail for real (past RLIMIT_FSIZE: EFBIG, as a full disk fails them) are one line naming the
+    path and the reason, exit 2, and leave no temporary file; the checkpoint before them stays.
+    (The export's SafetensorError: test_a_failed_or_interrupted_export_never_leaves_a_broken_drafter.)"""
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    out, work = tmp_path / "out", tmp_path / "work"
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--work-dir", str(work),
+            "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0", "--block-size", "8",
+            "--num-layers", "1", "--no-progress"]
+
+    def run(argv: list[str], limit: int | None = None) -> subprocess.CompletedProcess:
+        def small_files():  # (EFBIG, not the signal that kills the process, past the limit)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+        return subprocess.run([sys.executable, "-m", "dflash_torch.cli", *argv], capture_output=True, text=True,
+                              timeout=600, preexec_fn=small_files if limit else None,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    first = run([*args, "--steps", "1"])
+    assert first.returncode == 0, first.stderr
+    ckpt = work / "checkpoint.pt"
+    saved = ckpt.read_bytes()
+    # the checkpoint of a resumed run (the data cache is read, not written)
+    proc = run([*args, "--steps", "2", "--resume"], limit=4096)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"dflash-torch: error: cannot save the training checkpoint of step 2 to {ckpt}: File too large"), proc.stderr
+    assert sorted(f.name for f in work.iterdir() if "checkpoint" in f.name) == ["checkpoint.pt"]
+    assert ckpt.read_bytes() == saved

@@ -17,6 +17,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from ..checkpoint import all_finite, checkpoint_dir, load_config
 from ..errors import DFlashError
@@ -928,12 +930,18 @@ class Trainer:
                 raise DFlashError(f"training diverged by step {step}: the drafter's weights hold NaN or infinite "
                                   f"values; lower --lr (now {cfg.lr:g})")
             tmp = ckpt_path.with_suffix(".tmp")
-            torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                        "target_dir": str(target_dir.resolve()),
-                        "elapsed": elapsed(), "history": history, "evals": evals,
-                        "drafter_config": dcfg.to_dict(), "train_config": asdict(cfg)}, tmp)
-            _fsync(tmp)  # (a power cut after the rename would leave --resume an empty checkpoint)
-            os.replace(tmp, ckpt_path)
+            try:  # (torch.save says a full disk as a RuntimeError: "unexpected pos ...")
+                torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                            "target_dir": str(target_dir.resolve()),
+                            "elapsed": elapsed(), "history": history, "evals": evals,
+                            "drafter_config": dcfg.to_dict(), "train_config": asdict(cfg)}, tmp)
+                _fsync(tmp)  # (a power cut after the rename would leave --resume an empty checkpoint)
+                os.replace(tmp, ckpt_path)
+            except (OSError, RuntimeError) as exc:  # (the checkpoint before it, if any, stays)
+                reason = write_error_reason(exc, tmp)
+                if tmp.is_file():
+                    tmp.unlink()
+                raise DFlashError(f"cannot save the training checkpoint of step {step} to {ckpt_path}: {reason}") from None
 
         def log_row(out, at: float | None = None) -> dict:
             """The loss_history row of ``step``: the mean loss of the steps since the last row,
@@ -1038,9 +1046,10 @@ class Trainer:
             }
             try:
                 out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype, self.log)
-            except OSError as exc:  # (a full disk: --out keeps what it held)
-                raise DFlashError(f"cannot export the drafter to {cfg.out}: {exc.strerror or exc}; the checkpoint of "
-                                  f"step {step} is saved in {ckpt_path}: run again with --resume to export it") from None
+            except (OSError, SafetensorError) as exc:  # (a full disk: --out keeps what it held)
+                raise DFlashError(f"cannot export the drafter to {cfg.out}: {write_error_reason(exc)}; "
+                                  f"the checkpoint of step {step} is saved in {ckpt_path}: run again with --resume "
+                                  "to export it") from None
             try:
                 _write_replacing(out_dir / "training_log.json", json.dumps(info, indent=2) + "\n")
             except OSError as exc:
@@ -1099,6 +1108,8 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
 
     Raises:
         OSError: a file could not be written (``out_dir`` then holds what it held) or moved.
+        safetensors.SafetensorError: the weights could not be written (e.g. a full disk; ``out_dir``
+            then holds what it held).
     """
     from safetensors.torch import save_file
 
@@ -1159,6 +1170,31 @@ def _write_replacing(path: Path, text: str) -> None:
     finally:
         for tmp in temps:
             tmp.unlink(missing_ok=True)
+
+
+def write_error_reason(exc: Exception, partial: Path | None = None) -> str:
+    """Why writing a file failed, in a few words (e.g. ``No space left on device``), from ``exc``:
+    an ``OSError``, a ``safetensors`` error (which names the OS error in its text) or
+    ``torch.save``'s ``RuntimeError`` (which does not: the OS error is then asked for by writing
+    on to ``partial``, the file it left, which is to be removed, and else the free space left
+    tells a full disk); else the error's text."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    text = " ".join(str(exc).split())
+    found = re.search(r"error: ([^:()]+?) \(os error \d+\)", text)
+    if found:
+        return found.group(1)
+    if partial is not None:
+        try:
+            with open(partial, "ab") as f:
+                f.write(bytes(1 << 20))
+                f.flush()
+            if shutil.disk_usage(partial.parent).free < 1 << 20:
+                return "No space left on device"
+        except OSError as probe:
+            if probe.strerror:
+                return probe.strerror
+    return f"the file could not be written whole ({text[:120]})"
 
 
 def _fsync(path: Path) -> None:
