@@ -2645,3 +2645,36 @@ def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_fi
         f"dflash-torch: error: cannot save the training checkpoint of step 2 to {ckpt}: File too large"), proc.stderr
     assert sorted(f.name for f in work.iterdir() if "checkpoint" in f.name) == ["checkpoint.pt"]
     assert ckpt.read_bytes() == saved
+
+
+def test_a_checkpoint_pt_of_another_tool_is_not_called_a_training_checkpoint(tiny_pair, tmp_path, capsys):
+    """--resume with a --work-dir holding another tool's checkpoint.pt was a KeyError
+    ('drafter_config') traceback, and without --resume it was called "a training checkpoint"
+    to continue with --resume (trial-166): both one line saying it is none, exit 2."""
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    work = tmp_path / "work"
+    work.mkdir()
+    ckpt = work / "checkpoint.pt"
+    torch.save({"model": {"w": torch.zeros(2)}, "epoch": 3}, ckpt)
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(tmp_path / "out"), "--work-dir",
+            str(work), "--steps", "1", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0",
+            "--block-size", "8", "--num-layers", "1", "--no-progress"]
+    assert cli_main(args) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"dflash-torch: error: {ckpt} is not a dflash-torch training checkpoint: give another --work-dir, or pass "
+        "--overwrite to replace it"]
+    assert cli_main([*args, "--resume"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dflash-torch: error: --resume: {ckpt} is not a dflash-torch training checkpoint (it holds no drafter, "
+        "optimizer, step, elapsed, history, evals, drafter_config); give the --work-dir of a dflash-torch train run, "
+        "or leave out --resume and pass --overwrite to replace it")
+    assert cli_main([*args, "--overwrite"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert cli_main(args) == 2  # (its own checkpoint now: as it was)
+    assert capsys.readouterr().err.splitlines() == [
+        f"dflash-torch: error: {work} holds a training checkpoint: pass --resume to continue it or --overwrite to "
+        "start over"]

@@ -13,7 +13,7 @@ from ..checkpoint import resolve_model_dir
 from ..cli import add_chat_template_kwargs_arg
 from ..errors import DFlashError
 from ..options import check_threads, resolve_dtype
-from .trainer import ARCHS, CHECKPOINT, STALE_WEIGHTS, TrainConfig, Trainer
+from .trainer import ARCHS, CHECKPOINT, STALE_WEIGHTS, TrainConfig, Trainer, foreign_checkpoint
 
 # the drafter's shape: with --init-from it comes from the source drafter
 SHAPE_OPTIONS = {"num_layers": "--num-layers", "block_size": "--block-size", "target_layer_ids": "--target-layer-ids",
@@ -191,6 +191,9 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
             raise DFlashError(f"--data {given} is this run's {own[os.path.realpath(given)]}: the drafter's own files "
                               "would be read as data; put the data in a directory of its own")
     if not (args.overwrite or args.resume):
+        if foreign_checkpoint(work / CHECKPOINT):  # (another tool's: not "a training checkpoint" to --resume)
+            raise DFlashError(f"{work / CHECKPOINT} is not a dflash-torch training checkpoint: give another "
+                              "--work-dir, or pass --overwrite to replace it")
         if (work / CHECKPOINT).exists():
             raise DFlashError(f"{work} holds a training checkpoint: pass --resume to continue it or --overwrite to start over")
         if out.is_dir() and any(f.name == "config.json" or STALE_WEIGHTS.fullmatch(f.name) for f in out.iterdir()):

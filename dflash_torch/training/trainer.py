@@ -44,6 +44,8 @@ from .objective import batch_loss, copy_target_layers, default_gamma, greedy_wal
 
 MASK_TOKEN = "<|MASK|>"
 CHECKPOINT = "checkpoint.pt"
+CHECKPOINT_KEYS = ("drafter", "optimizer", "step", "elapsed", "history", "evals", "drafter_config")
+"""The keys every training checkpoint holds (what ``--resume`` reads)."""
 ARCHS = ("dflash", "dflash2")
 
 
@@ -852,6 +854,11 @@ class Trainer:
                 st = torch.load(ckpt_path, weights_only=False, mmap=True)
             except Exception as exc:
                 raise DFlashError(f"--resume: cannot read {ckpt_path}: {' '.join(str(exc).split())[:200]}") from None
+            missing = [k for k in CHECKPOINT_KEYS if k not in st] if isinstance(st, dict) else list(CHECKPOINT_KEYS)
+            if missing:  # (another tool's checkpoint.pt: it was a KeyError traceback)
+                raise DFlashError(f"--resume: {ckpt_path} is not a dflash-torch training checkpoint (it holds no "
+                                  f"{', '.join(missing)}); give the --work-dir of a dflash-torch train run, or leave "
+                                  "out --resume and pass --overwrite to replace it")
             differ = drafter_config_differences(dcfg.to_dict(), st["drafter_config"], bool(cfg.init_from))
             if differ:
                 raise DFlashError(f"--resume: {ckpt_path} was trained with another drafter configuration: "
@@ -1170,6 +1177,22 @@ def _write_replacing(path: Path, text: str) -> None:
     finally:
         for tmp in temps:
             tmp.unlink(missing_ok=True)
+
+
+def foreign_checkpoint(path: Path) -> bool:
+    """Whether the file ``path`` is told cheaply, without unpickling it, to be no training
+    checkpoint: a ``torch.save`` archive whose pickle names no ``drafter_config``. A file that
+    cannot be told so (unreadable, not such an archive) -> False."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+            if len(pickles) != 1 or archive.getinfo(pickles[0]).file_size > 1 << 26:
+                return False
+            return b"drafter_config" not in archive.read(pickles[0])
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def write_error_reason(exc: Exception, partial: Path | None = None) -> str:
