@@ -2678,3 +2678,35 @@ def test_a_checkpoint_pt_of_another_tool_is_not_called_a_training_checkpoint(tin
     assert capsys.readouterr().err.splitlines() == [
         f"dflash-torch: error: {work} holds a training checkpoint: pass --resume to continue it or --overwrite to "
         "start over"]
+
+
+def test_resume_with_another_target_names_the_target_not_flags_for_its_sizes(tiny_pair, tmp_path, capsys):
+    """--resume with an incompatible --target listed the target's head_dim, hidden_size, ...
+    "here vs in the checkpoint" as settings to give, and --target-layer-ids though it was not
+    given (trial-166): it says the checkpoint was trained for another target, named, with the
+    sizes that differ, and to pass that --target; flags only for what the user set."""
+    from dflash_torch.cli import main as cli_main
+
+    from conftest import make_target
+
+    target, _ = tiny_pair
+    other = make_target(tmp_path / "other", hidden_size=32, head_dim=8, num_hidden_layers=6, intermediate_size=96)
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    work = tmp_path / "work"
+    args = ["train", "--data", str(text), "--out", str(tmp_path / "out"), "--work-dir", str(work), "--batch", "2",
+            "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0", "--block-size", "8", "--no-progress"]
+    assert cli_main([*args, "--target", str(target), "--steps", "1", "--num-layers", "1"]) == 0
+    capsys.readouterr()
+    ckpt = work / "checkpoint.pt"
+    head = (f"dflash-torch: error: --resume: {ckpt} was trained for another target, {target.resolve()} (head_dim 8 "
+            "here, 16 in the checkpoint; hidden_size 32 here, 64 in the checkpoint; num_target_layers 6 here, 4 in the "
+            "checkpoint")
+    tail = "or leave out --resume and pass --overwrite to start over"
+    assert cli_main([*args, "--target", str(other), "--steps", "2", "--num-layers", "1", "--resume"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"{head}): pass --target {target.resolve()} to continue it, {tail}")
+    assert cli_main([*args, "--target", str(other), "--steps", "2", "--num-layers", "2", "--resume"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"{head}; and other settings: --num-layers 2 here, 1 in the checkpoint): pass --target {target.resolve()} "
+        f"and the values of the checkpoint to continue it, {tail}")

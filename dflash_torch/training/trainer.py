@@ -257,11 +257,11 @@ DRAFTER_FLAGS = {"architectures": "--arch", "num_hidden_layers": "--num-layers",
 SHAPE_KEYS = ("num_hidden_layers", "block_size", "target_layer_ids", "intermediate_size", "mask_token_id")
 
 
-def drafter_config_differences(here: dict, there: dict, init_from: bool = False) -> list[str]:
-    """What differs between two drafter ``config.json`` dicts (this run's and a checkpoint's),
-    one entry a setting, named by its flag where a flag sets it (``--num-layers 2 here, 1 in
-    the checkpoint``), else by its key (the target's, or with ``init_from`` the ``--init-from``
-    drafter's, shape)."""
+def drafter_config_differences(here: dict, there: dict, init_from: bool = False) -> dict[str, str]:
+    """What differs between two drafter ``config.json`` dicts (this run's and a checkpoint's):
+    ``{key: text}``, one entry a setting, in the flags' order, its text naming it by its flag
+    where a flag sets it (``--num-layers 2 here, 1 in the checkpoint``), else by its key (the
+    target's, or with ``init_from`` the ``--init-from`` drafter's, shape)."""
     def flat(d: dict) -> dict:
         out = {k: v for k, v in d.items() if k != "dflash_config"}
         out.update(d.get("dflash_config") or {})
@@ -280,15 +280,15 @@ def drafter_config_differences(here: dict, there: dict, init_from: bool = False)
         return _ids_text(v) if isinstance(v, list) else "none" if v is None else str(v)
 
     order = list(DRAFTER_FLAGS)  # (the flags first, in this order)
-    out = []
+    out = {}
     for key in sorted(a.keys() | b.keys(), key=lambda k: (order.index(k) if k in order else len(order), k)):
         if key in skip or a.get(key) == b.get(key):
             continue
         flag = DRAFTER_FLAGS.get(key)
         if flag and not (init_from and key in SHAPE_KEYS):  # (with --init-from the shape is the source drafter's)
-            out.append(f"{flag} {show(a.get(key))} here, {show(b.get(key))} in the checkpoint")
+            out[key] = f"{flag} {show(a.get(key))} here, {show(b.get(key))} in the checkpoint"
         else:
-            out.append(f"{key} {a.get(key)!r} here, {b.get(key)!r} in the checkpoint")
+            out[key] = f"{key} {a.get(key)!r} here, {b.get(key)!r} in the checkpoint"
     return out
 
 
@@ -860,10 +860,22 @@ class Trainer:
                                   f"{', '.join(missing)}); give the --work-dir of a dflash-torch train run, or leave "
                                   "out --resume and pass --overwrite to replace it")
             differ = drafter_config_differences(dcfg.to_dict(), st["drafter_config"], bool(cfg.init_from))
+            tail = "or leave out --resume and pass --overwrite to start over"
+            from_target = [text for key, text in differ.items() if key not in DRAFTER_FLAGS]
+            if from_target:  # (the target's sizes: no flag gives them, nor the settings left to follow the target)
+                left = {"target_layer_ids": cfg.target_layer_ids, "intermediate_size": cfg.intermediate_size,
+                        "mask_token_id": cfg.mask_token_id}
+                flags = [text for key, text in differ.items() if key in DRAFTER_FLAGS and not (
+                    key in left and left[key] is None) and not (cfg.init_from and key in SHAPE_KEYS)]
+                was = st.get("target_dir")
+                also = f"; and other settings: {'; '.join(flags)}" if flags else ""
+                raise DFlashError(f"--resume: {ckpt_path} was trained for another target"
+                                  f"{f', {was}' if was else ''} ({'; '.join(from_target)}{also}): pass "
+                                  f"{f'--target {was}' if was else 'the --target it was trained for'}"
+                                  f"{' and the values of the checkpoint' if flags else ''} to continue it, {tail}")
             if differ:
                 raise DFlashError(f"--resume: {ckpt_path} was trained with another drafter configuration: "
-                                  f"{'; '.join(differ)} (give the checkpoint's values to continue it, or leave out "
-                                  "--resume and pass --overwrite to start over)")
+                                  f"{'; '.join(differ.values())} (give the checkpoint's values to continue it, {tail})")
         gamma = cfg.gamma or default_gamma(dcfg.block_size)
         extra = f", DFlash 2 modules {dcfg.dflash2}" if dcfg.dflash2 else ""
         self.log(f"drafter: {dcfg.num_hidden_layers} layers, B={dcfg.block_size}, target_layer_ids={dcfg.target_layer_ids}, "
