@@ -2710,3 +2710,44 @@ def test_resume_with_another_target_names_the_target_not_flags_for_its_sizes(tin
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"{head}; and other settings: --num-layers 2 here, 1 in the checkpoint): pass --target {target.resolve()} "
         f"and the values of the checkpoint to continue it, {tail}")
+
+
+def test_a_run_interrupted_and_resumed_logs_the_losses_of_an_uninterrupted_one(tiny_pair, tmp_path, monkeypatch):
+    """The running mean behind each loss_history row (the losses since the last row) was not
+    in the checkpoint: after a Ctrl-C between two rows and --resume, the next row and the
+    final_train_loss were the mean of the resumed steps only (trial-166), though the weights
+    were those of an uninterrupted run. It is saved and restored: the logs are the same."""
+    import os
+    import signal
+
+    import torch.optim.adam as adam
+
+    target_dir, _ = tiny_pair
+    data = _jsonl(tmp_path / "d.jsonl")
+    full = _cfg(tmp_path / "a", target_dir, data, steps=4, log_every=3)
+    whole = Trainer(full, log=lambda m: None).run()
+    original, calls = adam._single_tensor_adam, []
+
+    def interrupted_in_step_2(params, *args, **kwargs):  # (AdamW's update on CPU, once a parameter group)
+        calls.append(len(params))
+        result = original(params, *args, **kwargs)
+        if len(calls) == 4:  # (step 2's last group: the Ctrl-C is taken once the step is done, before step 3)
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(adam, "_single_tensor_adam", interrupted_in_step_2)
+    cut = _cfg(tmp_path / "b", target_dir, data, steps=4, log_every=3)
+    lines = []
+    with pytest.raises(SystemExit):
+        Trainer(cut, log=lines.append).run()
+    assert lines[-1].startswith("interrupted: checkpoint of step 2 saved"), lines
+    monkeypatch.setattr(adam, "_single_tensor_adam", original)
+    cut.resume = True
+    resumed = Trainer(cut, log=lambda m: None).run()
+
+    def rows(info):
+        return [{k: r[k] for k in ("step", "loss", "train_tau", "grad_norm")} for r in info["loss_history"]]
+
+    assert [r["step"] for r in whole["loss_history"]] == [1, 3, 4]
+    assert rows(resumed) == rows(whole)
+    assert resumed["final_train_loss"] == whole["final_train_loss"]

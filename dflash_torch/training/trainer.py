@@ -924,10 +924,12 @@ class Trainer:
 
         cfg.work_path().mkdir(parents=True, exist_ok=True)
         step, elapsed_prev, history, evals = 0, 0.0, [], []
+        loss_acc, n_acc = 0.0, 0  # (the sum and count of the losses behind the next loss_history row)
         if st is not None:
             drafter.load_state_dict(st["drafter"])
             opt.load_state_dict(st["optimizer"])
             step, elapsed_prev, history, evals = st["step"], st["elapsed"], st["history"], st["evals"]
+            loss_acc, n_acc = st.get("loss_acc", 0.0), st.get("n_acc", 0)  # (a checkpoint saved before they were: 0)
             del st  # (its tensors now live in the drafter and the optimizer)
 
         budget = cfg.time_budget_min * 60 if cfg.time_budget_min is not None else None
@@ -953,6 +955,7 @@ class Trainer:
                 torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
                             "target_dir": str(target_dir.resolve()),
                             "elapsed": elapsed(), "history": history, "evals": evals,
+                            "loss_acc": loss_acc, "n_acc": n_acc,  # (the steps since the last loss_history row)
                             "drafter_config": dcfg.to_dict(), "train_config": asdict(cfg)}, tmp)
                 _fsync(tmp)  # (a power cut after the rename would leave --resume an empty checkpoint)
                 os.replace(tmp, ckpt_path)
@@ -976,7 +979,7 @@ class Trainer:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not cfg.progress, dynamic_ncols=True)
-        loss_acc, n_acc = 0.0, 0
+        out = None  # (the last step's, once one is trained)
         last_eval = evals[-1] if evals else {}
         if not evals:
             last_eval = {"step": 0, **self.evaluate(drafter, target, val_rows, gamma)}
@@ -1015,12 +1018,12 @@ class Trainer:
                         raise DFlashError(f"training diverged at step {step + 1}: the optimizer step failed "
                                           f"({' '.join(str(exc).split())[:120]}); lower --lr (now {cfg.lr:g})") from None
                     step += 1
+                    loss_acc += loss  # (with the step: a Ctrl-C after it saves them as it does the step)
+                    n_acc += 1
+                    if logging:
+                        history.append(log_row(out))
+                        loss_acc, n_acc = 0.0, 0
                 loss_ema = loss if loss_ema is None else 0.95 * loss_ema + 0.05 * loss
-                loss_acc += loss
-                n_acc += 1
-                if logging:
-                    history.append(log_row(out))
-                    loss_acc, n_acc = 0.0, 0
                 if step % cfg.eval_every == 0 and val_rows:
                     last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
                     evals.append(last_eval)
@@ -1035,13 +1038,14 @@ class Trainer:
                 bar.set_postfix(post, refresh=False)
                 bar.update(1)
             bar.close()  # (a Ctrl-C in the last measurement or evaluation: as in training)
-            if n_acc:  # (a --time-budget-min stop after steps not yet logged: the last step did not measure its
+            if n_acc and out is not None:  # (a --time-budget-min stop after steps not yet logged: the last step did not measure its
                 # train_tau, which is measured now on its batch, after its update; its selector_loss is its own)
                 at = elapsed()
                 with torch.no_grad(), self._autocast():
                     out.accepted = batch_loss(drafter, target, batch.ids, batch.lengths, batch.loss_mask, anchors, valid,
                                               gamma, selector_weight=cfg.selector_loss_weight).accepted
                 history.append(log_row(out, at))
+                loss_acc, n_acc = 0.0, 0
             if val_rows and (not evals or evals[-1]["step"] != step):
                 last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
                 evals.append(last_eval)
