@@ -218,13 +218,16 @@ def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path)
         "(--generation-config none: greedy decoding, 256 tokens)"), proc.stderr
 
 
-def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
+def test_bad_lines_and_options(tiny_pair, engine, tmp_path, monkeypatch, capsys):
     """A line that is not UTF-8 is not sent (one error line, the chat goes on); ``//`` starts
     a message with ``/`` (a CRLF line's ``\\r`` is not part of it); options that would refuse every turn are refused at start (exit 2,
     the flag named, nothing read); ``--chat`` (a generate flag) is not taken for
     ``--chat-template-kwargs``."""
+    import io
     import subprocess
     import sys
+
+    from dflash_torch.cli import main as cli_main
 
     target, drafter = tiny_pair
     pair = ["--target", str(target), "--draft", str(drafter), "--dtype", "float32"]
@@ -285,10 +288,17 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path):
                         # (nor where the target's context would not hold a one-word message's prompt and them)
                         (["--max-context", "1000", "--max-new-tokens", "1023"], "--max-new-tokens 1023 leaves no room "
                          "for a prompt in the context of 1000 tokens; lower it\n")):
-        proc = run_cli("chat", *(flags if flags[0] == "--target" else [*pair, *flags]), stdin="hi\n")
-        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
-        last = proc.stderr.splitlines(keepends=True)[-1]
-        assert last.startswith(f"dflash-torch: error: {line}"), proc.stderr
+        # (in-process: refused at start, before a line is read; a process each took the test 85 s)
+        monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+        try:
+            code = cli_main(["chat", *(flags if flags[0] == "--target" else [*pair, *flags])])
+        except SystemExit as exc:  # (argparse's, for an unknown flag)
+            code = exc.code
+        assert code == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err, err
+        last = err.splitlines(keepends=True)[-1]
+        assert last.startswith(f"dflash-torch: error: {line}"), err
 
 
 def test_the_default_max_new_tokens_is_cut_to_the_context_a_turn_leaves(tiny_pair, engine, tmp_path):
