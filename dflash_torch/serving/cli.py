@@ -116,8 +116,9 @@ def _serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .scheduler import check_slots
 
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # (started in the background from a script: once up,
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # uvicorn stops on SIGINT anyway; so does loading)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # (started in the background from a script: once up, uvicorn
+        # stops on SIGINT anyway; so does loading now, and uvicorn's SIGINT raised again once shut down exits 130)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if not 1 <= args.port <= 65535:
         raise DFlashError(f"--port must be in [1, 65535], got {args.port}")
     api_key = check_api_key(args.api_key, "--api-key (or $DFLASH_API_KEY)")
@@ -162,12 +163,6 @@ def _serve(args: argparse.Namespace) -> int:
               + " (--generation-config none: OpenAI's defaults)", flush=True)
 
     class Server(uvicorn.Server):
-        interrupted = False  # (a Ctrl-C, SIGINT, ended it)
-
-        def handle_exit(self, sig, frame) -> None:
-            self.interrupted = self.interrupted or sig == signal.SIGINT
-            super().handle_exit(sig, frame)
-
         async def shutdown(self, sockets=None):
             # Ctrl-C / SIGTERM: end the generations first (a queued request gets a 503, a stream an
             # error event and [DONE], a running round finishes) rather than when uvicorn's graceful
@@ -193,8 +188,6 @@ def _serve(args: argparse.Namespace) -> int:
         server.run()  # (after Ctrl-C, raises KeyboardInterrupt: uvicorn raises the signal again once shut down)
     finally:
         _wait_for_engine(scheduler)
-    if server.interrupted:  # (and SIGINT ignored, as a process started in the background has it: uvicorn's
-        return 130  # signal raised again did nothing; 130 all the same. SIGTERM: raised again, it kills the process)
     return 0 if server.started else 1
 
 
