@@ -1,11 +1,15 @@
-"""The ``dflash-torch generate`` command, run as a real subprocess."""
+"""The ``dflash-torch generate`` command: run as a real subprocess where the process itself is
+what is tested (its exit status and output streams, signals, stdin and stdout as the shell gives
+them), in this process (:func:`cli`) where only the command's behaviour is."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +22,23 @@ def run_cli(*args: str, stdin: str | None = None, module: str = "dflash_torch.cl
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return subprocess.run([sys.executable, "-m", module, *args], input=stdin if stdin is not None else "",
                           capture_output=True, text=True, timeout=240, env=env)
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """``dflash-torch ARGS`` run in this process (``cli("generate", ..., stdin="text")``; a process
+    spends ~4 s CPU starting the interpreter and torch): its status, stdout and stderr as a
+    ``subprocess.CompletedProcess`` has them."""
+    from dflash_torch.cli import main as cli_main
+
+    def run(*args: str, stdin: str = "") -> SimpleNamespace:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+        capsys.readouterr()
+        code = cli_main(list(args))
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +82,12 @@ def test_json_is_one_object_with_the_documented_keys(json_output, api):
     assert out["stats"]["times_include_compilation"] is False  # (true with --compile, as the text stats line says)
 
 
-def test_logprobs_in_the_json_object_are_the_python_apis(json_output, pair_args, api):
+def test_logprobs_in_the_json_object_are_the_python_apis(cli, json_output, pair_args, api):
     """``--json --logprobs 2``: the same tokens as without, and per token its id, text, bytes
     and log-probability with the 2 most likely tokens there, as ``generate(logprobs=2)``
     gives them; without ``--logprobs`` the key is null; without ``--json`` it is refused
     with one line before anything is loaded."""
-    proc = run_cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json", "--logprobs", "2")
+    proc = cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json", "--logprobs", "2")
     assert proc.returncode == 0, proc.stderr
     out = parse_single_json(proc.stdout)
     assert out["token_ids"] == json_output["token_ids"] and json_output["logprobs"] is None
@@ -81,17 +102,17 @@ def test_logprobs_in_the_json_object_are_the_python_apis(json_output, pair_args,
         assert got["top_logprobs"] == [item(t, lp) for t, lp in want.top] and len(want.top) == 2
         assert got == {**item(want.token_id, want.logprob), "top_logprobs": got["top_logprobs"]}
     assert bytes(b for e in out["logprobs"] for b in e["bytes"]).decode("utf-8", errors="replace") == out["text"]
-    proc = run_cli("generate", "--target", "/nonexistent", PROMPT, "--logprobs", "2")
+    proc = cli("generate", "--target", "/nonexistent", PROMPT, "--logprobs", "2")
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert proc.stderr == ("dflash-torch: error: --logprobs needs --json (the log-probabilities are printed in its "
                            "JSON object)\n")
 
 
-def test_prompt_logprobs_in_the_json_object_are_the_python_apis(json_output, pair_args, api):
+def test_prompt_logprobs_in_the_json_object_are_the_python_apis(cli, json_output, pair_args, api):
     """``--json --prompt-logprobs 1``: the same tokens as without; per prompt token (the
     first: null) its id, text, bytes and log-probability with the most likely token there,
     as ``generate(prompt_logprobs=1)`` gives them; without ``--json`` refused in one line."""
-    proc = run_cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json",
+    proc = cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json",
                    "--prompt-logprobs", "1")
     assert proc.returncode == 0, proc.stderr
     out = parse_single_json(proc.stdout)
@@ -102,7 +123,7 @@ def test_prompt_logprobs_in_the_json_object_are_the_python_apis(json_output, pai
     for got, want in zip(out["prompt_logprobs"][1:], ref.prompt_logprobs[1:]):
         assert (got["token_id"], got["logprob"]) == (want.token_id, want.logprob)
         assert [(t["token_id"], t["logprob"]) for t in got["top_logprobs"]] == want.top and len(want.top) == 1
-    proc = run_cli("generate", "--target", "/nonexistent", PROMPT, "--prompt-logprobs", "2")
+    proc = cli("generate", "--target", "/nonexistent", PROMPT, "--prompt-logprobs", "2")
     assert proc.returncode == 2 and proc.stderr.startswith("dflash-torch: error: --prompt-logprobs needs --json"), proc.stderr
 
 
@@ -113,8 +134,8 @@ def test_prompt_on_stdin_through_python_m_dflash_torch(json_output, pair_args):
     assert parse_single_json(proc.stdout)["token_ids"] == json_output["token_ids"]
 
 
-def test_no_draft_equals_speculative_output(json_output, pair_args):
-    proc = run_cli("generate", *pair_args[:2], PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json", "--no-draft")
+def test_no_draft_equals_speculative_output(cli, json_output, pair_args):
+    proc = cli("generate", *pair_args[:2], PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json", "--no-draft")
     assert proc.returncode == 0, proc.stderr
     out = parse_single_json(proc.stdout)
     assert out["token_ids"] == json_output["token_ids"] and out["text"] == json_output["text"]
@@ -122,27 +143,27 @@ def test_no_draft_equals_speculative_output(json_output, pair_args):
     assert json_output["stats"]["mean_acceptance_length"] > 1
 
 
-def test_a_small_prefill_chunk_decodes_the_same(json_output, pair_args, api):
+def test_a_small_prefill_chunk_decodes_the_same(cli, json_output, pair_args, api):
     """--prefill-chunk (prefill_chunk= in the API) reads the prompt in pieces of that many
     tokens: the same tokens as the default chunk of 256."""
     assert len(api.tokenizer(PROMPT)["input_ids"]) > 3
-    proc = run_cli("generate", *pair_args, "--prompt", PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json",
+    proc = cli("generate", *pair_args, "--prompt", PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json",
                    "--prefill-chunk", "3")
     assert proc.returncode == 0, proc.stderr
     assert parse_single_json(proc.stdout)["token_ids"] == json_output["token_ids"]
 
 
-def test_tiny_temperature_decodes_as_greedy(json_output, pair_args):
+def test_tiny_temperature_decodes_as_greedy(cli, json_output, pair_args):
     """A temperature of 1e-40 is the greedy limit, not a traceback (issue 14)."""
-    proc = run_cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json",
+    proc = cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json",
                    "--temperature", "1e-40", "--seed", "0")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     out = parse_single_json(proc.stdout)
     assert out["token_ids"] == json_output["token_ids"] and out["text"] == json_output["text"]
 
 
-def test_penalty_flags_equal_the_python_api(json_output, pair_args, api):
-    proc = run_cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json",
+def test_penalty_flags_equal_the_python_api(cli, json_output, pair_args, api):
+    proc = cli("generate", *pair_args, PROMPT, "--max-new-tokens", "24", "--ignore-eos", "--json",
                    "--presence-penalty", "1.5", "--frequency-penalty", "0.3", "--repetition-penalty", "1.2")
     assert proc.returncode == 0, proc.stderr
     out = parse_single_json(proc.stdout)
@@ -151,8 +172,8 @@ def test_penalty_flags_equal_the_python_api(json_output, pair_args, api):
     assert out["token_ids"] == ref.token_ids and out["token_ids"] != json_output["token_ids"]
 
 
-def test_chat_and_streaming_text(pair_args, api):
-    proc = run_cli("generate", *pair_args, "--prompt", "Explain heaps.", "--chat", "--max-new-tokens", "16",
+def test_chat_and_streaming_text(cli, pair_args, api):
+    proc = cli("generate", *pair_args, "--prompt", "Explain heaps.", "--chat", "--max-new-tokens", "16",
                    "--ignore-eos", "--block-size", "8", "--draft-mode", "recompute")
     assert proc.returncode == 0, proc.stderr
     ref = api.generate("Explain heaps.", chat=True, max_new_tokens=16, ignore_eos=True)
@@ -162,8 +183,8 @@ def test_chat_and_streaming_text(pair_args, api):
     assert "16 tokens" in stats_line and "finish=length" in stats_line and "tau" in stats_line
 
 
-def test_one_token_stats_line_reports_no_decoding_round(pair_args):
-    proc = run_cli("generate", *pair_args, "--prompt", PROMPT, "--max-new-tokens", "1", "--ignore-eos")
+def test_one_token_stats_line_reports_no_decoding_round(cli, pair_args):
+    proc = cli("generate", *pair_args, "--prompt", PROMPT, "--max-new-tokens", "1", "--ignore-eos")
     assert proc.returncode == 0, proc.stderr
     stats_line = proc.stderr.strip().splitlines()[-1]
     assert "1 tokens" in stats_line and "no decoding round" in stats_line and "tau" not in stats_line
@@ -335,17 +356,17 @@ def test_text_stdout_cannot_encode_is_replaced_not_a_traceback():
     assert proc.returncode == 0 and proc.stdout == "???\n", proc.stderr
 
 
-def test_a_chat_prompt_on_stdin_loses_its_final_line_break(pair_args, api):
+def test_a_chat_prompt_on_stdin_loses_its_final_line_break(cli, pair_args, api):
     """``echo hi | generate --chat``: the message is "hi", as ``generate hi --chat`` and a
     ``chat`` line send it (the line break echo adds was part of the user message); a text
     prompt keeps it."""
     want = api.generate([{"role": "user", "content": "hi"}], max_new_tokens=4, ignore_eos=True).token_ids
     for stdin in ("hi\n", "hi\r\n"):
-        proc = run_cli("generate", *pair_args, "--chat", "--max-new-tokens", "4", "--ignore-eos", "--json", stdin=stdin)
+        proc = cli("generate", *pair_args, "--chat", "--max-new-tokens", "4", "--ignore-eos", "--json", stdin=stdin)
         assert proc.returncode == 0, proc.stderr
         out = parse_single_json(proc.stdout)
         assert out["token_ids"] == want and out["stats"]["prompt_tokens"] == len(api.encode_prompt("hi", chat=True))
-    proc = run_cli("generate", *pair_args, "--max-new-tokens", "4", "--ignore-eos", "--json", stdin="def f(x):\n")
+    proc = cli("generate", *pair_args, "--max-new-tokens", "4", "--ignore-eos", "--json", stdin="def f(x):\n")
     assert parse_single_json(proc.stdout)["stats"]["prompt_tokens"] == len(api.encode_prompt("def f(x):\n"))
 
 
@@ -367,17 +388,17 @@ def test_output_stdout_cannot_take_is_one_line_and_status_1(tiny_pair, command):
     assert proc.returncode == 1 and proc.stderr == "dflash-torch: error: stdout is closed: nowhere to write the output\n"
 
 
-def test_a_dash_prompt_reads_stdin(tiny_pair):
+def test_a_dash_prompt_reads_stdin(cli, tiny_pair):
     """``generate -`` reads the prompt from stdin as Unix tools read ``-`` (it generated from the
     text "-", stdin ignored); ``--prompt -`` is the text "-"."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
     pair = ["--target", str(tiny_pair[0]), "--no-draft", "--max-new-tokens", "2", "--json"]
-    proc = run_cli("generate", "-", *pair, stdin="import os\nimport sys\n")
+    proc = cli("generate", "-", *pair, stdin="import os\nimport sys\n")
     assert proc.returncode == 0, proc.stderr
     assert parse_single_json(proc.stdout)["stats"]["prompt_tokens"] == len(tok("import os\nimport sys\n")["input_ids"])
-    proc = run_cli("generate", "--prompt", "-", *pair, stdin="import os\nimport sys\n")
+    proc = cli("generate", "--prompt", "-", *pair, stdin="import os\nimport sys\n")
     assert parse_single_json(proc.stdout)["stats"]["prompt_tokens"] == len(tok("-")["input_ids"])
 
 
