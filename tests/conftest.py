@@ -370,6 +370,30 @@ def make_dflash2_from(drafter_dir: Path, out_dir: Path, *, conv_std: float = 0.0
     return save_drafter(out_dir, cfg, model.state_dict())
 
 
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """``dflash-torch ARGS`` run in this process (``cli("generate", ..., stdin="text")``; a process
+    spends ~4 s CPU starting the interpreter and torch): its status, stdout and stderr as a
+    ``subprocess.CompletedProcess`` has them."""
+    import io
+    import sys
+    from types import SimpleNamespace
+
+    from dflash_torch.cli import main as cli_main
+
+    def run(*args: str, stdin: str = "") -> SimpleNamespace:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+        capsys.readouterr()
+        try:
+            code = cli_main(list(args))
+        except SystemExit as exc:  # (argparse's: --help, a bad flag)
+            code = exc.code
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     """(target_dir, drafter_dir): a tiny Qwen3 target with tokenizer and a random B=16 drafter."""

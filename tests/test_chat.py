@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 from conftest import REFUSING_TEMPLATE
-from test_cli import run_cli
 
 from dflash_torch import DFlashEngine
 
@@ -42,10 +41,10 @@ def stats_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("[") and "prompt tokens reused" in line]
 
 
-def test_chat_replies_are_the_engines_and_reuse_the_last_turn(tiny_pair, engine):
+def test_chat_replies_are_the_engines_and_reuse_the_last_turn(cli, tiny_pair, engine):
     target, drafter = tiny_pair
     stdin = "def f(x):\nclass A:\n\n/reset\ndef f(x):\n/what\n/help\n/exit\nnever read\n"
-    proc = run_cli("chat", "--target", str(target), "--draft", str(drafter), "--dtype", "float32", "--system", SYSTEM,
+    proc = cli("chat", "--target", str(target), "--draft", str(drafter), "--dtype", "float32", "--system", SYSTEM,
                    "--max-new-tokens", str(NEW), stdin=stdin)
     assert proc.returncode == 1, proc.stderr  # (/what: piped input, a line failed)
     expected = replies(engine, [["def f(x):", "class A:"], ["def f(x):"]])
@@ -60,7 +59,7 @@ def test_chat_replies_are_the_engines_and_reuse_the_last_turn(tiny_pair, engine)
     assert proc.stderr.count("/reset (forget the conversation)") == 2 and "unknown command '/help'" not in proc.stderr
 
 
-def test_a_refused_turn_leaves_the_conversation_as_it_was(tiny_pair, engine):
+def test_a_refused_turn_leaves_the_conversation_as_it_was(cli, tiny_pair, engine):
     target, drafter = tiny_pair
     long = "x = 1; " * 40
     system = [{"role": "system", "content": SYSTEM}]
@@ -69,7 +68,7 @@ def test_a_refused_turn_leaves_the_conversation_as_it_was(tiny_pair, engine):
         "y = 2; " * k for k in range(40, 0, -1)
         if len(engine.encode_prompt(system + [{"role": "user", "content": "y = 2; " * k}], chat=True,
                                     check_length=False)) + NEW <= 160)
-    proc = run_cli("chat", "--target", str(target), "--draft", str(drafter), "--dtype", "float32", "--system", SYSTEM,
+    proc = cli("chat", "--target", str(target), "--draft", str(drafter), "--dtype", "float32", "--system", SYSTEM,
                    "--max-new-tokens", str(NEW), "--max-context", "160",
                    stdin=f"{long}\ndef f(x):\n{long}\n{medium}\nclass A:\n")
     assert proc.returncode == 1, proc.stderr  # (piped input: the refused turns make the status 1, at the end)
@@ -86,13 +85,13 @@ def test_a_refused_turn_leaves_the_conversation_as_it_was(tiny_pair, engine):
     assert proc.stdout == "".join(r + "\n" for r in replies(engine, [["def f(x):", "class A:"]]))
 
 
-def test_a_tokenizer_without_a_chat_template_is_refused(tiny_pair, tmp_path):
+def test_a_tokenizer_without_a_chat_template_is_refused(cli, tiny_pair, tmp_path):
     target = shutil.copytree(tiny_pair[0], tmp_path / "target")
     config = json.loads((target / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (target / "tokenizer_config.json").write_text(json.dumps(config))
     (target / "chat_template.jinja").unlink(missing_ok=True)
-    proc = run_cli("chat", "--target", str(target), "--no-draft", stdin="hi\n")
+    proc = cli("chat", "--target", str(target), "--no-draft", stdin="hi\n")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == ("dflash-torch: error: the target's tokenizer has no chat template; use 'dflash-torch "
                            "generate' for plain text\n")
@@ -182,7 +181,7 @@ def _chat_process(pair, max_new_tokens: int):
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
 
 
-def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path):
+def test_sampling_comes_from_generation_config_unless_given(cli, tiny_pair, tmp_path):
     """``--generation-config auto`` (the default): the sampling values the target's
     generation_config.json recommends, where no flag gives them, said on stderr; a flag
     overrides its value; ``none``: greedy decoding, 256 tokens."""
@@ -194,7 +193,7 @@ def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path)
     conversation = [{"role": "user", "content": "def f(x):"}]
 
     def chat(*flags):
-        proc = run_cli("chat", "--target", str(target), "--draft", str(tiny_pair[1]), "--dtype", "float32", *flags,
+        proc = cli("chat", "--target", str(target), "--draft", str(tiny_pair[1]), "--dtype", "float32", *flags,
                        stdin="def f(x):\n")
         assert proc.returncode == 0, proc.stderr
         return proc
@@ -212,7 +211,7 @@ def test_sampling_comes_from_generation_config_unless_given(tiny_pair, tmp_path)
     assert "generation_config" not in proc.stderr
     config.update(temperature=-3)  # (a file with a bad value is refused whole, as serve refuses it)
     (target / "generation_config.json").write_text(json.dumps(config))
-    proc = run_cli("chat", "--target", str(target), "--draft", str(tiny_pair[1]), "--temperature", "0", stdin="hi\n")
+    proc = cli("chat", "--target", str(target), "--draft", str(tiny_pair[1]), "--temperature", "0", stdin="hi\n")
     assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
         "dflash-torch: error: generation_config.json: temperature must be a finite number >= 0, got -3 "
         "(--generation-config none: greedy decoding, 256 tokens)"), proc.stderr
@@ -301,7 +300,7 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path, monkeypatch, capsys)
         assert last.startswith(f"dflash-torch: error: {line}"), err
 
 
-def test_the_default_max_new_tokens_is_cut_to_the_context_a_turn_leaves(tiny_pair, engine, tmp_path):
+def test_the_default_max_new_tokens_is_cut_to_the_context_a_turn_leaves(cli, tiny_pair, engine, tmp_path):
     """Without --max-new-tokens a turn gets the default (generation_config.json's
     max_new_tokens, else 256) cut to the context its prompt leaves, as ``generate`` and the
     server cut theirs (chat exited at start: "--max-new-tokens 256 (the default) leaves no
@@ -316,11 +315,11 @@ def test_the_default_max_new_tokens_is_cut_to_the_context_a_turn_leaves(tiny_pai
     pair = ["--target", str(target), "--draft", str(tiny_pair[1]), "--dtype", "float32", "--max-context", "120",
             "--ignore-eos"]
     for flags, n in ((["--generation-config", "none"], room), ([], 5)):
-        proc = run_cli("chat", *pair, *flags, stdin="def f(x):\n")
+        proc = cli("chat", *pair, *flags, stdin="def f(x):\n")
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout == engine.generate(conversation, chat=True, max_new_tokens=n, ignore_eos=True).text + "\n"
         assert stats_lines(proc.stderr)[0].startswith(f"[{n} tokens, finish=length"), proc.stderr
-    proc = run_cli("chat", *pair, "--max-new-tokens", str(room + 1), stdin="def f(x):\n")
+    proc = cli("chat", *pair, "--max-new-tokens", str(room + 1), stdin="def f(x):\n")
     assert proc.returncode == 1 and proc.stdout == "", proc.stderr  # (piped input: the refused turn makes the status 1)
     assert proc.stderr.splitlines()[-1].startswith("dflash-torch: error: prompt ("), proc.stderr
     assert f"+ --max-new-tokens ({room + 1}) exceeds the context of 120 tokens" in proc.stderr
@@ -360,14 +359,14 @@ def harmony_target(tmp_path_factory):
     return target
 
 
-def test_a_harmony_reply_goes_back_as_its_answer(harmony_target):
+def test_a_harmony_reply_goes_back_as_its_answer(cli, harmony_target):
     """gpt-oss: a reply's analysis channel is shown as reasoning, its markers are not shown, and
     the conversation keeps the answer alone (the template refuses channel markers in an
     assistant's content: every later turn was refused)."""
     from dflash_torch.serving.reasoning import HarmonyParser, split
 
     bias = '{"317": 100, "318": 100, "319": 100}'  # (<|channel|>, <|message|>, analysis: a reply of harmony markup)
-    proc = run_cli("chat", "--target", str(harmony_target), "--no-draft", "--dtype", "float32", "--logit-bias", bias,
+    proc = cli("chat", "--target", str(harmony_target), "--no-draft", "--dtype", "float32", "--logit-bias", bias,
                    "--temperature", "1", "--seed", "1", "--max-new-tokens", "200",
                    stdin="hello\nsecond question\nthird question\n")
     assert proc.returncode == 0, proc.stderr
@@ -380,7 +379,7 @@ def test_a_harmony_reply_goes_back_as_its_answer(harmony_target):
     assert split(HarmonyParser(), "<|channel|>analysis<|message|>a<|end|>") == ("a", "")
 
 
-def test_a_reply_the_template_refuses_is_not_kept(tiny_pair, tmp_path):
+def test_a_reply_the_template_refuses_is_not_kept(cli, tiny_pair, tmp_path):
     """A reply the chat template cannot take back (here: any assistant message) is said on
     stderr and left out of the conversation, so the next turn is not refused for it."""
     target = shutil.copytree(tiny_pair[0], tmp_path / "target")
@@ -389,7 +388,7 @@ def test_a_reply_the_template_refuses_is_not_kept(tiny_pair, tmp_path):
                                "assistant') }}{% endif %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}# assistant:\n")
     (target / "tokenizer_config.json").write_text(json.dumps(config))
     (target / "chat_template.jinja").unlink(missing_ok=True)
-    proc = run_cli("chat", "--target", str(target), "--no-draft", "--dtype", "float32", "--max-new-tokens", "4",
+    proc = cli("chat", "--target", str(target), "--no-draft", "--dtype", "float32", "--max-new-tokens", "4",
                    stdin="hello\nagain\n")
     assert proc.returncode == 1, proc.stderr  # (piped input: the turns not kept make the status 1)
     assert proc.stderr.count("the reply cannot be sent back to the model") == 2, proc.stderr
@@ -397,7 +396,7 @@ def test_a_reply_the_template_refuses_is_not_kept(tiny_pair, tmp_path):
 
 
 @pytest.mark.parametrize("tty", [False, True])
-def test_piped_input_exits_1_after_a_line_that_failed(tiny_pair, engine, monkeypatch, capsys, tty):
+def test_piped_input_exits_1_after_a_line_that_failed(cli, tiny_pair, engine, monkeypatch, capsys, tty):
     """With stdin not a terminal, a line that failed (here an unknown command and a turn past
     --max-context) makes the exit status 1, at the end: the lines after it are answered as
     usual (it was 0, so a script could not tell). At a terminal the status stays 0.
@@ -405,14 +404,14 @@ def test_piped_input_exits_1_after_a_line_that_failed(tiny_pair, engine, monkeyp
     import io
     import sys
 
-    from dflash_torch import cli
+    from dflash_torch.cli import build_parser
 
     class Input(io.StringIO):
         def isatty(self) -> bool:
             return tty
 
     target, drafter = tiny_pair
-    args = cli.build_parser().parse_args(["chat", "--target", str(target), "--draft", str(drafter), "--dtype",
+    args = build_parser().parse_args(["chat", "--target", str(target), "--draft", str(drafter), "--dtype",
                                          "float32", "--system", SYSTEM, "--max-new-tokens", str(NEW),
                                          "--max-context", "160"])
     for lines, status in ((["/what", "x = 1; " * 40, "def f(x):"], 1), (["/help", "def f(x):"], 0),
@@ -423,21 +422,21 @@ def test_piped_input_exits_1_after_a_line_that_failed(tiny_pair, engine, monkeyp
         assert replies(engine, [["def f(x):"]])[0] + "\n" in out, (out, err)  # (the turn after it answered)
         assert ("unknown command '/what'" in err) == ("/what" in lines), err
     assert "makes the exit status 1 once the rest of the input has been read" in " ".join(
-        run_cli("chat", "--help").stdout.split())
+        cli("chat", "--help").stdout.split())
 
 
-def test_help_says_where_the_sampling_defaults_come_from():
+def test_help_says_where_the_sampling_defaults_come_from(cli):
     """chat takes its sampling defaults from generation_config.json (--generation-config auto):
     its --help says so per flag (it said "(default 256)", "0 = greedy (default)"); generate,
     which decodes greedily unless told, says its fixed defaults."""
-    chat = " ".join(run_cli("chat", "--help").stdout.split())
+    chat = " ".join(cli("chat", "--help").stdout.split())
     for flag, key, value in (("--max-new-tokens", "max_new_tokens", "256"), ("--temperature", "temperature", "0"),
                              ("--top-k", "top_k", "0"), ("--top-p", "top_p", "1"), ("--min-p", "min_p", "0"),
                              ("--repetition-penalty", "repetition_penalty", "1")):
         line = chat.split(f"{flag} {flag[2:].upper().replace('-', '_')} ", 1)[1].split(" --", 1)[0]
         assert f"default: the target's generation_config.json's {key}, else {value}" in line, (flag, line)
     assert "greedy (default)" not in chat and "tokens (default 256)" not in chat
-    generate = " ".join(run_cli("generate", "--help").stdout.split())
+    generate = " ".join(cli("generate", "--help").stdout.split())
     assert "0 = greedy (default 0)" in generate and "1 = off (default 1)" in generate
     assert "generation_config.json's max_new_tokens, else 256" in generate
 

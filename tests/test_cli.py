@@ -4,12 +4,10 @@ them), in this process (:func:`cli`) where only the command's behaviour is."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
@@ -22,23 +20,6 @@ def run_cli(*args: str, stdin: str | None = None, module: str = "dflash_torch.cl
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return subprocess.run([sys.executable, "-m", module, *args], input=stdin if stdin is not None else "",
                           capture_output=True, text=True, timeout=240, env=env)
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    """``dflash-torch ARGS`` run in this process (``cli("generate", ..., stdin="text")``; a process
-    spends ~4 s CPU starting the interpreter and torch): its status, stdout and stderr as a
-    ``subprocess.CompletedProcess`` has them."""
-    from dflash_torch.cli import main as cli_main
-
-    def run(*args: str, stdin: str = "") -> SimpleNamespace:
-        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
-        capsys.readouterr()
-        code = cli_main(list(args))
-        out, err = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
-
-    return run
 
 
 @pytest.fixture(scope="module")
