@@ -212,11 +212,11 @@ def _downloaded(name: str, local: Path) -> Path:
     if _complete(local):
         weight_files(local)  # (a shard its index names that the repo lacks: named)
         return local
-    from huggingface_hub import list_repo_files
+    from huggingface_hub import HfApi
 
     repo, revision = split_revision(name)
-    try:  # (what it holds: one more request)
-        files = [f for f in list_repo_files(repo, revision=revision) if "/" not in f]
+    try:  # (what it holds: one more request, not retried: list_repo_files retried a Hub that cannot be reached for 23 s)
+        files = [s.rfilename for s in HfApi().model_info(repo, revision=revision).siblings or () if "/" not in s.rfilename]
     except Exception as exc:
         raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: {_reason(exc, revision)}") from None
     if "config.json" not in files:
