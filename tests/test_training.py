@@ -4,6 +4,7 @@ inference path, loss going down, export -> loader -> engine, deterministic resum
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -2645,6 +2646,41 @@ def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_fi
         f"dflash-torch: error: cannot save the training checkpoint of step 2 to {ckpt}: File too large"), proc.stderr
     assert sorted(f.name for f in work.iterdir() if "checkpoint" in f.name) == ["checkpoint.pt"]
     assert ckpt.read_bytes() == saved
+
+
+class _RunsCode:
+    """Unpickled, it makes the directory ``path`` (as a pickle can run any code)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_resume_does_not_unpickle_objects_a_checkpoint_does_not_hold(tiny_pair, tmp_path, capsys):
+    """--resume reads checkpoint.pt with torch.load(weights_only=True): a checkpoint.pt that holds
+    other Python objects (here one whose unpickling runs code) is refused in one line, its code
+    not run (it was unpickled whole: the code ran)."""
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    work = tmp_path / "work"
+    work.mkdir()
+    ran = tmp_path / "ran"
+    torch.save({"drafter": {}, "optimizer": {}, "step": 1, "elapsed": 0.0, "history": [], "evals": [],
+                "drafter_config": {"hook": _RunsCode(str(ran))}}, work / "checkpoint.pt")
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(tmp_path / "out"), "--work-dir",
+            str(work), "--steps", "1", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0",
+            "--block-size", "8", "--num-layers", "1", "--no-progress", "--resume"]
+    assert cli_main(args) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dflash-torch: error: --resume: {work / 'checkpoint.pt'} holds Python objects a dflash-torch training "
+        "checkpoint does not (only tensors and plain values), so it is not read (unpickling them could run code); give "
+        "the --work-dir of a dflash-torch train run, or leave out --resume and pass --overwrite to replace it")
+    assert not ran.exists()
 
 
 def test_a_checkpoint_pt_of_another_tool_is_not_called_a_training_checkpoint(tiny_pair, tmp_path, capsys):

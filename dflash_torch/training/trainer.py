@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -851,7 +852,12 @@ class Trainer:
         st = None
         if cfg.resume:  # (before the data is prepared, which can take long)
             try:  # (mapped: its tensors are read when the drafter and optimizer take them, after the data step)
-                st = torch.load(ckpt_path, weights_only=False, mmap=True)
+                st = torch.load(ckpt_path, weights_only=True, mmap=True)  # (a pickle of other objects could run code)
+            except pickle.UnpicklingError:  # (weights_only's refusal of an object that is no tensor or plain value)
+                raise DFlashError(f"--resume: {ckpt_path} holds Python objects a dflash-torch training checkpoint does "
+                                  "not (only tensors and plain values), so it is not read (unpickling them could run "
+                                  "code); give the --work-dir of a dflash-torch train run, or leave out --resume and "
+                                  "pass --overwrite to replace it") from None
             except Exception as exc:
                 raise DFlashError(f"--resume: cannot read {ckpt_path}: {' '.join(str(exc).split())[:200]}") from None
             missing = [k for k in CHECKPOINT_KEYS if k not in st] if isinstance(st, dict) else list(CHECKPOINT_KEYS)
