@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .errors import DFlashError, OptionError, OutputError
+from .errors import DFlashError, OptionError, OutputError, first_line
 
 
 def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
@@ -483,12 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "context the prompt leaves")
     add_structured_output_args(g)
     g.set_defaults(func=_generate)
-    for module in ("chat", "serving.cli", "training.cli", "bench.cli"):
-        try:
-            mod = __import__(f"dflash_torch.{module}", fromlist=["register"])
-        except ImportError:
-            continue
-        mod.register(sub)
+    for module in ("chat", "serving.cli", "training.cli", "bench.cli"):  # (a missing dependency: main says which)
+        __import__(f"dflash_torch.{module}", fromlist=["register"]).register(sub)
     return parser
 
 
@@ -511,14 +507,29 @@ def error_message(exc: DFlashError, flags: dict[str, str]) -> str:
     return message
 
 
+def import_error_message(exc: ImportError) -> str:
+    """The error line for ``exc``, a package dflash-torch imports that is not installed (or
+    cannot be imported: built for another numpy, ...), with what to install."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        package = exc.name.split(".")[0]
+        return f"the Python package {package!r} is not installed, and dflash-torch needs it: pip install {package}"
+    return f"a Python package dflash-torch needs cannot be imported ({first_line(exc)}); reinstall it"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()  # (imports torch: a Ctrl-C while it loads is an interrupt like any other)
         args = parser.parse_args(argv)
     except KeyboardInterrupt:
         return 130
+    except ImportError as exc:  # (an environment that lacks a dependency: not a traceback)
+        print(f"dflash-torch: error: {import_error_message(exc)}", file=sys.stderr)
+        return 1
     try:
         return args.func(args) or 0
+    except ImportError as exc:
+        print(f"dflash-torch: error: {import_error_message(exc)}", file=sys.stderr)
+        return 1
     except DFlashError as exc:
         print(f"dflash-torch: error: {error_message(exc, args.option_flags)}", file=sys.stderr)
         return 2

@@ -31,3 +31,10 @@ class OptionError(DFlashError):
 class OutputError(Exception):
     """The command line's stdout cannot take the output (closed, or its disk full): one line
     on stderr, exit status 1 (not a user error)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name where it has none), for an error
+    line that names what went wrong inside a library."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

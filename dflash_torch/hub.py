@@ -16,7 +16,7 @@ import os
 import threading
 from pathlib import Path
 
-from .errors import DFlashError
+from .errors import DFlashError, first_line
 
 # The files of a Hub repo that loading reads: config, generation config, weights and their index,
 # tokenizer and chat template files; HUB_SKIPPED leaves out every subfolder (e.g. gpt-oss's original/,
@@ -184,11 +184,11 @@ def _reason(exc: Exception, revision: str | None = None) -> str:
         return "the Hub has no such model, or it is private and this user may not read it (log in: `hf auth login` or HF_TOKEN)"
     cause = (exc.__cause__ or exc.__context__) if isinstance(exc, LocalEntryNotFoundError) else exc
     if isinstance(cause, HfHubHTTPError):  # (the Hub answered an error)
-        return f"{constants.ENDPOINT} answered {_first_line(cause)}"
+        return f"{constants.ENDPOINT} answered {first_line(cause)}"
     if isinstance(exc, LocalEntryNotFoundError) or _unreachable(cause):
-        return ("the Hub cannot be reached" + (f" ({type(cause).__name__}: {_first_line(cause)})" if cause else "")
+        return ("the Hub cannot be reached" + (f" ({type(cause).__name__}: {first_line(cause)})" if cause else "")
                 + "; set HF_HUB_OFFLINE=1 to use only the cache")
-    return f"{type(exc).__name__}: {_first_line(exc)}"  # (a full disk, ...: huggingface_hub's own message)
+    return f"{type(exc).__name__}: {first_line(exc)}"  # (a full disk, ...: huggingface_hub's own message)
 
 
 def _unreachable(exc: BaseException | None) -> bool:
@@ -236,11 +236,6 @@ def downloading() -> bool:
     """Whether a download that a Ctrl-C stopped waiting for still runs (its threads would hold
     up the interpreter's exit until it ends)."""
     return any(not finished.is_set() for finished in _downloads)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _unreadable_cache_entry(name: str, revision: str | None = None) -> Path | None:

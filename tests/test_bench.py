@@ -849,7 +849,7 @@ def test_batch_sizes_with_a_prompt_that_fills_the_context(tiny_pair, tmp_path, c
 def test_bench_json_survives_a_plot_that_cannot_be_written_and_stale_plots_go(tiny_pair, tmp_path, capsys,
                                                                               monkeypatch):
     """The plots are written after bench.json; one that fails is one line (exit 2), the
-    results kept (bench.json lists no plot then). A plot this run does not make (an earlier
+    results kept (bench.json lists no plot then), as where matplotlib cannot be imported. A plot this run does not make (an earlier
     run's sweep.png, batch_sizes.png) is removed from --out: it would not show these results."""
     from dflash_torch.bench import cli as bench_cli
     from dflash_torch.cli import main as cli_main
@@ -881,6 +881,16 @@ def test_bench_json_survives_a_plot_that_cannot_be_written_and_stale_plots_go(ti
     # bench.json itself cannot be written (here: no room on the device): the tables are printed,
     # an earlier bench.json is left whole (it was truncated), one line says so
     monkeypatch.undo()
+    # (matplotlib that cannot be imported, as uninstalled: the same, one line saying what to install;
+    # it was a traceback after the whole run, and bench.json listed the plot it did not write)
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "matplotlib", None)
+        rc = cli_main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [f"dflash-torch: error: wrote {out / 'bench.json'}, but cannot draw the plots: matplotlib "
+                               "cannot be imported (import of matplotlib halted; None in sys.modules); pip install "
+                               "--upgrade matplotlib"], err
+    assert json.loads((out / "bench.json").read_text())["plots"] == []
     before = (out / "bench.json").read_text()
 
     def full(self, text, *a, **k):

@@ -311,6 +311,20 @@ def test_cli_imports_no_http_stack_until_serve_runs():
     assert out.stdout.strip() == "[]"
 
 
+def test_a_missing_dependency_is_one_line_naming_it_for_every_command():
+    """Without a package dflash-torch needs (here psutil, as if uninstalled), every command is one
+    line naming it and how to install it, exit 1: ``train`` vanished from the commands ("invalid
+    choice: 'train'") and ``generate`` was a ModuleNotFoundError traceback (trial-169)."""
+    code = ("import sys; sys.modules['psutil'] = None; from dflash_torch.cli import main; "
+            "print(main(sys.argv[1:]))")
+    for args in (["train", "--help"], ["generate", "x", "--max-new-tokens", "1"]):
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0 and proc.stdout == "1\n", (proc.stdout, proc.stderr)
+        assert proc.stderr == ("dflash-torch: error: the Python package 'psutil' is not installed, and dflash-torch "
+                               "needs it: pip install psutil\n"), proc.stderr
+
+
 def test_help_says_when_the_shipped_drafter_and_the_batch_slots_apply(capsys, monkeypatch):
     """``--draft``'s default (the shipped drafter) goes with the shipped target only (another
     target without --draft is refused), and ``serve --max-batch-size`` does not batch a

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .. import compute
-from ..errors import DFlashError
+from ..errors import DFlashError, first_line
 from ..options import check_max_new_tokens, context_limit, n_tokens, resolve_device, resolve_dtype
 from . import fmt, ratio
 
@@ -476,9 +476,12 @@ def _run(args: argparse.Namespace) -> int:
         _plots(report, out)
         if batch_sizes:
             batch_plot(report["batch_sizes"], out / "batch_sizes.png")
-    except OSError as e:  # (the results are in bench.json already; it lists no plot then)
+    except (OSError, ImportError) as e:  # (the results are in bench.json already; it lists no plot then)
         report["plots"] = []
         _write_report(report, out)
+        if isinstance(e, ImportError):  # (matplotlib not installed, or built for another numpy)
+            raise DFlashError(f"wrote {out / 'bench.json'}, but cannot draw the plots: matplotlib cannot be imported "
+                              f"({first_line(e)}); pip install --upgrade matplotlib") from None
         raise DFlashError(f"wrote {out / 'bench.json'}, but cannot write the plot {e.filename or out}: "
                           f"{e.strerror}") from None
     for name in {"modes.png", "sweep.png", "batch_sizes.png"} - set(plots):  # (an earlier run's, not of these results)
