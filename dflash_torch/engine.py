@@ -33,7 +33,7 @@ from . import compute, options
 from .batch import BatchDecoder, check_draft_max_batch_size, check_engine_max_batch_size, check_prefix_slots
 from .checkpoint import available_memory, check_links, checkpoint_dir, load_config, read_json_object
 from .decoding import Round, SpeculativeDecoder
-from .errors import DFlashError, OptionError
+from .errors import ContextLengthError, DFlashError, OptionError
 from .models.config import (DrafterConfig, TargetConfig, check_vocab_ids, eos_token_ids, fill_mask_token_id,
                             needs_mask_token_id, quiet_transformers, validate_pair)
 from .models.drafter import DFlashDrafter
@@ -701,7 +701,7 @@ class DFlashEngine:
 
     def _check_length(self, chars: int) -> None:
         if chars > self.max_prompt_chars:
-            raise DFlashError(f"the prompt has {chars} characters: more than the context of {self.max_context} tokens "
+            raise ContextLengthError(f"the prompt has {chars} characters: more than the context of {self.max_context} tokens "
                               f"can hold (at most {self.max_prompt_chars} characters with this tokenizer)")
 
     def _encode(self, text: str, **kwargs) -> list[int]:

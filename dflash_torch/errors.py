@@ -28,6 +28,14 @@ class OptionError(DFlashError):
         return type(self), (str(self), *self.names), self.__dict__
 
 
+class ContextLengthError(DFlashError):
+    """A prompt, or a prompt with the tokens asked of it, that does not fit the model's context;
+    the server answers it with OpenAI's error code ``context_length_exceeded``, by which
+    clients tell it from other bad requests (to shorten a conversation, say)."""
+
+    code = "context_length_exceeded"
+
+
 class OutputError(Exception):
     """The command line's stdout cannot take the output (closed, or its disk full): one line
     on stderr, exit status 1 (not a user error)."""

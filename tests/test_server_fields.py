@@ -152,20 +152,33 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(server):
     assert r.status_code == 200 and '"usage"' not in r.text, r.text
 
 
-def test_a_chat_that_overflows_the_context_names_messages(server):
+def test_a_chat_that_overflows_the_context_names_messages_and_its_code(server):
     """A chat whose messages do not fit the context is a 400 about ``messages`` (Responses:
-    ``input``), not about a ``prompt`` the request does not have; a completion's stays ``prompt``."""
+    ``input``), not about a ``prompt`` the request does not have; a completion's stays ``prompt``.
+    Every such 400 (the prompt, the prompt with max_tokens, a prompt refused from its length in
+    characters) has OpenAI's code ``context_length_exceeded`` (it had none, trial-170), so that
+    clients tell it from other bad requests."""
     messages = [{"role": "user", "content": LONG_PROMPT}]
+    overflow = "context_length_exceeded"
     for stream in (False, True):
         err = _assert_openai_error(server.post("/v1/chat/completions", {"model": MODEL, "messages": messages,
                                                                         "max_tokens": 4, "stream": stream}), 400)
         assert err["param"] == "messages" and "does not fit the model's context" in err["message"], err
+        assert err["code"] == overflow, err
         err = _assert_openai_error(server.post("/v1/responses", {"model": MODEL, "input": LONG_PROMPT,
                                                                  "max_output_tokens": 4, "stream": stream}), 400)
         assert err["param"] == "input" and "does not fit the model's context" in err["message"], err
+        assert err["code"] == overflow, err
     err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT,
                                                                "max_tokens": 4}), 400)
-    assert err["param"] == "prompt", err
+    assert err["param"] == "prompt" and err["code"] == overflow, err
+    err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}), 400)
+    assert err["param"] == "max_tokens" and "exceed the model's context" in err["message"], err
+    assert err["code"] == overflow, err
+    err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": "x" * 10**6}), 400)
+    assert "characters: more than the context" in err["message"] and err["code"] == overflow, err
+    err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 4}), 400)
+    assert err["param"] == "prompt" and err["code"] is None, err  # (an empty prompt is another bad request)
 
 
 def test_min_tokens_above_the_room_a_prompt_leaves_names_that_room_not_a_max_tokens_never_sent(server):

@@ -936,7 +936,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 param = param_of(exc)
                 if chat and param == "prompt":  # (a chat's prompt is its messages, rendered)
                     param = "messages"
-                raise APIError(400, where + str(exc), param=param) from None
+                raise APIError(400, where + str(exc), param=param, code=getattr(exc, "code", None)) from None
         return out
 
     def check_sampling(max_new_tokens: int, kwargs: dict, aliases: dict) -> None:

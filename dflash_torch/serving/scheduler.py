@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 
 from .. import compute
 from ..engine import StreamChunk
-from ..errors import DFlashError, OptionError
+from ..errors import ContextLengthError, DFlashError, OptionError
 from ..options import check_min_tokens_room, n_tokens
 from .metrics import ServerMetrics
 
@@ -95,6 +95,11 @@ class ParamError(DFlashError):
 
     def __reduce__(self):  # (pickled with its param, as OptionError)
         return type(self), (str(self), self.param), self.__dict__
+
+
+class ContextParamError(ParamError, ContextLengthError):
+    """A request parameter (the prompt, ``max_tokens``) that makes the request not fit the
+    model's context (code ``context_length_exceeded``)."""
 
 
 def param_of(exc: DFlashError) -> str | None:
@@ -176,13 +181,13 @@ def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: i
         raise ParamError("the prompt is empty (0 tokens)", "prompt")
     room = engine.max_context - prompt_tokens
     if room < 1:
-        raise ParamError(f"the prompt ({n_tokens(prompt_tokens)}) does not fit the model's context of "
+        raise ContextParamError(f"the prompt ({n_tokens(prompt_tokens)}) does not fit the model's context of "
                          f"{engine.max_context} tokens (at least one token must be generated)", "prompt")
     if requested is None:
         check_min_tokens_room(min_tokens, prompt_tokens, engine.max_context)
         return room if default is None else min(default, room)
     if requested > room:
-        raise ParamError(f"{name} ({requested}) + the prompt ({n_tokens(prompt_tokens)}) exceed the model's "
+        raise ContextParamError(f"{name} ({requested}) + the prompt ({n_tokens(prompt_tokens)}) exceed the model's "
                          f"context of {engine.max_context} tokens; use at most {room}", name)
     return requested
 
