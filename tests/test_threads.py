@@ -437,6 +437,41 @@ def test_a_thread_that_read_a_stream_handed_on_and_left_open_is_refused_not_stuc
     assert engine.generate("class A:", max_new_tokens=4).token_ids
 
 
+def test_a_stream_only_a_reference_cycle_keeps_frees_the_engine_for_a_waiting_thread(tiny_pair, monkeypatch):
+    """A stream left half-read where only a reference cycle keeps it (as a cancelled asyncio
+    task leaves the stream it read with run_in_executor): a request of another thread waits
+    for it, then runs the garbage collector once, which closes it, and runs. With the
+    collector run by nothing else (every other thread waiting: trial-168's asyncio program at
+    its exit), it waited for ever."""
+    import gc
+
+    from dflash_torch import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "STALLED_STREAM_S", 0.3)
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    alone = engine.generate("class A:", max_new_tokens=4).token_ids
+
+    class Task:  # (a frame or task that refers to itself)
+        pass
+
+    out = {}
+    gc.disable()
+    try:
+        def reader():
+            task = Task()
+            task.me, task.stream = task, engine.stream(PROMPT, max_new_tokens=24, ignore_eos=True)
+            next(task.stream)
+
+        _in_thread(reader)
+        t = threading.Thread(target=lambda: out.update(ids=engine.generate("class A:", max_new_tokens=4).token_ids),
+                             daemon=True)  # (a deadlock must not hang the suite)
+        t.start()
+        t.join(30)
+    finally:
+        gc.enable()
+    assert not t.is_alive() and out.get("ids") == alone, out
+
+
 def test_a_stream_whose_last_chunk_was_read_frees_the_engine(tiny_pair, monkeypatch):
     """The chunk with the finish_reason is handed over after the engine is freed: a request
     from the same thread runs at once, without waiting for the stream's StopIteration."""
