@@ -1030,9 +1030,10 @@ class DFlashEngine:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        """Hold the engine's lock, waiting while another request holds it (where an open stream
+        """Hold the engine's lock, waiting while another request holds it (while an open stream
         holds it and no thread has read it for ``STALLED_STREAM_S`` seconds, the garbage
-        collector runs once: a stream that only a reference cycle keeps then closes).
+        collector runs every ``STALLED_STREAM_S`` seconds: a stream that only a reference cycle
+        keeps then closes).
 
         Raises:
             DFlashError: on the compute thread while another request holds the lock (an
@@ -1063,14 +1064,15 @@ class DFlashEngine:
                                       "engine.stream(...)) as chunks:` closes it), or raise "
                                       "dflash_torch.engine.STALLED_STREAM_S for a stream that other threads read slowly")
             else:  # (another thread reads the stream, or holds the engine: wait for it)
-                collected = False
+                collected = time.monotonic()
                 while not self.lock.acquire(timeout=0.5):
-                    if not collected and not self._reading and time.monotonic() - self._read_at >= STALLED_STREAM_S:
-                        # a stream that only a reference cycle keeps (a cancelled asyncio task's, an exception's
-                        # traceback's) closes when the cycle is collected; in a program whose other threads all
-                        # wait, nothing else would run the collector: this wait never ended
+                    now = time.monotonic()
+                    if not self._reading and min(now - self._read_at, now - collected) >= STALLED_STREAM_S:
+                        # a stream that only a reference cycle keeps (through an exception's traceback, say)
+                        # closes when the cycle is collected; in a program whose other threads all wait, nothing
+                        # else would run the collector: this wait never ended
                         gc.collect()
-                        collected = True
+                        collected = now
         try:
             yield
         finally:

@@ -438,11 +438,9 @@ def test_a_thread_that_read_a_stream_handed_on_and_left_open_is_refused_not_stuc
 
 
 def test_a_stream_only_a_reference_cycle_keeps_frees_the_engine_for_a_waiting_thread(tiny_pair, monkeypatch):
-    """A stream left half-read where only a reference cycle keeps it (as a cancelled asyncio
-    task leaves the stream it read with run_in_executor): a request of another thread waits
-    for it, then runs the garbage collector once, which closes it, and runs. With the
-    collector run by nothing else (every other thread waiting: trial-168's asyncio program at
-    its exit), it waited for ever."""
+    """A stream left half-read where only a reference cycle keeps it: a request of another
+    thread waits for it, then runs the garbage collector, which closes it, and runs. With the
+    collector run by nothing else (every other thread waiting), it waited for ever."""
     import gc
 
     from dflash_torch import engine as engine_module
