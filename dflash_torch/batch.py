@@ -497,7 +497,8 @@ class BatchDecoder:
         max_batch_size: sequences held at once (slots).
         max_context: longest prompt + generation per sequence (tokens); default: the
             target's context (:func:`~dflash_torch.options.target_context`).
-        prefill_chunk: prompt tokens per prefill forward.
+        prefill_chunk: prompt tokens per prefill forward (one above ``max_context`` is taken
+            as ``max_context``).
         prefill_budget: prompt tokens of joining sequences (:meth:`join`) prefilled per
             :meth:`step`, in whole chunks, at least one chunk per step (default
             ``prefill_chunk``): bounds what a joining prompt adds to a round's time.
@@ -564,7 +565,8 @@ class BatchDecoder:
         self.target, self.drafter, self.block_size = target, drafter, B
         self.max_batch_size = check_max_batch_size(max_batch_size)
         self.max_context = check_max_context(max_context, target.config)
-        self.prefill_chunk = check_count(prefill_chunk, "prefill_chunk")
+        self.prefill_chunk = min(check_count(prefill_chunk, "prefill_chunk"), self.max_context)  # (as SpeculativeDecoder's)
+        prefill_chunk = self.prefill_chunk
         self.share_prefill = check_flag(share_prefill, "share_prefill")
         self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
         self.prefix_slots = check_prefix_slots(prefix_slots, self.reuse_prefix)

@@ -238,7 +238,7 @@ class SpeculativeDecoder:
         block_size: tokens per block B (default: the drafter's); at most the drafter's.
         draft_mode: ``"inject"`` (persistent drafter KV cache) or ``"recompute"``.
         prefill_chunk: prompt tokens per prefill forward (the last chunk is padded in
-            fixed-shape mode).
+            fixed-shape mode); one above ``max_context`` is taken as ``max_context``.
         static: fixed-shape rounds: caches preallocated for ``max_context`` tokens,
             the committed length enters as a device tensor, attention runs under a mask
             over a length bucket of the buffer (the smallest of 256, 512, 1024, ... tokens,
@@ -305,7 +305,9 @@ class SpeculativeDecoder:
                               "(fixed shapes)", "draft_mode", fixed)
         self.max_context = check_max_context(max_context, target.config)
         self.block_size = block_size
-        self.prefill_chunk = check_count(prefill_chunk, "prefill_chunk")
+        # (a chunk longer than the context reads any prompt in one forward, as the context does: its
+        # buffers were sized by it, 8 bytes a token before the first prompt)
+        self.prefill_chunk = min(check_count(prefill_chunk, "prefill_chunk"), self.max_context)
         self.max_rows = max(block_size, self.prefill_chunk)  # the most rows one forward writes (rings: see cache.py)
         self.target_cache = target.new_cache(self.max_rows)
         self._run = 0  # the rounds() generator that owns the caches (a later call takes them over)
@@ -321,7 +323,7 @@ class SpeculativeDecoder:
             self.context = RecomputedContext(drafter)
         self.device = target.model.embed_tokens.weight.device
         self._arange_block = torch.arange(block_size, device=self.device)
-        self._arange_chunk = torch.arange(prefill_chunk, device=self.device)
+        self._arange_chunk = torch.arange(self.prefill_chunk, device=self.device)
         mask_id = drafter.config.mask_token_id if drafter is not None else 0
         # where the caches cannot go back to an earlier position (see reuse_prefix)
         rings = self.target_cache.kv.rings + (self.context.cache.rings if isinstance(self.context, InjectedContext) else [])

@@ -298,6 +298,19 @@ def test_step_level_misuse_is_refused_before_it_corrupts_anything(agree_engine, 
         with pytest.raises(DFlashError, match="prefill_chunk must be an integer >= 1"):
             SpeculativeDecoder(target, drafter, prefill_chunk=bad)
 
+    # (a chunk above the context is the context: the whole prompt in one forward, the same tokens; its
+    # buffers were sized by it, 8 bytes a token: 2**40 failed to allocate, trial-168)
+    for decoder in (SpeculativeDecoder(target, drafter, max_context=64, prefill_chunk=2**40),
+                    SpeculativeDecoder(target, drafter, max_context=64, prefill_chunk=2**40, static=True)):
+        assert decoder.prefill_chunk == 64
+        assert [t for r in decoder.rounds(p0, SamplingParams(), 6) for t in r.tokens][:6] == alone(target, drafter, p0, 6)
+    huge = BatchDecoder(target, drafter, max_batch_size=1, max_context=64, prefill_chunk=2**40)
+    assert huge.prefill_chunk == 64
+    huge.add("good", p0, SamplingParams(), 30)
+    out = {"good": []}
+    run_to_end(huge, out, {"good": 29})
+    assert out["good"][:29] == alone(target, drafter, p0, 30)[1:30]
+
     import numpy as np  # (NumPy integers are the same numbers, as everywhere: helper-30)
     numpy_dec = SpeculativeDecoder(target, drafter, prefill_chunk=np.int64(4))
     assert [t for r in numpy_dec.rounds(p0, SamplingParams(), np.int64(6)) for t in r.tokens][:6] == alone(
