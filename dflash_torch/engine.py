@@ -34,7 +34,7 @@ from . import compute, options
 from .batch import BatchDecoder, check_draft_max_batch_size, check_engine_max_batch_size, check_prefix_slots
 from .checkpoint import available_memory, check_links, checkpoint_dir, load_config, read_json_object
 from .decoding import Round, SpeculativeDecoder
-from .errors import ContextLengthError, DFlashError, OptionError
+from .errors import ContextLengthError, DFlashError, OptionError, shown, unprintable
 from .models.config import (DrafterConfig, TargetConfig, check_vocab_ids, eos_token_ids, fill_mask_token_id,
                             needs_mask_token_id, quiet_transformers, validate_pair)
 from .models.drafter import DFlashDrafter
@@ -176,12 +176,24 @@ def _check_arguments(method: str, kwargs: dict, *takes: Callable) -> None:
             raise TypeError(f"{method}() got an unexpected keyword argument {name!r}{hint}")
 
 
+def _check_printable(method: Callable, *args, **kwargs) -> None:
+    """Raises OptionError, naming it, for an argument of ``method`` that is or holds an integer
+    too long to print (``max_new_tokens=10**5000``): the message of the argument's own check,
+    which prints the value, would be a ``ValueError`` (see :func:`~dflash_torch.errors.shown`)."""
+    if any(map(unprintable, args)) or any(map(unprintable, kwargs.values())):
+        bound = inspect.signature(method).bind_partial(*args, **kwargs).arguments
+        name = next(n for n, v in bound.items() if n not in ("self", "cls") and unprintable(v))
+        raise OptionError(f"{name} is or holds an integer of over 4,000 digits: far out of its range", name)
+
+
 def _named_arguments(method: Callable) -> Callable:
     """``method``, whose unknown keyword argument is :func:`_check_arguments`' TypeError
-    (with its hint) instead of Python's."""
+    (with its hint) instead of Python's, and that refuses an argument too long to print
+    (:func:`_check_printable`)."""
     @functools.wraps(method)
     def checked(self, *args, **kwargs):
         _check_arguments(method.__qualname__, kwargs, method)
+        _check_printable(method, self, *args, **kwargs)
         return method(self, *args, **kwargs)
     return checked
 
@@ -276,6 +288,7 @@ class DFlashEngine:
             self.stop_token_ids.add(int(tokenizer.eos_token_id))
 
     @classmethod
+    @_named_arguments
     def from_pretrained(
         cls,
         target: str | Path | None = None,
@@ -326,7 +339,8 @@ class DFlashEngine:
                 :func:`~dflash_torch.options.target_context`); fixed-shape modes preallocate it.
             prefill_chunk: prompt tokens per prefill forward (default 256): larger reads a
                 long prompt in fewer forwards, smaller bounds the activations of one (and
-                of a joining prompt in a batch round).
+                of a joining prompt in a batch round); one above ``max_context`` is taken as
+                ``max_context`` (the whole prompt in one forward).
             max_batch_size: sequences decoded together by :meth:`generate_batch`
                 (its caches hold ``max_batch_size`` x ``max_context`` positions); default
                 8, or 1 with ``draft_mode="recompute"``, which decodes one sequence at a time
@@ -738,7 +752,7 @@ class DFlashEngine:
         """
         bad = [t for t in token_ids if not 0 <= t < self.target.config.vocab_size]
         if bad:
-            raise DFlashError(f"token id {bad[0]} is outside the vocabulary [0, {self.target.config.vocab_size})")
+            raise DFlashError(f"token id {shown(bad[0])} is outside the vocabulary [0, {self.target.config.vocab_size})")
         if skip:
             token_ids = [t for t in token_ids if t not in skip]
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -829,6 +843,7 @@ class DFlashEngine:
         must not call the engine (such a call raises :class:`DFlashError`).
         """
         _check_arguments("DFlashEngine.generate", kwargs, DFlashEngine.stream)
+        _check_printable(DFlashEngine.stream, self, prompt, **kwargs)
         if on_chunk is not None and not callable(on_chunk):
             raise OptionError(f"on_chunk must be a function of a StreamChunk (or None), got {type(on_chunk).__name__}",
                               "on_chunk")

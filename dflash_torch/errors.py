@@ -46,3 +46,24 @@ def first_line(exc: BaseException) -> str:
     line that names what went wrong inside a library."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def shown(value) -> str:
+    """``value`` as an error message shows it: its ``repr``, but an integer of over 20 digits by
+    its size (Python refuses to print one of over 4,300 digits, ``sys.get_int_max_str_digits``,
+    which would turn the message itself into a ``ValueError``)."""
+    if isinstance(value, int) and not -10**20 < value < 10**20:
+        return f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
+    return repr(value)
+
+
+def unprintable(value, depth: int = 0) -> bool:
+    """Whether ``value`` is, or holds (in a list, tuple, set or dict, two levels down), an integer
+    of over about 3,900 digits, which an error message could not print (see :func:`shown`)."""
+    if isinstance(value, int):
+        return value.bit_length() > 13_000
+    if depth < 2 and isinstance(value, (list, tuple, set, frozenset)):
+        return any(unprintable(v, depth + 1) for v in value)
+    if depth < 2 and isinstance(value, dict):
+        return any(unprintable(k, depth + 1) or unprintable(v, depth + 1) for k, v in value.items())
+    return False

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from .errors import DFlashError, OptionError
+from .errors import DFlashError, OptionError, shown
 from .structured import Grammar, GrammarState
 
 
@@ -247,9 +247,7 @@ def _key_shown(key) -> str:
     of over 20 digits its size (Python refuses to print one of over 4300 digits)."""
     if isinstance(key, str) and len(key) > 20:
         return f"a key of {len(key)} characters"
-    if isinstance(key, int) and not -10**20 < key < 10**20:
-        return f"an integer of about {int(abs(key).bit_length() * 0.30103) + 1} digits"
-    return repr(key)
+    return shown(key)
 
 
 def _check_logit_bias(bias) -> dict[int, float] | None:

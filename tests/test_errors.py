@@ -17,6 +17,7 @@ import torch
 
 from conftest import REFUSING_TEMPLATE, copy_tokenizer, dflash2_config, drafter_config, make_target, save_drafter
 from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.errors import OptionError
 from dflash_torch.cli import main as cli_main
 
 
@@ -1059,6 +1060,30 @@ def test_dtype_auto_is_bfloat16_on_cuda_and_float32_elsewhere(tiny_pair):
     assert {p.dtype for p in engine.decoder.target.parameters()} == {torch.float32}
     with pytest.raises(DFlashError, match=r"^unsupported dtype 'int8'; choose one of auto, float32, bfloat16$"):
         resolve_dtype("int8")
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"max_new_tokens": 10**5000}, "max_new_tokens"), ({"temperature": -10**5000}, "temperature"),
+    ({"seed": 10**5000}, "seed"), ({"stop_token_ids": [10**5000]}, "stop_token_ids"),
+    ({"logit_bias": {5: 10**5000}}, "logit_bias"), ({"min_tokens": 10**5000}, "min_tokens"),
+    ({"prompt_logprobs": 10**5000}, "prompt_logprobs"), ({"repetition_penalty": 10**5000}, "repetition_penalty"),
+])
+def test_an_integer_too_long_to_print_is_an_option_error_naming_it(engine, tiny_pair, kwargs, name):
+    """An argument that is or holds an integer of thousands of digits (which Python refuses to
+    print) is an OptionError naming it, from generate, stream and generate_batch; the check's own
+    message, which printed the value, was a bare ValueError (trial-168); from_pretrained's too."""
+    want = f"{name} is or holds an integer of over 4,000 digits: far out of its range"
+    for call in (engine.generate, lambda p, **k: list(engine.stream(p, **k)), lambda p, **k: engine.generate_batch([p], **k)):
+        with pytest.raises(OptionError) as err:
+            call("def f(x):", **kwargs)
+        assert str(err.value) == want and err.value.name == name
+    if name == "max_new_tokens":
+        with pytest.raises(OptionError, match="^prompt is or holds an integer of over 4,000 digits"):
+            engine.generate([5, 10**5000])
+        with pytest.raises(DFlashError, match=r"^token id an integer of about 5001 digits is outside the vocabulary"):
+            engine.decode([10**5000])
+        with pytest.raises(OptionError, match="^max_context is or holds an integer of over 4,000 digits"):
+            DFlashEngine.from_pretrained(tiny_pair[0], no_draft=True, max_context=10**5000)
 
 
 @pytest.fixture(scope="module")
