@@ -670,7 +670,7 @@ class DFlashEngine:
         is_ids = isinstance(prompt, list) and all(hasattr(t, "__index__") and not isinstance(t, bool) for t in prompt)
         for name, value in (("chat_template_kwargs", template_kwargs), ("tools", tools),
                             ("continue_final_message", continue_final_message or None)):
-            if value is not None and (is_ids or not (chat or isinstance(prompt, list))):
+            if value and (is_ids or not (chat or isinstance(prompt, list))):  # (an empty one asks nothing: wrappers pass {})
                 verb = "applies" if name == "continue_final_message" else "apply"
                 raise OptionError(f"{name} {verb} to chat prompts only (chat messages, or a text with chat)", name, "chat")
         if is_ids and chat:
@@ -1676,10 +1676,11 @@ def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list
     if not isinstance(value, (list, tuple)):
         return [value] * n
     if nested and (not value or any(isinstance(v, nested) and not isinstance(v, bool) for v in value)):
-        if any(isinstance(v, (list, tuple)) for v in value):
+        other = next((v for v in value if isinstance(v, (list, tuple)) or v is None), False)
+        if other is not False:  # (a list, or a None: a prompt's own item beside the shared list's)
             kind = " or ".join(t.__name__ for t in nested)
-            raise DFlashError(f"{name} mixes {kind} items and lists: give one list of {kind} items for all prompts, "
-                              f"or one item per prompt, each None or a list of {kind} items")
+            raise DFlashError(f"{name} mixes {kind} items and {'None' if other is None else 'lists'}: give one list of "
+                              f"{kind} items for all prompts, or one item per prompt, each None or a list of {kind} items")
         return [value] * n
     if len(value) != n:
         raise DFlashError(f"{name} has {len(value)} values for {n} prompts (give one value, or one per prompt)")

@@ -299,7 +299,8 @@ def resolve_dtype(value: str | torch.dtype, name: str = "dtype", device: str | t
         value = str(value).removeprefix("torch.")
     if not isinstance(value, str):
         raise OptionError(f"{name} must be a name such as 'float32' or 'bfloat16', got {value!r}", name)
-    key = _DTYPE_ALIASES.get(value.strip().lower(), value.strip().lower())
+    key = value.strip().lower().removeprefix("torch.")  # (str(torch.float32) names it so)
+    key = _DTYPE_ALIASES.get(key, key)
     if key == "auto":
         return torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32
     if key == "float16":

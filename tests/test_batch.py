@@ -241,6 +241,10 @@ def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models):
         engine.generate_batch([[5, 6], [7]], stop=[["The"], "data"])
     with pytest.raises(DFlashError, match=r"^stop_token_ids mixes int items and lists"):
         engine.generate_batch([[5, 6], [7]], stop_token_ids=[3, [4]])
+    # (per-prompt items given flat, one None among them: it said "stop must be a string or a list of strings")
+    with pytest.raises(DFlashError, match=r"^stop mixes str items and None: give one list of str items for all "
+                                          r"prompts, or one item per prompt, each None or a list of str items$"):
+        engine.generate_batch([[5, 6], [7], [8]], stop=["\n", None, "("])
     with pytest.raises(DFlashError, match="non-empty list"):
         engine.generate_batch([])
     with pytest.raises(DFlashError, match="temperature"):

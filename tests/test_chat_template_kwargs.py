@@ -79,6 +79,13 @@ def test_bad_variables_are_refused_in_one_line(engine, prompt, chat, kwargs, mes
     assert "\n" not in str(err.value)
 
 
+def test_empty_chat_options_on_a_text_prompt_ask_nothing(engine):
+    """chat_template_kwargs={} on a text prompt asks for nothing, as tools=[] does: the text
+    decodes as without it (it was refused as if it set variables; wrappers pass {} by default)."""
+    want = engine.generate("def f(x):", max_new_tokens=4).token_ids
+    assert engine.generate("def f(x):", chat_template_kwargs={}, tools=[], max_new_tokens=4).token_ids == want
+
+
 def test_a_variable_that_breaks_the_template_is_a_one_line_error(engine, monkeypatch):
     monkeypatch.setattr(engine.tokenizer, "chat_template", "{{ raise_exception('no') if x }}{{ messages[0]['content'] }}")
     # (named alone: the messages render without them; trial-126: "these messages or chat_template_kwargs")

@@ -1056,6 +1056,7 @@ def test_dtype_auto_is_bfloat16_on_cuda_and_float32_elsewhere(tiny_pair):
     assert resolve_dtype("auto", device="cuda:1") == resolve_dtype("AUTO", device=torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("auto", device="cpu") == resolve_dtype("auto") == torch.float32
     assert resolve_dtype("bf16", device="cpu") == torch.bfloat16 and resolve_dtype("float32", device="cuda") == torch.float32
+    assert resolve_dtype(str(torch.bfloat16)) == resolve_dtype("torch.bfloat16") == torch.bfloat16  # (was refused)
     engine = DFlashEngine.from_pretrained(*tiny_pair)
     assert {p.dtype for p in engine.decoder.target.parameters()} == {torch.float32}
     with pytest.raises(DFlashError, match=r"^unsupported dtype 'int8'; choose one of auto, float32, bfloat16$"):
