@@ -2648,6 +2648,17 @@ def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_fi
     assert ckpt.read_bytes() == saved
 
 
+def _one_step_run(target, tmp_path) -> tuple[Path, list[str]]:
+    """(work dir, made; ``train`` arguments of a one-step run on a small text that saves there)."""
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    work = tmp_path / "work"
+    work.mkdir()
+    return work, ["train", "--target", str(target), "--data", str(text), "--out", str(tmp_path / "out"), "--work-dir",
+                  str(work), "--steps", "1", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs",
+                  "0", "--block-size", "8", "--num-layers", "1", "--no-progress"]
+
+
 class _RunsCode:
     """Unpickled, it makes the directory ``path`` (as a pickle can run any code)."""
 
@@ -2664,18 +2675,11 @@ def test_resume_does_not_unpickle_objects_a_checkpoint_does_not_hold(tiny_pair, 
     not run (it was unpickled whole: the code ran)."""
     from dflash_torch.cli import main as cli_main
 
-    target, _ = tiny_pair
-    text = tmp_path / "c.txt"
-    text.write_text("def f(x):\n    return x\n" * 50)
-    work = tmp_path / "work"
-    work.mkdir()
+    work, args = _one_step_run(tiny_pair[0], tmp_path)
     ran = tmp_path / "ran"
     torch.save({"drafter": {}, "optimizer": {}, "step": 1, "elapsed": 0.0, "history": [], "evals": [],
                 "drafter_config": {"hook": _RunsCode(str(ran))}}, work / "checkpoint.pt")
-    args = ["train", "--target", str(target), "--data", str(text), "--out", str(tmp_path / "out"), "--work-dir",
-            str(work), "--steps", "1", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0",
-            "--block-size", "8", "--num-layers", "1", "--no-progress", "--resume"]
-    assert cli_main(args) == 2
+    assert cli_main([*args, "--resume"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"dflash-torch: error: --resume: {work / 'checkpoint.pt'} holds Python objects a dflash-torch training "
         "checkpoint does not (only tensors and plain values), so it is not read (unpickling them could run code); give "
@@ -2689,16 +2693,9 @@ def test_a_checkpoint_pt_of_another_tool_is_not_called_a_training_checkpoint(tin
     to continue with --resume (trial-166): both one line saying it is none, exit 2."""
     from dflash_torch.cli import main as cli_main
 
-    target, _ = tiny_pair
-    text = tmp_path / "c.txt"
-    text.write_text("def f(x):\n    return x\n" * 50)
-    work = tmp_path / "work"
-    work.mkdir()
+    work, args = _one_step_run(tiny_pair[0], tmp_path)
     ckpt = work / "checkpoint.pt"
     torch.save({"model": {"w": torch.zeros(2)}, "epoch": 3}, ckpt)
-    args = ["train", "--target", str(target), "--data", str(text), "--out", str(tmp_path / "out"), "--work-dir",
-            str(work), "--steps", "1", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0",
-            "--block-size", "8", "--num-layers", "1", "--no-progress"]
     assert cli_main(args) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"dflash-torch: error: {ckpt} is not a dflash-torch training checkpoint: give another --work-dir, or pass "
