@@ -42,7 +42,7 @@ from .cli import (
     warm_up,
     write_stdout,
 )
-from .errors import DFlashError
+from .errors import DFlashError, OptionError
 from .options import check_min_tokens_default, context_limit
 from .serving.reasoning import new_parser, resolve_parser
 
@@ -87,6 +87,8 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _chat_here(args: argparse.Namespace) -> int:
     check_stdout()
+    if sys.stdin is None:  # (started with stdin closed: `<&-`)
+        raise DFlashError("stdin is closed: chat reads its messages from stdin (a terminal, or a pipe)")
     check_warmup_context(args)
     engine = load_engine(args)
     if getattr(engine.tokenizer, "chat_template", None) is None:
@@ -211,6 +213,8 @@ def _check_start(engine, start: list[dict], kwargs: dict) -> None:
     try:
         ids = engine.encode_prompt(start + [{"role": "user", "content": "hi"}], True, kwargs["chat_template_kwargs"])
     except DFlashError as exc:
+        if isinstance(exc, OptionError) and "chat_template_kwargs" in exc.names:
+            raise  # (about --chat-template-kwargs, named as that flag: not about --system)
         raise DFlashError(f"--system: {exc}" if start else str(exc)) from None
     if kwargs["max_new_tokens"] is None:  # (the default, cut to the room: at least a token, or --min-tokens)
         need = max(1, kwargs["min_tokens"])

@@ -221,7 +221,7 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path, monkeypatch, capsys)
     """A line that is not UTF-8 is not sent (one error line, the chat goes on); ``//`` starts
     a message with ``/`` (a CRLF line's ``\\r`` is not part of it); options that would refuse every turn are refused at start (exit 2,
     the flag named, nothing read); ``--chat`` (a generate flag) is not taken for
-    ``--chat-template-kwargs``."""
+    ``--chat-template-kwargs``, whose own error is named as that flag; stdin closed is one line."""
     import io
     import subprocess
     import sys
@@ -253,6 +253,9 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path, monkeypatch, capsys)
                         (["--min-tokens", "300"], "--min-tokens (300) exceeds the default --max-new-tokens (256), which "
                                                   "applies where none is given"),
                         (["--chat"], "unrecognized arguments: --chat (see --help)"),
+                        # (named as the flag, not as --system's fault: it said "--system: chat_template_kwargs ...")
+                        (["--system", "be brief", "--chat-template-kwargs", '{"add_generation_prompt": false}'],
+                         "--chat-template-kwargs cannot set add_generation_prompt"),
                         # (a --system that refuses every turn: each turn printed its error, exit 0)
                         (["--max-context", "64", "--max-new-tokens", "10", "--system", "be brief " * 40],
                          "--system leaves no room for a turn: with a one-word message the prompt takes "),
@@ -298,6 +301,10 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path, monkeypatch, capsys)
         assert out == "" and err, err
         last = err.splitlines(keepends=True)[-1]
         assert last.startswith(f"dflash-torch: error: {line}"), err
+    monkeypatch.setattr(sys, "stdin", None)  # (started with stdin closed, `<&-`: it was an AttributeError traceback)
+    assert cli_main(["chat", *pair]) == 2
+    assert capsys.readouterr().err == ("dflash-torch: error: stdin is closed: chat reads its messages from stdin (a "
+                                       "terminal, or a pipe)\n")
 
 
 def test_the_default_max_new_tokens_is_cut_to_the_context_a_turn_leaves(cli, tiny_pair, engine, tmp_path):
