@@ -406,6 +406,8 @@ class DFlashEngine:
         target_raw = load_config(target_dir)
         target_cfg = TargetConfig.from_dict(target_raw)
         draft_dir, draft_cfg, draft_raw = None, None, None
+        if draft is None and not no_draft and not default_target and target_dir.resolve() == DEFAULT_TARGET.resolve():
+            draft = DEFAULT_DRAFTER  # (the shipped target named by its path: its drafter, as when it is left out)
         if not no_draft:
             if draft is None:
                 raise OptionError("this target needs draft, its DFlash drafter checkpoint (or no_draft for "

@@ -1,8 +1,11 @@
 """The shipped default pair: present, small, in the published formats, and lossless."""
 
 import json
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from dflash_torch import DFlashEngine
 from dflash_torch.engine import ASSETS, DEFAULT_DRAFTER, DEFAULT_TARGET
@@ -57,3 +60,19 @@ def test_quickstart_command_prints_code():
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.strip()) > 0
     assert "mean tau" in proc.stderr
+
+
+def test_the_shipped_target_named_by_its_path_gets_the_shipped_drafter(tmp_path):
+    """``--target`` naming the shipped target's directory (by any path to it) drafts with the
+    shipped drafter, as when it is left out (it was refused: "this target needs draft"); a copy
+    of it elsewhere is another target, which needs its drafter named."""
+    from dflash_torch import DFlashError
+
+    want = DFlashEngine.from_pretrained().generate("def f(x):", max_new_tokens=8, ignore_eos=True)
+    (tmp_path / "link").symlink_to(ASSETS / "target")
+    for target in (ASSETS / "target", str(ASSETS / "target") + "/", tmp_path / "link"):
+        got = DFlashEngine.from_pretrained(target).generate("def f(x):", max_new_tokens=8, ignore_eos=True)
+        assert got.token_ids == want.token_ids and got.stats.acceptance_lengths == want.stats.acceptance_lengths
+    copy = shutil.copytree(ASSETS / "target", tmp_path / "copy")
+    with pytest.raises(DFlashError, match="^this target needs draft"):
+        DFlashEngine.from_pretrained(copy)
