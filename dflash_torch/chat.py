@@ -55,8 +55,7 @@ RECOMMENDED = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repe
 
 
 def register(sub) -> None:
-    # (no abbreviations: ``--chat``, a generate flag, would read as --chat-template-kwargs)
-    p = sub.add_parser("chat", help="chat with the model in the terminal (multi-turn, streamed)", allow_abbrev=False,
+    p = sub.add_parser("chat", help="chat with the model in the terminal (multi-turn, streamed)",
                        description="Chat with the model in the terminal: each line a user message, the reply streamed. "
                                    "With piped input (stdin not a terminal), a line that failed (a turn refused, an "
                                    "unknown command, a line that is not UTF-8, a reply that cannot be sent back) makes "

@@ -442,10 +442,14 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line too (no usage dump), exit status 2, and
     that knows each of its options' flag: ``flags`` maps an option's ``dest`` to its first
     long flag (``max_new_tokens`` -> ``--max-new-tokens``); the parsed arguments carry the
-    subcommand's map as ``option_flags``. (Subcommand parsers are made of this class too.)"""
+    subcommand's map as ``option_flags``. Long flags are not taken abbreviated: a prefix of
+    one was read as it (``--temp``), and a flag of another command as the one it begins
+    (``serve --chat`` as --chat-template-kwargs, "expected one argument"); a flag added later
+    would make a working abbreviation ambiguous. (Subcommand parsers are made of this class too.)"""
 
     def __init__(self, *args, **kwargs):
         self.flags: dict[str, str] = {}  # (before __init__, which adds --help)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.set_defaults(option_flags=self.flags)
 

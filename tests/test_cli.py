@@ -325,6 +325,18 @@ def test_a_missing_dependency_is_one_line_naming_it_for_every_command():
                                "needs it: pip install psutil\n"), proc.stderr
 
 
+def test_long_flags_are_not_taken_abbreviated(cli):
+    """A prefix of a flag is refused as unknown, in every command (argparse took ``--temp`` as
+    --temperature; ``serve --chat``, a flag of generate, as --chat-template-kwargs: "expected
+    one argument"; chat alone refused them, trial-171)."""
+    for args, flag in ((["generate", "x", "--temp", "0.5"], "--temp 0.5"), (["serve", "--chat"], "--chat"),
+                       (["bench", "--num-p", "1"], "--num-p 1"), (["train", "--target", "t", "--data", "d", "--out", "o", "--step", "1"], "--step 1"),
+                       (["chat", "--max-new", "8"], "--max-new 8")):
+        proc = cli(*args)
+        assert proc.returncode == 2 and proc.stderr == f"dflash-torch: error: unrecognized arguments: {flag} (see --help)\n", \
+            (args, proc.stderr)
+
+
 def test_help_says_when_the_shipped_drafter_and_the_batch_slots_apply(capsys, monkeypatch):
     """``--draft``'s default (the shipped drafter) goes with the shipped target only (another
     target without --draft is refused), and ``serve --max-batch-size`` does not batch a
