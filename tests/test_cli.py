@@ -330,7 +330,8 @@ def test_long_flags_are_not_taken_abbreviated(cli):
     --temperature; ``serve --chat``, a flag of generate, as --chat-template-kwargs: "expected
     one argument"; chat alone refused them, trial-171)."""
     for args, flag in ((["generate", "x", "--temp", "0.5"], "--temp 0.5"), (["serve", "--chat"], "--chat"),
-                       (["bench", "--num-p", "1"], "--num-p 1"), (["train", "--target", "t", "--data", "d", "--out", "o", "--step", "1"], "--step 1"),
+                       (["bench", "--num-p", "1"], "--num-p 1"),
+                       (["train", "--target", "t", "--data", "d", "--out", "o", "--step", "1"], "--step 1"),
                        (["chat", "--max-new", "8"], "--max-new 8")):
         proc = cli(*args)
         assert proc.returncode == 2 and proc.stderr == f"dflash-torch: error: unrecognized arguments: {flag} (see --help)\n", \
