@@ -166,12 +166,14 @@ def download(name: str, cached: str | None = None) -> Path:
         if not isinstance(done["error"], Exception):
             raise done["error"]
         raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: "
-                          f"{_reason(done['error'], revision)}")
+                          f"{_reason(done['error'], revision, cached)}")
     return _downloaded(name, Path(done["dir"]))
 
 
-def _reason(exc: Exception, revision: str | None = None) -> str:
-    """Why huggingface_hub's ``exc`` stopped a download of ``revision`` (None: ``main``), in a line."""
+def _reason(exc: Exception, revision: str | None = None, cached: str | Path | None = None) -> str:
+    """Why huggingface_hub's ``exc`` stopped a download of ``revision`` (None: ``main``), in a line;
+    ``cached``: the incomplete snapshot of it in the cache, if any (said where the Hub cannot be
+    reached: offline, nothing else could be used)."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
@@ -187,7 +189,8 @@ def _reason(exc: Exception, revision: str | None = None) -> str:
         return f"{constants.ENDPOINT} answered {first_line(cause)}"
     if isinstance(exc, LocalEntryNotFoundError) or _unreachable(cause):
         return ("the Hub cannot be reached" + (f" ({type(cause).__name__}: {first_line(cause)})" if cause else "")
-                + "; set HF_HUB_OFFLINE=1 to use only the cache")
+                + (f", and the Hugging Face cache holds it incomplete ({cached})" if cached
+                   else ", and it is not in the Hugging Face cache"))
     return f"{type(exc).__name__}: {first_line(exc)}"  # (a full disk, ...: huggingface_hub's own message)
 
 
@@ -218,7 +221,7 @@ def _downloaded(name: str, local: Path) -> Path:
     try:  # (what it holds: one more request, not retried: list_repo_files retried a Hub that cannot be reached for 23 s)
         files = [s.rfilename for s in HfApi().model_info(repo, revision=revision).siblings or () if "/" not in s.rfilename]
     except Exception as exc:
-        raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: {_reason(exc, revision)}") from None
+        raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: {_reason(exc, revision, local)}") from None
     if "config.json" not in files:
         raise DFlashError(f"model {name!r} on the Hugging Face Hub has no config.json: not a checkpoint in "
                           "Hugging Face format (config.json + safetensors)")

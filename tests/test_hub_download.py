@@ -226,6 +226,8 @@ def test_a_hub_id_that_cannot_be_downloaded_is_one_line(hub, tmp_path, model, en
     last = got.stderr.strip().splitlines()[-1]
     assert message in last, got.stderr
     assert "Traceback" not in got.stderr
+    if "cannot be reached" in message:  # (not "set HF_HUB_OFFLINE=1 to use only the cache", which holds nothing of it)
+        assert last.endswith(", and it is not in the Hugging Face cache"), last
     if model == "acme/teapot":
         assert "answered" in last and "418" in last and "cannot be reached" not in last, last
     if model in ("acme/target@", "acme/a..b@v2", "solo"):  # (not a download that failed)
@@ -252,6 +254,7 @@ def test_a_cache_entry_without_the_weights_is_completed_by_a_download(cli, hub, 
     assert dead.returncode == 2 and "cannot download model 'acme/target' from the Hugging Face Hub: the Hub cannot be " \
         "reached" in dead.stderr.strip().splitlines()[-1], dead.stderr
     assert "Retrying" not in dead.stderr, dead.stderr  # (answered at once: its file list was asked for 5 times, 23 s)
+    assert ", and the Hugging Face cache holds it incomplete (" in dead.stderr, dead.stderr
     server.fetched.clear()
     got = _generate("--target", "acme/target", "--no-draft", env=env)
     assert got.returncode == 0, got.stderr
