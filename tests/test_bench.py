@@ -700,6 +700,8 @@ def test_bench_help_leaves_out_the_decoding_options_it_refuses(tmp_path, capsys,
         assert cli_main(["bench", "--out", str(tmp_path / "o"), *extra]) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and extra[0] in err[0], (extra, err)
+        if extra[0] in ("--no-draft", "--compile", "--draft-mode"):  # (the flag given alone: it named all three)
+            assert err[0].endswith(f"with --modes; drop {extra[0]}"), err
 
 
 @pytest.mark.parametrize("extra, words", [

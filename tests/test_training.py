@@ -1701,7 +1701,7 @@ def test_directory_skips_files_that_are_not_text(tiny_pair, tmp_path):
     corpus = read_corpus([tmp_path / "dir"])
     assert corpus.skipped == [tmp_path / "dir" / "logo.png"] and len(corpus.documents) == 1
     (tmp_path / "dir" / "a.py").unlink()
-    with pytest.raises(DFlashError, match="holds no text .1 files skipped as not UTF-8"):
+    with pytest.raises(DFlashError, match="holds no text .1 file skipped as not UTF-8"):
         read_corpus([tmp_path / "dir"])
 
 

@@ -270,9 +270,11 @@ def _run(args: argparse.Namespace) -> int:
     asked = args.num_prompts  # (None: not given, the default 16)
     if asked is not None and asked < 0:
         raise DFlashError(f"--num-prompts must be >= 0 (0 = all), got {asked}")
-    if args.no_draft or args.compile or args.draft_mode is not None:
-        raise DFlashError("bench picks target-only / inject / recompute / compiled runs with --modes; "
-                          "drop --no-draft, --compile and --draft-mode")
+    given = [flag for flag, on in (("--no-draft", args.no_draft), ("--compile", args.compile),
+                                   ("--draft-mode", args.draft_mode is not None)) if on]
+    if given:
+        raise DFlashError(f"bench picks target-only / inject / recompute / compiled runs with --modes; drop "
+                          f"{' and '.join(given)}")
     if args.max_context is not None:
         raise DFlashError("bench sizes the context from the prompts and --max-new-tokens; drop --max-context")
     if args.prefill_chunk is not None:

@@ -262,7 +262,8 @@ def read_corpus(paths: list[str | Path], exclude: list[str | Path] = ()) -> Corp
         except OSError as exc:  # (a file this process may not read is refused, not skipped: it is not bad data)
             raise DFlashError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not corpus.documents and not corpus.conversations:
-        skipped = f" ({len(corpus.skipped)} files skipped as not UTF-8 text)" if corpus.skipped else ""
+        n = len(corpus.skipped)
+        skipped = f" ({n} file{'s' * (n != 1)} skipped as not UTF-8 text)" if n else ""
         raise DFlashError(f"the training data {' '.join(map(str, paths))} holds no text{skipped}")
     return corpus
 

@@ -600,7 +600,8 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> dict:
     for d in corpus.excluded:
         note(f"data: left out {d} (this run's --out or --work-dir) and everything below it")
     if corpus.skipped:
-        note(f"data: skipped {len(corpus.skipped)} files that are not UTF-8 text, e.g. {corpus.skipped[0]}")
+        n = len(corpus.skipped)
+        note(f"data: skipped {n} file{'s' * (n != 1)} that {'are' if n != 1 else 'is'} not UTF-8 text, e.g. {corpus.skipped[0]}")
     stream = tokenize_documents(tokenizer, corpus.documents)
     has_turn = [any(t["role"] == "assistant" for t in m) for m in corpus.conversations]
     replied = [i for i, h in enumerate(has_turn) if h]
