@@ -327,9 +327,15 @@ def _generate_here(args: argparse.Namespace) -> int:
     stats, finish = None, None
     if hasattr(sys.stdout, "reconfigure"):  # (a character stdout cannot encode: replaced, not a traceback)
         sys.stdout.reconfigure(errors="replace")
-    for chunk in engine.stream(prompt, **kwargs):
-        write_stdout(chunk.text)
-        stats, finish = chunk.stats, chunk.finish_reason
+    streamed = 0
+    try:
+        for chunk in engine.stream(prompt, **kwargs):
+            write_stdout(chunk.text)
+            stats, finish, streamed = chunk.stats, chunk.finish_reason, streamed + len(chunk.token_ids)
+    except KeyboardInterrupt:  # (the text so far ends its line, as chat's interrupted reply: exit status 130)
+        write_stdout("\n")
+        print(f"[{streamed} tokens, finish=interrupted]", file=sys.stderr)
+        raise
     write_stdout("\n")
     # the first token comes from the prefill: with one token there was no decoding round
     decode = (f"mean tau {stats.mean_acceptance_length:.2f}, decode {stats.decode_tokens_per_second:.1f} tok/s, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -221,6 +222,8 @@ def test_ctrl_c_while_decoding_exits_130_without_a_traceback(pair_args, tmp_path
     err = (seen if pipe == "stderr" else b"").decode() + err.decode()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "terminate called" not in err, err
+    if command == "generate":  # (the text ends its line, and says it was cut: the shell's prompt came after it)
+        assert (seen + out).endswith(b"\n") and re.search(r"^\[[0-9]+ tokens, finish=interrupted\]$", err, re.M), err
 
 
 def test_a_burst_of_ctrl_cs_exits_130_without_a_traceback(tiny_pair):
