@@ -177,6 +177,12 @@ def test_a_chat_that_overflows_the_context_names_messages_and_its_code(server):
     assert err["code"] == overflow, err
     err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": "x" * 10**6}), 400)
     assert "characters: more than the context" in err["message"] and err["code"] == overflow, err
+    # (scoring, max_tokens 0 with echo: one position more than the prompt, said so; it said a token must be generated)
+    score = {"model": MODEL, "max_tokens": 0, "echo": True, "logprobs": 0}
+    err = _assert_openai_error(server.post("/v1/completions", {**score, "prompt": [5] * 1024}), 400)
+    assert err["message"] == ("the prompt (1024 tokens) does not fit the model's context of 1024 tokens (scoring a "
+                              "prompt takes a position more: at most 1023 tokens)") and err["code"] == overflow, err
+    assert server.post("/v1/completions", {**score, "prompt": [5] * 1023}).status_code == 200
     err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 4}), 400)
     assert err["param"] == "prompt" and err["code"] is None, err  # (an empty prompt is another bad request)
 

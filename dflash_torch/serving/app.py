@@ -911,7 +911,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     def prepare(prompts: list, chat: bool, requested: int | None, default: int | None,
                 template_kwargs: dict | None, tools: list[dict] | None,
                 prompt_options: dict | None = None,
-                max_tokens_name: str = "max_tokens", min_tokens: int = 0) -> list[tuple[list[int], int, int | None]]:
+                max_tokens_name: str = "max_tokens", min_tokens: int = 0,
+                scoring: bool = False) -> list[tuple[list[int], int, int | None]]:
         """``(token ids, max new tokens, history end)`` of each prompt (in a thread: tokenizing
         a long prompt holds neither the engine nor the event loop); the history end of a chat
         that ends with the opening of the reply (see :meth:`DFlashEngine.history_end`), else None."""
@@ -929,7 +930,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                     raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
                 opens_reply = chat and (prompt_options or {}).get("add_generation_prompt", True)
                 end = engine.history_end(prompt, ids, chat, template_kwargs, tools) if opens_reply else None
-                fitted = fit_max_tokens(engine, len(ids), requested, default, max_tokens_name, min_tokens)
+                fitted = fit_max_tokens(engine, len(ids), requested, default, max_tokens_name, min_tokens, scoring)
                 out.append((ids, fitted, end))
             except DFlashError as exc:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
@@ -1087,7 +1088,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         requested = 1 if req.scores_only() else req.requested_max_tokens()  # (scores only: one token, dropped)
         prepared = await to_thread(prepare, prompts, chat, requested, default_max_tokens,
                                    template_kwargs, tools, req.prompt_options() if chat else None,
-                                   req.max_tokens_field(), req.min_tokens)
+                                   req.max_tokens_field(), req.min_tokens, req.scores_only())
         prompt_tail = engine.decode(prepared[0][0][-8:]) if chat else ""  # (a chat has one prompt)
         if chat and req.continue_final_message:  # the reply goes on inside a thinking the last message opened
             last = req.messages[-1].text()

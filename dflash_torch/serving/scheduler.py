@@ -166,9 +166,10 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
 
 
 def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: int | None,
-                   name: str = "max_tokens", min_tokens: int = 0) -> int:
+                   name: str = "max_tokens", min_tokens: int = 0, scoring: bool = False) -> int:
     """Tokens to generate for a prompt of ``prompt_tokens``: ``requested`` (the request's
     field ``name``), else ``default`` cut to the context, else the whole rest of the context.
+    ``scoring``: the request scores its prompt only (``max_tokens`` 0: one token decoded, dropped).
 
     Raises:
         ParamError: an empty prompt, a prompt (+ ``requested``) that does not fit.
@@ -181,8 +182,10 @@ def fit_max_tokens(engine, prompt_tokens: int, requested: int | None, default: i
         raise ParamError("the prompt is empty (0 tokens)", "prompt")
     room = engine.max_context - prompt_tokens
     if room < 1:
+        why = ("scoring a prompt takes a position more: at most " + n_tokens(engine.max_context - 1) if scoring
+               else "at least one token must be generated")
         raise ContextParamError(f"the prompt ({n_tokens(prompt_tokens)}) does not fit the model's context of "
-                         f"{engine.max_context} tokens (at least one token must be generated)", "prompt")
+                                f"{engine.max_context} tokens ({why})", "prompt")
     if requested is None:
         check_min_tokens_room(min_tokens, prompt_tokens, engine.max_context)
         return room if default is None else min(default, room)
