@@ -141,7 +141,10 @@ def test_best_of_equal_to_n_returns_every_candidate_and_other_values_are_refused
     plain = c.completions.create(prompt=[PROMPT, PROMPTS[1]], max_tokens=12, n=2, **sample)
     both = c.completions.create(prompt=[PROMPT, PROMPTS[1]], max_tokens=12, n=2, best_of=2, **sample)
     assert [ch.text for ch in both.choices] == [ch.text for ch in plain.choices]
-    assert len({ch.text for ch in both.choices}) == 4 and both.usage == plain.usage
+    assert len({ch.text for ch in both.choices}) == 4
+    # (the token counts; cached_tokens depends on what earlier requests left for prefix reuse: it failed alone)
+    assert (both.usage.prompt_tokens, both.usage.completion_tokens) == (plain.usage.prompt_tokens,
+                                                                         plain.usage.completion_tokens)
     one = c.completions.create(prompt=PROMPT, max_tokens=12, best_of=1, **sample)
     assert one.choices[0].text == plain.choices[0].text
     for kw, words in [(dict(n=2, best_of=3), "best_of > n is not supported (best_of=3, n=2)"),
