@@ -718,8 +718,8 @@ class DFlashEngine:
 
     def _check_length(self, chars: int) -> None:
         if chars > self.max_prompt_chars:
-            raise ContextLengthError(f"the prompt has {chars} characters: more than the context of {self.max_context} tokens "
-                              f"can hold (at most {self.max_prompt_chars} characters with this tokenizer)")
+            raise ContextLengthError(f"the prompt has {chars} characters: more than the context of {self.max_context} "
+                                     f"tokens can hold (at most {self.max_prompt_chars} characters with this tokenizer)")
 
     def _encode(self, text: str, **kwargs) -> list[int]:
         try:
