@@ -113,9 +113,13 @@ def _chat_here(args: argparse.Namespace) -> int:
         except ImportError:
             pass
         print(f"[{HELP}]", file=sys.stderr)
+    # (stdout redirected, `chat > log`: the prompt goes to the terminal, not into the file)
+    prompt_here = interactive and not sys.stdout.isatty()
     while True:
         try:
-            line = input(">>> ") if interactive else _read_line()
+            if prompt_here:
+                print(">>> ", end="", file=sys.stderr, flush=True)
+            line = input(">>> ") if interactive and not prompt_here else _read_line()
         except EOFError:
             return int(failed and not interactive)
         except KeyboardInterrupt:
@@ -255,8 +259,9 @@ def _can_raise(engine, tokens: int) -> bool:
 
 
 def _read_line() -> str:
-    """The next line of a stdin that is not a terminal, without its line break (as input()
-    reads it, but writing no prompt: input("") fails where stdout cannot take output).
+    """The next line of stdin (a terminal's too, where stdout is not one), without its line
+    break (as input() reads it, but writing no prompt: input("") fails where stdout cannot
+    take output).
 
     Raises:
         EOFError: at the end of the input.

@@ -59,6 +59,31 @@ def test_chat_replies_are_the_engines_and_reuse_the_last_turn(cli, tiny_pair, en
     assert proc.stderr.count("/reset (forget the conversation)") == 2 and "unknown command '/help'" not in proc.stderr
 
 
+def test_at_a_terminal_with_stdout_redirected_the_prompt_goes_to_stderr(tiny_pair, engine):
+    """``chat > log`` typed at a terminal: the ``>>>`` prompt is written on stderr, the terminal,
+    and the log holds the replies alone (input() wrote the prompt into it, and nothing showed)."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "chat", "--target", str(tiny_pair[0]),
+                                 "--draft", str(tiny_pair[1]), "--dtype", "float32", "--system", SYSTEM,
+                                 "--max-new-tokens", str(NEW)], stdin=slave, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+        os.close(slave)
+        os.write(master, b"def f(x):\n\x04")  # (a line, then Ctrl-D at the start of the next)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        os.close(master)
+    assert proc.returncode == 0, err
+    assert out == replies(engine, [["def f(x):"]])[0] + "\n" and ">>>" not in out
+    assert err.count(">>> ") == 2, err  # (before the line, and before the Ctrl-D that ended the chat)
+
+
 def test_a_refused_turn_leaves_the_conversation_as_it_was(cli, tiny_pair, engine):
     target, drafter = tiny_pair
     long = "x = 1; " * 40
