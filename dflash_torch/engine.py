@@ -176,6 +176,15 @@ def _check_arguments(method: str, kwargs: dict, *takes: Callable) -> None:
             raise TypeError(f"{method}() got an unexpected keyword argument {name!r}{hint}")
 
 
+def is_shipped_target(target: str | Path | None) -> bool:
+    """Whether ``target`` names the shipped default target's directory, by any path to it (it
+    then drafts with the shipped drafter, as when no target is given)."""
+    try:
+        return target is not None and Path(target).expanduser().resolve() == DEFAULT_TARGET.resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
+
+
 def _check_printable(method: Callable, *args, **kwargs) -> None:
     """Raises OptionError, naming it, for an argument of ``method`` that is or holds an integer
     too long to print (``max_new_tokens=10**5000``): the message of the argument's own check,
@@ -406,7 +415,7 @@ class DFlashEngine:
         target_raw = load_config(target_dir)
         target_cfg = TargetConfig.from_dict(target_raw)
         draft_dir, draft_cfg, draft_raw = None, None, None
-        if draft is None and not no_draft and not default_target and target_dir.resolve() == DEFAULT_TARGET.resolve():
+        if draft is None and not no_draft and not default_target and is_shipped_target(target_dir):
             draft = DEFAULT_DRAFTER  # (the shipped target named by its path: its drafter, as when it is left out)
         if not no_draft:
             if draft is None:

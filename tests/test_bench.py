@@ -851,7 +851,8 @@ def test_batch_sizes_with_a_prompt_that_fills_the_context(tiny_pair, tmp_path, c
 def test_bench_json_survives_a_plot_that_cannot_be_written_and_stale_plots_go(tiny_pair, tmp_path, capsys,
                                                                               monkeypatch):
     """The plots are written after bench.json; one that fails is one line (exit 2), the
-    results kept (bench.json lists no plot then), as where matplotlib cannot be imported. A plot this run does not make (an earlier
+    results kept (bench.json lists no plot then, and no earlier run's plot is left), as where
+    matplotlib cannot be imported. A plot this run does not make (an earlier
     run's sweep.png, batch_sizes.png) is removed from --out: it would not show these results."""
     from dflash_torch.bench import cli as bench_cli
     from dflash_torch.cli import main as cli_main
@@ -879,6 +880,7 @@ def test_bench_json_survives_a_plot_that_cannot_be_written_and_stale_plots_go(ti
                                f"{out / 'modes.png'}: No space left on device"], err
     report = json.loads((out / "bench.json").read_text())
     assert [m["name"] for m in report["modes"]] == ["target-only"] and report["plots"] == []
+    assert not (out / "modes.png").exists()  # (the earlier run's: not of these results, which list no plot)
     assert "| target-only" in captured.out  # (the table was printed before the plots)
     # bench.json itself cannot be written (here: no room on the device): the tables are printed,
     # an earlier bench.json is left whole (it was truncated), one line says so
@@ -906,7 +908,7 @@ def test_bench_json_survives_a_plot_that_cannot_be_written_and_stale_plots_go(ti
         f"dflash-torch: error: cannot write {out / 'bench.json'}: No space left on device (the figures are printed "
         "above)"], captured.err
     assert "| target-only" in captured.out and (out / "bench.json").read_text() == before
-    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "mine.png", "modes.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "mine.png"]
 
 
 def test_prompt_file_may_be_a_pipe(tmp_path):

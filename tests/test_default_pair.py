@@ -62,10 +62,11 @@ def test_quickstart_command_prints_code():
     assert "mean tau" in proc.stderr
 
 
-def test_the_shipped_target_named_by_its_path_gets_the_shipped_drafter(tmp_path):
+def test_the_shipped_target_named_by_its_path_gets_the_shipped_drafter(tmp_path, cli):
     """``--target`` naming the shipped target's directory (by any path to it) drafts with the
-    shipped drafter, as when it is left out (it was refused: "this target needs draft"); a copy
-    of it elsewhere is another target, which needs its drafter named."""
+    shipped drafter, as when it is left out (it was refused: "this target needs draft"; bench:
+    "the drafting modes ... need --draft"); a copy of it elsewhere is another target, which
+    needs its drafter named."""
     from dflash_torch import DFlashError
 
     want = DFlashEngine.from_pretrained().generate("def f(x):", max_new_tokens=8, ignore_eos=True)
@@ -73,6 +74,9 @@ def test_the_shipped_target_named_by_its_path_gets_the_shipped_drafter(tmp_path)
     for target in (ASSETS / "target", str(ASSETS / "target") + "/", tmp_path / "link"):
         got = DFlashEngine.from_pretrained(target).generate("def f(x):", max_new_tokens=8, ignore_eos=True)
         assert got.token_ids == want.token_ids and got.stats.acceptance_lengths == want.stats.acceptance_lengths
+    bench = cli("bench", "--target", str(tmp_path / "link"), "--num-prompts", "1", "--max-new-tokens", "4", "--modes",
+                "inject", "--sweep", "", "--out", str(tmp_path / "bench"), "--no-progress")
+    assert bench.returncode == 0, bench.stderr
     copy = shutil.copytree(ASSETS / "target", tmp_path / "copy")
     with pytest.raises(DFlashError, match="^this target needs draft"):
         DFlashEngine.from_pretrained(copy)

@@ -2471,9 +2471,10 @@ def test_train_refuses_an_out_or_work_dir_it_may_not_list_in_one_line(tiny_pair,
 
 
 def test_a_data_cache_that_cannot_be_read_back_is_made_again(tiny_pair, tmp_path, capsys):
-    """A data cache in the work dir that is truncated, empty, not such a cache, or (as an
-    ordinary user) one this process may not read was a traceback from torch.load; it is made
-    again, said in a WARNING line, and the run trains on the same data."""
+    """A data cache in the work dir that is truncated, empty, not such a cache, holds other
+    pickled objects (nothing in it is run: it was unpickled whole), or (as an ordinary user)
+    one this process may not read was a traceback from torch.load; it is made again, said in
+    a WARNING line, and the run trains on the same data."""
 
     from test_errors import _as_an_ordinary_user
 
@@ -2489,7 +2490,11 @@ def test_a_data_cache_that_cannot_be_read_back_is_made_again(tiny_pair, tmp_path
     [cache] = Path(cfg.work_dir).glob("data-*.pt")
     whole = cache.read_bytes()
     torch.save([1, 2], tmp_path / "list.pt")
-    for damaged in (whole[:100], b"", (tmp_path / "list.pt").read_bytes()):
+    # (one holding other objects, whose unpickling runs code: read with weights_only, so not run, and made again)
+    ran = tmp_path / "ran"
+    blob = torch.load(cache, weights_only=True)
+    torch.save({**blob, "notes": [_RunsCode(str(ran))]}, tmp_path / "planted.pt")
+    for damaged in (whole[:100], b"", (tmp_path / "list.pt").read_bytes(), (tmp_path / "planted.pt").read_bytes()):
         cache.write_bytes(damaged)
         said = []
         again, _, _ = prepare_data(cfg, Path(target), tok, said.append)
@@ -2498,6 +2503,7 @@ def test_a_data_cache_that_cannot_be_read_back_is_made_again(tiny_pair, tmp_path
         said.clear()
         prepare_data(cfg, Path(target), tok, said.append)
         assert f"data: loaded {cache}" in said and not any("WARNING" in s for s in said), said
+    assert not ran.exists()
     prefix = _as_an_ordinary_user(tmp_path)
     work = tmp_path / "work"
     argv = ["train", "--target", str(target), "--data", str(data), "--out", str(tmp_path / "out"), "--work-dir", str(work),

@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from ..cli import set_threads, warn_compile
-    from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine
+    from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine, is_shipped_target
     from .batching import batch_plot, batch_size_bench, batch_table, check_batch_fits
     from ..batch import check_draft_max_batch_size
     from .modes import ALL_MODES, divergences, load_prompts, run_modes
@@ -257,6 +257,8 @@ def _run(args: argparse.Namespace) -> int:
     from .sweep import check_sweep_fits, context_sweep
 
     set_threads(args)
+    if args.draft is None and is_shipped_target(args.target):  # (named by its path: the shipped pair, as without it)
+        args.target = None
     if isinstance(args.max_new_tokens, int) and args.max_new_tokens < 2:  # (no round to time, no tok/s or tau)
         raise DFlashError(f"--max-new-tokens must be >= 2 for bench, got {args.max_new_tokens}: the first token comes "
                           "from the prefill, so with fewer there is no decoding round to time")
@@ -274,7 +276,7 @@ def _run(args: argparse.Namespace) -> int:
                                    ("--draft-mode", args.draft_mode is not None)) if on]
     if given:
         raise DFlashError(f"bench picks target-only / inject / recompute / compiled runs with --modes; drop "
-                          f"{' and '.join(given)}")
+                          f"{', '.join(given[:-1]) + ' and ' if len(given) > 1 else ''}{given[-1]}")
     if args.max_context is not None:
         raise DFlashError("bench sizes the context from the prompts and --max-new-tokens; drop --max-context")
     if args.prefill_chunk is not None:
@@ -481,6 +483,8 @@ def _run(args: argparse.Namespace) -> int:
     except (OSError, ImportError) as e:  # (the results are in bench.json already; it lists no plot then)
         report["plots"] = []
         _write_report(report, out)
+        for name in ("modes.png", "sweep.png", "batch_sizes.png"):  # (an earlier run's, or one half written)
+            (out / name).unlink(missing_ok=True)
         if isinstance(e, ImportError):  # (matplotlib not installed, or built for another numpy)
             raise DFlashError(f"wrote {out / 'bench.json'}, but cannot draw the plots: matplotlib cannot be imported "
                               f"({first_line(e)}); pip install --upgrade matplotlib") from None

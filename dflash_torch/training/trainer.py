@@ -601,7 +601,8 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> dict:
         note(f"data: left out {d} (this run's --out or --work-dir) and everything below it")
     if corpus.skipped:
         n = len(corpus.skipped)
-        note(f"data: skipped {n} file{'s' * (n != 1)} that {'are' if n != 1 else 'is'} not UTF-8 text, e.g. {corpus.skipped[0]}")
+        note(f"data: skipped {n} file{'s' * (n != 1)} that {'are' if n != 1 else 'is'} not UTF-8 text"
+             f"{', e.g.' if n != 1 else ':'} {corpus.skipped[0]}")
     stream = tokenize_documents(tokenizer, corpus.documents)
     has_turn = [any(t["role"] == "assistant" for t in m) for m in corpus.conversations]
     replied = [i for i, h in enumerate(has_turn) if h]
@@ -660,7 +661,7 @@ def _load_data_cache(cache: Path, log) -> dict | None:
     be read back (this process may not read it; truncated, empty, not such a cache), said to
     ``log`` as a WARNING: it is made again."""
     try:
-        blob = torch.load(cache, weights_only=False)
+        blob = torch.load(cache, weights_only=True)  # (tensors and plain values: a pickle of other objects could run code)
         if not (isinstance(blob, dict) and {"stream", "chat", "distilled", "notes", "stats"} <= blob.keys()):
             raise ValueError("not a data cache")
     except Exception as exc:  # (torch.load raises many types for a damaged file)
