@@ -135,7 +135,7 @@ def download(name: str, cached: str | None = None) -> Path:
             it has no ``config.json``, or no safetensors weights (naming ``.bin`` ones); any
             other failure of the download (naming it), e.g. a full disk.
     """
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import HfApi, constants, snapshot_download
 
     repo, revision = split_revision(name)
     if constants.HF_HUB_OFFLINE:
@@ -149,7 +149,8 @@ def download(name: str, cached: str | None = None) -> Path:
     finished = threading.Event()  # (not Thread.is_alive: a Ctrl-C in join() marks a running thread stopped)
 
     def fetch() -> None:
-        try:
+        try:  # (asked first, once: snapshot_download retries a Hub out of reach for ~25 s, for a commit hash)
+            HfApi().model_info(repo, revision=revision)
             done["dir"] = snapshot_download(repo_id=repo, revision=revision, allow_patterns=HUB_FILES,
                                             ignore_patterns=HUB_SKIPPED)
         except BaseException as exc:  # (handed to the caller)
@@ -190,7 +191,8 @@ def _reason(exc: Exception, revision: str | None = None, cached: str | Path | No
     if isinstance(exc, LocalEntryNotFoundError) or _unreachable(cause):
         return ("the Hub cannot be reached" + (f" ({type(cause).__name__}: {first_line(cause)})" if cause else "")
                 + (f", and the Hugging Face cache holds it incomplete ({cached})" if cached
-                   else ", and it is not in the Hugging Face cache"))
+                   else ", and it is not in the Hugging Face cache" if revision is None
+                   else f", and its revision {revision!r} is not in the Hugging Face cache"))
     return f"{type(exc).__name__}: {first_line(exc)}"  # (a full disk, ...: huggingface_hub's own message)
 
 

@@ -201,6 +201,8 @@ def test_a_revision_of_a_hub_id_is_downloaded_then_read_from_the_cache(cli, hub,
     ("acme/target", {"HF_ENDPOINT": "http://127.0.0.1:9"}, "cannot download model 'acme/target' from the Hugging "
                                                            "Face Hub: the Hub cannot be reached (ConnectError"),
     ("acme/target", {"HF_HUB_OFFLINE": "1"}, "is not in the Hugging Face cache; HF_HUB_OFFLINE is set"),
+    # (a commit hash with the Hub out of reach: said at once, its file list was retried for 25 s)
+    (f"acme/target@{'ab' * 20}", {"HF_ENDPOINT": "http://127.0.0.1:9"}, "the Hub cannot be reached (ConnectError"),
     # (an HTTP error is not "cannot be reached", in one line)
     ("acme/teapot", {}, "cannot download model 'acme/teapot' from the Hugging Face Hub: http://127.0.0.1:"),
     # (.bin weights are not downloaded: named, with how to convert them)
@@ -227,7 +229,9 @@ def test_a_hub_id_that_cannot_be_downloaded_is_one_line(hub, tmp_path, model, en
     assert message in last, got.stderr
     assert "Traceback" not in got.stderr
     if "cannot be reached" in message:  # (not "set HF_HUB_OFFLINE=1 to use only the cache", which holds nothing of it)
-        assert last.endswith(", and it is not in the Hugging Face cache"), last
+        assert last.endswith(", and it is not in the Hugging Face cache" if "@" not in model else
+                             f", and its revision '{'ab' * 20}' is not in the Hugging Face cache"), last
+    assert "Retrying" not in got.stderr, got.stderr
     if model == "acme/teapot":
         assert "answered" in last and "418" in last and "cannot be reached" not in last, last
     if model in ("acme/target@", "acme/a..b@v2", "solo"):  # (not a download that failed)
