@@ -517,11 +517,20 @@ def error_message(exc: DFlashError, flags: dict[str, str]) -> str:
     return message
 
 
+# the packages whose import name is not their name on PyPI, among those dflash-torch's dependencies import
+_PYPI_NAMES = {"yaml": "PyYAML", "PIL": "pillow", "dateutil": "python-dateutil"}
+
+
 def import_error_message(exc: ImportError) -> str:
-    """The error line for ``exc``, a package dflash-torch imports that is not installed (or
-    cannot be imported: built for another numpy, ...), with what to install."""
-    if isinstance(exc, ModuleNotFoundError) and exc.name:
-        package = exc.name.split(".")[0]
+    """The error line for ``exc``, a package dflash-torch imports that is not installed (the
+    module missing, found among the errors that led to it: transformers' lazy imports raise
+    another one) or that cannot be imported (built for another numpy, ...), with what to install."""
+    missing, seen = exc, 0
+    while missing is not None and not (isinstance(missing, ModuleNotFoundError) and missing.name) and seen < 8:
+        missing, seen = missing.__cause__ or missing.__context__, seen + 1
+    if isinstance(missing, ModuleNotFoundError) and missing.name:
+        module = missing.name.split(".")[0]
+        package = _PYPI_NAMES.get(module, module)
         return f"the Python package {package!r} is not installed, and dflash-torch needs it: pip install {package}"
     return f"a Python package dflash-torch needs cannot be imported ({first_line(exc)}); reinstall it"
 

@@ -315,17 +315,23 @@ def test_cli_imports_no_http_stack_until_serve_runs():
 
 
 def test_a_missing_dependency_is_one_line_naming_it_for_every_command():
-    """Without a package dflash-torch needs (here psutil, as if uninstalled), every command is one
-    line naming it and how to install it, exit 1: ``train`` vanished from the commands ("invalid
-    choice: 'train'") and ``generate`` was a ModuleNotFoundError traceback (trial-169)."""
-    code = ("import sys; sys.modules['psutil'] = None; from dflash_torch.cli import main; "
-            "print(main(sys.argv[1:]))")
-    for args in (["train", "--help"], ["generate", "x", "--max-new-tokens", "1"]):
-        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+    """Without a package dflash-torch needs (here psutil, or tokenizers, as if uninstalled),
+    every command is one line naming it and how to install it, exit 1: ``train`` vanished from
+    the commands ("invalid choice: 'train'") and ``generate`` was a ModuleNotFoundError
+    traceback (trial-169); tokenizers, missing behind transformers' lazy import of
+    AutoTokenizer, was named by neither (trial-173)."""
+    code = ("import sys; sys.modules[sys.argv[1]] = None; from dflash_torch.cli import main; "
+            "print(main(sys.argv[2:]))")
+    for module, args in (("psutil", ["train", "--help"]), ("psutil", ["generate", "x", "--max-new-tokens", "1"]),
+                         ("tokenizers", ["generate", "x", "--max-new-tokens", "1"])):
+        proc = subprocess.run([sys.executable, "-c", code, module, *args], capture_output=True, text=True, timeout=120,
                               env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0 and proc.stdout == "1\n", (proc.stdout, proc.stderr)
-        assert proc.stderr == ("dflash-torch: error: the Python package 'psutil' is not installed, and dflash-torch "
-                               "needs it: pip install psutil\n"), proc.stderr
+        assert proc.stderr == (f"dflash-torch: error: the Python package {module!r} is not installed, and dflash-torch "
+                               f"needs it: pip install {module}\n"), proc.stderr
+    from dflash_torch.cli import import_error_message  # (a module whose PyPI name is another)
+
+    assert import_error_message(ModuleNotFoundError("No module named 'yaml'", name="yaml")).endswith("pip install PyYAML")
 
 
 def test_long_flags_are_not_taken_abbreviated(cli):
