@@ -218,6 +218,11 @@ def _check_start(engine, start: list[dict], kwargs: dict) -> None:
     except DFlashError as exc:
         if isinstance(exc, OptionError) and "chat_template_kwargs" in exc.names:
             raise  # (about --chat-template-kwargs, named as that flag: not about --system)
+        if start:
+            try:  # (the template refuses the turn without --system too: not --system's doing)
+                engine.encode_prompt([{"role": "user", "content": "hi"}], True, kwargs["chat_template_kwargs"])
+            except DFlashError:
+                start = []
         raise DFlashError(f"--system: {exc}" if start else str(exc)) from None
     if kwargs["max_new_tokens"] is None:  # (the default, cut to the room: at least a token, or --min-tokens)
         need = max(1, kwargs["min_tokens"])

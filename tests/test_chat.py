@@ -257,6 +257,9 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path, monkeypatch, capsys)
     pair = ["--target", str(target), "--draft", str(drafter), "--dtype", "float32"]
     refusing = shutil.copytree(target, tmp_path / "refusing")
     (refusing / "chat_template.jinja").write_text(REFUSING_TEMPLATE)
+    booming = shutil.copytree(target, tmp_path / "booming")  # (refuses any turn where a variable is set)
+    (booming / "chat_template.jinja").write_text("{% if boom %}{{ raise_exception('boom is set') }}{% endif %}"
+                                                 "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     long_system = len(engine.encode_prompt([{"role": "system", "content": "be brief " * 700},
                                             {"role": "user", "content": "hi"}], chat=True))
     least = len(engine.encode_prompt([{"role": "user", "content": "hi"}], chat=True))  # (no --system)
@@ -286,6 +289,9 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path, monkeypatch, capsys)
                          "--system leaves no room for a turn: with a one-word message the prompt takes "),
                         (["--target", str(refusing), "--no-draft", "--system", "be brief"],
                          "--system: the chat template refuses these messages: System role not supported"),
+                        # (refused without --system too: not said to be --system's doing, trial-173)
+                        (["--target", str(booming), "--no-draft", "--system", "be brief", "--chat-template-kwargs",
+                          '{"boom": true}'], "the chat template refuses these messages: boom is set"),
                         # (at the target's own context: no advice to raise --max-context, which cannot go higher)
                         (["--system", "be brief " * 700], f"--system leaves no room for a turn: with a one-word message "
                          f"the prompt takes {long_system} tokens, and with a new token that exceeds the context of 1024 "
