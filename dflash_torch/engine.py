@@ -763,7 +763,8 @@ class DFlashEngine:
         """
         bad = [t for t in token_ids if not 0 <= t < self.target.config.vocab_size]
         if bad:
-            raise DFlashError(f"token id {shown(bad[0])} is outside the vocabulary [0, {self.target.config.vocab_size})")
+            what = f"{bad[0]}" if -10**20 < bad[0] < 10**20 else f"({shown(bad[0])})"
+            raise DFlashError(f"token id {what} is outside the vocabulary [0, {self.target.config.vocab_size})")
         if skip:
             token_ids = [t for t in token_ids if t not in skip]
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
