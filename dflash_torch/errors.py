@@ -58,12 +58,13 @@ def shown(value) -> str:
 
 
 def unprintable(value, depth: int = 0) -> bool:
-    """Whether ``value`` is, or holds (in a list, tuple, set or dict, two levels down), an integer
-    of over about 3,900 digits, which an error message could not print (see :func:`shown`)."""
+    """Whether ``value`` is, or holds (in a list, tuple, set or dict's values, two levels down), an
+    integer of over about 3,900 digits, which an error message could not print (see :func:`shown`;
+    dict keys, ``logit_bias``'s token ids, are shown by it where their check names them)."""
     if isinstance(value, int):
         return value.bit_length() > 13_000
     if depth < 2 and isinstance(value, (list, tuple, set, frozenset)):
         return any(unprintable(v, depth + 1) for v in value)
     if depth < 2 and isinstance(value, dict):
-        return any(unprintable(k, depth + 1) or unprintable(v, depth + 1) for k, v in value.items())
+        return any(unprintable(v, depth + 1) for v in value.values())
     return False

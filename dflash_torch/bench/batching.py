@@ -118,10 +118,11 @@ def _batch_decoder(target: TargetModel, drafter: DFlashDrafter | None, n: int, m
 def batch_caches_bytes(target: TargetModel, drafter: DFlashDrafter | None, n: int, max_context: int,
                        block_size: int | None = None) -> int:
     """Bytes of the caches of the batch decoder of one row at batch size ``n`` (see
-    :func:`batch_size_bench`: prefix reuse off, the default prefill chunk of 256), counted as
-    :class:`~dflash_torch.batch.BatchDecoder` counts them before it allocates them."""
+    :func:`batch_size_bench`: prefix reuse off, the default prefill chunk of 256, at most
+    ``max_context``), counted as :class:`~dflash_torch.batch.BatchDecoder` counts them before it
+    allocates them."""
     B = block_size or (drafter.config.block_size if drafter is not None else 1)
-    chunk = 256
+    chunk = min(256, max_context)
     return cache_bytes(target, drafter if drafter is not None and B > 1 else None, n,
                        max_context + max(2 * B, chunk) + 1, max(B, chunk), False, max(B, chunk, BACKLOG_ROWS + B))
 
