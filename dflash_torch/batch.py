@@ -111,7 +111,7 @@ from .checkpoint import available_memory
 from .decoding import (Round, check_models, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs, tag_compile_caches,
                        without_shape_plans)
 from .draft_policy import DraftPolicy
-from .errors import DFlashError, OptionError
+from .errors import DFlashError, OptionError, shown
 from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
@@ -140,7 +140,7 @@ def check_draft_max_batch_size(value, *, drafter: bool = True, draft_mode: str =
     if value is None:
         return value
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise OptionError(f"draft_max_batch_size must be an integer >= 1 or 'auto', got {value!r}",
+        raise OptionError(f"draft_max_batch_size must be an integer >= 1 or 'auto', got {shown(value)}",
                           "draft_max_batch_size")
     if not drafter:
         raise OptionError("draft_max_batch_size has no effect without a drafter (no_draft: every round is "
@@ -163,7 +163,7 @@ def check_prefix_slots(value, reuse_prefix: bool = True, draft_mode: str = "inje
     """
     value = plain(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise OptionError(f"prefix_slots must be an integer >= 0, got {value!r}", "prefix_slots")
+        raise OptionError(f"prefix_slots must be an integer >= 0, got {shown(value)}", "prefix_slots")
     if value and not reuse_prefix:
         raise OptionError("prefix_slots hold retained prefixes, which reuse_prefix off never keeps; drop it",
                           "prefix_slots", "reuse_prefix")
@@ -181,7 +181,7 @@ def check_max_batch_size(value, name: str = "max_batch_size") -> int:
     """
     value = plain(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise OptionError(f"{name} must be an integer >= 1, got {value!r}", name)
+        raise OptionError(f"{name} must be an integer >= 1, got {shown(value)}", name)
     return value
 
 

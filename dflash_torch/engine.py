@@ -19,6 +19,7 @@ import gc
 import inspect
 import json
 import logging
+import operator
 import os
 import threading
 import time
@@ -802,7 +803,18 @@ class DFlashEngine:
         the vocabulary: the text it adds after a plain word, so a SentencePiece word-start
         piece ``▁the`` is ``b" the"`` (decoded alone, its space is dropped as at the start
         of a text). Added tokens: the UTF-8 of :meth:`decode` of the token alone.
+
+        Raises:
+            DFlashError: ``token_id`` is not an integer in ``[0, vocab_size)``.
         """
+        vocab = self.target.config.vocab_size
+        try:
+            valid = not isinstance(token_id, bool) and 0 <= operator.index(token_id) < vocab
+        except TypeError:
+            valid = False
+        if not valid:  # (a huge one was an OverflowError of the tokenizer)
+            raise DFlashError(f"token_id must be a token id, an integer in [0, {vocab}), got {shown(token_id)}")
+        token_id = operator.index(token_id)
         if token_id in self.tokenizer.added_tokens_decoder:
             return self._decode([token_id]).encode("utf-8")
         if self._byte_values is not None:

@@ -54,7 +54,10 @@ def shown(value) -> str:
     which would turn the message itself into a ``ValueError``)."""
     if isinstance(value, int) and not -10**20 < value < 10**20:
         return f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
-    return repr(value)
+    try:
+        return repr(value)
+    except ValueError:  # (a list or dict holding such an integer)
+        return f"a {type(value).__name__} holding an integer too long to print"
 
 
 def unprintable(value, depth: int = 0) -> bool:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import DFlashError, OptionError
+from .errors import DFlashError, OptionError, shown
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -134,7 +134,7 @@ def check_count(value, name: str) -> int:
     """A count: an integer >= 1 (a NumPy integer too, returned as a Python int)."""
     value = plain(value)
     if not _is_int(value) or value < 1:
-        raise OptionError(f"{name} must be an integer >= 1, got {value!r}", name)
+        raise OptionError(f"{name} must be an integer >= 1, got {shown(value)}", name)
     return value
 
 
@@ -146,7 +146,7 @@ def check_threads(value, name: str = "threads") -> int:
     if cpus is None:
         return check_count(value, name)
     if not _is_int(value) or not 1 <= value <= cpus:
-        raise OptionError(f"{name} must be an integer in [1, {cpus}] (this machine's CPUs), got {value!r}", name)
+        raise OptionError(f"{name} must be an integer in [1, {cpus}] (this machine's CPUs), got {shown(value)}", name)
     return value
 
 
@@ -191,7 +191,7 @@ def check_max_context(value, config, name: str = "max_context") -> int:
     value = plain(value)
     if value is not None and (not _is_int(value) or not MIN_CONTEXT <= value <= limit):
         raise OptionError(f"{name} must be an integer in [{MIN_CONTEXT}, {limit}] (the target's "
-                          f"context: {source}), got {value!r}", name)
+                          f"context: {source}), got {shown(value)}", name)
     return limit if value is None else value
 
 
@@ -212,8 +212,8 @@ def check_prompt_ids(prompt_ids: list[int], config, max_new_tokens: int, max_con
         raise DFlashError(f"prompt token ids must be a list of integers, got a {type(prompt_ids).__name__} "
                           "(convert it with list(...), or .tolist() for a tensor)")
     if any(isinstance(t, bool) or not hasattr(t, "__index__") for t in prompt_ids):
-        shown = prompt_ids if isinstance(prompt_ids, (str, list)) and len(prompt_ids) <= 8 else type(prompt_ids).__name__
-        raise DFlashError(f"prompt token ids must be integers, got {shown!r}")
+        what = prompt_ids if isinstance(prompt_ids, (str, list)) and len(prompt_ids) <= 8 else type(prompt_ids).__name__
+        raise DFlashError(f"prompt token ids must be integers, got {shown(what)}")
     vocab_size = config.vocab_size
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
@@ -281,7 +281,7 @@ def check_block_size(value, trained: int | None, name: str = "block size") -> in
         return value
     if value is not None and (not _is_int(value) or not 1 <= value <= trained):
         raise OptionError(f"{name} must be an integer in [1, {trained}] (the drafter's trained block size), "
-                          f"got {value!r}", name)
+                          f"got {shown(value)}", name)
     return value
 
 
@@ -298,7 +298,7 @@ def resolve_dtype(value: str | torch.dtype, name: str = "dtype", device: str | t
     if isinstance(value, torch.dtype):
         value = str(value).removeprefix("torch.")
     if not isinstance(value, str):
-        raise OptionError(f"{name} must be a name such as 'float32' or 'bfloat16', got {value!r}", name)
+        raise OptionError(f"{name} must be a name such as 'float32' or 'bfloat16', got {shown(value)}", name)
     key = value.strip().lower().removeprefix("torch.")  # (str(torch.float32) names it so)
     key = _DTYPE_ALIASES.get(key, key)
     if key == "auto":
@@ -313,7 +313,7 @@ def resolve_dtype(value: str | torch.dtype, name: str = "dtype", device: str | t
 def resolve_device(value: str | torch.device, name: str = "device") -> torch.device:
     """``cpu``, ``cuda`` or ``cuda:N`` (CUDA must be available)."""
     if not isinstance(value, (str, torch.device)):
-        raise OptionError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {value!r}", name)
+        raise OptionError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {shown(value)}", name)
     try:
         dev = torch.device(value)
     except RuntimeError:
@@ -388,7 +388,7 @@ def check_stop_token_ids(value: int | Sequence[int] | None, vocab_size: int, nam
     if _is_int(value):
         value = [value]
     if not isinstance(value, (list, tuple, set, frozenset)) or not all(_is_int(t) for t in value):
-        raise OptionError(f"{name} must be an integer or a list of integers, got {value!r}", name)
+        raise OptionError(f"{name} must be an integer or a list of integers, got {shown(value)}", name)
     bad = [t for t in value if not 0 <= t < vocab_size]
     if bad:
         raise OptionError(f"{name} must be in [0, {vocab_size}) (the vocabulary), got {bad[0]}", name)
@@ -398,7 +398,7 @@ def check_stop_token_ids(value: int | Sequence[int] | None, vocab_size: int, nam
 def check_flag(value, name: str) -> bool:
     """A yes/no option: True or False (a truthy string such as "false" would read as True)."""
     if not isinstance(value, bool):
-        raise OptionError(f"{name} must be True or False, got {value!r}", name)
+        raise OptionError(f"{name} must be True or False, got {shown(value)}", name)
     return value
 
 
@@ -414,7 +414,7 @@ def check_prompt_logprobs(value, name: str = "prompt_logprobs") -> int | None:
     from .sampling import MAX_LOGPROBS  # (sampling imports this module's neighbours; late to keep imports acyclic)
 
     if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-        raise OptionError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
+        raise OptionError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {shown(value)}", name)
     return value
 
 
@@ -424,7 +424,7 @@ def check_prompt_position(value, prompt_tokens: int, name: str, counted: bool = 
     ``counted``: the message says how many tokens the prompt has."""
     if value is not None and (not _is_int(value) or not 0 < value <= prompt_tokens):
         where = f"the prompt's {prompt_tokens} tokens, " if counted else ""
-        raise OptionError(f"{name} must be None or a position in {where}(0, {prompt_tokens}], got {value!r}", name)
+        raise OptionError(f"{name} must be None or a position in {where}(0, {prompt_tokens}], got {shown(value)}", name)
     return value
 
 
@@ -435,7 +435,7 @@ def check_choice(value, choices: tuple[str, ...], name: str) -> str:
         OptionError: any other value (``{name} must be one of a, b, got 'x'``).
     """
     if value not in choices:
-        raise OptionError(f"{name} must be one of {', '.join(choices)}, got {value!r}", name)
+        raise OptionError(f"{name} must be one of {', '.join(choices)}, got {shown(value)}", name)
     return value
 
 
@@ -508,7 +508,7 @@ def check_keepalive(value, name: str = "sse_keepalive") -> float:
         OptionError: any other value.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-        raise OptionError(f"{name} must be a number of seconds >= 0 (0 = no keep-alive), got {value!r}", name)
+        raise OptionError(f"{name} must be a number of seconds >= 0 (0 = no keep-alive), got {shown(value)}", name)
     return float(value)
 
 
@@ -524,7 +524,7 @@ def check_chat_template_kwargs(value, reserved: Sequence[str] = (), name: str = 
     if value is None:
         return None
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise OptionError(f"{name} must be an object (a dict) with string keys, got {value!r}", name)
+        raise OptionError(f"{name} must be an object (a dict) with string keys, got {shown(value)}", name)
     taken = sorted(set(value) & set(reserved))
     if taken:
         raise OptionError(f"{name} cannot set {', '.join(taken)} (an argument of the chat template call itself)", name)
@@ -544,7 +544,7 @@ def check_tools(value, name: str = "tools") -> list[dict] | None:
     if value is None or (isinstance(value, (list, tuple)) and not value):
         return None
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, dict) for t in value):
-        raise OptionError(f"{name} must be a list of objects (dicts), got {value!r}"[:300], name)
+        raise OptionError(f"{name} must be a list of objects (dicts), got {shown(value)}"[:300], name)
     named: dict[str, int] = {}  # function name -> the index of its first tool
     for i, tool in enumerate(value):
         fn = tool.get("function")
@@ -571,19 +571,19 @@ def _check_parameters(params, where: str, name: str) -> None:
         raise OptionError(f"{where}{what}"[:300], name)
 
     if not isinstance(params, dict):
-        fail(f" must be a JSON Schema object, got {params!r}")
+        fail(f" must be a JSON Schema object, got {shown(params)}")
     kind = params.get("type", "object")
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         fail(f" must be the JSON Schema of an object (type \"object\"), got type {params['type']!r}")
     props = params.get("properties", {})
     if not isinstance(props, dict):
-        fail(f".properties must be an object of parameter schemas, got {props!r}")
+        fail(f".properties must be an object of parameter schemas, got {shown(props)}")
     for key, schema in props.items():
         if not isinstance(schema, (dict, bool)):
-            fail(f".properties.{key} must be a JSON Schema (an object), got {schema!r}")
+            fail(f".properties.{key} must be a JSON Schema (an object), got {shown(schema)}")
         kinds = schema.get("type") if isinstance(schema, dict) else None
         if kinds is not None and not all(k in JSON_TYPES for k in (kinds if isinstance(kinds, list) else [kinds])):
-            fail(f".properties.{key}.type must name JSON types ({', '.join(JSON_TYPES)}), got {kinds!r}")
+            fail(f".properties.{key}.type must name JSON types ({', '.join(JSON_TYPES)}), got {shown(kinds)}")
     required = params.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-        fail(f".required must be a list of parameter names, got {required!r}")
+        fail(f".required must be a list of parameter names, got {shown(required)}")

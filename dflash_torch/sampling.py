@@ -116,42 +116,42 @@ class SamplingParams:
     def __post_init__(self):
         t = _real(self.temperature)
         if t is None or not math.isfinite(t) or t < 0:
-            raise OptionError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
+            raise OptionError(f"temperature must be a finite number >= 0, got {shown(self.temperature)}", "temperature")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise OptionError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}", "top_k")
+            raise OptionError(f"top_k must be an integer >= -1 (0 or -1 = off), got {shown(self.top_k)}", "top_k")
         if self.top_k == -1:  # (vLLM's and the OpenAI server's spelling of off)
             object.__setattr__(self, "top_k", 0)
         p = _real(self.top_p)
         if p is None or not (0 < p <= 1):
-            raise OptionError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+            raise OptionError(f"top_p must be in (0, 1], got {shown(self.top_p)}", "top_p")
         m = _real(self.min_p)
         if m is None or not 0 <= m <= 1:
-            raise OptionError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}", "min_p")
+            raise OptionError(f"min_p must be in [0, 1] (0 = off), got {shown(self.min_p)}", "min_p")
         object.__setattr__(self, "min_p", m)
         object.__setattr__(self, "temperature", t)  # floats from here on (an int such as 10**30 would overflow torch)
         object.__setattr__(self, "top_p", p)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(2**63) <= self.seed < 2**64):
-            raise OptionError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
+            raise OptionError(f"seed must be an integer in [-2**63, 2**64), got {shown(self.seed)}", "seed")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise OptionError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
+            raise OptionError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {shown(self.logprobs)}", "logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             x = _real(getattr(self, name))
             if x is None or not -2 <= x <= 2:
-                raise OptionError(f"{name} must be a number in [-2, 2], got {getattr(self, name)!r}", name)
+                raise OptionError(f"{name} must be a number in [-2, 2], got {shown(getattr(self, name))}", name)
             object.__setattr__(self, name, x)
         r = _real(self.repetition_penalty)
         if r is None or not math.isfinite(r) or r <= 0:
             raise OptionError(f"repetition_penalty must be a finite number > 0 (1 = off), got "
-                              f"{self.repetition_penalty!r}", "repetition_penalty")
+                              f"{shown(self.repetition_penalty)}", "repetition_penalty")
         object.__setattr__(self, "repetition_penalty", r)
         object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise OptionError(f"min_tokens must be an integer >= 0 (0 = off), got {self.min_tokens!r}", "min_tokens")
+            raise OptionError(f"min_tokens must be an integer >= 0 (0 = off), got {shown(self.min_tokens)}", "min_tokens")
         ids = self.min_tokens_ids
         if not isinstance(ids, (set, frozenset, list, tuple)) or not all(_is_token_id(t) for t in ids):
-            raise OptionError(f"min_tokens_ids must be a set of token ids (integers >= 0), got {ids!r}", "min_tokens_ids")
+            raise OptionError(f"min_tokens_ids must be a set of token ids (integers >= 0), got {shown(ids)}", "min_tokens_ids")
         object.__setattr__(self, "min_tokens_ids", frozenset(ids))
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise OptionError(f"grammar must be a compiled structured_output (dflash_torch.structured.Grammar), got "
@@ -233,7 +233,7 @@ def generation_defaults(config: dict, where: str = "generation_config.json") -> 
         raise DFlashError(f"{where}: {exc}") from None  # (a file's field: not an option to rename as a flag)
     n = out.get("max_new_tokens")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise DFlashError(f"{where}: max_new_tokens must be an integer >= 1, got {n!r}")
+        raise DFlashError(f"{where}: max_new_tokens must be an integer >= 1, got {shown(n)}")
     return out
 
 
@@ -260,7 +260,7 @@ def _check_logit_bias(bias) -> dict[int, float] | None:
     if bias is None:
         return None
     if not isinstance(bias, Mapping):
-        raise OptionError(f"logit_bias must be a mapping of token ids to biases, got {bias!r}", "logit_bias")
+        raise OptionError(f"logit_bias must be a mapping of token ids to biases, got {shown(bias)}", "logit_bias")
     out, keys = {}, {}  # (keys: token id -> the key that gave it)
     for key, value in bias.items():
         token = key
@@ -277,7 +277,7 @@ def _check_logit_bias(bias) -> dict[int, float] | None:
         keys[token] = key
         x = _real(value)
         if x is None or not -MAX_LOGIT_BIAS <= x <= MAX_LOGIT_BIAS:
-            raise OptionError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}",
+            raise OptionError(f"logit_bias values must be numbers in [-100, 100], got {shown(value)} for token {token}",
                               "logit_bias")
         out[token] = x
     return out or None

@@ -1085,6 +1085,14 @@ def test_an_integer_too_long_to_print_is_an_option_error_naming_it(engine, tiny_
             engine.decode([10**5000])
         with pytest.raises(OptionError, match="^max_context is or holds an integer of over 4,000 digits"):
             DFlashEngine.from_pretrained(tiny_pair[0], no_draft=True, max_context=10**5000)
+        # (built directly, and token_text: a ValueError, and the tokenizer's OverflowError, trial-173)
+        from dflash_torch.sampling import SamplingParams
+
+        with pytest.raises(OptionError, match="^temperature must be a finite number >= 0, got an integer of about 5001 "):
+            SamplingParams(temperature=10**5000)
+        for bad in (-10**5000, 10**30, 10**6, -1, "5", True):
+            with pytest.raises(DFlashError, match=r"^token_id must be a token id, an integer in \[0, \d+\), got "):
+                engine.token_text(bad)
 
 
 @pytest.fixture(scope="module")
