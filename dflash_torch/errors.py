@@ -36,6 +36,11 @@ class ContextLengthError(DFlashError):
     code = "context_length_exceeded"
 
 
+class ContextOptionError(OptionError, ContextLengthError):
+    """A :class:`ContextLengthError` about options (the prompt, ``max_new_tokens``,
+    ``max_context``, ``min_tokens``), named as an :class:`OptionError` names them."""
+
+
 class OutputError(Exception):
     """The command line's stdout cannot take the output (closed, or its disk full): one line
     on stderr, exit status 1 (not a user error)."""

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import DFlashError, OptionError, shown
+from .errors import ContextOptionError, DFlashError, OptionError, shown
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -224,16 +224,16 @@ def check_prompt_ids(prompt_ids: list[int], config, max_new_tokens: int, max_con
         limit = context_limit(config)
         if n_prompt < limit:  # (a longer max_context would hold it: with max_new_tokens, or with fewer)
             fewer = "" if n_prompt + max_new_tokens <= limit else " with fewer max_new_tokens"
-            raise OptionError(f"the prompt ({n_tokens(n_prompt)}) leaves no room for a new token in the context of "
-                              f"{max_context} tokens; shorten it or raise max_context (up to {limit}){fewer}",
-                              "prompt", "max_context", "max_new_tokens")
+            raise ContextOptionError(f"the prompt ({n_tokens(n_prompt)}) leaves no room for a new token in the context of "
+                                     f"{max_context} tokens; shorten it or raise max_context (up to {limit}){fewer}",
+                                     "prompt", "max_context", "max_new_tokens")
         context = "the target's context" if max_context == limit else "the context"
         beyond = "" if max_context == limit else f" (the target's context is {limit} tokens)"
-        raise OptionError(f"the prompt ({n_tokens(n_prompt)}) leaves no room for a new token in {context} of "
-                          f"{max_context} tokens; shorten it{beyond}", "prompt")
+        raise ContextOptionError(f"the prompt ({n_tokens(n_prompt)}) leaves no room for a new token in {context} of "
+                                 f"{max_context} tokens; shorten it{beyond}", "prompt")
     if n_prompt + max_new_tokens > max_context:
-        raise OptionError(f"prompt ({n_tokens(n_prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context "
-                          f"of {max_context} tokens", "max_new_tokens")
+        raise ContextOptionError(f"prompt ({n_tokens(n_prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context "
+                                 f"of {max_context} tokens", "max_new_tokens")
     return n_prompt
 
 
@@ -264,8 +264,8 @@ def check_min_tokens_room(min_tokens: int, n_prompt: int, max_context: int) -> i
     """
     room = max_context - n_prompt
     if min_tokens > room:
-        raise OptionError(f"min_tokens ({min_tokens}) exceeds the {room} tokens left in the context of {max_context} "
-                          f"tokens after the prompt ({n_tokens(n_prompt)})", "min_tokens")
+        raise ContextOptionError(f"min_tokens ({min_tokens}) exceeds the {room} tokens left in the context of {max_context} "
+                                 f"tokens after the prompt ({n_tokens(n_prompt)})", "min_tokens")
     return room
 
 

@@ -1063,6 +1063,25 @@ def test_dtype_auto_is_bfloat16_on_cuda_and_float32_elsewhere(tiny_pair):
         resolve_dtype("int8")
 
 
+def test_a_request_that_does_not_fit_the_context_is_a_context_length_error(engine):
+    """A prompt that fills the context, a prompt with max_new_tokens or min_tokens past it, or
+    one too long in characters raise dflash_torch.ContextLengthError (a DFlashError; its
+    OptionErrors still name their options), which a caller can tell from other bad requests."""
+    from dflash_torch import ContextLengthError
+
+    n = engine.max_context
+    cases = [(dict(prompt=[5] * n), "prompt"), (dict(prompt=[5] * 10, max_new_tokens=n), "max_new_tokens"),
+             (dict(prompt=[5] * (n - 4), min_tokens=10), "min_tokens"), (dict(prompt="x" * 10**6), None)]
+    for kwargs, name in cases:
+        with pytest.raises(ContextLengthError) as err:
+            engine.generate(**kwargs)
+        assert isinstance(err.value, DFlashError) and err.value.code == "context_length_exceeded"
+        assert getattr(err.value, "name", None) == name, (kwargs.keys(), err.value)
+    with pytest.raises(DFlashError) as err:
+        engine.generate([5], max_new_tokens=0)
+    assert not isinstance(err.value, ContextLengthError)
+
+
 @pytest.mark.parametrize("kwargs, name", [
     ({"max_new_tokens": 10**5000}, "max_new_tokens"), ({"temperature": -10**5000}, "temperature"),
     ({"seed": 10**5000}, "seed"), ({"stop_token_ids": [10**5000]}, "stop_token_ids"),

@@ -197,13 +197,15 @@ def test_min_tokens_above_the_room_a_prompt_leaves_names_that_room_not_a_max_tok
     ids = [66] * (ctx - 4)
     ten = room_line.replace("(20)", "(10)")  # (completions' default is 16: within it, the room is what is short)
     err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": ids, "min_tokens": 10}), 400)
-    assert (err["message"], err["param"]) == (ten.format(ctx, ctx - 4), "min_tokens"), err
+    assert (err["message"], err["param"], err["code"]) == (ten.format(ctx, ctx - 4), "min_tokens",
+                                                           "context_length_exceeded"), err  # (it had none, trial-173)
     err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": [[66] * 5, ids],
                                                                "min_tokens": 10}), 400)
     assert (err["message"], err["param"]) == ("prompt 1: " + ten.format(ctx, ctx - 4), "min_tokens"), err
     err = _assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": ids, "min_tokens": 20,
                                                                "max_tokens": 4}), 400)
     assert (err["message"], err["param"]) == ("min_tokens (20) must be at most max_tokens (4)", "min_tokens"), err
+    assert err["code"] is None  # (not about the context)
     ok = server.post("/v1/completions", {"model": MODEL, "prompt": ids, "min_tokens": 4, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4, ok.text
     # above completions' default of 16: that default is named (not "max_tokens (16)", a value never sent), and
