@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -467,6 +468,9 @@ class _Parser(argparse.ArgumentParser):
         return action
 
     def error(self, message: str):
+        # (a value argparse quotes whole, e.g. "invalid int value: '999...'": its head and length)
+        message = re.sub(r"'([^']{40})[^']{20,}'", lambda m: f"'{m.group(1)}...' ({len(m.group(0)) - 2} characters)",
+                         message)
         self.exit(2, f"dflash-torch: error: {message} (see --help)\n")
 
 

@@ -334,6 +334,15 @@ def test_a_missing_dependency_is_one_line_naming_it_for_every_command():
     assert import_error_message(ModuleNotFoundError("No module named 'yaml'", name="yaml")).endswith("pip install PyYAML")
 
 
+def test_a_value_argparse_refuses_is_quoted_short(cli):
+    """A 5,000-digit --seed (or JSON option) that argparse refuses is quoted by its head and
+    length, not whole (trial-173)."""
+    for args, refused in ((["--seed", "9" * 5000], "invalid int value: '" + "9" * 40 + "...' (5000 characters)"),
+                          (["--max-new-tokens", "x"], "invalid int value: 'x'")):
+        proc = cli("generate", "x", *args)
+        assert proc.returncode == 2 and refused in proc.stderr and len(proc.stderr) < 300, proc.stderr
+
+
 def test_long_flags_are_not_taken_abbreviated(cli):
     """A prefix of a flag is refused as unknown, in every command (argparse took ``--temp`` as
     --temperature; ``serve --chat``, a flag of generate, as --chat-template-kwargs: "expected
