@@ -150,7 +150,8 @@ def download(name: str, cached: str | None = None) -> Path:
 
     def fetch() -> None:
         try:  # (asked first, once: snapshot_download retries a Hub out of reach for ~25 s, for a commit hash)
-            HfApi().model_info(repo, revision=revision)
+            siblings = HfApi().model_info(repo, revision=revision).siblings or ()
+            done["files"] = [s.rfilename for s in siblings if "/" not in s.rfilename]
             done["dir"] = snapshot_download(repo_id=repo, revision=revision, allow_patterns=HUB_FILES,
                                             ignore_patterns=HUB_SKIPPED)
         except BaseException as exc:  # (handed to the caller)
@@ -168,7 +169,7 @@ def download(name: str, cached: str | None = None) -> Path:
             raise done["error"]
         raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: "
                           f"{_reason(done['error'], revision, cached)}")
-    return _downloaded(name, Path(done["dir"]))
+    return _downloaded(name, Path(done["dir"]), done["files"])
 
 
 def _reason(exc: Exception, revision: str | None = None, cached: str | Path | None = None) -> str:
@@ -202,28 +203,19 @@ def _unreachable(exc: BaseException | None) -> bool:
                                                   "ConnectionError", "Timeout") for c in type(exc).__mro__)
 
 
-def _downloaded(name: str, local: Path) -> Path:
+def _downloaded(name: str, local: Path, files: list[str]) -> Path:
     """``local``, the snapshot just downloaded of ``name`` (``ORG/NAME[@REVISION]``), once it is seen
-    to hold a checkpoint.
-    Where it lacks one (huggingface_hub also returns a cached snapshot it could not complete),
-    the repo's file list tells whether the Hub lacks it or could not be asked.
+    to hold a checkpoint. Where it lacks one, ``files``, the repo's top-level files as the Hub
+    listed them, tell what the repo lacks.
 
     Raises:
-        DFlashError: the Hub cannot be reached or answers an error (the snapshot incomplete);
-            no ``config.json``; no safetensors weights (naming the repo's ``.bin`` weights,
-            which are not downloaded); see :func:`~dflash_torch.checkpoint.weight_files`."""
+        DFlashError: no ``config.json``; no safetensors weights (naming the repo's ``.bin``
+            weights, which are not downloaded); see :func:`~dflash_torch.checkpoint.weight_files`."""
     from .checkpoint import weight_files
 
     if _complete(local):
         weight_files(local)  # (a shard its index names that the repo lacks: named)
         return local
-    from huggingface_hub import HfApi
-
-    repo, revision = split_revision(name)
-    try:  # (what it holds: one more request, not retried: list_repo_files retried a Hub that cannot be reached for 23 s)
-        files = [s.rfilename for s in HfApi().model_info(repo, revision=revision).siblings or () if "/" not in s.rfilename]
-    except Exception as exc:
-        raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: {_reason(exc, revision, local)}") from None
     if "config.json" not in files:
         raise DFlashError(f"model {name!r} on the Hugging Face Hub has no config.json: not a checkpoint in "
                           "Hugging Face format (config.json + safetensors)")
