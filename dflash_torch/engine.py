@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import importlib.util
 import inspect
 import json
 import logging
 import operator
 import os
+import re
 import threading
 import time
 import weakref
@@ -1744,6 +1746,30 @@ TOKENIZER_READ = (*VOCABULARY_FILES, "tokenizer_config.json", "special_tokens_ma
                   "chat_template.jinja")  # (tried when loading fails: the tokenizers library's errors do not name the file)
 
 
+def _check_sentencepiece(model_dir: Path) -> None:
+    """Refuse, in one line, a tokenizer only a SentencePiece ``tokenizer.model`` holds where the
+    sentencepiece package is not installed (an older Llama / Mistral repository without a
+    ``tokenizer.json``). transformers then logs five lines and falls back to reading the file as
+    tiktoken's, whose error says to install tiktoken, which cannot read it either. A tiktoken
+    ``tokenizer.model`` (text: a base64 token and its rank a line, as Llama 3's original one) is
+    left to transformers.
+
+    Raises:
+        DFlashError: as above, naming the package to install.
+    """
+    if any((model_dir / f).is_file() for f in ("tokenizer.json", "vocab.json")) or importlib.util.find_spec(
+            "sentencepiece") is not None:
+        return
+    try:
+        with open(model_dir / "tokenizer.model", "rb") as f:
+            head = f.read(64)
+    except OSError:  # (absent, or unreadable: as transformers finds it)
+        return
+    if head and not re.fullmatch(rb"[A-Za-z0-9+/=]+ [0-9]+\r?\n.*", head, re.DOTALL):
+        raise DFlashError(f"the tokenizer of {model_dir} is a SentencePiece tokenizer.model (no tokenizer.json beside "
+                          f"it), which needs the sentencepiece package: pip install sentencepiece")
+
+
 def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
     """The target's tokenizer via ``AutoTokenizer``.
 
@@ -1762,13 +1788,15 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
             transformers' config class refuses (AutoTokenizer reads it too; a top-level ``dtype`` /
             ``torch_dtype`` "auto", which that class alone cannot read, is read as absent), a size that does
             not fit ``vocab_size`` (see above; too few tokens names the vocabulary file where
-            there is one, else the files missing).
+            there is one, else the files missing). A SentencePiece ``tokenizer.model`` without the sentencepiece
+            package: see ``_check_sentencepiece``.
     """
     from transformers import AutoConfig, AutoTokenizer
 
     check_links(model_dir)  # (else transformers blames a missing sentencepiece for a missing tokenizer.json)
     if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
         raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    _check_sentencepiece(Path(model_dir))
     # (transformers' config class takes a dtype "auto" for a torch dtype's name and fails on torch.auto, unless
     # given a dtype, as its model loader is: the tokenizer does not depend on it)
     config_file = Path(model_dir) / "config.json"

@@ -5,6 +5,7 @@ errors as real subprocesses."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -1192,6 +1193,24 @@ def test_tokenizer_errors_come_before_any_weight_is_read(tiny_pair, tokenizer_di
     with pytest.raises(DFlashError, match=words):
         DFlashEngine.from_pretrained(copy, None if case != "no-tokenizer" else drafter,
                                      no_draft=case != "no-tokenizer")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sentencepiece") is not None, reason="sentencepiece is installed")
+@pytest.mark.parametrize("kind", ["sentencepiece", "tiktoken"])
+def test_a_sentencepiece_tokenizer_without_the_package_names_it(tiny_pair, tmp_path, kind):
+    """A tokenizer only a SentencePiece tokenizer.model holds, without the sentencepiece package:
+    one line naming the package (transformers logged five lines, fell back to tiktoken and said to
+    install tiktoken). A tiktoken tokenizer.model (text lines) is left to transformers."""
+    target, _ = tiny_pair
+    copy = tmp_path / "target"
+    copy.mkdir()
+    shutil.copy(target / "config.json", copy / "config.json")
+    (copy / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    (copy / "tokenizer.model").write_bytes(b"\n\x0e\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02" if kind == "sentencepiece"
+                                           else b"IQ== 0\nIg== 1\n")
+    with pytest.raises(DFlashError) as err:
+        DFlashEngine.from_pretrained(copy, None, no_draft=True)
+    assert ("needs the sentencepiece package: pip install sentencepiece" in str(err.value)) == (kind == "sentencepiece")
 
 
 def test_an_engine_from_a_hugging_face_id_is_named_by_it(tiny_pair, tmp_path, monkeypatch):
