@@ -1821,6 +1821,10 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
         if type(exc).__name__.startswith("StrictDataclass"):  # (its config class refused config.json: a field, or them together)
             raise DFlashError(f"transformers refuses {Path(model_dir) / 'config.json'} (AutoTokenizer reads it to load "
                               f"the tokenizer): {detail}") from None
+        if not any((Path(model_dir) / f).is_file() for f in VOCABULARY_FILES[:3]):  # (transformers' reason then
+            # advises installing sentencepiece or tiktoken, which cannot help: the vocabulary is not there)
+            raise DFlashError(f"cannot load the tokenizer of {model_dir}, which has no {', '.join(VOCABULARY_FILES[:2])} or "
+                              f"{VOCABULARY_FILES[2]} (an incomplete download?): {detail or type(exc).__name__}") from None
         raise DFlashError(f"cannot load the tokenizer of {model_dir}: {detail or type(exc).__name__}") from None
     if vocab_size is not None and len(tokenizer) > vocab_size:
         raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {vocab_size}")

@@ -1213,6 +1213,19 @@ def test_a_sentencepiece_tokenizer_without_the_package_names_it(tiny_pair, tmp_p
     assert ("needs the sentencepiece package: pip install sentencepiece" in str(err.value)) == (kind == "sentencepiece")
 
 
+def test_a_tokenizer_config_without_a_vocabulary_says_so(tiny_pair, tokenizer_dir, tmp_path):
+    """tokenizer_config.json without tokenizer.json (an interrupted download): transformers' reason
+    advised installing sentencepiece or tiktoken; the message says first which files are missing."""
+    target, _ = tiny_pair
+    copy = tmp_path / "target"
+    copy.mkdir()
+    shutil.copy(target / "config.json", copy / "config.json")
+    shutil.copy(tokenizer_dir / "tokenizer_config.json", copy / "tokenizer_config.json")
+    with pytest.raises(DFlashError, match=r"which has no tokenizer.json, tokenizer.model or vocab.json \(an incomplete "
+                                          r"download\?\)"):
+        DFlashEngine.from_pretrained(copy, None, no_draft=True)
+
+
 def test_an_engine_from_a_hugging_face_id_is_named_by_it(tiny_pair, tmp_path, monkeypatch):
     """(The name ``serve`` gives the model by default: a cached id kept only its last part,
     "tiny", and clients asking for "acme/tiny", as vLLM names it, got a 404.)"""
