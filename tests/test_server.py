@@ -876,6 +876,24 @@ def test_ignored_request_fields_are_logged_once(server):
     logged("colour_unknown", 1)
 
 
+def test_tools_a_chat_template_leaves_out_are_logged_once(server):
+    """A request's tools that the chat template does not render (this one renders roles and
+    contents only) are answered, and the log says once that the model is not told of them (an
+    agent's tools were dropped without a sign)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "tools": tools}
+    for _ in range(2):
+        assert server.post("/v1/chat/completions", chat).status_code == 200
+    for _ in range(50):
+        lines = [line for line in server.log.read_text().splitlines() if "leaves out a request's tools" in line]
+        if lines:
+            break
+        time.sleep(0.1)
+    assert lines == ["WARNING:  the chat template leaves out a request's tools (it renders the same prompt with and "
+                     "without them): the model is not told of them, and calls none unless tool_choice forces a call "
+                     "(logged once)"]
+
+
 def test_concurrent_streams_with_disconnects(server, cli_reference, capsys):
     c = server.client()
     n_clients, leavers, leave_after = 7, {1, 4, 6}, 3  # 6: non-streaming, gives up after 0.3 s

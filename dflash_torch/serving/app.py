@@ -908,6 +908,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if (err := job_error(ev)) is not None:
             raise err
 
+    tools_checked: list[bool] = []  # (whether a request with tools was rendered without them too: once per server)
+
     def prepare(prompts: list, chat: bool, requested: int | None, default: int | None,
                 template_kwargs: dict | None, tools: list[dict] | None,
                 prompt_options: dict | None = None,
@@ -926,6 +928,12 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         for i, prompt in enumerate(prompts):
             try:
                 ids = engine.encode_prompt(prompt, chat, template_kwargs, tools, **(prompt_options or {}))
+                if tools and not tools_checked:  # (the first request with tools, for a template that drops them)
+                    tools_checked.append(True)
+                    if ids == engine.encode_prompt(prompt, chat, template_kwargs, None, **(prompt_options or {})):
+                        log.warning("the chat template leaves out a request's tools (it renders the same prompt with "
+                                    "and without them): the model is not told of them, and calls none unless "
+                                    "tool_choice forces a call (logged once)")
                 if any(not 0 <= t < vocab for t in ids):  # checked for every prompt before any runs
                     raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
                 opens_reply = chat and (prompt_options or {}).get("add_generation_prompt", True)
