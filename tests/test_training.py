@@ -684,7 +684,8 @@ def test_a_mask_token_the_data_holds_is_warned(tiny_pair, tmp_path):
 def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
     """``.json`` (an array of records, one record, or JSON Lines) and ``.JSONL`` are records,
     as in .jsonl (both were read as one document of JSON text, helper-24); in a directory a
-    .json file that is not records (a package.json) stays a document; given, it is refused."""
+    .json file that is not records (a package.json) stays a document; given, it is refused. An array's
+    records are counted from 1, as JSON Lines lines are (they were from 0: trial-175)."""
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def f(): pass"}]}
     records = [{"text": "alpha"}, chat, {"text": "beta"}]
     (tmp_path / "array.json").write_text(json.dumps(records, indent=2))
@@ -697,7 +698,7 @@ def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
         assert corpus.documents == docs, name
         assert corpus.conversations == ([chat["messages"]] if name != "one.json" else []), name
     (tmp_path / "bad.json").write_text('[{"text": "x"}, {"txt": 1}]')
-    with pytest.raises(DFlashError, match=r"bad\.json: record 1: expected an object with a 'text' string"):
+    with pytest.raises(DFlashError, match=r"bad\.json: record 2: expected an object with a 'text' string"):
         read_corpus([tmp_path / "bad.json"])
     (tmp_path / "broken.json").write_text('[{"text": "x"},')
     with pytest.raises(DFlashError, match=r"broken\.json:1: not valid JSON"):
@@ -709,7 +710,7 @@ def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
     assert corpus.documents == ["alpha", "beta", '{"name": "x", "version": "1.0"}'] and len(corpus.conversations) == 1
     # records with a bad one, in a directory: refused as given (helper-28: trained on as JSON text)
     (tmp_path / "dir" / "more.json").write_text('[{"text": "a"}, {"txt": "b"}]')
-    with pytest.raises(DFlashError, match=r"more\.json: record 1"):
+    with pytest.raises(DFlashError, match=r"more\.json: record 2"):
         read_corpus([tmp_path / "dir"])
     # a message's reasoning_content is kept for the template (it was dropped)
     (tmp_path / "r.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {

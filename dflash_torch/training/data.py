@@ -224,8 +224,8 @@ def _looks_like_records(path: Path) -> bool:
 
 
 def _read_json(path: Path, corpus: Corpus) -> None:
-    """A ``.json`` file: an array of records (each named by its index), one record, else
-    JSON Lines."""
+    """A ``.json`` file: an array of records (each named by its place, counted from 1, as a
+    JSON Lines file's lines are), one record, else JSON Lines."""
     text = _decode(path.read_bytes(), path)
     try:
         whole = json.loads(text)
@@ -239,7 +239,7 @@ def _read_json(path: Path, corpus: Corpus) -> None:
             raise DFlashError(f"{path}: the JSON is nested too deeply to read") from None
         _read_jsonl(path, corpus)
         return
-    for i, rec in enumerate(whole) if isinstance(whole, list) else [(None, whole)]:
+    for i, rec in enumerate(whole, 1) if isinstance(whole, list) else [(None, whole)]:
         _add_record(rec, f"{path}" + ("" if i is None else f": record {i}"), corpus)
 
 

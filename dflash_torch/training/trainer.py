@@ -426,12 +426,13 @@ def ignored_interrupt():
             signal.signal(signal.SIGINT, previous)
 
 
-CACHE_FORMAT = 9  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
+CACHE_FORMAT = 10  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
 # 5: no reply span inside the turns before it; messages as the engine takes them (parts, tool calls, names);
 # 6: replies found by their contents; 7: spans checked against the messages' contents (none on a user's text);
 # 8: each reply's closing marker in its span (a reply ending in a line end or ">"); an opening reply's span at its place;
 # gpt-oss's last reasoning in its reply's span; a call's empty content left unmarked; 9: also where the template
-# writes the marked conversation otherwise (Qwen3's line end before a call after a content); a </s> taken alone
+# writes the marked conversation otherwise (Qwen3's line end before a call after a content); a </s> taken alone;
+# 10: a .json array's records named from 1 in the notes (as JSON Lines lines)
 """Version of the tokenized-data cache; part of its key (bump when tokenization changes)."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
