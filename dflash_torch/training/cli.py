@@ -196,8 +196,11 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
                               "--work-dir, or pass --overwrite to replace it")
         if (work / CHECKPOINT).exists():
             raise DFlashError(f"{work} holds a training checkpoint: pass --resume to continue it or --overwrite to start over")
-        if out.is_dir() and any(f.name == "config.json" or STALE_WEIGHTS.fullmatch(f.name) for f in out.iterdir()):
-            raise DFlashError(f"--out {args.out} already holds a checkpoint: pass --overwrite to replace it")
+        found = sorted(f.name for f in out.iterdir() if f.name == "config.json" or STALE_WEIGHTS.fullmatch(f.name)) \
+            if out.is_dir() else []
+        if found:  # (it said "a checkpoint", as the work dir's checkpoint.pt to --resume: trial-175)
+            raise DFlashError(f"--out {args.out} already holds a drafter or other model ({', '.join(found[:3])}"
+                              f"{', ...' if len(found) > 3 else ''}): pass --overwrite to replace it")
     for name, path in {"--out": Path(args.out), "--work-dir": cfg.work_path()}.items():
         try:  # (made before the target loads: it failed with a traceback after; so did one it may not write)
             path.mkdir(parents=True, exist_ok=True)
