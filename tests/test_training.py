@@ -2723,11 +2723,14 @@ def test_a_checkpoint_pt_of_another_tool_is_not_called_a_training_checkpoint(tin
         "start over"]
 
 
-def test_resume_with_another_target_names_the_target_not_flags_for_its_sizes(tiny_pair, tmp_path, capsys):
+def test_resume_with_another_target_names_the_target_not_flags_for_its_sizes(tiny_pair, sentencepiece_pair, tmp_path,
+                                                                           capsys):
     """--resume with an incompatible --target listed the target's head_dim, hidden_size, ...
     "here vs in the checkpoint" as settings to give, and --target-layer-ids though it was not
     given (trial-166): it says the checkpoint was trained for another target, named, with the
-    sizes that differ, and to pass that --target; flags only for what the user set."""
+    sizes that differ, and to pass that --target; flags only for what the user set. A target
+    whose tokenizer names no mask token says so too (it asked for --mask-token-id first,
+    which the checkpoint holds: trial-175)."""
     from dflash_torch.cli import main as cli_main
 
     from conftest import make_target
@@ -2753,6 +2756,11 @@ def test_resume_with_another_target_names_the_target_not_flags_for_its_sizes(tin
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"{head}; and other settings: --num-layers 2 here, 1 in the checkpoint): pass --target {target.resolve()} "
         f"and the values of the checkpoint to continue it, {tail}")
+    sp_target, _ = sentencepiece_pair
+    assert cli_main([*args, "--target", str(sp_target), "--steps", "2", "--num-layers", "1", "--resume"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dflash-torch: error: --resume: {ckpt} was trained for another target, {target.resolve()} (vocab_size 700 "
+        f"here, 320 in the checkpoint): pass --target {target.resolve()} to continue it, {tail}")
 
 
 def test_a_run_interrupted_and_resumed_logs_the_losses_of_an_uninterrupted_one(tiny_pair, tmp_path, monkeypatch):
@@ -2794,3 +2802,50 @@ def test_a_run_interrupted_and_resumed_logs_the_losses_of_an_uninterrupted_one(t
     assert [r["step"] for r in whole["loss_history"]] == [1, 3, 4]
     assert rows(resumed) == rows(whole)
     assert resumed["final_train_loss"] == whole["final_train_loss"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "text"])
+def test_resume_of_a_damaged_checkpoint_says_so_in_one_whole_line(tiny_pair, tmp_path, capsys, damage):
+    """A truncated checkpoint.pt, or one of text, was torch's words cut at 200 characters
+    ("... there is a high likelihood that your checkpoint file is"), or its advice to
+    torch.save with an mmap option (trial-175): one line saying it is damaged and what to do."""
+    from dflash_torch.cli import main as cli_main
+
+    work, args = _one_step_run(tiny_pair[0], tmp_path)
+    ckpt = work / "checkpoint.pt"
+    if damage == "truncated":
+        torch.save({"drafter": {"w": torch.zeros(4096)}, "step": 1}, ckpt)
+        ckpt.write_bytes(ckpt.read_bytes()[:8000])
+    else:
+        ckpt.write_text("not a checkpoint\n")
+    assert cli_main([*args, "--resume"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dflash-torch: error: --resume: {ckpt} is not a whole torch checkpoint file (truncated or damaged), so it "
+        "cannot be read; leave out --resume and pass --overwrite to start over")
+
+
+def test_resuming_an_init_from_run_says_neither_a_reset_nor_flags_never_given(tiny_pair, tmp_path, capsys):
+    """A resumed --init-from run said "init: weights of DRAFTER" after "resume: step 1", as if
+    they were reset to them; without --init-from again it named the defaults of --num-layers,
+    --block-size, ... as the settings that differ, never the --init-from (trial-175)."""
+    from conftest import drafter_config, save_drafter
+
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    drafter = save_drafter(tmp_path / "d1", drafter_config(target, num_layers=1, block_size=8))
+    work, args = _one_step_run(target, tmp_path)
+    args = args[:args.index("--block-size")] + ["--init-from", str(drafter), "--no-progress"]
+    assert cli_main(args) == 0
+    assert f"init: weights of {drafter}" in capsys.readouterr().err
+    assert cli_main([*args, "--steps", "2", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "resume: step 1," in err and "init: weights" not in err, err
+    plain = [a for a in args if a not in ("--init-from", str(drafter))]
+    assert cli_main([*plain, "--steps", "3", "--resume"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith(f"dflash-torch: error: --resume: {work / 'checkpoint.pt'} was trained with another drafter "
+                           "configuration: num_hidden_layers 2 here, 1 in the checkpoint; block_size 16 here, 8 in the "
+                           "checkpoint") and "--num-layers" not in said, said
+    assert said.endswith(f": its run started with --init-from {drafter}, which set it; pass --init-from {drafter} "
+                         "again to continue it, or leave out --resume and pass --overwrite to start over"), said

@@ -838,12 +838,43 @@ class Trainer:
                                   "the drafter and its optimizer need more beyond it)") from None
             raise
         target.requires_grad_(False)
+        st, was_init = None, None
+        # (before the data is prepared, which can take long, and before the drafter config is made: the checkpoint
+        # names the mask token, and the --init-from, of its run)
+        if cfg.resume:
+            try:  # (one this process may not read; mapping a damaged one fails with OSErrors too)
+                open(ckpt_path, "rb").close()
+            except OSError as exc:
+                raise DFlashError(f"--resume: cannot read {ckpt_path}: {exc.strerror or exc}") from None
+            try:  # (mapped: its tensors are read when the drafter and optimizer take them, after the data step)
+                st = torch.load(ckpt_path, weights_only=True, mmap=True)  # (a pickle of other objects could run code)
+            except pickle.UnpicklingError:  # (weights_only's refusal of an object that is no tensor or plain value)
+                raise DFlashError(f"--resume: {ckpt_path} holds Python objects a dflash-torch training checkpoint does "
+                                  "not (only tensors and plain values), so it is not read (unpickling them could run "
+                                  "code); give the --work-dir of a dflash-torch train run, or leave out --resume and "
+                                  "pass --overwrite to replace it") from None
+            except Exception:  # (torch's words, cut short, were about zip archives or torch.save's mmap option: trial-175)
+                raise DFlashError(f"--resume: {ckpt_path} is not a whole torch checkpoint file (truncated or damaged), "
+                                  "so it cannot be read; leave out --resume and pass --overwrite to start over") from None
+            missing = [k for k in CHECKPOINT_KEYS if k not in st] if isinstance(st, dict) else list(CHECKPOINT_KEYS)
+            if missing:  # (another tool's checkpoint.pt: it was a KeyError traceback)
+                raise DFlashError(f"--resume: {ckpt_path} is not a dflash-torch training checkpoint (it holds no "
+                                  f"{', '.join(missing)}); give the --work-dir of a dflash-torch train run, or leave "
+                                  "out --resume and pass --overwrite to replace it")
+            was_init = (st.get("train_config") or {}).get("init_from")
         source, notes = None, []
         if cfg.init_from:
             source, dcfg = load_init_drafter(cfg, target_cfg, tokenizer)
             how = f"from --init-from {cfg.init_from}"
         else:
-            mask_id, how = resolve_mask_token_id(tokenizer, target_cfg.vocab_size, cfg.mask_token_id)
+            try:
+                mask_id, how = resolve_mask_token_id(tokenizer, target_cfg.vocab_size, cfg.mask_token_id)
+            except DFlashError:  # (--resume: the checkpoint's; the comparison below says first if it is another target's)
+                kept = (st["drafter_config"].get("dflash_config") or {}).get("mask_token_id") \
+                    if st is not None and cfg.mask_token_id is None else None
+                if not isinstance(kept, int):
+                    raise
+                mask_id, how = kept, "the checkpoint's"
             used = {getattr(tokenizer, f"{k}_token_id", None): k for k in ("pad", "bos", "eos")}
             if how == "given" and mask_id in used:  # (the data holds it: a masked slot looks like that token)
                 self.log(f"WARNING: --mask-token-id {mask_id} is the tokenizer's {used[mask_id].upper()} token, which "
@@ -852,30 +883,20 @@ class Trainer:
             dcfg = make_drafter_config(target_cfg, cfg, mask_id, warn=notes.append)
         if cfg.seq_len <= dcfg.block_size:
             raise DFlashError(f"--seq-len ({cfg.seq_len}) must be longer than the block size ({dcfg.block_size})")
-        st = None
-        if cfg.resume:  # (before the data is prepared, which can take long)
-            try:  # (mapped: its tensors are read when the drafter and optimizer take them, after the data step)
-                st = torch.load(ckpt_path, weights_only=True, mmap=True)  # (a pickle of other objects could run code)
-            except pickle.UnpicklingError:  # (weights_only's refusal of an object that is no tensor or plain value)
-                raise DFlashError(f"--resume: {ckpt_path} holds Python objects a dflash-torch training checkpoint does "
-                                  "not (only tensors and plain values), so it is not read (unpickling them could run "
-                                  "code); give the --work-dir of a dflash-torch train run, or leave out --resume and "
-                                  "pass --overwrite to replace it") from None
-            except Exception as exc:
-                raise DFlashError(f"--resume: cannot read {ckpt_path}: {' '.join(str(exc).split())[:200]}") from None
-            missing = [k for k in CHECKPOINT_KEYS if k not in st] if isinstance(st, dict) else list(CHECKPOINT_KEYS)
-            if missing:  # (another tool's checkpoint.pt: it was a KeyError traceback)
-                raise DFlashError(f"--resume: {ckpt_path} is not a dflash-torch training checkpoint (it holds no "
-                                  f"{', '.join(missing)}); give the --work-dir of a dflash-torch train run, or leave "
-                                  "out --resume and pass --overwrite to replace it")
-            differ = drafter_config_differences(dcfg.to_dict(), st["drafter_config"], bool(cfg.init_from))
+        if cfg.resume:
+            differ = drafter_config_differences(dcfg.to_dict(), st["drafter_config"], bool(cfg.init_from or was_init))
             tail = "or leave out --resume and pass --overwrite to start over"
+            if differ and was_init and not cfg.init_from:  # (it named the defaults of flags not given: trial-175;
+                # the drafter's other settings came from that drafter too, e.g. its max_position_embeddings)
+                raise DFlashError(f"--resume: {ckpt_path} was trained with another drafter configuration: "
+                                  f"{'; '.join(differ.values())}: its run started with --init-from {was_init}, which "
+                                  f"set it; pass --init-from {was_init} again to continue it, {tail}")
             from_target = [text for key, text in differ.items() if key not in DRAFTER_FLAGS]
             if from_target:  # (the target's sizes: no flag gives them, nor the settings left to follow the target)
                 left = {"target_layer_ids": cfg.target_layer_ids, "intermediate_size": cfg.intermediate_size,
                         "mask_token_id": cfg.mask_token_id}
                 flags = [text for key, text in differ.items() if key in DRAFTER_FLAGS and not (
-                    key in left and left[key] is None) and not (cfg.init_from and key in SHAPE_KEYS)]
+                    key in left and left[key] is None) and not ((cfg.init_from or was_init) and key in SHAPE_KEYS)]
                 was = st.get("target_dir")
                 also = f"; and other settings: {'; '.join(flags)}" if flags else ""
                 raise DFlashError(f"--resume: {ckpt_path} was trained for another target"
@@ -920,10 +941,11 @@ class Trainer:
             copied = copy_target_layers(drafter, target)
             if st is None:  # (a resumed run takes the checkpoint's weights instead)
                 self.log(init_from_target_note(copied))
-        if source is not None:
+        if source is not None and st is None:  # (a resumed run takes the checkpoint's weights: it said "init: weights
+            # of" the --init-from drafter after "resume: step N", as if they were reset to them: trial-175)
             fresh = copy_drafter(drafter, source)
             self.log(f"init: weights of {cfg.init_from}" + (f"; new: {len(fresh)} tensors of the DFlash 2 modules" if fresh else ""))
-            del source
+        del source
         drafter.train()
         n_params = sum(p.numel() for p in drafter.parameters())
         decay = [p for p in drafter.parameters() if p.dim() >= 2]
