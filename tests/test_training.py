@@ -820,7 +820,8 @@ def test_resume_continues_identically(tiny_pair, tmp_path):
     half.steps, half.lr, half.gamma, half.autocast = 5, 1e-3, 2.0, False
     Trainer(half, log=lines.append).run()
     warned = [m for m in lines if "WARNING" in m]
-    assert len(warned) == 1 and "--lr 0.001 (was 0.003)" in warned[0] and "--steps" not in warned[0], lines
+    # (a default value said so, as --gamma's was, for every option: trial-175)
+    assert len(warned) == 1 and "--lr the default, 0.001 (was 0.003)" in warned[0] and "--steps" not in warned[0], lines
     # options named as typed, defaults as values (it said "--gamma 2.0 (was None), --autocast False (was True)")
     assert "--gamma 2 (was the default, 3.5), --no-autocast given (was not)" in warned[0], warned
     half.gamma, half.autocast = None, True
@@ -829,10 +830,12 @@ def test_resume_continues_identically(tiny_pair, tmp_path):
     other = tmp_path / "other-target"
     shutil.copytree(target_dir, other)
     lines = []
-    half.steps, half.target = 6, str(other)
+    link = tmp_path / "link-to-other"  # (named as typed, not resolved, as the README says: trial-175)
+    link.symlink_to(other)
+    half.steps, half.target = 6, str(link)
     Trainer(half, log=lines.append).run()
     warned = [m for m in lines if "WARNING" in m]
-    assert len(warned) == 1 and f"--target {str(other.resolve())!r}" in warned[0], lines
+    assert len(warned) == 1 and f"--target {str(link)!r} (was {str(target_dir)!r})" in warned[0], lines
     lines = []
     half.steps, half.target = 7, str(other) + "/"
     Trainer(half, log=lines.append).run()

@@ -494,16 +494,15 @@ def data_key(cfg: TrainConfig, target_dir: Path) -> str:
 
 def recipe_change(key: str, now, was, block_size: int) -> str:
     """A change of the recipe setting ``key`` (a :data:`RECIPE` field) from ``was`` to
-    ``now``, as the user types the option: ``--gamma 2 (was the default, 3.5)``,
-    ``--no-autocast given (was not)``."""
+    ``now``, as the user types the option, a default value said so (as the CLI's defaults, the
+    :class:`TrainConfig` field defaults): ``--gamma 2 (was the default, 3.5)``, ``--lr the default,
+    0.001 (was 0.002)``, ``--no-autocast given (was not)``."""
     if key == "autocast":  # (the option is --no-autocast)
         return "--no-autocast given (was not)" if not now else "--no-autocast left out (was given)"
     if key == "min_lr_frac":  # (no option: a TrainConfig field)
         return f"min_lr_frac {now!r} (was {was!r})"
 
-    def value(v) -> str:
-        if v is None:
-            return f"the default, {default_gamma(block_size):g}" if key == "gamma" else "not given"
+    def shown(v) -> str:
         if isinstance(v, float):
             return f"{v:g}"
         if isinstance(v, list):
@@ -511,6 +510,13 @@ def recipe_change(key: str, now, was, block_size: int) -> str:
         if isinstance(v, dict):
             return f"'{json.dumps(v)}'"
         return str(v)
+
+    def value(v) -> str:
+        if v is None:
+            return f"the default, {default_gamma(block_size):g}" if key == "gamma" else "not given"
+        if v == TrainConfig.__dataclass_fields__[key].default:  # (only --gamma's was said so: trial-175)
+            return f"the default, {shown(v)}"
+        return shown(v)
 
     return f"--{key.replace('_', '-')} {value(now)} (was {value(was)})"
 
@@ -919,7 +925,10 @@ class Trainer:
             changed = [recipe_change(k, getattr(cfg, k), before[k], dcfg.block_size) for k in RECIPE
                        if k in before and before[k] != getattr(cfg, k)]
             if st.get("target_dir") not in (None, str(target_dir.resolve())):  # (another target, however it is spelt)
-                changed.insert(0, f"--target {str(target_dir.resolve())!r} (was {st['target_dir']!r})")
+                typed = before.get("target")  # (named as typed; resolved where the same words name another one)
+                now, was = (cfg.target, typed) if typed not in (None, cfg.target) else (str(target_dir.resolve()),
+                                                                                       st["target_dir"])
+                changed.insert(0, f"--target {now!r} (was {was!r})")
             if cfg.steps is not None and step >= cfg.steps:
                 self.log(f"resume: the checkpoint is at step {step}, --steps {cfg.steps} is reached: no training; "
                          "the drafter is exported as it is (give a larger --steps to train on)")
