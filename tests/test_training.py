@@ -840,15 +840,26 @@ def test_resume_continues_identically(tiny_pair, tmp_path):
     half.steps, half.target = 7, str(other) + "/"
     Trainer(half, log=lines.append).run()
     assert not [m for m in lines if "WARNING" in m and "--target" in m], lines
-    # a --steps already reached: said so (the checkpoint's drafter is exported as it is)
+    # a --steps already reached: said so (the checkpoint's drafter is exported as it is); another recipe is not
+    # warned as one training goes on with, nor recorded (it was, in the checkpoint and the log: trial-175)
+    def recorded() -> list[dict]:
+        ckpt = torch.load(Path(half.work_dir) / "checkpoint.pt", weights_only=True)["train_config"]
+        return [{k: c[k] for k in ("lr", "batch", "steps", "time_budget_min")}
+                for c in (ckpt, json.loads((Path(half.out) / "training_log.json").read_text())["config"])]
+
+    kept = [{"lr": 1e-3, "batch": 2, "steps": 7, "time_budget_min": None}] * 2
+    assert recorded() == kept
     lines = []
-    half.steps = 3
-    assert Trainer(half, log=lines.append).run()["steps"] == 7
+    half.steps, half.lr, half.batch = 3, 2e-3, 3
+    info = Trainer(half, log=lines.append).run()
+    assert info["steps"] == 7 and info["config"]["lr"] == 1e-3 and recorded() == kept
     assert any("at step 7, --steps 3 is reached: no training" in m for m in lines), lines
+    assert not [m for m in lines if "WARNING" in m], lines
     lines = []  # and a --time-budget-min already spent (it said nothing)
     half.steps, half.time_budget_min = None, 1e-6
     assert Trainer(half, log=lines.append).run()["steps"] == 7
     assert any("--time-budget-min 1e-06 is spent: no training" in m for m in lines), lines
+    assert not [m for m in lines if "WARNING" in m] and recorded() == kept, lines
 
 
 def test_a_ctrl_c_inside_the_optimizer_step_saves_a_whole_update(tiny_pair, tmp_path, monkeypatch):

@@ -918,6 +918,7 @@ class Trainer:
                  f"mask_token_id={dcfg.mask_token_id} ({how}), gamma={gamma:g}{extra}")
         for note in notes:
             self.log(note)
+        recorded = asdict(cfg)  # (the settings the checkpoint and training_log.json record)
         if st is not None:  # (said before the data step too)
             step, elapsed_prev = st["step"], st["elapsed"]
             self.log(f"resume: step {step}, {elapsed_prev / 60:.1f} min trained")
@@ -929,13 +930,19 @@ class Trainer:
                 now, was = (cfg.target, typed) if typed not in (None, cfg.target) else (str(target_dir.resolve()),
                                                                                        st["target_dir"])
                 changed.insert(0, f"--target {now!r} (was {was!r})")
+            idle = True
             if cfg.steps is not None and step >= cfg.steps:
                 self.log(f"resume: the checkpoint is at step {step}, --steps {cfg.steps} is reached: no training; "
                          "the drafter is exported as it is (give a larger --steps to train on)")
             elif cfg.time_budget_min is not None and elapsed_prev >= cfg.time_budget_min * 60:
                 self.log(f"resume: the checkpoint has trained {elapsed_prev / 60:.1f} min, --time-budget-min "
                          f"{cfg.time_budget_min:g} is spent: no training; the drafter is exported as it is")
-            if changed:  # (allowed, e.g. on purpose; but then not the run an uninterrupted one would be)
+            else:
+                idle = False
+            if idle:  # (no step is trained: the recipe stays the one the drafter was trained with; it was
+                # rewritten with this run's, and warned as one "training goes on with": trial-175)
+                recorded.update({k: before[k] for k in (*RECIPE, "steps", "time_budget_min") if k in before})
+            elif changed:  # (allowed, e.g. on purpose; but then not the run an uninterrupted one would be)
                 self.log(f"resume: WARNING: the recipe differs from the checkpoint's run: {', '.join(changed)}; "
                          "training goes on with the new values")
 
@@ -996,7 +1003,7 @@ class Trainer:
                             "target_dir": str(target_dir.resolve()),
                             "elapsed": elapsed(), "history": history, "evals": evals,
                             "loss_acc": loss_acc, "n_acc": n_acc,  # (the steps since the last loss_history row)
-                            "drafter_config": dcfg.to_dict(), "train_config": asdict(cfg)}, tmp)
+                            "drafter_config": dcfg.to_dict(), "train_config": recorded}, tmp)
                 _fsync(tmp)  # (a power cut after the rename would leave --resume an empty checkpoint)
                 os.replace(tmp, ckpt_path)
             except (OSError, RuntimeError) as exc:  # (the checkpoint before it, if any, stays)
@@ -1100,7 +1107,7 @@ class Trainer:
             train_time = elapsed()
             info = {
                 "command": "dflash-torch train " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "train" else None,
-                "config": asdict(cfg), "drafter_config": dcfg.to_dict(), "mask_token_id_source": how, "gamma": gamma,
+                "config": recorded, "drafter_config": dcfg.to_dict(), "mask_token_id_source": how, "gamma": gamma,
                 "params": n_params, "steps": step, "train_time_s": round(train_time, 1),
                 "wall_time_s": round(time.time() - t_start, 1), "data": data_stats,
                 "final_train_loss": history[-1]["loss"] if history else None,
