@@ -803,8 +803,13 @@ def test_training_reduces_loss_and_exports_loadable_drafter(tiny_pair, tmp_path)
 def test_resume_continues_identically(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair
     data = _jsonl(tmp_path / "d.jsonl")
-    full = _cfg(tmp_path / "a", target_dir, data, steps=4)
+    full = _cfg(tmp_path / "a", target_dir, data, steps=4, save_dtype="float32")
     Trainer(full, log=lambda m: None).run()
+    # the log's drafter_config is the exported config.json (its torch_dtype said bfloat16: trial-175)
+    out = Path(full.out)
+    assert json.loads((out / "training_log.json").read_text())["drafter_config"] == \
+        json.loads((out / "config.json").read_text())
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
     half = _cfg(tmp_path / "b", target_dir, data, steps=4)
     half.steps = 2
     Trainer(half, log=lambda m: None).run()

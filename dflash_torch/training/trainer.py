@@ -1107,7 +1107,8 @@ class Trainer:
             train_time = elapsed()
             info = {
                 "command": "dflash-torch train " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "train" else None,
-                "config": recorded, "drafter_config": dcfg.to_dict(), "mask_token_id_source": how, "gamma": gamma,
+                "config": recorded, "drafter_config": exported_config(dcfg, cfg.save_dtype),
+                "mask_token_id_source": how, "gamma": gamma,
                 "params": n_params, "steps": step, "train_time_s": round(train_time, 1),
                 "wall_time_s": round(time.time() - t_start, 1), "data": data_stats,
                 "final_train_loss": history[-1]["loss"] if history else None,
@@ -1188,8 +1189,7 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
     torch_dtype = resolve_dtype(dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch_dtype).contiguous() for k, v in drafter.state_dict().items()}
-    cfg = dcfg.to_dict()
-    cfg["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    cfg = exported_config(dcfg, dtype)
     temps = []
     try:
         weights, config = _temp_path(out_dir, "model.safetensors", temps), _temp_path(out_dir, "config.json", temps)
@@ -1219,6 +1219,18 @@ def export_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, out_dir: Path, d
     if removed and log is not None:
         log(f"removed the weight files of the checkpoint replaced in {out_dir}: {', '.join(removed)}")
     return out_dir
+
+
+def exported_config(dcfg: DrafterConfig, dtype: str = "bfloat16") -> dict:
+    """The ``config.json`` dict :func:`export_drafter` writes for ``dcfg`` with its weights saved
+    in ``dtype`` (a ``--save-dtype`` value): its ``torch_dtype`` is that dtype.
+
+    Raises:
+        DFlashError: an unknown ``dtype``.
+    """
+    from ..options import resolve_dtype
+
+    return {**dcfg.to_dict(), "torch_dtype": str(resolve_dtype(dtype)).removeprefix("torch.")}
 
 
 def _write_replacing(path: Path, text: str) -> None:
