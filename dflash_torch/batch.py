@@ -100,7 +100,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -846,9 +846,10 @@ class BatchDecoder:
         """Take a sequence into a free slot; its prompt is prefilled by the next
         :meth:`step` s, in chunks, after their rounds: joining sequences take turns in
         arrival order, ``prefill_budget`` prompt tokens per step (a step without a round
-        prefills the first of them to its end). The step that reads the last chunk returns
-        the sequence's prefill :class:`~dflash_torch.decoding.Round` (its first token;
-        ``verify_time`` = its chunks' time), and the sequence decodes from the next step on.
+        prefills the first of them to its end, unless its ``stop`` says otherwise). The step
+        that reads the last chunk returns the sequence's prefill
+        :class:`~dflash_torch.decoding.Round` (its first token; ``verify_time`` = its
+        chunks' time), and the sequence decodes from the next step on.
 
         With ``share_prefill``, a prompt equal to that of a sequence still joining is not
         read again: the sequence shares that prefill (see the module docstring) and its
@@ -1086,13 +1087,19 @@ class BatchDecoder:
 
     @torch.inference_mode()
     @_exclusive
-    def step(self) -> dict[Hashable, Round]:
+    def step(self, stop: Callable[[], bool] | None = None) -> dict[Hashable, Round]:
         """One decoding round for every decoding sequence whose budget is not used up,
         then the prefill of joining sequences (:meth:`join`) for at most ``prefill_budget``
         prompt tokens.
 
         Sequences that have used their budget and are still held run as padding (same
         positions every round, nothing committed) until the caller removes them.
+
+        Args:
+            stop: called between prefill chunks (after the first of the step): True ends the
+                step's prefill there, and the next steps read the rest. A step without a
+                round reads the first joining prompt to its end otherwise, so a caller that
+                may want to remove it meanwhile (its client went away, Ctrl-C) says so here.
 
         Returns:
             ``{seq_id: Round}`` of the sequences decoded (``Round`` times are the whole
@@ -1105,7 +1112,7 @@ class BatchDecoder:
         """
         rounds = self._round() if any(not q.done for q in self._seqs) else {}
         if self._joining:
-            rounds.update(self._prefill_joining(bounded=bool(rounds)))
+            rounds.update(self._prefill_joining(bounded=bool(rounds), stop=stop))
         return rounds
 
     def _round(self) -> dict[Hashable, Round]:
@@ -1190,10 +1197,10 @@ class BatchDecoder:
                                t3 - t0 - switch_time)
         return rounds
 
-    def _prefill_joining(self, bounded: bool) -> dict[Hashable, Round]:
+    def _prefill_joining(self, bounded: bool, stop: Callable[[], bool] | None = None) -> dict[Hashable, Round]:
         """Prefill joining sequences in order, whole chunks, while the step's budget lasts
-        (``bounded``; else the first one to its end); each whose prompt is read joins the
-        decoding sequences -> their prefill rounds."""
+        (``bounded``; else the first one to its end) and ``stop`` (see :meth:`step`) says
+        nothing; each whose prompt is read joins the decoding sequences -> their prefill rounds."""
         rounds, used, C = {}, 0, self.prefill_chunk
         while self._joining:
             q, last, P = self._joining[0], None, self._joining[0].ids.shape[0]
@@ -1207,6 +1214,8 @@ class BatchDecoder:
             end = q.saved_at if q.prefilled < q.saved_at else P  # (a chunk ends at the checkpoint)
             n = min(C, end - q.prefilled)  # (0 when the prompt was reused whole)
             if n and used and (bounded or rounds) and used + n > self.prefill_budget:  # (a prompt reused whole reads 0)
+                break
+            if n and used and stop is not None and stop():
                 break
             t0 = time.perf_counter()
             if last is None:

@@ -657,6 +657,40 @@ def test_a_sequence_cancelled_while_its_prompt_is_prefilled_frees_its_slot(tiny_
     loop.close()
 
 
+def test_a_prompt_read_alone_stops_after_the_chunk_in_which_its_request_went_away(tiny_pair, local_engine):
+    """The server's batched backend on a real engine: a prompt of three prefill chunks
+    (256 tokens each) with no stream decoding is read whole by one step, unless its request
+    went away: then the step ends after one chunk (the scheduler frees the slot after each
+    step). The same prompt then answers as alone."""
+    import asyncio
+
+    from dflash_torch import DFlashEngine, compute
+    from dflash_torch.serving.scheduler import BatchedBackend, Job
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, max_batch_size=2)
+    backend = BatchedBackend(engine, 2)
+    batch = engine.batch_decoder()
+    loop = asyncio.new_event_loop()
+    kw = dict(temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None, stop_token_ids=None, ignore_eos=True)
+    long_ids = local_engine.encode_prompt("\n".join(PROMPTS * 40))[:600]
+    leaving_job, staying_job = Job(loop), Job(loop)
+    leaving, staying = leaving_job.add(long_ids, 12, kw), staying_job.add(long_ids, 12, kw)
+    read = backend.prefill_tokens
+    compute.run(backend.add, leaving)
+    leaving_job.cancelled.set()  # (what Job.cancel sets while the scheduler steps)
+    assert compute.run(backend.step) == [] and backend.prefill_tokens - read == batch.prefill_chunk == 256
+    compute.run(backend.remove, leaving)
+    assert batch.free_slots == 2
+    read = backend.prefill_tokens
+    compute.run(backend.add, staying)
+    tokens = [chunk.token_ids for seq, chunk in compute.run(backend.step)]
+    assert len(tokens) == 1 and backend.prefill_tokens - read == 600  # one step: its prefill whole
+    while batch.seq_ids:
+        tokens += [chunk.token_ids for seq, chunk in compute.run(backend.step)]
+    assert sum(tokens, []) == engine.generate(long_ids, max_new_tokens=12, ignore_eos=True).token_ids
+    loop.close()
+
+
 def test_n_choices_of_a_long_prompt_read_it_once_and_answer_as_n_requests(server, local_engine):
     """n=3 of a prompt of three prefill chunks (seeded sampling; a prompt that no earlier
     request began with): the choices equal three n=1 requests with the derived seeds,

@@ -17,7 +17,8 @@ holds the engine). Its sequences wait in one FIFO queue and run in a batch of at
   request's asyncio queue as the round commits it, and free the slot of every sequence
   that finished or whose request went away (``backend.remove``) before the next round.
 - A request that goes away (:meth:`Job.cancel`) leaves the waiting queue at once; its
-  running sequences (prefilling ones too) stop after the current step.
+  running sequences (prefilling ones too) stop after the current step (a step that only
+  prefills ends after the current prefill chunk).
 
 The backend
 -----------
@@ -358,15 +359,20 @@ class BatchedBackend:
 
     def step(self) -> list[tuple[Sequence, StreamChunk | DFlashError]]:
         """Each sequence's chunk of one batch round, or the error that ends that sequence alone
-        (its structured-output constraint failed: :attr:`Round.error`); it is out of the batch."""
+        (its structured-output constraint failed: :attr:`Round.error`); it is out of the batch.
+        A step without a round stops reading a prompt after the chunk in which a request
+        went away (the scheduler then frees its slot), not at the prompt's end."""
         out = []
-        for seq, rnd in self.engine.batch_decoder().step().items():
+        for seq, rnd in self.engine.batch_decoder().step(stop=self._cancelled).items():
             try:
                 out.append(self._chunk(seq, rnd))
             except DFlashError as exc:
                 self.remove(seq)
                 out.append((seq, exc))
         return out
+
+    def _cancelled(self) -> bool:
+        return any(seq.job.cancelled.is_set() for seq in self._state)
 
     def _chunk(self, seq: Sequence, rnd) -> tuple[Sequence, StreamChunk]:
         stats, stopper = self._state[seq]
