@@ -633,8 +633,11 @@ def entry() -> None:
     fetches ends, and where a server's thread still tokenizes a prompt
     (:func:`dflash_torch.serving.app.busy`: its request was answered, the tokenizing would hold
     up the exit for as long as it runs). A process started with SIGINT ignored keeps it ignored
-    (``serve`` excepted: once up, uvicorn stops on SIGINT whatever it inherited)."""
+    (``serve`` excepted, from its start: once up, uvicorn stops on SIGINT whatever it inherited,
+    so its start-up, torch's import included, does too)."""
     global _interrupts_raised
+    if sys.argv[1:2] == ["serve"] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # (`serve &` from a script)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (uvicorn's SIGINT raised again once shut down: 130)
     installed = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if installed:
         _interrupts_raised = 0

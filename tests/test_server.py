@@ -1197,6 +1197,19 @@ def test_sigint_while_a_server_started_with_sigint_ignored_loads_exits_130(tiny_
     assert "Traceback" not in log.read_text()
 
 
+def test_sigint_as_a_server_started_with_sigint_ignored_starts_exits_130():
+    """SIGINT at the very start of a server started with SIGINT ignored (`serve &`; here the
+    process sends it itself as the command's main() begins, before torch is imported) ends it
+    with 130: SIGINT was restored only after the server's imports (seconds), so one sent
+    meanwhile was lost and the server came up (here: refused its --port 0, status 2)."""
+    code = ("import os, signal, sys\nfrom dflash_torch import cli\nmain = cli.main\n"
+            "cli.main = lambda: os.kill(os.getpid(), signal.SIGINT) or main()\n"
+            "sys.argv = ['dflash-torch', 'serve', '--port', '0']\ncli.entry()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120,
+                          preexec_fn=_ignore_sigint)
+    assert proc.returncode == 130 and not proc.stderr, (proc.returncode, proc.stderr)
+
+
 def _gauge_value(base: str, name: str) -> float:
     line = next(ln for ln in httpx.get(f"{base}/metrics", timeout=10).text.splitlines() if ln.startswith(name + " "))
     return float(line.split()[1])

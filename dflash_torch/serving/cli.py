@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 
 from ..errors import DFlashError
@@ -116,9 +115,6 @@ def _serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .scheduler import check_slots
 
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # (started in the background from a script: once up, uvicorn
-        # stops on SIGINT anyway; so does loading now, and uvicorn's SIGINT raised again once shut down exits 130)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     if not 1 <= args.port <= 65535:
         raise DFlashError(f"--port must be in [1, 65535], got {args.port}")
     api_key = check_api_key(args.api_key, "--api-key (or $DFLASH_API_KEY)")
