@@ -16,6 +16,8 @@ import os
 import re
 import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import DFlashError, OptionError, OutputError, first_line
@@ -474,8 +476,33 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"dflash-torch: error: {message} (see --help)\n")
 
 
+@contextmanager
+def deferred_interrupt():
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until it ends, then raise
+    ``KeyboardInterrupt`` (through the SIGINT handler there was: see :func:`entry`): for a
+    block a Ctrl-C must not cut in two (the trainer's optimizer update, applied to every
+    parameter or to none), or one that would swallow it (torch's import). Only in the main
+    thread (where Python delivers signals); elsewhere the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending and previous is not signal.SIG_IGN:
+        if callable(previous):
+            previous(signal.SIGINT, None)
+        else:
+            raise KeyboardInterrupt
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dflash-torch", description="DFlash speculative decoding with KV injection")
+    with deferred_interrupt():  # (torch's import swallows a Ctrl-C inside its import of numpy: the command went on)
+        import torch  # noqa: F401
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"dflash-torch {__version__}")

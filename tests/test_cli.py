@@ -304,6 +304,25 @@ def test_ctrl_c_while_the_command_line_starts_exits_130_without_a_traceback(pair
     assert proc.returncode == 130 and "Traceback" not in err.decode(), err.decode()
 
 
+def test_ctrl_c_inside_torchs_import_of_numpy_exits_130():
+    """A Ctrl-C inside torch's import of numpy (here: sent as that import begins) ends the
+    command with 130: torch's import swallowed it (it clears numpy's failed import; numpy's
+    next import then failed, or the command went on: here to refuse serve's --port 0, status 2)."""
+    code = ("import os, signal, sys\n"
+            "class Finder:\n"
+            "    sent = False\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'numpy' and not Finder.sent:\n"
+            "            Finder.sent = True\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "sys.meta_path.insert(0, Finder())\n"
+            "from dflash_torch import cli\n"
+            "sys.argv = ['dflash-torch', 'serve', '--port', '0']\n"
+            "cli.entry()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 130 and not out.stderr, (out.returncode, out.stderr)
+
+
 def test_cli_imports_no_http_stack_until_serve_runs():
     """generate / bench / train run where FastAPI and uvicorn are not installed (e.g. a GPU
     machine used only to benchmark): building the CLI imports neither."""

@@ -32,6 +32,7 @@ import torch
 from safetensors import SafetensorError
 
 from ..checkpoint import all_finite, checkpoint_dir, load_config
+from ..cli import deferred_interrupt
 from ..errors import DFlashError
 from ..models.config import (DFlash2Settings, DrafterConfig, TargetConfig, default_target_layer_ids, fill_mask_token_id,
                              needs_mask_token_id, validate_pair)
@@ -387,28 +388,6 @@ def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
     p = min(max(progress, 0.0), 1.0)
     floor = cfg.lr * cfg.min_lr_frac
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
-
-
-@contextmanager
-def deferred_interrupt():
-    """Hold a Ctrl-C (SIGINT) that arrives inside the block until it ends, then raise
-    ``KeyboardInterrupt``: the optimizer's update is applied to every parameter or to none,
-    so the checkpoint saved on Ctrl-C is one an uninterrupted run passes through. Only in
-    the main thread (where Python delivers signals); elsewhere the block runs as is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if pending and previous is not signal.SIG_IGN:
-        if callable(previous):
-            previous(signal.SIGINT, None)
-        else:
-            raise KeyboardInterrupt
 
 
 @contextmanager
