@@ -39,6 +39,10 @@ DRAFT_MODES = ("inject", "recompute")
 EAGER_CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+class PrefillStopped(Exception):
+    """A prompt's prefill that :attr:`SpeculativeDecoder.stop_prefill` ended between chunks."""
+
+
 def without_shape_plans(step: Callable) -> Callable:
     """``step`` run with SDPA restricted to :data:`EAGER_CUDA_SDPA` (eager CUDA steps)."""
 
@@ -313,6 +317,9 @@ class SpeculativeDecoder:
         self._run = 0  # the rounds() generator that owns the caches (a later call takes them over)
         self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
         self.reused_prefill_tokens = 0  # prompt tokens taken from the caches instead of read, over all runs
+        self.prefill_tokens = 0  # prompt tokens read, over all runs
+        # called between prefill chunks: True ends the prefill there (PrefillStopped; a server's request went away)
+        self.stop_prefill: Callable[[], bool] | None = None
         self._kept: _Kept | None = None  # prefix reuse: None while a step writes the caches
         self.feature_layers = drafter.feature_layers(target) if drafter is not None and block_size > 1 else None
         if self.feature_layers is None:
@@ -482,11 +489,14 @@ class SpeculativeDecoder:
         Raises:
             KeyboardInterrupt: the caller of the compute thread's call got Ctrl-C
                 (:func:`~dflash_torch.compute.interrupted`), seen between chunks; ``rounds``
-                has dropped the kept prefix by then, so the next request prefills anew."""
+                has dropped the kept prefix by then, so the next request prefills anew.
+            PrefillStopped: :attr:`stop_prefill` said so, between chunks (the same)."""
         C = self.prefill_chunk
         for c0 in range(start, n_prompt, C):
             if c0 > start and compute.interrupted():  # the caller got Ctrl-C: stop between chunks (nothing kept)
                 raise KeyboardInterrupt
+            if c0 > start and self.stop_prefill is not None and self.stop_prefill():
+                raise PrefillStopped(f"the prefill was stopped after {c0} of {n_prompt} prompt tokens")
             c1 = min(c0 + C, n_prompt)
             if self.static:  # fixed chunk shape: pad; pad rows land past the prompt and get overwritten
                 chunk = torch.zeros(C, dtype=torch.long, device=self.device)
@@ -505,6 +515,7 @@ class SpeculativeDecoder:
                     scored += prompt_chunk_logprobs(logits, prompt, c0, top)
                 if self.context is not None:
                     self.context.inject(self.drafter, feats, c0 + self._arange_chunk[: c1 - c0])
+            self.prefill_tokens += c1 - c0
         return last
 
     @torch.inference_mode()

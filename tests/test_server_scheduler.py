@@ -691,6 +691,34 @@ def test_a_prompt_read_alone_stops_after_the_chunk_in_which_its_request_went_awa
     loop.close()
 
 
+def test_a_prompt_read_in_the_one_slot_stops_after_the_chunk_in_which_its_request_went_away(tiny_pair, local_engine):
+    """The server's one-slot backend (``--max-batch-size 1``) on a real engine: a prompt of
+    three prefill chunks whose request went away is read for one chunk only, and not held
+    (it was read whole); the same prompt then answers as alone."""
+    import asyncio
+
+    from dflash_torch import DFlashEngine, compute
+    from dflash_torch.serving.scheduler import Job, SerialBackend
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    backend = SerialBackend(engine)
+    loop = asyncio.new_event_loop()
+    kw = dict(temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None, stop_token_ids=None, ignore_eos=True)
+    long_ids = local_engine.encode_prompt("\n".join(PROMPTS * 40))[:600]
+    leaving_job, staying_job = Job(loop), Job(loop)
+    leaving, staying = leaving_job.add(long_ids, 12, kw), staying_job.add(long_ids, 12, kw)
+    leaving_job.cancelled.set()  # (what Job.cancel sets while the scheduler steps)
+    compute.run(backend.add, leaving)
+    assert backend.seq is None and backend.prefill_tokens == engine.decoder.prefill_chunk == 256
+    compute.run(backend.add, staying)
+    assert backend.prefill_tokens == 256 + 600
+    tokens = []
+    while backend.seq is not None:
+        tokens += [chunk.token_ids for seq, chunk in compute.run(backend.step)]
+    assert sum(tokens, []) == engine.generate(long_ids, max_new_tokens=12, ignore_eos=True).token_ids
+    loop.close()
+
+
 def test_n_choices_of_a_long_prompt_read_it_once_and_answer_as_n_requests(server, local_engine):
     """n=3 of a prompt of three prefill chunks (seeded sampling; a prompt that no earlier
     request began with): the choices equal three n=1 requests with the derived seeds,

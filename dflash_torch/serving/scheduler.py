@@ -277,18 +277,28 @@ class SerialBackend:
         self._first: StreamChunk | None = None  # the prefill's chunk, returned by the next step
 
     def add(self, seq: Sequence) -> None:
+        """Prefill ``seq`` now; one whose request goes away meanwhile stops after the current
+        prefill chunk and is not held (the scheduler then ends it)."""
+        from ..decoding import PrefillStopped
+
         assert self.seq is None, "the serial backend has one slot"
+        decoder = self.engine.decoder
         chunks = self.engine.stream(seq.prompt_ids, max_new_tokens=seq.max_new_tokens, **seq.kwargs)
-        reused = self.engine.decoder.reused_prefill_tokens
+        read, reused = decoder.prefill_tokens, decoder.reused_prefill_tokens
+        decoder.stop_prefill = seq.job.cancelled.is_set
         try:
             first = next(chunks)  # checks the request, then prefills
+        except PrefillStopped:
+            chunks.close()
         except BaseException:
             chunks.close()
             raise
-        self.seq, self._chunks, self._first = seq, chunks, first
-        reused = self.engine.decoder.reused_prefill_tokens - reused  # (the last request's rows: prefix reuse)
-        self.prefill_tokens += len(seq.prompt_ids) - reused
-        self.reused_prefill_tokens += reused
+        else:
+            self.seq, self._chunks, self._first = seq, chunks, first
+        finally:
+            decoder.stop_prefill = None
+            self.prefill_tokens += decoder.prefill_tokens - read
+            self.reused_prefill_tokens += decoder.reused_prefill_tokens - reused  # (the last request's rows)
 
     def step(self) -> list[tuple[Sequence, StreamChunk]]:
         seq = self.seq
