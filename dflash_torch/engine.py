@@ -1431,7 +1431,7 @@ class DFlashEngine:
                     stopper.start(ids)
                     batch.join(i, ids, params, stopper.max_new_tokens, scored, checkpoint)  # (prefilled by the steps)
                     state[i] = (stats, stopper, [])
-                for i, rnd in batch.step().items():
+                for i, rnd in batch.step(stop=compute.interrupted).items():  # (a lone prefill: between its chunks)
                     self._batch_round(batch, i, rnd, state, results)
                 if compute.interrupted():
                     raise KeyboardInterrupt

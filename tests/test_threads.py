@@ -152,18 +152,21 @@ def test_ctrl_c_stops_a_generate_after_the_current_round(tiny_pair):
     assert word == "interrupted" and 3 <= int(chunks) < 300 and after == "4", proc.stdout
 
 
-def test_ctrl_c_stops_a_long_prefill_between_its_chunks(tiny_pair, monkeypatch):
+@pytest.mark.parametrize("call", ["generate", "generate_batch"])
+def test_ctrl_c_stops_a_long_prefill_between_its_chunks(tiny_pair, monkeypatch, call):
     """Ctrl-C during the prefill of a long prompt: it stops after the running chunk (it ran the
-    whole prompt first: seconds on a large model), and the next request, the same prompt,
-    prefills anew and gives target-only decoding's tokens. The running call is marked as
-    :func:`compute.run` marks it when its caller gets Ctrl-C (the signal's way to the main
-    thread is the other Ctrl-C tests'; in a loaded CI run a signal sent from the compute
-    thread reached it only after the tiny model's whole prefill)."""
+    whole prompt first: seconds on a large model; generate_batch's one prompt too), and the next
+    request, the same prompt, prefills anew and gives target-only decoding's tokens. The running
+    call is marked as :func:`compute.run` marks it when its caller gets Ctrl-C (the signal's way
+    to the main thread is the other Ctrl-C tests'; in a loaded CI run a signal sent from the
+    compute thread reached it only after the tiny model's whole prefill)."""
     from dflash_torch import compute
 
     engine = DFlashEngine.from_pretrained(*tiny_pair, prefill_chunk=4)
     prompt = [5 + i % 300 for i in range(800)]  # (200 chunks)
-    chunks, run = [], engine.decoder._prefill_fn
+    owner = engine.decoder if call == "generate" else engine.batch_decoder()
+    name = "_prefill_fn" if call == "generate" else "_prefill_chunk"
+    chunks, run = [], getattr(owner, name)
 
     def counted(*args):  # on the compute thread
         chunks.append(1)
@@ -171,12 +174,16 @@ def test_ctrl_c_stops_a_long_prefill_between_its_chunks(tiny_pair, monkeypatch):
             compute._interrupted.add(compute._running)
         return run(*args)
 
-    monkeypatch.setattr(engine.decoder, "_prefill_fn", counted)
+    def decode():
+        kwargs = dict(max_new_tokens=4, ignore_eos=True)
+        return engine.generate(prompt, **kwargs) if call == "generate" else engine.generate_batch([prompt], **kwargs)[0]
+
+    monkeypatch.setattr(owner, name, counted)
     with pytest.raises(KeyboardInterrupt):
-        engine.generate(prompt, max_new_tokens=4, ignore_eos=True)
+        decode()
     assert len(chunks) == 1  # (stopped before the second chunk)
     monkeypatch.undo()
-    again = engine.generate(prompt, max_new_tokens=4, ignore_eos=True)
+    again = decode()
     alone = DFlashEngine.from_pretrained(tiny_pair[0], no_draft=True).generate(prompt, max_new_tokens=4, ignore_eos=True)
     assert again.stats.cached_prompt_tokens == 0 and again.token_ids == alone.token_ids
 
