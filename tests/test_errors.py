@@ -841,6 +841,9 @@ MALFORMED_CONFIGS = [
     # a required field that is null was taken as present (a TypeError traceback in the model's build)
     ("target", _set("num_attention_heads", None), "target config.json lacks num_attention_heads"),
     ("drafter", _set("intermediate_size", None), "drafter config.json lacks intermediate_size"),
+    # qwen2 / qwen3 / qwen3_moe read num_hidden_layers before checking it (KeyError / TypeError tracebacks)
+    ("target", lambda c: c.pop("num_hidden_layers"), "target config.json lacks num_hidden_layers"),
+    ("target", _set("num_hidden_layers", "4"), "target config.json num_hidden_layers must be an integer >= 1, got '4'"),
     ("target", _set("rms_norm_eps", "1e-6"), "rms_norm_eps must be a number > 0, got '1e-6'"),
     ("target", _set("rope_parameters", [10000]), "rope_parameters must be an object, got [10000]"),
     ("target", b'{"model_type": "qwen3\xff"}', "config.json is not valid JSON"),

@@ -488,10 +488,12 @@ def refuse_sliding_layers(cfg: dict, model_type: str) -> None:
 
     Raises:
         DFlashError: sliding layers, with a window or without one; a ``layer_types`` or
-            ``max_window_layers`` of the wrong type.
+            ``max_window_layers`` of the wrong type; ``num_hidden_layers`` missing or not an
+            integer >= 1.
     """
     if model_type not in ("qwen2", "qwen3", "qwen3_moe"):
         return
+    _require(cfg, ["num_hidden_layers"], "target")
     n = cfg["num_hidden_layers"]
     window = cfg.get("sliding_window", 4096) if bool_field(cfg, "use_sliding_window", "target", False) else None
     if model_type == "qwen3_moe":
