@@ -21,7 +21,7 @@ import psutil
 import torch
 from safetensors import safe_open
 
-from .errors import DFlashError, OptionError
+from .errors import DFlashError, OptionError, shown
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
@@ -110,7 +110,8 @@ def load_config(model_dir: Path) -> dict:
 
     Raises:
         DFlashError: see :func:`read_json_object`; a ``hf_quant_config.json`` that is not
-            valid JSON with a ``quantization`` object.
+            valid JSON with a ``quantization`` object; more layers than weights
+            (:func:`check_layer_count`).
     """
     from .models.nvfp4 import hf_quant_config
 
@@ -118,7 +119,35 @@ def load_config(model_dir: Path) -> dict:
     quant = hf_quant_config(model_dir, cfg)
     if quant is not None:
         cfg["quantization_config"] = quant
+    check_layer_count(model_dir, cfg)
     return cfg
+
+
+def check_layer_count(model_dir: Path, cfg: dict) -> None:
+    """Refuse a ``config.json`` (dict ``cfg``) whose ``num_hidden_layers`` (top level or in
+    ``text_config``) is more than the checkpoint's tensors: each layer has weights of its own,
+    so the loader would refuse it as missing weights, but only after building per-layer
+    tables and modules of that many entries (``10**12`` layers: out of memory). Only the
+    safetensors headers are read; weights that cannot be listed are left to the loader,
+    which refuses them with its own message.
+
+    Raises:
+        DFlashError: ``.../config.json num_hidden_layers 1000000000000 is more than the
+            checkpoint's 37 weights ...``.
+    """
+    text = cfg.get("text_config")
+    for prefix, where in (("", cfg), ("text_config.", text if isinstance(text, dict) else {})):
+        n = where.get("num_hidden_layers")
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 1:
+            continue
+        try:
+            count = len(tensor_names(model_dir))
+        except DFlashError:
+            return
+        if n > count:
+            raise DFlashError(f"{Path(model_dir) / 'config.json'} {prefix}num_hidden_layers {shown(n)} is more than "
+                              f"the checkpoint's {count} weights (each layer has weights of its own): config.json "
+                              "does not describe these weights")
 
 
 def weight_files(model_dir: Path) -> list[Path]:

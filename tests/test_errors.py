@@ -844,6 +844,9 @@ MALFORMED_CONFIGS = [
     # qwen2 / qwen3 / qwen3_moe read num_hidden_layers before checking it (KeyError / TypeError tracebacks)
     ("target", lambda c: c.pop("num_hidden_layers"), "target config.json lacks num_hidden_layers"),
     ("target", _set("num_hidden_layers", "4"), "target config.json num_hidden_layers must be an integer >= 1, got '4'"),
+    # per-layer tables of 10**12 entries were built before the weights were looked at (MemoryError, or killed)
+    *[(which, lambda c: (c.pop("layer_types", None), c.update(num_hidden_layers=10**12)),
+       "config.json num_hidden_layers 1000000000000 is more than the checkpoint's ") for which in ("target", "drafter")],
     ("target", _set("rms_norm_eps", "1e-6"), "rms_norm_eps must be a number > 0, got '1e-6'"),
     ("target", _set("rope_parameters", [10000]), "rope_parameters must be an object, got [10000]"),
     ("target", b'{"model_type": "qwen3\xff"}', "config.json is not valid JSON"),
