@@ -344,6 +344,21 @@ def test_a_text_config_with_the_multimodal_weight_layout_loads(checkpoints, tmp_
         TargetModel.from_pretrained(with_tower, torch.float32)
 
 
+def test_a_wrapper_config_over_text_layout_weights_says_so(checkpoints, tmp_path):
+    """The multimodal config over a text checkpoint's weights (model.layers.*, none under
+    model.language_model.): refused as such, not as "keeps its decoder's weights under
+    model.language_model. but also has weights outside it"."""
+    from conftest import edited_checkpoint
+
+    inner = "model.language_model."
+    bad = edited_checkpoint(checkpoints["qwen3_5"][0], tmp_path / "bad", state=lambda s: s.update(
+        {"model." + k[len(inner):]: s.pop(k) for k in list(s) if k.startswith(inner)}))
+    with pytest.raises(DFlashError, match=r"^the target config.json is a Qwen3.5 multimodal wrapper's .* but no weight "
+                                          r"of the checkpoint is there: its weights \(model\.embed_tokens\.weight, "
+                                          r"\.\.\.\) are laid out as a text checkpoint's; use the text model's config"):
+        TargetModel.from_pretrained(bad, torch.float32)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "qwen3_vl"}, "unsupported target model_type 'qwen3_vl'"),
     ({"quantization_config": {"quant_method": "awq"}}, "quantized"),

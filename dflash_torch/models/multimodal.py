@@ -51,13 +51,21 @@ def unwrap_language_model(cfg, state: dict[str, torch.Tensor], towers: tuple[str
         wrappers: the wrapper ``model_type`` values, for messages (e.g. ``"qwen3_5 or qwen3_5_moe"``).
 
     Raises:
-        DFlashError: a text config over a checkpoint with a tower (the tower named), or a
-            checkpoint with weights under ``model.`` outside the language model and the towers.
+        DFlashError: a text config over a checkpoint with a tower (the tower named), a
+            wrapper config over a checkpoint with no weight under ``model.language_model.``
+            (a text checkpoint's layout), or a checkpoint with weights under ``model.``
+            outside the language model and the towers.
     """
     if cfg.checkpoint_prefix == "model." and any(k.startswith(INNER) for k in state):
         cfg.checkpoint_prefix = INNER
     if cfg.checkpoint_prefix != INNER:
         return state
+    if not any(k.startswith(INNER) for k in state):  # (the config is a wrapper's: a text config would read them)
+        first = next((k for k in sorted(state) if k.startswith("model.")), None)
+        raise DFlashError(f"the target config.json is a {family} multimodal wrapper's (model_type {wrappers}), whose "
+                          f"decoder's weights lie under {INNER}, but no weight of the checkpoint is there"
+                          + (f": its weights ({first}, ...) are laid out as a text checkpoint's; use the text model's "
+                             "config.json (text_config's keys, with its model_type, at the top level)" if first else ""))
     outside = sorted(k for k in state if k.startswith("model.") and not k.startswith(INNER))
     tower = next((p for p in towers if any(k.startswith(p) for k in outside)), None)
     if tower is not None:
