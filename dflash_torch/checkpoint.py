@@ -123,13 +123,17 @@ def load_config(model_dir: Path) -> dict:
     return cfg
 
 
+MANY_LAYERS = 1024  # more layers than a model has: such a count is checked against the checkpoint's tensors first
+
+
 def check_layer_count(model_dir: Path, cfg: dict) -> None:
     """Refuse a ``config.json`` (dict ``cfg``) whose ``num_hidden_layers`` (top level or in
-    ``text_config``) is more than the checkpoint's tensors: each layer has weights of its own,
-    so the loader would refuse it as missing weights, but only after building per-layer
-    tables and modules of that many entries (``10**12`` layers: out of memory). Only the
-    safetensors headers are read; weights that cannot be listed are left to the loader,
-    which refuses them with its own message.
+    ``text_config``) is over :data:`MANY_LAYERS` and more than the checkpoint's tensors: each
+    layer has weights of its own, so the loader would refuse it as missing weights, but only
+    after building per-layer tables and modules of that many entries (``10**12`` layers: out
+    of memory). A smaller count is left to the loader (cheap to build; no file is opened
+    before the memory check). Only the safetensors headers are read; weights that cannot be
+    listed are left to the loader, which refuses them with its own message.
 
     Raises:
         DFlashError: ``.../config.json num_hidden_layers 1000000000000 is more than the
@@ -138,7 +142,7 @@ def check_layer_count(model_dir: Path, cfg: dict) -> None:
     text = cfg.get("text_config")
     for prefix, where in (("", cfg), ("text_config.", text if isinstance(text, dict) else {})):
         n = where.get("num_hidden_layers")
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 1:
+        if not isinstance(n, int) or isinstance(n, bool) or n <= MANY_LAYERS:
             continue
         try:
             count = len(tensor_names(model_dir))
