@@ -313,7 +313,8 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
     Raises:
         DFlashError: a weight file that is not valid safetensors (corrupt or truncated), a
             weight name in two files, an FP8 (float8) tensor in a checkpoint whose config does
-            not say FP8; with ``fp8_block``: an FP8 weight without its scale or a scale without
+            not say FP8, a finite weight whose values overflow the dtype it is cast to (e.g.
+            float64 1e300 in float32); with ``fp8_block``: an FP8 weight without its scale or a scale without
             its weight, static activation scales (``input_scale``), or a pair
             :func:`~dflash_torch.models.fp8.dequantize` refuses; with ``keep_fp8``: a NaN
             byte, or a product that overflows ``dtype``; with ``int_quant``: a weight stored
@@ -421,6 +422,11 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                 else:
                     want = torch.float32 if float32 is not None and float32(key) else dtype
                     state[key] = t.to(device=device, dtype=want) if t.is_floating_point() else t.to(device)
+                    if (t.is_floating_point() and torch.finfo(t.dtype).max > torch.finfo(want).max
+                            and not all_finite(state[key]) and all_finite(t)):
+                        raise DFlashError(f"{model_dir}: weight {key} holds {str(t.dtype).removeprefix('torch.')} "
+                                          f"values beyond the range of {str(want).removeprefix('torch.')}, the dtype "
+                                          "it is loaded in (they overflow to infinity)")
     if fp8_block is not None and not dequantized:
         raise DFlashError(f"{model_dir}: config.json declares fine-grained FP8 weights (quant_method 'fp8') but the "
                           f"checkpoint holds none (float8_e4m3fn X.weight with X.weight{fp8.SCALE_SUFFIX})")

@@ -503,12 +503,16 @@ def test_target_with_unused_or_misshaped_weights_is_refused(tmp_path):
     save_file(quantized, str(target / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(DFlashError, match="q_proj.weight has dtype int8"):
         TargetModel.from_pretrained(target, torch.float32)
-    for value in (float("nan"), float("inf")):  # a corrupt checkpoint: logits of NaN, tokens of nothing
+    # a corrupt checkpoint: logits of NaN, tokens of nothing; a float64 1e300 is finite as stored, but
+    # overflows the float32 it runs in (it was "holds NaN or infinite values (a corrupt checkpoint)")
+    for value, words in ((float("nan"), "target weight {} holds NaN or infinite"), (float("inf"), "target weight {} "
+                         "holds NaN or infinite"), (1e300, "weight {} holds float64 values beyond the range of float32")):
         corrupt = dict(state)
-        corrupt["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"].clone()
+        corrupt["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"].to(
+            torch.float64 if value == 1e300 else torch.float32)
         corrupt["model.layers.1.mlp.down_proj.weight"][5, 7] = value
         save_file(corrupt, str(target / "model.safetensors"), metadata={"format": "pt"})
-        with pytest.raises(DFlashError, match="target weight model.layers.1.mlp.down_proj.weight holds NaN or infinite"):
+        with pytest.raises(DFlashError, match=words.format("model.layers.1.mlp.down_proj.weight")):
             TargetModel.from_pretrained(target, torch.float32)
 
 
