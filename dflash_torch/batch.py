@@ -116,7 +116,7 @@ from .models.drafter import DFlashDrafter, InjectedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import (check_block_size, check_count, check_flag, check_max_context, check_max_new_tokens, check_prompt_ids,
-                      check_prompt_logprobs, check_prompt_position, plain)
+                      check_prompt_logprobs, check_prompt_position, context_limit, plain)
 from .sampling import (LogitsProcessor, SamplingParams, accept_greedy, accept_sampling, choose, first_logprobs,
                        first_token, probabilities, token_logprobs)
 
@@ -556,7 +556,7 @@ class BatchDecoder:
         check_models(target, drafter)
         self._stepping = threading.Lock()  # (held by the public step running: see _exclusive)
         trained = drafter.config.block_size if drafter is not None else None
-        B = check_block_size(block_size, trained) or trained or 1
+        B = check_block_size(block_size, trained, context=context_limit(target.config)) or trained or 1
         # hybrid targets: a verify leaves the recurrent states as they were; each sequence's
         # accepted prefix is committed into its own state afterwards (their rollback)
         self.defer_commit = target.recurrent and B > 1

@@ -25,7 +25,7 @@ from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import (check_block_size, check_count, check_flag, check_max_context, check_max_new_tokens,
-                      check_prompt_logprobs, check_prompt_ids, check_prompt_position)
+                      check_prompt_logprobs, check_prompt_ids, check_prompt_position, context_limit)
 from .sampling import (SamplingParams, TokenLogprob, accept_greedy, accept_sampling, choose, first_logprobs,
                        first_token, probabilities, token_logprobs)
 
@@ -301,7 +301,7 @@ class SpeculativeDecoder:
         check_models(target, drafter)
         self.target, self.drafter, self.draft_mode = target, drafter, draft_mode
         trained = drafter.config.block_size if drafter is not None else None
-        block_size = check_block_size(block_size, trained) or trained or 1
+        block_size = check_block_size(block_size, trained, context=context_limit(target.config)) or trained or 1
         self.static = static or compile
         if self.static and drafter is not None and draft_mode == "recompute":
             fixed = "compile" if compile else "static"

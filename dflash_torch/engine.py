@@ -444,7 +444,8 @@ class DFlashEngine:
                 warning = verifier_mismatch(draft_cfg, target_raw.get("architectures"))
                 if warning:
                     log.warning(f"dflash-torch: {warning}")
-        options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None)
+        options.check_block_size(block_size, draft_cfg.block_size if draft_cfg is not None else None,
+                                 context=options.context_limit(target_cfg))
         options.check_max_context(max_context, target_cfg)
         options.check_mxfp4(mxfp4, target_cfg.mxfp4)
         options.check_fp8(fp8, target_cfg.fp8_block is not None, has_mxfp4=target_cfg.mxfp4)

@@ -269,10 +269,13 @@ def check_min_tokens_room(min_tokens: int, n_prompt: int, max_context: int) -> i
     return room
 
 
-def check_block_size(value, trained: int | None, name: str = "block size") -> int | None:
+def check_block_size(value, trained: int | None, name: str = "block size", context: int | None = None) -> int | None:
     """Tokens per draft block: None (the drafter's ``trained`` block size) or an integer in
     [1, trained]; ``trained`` None means target-only decoding, where only None or 1 fit (a
-    NumPy integer too, returned as a Python int)."""
+    NumPy integer too, returned as a Python int). The block that runs (``value``, else
+    ``trained``) must be at most ``context`` tokens, the target's (:func:`context_limit`;
+    None: not checked): no longer block fits, and its buffers are sized by it (a drafter
+    config.json block_size of 10**12 allocated terabytes)."""
     value = plain(value)
     if trained is None:
         if value not in (None, 1) or isinstance(value, bool):
@@ -282,6 +285,11 @@ def check_block_size(value, trained: int | None, name: str = "block size") -> in
     if value is not None and (not _is_int(value) or not 1 <= value <= trained):
         raise OptionError(f"{name} must be an integer in [1, {trained}] (the drafter's trained block size), "
                           f"got {shown(value)}", name)
+    block = trained if value is None else value
+    if context is not None and block > context:
+        whose = " (the drafter's trained block size, its config.json block_size)" if value is None else ""
+        raise OptionError(f"{name} {shown(block)}{whose} is longer than the target's context of {context} tokens; "
+                          f"give a {name} of at most {context}", name)
     return value
 
 

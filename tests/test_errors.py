@@ -862,6 +862,9 @@ MALFORMED_CONFIGS = [
      "drafter config.json has no dflash_config.target_layer_ids, and the reference rule gives [1, -1] for 2 drafter "
      "layers over a target of 2 layers; set dflash_config.target_layer_ids"),
     ("drafter", _set("block_size", "sixteen"), "drafter config.json block_size must be an integer >= 2, got 'sixteen'"),
+    # (buffers of 10**12 rows: "RuntimeError: ... you tried to allocate 8000000000000 bytes")
+    ("drafter", _set("block_size", 10**12), "1000000000000 (the drafter's trained block size, its config.json "
+     "block_size) is longer than the target's context of 1024 tokens"),
     # no mask_token_id: its mask token is looked up in the target's tokenizer, as SGLang does (test_greedy)
     ("drafter", lambda c: c["dflash_config"].update(mask_token_id=None, mask_token="<|NOPE|>"),
      "drafter config.json has no dflash_config.mask_token_id, and its mask token '<|NOPE|>' would be id 320 (the id "
