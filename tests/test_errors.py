@@ -683,7 +683,13 @@ def test_decode_takes_token_ids_only(tiny_pair):
         engine.decode((np.int64(5), 6, 7)) == text
 
 
-def test_a_config_transformers_refuses_as_a_whole_is_named_not_the_tokenizer(tmp_path):
+@pytest.mark.parametrize("layer_types, layers, words", [
+    (["full_attention"] * 4, 3, r"^transformers refuses .*config\.json \(AutoTokenizer reads it to load the "
+                                r"tokenizer\): .*num_hidden_layers.* must be equal to the number of .*layer_types"),
+    # (a value transformers' class cannot iterate: "cannot load the tokenizer ...: 'int' object is not iterable")
+    (0, 4, r"^target config\.json layer_types must be a list of layer type names, got 0$"),
+], ids=["too-many", "not-a-list"])
+def test_a_config_transformers_refuses_as_a_whole_is_named_not_the_tokenizer(tmp_path, layer_types, layers, words):
     """A config.json whose fields transformers' config class refuses together (more
     layer_types than num_hidden_layers) fails where AutoTokenizer reads it: one line naming
     config.json and transformers' reason (it blamed the tokenizer: "cannot load the tokenizer").
@@ -692,10 +698,9 @@ def test_a_config_transformers_refuses_as_a_whole_is_named_not_the_tokenizer(tmp
 
     target = make_target(tmp_path / "t", "llama")
     cfg = json.loads((target / "config.json").read_text())
-    cfg.update(layer_types=["full_attention"] * cfg["num_hidden_layers"], num_hidden_layers=cfg["num_hidden_layers"] - 1)
+    cfg.update(layer_types=layer_types, num_hidden_layers=layers)
     (target / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(DFlashError, match=r"^transformers refuses .*config\.json \(AutoTokenizer reads it to load the "
-                                          r"tokenizer\): .*num_hidden_layers.* must be equal to the number of .*layer_types") as err:
+    with pytest.raises(DFlashError, match=words) as err:
         DFlashEngine.from_pretrained(target, no_draft=True)
     assert "\n" not in str(err.value)
 

@@ -18,7 +18,7 @@ def parse_config(cfg: dict) -> TargetConfig:
     Raises:
         DFlashError: missing keys, MLP biases, sliding layers (qwen2 / qwen3:
             :func:`~dflash_torch.models.config.refuse_sliding_layers`) or partial rotary
-            (not supported).
+            (not supported); a ``layer_types`` that is not a list of names (llama too).
     """
     model_type = cfg["model_type"]
     if "intermediate_size" not in cfg:
@@ -26,6 +26,10 @@ def parse_config(cfg: dict) -> TargetConfig:
     if bool_field(cfg, "mlp_bias", "target", False):
         raise DFlashError("target configs with mlp_bias=true are not supported")
     refuse_sliding_layers(cfg, model_type)
+    # (llama reads no layer_types, but transformers' config class iterates it where AutoTokenizer reads config.json)
+    types = cfg.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        raise DFlashError(f"target config.json layer_types must be a list of layer type names, got {types!r}")
     fields = base_target_fields(cfg, model_type)
     refuse_partial_rotary(fields, model_type)
     fields.update(
