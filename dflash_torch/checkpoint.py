@@ -35,7 +35,8 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
             network), else downloaded into the cache (:func:`dflash_torch.hub.snapshot`).
 
     Raises:
-        DFlashError: if it is empty, neither a directory with ``config.json`` nor a repo id,
+        DFlashError: if it is empty, neither a directory with ``config.json`` nor a repo id
+            (a ``config.json`` that is not a file: ``PATH/config.json is not a file``),
             a repo id that is not cached and cannot be downloaded, or a revision the Hub does not
             have (see :mod:`dflash_torch.hub`),
             or a directory (or a part of a Hugging Face cache entry: its folder, refs/main,
@@ -53,6 +54,8 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
             except OSError as exc:
                 config.lstat()  # (it can be entered: config.json is a link into a directory that cannot be)
                 raise DFlashError(f"cannot read {config}: {exc.strerror}") from None
+            if not found and config.exists():  # (a directory: "has no config.json" sent one looking for the file)
+                raise DFlashError(f"{config} is not a file{' (a directory)' if config.is_dir() else ''}")
             if not found:
                 raise DFlashError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
             return path

@@ -45,6 +45,8 @@ def bad(tiny_pair, tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     (root / "no-config").mkdir()
     (root / "no-config" / "model.safetensors").write_bytes(b"")
     paths["no_config"] = root / "no-config"
+    (root / "config-dir" / "config.json").mkdir(parents=True)
+    paths["config_dir"] = root / "config-dir"
 
     no_weights = root / "no-weights"
     no_weights.mkdir()
@@ -137,6 +139,7 @@ LOAD_CASES = [
     ("missing-target-dir", dict(target="missing"), "does not exist"),
     ("missing-drafter-dir", dict(draft="missing"), "does not exist"),
     ("missing-config", dict(target="no_config"), "config.json"),
+    ("config-is-a-directory", dict(target="config_dir"), "config-dir/config.json is not a file (a directory)"),  # ("has no config.json")
     ("empty-path", dict(target="empty"), "the checkpoint path is empty"),  # ("" was ".": "'.' has no config.json")
     ("missing-weights", dict(target="no_weights"), "safetensors"),
     # (no word that the pickle beside it is not read)
