@@ -1785,7 +1785,8 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
         DFlashError: no tokenizer files in the checkpoint, a file that is a broken link (of an
             interrupted download), a tokenizer that fails to load (``cannot read FILE: Permission
             denied`` where a tokenizer file is one this process may not read; one that the
-            tokenizer does not need is no error), a config.json that
+            tokenizer does not need is no error; a tokenizer JSON file that is not a valid JSON
+            object, named), a config.json that
             transformers' config class refuses (AutoTokenizer reads it too; a top-level ``dtype`` /
             ``torch_dtype`` "auto", which that class alone cannot read, is read as absent), a size that does
             not fit ``vocab_size`` (see above; too few tokens names the vocabulary file where
@@ -1818,6 +1819,8 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
                 pass
             except OSError as e:
                 raise DFlashError(f"cannot read {Path(model_dir) / name}: {e.strerror}") from None
+            if name.endswith(".json") and (Path(model_dir) / name).is_file():  # (its JSON error named no file)
+                read_json_object(Path(model_dir) / name)
         detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # (one line, all of it)
         if type(exc).__name__.startswith("StrictDataclass"):  # (its config class refused config.json: a field, or them together)
             raise DFlashError(f"transformers refuses {Path(model_dir) / 'config.json'} (AutoTokenizer reads it to load "

@@ -942,6 +942,9 @@ MALFORMED_CONFIGS = [
     ("drafter", _set("rope_scaling", {"rope_type": "linear"}),
      "drafter config.json rope_scaling: rope scaling type 'linear' lacks factor"),
     ("generation", b"{", "generation_config.json is not valid JSON"),
+    # (the message did not name the file: "cannot load the tokenizer of ...: Expecting property name ...")
+    ("tokenizer_config.json", b"{oops", "tokenizer_config.json is not valid JSON"),
+    ("special_tokens_map.json", b"{oops", "special_tokens_map.json is not valid JSON"),
     ("generation", _set("eos_token_id", "0"), "generation_config.json eos_token_id must be a token id or a list of them, got '0'"),
     ("index", b"{oops", "model.safetensors.index.json is not valid JSON"),
     ("index", b'{"metadata": {}}', "has no weight_map"),
@@ -971,7 +974,8 @@ def test_malformed_config_values_are_one_line_errors(tiny_pair, tokenizer_dir, t
         src = drafter if which == "drafter" else target
         copy = shutil.copytree(src, tmp_path / which)
         target, drafter = (target, copy) if which == "drafter" else (copy, drafter)
-        file = copy / ("generation_config.json" if which == "generation" else "config.json")
+        file = copy / {"generation": "generation_config.json", "target": "config.json", "drafter": "config.json"}.get(
+            which, which)
     if isinstance(edit, bytes):
         file.write_bytes(edit)
     else:
