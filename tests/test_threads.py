@@ -208,12 +208,12 @@ def test_repeated_ctrl_c_stops_as_soon_and_leaves_the_engine_usable(tiny_pair, c
             for gap in (0.001, 0.05, 0):
                 os.kill(os.getpid(), signal.SIGINT)
                 threading.Event().wait(gap)
-        def count(*args):  # on the compute thread, once per decoding round
+        def count(*args, **kwargs):  # on the compute thread, once per decoding round
             rounds.append(1)
             if len(rounds) == 3:
                 threading.Thread(target=press).start()
             threading.Event().wait(0.02)  # (rounds as long as a real model's: presses land within one)
-            return step(*args) if step is not None else None
+            return step(*args, **kwargs) if step is not None else None
         try:
             if {call == "generate_batch"}:
                 decoder = engine.batch_decoder()
