@@ -1815,8 +1815,11 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
         for name in TOKENIZER_READ:  # (an unreadable vocab.json was "Error while initializing BPE: Permission denied";
             try:                     # looked for only now: one it does not need, beside a tokenizer.json, is fine)
                 open(Path(model_dir) / name, "rb").close()
-            except (FileNotFoundError, IsADirectoryError):
+            except FileNotFoundError:
                 pass
+            except IsADirectoryError:  # (transformers' reason then advised installing sentencepiece or tiktoken)
+                raise DFlashError(f"cannot load the tokenizer of {model_dir}: its {name} is a directory, not a file") \
+                    from None
             except OSError as e:
                 raise DFlashError(f"cannot read {Path(model_dir) / name}: {e.strerror}") from None
             if name.endswith(".json") and (Path(model_dir) / name).is_file():  # (its JSON error named no file)

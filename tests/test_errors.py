@@ -1238,16 +1238,21 @@ def test_a_sentencepiece_tokenizer_without_the_package_names_it(tiny_pair, tmp_p
     assert ("needs the sentencepiece package: pip install sentencepiece" in str(err.value)) == (kind == "sentencepiece")
 
 
-def test_a_tokenizer_config_without_a_vocabulary_says_so(tiny_pair, tokenizer_dir, tmp_path):
-    """tokenizer_config.json without tokenizer.json (an interrupted download): transformers' reason
-    advised installing sentencepiece or tiktoken; the message says first which files are missing."""
+@pytest.mark.parametrize("case", ["absent", "directory"])
+def test_a_tokenizer_config_without_a_vocabulary_says_so(tiny_pair, tokenizer_dir, tmp_path, case):
+    """tokenizer_config.json without tokenizer.json (an interrupted download), or with a
+    directory of that name: transformers' reason advised installing sentencepiece or tiktoken;
+    the message says first which files are missing, or which is a directory."""
     target, _ = tiny_pair
     copy = tmp_path / "target"
     copy.mkdir()
     shutil.copy(target / "config.json", copy / "config.json")
     shutil.copy(tokenizer_dir / "tokenizer_config.json", copy / "tokenizer_config.json")
-    with pytest.raises(DFlashError, match=r"which has no tokenizer.json, tokenizer.model or vocab.json \(an incomplete "
-                                          r"download\?\)"):
+    if case == "directory":
+        (copy / "tokenizer.json").mkdir()
+    words = (r"which has no tokenizer.json, tokenizer.model or vocab.json \(an incomplete download\?\)" if case == "absent"
+             else r": its tokenizer.json is a directory, not a file$")
+    with pytest.raises(DFlashError, match=words):
         DFlashEngine.from_pretrained(copy, None, no_draft=True)
 
 
