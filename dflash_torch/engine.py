@@ -1830,8 +1830,9 @@ def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
                               f"the tokenizer): {detail}") from None
         if not any((Path(model_dir) / f).is_file() for f in VOCABULARY_FILES[:3]):  # (transformers' reason then
             # advises installing sentencepiece or tiktoken, which cannot help: the vocabulary is not there)
+            reason = "" if "Couldn't instantiate the backend tokenizer" in detail else f": {detail or type(exc).__name__}"
             raise DFlashError(f"cannot load the tokenizer of {model_dir}, which has no {', '.join(VOCABULARY_FILES[:2])} or "
-                              f"{VOCABULARY_FILES[2]} (an incomplete download?): {detail or type(exc).__name__}") from None
+                              f"{VOCABULARY_FILES[2]} (an incomplete download?){reason}") from None
         raise DFlashError(f"cannot load the tokenizer of {model_dir}: {detail or type(exc).__name__}") from None
     if vocab_size is not None and len(tokenizer) > vocab_size:
         raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {vocab_size}")

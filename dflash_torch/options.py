@@ -275,7 +275,11 @@ def check_block_size(value, trained: int | None, name: str = "block size", conte
     NumPy integer too, returned as a Python int). The block that runs (``value``, else
     ``trained``) must be at most ``context`` tokens, the target's (:func:`context_limit`;
     None: not checked): no longer block fits, and its buffers are sized by it (a drafter
-    config.json block_size of 10**12 allocated terabytes)."""
+    config.json block_size of 10**12 allocated terabytes).
+
+    Raises:
+        OptionError: ``value`` out of range, or longer than ``context``.
+        DFlashError: no ``value``, and ``trained`` longer than ``context`` (no option names it)."""
     value = plain(value)
     if trained is None:
         if value not in (None, 1) or isinstance(value, bool):
@@ -287,8 +291,10 @@ def check_block_size(value, trained: int | None, name: str = "block size", conte
                           f"got {shown(value)}", name)
     block = trained if value is None else value
     if context is not None and block > context:
-        whose = " (the drafter's trained block size, its config.json block_size)" if value is None else ""
-        raise OptionError(f"{name} {shown(block)}{whose} is longer than the target's context of {context} tokens; "
+        if value is None:  # (no option given: the message names none as given)
+            raise DFlashError(f"the drafter's trained block size, its config.json block_size {shown(block)}, is longer "
+                              f"than the target's context of {context} tokens; give a {name} of at most {context}")
+        raise OptionError(f"{name} {shown(block)} is longer than the target's context of {context} tokens; "
                           f"give a {name} of at most {context}", name)
     return value
 

@@ -871,8 +871,8 @@ MALFORMED_CONFIGS = [
      "layers over a target of 2 layers; set dflash_config.target_layer_ids"),
     ("drafter", _set("block_size", "sixteen"), "drafter config.json block_size must be an integer >= 2, got 'sixteen'"),
     # (buffers of 10**12 rows: "RuntimeError: ... you tried to allocate 8000000000000 bytes")
-    ("drafter", _set("block_size", 10**12), "1000000000000 (the drafter's trained block size, its config.json "
-     "block_size) is longer than the target's context of 1024 tokens"),
+    ("drafter", _set("block_size", 10**12), "the drafter's trained block size, its config.json block_size "
+     "1000000000000, is longer than the target's context of 1024 tokens"),
     # no mask_token_id: its mask token is looked up in the target's tokenizer, as SGLang does (test_greedy)
     ("drafter", lambda c: c["dflash_config"].update(mask_token_id=None, mask_token="<|NOPE|>"),
      "drafter config.json has no dflash_config.mask_token_id, and its mask token '<|NOPE|>' would be id 320 (the id "
@@ -1250,7 +1250,7 @@ def test_a_tokenizer_config_without_a_vocabulary_says_so(tiny_pair, tokenizer_di
     shutil.copy(tokenizer_dir / "tokenizer_config.json", copy / "tokenizer_config.json")
     if case == "directory":
         (copy / "tokenizer.json").mkdir()
-    words = (r"which has no tokenizer.json, tokenizer.model or vocab.json \(an incomplete download\?\)" if case == "absent"
+    words = (r"which has no tokenizer.json, tokenizer.model or vocab.json \(an incomplete download\?\)$" if case == "absent"
              else r": its tokenizer.json is a directory, not a file$")
     with pytest.raises(DFlashError, match=words):
         DFlashEngine.from_pretrained(copy, None, no_draft=True)
