@@ -1193,15 +1193,21 @@ def test_null_partial_rotary_factor_and_interval_take_the_defaults(next_config):
     assert [t == "full_attention" for t in parsed.layer_types] == [(i + 1) % 4 == 0 for i in range(6)]
 
 
+def _config_only(target: Path, tmp_path: Path) -> Path:
+    """A directory holding ``target``'s config.json alone (tests add the files they need)."""
+    copy = tmp_path / "target"
+    copy.mkdir()
+    shutil.copy(target / "config.json", copy / "config.json")
+    return copy
+
+
 @pytest.mark.parametrize("case", ["no-tokenizer", "tokenizer-larger-than-vocab"])
 def test_tokenizer_errors_come_before_any_weight_is_read(tiny_pair, tokenizer_dir, tmp_path, monkeypatch, case):
     """A tokenizer problem is found before the weights load (minutes for a real model), not after."""
     from dflash_torch import engine as engine_module
 
     target, drafter = tiny_pair
-    copy = tmp_path / "target"
-    copy.mkdir()
-    shutil.copy(target / "config.json", copy / "config.json")
+    copy = _config_only(target, tmp_path)
     os.symlink(target / "model.safetensors", copy / "model.safetensors")
     if case == "tokenizer-larger-than-vocab":
         copy_tokenizer(tokenizer_dir, copy)
@@ -1227,9 +1233,7 @@ def test_a_sentencepiece_tokenizer_without_the_package_names_it(tiny_pair, tmp_p
     one line naming the package (transformers logged five lines, fell back to tiktoken and said to
     install tiktoken). A tiktoken tokenizer.model (text lines) is left to transformers."""
     target, _ = tiny_pair
-    copy = tmp_path / "target"
-    copy.mkdir()
-    shutil.copy(target / "config.json", copy / "config.json")
+    copy = _config_only(target, tmp_path)
     (copy / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
     (copy / "tokenizer.model").write_bytes(b"\n\x0e\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02" if kind == "sentencepiece"
                                            else b"IQ== 0\nIg== 1\n")
@@ -1244,9 +1248,7 @@ def test_a_tokenizer_config_without_a_vocabulary_says_so(tiny_pair, tokenizer_di
     directory of that name: transformers' reason advised installing sentencepiece or tiktoken;
     the message says first which files are missing, or which is a directory."""
     target, _ = tiny_pair
-    copy = tmp_path / "target"
-    copy.mkdir()
-    shutil.copy(target / "config.json", copy / "config.json")
+    copy = _config_only(target, tmp_path)
     shutil.copy(tokenizer_dir / "tokenizer_config.json", copy / "tokenizer_config.json")
     if case == "directory":
         (copy / "tokenizer.json").mkdir()
