@@ -909,16 +909,15 @@ class Trainer:
                 now, was = (cfg.target, typed) if typed not in (None, cfg.target) else (str(target_dir.resolve()),
                                                                                        st["target_dir"])
                 changed.insert(0, f"--target {now!r} (was {was!r})")
-            idle = True
-            if cfg.steps is not None and step >= cfg.steps:
+            reached = cfg.steps is not None and step >= cfg.steps
+            spent = cfg.time_budget_min is not None and elapsed_prev >= cfg.time_budget_min * 60
+            if reached:
                 self.log(f"resume: the checkpoint is at step {step}, --steps {cfg.steps} is reached: no training; "
                          "the drafter is exported as it is (give a larger --steps to train on)")
-            elif cfg.time_budget_min is not None and elapsed_prev >= cfg.time_budget_min * 60:
+            elif spent:
                 self.log(f"resume: the checkpoint has trained {elapsed_prev / 60:.1f} min, --time-budget-min "
                          f"{cfg.time_budget_min:g} is spent: no training; the drafter is exported as it is")
-            else:
-                idle = False
-            if idle:  # (no step is trained: the recipe stays the one the drafter was trained with; it was
+            if reached or spent:  # (no step is trained: the recipe stays the one the drafter was trained with; it was
                 # rewritten with this run's, and warned as one "training goes on with": trial-175)
                 recorded.update({k: before[k] for k in (*RECIPE, "steps", "time_budget_min") if k in before})
             elif changed:  # (allowed, e.g. on purpose; but then not the run an uninterrupted one would be)
