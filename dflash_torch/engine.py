@@ -16,13 +16,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import importlib.util
 import inspect
-import json
 import logging
 import operator
 import os
-import re
 import threading
 import time
 import weakref
@@ -35,11 +32,12 @@ import torch
 
 from . import compute, options
 from .batch import BatchDecoder, check_draft_max_batch_size, check_engine_max_batch_size, check_prefix_slots
-from .checkpoint import available_memory, check_links, checkpoint_dir, load_config, read_json_object
+from .chat_template import chat_messages, render_chat, reserved_template_variables
+from .checkpoint import available_memory, checkpoint_dir, load_config, read_json_object
 from .decoding import Round, SpeculativeDecoder
 from .errors import ContextLengthError, DFlashError, OptionError, shown, unprintable
 from .models.config import (DrafterConfig, TargetConfig, check_vocab_ids, eos_token_ids, fill_mask_token_id,
-                            needs_mask_token_id, quiet_transformers, validate_pair)
+                            needs_mask_token_id, validate_pair)
 from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
 from .models.packing import pack_linears, packed_bytes, packing_supported
@@ -47,6 +45,7 @@ from .models.target import TargetModel
 from .sampling import SamplingParams, TokenLogprob, generation_defaults
 from .stopping import Stopper
 from .structured import GrammarCompiler, StructuredOutput
+from .tokenizer import byte_level_alphabet, load_tokenizer, max_prompt_chars
 
 ASSETS = Path(__file__).parent / "assets" / "default"
 DEFAULT_TARGET = ASSETS / "target"
@@ -285,7 +284,7 @@ class DFlashEngine:
                                    reuse_prefix=self.reuse_prefix, **decoder_options)
         self.draft_max_batch_size = check_draft_max_batch_size(draft_max_batch_size, drafter=drafter is not None,
                                                                draft_mode=draft_mode, block_size=self.block_size)
-        self.max_prompt_chars = _max_prompt_chars(tokenizer, self.max_context)
+        self.max_prompt_chars = max_prompt_chars(tokenizer, self.max_context)
         self.lock = threading.Lock()
         self._forked_busy = False  # (a forked child's copy of an engine that ran a request: _after_fork)
         _ENGINES.add(self)
@@ -427,7 +426,7 @@ class DFlashEngine:
             draft_dir = checkpoint_dir(draft, "draft")
             draft_raw = load_config(draft_dir)
             if needs_mask_token_id(draft_raw):  # (resolved with the target's tokenizer, as SGLang does)
-                draft_raw, note = fill_mask_token_id(draft_raw, _load_tokenizer(target_dir, target_cfg.vocab_size),
+                draft_raw, note = fill_mask_token_id(draft_raw, load_tokenizer(target_dir, target_cfg.vocab_size),
                                                       target_cfg.vocab_size)
                 log.info(f"dflash-torch: {note}")
             draft_cfg = DrafterConfig.from_dict(draft_raw)
@@ -469,7 +468,7 @@ class DFlashEngine:
     def _load(cls, target, target_dir: Path, target_cfg: TargetConfig, draft_dir: Path | None, torch_dtype: torch.dtype,
               dev: torch.device, *, draft_raw: dict | None, draft_cfg: DrafterConfig | None, pack: bool, fuse: bool, mxfp4: str, fp8: str,
               int_weights: str, nvfp4: str, **engine_options) -> "DFlashEngine":
-        tokenizer = _load_tokenizer(target_dir, target_cfg.vocab_size)  # (first: before minutes of reading weights)
+        tokenizer = load_tokenizer(target_dir, target_cfg.vocab_size)  # (first: before minutes of reading weights)
         eos, recommended, length = [], {}, None  # (generation_config.json's, read before any weight: its errors come first)
         gen_cfg = target_dir / "generation_config.json"
         if gen_cfg.is_file():
@@ -635,7 +634,7 @@ class DFlashEngine:
         as gpt-oss's and Qwen3-Coder's need a mapping); a dict is taken as is; ``""``, None
         or no ``arguments`` is ``{}`` (as vLLM takes them). A template that cannot render
         the dicts (DeepSeek V3's, V3.1's and R1's join the arguments to a string) gets them
-        as JSON text: each call's as sent, a dict's as compact JSON (:func:`render_chat`).
+        as JSON text: each call's as sent, a dict's as compact JSON (:func:`~dflash_torch.chat_template.render_chat`).
 
         A text (or messages' contents) longer than :attr:`max_prompt_chars` characters
         cannot fit the context and is refused before it is tokenized (unless
@@ -697,7 +696,7 @@ class DFlashEngine:
             except TypeError:  # (a 0-dim float tensor has __index__ and refuses it)
                 raise DFlashError("prompt token ids must be integers") from None
         if isinstance(prompt, list) or chat:
-            messages = _chat_messages(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
+            messages = chat_messages(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
             if not getattr(self.tokenizer, "chat_template", None):
                 raise OptionError("chat cannot be used: this model's tokenizer has no chat template "
                                   "(send a text prompt)", "chat")
@@ -1462,232 +1461,12 @@ class DFlashEngine:
             stats.decode_tokens_per_second = (stats.generated_tokens - 1) / stats.decode_time
 
 
-def byte_level_alphabet() -> list[str]:
-    """The character that byte-level BPE (GPT-2's scheme, used by Qwen and Llama 3) spells
-    each byte 0..255 with: printable Latin-1 bytes (33-126, 161-172, 174-255) as
-    themselves, the other 68 as U+0100, U+0101, ... in byte order."""
-    kept = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
-    out, extra = [], 0
-    for b in range(256):
-        if b in kept:
-            out.append(chr(b))
-        else:
-            out.append(chr(256 + extra))
-            extra += 1
-    return out
-
-
 def _of_prompt(exc: DFlashError, i: int) -> DFlashError:
     """``exc`` about prompt ``i`` of a batch: its message after ``prompt i:``, an
     :class:`OptionError` still one with its names (the command line names the flags)."""
     if isinstance(exc, OptionError):
         return OptionError(f"prompt {i}: {exc}", *exc.names)
     return DFlashError(f"prompt {i}: {exc}")
-
-
-def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> str:
-    """``tokenizer``'s chat template applied to ``messages`` with ``template_kwargs``: the
-    extra template variables and ``apply_chat_template``'s own ``add_generation_prompt``
-    (default true) and ``continue_final_message`` options. The engine's chat path
-    (:meth:`DFlashEngine.encode_prompt`) and chat training data render with it.
-
-    Tool calls' ``arguments`` reach the template as mappings (what :func:`_chat_messages`
-    makes of them); a template that fails on that (a TypeError or its own error: DeepSeek
-    V3's, V3.1's and R1's join the arguments to a string) renders them again as JSON text:
-    the text each call was sent as, else its compact JSON (see :func:`_render`).
-
-    Raises:
-        DFlashError: the template refuses the messages (its ``raise_exception``, e.g.
-            roles out of order) or cannot be rendered at all (a broken template), or
-            the messages, tools or variables are nested too deeply to render. A
-            TypeError names the tools or ``chat_template_kwargs`` (an
-            :class:`OptionError` with those names) only when the messages render without
-            them; otherwise it names the messages.
-    """
-    import jinja2
-
-    template_kwargs = {"add_generation_prompt": True, **template_kwargs}
-    try:
-        return _render(tokenizer, messages, template_kwargs)
-    except (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError) as exc:
-        raise DFlashError(f"the model's chat template cannot be rendered: {' '.join(str(exc).split())}") from None
-    except jinja2.TemplateError as exc:
-        raise DFlashError(f"the chat template refuses these messages: {' '.join(str(exc).split())}") from None
-    except TypeError as exc:  # e.g. a template function (raise_exception) shadowed by a chat_template_kwargs value
-        blamed = _blamed_options(tokenizer, messages, template_kwargs)
-        what = " or ".join(f"these {n}" for n in blamed) or "these messages"
-        message = f"the chat template cannot render {what}: {' '.join(str(exc).split())}"
-        raise (OptionError(message, *blamed) if blamed else DFlashError(message)) from None
-    except ValueError as exc:  # (transformers: continue_final_message with a last message the template drops)
-        if not template_kwargs.get("continue_final_message"):
-            raise
-        raise OptionError(f"continue_final_message: the chat template does not render the last message's text "
-                          f"as sent, so the prompt cannot end inside it ({' '.join(str(exc).split())})",
-                          "continue_final_message") from None
-    except RecursionError:  # (jinja and its tojson recurse once per level of nesting)
-        raise DFlashError("the chat template cannot render these messages: their content, tool calls, tools or "
-                          "chat_template_kwargs are nested too deeply") from None
-
-
-def _render(tokenizer, messages: list[dict], template_kwargs: dict) -> str:
-    """The template applied to ``messages`` with each tool call's ``arguments`` a mapping
-    (the templates of gpt-oss, Qwen3-Coder, ... iterate it or write it with ``tojson``); if
-    that fails (a TypeError or a template error, not a broken template) and some message
-    has tool calls, applied again with each call's arguments as JSON text (DeepSeek's
-    templates write ``'<｜tool▁sep｜>' + arguments``): the text the call was sent as, as
-    the client's own rendering of its messages has it, else its compact JSON. When both
-    fail, the first failure is raised."""
-    import jinja2
-
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
-    except (TypeError, jinja2.TemplateError) as exc:
-        if isinstance(exc, (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError)) or \
-                not any(m.get("tool_calls") for m in messages):
-            raise
-        try:
-            return tokenizer.apply_chat_template(_with_text_arguments(messages), tokenize=False, **template_kwargs)
-        except Exception:
-            raise exc from None
-
-
-def _with_text_arguments(messages: list[dict]) -> list[dict]:
-    """``messages`` with each tool call's mapping ``arguments`` as JSON text: the text it was
-    sent as (:class:`_Arguments`), else compact JSON (copies)."""
-    def text(arguments):
-        if isinstance(arguments, _Arguments):
-            return arguments.text
-        return json.dumps(arguments, ensure_ascii=False, separators=(",", ":")) if isinstance(arguments, dict) \
-            else arguments
-    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": text(c["function"].get("arguments"))}}
-                                 if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
-                                 for c in m["tool_calls"]]} if isinstance(m.get("tool_calls"), list) else m
-            for m in messages]
-
-
-def _blamed_options(tokenizer, messages: list[dict], template_kwargs: dict) -> list[str]:
-    """What a TypeError of the template is provably due to: ``chat_template_kwargs`` and
-    ``tools`` given in ``template_kwargs`` whose leaving out lets the messages render (both,
-    when only leaving out both does); none (the messages) when the messages do not render
-    without them either."""
-    own = {"add_generation_prompt", "continue_final_message"}
-    given = {"chat_template_kwargs": set(template_kwargs) - own - {"tools"},
-             "tools": {"tools"} & set(template_kwargs)}
-    given = {name: keys for name, keys in given.items() if keys}
-
-    def renders(left_out: set) -> bool:
-        try:
-            _render(tokenizer, messages, {k: v for k, v in template_kwargs.items() if k not in left_out})
-        except Exception:
-            return False
-        return True
-
-    if not given or not renders(set().union(*given.values())):
-        return []
-    return [name for name, keys in given.items() if renders(keys)] or list(given)
-
-
-def reserved_template_variables(tokenizer) -> list[str]:
-    """The named parameters of ``tokenizer.apply_chat_template``, and ``messages``: the names
-    no extra chat template variable may take (see :meth:`DFlashEngine.reserved_template_variables`)."""
-    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
-    return [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)] + ["messages"]
-
-
-def _chat_messages(messages: list) -> list[dict]:
-    """Checked chat messages (see :meth:`DFlashEngine.encode_prompt`), with each tool call's
-    ``arguments`` JSON string parsed into a dict and a ``content`` None or absent (beside
-    ``tool_calls``) as ``""``, as the server sends it (copies; the caller's are not changed).
-
-    Raises:
-        DFlashError: a message that is not a dict with a string ``role`` and a string
-            ``content`` (or a list of text parts; None allowed with ``tool_calls``), ``tool_calls`` that are not a
-            list of ``{"function": {"name": str, "arguments": ...}}``, or ``arguments`` that
-            are not a JSON object (a dict or its JSON text; ``""`` and None are ``{}``).
-    """
-    if not all(isinstance(m, dict) for m in messages):
-        nested = bool(messages) and all(isinstance(m, (list, tuple)) for m in messages)  # (a tokenizer's batch)
-        hint = "" if not nested else "; got a list of one list (a batch of one): pass its row, ids[0]" \
-            if len(messages) == 1 else f"; got a list of {len(messages)} lists ({len(messages)} prompts: generate_batch takes them)"
-        raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})"
-                          + hint)
-    out = []
-    for i, m in enumerate(messages):
-        if isinstance(m.get("content"), list):
-            m = {**m, "content": _parts_text(m["content"], m.get("role"), i)}
-        calls = m.get("tool_calls")
-        content_ok = isinstance(m.get("content"), str) or (calls and m.get("content") is None)
-        if not isinstance(m.get("role"), str) or not content_ok:
-            raise DFlashError("chat messages must be a list of {'role': str, 'content': str} (content may be None "
-                              "with tool_calls)")
-        if m.get("content") is None:  # (with tool_calls: "", as the server sends it, see ChatMessage.text)
-            m = {**m, "content": ""}
-        if calls is None:
-            out.append(m)
-            continue
-        if not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-                for c in calls):
-            raise DFlashError(f"chat messages need tool_calls as a list of {{'type': 'function', 'function': "
-                              f"{{'name': str, 'arguments': str}}}} (message {i})")
-        out.append({**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _call_arguments(
-            c["function"].get("arguments", {}), i, j)}} for j, c in enumerate(calls)]})
-    return out
-
-
-def _parts_text(parts: list, role, message: int) -> str:
-    """A message's ``content`` given as OpenAI's list of parts: the texts of its text parts
-    (``{"type": "text", "text": str}``; in an assistant message also ``{"type": "refusal",
-    "refusal": str}``) joined by newlines, as the server (and vLLM) joins them.
-
-    Raises:
-        DFlashError: a part of another kind (an image, ...) or without its string."""
-    texts = []
-    for j, part in enumerate(parts):
-        kind = part.get("type") if isinstance(part, dict) else None
-        field = "refusal" if kind == "refusal" and role == "assistant" else "text" if kind == "text" else None
-        if field is None or not isinstance(part.get(field), str):
-            raise DFlashError(f"chat message {message}: content part {j} must be {{'type': 'text', 'text': str}} (or, in "
-                              f"an assistant message, {{'type': 'refusal', 'refusal': str}}); got {str(part)[:80]}")
-        texts.append(part[field])
-    return "\n".join(texts)
-
-
-class _Arguments(dict):
-    """A tool call's arguments parsed from JSON text, with ``text``, the text as sent (what a
-    template that writes the arguments as text renders: :func:`_render`)."""
-
-    def __init__(self, value: dict, text: str):
-        super().__init__(value)
-        self.text = text
-
-
-def _call_arguments(arguments, message: int, call: int) -> dict:
-    """A tool call's arguments as a dict: a dict, or a JSON object's text (an
-    :class:`_Arguments` that keeps it); ``""`` and None are ``{}`` (a call without
-    arguments, as vLLM takes them). Strict JSON: NaN and Infinity are refused (as is a
-    dict holding a float NaN or infinity); a number beyond a float's range in the text is
-    taken."""
-    if arguments is None or arguments == "":
-        return {}
-    text = None
-    if isinstance(arguments, str):
-        text = arguments
-        try:
-            arguments = options.strict_json(arguments)
-        except ValueError as exc:
-            raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
-                              f"not valid JSON ({exc})") from None
-        except RecursionError:
-            raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
-                              "nested too deeply") from None
-    if not isinstance(arguments, dict):
-        raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
-                          f"got {options.json_type(arguments)}")
-    if text is None and options.non_finite(arguments):  # (text: 1e400 is valid JSON, NaN was refused above)
-        raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
-                          "holds NaN or infinity, which JSON has not")
-    return _Arguments(arguments, text) if text is not None else arguments
 
 
 def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list:
@@ -1719,133 +1498,3 @@ def _shared_by_all(exc: DFlashError, per: dict[str, list]) -> bool:
     once for all, or per prompt but equal)."""
     names = [name.replace(" ", "_") for name in getattr(exc, "names", ())]
     return bool(names) and all(name in per and all(v == per[name][0] for v in per[name]) for name in names)
-
-
-NORMALIZATION_SHRINK = 4  # Unicode normalization (NFC, NFKC) composes at most 4 code points into one
-
-
-def _max_prompt_chars(tokenizer, max_context: int) -> int:
-    """Characters beyond which a text cannot fit ``max_context`` tokens.
-
-    No token stands for more input characters than the length of its string in the
-    vocabulary (byte-level BPE spells a token with one character per byte: bytes >=
-    characters), so a text of more than ``max_context * L`` characters, L the longest
-    token string, has more than ``max_context`` tokens. A tokenizer that normalizes its
-    input first may compose characters (NFC, NFKC: up to 4 into 1, U+1F82), hence the
-    margin then. (A normalizer that deletes characters, such as BERT's clean-up, is not
-    covered; the supported families use none: Qwen NFC, Llama 2 replace/prepend, Llama 3 none.)
-    """
-    longest = max(map(len, tokenizer.get_vocab()), default=1)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    shrink = 1 if backend is not None and backend.normalizer is None else NORMALIZATION_SHRINK
-    return max_context * longest * shrink
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")  # (named when the tokens are missing)
-TOKENIZER_READ = (*VOCABULARY_FILES, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                  "chat_template.jinja")  # (tried when loading fails: the tokenizers library's errors do not name the file)
-
-
-def _check_sentencepiece(model_dir: Path) -> None:
-    """Refuse, in one line, a tokenizer only a SentencePiece ``tokenizer.model`` holds where the
-    sentencepiece package is not installed (an older Llama / Mistral repository without a
-    ``tokenizer.json``). transformers then logs five lines and falls back to reading the file as
-    tiktoken's, whose error says to install tiktoken, which cannot read it either. A tiktoken
-    ``tokenizer.model`` (text: a base64 token and its rank a line, as Llama 3's original one) is
-    left to transformers.
-
-    Raises:
-        DFlashError: as above, naming the package to install.
-    """
-    if any((model_dir / f).is_file() for f in ("tokenizer.json", "vocab.json")) or importlib.util.find_spec(
-            "sentencepiece") is not None:
-        return
-    try:
-        with open(model_dir / "tokenizer.model", "rb") as f:
-            head = f.read(64)
-    except OSError:  # (absent, or unreadable: as transformers finds it)
-        return
-    if head and not re.fullmatch(rb"[A-Za-z0-9+/=]+ [0-9]+\r?\n.*", head, re.DOTALL):
-        raise DFlashError(f"the tokenizer of {model_dir} is a SentencePiece tokenizer.model (no tokenizer.json beside "
-                          f"it), which needs the sentencepiece package: pip install sentencepiece")
-
-
-def _load_tokenizer(model_dir: Path, vocab_size: int | None = None):
-    """The target's tokenizer via ``AutoTokenizer``.
-
-    Args:
-        vocab_size: the target's; where given, a tokenizer of more tokens, or of fewer than
-            half as many, is refused. (A real tokenizer is at most a little smaller than its
-            model's embedding, padded to a round size; transformers builds a tokenizer of its
-            special tokens alone from a ``tokenizer_config.json`` whose vocabulary files are
-            missing, as a partial download leaves it.)
-
-    Raises:
-        DFlashError: no tokenizer files in the checkpoint, a file that is a broken link (of an
-            interrupted download), a tokenizer that fails to load (``cannot read FILE: Permission
-            denied`` where a tokenizer file is one this process may not read; one that the
-            tokenizer does not need is no error; a tokenizer JSON file that is not a valid JSON
-            object, named), a config.json that
-            transformers' config class refuses (AutoTokenizer reads it too; a top-level ``dtype`` /
-            ``torch_dtype`` "auto", which that class alone cannot read, is read as absent), a size that does
-            not fit ``vocab_size`` (see above; too few tokens names the vocabulary file where
-            there is one, else the files missing). A SentencePiece ``tokenizer.model`` without the sentencepiece
-            package: see ``_check_sentencepiece``.
-    """
-    from transformers import AutoConfig, AutoTokenizer
-
-    check_links(model_dir)  # (else transformers blames a missing sentencepiece for a missing tokenizer.json)
-    if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
-        raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
-    _check_sentencepiece(Path(model_dir))
-    # (transformers' config class takes a dtype "auto" for a torch dtype's name and fails on torch.auto, unless
-    # given a dtype, as its model loader is: the tokenizer does not depend on it)
-    config_file = Path(model_dir) / "config.json"
-    auto = config_file.is_file() and "auto" in (read_json_object(config_file).get(k) for k in ("dtype", "torch_dtype"))
-    try:
-        config = {}
-        if auto:
-            with quiet_transformers():  # (its notice that torch_dtype is deprecated)
-                config = {"config": AutoConfig.from_pretrained(str(model_dir), dtype=None, torch_dtype=None)}
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), **config)
-    except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
-        if isinstance(exc, PermissionError) and exc.filename:  # (a file this process may not read)
-            raise DFlashError(f"cannot read {exc.filename}: {exc.strerror}") from None
-        for name in TOKENIZER_READ:  # (an unreadable vocab.json was "Error while initializing BPE: Permission denied";
-            try:                     # looked for only now: one it does not need, beside a tokenizer.json, is fine)
-                open(Path(model_dir) / name, "rb").close()
-            except FileNotFoundError:
-                pass
-            except IsADirectoryError:  # (transformers' reason then advised installing sentencepiece or tiktoken)
-                raise DFlashError(f"cannot load the tokenizer of {model_dir}: its {name} is a directory, not a file") \
-                    from None
-            except OSError as e:
-                raise DFlashError(f"cannot read {Path(model_dir) / name}: {e.strerror}") from None
-            if name.endswith(".json") and (Path(model_dir) / name).is_file():  # (its JSON error named no file)
-                read_json_object(Path(model_dir) / name)
-        detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # (one line, all of it)
-        if type(exc).__name__.startswith("StrictDataclass"):  # (its config class refused config.json: a field, or them together)
-            raise DFlashError(f"transformers refuses {Path(model_dir) / 'config.json'} (AutoTokenizer reads it to load "
-                              f"the tokenizer): {detail}") from None
-        if not any((Path(model_dir) / f).is_file() for f in VOCABULARY_FILES[:3]):  # (transformers' reason then
-            # advises installing sentencepiece or tiktoken, which cannot help: the vocabulary is not there)
-            reason = "" if "Couldn't instantiate the backend tokenizer" in detail else f": {detail or type(exc).__name__}"
-            raise DFlashError(f"cannot load the tokenizer of {model_dir}, which has no {', '.join(VOCABULARY_FILES[:2])} or "
-                              f"{VOCABULARY_FILES[2]} (an incomplete download?){reason}") from None
-        raise DFlashError(f"cannot load the tokenizer of {model_dir}: {detail or type(exc).__name__}") from None
-    if vocab_size is not None and len(tokenizer) > vocab_size:
-        raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {vocab_size}")
-    if vocab_size is not None and 2 * len(tokenizer) < vocab_size:
-        absent = [f for f in VOCABULARY_FILES if not (Path(model_dir) / f).is_file()]
-        whole = [f for f in VOCABULARY_FILES[:2] if f not in absent] or (["vocab.json and merges.txt"] if not (
-            {"vocab.json", "merges.txt"} & set(absent)) else [])
-        if whole:  # (a vocabulary is there, not too few files: listing the others as missing misled)
-            raise DFlashError(f"the tokenizer of {model_dir} has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}"
-                              f", far fewer than the target's vocab_size ({vocab_size}): too few for this target (a "
-                              f"wrong or incomplete {whole[0]}?)")
-        absent = f"no {', '.join(absent[:-1])} or {absent[-1]}; " if len(absent) > 1 else f"no {absent[0]}; " if absent else ""
-        raise DFlashError(f"the tokenizer of {model_dir} has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}"
-                          f", far fewer than the target's vocab_size ({vocab_size}): its vocabulary files are missing "
-                          f"or incomplete ({absent}an interrupted download?)")
-    return tokenizer

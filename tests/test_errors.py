@@ -1817,7 +1817,7 @@ def test_a_tokenizer_without_its_vocabulary_files_is_refused(tiny_pair, tmp_path
     tokens alone, one token: generate said "the prompt is empty (0 tokens)", serve answered
     token-id prompts with "". It is refused when loading (generate, the Python API, train),
     naming the files it lacks; a tokenizer a few tokens short of vocab_size still loads."""
-    from dflash_torch.engine import _load_tokenizer
+    from dflash_torch.tokenizer import load_tokenizer
 
     target, drafter = tiny_pair
     bare = shutil.copytree(target, tmp_path / "bare")
@@ -1840,13 +1840,13 @@ def test_a_tokenizer_without_its_vocabulary_files_is_refused(tiny_pair, tmp_path
                      "--no-progress"]) == 2
     assert capsys.readouterr().err.endswith(f"dflash-torch: error: {words}\n")
     # a real tokenizer is often a little smaller than vocab_size (padded): down to half of it loads
-    assert len(_load_tokenizer(target, 320)) == len(_load_tokenizer(target, 640)) == 320
+    assert len(load_tokenizer(target, 320)) == len(load_tokenizer(target, 640)) == 320
     # (a whole vocabulary of too few tokens, a wrong one: the other files are not listed as missing)
     slow = _slow_tokenizer_files(shutil.copytree(target, tmp_path / "slow"))
     for checkpoint, name in ((target, "tokenizer.json"), (slow, "vocab.json and merges.txt")):
         with pytest.raises(DFlashError) as err:
-            _load_tokenizer(checkpoint, 641)
+            load_tokenizer(checkpoint, 641)
         assert str(err.value) == (f"the tokenizer of {checkpoint} has 320 tokens, far fewer than the target's vocab_size "
                                   f"(641): too few for this target (a wrong or incomplete {name}?)")
     with pytest.raises(DFlashError, match="^the tokenizer has 320 tokens but the target's vocab_size is 300$"):
-        _load_tokenizer(target, 300)
+        load_tokenizer(target, 300)

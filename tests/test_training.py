@@ -1604,9 +1604,9 @@ def test_train_dflash2_from_a_dflash_drafter_round_trips(tiny_pair, tmp_path, ca
 
 
 def _tok(target_dir: Path):
-    from dflash_torch.engine import _load_tokenizer
+    from dflash_torch.tokenizer import load_tokenizer
 
-    return _load_tokenizer(target_dir)
+    return load_tokenizer(target_dir)
 
 
 def _prepare(cfg: TrainConfig, tokenizer, target_dir: Path):
@@ -2364,7 +2364,7 @@ def test_chat_loss_of_a_qwen3_style_call_with_an_empty_content_and_reasoning(tin
     common agent data; trial-98)."""
     from transformers import AutoTokenizer
 
-    from dflash_torch.engine import _chat_messages
+    from dflash_torch.chat_template import chat_messages
 
     tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
     tok.chat_template = QWEN3_CALLS
@@ -2374,7 +2374,7 @@ def test_chat_loss_of_a_qwen3_style_call_with_an_empty_content_and_reasoning(tin
                 {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
                 {"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "Thanks a lot"},
                 {"role": "assistant", "content": "You are welcome."}]
-    ex = tokenize_conversation(tok, _chat_messages(messages))
+    ex = tokenize_conversation(tok, chat_messages(messages))
     assert not ex.whole
     spans = "".join(_masked_spans(tok, ex))
     assert "get_weather" in spans and "It is sunny." in spans and "You are welcome." in spans, spans

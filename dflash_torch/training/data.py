@@ -50,7 +50,7 @@ from typing import Iterator
 
 import torch
 
-from ..engine import _chat_messages, render_chat
+from ..chat_template import chat_messages, render_chat
 from ..errors import DFlashError
 
 
@@ -176,7 +176,7 @@ def _add_record(rec, where: str, corpus: Corpus) -> None:
             raise DFlashError(f"{where}: message {bad} is not an object: each message must be "
                               "{'role': str, 'content': str}")
         try:  # (the messages the engine's chat path takes, as it takes them)
-            msgs = _chat_messages(rec["messages"])
+            msgs = chat_messages(rec["messages"])
         except DFlashError as exc:
             raise DFlashError(f"{where}: {exc}") from None
         # (a null reasoning_content is an absent one, as the chat API takes it)
@@ -391,7 +391,7 @@ def tokenize_documents(tokenizer, documents: list[str]) -> torch.Tensor:
 
 def _render_text(tokenizer, messages: list[dict], generation_prompt: bool, where: str,
                  template_kwargs: dict | None = None) -> str:
-    """The messages rendered as the engine's chat path renders them (:func:`~dflash_torch.engine.render_chat`).
+    """The messages rendered as the engine's chat path renders them (:func:`~dflash_torch.chat_template.render_chat`).
 
     Raises:
         DFlashError: the template refuses or cannot render them (naming ``where``)."""

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from ..chat_template import reserved_template_variables
 from ..checkpoint import all_finite, checkpoint_dir, load_config
 from ..cli import deferred_interrupt
 from ..errors import DFlashError
@@ -39,6 +40,7 @@ from ..models.config import (DFlash2Settings, DrafterConfig, TargetConfig, defau
 from ..models.drafter import DFlashDrafter, drafter_class
 from ..models.target import TargetModel
 from ..options import check_chat_template_kwargs, context_limit
+from ..tokenizer import load_tokenizer
 from .data import (
     Example, TrainingData, collate, corpus_files, read_corpus, step_generator, tokenize_conversation, tokenize_documents,
 )
@@ -806,9 +808,7 @@ class Trainer:
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
         if cfg.seq_len > (limit := context_limit(target_cfg)):
             raise DFlashError(f"--seq-len {cfg.seq_len} exceeds the target's context of {limit} tokens")
-        from ..engine import _load_tokenizer, reserved_template_variables
-
-        tokenizer = _load_tokenizer(target_dir, target_cfg.vocab_size)
+        tokenizer = load_tokenizer(target_dir, target_cfg.vocab_size)
         if cfg.chat_template_kwargs is not None:  # (before the target loads)
             check_chat_template_kwargs(cfg.chat_template_kwargs, reserved_template_variables(tokenizer),
                                        "--chat-template-kwargs")

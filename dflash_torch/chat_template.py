@@ -1,0 +1,220 @@
+"""Chat messages checked and rendered through a tokenizer's chat template.
+
+The engine's chat path (:meth:`~dflash_torch.engine.DFlashEngine.encode_prompt`), the
+server's chat requests and chat training data all check messages with
+:func:`chat_messages` and render them with :func:`render_chat` (transformers'
+``apply_chat_template``), so a conversation becomes the same prompt tokens everywhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+from . import options
+from .errors import DFlashError, OptionError
+
+
+def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> str:
+    """``tokenizer``'s chat template applied to ``messages`` with ``template_kwargs``: the
+    extra template variables and ``apply_chat_template``'s own ``add_generation_prompt``
+    (default true) and ``continue_final_message`` options. The engine's chat path
+    (:meth:`~dflash_torch.engine.DFlashEngine.encode_prompt`) and chat training data render with it.
+
+    Tool calls' ``arguments`` reach the template as mappings (what :func:`chat_messages`
+    makes of them); a template that fails on that (a TypeError or its own error: DeepSeek
+    V3's, V3.1's and R1's join the arguments to a string) renders them again as JSON text:
+    the text each call was sent as, else its compact JSON (see :func:`_render`).
+
+    Raises:
+        DFlashError: the template refuses the messages (its ``raise_exception``, e.g.
+            roles out of order) or cannot be rendered at all (a broken template), or
+            the messages, tools or variables are nested too deeply to render. A
+            TypeError names the tools or ``chat_template_kwargs`` (an
+            :class:`OptionError` with those names) only when the messages render without
+            them; otherwise it names the messages.
+    """
+    import jinja2
+
+    template_kwargs = {"add_generation_prompt": True, **template_kwargs}
+    try:
+        return _render(tokenizer, messages, template_kwargs)
+    except (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError) as exc:
+        raise DFlashError(f"the model's chat template cannot be rendered: {' '.join(str(exc).split())}") from None
+    except jinja2.TemplateError as exc:
+        raise DFlashError(f"the chat template refuses these messages: {' '.join(str(exc).split())}") from None
+    except TypeError as exc:  # e.g. a template function (raise_exception) shadowed by a chat_template_kwargs value
+        blamed = _blamed_options(tokenizer, messages, template_kwargs)
+        what = " or ".join(f"these {n}" for n in blamed) or "these messages"
+        message = f"the chat template cannot render {what}: {' '.join(str(exc).split())}"
+        raise (OptionError(message, *blamed) if blamed else DFlashError(message)) from None
+    except ValueError as exc:  # (transformers: continue_final_message with a last message the template drops)
+        if not template_kwargs.get("continue_final_message"):
+            raise
+        raise OptionError(f"continue_final_message: the chat template does not render the last message's text "
+                          f"as sent, so the prompt cannot end inside it ({' '.join(str(exc).split())})",
+                          "continue_final_message") from None
+    except RecursionError:  # (jinja and its tojson recurse once per level of nesting)
+        raise DFlashError("the chat template cannot render these messages: their content, tool calls, tools or "
+                          "chat_template_kwargs are nested too deeply") from None
+
+
+def _render(tokenizer, messages: list[dict], template_kwargs: dict) -> str:
+    """The template applied to ``messages`` with each tool call's ``arguments`` a mapping
+    (the templates of gpt-oss, Qwen3-Coder, ... iterate it or write it with ``tojson``); if
+    that fails (a TypeError or a template error, not a broken template) and some message
+    has tool calls, applied again with each call's arguments as JSON text (DeepSeek's
+    templates write ``'<｜tool▁sep｜>' + arguments``): the text the call was sent as, as
+    the client's own rendering of its messages has it, else its compact JSON. When both
+    fail, the first failure is raised."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+    except (TypeError, jinja2.TemplateError) as exc:
+        if isinstance(exc, (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError)) or \
+                not any(m.get("tool_calls") for m in messages):
+            raise
+        try:
+            return tokenizer.apply_chat_template(_with_text_arguments(messages), tokenize=False, **template_kwargs)
+        except Exception:
+            raise exc from None
+
+
+def _with_text_arguments(messages: list[dict]) -> list[dict]:
+    """``messages`` with each tool call's mapping ``arguments`` as JSON text: the text it was
+    sent as (:class:`_Arguments`), else compact JSON (copies)."""
+    def text(arguments):
+        if isinstance(arguments, _Arguments):
+            return arguments.text
+        return json.dumps(arguments, ensure_ascii=False, separators=(",", ":")) if isinstance(arguments, dict) \
+            else arguments
+    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": text(c["function"].get("arguments"))}}
+                                 if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
+                                 for c in m["tool_calls"]]} if isinstance(m.get("tool_calls"), list) else m
+            for m in messages]
+
+
+def _blamed_options(tokenizer, messages: list[dict], template_kwargs: dict) -> list[str]:
+    """What a TypeError of the template is provably due to: ``chat_template_kwargs`` and
+    ``tools`` given in ``template_kwargs`` whose leaving out lets the messages render (both,
+    when only leaving out both does); none (the messages) when the messages do not render
+    without them either."""
+    own = {"add_generation_prompt", "continue_final_message"}
+    given = {"chat_template_kwargs": set(template_kwargs) - own - {"tools"},
+             "tools": {"tools"} & set(template_kwargs)}
+    given = {name: keys for name, keys in given.items() if keys}
+
+    def renders(left_out: set) -> bool:
+        try:
+            _render(tokenizer, messages, {k: v for k, v in template_kwargs.items() if k not in left_out})
+        except Exception:
+            return False
+        return True
+
+    if not given or not renders(set().union(*given.values())):
+        return []
+    return [name for name, keys in given.items() if renders(keys)] or list(given)
+
+
+def reserved_template_variables(tokenizer) -> list[str]:
+    """The named parameters of ``tokenizer.apply_chat_template``, and ``messages``: the names
+    no extra chat template variable may take (see :meth:`~dflash_torch.engine.DFlashEngine.reserved_template_variables`)."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)] + ["messages"]
+
+
+def chat_messages(messages: list) -> list[dict]:
+    """Checked chat messages (see :meth:`~dflash_torch.engine.DFlashEngine.encode_prompt`), with each tool call's
+    ``arguments`` JSON string parsed into a dict and a ``content`` None or absent (beside
+    ``tool_calls``) as ``""``, as the server sends it (copies; the caller's are not changed).
+
+    Raises:
+        DFlashError: a message that is not a dict with a string ``role`` and a string
+            ``content`` (or a list of text parts; None allowed with ``tool_calls``), ``tool_calls`` that are not a
+            list of ``{"function": {"name": str, "arguments": ...}}``, or ``arguments`` that
+            are not a JSON object (a dict or its JSON text; ``""`` and None are ``{}``).
+    """
+    if not all(isinstance(m, dict) for m in messages):
+        nested = bool(messages) and all(isinstance(m, (list, tuple)) for m in messages)  # (a tokenizer's batch)
+        hint = "" if not nested else "; got a list of one list (a batch of one): pass its row, ids[0]" \
+            if len(messages) == 1 else f"; got a list of {len(messages)} lists ({len(messages)} prompts: generate_batch takes them)"
+        raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})"
+                          + hint)
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m.get("content"), list):
+            m = {**m, "content": _parts_text(m["content"], m.get("role"), i)}
+        calls = m.get("tool_calls")
+        content_ok = isinstance(m.get("content"), str) or (calls and m.get("content") is None)
+        if not isinstance(m.get("role"), str) or not content_ok:
+            raise DFlashError("chat messages must be a list of {'role': str, 'content': str} (content may be None "
+                              "with tool_calls)")
+        if m.get("content") is None:  # (with tool_calls: "", as the server sends it, see ChatMessage.text)
+            m = {**m, "content": ""}
+        if calls is None:
+            out.append(m)
+            continue
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                for c in calls):
+            raise DFlashError(f"chat messages need tool_calls as a list of {{'type': 'function', 'function': "
+                              f"{{'name': str, 'arguments': str}}}} (message {i})")
+        out.append({**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _call_arguments(
+            c["function"].get("arguments", {}), i, j)}} for j, c in enumerate(calls)]})
+    return out
+
+
+def _parts_text(parts: list, role, message: int) -> str:
+    """A message's ``content`` given as OpenAI's list of parts: the texts of its text parts
+    (``{"type": "text", "text": str}``; in an assistant message also ``{"type": "refusal",
+    "refusal": str}``) joined by newlines, as the server (and vLLM) joins them.
+
+    Raises:
+        DFlashError: a part of another kind (an image, ...) or without its string."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        field = "refusal" if kind == "refusal" and role == "assistant" else "text" if kind == "text" else None
+        if field is None or not isinstance(part.get(field), str):
+            raise DFlashError(f"chat message {message}: content part {j} must be {{'type': 'text', 'text': str}} (or, in "
+                              f"an assistant message, {{'type': 'refusal', 'refusal': str}}); got {str(part)[:80]}")
+        texts.append(part[field])
+    return "\n".join(texts)
+
+
+class _Arguments(dict):
+    """A tool call's arguments parsed from JSON text, with ``text``, the text as sent (what a
+    template that writes the arguments as text renders: :func:`_render`)."""
+
+    def __init__(self, value: dict, text: str):
+        super().__init__(value)
+        self.text = text
+
+
+def _call_arguments(arguments, message: int, call: int) -> dict:
+    """A tool call's arguments as a dict: a dict, or a JSON object's text (an
+    :class:`_Arguments` that keeps it); ``""`` and None are ``{}`` (a call without
+    arguments, as vLLM takes them). Strict JSON: NaN and Infinity are refused (as is a
+    dict holding a float NaN or infinity); a number beyond a float's range in the text is
+    taken."""
+    if arguments is None or arguments == "":
+        return {}
+    text = None
+    if isinstance(arguments, str):
+        text = arguments
+        try:
+            arguments = options.strict_json(arguments)
+        except ValueError as exc:
+            raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
+                              f"not valid JSON ({exc})") from None
+        except RecursionError:
+            raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
+                              "nested too deeply") from None
+    if not isinstance(arguments, dict):
+        raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
+                          f"got {options.json_type(arguments)}")
+    if text is None and options.non_finite(arguments):  # (text: 1e400 is valid JSON, NaN was refused above)
+        raise DFlashError(f"tool call arguments must be a JSON object: message {message}, call {call}: "
+                          "holds NaN or infinity, which JSON has not")
+    return _Arguments(arguments, text) if text is not None else arguments

@@ -1,0 +1,159 @@
+"""Loading a model's tokenizer (transformers' ``AutoTokenizer``), with one-line errors for
+the ways a checkpoint's tokenizer files go wrong, and facts about a tokenizer the engine
+needs: the byte-level BPE alphabet and the longest text that can fit a context.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+from .checkpoint import check_links, read_json_object
+from .errors import DFlashError
+from .models.config import quiet_transformers
+
+
+def byte_level_alphabet() -> list[str]:
+    """The character that byte-level BPE (GPT-2's scheme, used by Qwen and Llama 3) spells
+    each byte 0..255 with: printable Latin-1 bytes (33-126, 161-172, 174-255) as
+    themselves, the other 68 as U+0100, U+0101, ... in byte order."""
+    kept = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
+    out, extra = [], 0
+    for b in range(256):
+        if b in kept:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
+NORMALIZATION_SHRINK = 4  # Unicode normalization (NFC, NFKC) composes at most 4 code points into one
+
+
+def max_prompt_chars(tokenizer, max_context: int) -> int:
+    """Characters beyond which a text cannot fit ``max_context`` tokens.
+
+    No token stands for more input characters than the length of its string in the
+    vocabulary (byte-level BPE spells a token with one character per byte: bytes >=
+    characters), so a text of more than ``max_context * L`` characters, L the longest
+    token string, has more than ``max_context`` tokens. A tokenizer that normalizes its
+    input first may compose characters (NFC, NFKC: up to 4 into 1, U+1F82), hence the
+    margin then. (A normalizer that deletes characters, such as BERT's clean-up, is not
+    covered; the supported families use none: Qwen NFC, Llama 2 replace/prepend, Llama 3 none.)
+    """
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    shrink = 1 if backend is not None and backend.normalizer is None else NORMALIZATION_SHRINK
+    return max_context * longest * shrink
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")  # (named when the tokens are missing)
+TOKENIZER_READ = (*VOCABULARY_FILES, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                  "chat_template.jinja")  # (tried when loading fails: the tokenizers library's errors do not name the file)
+
+
+def _check_sentencepiece(model_dir: Path) -> None:
+    """Refuse, in one line, a tokenizer only a SentencePiece ``tokenizer.model`` holds where the
+    sentencepiece package is not installed (an older Llama / Mistral repository without a
+    ``tokenizer.json``). transformers then logs five lines and falls back to reading the file as
+    tiktoken's, whose error says to install tiktoken, which cannot read it either. A tiktoken
+    ``tokenizer.model`` (text: a base64 token and its rank a line, as Llama 3's original one) is
+    left to transformers.
+
+    Raises:
+        DFlashError: as above, naming the package to install.
+    """
+    if any((model_dir / f).is_file() for f in ("tokenizer.json", "vocab.json")) or importlib.util.find_spec(
+            "sentencepiece") is not None:
+        return
+    try:
+        with open(model_dir / "tokenizer.model", "rb") as f:
+            head = f.read(64)
+    except OSError:  # (absent, or unreadable: as transformers finds it)
+        return
+    if head and not re.fullmatch(rb"[A-Za-z0-9+/=]+ [0-9]+\r?\n.*", head, re.DOTALL):
+        raise DFlashError(f"the tokenizer of {model_dir} is a SentencePiece tokenizer.model (no tokenizer.json beside "
+                          f"it), which needs the sentencepiece package: pip install sentencepiece")
+
+
+def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
+    """The target's tokenizer via ``AutoTokenizer``.
+
+    Args:
+        vocab_size: the target's; where given, a tokenizer of more tokens, or of fewer than
+            half as many, is refused. (A real tokenizer is at most a little smaller than its
+            model's embedding, padded to a round size; transformers builds a tokenizer of its
+            special tokens alone from a ``tokenizer_config.json`` whose vocabulary files are
+            missing, as a partial download leaves it.)
+
+    Raises:
+        DFlashError: no tokenizer files in the checkpoint, a file that is a broken link (of an
+            interrupted download), a tokenizer that fails to load (``cannot read FILE: Permission
+            denied`` where a tokenizer file is one this process may not read; one that the
+            tokenizer does not need is no error; a tokenizer JSON file that is not a valid JSON
+            object, named), a config.json that
+            transformers' config class refuses (AutoTokenizer reads it too; a top-level ``dtype`` /
+            ``torch_dtype`` "auto", which that class alone cannot read, is read as absent), a size that does
+            not fit ``vocab_size`` (see above; too few tokens names the vocabulary file where
+            there is one, else the files missing). A SentencePiece ``tokenizer.model`` without the sentencepiece
+            package: see ``_check_sentencepiece``.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    check_links(model_dir)  # (else transformers blames a missing sentencepiece for a missing tokenizer.json)
+    if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+        raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    _check_sentencepiece(Path(model_dir))
+    # (transformers' config class takes a dtype "auto" for a torch dtype's name and fails on torch.auto, unless
+    # given a dtype, as its model loader is: the tokenizer does not depend on it)
+    config_file = Path(model_dir) / "config.json"
+    auto = config_file.is_file() and "auto" in (read_json_object(config_file).get(k) for k in ("dtype", "torch_dtype"))
+    try:
+        config = {}
+        if auto:
+            with quiet_transformers():  # (its notice that torch_dtype is deprecated)
+                config = {"config": AutoConfig.from_pretrained(str(model_dir), dtype=None, torch_dtype=None)}
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), **config)
+    except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
+        if isinstance(exc, PermissionError) and exc.filename:  # (a file this process may not read)
+            raise DFlashError(f"cannot read {exc.filename}: {exc.strerror}") from None
+        for name in TOKENIZER_READ:  # (an unreadable vocab.json was "Error while initializing BPE: Permission denied";
+            try:                     # looked for only now: one it does not need, beside a tokenizer.json, is fine)
+                open(Path(model_dir) / name, "rb").close()
+            except FileNotFoundError:
+                pass
+            except IsADirectoryError:  # (transformers' reason then advised installing sentencepiece or tiktoken)
+                raise DFlashError(f"cannot load the tokenizer of {model_dir}: its {name} is a directory, not a file") \
+                    from None
+            except OSError as e:
+                raise DFlashError(f"cannot read {Path(model_dir) / name}: {e.strerror}") from None
+            if name.endswith(".json") and (Path(model_dir) / name).is_file():  # (its JSON error named no file)
+                read_json_object(Path(model_dir) / name)
+        detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # (one line, all of it)
+        if type(exc).__name__.startswith("StrictDataclass"):  # (its config class refused config.json: a field, or them together)
+            raise DFlashError(f"transformers refuses {Path(model_dir) / 'config.json'} (AutoTokenizer reads it to load "
+                              f"the tokenizer): {detail}") from None
+        if not any((Path(model_dir) / f).is_file() for f in VOCABULARY_FILES[:3]):  # (transformers' reason then
+            # advises installing sentencepiece or tiktoken, which cannot help: the vocabulary is not there)
+            reason = "" if "Couldn't instantiate the backend tokenizer" in detail else f": {detail or type(exc).__name__}"
+            raise DFlashError(f"cannot load the tokenizer of {model_dir}, which has no {', '.join(VOCABULARY_FILES[:2])} or "
+                              f"{VOCABULARY_FILES[2]} (an incomplete download?){reason}") from None
+        raise DFlashError(f"cannot load the tokenizer of {model_dir}: {detail or type(exc).__name__}") from None
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {vocab_size}")
+    if vocab_size is not None and 2 * len(tokenizer) < vocab_size:
+        absent = [f for f in VOCABULARY_FILES if not (Path(model_dir) / f).is_file()]
+        whole = [f for f in VOCABULARY_FILES[:2] if f not in absent] or (["vocab.json and merges.txt"] if not (
+            {"vocab.json", "merges.txt"} & set(absent)) else [])
+        if whole:  # (a vocabulary is there, not too few files: listing the others as missing misled)
+            raise DFlashError(f"the tokenizer of {model_dir} has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}"
+                              f", far fewer than the target's vocab_size ({vocab_size}): too few for this target (a "
+                              f"wrong or incomplete {whole[0]}?)")
+        absent = f"no {', '.join(absent[:-1])} or {absent[-1]}; " if len(absent) > 1 else f"no {absent[0]}; " if absent else ""
+        raise DFlashError(f"the tokenizer of {model_dir} has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}"
+                          f", far fewer than the target's vocab_size ({vocab_size}): its vocabulary files are missing "
+                          f"or incomplete ({absent}an interrupted download?)")
+    return tokenizer
