@@ -36,8 +36,8 @@ from .chat_template import chat_messages, render_chat, reserved_template_variabl
 from .checkpoint import available_memory, checkpoint_dir, load_config, read_json_object
 from .decoding import Round, SpeculativeDecoder
 from .errors import ContextLengthError, DFlashError, OptionError, shown, unprintable
-from .models.config import (DrafterConfig, TargetConfig, check_vocab_ids, eos_token_ids, fill_mask_token_id,
-                            needs_mask_token_id, validate_pair)
+from .models.config import TargetConfig, check_vocab_ids, eos_token_ids
+from .models.drafter_config import DrafterConfig, fill_mask_token_id, needs_mask_token_id, validate_pair
 from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
 from .models.packing import pack_linears, packed_bytes, packing_supported

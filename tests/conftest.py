@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_torch.models.config import DFlash2Settings, DrafterConfig, default_target_layer_ids
+from dflash_torch.models.drafter_config import DFlash2Settings, DrafterConfig, default_target_layer_ids
 
 # A shell that runs a job in the background without job control (``cmd &`` in a script)
 # starts it with SIGINT ignored, and every child inherits that: the Ctrl-C tests'

@@ -93,7 +93,7 @@ def test_published_checkpoint_loads_with_every_weight(tiny_pair, tmp_path):
     out = engine.generate("def f(x):", max_new_tokens=20, ignore_eos=True)
     assert out.token_ids == base.generate("def f(x):", max_new_tokens=20, ignore_eos=True).token_ids
     # the exported config reads back the same
-    from dflash_torch.models.config import DrafterConfig
+    from dflash_torch.models.drafter_config import DrafterConfig
     assert DrafterConfig.from_dict(drafter.config.to_dict()) == drafter.config
     # input_embedding_scale multiplies the block's embeddings
     unscaled = write_checkpoint(tmp_path / "v2-unscaled", published_config(input_embedding_scale=1.0), tensors)
@@ -323,7 +323,7 @@ def test_sampled_walk_is_exactly_distributed_and_returns_its_q():
 
 def tiny_dflash2(vocab: int) -> DFlash2Drafter:
     """A one-layer DFlash 2 drafter over a vocabulary of ``vocab`` tokens (top-3)."""
-    from dflash_torch.models.config import DFlash2Settings, DrafterConfig
+    from dflash_torch.models.drafter_config import DFlash2Settings, DrafterConfig
 
     cfg = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                         intermediate_size=32, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, attention_bias=False,
@@ -447,7 +447,7 @@ def test_selector_vocab_size_keeps_drafts_below_it(agree_dflash2_pair, tmp_path)
     draft, are ids below it; verification is unchanged (greedy output = target-only), and
     it round-trips through to_dict."""
     from conftest import edited_checkpoint
-    from dflash_torch.models.config import DrafterConfig
+    from dflash_torch.models.drafter_config import DrafterConfig
 
     target_dir, drafter_dir = agree_dflash2_pair
     limit = 150  # (the agreeable pair drafts ids across the vocabulary: some at or past it)

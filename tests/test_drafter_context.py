@@ -235,7 +235,7 @@ def test_block_causality_follows_the_published_rule(tiny_pair):
     import json
 
     from dflash_torch import DFlashError
-    from dflash_torch.models.config import DrafterConfig
+    from dflash_torch.models.drafter_config import DrafterConfig
 
     _, drafter = tiny_pair
     base = json.loads((drafter / "config.json").read_text())
@@ -275,7 +275,7 @@ def test_use_swa_slides_every_layer_as_vllm_does(tiny_pair):
     fallback); with a different ``sliding_window`` it is refused (the two engines disagree on
     which one wins). A config written back keeps the windows and the causality."""
     from dflash_torch import DFlashError
-    from dflash_torch.models.config import DrafterConfig
+    from dflash_torch.models.drafter_config import DrafterConfig
 
     _, drafter = tiny_pair
     base = json.loads((drafter / "config.json").read_text())

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import VOCAB, edited_checkpoint
 from dflash_torch import DFlashEngine, DFlashError
-from dflash_torch.models.config import DrafterConfig
+from dflash_torch.models.drafter_config import DrafterConfig
 from dflash_torch.models.drafter import DFlashDrafter
 
 PROMPT = [5, 17, 99, 3, 42, 7]

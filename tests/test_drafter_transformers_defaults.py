@@ -24,7 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 import dflash_torch
 from dflash_torch import DFlashEngine
-from dflash_torch.models.config import DrafterConfig
+from dflash_torch.models.drafter_config import DrafterConfig
 from dflash_torch.models.drafter import DFlashDrafter
 from dflash_torch.models.rope import Rotary
 
@@ -198,7 +198,7 @@ def test_transformers_notices_do_not_reach_the_terminal():
             "vocab_size": 512, "block_size": 8, "dflash_config": {"mask_token_id": 1, "target_layer_ids": [0, 1]}}
     cfgs = [{**base, **edits} for edits in NOTICES.values()]
     script = ("import json, sys, transformers\n"
-              "from dflash_torch.models.config import DrafterConfig\n"
+              "from dflash_torch.models.drafter_config import DrafterConfig\n"
               "cfgs = json.loads(sys.argv[2])\n"
               "for cfg in cfgs:\n"
               "    if sys.argv[1] == 'ours':\n"

@@ -565,7 +565,7 @@ def test_fp8_is_refused_where_it_is_not_read():
                "num_attention_heads": 1, "quantization_config": fp8_config}
     with pytest.raises(DFlashError, match=r"quantized \(quant_method 'fp8'\); .*\(and mxfp4 for this model_type\)"):
         TargetConfig.from_dict(gpt_oss)
-    from dflash_torch.models.config import DrafterConfig
+    from dflash_torch.models.drafter_config import DrafterConfig
 
     with pytest.raises(DFlashError, match=r"^the drafter checkpoint is quantized \(quant_method 'fp8'\)"):
         DrafterConfig.from_dict({"architectures": ["DFlashDraftModel"], "quantization_config": fp8_config})

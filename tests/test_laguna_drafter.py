@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.batch import SlotKVCache
-from dflash_torch.models.config import DrafterConfig
+from dflash_torch.models.drafter_config import DrafterConfig
 from dflash_torch.models.drafter import (
     DFlashDrafter,
     InjectedContext,

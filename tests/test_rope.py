@@ -20,7 +20,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import apply_rotary_pos_
 
 from conftest import drafter_config, load_hf, make_target, save_drafter
 from dflash_torch import DFlashEngine, DFlashError
-from dflash_torch.models.config import DrafterConfig, TargetConfig, _rope
+from dflash_torch.models.config import TargetConfig, _rope
+from dflash_torch.models.drafter_config import DrafterConfig
 from dflash_torch.models.rope import Rotary, apply_rope, rope_attention_factor, rope_inv_freq
 from dflash_torch.models.target import TargetModel
 

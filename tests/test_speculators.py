@@ -406,7 +406,7 @@ def test_aux_ids_are_read_in_layer_order(agree_pair, tmp_path):
 def test_per_layer_type_rope_takes_the_sliding_entry():
     """Nested ``rope_parameters`` (one per layer type, as some verifiers have) give the
     ``sliding_attention`` entry, as the library flattens them for its drafter."""
-    from dflash_torch.models.config import DrafterConfig
+    from dflash_torch.models.drafter_config import DrafterConfig
 
     cfg = json.loads((DATA / "draft-vocab-causal" / "config.json").read_text())
     cfg["transformer_layer_config"]["rope_parameters"] = {
@@ -419,7 +419,7 @@ def test_target_hidden_size_sets_the_width_fc_reads():
     """``target_hidden_size`` (a target whose layers give wider feature rows than the drafter's
     hidden size, e.g. DeepSeek-V4's four residual streams) is the width of each target layer's
     features that ``fc`` reads; equal to the hidden size or absent, it changes nothing."""
-    from dflash_torch.models.config import DrafterConfig
+    from dflash_torch.models.drafter_config import DrafterConfig
 
     cfg = json.loads((DATA / "draft-vocab-causal" / "config.json").read_text())
     hidden = cfg["transformer_layer_config"]["hidden_size"]
@@ -468,7 +468,7 @@ def test_a_drafter_for_another_model_family_is_warned_about(agree_speculators_pa
     (["Qwen3MoeForCausalLM"], ["Qwen3ForCausalLM"], True),
 ])
 def test_model_families_are_compared_by_name(trained, target, warns):
-    from dflash_torch.models.config import DrafterConfig
+    from dflash_torch.models.drafter_config import DrafterConfig
     from dflash_torch.models.speculators import verifier_mismatch
 
     cfg = json.loads((DATA / "draft-vocab-causal" / "config.json").read_text())

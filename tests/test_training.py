@@ -2210,7 +2210,7 @@ def test_a_learning_rate_that_blows_the_weights_up_is_an_error_not_a_saved_draft
 def test_default_target_layers_keep_the_reference_rule_where_it_fits():
     """The DFlash rule's ids are kept, silently, for targets deep enough (28 / 36 layers:
     [1, 25], [1, 17, 33], ...); below that they fail or repeat layers with what to pass."""
-    from dflash_torch.models.config import default_target_layer_ids
+    from dflash_torch.models.drafter_config import default_target_layer_ids
     from dflash_torch.training.trainer import default_layer_ids
 
     for L in (6, 28, 36, 64):

@@ -26,7 +26,8 @@ from torch import nn
 
 from ..decoding import SpeculativeDecoder, compile_counts, eager_fallbacks
 from ..errors import DFlashError
-from ..models.config import DrafterConfig, TargetConfig
+from ..models.config import TargetConfig
+from ..models.drafter_config import DrafterConfig
 from ..models.drafter import DFlashDrafter
 from ..models.gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from ..models.gemma4 import Router as Gemma4Router

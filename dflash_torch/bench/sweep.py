@@ -12,7 +12,7 @@ import torch
 
 from ..checkpoint import available_memory
 from ..errors import DFlashError
-from ..models.config import DrafterConfig
+from ..models.drafter_config import DrafterConfig
 from ..models.drafter import DFlashDrafter, InjectedContext, RecomputedContext, drafter_class
 from ..models.packing import packing_supported
 

@@ -11,7 +11,7 @@ only (the context path and KV injection are the DFlash drafter's, unchanged).
   logit plus a low-rank pairwise term between the previous token and the candidate.
 
 Checkpoint format (``config.json``: ``architectures: ["DFlash2DraftModel"]``, the
-settings in :class:`~dflash_torch.models.config.DFlash2Settings`) and parameter names:
+settings in :class:`~dflash_torch.models.drafter_config.DFlash2Settings`) and parameter names:
 ``layers.N.attention_conv.base_kernel`` ``[2, taps, hidden]``,
 ``layers.N.attention_conv.kernel_projection.weight`` ``[2 * taps * groups, hidden]``,
 the same under ``layers.N.mlp_conv``, ``candidate_selector.predecessor_codebook`` and
@@ -47,7 +47,7 @@ from torch import nn
 
 from ..sampling import SamplingParams, probabilities, sample
 from ..structured import GrammarState
-from .config import DrafterConfig
+from .drafter_config import DrafterConfig
 from .drafter import DFlashDrafter, DraftLayer
 
 

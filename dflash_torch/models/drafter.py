@@ -31,7 +31,7 @@ from ..errors import DFlashError
 from ..sampling import SamplingParams, greedy_tokens, probabilities, sample
 from ..structured import GrammarState
 from .attention import Attention
-from .config import DrafterConfig
+from .drafter_config import DrafterConfig
 from .layers import MLP, RMSNorm, attend, attention_bias
 from .rope import Rotary
 
@@ -140,7 +140,7 @@ class DFlashDrafter(nn.Module):
         one (then a :class:`~dflash_torch.models.speculators.SpeculatorsDrafter`) or a Laguna
         DFlash one (then a :class:`~dflash_torch.models.laguna_drafter.LagunaDrafter`). ``config``:
         its ``config.json`` dict as read and completed by the caller (e.g. a mask token id
-        resolved with the target's tokenizer, :func:`~dflash_torch.models.config.fill_mask_token_id`);
+        resolved with the target's tokenizer, :func:`~dflash_torch.models.drafter_config.fill_mask_token_id`);
         None reads the file. ``parsed``: ``config``'s :class:`DrafterConfig` where the caller
         has it already (not parsed again, so that a warning of the parse is said once; the
         caller's object is not changed), else None.

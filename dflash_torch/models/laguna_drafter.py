@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from ..errors import DFlashError
-from .config import DrafterConfig, check_int, object_field, refuse_quantized
+from .config import check_int, object_field, refuse_quantized
+from .drafter_config import DrafterConfig
 from .drafter import DFlashDrafter, DraftLayer
 from .laguna import softplus_gated
 from .layers import RMSNorm

@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from ..errors import DFlashError
-from .config import DrafterConfig, bool_field, check_int, object_field, refuse_quantized, refuse_variants
+from .config import bool_field, check_int, object_field, refuse_quantized
+from .drafter_config import DrafterConfig, refuse_variants
 from .drafter import DFlashDrafter, DraftLayer, same_tensor
 
 DEFAULT_DRAFT_VOCAB = 32000  # speculators' DFlashSpeculatorConfig defaults

@@ -35,8 +35,9 @@ from ..chat_template import reserved_template_variables
 from ..checkpoint import all_finite, checkpoint_dir, load_config
 from ..cli import deferred_interrupt
 from ..errors import DFlashError
-from ..models.config import (DFlash2Settings, DrafterConfig, TargetConfig, default_target_layer_ids, fill_mask_token_id,
-                             needs_mask_token_id, validate_pair)
+from ..models.config import TargetConfig
+from ..models.drafter_config import (DFlash2Settings, DrafterConfig, default_target_layer_ids, fill_mask_token_id,
+                                     needs_mask_token_id, validate_pair)
 from ..models.drafter import DFlashDrafter, drafter_class
 from ..models.target import TargetModel
 from ..options import check_chat_template_kwargs, context_limit
