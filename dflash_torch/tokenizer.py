@@ -98,7 +98,9 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
             transformers' config class refuses (AutoTokenizer reads it too; a top-level ``dtype`` /
             ``torch_dtype`` "auto", which that class alone cannot read, is read as absent), a size that does
             not fit ``vocab_size`` (see above; too few tokens names the vocabulary file where
-            there is one, else the files missing). A SentencePiece ``tokenizer.model`` without the sentencepiece
+            there is one, else the files missing), a tokenizer file (tokenizer_config.json, ...)
+            that is a directory (transformers reads it as absent, or advises installing
+            sentencepiece or tiktoken). A SentencePiece ``tokenizer.model`` without the sentencepiece
             package: see ``_check_sentencepiece``.
     """
     from transformers import AutoConfig, AutoTokenizer
@@ -106,6 +108,9 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
     check_links(model_dir)  # (else transformers blames a missing sentencepiece for a missing tokenizer.json)
     if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
         raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    for name in TOKENIZER_READ:  # (transformers skips a directory of a file's name as if the file were absent)
+        if (Path(model_dir) / name).is_dir():
+            raise DFlashError(f"cannot load the tokenizer of {model_dir}: its {name} is a directory, not a file")
     _check_sentencepiece(Path(model_dir))
     # (transformers' config class takes a dtype "auto" for a torch dtype's name and fails on torch.auto, unless
     # given a dtype, as its model loader is: the tokenizer does not depend on it)
@@ -125,9 +130,6 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
                 open(Path(model_dir) / name, "rb").close()
             except FileNotFoundError:
                 pass
-            except IsADirectoryError:  # (transformers' reason then advised installing sentencepiece or tiktoken)
-                raise DFlashError(f"cannot load the tokenizer of {model_dir}: its {name} is a directory, not a file") \
-                    from None
             except OSError as e:
                 raise DFlashError(f"cannot read {Path(model_dir) / name}: {e.strerror}") from None
             if name.endswith(".json") and (Path(model_dir) / name).is_file():  # (its JSON error named no file)

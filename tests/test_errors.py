@@ -1258,6 +1258,23 @@ def test_a_tokenizer_config_without_a_vocabulary_says_so(tiny_pair, tokenizer_di
         DFlashEngine.from_pretrained(copy, None, no_draft=True)
 
 
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"])
+def test_a_tokenizer_file_that_is_a_directory_is_refused(tiny_pair, tokenizer_dir, tmp_path, name):
+    """Beside a good tokenizer.json, a directory named as another tokenizer file: transformers
+    loaded the tokenizer without that file (its special tokens and chat template) and said
+    nothing."""
+    target, _ = tiny_pair
+    copy = _config_only(target, tmp_path)
+    for f in tokenizer_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, copy / f.name)
+    if (copy / name).exists():
+        (copy / name).unlink()
+    (copy / name).mkdir()
+    with pytest.raises(DFlashError, match=rf": its {re.escape(name)} is a directory, not a file$"):
+        DFlashEngine.from_pretrained(copy, None, no_draft=True)
+
+
 def test_an_engine_from_a_hugging_face_id_is_named_by_it(tiny_pair, tmp_path, monkeypatch):
     """(The name ``serve`` gives the model by default: a cached id kept only its last part,
     "tiny", and clients asking for "acme/tiny", as vLLM names it, got a 404.)"""
