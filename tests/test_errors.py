@@ -890,7 +890,7 @@ MALFORMED_CONFIGS = [
     ("drafter", _set("dflash_config.shift_label", True), "DFlash drafter config sets shift_label=True; only "
      "shift_label=False is supported"),
     ("drafter", _set("projector_type", "domino"), "DFlash drafter config sets projector_type='domino'; only "
-     "projector_type=None is supported"),
+     "projector_type='dflash' (or unset) is supported"),
     ("drafter", _set("dflash_config.attention_sink_bias", True), "drafter config.json sets "
      "dflash_config.attention_sink_bias true (a learned attention-sink logit per head, MiMo-style); dflash-torch's "
      "DFlash drafter has no attention sinks"),

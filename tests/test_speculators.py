@@ -238,7 +238,7 @@ BAD_CONFIGS = [
     # speculators' Domino projector and shifted labels change what the slots predict: refused by that key
     (_set("shift_label", True), r"^Speculators drafter config sets shift_label=True; only shift_label=False is supported$"),
     (_set("projector_type", "domino"), r"^Speculators drafter config sets projector_type='domino'; only "
-                                       r"projector_type='dflash' is supported$"),
+                                       r"projector_type='dflash' \(or unset\) is supported$"),
     (_drop("transformer_layer_config"), r"lacks transformer_layer_config"),
     (_set("transformer_layer_config", [1]), r"transformer_layer_config must be an object, got \[1\]"),
     (_layer("model_type", "no_such_model"), r"has model_type 'no_such_model', which transformers does not know"),

@@ -71,7 +71,9 @@ def refuse_variants(value, kind: str, keys: dict[str, tuple]) -> None:
     for key, runs in keys.items():
         got = value(key)
         if got is not None and got not in runs:
-            raise DFlashError(f"{kind} drafter config sets {key}={got!r}; only {key}={runs[0]!r} is supported")
+            named = " or ".join(repr(r) for r in runs if r is not None)
+            runs_ = f"{key}={named}{' (or unset)' if None in runs else ''}" if named else f"{key} unset"
+            raise DFlashError(f"{kind} drafter config sets {key}={got!r}; only {runs_} is supported")
 
 
 @dataclass
