@@ -314,6 +314,60 @@ def test_the_multi_token_prediction_layer_is_not_read(checkpoint, tmp_path):
         TargetModel.from_pretrained(extra, torch.float32)
 
 
+def test_an_mtp_layer_holds_only_what_one_holds(checkpoint, tmp_path):
+    """The MTP layer is not read, but not skipped unseen either: a tensor neither a decoder layer
+    nor an MTP layer's own parts hold is refused as other unknown weights are, and a decoder
+    layer's tensor of another shape too (kimi_k25, glm4_moe_lite, deepseek_v32 and glm_moe_dsa
+    share this check)."""
+    target_dir, _ = checkpoint
+
+    def add_mtp(extra):
+        def add(w):
+            for key in [k for k in w if k.startswith("model.layers.2.")]:
+                w[key.replace("model.layers.2.", "model.layers.3.")] = w[key].clone()
+            for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+                w[f"model.layers.3.{name}"] = torch.ones(64)
+            w["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+            w["model.layers.3.shared_head.head.weight"] = torch.zeros(VOCAB, 64)
+            w["model.layers.3.embed_tokens.weight"] = torch.zeros(VOCAB, 64)
+            w.update(extra)
+        return add
+
+    TargetModel.from_pretrained(edited_checkpoint(target_dir, tmp_path / "mtp", state=add_mtp({})), torch.float32)
+    junk = edited_checkpoint(target_dir, tmp_path / "junk",
+                             state=add_mtp({"model.layers.3.totally_unknown.weight": torch.zeros(3)}))
+    with pytest.raises(DFlashError, match=r"^target checkpoint .* has weights a multi-token-prediction layer does not "
+                                          r"hold \(an unsupported variant\?\): model\.layers\.3\.totally_unknown\.weight$"):
+        TargetModel.from_pretrained(junk, torch.float32)
+    bad = edited_checkpoint(target_dir, tmp_path / "shape",
+                            state=add_mtp({"model.layers.3.self_attn.kv_a_proj_with_mqa.weight": torch.zeros(3)}))
+    with pytest.raises(DFlashError, match=r"^target weight model\.layers\.3\.self_attn\.kv_a_proj_with_mqa\.weight "
+                                          r"\(a multi-token-prediction layer's\) has shape \(3,\), the decoder layers' "
+                                          r"self_attn\.kv_a_proj_with_mqa\.weight has \(\d+, 64\)$"):
+        TargetModel.from_pretrained(bad, torch.float32)
+
+
+def test_a_kimi_k25_mtp_layer_is_checked_under_its_published_names(tmp_path):
+    """Kimi-K2.5's MTP layer (``language_model.model.layers.{N}``) is checked as DeepSeek-V3's,
+    named in messages as the file names it."""
+    target_dir = save_kimi(kimi_model(seed=3), tmp_path / "kimi")
+    prefix = "language_model.model.layers."
+
+    def add_mtp(w):
+        for key in [k for k in w if k.startswith(prefix + "2.")]:
+            w[key.replace(prefix + "2.", prefix + "3.")] = w[key].clone()
+        w[prefix + "3.eh_proj.weight"] = torch.zeros(64, 128)
+        w[prefix + "3.totally_unknown.weight"] = torch.zeros(3)
+
+    def announce(cfg):
+        cfg["text_config"]["num_nextn_predict_layers"] = 1
+
+    junk = edited_checkpoint(target_dir, tmp_path / "junk", config=announce, state=add_mtp)
+    with pytest.raises(DFlashError, match=r"does not hold \(an unsupported variant\?\): "
+                                          r"language_model\.model\.layers\.3\.totally_unknown\.weight$"):
+        TargetModel.from_pretrained(junk, torch.float32)
+
+
 def test_fp8_checkpoint_equals_transformers_dequantized(checkpoint, tmp_path):
     """DeepSeek-V3's official FP8 format (e4m3 with block scales; every projection quantized,
     the router not). Blocks of [8, 16], whole in every matrix: our weights equal those

@@ -51,7 +51,8 @@ they are, with exactly the latent's bytes. Attention joins the two halves again.
 
 Checkpoints: per-expert weights (``mlp.experts.{e}.gate_proj.weight`` ...) are stacked when
 loading; the multi-token-prediction layers (``model.layers.{num_hidden_layers + i}.*``,
-``i < num_nextn_predict_layers``) are not read; any other unknown weight is refused.
+``i < num_nextn_predict_layers``) are not read, but checked to be ones (:meth:`Model.check_skipped`);
+any other unknown weight is refused.
 A ``kimi_k25`` checkpoint's decoder weights lie under ``language_model.model.`` with
 ``language_model.lm_head.weight`` (the published layout; ``model.language_model.`` and
 ``lm_head.`` are read too); its ``vision_tower.`` and ``mm_projector.`` are not read.
@@ -83,7 +84,7 @@ from .config import (MoEConfig, TargetConfig, base_target_fields, bool_field, ch
 from .layers import MLP, RMSNorm
 from .moe import Experts, dispatch_experts, fuse_expert_weights
 from .rope import Rotary, apply_rope
-from .target import DecoderLayer, TargetModel, _Step
+from .target import DecoderLayer, TargetModel, _Step, check_mtp_layers
 
 # fine-grained FP8 (DeepSeek-V3's official format, fp8.py); compressed-tensors pack-quantized integers (Kimi-K2.5's
 # INT4 experts, packed_int.py); NVFP4 (compressed-tensors or ModelOpt) and ModelOpt FP8, dequantized (nvfp4.py)
@@ -481,24 +482,21 @@ class Model(TargetModel):
 
     @classmethod
     def check_skipped(cls, cfg: DeepseekV3Config, skipped: set[str], model_dir) -> None:
-        """Each multi-token-prediction layer skipped holds ``eh_proj`` (what makes one): a layer
-        in that range without it is a decoder layer that a wrong ``num_hidden_layers`` /
-        ``num_nextn_predict_layers`` would silently drop.
+        """The multi-token-prediction layers skipped are ones
+        (:func:`~dflash_torch.models.target.check_mtp_layers`): each holds ``eh_proj`` (what
+        makes one: a layer in that range without it is a decoder layer that a wrong
+        ``num_hidden_layers`` / ``num_nextn_predict_layers`` would silently drop), and besides
+        its own parts (``eh_proj``, ``enorm``, ``hnorm``, ``shared_head.norm`` /
+        ``shared_head.head``, ``embed_tokens``) only a decoder layer's tensors, in their shapes.
 
         Raises:
-            DFlashError: a skipped layer without ``eh_proj.weight``.
+            DFlashError: a skipped layer without ``eh_proj.weight``, with a tensor an MTP layer
+                does not hold, or with a decoder layer's tensor in another shape.
         """
-        layers = {}
-        for key in skipped:
-            name = cls._decoder_key(cfg, key)
-            if name is not None and name.startswith("model.layers."):
-                layers.setdefault(int(name.split(".")[2]), set()).add(name)
-        for i, names in sorted(layers.items()):
-            if f"model.layers.{i}.eh_proj.weight" not in names:
-                raise DFlashError(f"target checkpoint {model_dir}: layer {i} is past num_hidden_layers "
-                                  f"{cfg.num_hidden_layers} within num_nextn_predict_layers "
-                                  f"{cfg.num_nextn_predict_layers}, but has no eh_proj.weight: not a multi-token-"
-                                  "prediction layer (check num_hidden_layers and num_nextn_predict_layers)")
+        names = (cls._decoder_key(cfg, key) for key in skipped)
+        if any(name is not None and name.startswith("model.layers.") for name in names):
+            check_mtp_layers(model_dir, cfg.num_hidden_layers, cfg.num_nextn_predict_layers,
+                             "num_nextn_predict_layers", lambda key: cls._decoder_key(cfg, key))
 
     @classmethod
     def convert_checkpoint(cls, cfg: DeepseekV3Config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

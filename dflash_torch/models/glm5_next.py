@@ -487,6 +487,12 @@ class Model(deepseek_v32.Model):
         """A checkpoint name with the decoder under ``model.`` (``model.language_model.X`` -> ``model.X``)."""
         return "model." + key[len(INNER):] if key.startswith(INNER) else key
 
+    @classmethod
+    def _decoder_key(cls, cfg: Glm5NextConfig, key: str) -> str | None:
+        """A checkpoint name as this model names it (:meth:`_text_name`), or None for a
+        wrapper's vision tower."""
+        return None if cfg.wrapped and key.startswith(TOWERS) else cls._text_name(key)
+
     @staticmethod
     def _shared_indexer(cfg: Glm5NextConfig, key: str) -> bool:
         """Whether ``key`` is an indexer weight of a *shared indexed* layer (which runs none; a
@@ -505,8 +511,8 @@ class Model(deepseek_v32.Model):
 
     @classmethod
     def check_skipped(cls, cfg: Glm5NextConfig, skipped: set[str], model_dir) -> None:
-        """:class:`~dflash_torch.models.deepseek_v32.Model`'s check (each skipped
-        multi-token-prediction layer holds ``eh_proj``), on the decoder's names."""
+        """:class:`~dflash_torch.models.deepseek_v32.Model`'s check of the skipped
+        multi-token-prediction layers, on the decoder's names."""
         super().check_skipped(cfg, {cls._text_name(k) for k in skipped if not k.startswith(TOWERS)}, model_dir)
 
     @classmethod
