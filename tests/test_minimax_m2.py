@@ -148,15 +148,21 @@ def test_fp8_checkpoints_dequantized_and_packed(checkpoint, tmp_path):
 # --- loading: MTP layers, refusals ---
 
 
-def _with_mtp_layers(target_dir, dst, layers: int, edit: dict):
-    """``target_dir`` plus ``layers`` layers ``model.layers.{N + i}`` (MTP modules as the
-    published checkpoints store them), its config edited by ``edit``."""
+def _with_mtp_layers(target_dir, dst, layers: int, edit: dict, extra=None):
+    """``target_dir`` plus ``layers`` layers ``model.layers.{N + i}``: MTP modules in the layout
+    their loaders read (a decoder layer's tensors, here layer 0's, plus ``eh_proj``, ``enorm``,
+    ``hnorm``, ``shared_head``; the published checkpoints hold none), its config edited by
+    ``edit`` and ``extra`` (name -> tensor) added."""
     state = load_file(str(target_dir / "model.safetensors"))
     n = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]
     for i in range(n, n + layers):
         for key in [k for k in state if k.startswith("model.layers.0.")]:
             state[key.replace("model.layers.0.", f"model.layers.{i}.")] = state[key].clone()
-        state[f"model.layers.{i}.enorm.weight"] = torch.ones(64)
+        for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            state[f"model.layers.{i}.{name}"] = torch.ones(64)
+        state[f"model.layers.{i}.eh_proj.weight"] = torch.zeros(64, 128)
+        state[f"model.layers.{i}.shared_head.head.weight"] = torch.zeros(320, 64)
+    state.update(extra or {})
     return edited_checkpoint(target_dir, dst, config=lambda cfg: cfg.update(edit), state=lambda w: w.update(state))
 
 
@@ -172,6 +178,32 @@ def test_announced_mtp_layers_are_not_read_and_others_are_refused(checkpoint, tm
     for i, (layers, edit) in enumerate(((3, {"num_mtp_modules": 2}), (1, {"num_mtp_modules": 0}), (1, {}))):
         with pytest.raises(DFlashError, match=rf"does not use .*model\.layers\.{4 + layers - 1}\."):
             TargetModel.from_pretrained(_with_mtp_layers(target_dir, tmp_path / f"bad{i}", layers, edit), torch.float32)
+
+
+def test_a_decoder_layer_counted_as_an_mtp_module_is_refused(checkpoint, tmp_path):
+    """A config one decoder layer short that announces one MTP module would skip the real
+    layer 3 (a different model, silently): refused, since a decoder layer has no
+    ``eh_proj``; so are a tensor an MTP module does not hold and a decoder tensor of
+    another shape inside an announced module."""
+    target_dir, _ = checkpoint
+    short = edited_checkpoint(target_dir, tmp_path / "short",
+                              config=lambda c: c.update(num_hidden_layers=3, num_mtp_modules=1))
+    with pytest.raises(DFlashError, match=r"^target checkpoint .*: layer 3 is past num_hidden_layers 3 within "
+                                          r"num_mtp_modules x mtp_transformer_layers 1, but has no eh_proj\.weight: "
+                                          r"not a multi-token-prediction layer \(check num_hidden_layers and "
+                                          r"num_mtp_modules x mtp_transformer_layers\)$"):
+        TargetModel.from_pretrained(short, torch.float32)
+    junk = _with_mtp_layers(target_dir, tmp_path / "junk", 1, {"num_mtp_modules": 1},
+                            {"model.layers.4.totally_unknown.weight": torch.zeros(3)})
+    with pytest.raises(DFlashError, match=r"^target checkpoint .* has weights a multi-token-prediction layer does not "
+                                          r"hold \(an unsupported variant\?\): model\.layers\.4\.totally_unknown\.weight$"):
+        TargetModel.from_pretrained(junk, torch.float32)
+    bad_shape = _with_mtp_layers(target_dir, tmp_path / "shape", 1, {"num_mtp_modules": 1},
+                                 {"model.layers.4.self_attn.q_norm.weight": torch.ones(3)})
+    with pytest.raises(DFlashError, match=r"^target weight model\.layers\.4\.self_attn\.q_norm\.weight \(a multi-token-"
+                                          r"prediction layer's\) has shape \(3,\), the decoder layers' "
+                                          r"self_attn\.q_norm\.weight has \(64,\)$"):
+        TargetModel.from_pretrained(bad_shape, torch.float32)
 
 
 @pytest.mark.parametrize("rope", [

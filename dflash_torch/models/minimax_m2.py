@@ -22,10 +22,11 @@ Checkpoints store the MoE as ``block_sparse_moe`` with per-expert ``w1`` (gate),
 checkpoints are fine-grained FP8 (``quant_method: "fp8"``, 128 x 128 blocks; see
 :mod:`.fp8`). Layers past ``num_hidden_layers`` (``model.layers.{N + i}``) are the
 multi-token-prediction modules a config announces with ``num_mtp_modules`` / ``use_mtp``:
-not read. The remote-code fields of the published configs that transformers' class does
-not read either are checked where they would describe another model (``attn_type_list``
-with linear-attention layers, ``qk_norm_type`` other than ``"per_layer"``,
-``scoring_func`` other than ``"sigmoid"``, a shared expert, no routing bias), else ignored.
+not read, but checked to be ones (:meth:`Model.check_skipped`). The remote-code fields of
+the published configs that transformers' class does not read either are checked where they
+would describe another model (``attn_type_list`` with linear-attention layers,
+``qk_norm_type`` other than ``"per_layer"``, ``scoring_func`` other than ``"sigmoid"``, a
+shared expert, no routing bias), else ignored.
 A ``sliding_window`` (not null) is refused: transformers' attention mask ignores it while
 its cache applies it, so it describes no one model.
 """
@@ -43,7 +44,7 @@ from .attention import Attention
 from .config import MoEConfig, TargetConfig, base_target_fields, bool_field, check_int, rotary_fraction
 from .layers import RMSNorm
 from .moe import SparseMoE, fuse_expert_weights
-from .target import DecoderLayer
+from .target import DecoderLayer, check_mtp_layers
 
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")  # dequantized when loading (fp8, packed_int, nvfp4)
 
@@ -179,6 +180,25 @@ class Model(llama.Model):
         refused as an unknown weight."""
         m = re.match(r"^model\.layers\.(\d+)\.", key)
         return not (m and cfg.num_hidden_layers <= int(m[1]) < cfg.num_hidden_layers + cfg.mtp_layers)
+
+    @classmethod
+    def check_skipped(cls, cfg: TargetConfig, skipped: set[str], model_dir) -> None:
+        """The layers skipped are multi-token-prediction modules
+        (:func:`~dflash_torch.models.target.check_mtp_layers`). The published checkpoints hold
+        none (their tensors stop at layer ``num_hidden_layers - 1``); where an MTP module is
+        stored as ``model.layers.{N + i}`` (the layers vLLM skips), its loaders read it in
+        DeepSeek-V3's layout: a decoder layer's tensors plus ``eh_proj`` (``[H, 2H]``, the
+        embedding and hidden rows joined), ``enorm``, ``hnorm`` and ``shared_head``. A decoder
+        layer has no ``eh_proj``: a skipped layer without one is a decoder layer that a
+        ``num_hidden_layers`` too small would silently drop.
+
+        Raises:
+            DFlashError: a skipped layer without ``eh_proj.weight``, with a tensor an MTP module
+                does not hold, or with a decoder layer's tensor in another shape.
+        """
+        if skipped:
+            check_mtp_layers(model_dir, cfg.num_hidden_layers, cfg.mtp_layers,
+                             "num_mtp_modules x mtp_transformer_layers")
 
     @classmethod
     def convert_checkpoint(cls, cfg: TargetConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
