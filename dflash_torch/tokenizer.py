@@ -79,6 +79,34 @@ def _check_sentencepiece(model_dir: Path) -> None:
                           f"it), which needs the sentencepiece package: pip install sentencepiece")
 
 
+def transformers_config(model_dir: Path):
+    """transformers' config object of the checkpoint in ``model_dir``, read from its
+    ``config.json`` as ``AutoTokenizer`` reads it (``AutoConfig``; the base ``PreTrainedConfig``
+    where that raises ``ValueError`` or ``OSError``, a ``model_type`` it does not know), for
+    transformers' tokenizer and model loaders to be given. A top-level ``dtype`` /
+    ``torch_dtype`` "auto", which the config class alone cannot read (its model loader is given
+    a dtype), is read as absent. transformers' log lines and warnings on the file (a YaRN
+    factor that disagrees with ``max_position_embeddings``, rope keys it does not know, a
+    deprecated ``torch_dtype``) are silenced: dflash-torch reads the file itself and says what
+    matters to it (see ``models.config``).
+
+    Raises:
+        whatever transformers raises on the file (its config class refusing a field:
+        ``huggingface_hub.errors.StrictDataclassError``; an unreadable file: ``OSError``);
+        DFlashError: a config.json that is not a JSON object.
+    """
+    from transformers import AutoConfig, PreTrainedConfig
+
+    config_file = Path(model_dir) / "config.json"
+    auto = config_file.is_file() and "auto" in (read_json_object(config_file).get(k) for k in ("dtype", "torch_dtype"))
+    given = {"dtype": None, "torch_dtype": None} if auto else {}
+    with quiet_transformers():
+        try:
+            return AutoConfig.from_pretrained(str(model_dir), **given)
+        except (ValueError, OSError):
+            return PreTrainedConfig.from_pretrained(str(model_dir), **given)
+
+
 def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
     """The target's tokenizer via ``AutoTokenizer``.
 
@@ -103,7 +131,7 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
             sentencepiece or tiktoken). A SentencePiece ``tokenizer.model`` without the sentencepiece
             package: see ``_check_sentencepiece``.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     check_links(model_dir)  # (else transformers blames a missing sentencepiece for a missing tokenizer.json)
     if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
@@ -112,16 +140,10 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
         if (Path(model_dir) / name).is_dir():
             raise DFlashError(f"cannot load the tokenizer of {model_dir}: its {name} is a directory, not a file")
     _check_sentencepiece(Path(model_dir))
-    # (transformers' config class takes a dtype "auto" for a torch dtype's name and fails on torch.auto, unless
-    # given a dtype, as its model loader is: the tokenizer does not depend on it)
-    config_file = Path(model_dir) / "config.json"
-    auto = config_file.is_file() and "auto" in (read_json_object(config_file).get(k) for k in ("dtype", "torch_dtype"))
-    try:
-        config = {}
-        if auto:
-            with quiet_transformers():  # (its notice that torch_dtype is deprecated)
-                config = {"config": AutoConfig.from_pretrained(str(model_dir), dtype=None, torch_dtype=None)}
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), **config)
+    try:  # (the config read here, not by AutoTokenizer: its notices on the file are silenced)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), config=transformers_config(model_dir))
+    except DFlashError:  # (a config.json that is not a JSON object, named)
+        raise
     except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
         if isinstance(exc, PermissionError) and exc.filename:  # (a file this process may not read)
             raise DFlashError(f"cannot read {exc.filename}: {exc.strerror}") from None

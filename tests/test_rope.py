@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedd
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding
 from transformers.models.qwen3_next.modeling_qwen3_next import apply_rotary_pos_emb as next_apply_rotary_pos_emb
 
+import dflash_torch
 from conftest import drafter_config, load_hf, make_target, save_drafter
 from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.models.config import TargetConfig, _rope
@@ -482,3 +484,51 @@ def test_keys_a_rope_rule_does_not_read_are_ignored_with_one_warning(tmp_path, c
     assert spec.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids == ref[0, len(prompt):].tolist()
     with pytest.raises(DFlashError, match=r"^target config.json rope_scaling.factor must be a number > 0, got True$"):
         _rope(dict(cfg, rope_scaling=dict(scaling, factor=True)))
+
+
+def test_transformers_notices_on_a_target_rope_do_not_reach_the_terminal(tmp_path):
+    """In fresh processes (transformers' log handler on the real stderr, Python's warnings
+    shown): a Qwen3 model card's YaRN (``rope_scaling`` factor 4 with a ``max_position_embeddings``
+    1.25 times the original) prints nothing, and a key the rule does not read only
+    dflash-torch's one WARNING, from ``dflash-torch generate``, ``DFlashEngine.from_pretrained``
+    and ``train --self-distill``'s target loading. (transformers read the config.json for the
+    tokenizer and the self-distill model and printed "The explicitly set RoPE scaling factor
+    ... does not match ..." and "Unrecognized keys in `rope_parameters` ...".)"""
+    import os
+    import subprocess
+    import sys
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    card = make_target(tmp_path / "card", max_position_embeddings=320)
+    cfg = json.loads((card / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    (card / "config.json").write_text(json.dumps(dict(cfg, rope_scaling=yarn)))
+    extra = make_target(tmp_path / "extra", max_position_embeddings=320)
+    (extra / "config.json").write_text(json.dumps(dict(cfg, rope_parameters=dict(yarn, rope_theta=10000.0,
+                                                                                  finetuned=True))))
+    warning = ("dflash-torch: WARNING: target config.json rope_parameters: ignoring finetuned, which rope scaling type "
+               "'yarn' does not read\n")
+    env = {**os.environ, "PYTHONWARNINGS": "always", "PYTHONPATH": str(Path(dflash_torch.__file__).parents[1])}
+    api = ("import sys, transformers\n"
+           "from dflash_torch import DFlashEngine\n"
+           "from dflash_torch.tokenizer import load_tokenizer\n"
+           "from dflash_torch.training.distill import self_distill\n"
+           "if sys.argv[1] == 'ours':\n"
+           "    DFlashEngine.from_pretrained(sys.argv[2], no_draft=True, max_context=64)\n"
+           "    self_distill(sys.argv[2], load_tokenizer(sys.argv[2]), [[5, 6, 7]], [False], seq_len=6, progress=False)\n"
+           "else:\n"
+           "    transformers.AutoTokenizer.from_pretrained(sys.argv[2])\n"
+           "print(transformers.logging.get_verbosity())\n")
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, check=True)
+
+    for target, said in ((card, ""), (extra, warning)):
+        theirs = run("-c", api, "transformers", str(target))
+        assert "The explicitly set RoPE scaling factor" in theirs.stderr
+        assert ("Unrecognized keys in `rope_parameters`" in theirs.stderr) == (target == extra)
+        ours = run("-c", api, "ours", str(target))
+        assert ours.stderr == said and ours.stdout == theirs.stdout  # (and transformers' verbosity as it was)
+        cli = run("-m", "dflash_torch.cli", "generate", "--target", str(target), "--no-draft", "--max-new-tokens", "2",
+                  "--threads", "1", "--json", "x")
+        assert cli.stderr == said and len(json.loads(cli.stdout)["token_ids"]) == 2

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..tokenizer import transformers_config
 from .data import Corpus, Example, chat_prompt
 
 
@@ -163,8 +164,9 @@ def self_distill(target_dir: Path, tokenizer, prompts: list[list[int]], chat: li
 
     if not prompts:
         return []
+    config = transformers_config(target_dir)  # (read by dflash-torch first: transformers' notices on it silenced)
     with _progress_bars(progress):  # (transformers draws one while it loads the weights)
-        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), config=config, dtype=dtype).eval()
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     stops = [({eos} if c and eos is not None else None) for c in chat]
