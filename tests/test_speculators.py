@@ -505,3 +505,38 @@ def test_aux_ids_zero_and_the_layer_count_read_what_vllm_captures(agree_pair, tm
     for prompt in ([5, 17, 99, 3], list(range(2, 45))):
         assert engine.generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids == \
             base.generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids
+
+
+def test_transformers_notices_on_the_layer_config_do_not_reach_the_terminal():
+    """In a fresh process (transformers' log handler on the real stderr, Python's warnings
+    shown): a ``transformer_layer_config`` with a model card's YaRN (factor 4, a
+    ``max_position_embeddings`` 1.25 times the original) prints nothing, one with a key the rule
+    does not read only dflash-torch's WARNING (transformers' config class, which fills the
+    layer config's defaults, printed "The explicitly set RoPE scaling factor ... does not
+    match ..." and "Unrecognized keys in `rope_parameters` ...")."""
+    import os
+    import subprocess
+    import sys
+
+    import transformers
+
+    import dflash_torch
+
+    cfg = json.loads((DATA / "draft-vocab-causal" / "config.json").read_text())
+    layer = cfg["transformer_layer_config"]
+    layer.pop("rope_parameters", None)
+    layer.pop("rope_theta", None)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    card = {**cfg, "transformer_layer_config": {**layer, "max_position_embeddings": 40960, "rope_scaling": yarn}}
+    extra = {**cfg, "transformer_layer_config": {**layer, "max_position_embeddings": 40960,
+                                                  "rope_scaling": {**yarn, "finetuned": True}}}
+    script = ("import json, sys, transformers\n"
+              "from dflash_torch.models.drafter_config import DrafterConfig\n"
+              "cfg = DrafterConfig.from_dict(json.loads(sys.argv[1]))\n"
+              "print(json.dumps([cfg.rope_scaling, transformers.logging.get_verbosity()]))\n")
+    env = {**os.environ, "PYTHONWARNINGS": "always", "PYTHONPATH": str(Path(dflash_torch.__file__).parents[1])}
+    for given, said in ((card, ""), (extra, "dflash-torch: WARNING: drafter config.json rope_parameters: ignoring "
+                                           "finetuned, which rope scaling type 'yarn' does not read\n")):
+        out = subprocess.run([sys.executable, "-c", script, json.dumps(given)], capture_output=True, text=True, env=env,
+                             timeout=120, check=True)
+        assert out.stderr == said and json.loads(out.stdout) == [yarn, transformers.logging.get_verbosity()]

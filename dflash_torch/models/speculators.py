@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..errors import DFlashError
-from .config import bool_field, check_int, object_field, refuse_quantized
+from .config import bool_field, check_int, object_field, quiet_transformers, refuse_quantized
 from .drafter_config import DrafterConfig, refuse_variants
 from .drafter import DFlashDrafter, DraftLayer, same_tensor
 
@@ -86,7 +86,8 @@ def _layer_config(cfg: dict) -> dict:
         raise DFlashError(f"drafter config.json transformer_layer_config has model_type {model_type!r}, which "
                           "transformers does not know (speculators writes qwen3 or llama)") from None
     try:
-        return config_class(**{k: v for k, v in layer.items() if k != "model_type"}).to_dict()
+        with quiet_transformers():  # (its notices on the file, e.g. a YaRN factor: dflash-torch says what matters)
+            return config_class(**{k: v for k, v in layer.items() if k != "model_type"}).to_dict()
     except Exception as exc:  # (transformers' own validation of a user's file: any of its errors)
         reason = " ".join(str(exc).split())
         raise DFlashError(f"drafter config.json transformer_layer_config (model_type {model_type!r}) does not load "
