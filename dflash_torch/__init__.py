@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import importlib
 
-from .errors import ContextLengthError, DFlashError
+from .errors import CompileError, ContextLengthError, DFlashError
 
 # public name -> the module that defines it
 _LAZY = {"DFlashEngine": ".engine", "GenerationResult": ".engine", "GenerationStats": ".engine",
          "StreamChunk": ".engine", "SamplingParams": ".sampling", "TokenLogprob": ".sampling",
          "StructuredOutput": ".structured"}
 
-__all__ = ["ContextLengthError", "DFlashEngine", "DFlashError", "GenerationResult", "GenerationStats", "SamplingParams", "StreamChunk",
+__all__ = ["CompileError", "ContextLengthError", "DFlashEngine", "DFlashError", "GenerationResult", "GenerationStats", "SamplingParams", "StreamChunk",
            "StructuredOutput", "TokenLogprob"]
 __version__ = "0.1.0"
 

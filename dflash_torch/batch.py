@@ -108,7 +108,7 @@ from . import compute
 from .cache import (KVCache, RecurrentState, RingLayers, TargetCache, buffer_rows, cache_bytes, layer_shapes,
                     ring_sizes, static_buffer)
 from .checkpoint import available_memory
-from .decoding import (Round, check_models, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs, tag_compile_caches,
+from .decoding import (Round, check_models, compiled, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs, tag_compile_caches,
                        without_shape_plans)
 from .draft_policy import DraftPolicy
 from .errors import DFlashError, OptionError, shown
@@ -508,7 +508,8 @@ class BatchDecoder:
             and are ignored) over a length bucket of keys
             (:meth:`kv_bucket`). Implied by ``compile``; prefills stay eager.
         compile: wrap propose and verify with ``torch.compile`` (one graph per batch
-            bucket x length bucket, built the first time a round needs it).
+            bucket x length bucket, built the first time a round needs it; one that torch
+            fails to build raises :class:`~dflash_torch.errors.CompileError`).
         compile_backend: torch.compile backend (default "inductor").
         share_prefill: a sequence joining with the prompt of one still waiting or being
             prefilled shares its prefill (a copy of its slot) instead of reading the prompt
@@ -634,8 +635,8 @@ class BatchDecoder:
                 opts["mode"] = "reduce-overhead"
             reserve_graphs(sum(len(v) for v in self._round_buckets().values()) * length_buckets(capacity))
             tag_compile_caches()
-            self._draft_fn = torch.compile(self._draft_step, **opts)
-            self._verify_fn = torch.compile(self._verify_step, **opts)
+            self._draft_fn = compiled(self._draft_step, **opts)
+            self._verify_fn = compiled(self._verify_step, **opts)
 
     def _caches_error(self, head: str, detail: str = "") -> OptionError:
         """The refusal of caches too large for the device, naming the options that size them."""

@@ -3,7 +3,8 @@
 Subcommands: ``generate`` (here), and the ones registered by their own modules
 (``chat``, ``serve``, ``train``, ``bench``). A user error prints one line to stderr and exits 2;
 output that stdout cannot take (closed, a full disk) one line and exits 1 (a reader that went
-away, a broken pipe, ends the command quietly);
+away, a broken pipe, ends the command quietly), as does a failure to build ``--compile``'s graphs
+(:class:`~dflash_torch.errors.CompileError`: torch's reason, and the compile cache to remove);
 an error about an option's value names the option as the user typed it (``--max-new-tokens``),
 not as the Python API spells it (``max_new_tokens``).
 """
@@ -20,7 +21,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import DFlashError, OptionError, OutputError, first_line
+from .errors import CompileError, DFlashError, OptionError, OutputError, first_line
 
 
 def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
@@ -579,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except ImportError as exc:
         print(f"dflash-torch: error: {import_error_message(exc)}", file=sys.stderr)
+        return 1
+    except CompileError as exc:  # (not the user's input: torch's compiler failed)
+        print(f"dflash-torch: error: {exc}", file=sys.stderr)
         return 1
     except DFlashError as exc:
         print(f"dflash-torch: error: {error_message(exc, args.option_flags)}", file=sys.stderr)

@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import compute
 from .cache import cache_bytes
 from .checkpoint import available_memory
-from .errors import DFlashError, OptionError
+from .errors import CompileError, DFlashError, OptionError, first_line
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
@@ -52,6 +52,40 @@ def without_shape_plans(step: Callable) -> Callable:
             return step(*args, **kwargs)
 
     return run
+
+
+def compiled(step: Callable, **opts) -> Callable:
+    """``torch.compile(step, **opts)``, whose failure to build a graph (torch's
+    ``BackendCompilerFailed``, inductor's ``InductorError`` among them) raises
+    :class:`~dflash_torch.errors.CompileError` with :func:`compile_failure`'s message
+    (torch's error as its cause) instead of torch's long traceback."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    fn = torch.compile(step, **opts)
+
+    @functools.wraps(step)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BackendCompilerFailed as exc:
+            raise CompileError(compile_failure(exc)) from exc
+
+    return run
+
+
+def compile_failure(exc: Exception) -> str:
+    """The one-line message of ``exc``, a backend's failure to compile a decoding step: torch's
+    reason (the backend's error, first line), and for inductor where its cache is (a file
+    an interrupted compile left truncated there, e.g. a 0-byte ``.so``, fails every later
+    compile that reads it: ``ImportError: ... file too short``) and the remedies."""
+    inner = getattr(exc, "inner_exception", exc)
+    message = f"compiling the decoding graphs failed: {type(inner).__name__}: {first_line(inner)}"
+    if getattr(exc, "backend_name", None) == "inductor":
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        message += (f"; a damaged compile cache can cause this: remove {cache_dir()} (torch inductor's cache, "
+                    "TORCHINDUCTOR_CACHE_DIR), or run without --compile")
+    return message
 
 
 def check_models(target, drafter) -> None:
@@ -252,7 +286,8 @@ class SpeculativeDecoder:
             a sequence reaches that bucket.
         compile: wrap prefill, propose (which injects the previous verify's features in
             the same pass) and verify with ``torch.compile``
-            (CPU: inductor; CUDA: mode "reduce-overhead", i.e. CUDA graphs).
+            (CPU: inductor; CUDA: mode "reduce-overhead", i.e. CUDA graphs; :func:`compiled`:
+            a graph that torch fails to build raises :class:`~dflash_torch.errors.CompileError`).
         max_context: longest prompt + generation (tokens); default: the target's
             context (:func:`~dflash_torch.options.target_context`).
         compile_backend: torch.compile backend (default "inductor").
@@ -365,10 +400,10 @@ class SpeculativeDecoder:
             opts = dict(dynamic=False, backend=compile_backend, mode=compile_mode)
             reserve_graphs(length_buckets(self.target_cache.capacity))
             tag_compile_caches()
-            self._prefill_fn = torch.compile(self._prefill_step, **opts)
-            self._draft_fn = torch.compile(self._draft_step, **opts)
-            self._verify_fn = torch.compile(self._verify_step, **opts)
-            self._commit_fn = torch.compile(self._commit_step, **opts)
+            self._prefill_fn = compiled(self._prefill_step, **opts)
+            self._draft_fn = compiled(self._draft_step, **opts)
+            self._verify_fn = compiled(self._verify_step, **opts)
+            self._commit_fn = compiled(self._commit_step, **opts)
 
     def _check_fits(self, capacity: int) -> None:
         """Fixed shapes: the caches of ``capacity`` positions must fit in 90% of the device's

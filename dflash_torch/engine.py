@@ -343,7 +343,9 @@ class DFlashEngine:
             fuse: join the projections that read the same rows into one matmul
                 (:mod:`dflash_torch.models.fusing`; same outputs); default: on CUDA.
             compile: fixed-shape rounds compiled with ``torch.compile`` (see
-                :class:`~dflash_torch.decoding.SpeculativeDecoder`).
+                :class:`~dflash_torch.decoding.SpeculativeDecoder`); a graph that torch fails
+                to build raises :class:`~dflash_torch.errors.CompileError` where it is built
+                (:meth:`warmup`, or the call that first needs it).
             static: fixed-shape rounds without compiling.
             max_context: longest prompt + generation in tokens (default: the target's
                 context: ``max_position_embeddings``, or more under YaRN, see
@@ -604,6 +606,7 @@ class DFlashEngine:
         Raises:
             DFlashError: invalid ``max_new_tokens`` or ``context`` (not an integer >= 1), or
                 ``batch`` not a bool.
+            CompileError: torch failed to build a graph (a damaged compile cache, say).
         """
         options.check_max_new_tokens(max_new_tokens)
         options.check_flag(batch, "batch")

@@ -41,6 +41,13 @@ class ContextOptionError(OptionError, ContextLengthError):
     ``max_context``, ``min_tokens``), named as an :class:`OptionError` names them."""
 
 
+class CompileError(DFlashError):
+    """``torch.compile`` failed to build a compiled decoding step's graph (``compile=True``,
+    ``--compile``): a damaged compile cache, no working C++ compiler. Not the input's fault:
+    the command line exits 1 (not 2), the server answers 500. The message keeps torch's
+    reason; torch's own error is its ``__cause__``."""
+
+
 class OutputError(Exception):
     """The command line's stdout cannot take the output (closed, or its disk full): one line
     on stderr, exit status 1 (not a user error)."""

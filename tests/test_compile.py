@@ -259,3 +259,28 @@ def test_engine_default_warmup_covers_short_sequences_past_the_first_bucket(agre
     assert dynamo_utils.counters["frames"]["total"] == frames, "a graph was built after warmup()"
     assert long.token_ids == spec.generate([(7 * i) % 300 + 2 for i in range(200)], max_new_tokens=50,
                                            ignore_eos=True).token_ids
+
+
+def test_a_graph_torch_fails_to_build_is_one_line_not_a_traceback(tiny_pair, tmp_path):
+    """A truncated file in inductor's compile cache (a 0-byte ``.so`` that an interrupted
+    compile left: ``ImportError: ... file too short``) made ``--compile`` print torch's
+    140-line traceback. A graph torch fails to build is now one line with torch's reason,
+    the cache to remove and ``--compile``; exit status 1. Inductor fails here for real, and
+    cheaply: no working C++ compiler (``CXX=/bin/false``), in a cache of this test's own."""
+    import os
+    import subprocess
+    import sys
+
+    target, drafter = tiny_pair
+    cache = tmp_path / "inductor"
+    env = dict(os.environ, CXX="/bin/false", TORCHINDUCTOR_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "dflash_torch", "generate", "x", "--compile", "--max-context", "64",
+                           "--max-new-tokens", "2", "--target", str(target), "--draft", str(drafter)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("dflash-torch: error: compiling the decoding graphs failed: InvalidCxxCompiler: "), \
+        proc.stderr
+    assert f"remove {cache} " in proc.stderr and "run without --compile" in proc.stderr, proc.stderr
+
+
