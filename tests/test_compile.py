@@ -284,3 +284,39 @@ def test_a_graph_torch_fails_to_build_is_one_line_not_a_traceback(tiny_pair, tmp
     assert f"remove {cache} " in proc.stderr and "run without --compile" in proc.stderr, proc.stderr
 
 
+
+def test_a_graph_torch_fails_to_build_is_a_compile_error_and_a_500(tiny_pair):
+    """The same failure in the Python API is a CompileError (a DFlashError; torch's error its
+    cause), and in a server a 500 naming it, after which the server answers the next request.
+    The backend compiler fails here by itself: torch wraps its error as it wraps inductor's
+    (``BackendCompilerFailed``), for a fraction of an inductor compile's time."""
+    import pytest
+    from starlette.testclient import TestClient
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from dflash_torch import CompileError, DFlashEngine, DFlashError
+    from dflash_torch.serving.app import create_app
+
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("no compiler here\nsecond line")
+
+    target, drafter = _load(tiny_pair)
+    spec = DFlashEngine.from_pretrained(tiny_pair[0], no_draft=True)
+    torch._dynamo.reset()
+    engine = DFlashEngine(target, spec.tokenizer, drafter, max_context=64, compile=True, compile_backend=failing_backend)
+    message = "compiling the decoding graphs failed: RuntimeError: no compiler here"
+    for call in (engine.warmup, lambda: engine.generate("x", max_new_tokens=2)):
+        with pytest.raises(CompileError) as info:
+            call()
+        assert str(info.value) == message
+        assert isinstance(info.value, DFlashError) and isinstance(info.value.__cause__, BackendCompilerFailed)
+    app = create_app(engine, max_batch_size=1)
+    try:
+        client = TestClient(app, raise_server_exceptions=False)
+        for _ in range(2):  # (the server goes on)
+            r = client.post("/v1/completions", json={"model": engine.name, "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+            assert r.json()["error"]["message"] == f"generation failed: {message}", r.text
+    finally:
+        app.state.scheduler.close()
+    torch._dynamo.reset()

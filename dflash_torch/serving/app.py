@@ -25,7 +25,9 @@ not valid data of its Content-Encoding, included), 401 for a missing or wrong AP
 for an unknown model or route, 413 for a body over that limit (sent or decoded), 415 (with
 ``Accept-Encoding``) for another Content-Encoding, 503 with ``Retry-After`` when the queue is
 full, 503 once the server shuts down (a stream that fails after it started ends with an
-error event and ``[DONE]``); a 500 means a server bug.
+error event and ``[DONE]``); a 500 means a server bug, or ``--compile``'s graphs that torch
+failed to build (:class:`~dflash_torch.errors.CompileError`, named in the message; the
+server goes on).
 CORS headers (starlette's ``CORSMiddleware``; ``create_app``'s ``allowed_origins``, ...) let
 browsers' scripts call the server; a preflight ``OPTIONS`` needs no API key.
 

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 
 from .. import compute
 from ..engine import StreamChunk
-from ..errors import ContextLengthError, DFlashError, OptionError
+from ..errors import CompileError, ContextLengthError, DFlashError, OptionError
 from ..options import check_min_tokens_room, n_tokens
 from .metrics import ServerMetrics
 
@@ -595,7 +595,10 @@ class Scheduler:
             self.metrics.observe_rounds(taus)
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
-        if isinstance(exc, DFlashError):
+        if isinstance(exc, CompileError):  # (torch's compiler failed, not the request: a 500 that names it)
+            log.error("generation failed: %s", exc)
+            seq.job.put("fatal", str(exc), seq.index)
+        elif isinstance(exc, DFlashError):
             param = param_of(exc)
             seq.job.put("error", (str(exc), seq.job.param_aliases.get(param, param)), seq.index)
         else:  # a bug, not the user's input: report a 500
