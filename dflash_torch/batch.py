@@ -108,7 +108,7 @@ from . import compute
 from .cache import (KVCache, RecurrentState, RingLayers, TargetCache, buffer_rows, cache_bytes, layer_shapes,
                     ring_sizes, static_buffer)
 from .checkpoint import available_memory
-from .decoding import (Round, check_models, compiled, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs, tag_compile_caches,
+from .decoding import (Round, check_models, compile_step, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs,
                        without_shape_plans)
 from .draft_policy import DraftPolicy
 from .errors import DFlashError, OptionError, shown
@@ -634,9 +634,8 @@ class BatchDecoder:
             if self.device.type == "cuda":
                 opts["mode"] = "reduce-overhead"
             reserve_graphs(sum(len(v) for v in self._round_buckets().values()) * length_buckets(capacity))
-            tag_compile_caches()
-            self._draft_fn = compiled(self._draft_step, **opts)
-            self._verify_fn = compiled(self._verify_step, **opts)
+            self._draft_fn = compile_step(self._draft_step, **opts)
+            self._verify_fn = compile_step(self._verify_step, **opts)
 
     def _caches_error(self, head: str, detail: str = "") -> OptionError:
         """The refusal of caches too large for the device, naming the options that size them."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -50,25 +51,6 @@ def without_shape_plans(step: Callable) -> Callable:
     def run(*args, **kwargs):
         with sdpa_kernel(EAGER_CUDA_SDPA):
             return step(*args, **kwargs)
-
-    return run
-
-
-def compiled(step: Callable, **opts) -> Callable:
-    """``torch.compile(step, **opts)``, whose failure to build a graph (torch's
-    ``BackendCompilerFailed``, inductor's ``InductorError`` among them) raises
-    :class:`~dflash_torch.errors.CompileError` with :func:`compile_failure`'s message
-    (torch's error as its cause) instead of torch's long traceback."""
-    from torch._dynamo.exc import BackendCompilerFailed
-
-    fn = torch.compile(step, **opts)
-
-    @functools.wraps(step)
-    def run(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except BackendCompilerFailed as exc:
-            raise CompileError(compile_failure(exc)) from exc
 
     return run
 
@@ -128,6 +110,9 @@ def length_buckets(capacity: int) -> int:
 
 
 _graphs_reserved = 0  # graphs that the compiled decoders built in this process may hold, all together
+# the _graphs_reserved that this thread's torch config was last brought up to by _apply_compile_settings
+# (a ContextVar, as torch keeps its config overrides)
+_settings_applied: ContextVar[int] = ContextVar("dflash_torch_settings_applied", default=-1)
 
 
 def reserve_graphs(n: int) -> None:
@@ -140,13 +125,51 @@ def reserve_graphs(n: int) -> None:
     line. A fixed-shape decoder needs one graph per length bucket (times batch bucket
     when batched): 9 for a 40,960-token context, 16 for a batch of 8 over 2,048 tokens,
     and each compiled decoder of another model adds its own. So every compiled decoder
-    reserves its graphs here and the limit is raised to the sum (never lowered).
+    reserves its graphs here and the limit is raised to the sum (never lowered): in the
+    calling thread now, and in any other thread when it next calls a step built by
+    :func:`compile_step` (torch's config settings are per thread).
     """
     global _graphs_reserved
     _graphs_reserved += n
+    _apply_compile_settings()
+
+
+def _apply_compile_settings() -> None:
+    """Raise this thread's recompile limits to the graphs reserved (:func:`reserve_graphs`)
+    and tag its compile caches (:func:`tag_compile_caches`). torch keeps a config value set
+    in one thread to that thread (a ``ContextVar``): a thread that did not set it compiles
+    with torch's default."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, _graphs_reserved)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, _graphs_reserved)
+    tag_compile_caches()
+    _settings_applied.set(_graphs_reserved)
+
+
+def compile_step(fn: Callable, **opts) -> Callable:
+    """``torch.compile(fn, **opts)``, called with this package's compile settings (the
+    recompile limit of :func:`reserve_graphs`, the cache tag of :func:`tag_compile_caches`)
+    applied in the calling thread: a decoder may be built in one thread and driven in
+    another (the compute thread, :func:`~dflash_torch.compute.run`), and torch's config
+    settings are per thread. They are applied at a thread's first call and after each
+    reservation (a check of one ``ContextVar`` per call otherwise). A failure to build a graph
+    (torch's ``BackendCompilerFailed``, inductor's ``InductorError`` among them) raises
+    :class:`~dflash_torch.errors.CompileError` with :func:`compile_failure`'s message (torch's
+    error as its cause) instead of torch's long traceback."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    compiled = torch.compile(fn, **opts)
+
+    @functools.wraps(fn)
+    def step(*args, **kwargs):
+        if _settings_applied.get() != _graphs_reserved:
+            _apply_compile_settings()
+        try:
+            return compiled(*args, **kwargs)
+        except BackendCompilerFailed as exc:
+            raise CompileError(compile_failure(exc)) from exc
+
+    return step
 
 
 def tag_compile_caches() -> str:
@@ -286,7 +309,7 @@ class SpeculativeDecoder:
             a sequence reaches that bucket.
         compile: wrap prefill, propose (which injects the previous verify's features in
             the same pass) and verify with ``torch.compile``
-            (CPU: inductor; CUDA: mode "reduce-overhead", i.e. CUDA graphs; :func:`compiled`:
+            (CPU: inductor; CUDA: mode "reduce-overhead", i.e. CUDA graphs; :func:`compile_step`:
             a graph that torch fails to build raises :class:`~dflash_torch.errors.CompileError`).
         max_context: longest prompt + generation (tokens); default: the target's
             context (:func:`~dflash_torch.options.target_context`).
@@ -399,11 +422,10 @@ class SpeculativeDecoder:
                 compile_mode = "reduce-overhead"
             opts = dict(dynamic=False, backend=compile_backend, mode=compile_mode)
             reserve_graphs(length_buckets(self.target_cache.capacity))
-            tag_compile_caches()
-            self._prefill_fn = compiled(self._prefill_step, **opts)
-            self._draft_fn = compiled(self._draft_step, **opts)
-            self._verify_fn = compiled(self._verify_step, **opts)
-            self._commit_fn = compiled(self._commit_step, **opts)
+            self._prefill_fn = compile_step(self._prefill_step, **opts)
+            self._draft_fn = compile_step(self._draft_step, **opts)
+            self._verify_fn = compile_step(self._verify_step, **opts)
+            self._commit_fn = compile_step(self._commit_step, **opts)
 
     def _check_fits(self, capacity: int) -> None:
         """Fixed shapes: the caches of ``capacity`` positions must fit in 90% of the device's

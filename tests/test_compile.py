@@ -5,6 +5,8 @@ Recompilation is decided by TorchDynamo's guards, before any backend runs, so th
 test uses the cheap "eager" backend; the inductor backend sees the same graphs.
 """
 
+import threading
+
 import torch
 import torch._dynamo
 import torch._dynamo.utils as dynamo_utils
@@ -157,6 +159,39 @@ def test_compiled_decoders_keep_a_graph_per_bucket_past_the_recompile_limit(agre
         frames = dynamo_utils.counters["frames"]["ok"]
         assert batch.warmup() == 2 * 2  # batch buckets 1, 2 x length buckets 256 and the 457-token buffer
         assert dynamo_utils.counters["frames"]["ok"] - frames == 2 * 4
+    assert eager_fallbacks() == before
+
+
+def test_compiled_steps_raise_the_recompile_limit_in_the_thread_that_calls_them(agree_pair):
+    """torch keeps a config value set in one thread to that thread: a decoder built in one
+    thread and driven in another (the compute thread, as compute.run advises) compiled with
+    the other thread's limit (torch's default, 8), and a step that needed more graphs ran
+    eager from then on (trial-185). Its steps now apply the reservation, and the cache tag,
+    in the thread that calls them. Here the driving thread's own limit is 2 and each step
+    needs 3 graphs."""
+    from dflash_torch import decoding
+    from dflash_torch.decoding import eager_fallbacks, tag_compile_caches
+
+    target, drafter = _load(agree_pair)
+    torch._dynamo.reset()
+    before = eager_fallbacks()
+    single = SpeculativeDecoder(target, drafter, compile=True, compile_backend="eager", max_context=600,
+                                prefill_chunk=32)
+    frames = dynamo_utils.counters["frames"]["ok"]
+    seen = {}
+
+    def drive():
+        config = torch._dynamo.config
+        config.recompile_limit = 2  # this thread's own setting
+        for p, n in ((240, 30), (500, 90)):  # decoding past the ends of the 256 and 512 buckets
+            run_rounds(single, [(7 * i) % 300 + 2 for i in range(p)], n)
+        seen.update(limit=config.recompile_limit, tag=torch.compiler.config.cache_key_tag)
+
+    thread = threading.Thread(target=drive)
+    thread.start()
+    thread.join()
+    assert seen["limit"] >= decoding._graphs_reserved >= 3 and seen["tag"] == tag_compile_caches()
+    assert dynamo_utils.counters["frames"]["ok"] - frames == 2 + 2 * 3  # prefill 2, propose and verify 3 each
     assert eager_fallbacks() == before
 
 
