@@ -108,8 +108,8 @@ from . import compute
 from .cache import (KVCache, RecurrentState, RingLayers, TargetCache, buffer_rows, cache_bytes, layer_shapes,
                     ring_sizes, static_buffer)
 from .checkpoint import available_memory
-from .decoding import (Round, check_models, compile_step, kv_bucket, length_buckets, prompt_chunk_logprobs, reserve_graphs,
-                       without_shape_plans)
+from .decoding import (Round, check_models, compile_step, context_caches, kv_bucket, length_buckets, prompt_chunk_logprobs,
+                       reserve_graphs, without_shape_plans)
 from .draft_policy import DraftPolicy
 from .errors import DFlashError, OptionError, shown
 from .models.drafter import DFlashDrafter, InjectedContext
@@ -566,6 +566,7 @@ class BatchDecoder:
         self.target, self.drafter, self.block_size = target, drafter, B
         self.max_batch_size = check_max_batch_size(max_batch_size)
         self.max_context = check_max_context(max_context, target.config)
+        self._context_given = max_context is not None  # (refusals name the target's context otherwise)
         self.prefill_chunk = min(check_count(prefill_chunk, "prefill_chunk"), self.max_context)  # (as SpeculativeDecoder's)
         prefill_chunk = self.prefill_chunk
         self.share_prefill = check_flag(share_prefill, "share_prefill")
@@ -641,7 +642,8 @@ class BatchDecoder:
         """The refusal of caches too large for the device, naming the options that size them."""
         slots = f"max_batch_size {self.max_batch_size}" + (f" + prefix_slots {self.prefix_slots}" if self.prefix_slots else "")
         names = ("max_batch_size", "prefix_slots", "max_context") if self.prefix_slots else ("max_batch_size", "max_context")
-        return OptionError(f"{head}the caches of {slots} x max_context {self.max_context}{detail}; "
+        caches = context_caches(self.max_context, self._context_given)
+        return OptionError(f"{head}the caches of {slots} x {caches}{detail}; "
                            f"lower {'one of them' if self.prefix_slots else 'either'}", *names)
 
     def batch_bucket(self, n: int) -> int:

@@ -86,6 +86,15 @@ def check_models(target, drafter) -> None:
         raise DFlashError(f"{name} must be a {kind.__name__}{' or None' if name == 'drafter' else ''}, got {got}{hint}")
 
 
+def context_caches(max_context: int, given: bool, note: str = "") -> str:
+    """How a refusal of caches names the ``max_context`` that sizes them: ``max_context N``
+    (``note`` after it, in parentheses), or where none was given, the target's context that
+    it defaults to (the option named once, as the command line's messages rename it)."""
+    if given:
+        return f"max_context {max_context}" + (f" ({note})" if note else "")
+    return f"the target's context, {max_context} tokens (the default max_context{'; ' + note if note else ''})"
+
+
 def kv_bucket(n: int, capacity: int) -> int:
     """Keys to attend over when ``n`` positions must be visible (fixed shapes): the
     smallest power of two >= max(n, 256), capped at ``capacity`` (the cache's)."""
@@ -366,6 +375,7 @@ class SpeculativeDecoder:
             raise OptionError(f"draft_mode 'recompute' grows its shapes every round; it cannot run with {fixed} "
                               "(fixed shapes)", "draft_mode", fixed)
         self.max_context = check_max_context(max_context, target.config)
+        self._context_given = max_context is not None  # (refusals name the target's context otherwise)
         self.block_size = block_size
         # (a chunk longer than the context reads any prompt in one forward, as the context does: its
         # buffers were sized by it, 8 bytes a token before the first prompt)
@@ -402,7 +412,8 @@ class SpeculativeDecoder:
                 if self.context is not None:
                     self.context.reset(capacity)
             except torch.OutOfMemoryError:
-                raise OptionError(f"out of memory allocating the caches of max_context {self.max_context}; lower it",
+                raise OptionError(f"out of memory allocating the caches of "
+                                  f"{context_caches(self.max_context, self._context_given)}; {self._lower_it}",
                                   "max_context") from None
         # hybrid targets: a verify leaves the recurrent layers' state as it was and the
         # accepted prefix is committed into it afterwards (their rollback)
@@ -434,9 +445,14 @@ class SpeculativeDecoder:
         need = cache_bytes(self.target, drafter, 1, capacity, self.max_rows, False, self.max_rows)
         free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
-            raise OptionError(f"the caches of max_context {self.max_context} (fixed shapes: allocated at once) need "
-                              f"{need / 2**30:.2f} GiB but {self.device.type} has {free / 2**30:.2f} GiB free; lower it",
-                              "max_context")
+            caches = context_caches(self.max_context, self._context_given, "fixed shapes: allocated at once")
+            raise OptionError(f"the caches of {caches} need {need / 2**30:.2f} GiB but {self.device.type} has "
+                              f"{free / 2**30:.2f} GiB free; {self._lower_it}", "max_context")
+
+    @property
+    def _lower_it(self) -> str:
+        """What a refusal of caches too large asks of ``max_context``."""
+        return "lower it" if self._context_given else "give a lower one"
 
     def kv_bucket(self, n: int) -> int:
         """Keys to attend over when ``n`` positions must be visible (fixed shapes,

@@ -280,6 +280,7 @@ class DFlashEngine:
         self.reuse_prefix = options.check_flag(reuse_prefix, "reuse_prefix")
         self.prefix_slots = check_prefix_slots(prefix_slots, self.reuse_prefix)
         self._batch: BatchDecoder | None = None
+        self._max_context_option = decoder_options.get("max_context")  # (None: the target's context, for the batch decoder too)
         self.decoder = compute.run(SpeculativeDecoder, target, drafter, block_size=block_size, draft_mode=draft_mode,
                                    reuse_prefix=self.reuse_prefix, **decoder_options)
         self.draft_max_batch_size = check_draft_max_batch_size(draft_max_batch_size, drafter=drafter is not None,
@@ -1229,7 +1230,7 @@ class DFlashEngine:
                               "'inject'", "draft_mode")
         if self._batch is None:
             self._batch = BatchDecoder(self.target, self.drafter, block_size=self.block_size,
-                                       max_batch_size=self.max_batch_size, max_context=self.max_context,
+                                       max_batch_size=self.max_batch_size, max_context=self._max_context_option,
                                        prefill_chunk=self.decoder.prefill_chunk, static=self.decoder.static,
                                        compile=self.decoder.compiled, reuse_prefix=self.reuse_prefix,
                                        draft_max_batch_size=self.draft_max_batch_size, prefix_slots=self.prefix_slots)

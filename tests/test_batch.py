@@ -262,7 +262,8 @@ def test_bad_batch_input_is_refused(agree_pair, agree_engine, agree_models):
             decoder(engine, drafter)
         with pytest.raises(DFlashError, match=r"^drafter must be a DFlashDrafter or None, got TargetModel$"):
             decoder(target, target)
-    with pytest.raises(DFlashError, match=r"max_batch_size 1000000000 x max_context 1024 need .*; lower either"):
+    with pytest.raises(DFlashError, match=r"max_batch_size 1000000000 x the target's context, 1024 tokens \(the default "
+                                          r"max_context\) need .*; lower either"):
         BatchDecoder(target, drafter, max_batch_size=10**9)
     batch = BatchDecoder(target, drafter, max_batch_size=1, max_context=64)
     with pytest.raises(DFlashError, match="^params must be a SamplingParams, got dict$"):

@@ -132,3 +132,42 @@ def test_fixed_shape_caches_that_do_not_fit_are_refused_before_allocating(tiny_p
     decoder = SpeculativeDecoder(target, drafter, static=True, max_context=1000, prefill_chunk=32)
     caches = decoder.target_cache.kv.k + decoder.target_cache.kv.v + decoder.context.cache.k + decoder.context.cache.v
     assert sum(t.numel() * t.element_size() for t in caches) == need
+
+
+def test_caches_of_the_default_context_that_do_not_fit_name_the_targets_context(tiny_pair, monkeypatch, cli):
+    """Without max_context the caches are sized by the target's context: a refusal says so
+    (it said "the caches of --max-context 100000000 ...; lower it" of a flag never given,
+    trial-185), for SpeculativeDecoder, BatchDecoder and the command line; a max_context
+    given is named as before."""
+    import dflash_torch.batch as batch
+    import dflash_torch.decoding as decoding
+    from dflash_torch import DFlashError
+    from dflash_torch.batch import BatchDecoder
+    from dflash_torch.decoding import SpeculativeDecoder
+    from dflash_torch.models.drafter import DFlashDrafter
+
+    target_dir, drafter_dir = tiny_pair
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    for module in (decoding, batch):
+        monkeypatch.setattr(module, "available_memory", lambda device: 1 << 10)
+    with pytest.raises(DFlashError, match=r"^the caches of the target's context, 1024 tokens \(the default max_context; "
+                                          r"fixed shapes: allocated at once\) need [0-9.]+ GiB but cpu has [0-9.]+ GiB "
+                                          r"free; give a lower one$") as err:
+        SpeculativeDecoder(target, drafter, static=True)
+    assert err.value.name == "max_context"
+    with pytest.raises(DFlashError, match=r"^the caches of max_batch_size 2 x the target's context, 1024 tokens \(the "
+                                          r"default max_context\) need [0-9.]+ GiB but cpu has [0-9.]+ GiB free; lower "
+                                          r"either$"):
+        BatchDecoder(target, drafter, max_batch_size=2)
+    with pytest.raises(DFlashError, match=r"^the caches of max_batch_size 2 x max_context 64 need "):
+        BatchDecoder(target, drafter, max_batch_size=2, max_context=64)
+    base = ("generate", "def f(x):", "--target", str(target_dir), "--draft", str(drafter_dir), "--compile")
+    proc = cli(*base)
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        "dflash-torch: error: the caches of the target's context, 1024 tokens (the default --max-context; fixed "
+        "shapes: allocated at once) need "), proc.stderr
+    assert proc.stderr.endswith("GiB free; give a lower one\n") and "max_context" not in proc.stderr, proc.stderr
+    proc = cli(*base, "--max-context", "512")
+    assert proc.returncode == 2 and "error: the caches of --max-context 512 (fixed shapes: allocated at once) need " \
+        in proc.stderr and proc.stderr.endswith("GiB free; lower it\n"), proc.stderr

@@ -566,7 +566,8 @@ def test_serve_refuses_batch_caches_that_do_not_fit_at_start(tiny_pair, tmp_path
         capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()
-    assert len(err) == 1 and "--max-batch-size 1000000000 x --max-context 1024 need" in err[0], err
+    assert len(err) == 1 and ("--max-batch-size 1000000000 x the target's context, 1024 tokens "
+                              "(the default --max-context) need") in err[0], err
     assert "max_batch_size" not in err[0] and "max_context" not in err[0] and "lower either" in err[0], err
     assert "serving" not in proc.stdout
 
