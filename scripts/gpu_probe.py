@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 
 import torch
@@ -57,6 +58,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if not torch.cuda.is_available():  # (one line, as scripts/gpu_check.sh's; not an assertion's traceback)
+        print(f"gpu_probe.py: error: no CUDA device (torch {torch.__version__} sees none); run it on a machine with an "
+              "NVIDIA GPU and torch built with CUDA", file=sys.stderr)
+        sys.exit(2)
     props = torch.cuda.get_device_properties(0)
     out = {"device": props.name, "torch": torch.__version__, "cuda": torch.version.cuda,
            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version()}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch._dynamo
@@ -46,6 +47,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = os.environ.get("DEVICE", "cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():  # (one line, as scripts/gpu_check.sh's)
+        print(f"gpu_profile.py: error: no CUDA device (torch {torch.__version__} sees none); run it on a machine with an "
+              "NVIDIA GPU and torch built with CUDA (DEVICE=cpu checks the script on a CPU)", file=sys.stderr)
+        sys.exit(2)
     dtype = getattr(torch, args.dtype)
     variants = [(v, *parse_variant(v)) for v in args.variants.split(",")]
     results = []

@@ -551,3 +551,25 @@ def test_gpu_check_without_a_gpu_fails_at_once_in_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "no CUDA device" in lines[0], proc.stderr
     assert proc.stdout == "" and not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_gpu_scripts_without_a_gpu_fail_at_once_in_one_line():
+    """scripts/gpu_probe.py and scripts/gpu_profile.py (on its default device, cuda) on a
+    machine without CUDA: exit 2 and one line, as gpu_check.sh (they gave an
+    AssertionError's traceback, "Torch not compiled with CUDA enabled", trial-185)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "DEVICE"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    for name in ("gpu_probe.py", "gpu_profile.py"):
+        proc = subprocess.run([sys.executable, str(root / "scripts" / name)], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"{name}: error: no CUDA device"), proc.stderr
+        assert proc.stdout == ""
