@@ -5,6 +5,7 @@ Subcommands: ``generate`` (here), and the ones registered by their own modules
 output that stdout cannot take (closed, a full disk) one line and exits 1 (a reader that went
 away, a broken pipe, ends the command quietly), as does a failure to build ``--compile``'s graphs
 (:class:`~dflash_torch.errors.CompileError`: torch's reason, and the compile cache to remove);
+lines that stderr cannot take (closed, a full disk) are dropped, and the command goes on;
 an error about an option's value names the option as the user typed it (``--max-new-tokens``),
 not as the Python API spells it (``max_new_tokens``).
 """
@@ -602,12 +603,66 @@ def _drop_stdout() -> None:
     """Point stdout at /dev/null after it failed, so that the interpreter's flush of what its
     buffer still holds at exit does not fail again ("Exception ignored ...", status 120)."""
     if sys.stdout is not None:
+        _to_devnull(sys.stdout.fileno)
+
+
+def _to_devnull(fileno) -> None:
+    """Point the file descriptor ``fileno()`` gives at /dev/null (nothing where that fails)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+class _Diagnostics:
+    """The command's ``sys.stderr`` (see :func:`entry`): ``stream``, but a write or flush that
+    fails (stderr closed or read-only, ``2>&-`` through a shell script; a full disk,
+    ``2>/dev/full``; a reader that went away) drops its text, and from then on file descriptor 2
+    is /dev/null (for what C libraries write there, and the interpreter's flush at exit):
+    stderr carries diagnostics only, and the command goes on (stdout is its product). Any other
+    attribute is ``stream``'s."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
         try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
+            return self._stream.write(text)
+        except OSError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError:
+            self._drop()
+
+    def _drop(self) -> None:
+        _to_devnull(self._stream.fileno)
+        try:  # (what its buffer still holds goes to /dev/null)
+            self._stream.flush()
         except (OSError, ValueError):
             pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _quiet_stderr() -> None:
+    """Make ``sys.stderr`` a :class:`_Diagnostics`; where the process started with stderr closed
+    (``2>&-``: ``sys.stderr`` is None, and ``print(file=None)`` writes to stdout), over file
+    descriptor 2 pointed at /dev/null first (the next file opened would get it, and what C
+    libraries write there)."""
+    if sys.stderr is None:
+        try:
+            os.fstat(2)
+        except OSError:
+            _to_devnull(lambda: 2)
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (the process's, to its end)
+    sys.stderr = _Diagnostics(sys.stderr)
 
 
 _interrupts_raised: int | None = None  # the KeyboardInterrupts _on_sigint raised (None: it raises none)
@@ -665,8 +720,10 @@ def entry() -> None:
     (:func:`dflash_torch.serving.app.busy`: its request was answered, the tokenizing would hold
     up the exit for as long as it runs). A process started with SIGINT ignored keeps it ignored
     (``serve`` excepted, from its start: once up, uvicorn stops on SIGINT whatever it inherited,
-    so its start-up, torch's import included, does too)."""
+    so its start-up, torch's import included, does too). Lines that stderr cannot take are
+    dropped (:class:`_Diagnostics`)."""
     global _interrupts_raised
+    _quiet_stderr()
     if sys.argv[1:2] == ["serve"] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # (`serve &` from a script)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # (uvicorn's SIGINT raised again once shut down: 130)
     installed = signal.getsignal(signal.SIGINT) is signal.default_int_handler

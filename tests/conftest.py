@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import sysconfig
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -368,6 +369,22 @@ def make_dflash2_from(drafter_dir: Path, out_dir: Path, *, conv_std: float = 0.0
     assert not unexpected and all(k.startswith("candidate_selector.") or "_conv." in k for k in missing)
     randomize_dflash2_modules(model, conv_std=conv_std, selector_std=selector_std)
     return save_drafter(out_dir, cfg, model.state_dict())
+
+
+@contextmanager
+def stderr_that_cannot_take(kind: str, tmp_path):
+    """``subprocess`` keyword arguments giving a command a stderr that cannot take what is written:
+    ``full`` (``2>/dev/full``), ``read-only`` (a descriptor open for reading, as ``2>&-`` through
+    pyenv's shell-script shim leaves it) or ``closed`` (``2>&-``)."""
+    import subprocess
+
+    if kind == "closed":
+        yield {"stderr": subprocess.DEVNULL, "preexec_fn": lambda: os.close(2)}
+        return
+    if kind == "read-only":
+        (tmp_path / "stderr").write_text("")
+    with open("/dev/full" if kind == "full" else tmp_path / "stderr", "w" if kind == "full" else "r") as stderr:
+        yield {"stderr": stderr}
 
 
 @pytest.fixture

@@ -84,6 +84,28 @@ def test_at_a_terminal_with_stdout_redirected_the_prompt_goes_to_stderr(tiny_pai
     assert err.count(">>> ") == 2, err  # (before the line, and before the Ctrl-D that ended the chat)
 
 
+@pytest.mark.parametrize("kind", ["full", "read-only"])
+def test_a_stderr_that_cannot_take_the_stats_lines_drops_them(tiny_pair, engine, tmp_path, kind):
+    """stderr on a full disk (``2>/dev/full``) or open read-only (``2>&-`` through pyenv's shim):
+    the stats lines are dropped, every line gets its reply and the status is 0 (the first stats
+    line was an uncaught OSError: one reply, status 1)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import stderr_that_cannot_take
+
+    turns = ["def f(x):", "class A:", "import os"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    with stderr_that_cannot_take(kind, tmp_path) as stderr:
+        proc = subprocess.run([sys.executable, "-m", "dflash_torch", "chat", "--target", str(tiny_pair[0]), "--draft",
+                               str(tiny_pair[1]), "--dtype", "float32", "--system", SYSTEM, "--max-new-tokens",
+                               str(NEW)], input="".join(t + "\n" for t in turns), stdout=subprocess.PIPE, text=True,
+                              env=env, timeout=300, **stderr)
+    assert proc.returncode == 0
+    assert proc.stdout == "".join(r + "\n" for r in replies(engine, [turns]))
+
+
 def test_a_refused_turn_leaves_the_conversation_as_it_was(cli, tiny_pair, engine):
     target, drafter = tiny_pair
     long = "x = 1; " * 40

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import stderr_that_cannot_take
 
 from dflash_torch import DFlashEngine
 
@@ -431,6 +432,42 @@ def test_output_stdout_cannot_take_is_one_line_and_status_1(tiny_pair, command):
     proc = subprocess.run(args, input="hi\n", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                           timeout=240, preexec_fn=lambda: os.close(1))
     assert proc.returncode == 1 and proc.stderr == "dflash-torch: error: stdout is closed: nowhere to write the output\n"
+
+
+@pytest.mark.parametrize("kind", ["full", "read-only", "closed"])
+def test_diagnostics_stderr_cannot_take_are_dropped(pair_args, api, tmp_path, kind):
+    """``generate`` with a stderr that cannot take its stats line: the line is dropped, the
+    output is whole and the status 0 (an uncaught OSError after the output made it 1), and
+    nothing meant for stderr lands on stdout (``print(file=None)`` writes there)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    with stderr_that_cannot_take(kind, tmp_path) as stderr:
+        proc = subprocess.run([sys.executable, "-m", "dflash_torch", "generate", *pair_args, PROMPT, "--max-new-tokens",
+                               "4", "--ignore-eos"], stdout=subprocess.PIPE, text=True, env=env, timeout=240, **stderr)
+    assert proc.returncode == 0
+    assert proc.stdout == api.generate(PROMPT, max_new_tokens=4, ignore_eos=True).text + "\n"
+
+
+@pytest.mark.parametrize("command", ["bench", "train"])
+def test_bench_and_train_go_on_where_stderr_cannot_take_their_lines(tiny_pair, tmp_path, command):
+    """``bench`` and ``train`` with stderr on a full disk: their notes and progress lines are
+    dropped, and they write their results and exit 0 (they failed at the first line, status 1,
+    and removed their --out)."""
+    target, drafter = tiny_pair
+    out = tmp_path / "out"
+    if command == "bench":
+        (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": PROMPT}) + "\n")
+        args = ["bench", "--target", str(target), "--draft", str(drafter), "--prompts", str(tmp_path / "p.jsonl"),
+                "--max-new-tokens", "4", "--modes", "inject", "--sweep", "16", "--num-prompts", "1"]
+    else:
+        (tmp_path / "c.txt").write_text("def f(x):\n    return x\n" * 50)
+        args = ["train", "--target", str(target), "--data", str(tmp_path / "c.txt"), "--steps", "1", "--seq-len", "64",
+                "--batch", "2", "--val-seqs", "0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    with stderr_that_cannot_take("full", tmp_path) as stderr:
+        proc = subprocess.run([sys.executable, "-m", "dflash_torch", *args, "--out", str(out)], stdout=subprocess.PIPE,
+                              text=True, env=env, timeout=300, **stderr)
+    assert proc.returncode == 0, proc.stdout
+    assert (out / ("bench.json" if command == "bench" else "model.safetensors")).is_file(), proc.stdout
 
 
 def test_a_dash_prompt_reads_stdin(cli, tiny_pair):
