@@ -287,16 +287,22 @@ def _utf8(line: str) -> str | None:
         return None
 
 
+def _context_needed(engine, messages: list[dict], kwargs: dict) -> int | None:
+    """The context a turn on ``messages`` needs (tokens): its prompt's, and ``--max-new-tokens``
+    (without it: a token, or ``--min-tokens``); None where the chat template refuses them."""
+    try:
+        n = len(engine.encode_prompt(messages, True, kwargs["chat_template_kwargs"], check_length=False))
+    except DFlashError:
+        return None
+    return n + (kwargs["max_new_tokens"] or max(1, kwargs["min_tokens"]))
+
+
 def _fits_alone(engine, messages: list[dict], kwargs: dict) -> bool:
     """Whether the last message of ``messages`` would fit the context in a new conversation
     (after the system message, if any): where it would not, /reset cannot help."""
     fresh = [m for m in messages[:1] if m.get("role") == "system"] + messages[-1:]
-    try:
-        n = len(engine.encode_prompt(fresh, True, kwargs["chat_template_kwargs"], check_length=False))
-    except DFlashError:
-        return False
-    need = kwargs["max_new_tokens"] or max(1, kwargs["min_tokens"])
-    return n + need <= engine.max_context
+    need = _context_needed(engine, fresh, kwargs)
+    return need is not None and need <= engine.max_context
 
 
 def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], history: bool,
@@ -304,8 +310,9 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
     """Stream one reply to stdout and its stats line to stderr -> ``(reasoning, answer)``
     (what was generated before a Ctrl-C too), or None when the engine refused the request (its
     error naming the flags, ``flags``: :func:`~dflash_torch.cli.error_message`; a prompt
-    past the context led by "this conversation no longer fits" and followed by a hint to /reset
-    where the conversation has past turns, ``history``, and the message alone would fit).
+    past the context led by "this conversation no longer fits" and followed by a hint to /reset,
+    not by the error's advice, where the conversation has past turns, ``history``, and the message
+    alone would fit; and by one to start a chat with a larger ``--max-context`` where that would hold it).
 
     ``reasoning``: the reply's format (:mod:`~dflash_torch.serving.reasoning`): its reasoning
     is shown after a ``[reasoning]`` line, then the answer after an ``[answer]`` line (markers
@@ -354,8 +361,12 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
     except DFlashError as exc:
         full = "exceeds the context" in str(exc) or "leaves no room for a new token" in str(exc)
         if history and full and _fits_alone(engine, messages, kwargs):  # (the earlier turns fill it)
-            print(f"dflash-torch: error: this conversation no longer fits: {error_message(exc, flags)}; /reset "
-                  "starts a new conversation (--max-context is set when the chat starts)", file=sys.stderr)
+            # (the facts, without the error's advice, to shorten the prompt or raise --max-context: not for mid-chat)
+            facts = error_message(exc, flags).split("; ")[0]
+            longer = _can_raise(engine, _context_needed(engine, messages, kwargs) or 0)
+            print(f"dflash-torch: error: this conversation no longer fits: {facts}; /reset starts a new conversation"
+                  + "; a longer one needs a chat started with a larger --max-context (up to "
+                    f"{context_limit(engine.target.config)})" * longer, file=sys.stderr)
         else:
             print(f"dflash-torch: error: {error_message(exc, flags)}", file=sys.stderr)
         return None

@@ -126,10 +126,33 @@ def test_a_refused_turn_leaves_the_conversation_as_it_was(cli, tiny_pair, engine
     assert re.fullmatch(pattern, errors[0]), errors  # (the first turn: nothing to /reset)
     # (trial-156: a message too long for any conversation got the /reset hint after a first turn, where it cannot help)
     assert re.fullmatch(pattern, errors[1]), errors
-    # a message that fits a new conversation: led by what fills the context, the earlier turns, and /reset
-    assert errors[2].startswith("dflash-torch: error: this conversation no longer fits: ") and errors[2].endswith(
-        "; /reset starts a new conversation (--max-context is set when the chat starts)"), errors
+    # a message that fits a new conversation: led by what fills the context, the earlier turns, and /reset; not
+    # the error's advice to shorten the prompt or raise --max-context, which cannot be taken mid-chat (trial-184)
+    assert re.fullmatch(r"dflash-torch: error: this conversation no longer fits: (the prompt \(\d+ tokens\) leaves "
+                        r"no room for a new token in the context of 160 tokens|prompt \(\d+ tokens\) \+ "
+                        r"--max-new-tokens \(12\) exceeds the context of 160 tokens); /reset starts a new "
+                        r"conversation; a longer one needs a chat started with a larger --max-context \(up to 1024\)",
+                        errors[2]), errors
     assert proc.stdout == "".join(r + "\n" for r in replies(engine, [["def f(x):", "class A:"]]))
+
+
+def test_a_conversation_that_outgrew_the_context_is_told_what_can_help(cli, tiny_pair, tmp_path):
+    """Without --max-new-tokens a turn fills the context left (--ignore-eos); the next turn is
+    refused with the facts, /reset, and a larger --max-context only where one would hold it:
+    not at the target's own context (the error's "shorten it or raise --max-context" was
+    given mid-chat, where neither can be done)."""
+    target = shutil.copytree(tiny_pair[0], tmp_path / "target")
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 80}))
+    for flags, limit in ((["--target", str(tiny_pair[0]), "--max-context", "80"], 1024), (["--target", str(target)], 80)):
+        proc = cli("chat", *flags, "--no-draft", "--dtype", "float32", "--ignore-eos", stdin="import os\nimport sys\n")
+        assert proc.returncode == 1, proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("dflash-torch: error: ")]
+        assert len(errors) == 1 and re.fullmatch(
+            r"dflash-torch: error: this conversation no longer fits: the prompt \(\d+ tokens\) leaves no room for a new "
+            r"token in (the|the target's) context of 80 tokens; /reset starts a new conversation"
+            + (rf"; a longer one needs a chat started with a larger --max-context \(up to {limit}\)" if limit > 80 else ""),
+            errors[0]), errors
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused(cli, tiny_pair, tmp_path):
