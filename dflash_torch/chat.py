@@ -43,7 +43,7 @@ from .cli import (
     write_stdout,
 )
 from .errors import DFlashError, OptionError
-from .options import check_min_tokens_default, context_limit
+from .options import check_min_tokens_default, context_limit, n_tokens
 from .serving.reasoning import new_parser, resolve_parser
 
 HELP = ("commands: /reset (forget the conversation), /exit (or Ctrl-D), /help (this list), // for a message starting "
@@ -381,9 +381,9 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
         decode = (f"mean tau {stats.mean_acceptance_length:.2f}, decode {stats.decode_tokens_per_second:.1f} tok/s, "
                   if stats.acceptance_lengths else "no decoding round, ")
         built = compiled and compile_counts()[0] > frames
-        print(f"[{stats.generated_tokens} tokens, finish={finish}, {decode}prefill {stats.prefill_time * 1000:.0f} ms, "
+        print(f"[{n_tokens(stats.generated_tokens)}, finish={finish}, {decode}prefill {stats.prefill_time * 1000:.0f} ms, "
               f"{stats.cached_prompt_tokens} of {stats.prompt_tokens} prompt tokens reused"
               f"{'; times include a one-off compilation' if built else ''}]", file=sys.stderr, flush=True)
     else:  # (stopped before the last chunk, which carries the stats)
-        print(f"[{tokens} tokens, finish={finish}]", file=sys.stderr, flush=True)
+        print(f"[{n_tokens(tokens)}, finish={finish}]", file=sys.stderr, flush=True)
     return "".join(parts["reasoning"]), "".join(parts["answer"])

@@ -288,6 +288,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _generate_here(args: argparse.Namespace) -> int:
+    from .options import n_tokens
+
     check_stdout()
     if args.prompt is not None and args.prompt_text is not None:
         raise DFlashError("give the prompt either as an argument or with --prompt, not both")
@@ -339,14 +341,14 @@ def _generate_here(args: argparse.Namespace) -> int:
             stats, finish, streamed = chunk.stats, chunk.finish_reason, streamed + len(chunk.token_ids)
     except KeyboardInterrupt:  # (the text so far ends its line, as chat's interrupted reply: exit status 130)
         write_stdout("\n")
-        print(f"[{streamed} tokens, finish=interrupted]", file=sys.stderr)
+        print(f"[{n_tokens(streamed)}, finish=interrupted]", file=sys.stderr)
         raise
     write_stdout("\n")
     # the first token comes from the prefill: with one token there was no decoding round
     decode = (f"mean tau {stats.mean_acceptance_length:.2f}, decode {stats.decode_tokens_per_second:.1f} tok/s, "
               if stats.acceptance_lengths else "no decoding round, ")
     print(
-        f"[{stats.generated_tokens} tokens, finish={finish}, {decode}prefill {stats.prefill_time * 1000:.0f} ms"
+        f"[{n_tokens(stats.generated_tokens)}, finish={finish}, {decode}prefill {stats.prefill_time * 1000:.0f} ms"
         f"{' (times include the one-off compilation)' if args.compile else ''}]",
         file=sys.stderr,
     )

@@ -193,7 +193,7 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_pair):
             proc.kill()
     err = err.decode()
     assert proc.returncode == 0, err
-    assert re.search(r"^\[[1-9][0-9]* tokens, finish=interrupted\]$", err, re.M) and len(stats_lines(err)) == 1, err
+    assert re.search(r"^\[[1-9][0-9]* tokens?, finish=interrupted\]$", err, re.M) and len(stats_lines(err)) == 1, err
 
 
 def test_ctrl_c_stops_each_reply_after_an_interrupted_one(tiny_pair):
@@ -234,7 +234,7 @@ def test_ctrl_c_stops_each_reply_after_an_interrupted_one(tiny_pair):
             proc.kill()
     err = (err + rest).decode()
     assert proc.returncode == 0, err
-    assert len(re.findall(r"^\[[1-9][0-9]* tokens, finish=interrupted\]$", err, re.M)) == 2, err
+    assert len(re.findall(r"^\[[1-9][0-9]* tokens?, finish=interrupted\]$", err, re.M)) == 2, err
 
 
 def _chat_process(pair, max_new_tokens: int):
@@ -397,11 +397,12 @@ def test_the_default_max_new_tokens_is_cut_to_the_context_a_turn_leaves(cli, tin
     room = 120 - len(engine.encode_prompt(conversation, chat=True))
     pair = ["--target", str(target), "--draft", str(tiny_pair[1]), "--dtype", "float32", "--max-context", "120",
             "--ignore-eos"]
-    for flags, n in ((["--generation-config", "none"], room), ([], 5)):
+    for flags, n in ((["--generation-config", "none"], room), ([], 5), (["--max-new-tokens", "1"], 1)):
         proc = cli("chat", *pair, *flags, stdin="def f(x):\n")
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout == engine.generate(conversation, chat=True, max_new_tokens=n, ignore_eos=True).text + "\n"
-        assert stats_lines(proc.stderr)[0].startswith(f"[{n} tokens, finish=length"), proc.stderr
+        # (one token: "[1 token", not "[1 tokens")
+        assert stats_lines(proc.stderr)[0].startswith(f"[{n} token{'s' * (n != 1)}, finish=length"), proc.stderr
     proc = cli("chat", *pair, "--max-new-tokens", str(room + 1), stdin="def f(x):\n")
     assert proc.returncode == 1 and proc.stdout == "", proc.stderr  # (piped input: the refused turn makes the status 1)
     assert proc.stderr.splitlines()[-1].startswith("dflash-torch: error: prompt ("), proc.stderr
