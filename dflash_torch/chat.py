@@ -27,6 +27,7 @@ and its turn is not kept.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .cli import (
@@ -114,12 +115,10 @@ def _chat_here(args: argparse.Namespace) -> int:
             pass
         print(f"[{HELP}]", file=sys.stderr)
     # (stdout redirected, `chat > log`: the prompt goes to the terminal, not into the file)
-    prompt_here = interactive and not sys.stdout.isatty()
+    redirected = interactive and not sys.stdout.isatty()
     while True:
         try:
-            if prompt_here:
-                print(">>> ", end="", file=sys.stderr, flush=True)
-            line = input(">>> ") if interactive and not prompt_here else _read_line()
+            line = _input_at_terminal(">>> ") if redirected else input(">>> ") if interactive else _read_line()
         except EOFError:
             return int(failed and not interactive)
         except KeyboardInterrupt:
@@ -264,9 +263,9 @@ def _can_raise(engine, tokens: int) -> bool:
 
 
 def _read_line() -> str:
-    """The next line of stdin (a terminal's too, where stdout is not one), without its line
-    break (as input() reads it, but writing no prompt: input("") fails where stdout cannot
-    take output).
+    """The next line of stdin (piped input; a terminal's where :func:`_input_at_terminal` cannot
+    open it), without its line break (as input() reads it, but writing no prompt: input("")
+    fails where stdout cannot take output).
 
     Raises:
         EOFError: at the end of the input.
@@ -275,6 +274,31 @@ def _read_line() -> str:
     if not line:
         raise EOFError
     return line.removesuffix("\n")
+
+
+def _input_at_terminal(prompt: str) -> str:
+    """``input(prompt)`` where stdin is a terminal and stdout is not (``chat > log``): file
+    descriptor 1 is stdin's terminal while it reads, so that input() reads through readline
+    (line editing, and whole lines: a line read from a terminal as it is, in its canonical
+    mode, is cut at 4,095 bytes), the prompt and the echo on the terminal, not in the file.
+    Where that terminal cannot be opened: the prompt on stderr and :func:`_read_line`.
+
+    Raises:
+        EOFError: at the end of the input (Ctrl-D).
+    """
+    try:
+        tty = os.open(os.ttyname(sys.stdin.fileno()), os.O_WRONLY | os.O_NOCTTY)
+    except OSError:
+        print(prompt, end="", file=sys.stderr, flush=True)
+        return _read_line()
+    saved = os.dup(1)
+    try:
+        os.dup2(tty, 1)
+        return input(prompt)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(tty)
 
 
 def _utf8(line: str) -> str | None:

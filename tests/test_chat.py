@@ -59,15 +59,33 @@ def test_chat_replies_are_the_engines_and_reuse_the_last_turn(cli, tiny_pair, en
     assert proc.stderr.count("/reset (forget the conversation)") == 2 and "unknown command '/help'" not in proc.stderr
 
 
-def test_at_a_terminal_with_stdout_redirected_the_prompt_goes_to_stderr(tiny_pair, engine):
-    """``chat > log`` typed at a terminal: the ``>>>`` prompt is written on stderr, the terminal,
-    and the log holds the replies alone (input() wrote the prompt into it, and nothing showed)."""
+def test_at_a_terminal_with_stdout_redirected_lines_are_read_whole_and_the_prompt_stays_out(tiny_pair, engine):
+    """``chat > log`` typed at a terminal: the ``>>>`` prompt is written on the terminal and the
+    log holds the replies alone (input() wrote the prompt into it, and nothing showed); a pasted
+    line of 6,000 bytes arrives whole (read as the terminal's canonical mode passes it, it was
+    cut at 4,095 bytes, silently), as with stdout on the terminal (readline reads it)."""
     import os
     import pty
+    import select
     import subprocess
     import sys
+    import time
 
     master, slave = pty.openpty()
+    seen = [b""]
+
+    def read(timeout: float) -> None:  # (the terminal's output: its echo must not fill the pty)
+        if select.select([master], [], [], timeout)[0]:
+            seen[0] += os.read(master, 65536)
+
+    def until(want: bytes) -> None:
+        deadline = time.monotonic() + 240
+        while want not in seen[0]:
+            assert time.monotonic() < deadline and proc.poll() is None, seen[0][-300:]
+            read(0.2)
+        seen[0] = seen[0][seen[0].index(want) + len(want):]
+
+    long = "y" * 6000
     try:
         proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "chat", "--target", str(tiny_pair[0]),
                                  "--draft", str(tiny_pair[1]), "--dtype", "float32", "--system", SYSTEM,
@@ -75,13 +93,23 @@ def test_at_a_terminal_with_stdout_redirected_the_prompt_goes_to_stderr(tiny_pai
                                 stderr=subprocess.PIPE, text=True,
                                 env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
         os.close(slave)
-        os.write(master, b"def f(x):\n\x04")  # (a line, then Ctrl-D at the start of the next)
+        until(b">>> ")
+        for i in range(0, len(long), 1000):  # (pasted: in pieces, the echo read between them)
+            os.write(master, long[i:i + 1000].encode())
+            read(0.1)
+        os.write(master, b"\r")
+        until(b">>> ")
+        os.write(master, b"def f(x):\r")
+        until(b">>> ")
+        os.write(master, b"\x04")  # (Ctrl-D at the prompt)
         out, err = proc.communicate(timeout=300)
     finally:
         os.close(master)
     assert proc.returncode == 0, err
-    assert out == replies(engine, [["def f(x):"]])[0] + "\n" and ">>>" not in out
-    assert err.count(">>> ") == 2, err  # (before the line, and before the Ctrl-D that ended the chat)
+    assert out == replies(engine, [["def f(x):"]])[0] + "\n" and ">>>" not in out and ">>>" not in err
+    whole = len(engine.encode_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": long}],
+                                     chat=True, check_length=False))
+    assert f"dflash-torch: error: the prompt ({whole} tokens) leaves no room for a new token" in err, err
 
 
 @pytest.mark.parametrize("kind", ["full", "read-only"])
