@@ -281,16 +281,7 @@ def test_the_multi_token_prediction_layer_is_not_read(checkpoint, tmp_path):
     ``num_nextn_predict_layers`` 0 those weights are unknown and refused, as is any other
     unknown weight; a config that would take a decoder layer for an MTP one is refused."""
     target_dir, _ = checkpoint
-
-    def add_mtp(w):
-        for key in [k for k in w if k.startswith("model.layers.2.")]:
-            w[key.replace("model.layers.2.", "model.layers.3.")] = w[key].clone()
-        for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
-            w[f"model.layers.3.{name}"] = torch.ones(64)
-        w["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
-        w["model.layers.3.shared_head.head.weight"] = torch.zeros(VOCAB, 64)
-
-    mtp = edited_checkpoint(target_dir, tmp_path / "mtp", state=add_mtp)
+    mtp = edited_checkpoint(target_dir, tmp_path / "mtp", state=_with_mtp_layer({}, embed=False))
     assert json.loads((mtp / "config.json").read_text())["num_nextn_predict_layers"] == 1
     with torch.no_grad():
         ref = load_hf(target_dir)(IDS[None]).logits[0]
@@ -314,33 +305,36 @@ def test_the_multi_token_prediction_layer_is_not_read(checkpoint, tmp_path):
         TargetModel.from_pretrained(extra, torch.float32)
 
 
+def _with_mtp_layer(extra: dict, embed: bool = True):
+    """A ``state`` edit for :func:`edited_checkpoint`: an MTP layer 3 as published (a copy of
+    decoder layer 2, its norms, ``eh_proj``, head and, with ``embed``, embedding), plus ``extra``."""
+    def add(w):
+        for key in [k for k in w if k.startswith("model.layers.2.")]:
+            w[key.replace("model.layers.2.", "model.layers.3.")] = w[key].clone()
+        for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            w[f"model.layers.3.{name}"] = torch.ones(64)
+        w["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+        w["model.layers.3.shared_head.head.weight"] = torch.zeros(VOCAB, 64)
+        if embed:
+            w["model.layers.3.embed_tokens.weight"] = torch.zeros(VOCAB, 64)
+        w.update(extra)
+    return add
+
+
 def test_an_mtp_layer_holds_only_what_one_holds(checkpoint, tmp_path):
     """The MTP layer is not read, but not skipped unseen either: a tensor neither a decoder layer
     nor an MTP layer's own parts hold is refused as other unknown weights are, and a decoder
     layer's tensor of another shape too (kimi_k25, glm4_moe_lite, deepseek_v32 and glm_moe_dsa
     share this check)."""
     target_dir, _ = checkpoint
-
-    def add_mtp(extra):
-        def add(w):
-            for key in [k for k in w if k.startswith("model.layers.2.")]:
-                w[key.replace("model.layers.2.", "model.layers.3.")] = w[key].clone()
-            for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
-                w[f"model.layers.3.{name}"] = torch.ones(64)
-            w["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
-            w["model.layers.3.shared_head.head.weight"] = torch.zeros(VOCAB, 64)
-            w["model.layers.3.embed_tokens.weight"] = torch.zeros(VOCAB, 64)
-            w.update(extra)
-        return add
-
-    TargetModel.from_pretrained(edited_checkpoint(target_dir, tmp_path / "mtp", state=add_mtp({})), torch.float32)
+    TargetModel.from_pretrained(edited_checkpoint(target_dir, tmp_path / "mtp", state=_with_mtp_layer({})), torch.float32)
     junk = edited_checkpoint(target_dir, tmp_path / "junk",
-                             state=add_mtp({"model.layers.3.totally_unknown.weight": torch.zeros(3)}))
+                             state=_with_mtp_layer({"model.layers.3.totally_unknown.weight": torch.zeros(3)}))
     with pytest.raises(DFlashError, match=r"^target checkpoint .* has weights a multi-token-prediction layer does not "
                                           r"hold \(an unsupported variant\?\): model\.layers\.3\.totally_unknown\.weight$"):
         TargetModel.from_pretrained(junk, torch.float32)
     bad = edited_checkpoint(target_dir, tmp_path / "shape",
-                            state=add_mtp({"model.layers.3.self_attn.kv_a_proj_with_mqa.weight": torch.zeros(3)}))
+                            state=_with_mtp_layer({"model.layers.3.self_attn.kv_a_proj_with_mqa.weight": torch.zeros(3)}))
     with pytest.raises(DFlashError, match=r"^target weight model\.layers\.3\.self_attn\.kv_a_proj_with_mqa\.weight "
                                           r"\(a multi-token-prediction layer's\) has shape \(3,\), the decoder layers' "
                                           r"self_attn\.kv_a_proj_with_mqa\.weight has \(\d+, 64\)$"):
