@@ -47,7 +47,7 @@ def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     p.add_argument("--max-context", type=int, default=None, help=shown("longest prompt + generation in tokens (default: the target's limit)"))
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help=shown("prompt tokens per prefill forward (default 256; smaller bounds one forward's memory)"))
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch, at most the machine's CPUs (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch, at most the CPUs this process may use (default: torch's choice)")
     p.add_argument("--mxfp4", default="auto", choices=["auto", "dequantize", "packed"],
                    help="MXFP4 / FP4 expert weights (gpt-oss, DeepSeek-V4-Flash): dequantize when loading, keep packed (a quarter of the "
                         "memory, slower), or auto (default: dequantize if that fits in 90%% of free memory)")

@@ -187,7 +187,7 @@ def set_num_threads(n: int, name: str = "threads") -> None:
     """``torch.set_num_threads(n)`` for the compute thread (and torch's default for new threads).
 
     Raises:
-        DFlashError: ``n`` is not an integer in [1, ``os.cpu_count()``] (``name`` is the
-            option's name in the message).
+        DFlashError: ``n`` is not an integer in [1, the CPUs this process may use]
+            (:func:`~dflash_torch.options.usable_cpus`; ``name`` is the option's name in the message).
     """
     run(torch.set_num_threads, check_threads(n, name))

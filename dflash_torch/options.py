@@ -138,15 +138,26 @@ def check_count(value, name: str) -> int:
     return value
 
 
+def usable_cpus() -> int | None:
+    """The CPUs this process may use: those of its CPU affinity (``os.sched_getaffinity``:
+    ``taskset``, a container's cpuset), where the system tells them, else ``os.cpu_count()``
+    (None: unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (not Linux)
+        return os.cpu_count()
+
+
 def check_threads(value, name: str = "threads") -> int:
-    """CPU threads for torch: an integer in [1, ``os.cpu_count()``] (threads beyond the
-    machine's CPUs only contend for them); >= 1 where the CPU count is unknown."""
+    """CPU threads for torch: an integer in [1, :func:`usable_cpus`] (threads beyond the
+    CPUs this process may use only contend for them); >= 1 where that count is unknown."""
     value = plain(value)
-    cpus = os.cpu_count()
+    cpus = usable_cpus()
     if cpus is None:
         return check_count(value, name)
     if not _is_int(value) or not 1 <= value <= cpus:
-        raise OptionError(f"{name} must be an integer in [1, {cpus}] (this machine's CPUs), got {shown(value)}", name)
+        raise OptionError(f"{name} must be an integer from 1 to the CPUs this process may use ({cpus}), "
+                          f"got {shown(value)}", name)
     return value
 
 

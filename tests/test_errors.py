@@ -572,6 +572,7 @@ def test_drafter_with_integer_weights_is_refused(tiny_pair, tmp_path):
 
 # --- options several commands share: one validation, the same refusal everywhere -----------
 
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # (this process may use)
 ALL_COMMANDS = ("generate", "serve", "bench", "train")
 MODEL_COMMANDS = ("generate", "serve", "bench")  # the ones that take the model options
 BAD_OPTIONS = [
@@ -579,8 +580,8 @@ BAD_OPTIONS = [
     ("--threads", "-1", ALL_COMMANDS, "--threads must be"),
     ("--threads", "0", ALL_COMMANDS, "--threads must be"),
     # (more threads than CPUs only contend for them)
-    ("--threads", str(os.cpu_count() + 1), ALL_COMMANDS,
-     rf"--threads must be an integer in \[1, {os.cpu_count()}\] \(this machine's CPUs\), got {os.cpu_count() + 1}$"),
+    ("--threads", str(CPUS + 1), ALL_COMMANDS,
+     rf"--threads must be an integer from 1 to the CPUs this process may use \({CPUS}\), got {CPUS + 1}$"),
     ("--block-size", "0", ALL_COMMANDS, "--block-size"),
     ("--block-size", "-2", ALL_COMMANDS, "--block-size"),
     ("--block-size", "99", MODEL_COMMANDS, "--block-size must be"),  # above the drafter's 16 (train: a new drafter's B)
@@ -714,6 +715,29 @@ def test_threads_are_validated_in_python_too():
     for bad in (0, -1, 1.5, True, "2", os.cpu_count() + 1):
         with pytest.raises(DFlashError, match="^threads must be"):
             compute.set_num_threads(bad)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or CPUS < 2, reason="needs CPU affinity (Linux) and 2 CPUs")
+@pytest.mark.parametrize("command", ["generate", "train"])
+def test_threads_are_at_most_the_cpus_this_process_may_use(tmp_path, command):
+    """``taskset -c N dflash-torch generate x --threads 2``: more threads than the CPUs the
+    process may use (its affinity: taskset, a container's cpuset) is refused in one line
+    naming that count (it was taken: the check counted the machine's CPUs, os.cpu_count()),
+    before anything loads. torch's own default thread count is the affinity's (1 here)."""
+    import subprocess
+    import sys
+
+    cpu = min(os.sched_getaffinity(0))
+    args = {"generate": ["generate", "x"],
+            "train": ["train", "--target", str(tmp_path / "t"), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o")]}
+    code = ("import sys, torch; from dflash_torch.cli import main; print(torch.get_num_threads()); "
+            "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, *args[command], "--threads", "2"], capture_output=True,
+                          text=True, timeout=240, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 2 and proc.stdout == "1\n", (proc.stdout, proc.stderr)
+    assert proc.stderr == "dflash-torch: error: --threads must be an integer from 1 to the CPUs this process may use " \
+                          "(1), got 2\n", proc.stderr
 
 
 def test_stop_token_ids_take_one_id_or_a_list(engine):
