@@ -35,8 +35,8 @@ def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     def shown(text: str) -> str:
         return text if decoding else argparse.SUPPRESS
 
-    p.add_argument("--target", help="target checkpoint dir or HF id (ORG/NAME[@REVISION]), downloaded unless cached (default: the shipped default target)")
-    p.add_argument("--draft", help="DFlash drafter checkpoint dir or HF id (ORG/NAME[@REVISION]), downloaded unless cached (default: the shipped drafter, "
+    p.add_argument("--target", type=path_arg, help="target checkpoint dir or HF id (ORG/NAME[@REVISION]), downloaded unless cached (default: the shipped default target)")
+    p.add_argument("--draft", type=path_arg, help="DFlash drafter checkpoint dir or HF id (ORG/NAME[@REVISION]), downloaded unless cached (default: the shipped drafter, "
                                   "which goes with the shipped target only)")
     p.add_argument("--dtype", default="auto", help="auto (default: bfloat16 on CUDA, float32 on CPU), float32 or bfloat16")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
@@ -113,6 +113,39 @@ def missing_dirs(path: Path) -> list[Path]:
         missing.add(Path(os.path.realpath(path)))
         path = path.parent
     return sorted((p for p in missing if not _lexists(p)), key=lambda p: len(p.parts), reverse=True)
+
+
+def path_arg(text: str) -> str:
+    """argparse type of a flag that names a file or directory (or a Hugging Face id): the
+    text as given, whatever its bytes (a path need not be UTF-8; the value of every other
+    flag must be: see :class:`_Parser`)."""
+    return text
+
+
+def text_or_file(text: str) -> str:
+    """argparse type of a flag that takes its text or ``@FILE`` (``--json-schema``,
+    ``--grammar``): as given; an ``@FILE``'s path need not be UTF-8 (the file's text must be,
+    :func:`structured_output` reads it so)."""
+    return text
+
+
+def argv_text(text: str, what: str) -> str:
+    """``text`` from the command line checked to be UTF-8 text (Python reads a byte of argv
+    that is not as a lone surrogate, which no tokenizer, regex or grammar takes).
+
+    Raises:
+        DFlashError: ``{what} is not UTF-8 text (byte 0x.. at offset N)`` (:func:`utf8_text`).
+    """
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        data = os.fsencode(text)  # (argv's bytes)
+    except UnicodeEncodeError:  # (a surrogate no byte gives: main() called from Python)
+        data = text.encode("utf-8", "surrogatepass")
+    return utf8_text(data, what)
 
 
 def int_or_auto(text: str) -> int | str:
@@ -202,13 +235,13 @@ STRUCTURED_FLAGS = {"--json-schema": "json", "--json-object": "json_object", "--
 
 
 def add_structured_output_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json-schema", default=None, metavar="SCHEMA",
+    p.add_argument("--json-schema", type=text_or_file, default=None, metavar="SCHEMA",
                    help="constrain the output to JSON valid under this JSON schema (its JSON text, or @FILE)")
     p.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
     p.add_argument("--regex", default=None, metavar="R", help="constrain the output to match this regular expression")
     p.add_argument("--choice", action="append", default=None, metavar="TEXT",
                    help="constrain the output to one of these strings (repeatable)")
-    p.add_argument("--grammar", default=None, metavar="G",
+    p.add_argument("--grammar", type=text_or_file, default=None, metavar="G",
                    help="constrain the output to this llguidance Lark grammar (its text, or @FILE), e.g. "
                         "'start: \"yes\" | \"no\"'")
 
@@ -303,8 +336,6 @@ def _generate_here(args: argparse.Namespace) -> int:
         prompt = utf8_text(stdin.read(), "the prompt on stdin") if stdin is not None else sys.stdin.read()
         if args.chat:  # (a message: the final line break that echo or an editor adds is not part of it, as in chat)
             prompt = prompt.removesuffix("\n").removesuffix("\r")
-    else:  # (argv holds undecodable bytes as surrogate escapes)
-        prompt = utf8_text(os.fsencode(prompt), "the prompt argument")
     if args.chat_template_kwargs is not None and not args.chat:
         raise DFlashError("--chat-template-kwargs apply to chat prompts only: add --chat")
     for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
@@ -458,7 +489,11 @@ class _Parser(argparse.ArgumentParser):
     subcommand's map as ``option_flags``. Long flags are not taken abbreviated: a prefix of
     one was read as it (``--temp``), and a flag of another command as the one it begins
     (``serve --chat`` as --chat-template-kwargs, "expected one argument"); a flag added later
-    would make a working abbreviation ambiguous. (Subcommand parsers are made of this class too.)"""
+    would make a working abbreviation ambiguous. The value of every option and positional
+    argument must be UTF-8 text (:func:`argv_text`: one line naming the flag, exit status 2),
+    but for a path (``type=path_arg``, the path of ``type=text_or_file``'s ``@FILE``) and a
+    default (``$DFLASH_API_KEY``: checked as the option's value). (Subcommand parsers are
+    made of this class too.)"""
 
     def __init__(self, *args, **kwargs):
         self.flags: dict[str, str] = {}  # (before __init__, which adds --help)
@@ -471,7 +506,24 @@ class _Parser(argparse.ArgumentParser):
         long = [s for s in action.option_strings if s.startswith("--")]
         if long:
             self.flags.setdefault(action.dest, long[0])
+        if action.nargs != 0 and action.type is not path_arg:  # (not a flag without a value, nor a path)
+            action.type = self._text(action, long[0] if long else f"the {action.dest} argument")
         return action
+
+    def _text(self, action: argparse.Action, what: str):
+        """``action``'s type, that first refuses a value that is not UTF-8 text (:func:`argv_text`)."""
+        convert = action.type
+
+        def text(value: str):
+            if value is not action.default and not (convert is text_or_file and value.startswith("@")):
+                try:
+                    value = argv_text(value, what)
+                except DFlashError as exc:
+                    self.exit(2, f"dflash-torch: error: {exc}\n")
+            return value if convert is None else convert(value)
+
+        text.__name__ = getattr(convert, "__name__", "str")  # (argparse's "invalid int value: ...")
+        return text
 
     def error(self, message: str):
         # (a value argparse quotes whole, e.g. "invalid int value: '999...'": its head and length)

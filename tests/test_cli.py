@@ -198,6 +198,68 @@ def test_a_prompt_that_is_not_utf8_is_one_line_naming_the_byte(pair_args, where,
                              "UTF-8 text (byte 0xe9 at offset 3)"
 
 
+@pytest.mark.parametrize("flag,value,offset", [("--regex", b"\xff", 0), ("--grammar", b'start: "\xff"', 8),
+                                               ("--json-schema", b'{"const": "\xff"}', 11)])
+def test_a_flag_that_is_not_utf8_is_one_line_naming_it(flag, value, offset):
+    """A text flag holding a byte that is not UTF-8 (a real process: argv's bytes) is refused
+    in one line naming the flag and the byte, exit 2, before anything loads (--regex and
+    --grammar were a 34-line UnicodeEncodeError traceback from llguidance; --json-schema
+    "Value is not JSON serializable: '\\udcff'")."""
+    proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "generate", "x", flag, value],
+                          capture_output=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 2 and proc.stdout == b"", proc.stderr
+    assert proc.stderr.decode() == f"dflash-torch: error: {flag} is not UTF-8 text (byte 0xff at offset {offset})\n"
+
+
+# the flags that name a file or directory (or a Hugging Face id): taken whatever their bytes
+PATH_FLAGS = {"--target", "--draft", "--init-from", "--data", "--out", "--work-dir", "--prompts"}
+
+
+def _value_options() -> list[tuple[str, str]]:
+    """(command, option) of every option of every command that takes a value, its flag (a
+    positional argument: its name)."""
+    import argparse
+
+    from dflash_torch.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [(command, (a.option_strings or [a.dest])[0]) for command, p in sub.choices.items() for a in p._actions
+            if a.nargs != 0]
+
+
+VALUE_OPTIONS = _value_options()
+
+
+@pytest.mark.parametrize("command,option", [(c, o) for c, o in VALUE_OPTIONS if o not in PATH_FLAGS])
+def test_every_text_value_must_be_utf8(capsys, command, option):
+    """Every value of every command but a path must be UTF-8 text (argv's other bytes reach
+    Python as lone surrogates: --stop $'\\xff' was taken and could never match, --choice
+    "lone leading surrogate in hex escape", --system, --api-key, --model-name reached the
+    tokenizer or the server): one line naming the flag, exit 2."""
+    from dflash_torch.cli import main as cli_main
+
+    what = option if option.startswith("--") else f"the {option} argument"
+    with pytest.raises(SystemExit) as exc:
+        cli_main([command, *([option] if option.startswith("--") else []), "ab\udcff"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == f"dflash-torch: error: {what} is not UTF-8 text (byte 0xff at offset 2)\n"
+
+
+def test_paths_may_hold_any_bytes(tmp_path, capsys):
+    """A path need not be UTF-8: --target, --data, ... and the @FILE of --grammar take it as
+    the file system does (the grammar file's text must be UTF-8)."""
+    from dflash_torch.cli import main as cli_main
+
+    assert {o for _, o in VALUE_OPTIONS} >= PATH_FLAGS
+    grammar = os.fsencode(tmp_path) + b"/g\xff.lark"
+    with open(grammar, "wb") as fh:
+        fh.write(b'start: "yes"')
+    missing = os.fsdecode(os.fsencode(tmp_path) + b"/t\xff")
+    assert cli_main(["generate", "x", "--target", missing, "--no-draft", "--grammar", "@" + os.fsdecode(grammar)]) == 2
+    assert re.fullmatch(r"dflash-torch: error: --target: model directory '.*/t\\udcff' does not exist\n",
+                        capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_ctrl_c_while_decoding_exits_130_without_a_traceback(pair_args, tmp_path, command):
     import signal

@@ -24,11 +24,11 @@ DEFAULT_SWEEP = "128,512,2048,8192"  # (--sweep's context lengths where it is no
 
 
 def register(sub) -> None:
-    from ..cli import add_chat_template_kwargs_arg, add_model_args, int_or_auto
+    from ..cli import add_chat_template_kwargs_arg, add_model_args, int_or_auto, path_arg
 
     p = sub.add_parser("bench", help="benchmark target-only vs DFlash (inject / recompute, eager / compiled)")
     add_model_args(p, decoding=False)  # (bench picks the decoding with --modes)
-    p.add_argument("--prompts", default=None, help="JSONL prompt file of {\"prompt\": text} or {\"messages\": [...]} "
+    p.add_argument("--prompts", type=path_arg, default=None, help="JSONL prompt file of {\"prompt\": text} or {\"messages\": [...]} "
                    "lines, - for stdin (default: the shipped held-out code prompts)")
     p.add_argument("--chat", action="store_true",
                    help="apply the target tokenizer's chat template to each prompt (as a user message)")
@@ -54,7 +54,7 @@ def register(sub) -> None:
     p.add_argument("--draft-max-batch-size", type=int_or_auto, default=None, metavar="N|auto",
                    help="with --batch-sizes: DFlash rounds of more than N sequences run target-only, or with auto "
                         "where measured tokens/s favour it (as serve --draft-max-batch-size; default: always draft)")
-    p.add_argument("--out", default="bench_out", help="output directory for bench.json and plots (default bench_out)")
+    p.add_argument("--out", type=path_arg, default="bench_out", help="output directory for bench.json and plots (default bench_out)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 

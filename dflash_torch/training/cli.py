@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from ..checkpoint import resolve_model_dir
-from ..cli import add_chat_template_kwargs_arg
+from ..cli import add_chat_template_kwargs_arg, path_arg
 from ..errors import DFlashError
 from ..options import check_threads, resolve_dtype
 from .trainer import ARCHS, CHECKPOINT, STALE_WEIGHTS, TrainConfig, Trainer, foreign_checkpoint
@@ -39,19 +39,19 @@ def register(sub) -> None:
                     "refused before it loads); the drafter trains there too.",
     )
     d = TrainConfig.__dataclass_fields__
-    p.add_argument("--target", required=True, help="target checkpoint dir or HF id (ORG/NAME[@REVISION]: a branch, tag or commit), downloaded unless cached")
-    p.add_argument("--data", required=True, nargs="+", help="text files (a document each), JSONL or .json files of {'text'} / {'messages'} "
+    p.add_argument("--target", type=path_arg, required=True, help="target checkpoint dir or HF id (ORG/NAME[@REVISION]: a branch, tag or commit), downloaded unless cached")
+    p.add_argument("--data", type=path_arg, required=True, nargs="+", help="text files (a document each), JSONL or .json files of {'text'} / {'messages'} "
                         "records (a .json: an array of them, one, or JSON Lines), or directories (every non-hidden file "
                         "below them as above; there, a .json file that is not records, e.g. a package.json, is a text document, "
                         "a file that is not UTF-8 text is skipped, and this run's --out and --work-dir are left out)")
-    p.add_argument("--out", required=True, help="output drafter directory (config.json + model.safetensors)")
-    p.add_argument("--work-dir", default=None, help="data cache and resumable checkpoint (default: OUT/train_work)")
+    p.add_argument("--out", type=path_arg, required=True, help="output drafter directory (config.json + model.safetensors)")
+    p.add_argument("--work-dir", type=path_arg, default=None, help="data cache and resumable checkpoint (default: OUT/train_work)")
     p.add_argument("--arch", choices=ARCHS, default=d["arch"].default,
                    help="dflash (DFlashDraftModel, default) or dflash2 (DFlash2DraftModel)")
     p.add_argument("--num-layers", type=int, default=None, help="drafter layers (default 2)")
     p.add_argument("--block-size", type=int, default=None, help="block size B (default 16)")
     p.add_argument("--init-from-target", action="store_true", help="start the drafter layers from the target's last layers")
-    p.add_argument("--init-from", default=None, metavar="DRAFTER",
+    p.add_argument("--init-from", type=path_arg, default=None, metavar="DRAFTER",
                    help="start from this DFlash drafter, a dir or HF id, ORG/NAME[@REVISION] (its shape and weights; with --arch dflash2 a DFlash (v1) drafter's "
                         "backbone, with identity convolutions and small random codebooks)")
     p.add_argument("--selector-loss-weight", type=float, default=None,
