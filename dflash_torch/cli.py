@@ -160,9 +160,18 @@ def int_or_auto(text: str) -> int | str:
 
 
 def _json_object(text: str, what: str) -> dict:
-    """``text`` parsed as a JSON object, else an argparse error saying it must be ``what``."""
+    """``text`` parsed as a JSON object, else an argparse error saying it must be ``what``; one
+    that gives a key twice (in any of its objects) is refused too: which value is meant?"""
+    def unique(pairs: list[tuple[str, object]]) -> dict:
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise argparse.ArgumentTypeError(f"gives the key {key!r} twice (which value is meant?)")
+            seen.add(key)
+        return dict(pairs)
+
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=unique)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"must be {what} ({exc})") from None
     if not isinstance(value, dict):
@@ -175,14 +184,16 @@ def json_object(text: str) -> dict:
     return _json_object(text, "a JSON object, e.g. '{\"enable_thinking\": false}'")
 
 
-def logit_bias_json(text: str) -> dict[int, float]:
-    """argparse type of ``--logit-bias``: a JSON object of token ids (decimal strings) to numbers
-    (their range is checked by :class:`~dflash_torch.sampling.SamplingParams`)."""
+def logit_bias_json(text: str) -> dict[str, object]:
+    """argparse type of ``--logit-bias``: a JSON object of token ids (decimal strings) to numbers,
+    its keys as given: :func:`load_engine` checks it as
+    :class:`~dflash_torch.sampling.SamplingParams` does (:func:`~dflash_torch.sampling.check_logit_bias`:
+    the values' range, one token given twice, ``"1"`` and ``"01"``)."""
     value = _json_object(text, "a JSON object of token ids to biases, e.g. '{\"0\": -100}'")
     bad = next((k for k in value if not (k.isascii() and k.isdigit())), None)
     if bad is not None:
         raise argparse.ArgumentTypeError(f"keys must be token ids (decimal integers >= 0), got {bad!r}")
-    return {int(k): v for k, v in value.items()}
+    return value
 
 
 def add_chat_template_kwargs_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -294,11 +305,19 @@ def set_threads(args: argparse.Namespace) -> None:
 
 
 def load_engine(args: argparse.Namespace):
-    """A :class:`DFlashEngine` from the model options of ``args``."""
+    """A :class:`DFlashEngine` from the model options of ``args``; ``--logit-bias`` (where the
+    command takes it) is checked first, and held with int token ids.
+
+    Raises:
+        DFlashError: a model option's value, or ``--logit-bias``'s, before anything loads.
+    """
     from .engine import DFlashEngine
+    from .sampling import check_logit_bias
 
     if args.no_draft and args.draft:
         raise DFlashError("--no-draft decodes with the target alone; drop --draft (or --no-draft)")
+    if getattr(args, "logit_bias", None) is not None:  # (a token given twice: "1" and "01")
+        args.logit_bias = check_logit_bias(args.logit_bias)
     set_threads(args)
     return DFlashEngine.from_pretrained(
         args.target, args.draft, dtype=args.dtype, device=args.device,

@@ -146,7 +146,7 @@ class SamplingParams:
             raise OptionError(f"repetition_penalty must be a finite number > 0 (1 = off), got "
                               f"{shown(self.repetition_penalty)}", "repetition_penalty")
         object.__setattr__(self, "repetition_penalty", r)
-        object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise OptionError(f"min_tokens must be an integer >= 0 (0 = off), got {shown(self.min_tokens)}", "min_tokens")
         ids = self.min_tokens_ids
@@ -250,7 +250,7 @@ def _key_shown(key) -> str:
     return shown(key)
 
 
-def _check_logit_bias(bias) -> dict[int, float] | None:
+def check_logit_bias(bias) -> dict[int, float] | None:
     """``SamplingParams.logit_bias`` checked: a new dict of int ids -> float biases, None when empty.
 
     Raises:

@@ -370,6 +370,27 @@ def test_cli_flags_equal_the_python_api(agree_pair, agree_engine, capsys):
         assert exc.value.code == 2 and "--logit-bias" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_cli_refuses_one_token_given_twice(command, capsys):
+    """``--logit-bias '{"1": 5, "01": -5}'``: two keys of token 1 (which bias is meant?) are
+    refused in one line naming the token and both keys, as the Python API and the server refuse
+    them (SamplingParams' check), before anything loads (it was taken: the CLI read both keys
+    as the int 1, the last one won); a key given twice is refused as JSON's."""
+    from dflash_torch.cli import main as cli_main
+
+    args = [command, *(["x"] if command == "generate" else []), "--logit-bias"]
+    assert cli_main(args + ['{"1": 5, "01": -5}']) == 2
+    assert capsys.readouterr().err == "dflash-torch: error: --logit-bias gives token 1 twice (as '1' and '01')\n"
+    with pytest.raises(SystemExit) as exc:
+        cli_main(args + ['{"1": 5, "1": -5}'])
+    assert exc.value.code == 2 and capsys.readouterr().err == \
+        "dflash-torch: error: argument --logit-bias: gives the key '1' twice (which value is meant?) (see --help)\n"
+    with pytest.raises(SystemExit) as exc:
+        cli_main(args[:-1] + ["--chat-template-kwargs", '{"enable_thinking": true, "enable_thinking": false}'])
+    assert exc.value.code == 2 and "--chat-template-kwargs: gives the key 'enable_thinking' twice" in \
+        capsys.readouterr().err
+
+
 # --- the server -----------------------------------------------------------------------------
 
 
