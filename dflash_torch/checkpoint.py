@@ -677,15 +677,6 @@ def tensor_names(model_dir: Path) -> set[str]:
     return set(_tensor_sources(model_dir, weight_files(model_dir)))
 
 
-def tensor_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape by name (only the safetensors headers are read).
-
-    Raises:
-        DFlashError: as :func:`weight_files`; a file that is not valid safetensors.
-    """
-    return {key: tuple(shape) for key, shape in _headers(model_dir)[0].items()}
-
-
 def _tensor_sources(model_dir: Path, files: list[Path]) -> dict[str, Path]:
     """Which of ``files`` holds each tensor (only the headers are read).
 

@@ -183,8 +183,7 @@ def test_announced_mtp_layers_are_not_read_and_others_are_refused(checkpoint, tm
 def test_a_decoder_layer_counted_as_an_mtp_module_is_refused(checkpoint, tmp_path):
     """A config one decoder layer short that announces one MTP module would skip the real
     layer 3 (a different model, silently): refused, since a decoder layer has no
-    ``eh_proj``; so are a tensor an MTP module does not hold and a decoder tensor of
-    another shape inside an announced module."""
+    ``eh_proj``; so is a tensor of a module an MTP module does not have."""
     target_dir, _ = checkpoint
     short = edited_checkpoint(target_dir, tmp_path / "short",
                               config=lambda c: c.update(num_hidden_layers=3, num_mtp_modules=1))
@@ -198,12 +197,6 @@ def test_a_decoder_layer_counted_as_an_mtp_module_is_refused(checkpoint, tmp_pat
     with pytest.raises(DFlashError, match=r"^target checkpoint .* has weights a multi-token-prediction layer does not "
                                           r"hold \(an unsupported variant\?\): model\.layers\.4\.totally_unknown\.weight$"):
         TargetModel.from_pretrained(junk, torch.float32)
-    bad_shape = _with_mtp_layers(target_dir, tmp_path / "shape", 1, {"num_mtp_modules": 1},
-                                 {"model.layers.4.self_attn.q_norm.weight": torch.ones(3)})
-    with pytest.raises(DFlashError, match=r"^target weight model\.layers\.4\.self_attn\.q_norm\.weight \(a multi-token-"
-                                          r"prediction layer's\) has shape \(3,\), the decoder layers' "
-                                          r"self_attn\.q_norm\.weight has \(64,\)$"):
-        TargetModel.from_pretrained(bad_shape, torch.float32)
 
 
 @pytest.mark.parametrize("rope", [

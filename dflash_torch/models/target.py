@@ -25,7 +25,7 @@ from torch import nn
 
 from ..cache import KVCache, RecurrentState, TargetCache, ring_positions
 from ..checkpoint import (all_finite, check_fits, fits, fp4_saving, fp8_saving, int_saving, load_config,
-                          load_state_dict, missing_note, nvfp4_saving, tensor_names, tensor_shapes)
+                          load_state_dict, missing_note, nvfp4_saving, tensor_names)
 from ..errors import DFlashError, OptionError
 from ..options import check_fp8, check_int_weights, check_mxfp4, check_nvfp4
 from . import fp8 as fp8_format
@@ -587,41 +587,35 @@ def check_mtp_layers(model_dir: Path, first: int, count: int, key: str, decoder_
     (``i < count``; ``first``: ``num_hidden_layers``), before they are skipped unread: each
     one present holds ``eh_proj.weight`` (what makes one: a layer without it is a decoder
     layer that a wrong ``num_hidden_layers`` / ``key`` would silently drop), and otherwise
-    only :data:`MTP_PARTS` and the tensors a decoder layer of the same checkpoint holds (the
-    names after ``model.layers.{j}.``, ``j < first``), with one of the shapes they have there.
-    Only the safetensors headers are read. ``decoder_name``: a checkpoint name -> the name
-    with the decoder under ``model.`` (None: not the decoder's); messages give the checkpoint's.
+    only :data:`MTP_PARTS` and tensors of the modules a decoder layer of the same checkpoint
+    has (the module paths after ``model.layers.{j}.``, ``j < first``, whatever the tensor:
+    an MTP layer a quantizer left out holds ``X.weight`` where the decoder layers hold
+    ``X.weight_packed`` and its scales). Not read, its shapes are not checked. Only the
+    safetensors headers are read. ``decoder_name``: a checkpoint name -> the name with the
+    decoder under ``model.`` (None: not the decoder's); messages give the checkpoint's.
 
     Raises:
-        DFlashError: a layer without ``eh_proj.weight``; a tensor no decoder layer holds and
-            not one of :data:`MTP_PARTS`; a decoder layer's tensor in another shape.
+        DFlashError: a layer without ``eh_proj.weight``; a tensor of a module no decoder layer
+            has and not one of :data:`MTP_PARTS`.
     """
-    layers: dict[int, dict[str, tuple[str, tuple[int, ...]]]] = {}  # index -> {name in the layer: (key, shape)}
-    for name, shape in tensor_shapes(model_dir).items():
+    layers: dict[int, dict[str, str]] = {}  # index -> {name in the layer: the checkpoint's name}
+    for name in tensor_names(model_dir):
         ours = decoder_name(name)
         parts = ours.split(".", 3) if ours is not None and ours.startswith(DECODER_LAYERS) else ()
         if len(parts) == 4 and parts[2].isdigit():
-            layers.setdefault(int(parts[2]), {})[parts[3]] = (name, shape)
-    decoder: dict[str, set[tuple[int, ...]]] = {}
-    for i in range(first):
-        for part, (_, shape) in layers.get(i, {}).items():
-            decoder.setdefault(part, set()).add(shape)
+            layers.setdefault(int(parts[2]), {})[parts[3]] = name
+    modules = {part.rpartition(".")[0] for i in range(first) for part in layers.get(i, {})}
     for i in range(first, first + count):
         held = layers.get(i, {})
         if held and "eh_proj.weight" not in held:
             raise DFlashError(f"target checkpoint {model_dir}: layer {i} is past num_hidden_layers {first} within "
                               f"{key} {count}, but has no eh_proj.weight: not a multi-token-prediction layer "
                               f"(check num_hidden_layers and {key})")
-        unknown = sorted(name for part, (name, _) in held.items()
-                         if part not in decoder and not part.startswith(MTP_PARTS))
+        unknown = sorted(name for part, name in held.items()
+                         if part.rpartition(".")[0] not in modules and not part.startswith(MTP_PARTS))
         if unknown:
             raise DFlashError(f"target checkpoint {model_dir} has weights a multi-token-prediction layer does not hold "
                               f"(an unsupported variant?): {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
-        for part, (name, shape) in sorted(held.items()):
-            if part in decoder and shape not in decoder[part]:
-                theirs = " or ".join(map(str, sorted(decoder[part])))
-                raise DFlashError(f"target weight {name} (a multi-token-prediction layer's) has shape {shape}, the "
-                                  f"decoder layers' {part} has {theirs}")
 
 
 def _keep_fp8(model: nn.Module, state: dict[str, torch.Tensor], block_cols: int, dtype: torch.dtype) -> None:
