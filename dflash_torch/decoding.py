@@ -65,8 +65,12 @@ def compile_failure(exc: Exception) -> str:
     if getattr(exc, "backend_name", None) == "inductor":
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        message += (f"; a damaged compile cache can cause this: remove {cache_dir()} (torch inductor's cache, "
-                    "TORCHINDUCTOR_CACHE_DIR), or run without --compile")
+        if type(inner).__name__ == "InvalidCxxCompiler":  # (a cache cannot help: no compiler to build with)
+            message += "; torch inductor builds with a C++ compiler: install one (g++) or set CXX to it"
+        else:
+            message += (f"; a damaged compile cache can cause this: remove {cache_dir()} (torch inductor's cache, "
+                        "TORCHINDUCTOR_CACHE_DIR)")
+        message += "; or run without compiling (no --compile; bench: its modes without -compiled)"
     return message
 
 
