@@ -24,6 +24,7 @@ import torch
 import torch._dynamo
 import torch._inductor.config as inductor_config
 
+from dflash_torch import DFlashError
 from dflash_torch.bench.profile import summary_lines
 from dflash_torch.bench.shapes import round_vs_step
 
@@ -53,6 +54,16 @@ def main() -> None:
         sys.exit(2)
     dtype = getattr(torch, args.dtype)
     variants = [(v, *parse_variant(v)) for v in args.variants.split(",")]
+    try:
+        results = profile_variants(args, variants, dtype, device)
+    except DFlashError as exc:  # (an unknown --shape, a shape that cannot fit: one line)
+        print(f"gpu_profile.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    report(args, results, device)
+
+
+def profile_variants(args: argparse.Namespace, variants: list, dtype: torch.dtype, device: str) -> list[dict]:
+    """One compiled DFlash round against one target step per variant (:func:`round_vs_step`)."""
     results = []
     for name, fuse, extras in variants:
         torch._dynamo.reset()
@@ -64,6 +75,11 @@ def main() -> None:
         print(f"{args.shape} compiled, {name}: step {r['target_step_s'] * 1e3:.2f} ms, round {r['round_s'] * 1e3:.2f} ms "
               f"(recompiles {r['recompiles']}, CUDA graphs skipped {r['cudagraph_skips']}, "
               f"steps run eager {r['eager_fallbacks']})", flush=True)
+    return results
+
+
+def report(args: argparse.Namespace, results: list[dict], device: str) -> None:
+    """The table of ``results`` against the bandwidth floor, the profiles, and ``--json``."""
     floor = results[0]["weights_gib"] * 2**30 / (args.bandwidth_tb_s * 1e12)
     print(f"\n{args.shape} {args.dtype} on {device}, context {results[0]['context']}, B={results[0]['block_size']}; "
           f"bandwidth floor {floor * 1e3:.2f} ms ({results[0]['weights_gib']:.1f} GiB at {args.bandwidth_tb_s} TB/s)")

@@ -573,3 +573,21 @@ def test_gpu_scripts_without_a_gpu_fail_at_once_in_one_line():
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"{name}: error: no CUDA device"), proc.stderr
         assert proc.stdout == ""
+
+
+def test_gpu_profile_refuses_an_unknown_shape_in_one_line():
+    """``DEVICE=cpu scripts/gpu_profile.py --shape nonexistent``: exit 2 and one line naming the
+    shape (it was a DFlashError traceback)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, DEVICE="cpu", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "gpu_profile.py"), "--shape", "nonexistent"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_profile.py: error: ") and "nonexistent" in lines[0], proc.stderr
+    assert proc.stdout == ""
