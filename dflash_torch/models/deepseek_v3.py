@@ -487,11 +487,11 @@ class Model(TargetModel):
         makes one: a layer in that range without it is a decoder layer that a wrong
         ``num_hidden_layers`` / ``num_nextn_predict_layers`` would silently drop), and besides
         its own parts (``eh_proj``, ``enorm``, ``hnorm``, ``shared_head.norm`` /
-        ``shared_head.head``, ``embed_tokens``) only a decoder layer's tensors, in their shapes.
+        ``shared_head.head``, ``embed_tokens``) only tensors of a decoder layer's modules.
 
         Raises:
-            DFlashError: a skipped layer without ``eh_proj.weight``, with a tensor an MTP layer
-                does not hold, or with a decoder layer's tensor in another shape.
+            DFlashError: a skipped layer without ``eh_proj.weight``, or with a tensor an MTP layer
+                does not hold.
         """
         names = (cls._decoder_key(cfg, key) for key in skipped)
         if any(name is not None and name.startswith("model.layers.") for name in names):

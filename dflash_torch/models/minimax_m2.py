@@ -193,8 +193,8 @@ class Model(llama.Model):
         ``num_hidden_layers`` too small would silently drop.
 
         Raises:
-            DFlashError: a skipped layer without ``eh_proj.weight``, with a tensor an MTP module
-                does not hold, or with a decoder layer's tensor in another shape.
+            DFlashError: a skipped layer without ``eh_proj.weight``, or with a tensor an MTP module
+                does not hold.
         """
         if skipped:
             check_mtp_layers(model_dir, cfg.num_hidden_layers, cfg.mtp_layers,
