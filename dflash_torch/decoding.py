@@ -10,6 +10,7 @@ same loop is plain autoregressive target-only decoding.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -387,6 +388,7 @@ class SpeculativeDecoder:
         self.max_rows = max(block_size, self.prefill_chunk)  # the most rows one forward writes (rings: see cache.py)
         self.target_cache = target.new_cache(self.max_rows)
         self._run = 0  # the rounds() generator that owns the caches (a later call takes them over)
+        self._stepping = threading.Lock()  # (held by the round running: see _one_at_a_time)
         self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
         self.reused_prefill_tokens = 0  # prompt tokens taken from the caches instead of read, over all runs
         self.prefill_tokens = 0  # prompt tokens read, over all runs
@@ -626,8 +628,10 @@ class SpeculativeDecoder:
                 longer than the context, an invalid ``prompt_logprobs`` or ``checkpoint``; and, when the
                 generator is resumed, a later ``rounds()`` of this decoder having taken its
                 caches (one sequence at a time: use :class:`~dflash_torch.batch.BatchDecoder`
-                for several); a call from another thread while the compute thread runs an
-                engine call (:func:`~dflash_torch.compute.check_caller`).
+                for several); a call, or a round (each ``next()``), from another thread while the
+                compute thread runs an engine call (:func:`~dflash_torch.compute.check_caller`) or
+                while another thread is inside a round of this decoder (a round of the compute
+                thread's own call waits for that one instead).
         """
         compute.check_caller("SpeculativeDecoder.rounds")
         check_prompt_logprobs(prompt_logprobs)
@@ -637,7 +641,38 @@ class SpeculativeDecoder:
         n_prompt = check_prompt_ids(prompt_ids, self.target.config, max_new_tokens, self.max_context)
         params.check_vocab(self.target.config.vocab_size)
         check_prompt_position(checkpoint, n_prompt, "checkpoint")
-        return self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs, checkpoint)
+        return self._one_at_a_time(self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs,
+                                                checkpoint))
+
+    def _one_at_a_time(self, rounds: Iterator[Round]) -> Iterator[Round]:
+        """``rounds`` (a :meth:`_decode` generator) one round at a time: every round (the first
+        one, which resets the caches, included) is refused from another thread while the
+        compute thread runs an engine call (:func:`~dflash_torch.compute.check_caller`), and
+        while another thread is inside a round of this decoder; the compute thread's own
+        round waits for that one to end instead (its engine call is not refused). Between
+        rounds (at a yield) nothing is held. A round from another thread ran in the middle of
+        an engine's generate and changed the caches under it: wrong tokens, no error."""
+        name = "next() of a SpeculativeDecoder.rounds() generator"
+        try:
+            while True:
+                if compute.on_compute_thread():
+                    self._stepping.acquire()
+                else:
+                    compute.check_caller(name)
+                    if not self._stepping.acquire(blocking=False):
+                        raise DFlashError(f"{name} was called while another thread is inside a round of this "
+                                          "SpeculativeDecoder, which decodes one round at a time: drive every "
+                                          "rounds() generator of it through dflash_torch.compute.run (the other "
+                                          "thread's too), which runs them in turn")
+                try:
+                    rnd = next(rounds, None)
+                finally:
+                    self._stepping.release()
+                if rnd is None:
+                    return
+                yield rnd
+        finally:
+            rounds.close()
 
     @property
     def takes_checkpoint(self) -> bool:

@@ -310,6 +310,124 @@ def test_decoder_steps_from_another_thread_while_the_compute_thread_runs_are_ref
     compute.run(batch.remove, "x")
 
 
+def test_a_rounds_generator_resumed_from_another_thread_during_an_engine_call_is_refused(tiny_pair):
+    """``decoder.rounds()`` checked its caller only when called: its generator, made while the
+    engine was idle and iterated from another thread while a generate ran on the compute
+    thread, reset and wrote the caches under it (a new user's trial: 9 of 30 greedy generates
+    gave other tokens, with no error). Every round of it is refused now, and the generate
+    decodes as alone."""
+    from dflash_torch import DFlashError
+    from dflash_torch.sampling import SamplingParams
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, dtype="float32")
+    ref = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True).token_ids
+    rounds = engine.decoder.rounds(engine.tokenizer.encode("class Stack:"), SamplingParams(), 24)  # (engine idle)
+    inside, release, out = threading.Event(), threading.Event(), {}
+
+    def on_chunk(chunk):  # (the compute thread, between two rounds of the generate)
+        if not inside.is_set():
+            inside.set()
+            assert release.wait(60)
+
+    def request():
+        out["ids"] = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True, on_chunk=on_chunk).token_ids
+
+    t = threading.Thread(target=request, daemon=True)
+    t.start()
+    try:
+        assert inside.wait(60)
+        with pytest.raises(DFlashError, match=r"next\(\) of a SpeculativeDecoder\.rounds\(\) generator was called from "
+                                              r"another thread while the compute thread runs an engine call"):
+            next(rounds)
+    finally:
+        release.set()
+        t.join(60)
+    assert not t.is_alive()
+    assert out["ids"] == ref
+
+
+def test_a_round_while_another_thread_is_inside_one_is_refused_and_an_engine_call_waits_for_it(tiny_pair,
+                                                                                                monkeypatch):
+    """A thread inside a round of the decoder (driven outside compute.run while the engine was
+    idle): a round from a third thread is refused in words (its first one reset the caches
+    under that round), and an engine call waits for the round to end (it is never refused for
+    it); the interrupted round ends as it would alone, and the generate as alone."""
+    from dflash_torch import DFlashError, compute
+    from dflash_torch.sampling import SamplingParams
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, dtype="float32")
+    decoder = engine.decoder
+    ids, params = engine.tokenizer.encode("class Stack:"), SamplingParams()
+    alone = [rnd.tokens for rnd in decoder.rounds(ids, params, 24)][:2]  # (no engine call runs: allowed here)
+    ref = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True).token_ids
+    inside, release, got = threading.Event(), threading.Event(), {}
+    verify = decoder._verify_fn
+
+    def held(*args, **kwargs):  # (the other thread, inside its first decoding round)
+        if threading.current_thread() is other:
+            inside.set()
+            assert release.wait(60)
+        return verify(*args, **kwargs)
+
+    def drive():
+        rounds = decoder.rounds(ids, params, 24)
+        got["rounds"] = [next(rounds).tokens, next(rounds).tokens]
+        rounds.close()
+
+    monkeypatch.setattr(decoder, "_verify_fn", held)
+    other = threading.Thread(target=drive, daemon=True)
+    other.start()
+    requests = []
+    try:
+        assert inside.wait(60)
+        with pytest.raises(DFlashError, match=r"next\(\) of a SpeculativeDecoder\.rounds\(\) generator was called while "
+                                              r"another thread is inside a round of this SpeculativeDecoder, which "
+                                              r"decodes one round at a time: drive every rounds\(\) generator of it "
+                                              r"through dflash_torch\.compute\.run"):
+            next(decoder.rounds(engine.tokenizer.encode(PROMPT), params, 24))
+        request = threading.Thread(target=lambda: requests.append(
+            engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True).token_ids), daemon=True)
+        request.start()
+        while not compute.busy() and request.is_alive():  # (the generate's call runs, or ended)
+            time.sleep(0.001)
+    finally:
+        release.set()
+        other.join(60)
+    request.join(60)
+    assert not other.is_alive() and not request.is_alive()
+    assert got["rounds"] == alone
+    assert requests == [ref]
+
+
+def test_a_rounds_generator_run_from_on_chunk_takes_the_caches_without_a_deadlock(tiny_pair):
+    """on_chunk (the compute thread, between two rounds) that iterates the engine's decoder
+    itself: it runs (nothing is held between rounds), and the generate then stops with the
+    words for caches taken over, as before rounds took turns; the engine stays usable."""
+    from dflash_torch import DFlashError
+    from dflash_torch.sampling import SamplingParams
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, dtype="float32")
+    ref = engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
+    nested, out = [], {}
+
+    def on_chunk(chunk):
+        if not nested:
+            nested.append([rnd.tokens for rnd in engine.decoder.rounds(engine.tokenizer.encode("x"), SamplingParams(), 4)])
+
+    def request():
+        try:
+            engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True, on_chunk=on_chunk)
+        except DFlashError as exc:
+            out["error"] = str(exc)
+
+    t = threading.Thread(target=request, daemon=True)  # (a deadlock must not hang the suite)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "deadlock: on_chunk's rounds wait for the round that called it"
+    assert nested and "a later rounds() call on this SpeculativeDecoder took over its caches" in out["error"]
+    assert engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids == ref
+
+
 def test_a_batch_decoder_step_while_another_thread_is_inside_one_is_refused(tiny_pair, monkeypatch):
     """A thread that drove the batch decoder itself (outside compute.run) while the engine was
     idle, then a generate_batch started during its prefill: the two changed each other's caches
