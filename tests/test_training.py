@@ -1450,6 +1450,28 @@ def test_a_ctrl_c_in_the_last_evaluation_saves_a_checkpoint_that_resume_exports(
     assert json.loads((out / "training_log.json").read_text())["final_eval"]["step"] == 2
 
 
+def test_a_final_checkpoint_that_cannot_be_saved_still_exports_the_drafter(tiny_pair, tmp_path, capsys):
+    """The last checkpoint failing (a full --work-dir; here a directory where checkpoint.pt goes) left --out
+    without the trained drafter, though it had room: the drafter is exported, then the failure said."""
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 200)
+    out, work = tmp_path / "out", tmp_path / "work"
+    (work / "checkpoint.pt").mkdir(parents=True)
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--work-dir", str(work),
+            "--steps", "2", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0",
+            "--block-size", "8", "--num-layers", "1", "--no-progress", "--overwrite"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"dflash-torch: error: the drafter of step 2 is saved in {out}, but --resume cannot "
+                              f"continue this run: cannot save the training checkpoint of step 2 to "
+                              f"{work / 'checkpoint.pt'}: "), err
+    assert json.loads((out / "training_log.json").read_text())["steps"] == 2
+    DFlashEngine.from_pretrained(target, out)  # (a whole drafter)
+
+
 def test_export_moves_the_new_config_into_place_last(tiny_pair, tmp_path, monkeypatch):
     """A crash between the renames of an export leaves weights without a config.json, never
     the new weights beside the old drafter's config.json."""

@@ -972,10 +972,13 @@ class Trainer:
                 p = max(p, elapsed() / budget)
             return p
 
-        def save_checkpoint() -> None:
+        def check_finite() -> None:
             if not all(all_finite(p.detach()) for p in drafter.parameters()):  # (an update, e.g. a huge --lr, made them so)
                 raise DFlashError(f"training diverged by step {step}: the drafter's weights hold NaN or infinite "
                                   f"values; lower --lr (now {cfg.lr:g})")
+
+        def save_checkpoint() -> None:
+            check_finite()
             tmp = ckpt_path.with_suffix(".tmp")
             try:  # (torch.save says a full disk as a RuntimeError: "unexpected pos ...")
                 torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
@@ -1082,7 +1085,12 @@ class Trainer:
             self.log(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with --resume")
             raise SystemExit(130) from None
         with ignored_interrupt():  # (a Ctrl-C now: the checkpoint, the drafter and its log are written whole)
-            save_checkpoint()
+            check_finite()  # (diverged: no drafter is exported)
+            try:  # (one that cannot be saved, e.g. a full work dir, leaves the drafter to export, then is said)
+                save_checkpoint()
+                unsaved = None
+            except DFlashError as exc:
+                unsaved = exc
             train_time = elapsed()
             info = {
                 "command": "dflash-torch train " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "train" else None,
@@ -1097,14 +1105,17 @@ class Trainer:
             try:
                 out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype, self.log)
             except (OSError, SafetensorError) as exc:  # (a full disk: --out keeps what it held)
-                raise DFlashError(f"cannot export the drafter to {cfg.out}: {write_error_reason(exc)}; "
-                                  f"the checkpoint of step {step} is saved in {ckpt_path}: run again with --resume "
-                                  "to export it") from None
+                kept = f"the checkpoint of step {step} is saved in {ckpt_path}: run again with --resume to export it" \
+                    if unsaved is None else f"nor could the checkpoint be saved ({unsaved}): the trained steps are lost"
+                raise DFlashError(f"cannot export the drafter to {cfg.out}: {write_error_reason(exc)}; {kept}") from None
             try:
                 _write_replacing(out_dir / "training_log.json", json.dumps(info, indent=2) + "\n")
             except OSError as exc:
                 raise DFlashError(f"the drafter is saved in {out_dir}, but its training_log.json could not be "
-                                  f"written: {exc.strerror or exc}") from None
+                                  f"written: {exc.strerror or exc}" + (f"; and {unsaved}" if unsaved else "")) from None
+        if unsaved is not None:  # (the drafter is whole; only --resume, to train on, needs the checkpoint)
+            raise DFlashError(f"the drafter of step {step} is saved in {out_dir}, but --resume cannot continue this "
+                              f"run: {unsaved}")
         self.log(f"saved drafter to {out_dir} (step {step}, train loss {info['final_train_loss']}, "
                  f"eval {info['final_eval']}, {train_time / 60:.1f} min)")
         return info
