@@ -1106,7 +1106,7 @@ class Trainer:
                 out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype, self.log)
             except (OSError, SafetensorError) as exc:  # (a full disk: --out keeps what it held)
                 kept = f"the checkpoint of step {step} is saved in {ckpt_path}: run again with --resume to export it" \
-                    if unsaved is None else f"nor could the checkpoint be saved ({unsaved}): the trained steps are lost"
+                    if unsaved is None else f"and {unsaved}"
                 raise DFlashError(f"cannot export the drafter to {cfg.out}: {write_error_reason(exc)}; {kept}") from None
             try:
                 _write_replacing(out_dir / "training_log.json", json.dumps(info, indent=2) + "\n")
