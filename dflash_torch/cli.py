@@ -556,22 +556,74 @@ def deferred_interrupt():
     """Hold a Ctrl-C (SIGINT) that arrives inside the block until it ends, then raise
     ``KeyboardInterrupt`` (through the SIGINT handler there was: see :func:`entry`): for a
     block a Ctrl-C must not cut in two (the trainer's optimizer update, applied to every
-    parameter or to none), or one that would swallow it (torch's import). Only in the main
-    thread (where Python delivers signals); elsewhere the block runs as is."""
+    parameter or to none), or one that would swallow it (torch's import). A SIGTERM inside
+    :func:`terminate_as_interrupt` is held so too. Only in the main thread (where Python
+    delivers signals); elsewhere the block runs as is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     pending = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    previous = {signum: signal.signal(signum, lambda signum, frame: pending.append(signum))
+                for signum in interrupt_signals()}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if pending and previous is not signal.SIG_IGN:
-        if callable(previous):
-            previous(signal.SIGINT, None)
-        else:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    for signum in dict.fromkeys(pending):  # (in the order they came; one ignored before the block stays so)
+        handler = previous[signum]
+        if handler is signal.SIG_IGN:
+            continue
+        if not callable(handler):
             raise KeyboardInterrupt
+        handler(signum, None)
+
+
+_terminations: list[int] | None = None  # the SIGTERMs _on_sigterm took (None: outside terminate_as_interrupt)
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM's handler inside :func:`terminate_as_interrupt`: the first raises
+    ``KeyboardInterrupt``, as a Ctrl-C does; later ones are ignored (the clean-up of the first,
+    e.g. train's checkpoint, goes on)."""
+    if _terminations is None:
+        return
+    _terminations.append(signum)
+    if len(_terminations) == 1:
+        raise KeyboardInterrupt
+
+
+def interrupt_signals() -> tuple[int, ...]:
+    """The signals that interrupt the command as a Ctrl-C does: SIGINT, and SIGTERM inside
+    :func:`terminate_as_interrupt` (a block that holds or ignores a Ctrl-C holds or ignores them all)."""
+    return (signal.SIGINT, signal.SIGTERM) if signal.getsignal(signal.SIGTERM) is _on_sigterm else (signal.SIGINT,)
+
+
+@contextmanager
+def terminate_as_interrupt():
+    """Inside the block, SIGTERM (what ``timeout``, ``docker stop``, systemd and Slurm send)
+    raises ``KeyboardInterrupt`` as a Ctrl-C does, so that a command that keeps its work on
+    Ctrl-C (train: its checkpoint) keeps it then too; the block then ends in
+    ``SystemExit(143)`` (128 + SIGTERM) where it would end in ``KeyboardInterrupt`` or
+    ``SystemExit(130)``. SIGTERM's handler before the block is restored after it. Only in the
+    main thread, and where SIGTERM has its default action (one ignored or handled by the
+    process that runs the command stays so); elsewhere the block runs as is."""
+    global _terminations
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    _terminations = []
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit) as exc:
+        if _terminations and (isinstance(exc, KeyboardInterrupt) or exc.code == 130):
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _terminations = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -772,10 +824,11 @@ def interrupt_again() -> None:
 
 
 def _on_unraisable(unraisable) -> None:
-    """The command's ``sys.unraisablehook``: a Ctrl-C that arrives just as SIGINT is set to be
-    ignored, CPython reports ("OSError: Signal 2 ignored due to race condition"); ignored is
+    """The command's ``sys.unraisablehook``: a Ctrl-C (or a SIGTERM that interrupts as one:
+    :func:`terminate_as_interrupt`) that arrives just as its signal is set to be ignored, CPython reports ("OSError: Signal 2 ignored due to race condition"); ignored is
     what the command meant, so that report is dropped. Any other goes to Python's hook."""
-    if str(unraisable.exc_value) != f"Signal {signal.SIGINT.value} ignored due to race condition":
+    if str(unraisable.exc_value) not in (f"Signal {signum.value} ignored due to race condition"
+                                         for signum in (signal.SIGINT, signal.SIGTERM)):
         sys.__unraisablehook__(unraisable)
 
 

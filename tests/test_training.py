@@ -2656,6 +2656,53 @@ def test_ctrl_c_again_while_train_saves_and_exits_ends_quietly(tiny_pair, tmp_pa
     assert torch.load(out / "train_work" / "checkpoint.pt", weights_only=False)["step"] == 2
 
 
+def test_sigterm_saves_a_checkpoint_as_ctrl_c_does_and_resume_goes_on(tiny_pair, tmp_path, capsys):
+    """SIGTERM (timeout, docker stop, systemd, Slurm) killed train with nothing saved: it saves the
+    checkpoint of the steps trained, as a Ctrl-C does, and exits 143 (128 + SIGTERM); --resume goes on."""
+    import os
+    import re
+    import select
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 200)
+    out, work = tmp_path / "out", tmp_path / "work"
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--work-dir", str(work),
+            "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0", "--block-size", "8",
+            "--num-layers", "1"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", *args, "--steps", "1000000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    seen, deadline = b"", time.monotonic() + 240
+    try:  # (until the progress bar shows a step trained)
+        while not re.search(rb"train:[^\r\n]*\| *[1-9][0-9]*/", seen):
+            assert proc.poll() is None and time.monotonic() < deadline, seen[-500:]
+            if select.select([proc.stderr], [], [], 0.2)[0]:
+                seen += os.read(proc.stderr.fileno(), 1 << 16)
+        proc.send_signal(signal.SIGTERM)
+        err = (seen + proc.communicate(timeout=120)[1]).decode()
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    last = err.strip().splitlines()[-1]
+    found = re.fullmatch(rf"interrupted: checkpoint of step (\d+) saved to {re.escape(str(work / 'checkpoint.pt'))}; "
+                         "continue with --resume", last)
+    assert found and "Traceback" not in err, err
+    step = int(found.group(1))
+    assert step >= 1 and torch.load(work / "checkpoint.pt", weights_only=True)["step"] == step
+    handler = signal.getsignal(signal.SIGTERM)
+    assert cli_main([*args, "--no-progress", "--resume", "--steps", str(step + 2)]) == 0
+    assert signal.getsignal(signal.SIGTERM) is handler  # (the handler before the run is restored)
+    assert f"resume: step {step}," in capsys.readouterr().err
+    assert json.loads((out / "training_log.json").read_text())["steps"] == step + 2
+
+
 def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_file(tiny_pair, tmp_path):
     """A full disk while the training checkpoint was saved was a RuntimeError traceback from
     torch.save ("unexpected pos ...") that left a partial checkpoint.tmp, and while the drafter

@@ -226,19 +226,22 @@ def _train(args: argparse.Namespace) -> int:
         save_dtype=args.save_dtype, progress=not args.no_progress, chat_template_kwargs=args.chat_template_kwargs,
         **{k: d[k].default if getattr(args, k) is None else getattr(args, k) for k in DFLASH2_OPTIONS},
     )
-    from ..cli import missing_dirs
+    from ..cli import missing_dirs, terminate_as_interrupt
 
     # the directories this run makes (_check makes them): a run that stops removes those still empty, deepest
     # first (one refused for too little data removes its data cache first: prepare_data); never a file, which
     # may be another run's written meanwhile into a directory this one made (a shared new parent or work dir)
     made = sorted(set(missing_dirs(cfg.work_path())) | set(missing_dirs(Path(args.out))),
                   key=lambda p: len(p.parts), reverse=True)
-    try:
-        _check(args, cfg)
-        Trainer(cfg).run()
-    except BaseException:
-        for path in made:  # (the deepest first)
-            with contextlib.suppress(OSError):
-                path.rmdir()
-        raise
+    # (SIGTERM, what timeout, docker stop, systemd and Slurm send, saves a checkpoint as a Ctrl-C does, then exits 143:
+    # it killed the run with nothing saved)
+    with terminate_as_interrupt():
+        try:
+            _check(args, cfg)
+            Trainer(cfg).run()
+        except BaseException:
+            for path in made:  # (the deepest first)
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            raise
     return 0

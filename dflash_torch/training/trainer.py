@@ -33,7 +33,7 @@ from safetensors import SafetensorError
 
 from ..chat_template import reserved_template_variables
 from ..checkpoint import all_finite, checkpoint_dir, load_config
-from ..cli import deferred_interrupt
+from ..cli import deferred_interrupt, interrupt_signals
 from ..errors import DFlashError
 from ..models.config import TargetConfig
 from ..models.drafter_config import (DFlash2Settings, DrafterConfig, default_target_layer_ids, fill_mask_token_id,
@@ -395,17 +395,18 @@ def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
 
 @contextmanager
 def ignored_interrupt():
-    """Ignore Ctrl-C (SIGINT) inside the block: a save or export it would cut short goes on,
+    """Ignore Ctrl-C (SIGINT) inside the block, and a SIGTERM that interrupts as one
+    (:func:`~dflash_torch.cli.interrupt_signals`): a save or export it would cut short goes on,
     whole (a second Ctrl-C while the checkpoint of the first is saved, one while the drafter
     is exported). Only in the main thread (where Python delivers signals); elsewhere the
     block runs as is."""
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in interrupt_signals()} if main else {}
     try:
         yield
     finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 CACHE_FORMAT = 10  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
