@@ -1472,6 +1472,25 @@ def test_a_final_checkpoint_that_cannot_be_saved_still_exports_the_drafter(tiny_
     DFlashEngine.from_pretrained(target, out)  # (a whole drafter)
 
 
+def test_out_and_work_dir_expand_a_tilde_as_the_other_paths_do(tiny_pair, tmp_path, capsys, monkeypatch):
+    """--out '~/x' and --work-dir '~/x' (quoted, or after '=': the shell leaves the ~) made a directory named ~ in the
+    working directory, while --data, --target and --init-from expand it."""
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    (home / "c.txt").write_text("def f(x):\n    return x\n" * 50)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    assert cli_main(["train", "--target", str(target), "--data", "~/c.txt", "--out", "~/out", "--work-dir=~/work",
+                     "--steps", "1", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0",
+                     "--block-size", "8", "--num-layers", "1", "--no-progress"]) == 0
+    assert f"saved drafter to {home / 'out'} " in capsys.readouterr().err
+    assert (home / "out" / "config.json").is_file() and (home / "work" / "checkpoint.pt").is_file()
+    assert not list(cwd.iterdir())
+
+
 def test_export_moves_the_new_config_into_place_last(tiny_pair, tmp_path, monkeypatch):
     """A crash between the renames of an export leaves weights without a config.json, never
     the new weights beside the old drafter's config.json."""
