@@ -1031,6 +1031,10 @@ REFUSED_TRAIN_OPTIONS = {
     # (inf and NaN passed: --lr inf saved a drafter of NaN weights with exit 0)
     "lr-inf": "--lr must be a finite number > 0, got inf",
     "weight-decay-nan": "--weight-decay must be a finite number >= 0, got nan",
+    # (passed, then failed as a divergence that blamed --lr)
+    "selector-loss-weight-nan": "--selector-loss-weight must be a finite number >= 0, got nan",
+    "selector-loss-weight-inf": "--selector-loss-weight must be a finite number >= 0, got inf",
+    "raw-fraction-nan": "--raw-fraction must be in [0, 1], got nan",
     # (came after the "drafter: ..." line, once the target had loaded)
     "data-missing": "training data ",
     # (silently ignored when training a DFlash drafter)
@@ -1092,6 +1096,10 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
         args += ["--lr", "inf"]
     elif case == "weight-decay-nan":
         args += ["--weight-decay", "nan"]
+    elif case.startswith("selector-loss-weight-"):
+        args += ["--arch", "dflash2", "--selector-loss-weight", case.rsplit("-", 1)[1]]
+    elif case == "raw-fraction-nan":
+        args += ["--raw-fraction", "nan"]
     elif case == "dflash2-option-for-dflash":
         args += ["--selector-rank", "16"]
     elif case == "dflash2-default-option-for-dflash":

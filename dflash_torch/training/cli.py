@@ -115,8 +115,9 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
             given.append("--init-from-target")
         if given:
             raise DFlashError(f"{given[0]} cannot be combined with --init-from (the drafter's shape and weights come from it)")
-    if args.selector_loss_weight is not None and args.selector_loss_weight < 0:
-        raise DFlashError(f"--selector-loss-weight must be >= 0, got {args.selector_loss_weight}")
+    weight = args.selector_loss_weight  # (nan and inf passed: the run then failed as a divergence that blamed --lr)
+    if weight is not None and not (weight >= 0 and math.isfinite(weight)):
+        raise DFlashError(f"--selector-loss-weight must be a finite number >= 0, got {weight}")
     if args.arch != "dflash2":  # (they were silently ignored)
         for key in DFLASH2_OPTIONS:
             if getattr(args, key) is not None:
