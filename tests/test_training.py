@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -865,6 +866,29 @@ def test_resume_continues_identically(tiny_pair, tmp_path):
     assert Trainer(half, log=lines.append).run()["steps"] == 7
     assert any("--time-budget-min 1e-06 is spent: no training" in m for m in lines), lines
     assert not [m for m in lines if "WARNING" in m] and recorded() == kept, lines
+
+
+def test_a_time_budget_spent_before_a_step_is_trained_is_warned(tiny_pair, tmp_path):
+    """A --time-budget-min spent before step 1 (e.g. by the evaluation before training) exported an
+    untrained drafter with exit 0 and no word; a resume with budget left that it spends before a step likewise."""
+    target_dir, _ = tiny_pair
+    cfg = _cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=None, time_budget_min=1e-9)
+    lines = []
+    assert Trainer(cfg, log=lines.append).run()["steps"] == 0
+    assert "WARNING: --time-budget-min 1e-09 was spent before a step was trained (it counts the evaluations too): " \
+        "the drafter exported is untrained" in lines, lines
+    assert (Path(cfg.out) / "model.safetensors").is_file()
+    cfg = replace(cfg, steps=2, time_budget_min=None)  # (2 steps, then a resume with a sliver of budget left)
+    Trainer(cfg, log=lambda m: None).run()
+    elapsed = torch.load(Path(cfg.work_dir) / "checkpoint.pt", weights_only=True)["elapsed"]
+    lines = []
+    cfg = replace(cfg, resume=True, steps=None, time_budget_min=(elapsed + 1e-6) / 60)
+    assert Trainer(cfg, log=lines.append).run()["steps"] == 2
+    assert any(m.startswith("WARNING: --time-budget-min ") and m.endswith(
+        "the drafter exported is the checkpoint's of step 2, as it was") for m in lines), lines
+    lines = []  # (a --steps run says nothing of it)
+    assert Trainer(replace(cfg, resume=False, steps=1, time_budget_min=None), log=lines.append).run()["steps"] == 1
+    assert not [m for m in lines if "WARNING" in m], lines
 
 
 def test_a_ctrl_c_inside_the_optimizer_step_saves_a_whole_update(tiny_pair, tmp_path, monkeypatch):

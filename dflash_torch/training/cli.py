@@ -66,7 +66,8 @@ def register(sub) -> None:
     p.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP size (default: the target's)")
     p.add_argument("--mask-token-id", type=int, default=None, help="mask token id (default: the tokenizer's mask token or <|MASK|>)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (and/or --time-budget-min)")
-    p.add_argument("--time-budget-min", type=float, default=None, help="stop after this many minutes of training (cumulative over resumes)")
+    p.add_argument("--time-budget-min", type=float, default=None, help="stop after this many minutes of training, its evaluations included "
+                   "(cumulative over resumes; the data preparation is not counted)")
     p.add_argument("--batch", type=int, default=d["batch"].default, help="sequences per step (default 8)")
     p.add_argument("--seq-len", type=int, default=d["seq_len"].default, help="tokens per sequence (default 512)")
     p.add_argument("--anchors-per-seq", type=int, default=d["anchors_per_seq"].default, help="blocks per sequence (default 64)")

@@ -1017,6 +1017,7 @@ class Trainer:
                 evals.append(last_eval)
                 self.log(_eval_line(last_eval))
         loss_ema = None
+        first_step = step  # (one budget spent before this run trained a step is warned)
         self._interrupt_note = None
         try:
             while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed() < budget):
@@ -1085,6 +1086,12 @@ class Trainer:
                 save_checkpoint()
             self.log(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with --resume")
             raise SystemExit(130) from None
+        if step == first_step and budget is not None and elapsed_prev < budget and (cfg.steps is None or step < cfg.steps):
+            # (it exported an untrained drafter with exit 0 unsaid, e.g. where the evaluation before training spent the
+            # budget; a resume whose --steps is reached or budget already spent says so above)
+            self.log(f"WARNING: --time-budget-min {cfg.time_budget_min:g} was spent before a step was trained (it counts "
+                     "the evaluations too): the drafter exported is " + (
+                         "untrained" if step == 0 else f"the checkpoint's of step {step}, as it was"))
         with ignored_interrupt():  # (a Ctrl-C now: the checkpoint, the drafter and its log are written whole)
             check_finite()  # (diverged: no drafter is exported)
             try:  # (one that cannot be saved, e.g. a full work dir, leaves the drafter to export, then is said)
