@@ -746,6 +746,8 @@ def test_train_help_says_what_a_directory_makes_of_a_json_file_that_is_not_recor
     help_ = " ".join(capsys.readouterr().out.split())
     assert "a .json file that is not records, e.g. a package.json, is a text document" in help_, help_
     assert "a file that is not UTF-8 text is skipped" in help_ and ".json files of {'text'} / {'messages'}" in help_
+    # (a .jsonl file that is not UTF-8 is refused there, not skipped: it is data the user meant)
+    assert "but a .jsonl file, or a .json file of records, is data and is refused where it is not valid" in help_
 
 
 def test_train_says_it_holds_the_target_in_float32_on_the_cpu_and_refuses_one_too_big(tiny_pair, tmp_path, capsys,

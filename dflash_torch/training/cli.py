@@ -43,7 +43,8 @@ def register(sub) -> None:
     p.add_argument("--data", type=path_arg, required=True, nargs="+", help="text files (a document each), JSONL or .json files of {'text'} / {'messages'} "
                         "records (a .json: an array of them, one, or JSON Lines), or directories (every non-hidden file "
                         "below them as above; there, a .json file that is not records, e.g. a package.json, is a text document, "
-                        "a file that is not UTF-8 text is skipped, and this run's --out and --work-dir are left out)")
+                        "a file that is not UTF-8 text is skipped, but a .jsonl file, or a .json file of records, "
+                        "is data and is refused where it is not valid, and this run's --out and --work-dir are left out)")
     p.add_argument("--out", type=path_arg, required=True, help="output drafter directory (config.json + model.safetensors)")
     p.add_argument("--work-dir", type=path_arg, default=None, help="data cache and resumable checkpoint (default: OUT/train_work)")
     p.add_argument("--arch", choices=ARCHS, default=d["arch"].default,

@@ -16,7 +16,8 @@ Inputs (``--data``, any mix):
 * a ``.json`` file: a JSON array of such records, one record, or records one per line
   (as Hugging Face ``datasets``' JSON loader reads them).
 
-A file given must be UTF-8 text; in a directory, files that are not are skipped (a file
+A file given must be UTF-8 text; in a directory, files that are not are skipped, but not
+its ``.jsonl`` files and ``.json`` files of records, which are data meant as such (a file
 or directory this process may not read is refused, naming it, not skipped). Bad
 bytes, bad JSON and strings that are not valid Unicode are refused naming the file and
 line. Text is tokenized in bounded pieces (:func:`text_pieces`): the memory it takes
