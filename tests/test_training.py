@@ -1061,6 +1061,10 @@ REFUSED_TRAIN_OPTIONS = {
     "selector-loss-weight-nan": "--selector-loss-weight must be a finite number >= 0, got nan",
     "selector-loss-weight-inf": "--selector-loss-weight must be a finite number >= 0, got inf",
     "raw-fraction-nan": "--raw-fraction must be in [0, 1], got nan",
+    # (cut to --seq-len - 16 unsaid; the defaults are cut so where a short --seq-len leaves less room)
+    "prefix-max-past-seq-len": "--prefix-max 100 is longer than a self-distill prompt may be at --seq-len 64 (48 tokens, "
+                               "leaving 16 to the continuation): give at most 48, or a longer --seq-len",
+    "resume-and-overwrite": "--resume continues the checkpoint in the work dir and --overwrite starts over: give one",  # (resumed)
     # (came after the "drafter: ..." line, once the target had loaded)
     "data-missing": "training data ",
     # (silently ignored when training a DFlash drafter)
@@ -1124,6 +1128,12 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
         args += ["--weight-decay", "nan"]
     elif case.startswith("selector-loss-weight-"):
         args += ["--arch", "dflash2", "--selector-loss-weight", case.rsplit("-", 1)[1]]
+    elif case == "prefix-max-past-seq-len":
+        args += ["--self-distill", "2", "--prefix-max", "100", "--seq-len", "64"]
+    elif case == "resume-and-overwrite":
+        (out / "train_work").mkdir(parents=True)
+        (out / "train_work" / "checkpoint.pt").write_bytes(b"x")
+        args += ["--resume", "--overwrite"]
     elif case == "raw-fraction-nan":
         args += ["--raw-fraction", "nan"]
     elif case == "dflash2-option-for-dflash":

@@ -87,10 +87,12 @@ def register(sub) -> None:
                    help="add N sequences continued greedily by the target itself from prompts of the data")
     p.add_argument("--self-distill-batch", type=int, default=d["self_distill_batch"].default,
                    help=f"prompts the target continues at once (default {d['self_distill_batch'].default})")
-    p.add_argument("--prefix-min", type=int, default=d["prefix_min"].default,
-                   help=f"shortest self-distill prompt (tokens, default {d['prefix_min'].default})")
-    p.add_argument("--prefix-max", type=int, default=d["prefix_max"].default,
-                   help=f"longest self-distill prompt (tokens, default {d['prefix_max'].default})")
+    p.add_argument("--prefix-min", type=int, default=None,
+                   help=f"shortest self-distill prompt (tokens, default {d['prefix_min'].default}; "
+                        "at most --seq-len - 16)")
+    p.add_argument("--prefix-max", type=int, default=None,
+                   help=f"longest self-distill prompt (tokens, default {d['prefix_max'].default}, or --seq-len - 16 "
+                        "where that is less)")
     add_chat_template_kwargs_arg(p, "for rendering the chat data and the self-distill prompts taken from it")
     p.add_argument("--raw-fraction", type=float, default=d["raw_fraction"].default,
                    help="share of batch rows from the raw corpus when examples exist (default 0.25)")
@@ -127,8 +129,8 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
                                   f"this run trains a {args.arch} drafter")
     positive = {"--batch": args.batch, "--seq-len": args.seq_len, "--anchors-per-seq": args.anchors_per_seq,
                 "--num-layers": cfg.num_layers, "--eval-every": args.eval_every, "--ckpt-every": args.ckpt_every,
-                "--self-distill-batch": args.self_distill_batch, "--prefix-min": args.prefix_min,
-                "--prefix-max": args.prefix_max}
+                "--self-distill-batch": args.self_distill_batch, "--prefix-min": cfg.prefix_min,
+                "--prefix-max": cfg.prefix_max}
     for name, value in {"--steps": args.steps, "--intermediate-size": args.intermediate_size}.items():
         if value is not None:  # (an --intermediate-size of 0 read as "the target's width")
             positive[name] = value
@@ -147,8 +149,15 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
         if not (value >= 0 and math.isfinite(value)):
             raise DFlashError(f"{name} must be {'a finite number' if isinstance(value, float) else 'an integer'} "
                               f">= 0, got {value}")
-    if args.prefix_min > args.prefix_max:
-        raise DFlashError(f"--prefix-min ({args.prefix_min}) must be <= --prefix-max ({args.prefix_max})")
+    if cfg.prefix_min > cfg.prefix_max:
+        raise DFlashError(f"--prefix-min ({cfg.prefix_min}) must be <= --prefix-max ({cfg.prefix_max})")
+    room = args.seq_len - 16  # (a self-distill prompt leaves 16 tokens of --seq-len at least to the continuation)
+    for name, value in {"--prefix-min": args.prefix_min, "--prefix-max": args.prefix_max}.items():
+        if args.self_distill and value is not None and value > room:  # (given: it was cut to that, unsaid)
+            raise DFlashError(f"{name} {value} is longer than a self-distill prompt may be at --seq-len {args.seq_len} "
+                              f"({room} tokens, leaving 16 to the continuation): give at most {room}, or a longer --seq-len")
+    if args.resume and args.overwrite:  # (it resumed, unsaid)
+        raise DFlashError("--resume continues the checkpoint in the work dir and --overwrite starts over: give one of them")
     if not 0 <= args.raw_fraction <= 1:
         raise DFlashError(f"--raw-fraction must be in [0, 1], got {args.raw_fraction}")
     for name, path, given in (("--out", Path(args.out), True), ("--work-dir", cfg.work_path(), args.work_dir is not None)):
@@ -226,8 +235,9 @@ def _train(args: argparse.Namespace) -> int:
         mask_token_id=args.mask_token_id, steps=args.steps, time_budget_min=args.time_budget_min, batch=args.batch,
         seq_len=args.seq_len, anchors_per_seq=args.anchors_per_seq, lr=args.lr, warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed, resume=args.resume,
-        self_distill=args.self_distill, self_distill_batch=args.self_distill_batch, prefix_min=args.prefix_min,
-        prefix_max=args.prefix_max, raw_fraction=args.raw_fraction, val_seqs=args.val_seqs, eval_every=args.eval_every,
+        self_distill=args.self_distill, self_distill_batch=args.self_distill_batch,
+        prefix_min=d["prefix_min"].default if args.prefix_min is None else args.prefix_min,
+        prefix_max=d["prefix_max"].default if args.prefix_max is None else args.prefix_max, raw_fraction=args.raw_fraction, val_seqs=args.val_seqs, eval_every=args.eval_every,
         ckpt_every=args.ckpt_every, num_threads=args.num_threads, autocast=not args.no_autocast,
         save_dtype=args.save_dtype, progress=not args.no_progress, chat_template_kwargs=args.chat_template_kwargs,
         **{k: d[k].default if getattr(args, k) is None else getattr(args, k) for k in DFLASH2_OPTIONS},
