@@ -118,8 +118,9 @@ def missing_dirs(path: Path) -> list[Path]:
 def path_arg(text: str) -> str:
     """argparse type of a flag that names a file or directory (or a Hugging Face id): the
     text as given, whatever its bytes (a path need not be UTF-8; the value of every other
-    flag must be: see :class:`_Parser`)."""
-    return text
+    flag must be: see :class:`_Parser`), a leading ``~`` expanded as a shell expands it
+    where it can (``--out=~/x`` and a quoted ``'~/x'`` reach us unexpanded)."""
+    return os.path.expanduser(text)
 
 
 def text_or_file(text: str) -> str:

@@ -230,6 +230,19 @@ def _value_options() -> list[tuple[str, str]]:
 VALUE_OPTIONS = _value_options()
 
 
+@pytest.mark.parametrize("command,option", [(c, o) for c, o in VALUE_OPTIONS if o in PATH_FLAGS])
+def test_every_path_flag_expands_a_leading_tilde(monkeypatch, tmp_path, command, option):
+    """A path flag's ``~`` that the shell left (``--out=~/x``, a quoted ``'~/x'``) is the home
+    directory, for every path flag of every command: bench's --out made a literal ./~ directory."""
+    from dflash_torch.cli import build_parser
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    required = {"train": ["--target", "t", "--data", "d", "--out", "o"]}.get(command, [])
+    args = build_parser().parse_args([command, *required, f"{option}=~/x"])
+    value = getattr(args, option[2:].replace("-", "_"))
+    assert (value[-1] if isinstance(value, list) else value) == str(tmp_path / "x")
+
+
 @pytest.mark.parametrize("command,option", [(c, o) for c, o in VALUE_OPTIONS if o not in PATH_FLAGS])
 def test_every_text_value_must_be_utf8(capsys, command, option):
     """Every value of every command but a path must be UTF-8 text (argv's other bytes reach

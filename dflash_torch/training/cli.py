@@ -222,9 +222,6 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    # (~ as --data, --target and --init-from take it: it made a directory named ~ in the working directory)
-    args.out = os.path.expanduser(args.out)
-    args.work_dir = None if args.work_dir is None else os.path.expanduser(args.work_dir)
     d = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(
         target=args.target, data=args.data, out=args.out, work_dir=args.work_dir, arch=args.arch,
