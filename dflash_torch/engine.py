@@ -217,7 +217,9 @@ class DFlashEngine:
     unfinished stream waits for it to be read on (by another thread of a pool: Starlette's
     ``iterate_in_threadpool``, asyncio's ``run_in_executor``) and raises
     :class:`DFlashError` where no thread has read it for ``STALLED_STREAM_S`` seconds (if
-    only this thread reads it, it would never proceed). Each request starts from clean caches, or from the rows of
+    only this thread reads it, it would never proceed); a stream that only a reference cycle
+    keeps (an exception kept in a local, through its traceback) is closed first, by the
+    garbage collector that such a request runs. Each request starts from clean caches, or from the rows of
     the last request's tokens that its prompt starts with (``reuse_prefix``, below).
 
     Any thread may call it: the torch work (loading, every decoding round) runs on the
@@ -1078,7 +1080,8 @@ class DFlashEngine:
         """Hold the engine's lock, waiting while another request holds it (while an open stream
         holds it and no thread has read it for ``STALLED_STREAM_S`` seconds, the garbage
         collector runs every ``STALLED_STREAM_S`` seconds: a stream that only a reference cycle
-        keeps then closes).
+        keeps then closes; in a thread that has read the open stream, it runs once as soon as
+        no thread reads it, before any wait).
 
         Raises:
             DFlashError: on the compute thread while another request holds the lock (an
@@ -1098,10 +1101,18 @@ class DFlashEngine:
                 raise DFlashError("this engine is busy with the request that runs this code; on_chunk (or any code "
                                   "run on the compute thread) must not call the engine")
         else:
+            swept = False
             while threading.current_thread() in self._readers:
                 if self.lock.acquire(timeout=0.05):
                     break
-                if not self._reading and time.monotonic() - self._read_at >= STALLED_STREAM_S:
+                if self._reading:
+                    continue
+                if not swept:
+                    # a stream that only a reference cycle keeps (through an exception's traceback that a
+                    # local holds, say) closes when the cycle is collected: then this thread reads it no more
+                    gc.collect()
+                    swept = True
+                elif time.monotonic() - self._read_at >= STALLED_STREAM_S:
                     raise DFlashError(f"another stream of this engine is still open, this thread has read it, and no "
                                       f"thread has read it for {STALLED_STREAM_S:g} s; consume it to the end or close() "
                                       "it before starting a new request from this thread (a stream held by a variable "

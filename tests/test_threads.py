@@ -595,6 +595,47 @@ def test_a_stream_only_a_reference_cycle_keeps_frees_the_engine_for_a_waiting_th
     assert not t.is_alive() and out.get("ids") == alone, out
 
 
+def test_a_stream_only_a_reference_cycle_keeps_frees_the_engine_for_the_thread_that_read_it(tiny_pair, monkeypatch):
+    """A function that read a stream, raised and kept the exception in a local (exception ->
+    traceback -> frame -> stream: a cycle): the next request of the same thread runs the
+    garbage collector, which closes the stream, and runs at once. It waited for the stall
+    limit and was refused, and the caller had no reference left to close()."""
+    import gc
+
+    from dflash_torch import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "STALLED_STREAM_S", 60.0)
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    alone = engine.generate("class A:", max_new_tokens=4).token_ids
+
+    def first_chunk():
+        error = None
+        stream = engine.stream(PROMPT, max_new_tokens=24, ignore_eos=True)
+        try:
+            for _ in stream:
+                raise StopIteration("enough")  # (the caller's own early exit)
+        except StopIteration as exc:
+            error = exc  # (kept: a cycle through this frame holds the stream)
+        return error is not None
+
+    out = {}
+
+    def caller():
+        assert first_chunk()
+        start = time.monotonic()
+        out["ids"] = engine.generate("class A:", max_new_tokens=4).token_ids
+        out["s"] = time.monotonic() - start
+
+    gc.disable()
+    try:
+        t = threading.Thread(target=caller, daemon=True)  # (a deadlock must not hang the suite)
+        t.start()
+        t.join(30)
+    finally:
+        gc.enable()
+    assert not t.is_alive() and out.get("ids") == alone and out["s"] < 20, out
+
+
 def test_a_stream_whose_last_chunk_was_read_frees_the_engine(tiny_pair, monkeypatch):
     """The chunk with the finish_reason is handed over after the engine is freed: a request
     from the same thread runs at once, without waiting for the stream's StopIteration."""
