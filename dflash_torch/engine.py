@@ -34,7 +34,7 @@ from . import compute, options
 from .batch import BatchDecoder, check_draft_max_batch_size, check_engine_max_batch_size, check_prefix_slots
 from .chat_template import chat_messages, render_chat, reserved_template_variables
 from .checkpoint import available_memory, checkpoint_dir, load_config, read_json_object
-from .decoding import Round, SpeculativeDecoder
+from .decoding import Round, SpeculativeDecoder, check_models
 from .errors import ContextLengthError, DFlashError, OptionError, shown, unprintable
 from .models.config import TargetConfig, check_vocab_ids, eos_token_ids
 from .models.drafter_config import DrafterConfig, fill_mask_token_id, needs_mask_token_id, validate_pair
@@ -45,7 +45,7 @@ from .models.target import TargetModel
 from .sampling import SamplingParams, TokenLogprob, generation_defaults
 from .stopping import Stopper
 from .structured import GrammarCompiler, StructuredOutput
-from .tokenizer import byte_level_alphabet, load_tokenizer, max_prompt_chars
+from .tokenizer import byte_level_alphabet, check_tokenizer_size, load_tokenizer, max_prompt_chars
 
 ASSETS = Path(__file__).parent / "assets" / "default"
 DEFAULT_TARGET = ASSETS / "target"
@@ -227,8 +227,12 @@ class DFlashEngine:
     threads never split torch across thread teams; tokenizing runs in the caller's thread.
 
     Raises :class:`DFlashError` for a ``tokenizer`` that is not one (no ``encode``,
-    ``decode``, ``get_vocab``, ``convert_tokens_to_ids``: e.g. a ``tokenizers.Tokenizer``), a ``target`` / ``drafter`` that is not one
-    (:func:`~dflash_torch.decoding.check_models`) and the options' bad values.
+    ``decode``, ``get_vocab``, ``convert_tokens_to_ids``, ``len()``: e.g. a ``tokenizers.Tokenizer``)
+    or not the target's (more tokens than its ``vocab_size``, or fewer than half as many:
+    :func:`~dflash_torch.tokenizer.check_tokenizer_size`, as :meth:`from_pretrained` checks
+    it), a ``target`` / ``drafter`` that is not one (:func:`~dflash_torch.decoding.check_models`),
+    a drafter not made for the target (``incompatible pair: ...``, as :meth:`from_pretrained`
+    refuses it: :func:`~dflash_torch.models.drafter_config.validate_pair`) and the options' bad values.
 
     ``max_prompt_chars``: the longest text prompt (characters) that could fit
     ``max_context`` tokens; a longer one is refused without being tokenized.
@@ -272,7 +276,7 @@ class DFlashEngine:
                  prefix_slots: int = 0, **decoder_options):
         _check_arguments("DFlashEngine.__init__", decoder_options, SpeculativeDecoder, DFlashEngine)
         if not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode", "get_vocab",
-                                                                   "convert_tokens_to_ids")):
+                                                                   "convert_tokens_to_ids", "__len__")):
             raise DFlashError(f"tokenizer must be a transformers tokenizer (e.g. AutoTokenizer.from_pretrained of the "
                               f"target's directory), got {type(tokenizer).__name__}: DFlashEngine(target, tokenizer, "
                               "drafter) takes it second")
@@ -283,6 +287,10 @@ class DFlashEngine:
         self.prefix_slots = check_prefix_slots(prefix_slots, self.reuse_prefix)
         self._batch: BatchDecoder | None = None
         self._max_context_option = decoder_options.get("max_context")  # (None: the target's context, for the batch decoder too)
+        check_models(target, drafter)
+        if drafter is not None:  # (as from_pretrained checks the configs, before any round reads a wrong shape)
+            validate_pair(target.config, drafter.config)
+        check_tokenizer_size(tokenizer, target.config.vocab_size)  # (as from_pretrained's: load_tokenizer)
         self.decoder = compute.run(SpeculativeDecoder, target, drafter, block_size=block_size, draft_mode=draft_mode,
                                    reuse_prefix=self.reuse_prefix, **decoder_options)
         self.draft_max_batch_size = check_draft_max_batch_size(draft_max_batch_size, drafter=drafter is not None,

@@ -107,6 +107,41 @@ def transformers_config(model_dir: Path):
             return PreTrainedConfig.from_pretrained(str(model_dir), **given)
 
 
+def check_tokenizer_size(tokenizer, vocab_size: int, model_dir: Path | None = None) -> None:
+    """Refuse a tokenizer that is not one of a target of ``vocab_size`` tokens: one of more
+    tokens (ids the target has no row for), or of fewer than half as many (the target would
+    emit ids it cannot decode). A real tokenizer is at most a little smaller than its
+    model's embedding, padded to a round size (Qwen: 151,669 tokens, vocab_size 151,936);
+    transformers builds a tokenizer of its special tokens alone from a
+    ``tokenizer_config.json`` whose vocabulary files are missing, as a partial download
+    leaves it.
+
+    Args:
+        model_dir: the checkpoint the tokenizer was loaded from, if any: too few tokens then
+            names its vocabulary file, else the files missing.
+
+    Raises:
+        DFlashError: a size that does not fit ``vocab_size``, one line.
+    """
+    if len(tokenizer) > vocab_size:
+        raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {vocab_size}")
+    if 2 * len(tokenizer) < vocab_size:
+        if model_dir is None:
+            raise DFlashError(f"the tokenizer has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}, far fewer "
+                              f"than the target's vocab_size ({vocab_size}): not the target's tokenizer?")
+        absent = [f for f in VOCABULARY_FILES if not (Path(model_dir) / f).is_file()]
+        whole = [f for f in VOCABULARY_FILES[:2] if f not in absent] or (["vocab.json and merges.txt"] if not (
+            {"vocab.json", "merges.txt"} & set(absent)) else [])
+        if whole:  # (a vocabulary is there, not too few files: listing the others as missing misled)
+            raise DFlashError(f"the tokenizer of {model_dir} has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}"
+                              f", far fewer than the target's vocab_size ({vocab_size}): too few for this target (a "
+                              f"wrong or incomplete {whole[0]}?)")
+        absent = f"no {', '.join(absent[:-1])} or {absent[-1]}; " if len(absent) > 1 else f"no {absent[0]}; " if absent else ""
+        raise DFlashError(f"the tokenizer of {model_dir} has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}"
+                          f", far fewer than the target's vocab_size ({vocab_size}): its vocabulary files are missing "
+                          f"or incomplete ({absent}an interrupted download?)")
+
+
 def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
     """The target's tokenizer via ``AutoTokenizer``.
 
@@ -166,18 +201,6 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
             raise DFlashError(f"cannot load the tokenizer of {model_dir}, which has no {', '.join(VOCABULARY_FILES[:2])} or "
                               f"{VOCABULARY_FILES[2]} (an incomplete download?){reason}") from None
         raise DFlashError(f"cannot load the tokenizer of {model_dir}: {detail or type(exc).__name__}") from None
-    if vocab_size is not None and len(tokenizer) > vocab_size:
-        raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {vocab_size}")
-    if vocab_size is not None and 2 * len(tokenizer) < vocab_size:
-        absent = [f for f in VOCABULARY_FILES if not (Path(model_dir) / f).is_file()]
-        whole = [f for f in VOCABULARY_FILES[:2] if f not in absent] or (["vocab.json and merges.txt"] if not (
-            {"vocab.json", "merges.txt"} & set(absent)) else [])
-        if whole:  # (a vocabulary is there, not too few files: listing the others as missing misled)
-            raise DFlashError(f"the tokenizer of {model_dir} has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}"
-                              f", far fewer than the target's vocab_size ({vocab_size}): too few for this target (a "
-                              f"wrong or incomplete {whole[0]}?)")
-        absent = f"no {', '.join(absent[:-1])} or {absent[-1]}; " if len(absent) > 1 else f"no {absent[0]}; " if absent else ""
-        raise DFlashError(f"the tokenizer of {model_dir} has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}"
-                          f", far fewer than the target's vocab_size ({vocab_size}): its vocabulary files are missing "
-                          f"or incomplete ({absent}an interrupted download?)")
+    if vocab_size is not None:
+        check_tokenizer_size(tokenizer, vocab_size, Path(model_dir))
     return tokenizer

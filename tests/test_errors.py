@@ -353,6 +353,27 @@ def test_default_max_new_tokens_is_checked_when_set_and_a_raw_tokenizer_is_refus
         DFlashEngine(engine.target, raw, engine.drafter)
 
 
+def test_the_constructor_refuses_a_mismatched_drafter_or_tokenizer_as_from_pretrained_does(
+        engine, sentencepiece_pair, tmp_path):
+    """``DFlashEngine(target, tokenizer, drafter)`` checks the pair as :meth:`from_pretrained`
+    does (a drafter made for another target was accepted, and generate raised torch's
+    "mat1 and mat2 shapes cannot be multiplied" deep in a round), and the tokenizer's size
+    against the target's vocab_size (a tokenizer of another model decoded garbage). A
+    target's vocab_size padded above the tokenizer's size, as real checkpoints pad it, is
+    accepted."""
+    other = DFlashEngine.from_pretrained(*sentencepiece_pair)  # (Llama, 700 tokens, hidden 64)
+    with pytest.raises(DFlashError, match=r"^incompatible pair: drafter vocab_size 700 != target vocab_size 320$"):
+        DFlashEngine(engine.target, engine.tokenizer, other.drafter)
+    with pytest.raises(DFlashError, match=r"^the tokenizer has 700 tokens but the target's vocab_size is 320$"):
+        DFlashEngine(engine.target, other.tokenizer)
+    with pytest.raises(DFlashError, match=rf"^the tokenizer has {len(engine.tokenizer)} tokens, far fewer than the "
+                                          r"target's vocab_size \(700\): not the target's tokenizer\?$"):
+        DFlashEngine(other.target, engine.tokenizer)
+    padded = make_target(tmp_path / "padded", vocab_size=len(engine.tokenizer) + 64)  # (as Qwen's 151936 > 151669)
+    target = DFlashEngine.from_pretrained(padded, no_draft=True).target
+    assert DFlashEngine(target, engine.tokenizer).generate([5, 6, 7], max_new_tokens=2, ignore_eos=True).token_ids
+
+
 def test_a_prompt_that_fills_the_context_is_named_not_max_new_tokens(engine, tiny_pair, capsys):
     """A prompt of max_context tokens or more leaves no room for a token, whatever
     max_new_tokens: the error names the prompt (it named max_new_tokens, which lowering
