@@ -1300,8 +1300,9 @@ class DFlashEngine:
 
         Raises:
             DFlashError: invalid ``max_new_tokens``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
-                ``skip_special_tokens`` or ``include_stop_str_in_output`` (not bools), or
-                ``min_tokens`` above ``max_new_tokens``.
+                ``skip_special_tokens`` or ``include_stop_str_in_output`` (not bools),
+                ``min_tokens`` above ``max_new_tokens``, or ``min_tokens`` with stop token ids
+                (``stop_token_ids`` and EOS) that cover the whole vocabulary (no token to generate).
         """
         options.check_max_new_tokens(max_new_tokens)
         options.check_flag(ignore_eos, "ignore_eos")
@@ -1317,6 +1318,11 @@ class DFlashEngine:
         stops = options.check_stop(stop)
         stop_ids = set() if ignore_eos else set(self.stop_token_ids)
         stop_ids.update(options.check_stop_token_ids(stop_token_ids, self.target.config.vocab_size))
+        vocab = self.target.config.vocab_size
+        if min_tokens and len(stop_ids) >= vocab and stop_ids.issuperset(range(vocab)):  # (min_tokens masks them all)
+            raise OptionError(f"min_tokens ({min_tokens}) holds back every stop token id until then, and the stop "
+                              f"token ids (stop_token_ids and EOS) cover the whole vocabulary ({vocab} ids): no token is "
+                              "left to generate; drop min_tokens or some stop_token_ids", "min_tokens", "stop_token_ids")
         decode = functools.partial(self._decode, skip=skip) if skip else self._decode
         return Stopper(decode, stops, stop_ids, max_new_tokens, min_tokens, include_stop_str_in_output,
                        self.byte_token_values)

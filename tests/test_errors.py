@@ -304,6 +304,28 @@ def test_a_default_max_new_tokens_is_cut_to_the_context_a_given_one_is_refused(e
                                        f"context of {n + 5} tokens\n")
 
 
+def test_min_tokens_with_stop_token_ids_covering_the_vocabulary_is_refused_up_front(engine):
+    """min_tokens holds back every stop token id until then: with stop_token_ids (and EOS)
+    covering the whole vocabulary, no token is left. It was refused up front in none of
+    generate, stream, generate_batch: greedy decoding gave EOS as the first token despite
+    min_tokens, sampling raised torch's "probability tensor contains either inf, nan"."""
+    every = list(range(engine.target.config.vocab_size))
+    line = (r"^min_tokens \(2\) holds back every stop token id until then, and the stop token ids \(stop_token_ids "
+            r"and EOS\) cover the whole vocabulary \(320 ids\): no token is left to generate; drop min_tokens or some "
+            r"stop_token_ids$")
+    for kw in (dict(), dict(temperature=1.0, seed=0), dict(ignore_eos=True)):
+        with pytest.raises(OptionError, match=line):
+            engine.generate("def f(x):", max_new_tokens=4, min_tokens=2, stop_token_ids=every, **kw)
+        with pytest.raises(OptionError, match=line):
+            next(engine.stream("def f(x):", max_new_tokens=4, min_tokens=2, stop_token_ids=every, **kw))
+    with pytest.raises(DFlashError, match=line[1:]):
+        engine.generate_batch(["def f(x):", "a"], max_new_tokens=4, min_tokens=2, stop_token_ids=every)
+    left = every[:100] + every[101:]  # (one token left: min_tokens gives it)
+    out = engine.generate("def f(x):", max_new_tokens=4, min_tokens=2, stop_token_ids=left)
+    assert out.token_ids[:2] == [100, 100] and out.finish_reason == "stop", out
+    assert engine.generate("def f(x):", max_new_tokens=4, stop_token_ids=every).token_ids  # (no min_tokens: a stop)
+
+
 def test_a_min_tokens_above_the_default_names_what_applies(engine, tiny_pair, capsys):
     """A min_tokens above what applies with no max_new_tokens given names it: the default
     (known before the prompt: a generate_batch's shared min_tokens is no prompt's fault),
