@@ -139,6 +139,10 @@ def chat_messages(messages: list) -> list[dict]:
         nested = bool(messages) and all(isinstance(m, (list, tuple)) for m in messages)  # (a tokenizer's batch)
         hint = "" if not nested else "; got a list of one list (a batch of one): pass its row, ids[0]" \
             if len(messages) == 1 else f"; got a list of {len(messages)} lists ({len(messages)} prompts: generate_batch takes them)"
+        if messages and all(isinstance(m, str) for m in messages):  # (several texts given as one prompt)
+            n = len(messages)
+            hint = f"; got a list of {n} string{'s' if n != 1 else ''} (" + (
+                "one text prompt: pass the string itself)" if n == 1 else f"{n} text prompts: generate_batch takes them)")
         raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})"
                           + hint)
     out = []

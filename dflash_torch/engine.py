@@ -723,7 +723,8 @@ class DFlashEngine:
                 template_kwargs["continue_final_message"] = True
             return self._encode(render_chat(self.tokenizer, messages, template_kwargs), add_special_tokens=False)
         if not isinstance(prompt, str):
-            raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages")
+            raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages"
+                              + (options.tokenizer_output_hint(prompt) or f", got {type(prompt).__name__}"))
         if check_length:
             self._check_length(len(prompt))
         return self._encode(prompt)
@@ -1394,7 +1395,8 @@ class DFlashEngine:
             given = "an empty one" if isinstance(prompts, (list, tuple)) else type(prompts).__name__
             if getattr(prompts, "ndim", 0) == 2:  # (a tensor or NumPy array of token ids, a prompt a row)
                 given = f"a 2-D {given} of shape {tuple(prompts.shape)}: {options.ROWS_HINT}"
-            raise DFlashError(f"prompts must be a non-empty list of prompts, got {given}")
+            hint = options.tokenizer_output_hint(prompts, batch=True)
+            raise DFlashError("prompts must be a non-empty list of prompts" + (hint or f", got {given}"))
         if all(isinstance(p, dict) for p in prompts) or all(
                 hasattr(p, "__index__") and getattr(p, "ndim", 0) == 0 and not isinstance(p, (bool, list, str))
                 for p in prompts):  # (token ids: ints, NumPy / torch scalars; not arrays or tensors of ids)

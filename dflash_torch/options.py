@@ -95,6 +95,26 @@ def json_type(value) -> str:
 ROWS_HINT = "generate_batch(list(ids)) takes its rows as prompts, each without its padding"  # (of an [N, L] batch of ids)
 
 
+def tokenizer_output_hint(value, batch: bool = False) -> str:
+    """How to pass a tokenizer's output (a ``BatchEncoding``, ``tokenizer(text)``, or any
+    mapping of ``input_ids``) as :meth:`DFlashEngine.generate`'s prompt (``batch``: as
+    :meth:`DFlashEngine.generate_batch`'s prompts): its ``["input_ids"]`` (its row of a
+    ``[1, N]`` batch; of ``[N, L]``, the rows to ``generate_batch``); ``""`` for anything else."""
+    if not callable(getattr(value, "keys", None)) or "input_ids" not in value.keys():
+        return ""
+    ids = value["input_ids"]
+    rows = len(ids) if getattr(ids, "ndim", 1) == 2 or (isinstance(ids, list) and ids and isinstance(ids[0], list)) else 0
+    got = f"a tokenizer's output ({type(value).__name__})"
+    if batch:
+        how = ('pass the rows of its ["input_ids"] as a list, each without its padding' if rows else
+               'its ["input_ids"] is one prompt, for generate')
+    elif rows > 1:
+        how = f'its ["input_ids"] holds {rows} prompts: pass its rows to generate_batch as a list, each without its padding'
+    else:
+        how = 'pass its ["input_ids"][0] (a batch of one)' if rows else 'pass its ["input_ids"]'
+    return f", got {got}: {how}"
+
+
 def as_prompt(prompt):
     """A prompt as :meth:`DFlashEngine.encode_prompt` reads it: a tuple or ``range`` as a list,
     a 1-D integer tensor or NumPy array of token ids as a list of ints; anything else as it is.

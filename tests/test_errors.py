@@ -1501,6 +1501,38 @@ def test_a_misspelt_argument_or_a_callback_that_is_not_one_is_named(engine):
         engine.generate("x", max_new_tokens=2, on_chunk=5)
 
 
+def test_a_tokenizers_output_or_a_list_of_texts_as_the_prompt_gets_a_hint(engine):
+    """A tokenizer's output (``tokenizer(text)``, a BatchEncoding) as the prompt names it and
+    says to pass its ``["input_ids"]`` (its row, of ``return_tensors="pt"``); a list of
+    strings says generate_batch takes several texts. Both got only "the prompt must be a
+    string, a list of token ids, or a list of chat messages" / "a prompt list must hold
+    token ids (ints) or chat messages"."""
+    tok = engine.tokenizer
+    start = r"^the prompt must be a string, a list of token ids, or a list of chat messages, got a tokenizer's output \(BatchEncoding\): "
+    cases = [(tok("def f(x):"), r'pass its \["input_ids"\]$'),
+             (tok("def f(x):", return_tensors="pt"), r'pass its \["input_ids"\]\[0\] \(a batch of one\)$'),
+             (tok(["a", "bb"], return_tensors="pt", padding=True),
+              r'its \["input_ids"\] holds 2 prompts: pass its rows to generate_batch as a list, each without its padding$')]
+    for prompt, how in cases:
+        with pytest.raises(DFlashError, match=start + how):
+            engine.generate(prompt, max_new_tokens=2)
+    with pytest.raises(DFlashError, match=r"^prompts must be a non-empty list of prompts, got a tokenizer's output "
+                                          r'\(BatchEncoding\): pass the rows of its \["input_ids"\] as a list, each '
+                                          r"without its padding$"):
+        engine.generate_batch(tok(["a", "bb"]), max_new_tokens=2)
+    direct = engine.generate("def f(x):", max_new_tokens=2, ignore_eos=True).token_ids
+    for ids in (tok("def f(x):")["input_ids"], tok("def f(x):", return_tensors="pt")["input_ids"][0]):
+        assert engine.generate(ids, max_new_tokens=2, ignore_eos=True).token_ids == direct
+    with pytest.raises(DFlashError, match=r"^the prompt must be a string, a list of token ids, or a list of chat "
+                                          r"messages, got GenerationResult$"):
+        engine.generate(engine.generate("a", max_new_tokens=2), max_new_tokens=2)
+    texts = r"^a prompt list must hold token ids \(ints\) or chat messages \(\{'role': str, 'content': str\}\); got "
+    with pytest.raises(DFlashError, match=texts + r"a list of 2 strings \(2 text prompts: generate_batch takes them\)$"):
+        engine.generate(["a", "b"], max_new_tokens=2)
+    with pytest.raises(DFlashError, match=texts + r"a list of 1 string \(one text prompt: pass the string itself\)$"):
+        engine.generate(["a"], max_new_tokens=2)
+
+
 def test_api_misuse_found_by_a_trial_gets_a_clear_error(engine):
     """One prompt passed to generate_batch (it said "prompt 0: the prompt must be a string, a
     list of token ids, ..."); chat=True on token ids (silently ignored); decoding an id outside
