@@ -1002,7 +1002,9 @@ class DFlashEngine:
             :class:`StreamChunk`; the last one has ``finish_reason`` and ``stats``.
 
         Raises:
-            DFlashError: invalid parameters or a prompt that does not fit the context.
+            DFlashError: invalid parameters or a prompt that does not fit the context, at the
+                first ``next()`` (this is a generator: calling it checks nothing; the request
+                is checked, and waits for the engine, when iteration starts).
         """
         with self._request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            min_p=min_p, seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,

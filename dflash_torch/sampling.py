@@ -287,7 +287,8 @@ _F32 = torch.finfo(torch.float32)
 
 
 class TokenLogprob(NamedTuple):
-    """A generated token and its log-probability under the target (natural log, float).
+    """A token and its log-probability under the target (natural log, float): a generated
+    token (``logprobs``), or a prompt token given the tokens before it (``prompt_logprobs``).
 
     Attributes:
         token_id: the token.
