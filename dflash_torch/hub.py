@@ -47,7 +47,8 @@ def _valid_revision(revision: str) -> bool:
 def snapshot(name: str) -> Path:
     """The local directory of the Hub repo ``name`` (``ORG/NAME``, or ``ORG/NAME@REVISION``: that
     branch, tag or commit hash; else ``main``): its snapshot of that revision in the cache when
-    that holds ``config.json`` and safetensors weights, else the snapshot :func:`download` fills.
+    that holds ``config.json`` and safetensors weights (whatever else of the repo it lacks, e.g.
+    after ``hf download --include``), else the snapshot :func:`download` fills.
 
     Raises:
         DFlashError: ``name`` is not a valid repo id (``ORG/NAME`` of letters, digits, ``-``,
@@ -74,20 +75,22 @@ def snapshot(name: str) -> Path:
     try:  # (the cache first: no network for a model already there)
         local = snapshot_download(repo_id=repo, revision=revision, local_files_only=True, allow_patterns=HUB_FILES,
                                   ignore_patterns=HUB_SKIPPED)
-    except Exception:
-        local = None
+    except Exception as exc:  # (IncompleteSnapshotError, huggingface_hub >= 2: the snapshot lacks a file of the repo's
+        # stored file list, e.g. a README.md or merges.txt that loading does not read: what it holds is judged below)
+        local = getattr(exc, "snapshot_path", None)
+    lacks = None
     if local is not None:
         try:  # (a shared cache whose snapshot or blobs this process may not read)
             os.listdir(local)
-            complete = _complete(Path(local))
+            lacks = _lacks(Path(local))
         except OSError as exc:
             raise DFlashError(f"cannot read {exc.filename or local}: {exc.strerror}") from None
-        if complete:
+        if lacks is None:
             return Path(local)
     denied = _unreadable_cache_entry(repo, revision)
     if denied is not None:
         raise DFlashError(f"cannot read {denied}: Permission denied")
-    return download(name, cached=local)
+    return download(name, cached=lacks)
 
 
 def _complete(local: Path) -> bool:
@@ -112,6 +115,27 @@ def _complete(local: Path) -> bool:
     return any(f.is_file() for f in local.glob("*.safetensors"))
 
 
+def _lacks(local: Path) -> str | None:
+    """What the cached snapshot ``local`` lacks of a checkpoint, in a line that names it
+    (``PATH has no config.json``; else :func:`~dflash_torch.checkpoint.weight_files`' words: a
+    shard missing, a broken link, no safetensors weights, naming ``.bin`` ones); None where it
+    holds what loading reads (:func:`_complete`).
+
+    Raises:
+        OSError: a part of it this process may not read."""
+    from .checkpoint import weight_files
+
+    if not (local / "config.json").is_file():
+        return f"{local} has no config.json"
+    if _complete(local):
+        return None
+    try:
+        weight_files(local)
+    except DFlashError as exc:
+        return str(exc)
+    return f"{local} has no safetensors weights"  # (not reached: weight_files names what _complete misses)
+
+
 def download(name: str, cached: str | None = None) -> Path:
     """Download the Hugging Face Hub repo ``name`` (``ORG/NAME``, its ``main`` branch, or
     ``ORG/NAME@REVISION``, that branch, tag or commit hash) into the Hugging Face cache
@@ -120,8 +144,9 @@ def download(name: str, cached: str | None = None) -> Path:
     loading reads are fetched (:data:`HUB_FILES` at the repo's top level: safetensors
     weights, JSON configs, tokenizer and chat template files), never PyTorch ``.bin``
     weights or subfolders. A private or gated repo needs a token (``hf auth login`` or
-    ``HF_TOKEN``). ``cached``: an incomplete snapshot of it in the cache, if any (named when
-    offline).
+    ``HF_TOKEN``). ``cached``: what an incomplete snapshot of it in the cache lacks, if there is
+    one (:func:`_lacks`: ``PATH has no config.json``, a shard missing, ...; said when offline or
+    the Hub cannot be reached).
 
     The download runs in a thread of its own, so that Ctrl-C stops the wait at once
     (``KeyboardInterrupt``; huggingface_hub's own threads finish the file they fetch unless
@@ -129,7 +154,7 @@ def download(name: str, cached: str | None = None) -> Path:
     :func:`downloading`).
 
     Raises:
-        DFlashError: ``HF_HUB_OFFLINE`` is set; the Hub cannot be reached, or answers with an
+        DFlashError: ``HF_HUB_OFFLINE`` is set (naming what ``cached`` lacks); the Hub cannot be reached, or answers with an
             HTTP error; the repo does not exist or this user may not read it (private, gated);
             it has no such revision;
             it has no ``config.json``, or no safetensors weights (naming ``.bin`` ones); any
@@ -139,7 +164,7 @@ def download(name: str, cached: str | None = None) -> Path:
 
     repo, revision = split_revision(name)
     if constants.HF_HUB_OFFLINE:
-        where = (f"is in the Hugging Face cache incomplete ({cached}: no config.json or safetensors weights)"
+        where = (f"is in the Hugging Face cache incomplete ({cached})"
                  if cached else "is not a local directory and is not in the Hugging Face cache" if revision is None
                  else f"is not a local directory and its revision {revision!r} is not in the Hugging Face cache")
         raise DFlashError(f"model {name!r} {where}; HF_HUB_OFFLINE is set, so it is not downloaded")
@@ -172,10 +197,10 @@ def download(name: str, cached: str | None = None) -> Path:
     return _downloaded(name, Path(done["dir"]), done["files"])
 
 
-def _reason(exc: Exception, revision: str | None = None, cached: str | Path | None = None) -> str:
+def _reason(exc: Exception, revision: str | None = None, cached: str | None = None) -> str:
     """Why huggingface_hub's ``exc`` stopped a download of ``revision`` (None: ``main``), in a line;
-    ``cached``: the incomplete snapshot of it in the cache, if any (said where the Hub cannot be
-    reached: offline, nothing else could be used)."""
+    ``cached``: what an incomplete snapshot of it in the cache lacks, if there is one (said where the
+    Hub cannot be reached: offline, nothing else could be used)."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)

@@ -1375,11 +1375,14 @@ def test_an_engine_from_a_relative_or_home_path_is_named_by_its_directory(tiny_p
     assert DFlashEngine.from_pretrained(tmp_path / "link", no_draft=True).name == "link"
 
 
-@pytest.mark.parametrize("with_config", [True, False])
-def test_hugging_face_ids_resolve_from_the_local_cache(tiny_pair, tmp_path, monkeypatch, with_config):
+@pytest.mark.parametrize("lacks", [None, "config", "shard", "link", "bin"])
+def test_hugging_face_ids_resolve_from_the_local_cache(tiny_pair, tmp_path, monkeypatch, lacks):
     """A cached repo id resolves to its snapshot; one cached without its config.json is
-    called that (it was "not in the Hugging Face cache")."""
+    called that (it was "not in the Hugging Face cache"). Offline, a snapshot that lacks a
+    shard, whose weights are a broken link or only ``.bin`` ones is named with that reason, as a
+    directory is (it was "no config.json or safetensors weights" for each)."""
     from huggingface_hub import constants
+    from safetensors.torch import load_file, save_file
 
     from dflash_torch.checkpoint import resolve_model_dir
 
@@ -1389,17 +1392,37 @@ def test_hugging_face_ids_resolve_from_the_local_cache(tiny_pair, tmp_path, monk
     snapshot.mkdir(parents=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(snapshot.name)
+    shutil.copy(target / "config.json", snapshot / "config.json")
     shutil.copy(target / "model.safetensors", snapshot / "model.safetensors")
-    if with_config:
-        shutil.copy(target / "config.json", snapshot / "config.json")
+    if lacks == "config":
+        (snapshot / "config.json").unlink()
+    elif lacks == "shard":  # (its index names two shards; the second is not there)
+        weights = load_file(snapshot / "model.safetensors")
+        (snapshot / "model.safetensors").unlink()
+        save_file(weights, snapshot / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+        (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(weights)}}))
+    elif lacks == "link":  # (a link to a blob that is gone, as a download cut short leaves it)
+        (snapshot / "model.safetensors").unlink()
+        (snapshot / "model.safetensors").symlink_to("../../blobs/0123")
+    elif lacks == "bin":
+        (snapshot / "model.safetensors").rename(snapshot / "pytorch_model.bin")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # (read when huggingface_hub is imported)
-    if with_config:
+    reasons = {"config": f"{snapshot} has no config.json",
+               "shard": f"{snapshot}: shard(s) listed in model.safetensors.index.json are missing: "
+                        "model-00002-of-00002.safetensors",
+               "link": f"{snapshot}: model.safetensors is a broken link (an interrupted download? download the "
+                       "checkpoint again)",
+               "bin": f"{snapshot} has no safetensors weights (model.safetensors or model.safetensors.index.json); "
+                      "it holds pytorch_model.bin (PyTorch pickle weights), which dflash-torch does not read"}
+    if lacks is None:
         assert resolve_model_dir("acme/tiny") == snapshot
     else:
-        with pytest.raises(DFlashError, match=r"model 'acme/tiny' is in the Hugging Face cache incomplete \(.*: no "
-                                              r"config.json or safetensors weights\); HF_HUB_OFFLINE is set"):
+        with pytest.raises(DFlashError) as err:
             resolve_model_dir("acme/tiny")
+        assert str(err.value).startswith(f"model 'acme/tiny' is in the Hugging Face cache incomplete ({reasons[lacks]}")
+        assert str(err.value).endswith("); HF_HUB_OFFLINE is set, so it is not downloaded")
     with pytest.raises(DFlashError, match="'acme/other' is not a local directory and is not in the Hugging Face "
                                           "cache; HF_HUB_OFFLINE is set, so it is not downloaded"):
         resolve_model_dir("acme/other")
@@ -1877,9 +1900,11 @@ def test_an_unreadable_tokenizer_file_it_does_not_need_is_no_error(tiny_pair, tm
     assert out == ["loaded", "loaded"]
 
 
-def _cache_repo(hub: Path, repo_id: str, source: Path) -> Path:
+def _cache_repo(hub: Path, repo_id: str, source: Path, listed: tuple[str, ...] = ()) -> Path:
     """``source``'s files in the Hugging Face cache ``hub`` as huggingface_hub keeps them: blobs
-    named by their hash, a snapshot of links to them, refs/main naming the snapshot."""
+    named by their hash, a snapshot of links to them, refs/main naming the snapshot; with
+    ``listed``, the repo's file list as huggingface_hub 2 keeps it (``trees/COMMIT.json``): its
+    files and ``listed``, files of the repo the snapshot lacks."""
     import hashlib
 
     repo = hub / ("models--" + repo_id.replace("/", "--"))
@@ -1892,23 +1917,31 @@ def _cache_repo(hub: Path, repo_id: str, source: Path) -> Path:
         (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(snapshot.name)
+    if listed:
+        files = {f.name: {"size": f.stat().st_size, "blob_id": "0" * 40} for f in source.iterdir()}
+        files.update({name: {"size": 1, "blob_id": "0" * 40} for name in listed})
+        (repo / "trees").mkdir()
+        (repo / "trees" / f"{snapshot.name}.json").write_text(json.dumps({"format_version": 1, "files": files}))
     return repo
 
 
 def test_unreadable_hugging_face_cache_entries_are_one_line_errors(tiny_pair, tmp_path):
     """A cached repo whose blobs or snapshot this process may not read (a shared HF_HOME) was a
     PermissionError traceback from pathlib, from the command line and from_pretrained; one whose
-    folder or refs/main it may not read was "not in the Hugging Face cache". Each is
+    folder or refs/main it may not read was "not in the Hugging Face cache", and so was one whose
+    snapshot it may not read where huggingface_hub keeps the repo's file list. Each is
     ``cannot read PATH: Permission denied``, exit 2."""
 
     prefix = _as_an_ordinary_user(tmp_path)
     target, drafter = tiny_pair
     hub = tmp_path / "hub"
-    repos = {name: _cache_repo(hub, f"acme/{name}", drafter if name.startswith("d") else target)
-             for name in ("t", "t-blobs", "t-snapshot", "t-ref", "t-repo", "d", "d-blobs")}
+    repos = {name: _cache_repo(hub, f"acme/{name}", drafter if name.startswith("d") else target,
+                               ("README.md",) if name == "t-listed" else ())
+             for name in ("t", "t-blobs", "t-snapshot", "t-listed", "t-ref", "t-repo", "d", "d-blobs")}
     snapshot = "snapshots/" + "a" * 40
     cases = [("t-blobs", "d", repos["t-blobs"] / "blobs", repos["t-blobs"] / snapshot / "config.json"),
              ("t-snapshot", "d", repos["t-snapshot"] / snapshot, repos["t-snapshot"] / snapshot),
+             ("t-listed", "d", repos["t-listed"] / snapshot, repos["t-listed"] / snapshot),
              ("t-ref", "d", repos["t-ref"] / "refs" / "main", repos["t-ref"] / "refs" / "main"),
              ("t-repo", "d", repos["t-repo"], repos["t-repo"]),
              ("t", "d-blobs", repos["d-blobs"] / "blobs", repos["d-blobs"] / snapshot / "config.json")]

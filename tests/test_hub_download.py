@@ -266,6 +266,41 @@ def test_a_cache_entry_without_the_weights_is_completed_by_a_download(cli, hub, 
     assert json.loads(got.stdout)["token_ids"] == _local(cli, "--target", str(tiny_pair[0]), "--no-draft")
 
 
+def test_a_cache_entry_that_lacks_files_loading_does_not_read_is_used(cli, hub, tiny_pair, tmp_path):
+    """huggingface_hub 2 keeps the repo's file list (``trees/COMMIT.json``) and refuses a
+    snapshot that lacks one of them (IncompleteSnapshotError): a cache shared with tools that
+    fetch a subset (``hf download --include``) lacks a README or merges.txt that loading never
+    reads. It was "not in the Hugging Face cache" (offline) and "the Hub cannot be reached, and
+    it is not in the Hugging Face cache"; it is used as it is now. A weight file its blob is gone
+    from is named, as the same cache without the file list names it."""
+    endpoint, server = hub
+    repo = shutil.copytree(tiny_pair[0], tmp_path / "notes")
+    (repo / "notes.txt").write_text("not read by loading")
+    server.repos["acme/notes"] = repo
+    cache = tmp_path / "hub-cache"
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
+    got = _generate("--target", "acme/notes", "--no-draft", env=env)
+    assert got.returncode == 0, got.stderr
+    if not (cache / "models--acme--notes" / "trees").is_dir():
+        pytest.skip("this huggingface_hub keeps no file list of a repo")
+    snapshot = cache / "models--acme--notes" / "snapshots" / COMMIT
+    (snapshot / "notes.txt").unlink()
+    want = _local(cli, "--target", str(tiny_pair[0]), "--no-draft")
+    for changed in ({"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}):
+        again = _generate("--target", "acme/notes", "--no-draft", env=dict(env, **changed))
+        assert again.returncode == 0, again.stderr
+        assert "downloading" not in again.stderr and json.loads(again.stdout)["token_ids"] == want
+    (snapshot / "model.safetensors").resolve().unlink()  # (its blob: the link is broken)
+    broken = f"{snapshot}: model.safetensors is a broken link"
+    offline = _generate("--target", "acme/notes", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
+    assert offline.returncode == 2, offline.stderr
+    assert f"model 'acme/notes' is in the Hugging Face cache incomplete ({broken}" in offline.stderr, offline.stderr
+    dead = _generate("--target", "acme/notes", "--no-draft", env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
+    assert dead.returncode == 2, dead.stderr
+    assert "the Hub cannot be reached (ConnectError: " in dead.stderr, dead.stderr
+    assert f", and the Hugging Face cache holds it incomplete ({broken}" in dead.stderr, dead.stderr
+
+
 def test_ctrl_c_during_a_download_exits_at_once(hub, tiny_pair, tmp_path):
     """Ctrl-C while huggingface_hub downloads: the command ends with status 130 without waiting
     for the file being fetched (it waited for the whole file: minutes for a large model)."""
