@@ -154,7 +154,9 @@ def download(name: str, cached: str | None = None) -> Path:
     :func:`downloading`).
 
     Raises:
-        DFlashError: ``HF_HUB_OFFLINE`` is set (naming what ``cached`` lacks); the Hub cannot be reached, or answers with an
+        DFlashError: ``HF_HUB_OFFLINE`` is set (naming what ``cached`` lacks); the Hub cannot be reached
+            (one that does not answer the repo's file list within ``HF_HUB_ETAG_TIMEOUT`` seconds, 10
+            by default, too), or answers with an
             HTTP error; the repo does not exist or this user may not read it (private, gated);
             it has no such revision;
             it has no ``config.json``, or no safetensors weights (naming ``.bin`` ones); any
@@ -174,8 +176,9 @@ def download(name: str, cached: str | None = None) -> Path:
     finished = threading.Event()  # (not Thread.is_alive: a Ctrl-C in join() marks a running thread stopped)
 
     def fetch() -> None:
-        try:  # (asked first, once: snapshot_download retries a Hub out of reach for ~25 s, for a commit hash)
-            siblings = HfApi().model_info(repo, revision=revision).siblings or ()
+        try:  # (asked first, once: snapshot_download retries a Hub out of reach for ~25 s, for a commit hash; within
+            # HF_HUB_ETAG_TIMEOUT seconds, as huggingface_hub asks for a file's metadata: a Hub that never answers hung)
+            siblings = HfApi().model_info(repo, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT).siblings or ()
             done["files"] = [s.rfilename for s in siblings if "/" not in s.rfilename]
             done["dir"] = snapshot_download(repo_id=repo, revision=revision, allow_patterns=HUB_FILES,
                                             ignore_patterns=HUB_SKIPPED)

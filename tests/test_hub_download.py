@@ -136,9 +136,9 @@ def _local(cli, *args: str) -> list[int]:
     return json.loads(got.stdout)["token_ids"]
 
 
-def _generate(*args: str, env: dict) -> subprocess.CompletedProcess:
+def _generate(*args: str, env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dflash_torch.cli", "generate", "def f(x):", "--max-new-tokens", "12",
-                           "--json", *args], capture_output=True, text=True, timeout=240,
+                           "--json", *args], capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                                    HF_HUB_DISABLE_PROGRESS_BARS="1", **env))
 
@@ -236,6 +236,26 @@ def test_a_hub_id_that_cannot_be_downloaded_is_one_line(hub, tmp_path, model, en
         assert "answered" in last and "418" in last and "cannot be reached" not in last, last
     if model in ("acme/target@", "acme/a..b@v2", "solo"):  # (not a download that failed)
         assert "downloading" not in got.stderr, got.stderr
+
+
+def test_a_hub_that_never_answers_is_out_of_reach_in_seconds(tmp_path):
+    """A Hub endpoint that takes the connection and never answers (a proxy or firewall that holds
+    it): generate waited forever for the repo's file list. It gives up after HF_HUB_ETAG_TIMEOUT
+    seconds, "cannot be reached", in one line."""
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))  # (the kernel accepts its connections; nothing reads or answers)
+    try:
+        env = {"HF_ENDPOINT": f"http://127.0.0.1:{silent.getsockname()[1]}", "HF_HUB_CACHE": str(tmp_path / "hub-cache"),
+               "HF_HUB_OFFLINE": "0", "HF_HUB_ETAG_TIMEOUT": "2"}
+        got = _generate("--target", "acme/target", "--no-draft", env=env, timeout=90)
+    finally:
+        silent.close()
+    assert got.returncode == 2, got.stderr
+    last = got.stderr.strip().splitlines()[-1]
+    assert "cannot download model 'acme/target' from the Hugging Face Hub: the Hub cannot be reached (ReadTimeout: " \
+        in last and last.endswith(", and it is not in the Hugging Face cache"), got.stderr
+    assert "Traceback" not in got.stderr and "Retrying" not in got.stderr, got.stderr
 
 
 def test_a_cache_entry_without_the_weights_is_completed_by_a_download(cli, hub, tiny_pair, tmp_path):
