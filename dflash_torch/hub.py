@@ -165,9 +165,10 @@ def download(name: str, cached: str | None = None) -> Path:
     from huggingface_hub import HfApi, constants, snapshot_download
 
     repo, revision = split_revision(name)
+    path = Path(name).absolute() if revision is None else None  # (what was looked for as a directory: a mistyped one?)
     if constants.HF_HUB_OFFLINE:
         where = (f"is in the Hugging Face cache incomplete ({cached})"
-                 if cached else "is not a local directory and is not in the Hugging Face cache" if revision is None
+                 if cached else f"is not a local directory ({path}) and is not in the Hugging Face cache" if path
                  else f"is not a local directory and its revision {revision!r} is not in the Hugging Face cache")
         raise DFlashError(f"model {name!r} {where}; HF_HUB_OFFLINE is set, so it is not downloaded")
     logging.getLogger("dflash_torch").warning(
@@ -196,14 +197,16 @@ def download(name: str, cached: str | None = None) -> Path:
         if not isinstance(done["error"], Exception):
             raise done["error"]
         raise DFlashError(f"cannot download model {name!r} from the Hugging Face Hub: "
-                          f"{_reason(done['error'], revision, cached)}")
+                          f"{_reason(done['error'], revision, cached, path)}")
     return _downloaded(name, Path(done["dir"]), done["files"])
 
 
-def _reason(exc: Exception, revision: str | None = None, cached: str | None = None) -> str:
+def _reason(exc: Exception, revision: str | None = None, cached: str | None = None, path: Path | None = None) -> str:
     """Why huggingface_hub's ``exc`` stopped a download of ``revision`` (None: ``main``), in a line;
     ``cached``: what an incomplete snapshot of it in the cache lacks, if there is one (said where the
-    Hub cannot be reached: offline, nothing else could be used)."""
+    Hub cannot be reached: offline, nothing else could be used); ``path``: the directory the id
+    would be as a path, if it could be one (said where the Hub has no such model or cannot be
+    reached: a mistyped local path is taken for an id)."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
@@ -213,13 +216,15 @@ def _reason(exc: Exception, revision: str | None = None, cached: str | None = No
     if isinstance(exc, GatedRepoError):
         return "it is gated: accept its conditions on its Hub page, then log in (`hf auth login` or HF_TOKEN)"
     if isinstance(exc, RepositoryNotFoundError):
-        return "the Hub has no such model, or it is private and this user may not read it (log in: `hf auth login` or HF_TOKEN)"
+        return ("the Hub has no such model, or it is private and this user may not read it (log in: `hf auth login` or "
+                "HF_TOKEN)" + (f", and it is not a local directory ({path})" if path else ""))
     cause = (exc.__cause__ or exc.__context__) if isinstance(exc, LocalEntryNotFoundError) else exc
     if isinstance(cause, HfHubHTTPError):  # (the Hub answered an error)
         return f"{constants.ENDPOINT} answered {first_line(cause)}"
     if isinstance(exc, LocalEntryNotFoundError) or _unreachable(cause):
         return ("the Hub cannot be reached" + (f" ({type(cause).__name__}: {first_line(cause)})" if cause else "")
                 + (f", and the Hugging Face cache holds it incomplete ({cached})" if cached
+                   else f", and it is not a local directory ({path}) and is not in the Hugging Face cache" if path
                    else ", and it is not in the Hugging Face cache" if revision is None
                    else f", and its revision {revision!r} is not in the Hugging Face cache"))
     return f"{type(exc).__name__}: {first_line(exc)}"  # (a full disk, ...: huggingface_hub's own message)

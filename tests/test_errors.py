@@ -1423,8 +1423,9 @@ def test_hugging_face_ids_resolve_from_the_local_cache(tiny_pair, tmp_path, monk
             resolve_model_dir("acme/tiny")
         assert str(err.value).startswith(f"model 'acme/tiny' is in the Hugging Face cache incomplete ({reasons[lacks]}")
         assert str(err.value).endswith("); HF_HUB_OFFLINE is set, so it is not downloaded")
-    with pytest.raises(DFlashError, match="'acme/other' is not a local directory and is not in the Hugging Face "
-                                          "cache; HF_HUB_OFFLINE is set, so it is not downloaded"):
+    with pytest.raises(DFlashError, match=re.escape(f"'acme/other' is not a local directory ({Path('acme/other').absolute()}) "
+                                                    "and is not in the Hugging Face cache; HF_HUB_OFFLINE is set, so it "
+                                                    "is not downloaded")):
         resolve_model_dir("acme/other")
 
 

@@ -136,9 +136,9 @@ def _local(cli, *args: str) -> list[int]:
     return json.loads(got.stdout)["token_ids"]
 
 
-def _generate(*args: str, env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+def _generate(*args: str, env: dict, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dflash_torch.cli", "generate", "def f(x):", "--max-new-tokens", "12",
-                           "--json", *args], capture_output=True, text=True, timeout=timeout,
+                           "--json", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                                    HF_HUB_DISABLE_PROGRESS_BARS="1", **env))
 
@@ -229,7 +229,8 @@ def test_a_hub_id_that_cannot_be_downloaded_is_one_line(hub, tmp_path, model, en
     assert message in last, got.stderr
     assert "Traceback" not in got.stderr
     if "cannot be reached" in message:  # (not "set HF_HUB_OFFLINE=1 to use only the cache", which holds nothing of it)
-        assert last.endswith(", and it is not in the Hugging Face cache" if "@" not in model else
+        assert last.endswith(f", and it is not a local directory ({Path(model).absolute()}) and is not in the Hugging "
+                             "Face cache" if "@" not in model else
                              f", and its revision '{'ab' * 20}' is not in the Hugging Face cache"), last
     assert "Retrying" not in got.stderr, got.stderr
     if model == "acme/teapot":
@@ -254,8 +255,28 @@ def test_a_hub_that_never_answers_is_out_of_reach_in_seconds(tmp_path):
     assert got.returncode == 2, got.stderr
     last = got.stderr.strip().splitlines()[-1]
     assert "cannot download model 'acme/target' from the Hugging Face Hub: the Hub cannot be reached (ReadTimeout: " \
-        in last and last.endswith(", and it is not in the Hugging Face cache"), got.stderr
+        in last and last.endswith(" and is not in the Hugging Face cache"), got.stderr
     assert "Traceback" not in got.stderr and "Retrying" not in got.stderr, got.stderr
+
+
+def test_a_mistyped_local_path_is_said_not_to_be_a_directory(hub, tiny_pair, tmp_path):
+    """``--target models/my-targt`` (a typo of a directory in the working directory) is an id
+    to the Hub: where the Hub has no such model or cannot be reached, the message said only
+    that, not that no such directory was found, as it does offline."""
+    endpoint, _ = hub
+    shutil.copytree(tiny_pair[0], tmp_path / "models" / "my-target")
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "hub-cache"), "HF_HUB_OFFLINE": "0"}
+    looked = f"it is not a local directory ({tmp_path / 'models' / 'my-targt'})"
+    for changed, said in (({}, "the Hub has no such model, or it is private"),
+                          ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "the Hub cannot be reached (ConnectError"),
+                          ({"HF_HUB_OFFLINE": "1"}, "model 'models/my-targt' is not a local directory")):
+        got = _generate("--target", "models/my-targt", "--no-draft", env=dict(env, **changed), cwd=tmp_path)
+        assert got.returncode == 2, got.stderr
+        last = got.stderr.strip().splitlines()[-1]
+        assert said in last and looked.removeprefix("it ") in last and "Traceback" not in got.stderr, got.stderr
+        if changed != {"HF_HUB_OFFLINE": "1"}:
+            assert f", and {looked}" in last, last
+    assert _generate("--target", "models/my-target", "--no-draft", env=env, cwd=tmp_path).returncode == 0
 
 
 def test_a_cache_entry_without_the_weights_is_completed_by_a_download(cli, hub, tiny_pair, tmp_path):
