@@ -37,10 +37,11 @@ def split_revision(name: str) -> tuple[str, str | None]:
 def _valid_revision(revision: str) -> bool:
     """Whether ``revision`` may name a git branch, tag or commit (``git check-ref-format``'s
     rules, in short): one that may not (``..``, ``./v2``) would be read as a path, in the
-    Hub's URLs (``@..`` gave ``main``) and in the cache's ``refs`` folder."""
+    Hub's URLs (``@..`` gave ``main``) and in the cache's ``refs`` folder; nor may ``@`` alone
+    (``ORG/NAME@@``: git's word for HEAD)."""
     parts = revision.split("/")
     return (not any(c.isspace() or c in "~^:?*[\\" or ord(c) < 32 or ord(c) == 127 for c in revision)
-            and ".." not in revision and "@{" not in revision and not revision.endswith(".lock")
+            and ".." not in revision and "@{" not in revision and revision != "@" and not revision.endswith(".lock")
             and all(part and not part.startswith(".") for part in parts))
 
 
@@ -53,7 +54,7 @@ def snapshot(name: str) -> Path:
     Raises:
         DFlashError: ``name`` is not a valid repo id (``ORG/NAME`` of letters, digits, ``-``,
             ``_``, ``.``, with an optional ``@REVISION``), or its revision after ``@`` is empty or
-            not a git branch, tag or commit name (``..``, ``./v2``, whitespace);
+            not a git branch, tag or commit name (``..``, ``./v2``, ``@``, whitespace);
             a part of its cache entry this process may not read; see :func:`download` (not
             cached and offline, no such revision, ...).
     """
@@ -71,7 +72,8 @@ def snapshot(name: str) -> Path:
                           "ORG/NAME alone is the main branch)")
     if revision is not None and not _valid_revision(revision):
         raise DFlashError(f"model {name!r}: {revision!r} is not a branch, tag or commit name (git's rules: no "
-                          "whitespace, no '..', no part that is empty or starts with '.', none of ~ ^ : ? * [ \\)")
+                          "whitespace, no '..', no part that is empty or starts with '.', none of ~ ^ : ? * [ \\, "
+                          "not '@' alone)")
     try:  # (the cache first: no network for a model already there)
         local = snapshot_download(repo_id=repo, revision=revision, local_files_only=True, allow_patterns=HUB_FILES,
                                   ignore_patterns=HUB_SKIPPED)

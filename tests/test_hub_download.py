@@ -218,6 +218,7 @@ def test_a_revision_of_a_hub_id_is_downloaded_then_read_from_the_cache(cli, hub,
     # (a revision that is a path: '..' was main's snapshot online, '../refs/v1' the v1 ref in the cache offline)
     ("acme/target@..", {}, "model 'acme/target@..': '..' is not a branch, tag or commit name"),
     ("acme/target@./v2", {"HF_HUB_OFFLINE": "1"}, "model 'acme/target@./v2': './v2' is not a branch, tag or commit name"),
+    ("acme/target@@", {}, "model 'acme/target@@': '@' is not a branch, tag or commit name"),
     ("solo", {}, "model directory 'solo' does not exist (a Hugging Face id is ORG/NAME)"),
 ])
 def test_a_hub_id_that_cannot_be_downloaded_is_one_line(hub, tmp_path, model, env, message):
