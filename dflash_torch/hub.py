@@ -49,7 +49,9 @@ def snapshot(name: str) -> Path:
     """The local directory of the Hub repo ``name`` (``ORG/NAME``, or ``ORG/NAME@REVISION``: that
     branch, tag or commit hash; else ``main``): its snapshot of that revision in the cache when
     that holds ``config.json`` and safetensors weights (whatever else of the repo it lacks, e.g.
-    after ``hf download --include``), else the snapshot :func:`download` fills.
+    after ``hf download --include``; but unless ``HF_HUB_OFFLINE`` is set, one with no tokenizer
+    files where the repo's file list that huggingface_hub keeps names some is completed), else the
+    snapshot :func:`download` fills.
 
     Raises:
         DFlashError: ``name`` is not a valid repo id (``ORG/NAME`` of letters, digits, ``-``,
@@ -58,7 +60,7 @@ def snapshot(name: str) -> Path:
             a part of its cache entry this process may not read; see :func:`download` (not
             cached and offline, no such revision, ...).
     """
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     repo, revision = split_revision(name)
@@ -77,14 +79,18 @@ def snapshot(name: str) -> Path:
     try:  # (the cache first: no network for a model already there)
         local = snapshot_download(repo_id=repo, revision=revision, local_files_only=True, allow_patterns=HUB_FILES,
                                   ignore_patterns=HUB_SKIPPED)
+        listed = False
     except Exception as exc:  # (IncompleteSnapshotError, huggingface_hub >= 2: the snapshot lacks a file of the repo's
         # stored file list, e.g. a README.md or merges.txt that loading does not read: what it holds is judged below)
         local = getattr(exc, "snapshot_path", None)
+        listed = local is not None
     lacks = None
     if local is not None:
         try:  # (a shared cache whose snapshot or blobs this process may not read)
             os.listdir(local)
             lacks = _lacks(Path(local))
+            if lacks is None and listed and not constants.HF_HUB_OFFLINE:  # (a download completes it; else used)
+                lacks = _lacks_tokenizer(Path(local), repo, revision)
         except OSError as exc:
             raise DFlashError(f"cannot read {exc.filename or local}: {exc.strerror}") from None
         if lacks is None:
@@ -136,6 +142,27 @@ def _lacks(local: Path) -> str | None:
     except DFlashError as exc:
         return str(exc)
     return f"{local} has no safetensors weights"  # (not reached: weight_files names what _complete misses)
+
+
+def _lacks_tokenizer(local: Path, repo: str, revision: str | None) -> str | None:
+    """Where the cached snapshot ``local`` of ``repo`` holds no tokenizer file but the repo's file
+    list that huggingface_hub keeps (``trees/COMMIT.json``) names some: that, in a line naming
+    ``local``; else None (a drafter's repo has none).
+
+    Raises:
+        OSError: a part of it this process may not read."""
+    from .tokenizer import TOKENIZER_FILES
+
+    try:
+        from huggingface_hub import get_cached_repo_tree
+
+        files = {f.path for f in get_cached_repo_tree(repo, revision=revision)}
+    except Exception:  # (none kept, or a huggingface_hub that keeps none: nothing to tell)
+        return None
+    named = [f for f in TOKENIZER_FILES if f in files]
+    if not named or any((local / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    return f"{local} has no tokenizer files, which the repo has ({', '.join(named)})"
 
 
 def download(name: str, cached: str | None = None) -> Path:

@@ -313,8 +313,9 @@ def test_a_cache_entry_that_lacks_files_loading_does_not_read_is_used(cli, hub, 
     snapshot that lacks one of them (IncompleteSnapshotError): a cache shared with tools that
     fetch a subset (``hf download --include``) lacks a README or merges.txt that loading never
     reads. It was "not in the Hugging Face cache" (offline) and "the Hub cannot be reached, and
-    it is not in the Hugging Face cache"; it is used as it is now. A weight file its blob is gone
-    from is named, as the same cache without the file list names it."""
+    it is not in the Hugging Face cache"; it is used as it is now. One without the tokenizer files
+    the list names is still completed by a download where it may be. A weight file its blob is
+    gone from is named, as the same cache without the file list names it."""
     endpoint, server = hub
     repo = shutil.copytree(tiny_pair[0], tmp_path / "notes")
     (repo / "notes.txt").write_text("not read by loading")
@@ -332,6 +333,16 @@ def test_a_cache_entry_that_lacks_files_loading_does_not_read_is_used(cli, hub, 
         again = _generate("--target", "acme/notes", "--no-draft", env=dict(env, **changed))
         assert again.returncode == 0, again.stderr
         assert "downloading" not in again.stderr and json.loads(again.stdout)["token_ids"] == want
+    # (without its tokenizer files, which the repo has: completed by a download, as before; offline, used as it is)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (snapshot / file).unlink()
+    offline = _generate("--target", "acme/notes", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
+    assert offline.returncode == 2 and f"{snapshot} has no tokenizer files" in offline.stderr, offline.stderr
+    server.fetched.clear()
+    again = _generate("--target", "acme/notes", "--no-draft", env=env)
+    assert again.returncode == 0, again.stderr
+    assert "downloading acme/notes" in again.stderr and json.loads(again.stdout)["token_ids"] == want
+    assert "tokenizer.json" in server.fetched and "model.safetensors" not in server.fetched, server.fetched
     (snapshot / "model.safetensors").resolve().unlink()  # (its blob: the link is broken)
     broken = f"{snapshot}: model.safetensors is a broken link"
     offline = _generate("--target", "acme/notes", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
