@@ -291,6 +291,17 @@ def _downloaded(name: str, local: Path, files: list[str]) -> Path:
     return local
 
 
+def cached_name(path: Path) -> str | None:
+    """The Hub id (``ORG/NAME``) whose snapshot in the Hugging Face cache ``path`` is
+    (``.../models--ORG--NAME/snapshots/COMMIT``), else None: said in errors that name the
+    snapshot, a path that does not tell which model it is."""
+    path = Path(path)
+    folder = path.parent.parent.name
+    if path.parent.name == "snapshots" and folder.startswith("models--"):
+        return folder.removeprefix("models--").replace("--", "/")  # (an id holds no "--")
+    return None
+
+
 def downloading() -> bool:
     """Whether a download that a Ctrl-C stopped waiting for still runs (its threads would hold
     up the interpreter's exit until it ends)."""

@@ -153,7 +153,8 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
             missing, as a partial download leaves it.)
 
     Raises:
-        DFlashError: no tokenizer files in the checkpoint, a file that is a broken link (of an
+        DFlashError: no tokenizer files in the checkpoint (naming the Hub id of a snapshot in the
+            Hugging Face cache), a file that is a broken link (of an
             interrupted download), a tokenizer that fails to load (``cannot read FILE: Permission
             denied`` where a tokenizer file is one this process may not read; one that the
             tokenizer does not need is no error; a tokenizer JSON file that is not a valid JSON
@@ -170,7 +171,11 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
 
     check_links(model_dir)  # (else transformers blames a missing sentencepiece for a missing tokenizer.json)
     if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
-        raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+        from .hub import cached_name
+
+        hub_id = cached_name(model_dir)
+        raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})"
+                          + (f"; it is the snapshot of {hub_id} in the Hugging Face cache" if hub_id else ""))
     for name in TOKENIZER_READ:  # (transformers skips a directory of a file's name as if the file were absent)
         if (Path(model_dir) / name).is_dir():
             raise DFlashError(f"cannot load the tokenizer of {model_dir}: its {name} is a directory, not a file")

@@ -338,6 +338,7 @@ def test_a_cache_entry_that_lacks_files_loading_does_not_read_is_used(cli, hub, 
         (snapshot / file).unlink()
     offline = _generate("--target", "acme/notes", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
     assert offline.returncode == 2 and f"{snapshot} has no tokenizer files" in offline.stderr, offline.stderr
+    assert offline.stderr.rstrip().endswith("; it is the snapshot of acme/notes in the Hugging Face cache"), offline.stderr
     server.fetched.clear()
     again = _generate("--target", "acme/notes", "--no-draft", env=env)
     assert again.returncode == 0, again.stderr
