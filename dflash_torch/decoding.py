@@ -304,6 +304,53 @@ class _Kept:
     pending: tuple | None = None
 
 
+ROUND_WAIT_S = 10.0  # seconds the compute thread waits for another thread's round of the same decoder
+
+
+class _Rounds:
+    """The iterator :meth:`SpeculativeDecoder.rounds` returns: its ``_decode`` generator, one
+    round at a time. Every round (the first one, which resets the caches, included) is refused
+    from another thread while the compute thread runs an engine call
+    (:func:`~dflash_torch.compute.check_caller`), and while another thread is inside a round of
+    the same decoder; the compute thread's own round waits for that one to end instead, up to
+    ``ROUND_WAIT_S`` seconds (a round of another thread could wait on the compute thread itself:
+    a stream the garbage collector closes in it). Between rounds (at a yield) nothing is held.
+    A refused round leaves the iterator as it was (nothing decoded): it may be resumed later.
+    (A round from another thread ran in the middle of an engine's generate and changed the
+    caches under it: wrong tokens, no error.)"""
+
+    __slots__ = ("_decoder", "_rounds")
+
+    def __init__(self, decoder: SpeculativeDecoder, rounds: Iterator[Round]):
+        self._decoder, self._rounds = decoder, rounds
+
+    def __iter__(self) -> _Rounds:
+        return self
+
+    def __next__(self) -> Round:
+        stepping, name = self._decoder._stepping, "next() of a SpeculativeDecoder.rounds() generator"
+        if compute.on_compute_thread():
+            if not stepping.acquire(timeout=ROUND_WAIT_S):
+                raise DFlashError(f"{name} waited {ROUND_WAIT_S:g} s for another thread's round of this "
+                                  "SpeculativeDecoder to end: drive every rounds() generator of it through "
+                                  "dflash_torch.compute.run, which runs them in turn")
+        else:
+            compute.check_caller(name)
+            if not stepping.acquire(blocking=False):
+                raise DFlashError(f"{name} was called while another thread is inside a round of this "
+                                  "SpeculativeDecoder, which decodes one round at a time: drive every "
+                                  "rounds() generator of it through dflash_torch.compute.run (the other "
+                                  "thread's too), which runs them in turn")
+        try:
+            return next(self._rounds)
+        finally:
+            stepping.release()
+
+    def close(self) -> None:
+        """Close the generator (as a generator's ``close()``: it decodes no more)."""
+        self._rounds.close()
+
+
 class SpeculativeDecoder:
     """DFlash speculative decoding for one sequence at a time.
 
@@ -388,7 +435,10 @@ class SpeculativeDecoder:
         self.max_rows = max(block_size, self.prefill_chunk)  # the most rows one forward writes (rings: see cache.py)
         self.target_cache = target.new_cache(self.max_rows)
         self._run = 0  # the rounds() generator that owns the caches (a later call takes them over)
-        self._stepping = threading.Lock()  # (held by the round running: see _one_at_a_time)
+        self._stepping = threading.Lock()  # (held by the round running: see _Rounds)
+        # what holds this decoder across rounds() generators, e.g. a DFlashEngine's open request (set and
+        # cleared by it): a rounds() call meanwhile is refused instead of taking over the caches under it
+        self.held_by: str | None = None
         self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
         self.reused_prefill_tokens = 0  # prompt tokens taken from the caches instead of read, over all runs
         self.prefill_tokens = 0  # prompt tokens read, over all runs
@@ -628,10 +678,12 @@ class SpeculativeDecoder:
                 longer than the context, an invalid ``prompt_logprobs`` or ``checkpoint``; and, when the
                 generator is resumed, a later ``rounds()`` of this decoder having taken its
                 caches (one sequence at a time: use :class:`~dflash_torch.batch.BatchDecoder`
-                for several); a call, or a round (each ``next()``), from another thread while the
-                compute thread runs an engine call (:func:`~dflash_torch.compute.check_caller`) or
-                while another thread is inside a round of this decoder (a round of the compute
-                thread's own call waits for that one instead).
+                for several); a call while :attr:`held_by` is set (an engine's open request);
+                a call, or a round (each ``next()``, refused without ending the generator), from
+                another thread while the compute thread runs an engine call
+                (:func:`~dflash_torch.compute.check_caller`) or while another thread is inside a
+                round of this decoder (a round of the compute thread's own call waits for that
+                one instead, up to ``ROUND_WAIT_S`` seconds).
         """
         compute.check_caller("SpeculativeDecoder.rounds")
         check_prompt_logprobs(prompt_logprobs)
@@ -641,38 +693,10 @@ class SpeculativeDecoder:
         n_prompt = check_prompt_ids(prompt_ids, self.target.config, max_new_tokens, self.max_context)
         params.check_vocab(self.target.config.vocab_size)
         check_prompt_position(checkpoint, n_prompt, "checkpoint")
-        return self._one_at_a_time(self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs,
-                                                checkpoint))
-
-    def _one_at_a_time(self, rounds: Iterator[Round]) -> Iterator[Round]:
-        """``rounds`` (a :meth:`_decode` generator) one round at a time: every round (the first
-        one, which resets the caches, included) is refused from another thread while the
-        compute thread runs an engine call (:func:`~dflash_torch.compute.check_caller`), and
-        while another thread is inside a round of this decoder; the compute thread's own
-        round waits for that one to end instead (its engine call is not refused). Between
-        rounds (at a yield) nothing is held. A round from another thread ran in the middle of
-        an engine's generate and changed the caches under it: wrong tokens, no error."""
-        name = "next() of a SpeculativeDecoder.rounds() generator"
-        try:
-            while True:
-                if compute.on_compute_thread():
-                    self._stepping.acquire()
-                else:
-                    compute.check_caller(name)
-                    if not self._stepping.acquire(blocking=False):
-                        raise DFlashError(f"{name} was called while another thread is inside a round of this "
-                                          "SpeculativeDecoder, which decodes one round at a time: drive every "
-                                          "rounds() generator of it through dflash_torch.compute.run (the other "
-                                          "thread's too), which runs them in turn")
-                try:
-                    rnd = next(rounds, None)
-                finally:
-                    self._stepping.release()
-                if rnd is None:
-                    return
-                yield rnd
-        finally:
-            rounds.close()
+        if self.held_by is not None:
+            raise DFlashError(f"SpeculativeDecoder.rounds was called while {self.held_by} decodes with this decoder, "
+                              "which would take over its caches: wait for it to end (or close it) first")
+        return _Rounds(self, self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs, checkpoint))
 
     @property
     def takes_checkpoint(self) -> bool:

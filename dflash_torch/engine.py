@@ -1192,6 +1192,8 @@ class DFlashEngine:
                                 draft_mode=self.decoder.draft_mode if self.drafter is not None else None)
         stopper.start(prompt_ids)
         rounds = self.decoder.rounds(prompt_ids, params, stopper.max_new_tokens, prompt_logprobs, checkpoint)
+        # (until it ends, another caller's rounds() is refused: it took over the caches between two chunks)
+        self.decoder.held_by = "an open request (generate, stream) of its DFlashEngine"
         try:
             for rnd in rounds:
                 chunk = self.record_round(rnd, stats, stopper)
@@ -1199,6 +1201,7 @@ class DFlashEngine:
                 if chunk.finish_reason is not None:
                     return
         finally:
+            self.decoder.held_by = None
             rounds.close()
 
     @classmethod

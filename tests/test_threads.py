@@ -399,20 +399,61 @@ def test_a_round_while_another_thread_is_inside_one_is_refused_and_an_engine_cal
     assert requests == [ref]
 
 
-def test_a_rounds_generator_run_from_on_chunk_takes_the_caches_without_a_deadlock(tiny_pair):
+def test_the_compute_threads_round_waits_for_another_threads_round_a_bounded_time(tiny_pair, monkeypatch):
+    """A round of the compute thread waits for another thread's round of the same decoder for
+    ROUND_WAIT_S seconds, then is refused in words: that other round may itself wait on the
+    compute thread (the garbage collector closing an engine's stream in it runs the close
+    there), and both waited for ever. The other round, released, ends as it would alone."""
+    from dflash_torch import DFlashError, compute, decoding
+    from dflash_torch.sampling import SamplingParams
+
+    monkeypatch.setattr(decoding, "ROUND_WAIT_S", 0.5)
+    engine = DFlashEngine.from_pretrained(*tiny_pair, dtype="float32")
+    decoder = engine.decoder
+    ids, params = engine.tokenizer.encode("class Stack:"), SamplingParams()
+    alone = [rnd.tokens for rnd in decoder.rounds(ids, params, 24)][:2]
+    inside, release, got = threading.Event(), threading.Event(), {}
+    verify = decoder._verify_fn
+
+    def held(*args, **kwargs):  # (the other thread, inside its first decoding round, until released)
+        if threading.current_thread() is other:
+            inside.set()
+            assert release.wait(60)
+        return verify(*args, **kwargs)
+
+    def drive():
+        rounds = decoder.rounds(ids, params, 24)
+        got["rounds"] = [next(rounds).tokens, next(rounds).tokens]
+        rounds.close()
+
+    monkeypatch.setattr(decoder, "_verify_fn", held)
+    other = threading.Thread(target=drive, daemon=True)
+    other.start()
+    try:
+        assert inside.wait(60)
+        mine = decoder.rounds(engine.tokenizer.encode(PROMPT), params, 24)  # (made while no engine call runs)
+        with pytest.raises(DFlashError, match=r"waited 0\.5 s for another thread's round of this SpeculativeDecoder"):
+            compute.run(next, mine)
+    finally:
+        release.set()
+        other.join(60)
+    assert not other.is_alive() and got["rounds"] == alone
+
+
+def test_a_rounds_call_from_on_chunk_is_refused_while_the_request_holds_the_decoder(tiny_pair):
     """on_chunk (the compute thread, between two rounds) that iterates the engine's decoder
-    itself: it runs (nothing is held between rounds), and the generate then stops with the
-    words for caches taken over, as before rounds took turns; the engine stays usable."""
+    itself: the call is refused in words naming the open request (it had taken over the caches,
+    and the generate died with words about a rounds() call its caller never made), nothing
+    deadlocks, and the engine stays usable."""
     from dflash_torch import DFlashError
     from dflash_torch.sampling import SamplingParams
 
     engine = DFlashEngine.from_pretrained(*tiny_pair, dtype="float32")
     ref = engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
-    nested, out = [], {}
+    out = {}
 
     def on_chunk(chunk):
-        if not nested:
-            nested.append([rnd.tokens for rnd in engine.decoder.rounds(engine.tokenizer.encode("x"), SamplingParams(), 4)])
+        list(engine.decoder.rounds(engine.tokenizer.encode("x"), SamplingParams(), 4))
 
     def request():
         try:
@@ -424,8 +465,72 @@ def test_a_rounds_generator_run_from_on_chunk_takes_the_caches_without_a_deadloc
     t.start()
     t.join(60)
     assert not t.is_alive(), "deadlock: on_chunk's rounds wait for the round that called it"
-    assert nested and "a later rounds() call on this SpeculativeDecoder took over its caches" in out["error"]
+    assert out["error"].startswith("SpeculativeDecoder.rounds was called while an open request (generate, stream) "
+                                   "of its DFlashEngine decodes with this decoder")
+    assert engine.decoder.held_by is None
     assert engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids == ref
+
+
+def test_a_rounds_call_between_two_chunks_of_an_open_stream_is_refused(tiny_pair):
+    """Another thread's decoder.rounds() between two chunks of an open stream (the compute
+    thread idle) took over the caches: the stream's reader then got words about a later
+    rounds() call it never made. It is refused while the stream is open, and the stream ends
+    as it would alone; once it is closed, rounds() runs."""
+    from dflash_torch import DFlashError
+    from dflash_torch.sampling import SamplingParams
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, dtype="float32")
+    ref = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True).token_ids
+    stream = engine.stream(PROMPT, max_new_tokens=24, ignore_eos=True)
+    tokens = list(next(stream).token_ids)
+    got = {}
+
+    def other():
+        try:
+            got["rounds"] = list(engine.decoder.rounds(engine.tokenizer.encode("x"), SamplingParams(), 4))
+        except DFlashError as exc:
+            got["error"] = str(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(60)
+    assert "rounds" not in got and "an open request (generate, stream) of its DFlashEngine" in got["error"]
+    tokens += [tok for chunk in stream for tok in chunk.token_ids]
+    assert tokens == ref
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(60)
+    assert got["rounds"]
+
+
+def test_a_refused_round_leaves_the_rounds_generator_to_be_resumed(tiny_pair):
+    """A round refused (from another thread while the compute thread runs an engine call)
+    decodes nothing and leaves the generator as it was: resumed later, it yields the rounds of
+    its prompt (it had ended, a for loop over it yielding nothing and raising nothing)."""
+    from dflash_torch import DFlashError
+    from dflash_torch.sampling import SamplingParams
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, dtype="float32")
+    ids = engine.tokenizer.encode(PROMPT)
+    alone = [list(rnd.tokens) for rnd in engine.decoder.rounds(ids, SamplingParams(), 12)]
+    rounds = engine.decoder.rounds(ids, SamplingParams(), 12)
+    inside, release, refused = threading.Event(), threading.Event(), []
+
+    def on_chunk(chunk):
+        inside.set()
+        release.wait(60)
+
+    t = threading.Thread(target=lambda: engine.generate(PROMPT, max_new_tokens=4, on_chunk=on_chunk))
+    t.start()
+    assert inside.wait(60)
+    try:
+        next(rounds)
+    except DFlashError as exc:
+        refused.append(str(exc))
+    release.set()
+    t.join(60)
+    assert refused and "while the compute thread runs an engine call" in refused[0]
+    assert [list(rnd.tokens) for rnd in rounds] == alone
 
 
 def test_a_batch_decoder_step_while_another_thread_is_inside_one_is_refused(tiny_pair, monkeypatch):
