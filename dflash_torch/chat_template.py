@@ -15,6 +15,19 @@ from . import options
 from .errors import DFlashError, OptionError
 
 
+# keys under which clients send media beside a message's text (Ollama's "images", a text part's
+# "image_url", ...): only text is decoded, so a message or part holding one is refused, never read as text alone
+MEDIA_KEYS = ("images", "image", "image_url", "input_image", "audio", "input_audio", "video", "videos",
+              "video_url", "file", "files")
+
+
+def media_keys(item: dict, role=None) -> list[str]:
+    """The :data:`MEDIA_KEYS` that ``item`` (a chat message of ``role``, or one of its content
+    parts: ``role`` None) holds with a value (not None); an assistant message's ``audio`` (OpenAI's
+    reply, sent back as it came) is not one."""
+    return [k for k in MEDIA_KEYS if item.get(k) is not None and not (k == "audio" and role == "assistant")]
+
+
 def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> str:
     """``tokenizer``'s chat template applied to ``messages`` with ``template_kwargs``: the
     extra template variables and ``apply_chat_template``'s own ``add_generation_prompt``
@@ -147,6 +160,9 @@ def chat_messages(messages: list) -> list[dict]:
                           + hint)
     out = []
     for i, m in enumerate(messages):
+        if media := media_keys(m, m.get("role")):
+            raise DFlashError(f"chat message {i} holds {media[0]!r}: only text is supported (the model is decoded as "
+                              "text), so a message with images, audio, video or files is refused")
         if isinstance(m.get("content"), list):
             m = {**m, "content": _parts_text(m["content"], m.get("role"), i)}
         calls = m.get("tool_calls")
@@ -180,6 +196,8 @@ def _parts_text(parts: list, role, message: int) -> str:
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         field = "refusal" if kind == "refusal" and role == "assistant" else "text" if kind == "text" else None
+        if field is not None and (media := media_keys(part)):
+            raise DFlashError(f"chat message {message}: content part {j} holds {media[0]!r}: only text is supported")
         if field is None or not isinstance(part.get(field), str):
             raise DFlashError(f"chat message {message}: content part {j} must be {{'type': 'text', 'text': str}} (or, in "
                               f"an assistant message, {{'type': 'refusal', 'refusal': str}}); got {str(part)[:80]}")

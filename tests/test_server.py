@@ -440,6 +440,12 @@ BAD_REQUESTS = [
      {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": None}]}, 400, "messages.1"),
     ("image part", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),
+    # (media beside the text were dropped unsaid: the text alone answered)
+    ("images beside a message's text", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400, "messages.0"),
+    ("an image url in a text part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "image_url": {"url": "x"}}]}]}, 400,
+     "messages.0.content"),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ("unknown model chat", "/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
     ("temperature too high", "/v1/completions", {"prompt": "x", "temperature": 2.5}, 400, "temperature"),

@@ -371,6 +371,10 @@ def test_content_parts_are_joined_as_the_server_joins_them(local_engine):
     ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "no"}]}], {},
      r"^chat message 0: content part 1 must be"),
     ([{"role": "user", "content": [{"type": "text"}]}], {}, r"^chat message 0: content part 0 must be"),
+    # (media beside the text were dropped unsaid; an assistant's audio, OpenAI's reply sent back, is not one)
+    ([{"role": "user", "content": "hi", "images": ["aGk="]}], {}, r"^chat message 0 holds 'images': only text is supported"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a", "image_url": {"url": "x"}}]}], {},
+     r"^chat message 0: content part 0 holds 'image_url': only text is supported$"),
     # malformed parameter schemas, named (helper-27: blamed on chat_template_kwargs, or free text in forced calls)
     (CONVERSATION, {"tools": [_tool({"type": "object", "properties": [1]})]},
      r"^tools\[0\]\.function\.parameters\.properties must be an object of parameter schemas, got \[1\]"),

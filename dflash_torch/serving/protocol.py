@@ -33,6 +33,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError, field_validator, model_validator)
 
+from ..chat_template import media_keys
 from ..options import json_type, non_finite, strict_json
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
@@ -334,6 +335,19 @@ class CompletionRequest(_Request):
         return [p]
 
 
+def no_media(data):
+    """A message (before its fields are read) that sends media beside its text (Ollama's
+    ``images``, ...: :data:`~dflash_torch.chat_template.MEDIA_KEYS`) is refused: its text alone
+    was answered, the image unseen.
+
+    Raises:
+        ValueError: naming the first such key."""
+    if isinstance(data, dict) and (media := media_keys(data, data.get("role"))):
+        raise ValueError(f"the message holds {media[0]!r}: only text is supported (images, audio, video and files "
+                         "are not)")
+    return data
+
+
 def check_parts(parts):
     """A message's list ``content`` checked before its parts are read: each an object with a
     string ``type`` and, where it has ``text`` or ``refusal``, a string there (as the part's
@@ -346,6 +360,8 @@ def check_parts(parts):
             raise ValueError(f"part {j} must be a content part (an object with a 'type'), got {type(part).__name__}")
         if not isinstance(part.get("type"), str):
             raise ValueError(f"part {j} needs a string 'type'")
+        if (part["type"].endswith("text") or part["type"] == "refusal") and (media := media_keys(part)):
+            raise ValueError(f"part {j} holds {media[0]!r}: only text is supported")
         for field in ("text", "refusal"):
             if part.get(field) is not None and not isinstance(part[field], str):
                 raise ValueError(f"part {j}'s {field!r} must be a string, got {type(part[field]).__name__}")
@@ -430,6 +446,7 @@ class ChatMessage(BaseModel):
     reasoning: StrictStr | None = None
 
     _parts_first = field_validator("content", mode="before")(check_parts)
+    _no_media = model_validator(mode="before")(no_media)
 
     @field_validator("content", mode="after")
     @classmethod
@@ -861,6 +878,7 @@ class _InputMessage(BaseModel):
     content: StrictStr | list[_Part]
 
     _parts_first = field_validator("content", mode="before")(check_parts)
+    _no_media = model_validator(mode="before")(no_media)
 
 
 class _FunctionCallItem(BaseModel):
