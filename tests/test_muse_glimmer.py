@@ -166,6 +166,45 @@ def test_text_configs_load_like_the_wrapper(checkpoint, tmp_path, tokenizer_dir)
         TargetModel.from_pretrained(with_vision, torch.float32)
 
 
+def test_the_wrapper_flag_ties_the_head_as_in_transformers(checkpoint, tmp_path):
+    """The wrapper's own ``tie_word_embeddings`` (default false) ties its lm_head, as
+    transformers' ``MuseGlimmerForConditionalGeneration`` reads it; ``text_config``'s does not."""
+    target_dir, _ = checkpoint
+    ids = torch.arange(2, 22)
+    # text_config ties, the wrapper says nothing: transformers saves and runs an lm_head of its own
+    own_head = make_muse_glimmer_target(tmp_path / "text-tie", seed=6, tokenizer=False, tie_word_embeddings=True)
+    assert "tie_word_embeddings" not in json.loads((own_head / "config.json").read_text())
+    # the wrapper ties, text_config does not, no lm_head.weight: transformers ties
+    tied = edited_checkpoint(target_dir, tmp_path / "wrapper-tie", config=lambda c: c.update(tie_word_embeddings=True),
+                             state=lambda w: w.pop("lm_head.weight"))
+    for path in (own_head, tied):
+        ours = TargetModel.from_pretrained(path, torch.float32)
+        check_forward_matches_transformers(ours, load_hf(path), ids, [20], False)
+    assert not TargetModel.from_pretrained(own_head, torch.float32).config.tie_word_embeddings
+    # the wrapper does not tie, text_config does, no lm_head.weight: transformers would run a random head
+    untied = edited_checkpoint(target_dir, tmp_path / "text-tie-no-head", config=lambda c: (
+        c.update(tie_word_embeddings=False), c["text_config"].update(tie_word_embeddings=True)),
+        state=lambda w: w.pop("lm_head.weight"))
+    with pytest.raises(DFlashError, match="lacks weights: lm_head.weight$"):
+        TargetModel.from_pretrained(untied, torch.float32)
+
+
+def test_config_defaults_are_transformers(tmp_path):
+    """A text config without ``head_dim``, ``num_key_value_heads`` or ``rms_norm_eps`` reads
+    transformers' ``MuseGlimmerTextConfig`` defaults (128, 2, 1e-5: not hidden_size / heads,
+    the heads, 1e-6), and the model equals transformers' own."""
+    built = make_muse_glimmer_target(tmp_path / "full", seed=7, tokenizer=False, head_dim=128, num_key_value_heads=2,
+                                     rms_norm_eps=1e-5)
+    bare = edited_checkpoint(built, tmp_path / "bare", config=lambda c: [
+        c["text_config"].pop(k) for k in ("head_dim", "num_key_value_heads", "rms_norm_eps")])
+    hf = load_hf(bare)
+    ours = TargetModel.from_pretrained(bare, torch.float32)
+    theirs = hf.config.text_config
+    assert (ours.config.head_dim, ours.config.num_key_value_heads, ours.config.rms_norm_eps) == (
+        theirs.head_dim, theirs.num_key_value_heads, theirs.rms_norm_eps) == (128, 2, 1e-5)
+    check_forward_matches_transformers(ours, hf, torch.arange(2, 22), [20], False)
+
+
 @pytest.mark.parametrize("config,state,message", [
     (lambda c: c["text_config"].update(layer_rope_theta=[10000.0, 0, 500.0, 10000.0, 10000.0, 0]), None,
      r"^target layer_rope_theta holds \[500.0\], neither 0 \(no RoPE\) nor rope_theta 10000.0"),

@@ -63,7 +63,11 @@ class MuseGlimmerConfig(TargetConfig):
 
 def parse_config(cfg: dict) -> MuseGlimmerConfig:
     """A ``muse_glimmer`` / ``muse_glimmer_text`` ``config.json`` -> :class:`MuseGlimmerConfig`
-    (defaults as transformers' ``MuseGlimmerTextConfig``).
+    (keys left out take transformers' ``MuseGlimmerTextConfig`` defaults, except the shapes
+    ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads`` and
+    ``intermediate_size``, which must be given). A wrapper's own ``tie_word_embeddings``
+    (default false) governs its lm_head, as transformers' ``MuseGlimmerForConditionalGeneration``
+    reads it; its ``text_config``'s is not read.
 
     Raises:
         DFlashError: missing keys; an activation other than SiLU; a ``layer_types`` or
@@ -72,7 +76,11 @@ def parse_config(cfg: dict) -> MuseGlimmerConfig:
             whether it is 0); partial rotary; sliding layers without ``sliding_window``;
             a number field (e.g. the soft cap) that is not a number > 0.
     """
-    text = text_config(cfg, WRAPPERS)
+    wrapper = cfg.get("model_type") in WRAPPERS
+    text = dict(text_config(cfg, WRAPPERS))
+    for key, default in (("head_dim", 128), ("num_key_value_heads", 2), ("rms_norm_eps", 1e-5)):
+        if text.get(key) is None:  # (transformers' defaults, not derived from the other shapes)
+            text[key] = default
     act = text.get("hidden_activation", text.get("hidden_act"))
     if act is not None and act not in SILU_NAMES:
         raise DFlashError(f"target config.json hidden_activation {act!r} is not supported (only silu)")
@@ -104,10 +112,10 @@ def parse_config(cfg: dict) -> MuseGlimmerConfig:
     cap = number_field(text, "final_logit_softcapping", "target", 20.0)
     fields.update(
         layer_types=list(types),
-        tie_word_embeddings=bool_field(text, "tie_word_embeddings", "target", False),
+        tie_word_embeddings=bool_field(cfg if wrapper else text, "tie_word_embeddings", "target", False),
         qk_norm=True,
         attention_output_gate=True,
-        checkpoint_prefix=INNER if cfg.get("model_type") in WRAPPERS else "model.",
+        checkpoint_prefix=INNER if wrapper else "model.",
         sliding_window=2048 if window is None else window,
         qk_scale_factor=number_field(text, "qk_scale_factor", "target", 3.87),
         output_multiplier=number_field(text, "output_multiplier", "target", 0.19611613513818404),
