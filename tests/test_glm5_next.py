@@ -369,6 +369,7 @@ def _edit(key, value, text=True):
     (_edit("linear_head_dim", "8"), "linear_head_dim must be an integer"),
     (_edit("linear_lower_bound", 3.0), "linear_lower_bound must be a negative number or null"),
     (_edit("text_config", {"model_type": "qwen3"}, text=False), "expected glm5_next_text"),
+    (lambda c: c.pop("text_config"), "config.json of model_type 'glm5_next' lacks text_config"),
     (_edit("quantization_config", {"quant_method": "modelopt", "quant_algo": "FP8"}, text=False),
      "quant_method 'modelopt'"),
 ])
@@ -382,6 +383,14 @@ def test_bad_configs_are_refused_in_one_line(checkpoints, tmp_path, edit, messag
 P = "model.language_model.layers."
 
 
+def _moved(prefix):
+    """A state edit: the decoder's weights moved from ``model.language_model.`` to ``prefix``."""
+    def edit(state):
+        for key in [k for k in state if k.startswith("model.language_model.")]:
+            state[prefix + key[len("model.language_model."):]] = state.pop(key)
+    return edit
+
+
 @pytest.mark.parametrize("edit, message", [
     (added_tensor(P + "1.self_attn.q_a_proj.bias", (48,)), "does not use"),  # attention biases the config does not announce
     (added_tensor(P + "5.eh_proj.weight", (64, 128)), "does not use"),  # an MTP layer num_nextn_predict_layers 0 does not announce
@@ -392,6 +401,10 @@ P = "model.language_model.layers."
     (lambda s: s.pop(P + "3.self_attn.A_log"), "lacks weights: model.language_model.layers.3.self_attn.A_log"),
     (lambda s: s.pop(P + "4.hc_ffn_fn"), "lacks weights: model.language_model.layers.4.hc_ffn_fn"),
     (lambda s: s.update({P + "0.attn_hc.fn": s[P + "0.hc_attn_fn"].clone()}), "twice"),
+    # a glm5_next config, as transformers' wrapper, reads the decoder under model.language_model. only
+    (_moved("language_model.model."), "GLM-5.3-Flash multimodal wrapper's (model_type glm5_next), whose decoder's "
+     "weights lie under model.language_model., but no weight of the checkpoint is there"),
+    (_moved("model."), "its weights (model.embed_tokens.weight, ...) are laid out as a text checkpoint's"),
 ])
 def test_bad_checkpoints_are_refused_in_one_line(checkpoints, tmp_path, edit, message):
     def no_mtp(cfg):
@@ -459,8 +472,7 @@ def test_published_config_reads_as_transformers_reads_it():
         mine = glm5_next.Model(ours)
         reference = transformers.Glm5NextForConditionalGeneration(transformers.Glm5NextConfig())
     shapes = {glm5_next.Model.checkpoint_name(ours, k): tuple(v.shape) for k, v in mine.state_dict().items()}
-    ref = {k.replace("model.language_model.", "model."): tuple(v.shape) for k, v in reference.state_dict().items()
-           if ".visual." not in k}
+    ref = {k: tuple(v.shape) for k, v in reference.state_dict().items() if ".visual." not in k}
     assert shapes == ref
     params = sum(v.numel() for v in mine.state_dict().values())
     assert params == 313_326_828_862  # (transformers' defaults: 42 layers of 288 experts; about 313B)

@@ -64,7 +64,8 @@ convolution inputs per sequence (:class:`~dflash_torch.cache.RecurrentState`).
 :data:`~dflash_torch.models.target.EMBEDDING_OUTPUT` the embedding in each stream.
 
 **Checkpoints**: the decoder under ``model.language_model.`` (transformers' layout; ``model.``
-read too), ``lm_head.weight``; per-expert weights are stacked when loading; the
+read too with a ``glm5_next_text`` config: a ``glm5_next`` one, as transformers' wrapper, reads
+only the former), ``lm_head.weight``; per-expert weights are stacked when loading; the
 multi-token-prediction layers ``model.language_model.layers.{num_hidden_layers + i}.*`` (``i <
 num_nextn_predict_layers``, default 1: transformers skips layer 45 of the published model)
 and a shared layer's indexer weights are not read; any other unknown weight is refused.
@@ -177,7 +178,8 @@ def parse_config(cfg: dict) -> Glm5NextConfig:
     text config has none; ``linear_attn_config`` is read as transformers reads it).
 
     Raises:
-        DFlashError: one line: a ``text_config`` of another model type; a key of the wrong
+        DFlashError: one line: a ``glm5_next`` config with neither a ``text_config`` nor text
+            keys at the top level; a ``text_config`` of another model type; a key of the wrong
             type or out of range; ``qk_rope_head_dim`` other than 0 (transformers' GLM-5.3-Flash
             attention is NoPE); a null ``q_lora_rank``; ``num_key_value_heads`` other than the
             heads; ``index_topk`` not a multiple of ``index_kpool``;
@@ -189,6 +191,9 @@ def parse_config(cfg: dict) -> Glm5NextConfig:
     """
     wrapped = cfg.get("model_type") in WRAPPERS
     if wrapped and cfg.get("text_config") is None:  # (a flat config: the text keys at the top level)
+        if not any(k in cfg for k in DEFAULTS if k != "tie_word_embeddings"):  # (the wrapper's own key)
+            raise DFlashError("target config.json of model_type 'glm5_next' lacks text_config (and keeps no text "
+                              "keys, such as hidden_size, at the top level)")
         text = {k: v for k, v in cfg.items() if k not in ("vision_config", "model_type", "architectures")}
     else:
         text = text_config(cfg, WRAPPERS, inherit=("eos_token_id",))
@@ -283,6 +288,7 @@ def parse_config(cfg: dict) -> Glm5NextConfig:
         routed_scaling_factor=number_field(text, "routed_scaling_factor", "target", 2.5),
         num_nextn_predict_layers=text["num_nextn_predict_layers"],
         wrapped=wrapped,
+        checkpoint_prefix=INNER if wrapped else "model.",
         index_topk=text["index_topk"],
         index_head_dim=text["index_head_dim"],
         index_n_heads=text["index_n_heads"],
