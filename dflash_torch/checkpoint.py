@@ -44,7 +44,7 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     """
     if not str(name_or_path).strip():  # (Path("") is ".", the current directory)
         raise DFlashError("the checkpoint path is empty: pass a checkpoint directory or a Hugging Face id")
-    path = Path(name_or_path).expanduser()
+    path = Path(os.path.expanduser(name_or_path))
     try:
         if path.is_dir():
             os.listdir(path)  # (loading lists it: a directory that cannot be listed is refused here)

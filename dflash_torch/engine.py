@@ -182,7 +182,7 @@ def is_shipped_target(target: str | Path | None) -> bool:
     """Whether ``target`` names the shipped default target's directory, by any path to it (it
     then drafts with the shipped drafter, as when no target is given)."""
     try:
-        return target is not None and Path(target).expanduser().resolve() == DEFAULT_TARGET.resolve()
+        return target is not None and Path(os.path.expanduser(target)).resolve() == DEFAULT_TARGET.resolve()
     except (OSError, RuntimeError, ValueError):
         return False
 
@@ -528,7 +528,7 @@ class DFlashEngine:
                     pack_linears(m)
         # a local directory: its name ("." and "~/x" included: the directory's own, absolute, links kept as given);
         # a Hugging Face id: as given, as vLLM names it, without an @REVISION (vLLM takes that apart, --revision)
-        given = Path(str(target)).expanduser()
+        given = Path(os.path.expanduser(str(target)))
         name = Path(os.path.abspath(given)).name if given.exists() else str(target).partition("@")[0]
         engine = cls(model, tokenizer, drafter, name=name, **engine_options)
         engine.stop_token_ids.update(eos)

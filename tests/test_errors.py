@@ -1375,6 +1375,25 @@ def test_an_engine_from_a_relative_or_home_path_is_named_by_its_directory(tiny_p
     assert DFlashEngine.from_pretrained(tmp_path / "link", no_draft=True).name == "link"
 
 
+def test_a_path_of_an_unknown_users_home_is_a_path_not_found(tiny_pair, tmp_path, cli):
+    """``~nosuchuser/x`` (a user this system does not have) is left as it is, as a shell leaves
+    it, and is then a path that does not exist: Path.expanduser() raised "RuntimeError: Could
+    not determine home directory." with a traceback (generate, train's --target and --data,
+    from_pretrained)."""
+    from dflash_torch.training.data import corpus_files
+
+    target, _ = tiny_pair
+    with pytest.raises(DFlashError, match="'~nosuchuser/target' is not a local directory"):
+        DFlashEngine.from_pretrained("~nosuchuser/target", no_draft=True)
+    with pytest.raises(DFlashError, match="~nosuchuser/data"):
+        corpus_files(["~nosuchuser/data"])
+    r = cli("generate", "--target=~nosuchuser/target", "x")
+    assert r.returncode == 2 and r.stderr.startswith("dflash-torch: error: --target: model '~nosuchuser/target' "), r.stderr
+    for args in (["--target=~nosuchuser/target", "--data", str(tmp_path)], ["--target", str(target), "--data=~nosuchuser/d"]):
+        r = cli("train", *args, "--out", str(tmp_path / "out"), "--steps", "1")
+        assert r.returncode == 2 and "~nosuchuser/" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
 @pytest.mark.parametrize("lacks", [None, "config", "shard", "link", "bin"])
 def test_hugging_face_ids_resolve_from_the_local_cache(tiny_pair, tmp_path, monkeypatch, lacks):
     """A cached repo id resolves to its snapshot; one cached without its config.json is

@@ -96,7 +96,7 @@ def corpus_files(paths: list[str | Path], exclude: list[str | Path] = (),
     def unreadable(exc: OSError):
         raise DFlashError(f"cannot read {exc.filename}: {exc.strerror or exc}")
 
-    skip = {os.path.realpath(Path(e).expanduser()) for e in exclude}
+    skip = {os.path.realpath(os.path.expanduser(e)) for e in exclude}
     files: list[tuple[Path, bool]] = []
     taken: set[tuple[int, int]] = set()  # (device, inode) of the files taken: one file is read once in the run
 
@@ -107,7 +107,7 @@ def corpus_files(paths: list[str | Path], exclude: list[str | Path] = (),
             files.append((f, given))
 
     for p in paths:
-        path = Path(p).expanduser()
+        path = Path(os.path.expanduser(p))
         try:
             if path.is_dir():
                 found, seen = [], {os.path.realpath(path)}

@@ -468,7 +468,7 @@ def data_key(cfg: TrainConfig, target_dir: Path) -> str:
     """
     target = [[f.name, _file_digest(f, "unreadable")] for f in sorted(target_dir.iterdir())
               if _is_file(f) and (cfg.self_distill or not f.name.endswith(WEIGHT_SUFFIXES))]
-    parts = {"format": CACHE_FORMAT, "target": target, "data": [str(Path(p).expanduser().resolve()) for p in cfg.data],
+    parts = {"format": CACHE_FORMAT, "target": target, "data": [str(Path(os.path.expanduser(p)).resolve()) for p in cfg.data],
              "files": [[str(f.resolve()), _file_digest(f)] for f, _ in corpus_files(cfg.data, cfg.own_dirs())],
              "seq_len": cfg.seq_len, "self_distill": cfg.self_distill, "prefix": [cfg.prefix_min, cfg.prefix_max],
              "seed": cfg.seed, "chat_template_kwargs": cfg.chat_template_kwargs}
