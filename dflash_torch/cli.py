@@ -126,8 +126,9 @@ def path_arg(text: str) -> str:
 def text_or_file(text: str) -> str:
     """argparse type of a flag that takes its text or ``@FILE`` (``--json-schema``,
     ``--grammar``): as given; an ``@FILE``'s path need not be UTF-8 (the file's text must be,
-    :func:`structured_output` reads it so)."""
-    return text
+    :func:`structured_output` reads it so), its leading ``~`` expanded as :func:`path_arg`
+    expands a path's (a shell leaves ``@~/x`` as it is)."""
+    return "@" + path_arg(text[1:]) if text.startswith("@") else text
 
 
 def argv_text(text: str, what: str) -> str:

@@ -243,6 +243,19 @@ def test_every_path_flag_expands_a_leading_tilde(monkeypatch, tmp_path, command,
     assert (value[-1] if isinstance(value, list) else value) == str(tmp_path / "x")
 
 
+@pytest.mark.parametrize("command,option", [(c, o) for c, o in VALUE_OPTIONS if o in ("--json-schema", "--grammar")])
+def test_a_text_or_file_flags_file_expands_a_leading_tilde(monkeypatch, tmp_path, command, option):
+    """The @FILE of --json-schema and --grammar expands a leading ``~`` as the path flags do (a
+    shell leaves ``@~/x`` as it is): it was looked for in a directory named ~."""
+    from dflash_torch.cli import STRUCTURED_FLAGS, build_parser, structured_output
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    text = '{"type": "integer"}' if option == "--json-schema" else 'start: "yes"'
+    (tmp_path / "s").write_text(text)
+    args = build_parser().parse_args([command, *(["x"] if command == "generate" else []), option, "@~/s"])
+    assert structured_output(args) == {STRUCTURED_FLAGS[option]: json.loads(text) if option == "--json-schema" else text}
+
+
 @pytest.mark.parametrize("command,option", [(c, o) for c, o in VALUE_OPTIONS if o not in PATH_FLAGS])
 def test_every_text_value_must_be_utf8(capsys, command, option):
     """Every value of every command but a path must be UTF-8 text (argv's other bytes reach
