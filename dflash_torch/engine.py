@@ -227,7 +227,8 @@ class DFlashEngine:
     threads never split torch across thread teams; tokenizing runs in the caller's thread.
 
     Raises :class:`DFlashError` for a ``tokenizer`` that is not one (no ``encode``,
-    ``decode``, ``get_vocab``, ``convert_tokens_to_ids``, ``len()``: e.g. a ``tokenizers.Tokenizer``)
+    ``decode``, ``get_vocab``, ``convert_tokens_to_ids``, a ``__len__`` of its class: e.g. a
+    ``tokenizers.Tokenizer``, or a wrapper forwarding attributes through ``__getattr__`` alone)
     or not the target's (more tokens than its ``vocab_size``, or fewer than half as many:
     :func:`~dflash_torch.tokenizer.check_tokenizer_size`, as :meth:`from_pretrained` checks
     it), a ``target`` / ``drafter`` that is not one (:func:`~dflash_torch.decoding.check_models`),
@@ -275,11 +276,14 @@ class DFlashEngine:
                  max_batch_size: int | None = None, reuse_prefix: bool = True, draft_max_batch_size: int | str | None = None,
                  prefix_slots: int = 0, **decoder_options):
         _check_arguments("DFlashEngine.__init__", decoder_options, SpeculativeDecoder, DFlashEngine)
-        if not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode", "get_vocab",
-                                                                   "convert_tokens_to_ids", "__len__")):
+        # (len() looks __len__ up on the class: a wrapper that forwards attributes through __getattr__ lacks it)
+        methods = all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode", "get_vocab",
+                                                                      "convert_tokens_to_ids"))
+        if not (methods and callable(getattr(type(tokenizer), "__len__", None))):
+            lacks = " (its class has no __len__: len() does not look it up through __getattr__)" if methods else ""
             raise DFlashError(f"tokenizer must be a transformers tokenizer (e.g. AutoTokenizer.from_pretrained of the "
-                              f"target's directory), got {type(tokenizer).__name__}: DFlashEngine(target, tokenizer, "
-                              "drafter) takes it second")
+                              f"target's directory), got {type(tokenizer).__name__}{lacks}: DFlashEngine(target, "
+                              "tokenizer, drafter) takes it second")
         self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
         self.max_batch_size = check_engine_max_batch_size(max_batch_size, drafter=drafter is not None,
                                                           draft_mode=draft_mode)

@@ -121,10 +121,12 @@ def check_tokenizer_size(tokenizer, vocab_size: int, model_dir: Path | None = No
             names its vocabulary file, else the files missing.
 
     Raises:
-        DFlashError: a size that does not fit ``vocab_size``, one line.
+        DFlashError: a size that does not fit ``vocab_size``, one line; too many tokens names
+            those past it (an added ``[PAD]``, as Llama-2's and Mistral's recipes add one).
     """
     if len(tokenizer) > vocab_size:
-        raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {vocab_size}")
+        raise DFlashError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is {vocab_size}"
+                          f"{_tokens_past(tokenizer, vocab_size)}")
     if 2 * len(tokenizer) < vocab_size:
         if model_dir is None:
             raise DFlashError(f"the tokenizer has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}, far fewer "
@@ -140,6 +142,21 @@ def check_tokenizer_size(tokenizer, vocab_size: int, model_dir: Path | None = No
         raise DFlashError(f"the tokenizer of {model_dir} has {len(tokenizer)} token{'s' if len(tokenizer) != 1 else ''}"
                           f", far fewer than the target's vocab_size ({vocab_size}): its vocabulary files are missing "
                           f"or incomplete ({absent}an interrupted download?)")
+
+
+def _tokens_past(tokenizer, vocab_size: int) -> str:
+    """``": its tokens 320..323 ('a', 'b', 'c', ...) have no row in the target's embedding"``:
+    the tokens of ``tokenizer`` whose ids are ``vocab_size`` or more ("added" where the
+    tokenizer has them as added tokens); "" where it names none."""
+    past = sorted((i, t) for t, i in tokenizer.get_vocab().items() if i >= vocab_size)
+    if not past:
+        return ""
+    get_added = getattr(tokenizer, "get_added_vocab", None)
+    added = set(get_added().values()) if callable(get_added) else set()
+    kind = "added token" if all(i in added for i, _ in past) else "token"
+    ids = f"{kind} {past[0][0]}" if len(past) == 1 else f"{kind}s {past[0][0]}..{past[-1][0]}"
+    names = ", ".join(repr(t) for _, t in past[:3]) + (", ..." if len(past) > 3 else "")
+    return f": its {ids} ({names}) {'has' if len(past) == 1 else 'have'} no row in the target's embedding"
 
 
 def load_tokenizer(model_dir: Path, vocab_size: int | None = None):

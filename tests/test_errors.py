@@ -386,7 +386,9 @@ def test_the_constructor_refuses_a_mismatched_drafter_or_tokenizer_as_from_pretr
     other = DFlashEngine.from_pretrained(*sentencepiece_pair)  # (Llama, 700 tokens, hidden 64)
     with pytest.raises(DFlashError, match=r"^incompatible pair: drafter vocab_size 700 != target vocab_size 320$"):
         DFlashEngine(engine.target, engine.tokenizer, other.drafter)
-    with pytest.raises(DFlashError, match=r"^the tokenizer has 700 tokens but the target's vocab_size is 320$"):
+    with pytest.raises(DFlashError, match=r"^the tokenizer has 700 tokens but the target's vocab_size is 320: its "
+                                          r"tokens 320\.\.699 \('.*', '.*', '.*', \.\.\.\) have no row in the "
+                                          r"target's embedding$"):
         DFlashEngine(engine.target, other.tokenizer)
     with pytest.raises(DFlashError, match=rf"^the tokenizer has {len(engine.tokenizer)} tokens, far fewer than the "
                                           r"target's vocab_size \(700\): not the target's tokenizer\?$"):
@@ -394,6 +396,41 @@ def test_the_constructor_refuses_a_mismatched_drafter_or_tokenizer_as_from_pretr
     padded = make_target(tmp_path / "padded", vocab_size=len(engine.tokenizer) + 64)  # (as Qwen's 151936 > 151669)
     target = DFlashEngine.from_pretrained(padded, no_draft=True).target
     assert DFlashEngine(target, engine.tokenizer).generate([5, 6, 7], max_new_tokens=2, ignore_eos=True).token_ids
+
+
+def test_a_tokenizer_with_an_added_pad_token_or_forwarding_len_is_refused_in_one_line(engine, tiny_pair, tmp_path):
+    """A tokenizer of one token more than the target's vocab_size, a ``[PAD]`` added as
+    Llama-2's and Mistral's recipes add one, is refused naming that token (the message gave the
+    two sizes alone: nothing said the extra token was an added one), by the constructor and
+    from a checkpoint directory; a wrapper that forwards attributes through ``__getattr__``
+    (``len()`` does not: it was a TypeError traceback from len()) is refused as not a
+    tokenizer."""
+    from transformers import AutoTokenizer
+
+    from dflash_torch.tokenizer import load_tokenizer
+
+    target, _ = tiny_pair
+    tok = AutoTokenizer.from_pretrained(target)
+    assert len(tok) == engine.target.config.vocab_size == 320
+    tok.add_special_tokens({"pad_token": "[PAD]"})
+    words = ("^the tokenizer has 321 tokens but the target's vocab_size is 320: its added token 320 \\('\\[PAD\\]'\\) "
+             "has no row in the target's embedding$")
+    with pytest.raises(DFlashError, match=words):
+        DFlashEngine(engine.target, tok)
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(DFlashError, match=words):
+        load_tokenizer(tmp_path, 320)
+
+    class Forwarding:
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+        def __getattr__(self, name):
+            return getattr(self.tokenizer, name)
+
+    with pytest.raises(DFlashError, match=r"^tokenizer must be a transformers tokenizer .*got Forwarding \(its class "
+                                          r"has no __len__"):
+        DFlashEngine(engine.target, Forwarding(engine.tokenizer))
 
 
 def test_a_prompt_that_fills_the_context_is_named_not_max_new_tokens(engine, tiny_pair, capsys):
@@ -2017,5 +2054,6 @@ def test_a_tokenizer_without_its_vocabulary_files_is_refused(tiny_pair, tmp_path
             load_tokenizer(checkpoint, 641)
         assert str(err.value) == (f"the tokenizer of {checkpoint} has 320 tokens, far fewer than the target's vocab_size "
                                   f"(641): too few for this target (a wrong or incomplete {name}?)")
-    with pytest.raises(DFlashError, match="^the tokenizer has 320 tokens but the target's vocab_size is 300$"):
+    with pytest.raises(DFlashError, match=r"^the tokenizer has 320 tokens but the target's vocab_size is 300: its "
+                                          r"tokens 300\.\.319 \(.*\) have no row in the target's embedding$"):
         load_tokenizer(target, 300)
