@@ -1494,16 +1494,19 @@ def test_a_ctrl_c_in_the_last_evaluation_saves_a_checkpoint_that_resume_exports(
     assert json.loads((out / "training_log.json").read_text())["final_eval"]["step"] == 2
 
 
-def test_a_final_checkpoint_that_cannot_be_saved_still_exports_the_drafter(tiny_pair, tmp_path, capsys):
+@pytest.mark.parametrize("in_the_way", ["checkpoint.pt", "checkpoint.tmp"])
+def test_a_final_checkpoint_that_cannot_be_saved_still_exports_the_drafter(tiny_pair, tmp_path, capsys, in_the_way):
     """The last checkpoint failing (a full --work-dir; here a directory where checkpoint.pt goes) left --out
-    without the trained drafter, though it had room: the drafter is exported, then the failure said."""
+    without the trained drafter, though it had room: the drafter is exported, then the failure said. A
+    directory where its temporary file goes is named (it was "... to work/checkpoint.pt: Is a directory",
+    though no checkpoint.pt was there)."""
     from dflash_torch.cli import main as cli_main
 
     target, _ = tiny_pair
     text = tmp_path / "c.txt"
     text.write_text("def f(x):\n    return x\n" * 200)
     out, work = tmp_path / "out", tmp_path / "work"
-    (work / "checkpoint.pt").mkdir(parents=True)
+    (work / in_the_way).mkdir(parents=True)
     args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--work-dir", str(work),
             "--steps", "2", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0",
             "--block-size", "8", "--num-layers", "1", "--no-progress", "--overwrite"]
@@ -1512,8 +1515,58 @@ def test_a_final_checkpoint_that_cannot_be_saved_still_exports_the_drafter(tiny_
     assert err[-1].startswith(f"dflash-torch: error: the drafter of step 2 is saved in {out}, but --resume cannot "
                               f"continue this run: cannot save the training checkpoint of step 2 to "
                               f"{work / 'checkpoint.pt'}: "), err
+    if in_the_way == "checkpoint.tmp":
+        assert err[-1].endswith(f": cannot write {work / 'checkpoint.tmp'}: Is a directory"), err
     assert json.loads((out / "training_log.json").read_text())["steps"] == 2
     DFlashEngine.from_pretrained(target, out)  # (a whole drafter)
+
+
+def test_a_checkpoint_that_cannot_be_saved_mid_run_or_on_ctrl_c_still_exports_the_drafter(tiny_pair, tmp_path, capsys,
+                                                                                         monkeypatch):
+    """A --ckpt-every checkpoint failing stopped training with nothing exported, and so did one saved after a
+    Ctrl-C (exit 2, the trained steps lost): the drafter of that step is exported to --out, then the failure
+    said (a Ctrl-C's: a line, exit 130 still)."""
+    import os
+    import signal
+    import time
+
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 200)
+    out, work = tmp_path / "out", tmp_path / "work"
+    (work / "checkpoint.tmp").mkdir(parents=True)
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--work-dir", str(work),
+            "--steps", "3", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "2",
+            "--block-size", "8", "--num-layers", "1", "--no-progress", "--overwrite"]
+    unsaved = (f"but --resume cannot continue this run: cannot save the training checkpoint of step 1 to "
+               f"{work / 'checkpoint.pt'}: cannot write {work / 'checkpoint.tmp'}: Is a directory")
+    assert cli_main([*args, "--ckpt-every", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"dflash-torch: error: training stopped: the drafter of step 1 is saved in {out}, {unsaved}", err
+    assert json.loads((out / "training_log.json").read_text())["steps"] == 1
+    DFlashEngine.from_pretrained(target, out)
+    shutil.rmtree(out)
+
+    evaluate, calls = Trainer.evaluate, []
+
+    def evaluating(self, *args, **kwargs):  # (a Ctrl-C in the evaluation after step 1)
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+            raise AssertionError("no KeyboardInterrupt")
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluating)
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([*args, "--eval-every", "1"])
+    assert exit_.value.code == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"interrupted: the drafter of step 1 is saved in {out}, {unsaved}", err
+    assert json.loads((out / "training_log.json").read_text())["steps"] == 1
+    DFlashEngine.from_pretrained(target, out)
 
 
 def test_out_and_work_dir_expand_a_tilde_as_the_other_paths_do(tiny_pair, tmp_path, capsys, monkeypatch):

@@ -778,7 +778,11 @@ class Trainer:
 
     def run(self) -> dict:
         """Train and export (see the class); a Ctrl-C before training begins says so in a
-        line and exits 130, as one during training does once it has saved a checkpoint."""
+        line and exits 130, as one during training does once it has saved a checkpoint.
+
+        A checkpoint that cannot be saved (a --ckpt-every one, which stops training, the last
+        one, or a Ctrl-C's) leaves the drafter of its step exported to --out, then is said:
+        DFlashError, or after a Ctrl-C a line and exit 130 (143 for a SIGTERM) as usual."""
         self._interrupt_note = "while preparing the data: no step was trained"  # (None once training begins)
         try:
             return self._run()
@@ -978,7 +982,9 @@ class Trainer:
                 raise DFlashError(f"training diverged by step {step}: the drafter's weights hold NaN or infinite "
                                   f"values; lower --lr (now {cfg.lr:g})")
 
-        def save_checkpoint() -> None:
+        def save_checkpoint() -> DFlashError | None:
+            """Save the checkpoint of ``step`` (its weights checked first: DFlashError where they diverged);
+            the error that says why it could not be saved (the checkpoint before it, if any, stays), else None."""
             check_finite()
             tmp = ckpt_path.with_suffix(".tmp")
             try:  # (torch.save says a full disk as a RuntimeError: "unexpected pos ...")
@@ -989,11 +995,39 @@ class Trainer:
                             "drafter_config": dcfg.to_dict(), "train_config": recorded}, tmp)
                 _fsync(tmp)  # (a power cut after the rename would leave --resume an empty checkpoint)
                 os.replace(tmp, ckpt_path)
-            except (OSError, RuntimeError) as exc:  # (the checkpoint before it, if any, stays)
-                reason = write_error_reason(exc, tmp)
+            except (OSError, RuntimeError) as exc:
+                reason = write_error_reason(exc, tmp, ckpt_path)
                 if tmp.is_file():
                     tmp.unlink()
-                raise DFlashError(f"cannot save the training checkpoint of step {step} to {ckpt_path}: {reason}") from None
+                return DFlashError(f"cannot save the training checkpoint of step {step} to {ckpt_path}: {reason}")
+            return None
+
+        def export(unsaved: DFlashError | None) -> tuple[Path, dict]:
+            """Export the drafter of ``step`` to --out with its training_log.json: its directory and
+            the log. ``unsaved``: why the checkpoint of this step could not be saved, if so (said too
+            where the export fails: DFlashError)."""
+            info = {
+                "command": "dflash-torch train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"] else None,
+                "config": recorded, "drafter_config": exported_config(dcfg, cfg.save_dtype),
+                "mask_token_id_source": how, "gamma": gamma,
+                "params": n_params, "steps": step, "train_time_s": round(elapsed(), 1),
+                "wall_time_s": round(time.time() - t_start, 1), "data": data_stats,
+                "final_train_loss": history[-1]["loss"] if history else None,
+                "final_eval": evals[-1] if evals else None, "eval_history": evals, "loss_history": history,
+                "torch_version": torch.__version__,
+            }
+            try:
+                out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype, self.log)
+            except (OSError, SafetensorError) as exc:  # (a full disk: --out keeps what it held)
+                kept = f"the checkpoint of step {step} is saved in {ckpt_path}: run again with --resume to export it" \
+                    if unsaved is None else f"and {unsaved}"
+                raise DFlashError(f"cannot export the drafter to {cfg.out}: {write_error_reason(exc)}; {kept}") from None
+            try:
+                _write_replacing(out_dir / "training_log.json", json.dumps(info, indent=2) + "\n")
+            except OSError as exc:
+                raise DFlashError(f"the drafter is saved in {out_dir}, but its training_log.json could not be "
+                                  f"written: {exc.strerror or exc}" + (f"; and {unsaved}" if unsaved else "")) from None
+            return out_dir, info
 
         def log_row(out, at: float | None = None) -> dict:
             """The loss_history row of ``step``: the mean loss of the steps since the last row,
@@ -1019,6 +1053,7 @@ class Trainer:
         loss_ema = None
         first_step = step  # (one budget spent before this run trained a step is warned)
         self._interrupt_note = None
+        unsaved = None  # (why a checkpoint could not be saved: training stops, the drafter is exported, then it is said)
         try:
             while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed() < budget):
                 lr = lr_at(step, progress(), cfg)
@@ -1060,7 +1095,9 @@ class Trainer:
                     evals.append(last_eval)
                     self.log(_eval_line(last_eval))
                 if step % cfg.ckpt_every == 0:
-                    save_checkpoint()
+                    unsaved = save_checkpoint()
+                    if unsaved is not None:
+                        break
                 post = {"loss": f"{loss_ema:.3f}", "lr": f"{lr:.1e}"}
                 if last_eval.get("val_tau") is not None:
                     post["val_tau"] = f"{last_eval['val_tau']:.2f}"
@@ -1083,8 +1120,14 @@ class Trainer:
         except KeyboardInterrupt:  # Ctrl-C: keep what was trained
             bar.close()
             with ignored_interrupt():  # (a second Ctrl-C: the save goes on, whole)
-                save_checkpoint()
-            self.log(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with --resume")
+                unsaved = save_checkpoint()
+                if unsaved is not None:  # (e.g. a full work dir: the drafter is exported instead; still exit 130)
+                    out_dir, _ = export(unsaved)
+            if unsaved is not None:
+                self.log(f"interrupted: the drafter of step {step} is saved in {out_dir}, but --resume cannot continue "
+                         f"this run: {unsaved}")
+            else:
+                self.log(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with --resume")
             raise SystemExit(130) from None
         if step == first_step and budget is not None and elapsed_prev < budget and (cfg.steps is None or step < cfg.steps):
             # (it exported an untrained drafter with exit 0 unsaid, e.g. where the evaluation before training spent the
@@ -1093,39 +1136,17 @@ class Trainer:
                      "the evaluations too): the drafter exported is " + (
                          "untrained" if step == 0 else f"the checkpoint's of step {step}, as it was"))
         with ignored_interrupt():  # (a Ctrl-C now: the checkpoint, the drafter and its log are written whole)
-            check_finite()  # (diverged: no drafter is exported)
-            try:  # (one that cannot be saved, e.g. a full work dir, leaves the drafter to export, then is said)
-                save_checkpoint()
-                unsaved = None
-            except DFlashError as exc:
-                unsaved = exc
-            train_time = elapsed()
-            info = {
-                "command": "dflash-torch train " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "train" else None,
-                "config": recorded, "drafter_config": exported_config(dcfg, cfg.save_dtype),
-                "mask_token_id_source": how, "gamma": gamma,
-                "params": n_params, "steps": step, "train_time_s": round(train_time, 1),
-                "wall_time_s": round(time.time() - t_start, 1), "data": data_stats,
-                "final_train_loss": history[-1]["loss"] if history else None,
-                "final_eval": evals[-1] if evals else None, "eval_history": evals, "loss_history": history,
-                "torch_version": torch.__version__,
-            }
-            try:
-                out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype, self.log)
-            except (OSError, SafetensorError) as exc:  # (a full disk: --out keeps what it held)
-                kept = f"the checkpoint of step {step} is saved in {ckpt_path}: run again with --resume to export it" \
-                    if unsaved is None else f"and {unsaved}"
-                raise DFlashError(f"cannot export the drafter to {cfg.out}: {write_error_reason(exc)}; {kept}") from None
-            try:
-                _write_replacing(out_dir / "training_log.json", json.dumps(info, indent=2) + "\n")
-            except OSError as exc:
-                raise DFlashError(f"the drafter is saved in {out_dir}, but its training_log.json could not be "
-                                  f"written: {exc.strerror or exc}" + (f"; and {unsaved}" if unsaved else "")) from None
+            # (one that cannot be saved, e.g. a full work dir, leaves the drafter to export, then is said; one of a
+            # --ckpt-every save that failed, which stopped training, is not tried again; diverged: nothing is exported)
+            stopped = unsaved is not None
+            if unsaved is None:
+                unsaved = save_checkpoint()
+            out_dir, info = export(unsaved)
         if unsaved is not None:  # (the drafter is whole; only --resume, to train on, needs the checkpoint)
-            raise DFlashError(f"the drafter of step {step} is saved in {out_dir}, but --resume cannot continue this "
-                              f"run: {unsaved}")
+            raise DFlashError(f"{'training stopped: ' if stopped else ''}the drafter of step {step} is saved in "
+                              f"{out_dir}, but --resume cannot continue this run: {unsaved}")
         self.log(f"saved drafter to {out_dir} (step {step}, train loss {info['final_train_loss']}, "
-                 f"eval {info['final_eval']}, {train_time / 60:.1f} min)")
+                 f"eval {info['final_eval']}, {info['train_time_s'] / 60:.1f} min)")
         return info
 
 
@@ -1268,14 +1289,23 @@ def foreign_checkpoint(path: Path) -> bool:
         return False
 
 
-def write_error_reason(exc: Exception, partial: Path | None = None) -> str:
+def write_error_reason(exc: Exception, partial: Path | None = None, dest: Path | None = None) -> str:
     """Why writing a file failed, in a few words (e.g. ``No space left on device``), from ``exc``:
     an ``OSError``, a ``safetensors`` error (which names the OS error in its text) or
     ``torch.save``'s ``RuntimeError`` (which does not: the OS error is then asked for by writing
     on to ``partial``, the file it left, which is to be removed, and else the free space left
-    tells a full disk); else the error's text."""
+    tells a full disk); else the error's text. With ``dest``, the file the message names, an
+    OS error about another file names that one (``cannot write work/checkpoint.tmp: Is a
+    directory``, a directory where ``partial`` goes)."""
+    def said(err: OSError) -> str:
+        # (a rename's error is about either of its two paths: not named)
+        name = os.fsdecode(err.filename) if err.filename is not None and err.filename2 is None else None
+        if dest is not None and name is not None and Path(name) != Path(dest):
+            return f"cannot write {name}: {err.strerror or err}"
+        return err.strerror or str(err)
+
     if isinstance(exc, OSError):
-        return exc.strerror or str(exc)
+        return said(exc)
     text = " ".join(str(exc).split())
     found = re.search(r"error: ([^:()]+?) \(os error \d+\)", text)
     if found:
@@ -1289,7 +1319,7 @@ def write_error_reason(exc: Exception, partial: Path | None = None) -> str:
                 return "No space left on device"
         except OSError as probe:
             if probe.strerror:
-                return probe.strerror
+                return said(probe)
     return f"the file could not be written whole ({text[:120]})"
 
 
