@@ -137,7 +137,7 @@ def reserved_template_variables(tokenizer) -> list[str]:
     return [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)] + ["messages"]
 
 
-def chat_messages(messages: list) -> list[dict]:
+def chat_messages(messages: list | tuple) -> list[dict]:
     """Checked chat messages (see :meth:`~dflash_torch.engine.DFlashEngine.encode_prompt`), with each tool call's
     ``arguments`` JSON string parsed into a dict and a ``content`` None or absent (beside
     ``tool_calls``) as ``""``, as the server sends it (copies; the caller's are not changed).
@@ -150,11 +150,12 @@ def chat_messages(messages: list) -> list[dict]:
     """
     if not all(isinstance(m, dict) for m in messages):
         nested = bool(messages) and all(isinstance(m, (list, tuple)) for m in messages)  # (a tokenizer's batch)
-        hint = "" if not nested else "; got a list of one list (a batch of one): pass its row, ids[0]" \
-            if len(messages) == 1 else f"; got a list of {len(messages)} lists ({len(messages)} prompts: generate_batch takes them)"
+        kind = "tuple" if isinstance(messages, tuple) else "list"
+        n = len(messages)
+        hint = "" if not nested else f"; got a {kind} of one list (a batch of one): pass its row, ids[0]" \
+            if n == 1 else f"; got a {kind} of {n} lists ({n} prompts: generate_batch takes them)"
         if messages and all(isinstance(m, str) for m in messages):  # (several texts given as one prompt)
-            n = len(messages)
-            hint = f"; got a list of {n} string{'s' if n != 1 else ''} (" + (
+            hint = f"; got a {kind} of {n} string{'s' if n != 1 else ''} (" + (
                 "one text prompt: pass the string itself)" if n == 1 else f"{n} text prompts: generate_batch takes them)")
         raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})"
                           + hint)

@@ -695,7 +695,7 @@ class DFlashEngine:
                               "the last message or after the opening of a new assistant turn",
                               "continue_final_message", "add_generation_prompt")
         template_kwargs, tools = self._chat_options(chat_template_kwargs, tools)
-        prompt = options.as_prompt(prompt)
+        given, prompt = prompt, options.as_prompt(prompt)
         if isinstance(prompt, list) and not prompt:
             raise DFlashError("the prompt is empty (no tokens or messages)")
         # token ids: Python or NumPy integers, 0-dim integer tensors (anything with __index__), not bools
@@ -714,7 +714,9 @@ class DFlashEngine:
             except TypeError:  # (a 0-dim float tensor has __index__ and refuses it)
                 raise DFlashError("prompt token ids must be integers") from None
         if isinstance(prompt, list) or chat:
-            messages = chat_messages(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
+            # (a tuple as given: its error says "a tuple of 2 strings")
+            messages = chat_messages((given if isinstance(given, tuple) else prompt) if isinstance(prompt, list)
+                                     else [{"role": "user", "content": prompt}])
             if not getattr(self.tokenizer, "chat_template", None):
                 raise OptionError("chat cannot be used: this model's tokenizer has no chat template "
                                   "(send a text prompt)", "chat")

@@ -1611,6 +1611,8 @@ def test_a_tokenizers_output_or_a_list_of_texts_as_the_prompt_gets_a_hint(engine
         engine.generate(["a", "b"], max_new_tokens=2)
     with pytest.raises(DFlashError, match=texts + r"a list of 1 string \(one text prompt: pass the string itself\)$"):
         engine.generate(["a"], max_new_tokens=2)
+    with pytest.raises(DFlashError, match=texts + r"a tuple of 2 strings \(2 text prompts: generate_batch takes them\)$"):
+        engine.generate(("a", "b"), max_new_tokens=2)  # (it said "a list" of a tuple)
 
 
 def test_api_misuse_found_by_a_trial_gets_a_clear_error(engine):
