@@ -346,6 +346,44 @@ def test_a_rounds_generator_resumed_from_another_thread_during_an_engine_call_is
     assert out["ids"] == ref
 
 
+class _InsideARound:
+    """Another thread inside its first decoding round of ``engine``'s decoder (driven outside
+    compute.run while the engine is idle), paused there until :meth:`release`; ``got["rounds"]``
+    is its first two rounds' tokens once it ends, ``alone`` the same rounds decoded with no
+    other thread (to compare)."""
+
+    def __init__(self, engine, monkeypatch):
+        from dflash_torch.sampling import SamplingParams
+
+        decoder = engine.decoder
+        ids, params = engine.tokenizer.encode("class Stack:"), SamplingParams()
+        self.alone = [rnd.tokens for rnd in decoder.rounds(ids, params, 24)][:2]  # (no engine call runs: allowed here)
+        self.got, inside, self._release = {}, threading.Event(), threading.Event()
+        verify = decoder._verify_fn
+
+        def held(*args, **kwargs):  # (the other thread, inside its first decoding round)
+            if threading.current_thread() is self.thread:
+                inside.set()
+                assert self._release.wait(60)
+            return verify(*args, **kwargs)
+
+        def drive():
+            rounds = decoder.rounds(ids, params, 24)
+            self.got["rounds"] = [next(rounds).tokens, next(rounds).tokens]
+            rounds.close()
+
+        monkeypatch.setattr(decoder, "_verify_fn", held)
+        self.thread = threading.Thread(target=drive, daemon=True)
+        self.thread.start()
+        assert inside.wait(60)
+
+    def release(self) -> None:
+        """Let it go on, and wait for it to end."""
+        self._release.set()
+        self.thread.join(60)
+        assert not self.thread.is_alive()
+
+
 def test_a_round_while_another_thread_is_inside_one_is_refused_and_an_engine_call_waits_for_it(tiny_pair,
                                                                                                 monkeypatch):
     """A thread inside a round of the decoder (driven outside compute.run while the engine was
@@ -356,30 +394,11 @@ def test_a_round_while_another_thread_is_inside_one_is_refused_and_an_engine_cal
     from dflash_torch.sampling import SamplingParams
 
     engine = DFlashEngine.from_pretrained(*tiny_pair, dtype="float32")
-    decoder = engine.decoder
-    ids, params = engine.tokenizer.encode("class Stack:"), SamplingParams()
-    alone = [rnd.tokens for rnd in decoder.rounds(ids, params, 24)][:2]  # (no engine call runs: allowed here)
+    decoder, params = engine.decoder, SamplingParams()
     ref = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True).token_ids
-    inside, release, got = threading.Event(), threading.Event(), {}
-    verify = decoder._verify_fn
-
-    def held(*args, **kwargs):  # (the other thread, inside its first decoding round)
-        if threading.current_thread() is other:
-            inside.set()
-            assert release.wait(60)
-        return verify(*args, **kwargs)
-
-    def drive():
-        rounds = decoder.rounds(ids, params, 24)
-        got["rounds"] = [next(rounds).tokens, next(rounds).tokens]
-        rounds.close()
-
-    monkeypatch.setattr(decoder, "_verify_fn", held)
-    other = threading.Thread(target=drive, daemon=True)
-    other.start()
+    other = _InsideARound(engine, monkeypatch)
     requests = []
     try:
-        assert inside.wait(60)
         with pytest.raises(DFlashError, match=r"next\(\) of a SpeculativeDecoder\.rounds\(\) generator was called while "
                                               r"another thread is inside a round of this SpeculativeDecoder, which "
                                               r"decodes one round at a time: drive every rounds\(\) generator of it "
@@ -391,11 +410,10 @@ def test_a_round_while_another_thread_is_inside_one_is_refused_and_an_engine_cal
         while not compute.busy() and request.is_alive():  # (the generate's call runs, or ended)
             time.sleep(0.001)
     finally:
-        release.set()
-        other.join(60)
+        other.release()
     request.join(60)
-    assert not other.is_alive() and not request.is_alive()
-    assert got["rounds"] == alone
+    assert not request.is_alive()
+    assert other.got["rounds"] == other.alone
     assert requests == [ref]
 
 
@@ -409,35 +427,15 @@ def test_the_compute_threads_round_waits_for_another_threads_round_a_bounded_tim
 
     monkeypatch.setattr(decoding, "ROUND_WAIT_S", 0.5)
     engine = DFlashEngine.from_pretrained(*tiny_pair, dtype="float32")
-    decoder = engine.decoder
-    ids, params = engine.tokenizer.encode("class Stack:"), SamplingParams()
-    alone = [rnd.tokens for rnd in decoder.rounds(ids, params, 24)][:2]
-    inside, release, got = threading.Event(), threading.Event(), {}
-    verify = decoder._verify_fn
-
-    def held(*args, **kwargs):  # (the other thread, inside its first decoding round, until released)
-        if threading.current_thread() is other:
-            inside.set()
-            assert release.wait(60)
-        return verify(*args, **kwargs)
-
-    def drive():
-        rounds = decoder.rounds(ids, params, 24)
-        got["rounds"] = [next(rounds).tokens, next(rounds).tokens]
-        rounds.close()
-
-    monkeypatch.setattr(decoder, "_verify_fn", held)
-    other = threading.Thread(target=drive, daemon=True)
-    other.start()
+    decoder, params = engine.decoder, SamplingParams()
+    other = _InsideARound(engine, monkeypatch)
     try:
-        assert inside.wait(60)
         mine = decoder.rounds(engine.tokenizer.encode(PROMPT), params, 24)  # (made while no engine call runs)
         with pytest.raises(DFlashError, match=r"waited 0\.5 s for another thread's round of this SpeculativeDecoder"):
             compute.run(next, mine)
     finally:
-        release.set()
-        other.join(60)
-    assert not other.is_alive() and got["rounds"] == alone
+        other.release()
+    assert other.got["rounds"] == other.alone
 
 
 def test_a_rounds_call_from_on_chunk_is_refused_while_the_request_holds_the_decoder(tiny_pair):
