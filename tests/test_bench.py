@@ -331,8 +331,30 @@ def test_a_shape_that_cannot_fit_is_refused_before_anything_is_timed(tiny_pair, 
     assert rc == 2 and len(err) == 1, err
     assert "shape qwen3-8b needs" in err[0] and "GiB in float32" in err[0] and "cpu has 2.0 GiB" in err[0], err
     assert "layers and the drafter" in err[0], err  # (the drafter counts: a 5-layer one of the shape's width)
-    assert "of which a shape may take 80% (1.6 GiB); bfloat16 (--dtype bfloat16) halves it" in err[0], err
+    assert err[0].endswith("of which a shape may take 80% (1.6 GiB)"), err  # (nor would it fit in bfloat16)
     assert "target-only" not in captured.out and not out.exists()
+
+
+def test_the_bfloat16_hint_is_given_only_where_bfloat16_fits(monkeypatch):
+    """A float32 shape that does not fit suggests bfloat16 with its need, counted as bench
+    builds it (on a CPU with oneDNN bfloat16 each linear weight also has a prepacked copy,
+    so it may not fit either: "halves it" was said, and bfloat16 was refused again)."""
+    from dflash_torch.bench import shapes
+
+    def refusal(memory: int, dtype: torch.dtype = torch.float32) -> str:
+        monkeypatch.setattr(shapes, "device_memory", lambda device: memory)
+        with pytest.raises(DFlashError) as e:
+            shapes.layers_that_fit("qwen3-8b", dtype, "cpu")
+        return str(e.value)
+
+    f32 = float(re.search(r"needs ([\d.]+) GiB in float32", refusal(2**31)).group(1))
+    bf16 = float(re.search(r"needs ([\d.]+) GiB in bfloat16", refusal(2**31, torch.bfloat16)).group(1))
+    assert "bfloat16" not in refusal(2**31)  # (it does not fit in bfloat16 either)
+    memory = int((bf16 + f32) / 2 / 0.8 * 2**30)  # fits in bfloat16, not in float32
+    hint = re.search(r"; in bfloat16 \(--dtype bfloat16\) it needs ([\d.]+) GiB$", refusal(memory))
+    assert hint, refusal(memory)
+    assert bf16 - 0.05 <= float(hint.group(1)) <= 0.8 * memory / 2**30
+    shapes.layers_that_fit("qwen3-8b", torch.bfloat16, "cpu")  # (and bfloat16 is accepted)
 
 
 @pytest.mark.parametrize("sweep_shapes", ["", "qwen3-8b"])

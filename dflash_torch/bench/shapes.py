@@ -303,23 +303,36 @@ def layers_that_fit(shape: str | dict, dtype: torch.dtype, device: str,
     Raises:
         DFlashError: an unknown shape name, a config its parser refuses, or a target of
             which even one period of layers, with the drafter, does not fit in 80% of the
-            memory of ``device``.
+            memory of ``device`` (its message gives bfloat16's need where float32 was
+            asked and bfloat16 would fit).
     """
     cfg = target_config(shape)
     memory = device_memory(device)
     budget = int(MEMORY_FRACTION * memory) if memory_budget is None else memory_budget
-    fixed, per_layer = weight_bytes(cfg, dtype, device)
-    n = layers_to_build(fixed, per_layer, pattern_period(cfg), budget)
-    with torch.device("meta"):
-        drafter = _bytes(DFlashDrafter(drafter_config(cfg)), dtype, device)
-    need = fixed + sum(per_layer[:n]) + drafter
+    n, fixed, per_layer, need = _layers_and_need(cfg, dtype, device, budget)
     if need > 0.8 * memory:
-        hint = "; bfloat16 (--dtype bfloat16) halves it" if dtype == torch.float32 else ""
+        hint = ""
+        if dtype == torch.float32:  # (bfloat16 halves the weights, but on a CPU adds their prepacked copies)
+            half = _layers_and_need(cfg, torch.bfloat16, device, budget)[3]
+            if half <= 0.8 * memory:
+                hint = f"; in bfloat16 (--dtype bfloat16) it needs {half / 2**30:.1f} GiB"
         raise DFlashError(f"shape {shape if isinstance(shape, str) else cfg.model_type} needs {need / 2**30:.1f} GiB "
                           f"in {str(dtype).removeprefix('torch.')} for {n} of its {cfg.num_hidden_layers} layers and "
                           f"the drafter; {device} has {memory / 2**30:.1f} GiB, of which a shape may take 80% "
                           f"({0.8 * memory / 2**30:.1f} GiB){hint}")
     return n, fixed, per_layer
+
+
+def _layers_and_need(cfg: TargetConfig, dtype: torch.dtype, device: str,
+                     budget: int) -> tuple[int, int, list[int], int]:
+    """:func:`layers_that_fit`'s count for ``dtype`` within ``budget`` bytes, with the bytes
+    of :func:`weight_bytes` and those of the layers built plus the drafter:
+    ``(layers, fixed, per_layer, need)``."""
+    fixed, per_layer = weight_bytes(cfg, dtype, device)
+    n = layers_to_build(fixed, per_layer, pattern_period(cfg), budget)
+    with torch.device("meta"):
+        drafter = _bytes(DFlashDrafter(drafter_config(cfg)), dtype, device)
+    return n, fixed, per_layer, fixed + sum(per_layer[:n]) + drafter
 
 
 def build_pair(shape: str | dict, dtype: torch.dtype, device: str, draft_layers: int = 5, block_size: int = 16,
