@@ -971,3 +971,18 @@ def test_bench_prompts_dash_reads_stdin(tiny_pair, tmp_path):
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["prompts"] == 2
     proc = subprocess.run(args, input='{"prompt": "x = 1"}\nnot json\n', capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr == "dflash-torch: error: <stdin>:2: not valid JSON (Expecting value)\n"
+
+
+def test_a_refused_chat_prompt_is_one_line_even_with_fewer_prompts_than_asked(tiny_pair, tmp_path, capsys):
+    """One prompt whose messages the checks refuse, with --num-prompts 2: only the error (the
+    "fewer than --num-prompts" note came first, for a file that was then refused)."""
+    from dflash_torch.cli import main as cli_main
+
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi", "image_url": "x.png"}]}) + "\n")
+    rc = cli_main(["bench", "--target", str(tiny_pair[0]), "--modes", "target-only", "--prompts", str(prompts),
+                   "--num-prompts", "2", "--max-new-tokens", "4", "--sweep", "", "--no-progress",
+                   "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "error: prompt 1: chat message 0 holds 'image_url'" in err[0], err

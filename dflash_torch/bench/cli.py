@@ -360,9 +360,6 @@ def _run(args: argparse.Namespace) -> int:
                                           block_size=args.block_size, mxfp4=args.mxfp4, fp8=args.fp8,
                                           int_weights=args.int_weights, nvfp4=args.nvfp4,
                                           no_draft=args.target is not None and args.draft is None)
-    if asked and len(prompts) < asked:  # (said where --num-prompts was given)
-        print(f"bench: {len(prompts)} prompt{'s' if len(prompts) > 1 else ''} in {args.prompts or 'the shipped set'}, "
-              f"fewer than --num-prompts {asked}: timing {len(prompts)}", file=sys.stderr)
     prompt_ids = []
     for i, prompt in enumerate(prompts):
         try:  # (chat_template_kwargs apply to the chats only: --chat's, or {"messages"} prompts)
@@ -375,6 +372,9 @@ def _run(args: argparse.Namespace) -> int:
         if len(ids) + args.max_new_tokens > limit:
             raise DFlashError(f"prompt {i + 1} ({n_tokens(len(ids))}) + --max-new-tokens ({args.max_new_tokens}) exceeds "
                               f"the target's context of {limit} tokens")
+    if asked and len(prompts) < asked:  # (said once the prompts are accepted)
+        print(f"bench: {len(prompts)} prompt{'s' if len(prompts) > 1 else ''} in {args.prompts or 'the shipped set'}, "
+              f"fewer than --num-prompts {asked}: timing {len(prompts)}", file=sys.stderr)
     max_context = min(limit, max(map(len, prompt_ids)) + args.max_new_tokens + 1)
     if batch_sizes:  # (the largest batch's caches: before anything is timed)
         check_batch_fits(engine.target, engine.drafter, max(batch_sizes), max_context, block_size=args.block_size)
