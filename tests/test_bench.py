@@ -986,3 +986,22 @@ def test_a_refused_chat_prompt_is_one_line_even_with_fewer_prompts_than_asked(ti
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert "error: prompt 1: chat message 0 holds 'image_url'" in err[0], err
+
+
+def test_batch_sizes_are_timed_in_increasing_order_and_one_prompt_is_singular(tiny_pair, tmp_path, capsys):
+    """``--batch-sizes 2,1`` is reported 1 then 2, as --sweep lengths are sorted (the plot's
+    line doubled back); one prompt is "the 1 prompt cycled"."""
+    from dflash_torch.cli import main as cli_main
+
+    target, drafter = tiny_pair
+    out = tmp_path / "o"
+    rc = cli_main(["bench", "--target", str(target), "--draft", str(drafter), "--num-prompts", "1", "--modes", "",
+                   "--sweep", "", "--batch-sizes", "2,1", "--block-size", "4", "--max-new-tokens", "3",
+                   "--no-progress", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    rows = json.loads((out / "bench.json").read_text())["batch_sizes"]
+    assert [r["batch_size"] for r in rows] == [1, 1, 2, 2]
+    table = [line.split("|")[1].strip() for line in captured.out.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert table == ["1", "1", "2", "2"], captured.out
+    assert "the 1 prompt cycled" in captured.out, captured.out

@@ -289,6 +289,7 @@ def _run(args: argparse.Namespace) -> int:
         raise DFlashError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
     if any(n < 1 for n in batch_sizes) or len(set(batch_sizes)) != len(batch_sizes):
         raise DFlashError(f"--batch-sizes must be distinct integers >= 1, got {args.batch_sizes!r}")
+    batch_sizes.sort()  # (timed, reported and plotted in increasing order, as the --sweep lengths)
     if args.draft_max_batch_size is not None:
         check_draft_max_batch_size(args.draft_max_batch_size, block_size=args.block_size)
         if not batch_sizes:  # (the modes decode one sequence: nothing would use it)
@@ -464,7 +465,7 @@ def _run(args: argparse.Namespace) -> int:
     if report["batch_sizes"]:
         requests = report["batch_sizes"][0]["requests"]
         print(f"\nbatched decoding ({requests} requests of {args.max_new_tokens} tokens per batch size, greedy; "
-              f"the {len(prompt_ids)} prompts cycled):")
+              f"the {len(prompt_ids)} prompt{'s' if len(prompt_ids) > 1 else ''} cycled):")
         print(batch_table(report["batch_sizes"]))
     for label, s in _labelled_sweeps(report):
         print(f"\npropose time (ms) vs committed context, {label}:")
