@@ -319,10 +319,10 @@ class _Rounds:
     (A round from another thread ran in the middle of an engine's generate and changed the
     caches under it: wrong tokens, no error.)"""
 
-    __slots__ = ("_decoder", "_rounds")
+    __slots__ = ("_decoder", "_rounds", "_started")
 
     def __init__(self, decoder: SpeculativeDecoder, rounds: Iterator[Round]):
-        self._decoder, self._rounds = decoder, rounds
+        self._decoder, self._rounds, self._started = decoder, rounds, False
 
     def __iter__(self) -> _Rounds:
         return self
@@ -342,6 +342,11 @@ class _Rounds:
                                   "rounds() generator of it through dflash_torch.compute.run (the other "
                                   "thread's too), which runs them in turn")
         try:
+            if not self._started:  # (its first round resets the caches: not under a holder's rounds)
+                holder = self._decoder._holder
+                if holder is not None and holder is not self:
+                    raise DFlashError(self._decoder._held_message(f"the first {name}"))
+                self._started = True
             return next(self._rounds)
         finally:
             stepping.release()
@@ -436,9 +441,10 @@ class SpeculativeDecoder:
         self.target_cache = target.new_cache(self.max_rows)
         self._run = 0  # the rounds() generator that owns the caches (a later call takes them over)
         self._stepping = threading.Lock()  # (held by the round running: see _Rounds)
-        # what holds this decoder across rounds() generators, e.g. a DFlashEngine's open request (set and
-        # cleared by it): a rounds() call meanwhile is refused instead of taking over the caches under it
+        # what holds this decoder across rounds, e.g. a DFlashEngine's open request (see hold): meanwhile
+        # a rounds() call, or the first round of another generator, is refused instead of taking over its caches
         self.held_by: str | None = None
+        self._holder: _Rounds | None = None
         self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
         self.reused_prefill_tokens = 0  # prompt tokens taken from the caches instead of read, over all runs
         self.prefill_tokens = 0  # prompt tokens read, over all runs
@@ -678,7 +684,8 @@ class SpeculativeDecoder:
                 longer than the context, an invalid ``prompt_logprobs`` or ``checkpoint``; and, when the
                 generator is resumed, a later ``rounds()`` of this decoder having taken its
                 caches (one sequence at a time: use :class:`~dflash_torch.batch.BatchDecoder`
-                for several); a call while :attr:`held_by` is set (an engine's open request);
+                for several); a call, or a generator's first round, while another generator holds
+                the decoder (:meth:`hold`: an engine's open request);
                 a call, or a round (each ``next()``, refused without ending the generator), from
                 another thread while the compute thread runs an engine call
                 (:func:`~dflash_torch.compute.check_caller`) or while another thread is inside a
@@ -694,9 +701,20 @@ class SpeculativeDecoder:
         params.check_vocab(self.target.config.vocab_size)
         check_prompt_position(checkpoint, n_prompt, "checkpoint")
         if self.held_by is not None:
-            raise DFlashError(f"SpeculativeDecoder.rounds was called while {self.held_by} decodes with this decoder, "
-                              "which would take over its caches: wait for it to end (or close it) first")
+            raise DFlashError(self._held_message("SpeculativeDecoder.rounds was called"))
         return _Rounds(self, self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs, checkpoint))
+
+    def hold(self, rounds: _Rounds | None, what: str | None = None) -> None:
+        """Hold this decoder for ``rounds`` (a generator of :meth:`rounds`; ``what``: the holder in
+        words, e.g. "an open request of its DFlashEngine") until ``hold(None)``: meanwhile a
+        :meth:`rounds` call, and the first round of another generator (which would reset the
+        caches), are refused in words naming ``what``, as a round from another thread during an
+        engine call is."""
+        self._holder, self.held_by = rounds, (what if rounds is not None else None)
+
+    def _held_message(self, head: str) -> str:
+        return (f"{head} while {self.held_by} decodes with this decoder, which would take over its caches: wait for it "
+                "to end (or close it) first")
 
     @property
     def takes_checkpoint(self) -> bool:

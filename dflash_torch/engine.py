@@ -1199,7 +1199,7 @@ class DFlashEngine:
         stopper.start(prompt_ids)
         rounds = self.decoder.rounds(prompt_ids, params, stopper.max_new_tokens, prompt_logprobs, checkpoint)
         # (until it ends, another caller's rounds() is refused: it took over the caches between two chunks)
-        self.decoder.held_by = "an open request (generate, stream) of its DFlashEngine"
+        self.decoder.hold(rounds, "an open request (generate, stream) of its DFlashEngine")
         try:
             for rnd in rounds:
                 chunk = self.record_round(rnd, stats, stopper)
@@ -1207,7 +1207,7 @@ class DFlashEngine:
                 if chunk.finish_reason is not None:
                     return
         finally:
-            self.decoder.held_by = None
+            self.decoder.hold(None)
             rounds.close()
 
     @classmethod

@@ -501,6 +501,29 @@ def test_a_rounds_call_between_two_chunks_of_an_open_stream_is_refused(tiny_pair
     assert got["rounds"]
 
 
+def test_the_first_round_of_a_generator_made_before_an_open_stream_is_refused_until_it_ends(tiny_pair):
+    """A rounds() generator made while the engine was idle, first resumed while an engine
+    stream is open (its caches taken over between two chunks: the stream's reader got words
+    about a rounds() call it never made): refused, the stream ends as alone, and the generator,
+    resumed once the stream is closed, yields the rounds of its prompt."""
+    from dflash_torch import DFlashError
+    from dflash_torch.sampling import SamplingParams
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, dtype="float32")
+    ids = engine.tokenizer.encode("x")
+    alone = [list(rnd.tokens) for rnd in engine.decoder.rounds(ids, SamplingParams(), 8)]
+    ref = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True).token_ids
+    early = engine.decoder.rounds(ids, SamplingParams(), 8)
+    stream = engine.stream(PROMPT, max_new_tokens=24, ignore_eos=True)
+    tokens = list(next(stream).token_ids)
+    with pytest.raises(DFlashError, match=r"^the first next\(\) of a SpeculativeDecoder\.rounds\(\) generator while an "
+                                          r"open request \(generate, stream\) of its DFlashEngine decodes"):
+        next(early)
+    tokens += [tok for chunk in stream for tok in chunk.token_ids]
+    assert tokens == ref
+    assert [list(rnd.tokens) for rnd in early] == alone
+
+
 def test_a_refused_round_leaves_the_rounds_generator_to_be_resumed(tiny_pair):
     """A round refused (from another thread while the compute thread runs an engine call)
     decodes nothing and leaves the generator as it was: resumed later, it yields the rounds of
