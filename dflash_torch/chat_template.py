@@ -23,9 +23,9 @@ MEDIA_KEYS = ("images", "image", "image_url", "input_image", "audio", "input_aud
 
 def media_keys(item: dict, role=None) -> list[str]:
     """The :data:`MEDIA_KEYS` that ``item`` (a chat message of ``role``, or one of its content
-    parts: ``role`` None) holds with a value (not None); an assistant message's ``audio`` (OpenAI's
-    reply, sent back as it came) is not one."""
-    return [k for k in MEDIA_KEYS if item.get(k) is not None and not (k == "audio" and role == "assistant")]
+    parts: ``role`` None) holds with a value (not None, nor an empty list, string or object); an
+    assistant message's ``audio`` (OpenAI's reply, sent back as it came) is not one."""
+    return [k for k in MEDIA_KEYS if item.get(k) not in (None, [], "", {}) and not (k == "audio" and role == "assistant")]
 
 
 def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> str:

@@ -342,6 +342,22 @@ def test_content_parts_are_joined_as_the_server_joins_them(local_engine):
     assert messages[0]["content"][0] == {"type": "text", "text": "a"}  # (the caller's messages are not changed)
 
 
+def test_empty_media_fields_and_an_assistants_audio_reply_are_taken(local_engine):
+    """Media keys with nothing in them (``images: []``, ``image_url: null``) and an assistant's
+    ``audio`` (OpenAI's reply object, sent back beside its text) hold no media: taken, and the
+    prompt is that of the same messages without them (in the server's request model too);
+    a message that does hold media is refused (test_bad_tools_and_calls_are_one_line_errors)."""
+    from dflash_torch.serving.protocol import ChatCompletionRequest
+
+    messages = [{"role": "user", "content": "a", "images": []},
+                {"role": "assistant", "content": "b", "audio": {"id": "audio_1"}},
+                {"role": "user", "content": [{"type": "text", "text": "c", "image_url": None}], "video": ""}]
+    plain = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    ids = local_engine.encode_prompt(messages)
+    assert ids == local_engine.encode_prompt(plain) == _oracle(local_engine.tokenizer, plain)
+    assert ids == local_engine.encode_prompt(ChatCompletionRequest(messages=messages).engine_messages())
+
+
 @pytest.mark.parametrize("prompt,kwargs,message", [
     (CONVERSATION, {"tools": {"name": "f"}}, r"^tools must be a list of objects"),
     (CONVERSATION, {"tools": ["f"]}, r"^tools must be a list of objects"),
