@@ -23,6 +23,9 @@ from .errors import DFlashError, first_line
 # whose consolidated weights would double the download).
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 HUB_SKIPPED = ["*/*"]
+# files loading reads where a repo has them, whose absence changes what it does (the generation config's
+# EOS ids and sampling defaults, the chat template): a cached snapshot lacking one its repo has is completed
+OPTIONAL_FILES = ("generation_config.json", "chat_template.jinja", "chat_template.json")
 
 _downloads: set[threading.Event] = set()  # each download's "finished", until its caller has seen it end
 
@@ -50,8 +53,9 @@ def snapshot(name: str) -> Path:
     branch, tag or commit hash; else ``main``): its snapshot of that revision in the cache when
     that holds ``config.json`` and safetensors weights (whatever else of the repo it lacks, e.g.
     after ``hf download --include``; but unless ``HF_HUB_OFFLINE`` is set, one with no tokenizer
-    files where the repo's file list that huggingface_hub keeps names some is completed), else the
-    snapshot :func:`download` fills.
+    files where the repo's file list that huggingface_hub keeps names some is completed, and one
+    that lacks an :data:`OPTIONAL_FILES` file the list names is completed where the Hub may be
+    reached, else used without it, with a WARNING line), else the snapshot :func:`download` fills.
 
     Raises:
         DFlashError: ``name`` is not a valid repo id (``ORG/NAME`` of letters, digits, ``-``,
@@ -84,15 +88,23 @@ def snapshot(name: str) -> Path:
         # stored file list, e.g. a README.md or merges.txt that loading does not read: what it holds is judged below)
         local = getattr(exc, "snapshot_path", None)
         listed = local is not None
-    lacks = None
+    lacks = optional = None
     if local is not None:
         try:  # (a shared cache whose snapshot or blobs this process may not read)
             os.listdir(local)
             lacks = _lacks(Path(local))
             if lacks is None and listed and not constants.HF_HUB_OFFLINE:  # (a download completes it; else used)
                 lacks = _lacks_tokenizer(Path(local), repo, revision)
+                optional = None if lacks is not None else _lacks_listed(Path(local), repo, revision, OPTIONAL_FILES)
         except OSError as exc:
             raise DFlashError(f"cannot read {exc.filename or local}: {exc.strerror}") from None
+        if lacks is None and optional:
+            try:  # (a generation config or chat template the repo has: fetched where it may be, else done without)
+                return download(name, cached=f"{local} lacks {', '.join(optional)}")
+            except DFlashError as exc:
+                logging.getLogger("dflash_torch").warning(
+                    f"dflash-torch: WARNING: the cached snapshot of {name} lacks {', '.join(optional)}, which the repo "
+                    f"has, and it cannot be downloaded: it is used without ({exc})")
         if lacks is None:
             return Path(local)
     denied = _unreadable_cache_entry(repo, revision)
@@ -144,6 +156,27 @@ def _lacks(local: Path) -> str | None:
     return f"{local} has no safetensors weights"  # (not reached: weight_files names what _complete misses)
 
 
+def _listed(repo: str, revision: str | None) -> set[str] | None:
+    """The files of the repo's file list that huggingface_hub keeps (``trees/COMMIT.json``), or
+    None where none is kept (or a huggingface_hub that keeps none)."""
+    try:
+        from huggingface_hub import get_cached_repo_tree
+
+        return {f.path for f in get_cached_repo_tree(repo, revision=revision)}
+    except Exception:
+        return None
+
+
+def _lacks_listed(local: Path, repo: str, revision: str | None, names) -> list[str]:
+    """Those of ``names`` that the repo's kept file list (:func:`_listed`) has and the cached
+    snapshot ``local`` does not.
+
+    Raises:
+        OSError: a part of it this process may not read."""
+    files = _listed(repo, revision) or set()
+    return [f for f in names if f in files and not (local / f).is_file()]
+
+
 def _lacks_tokenizer(local: Path, repo: str, revision: str | None) -> str | None:
     """Where the cached snapshot ``local`` of ``repo`` holds no tokenizer file but the repo's file
     list that huggingface_hub keeps (``trees/COMMIT.json``) names some: that, in a line naming
@@ -153,11 +186,8 @@ def _lacks_tokenizer(local: Path, repo: str, revision: str | None) -> str | None
         OSError: a part of it this process may not read."""
     from .tokenizer import TOKENIZER_FILES
 
-    try:
-        from huggingface_hub import get_cached_repo_tree
-
-        files = {f.path for f in get_cached_repo_tree(repo, revision=revision)}
-    except Exception:  # (none kept, or a huggingface_hub that keeps none: nothing to tell)
+    files = _listed(repo, revision)
+    if files is None:  # (none kept: nothing to tell)
         return None
     named = [f for f in TOKENIZER_FILES if f in files]
     if not named or any((local / f).is_file() for f in TOKENIZER_FILES):

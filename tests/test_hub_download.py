@@ -355,6 +355,41 @@ def test_a_cache_entry_that_lacks_files_loading_does_not_read_is_used(cli, hub, 
     assert f", and the Hugging Face cache holds it incomplete ({broken}" in dead.stderr, dead.stderr
 
 
+def test_a_cache_entry_without_the_generation_config_its_repo_has_is_completed_or_used_with_a_warning(
+        cli, hub, tiny_pair, tmp_path):
+    """A cached snapshot that lacks a generation config (or chat template) its repo's kept file
+    list names was used as it is: without its EOS ids and defaults, or its template ("this
+    model's tokenizer has no chat template"). It is completed by a download where the Hub may
+    be reached, else used without it with a WARNING line naming the file; offline, used as it is."""
+    endpoint, server = hub
+    repo = shutil.copytree(tiny_pair[0], tmp_path / "gen")
+    (repo / "generation_config.json").write_text(json.dumps({"max_new_tokens": 12}))
+    (repo / "notes.txt").write_text("not read by loading")
+    server.repos["acme/gen"] = repo
+    cache = tmp_path / "hub-cache"
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
+    assert _generate("--target", "acme/gen", "--no-draft", env=env).returncode == 0
+    if not (cache / "models--acme--gen" / "trees").is_dir():
+        pytest.skip("this huggingface_hub keeps no file list of a repo")
+    snapshot = cache / "models--acme--gen" / "snapshots" / COMMIT
+    want = _local(cli, "--target", str(repo), "--no-draft")
+    (snapshot / "notes.txt").unlink()  # (so that huggingface_hub judges the snapshot incomplete, as a partial fetch)
+    (snapshot / "generation_config.json").unlink()
+    server.fetched.clear()
+    again = _generate("--target", "acme/gen", "--no-draft", env=env)
+    assert again.returncode == 0 and json.loads(again.stdout)["token_ids"] == want, again.stderr
+    assert "generation_config.json" in server.fetched and "model.safetensors" not in server.fetched, server.fetched
+    assert (snapshot / "generation_config.json").is_file()
+    (snapshot / "generation_config.json").unlink()
+    dead = _generate("--target", "acme/gen", "--no-draft", env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
+    assert dead.returncode == 0, dead.stderr
+    assert ("WARNING: the cached snapshot of acme/gen lacks generation_config.json, which the repo has, and it cannot "
+            "be downloaded: it is used without (cannot download model 'acme/gen' from the Hugging Face Hub: the Hub "
+            "cannot be reached") in dead.stderr, dead.stderr
+    offline = _generate("--target", "acme/gen", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
+    assert offline.returncode == 0 and "WARNING" not in offline.stderr, offline.stderr
+
+
 def test_ctrl_c_during_a_download_exits_at_once(hub, tiny_pair, tmp_path):
     """Ctrl-C while huggingface_hub downloads: the command ends with status 130 without waiting
     for the file being fetched (it waited for the whole file: minutes for a large model)."""
