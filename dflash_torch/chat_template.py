@@ -24,8 +24,11 @@ MEDIA_KEYS = ("images", "image", "image_url", "input_image", "audio", "input_aud
 def media_keys(item: dict, role=None) -> list[str]:
     """The :data:`MEDIA_KEYS` that ``item`` (a chat message of ``role``, or one of its content
     parts: ``role`` None) holds with a value (not None, nor an empty list, string or object); an
-    assistant message's ``audio`` (OpenAI's reply, sent back as it came) is not one."""
-    return [k for k in MEDIA_KEYS if item.get(k) not in (None, [], "", {}) and not (k == "audio" and role == "assistant")]
+    assistant message's ``audio`` (OpenAI's reply, sent back as it came) is not one beside its
+    text (content, tool calls or a refusal), but is where the message has nothing else."""
+    spoken = role == "assistant" and (item.get("content") is not None or bool(item.get("tool_calls"))
+                                      or item.get("refusal") is not None)
+    return [k for k in MEDIA_KEYS if item.get(k) not in (None, [], "", {}) and not (k == "audio" and spoken)]
 
 
 def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> str:

@@ -443,6 +443,9 @@ BAD_REQUESTS = [
     # (media beside the text were dropped unsaid: the text alone answered)
     ("images beside a message's text", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400, "messages.0"),
+    ("an assistant's audio reply alone", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "audio": {"id": "a"}},
+                   {"role": "user", "content": "and?"}]}, 400, "messages.1"),
     ("an image url in a text part", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "image_url": {"url": "x"}}]}]}, 400,
      "messages.0.content"),

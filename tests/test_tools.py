@@ -389,6 +389,8 @@ def test_empty_media_fields_and_an_assistants_audio_reply_are_taken(local_engine
     ([{"role": "user", "content": [{"type": "text"}]}], {}, r"^chat message 0: content part 0 must be"),
     # (media beside the text were dropped unsaid; an assistant's audio, OpenAI's reply sent back, is not one)
     ([{"role": "user", "content": "hi", "images": ["aGk="]}], {}, r"^chat message 0 holds 'images': only text is supported"),
+    ([{"role": "assistant", "content": None, "audio": {"id": "audio_1"}}], {},
+     r"^chat message 0 holds 'audio': only text is supported"),  # (an audio reply alone: nothing to read)
     ([{"role": "user", "content": [{"type": "text", "text": "a", "image_url": {"url": "x"}}]}], {},
      r"^chat message 0: content part 0 holds 'image_url': only text is supported$"),
     # malformed parameter schemas, named (helper-27: blamed on chat_template_kwargs, or free text in forced calls)
