@@ -94,8 +94,10 @@ def snapshot(name: str) -> Path:
             os.listdir(local)
             lacks = _lacks(Path(local))
             if lacks is None and listed and not constants.HF_HUB_OFFLINE:  # (a download completes it; else used)
-                lacks = _lacks_tokenizer(Path(local), repo, revision)
-                optional = None if lacks is not None else _lacks_listed(Path(local), repo, revision, OPTIONAL_FILES)
+                files = _listed(repo, revision)  # (the repo's file list huggingface_hub keeps, read once)
+                lacks = _lacks_tokenizer(Path(local), files)
+                optional = None if lacks is not None else [
+                    f for f in OPTIONAL_FILES if f in files and not (Path(local) / f).is_file()]
         except OSError as exc:
             raise DFlashError(f"cannot read {exc.filename or local}: {exc.strerror}") from None
         if lacks is None and optional:
@@ -156,39 +158,26 @@ def _lacks(local: Path) -> str | None:
     return f"{local} has no safetensors weights"  # (not reached: weight_files names what _complete misses)
 
 
-def _listed(repo: str, revision: str | None) -> set[str] | None:
-    """The files of the repo's file list that huggingface_hub keeps (``trees/COMMIT.json``), or
-    None where none is kept (or a huggingface_hub that keeps none)."""
+def _listed(repo: str, revision: str | None) -> set[str]:
+    """The files of the repo's file list that huggingface_hub keeps (``trees/COMMIT.json``);
+    empty where none is kept (or a huggingface_hub that keeps none: nothing to tell)."""
     try:
         from huggingface_hub import get_cached_repo_tree
 
         return {f.path for f in get_cached_repo_tree(repo, revision=revision)}
     except Exception:
-        return None
+        return set()
 
 
-def _lacks_listed(local: Path, repo: str, revision: str | None, names) -> list[str]:
-    """Those of ``names`` that the repo's kept file list (:func:`_listed`) has and the cached
-    snapshot ``local`` does not.
-
-    Raises:
-        OSError: a part of it this process may not read."""
-    files = _listed(repo, revision) or set()
-    return [f for f in names if f in files and not (local / f).is_file()]
-
-
-def _lacks_tokenizer(local: Path, repo: str, revision: str | None) -> str | None:
-    """Where the cached snapshot ``local`` of ``repo`` holds no tokenizer file but the repo's file
-    list that huggingface_hub keeps (``trees/COMMIT.json``) names some: that, in a line naming
-    ``local``; else None (a drafter's repo has none).
+def _lacks_tokenizer(local: Path, files: set[str]) -> str | None:
+    """Where the cached snapshot ``local`` holds no tokenizer file but ``files``, its repo's kept
+    file list (:func:`_listed`), names some: that, in a line naming ``local``; else None (a
+    drafter's repo has none).
 
     Raises:
         OSError: a part of it this process may not read."""
     from .tokenizer import TOKENIZER_FILES
 
-    files = _listed(repo, revision)
-    if files is None:  # (none kept: nothing to tell)
-        return None
     named = [f for f in TOKENIZER_FILES if f in files]
     if not named or any((local / f).is_file() for f in TOKENIZER_FILES):
         return None
