@@ -14,6 +14,7 @@ whichever comes first; nothing past it is emitted.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import gc
 import inspect
@@ -1504,11 +1505,12 @@ class DFlashEngine:
 
 
 def _of_prompt(exc: DFlashError, i: int) -> DFlashError:
-    """``exc`` about prompt ``i`` of a batch: its message after ``prompt i:``, an
-    :class:`OptionError` still one with its names (the command line names the flags)."""
-    if isinstance(exc, OptionError):
-        return OptionError(f"prompt {i}: {exc}", *exc.names)
-    return DFlashError(f"prompt {i}: {exc}")
+    """``exc`` about prompt ``i`` of a batch: its message after ``prompt i:``, of its class and
+    with its attributes (a :class:`ContextLengthError` is still one; an :class:`OptionError`
+    keeps its names, by which the command line names the flags)."""
+    about = copy.copy(exc)
+    about.args = (f"prompt {i}: {exc}",)
+    return about
 
 
 def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list:

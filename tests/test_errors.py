@@ -279,8 +279,10 @@ def test_a_default_max_new_tokens_is_cut_to_the_context_a_given_one_is_refused(e
     assert [len(r.token_ids) for r in small.generate_batch([ids, ids[:25]], max_new_tokens=[None, 3],
                                                             ignore_eos=True)] == [10, 3]
     with pytest.raises(OptionError, match=r"^prompt \(30 tokens\) \+ max_new_tokens \(11\) exceeds the context of 40 "
-                                          r"tokens$"):
-        small.generate(ids, max_new_tokens=11)
+                                          r"tokens; ask for at most 10 new tokens, or raise max_context \(up to 1024\)$"):
+        small.generate(ids, max_new_tokens=11)  # (trial-209: how to make it fit was not said)
+    with pytest.raises(OptionError, match=r"exceeds the context of 1024 tokens; ask for at most 1014 new tokens$"):
+        engine.generate(ids[:10], max_new_tokens=1015)  # (the target's whole context: nothing to raise)
     with pytest.raises(OptionError, match=r"^prompt \(1 token\) \+ max_new_tokens \(40\) exceeds"):  # (trial-141)
         small.generate(ids[:1], max_new_tokens=40)
     with pytest.raises(OptionError, match=r"^min_tokens \(11\) exceeds the 10 tokens left in the context of 40 tokens "
@@ -301,7 +303,8 @@ def test_a_default_max_new_tokens_is_cut_to_the_context_a_given_one_is_refused(e
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 5
     assert cli_main(argv + ["--max-new-tokens", "6"]) == 2
     assert capsys.readouterr().err == (f"dflash-torch: error: prompt ({n} tokens) + --max-new-tokens (6) exceeds the "
-                                       f"context of {n + 5} tokens\n")
+                                       f"context of {n + 5} tokens; ask for at most 5 new tokens, or raise --max-context "
+                                       "(up to 1024)\n")
 
 
 def test_min_tokens_with_stop_token_ids_covering_the_vocabulary_is_refused_up_front(engine):
@@ -916,7 +919,7 @@ CLI_FLAG_CASES = [
      "--repetition-penalty must be a finite number > 0 (1 = off), got 0.0"),
     (["--logprobs", "21", "--json"], dict(logprobs=21), "--logprobs must be an integer in [0, 20], got 21"),
     (["--max-new-tokens", "1100"], dict(max_new_tokens=1100),
-     "prompt (7 tokens) + --max-new-tokens (1100) exceeds the context of 1024 tokens"),
+     "prompt (7 tokens) + --max-new-tokens (1100) exceeds the context of 1024 tokens; ask for at most 1017 new tokens"),
 ]
 
 
@@ -1207,6 +1210,10 @@ def test_a_request_that_does_not_fit_the_context_is_a_context_length_error(engin
             engine.generate(**kwargs)
         assert isinstance(err.value, DFlashError) and err.value.code == "context_length_exceeded"
         assert getattr(err.value, "name", None) == name, (kwargs.keys(), err.value)
+        prompt = kwargs.pop("prompt")  # (trial-209: a batch's prompt 1 was a plain OptionError / DFlashError)
+        with pytest.raises(ContextLengthError) as err:
+            engine.generate_batch([[5] * 4, prompt], **{k: [1, v] for k, v in kwargs.items()})
+        assert str(err.value).startswith("prompt 1: ") and getattr(err.value, "name", None) == name, err.value
     with pytest.raises(DFlashError) as err:
         engine.generate([5], max_new_tokens=0)
     assert not isinstance(err.value, ContextLengthError)
