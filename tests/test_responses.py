@@ -84,6 +84,8 @@ def test_text_equals_chat_completions_and_the_engine(servers):
     assert r.usage.total_tokens == r.usage.input_tokens + 24 and r.usage.output_tokens_details.reasoning_tokens == 0
     assert (r.max_output_tokens, r.temperature, r.top_p, r.tool_choice, r.tools) == (24, 0, 1, "auto", [])
     assert _respond(alone, input=PROMPT, max_output_tokens=24).output_text == r.output_text  # (lossless)
+    # (trial-210: the settings every Response echoes, sent back, were a 400 "tool_choice needs tools")
+    assert _respond(spec, input=PROMPT, max_output_tokens=24, tool_choice="auto", tools=[]).output_text == r.output_text
     engine = DFlashEngine.from_pretrained()
     assert engine.generate(messages, chat=True, max_new_tokens=24).text == r.output_text
     # a reply that ends: completed (a stop string, a vLLM-style extension)
@@ -344,6 +346,7 @@ BAD = [  # (body fields, status, param, words of the message)
     ({"chat_template": "{{ 'x' }}"}, 400, "chat_template", "the model's own chat template"),
     # errors of the chat machinery and the engine, in the Responses API's names
     ({"min_tokens": 5}, 400, "min_tokens", "at most max_output_tokens (4)"),
+    ({"tool_choice": "required", "tools": []}, 400, "tool_choice", "tool_choice needs tools"),  # ('auto' is taken)
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "array", "uniqueItems": True}}}}], "tool_choice": "required"}, 400, "tools", "cannot constrain"),
     # (the tool's path as the Responses API nests it: no "function")

@@ -1304,8 +1304,8 @@ class ResponsesRequest(BaseModel):
             body["tools"] = [tool.chat_tool() for tool in self.tools]
         if isinstance(self.tool_choice, ResponsesToolChoice):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
-        elif self.tool_choice is not None:
-            body["tool_choice"] = self.tool_choice
+        elif self.tool_choice is not None and (self.tools or self.tool_choice != "auto"):
+            body["tool_choice"] = self.tool_choice  # ('auto' without tools: no call, as every Response echoes it)
         if self.text is not None and self.text.format is not None:
             body["response_format"] = self.text.format.response_format()
         if self.reasoning is not None and self.reasoning.effort is not None:
