@@ -53,6 +53,8 @@ CASES = [
      'cut:\n<tool_call>\n{"name": "get_time", "argu', []),
     ("none", "hermes", "", '<tool_call>\n{"name": "get_time", "arguments": "{\\"a\\": 1}"}\n</tool_call>\n\nDone.',
      True, "", "Done.", [("get_time", {"a": 1})]),
+    ("none", "hermes", "", '<tool_call>{"name": "get_time", "parameters": {"a": 1}}</tool_call>', True, "", "",
+     [("get_time", {"a": 1})]),  # ("parameters" where "arguments" is absent, as README says)
     ("think", "hermes", "<|im_start|>assistant\n<think>\n", "plan</think>\n\n" + HERMES[len("Let me check.\n\n"):],
      True, "plan", "", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
     ("think", "hermes", "", '<think><tool_call>{"name": "get_time", "arguments": {}}</tool_call></think>ok', True,
