@@ -538,6 +538,9 @@ def _unquantized(w):
      rf"FP8 scale {Q}\.weight_scale_inv has shape \(4, 1\); weight \(64, 64\) in blocks of \[16, 16\] needs \(4, 4\)"),
     (None, _set(Q + ".weight_scale_inv", lambda w: w[Q + ".weight_scale_inv"].index_fill(0, torch.tensor([2]), float("inf"))),
      rf"FP8 scale {Q}\.weight_scale_inv holds NaN or infinite values"),
+    (None, _set(Q + ".weight_scale_inv", lambda w: w[Q + ".weight_scale_inv"].index_fill(0, torch.tensor([1]), -0.01)),
+     rf"^FP8 scale {Q}\.weight_scale_inv holds negative values \(a corrupt checkpoint: block scales are zero or "
+     r"positive\)$"),
     (None, _set(Q + ".weight", lambda w: w[Q + ".weight"].float().to(torch.float8_e5m2)),
      rf"FP8 weight {Q}\.weight has dtype float8_e5m2; the config's FP8 format \(fmt\) is float8_e4m3fn"),
     (lambda c: c.pop("quantization_config"), None,
@@ -556,6 +559,21 @@ def test_what_cannot_run_exactly_is_refused_in_one_line(whole_blocks, tokenizer_
     with pytest.raises(DFlashError, match=message) as err:
         DFlashEngine.from_pretrained(bad, no_draft=True, fp8=mode)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["dequantize", "packed"])
+def test_a_zero_block_scale_loads_as_a_zero_block(whole_blocks, tmp_path, mode):
+    """A zero block scale (an all-zero block whose scale was not clamped) makes its block zero,
+    the other blocks as they were; only negative scales are refused (above)."""
+    model_dir, _ = whole_blocks["qwen3"]
+    zero = edited_checkpoint(model_dir, tmp_path / "zero", state=_set(
+        Q + ".weight_scale_inv", lambda w: w[Q + ".weight_scale_inv"].index_fill(0, torch.tensor([1]), 0.0)))
+    plain = TargetModel.from_pretrained(model_dir, torch.float32).state_dict()[Q + ".weight"]
+    model = TargetModel.from_pretrained(zero, torch.float32, fp8=mode)
+    w = model.model.layers[0].self_attn.q_proj
+    w = fp8.dequantize_rows(w.weight, w.weight_scale, 16, torch.float32) if mode == "packed" else w.weight
+    assert not w[16:32].any() and plain[16:32].any()
+    assert torch.equal(w[:16], plain[:16]) and torch.equal(w[32:], plain[32:])
 
 
 def test_fp8_is_refused_where_it_is_not_read():

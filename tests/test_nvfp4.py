@@ -625,6 +625,32 @@ def test_bad_modelopt_tensors_are_refused_in_one_line(modelopt_dense, tmp_path, 
     assert "\n" not in str(err.value)
 
 
+def _group_scale_byte(byte: int):
+    """Set the first group scale of ``P``'s weight to the float8 byte ``byte``."""
+    return lambda w: w[P + "weight_scale"].view(torch.uint8).__setitem__((0, 0), byte)
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+@pytest.mark.parametrize("mode", ["dequantize", "packed"])
+def test_negative_group_scales_are_refused_and_zero_ones_load(ct_dense, modelopt_dense, tmp_path, fmt, mode):
+    """A float8 group scale is a magnitude: a negative one (sign bit set: -1.0 is 0xB8) is a corrupt
+    checkpoint, refused in one line naming it (it loaded, and changed the output); a zero one
+    (e.g. ModelOpt's float8 rounding of a tiny group's scale) or a negative zero makes its 16
+    weights zero."""
+    src = ct_dense[0] if fmt == "compressed-tensors" else modelopt_dense
+    bad = edited_checkpoint(src, tmp_path / "bad", state=_group_scale_byte(0xB8))
+    with pytest.raises(DFlashError, match=rf"^NVFP4 scale {P}weight_scale holds negative values \(a corrupt "
+                                          r"checkpoint: group scales are zero or positive\)$"):
+        TargetModel.from_pretrained(bad, torch.float32, nvfp4=mode)
+    plain = TargetModel.from_pretrained(src, torch.float32, nvfp4="dequantize").state_dict()[P + "weight"]
+    for byte in (0x00, 0x80):
+        zero = edited_checkpoint(src, tmp_path / f"zero-{byte}", state=_group_scale_byte(byte))
+        TargetModel.from_pretrained(zero, torch.float32, nvfp4=mode)
+        w = TargetModel.from_pretrained(zero, torch.float32, nvfp4="dequantize").state_dict()[P + "weight"]
+        assert not w[0, :16].any() and plain[0, :16].any()
+        assert torch.equal(w[:, 16:], plain[:, 16:]) and torch.equal(w[1:], plain[1:])
+
+
 def test_the_other_formats_packed_modes_refuse_nvfp4_checkpoints(ct_dense, modelopt_dense):
     """The packed modes of the other formats refuse NVFP4 / ModelOpt checkpoints in one line,
     naming what they keep packed; auto loads them dequantized where they fit (nvfp4="packed":

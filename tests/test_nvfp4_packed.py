@@ -339,9 +339,10 @@ def test_other_families_packed_give_the_dequantized_model_bit_for_bit(tmp_path, 
     assert torch.equal(_logits(packed), _logits(plain))
 
 
-# every finite float8_e4m3fn byte (the loader refuses the NaN bytes 0x7F and 0xFF): zero, the
-# subnormals 0x01-0x07, the normals up to 448 (0x7E), and the negative ones
-FINITE_BYTES = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+# every float8_e4m3fn byte the loader takes as a group scale (it refuses the NaN bytes 0x7F and
+# 0xFF and the negative ones): zero, the subnormals 0x01-0x07, the normals up to 448 (0x7E), and
+# the negative zero 0x80
+SCALE_BYTES = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F and b <= 0x80], dtype=torch.uint8)
 # per-tensor scales: typical ones, 1, and ones whose products are subnormal (CT: 1e36 divides;
 # ModelOpt: 1e-36 multiplies) or large; all products finite in float32 and bfloat16, as the
 # loader's finiteness check requires
@@ -352,15 +353,15 @@ TABLE_SCALES = {nvfp4.CT: [1.0, 2688 / 0.37, 3.0, 7e-3, 1e36],
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", [nvfp4.CT, nvfp4.MODELOPT_NVFP4], ids=["ct", "modelopt"])
 def test_the_tables_give_the_loaders_values_for_every_scale_byte_and_nibble(kind, dtype):
-    """A matrix holding every (finite group-scale byte, packed byte) pair, so every (byte,
+    """A matrix holding every (group-scale byte the loader takes, packed byte) pair, so every (byte,
     nibble) pair, under each of several per-tensor scales, its rows shuffled so the tables
     (one per distinct scale) interleave: read from its tables (:func:`nvfp4.lookup`, and by
     byte pairs, :func:`nvfp4.lookup_pairs`) it is what the loader dequantizes (dequantize_ct /
     dequantize_modelopt, a matrix per scale), bit for bit."""
     scales = torch.tensor(TABLE_SCALES[kind], dtype=torch.float32)
-    n, b = scales.numel(), FINITE_BYTES.numel()
+    n, b = scales.numel(), SCALE_BYTES.numel()
     packed = torch.arange(256, dtype=torch.uint8).expand(n, b, 256).contiguous()  # each row: bytes 0..255
-    scale = FINITE_BYTES.view(nvfp4.FP8)[None, :, None].expand(n, b, 32).contiguous()
+    scale = SCALE_BYTES.view(nvfp4.FP8)[None, :, None].expand(n, b, 32).contiguous()
     loader = nvfp4.dequantize_ct if kind == nvfp4.CT else nvfp4.dequantize_modelopt
     want = loader(packed, scale, scales, dtype).view(n * b, 512)
     assert torch.isfinite(want).all() and (want != 0).any() and (want.abs() < torch.finfo(dtype).tiny).any()

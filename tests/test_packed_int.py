@@ -211,6 +211,8 @@ P = "model.layers.1.self_attn.k_proj.weight"
     (lambda w: w.__setitem__(P + "_shape", torch.tensor([32, 48])), r"does not match .*_packed of shape \(32, 8\)"),
     (lambda w: w.__setitem__(P + "_scale", torch.ones(32, 2)), r"_scale is .* \(32, 2\), expected floating point \(32, 4\)"),
     (lambda w: w[P + "_scale"].__setitem__((0, 0), float("nan")), "holds NaN or infinite values"),
+    (lambda w: w[P + "_scale"].__setitem__((0, 0), -0.5),
+     rf"^{P}_scale holds negative values \(a corrupt checkpoint: symmetric scales are zero or positive\)$"),
     (lambda w: w.__setitem__(P + "_packed", w[P + "_packed"].to(torch.int64)), "is int64 with 2 dimensions"),
 ])
 def test_bad_packed_weights_are_refused_in_one_line(w4a16, tmp_path, state, message):
@@ -218,6 +220,19 @@ def test_bad_packed_weights_are_refused_in_one_line(w4a16, tmp_path, state, mess
     with pytest.raises(DFlashError, match=message) as err:
         TargetModel.from_pretrained(target, torch.float32)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["dequantize", "packed"])
+def test_a_zero_group_scale_loads_as_a_zero_group(w4a16, tmp_path, mode):
+    """A zero scale (a group of zeros) makes its group zero, the rest as it was; only negative
+    scales are refused (above)."""
+    zero = edited_checkpoint(w4a16[0], tmp_path / "zero", state=lambda w: w[P + "_scale"].__setitem__((0, 0), 0.0))
+    plain = TargetModel.from_pretrained(w4a16[0], torch.float32).state_dict()[P]
+    layer = TargetModel.from_pretrained(zero, torch.float32, int_weights=mode).model.layers[1].self_attn.k_proj
+    w = (packed_int.dequantize_groups(layer.weight, layer.weight_scale, 4, 16, 64, torch.float32)
+         if mode == "packed" else layer.weight)
+    assert not w[0, :16].any() and plain[0, :16].any()
+    assert torch.equal(w[0, 16:], plain[0, 16:]) and torch.equal(w[1:], plain[1:])
 
 
 def test_a_dense_sparsity_config_and_an_empty_transform_config_change_nothing(w4a16, tmp_path):

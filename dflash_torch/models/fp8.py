@@ -147,7 +147,8 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
 
     Args:
         weight: ``float8_e4m3fn`` ``[..., out, in]`` (at least 2 dimensions).
-        scale_inv: ``[..., ceil(out / bo), ceil(in / bi)]``, finite: floating point
+        scale_inv: ``[..., ceil(out / bo), ceil(in / bi)]``, finite, zero or positive (a
+            zero scale makes its block zero): floating point
             (``scale_fmt`` ``"float"``), or ``float8_e8m0fnu`` / ``uint8`` (``"ue8m0"``,
             :func:`scale_values`).
         block: ``(bo, bi)``, the ``weight_block_size`` of the checkpoint's config.
@@ -161,8 +162,8 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
 
     Raises:
         DFlashError: a weight that is not ``float8_e4m3fn`` or has fewer than 2 dimensions, a
-            scale of another dtype than ``scale_fmt`` says, of another shape, or not finite
-            (NaN, inf).
+            scale of another dtype than ``scale_fmt`` says, of another shape, not finite
+            (NaN, inf) or negative.
     """
     check_pair(weight, scale_inv, block, name, scale_fmt, scale_name)
     *lead, rows, cols = weight.shape
@@ -194,8 +195,12 @@ def check_pair(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     if tuple(scale_inv.shape) != expected:
         raise DFlashError(f"FP8 scale {scale_name} has shape {tuple(scale_inv.shape)}; weight "
                           f"{tuple(weight.shape)} in blocks of {list(block)} needs {expected}")
-    if not bool(torch.isfinite(scale_values(scale_inv)).all()):
+    values = scale_values(scale_inv)
+    if not bool(torch.isfinite(values).all()):
         raise DFlashError(f"FP8 scale {scale_name} holds NaN or infinite values (a corrupt checkpoint)")
+    if bool((values < 0).any()):
+        raise DFlashError(f"FP8 scale {scale_name} holds negative values (a corrupt checkpoint: block scales are zero "
+                          "or positive)")
 
 
 def check_scale_dtype(scale: torch.Tensor, scale_fmt: str, scale_name: str) -> None:

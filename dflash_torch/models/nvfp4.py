@@ -46,7 +46,8 @@ KV cache is kept in the model's dtype and the per-tensor ``*.k_scale`` / ``*.v_s
 (float32, one value) are not read, as vLLM does with ``--kv-cache-dtype auto``. Modules the config ignores /
 excludes are stored unquantized and load as they are. What cannot be run exactly (another
 ``quant_algo``, a KV cache quantized otherwise than FP8, a group size other than 16, scales of the wrong dtype
-or shape, non-finite or non-positive per-tensor scales, ...) is refused in one line.
+or shape, NaN or negative group scales, non-finite or non-positive per-tensor scales, ...) is refused in
+one line.
 """
 
 from __future__ import annotations
@@ -232,14 +233,15 @@ def check_parts(packed: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.T
 
     Args:
         packed: uint8 ``[..., out, in / 2]`` (``in`` a multiple of 16).
-        scale: float8_e4m3fn ``[..., out, in / 16]``, no NaN.
+        scale: float8_e4m3fn ``[..., out, in / 16]``, zero or positive (a zero group scale,
+            e.g. one too small for float8, makes its 16 weights zero), no NaN.
         tensor_scale: float32, one value, or one per leading index (stacked experts:
             ``[...]`` or ``[..., 1]``), finite and positive.
         packed_name, scale_name, tensor_scale_name: the names, for errors.
 
     Raises:
-        DFlashError: one line naming the tensor, for any other dtype or shape, NaN scales,
-            a non-finite or non-positive per-tensor scale.
+        DFlashError: one line naming the tensor, for any other dtype or shape, NaN or
+            negative group scales, a non-finite or non-positive per-tensor scale.
     """
     if packed.dtype != torch.uint8 or packed.dim() < 2:
         raise DFlashError(f"NVFP4 weight {packed_name} is {str(packed.dtype).removeprefix('torch.')} with "
@@ -251,8 +253,10 @@ def check_parts(packed: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.T
     if scale.dtype != FP8 or tuple(scale.shape) != want:
         raise DFlashError(f"NVFP4 scale {scale_name} is {str(scale.dtype).removeprefix('torch.')} "
                           f"{tuple(scale.shape)}, expected float8_e4m3fn {want}")
-    if bool(((scale.view(torch.uint8) & 0x7F) == 0x7F).any()):
-        raise DFlashError(f"NVFP4 scale {scale_name} holds NaN values (a corrupt checkpoint)")
+    nan = (scale.view(torch.uint8) & 0x7F) == 0x7F  # (the bytes 0x7F, 0xFF)
+    if bool((nan | (scale.view(torch.uint8) > 0x80)).any()):  # (NaN, or the sign bit set on a nonzero value)
+        raise DFlashError(f"NVFP4 scale {scale_name} holds {'NaN' if bool(nan.any()) else 'negative'} values (a "
+                          "corrupt checkpoint: group scales are zero or positive)")
     return _tensor_scale_rows(tensor_scale, packed.shape, tensor_scale_name, "NVFP4 per-tensor scale")
 
 

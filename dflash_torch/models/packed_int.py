@@ -133,7 +133,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, b
     Args:
         packed: int32 ``[..., out, ceil(in * bits / 32)]``.
         scale: floating point ``[..., out, in / group]`` (``[..., out, 1]`` when ``group`` is
-            None), finite.
+            None), finite, zero or positive (a zero scale makes its group zero).
         shape: the integers ``[out, in]`` (``X.weight_shape``).
         bits: 4 or 8; group: the group size (None: per output channel).
         dtype: float32, bfloat16 or float16.
@@ -145,7 +145,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, b
     Raises:
         DFlashError: one line naming the weight: ``packed`` not int32, a ``shape`` that is not
             two integers matching ``packed``'s rows and words, ``in`` not a multiple of the
-            group, a scale of another shape, not floating point, or not finite.
+            group, a scale of another shape, not floating point, not finite or negative.
     """
     scale, cols = check_parts(packed, scale, shape, bits, group, name)
     return dequantize_groups(packed, scale, bits, group, cols, dtype)
@@ -176,6 +176,9 @@ def check_parts(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, 
     scale = scale.to(device=packed.device)
     if not bool(torch.isfinite(scale).all()):
         raise DFlashError(f"{name}{SCALE} holds NaN or infinite values (a corrupt checkpoint)")
+    if bool((scale < 0).any()):
+        raise DFlashError(f"{name}{SCALE} holds negative values (a corrupt checkpoint: symmetric scales are zero or "
+                          "positive)")
     return scale, cols
 
 
