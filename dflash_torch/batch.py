@@ -107,7 +107,7 @@ import torch
 from . import compute
 from .cache import (KVCache, RecurrentState, RingLayers, TargetCache, buffer_rows, cache_bytes, layer_shapes,
                     ring_sizes, static_buffer)
-from .checkpoint import available_memory
+from .checkpoint import available_memory, memory_text
 from .decoding import (Round, check_models, compile_step, context_caches, kv_bucket, length_buckets, prompt_chunk_logprobs,
                        reserve_graphs, without_shape_plans)
 from .draft_policy import DraftPolicy
@@ -597,8 +597,8 @@ class BatchDecoder:
         need = cache_bytes(target, drafts, self.slots, capacity, max_rows, checkpoints, draft_rows)
         free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
-            raise self._caches_error("", f" need {need / 2**30:.2f} GiB but {self.device.type} has "
-                                         f"{free / 2**30:.2f} GiB free")
+            raise self._caches_error("", f" need {memory_text(need, True)} but {self.device.type} has "
+                                         f"{memory_text(free, True)} free")
         w = target.model.embed_tokens.weight
         heads, dims = zip(*target.kv_shapes()) if target.num_kv_layers else ((), ())
         try:

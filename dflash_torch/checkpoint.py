@@ -716,6 +716,17 @@ def available_memory(device: str | torch.device) -> int | None:
     return None
 
 
+def memory_text(nbytes: float, binary: bool = False) -> str:
+    """``nbytes`` for a message, with one decimal in the largest unit it reaches: ``GB``, ``MB``
+    or ``kB`` (powers of 1000; ``binary``: ``GiB``, ``MiB``, ``KiB``, powers of 1024), else
+    ``bytes``: ``42.3 GB``, ``1.4 MB`` (where ``0.0 GB`` said nothing of a small model)."""
+    base, units = (1024, ("KiB", "MiB", "GiB")) if binary else (1000, ("kB", "MB", "GB"))
+    for power in (3, 2, 1):
+        if abs(nbytes) >= 0.99995 * base ** power:  # (a value that would print as 1000.0 of the unit below)
+            return f"{nbytes / base ** power:.1f} {units[power - 1]}"
+    return f"{nbytes:.0f} bytes"
+
+
 def cgroup_available(root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
     """Bytes the memory cgroups of this process still allow (e.g. ``docker run --memory``):
     at each level from the process's own cgroup up to ``root``, the limit minus the usage
@@ -789,12 +800,13 @@ def check_fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.d
     error halfway through loading (or, on Linux, the process killed without a word).
 
     Raises:
-        DFlashError: ``the target needs 42.3 GB for its weights in bfloat16; cuda:0 has 39.5 GB free``.
+        DFlashError: ``the target needs 42.3 GB for its weights in bfloat16; cuda:0 has 39.5 GB free``
+            (:func:`memory_text`: ``MB`` below a GB).
     """
     if not fits(model, dtype, device, saving=saving):
-        raise DFlashError(f"the {what} needs {(weight_bytes(model, dtype) - saving) / 1e9:.1f} GB for its weights in "
+        raise DFlashError(f"the {what} needs {memory_text(weight_bytes(model, dtype) - saving)} for its weights in "
                           f"{str(dtype).removeprefix('torch.')}{f' ({kept})' if saving else ''}; {torch.device(device)} has "
-                          f"{available_memory(device) / 1e9:.1f} GB free")
+                          f"{memory_text(available_memory(device))} free")
 
 
 def int_saving(model_dir: Path, dtype: torch.dtype, bits: int, group: int | None,

@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import compute
 from .cache import cache_bytes
-from .checkpoint import available_memory
+from .checkpoint import available_memory, memory_text
 from .errors import CompileError, DFlashError, OptionError, first_line
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
@@ -508,8 +508,8 @@ class SpeculativeDecoder:
         free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
             caches = context_caches(self.max_context, self._context_given, "fixed shapes: allocated at once")
-            raise OptionError(f"the caches of {caches} need {need / 2**30:.2f} GiB but {self.device.type} has "
-                              f"{free / 2**30:.2f} GiB free; {self._lower_it}", "max_context")
+            raise OptionError(f"the caches of {caches} need {memory_text(need, True)} but {self.device.type} has "
+                              f"{memory_text(free, True)} free; {self._lower_it}", "max_context")
 
     @property
     def _lower_it(self) -> str:

@@ -34,7 +34,7 @@ import torch
 from . import compute, options
 from .batch import BatchDecoder, check_draft_max_batch_size, check_engine_max_batch_size, check_prefix_slots
 from .chat_template import chat_messages, render_chat, reserved_template_variables
-from .checkpoint import available_memory, checkpoint_dir, load_config, read_json_object
+from .checkpoint import available_memory, checkpoint_dir, load_config, memory_text, read_json_object
 from .decoding import Round, SpeculativeDecoder, check_models
 from .errors import ContextLengthError, DFlashError, OptionError, shown, unprintable
 from .models.config import TargetConfig, check_vocab_ids, eos_token_ids
@@ -527,7 +527,7 @@ class DFlashEngine:
             extra, free = sum(packed_bytes(m) for m in models), available_memory(dev)
             if free is not None and extra > 0.9 * free:  # a second copy of the linear weights
                 log.warning(f"dflash-torch: not prepacking the linear weights for oneDNN: the packed copies need "
-                            f"{extra / 1e9:.1f} GB, {dev} has {free / 1e9:.1f} GB free (eager bfloat16 rounds are slower)")
+                            f"{memory_text(extra)}, {dev} has {memory_text(free)} free (eager bfloat16 rounds are slower)")
             else:
                 for m in models:
                     pack_linears(m)

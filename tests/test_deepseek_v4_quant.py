@@ -314,8 +314,8 @@ def test_auto_keeps_the_fp4_experts_packed_first_and_the_memory_check_counts_the
         cfg = TargetModel.from_pretrained(host, dtype).config
         assert (cfg.keep_mxfp4, cfg.keep_fp8) == kept, free
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: plain - fp4_saved - fp8_saved - 1)
-    with pytest.raises(DFlashError, match=r"^the target needs .* GB for its weights in bfloat16 \(FP4 experts kept "
-                                          r"packed, FP8 weights kept as stored\); cpu has .* GB free$"):
+    with pytest.raises(DFlashError, match=r"^the target needs .* [kMG]B for its weights in bfloat16 \(FP4 experts kept "
+                                          r"packed, FP8 weights kept as stored\); cpu has .* [kMG]B free$"):
         TargetModel.from_pretrained(host, dtype)
 
 

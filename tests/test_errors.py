@@ -1172,11 +1172,25 @@ def test_weights_that_do_not_fit_in_free_memory_are_refused_before_loading(tiny_
     reads = []
     real_safe_open = checkpoint.safe_open
     monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: reads.append(a) or real_safe_open(*a, **k))
-    with pytest.raises(DFlashError, match=rf"^the {what} needs [0-9.]+ GB for its weights in float32; cpu has [0-9.]+ GB free$"):
+    # (a small model's sizes below a GB in MB or kB: "needs 0.0 GB ...; cpu has 0.0 GB free" said nothing)
+    with pytest.raises(DFlashError, match=rf"^the {what} needs [0-9.]+ [kM]B for its weights in float32; cpu has "
+                                          r"[0-9.]+ [kM]B free$") as err:
         load(model_dir, torch.float32)
+    assert " 0.0 " not in str(err.value)
     assert reads == []
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: need)  # exactly enough: it loads
     assert load(model_dir, torch.float32) is not None and reads
+
+
+def test_memory_sizes_in_messages_take_the_unit_they_reach():
+    """The memory checks' sizes: one decimal in the largest unit reached (decimal for the
+    weights, binary for the caches), so that a small size does not read 0.0 GB."""
+    from dflash_torch.checkpoint import memory_text
+
+    assert [memory_text(n) for n in (42.3e9, 1e9, 999_960_000, 310_400_000, 1_536, 999, 0)] == [
+        "42.3 GB", "1.0 GB", "1.0 GB", "310.4 MB", "1.5 kB", "999 bytes", "0 bytes"]
+    assert [memory_text(n, binary=True) for n in (2**31, 1.6 * 2**30, 512 * 2**20, 2**10, 1000)] == [
+        "2.0 GiB", "1.6 GiB", "512.0 MiB", "1.0 KiB", "1000 bytes"]
 
 
 def test_dtype_auto_is_bfloat16_on_cuda_and_float32_elsewhere(tiny_pair):

@@ -279,7 +279,7 @@ def test_the_memory_check_counts_dequantized_weights(whole_blocks, monkeypatch):
     on_disk = (model_dir / "model.safetensors").stat().st_size
     assert on_disk < need
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: need - 1)
-    with pytest.raises(DFlashError, match="^the target needs .* GB for its weights in bfloat16; cpu has .* GB free$"):
+    with pytest.raises(DFlashError, match="^the target needs .* [kMG]B for its weights in bfloat16; cpu has .* [kMG]B free$"):
         TargetModel.from_pretrained(model_dir, torch.bfloat16, fp8="dequantize")
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: need)
     TargetModel.from_pretrained(model_dir, torch.bfloat16, fp8="dequantize")
@@ -413,10 +413,10 @@ def test_auto_keeps_fp8_only_when_the_dequantized_weights_would_not_fit(whole_bl
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: dequantized / 0.9 - 1)
     assert TargetModel.from_pretrained(model_dir, torch.bfloat16).config.keep_fp8
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: need - 1)
-    with pytest.raises(DFlashError, match=r"^the target needs .* GB for its weights in bfloat16 \(FP8 weights kept as "
-                                          r"stored\); cpu has .* GB free$"):
+    with pytest.raises(DFlashError, match=r"^the target needs .* [kMG]B for its weights in bfloat16 \(FP8 weights kept as "
+                                          r"stored\); cpu has .* [kMG]B free$"):
         TargetModel.from_pretrained(model_dir, torch.bfloat16)
-    with pytest.raises(DFlashError, match=r"^the target needs .* GB for its weights in bfloat16; cpu has"):
+    with pytest.raises(DFlashError, match=r"^the target needs .* [kMG]B for its weights in bfloat16; cpu has"):
         TargetModel.from_pretrained(model_dir, torch.bfloat16, fp8="dequantize")
 
 

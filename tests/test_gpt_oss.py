@@ -282,7 +282,7 @@ def test_auto_keeps_mxfp4_packed_only_when_dequantized_weights_would_not_fit(mxf
         model = TargetModel.from_pretrained(target_dir, torch.float32)  # mxfp4="auto"
         assert model.model.layers[0].mlp.experts.packed == packed, free
     monkeypatch.setattr(checkpoint, "available_memory", lambda device: need["packed"] - 1)
-    with pytest.raises(DFlashError, match="^the target needs .* GB for its weights in float32; cpu has .* GB free$"):
+    with pytest.raises(DFlashError, match="^the target needs .* [kMG]B for its weights in float32; cpu has .* [kMG]B free$"):
         TargetModel.from_pretrained(target_dir, torch.float32)
 
 

@@ -70,7 +70,7 @@ def test_a_container_limit_below_the_host_memory_refuses_the_load(tiny_pair, mon
     weights are refused by that limit (the process would be killed without a word)."""
     need = sum(p.numel() for p in TargetModel.from_pretrained(tiny_pair[0], torch.float32).parameters()) * 4
     monkeypatch.setattr(checkpoint, "cgroup_available", lambda: need - 1)
-    with pytest.raises(checkpoint.DFlashError, match=r"^the target needs [0-9.]+ GB for its weights in float32; cpu has"):
+    with pytest.raises(checkpoint.DFlashError, match=r"^the target needs [0-9.]+ [kMG]B for its weights in float32; cpu has"):
         TargetModel.from_pretrained(tiny_pair[0], torch.float32)
     monkeypatch.setattr(checkpoint, "cgroup_available", lambda: need)
     assert TargetModel.from_pretrained(tiny_pair[0], torch.float32) is not None
@@ -125,7 +125,7 @@ def test_fixed_shape_caches_that_do_not_fit_are_refused_before_allocating(tiny_p
     need = cache_bytes(target, drafter, 1, -(-(1000 + rows + 1) // 256) * 256, rows, False, rows)
     monkeypatch.setattr(decoding, "available_memory", lambda device: need / 0.9 - 1)
     with pytest.raises(DFlashError, match=r"^the caches of max_context 1000 \(fixed shapes: allocated at once\) need "
-                                          r"[0-9.]+ GiB but cpu has [0-9.]+ GiB free; lower it$") as err:
+                                          r"[0-9.]+ [KMG]iB but cpu has [0-9.]+ [KMG]iB free; lower it$") as err:
         SpeculativeDecoder(target, drafter, static=True, max_context=1000, prefill_chunk=32)
     assert err.value.name == "max_context"
     monkeypatch.setattr(decoding, "available_memory", lambda device: need / 0.9 + 1)
@@ -152,12 +152,12 @@ def test_caches_of_the_default_context_that_do_not_fit_name_the_targets_context(
     for module in (decoding, batch):
         monkeypatch.setattr(module, "available_memory", lambda device: 1 << 10)
     with pytest.raises(DFlashError, match=r"^the caches of the target's context, 1024 tokens \(the default max_context; "
-                                          r"fixed shapes: allocated at once\) need [0-9.]+ GiB but cpu has [0-9.]+ GiB "
+                                          r"fixed shapes: allocated at once\) need [0-9.]+ [KMG]iB but cpu has 1.0 KiB "
                                           r"free; give a lower one$") as err:
         SpeculativeDecoder(target, drafter, static=True)
     assert err.value.name == "max_context"
     with pytest.raises(DFlashError, match=r"^the caches of max_batch_size 2 x the target's context, 1024 tokens \(the "
-                                          r"default max_context\) need [0-9.]+ GiB but cpu has [0-9.]+ GiB free; lower "
+                                          r"default max_context\) need [0-9.]+ [KMG]iB but cpu has 1.0 KiB free; lower "
                                           r"either$"):
         BatchDecoder(target, drafter, max_batch_size=2)
     with pytest.raises(DFlashError, match=r"^the caches of max_batch_size 2 x max_context 64 need "):
@@ -167,7 +167,7 @@ def test_caches_of_the_default_context_that_do_not_fit_name_the_targets_context(
     assert proc.returncode == 2 and proc.stderr.startswith(
         "dflash-torch: error: the caches of the target's context, 1024 tokens (the default --max-context; fixed "
         "shapes: allocated at once) need "), proc.stderr
-    assert proc.stderr.endswith("GiB free; give a lower one\n") and "max_context" not in proc.stderr, proc.stderr
+    assert proc.stderr.endswith("1.0 KiB free; give a lower one\n") and "max_context" not in proc.stderr, proc.stderr
     proc = cli(*base, "--max-context", "512")
     assert proc.returncode == 2 and "error: the caches of --max-context 512 (fixed shapes: allocated at once) need " \
-        in proc.stderr and proc.stderr.endswith("GiB free; lower it\n"), proc.stderr
+        in proc.stderr and proc.stderr.endswith("1.0 KiB free; lower it\n"), proc.stderr

@@ -769,7 +769,7 @@ def test_train_says_it_holds_the_target_in_float32_on_the_cpu_and_refuses_one_to
             "--no-progress", "--seq-len", "64", "--batch", "2", "--val-seqs", "0"]
     assert cli_main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "for its weights in float32; cpu has 0.0 GB free (train loads the target in float32 on " \
+    assert len(err) == 1 and "for its weights in float32; cpu has 1.0 kB free (train loads the target in float32 on " \
         "the CPU, about 4 bytes a parameter" in err[0], err
     assert not (tmp_path / "out").exists()
 

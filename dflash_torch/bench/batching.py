@@ -21,7 +21,7 @@ import torch
 
 from ..batch import BACKLOG_ROWS, BatchDecoder
 from ..cache import cache_bytes
-from ..checkpoint import available_memory
+from ..checkpoint import available_memory, memory_text
 from ..errors import DFlashError, OptionError
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
@@ -140,8 +140,8 @@ def check_batch_fits(target: TargetModel, drafter: DFlashDrafter | None, n: int,
     need, free = batch_caches_bytes(target, drafter, n, max_context, block_size), available_memory(device)
     if free is not None and need > 0.9 * free:
         raise DFlashError(f"--batch-sizes {n}: the caches of {n} sequences x {max_context} positions (the longest prompt "
-                          f"+ --max-new-tokens) need {need / 2**30:.2f} GiB but {device.type} has {free / 2**30:.2f} GiB "
-                          "free; lower --batch-sizes or --max-new-tokens")
+                          f"+ --max-new-tokens) need {memory_text(need, True)} but {device.type} has "
+                          f"{memory_text(free, True)} free; lower --batch-sizes or --max-new-tokens")
 
 
 @torch.inference_mode()

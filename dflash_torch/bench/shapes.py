@@ -24,6 +24,7 @@ import time
 import torch
 from torch import nn
 
+from ..checkpoint import memory_text
 from ..decoding import SpeculativeDecoder, compile_counts, eager_fallbacks
 from ..errors import DFlashError
 from ..models.config import TargetConfig
@@ -315,11 +316,11 @@ def layers_that_fit(shape: str | dict, dtype: torch.dtype, device: str,
         if dtype == torch.float32:  # (bfloat16 halves the weights, but on a CPU adds their prepacked copies)
             half = _layers_and_need(cfg, torch.bfloat16, device, budget)[3]
             if half <= 0.8 * memory:
-                hint = f"; in bfloat16 (--dtype bfloat16) it needs {half / 2**30:.1f} GiB"
-        raise DFlashError(f"shape {shape if isinstance(shape, str) else cfg.model_type} needs {need / 2**30:.1f} GiB "
-                          f"in {str(dtype).removeprefix('torch.')} for {n} of its {cfg.num_hidden_layers} layers and "
-                          f"the drafter; {device} has {memory / 2**30:.1f} GiB, of which a shape may take 80% "
-                          f"({0.8 * memory / 2**30:.1f} GiB){hint}")
+                hint = f"; in bfloat16 (--dtype bfloat16) it needs {memory_text(half, True)}"
+        raise DFlashError(f"shape {shape if isinstance(shape, str) else cfg.model_type} needs "
+                          f"{memory_text(need, True)} in {str(dtype).removeprefix('torch.')} for {n} of its "
+                          f"{cfg.num_hidden_layers} layers and the drafter; {device} has {memory_text(memory, True)}, of "
+                          f"which a shape may take 80% ({memory_text(0.8 * memory, True)}){hint}")
     return n, fixed, per_layer
 
 

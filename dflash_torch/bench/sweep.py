@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ..checkpoint import available_memory
+from ..checkpoint import available_memory, memory_text
 from ..errors import DFlashError
 from ..models.drafter_config import DrafterConfig
 from ..models.drafter import DFlashDrafter, InjectedContext, RecomputedContext, drafter_class
@@ -43,8 +43,8 @@ def check_sweep_fits(cfg: DrafterConfig, lengths: list[int], block_size: int, dt
             params = sum(p.numel() for p in drafter_class(cfg)(cfg).parameters())
         need += params * torch.empty((), dtype=dtype).element_size() * (2 if packing_supported(dtype, device) else 1)
     if free is not None and need > 0.9 * free:
-        raise DFlashError(f"--sweep {longest} needs about {need / 2**30:.1f} GiB for {what}'s propose timing; {device} "
-                          f"has {free / 2**30:.1f} GiB free: lower --sweep")
+        raise DFlashError(f"--sweep {longest} needs about {memory_text(need, True)} for {what}'s propose timing; "
+                          f"{device} has {memory_text(free, True)} free: lower --sweep")
 
 
 @torch.inference_mode()
