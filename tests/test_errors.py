@@ -875,6 +875,26 @@ def test_quantized_drafter_is_refused_like_a_quantized_target(tiny_pair, tmp_pat
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("what", ["target", "drafter"])
+@pytest.mark.parametrize("quant,message", [
+    ({"bits": 4, "group_size": 128}, "config.json quantization_config has no quant_method (which names how the weights "
+                                     "are quantized, e.g. 'fp8'); dflash-torch reads unquantized"),
+    ("fp8", "config.json quantization_config must be an object naming its quant_method, got a string 'fp8'; "
+            "dflash-torch reads unquantized"),
+])
+def test_a_quantization_config_without_a_quant_method_is_refused_as_such(tiny_pair, tmp_path, what, quant, message):
+    """A quantization_config with no quant_method, or one that is not an object, is refused
+    saying so (it read "quantized (quant_method 'unknown')", a method no config names)."""
+    from conftest import edited_checkpoint
+
+    pair = list(tiny_pair)
+    i = 0 if what == "target" else 1
+    pair[i] = edited_checkpoint(pair[i], tmp_path / what, config=lambda cfg: cfg.update(quantization_config=quant))
+    with pytest.raises(DFlashError, match=f"^{what} {re.escape(message)}") as err:
+        DFlashEngine.from_pretrained(*pair)
+    assert "\n" not in str(err.value) and "unknown" not in str(err.value)
+
+
 def test_a_bad_prompt_of_a_batch_is_named_and_nothing_is_decoded(engine):
     """generate_batch checks every prompt before decoding any: a bad one, even past the
     slots (index 8 of 9, 8 slots), is refused in a message that starts with its index,

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import DFlashError, OptionError
+from ..errors import DFlashError, OptionError, shown
+from ..options import json_type
 
 log = logging.getLogger("dflash_torch")
 
@@ -378,25 +379,46 @@ def check_dtype_field(cfg: dict, what: str) -> None:
 def refuse_quantized(cfg: dict, what: str, allowed: tuple[str, ...] = ()) -> None:
     """Raise :class:`DFlashError` when the ``what`` (target / drafter) ``config.json`` has a
     ``quantization_config`` (top level or in ``text_config``) whose ``quant_method`` is not
-    in ``allowed`` (the methods its family dequantizes when loading, e.g. gpt-oss's mxfp4)."""
-    quant = quantization_config(cfg)
-    if quant is not None:
-        method = quant.get("quant_method", "unknown")
-        if method in allowed:
-            return
-        model_type = cfg.get("model_type")
-        also = (f" (and {', '.join(allowed)} for this model_type)" if allowed
-                else f" for model_type {model_type!r}" if isinstance(model_type, str) and what == "target" else "")
-        raise DFlashError(f"the {what} checkpoint is quantized (quant_method {method!r}); "
-                          f"dflash-torch reads unquantized float32/bfloat16/float16 weights only{also}")
+    in ``allowed`` (the methods its family dequantizes when loading, e.g. gpt-oss's mxfp4).
+    A ``quantization_config`` that is not an object, or has no ``quant_method``, is refused
+    as such (it read as ``quant_method 'unknown'``)."""
+    quant, key = _quantization_entry(cfg)
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method is not None and method in allowed:
+        return
+    model_type = cfg.get("model_type")
+    also = (f" (and {', '.join(allowed)} for this model_type)" if allowed
+            else f" for model_type {model_type!r}" if isinstance(model_type, str) and what == "target" else "")
+    reads = f"dflash-torch reads unquantized float32/bfloat16/float16 weights only{also}"
+    if not isinstance(quant, dict):
+        raise DFlashError(f"{what} config.json {key} must be an object naming its quant_method, got {json_type(quant)} "
+                          f"{shown(quant)}; {reads}")
+    if method is None:
+        raise DFlashError(f"{what} config.json {key} has no quant_method (which names how the weights are quantized, "
+                          f"e.g. 'fp8'); {reads}")
+    raise DFlashError(f"the {what} checkpoint is quantized (quant_method {method!r}); {reads}")
+
+
+def _quantization_entry(cfg: dict) -> tuple[object, str]:
+    """``(value, key)`` of a ``config.json``'s ``quantization_config``: the top-level one
+    (``key`` ``"quantization_config"``), else ``text_config``'s (``"text_config.quantization_config"``);
+    ``(None, "")`` where neither is set (absent, null or empty)."""
+    if cfg.get("quantization_config"):
+        return cfg["quantization_config"], "quantization_config"
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and text.get("quantization_config"):
+        return text["quantization_config"], "text_config.quantization_config"
+    return None, ""
 
 
 def quantization_config(cfg: dict) -> dict | None:
     """The ``quantization_config`` of a ``config.json`` (top level, else in ``text_config``),
     None when there is none (absent, null or empty). A value that is not an object reads as
-    ``{"quant_method": "unknown"}``, which no family allows."""
-    text = cfg.get("text_config")
-    quant = cfg.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None)
+    ``{"quant_method": "unknown"}``, which no family allows (:func:`refuse_quantized` refuses
+    it first)."""
+    quant, _ = _quantization_entry(cfg)
     if not quant:
         return None
     return quant if isinstance(quant, dict) else {"quant_method": "unknown"}
