@@ -266,7 +266,7 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                     int_quant: tuple[int, int | None] | None = None, keep_int: bool = False,
                     float32: Callable[[str], bool] | None = None, scale_fmt: str = "float",
                     fp4: bool = False, keep_fp4: bool = False, nvfp4: str | None = None,
-                    keep_nvfp4: bool = False) -> dict[str, torch.Tensor]:
+                    keep_nvfp4: bool = False, what: str = "target") -> dict[str, torch.Tensor]:
     """Load the tensors of a checkpoint, cast to ``dtype``, onto ``device``.
 
     Args:
@@ -312,12 +312,14 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             and ``X.weight_scale`` its scales (:func:`~dflash_torch.models.nvfp4.joined_scales`:
             uint8 ``[..., rows, cols / 16 + 4]``), after checking that its values are finite
             in ``dtype``.
+        what: ``"target"`` or ``"drafter"`` (whose weights are read unquantized only), for errors.
 
     Raises:
         DFlashError: a weight file that is not valid safetensors (corrupt or truncated), a
             weight name in two files, an FP8 (float8) tensor in a checkpoint whose config does
-            not say FP8, a finite weight whose values overflow the dtype it is cast to (e.g.
-            float64 1e300 in float32); with ``fp8_block``: an FP8 weight without its scale or a scale without
+            not say FP8 (or in a drafter's), a GPTQ-style packed weight (``X.qweight``), a
+            finite weight whose values overflow the dtype it is cast to (e.g. float64 1e300 in
+            float32); with ``fp8_block``: an FP8 weight without its scale or a scale without
             its weight, static activation scales (``input_scale``), or a pair
             :func:`~dflash_torch.models.fp8.dequantize` refuses; with ``keep_fp8``: a NaN
             byte, or a product that overflows ``dtype``; with ``int_quant``: a weight stored
@@ -346,6 +348,11 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
             for key in f.keys():
                 if keep is not None and not keep(key):
                     continue
+                if key.endswith(".qweight"):  # (AutoGPTQ / AutoAWQ: X.qweight, X.scales, X.qzeros)
+                    file = ", with a quantize_config.json" if (Path(model_dir) / "quantize_config.json").is_file() else ""
+                    other = " (or one of the quantized formats the README lists)" if what == "target" else ""
+                    raise DFlashError(f"{model_dir}: {key} is a GPTQ-style packed weight (qweight / scales / qzeros{file}), "
+                                      f"a format dflash-torch does not read: use an unquantized {what} checkpoint{other}")
                 if nvfp4 is not None:
                     read = _nvfp4_tensor(model_dir, f, key, source, kinds, nvfp4, dtype, device, keep_nvfp4)
                     if read is not None:
@@ -421,7 +428,9 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                         + (f" without its scale {key + fp8.SCALE_SUFFIX}"
                            + (f" (or {key.removesuffix('.weight')}.scale)" if key.endswith(".weight") else "")
                            if fp8_block is not None else
-                           " but config.json has no FP8 quantization_config (quant_method 'fp8')"))
+                           " but config.json has no FP8 quantization_config (quant_method 'fp8')" if what == "target"
+                           else "; dflash-torch reads drafters unquantized only (float32/bfloat16/float16 weights): a "
+                           "drafter must be trained or exported unquantized (a quantization_config is refused too)"))
                 else:
                     want = torch.float32 if float32 is not None and float32(key) else dtype
                     state[key] = t.to(device=device, dtype=want) if t.is_floating_point() else t.to(device)

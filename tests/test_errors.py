@@ -895,6 +895,46 @@ def test_a_quantization_config_without_a_quant_method_is_refused_as_such(tiny_pa
     assert "\n" not in str(err.value) and "unknown" not in str(err.value)
 
 
+def test_a_drafter_with_fp8_weights_is_told_drafters_are_read_unquantized(tiny_pair, tmp_path):
+    """A drafter's float8 weights without a quantization_config: the message said the config
+    lacked an FP8 quantization_config, and adding one got it refused as quantized; drafters
+    are read unquantized only, which it now says."""
+    from conftest import edited_checkpoint
+
+    drafter = edited_checkpoint(tiny_pair[1], tmp_path / "d", state=lambda w: w.update(
+        {k: v.to(torch.float8_e4m3fn) for k, v in w.items() if k.endswith("_proj.weight")}))
+    with pytest.raises(DFlashError, match=r"^\S+: weight \S+_proj\.weight is float8_e4m3fn; dflash-torch reads drafters "
+                                          r"unquantized only \(float32/bfloat16/float16 weights\): a drafter must be "
+                                          r"trained or exported unquantized") as err:
+        DFlashEngine.from_pretrained(tiny_pair[0], drafter)
+    assert "\n" not in str(err.value) and "quant_method 'fp8'" not in str(err.value)
+
+
+@pytest.mark.parametrize("what", ["target", "drafter"])
+def test_a_gptq_style_checkpoint_is_named_as_one(tiny_pair, tmp_path, what):
+    """AutoGPTQ's layout (X.qweight / X.scales / X.qzeros, a quantize_config.json, no
+    quantization_config in config.json) was refused as lacking X.weight, with no hint."""
+    from conftest import edited_checkpoint
+
+    def gptq(w):
+        for key in [k for k in w if k.endswith("_proj.weight")]:
+            out, cols = w.pop(key).shape
+            base = key.removesuffix("weight")
+            w.update({base + "qweight": torch.zeros(cols // 8, out, dtype=torch.int32),
+                      base + "scales": torch.ones(1, out, dtype=torch.float16),
+                      base + "qzeros": torch.zeros(1, out // 8, dtype=torch.int32)})
+
+    pair = list(tiny_pair)
+    i = 0 if what == "target" else 1
+    pair[i] = edited_checkpoint(pair[i], tmp_path / what, state=gptq)
+    (pair[i] / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": -1, "sym": True}))
+    with pytest.raises(DFlashError, match=rf"^\S+: \S+_proj\.qweight is a GPTQ-style packed weight \(qweight / scales / "
+                                          rf"qzeros, with a quantize_config\.json\), a format dflash-torch does not "
+                                          rf"read: use an unquantized {what} checkpoint") as err:
+        DFlashEngine.from_pretrained(*pair)
+    assert "\n" not in str(err.value) and "lacks weights" not in str(err.value)
+
+
 def test_a_bad_prompt_of_a_batch_is_named_and_nothing_is_decoded(engine):
     """generate_batch checks every prompt before decoding any: a bad one, even past the
     slots (index 8 of 9, 8 slots), is refused in a message that starts with its index,

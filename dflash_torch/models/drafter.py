@@ -168,7 +168,7 @@ class DFlashDrafter(nn.Module):
             with torch.device("meta"):
                 model = drafter_class(cfg)(cfg)
             check_fits(model, dtype, device, "drafter")
-        state = model.adapt_checkpoint(load_state_dict(model_dir, dtype, device), model_dir)
+        state = model.adapt_checkpoint(load_state_dict(model_dir, dtype, device, what="drafter"), model_dir)
         expected = model.state_dict()
         names = cfg.checkpoint_names  # (our name -> the checkpoint's, for the transformers-format drafters)
         name = lambda k: names.get(k, k)  # noqa: E731
