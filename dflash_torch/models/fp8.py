@@ -196,11 +196,19 @@ def check_pair(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
         raise DFlashError(f"FP8 scale {scale_name} has shape {tuple(scale_inv.shape)}; weight "
                           f"{tuple(weight.shape)} in blocks of {list(block)} needs {expected}")
     values = scale_values(scale_inv)
-    if not bool(torch.isfinite(values).all()):
-        raise DFlashError(f"FP8 scale {scale_name} holds NaN or infinite values (a corrupt checkpoint)")
-    if bool((values < 0).any()):
+    if values.numel() and not valid_scales(values):
+        if not bool(torch.isfinite(values).all()):
+            raise DFlashError(f"FP8 scale {scale_name} holds NaN or infinite values (a corrupt checkpoint)")
         raise DFlashError(f"FP8 scale {scale_name} holds negative values (a corrupt checkpoint: block scales are zero "
                           "or positive)")
+
+
+def valid_scales(scales: torch.Tensor) -> bool:
+    """Whether every value of the floating-point ``scales`` (not empty) is finite and zero or
+    positive, by two reductions (their least and greatest value; a NaN makes both NaN): much
+    faster than an elementwise test, for the scales of every quantized weight a checkpoint holds."""
+    low, high = torch.aminmax(scales)
+    return bool((low >= 0) & (high < math.inf))
 
 
 def check_scale_dtype(scale: torch.Tensor, scale_fmt: str, scale_name: str) -> None:

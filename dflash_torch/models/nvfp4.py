@@ -253,10 +253,13 @@ def check_parts(packed: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.T
     if scale.dtype != FP8 or tuple(scale.shape) != want:
         raise DFlashError(f"NVFP4 scale {scale_name} is {str(scale.dtype).removeprefix('torch.')} "
                           f"{tuple(scale.shape)}, expected float8_e4m3fn {want}")
-    nan = (scale.view(torch.uint8) & 0x7F) == 0x7F  # (the bytes 0x7F, 0xFF)
-    if bool((nan | (scale.view(torch.uint8) > 0x80)).any()):  # (NaN, or the sign bit set on a nonzero value)
-        raise DFlashError(f"NVFP4 scale {scale_name} holds {'NaN' if bool(nan.any()) else 'negative'} values (a "
-                          "corrupt checkpoint: group scales are zero or positive)")
+    data = scale.view(torch.uint8)
+    if data.numel() and int(data.max()) > 0x7E:  # (one reduction: zero and positive bytes are 0x00-0x7E)
+        if bool(((data & 0x7F) == 0x7F).any()):  # (the bytes 0x7F, 0xFF)
+            raise DFlashError(f"NVFP4 scale {scale_name} holds NaN values (a corrupt checkpoint)")
+        if bool((data > 0x80).any()):  # (the sign bit set on a nonzero value; 0x80 is -0)
+            raise DFlashError(f"NVFP4 scale {scale_name} holds negative values (a corrupt checkpoint: group scales "
+                              "are zero or positive)")
     return _tensor_scale_rows(tensor_scale, packed.shape, tensor_scale_name, "NVFP4 per-tensor scale")
 
 
