@@ -297,7 +297,8 @@ BAD = [  # (body fields, status, param, words of the message)
     ({"conversation": "conv_1"}, 400, "conversation", "no state"),
     ({"background": True}, 400, "background", "no state"),
     ({"truncation": "auto"}, 400, "truncation", "disabled"),
-    ({"input": 5}, 400, "input", "expected one of"),
+    # (trial-210: pydantic's type names, "expected one of str, list[dict[str,any]]" and "... list[_Part]")
+    ({"input": 5}, 400, "input", "invalid value for input: expected a string or an array of input items, got a number"),
     ({"input": []}, 400, "input", "empty"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input.0.type", "stored"),
     ({"input": [{"type": "web_search_call"}]}, 400, "input.0.type", "not supported"),
@@ -310,8 +311,13 @@ BAD = [  # (body fields, status, param, words of the message)
     ({"input": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "refusal"}]}]}, 400,
      "input.1.content.0.refusal", "missing required parameter: input.1.content.0.refusal"),
     ({"input": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": 5}]}]},
-     400, "input.1.content", "part 0's 'refusal' must be a string, got int"),  # (was "expected one of str, list[_Part]")
-    ({"input": ["hi"]}, 400, "input", "expected one of"),
+     400, "input.1.content", "part 0's 'refusal' must be a string, got a number"),  # (was "expected one of str, list[_Part]")
+    ({"input": ["hi"]}, 400, "input.0", "invalid value for input.0: expected an input item (an object), got a string"),
+    ({"input": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]}, 400, "input.1.content",
+     "invalid value for input.1.content: expected a string or an array of content parts, got null"),
+    ({"input": [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c", "name": "f"},
+                {"type": "function_call_output", "call_id": "c", "output": {"a": 1}}]}, 400, "input.2.output",
+     "invalid value for input.2.output: expected a string or an array of content parts, got an object"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "name": "f", "arguments": "{}"}]}, 400,
      "input.1.call_id", "missing"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, 400,

@@ -280,10 +280,13 @@ def test_refusal_parts_of_an_assistant_message_are_its_text(server, local_engine
             ([{"type": "refusal"}], "assistant", "part 0 (type 'refusal') has no 'refusal' string"),
             ([{"type": "text"}], "user", "part 0 (type 'text') has no 'text' string"),
             # (each was the union's summary "expected one of str, list[ContentPart]")
-            ([{"type": "text", "text": 5}], "user", "part 0's 'text' must be a string, got int"),
-            ([{"type": "refusal", "refusal": 5}], "assistant", "part 0's 'refusal' must be a string, got int"),
-            (["a"], "user", "part 0 must be a content part (an object with a 'type'), got str"),
-            ([{"text": "a"}], "user", "part 0 needs a string 'type'"), ([{"type": 3}], "user", "part 0 needs a string 'type'")):
+            ([{"type": "text", "text": 5}], "user", "part 0's 'text' must be a string, got a number"),
+            ([{"type": "refusal", "refusal": 5}], "assistant", "part 0's 'refusal' must be a string, got a number"),
+            (["a"], "user", "part 0 must be a content part (an object with a 'type'), got a string"),
+            ([{"text": "a"}], "user", "part 0 needs a string 'type'"), ([{"type": 3}], "user", "part 0 needs a string 'type'"),
+            # (trial-210: "expected one of str, list[ContentPart]", pydantic's type names)
+            (5, "user", "expected a string or an array of content parts, got a number"),
+            ({"type": "text", "text": "a"}, "assistant", "expected a string or an array of content parts, got an object")):
         messages = [{"role": "user", "content": "hi"}, {"role": role, "content": content}]
         err = _assert_openai_error(server.post("/v1/chat/completions", {"model": MODEL, "messages": messages}), 400)
         assert err["param"] == "messages.1.content", err

@@ -357,14 +357,14 @@ def check_parts(parts):
         ValueError: the first part that is not so, named by its index."""
     for j, part in enumerate(parts if isinstance(parts, list) else ()):
         if not isinstance(part, dict):
-            raise ValueError(f"part {j} must be a content part (an object with a 'type'), got {type(part).__name__}")
+            raise ValueError(f"part {j} must be a content part (an object with a 'type'), got {json_type(part)}")
         if not isinstance(part.get("type"), str):
             raise ValueError(f"part {j} needs a string 'type'")
         if (part["type"].endswith("text") or part["type"] == "refusal") and (media := media_keys(part)):
             raise ValueError(f"part {j} holds {media[0]!r}: only text is supported")
         for field in ("text", "refusal"):
             if part.get(field) is not None and not isinstance(part[field], str):
-                raise ValueError(f"part {j}'s {field!r} must be a string, got {type(part[field]).__name__}")
+                raise ValueError(f"part {j}'s {field!r} must be a string, got {json_type(part[field])}")
     return parts
 
 
@@ -811,6 +811,29 @@ def _is_union_tag(x) -> bool:
     return isinstance(x, str) and (x in ("str", "int", "float", "bool", "none") or "[" in x)
 
 
+# a union member's pydantic tag -> what it accepts, in JSON's words (one, several); a model not named: an object
+_TAG_WORDS = {"str": ("a string", "strings"), "int": ("an integer", "integers"), "float": ("a number", "numbers"),
+              "bool": ("a boolean", "booleans"), "none": ("null", "nulls"), "ContentPart": ("a content part", "content parts"),
+              "_Part": ("a content part", "content parts")}
+
+
+def _tag_words(tag: str, plural: bool = False) -> str:
+    """A union member's pydantic tag (``str``, ``list[ContentPart]``, ``dict[str,any]``,
+    ``literal['a','b']``) in JSON's words: ``a string``, ``an array of content parts``, ``an
+    object``, ``'a' or 'b'`` (``plural``: ``strings``, ``arrays of content parts``, ``objects``)."""
+    if tag.startswith("list[") and tag.endswith("]"):
+        return ("arrays of " if plural else "an array of ") + _tag_words(tag[5:-1], plural=True)
+    if tag.startswith("literal[") and tag.endswith("]"):
+        return _one_of(tag[8:-1].split(","))
+    words = _TAG_WORDS.get(tag, ("an object", "objects"))  # (dict[...], a model)
+    return words[plural]
+
+
+def _one_of(words: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
 def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
     """A one-line message and the offending parameter (dotted path) of a pydantic error."""
     errors = exc.errors(include_url=False)
@@ -828,7 +851,11 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
             if eloc[:depth] == loc[:depth] and len(eloc) > depth and _is_union_tag(eloc[depth]) and eloc[depth] not in accepted:
                 accepted.append(eloc[depth])
         param = ".".join(str(x) for x in loc[:depth]) or None
-        return f"invalid value for {param}: expected one of {', '.join(accepted)}", param
+        # (the value itself: the input of a member's error at the union, not at an item inside it)
+        value = next((e.get("input") for e in errors if len(e.get("loc", ())) == depth + 1 and
+                      e["loc"][:depth] == loc[:depth]), err.get("input"))
+        expected = _one_of([_tag_words(tag) for tag in accepted])
+        return f"invalid value for {param}: expected {expected}, got {json_type(value)}", param
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")  # (pydantic's word for a validator's ValueError)
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):  # (a validator that names the part of its field, in its own words)
@@ -1149,6 +1176,24 @@ class ResponsesRequest(BaseModel):
     skip_special_tokens: Any = None
     include_stop_str_in_output: Any = None
     _chat: Any = PrivateAttr(None)  # (the chat request it is served as, once checked)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, value):
+        """``input``: a string or an array of input items (objects), said in those words (the
+        union's member types named no input items).
+
+        Raises:
+            ValueError, FieldError: anything else (naming the first item that is not an object)."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"expected a string or an array of input items, got {json_type(value)}")
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
+                raise FieldError(f"invalid value for input.{i}: expected an input item (an object), got "
+                                 f"{json_type(item)}", str(i))
+        return value
 
     @field_validator("tool_choice", mode="before")
     @classmethod
