@@ -891,7 +891,9 @@ def test_ignored_request_fields_are_logged_once(server):
 def test_tools_a_chat_template_leaves_out_are_logged_once(server):
     """A request's tools that the chat template does not render (this one renders roles and
     contents only) are answered, and the log says once that the model is not told of them (an
-    agent's tools were dropped without a sign)."""
+    agent's tools were dropped without a sign). This server's tool-call format is none, so
+    tool_choice cannot force a call either (trial-210: the log said "unless tool_choice forces a
+    call", which is a 400 here)."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "tools": tools}
     for _ in range(2):
@@ -902,8 +904,32 @@ def test_tools_a_chat_template_leaves_out_are_logged_once(server):
             break
         time.sleep(0.1)
     assert lines == ["WARNING:  the chat template leaves out a request's tools (it renders the same prompt with and "
-                     "without them): the model is not told of them, and calls none unless tool_choice forces a call "
+                     "without them): the model is not told of them, and calls none: this server's tool-call format "
+                     "is 'none', so tool_choice 'required' or a named function, which would force a call, is refused "
                      "(logged once)"]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        assert server.post("/v1/chat/completions", {**chat, "tool_choice": choice}).status_code == 400
+
+
+def test_a_forced_tool_choice_without_a_forced_call_format_names_the_choice_as_sent(server):
+    """This server's tool-call format is none: tool_choice required or a named function is a 400
+    that names the choice sent, quoting only a string value (trial-210: "tool_choice 'a named
+    function' needs ...", the words quoted as if sent), in chat and in the Responses API."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    formats = ("needs the hermes, qwen3_coder, glm45, glm47, kimi_k2 or deepseek_v31 tool-call format, which "
+               "constrained decoding writes; this server's is 'none' (--tool-call-parser); use tool_choice 'auto' or "
+               "'none'")
+    for choice, named in (("required", "'required'"), ({"type": "function", "function": {"name": "f"}},
+                                                         "'f' (a named function)")):
+        with pytest.raises(openai.BadRequestError) as err:
+            server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    tools=tools, tool_choice=choice, max_tokens=3)
+        assert err.value.body["message"] == f"tool_choice {named} {formats}", err.value.body
+        assert err.value.body["param"] == "tool_choice", err.value.body
+    with pytest.raises(openai.BadRequestError) as err:
+        server.client().responses.create(model=MODEL, input="hi", tools=[{"type": "function", "name": "f"}],
+                                         tool_choice={"type": "function", "name": "f"}, max_output_tokens=3)
+    assert err.value.body["message"] == f"tool_choice 'f' (a named function) {formats}", err.value.body
 
 
 def test_concurrent_streams_with_disconnects(server, cli_reference, capsys):

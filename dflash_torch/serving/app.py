@@ -95,7 +95,7 @@ from .metrics import MetricsMiddleware, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesInputError,
                        ResponsesRequest, TokenizeChatRequest, TokenizeCompletionRequest, conflicting_fields,
                        describe_validation_error, known_fields, unknown_fields, responses_message, responses_param,
-                       unsupported_field, CHAT_TEMPLATE_REFUSED)
+                       tool_choice_name, unsupported_field, CHAT_TEMPLATE_REFUSED)
 from .reasoning import (GEMMA4_CLOSE, GEMMA4_OPEN, HARMONY_MARKERS, THINK_CLOSE, THINK_OPEN, check_reasoning_parser,
                         resolve_parser)
 from .responses import ResponseBuilder, marker_pieces, sse_event
@@ -756,9 +756,13 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 if tools and not tools_checked:  # (the first request with tools, for a template that drops them)
                     tools_checked.append(True)
                     if ids == engine.encode_prompt(prompt, chat, template_kwargs, None, **(prompt_options or {})):
+                        # (a call is forced only in a format of FORCED_CALL_GRAMMARS; in another, forcing is a 400)
+                        forced = (" unless tool_choice forces a call" if tool_calls in FORCED_CALL_GRAMMARS else
+                                  f": this server's tool-call format is {tool_calls!r}, so tool_choice 'required' or a "
+                                  f"named function, which would force a call, is refused")
                         log.warning("the chat template leaves out a request's tools (it renders the same prompt with "
-                                    "and without them): the model is not told of them, and calls none unless "
-                                    "tool_choice forces a call (logged once)")
+                                    "and without them): the model is not told of them, and calls none%s (logged once)",
+                                    forced)
                 if any(not 0 <= t < vocab for t in ids):  # checked for every prompt before any runs
                     raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
                 opens_reply = chat and (prompt_options or {}).get("add_generation_prompt", True)
@@ -867,7 +871,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     def check_tool_call_format(req) -> None:
         if tool_calls not in FORCED_CALL_GRAMMARS:
-            raise APIError(400, f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'a named function'!r}"
+            raise APIError(400, f"tool_choice {tool_choice_name(req.tool_choice)}"
                                 f" needs the hermes, qwen3_coder, glm45, glm47, kimi_k2 or deepseek_v31 tool-call "
                                 f"format, which constrained decoding writes; "
                                 f"this server's is {tool_calls!r} (--tool-call-parser); use tool_choice 'auto' or 'none'",

@@ -703,7 +703,7 @@ def conflicting_fields(req: _Request) -> tuple[str, str] | None:
         return param, f"{name} sets the whitespace of a JSON constraint (a JSON schema or json_object); {what}"
     if isinstance(req, ChatCompletionRequest) and req.forces_tool_calls():
         if found:
-            return "tool_choice", (f"tool_choice {_tool_choice_name(req.tool_choice)} constrains the reply to tool "
+            return "tool_choice", (f"tool_choice {tool_choice_name(req.tool_choice)} constrains the reply to tool "
                                    f"calls; it cannot be combined with {_constraint_name(found[0])}")
         if isinstance(req.tool_choice, NamedToolChoice) and \
                 req.tool_choice.function.name not in [tool.function.name for tool in req.tools]:
@@ -722,7 +722,8 @@ def _constraint_name(found: tuple[str, dict]) -> str:
     return f"structured_outputs.{kind}" if param == "structured_outputs" else param
 
 
-def _tool_choice_name(choice) -> str:
+def tool_choice_name(choice) -> str:
+    """A chat request's ``tool_choice`` in messages: ``'required'``, ``'f' (a named function)``."""
     return f"{choice.function.name!r} (a named function)" if isinstance(choice, NamedToolChoice) else repr(choice)
 
 
