@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import re
+from typing import get_args
 
 import httpx
 import openai
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseIncludable, ResponseStreamEvent
 from pydantic import TypeAdapter
 from test_reasoning import thinking_pair  # noqa: F401 (fixture)
 from test_server import API_KEY, MODEL
@@ -360,6 +361,16 @@ BAD = [  # (body fields, status, param, words of the message)
      "tools", "tools[0].parameters must be the JSON Schema of an object"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type", "function tools"),
     ({"tools": [{"type": "function"}]}, 400, "tools.0.name", "missing"),
+    # (trial-210: an empty name and two tools of one name were taken; the chat parameter's path as the Responses
+    # API's, no "function")
+    ({"tools": [{"type": "function", "name": ""}]}, 400, "tools.0.name",
+     "invalid value for tools.0.name: a function needs a name its calls can give, got an empty string"),
+    ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, 400, "tools.1.name",
+     "tools.1.name 'f' is tools.0's name too"),
+    # (trial-210: taken, asking for nothing; OpenAI's values are taken, see test_ignored_fields_and_the_client_error_type)
+    ({"include": ["bogus.thing"]}, 400, "include",
+     "invalid value for include: 'bogus.thing' is not one of the Responses API's include values, "
+     "'file_search_call.results', 'web_search_call.results', "),
     # (trial-101: the forms were quoted Python's way, {'type': 'function', 'name': ...})
     ({"tools": FLAT_TOOLS, "tool_choice": {"type": "allowed_tools", "tools": []}}, 400, "tool_choice.type",
      """tool_choice must be 'none', 'auto', 'required' or {"type": "function", "name": ...}; 'allowed_tools' is not """
@@ -436,7 +447,8 @@ def test_stream_options_without_stream_is_refused_as_in_chat(servers):
 def test_ignored_fields_and_the_client_error_type(servers):
     spec, _ = servers
     r = _respond(spec, input="x", max_output_tokens=2, store=False, truncation="disabled", user="u",
-                 reasoning={"summary": "auto"}, include=["reasoning.encrypted_content"], parallel_tool_calls=True,
+                 reasoning={"summary": "auto"}, include=[v for v in get_args(ResponseIncludable) if "logprobs" not in v],
+                 parallel_tool_calls=True,
                  extra_body={"service_tier": "auto", "prompt_cache_key": "k", "unknown_field": {"a": 1}})
     assert r.usage.output_tokens == 2 and r.store is False and r.user == "u"
     # the documented extensions (vLLM-style) and OpenAI's stream_options are not chat-only fields: served

@@ -517,7 +517,7 @@ BAD_REQUESTS = [
     ("two different tools of one name", "/v1/chat/completions",  # (trial-138: the last one's schema was used)
      {"messages": [{"role": "user", "content": "x"}], "tools": [
          {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}},
-         {"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+         {"type": "function", "function": {"name": "f"}}]}, 400, "tools.1.function.name"),
     ("a tool without a name", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]}, 400,
      "tools.0.function.name"),
@@ -592,6 +592,57 @@ def test_a_malformed_tool_choice_says_what_is_wrong_and_the_forms_taken(server, 
     forms = f"tool_choice must be 'none', 'auto', 'required' or {NAMED}"
     want = start + forms if start else f"{forms}; got {'Auto' if choice == 'Auto' else 'a number'}"
     assert body["message"] == (want.replace("got Auto", "got 'Auto'")), body
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+CALL = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                               "function": {"name": "f", "arguments": "{}"}}]}
+BAD_TOOLS = [  # (body fields, param, message); trial-210: each was taken
+    ({"tools": [TOOL, TOOL]}, "tools.1.function.name",
+     "tools.1.function.name 'f' is tools.0's name too: a call names the function it calls, so each tool needs a name "
+     "of its own"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name",
+     "invalid value for tools.0.function.name: a function needs a name its calls can give, got an empty string"),
+    ({"tools": [{"type": "function", "function": {"name": " "}}]}, "tools.0.function.name",
+     "invalid value for tools.0.function.name: a function needs a name its calls can give, got blanks"),
+    # (OpenAI: "Missing parameter 'tool_call_id'", "... not found in 'tool_calls' of previous message")
+    ({"messages": [{"role": "user", "content": "x"}, CALL, {"role": "tool", "content": "1"}]}, "messages.2.tool_call_id",
+     "missing required parameter: messages.2.tool_call_id (a tool message answers the tool call of that id)"),
+    ({"messages": [{"role": "user", "content": "x"}, CALL, {"role": "tool", "tool_call_id": "zzz", "content": "1"}]},
+     "messages.2.tool_call_id", "messages.2.tool_call_id 'zzz' is not the id of a tool call of an earlier assistant "
+                                "message (a tool message answers one)"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "call_1", "content": "1"}, CALL]},
+     "messages.1.tool_call_id", "is not the id of a tool call of an earlier assistant message"),
+]
+
+
+@pytest.mark.parametrize("fields,param,message", BAD_TOOLS, ids=[b[1] + str(i) for i, b in enumerate(BAD_TOOLS)])
+def test_tools_need_names_of_their_own_and_tool_messages_answer_calls(server, fields, param, message):
+    """A tool's name is not empty nor blank, nor another tool's (a call names the function it
+    calls; other names are taken as sent, as vLLM takes them); a tool message has the
+    ``tool_call_id`` of an earlier assistant message's call, as OpenAI requires: a 400 naming the
+    field, in chat completions and /tokenize (both render the messages and tools)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **fields}
+    with pytest.raises(openai.BadRequestError) as err:
+        server.client().chat.completions.create(**body)
+    assert err.value.body["param"] == param and message in err.value.body["message"], err.value.body
+    r = server.post("/tokenize", {k: v for k, v in body.items() if k != "max_tokens"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_tool_names_vllm_takes_and_answered_calls_are_taken(server):
+    """Names OpenAI's own API would refuse (dots, spaces, 100 characters) are taken, as vLLM takes
+    them; a tool message answering a call of an earlier turn, or a call that has no id, is taken."""
+    tools = [{"type": "function", "function": {"name": name}} for name in ("a.b", "my func", "x" * 100)]
+    anonymous = {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+                                                                        "function": {"name": "f", "arguments": "{}"}}]}
+    for messages in ([{"role": "user", "content": "x"}],
+                     [{"role": "user", "content": "x"}, CALL, {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+                      {"role": "assistant", "content": "ok"}, {"role": "user", "content": "y"},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "2"}],
+                     [{"role": "user", "content": "x"}, anonymous, {"role": "tool", "tool_call_id": "t", "content": "1"}]):
+        r = server.client().chat.completions.create(model=MODEL, messages=messages, tools=tools + [TOOL], max_tokens=2)
+        assert r.choices[0].finish_reason == "length"
 
 
 def test_created_is_when_the_request_came_streamed_and_not(server):

@@ -514,6 +514,16 @@ class FunctionDef(BaseModel):
     description: StrictStr | None = None
     parameters: dict[StrictStr, Any] | None = None  # a JSON schema
 
+    @field_validator("name", mode="after")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        """A name a call can give: not empty nor blank. Other names are taken as sent, as vLLM
+        takes them (OpenAI's own API allows 1 to 64 characters of a-z, A-Z, 0-9, _ and -; clients
+        of other servers send dots and more); two tools of one name: :meth:`ChatCompletionRequest._one_name_each`."""
+        if not name.strip():
+            raise ValueError(f"a function needs a name its calls can give, got {'an empty string' if not name else 'blanks'}")
+        return name
+
 
 class ToolDef(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -621,6 +631,44 @@ class ChatCompletionRequest(_Request):
     @classmethod
     def _tool_choice(cls, value):
         return check_tool_choice(value, chat=True)
+
+    @model_validator(mode="after")
+    def _one_name_each(self):
+        """Each tool has a name of its own: a call names the function it calls (two tools of one
+        name, even the same definition twice, are refused, naming the second)."""
+        first: dict[str, int] = {}
+        for i, tool in enumerate(self.tools or []):
+            name = tool.function.name
+            if first.setdefault(name, i) != i:
+                raise FieldError(f"tools.{i}.function.name {name[:80]!r} is tools.{first[name]}'s name too: a call "
+                                 f"names the function it calls, so each tool needs a name of its own",
+                                 f"tools.{i}.function.name")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_messages_answer_calls(self):
+        """A ``tool`` message answers a tool call of an earlier assistant message: its
+        ``tool_call_id`` is required and must be that call's ``id``, as OpenAI checks them (as
+        the Responses API checks a function_call_output's ``call_id``); where an earlier call has
+        no ``id``, any ``tool_call_id`` may answer it."""
+        ids: set[str] = set()
+        anonymous = False  # (an earlier call without an id)
+        for i, message in enumerate(self.messages):
+            for call in message.tool_calls or []:
+                if call.id is None:
+                    anonymous = True
+                else:
+                    ids.add(call.id)
+            if message.role != "tool":
+                continue
+            where = f"messages.{i}.tool_call_id"
+            if message.tool_call_id is None:
+                raise FieldError(f"missing required parameter: {where} (a tool message answers the tool call of "
+                                 f"that id)", where)
+            if message.tool_call_id not in ids and not anonymous:
+                raise FieldError(f"{where} {message.tool_call_id[:80]!r} is not the id of a tool call of an earlier "
+                                 f"assistant message (a tool message answers one)", where)
+        return self
 
     def prompt_options(self) -> dict:
         """The chat template options of :meth:`DFlashEngine.encode_prompt` this request sets."""
@@ -866,6 +914,12 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
 
 # --- the Responses API (POST /v1/responses) -----------------------------------------------------
 
+# OpenAI's values of a Responses request's include (the openai package's ResponseIncludable): the outputs of
+# hosted tools and images, which this server never makes, and the reasoning's encrypted_content, which it does not
+# make either (its reasoning items carry their text), are taken and have nothing to add; the logprobs are refused
+RESPONSE_INCLUDABLES = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                        "message.input_image.image_url", "computer_call_output.output.image_url",
+                        "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs")
 # vLLM-style extensions a Responses request may carry; typed (and refused) by the chat request it becomes
 RESPONSES_EXTENSIONS = ("seed", "stop", "top_k", "min_p", "logit_bias", "repetition_penalty", "presence_penalty",
                         "frequency_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "chat_template_kwargs",
@@ -1151,7 +1205,7 @@ class ResponsesRequest(BaseModel):
     conversation: Any = None
     background: StrictBool | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    include: list[StrictStr] | None = None
+    include: list[StrictStr] | None = None  # (RESPONSE_INCLUDABLES; logprobs refused, see unsupported)
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_tool_calls: StrictInt | None = Field(None, ge=1)
     prompt: Any = None  # (a stored prompt template)
@@ -1200,6 +1254,16 @@ class ResponsesRequest(BaseModel):
     @classmethod
     def _tool_choice(cls, value):
         return check_tool_choice(value, chat=False)
+
+    @field_validator("include", mode="after")
+    @classmethod
+    def _include(cls, include: list[str] | None) -> list[str] | None:
+        """OpenAI's values only (:data:`RESPONSE_INCLUDABLES`; a misspelt one asked for nothing)."""
+        bad = next((value for value in include or () if value not in RESPONSE_INCLUDABLES), None)
+        if bad is not None:
+            raise ValueError(f"{bad[:80]!r} is not one of the Responses API's include values, "
+                             f"{_one_of([repr(v) for v in RESPONSE_INCLUDABLES])}")
+        return include
 
     _sources: Any = PrivateAttr(None)  # (InputSources of its chat messages, once made)
     # (the objects validated apart, for unknown_fields: ("input[]", item, the item's dict), and
