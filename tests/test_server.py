@@ -598,7 +598,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 CALL = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
                                                                "function": {"name": "f", "arguments": "{}"}}]}
 BAD_TOOLS = [  # (body fields, param, message); trial-210: each was taken
-    ({"tools": [TOOL, TOOL]}, "tools.1.function.name",
+    ({"tools": [TOOL, {"type": "function", "function": {**TOOL["function"], "description": "another"}}]},
+     "tools.1.function.name",
      "tools.1.function.name 'f' is tools.0's name too: a call names the function it calls, so each tool needs a name "
      "of its own"),
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name",
@@ -632,8 +633,9 @@ def test_tools_need_names_of_their_own_and_tool_messages_answer_calls(server, fi
 
 def test_tool_names_vllm_takes_and_answered_calls_are_taken(server):
     """Names OpenAI's own API would refuse (dots, spaces, 100 characters) are taken, as vLLM takes
-    them; a tool message answering a call of an earlier turn, or a call that has no id, is taken."""
-    tools = [{"type": "function", "function": {"name": name}} for name in ("a.b", "my func", "x" * 100)]
+    them; a tool message answering a call of an earlier turn, or a call that has no id, is taken; the
+    same definition twice is taken (as the Python API takes it)."""
+    tools = [{"type": "function", "function": {"name": name}} for name in ("a.b", "my func", "x" * 100, "a.b")]
     anonymous = {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
                                                                         "function": {"name": "f", "arguments": "{}"}}]}
     for messages in ([{"role": "user", "content": "x"}],

@@ -634,12 +634,14 @@ class ChatCompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _one_name_each(self):
-        """Each tool has a name of its own: a call names the function it calls (two tools of one
-        name, even the same definition twice, are refused, naming the second)."""
+        """Each function has a name of its own: a call names the function it calls (two different
+        tools of one name are refused, naming the second; the same definition twice is taken, as
+        :func:`~dflash_torch.options.check_tools` takes it)."""
         first: dict[str, int] = {}
-        for i, tool in enumerate(self.tools or []):
+        tools = self.tools or []
+        for i, tool in enumerate(tools):
             name = tool.function.name
-            if first.setdefault(name, i) != i:
+            if first.setdefault(name, i) != i and tool.model_dump() != tools[first[name]].model_dump():
                 raise FieldError(f"tools.{i}.function.name {name[:80]!r} is tools.{first[name]}'s name too: a call "
                                  f"names the function it calls, so each tool needs a name of its own",
                                  f"tools.{i}.function.name")
