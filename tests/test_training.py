@@ -2819,6 +2819,45 @@ def test_sigterm_saves_a_checkpoint_as_ctrl_c_does_and_resume_goes_on(tiny_pair,
     assert json.loads((out / "training_log.json").read_text())["steps"] == step + 2
 
 
+def test_a_checkpoint_that_cannot_be_saved_after_an_earlier_one_says_resume_continues_from_it(tiny_pair, tmp_path,
+                                                                                              capsys, monkeypatch):
+    """With --ckpt-every, a later checkpoint failing said "--resume cannot continue this run", though the
+    earlier one stayed in place and --resume continued from it: the line names its step and says so; and
+    so it does, the resumed run ending as the uninterrupted one."""
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 200)
+    out, work = tmp_path / "out", tmp_path / "work"
+    args = ["train", "--target", str(target), "--data", str(text), "--work-dir", str(work), "--steps", "3",
+            "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "2", "--block-size", "8",
+            "--num-layers", "1", "--no-progress", "--ckpt-every", "1", "--eval-every", "1"]
+    assert cli_main([*args, "--out", str(tmp_path / "full"), "--work-dir", str(tmp_path / "work-full")]) == 0
+    evaluate, calls = Trainer.evaluate, []
+
+    def evaluating(self, *args, **kwargs):  # (step 2's evaluation: after step 1's checkpoint, before step 2's)
+        calls.append(1)
+        if len(calls) == 3:
+            (work / "checkpoint.tmp").mkdir()
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluating)
+    capsys.readouterr()
+    assert cli_main([*args, "--out", str(out)]) == 2
+    ckpt = work / "checkpoint.pt"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"dflash-torch: error: training stopped: the drafter of step 2 is saved in {out}, but cannot save "
+                       f"the training checkpoint of step 2 to {ckpt}: cannot write {work / 'checkpoint.tmp'}: Is a "
+                       f"directory; the checkpoint of step 1 stays in {ckpt}, and --resume continues from it"), err
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    (work / "checkpoint.tmp").rmdir()
+    assert cli_main([*args, "--out", str(out), "--resume"]) == 0
+    assert "resume: step 1," in capsys.readouterr().err
+    full, resumed = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
+
+
 def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_file(tiny_pair, tmp_path):
     """A full disk while the training checkpoint was saved was a RuntimeError traceback from
     torch.save ("unexpected pos ...") that left a partial checkpoint.tmp, and while the drafter
@@ -2858,7 +2897,8 @@ def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_fi
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (  # (--out is on the same full disk: the drafter is tried first)
         f"dflash-torch: error: cannot export the drafter to {out}: File too large; and cannot save the training "
-        f"checkpoint of step 2 to {ckpt}: File too large"), proc.stderr
+        f"checkpoint of step 2 to {ckpt}: File too large; the checkpoint of step 1 stays in {ckpt}, and --resume "
+        "continues from it"), proc.stderr
     assert sorted(f.name for f in work.iterdir() if "checkpoint" in f.name) == ["checkpoint.pt"]
     assert ckpt.read_bytes() == saved
 

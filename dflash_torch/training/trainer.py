@@ -985,6 +985,7 @@ class Trainer:
         def save_checkpoint() -> DFlashError | None:
             """Save the checkpoint of ``step`` (its weights checked first: DFlashError where they diverged);
             the error that says why it could not be saved (the checkpoint before it, if any, stays), else None."""
+            nonlocal saved_step
             check_finite()
             tmp = ckpt_path.with_suffix(".tmp")
             try:  # (torch.save says a full disk as a RuntimeError: "unexpected pos ...")
@@ -1000,7 +1001,20 @@ class Trainer:
                 if tmp.is_file():
                     tmp.unlink()
                 return DFlashError(f"cannot save the training checkpoint of step {step} to {ckpt_path}: {reason}")
+            saved_step = step
             return None
+
+        def kept_note() -> str:
+            """After a checkpoint that could not be saved: "; the checkpoint of step N stays in ``ckpt_path``, and
+            --resume continues from it", where it holds this run's last one (saved, or resumed from), else ""."""
+            if saved_step is None or not ckpt_path.is_file():
+                return ""
+            return f"; the checkpoint of step {saved_step} stays in {ckpt_path}, and --resume continues from it"
+
+        def unsaved_line(unsaved: DFlashError) -> str:
+            """``unsaved`` (why the checkpoint of ``step`` could not be saved), with what --resume does then."""
+            note = kept_note()
+            return f"{unsaved}{note}" if note else f"--resume cannot continue this run: {unsaved}"
 
         def export(unsaved: DFlashError | None) -> tuple[Path, dict]:
             """Export the drafter of ``step`` to --out with its training_log.json: its directory and
@@ -1020,13 +1034,13 @@ class Trainer:
                 out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype, self.log)
             except (OSError, SafetensorError) as exc:  # (a full disk: --out keeps what it held)
                 kept = f"the checkpoint of step {step} is saved in {ckpt_path}: run again with --resume to export it" \
-                    if unsaved is None else f"and {unsaved}"
+                    if unsaved is None else f"and {unsaved}{kept_note()}"
                 raise DFlashError(f"cannot export the drafter to {cfg.out}: {write_error_reason(exc)}; {kept}") from None
             try:
                 _write_replacing(out_dir / "training_log.json", json.dumps(info, indent=2) + "\n")
             except OSError as exc:
-                raise DFlashError(f"the drafter is saved in {out_dir}, but its training_log.json could not be "
-                                  f"written: {exc.strerror or exc}" + (f"; and {unsaved}" if unsaved else "")) from None
+                raise DFlashError(f"the drafter is saved in {out_dir}, but its training_log.json could not be written: "
+                                  f"{exc.strerror or exc}" + (f"; and {unsaved}{kept_note()}" if unsaved else "")) from None
             return out_dir, info
 
         def log_row(out, at: float | None = None) -> dict:
@@ -1054,6 +1068,7 @@ class Trainer:
         first_step = step  # (one budget spent before this run trained a step is warned)
         self._interrupt_note = None
         unsaved = None  # (why a checkpoint could not be saved: training stops, the drafter is exported, then it is said)
+        saved_step = step if cfg.resume else None  # (the step of this run's checkpoint that ckpt_path holds: resumed)
         try:
             while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed() < budget):
                 lr = lr_at(step, progress(), cfg)
@@ -1124,8 +1139,7 @@ class Trainer:
                 if unsaved is not None:  # (e.g. a full work dir: the drafter is exported instead; still exit 130)
                     out_dir, _ = export(unsaved)
             if unsaved is not None:
-                self.log(f"interrupted: the drafter of step {step} is saved in {out_dir}, but --resume cannot continue "
-                         f"this run: {unsaved}")
+                self.log(f"interrupted: the drafter of step {step} is saved in {out_dir}, but {unsaved_line(unsaved)}")
             else:
                 self.log(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with --resume")
             raise SystemExit(130) from None
@@ -1144,7 +1158,7 @@ class Trainer:
             out_dir, info = export(unsaved)
         if unsaved is not None:  # (the drafter is whole; only --resume, to train on, needs the checkpoint)
             raise DFlashError(f"{'training stopped: ' if stopped else ''}the drafter of step {step} is saved in "
-                              f"{out_dir}, but --resume cannot continue this run: {unsaved}")
+                              f"{out_dir}, but {unsaved_line(unsaved)}")
         self.log(f"saved drafter to {out_dir} (step {step}, train loss {info['final_train_loss']}, "
                  f"eval {info['final_eval']}, {info['train_time_s'] / 60:.1f} min)")
         return info
