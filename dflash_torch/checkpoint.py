@@ -228,13 +228,14 @@ def missing_note(model_dir: Path, missing: list[str], unused=()) -> str:
     return ""
 
 
-def check_links(model_dir: Path, names=None) -> None:
+def check_links(model_dir: Path, names=None, passed=()) -> None:
     """Refuse a checkpoint file that is a link to nothing: huggingface_hub links a
     snapshot's files to its blobs, and a download cut short leaves links without them.
 
     Args:
         model_dir: the checkpoint directory.
         names: the file names to check (default: every file of ``model_dir``).
+        passed: file names not checked (loading reads a broken link to one as absent).
 
     Raises:
         DFlashError: naming the broken links; a directory this process may not list or enter,
@@ -244,7 +245,7 @@ def check_links(model_dir: Path, names=None) -> None:
     model_dir = Path(model_dir)
     try:
         paths = list(model_dir.iterdir()) if names is None else [model_dir / n for n in names]
-        links = [p for p in paths if p.is_symlink()]
+        links = [p for p in paths if p.name not in passed and p.is_symlink()]
     except OSError as exc:  # (the path that failed: a file of an index's subdirectory that may not be entered too)
         raise DFlashError(f"cannot read {exc.filename or model_dir}: {exc.strerror}") from None
     broken = []

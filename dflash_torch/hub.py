@@ -52,10 +52,12 @@ def snapshot(name: str) -> Path:
     """The local directory of the Hub repo ``name`` (``ORG/NAME``, or ``ORG/NAME@REVISION``: that
     branch, tag or commit hash; else ``main``): its snapshot of that revision in the cache when
     that holds ``config.json`` and safetensors weights (whatever else of the repo it lacks, e.g.
-    after ``hf download --include``; but unless ``HF_HUB_OFFLINE`` is set, one with no tokenizer
-    files where the repo's file list that huggingface_hub keeps names some is completed, and one
-    that lacks an :data:`OPTIONAL_FILES` file the list names is completed where the Hub may be
-    reached, else used without it, with a WARNING line), else the snapshot :func:`download` fills.
+    after ``hf download --include``; but unless ``HF_HUB_OFFLINE`` is set, one that lacks a
+    tokenizer file the repo's file list that huggingface_hub keeps names is completed (see
+    :func:`_lacks_tokenizer`); and one that lacks an :data:`OPTIONAL_FILES` file the list names,
+    or holds a broken link to one, is completed where the Hub may be reached, else (offline
+    too, without trying) used without it, with a WARNING line), else the snapshot
+    :func:`download` fills.
 
     Raises:
         DFlashError: ``name`` is not a valid repo id (``ORG/NAME`` of letters, digits, ``-``,
@@ -93,19 +95,23 @@ def snapshot(name: str) -> Path:
         try:  # (a shared cache whose snapshot or blobs this process may not read)
             os.listdir(local)
             lacks = _lacks(Path(local))
-            if lacks is None and listed and not constants.HF_HUB_OFFLINE:  # (a download completes it; else used)
-                files = _listed(repo, revision)  # (the repo's file list huggingface_hub keeps, read once)
-                lacks = _lacks_tokenizer(Path(local), files)
-                optional = None if lacks is not None else [
-                    f for f in OPTIONAL_FILES if f in files and not (Path(local) / f).is_file()]
+            if lacks is None:
+                files = _listed(repo, revision) if listed else set()  # (the repo's file list huggingface_hub keeps)
+                if not constants.HF_HUB_OFFLINE:  # (a download completes it; offline, loading says what it lacks)
+                    lacks = _lacks_tokenizer(Path(local), files)
+                optional = None if lacks is not None else [  # (a broken link to one: the repo has it, its blob is gone)
+                    f for f in OPTIONAL_FILES if (f in files or (Path(local) / f).is_symlink())
+                    and not (Path(local) / f).is_file()]
         except OSError as exc:
             raise DFlashError(f"cannot read {exc.filename or local}: {exc.strerror}") from None
         if lacks is None and optional:
-            try:  # (a generation config or chat template the repo has: fetched where it may be, else done without)
-                return download(name, cached=f"{local} lacks {', '.join(optional)}")
+            what = _named(Path(local), optional)
+            try:  # (a generation config or chat template the repo has: fetched where it may be, else done without;
+                # offline, download says so at once, and loading passes over a broken link to one: load_tokenizer)
+                return download(name, cached=f"{local} lacks {what}")
             except DFlashError as exc:
                 logging.getLogger("dflash_torch").warning(
-                    f"dflash-torch: WARNING: the cached snapshot of {name} lacks {', '.join(optional)}, which the repo "
+                    f"dflash-torch: WARNING: the cached snapshot of {name} lacks {what}, which the repo "
                     f"has, and it cannot be downloaded: it is used without ({exc})")
         if lacks is None:
             return Path(local)
@@ -170,18 +176,23 @@ def _listed(repo: str, revision: str | None) -> set[str]:
 
 
 def _lacks_tokenizer(local: Path, files: set[str]) -> str | None:
-    """Where the cached snapshot ``local`` holds no tokenizer file but ``files``, its repo's kept
-    file list (:func:`_listed`), names some: that, in a line naming ``local``; else None (a
-    drafter's repo has none).
+    """Where the cached snapshot ``local`` lacks a tokenizer or vocabulary file (``tokenizer.json``,
+    ``tokenizer_config.json``, ``merges.txt``, ...; a broken link is lacking) that ``files``, its
+    repo's kept file list (:func:`_listed`), names: those, in a line naming ``local`` (a
+    ``tokenizer_config.json`` alone is not a tokenizer); else None (a drafter's repo has none).
 
     Raises:
         OSError: a part of it this process may not read."""
-    from .tokenizer import TOKENIZER_FILES
+    from .tokenizer import TOKENIZER_FILES, VOCABULARY_FILES
 
-    named = [f for f in TOKENIZER_FILES if f in files]
-    if not named or any((local / f).is_file() for f in TOKENIZER_FILES):
-        return None
-    return f"{local} has no tokenizer files, which the repo has ({', '.join(named)})"
+    missing = [f for f in dict.fromkeys((*TOKENIZER_FILES, *VOCABULARY_FILES)) if f in files and not (local / f).is_file()]
+    return f"{local} lacks tokenizer files the repo has ({_named(local, missing)})" if missing else None
+
+
+def _named(local: Path, names: list[str]) -> str:
+    """``names``, files the snapshot ``local`` lacks, in words: each that is a link there (to a
+    blob that is gone) is said to be a broken link."""
+    return ", ".join(f + (" (a broken link)" if (local / f).is_symlink() else "") for f in names)
 
 
 def download(name: str, cached: str | None = None) -> Path:

@@ -171,9 +171,10 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
 
     Raises:
         DFlashError: no tokenizer files in the checkpoint (naming the Hub id of a snapshot in the
-            Hugging Face cache), a file that is a broken link (of an
-            interrupted download), a tokenizer that fails to load (``cannot read FILE: Permission
-            denied`` where a tokenizer file is one this process may not read; one that the
+            Hugging Face cache), a file that is a broken link (of an interrupted download; but not
+            a generation config or chat template of a snapshot in the Hugging Face cache:
+            :func:`dflash_torch.hub.snapshot` warned it is used without), a tokenizer that fails to
+            load (``cannot read FILE: Permission denied`` where a tokenizer file is one this process may not read; one that the
             tokenizer does not need is no error; a tokenizer JSON file that is not a valid JSON
             object, named), a config.json that
             transformers' config class refuses (AutoTokenizer reads it too; a top-level ``dtype`` /
@@ -186,11 +187,13 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
     """
     from transformers import AutoTokenizer
 
-    check_links(model_dir)  # (else transformers blames a missing sentencepiece for a missing tokenizer.json)
-    if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
-        from .hub import cached_name
+    from .hub import OPTIONAL_FILES, cached_name
 
-        hub_id = cached_name(model_dir)
+    hub_id = cached_name(model_dir)
+    # (else transformers blames a missing sentencepiece for a missing tokenizer.json; a Hub snapshot's generation config
+    # or chat template whose blob is gone is used without, as hub.snapshot warned: transformers reads it as absent)
+    check_links(model_dir, passed=OPTIONAL_FILES if hub_id else ())
+    if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
         raise DFlashError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})"
                           + (f"; it is the snapshot of {hub_id} in the Hugging Face cache" if hub_id else ""))
     for name in TOKENIZER_READ:  # (transformers skips a directory of a file's name as if the file were absent)

@@ -355,12 +355,47 @@ def test_a_cache_entry_that_lacks_files_loading_does_not_read_is_used(cli, hub, 
     assert f", and the Hugging Face cache holds it incomplete ({broken}" in dead.stderr, dead.stderr
 
 
+def test_a_cache_entry_without_its_tokenizer_json_is_completed_though_it_holds_its_tokenizer_config(
+        cli, hub, tiny_pair, tmp_path):
+    """A cached snapshot that lacks tokenizer.json (or holds a broken link to it) but holds
+    tokenizer_config.json, while the repo's kept file list names tokenizer.json, was used as it
+    is (tokenizer_config.json counted as a tokenizer): loading then failed. It is completed by a
+    download where the Hub may be reached; with the Hub out of reach, the error says what the
+    cache holds it without."""
+    endpoint, server = hub
+    repo = shutil.copytree(tiny_pair[0], tmp_path / "tok")
+    (repo / "notes.txt").write_text("not read by loading")
+    server.repos["acme/tok"] = repo
+    cache = tmp_path / "hub-cache"
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
+    assert _generate("--target", "acme/tok", "--no-draft", env=env).returncode == 0
+    if not (cache / "models--acme--tok" / "trees").is_dir():
+        pytest.skip("this huggingface_hub keeps no file list of a repo")
+    snapshot = cache / "models--acme--tok" / "snapshots" / COMMIT
+    want = _local(cli, "--target", str(repo), "--no-draft")
+    (snapshot / "tokenizer.json").unlink()
+    for lacking in ("tokenizer.json", "tokenizer.json (a broken link)"):
+        dead = _generate("--target", "acme/tok", "--no-draft", env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
+        assert dead.returncode == 2 and "downloading acme/tok" in dead.stderr, dead.stderr
+        assert "the Hub cannot be reached (ConnectError" in dead.stderr, dead.stderr
+        assert dead.stderr.rstrip().endswith(f", and the Hugging Face cache holds it incomplete ({snapshot} lacks "
+                                             f"tokenizer files the repo has ({lacking}))"), dead.stderr
+        server.fetched.clear()
+        again = _generate("--target", "acme/tok", "--no-draft", env=env)
+        assert again.returncode == 0 and json.loads(again.stdout)["token_ids"] == want, again.stderr
+        assert "tokenizer.json" in server.fetched and "model.safetensors" not in server.fetched, server.fetched
+        (snapshot / "tokenizer.json").resolve().unlink()  # (its blob: the link is broken)
+
+
 def test_a_cache_entry_without_the_generation_config_its_repo_has_is_completed_or_used_with_a_warning(
         cli, hub, tiny_pair, tmp_path):
     """A cached snapshot that lacks a generation config (or chat template) its repo's kept file
     list names was used as it is: without its EOS ids and defaults, or its template ("this
     model's tokenizer has no chat template"). It is completed by a download where the Hub may
-    be reached, else used without it with a WARNING line naming the file; offline, used as it is."""
+    be reached, else used without it with a WARNING line naming the file; offline too (it was
+    used with no WARNING), without trying the Hub. A broken link to one (its blob gone) is as
+    missing: with the Hub out of reach it warned "used without", then failed ("is a broken
+    link"), and offline it failed at once."""
     endpoint, server = hub
     repo = shutil.copytree(tiny_pair[0], tmp_path / "gen")
     (repo / "generation_config.json").write_text(json.dumps({"max_new_tokens": 12}))
@@ -387,7 +422,27 @@ def test_a_cache_entry_without_the_generation_config_its_repo_has_is_completed_o
             "be downloaded: it is used without (cannot download model 'acme/gen' from the Hugging Face Hub: the Hub "
             "cannot be reached") in dead.stderr, dead.stderr
     offline = _generate("--target", "acme/gen", "--no-draft", env=dict(env, HF_HUB_OFFLINE="1"))
-    assert offline.returncode == 0 and "WARNING" not in offline.stderr, offline.stderr
+    assert offline.returncode == 0 and json.loads(offline.stdout)["token_ids"] == want, offline.stderr
+    assert ("WARNING: the cached snapshot of acme/gen lacks generation_config.json, which the repo has, and it cannot "
+            "be downloaded: it is used without (model 'acme/gen' is in the Hugging Face cache incomplete (") \
+        in offline.stderr and "HF_HUB_OFFLINE is set" in offline.stderr, offline.stderr
+    assert "downloading" not in offline.stderr, offline.stderr
+    # (a broken link to it: as missing, offline and with the Hub out of reach; completed where the Hub may be reached)
+    server.fetched.clear()
+    assert _generate("--target", "acme/gen", "--no-draft", env=env).returncode == 0
+    assert "generation_config.json" in server.fetched
+    link = snapshot / "generation_config.json"
+    link.resolve().unlink()  # (its blob)
+    for changed in ({"HF_ENDPOINT": "http://127.0.0.1:9"}, {"HF_HUB_OFFLINE": "1"}):
+        broken = _generate("--target", "acme/gen", "--no-draft", env=dict(env, **changed))
+        assert broken.returncode == 0 and json.loads(broken.stdout)["token_ids"] == want, broken.stderr
+        assert ("WARNING: the cached snapshot of acme/gen lacks generation_config.json (a broken link), which the repo "
+                "has, and it cannot be downloaded: it is used without (") in broken.stderr, broken.stderr
+        assert "error" not in broken.stderr, broken.stderr
+    server.fetched.clear()
+    again = _generate("--target", "acme/gen", "--no-draft", env=env)
+    assert again.returncode == 0 and "WARNING" not in again.stderr, again.stderr
+    assert "generation_config.json" in server.fetched and link.is_file(), server.fetched
 
 
 def test_ctrl_c_during_a_download_exits_at_once(hub, tiny_pair, tmp_path):
