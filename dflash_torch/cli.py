@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import CompileError, DFlashError, OptionError, OutputError, first_line
+from .hub import check_timeouts
 
 
 def add_model_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
@@ -705,6 +706,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash-torch: error: {import_error_message(exc)}", file=sys.stderr)
         return 1
     try:
+        check_timeouts()  # (before any import of huggingface_hub: its own check is a traceback)
         return args.func(args) or 0
     except ImportError as exc:
         print(f"dflash-torch: error: {import_error_message(exc)}", file=sys.stderr)

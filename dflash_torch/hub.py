@@ -27,7 +27,28 @@ HUB_SKIPPED = ["*/*"]
 # EOS ids and sampling defaults, the chat template): a cached snapshot lacking one its repo has is completed
 OPTIONAL_FILES = ("generation_config.json", "chat_template.jinja", "chat_template.json")
 
+# huggingface_hub's environment variables that it reads with int() when it is imported (seconds)
+HUB_TIMEOUTS = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
+
 _downloads: set[threading.Event] = set()  # each download's "finished", until its caller has seen it end
+
+
+def check_timeouts() -> None:
+    """Refuse a :data:`HUB_TIMEOUTS` variable that is set but not an integer (``abc``, ``2.5``,
+    empty): huggingface_hub reads it with ``int()`` when it is imported, which transformers does
+    for any model, a local directory too (a ValueError traceback). An integer it takes is left to
+    it (0: its default; a negative one: the download's error).
+
+    Raises:
+        DFlashError: naming the variable, its value, and that it must be an integer of seconds."""
+    for var in HUB_TIMEOUTS:
+        value = os.environ.get(var)
+        try:
+            if value is not None:
+                int(value)
+        except ValueError:
+            raise DFlashError(f"{var}={value!r}: it must be an integer number of seconds (huggingface_hub reads it), "
+                              f"e.g. {var}=10, or unset") from None
 
 
 def split_revision(name: str) -> tuple[str, str | None]:

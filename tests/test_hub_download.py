@@ -260,6 +260,20 @@ def test_a_hub_that_never_answers_is_out_of_reach_in_seconds(tmp_path):
     assert "Traceback" not in got.stderr and "Retrying" not in got.stderr, got.stderr
 
 
+@pytest.mark.parametrize("variable, value, local", [("HF_HUB_ETAG_TIMEOUT", "abc", False),
+                                                    ("HF_HUB_ETAG_TIMEOUT", "2.5", False),
+                                                    ("HF_HUB_DOWNLOAD_TIMEOUT", "ten", True)])
+def test_a_hub_timeout_that_is_not_an_integer_is_one_line(tiny_pair, tmp_path, variable, value, local):
+    """``HF_HUB_ETAG_TIMEOUT=abc`` (or 2.5) was a ValueError traceback from huggingface_hub's
+    import, which reads it with int(): for a Hub id, and for a local directory too (transformers
+    imports it). It is one line naming the variable and what it must be, status 2."""
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub-cache"), "HF_ENDPOINT": "http://127.0.0.1:9", variable: value}
+    got = _generate("--target", str(tiny_pair[0]) if local else "acme/zz", "--no-draft", env=env)
+    assert got.returncode == 2, got.stderr
+    assert got.stderr == (f"dflash-torch: error: {variable}={value!r}: it must be an integer number of seconds "
+                          f"(huggingface_hub reads it), e.g. {variable}=10, or unset\n"), got.stderr
+
+
 def test_a_mistyped_local_path_is_said_not_to_be_a_directory(hub, tiny_pair, tmp_path):
     """``--target models/my-targt`` (a typo of a directory in the working directory) is an id
     to the Hub: where the Hub has no such model or cannot be reached, the message said only
