@@ -408,8 +408,12 @@ class DFlashEngine:
                 checked before any weight is read), ``compile=True`` with
                 ``draft_mode="recompute"`` (its shapes grow every round), ``draft_max_batch_size``
                 where it has no effect (see above), ``max_batch_size`` > 1 with
-                ``draft_mode="recompute"``.
+                ``draft_mode="recompute"``; a Hub timeout variable (``HF_HUB_ETAG_TIMEOUT``,
+                ``HF_HUB_DOWNLOAD_TIMEOUT``) that is not an integer.
         """
+        from .hub import check_timeouts
+
+        check_timeouts()  # (huggingface_hub's own check, at its import, is a bare ValueError)
         for name, flag in dict(no_draft=no_draft, compile=compile, pack=pack, static=static,
                                reuse_prefix=reuse_prefix).items():
             options.check_flag(flag, name)

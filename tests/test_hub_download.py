@@ -21,6 +21,8 @@ from urllib.parse import unquote, urlparse
 import pytest
 import torch
 
+from dflash_torch import DFlashEngine, DFlashError
+
 COMMIT = "c0ffee" + "0" * 34
 V2_COMMIT = "5ca1ab1e" + "0" * 32  # (acme/target's branch v2)
 PR_COMMIT = "9e" + "0" * 38  # (acme/draft's refs/pr/3: its main's files)
@@ -272,6 +274,14 @@ def test_a_hub_timeout_that_is_not_an_integer_is_one_line(tiny_pair, tmp_path, v
     assert got.returncode == 2, got.stderr
     assert got.stderr == (f"dflash-torch: error: {variable}={value!r}: it must be an integer number of seconds "
                           f"(huggingface_hub reads it), e.g. {variable}=10, or unset\n"), got.stderr
+
+
+def test_a_hub_timeout_that_is_not_an_integer_is_a_dflash_error_in_python(tiny_pair, monkeypatch):
+    """from_pretrained says it as the command line does (it was huggingface_hub's bare ValueError
+    where the import came first)."""
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2.5")
+    with pytest.raises(DFlashError, match=r"^HF_HUB_ETAG_TIMEOUT='2\.5': it must be an integer number of seconds"):
+        DFlashEngine.from_pretrained(*tiny_pair)
 
 
 def test_a_mistyped_local_path_is_said_not_to_be_a_directory(hub, tiny_pair, tmp_path):
