@@ -981,6 +981,9 @@ class _FunctionCallOutputItem(BaseModel):
     call_id: StrictStr
     output: StrictStr | list[_Part]
 
+    _parts_first = field_validator("output", mode="before")(check_parts)
+    _no_media = model_validator(mode="before")(no_media)  # (media beside the output: refused, as a message's)
+
 
 class _ReasoningItem(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -988,6 +991,9 @@ class _ReasoningItem(BaseModel):
     type: Literal["reasoning"]
     content: list[_Part] | None = None
     summary: list[_Part] | None = None
+
+    _parts_first = field_validator("content", "summary", mode="before")(check_parts)
+    _no_media = model_validator(mode="before")(no_media)
 
 
 _ITEMS = {"message": _InputMessage, "function_call": _FunctionCallItem, "function_call_output": _FunctionCallOutputItem,
