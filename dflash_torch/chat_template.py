@@ -142,12 +142,15 @@ def reserved_template_variables(tokenizer) -> list[str]:
 
 def chat_messages(messages: list | tuple) -> list[dict]:
     """Checked chat messages (see :meth:`~dflash_torch.engine.DFlashEngine.encode_prompt`), with each tool call's
-    ``arguments`` JSON string parsed into a dict and a ``content`` None or absent (beside
-    ``tool_calls``) as ``""``, as the server sends it (copies; the caller's are not changed).
+    ``arguments`` JSON string parsed into a dict, a ``content`` None or absent (beside
+    ``tool_calls``) as ``""``, and an assistant's ``refusal`` (OpenAI's reply, with content
+    None) joined to its content by a newline, as the server sends them (copies; the caller's
+    are not changed).
 
     Raises:
         DFlashError: a message that is not a dict with a string ``role`` and a string
-            ``content`` (or a list of text parts; None allowed with ``tool_calls``), ``tool_calls`` that are not a
+            ``content`` (or a list of text parts; None allowed with ``tool_calls`` or a
+            ``refusal``), a ``refusal`` that is not a string of an assistant message, ``tool_calls`` that are not a
             list of ``{"function": {"name": str, "arguments": ...}}``, or ``arguments`` that
             are not a JSON object (a dict or its JSON text; ``""`` and None are ``{}``).
     """
@@ -170,10 +173,18 @@ def chat_messages(messages: list | tuple) -> list[dict]:
         if isinstance(m.get("content"), list):
             m = {**m, "content": _parts_text(m["content"], m.get("role"), i)}
         calls = m.get("tool_calls")
-        content_ok = isinstance(m.get("content"), str) or (calls and m.get("content") is None)
+        refusal = m.get("refusal")
+        if refusal is not None and m.get("role") != "assistant":  # (as the server refuses it)
+            raise DFlashError(f"chat message {i} has a refusal, which only an assistant message may hold")
+        if refusal is not None and not isinstance(refusal, str):
+            raise DFlashError(f"chat message {i}: refusal must be a string, got {type(refusal).__name__}")
+        content_ok = isinstance(m.get("content"), str) or ((calls or refusal is not None) and m.get("content") is None)
         if not isinstance(m.get("role"), str) or not content_ok:
             raise DFlashError("chat messages must be a list of {'role': str, 'content': str} (content may be None "
-                              "with tool_calls)")
+                              "with tool_calls or an assistant's refusal)")
+        if refusal is not None:  # (its text follows the content's, as the server reads it: see ChatMessage.text)
+            m = {k: v for k, v in m.items() if k != "refusal"}
+            m["content"] = "\n".join(t for t in (m.get("content"), refusal) if t)
         if m.get("content") is None:  # (with tool_calls: "", as the server sends it, see ChatMessage.text)
             m = {**m, "content": ""}
         if calls is None:

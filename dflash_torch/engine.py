@@ -649,8 +649,9 @@ class DFlashEngine:
 
         Chat messages are OpenAI's: ``role`` and ``content`` (a string, or a list of text
         parts ``{"type": "text", "text": str}`` joined by newlines, as the server joins them;
-        None or absent for an assistant message with ``tool_calls``: ``""``, as the server
-        takes it), and optionally ``name``,
+        None or absent for an assistant message with ``tool_calls`` or a ``refusal``: ``""``,
+        as the server takes it; an assistant's ``refusal`` string, as OpenAI returns it, is
+        text that follows the content's after a newline, as the server reads it), and optionally ``name``,
         ``tool_call_id`` (role ``tool``), ``tool_calls`` (``[{"id", "type": "function",
         "function": {"name", "arguments"}}]``). A call's ``arguments`` given as a JSON
         string (OpenAI's protocol) is parsed into a dict before templating (templates such

@@ -344,6 +344,24 @@ def test_content_parts_are_joined_as_the_server_joins_them(local_engine):
     assert messages[0]["content"][0] == {"type": "text", "text": "a"}  # (the caller's messages are not changed)
 
 
+def test_an_assistants_refusal_is_its_text_as_the_server_reads_it(local_engine):
+    """An assistant message with ``content: None`` and a ``refusal`` (OpenAI's reply) is taken,
+    as the server's chat completions take it, its refusal the message's text after its content
+    (it was refused: "content may be None with tool_calls", trial-208); the prompt is the
+    server's for the same messages."""
+    from dflash_torch.serving.protocol import ChatCompletionRequest
+
+    for refused, text in (({"content": None, "refusal": "I cannot"}, "I cannot"),
+                          ({"content": "c", "refusal": "no"}, "c\nno"), ({"refusal": ""}, "")):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", **refused}, {"role": "user", "content": "go"}]
+        plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text}, {"role": "user", "content": "go"}]
+        ids = local_engine.encode_prompt(messages)
+        assert ids == local_engine.encode_prompt(plain) == _oracle(local_engine.tokenizer, plain)
+        assert ids == local_engine.encode_prompt(ChatCompletionRequest(messages=messages).engine_messages())
+    out = local_engine.generate(messages, chat=True, max_new_tokens=2, temperature=0)
+    assert out.token_ids == local_engine.generate(plain, chat=True, max_new_tokens=2, temperature=0).token_ids
+
+
 def test_empty_media_fields_and_an_assistants_audio_reply_are_taken(local_engine):
     """Media keys with nothing in them (``images: []``, ``image_url: null``) and an assistant's
     ``audio`` (OpenAI's reply object, sent back beside its text) hold no media: taken, and the
@@ -384,6 +402,10 @@ def test_empty_media_fields_and_an_assistants_audio_reply_are_taken(local_engine
       for number in (float("nan"), float("inf"), float("-inf"))],
     ([{"role": "assistant", "tool_calls": [{"name": "f"}]}], {}, r"^chat messages need tool_calls as a list"),
     ([{"role": "assistant", "content": None}], {}, r"^chat messages must be a list of"),
+    # (a refusal: an assistant's text, as the server takes it; a 400 there otherwise)
+    ([{"role": "user", "content": "hi", "refusal": "no"}], {},
+     r"^chat message 0 has a refusal, which only an assistant message may hold$"),
+    ([{"role": "assistant", "content": None, "refusal": 5}], {}, r"^chat message 0: refusal must be a string, got int$"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
      r"^chat message 0: content part 0 must be \{'type': 'text', 'text': str\}"),
     ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "no"}]}], {},
