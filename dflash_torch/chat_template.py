@@ -21,14 +21,21 @@ MEDIA_KEYS = ("images", "image", "image_url", "input_image", "audio", "input_aud
               "video_url", "file", "files")
 
 
+def _holds(value) -> bool:
+    """Whether ``value`` holds something: not None, nor an empty string, list, tuple or dict
+    (told by type and length: any other value, e.g. False, 0 or an array, holds something)."""
+    return value is not None and not (isinstance(value, (str, list, tuple, dict)) and len(value) == 0)
+
+
 def media_keys(item: dict, role=None) -> list[str]:
     """The :data:`MEDIA_KEYS` that ``item`` (a chat message of ``role``, or one of its content
-    parts: ``role`` None) holds with a value (not None, nor an empty list, string or object); an
-    assistant message's ``audio`` (OpenAI's reply, sent back as it came) is not one beside its
-    text (content, tool calls or a refusal), but is where the message has nothing else."""
-    spoken = role == "assistant" and (item.get("content") is not None or bool(item.get("tool_calls"))
+    parts: ``role`` None) holds with a value (not None, nor an empty string, list, tuple or
+    dict: :func:`_holds`); an assistant message's ``audio`` (OpenAI's reply, sent back as it
+    came) is not one beside its text (content, tool calls or a refusal), but is where the
+    message has nothing else."""
+    spoken = role == "assistant" and (item.get("content") is not None or _holds(item.get("tool_calls"))
                                       or item.get("refusal") is not None)
-    return [k for k in MEDIA_KEYS if item.get(k) not in (None, [], "", {}) and not (k == "audio" and spoken)]
+    return [k for k in MEDIA_KEYS if _holds(item.get(k)) and not (k == "audio" and spoken)]
 
 
 def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> str:
@@ -178,7 +185,8 @@ def chat_messages(messages: list | tuple) -> list[dict]:
             raise DFlashError(f"chat message {i} has a refusal, which only an assistant message may hold")
         if refusal is not None and not isinstance(refusal, str):
             raise DFlashError(f"chat message {i}: refusal must be a string, got {type(refusal).__name__}")
-        content_ok = isinstance(m.get("content"), str) or ((calls or refusal is not None) and m.get("content") is None)
+        content_ok = isinstance(m.get("content"), str) or ((_holds(calls) or refusal is not None)
+                                                          and m.get("content") is None)
         if not isinstance(m.get("role"), str) or not content_ok:
             raise DFlashError("chat messages must be a list of {'role': str, 'content': str} (content may be None "
                               "with tool_calls or an assistant's refusal)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import openai
 import pytest
 from hypothesis import given, settings
@@ -376,6 +377,8 @@ def test_empty_media_fields_and_an_assistants_audio_reply_are_taken(local_engine
     ids = local_engine.encode_prompt(messages)
     assert ids == local_engine.encode_prompt(plain) == _oracle(local_engine.tokenizer, plain)
     assert ids == local_engine.encode_prompt(ChatCompletionRequest(messages=messages).engine_messages())
+    # (an empty tuple is nothing too, as an empty list: trial-208 refused it as holding images)
+    assert local_engine.encode_prompt([{**messages[0], "images": ()}] + messages[1:]) == ids
 
 
 @pytest.mark.parametrize("prompt,kwargs,message", [
@@ -413,6 +416,11 @@ def test_empty_media_fields_and_an_assistants_audio_reply_are_taken(local_engine
     ([{"role": "user", "content": [{"type": "text"}]}], {}, r"^chat message 0: content part 0 must be"),
     # (media beside the text were dropped unsaid; an assistant's audio, OpenAI's reply sent back, is not one)
     ([{"role": "user", "content": "hi", "images": ["aGk="]}], {}, r"^chat message 0 holds 'images': only text is supported"),
+    # (values told by type: an array was a bare ValueError "truth value of an array is ambiguous", trial-208)
+    ([{"role": "user", "content": "hi", "images": np.zeros((2, 2))}], {},
+     r"^chat message 0 holds 'images': only text is supported"),
+    ([{"role": "assistant", "content": None, "tool_calls": np.zeros(2), "audio": np.zeros(2)}], {},
+     r"^chat messages need tool_calls as a list"),
     ([{"role": "assistant", "content": None, "audio": {"id": "audio_1"}}], {},
      r"^chat message 0 holds 'audio': only text is supported"),  # (an audio reply alone: nothing to read)
     ([{"role": "user", "content": [{"type": "text", "text": "a", "image_url": {"url": "x"}}]}], {},
