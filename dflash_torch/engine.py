@@ -971,8 +971,8 @@ class DFlashEngine:
                 completed within them do not count (vLLM's ``min_tokens``).
             stop: stop string(s): generation ends after the first token that completes
                 one, and the text is cut at the start of that occurrence.
-            stop_token_ids: an extra stop token id or a list of them, in [0, vocab size)
-                (EOS ids are included unless ``ignore_eos``).
+            stop_token_ids: an extra stop token id or a list of them (a tuple, set, ``range``,
+                1-D array or tensor too), in [0, vocab size) (EOS ids are included unless ``ignore_eos``).
             ignore_eos: do not stop at the model's EOS tokens.
             skip_special_tokens: leave special tokens (:attr:`special_token_ids`: EOS, chat
                 markers, the mask token, ...) out of the text (vLLM's option; its default

@@ -430,9 +430,12 @@ def check_stop(value: str | Sequence[str] | None, name: str = "stop") -> list[st
 
 
 def check_stop_token_ids(value: int | Sequence[int] | None, vocab_size: int, name: str = "stop token ids") -> list[int]:
-    """Stop token ids: an id or a list of ids in [0, vocab_size); None means none."""
+    """Stop token ids: an id or a list of ids in [0, vocab_size) (a tuple, set or ``range``, a
+    NumPy or torch integer, a 1-D array or tensor of them too, as a prompt's ids are taken);
+    None means none."""
     if value is None:
         return []
+    value = plain(list(value) if isinstance(value, range) else value)
     if _is_int(value):
         value = [value]
     if not isinstance(value, (list, tuple, set, frozenset)) or not all(_is_int(t) for t in value):

@@ -827,10 +827,19 @@ def test_stop_token_ids_take_one_id_or_a_list(engine):
     ref = engine.generate("def f(x):", max_new_tokens=12, ignore_eos=True)
     stop = ref.token_ids[5]
     first = ref.token_ids.index(stop)
-    for value in (stop, [stop], (stop,)):
+    # (a range, a 1-D array or tensor: as a prompt's ids; trial-208 refused a range, a tuple was taken)
+    for value in (stop, [stop], (stop,), range(stop, stop + 1), np.array([stop]), torch.tensor([stop])):
         out = engine.generate("def f(x):", max_new_tokens=12, ignore_eos=True, stop_token_ids=value)
         assert out.token_ids == ref.token_ids[:first + 1] and out.finish_reason == "stop"
     vocab = engine.target.config.vocab_size
+    out = engine.generate("def f(x):", max_new_tokens=3, stop_token_ids=range(vocab))
+    assert out.token_ids == ref.token_ids[:1] and out.finish_reason == "stop"
+    outs = engine.generate_batch(["def f(x):", "a"], max_new_tokens=3, stop_token_ids=range(vocab))
+    assert [len(o.token_ids) for o in outs] == [1, 1]
+    stopper = engine.new_stopper(3, stop_token_ids=np.arange(vocab))  # (unconverted by generate's own plain())
+    assert stopper.stop_ids == set(range(vocab))
+    with pytest.raises(OptionError, match=r"^min_tokens \(2\) holds back every stop token id"):
+        engine.generate("def f(x):", max_new_tokens=4, min_tokens=2, stop_token_ids=range(vocab))
     for bad in ("5", [1.5], [True], [-1], [vocab], {"a": 1}):
         with pytest.raises(DFlashError, match="stop token ids") as err:
             engine.generate("def f(x):", max_new_tokens=3, stop_token_ids=bad)
