@@ -700,17 +700,19 @@ class SpeculativeDecoder:
         n_prompt = check_prompt_ids(prompt_ids, self.target.config, max_new_tokens, self.max_context)
         params.check_vocab(self.target.config.vocab_size)
         check_prompt_position(checkpoint, n_prompt, "checkpoint")
-        if self.held_by is not None:
+        if self._holder is not None:
             raise DFlashError(self._held_message("SpeculativeDecoder.rounds was called"))
         return _Rounds(self, self._decode(prompt_ids, n_prompt, params, max_new_tokens, prompt_logprobs, checkpoint))
 
     def hold(self, rounds: _Rounds | None, what: str | None = None) -> None:
         """Hold this decoder for ``rounds`` (a generator of :meth:`rounds`; ``what``: the holder in
-        words, e.g. "an open request of its DFlashEngine") until ``hold(None)``: meanwhile a
-        :meth:`rounds` call, and the first round of another generator (which would reset the
-        caches), are refused in words naming ``what``, as a round from another thread during an
-        engine call is."""
-        self._holder, self.held_by = rounds, (what if rounds is not None else None)
+        words, e.g. "an open request of its DFlashEngine"; None: "another rounds() generator")
+        until ``hold(None)``: meanwhile a :meth:`rounds` call, and the first round of another
+        generator (which would reset the caches), are refused in words naming ``what``, as a
+        round from another thread during an engine call is. ``held_by``: ``what``, None when
+        not held."""
+        self._holder = rounds
+        self.held_by = None if rounds is None else what if what is not None else "another rounds() generator"
 
     def _held_message(self, head: str) -> str:
         return (f"{head} while {self.held_by} decodes with this decoder, which would take over its caches: wait for it "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import re
 import threading
 import time
 import warnings
@@ -436,6 +437,32 @@ def test_the_compute_threads_round_waits_for_another_threads_round_a_bounded_tim
     finally:
         other.release()
     assert other.got["rounds"] == other.alone
+
+
+def test_hold_without_words_holds(tiny_pair):
+    """``decoder.hold(g)`` without ``what`` did not hold (``held_by`` None was read as not held,
+    trial-208): rounds() was taken and its first next() refused "while None decodes", and an
+    engine call took over the caches. It holds, in words of its own, until hold(None)."""
+    from dflash_torch import DFlashError
+    from dflash_torch.sampling import SamplingParams
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair, dtype="float32")
+    decoder, ids = engine.decoder, engine.tokenizer.encode(PROMPT)
+    alone = [list(rnd.tokens) for rnd in decoder.rounds(ids, SamplingParams(), 8)]
+    mine, early = decoder.rounds(ids, SamplingParams(), 8), decoder.rounds(ids, SamplingParams(), 8)
+    decoder.hold(mine)
+    assert decoder.held_by == "another rounds() generator"
+    words = "while another rounds() generator decodes with this decoder, which would take over its caches"
+    with pytest.raises(DFlashError, match=re.escape(f"SpeculativeDecoder.rounds was called {words}")):
+        decoder.rounds(ids, SamplingParams(), 8)
+    with pytest.raises(DFlashError, match=re.escape(words)):
+        engine.generate(PROMPT, max_new_tokens=4)
+    with pytest.raises(DFlashError, match=re.escape(f"the first next() of a SpeculativeDecoder.rounds() generator {words}")):
+        next(early)
+    assert [list(rnd.tokens) for rnd in mine] == alone
+    decoder.hold(None)
+    assert decoder.held_by is None
+    assert [list(rnd.tokens) for rnd in early] == alone
 
 
 def test_a_rounds_call_from_on_chunk_is_refused_while_the_request_holds_the_decoder(tiny_pair):
