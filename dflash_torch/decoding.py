@@ -317,43 +317,69 @@ class _Rounds:
     a stream the garbage collector closes in it). Between rounds (at a yield) nothing is held.
     A refused round leaves the iterator as it was (nothing decoded): it may be resumed later.
     (A round from another thread ran in the middle of an engine's generate and changed the
-    caches under it: wrong tokens, no error.)"""
+    caches under it: wrong tokens, no error.) :meth:`close` waits for the generator's own
+    round only (``_own``: held while it runs or closes), not for another generator's."""
 
-    __slots__ = ("_decoder", "_rounds", "_started")
+    __slots__ = ("_decoder", "_rounds", "_started", "_own")
 
     def __init__(self, decoder: SpeculativeDecoder, rounds: Iterator[Round]):
         self._decoder, self._rounds, self._started = decoder, rounds, False
+        self._own = threading.Lock()  # (held while its generator runs: a round or its close)
 
     def __iter__(self) -> _Rounds:
         return self
 
-    def __next__(self) -> Round:
-        stepping, name = self._decoder._stepping, "next() of a SpeculativeDecoder.rounds() generator"
+    @staticmethod
+    def _take(lock: threading.Lock, name: str) -> None:
+        """Take ``lock`` (the decoder's round lock, or a generator's own) for ``name``: the
+        compute thread waits for another thread's round up to ``ROUND_WAIT_S`` seconds, another
+        thread is refused at once.
+
+        Raises:
+            DFlashError: ``lock`` not taken (another thread's round runs)."""
         if compute.on_compute_thread():
-            if not stepping.acquire(timeout=ROUND_WAIT_S):
+            if not lock.acquire(timeout=ROUND_WAIT_S):
                 raise DFlashError(f"{name} waited {ROUND_WAIT_S:g} s for another thread's round of this "
                                   "SpeculativeDecoder to end: drive every rounds() generator of it through "
                                   "dflash_torch.compute.run, which runs them in turn")
-        else:
+        elif not lock.acquire(blocking=False):
+            raise DFlashError(f"{name} was called while another thread is inside a round of this "
+                              "SpeculativeDecoder, which decodes one round at a time: drive every "
+                              "rounds() generator of it through dflash_torch.compute.run (the other "
+                              "thread's too), which runs them in turn")
+
+    def __next__(self) -> Round:
+        stepping, name = self._decoder._stepping, "next() of a SpeculativeDecoder.rounds() generator"
+        if not compute.on_compute_thread():
             compute.check_caller(name)
-            if not stepping.acquire(blocking=False):
-                raise DFlashError(f"{name} was called while another thread is inside a round of this "
-                                  "SpeculativeDecoder, which decodes one round at a time: drive every "
-                                  "rounds() generator of it through dflash_torch.compute.run (the other "
-                                  "thread's too), which runs them in turn")
+        self._take(stepping, name)
         try:
             if not self._started:  # (its first round resets the caches: not under a holder's rounds)
                 holder = self._decoder._holder
                 if holder is not None and holder is not self:
                     raise DFlashError(self._decoder._held_message(f"the first {name}"))
                 self._started = True
-            return next(self._rounds)
+            with self._own:  # (free but while another thread closes it: a moment)
+                return next(self._rounds)
         finally:
             stepping.release()
 
     def close(self) -> None:
-        """Close the generator (as a generator's ``close()``: it decodes no more)."""
-        self._rounds.close()
+        """Close the generator (as a generator's ``close()``: it decodes no more). One between
+        rounds (or not started) is closed at once, whatever round of the decoder runs (closing
+        it touches no cache). One inside a round in another thread (it was a bare ValueError
+        "generator already executing") is, as :meth:`__next__` is then: closed after that round
+        on the compute thread, which waits for it up to ``ROUND_WAIT_S`` seconds; refused on
+        any other thread.
+
+        Raises:
+            DFlashError: its round runs in another thread, and this is not the compute thread
+                (or the compute thread waited ``ROUND_WAIT_S`` seconds for it)."""
+        self._take(self._own, "close() of a SpeculativeDecoder.rounds() generator")
+        try:
+            self._rounds.close()
+        finally:
+            self._own.release()
 
 
 class SpeculativeDecoder:

@@ -351,9 +351,10 @@ class _InsideARound:
     """Another thread inside its first decoding round of ``engine``'s decoder (driven outside
     compute.run while the engine is idle), paused there until :meth:`release`; ``got["rounds"]``
     is its first two rounds' tokens once it ends, ``alone`` the same rounds decoded with no
-    other thread (to compare)."""
+    other thread (to compare); ``rounds`` its generator, which it closes after those rounds
+    (unless ``close`` is false)."""
 
-    def __init__(self, engine, monkeypatch):
+    def __init__(self, engine, monkeypatch, close: bool = True):
         from dflash_torch.sampling import SamplingParams
 
         decoder = engine.decoder
@@ -369,9 +370,10 @@ class _InsideARound:
             return verify(*args, **kwargs)
 
         def drive():
-            rounds = decoder.rounds(ids, params, 24)
+            self.rounds = rounds = decoder.rounds(ids, params, 24)
             self.got["rounds"] = [next(rounds).tokens, next(rounds).tokens]
-            rounds.close()
+            if close:
+                rounds.close()
 
         monkeypatch.setattr(decoder, "_verify_fn", held)
         self.thread = threading.Thread(target=drive, daemon=True)
@@ -437,6 +439,36 @@ def test_the_compute_threads_round_waits_for_another_threads_round_a_bounded_tim
     finally:
         other.release()
     assert other.got["rounds"] == other.alone
+
+
+def test_closing_a_rounds_generator_inside_a_round_of_another_thread(tiny_pair, monkeypatch):
+    """close() of a generator whose round runs in another thread was a bare ValueError
+    ("generator already executing", trial-208): it is refused in words as its next() is, and
+    on the compute thread it waits for that round, then closes it (the round ends as alone).
+    A generator between rounds (or not started) is closed at once, whatever round runs."""
+    from dflash_torch import DFlashError, compute, decoding
+    from dflash_torch.sampling import SamplingParams
+
+    monkeypatch.setattr(decoding, "ROUND_WAIT_S", 5.0)
+    engine = DFlashEngine.from_pretrained(*tiny_pair, dtype="float32")
+    ids = engine.tokenizer.encode(PROMPT)
+    idle, started = engine.decoder.rounds(ids, SamplingParams(), 8), engine.decoder.rounds(ids, SamplingParams(), 8)
+    next(started)
+    other = _InsideARound(engine, monkeypatch, close=False)  # (this test closes it, from the compute thread)
+    try:
+        with pytest.raises(DFlashError, match=r"^close\(\) of a SpeculativeDecoder\.rounds\(\) generator was called "
+                                              r"while another thread is inside a round of this SpeculativeDecoder"):
+            other.rounds.close()
+        t0 = time.monotonic()
+        idle.close()
+        compute.run(started.close)
+        assert time.monotonic() - t0 < 1.0  # (no wait for the other round)
+        threading.Timer(0.3, other._release.set).start()
+        compute.run(other.rounds.close)  # (waits for the round, then closes it)
+    finally:
+        other.release()
+    assert other.got["rounds"] == other.alone
+    assert list(other.rounds) == [] and list(idle) == [] and list(started) == []  # (closed: no more rounds)
 
 
 def test_hold_without_words_holds(tiny_pair):
