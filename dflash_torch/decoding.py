@@ -705,7 +705,8 @@ class SpeculativeDecoder:
 
         Raises:
             DFlashError: empty prompt, token ids (of the prompt, of ``params``' logit_bias or
-                min_tokens_ids) outside the vocabulary, ``params`` not a :class:`SamplingParams`,
+                min_tokens_ids) outside the vocabulary, ``params``' min_tokens with min_tokens_ids
+                that cover the whole vocabulary, ``params`` not a :class:`SamplingParams`,
                 ``max_new_tokens`` not an integer >= 1, a prompt plus ``max_new_tokens``
                 longer than the context, an invalid ``prompt_logprobs`` or ``checkpoint``; and, when the
                 generator is resumed, a later ``rounds()`` of this decoder having taken its

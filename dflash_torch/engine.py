@@ -43,7 +43,7 @@ from .models.drafter import DFlashDrafter
 from .models.fusing import fuse_by_default, fuse_projections
 from .models.packing import pack_linears, packed_bytes, packing_supported
 from .models.target import TargetModel
-from .sampling import SamplingParams, TokenLogprob, generation_defaults
+from .sampling import SamplingParams, TokenLogprob, covers_vocab, generation_defaults
 from .stopping import Stopper
 from .structured import GrammarCompiler, StructuredOutput
 from .tokenizer import byte_level_alphabet, check_tokenizer_size, load_tokenizer, max_prompt_chars
@@ -1337,7 +1337,7 @@ class DFlashEngine:
         stop_ids = set() if ignore_eos else set(self.stop_token_ids)
         stop_ids.update(options.check_stop_token_ids(stop_token_ids, self.target.config.vocab_size))
         vocab = self.target.config.vocab_size
-        if min_tokens and len(stop_ids) >= vocab and stop_ids.issuperset(range(vocab)):  # (min_tokens masks them all)
+        if min_tokens and covers_vocab(stop_ids, vocab):  # (min_tokens masks them all)
             raise OptionError(f"min_tokens ({min_tokens}) holds back every stop token id until then, and the stop "
                               f"token ids (stop_token_ids and EOS) cover the whole vocabulary ({vocab} ids): no token is "
                               "left to generate; drop min_tokens or some stop_token_ids", "min_tokens", "stop_token_ids")

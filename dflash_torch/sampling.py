@@ -180,7 +180,10 @@ class SamplingParams:
         """Check the token ids of ``logit_bias`` and ``min_tokens_ids`` against the vocabulary.
 
         Raises:
-            OptionError: an id >= ``vocab_size`` (the message names the field).
+            OptionError: an id >= ``vocab_size`` (the message names the field), or
+                ``min_tokens`` with ``min_tokens_ids`` that cover the whole vocabulary (no
+                token is left to generate: greedy decoding chose a held-back id, sampling
+                raised torch's "probability tensor contains inf/nan").
         """
         for name, ids in (("logit_bias", self.logit_bias or ()), ("min_tokens_ids", self.min_tokens_ids)):
             bad = [t for t in ids if t >= vocab_size]
@@ -188,6 +191,10 @@ class SamplingParams:
                 raise OptionError(f"{name} token ids must be in [0, {vocab_size}) (the vocabulary), got "
                                   f"{_key_shown(min(bad))}",
                                   name)
+        if self.min_tokens and covers_vocab(self.min_tokens_ids, vocab_size):
+            raise OptionError(f"min_tokens ({self.min_tokens}) holds back every id of min_tokens_ids until then, and "
+                              f"they cover the whole vocabulary ({vocab_size} ids): no token is left to generate; drop "
+                              "min_tokens or some min_tokens_ids", "min_tokens", "min_tokens_ids")
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         """A random generator for one request (None for greedy decoding)."""
@@ -202,6 +209,12 @@ class SamplingParams:
         else:
             g.manual_seed(self.seed)
         return g
+
+
+def covers_vocab(ids: set[int] | frozenset[int], vocab_size: int) -> bool:
+    """Whether ``ids`` hold every token id of a vocabulary of ``vocab_size`` (min_tokens would
+    leave no token to generate: :meth:`SamplingParams.check_vocab`)."""
+    return len(ids) >= vocab_size and ids.issuperset(range(vocab_size))
 
 
 # generation_config.json fields that set a server request's defaults (vLLM's list, ModelConfig.get_diff_sampling_param)

@@ -341,6 +341,23 @@ def test_ids_outside_the_vocabulary_and_min_tokens_above_max_are_refused(tiny_ta
     with pytest.raises(DFlashError, match="^min_tokens_ids token ids must be in"):
         BatchDecoder(target, None, max_batch_size=1, max_context=64).add(
             0, [5], SamplingParams(min_tokens=2, min_tokens_ids={V}), 4)
+    # min_tokens_ids covering the vocabulary leave no token (trial-208: greedy emitted a held-back id, sampling
+    # raised torch's "probability tensor contains inf/nan"), refused as generate refuses stop ids that do
+    every = frozenset(range(V))
+    line = (rf"^min_tokens \(3\) holds back every id of min_tokens_ids until then, and they cover the whole vocabulary "
+            rf"\({V} ids\): no token is left to generate; drop min_tokens or some min_tokens_ids$")
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(min_tokens=3, min_tokens_ids=every, temperature=temperature)
+        with pytest.raises(DFlashError, match=line):
+            SpeculativeDecoder(target, None).rounds([5, 6], params, 6)
+        batch = BatchDecoder(target, None, max_batch_size=1, max_context=64)
+        with pytest.raises(DFlashError, match=line):
+            batch.add(0, [5], params, 6)
+        with pytest.raises(DFlashError, match=line):
+            batch.join(0, [5], params, 6)
+    left = SamplingParams(min_tokens=3, min_tokens_ids=every - {7})  # (one id left: min_tokens gives it)
+    assert [rnd.tokens for rnd in SpeculativeDecoder(target, None).rounds([5, 6], left, 3)][:3] == [[7]] * 3
+    assert SamplingParams(min_tokens_ids=every).min_tokens_ids == every  # (without min_tokens: nothing held back)
 
 
 # --- the CLI --------------------------------------------------------------------------------
