@@ -805,8 +805,9 @@ class BatchDecoder:
 
         Raises:
             DFlashError: ``params`` not a :class:`SamplingParams`, no free slot, a duplicate
-                ``seq_id``, an empty prompt, token ids outside the vocabulary (``params``' min_tokens
-                with min_tokens_ids that cover it all: :meth:`~dflash_torch.sampling.SamplingParams.check_vocab`), prompt +
+                ``seq_id``, an empty prompt, token ids outside the vocabulary (``params``'
+                min_tokens with min_tokens_ids that cover it all:
+                :meth:`~dflash_torch.sampling.SamplingParams.check_vocab`), prompt +
                 ``max_new_tokens`` beyond ``max_context``, or an invalid ``checkpoint``; a call
                 from another thread while the compute thread runs an engine call
                 (:func:`~dflash_torch.compute.check_caller`: drive this decoder through

@@ -489,7 +489,8 @@ def test_hold_without_words_holds(tiny_pair):
         decoder.rounds(ids, SamplingParams(), 8)
     with pytest.raises(DFlashError, match=re.escape(words)):
         engine.generate(PROMPT, max_new_tokens=4)
-    with pytest.raises(DFlashError, match=re.escape(f"the first next() of a SpeculativeDecoder.rounds() generator {words}")):
+    with pytest.raises(DFlashError, match=re.escape(f"the first next() of a SpeculativeDecoder.rounds() generator "
+                                                    f"{words}")):
         next(early)
     assert [list(rnd.tokens) for rnd in mine] == alone
     decoder.hold(None)

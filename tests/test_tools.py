@@ -354,8 +354,8 @@ def test_an_assistants_refusal_is_its_text_as_the_server_reads_it(local_engine):
 
     for refused, text in (({"content": None, "refusal": "I cannot"}, "I cannot"),
                           ({"content": "c", "refusal": "no"}, "c\nno"), ({"refusal": ""}, "")):
-        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", **refused}, {"role": "user", "content": "go"}]
-        plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text}, {"role": "user", "content": "go"}]
+        user, go = {"role": "user", "content": "hi"}, {"role": "user", "content": "go"}
+        messages, plain = [user, {"role": "assistant", **refused}, go], [user, {"role": "assistant", "content": text}, go]
         ids = local_engine.encode_prompt(messages)
         assert ids == local_engine.encode_prompt(plain) == _oracle(local_engine.tokenizer, plain)
         assert ids == local_engine.encode_prompt(ChatCompletionRequest(messages=messages).engine_messages())
