@@ -16,33 +16,75 @@
 #   MoE, dequantized vs kept FP8 (--fp8 packed); about 2 more minutes, an estimate) and gemma
 #   (the gemma-4-31b and gemma-4-26b-a4b shapes, eager and compiled step/round; about 3 more
 #   minutes, an estimate)
+#
+# Each part that fails (a command's non-zero exit, a bench that wrote no bench.json) is
+# named at the end, after the other parts have run, and the script then exits 1; it stops at
+# once with one line and exit 2 on a usage mistake (an unknown part, an OUT_DIR it cannot
+# create), when python or torch cannot run, or when torch sees no CUDA device. A relative
+# OUT_DIR is taken from the directory it is called from (default ./gpu_out).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+PARTS_KNOWN=probe,pair,shapes,hybrid,gptoss,gemma,fp8,profile,tests,fp32
+case "${1:-}" in
+    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    -*) echo "gpu_check.sh: error: unknown option $1 (usage: scripts/gpu_check.sh [OUT_DIR] [PARTS]; --help)" >&2; exit 2 ;;
+esac
+if (( $# > 2 )); then
+    echo "gpu_check.sh: error: at most 2 arguments, got $# (usage: scripts/gpu_check.sh [OUT_DIR] [PARTS]; --help)" >&2
+    exit 2
+fi
 OUT=${1:-gpu_out}
 PARTS=${2:-probe,pair,shapes,tests,fp32}
+IFS=, read -ra parts <<< "$PARTS"
+for part in "${parts[@]}"; do
+    if [[ ",$PARTS_KNOWN," != *",$part,"* ]]; then
+        echo "gpu_check.sh: error: unknown part '$part' in '$PARTS'; the parts are $PARTS_KNOWN" >&2
+        exit 2
+    fi
+done
+[[ "$OUT" == /* ]] || OUT="$PWD/$OUT"
+cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 LOG="$OUT/gpu_check.log"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
+if ! $PY -c "" 2>/dev/null; then
+    echo "gpu_check.sh: error: python cannot run ($PY; set PYTHON to a python with torch)" >&2
+    exit 2
+fi
+if ! err=$($PY -c "import torch" 2>&1); then
+    echo "gpu_check.sh: error: torch is not importable by $PY ($(tail -n 1 <<< "$err"))" >&2
+    exit 2
+fi
 # (DEVICE=cpu runs the bench parts on the CPU: a check of this script, not of a GPU)
 if [[ "${DEVICE:-cuda}" == cuda* ]] && ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    echo "gpu_check.sh: error: no CUDA device ($PY's torch $($PY -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '(not importable)') sees none); run it on a machine with an NVIDIA GPU and torch built with CUDA" >&2
+    echo "gpu_check.sh: error: no CUDA device ($PY's torch $($PY -c 'import torch; print(torch.__version__)') sees none); run it on a machine with an NVIDIA GPU and torch built with CUDA" >&2
+    exit 2
+fi
+if ! err=$({ mkdir -p "$OUT" && : >> "$LOG"; } 2>&1); then
+    echo "gpu_check.sh: error: cannot write OUT_DIR $OUT ($(tail -n 1 <<< "$err"))" >&2
     exit 2
 fi
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-mkdir -p "$OUT"
+FAILED=()
+failed() {  # failed PART: noted in the log now, named again at the end
+    FAILED+=("$1")
+    echo "gpu_check.sh: part $1 failed (the run goes on)" | tee -a "$LOG"
+}
 step() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; }
 
 bench() {  # bench NAME ARGS...: the bench CLI into $WORK/NAME, its bench.json copied to $OUT/NAME.json
     local name=$1; shift
-    $PY -m dflash_torch bench --device "${DEVICE:-cuda}" --no-progress --out "$WORK/$name" "$@" 2>&1 | tee -a "$LOG"
-    cp "$WORK/$name/bench.json" "$OUT/$name.json" 2>/dev/null || echo "($name wrote no bench.json)" | tee -a "$LOG"
+    rm -f "$OUT/$name.json"  # (no earlier run's result in the summary)
+    $PY -m dflash_torch bench --device "${DEVICE:-cuda}" --no-progress --out "$WORK/$name" "$@" 2>&1 | tee -a "$LOG" \
+        || { failed "$name"; return; }
+    cp "$WORK/$name/bench.json" "$OUT/$name.json" 2>/dev/null || { echo "($name wrote no bench.json)" | tee -a "$LOG"; failed "$name"; }
 }
 
 if has probe; then
     step "probe: device, copy bandwidth, eager decoding with and without cuDNN attention"
-    $PY scripts/gpu_probe.py --json "$OUT/probe.json" 2>&1 | tee -a "$LOG"
+    rm -f "$OUT/probe.json"
+    $PY scripts/gpu_probe.py --json "$OUT/probe.json" 2>&1 | tee -a "$LOG" || failed probe
 fi
 if has pair; then
     step "shipped pair, bf16, 8 held-out prompts x 256 tokens, propose-time sweep"
@@ -75,16 +117,18 @@ if has fp8; then
     step "FP8 targets (random, 128x128 blocks), bf16, target-only: dequantized vs kept FP8"
     for family in qwen3 qwen3_moe; do
         $PY scripts/fp8_speed.py --device "${DEVICE:-cuda}" --dtype bfloat16 --family $family --hidden 2048 \
-            --layers 4 --tokens 64 --reps 2 2>&1 | grep -v "Writing model shards" | tee -a "$LOG"
+            --layers 4 --tokens 64 --reps 2 2>&1 | { grep -v "Writing model shards" || true; } | tee -a "$LOG" \
+            || failed "fp8 ($family)"
     done
 fi
 if has profile; then
     step "Qwen3-8B shape, random weights, bf16, compiled: joined vs separate projections, kernel profile"
-    $PY scripts/gpu_profile.py --json "$OUT/profile.json" 2>&1 | tee -a "$LOG"
+    rm -f "$OUT/profile.json"
+    $PY scripts/gpu_profile.py --json "$OUT/profile.json" 2>&1 | tee -a "$LOG" || failed profile
 fi
 if has tests; then
     step "CUDA tests"
-    $PY -m pytest -p no:cacheprovider -rN -x tests/test_cuda.py 2>&1 | tee -a "$LOG"
+    $PY -m pytest -p no:cacheprovider -rN -x tests/test_cuda.py 2>&1 | tee -a "$LOG" || failed tests
 fi
 if has fp32; then
     step "shipped pair, float32: every mode against target-only"
@@ -92,4 +136,9 @@ if has fp32; then
         --modes target-only,inject,recompute,target-only-compiled,inject-compiled --sweep ""
 fi
 step "summary"
-$PY scripts/gpu_summary.py "$OUT" 2>&1 | tee -a "$LOG"
+$PY scripts/gpu_summary.py "$OUT" 2>&1 | tee -a "$LOG" || failed summary
+if (( ${#FAILED[@]} )); then
+    printf -v names '%s, ' "${FAILED[@]}"
+    echo "gpu_check.sh: error: ${#FAILED[@]} part(s) failed: ${names%, } (see $LOG)" | tee -a "$LOG" >&2
+    exit 1
+fi
