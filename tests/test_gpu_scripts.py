@@ -7,6 +7,7 @@ there must be loud and must not waste the run.)"""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -105,3 +106,56 @@ def test_gpu_check_names_python_or_torch_not_the_gpu(tmp_path):
     assert proc.returncode == 2
     line = one_error_line(proc, "gpu_check.sh: error: torch is not importable by ")
     assert "this torch is broken" in line and not (tmp_path / "out").exists()
+
+
+def shapes_report(*compiled: bool) -> dict:
+    """A bench.json of ``--shapes qwen3-8b`` with the entries (eager / compiled) that gpu_summary reads."""
+    return {"shapes": [{"shape": "qwen3-8b", "compiled": c, "dtype": "bfloat16", "moe": None, "weights_gib": 14.1,
+                        "target_step_s": 0.007, "round_s": 0.0085, "propose_s": 0.0014, "round_over_step": 1.21,
+                        "cudagraph_skips": 0, "recompiles": 0, "eager_fallbacks": 0} for c in compiled]}
+
+
+def pair_report() -> dict:
+    """A bench.json of the shipped pair (float32, two modes) with what gpu_summary reads."""
+    mode = {"decode_tokens_per_second": 100.0, "mean_acceptance_length": 1.0, "outputs_identical_to_target_only": True}
+    return {"modes": [dict(mode, name="target-only"),
+                      dict(mode, name="inject", decode_tokens_per_second=250.0, mean_acceptance_length=4.5)],
+            "sweep": None}
+
+
+def test_gpu_summary_without_result_files_says_so(tmp_path, monkeypatch, capsys):
+    """A missing or empty folder printed an empty table, exit 0."""
+    for out, why in ((tmp_path / "missing", "no such folder"), (tmp_path, "looked for probe.json")):
+        code, stdout, err = run_main("gpu_summary", [str(out)], monkeypatch, capsys)
+        assert code == 1 and stdout == ""
+        assert err.startswith(f"gpu_summary.py: error: no result files found in {out} ({why}") and err.count("\n") == 1, err
+
+
+def test_gpu_summary_names_each_bad_file_and_renders_the_rest(tmp_path, monkeypatch, capsys):
+    """Truncated JSON (JSONDecodeError), probe.json without a key (KeyError), a shapes file with
+    only a compiled entry (KeyError: False): one line naming each file, the other files'
+    rows still rendered, the skipped files noted, exit 1."""
+    (tmp_path / "pair_fp32.json").write_text(json.dumps(pair_report()))
+    (tmp_path / "pair_bf16.json").write_text(json.dumps(pair_report())[:40])
+    (tmp_path / "probe.json").write_text(json.dumps({"device": "NVIDIA H200"}))
+    (tmp_path / "qwen3_8b.json").write_text(json.dumps(shapes_report(True)))
+    (tmp_path / "qwen35_9b.json").write_text(json.dumps(shapes_report(False, True)))
+    code, out, err = run_main("gpu_summary", [str(tmp_path)], monkeypatch, capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 4, err
+    for line, name, why in zip(lines, ("probe", "qwen3_8b", "pair_bf16"),
+                               ("no key 'torch'", "no eager entry", "not readable JSON")):
+        assert line.startswith(f"gpu_summary.py: error: {tmp_path / name}.json: ") and why in line, line
+    assert lines[3] == "gpu_summary.py: checks skipped (file unreadable or incomplete): probe.json, qwen3_8b.json, pair_bf16.json"
+    assert "| shipped pair fp32: inject eager / target-only eager | 2.50 |" in " ".join(out.split())
+    assert "qwen3-8b compiled round / compiled step" in out  # (qwen35_9b.json, whole, under the shape's name)
+    assert "shipped pair bf16" not in out
+
+
+def test_gpu_summary_of_good_files_exits_0(tmp_path, monkeypatch, capsys):
+    (tmp_path / "pair_fp32.json").write_text(json.dumps(pair_report()))
+    (tmp_path / "qwen3_8b.json").write_text(json.dumps(shapes_report(False, True)))
+    code, out, err = run_main("gpu_summary", [str(tmp_path)], monkeypatch, capsys)
+    assert code == 0 and err == ""
+    assert "| check " in out and "qwen3-8b eager step / round / propose (ms)" in out and "shipped pair fp32" in out
