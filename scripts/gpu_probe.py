@@ -8,7 +8,9 @@ distinct held-out prompts), each prompt decoded twice in a row: with cuDNN the f
 decode pays for one plan per new shape and the repeat reuses them; without it the two
 should run alike. A profile of one first decode with cuDNN names the ops that cost most.
 
-Usage: python scripts/gpu_probe.py [--prompts N] [--tokens N]   (needs CUDA)
+Usage: python scripts/gpu_probe.py [--prompts N] [--tokens N] [--json OUT.json]   (needs CUDA)
+  --prompts N: prompts per group, 1 to 31 (two groups and one profiled prompt out of the
+  64 held-out prompts); --tokens N: tokens per decode, at least 2
 """
 
 from __future__ import annotations
@@ -53,11 +55,19 @@ def decode(decoder: SpeculativeDecoder, ids: list[int], tokens: int) -> float:
 
 
 def main() -> None:
+    prompts = [json.loads(line)["prompt"] for line in (ASSETS / "prompts.jsonl").read_text().splitlines()]
+    most = (len(prompts) - 1) // 2  # (two groups of --prompts, then one more for the profile)
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=4, help=f"prompts per group, 1 to {most} (default 4)")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per decode, at least 2: the first comes from the "
+                                                              "prefill (default 256)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if not 1 <= args.prompts <= most:
+        ap.error(f"--prompts must be 1 to {most} (two groups and one more out of {len(prompts)} held-out prompts), "
+                 f"got {args.prompts}")
+    if args.tokens < 2:
+        ap.error(f"--tokens must be at least 2 (the first comes from the prefill), got {args.tokens}")
     if not torch.cuda.is_available():  # (one line, as scripts/gpu_check.sh's; not an assertion's traceback)
         print(f"gpu_probe.py: error: no CUDA device (torch {torch.__version__} sees none); run it on a machine with an "
               "NVIDIA GPU and torch built with CUDA", file=sys.stderr)
@@ -71,7 +81,6 @@ def main() -> None:
     print(f"device-to-device copy: {out['copy_bandwidth_tb_s']:.2f} TB/s (read + write)", flush=True)
 
     engine = DFlashEngine.from_pretrained(dtype="bfloat16", device="cuda")
-    prompts = [json.loads(line)["prompt"] for line in (ASSETS / "prompts.jsonl").read_text().splitlines()]
     ids = [engine.encode_prompt(p) for p in prompts[: 2 * args.prompts]]
     decoder = SpeculativeDecoder(engine.target, engine.drafter)
     decode(decoder, ids[-1], 32)  # CUDA context, kernels loaded

@@ -159,3 +159,14 @@ def test_gpu_summary_of_good_files_exits_0(tmp_path, monkeypatch, capsys):
     code, out, err = run_main("gpu_summary", [str(tmp_path)], monkeypatch, capsys)
     assert code == 0 and err == ""
     assert "| check " in out and "qwen3-8b eager step / round / propose (ms)" in out and "shipped pair fp32" in out
+
+
+@pytest.mark.parametrize("args,error", [(["--prompts", "32"], "--prompts must be 1 to 31"),
+                                        (["--prompts", "0"], "--prompts must be 1 to 31"),
+                                        (["--tokens", "1"], "--tokens must be at least 2")])
+def test_gpu_probe_refuses_what_it_cannot_run_before_the_gpu(args, error, monkeypatch, capsys):
+    """--prompts 32 and up was an IndexError after the whole GPU run (64 held-out prompts: two
+    groups and one more), --prompts 0 a ZeroDivisionError: refused up front (also without a GPU)."""
+    code, out, err = run_main("gpu_probe", args, monkeypatch, capsys)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1].startswith(f"gpu_probe.py: error: {error}"), err
