@@ -29,27 +29,38 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import make_hybrid_target, make_target  # noqa: E402  (the test suite's checkpoint builders)
-from test_fp8 import to_fp8  # noqa: E402  (its FP8 quantizer)
-from test_nvfp4 import to_ct_nvfp4, to_modelopt  # noqa: E402  (its NVFP4 quantizers)
-from test_packed_int import to_packed  # noqa: E402  (its W4A16 / W8A16 quantizer)
 from dflash_torch import DFlashEngine  # noqa: E402
-from mxfp4_speed import compare  # noqa: E402  (its timing of the two modes)
+from mxfp4_speed import check_args, compare, speed_args  # noqa: E402  (its options and timing of the two modes)
 
 TOKENIZER = ROOT / "dflash_torch" / "assets" / "default" / "target"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", default="qwen3", choices=["qwen3", "qwen3_moe", "qwen3_next"])
-    ap.add_argument("--hidden", type=int, default=1024, help="hidden width (a multiple of 128)")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per run")
-    ap.add_argument("--reps", type=int, default=3, help="runs of each mode, alternating")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="cpu")
+    speed_args(ap, "hidden width (a multiple of 128; of 256 for qwen3_next and for qwen3_moe's w4a16 / w8a16, "
+                   "whose experts are half as wide, in groups of 128)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--format", default="fp8", choices=["fp8", "w4a16", "w8a16", "nvfp4-ct", "nvfp4-modelopt"])
     args = ap.parse_args()
+    wide = args.family == "qwen3_next" or (args.family == "qwen3_moe" and args.format in ("w4a16", "w8a16"))
+    check_args(ap, args, 256 if wide else 128)
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads must be at least 1, got {args.threads}")
+    # (the test suite's quantizers, imported here: all but fp8's need compressed-tensors, which the
+    # fp8 part of scripts/gpu_check.sh does without)
+    try:
+        if args.format == "fp8":
+            from test_fp8 import to_fp8 as quantize
+        elif args.format.startswith("nvfp4"):
+            from test_nvfp4 import to_ct_nvfp4, to_modelopt
+            quantize = to_ct_nvfp4 if args.format == "nvfp4-ct" else to_modelopt
+        else:
+            from test_packed_int import to_packed as quantize
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "compressed_tensors").split(".")[0]
+        ap.exit(2, f"{ap.prog}: error: --format {args.format} needs the package {package} (pip install "
+                   f"{package.replace('_', '-')})\n")
     if args.threads:
         import torch
 
@@ -58,8 +69,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp())
     try:
         vocab = json.loads((TOKENIZER / "config.json").read_text())["vocab_size"]
+        heads = args.hidden // 128  # (key-value heads: a quarter of them, or the nearest divisor below)
+        kv = max(d for d in range(1, max(1, heads // 4) + 1) if heads % d == 0)
         shape = dict(vocab_size=vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, intermediate_size=3 * args.hidden,
-                     num_attention_heads=args.hidden // 128, num_key_value_heads=max(1, args.hidden // 512), head_dim=128)
+                     num_attention_heads=heads, num_key_value_heads=kv, head_dim=128)
         if args.family == "qwen3":
             src = make_target(work / "src", "qwen3", tokenizer=False, **shape)
         else:
@@ -69,11 +82,11 @@ def main() -> None:
                              linear_num_value_heads=args.hidden // 128, linear_key_head_dim=128, linear_value_head_dim=128)
             src = make_hybrid_target(work / "src", args.family, tokenizer=False, **shape, **extra)
         if args.format == "fp8":
-            target = to_fp8(src, work / "q", (128, 128), suffixes=("_proj.weight", "in_proj_qkvz.weight"))
+            target = quantize(src, work / "q", (128, 128), suffixes=("_proj.weight", "in_proj_qkvz.weight"))
         elif args.format.startswith("nvfp4"):
-            target = (to_ct_nvfp4 if args.format == "nvfp4-ct" else to_modelopt)(src, work / "q")
+            target = quantize(src, work / "q")
         else:
-            target = to_packed(src, work / "q", 4 if args.format == "w4a16" else 8, 128)
+            target = quantize(src, work / "q", 4 if args.format == "w4a16" else 8, 128)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(TOKENIZER / name, target / name)
         option = {"fp8": "fp8", "nvfp4-ct": "nvfp4", "nvfp4-modelopt": "nvfp4"}.get(args.format, "int_weights")

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -26,20 +28,48 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import make_gpt_oss_target  # noqa: E402  (the test suite's checkpoint builder)
 from dflash_torch import DFlashEngine  # noqa: E402
 from dflash_torch.checkpoint import weight_bytes  # noqa: E402
+from dflash_torch.options import SUPPORTED_DTYPES  # noqa: E402
 
 TOKENIZER = ROOT / "dflash_torch" / "assets" / "default" / "target"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=1024, help="hidden and expert width (a multiple of 32)")
-    ap.add_argument("--experts", type=int, default=16)
+def speed_args(ap: argparse.ArgumentParser, hidden: str) -> None:
+    """The options this script and scripts/fp8_speed.py share (``hidden``: ``--hidden``'s help)."""
+    ap.add_argument("--hidden", type=int, default=1024, help=hidden)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per run")
     ap.add_argument("--reps", type=int, default=3, help="runs of each mode, alternating")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=["auto", *SUPPORTED_DTYPES])
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, width: int) -> None:
+    """Refuse, in one line (exit 2), what :func:`speed_args`' options cannot run: a width that is
+    not a positive multiple of ``width``, no layer, token or run, an unknown device, or CUDA
+    where torch sees none (before any checkpoint is built)."""
+    if args.hidden < width or args.hidden % width:
+        ap.error(f"--hidden must be a positive multiple of {width}, got {args.hidden}")
+    for flag in ("layers", "tokens", "reps"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():  # (one line, as scripts/gpu_probe.py's)
+        print(f"{ap.prog}: error: no CUDA device (torch {torch.__version__} sees none); run it on a machine with an "
+              "NVIDIA GPU and torch built with CUDA, or give --device cpu", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    speed_args(ap, "hidden and expert width (a multiple of 32)")
+    ap.add_argument("--experts", type=int, default=16, help="experts per layer, at least 4 (4 chosen per token)")
     args = ap.parse_args()
+    check_args(ap, args, 32)
+    if args.experts < 4:
+        ap.error(f"--experts must be at least 4 (4 chosen per token), got {args.experts}")
 
     work = Path(tempfile.mkdtemp())
     try:

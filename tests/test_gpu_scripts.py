@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
@@ -170,3 +171,60 @@ def test_gpu_probe_refuses_what_it_cannot_run_before_the_gpu(args, error, monkey
     code, out, err = run_main("gpu_probe", args, monkeypatch, capsys)
     assert code == 2 and out == ""
     assert err.strip().splitlines()[-1].startswith(f"gpu_probe.py: error: {error}"), err
+
+
+@pytest.mark.parametrize("script,args,error", [
+    ("fp8_speed", ["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    ("fp8_speed", ["--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
+    ("fp8_speed", ["--hidden", "100"], "--hidden must be a positive multiple of 128, got 100"),
+    ("fp8_speed", ["--family", "qwen3_next", "--hidden", "384"], "--hidden must be a positive multiple of 256"),
+    ("fp8_speed", ["--family", "qwen3_moe", "--format", "w4a16", "--hidden", "128"],
+     "--hidden must be a positive multiple of 256"),
+    ("fp8_speed", ["--reps", "0"], "--reps must be at least 1, got 0"),
+    ("fp8_speed", ["--tokens", "0"], "--tokens must be at least 1, got 0"),
+    ("fp8_speed", ["--device", "bogus"], "--device must be cpu, cuda or cuda:N"),
+    ("mxfp4_speed", ["--hidden", "48"], "--hidden must be a positive multiple of 32, got 48"),
+    ("mxfp4_speed", ["--reps", "0"], "--reps must be at least 1, got 0"),
+    ("mxfp4_speed", ["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    ("mxfp4_speed", ["--experts", "2"], "--experts must be at least 4"),
+])
+def test_speed_scripts_refuse_bad_options_in_one_line(script, args, error, monkeypatch, capsys):
+    """A traceback each (ZeroDivisionError, ValueError, a shape mismatch, torch's dtype
+    lookup), some after building the checkpoint: argparse's error, exit 2."""
+    code, out, err = run_main(script, args, monkeypatch, capsys)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1].startswith(f"{script}.py: error: {error}"), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+@pytest.mark.parametrize("script", ["fp8_speed", "mxfp4_speed"])
+def test_speed_scripts_on_cuda_without_a_gpu_fail_in_one_line(script, monkeypatch, capsys):
+    code, out, err = run_main(script, ["--device", "cuda"], monkeypatch, capsys)
+    assert code == 2 and out == ""
+    assert err.strip().startswith(f"{script}.py: error: no CUDA device") and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("script,last", [("fp8_speed", "and the memory each takes."),
+                                         ("mxfp4_speed", "and the memory each takes.")])
+def test_speed_scripts_help_gives_the_whole_first_paragraph(script, last, monkeypatch, capsys):
+    code, out, _ = run_main(script, ["--help"], monkeypatch, capsys)
+    assert code == 0 and " ".join(out.split()).count(last) == 1, out
+
+
+def test_fp8_speed_runs_fp8_without_compressed_tensors(monkeypatch, capsys):
+    """The fp8 part of gpu_check.sh on a machine without compressed-tensors (the GPU machine has
+    none): fp8_speed.py imported it at the top, through the test suite's W4A16 and NVFP4
+    quantizers. Its fp8 format runs (at 1152 wide: 9 heads, whose key-value heads were 2, a
+    shape error), the others say in one line what they need."""
+    for name in [m for m in sys.modules if m.split(".")[0] == "compressed_tensors"] + ["compressed_tensors"]:
+        monkeypatch.setitem(sys.modules, name, None)  # (an import of it fails: ModuleNotFoundError)
+    for name in ("test_nvfp4", "test_packed_int"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    code, out, err = run_main("fp8_speed", ["--hidden", "1152", "--layers", "1", "--tokens", "2", "--reps", "1"],
+                              monkeypatch, capsys)
+    assert code == 0, err
+    assert "same tokens: True" in out
+    code, out, err = run_main("fp8_speed", ["--format", "w4a16"], monkeypatch, capsys)
+    assert code == 2 and out == ""
+    assert err.strip() == "fp8_speed.py: error: --format w4a16 needs the package compressed_tensors (pip install compressed-tensors)"
