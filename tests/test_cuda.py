@@ -299,6 +299,7 @@ def test_packed_w4a16_moe_modes_and_batch_on_cuda_graphs_equal_target_only(tmp_p
     """A Qwen3-MoE W4A16 target kept packed on CUDA (compressed-tensors' int4 words): each
     forward dequantizes its linears and, inside the CUDA graphs, the chosen experts; every
     mode and a compiled batch commit the target-only tokens."""
+    pytest.importorskip("compressed_tensors")  # (test_packed_int's quantizer; not on every GPU machine)
     from conftest import make_agreeable_pair
     from test_packed_int import to_packed
 
@@ -317,6 +318,7 @@ def test_packed_nvfp4_moe_modes_and_batch_on_cuda_graphs_equal_target_only(tmp_p
     """A Qwen3-MoE ModelOpt NVFP4 target kept packed on CUDA (nvfp4="packed"): each forward
     dequantizes its linears and, inside the CUDA graphs, the chosen experts from tables (on the
     GPU) the loader's arithmetic fills; every mode and a compiled batch commit the target-only tokens."""
+    pytest.importorskip("compressed_tensors")  # (test_nvfp4 imports it; not on every GPU machine)
     from conftest import make_agreeable_pair
     from test_nvfp4 import to_modelopt
 
