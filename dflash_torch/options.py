@@ -604,10 +604,20 @@ def check_tools(value, name: str = "tools") -> list[dict] | None:
         fname = fn.get("name") if isinstance(fn, dict) else None
         if isinstance(fname, str):
             first = named.setdefault(fname, i)
-            if value[first] != tool:
+            if _unset_dropped(value[first]) != _unset_dropped(tool):
                 raise OptionError(f"{name}[{first}] and {name}[{i}] are two different functions named {fname!r}"[:300]
                                   + ": a call of it could mean either; give each its own name", name)
     return list(value)
+
+
+def _unset_dropped(tool: dict) -> dict:
+    """``tool`` without its null fields, and its ``function``'s (``"strict": null`` is what a client
+    that fills in defaults sends beside a copy without it: the same definition)."""
+    fn = tool.get("function")
+    kept = {k: v for k, v in tool.items() if v is not None}
+    if isinstance(fn, dict):
+        kept["function"] = {k: v for k, v in fn.items() if v is not None}
+    return kept
 
 
 JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")

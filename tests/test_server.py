@@ -636,6 +636,7 @@ def test_tool_names_vllm_takes_and_answered_calls_are_taken(server):
     them; a tool message answering a call of an earlier turn, or a call that has no id, is taken; the
     same definition twice is taken (as the Python API takes it)."""
     tools = [{"type": "function", "function": {"name": name}} for name in ("a.b", "my func", "x" * 100, "a.b")]
+    tools.append({"type": "function", "function": {"name": "a.b", "strict": None}})  # (trial-217: 'different')
     anonymous = {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
                                                                         "function": {"name": "f", "arguments": "{}"}}]}
     for messages in ([{"role": "user", "content": "x"}],

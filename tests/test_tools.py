@@ -381,6 +381,18 @@ def test_empty_media_fields_and_an_assistants_audio_reply_are_taken(local_engine
     assert local_engine.encode_prompt([{**messages[0], "images": ()}] + messages[1:]) == ids
 
 
+def test_the_same_tool_twice_is_taken_null_fields_and_all(local_engine):
+    """The same definition twice is one function, also where one copy spells out null defaults
+    (trial-217: a client's ``"strict": null`` made it 'two different functions')."""
+    tool = _tool({"type": "object"})
+    filled = {**tool, "function": {**tool["function"], "strict": None, "description": None}}
+    assert local_engine.encode_prompt(CONVERSATION, tools=[tool, filled]) == \
+        local_engine.encode_prompt(CONVERSATION, tools=[tool, tool])
+    with pytest.raises(DFlashError, match="two different functions named 'f'"):
+        local_engine.encode_prompt(CONVERSATION, tools=[tool, {**filled, "function": {**filled["function"],
+                                                                                   "strict": True}}])
+
+
 @pytest.mark.parametrize("prompt,kwargs,message", [
     (CONVERSATION, {"tools": {"name": "f"}}, r"^tools must be a list of objects"),
     (CONVERSATION, {"tools": ["f"]}, r"^tools must be a list of objects"),

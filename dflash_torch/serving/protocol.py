@@ -641,7 +641,8 @@ class ChatCompletionRequest(_Request):
         tools = self.tools or []
         for i, tool in enumerate(tools):
             name = tool.function.name
-            if first.setdefault(name, i) != i and tool.model_dump() != tools[first[name]].model_dump():
+            if first.setdefault(name, i) != i and \
+                    tool.model_dump(exclude_none=True) != tools[first[name]].model_dump(exclude_none=True):
                 raise FieldError(f"tools.{i}.function.name {name[:80]!r} is tools.{first[name]}'s name too: a call "
                                  f"names the function it calls, so each tool needs a name of its own",
                                  f"tools.{i}.function.name")
