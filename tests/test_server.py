@@ -312,6 +312,13 @@ def test_an_assistant_message_needs_content_tool_calls_or_a_refusal(server):
             history = [{"role": "user", "content": "hi"}, message, {"role": "user", "content": "and?"}]
             r = server.post(path, {"model": MODEL, "messages": history, "max_tokens": 1})
             assert r.status_code == 200, (path, message, r.text)
+        # (trial-217: OpenAI's legacy function_call alone read 'needs content ... tool_calls or a refusal')
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "function_call": {
+            "name": "f", "arguments": "{}"}}, {"role": "user", "content": "and?"}]
+        err = _assert_openai_error(server.post(path, {"model": MODEL, "messages": history, "max_tokens": 1}), 400)
+        assert err["param"] == "messages.1" and err["message"] == (
+            "invalid value for messages.1: an assistant message's function_call (OpenAI's legacy function calling) is "
+            "not supported: send the call as tool_calls, and its result as a tool message"), (path, err)
 
 
 def test_an_assistant_messages_refusal_field_is_its_text(server, local_engine):

@@ -463,6 +463,17 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"part {j} (type {part.type!r}) has no {part.type!r} string")
         return content
 
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_call(cls, data):
+        """An assistant message that holds only OpenAI's legacy ``function_call`` (with role
+        ``function`` results): named as such (it read 'needs content ... tool_calls or a refusal')."""
+        if isinstance(data, dict) and data.get("function_call") is not None and data.get("content") is None \
+                and not data.get("tool_calls") and data.get("refusal") is None:
+            raise ValueError("an assistant message's function_call (OpenAI's legacy function calling) is not "
+                             "supported: send the call as tool_calls, and its result as a tool message")
+        return data
+
     @model_validator(mode="after")
     def _content_given(self):
         """OpenAI requires ``content`` of every message but an assistant's with ``tool_calls``
