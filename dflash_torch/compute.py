@@ -52,6 +52,10 @@ def _loop() -> None:
         if item is None:
             return
         fn, args, kwargs, future = item
+        if _closed:  # (queued by a daemon thread before the exit: not run while the interpreter finalizes)
+            if future.set_running_or_notify_cancel():
+                future.set_exception(SystemExit())
+            continue
         if not future.set_running_or_notify_cancel():
             continue
         _running = future
@@ -72,14 +76,27 @@ def _start() -> threading.Thread | None:
         return _thread
 
 
+EXIT_WAIT_S = 30.0  # seconds the exit waits for a call still running on the compute thread
+
+
 @atexit.register
 def _stop() -> None:
-    """At exit (after every non-daemon thread ended): later calls run inline."""
+    """At exit (after every non-daemon thread ended): a call still running on the compute thread,
+    one a daemon thread made, is asked to stop as after Ctrl-C (between rounds, see
+    :func:`interrupted`) and waited for, up to ``EXIT_WAIT_S`` seconds, and calls queued behind it
+    are not run: an interpreter that finalizes under a running torch op aborts the process
+    ("terminate called without an active exception", SIGABRT). Later calls run inline in the main
+    thread (an atexit handler's); another thread's end that thread (``SystemExit``), which would
+    otherwise run torch ops while the interpreter finalizes."""
     global _closed
     with _lock:
         _closed = True
+        running = _running
         if _thread is not None:
             _tasks.put(None)
+    if running is not None:
+        _interrupted.add(running)
+        futures.wait([running], timeout=EXIT_WAIT_S)
 
 
 def _after_fork() -> None:
@@ -114,7 +131,8 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
     """Call ``fn(*args, **kwargs)`` on the compute thread and return its result.
 
     Calls run one at a time in arrival order; a call made on the compute thread itself
-    (see :func:`this_thread`), or after interpreter shutdown began, runs inline. An
+    (see :func:`this_thread`), or from the main thread after interpreter shutdown began, runs
+    inline (from another thread then, it raises ``SystemExit``: see :func:`_stop`). An
     exception raised by ``fn`` is raised here. A caller interrupted by Ctrl-C waits for
     ``fn`` to end (see :func:`interrupted`; a second Ctrl-C stops waiting), then raises
     ``KeyboardInterrupt``.
@@ -130,6 +148,8 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
     thread = _thread or _start()
     future: Future = Future()
     with _lock:  # (a task queued after _stop's sentinel would never run)
+        if _closed and current is not threading.main_thread() and current is not thread:
+            raise SystemExit  # (a daemon thread at exit: see _stop)
         inline = _closed or current is thread
         if not inline:
             _tasks.put((fn, args, kwargs, future))

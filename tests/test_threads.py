@@ -864,6 +864,40 @@ def test_the_command_exits_without_aborting_while_the_compute_thread_is_busy():
     assert proc.returncode == 130 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr)
 
 
+@pytest.mark.parametrize("read", ["generate", "stream"])
+def test_a_program_that_ends_while_a_daemon_thread_decodes_exits_without_aborting(tiny_pair, read):
+    """A program whose main thread ends while a daemon thread of its own still generates (or
+    reads a stream): the interpreter finalized under the compute thread's running torch op and
+    the process aborted (trial-218: "terminate called without an active exception", SIGABRT).
+    The exit now stops that call after its round, as Ctrl-C does, and waits for it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import threading
+        from dflash_torch import DFlashEngine, compute
+
+        engine = DFlashEngine.from_pretrained({str(tiny_pair[0])!r}, {str(tiny_pair[1])!r}, block_size=1)
+        started = threading.Event()
+        def decode():
+            if {read!r} == "generate":
+                engine.generate("def f(x):", max_new_tokens=1000, ignore_eos=True, on_chunk=lambda c: started.set())
+            else:
+                for chunk in engine.stream("def f(x):", max_new_tokens=1000, ignore_eos=True):
+                    started.set()
+            print("decoded all of it", flush=True)
+        threading.Thread(target=decode, daemon=True).start()
+        started.wait()
+        assert compute.busy() or {read!r} == "stream"
+        print("main ends", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr)
+    assert proc.stdout == "main ends\n", proc.stdout
+
+
 def _child_generates(engine, tiny_pair, conn):
     """In a forked child: the parent's engine, and a new engine loaded there."""
     try:
