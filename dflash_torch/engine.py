@@ -272,6 +272,11 @@ class DFlashEngine:
     that value; may be set.
     """
 
+    def __reduce__(self):
+        raise TypeError("a DFlashEngine cannot be pickled (it holds its models, caches and locks): load it in each "
+                        "worker process, or, with multiprocessing's fork start method, call a module-level function "
+                        "that uses the engine the parent loaded")
+
     def __init__(self, target: TargetModel, tokenizer, drafter: DFlashDrafter | None = None,
                  block_size: int | None = None, draft_mode: str = "inject", name: str = "dflash",
                  max_batch_size: int | None = None, reuse_prefix: bool = True, draft_max_batch_size: int | str | None = None,

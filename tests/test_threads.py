@@ -898,6 +898,15 @@ def test_a_program_that_ends_while_a_daemon_thread_decodes_exits_without_abortin
     assert proc.stdout == "main ends\n", proc.stdout
 
 
+def test_an_engine_is_not_pickled_and_says_what_to_do_instead(tiny_pair):
+    """``pickle.dumps(engine)`` (``Pool.map(engine.generate, ...)`` does it) was "cannot pickle
+    '_thread.lock' object" (trial-218)."""
+    import pickle
+
+    with pytest.raises(TypeError, match=r"^a DFlashEngine cannot be pickled .*: load it in each worker process"):
+        pickle.dumps(DFlashEngine.from_pretrained(*tiny_pair))
+
+
 def _child_generates(engine, tiny_pair, conn):
     """In a forked child: the parent's engine, and a new engine loaded there."""
     try:
