@@ -572,6 +572,21 @@ def test_bad_input(server, name, path, body, status, param):
         assert err["message"] == "logit_bias gives token 5 twice (as '5' and '05')", err
 
 
+@pytest.mark.parametrize("body,param,message", [  # (trial-217: pydantic's words, "Input should be a valid list")
+    ({"messages": "hi"}, "messages", "expected an array, got a string"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role",
+     "expected 'system', 'developer', 'user', 'assistant' or 'tool', got 'function'"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream", "expected true or false, got a string"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": []}}]}, "tools.0.function.parameters", "expected an object, got an array"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature",
+     "expected a number, got a string"),
+])
+def test_a_value_of_the_wrong_type_is_named_in_jsons_words(server, body, param, message):
+    err = _assert_openai_error(server.post("/v1/chat/completions", {"model": MODEL, **body}), 400)
+    assert (err["param"], err["message"]) == (param, f"invalid value for {param}: {message}"), err
+
+
 NAMED = '{"type": "function", "function": {"name": ...}}'
 BAD_TOOL_CHOICES = [  # (tool_choice, param, the message's start); trial-97: all "expected one of literal[...]"
     ({"type": "function", "function": {}}, "tool_choice.function.name", "tool_choice.function.name is missing; "),

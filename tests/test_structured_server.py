@@ -285,7 +285,7 @@ BAD = [  # (endpoint, body, param, words of the message)
     ("completion", {"guided_regex": "(("}, "guided_regex", "regex"),
     ("completion", {"structured_outputs": {"regex": "[a-"}}, "structured_outputs", "regex"),
     ("completion", {"guided_choice": []}, "guided_choice", "non-empty"),
-    ("completion", {"guided_choice": "yes"}, "guided_choice", "list"),
+    ("completion", {"guided_choice": "yes"}, "guided_choice", "expected an array, got a string"),
     ("completion", {"guided_grammar": "start: undefined_rule"}, "guided_grammar", "grammar"),
     ("completion", {"structured_outputs": {}}, "structured_outputs", "exactly one"),
     ("completion", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),

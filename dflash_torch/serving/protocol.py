@@ -897,6 +897,12 @@ def _one_of(words: list[str]) -> str:
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
+# pydantic's errors of a value of the wrong JSON type -> what the field takes, in JSON's words
+_EXPECTED = {"list_type": "an array", "dict_type": "an object", "model_type": "an object",
+             "model_attributes_type": "an object", "string_type": "a string", "bool_type": "true or false",
+             "int_type": "an integer", "float_type": "a number"}
+
+
 def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
     """A one-line message and the offending parameter (dotted path) of a pydantic error."""
     errors = exc.errors(include_url=False)
@@ -919,6 +925,12 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
                       e["loc"][:depth] == loc[:depth]), err.get("input"))
         expected = _one_of([_tag_words(tag) for tag in accepted])
         return f"invalid value for {param}: expected {expected}, got {json_type(value)}", param
+    kind, value = err.get("type"), err.get("input")
+    if kind in _EXPECTED and param:  # (a wrong JSON type: said in JSON's words, as a union's is)
+        return f"invalid value for {param}: expected {_EXPECTED[kind]}, got {json_type(value)}", param
+    if kind == "literal_error" and param:
+        got = repr(value[:80]) if isinstance(value, str) else json_type(value)
+        return f"invalid value for {param}: expected {(err.get('ctx') or {}).get('expected')}, got {got}", param
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")  # (pydantic's word for a validator's ValueError)
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):  # (a validator that names the part of its field, in its own words)
