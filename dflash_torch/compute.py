@@ -203,6 +203,13 @@ def interrupted() -> bool:
     return _running is not None and _running in _interrupted and threading.current_thread() is _thread
 
 
+def stopped() -> BaseException:
+    """What a call that :func:`interrupted` stops raises: ``KeyboardInterrupt`` for its caller's
+    Ctrl-C, ``SystemExit`` at the process's exit (:func:`_stop`: the daemon thread that made the
+    call then ends without a traceback, nobody having pressed Ctrl-C)."""
+    return SystemExit() if _closed else KeyboardInterrupt()
+
+
 def set_num_threads(n: int, name: str = "threads") -> None:
     """``torch.set_num_threads(n)`` for the compute thread (and torch's default for new threads).
 

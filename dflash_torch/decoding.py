@@ -655,7 +655,7 @@ class SpeculativeDecoder:
         C = self.prefill_chunk
         for c0 in range(start, n_prompt, C):
             if c0 > start and compute.interrupted():  # the caller got Ctrl-C: stop between chunks (nothing kept)
-                raise KeyboardInterrupt
+                raise compute.stopped()
             if c0 > start and self.stop_prefill is not None and self.stop_prefill():
                 raise PrefillStopped(f"the prefill was stopped after {c0} of {n_prompt} prompt tokens")
             c1 = min(c0 + C, n_prompt)

@@ -915,8 +915,8 @@ class DFlashEngine:
             if on_chunk is not None:
                 on_chunk(chunk)
             got.append(chunk)
-            if compute.interrupted():  # the caller got Ctrl-C: stop after this round
-                raise KeyboardInterrupt
+            if compute.interrupted():  # the caller got Ctrl-C (or the process exits): stop after this round
+                raise compute.stopped()
         return cls._result(got)
 
     @staticmethod
@@ -1487,7 +1487,7 @@ class DFlashEngine:
                 for i, rnd in batch.step(stop=compute.interrupted).items():  # (a lone prefill: between its chunks)
                     self._batch_round(batch, i, rnd, state, results)
                 if compute.interrupted():
-                    raise KeyboardInterrupt
+                    raise compute.stopped()
         finally:
             for i in state:  # an error or interrupt: free the slots (one that failed in its prefill is in none)
                 if i in batch:

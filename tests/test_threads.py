@@ -895,7 +895,53 @@ def test_a_program_that_ends_while_a_daemon_thread_decodes_exits_without_abortin
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr)
-    assert proc.stdout == "main ends\n", proc.stdout
+    assert proc.stdout == "main ends\n" and "KeyboardInterrupt" not in proc.stderr, (proc.stdout, proc.stderr)
+
+
+def test_a_program_that_ends_while_its_daemon_thread_serves_streams_exits_without_aborting():
+    """A user's program that runs the OpenAI server in a daemon thread (uvicorn on
+    ``create_app``) and ends while requests stream: the scheduler's decoding loop did not see
+    the exit's stop and the process aborted after the exit's wait (trial-220: 30 s, then
+    SIGABRT). It stops after its round; a request stopped so ends without a KeyboardInterrupt."""
+    import socket
+    import subprocess
+    import sys
+    import textwrap
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = textwrap.dedent(f"""
+        import json, threading, time, urllib.request
+        import uvicorn
+        from dflash_torch import DFlashEngine, compute
+        from dflash_torch.serving.app import create_app
+
+        compute.EXIT_WAIT_S = 5.0  # (the streams below take longer: the exit's wait must not be what ends them)
+        engine = DFlashEngine.from_pretrained(max_batch_size=2)  # (the shipped pair: its rounds take a while)
+        server = uvicorn.Server(uvicorn.Config(create_app(engine, max_batch_size=2), host="127.0.0.1", port={port},
+                                               log_level="warning"))
+        threading.Thread(target=server.run, daemon=True).start()
+        while not server.started:
+            time.sleep(0.05)
+        def client(i):
+            body = json.dumps({{"model": engine.name, "prompt": f"def f{{i}}(x):", "max_tokens": 3000,
+                               "stream": True, "ignore_eos": True}}).encode()
+            request = urllib.request.Request("http://127.0.0.1:{port}/v1/completions", body,
+                                             {{"Content-Type": "application/json"}})
+            with urllib.request.urlopen(request) as reply:
+                for line in reply:
+                    pass
+        for i in range(2):
+            threading.Thread(target=client, args=(i,), daemon=True).start()
+        while not compute.busy():
+            time.sleep(0.05)
+        print("main ends", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr)
+    assert "KeyboardInterrupt" not in proc.stderr and proc.stdout == "main ends\n", (proc.stdout, proc.stderr)
 
 
 def test_an_engine_is_not_pickled_and_says_what_to_do_instead(tiny_pair):

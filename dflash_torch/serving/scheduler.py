@@ -521,6 +521,8 @@ class Scheduler:
                     return
             try:
                 compute.run(self._drive)
+            except SystemExit:  # (the process exits while a daemon thread runs the server: compute._stop)
+                return
             except BaseException:  # (a bug: _drive reports every failure to its requests)
                 log.exception("the scheduler's decoding loop failed")
 
@@ -556,6 +558,11 @@ class Scheduler:
             for seq in [s for s in running if s.job.cancelled.is_set()]:
                 self._remove(seq)
                 self.metrics.cancelled.inc()
+            if compute.interrupted():  # the process exits (compute._stop, a server in a daemon thread): stop here
+                for seq in list(running):
+                    self._fail(seq, DFlashError("the server's process is exiting"))
+                    self._remove(seq)
+                return
 
     def _admit(self) -> None:
         while len(self._running) < self.max_batch_size:
