@@ -382,7 +382,7 @@ BAD = [  # (body fields, status, param, words of the message)
      "invalid value for tools.0.name: a function needs a name its calls can give, got an empty string"),
     ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f", "description": "g"}]}, 400,
      "tools.1.name",
-     "tools.1.name 'f' is tools.0's name too"),
+     "tools.0 and tools.1 are two different tools named 'f'"),
     # (trial-210: taken, asking for nothing; OpenAI's values are taken, see test_ignored_fields_and_the_client_error_type)
     ({"include": ["bogus.thing"]}, 400, "include",
      "invalid value for include: 'bogus.thing' is not one of the Responses API's include values, "

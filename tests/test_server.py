@@ -315,10 +315,12 @@ def test_an_assistant_message_needs_content_tool_calls_or_a_refusal(server):
         # (trial-217: OpenAI's legacy function_call alone read 'needs content ... tool_calls or a refusal')
         history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "function_call": {
             "name": "f", "arguments": "{}"}}, {"role": "user", "content": "and?"}]
-        err = _assert_openai_error(server.post(path, {"model": MODEL, "messages": history, "max_tokens": 1}), 400)
-        assert err["param"] == "messages.1" and err["message"] == (
-            "invalid value for messages.1: an assistant message's function_call (OpenAI's legacy function calling) is "
-            "not supported: send the call as tool_calls, and its result as a tool message"), (path, err)
+        for content in (None, "", "let me check"):  # (trial-220: with content the call was dropped unsaid)
+            history[1]["content"] = content
+            err = _assert_openai_error(server.post(path, {"model": MODEL, "messages": history, "max_tokens": 1}), 400)
+            assert err["param"] == "messages.1" and err["message"] == (
+                "invalid value for messages.1: an assistant message's function_call (OpenAI's legacy function calling) "
+                "is not supported: send the call as tool_calls, and its result as a tool message"), (path, err)
 
 
 def test_an_assistant_messages_refusal_field_is_its_text(server, local_engine):
@@ -622,8 +624,8 @@ CALL = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "t
 BAD_TOOLS = [  # (body fields, param, message); trial-210: each was taken
     ({"tools": [TOOL, {"type": "function", "function": {**TOOL["function"], "description": "another"}}]},
      "tools.1.function.name",
-     "tools.1.function.name 'f' is tools.0's name too: a call names the function it calls, so each tool needs a name "
-     "of its own"),
+     "tools.0 and tools.1 are two different tools named 'f': a call of it could mean either; give each its own "
+     "name"),
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name",
      "invalid value for tools.0.function.name: a function needs a name its calls can give, got an empty string"),
     ({"tools": [{"type": "function", "function": {"name": " "}}]}, "tools.0.function.name",

@@ -466,10 +466,10 @@ class ChatMessage(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _legacy_call(cls, data):
-        """An assistant message that holds only OpenAI's legacy ``function_call`` (with role
-        ``function`` results): named as such (it read 'needs content ... tool_calls or a refusal')."""
-        if isinstance(data, dict) and data.get("function_call") is not None and data.get("content") is None \
-                and not data.get("tool_calls") and data.get("refusal") is None:
+        """An assistant message holding OpenAI's legacy ``function_call`` (with role ``function``
+        results) and no ``tool_calls``: named as such (without content it read 'needs content ...
+        tool_calls or a refusal'; with content the call was dropped from the prompt unsaid)."""
+        if isinstance(data, dict) and data.get("function_call") is not None and not data.get("tool_calls"):
             raise ValueError("an assistant message's function_call (OpenAI's legacy function calling) is not "
                              "supported: send the call as tool_calls, and its result as a tool message")
         return data
@@ -654,9 +654,8 @@ class ChatCompletionRequest(_Request):
             name = tool.function.name
             if first.setdefault(name, i) != i and \
                     tool.model_dump(exclude_none=True) != tools[first[name]].model_dump(exclude_none=True):
-                raise FieldError(f"tools.{i}.function.name {name[:80]!r} is tools.{first[name]}'s name too: a call "
-                                 f"names the function it calls, so each tool needs a name of its own",
-                                 f"tools.{i}.function.name")
+                raise FieldError(f"tools.{first[name]} and tools.{i} are two different tools named {name[:80]!r}: "
+                                 "a call of it could mean either; give each its own name", f"tools.{i}.function.name")
         return self
 
     @model_validator(mode="after")
