@@ -138,6 +138,24 @@ def _local(cli, *args: str) -> list[int]:
     return json.loads(got.stdout)["token_ids"]
 
 
+def _cached_from_hub(hub, tiny_pair, tmp_path, name: str, files: dict[str, str]) -> tuple[dict, Path, Path]:
+    """The tiny target with ``files`` (name -> text) added, served as ``acme/NAME`` and fetched
+    once into a new cache (a test skips where huggingface_hub keeps no file list of a repo):
+    ``(env, repo directory, snapshot directory)``."""
+    endpoint, server = hub
+    repo = shutil.copytree(tiny_pair[0], tmp_path / name)
+    for file, text in files.items():
+        (repo / file).write_text(text)
+    server.repos[f"acme/{name}"] = repo
+    cache = tmp_path / "hub-cache"
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
+    got = _generate("--target", f"acme/{name}", "--no-draft", env=env)
+    assert got.returncode == 0, got.stderr
+    if not (cache / f"models--acme--{name}" / "trees").is_dir():
+        pytest.skip("this huggingface_hub keeps no file list of a repo")
+    return env, repo, cache / f"models--acme--{name}" / "snapshots" / COMMIT
+
+
 def _generate(*args: str, env: dict, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dflash_torch.cli", "generate", "def f(x):", "--max-new-tokens", "12",
                            "--json", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
@@ -340,17 +358,8 @@ def test_a_cache_entry_that_lacks_files_loading_does_not_read_is_used(cli, hub, 
     it is not in the Hugging Face cache"; it is used as it is now. One without the tokenizer files
     the list names is still completed by a download where it may be. A weight file its blob is
     gone from is named, as the same cache without the file list names it."""
-    endpoint, server = hub
-    repo = shutil.copytree(tiny_pair[0], tmp_path / "notes")
-    (repo / "notes.txt").write_text("not read by loading")
-    server.repos["acme/notes"] = repo
-    cache = tmp_path / "hub-cache"
-    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
-    got = _generate("--target", "acme/notes", "--no-draft", env=env)
-    assert got.returncode == 0, got.stderr
-    if not (cache / "models--acme--notes" / "trees").is_dir():
-        pytest.skip("this huggingface_hub keeps no file list of a repo")
-    snapshot = cache / "models--acme--notes" / "snapshots" / COMMIT
+    server = hub[1]
+    env, repo, snapshot = _cached_from_hub(hub, tiny_pair, tmp_path, "notes", {"notes.txt": "not read by loading"})
     (snapshot / "notes.txt").unlink()
     want = _local(cli, "--target", str(tiny_pair[0]), "--no-draft")
     for changed in ({"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}):
@@ -386,16 +395,8 @@ def test_a_cache_entry_without_its_tokenizer_json_is_completed_though_it_holds_i
     is (tokenizer_config.json counted as a tokenizer): loading then failed. It is completed by a
     download where the Hub may be reached; with the Hub out of reach, the error says what the
     cache holds it without."""
-    endpoint, server = hub
-    repo = shutil.copytree(tiny_pair[0], tmp_path / "tok")
-    (repo / "notes.txt").write_text("not read by loading")
-    server.repos["acme/tok"] = repo
-    cache = tmp_path / "hub-cache"
-    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
-    assert _generate("--target", "acme/tok", "--no-draft", env=env).returncode == 0
-    if not (cache / "models--acme--tok" / "trees").is_dir():
-        pytest.skip("this huggingface_hub keeps no file list of a repo")
-    snapshot = cache / "models--acme--tok" / "snapshots" / COMMIT
+    server = hub[1]
+    env, repo, snapshot = _cached_from_hub(hub, tiny_pair, tmp_path, "tok", {"notes.txt": "not read by loading"})
     want = _local(cli, "--target", str(repo), "--no-draft")
     (snapshot / "tokenizer.json").unlink()
     for lacking in ("tokenizer.json", "tokenizer.json (a broken link)"):
@@ -420,17 +421,9 @@ def test_a_cache_entry_without_the_generation_config_its_repo_has_is_completed_o
     used with no WARNING), without trying the Hub. A broken link to one (its blob gone) is as
     missing: with the Hub out of reach it warned "used without", then failed ("is a broken
     link"), and offline it failed at once."""
-    endpoint, server = hub
-    repo = shutil.copytree(tiny_pair[0], tmp_path / "gen")
-    (repo / "generation_config.json").write_text(json.dumps({"max_new_tokens": 12}))
-    (repo / "notes.txt").write_text("not read by loading")
-    server.repos["acme/gen"] = repo
-    cache = tmp_path / "hub-cache"
-    env = {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
-    assert _generate("--target", "acme/gen", "--no-draft", env=env).returncode == 0
-    if not (cache / "models--acme--gen" / "trees").is_dir():
-        pytest.skip("this huggingface_hub keeps no file list of a repo")
-    snapshot = cache / "models--acme--gen" / "snapshots" / COMMIT
+    server = hub[1]
+    env, repo, snapshot = _cached_from_hub(hub, tiny_pair, tmp_path, "gen", {
+        "generation_config.json": json.dumps({"max_new_tokens": 12}), "notes.txt": "not read by loading"})
     want = _local(cli, "--target", str(repo), "--no-draft")
     (snapshot / "notes.txt").unlink()  # (so that huggingface_hub judges the snapshot incomplete, as a partial fetch)
     (snapshot / "generation_config.json").unlink()
