@@ -86,8 +86,8 @@ def _stop() -> None:
     :func:`interrupted`) and waited for, up to ``EXIT_WAIT_S`` seconds, and calls queued behind it
     are not run: an interpreter that finalizes under a running torch op aborts the process
     ("terminate called without an active exception", SIGABRT). Later calls run inline in the main
-    thread (an atexit handler's); another thread's end that thread (``SystemExit``), which would
-    otherwise run torch ops while the interpreter finalizes."""
+    thread (an atexit handler's); a call from another thread ends that thread (``SystemExit``),
+    which would otherwise run torch ops while the interpreter finalizes."""
     global _closed
     with _lock:
         _closed = True
