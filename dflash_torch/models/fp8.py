@@ -195,20 +195,25 @@ def check_pair(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     if tuple(scale_inv.shape) != expected:
         raise DFlashError(f"FP8 scale {scale_name} has shape {tuple(scale_inv.shape)}; weight "
                           f"{tuple(weight.shape)} in blocks of {list(block)} needs {expected}")
-    values = scale_values(scale_inv)
-    if values.numel() and not valid_scales(values):
-        if not bool(torch.isfinite(values).all()):
-            raise DFlashError(f"FP8 scale {scale_name} holds NaN or infinite values (a corrupt checkpoint)")
-        raise DFlashError(f"FP8 scale {scale_name} holds negative values (a corrupt checkpoint: block scales are zero "
-                          "or positive)")
+    check_scale_values(scale_values(scale_inv), f"FP8 scale {scale_name}", "block")
 
 
-def valid_scales(scales: torch.Tensor) -> bool:
-    """Whether every value of the floating-point ``scales`` (not empty) is finite and zero or
-    positive, by two reductions (their least and greatest value; a NaN makes both NaN): much
-    faster than an elementwise test, for the scales of every quantized weight a checkpoint holds."""
+def check_scale_values(scales: torch.Tensor, label: str, kind: str) -> None:
+    """Refuse floating-point ``scales`` that are not all finite and zero or positive, judged by
+    two reductions (their least and greatest value; a NaN makes both NaN): much faster than an
+    elementwise test, for the scales of every quantized weight a checkpoint holds (elementwise
+    only to say what is wrong). ``label``: the tensor in words; ``kind``: the scales' kind.
+
+    Raises:
+        DFlashError: ``{label} holds NaN or infinite values`` / ``holds negative values``."""
+    if not scales.numel():
+        return
     low, high = torch.aminmax(scales)
-    return bool((low >= 0) & (high < math.inf))
+    if bool((low >= 0) & (high < math.inf)):
+        return
+    if not bool(torch.isfinite(scales).all()):
+        raise DFlashError(f"{label} holds NaN or infinite values (a corrupt checkpoint)")
+    raise DFlashError(f"{label} holds negative values (a corrupt checkpoint: {kind} scales are zero or positive)")
 
 
 def check_scale_dtype(scale: torch.Tensor, scale_fmt: str, scale_name: str) -> None:

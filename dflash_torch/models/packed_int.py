@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import DFlashError
-from .fp8 import valid_scales
+from .fp8 import check_scale_values
 
 METHOD = "compressed-tensors"
 PACKED, SCALE, SHAPE = "_packed", "_scale", "_shape"  # X.weight -> X.weight_packed, X.weight_scale, X.weight_shape
@@ -176,11 +176,7 @@ def check_parts(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, 
                           f"expected floating point {want}")
     scale = scale.to(device=packed.device)
     values = scale.float() if scale.element_size() == 1 else scale  # (float8 scales: torch compares only wider ones)
-    if values.numel() and not valid_scales(values):
-        if not bool(torch.isfinite(values).all()):
-            raise DFlashError(f"{name}{SCALE} holds NaN or infinite values (a corrupt checkpoint)")
-        raise DFlashError(f"{name}{SCALE} holds negative values (a corrupt checkpoint: symmetric scales are zero or "
-                          "positive)")
+    check_scale_values(values, f"{name}{SCALE}", "symmetric")
     return scale, cols
 
 
