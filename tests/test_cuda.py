@@ -17,7 +17,7 @@ from conftest import run_rounds, varied_prompts
 
 from dflash_torch import SamplingParams
 from dflash_torch.batch import BatchDecoder
-from dflash_torch.cache import KVCache
+from dflash_torch.cache import KVCache, static_buffer
 from dflash_torch.decoding import SpeculativeDecoder, compile_counts, without_shape_plans
 from dflash_torch.models.drafter import DFlashDrafter
 from dflash_torch.models.target import TargetModel
@@ -43,6 +43,9 @@ def test_cache_buffers_are_static_addresses(agree_hybrid_pair):
     cache = KVCache(2, 2, 8, torch.float32, "cpu")
     cache.reset(300)  # grows: new buffers, marked too
     assert cache.capacity == 512 and all(_static(t) for t in cache.k + cache.v)
+    marked, ours = torch.zeros(2), static_buffer(torch.zeros(2))  # (ours sets what torch's own call sets)
+    torch._dynamo.mark_static_address(marked)
+    assert ours.__dict__ == marked.__dict__ == {"_dynamo_static_input_type": "unguarded"}
 
 
 @pytest.mark.parametrize("pair", ["agree_pair", "agree_hybrid_pair"])

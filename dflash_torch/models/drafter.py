@@ -32,7 +32,7 @@ from ..sampling import SamplingParams, greedy_tokens, probabilities, sample
 from ..structured import GrammarState
 from .attention import Attention
 from .drafter_config import DrafterConfig
-from .layers import MLP, RMSNorm, attend, attention_bias
+from .layers import MLP, RMSNorm, attend, attention_bias, embedding
 from .rope import Rotary
 
 
@@ -122,7 +122,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = self.make_rotary(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if cfg.own_embedding else None
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size) if cfg.own_embedding else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if cfg.own_lm_head else None
 
     @staticmethod

@@ -62,6 +62,16 @@ class Float32WeightRMSNorm(nn.Module):
         return (self.weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
+def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """An ``nn.Embedding`` with a ``[num_embeddings, embedding_dim]`` weight in the default
+    dtype and device; on the meta device (a model built before its checkpoint is loaded)
+    its weight is not initialized (torch's normal initialization there imports
+    ``torch._dynamo``, about a second of every command's start)."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
+    return nn.Embedding(num_embeddings, embedding_dim)
+
+
 def fused_linear(parts: list[nn.Module]) -> nn.Module:
     """One layer whose output is the outputs of ``parts`` (linears over the same input
     width, all with a bias or all without) side by side, in order. ``nn.Linear`` parts: an

@@ -126,10 +126,21 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, partial_rot
         partial_rotary_factor: fraction of ``head_dim`` that is rotated.
         max_position_embeddings: fallback for a missing ``original_max_position_embeddings``.
 
+    Computed on the CPU whatever the default device (a model built on the meta device
+    rebuilds its :class:`Rotary` on its device after loading; meta arithmetic would import
+    ``torch._dynamo``, about a second of every command's start).
+
     Raises:
         DFlashError: an unknown ``rope_type``, a rotary dimension that is not even, or
             no original context length for llama3/yarn.
     """
+    with torch.device("cpu"):
+        return _inv_freq(head_dim, theta, scaling, partial_rotary_factor, max_position_embeddings)
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict | None, partial_rotary_factor: float,
+              max_position_embeddings: int | None) -> torch.Tensor:
+    """:func:`rope_inv_freq` on the default device."""
     kind = _kind(scaling)
     if kind == "proportional":
         angles = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)

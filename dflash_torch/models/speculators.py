@@ -43,6 +43,7 @@ from ..errors import DFlashError
 from .config import bool_field, check_int, object_field, quiet_transformers, refuse_quantized
 from .drafter_config import DrafterConfig, refuse_variants
 from .drafter import DFlashDrafter, DraftLayer, same_tensor
+from .layers import embedding
 
 DEFAULT_DRAFT_VOCAB = 32000  # speculators' DFlashSpeculatorConfig defaults
 DEFAULT_BLOCK_SIZE = 8
@@ -224,7 +225,7 @@ class SpeculatorsDrafter(DFlashDrafter):
     def __init__(self, cfg: DrafterConfig):
         super().__init__(cfg)
         s = cfg.speculators
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if s.own_embedding else None
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size) if s.own_embedding else None
         self.lm_head = nn.Linear(cfg.hidden_size, s.draft_vocab_size, bias=False) if s.own_lm_head else None
         if s.has_d2t:
             self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.long))

@@ -31,7 +31,7 @@ from ..options import check_fp8, check_int_weights, check_mxfp4, check_nvfp4
 from . import fp8 as fp8_format
 from .config import TargetConfig
 from .gated_deltanet import GatedDeltaNet
-from .layers import RMSNorm, attention_bias
+from .layers import RMSNorm, attention_bias, embedding
 from .rope import Rotary
 
 
@@ -192,7 +192,7 @@ class TargetModel(nn.Module):
         # the attention masks a forward builds: one per (sliding window (None: full causal), query heads per kv head)
         self.attention_masks = tuple({(layer.sliding_window, layer.self_attn.heads // layer.self_attn.kv_heads): None
                                       for layer in layers if has_kv(layer.kind)})
-        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        embed = embedding(cfg.vocab_size, cfg.hidden_size)
         self.model = _Backbone(embed, layers, self.norm_class(cfg.hidden_size, cfg.rms_norm_eps))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
