@@ -36,7 +36,7 @@ from .batch import BatchDecoder, check_draft_max_batch_size, check_engine_max_ba
 from .chat_template import chat_messages, render_chat, reserved_template_variables
 from .checkpoint import available_memory, checkpoint_dir, load_config, memory_text, read_json_object
 from .decoding import Round, SpeculativeDecoder, check_models
-from .errors import ContextLengthError, DFlashError, OptionError, shown, unprintable
+from .errors import ContextLengthError, DFlashError, OptionError, about_prompt, shown, unprintable
 from .models.config import TargetConfig, check_vocab_ids, eos_token_ids
 from .models.drafter_config import DrafterConfig, fill_mask_token_id, needs_mask_token_id, validate_pair
 from .models.drafter import DFlashDrafter
@@ -1519,7 +1519,7 @@ def _of_prompt(exc: DFlashError, i: int) -> DFlashError:
     with its attributes (a :class:`ContextLengthError` is still one; an :class:`OptionError`
     keeps its names, by which the command line names the flags)."""
     about = copy.copy(exc)
-    about.args = (f"prompt {i}: {exc}",)
+    about.args = (about_prompt(str(exc), i),)
     return about
 
 

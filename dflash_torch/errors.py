@@ -53,6 +53,12 @@ class OutputError(Exception):
     on stderr, exit status 1 (not a user error)."""
 
 
+def about_prompt(message: str, i: int) -> str:
+    """``message`` said of prompt ``i`` of several: ``prompt i: message``, or where the
+    message begins with ``prompt (`` (its length in tokens), ``prompt i (...``."""
+    return f"prompt {i} {message[len('prompt '):]}" if message.startswith("prompt (") else f"prompt {i}: {message}"
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message (its type's name where it has none), for an error
     line that names what went wrong inside a library."""

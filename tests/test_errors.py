@@ -958,7 +958,7 @@ def test_a_bad_prompt_of_a_batch_is_named_and_nothing_is_decoded(engine):
             ("", {}, "prompt 8: the prompt is empty (0 tokens)"),
             ([5, vocab], {}, f"prompt 8: prompt token ids must be in [0, {vocab})"),
             ([5] * 1000, dict(max_new_tokens=30),
-             "prompt 8: prompt (1000 tokens) + max_new_tokens (30) exceeds the context of 1024 tokens"),
+             "prompt 8 (1000 tokens) + max_new_tokens (30) exceeds the context of 1024 tokens"),
             (good, dict(temperature=[0.0] * 8 + [-1.0]), "prompt 8: temperature must be"),
         ]:
             with pytest.raises(DFlashError) as err:
@@ -967,7 +967,8 @@ def test_a_bad_prompt_of_a_batch_is_named_and_nothing_is_decoded(engine):
             with pytest.raises(DFlashError) as err:
                 engine.generate_batch([bad], **{"max_new_tokens": 4, **{k: v[-1:] if isinstance(v, list) else v
                                                                          for k, v in kw.items()}})
-            assert str(err.value).startswith(message.removeprefix("prompt 8: ")), str(err.value)
+            assert str(err.value).startswith(message.replace("prompt 8: ", "").replace("prompt 8 (", "prompt (")), \
+                str(err.value)
         assert forwards == []  # nothing was decoded for the good prompts
     finally:
         hook.remove()

@@ -85,7 +85,7 @@ from starlette.requests import ClientDisconnect
 
 from ..batch import DEFAULT_MAX_BATCH_SIZE
 from ..engine import StreamChunk
-from ..errors import DFlashError
+from ..errors import DFlashError, about_prompt
 from ..options import (check_api_key, check_chat_template_kwargs, check_flag, check_keepalive, check_min_tokens_default,
                        check_model_name, check_strings)
 from ..structured import StructuredOutput
@@ -770,11 +770,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 fitted = fit_max_tokens(engine, len(ids), requested, default, max_tokens_name, min_tokens, scoring)
                 out.append((ids, fitted, end))
             except DFlashError as exc:
-                where = f"prompt {i}: " if len(prompts) > 1 else ""
                 param = param_of(exc)
                 if chat and param == "prompt":  # (a chat's prompt is its messages, rendered)
                     param = "messages"
-                raise APIError(400, where + str(exc), param=param, code=getattr(exc, "code", None)) from None
+                raise APIError(400, about_prompt(str(exc), i) if len(prompts) > 1 else str(exc), param=param,
+                               code=getattr(exc, "code", None)) from None
         return out
 
     def check_sampling(max_new_tokens: int, kwargs: dict, aliases: dict) -> None:
