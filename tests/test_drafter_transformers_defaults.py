@@ -332,3 +332,30 @@ def test_an_error_from_a_transformers_default_names_it(tiny_pair, tmp_path):
     d = edited_checkpoint(drafter, tmp_path / "head-dim-8", config=lambda c: c.update(head_dim=8))
     with pytest.raises(dflash_torch.DFlashError, match=r"config implies \(\d+, \d+\)$"):
         DFlashDrafter.from_pretrained(d, torch.float32)
+
+
+# --- the keys vLLM reads beyond the DFlash reference's ---------------------------------------------------------
+
+def plain_qwen3_drafter_json(**edits) -> dict:
+    """A qwen3 DFlash drafter config.json of full-attention layers reading target layers 1 and 5 of 8."""
+    cfg = qwen3_sliding_drafter_json(layer_types=None, sliding_window=None, num_target_layers=8)
+    cfg["dflash_config"] = {"mask_token_id": 1, "target_layer_ids": [1, 5]}
+    return {k: v for k, v in {**cfg, **edits}.items() if v is not None}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama", "gpt_oss"])
+def test_a_null_num_key_value_heads_reads_as_transformers_reads_it(model_type, caplog):
+    """transformers' Qwen3Config / LlamaConfig read an explicit null num_key_value_heads as
+    num_attention_heads (multi-head attention), not as their default when the key is left out
+    (Qwen3Config's 32); GptOssConfig refuses the null: the file is then read as written (with
+    transformers' one-line warning), its null num_key_value_heads num_attention_heads."""
+    cfg = plain_qwen3_drafter_json(model_type=model_type)
+    cfg["num_key_value_heads"] = None
+    with caplog.at_level("WARNING", logger="dflash_torch"):
+        d = DrafterConfig.from_dict(cfg)
+    assert d.num_key_value_heads == cfg["num_attention_heads"] == 4
+    if model_type != "gpt_oss":
+        assert hf_config(cfg).num_key_value_heads == 4 and not caplog.text
+    else:
+        assert "does not load in transformers' GptOssConfig" in caplog.text
+

@@ -236,7 +236,8 @@ def with_transformers_defaults(cfg: dict) -> dict:
     ``rope_scaling`` + ``rope_theta``), and for a llama3 / yarn rule ``max_position_embeddings``,
     each where absent or null in ``cfg``, are taken from
     ``transformers.AutoConfig.for_model(model_type, **cfg)`` (given a deep copy of ``cfg``'s
-    non-null keys: a null, or a ``dtype`` / ``torch_dtype`` "auto", reads as absent, as everywhere in dflash-torch's parser; its log
+    non-null keys: a null, or a ``dtype`` / ``torch_dtype`` "auto", reads as absent, as everywhere in dflash-torch's parser,
+    but for ``num_key_value_heads``, whose null transformers' classes read as ``num_attention_heads``; its log
     lines and warnings silenced); e.g. a ``gpt_oss`` drafter gets gpt-oss's alternating
     128-token sliding-window layers and YaRN RoPE, a ``qwen3`` one with
     ``use_sliding_window`` and ``max_window_layers`` the layer types transformers derives from
@@ -264,6 +265,10 @@ def with_transformers_defaults(cfg: dict) -> dict:
     # alone takes it for a torch dtype's name and fails on torch.auto)
     given = copy.deepcopy({k: v for k, v in cfg.items() if k != "model_type" and v is not None
                            and not (k in ("dtype", "torch_dtype") and v == "auto")})
+    if "num_key_value_heads" in cfg and cfg["num_key_value_heads"] is None:
+        # (an explicit null is not absent here: transformers' classes read it as num_attention_heads, multi-head
+        # attention, where they take it, unlike their default when the key is left out, e.g. Qwen3Config's 32)
+        given["num_key_value_heads"] = None
     with quiet_transformers():
         try:
             from transformers import AutoConfig
