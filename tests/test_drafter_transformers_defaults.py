@@ -359,3 +359,27 @@ def test_a_null_num_key_value_heads_reads_as_transformers_reads_it(model_type, c
     else:
         assert "does not load in transformers' GptOssConfig" in caplog.text
 
+
+def test_eagle_style_midlayer_weights_are_read_for_one_layer(tiny_pair, tmp_path):
+    """EAGLE-style ``midlayer.*`` tensor names (vLLM maps them to ``layers.0.*``): a one-layer
+    drafter so named loads as the same drafter named ``layers.0.*``; a drafter of more layers
+    is refused with a hint (which layer they are is unknown), not a bare list of missing weights."""
+    from conftest import drafter_config, edited_checkpoint, save_drafter
+
+    target, two = tiny_pair
+    one = save_drafter(tmp_path / "one", drafter_config(target, num_layers=1))
+
+    def rename(w):
+        for k in [k for k in w if k.startswith("layers.0.")]:
+            w["midlayer." + k[len("layers.0."):]] = w.pop(k)
+    mid = edited_checkpoint(one, tmp_path / "mid", state=rename)
+    a, b = (DFlashDrafter.from_pretrained(d, torch.float32) for d in (one, mid))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    for d in (edited_checkpoint(two, tmp_path / "mid2", state=rename),
+              edited_checkpoint(one, tmp_path / "both", state=lambda w: (rename(w), w.update(
+                  {"layers.0.input_layernorm.weight": w["midlayer.input_layernorm.weight"].clone()})))):
+        with pytest.raises(dflash_torch.DFlashError) as err:
+            DFlashDrafter.from_pretrained(d, torch.float32)
+        assert str(err.value).startswith(f"drafter checkpoint {d} names weights EAGLE-style (midlayer.") and str(
+            err.value).endswith("rename them layers.<i>.*") and "\n" not in str(err.value), str(err.value)

@@ -95,6 +95,30 @@ class DraftLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(x))
 
 
+MIDLAYER = "midlayer."  # EAGLE-style name of a one-layer drafter's layer (vLLM's DFlash loader maps it to layers.0.)
+
+
+def eagle_layer_names(state: dict[str, torch.Tensor], num_layers: int, model_dir) -> dict[str, torch.Tensor]:
+    """A drafter checkpoint's tensors with EAGLE-style ``midlayer.*`` names read as
+    ``layers.0.*``, as vLLM's DFlash loader maps them, where that is unambiguous: a drafter of
+    one layer (``num_layers``) whose checkpoint has no ``layers.*`` tensor. Other checkpoints
+    come back as they are. ``state``: tensor name -> tensor (not changed).
+
+    Raises:
+        DFlashError: ``midlayer.*`` tensors in a drafter of more than one layer, or beside
+            ``layers.*`` ones (one line: which layer they are is unknown).
+    """
+    mid = [k for k in state if k.startswith(MIDLAYER)]
+    if not mid:
+        return state
+    if num_layers != 1 or any(k.startswith("layers.") for k in state):
+        raise DFlashError(f"drafter checkpoint {model_dir} names weights EAGLE-style ({mid[0]}, ...: the one layer of a "
+                          f"one-layer drafter, which vLLM reads as layers.0.*) but its config.json has num_hidden_layers "
+                          f"{num_layers}{' and it has layers.* weights too' if num_layers == 1 else ''}; rename them "
+                          "layers.<i>.*")
+    return {("layers.0." + k[len(MIDLAYER):] if k.startswith(MIDLAYER) else k): v for k, v in state.items()}
+
+
 class DFlashDrafter(nn.Module):
     """DFlash draft model. Parameter names match published checkpoints:
     ``layers.*``, ``fc``, ``hidden_norm``, ``norm``. As the DFlash reference's, it embeds
@@ -147,7 +171,8 @@ class DFlashDrafter(nn.Module):
 
         Raises:
             DFlashError: not a DFlash config, a ``mask_embedding.pt`` beside it (a learned
-                mask embedding, not read), or weights missing, unknown, of the
+                mask embedding, not read), EAGLE-style ``midlayer.*`` weights where they do not
+                name the one layer (:func:`eagle_layer_names`), or weights missing, unknown, of the
                 wrong shape, not floating point (e.g. int8) or not finite (NaN / inf), or
                 what the class's :meth:`adapt_checkpoint` refuses.
         """
@@ -168,7 +193,8 @@ class DFlashDrafter(nn.Module):
             with torch.device("meta"):
                 model = drafter_class(cfg)(cfg)
             check_fits(model, dtype, device, "drafter")
-        state = model.adapt_checkpoint(load_state_dict(model_dir, dtype, device, what="drafter"), model_dir)
+        state = model.adapt_checkpoint(eagle_layer_names(load_state_dict(model_dir, dtype, device, what="drafter"),
+                                                         cfg.num_hidden_layers, model_dir), model_dir)
         expected = model.state_dict()
         names = cfg.checkpoint_names  # (our name -> the checkpoint's, for the transformers-format drafters)
         name = lambda k: names.get(k, k)  # noqa: E731
