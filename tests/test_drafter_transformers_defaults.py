@@ -343,6 +343,100 @@ def plain_qwen3_drafter_json(**edits) -> dict:
     return {k: v for k, v in {**cfg, **edits}.items() if v is not None}
 
 
+@pytest.mark.parametrize("edit", [
+    lambda c: c.update(target_layer_ids=[2, 6]),
+    lambda c: c.update(eagle_aux_hidden_state_layer_ids=[3, 7]),  # (vLLM's aux ids: the input of layer a)
+    lambda c: c.update(eagle_aux_hidden_state_layer_ids=[7, 3]),  # (vLLM captures them in layer order)
+    lambda c: c.update(eagle_aux_hidden_state_layer_ids=[3, 7], target_layer_ids=[2, 6], num_target_layers=None),
+    lambda c: c.update(target_layer_ids=[2, 6], num_target_layers=None),
+    lambda c: c.update(target_layer_ids=[2, 6], dflash_config={"mask_token_id": 1, "target_layer_ids": [2, 6]}),
+])
+def test_top_level_and_eagle_target_layer_ids_are_read(edit):
+    """vLLM reads a DFlash drafter's target layers from eagle_aux_hidden_state_layer_ids, else
+    dflash_config.target_layer_ids, else the top-level target_layer_ids (the DFlash reference
+    from the last two): without dflash_config.target_layer_ids, the reference rule over
+    num_target_layers ([1, 5] for 2 of 8 layers) must not replace them."""
+    cfg = plain_qwen3_drafter_json()
+    cfg["dflash_config"].pop("target_layer_ids")
+    edit(cfg)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    assert DrafterConfig.from_dict(cfg).target_layer_ids == [2, 6]
+
+
+@pytest.mark.parametrize("edit,said", [
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[4, 5, 6]),
+     "eagle_aux_hidden_state_layer_ids [4, 5, 6] (target layers [3, 4, 5]) and dflash_config.target_layer_ids [1, 5]"),
+    (lambda c: c.update(target_layer_ids=[2, 6]), "dflash_config.target_layer_ids [1, 5] and target_layer_ids [2, 6]"),
+    (lambda c: (c["dflash_config"].pop("target_layer_ids"), c.update(eagle_aux_hidden_state_layer_ids=[2, 6],
+                                                                      target_layer_ids=[2, 6])),
+     "eagle_aux_hidden_state_layer_ids [2, 6] (target layers [1, 5]) and target_layer_ids [2, 6]"),
+])
+def test_two_target_layer_lists_that_differ_are_refused(edit, said):
+    cfg = plain_qwen3_drafter_json()
+    edit(cfg)
+    with pytest.raises(dflash_torch.DFlashError) as err:
+        DrafterConfig.from_dict(cfg)
+    assert str(err.value) == (f"drafter config.json gives two sets of target layers: {said}; which the drafter was "
+                              "trained with is unknown: drop one or make them agree")
+
+
+def test_no_target_layers_anywhere_names_the_three_keys_and_eagle_id_zero_is_refused():
+    cfg = plain_qwen3_drafter_json(num_target_layers=None)
+    cfg["dflash_config"].pop("target_layer_ids")
+    with pytest.raises(dflash_torch.DFlashError) as err:
+        DrafterConfig.from_dict(cfg)
+    assert str(err.value) == ("drafter config.json has neither dflash_config.target_layer_ids (nor target_layer_ids / "
+                              "eagle_aux_hidden_state_layer_ids) nor num_target_layers")
+    with pytest.raises(dflash_torch.DFlashError, match=r"^drafter config.json eagle_aux_hidden_state_layer_ids \[0, 4\] "
+                       r"must be distinct ids >= 1 \(id a is the output of target layer a - 1; 0, the embedding output"):
+        DrafterConfig.from_dict({**cfg, "eagle_aux_hidden_state_layer_ids": [0, 4]})
+    with pytest.raises(dflash_torch.DFlashError, match=r"^drafter config.json target_layer_ids must be a non-empty list "
+                       r"of integers, got \['a'\]$"):
+        DrafterConfig.from_dict({**cfg, "target_layer_ids": ["a"]})
+
+
+def test_a_top_level_mask_token_id_is_read_and_two_that_differ_are_refused():
+    """vLLM falls back to a top-level mask_token_id (so does the DFlash reference): the engine
+    must not look one up in the tokenizer instead (needs_mask_token_id)."""
+    from dflash_torch.models.drafter_config import needs_mask_token_id
+
+    cfg = plain_qwen3_drafter_json(mask_token_id=5)
+    cfg["dflash_config"].pop("mask_token_id")
+    assert not needs_mask_token_id(cfg) and DrafterConfig.from_dict(cfg).mask_token_id == 5
+    assert needs_mask_token_id({**cfg, "mask_token_id": None})
+    cfg["dflash_config"]["mask_token_id"] = 5  # (the same id twice: one id)
+    assert DrafterConfig.from_dict(cfg).mask_token_id == 5
+    cfg["dflash_config"]["mask_token_id"] = 1
+    with pytest.raises(dflash_torch.DFlashError) as err:
+        DrafterConfig.from_dict(cfg)
+    assert str(err.value) == ("drafter config.json gives two mask token ids: dflash_config.mask_token_id 1 and "
+                              "mask_token_id 5; which the drafter was trained with is unknown: drop one or make them equal")
+
+
+def test_an_engine_reads_the_top_level_mask_token_id_and_eagle_layer_ids(tiny_pair, tmp_path, caplog):
+    """The drafter with its dflash_config settings moved to the keys vLLM also reads drafts as
+    itself: the same target layers and mask id, the same tokens and acceptance."""
+    from conftest import edited_checkpoint
+
+    target, drafter = tiny_pair
+    ids = [0, 2]  # (distinct: vLLM captures a layer once, however often its aux ids name it)
+    drafter = edited_checkpoint(drafter, tmp_path / "base", config=lambda c: c["dflash_config"].update(target_layer_ids=ids))
+    mask = json.loads((drafter / "config.json").read_text())["dflash_config"]["mask_token_id"]
+
+    def move(c):
+        c["dflash_config"] = {}
+        c.update(eagle_aux_hidden_state_layer_ids=[i + 1 for i in ids], mask_token_id=mask, num_target_layers=None)
+    moved = edited_checkpoint(drafter, tmp_path / "moved", config=move)
+    with caplog.at_level("INFO", logger="dflash_torch"):
+        a = DFlashEngine.from_pretrained(target, moved, dtype="float32")
+    assert "mask_token_id" not in caplog.text  # (no tokenizer look-up was made)
+    assert (a.drafter.config.target_layer_ids, a.drafter.config.mask_token_id) == (ids, mask)
+    b = DFlashEngine.from_pretrained(target, drafter, dtype="float32")
+    prompt = [5, 17, 99, 3, 42]
+    x, y = (e.generate(prompt, max_new_tokens=24, ignore_eos=True) for e in (a, b))
+    assert x.token_ids == y.token_ids and x.stats.acceptance_lengths == y.stats.acceptance_lengths
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "llama", "gpt_oss"])
 def test_a_null_num_key_value_heads_reads_as_transformers_reads_it(model_type, caplog):
     """transformers' Qwen3Config / LlamaConfig read an explicit null num_key_value_heads as

@@ -311,6 +311,77 @@ def with_transformers_defaults(cfg: dict) -> dict:
     return {**cfg, **filled} if filled else cfg
 
 
+def layer_id_list(value, key: str) -> list[int]:
+    """A config's list of layer ids checked: a non-empty list of integers.
+
+    Raises:
+        DFlashError: anything else (one line naming ``key``).
+    """
+    if not isinstance(value, list) or not value or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise DFlashError(f"drafter config.json {key} must be a non-empty list of integers, got {value!r}")
+    return value
+
+
+def given_target_layer_ids(cfg: dict, dflash: dict, assistant: bool = False) -> list[int] | None:
+    """The target layers a DFlash-format drafter reads, from whichever of the three keys vLLM
+    reads gives them (it takes the first given, in this order; ``assistant``: transformers' assistant
+    format, whose ``dflash`` is its top level): ``eagle_aux_hidden_state_layer_ids``
+    (ids a counted as vLLM captures hidden states, the input of layer a: target layer a - 1,
+    read in layer order as vLLM captures them; a public vLLM guide tells users to add it),
+    ``dflash_config.target_layer_ids`` and the top-level ``target_layer_ids`` (the DFlash
+    reference's fallback too). A null reads as absent.
+
+    Returns:
+        The target layer ids (the output of layer i is feature i), or None where no key gives them.
+
+    Raises:
+        DFlashError: a value that is not a list of integers, an eagle id below 1 (the embedding
+            output, which a DFlash-format drafter does not read) or repeated, or two keys that
+            give different layers (one line naming both keys and values: which one the drafter
+            was trained with is unknown).
+    """
+    found = []  # (key as named in messages, its value as written, the target layer ids it gives)
+    eagle = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if eagle is not None:
+        ids = layer_id_list(eagle, "eagle_aux_hidden_state_layer_ids")
+        if min(ids) < 1 or len(set(ids)) != len(ids):
+            raise DFlashError(f"drafter config.json eagle_aux_hidden_state_layer_ids {ids} must be distinct ids >= 1 "
+                              "(id a is the output of target layer a - 1; 0, the embedding output, is not read by a "
+                              "DFlash drafter)")
+        found.append(("eagle_aux_hidden_state_layer_ids", ids, [a - 1 for a in sorted(ids)]))
+    places = [("target_layer_ids", cfg.get("target_layer_ids"))] if assistant else [
+        ("dflash_config.target_layer_ids", dflash.get("target_layer_ids")), ("target_layer_ids", cfg.get("target_layer_ids"))]
+    for key, value in places:
+        if value is not None:
+            found.append((key, value, layer_id_list(value, key)))
+    for key, value, ids in found[1:]:
+        if ids != found[0][2]:
+            first, value0, ids0 = found[0]
+            said = lambda k, v, i: f"{k} {v}" + (f" (target layers {i})" if k.startswith("eagle") else "")  # noqa: E731
+            raise DFlashError(f"drafter config.json gives two sets of target layers: {said(first, value0, ids0)} and "
+                              f"{said(key, value, ids)}; which the drafter was trained with is unknown: drop one or "
+                              "make them agree")
+    return found[0][2] if found else None
+
+
+def given_mask_token_id(cfg: dict, dflash: dict):
+    """The mask token id of a DFlash-format drafter config: ``dflash_config.mask_token_id``, else
+    the top-level ``mask_token_id`` (vLLM's fallback, and the DFlash reference's); None where
+    neither gives one.
+
+    Raises:
+        DFlashError: both given and different (one line naming both; which one the drafter was
+            trained with is unknown).
+    """
+    inner, top = dflash.get("mask_token_id"), cfg.get("mask_token_id")
+    if None not in (inner, top) and inner != top:
+        raise DFlashError(f"drafter config.json gives two mask token ids: dflash_config.mask_token_id {inner!r} and "
+                          f"mask_token_id {top!r}; which the drafter was trained with is unknown: drop one or make "
+                          "them equal")
+    return top if inner is None else inner
+
+
 def transformers_default_note(taken: dict[str, str], values: dict, *keys: str) -> str:
     """`` (head_dim 128: transformers' Qwen3Config default, the file gives none)`` for those of
     ``keys`` in ``taken`` (key -> the config class whose default it took; ``values``: their
@@ -438,11 +509,12 @@ class DrafterConfig:
             refuse_variants(lambda key: dflash.get(key, cfg.get(key)), "DFlash", VARIANT_KEYS)
         refuse_attention_sinks(cfg, dflash)
         _require(cfg, ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"], "drafter")
-        if dflash.get("mask_token_id") is None:
+        mask_token_id = given_mask_token_id(cfg, dflash)
+        if mask_token_id is None:
             raise DFlashError(f"drafter config.json lacks {'' if assistant else 'dflash_config.'}mask_token_id"
-                              + ("" if assistant else " (loaded with its target, DFlashEngine takes it from the "
-                                 "target's tokenizer: fill_mask_token_id)"))
-        check_int(dflash, "mask_token_id", "drafter", minimum=0)
+                              + ("" if assistant else " (or a top-level one; loaded with its target, DFlashEngine "
+                                 "takes it from the target's tokenizer: fill_mask_token_id)"))
+        check_int({"mask_token_id": mask_token_id}, "mask_token_id", "drafter", minimum=0)
         block_size = cfg.get("block_size") if cfg.get("block_size") is not None else dflash.get("block_size")
         if block_size is None:
             raise DFlashError("drafter config.json has no block_size (top level or in dflash_config)")
@@ -461,19 +533,17 @@ class DrafterConfig:
             check_int(cfg, key, "drafter")
         n = cfg["num_hidden_layers"]
         num_target_layers = check_int(cfg, "num_target_layers", "drafter")
-        layer_ids = dflash.get("target_layer_ids")
+        layer_ids = given_target_layer_ids(cfg, dflash, assistant)
         if layer_ids is None:
+            where = "target_layer_ids" if assistant else "dflash_config.target_layer_ids"
             if num_target_layers is None:
-                where = "target_layer_ids" if assistant else "dflash_config.target_layer_ids"
-                raise DFlashError(f"drafter config.json has neither {where} nor num_target_layers")
+                raise DFlashError(f"drafter config.json has neither {where} (nor "
+                                  f"{'' if assistant else 'target_layer_ids / '}eagle_aux_hidden_state_layer_ids) nor "
+                                  "num_target_layers")
             layer_ids = default_target_layer_ids(num_target_layers, n)
             if min(layer_ids) < 0:  # (the rule spreads them over layers 1 .. L - 3: a target of under 4 layers has none)
-                where = "target_layer_ids" if assistant else "dflash_config.target_layer_ids"
                 raise DFlashError(f"drafter config.json has no {where}, and the reference rule gives {layer_ids} for "
                                   f"{n} drafter layers over a target of {num_target_layers} layers; set {where}")
-        if not isinstance(layer_ids, list) or not layer_ids or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
-            raise DFlashError(f"drafter dflash_config.target_layer_ids must be a non-empty list of integers, got {layer_ids!r}")
         act = cfg.get("hidden_act") or "silu"
         if act not in SILU_NAMES + GELU_TANH_NAMES:
             raise DFlashError(f"drafter config.json hidden_act {act!r} is not supported "
@@ -510,7 +580,7 @@ class DrafterConfig:
             rope_scaling=scaling,
             attention_bias=bool_field(cfg, "attention_bias", "drafter", False),
             block_size=int(block_size),
-            mask_token_id=int(dflash["mask_token_id"]),
+            mask_token_id=int(mask_token_id),
             target_layer_ids=[int(i) for i in layer_ids],
             num_target_layers=num_target_layers,
             vocab_size=cfg.get("vocab_size"),
@@ -595,7 +665,8 @@ DEFAULT_MASK_TOKEN = "<|MASK|>"  # the mask token SGLang and the DFlash referenc
 def needs_mask_token_id(cfg: dict) -> bool:
     """Whether a drafter ``config.json`` dict is one :func:`fill_mask_token_id` completes: the
     DFlash / DFlash 2 format (not Speculators', not transformers' assistants) without
-    ``dflash_config.mask_token_id``."""
+    ``dflash_config.mask_token_id`` or a top-level ``mask_token_id`` (vLLM's fallback, which
+    :meth:`DrafterConfig.from_dict` reads too)."""
     dflash = cfg.get("dflash_config")
     archs = cfg.get("architectures")
     if "speculators_model_type" in cfg or (dflash is not None and not isinstance(dflash, dict)) or not isinstance(
@@ -604,12 +675,13 @@ def needs_mask_token_id(cfg: dict) -> bool:
     archs = archs or []
     if not (dflash or "DFlashDraftModel" in archs or "DFlash2DraftModel" in archs):
         return False
-    return (dflash or {}).get("mask_token_id") is None
+    return (dflash or {}).get("mask_token_id") is None and cfg.get("mask_token_id") is None
 
 
 def fill_mask_token_id(cfg: dict, tokenizer, vocab_size: int) -> tuple[dict, str | None]:
-    """A DFlash-format drafter ``config.json`` dict that has no ``dflash_config.mask_token_id``
-    (as SpecForge wrote them before it recorded one) with that id filled in as SGLang resolves
+    """A DFlash-format drafter ``config.json`` dict that has no mask token id (neither
+    ``dflash_config.mask_token_id`` nor a top-level one: as SpecForge wrote them before it
+    recorded one) with that id filled in as SGLang resolves
     it: ``dflash_config.mask_token`` (default :data:`DEFAULT_MASK_TOKEN`) looked up in the
     target's ``tokenizer``, else the id adding it as a new token would get (``len(tokenizer)``,
     as the DFlash reference's demo does with ``add_special_tokens``; the tokenizer itself is
