@@ -8,7 +8,11 @@ out take the defaults of transformers' config class of its ``model_type``.
   target-only decoding over a prompt longer than the window;
 * a qwen3 drafter with ``use_sliding_window`` + ``max_window_layers`` and no layer_types:
   the layer types transformers derives;
-* the values a file gives keep winning.
+* the values a file gives keep winning;
+* the keys vLLM reads besides the reference's (top-level / EAGLE-style target layers and mask
+  token id, ``logit_scale``, ``midlayer.*`` tensor names) are read, and those that change the
+  attention in vLLM or MiMo's code and that dflash-torch does not run (partial RoPE,
+  interleaved RoPE, a value scale) are refused in one line.
 """
 
 from __future__ import annotations
@@ -435,6 +439,59 @@ def test_an_engine_reads_the_top_level_mask_token_id_and_eagle_layer_ids(tiny_pa
     prompt = [5, 17, 99, 3, 42]
     x, y = (e.generate(prompt, max_new_tokens=24, ignore_eos=True) for e in (a, b))
     assert x.token_ids == y.token_ids and x.stats.acceptance_lengths == y.stats.acceptance_lengths
+
+
+@pytest.mark.parametrize("edit,words", [
+    (dict(partial_rotary_factor=0.5), "drafter config.json sets partial_rotary_factor 0.5 (RoPE on part of each head, "
+     "as vLLM and MiMo's code run it); dflash-torch's DFlash drafter rotates the whole head"),
+    (dict(rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}),
+     "drafter config.json sets rope_parameters.partial_rotary_factor 0.25 (RoPE on part of each head"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
+     "drafter config.json sets rope_scaling.partial_rotary_factor 0.5 (RoPE on part of each head"),
+    (dict(partial_rotary_factor=1.5), "drafter config.json partial_rotary_factor must be a number in (0, 1], got 1.5"),
+    (dict(is_neox_style=False), "drafter config.json sets is_neox_style false (RoPE on interleaved channel pairs, as "
+     "vLLM runs it); dflash-torch's DFlash drafter rotates the two halves of each head (true)"),
+    (dict(is_neox_style="false"), "drafter config.json is_neox_style must be true or false, got 'false'"),
+    (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [1, 5], "attention_value_scale": 0.612}),
+     "drafter config.json sets dflash_config.attention_value_scale 0.612 (MiMo's factor on the attention values); "
+     "dflash-torch's DFlash drafter does not scale them"),
+    (dict(logit_scale=0), "drafter config.json logit_scale must be a number > 0, got 0"),
+])
+def test_keys_that_change_the_attention_in_vllm_or_mimo_are_refused(edit, words):
+    """partial_rotary_factor < 1 (MiMo's DFlash drafters: their code and vLLM rotate part of
+    each head), is_neox_style false (vLLM: interleaved RoPE) and MiMo's attention_value_scale
+    are refused in one line; their default values are not."""
+    with pytest.raises(dflash_torch.DFlashError) as err:
+        DrafterConfig.from_dict(plain_qwen3_drafter_json(**edit))
+    assert str(err.value).startswith(words) and "\n" not in str(err.value), str(err.value)
+    plain = DrafterConfig.from_dict(plain_qwen3_drafter_json())
+    defaults = dict(partial_rotary_factor=1.0, is_neox_style=True, logit_scale=1.0,
+                    dflash_config={"mask_token_id": 1, "target_layer_ids": [1, 5], "attention_value_scale": 1.0})
+    assert DrafterConfig.from_dict(plain_qwen3_drafter_json(**defaults)) == plain
+
+
+def test_logit_scale_multiplies_the_draft_logits(tiny_pair, tmp_path):
+    """vLLM's DFlash drafter multiplies its draft logits by config.json logit_scale (its
+    LogitsProcessor scale): the drafter's draft logits are the target LM head's, times it."""
+    from conftest import edited_checkpoint
+    from dflash_torch.models.target import TargetModel
+
+    target_dir, drafter = tiny_pair
+    scaled = edited_checkpoint(drafter, tmp_path / "scaled", config=lambda c: c.update(logit_scale=2.5))
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    d = DFlashDrafter.from_pretrained(scaled, torch.float32)
+    d.share_with(target)
+    assert d.config.logit_scale == 2.5 and DrafterConfig.from_dict(d.config.to_dict()) == d.config
+    hidden = torch.randn(3, 5, d.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = d.draft_scores(hidden, torch.zeros(3, dtype=torch.long), target)
+    head = target.lm_head.weight if getattr(target, "lm_head", None) is not None else target.model.embed_tokens.weight
+    torch.testing.assert_close(got, 2.5 * hidden[:, 1:] @ head.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(dflash_torch.DFlashError, match=r"^DFlash 2 drafter config.json sets logit_scale 2.5; a DFlash 2 "
+                       r"drafter scales its draft logits by dflash_config.output_multiplier only$"):
+        DrafterConfig.from_dict({**d.config.to_dict(), "architectures": ["DFlash2DraftModel"], "dflash_config": {
+            **d.config.to_dict()["dflash_config"], "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8,
+            "selector_top_k": 4}})
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "llama", "gpt_oss"])

@@ -259,6 +259,9 @@ BAD_CONFIGS = [
     (_set("target_hidden_size", 0), r"target_hidden_size must be an integer >= 1, got 0"),
     (_layer("rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      r"partial_rotary_factor 0.5"),
+    # (vLLM's DFlash drafter reads the layer config's is_neox_style: false rotates interleaved channel pairs)
+    (_layer("is_neox_style", False), r"^drafter config.json sets is_neox_style false \(RoPE on interleaved channel "
+                                     r"pairs, as vLLM runs it\); dflash-torch's DFlash drafter rotates the two halves"),
     (_set("draft_vocab_size", VOCAB + 1), rf"draft_vocab_size {VOCAB + 1} exceeds the vocabulary of {VOCAB} tokens"),
     (_layer("hidden_act", "gelu"), r"hidden_act 'gelu' is not supported"),
     (_layer("vocab_size", VOCAB * 2), rf"drafter vocab_size {VOCAB * 2} != target vocab_size {VOCAB}"),

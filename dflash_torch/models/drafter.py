@@ -413,12 +413,16 @@ class DFlashDrafter(nn.Module):
         Muse Glimmer's multiplier and soft cap), as the DFlash reference's drafters take it, so
         that sampled drafts are on the target's scale. (The same for training and decoding.)
         With an LM head of its own: that head's logits as they are (no output scale or soft
-        cap), also once :meth:`share_with` has swapped an equal copy for the target's head."""
+        cap), also once :meth:`share_with` has swapped an equal copy for the target's head.
+        Either times the config's ``logit_scale`` where it is not 1 (as vLLM's DFlash drafter
+        scales its draft logits)."""
         if self.lm_head is not None:
-            return self.lm_head(slots)
-        if self.config.own_lm_head:
-            return target.logits(slots)
-        return target.output_logits(slots)
+            logits = self.lm_head(slots)
+        elif self.config.own_lm_head:
+            logits = target.logits(slots)
+        else:
+            logits = target.output_logits(slots)
+        return logits if self.config.logit_scale == 1.0 else logits * self.config.logit_scale
 
     def choose_draft(self, scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
                      guide: GrammarState | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

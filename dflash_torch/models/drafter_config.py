@@ -382,6 +382,64 @@ def given_mask_token_id(cfg: dict, dflash: dict):
     return top if inner is None else inner
 
 
+def refuse_rope_and_value_variants(cfg: dict, dflash: dict) -> None:
+    """Refuse the DFlash-format keys that change the drafter's attention in the code that runs
+    such drafters and that dflash-torch's DFlash drafter does not apply:
+
+    * ``partial_rotary_factor`` below 1 (top level, or in ``rope_parameters`` / ``rope_scaling``):
+      RoPE on the first part of each head only. MiMo's DFlash drafters (e.g. XiaomiMiMo
+      MiMo-V2.5-Pro-FP4-DFlash: 0.5) set it; vLLM's DFlash drafter rotates that part (its
+      RoPE reads the factor that transformers 5 moves into ``rope_parameters``), as MiMo's own
+      attention code does (its ``rope_dim``), and users serving them report the drafter's
+      acceptance collapses when the whole head is rotated, as the DFlash reference's
+      ``Qwen3RotaryEmbedding`` does under transformers 5 (its plain RoPE ignores the factor;
+      under transformers 4 the tables come out narrower than the head and its attention
+      fails). So the drafter was trained rotating part of the head: run whole-head it would
+      draft with other positions than it was trained on (the Speculators reader refuses the
+      key as well, and dflash-torch's qwen3 targets: :func:`~dflash_torch.models.config.refuse_partial_rotary`);
+    * ``is_neox_style: false``: vLLM's DFlash drafter then rotates interleaved channel pairs
+      (GPT-J style); dflash-torch rotates the two halves of the head (``true``, the default);
+    * ``dflash_config.attention_value_scale`` other than 1: MiMo's factor on the attention
+      values (MiMo's attention code multiplies every value row by it before attending);
+      dflash-torch's DFlash drafter does not scale them (the published MiMo drafters that set
+      it also have attention sinks, :func:`refuse_attention_sinks`).
+
+    Raises:
+        DFlashError: one line naming the key and its value.
+    """
+    for where, params in (("rope_parameters", cfg.get("rope_parameters")), ("rope_scaling", cfg.get("rope_scaling")),
+                          ("", cfg)):
+        factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+        if factor is None:
+            continue
+        key = f"{where}.partial_rotary_factor" if where else "partial_rotary_factor"
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise DFlashError(f"drafter config.json {key} must be a number in (0, 1], got {factor!r}")
+        if factor != 1:
+            raise DFlashError(f"drafter config.json sets {key} {factor!r} (RoPE on part of each head, as vLLM and "
+                              "MiMo's code run it); dflash-torch's DFlash drafter rotates the whole head")
+    if not bool_field(cfg, "is_neox_style", "drafter", True):
+        raise DFlashError("drafter config.json sets is_neox_style false (RoPE on interleaved channel pairs, as vLLM "
+                          "runs it); dflash-torch's DFlash drafter rotates the two halves of each head (true)")
+    scale = dflash.get("attention_value_scale")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise DFlashError(f"drafter config.json dflash_config.attention_value_scale must be a number, got {scale!r}")
+        if scale != 1:
+            raise DFlashError(f"drafter config.json sets dflash_config.attention_value_scale {scale!r} (MiMo's factor on "
+                              "the attention values); dflash-torch's DFlash drafter does not scale them")
+
+
+def logit_scale_field(cfg: dict) -> float:
+    """``logit_scale``: the factor vLLM's DFlash drafter multiplies its draft logits by
+    (default 1; a null reads as absent).
+
+    Raises:
+        DFlashError: a value that is not a finite number > 0.
+    """
+    return number_field(cfg, "logit_scale", "drafter", 1.0)
+
+
 def transformers_default_note(taken: dict[str, str], values: dict, *keys: str) -> str:
     """`` (head_dim 128: transformers' Qwen3Config default, the file gives none)`` for those of
     ``keys`` in ``taken`` (key -> the config class whose default it took; ``values``: their
@@ -424,6 +482,7 @@ class DrafterConfig:
     own_embedding: bool = False
     own_lm_head: bool = False
     qk_norm: bool = True  # per-head q/k RMSNorms in the drafter's attention (dflash_config.use_qk_norm false: none)
+    logit_scale: float = 1.0  # config.json logit_scale: the draft logits' factor (vLLM's LogitsProcessor scale)
     # the keys config.json leaves out that took transformers' defaults (with_transformers_defaults): key -> its class
     transformers_defaults: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -508,6 +567,7 @@ class DrafterConfig:
         if "DFlash2DraftModel" not in archs:  # (DFlash2Settings.from_dict refuses DFlash 2's, is_causal too)
             refuse_variants(lambda key: dflash.get(key, cfg.get(key)), "DFlash", VARIANT_KEYS)
         refuse_attention_sinks(cfg, dflash)
+        refuse_rope_and_value_variants(cfg, dflash)
         _require(cfg, ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"], "drafter")
         mask_token_id = given_mask_token_id(cfg, dflash)
         if mask_token_id is None:
@@ -568,6 +628,10 @@ class DrafterConfig:
             raise DFlashError("drafter config.json has_embed_tokens / has_lm_head true needs vocab_size (the rows of "
                               "its own table)")
         causal = block_causality(cfg, dflash, layer_types, plain=not assistant and v2 is None)
+        logit_scale = logit_scale_field(cfg)
+        if v2 is not None and logit_scale != 1.0:  # (its logits' own factor is dflash_config.output_multiplier)
+            raise DFlashError(f"DFlash 2 drafter config.json sets logit_scale {cfg['logit_scale']!r}; a DFlash 2 "
+                              "drafter scales its draft logits by dflash_config.output_multiplier only")
         return cls(
             hidden_size=cfg["hidden_size"],
             num_hidden_layers=n,
@@ -594,6 +658,7 @@ class DrafterConfig:
             own_lm_head=own["has_lm_head"],
             qk_norm=bool_field({"dflash_config.use_qk_norm": dflash.get("use_qk_norm")}, "dflash_config.use_qk_norm",
                                "drafter", True),
+            logit_scale=logit_scale,
             transformers_defaults=taken,
         )
 
@@ -648,6 +713,8 @@ class DrafterConfig:
                 cfg[key] = True
         if not self.qk_norm:
             cfg["dflash_config"]["use_qk_norm"] = False
+        if self.logit_scale != 1.0:
+            cfg["logit_scale"] = self.logit_scale
         if self.rope_scaling:
             cfg["rope_scaling"] = copy.deepcopy(self.rope_scaling)
         if self.max_position_embeddings is not None:

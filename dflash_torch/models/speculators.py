@@ -134,6 +134,10 @@ def read_config(cfg: dict) -> DrafterConfig:
         rope = layer["rope_parameters"] = rope["sliding_attention"]  # (per-layer-type RoPE: the library takes this one)
     rope = rope or layer.get("rope_scaling") or {}
     partial = rope.get("partial_rotary_factor", layer.get("partial_rotary_factor", 1.0)) if isinstance(rope, dict) else 1.0
+    # (a factor below 1: vLLM serves it rotating part of each head, while the library's model builds its RoPE with
+    # transformers' Qwen3RotaryEmbedding, whose plain RoPE ignores the factor under transformers 5 and rotates the
+    # whole head: the two disagree, which the checkpoint was trained with is unknown, and dflash-torch's drafter
+    # rotates whole heads only; the DFlash format refuses the key too, drafter_config.refuse_rope_and_value_variants)
     if partial not in (None, 1, 1.0):
         raise DFlashError(f"drafter transformer_layer_config has partial_rotary_factor {partial!r}; dflash-torch "
                           "runs drafters that rotate the whole head")
@@ -310,8 +314,11 @@ class SpeculatorsDrafter(DFlashDrafter):
     def draft_logits(self, target, slots: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[..., vocab]`` of final hidden rows ``slots`` ``[..., hidden]``: the
         drafter's LM head (else the target's, without its output scale or soft cap),
-        spread over the target's vocabulary through ``d2t`` (``-inf`` elsewhere)."""
+        spread over the target's vocabulary through ``d2t`` (``-inf`` elsewhere); times the
+        layer config's ``logit_scale`` where it is not 1 (as vLLM scales them)."""
         logits = self.lm_head(slots) if self.lm_head is not None else target.logits(slots)
+        if self.config.logit_scale != 1.0:
+            logits = logits * self.config.logit_scale
         if self.d2t is None:
             return logits
         tokens = self.d2t + torch.arange(self.d2t.shape[0], device=self.d2t.device)
