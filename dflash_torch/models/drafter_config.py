@@ -536,8 +536,15 @@ class DrafterConfig:
                 ``swa_window_size``; :func:`with_transformers_defaults`: a window
                 transformers drops), a ``rope_parameters`` per layer type whose entries
                 differ (:func:`one_rope_for_every_layer`), ``num_attention_heads`` not a multiple
-                of ``num_key_value_heads``. A message about a value taken from transformers'
-                defaults says so (:meth:`default_note`).
+                of ``num_key_value_heads``; target layer ids or mask token ids given twice and
+                differing (:func:`given_target_layer_ids`, :func:`given_mask_token_id`); partial
+                or interleaved RoPE or a value scale (:func:`refuse_rope_and_value_variants`); a
+                ``logit_scale`` that is not a number > 0, or other than 1 in a DFlash 2 config. A
+                message about a value taken from transformers' defaults says so (:meth:`default_note`).
+
+        The target layers and mask token id are read where vLLM reads them too (the
+        top-level ``target_layer_ids`` / ``mask_token_id``, ``eagle_aux_hidden_state_layer_ids``);
+        ``logit_scale`` (default 1) multiplies the draft logits, as in vLLM.
         """
         if "speculators_model_type" in cfg:
             from .speculators import read_config
