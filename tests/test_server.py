@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -906,6 +907,95 @@ def test_a_server_bug_is_a_500_a_browser_can_read(local_engine):
         assert r.status_code == 404 and r.headers["access-control-allow-origin"] == "*", r.text
     finally:
         app.state.scheduler.close()
+
+
+def _metric(client, name: str, labels: dict | None = None) -> float:
+    """A sample's value in an in-process app's /metrics (0.0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == (labels or {}):
+                return sample.value
+    return 0.0
+
+
+def _sse_events(lines) -> list:
+    """The data of a stream's SSE lines (JSON objects, and "[DONE]"), keep-alive comments skipped."""
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+@contextmanager
+def _failing_steps(monkeypatch):
+    """The batched backend's steps, of which the ``plan["fail_at"]``-th (counting every step
+    since) raises ``RuntimeError("injected failure")`` (a server bug in a decoding round)."""
+    from dflash_torch.serving import scheduler as sched
+
+    plan = {"n": 0, "fail_at": None}
+    step = sched.BatchedBackend.step
+
+    def failing_step(self):
+        plan["n"] += 1
+        if plan["n"] == plan["fail_at"]:
+            raise RuntimeError("injected failure")
+        return step(self)
+
+    monkeypatch.setattr(sched.BatchedBackend, "step", failing_step)
+    yield plan
+
+
+def test_a_generation_that_fails_is_counted_and_logged_with_its_request_id(local_engine, monkeypatch, caplog):
+    """A decoding round that raises (a bug) fails its requests: a non-streamed one is a 500,
+    a stream that had started ends with an error event and [DONE] (its status, 200, was sent).
+    Both are counted in dflash_generation_errors_total (the stream left no other trace), and
+    each is logged as "generation failed" with its request's id (as the client got it) and
+    the traceback; the 500's message names the id too."""
+    import logging
+
+    from starlette.testclient import TestClient
+
+    from dflash_torch.serving.app import create_app
+
+    monkeypatch.setattr(logging.getLogger("dflash_torch"), "propagate", True)  # (a CLI test here may stop it)
+    caplog.set_level(logging.ERROR, logger="dflash_torch.serving")
+    sampling = {"max_tokens": 8, "ignore_eos": True, "temperature": 0}
+    body = {"prompt": PROMPT, **sampling}
+    with _failing_steps(monkeypatch) as plan:
+        app = create_app(local_engine, max_batch_size=2)
+        try:
+            client = TestClient(app, raise_server_exceptions=False)
+            assert "dflash_generation_errors_total counter" in client.get("/metrics").text  # (with its HELP)
+            assert client.post("/v1/completions", json=body).status_code == 200  # (no failure: none counted)
+            assert _metric(client, "dflash_generation_errors_total") == 0
+            plan["fail_at"] = plan["n"] + 2  # (the first step prefills and commits the first token)
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+            message = r.json()["error"]["message"]
+            assert message.startswith("generation failed: RuntimeError: injected failure (request cmpl-"), message
+            failed_id = message.split("(request ")[1].rstrip(")")
+            plan["fail_at"] = plan["n"] + 2
+            for path, sent in (("/v1/completions", body),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], **sampling})):
+                with client.stream("POST", path, json={**sent, "stream": True}) as r:
+                    assert r.status_code == 200
+                    events = _sse_events(r.iter_lines())
+                assert events[-1] == "[DONE]" and "error" in events[-2], events
+                assert events[-2]["error"]["type"] == "server_error", events
+                assert any(e["choices"] for e in events[:-2] if "choices" in e)  # (it had started)
+                if sent is body:
+                    stream_id = events[0]["id"]
+                    plan["fail_at"] = plan["n"] + 2
+            assert _metric(client, "dflash_generation_errors_total") == 3
+            assert _metric(client, "dflash_requests_total", {"endpoint": "/v1/completions", "status": "200"}) == 2
+            assert _metric(client, "dflash_requests_total", {"endpoint": "/v1/completions", "status": "500"}) == 1
+        finally:
+            app.state.scheduler.close()
+    failures = [rec for rec in caplog.records if rec.getMessage().startswith("generation failed")]
+    assert len(failures) == 3, [rec.getMessage() for rec in failures]
+    for rec, rid in zip(failures, (failed_id, stream_id)):
+        assert rec.getMessage() == f"generation failed (request {rid})" and rec.levelname == "ERROR"
+        assert str(rec.exc_info[1]) == "injected failure"  # (with its traceback)
+    assert failures[2].getMessage().startswith("generation failed (request chatcmpl-")
 
 
 def test_cors_flags_restrict_origins_methods_and_headers(tiny_pair, tmp_path):

@@ -938,7 +938,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             kwargs["skip_special_tokens"] = parser_markers(bool(tools))  # (all special tokens but the parsers' markers)
         if chat and req.forces_tool_calls():
             check_tool_call_format(req)
-        job = Job(loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived)
+        rid = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_"}[kind] + uuid.uuid4().hex
+        job = Job(loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived, request_id=rid)
         if req.constraint() is not None or (chat and req.forces_tool_calls()):
             param, kwargs["structured_output"] = await to_thread(request_constraint, req, chat, tools, prompt_tail)
             job.param_aliases["structured_output"] = param
@@ -962,7 +963,6 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise_job_error(ev)
             if ev.kind == "done":  # cancelled before it started
                 return Response(status_code=499)
-            rid = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_"}[kind] + uuid.uuid4().hex
             # (a chat has one prompt; its end tells whether the template opened the reasoning; calls
             # are looked for when the model was given tools)
             parsers = None if kind == "completion" else \

@@ -25,6 +25,10 @@ dflash_queue_depth                     gauge      sequences waiting for or holdi
 dflash_running_requests                gauge      sequences in the running batch (one per choice)
 dflash_waiting_requests                gauge      sequences waiting for a slot (one per choice)
 dflash_rejected_requests_total         counter    requests refused with 503 because the queue was full
+dflash_generation_errors_total         counter    requests whose generation failed on a server error (a bug, or
+                                                  ``--compile``'s graphs torch failed to build), streamed or not:
+                                                  a 500, or the error event of a stream that had started (whose
+                                                  status, 200, was sent); once per request
 dflash_batch_size                      histogram  sequences that decoded in a round, observed once per
                                                   decoding round (a step that only prefills: none; sequences
                                                   still prefilling are not counted)
@@ -97,6 +101,9 @@ class ServerMetrics:
         self.running = Gauge("dflash_running_requests", "Sequences in the running batch (one per choice)", registry=r)
         self.waiting = Gauge("dflash_waiting_requests", "Sequences waiting for a slot (one per choice)", registry=r)
         self.rejected = Counter("dflash_rejected_requests", "Requests refused with 503 because the queue was full", registry=r)
+        self.generation_errors = Counter(
+            "dflash_generation_errors", "Requests whose generation failed on a server error, streamed or not (a 500, "
+            "or the error event of a stream whose 200 was sent); once per request", registry=r)
         self.batch_size = Histogram("dflash_batch_size", "Sequences that decoded in a round (not those prefilling), observed "
                                     "once per decoding round",
                                     buckets=BATCH_BUCKETS, registry=r)

@@ -239,6 +239,8 @@ class Job:
     unfinished: int = 0                # sequences without their ``done`` event yet
     # an engine error's param -> the request's field it stands for (structured_output -> response_format)
     param_aliases: dict[str, str] = field(default_factory=dict)
+    request_id: str = ""               # the id its response carries (``chatcmpl-...``), for the log
+    failed: bool = False               # a choice failed on a server error (counted once per job)
 
     def add(self, prompt_ids: list[int], max_new_tokens: int, kwargs: dict) -> Sequence:
         """Append a choice (its index is the number of choices before it)."""
@@ -602,15 +604,29 @@ class Scheduler:
             self.metrics.observe_rounds(taus)
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
-        if isinstance(exc, CompileError):  # (torch's compiler failed, not the request: a 500 that names it)
-            log.error("generation failed: %s", exc)
-            seq.job.put("fatal", str(exc), seq.index)
-        elif isinstance(exc, DFlashError):
+        """End ``seq`` with ``exc``: a user error (a :class:`DFlashError`: an ``error`` event,
+        the request's 400), or a server error (torch's compiler failed, or a bug: a ``fatal``
+        event, the request's 500 or a started stream's error event), which is logged with the
+        request's id (and the bug's traceback) and counted in ``dflash_generation_errors_total``
+        (once per request, however many of its choices fail)."""
+        job = seq.job
+        if isinstance(exc, DFlashError) and not isinstance(exc, CompileError):
             param = param_of(exc)
-            seq.job.put("error", (str(exc), seq.job.param_aliases.get(param, param)), seq.index)
+            job.put("error", (str(exc), job.param_aliases.get(param, param)), seq.index)
+            return
+        with self._cond:
+            first, job.failed = not job.failed, True
+        if first:
+            self.metrics.generation_errors.inc()
+        name = f"request {job.request_id or '(no id)'}" + (f" choice {seq.index}" if len(job.sequences) > 1 else "")
+        if isinstance(exc, CompileError):  # (torch's compiler failed, not the request: a 500 that names it)
+            log.error("generation failed (%s): %s", name, exc)
+            message = str(exc)
         else:  # a bug, not the user's input: report a 500
-            log.error("generation failed", exc_info=exc)
-            seq.job.put("fatal", f"{type(exc).__name__}: {exc}", seq.index)
+            log.error("generation failed (%s)", name, exc_info=exc)
+            message = f"{type(exc).__name__}: {exc}"
+        # (the id in the client's message too: a non-streamed 500 carries no other, and the log names it)
+        job.put("fatal", f"{message} ({name})" if job.request_id else message, seq.index)
 
     def _remove(self, seq: Sequence) -> None:
         """Take an unfinished sequence out of the backend and the batch."""
