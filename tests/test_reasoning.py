@@ -135,15 +135,24 @@ def test_server_splits_reasoning_from_content_streamed_and_not(thinking_pair, tm
         client = server.client()
         model = client.models.list().data[0].id
         kw = dict(model=model, messages=messages, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
-        msg = client.chat.completions.create(**kw).choices[0].message
+        r = client.chat.completions.create(**kw)
+        msg = r.choices[0].message
         assert (msg.reasoning_content, msg.content) == (reasoning, answer)
+        # the reasoning's tokens (its text encoded again, as /v1/responses counts them), in OpenAI's usage field
+        thought = len(engine.tokenizer.encode(reasoning, add_special_tokens=False))
+        assert r.usage.completion_tokens_details.reasoning_tokens == thought > 0
+        two = client.chat.completions.create(**kw, n=2)  # (every choice's)
+        assert two.usage.completion_tokens_details.reasoning_tokens == 2 * thought
         parts = {"reasoning_content": [], "content": []}
-        for chunk in client.chat.completions.create(stream=True, **kw):
+        usages = []
+        for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+            usages.append(chunk.usage)
             delta = chunk.choices[0].delta if chunk.choices else None
             for key in parts:
                 if delta is not None and getattr(delta, key, None):
                     parts[key].append(getattr(delta, key))
         assert ("".join(parts["reasoning_content"]), "".join(parts["content"])) == (reasoning, answer)
+        assert usages[-1].completion_tokens_details.reasoning_tokens == thought and usages[-1].completion_tokens == 40
         # a reply cut inside its reasoning has no answer: content null, as vLLM's and as streamed (it was "")
         first = engine.generate(messages, max_new_tokens=1, ignore_eos=True).text
         assert first and "</think>" not in first
@@ -155,9 +164,11 @@ def test_server_splits_reasoning_from_content_streamed_and_not(thinking_pair, tm
         assert text == raw
     with _serve(thinking_pair, logdir, "--reasoning-parser", "none") as server:
         client = server.client()
-        msg = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, max_tokens=40,
-                                             temperature=0, extra_body={"ignore_eos": True}).choices[0].message
+        r = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, max_tokens=40,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        msg = r.choices[0].message
         assert msg.content == raw and getattr(msg, "reasoning_content", None) is None
+        assert r.usage.completion_tokens_details.reasoning_tokens == 0  # (no reasoning split off)
 
 
 def test_skip_special_tokens_keeps_the_markers_a_reply_parser_reads(tmp_path_factory):

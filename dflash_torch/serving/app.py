@@ -308,10 +308,24 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    """OpenAI's ``usage`` object; ``cached_tokens``: prompt tokens served from a retained prefix."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's ``usage`` object; ``cached_tokens``: prompt tokens served from a retained prefix;
+    ``reasoning_tokens`` (a chat's: :func:`_reasoning_tokens`, else None: no such field): its
+    ``completion_tokens_details.reasoning_tokens``."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
+
+
+def _reasoning_tokens(tokenizer, reasoning: str, limit: int) -> int:
+    """The tokens of a reply's reasoning (the text its reasoning parser split off, markers
+    not included) as the tokenizer encodes that text again (no special tokens added), at
+    most ``limit`` (the reply's tokens); 0 for none. Chat's
+    ``usage.completion_tokens_details.reasoning_tokens`` and the Responses API's
+    ``usage.output_tokens_details.reasoning_tokens``."""
+    return min(len(tokenizer.encode(reasoning, add_special_tokens=False)), limit) if reasoning else 0
 
 
 def _cached_tokens(per_choice: list[int], n: int) -> int:
@@ -1017,7 +1031,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 if chunk.logprobs is not None:
                     out["logprobs"] = (out["logprobs"] or []) + chunk.logprobs
         n_tokens = sum(out["tokens"] for out in outs)
-        usage = _usage(prompt_tokens, n_tokens, _cached_tokens([out["stats"].cached_prompt_tokens for out in outs], n))
+        usage = _usage(prompt_tokens, n_tokens, _cached_tokens([out["stats"].cached_prompt_tokens for out in outs], n),
+                       0 if kind == "chat" else None)
         choices = []
         for i, out in enumerate(outs):
             content, logprobs = "".join(out["text"]), out["logprobs"]
@@ -1026,6 +1041,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 message, finish = {"role": "assistant", "content": content}, out["finish"]
                 if parsers is not None:
                     reasoning_text, message["content"], calls = parse_reply(parsers[i], content, finish == "stop")
+                    usage["completion_tokens_details"]["reasoning_tokens"] += _reasoning_tokens(
+                        engine.tokenizer, reasoning_text, out["tokens"])
                     if reasoning != "none":  # (no reasoning parser: no such field, as without tools)
                         message["reasoning_content"] = reasoning_text or None
                     if calls or reasoning_text:  # (an answer of nothing beside them: null, as vLLM's and as streamed)
@@ -1104,6 +1121,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         n_tokens, left = 0, len(job.sequences)
         choice_tokens = [0] * left  # (each choice's tokens so far)
         cached = [0] * left  # (each choice's, set as it finishes)
+        thoughts = [0] * left  # (each chat choice's reasoning tokens, set as it finishes)
+        reasoning_parts: list[list[str]] = [[] for _ in range(left)]  # (each chat choice's reasoning so far)
         if kind == "chat":
             for i in range(left):
                 yield frame([choice(i, "", role=True)])
@@ -1129,6 +1148,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             n_tokens += len(chunk.token_ids)
             choice_tokens[i] += len(chunk.token_ids)
             reasoning_text, text, calls = ("", chunk.text, []) if parsers is None else parsers[i].feed(chunk.text)
+            reasoning_parts[i].append(reasoning_text)
             # a piece with text (not all held back by a parser: no empty delta), or with tokens whose
             # logprobs were asked for (their text may be held back), or the prompt's logprobs
             piece = bool(text or reasoning_text) or bool(chunk.logprobs) or (
@@ -1145,6 +1165,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 if parsers is not None:  # what the parser held back
                     held_reasoning, held, held_calls = parsers[i].finish(finish == "stop")
                     reasoning_text, text, calls = reasoning_text + held_reasoning, text + held, calls + held_calls
+                    reasoning_parts[i].append(held_reasoning)
+                thoughts[i] = _reasoning_tokens(engine.tokenizer, "".join(reasoning_parts[i]), choice_tokens[i])
                 if piece or reasoning_text or text or calls:
                     yield frame([choice(i, text, logprobs=chunk.logprobs, reasoning_text=reasoning_text, calls=calls,
                                         prompt=prompt_lps)])
@@ -1155,7 +1177,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 yield frame([choice(i, chunk.text, chunk.finish_reason, logprobs=chunk.logprobs, prompt=prompt_lps)],
                             dflash=summary)
         if include_usage:
-            yield frame([], usage=_usage(prompt_tokens, n_tokens, _cached_tokens(cached, n)))
+            yield frame([], usage=_usage(prompt_tokens, n_tokens, _cached_tokens(cached, n),
+                                         sum(thoughts) if kind == "chat" else None))
         yield "data: [DONE]\n\n"
 
     def response_pieces(builder: ResponseBuilder, parser, chunk: StreamChunk, state: dict, prompt_tokens: int) -> list[dict]:
@@ -1172,8 +1195,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 state["reasoning"].append(reasoning_text)
                 events += builder.feed(reasoning_text, text, calls)
         if chunk.finish_reason is not None:
-            thought = "".join(state["reasoning"])
-            reasoning_tokens = len(engine.tokenizer.encode(thought, add_special_tokens=False)) if thought else 0
+            reasoning_tokens = _reasoning_tokens(engine.tokenizer, "".join(state["reasoning"]), state["tokens"])
             events += builder.finish(chunk.finish_reason, prompt_tokens, state["tokens"],
                                      chunk.stats.cached_prompt_tokens, reasoning_tokens,
                                      {"dflash": _stats_summary(chunk.stats)}, parser is not None and parser.thinking)
