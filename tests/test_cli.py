@@ -65,6 +65,16 @@ def test_json_is_one_object_with_the_documented_keys(json_output, api):
     assert out["stats"]["times_include_compilation"] is False  # (true with --compile, as the text stats line says)
 
 
+def test_json_stats_of_a_reply_without_a_decoding_round_have_null_tau_and_rate(cli, pair_args):
+    """One token (the prefill's): no decoding round, so no tau (>= 1 by definition) and no
+    decode rate: null, not 0.0 (which would pull an average over runs down)."""
+    proc = cli("generate", *pair_args, PROMPT, "--max-new-tokens", "1", "--ignore-eos", "--json")
+    assert proc.returncode == 0, proc.stderr
+    stats = parse_single_json(proc.stdout)["stats"]
+    assert stats["acceptance_lengths"] == [] and stats["generated_tokens"] == 1
+    assert stats["mean_acceptance_length"] is None and stats["decode_tokens_per_second"] is None
+
+
 def test_logprobs_in_the_json_object_are_the_python_apis(cli, json_output, pair_args, api):
     """``--json --logprobs 2``: the same tokens as without, and per token its id, text, bytes
     and log-probability with the 2 most likely tokens there, as ``generate(logprobs=2)``

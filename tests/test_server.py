@@ -177,6 +177,25 @@ def test_greedy_completion_matches_cli(server, cli_reference, local_engine):
     assert usage.completion_tokens == REF_TOKENS and usage.prompt_tokens == r.usage.prompt_tokens
 
 
+def test_dflash_stats_of_a_reply_without_a_decoding_round_have_null_tau_and_rate(server):
+    """max_tokens 1: the prefill's token only, no decoding round: the dflash object's
+    mean_acceptance_length and decode_tokens_per_second are null (not 0.0), streamed or not;
+    a longer reply has numbers there."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{server.base}/v1/completions", json={**body, "max_tokens": 1}, headers=auth, timeout=120).json()
+    stats = r["dflash"]
+    assert stats["acceptance_histogram"] == {} and r["usage"]["completion_tokens"] == 1, r
+    assert stats["mean_acceptance_length"] is None and stats["decode_tokens_per_second"] is None, stats
+    with httpx.stream("POST", f"{server.base}/v1/completions", json={**body, "max_tokens": 1, "stream": True},
+                      headers=auth, timeout=120) as s:
+        last = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")][-1]
+    assert last["dflash"]["mean_acceptance_length"] is None and last["dflash"]["decode_tokens_per_second"] is None
+    stats = httpx.post(f"{server.base}/v1/completions", json={**body, "max_tokens": 4}, headers=auth,
+                       timeout=120).json()["dflash"]
+    assert stats["mean_acceptance_length"] >= 1 and stats["decode_tokens_per_second"] > 0, stats
+
+
 def test_default_max_tokens_is_16(server):
     r = server.client().completions.create(prompt=PROMPT, **_greedy())
     assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"

@@ -339,16 +339,21 @@ def _cached_tokens(per_choice: list[int], n: int) -> int:
 
 
 def _stats_summary(stats) -> dict | None:
+    """A response's (or a choice's) ``dflash`` object: the speculative-decoding statistics
+    of its :class:`~dflash_torch.engine.GenerationStats` (times in seconds);
+    ``mean_acceptance_length`` and ``decode_tokens_per_second`` are null where no decoding
+    round ran (the reply ended with the prefill's token: ``max_tokens`` 1, a stop at once)."""
     if stats is None:
         return None
+    rounds = bool(stats.acceptance_lengths)
     return {
-        "mean_acceptance_length": stats.mean_acceptance_length,
+        "mean_acceptance_length": stats.mean_acceptance_length if rounds else None,
         "acceptance_histogram": {str(k): v for k, v in stats.acceptance_histogram.items()},
         "block_size": stats.block_size,
         "draft_mode": stats.draft_mode,
         "prefill_time": stats.prefill_time,
         "decode_time": stats.decode_time,
-        "decode_tokens_per_second": stats.decode_tokens_per_second,
+        "decode_tokens_per_second": stats.decode_tokens_per_second if rounds else None,
     }
 
 
