@@ -1017,6 +1017,40 @@ def test_a_generation_that_fails_is_counted_and_logged_with_its_request_id(local
     assert failures[2].getMessage().startswith("generation failed (request chatcmpl-")
 
 
+def test_a_stream_sends_its_headers_once_its_prefill_is_done(local_engine, monkeypatch):
+    """A stream's status and headers wait for its prefill (its first event): a failure in the
+    prefill (the step that reads the prompt raises) is the stream's status, a 500 in OpenAI's
+    error shape (it was a 200 and an error event, the slot taken being enough to start it),
+    for each endpoint; the next stream is served as usual."""
+    from starlette.testclient import TestClient
+
+    from dflash_torch.serving.app import create_app
+
+    sampling = {"max_tokens": 4, "ignore_eos": True, "temperature": 0, "stream": True}
+    messages = [{"role": "user", "content": PROMPT}]
+    bodies = {"/v1/completions": {"prompt": PROMPT, **sampling},
+              "/v1/chat/completions": {"messages": messages, **sampling},
+              "/v1/responses": {"input": messages, "max_output_tokens": 4, "temperature": 0, "stream": True}}
+    with _failing_steps(monkeypatch) as plan:
+        app = create_app(local_engine, max_batch_size=2)
+        try:
+            client = TestClient(app, raise_server_exceptions=False)
+            for path, body in bodies.items():
+                plan["fail_at"] = plan["n"] + 1  # (the first step: the prefill)
+                with client.stream("POST", path, json=body) as r:
+                    r.read()
+                assert r.status_code == 500, (path, r.status_code, r.text)
+                error = r.json()["error"]
+                assert error["type"] == "server_error" and "injected failure" in error["message"], (path, error)
+                assert _metric(client, "dflash_requests_total", {"endpoint": path, "status": "500"}) == 1
+                with client.stream("POST", path, json=body) as r:
+                    assert r.status_code == 200
+                    assert _sse_events(r.iter_lines())[-1] == "[DONE]" or path == "/v1/responses"
+            assert _metric(client, "dflash_generation_errors_total") == 3
+        finally:
+            app.state.scheduler.close()
+
+
 def test_cors_flags_restrict_origins_methods_and_headers(tiny_pair, tmp_path):
     from test_server_scheduler import _serve
 

@@ -976,12 +976,19 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         prompt_tokens = sum(len(ids) for ids, _, _ in prepared)  # once per prompt, whatever n
         scoring = Scoring(req, kind, prompts, prepared, n, engine.decode, engine.special_token_ids)
         try:
-            ev = await next_event(job, request)  # waits in the queue, then for prefill
+            # Wait in the queue, then for the prefill: the first event after the choices' starts (a
+            # stream's first chunk, the prefill's token; a non-streamed choice's whole output; or its
+            # error), so that a stream's headers go out only then: an error found by then (in its
+            # prefill, say) is the request's status, and a client that leaves by then is a 499.
+            ev = await next_event(job, request)
+            while ev is not None and ev.kind == "start":
+                ev = await next_event(job, request)
             if ev is None:
                 return Response(status_code=499)
             raise_job_error(ev)
             if ev.kind == "done":  # cancelled before it started
                 return Response(status_code=499)
+            first = ev  # (handed on: the answer's first event)
             # (a chat has one prompt; its end tells whether the template opened the reasoning; calls
             # are looked for when the model was given tools)
             parsers = None if kind == "completion" else \
@@ -994,27 +1001,29 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                                           created_at)
                 parser = None if parsers is None else parsers[0]
                 if req.stream:
-                    return _JobStreamingResponse(sse(response_stream(job, builder, parser, prompt_tokens, responses)), job,
+                    return _JobStreamingResponse(sse(response_stream(job, first, builder, parser, prompt_tokens,
+                                                                     responses)), job,
                                                  media_type="text/event-stream",
                                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-                return await response_complete(job, request, builder, parser, prompt_tokens)
+                return await response_complete(job, first, request, builder, parser, prompt_tokens)
             if req.stream:
-                return _JobStreamingResponse(sse(stream_events(job, req, rid, created_at, kind, prompt_tokens, n, parsers,
-                                                               scoring)), job,
+                return _JobStreamingResponse(sse(stream_events(job, first, req, rid, created_at, kind, prompt_tokens, n,
+                                                               parsers, scoring)), job,
                                              media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return await complete(job, request, rid, created_at, kind, prompt_tokens, n, parsers, scoring)
+            return await complete(job, first, request, rid, created_at, kind, prompt_tokens, n, parsers, scoring)
         except BaseException:
             job.cancel()
             raise
 
-    async def complete(job: Job, request: Request, rid: str, created_at: int, kind: str, prompt_tokens: int, n: int,
-                       parsers, scoring: Scoring):
+    async def complete(job: Job, first: Event, request: Request, rid: str, created_at: int, kind: str,
+                       prompt_tokens: int, n: int, parsers, scoring: Scoring):
         outs = [{"text": [], "tokens": 0, "finish": None, "stats": None, "logprobs": None, "prompt_logprobs": None}
                 for _ in job.sequences]
         left = len(outs)
+        pending = [first]  # (the event run() waited for)
         while left:
-            ev = await next_event(job, request)
+            ev = pending.pop() if pending else await next_event(job, request)
             if ev is None:
                 return Response(status_code=499)
             raise_job_error(ev)
@@ -1074,8 +1083,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             body["prompt_logprobs"] = choices[0]["prompt_logprobs"]
         return JSONResponse(body)
 
-    async def stream_events(job: Job, req, rid: str, created_at: int, kind: str, prompt_tokens: int, n: int, parsers,
-                            scoring: Scoring):
+    async def stream_events(job: Job, first: Event, req, rid: str, created_at: int, kind: str, prompt_tokens: int,
+                            n: int, parsers, scoring: Scoring):
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         include_usage, continuous_usage = req.include_usage, req.continuous_usage
 
@@ -1131,8 +1140,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if kind == "chat":
             for i in range(left):
                 yield frame([choice(i, "", role=True)])
+        pending = [first]  # (the event run() waited for)
         while left:
-            ev = await job.queue.get()
+            ev = pending.pop() if pending else await job.queue.get()
             if ev.kind == "done":
                 left -= 1
                 continue
@@ -1206,10 +1216,12 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                                      {"dflash": _stats_summary(chunk.stats)}, parser is not None and parser.thinking)
         return events
 
-    async def response_complete(job: Job, request: Request, builder: ResponseBuilder, parser, prompt_tokens: int):
+    async def response_complete(job: Job, first: Event, request: Request, builder: ResponseBuilder, parser,
+                                prompt_tokens: int):
         state = {"tokens": 0, "reasoning": []}
+        pending = [first]  # (the event run() waited for)
         while True:
-            ev = await next_event(job, request)
+            ev = pending.pop() if pending else await next_event(job, request)
             if ev is None:
                 return Response(status_code=499)
             if (err := job_error(ev)) is not None:
@@ -1220,12 +1232,14 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 response_pieces(builder, parser, ev.value, state, prompt_tokens)
         return JSONResponse(builder.response())
 
-    async def response_stream(job: Job, builder: ResponseBuilder, parser, prompt_tokens: int, req: ResponsesRequest):
+    async def response_stream(job: Job, first: Event, builder: ResponseBuilder, parser, prompt_tokens: int,
+                              req: ResponsesRequest):
         state = {"tokens": 0, "reasoning": []}
         for event in builder.start():
             yield sse_event(event)
+        pending = [first]  # (the event run() waited for)
         while True:
-            ev = await job.queue.get()
+            ev = pending.pop() if pending else await job.queue.get()
             if ev.kind == "done":
                 return
             if (err := job_error(ev)) is not None:  # the status is sent: an error event, then the end
