@@ -190,8 +190,11 @@ def test_lm_eval_loglikelihood_payload(server, engine, oracle):
 
 
 def test_max_tokens_zero_scores_the_prompt_only(server, engine, oracle):
+    """... and generates nothing: usage.completion_tokens 0, and the metrics' generated tokens
+    (its one decoded token is dropped) and time to first token leave it out, as they say."""
     ids = engine.encode_prompt(LONG)
     client = server.client()
+    before = server.metrics()
     kw = dict(model=MODEL, prompt=LONG, max_tokens=0, echo=True, logprobs=2, temperature=0)
     r = client.completions.create(**kw)
     c = r.choices[0]
@@ -202,6 +205,10 @@ def test_max_tokens_zero_scores_the_prompt_only(server, engine, oracle):
     events = [ev.choices[0] for ev in client.completions.create(stream=True, **kw)]
     assert "".join(e.text for e in events) == LONG and events[-1].finish_reason == "length"
     assert sum(len(e.logprobs.tokens) for e in events if e.logprobs is not None) == len(ids)
+    after = server.metrics()
+    for name in ("dflash_generated_tokens_total", "dflash_time_to_first_token_seconds_count"):
+        assert after[(name, ())] == before[(name, ())], name
+    assert after[("dflash_prompt_tokens_total", ())] == before[("dflash_prompt_tokens_total", ())] + 2 * len(ids)
 
 
 @pytest.mark.parametrize("path,body,param,message", [

@@ -7,13 +7,16 @@ name                                   type       meaning
 =====================================  =========  ==============================================
 dflash_requests_total                  counter    HTTP requests by ``endpoint`` and ``status``
 dflash_request_latency_seconds         histogram  request latency (whole stream included) by endpoint
-dflash_time_to_first_token_seconds     histogram  from arrival to the first generated token
+dflash_time_to_first_token_seconds     histogram  from arrival to the first generated token (a scoring
+                                                  request generates none: not observed)
 dflash_requests_cancelled_total        counter    generations (choices: a request's n) dropped or stopped early: the client went away
 dflash_prompt_tokens_total             counter    prompt tokens of started generations, each choice
                                                   its own (n choices: n times; ``usage.prompt_tokens``: once)
 dflash_prefill_tokens_total            counter    prompt tokens the target read (choices sharing a prompt: once)
 dflash_reused_prefill_tokens_total     counter    prompt tokens taken from a retained prefix instead (prefix reuse)
-dflash_generated_tokens_total          counter    generated (committed, emitted) tokens
+dflash_generated_tokens_total          counter    generated (committed, emitted) tokens: the responses'
+                                                  ``usage.completion_tokens`` (a scoring request's, ``echo``
+                                                  with ``max_tokens`` 0: none, its one decoded token dropped)
 dflash_target_only_rounds_total        counter    rounds run without drafts (more sequences than
                                                   ``--draft-max-batch-size``, or chosen by its
                                                   ``auto`` policy; their tau is 1)
@@ -51,7 +54,8 @@ response counts each prompt once).
 
 Each sequence's first token is its prefill's, every later one a decoding round's, so
 ``dflash_generated_tokens_total`` == ``dflash_acceptance_length_sum`` +
-``dflash_time_to_first_token_seconds_count`` (cancelled sequences included), and
+``dflash_time_to_first_token_seconds_count`` (cancelled sequences included; a scoring
+request's sequence, whose one token is dropped and runs no round, counts in neither), and
 ``dflash_acceptance_length_count`` == the sum of ``dflash_batch_size``.
 """
 
@@ -79,7 +83,8 @@ class ServerMetrics:
                                 ["endpoint", "status"], registry=r)
         self.latency = Histogram("dflash_request_latency_seconds", "Request latency in seconds (streams: until the last byte)",
                                  ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("dflash_time_to_first_token_seconds", "Seconds from request arrival to the first generated token",
+        self.ttft = Histogram("dflash_time_to_first_token_seconds", "Seconds from request arrival to the first generated "
+                              "token (not observed for a scoring request: echo with max_tokens 0)",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.cancelled = Counter("dflash_requests_cancelled", "Generations stopped early because the client went away", registry=r)
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of started generations, counted for each "
@@ -89,7 +94,9 @@ class ServerMetrics:
                                       "several choices is read once)", registry=r)
         self.reused_prefill_tokens = Counter("dflash_reused_prefill_tokens", "Prompt tokens taken from a retained "
                                              "prefix (an earlier request's rows) instead of read", registry=r)
-        self.generated_tokens = Counter("dflash_generated_tokens", "Generated tokens", registry=r)
+        self.generated_tokens = Counter("dflash_generated_tokens", "Generated (committed, emitted) tokens, as the "
+                                        "responses' usage.completion_tokens count them (a scoring request: none)",
+                                        registry=r)
         self.target_only_rounds = Counter("dflash_target_only_rounds", "Rounds run without drafts (more sequences "
                                           "than --draft-max-batch-size, or chosen by its auto policy)", registry=r)
         self.acceptance = Histogram("dflash_acceptance_length", "Tokens committed per decoding round by each "

@@ -240,6 +240,7 @@ class Job:
     # an engine error's param -> the request's field it stands for (structured_output -> response_format)
     param_aliases: dict[str, str] = field(default_factory=dict)
     request_id: str = ""               # the id its response carries (``chatcmpl-...``), for the log
+    scores_only: bool = False          # it scores its prompt only: the one token decoded is dropped, not generated
     failed: bool = False               # a choice failed on a server error (counted once per job)
 
     def add(self, prompt_ids: list[int], max_new_tokens: int, kwargs: dict) -> Sequence:
@@ -655,10 +656,11 @@ class Scheduler:
         """Metrics, then the chunk to its request (a non-streamed choice: one event at its end)."""
         m, job = self.metrics, seq.job
         if chunk.token_ids:
-            m.generated_tokens.inc(len(chunk.token_ids))
-            if not seq.got_token:
-                seq.got_token = True
-                m.ttft.observe(time.perf_counter() - job.arrived)
+            first, seq.got_token = not seq.got_token, True
+            if not job.scores_only:  # (a scoring request's one token is dropped: none generated, as its usage says)
+                m.generated_tokens.inc(len(chunk.token_ids))
+                if first:
+                    m.ttft.observe(time.perf_counter() - job.arrived)
         if chunk.stats is not None:  # (its rounds are observed as they commit: _count_round)
             m.observe_request(chunk.stats.acceptance_lengths)
         if job.stream:
