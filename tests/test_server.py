@@ -1051,6 +1051,47 @@ def test_a_stream_sends_its_headers_once_its_prefill_is_done(local_engine, monke
             app.state.scheduler.close()
 
 
+def test_health_is_a_503_once_the_server_cannot_serve(local_engine, monkeypatch):
+    """/health is 200 while requests can run; once the scheduler's thread has ended (its
+    decoding loop got SystemExit: the process is exiting) it is a 503 that says why, GET and
+    HEAD (load balancers' probes), and a request is a 503 at once instead of waiting forever;
+    after shutdown, /health is a 503 as every request is."""
+    import asyncio
+
+    from starlette.testclient import TestClient
+
+    from dflash_torch.serving.app import create_app
+    from dflash_torch.serving.scheduler import Job
+
+    app = create_app(local_engine, max_batch_size=2)
+    scheduler = app.state.scheduler
+    loop = asyncio.new_event_loop()
+    try:
+        client = TestClient(app)
+        assert client.get("/health").status_code == 200 and client.get("/health").json()["status"] == "ok"
+
+        def exiting():
+            raise SystemExit()  # (what compute.run raises once the process exits)
+
+        monkeypatch.setattr(scheduler, "_drive", exiting)
+        job = Job(loop=loop, stream=False)
+        job.add(local_engine.encode_prompt(PROMPT), 2, {})
+        scheduler.submit(job)  # (wakes the thread, whose loop then ends)
+        scheduler._thread.join(timeout=60)
+        assert not scheduler._thread.is_alive()
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "unavailable", r.text
+        assert r.json()["reason"] == "the server's decoding loop has ended (the process is exiting)"
+        assert client.head("/health").status_code == 503
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+        app.state.shutdown()
+        assert client.get("/health").status_code == 503
+    finally:
+        scheduler.close()
+        loop.close()
+
+
 def test_cors_flags_restrict_origins_methods_and_headers(tiny_pair, tmp_path):
     from test_server_scheduler import _serve
 

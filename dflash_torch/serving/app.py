@@ -1346,6 +1346,13 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
     async def health():
+        """200 ``{"status": "ok", "model": ...}`` while requests can be served; 503
+        ``{"status": "unavailable", "model": ..., "reason": ...}`` once they cannot (the
+        scheduler's decoding loop has ended: :meth:`.scheduler.Scheduler.unavailable`). Once the
+        server shuts down, every request, this one too, is a 503 ``server_shutting_down``."""
+        reason = scheduler.unavailable()
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "model": model_id, "reason": reason}, status_code=503)
         return {"status": "ok", "model": model_id}
 
     @app.get("/metrics")

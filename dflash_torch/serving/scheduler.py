@@ -454,11 +454,12 @@ class Scheduler:
         """Queue every sequence of ``job``, or none.
 
         Raises:
-            ShuttingDown: after :meth:`shutdown`.
+            ShuttingDown: after :meth:`shutdown`, or once the scheduler thread has ended
+                (:meth:`unavailable`).
             QueueFull: its sequences do not fit the free slots plus ``max_queue`` waiting places.
         """
         with self._cond:
-            if self.closed:
+            if self.unavailable() is not None:
                 raise ShuttingDown()
             held = len(self._waiting) + len(self._running)
             if held + len(job.sequences) > self.max_batch_size + self.max_queue:
@@ -508,6 +509,16 @@ class Scheduler:
         would stop the compute thread inside a torch op, which aborts the process."""
         self.shutdown()
         self._thread.join()
+
+    def unavailable(self) -> str | None:
+        """Why no new job can run (the server's ``/health`` says it), None while they can: after
+        :meth:`shutdown`, or once the scheduler thread has ended (the process is exiting: its
+        compute thread takes no more work), when :meth:`submit` refuses every job."""
+        if self.closed:
+            return "the server is shutting down"
+        if not self._thread.is_alive():
+            return "the server's decoding loop has ended (the process is exiting)"
+        return None
 
     def open_jobs(self) -> int:
         """Jobs with a sequence that has not ended (the leak check of the tests)."""
