@@ -1092,6 +1092,77 @@ def test_health_is_a_503_once_the_server_cannot_serve(local_engine, monkeypatch)
         loop.close()
 
 
+def test_a_client_that_left_and_a_full_queue_are_logged(local_engine, monkeypatch, caplog):
+    """A non-streamed request whose client went away (a 499 in the metrics) gets an access-log
+    line (INFO; uvicorn writes none for it) naming its request id; a 503 queue_full gets a
+    WARNING. The app is called as an ASGI server calls it, whose client disconnects once its
+    body is sent (polled at once: DISCONNECT_POLL_S 0)."""
+    import asyncio
+    import logging
+    import threading
+
+    from starlette.testclient import TestClient
+
+    from dflash_torch.serving import app as app_module
+    from dflash_torch.serving import scheduler as sched
+    from dflash_torch.serving.app import create_app
+
+    monkeypatch.setattr(logging.getLogger("dflash_torch"), "propagate", True)  # (a CLI test here may stop it)
+    caplog.set_level(logging.INFO, logger="dflash_torch.serving")
+    monkeypatch.setattr(app_module, "DISCONNECT_POLL_S", 0)
+    app = create_app(local_engine, max_batch_size=2, max_queue=0)
+    scheduler = app.state.scheduler
+    loop = asyncio.new_event_loop()
+    release = threading.Event()
+    try:
+        async def call(path: str, body: dict) -> list[dict]:
+            messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+            async def receive():
+                return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+            sent = []
+
+            async def send(message):
+                sent.append(message)
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                     "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 50123),
+                     "server": ("testserver", 80)}
+            await app(scope, receive, send)
+            return sent
+
+        sent = asyncio.run(call("/v1/completions", {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}))
+        assert sent[0]["status"] == 499
+        lines = [r.getMessage() for r in caplog.records if " 499 " in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith('127.0.0.1:50123 - "POST /v1/completions HTTP/1.1" 499 '), lines
+        assert "(the client went away before its answer; request cmpl-" in lines[0]
+        client = TestClient(app)
+        assert _metric(client, "dflash_requests_total", {"endpoint": "/v1/completions", "status": "499"}) == 1
+
+        step = sched.BatchedBackend.step
+
+        def held_step(self):  # (the slots stay busy until released)
+            release.wait()
+            return step(self)
+
+        monkeypatch.setattr(sched.BatchedBackend, "step", held_step)
+        busy = sched.Job(loop=loop, stream=False)
+        for _ in range(2):
+            busy.add(local_engine.encode_prompt(PROMPT), 2, {})
+        scheduler.submit(busy)
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+        warnings = [rec for rec in caplog.records if "queue_full" in rec.getMessage()]
+        assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
+        assert warnings[0].getMessage() == f"/v1/completions: 503 queue_full (1 choice): {r.json()['error']['message']}"
+    finally:
+        release.set()
+        scheduler.close()
+        loop.close()
+
+
 def test_cors_flags_restrict_origins_methods_and_headers(tiny_pair, tmp_path):
     from test_server_scheduler import _serve
 

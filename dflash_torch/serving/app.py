@@ -540,7 +540,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, exc: ClientGone):
-        return Response(status_code=499)  # (nginx's "client closed request"; only the metrics see it)
+        return client_left(request)
 
     @app.exception_handler(DFlashError)
     async def _dflash_error(request: Request, exc: DFlashError):
@@ -560,6 +560,16 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         return error_response(exc.status_code, message, code=code)
 
     # ---- helpers ------------------------------------------------------------------------
+    def client_left(request: Request, rid: str | None = None) -> Response:
+        """A 499 (nginx's "client closed request"; no client reads it, the metrics count it) for a
+        request whose client went away before its answer, logged (INFO) as uvicorn's access log
+        writes a line, which uvicorn writes for no response its client did not stay for;
+        ``rid``: the request's id, once it has one."""
+        client = f"{request.client.host}:{request.client.port}" if request.client else "-"
+        log.info('%s - "%s %s HTTP/%s" 499 (the client went away before its answer%s)', client, request.method,
+                 request.url.path, request.scope.get("http_version", "1.1"), f"; request {rid}" if rid else "")
+        return Response(status_code=499)
+
     def check_auth(request: Request) -> None:
         if api_key is None:
             return
@@ -972,6 +982,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         except ShuttingDown:
             raise shutting_down() from None
         except QueueFull as exc:
+            log.warning("%s: 503 queue_full (%s): %s", request.url.path, _count(len(job.sequences), "choice"), exc)
             raise APIError(503, str(exc), type="server_error", code="queue_full",
                            headers={"Retry-After": str(exc.retry_after)}) from None
         prompt_tokens = sum(len(ids) for ids, _, _ in prepared)  # once per prompt, whatever n
@@ -985,10 +996,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             while ev is not None and ev.kind == "start":
                 ev = await next_event(job, request)
             if ev is None:
-                return Response(status_code=499)
+                return client_left(request, job.request_id)
             raise_job_error(ev)
             if ev.kind == "done":  # cancelled before it started
-                return Response(status_code=499)
+                return client_left(request, job.request_id)
             first = ev  # (handed on: the answer's first event)
             # (a chat has one prompt; its end tells whether the template opened the reasoning; calls
             # are looked for when the model was given tools)
@@ -1026,7 +1037,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         while left:
             ev = pending.pop() if pending else await next_event(job, request)
             if ev is None:
-                return Response(status_code=499)
+                return client_left(request, job.request_id)
             raise_job_error(ev)
             if ev.kind == "done":
                 left -= 1
@@ -1224,7 +1235,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         while True:
             ev = pending.pop() if pending else await next_event(job, request)
             if ev is None:
-                return Response(status_code=499)
+                return client_left(request, job.request_id)
             if (err := job_error(ev)) is not None:
                 raise err  # (named as the Responses API names it by the route, _as_responses)
             if ev.kind == "done":
