@@ -24,8 +24,9 @@ invalid or unsupported input (any body the JSON parser or the validation cannot 
 not valid data of its Content-Encoding, included), 401 for a missing or wrong API key, 404
 for an unknown model or route, 413 for a body over that limit (sent or decoded), 415 (with
 ``Accept-Encoding``) for another Content-Encoding, 503 with ``Retry-After`` when the queue is
-full, 503 once the server shuts down (a stream that fails after it started ends with an
-error event and ``[DONE]``); a 500 means a server bug, or ``--compile``'s graphs that torch
+full, 503 once the server shuts down (a stream starts, its status and headers sent, once its
+prefill is done: an error found before is its status; a stream that fails after it started
+ends with an error event and ``[DONE]``); a 500 means a server bug, or ``--compile``'s graphs that torch
 failed to build (:class:`~dflash_torch.errors.CompileError`, named in the message; the
 server goes on).
 CORS headers (starlette's ``CORSMiddleware``; ``create_app``'s ``allowed_origins``, ...) let

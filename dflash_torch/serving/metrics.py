@@ -14,9 +14,9 @@ dflash_prompt_tokens_total             counter    prompt tokens of started gener
                                                   its own (n choices: n times; ``usage.prompt_tokens``: once)
 dflash_prefill_tokens_total            counter    prompt tokens the target read (choices sharing a prompt: once)
 dflash_reused_prefill_tokens_total     counter    prompt tokens taken from a retained prefix instead (prefix reuse)
-dflash_generated_tokens_total          counter    generated (committed, emitted) tokens: the responses'
-                                                  ``usage.completion_tokens`` (a scoring request's, ``echo``
-                                                  with ``max_tokens`` 0: none, its one decoded token dropped)
+dflash_generated_tokens_total          counter    generated (committed, emitted) tokens, as ``usage.completion_tokens``
+                                                  counts them (cancelled sequences' too; a scoring request's,
+                                                  ``echo`` with ``max_tokens`` 0: none, its one decoded token dropped)
 dflash_target_only_rounds_total        counter    rounds run without drafts (more sequences than
                                                   ``--draft-max-batch-size``, or chosen by its
                                                   ``auto`` policy; their tau is 1)
@@ -94,8 +94,9 @@ class ServerMetrics:
                                       "several choices is read once)", registry=r)
         self.reused_prefill_tokens = Counter("dflash_reused_prefill_tokens", "Prompt tokens taken from a retained "
                                              "prefix (an earlier request's rows) instead of read", registry=r)
-        self.generated_tokens = Counter("dflash_generated_tokens", "Generated (committed, emitted) tokens, as the "
-                                        "responses' usage.completion_tokens count them (a scoring request: none)",
+        self.generated_tokens = Counter("dflash_generated_tokens", "Generated (committed, emitted) tokens, as "
+                                        "usage.completion_tokens counts them (cancelled sequences' too; a scoring "
+                                        "request's: none)",
                                         registry=r)
         self.target_only_rounds = Counter("dflash_target_only_rounds", "Rounds run without drafts (more sequences "
                                           "than --draft-max-batch-size, or chosen by its auto policy)", registry=r)
