@@ -116,11 +116,13 @@ def test_auto_rounds_are_lossless_while_switching(request, models, static):
 
 
 def test_compiled_auto_decoder_warmed_up_switches_without_new_graphs(agree_models):  # noqa: F811
+    """TorchDynamo's guards decide whether a graph is built, before any backend runs: the
+    cheap "eager" backend sees the same graphs (inductor's batch rounds: test_target_only_rounds)."""
     from torch._dynamo.utils import counters
 
     target, drafter = agree_models
     batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=64, prefill_chunk=32, compile=True,
-                         draft_max_batch_size="auto", reuse_prefix=False)
+                         compile_backend="eager", draft_max_batch_size="auto", reuse_prefix=False)
     assert batch.warmup() == 4  # drafting and target-only rounds of 1 and of 2 rows (one length bucket)
     frames = sum(counters["frames"].values())
     batch.policy = DraftPolicy(explore_every=2, probe_rounds=2)
