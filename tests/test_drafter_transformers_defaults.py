@@ -494,6 +494,82 @@ def test_logit_scale_multiplies_the_draft_logits(tiny_pair, tmp_path):
             "selector_top_k": 4}})
 
 
+REFERENCE_FACTORS = dict(input_embedding_scale=1.5, output_multiplier=0.5, final_logit_softcapping=3.0)
+
+
+def test_the_reference_factors_shape_a_dflash_drafter(tiny_pair, tmp_path):
+    """The DFlash reference applies dflash_config (else top-level) input_embedding_scale,
+    output_multiplier and final_logit_softcapping to DFlash drafters too, not only DFlash 2
+    ones: the block's embeddings times the scale, and draft logits ``tanh(m * lm_head(h) / cap) * cap``
+    (the target's LM head as it is, no output scale of its own); their defaults leave the
+    drafter as it was, bit for bit, and decoding stays lossless."""
+    from conftest import edited_checkpoint
+    from dflash_torch.models.drafter import InjectedContext
+    from dflash_torch.models.target import TargetModel
+
+    target_dir, drafter = tiny_pair
+    shaped = edited_checkpoint(drafter, tmp_path / "shaped", config=lambda c: c["dflash_config"].update(REFERENCE_FACTORS))
+    top = edited_checkpoint(drafter, tmp_path / "top", config=lambda c: c.update(REFERENCE_FACTORS))
+    default = edited_checkpoint(drafter, tmp_path / "default", config=lambda c: c["dflash_config"].update(
+        input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=None))
+    target = TargetModel.from_pretrained(target_dir, torch.float32)
+    d, t, base, plain = (DFlashDrafter.from_pretrained(x, torch.float32) for x in (shaped, top, default, drafter))
+    for x in (d, base, plain):
+        x.share_with(target)
+    assert (d.config.input_embedding_scale, d.config.output_multiplier, d.config.final_logit_softcapping) == (1.5, 0.5, 3.0)
+    assert t.config == d.config and DrafterConfig.from_dict(d.config.to_dict()) == d.config
+    assert base.config == plain.config
+    # the draft logits, by hand from the target's LM head
+    hidden = torch.randn(3, 5, d.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 20
+    anchor = torch.zeros(3, dtype=torch.long)
+    with torch.inference_mode():
+        got, unshaped, before = (x.draft_scores(hidden, anchor, target) for x in (d, base, plain))
+    head = target.lm_head.weight if getattr(target, "lm_head", None) is not None else target.model.embed_tokens.weight
+    raw = hidden[:, 1:] @ head.T
+    assert got.dtype == torch.float32 and raw.abs().max() > 3.0  # (the cap bends them)
+    torch.testing.assert_close(got, torch.tanh(0.5 * raw / 3.0) * 3.0, rtol=1e-5, atol=1e-5)
+    assert unshaped.dtype == before.dtype and torch.equal(unshaped, before)
+    # the block's embeddings: the shaped drafter on e == the plain drafter on 1.5 * e
+    block, positions = torch.tensor([7] + [d.config.mask_token_id] * 7), torch.arange(9, 17)
+    features = torch.randn(9, len(d.config.target_layer_ids) * d.config.hidden_size,
+                           generator=torch.Generator().manual_seed(1))
+    outs = []
+    for x, scale in ((d, 1.0), (plain, 1.5), (plain, 1.0)):
+        ctx = InjectedContext(x)
+        ctx.reset(17)
+        ctx.inject(x, features, torch.arange(9))
+        with torch.inference_mode():
+            outs.append(x(target.embed(block) * scale, positions, ctx, 17))
+    torch.testing.assert_close(outs[0], outs[1])
+    assert not torch.allclose(outs[0], outs[2])
+    # decoding with it stays lossless
+    prompt = [5, 17, 99, 3, 42]
+    a, b = (DFlashEngine.from_pretrained(target_dir, x, dtype="float32") for x in (shaped, drafter))
+    assert a.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids == b.generate(
+        prompt, max_new_tokens=16, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("edit,words", [
+    (dict(logit_scale=2.0, output_multiplier=0.5), "drafter config.json sets logit_scale 2.0 (vLLM's factor on the draft "
+     "logits) and output_multiplier / final_logit_softcapping (the DFlash reference's); which the drafter was trained "
+     "with is unknown: drop one"),
+    (dict(logit_scale=2.0, dflash_config={"mask_token_id": 1, "target_layer_ids": [1, 5], "final_logit_softcapping": 5}),
+     "drafter config.json sets logit_scale 2.0 (vLLM's factor"),
+    (dict(output_multiplier="2"), "DFlash drafter output_multiplier must be a finite number, got '2'"),
+    (dict(input_embedding_scale=float("inf")), "DFlash drafter input_embedding_scale must be a finite number, got inf"),
+    (dict(final_logit_softcapping=0), "DFlash drafter final_logit_softcapping must be > 0 (or null for none), got 0"),
+])
+def test_bad_or_clashing_reference_factors_are_refused(edit, words):
+    """A logit_scale (vLLM's factor, which the DFlash reference does not read) together with the
+    reference's output_multiplier or soft cap (which vLLM does not read): which one the drafter
+    was trained with is unknown; a logit_scale with only input_embedding_scale is read."""
+    with pytest.raises(dflash_torch.DFlashError) as err:
+        DrafterConfig.from_dict(plain_qwen3_drafter_json(**edit))
+    assert str(err.value).startswith(words) and "\n" not in str(err.value), str(err.value)
+    d = DrafterConfig.from_dict(plain_qwen3_drafter_json(logit_scale=2.0, input_embedding_scale=1.5))
+    assert (d.logit_scale, d.input_embedding_scale) == (2.0, 1.5)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "llama", "gpt_oss"])
 def test_a_null_num_key_value_heads_reads_as_transformers_reads_it(model_type, caplog):
     """transformers' Qwen3Config / LlamaConfig read an explicit null num_key_value_heads as

@@ -227,21 +227,6 @@ class DFlash2Drafter(DFlashDrafter):
         s = cfg.dflash2
         self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, s.selector_rank, s.selector_top_k)
 
-    def block_input(self, block_embeds: torch.Tensor) -> torch.Tensor:
-        scale = self.config.dflash2.input_embedding_scale
-        return block_embeds if scale == 1.0 else block_embeds * scale
-
-    def unary_scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits ``[..., V]`` -> float32 unary scores: times ``output_multiplier``,
-        then ``tanh(v / cap) * cap`` when ``final_logit_softcapping`` is set."""
-        s = self.config.dflash2
-        x = logits.float()
-        if s.output_multiplier != 1.0:
-            x = x * s.output_multiplier
-        if s.final_logit_softcapping is not None:
-            x = torch.tanh(x / s.final_logit_softcapping) * s.final_logit_softcapping
-        return x
-
     def draft_scores(self, hidden, anchor, target):
         """The lattice of :meth:`CandidateSelector.lattice` for the draft slots: candidate
         ids int64 ``[..., B-1, K]`` and edge scores float32 ``[..., B-1, K, K]``. With a
@@ -255,22 +240,13 @@ class DFlash2Drafter(DFlashDrafter):
         return self.candidate_selector.lattice(slots, unary, anchor)
 
     def draft_logits(self, target, slots):
-        """The unary scores (float32 ``[..., V]``) of final hidden rows ``slots``: the target's
-        LM head through :meth:`unary_scores`; a config that leaves ``output_multiplier`` at 1
-        and no soft cap takes the target's own output scale instead
-        (:meth:`TargetModel.output_logits`; the same for targets that have none), as the DFlash
-        reference does. With an LM head of its own (``has_lm_head``, also once
-        :meth:`~dflash_torch.models.drafter.DFlashDrafter.share_with` has swapped an equal copy
-        for the target's head): that head's logits through :meth:`unary_scores` (no target
-        output scale), as a DFlash drafter's own head gives them as they are."""
-        s = self.config.dflash2
-        if self.lm_head is not None:
-            return self.unary_scores(self.lm_head(slots))
-        if self.config.own_lm_head:
-            return self.unary_scores(target.logits(slots))
-        if s.output_multiplier == 1.0 and s.final_logit_softcapping is None:
-            return target.output_logits(slots).float()
-        return self.unary_scores(target.logits(slots))
+        """The unary scores (float32 ``[..., V]``) of final hidden rows ``slots``: the DFlash
+        drafter's draft logits (:meth:`~dflash_torch.models.drafter.DFlashDrafter.draft_logits`:
+        the target's LM head through :meth:`unary_scores`, or, a config that leaves
+        ``output_multiplier`` at 1 and no soft cap, the target's own output scale,
+        :meth:`TargetModel.output_logits`, as the DFlash reference does; with an LM head of its
+        own, that head's logits through :meth:`unary_scores`) in float32."""
+        return super().draft_logits(target, slots).float()
 
     def choose_draft(self, scores, params: SamplingParams, generator: torch.Generator | None,
                      guide: GrammarState | None = None):

@@ -296,8 +296,11 @@ class DFlashDrafter(nn.Module):
         return target.embed(tokens)
 
     def block_input(self, block_embeds: torch.Tensor) -> torch.Tensor:
-        """The residual stream's start from the block's token embeddings ``[T, hidden]`` (as is)."""
-        return block_embeds
+        """The residual stream's start from the block's token embeddings ``[T, hidden]``: times
+        the config's ``input_embedding_scale`` where it is not 1 (as the DFlash reference scales
+        them, :func:`~dflash_torch.models.drafter_config.draft_scaling`), else as they are."""
+        scale = self.config.scaling.input_embedding_scale
+        return block_embeds if scale == 1.0 else block_embeds * scale
 
     def limits_keys(self, layer: DraftLayer) -> bool:
         """Whether a block row of ``layer`` may miss a key before its block's end (then even
@@ -407,6 +410,18 @@ class DFlashDrafter(nn.Module):
         unused here. Leading dimensions are blocks (training and evaluation)."""
         return self.draft_logits(target, hidden[..., 1:, :])
 
+    def unary_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[..., V]`` -> float32 ``[..., V]``: times the config's
+        ``output_multiplier``, then ``tanh(v / cap) * cap`` when ``final_logit_softcapping``
+        is set (:func:`~dflash_torch.models.drafter_config.draft_scaling`)."""
+        s = self.config.scaling
+        x = logits.float()
+        if s.output_multiplier != 1.0:
+            x = x * s.output_multiplier
+        if s.final_logit_softcapping is not None:
+            x = torch.tanh(x / s.final_logit_softcapping) * s.final_logit_softcapping
+        return x
+
     def draft_logits(self, target, slots: torch.Tensor) -> torch.Tensor:
         """The draft logits ``[..., V]`` of final hidden rows ``slots`` ``[..., hidden]``: the
         target's LM head with the target's own output scale (:meth:`TargetModel.output_logits`;
@@ -415,13 +430,20 @@ class DFlashDrafter(nn.Module):
         With an LM head of its own: that head's logits as they are (no output scale or soft
         cap), also once :meth:`share_with` has swapped an equal copy for the target's head.
         Either times the config's ``logit_scale`` where it is not 1 (as vLLM's DFlash drafter
-        scales its draft logits)."""
+        scales its draft logits). A config with an ``output_multiplier`` other than 1 or a
+        ``final_logit_softcapping``: the LM head's logits (the target's without its output
+        scale, as the DFlash reference reads its ``lm_head``) through :meth:`unary_scores`
+        instead (float32)."""
+        s = self.config.scaling
+        shaped = s.output_multiplier != 1.0 or s.final_logit_softcapping is not None
         if self.lm_head is not None:
             logits = self.lm_head(slots)
-        elif self.config.own_lm_head:
+        elif self.config.own_lm_head or shaped:
             logits = target.logits(slots)
         else:
             logits = target.output_logits(slots)
+        if shaped:
+            return self.unary_scores(logits)
         return logits if self.config.logit_scale == 1.0 else logits * self.config.logit_scale
 
     def choose_draft(self, scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,

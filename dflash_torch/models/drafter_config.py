@@ -133,32 +133,59 @@ class DFlash2Settings:
             raise DFlashError("DFlash 2 drafter config.json lacks vocab_size (the selector codebooks have one row per token)")
         if ints["selector_top_k"] > vocab_size:
             raise DFlashError(f"DFlash 2 drafter selector_top_k {ints['selector_top_k']} exceeds vocab_size {vocab_size}")
-        floats = {k: value(k, 1.0) for k in ("input_embedding_scale", "output_multiplier")}
-        cap = value("final_logit_softcapping")
-        if cap is not None:
-            floats["final_logit_softcapping"] = cap
-        for k, v in floats.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise DFlashError(f"DFlash 2 drafter {k} must be a finite number, got {v!r}")
-        if cap is not None and cap <= 0:
-            raise DFlashError(f"DFlash 2 drafter final_logit_softcapping must be > 0 (or null for none), got {cap!r}")
-        return cls(**ints, input_embedding_scale=float(floats["input_embedding_scale"]),
-                   output_multiplier=float(floats["output_multiplier"]),
-                   final_logit_softcapping=None if cap is None else float(cap),
+        return cls(**ints, **draft_scaling(value, "DFlash 2 drafter"),
                    selector_vocab_size=_selector_vocab(value("selector_vocab_size"), ints["selector_top_k"], vocab_size))
 
     def to_dict(self) -> dict:
         """The ``dflash_config`` entries (optional ones only when not the default)."""
         out = {k: getattr(self, k) for k in DFLASH2_REQUIRED}
-        if self.input_embedding_scale != 1.0:
-            out["input_embedding_scale"] = self.input_embedding_scale
-        if self.output_multiplier != 1.0:
-            out["output_multiplier"] = self.output_multiplier
-        if self.final_logit_softcapping is not None:
-            out["final_logit_softcapping"] = self.final_logit_softcapping
+        out.update(draft_scaling_dict(self))
         if self.selector_vocab_size is not None:
             out["selector_vocab_size"] = self.selector_vocab_size
         return out
+
+
+DRAFT_SCALING_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+
+
+def draft_scaling(value, kind: str) -> dict:
+    """The DFlash reference's three factors on a DFlash or DFlash 2 drafter's math (z-lab/dflash,
+    ``dflash/model.py``, which reads each from ``dflash_config``, else the top level, for both
+    formats): ``input_embedding_scale`` (default 1) multiplies the block's token embeddings
+    before the first layer; ``output_multiplier`` (default 1) multiplies the draft logits
+    (the LM head on the final-normed rows), and then ``final_logit_softcapping`` (default
+    None: none) caps them, ``tanh(v / cap) * cap``. ``value(key)``: the config's value of
+    ``key`` (None when absent or null); ``kind``: the format, for messages.
+
+    Returns:
+        ``{"input_embedding_scale": float, "output_multiplier": float, "final_logit_softcapping": float | None}``.
+
+    Raises:
+        DFlashError: a value that is not a finite number, or a soft cap <= 0 (one line).
+    """
+    got = {k: value(k) for k in DRAFT_SCALING_KEYS}
+    for k, v in got.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise DFlashError(f"{kind} {k} must be a finite number, got {v!r}")
+    cap = got["final_logit_softcapping"]
+    if cap is not None and cap <= 0:
+        raise DFlashError(f"{kind} final_logit_softcapping must be > 0 (or null for none), got {cap!r}")
+    return {"input_embedding_scale": 1.0 if got["input_embedding_scale"] is None else float(got["input_embedding_scale"]),
+            "output_multiplier": 1.0 if got["output_multiplier"] is None else float(got["output_multiplier"]),
+            "final_logit_softcapping": None if cap is None else float(cap)}
+
+
+def draft_scaling_dict(settings) -> dict:
+    """The ``dflash_config`` entries of :func:`draft_scaling`'s three keys that ``settings`` (a
+    :class:`DFlash2Settings` or :class:`DrafterConfig`) sets to other than the default."""
+    out = {}
+    if settings.input_embedding_scale != 1.0:
+        out["input_embedding_scale"] = settings.input_embedding_scale
+    if settings.output_multiplier != 1.0:
+        out["output_multiplier"] = settings.output_multiplier
+    if settings.final_logit_softcapping is not None:
+        out["final_logit_softcapping"] = settings.final_logit_softcapping
+    return out
 
 
 def _selector_vocab(size, top_k: int, vocab_size: int) -> int | None:
@@ -483,6 +510,10 @@ class DrafterConfig:
     own_lm_head: bool = False
     qk_norm: bool = True  # per-head q/k RMSNorms in the drafter's attention (dflash_config.use_qk_norm false: none)
     logit_scale: float = 1.0  # config.json logit_scale: the draft logits' factor (vLLM's LogitsProcessor scale)
+    # a DFlash drafter's factors of the DFlash reference (draft_scaling; a DFlash 2 drafter's are its dflash2's: scaling)
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
     # the keys config.json leaves out that took transformers' defaults (with_transformers_defaults): key -> its class
     transformers_defaults: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -504,9 +535,19 @@ class DrafterConfig:
         else ``hidden_size``)."""
         return self.hidden_size if self.target_hidden_size is None else self.target_hidden_size
 
+    @property
+    def scaling(self) -> "DFlash2Settings | DrafterConfig":
+        """What holds the drafter's ``input_embedding_scale``, ``output_multiplier`` and
+        ``final_logit_softcapping`` (:func:`draft_scaling`): :attr:`dflash2` for a DFlash 2
+        drafter, else this config."""
+        return self if self.dflash2 is None else self.dflash2
+
     def __post_init__(self):
         if self.causal_layers is None:  # (one form for "no causal layer", so parsed and built configs compare equal)
             self.causal_layers = [False] * self.num_hidden_layers
+        if self.dflash2 is not None and draft_scaling_dict(self):  # (one place for them: scaling)
+            raise ValueError("a DFlash 2 drafter config keeps input_embedding_scale, output_multiplier and "
+                             "final_logit_softcapping in its dflash2 settings")
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DrafterConfig":
@@ -539,12 +580,17 @@ class DrafterConfig:
                 of ``num_key_value_heads``; target layer ids or mask token ids given twice and
                 differing (:func:`given_target_layer_ids`, :func:`given_mask_token_id`); partial
                 or interleaved RoPE or a value scale (:func:`refuse_rope_and_value_variants`); a
-                ``logit_scale`` that is not a number > 0, or other than 1 in a DFlash 2 config. A
-                message about a value taken from transformers' defaults says so (:meth:`default_note`).
+                ``logit_scale`` that is not a number > 0, or other than 1 in a DFlash 2 config, or
+                with an ``output_multiplier`` or soft cap in a DFlash one; bad
+                :func:`draft_scaling` factors. A message about a value taken from transformers'
+                defaults says so (:meth:`default_note`).
 
         The target layers and mask token id are read where vLLM reads them too (the
         top-level ``target_layer_ids`` / ``mask_token_id``, ``eagle_aux_hidden_state_layer_ids``);
-        ``logit_scale`` (default 1) multiplies the draft logits, as in vLLM.
+        ``logit_scale`` (default 1) multiplies the draft logits, as in vLLM. A DFlash drafter's
+        ``input_embedding_scale``, ``output_multiplier`` and ``final_logit_softcapping``
+        (``dflash_config``, else the top level) are read as the DFlash reference applies them
+        (:func:`draft_scaling`), as for DFlash 2.
         """
         if "speculators_model_type" in cfg:
             from .speculators import read_config
@@ -639,6 +685,14 @@ class DrafterConfig:
         if v2 is not None and logit_scale != 1.0:  # (its logits' own factor is dflash_config.output_multiplier)
             raise DFlashError(f"DFlash 2 drafter config.json sets logit_scale {cfg['logit_scale']!r}; a DFlash 2 "
                               "drafter scales its draft logits by dflash_config.output_multiplier only")
+        factors = {}  # (the DFlash reference's factors: a DFlash 2 drafter's are read by DFlash2Settings)
+        if v2 is None and not assistant:
+            factors = draft_scaling(lambda key: dflash.get(key) if dflash.get(key) is not None else cfg.get(key),
+                                    "DFlash drafter")
+            if logit_scale != 1.0 and (factors["output_multiplier"] != 1.0 or factors["final_logit_softcapping"] is not None):
+                raise DFlashError(f"drafter config.json sets logit_scale {cfg['logit_scale']!r} (vLLM's factor on the "
+                                  "draft logits) and output_multiplier / final_logit_softcapping (the DFlash "
+                                  "reference's); which the drafter was trained with is unknown: drop one")
         return cls(
             hidden_size=cfg["hidden_size"],
             num_hidden_layers=n,
@@ -666,6 +720,7 @@ class DrafterConfig:
             qk_norm=bool_field({"dflash_config.use_qk_norm": dflash.get("use_qk_norm")}, "dflash_config.use_qk_norm",
                                "drafter", True),
             logit_scale=logit_scale,
+            **factors,
             transformers_defaults=taken,
         )
 
@@ -720,6 +775,7 @@ class DrafterConfig:
                 cfg[key] = True
         if not self.qk_norm:
             cfg["dflash_config"]["use_qk_norm"] = False
+        cfg["dflash_config"].update(draft_scaling_dict(self))  # (a DFlash 2 config's: in dflash2.to_dict())
         if self.logit_scale != 1.0:
             cfg["logit_scale"] = self.logit_scale
         if self.rope_scaling:
