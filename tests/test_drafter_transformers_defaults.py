@@ -9,10 +9,13 @@ out take the defaults of transformers' config class of its ``model_type``.
 * a qwen3 drafter with ``use_sliding_window`` + ``max_window_layers`` and no layer_types:
   the layer types transformers derives;
 * the values a file gives keep winning;
-* the keys vLLM reads besides the reference's (top-level / EAGLE-style target layers and mask
-  token id, ``logit_scale``, ``midlayer.*`` tensor names) are read, and those that change the
-  attention in vLLM or MiMo's code and that dflash-torch does not run (partial RoPE,
-  interleaved RoPE, a value scale) are refused in one line.
+* the keys vLLM reads besides the reference's (top-level / EAGLE-style / DSpark-style target
+  layers and mask token id, ``logit_scale``, ``midlayer.*`` tensor names) are read, and those
+  that change the attention or the features in vLLM or MiMo's code and that dflash-torch does
+  not run (partial RoPE, interleaved RoPE, a value scale, no aux hidden states) are refused in
+  one line;
+* the reference's ``input_embedding_scale``, ``output_multiplier`` and ``final_logit_softcapping``
+  shape a DFlash drafter as they shape a DFlash 2 one.
 """
 
 from __future__ import annotations
@@ -354,12 +357,19 @@ def plain_qwen3_drafter_json(**edits) -> dict:
     lambda c: c.update(eagle_aux_hidden_state_layer_ids=[3, 7], target_layer_ids=[2, 6], num_target_layers=None),
     lambda c: c.update(target_layer_ids=[2, 6], num_target_layers=None),
     lambda c: c.update(target_layer_ids=[2, 6], dflash_config={"mask_token_id": 1, "target_layer_ids": [2, 6]}),
+    lambda c: c.update(dspark_target_layer_ids=[2, 6]),  # (target layer ids: vLLM adds 1 as to target_layer_ids)
+    lambda c: c["dflash_config"].update(layer_ids=[3, 7]),  # (aux ids, as vLLM reads them: used as they are)
+    lambda c: c.update(eagle_config={"layer_ids": [7, 3]}),
+    lambda c: c.update(eagle_config={"layer_ids": [3, 7]}, dspark_target_layer_ids=[2, 6], target_layer_ids=[2, 6],
+                       eagle_aux_hidden_state_layer_ids=[3, 7], num_target_layers=None),
 ])
 def test_top_level_and_eagle_target_layer_ids_are_read(edit):
     """vLLM reads a DFlash drafter's target layers from eagle_aux_hidden_state_layer_ids, else
-    dflash_config.target_layer_ids, else the top-level target_layer_ids (the DFlash reference
-    from the last two): without dflash_config.target_layer_ids, the reference rule over
-    num_target_layers ([1, 5] for 2 of 8 layers) must not replace them."""
+    dflash_config.target_layer_ids, else dspark_target_layer_ids, else the top-level
+    target_layer_ids (the DFlash reference from the second and the last), else
+    dflash_config.layer_ids / eagle_config.layer_ids (aux ids): without
+    dflash_config.target_layer_ids, the reference rule over num_target_layers ([1, 5] for 2
+    of 8 layers) must not replace them."""
     cfg = plain_qwen3_drafter_json()
     cfg["dflash_config"].pop("target_layer_ids")
     edit(cfg)
@@ -374,6 +384,12 @@ def test_top_level_and_eagle_target_layer_ids_are_read(edit):
     (lambda c: (c["dflash_config"].pop("target_layer_ids"), c.update(eagle_aux_hidden_state_layer_ids=[2, 6],
                                                                       target_layer_ids=[2, 6])),
      "eagle_aux_hidden_state_layer_ids [2, 6] (target layers [1, 5]) and target_layer_ids [2, 6]"),
+    (lambda c: c.update(dspark_target_layer_ids=[2, 6]), "dflash_config.target_layer_ids [1, 5] and "
+     "dspark_target_layer_ids [2, 6]"),
+    (lambda c: c["dflash_config"].update(layer_ids=[1, 5]), "dflash_config.target_layer_ids [1, 5] and "
+     "dflash_config.layer_ids [1, 5] (target layers [0, 4])"),
+    (lambda c: c.update(eagle_config={"layer_ids": [2, 7]}, target_layer_ids=[1, 5]), "dflash_config.target_layer_ids "
+     "[1, 5] and eagle_config.layer_ids [2, 7] (target layers [1, 6])"),
 ])
 def test_two_target_layer_lists_that_differ_are_refused(edit, said):
     cfg = plain_qwen3_drafter_json()
@@ -384,16 +400,20 @@ def test_two_target_layer_lists_that_differ_are_refused(edit, said):
                               "trained with is unknown: drop one or make them agree")
 
 
-def test_no_target_layers_anywhere_names_the_three_keys_and_eagle_id_zero_is_refused():
+def test_no_target_layers_anywhere_names_every_key_and_aux_id_zero_is_refused():
     cfg = plain_qwen3_drafter_json(num_target_layers=None)
     cfg["dflash_config"].pop("target_layer_ids")
     with pytest.raises(dflash_torch.DFlashError) as err:
         DrafterConfig.from_dict(cfg)
     assert str(err.value) == ("drafter config.json has neither dflash_config.target_layer_ids (nor target_layer_ids / "
-                              "eagle_aux_hidden_state_layer_ids) nor num_target_layers")
-    with pytest.raises(dflash_torch.DFlashError, match=r"^drafter config.json eagle_aux_hidden_state_layer_ids \[0, 4\] "
-                       r"must be distinct ids >= 1 \(id a is the output of target layer a - 1; 0, the embedding output"):
-        DrafterConfig.from_dict({**cfg, "eagle_aux_hidden_state_layer_ids": [0, 4]})
+                              "eagle_aux_hidden_state_layer_ids / dspark_target_layer_ids / dflash_config.layer_ids / "
+                              "eagle_config.layer_ids) nor num_target_layers")
+    for key, edit in (("eagle_aux_hidden_state_layer_ids", {"eagle_aux_hidden_state_layer_ids": [0, 4]}),
+                      ("dflash_config.layer_ids", {"dflash_config": {**cfg["dflash_config"], "layer_ids": [0, 4]}}),
+                      ("eagle_config.layer_ids", {"eagle_config": {"layer_ids": [0, 4]}})):
+        with pytest.raises(dflash_torch.DFlashError, match=rf"^drafter config.json {key} \[0, 4\] must be distinct "
+                           r"ids >= 1 \(id a is the output of target layer a - 1; 0, the embedding output"):
+            DrafterConfig.from_dict({**cfg, **edit})
     with pytest.raises(dflash_torch.DFlashError, match=r"^drafter config.json target_layer_ids must be a non-empty list "
                        r"of integers, got \['a'\]$"):
         DrafterConfig.from_dict({**cfg, "target_layer_ids": ["a"]})
@@ -415,6 +435,67 @@ def test_a_top_level_mask_token_id_is_read_and_two_that_differ_are_refused():
         DrafterConfig.from_dict(cfg)
     assert str(err.value) == ("drafter config.json gives two mask token ids: dflash_config.mask_token_id 1 and "
                               "mask_token_id 5; which the drafter was trained with is unknown: drop one or make them equal")
+
+
+@pytest.mark.parametrize("edit,words", [
+    (dict(model_type="deepseek_v41", dspark_target_layer_ids=[1, 5]), "drafter config.json has model_type deepseek_v41 "
+     "and dspark_target_layer_ids [1, 5] (vLLM reads a DeepSeek V4.1 drafter's ids as the inputs of those layers"),
+    (dict(use_aux_hidden_state=False), "drafter config.json sets use_aux_hidden_state false (vLLM then feeds the "
+     "drafter the target's last hidden state, with no fc)"),
+    (dict(eagle_config={"use_aux_hidden_state": False}), "drafter config.json sets eagle_config.use_aux_hidden_state "
+     "false"),
+    (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [1, 5], "use_aux_hidden_state": False}),
+     "drafter config.json sets dflash_config.use_aux_hidden_state false"),
+    (dict(eagle_config=[1]), "drafter config.json eagle_config must be an object, got [1]"),
+])
+def test_vllm_keys_whose_layers_dflash_torch_does_not_read_are_refused(edit, words):
+    """A DeepSeek V4.1 model type's dspark_target_layer_ids (vLLM reads them as layer inputs)
+    and use_aux_hidden_state false (vLLM: the target's last hidden state, no fc) would change
+    the features the drafter reads: refused in one line; use_aux_hidden_state true is read."""
+    with pytest.raises(dflash_torch.DFlashError) as err:
+        DrafterConfig.from_dict(plain_qwen3_drafter_json(**edit))
+    assert str(err.value).startswith(words) and "\n" not in str(err.value), str(err.value)
+    assert DrafterConfig.from_dict(plain_qwen3_drafter_json(use_aux_hidden_state=True, eagle_config={
+        "use_aux_hidden_state": True})) == DrafterConfig.from_dict(plain_qwen3_drafter_json())
+
+
+@pytest.mark.parametrize("key", ["dspark_noise_token_id", "pard_token", "ptd_token_id"])
+def test_vllms_other_mask_token_keys_are_read_and_two_that_differ_are_refused(key):
+    """vLLM fills a DFlash drafter's mask slots from dflash_config.mask_token_id, mask_token_id,
+    then dspark_noise_token_id, pard_token, ptd_token_id: read (not looked up in the tokenizer
+    instead); one that differs from another is refused."""
+    from dflash_torch.models.drafter_config import needs_mask_token_id
+
+    cfg = plain_qwen3_drafter_json(**{key: 5})
+    cfg["dflash_config"].pop("mask_token_id")
+    assert not needs_mask_token_id(cfg) and DrafterConfig.from_dict(cfg).mask_token_id == 5
+    assert DrafterConfig.from_dict({**cfg, "mask_token_id": 5}).mask_token_id == 5
+    with pytest.raises(dflash_torch.DFlashError) as err:
+        DrafterConfig.from_dict({**cfg, "mask_token_id": 1})
+    assert str(err.value) == (f"drafter config.json gives two mask token ids: mask_token_id 1 and {key} 5; which the "
+                              "drafter was trained with is unknown: drop one or make them equal")
+
+
+def test_an_eagle_config_mask_token_id_is_read_only_where_another_key_gives_it():
+    """vLLM merges eagle_config under dflash_config, but fills the mask slots from
+    dflash_config.mask_token_id / mask_token_id and reads eagle_config.mask_token_id only to
+    place a separate mask embedding (the DFlash reference not at all): an equal one is read,
+    one alone or another one is refused, never replaced by a tokenizer look-up."""
+    from dflash_torch.models.drafter_config import needs_mask_token_id
+
+    cfg = plain_qwen3_drafter_json(eagle_config={"mask_token_id": 1})
+    assert DrafterConfig.from_dict(cfg).mask_token_id == 1
+    cfg["eagle_config"]["mask_token_id"] = 5
+    with pytest.raises(dflash_torch.DFlashError) as err:
+        DrafterConfig.from_dict(cfg)
+    assert str(err.value) == ("drafter config.json gives eagle_config.mask_token_id 5 and dflash_config.mask_token_id 1: "
+                              "vLLM fills the mask slots from dflash_config.mask_token_id / mask_token_id "
+                              "(eagle_config's only places a separate mask embedding) and the DFlash reference does not "
+                              "read it; set dflash_config.mask_token_id")
+    cfg["dflash_config"].pop("mask_token_id")
+    assert not needs_mask_token_id(cfg)
+    with pytest.raises(dflash_torch.DFlashError, match=r"^drafter config.json gives eagle_config.mask_token_id 5: vLLM"):
+        DrafterConfig.from_dict(cfg)
 
 
 def test_an_engine_reads_the_top_level_mask_token_id_and_eagle_layer_ids(tiny_pair, tmp_path, caplog):

@@ -350,63 +350,140 @@ def layer_id_list(value, key: str) -> list[int]:
     return value
 
 
+def aux_layer_ids(value, key: str) -> list[int]:
+    """Target layers from vLLM's aux hidden-state ids ``value`` (``key`` names them in messages):
+    id a is what vLLM captures as the input of target layer a, the output of layer a - 1; read
+    in layer order, as vLLM captures them.
+
+    Raises:
+        DFlashError: not a non-empty list of integers, an id below 1 (the embedding output, which
+            a DFlash-format drafter does not read) or repeated (one line).
+    """
+    ids = layer_id_list(value, key)
+    if min(ids) < 1 or len(set(ids)) != len(ids):
+        raise DFlashError(f"drafter config.json {key} {ids} must be distinct ids >= 1 (id a is the output of target "
+                          "layer a - 1; 0, the embedding output, is not read by a DFlash drafter)")
+    return [a - 1 for a in sorted(ids)]
+
+
+def eagle_settings(cfg: dict) -> dict:
+    """A drafter ``config.json``'s ``eagle_config`` object ({} when absent or null): vLLM's DFlash
+    drafter merges it under ``dflash_config``.
+
+    Raises:
+        DFlashError: a value that is not an object.
+    """
+    return object_field(cfg, "eagle_config", "drafter") or {}
+
+
 def given_target_layer_ids(cfg: dict, dflash: dict, assistant: bool = False) -> list[int] | None:
-    """The target layers a DFlash-format drafter reads, from whichever of the three keys vLLM
-    reads gives them (it takes the first given, in this order; ``assistant``: transformers' assistant
-    format, whose ``dflash`` is its top level): ``eagle_aux_hidden_state_layer_ids``
-    (ids a counted as vLLM captures hidden states, the input of layer a: target layer a - 1,
-    read in layer order as vLLM captures them; a public vLLM guide tells users to add it),
-    ``dflash_config.target_layer_ids`` and the top-level ``target_layer_ids`` (the DFlash
-    reference's fallback too). A null reads as absent.
+    """The target layers a DFlash-format drafter reads, from whichever of the keys vLLM reads
+    gives them (it takes the first given, in this order; ``assistant``: transformers' assistant
+    format, whose ``dflash`` is its top level):
+
+    * ``eagle_aux_hidden_state_layer_ids``: vLLM's aux ids (:func:`aux_layer_ids`: id a is the
+      output of target layer a - 1; a public vLLM guide tells users to add it);
+    * ``dflash_config.target_layer_ids`` (the output of layer i is feature i);
+    * ``dspark_target_layer_ids``, target layer ids as ``target_layer_ids`` (vLLM adds 1 to them as
+      to those; but for a ``deepseek_v41`` model type, whose ids vLLM reads otherwise: refused);
+    * the top-level ``target_layer_ids`` (the DFlash reference's fallback too);
+    * ``dflash_config.layer_ids``, then ``eagle_config.layer_ids``: vLLM's aux ids again.
+
+    A null reads as absent. Every key given must give the same layers.
 
     Returns:
         The target layer ids (the output of layer i is feature i), or None where no key gives them.
 
     Raises:
-        DFlashError: a value that is not a list of integers, an eagle id below 1 (the embedding
-            output, which a DFlash-format drafter does not read) or repeated, or two keys that
-            give different layers (one line naming both keys and values: which one the drafter
-            was trained with is unknown).
+        DFlashError: a value that is not a list of integers, an aux id below 1 or repeated, a
+            ``deepseek_v41`` model type's ``dspark_target_layer_ids``, or two keys that give
+            different layers (one line naming both keys and values: which one the drafter was
+            trained with is unknown).
     """
+    eagle = eagle_settings(cfg)
     found = []  # (key as named in messages, its value as written, the target layer ids it gives)
-    eagle = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if eagle is not None:
-        ids = layer_id_list(eagle, "eagle_aux_hidden_state_layer_ids")
-        if min(ids) < 1 or len(set(ids)) != len(ids):
-            raise DFlashError(f"drafter config.json eagle_aux_hidden_state_layer_ids {ids} must be distinct ids >= 1 "
-                              "(id a is the output of target layer a - 1; 0, the embedding output, is not read by a "
-                              "DFlash drafter)")
-        found.append(("eagle_aux_hidden_state_layer_ids", ids, [a - 1 for a in sorted(ids)]))
-    places = [("target_layer_ids", cfg.get("target_layer_ids"))] if assistant else [
-        ("dflash_config.target_layer_ids", dflash.get("target_layer_ids")), ("target_layer_ids", cfg.get("target_layer_ids"))]
-    for key, value in places:
+    if cfg.get("eagle_aux_hidden_state_layer_ids") is not None:
+        value = cfg["eagle_aux_hidden_state_layer_ids"]
+        found.append(("eagle_aux_hidden_state_layer_ids", value, aux_layer_ids(value, "eagle_aux_hidden_state_layer_ids")))
+    if not assistant and dflash.get("target_layer_ids") is not None:
+        value = dflash["target_layer_ids"]
+        found.append(("dflash_config.target_layer_ids", value, layer_id_list(value, "dflash_config.target_layer_ids")))
+    if cfg.get("dspark_target_layer_ids") is not None:
+        value = cfg["dspark_target_layer_ids"]
+        if cfg.get("model_type") == "deepseek_v41":
+            raise DFlashError(f"drafter config.json has model_type deepseek_v41 and dspark_target_layer_ids {value!r} "
+                              "(vLLM reads a DeepSeek V4.1 drafter's ids as the inputs of those layers, not their "
+                              "outputs); dflash-torch's DFlash drafter does not read that layout: set target_layer_ids")
+        found.append(("dspark_target_layer_ids", value, layer_id_list(value, "dspark_target_layer_ids")))
+    if cfg.get("target_layer_ids") is not None:
+        found.append(("target_layer_ids", cfg["target_layer_ids"], layer_id_list(cfg["target_layer_ids"], "target_layer_ids")))
+    for key, value in (("dflash_config.layer_ids", None if assistant else dflash.get("layer_ids")),
+                       ("eagle_config.layer_ids", eagle.get("layer_ids"))):
         if value is not None:
-            found.append((key, value, layer_id_list(value, key)))
+            found.append((key, value, aux_layer_ids(value, key)))
+    aux = ("eagle_aux_hidden_state_layer_ids", "dflash_config.layer_ids", "eagle_config.layer_ids")
     for key, value, ids in found[1:]:
         if ids != found[0][2]:
             first, value0, ids0 = found[0]
-            said = lambda k, v, i: f"{k} {v}" + (f" (target layers {i})" if k.startswith("eagle") else "")  # noqa: E731
+            said = lambda k, v, i: f"{k} {v}" + (f" (target layers {i})" if k in aux else "")  # noqa: E731
             raise DFlashError(f"drafter config.json gives two sets of target layers: {said(first, value0, ids0)} and "
                               f"{said(key, value, ids)}; which the drafter was trained with is unknown: drop one or "
                               "make them agree")
     return found[0][2] if found else None
 
 
+# keys vLLM falls back to for the token of a DFlash drafter's mask slots, after dflash_config.mask_token_id
+# and mask_token_id (its get_parallel_drafting_token_id; DSpark, PARD and PTD drafters name it so)
+MASK_TOKEN_FALLBACKS = ("dspark_noise_token_id", "pard_token", "ptd_token_id")
+
+
 def given_mask_token_id(cfg: dict, dflash: dict):
     """The mask token id of a DFlash-format drafter config: ``dflash_config.mask_token_id``, else
-    the top-level ``mask_token_id`` (vLLM's fallback, and the DFlash reference's); None where
-    neither gives one.
+    the top-level ``mask_token_id`` (the DFlash reference's fallback), else
+    :data:`MASK_TOKEN_FALLBACKS` (vLLM fills a DFlash drafter's mask slots with the first of
+    these five it finds); None where none gives one (nulls read as absent). An
+    ``eagle_config.mask_token_id`` (vLLM merges ``eagle_config`` under ``dflash_config``, but
+    fills the mask slots from the keys above and reads that one only to place a separate mask
+    embedding, which dflash-torch's drafters do not have; the DFlash reference does not read it)
+    is read only where it equals that id.
 
     Raises:
-        DFlashError: both given and different (one line naming both; which one the drafter was
-            trained with is unknown).
+        DFlashError: two of the keys given and different, or an ``eagle_config.mask_token_id``
+            that no other key confirms (one line naming them; which one the drafter was trained
+            with is unknown).
     """
-    inner, top = dflash.get("mask_token_id"), cfg.get("mask_token_id")
-    if None not in (inner, top) and inner != top:
-        raise DFlashError(f"drafter config.json gives two mask token ids: dflash_config.mask_token_id {inner!r} and "
-                          f"mask_token_id {top!r}; which the drafter was trained with is unknown: drop one or make "
-                          "them equal")
-    return top if inner is None else inner
+    given = [(key, value) for key, value in (("dflash_config.mask_token_id", dflash.get("mask_token_id")),
+                                             ("mask_token_id", cfg.get("mask_token_id")),
+                                             *((key, cfg.get(key)) for key in MASK_TOKEN_FALLBACKS))
+             if value is not None]
+    for key, value in given[1:]:
+        if value != given[0][1]:
+            raise DFlashError(f"drafter config.json gives two mask token ids: {given[0][0]} {given[0][1]!r} and {key} "
+                              f"{value!r}; which the drafter was trained with is unknown: drop one or make them equal")
+    eagle = eagle_settings(cfg).get("mask_token_id")
+    if eagle is not None and (not given or eagle != given[0][1]):
+        also = f" and {given[0][0]} {given[0][1]!r}" if given else ""
+        raise DFlashError(f"drafter config.json gives eagle_config.mask_token_id {eagle!r}{also}: vLLM fills the mask "
+                          "slots from dflash_config.mask_token_id / mask_token_id (eagle_config's only places a separate "
+                          "mask embedding) and the DFlash reference does not read it; set dflash_config.mask_token_id")
+    return given[0][1] if given else None
+
+
+def refuse_aux_off(cfg: dict, dflash: dict) -> None:
+    """Refuse ``use_aux_hidden_state: false`` (in ``dflash_config``, ``eagle_config`` or at the top
+    level, as vLLM's DFlash drafter looks it up): vLLM then feeds the drafter the target's last
+    hidden state with no ``fc`` projection instead of the target layers' features.
+
+    Raises:
+        DFlashError: one line naming the key.
+    """
+    for key, value in (("dflash_config.use_aux_hidden_state", dflash.get("use_aux_hidden_state")),
+                       ("eagle_config.use_aux_hidden_state", eagle_settings(cfg).get("use_aux_hidden_state")),
+                       ("use_aux_hidden_state", cfg.get("use_aux_hidden_state"))):
+        if not bool_field({key: value}, key, "drafter", True):
+            raise DFlashError(f"drafter config.json sets {key} false (vLLM then feeds the drafter the target's last "
+                              "hidden state, with no fc); dflash-torch's DFlash drafter reads the features of its "
+                              "target layers through fc")
 
 
 def refuse_rope_and_value_variants(cfg: dict, dflash: dict) -> None:
@@ -579,14 +656,18 @@ class DrafterConfig:
                 differ (:func:`one_rope_for_every_layer`), ``num_attention_heads`` not a multiple
                 of ``num_key_value_heads``; target layer ids or mask token ids given twice and
                 differing (:func:`given_target_layer_ids`, :func:`given_mask_token_id`); partial
-                or interleaved RoPE or a value scale (:func:`refuse_rope_and_value_variants`); a
+                or interleaved RoPE or a value scale (:func:`refuse_rope_and_value_variants`);
+                ``use_aux_hidden_state`` false (:func:`refuse_aux_off`); a
                 ``logit_scale`` that is not a number > 0, or other than 1 in a DFlash 2 config, or
                 with an ``output_multiplier`` or soft cap in a DFlash one; bad
                 :func:`draft_scaling` factors. A message about a value taken from transformers'
                 defaults says so (:meth:`default_note`).
 
         The target layers and mask token id are read where vLLM reads them too (the
-        top-level ``target_layer_ids`` / ``mask_token_id``, ``eagle_aux_hidden_state_layer_ids``);
+        top-level ``target_layer_ids`` / ``mask_token_id``, ``eagle_aux_hidden_state_layer_ids``,
+        ``dspark_target_layer_ids``, ``dflash_config`` / ``eagle_config`` ``layer_ids``,
+        :data:`MASK_TOKEN_FALLBACKS`; ``eagle_config.mask_token_id`` only where another key
+        gives the same id);
         ``logit_scale`` (default 1) multiplies the draft logits, as in vLLM. A DFlash drafter's
         ``input_embedding_scale``, ``output_multiplier`` and ``final_logit_softcapping``
         (``dflash_config``, else the top level) are read as the DFlash reference applies them
@@ -621,6 +702,7 @@ class DrafterConfig:
             refuse_variants(lambda key: dflash.get(key, cfg.get(key)), "DFlash", VARIANT_KEYS)
         refuse_attention_sinks(cfg, dflash)
         refuse_rope_and_value_variants(cfg, dflash)
+        refuse_aux_off(cfg, dflash)
         _require(cfg, ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"], "drafter")
         mask_token_id = given_mask_token_id(cfg, dflash)
         if mask_token_id is None:
@@ -650,9 +732,10 @@ class DrafterConfig:
         if layer_ids is None:
             where = "target_layer_ids" if assistant else "dflash_config.target_layer_ids"
             if num_target_layers is None:
-                raise DFlashError(f"drafter config.json has neither {where} (nor "
-                                  f"{'' if assistant else 'target_layer_ids / '}eagle_aux_hidden_state_layer_ids) nor "
-                                  "num_target_layers")
+                others = ("eagle_aux_hidden_state_layer_ids / dspark_target_layer_ids / eagle_config.layer_ids"
+                          if assistant else "target_layer_ids / eagle_aux_hidden_state_layer_ids / "
+                          "dspark_target_layer_ids / dflash_config.layer_ids / eagle_config.layer_ids")
+                raise DFlashError(f"drafter config.json has neither {where} (nor {others}) nor num_target_layers")
             layer_ids = default_target_layer_ids(num_target_layers, n)
             if min(layer_ids) < 0:  # (the rule spreads them over layers 1 .. L - 3: a target of under 4 layers has none)
                 raise DFlashError(f"drafter config.json has no {where}, and the reference rule gives {layer_ids} for "
@@ -795,8 +878,9 @@ DEFAULT_MASK_TOKEN = "<|MASK|>"  # the mask token SGLang and the DFlash referenc
 def needs_mask_token_id(cfg: dict) -> bool:
     """Whether a drafter ``config.json`` dict is one :func:`fill_mask_token_id` completes: the
     DFlash / DFlash 2 format (not Speculators', not transformers' assistants) without
-    ``dflash_config.mask_token_id`` or a top-level ``mask_token_id`` (vLLM's fallback, which
-    :meth:`DrafterConfig.from_dict` reads too)."""
+    ``dflash_config.mask_token_id``, a top-level ``mask_token_id``, or another key
+    :func:`given_mask_token_id` reads or refuses (vLLM's fallbacks :data:`MASK_TOKEN_FALLBACKS`,
+    ``eagle_config.mask_token_id``)."""
     dflash = cfg.get("dflash_config")
     archs = cfg.get("architectures")
     if "speculators_model_type" in cfg or (dflash is not None and not isinstance(dflash, dict)) or not isinstance(
@@ -805,12 +889,14 @@ def needs_mask_token_id(cfg: dict) -> bool:
     archs = archs or []
     if not (dflash or "DFlashDraftModel" in archs or "DFlash2DraftModel" in archs):
         return False
-    return (dflash or {}).get("mask_token_id") is None and cfg.get("mask_token_id") is None
+    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    return all(v is None for v in ((dflash or {}).get("mask_token_id"), cfg.get("mask_token_id"), eagle.get("mask_token_id"),
+                                   *(cfg.get(k) for k in MASK_TOKEN_FALLBACKS)))
 
 
 def fill_mask_token_id(cfg: dict, tokenizer, vocab_size: int) -> tuple[dict, str | None]:
-    """A DFlash-format drafter ``config.json`` dict that has no mask token id (neither
-    ``dflash_config.mask_token_id`` nor a top-level one: as SpecForge wrote them before it
+    """A DFlash-format drafter ``config.json`` dict that has no mask token id (none of the keys
+    :func:`needs_mask_token_id` looks for: as SpecForge wrote them before it
     recorded one) with that id filled in as SGLang resolves
     it: ``dflash_config.mask_token`` (default :data:`DEFAULT_MASK_TOKEN`) looked up in the
     target's ``tokenizer``, else the id adding it as a new token would get (``len(tokenizer)``,
