@@ -688,8 +688,9 @@ def test_tool_names_vllm_takes_and_answered_calls_are_taken(server):
                       {"role": "assistant", "content": "ok"}, {"role": "user", "content": "y"},
                       {"role": "tool", "tool_call_id": "call_1", "content": "2"}],
                      [{"role": "user", "content": "x"}, anonymous, {"role": "tool", "tool_call_id": "t", "content": "1"}]):
-        r = server.client().chat.completions.create(model=MODEL, messages=messages, tools=tools + [TOOL], max_tokens=2)
-        assert r.choices[0].finish_reason == "length"
+        r = server.client().chat.completions.create(model=MODEL, messages=messages, tools=tools + [TOOL], max_tokens=2,
+                                                    temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length"  # (taken: no EOS or sampling can end it first)
 
 
 def test_created_is_when_the_request_came_streamed_and_not(server):

@@ -856,9 +856,13 @@ def test_prompt_tokens_metric_counts_each_choice_and_says_so(server):
 def test_cached_tokens_of_n_choices_are_those_no_choice_read(tiny_pair, tmp_path_factory):
     """n=2 choices of a prompt that extends a retained one, on 2 slots while another stream
     decodes: choice 0 takes the retained rows in the free slot, choice 1 waits for the
-    stream's slot and reads its whole prompt there. ``usage`` counts the prompt once and,
-    as cached, the tokens that no choice read: none (choice 0's count alone would claim the
+    stream's slot (freed here by its client leaving once choice 1 waits: a stream that ended
+    by itself first, as on a loaded machine, left both slots free and the choices shared one
+    prefill) and reads its whole prompt there. ``usage`` counts the prompt once and, as
+    cached, the tokens that no choice read: none (choice 0's count alone would claim the
     retained prompt's tokens, which choice 1 read), streamed and not."""
+    from concurrent.futures import ThreadPoolExecutor
+
     with _serve(tiny_pair, tmp_path_factory.mktemp("n-cached"), "--max-batch-size", "2") as srv:
         c = srv.client()
 
@@ -869,16 +873,24 @@ def test_cached_tokens_of_n_choices_are_those_no_choice_read(tiny_pair, tmp_path
         for stream in (False, True):
             first = f"def cached_by_choices_{int(stream)}(x):\n    return [x] * 3\n"
             c.completions.create(prompt=first, max_tokens=2, **_kw(0.0))  # (its rows retained in a free slot)
-            busy = iter(c.completions.create(prompt="class Busy:", max_tokens=200, stream=True, **_kw(0.0)))
-            next(busy)  # decoding in the other slot
+            busy = c.completions.create(prompt="class Busy:", max_tokens=900, stream=True, **_kw(0.0))
+            next(iter(busy))  # decoding in the other slot
             before = read()
-            kw = dict(prompt=first + "print(3)\n", max_tokens=400, n=2, **_kw(0.0))  # (longer than busy's rest)
+            kw = dict(prompt=first + "print(3)\n", max_tokens=900, n=2, **_kw(0.0))
             if stream:
-                usage = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))[-1].usage
+                ask = lambda: list(c.completions.create(  # noqa: E731
+                    stream=True, stream_options={"include_usage": True}, **kw))[-1].usage
             else:
-                usage = c.completions.create(**kw).usage
+                ask = lambda: c.completions.create(**kw).usage  # noqa: E731
+            with ThreadPoolExecutor(1) as pool:
+                asked = pool.submit(ask)
+                deadline = time.monotonic() + 120
+                while srv.metrics()[("dflash_waiting_requests", ())] < 1:  # (choice 1 waits for busy's slot)
+                    assert time.monotonic() < deadline and not asked.done()
+                    time.sleep(0.05)
+                busy.close()
+                usage = asked.result(timeout=240)
             after = read()
-            assert list(busy)  # (it ended before choice 0 did)
             read_, reused = after[0] - before[0], after[1] - before[1]
             # each choice had a prefill of its own; choice 0 took the retained rows, choice 1 none
             assert read_ + reused == 2 * usage.prompt_tokens and 0 < reused < usage.prompt_tokens, (read_, reused)
