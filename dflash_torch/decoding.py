@@ -10,6 +10,7 @@ same loop is plain autoregressive target-only decoding.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
 from contextvars import ContextVar
@@ -212,7 +213,11 @@ def tag_compile_caches() -> str:
 def eager_fallbacks() -> int:
     """Compiled functions that torch.compile stopped compiling in this process because
     they reached the recompile limit: they run eager from then on (a silent loss of
-    most of the speed compiling is for). Counted from torch's compile counters."""
+    most of the speed compiling is for). Counted from torch's compile counters; 0 where
+    ``torch._dynamo`` was never imported (nothing was compiled: importing it, a second or
+    more, would stall the caller, e.g. a server's first ``/metrics``)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
     from torch._dynamo.utils import counters
 
     return sum(n for reason, n in counters["unimplemented"].items() if reason.startswith("Dynamo recompile limit"))
@@ -223,7 +228,10 @@ def compile_counts() -> tuple[int, int]:
     counters. Every compile or recompile traces a frame (also a re-trace that gives a
     graph identical to one built before); a skipped CUDA graph is a compiled graph that
     inductor runs without CUDA graphs (e.g. "mutated inputs"), paying every kernel
-    launch on the host again."""
+    launch on the host again. ``(0, 0)`` where ``torch._dynamo`` was never imported
+    (nothing was compiled)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0, 0
     from torch._dynamo.utils import counters
 
     return int(counters["frames"]["total"]), int(counters["inductor"]["cudagraph_skips"])

@@ -426,9 +426,12 @@ def test_generate_imports_neither_the_http_stack_nor_torch_dynamo(pair_args):
     """generate / bench / train run where FastAPI and uvicorn are not installed (e.g. a GPU
     machine used only to benchmark): a generate imports neither. Nor does an eager one import
     ``torch._dynamo`` (building the models on the meta device and marking the caches' static
-    addresses imported it: half a second and 70 MB of every start)."""
+    addresses imported it: half a second and 70 MB of every start), nor does reading the compile
+    counters after it (a server's first ``/metrics`` stalled its event loop for 2-3 s on that import)."""
     code = ("import contextlib, io, sys; from dflash_torch.cli import main\n"
+            "from dflash_torch.decoding import compile_counts, eager_fallbacks\n"
             "with contextlib.redirect_stdout(io.StringIO()): status = main(sys.argv[1:])\n"
+            "assert compile_counts() == (0, 0) and eager_fallbacks() == 0\n"
             "print(status, sorted(m for m in ('fastapi', 'uvicorn', 'starlette', 'torch._dynamo') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, "generate", *pair_args, PROMPT, "--max-new-tokens", "8"],
                          capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
