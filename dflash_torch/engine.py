@@ -463,7 +463,7 @@ class DFlashEngine:
             if needs_mask_token_id(draft_raw):  # (resolved with the target's tokenizer, as SGLang does)
                 draft_raw, note = fill_mask_token_id(draft_raw, load_tokenizer(target_dir, target_cfg.vocab_size),
                                                       target_cfg.vocab_size)
-                log.info(f"dflash-torch: {note}")
+                (log.warning if note.startswith("WARNING: ") else log.info)(f"dflash-torch: {note}")
             draft_cfg = DrafterConfig.from_dict(draft_raw)
             try:
                 validate_pair(target_cfg, draft_cfg)

@@ -682,6 +682,54 @@ def test_a_mask_token_the_data_holds_is_warned(tiny_pair, tmp_path):
     assert any(f"WARNING: --mask-token-id {eos} is the tokenizer's EOS token" in m for m in lines), lines
 
 
+def _without_the_mask_token(target_dir: Path, dst: Path) -> Path:
+    """A copy of ``target_dir`` whose tokenizer has no mask token: ``<|MASK|>`` (id 1) dropped
+    from its added tokens and its vocabulary, so id 1 is a gap and len(tokenizer) (319) is
+    the id of a real token."""
+    shutil.copytree(target_dir, dst)
+    tj = json.loads((dst / "tokenizer.json").read_text())
+    tj["added_tokens"] = [t for t in tj["added_tokens"] if t["content"] != "<|MASK|>"]
+    tj["model"]["vocab"].pop("<|MASK|>")
+    (dst / "tokenizer.json").write_text(json.dumps(tj))
+    tc = json.loads((dst / "tokenizer_config.json").read_text())
+    tc.pop("mask_token", None)
+    tc.get("added_tokens_decoder", {}).pop("1", None)
+    (dst / "tokenizer_config.json").write_text(json.dumps(tc))
+    (dst / "special_tokens_map.json").unlink(missing_ok=True)
+    return dst
+
+
+def test_the_mask_token_of_a_tokenizer_without_one_is_an_id_no_text_maps_to(tiny_pair, tmp_path):
+    """A tokenizer without a mask token or ``<|MASK|>`` whose ids have a gap: the mask id is
+    the first embedding row that is no token id (the gap), not len(tokenizer), which is a
+    real token's id there and was taken, said to be unused (trial-222); where the ids have
+    no gap it is still len(tokenizer). The engine's mask id for a drafter config without one
+    (the id adding the token gives) is that token's: a WARNING says so."""
+    from transformers import AutoTokenizer
+
+    from dflash_torch.models.drafter_config import fill_mask_token_id, token_ids, unused_token_id
+    from dflash_torch.training.trainer import resolve_mask_token_id
+
+    target_dir, drafter_dir = tiny_pair
+    gapped = _without_the_mask_token(target_dir, tmp_path / "gapped")
+    tok = AutoTokenizer.from_pretrained(str(gapped))
+    vocab = json.loads((gapped / "config.json").read_text())["vocab_size"]
+    assert tok.mask_token_id is None and len(tok) == vocab - 1 and len(tok) in token_ids(tok) and 1 not in token_ids(tok)
+    assert resolve_mask_token_id(tok, vocab, None) == (1, "the first embedding row that is no token of the tokenizer")
+    lines = []
+    Trainer(_cfg(tmp_path, gapped, _jsonl(tmp_path / "d.jsonl"), steps=1), log=lines.append).run()
+    assert any("mask_token_id=1 (the first embedding row that is no token of the tokenizer)" in m for m in lines), lines
+    # no gap: the row past the vocabulary, as before (and as the engine gives a drafter config without a mask id)
+    full = AutoTokenizer.from_pretrained(str(target_dir))
+    assert unused_token_id(full, vocab + 4) == len(full) == vocab and unused_token_id(full, vocab) is None
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    raw["dflash_config"].pop("mask_token_id")
+    _, note = fill_mask_token_id(raw, AutoTokenizer.from_pretrained(str(gapped)), vocab)
+    assert note.startswith("WARNING: the drafter's config.json has no mask_token_id: mask token '<|MASK|>' is id "
+                           f"{vocab - 1} (") and f"already the tokenizer's token {tok.convert_ids_to_tokens(vocab - 1)!r}" \
+        in note, note
+
+
 def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
     """``.json`` (an array of records, one record, or JSON Lines) and ``.JSONL`` are records,
     as in .jsonl (both were read as one document of JSON text, helper-24); in a directory a

@@ -894,6 +894,23 @@ def needs_mask_token_id(cfg: dict) -> bool:
                                    *(cfg.get(k) for k in MASK_TOKEN_FALLBACKS)))
 
 
+def token_ids(tokenizer) -> set[int]:
+    """The ids text can be tokenized to: those of ``tokenizer``'s vocabulary, its added
+    tokens included (``get_vocab()``). They need not be ``0 .. len(tokenizer) - 1``: a
+    vocabulary may have gaps (an id no token has) and then ids at and past ``len(tokenizer)``."""
+    return {int(i) for i in tokenizer.get_vocab().values()}
+
+
+def unused_token_id(tokenizer, vocab_size: int) -> int | None:
+    """The first embedding row (an id in ``0 .. vocab_size - 1``) that is no token of
+    ``tokenizer``'s vocabulary (:func:`token_ids`), so no text is tokenized to it: where the
+    vocabulary's ids have no gaps, ``len(tokenizer)`` (the row past its last token, the id
+    :func:`fill_mask_token_id` gives a mask token the tokenizer lacks); else its first gap.
+    None where every row is a token."""
+    used = token_ids(tokenizer)
+    return next((i for i in range(vocab_size) if i not in used), None)
+
+
 def fill_mask_token_id(cfg: dict, tokenizer, vocab_size: int) -> tuple[dict, str | None]:
     """A DFlash-format drafter ``config.json`` dict that has no mask token id (none of the keys
     :func:`needs_mask_token_id` looks for: as SpecForge wrote them before it
@@ -904,7 +921,9 @@ def fill_mask_token_id(cfg: dict, tokenizer, vocab_size: int) -> tuple[dict, str
     not changed). Other configs come back as they are.
 
     Returns:
-        ``(config, note)``: a new dict and a line saying what was resolved, or ``(cfg, None)``.
+        ``(config, note)``: a new dict and a line saying what was resolved, or ``(cfg, None)``;
+        the line starts with ``WARNING:`` where that added id is already a token's id (a
+        vocabulary whose ids have gaps, :func:`token_ids`: text holding it looks masked).
 
     Raises:
         DFlashError: a ``mask_token`` that is not a non-empty string, or an id that lands
@@ -925,8 +944,13 @@ def fill_mask_token_id(cfg: dict, tokenizer, vocab_size: int) -> tuple[dict, str
         raise DFlashError(f"drafter config.json has no dflash_config.mask_token_id, and its mask token {token!r} would be "
                           f"id {token_id} ({how}), outside the target's {vocab_size} embedding rows; set mask_token_id")
     dflash["mask_token_id"] = token_id
-    return {**cfg, "dflash_config": dflash}, (f"the drafter's config.json has no mask_token_id: mask token {token!r} "
-                                              f"is id {token_id} ({how})")
+    note = f"the drafter's config.json has no mask_token_id: mask token {token!r} is id {token_id} ({how})"
+    if found is None and token_id in token_ids(tokenizer):  # (a vocabulary with gaps: len(tokenizer) is a token's id)
+        taken = tokenizer.convert_ids_to_tokens(token_id)
+        note = (f"WARNING: {note}, which is already the tokenizer's token {taken!r} (the tokenizer's ids have a gap): "
+                "text holding that token looks like a masked slot to the drafter; if it was trained with another id, "
+                "set dflash_config.mask_token_id in its config.json")
+    return {**cfg, "dflash_config": dflash}, note
 
 
 def sliding_windows(cfg: dict, dflash: dict, layer_types: list[str]) -> list[int | None]:

@@ -37,7 +37,7 @@ from ..cli import deferred_interrupt, interrupt_signals
 from ..errors import DFlashError
 from ..models.config import TargetConfig
 from ..models.drafter_config import (DFlash2Settings, DrafterConfig, default_target_layer_ids, fill_mask_token_id,
-                                     needs_mask_token_id, validate_pair)
+                                     needs_mask_token_id, unused_token_id, validate_pair)
 from ..models.drafter import DFlashDrafter, drafter_class
 from ..models.target import TargetModel
 from ..options import check_chat_template_kwargs, context_limit
@@ -123,8 +123,10 @@ def resolve_mask_token_id(tokenizer, vocab_size: int, override: int | None) -> t
     """The block mask token id and how it was chosen.
 
     Order: ``override``; the tokenizer's ``mask_token_id``; a ``<|MASK|>`` token in its
-    vocabulary; else the first embedding row past the tokenizer's vocabulary (rows
-    ``len(tokenizer) .. vocab_size - 1`` exist in the model but no text maps to them).
+    vocabulary; else the first embedding row below ``vocab_size`` that is no token id of the
+    tokenizer's vocabulary (:func:`~dflash_torch.models.drafter_config.unused_token_id`: no
+    text maps to it; ``len(tokenizer)`` where the vocabulary's ids have no gaps, as the
+    engine gives a drafter config without a mask token id, else the first gap).
 
     Raises:
         DFlashError: none of these exists (pass ``--mask-token-id`` with an unused id).
@@ -139,8 +141,9 @@ def resolve_mask_token_id(tokenizer, vocab_size: int, override: int | None) -> t
     mid = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
     if mid is not None and 0 <= mid < vocab_size:
         return int(mid), f"tokenizer token {MASK_TOKEN}"
-    if len(tokenizer) < vocab_size:
-        return len(tokenizer), "first embedding row unused by the tokenizer"
+    free = unused_token_id(tokenizer, vocab_size)  # (not len(tokenizer): a vocabulary with gaps has a token there)
+    if free is not None:
+        return free, "the first embedding row that is no token of the tokenizer"
     raise DFlashError(
         "the target tokenizer has no mask token and no unused embedding row; "
         "pass --mask-token-id with a token id the data never uses"
