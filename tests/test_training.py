@@ -2488,13 +2488,20 @@ def test_resume_names_the_drafter_settings_that_differ_before_the_data_step(tiny
         assert cli_main(args + ["--resume", "--steps", "2"]) == 2
         assert capsys.readouterr().err.splitlines() == [
             f"dflash-torch: error: --resume: {ckpt} was trained with another drafter configuration: --num-layers 2 "
-            "here, 1 in the checkpoint; --block-size 16 here, 8 in the checkpoint; --target-layer-ids 1,1 here, 2 in "
-            "the checkpoint" + tail]
+            "here, 1 in the checkpoint; --block-size 16 here, 8 in the checkpoint; target layers 1,1 here (the default "
+            "of --num-layers 2; --target-layer-ids not given), 2 in the checkpoint" + tail]
         assert cli_main(args + ["--resume", "--steps", "2", "--num-layers", "1", "--block-size", "8", "--arch",
                                 "dflash2", "--intermediate-size", "96"]) == 2
         assert capsys.readouterr().err.splitlines() == [
             f"dflash-torch: error: --resume: {ckpt} was trained with another drafter configuration: --arch dflash2 "
             "here, dflash in the checkpoint; --intermediate-size 96 here, 128 in the checkpoint" + tail]
+        # (trial-222: a flag not given was named as if it were: --target-layer-ids 1,1 here; --intermediate-size ...)
+        assert cli_main(args + ["--resume", "--steps", "2", "--num-layers", "1", "--block-size", "8",
+                                "--target-layer-ids", "1", "--intermediate-size", "96", "--mask-token-id", "2"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"dflash-torch: error: --resume: {ckpt} was trained with another drafter configuration: --target-layer-ids 1 "
+            "here, 2 in the checkpoint; --intermediate-size 96 here, 128 in the checkpoint; --mask-token-id 2 here, 1 in "
+            "the checkpoint" + tail]
     # the same settings: it goes on from the checkpoint
     assert cli_main(args + ["--resume", "--steps", "2", "--num-layers", "1", "--block-size", "8"]) == 0
     assert "resume: step 1" in capsys.readouterr().err

@@ -265,11 +265,15 @@ DRAFTER_FLAGS = {"architectures": "--arch", "num_hidden_layers": "--num-layers",
 SHAPE_KEYS = ("num_hidden_layers", "block_size", "target_layer_ids", "intermediate_size", "mask_token_id")
 
 
-def drafter_config_differences(here: dict, there: dict, init_from: bool = False) -> dict[str, str]:
+def drafter_config_differences(here: dict, there: dict, init_from: bool = False,
+                               derived: dict[str, tuple[str, str]] | None = None) -> dict[str, str]:
     """What differs between two drafter ``config.json`` dicts (this run's and a checkpoint's):
     ``{key: text}``, one entry a setting, in the flags' order, its text naming it by its flag
     where a flag sets it (``--num-layers 2 here, 1 in the checkpoint``), else by its key (the
-    target's, or with ``init_from`` the ``--init-from`` drafter's, shape)."""
+    target's, or with ``init_from`` the ``--init-from`` drafter's, shape). ``derived`` maps
+    the keys whose flag this run was not given to ``(name, origin)``: their text names where
+    this run's value came from instead (``target layers 1,3 here (the default of --num-layers
+    2; --target-layer-ids not given), 3 in the checkpoint``)."""
     def flat(d: dict) -> dict:
         out = {k: v for k, v in d.items() if k != "dflash_config"}
         out.update(d.get("dflash_config") or {})
@@ -294,6 +298,10 @@ def drafter_config_differences(here: dict, there: dict, init_from: bool = False)
             continue
         flag = DRAFTER_FLAGS.get(key)
         if flag and not (init_from and key in SHAPE_KEYS):  # (with --init-from the shape is the source drafter's)
+            if key in (derived or {}):  # (a flag not given: its text named it as if it were, trial-222)
+                name, origin = derived[key]
+                out[key] = f"{name} {show(a.get(key))} here ({origin}), {show(b.get(key))} in the checkpoint"
+                continue
             out[key] = f"{flag} {show(a.get(key))} here, {show(b.get(key))} in the checkpoint"
         else:
             out[key] = f"{key} {a.get(key)!r} here, {b.get(key)!r} in the checkpoint"
@@ -878,7 +886,16 @@ class Trainer:
         if cfg.seq_len <= dcfg.block_size:
             raise DFlashError(f"--seq-len ({cfg.seq_len}) must be longer than the block size ({dcfg.block_size})")
         if cfg.resume:
-            differ = drafter_config_differences(dcfg.to_dict(), st["drafter_config"], bool(cfg.init_from or was_init))
+            derived = {}  # (the settings whose flags were not given: named by where their values came from)
+            if cfg.target_layer_ids is None:
+                derived["target_layer_ids"] = ("target layers", f"the default of --num-layers {cfg.num_layers}; "
+                                               "--target-layer-ids not given")
+            if cfg.intermediate_size is None:
+                derived["intermediate_size"] = ("MLP width", "the target's; --intermediate-size not given")
+            if cfg.mask_token_id is None:
+                derived["mask_token_id"] = ("mask token id", f"{how}; --mask-token-id not given")
+            differ = drafter_config_differences(dcfg.to_dict(), st["drafter_config"], bool(cfg.init_from or was_init),
+                                                derived)
             tail = "or leave out --resume and pass --overwrite to start over"
             if differ and was_init and not cfg.init_from:  # (it named the defaults of flags not given: trial-175;
                 # the drafter's other settings came from that drafter too, e.g. its max_position_embeddings)
