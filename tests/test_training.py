@@ -2755,12 +2755,23 @@ def test_train_data_that_is_not_a_regular_file_is_said_so(tiny_pair, tmp_path, c
         assert err == [f"dflash-torch: error: training data {data} is not a regular file"], err
 
 
-def test_the_default_mlp_width_of_a_drafter_for_an_all_expert_target_is_what_a_token_passes_through():
+def test_the_default_mlp_width_of_a_drafter_for_an_all_expert_target_is_what_a_token_passes_through(capsys):
     """make_drafter_config's MLP width: the target's dense width where a layer has a dense MLP
     (a Qwen3-MoE with mlp_only_layers); where every MLP is a mixture of experts, top_k x the
     expert width (+ a shared expert), not the config's intermediate_size, which is then one
-    expert's (gpt-oss: it gave 24, not 2 x 24) or unused (Qwen3-MoE: it gave its 128)."""
+    expert's (gpt-oss: it gave 24, not 2 x 24) or unused (Qwen3-MoE: it gave its 128). train
+    --help says so (it said "default: the target's", trial-222), and the mask id's default too."""
+    from dflash_torch.cli import main as cli_main
     from dflash_torch.models.config import TargetConfig
+
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    help_ = " ".join(capsys.readouterr().out.split())
+    assert ("drafter MLP width (default: the target's dense MLP width; for a target whose every MLP is a mixture of "
+            "experts, the width a token passes through: top-k x the expert width, num_experts_per_tok x "
+            "moe_intermediate_size, plus the shared expert's)") in help_, help_
+    assert ("mask token id (default: the tokenizer's mask token or <|MASK|>, else the first embedding row that is no "
+            "token id of the tokenizer)") in help_, help_
     from dflash_torch.training.trainer import make_drafter_config
 
     base = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

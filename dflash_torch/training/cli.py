@@ -64,8 +64,13 @@ def register(sub) -> None:
     p.add_argument("--selector-top-k", type=int, default=None,
                    help="dflash2: candidates per draft slot (default 16)")
     p.add_argument("--target-layer-ids", type=_int_list, default=None, help="target layers to read, e.g. 1,3 (default: the DFlash rule)")
-    p.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP size (default: the target's)")
-    p.add_argument("--mask-token-id", type=int, default=None, help="mask token id (default: the tokenizer's mask token or <|MASK|>)")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="drafter MLP width (default: the target's dense MLP width; for a target whose every MLP is a "
+                        "mixture of experts, the width a token passes through: top-k x the expert width, "
+                        "num_experts_per_tok x moe_intermediate_size, plus the shared expert's)")
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="mask token id (default: the tokenizer's mask token or <|MASK|>, else the first embedding row "
+                        "that is no token id of the tokenizer)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (and/or --time-budget-min)")
     p.add_argument("--time-budget-min", type=float, default=None, help="stop after this many minutes of training, its evaluations included "
                    "(cumulative over resumes; the data preparation is not counted)")
