@@ -730,6 +730,51 @@ def test_the_mask_token_of_a_tokenizer_without_one_is_an_id_no_text_maps_to(tiny
         in note, note
 
 
+def test_the_mask_tokens_text_in_the_data_is_tokenized_as_plain_text_and_said(tiny_pair, tmp_path):
+    """The literal text ``<|MASK|>`` (the mask token, id 1, an added special token) in the
+    data became the mask id and was trained on as context and as a label with no word
+    (trial-222): it is tokenized as plain text (as a target writes it, merged with its
+    neighbours as the text would be), in documents, conversations (the reply's loss still
+    lies on it) and self-distill prompts alike, and a line says how often and where; the
+    other special tokens (EOS, the template's) stay special."""
+    from dflash_torch.training.data import encode_text, mask_as_text
+    from dflash_torch.training.distill import text_prompts
+
+    target_dir, _ = tiny_pair
+    tok = _tok(target_dir)
+    plain = tok("x <|MASK|> y", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert 1 in tok("x <|MASK|> y", add_special_tokens=False)["input_ids"] and 1 not in plain
+    wrapped, text = mask_as_text(tok, 1)
+    assert text == "<|MASK|>" and encode_text(wrapped, "x <|MASK|> y") == plain
+    assert encode_text(wrapped, "x <|MASK|> y<|endoftext|>") == plain + [0]  # (EOS read as itself)
+    assert mask_as_text(tok, 0)[0] is tok and mask_as_text(tok, 200) == (tok, None)  # (EOS; a vocabulary token)
+    assert all(1 not in p for p in text_prompts(wrapped, ["a <|MASK|> b\n" * 40], 3, 4, 8, __import__("random").Random(0)))
+    reply = "call it as f(<|MASK|>) twice"
+    ex = tokenize_conversation(wrapped, [{"role": "user", "content": "how?"}, {"role": "assistant", "content": reply}])
+    assert not ex.whole and 1 not in ex.ids.tolist() and reply in tok.decode(ex.ids[ex.loss_mask].tolist())
+    data = tmp_path / "d.jsonl"
+    _jsonl(data)
+    with open(data, "a") as f:
+        f.write(json.dumps({"text": "a <|MASK|> b <|MASK|>\n" * 3}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "how?"}, {"role": "assistant", "content": reply}]}))
+    lines = []
+    Trainer(_cfg(tmp_path, target_dir, data, steps=1), log=lines.append).run()
+    where = f"{data}:{len(corpus_texts(60_000)) + 2}"
+    assert (f"data: the text '<|MASK|>', the mask token's, occurs 7 times in the data (6 in {where} and 1 more in 1 "
+            "other source); it is tokenized as plain text there, not as the mask token id 1, which stands for masked "
+            "slots only") in lines, lines
+    blob = torch.load(next((tmp_path / "work").glob("data-*.pt")), weights_only=True)
+    assert 1 not in blob["stream"].tolist() and all(1 not in ids.tolist() for ids, _ in blob["chat"])
+    assert blob["stream"].tolist().count(0) == len(corpus_texts(60_000)) + 1  # (each document's EOS)
+    # a tokenizer that cannot read it as text (a slow one: no offsets): a WARNING saying what it becomes
+    from dflash_torch.training.trainer import mask_text_note
+
+    assert mask_text_note(read_corpus([data]), "<|MASK|>", 1, False) == (
+        f"data: WARNING: the text '<|MASK|>', the mask token's, occurs 7 times in the data (6 in {where} and 1 more in 1 "
+        "other source); this tokenizer makes it the mask token id 1, so the drafter reads it as a masked slot and learns "
+        "to draft that id: take it out of the data, or pass --mask-token-id with an id no text maps to")
+
+
 def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
     """``.json`` (an array of records, one record, or JSON Lines) and ``.JSONL`` are records,
     as in .jsonl (both were read as one document of JSON text, helper-24); in a directory a

@@ -36,6 +36,9 @@ Two kinds of training sequences come out of it:
   sequences (prompt + the target's own greedy continuation, loss on the continuation;
   see :mod:`.distill`).
 
+The text of the drafter's mask token (an added token such as ``<|MASK|>``) where the data
+holds it is tokenized as plain text, not as the mask id (:class:`MaskAsText`).
+
 Batches are a pure function of ``(seed, step)`` so a resumed run draws exactly the
 batches an uninterrupted one would.
 """
@@ -59,7 +62,8 @@ from ..errors import DFlashError
 class Corpus:
     """Raw inputs: plain documents and chat conversations.
 
-    ``conversation_sources[i]`` names where conversation ``i`` comes from (``path:line``);
+    ``conversation_sources[i]`` names where conversation ``i`` comes from (``path:line``),
+    ``document_sources[i]`` where document ``i`` does (its file, or ``path:line`` of its record);
     ``skipped`` lists the files of directories that were left out as not UTF-8 text;
     ``excluded`` the directories below a given directory that were left out as asked
     (``exclude`` of :func:`read_corpus`).
@@ -68,12 +72,17 @@ class Corpus:
     documents: list[str] = field(default_factory=list)
     conversations: list[list[dict]] = field(default_factory=list)
     conversation_sources: list[str] = field(default_factory=list)
+    document_sources: list[str] = field(default_factory=list)
     skipped: list[Path] = field(default_factory=list)
     excluded: list[Path] = field(default_factory=list)
 
     def source(self, i: int) -> str:
         """Where conversation ``i`` comes from, for error messages."""
         return self.conversation_sources[i] if i < len(self.conversation_sources) else f"conversation {i}"
+
+    def document_source(self, i: int) -> str:
+        """Where document ``i`` comes from, for messages."""
+        return self.document_sources[i] if i < len(self.document_sources) else f"document {i}"
 
 
 def corpus_files(paths: list[str | Path], exclude: list[str | Path] = (),
@@ -171,6 +180,7 @@ def _add_record(rec, where: str, corpus: Corpus) -> None:
         raise DFlashError(f"{where}: a record holds either a 'text' string or a 'messages' list, not both")
     if isinstance(rec, dict) and isinstance(rec.get("text"), str):
         corpus.documents.append(_check_unicode(rec["text"], where))
+        corpus.document_sources.append(where)
     elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
         bad = next((k for k, m in enumerate(rec["messages"]) if not isinstance(m, dict)), None)
         if bad is not None:  # (the engine's words would offer token ids, which training records cannot hold)
@@ -284,6 +294,7 @@ def _read_file(path: Path, given: bool, corpus: Corpus) -> None:
                 raise
         else:  # (in a directory, a .json file that is not records, e.g. a package.json, is a document)
             corpus.documents += records.documents
+            corpus.document_sources += records.document_sources
             corpus.conversations += records.conversations
             corpus.conversation_sources += records.conversation_sources
             return
@@ -296,6 +307,7 @@ def _read_file(path: Path, given: bool, corpus: Corpus) -> None:
         return
     if text:
         corpus.documents.append(text)
+        corpus.document_sources.append(str(path))
 
 
 @dataclass
@@ -342,6 +354,93 @@ def text_pieces(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
         yield text[start:end]
         start = end
     yield text[start:]
+
+
+class MaskAsText:
+    """``tokenizer`` (a fast one: character offsets) with the text of its added token
+    ``mask_token_id`` (the drafter's mask token, e.g. ``<|MASK|>``) tokenized as plain text
+    where the data holds it, not as that id: the mask id stands for a block's masked slots
+    only (text holding it would look masked to the drafter, and it would learn to draft the
+    id), and a target whose tokenizer gained the token for its drafter, as the DFlash
+    reference adds ``<|MASK|>``, never saw that id: it writes that text, if at all, as plain
+    tokens, which are what the drafter should draft. Where a text holds it, the stretch between the added tokens
+    around it (which the tokenizer reads apart from the rest anyway) is tokenized with the
+    special tokens read as text (``split_special_tokens``); the rest, the other special
+    tokens (a chat template's markers) included, is tokenized as ``tokenizer`` does.
+    Everything else is ``tokenizer``'s. Calls take a text or a list of texts and give
+    ``input_ids`` (and ``offset_mapping`` when asked) as ``tokenizer`` does.
+
+    Use :func:`mask_as_text` to make one (it says where this cannot be done)."""
+
+    def __init__(self, tokenizer, mask_token_id: int, text: str):
+        self.tokenizer, self.mask_token_id, self.text = tokenizer, mask_token_id, text
+        self.boundaries = {int(i) for i in tokenizer.added_tokens_decoder} - {mask_token_id}
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def _plain(self, text: str, ids: list[int], offsets: list[tuple[int, int]]) -> tuple[list[int], list]:
+        """``ids`` / ``offsets`` of ``text`` with each stretch holding the mask id tokenized as plain text."""
+        out_ids, out_offsets, k = [], [], 0
+        while k < len(ids):
+            if ids[k] in self.boundaries:
+                out_ids.append(ids[k])
+                out_offsets.append(offsets[k])
+                k += 1
+                continue
+            end = k
+            while end < len(ids) and ids[end] not in self.boundaries:
+                end += 1
+            if self.mask_token_id in ids[k:end]:
+                a, b = offsets[k][0], offsets[end - 1][1]
+                enc = self.tokenizer(text[a:b], add_special_tokens=False, split_special_tokens=True,
+                                     return_offsets_mapping=True)
+                out_ids += enc["input_ids"]
+                out_offsets += [(a + x, a + y) for x, y in enc["offset_mapping"]]
+            else:
+                out_ids += ids[k:end]
+                out_offsets += offsets[k:end]
+            k = end
+        return out_ids, out_offsets
+
+    def __call__(self, text, add_special_tokens: bool = True, return_offsets_mapping: bool = False, **kw):
+        texts = [text] if isinstance(text, str) else list(text)
+        if not any(self.text in t for t in texts):
+            return self.tokenizer(text, add_special_tokens=add_special_tokens,
+                                  return_offsets_mapping=return_offsets_mapping, **kw)
+        enc = self.tokenizer(texts, add_special_tokens=add_special_tokens, return_offsets_mapping=True, **kw)
+        ids, offsets = [], []
+        for t, i, o in zip(texts, enc["input_ids"], enc["offset_mapping"]):
+            i, o = self._plain(t, list(i), [tuple(x) for x in o]) if self.text in t else (list(i), list(o))
+            ids.append(i)
+            offsets.append(o)
+        out = {"input_ids": ids[0] if isinstance(text, str) else ids}
+        if return_offsets_mapping:
+            out["offset_mapping"] = offsets[0] if isinstance(text, str) else offsets
+        return out
+
+    def encode(self, text: str, add_special_tokens: bool = True, **kw) -> list[int]:
+        return self(text, add_special_tokens=add_special_tokens, **kw)["input_ids"]
+
+
+def mask_as_text(tokenizer, mask_token_id: int | None):
+    """``(tokenizer, text)``: :class:`MaskAsText` of ``tokenizer`` and the mask token's text
+    where ``mask_token_id`` is an added token of it (not pad, BOS or EOS, which data holds as
+    themselves) and a fast tokenizer reads that text as plain tokens; else ``tokenizer`` as
+    it is and the text the data holding it becomes the mask id (None where no text is: a
+    token of the vocabulary proper, read as such)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) if mask_token_id is not None else {}
+    token = added.get(mask_token_id)
+    if token is None or mask_token_id in {getattr(tokenizer, f"{k}_token_id", None) for k in ("pad", "bos", "eos")}:
+        return tokenizer, None
+    text = str(token)
+    try:
+        plain = tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError, KeyError, TypeError):  # (a slow tokenizer: no offsets)
+        return tokenizer, text
+    if mask_token_id in plain["input_ids"] or not plain["input_ids"]:
+        return tokenizer, text
+    return MaskAsText(tokenizer, mask_token_id, text), text
 
 
 def encode_text(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:

@@ -27,6 +27,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import SafetensorError
@@ -43,7 +44,8 @@ from ..models.target import TargetModel
 from ..options import check_chat_template_kwargs, context_limit
 from ..tokenizer import load_tokenizer
 from .data import (
-    Example, TrainingData, collate, corpus_files, read_corpus, step_generator, tokenize_conversation, tokenize_documents,
+    Corpus, Example, MaskAsText, TrainingData, collate, corpus_files, mask_as_text, read_corpus, step_generator,
+    tokenize_conversation, tokenize_documents,
 )
 from .objective import batch_loss, copy_target_layers, default_gamma, greedy_walk, init_drafter_weights, sample_anchors
 
@@ -420,13 +422,14 @@ def ignored_interrupt():
             signal.signal(signum, handler)
 
 
-CACHE_FORMAT = 10  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
+CACHE_FORMAT = 11  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
 # 5: no reply span inside the turns before it; messages as the engine takes them (parts, tool calls, names);
 # 6: replies found by their contents; 7: spans checked against the messages' contents (none on a user's text);
 # 8: each reply's closing marker in its span (a reply ending in a line end or ">"); an opening reply's span at its place;
 # gpt-oss's last reasoning in its reply's span; a call's empty content left unmarked; 9: also where the template
 # writes the marked conversation otherwise (Qwen3's line end before a call after a content); a </s> taken alone;
-# 10: a .json array's records named from 1 in the notes (as JSON Lines lines)
+# 10: a .json array's records named from 1 in the notes (as JSON Lines lines); 11: the mask token's text in the data
+# tokenized as plain text (MaskAsText), the mask id in the key
 """Version of the tokenized-data cache; part of its key (bump when tokenization changes)."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -461,8 +464,9 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def data_key(cfg: TrainConfig, target_dir: Path) -> str:
-    """Key of the tokenized-data cache: a hash of everything the data is made from.
+def data_key(cfg: TrainConfig, target_dir: Path, mask_token_id: int | None = None) -> str:
+    """Key of the tokenized-data cache: a hash of everything the data is made from (the
+    drafter's ``mask_token_id`` too: its text in the data is tokenized as plain text, :func:`_tokenize_data`).
 
     It holds the SHA-256 of the content of every data file and of every file at the top
     of the target directory (tokenizer, chat template, config; the weight files only
@@ -482,7 +486,7 @@ def data_key(cfg: TrainConfig, target_dir: Path) -> str:
     parts = {"format": CACHE_FORMAT, "target": target, "data": [str(Path(os.path.expanduser(p)).resolve()) for p in cfg.data],
              "files": [[str(f.resolve()), _file_digest(f)] for f, _ in corpus_files(cfg.data, cfg.own_dirs())],
              "seq_len": cfg.seq_len, "self_distill": cfg.self_distill, "prefix": [cfg.prefix_min, cfg.prefix_max],
-             "seed": cfg.seed, "chat_template_kwargs": cfg.chat_template_kwargs}
+             "seed": cfg.seed, "chat_template_kwargs": cfg.chat_template_kwargs, "mask_token_id": mask_token_id}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -585,8 +589,46 @@ def split_eval(cfg: TrainConfig, stream: torch.Tensor, chat: list[Example], dist
     return (stream, chat, kept, rows) if kind == "distilled" else (stream, kept, distilled, rows)
 
 
-def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> dict:
+def _strings(obj) -> Iterator[str]:
+    """Every string in ``obj`` (a message: its content, reasoning, tool calls' arguments...)."""
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _strings(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _strings(v)
+
+
+def mask_text_note(corpus: Corpus, text: str, mask_token_id: int, as_text: bool) -> str | None:
+    """The line said where the data holds ``text``, the mask token's (None where it does not):
+    how often, where first, and whether it is tokenized as plain text (``as_text``,
+    :class:`~dflash_torch.training.data.MaskAsText`) or, where the tokenizer cannot, becomes the mask id."""
+    counts = [(corpus.document_source(i), d.count(text)) for i, d in enumerate(corpus.documents) if text in d]
+    counts += [(corpus.source(i), sum(s.count(text) for s in _strings(c))) for i, c in enumerate(corpus.conversations)]
+    counts = [(where, n) for where, n in counts if n]
+    if not counts:
+        return None
+    total = sum(n for _, n in counts)
+    where, first = counts[0]
+    seen = (f"{total} time{'s' * (total != 1)} in the data ({first} in {where}"
+            + (f" and {total - first} more in {len(counts) - 1} other source{'s' * (len(counts) != 2)})" if len(counts) > 1
+               else ")"))
+    if as_text:
+        return (f"data: the text {text!r}, the mask token's, occurs {seen}; it is tokenized as plain text there, not "
+                f"as the mask token id {mask_token_id}, which stands for masked slots only")
+    return (f"data: WARNING: the text {text!r}, the mask token's, occurs {seen}; this tokenizer makes it the mask token "
+            f"id {mask_token_id}, so the drafter reads it as a masked slot and learns to draft that id: take it out of "
+            "the data, or pass --mask-token-id with an id no text maps to")
+
+
+def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log, mask_token_id: int | None = None) -> dict:
     """Read, tokenize and self-distill the data (the blob :func:`prepare_data` caches).
+
+    The text of the mask token ``mask_token_id`` (an added token, e.g. ``<|MASK|>``) in the
+    data is tokenized as plain text (:func:`~dflash_torch.training.data.mask_as_text`), said
+    in a line (a WARNING where the tokenizer cannot: :func:`mask_text_note`).
 
     Its ``notes`` are the lines said about the data (files skipped, conversations left
     out or trained on all their tokens), said again when the blob is loaded from the cache."""
@@ -598,6 +640,10 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> dict:
         log(line)
 
     corpus = read_corpus(cfg.data, cfg.own_dirs())
+    tokenizer, mask_text = mask_as_text(tokenizer, mask_token_id)
+    said = mask_text_note(corpus, mask_text, mask_token_id, isinstance(tokenizer, MaskAsText)) if mask_text else None
+    if said:
+        note(said)
     for d in corpus.excluded:
         note(f"data: left out {d} (this run's --out or --work-dir) and everything below it")
     if corpus.skipped:
@@ -673,8 +719,10 @@ def _load_data_cache(cache: Path, log) -> dict | None:
     return blob
 
 
-def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[TrainingData, list, dict]:
-    """Tokenized (and self-distilled) data, cached in the work dir under :func:`data_key`
+def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log,
+                 mask_token_id: int | None = None) -> tuple[TrainingData, list, dict]:
+    """Tokenized (and self-distilled) data (the text of the drafter's mask token
+    ``mask_token_id`` in it as plain text: :func:`_tokenize_data`), cached in the work dir under :func:`data_key`
     (a new cache replaces the work dir's older ones once the data passed :func:`check_data_size`,
     and one that cannot be read back, with a WARNING), and a validation set (:func:`split_eval`).
 
@@ -683,7 +731,7 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
             (:func:`check_data_size`; checked before self-distillation too).
     """
     work = cfg.work_path()
-    cache = work / f"data-{data_key(cfg, target_dir)}.pt"
+    cache = work / f"data-{data_key(cfg, target_dir, mask_token_id)}.pt"
     blob = _load_data_cache(cache, log) if cache.is_file() else None
     written = blob is None  # (this run writes the cache)
     if blob is not None:
@@ -691,7 +739,7 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log) -> tuple[Tr
         for line in blob["notes"]:  # (what the run that made it said about the data)
             log(line)
     else:
-        blob = _tokenize_data(cfg, target_dir, tokenizer, log)
+        blob = _tokenize_data(cfg, target_dir, tokenizer, log, mask_token_id)
         work.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
         try:
@@ -950,7 +998,7 @@ class Trainer:
                 self.log(f"resume: WARNING: the recipe differs from the checkpoint's run: {', '.join(changed)}; "
                          "training goes on with the new values")
 
-        data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log)
+        data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log, dcfg.mask_token_id)
         self.log(f"data: {data_stats}")
         self._interrupt_note = f"before training began: no step was trained (the prepared data is kept in {cfg.work_path()})"
 
