@@ -2813,7 +2813,7 @@ def test_the_default_mlp_width_of_a_drafter_for_an_all_expert_target_is_what_a_t
         cli_main(["train", "--help"])
     help_ = " ".join(capsys.readouterr().out.split())
     assert ("drafter MLP width (default: the target's dense MLP width; for a target whose every MLP is a mixture of "
-            "experts, the width a token passes through: top-k x the expert width, num_experts_per_tok x "
+            "experts, the width a token passes through: top-k x the expert width, e.g. num_experts_per_tok x "
             "moe_intermediate_size, plus the shared expert's)") in help_, help_
     assert ("mask token id (default: the tokenizer's mask token or <|MASK|>, else the first embedding row that is no "
             "token id of the tokenizer)") in help_, help_

@@ -66,7 +66,7 @@ def register(sub) -> None:
     p.add_argument("--target-layer-ids", type=_int_list, default=None, help="target layers to read, e.g. 1,3 (default: the DFlash rule)")
     p.add_argument("--intermediate-size", type=int, default=None,
                    help="drafter MLP width (default: the target's dense MLP width; for a target whose every MLP is a "
-                        "mixture of experts, the width a token passes through: top-k x the expert width, "
+                        "mixture of experts, the width a token passes through: top-k x the expert width, e.g. "
                         "num_experts_per_tok x moe_intermediate_size, plus the shared expert's)")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="mask token id (default: the tokenizer's mask token or <|MASK|>, else the first embedding row "
