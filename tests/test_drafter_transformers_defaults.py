@@ -474,6 +474,10 @@ def test_vllms_other_mask_token_keys_are_read_and_two_that_differ_are_refused(ke
         DrafterConfig.from_dict({**cfg, "mask_token_id": 1})
     assert str(err.value) == (f"drafter config.json gives two mask token ids: mask_token_id 1 and {key} 5; which the "
                               "drafter was trained with is unknown: drop one or make them equal")
+    for bad in ("<pad>", True, -1):  # (trial-229: named mask_token_id; true beside a 1 was taken as 1)
+        with pytest.raises(dflash_torch.DFlashError) as err:
+            DrafterConfig.from_dict({**cfg, key: bad, "mask_token_id": 1})
+        assert str(err.value) == f"drafter config.json {key} must be an integer >= 0, got {bad!r}", str(err.value)
 
 
 def test_an_eagle_config_mask_token_id_is_read_only_where_another_key_gives_it():
@@ -636,9 +640,15 @@ def test_the_reference_factors_shape_a_dflash_drafter(tiny_pair, tmp_path):
      "with is unknown: drop one"),
     (dict(logit_scale=2.0, dflash_config={"mask_token_id": 1, "target_layer_ids": [1, 5], "final_logit_softcapping": 5}),
      "drafter config.json sets logit_scale 2.0 (vLLM's factor"),
-    (dict(output_multiplier="2"), "DFlash drafter output_multiplier must be a finite number, got '2'"),
-    (dict(input_embedding_scale=float("inf")), "DFlash drafter input_embedding_scale must be a finite number, got inf"),
+    (dict(output_multiplier="2"), "DFlash drafter output_multiplier must be a finite number of magnitude at most 1e+06, "
+     "got '2'"),
+    (dict(input_embedding_scale=float("inf")), "DFlash drafter input_embedding_scale must be a finite number of"),
     (dict(final_logit_softcapping=0), "DFlash drafter final_logit_softcapping must be > 0 (or null for none), got 0"),
+    # (trial-229: 1e308 passed and turned every sampled draft into torch's inf/nan error; 10**400 was an OverflowError)
+    (dict(input_embedding_scale=1e300), "DFlash drafter input_embedding_scale must be a finite number of magnitude"),
+    (dict(output_multiplier=10**400), "DFlash drafter output_multiplier must be a finite number of magnitude"),
+    (dict(logit_scale=1e308), "drafter config.json logit_scale must be a number > 0 and at most 1e+06, got 1e+308"),
+    (dict(logit_scale=10**400), "drafter config.json logit_scale must be a number > 0, got 1000"),
 ])
 def test_bad_or_clashing_reference_factors_are_refused(edit, words):
     """A logit_scale (vLLM's factor, which the DFlash reference does not read) together with the
@@ -666,6 +676,7 @@ def test_a_null_num_key_value_heads_reads_as_transformers_reads_it(model_type, c
         assert hf_config(cfg).num_key_value_heads == 4 and not caplog.text
     else:
         assert "does not load in transformers' GptOssConfig" in caplog.text
+    assert "num_key_value_heads" not in d.transformers_defaults  # (trial-229: a message said the file gives none)
 
 
 def test_eagle_style_midlayer_weights_are_read_for_one_layer(tiny_pair, tmp_path):

@@ -94,7 +94,7 @@ def _rope(cfg: dict, what: str = "target", default_theta: float = 10000.0) -> tu
             ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 1, "an integer >= 1"
         else:  # factor, low/high_freq_factor, beta_fast/slow, attention_factor, mscale, mscale_all_dim
             low = 0 if key in ("mscale", "mscale_all_dim") else None  # (mscale_all_dim 0 turns it off)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+            ok = finite_number(value) and (
                 value >= low if low is not None else value > 0)
             want = "a number >= 0" if low is not None else "a number > 0"
         if not ok:
@@ -158,6 +158,18 @@ def object_field(cfg: dict, key: str, what: str) -> dict | None:
     return value
 
 
+def finite_number(value) -> bool:
+    """Whether ``value`` is a JSON number (an int or a float, not a bool) whose float is finite
+    (an integer too large for a float, e.g. a 1 and 400 zeros, is not: math.isfinite would
+    raise OverflowError on it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def number_field(cfg: dict, key: str, what: str, default: float) -> float:
     """``cfg[key]`` as a float, ``default`` when absent or null.
 
@@ -167,7 +179,7 @@ def number_field(cfg: dict, key: str, what: str, default: float) -> float:
     value = cfg.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not finite_number(value) or value <= 0:
         raise DFlashError(f"{what} config.json {key} must be a number > 0, got {value!r}")
     return float(value)
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import DFlashError
 from .config import (GELU_TANH_NAMES, SILU_NAMES, TargetConfig, _require, _rope, architectures, bool_field, check_int,
-                     number_field, object_field, quiet_transformers, refuse_quantized)
+                     finite_number, number_field, object_field, quiet_transformers, refuse_quantized)
 
 if TYPE_CHECKING:
     from .laguna_drafter import LagunaDraftSettings
@@ -146,6 +145,9 @@ class DFlash2Settings:
 
 
 DRAFT_SCALING_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+# the largest factor a drafter config may put on its embeddings or logits (published ones are near 1; a far larger
+# one turns draft logits into inf, and every sampled draft into torch's "probability tensor contains inf" error)
+MAX_DRAFT_FACTOR = 1e6
 
 
 def draft_scaling(value, kind: str) -> dict:
@@ -161,12 +163,13 @@ def draft_scaling(value, kind: str) -> dict:
         ``{"input_embedding_scale": float, "output_multiplier": float, "final_logit_softcapping": float | None}``.
 
     Raises:
-        DFlashError: a value that is not a finite number, or a soft cap <= 0 (one line).
+        DFlashError: a value that is not a finite number of magnitude at most
+            :data:`MAX_DRAFT_FACTOR`, or a soft cap <= 0 (one line).
     """
     got = {k: value(k) for k in DRAFT_SCALING_KEYS}
     for k, v in got.items():
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-            raise DFlashError(f"{kind} {k} must be a finite number, got {v!r}")
+        if v is not None and (not finite_number(v) or abs(v) > MAX_DRAFT_FACTOR):
+            raise DFlashError(f"{kind} {k} must be a finite number of magnitude at most {MAX_DRAFT_FACTOR:g}, got {v!r}")
     cap = got["final_logit_softcapping"]
     if cap is not None and cap <= 0:
         raise DFlashError(f"{kind} final_logit_softcapping must be > 0 (or null for none), got {cap!r}")
@@ -456,6 +459,8 @@ def given_mask_token_id(cfg: dict, dflash: dict):
                                              ("mask_token_id", cfg.get("mask_token_id")),
                                              *((key, cfg.get(key)) for key in MASK_TOKEN_FALLBACKS))
              if value is not None]
+    for key, value in given:  # (each named if it is no token id: a string, a bool, a negative number)
+        check_int({key: value}, key, "drafter", minimum=0)
     for key, value in given[1:]:
         if value != given[0][1]:
             raise DFlashError(f"drafter config.json gives two mask token ids: {given[0][0]} {given[0][1]!r} and {key} "
@@ -527,7 +532,7 @@ def refuse_rope_and_value_variants(cfg: dict, dflash: dict) -> None:
                           "runs it); dflash-torch's DFlash drafter rotates the two halves of each head (true)")
     scale = dflash.get("attention_value_scale")
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        if not finite_number(scale):
             raise DFlashError(f"drafter config.json dflash_config.attention_value_scale must be a number, got {scale!r}")
         if scale != 1:
             raise DFlashError(f"drafter config.json sets dflash_config.attention_value_scale {scale!r} (MiMo's factor on "
@@ -539,9 +544,13 @@ def logit_scale_field(cfg: dict) -> float:
     (default 1; a null reads as absent).
 
     Raises:
-        DFlashError: a value that is not a finite number > 0.
+        DFlashError: a value that is not a finite number > 0, or above :data:`MAX_DRAFT_FACTOR`.
     """
-    return number_field(cfg, "logit_scale", "drafter", 1.0)
+    scale = number_field(cfg, "logit_scale", "drafter", 1.0)
+    if scale > MAX_DRAFT_FACTOR:
+        raise DFlashError(f"drafter config.json logit_scale must be a number > 0 and at most {MAX_DRAFT_FACTOR:g}, got "
+                          f"{cfg['logit_scale']!r}")
+    return scale
 
 
 def transformers_default_note(taken: dict[str, str], values: dict, *keys: str) -> str:
@@ -723,7 +732,8 @@ class DrafterConfig:
             if cfg is not given:
                 kind = transformers_config_class(cfg.get("model_type")).__name__
                 taken = {k: kind for k in ("head_dim", "num_key_value_heads", "attention_bias")
-                         if given.get(k) is None and cfg.get(k) is not None}
+                         if given.get(k) is None and cfg.get(k) is not None
+                         and not (k == "num_key_value_heads" and k in given)}  # (its null: num_attention_heads)
         for key in ("num_key_value_heads", "head_dim", "sliding_window", "vocab_size"):
             check_int(cfg, key, "drafter")
         n = cfg["num_hidden_layers"]

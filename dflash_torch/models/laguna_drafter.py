@@ -34,7 +34,6 @@ The format is run, not written: its config has no DFlash-format ``config.json``
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +41,7 @@ import torch
 from torch import nn
 
 from ..errors import DFlashError
-from .config import check_int, object_field, refuse_quantized
+from .config import check_int, finite_number, object_field, refuse_quantized
 from .drafter_config import DrafterConfig
 from .drafter import DFlashDrafter, DraftLayer
 from .laguna import softplus_gated
@@ -178,7 +177,7 @@ def read_config(cfg: dict) -> DrafterConfig:
     rope = rope_for(cfg, kind)
     partial = rope.pop("partial_rotary_factor", None)
     partial = 1.0 if partial is None else partial
-    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not math.isfinite(partial) or not 0 < partial <= 1:
+    if not finite_number(partial) or not 0 < partial <= 1:
         raise DFlashError(f"Laguna DFlash drafter partial_rotary_factor must be a number in (0, 1], got {partial!r}")
     plain = {k: v for k, v in cfg.items() if k not in _OWN_KEYS}
     plain.update(architectures=["DFlashDraftModel"], rope_parameters=rope,
