@@ -680,6 +680,18 @@ def test_a_mask_token_the_data_holds_is_warned(tiny_pair, tmp_path):
     lines = []
     Trainer(_cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=1, mask_token_id=eos), log=lines.append).run()
     assert any(f"WARNING: --mask-token-id {eos} is the tokenizer's EOS token" in m for m in lines), lines
+    # (trial-229: a plain token's id, e.g. a frequent word, was taken silently; the tokenizer's <|MASK|> is no warning)
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    word = tok.encode("x", add_special_tokens=False)[0]
+    for mask_id, warned in ((word, True), (tok.mask_token_id, False)):
+        lines = []
+        Trainer(_cfg(tmp_path / str(mask_id), target_dir, _jsonl(tmp_path / "d.jsonl"), steps=1, mask_token_id=mask_id),
+                log=lines.append).run()
+        said = [m for m in lines if m.startswith(f"WARNING: --mask-token-id {mask_id} ")]
+        assert said == ([f"WARNING: --mask-token-id {word} is the tokenizer's token "
+                          f"{tok.convert_ids_to_tokens(word)!r}, which text is tokenized to; "
+                         "the drafter cannot tell a masked slot from it (give an id no text maps to, or leave the option "
+                         "out)"] if warned else []), lines
 
 
 def _without_the_mask_token(target_dir: Path, dst: Path) -> Path:
@@ -2544,6 +2556,8 @@ def test_resume_names_the_drafter_settings_that_differ_before_the_data_step(tiny
         assert cli_main(args + ["--resume", "--steps", "2", "--num-layers", "1", "--block-size", "8",
                                 "--target-layer-ids", "1", "--intermediate-size", "96", "--mask-token-id", "2"]) == 2
         assert capsys.readouterr().err.splitlines() == [
+            "WARNING: --mask-token-id 2 is the tokenizer's token '!', which text is tokenized to; the drafter cannot tell "
+            "a masked slot from it (give an id no text maps to, or leave the option out)",
             f"dflash-torch: error: --resume: {ckpt} was trained with another drafter configuration: --target-layer-ids 1 "
             "here, 2 in the checkpoint; --intermediate-size 96 here, 128 in the checkpoint; --mask-token-id 2 here, 1 in "
             "the checkpoint" + tail]

@@ -38,7 +38,7 @@ from ..cli import deferred_interrupt, interrupt_signals
 from ..errors import DFlashError
 from ..models.config import TargetConfig
 from ..models.drafter_config import (DFlash2Settings, DrafterConfig, default_target_layer_ids, fill_mask_token_id,
-                                     needs_mask_token_id, unused_token_id, validate_pair)
+                                     needs_mask_token_id, token_ids, unused_token_id, validate_pair)
 from ..models.drafter import DFlashDrafter, drafter_class
 from ..models.target import TargetModel
 from ..options import check_chat_template_kwargs, context_limit
@@ -930,6 +930,14 @@ class Trainer:
                 self.log(f"WARNING: --mask-token-id {mask_id} is the tokenizer's {used[mask_id].upper()} token, which "
                          "the training data holds; the drafter cannot tell a masked slot from it (give an id the data "
                          "never uses, or leave the option out)")
+            elif how == "given" and mask_id in token_ids(tokenizer) and mask_id not in tokenizer.all_special_ids \
+                    and mask_id not in tokenizer.added_tokens_decoder:  # (trial-229: a plain word's id, taken silently)
+                free = unused_token_id(tokenizer, target_cfg.vocab_size)
+                self.log(f"WARNING: --mask-token-id {mask_id} is the tokenizer's token "
+                         f"{tokenizer.convert_ids_to_tokens(mask_id)!r}, which text is tokenized to; the drafter cannot "
+                         "tell a masked slot from it (give an id no text maps to"
+                         + (f", e.g. {free}, the first embedding row that is no token" if free is not None else "")
+                         + ", or leave the option out)")
             dcfg = make_drafter_config(target_cfg, cfg, mask_id, warn=notes.append)
         if cfg.seq_len <= dcfg.block_size:
             raise DFlashError(f"--seq-len ({cfg.seq_len}) must be longer than the block size ({dcfg.block_size})")
