@@ -377,6 +377,27 @@ def test_top_level_and_eagle_target_layer_ids_are_read(edit):
     assert DrafterConfig.from_dict(cfg).target_layer_ids == [2, 6]
 
 
+def test_aux_layer_ids_past_the_target_are_named_as_written(tiny_pair):
+    """Aux ids past the target's layers are refused naming the key and the ids as written (trial-229:
+    it said ``target_layer_ids [0, 4] include [4]``, ids the file does not hold, under a key it
+    does not have); target layer ids as written are named as before."""
+    from dflash_torch.models.config import TargetConfig
+    from dflash_torch.models.drafter_config import validate_pair
+
+    target = TargetConfig.from_dict(json.loads((tiny_pair[0] / "config.json").read_text()))
+    n = target.num_hidden_layers
+    for edit, said in ((dict(eagle_aux_hidden_state_layer_ids=[1, n + 1]), f"target_layer_ids [0, {n}] include [{n}], "
+                        f"outside the target's {n} layers (read from its eagle_aux_hidden_state_layer_ids [1, {n + 1}]: "
+                        "id a is the output of target layer a - 1)"),
+                       (dict(target_layer_ids=[0, n]), f"target_layer_ids [0, {n}] include [{n}], outside the target's "
+                        f"{n} layers")):
+        cfg = plain_qwen3_drafter_json(num_target_layers=n, **edit)
+        cfg["dflash_config"].pop("target_layer_ids")
+        with pytest.raises(dflash_torch.DFlashError) as err:
+            validate_pair(target, DrafterConfig.from_dict(cfg))
+        assert str(err.value) == "incompatible pair: drafter " + said, str(err.value)
+
+
 @pytest.mark.parametrize("edit,said", [
     (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[4, 5, 6]),
      "eagle_aux_hidden_state_layer_ids [4, 5, 6] (target layers [3, 4, 5]) and dflash_config.target_layer_ids [1, 5]"),

@@ -379,7 +379,11 @@ def eagle_settings(cfg: dict) -> dict:
     return object_field(cfg, "eagle_config", "drafter") or {}
 
 
-def given_target_layer_ids(cfg: dict, dflash: dict, assistant: bool = False) -> list[int] | None:
+# the keys that give vLLM's aux hidden-state ids (id a: the output of target layer a - 1), not target layer ids
+AUX_LAYER_KEYS = ("eagle_aux_hidden_state_layer_ids", "dflash_config.layer_ids", "eagle_config.layer_ids")
+
+
+def given_target_layer_ids(cfg: dict, dflash: dict, assistant: bool = False) -> tuple[list[int], str, object] | None:
     """The target layers a DFlash-format drafter reads, from whichever of the keys vLLM reads
     gives them (it takes the first given, in this order; ``assistant``: transformers' assistant
     format, whose ``dflash`` is its top level):
@@ -395,7 +399,9 @@ def given_target_layer_ids(cfg: dict, dflash: dict, assistant: bool = False) -> 
     A null reads as absent. Every key given must give the same layers.
 
     Returns:
-        The target layer ids (the output of layer i is feature i), or None where no key gives them.
+        ``(target layer ids, key, its value as written)``: the ids (the output of layer i is
+        feature i), read from ``key`` (the first of the keys above given; named in messages
+        about the ids), or None where no key gives them.
 
     Raises:
         DFlashError: a value that is not a list of integers, an aux id below 1 or repeated, a
@@ -424,7 +430,7 @@ def given_target_layer_ids(cfg: dict, dflash: dict, assistant: bool = False) -> 
                        ("eagle_config.layer_ids", eagle.get("layer_ids"))):
         if value is not None:
             found.append((key, value, aux_layer_ids(value, key)))
-    aux = ("eagle_aux_hidden_state_layer_ids", "dflash_config.layer_ids", "eagle_config.layer_ids")
+    aux = AUX_LAYER_KEYS
     for key, value, ids in found[1:]:
         if ids != found[0][2]:
             first, value0, ids0 = found[0]
@@ -432,7 +438,7 @@ def given_target_layer_ids(cfg: dict, dflash: dict, assistant: bool = False) -> 
             raise DFlashError(f"drafter config.json gives two sets of target layers: {said(first, value0, ids0)} and "
                               f"{said(key, value, ids)}; which the drafter was trained with is unknown: drop one or "
                               "make them agree")
-    return found[0][2] if found else None
+    return (found[0][2], found[0][0], found[0][1]) if found else None
 
 
 # keys vLLM falls back to for the token of a DFlash drafter's mask slots, after dflash_config.mask_token_id
@@ -602,6 +608,8 @@ class DrafterConfig:
     final_logit_softcapping: float | None = None
     # the keys config.json leaves out that took transformers' defaults (with_transformers_defaults): key -> its class
     transformers_defaults: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # the key and value target_layer_ids were read from where they are vLLM's aux ids (messages name it), else None
+    layer_ids_source: str | None = field(default=None, compare=False, repr=False)
 
     def default_note(self, *keys: str) -> str:
         """Where any of ``keys`` took transformers' default (the file gives none), a note for
@@ -738,7 +746,8 @@ class DrafterConfig:
             check_int(cfg, key, "drafter")
         n = cfg["num_hidden_layers"]
         num_target_layers = check_int(cfg, "num_target_layers", "drafter")
-        layer_ids = given_target_layer_ids(cfg, dflash, assistant)
+        given_layers = given_target_layer_ids(cfg, dflash, assistant)
+        layer_ids, layers_key, layers_value = given_layers or (None, None, None)
         if layer_ids is None:
             where = "target_layer_ids" if assistant else "dflash_config.target_layer_ids"
             if num_target_layers is None:
@@ -800,6 +809,7 @@ class DrafterConfig:
             block_size=int(block_size),
             mask_token_id=int(mask_token_id),
             target_layer_ids=[int(i) for i in layer_ids],
+            layer_ids_source=f"{layers_key} {layers_value}" if layers_key in AUX_LAYER_KEYS else None,
             num_target_layers=num_target_layers,
             vocab_size=cfg.get("vocab_size"),
             sliding_windows=windows,
@@ -1065,7 +1075,8 @@ def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
     if bad:
         raise DFlashError(
             f"incompatible pair: drafter target_layer_ids {drafter.target_layer_ids} include {bad}, outside the target's {target.num_hidden_layers} layers"
-        )
+            + (f" (read from its {drafter.layer_ids_source}: id a is the output of target layer a - 1)"
+               if drafter.layer_ids_source else ""))
     if not 0 <= drafter.mask_token_id < target.vocab_size:
         raise DFlashError(f"incompatible pair: drafter mask_token_id {drafter.mask_token_id} is outside the target vocabulary of {target.vocab_size}")
     if drafter.laguna is not None and drafter.vocab_size != target.vocab_size:  # (it drafts through the target's LM head)
