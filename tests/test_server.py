@@ -964,6 +964,35 @@ def _failing_steps(monkeypatch):
     yield plan
 
 
+def test_requests_running_when_the_process_exits_are_503s(local_engine, monkeypatch):
+    """A server in a daemon thread whose process exits (compute._stop: the running call is
+    interrupted) stops its decoding loop after the round: the running requests get a 503
+    server_shutting_down, as at shutdown (they were 400s, "the server's process is exiting",
+    which tells a client its request was bad and not to retry it)."""
+    from starlette.testclient import TestClient
+
+    from dflash_torch import compute
+    from dflash_torch.serving import scheduler as scheduler_mod
+    from dflash_torch.serving.app import create_app
+
+    class Exiting:  # (the scheduler's view of compute: the process exits; the engine's is untouched)
+        def __getattr__(self, name):
+            return getattr(compute, name)
+
+        @staticmethod
+        def interrupted() -> bool:
+            return True
+
+    monkeypatch.setattr(scheduler_mod, "compute", Exiting())
+    app = create_app(local_engine, max_batch_size=2)
+    try:
+        client = TestClient(app, raise_server_exceptions=False)
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+    finally:
+        app.state.scheduler.close()
+
+
 def test_a_generation_that_fails_is_counted_and_logged_with_its_request_id(local_engine, monkeypatch, caplog):
     """A decoding round that raises (a bug) fails its requests: a non-streamed one is a 500,
     a stream that had started ends with an error event and [DONE] (its status, 200, was sent).

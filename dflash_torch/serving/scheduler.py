@@ -573,8 +573,8 @@ class Scheduler:
                 self._remove(seq)
                 self.metrics.cancelled.inc()
             if compute.interrupted():  # the process exits (compute._stop, a server in a daemon thread): stop here
-                for seq in list(running):
-                    self._fail(seq, DFlashError("the server's process is exiting"))
+                for seq in list(running):  # (a 503 server_shutting_down, as at shutdown: a client may retry it elsewhere)
+                    seq.job.put("unavailable")
                     self._remove(seq)
                 return
 
