@@ -446,6 +446,14 @@ def given_target_layer_ids(cfg: dict, dflash: dict, assistant: bool = False) -> 
 MASK_TOKEN_FALLBACKS = ("dspark_noise_token_id", "pard_token", "ptd_token_id")
 
 
+def mask_token_keys(cfg: dict, dflash: dict) -> list[tuple[str, object]]:
+    """The keys a DFlash-format drafter config may give its mask token id under, in the order
+    vLLM reads them (``dflash_config.mask_token_id``, ``mask_token_id``, then
+    :data:`MASK_TOKEN_FALLBACKS`), each with its value as written (None: absent or null)."""
+    return [("dflash_config.mask_token_id", dflash.get("mask_token_id")), ("mask_token_id", cfg.get("mask_token_id")),
+            *((key, cfg.get(key)) for key in MASK_TOKEN_FALLBACKS)]
+
+
 def given_mask_token_id(cfg: dict, dflash: dict):
     """The mask token id of a DFlash-format drafter config: ``dflash_config.mask_token_id``, else
     the top-level ``mask_token_id`` (the DFlash reference's fallback), else
@@ -461,10 +469,7 @@ def given_mask_token_id(cfg: dict, dflash: dict):
             that no other key confirms (one line naming them; which one the drafter was trained
             with is unknown).
     """
-    given = [(key, value) for key, value in (("dflash_config.mask_token_id", dflash.get("mask_token_id")),
-                                             ("mask_token_id", cfg.get("mask_token_id")),
-                                             *((key, cfg.get(key)) for key in MASK_TOKEN_FALLBACKS))
-             if value is not None]
+    given = [(key, value) for key, value in mask_token_keys(cfg, dflash) if value is not None]
     for key, value in given:  # (each named if it is no token id: a string, a bool, a negative number)
         check_int({key: value}, key, "drafter", minimum=0)
     for key, value in given[1:]:
@@ -910,8 +915,7 @@ def needs_mask_token_id(cfg: dict) -> bool:
     if not (dflash or "DFlashDraftModel" in archs or "DFlash2DraftModel" in archs):
         return False
     eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
-    return all(v is None for v in ((dflash or {}).get("mask_token_id"), cfg.get("mask_token_id"), eagle.get("mask_token_id"),
-                                   *(cfg.get(k) for k in MASK_TOKEN_FALLBACKS)))
+    return eagle.get("mask_token_id") is None and all(v is None for _, v in mask_token_keys(cfg, dflash or {}))
 
 
 def token_ids(tokenizer) -> set[int]:

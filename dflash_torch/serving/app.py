@@ -346,16 +346,9 @@ def _stats_summary(stats) -> dict | None:
     round ran (the reply ended with the prefill's token: ``max_tokens`` 1, a stop at once)."""
     if stats is None:
         return None
-    rounds = bool(stats.acceptance_lengths)
-    return {
-        "mean_acceptance_length": stats.mean_acceptance_length if rounds else None,
-        "acceptance_histogram": {str(k): v for k, v in stats.acceptance_histogram.items()},
-        "block_size": stats.block_size,
-        "draft_mode": stats.draft_mode,
-        "prefill_time": stats.prefill_time,
-        "decode_time": stats.decode_time,
-        "decode_tokens_per_second": stats.decode_tokens_per_second if rounds else None,
-    }
+    d = stats.to_dict()  # (its nulls where no round ran, its histogram's keys as strings)
+    return {k: d[k] for k in ("mean_acceptance_length", "acceptance_histogram", "block_size", "draft_mode",
+                              "prefill_time", "decode_time", "decode_tokens_per_second")}
 
 
 class _JobStreamingResponse(StreamingResponse):
