@@ -1122,6 +1122,51 @@ def test_health_is_a_503_once_the_server_cannot_serve(local_engine, monkeypatch)
         loop.close()
 
 
+def test_a_bug_in_the_decoding_loop_fails_its_requests_and_frees_their_slots(local_engine, monkeypatch, caplog):
+    """A bug that escapes the scheduler's drive loop (here: delivering a chunk raises) ends
+    the requests that were running with a 500 naming the error, logged with its traceback,
+    and frees their slots: /health stays 200, the gauges read 0, and the next request is
+    served (it used to wait forever, its slot held)."""
+    import logging
+    import threading
+
+    from starlette.testclient import TestClient
+
+    from dflash_torch.serving.app import create_app
+
+    monkeypatch.setattr(logging.getLogger("dflash_torch"), "propagate", True)  # (a CLI test here may stop it)
+    app = create_app(local_engine, max_batch_size=2)
+    scheduler = app.state.scheduler
+    deliver, calls = scheduler._deliver, []
+
+    def broken(seq, chunk):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in delivering")
+        return deliver(seq, chunk)
+
+    monkeypatch.setattr(scheduler, "_deliver", broken)
+    try:
+        client = TestClient(app)
+        answers = []
+        with caplog.at_level(logging.ERROR, logger="dflash_torch"):
+            asked = threading.Thread(target=lambda: answers.append(
+                client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})), daemon=True)
+            asked.start()
+            asked.join(timeout=120)
+        assert answers, "the request waited on: its sequence was never ended"
+        r = answers[0]
+        assert r.status_code == 500 and "RuntimeError: a bug in delivering" in r.json()["error"]["message"], r.text
+        assert any(rec.exc_info and "a bug in delivering" in str(rec.exc_info[1]) for rec in caplog.records)
+        assert client.get("/health").status_code == 200
+        metrics = client.get("/metrics").text
+        assert "\ndflash_running_requests 0.0\n" in metrics and scheduler.open_jobs() == 0, metrics
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    finally:
+        scheduler.close()
+
+
 def test_a_client_that_left_and_a_full_queue_are_logged(local_engine, monkeypatch, caplog):
     """A non-streamed request whose client went away (a 499 in the metrics) gets an access-log
     line (INFO; uvicorn writes none for it) naming its request id; a 503 queue_full gets a

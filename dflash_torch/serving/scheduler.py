@@ -537,10 +537,26 @@ class Scheduler:
                 compute.run(self._drive)
             except SystemExit:  # (the process exits while a daemon thread runs the server: compute._stop)
                 return
-            except BaseException:  # (a bug: _drive reports every failure to its requests)
-                log.exception("the scheduler's decoding loop failed")
+            except BaseException as exc:  # (a bug: _drive reports every failure of a request to it)
+                try:
+                    compute.run(self._abandon, exc)
+                except SystemExit:
+                    return
+                except BaseException:
+                    log.exception("the scheduler's decoding loop failed")
 
     # ---- the compute thread ------------------------------------------------------------
+    def _abandon(self, exc: BaseException) -> None:
+        """A bug escaped :meth:`_drive`: end each running sequence with it (its request's 500,
+        logged with the traceback) and free its slot; the scheduler then serves on. Without
+        this, those requests would wait forever and their slots stay held (the loop sleeps
+        until a new sequence waits)."""
+        if not self._running:
+            log.error("the scheduler's decoding loop failed", exc_info=exc)
+        for seq in list(self._running):
+            self._fail(seq, exc)
+            self._remove(seq)
+
     def _drive(self) -> None:
         """Admit, step, deliver, free; until no sequence runs or waits."""
         running = self._running
