@@ -741,6 +741,16 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             except asyncio.TimeoutError:
                 continue
 
+    async def answer_events(job: Job, first: Event, request: Request | None = None):
+        """An answer's events in order: ``first`` (the one :func:`run` waited for), then the job's
+        (:func:`next_event`); with ``request`` (a non-streamed answer), a None once its client went
+        away, which ends them."""
+        ev = first
+        while ev is not None:
+            yield ev
+            ev = await next_event(job, request)
+        yield None
+
     def job_error(ev: Event) -> APIError | None:
         """The error a job's ``error`` / ``fatal`` / ``unavailable`` event stands for."""
         if ev.kind == "error":
@@ -1027,14 +1037,14 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         outs = [{"text": [], "tokens": 0, "finish": None, "stats": None, "logprobs": None, "prompt_logprobs": None}
                 for _ in job.sequences]
         left = len(outs)
-        pending = [first]  # (the event run() waited for)
-        while left:
-            ev = pending.pop() if pending else await next_event(job, request)
+        async for ev in answer_events(job, first, request):
             if ev is None:
                 return client_left(request, job.request_id)
             raise_job_error(ev)
             if ev.kind == "done":
                 left -= 1
+                if not left:
+                    break
             elif ev.kind == "chunk":
                 out, chunk = outs[ev.index], ev.value
                 if chunk.prompt_logprobs is not None:
@@ -1146,11 +1156,11 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if kind == "chat":
             for i in range(left):
                 yield frame([choice(i, "", role=True)])
-        pending = [first]  # (the event run() waited for)
-        while left:
-            ev = pending.pop() if pending else await job.queue.get()
+        async for ev in answer_events(job, first):
             if ev.kind == "done":
                 left -= 1
+                if not left:
+                    break
                 continue
             if (err := job_error(ev)) is not None:  # the status is sent: an error event, then the end
                 yield _sse(error_body(err.message, err.type, err.param, err.code))
@@ -1225,9 +1235,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     async def response_complete(job: Job, first: Event, request: Request, builder: ResponseBuilder, parser,
                                 prompt_tokens: int):
         state = {"tokens": 0, "reasoning": []}
-        pending = [first]  # (the event run() waited for)
-        while True:
-            ev = pending.pop() if pending else await next_event(job, request)
+        async for ev in answer_events(job, first, request):
             if ev is None:
                 return client_left(request, job.request_id)
             if (err := job_error(ev)) is not None:
@@ -1243,9 +1251,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         state = {"tokens": 0, "reasoning": []}
         for event in builder.start():
             yield sse_event(event)
-        pending = [first]  # (the event run() waited for)
-        while True:
-            ev = pending.pop() if pending else await job.queue.get()
+        async for ev in answer_events(job, first):
             if ev.kind == "done":
                 return
             if (err := job_error(ev)) is not None:  # the status is sent: an error event, then the end
