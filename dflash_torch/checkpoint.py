@@ -210,7 +210,8 @@ def missing_note(model_dir: Path, missing: list[str], unused=()) -> str:
     """What a checkpoint tells of the weights ``missing`` (their names in it) that it lacks, as
     a note to follow ``lacks weights: ...`` ("" where it tells nothing): index entries that map
     them to shards without them; all of them found among ``unused`` (the checkpoint's weights
-    the model does not take) under one prefix, e.g. ``model.fc.weight`` for ``fc.weight``."""
+    the model does not take) under one prefix, e.g. ``model.fc.weight`` for ``fc.weight`` (or
+    ``model.midlayer.*`` for a drafter's ``layers.0.*``, which ``midlayer.*`` names)."""
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if not (model_dir / "model.safetensors").exists() and index.is_file():  # (else the index is not read)
@@ -220,11 +221,13 @@ def missing_note(model_dir: Path, missing: list[str], unused=()) -> str:
             entries = ", ".join(f"{m} to {weight_map[m]}" for m in wrong[:3])
             return (f" (model.safetensors.index.json maps {entries}{' ...' if len(wrong) > 3 else ''}, which does not "
                     f"hold {'it' if len(wrong) == 1 else 'them'}: a wrong index?)")
-    prefixes = {n[: -len(m)] for m in missing for n in unused if n.endswith("." + m)}
-    if len(prefixes) == 1 and all(next(iter(prefixes)) + m in unused for m in missing):
+    # (a drafter's EAGLE-style midlayer.* names are read as layers.0.*: models.drafter.eagle_layer_names)
+    as_read = {re.sub(r"(^|\.)midlayer\.", r"\1layers.0.", n, count=1): n for n in unused}
+    prefixes = {n[: -len(m)] for m in missing for n in as_read if n.endswith("." + m)}
+    if len(prefixes) == 1 and all(next(iter(prefixes)) + m in as_read for m in missing):
         prefix = next(iter(prefixes))
-        return (f" (it holds them under the prefix {prefix!r}: {prefix}{missing[0]}{', ...' if len(missing) > 1 else ''}; "
-                f"rename them without it)")
+        return (f" (it holds them under the prefix {prefix!r}: {as_read[prefix + missing[0]]}"
+                f"{', ...' if len(missing) > 1 else ''}; rename them without it)")
     return ""
 
 

@@ -723,3 +723,10 @@ def test_eagle_style_midlayer_weights_are_read_for_one_layer(tiny_pair, tmp_path
             DFlashDrafter.from_pretrained(d, torch.float32)
         assert str(err.value).startswith(f"drafter checkpoint {d} names weights EAGLE-style (midlayer.") and str(
             err.value).endswith("rename them layers.<i>.*") and "\n" not in str(err.value), str(err.value)
+    # (under a prefix too: the missing layers.0.* are named with the prefix to drop, not a bare list)
+    d = edited_checkpoint(mid, tmp_path / "prefixed", state=lambda w: [w.update({"model." + k: w.pop(k)})
+                                                                       for k in [k for k in w if k.startswith("midlayer.")]])
+    with pytest.raises(dflash_torch.DFlashError) as err:
+        DFlashDrafter.from_pretrained(d, torch.float32)
+    assert str(err.value).endswith("(it holds them under the prefix 'model.': model.midlayer.input_layernorm.weight, "
+                                   "...; rename them without it)"), str(err.value)
