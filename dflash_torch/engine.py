@@ -1186,7 +1186,9 @@ class DFlashEngine:
             where those tokens start ``prompt_ids`` and are fewer, and the template renders
             the reply otherwise in the next turn: the messages, a reply and a next user
             message rendered do not start with ``prompt_ids`` (a reasoning model's
-            history without its thinking). None where they do (ChatML without thinking:
+            history without its thinking); where the messages' last token and the opening
+            of the reply merge into one token (a newline with a newline), the tokens
+            ``prompt_ids`` shares with both those renderings. None where they do (ChatML without thinking:
             the prompt's own end serves the next turn, with its opening of the reply), for
             a prompt that is not a chat, where the renderings do not start ``prompt_ids``
             (or the template cannot render them), and on a model that keeps no
@@ -1209,7 +1211,12 @@ class DFlashEngine:
         if following[:len(prompt_ids)] == prompt_ids:  # (the next turn renders this prompt again: its end serves)
             return None
         n = len(history)
-        return n if 0 < n < len(prompt_ids) and prompt_ids[:n] == history else None
+        if 0 < n < len(prompt_ids) and prompt_ids[:n] == history:
+            return n
+        # (the messages' last token merged with the opening of the reply, as a newline with a newline: the
+        # last position this prompt shares with both the messages and the next turn rendered)
+        n = min(_common_start(history, prompt_ids), _common_start(following, prompt_ids))
+        return n if 0 < n < len(prompt_ids) else None
 
     def _stream(self, prompt_ids, params, stopper: Stopper, prompt_logprobs: int | None = None,
                 checkpoint: int | None = None) -> Iterator[StreamChunk]:
@@ -1520,6 +1527,16 @@ class DFlashEngine:
         stats.acceptance_histogram = dict(sorted(Counter(taus).items()))
         if stats.decode_time > 0:
             stats.decode_tokens_per_second = (stats.generated_tokens - 1) / stats.decode_time
+
+
+def _common_start(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from their start."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _of_prompt(exc: DFlashError, i: int) -> DFlashError:

@@ -429,3 +429,21 @@ def test_history_end_of_token_id_prompts(agree_hybrid_pair, tiny_pair, tmp_path)
                                                 "{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}")
     engine = DFlashEngine.from_pretrained(chatml, agree_hybrid_pair[1], dtype="float32")
     assert engine.history_end(messages, engine.encode_prompt(messages)) is None
+    # (a message's last token merges with the opening of the reply, as the shipped target's newline with a newline
+    # in its tokenizer, here "\n" with "   " of "    > ": the copy is taken before that token, where the next turn's
+    # prompt still agrees: trial-232)
+    (chatml / "chat_template.jinja").write_text("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n"
+                                                "{% endfor %}{% if add_generation_prompt %}    > {% endif %}")
+    engine = DFlashEngine.from_pretrained(chatml, agree_hybrid_pair[1], dtype="float32")
+    messages = messages[:1]
+    ids, history = engine.encode_prompt(messages), engine.encode_prompt(messages, add_generation_prompt=False)
+    n = len(history) - 1
+    assert ids[:n] == history[:n] and ids[n] != history[n]  # (the merge)
+    end = engine.history_end(messages, ids)
+    assert end == n
+    reply = engine.generate(ids, max_new_tokens=12, history_end=end)
+    messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "class A:"}]
+    ids = engine.encode_prompt(messages)
+    second = engine.generate(ids, max_new_tokens=12, history_end=engine.history_end(messages, ids))
+    assert second.stats.cached_prompt_tokens == end
+    assert second.token_ids == engine.generate(ids, max_new_tokens=12, history_end=None).token_ids
