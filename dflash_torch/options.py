@@ -582,15 +582,56 @@ def check_chat_template_kwargs(value, reserved: Sequence[str] = (), name: str = 
     return dict(value)
 
 
+def tool_name_error(name: str) -> str | None:
+    """What is wrong with a function's ``name`` (a string) as a tool's, in words, or None: a
+    name a call can give is any string but an empty or blank one (others are taken as sent,
+    as vLLM takes them). The one rule of :func:`check_tools` and of the server's ``tools``."""
+    if not name.strip():
+        return f"a function needs a name its calls can give, got {'an empty string' if not name else 'blanks'}"
+    return None
+
+
+TOOL_FORM = "a tool is {'type': 'function', 'function': {'name': str, 'description': str, 'parameters': dict}}"
+
+
+def _check_tool(tool: dict, where: str, name: str) -> None:
+    """One tool of :func:`check_tools` (``where``: ``tools[i]``): OpenAI's form, as the server's
+    request model takes it (``type`` "function", ``function`` a dict with a ``name`` string,
+    :func:`tool_name_error`, and a ``description`` string or None)."""
+    def fail(what: str):
+        raise OptionError(f"{where}{what}"[:300], name)
+
+    if "type" not in tool:
+        fail(f".type is missing; {TOOL_FORM}")
+    if tool["type"] != "function":
+        fail(f".type must be 'function', got {shown(tool['type'])}; {TOOL_FORM}")
+    fn = tool.get("function")
+    if fn is None:
+        fail(f".function is missing; {TOOL_FORM}")
+    if not isinstance(fn, dict):
+        fail(f".function must be an object (a dict), got {shown(fn)}; {TOOL_FORM}")
+    if "name" not in fn:
+        fail(".function.name is missing")
+    if not isinstance(fn["name"], str):
+        fail(f".function.name must be a string, got {shown(fn['name'])}")
+    if (problem := tool_name_error(fn["name"])) is not None:
+        fail(f".function.name: {problem}")
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
+        fail(f".function.description must be a string, got {shown(fn['description'])}")
+
+
 def check_tools(value, name: str = "tools") -> list[dict] | None:
     """The functions a chat may call (OpenAI's ``tools``: ``[{"type": "function",
     "function": {"name", "description", "parameters"}}]``, passed to the chat template):
     None, or a list of dicts (an empty list is None).
 
     Raises:
-        OptionError: anything else, a function's ``parameters`` that are not the JSON Schema
-            of an object, or two different functions of one name (a call of it could mean
-            either; the same definition twice is taken).
+        OptionError: anything else (a tool without ``type`` "function", without a
+            ``function`` dict, a function without a ``name`` string or with an empty or blank
+            one, :func:`tool_name_error`, a ``description`` that is not a string), a
+            function's ``parameters`` that are not the JSON Schema of an object, or two
+            different functions of one name (a call of it could mean either; the same
+            definition twice is taken).
     """
     if value is None or (isinstance(value, (list, tuple)) and not value):
         return None
@@ -598,15 +639,14 @@ def check_tools(value, name: str = "tools") -> list[dict] | None:
         raise OptionError(f"{name} must be a list of objects (dicts), got {shown(value)}"[:300], name)
     named: dict[str, int] = {}  # function name -> the index of its first tool
     for i, tool in enumerate(value):
-        fn = tool.get("function")
-        if isinstance(fn, dict) and fn.get("parameters") is not None:
+        _check_tool(tool, f"{name}[{i}]", name)
+        fn = tool["function"]
+        if fn.get("parameters") is not None:
             _check_parameters(fn["parameters"], f"{name}[{i}].function.parameters", name)
-        fname = fn.get("name") if isinstance(fn, dict) else None
-        if isinstance(fname, str):
-            first = named.setdefault(fname, i)
-            if _unset_dropped(value[first]) != _unset_dropped(tool):
-                raise OptionError(f"{name}[{first}] and {name}[{i}] are two different functions named {fname!r}"[:300]
-                                  + ": a call of it could mean either; give each its own name", name)
+        first = named.setdefault(fn["name"], i)
+        if _unset_dropped(value[first]) != _unset_dropped(tool):
+            raise OptionError(f"{name}[{first}] and {name}[{i}] are two different functions named {fn['name']!r}"[:300]
+                              + ": a call of it could mean either; give each its own name", name)
     return list(value)
 
 

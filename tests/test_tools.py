@@ -453,6 +453,23 @@ def test_the_same_tool_twice_is_taken_null_fields_and_all(local_engine):
     (CONVERSATION, {"tools": [TIME, _tool({"type": "object"}), _tool({"type": "object"}), _tool({"required": []})]},
      r"^tools\[1\] and tools\[3\] are two different functions named 'f': a call of it could mean either; "
      r"give each its own name$"),
+    # malformed tools the server refuses with a 400 (trial-233: passed to the template unsaid in Python)
+    (CONVERSATION, {"tools": [{"type": "function", "function": {"name": ""}}]},
+     r"^tools\[0\]\.function\.name: a function needs a name its calls can give, got an empty string$"),
+    (CONVERSATION, {"tools": [TIME, {"type": "function", "function": {"name": "   "}}]},
+     r"^tools\[1\]\.function\.name: a function needs a name its calls can give, got blanks$"),
+    (CONVERSATION, {"tools": [{"type": "function"}]}, r"^tools\[0\]\.function is missing; a tool is \{'type'"),
+    (CONVERSATION, {"tools": [{"foo": 1}]}, r"^tools\[0\]\.type is missing; a tool is \{'type': 'function', "),
+    (CONVERSATION, {"tools": [{"type": "web_search", "function": TIME["function"]}]},
+     r"^tools\[0\]\.type must be 'function', got 'web_search'; a tool is"),
+    (CONVERSATION, {"tools": [{"type": "function", "function": "f"}]},
+     r"^tools\[0\]\.function must be an object \(a dict\), got 'f'; a tool is"),
+    (CONVERSATION, {"tools": [{"type": "function", "function": {"description": "d"}}]},
+     r"^tools\[0\]\.function\.name is missing$"),
+    (CONVERSATION, {"tools": [{"type": "function", "function": {"name": 5}}]},
+     r"^tools\[0\]\.function\.name must be a string, got 5$"),
+    (CONVERSATION, {"tools": [{"type": "function", "function": {"name": "f", "description": 5}}]},
+     r"^tools\[0\]\.function\.description must be a string, got 5$"),
 ])
 def test_bad_tools_and_calls_are_one_line_errors(local_engine, prompt, kwargs, message):
     with pytest.raises(DFlashError, match=message) as err:

@@ -34,7 +34,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Str
                       ValidationError, field_validator, model_validator)
 
 from ..chat_template import media_keys
-from ..options import json_type, non_finite, strict_json
+from ..options import json_type, non_finite, strict_json, tool_name_error
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
@@ -531,8 +531,8 @@ class FunctionDef(BaseModel):
         """A name a call can give: not empty nor blank. Other names are taken as sent, as vLLM
         takes them (OpenAI's own API allows 1 to 64 characters of a-z, A-Z, 0-9, _ and -; clients
         of other servers send dots and more); two tools of one name: :meth:`ChatCompletionRequest._one_name_each`."""
-        if not name.strip():
-            raise ValueError(f"a function needs a name its calls can give, got {'an empty string' if not name else 'blanks'}")
+        if (problem := tool_name_error(name)) is not None:  # (the rule the Python API's check_tools applies)
+            raise ValueError(problem)
         return name
 
 
