@@ -278,6 +278,11 @@ class DFlashEngine:
     to the context its prompt leaves: :data:`DEFAULT_MAX_NEW_TOKENS` (256), or where
     :meth:`from_pretrained` finds a valid ``max_new_tokens`` in ``generation_config.json``,
     that value; may be set.
+
+    ``warn_tools_left_out``: :meth:`encode_prompt` checks the first chat prompt with tools it
+    renders (:meth:`tools_left_out`) and logs a WARNING to the ``dflash_torch`` logger where
+    the chat template leaves the tools out (once per engine: the model is not told of them);
+    True, may be set (the server sets it false: it logs its own, naming its tool-call format).
     """
 
     def __reduce__(self):
@@ -324,6 +329,8 @@ class DFlashEngine:
         self.stop_token_ids = set(target.config.eos_token_ids)
         self._generation_defaults: dict | DFlashError = {}
         self._default_max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+        self.warn_tools_left_out = True
+        self._tools_checked = False  # (whether encode_prompt has checked a chat prompt with tools: tools_left_out)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.stop_token_ids.add(int(tokenizer.eos_token_id))
 
@@ -687,7 +694,8 @@ class DFlashEngine:
             tools: the functions the model may call, OpenAI's ``[{"type": "function",
                 "function": {"name", "description", "parameters"}}]``, passed to the chat
                 template as its ``tools`` (transformers' ``apply_chat_template(tools=...)``);
-                None or an empty list: none.
+                None or an empty list: none. A template that leaves them out (renders the
+                same prompt without them) gets a WARNING, once per engine (:meth:`tools_left_out`).
             add_generation_prompt: end a chat prompt with the template's opening of the
                 assistant's turn (the default; transformers' ``apply_chat_template`` option).
             continue_final_message: end a chat prompt inside its last message instead, so
@@ -702,7 +710,9 @@ class DFlashEngine:
                 object), or one longer than ``max_prompt_chars``;
                 ``chat_template_kwargs`` not a dict of string keys, setting an argument of
                 the template call, or given for a prompt that is not a chat; ``tools`` not
-                a list of dicts, or given for a prompt that is not a chat;
+                a list of OpenAI's tools (:func:`~dflash_torch.options.check_tools`: e.g. a
+                function without a name, or an empty or blank one), or given for a prompt
+                that is not a chat;
                 ``add_generation_prompt`` / ``continue_final_message`` not bools, both true, or
                 ``continue_final_message`` for a prompt that is not a chat.
         """
@@ -746,13 +756,44 @@ class DFlashEngine:
             template_kwargs = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
             if continue_final_message:
                 template_kwargs["continue_final_message"] = True
-            return self._encode(render_chat(self.tokenizer, messages, template_kwargs), add_special_tokens=False)
+            ids = self._encode(render_chat(self.tokenizer, messages, template_kwargs), add_special_tokens=False)
+            if tools is not None and self.warn_tools_left_out and not self._tools_checked:
+                self._tools_checked = True  # (first: the check renders the prompt again)
+                if self.tools_left_out(given, chat, chat_template_kwargs, tools, ids=ids, check_length=False,
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message):
+                    log.warning("the chat template leaves out the tools given (it renders the same prompt with and "
+                                "without them): the model is not told of them, and calls none (logged once)")
+            return ids
         if not isinstance(prompt, str):
             raise DFlashError("the prompt must be a string, a list of token ids, or a list of chat messages"
                               + (options.tokenizer_output_hint(prompt) or f", got {type(prompt).__name__}"))
         if check_length:
             self._check_length(len(prompt))
         return self._encode(prompt)
+
+    def tools_left_out(self, prompt: str | list[dict], chat: bool = False, chat_template_kwargs: dict | None = None,
+                       tools: list[dict] | None = None, *, ids: list[int] | None = None, **prompt_options) -> bool:
+        """Whether the chat template leaves ``tools`` out of this prompt: renders the same
+        token ids with them as without them (a template written without tools: the model is
+        not told of them, and calls none). False without tools. :meth:`encode_prompt` checks
+        the first chat prompt with tools it renders (where :attr:`warn_tools_left_out`), the
+        server its first request's (and logs its own WARNING).
+
+        Args:
+            prompt, chat, chat_template_kwargs, tools, prompt_options: as :meth:`encode_prompt`
+                takes them (``prompt_options``: its keyword-only options).
+            ids: :meth:`encode_prompt`'s token ids of the prompt with the tools, where already
+                made (else it is encoded again).
+
+        Raises:
+            DFlashError: what :meth:`encode_prompt` raises for these arguments.
+        """
+        if options.check_tools(tools) is None:
+            return False
+        if ids is None:
+            ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools, **prompt_options)
+        return ids == self.encode_prompt(prompt, chat, chat_template_kwargs, None, **prompt_options)
 
     def _chat_options(self, chat_template_kwargs: dict | None, tools: list[dict] | None) -> tuple[dict | None, list | None]:
         """:meth:`encode_prompt`'s ``chat_template_kwargs`` and ``tools``, checked (what

@@ -511,6 +511,35 @@ def test_a_template_that_cannot_render_the_tools_names_them(local_engine, monkey
         assert not hasattr(err.value, "name")
 
 
+def test_tools_a_chat_template_leaves_out_are_warned_once_in_python(tiny_pair, caplog):
+    """Tools given in Python to a chat template that renders the same prompt without them (one
+    written without tools, as the shipped default target's) get one WARNING through the package
+    logger, as the server logs it (trial-233: dropped unsaid): once per engine, whichever of
+    encode_prompt, generate, stream and generate_batch renders them first; none where the
+    template renders them, nor from an engine a server was made for (it logs its own)."""
+    from dflash_torch.serving.app import create_app
+
+    messages = [{"role": "user", "content": "x"}]
+    ignores, served, renders = (DFlashEngine.from_pretrained(tiny_pair[0], no_draft=True) for _ in range(3))
+    renders.tokenizer.chat_template = ("{% for t in tools or [] %}{{ t.function.name }}{% endfor %}"
+                                       "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>")
+    assert ignores.tokenizer.chat_template != renders.tokenizer.chat_template
+    assert not renders.tools_left_out(messages, tools=[TIME]) and not ignores.tools_left_out(messages)
+    create_app(served, tool_call_parser="none")
+    assert ignores.tools_left_out(messages, tools=[TIME])
+    with caplog.at_level("WARNING", logger="dflash_torch"):
+        renders.generate(messages, tools=TOOLS, max_new_tokens=2)
+        served.generate(messages, tools=TOOLS, max_new_tokens=2)
+        for _ in range(2):
+            ignores.generate(messages, tools=TOOLS, max_new_tokens=2)
+            list(ignores.stream(messages, tools=TOOLS, max_new_tokens=2))
+            ignores.generate_batch([messages, messages], tools=TOOLS, max_new_tokens=2)
+            ignores.encode_prompt("x", chat=True, tools=[TIME])
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records if "tools" in r.getMessage()] == [
+        ("dflash_torch", "WARNING", "the chat template leaves out the tools given (it renders the same prompt with "
+         "and without them): the model is not told of them, and calls none (logged once)")]
+
+
 # DeepSeek V3's, V3.1's and R1's way: a call's arguments joined to a string (a template of our own)
 JOINING_TEMPLATE = (
     "{%- if tools %}## Tools{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n{% endif %}"

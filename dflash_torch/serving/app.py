@@ -458,6 +458,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             ``sse_keepalive`` not a finite number >= 0; the CORS lists not lists of strings or
             ``allow_credentials`` not a bool; batch caches of ``max_batch_size`` x the
             engine's context that do not fit the device.
+
+    The engine's own WARNING about a chat template that leaves out tools is turned off
+    (:attr:`DFlashEngine.warn_tools_left_out`): the server logs its own, once, at its first
+    request with tools.
     """
     api_key = check_api_key(api_key)
     model_id = check_model_name(model_name) or engine.name
@@ -515,6 +519,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         shutdown()
 
     app = FastAPI(title="dflash-torch", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    engine.warn_tools_left_out = False  # (prepare logs its own WARNING, which names this server's tool-call format)
     app.state.engine, app.state.metrics, app.state.scheduler, app.state.model_id = engine, metrics, scheduler, model_id
     app.state.reasoning_parser, app.state.tool_call_parser = reasoning, tool_calls
     app.state.sampling_defaults = sampling_defaults
@@ -788,7 +793,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 ids = engine.encode_prompt(prompt, chat, template_kwargs, tools, **(prompt_options or {}))
                 if tools and not tools_checked:  # (the first request with tools, for a template that drops them)
                     tools_checked.append(True)
-                    if ids == engine.encode_prompt(prompt, chat, template_kwargs, None, **(prompt_options or {})):
+                    if engine.tools_left_out(prompt, chat, template_kwargs, tools, ids=ids, **(prompt_options or {})):
                         # (a call is forced only in a format of FORCED_CALL_GRAMMARS; in another, forcing is a 400)
                         forced = (" unless tool_choice forces a call" if tool_calls in FORCED_CALL_GRAMMARS else
                                   f": this server's tool-call format is {tool_calls!r}, so tool_choice 'required' or a "
