@@ -87,8 +87,9 @@ class GenerationStats:
     decoding round: ``acceptance_lengths`` is then empty and ``mean_acceptance_length``,
     ``decode_time`` and ``decode_tokens_per_second`` are 0.0 (the CLI prints "no decoding
     round"; :meth:`to_dict`, so ``generate --json``, and the server's ``dflash`` object give
-    ``mean_acceptance_length`` and ``decode_tokens_per_second`` as None, JSON's null: tau is
-    at least 1 by definition, and a 0.0 would pull an average over requests down).
+    ``mean_acceptance_length`` and ``decode_tokens_per_second``, and :meth:`to_dict` its
+    ``mean_propose_time`` and ``mean_verify_time``, as None, JSON's null: tau is at least 1 by
+    definition, and a 0.0 would pull an average over requests down).
     """
 
     prompt_tokens: int = 0
@@ -107,15 +108,17 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         """The fields as a JSON-ready dict (``acceptance_histogram``'s keys as strings), with
-        ``mean_propose_time`` and ``mean_verify_time`` (seconds per round; 0.0 without any);
-        ``mean_acceptance_length`` and ``decode_tokens_per_second`` are None where no
-        decoding round ran (``acceptance_lengths`` empty)."""
+        ``mean_propose_time`` and ``mean_verify_time`` (seconds per round, floats);
+        ``mean_acceptance_length``, ``decode_tokens_per_second``, ``mean_propose_time`` and
+        ``mean_verify_time`` are None where no decoding round ran (``acceptance_lengths``
+        empty)."""
         d = asdict(self)
-        if not self.acceptance_lengths:  # (no round: no tau, no decode rate; not 0.0)
-            d["mean_acceptance_length"] = d["decode_tokens_per_second"] = None
         d["acceptance_histogram"] = {str(k): v for k, v in self.acceptance_histogram.items()}
         d["mean_propose_time"] = sum(self.propose_times) / len(self.propose_times) if self.propose_times else 0.0
         d["mean_verify_time"] = sum(self.verify_times) / len(self.verify_times) if self.verify_times else 0.0
+        if not self.acceptance_lengths:  # (no round: no tau, no decode rate, no time per round; not 0.0)
+            for key in ("mean_acceptance_length", "decode_tokens_per_second", "mean_propose_time", "mean_verify_time"):
+                d[key] = None
         return d
 
 

@@ -65,14 +65,21 @@ def test_json_is_one_object_with_the_documented_keys(json_output, api):
     assert out["stats"]["times_include_compilation"] is False  # (true with --compile, as the text stats line says)
 
 
-def test_json_stats_of_a_reply_without_a_decoding_round_have_null_tau_and_rate(cli, pair_args):
-    """One token (the prefill's): no decoding round, so no tau (>= 1 by definition) and no
-    decode rate: null, not 0.0 (which would pull an average over runs down)."""
+def test_json_stats_of_a_reply_without_a_decoding_round_have_null_tau_and_rate(cli, pair_args, api):
+    """One token (the prefill's): no decoding round, so no tau (>= 1 by definition), no
+    decode rate and no mean propose or verify time per round: null, not 0.0 (which would pull
+    an average over runs down; trial-233: the mean times were 0.0), in ``generate --json`` as
+    in :meth:`GenerationStats.to_dict`; a reply with rounds has numbers there."""
+    nulls = ("mean_acceptance_length", "decode_tokens_per_second", "mean_propose_time", "mean_verify_time")
     proc = cli("generate", *pair_args, PROMPT, "--max-new-tokens", "1", "--ignore-eos", "--json")
     assert proc.returncode == 0, proc.stderr
     stats = parse_single_json(proc.stdout)["stats"]
     assert stats["acceptance_lengths"] == [] and stats["generated_tokens"] == 1
-    assert stats["mean_acceptance_length"] is None and stats["decode_tokens_per_second"] is None
+    assert [stats[k] for k in nulls] == [None] * 4, stats
+    stats = api.generate(PROMPT, max_new_tokens=1, ignore_eos=True).stats.to_dict()
+    assert stats["acceptance_lengths"] == [] and [stats[k] for k in nulls] == [None] * 4, stats
+    stats = api.generate(PROMPT, max_new_tokens=4, ignore_eos=True).stats.to_dict()
+    assert stats["mean_acceptance_length"] >= 1 and stats["mean_verify_time"] > 0 and stats["mean_propose_time"] >= 0
 
 
 def test_logprobs_in_the_json_object_are_the_python_apis(cli, json_output, pair_args, api):
