@@ -239,7 +239,9 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_help: str = "default 2
     p.add_argument("--min-tokens", type=int, default=0,
                    help="generate at least this many tokens before EOS, a stop token or a stop string can end "
                         "the output (default 0)")
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop string (repeatable), taken as written: no escapes are read, so '\\n' is a backslash and "
+                        "an n; in bash, --stop $'\\n' passes a newline")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
 
 

@@ -488,6 +488,21 @@ def test_long_flags_are_not_taken_abbreviated(cli):
             (args, proc.stderr)
 
 
+def test_stop_help_says_how_to_pass_a_newline(capsys, monkeypatch):
+    """``--stop '\\n'`` is a backslash and an n (the shell's quoting, taken as written: no
+    escapes are read), so it never matched a newline: the help of every command with --stop
+    says how bash passes one (trial-233)."""
+    from dflash_torch.cli import main as cli_main
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    for command in ("generate", "chat"):
+        with pytest.raises(SystemExit):
+            cli_main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        line = text.split("--stop STOP ", 1)[1].split(" --ignore-eos", 1)[0]
+        assert "taken as written" in line and "--stop $'\\n'" in line, (command, line)
+
+
 def test_help_says_when_the_shipped_drafter_and_the_batch_slots_apply(capsys, monkeypatch):
     """``--draft``'s default (the shipped drafter) goes with the shipped target only (another
     target without --draft is refused), and ``serve --max-batch-size`` does not batch a
