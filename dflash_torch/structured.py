@@ -145,13 +145,13 @@ class StructuredOutput:
     grammar: str | None = None
 
     def __post_init__(self):
+        if not isinstance(self.json_object, bool):  # (first: 0 or "" counted as not given)
+            raise OptionError(f"structured_output json_object must be true or false, got {self.json_object!r}",
+                              "structured_output")
         given = [k for k in KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object)]
         if len(given) != 1:
             raise OptionError("structured_output needs exactly one of json, json_object, regex, choice, grammar; "
                               f"got {', '.join(given) or 'none'}", "structured_output")
-        if not isinstance(self.json_object, bool):
-            raise OptionError(f"structured_output json_object must be true or false, got {self.json_object!r}",
-                              "structured_output")
         if self.json is not None:
             schema = self.json
             if isinstance(schema, str):
@@ -188,7 +188,8 @@ class StructuredOutput:
         the keys ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``.
 
         Raises:
-            OptionError: anything else (unknown keys included)."""
+            OptionError: anything else (unknown keys included), or keys given whose values
+                ask for no constraint (``json_object`` False, another key None) and none else."""
         if value is None or isinstance(value, cls):
             return value
         if not isinstance(value, Mapping):
@@ -198,6 +199,14 @@ class StructuredOutput:
         if unknown:
             raise OptionError(f"structured_output has unknown keys {', '.join(unknown)} (known: {', '.join(KINDS)})",
                               "structured_output")
+        if value and all(v is None or (k == "json_object" and v is False) for k, v in value.items()):
+            # (keys given, each with a value that asks for nothing: named, not "got none")
+            if value.get("json_object") is False:
+                raise OptionError("structured_output json_object must be true (the output is any JSON object), got "
+                                  "False, which asks for no constraint (leave structured_output out for none)",
+                                  "structured_output")
+            raise OptionError(f"structured_output {next(iter(value))} is None, which asks for no constraint: give it a "
+                              "value, or leave structured_output out for none", "structured_output")
         return cls(**dict(value))
 
     @property

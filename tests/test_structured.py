@@ -580,6 +580,11 @@ def test_long_chains_of_rules_and_refs_compile_without_overflowing_the_stack():
     ({"choice": "yes"}, "non-empty list"),
     ({"regex": "a", "choice": ["a"]}, "exactly one"),
     ({}, "exactly one"),
+    # (a kind given a value that asks for nothing: named, not "got none", trial-233)
+    ({"json_object": False}, r"^structured_output json_object must be true \(the output is any JSON object\), got "
+                             r"False, which asks for no constraint \(leave structured_output out for none\)$"),
+    ({"json": None, "choice": None}, r"^structured_output json is None, which asks for no constraint: give it a value"),
+    ({"json_object": 0}, r"^structured_output json_object must be true or false, got 0$"),
     ({"jsn": {}}, "unknown keys jsn"),
     ("json", "must be a StructuredOutput"),
 ])

@@ -273,6 +273,9 @@ BAD = [  # (body, param, words of the message)
     ({"guided_grammar": "start: nothing"}, "guided_grammar", "grammar is invalid"),
     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs",
      "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got none"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs",  # (it said "got none", trial-233)
+     "structured_outputs.json_object must be true (the output is any JSON object), got false, which asks for no "
+     "constraint"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got regex, choice"),
 ]
 

@@ -741,6 +741,9 @@ def conflicting_fields(req: _Request) -> tuple[str, str] | None:
     if req.structured_outputs is not None and req.structured_outputs.structural_tag is None:
         given = req.structured_outputs.given()  # (structural_tag: refused as unsupported, unsupported_field)
         # (none given beside another field's constraint: its options, e.g. whitespace_pattern, apply to that one)
+        if not (given or req.constraints()) and req.structured_outputs.json_object is False:  # (sent: not "got none")
+            return "structured_outputs", ("structured_outputs.json_object must be true (the output is any JSON "
+                                          "object), got false, which asks for no constraint")
         if len(given) > 1 or not (given or req.constraints()):
             return "structured_outputs", (f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KINDS)}; "
                                           f"got {', '.join(given) or 'none'}")
