@@ -13,6 +13,7 @@ not as the Python API spells it (``max_new_tokens``).
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import re
@@ -506,6 +507,16 @@ def warn_compile(name: str, recompiles: int | None = None, skipped: int | None =
               file=sys.stderr, flush=True)
 
 
+def close_flags(unknown: str, flags) -> list[str]:
+    """The long ``flags`` an ``unknown`` one (``--name`` or ``--name=value``) may have meant, at
+    most 3: those it begins (an abbreviation, not taken as one: see :class:`_Parser`), else those
+    whose names difflib's ``get_close_matches`` finds close to its name (a typo); ``[]``: none."""
+    name = unknown.split("=", 1)[0].removeprefix("--")
+    names = sorted({f.removeprefix("--") for f in flags if f.startswith("--")})
+    found = [n for n in names if n.startswith(name)] if name else []
+    return ["--" + n for n in (found[:3] if found else difflib.get_close_matches(name, names, n=3))]
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line too (no usage dump), exit status 2, and
     that knows each of its options' flag: ``flags`` maps an option's ``dest`` to its first
@@ -548,6 +559,18 @@ class _Parser(argparse.ArgumentParser):
 
         text.__name__ = getattr(convert, "__name__", "str")  # (argparse's "invalid int value: ...")
         return text
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but arguments no option takes are refused with a hint where the first
+        unknown flag is close to flags of the command (:func:`close_flags`: ``--temp``, did you
+        mean --temperature?)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            flags = getattr(parsed, "option_flags", self.flags).values()  # (the command's)
+            close = next((c for e in extras if e.startswith("--") for c in [close_flags(e, flags)] if c), [])
+            self.error(f"unrecognized arguments: {' '.join(extras)}" +
+                       (f"; did you mean {' or '.join(close)}?" if close else ""))
+        return parsed
 
     def error(self, message: str):
         # (a value argparse quotes whole, e.g. "invalid int value: '999...'": its head and length)
