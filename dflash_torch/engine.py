@@ -790,13 +790,17 @@ class DFlashEngine:
                 made (else it is encoded again).
 
         Raises:
-            DFlashError: what :meth:`encode_prompt` raises for these arguments.
+            DFlashError: what :meth:`encode_prompt` raises for these arguments (with the tools;
+                a prompt it refuses only without them is one they are not left out of).
         """
         if options.check_tools(tools) is None:
             return False
         if ids is None:
             ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools, **prompt_options)
-        return ids == self.encode_prompt(prompt, chat, chat_template_kwargs, None, **prompt_options)
+        try:
+            return ids == self.encode_prompt(prompt, chat, chat_template_kwargs, None, **prompt_options)
+        except DFlashError:  # (a template that refuses the prompt without tools: it does not leave them out)
+            return False
 
     def _chat_options(self, chat_template_kwargs: dict | None, tools: list[dict] | None) -> tuple[dict | None, list | None]:
         """:meth:`encode_prompt`'s ``chat_template_kwargs`` and ``tools``, checked (what

@@ -538,6 +538,10 @@ def test_tools_a_chat_template_leaves_out_are_warned_once_in_python(tiny_pair, c
     assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records if "tools" in r.getMessage()] == [
         ("dflash_torch", "WARNING", "the chat template leaves out the tools given (it renders the same prompt with "
          "and without them): the model is not told of them, and calls none (logged once)")]
+    # (a template that refuses the prompt without tools does not leave them out: no error from the check)
+    renders.tokenizer.chat_template = "{% if not tools %}{{ raise_exception('no tools') }}{% endif %}" + \
+        renders.tokenizer.chat_template
+    assert renders.encode_prompt(messages, tools=[TIME]) and not renders.tools_left_out(messages, tools=[TIME])
 
 
 # DeepSeek V3's, V3.1's and R1's way: a call's arguments joined to a string (a template of our own)
