@@ -1234,9 +1234,10 @@ class DFlashEngine:
             where those tokens start ``prompt_ids`` and are fewer, and the template renders
             the reply otherwise in the next turn: the messages, a reply and a next user
             message rendered do not start with ``prompt_ids`` (a reasoning model's
-            history without its thinking); where the messages' last token and the opening
-            of the reply merge into one token (a newline with a newline), the tokens
-            ``prompt_ids`` shares with both those renderings. None where they do (ChatML without thinking:
+            history without its thinking); at most the tokens ``prompt_ids`` shares with
+            that next turn (where the messages' last token merges with the opening of the
+            reply, a newline with a newline, or the next turn renders the messages' end
+            otherwise). None where they do (ChatML without thinking:
             the prompt's own end serves the next turn, with its opening of the reply), for
             a prompt that is not a chat, where the renderings do not start ``prompt_ids``
             (or the template cannot render them), and on a model that keeps no
@@ -1258,11 +1259,9 @@ class DFlashEngine:
             return None
         if following[:len(prompt_ids)] == prompt_ids:  # (the next turn renders this prompt again: its end serves)
             return None
-        n = len(history)
-        if 0 < n < len(prompt_ids) and prompt_ids[:n] == history:
-            return n
-        # (the messages' last token merged with the opening of the reply, as a newline with a newline: the
-        # last position this prompt shares with both the messages and the next turn rendered)
+        # (the messages' end, or where their last token merged with the opening of the reply, a newline with a
+        # newline, and where the next turn renders that end otherwise, "\n\n" of a message's "\n" and "\n#" of a
+        # reply's opening, the last position this prompt shares with both the messages and the next turn rendered)
         n = min(_common_start(history, prompt_ids), _common_start(following, prompt_ids))
         return n if 0 < n < len(prompt_ids) else None
 

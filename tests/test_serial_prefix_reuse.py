@@ -447,3 +447,39 @@ def test_history_end_of_token_id_prompts(agree_hybrid_pair, tiny_pair, tmp_path)
     second = engine.generate(ids, max_new_tokens=12, history_end=engine.history_end(messages, ids))
     assert second.stats.cached_prompt_tokens == end
     assert second.token_ids == engine.generate(ids, max_new_tokens=12, history_end=None).token_ids
+
+
+def test_chat_turns_reuse_the_history_with_the_shipped_template_on_a_hybrid_target(tmp_path):
+    """A hybrid target with the shipped target's tokenizer and chat template: a message ends
+    with "\\n" and the reply opens with "\\n", one "\\n\\n" token in the prompt, and a message
+    that ends with a newline itself renders its end otherwise in the next turn ("\\n\\n" then
+    "\\n", "\\n", "#"): ``history_end`` is where the next turn's prompt still agrees, so turn 2
+    reuses the history, one sequence at a time and batched (trial-232 and trial-235: both read
+    their whole prompt again), with the tokens decoded without reuse."""
+    import shutil
+
+    from conftest import make_hybrid_target
+
+    from dflash_torch.engine import DEFAULT_TARGET
+
+    target = make_hybrid_target(tmp_path / "target", "qwen3_5_text", tokenizer=False, vocab_size=4096)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(DEFAULT_TARGET / name, target / name)
+    engines = [DFlashEngine.from_pretrained(target, no_draft=True, dtype="float32", max_batch_size=2,
+                                            reuse_prefix=reuse) for reuse in (True, False)]
+    for content in ("Tell me about lists.", "Tell me about lists.\n", "Tell me about lists. \n"):
+        first = [{"role": "user", "content": content}]
+        for batched in (False, True):
+            outs = []
+            for engine in engines:
+                run = (lambda m: engine.generate_batch([m], max_new_tokens=6)[0]) if batched else \
+                    (lambda m: engine.generate(m, max_new_tokens=6))
+                one = run(first)
+                then = first + [{"role": "assistant", "content": one.text}, {"role": "user", "content": "ok"}]
+                two = run(then)
+                outs.append((one.token_ids, two.token_ids, two.stats.cached_prompt_tokens))
+            (a1, a2, cached), (b1, b2, none) = outs
+            assert (a1, a2) == (b1, b2) and none == 0
+            ids = engines[0].encode_prompt(first)
+            end = engines[0].history_end(first, ids)
+            assert end is not None and cached == end >= len(ids) - 2, (content, batched, cached, end, len(ids))
