@@ -511,7 +511,7 @@ def close_flags(unknown: str, flags) -> list[str]:
     """The long ``flags`` an ``unknown`` one (``--name`` or ``--name=value``) may have meant, at
     most 3: those it begins (an abbreviation, not taken as one: see :class:`_Parser`), else those
     whose names difflib's ``get_close_matches`` finds close to its name (a typo); ``[]``: none."""
-    name = unknown.split("=", 1)[0].removeprefix("--")
+    name = unknown.split("=", 1)[0].removeprefix("--").lower()  # (--TEMPERATURE: --temperature)
     names = sorted({f.removeprefix("--") for f in flags if f.startswith("--")})
     found = [n for n in names if n.startswith(name)] if name else []
     return ["--" + n for n in (found[:3] if found else difflib.get_close_matches(name, names, n=3))]
@@ -566,11 +566,23 @@ class _Parser(argparse.ArgumentParser):
         mean --temperature?)."""
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
-            flags = getattr(parsed, "option_flags", self.flags).values()  # (the command's)
-            close = next((c for e in extras if e.startswith("--") for c in [close_flags(e, flags)] if c), [])
-            self.error(f"unrecognized arguments: {' '.join(extras)}" +
-                       (f"; did you mean {' or '.join(close)}?" if close else ""))
+            command, flags = getattr(parsed, "command", None), getattr(parsed, "option_flags", self.flags)
+            hints = (self._hint(e, command, flags) for e in extras if e.startswith("--"))
+            self.error(f"unrecognized arguments: {' '.join(extras)}" + next((h for h in hints if h), ""))
         return parsed
+
+    def _hint(self, unknown: str, command: str | None, flags: dict[str, str]) -> str:
+        """:meth:`parse_args`'s hint for the flag ``unknown`` ("" for none): a flag of the
+        ``command`` (``flags``: its map) given before the command's name, or one of this parser's
+        given after it, says where it goes; else the command's and this parser's flags it may
+        have meant (:func:`close_flags`)."""
+        name = unknown.split("=", 1)[0]
+        if command is not None and flags is not self.flags and name in flags.values():
+            return f"; {name} is an option of {command}: give it after the command (dflash-torch {command} {name} ...)"
+        if command is not None and name in self.flags.values():
+            return f"; {name} is an option of dflash-torch itself: give it before the command (dflash-torch {name})"
+        close = close_flags(unknown, [*flags.values(), *self.flags.values()])
+        return f"; did you mean {' or '.join(close)}?" if close else ""
 
     def error(self, message: str):
         # (a value argparse quotes whole, e.g. "invalid int value: '999...'": its head and length)

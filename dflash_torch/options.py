@@ -605,9 +605,9 @@ def _check_tool(tool: dict, where: str, name: str) -> None:
         fail(f".type is missing; {TOOL_FORM}")
     if tool["type"] != "function":
         fail(f".type must be 'function', got {shown(tool['type'])}; {TOOL_FORM}")
-    fn = tool.get("function")
-    if fn is None:
+    if "function" not in tool:
         fail(f".function is missing; {TOOL_FORM}")
+    fn = tool["function"]
     if not isinstance(fn, dict):
         fail(f".function must be an object (a dict), got {shown(fn)}; {TOOL_FORM}")
     if "name" not in fn:

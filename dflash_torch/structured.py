@@ -207,7 +207,8 @@ class StructuredOutput:
                                   "structured_output")
             raise OptionError(f"structured_output {next(iter(value))} is None, which asks for no constraint: give it a "
                               "value, or leave structured_output out for none", "structured_output")
-        return cls(**dict(value))
+        # (json_object None is not given, as the other kinds' None and the server's null: not a bool to refuse)
+        return cls(**{k: v for k, v in value.items() if not (k == "json_object" and v is None)})
 
     @property
     def kind(self) -> str:

@@ -492,7 +492,14 @@ def test_long_flags_are_not_taken_abbreviated(capsys):
             (["chat", "--max-new", "8"], "--max-new 8; did you mean --max-new-tokens?"),
             (["generate", "x", "--top", "1"], "--top 1; did you mean --top-k or --top-p?"),
             (["generate", "x", "--temprature=1"], "--temprature=1; did you mean --temperature?"),  # (a typo: difflib)
-            (["generate", "x", "--zzz"], "--zzz")):
+            (["generate", "x", "--zzz"], "--zzz"),
+            # (a command's flag before the command, the program's after it: where it goes; case aside; trial-235)
+            (["--no-draft", "generate", "x"], "--no-draft; --no-draft is an option of generate: give it after the "
+                                              "command (dflash-torch generate --no-draft ...)"),
+            (["generate", "x", "--version"], "--version; --version is an option of dflash-torch itself: give it "
+                                             "before the command (dflash-torch --version)"),
+            (["--verson", "generate", "x"], "--verson; did you mean --version or --json?"),
+            (["generate", "x", "--TEMPERATURE", "1"], "--TEMPERATURE 1; did you mean --temperature?")):
         with pytest.raises(SystemExit) as exit:
             cli_main(args)
         assert exit.value.code == 2 and capsys.readouterr().err == \

@@ -594,6 +594,15 @@ def test_bad_constraints_are_refused_in_one_line(engines, spec, words):
     assert "\n" not in str(info.value) and str(info.value).startswith("structured_output")
 
 
+def test_json_object_none_beside_another_kind_is_not_given(engines):
+    """``json_object`` None beside another kind is not given, as another kind's None is and as
+    the server takes its null (it was refused: "must be true or false, got None"; trial-235)."""
+    e = engines["tiny"]
+    for spec in ({"json_object": None, "regex": "[a-z]+"}, {"json": None, "regex": "[a-z]+"}):
+        assert e.generate("x", max_new_tokens=4, structured_output=spec).token_ids == \
+            e.generate("x", max_new_tokens=4, structured_output={"regex": "[a-z]+"}).token_ids
+
+
 @pytest.mark.parametrize("spec", [{"regex": "[^\\x00-\\x{10FFFF}]"}, {"grammar": "start: A\nA: /[a-z]+/ & /[0-9]+/"},
                                   {"regex": "[^\\s\\S]"}, {"regex": "[a&&b]"}, {"grammar": "start: x\nx: x"}])
 def test_constraints_with_no_output_are_refused_when_compiled(engines, spec):

@@ -464,6 +464,8 @@ def test_the_same_tool_twice_is_taken_null_fields_and_all(local_engine):
      r"^tools\[0\]\.type must be 'function', got 'web_search'; a tool is"),
     (CONVERSATION, {"tools": [{"type": "function", "function": "f"}]},
      r"^tools\[0\]\.function must be an object \(a dict\), got 'f'; a tool is"),
+    (CONVERSATION, {"tools": [{"type": "function", "function": None}]},  # (given null: not "missing", trial-235)
+     r"^tools\[0\]\.function must be an object \(a dict\), got None; a tool is"),
     (CONVERSATION, {"tools": [{"type": "function", "function": {"description": "d"}}]},
      r"^tools\[0\]\.function\.name is missing$"),
     (CONVERSATION, {"tools": [{"type": "function", "function": {"name": 5}}]},
