@@ -545,6 +545,34 @@ class SpeculativeDecoder:
             raise OptionError(f"the caches of {caches} need {memory_text(need, True)} but {self.device.type} has "
                               f"{memory_text(free, True)} free; {self._lower_it}", "max_context")
 
+    def _check_room(self, n_prompt: int, max_new_tokens: int) -> None:
+        """Growing caches (not fixed shapes), before a request's first work: those of its
+        ``n_prompt + max_new_tokens + block_size + 1`` positions (rounded up to 256, as they are
+        allocated) must fit in 90% of the device's free memory, else :class:`OptionError`
+        naming ``max_new_tokens`` and the most new tokens whose caches fit (the allocation
+        would fail with torch's out-of-memory error, or the process be killed by the system).
+        The caches held now count as used (they are copied when they grow)."""
+        free = available_memory(self.device)
+        if free is None:
+            return
+        drafter = self.drafter if isinstance(self.context, InjectedContext) else None
+        room = 0.9 * free
+
+        def need(new_tokens: int) -> int:
+            capacity = n_prompt + new_tokens + self.block_size + 1
+            return cache_bytes(self.target, drafter, 1, -(-capacity // 256) * 256, self.max_rows, False, self.max_rows)
+
+        if need(max_new_tokens) <= room:
+            return
+        lo, hi = 0, max_new_tokens  # (the most new tokens that fit: need grows with them)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if need(mid) <= room else (lo, mid - 1)
+        ask = f"ask for at most {lo} new tokens" if lo else "even one new token's do not fit: give a shorter prompt"
+        raise OptionError(f"the caches of the prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) need "
+                          f"{memory_text(need(max_new_tokens), True)} but {self.device.type} has "
+                          f"{memory_text(free, True)} free; {ask}", "max_new_tokens")
+
     @property
     def _lower_it(self) -> str:
         """What a refusal of caches too large asks of ``max_context``."""
@@ -822,6 +850,8 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         reused, restore = self._reusable(kept, prompt) if prompt_logprobs is None else (0, False)
         capacity = self.target_cache.capacity if static else n_prompt + max_new_tokens + B + 1
+        if capacity > self.target_cache.capacity:
+            self._check_room(n_prompt, max_new_tokens)
         if reused:
             self._resume(kept, capacity, reused, restore)
         else:  # fixed shapes: the preallocated buffers stay; recurrent states are zeroed in place

@@ -134,6 +134,32 @@ def test_fixed_shape_caches_that_do_not_fit_are_refused_before_allocating(tiny_p
     assert sum(t.numel() * t.element_size() for t in caches) == need
 
 
+def test_growing_caches_that_do_not_fit_a_request_are_refused_before_its_work(tiny_pair, monkeypatch):
+    """One sequence at a time without fixed shapes, the caches grow to each request's prompt +
+    max_new_tokens: where those would take more than 90% of the free memory the request is
+    refused in one line naming max_new_tokens and the most new tokens that fit (it allocated
+    them: torch's out-of-memory traceback, or a process killed; trial-234), which then run."""
+    import dflash_torch.decoding as decoding
+    from dflash_torch import DFlashError
+    from dflash_torch.cache import cache_bytes
+
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    prompt = engine.encode_prompt("def f(x):")
+    decoder = engine.decoder
+    need = cache_bytes(decoder.target, decoder.drafter, 1, 512, decoder.max_rows, False, decoder.max_rows)
+    monkeypatch.setattr(decoding, "available_memory", lambda device: need / 0.9 + 1)  # (512 positions fit, 768 not)
+    most = 512 - len(prompt) - engine.block_size - 1
+    with pytest.raises(DFlashError, match=rf"^the caches of the prompt \({len(prompt)} tokens\) \+ max_new_tokens "
+                                          rf"\(900\) need [0-9.]+ [KMG]iB but cpu has [0-9.]+ [KMG]iB free; ask for at "
+                                          rf"most {most} new tokens$") as err:
+        engine.generate(prompt, max_new_tokens=900)
+    assert err.value.name == "max_new_tokens"
+    with pytest.raises(DFlashError, match=rf"ask for at most {most} new tokens$"):
+        engine.generate(prompt, max_new_tokens=most + 1)
+    assert len(engine.generate(prompt, max_new_tokens=most, ignore_eos=True).token_ids) == most
+    assert decoder.target_cache.capacity == 512
+
+
 def test_caches_of_the_default_context_that_do_not_fit_name_the_targets_context(tiny_pair, monkeypatch, cli):
     """Without max_context the caches are sized by the target's context: a refusal says so
     (it said "the caches of --max-context 100000000 ...; lower it" of a flag never given,
