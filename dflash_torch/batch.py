@@ -106,7 +106,7 @@ import torch
 
 from . import compute
 from .cache import (KVCache, RecurrentState, RingLayers, TargetCache, buffer_rows, cache_bytes, layer_shapes,
-                    ring_sizes, static_buffer)
+                    most_that_fits, ring_sizes, static_buffer)
 from .checkpoint import available_memory, memory_text
 from .decoding import (Round, check_models, compile_step, context_caches, kv_bucket, length_buckets, prompt_chunk_logprobs,
                        reserve_graphs, without_shape_plans)
@@ -567,8 +567,8 @@ class BatchDecoder:
         self.max_batch_size = check_max_batch_size(max_batch_size)
         self.max_context = check_max_context(max_context, target.config)
         self._context_given = max_context is not None  # (refusals name the target's context otherwise)
-        self.prefill_chunk = min(check_count(prefill_chunk, "prefill_chunk"), self.max_context)  # (as SpeculativeDecoder's)
-        prefill_chunk = self.prefill_chunk
+        given_chunk = check_count(prefill_chunk, "prefill_chunk")
+        self.prefill_chunk = prefill_chunk = min(given_chunk, self.max_context)  # (as SpeculativeDecoder's)
         self.share_prefill = check_flag(share_prefill, "share_prefill")
         self.reuse_prefix = check_flag(reuse_prefix, "reuse_prefix")
         self.prefix_slots = check_prefix_slots(prefix_slots, self.reuse_prefix)
@@ -597,8 +597,14 @@ class BatchDecoder:
         need = cache_bytes(target, drafts, self.slots, capacity, max_rows, checkpoints, draft_rows)
         free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
+            def need_of(context: int) -> int:  # (the caches of a max_context, sized as above)
+                chunk = min(given_chunk, context)
+                return cache_bytes(target, drafts, self.slots, context + max(2 * B, chunk) + 1, max(B, chunk),
+                                   checkpoints, max(B, chunk, BACKLOG_ROWS + B))
+
+            most = most_that_fits(need_of, self.max_context, 0.9 * free)
             raise self._caches_error("", f" need {memory_text(need, True)} but {self.device.type} has "
-                                         f"{memory_text(free, True)} free")
+                                         f"{memory_text(free, True)} free", most)
         w = target.model.embed_tokens.weight
         heads, dims = zip(*target.kv_shapes()) if target.num_kv_layers else ((), ())
         try:
@@ -638,13 +644,15 @@ class BatchDecoder:
             self._draft_fn = compile_step(self._draft_step, **opts)
             self._verify_fn = compile_step(self._verify_step, **opts)
 
-    def _caches_error(self, head: str, detail: str = "") -> OptionError:
-        """The refusal of caches too large for the device, naming the options that size them."""
+    def _caches_error(self, head: str, detail: str = "", most: int = 0) -> OptionError:
+        """The refusal of caches too large for the device, naming the options that size them
+        (and ``most``, where not 0: the largest max_context whose caches fit these slots)."""
         slots = f"max_batch_size {self.max_batch_size}" + (f" + prefix_slots {self.prefix_slots}" if self.prefix_slots else "")
         names = ("max_batch_size", "prefix_slots", "max_context") if self.prefix_slots else ("max_batch_size", "max_context")
         caches = context_caches(self.max_context, self._context_given)
         return OptionError(f"{head}the caches of {slots} x {caches}{detail}; "
-                           f"lower {'one of them' if self.prefix_slots else 'either'}", *names)
+                           f"lower {'one of them' if self.prefix_slots else 'either'}"
+                           + (f" (max_context {most} at most, with {slots})" if most else ""), *names)
 
     def batch_bucket(self, n: int) -> int:
         """Rows of a round of ``n`` sequences: ``n``, or with fixed shapes the smallest

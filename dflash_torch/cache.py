@@ -326,6 +326,17 @@ def cache_bytes(target, drafter, slots: int, capacity: int,
     return slots * total
 
 
+def most_that_fits(need, most: int, room: float) -> int:
+    """The largest ``n`` in ``[0, most]`` with ``need(n) <= room`` (``need``: bytes, growing with
+    ``n``, e.g. of :func:`cache_bytes`), or 0 where none is: what a refusal of caches too large
+    names as the most that fits (bisection: ``log2(most)`` calls)."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= room else (lo, mid - 1)
+    return lo
+
+
 def _kv_bytes(shapes: list[tuple[int, int]], windows: list[int | None], max_rows: int | None, capacity: int,
               copies: int, size: int) -> int:
     """Bytes of one sequence's keys and values of layers of ``shapes`` (kv heads, head size)

@@ -21,7 +21,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import compute
-from .cache import cache_bytes
+from .cache import cache_bytes, most_that_fits
 from .checkpoint import available_memory, memory_text
 from .errors import CompileError, DFlashError, OptionError, first_line
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
@@ -542,8 +542,14 @@ class SpeculativeDecoder:
         free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
             caches = context_caches(self.max_context, self._context_given, "fixed shapes: allocated at once")
+            def need_of(context: int) -> int:  # (the caches of a max_context, sized as __init__ sizes them)
+                rows = max(self.block_size, min(self.prefill_chunk, context))
+                return cache_bytes(self.target, drafter, 1, -(-(context + rows + 1) // 256) * 256, rows, False, rows)
+
+            most = most_that_fits(need_of, self.max_context, 0.9 * free)
             raise OptionError(f"the caches of {caches} need {memory_text(need, True)} but {self.device.type} has "
-                              f"{memory_text(free, True)} free; {self._lower_it}", "max_context")
+                              f"{memory_text(free, True)} free; {self._lower_it}"
+                              + (f" (at most {most} fits)" if most else ""), "max_context")
 
     def _check_room(self, n_prompt: int, max_new_tokens: int) -> None:
         """Growing caches (not fixed shapes), before a request's first work: those of its
@@ -564,11 +570,8 @@ class SpeculativeDecoder:
 
         if need(max_new_tokens) <= room:
             return
-        lo, hi = 0, max_new_tokens  # (the most new tokens that fit: need grows with them)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if need(mid) <= room else (lo, mid - 1)
-        ask = f"ask for at most {lo} new tokens" if lo else "even one new token's do not fit: give a shorter prompt"
+        most = most_that_fits(need, max_new_tokens, room)
+        ask = f"ask for at most {most} new tokens" if most else "even one new token's do not fit: give a shorter prompt"
         raise OptionError(f"the caches of the prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) need "
                           f"{memory_text(need(max_new_tokens), True)} but {self.device.type} has "
                           f"{memory_text(free, True)} free; {ask}", "max_new_tokens")

@@ -125,9 +125,25 @@ def test_fixed_shape_caches_that_do_not_fit_are_refused_before_allocating(tiny_p
     need = cache_bytes(target, drafter, 1, -(-(1000 + rows + 1) // 256) * 256, rows, False, rows)
     monkeypatch.setattr(decoding, "available_memory", lambda device: need / 0.9 - 1)
     with pytest.raises(DFlashError, match=r"^the caches of max_context 1000 \(fixed shapes: allocated at once\) need "
-                                          r"[0-9.]+ [KMG]iB but cpu has [0-9.]+ [KMG]iB free; lower it$") as err:
+                                          r"[0-9.]+ [KMG]iB but cpu has [0-9.]+ [KMG]iB free; lower it \(at most "
+                                          r"(\d+) fits\)$") as err:
         SpeculativeDecoder(target, drafter, static=True, max_context=1000, prefill_chunk=32)
     assert err.value.name == "max_context"
+    most = int(err.value.args[0].rsplit("at most ", 1)[1].split()[0])  # (it fits; one more does not)
+    SpeculativeDecoder(target, drafter, static=True, max_context=most, prefill_chunk=32)
+    with pytest.raises(DFlashError, match=rf"; lower it \(at most {most} fits\)$"):
+        SpeculativeDecoder(target, drafter, static=True, max_context=most + 1, prefill_chunk=32)
+    # (batched: the largest max_context whose caches fit the slots, trial-234)
+    import dflash_torch.batch as batch
+    from dflash_torch.batch import BatchDecoder
+
+    monkeypatch.setattr(batch, "available_memory", lambda device: need / 0.9 - 1)
+    with pytest.raises(DFlashError, match=r"; lower either \(max_context (\d+) at most, with max_batch_size 3\)$") as err:
+        BatchDecoder(target, drafter, max_batch_size=3, max_context=1000)
+    most = int(err.value.args[0].rsplit("max_context ", 1)[1].split()[0])
+    BatchDecoder(target, drafter, max_batch_size=3, max_context=most)
+    with pytest.raises(DFlashError, match=rf"\(max_context {most} at most, with max_batch_size 3\)$"):
+        BatchDecoder(target, drafter, max_batch_size=3, max_context=most + 1)
     monkeypatch.setattr(decoding, "available_memory", lambda device: need / 0.9 + 1)
     decoder = SpeculativeDecoder(target, drafter, static=True, max_context=1000, prefill_chunk=32)
     caches = decoder.target_cache.kv.k + decoder.target_cache.kv.v + decoder.context.cache.k + decoder.context.cache.v

@@ -15,6 +15,7 @@ row reports its mean batch occupancy (``mean_batch``).
 from __future__ import annotations
 
 import gc
+import re
 import time
 
 import torch
@@ -109,6 +110,8 @@ def _batch_decoder(target: TargetModel, drafter: DFlashDrafter | None, n: int, m
         message = str(e).replace(f"max_batch_size {n} x max_context {max_context}",
                                  f"{n} sequences x {max_context} positions (the longest prompt + --max-new-tokens)")
         message = message.replace("; lower either", "; lower --batch-sizes or --max-new-tokens")
+        message = re.sub(r" \(max_context (\d+) at most, with [^)]*\)", rf" ({n} sequences of at most \1 positions fit)",
+                         message)
         for name, flag in (("draft_max_batch_size", "--draft-max-batch-size"), ("max_batch_size", "--batch-sizes"),
                            ("max_context", "the context"), ("block size", "--block-size")):
             message = message.replace(name, flag)
