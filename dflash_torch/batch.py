@@ -652,7 +652,8 @@ class BatchDecoder:
         caches = context_caches(self.max_context, self._context_given)
         return OptionError(f"{head}the caches of {slots} x {caches}{detail}; "
                            f"lower {'one of them' if self.prefix_slots else 'either'}"
-                           + (f" (max_context {most} at most, with {slots})" if most else ""), *names)
+                           + (f" (at most {most} tokens of context fit these slots in 90% of that)" if most else ""),
+                           *names)
 
     def batch_bucket(self, n: int) -> int:
         """Rows of a round of ``n`` sequences: ``n``, or with fixed shapes the smallest

@@ -719,14 +719,30 @@ def available_memory(device: str | torch.device) -> int | None:
     (``torch.cuda.mem_get_info``); for the CPU the host's available memory (``psutil``:
     free plus reclaimable page cache, without swap) or, when less, what the process's
     memory cgroup still allows (:func:`cgroup_available`: a container's limit, which
-    psutil does not see); None for other devices."""
+    psutil does not see) or its address-space limit leaves (:func:`address_space_left`:
+    ``ulimit -v``); None for other devices."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type == "cpu":
-        host, cgroup = psutil.virtual_memory().available, cgroup_available()
-        return host if cgroup is None else min(host, cgroup)
+        limits = [psutil.virtual_memory().available, cgroup_available(), address_space_left()]
+        return min(n for n in limits if n is not None)
     return None
+
+
+def address_space_left() -> int | None:
+    """Bytes of address space this process may still map under its soft ``RLIMIT_AS``
+    (``ulimit -v``; a CPU tensor past it fails to allocate however much memory is free):
+    the limit minus the process's virtual size, at least 0; None without a limit (or where
+    the platform has none, e.g. Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return max(0, soft - psutil.Process().memory_info().vms)
 
 
 def memory_text(nbytes: float, binary: bool = False) -> str:

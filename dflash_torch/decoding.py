@@ -28,7 +28,7 @@ from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import (check_block_size, check_count, check_flag, check_max_context, check_max_new_tokens,
-                      check_prompt_logprobs, check_prompt_ids, check_prompt_position, context_limit)
+                      check_prompt_logprobs, check_prompt_ids, check_prompt_position, context_limit, n_tokens)
 from .sampling import (SamplingParams, TokenLogprob, accept_greedy, accept_sampling, choose, first_logprobs,
                        first_token, probabilities, token_logprobs)
 
@@ -549,7 +549,7 @@ class SpeculativeDecoder:
             most = most_that_fits(need_of, self.max_context, 0.9 * free)
             raise OptionError(f"the caches of {caches} need {memory_text(need, True)} but {self.device.type} has "
                               f"{memory_text(free, True)} free; {self._lower_it}"
-                              + (f" (at most {most} fits)" if most else ""), "max_context")
+                              + (f" (at most {most} fits in 90% of that)" if most else ""), "max_context")
 
     def _check_room(self, n_prompt: int, max_new_tokens: int) -> None:
         """Growing caches (not fixed shapes), before a request's first work: those of its
@@ -571,8 +571,9 @@ class SpeculativeDecoder:
         if need(max_new_tokens) <= room:
             return
         most = most_that_fits(need, max_new_tokens, room)
-        ask = f"ask for at most {most} new tokens" if most else "even one new token's do not fit: give a shorter prompt"
-        raise OptionError(f"the caches of the prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) need "
+        ask = (f"ask for at most {most} new tokens (their caches fit in 90% of that)" if most else
+               "the caches of one new token do not fit in 90% of that: give a shorter prompt")
+        raise OptionError(f"the caches of the prompt ({n_tokens(n_prompt)}) + max_new_tokens ({max_new_tokens}) need "
                           f"{memory_text(need(max_new_tokens), True)} but {self.device.type} has "
                           f"{memory_text(free, True)} free; {ask}", "max_new_tokens")
 
@@ -848,13 +849,13 @@ class SpeculativeDecoder:
         self._run += 1
         run = self._run
         B, dev, static = self.block_size, self.device, self.static
+        capacity = self.target_cache.capacity if static else n_prompt + max_new_tokens + B + 1
+        if capacity > self.target_cache.capacity:  # (refused before the kept rows are let go: they serve the next)
+            self._check_room(n_prompt, max_new_tokens)
         kept, self._kept = self._kept, None  # (prefix reuse: see _Kept)
         prompt = list(prompt_ids)
         t0 = time.perf_counter()
         reused, restore = self._reusable(kept, prompt) if prompt_logprobs is None else (0, False)
-        capacity = self.target_cache.capacity if static else n_prompt + max_new_tokens + B + 1
-        if capacity > self.target_cache.capacity:
-            self._check_room(n_prompt, max_new_tokens)
         if reused:
             self._resume(kept, capacity, reused, restore)
         else:  # fixed shapes: the preallocated buffers stay; recurrent states are zeroed in place

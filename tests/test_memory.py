@@ -126,23 +126,24 @@ def test_fixed_shape_caches_that_do_not_fit_are_refused_before_allocating(tiny_p
     monkeypatch.setattr(decoding, "available_memory", lambda device: need / 0.9 - 1)
     with pytest.raises(DFlashError, match=r"^the caches of max_context 1000 \(fixed shapes: allocated at once\) need "
                                           r"[0-9.]+ [KMG]iB but cpu has [0-9.]+ [KMG]iB free; lower it \(at most "
-                                          r"(\d+) fits\)$") as err:
+                                          r"(\d+) fits in 90% of that\)$") as err:
         SpeculativeDecoder(target, drafter, static=True, max_context=1000, prefill_chunk=32)
     assert err.value.name == "max_context"
     most = int(err.value.args[0].rsplit("at most ", 1)[1].split()[0])  # (it fits; one more does not)
     SpeculativeDecoder(target, drafter, static=True, max_context=most, prefill_chunk=32)
-    with pytest.raises(DFlashError, match=rf"; lower it \(at most {most} fits\)$"):
+    with pytest.raises(DFlashError, match=rf"; lower it \(at most {most} fits in 90% of that\)$"):
         SpeculativeDecoder(target, drafter, static=True, max_context=most + 1, prefill_chunk=32)
     # (batched: the largest max_context whose caches fit the slots, trial-234)
     import dflash_torch.batch as batch
     from dflash_torch.batch import BatchDecoder
 
     monkeypatch.setattr(batch, "available_memory", lambda device: need / 0.9 - 1)
-    with pytest.raises(DFlashError, match=r"; lower either \(max_context (\d+) at most, with max_batch_size 3\)$") as err:
+    with pytest.raises(DFlashError, match=r"; lower either \(at most (\d+) tokens of context fit these slots in 90% of "
+                                          r"that\)$") as err:
         BatchDecoder(target, drafter, max_batch_size=3, max_context=1000)
-    most = int(err.value.args[0].rsplit("max_context ", 1)[1].split()[0])
+    most = int(err.value.args[0].rsplit("at most ", 1)[1].split()[0])
     BatchDecoder(target, drafter, max_batch_size=3, max_context=most)
-    with pytest.raises(DFlashError, match=rf"\(max_context {most} at most, with max_batch_size 3\)$"):
+    with pytest.raises(DFlashError, match=rf"\(at most {most} tokens of context fit these slots in 90% of that\)$"):
         BatchDecoder(target, drafter, max_batch_size=3, max_context=most + 1)
     monkeypatch.setattr(decoding, "available_memory", lambda device: need / 0.9 + 1)
     decoder = SpeculativeDecoder(target, drafter, static=True, max_context=1000, prefill_chunk=32)
@@ -167,13 +168,19 @@ def test_growing_caches_that_do_not_fit_a_request_are_refused_before_its_work(ti
     most = 512 - len(prompt) - engine.block_size - 1
     with pytest.raises(DFlashError, match=rf"^the caches of the prompt \({len(prompt)} tokens\) \+ max_new_tokens "
                                           rf"\(900\) need [0-9.]+ [KMG]iB but cpu has [0-9.]+ [KMG]iB free; ask for at "
-                                          rf"most {most} new tokens$") as err:
+                                          rf"most {most} new tokens \(their caches fit in 90% of that\)$") as err:
         engine.generate(prompt, max_new_tokens=900)
     assert err.value.name == "max_new_tokens"
-    with pytest.raises(DFlashError, match=rf"ask for at most {most} new tokens$"):
+    with pytest.raises(DFlashError, match=rf"ask for at most {most} new tokens \(their caches fit in 90% of that\)$"):
         engine.generate(prompt, max_new_tokens=most + 1)
     assert len(engine.generate(prompt, max_new_tokens=most, ignore_eos=True).token_ids) == most
     assert decoder.target_cache.capacity == 512
+    # (a refused request leaves the last request's rows kept: the next that starts with them reuses them, trial-237)
+    monkeypatch.setattr(decoding, "available_memory", lambda device: 1 << 10)
+    with pytest.raises(DFlashError, match=r"; the caches of one new token do not fit in 90% of that: give a shorter "
+                                          r"prompt$"):
+        engine.generate(prompt + [5] * 600, max_new_tokens=4)
+    assert engine.generate(prompt, max_new_tokens=4).stats.cached_prompt_tokens == len(prompt)
 
 
 def test_caches_of_the_default_context_that_do_not_fit_name_the_targets_context(tiny_pair, monkeypatch, cli):
@@ -213,3 +220,25 @@ def test_caches_of_the_default_context_that_do_not_fit_name_the_targets_context(
     proc = cli(*base, "--max-context", "512")
     assert proc.returncode == 2 and "error: the caches of --max-context 512 (fixed shapes: allocated at once) need " \
         in proc.stderr and proc.stderr.endswith("1.0 KiB free; lower it\n"), proc.stderr
+
+
+def test_an_address_space_limit_counts_as_less_free_memory():
+    """Under ``ulimit -v`` (a soft RLIMIT_AS) a CPU tensor past the limit fails to allocate
+    (torch's "DefaultCPUAllocator: can't allocate memory" traceback) however much memory is
+    free: the free memory the checks see is at most what the limit leaves (trial-237)."""
+    resource = pytest.importorskip("resource")
+    import psutil
+
+    from dflash_torch.checkpoint import address_space_left, available_memory
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = psutil.Process().memory_info().vms + (1 << 30)
+    if hard != resource.RLIM_INFINITY and hard < limit:
+        pytest.skip("the hard limit is below the test's")
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        left, free = address_space_left(), available_memory("cpu")
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert 0 < left <= 1 << 30 and free <= left
+    assert (address_space_left() is None) == (soft == resource.RLIM_INFINITY)

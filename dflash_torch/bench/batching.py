@@ -21,7 +21,7 @@ import time
 import torch
 
 from ..batch import BACKLOG_ROWS, BatchDecoder
-from ..cache import cache_bytes
+from ..cache import cache_bytes, most_that_fits
 from ..checkpoint import available_memory, memory_text
 from ..errors import DFlashError, OptionError
 from ..models.drafter import DFlashDrafter
@@ -110,8 +110,8 @@ def _batch_decoder(target: TargetModel, drafter: DFlashDrafter | None, n: int, m
         message = str(e).replace(f"max_batch_size {n} x max_context {max_context}",
                                  f"{n} sequences x {max_context} positions (the longest prompt + --max-new-tokens)")
         message = message.replace("; lower either", "; lower --batch-sizes or --max-new-tokens")
-        message = re.sub(r" \(max_context (\d+) at most, with [^)]*\)", rf" ({n} sequences of at most \1 positions fit)",
-                         message)
+        message = re.sub(r" \(at most (\d+) tokens of context fit these slots in 90% of that\)",
+                         rf" ({n} sequences of at most \1 positions fit in 90% of that)", message)
         for name, flag in (("draft_max_batch_size", "--draft-max-batch-size"), ("max_batch_size", "--batch-sizes"),
                            ("max_context", "the context"), ("block size", "--block-size")):
             message = message.replace(name, flag)
@@ -142,9 +142,11 @@ def check_batch_fits(target: TargetModel, drafter: DFlashDrafter | None, n: int,
     device = target.model.embed_tokens.weight.device
     need, free = batch_caches_bytes(target, drafter, n, max_context, block_size), available_memory(device)
     if free is not None and need > 0.9 * free:
+        most = most_that_fits(lambda m: batch_caches_bytes(target, drafter, n, m, block_size), max_context, 0.9 * free)
         raise DFlashError(f"--batch-sizes {n}: the caches of {n} sequences x {max_context} positions (the longest prompt "
                           f"+ --max-new-tokens) need {memory_text(need, True)} but {device.type} has "
-                          f"{memory_text(free, True)} free; lower --batch-sizes or --max-new-tokens")
+                          f"{memory_text(free, True)} free; lower --batch-sizes or --max-new-tokens"
+                          + (f" ({n} sequences of at most {most} positions fit in 90% of that)" if most else ""))
 
 
 @torch.inference_mode()
