@@ -1167,6 +1167,34 @@ def test_a_bug_in_the_decoding_loop_fails_its_requests_and_frees_their_slots(loc
         scheduler.close()
 
 
+def test_an_engine_refusal_names_the_requests_field(local_engine, monkeypatch):
+    """A refusal the engine raises while a request runs (one sequence at a time: caches that
+    would not fit its max tokens, trial-237) names the request's field, in the message and its
+    param: max_completion_tokens where the chat sent that, max_tokens otherwise (the message
+    said the Python option's max_new_tokens)."""
+    from starlette.testclient import TestClient
+
+    import dflash_torch.decoding as decoding
+    from dflash_torch.serving.app import create_app
+
+    monkeypatch.setattr(decoding, "available_memory", lambda device: 1 << 10)
+    app = create_app(local_engine, max_batch_size=1)
+    try:
+        client = TestClient(app)
+        for path, body, field in (
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500},
+                 "max_completion_tokens"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, "max_tokens"),
+                ("/v1/completions", {"prompt": "x", "max_tokens": 500}, "max_tokens")):
+            r = client.post(path, json=body)
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == field, r.text
+            assert error["message"].startswith("the caches of the prompt (") and f"+ {field} (500) need " in \
+                error["message"] and "max_new_tokens" not in error["message"], r.text
+    finally:
+        app.state.scheduler.close()
+
+
 def test_a_client_that_left_and_a_full_queue_are_logged(local_engine, monkeypatch, caplog):
     """A non-streamed request whose client went away (a 499 in the metrics) gets an access-log
     line (INFO; uvicorn writes none for it) naming its request id; a 503 queue_full gets a

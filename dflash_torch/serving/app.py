@@ -979,6 +979,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         rid = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_"}[kind] + uuid.uuid4().hex
         job = Job(loop=asyncio.get_running_loop(), stream=bool(req.stream), arrived=arrived, request_id=rid,
                   scores_only=req.scores_only())
+        job.param_aliases["max_tokens"] = req.max_tokens_field()  # (max_completion_tokens where that was sent)
         if req.constraint() is not None or (chat and req.forces_tool_calls()):
             param, kwargs["structured_output"] = await to_thread(request_constraint, req, chat, tools, prompt_tail)
             job.param_aliases["structured_output"] = param

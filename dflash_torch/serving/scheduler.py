@@ -60,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -640,7 +641,10 @@ class Scheduler:
         job = seq.job
         if isinstance(exc, DFlashError) and not isinstance(exc, CompileError):
             param = param_of(exc)
-            job.put("error", (str(exc), job.param_aliases.get(param, param)), seq.index)
+            named, message = job.param_aliases.get(param, param), str(exc)
+            if isinstance(exc, OptionError) and named and exc.name and exc.name != named:  # (the request's name for it)
+                message = re.sub(rf"(?<![\w.]){re.escape(exc.name)}(?![\w.])", named, message, count=1)
+            job.put("error", (message, named), seq.index)
             return
         with self._cond:
             first, job.failed = not job.failed, True
