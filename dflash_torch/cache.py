@@ -40,7 +40,7 @@ def static_buffer(t: torch.Tensor) -> torch.Tensor:
     for another buffer of the same shape, it reads whichever buffer it is given), whose
     whole effect is the attribute set here: calling it would import ``torch._dynamo``,
     about half a second and 70 MB of every command's start, compiled or not
-    (tests/test_cache.py checks that the two mark a tensor alike).
+    (tests/test_cuda.py checks that the two mark a tensor alike).
     """
     t._dynamo_static_input_type = "unguarded"
     return t
