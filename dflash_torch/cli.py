@@ -564,6 +564,7 @@ class _Parser(argparse.ArgumentParser):
         """argparse's, but arguments no option takes are refused with a hint where the first
         unknown flag is close to flags of the command (:func:`close_flags`: ``--temp``, did you
         mean --temperature?)."""
+        self._argv = list(sys.argv[1:] if args is None else args)  # (error's hint where no command is given)
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             command, flags = getattr(parsed, "command", None), getattr(parsed, "option_flags", self.flags)
@@ -585,6 +586,11 @@ class _Parser(argparse.ArgumentParser):
         return f"; did you mean {' or '.join(close)}?" if close else ""
 
     def error(self, message: str):
+        if message.startswith("the following arguments are required: command"):  # (a flag it took for none: --verson)
+            unknown = [a for a in getattr(self, "_argv", ()) if a.startswith("--") and a != "--"
+                       and a.split("=", 1)[0] not in self._option_string_actions]
+            if unknown:
+                message += f"; unrecognized arguments: {' '.join(unknown)}" + self._hint(unknown[0], None, self.flags)
         # (a value argparse quotes whole, e.g. "invalid int value: '999...'": its head and length)
         message = re.sub(r"'([^']{40})[^']{20,}'", lambda m: f"'{m.group(1)}...' ({len(m.group(0)) - 2} characters)",
                          message)

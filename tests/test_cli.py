@@ -504,6 +504,12 @@ def test_long_flags_are_not_taken_abbreviated(capsys):
             cli_main(args)
         assert exit.value.code == 2 and capsys.readouterr().err == \
             f"dflash-torch: error: unrecognized arguments: {unknown} (see --help)\n", args
+    for args, hint in ((["--verson"], "--verson; did you mean --version?"), (["--no-draft"], "--no-draft")):
+        with pytest.raises(SystemExit) as exit:  # (no command: the flag argparse took for none is named too)
+            cli_main(args)
+        assert exit.value.code == 2 and capsys.readouterr().err == ("dflash-torch: error: the following arguments are "
+                                                                    f"required: command; unrecognized arguments: {hint} "
+                                                                    "(see --help)\n"), args
 
 
 def test_stop_help_says_how_to_pass_a_newline(capsys, monkeypatch):
