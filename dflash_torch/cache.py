@@ -326,14 +326,19 @@ def cache_bytes(target, drafter, slots: int, capacity: int,
     return slots * total
 
 
+FIT_MARGIN = 0.98  # (of the room a refusal's "at most" figure fills: free memory moves a little before it is given back)
+
+
 def most_that_fits(need, most: int, room: float) -> int:
-    """The largest ``n`` in ``[0, most]`` with ``need(n) <= room`` (``need``: bytes, growing with
-    ``n``, e.g. of :func:`cache_bytes`), or 0 where none is: what a refusal of caches too large
-    names as the most that fits (bisection: ``log2(most)`` calls)."""
+    """The largest ``n`` in ``[0, most]`` with ``need(n) <= FIT_MARGIN * room`` (``need``: bytes,
+    growing with ``n``, e.g. of :func:`cache_bytes`), or 0 where none is: what a refusal of caches
+    too large names as the most that fits, a little below the line so that the figure still
+    fits when the free memory has moved by the time it is passed back (an address-space limit
+    moves with the process's mappings; bisection: ``log2(most)`` calls)."""
     lo, hi = 0, most
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if need(mid) <= room else (lo, mid - 1)
+        lo, hi = (mid, hi) if need(mid) <= FIT_MARGIN * room else (lo, mid - 1)
     return lo
 
 

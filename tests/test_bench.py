@@ -809,6 +809,7 @@ def test_batch_caches_bytes_is_what_the_batch_decoder_counts(tiny_pair, monkeypa
     words; just below, it is built)."""
     from dflash_torch import batch
     from dflash_torch.bench.batching import _batch_decoder, batch_caches_bytes
+    from dflash_torch.cache import FIT_MARGIN
     from dflash_torch.models.target import TargetModel
 
     target = TargetModel.from_pretrained(tiny_pair[0], torch.float32)
@@ -826,8 +827,9 @@ def test_batch_caches_bytes_is_what_the_batch_decoder_counts(tiny_pair, monkeypa
                                                       r"fit in 90% of that\)$") as err:
                     _batch_decoder(target, d, 3, 100, block_size, None)
                 most = int(re.search(r"at most (\d+) positions", str(err.value)).group(1))
-                assert most < 100 and batch_caches_bytes(target, d, 3, most, block_size) <= need * scale  # (it fits)
-                assert batch_caches_bytes(target, d, 3, most + 1, block_size) > need * scale  # (one more does not)
+                room = need * scale * FIT_MARGIN  # (the figure stays a little below the line: it fits when passed back)
+                assert most < 100 and batch_caches_bytes(target, d, 3, most, block_size) <= room  # (it fits)
+                assert batch_caches_bytes(target, d, 3, most + 1, block_size) > room  # (one more does not)
 
 
 def test_batch_sizes_build_one_decoder_at_a_time(tiny_pair, monkeypatch):
