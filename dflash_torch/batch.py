@@ -106,7 +106,7 @@ import torch
 
 from . import compute
 from .cache import (KVCache, RecurrentState, RingLayers, TargetCache, buffer_rows, cache_bytes, layer_shapes,
-                    most_that_fits, ring_sizes, static_buffer)
+                    common_start, most_that_fits, ring_sizes, static_buffer)
 from .checkpoint import available_memory, memory_text
 from .decoding import (Round, check_models, compile_step, context_caches, kv_bucket, length_buckets, prompt_chunk_logprobs,
                        reserve_graphs, without_shape_plans)
@@ -122,6 +122,17 @@ from .sampling import (LogitsProcessor, SamplingParams, accept_greedy, accept_sa
 
 
 BACKLOG_ROWS = 64  # a sequence's feature rows of target-only rounds injected at once (at most; see BatchDecoder)
+
+
+def cache_sizes(max_context: int, prefill_chunk: int, block_size: int) -> tuple[int, int, int]:
+    """A :class:`BatchDecoder`'s cache sizes per slot for ``max_context`` tokens, reading
+    prompts ``prefill_chunk`` tokens at a time (at most ``max_context``), blocks of
+    ``block_size``: (positions, a finished sequence still held running one block past its
+    budget; the most rows one forward writes to the target's caches; the drafter's, whose
+    context also takes a backlog of injections at once). Rows decide the rings of
+    sliding-window layers (see cache.py)."""
+    B, chunk = block_size, min(prefill_chunk, max_context)
+    return max_context + max(2 * B, chunk) + 1, max(B, chunk), max(B, chunk, BACKLOG_ROWS + B)
 
 
 def check_draft_max_batch_size(value, *, drafter: bool = True, draft_mode: str = "inject",
@@ -583,11 +594,8 @@ class BatchDecoder:
                                                                                                "prefill_budget")
         self.device = target.model.embed_tokens.weight.device
         self.feature_layers = drafter.feature_layers(target) if drafter is not None and B > 1 else None
-        capacity = self.max_context + max(2 * B, prefill_chunk) + 1  # a finished sequence still held runs one block past its budget
+        capacity, max_rows, draft_rows = cache_sizes(self.max_context, prefill_chunk, B)
         drafts = drafter if self.feature_layers is not None else None
-        # the most rows per sequence one forward writes (rings for sliding-window layers: see cache.py):
-        # the target's, and the drafter's, whose context also takes a backlog of injections at once
-        max_rows, draft_rows = max(B, prefill_chunk), max(B, prefill_chunk, BACKLOG_ROWS + B)
         # a hybrid target's recurrent state, and the rings of sliding-window layers, are known where last
         # written only: each slot keeps a copy of them at its prompt's end (prefix reuse)
         rings = any(ring_sizes(target.kv_windows(), max_rows))
@@ -598,9 +606,8 @@ class BatchDecoder:
         free = available_memory(self.device)
         if free is not None and need > 0.9 * free:
             def need_of(context: int) -> int:  # (the caches of a max_context, sized as above)
-                chunk = min(given_chunk, context)
-                return cache_bytes(target, drafts, self.slots, context + max(2 * B, chunk) + 1, max(B, chunk),
-                                   checkpoints, max(B, chunk, BACKLOG_ROWS + B))
+                n, rows, drafts_rows = cache_sizes(context, given_chunk, B)
+                return cache_bytes(target, drafts, self.slots, n, rows, checkpoints, drafts_rows)
 
             most = most_that_fits(need_of, self.max_context, 0.9 * free)
             raise self._caches_error("", f" need {memory_text(need, True)} but {self.device.type} has "
@@ -1046,11 +1053,7 @@ class BatchDecoder:
         the end of the prompt it began with, or where that prompt's chat messages ended): the
         later of these that the common start reaches, or 0 (the same prompt again is reused
         whole only where one of them is its end)."""
-        n = 0
-        for a, b in zip(kept.ids, prompt):
-            if a != b:
-                break
-            n += 1
+        n = common_start(kept.ids, prompt)
         if (n == len(prompt) == kept.prompt_len and kept.prompt_logits is not None
                 and (not self._resumable_only or n in (len(kept.ids), kept.saved_at))):
             return n  # the same prompt again: its last logits are kept too

@@ -169,7 +169,7 @@ class KVCache(RingLayers):
         The buffers are reallocated only when they must grow (to a multiple of 256).
         """
         if capacity > self.capacity:
-            self._allocate(-(-capacity // 256) * 256)
+            self._allocate(allocated(capacity))
         self.length = 0
 
     def resume(self, capacity: int, length: int) -> None:
@@ -178,7 +178,7 @@ class KVCache(RingLayers):
         position's row index does not change (a ring's rows, once wrapped, stay as many)."""
         if capacity > self.capacity:
             old = self.k + self.v
-            self._allocate(-(-capacity // 256) * 256)
+            self._allocate(allocated(capacity))
             for new, rows in zip(self.k + self.v, old):
                 n = min(length, rows.shape[1])
                 new[:, :n] = rows[:, :n]
@@ -324,6 +324,22 @@ def cache_bytes(target, drafter, slots: int, capacity: int,
         total += _kv_bytes([(d.num_key_value_heads, d.head_dim)] * d.num_hidden_layers, drafter.kv_windows(),
                            draft_rows, capacity, copies, drafter.fc.weight.element_size())
     return slots * total
+
+
+def allocated(capacity: int) -> int:
+    """Positions a growing cache allocates for room for ``capacity``: a multiple of 256
+    (:meth:`KVCache.reset`, :meth:`KVCache.resume`), so that it is reallocated seldom."""
+    return -(-capacity // 256) * 256
+
+
+def common_start(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from their start (prefix reuse)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 FIT_MARGIN = 0.98  # (of the room a refusal's "at most" figure fills: free memory moves a little before it is given back)

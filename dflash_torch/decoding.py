@@ -21,7 +21,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import compute
-from .cache import cache_bytes, most_that_fits
+from .cache import allocated, cache_bytes, common_start, most_that_fits
 from .checkpoint import available_memory, memory_text
 from .errors import CompileError, DFlashError, OptionError, first_line
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
@@ -502,7 +502,7 @@ class SpeculativeDecoder:
         self._mask_tail = torch.full((block_size - 1,), mask_id, dtype=torch.long, device=self.device)
         if self.static:  # preallocate once: buffer shapes never change afterwards
             capacity = self.max_context + self.max_rows + 1
-            self._check_fits(-(-capacity // 256) * 256)  # (reset allocates multiples of 256)
+            self._check_fits(allocated(capacity))  # (as reset allocates)
             try:
                 self.target_cache.reset(capacity)
                 if self.context is not None:
@@ -544,7 +544,7 @@ class SpeculativeDecoder:
             caches = context_caches(self.max_context, self._context_given, "fixed shapes: allocated at once")
             def need_of(context: int) -> int:  # (the caches of a max_context, sized as __init__ sizes them)
                 rows = max(self.block_size, min(self.prefill_chunk, context))
-                return cache_bytes(self.target, drafter, 1, -(-(context + rows + 1) // 256) * 256, rows, False, rows)
+                return cache_bytes(self.target, drafter, 1, allocated(context + rows + 1), rows, False, rows)
 
             most = most_that_fits(need_of, self.max_context, 0.9 * free)
             raise OptionError(f"the caches of {caches} need {memory_text(need, True)} but {self.device.type} has "
@@ -566,7 +566,7 @@ class SpeculativeDecoder:
 
         def need(new_tokens: int) -> int:
             capacity = n_prompt + new_tokens + self.block_size + 1
-            return cache_bytes(self.target, drafter, 1, -(-capacity // 256) * 256, self.max_rows, False, self.max_rows)
+            return cache_bytes(self.target, drafter, 1, allocated(capacity), self.max_rows, False, self.max_rows)
 
         if need(max_new_tokens) <= room:
             return
@@ -805,9 +805,7 @@ class SpeculativeDecoder:
                 return len(prompt), False
             if kept.saved_at == len(prompt):
                 return len(prompt), True
-        limit, n = min(rows, len(prompt) - 1), 0
-        while n < limit and kept.tokens[n] == prompt[n]:
-            n += 1
+        n = min(common_start(kept.tokens, prompt), rows, len(prompt) - 1)
         if not self._whole_prefix_only or n == rows:
             return n, False
         if kept.saved is not None and n >= kept.saved_at:

@@ -33,6 +33,7 @@ import torch
 
 from . import compute, options
 from .batch import BatchDecoder, check_draft_max_batch_size, check_engine_max_batch_size, check_prefix_slots
+from .cache import common_start
 from .chat_template import chat_messages, render_chat, reserved_template_variables
 from .checkpoint import available_memory, checkpoint_dir, load_config, memory_text, read_json_object
 from .decoding import Round, SpeculativeDecoder, check_models
@@ -1262,7 +1263,7 @@ class DFlashEngine:
         # (the messages' end, or where their last token merged with the opening of the reply, a newline with a
         # newline, and where the next turn renders that end otherwise, "\n\n" of a message's "\n" and "\n#" of a
         # reply's opening, the last position this prompt shares with both the messages and the next turn rendered)
-        n = min(_common_start(history, prompt_ids), _common_start(following, prompt_ids))
+        n = min(common_start(history, prompt_ids), common_start(following, prompt_ids))
         return n if 0 < n < len(prompt_ids) else None
 
     def _stream(self, prompt_ids, params, stopper: Stopper, prompt_logprobs: int | None = None,
@@ -1574,16 +1575,6 @@ class DFlashEngine:
         stats.acceptance_histogram = dict(sorted(Counter(taus).items()))
         if stats.decode_time > 0:
             stats.decode_tokens_per_second = (stats.generated_tokens - 1) / stats.decode_time
-
-
-def _common_start(a: list[int], b: list[int]) -> int:
-    """How many tokens ``a`` and ``b`` share from their start."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _of_prompt(exc: DFlashError, i: int) -> DFlashError:

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ..batch import BACKLOG_ROWS, BatchDecoder
+from ..batch import BatchDecoder, cache_sizes
 from ..cache import cache_bytes, most_that_fits
 from ..checkpoint import available_memory, memory_text
 from ..errors import DFlashError, OptionError
@@ -125,9 +125,9 @@ def batch_caches_bytes(target: TargetModel, drafter: DFlashDrafter | None, n: in
     ``max_context``), counted as :class:`~dflash_torch.batch.BatchDecoder` counts them before it
     allocates them."""
     B = block_size or (drafter.config.block_size if drafter is not None else 1)
-    chunk = min(256, max_context)
-    return cache_bytes(target, drafter if drafter is not None and B > 1 else None, n,
-                       max_context + max(2 * B, chunk) + 1, max(B, chunk), False, max(B, chunk, BACKLOG_ROWS + B))
+    capacity, max_rows, draft_rows = cache_sizes(max_context, 256, B)
+    return cache_bytes(target, drafter if drafter is not None and B > 1 else None, n, capacity, max_rows, False,
+                       draft_rows)
 
 
 def check_batch_fits(target: TargetModel, drafter: DFlashDrafter | None, n: int, max_context: int,
