@@ -569,8 +569,31 @@ class _Parser(argparse.ArgumentParser):
         if extras:
             command, flags = getattr(parsed, "command", None), getattr(parsed, "option_flags", self.flags)
             hints = (self._hint(e, command, flags) for e in extras if e.startswith("--"))
-            self.error(f"unrecognized arguments: {' '.join(extras)}" + next((h for h in hints if h), ""))
+            self.error(f"unrecognized arguments: {self._shown(extras)}" + next((h for h in hints if h), ""))
         return parsed
+
+    def _shown(self, unknown: list[str]) -> str:
+        """The ``unknown`` arguments as :meth:`error` names them: where flags are among them,
+        each unknown flag with the argument after it in the command line (its value as the user
+        meant it; argparse took ``generate --temp 0.5 x``'s 0.5 for the prompt and named x)."""
+        flags = {a for a in unknown if a.startswith("--")}
+        if not flags:
+            return " ".join(unknown)
+        commands = self._commands()
+        actions = [self._option_string_actions, *(p._option_string_actions for p in commands.values())]
+        shown = []
+        for i, arg in enumerate(self._argv):
+            if arg in flags:
+                takes = all(a[arg].nargs != 0 for a in actions if arg in a)  # (--no-draft takes none)
+                value = self._argv[i + 1] if takes and i + 1 < len(self._argv) and "=" not in arg else None
+                shown += [arg] + ([value] if value is not None and not value.startswith("-")
+                                  and value not in commands else [])
+        return " ".join(shown)
+
+    def _commands(self) -> dict[str, "_Parser"]:
+        """This parser's commands' parsers by name (``{}`` for a command's own parser)."""
+        actions = self._subparsers._group_actions if self._subparsers is not None else ()
+        return next((a.choices for a in actions if isinstance(a, argparse._SubParsersAction)), {})
 
     def _hint(self, unknown: str, command: str | None, flags: dict[str, str]) -> str:
         """:meth:`parse_args`'s hint for the flag ``unknown`` ("" for none): a flag of the
@@ -583,6 +606,13 @@ class _Parser(argparse.ArgumentParser):
         if command is not None and name in self.flags.values():
             return f"; {name} is an option of dflash-torch itself: give it before the command (dflash-torch {name})"
         close = close_flags(unknown, [*flags.values(), *self.flags.values()])
+        owners = [c for c, p in self._commands().items() if c != command and name in p.flags.values()]
+        if owners:  # (another command's flag, serve's --port given to generate: whose it is, and the flags it
+            where = ", ".join(owners[:-1]) + " and " * (len(owners) > 1) + owners[-1]  # begins, not typos' ones)
+            close = [f for f in close if f.startswith(name.lower())]
+            return (f"; {name} is an option of {where}, not of {command}" if command is not None else
+                    f"; {name} is an option of {where}: give it after the command (dflash-torch {owners[0]} {name} "
+                    "...)") + (f"; did you mean {' or '.join(close)}?" if close else "")
         return f"; did you mean {' or '.join(close)}?" if close else ""
 
     def error(self, message: str):
@@ -591,6 +621,14 @@ class _Parser(argparse.ArgumentParser):
                        and a.split("=", 1)[0] not in self._option_string_actions]
             if unknown:
                 message += f"; unrecognized arguments: {' '.join(unknown)}" + self._hint(unknown[0], None, self.flags)
+        elif message.startswith("argument command: invalid choice"):  # (a flag's value taken for the command:
+            argv = getattr(self, "_argv", [])                         # --max-new-tokens 5 generate)
+            unknown = [a for a in argv if a.startswith("--") and a.split("=", 1)[0] not in self._option_string_actions]
+            if unknown and argv.index(unknown[0]) == 0:
+                commands = self._commands()
+                command = next((a for a in argv if a in commands), None)
+                flags = commands[command].flags if command is not None else self.flags
+                message = f"unrecognized arguments: {self._shown(unknown[:1])}" + self._hint(unknown[0], command, flags)
         # (a value argparse quotes whole, e.g. "invalid int value: '999...'": its head and length)
         message = re.sub(r"'([^']{40})[^']{20,}'", lambda m: f"'{m.group(1)}...' ({len(m.group(0)) - 2} characters)",
                          message)

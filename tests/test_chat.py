@@ -353,7 +353,8 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path, monkeypatch, capsys)
                                                   "the prompt takes "),
                         (["--min-tokens", "300"], "--min-tokens (300) exceeds the default --max-new-tokens (256), which "
                                                   "applies where none is given"),
-                        (["--chat"], "unrecognized arguments: --chat; did you mean --chat-template-kwargs? (see --help)"),
+                        (["--chat"], "unrecognized arguments: --chat; --chat is an option of generate and bench, not of chat; "
+                                    "did you mean --chat-template-kwargs? (see --help)"),
                         # (named as the flag, not as --system's fault: it said "--system: chat_template_kwargs ...")
                         (["--system", "be brief", "--chat-template-kwargs", '{"add_generation_prompt": false}'],
                          "--chat-template-kwargs cannot set add_generation_prompt"),

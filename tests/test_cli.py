@@ -485,8 +485,9 @@ def test_long_flags_are_not_taken_abbreviated(capsys):
 
     for args, unknown in (
             (["generate", "x", "--temp", "0.5"], "--temp 0.5; did you mean --temperature?"),
-            (["generate", "--temp", "0.5", "x"], "--temp x; did you mean --temperature?"),  # (0.5: the prompt)
-            (["serve", "--chat"], "--chat; did you mean --chat-template-kwargs?"),
+            (["generate", "--temp", "0.5", "x"], "--temp 0.5; did you mean --temperature?"),  # (0.5 was named x)
+            (["serve", "--chat"], "--chat; --chat is an option of generate and bench, not of serve; did you mean "
+                                  "--chat-template-kwargs?"),
             (["bench", "--num-p", "1"], "--num-p 1; did you mean --num-prompts?"),
             (["train", "--target", "t", "--data", "d", "--out", "o", "--step", "1"], "--step 1; did you mean --steps?"),
             (["chat", "--max-new", "8"], "--max-new 8; did you mean --max-new-tokens?"),
@@ -499,12 +500,25 @@ def test_long_flags_are_not_taken_abbreviated(capsys):
             (["generate", "x", "--version"], "--version; --version is an option of dflash-torch itself: give it "
                                              "before the command (dflash-torch --version)"),
             (["--verson", "generate", "x"], "--verson; did you mean --version or --json?"),
-            (["generate", "x", "--TEMPERATURE", "1"], "--TEMPERATURE 1; did you mean --temperature?")):
+            (["generate", "x", "--TEMPERATURE", "1"], "--TEMPERATURE 1; did you mean --temperature?"),
+            # (another command's flag: whose it is, not a close one of this command: --port was "--prompt?")
+            (["generate", "--port", "8000", "x"], "--port 8000; --port is an option of serve, not of generate"),
+            (["serve", "--max-new-tokens", "5"], "--max-new-tokens 5; --max-new-tokens is an option of generate, "
+                                                 "chat and bench, not of serve"),
+            # (a command's flag with its value before the command: the value was "invalid choice: '5'")
+            (["--max-new-tokens", "5", "generate", "x"], "--max-new-tokens 5; --max-new-tokens is an option of "
+                                                         "generate: give it after the command (dflash-torch generate "
+                                                         "--max-new-tokens ...)"),
+            (["--max-new-tokens", "5", "x"], "--max-new-tokens 5; --max-new-tokens is an option of generate, chat "
+                                             "and bench: give it after the command (dflash-torch generate "
+                                             "--max-new-tokens ...)"),
+            (["--steps", "3", "generate"], "--steps 3; --steps is an option of train, not of generate")):
         with pytest.raises(SystemExit) as exit:
             cli_main(args)
         assert exit.value.code == 2 and capsys.readouterr().err == \
             f"dflash-torch: error: unrecognized arguments: {unknown} (see --help)\n", args
-    for args, hint in ((["--verson"], "--verson; did you mean --version?"), (["--no-draft"], "--no-draft")):
+    for args, hint in ((["--verson"], "--verson; did you mean --version?"), (["--no-draft"], "--no-draft; --no-draft is an option of generate, chat, serve and bench: give it after "
+                                    "the command (dflash-torch generate --no-draft ...)")):
         with pytest.raises(SystemExit) as exit:  # (no command: the flag argparse took for none is named too)
             cli_main(args)
         assert exit.value.code == 2 and capsys.readouterr().err == ("dflash-torch: error: the following arguments are "
