@@ -226,6 +226,46 @@ def test_caches_of_the_default_context_that_do_not_fit_name_the_targets_context(
         in proc.stderr and proc.stderr.endswith("1.0 KiB free; lower it\n"), proc.stderr
 
 
+def test_under_an_address_space_limit_the_largest_weight_file_counts_on_top_of_the_weights(tiny_pair, monkeypatch):
+    """safetensors maps a weight file whole while it is read, so under ``ulimit -v`` weights
+    that fit the limit failed to load ("unable to mmap N bytes"): the check counts the largest
+    weight file on top of weights loaded on the CPU (alone for another device), in one line
+    naming both (trial-238, noticed). A real limit on a meta model, then a real checkpoint."""
+    resource = pytest.importorskip("resource")
+    import psutil
+
+    from dflash_torch.checkpoint import check_fits, largest_weight_file, weight_files
+    from dflash_torch.errors import DFlashError
+
+    target = tiny_pair[0]
+    assert largest_weight_file(target) == max(f.stat().st_size for f in weight_files(target)) > 0
+    with torch.device("meta"):
+        model = torch.nn.Linear(8192, 8192, bias=False)  # (256 MiB in float32, 128 MiB in bfloat16)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = psutil.Process().memory_info().vms + (400 << 20)
+    if hard != resource.RLIM_INFINITY and hard < limit:
+        pytest.skip("the hard limit is below the test's")
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        check_fits(model, torch.float32, "cpu", "target")  # (the weights alone fit)
+        check_fits(model, torch.bfloat16, "cpu", "target", mapped=256 << 20)
+        check_fits(model, torch.float32, "meta", "target", mapped=256 << 20)  # (another device: the map alone)
+        with pytest.raises(DFlashError, match=r"^the target needs 268\.4 MB for its weights in float32 and 268\.4 MB "
+                                              r"more to map its largest weight file while it is read; the address-space "
+                                              r"limit \(ulimit -v\) leaves [0-9.]+ MB$"):
+            check_fits(model, torch.float32, "cpu", "target", mapped=256 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    # (loading passes the file's size: a limit that leaves the weights and not the map refuses the checkpoint)
+    engine = DFlashEngine.from_pretrained(str(target), no_draft=True)
+    need = checkpoint.weight_bytes(engine.target, next(engine.target.parameters()).dtype)
+    monkeypatch.setattr(checkpoint, "address_space_left", lambda: need + largest_weight_file(target) - 1)
+    with pytest.raises(DFlashError, match=r"^the target needs .* more to map its largest weight file while it is read"):
+        DFlashEngine.from_pretrained(str(target), no_draft=True)
+    monkeypatch.setattr(checkpoint, "address_space_left", lambda: need + largest_weight_file(target))
+    assert DFlashEngine.from_pretrained(str(target), no_draft=True).generate("x", max_new_tokens=2).token_ids
+
+
 def test_an_address_space_limit_counts_as_less_free_memory():
     """Under ``ulimit -v`` (a soft RLIMIT_AS) a CPU tensor past the limit fails to allocate
     (torch's "DefaultCPUAllocator: can't allocate memory" traceback) however much memory is
