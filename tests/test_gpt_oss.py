@@ -74,7 +74,15 @@ def test_the_window_and_the_sinks_matter(checkpoint):
         assert (logits - ref).abs().max() > 1e-2, change
 
 
-def test_sink_attention_batched_and_chunked_equal_one_pass(monkeypatch):
+@pytest.mark.parametrize("path", ["flash", "logits"])
+def test_sink_attention_batched_and_chunked_equal_one_pass(monkeypatch, path):
+    """Both ways of sink attention (torch's CPU flash attention scaled by the rows'
+    log-sum-exp, the default on a CPU; the logits written out, elsewhere) give the
+    definition, one sequence and batched, a sequence that sees no key included."""
+    if path == "flash":
+        assert gpt_oss._FLASH_CPU is not None  # (torch >= 2.7 has it: the default on a CPU)
+    else:
+        monkeypatch.setattr(gpt_oss, "_FLASH_CPU", None)
     g = torch.Generator().manual_seed(0)
     heads, kv, d, n, tq, tk = 4, 2, 8, 3, 5, 11
     q = torch.randn(heads, n * tq, d, generator=g)
@@ -94,6 +102,21 @@ def test_sink_attention_batched_and_chunked_equal_one_pass(monkeypatch):
     assert torch.all(batched[tq:2 * tq] == 0)
     monkeypatch.setattr(gpt_oss, "_SCORES_PER_CHUNK", heads * n * tk * 2)  # two query rows a chunk
     torch.testing.assert_close(gpt_oss.sink_attend(q, k, v, bias, sinks), batched)
+
+
+def test_sink_attention_by_flash_attention_equals_the_logits_in_bfloat16():
+    """In bfloat16 at gpt-oss's head layout (8 query heads a key/value head, 64 dims) the
+    CPU flash-attention path is the logits' path within bfloat16's rounding, causal rows
+    over a cached prefix as a verify sees them."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv, d, tq, tk = 16, 2, 64, 16, 200
+    q = torch.randn(heads, tq, d, generator=g).bfloat16()
+    k, v = (torch.randn(kv, tk, d, generator=g).bfloat16() for _ in range(2))
+    causal = torch.zeros(tq, tk).masked_fill(torch.arange(tk) > torch.arange(tk - tq, tk)[:, None], float("-inf"))
+    bias, sinks = causal.repeat(heads // kv, 1), torch.randn(heads, generator=g) * 3
+    flash, logits = gpt_oss._sink_attend_flash(q, k, v, bias, sinks), gpt_oss._sink_attend_logits(q, k, v, bias, sinks)
+    assert flash.dtype == logits.dtype == torch.bfloat16 and flash.shape == (tq, heads * d)
+    torch.testing.assert_close(flash, logits, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
