@@ -150,9 +150,10 @@ def reserved_template_variables(tokenizer) -> list[str]:
 def chat_messages(messages: list | tuple) -> list[dict]:
     """Checked chat messages (see :meth:`~dflash_torch.engine.DFlashEngine.encode_prompt`), with each tool call's
     ``arguments`` JSON string parsed into a dict, a ``content`` None or absent (beside
-    ``tool_calls``) as ``""``, and an assistant's ``refusal`` (OpenAI's reply, with content
-    None) joined to its content by a newline, as the server sends them (copies; the caller's
-    are not changed).
+    ``tool_calls``) as ``""``, an assistant's ``refusal`` (OpenAI's reply, with content
+    None) joined to its content by a newline, and a ``developer`` message as ``system``
+    (OpenAI's newer name for it, which chat templates do not know: Qwen3's dropped it), as
+    the server sends them (copies; the caller's are not changed).
 
     Raises:
         DFlashError: a message that is not a dict with a string ``role`` and a string
@@ -195,6 +196,8 @@ def chat_messages(messages: list | tuple) -> list[dict]:
             m["content"] = "\n".join(t for t in (m.get("content"), refusal) if t)
         if m.get("content") is None:  # (with tool_calls: "", as the server sends it, see ChatMessage.text)
             m = {**m, "content": ""}
+        if m["role"] == "developer":  # (as the server reads it: ChatMessage.engine_message)
+            m = {**m, "role": "system"}
         if calls is None:
             out.append(m)
             continue

@@ -361,6 +361,18 @@ def test_an_assistant_messages_refusal_field_is_its_text(server, local_engine):
                               "message may hold"), err
 
 
+def test_a_developer_message_is_a_system_message_in_python_as_in_the_server(server, local_engine):
+    """OpenAI's ``developer`` role is ``system`` for the server (chat, /tokenize, Responses);
+    the Python API passed it to the chat template as it was, which renders it otherwise or
+    not at all (Qwen3's template dropped it: a different prompt without a word, trial-240)."""
+    developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "class A:"}]
+    system = [{**developer[0], "role": "system"}, developer[1]]
+    tokens = server.post("/tokenize", {"model": MODEL, "messages": developer}).json()["tokens"]
+    assert tokens == local_engine.encode_prompt(developer) == local_engine.encode_prompt(system)
+    assert "system" in local_engine.decode(tokens) and "developer" not in local_engine.decode(tokens)
+    assert developer[0]["role"] == "developer"  # (the caller's message is not changed)
+
+
 def test_seeded_sampling_reproducible(server):
     c = server.client()
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0.9, top_p=0.95,
