@@ -413,6 +413,12 @@ BAD = [  # (body fields, status, param, words of the message)
      "text.format json_object"),
     ({"text": {"format": {"type": "json_schema", "name": "a b", "schema": PERSON}}}, 400, "text.format.name", "64"),
     ({"text": {"format": {"type": "json_schema", "name": "p"}}}, 400, "text.format", "schema"),
+    # (chat completions' nesting: "needs a name and a schema", the misplaced key unnamed; trial-240)
+    ({"text": {"format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}}}, 400, "text.format",
+     "invalid value for text.format: a json_schema format is flat ({'type': 'json_schema', 'name': ..., 'schema': "
+     "...}), not nested under 'json_schema' as in chat completions"),
+    ({"text": {"format": {"type": "json_schema", "name": "p", "json_schema": PERSON}}}, 400, "text.format",
+     "not nested under 'json_schema'"),
     ({"text": {"format": {"type": "json_schema", "name": "p", "schema": {"type": "objekt"}}}}, 400, "text.format",
      "text.format"),
     ({"text": {"format": {"type": "xml"}}}, 400, "text.format.type", "json_schema"),

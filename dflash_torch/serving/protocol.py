@@ -1135,6 +1135,14 @@ class ResponsesTextFormat(BaseModel):
             raise ValueError(f"must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -, got {name[:80]!r}")
         return name
 
+    @model_validator(mode="before")
+    @classmethod
+    def _not_nested(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("json_schema"), dict) and "schema" not in data:
+            raise ValueError("a json_schema format is flat ({'type': 'json_schema', 'name': ..., 'schema': ...}), "
+                             "not nested under 'json_schema' as in chat completions")  # (trial-240)
+        return data
+
     @model_validator(mode="after")
     def _schema_given(self):
         if self.type == "json_schema" and (self.name is None or self.schema_ is None):
