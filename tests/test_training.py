@@ -879,6 +879,28 @@ def test_train_says_it_holds_the_target_in_float32_on_the_cpu_and_refuses_one_to
     assert not (tmp_path / "out").exists()
 
 
+def test_train_refuses_a_drafter_whose_training_state_does_not_fit_in_one_line(tiny_pair, tmp_path, capsys):
+    """A huge --intermediate-size was an allocator's 25-line traceback once the data was prepared (trial):
+    the drafter's float32 weights, gradients and AdamW moments (16 bytes a parameter) are counted first."""
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    args = ["train", "--target", str(target), "--data", str(text), "--out", str(tmp_path / "out"), "--steps", "3",
+            "--no-progress", "--seq-len", "64", "--batch", "2", "--num-layers", "1", "--intermediate-size", str(10 ** 9)]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    # the MLP's three 64 x 10^9 weights, the attention's (4 query heads and 2 key/value heads of 16), fc and the norms
+    n = 3 * 64 * 10 ** 9 + 2 * 64 * 64 + 2 * 64 * 32 + 64 * 64 + 4 * 64 + 2 * 16
+    assert len(err) == 1 and err[0].startswith(f"dflash-torch: error: the drafter needs 3072.0 GB to train ({n:,} parameters at 16 "
+                                               "bytes each: float32 weights, gradients and AdamW's two moments); cpu "
+                                               "has "), err
+    assert err[0].endswith("free beside the target: give a smaller --intermediate-size (now 1000000000) or "
+                           "--num-layers (now 1)"), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_training_reduces_loss_and_exports_loadable_drafter(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair
     cfg = _cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=100, self_distill=6, self_distill_batch=4,

@@ -33,7 +33,8 @@ import torch
 from safetensors import SafetensorError
 
 from ..chat_template import reserved_template_variables
-from ..checkpoint import all_finite, checkpoint_dir, load_config
+from .. import checkpoint
+from ..checkpoint import all_finite, checkpoint_dir, load_config, memory_text
 from ..cli import deferred_interrupt, interrupt_signals
 from ..errors import DFlashError
 from ..models.config import TargetConfig
@@ -308,6 +309,42 @@ def drafter_config_differences(here: dict, there: dict, init_from: bool = False,
         else:
             out[key] = f"{key} {a.get(key)!r} here, {b.get(key)!r} in the checkpoint"
     return out
+
+
+TRAINING_BYTES_PER_PARAMETER = 16
+"""Bytes a drafter parameter takes while it trains: its float32 weight, its float32 gradient
+and AdamW's two float32 moments."""
+
+
+def check_drafter_fits(dcfg: DrafterConfig, cfg: TrainConfig) -> None:
+    """Refuse, in one line, a drafter of ``dcfg`` whose training state
+    (:data:`TRAINING_BYTES_PER_PARAMETER` bytes a parameter, counted on a meta-device build)
+    exceeds what :func:`~dflash_torch.checkpoint.available_memory` leaves on the CPU now, the
+    target already loaded: it failed with an allocator's traceback once the data was prepared.
+    The line names the figures and the options that set the size (``--intermediate-size`` and
+    ``--num-layers``; with ``--init-from``, that drafter, whose shape it is).
+
+    Raises:
+        DFlashError: ``the drafter needs 3.1 TB to train (192,004,096 parameters at 16 bytes
+            each: ...); cpu has 12.3 GB free beside the target: ...``.
+    """
+    with torch.device("meta"):
+        model = drafter_class(dcfg)(dcfg)
+    n = sum(p.numel() for p in model.parameters())
+    need = n * TRAINING_BYTES_PER_PARAMETER
+    free = checkpoint.available_memory("cpu")
+    if free is None or need <= free:
+        return
+    if cfg.init_from:
+        fix = (f"its shape is the --init-from drafter's ({cfg.init_from}): start from a smaller drafter, or train "
+               "one from scratch with --num-layers and --intermediate-size")
+    else:
+        width = f"now {dcfg.intermediate_size}" if cfg.intermediate_size is not None else \
+            f"the default, the target's {dcfg.intermediate_size}"
+        fix = f"give a smaller --intermediate-size ({width}) or --num-layers (now {dcfg.num_hidden_layers})"
+    raise DFlashError(f"the drafter needs {memory_text(need)} to train ({n:,} parameters at "
+                      f"{TRAINING_BYTES_PER_PARAMETER} bytes each: float32 weights, gradients and AdamW's two moments); "
+                      f"cpu has {memory_text(free)} free beside the target: {fix}")
 
 
 def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None) -> tuple[DFlashDrafter, DrafterConfig]:
@@ -973,6 +1010,8 @@ class Trainer:
             if differ:
                 raise DFlashError(f"--resume: {ckpt_path} was trained with another drafter configuration: "
                                   f"{'; '.join(differ.values())} (give the checkpoint's values to continue it, {tail})")
+        # (before the data is prepared: a drafter too big failed with an allocator's traceback once it was built)
+        check_drafter_fits(dcfg, cfg)
         gamma = cfg.gamma or default_gamma(dcfg.block_size)
         extra = f", DFlash 2 modules {dcfg.dflash2}" if dcfg.dflash2 else ""
         self.log(f"drafter: {dcfg.num_hidden_layers} layers, B={dcfg.block_size}, target_layer_ids={dcfg.target_layer_ids}, "
