@@ -1202,6 +1202,10 @@ REFUSED_TRAIN_OPTIONS = {
     "out-under-a-file": "cannot use --out ",
     # (an argument of the template call itself, as generate/chat/serve refuse it)
     "template-kwargs-reserved": "--chat-template-kwargs cannot set add_generation_prompt",
+    # (the checks the Python API shares: their fields named as flags)
+    "gamma-0": "--gamma must be a finite number > 0, got 0.0",
+    "anchors-per-seq-0": "--anchors-per-seq must be >= 1, got 0",
+    "threads-0": "--threads must be an integer from 1 to the CPUs this process may use",
 }
 
 
@@ -1272,6 +1276,12 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
         args[args.index("--out") + 1] = str(tmp_path / "afile" / "sub")
     elif case == "template-kwargs-reserved":
         args += ["--chat-template-kwargs", '{"add_generation_prompt": false}']
+    elif case == "gamma-0":
+        args += ["--gamma", "0"]
+    elif case == "anchors-per-seq-0":
+        args += ["--anchors-per-seq", "0"]
+    elif case == "threads-0":
+        args += ["--threads", "0"]
     else:
         args += ["--save-dtype", "float16"]
     target_files = {p.name: p.read_bytes() for p in Path(target).iterdir() if p.is_file()}
@@ -1282,6 +1292,57 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
     if case == "out-holds-drafter":  # and --overwrite is the way through
         assert cli_main(args + ["--overwrite", "--batch", "2", "--seq-len", "64", "--val-seqs", "0"]) == 0
         assert (out / "model.safetensors").stat().st_mode & 0o644 == 0o644
+
+
+# TrainConfig fields the Python API took unchecked (trial): what each did, and the line now
+API_REFUSALS = {
+    "gamma-0": ({"gamma": 0.0}, "gamma must be a finite number > 0, got 0.0"),  # (trained with gamma 7, unsaid)
+    "gamma-nan": ({"gamma": float("nan")}, "gamma must be a finite number > 0, got nan"),  # ("diverged ... lower --lr")
+    "steps-0": ({"steps": 0}, "steps must be >= 1, got 0"),  # (exported an untrained drafter, unsaid)
+    "batch-0": ({"batch": 0}, "batch must be >= 1, got 0"),  # (an AttributeError)
+    "anchors-0": ({"anchors_per_seq": 0}, "anchors_per_seq must be >= 1, got 0"),  # (a RuntimeError of reshape)
+    "log-every-0": ({"log_every": 0}, "log_every must be >= 1, got 0"),  # (a ZeroDivisionError)
+    "batch-float": ({"batch": 2.5}, "batch must be an integer >= 1, got 2.5"),
+    "no-stop": ({"steps": None}, "give steps, time_budget_min, or both"),
+    "no-data": ({"data": []}, "data must name at least one path (a text or data file, a directory)"),
+    "init-from-and-shape": ({"init_from": "d", "intermediate_size": 64},
+                            "intermediate_size cannot be combined with init_from (the drafter's shape and weights come "
+                            "from it)"),
+    "seq-len-within-block": ({"seq_len": 8}, "seq_len (8) must be longer than the block size (8)"),
+    "min-lr-frac": ({"min_lr_frac": 2.0}, "min_lr_frac must be in [0, 1], got 2.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(API_REFUSALS))
+def test_the_python_api_refuses_what_the_command_line_does(tiny_pair, tmp_path, case):
+    """TrainConfig + Trainer.run check the values the train command checks (shared, check_config),
+    naming the field, before anything is read or written."""
+    from dflash_torch.errors import OptionError
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    fields, words = API_REFUSALS[case]
+    cfg = replace(_cfg(tmp_path, target, text, steps=2, val_seqs=0), **fields)
+    with pytest.raises(OptionError) as err:
+        Trainer(cfg, log=lambda m: None).run()
+    assert str(err.value) == words and err.value.name in fields, err.value
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
+def test_the_python_api_takes_one_data_path_as_a_list_of_it_and_paths_as_paths(tiny_pair, tmp_path):
+    """data="code.txt" was read letter by letter ("training data c does not exist"); an out given
+    as a Path failed the export's training_log.json after training; a gamma given is the one used."""
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    cfg = replace(_cfg(tmp_path, target, text, steps=2, val_seqs=0, gamma=0.5), data=str(text), out=tmp_path / "out",
+                  target=target)
+    assert cfg.data == [str(text)] and cfg.out == str(tmp_path / "out") and cfg.target == str(target)
+    info = Trainer(cfg, log=lambda m: None).run()
+    assert info["gamma"] == 0.5 and info["config"]["data"] == [str(text)]
+    assert json.loads((tmp_path / "out" / "training_log.json").read_text())["steps"] == 2
+    assert TrainConfig(target="t", data=tmp_path / "d", out="o").data == [str(tmp_path / "d")]
 
 
 # Qwen3's non-thinking mode, in short: an empty think block opens every reply and the generation prompt
@@ -2415,7 +2476,8 @@ def test_a_stopped_run_removes_no_file_another_run_wrote_into_a_directory_it_mad
     monkeypatch.setattr(trainer, "check_data_size", check)
     (tmp_path / "own").mkdir()
     for extra in (["--out", str(tmp_path / "own")], ["--out", str(tmp_path / "x"), "--work-dir", str(tmp_path / "own")]):
-        args_own = ["train", "--target", str(target), "--data", str(tmp_path / "own"), *extra, "--no-progress"]
+        args_own = ["train", "--target", str(target), "--data", str(tmp_path / "own"), *extra, "--steps", "1",
+                    "--no-progress"]  # (without --steps or --time-budget-min: refused for that first)
         assert cli_main(args_own) == 2
         err = capsys.readouterr().err.strip().splitlines()
         name = "--out" if extra[1].endswith("own") else "--work-dir"
@@ -2460,10 +2522,15 @@ def test_self_distill_draws_no_progress_bar_when_told_not_to(tiny_pair, capsys):
 
 
 @pytest.mark.parametrize("lr,steps", [(1e38, 3), (float("inf"), 1)], ids=["optimizer-overflow", "weights-not-finite"])
-def test_a_learning_rate_that_blows_the_weights_up_is_an_error_not_a_saved_drafter(tiny_pair, tmp_path, lr, steps):
+def test_a_learning_rate_that_blows_the_weights_up_is_an_error_not_a_saved_drafter(tiny_pair, tmp_path, lr, steps,
+                                                                                      monkeypatch):
     """--lr 1e38: Adam's update overflowed in a RuntimeError traceback; an infinite lr (the
     command line now refuses it) made the weights NaN in the last step and the drafter was
     saved (exit 0)."""
+    import dflash_torch.training.trainer as trainer
+
+    if lr == float("inf"):  # (refused by check_config now, the Python API's too: past it, the check of the weights)
+        monkeypatch.setattr(trainer, "check_config", lambda cfg: None)
     target, _ = tiny_pair
     cfg = _cfg(tmp_path, target, _jsonl(tmp_path / "d.jsonl"), lr=lr, steps=steps, warmup_steps=0, val_seqs=0)
     with pytest.raises(DFlashError, match=r"training diverged (at|by) step \d") as err:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import tempfile
 from pathlib import Path
@@ -12,8 +11,7 @@ from pathlib import Path
 from ..checkpoint import resolve_model_dir
 from ..cli import add_chat_template_kwargs_arg, path_arg
 from ..errors import DFlashError
-from ..options import check_threads, resolve_dtype
-from .trainer import ARCHS, CHECKPOINT, STALE_WEIGHTS, TrainConfig, Trainer, foreign_checkpoint
+from .trainer import ARCHS, CHECKPOINT, STALE_WEIGHTS, TrainConfig, Trainer, check_config, foreign_checkpoint
 
 # the drafter's shape: with --init-from it comes from the source drafter
 SHAPE_OPTIONS = {"num_layers": "--num-layers", "block_size": "--block-size", "target_layer_ids": "--target-layer-ids",
@@ -117,45 +115,21 @@ DFLASH2_OPTIONS = ("selector_loss_weight", "conv_kernel_size", "conv_group_size"
 
 
 def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
-    """Refuse option values that cannot train anything, with one line."""
-    if args.init_from is not None:
-        given = [flag for key, flag in SHAPE_OPTIONS.items() if getattr(args, key) is not None]
-        if args.init_from_target:
-            given.append("--init-from-target")
+    """Refuse option values that cannot train anything, with one line: those :func:`check_config`
+    refuses of any :class:`TrainConfig` (shared with the Python API), and those only the command
+    line can tell, where the flags were given (a TrainConfig holds their defaults), or that are
+    about its directories."""
+    if args.init_from is not None:  # (check_config names the others: None where not given)
+        given = [flag for key, flag in SHAPE_OPTIONS.items() if key in ("num_layers", "block_size")
+                 and getattr(args, key) is not None]
         if given:
             raise DFlashError(f"{given[0]} cannot be combined with --init-from (the drafter's shape and weights come from it)")
-    weight = args.selector_loss_weight  # (nan and inf passed: the run then failed as a divergence that blamed --lr)
-    if weight is not None and not (weight >= 0 and math.isfinite(weight)):
-        raise DFlashError(f"--selector-loss-weight must be a finite number >= 0, got {weight}")
     if args.arch != "dflash2":  # (they were silently ignored)
         for key in DFLASH2_OPTIONS:
             if getattr(args, key) is not None:
                 raise DFlashError(f"--{key.replace('_', '-')} is an option of DFlash 2 drafters (--arch dflash2); "
                                   f"this run trains a {args.arch} drafter")
-    positive = {"--batch": args.batch, "--seq-len": args.seq_len, "--anchors-per-seq": args.anchors_per_seq,
-                "--num-layers": cfg.num_layers, "--eval-every": args.eval_every, "--ckpt-every": args.ckpt_every,
-                "--self-distill-batch": args.self_distill_batch, "--prefix-min": cfg.prefix_min,
-                "--prefix-max": cfg.prefix_max}
-    for name, value in {"--steps": args.steps, "--intermediate-size": args.intermediate_size}.items():
-        if value is not None:  # (an --intermediate-size of 0 read as "the target's width")
-            positive[name] = value
-    for name, value in positive.items():
-        if value < 1:
-            raise DFlashError(f"{name} must be >= 1, got {value}")
-    if args.num_threads is not None:
-        check_threads(args.num_threads, "--threads")
-    # (inf and NaN passed these checks: --lr inf saved a drafter of NaN weights with exit 0)
-    for name, value in {"--lr": args.lr, "--time-budget-min": args.time_budget_min, "--gamma": args.gamma,
-                        "--grad-clip": args.grad_clip}.items():
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise DFlashError(f"{name} must be a finite number > 0, got {value}")
-    for name, value in {"--weight-decay": args.weight_decay, "--warmup-steps": args.warmup_steps,
-                        "--val-seqs": args.val_seqs, "--self-distill": args.self_distill}.items():
-        if not (value >= 0 and math.isfinite(value)):
-            raise DFlashError(f"{name} must be {'a finite number' if isinstance(value, float) else 'an integer'} "
-                              f">= 0, got {value}")
-    if cfg.prefix_min > cfg.prefix_max:
-        raise DFlashError(f"--prefix-min ({cfg.prefix_min}) must be <= --prefix-max ({cfg.prefix_max})")
+    check_config(cfg)
     room = args.seq_len - 16  # (a self-distill prompt leaves 16 tokens of --seq-len at least to the continuation)
     for name, value in {"--prefix-min": args.prefix_min, "--prefix-max": args.prefix_max}.items():
         if args.self_distill and value is not None and value > room:  # (given: it was cut to that, unsaid)
@@ -163,8 +137,6 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
                               f"({room} tokens, leaving 16 to the continuation): give at most {room}, or a longer --seq-len")
     if args.resume and args.overwrite:  # (it resumed, unsaid)
         raise DFlashError("--resume continues the checkpoint in the work dir and --overwrite starts over: give one of them")
-    if not 0 <= args.raw_fraction <= 1:
-        raise DFlashError(f"--raw-fraction must be in [0, 1], got {args.raw_fraction}")
     for name, path, given in (("--out", Path(args.out), True), ("--work-dir", cfg.work_path(), args.work_dir is not None)):
         try:  # (one it may not list or enter was a PermissionError traceback from looking into it below)
             if path.is_dir():
@@ -173,9 +145,6 @@ def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
                 raise DFlashError(f"{name} {path} is a file; give a directory")
         except OSError as exc:
             raise DFlashError(f"cannot use {name} {path} as a directory: {exc.strerror or exc}") from None
-    if args.init_from is None and args.seq_len <= cfg.block_size:
-        raise DFlashError(f"--seq-len ({args.seq_len}) must be longer than the block size ({cfg.block_size})")
-    resolve_dtype(args.save_dtype, "--save-dtype")
     out = Path(args.out)
     # (a cached id's snapshot too: the drafter was written through its links into the blobs; the work dir's
     # checkpoint.pt and data caches were written into the target's directory, or a directory in it)

@@ -66,7 +66,11 @@ RECIPE = ("data", "batch", "seq_len", "anchors_per_seq", "lr", "min_lr_frac", "w
 
 @dataclass
 class TrainConfig:
-    """Every setting of a training run (the CLI flags, one to one)."""
+    """Every setting of a training run (the CLI flags, one to one: ``gamma`` is ``--gamma``,
+    ``num_threads`` ``--threads``). ``data`` is a list of paths; one path (a ``str`` or
+    ``os.PathLike``) is taken as a list of it, and paths given as ``os.PathLike`` are kept as
+    ``str`` (as the checkpoint and ``training_log.json`` record them). The values are checked
+    by :func:`check_config` when :meth:`Trainer.run` starts."""
 
     target: str
     data: list[str]
@@ -113,6 +117,15 @@ class TrainConfig:
     selector_top_k: int = 16
     chat_template_kwargs: dict | None = None  # extra chat template variables for the chat data and self-distill prompts
 
+    def __post_init__(self):
+        if isinstance(self.data, (str, os.PathLike)):  # (a str was read as a list of one-letter paths: trial)
+            self.data = [self.data]
+        if isinstance(self.data, (list, tuple)):
+            self.data = [os.fspath(p) if isinstance(p, os.PathLike) else p for p in self.data]
+        for key in ("target", "out", "work_dir", "init_from"):  # (a Path failed the export's json.dumps after training)
+            if isinstance(getattr(self, key), os.PathLike):
+                setattr(self, key, os.fspath(getattr(self, key)))
+
     def work_path(self) -> Path:
         return Path(self.work_dir) if self.work_dir else Path(self.out) / "train_work"
 
@@ -120,6 +133,98 @@ class TrainConfig:
         """The directories this run writes (``--out``, the work dir): left out of a ``--data``
         directory that holds them, lest a later run train on the drafter's own files."""
         return [Path(self.out), self.work_path()]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Refuse settings of ``cfg`` that cannot train anything, before anything is read or
+    loaded: the checks ``dflash-torch train`` makes of its flags and :meth:`Trainer.run` of a
+    :class:`TrainConfig` alike (the Python API skipped them: ``gamma=0.0`` trained with the
+    default gamma, ``steps=0`` exported an untrained drafter, ``batch=0`` was an
+    AttributeError). Messages name the field (``gamma must be a finite number > 0, got
+    0.0``), which the command line shows as its flag (``--gamma``).
+
+    Counts (``batch``, ``seq_len``, ``anchors_per_seq``, ``num_layers``, ``eval_every``,
+    ``ckpt_every``, ``log_every``, ``self_distill_batch``, ``prefix_min``, ``prefix_max``,
+    ``steps`` and ``intermediate_size`` where given, the DFlash 2 sizes) must be integers
+    >= 1, ``block_size`` one >= 2; ``warmup_steps``, ``val_seqs`` and ``self_distill``
+    integers >= 0; ``lr``, ``grad_clip``, and ``gamma`` and ``time_budget_min`` where given
+    finite numbers > 0; ``weight_decay`` and ``selector_loss_weight`` finite numbers >= 0;
+    ``raw_fraction`` and ``min_lr_frac`` in [0, 1].
+
+    Raises:
+        OptionError: the first setting that fails, naming it (and the others it is weighed
+            against: ``prefix_min (10) must be <= prefix_max (5)``): also no ``steps`` nor
+            ``time_budget_min``, no ``data`` path, an unknown ``arch`` or ``save_dtype``,
+            ``num_threads`` beyond the CPUs this process may use, ``init_from`` with a
+            shape setting or ``init_from_target``, or without ``init_from`` a ``seq_len`` not
+            longer than ``block_size``.
+    """
+    from ..errors import OptionError, shown
+    from ..options import check_choice, check_threads, resolve_dtype
+
+    data = cfg.data
+    if not isinstance(data, (list, tuple)) or not all(isinstance(p, str) for p in data):
+        raise OptionError(f"data must be a path or a list of paths (text or data files, directories), got "
+                          f"{shown(data)}", "data")
+    if not data:
+        raise OptionError("data must name at least one path (a text or data file, a directory)", "data")
+    check_choice(cfg.arch, ARCHS, "arch")
+    if cfg.init_from is not None:  # (the drafter's shape and weights come from it)
+        for key in ("init_from_target", "target_layer_ids", "intermediate_size", "mask_token_id"):
+            if getattr(cfg, key) not in (None, False):
+                raise OptionError(f"{key} cannot be combined with init_from (the drafter's shape and weights come "
+                                  "from it)", key, "init_from")
+    counts = ["batch", "seq_len", "anchors_per_seq", "num_layers", "eval_every", "ckpt_every",
+              "log_every", "self_distill_batch", "prefix_min", "prefix_max"]
+    counts += [k for k in ("steps", "intermediate_size") if getattr(cfg, k) is not None]  # (0 read as "not given")
+    if cfg.arch == "dflash2":
+        counts += ["conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"]
+    for key in counts:
+        value = getattr(cfg, key)
+        if not _is_int(value):
+            raise OptionError(f"{key} must be an integer >= 1, got {shown(value)}", key)
+        if value < 1:
+            raise OptionError(f"{key} must be >= 1, got {value}", key)
+    if not _is_int(cfg.block_size):  # (with init_from unused, as the other shape settings)
+        raise OptionError(f"block_size must be an integer >= 2, got {shown(cfg.block_size)}", "block_size")
+    if cfg.block_size < 2:
+        raise OptionError(f"block_size must be >= 2, got {cfg.block_size}", "block_size")
+    for key in ("warmup_steps", "val_seqs", "self_distill"):
+        value = getattr(cfg, key)
+        if not (_is_int(value) and value >= 0):
+            raise OptionError(f"{key} must be an integer >= 0, got {shown(value)}", key)
+    if cfg.num_threads is not None:
+        check_threads(cfg.num_threads, "num_threads")
+    # (inf and NaN passed: an lr of inf saved a drafter of NaN weights; a gamma of NaN failed as a divergence that
+    # blamed the lr, and one of 0 trained with the default)
+    for key in ("lr", "time_budget_min", "gamma", "grad_clip"):
+        value = getattr(cfg, key)
+        if value is not None and not (_is_number(value) and value > 0 and math.isfinite(value)):
+            raise OptionError(f"{key} must be a finite number > 0, got {shown(value)}", key)
+    for key in ("weight_decay", "selector_loss_weight"):
+        value = getattr(cfg, key)
+        if not (_is_number(value) and value >= 0 and math.isfinite(value)):
+            raise OptionError(f"{key} must be a finite number >= 0, got {shown(value)}", key)
+    for key in ("raw_fraction", "min_lr_frac"):
+        value = getattr(cfg, key)
+        if not (_is_number(value) and 0 <= value <= 1):
+            raise OptionError(f"{key} must be in [0, 1], got {shown(value)}", key)
+    if cfg.prefix_min > cfg.prefix_max:
+        raise OptionError(f"prefix_min ({cfg.prefix_min}) must be <= prefix_max ({cfg.prefix_max})",
+                          "prefix_min", "prefix_max")
+    if cfg.init_from is None and cfg.seq_len <= cfg.block_size:
+        raise OptionError(f"seq_len ({cfg.seq_len}) must be longer than the block size ({cfg.block_size})", "seq_len")
+    resolve_dtype(cfg.save_dtype, "save_dtype")
+    if cfg.steps is None and cfg.time_budget_min is None:  # (last: a value given wrong is said first)
+        raise OptionError("give steps, time_budget_min, or both", "steps", "time_budget_min")
 
 
 def resolve_mask_token_id(tokenizer, vocab_size: int, override: int | None) -> tuple[int, str]:
@@ -891,8 +996,7 @@ class Trainer:
     def _run(self) -> dict:
         cfg = self.cfg
         t_start = time.time()
-        if cfg.steps is None and cfg.time_budget_min is None:
-            raise DFlashError("give --steps, --time-budget-min, or both")
+        check_config(cfg)  # (the Python API's TrainConfig too: the command line's checks, shared)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
@@ -1012,7 +1116,7 @@ class Trainer:
                                   f"{'; '.join(differ.values())} (give the checkpoint's values to continue it, {tail})")
         # (before the data is prepared: a drafter too big failed with an allocator's traceback once it was built)
         check_drafter_fits(dcfg, cfg)
-        gamma = cfg.gamma or default_gamma(dcfg.block_size)
+        gamma = default_gamma(dcfg.block_size) if cfg.gamma is None else cfg.gamma
         extra = f", DFlash 2 modules {dcfg.dflash2}" if dcfg.dflash2 else ""
         self.log(f"drafter: {dcfg.num_hidden_layers} layers, B={dcfg.block_size}, target_layer_ids={dcfg.target_layer_ids}, "
                  f"mask_token_id={dcfg.mask_token_id} ({how}), gamma={gamma:g}{extra}")
