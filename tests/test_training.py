@@ -855,6 +855,27 @@ def test_train_help_says_what_a_directory_makes_of_a_json_file_that_is_not_recor
     assert "but a .jsonl file, or a .json file of records, is data and is refused where it is not valid" in help_
 
 
+def test_prefix_min_help_says_a_text_prompt_may_be_half_as_long(tiny_pair, capsys):
+    """--prefix-min was "shortest self-distill prompt", but a text prompt is cut back to a line end
+    and kept down to prefix_min // 2 tokens (trial: 22 of 64 prompts of 10-13 tokens at --prefix-min
+    16): the help says what the code does."""
+    import random
+
+    from dflash_torch.cli import main as cli_main
+    from dflash_torch.training.distill import text_prompts
+
+    target, _ = tiny_pair
+    lengths = [len(p) for p in text_prompts(_tok(target), corpus_texts(20_000), 64, 16, 32, random.Random(0))]
+    assert len(lengths) == 64 and min(lengths) >= 8 and any(n < 16 for n in lengths), lengths
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    help_ = " ".join(capsys.readouterr().out.split())
+    assert ("--prefix-min PREFIX_MIN shortest length drawn for a self-distill text prompt (tokens, default 32; at most "
+            "--seq-len - 16): each is drawn from --prefix-min to --prefix-max tokens from a line start, then cut back "
+            "to its last line end, and kept where at least half --prefix-min tokens remain, so a prompt may be as short "
+            "as --prefix-min / 2") in help_, help_
+
+
 def test_train_says_it_holds_the_target_in_float32_on_the_cpu_and_refuses_one_too_big(tiny_pair, tmp_path, capsys,
                                                                                          monkeypatch):
     """train loads the target in float32 on the CPU, which neither --help nor the refusal of a

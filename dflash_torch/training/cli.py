@@ -91,11 +91,14 @@ def register(sub) -> None:
     p.add_argument("--self-distill-batch", type=int, default=d["self_distill_batch"].default,
                    help=f"prompts the target continues at once (default {d['self_distill_batch'].default})")
     p.add_argument("--prefix-min", type=int, default=None,
-                   help=f"shortest self-distill prompt (tokens, default {d['prefix_min'].default}; "
-                        "at most --seq-len - 16)")
+                   help=f"shortest length drawn for a self-distill text prompt (tokens, default {d['prefix_min'].default}; "
+                        "at most --seq-len - 16): each is drawn from --prefix-min to --prefix-max tokens from a line "
+                        "start, then cut back to its last line end, and kept where at least half --prefix-min tokens "
+                        "remain, so a prompt may be as short as --prefix-min / 2 (a chat prompt is its conversation "
+                        "up to the last reply, whatever these)")
     p.add_argument("--prefix-max", type=int, default=None,
-                   help=f"longest self-distill prompt (tokens, default {d['prefix_max'].default}, or --seq-len - 16 "
-                        "where that is less)")
+                   help=f"longest length drawn for a self-distill text prompt (tokens, default {d['prefix_max'].default}, "
+                        "or --seq-len - 16 where that is less)")
     add_chat_template_kwargs_arg(p, "for rendering the chat data and the self-distill prompts taken from it")
     p.add_argument("--raw-fraction", type=float, default=d["raw_fraction"].default,
                    help="share of batch rows from the raw corpus when examples exist (default 0.25)")

@@ -2,9 +2,10 @@
 greedy output, so the drafter learns to predict what the target will actually say.
 
 Prompts come from the training data only: chat conversations (everything before the
-last assistant turn) and prefixes of text documents (a random line start, 
-``prefix_min..prefix_max`` tokens, cut back to a line end). The target then extends
-each prompt greedily up to ``seq_len`` tokens in total.
+last assistant turn) and prefixes of text documents (from a random line start, a length
+drawn from ``prefix_min..prefix_max`` tokens, cut back to a line end: as short as
+``prefix_min // 2`` tokens, :func:`text_prompts`). The target then extends each prompt
+greedily up to ``seq_len`` tokens in total.
 
 Generation is batched with the target's Hugging Face model class (``transformers``,
 left padding, KV cache); this is data preparation, not the inference path, which
@@ -25,7 +26,13 @@ from .data import Corpus, Example, chat_prompt
 
 
 def text_prompts(tokenizer, documents: list[str], n: int, prefix_min: int, prefix_max: int, rng: random.Random) -> list[list[int]]:
-    """``n`` prompts cut from random line starts of ``documents`` (picked by length)."""
+    """Up to ``n`` prompts (token ids) cut from random line starts of ``documents`` (picked by
+    length): from each start a length is drawn from ``prefix_min..prefix_max`` tokens, the
+    text of that many tokens is cut back to its last line end (where it holds one after its
+    first character), and the prompt is kept where it has at least ``max(1, prefix_min // 2)``
+    tokens and some non-blank text: a prompt has ``max(1, prefix_min // 2)`` tokens at least and
+    about ``prefix_max`` at most (the cut text encoded again, with any special token the
+    tokenizer adds in front). Fewer than ``n`` come back where ``20 * n`` draws do not find them."""
     docs = [d for d in documents if d.strip()]
     if not docs or n <= 0:
         return []
@@ -114,9 +121,10 @@ def distill_prompts(tokenizer, corpus: Corpus, n: int, seq_len: int, *, prefix_m
     Chat prompts (everything before a conversation's last assistant turn) are drawn in
     proportion to the conversations' share of the corpus and kept when shorter than
     ``seq_len - 16`` tokens (rendered with the extra chat template variables
-    ``template_kwargs``); text prompts are cut by :func:`text_prompts` from
-    ``prefix_min..prefix_max`` tokens (at most ``seq_len - 16``). Fewer than ``n`` come
-    back when the data is too short to cut them.
+    ``template_kwargs``); text prompts are cut by :func:`text_prompts` from a length drawn
+    from ``prefix_min..prefix_max`` tokens (at most ``seq_len - 16``), cut back to a line end:
+    ``prefix_min // 2`` tokens at least. Fewer than ``n`` come back when the data is too short
+    to cut them.
     """
     rng = random.Random(seed)
     prefix_max = min(prefix_max, seq_len - 16)
