@@ -3316,8 +3316,16 @@ def test_resuming_an_init_from_run_says_neither_a_reset_nor_flags_never_given(ti
     drafter = save_drafter(tmp_path / "d1", drafter_config(target, num_layers=1, block_size=8))
     work, args = _one_step_run(target, tmp_path)
     args = args[:args.index("--block-size")] + ["--init-from", str(drafter), "--no-progress"]
+    # (a drafter for another hidden size: "incompatible pair: drafter hidden_size 32 != ..." named no flag)
+    other = save_drafter(tmp_path / "d32", replace(drafter_config(target, num_layers=1), hidden_size=32))
+    assert cli_main([*args[:-3], "--init-from", str(other), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"dflash-torch: error: --init-from {other} does not fit the target (incompatible pair: drafter hidden_size 32 "
+        "!= target hidden_size 64)"]
     assert cli_main(args) == 0
     assert f"init: weights of {drafter}" in capsys.readouterr().err
+    # (its source has none: the export had none, where a fresh run's drafter has the target's)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["max_position_embeddings"] == 1024
     assert cli_main([*args, "--steps", "2", "--resume"]) == 0
     err = capsys.readouterr().err
     assert "resume: step 1," in err and "init: weights" not in err, err
@@ -3329,3 +3337,12 @@ def test_resuming_an_init_from_run_says_neither_a_reset_nor_flags_never_given(ti
                            "checkpoint") and "--num-layers" not in said, said
     assert said.endswith(f": its run started with --init-from {drafter}, which set it; pass --init-from {drafter} "
                          "again to continue it, or leave out --resume and pass --overwrite to start over"), said
+    assert "max_position_embeddings" not in said, said  # (it was named, "1024 here, None in the checkpoint")
+    # a checkpoint of such a run saved without it (before it was filled in) resumes with --init-from as before
+    st = torch.load(work / "checkpoint.pt", weights_only=True)
+    del st["drafter_config"]["max_position_embeddings"]
+    torch.save(st, work / "checkpoint.pt")
+    assert cli_main([*args, "--steps", "3", "--resume"]) == 0, capsys.readouterr().err
+    assert cli_main([*plain, "--steps", "4", "--resume"]) == 2
+    assert "max_position_embeddings" not in capsys.readouterr().err
+

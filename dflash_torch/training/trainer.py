@@ -381,7 +381,9 @@ def drafter_config_differences(here: dict, there: dict, init_from: bool = False,
     target's, or with ``init_from`` the ``--init-from`` drafter's, shape). ``derived`` maps
     the keys whose flag this run was not given to ``(name, origin)``: their text names where
     this run's value came from instead (``target layers 1,3 here (the default of --num-layers
-    2; --target-layer-ids not given), 3 in the checkpoint``)."""
+    2; --target-layer-ids not given), 3 in the checkpoint``). ``max_position_embeddings`` is
+    compared only where both dicts have one (a drafter whose RoPE reads it has one; an
+    ``--init-from`` run's drafter lacked it where its source did)."""
     def flat(d: dict) -> dict:
         out = {k: v for k, v in d.items() if k != "dflash_config"}
         out.update(d.get("dflash_config") or {})
@@ -393,6 +395,10 @@ def drafter_config_differences(here: dict, there: dict, init_from: bool = False,
     a, b = flat(here), flat(there)
     # (use_sliding_window follows the windows, which are compared: a checkpoint saved before it was written lacks it)
     a.pop("use_sliding_window", None), b.pop("use_sliding_window", None)
+    if a.get("max_position_embeddings") is None or b.get("max_position_embeddings") is None:
+        # (an --init-from run's drafter lacked it where its source did: the RoPE then reads none, and a resume named
+        # "max_position_embeddings 4096 here, None in the checkpoint" beside the settings that differ)
+        a.pop("max_position_embeddings", None), b.pop("max_position_embeddings", None)
     skip = {"layer_types"} if a.get("num_hidden_layers") != b.get("num_hidden_layers") else set()  # (one per layer)
     if a.get("architectures") != b.get("architectures"):  # (the DFlash 2 keys of one side only)
         skip |= a.keys() ^ b.keys()
@@ -474,14 +480,20 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None
     if src_cfg.laguna is not None:  # (its aux norms, output gate and context input norm: not this trainer's format)
         raise DFlashError(f"--init-from {cfg.init_from} is a Laguna DFlash drafter; dflash-torch trains "
                           "DFlash-format drafters (initialize from one of those, or train from scratch)")
-    validate_pair(target_cfg, src_cfg)
+    try:
+        validate_pair(target_cfg, src_cfg)
+    except DFlashError as exc:  # (it said only "incompatible pair: drafter hidden_size 256 != ...", no flag named)
+        raise DFlashError(f"--init-from {cfg.init_from} does not fit the target ({exc})") from None
     if src_cfg.dflash2 is not None and cfg.arch != "dflash2":
         raise DFlashError(f"--init-from {cfg.init_from} is a DFlash 2 drafter; train it with --arch dflash2")
     source = DFlashDrafter.from_pretrained(src_dir, torch.float32, config=raw, parsed=src_cfg)
     if source.config.own_embedding or source.config.own_lm_head:  # (this trainer's drafters read the target's)
         raise DFlashError(f"--init-from {cfg.init_from} ships its own embedding table / LM head; dflash-torch trains "
                           "drafters that read the target's (initialize from one without, or train from scratch)")
-    dcfg = replace(src_cfg, vocab_size=target_cfg.vocab_size, num_target_layers=target_cfg.num_hidden_layers)
+    # (a source without max_position_embeddings takes the target's, as a fresh run's drafter does: its export lacked
+    # it, and a resume then named it beside the settings that differ; where the source's RoPE reads it, it has one)
+    dcfg = replace(src_cfg, vocab_size=target_cfg.vocab_size, num_target_layers=target_cfg.num_hidden_layers,
+                   max_position_embeddings=src_cfg.max_position_embeddings or target_cfg.max_position_embeddings)
     if src_cfg.dflash2 is None:
         dcfg.dflash2 = dflash2_settings(cfg, target_cfg.hidden_size, target_cfg.vocab_size)
     return source, dcfg
