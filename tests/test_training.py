@@ -3346,3 +3346,30 @@ def test_resuming_an_init_from_run_says_neither_a_reset_nor_flags_never_given(ti
     assert cli_main([*plain, "--steps", "4", "--resume"]) == 2
     assert "max_position_embeddings" not in capsys.readouterr().err
 
+
+def test_init_from_target_given_or_left_out_on_resume_is_warned(tiny_pair, tmp_path, capsys):
+    """--init-from-target given or dropped on --resume was ignored unsaid (a changed --lr is warned):
+    it sets the weights a run starts from, which a resumed run takes from the checkpoint."""
+    import dflash_torch.cli as cli
+
+    target, _ = tiny_pair
+    work, args = _one_step_run(target, tmp_path)
+    assert cli.main([*args, "--init-from-target"]) == 0
+    capsys.readouterr()
+    assert cli.main([*args, "--steps", "2", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert ("resume: WARNING: --init-from-target left out (was given): it sets the weights a run starts from, and a "
+            "resumed run goes on from the checkpoint's; it changes nothing here") in err, err
+    assert "init: --init-from-target" not in err and "recipe differs" not in err
+    log = json.loads((tmp_path / "out" / "training_log.json").read_text())
+    assert log["steps"] == 2 and log["config"]["init_from_target"] is True  # (how the drafter started)
+    assert cli.main([*args, "--steps", "3", "--resume", "--init-from-target"]) == 0
+    assert "WARNING" not in capsys.readouterr().err
+    shutil.rmtree(work), shutil.rmtree(tmp_path / "out")
+    work.mkdir()
+    assert cli.main(args) == 0
+    capsys.readouterr()
+    assert cli.main([*args, "--steps", "2", "--resume", "--init-from-target"]) == 0
+    err = capsys.readouterr().err
+    assert "resume: WARNING: --init-from-target given (was not): it sets the weights a run starts from" in err, err
+    assert "init: --init-from-target" not in err

@@ -1160,6 +1160,12 @@ class Trainer:
             elif changed:  # (allowed, e.g. on purpose; but then not the run an uninterrupted one would be)
                 self.log(f"resume: WARNING: the recipe differs from the checkpoint's run: {', '.join(changed)}; "
                          "training goes on with the new values")
+            was_target = before.get("init_from_target")
+            if was_target is not None and was_target != cfg.init_from_target:  # (given or dropped: ignored, unsaid)
+                self.log("resume: WARNING: --init-from-target " + ("given (was not)" if cfg.init_from_target else
+                         "left out (was given)") + ": it sets the weights a run starts from, and a resumed run goes on "
+                         "from the checkpoint's; it changes nothing here")
+                recorded["init_from_target"] = was_target  # (the record says how the drafter started)
 
         data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log, dcfg.mask_token_id)
         self.log(f"data: {data_stats}")
