@@ -746,11 +746,12 @@ def address_space_left() -> int | None:
 
 
 def memory_text(nbytes: float, binary: bool = False) -> str:
-    """``nbytes`` for a message, with one decimal in the largest unit it reaches: ``GB``, ``MB``
-    or ``kB`` (powers of 1000; ``binary``: ``GiB``, ``MiB``, ``KiB``, powers of 1024), else
-    ``bytes``: ``42.3 GB``, ``1.4 MB`` (where ``0.0 GB`` said nothing of a small model)."""
-    base, units = (1024, ("KiB", "MiB", "GiB")) if binary else (1000, ("kB", "MB", "GB"))
-    for power in (3, 2, 1):
+    """``nbytes`` for a message, with one decimal in the largest unit it reaches: ``TB``, ``GB``,
+    ``MB`` or ``kB`` (powers of 1000; ``binary``: ``TiB``, ``GiB``, ``MiB``, ``KiB``, powers of
+    1024), else ``bytes``: ``42.3 GB``, ``1.4 MB`` (where ``0.0 GB`` said nothing of a small
+    model), ``3.1 TB`` (not ``3072.0 GB``)."""
+    base, units = (1024, ("KiB", "MiB", "GiB", "TiB")) if binary else (1000, ("kB", "MB", "GB", "TB"))
+    for power in (4, 3, 2, 1):
         if abs(nbytes) >= 0.99995 * base ** power:  # (a value that would print as 1000.0 of the unit below)
             return f"{nbytes / base ** power:.1f} {units[power - 1]}"
     return f"{nbytes:.0f} bytes"

@@ -1257,10 +1257,10 @@ def test_memory_sizes_in_messages_take_the_unit_they_reach():
     weights, binary for the caches), so that a small size does not read 0.0 GB."""
     from dflash_torch.checkpoint import memory_text
 
-    assert [memory_text(n) for n in (42.3e9, 1e9, 999_960_000, 310_400_000, 1_536, 999, 0)] == [
-        "42.3 GB", "1.0 GB", "1.0 GB", "310.4 MB", "1.5 kB", "999 bytes", "0 bytes"]
-    assert [memory_text(n, binary=True) for n in (2**31, 1.6 * 2**30, 512 * 2**20, 2**10, 1000)] == [
-        "2.0 GiB", "1.6 GiB", "512.0 MiB", "1.0 KiB", "1000 bytes"]
+    assert [memory_text(n) for n in (3.072e12, 42.3e9, 1e9, 999_960_000, 310_400_000, 1_536, 999, 0)] == [
+        "3.1 TB", "42.3 GB", "1.0 GB", "1.0 GB", "310.4 MB", "1.5 kB", "999 bytes", "0 bytes"]
+    assert [memory_text(n, binary=True) for n in (3 * 2**40, 2**31, 1.6 * 2**30, 512 * 2**20, 2**10, 1000)] == [
+        "3.0 TiB", "2.0 GiB", "1.6 GiB", "512.0 MiB", "1.0 KiB", "1000 bytes"]
 
 
 def test_dtype_auto_is_bfloat16_on_cuda_and_float32_elsewhere(tiny_pair):

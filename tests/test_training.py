@@ -914,7 +914,7 @@ def test_train_refuses_a_drafter_whose_training_state_does_not_fit_in_one_line(t
     err = capsys.readouterr().err.strip().splitlines()
     # the MLP's three 64 x 10^9 weights, the attention's (4 query heads and 2 key/value heads of 16), fc and the norms
     n = 3 * 64 * 10 ** 9 + 2 * 64 * 64 + 2 * 64 * 32 + 64 * 64 + 4 * 64 + 2 * 16
-    assert len(err) == 1 and err[0].startswith(f"dflash-torch: error: the drafter needs 3072.0 GB to train ({n:,} parameters at 16 "
+    assert len(err) == 1 and err[0].startswith(f"dflash-torch: error: the drafter needs 3.1 TB to train ({n:,} parameters at 16 "
                                                "bytes each: float32 weights, gradients and AdamW's two moments); cpu "
                                                "has "), err
     assert err[0].endswith("free beside the target: give a smaller --intermediate-size (now 1000000000) or "
