@@ -1059,6 +1059,59 @@ def test_a_generation_that_fails_is_counted_and_logged_with_its_request_id(local
     assert failures[2].getMessage().startswith("generation failed (request chatcmpl-")
 
 
+def test_a_bug_writing_an_answer_fails_its_request_counted_and_logged(local_engine, monkeypatch, caplog):
+    """A server error in writing an answer from the model's output (a bug in its reply's
+    parsing or JSON, as trial-242's lone surrogates met) fails the request as a failed
+    generation does: a non-streamed chat or Response is a 500 naming the request, a stream
+    that had started ends with an error event (and chat's [DONE]) where its connection was cut
+    without one; each counted in dflash_generation_errors_total (it stayed 0) and logged."""
+    import logging
+
+    from starlette.testclient import TestClient
+
+    from dflash_torch.serving import app as app_module
+
+    class Broken:  # (a reply parser with a bug)
+        thinking = False
+
+        def feed(self, text):
+            raise RuntimeError("injected parser bug")
+
+        finish = feed
+
+    monkeypatch.setattr(app_module, "new_reply_parser", lambda *args: Broken())
+    monkeypatch.setattr(logging.getLogger("dflash_torch"), "propagate", True)  # (a CLI test here may stop it)
+    caplog.set_level(logging.ERROR, logger="dflash_torch.serving")
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    respond = {"input": PROMPT, "max_output_tokens": 4, "ignore_eos": True, "temperature": 0}
+    app = app_module.create_app(local_engine, max_batch_size=2)
+    try:
+        client = TestClient(app, raise_server_exceptions=False)
+        ids = []
+        for path, body in (("/v1/chat/completions", chat), ("/v1/responses", respond)):
+            r = client.post(path, json=body)
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+            message = r.json()["error"]["message"]
+            assert message.startswith("generation failed: RuntimeError: injected parser bug (request "), message
+            ids.append(message.split("(request ")[1].rstrip(")"))
+            with client.stream("POST", path, json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                events = _sse_events(r.iter_lines())
+            if path == "/v1/responses":  # (its error event ends it; no [DONE] in the Responses API)
+                assert events[0]["type"] == "response.created" and events[-1]["type"] == "error", events
+                assert events[-1]["code"] == "server_error" and "injected parser bug" in events[-1]["message"]
+                ids.append(events[0]["response"]["id"])
+            else:
+                assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error", events
+                assert "injected parser bug" in events[-2]["error"]["message"]
+                ids.append(events[0]["id"])
+        assert _metric(client, "dflash_generation_errors_total") == 4
+    finally:
+        app.state.scheduler.close()
+    failures = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("generation failed")]
+    assert failures == [f"generation failed (request {rid})" for rid in ids]
+
+
 def test_a_stream_sends_its_headers_once_its_prefill_is_done(local_engine, monkeypatch):
     """A stream's status and headers wait for its prefill (its first event): a failure in the
     prefill (the step that reads the prompt raises) is the stream's status, a 500 in OpenAI's

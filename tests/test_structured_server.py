@@ -16,6 +16,7 @@ import json
 import re
 from contextlib import ExitStack
 
+import httpx
 import openai
 import pytest
 from test_server import MODEL
@@ -268,6 +269,45 @@ def test_tool_call_grammar_accepts_what_the_hermes_parser_reads(accepts):
     assert (reasoning, content) == ("first </thin k> then", "")
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo", "days": 2}),
                                                                    ("get_time", {})]
+
+
+def test_a_lone_surrogate_escape_in_a_models_call_comes_back_escaped(servers):
+    """JSON may spell a lone UTF-16 surrogate (``"\\ud83d"``), which UTF-8 cannot encode: in a
+    call the model writes (forced here by guided_choice), its arguments come back with the
+    escape kept, in chat and Responses, streamed or not (were a 500 "UnicodeEncodeError", a stream
+    cut without an error event or [DONE], uncounted by dflash_generation_errors_total; trial-242);
+    a name holding one names no tool: the call stays text, as the model wrote it."""
+    spec, alone = servers
+    string = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string"}}}}}]
+    array = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"s": {"type": "array"}}}}}]
+    hermes = '<tool_call>\n{"name": %s, "arguments": {"s": %s}}\n</tool_call>'
+    coder = "<tool_call>\n<function=add>\n<parameter=s>\n%s\n</parameter>\n</function>\n</tool_call>"
+    cases = [(spec, string, hermes % ('"add"', '"\\ud83d"'), '{"s": "\\ud83d"}'),
+             (spec, string, hermes % ('"add"', '"a\\ud83d\\ude00\\udc00"'), '{"s": "a\U0001F600\\udc00"}'),
+             (alone, array, coder % '["\\udc00", "\\ud83d\\ude00"]', '{"s": ["\\udc00", "\U0001F600"]}')]
+    for client, tools, text, arguments in cases:
+        body = {"temperature": 0, "max_tokens": 100, "tools": tools, "extra_body": {"guided_choice": [text]}}
+        r = _chat(client, **body).choices[0]
+        assert r.finish_reason == "tool_calls" and r.message.content is None, r
+        assert [(c.function.name, c.function.arguments) for c in r.message.tool_calls] == [("add", arguments)]
+        streamed = [c for chunk in _chat(client, stream=True, **body) for ch in chunk.choices
+                    for c in ch.delta.tool_calls or []]
+        assert [(c.function.name, c.function.arguments) for c in streamed] == [("add", arguments)]
+        responses = {"model": MODEL, "input": "x", "temperature": 0, "max_output_tokens": 100,
+                     "tools": [{"type": "function", **t["function"]} for t in tools], "extra_body": body["extra_body"]}
+        output = client.responses.create(**responses).output
+        assert [(o.type, o.name, o.arguments) for o in output] == [("function_call", "add", arguments)], output
+        done = [e for e in client.responses.create(**responses, stream=True)][-1]
+        assert done.type == "response.completed" and done.response.output[0].arguments == arguments, done
+    # a lone surrogate in the name: text
+    named = hermes % ('"add\\ud83d"', '"x"')
+    r = _chat(spec, temperature=0, max_tokens=100, tools=string, extra_body={"guided_choice": [named]}).choices[0]
+    assert r.finish_reason == "stop" and not r.message.tool_calls and r.message.content == named, r
+    for client in servers:  # (nothing failed)
+        metrics = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+        assert "\ndflash_generation_errors_total 0.0\n" in metrics
 
 
 BAD = [  # (endpoint, body, param, words of the message)

@@ -104,7 +104,7 @@ from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDo
                         fit_max_tokens, log, make_backend, param_of)
 from .tools import (CALL_CLOSE, CALL_OPEN, DEEPSEEK_MARKERS, FORCED_CALL_GRAMMARS, FORCED_CALL_MARKERS,
                     GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_QUOTE, GLM_MARKERS, KIMI_MARKERS,
-                    MINIMAX_CALL_CLOSE, MINIMAX_CALL_OPEN, check_tool_parser, new_reply_parser, parse_reply,
+                    MINIMAX_CALL_CLOSE, MINIMAX_CALL_OPEN, check_tool_parser, json_text, new_reply_parser, parse_reply,
                     resolve_tool_parser)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -141,9 +141,17 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class _JSONResponse(JSONResponse):
+    """starlette's JSON response, whose text has any lone surrogate escaped (:func:`.tools.json_text`:
+    a string holding one, which a model's JSON may spell, would not encode to UTF-8)."""
+
+    def render(self, content) -> bytes:
+        return json_text(content, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
 def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, param, code), status_code=status)
+    return _JSONResponse(error_body(message, type, param, code), status_code=status)
 
 
 class ServerErrorMiddleware:
@@ -306,7 +314,7 @@ def _count(n: int, noun: str) -> str:
 
 
 def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json_text(obj)}\n\n"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None) -> dict:
@@ -771,6 +779,25 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if (err := job_error(ev)) is not None:
             raise err
 
+    def answer_error(job: Job, exc: Exception) -> APIError:
+        """The 500 of a server error (a bug) in writing ``job``'s answer from its output (the
+        reply's parsing, its JSON): logged and counted as a failed generation
+        (:meth:`.scheduler.Scheduler.answer_failed`), as one in the decoding is."""
+        return APIError(500, f"generation failed: {scheduler.answer_failed(job, exc)}", type="server_error")
+
+    async def guarded(frames: AsyncIterator[str], job: Job, failure) -> AsyncIterator[str]:
+        """A stream's ``frames``; a server error in writing them (a bug, after the stream's
+        status was sent) ends the stream with ``failure(error)``'s frames (its error event, as
+        a failed generation's: :func:`answer_error`), not with a cut connection."""
+        try:
+            async for frame in frames:
+                yield frame
+        except Exception as exc:
+            for frame in failure(answer_error(job, exc)):
+                yield frame
+        finally:  # (the stream ends or the client left: the inner stream is closed too)
+            await frames.aclose()
+
     tools_checked: list[bool] = []  # (whether a request with tools was rendered without them too: once per server)
 
     def prepare(prompts: list, chat: bool, requested: int | None, default: int | None,
@@ -1023,17 +1050,28 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                                           created_at)
                 parser = None if parsers is None else parsers[0]
                 if req.stream:
-                    return _JobStreamingResponse(sse(response_stream(job, first, builder, parser, prompt_tokens,
-                                                                     responses)), job,
+                    def failed(err: APIError) -> list[str]:
+                        return [sse_event(builder.error(err.message, err.type, err.param, err.code))]
+
+                    return _JobStreamingResponse(sse(guarded(response_stream(job, first, builder, parser, prompt_tokens,
+                                                                             responses), job, failed)), job,
                                                  media_type="text/event-stream",
                                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 return await response_complete(job, first, request, builder, parser, prompt_tokens)
             if req.stream:
-                return _JobStreamingResponse(sse(stream_events(job, first, req, rid, created_at, kind, prompt_tokens, n,
-                                                               parsers, scoring)), job,
+                def failed(err: APIError) -> list[str]:  # (as a stream whose generation failed ends)
+                    return [_sse(error_body(err.message, err.type, err.param, err.code)), "data: [DONE]\n\n"]
+
+                frames = stream_events(job, first, req, rid, created_at, kind, prompt_tokens, n, parsers, scoring)
+                return _JobStreamingResponse(sse(guarded(frames, job, failed)), job,
                                              media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return await complete(job, first, request, rid, created_at, kind, prompt_tokens, n, parsers, scoring)
+        except Exception as exc:
+            job.cancel()
+            if isinstance(exc, (APIError, DFlashError)):
+                raise
+            raise answer_error(job, exc) from None  # (a bug writing the answer: counted, logged, a 500)
         except BaseException:
             job.cancel()
             raise
@@ -1103,7 +1141,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 "dflash": _stats_summary(outs[0]["stats"]) if len(outs) == 1 else None}
         if kind == "chat" and "prompt_logprobs" in choices[0]:  # (where vLLM's chat responses have them; one prompt)
             body["prompt_logprobs"] = choices[0]["prompt_logprobs"]
-        return JSONResponse(body)
+        return _JSONResponse(body)
 
     async def stream_events(job: Job, first: Event, req, rid: str, created_at: int, kind: str, prompt_tokens: int,
                             n: int, parsers, scoring: Scoring):
@@ -1250,7 +1288,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                 break
             if ev.kind == "chunk":
                 response_pieces(builder, parser, ev.value, state, prompt_tokens)
-        return JSONResponse(builder.response())
+        return _JSONResponse(builder.response())
 
     async def response_stream(job: Job, first: Event, builder: ResponseBuilder, parser, prompt_tokens: int,
                               req: ResponsesRequest):

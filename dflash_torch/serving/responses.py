@@ -23,10 +23,11 @@ with the whole response.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
+
+from .tools import json_text
 
 
 def _id(prefix: str) -> str:
@@ -47,7 +48,7 @@ def marker_pieces(text: str) -> list[str]:
 
 def sse_event(event: dict) -> str:
     """One server-sent event of the Responses stream (``event:`` its type, ``data:`` the JSON)."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+    return f"event: {event['type']}\ndata: {json_text(event)}\n\n"
 
 
 class ResponseBuilder:

@@ -646,11 +646,24 @@ class Scheduler:
                 message = re.sub(rf"(?<![\w.]){re.escape(exc.name)}(?![\w.])", named, message, count=1)
             job.put("error", (message, named), seq.index)
             return
+        job.put("fatal", self._server_error(job, exc, seq.index if len(job.sequences) > 1 else None), seq.index)
+
+    def answer_failed(self, job: Job, exc: Exception) -> str:
+        """A server error (a bug) in writing ``job``'s answer from its output (its reply's
+        parsing, its JSON), on the event loop: a failed generation as :meth:`_fail` takes it
+        (logged as ``generation failed (request <id>)`` with the traceback, counted in
+        ``dflash_generation_errors_total`` once per request). Returns the message for the
+        client (the error's type and text, and the request's id)."""
+        return self._server_error(job, exc)
+
+    def _server_error(self, job: Job, exc: Exception, index: int | None = None) -> str:
+        """Count (once per job) and log the server error ``exc`` of ``job`` (``index``: the
+        choice that failed, where the request has several); the client's message."""
         with self._cond:
             first, job.failed = not job.failed, True
         if first:
             self.metrics.generation_errors.inc()
-        name = f"request {job.request_id or '(no id)'}" + (f" choice {seq.index}" if len(job.sequences) > 1 else "")
+        name = f"request {job.request_id or '(no id)'}" + (f" choice {index}" if index is not None else "")
         if isinstance(exc, CompileError):  # (torch's compiler failed, not the request: a 500 that names it)
             log.error("generation failed (%s): %s", name, exc)
             message = str(exc)
@@ -658,7 +671,7 @@ class Scheduler:
             log.error("generation failed (%s)", name, exc_info=exc)
             message = f"{type(exc).__name__}: {exc}"
         # (the id in the client's message too: a non-streamed 500 carries no other, and the log names it)
-        job.put("fatal", f"{message} ({name})" if job.request_id else message, seq.index)
+        return f"{message} ({name})" if job.request_id else message
 
     def _remove(self, seq: Sequence) -> None:
         """Take an unfinished sequence out of the backend and the batch."""

@@ -160,8 +160,31 @@ def _json_object(text: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+# a UTF-16 surrogate code point: in a str that JSON's "\\ud83d" escape made, one with no pair (Python's
+# json joins an escaped pair into its character), which UTF-8 cannot encode
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def escape_surrogates(text: str) -> str:
+    """``text`` (JSON text) with each lone surrogate written as its ``\\uXXXX`` escape, so that
+    it encodes to UTF-8 and reads back as the same value; unchanged where it has none. (A
+    surrogate in JSON text can only be inside a string, where the escape means it.)"""
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
+
+
+def json_text(obj, **kwargs) -> str:
+    """``json.dumps(obj, ensure_ascii=False, **kwargs)`` with any lone surrogate escaped
+    (:func:`escape_surrogates`): the JSON text of a server response, which must encode to UTF-8.
+
+    Raises:
+        TypeError, ValueError: as ``json.dumps`` (an object that is not JSON data)."""
+    return escape_surrogates(json.dumps(obj, ensure_ascii=False, **kwargs))
+
+
 def _dumps(obj) -> str:
-    """JSON text of ``obj`` (characters as they are); a :class:`_BigNumber` as its own text."""
+    """JSON text of ``obj`` (characters as they are, but a lone surrogate, which a model's JSON
+    may spell as ``"\\ud83d"``, as that escape: :func:`escape_surrogates`); a :class:`_BigNumber`
+    as its own text."""
     numbers, nonce = [], uuid.uuid4().hex  # (a string of obj dumps to a placeholder only by guessing it)
 
     def placeholder(value) -> str:
@@ -173,7 +196,7 @@ def _dumps(obj) -> str:
     text = json.dumps(obj, ensure_ascii=False, default=placeholder)
     for i, number in enumerate(numbers):
         text = text.replace(f'"{nonce}:{i}"', number, 1)
-    return text
+    return escape_surrogates(text)
 
 
 class ToolParser:
@@ -273,7 +296,8 @@ class HermesParser(ToolParser):
 
     def parse_block(self, body: str) -> ToolCall | None:
         obj = _json_object(body.strip())
-        if obj is None or not isinstance(obj.get("name"), str):
+        # (a name with a lone surrogate, "\\ud83d" in the model's JSON, names no tool and cannot be sent as itself)
+        if obj is None or not isinstance(obj.get("name"), str) or _SURROGATE.search(obj["name"]):
             return None
         arguments = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(arguments, str):  # (some models write the arguments as JSON text)
