@@ -310,6 +310,33 @@ def test_a_lone_surrogate_escape_in_a_models_call_comes_back_escaped(servers):
         assert "\ndflash_generation_errors_total 0.0\n" in metrics
 
 
+def test_a_forced_call_of_parameters_typed_object_or_another_type_writes_an_object(servers, accepts):
+    """``parameters`` whose ``type`` lists ``object`` with other types (``["object", "null"]``):
+    a forced call's arguments are an object, its only valid arguments (hermes' grammar allowed
+    the others: ``"arguments": null``, ``[0]``, ``"r"``, which the parser could not take, so the
+    call came back as text, finish_reason stop; trial-242); a type without ``object`` is a 400."""
+    call = '<tool_call>\n{"name": "f", "arguments": %s}\n</tool_call>'
+    for other in ("null", "array", "string"):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": ["object", other], "properties": {}, "additionalProperties": False}}}]
+        grammar = hermes_grammar(tools, "f")
+        assert accepts(grammar, call % "{}")
+        assert not any(accepts(grammar, call % v) for v in ("null", "[0]", '"r"'))
+        named = {"type": "function", "function": {"name": "f"}}
+        for client in servers:  # (hermes, qwen3_coder)
+            r = _chat(client, max_tokens=40, tools=tools, tool_choice=named).choices[0]
+            assert r.finish_reason == "tool_calls" and _calls(r.message.tool_calls) == [("f", {})], r
+        flat = [{"type": "function", **tools[0]["function"]}]
+        output = servers[0].responses.create(model=MODEL, input=MESSAGES[0]["content"], max_output_tokens=40,
+                                             tools=flat, tool_choice={"type": "function", "name": "f"}).output
+        assert [(o.type, o.name, json.loads(o.arguments)) for o in output] == [("function_call", "f", {})], output
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(servers[0], max_tokens=8, tool_choice="required", tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": ["array", "null"]}}}])
+    assert err.value.body["param"] == "tools" and "tools[0].function.parameters must be the JSON Schema of an object" \
+        in err.value.body["message"], err.value.body
+
+
 BAD = [  # (endpoint, body, param, words of the message)
     ("chat", {"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
     ("chat", {"response_format": {"type": "json_schema"}}, "response_format", "json_schema object"),

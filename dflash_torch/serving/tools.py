@@ -849,13 +849,17 @@ _AFTER_REASONING = '/[ \\t\\r\\n]{0,4}/'
 
 def _arguments_schema(function: dict) -> dict | bool:
     """A tool's ``parameters`` as the schema of its call's ``arguments``: an object (``type``
-    ``object`` unless the schema names a type); no ``parameters``: the empty object (OpenAI:
-    "omitting parameters defines a function with an empty parameter list")."""
+    ``object``, where the schema names no type or a list of types with ``object`` among them:
+    ``["object", "null"]`` allows other values, which are no call's arguments); no
+    ``parameters``: the empty object (OpenAI: "omitting parameters defines a function with an
+    empty parameter list"). (A type that allows no object is refused with the request:
+    :func:`~dflash_torch.options.check_tools`.)"""
     params = function.get("parameters")
     if not isinstance(params, dict):
         return {"type": "object", "properties": {}, "additionalProperties": False, "x-guidance": HERMES_JSON_OPTIONS}
     schema = dict(params)
-    schema.setdefault("type", "object")
+    if schema.get("type") is None or isinstance(schema["type"], list):  # (a list without object: refused before)
+        schema["type"] = "object"
     guidance = schema.get("x-guidance")
     schema["x-guidance"] = {**HERMES_JSON_OPTIONS, **(guidance if isinstance(guidance, dict) else {})}
     return schema
