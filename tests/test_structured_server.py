@@ -530,6 +530,58 @@ def test_qwen3_coder_forced_calls_are_lossless(servers):
             assert r.finish_reason == "length" and r.message.content == content
 
 
+def test_qwen3_coder_forced_calls_follow_a_root_ref_and_refuse_keywords_they_cannot_enforce(servers):
+    """The object a tool's ``parameters`` describe through a root ``$ref`` (as zod-to-json-schema
+    writes it) or an ``allOf`` of one ``$ref``: a qwen3_coder (and GLM) forced call writes its
+    properties, typed (were none: ``{}`` although ``n`` was required; trial-242). A keyword on
+    that object that a call written as its properties cannot be held to (``not``,
+    ``propertyNames``, ``maxProperties`` below the properties' count, ...) is a 400 about
+    ``tools`` naming it, as hermes' llguidance refuses those it does not implement (were
+    ignored: arguments that broke the schema)."""
+    from dflash_torch.serving.tools import glm45_grammar, qwen3_coder_grammar
+
+    spec, alone = servers  # (hermes, qwen3_coder)
+    args = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for parameters in ({"$ref": "#/definitions/args", "definitions": {"args": args},
+                        "$schema": "http://json-schema.org/draft-07/schema#"},
+                       {"type": "object", "allOf": [{"$ref": "#/$defs/A"}], "$defs": {"A": args}}):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+        for client in servers:
+            r = _chat(client, max_tokens=60, tools=tools, tool_choice="required", parallel_tool_calls=False).choices[0]
+            calls = _calls(r.message.tool_calls)
+            assert r.finish_reason == "tool_calls" and [c[0] for c in calls] == ["f"], r
+            assert isinstance(calls[0][1].get("n"), int) and not isinstance(calls[0][1]["n"], bool), calls
+            assert client is spec or list(calls[0][1]) == ["n"], calls  # (hermes may add keys: the schema allows them)
+    two = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}}
+    for keyword in ({"not": {"required": ["a"]}}, {"propertyNames": {"maxLength": 1}},
+                    {"dependentRequired": {"a": ["b"]}}, {"if": {"required": ["a"]}, "then": {"required": ["b"]}}):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {**two, **keyword}}}]
+        for client in servers:
+            with pytest.raises(openai.BadRequestError) as err:
+                _chat(client, max_tokens=8, tools=tools, tool_choice="required")
+            e = err.value.body
+            assert e["param"] == "tools" and repr(next(iter(keyword)))[1:-1] in e["message"], e
+    # the keywords llguidance takes but a call written as the properties cannot be held to
+    for keyword, words in (({"maxProperties": 0}, "maxProperties 0 of parameters"),
+                           ({"minProperties": 1}, "minProperties 1 of parameters"),
+                           ({"anyOf": [{"required": ["a"]}]}, "the keyword 'anyOf' of parameters"),
+                           ({"enum": [{"a": 1}]}, "the keyword 'enum' of parameters"),
+                           ({"patternProperties": {"^a": {"type": "string"}}}, "patternProperties '^a' of parameters"),
+                           ({"$ref": "#/$defs/A", "$defs": {"A": args}}, "the keyword '$ref' of parameters")):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {**two, **keyword}}}]
+        with pytest.raises(openai.BadRequestError) as err:
+            _chat(alone, max_tokens=8, tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
+        e = err.value.body
+        assert e["param"] == "tools" and e["message"].startswith(f"tools function 'f': {words} cannot be enforced in "
+                                                                 "a qwen3_coder call"), e
+        with pytest.raises(DFlashError, match=f"{re.escape(words)} cannot be enforced in a glm45 call"):
+            glm45_grammar(tools)
+    # what such a call holds to is taken: a maxProperties of all, a minProperties of the required,
+    # a pattern no property's name matches
+    for keyword in ({"maxProperties": 2}, {"minProperties": 0}, {"patternProperties": {"^z": {"type": "string"}}}):
+        qwen3_coder_grammar([{"type": "function", "function": {"name": "f", "parameters": {**two, **keyword}}}])
+
+
 # --- the command line -------------------------------------------------------------------------
 
 

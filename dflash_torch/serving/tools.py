@@ -324,7 +324,7 @@ class Qwen3CoderParser(ToolParser):
             fn = tool.get("function") or {}
             if isinstance(fn.get("name"), str):
                 params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
-                props = params.get("properties")
+                props = _object_schema(params)[0].get("properties")  # (a root $ref: its definition's)
                 self.schemas[fn["name"]] = (props if isinstance(props, dict) else {}, params)
 
     def parse_block(self, body: str) -> ToolCall | None:
@@ -1055,18 +1055,83 @@ def _check_coder_name(name: str, what: str) -> None:
                           "(it is empty or holds '>' or a newline)")
 
 
-def _call_parameters(fn: dict) -> tuple[dict, list[tuple[str, dict, bool]]]:
-    """A function's ``parameters`` schema (``{}`` where it has none) and the keys its calls
-    write, in order: ``(key, schema, required)`` for its ``properties``, then for the
-    ``required`` keys they do not describe (schema ``{}``: any text). A property whose
-    schema (or the definition its ``$ref`` names) is ``"enum": []`` allows no value: an
-    optional one is left out (no call writes it, as hermes' JSON schema leaves it out).
+# the keywords of a schema that constrain an object (those of other types' do not apply to the arguments)
+_OBJECT_KEYWORDS = ("properties", "required", "additionalProperties", "patternProperties", "minProperties",
+                    "maxProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
+                    "unevaluatedProperties", "not", "if", "anyOf", "oneOf", "allOf", "enum", "const",
+                    "$ref", "$dynamicRef", "$recursiveRef")
+# those that a call written as its properties in order (qwen3_coder's, GLM's) cannot be held to
+_UNENFORCED = ("not", "if", "anyOf", "oneOf", "allOf", "enum", "const", "propertyNames", "dependentRequired",
+               "dependentSchemas", "dependencies", "$ref", "$dynamicRef", "$recursiveRef")
+
+
+def _object_schema(params: dict, fmt: str | None = None) -> tuple[dict, str]:
+    """The schema of the object a tool's ``parameters`` describe, and where it is (for
+    messages): ``params`` itself, or the definition its root ``$ref`` names (``#/$defs/NAME``,
+    ``#/definitions/NAME`` of ``params``, as zod-to-json-schema writes a tool's schema), or
+    the one branch of a root ``allOf`` (a ``$ref`` as pydantic may write it), in turn, where
+    that reference or branch is the schema's only constraint on an object.
+
+    ``fmt`` (a format's name, for the grammar of its forced calls, which writes the object's
+    ``properties`` and checks their values only): the object must be one such a call can be
+    held to. None: as far as it resolves (a parser's reading).
 
     Raises:
-        DFlashError: a required property that allows no value (no call can be written)."""
+        DFlashError: (``fmt`` given) a reference that does not resolve, a ``type`` that allows
+            no object, or a keyword of :data:`_UNENFORCED` beside or instead of that (``not``,
+            ``anyOf``, ``propertyNames``, ``dependentRequired``, ...), named with where it is."""
+    schema, where = params, "parameters"
+
+    def refuse(what: str):
+        raise DFlashError(f"{what} of {where} cannot be enforced in a {fmt} call (a forced call writes the "
+                          f"properties, checking their values only, so it could break it); drop it, or use "
+                          f"tool_choice 'auto'")
+
+    for _ in range(16):
+        kind = schema.get("type")
+        if fmt and kind is not None and kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise DFlashError(f"{where} must be the JSON Schema of an object (type \"object\"), got type {kind!r}")
+        others = [k for k in _OBJECT_KEYWORDS if k in schema and k not in ("$ref", "allOf")]
+        if isinstance(schema.get("$ref"), str) and "allOf" not in schema and not others:
+            target = _resolve(schema, params)
+            if not isinstance(target, dict):
+                if fmt:
+                    raise DFlashError(f"{where}: its $ref {schema['$ref'][:80]!r} names no definition of the "
+                                      f"parameters' $defs or definitions")
+                break
+            schema, where = target, f"parameters' {schema['$ref'][:80]!r}"
+        elif isinstance(schema.get("allOf"), list) and len(schema["allOf"]) == 1 and \
+                isinstance(schema["allOf"][0], dict) and "$ref" not in schema and not others:
+            schema, where = schema["allOf"][0], f"{where}.allOf[0]"
+        else:
+            break
+    if fmt:
+        for key in _UNENFORCED:
+            if key in schema:
+                refuse(f"the keyword {key!r}")
+    return schema, where
+
+
+def _call_parameters(fn: dict, fmt: str) -> tuple[dict, list[tuple[str, dict, bool]]]:
+    """A function's ``parameters`` schema (``{}`` where it has none) and the keys the calls
+    of the format ``fmt`` write, in order: ``(key, schema, required)`` for the ``properties``
+    of the object it describes (:func:`_object_schema`), then for the ``required`` keys they
+    do not describe (schema ``{}``: any text). A property whose schema (or the definition its
+    ``$ref`` names) is ``"enum": []`` allows no value: an optional one is left out (no call
+    writes it, as hermes' JSON schema leaves it out).
+
+    Raises:
+        DFlashError: an object such calls cannot be held to (:func:`_object_schema`; or a
+            ``minProperties`` above the required keys' count, a ``maxProperties`` below the
+            keys' count, a ``patternProperties`` pattern that a property's name matches); a
+            required property that allows no value (no call can be written)."""
     params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
-    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-    required = params.get("required") if isinstance(params.get("required"), list) else []
+    try:
+        obj, where = _object_schema(params, fmt)
+    except DFlashError as exc:
+        raise DFlashError(f"tools function {fn['name']!r}: {exc}") from None
+    props = obj.get("properties") if isinstance(obj.get("properties"), dict) else {}
+    required = obj.get("required") if isinstance(obj.get("required"), list) else []
     extra = {key: {} for key in required if isinstance(key, str) and key not in props}
     keys = []
     for key, schema in {**props, **extra}.items():
@@ -1077,6 +1142,27 @@ def _call_parameters(fn: dict) -> tuple[dict, list[tuple[str, dict, bool]]]:
                                   "(an empty enum), so no call can be written")
             continue
         keys.append((key, schema, key in required))
+
+    def refuse(what: str):
+        raise DFlashError(f"tools function {fn['name']!r}: {what} of {where} cannot be enforced in a {fmt} call "
+                          f"(a forced call writes the required properties, the others optionally); drop it, or use "
+                          f"tool_choice 'auto'")
+
+    least, most = obj.get("minProperties"), obj.get("maxProperties")
+    if least is not None and not (isinstance(least, int) and least <= sum(r for _, _, r in keys)):
+        refuse(f"minProperties {least!r}")
+    if most is not None and not (isinstance(most, int) and most >= len(keys)):
+        refuse(f"maxProperties {most!r}")
+    patterns = obj.get("patternProperties")
+    if patterns is not None and not isinstance(patterns, dict):
+        refuse("patternProperties")
+    for pattern in patterns or ():  # (one that no property's name matches holds no key the call writes)
+        try:
+            matched = any(re.search(pattern, key) for key, _, _ in keys)
+        except re.error:  # (not Python's regex: whether it matches is not known)
+            matched = True
+        if matched:
+            refuse(f"patternProperties {pattern[:80]!r}")
     return params, keys
 
 
@@ -1094,12 +1180,13 @@ def qwen3_coder_grammar(tools: list[dict], name: str | None = None, parallel: bo
     Raises:
         DFlashError: ``tools`` has no function (named ``name``), or a function or parameter
             name the format cannot write (:func:`_check_coder_name`), or a required parameter that
-            allows no value (``"enum": []``: :func:`_call_parameters`)."""
+            allows no value (``"enum": []``), or parameters whose object the calls cannot be held to
+            (a keyword such as ``not``, ``anyOf``, ``propertyNames``: :func:`_call_parameters`)."""
     rules, alternatives = [], []
     call_open, call_close = (text_or_token(text, token) for text, token in zip((CALL_OPEN, CALL_CLOSE), call_tokens))
     for i, fn in enumerate(_called_functions(tools, name)):
         _check_coder_name(fn["name"], "function name")
-        params, keys = _call_parameters(fn)
+        params, keys = _call_parameters(fn, "qwen3_coder")
         parts = []
         for j, (key, schema, required) in enumerate(keys):
             _check_coder_name(key, f"parameter name of {fn['name']!r}")
@@ -1161,7 +1248,7 @@ def _glm_grammar(tools: list[dict], name: str | None, parallel: bool, reasoning:
     newline = f" {json.dumps(line)}" if line else ""
     for i, fn in enumerate(_called_functions(tools, name)):
         _check_glm_name(fn["name"], "function name")
-        params, keys = _call_parameters(fn)
+        params, keys = _call_parameters(fn, "glm47" if compact else "glm45")
         parts = []
         for j, (key, schema, required) in enumerate(keys):
             _check_glm_name(key, f"parameter name of {fn['name']!r}")
@@ -1193,7 +1280,8 @@ def glm45_grammar(tools: list[dict], name: str | None = None, parallel: bool = T
     Raises:
         DFlashError: ``tools`` has no function (named ``name``), or a function or parameter
             name the format cannot write (:func:`_check_glm_name`), or a required parameter that
-            allows no value (``"enum": []``: :func:`_call_parameters`)."""
+            allows no value (``"enum": []``), or parameters whose object the calls cannot be held to
+            (a keyword such as ``not``, ``anyOf``, ``propertyNames``: :func:`_call_parameters`)."""
     return _glm_grammar(tools, name, parallel, reasoning, think_tokens, call_tokens, compact=False)
 
 
