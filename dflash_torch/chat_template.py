@@ -158,7 +158,9 @@ def chat_messages(messages: list | tuple) -> list[dict]:
     Raises:
         DFlashError: a message that is not a dict with a string ``role`` and a string
             ``content`` (or a list of text parts; None allowed with ``tool_calls`` or a
-            ``refusal``), a ``refusal`` that is not a string of an assistant message, ``tool_calls`` that are not a
+            ``refusal``), a ``refusal`` that is not a string of an assistant message, ``tool_calls``
+            (not empty) of a message other than an assistant's, a ``tool_call_id`` of one other than
+            a tool message, ``tool_calls`` that are not a
             list of ``{"function": {"name": str, "arguments": ...}}``, or ``arguments`` that
             are not a JSON object (a dict or its JSON text; ``""`` and None are ``{}``).
     """
@@ -184,6 +186,10 @@ def chat_messages(messages: list | tuple) -> list[dict]:
         refusal = m.get("refusal")
         if refusal is not None and m.get("role") != "assistant":  # (as the server refuses it)
             raise DFlashError(f"chat message {i} has a refusal, which only an assistant message may hold")
+        if _holds(calls) and m.get("role") != "assistant":  # (as the server refuses them)
+            raise DFlashError(f"chat message {i} has tool_calls, which only an assistant message may hold")
+        if m.get("tool_call_id") is not None and m.get("role") != "tool":
+            raise DFlashError(f"chat message {i} has a tool_call_id, which only a tool message may hold")
         if refusal is not None and not isinstance(refusal, str):
             raise DFlashError(f"chat message {i}: refusal must be a string, got {type(refusal).__name__}")
         content_ok = isinstance(m.get("content"), str) or ((_holds(calls) or refusal is not None)

@@ -670,6 +670,18 @@ BAD_TOOLS = [  # (body fields, param, message); trial-210: each was taken
                                 "message (a tool message answers one)"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "call_1", "content": "1"}, CALL]},
      "messages.1.tool_call_id", "is not the id of a tool call of an earlier assistant message"),
+    # (trial-242: taken, and the calls' ids answerable by later tool messages)
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": CALL["tool_calls"]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "1"}]}, "messages.0.tool_calls",
+     "messages.0.tool_calls: a user message has tool_calls, which only an assistant message may hold"),
+    ({"messages": [{"role": "system", "content": "s", "tool_calls": CALL["tool_calls"]}, {"role": "user", "content": "x"}]},
+     "messages.0.tool_calls", "a system message has tool_calls"),
+    ({"messages": [{"role": "user", "content": "x"}, {**CALL, "role": "tool", "content": "1", "tool_call_id": "call_1"}]},
+     "messages.1.tool_calls", "a tool message has tool_calls"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "call_1"}]}, "messages.0.tool_call_id",
+     "messages.0.tool_call_id: a user message has a tool_call_id, which only a tool message may hold"),
+    ({"messages": [{"role": "user", "content": "x"}, {**CALL, "tool_call_id": "call_1"}]}, "messages.1.tool_call_id",
+     "an assistant message has a tool_call_id"),
 ]
 
 

@@ -421,6 +421,11 @@ def test_the_same_tool_twice_is_taken_null_fields_and_all(local_engine):
     ([{"role": "user", "content": "hi", "refusal": "no"}], {},
      r"^chat message 0 has a refusal, which only an assistant message may hold$"),
     ([{"role": "assistant", "content": None, "refusal": 5}], {}, r"^chat message 0: refusal must be a string, got int$"),
+    # (tool calls on another message, a tool_call_id on one not a tool message: as the server refuses them, trial-242)
+    ([{"role": "user", "content": "hi", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}],
+     {}, r"^chat message 0 has tool_calls, which only an assistant message may hold$"),
+    ([{"role": "system", "content": "hi", "tool_call_id": "c"}], {},
+     r"^chat message 0 has a tool_call_id, which only a tool message may hold$"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
      r"^chat message 0: content part 0 must be \{'type': 'text', 'text': str\}"),
     ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "no"}]}], {},

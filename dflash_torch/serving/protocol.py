@@ -663,10 +663,21 @@ class ChatCompletionRequest(_Request):
         """A ``tool`` message answers a tool call of an earlier assistant message: its
         ``tool_call_id`` is required and must be that call's ``id``, as OpenAI checks them (as
         the Responses API checks a function_call_output's ``call_id``); where an earlier call has
-        no ``id``, any ``tool_call_id`` may answer it."""
+        no ``id``, any ``tool_call_id`` may answer it (a client cannot give the id such a call
+        lacks). ``tool_calls`` (but an empty list) on a message other than an assistant's, or a
+        ``tool_call_id`` on one other than a tool message, is refused naming it (they were
+        taken, to the chat template, and the calls' ids answerable)."""
         ids: set[str] = set()
         anonymous = False  # (an earlier call without an id)
         for i, message in enumerate(self.messages):
+            a = "an" if message.role == "assistant" else "a"
+            if message.tool_calls and message.role != "assistant":
+                raise FieldError(f"messages.{i}.tool_calls: {a} {message.role} message has tool_calls, which only an "
+                                 f"assistant message may hold", f"messages.{i}.tool_calls")
+            if message.tool_call_id is not None and message.role != "tool":
+                raise FieldError(f"messages.{i}.tool_call_id: {a} {message.role} message has a tool_call_id, which "
+                                 f"only a tool message may hold (it names the call the message answers)",
+                                 f"messages.{i}.tool_call_id")
             for call in message.tool_calls or []:
                 if call.id is None:
                     anonymous = True
