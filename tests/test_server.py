@@ -893,9 +893,10 @@ def test_auth_and_routes(server):
         server.client().completions.create(model="no-such-model", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         server.client().completions.create(model=MODEL, prompt="x", max_tokens=2, n=0)
-    assert httpx.get(f"{server.base}/v1/nope").status_code == 404
-    assert httpx.get(f"{server.base}/v1/completions",
-                     headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 405
+    assert httpx.get(f"{server.base}/v1/nope").status_code == 401  # (the key before the route: trial-247)
+    assert httpx.get(f"{server.base}/v1/nope", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 404
+    r = httpx.get(f"{server.base}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
     assert server.post("/v1/completions", body).status_code == 200
 
 
@@ -920,8 +921,10 @@ def test_cors_lets_browsers_call_the_server_and_preflights_need_no_key(server):
         r = httpx.post(f"{server.base}/v1/chat/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == status and r.headers["access-control-allow-origin"] == "*", r.text
         assert r.headers["access-control-expose-headers"] == "Retry-After"  # (a 503's, trial-101: unreadable)
-    # (an OPTIONS that is no preflight still reaches the routes: none takes it)
-    assert httpx.options(f"{server.base}/v1/chat/completions", timeout=30).status_code == 405
+    # (an OPTIONS that is no preflight still reaches the key check and the routes: none takes it)
+    assert httpx.options(f"{server.base}/v1/chat/completions", timeout=30).status_code == 401
+    assert httpx.options(f"{server.base}/v1/chat/completions", timeout=30,
+                         headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 405
 
 
 def test_a_server_bug_is_a_500_a_browser_can_read(local_engine):
@@ -949,6 +952,50 @@ def test_a_server_bug_is_a_500_a_browser_can_read(local_engine):
             TestClient(app).get("/boom")
         r = client.get("/v1/nope", headers={"Origin": "http://app.example"})
         assert r.status_code == 404 and r.headers["access-control-allow-origin"] == "*", r.text
+    finally:
+        app.state.scheduler.close()
+
+
+def test_every_v1_path_needs_the_key_and_a_405_names_the_methods_allowed(local_engine):
+    """With an API key, every /v1 path (an unknown one, a trailing slash, a method no route
+    takes) and /tokenize, /detokenize answer a 401 without the key, before a 404, 405 or
+    redirect (trial-247: an unknown /v1 path was a 404 and /v1/completions/ a 307 without it,
+    so routes could be probed); a 405 carries Allow (RFC 9110; it was dropped); every GET
+    route answers HEAD (/metrics and /v1/models were 405s); GET /v1/models/{model} is counted
+    under its route in /metrics (was "other")."""
+    from starlette.testclient import TestClient
+
+    from dflash_torch.serving.app import create_app
+
+    app = create_app(local_engine, api_key=API_KEY, model_name=MODEL)
+    try:
+        client = TestClient(app, follow_redirects=False)
+        key = {"Authorization": f"Bearer {API_KEY}"}
+        for method, path in (("GET", "/v1/nothing"), ("GET", "/v1/completions/"), ("GET", "/v1/completions"),
+                             ("POST", "/v1/completions/"), ("DELETE", "/v1/models"), ("GET", "/v1"), ("GET", "/v1/"),
+                             ("HEAD", "/v1/models"), ("GET", f"/v1/models/{MODEL}"), ("POST", "/tokenize/"),
+                             ("GET", "/detokenize"), ("OPTIONS", "/v1/chat/completions")):
+            r = client.request(method, path)
+            assert r.status_code == 401 and "location" not in r.headers, (method, path, r.status_code, r.headers)
+            if method != "HEAD":
+                assert r.json()["error"]["code"] == "invalid_api_key", (method, path, r.text)
+        assert client.get("/v1/nothing", headers=key).status_code == 404
+        assert client.get("/v1/completions/", headers=key).status_code == 307  # (with the key: starlette's redirect)
+        for method, path, allowed, headers in (("GET", "/v1/completions", {"POST"}, key),
+                                               ("DELETE", "/v1/models", {"GET", "HEAD"}, key),
+                                               ("PUT", f"/v1/models/{MODEL}", {"GET", "HEAD"}, key),
+                                               ("DELETE", "/health", {"GET", "HEAD"}, {}),
+                                               ("POST", "/metrics", {"GET", "HEAD"}, {})):
+            r = client.request(method, path, headers=headers)
+            assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", (method, path, r.text)
+            assert {m.strip() for m in r.headers.get("allow", "").split(",")} == allowed, (method, path, r.headers)
+        for path, headers in (("/health", {}), ("/metrics", {}), ("/v1/models", key), (f"/v1/models/{MODEL}", key)):
+            get, head = client.get(path, headers=headers), client.head(path, headers=headers)
+            assert get.status_code == head.status_code == 200 and head.content == b"", (path, head.status_code)
+            assert head.headers["content-type"] == get.headers["content-type"], path
+        for status, count in (("200", 2), ("401", 1), ("405", 1)):  # (GET and HEAD; no key; PUT)
+            labels = {"endpoint": "/v1/models/{model}", "status": status}
+            assert _metric(client, "dflash_requests_total", labels) == count, status
     finally:
         app.state.scheduler.close()
 

@@ -82,6 +82,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 
 from ..batch import DEFAULT_MAX_BATCH_SIZE
@@ -116,8 +117,8 @@ IGNORED_LOGGED = 256  # the most ignored field names a server logs (their names 
 CONTENT_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 # the most members a gzip request body may have (a client sends 1; each costs zlib a copy of the rest of the body)
 MAX_GZIP_MEMBERS = 64
-ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
-             "/health", "/metrics"}
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/models/{model}", "/tokenize",
+             "/detokenize", "/health", "/metrics"}
 
 
 class APIError(Exception):
@@ -181,6 +182,43 @@ class ServerErrorMiddleware:
                 response = error_response(500, f"internal server error: {type(exc).__name__}", type="server_error")
                 await response(scope, receive, send)
             raise
+
+
+def needs_key(path: str) -> bool:
+    """Whether the API key guards the request path ``path``: ``/v1`` and every path under it
+    (an unknown one too), ``/tokenize`` and ``/detokenize`` (a trailing slash too)."""
+    return path == "/v1" or path.startswith("/v1/") or path.rstrip("/") in ("/tokenize", "/detokenize")
+
+
+def key_error(authorization: str, api_key: str) -> APIError | None:
+    """The 401 of a request whose ``Authorization`` header (``""``: none) does not carry
+    ``Bearer <api_key>``; None when it does."""
+    scheme, _, token = authorization.partition(" ")
+    if not authorization.strip():
+        return APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    if scheme.lower() != "bearer" or not token.strip():
+        return APIError(401, "malformed Authorization header: send 'Authorization: Bearer <key>'",
+                        code="invalid_api_key")
+    if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        return APIError(401, "incorrect API key provided", code="invalid_api_key")
+    return None
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware: a request to a path the key guards (:func:`needs_key`) without
+    ``Authorization: Bearer <api_key>`` gets a 401 (OpenAI's error JSON) before it is routed,
+    so that no 404, 405 or trailing slash's redirect tells a client without the key which
+    routes exist. (A CORS preflight is answered outside it, without the key.)"""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and needs_key(scope.get("path", "")):
+            err = key_error(Headers(scope=scope).get("authorization", ""), self.api_key)
+            if err is not None:
+                return await error_response(err.status, err.message, err.type, code=err.code)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 # The threads that tokenize prompts and compile constraints beside the event loop: a pool of
@@ -415,8 +453,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     Args:
         engine: a loaded :class:`~dflash_torch.engine.DFlashEngine`.
-        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``
-            (``/health`` and ``/metrics`` stay open); surrounding whitespace is dropped.
+        api_key: when set, every ``/v1`` path (an unknown one too), ``/tokenize`` and
+            ``/detokenize`` require ``Authorization: Bearer <api_key>``: a 401 without it,
+            before a 404, 405 or redirect (``/health`` and ``/metrics`` stay open); surrounding
+            whitespace is dropped.
         model_name: the model id clients must use (default: ``engine.name``).
         max_batch_size: most sequences decoded together (slots; default 8, at most the
             engine's ``max_batch_size``); an engine that decodes one sequence at a time
@@ -532,7 +572,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     app.state.reasoning_parser, app.state.tool_call_parser = reasoning, tool_calls
     app.state.sampling_defaults = sampling_defaults
     app.state.shutdown = shutdown
-    app.add_middleware(ShutdownMiddleware, unstarted=unstarted)  # (innermost: its 503s are counted)
+    if api_key is not None:  # (innermost: its 401s are counted)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(ShutdownMiddleware, unstarted=unstarted)  # (its 503s are counted)
     app.add_middleware(MetricsMiddleware, metrics=metrics, endpoints=ENDPOINTS)
     app.add_middleware(ServerErrorMiddleware)
     # (outermost: a preflight is answered before the routes, whose API key check it does not reach)
@@ -564,7 +606,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = {404: f"no such endpoint: {request.method} {request.url.path}",
                    405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return error_response(exc.status_code, message, code=code)
+        response = error_response(exc.status_code, message, code=code)
+        response.headers.update(exc.headers or {})  # (a 405's Allow)
+        return response
 
     # ---- helpers ------------------------------------------------------------------------
     def client_left(request: Request, rid: str | None = None) -> Response:
@@ -576,19 +620,6 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         log.info('%s - "%s %s HTTP/%s" 499 (the client went away before its answer%s)', client, request.method,
                  request.url.path, request.scope.get("http_version", "1.1"), f"; request {rid}" if rid else "")
         return Response(status_code=499)
-
-    def check_auth(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if not header.strip():
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise APIError(401, "malformed Authorization header: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
     def too_large(what: str) -> APIError:
         return APIError(413, f"{what} is larger than this server accepts ({max_body} bytes: "
@@ -1309,19 +1340,16 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     # ---- routes -------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
-        check_auth(request)
         req = await parse(request, CompletionRequest)
         return await run(request, req, req.prompts(), False, COMPLETIONS_DEFAULT_MAX_TOKENS, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        check_auth(request)
         req = await parse(request, ChatCompletionRequest)
         return await run(request, req, [req.engine_messages()], True, sampling_defaults.get("max_new_tokens"), "chat")
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        check_auth(request)
         req = await parse(request, ResponsesRequest)
         chat = req._chat
         try:
@@ -1346,7 +1374,6 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     async def tokenize(request: Request):
         """vLLM's ``/tokenize``: the tokens a completion of ``prompt``, or a chat of
         ``messages``, prefills (the same encoding, chat template and variables)."""
-        check_auth(request)
         req = await parse(request, tokenize_schema)
         chat = isinstance(req, TokenizeChatRequest)
         if (bad := req.fixed_option()) is not None:
@@ -1378,28 +1405,26 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     @app.post("/detokenize")
     async def detokenize(request: Request):
         """vLLM's ``/detokenize``: the text of ``tokens`` (ids in the vocabulary)."""
-        check_auth(request)
         req = await parse(request, DetokenizeRequest)
         vocab = engine.target.config.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
         return {"prompt": engine.decode(req.tokens)}
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_auth(request)
+    # (GET routes answer HEAD too, as load balancers' probes send it)
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
                                             "owned_by": "dflash-torch", "max_model_len": engine.max_context}]}
 
-    @app.get("/v1/models/{name:path}")
-    async def model(name: str, request: Request):
-        check_auth(request)
+    @app.api_route("/v1/models/{name:path}", methods=["GET", "HEAD"])
+    async def model(name: str):
         if name != model_id:
             raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
         return {"id": model_id, "object": "model", "created": created, "owned_by": "dflash-torch",
                 "max_model_len": engine.max_context}
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         """200 ``{"status": "ok", "model": ...}`` while requests can be served; 503
         ``{"status": "unavailable", "model": ..., "reason": ...}`` once they cannot (the
@@ -1410,7 +1435,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             return JSONResponse({"status": "unavailable", "model": model_id, "reason": reason}, status_code=503)
         return {"status": "ok", "model": model_id}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics_endpoint():
         metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
         body, content_type = metrics.exposition()

@@ -5,7 +5,8 @@ Each app owns its registry, so several apps can live in one process (tests).
 =====================================  =========  ==============================================
 name                                   type       meaning
 =====================================  =========  ==============================================
-dflash_requests_total                  counter    HTTP requests by ``endpoint`` and ``status``
+dflash_requests_total                  counter    HTTP requests by ``endpoint`` (the route: a path, or
+                                                  ``/v1/models/{model}``; ``other``: no route's) and ``status``
 dflash_request_latency_seconds         histogram  request latency (whole stream included) by endpoint
 dflash_time_to_first_token_seconds     histogram  from arrival to the first generated token (a scoring
                                                   request generates none: not observed)
@@ -153,16 +154,25 @@ class ServerMetrics:
 
 class MetricsMiddleware:
     """Pure ASGI middleware: counts requests by endpoint and status and observes latency
-    when the response has been sent completely (streams included)."""
+    when the response has been sent completely (streams included). ``endpoints``: the
+    labels, paths, or a route's path ending in a parameter (``/v1/models/{model}``: every
+    path under ``/v1/models/``); a request to none of them is counted as ``other``."""
 
     def __init__(self, app, metrics: ServerMetrics, endpoints: set[str]):
         self.app, self.metrics, self.endpoints = app, metrics, endpoints
+        self.prefixes = sorted(((e[:e.index("{")], e) for e in endpoints if e.endswith("}") and "{" in e), reverse=True)
+
+    def endpoint(self, path: str) -> str:
+        """The label of a request to ``path``."""
+        if path in self.endpoints:
+            return path
+        return next((label for prefix, label in self.prefixes if path.startswith(prefix)), "other")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path in self.endpoints else "other"
+        endpoint = self.endpoint(path)
         status = {"code": 500}
         start = time.perf_counter()
 
