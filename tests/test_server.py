@@ -1448,6 +1448,49 @@ def test_ignored_request_fields_are_logged_once(server):
     logged("colour_unknown", 1)
 
 
+def test_a_flood_of_unknown_fields_is_logged_in_one_bounded_line_and_later_ones_still_are(local_engine, caplog,
+                                                                                          monkeypatch):
+    """One request with 2,000 unknown fields is logged in one line naming the first 20 and
+    counting the rest (a long name cut to 80 characters), and does not switch the logging off: a misspelt
+    field a later request sends is still logged (trial-247: after 256 names, none ever was);
+    a name already logged is not logged again. The names remembered are bounded: the oldest
+    are forgotten (logged again if sent again)."""
+    import logging
+
+    from starlette.testclient import TestClient
+
+    from dflash_torch.serving import app as app_module
+    from dflash_torch.serving.app import create_app
+
+    monkeypatch.setattr(logging.getLogger("dflash_torch"), "propagate", True)  # (a CLI test here may stop it)
+    caplog.set_level(logging.WARNING, logger="dflash_torch.serving")
+    monkeypatch.setattr(app_module, "IGNORED_LOGGED", 30)  # (fewer requests to make it forget)
+    app = create_app(local_engine)
+
+    def logged(body: dict) -> list[str]:
+        caplog.clear()
+        assert client.post("/tokenize", json={"prompt": PROMPT, **body}).status_code == 200
+        return [r.getMessage() for r in caplog.records if "ignored the request field" in r.getMessage()]
+
+    try:
+        client = TestClient(app)
+        long_name = "x" * 5000
+        lines = logged({long_name: 0, **{f"k{i}": i for i in range(2000)}})
+        names = ", ".join([repr("x" * 80), *(repr(f"k{i}") for i in range(19))])
+        assert lines == [f"/tokenize: ignored the request fields {names} and 1981 more (not known to this server; "
+                         "each logged once)"], [line[:300] for line in lines]
+        assert logged({"max_tokenz": 5}) == ["/tokenize: ignored the request field 'max_tokenz' (not known to this "
+                                             "server; each logged once)"]
+        assert logged({"max_tokenz": 5, "k3": 1}) == []
+        assert logged({"k3": 1, "k20": 1}) == ["/tokenize: ignored the request field 'k20' (not known to this "
+                                               "server; each logged once)"]
+        for i in range(app_module.IGNORED_LOGGED):  # (as many names as it remembers: the oldest is forgotten)
+            assert len(logged({f"new{i}": 1})) == 1
+        assert len(logged({long_name: 1})) == 1
+    finally:
+        app.state.scheduler.close()
+
+
 def test_tools_a_chat_template_leaves_out_are_logged_once(server):
     """A request's tools that the chat template does not render (this one renders roles and
     contents only) are answered, and the log says once that the model is not told of them (an

@@ -112,7 +112,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # where omitted sampling values come from: the target's generation_config.json, or OpenAI's defaults
 GENERATION_CONFIGS = ("auto", "none")
 DISCONNECT_POLL_S = 0.5
-IGNORED_LOGGED = 256  # the most ignored field names a server logs (their names are the clients' to choose)
+# Unknown request fields are logged by name, each once; their names are the clients' to choose, so:
+IGNORED_LOGGED = 256  # the most names a server remembers having logged (then it forgets the least recently sent)
+IGNORED_PER_LINE = 20  # the most names one request's log line names (the rest counted: "and N more")
 # the request bodies' Content-Encoding s taken -> zlib's wbits (deflate: the zlib format, as HTTP defines it)
 CONTENT_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 # the most members a gzip request body may have (a client sends 1; each costs zlib a copy of the rest of the body)
@@ -713,21 +715,35 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         warn_unknown(req, data, path)  # (of a request taken)
         return req
 
-    warned: set[str] = set()  # unknown fields already logged (each once; at most IGNORED_LOGGED of them)
+    warned: dict[str, None] = {}  # unknown fields logged, the least recently sent first (at most IGNORED_LOGGED)
 
     def warn_unknown(req, data: dict, path: str) -> None:
         """Log the fields of the request ``req`` (``data`` validated) that the server does not
         know (a misspelt ``max_token`` or ``text.fromat`` would otherwise pass unseen), by
-        their path, each once per server: ignored, or (a tool's function's) passed to the chat
-        template as sent (:func:`~.protocol.unknown_fields`)."""
+        their path, each once: ignored, or (a tool's function's) passed to the chat template
+        as sent (:func:`~.protocol.unknown_fields`, which cuts a key to 80 characters). A
+        request's line names at most :data:`IGNORED_PER_LINE` of them (``and N more``), and the
+        server remembers the last :data:`IGNORED_LOGGED` names sent (a name it forgot is logged
+        again), so that no client can flood the log or, by sending many names, stop a later
+        misspelt field from being logged."""
         ignored, passed = unknown_fields(req, data)
         for fields, what in ((ignored, "ignored the request field%s %s (not known to this server; each logged once)"),
                              (passed, "passed the request field%s %s to the chat template as sent (not known to "
                                       "this server; each logged once)")):
-            fresh = [k for k in fields if k not in warned][:IGNORED_LOGGED - len(warned)]
-            if fresh:
-                warned.update(fresh)
-                log.warning("%s: " + what, path, "s" if len(fresh) > 1 else "", ", ".join(repr(k) for k in fresh))
+            for k in fields:  # (those logged before: recently sent again, kept longest)
+                if k in warned:
+                    warned[k] = warned.pop(k)
+            fresh = [k for k in fields if k not in warned]
+            if not fresh:
+                continue
+            named = fresh[:IGNORED_PER_LINE]
+            warned.update(dict.fromkeys(named))
+            while len(warned) > IGNORED_LOGGED:
+                del warned[next(iter(warned))]
+            names = ", ".join(repr(k) for k in named)
+            if len(fresh) > len(named):
+                names += f" and {len(fresh) - len(named)} more"
+            log.warning("%s: " + what, path, "s" if len(fresh) > 1 else "", names)
 
     def check_fields(req) -> None:
         bad = conflicting_fields(req)
