@@ -153,6 +153,45 @@ def test_serve_parser_defaults():
     assert (args.api_key, args.port, args.host) == ("k", 9000, "0.0.0.0")
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "5s"])
+def test_serve_refuses_a_keep_alive_timeout_that_is_not_a_positive_number_of_seconds(value, capsys):
+    from dflash_torch.cli import main as cli_main
+
+    try:
+        status = cli_main(["serve", "--port", str(_free_port()), "--timeout-keep-alive", value, "--target", "/nonexistent"])
+    except SystemExit as exit:  # (argparse's: not a number)
+        status = exit.code
+    assert status == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    words = ("argument --timeout-keep-alive: invalid float value" if value == "5s" else
+             f"--timeout-keep-alive must be a number of seconds > 0, got {value}")
+    assert len(err) == 1 and err[0].startswith(f"dflash-torch: error: {words}"), err
+    assert "/nonexistent" not in err[0]  # (refused before the models load)
+
+
+def test_serve_passes_its_keep_alive_timeout_to_uvicorn_and_logs_in_uvicorns_format():
+    """--timeout-keep-alive reaches uvicorn (default 5 s, uvicorn's; trial-247: it was fixed
+    at 5 s, below load balancers' idle timeouts, a cause of 502s); the server's own log lines
+    (a 499's, at INFO) pad the level as uvicorn's do ("INFO:     ", was "INFO:  ")."""
+    import logging
+
+    from dflash_torch.cli import build_parser
+    from dflash_torch.serving.cli import log_handler, uvicorn_config
+
+    async def app(scope, receive, send):  # (uvicorn.Config holds the app; it is not run here)
+        pass
+
+    parse = build_parser().parse_args
+    for argv, keep_alive in (([], 5), (["--timeout-keep-alive", "75"], 75), (["--timeout-keep-alive", "0.5"], 0.5)):
+        args = parse(["serve", "--host", "::1", "--port", "9001", *argv])
+        config = uvicorn_config(app, args)
+        assert (config.timeout_keep_alive, config.host, config.port, config.app) == (keep_alive, "::1", 9001, app)
+    handler = log_handler()
+    for level, prefix in ((logging.INFO, "INFO:     "), (logging.WARNING, "WARNING:  "), (logging.ERROR, "ERROR:    ")):
+        record = logging.LogRecord("dflash_torch.serving", level, __file__, 1, "a %s line", ("logged",), None)
+        assert handler.format(record) == prefix + "a logged line"
+
+
 def test_models_and_health(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]

@@ -90,6 +90,11 @@ def register(sub) -> None:
     p.add_argument("--sse-keepalive", type=float, default=15.0, metavar="SECONDS",
                    help="send an SSE comment line (': keep-alive', which clients skip) on a stream that has sent "
                         "nothing for this long, e.g. while a tool call is held back until complete (default 15; 0: never)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5, metavar="SECONDS",
+                   help="close an HTTP keep-alive connection idle this long (default 5, uvicorn's); behind a load "
+                        "balancer or proxy that keeps idle connections open longer (AWS ALB: 60 s), set it above "
+                        "the balancer's idle timeout, or it may send a request on a connection the server is "
+                        "closing (a 502)")
     p.add_argument("--allowed-origins", type=json_strings, default=["*"], metavar="JSON",
                    help="CORS: the origins whose browser scripts may call the server, a JSON list, e.g. "
                         "'[\"http://localhost:3000\"]' (default [\"*\"]: any)")
@@ -127,6 +132,8 @@ def _serve(args: argparse.Namespace) -> int:
     check_slots(args.max_queue, "--max-queue", minimum=0)
     check_warmup_context(args)
     check_keepalive(args.sse_keepalive, "--sse-keepalive")
+    if not 0 < args.timeout_keep_alive < float("inf"):
+        raise DFlashError(f"--timeout-keep-alive must be a number of seconds > 0, got {args.timeout_keep_alive:g}")
     if args.prefix_slots and (args.no_prefix_reuse or args.max_batch_size == 1 or args.draft_mode == "recompute"):
         if args.no_prefix_reuse:
             raise DFlashError("--prefix-slots has no effect with --no-prefix-reuse (no prefix is reused); drop it")
@@ -169,22 +176,39 @@ def _serve(args: argparse.Namespace) -> int:
             if self.force_exit:  # a second Ctrl-C skips the app's shutdown; asyncio.run would then cancel
                 await self.lifespan.shutdown()  # its lifespan task, which logs a CancelledError traceback
 
-    handler = logging.StreamHandler()  # (the server's own messages, at uvicorn's --log-level)
-    handler.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
-    logger = logging.getLogger("dflash_torch")
-    logger.addHandler(handler)
+    logger = logging.getLogger("dflash_torch")  # (the server's own messages, at uvicorn's --log-level)
+    logger.addHandler(log_handler())
     logger.setLevel(args.log_level.upper())
     logger.propagate = False
     if (warning := unparsed_calls_warning(args.tool_call_parser, app.state.tool_call_parser,
                                           getattr(engine.tokenizer, "chat_template", None))) is not None:
         logger.warning(warning)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    server = Server(config)
+    server = Server(uvicorn_config(app, args))
     try:
         server.run()  # (after Ctrl-C, raises KeyboardInterrupt: uvicorn raises the signal again once shut down)
     finally:
         _wait_for_engine(scheduler)
     return 0 if server.started else 1
+
+
+def uvicorn_config(app, args: argparse.Namespace):
+    """The ``uvicorn.Config`` serving ``app`` as the parsed ``serve`` arguments ``args`` ask
+    (``--host``, ``--port``, ``--log-level``, ``--timeout-keep-alive``)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                          timeout_keep_alive=args.timeout_keep_alive)
+
+
+def log_handler() -> logging.Handler:
+    """The handler of the server's own log lines (stderr): in the format of uvicorn's
+    (``INFO:     message``: the level and its colon padded to 9 characters, coloured where
+    uvicorn colours its own), so that a parser of uvicorn's lines reads them too."""
+    from uvicorn.logging import DefaultFormatter
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    return handler
 
 
 def unparsed_calls_warning(choice: str, resolved: str, chat_template: str | dict | None) -> str | None:
