@@ -34,7 +34,8 @@ def register(sub) -> None:
                                    "/tokenize, /detokenize, /health and /metrics.")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind: IPv4, IPv6 without brackets (::1, ::) or a host name (default 127.0.0.1)")
+                   help="address to bind: IPv4, IPv6 without brackets (::1, ::) or a host name (default 127.0.0.1); "
+                        ":: listens on IPv6 only (IPv4 clients are refused), 0.0.0.0 on IPv4 only, '' on both")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $DFLASH_API_KEY, else no key)")
