@@ -1934,6 +1934,7 @@ def test_sigterm_answers_a_request_still_sending_its_body_with_a_503_at_once(tin
             proc.kill()
     head, _, payload = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503 ") and b"content-type: application/json" in head.lower(), reply
+    assert b"\r\nretry-after: 1\r\n" in head.lower(), head  # (as a full queue's 503: a client retries it elsewhere)
     err = json.loads(payload)["error"]
     assert err["code"] == "server_shutting_down" and err["type"] == "server_error", err
     text = log.read_text()

@@ -24,7 +24,7 @@ invalid or unsupported input (any body the JSON parser or the validation cannot 
 not valid data of its Content-Encoding, included), 401 for a missing or wrong API key, 404
 for an unknown model or route, 413 for a body over that limit (sent or decoded), 415 (with
 ``Accept-Encoding``) for another Content-Encoding, 503 with ``Retry-After`` when the queue is
-full, 503 once the server shuts down (a stream starts, its status and headers sent, once its
+full, 503 with ``Retry-After`` once the server shuts down (a stream starts, its status and headers sent, once its
 prefill is done: an error found before is its status; a stream that fails after it started
 ends with an error event and ``[DONE]``); a 500 means a server bug, or ``--compile``'s graphs that torch
 failed to build (:class:`~dflash_torch.errors.CompileError`, named in the message; the
@@ -101,8 +101,8 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
 from .reasoning import (GEMMA4_CLOSE, GEMMA4_OPEN, HARMONY_MARKERS, THINK_CLOSE, THINK_OPEN, check_reasoning_parser,
                         resolve_parser)
 from .responses import ResponseBuilder, marker_pieces, sse_event
-from .scheduler import (Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, check_slots, choice_seed,
-                        fit_max_tokens, log, make_backend, param_of)
+from .scheduler import (RETRY_AFTER_S, Event, Job, ParamError, QueueFull, Scheduler, ShuttingDown, check_slots,
+                        choice_seed, fit_max_tokens, log, make_backend, param_of)
 from .tools import (CALL_CLOSE, CALL_OPEN, DEEPSEEK_MARKERS, FORCED_CALL_GRAMMARS, FORCED_CALL_MARKERS,
                     GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_QUOTE, GLM_MARKERS, KIMI_MARKERS,
                     MINIMAX_CALL_CLOSE, MINIMAX_CALL_OPEN, check_tool_parser, json_text, new_reply_parser, parse_reply,
@@ -136,8 +136,11 @@ class ClientGone(Exception):
 
 
 def shutting_down() -> APIError:
+    """The 503 ``server_shutting_down`` of a request the server will not serve because it shuts
+    down, with ``Retry-After`` (seconds), as a full queue's 503: a client or a load balancer
+    retries it, elsewhere."""
     return APIError(503, "the server is shutting down; retry the request later", type="server_error",
-                    code="server_shutting_down")
+                    code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
@@ -268,7 +271,7 @@ class UnstartedRequests:
 class ShutdownMiddleware:
     """Pure ASGI middleware: a request whose handler :meth:`UnstartedRequests.end` cancelled
     before its response started, or that arrives after, gets a 503 ``server_shutting_down``
-    (OpenAI's error JSON) at once, its handler left without a traceback. Without it, uvicorn
+    (OpenAI's error JSON, ``Retry-After``) at once, its handler left without a traceback. Without it, uvicorn
     waits its graceful time (5 s) for such a request, then cancels it: a bare 500 and a traceback."""
 
     def __init__(self, app, unstarted: UnstartedRequests):
@@ -306,7 +309,9 @@ class ShutdownMiddleware:
     @staticmethod
     async def _shutting_down(scope, receive, send) -> None:
         err = shutting_down()
-        await error_response(err.status, err.message, err.type, code=err.code)(scope, receive, send)
+        response = error_response(err.status, err.message, err.type, code=err.code)
+        response.headers.update(err.headers)
+        await response(scope, receive, send)
 
 
 def _as_responses(exc: APIError, req: ResponsesRequest) -> APIError:
