@@ -681,6 +681,9 @@ BAD_OPTIONS = [
     ("--api-key", "sk with spaces", ("serve",), "api-key"),
     ("--draft-max-batch-size", "0", ("serve", "bench"), "--draft-max-batch-size must be an integer >= 1 or 'auto'"),
     ("--prefix-slots", "-1", ("serve",), "--prefix-slots must be an integer >= 0, got -1$"),
+    ("--drain-timeout", "-1", ("serve",), r"--drain-timeout must be a number of seconds >= 0 \(0: no drain\), got -1$"),
+    ("--drain-timeout", "nan", ("serve",), "--drain-timeout must be a number of seconds >= 0 .*, got nan$"),
+    ("--drain-timeout", "inf", ("serve",), "--drain-timeout must be a number of seconds >= 0 .*, got inf$"),
     # (an empty name served the directory's name, a blank one served "  ")
     ("--model-name", "", ("serve",), "--model-name must not be empty"),
     ("--model-name", "  ", ("serve",), "--model-name must not be empty"),

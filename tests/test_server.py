@@ -1766,10 +1766,15 @@ def test_serve_listens_on_ipv6(tiny_pair, tmp_path, capsys):
     assert f"serving 'x' on {base}/v1 " in log.read_text()
 
 
-def test_sigint_ends_every_request_cleanly(tmp_path):
+@pytest.mark.parametrize("sig, drain_timeout, statuses", [("SIGINT", "600", (0, 130)), ("SIGHUP", "0.5", (-1,))])
+def test_sigint_and_sighup_end_every_request_cleanly(tmp_path, sig, drain_timeout, statuses):
     """Ctrl-C while one client streams and another waits in the queue: the stream ends
     with an error event and [DONE], the queued request gets a 503 with OpenAI's error
-    JSON, the server exits promptly and logs no traceback."""
+    JSON and Retry-After, the server exits promptly and logs no traceback; whatever
+    --drain-timeout says (a drain is SIGTERM's and SIGHUP's). SIGHUP (an ssh session that
+    drops) is taken as SIGTERM: here the drain's time runs out, then the requests end as they do
+    at once without one, and the process is killed by SIGHUP (it was killed at once: the stream
+    cut without an error event, "incomplete chunked read")."""
     import signal
 
     port = _free_port()
@@ -1780,7 +1785,7 @@ def test_sigint_ends_every_request_cleanly(tmp_path):
             # seconds, longer than uvicorn's 5 s graceful-shutdown time; one slot, so that
             # the second request waits in the queue
             [sys.executable, "-m", "dflash_torch.cli", "serve", "--port", str(port), "--model-name", "x", "--block-size", "1",
-             "--max-batch-size", "1"],
+             "--max-batch-size", "1", "--drain-timeout", drain_timeout],
             stdout=fh, stderr=subprocess.STDOUT, env=_env())
     base = f"http://127.0.0.1:{port}"
     events, queued = [], {}
@@ -1808,10 +1813,10 @@ def test_sigint_ends_every_request_cleanly(tmp_path):
         clients[1].start()
         while "dflash_queue_depth 2.0" not in httpx.get(f"{base}/metrics", timeout=10).text:
             time.sleep(0.05)  # until the second request waits behind the stream
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, sig))
         for t in clients:
             t.join(60)
-        assert proc.wait(20) in (0, 130)  # 130: the conventional status after Ctrl-C
+        assert proc.wait(20) in statuses  # 130: the conventional status after Ctrl-C
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -1821,8 +1826,10 @@ def test_sigint_ends_every_request_cleanly(tmp_path):
     assert err["type"] == "server_error" and err["code"] == "server_shutting_down", err
     assert all("choices" in json.loads(e) for e in events[:-2])
     err = _assert_openai_error(queued["response"], 503)
-    assert err["code"] == "server_shutting_down", err
+    assert err["code"] == "server_shutting_down" and int(queued["response"].headers["retry-after"]) >= 1, err
     assert "Traceback" not in text and "CancelledError" not in text, text
+    if sig == "SIGHUP":
+        assert "SIGHUP: draining" in text and "the drain took --drain-timeout 0.5 s: ending the 2 requests" in text, text
 
 
 def _ignore_sigint() -> None:  # (as a shell does for a command it starts in the background: `serve &`)

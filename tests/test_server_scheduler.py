@@ -27,14 +27,15 @@ PROMPTS = ["def f(x):", "class A:", "import os\n", "for i in range(10):", "x = [
 
 
 @contextmanager
-def _serve(tiny_pair, logdir, *extra: str):
-    """A server of ``tiny_pair`` (target, drafter; drafter None: none, e.g. with ``--no-draft``)."""
+def _serve(tiny_pair, logdir, *extra: str, code: str | None = None):
+    """A server of ``tiny_pair`` (target, drafter; drafter None: none, e.g. with ``--no-draft``);
+    ``code``: the Python code run (``python -c``) instead of the CLI's module (it runs the CLI)."""
     target, drafter = tiny_pair
     port = _free_port()
     log = logdir / f"server-{port}.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash_torch.cli", "serve", "--target", str(target),
+            [sys.executable, *(["-c", code] if code else ["-m", "dflash_torch.cli"]), "serve", "--target", str(target),
              *(["--draft", str(drafter)] if drafter is not None else []), "--port", str(port), "--model-name", MODEL,
              "--log-level", "warning", "--api-key", API_KEY, *extra],
             stdout=fh, stderr=subprocess.STDOUT, env=_env())
@@ -432,6 +433,103 @@ class _Streams:
         for t in self.threads:
             t.join(120)
         self.wait_for("dflash_running_requests", 0)
+
+
+# ``dflash-torch serve`` with a probe: as the models start loading, another socket (SO_REUSEADDR, as
+# uvicorn's and most servers' are) tries to bind the server's port, and says how that went
+_PROBE_THE_PORT = (
+    "import socket\nfrom dflash_torch import cli\nload = cli.load_engine\n"
+    "def probe(args):\n"
+    "    with socket.socket() as s:\n"
+    "        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "        try:\n"
+    "            s.bind((args.host, args.port))\n"
+    "            print('probe: the port was free while the models loaded', flush=True)\n"
+    "        except OSError as e:\n"
+    "            print('probe: binding the port while the models loaded:', e.strerror, flush=True)\n"
+    "    return load(args)\n"
+    "cli.load_engine = probe\ncli.entry()\n")
+
+
+def test_sigterm_with_a_drain_timeout_lets_the_requests_taken_finish(tiny_pair, tmp_path):
+    """--drain-timeout: SIGTERM while a stream runs (one slot), a request waits in the queue and a
+    third one's body is still arriving: the server stops taking requests at once (a new one, and
+    /health, get a 503 server_shutting_down with Retry-After; /metrics still answers), the three
+    finish whole (the third taken once its body arrives), then the server exits, killed by
+    SIGTERM as without a drain. Without it, SIGTERM ended them all at once (a stream's error
+    event, 503s), which failed every running generation of a load balancer's rolling restart.
+    And the port is the server's from the check that it is free on: while the models load,
+    another socket cannot bind it (it could: the check's socket was closed, and uvicorn bound
+    the port again after the load, so a process that took it meanwhile made the server fail
+    late, with uvicorn's "address already in use" and exit 3)."""
+    import signal
+    import socket
+
+    tokens = 300
+    with _serve(tiny_pair, tmp_path, "--max-batch-size", "1", "--drain-timeout", "600", code=_PROBE_THE_PORT) as srv:
+        assert "probe: binding the port while the models loaded: Address already in use" in srv.log.read_text()
+        port = int(srv.base.rsplit(":", 1)[1])
+        body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": tokens, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        events, answers = [], {}
+
+        def stream():
+            with httpx.stream("POST", f"{srv.base}/v1/completions", headers=headers, timeout=120,
+                              json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                answers["stream"] = r.status_code
+                events.extend(line[len("data: "):] for line in r.iter_lines() if line.startswith("data: "))
+
+        def wait_for(name: str, value: float):
+            deadline = time.time() + 120
+            while _gauge(srv.metrics(), name) != value:
+                assert time.time() < deadline, srv.log.read_text()
+                time.sleep(0.02)
+
+        # the third request first, while the server is idle: its headers and part of its body
+        third = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode()
+        tasks = _gauge(srv.metrics(), "dflash_event_loop_tasks")  # (the /metrics request's own included)
+        with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer %s\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+                         % (API_KEY.encode(), len(third)) + third[:10])
+            wait_for("dflash_event_loop_tasks", tasks + 1)  # (its handler reads the body)
+            clients = [threading.Thread(target=stream),
+                       threading.Thread(target=lambda: answers.setdefault("queued", srv.post("/v1/completions", body)))]
+            clients[0].start()
+            wait_for("dflash_running_requests", 1)
+            clients[1].start()
+            wait_for("dflash_waiting_requests", 1)  # (behind the stream, which still runs)
+            srv.proc.send_signal(signal.SIGTERM)
+            deadline = time.time() + 60
+            while (health := httpx.get(f"{srv.base}/health", timeout=10)).status_code == 200:  # (till the drain starts)
+                assert time.time() < deadline, srv.log.read_text()
+                time.sleep(0.02)
+            streamed_at_sigterm = len(events)
+            for r in (health, srv.post("/v1/completions", {**body, "max_tokens": 2})):
+                assert _assert_openai_error(r, 503)["code"] == "server_shutting_down" and int(r.headers["retry-after"]) >= 1
+            assert httpx.get(f"{srv.base}/metrics", timeout=10).status_code == 200
+            assert srv.proc.poll() is None  # (the third request holds the drain)
+            sock.sendall(third[10:])
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        for t in clients:
+            t.join(120)
+        assert srv.proc.wait(60) == -15, srv.log.read_text()
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), reply
+    assert json.loads(payload)["usage"]["completion_tokens"] == 4
+    assert answers["stream"] == 200 and events[-1] == "[DONE]" and streamed_at_sigterm < len(events), events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not [c for c in chunks if "error" in c], chunks[-2:]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == tokens
+    queued = answers["queued"]
+    assert queued.status_code == 200, queued.text
+    assert queued.json()["choices"][0]["finish_reason"] == "length"
+    assert queued.json()["usage"]["completion_tokens"] == tokens
+    text = srv.log.read_text()
+    assert "SIGTERM: draining" in text and "Traceback" not in text, text
 
 
 def test_max_queue_0_serves_while_a_slot_is_free_and_answers_503_at_once_when_all_are_busy(tiny_pair, tmp_path):

@@ -24,7 +24,7 @@ invalid or unsupported input (any body the JSON parser or the validation cannot 
 not valid data of its Content-Encoding, included), 401 for a missing or wrong API key, 404
 for an unknown model or route, 413 for a body over that limit (sent or decoded), 415 (with
 ``Accept-Encoding``) for another Content-Encoding, 503 with ``Retry-After`` when the queue is
-full, 503 with ``Retry-After`` once the server shuts down (a stream starts, its status and headers sent, once its
+full, 503 with ``Retry-After`` once the server shuts down or drains (a stream starts, its status and headers sent, once its
 prefill is done: an error found before is its status; a stream that fails after it started
 ends with an error event and ``[DONE]``); a 500 means a server bug, or ``--compile``'s graphs that torch
 failed to build (:class:`~dflash_torch.errors.CompileError`, named in the message; the
@@ -137,8 +137,8 @@ class ClientGone(Exception):
 
 def shutting_down() -> APIError:
     """The 503 ``server_shutting_down`` of a request the server will not serve because it shuts
-    down, with ``Retry-After`` (seconds), as a full queue's 503: a client or a load balancer
-    retries it, elsewhere."""
+    down (or drains), with ``Retry-After`` (seconds), as a full queue's 503: a client or a load
+    balancer retries it, elsewhere."""
     return APIError(503, "the server is shutting down; retry the request later", type="server_error",
                     code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
 
@@ -252,10 +252,14 @@ def busy() -> bool:
 class UnstartedRequests:
     """The requests whose response has not started (the body still arriving, the prompt being
     tokenized, the job waiting for its first token), for :meth:`end` to answer at once when the
-    server shuts down. Their handlers run inside :class:`ShutdownMiddleware`; the event loop's only."""
+    server shuts down, and the number of requests in progress (started or not), which a
+    draining server waits for. Their handlers run inside :class:`ShutdownMiddleware`; the event
+    loop's only."""
 
     def __init__(self):
         self.closed = False
+        self.draining = False  # (new requests get the 503; those in progress go on)
+        self.in_progress = 0  # (requests inside ShutdownMiddleware, until their response is sent)
         self.tasks: set[asyncio.Task] = set()  # (their handlers' tasks)
         self.ended: set[asyncio.Task] = set()  # (those end() cancelled)
 
@@ -271,8 +275,10 @@ class UnstartedRequests:
 class ShutdownMiddleware:
     """Pure ASGI middleware: a request whose handler :meth:`UnstartedRequests.end` cancelled
     before its response started, or that arrives after, gets a 503 ``server_shutting_down``
-    (OpenAI's error JSON, ``Retry-After``) at once, its handler left without a traceback. Without it, uvicorn
-    waits its graceful time (5 s) for such a request, then cancels it: a bare 500 and a traceback."""
+    (OpenAI's error JSON, ``Retry-After``) at once, its handler left without a traceback. Without
+    it, uvicorn waits its graceful time (5 s) for such a request, then cancels it: a bare 500 and
+    a traceback. While the server drains, a request that arrives gets that 503 too (``/metrics``
+    excepted), and those in progress go on."""
 
     def __init__(self, app, unstarted: UnstartedRequests):
         self.app, self.unstarted = app, unstarted
@@ -281,7 +287,7 @@ class ShutdownMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         unstarted = self.unstarted
-        if unstarted.closed:
+        if unstarted.closed or (unstarted.draining and scope["path"] != "/metrics"):
             return await self._shutting_down(scope, receive, send)
         task = asyncio.current_task()
         started = False
@@ -294,6 +300,7 @@ class ShutdownMiddleware:
             await send(message)
 
         unstarted.tasks.add(task)
+        unstarted.in_progress += 1
         try:
             await self.app(scope, receive, send_wrapper)
         except asyncio.CancelledError:
@@ -303,6 +310,7 @@ class ShutdownMiddleware:
                 task.uncancel()
             await self._shutting_down(scope, receive, send)
         finally:
+            unstarted.in_progress -= 1
             unstarted.tasks.discard(task)
             unstarted.ended.discard(task)
 
@@ -568,6 +576,21 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         scheduler.shutdown()
         unstarted.end()
 
+    def drain() -> int:
+        """Stop taking requests, and let those in progress finish (the server drains before it
+        shuts down; on the event loop): from now on a request gets a 503 ``server_shutting_down``
+        with ``Retry-After`` at once (``/health`` too, so that a load balancer stops sending
+        any; ``/metrics`` excepted); those already taken (running, queued, or not yet queued:
+        their body arriving, their prompt being tokenized) go on, streams too. Idempotent.
+        Returns the number of requests in progress (:func:`requests_in_progress`)."""
+        unstarted.draining = True
+        return unstarted.in_progress
+
+    def requests_in_progress() -> int:
+        """Requests taken whose response has not been sent whole yet (streams until their
+        last frame; ``/metrics`` requests too)."""
+        return unstarted.in_progress
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -578,7 +601,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     app.state.engine, app.state.metrics, app.state.scheduler, app.state.model_id = engine, metrics, scheduler, model_id
     app.state.reasoning_parser, app.state.tool_call_parser = reasoning, tool_calls
     app.state.sampling_defaults = sampling_defaults
-    app.state.shutdown = shutdown
+    app.state.shutdown, app.state.drain, app.state.requests_in_progress = shutdown, drain, requests_in_progress
     if api_key is not None:  # (innermost: its 401s are counted)
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(ShutdownMiddleware, unstarted=unstarted)  # (its 503s are counted)
@@ -1450,7 +1473,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         """200 ``{"status": "ok", "model": ...}`` while requests can be served; 503
         ``{"status": "unavailable", "model": ..., "reason": ...}`` once they cannot (the
         scheduler's decoding loop has ended: :meth:`.scheduler.Scheduler.unavailable`). Once the
-        server shuts down, every request, this one too, is a 503 ``server_shutting_down``."""
+        server shuts down or drains, every request, this one too, is a 503 ``server_shutting_down``."""
         reason = scheduler.unavailable()
         if reason is not None:
             return JSONResponse({"status": "unavailable", "model": model_id, "reason": reason}, status_code=503)

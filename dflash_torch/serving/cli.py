@@ -96,6 +96,11 @@ def register(sub) -> None:
                         "balancer or proxy that keeps idle connections open longer (AWS ALB: 60 s), set it above "
                         "the balancer's idle timeout, or it may send a request on a connection the server is "
                         "closing (a 502)")
+    p.add_argument("--drain-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="on SIGTERM (or SIGHUP), stop taking requests at once (each new one, /health too, gets a 503 "
+                        "server_shutting_down with Retry-After), let those running or queued finish, streams too, "
+                        "for up to this long, then end the rest and exit, as a load balancer's rolling restart "
+                        "wants (default 0: end every request at once); Ctrl-C (SIGINT) always ends them at once")
     p.add_argument("--allowed-origins", type=json_strings, default=["*"], metavar="JSON",
                    help="CORS: the origins whose browser scripts may call the server, a JSON list, e.g. "
                         "'[\"http://localhost:3000\"]' (default [\"*\"]: any)")
@@ -115,10 +120,7 @@ def register(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from ..cli import check_warmup_context, load_engine, warm_up
-    from .app import create_app
+    from ..cli import check_warmup_context
     from .scheduler import check_slots
 
     if not 1 <= args.port <= 65535:
@@ -135,13 +137,35 @@ def _serve(args: argparse.Namespace) -> int:
     check_keepalive(args.sse_keepalive, "--sse-keepalive")
     if not 0 < args.timeout_keep_alive < float("inf"):
         raise DFlashError(f"--timeout-keep-alive must be a number of seconds > 0, got {args.timeout_keep_alive:g}")
+    if not 0 <= args.drain_timeout < float("inf"):
+        raise DFlashError(f"--drain-timeout must be a number of seconds >= 0 (0: no drain), got {args.drain_timeout:g}")
     if args.prefix_slots and (args.no_prefix_reuse or args.max_batch_size == 1 or args.draft_mode == "recompute"):
         if args.no_prefix_reuse:
             raise DFlashError("--prefix-slots has no effect with --no-prefix-reuse (no prefix is reused); drop it")
         why = "--max-batch-size 1" if args.max_batch_size == 1 else "--draft-mode recompute"
         raise DFlashError(f"--prefix-slots has no effect with {why} (one sequence at a time, which keeps the last "
                           "request's rows only); drop it")
-    check_listen(args.host, args.port)  # (fail before loading models when the address is taken)
+    # (fail before loading models when the address is taken; held from now on, served by uvicorn)
+    sockets = listen(args.host, args.port)
+    try:
+        return _serve_on(args, sockets, api_key)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _serve_on(args: argparse.Namespace, sockets: list, api_key: str | None) -> int:
+    """``dflash-torch serve`` once its listening ``sockets`` are bound: load, then serve on them."""
+    import contextlib
+    import signal
+    import threading
+    import time
+
+    import uvicorn
+
+    from ..cli import load_engine, warm_up
+    from .app import create_app
+
     engine = load_engine(args)
     warm_up(engine, args, batch=engine.max_batch_size > 1)
     app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,
@@ -166,12 +190,70 @@ def _serve(args: argparse.Namespace) -> int:
                  f"{cap} tokens (its max_new_tokens)")
               + " (--generation-config none: OpenAI's defaults)", flush=True)
 
+    drain_log = logging.getLogger("dflash_torch.serving")
+
     class Server(uvicorn.Server):
+        signals: list[int]  # (those caught, raised again once the server ended: capture_signals)
+        drain_until: float | None = None  # (time.monotonic() at which a drain SIGTERM / SIGHUP began ends)
+        draining = False
+
+        def handle_exit(self, sig, frame):
+            # (uvicorn's, but SIGTERM and SIGHUP with --drain-timeout start a drain: on_tick)
+            self.signals.append(sig)
+            if sig != signal.SIGINT and args.drain_timeout and not self.should_exit:
+                if self.drain_until is None:
+                    self.drain_until = time.monotonic() + args.drain_timeout
+            elif self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # (a second Ctrl-C: uvicorn stops waiting for the connections)
+            else:
+                self.should_exit = True
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # (uvicorn's, with SIGHUP, which an ssh session that drops sends, as SIGTERM, unless it was
+            # ignored at start: nohup): once the server has ended, each signal caught is raised again,
+            # under the handler it replaced (killed by SIGTERM, status 143, as without the server;
+            # SIGINT: KeyboardInterrupt, status 130)
+            self.signals = []
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            caught = [signal.SIGINT, signal.SIGTERM]
+            if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+                caught.append(signal.SIGHUP)
+            replaced = {sig: signal.signal(sig, self.handle_exit) for sig in caught}
+            try:
+                yield
+            finally:
+                for sig, handler in replaced.items():
+                    signal.signal(sig, handler)
+            for sig in reversed(self.signals):
+                signal.raise_signal(sig)
+
+        async def on_tick(self, counter):
+            if self.drain_until is not None and not self.should_exit:
+                if not self.draining:
+                    self.draining = True
+                    left = app.state.drain()
+                    drain_log.warning("%s: draining: new requests get a 503 server_shutting_down; %d in progress "
+                                      "may finish for up to %g s (--drain-timeout)",
+                                      signal.Signals(self.signals[-1]).name, left, args.drain_timeout)
+                left = app.state.requests_in_progress()
+                if not left:
+                    drain_log.info("drained: every request taken has finished; shutting down")
+                    self.should_exit = True
+                elif time.monotonic() >= self.drain_until:
+                    drain_log.warning("the drain took --drain-timeout %g s: ending the %d request%s still in "
+                                      "progress", args.drain_timeout, left, "s" if left > 1 else "")
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
         async def shutdown(self, sockets=None):
-            # Ctrl-C / SIGTERM: end the generations first (a queued request gets a 503, a stream an
-            # error event and [DONE], a running round finishes) rather than when uvicorn's graceful
-            # time runs out and it cancels them (a bare 500, a stream cut short, a traceback); a request
-            # whose response has not started (its body arriving, its prompt being tokenized) gets a 503
+            # Ctrl-C / SIGTERM / SIGHUP (after the drain of --drain-timeout): end the generations
+            # first (a queued request gets a 503, a stream an error event and [DONE], a running round
+            # finishes) rather than when uvicorn's graceful time runs out and it cancels them (a bare
+            # 500, a stream cut short, a traceback); a request whose response has not started (its
+            # body arriving, its prompt being tokenized) gets a 503
             app.state.shutdown()
             await super().shutdown(sockets=sockets)
             if self.force_exit:  # a second Ctrl-C skips the app's shutdown; asyncio.run would then cancel
@@ -186,7 +268,7 @@ def _serve(args: argparse.Namespace) -> int:
         logger.warning(warning)
     server = Server(uvicorn_config(app, args))
     try:
-        server.run()  # (after Ctrl-C, raises KeyboardInterrupt: uvicorn raises the signal again once shut down)
+        server.run(sockets=sockets)  # (after Ctrl-C, raises KeyboardInterrupt: the signal raised again once shut down)
     finally:
         _wait_for_engine(scheduler)
     return 0 if server.started else 1
@@ -235,31 +317,41 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def check_listen(host: str, port: int) -> None:
-    """Check that the server can listen on ``host``, ``port``: bind a socket to every address
-    ``host`` resolves to (IPv4 and IPv6), as uvicorn (asyncio's ``create_server``) will.
+def listen(host: str, port: int) -> list:
+    """Listen on ``host``, ``port``: a TCP socket bound to every address ``host`` resolves to
+    (IPv4 and IPv6; ``""``: every interface), as uvicorn (asyncio's ``create_server``) binds
+    them, listening at once, so that the port is the caller's from now on (no other process can
+    take it while the models load; a connection made meanwhile waits in the backlog until the
+    sockets are served: ``uvicorn.Server.run(sockets=...)``).
+
+    Returns:
+        The listening ``socket.socket`` s (the caller closes them).
 
     Raises:
         DFlashError: ``host`` in brackets (``[::1]``: give ``::1``), does not resolve, or an
             address is taken or not this machine's.
     """
-    import contextlib
     import socket
 
     if host.startswith("[") and host.endswith("]"):
         raise DFlashError(f"--host takes an IPv6 address without brackets: --host {host[1:-1]}, not {host}")
+    sockets = []
     try:
         # (as asyncio: "" is every interface)
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        with contextlib.ExitStack() as sockets:
-            for family, kind, proto, _, address in dict.fromkeys(infos):
-                sock = sockets.enter_context(socket.socket(family, kind, proto))
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:  # (as asyncio: [::] is not also 0.0.0.0)
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind(address)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # (as asyncio: [::] is not also 0.0.0.0)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen()  # (taken: another socket, SO_REUSEADDR or not, cannot bind it now)
     except OSError as e:
+        for sock in sockets:
+            sock.close()
         raise DFlashError(f"cannot listen on {_host_port(host, port)}: {e.strerror}") from None
+    return sockets
 
 
 def _wait_for_engine(scheduler) -> None:

@@ -74,7 +74,7 @@ from .metrics import ServerMetrics
 
 log = logging.getLogger("dflash_torch.serving")
 
-RETRY_AFTER_S = 1  # the Retry-After of the 503s: a full queue, a server shutting down
+RETRY_AFTER_S = 1  # the Retry-After of the 503s: a full queue, a server shutting down (or draining)
 
 # The request parameter an engine error message is about, from its first word.
 _PARAM_OF_MESSAGE = {"stop token ids": "stop_token_ids", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
