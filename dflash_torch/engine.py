@@ -1183,8 +1183,10 @@ class DFlashEngine:
                               "while no request runs)")
         if compute.on_compute_thread():
             if not self.lock.acquire(blocking=False):
-                raise DFlashError("this engine is busy with the request that runs this code; on_chunk (or any code "
-                                  "run on the compute thread) must not call the engine")
+                raise DFlashError("this engine is busy with another request (an open stream, or the request whose "
+                                  "on_chunk runs this code), and code on the compute thread (on_chunk, compute.run) "
+                                  "must not call the engine: that request needs the compute thread, so it cannot be "
+                                  "waited for; call the engine from another thread (an open stream: close() it first)")
         else:
             swept = False
             while threading.current_thread() in self._readers:
@@ -1203,7 +1205,9 @@ class DFlashEngine:
                                       "it before starting a new request from this thread (a stream held by a variable "
                                       "stays open, through an exception's traceback too: `with contextlib.closing("
                                       "engine.stream(...)) as chunks:` closes it), or raise "
-                                      "dflash_torch.engine.STALLED_STREAM_S for a stream that other threads read slowly")
+                                      "dflash_torch.engine.STALLED_STREAM_S for a stream that other threads read slowly; "
+                                      "an asyncio app that reads streams with run_in_executor needs an executor with "
+                                      "more threads than engine calls at once")
             else:  # (another thread reads the stream, or holds the engine: wait for it)
                 collected = time.monotonic()
                 while not self.lock.acquire(timeout=0.5):

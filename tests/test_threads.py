@@ -278,6 +278,14 @@ def test_on_chunk_that_calls_its_own_engine_gets_an_error_not_a_deadlock(tiny_pa
     assert not t.is_alive(), "deadlock: on_chunk's request waits for the request that called it"
     assert "must not call the engine" in str(out["error"]) and len(errors) == 1
     assert engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids == ref.token_ids
+    # (code run on the compute thread while a stream is open: the message names the stream, trial-245: it spoke
+    # of "the request that runs this code" and on_chunk alone)
+    chunks = engine.stream(PROMPT, max_new_tokens=8, ignore_eos=True)
+    next(chunks)
+    with pytest.raises(DFlashError, match=r"busy with another request \(an open stream, .*compute\.run.*close\(\) it"):
+        compute.run(lambda: engine.generate("x", max_new_tokens=2))
+    chunks.close()
+    assert engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids == ref.token_ids
 
 
 def test_decoder_steps_from_another_thread_while_the_compute_thread_runs_are_refused(tiny_pair):
