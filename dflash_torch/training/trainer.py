@@ -436,7 +436,7 @@ def check_drafter_fits(dcfg: DrafterConfig, cfg: TrainConfig) -> None:
     ``--num-layers``; with ``--init-from``, that drafter, whose shape it is).
 
     Raises:
-        DFlashError: ``the drafter needs 3.1 TB to train (192,004,096 parameters at 16 bytes
+        DFlashError: ``the drafter needs 3.1 TB to train (192,000,016,672 parameters at 16 bytes
             each: ...); cpu has 12.3 GB free beside the target: ...``.
     """
     with torch.device("meta"):
