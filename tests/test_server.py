@@ -1786,7 +1786,9 @@ def test_sigint_and_sighup_end_every_request_cleanly(tmp_path, sig, drain_timeou
             # the second request waits in the queue
             [sys.executable, "-m", "dflash_torch.cli", "serve", "--port", str(port), "--model-name", "x", "--block-size", "1",
              "--max-batch-size", "1", "--drain-timeout", drain_timeout],
-            stdout=fh, stderr=subprocess.STDOUT, env=_env())
+            stdout=fh, stderr=subprocess.STDOUT, env=_env(),
+            # (SIGHUP as a terminal leaves it: a suite run under nohup passes it on ignored, which the server keeps)
+            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     base = f"http://127.0.0.1:{port}"
     events, queued = [], {}
     streaming = threading.Event()
