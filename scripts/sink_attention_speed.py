@@ -1,5 +1,5 @@
 """Speed of gpt-oss's sink attention on the CPU: torch's flash-attention kernel with each
-row scaled by its log-sum-exp (``gpt_oss._sink_attend_flash``, the default on a CPU) vs the
+row scaled by its log-sum-exp (``gpt_oss._sink_attend_flash``, a CPU's for prefill chunks) vs the
 logits written out (``gpt_oss._sink_attend_logits``), in one process, alternating.
 
 Part 1 times the attention alone at gpt-oss-20b's heads (64 query, 8 key/value heads of 64

@@ -80,7 +80,8 @@ def test_sink_attention_batched_and_chunked_equal_one_pass(monkeypatch, path):
     log-sum-exp, the default on a CPU; the logits written out, elsewhere) give the
     definition, one sequence and batched, a sequence that sees no key included."""
     if path == "flash":
-        assert gpt_oss._FLASH_CPU is not None  # (torch >= 2.7 has it: the default on a CPU)
+        assert gpt_oss._FLASH_CPU is not None  # (torch >= 2.7 has it: the default on a CPU for long blocks)
+        monkeypatch.setattr(gpt_oss, "FLASH_MIN_ROWS", 1)
     else:
         monkeypatch.setattr(gpt_oss, "_FLASH_CPU", None)
     g = torch.Generator().manual_seed(0)
@@ -102,6 +103,28 @@ def test_sink_attention_batched_and_chunked_equal_one_pass(monkeypatch, path):
     assert torch.all(batched[tq:2 * tq] == 0)
     monkeypatch.setattr(gpt_oss, "_SCORES_PER_CHUNK", heads * n * tk * 2)  # two query rows a chunk
     torch.testing.assert_close(gpt_oss.sink_attend(q, k, v, bias, sinks), batched)
+
+
+def test_only_prefill_sized_blocks_take_the_flash_kernel(checkpoint):
+    """The flash kernel's rows depend on how many run at once; a verify block's and a
+    target-only step's must not, so those take the logits' path and only blocks of at least
+    FLASH_MIN_ROWS (prefill chunks, read alike by both runs) the kernel: in bfloat16 a tiny
+    gpt-oss's speculative output left the target-only one on most prompts (trial-248)."""
+    g = torch.Generator().manual_seed(2)
+    heads, kv, d, tk = 4, 2, 16, 300
+    k, v = (torch.randn(kv, tk, d, generator=g).bfloat16() for _ in range(2))
+    sinks = torch.randn(heads, generator=g)
+    for tq, path in ((1, gpt_oss._sink_attend_logits), (16, gpt_oss._sink_attend_logits),
+                     (gpt_oss.FLASH_MIN_ROWS, gpt_oss._sink_attend_flash)):
+        q = torch.randn(heads, tq, d, generator=g).bfloat16()
+        bias = torch.zeros(tq, tk).masked_fill(torch.arange(tk) > torch.arange(tk - tq, tk)[:, None], float("-inf"))
+        bias = bias.repeat(heads // kv, 1)
+        assert torch.equal(gpt_oss.sink_attend(q, k, v, bias, sinks), path(q, k, v, bias, sinks)), tq
+    spec = DFlashEngine.from_pretrained(*checkpoint, dtype="bfloat16")
+    target_only = DFlashEngine(spec.target, spec.tokenizer)
+    for prompt in ("def f(x):", "class A:\n    pass\n", "import os\n", "for i in range(3):"):
+        ref = target_only.generate(prompt, max_new_tokens=40, ignore_eos=True).token_ids
+        assert spec.generate(prompt, max_new_tokens=40, ignore_eos=True).token_ids == ref, prompt
 
 
 def test_sink_attention_by_flash_attention_equals_the_logits_in_bfloat16():

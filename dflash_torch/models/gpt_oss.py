@@ -101,8 +101,12 @@ def sink_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
     of plain attention by ``exp(L) / (exp(L) + exp(sink)) = sigmoid(L - sink)``. On the CPU
     that is torch's flash-attention kernel (:func:`_sink_attend_flash`: 3.4x to 5.2x faster in
     four runs, bfloat16, 16 to 1,024 queries over 4,096 keys, gpt-oss-20b's 64 query and 8
-    key/value heads of 64 dimensions, 1 thread; ``scripts/sink_attention_speed.py``);
-    elsewhere the logits are written out (:func:`_sink_attend_logits`).
+    key/value heads of 64 dimensions, 1 thread; ``scripts/sink_attention_speed.py``), for
+    blocks of at least :data:`FLASH_MIN_ROWS` queries a sequence: prefill chunks, which a
+    speculative and a target-only run read alike. A verify block and a target-only step take
+    the logits' path (:func:`_sink_attend_logits`), as elsewhere than the CPU: its rows do
+    not depend on how many run at once, the flash kernel's do (in bfloat16 a tiny gpt-oss's
+    speculative output left the target-only output on 19 of 30 prompts; trial-248).
 
     Args:
         q, k, v, bias: as :func:`~dflash_torch.models.layers.attend` (one sequence:
@@ -114,9 +118,16 @@ def sink_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
     Returns:
         ``[Tq, heads * d]`` (N sequences: ``[N * Tq, heads * d]``) in ``v.dtype``.
     """
-    if q.device.type == "cpu" and _FLASH_CPU is not None:
+    rows = q.shape[1] // (k.shape[0] if k.dim() == 4 else 1)  # (a sequence's)
+    if q.device.type == "cpu" and _FLASH_CPU is not None and rows >= FLASH_MIN_ROWS:
         return _sink_attend_flash(q, k, v, bias, sinks)
     return _sink_attend_logits(q, k, v, bias, sinks)
+
+
+FLASH_MIN_ROWS = 128
+"""Query rows a sequence from which :func:`sink_attend` takes the flash kernel on the CPU:
+above any verify block (drafters' blocks are 16 tokens or fewer), below the default prefill
+chunk (256)."""
 
 
 # (torch's CPU flash attention, which returns the rows' log-sum-exp; absent from a torch without it)
