@@ -1013,12 +1013,13 @@ def test_every_v1_path_needs_the_key_and_a_405_names_the_methods_allowed(local_e
         for method, path in (("GET", "/v1/nothing"), ("GET", "/v1/completions/"), ("GET", "/v1/completions"),
                              ("POST", "/v1/completions/"), ("DELETE", "/v1/models"), ("GET", "/v1"), ("GET", "/v1/"),
                              ("HEAD", "/v1/models"), ("GET", f"/v1/models/{MODEL}"), ("POST", "/tokenize/"),
-                             ("GET", "/detokenize"), ("OPTIONS", "/v1/chat/completions")):
+                             ("GET", "/detokenize"), ("OPTIONS", "/v1/chat/completions"), ("GET", "/openapi.json")):
             r = client.request(method, path)
             assert r.status_code == 401 and "location" not in r.headers, (method, path, r.status_code, r.headers)
             if method != "HEAD":
                 assert r.json()["error"]["code"] == "invalid_api_key", (method, path, r.text)
         assert client.get("/v1/nothing", headers=key).status_code == 404
+        assert "/v1/chat/completions" in client.get("/openapi.json", headers=key).json()["paths"]  # (trial-248: keyless)
         assert client.get("/v1/completions/", headers=key).status_code == 307  # (with the key: starlette's redirect)
         for method, path, allowed, headers in (("GET", "/v1/completions", {"POST"}, key),
                                                ("DELETE", "/v1/models", {"GET", "HEAD"}, key),

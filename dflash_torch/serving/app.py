@@ -191,8 +191,10 @@ class ServerErrorMiddleware:
 
 def needs_key(path: str) -> bool:
     """Whether the API key guards the request path ``path``: ``/v1`` and every path under it
-    (an unknown one too), ``/tokenize`` and ``/detokenize`` (a trailing slash too)."""
-    return path == "/v1" or path.startswith("/v1/") or path.rstrip("/") in ("/tokenize", "/detokenize")
+    (an unknown one too), ``/tokenize``, ``/detokenize`` and ``/openapi.json``, FastAPI's
+    schema, which lists the routes (a trailing slash too)."""
+    return path == "/v1" or path.startswith("/v1/") or path.rstrip("/") in ("/tokenize", "/detokenize",
+                                                                           "/openapi.json")
 
 
 def key_error(authorization: str, api_key: str) -> APIError | None:
