@@ -517,6 +517,9 @@ def close_flags(unknown: str, flags) -> list[str]:
     return ["--" + n for n in (found[:3] if found else difflib.get_close_matches(name, names, n=3))]
 
 
+_NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")  # (a negative number is a value, not a flag)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line too (no usage dump), exit status 2, and
     that knows each of its options' flag: ``flags`` maps an option's ``dest`` to its first
@@ -586,8 +589,8 @@ class _Parser(argparse.ArgumentParser):
             if arg in flags:
                 takes = all(a[arg].nargs != 0 for a in actions if arg in a)  # (--no-draft takes none)
                 value = self._argv[i + 1] if takes and i + 1 < len(self._argv) and "=" not in arg else None
-                shown += [arg] + ([value] if value is not None and not value.startswith("-")
-                                  and value not in commands else [])
+                shown += [arg] + ([value] if value is not None and value not in commands
+                                  and (not value.startswith("-") or _NUMBER.fullmatch(value)) else [])
         return " ".join(shown)
 
     def _commands(self) -> dict[str, "_Parser"]:

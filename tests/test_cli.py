@@ -493,6 +493,7 @@ def test_long_flags_are_not_taken_abbreviated(capsys):
             (["chat", "--max-new", "8"], "--max-new 8; did you mean --max-new-tokens?"),
             (["generate", "x", "--top", "1"], "--top 1; did you mean --top-k or --top-p?"),
             (["generate", "x", "--temprature=1"], "--temprature=1; did you mean --temperature?"),  # (a typo: difflib)
+            (["generate", "x", "--temp", "-0.5"], "--temp -0.5; did you mean --temperature?"),  # (trial-248: -0.5 left out)
             (["generate", "x", "--zzz"], "--zzz"),
             # (a command's flag before the command, the program's after it: where it goes; case aside; trial-235)
             (["--no-draft", "generate", "x"], "--no-draft; --no-draft is an option of generate: give it after the "
