@@ -822,21 +822,24 @@ def fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device,
 
 
 def check_fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device, what: str,
-               saving: int = 0, kept: str = "FP8 weights kept as stored", mapped: int = 0) -> None:
+               saving: int = 0, kept: str = "FP8 weights kept as stored", files: list[int] | None = None) -> None:
     """Refuse to load ``model`` (built on the meta device) when its weights in ``dtype``
     (less ``saving`` bytes: FP8 weights kept as stored, :func:`fp8_saving`, or packed integer
     weights kept packed, :func:`int_saving`; ``kept`` says which in the message) alone exceed
     :func:`available_memory` of ``device``: one clear line instead of an out-of-memory
     error halfway through loading (or, on Linux, the process killed without a word). Under an
-    address-space limit (``ulimit -v``: :func:`address_space_left`) the ``mapped`` bytes
-    (:func:`largest_weight_file`: a weight file is mapped whole while it is read) count too,
-    on top of weights loaded on the CPU: weights that fit failed to map ("unable to mmap").
+    address-space limit (``ulimit -v``: :func:`address_space_left`) the weight ``files``' sizes
+    in bytes (:func:`weight_file_sizes`) count too: the largest, as a file is mapped whole while
+    it is read, on top of the weights loaded on the CPU, counted at least at the files' size
+    (tensors read as stored, then cast, leave their address space taken: a float32 checkpoint
+    loaded in bfloat16 needs what it needs in float32); weights that fit failed to map
+    ("unable to mmap").
 
     Raises:
         DFlashError: ``the target needs 42.3 GB for its weights in bfloat16; cuda:0 has 39.5 GB free``
             (:func:`memory_text`: ``MB`` below a GB); ``the target needs 488.7 MB for its weights in
-            float32 and 488.7 MB more to map its largest weight file while it is read; the
-            address-space limit (ulimit -v) leaves 881.5 MB``.
+            float32 (488.7 MB of weight files) and 488.7 MB more to map its largest weight file
+            while it is read; the address-space limit (ulimit -v) leaves 881.5 MB``.
     """
     need = weight_bytes(model, dtype) - saving
     weights = f"{memory_text(need)} for its weights in {str(dtype).removeprefix('torch.')}{f' ({kept})' if saving else ''}"
@@ -844,19 +847,22 @@ def check_fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.d
         raise DFlashError(f"the {what} needs {weights}; {torch.device(device)} has "
                           f"{memory_text(available_memory(device))} free")
     left = address_space_left()
-    if mapped and left is not None and mapped + need * (torch.device(device).type == "cpu") > left:
-        raise DFlashError(f"the {what} needs {weights} and {memory_text(mapped)} more to map its largest weight file "
-                          f"while it is read; the address-space limit (ulimit -v) leaves {memory_text(left)}")
+    if files and left is not None:
+        loaded = max(need, sum(files)) if torch.device(device).type == "cpu" else 0
+        if max(files) + loaded > left:
+            raise DFlashError(f"the {what} needs {weights} ({memory_text(sum(files))} of weight files) and "
+                              f"{memory_text(max(files))} more to map its largest weight file while it is read; the "
+                              f"address-space limit (ulimit -v) leaves {memory_text(left)}")
 
 
-def largest_weight_file(model_dir: Path) -> int:
-    """Bytes of the largest of :func:`weight_files` of ``model_dir`` (safetensors maps a file
-    whole while its tensors are read: address space on top of the weights loaded).
+def weight_file_sizes(model_dir: Path) -> list[int]:
+    """Bytes of each of :func:`weight_files` of ``model_dir`` (safetensors maps a file whole
+    while its tensors are read: address space on top of the weights loaded).
 
     Raises:
         DFlashError: as :func:`weight_files`.
     """
-    return max(file.stat().st_size for file in weight_files(model_dir))
+    return [file.stat().st_size for file in weight_files(model_dir)]
 
 
 def int_saving(model_dir: Path, dtype: torch.dtype, bits: int, group: int | None,

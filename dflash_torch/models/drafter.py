@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from ..cache import KVCache, ring_positions
-from ..checkpoint import (all_finite, check_fits, largest_weight_file, load_config, load_state_dict, missing_note,
-                          tensor_names)
+from ..checkpoint import (all_finite, check_fits, load_config, load_state_dict, missing_note, tensor_names,
+                          weight_file_sizes)
 from ..errors import DFlashError
 from ..sampling import SamplingParams, greedy_tokens, probabilities, sample
 from ..structured import GrammarState
@@ -189,12 +189,12 @@ class DFlashDrafter(nn.Module):
             match_checkpoint(cfg, tensor_names(model_dir))
         with torch.device("meta"):
             model = drafter_class(cfg)(cfg)
-        mapped = largest_weight_file(model_dir)
-        check_fits(model, dtype, device, "drafter", mapped=mapped)  # (before any file is read: tables of its own add)
+        files = weight_file_sizes(model_dir)
+        check_fits(model, dtype, device, "drafter", files=files)  # (before any file is read: tables of its own add)
         if _find_own_tables(cfg, raw, model_dir):
             with torch.device("meta"):
                 model = drafter_class(cfg)(cfg)
-            check_fits(model, dtype, device, "drafter", mapped=mapped)
+            check_fits(model, dtype, device, "drafter", files=files)
         state = model.adapt_checkpoint(eagle_layer_names(load_state_dict(model_dir, dtype, device, what="drafter"),
                                                          cfg.num_hidden_layers, model_dir), model_dir)
         expected = model.state_dict()

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from ..cache import KVCache, RecurrentState, TargetCache, ring_positions
-from ..checkpoint import (all_finite, check_fits, fits, fp4_saving, fp8_saving, int_saving, largest_weight_file,
-                          load_config, load_state_dict, missing_note, nvfp4_saving, tensor_names)
+from ..checkpoint import (all_finite, check_fits, fits, fp4_saving, fp8_saving, int_saving, load_config,
+                          load_state_dict, missing_note, nvfp4_saving, tensor_names, weight_file_sizes)
 from ..errors import DFlashError, OptionError
 from ..options import check_fp8, check_int_weights, check_mxfp4, check_nvfp4
 from . import fp8 as fp8_format
@@ -344,7 +344,7 @@ class TargetModel(nn.Module):
                                          ("NVFP4 weights kept packed", keep_nvfp4)) if held]
         check_fits(model, dtype, device, "target", saving=(saving if keep_fp8 or keep_int or keep_nvfp4 else 0)
                    + (fp4_saved if keep_fp4 else 0), kept=", ".join(kept) or "FP8 weights kept as stored",
-                   mapped=largest_weight_file(model_dir))
+                   files=weight_file_sizes(model_dir))
         model_cls.check_skipped(cfg, {k for k in tensor_names(model_dir) if not keep(k)}, model_dir)
         state = load_state_dict(model_dir, dtype, device, keep=keep, fp8_block=cfg.fp8_block, keep_fp8=keep_fp8,
                                 int_quant=cfg.int_quant, keep_int=keep_int,
