@@ -3373,3 +3373,60 @@ def test_init_from_target_given_or_left_out_on_resume_is_warned(tiny_pair, tmp_p
     err = capsys.readouterr().err
     assert "resume: WARNING: --init-from-target given (was not): it sets the weights a run starts from" in err, err
     assert "init: --init-from-target" not in err
+
+
+def test_init_from_given_changed_or_left_out_on_resume_is_warned_and_never_recorded(tiny_pair, tmp_path, capsys):
+    """--init-from given on --resume of an --init-from-target run was accepted unsaid and recorded
+    as the run's start (init_from_target True and init_from both: a pair the flags refuse); a later
+    resume then said "its run started with --init-from D ... pass --init-from D again" (trial-249).
+    Given, changed or dropped, it is warned as --init-from-target is, and the record keeps the
+    run's first value."""
+    from conftest import drafter_config, save_drafter
+
+    import dflash_torch.cli as cli
+
+    target, _ = tiny_pair
+    work, args = _one_step_run(target, tmp_path)
+    assert cli.main([*args, "--init-from-target"]) == 0
+    o2, o3 = tmp_path / "o2", tmp_path / "o3"
+    shutil.copytree(tmp_path / "out", o2), shutil.copytree(tmp_path / "out", o3)
+    capsys.readouterr()
+    shape = args.index("--block-size")
+    init = [*args[:shape], "--no-progress"]  # (the shape comes from the --init-from drafter)
+    warning = ": it sets the weights a run starts from, and a resumed run goes on from the checkpoint's; it changes " \
+        "nothing here"
+    assert cli.main([*init, "--steps", "2", "--resume", "--init-from", str(o2)]) == 0
+    err = capsys.readouterr().err
+    assert f"resume: WARNING: --init-from {o2} given (was not){warning}" in err, err
+    assert "init: weights" not in err
+    log = json.loads((tmp_path / "out" / "training_log.json").read_text())
+    assert log["steps"] == 2 and log["config"]["init_from"] is None and log["config"]["init_from_target"] is True
+    assert torch.load(work / "checkpoint.pt", weights_only=True)["train_config"]["init_from"] is None
+    # (a later resume named the --init-from as the run's start: "pass --init-from o2 again")
+    assert cli.main([*args, "--steps", "3", "--resume", "--init-from-target", "--intermediate-size", "96"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--intermediate-size 96 here" in said and "--init-from " not in said, said
+    # a drafter of another shape given on resume: its values are named as that drafter's
+    other = save_drafter(tmp_path / "d2", drafter_config(target, num_layers=2, block_size=8))
+    assert cli.main([*init, "--steps", "3", "--resume", "--init-from", str(other)]) == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.endswith(f"here they are those of --init-from {other}, which its run did not start from (leave out "
+                         "--init-from and give the checkpoint's values to continue it, or leave out --resume and pass "
+                         "--overwrite to start over)"), said
+    # a run that started from o2: another drafter is warned, the same one spelt otherwise is not, dropping it is
+    shutil.rmtree(work), shutil.rmtree(tmp_path / "out")
+    work.mkdir()
+    assert cli.main([*init, "--init-from", str(o2)]) == 0
+    capsys.readouterr()
+    assert cli.main([*init, "--steps", "2", "--resume", "--init-from", str(o3)]) == 0
+    assert f"resume: WARNING: --init-from {o3} (was {o2}){warning}" in capsys.readouterr().err
+    assert cli.main([*init, "--steps", "3", "--resume", "--init-from", f"{o2}{os.sep}"]) == 0
+    assert "WARNING" not in capsys.readouterr().err
+    assert cli.main([*args, "--steps", "4", "--resume"]) == 0
+    assert f"resume: WARNING: --init-from left out (was {o2}){warning}" in capsys.readouterr().err
+    log = json.loads((tmp_path / "out" / "training_log.json").read_text())
+    assert log["steps"] == 4 and log["config"]["init_from"] == str(o2) and log["config"]["init_from_target"] is False
+    assert cli.main([*args, "--steps", "5", "--resume", "--intermediate-size", "96"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"its run started with --init-from {o2}, which set it; pass --init-from {o2} again to continue it, or leave "
+        "out --resume and pass --overwrite to start over")

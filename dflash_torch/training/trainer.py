@@ -458,6 +458,19 @@ def check_drafter_fits(dcfg: DrafterConfig, cfg: TrainConfig) -> None:
                       f"cpu has {memory_text(free)} free beside the target: {fix}")
 
 
+def same_init_source(a: str | None, b: str | None) -> bool:
+    """Whether two ``init_from`` values name the same drafter: equal, or paths that resolve
+    to the same place (``d`` and ``./d/``); ``None`` (no ``--init-from``) equals only itself."""
+    if a == b:
+        return True
+    if a is None or b is None:
+        return False
+    try:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    except (OSError, RuntimeError):  # (a path that cannot be resolved: the words decide)
+        return False
+
+
 def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None) -> tuple[DFlashDrafter, DrafterConfig]:
     """The ``--init-from`` drafter (float32) and the config of the drafter to train: the
     source's shape (layers, block size, target layers, mask token, MLP width, RoPE) with
@@ -1123,6 +1136,13 @@ class Trainer:
                                   f"{f', {was}' if was else ''} ({'; '.join(from_target)}{also}): pass "
                                   f"{f'--target {was}' if was else 'the --target it was trained for'}"
                                   f"{' and the values of the checkpoint' if flags else ''} to continue it, {tail}")
+            if differ and cfg.init_from and not same_init_source(was_init, cfg.init_from):  # (its values came from
+                # a drafter the run did not start from: "give the checkpoint's values" named no flag that sets them)
+                how = (f"pass --init-from {was_init} instead" if was_init else
+                       "leave out --init-from and give the checkpoint's values")
+                raise DFlashError(f"--resume: {ckpt_path} was trained with another drafter configuration: "
+                                  f"{'; '.join(differ.values())}: here they are those of --init-from {cfg.init_from}, "
+                                  f"which its run did not start from ({how} to continue it, {tail})")
             if differ:
                 raise DFlashError(f"--resume: {ckpt_path} was trained with another drafter configuration: "
                                   f"{'; '.join(differ.values())} (give the checkpoint's values to continue it, {tail})")
@@ -1166,6 +1186,15 @@ class Trainer:
                          "left out (was given)") + ": it sets the weights a run starts from, and a resumed run goes on "
                          "from the checkpoint's; it changes nothing here")
                 recorded["init_from_target"] = was_target  # (the record says how the drafter started)
+            if "init_from" in before:  # (given, changed or dropped: it was ignored unsaid, and recorded as the run's
+                # start, a pair with init_from_target the flags refuse, which a later resume then named: trial-249)
+                if not same_init_source(before["init_from"], cfg.init_from):
+                    was = before["init_from"]
+                    what = (f"{cfg.init_from} given (was not)" if was is None else f"left out (was {was})"
+                            if cfg.init_from is None else f"{cfg.init_from} (was {was})")
+                    self.log(f"resume: WARNING: --init-from {what}: it sets the weights a run starts from, and a "
+                             "resumed run goes on from the checkpoint's; it changes nothing here")
+                recorded["init_from"] = before["init_from"]  # (the run's first value: never rewritten by a resume)
 
         data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log, dcfg.mask_token_id)
         self.log(f"data: {data_stats}")
