@@ -3307,7 +3307,9 @@ def test_resume_of_a_damaged_checkpoint_says_so_in_one_whole_line(tiny_pair, tmp
 def test_resuming_an_init_from_run_says_neither_a_reset_nor_flags_never_given(tiny_pair, tmp_path, capsys):
     """A resumed --init-from run said "init: weights of DRAFTER" after "resume: step 1", as if
     they were reset to them; without --init-from again it named the defaults of --num-layers,
-    --block-size, ... as the settings that differ, never the --init-from (trial-175)."""
+    --block-size, ... as the settings that differ, never the --init-from (trial-175). A source
+    that does not fit the target, or whose weights do not fit its own config, is refused
+    naming --init-from."""
     from conftest import drafter_config, save_drafter
 
     from dflash_torch.cli import main as cli_main
@@ -3322,6 +3324,16 @@ def test_resuming_an_init_from_run_says_neither_a_reset_nor_flags_never_given(ti
     assert capsys.readouterr().err.strip().splitlines() == [
         f"dflash-torch: error: --init-from {other} does not fit the target (incompatible pair: drafter hidden_size 32 "
         "!= target hidden_size 64)"]
+    # (weights that do not fit the source's own config: "drafter weight ... has shape ..." named no flag, trial-249)
+    edited = tmp_path / "d1024"
+    shutil.copytree(drafter, edited)
+    conf = json.loads((edited / "config.json").read_text())
+    width, conf["intermediate_size"] = conf["intermediate_size"], 1024
+    (edited / "config.json").write_text(json.dumps(conf))
+    assert cli_main([*args[:-3], "--init-from", str(edited), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"dflash-torch: error: --init-from {edited}: drafter weight layers.0.mlp.gate_proj.weight has shape "
+        f"({width}, 64), config implies (1024, 64)"]
     assert cli_main(args) == 0
     assert f"init: weights of {drafter}" in capsys.readouterr().err
     # (its source has none: the export had none, where a fresh run's drafter has the target's)

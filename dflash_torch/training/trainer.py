@@ -480,7 +480,8 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None
         DFlashError: a checkpoint that does not load or does not fit the target, a
             DFlash 2 source with ``--arch dflash`` (its modules would be dropped), a
             Speculators-format or Laguna DFlash source, or one with its own embedding table
-            or LM head.
+            or LM head; a source whose weights do not load (missing, unknown, of another
+            shape than its config implies, ...) as ``--init-from D: drafter weight ...``.
     """
     src_dir = checkpoint_dir(cfg.init_from, "init_from")
     raw = load_config(src_dir)
@@ -499,7 +500,10 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None
         raise DFlashError(f"--init-from {cfg.init_from} does not fit the target ({exc})") from None
     if src_cfg.dflash2 is not None and cfg.arch != "dflash2":
         raise DFlashError(f"--init-from {cfg.init_from} is a DFlash 2 drafter; train it with --arch dflash2")
-    source = DFlashDrafter.from_pretrained(src_dir, torch.float32, config=raw, parsed=src_cfg)
+    try:
+        source = DFlashDrafter.from_pretrained(src_dir, torch.float32, config=raw, parsed=src_cfg)
+    except DFlashError as exc:  # ("drafter weight layers.0.mlp.gate_proj.weight has shape ...": no flag named, trial-249)
+        raise DFlashError(f"--init-from {cfg.init_from}: {exc}") from None
     if source.config.own_embedding or source.config.own_lm_head:  # (this trainer's drafters read the target's)
         raise DFlashError(f"--init-from {cfg.init_from} ships its own embedding table / LM head; dflash-torch trains "
                           "drafters that read the target's (initialize from one without, or train from scratch)")
