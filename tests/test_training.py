@@ -920,6 +920,29 @@ def test_train_refuses_a_drafter_whose_training_state_does_not_fit_in_one_line(t
     assert err[0].endswith("free beside the target: give a smaller --intermediate-size (now 1000000000) or "
                            "--num-layers (now 1)"), err
     assert not (tmp_path / "out").exists()
+    # the Python API names the fields, as it does elsewhere (it named the flags: trial-249); the CLI the flags
+    from dflash_torch.errors import OptionError
+
+    with pytest.raises(OptionError) as raised:
+        Trainer(_cfg(tmp_path, target, text, intermediate_size=10 ** 9), log=lambda m: None).run()
+    assert str(raised.value).endswith("free beside the target: give a smaller intermediate_size (now 1000000000) or "
+                                      "num_layers (now 1)") and "--" not in str(raised.value), raised.value
+    for kw, line, flags in [
+            (dict(target_layer_ids=[0, 99]), "target_layer_ids [99] outside the target's 4 layers",
+             ["--target-layer-ids", "0,99"]),
+            (dict(target_layer_ids=[]), "target_layer_ids needs at least one target layer id",
+             ["--target-layer-ids", ""]),
+            (dict(init_from_target=True, num_layers=9),
+             "init_from_target copies the target's last num_layers layers: at most 4, got 9",
+             ["--init-from-target", "--num-layers", "9"])]:
+        with pytest.raises(OptionError) as raised:
+            Trainer(_cfg(tmp_path, target, text, **kw), log=lambda m: None).run()
+        assert str(raised.value) == line
+        assert cli_main([*args[:-4], *flags]) == 2
+        cli_line = line.replace("target_layer_ids", "--target-layer-ids").replace("init_from_target", "--init-from-target")
+        assert capsys.readouterr().err.strip().splitlines() == [
+            "dflash-torch: error: " + cli_line.replace("num_layers", "--num-layers")], flags
+    assert not (tmp_path / "out").exists()
 
 
 def test_training_reduces_loss_and_exports_loadable_drafter(tiny_pair, tmp_path):

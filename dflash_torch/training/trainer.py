@@ -36,7 +36,7 @@ from ..chat_template import reserved_template_variables
 from .. import checkpoint
 from ..checkpoint import all_finite, checkpoint_dir, load_config, memory_text
 from ..cli import deferred_interrupt, interrupt_signals
-from ..errors import DFlashError
+from ..errors import DFlashError, OptionError
 from ..models.config import TargetConfig
 from ..models.drafter_config import (DFlash2Settings, DrafterConfig, default_target_layer_ids, fill_mask_token_id,
                                      needs_mask_token_id, token_ids, unused_token_id, validate_pair)
@@ -328,27 +328,36 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
     target whose every MLP is a mixture of experts) the width a token passes through:
     ``top_k * moe_intermediate_size + shared_expert_intermediate_size``. Its target layers
     are ``--target-layer-ids``, else :func:`default_layer_ids`, whose warning (if any) goes
-    to ``warn`` once the whole config is valid."""
+    to ``warn`` once the whole config is valid.
+
+    Raises:
+        OptionError: ``target_layer_ids`` empty or naming layers outside the target's,
+            ``init_from_target`` with more ``num_layers`` than the target has, ``block_size``
+            below 2 (named as fields; the command line names the flags).
+        DFlashError: a target this trainer cannot make a drafter for, or default target
+            layers outside the target's.
+    """
     L = target_cfg.num_hidden_layers
     if target_cfg.feature_size != target_cfg.hidden_size:
         raise DFlashError(f"training a drafter for a {target_cfg.model_type} target is not supported: its layers' "
                           f"features are {target_cfg.feature_size} values wide (several residual streams), which "
                           "the DFlash format this trainer writes cannot describe")
     if cfg.init_from_target and cfg.num_layers > L:
-        raise DFlashError(f"--init-from-target copies the target's last --num-layers layers: at most {L}, "
-                          f"got {cfg.num_layers}")
+        raise OptionError(f"init_from_target copies the target's last num_layers layers: at most {L}, "
+                          f"got {cfg.num_layers}", "init_from_target", "num_layers")
     note = None
     if cfg.target_layer_ids is None:  # (the DFlash rule: it fails, or repeats layers, on shallow targets)
         layer_ids, note = default_layer_ids(L, cfg.num_layers)
     else:
         layer_ids = cfg.target_layer_ids
         if not layer_ids:  # (an empty --target-layer-ids "" fell back to the rule unsaid)
-            raise DFlashError("--target-layer-ids needs at least one target layer id")
+            raise OptionError("target_layer_ids needs at least one target layer id", "target_layer_ids")
         bad = [i for i in layer_ids if not 0 <= i < L]
         if bad:
-            raise DFlashError(f"--target-layer-ids {bad} outside the target's {L} layers")
+            # (the field in the Python API, the flag on the command line: it named the flag in both, trial-249)
+            raise OptionError(f"target_layer_ids {bad} outside the target's {L} layers", "target_layer_ids")
     if cfg.block_size < 2:
-        raise DFlashError(f"--block-size must be >= 2, got {cfg.block_size}")
+        raise OptionError(f"block_size must be >= 2, got {cfg.block_size}", "block_size")
     dcfg = DrafterConfig(
         hidden_size=target_cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
@@ -432,12 +441,14 @@ def check_drafter_fits(dcfg: DrafterConfig, cfg: TrainConfig) -> None:
     (:data:`TRAINING_BYTES_PER_PARAMETER` bytes a parameter, counted on a meta-device build)
     exceeds what :func:`~dflash_torch.checkpoint.available_memory` leaves on the CPU now, the
     target already loaded: it failed with an allocator's traceback once the data was prepared.
-    The line names the figures and the options that set the size (``--intermediate-size`` and
-    ``--num-layers``; with ``--init-from``, that drafter, whose shape it is).
+    The line names the figures and the fields that set the size (``intermediate_size`` and
+    ``num_layers``; with ``init_from``, that drafter, whose shape it is), which the command
+    line names as its flags (``--intermediate-size`` ...).
 
     Raises:
-        DFlashError: ``the drafter needs 3.1 TB to train (192,000,016,672 parameters at 16 bytes
-            each: ...); cpu has 12.3 GB free beside the target: ...``.
+        OptionError: ``the drafter needs 3.1 TB to train (192,000,016,672 parameters at 16 bytes
+            each: ...); cpu has 12.3 GB free beside the target: give a smaller intermediate_size
+            (...) or num_layers (...)``.
     """
     with torch.device("meta"):
         model = drafter_class(dcfg)(dcfg)
@@ -446,16 +457,19 @@ def check_drafter_fits(dcfg: DrafterConfig, cfg: TrainConfig) -> None:
     free = checkpoint.available_memory("cpu")
     if free is None or need <= free:
         return
+    # (the fields in the Python API, the flags on the command line: it named the flags in both, trial-249)
     if cfg.init_from:
-        fix = (f"its shape is the --init-from drafter's ({cfg.init_from}): start from a smaller drafter, or train "
-               "one from scratch with --num-layers and --intermediate-size")
+        fix = (f"its shape is the init_from drafter's ({cfg.init_from}): start from a smaller drafter, or train "
+               "one from scratch with num_layers and intermediate_size")
+        names = ("init_from", "num_layers", "intermediate_size")
     else:
         width = f"now {dcfg.intermediate_size}" if cfg.intermediate_size is not None else \
             f"the default, the target's {dcfg.intermediate_size}"
-        fix = f"give a smaller --intermediate-size ({width}) or --num-layers (now {dcfg.num_hidden_layers})"
-    raise DFlashError(f"the drafter needs {memory_text(need)} to train ({n:,} parameters at "
+        fix = f"give a smaller intermediate_size ({width}) or num_layers (now {dcfg.num_hidden_layers})"
+        names = ("intermediate_size", "num_layers")
+    raise OptionError(f"the drafter needs {memory_text(need)} to train ({n:,} parameters at "
                       f"{TRAINING_BYTES_PER_PARAMETER} bytes each: float32 weights, gradients and AdamW's two moments); "
-                      f"cpu has {memory_text(free)} free beside the target: {fix}")
+                      f"cpu has {memory_text(free)} free beside the target: {fix}", *names)
 
 
 def same_init_source(a: str | None, b: str | None) -> bool:
