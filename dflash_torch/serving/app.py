@@ -1457,20 +1457,21 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
         return {"prompt": engine.decode(req.tokens)}
 
-    # (GET routes answer HEAD too, as load balancers' probes send it)
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    # (GET routes answer HEAD too, as load balancers' probes send it; left out of the OpenAPI schema, where a
+    # route of two methods repeats its operation id: FastAPI's "Duplicate Operation ID" warning)
+    @app.api_route("/v1/models", methods=["GET", "HEAD"], include_in_schema=False)
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
                                             "owned_by": "dflash-torch", "max_model_len": engine.max_context}]}
 
-    @app.api_route("/v1/models/{name:path}", methods=["GET", "HEAD"])
+    @app.api_route("/v1/models/{name:path}", methods=["GET", "HEAD"], include_in_schema=False)
     async def model(name: str):
         if name != model_id:
             raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
         return {"id": model_id, "object": "model", "created": created, "owned_by": "dflash-torch",
                 "max_model_len": engine.max_context}
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)
     async def health():
         """200 ``{"status": "ok", "model": ...}`` while requests can be served; 503
         ``{"status": "unavailable", "model": ..., "reason": ...}`` once they cannot (the
@@ -1481,7 +1482,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             return JSONResponse({"status": "unavailable", "model": model_id, "reason": reason}, status_code=503)
         return {"status": "ok", "model": model_id}
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    @app.api_route("/metrics", methods=["GET", "HEAD"], include_in_schema=False)
     async def metrics_endpoint():
         metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
         body, content_type = metrics.exposition()
