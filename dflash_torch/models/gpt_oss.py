@@ -130,6 +130,14 @@ above any verify block (drafters' blocks are 16 tokens or fewer), below the defa
 chunk (256)."""
 
 
+def _batched(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None):
+    """One sequence's ``k``, ``v`` (``[kv_heads, Tk, d]``) and ``bias`` as a batch of one
+    (``[1, kv_heads, Tk, d]``, ``[1, groups * Tq, Tk]``); a batch's as they are."""
+    if k.dim() == 4:
+        return k, v, bias
+    return k[None], v[None], None if bias is None else bias[None]
+
+
 # (torch's CPU flash attention, which returns the rows' log-sum-exp; absent from a torch without it)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -140,9 +148,7 @@ def _sink_attend_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: 
     attention and each row's log-sum-exp ``L`` (float32), the row scaled by
     ``sigmoid(L - sink)`` in float32. A row that sees no key is 0 (the kernel gives it output
     0 and ``L`` 0), as the sink taking everything makes it."""
-    if k.dim() == 3:
-        k, v = k[None], v[None]
-        bias = None if bias is None else bias[None]
+    k, v, bias = _batched(k, v, bias)
     heads, rows, d = q.shape
     n, kv_heads = k.shape[0], k.shape[1]
     tq, groups = rows // n, heads // kv_heads
@@ -158,10 +164,7 @@ def _sink_attend_logits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
     """:func:`sink_attend` with the logits written out: the softmax over them and the sink
     runs in float32; long query blocks go in chunks of rows, so at most about 2**25 logits
     are held at once (:data:`_SCORES_PER_CHUNK`)."""
-    batched = k.dim() == 4
-    if not batched:
-        k, v = k[None], v[None]
-        bias = None if bias is None else bias[None]
+    k, v, bias = _batched(k, v, bias)
     heads, rows, d = q.shape
     n, kv_heads, tk = k.shape[0], k.shape[1], k.shape[2]
     tq, groups = rows // n, heads // kv_heads

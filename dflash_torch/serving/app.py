@@ -130,6 +130,12 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers
 
+    def response(self) -> JSONResponse:
+        """This error's response: OpenAI's error JSON, with its status and headers."""
+        response = error_response(self.status, self.message, self.type, self.param, self.code)
+        response.headers.update(self.headers or {})
+        return response
+
 
 class ClientGone(Exception):
     """The client disconnected before its request was read."""
@@ -224,7 +230,7 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and needs_key(scope.get("path", "")):
             err = key_error(Headers(scope=scope).get("authorization", ""), self.api_key)
             if err is not None:
-                return await error_response(err.status, err.message, err.type, code=err.code)(scope, receive, send)
+                return await err.response()(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -318,10 +324,7 @@ class ShutdownMiddleware:
 
     @staticmethod
     async def _shutting_down(scope, receive, send) -> None:
-        err = shutting_down()
-        response = error_response(err.status, err.message, err.type, code=err.code)
-        response.headers.update(err.headers)
-        await response(scope, receive, send)
+        await shutting_down().response()(scope, receive, send)
 
 
 def _as_responses(exc: APIError, req: ResponsesRequest) -> APIError:
@@ -470,8 +473,9 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     Args:
         engine: a loaded :class:`~dflash_torch.engine.DFlashEngine`.
-        api_key: when set, every ``/v1`` path (an unknown one too), ``/tokenize`` and
-            ``/detokenize`` require ``Authorization: Bearer <api_key>``: a 401 without it,
+        api_key: when set, every ``/v1`` path (an unknown one too), ``/tokenize``,
+            ``/detokenize`` and ``/openapi.json`` require ``Authorization: Bearer <api_key>``
+            (:func:`needs_key`): a 401 without it,
             before a 404, 405 or redirect (``/health`` and ``/metrics`` stay open); surrounding
             whitespace is dropped.
         model_name: the model id clients must use (default: ``engine.name``).
@@ -615,9 +619,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     # ---- errors -------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        response = error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
-        response.headers.update(exc.headers or {})
-        return response
+        return exc.response()
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, exc: ClientGone):

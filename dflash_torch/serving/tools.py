@@ -193,10 +193,10 @@ def _dumps(obj) -> str:
         numbers.append(value.text)
         return f"{nonce}:{len(numbers) - 1}"
 
-    text = json.dumps(obj, ensure_ascii=False, default=placeholder)
+    text = json_text(obj, default=placeholder)
     for i, number in enumerate(numbers):
         text = text.replace(f'"{nonce}:{i}"', number, 1)
-    return escape_surrogates(text)
+    return text
 
 
 class ToolParser:
@@ -1081,12 +1081,6 @@ def _object_schema(params: dict, fmt: str | None = None) -> tuple[dict, str]:
             no object, or a keyword of :data:`_UNENFORCED` beside or instead of that (``not``,
             ``anyOf``, ``propertyNames``, ``dependentRequired``, ...), named with where it is."""
     schema, where = params, "parameters"
-
-    def refuse(what: str):
-        raise DFlashError(f"{what} of {where} cannot be enforced in a {fmt} call (a forced call writes the "
-                          f"properties, checking their values only, so it could break it); drop it, or use "
-                          f"tool_choice 'auto'")
-
     for _ in range(16):
         kind = schema.get("type")
         if fmt and kind is not None and kind != "object" and not (isinstance(kind, list) and "object" in kind):
@@ -1105,10 +1099,11 @@ def _object_schema(params: dict, fmt: str | None = None) -> tuple[dict, str]:
             schema, where = schema["allOf"][0], f"{where}.allOf[0]"
         else:
             break
-    if fmt:
-        for key in _UNENFORCED:
-            if key in schema:
-                refuse(f"the keyword {key!r}")
+    key = next((k for k in _UNENFORCED if k in schema), None) if fmt else None
+    if key is not None:
+        raise DFlashError(f"the keyword {key!r} of {where} cannot be enforced in a {fmt} call (a forced call writes "
+                          f"the properties, checking their values only, so it could break it); drop it, or use "
+                          f"tool_choice 'auto'")
     return schema, where
 
 

@@ -167,7 +167,7 @@ def check_config(cfg: TrainConfig) -> None:
             shape setting or ``init_from_target``, or without ``init_from`` a ``seq_len`` not
             longer than ``block_size``.
     """
-    from ..errors import OptionError, shown
+    from ..errors import shown
     from ..options import check_choice, check_threads, resolve_dtype
 
     data = cfg.data
