@@ -1704,6 +1704,10 @@ def test_serve_refuses_a_busy_port_before_loading_models(capsys):
     assert cli_main(["serve", "--host", "", "--port", str(port), "--target", "/nonexistent"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot listen" not in err[0] and "/nonexistent" in err[0], err
+    # the start line's URL: --host "" has no address to write (it printed http://:PORT/v1)
+    from dflash_torch.serving.cli import served_url
+    assert served_url("", 8000) == "http://localhost:8000/v1 (every interface)"
+    assert served_url("::1", 8000) == "http://[::1]:8000/v1" and served_url("0.0.0.0", 80) == "http://0.0.0.0:80/v1"
 
 
 def _wait_until_up(proc: subprocess.Popen, base: str, log: Path, timeout_s: float = 180) -> None:

@@ -175,7 +175,7 @@ def _serve_on(args: argparse.Namespace, sockets: list, api_key: str | None) -> i
                      allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                      allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     scheduler = app.state.scheduler
-    print(f"dflash-torch: serving {app.state.model_id!r} on http://{_host_port(args.host, args.port)}/v1 "
+    print(f"dflash-torch: serving {app.state.model_id!r} on {served_url(args.host, args.port)} "
           f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
           f"slot{'s' if scheduler.max_batch_size > 1 else ''}"
           + (f" + {args.prefix_slots} prefix slot{'s' if args.prefix_slots > 1 else ''}" if args.prefix_slots else "")
@@ -315,6 +315,15 @@ def unparsed_calls_warning(choice: str, resolved: str, chat_template: str | dict
 def _host_port(host: str, port: int) -> str:
     """``host:port`` as in a URL (an IPv6 address in brackets)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def served_url(host: str, port: int) -> str:
+    """The API's base URL for the start line: ``http://host:port/v1``; for ``--host ""``
+    (every interface, IPv4 and IPv6: see :func:`listen`), which has no address to write,
+    ``http://localhost:port/v1`` (every interface), the URL that reaches it from this machine."""
+    if not host:
+        return f"http://{_host_port('localhost', port)}/v1 (every interface)"
+    return f"http://{_host_port(host, port)}/v1"
 
 
 def listen(host: str, port: int) -> list:
