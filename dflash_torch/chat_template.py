@@ -12,7 +12,7 @@ import inspect
 import json
 
 from . import options
-from .errors import DFlashError, OptionError
+from .errors import DFlashError, OptionError, shown
 
 
 # keys under which clients send media beside a message's text (Ollama's "images", a text part's
@@ -147,7 +147,7 @@ def reserved_template_variables(tokenizer) -> list[str]:
     return [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)] + ["messages"]
 
 
-def chat_messages(messages: list | tuple) -> list[dict]:
+def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True) -> list[dict]:
     """Checked chat messages (see :meth:`~dflash_torch.engine.DFlashEngine.encode_prompt`), with each tool call's
     ``arguments`` JSON string parsed into a dict, a ``content`` None or absent (beside
     ``tool_calls``) as ``""``, an assistant's ``refusal`` (OpenAI's reply, with content
@@ -160,7 +160,11 @@ def chat_messages(messages: list | tuple) -> list[dict]:
             ``content`` (or a list of text parts; None allowed with ``tool_calls`` or a
             ``refusal``), a ``refusal`` that is not a string of an assistant message, ``tool_calls``
             (not empty) of a message other than an assistant's, a ``tool_call_id`` of one other than
-            a tool message, ``tool_calls`` that are not a
+            a tool message, or one that is not the ``id`` of a tool call of an earlier assistant
+            message (as the server refuses it; a tool message without one, as Hugging Face's
+            examples write them, or after a call without an ``id``, is taken; not checked with
+            ``check_tool_call_ids`` false: training data, whose rendering the ids do not change),
+            ``tool_calls`` that are not a
             list of ``{"function": {"name": str, "arguments": ...}}``, or ``arguments`` that
             are not a JSON object (a dict or its JSON text; ``""`` and None are ``{}``).
     """
@@ -176,6 +180,8 @@ def chat_messages(messages: list | tuple) -> list[dict]:
         raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})"
                           + hint)
     out = []
+    ids: set = set()  # (the ids of earlier tool calls; a call without one lets any tool_call_id answer it)
+    anonymous = False
     for i, m in enumerate(messages):
         if media := media_keys(m, m.get("role")):
             raise DFlashError(f"chat message {i} holds {media[0]!r}: only text is supported (the model is decoded as "
@@ -188,8 +194,12 @@ def chat_messages(messages: list | tuple) -> list[dict]:
             raise DFlashError(f"chat message {i} has a refusal, which only an assistant message may hold")
         if _holds(calls) and m.get("role") != "assistant":  # (as the server refuses them)
             raise DFlashError(f"chat message {i} has tool_calls, which only an assistant message may hold")
-        if m.get("tool_call_id") is not None and m.get("role") != "tool":
+        answered = m.get("tool_call_id")
+        if answered is not None and m.get("role") != "tool":
             raise DFlashError(f"chat message {i} has a tool_call_id, which only a tool message may hold")
+        if check_tool_call_ids and answered is not None and not anonymous and answered not in ids:  # (as the server refuses it)
+            raise DFlashError(f"chat message {i}: tool_call_id {shown(answered[:80] if isinstance(answered, str) else answered)} is not the id of a tool call of an "
+                              "earlier assistant message (a tool message answers one)")
         if refusal is not None and not isinstance(refusal, str):
             raise DFlashError(f"chat message {i}: refusal must be a string, got {type(refusal).__name__}")
         content_ok = isinstance(m.get("content"), str) or ((_holds(calls) or refusal is not None)
@@ -212,6 +222,11 @@ def chat_messages(messages: list | tuple) -> list[dict]:
                 for c in calls):
             raise DFlashError(f"chat messages need tool_calls as a list of {{'type': 'function', 'function': "
                               f"{{'name': str, 'arguments': str}}}} (message {i})")
+        for c in calls:
+            if c.get("id") is None:
+                anonymous = True
+            elif isinstance(c["id"], str):
+                ids.add(c["id"])
         out.append({**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _call_arguments(
             c["function"].get("arguments", {}), i, j)}} for j, c in enumerate(calls)]})
     return out

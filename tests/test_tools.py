@@ -306,6 +306,25 @@ def test_an_earlier_replys_reasoning_reaches_the_template(local_engine, monkeypa
         assert "[Think.]" in local_engine.decode(local_engine.encode_prompt(sent))
 
 
+def test_a_tool_message_answers_a_call_by_its_id_or_is_taken_without_one():
+    """The Python API takes a tool message answering an earlier call by its id, one without a
+    ``tool_call_id`` (as Hugging Face's examples write them) and, after a call without an
+    ``id``, any id (the server's checks); an id no earlier call has is refused (the parametrized
+    refusals above)."""
+    from dflash_torch.chat_template import chat_messages
+
+    def call(**id_):
+        return {"role": "assistant", "content": None,
+                "tool_calls": [{**id_, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+    user = {"role": "user", "content": "q"}
+    for history in ([user, call(id="c"), {"role": "tool", "tool_call_id": "c", "content": "r"}],
+                    [user, call(id="c"), {"role": "tool", "name": "f", "content": "r"}],
+                    [user, call(), {"role": "tool", "tool_call_id": "anything", "content": "r"}]):
+        assert [m["role"] for m in chat_messages(history)] == ["user", "assistant", "tool"]
+    assert len(CONVERSATION) == len(chat_messages(CONVERSATION))
+
+
 def test_an_assistant_message_of_calls_alone_is_the_servers_prompt():
     """An assistant message with ``tool_calls`` and ``content`` None (or none) is the prompt
     of ``content`` ``""``, as the server takes it (trial-101: on the shipped default pair,
@@ -426,6 +445,13 @@ def test_the_same_tool_twice_is_taken_null_fields_and_all(local_engine):
      {}, r"^chat message 0 has tool_calls, which only an assistant message may hold$"),
     ([{"role": "system", "content": "hi", "tool_call_id": "c"}], {},
      r"^chat message 0 has a tool_call_id, which only a tool message may hold$"),
+    # (a tool message answers an earlier call by its id, as the server checks it: it was taken unchecked)
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "call_2", "content": "r"}], {},
+     r"^chat message 2: tool_call_id 'call_2' is not the id of a tool call of an earlier assistant message"),
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_1", "content": "r"}], {},
+     r"^chat message 1: tool_call_id 'call_1' is not the id of a tool call of an earlier assistant message"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
      r"^chat message 0: content part 0 must be \{'type': 'text', 'text': str\}"),
     ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "no"}]}], {},

@@ -594,6 +594,14 @@ def test_read_corpus_and_chat_loss_mask(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair
     corpus = read_corpus([_jsonl(tmp_path / "d.jsonl")])
     assert len(corpus.documents) >= 1 and len(corpus.conversations) == 1
+    # a dataset's tool message whose id no call has is read (the engine's prompts refuse it: the ids
+    # do not change the rendering, and one record should not stop a run)
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "r"}, {"role": "assistant", "content": "ok"}]}) + "\n")
+    assert [m["role"] for m in read_corpus([calls]).conversations[0]] == ["user", "assistant", "tool", "assistant"]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))

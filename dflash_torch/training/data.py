@@ -187,7 +187,7 @@ def _add_record(rec, where: str, corpus: Corpus) -> None:
             raise DFlashError(f"{where}: message {bad} is not an object: each message must be "
                               "{'role': str, 'content': str}")
         try:  # (the messages the engine's chat path takes, as it takes them)
-            msgs = chat_messages(rec["messages"])
+            msgs = chat_messages(rec["messages"], check_tool_call_ids=False)  # (a dataset's ids may not match)
         except DFlashError as exc:
             raise DFlashError(f"{where}: {exc}") from None
         # (a null reasoning_content is an absent one, as the chat API takes it)
