@@ -173,6 +173,30 @@ def test_a_file_transformers_refuses_says_so_in_one_warning(caplog):
 
 
 
+def test_a_model_type_transformers_does_not_know_says_which_defaults_it_takes(caplog):
+    """A drafter config.json of a model_type transformers does not know (or none) has no class
+    whose defaults fill the keys it leaves out (the DFlash reference's AutoConfig fails on it):
+    one WARNING names them and the defaults taken (trial-251: a "foobar" drafter without
+    rms_norm_eps and rope_theta ran without a word); a file that gives them says nothing."""
+    full = {**gpt_oss_drafter_json(), "model_type": "foobar", "num_key_value_heads": 2, "head_dim": 32,
+            "rms_norm_eps": 1e-5, "attention_bias": False, "hidden_act": "silu", "rope_theta": 5e5}
+    for model_type in ("foobar", None):
+        cfg = {k: v for k, v in full.items() if k not in ("rms_norm_eps", "rope_theta")}
+        cfg["model_type"] = model_type
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dflash_torch"):
+            d = DrafterConfig.from_dict(cfg)
+        assert d.rms_norm_eps == 1e-6 and d.rope_theta == 10000.0
+        [record] = [r for r in caplog.records if r.name == "dflash_torch"]
+        message = record.getMessage()
+        assert "\n" not in message and "(rms_norm_eps, rope_theta) take dflash-torch's defaults" in message, message
+        assert ("model_type 'foobar', which transformers does not know" if model_type else "has no model_type") in message
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash_torch"):
+        d = DrafterConfig.from_dict(full)
+    assert d.rms_norm_eps == 1e-5 and d.rope_theta == 5e5 and not caplog.records
+
+
 def test_an_engine_load_says_the_warning_once(tiny_pair, tmp_path, caplog):
     """The engine parses the drafter's config.json once (DFlashEngine.from_pretrained checks
     it against the target, then loads the drafter with it): its warning is logged once."""

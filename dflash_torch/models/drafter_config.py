@@ -273,7 +273,8 @@ def with_transformers_defaults(cfg: dict) -> dict:
     ``use_sliding_window`` and ``max_window_layers`` the layer types transformers derives from
     them. Values the file gives are kept; a ``sliding_window`` the file leaves out is not
     taken where ``dflash_config.swa_window_size`` gives the window (vLLM's DFlash drafter
-    uses that). A ``model_type`` transformers does not know leaves ``cfg`` as it is; a file
+    uses that). A ``model_type`` transformers does not know (or none) leaves ``cfg`` as it is,
+    with a one-line WARNING naming the keys it leaves out, which take dflash-torch's defaults; a file
     transformers refuses too, with a one-line WARNING (logger ``dflash_torch``) naming the
     model type and transformers' reason (the parser's own checks then name a fault in the
     keys dflash-torch reads).
@@ -290,6 +291,17 @@ def with_transformers_defaults(cfg: dict) -> dict:
     model_type = cfg.get("model_type")
     config_class = transformers_config_class(model_type)
     if config_class is None:
+        left_out = [k for k in ("num_key_value_heads", "head_dim", "rms_norm_eps", "attention_bias", "hidden_act")
+                    if cfg.get(k) is None]
+        if all(cfg.get(k) is None for k in ("rope_theta", "rope_scaling", "rope_parameters")):
+            left_out.append("rope_theta")
+        if left_out:  # (no class to take them from: the DFlash reference's AutoConfig fails on such a file)
+            kind = "no model_type" if model_type is None else f"model_type {model_type!r}, which transformers does not know"
+            log.warning(f"dflash-torch: WARNING: the drafter's config.json has {kind}, so the keys it leaves out "
+                        f"({', '.join(left_out)}) take dflash-torch's defaults (num_key_value_heads: "
+                        "num_attention_heads, head_dim: hidden_size / num_attention_heads, rms_norm_eps 1e-06, no "
+                        "attention bias, silu, rope_theta 10000), not those of the model type it was trained as: "
+                        "set model_type (e.g. qwen3) or the keys")
         return cfg
     # (a dtype "auto" reads as absent, as transformers' from_pretrained given a dtype reads it: its config class
     # alone takes it for a torch dtype's name and fails on torch.auto)
