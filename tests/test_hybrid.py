@@ -222,6 +222,38 @@ def test_inductor_compiled_hybrid_moe_rounds_are_lossless(tmp_path, tokenizer_di
     assert _run(compiled, list(range(2, 40)), 30) == reference
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_a_layout_without_layer_types_that_the_weights_disagree_with_is_named(checkpoints, family, tmp_path):
+    """A hybrid config.json without ``layer_types`` is laid out by ``full_attention_interval``
+    (as transformers derives it); a checkpoint laid out otherwise is refused naming the layers
+    that hold the other kind's weights and what sets the layout (trial-251: "lacks weights:
+    model.layers.1.linear_attn.A_log, ..." alone)."""
+    from conftest import edited_checkpoint
+
+    def drop_layer_types(cfg, interval=None):
+        text = cfg.get("text_config", cfg)
+        del text["layer_types"]
+        if interval is not None:
+            text["full_attention_interval"] = interval
+        else:
+            text.pop("full_attention_interval", None)
+
+    target_dir, _ = checkpoints[family]
+    for interval, layers in ((2, "layers 1, 5 hold"), (None, None)):
+        edited = edited_checkpoint(target_dir, tmp_path / f"{family}-{interval}",
+                                   config=lambda cfg: drop_layer_types(cfg, interval))
+        if layers is None:  # (the default interval, 4, lays out this checkpoint's layers: it loads)
+            assert TargetModel.from_pretrained(edited, torch.float32).config.layer_types[3] == "full_attention"
+            continue
+        with pytest.raises(DFlashError) as err:
+            TargetModel.from_pretrained(edited, torch.float32)
+        message = str(err.value)
+        assert "lacks weights: " in message and "\n" not in message, message
+        assert ("config.json gives no layer_types, so full_attention_interval 2 lays out the layers: full attention "
+                f"every 2 layers, linear attention between; {layers} weights of the other kind: give layer_types") \
+            in message, message
+
+
 def test_wrapper_reads_no_vision_weights(checkpoints, monkeypatch):
     target_dir, _ = checkpoints["qwen3_5"]
     with safe_open(str(target_dir / "model.safetensors"), "pt") as f:

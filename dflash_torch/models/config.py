@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -579,6 +580,31 @@ def layer_types(cfg: dict) -> list[str]:
         interval = check_int(cfg, "full_attention_interval", "target") or 4
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
     return check_layer_types(types, n, ("full_attention", "linear_attention"))
+
+
+def derived_layout_note(cfg: dict, missing: list[str], unused: list[str]) -> str:
+    """A note to follow ``lacks weights: ...`` of a hybrid checkpoint whose config.json gives no
+    ``layer_types`` (laid out by :func:`layer_types` from ``full_attention_interval``), where a
+    layer that lacks weights holds others the layout does not take (a checkpoint laid out
+    otherwise): which layers, and that ``layer_types`` sets the layout; "" where none does.
+    ``missing`` and ``unused`` are checkpoint names (``model.layers.{i}.`` ...)."""
+    if cfg.get("layer_types") is not None:
+        return ""
+
+    def layers(names):
+        return {int(m.group(1)) for n in names if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", n))}
+
+    both = sorted(layers(missing) & layers(unused))
+    if not both:
+        return ""
+    interval = cfg.get("full_attention_interval")
+    how = f"full_attention_interval {interval}" if interval is not None else "full_attention_interval's default (4)"
+    every = interval if interval is not None else 4
+    listed = ", ".join(map(str, both[:5])) + (" ..." if len(both) > 5 else "")
+    return (f" (config.json gives no layer_types, so {how} lays out the layers: full attention every {every} "
+            f"layers, linear attention between; layer"
+            f"{'s' if len(both) > 1 else ''} {listed} hold{'' if len(both) > 1 else 's'} weights of the other kind: give "
+            "layer_types as the checkpoint's layers are)")
 
 
 def check_layer_types(types, n: int, supported: tuple[str, ...], family: str | None = None) -> list[str]:

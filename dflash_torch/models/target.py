@@ -29,7 +29,7 @@ from ..checkpoint import (all_finite, check_fits, fits, fp4_saving, fp8_saving, 
 from ..errors import DFlashError, OptionError
 from ..options import check_fp8, check_int_weights, check_mxfp4, check_nvfp4
 from . import fp8 as fp8_format
-from .config import TargetConfig
+from .config import TargetConfig, derived_layout_note
 from .gated_deltanet import GatedDeltaNet
 from .layers import RMSNorm, attention_bias, embedding
 from .rope import Rotary
@@ -374,10 +374,14 @@ class TargetModel(nn.Module):
         expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
         name = lambda k: model_cls.checkpoint_name(cfg, k)  # noqa: E731
         missing = sorted(map(name, expected - state.keys()))
-        if missing:
-            raise DFlashError(f"target checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}"
-                              f"{' ...' if len(missing) > 5 else ''}{missing_note(model_dir, missing)}")
         unused = sorted(name(k) for k in state.keys() - expected if not k.endswith("rotary_emb.inv_freq"))
+        if missing:
+            note = missing_note(model_dir, missing)
+            if not note and "linear_attention" in cfg.layer_types:  # (a hybrid laid out by full_attention_interval)
+                text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+                note = derived_layout_note(text, missing, unused)
+            raise DFlashError(f"target checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}"
+                              f"{' ...' if len(missing) > 5 else ''}{note}")
         if unused:
             raise DFlashError(
                 f"target checkpoint {model_dir} has weights this {raw.get('model_type')} model does not use "
