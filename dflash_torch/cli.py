@@ -90,7 +90,48 @@ def write_stdout(text: str) -> None:
     except BrokenPipeError:
         raise
     except OSError as exc:
-        raise OutputError(f"cannot write the output to stdout: {exc.strerror or exc}") from None
+        raise stdout_error(exc) from None
+
+
+def stdout_error(exc: OSError) -> OutputError:
+    """The error of a write to stdout that failed with ``exc`` (not a broken pipe): one line,
+    ``cannot write the output to stdout: <reason>``."""
+    return OutputError(f"cannot write the output to stdout: {exc.strerror or exc}")
+
+
+@contextmanager
+def stdout_kept_going():
+    """For a command whose product is files, stdout carrying only a report of them (bench):
+    :func:`check_stdout`, then, inside the block, ``sys.stdout`` is a :class:`_Diagnostics`,
+    whose writes that fail (a reader that went away, a full disk) are dropped, and the command
+    goes on writing its files. Yields it: its ``error`` is the first such failure (None: none).
+    Raise :func:`raise_stdout_error` once the files are written.
+
+    Raises:
+        OutputError: stdout is closed (before the block runs).
+    """
+    check_stdout()
+    stream = _Diagnostics(sys.stdout)
+    sys.stdout = stream
+    try:
+        yield stream
+    finally:
+        if sys.stdout is stream:
+            sys.stdout = stream._stream
+
+
+def raise_stdout_error(stream: "_Diagnostics") -> None:
+    """Raise what the failure of :func:`stdout_kept_going`'s ``stream`` means, as a write of
+    :func:`write_stdout`'s would have: nothing where none failed.
+
+    Raises:
+        BrokenPipeError: the reader went away (the command ends quietly, status 0).
+        OutputError: any other failure (e.g. ``No space left on device``: one line, status 1).
+    """
+    if isinstance(stream.error, BrokenPipeError):
+        raise stream.error
+    if stream.error is not None:
+        raise stdout_error(stream.error)
 
 
 def _lexists(path: Path) -> bool:
@@ -593,6 +634,15 @@ class _Parser(argparse.ArgumentParser):
                                   and (not value.startswith("-") or _NUMBER.fullmatch(value)) else [])
         return " ".join(shown)
 
+    def _print_message(self, message, file=None):
+        """argparse's, but --help and --version text that stdout cannot take raise
+        (:func:`write_stdout`: one line and status 1, not the text lost with status 0; argparse
+        drops the error)."""
+        if message and file is not None and file is sys.stdout:
+            write_stdout(message)
+        else:
+            super()._print_message(message, file)
+
     def _commands(self) -> dict[str, "_Parser"]:
         """This parser's commands' parsers by name (``{}`` for a command's own parser)."""
         actions = self._subparsers._group_actions if self._subparsers is not None else ()
@@ -789,6 +839,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:  # (an environment that lacks a dependency: not a traceback)
         print(f"dflash-torch: error: {import_error_message(exc)}", file=sys.stderr)
         return 1
+    except (BrokenPipeError, OutputError) as exc:  # (--help or --version that stdout cannot take)
+        return _output_failed(exc)
     try:
         check_timeouts()  # (before any import of huggingface_hub: its own check is a traceback)
         return args.func(args) or 0
@@ -803,13 +855,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        _drop_stdout()
+    except (BrokenPipeError, OutputError) as exc:
+        return _output_failed(exc)
+
+
+def _output_failed(exc: BrokenPipeError | OutputError) -> int:
+    """The command's status where stdout failed with ``exc``: 0 for a reader that went away (a
+    broken pipe: the reader's choice), else 1 after one line on stderr."""
+    _drop_stdout()
+    if isinstance(exc, BrokenPipeError):
         return 0
-    except OutputError as exc:
-        _drop_stdout()
-        print(f"dflash-torch: error: {exc}", file=sys.stderr)
-        return 1
+    print(f"dflash-torch: error: {exc}", file=sys.stderr)
+    return 1
 
 
 def _drop_stdout() -> None:
@@ -834,26 +891,31 @@ class _Diagnostics:
     fails (stderr closed or read-only, ``2>&-`` through a shell script; a full disk,
     ``2>/dev/full``; a reader that went away) drops its text, and from then on file descriptor 2
     is /dev/null (for what C libraries write there, and the interpreter's flush at exit):
-    stderr carries diagnostics only, and the command goes on (stdout is its product). Any other
-    attribute is ``stream``'s."""
+    stderr carries diagnostics only, and the command goes on (stdout is its product). ``error``:
+    the first write or flush that failed (None: none did). Bench's stdout is one too, for the
+    same reason (its files are its product: :func:`stdout_kept_going`). Any other attribute is
+    ``stream``'s."""
 
     def __init__(self, stream):
         self._stream = stream
+        self.error: OSError | None = None  # (the first write or flush that failed)
 
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except OSError:
-            self._drop()
+        except OSError as exc:
+            self._drop(exc)
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except OSError:
-            self._drop()
+        except OSError as exc:
+            self._drop(exc)
 
-    def _drop(self) -> None:
+    def _drop(self, exc: OSError) -> None:
+        if self.error is None:
+            self.error = exc
         _to_devnull(self._stream.fileno)
         try:  # (what its buffer still holds goes to /dev/null)
             self._stream.flush()

@@ -1016,3 +1016,35 @@ def test_batch_sizes_are_timed_in_increasing_order_and_one_prompt_is_singular(ti
     table = [line.split("|")[1].strip() for line in captured.out.splitlines() if re.match(r"\| \d+ \|", line)]
     assert table == ["1", "1", "2", "2"], captured.out
     assert "the 1 prompt cycled" in captured.out, captured.out
+
+
+def test_bench_writes_its_files_whatever_stdout_cannot_take(tiny_pair, tmp_path, capsys, monkeypatch):
+    """bench's files are its product: a stdout whose reader went away (``| true``) stops the
+    printing only, the files are written and the status is 0 (the run was lost quietly: no --out
+    at all, status 0); a full disk (``> /dev/full``) is one line, status 1, the files written (it
+    was an OSError traceback); a closed stdout (``>&-``) is refused before anything runs, as
+    generate refuses it (bench ran to the end, status 0)."""
+    import os
+
+    from dflash_torch.cli import main as cli_main
+
+    target, drafter = tiny_pair
+    args = ["bench", "--target", str(target), "--draft", str(drafter), "--modes", "target-only,inject", "--num-prompts",
+            "1", "--max-new-tokens", "4", "--sweep", "", "--no-progress"]
+    read, write = os.pipe()
+    os.close(read)  # (the reader went away before the first line)
+    with open(write, "w") as gone, open("/dev/full", "w") as full:
+        for stdout, code, err in ((gone, 0, []), (full, 1, ["dflash-torch: error: cannot write the output to stdout: "
+                                                             "No space left on device"])):
+            out = tmp_path / str(code)
+            monkeypatch.setattr(sys, "stdout", stdout)
+            rc = cli_main(args + ["--out", str(out)])
+            monkeypatch.undo()
+            assert (rc, capsys.readouterr().err.splitlines()) == (code, err)
+            assert sorted(p.name for p in out.iterdir()) == ["bench.json", "modes.png"]
+            assert [m["name"] for m in json.loads((out / "bench.json").read_text())["modes"]] == ["target-only", "inject"]
+    monkeypatch.setattr(sys, "stdout", None)
+    rc = cli_main(args + ["--out", str(tmp_path / "closed")])
+    monkeypatch.undo()
+    assert (rc, capsys.readouterr().err) == (1, "dflash-torch: error: stdout is closed: nowhere to write the output\n")
+    assert not (tmp_path / "closed").exists()

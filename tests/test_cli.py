@@ -600,6 +600,31 @@ def test_output_stdout_cannot_take_is_one_line_and_status_1(tiny_pair, command):
     assert proc.returncode == 1 and proc.stderr == "dflash-torch: error: stdout is closed: nowhere to write the output\n"
 
 
+def test_help_stdout_cannot_take_is_one_line_and_status_1(capsys, monkeypatch):
+    """``--help`` (and ``--version``) on a full disk (``> /dev/full``): one line, status 1, as the
+    output of generate (argparse dropped the error: the help lost, status 0); a reader that went
+    away (``| head -1``) ends it quietly, status 0."""
+    from dflash_torch.cli import main as cli_main
+
+    for args in (["bench", "--help"], ["generate", "--help"], ["--version"]):
+        with open("/dev/full", "w") as full:  # (a new one each time: a failed stdout is pointed at /dev/null)
+            monkeypatch.setattr(sys, "stdout", full)
+            rc = cli_main(args)
+            monkeypatch.undo()
+        assert (rc, capsys.readouterr().err) == (1, "dflash-torch: error: cannot write the output to stdout: "
+                                                        "No space left on device\n"), args
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "w") as gone:
+        monkeypatch.setattr(sys, "stdout", gone)
+        rc = cli_main(["generate", "--help"])
+        monkeypatch.undo()
+    assert (rc, capsys.readouterr().err) == (0, "")
+    with pytest.raises(SystemExit) as exc:  # (one stdout takes: the help, status 0)
+        cli_main(["generate", "--help"])
+    assert exc.value.code == 0 and "usage: dflash-torch generate" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("kind", ["full", "read-only", "closed"])
 def test_diagnostics_stderr_cannot_take_are_dropped(pair_args, api, tmp_path, kind):
     """``generate`` with a stderr that cannot take its stats line: the line is dropped, the

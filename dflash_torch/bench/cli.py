@@ -229,14 +229,24 @@ def _plots(report: dict, out: Path) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run bench; a run that fails (a refusal, a model that does not load, Ctrl-C) removes
-    the ``--out`` directories it made while they are still empty."""
-    from ..cli import missing_dirs
+    the ``--out`` directories it made while they are still empty. Its files are its product:
+    stdout that cannot take its tables (a reader that went away, a full disk) stops the
+    printing only, and the files are still written (then: a broken pipe ends it quietly,
+    status 0; any other failure is one line, status 1).
+
+    Raises:
+        OutputError: stdout is closed (before anything runs), or it failed (after the files
+            are written).
+    """
+    from ..cli import missing_dirs, raise_stdout_error, stdout_kept_going
 
     made = missing_dirs(Path(args.out)) if args.out.strip() else []
     try:
         # all of bench's torch work (its engine's too) on this thread: one OpenMP thread team
-        with compute.this_thread():
-            return _run(args)
+        with stdout_kept_going() as stdout, compute.this_thread():
+            code = _run(args)
+        raise_stdout_error(stdout)
+        return code
     except BaseException:
         for path in made:  # (the deepest first; a directory something was written into stays)
             try:
