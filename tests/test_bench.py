@@ -400,6 +400,30 @@ def test_acceptance_plot_draws_drafting_modes_only():
     assert [m["name"] for m in drafting_modes([{"name": n} for n in names])] == ["inject", "recompute", "inject-compiled"]
 
 
+def test_acceptance_histogram_is_bars_of_every_tau_from_zero():
+    """Every tau from 1 to the block size is a bar, one without rounds a bar of 0, the rounds
+    axis from 0 (it was a line through the non-empty bins only, the axis from their least: a
+    tau of 0 rounds between two others looked like some)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dflash_torch.bench.cli import acceptance_bars
+
+    modes = [{"name": "inject", "acceptance_histogram": {"1": 5, "3": 7}},  # (as bench.json has them: str keys)
+             {"name": "recompute", "acceptance_histogram": {2: 4, 3: 8}}]
+    fig, ax = plt.subplots()
+    try:
+        acceptance_bars(ax, modes, 4)
+        assert not ax.get_lines()
+        assert [p.get_height() for p in ax.patches] == [5, 0, 7, 0, 0, 4, 8, 0]
+        assert ax.get_ylim()[0] == 0 and list(ax.get_xticks()) == [1, 2, 3, 4]
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["inject", "recompute"]
+    finally:
+        plt.close(fig)
+
+
 def test_round_vs_step_compiled_builds_its_graphs_in_warm_up(monkeypatch):
     """The compiled step and round as --compile runs them: fixed shapes, every graph built
     during the warm-up calls (none after), no CUDA graph skipped (none on a CPU). TorchDynamo's

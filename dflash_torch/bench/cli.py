@@ -180,6 +180,27 @@ def _write_report(report: dict, out: Path) -> None:
         raise DFlashError(f"cannot write {path}: {e.strerror} (the figures are printed above)") from None
 
 
+def acceptance_bars(ax, modes: list[dict], block_size: int) -> None:
+    """Draw the acceptance histograms of ``modes`` (bench.json ``modes[]`` entries; their
+    ``acceptance_histogram`` maps tau, an int or its string, to rounds) on the matplotlib axes
+    ``ax``: side-by-side bars at every tau from 1 to ``block_size`` (or the largest tau seen),
+    a tau without rounds a bar of 0, the rounds axis from 0; a legend where a mode is drawn."""
+    hists = [(m["name"], {int(k): n for k, n in m["acceptance_histogram"].items()}) for m in modes
+             if m["acceptance_histogram"]]
+    top = max([block_size, *(k for _, h in hists for k in h)])
+    taus = list(range(1, top + 1))
+    width = 0.8 / max(1, len(hists))
+    for i, (name, h) in enumerate(hists):
+        ax.bar([t - 0.4 + width * (i + 0.5) for t in taus], [h.get(t, 0) for t in taus], width=width, label=name)
+    ax.set_xticks(taus)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("acceptance length tau (tokens per round)")
+    ax.set_ylabel("rounds")
+    ax.set_title("Acceptance histogram")
+    if hists:  # (target-only modes alone draw no bar)
+        ax.legend()
+
+
 def _plots(report: dict, out: Path) -> list[str]:
     import matplotlib
 
@@ -195,16 +216,7 @@ def _plots(report: dict, out: Path) -> list[str]:
         ax[0].set_ylabel("decode tokens/s")
         ax[0].set_title("Decode throughput")
         ax[0].tick_params(axis="x", rotation=30)
-        for m in drafting_modes(modes):
-            if m["acceptance_histogram"]:
-                h = m["acceptance_histogram"]
-                ks = sorted(int(k) for k in h)
-                ax[1].plot(ks, [h[k] if k in h else h[str(k)] for k in ks], marker="o", label=m["name"])
-        ax[1].set_xlabel("acceptance length tau (tokens per round)")
-        ax[1].set_ylabel("rounds")
-        ax[1].set_title("Acceptance histogram")
-        if ax[1].get_legend_handles_labels()[0]:  # (target-only modes alone draw no curve)
-            ax[1].legend()
+        acceptance_bars(ax[1], drafting_modes(modes), report.get("block_size") or 1)
         fig.tight_layout()
         fig.savefig(out / "modes.png", dpi=110)
         plt.close(fig)
