@@ -38,10 +38,13 @@ def test_bench_cli_writes_report(tiny_pair, tmp_path):
     names = [m["name"] for m in report["modes"]]
     assert names == ["target-only", "inject", "recompute"]
     for m in report["modes"]:
-        assert m["generated_tokens"] == 2 * 11  # 12 tokens per prompt, the first from prefill
+        # 12 tokens per prompt, the first from the prefill: generated_tokens counts it, as batch_sizes' rows and
+        # generate --json count it, decode_tokens (the timed ones) does not
+        assert (m["generated_tokens"], m["decode_tokens"]) == (2 * 12, 2 * 11)
+        assert m["decode_tokens_per_second"] == pytest.approx(m["decode_tokens"] / m["decode_time"])
         # tau counts the tokens kept (the last round's past --max-new-tokens not: helper-26)
-        assert sum(int(tau) * n for tau, n in m["acceptance_histogram"].items()) == m["generated_tokens"]
-        assert m["mean_acceptance_length"] * m["rounds"] == pytest.approx(m["generated_tokens"])
+        assert sum(int(tau) * n for tau, n in m["acceptance_histogram"].items()) == m["decode_tokens"]
+        assert m["mean_acceptance_length"] * m["rounds"] == pytest.approx(m["decode_tokens"])
         assert m["cudagraphs_skipped"] is None  # (eager, and no CUDA)
         assert m["decode_tokens_per_second"] > 0
     for m in report["modes"][1:]:
@@ -666,8 +669,8 @@ def test_bench_tau_counts_the_tokens_kept_when_the_last_round_overshoots(agree_p
     for n in (10, 21):
         (res, outputs), = run_modes([ALL_MODES["inject"]], target, drafter, prompts, block_size=None,
                                     max_new_tokens=n, max_context=128, warmup_prompts=0, progress=False)
-        assert [len(o) for o in outputs] == [n, n] and res.generated_tokens == 2 * (n - 1)
-        assert sum(tau * k for tau, k in res.acceptance_histogram.items()) == res.generated_tokens
+        assert [len(o) for o in outputs] == [n, n] and (res.generated_tokens, res.decode_tokens) == (2 * n, 2 * (n - 1))
+        assert sum(tau * k for tau, k in res.acceptance_histogram.items()) == res.decode_tokens
         assert max(res.acceptance_histogram) > 1  # (long blocks were accepted)
         rows = batch_size_bench(target, drafter, prompts, [2], n, progress=False)
         dflash = next(r for r in rows if r["mode"] == "dflash")

@@ -41,6 +41,12 @@ ALL_MODES = {
 class ModeResult:
     """Figures of one mode over the prompt set (times in seconds).
 
+    ``generated_tokens``: every token generated, over all prompts (each prompt's first, which
+    its prefill makes, included, as ``generate --json`` and bench.json's ``batch_sizes`` count
+    them); ``decode_tokens``: those the timed decoding rounds committed (without the first
+    ones), which ``decode_tokens_per_second`` divides by ``decode_time``, and the acceptance
+    lengths add up to.
+
     ``peak_memory_mb``: on CUDA the most memory allocated while this mode decoded; on
     CPU the process's peak resident set so far (it covers every mode built before).
     ``recompiles_after_warmup``: frames traced while decoding after the warm-up (compiled
@@ -56,6 +62,7 @@ class ModeResult:
     name: str
     prompts: int = 0
     generated_tokens: int = 0
+    decode_tokens: int = 0
     decode_time: float = 0.0
     decode_tokens_per_second: float | None = 0.0
     speedup_vs_target_only: float | None = None
@@ -227,9 +234,10 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
         taus = [r.acceptance_length for r in decoding]
         total = sum(r.total_time for r in decoding)
         res.prompts = len(prompt_ids)
-        res.generated_tokens = sum(len(out) - 1 for out in mode_outputs)
+        res.generated_tokens = sum(map(len, mode_outputs))
+        res.decode_tokens = res.generated_tokens - len(mode_outputs)  # (each prompt's first: its prefill's)
         res.decode_time = total
-        res.decode_tokens_per_second = res.generated_tokens / total if taus and total else None
+        res.decode_tokens_per_second = res.decode_tokens / total if taus and total else None
         res.rounds = len(taus)
         res.mean_acceptance_length = sum(taus) / len(taus) if taus else None
         res.acceptance_histogram = dict(sorted(Counter(taus).items()))
