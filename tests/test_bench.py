@@ -280,7 +280,10 @@ def test_divergences_report_first_index_and_logit_gap(tiny_pair):
     other = (ref[3] + 1) % target.config.vocab_size
     changed = ref[:3] + [other] + ref[4:]
     (d,) = divergences(target, [prompt], [ref], [changed])
-    assert (d["prompt"], d["index"], d["reference_token"], d["token"]) == (0, 3, ref[3], other)
+    # (the prompt counted from 1, as bench's messages name prompts: "prompt 1 (206 tokens) ...")
+    assert (d["prompt"], d["index"], d["reference_token"], d["token"]) == (1, 3, ref[3], other)
+    (d,) = divergences(target, [[7, 8], prompt], [ref, ref], [ref, changed])
+    assert (d["prompt"], d["index"]) == (2, 3)
     with torch.no_grad():  # oracle: transformers' logits after prompt + the common prefix
         logits = hf(torch.tensor([prompt + ref[:3]])).logits[0, -1]
     assert abs(d["logit_gap"] - float(logits[ref[3]] - logits[other])) < 1e-4

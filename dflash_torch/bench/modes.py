@@ -57,6 +57,8 @@ class ModeResult:
     0 is a defect, and the mode's figures are not compiled figures.
     ``decode_tokens_per_second`` and ``mean_acceptance_length``: None where no decoding
     round ran (``max_new_tokens`` 1: every token came from a prefill).
+    ``divergences``: where this mode's outputs differ from target-only's (:func:`divergences`:
+    each entry's ``prompt`` counts from 1, as bench's messages name prompts).
     """
 
     name: str
@@ -259,7 +261,10 @@ def divergences(target, prompt_ids: list[list[int]], reference: list[list[int]],
     bf16 ulps) is a near-tie flip; a large gap would be a bug.
 
     Returns:
-        ``[{"prompt": i, "index": j, "reference_token": a, "token": b, "logit_gap": g}, ...]``.
+        ``[{"prompt": i, "index": j, "reference_token": a, "token": b, "logit_gap": g}, ...]``:
+        ``prompt`` counts from 1 (the first of ``prompt_ids`` is 1, as bench's messages name
+        prompts: "prompt 1 (...)"); ``index`` counts the prompt's generated tokens from 0 (the
+        prefill's is 0); ``logit_gap`` a float.
     """
     found = []
     for i, (ids, ref, out) in enumerate(zip(prompt_ids, reference, outputs)):
@@ -271,5 +276,5 @@ def divergences(target, prompt_ids: list[list[int]], reference: list[list[int]],
         cache.reset(seq.shape[0])
         logits, _ = target(seq, torch.arange(seq.shape[0], device=seq.device), cache, seq.shape[0], logits_from=seq.shape[0] - 1)
         gap = float(logits[-1, ref[j]].float() - logits[-1, out[j]].float())
-        found.append({"prompt": i, "index": j, "reference_token": ref[j], "token": out[j], "logit_gap": gap})
+        found.append({"prompt": i + 1, "index": j, "reference_token": ref[j], "token": out[j], "logit_gap": gap})
     return found
