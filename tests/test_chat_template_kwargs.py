@@ -188,3 +188,8 @@ def test_bench_chat_prompts_with_variables(switch_pair, tmp_path, capsys):
     prompts.write_text(json.dumps({"prompt": MESSAGES[0]["content"]}) + "\n")
     assert cli_main(base + ["--chat-template-kwargs", '{"enable_thinking": false}', "--out", str(tmp_path / "bad")]) == 2
     assert "--chat-template-kwargs apply to chat prompts only: add --chat" in capsys.readouterr().err
+    # (a variable of the template call itself: the flag's fault, named as the flag, not prompt 1's, as generate says)
+    rc = cli_main(base + ["--chat", "--chat-template-kwargs", '{"add_generation_prompt": false}', "--out",
+                          str(tmp_path / "bad")])
+    assert (rc, capsys.readouterr().err) == (2, "dflash-torch: error: --chat-template-kwargs cannot set "
+                                                "add_generation_prompt (an argument of the chat template call itself)\n")

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from .. import compute
-from ..errors import DFlashError, first_line
-from ..options import check_max_new_tokens, context_limit, n_tokens, resolve_device, resolve_dtype
+from ..errors import DFlashError, OptionError, first_line
+from ..options import check_chat_template_kwargs, check_max_new_tokens, context_limit, n_tokens, resolve_device, resolve_dtype
 from . import fmt, ratio
 
 
@@ -383,11 +383,15 @@ def _run(args: argparse.Namespace) -> int:
                                           block_size=args.block_size, mxfp4=args.mxfp4, fp8=args.fp8,
                                           int_weights=args.int_weights, nvfp4=args.nvfp4,
                                           no_draft=args.target is not None and args.draft is None)
+    # (variables no prompt may set: the flag's fault, named as the flag, not the first prompt's)
+    check_chat_template_kwargs(args.chat_template_kwargs, engine.reserved_template_variables())
     prompt_ids = []
     for i, prompt in enumerate(prompts):
         try:  # (chat_template_kwargs apply to the chats only: --chat's, or {"messages"} prompts)
             chat = args.chat or isinstance(prompt, list)
             prompt_ids.append(engine.encode_prompt(prompt, args.chat, args.chat_template_kwargs if chat else None))
+        except OptionError as exc:  # (a template that cannot render the variables: still naming the flag)
+            raise OptionError(f"prompt {i + 1}: {exc}", *exc.names) from None
         except DFlashError as exc:  # (a message list the template or the checks refuse)
             raise DFlashError(f"prompt {i + 1}: {exc}") from None
     limit = context_limit(engine.target.config)
