@@ -578,6 +578,26 @@ def test_prompt_file_errors_name_the_file_and_line(tmp_path):
     with pytest.raises(DFlashError) as err:
         load_prompts(f, None)
     assert str(err.value) == f"{f}:2: not UTF-8 text (byte 0xe9)"
+
+
+def test_prompt_fields_bench_ignores_are_named_once(tmp_path, capsys):
+    """Fields of a prompt line that bench does not read (a request's sampling settings: it
+    decodes greedily at --max-new-tokens) are named in one WARNING line, with the count of the
+    lines used that have them (they were ignored without a word); the shipped set's labels
+    (id, module) and null fields are not."""
+    from dflash_torch.bench.modes import load_prompts
+    from dflash_torch.engine import ASSETS
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "def f(x):", "max_tokens": 3, "temperature": 1}\n{"prompt": "a", "id": "x", "seed": null}\n'
+                 '{"messages": [{"role": "user", "content": "b"}], "temperature": 0}\n{"prompt": "c", "stop": ["x"]}\n')
+    assert load_prompts(f, 3) == ["def f(x):", "a", [{"role": "user", "content": "b"}]]
+    assert capsys.readouterr().err == (f"WARNING: {f}: bench ignores the fields 'max_tokens', 'temperature' (2 lines): "
+                                       "it decodes greedily, --max-new-tokens tokens per prompt\n")
+    load_prompts(f, 1)
+    assert "the fields 'max_tokens', 'temperature' (1 line)" in capsys.readouterr().err
+    load_prompts(ASSETS / "prompts.jsonl", None)
+    assert capsys.readouterr().err == ""
     f.write_text('{"prompt": "a"}\n\n{"text": "b", "prompt": null}\n{"messages": [{"role": "user", "content": "c"}], '
                  '"text": null}\n')  # (a null field is absent, as in train's records: trial-146)
     assert load_prompts(f, None) == ["a", "b", [{"role": "user", "content": "c"}]] and load_prompts(f, 1) == ["a"]

@@ -84,12 +84,20 @@ class ModeResult:
     divergences: list[dict] = field(default_factory=list)
 
 
+LABEL_FIELDS = ("id", "module")  # fields of a prompt line that label it (the shipped set's), read by no one
+
+
 def load_prompts(path: Path, limit: int | None) -> list[str | list[dict]]:
     """Prompts from a JSONL file; ``-``: stdin. Each line is an object with a ``prompt`` or
     ``text`` field (a string), or a ``messages`` field (a null field counts as absent) (a chat: OpenAI's ``[{"role",
     "content"}, ...]``, which the engine renders with the target's chat template, as
     :meth:`~dflash_torch.DFlashEngine.encode_prompt` does; the messages themselves are
     checked there).
+
+    Any other field (a sampling setting such as ``max_tokens`` or ``temperature``: bench decodes
+    greedily, ``--max-new-tokens`` tokens per prompt) is ignored, with one WARNING line on stderr
+    naming the fields and counting the lines among those returned that have them; but for
+    :data:`LABEL_FIELDS`, the shipped set's labels, and null fields.
 
     Returns:
         the prompts, in file order, at most ``limit`` (None: all): strings, and message lists.
@@ -120,7 +128,7 @@ def load_prompts(path: Path, limit: int | None) -> list[str | list[dict]]:
     except UnicodeDecodeError as exc:
         line = 1 + data.count(b"\n", 0, exc.start)
         raise DFlashError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
-    prompts = []
+    prompts, extras = [], []  # (extras: each prompt's fields besides its prompt)
     for i, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
@@ -148,8 +156,16 @@ def load_prompts(path: Path, limit: int | None) -> list[str | list[dict]]:
         except UnicodeEncodeError:
             raise DFlashError(f"{where}: the prompt is not valid Unicode text (a lone surrogate escape)") from None
         prompts.append(prompt)
+        extras.append([k for k in obj if k not in ("prompt", "text", "messages", *LABEL_FIELDS) and obj[k] is not None])
     if not prompts:
         raise DFlashError(f"{path} has no prompts")
+    kept = extras[:limit] if limit else extras
+    ignored = sorted({k for keys in kept for k in keys})
+    if ignored:
+        lines = sum(1 for keys in kept if keys)
+        print(f"WARNING: {path}: bench ignores the field{'s' if len(ignored) > 1 else ''} "
+              f"{', '.join(map(repr, ignored))} ({lines} line{'s' if lines > 1 else ''}): it decodes greedily, "
+              "--max-new-tokens tokens per prompt", file=sys.stderr, flush=True)
     return prompts[:limit] if limit else prompts
 
 
