@@ -474,6 +474,8 @@ def test_bench_batch_sizes_writes_table_plot_and_fields(tiny_pair, tmp_path):
     assert 2 < rows[3]["mean_batch"] <= 3  # dflash: requests finish at different rounds
     for r in rows[1::2]:
         assert r["outputs_identical_to_target_only"] is True and r["speedup_vs_target_only"] > 0
+        assert r["target_only_rounds"] == 0  # (always drafting: no --draft-max-batch-size)
+    assert [r["target_only_rounds"] for r in rows[::2]] == [None, None]  # (target-only rows: no draft to skip)
     assert (out / "batch_sizes.png").stat().st_size > 0
     assert "| 3 | dflash | " in proc.stdout and "12 requests of 10 tokens" in proc.stdout
     # the table says whether each DFlash row's outputs are target-only's, as bench.json does
@@ -494,6 +496,10 @@ def test_bench_batch_sizes_with_target_only_rounds_above_a_limit(tiny_pair, tmp_
     dflash = report["batch_sizes"][1]
     assert dflash["mode"] == "dflash" and dflash["outputs_identical_to_target_only"] is True
     assert dflash["mean_acceptance_length"] == 1.0  # (3 decode in every round: 12 requests, 3 slots, 10 tokens each)
+    # the table and bench.json say how many rounds ran without drafts (nothing showed the policy at work)
+    assert dflash["target_only_rounds"] == dflash["rounds"] > 0
+    assert f"| 3 | dflash | 3.00 | {dflash['rounds']} of {dflash['rounds']} |" in proc.stdout, proc.stdout
+    assert "| 3 | target-only | 3.00 | - |" in proc.stdout, proc.stdout
 
 
 def test_bench_rejects_bad_batch_sizes(tiny_pair, tmp_path):

@@ -11,6 +11,7 @@ checked and plumbed through ``from_pretrained``, ``serve`` and ``bench``."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -157,3 +158,7 @@ def test_auto_is_checked_and_plumbed(agree_pair, agree_models, tiny_pair, tmp_pa
     report = json.loads((out / "bench.json").read_text())
     assert report["draft_max_batch_size"] == "auto"
     assert report["batch_sizes"][1]["outputs_identical_to_target_only"] is True
+    dflash = report["batch_sizes"][1]  # (how many rounds the policy ran without drafts: measured, so any share)
+    assert 0 <= dflash["target_only_rounds"] <= dflash["rounds"]
+    assert re.search(rf"\| 3 \| dflash \| [\d.]+ \| {dflash['target_only_rounds']} of {dflash['rounds']} \|",
+                     proc.stdout), proc.stdout

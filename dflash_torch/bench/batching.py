@@ -54,14 +54,17 @@ def serve_all(batch: BatchDecoder, prompt_ids: list[list[int]], max_new_tokens: 
         ``generated_tokens`` (all requests), ``decode_tokens`` (those the rounds committed,
         i.e. without each request's first token, which its prefill makes),
         ``latencies_s`` (per request, its prefill start to its last token), ``rounds``,
-        ``mean_batch`` (sequences decoded per round), ``mean_acceptance_length`` and
-        ``outputs`` (token ids per prompt).
+        ``target_only_rounds`` (of those, the rounds run without drafts:
+        :attr:`~dflash_torch.batch.BatchDecoder.target_only_rounds`, the draft policy's; 0 for a
+        decoder without a drafter), ``mean_batch`` (sequences decoded per round),
+        ``mean_acceptance_length`` and ``outputs`` (token ids per prompt).
     """
     params = SamplingParams()
     waiting = list(range(len(prompt_ids)))
     tokens: dict[int, list[int]] = {}
     started: dict[int, float] = {}
     latencies, taus, decode_s, rounds, batch_rows = [], [], 0.0, 0, 0
+    plain = batch.target_only_rounds  # (the warm-up's before)
     t_start = time.perf_counter()
     while waiting or batch.seq_ids:
         while waiting and batch.free_slots:
@@ -88,6 +91,7 @@ def serve_all(batch: BatchDecoder, prompt_ids: list[list[int]], max_new_tokens: 
     generated = sum(len(t) for t in tokens.values())
     return {"wall_s": wall, "decode_s": decode_s, "generated_tokens": generated,
             "decode_tokens": generated - len(prompt_ids), "latencies_s": latencies, "rounds": rounds,
+            "target_only_rounds": batch.target_only_rounds - plain,
             "mean_batch": batch_rows / rounds if rounds else None,
             "mean_acceptance_length": sum(taus) / len(taus) if taus else None,
             "outputs": [tokens[i] for i in range(len(prompt_ids))]}
@@ -158,7 +162,9 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
     ``batch_size``, ``requests`` (:func:`requests_for`: the same at every batch size),
     ``aggregate_decode_tokens_per_second`` (decode tokens / decode time),
     ``aggregate_tokens_per_second`` (all generated tokens / wall time, prefills
-    included), ``p50_latency_s`` / ``p95_latency_s`` per request, ``mean_batch``,
+    included), ``p50_latency_s`` / ``p95_latency_s`` per request, ``rounds``,
+    ``target_only_rounds`` (dflash rows: the rounds of ``rounds`` run without drafts, by
+    ``draft_max_batch_size``; None for target-only rows), ``mean_batch``,
     ``mean_acceptance_length``, ``speedup_vs_target_only`` (dflash rows: over target-only
     at the same batch size), ``scaling_vs_batch_1`` (aggregate decode tok/s over the same
     mode's at batch size 1, when 1 is measured) and ``outputs_identical_to_target_only``.
@@ -183,6 +189,8 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
             r = serve_all(batch, requests, max_new_tokens)
             outputs[mode] = r.pop("outputs")
             lat = r.pop("latencies_s")
+            if mode == "target-only":  # (no drafter: no round to run without drafts)
+                r["target_only_rounds"] = None
             row = {"mode": mode, "batch_size": n, "requests": len(requests), **r,
                    "aggregate_decode_tokens_per_second": ratio(r["decode_tokens"], r["decode_s"]),
                    "aggregate_tokens_per_second": ratio(r["generated_tokens"], r["wall_s"]),
@@ -208,13 +216,15 @@ def batch_size_bench(target: TargetModel, drafter: DFlashDrafter | None, prompt_
 
 
 def batch_table(rows: list[dict]) -> str:
-    """The rows of :func:`batch_size_bench` as a markdown table."""
-    lines = ["| batch | mode | mean batch | decode tok/s (aggregate) | x batch 1 | tok/s incl. prefill | p50 latency s | "
-             "p95 latency s | tau | DFlash / target-only | vs target-only |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The rows of :func:`batch_size_bench` as a markdown table (a dflash row's target-only
+    rounds as "K of N", N its rounds; "-" for a target-only row)."""
+    lines = ["| batch | mode | mean batch | target-only rounds | decode tok/s (aggregate) | x batch 1 | tok/s incl. prefill "
+             "| p50 latency s | p95 latency s | tau | DFlash / target-only | vs target-only |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     same = {None: "-", True: "identical", False: "DIFFERS"}
     for r in rows:
-        lines.append(f"| {r['batch_size']} | {r['mode']} | {fmt(r['mean_batch'], '.2f')} | "
+        plain = "-" if r["target_only_rounds"] is None else f"{r['target_only_rounds']} of {r['rounds']}"
+        lines.append(f"| {r['batch_size']} | {r['mode']} | {fmt(r['mean_batch'], '.2f')} | {plain} | "
                      f"{fmt(r['aggregate_decode_tokens_per_second'], '.1f')} | "
                      f"{fmt(r['scaling_vs_batch_1'], '.2f')} | {fmt(r['aggregate_tokens_per_second'], '.1f')} | "
                      f"{r['p50_latency_s']:.2f} | {r['p95_latency_s']:.2f} | {fmt(r['mean_acceptance_length'], '.2f')} | "
