@@ -192,7 +192,12 @@ def acceptance_bars(ax, modes: list[dict], block_size: int) -> None:
     width = 0.8 / max(1, len(hists))
     for i, (name, h) in enumerate(hists):
         ax.bar([t - 0.4 + width * (i + 0.5) for t in taus], [h.get(t, 0) for t in taus], width=width, label=name)
-    ax.set_xticks(taus)
+    if top <= 20:  # (every tau labelled; larger blocks: matplotlib's integer ticks)
+        ax.set_xticks(taus)
+    else:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(bottom=0)
     ax.set_xlabel("acceptance length tau (tokens per round)")
     ax.set_ylabel("rounds")
