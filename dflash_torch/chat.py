@@ -31,6 +31,7 @@ import os
 import sys
 
 from .cli import (
+    GREEDY,
     add_chat_template_kwargs_arg,
     add_model_args,
     add_sampling_args,
@@ -38,6 +39,7 @@ from .cli import (
     check_stdout,
     check_warmup_context,
     error_message,
+    generation_config_values,
     interrupt_again,
     load_engine,
     warm_up,
@@ -51,8 +53,7 @@ HELP = ("commands: /reset (forget the conversation), /exit (or Ctrl-D), /help (t
         "with /; Ctrl-C stops a reply")
 # the sampling flags that --generation-config auto fills from generation_config.json when not given, and
 # their values otherwise (greedy, 256 tokens; without --max-new-tokens each turn's is cut to the context its prompt leaves)
-RECOMMENDED = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-               "max_new_tokens": 256}
+RECOMMENDED = {**GREEDY, "max_new_tokens": 256}
 
 
 def register(sub) -> None:
@@ -198,7 +199,7 @@ def _sampling(engine, args: argparse.Namespace) -> dict:
                           f"context of {engine.max_context} tokens; lower it"
                           + " (or raise --max-context)" * _can_raise(engine, kwargs["max_new_tokens"] + least))
     if taken:
-        print("[sampling from the target's generation_config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items())
+        print(f"[sampling from the target's generation_config.json: {generation_config_values(taken)}"
               + " (flags override it; --generation-config none: greedy decoding, 256 tokens)]", file=sys.stderr)
     return dict(kwargs, chat=True, chat_template_kwargs=args.chat_template_kwargs)
 

@@ -287,6 +287,35 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_help: str = "default 2
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
 
 
+# the sampling flags whose values a target's generation_config.json may recommend, and their values where
+# a command takes neither a flag nor the file (greedy decoding; chat adds max_new_tokens)
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def generation_config_values(values: dict) -> str:
+    """generation_config.json's ``values`` (a dict of field -> value) as a note on stderr names
+    them: ``"temperature 0.7, top_k 20"`` (chat's note of the values it takes, generate's of
+    those it leaves)."""
+    return ", ".join(f"{k} {v}" for k, v in values.items())
+
+
+def unused_generation_config_note(engine) -> str | None:
+    """``generate``'s note where it decodes greedily (no sampling flag given) but the target's
+    generation_config.json recommends other values (``engine.generation_defaults``): which ones,
+    and the flags that would use them; None where it recommends none (or its values are
+    refused: generate does not use them)."""
+    try:
+        recommended = engine.generation_defaults
+    except DFlashError:
+        return None
+    unused = {k: v for k, v in recommended.items() if k in GREEDY and v != GREEDY[k]}
+    if not unused:
+        return None
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in unused.items())
+    return (f"note: greedy decoding; the target's generation_config.json sampling values "
+            f"({generation_config_values(unused)}) are not used: pass {flags} to use them")
+
+
 # structured-output flags of ``generate``: flag -> StructuredOutput field
 STRUCTURED_FLAGS = {"--json-schema": "json", "--json-object": "json_object", "--regex": "regex", "--choice": "choice",
                     "--grammar": "grammar"}
@@ -408,7 +437,14 @@ def _generate_here(args: argparse.Namespace) -> int:
         if value is not None and not args.json:
             raise DFlashError(f"{flag} needs --json (the log-probabilities are printed in its JSON object)")
     structured = structured_output(args)
+    given = [k for k in GREEDY if getattr(args, k) is not None]  # (sampling flags given: no note)
+    for k, v in GREEDY.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     engine = load_engine(args)
+    note = None if given else unused_generation_config_note(engine)
+    if note is not None:  # (stderr: --json's object on stdout stays whole)
+        print(note, file=sys.stderr, flush=True)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, min_p=args.min_p, seed=args.seed, presence_penalty=args.presence_penalty,
                   frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
@@ -787,7 +823,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g, "default: the target's generation_config.json's max_new_tokens, else 256; cut to the "
                          "context the prompt leaves")
     add_structured_output_args(g)
-    g.set_defaults(func=_generate)
+    g.set_defaults(func=_generate, **dict.fromkeys(GREEDY))  # (None: not given; greedy, and a note where
+    # the target's generation_config.json recommends other values: unused_generation_config_note)
     for module in ("chat", "serving.cli", "training.cli", "bench.cli"):  # (a missing dependency: main says which)
         __import__(f"dflash_torch.{module}", fromlist=["register"]).register(sub)
     return parser

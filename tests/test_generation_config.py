@@ -87,6 +87,30 @@ def test_the_recommended_max_new_tokens_is_cut_to_the_context_as_the_server_cuts
     assert create_app(engine, generation_config="none").state.sampling_defaults == {}
 
 
+def test_generate_says_which_generation_config_values_it_leaves(cli, recommended_pair, tiny_pair):
+    """``dflash-torch generate`` takes the file's max_new_tokens but decodes greedily unless
+    sampling flags are given (its --help's defaults): it did so silently beside chat's note of
+    the values it samples with; now one stderr line names the values it leaves and the flags
+    that would use them (with --json too: stdout stays one JSON object), none where a sampling
+    flag is given, nor for a target whose file recommends none."""
+    target, drafter = map(str, recommended_pair)
+    greedy = DFlashEngine.from_pretrained(target, drafter).generate("def f(x):")
+    note = ("note: greedy decoding; the target's generation_config.json sampling values (temperature 0.7, top_k 5, "
+            "top_p 0.9, min_p 0.05, repetition_penalty 1.1) are not used: pass --temperature 0.7 --top-k 5 "
+            "--top-p 0.9 --min-p 0.05 --repetition-penalty 1.1 to use them")
+    proc = cli("generate", "def f(x):", "--target", target, "--draft", drafter)
+    assert proc.returncode == 0 and proc.stdout == greedy.text + "\n"
+    assert proc.stderr.splitlines()[0] == note and len(proc.stderr.splitlines()) == 2, proc.stderr
+    proc = cli("generate", "def f(x):", "--target", target, "--draft", drafter, "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == greedy.token_ids
+    assert proc.stderr.strip() == note
+    for flag in ("--temperature", "--top-k", "--repetition-penalty"):  # (any sampling flag: the user chose)
+        proc = cli("generate", "def f(x):", "--target", target, "--draft", drafter, "--json", flag, "1")
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    proc = cli("generate", "def f(x):", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--json")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
 BAD_RECOMMENDED = [  # (field, value, the one-line error)
     ("temperature", "0.6", "generation_config.json: temperature must be a finite number >= 0, got '0.6'"),
     ("top_p", 0, "generation_config.json: top_p must be in (0, 1], got 0"),
