@@ -616,6 +616,12 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.set_defaults(option_flags=self.flags)
 
+    @property
+    def name(self) -> str:
+        """The program its errors name: ``dflash-torch`` (a command's parser too, whose ``prog``
+        is ``dflash-torch generate``), or a script's (:func:`script_parser`)."""
+        return self.prog.split()[0]
+
     def add_argument(self, *args, **kwargs):
         action = super().add_argument(*args, **kwargs)
         long = [s for s in action.option_strings if s.startswith("--")]
@@ -634,7 +640,7 @@ class _Parser(argparse.ArgumentParser):
                 try:
                     value = argv_text(value, what)
                 except DFlashError as exc:
-                    self.exit(2, f"dflash-torch: error: {exc}\n")
+                    self.exit(2, f"{self.name}: error: {exc}\n")
             return value if convert is None else convert(value)
 
         text.__name__ = getattr(convert, "__name__", "str")  # (argparse's "invalid int value: ...")
@@ -721,7 +727,72 @@ class _Parser(argparse.ArgumentParser):
         # (a value argparse quotes whole, e.g. "invalid int value: '999...'": its head and length)
         message = re.sub(r"'([^']{40})[^']{20,}'", lambda m: f"'{m.group(1)}...' ({len(m.group(0)) - 2} characters)",
                          message)
-        self.exit(2, f"dflash-torch: error: {message} (see --help)\n")
+        self.exit(2, f"{self.name}: error: {message} (see --help)\n")
+
+
+def script_parser(script: str, doc: str) -> _Parser:
+    """The argument parser of a script of the repository's ``scripts/`` (``script``: its
+    ``__file__``, ``doc``: its docstring, whose first paragraph is the description): the
+    command line's (:class:`_Parser`: a usage error is one line ``NAME.py: error: ...``, exit
+    status 2; long flags are not taken abbreviated), for :func:`script_errors`."""
+    return _Parser(prog=Path(script).name, description=doc.split("\n\n")[0])
+
+
+@contextmanager
+def script_errors(parser: _Parser, args: argparse.Namespace):
+    """Inside the block, a :class:`DFlashError` (an option value the package's checks refuse,
+    :mod:`dflash_torch.options`; a file that cannot be read or written) ends a script as the
+    ``dflash-torch`` command ends: one line ``NAME.py: error: MESSAGE`` on stderr
+    (:func:`error_message`: an option's Python name as the script's flag) and exit status 2
+    (``SystemExit(2)``). ``parser``: the script's :func:`script_parser`, ``args``: what it parsed."""
+    try:
+        yield
+    except DFlashError as exc:
+        parser.exit(2, f"{parser.name}: error: {error_message(exc, args.option_flags)}\n")
+
+
+def check_counts(args: argparse.Namespace, *dests: str) -> None:
+    """Each option ``dests`` names (its ``dest`` in ``args``, parsed by a :class:`_Parser`) an
+    integer >= 1, or None (not given) (:func:`~dflash_torch.options.check_count`).
+
+    Raises:
+        OptionError: naming the option's flag (``--reps must be an integer >= 1, got 0``).
+    """
+    from .options import check_count
+
+    for dest in dests:
+        if getattr(args, dest) is not None:
+            check_count(getattr(args, dest), args.option_flags[dest])
+
+
+def check_out_file(path: str | None, flag: str) -> None:
+    """Refuse, before a long run, a file to write its results to that cannot be written: a
+    directory, one in a directory that does not exist, or one not writable (None: no file).
+
+    Raises:
+        DFlashError: naming ``flag`` and the path.
+    """
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise DFlashError(f"{flag} {path} is a directory; give the path of a file to write")
+    if not target.parent.is_dir():
+        raise DFlashError(f"{flag} {path}: the directory {target.parent} does not exist")
+    if not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise DFlashError(f"{flag} {path}: permission denied")
+
+
+def write_out_file(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) to the results file ``path`` (:func:`check_out_file` checked it).
+
+    Raises:
+        DFlashError: an OS error (a full disk): ``cannot write PATH: REASON``.
+    """
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise DFlashError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 @contextmanager

@@ -14,6 +14,8 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from dflash_torch import DFlashEngine  # noqa: E402
+from dflash_torch.cli import check_counts, check_out_file, write_out_file  # noqa: E402
+from dflash_torch.options import check_threads  # noqa: E402
 from dflash_torch.bench.modes import load_prompts  # noqa: E402
 from dflash_torch.engine import ASSETS  # noqa: E402
 
@@ -30,9 +32,17 @@ def add_common_args(ap: argparse.ArgumentParser, pair: bool = False) -> None:
 
 
 def load_engine(args: argparse.Namespace) -> DFlashEngine:
-    """Set ``--threads`` and load the pair (the shipped one unless ``--target/--drafter``)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    """Check the common options (``--threads`` at most the CPUs this process may use,
+    ``--reps`` >= 1, ``--json`` a file that can be written; ``--dtype`` as the engine checks
+    it), set ``--threads`` and load the pair (the shipped one unless ``--target/--drafter``).
+
+    Raises:
+        DFlashError: an option's value, or a checkpoint that cannot be loaded.
+    """
+    check_counts(args, "reps")
+    check_out_file(args.json, "--json")
+    if args.threads is not None:
+        torch.set_num_threads(check_threads(args.threads, "--threads"))
     return DFlashEngine.from_pretrained(getattr(args, "target", None), getattr(args, "drafter", None),
                                         dtype=args.dtype)
 
@@ -54,6 +64,10 @@ def shipped_tokens(engine: DFlashEngine, n: int | None = None) -> list[int]:
 
 
 def write_json(args: argparse.Namespace, results: dict) -> None:
-    """Write ``{"args": ..., **results}`` to ``--json``, if given."""
+    """Write ``{"args": ..., **results}`` to ``--json``, if given.
+
+    Raises:
+        DFlashError: it cannot be written."""
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), **results}, indent=1))
+        kept = {k: v for k, v in vars(args).items() if k != "option_flags"}  # (the parser's, not an option)
+        write_out_file(args.json, json.dumps({"args": kept, **results}, indent=1))

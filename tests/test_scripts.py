@@ -1,0 +1,74 @@
+"""The measurement scripts of ``scripts/`` that the README names, run in this process
+(``main(argv)``) on the shipped pair: a bad option value, a file that cannot be read or an
+output path that cannot be written is one line ``NAME.py: error: ...`` on stderr and exit
+status 2, as the ``dflash-torch`` command ends, before anything is measured (they were
+tracebacks: OptionError, ZeroDivisionError, FileNotFoundError, IsADirectoryError, or a
+``--num-prompts -1`` read as a Python slice)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_torch.options import usable_cpus
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+TOO_MANY = str((usable_cpus() or 1) + 1)  # (threads beyond the CPUs this process may use)
+
+
+def run_script(name: str, argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """scripts/NAME.py's ``main(argv)`` here: (exit status, stdout, stderr)."""
+    monkeypatch.setattr(sys, "path", [str(SCRIPTS), *sys.path])
+    module = importlib.import_module(name)
+    capsys.readouterr()
+    try:
+        module.main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+BAD = [  # (script, arguments, the error line's text after "NAME.py: error: ")
+    ("eval_default_pair", ["--block-size", "99"], "--block-size must be an integer in [1, 16]"),
+    ("eval_default_pair", ["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
+    ("eval_default_pair", ["--num-prompts", "-1"], "--num-prompts must be an integer >= 1, got -1"),
+    ("eval_default_pair", ["--dtype", "float16"], "--dtype float16 is not supported"),
+    ("eval_default_pair", ["--prompts", "/nonexistent/p.jsonl"], "prompt file /nonexistent/p.jsonl does not exist"),
+    ("eval_default_pair", ["--out", "{tmp}"], "--out {tmp} is a directory"),
+    ("eval_default_pair", ["--num-threads", TOO_MANY], "--threads must be an integer from 1 to the CPUs"),
+    ("eval_default_pair", ["--num-prom", "3"], "unrecognized arguments: --num-prom 3; did you mean --num-prompts?"),
+    ("draft_policy", ["--reps", "0"], "--reps must be an integer >= 1, got 0"),
+    ("draft_policy", ["--requests", "0"], "--requests must be an integer >= 1, got 0"),
+    ("draft_policy", ["--streams", "0"], "--streams must be an integer >= 1, got 0"),
+    ("draft_policy", ["--threads", TOO_MANY], "--threads must be an integer from 1 to the CPUs"),
+    ("draft_policy", ["--json", "{tmp}"], "--json {tmp} is a directory"),
+    ("draft_policy", ["--dtype", "float16"], "--dtype float16 is not supported"),
+]
+
+
+@pytest.mark.parametrize("script,argv,error", BAD, ids=[f"{s} {' '.join(a)}" for s, a, _ in BAD])
+def test_bad_arguments_are_one_line_and_exit_2(script, argv, error, tmp_path, monkeypatch, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    code, out, err = run_script(script, argv, monkeypatch, capsys)
+    assert code == 2 and out == "", err
+    assert len(err.splitlines()) == 1 and err.startswith(f"{script}.py: error: {error.replace('{tmp}', str(tmp_path))}"), err
+
+
+def test_draft_policy_says_every_target_only_round_has_no_drafts(monkeypatch, capsys):
+    """Its target-only line said "target-only rounds 0": the count of rounds the decoder ran
+    without drafts for want of them, which target-only decoding (no drafter) never counts.
+    Now each line gives its decode rounds without drafts out of its rounds: none of draft's,
+    all of target-only's."""
+    code, out, err = run_script("draft_policy", ["--reps", "1", "--requests", "2", "--new-tokens", "4", "--streams", "2"],
+                                monkeypatch, capsys)
+    assert code == 0, err
+    lines = {line.split(":")[0].split()[-1]: line for line in out.splitlines() if line.startswith("rep 0 ")}
+    draft, target_only = (lines[m].split("rounds without drafts ")[1].split(" of ") for m in ("draft", "target-only"))
+    assert draft[0] == "0" and int(draft[1]) > 0, lines
+    assert target_only[0] == target_only[1] and int(target_only[0]) > 0, lines
+    assert "outputs identical across modes and reps: True" in out
