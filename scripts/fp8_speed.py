@@ -30,6 +30,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import make_hybrid_target, make_target  # noqa: E402  (the test suite's checkpoint builders)
 from dflash_torch import DFlashEngine  # noqa: E402
+from dflash_torch.errors import OptionError  # noqa: E402
+from dflash_torch.options import check_threads  # noqa: E402
 from mxfp4_speed import check_args, compare, speed_args  # noqa: E402  (its options and timing of the two modes)
 
 TOKENIZER = ROOT / "dflash_torch" / "assets" / "default" / "target"
@@ -45,8 +47,11 @@ def main() -> None:
     args = ap.parse_args()
     wide = args.family == "qwen3_next" or (args.family == "qwen3_moe" and args.format in ("w4a16", "w8a16"))
     check_args(ap, args, 256 if wide else 128)
-    if args.threads is not None and args.threads < 1:
-        ap.error(f"--threads must be at least 1, got {args.threads}")
+    if args.threads is not None:
+        try:  # (at most the CPUs this process may use, as the command's --threads)
+            check_threads(args.threads, "--threads")
+        except OptionError as exc:
+            ap.error(str(exc))
     # (the test suite's quantizers, imported here: all but fp8's need compressed-tensors, which the
     # fp8 part of scripts/gpu_check.sh does without)
     try:

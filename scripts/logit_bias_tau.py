@@ -16,7 +16,6 @@ masked all along).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from collections import Counter
@@ -24,7 +23,9 @@ from collections import Counter
 import torch
 
 from dflash_torch import DFlashEngine
+from dflash_torch.cli import check_counts, script_errors, script_parser
 from dflash_torch.engine import ASSETS
+from dflash_torch.options import check_threads
 from dflash_torch.sampling import LogitsProcessor
 
 
@@ -42,41 +43,45 @@ def run(engine, prompts, kw, draft_biased: bool) -> tuple[list[list[int]], float
             statistics.median(o.stats.decode_tokens_per_second for o in outs))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``; None: ``sys.argv``). A bad option value ends it with one line
+    ``logit_bias_tau.py: error: ...`` on stderr, exit status 2 (``SystemExit``)."""
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--seeds", type=int, default=2, help="sampled runs per prompt (temperature 0.7)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    lines = (ASSETS / "prompts.jsonl").read_text().splitlines()[: args.prompts]
-    prompts = [json.loads(line)["prompt"] for line in lines]
-    base = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    for drafter in ("drafter", "drafter-dflash1"):
-        engine = DFlashEngine.from_pretrained(ASSETS / "target", ASSETS / drafter)
-        engine.generate(prompts[0], max_new_tokens=8)  # warm-up
-        plain, tau, rate = run(engine, prompts, base, True)
-        top = [t for t, _ in Counter(t for out in plain for t in out).most_common(3)]
-        settings = {"none": {}, f"ban {top} (-100)": dict(logit_bias={t: -100 for t in top}),
-                    f"force {top[0]} (+100)": dict(logit_bias={top[0]: 100}),
-                    "min_tokens=all, EOS +5": dict(logit_bias={0: 5}, min_tokens=args.max_new_tokens,
-                                                   ignore_eos=False)}
-        print(f"{drafter}: unbiased greedy tau {tau:.2f}")
-        for name, extra in settings.items():
-            for sampled in (False, True):
-                kws = [{**base, **extra}] if not sampled else \
-                    [{**base, **extra, "temperature": 0.7, "seed": s} for s in range(args.seeds)]
-                row = {}
-                for biased in (True, False):
-                    got = [run(engine, prompts, kw, biased) for kw in kws]
-                    row[biased] = ([t for g in got for t in g[0]], statistics.mean(g[1] for g in got),
-                                   statistics.median(g[2] for g in got))
-                if not sampled:
-                    assert row[True][0] == row[False][0], f"{drafter} {name}: greedy tokens differ"
-                mode = "sampled" if sampled else "greedy"
-                print(f"  {name:32s} {mode:8s} tau drafter biased {row[True][1]:5.2f} / not {row[False][1]:5.2f}"
-                      f"   tok/s {row[True][2]:7.1f} / {row[False][2]:7.1f}")
+    args = ap.parse_args(argv)
+    with script_errors(ap, args):
+        check_counts(args, "prompts", "max_new_tokens", "seeds")
+        torch.set_num_threads(check_threads(args.threads, "--threads"))
+        lines = (ASSETS / "prompts.jsonl").read_text().splitlines()[: args.prompts]
+        prompts = [json.loads(line)["prompt"] for line in lines]
+        base = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+        for drafter in ("drafter", "drafter-dflash1"):
+            engine = DFlashEngine.from_pretrained(ASSETS / "target", ASSETS / drafter)
+            engine.generate(prompts[0], max_new_tokens=8)  # warm-up
+            plain, tau, rate = run(engine, prompts, base, True)
+            top = [t for t, _ in Counter(t for out in plain for t in out).most_common(3)]
+            settings = {"none": {}, f"ban {top} (-100)": dict(logit_bias={t: -100 for t in top}),
+                        f"force {top[0]} (+100)": dict(logit_bias={top[0]: 100}),
+                        "min_tokens=all, EOS +5": dict(logit_bias={0: 5}, min_tokens=args.max_new_tokens,
+                                                       ignore_eos=False)}
+            print(f"{drafter}: unbiased greedy tau {tau:.2f}")
+            for name, extra in settings.items():
+                for sampled in (False, True):
+                    kws = [{**base, **extra}] if not sampled else \
+                        [{**base, **extra, "temperature": 0.7, "seed": s} for s in range(args.seeds)]
+                    row = {}
+                    for biased in (True, False):
+                        got = [run(engine, prompts, kw, biased) for kw in kws]
+                        row[biased] = ([t for g in got for t in g[0]], statistics.mean(g[1] for g in got),
+                                       statistics.median(g[2] for g in got))
+                    if not sampled:
+                        assert row[True][0] == row[False][0], f"{drafter} {name}: greedy tokens differ"
+                    mode = "sampled" if sampled else "greedy"
+                    print(f"  {name:32s} {mode:8s} tau drafter biased {row[True][1]:5.2f} / not {row[False][1]:5.2f}"
+                          f"   tok/s {row[True][2]:7.1f} / {row[False][2]:7.1f}")
 
 
 if __name__ == "__main__":

@@ -17,16 +17,22 @@ give the same tokens. ``--reps`` repetitions alternate which mode runs first.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import torch
-from batching_common import add_common_args, load_engine, shipped_prompts, shipped_tokens, write_json
+from batching_common import (
+    add_common_args,
+    load_engine,
+    shipped_prompts,
+    shipped_tokens,
+    write_json,
+)
 
 from dflash_torch import SamplingParams
 from dflash_torch.batch import BatchDecoder
+from dflash_torch.cli import check_counts, script_errors, script_parser
 
 
 def run(batch: BatchDecoder, shorts: list[list[int]], long_ids: list[int], mode: str, short_new: int, long_new: int,
@@ -67,8 +73,10 @@ def run(batch: BatchDecoder, shorts: list[list[int]], long_ids: list[int], mode:
             "tokens_per_second": sum(map(len, tokens.values())) / wall, "wall_s": wall, "tokens": tokens}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``; None: ``sys.argv``). A bad option value ends it with one line
+    ``prefill_stalls.py: error: ...`` on stderr, exit status 2 (``SystemExit``)."""
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--streams", type=int, default=2, help="short streams decoding when the long prompt joins")
     ap.add_argument("--short-new-tokens", type=int, default=256)
     ap.add_argument("--long-tokens", type=int, default=2000, help="tokens of the joining prompt")
@@ -77,40 +85,43 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--prefill-budget", type=int, default=None, help="prompt tokens prefilled per step (default: one chunk)")
     add_common_args(ap)
-    args = ap.parse_args()
-    engine = load_engine(args)
-    shorts = shipped_prompts(engine)[:args.streams]
-    long_ids = shipped_tokens(engine, args.long_tokens)
-    context = max(map(len, shorts + [long_ids])) + max(args.short_new_tokens, args.long_new_tokens) + 1
-    # (reuse_prefix off: every rep reads the same long prompt, which a retained prefix would spare)
-    batch = BatchDecoder(engine.target, engine.drafter, max_batch_size=args.streams + 1, max_context=context,
-                         prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget, reuse_prefix=False)
-    with torch.inference_mode():
-        run(batch, shorts, long_ids[:300], "join", 16, 8, 1)  # warm-up
-        results = {"add": [], "join": []}
-        for rep in range(args.reps):
-            for mode in (("add", "join") if rep % 2 == 0 else ("join", "add")):
-                r = run(batch, shorts, long_ids, mode, args.short_new_tokens, args.long_new_tokens, args.join_after)
-                results[mode].append(r)
-                print(f"rep {rep} {mode:4}: longest gap {r['max_gap_s'] * 1000:7.1f} ms, median gap "
-                      f"{r['median_gap_s'] * 1000:6.1f} ms, long TTFT {r['long_ttft_s']:.2f} s, "
-                      f"{r['tokens_per_second']:6.1f} tok/s", flush=True)
-    same = all(r["tokens"] == results["add"][0]["tokens"] for rs in results.values() for r in rs)
-    print(f"\n{args.streams} short streams of {args.short_new_tokens} tokens; a {len(long_ids)}-token prompt joins "
-          f"after {args.join_after} rounds ({args.long_new_tokens} tokens); prefill chunk {args.prefill_chunk}, "
-          f"budget {batch.prefill_budget}; {args.dtype}, {torch.get_num_threads()} thread(s); medians of {args.reps}:")
-    summary = {}
-    for mode, label in (("add", "whole prefill (add)"), ("join", "chunked prefill (join)")):
-        med = {k: statistics.median(r[k] for r in results[mode])
-               for k in ("max_gap_s", "median_gap_s", "long_ttft_s", "tokens_per_second")}
-        summary[mode] = med
-        print(f"  {label:24}: longest gap {med['max_gap_s'] * 1000:7.1f} ms, median gap {med['median_gap_s'] * 1000:6.1f} ms, "
-              f"long TTFT {med['long_ttft_s']:.2f} s, {med['tokens_per_second']:6.1f} tok/s")
-    print(f"  outputs identical across modes and reps: {same}")
-    write_json(args, {"summary": summary, "identical": same,
-                      "runs": {m: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for m, rs in results.items()}})
-    if not same:
-        sys.exit("the two modes gave different tokens")
+    args = ap.parse_args(argv)
+    with script_errors(ap, args):
+        check_counts(args, "streams", "short_new_tokens", "long_tokens", "long_new_tokens", "prefill_chunk",
+                     "prefill_budget")
+        engine = load_engine(args)
+        shorts = shipped_prompts(engine)[:args.streams]
+        long_ids = shipped_tokens(engine, args.long_tokens)
+        context = max(map(len, shorts + [long_ids])) + max(args.short_new_tokens, args.long_new_tokens) + 1
+        # (reuse_prefix off: every rep reads the same long prompt, which a retained prefix would spare)
+        batch = BatchDecoder(engine.target, engine.drafter, max_batch_size=args.streams + 1, max_context=context,
+                             prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget, reuse_prefix=False)
+        with torch.inference_mode():
+            run(batch, shorts, long_ids[:300], "join", 16, 8, 1)  # warm-up
+            results = {"add": [], "join": []}
+            for rep in range(args.reps):
+                for mode in (("add", "join") if rep % 2 == 0 else ("join", "add")):
+                    r = run(batch, shorts, long_ids, mode, args.short_new_tokens, args.long_new_tokens, args.join_after)
+                    results[mode].append(r)
+                    print(f"rep {rep} {mode:4}: longest gap {r['max_gap_s'] * 1000:7.1f} ms, median gap "
+                          f"{r['median_gap_s'] * 1000:6.1f} ms, long TTFT {r['long_ttft_s']:.2f} s, "
+                          f"{r['tokens_per_second']:6.1f} tok/s", flush=True)
+        same = all(r["tokens"] == results["add"][0]["tokens"] for rs in results.values() for r in rs)
+        print(f"\n{args.streams} short streams of {args.short_new_tokens} tokens; a {len(long_ids)}-token prompt joins "
+              f"after {args.join_after} rounds ({args.long_new_tokens} tokens); prefill chunk {args.prefill_chunk}, "
+              f"budget {batch.prefill_budget}; {args.dtype}, {torch.get_num_threads()} thread(s); medians of {args.reps}:")
+        summary = {}
+        for mode, label in (("add", "whole prefill (add)"), ("join", "chunked prefill (join)")):
+            med = {k: statistics.median(r[k] for r in results[mode])
+                   for k in ("max_gap_s", "median_gap_s", "long_ttft_s", "tokens_per_second")}
+            summary[mode] = med
+            print(f"  {label:24}: longest gap {med['max_gap_s'] * 1000:7.1f} ms, median gap {med['median_gap_s'] * 1000:6.1f} ms, "
+                  f"long TTFT {med['long_ttft_s']:.2f} s, {med['tokens_per_second']:6.1f} tok/s")
+        print(f"  outputs identical across modes and reps: {same}")
+        write_json(args, {"summary": summary, "identical": same,
+                          "runs": {m: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for m, rs in results.items()}})
+        if not same:
+            sys.exit("the two modes gave different tokens")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ alternate which mode runs first; medians are reported.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from batching_common import add_common_args, load_engine, shipped_tokens, write_
 
 from dflash_torch import SamplingParams
 from dflash_torch.batch import BatchDecoder
+from dflash_torch.cli import check_counts, script_errors, script_parser
 from dflash_torch.decoding import SpeculativeDecoder
 
 
@@ -99,8 +99,10 @@ def conversation(engine, messages: list[list[int]], reply_tokens: int, reuse: bo
     return {"ttft_s": ttfts, "prompt_tokens": len(prompt), "read": read, "reused": reused, "tokens": replies}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``; None: ``sys.argv``). A bad option value ends it with one line
+    ``prefix_reuse.py: error: ...`` on stderr, exit status 2 (``SystemExit``)."""
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--message-tokens", type=int, default=450, help="tokens of each new message")
     ap.add_argument("--reply-tokens", type=int, default=64, help="tokens of each reply (greedy)")
@@ -114,43 +116,45 @@ def main() -> None:
     ap.add_argument("--no-checkpoint", action="store_true",
                     help="with --reply-opening: give the decoders no checkpoint where the history ends")
     add_common_args(ap, pair=True)
-    args = ap.parse_args()
-    engine = load_engine(args)
-    opening = engine.tokenizer.encode(args.reply_opening, add_special_tokens=False) if args.reply_opening else []
-    corpus = shipped_tokens(engine)
-    m = args.message_tokens
-    messages = [corpus[k * m:(k + 1) * m] for k in range(args.turns)]
-    assert all(len(x) == m for x in messages), "the shipped prompts are too short for these messages"
-    labels = {True: "reuse on", False: "reuse off"}
-    with torch.inference_mode():
-        conversation(engine, [x[:100] for x in messages[:2]], 8, True, args.max_batch_size,
-                     one_at_a_time=args.one_at_a_time)  # warm-up
-        results = {True: [], False: []}
-        for rep in range(args.reps):
-            for reuse in ((True, False) if rep % 2 == 0 else (False, True)):
-                r = conversation(engine, messages, args.reply_tokens, reuse, args.max_batch_size,
-                                 args.history_reply_tokens, args.one_at_a_time, opening, not args.no_checkpoint)
-                results[reuse].append(r)
-                print(f"rep {rep} {labels[reuse]:9}: time to first token per turn "
-                      f"{' / '.join(f'{t:.2f}' for t in r['ttft_s'])} s, prompt tokens read {r['read']}, "
-                      f"reused {r['reused']}", flush=True)
-    same = all(r["tokens"] == results[True][0]["tokens"] for rs in results.values() for r in rs)
-    last = results[True][0]["prompt_tokens"]
-    kept = "" if args.history_reply_tokens is None else f", {args.history_reply_tokens} of each kept"
-    if opening:
-        kept += f"; a {len(opening)}-token reply opening, {'no ' if args.no_checkpoint else ''}checkpoint"
-    print(f"\n{args.turns} turns, messages of {m} tokens, replies of {args.reply_tokens} (greedy{kept}); the last prompt "
-          f"{last} tokens; {args.dtype}, {torch.get_num_threads()} thread(s); medians of {args.reps}:")
-    summary = {}
-    for reuse in (False, True):
-        med = [statistics.median(r["ttft_s"][k] for r in results[reuse]) for k in range(args.turns)]
-        summary[labels[reuse]] = {"ttft_s": med, "read": results[reuse][0]["read"], "reused": results[reuse][0]["reused"]}
-        print(f"  {labels[reuse]:9}: time to first token per turn {' / '.join(f'{t:.2f}' for t in med)} s, "
-              f"prompt tokens read {results[reuse][0]['read']}, reused {results[reuse][0]['reused']}")
-    print(f"  outputs identical across modes and reps: {same}")
-    write_json(args, {"summary": summary, "identical": same})
-    if not same:
-        sys.exit("the two modes gave different tokens")
+    args = ap.parse_args(argv)
+    with script_errors(ap, args):
+        check_counts(args, "turns", "message_tokens", "reply_tokens", "max_batch_size")
+        engine = load_engine(args)
+        opening = engine.tokenizer.encode(args.reply_opening, add_special_tokens=False) if args.reply_opening else []
+        corpus = shipped_tokens(engine)
+        m = args.message_tokens
+        messages = [corpus[k * m:(k + 1) * m] for k in range(args.turns)]
+        assert all(len(x) == m for x in messages), "the shipped prompts are too short for these messages"
+        labels = {True: "reuse on", False: "reuse off"}
+        with torch.inference_mode():
+            conversation(engine, [x[:100] for x in messages[:2]], 8, True, args.max_batch_size,
+                         one_at_a_time=args.one_at_a_time)  # warm-up
+            results = {True: [], False: []}
+            for rep in range(args.reps):
+                for reuse in ((True, False) if rep % 2 == 0 else (False, True)):
+                    r = conversation(engine, messages, args.reply_tokens, reuse, args.max_batch_size,
+                                     args.history_reply_tokens, args.one_at_a_time, opening, not args.no_checkpoint)
+                    results[reuse].append(r)
+                    print(f"rep {rep} {labels[reuse]:9}: time to first token per turn "
+                          f"{' / '.join(f'{t:.2f}' for t in r['ttft_s'])} s, prompt tokens read {r['read']}, "
+                          f"reused {r['reused']}", flush=True)
+        same = all(r["tokens"] == results[True][0]["tokens"] for rs in results.values() for r in rs)
+        last = results[True][0]["prompt_tokens"]
+        kept = "" if args.history_reply_tokens is None else f", {args.history_reply_tokens} of each kept"
+        if opening:
+            kept += f"; a {len(opening)}-token reply opening, {'no ' if args.no_checkpoint else ''}checkpoint"
+        print(f"\n{args.turns} turns, messages of {m} tokens, replies of {args.reply_tokens} (greedy{kept}); the last prompt "
+              f"{last} tokens; {args.dtype}, {torch.get_num_threads()} thread(s); medians of {args.reps}:")
+        summary = {}
+        for reuse in (False, True):
+            med = [statistics.median(r["ttft_s"][k] for r in results[reuse]) for k in range(args.turns)]
+            summary[labels[reuse]] = {"ttft_s": med, "read": results[reuse][0]["read"], "reused": results[reuse][0]["reused"]}
+            print(f"  {labels[reuse]:9}: time to first token per turn {' / '.join(f'{t:.2f}' for t in med)} s, "
+                  f"prompt tokens read {results[reuse][0]['read']}, reused {results[reuse][0]['reused']}")
+        print(f"  outputs identical across modes and reps: {same}")
+        write_json(args, {"summary": summary, "identical": same})
+        if not same:
+            sys.exit("the two modes gave different tokens")
 
 
 if __name__ == "__main__":

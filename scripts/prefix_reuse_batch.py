@@ -18,7 +18,6 @@ reused, those read, and the wall time; both modes must give the same tokens.
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import time
@@ -28,6 +27,7 @@ from batching_common import add_common_args, load_engine, shipped_tokens, write_
 
 from dflash_torch import SamplingParams
 from dflash_torch.batch import BatchDecoder
+from dflash_torch.cli import check_counts, script_errors, script_parser
 
 
 def run(engine, args, messages: list[list[list[int]]], reuse: bool) -> dict:
@@ -68,8 +68,10 @@ def run(engine, args, messages: list[list[list[int]]], reuse: bool) -> dict:
             "read": batch.prefill_tokens, "tokens": replies}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``; None: ``sys.argv``). A bad option value ends it with one line
+    ``prefix_reuse_batch.py: error: ...`` on stderr, exit status 2 (``SystemExit``)."""
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--max-batch-size", type=int, default=4)
     ap.add_argument("--prefix-slots", type=int, default=0, help="slots that only keep retained prefixes")
@@ -79,27 +81,29 @@ def main() -> None:
     ap.add_argument("--max-think", type=int, default=5, help="most rounds a conversation waits between turns")
     ap.add_argument("--seed", type=int, default=0)
     add_common_args(ap, pair=True)
-    args = ap.parse_args()
-    engine = load_engine(args)
-    m, n = args.message_tokens, args.conversations * args.turns
-    corpus = shipped_tokens(engine, n * m)
-    messages = [[corpus[(c * args.turns + k) * m:(c * args.turns + k + 1) * m] for k in range(args.turns)]
-                for c in range(args.conversations)]
-    results = {}
-    with torch.inference_mode():
-        for reuse in (True, False):
-            r = results[reuse] = run(engine, args, messages, reuse)
-            print(f"reuse {'on ' if reuse else 'off'}: reused {r['reused']} of {r['reusable']} reusable prompt tokens "
-                  f"({r['reused'] / max(r['reusable'], 1):.0%}), read {r['read']}, {r['seconds']:.2f} s", flush=True)
-    same = results[True]["tokens"] == results[False]["tokens"]
-    print(f"{args.conversations} conversations x {args.turns} turns over {args.max_batch_size} slots "
-          f"(+ {args.prefix_slots} prefix slots), messages of {m} "
-          f"tokens, replies of {args.reply_tokens}; {args.dtype}, {torch.get_num_threads()} thread(s); "
-          f"outputs identical: {same}")
-    write_json(args, {k: {x: v for x, v in r.items() if x != "tokens"} for k, r in
-                      (("reuse on", results[True]), ("reuse off", results[False]))} | {"identical": same})
-    if not same:
-        sys.exit("the two modes gave different tokens")
+    args = ap.parse_args(argv)
+    with script_errors(ap, args):
+        check_counts(args, "conversations", "max_batch_size", "turns", "message_tokens", "reply_tokens", "max_think")
+        engine = load_engine(args)
+        m, n = args.message_tokens, args.conversations * args.turns
+        corpus = shipped_tokens(engine, n * m)
+        messages = [[corpus[(c * args.turns + k) * m:(c * args.turns + k + 1) * m] for k in range(args.turns)]
+                    for c in range(args.conversations)]
+        results = {}
+        with torch.inference_mode():
+            for reuse in (True, False):
+                r = results[reuse] = run(engine, args, messages, reuse)
+                print(f"reuse {'on ' if reuse else 'off'}: reused {r['reused']} of {r['reusable']} reusable prompt tokens "
+                      f"({r['reused'] / max(r['reusable'], 1):.0%}), read {r['read']}, {r['seconds']:.2f} s", flush=True)
+        same = results[True]["tokens"] == results[False]["tokens"]
+        print(f"{args.conversations} conversations x {args.turns} turns over {args.max_batch_size} slots "
+              f"(+ {args.prefix_slots} prefix slots), messages of {m} "
+              f"tokens, replies of {args.reply_tokens}; {args.dtype}, {torch.get_num_threads()} thread(s); "
+              f"outputs identical: {same}")
+        write_json(args, {k: {x: v for x, v in r.items() if x != "tokens"} for k, r in
+                          (("reuse on", results[True]), ("reuse off", results[False]))} | {"identical": same})
+        if not same:
+            sys.exit("the two modes gave different tokens")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ an N-token prompt both ways (the test suite's checkpoint builder).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from dflash_torch.cli import check_counts, script_errors, script_parser  # noqa: E402
 from dflash_torch.models import gpt_oss  # noqa: E402
+from dflash_torch.options import check_count, check_threads  # noqa: E402
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -77,8 +78,10 @@ def prefill(tokens: int, chunk: int, repeats: int) -> None:
               f"{logits / flash:.1f}x", flush=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``; None: ``sys.argv``). A bad option value ends it with one line
+    ``sink_attention_speed.py: error: ...`` on stderr, exit status 2 (``SystemExit``)."""
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--keys", type=int, default=4096, help="cached keys each query block attends to")
     ap.add_argument("--queries", type=int, nargs="+", default=[16, 256, 1024], help="query rows per block")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
@@ -86,14 +89,20 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    if gpt_oss._FLASH_CPU is None:
-        sys.exit("this torch has no CPU flash-attention kernel (aten._scaled_dot_product_flash_attention_for_cpu)")
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), {args.dtype}")
-    attention(args.keys, args.queries, getattr(torch, args.dtype), args.repeats)
-    if args.prefill:
-        prefill(args.prefill, args.prefill_chunk, args.repeats)
+    args = ap.parse_args(argv)
+    with script_errors(ap, args):
+        check_counts(args, "keys", "prefill_chunk", "repeats")
+        for n in args.queries:
+            check_count(n, "--queries")
+        if args.prefill:  # (0: none)
+            check_count(args.prefill, "--prefill")
+        if gpt_oss._FLASH_CPU is None:
+            sys.exit("this torch has no CPU flash-attention kernel (aten._scaled_dot_product_flash_attention_for_cpu)")
+        torch.set_num_threads(check_threads(args.threads, "--threads"))
+        print(f"torch {torch.__version__}, {args.threads} thread(s), {args.dtype}")
+        attention(args.keys, args.queries, getattr(torch, args.dtype), args.repeats)
+        if args.prefill:
+            prefill(args.prefill, args.prefill_chunk, args.repeats)
 
 
 if __name__ == "__main__":

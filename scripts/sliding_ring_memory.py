@@ -15,15 +15,16 @@ values (attention time does not depend on them).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from dflash_torch.cache import cache_bytes
 from dflash_torch.bench.shapes import SHAPES, build_pair, pattern_period, target_config
+from dflash_torch.cache import cache_bytes
+from dflash_torch.cli import check_counts, script_errors, script_parser
 from dflash_torch.models.registry import family
+from dflash_torch.options import check_count, check_threads
 
 SHAPES_WITH_WINDOWS = ["gpt-oss-20b", "gpt-oss-120b", "gemma-4-31b", "gemma-4-26b-a4b"]
 
@@ -79,21 +80,29 @@ def time_verify(shape: str, context: int, reps: int, dtype: torch.dtype) -> None
           f"(min {min(ratios):.2f}, max {max(ratios):.2f})")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``; None: ``sys.argv``). A bad option value ends it with one line
+    ``sliding_ring_memory.py: error: ...`` on stderr, exit status 2 (``SystemExit``)."""
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     ap.add_argument("--time-shape", default="gemma-4-31b", choices=SHAPES_WITH_WINDOWS)
     ap.add_argument("--time-context", type=int, default=16384, help="0: skip the timing")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    memory_table(args.contexts, 256, torch.bfloat16)
-    if args.time_context:
-        print(f"\none verify forward, attention shapes of {args.time_shape}, one period of its layers, bfloat16, CPU "
-              f"({torch.get_num_threads()} threads):")
-        time_verify(args.time_shape, args.time_context, args.reps, torch.bfloat16)
+    args = ap.parse_args(argv)
+    with script_errors(ap, args):
+        check_counts(args, "reps")
+        for n in args.contexts:
+            check_count(n, "--contexts")
+        if args.time_context:  # (0: no timing)
+            check_count(args.time_context, "--time-context")
+        if args.threads is not None:
+            torch.set_num_threads(check_threads(args.threads, "--threads"))
+        memory_table(args.contexts, 256, torch.bfloat16)
+        if args.time_context:
+            print(f"\none verify forward, attention shapes of {args.time_shape}, one period of its layers, bfloat16, CPU "
+                  f"({torch.get_num_threads()} threads):")
+            time_verify(args.time_shape, args.time_context, args.reps, torch.bfloat16)
 
 
 if __name__ == "__main__":

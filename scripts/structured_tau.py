@@ -18,14 +18,15 @@ Constraints: a regex of Python lines (the code model's own kind of text) and a J
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 
 import torch
 
 from dflash_torch import DFlashEngine
+from dflash_torch.cli import check_counts, script_errors, script_parser
 from dflash_torch.engine import ASSETS
+from dflash_torch.options import check_threads
 from dflash_torch.sampling import LogitsProcessor
 
 CONSTRAINTS = {
@@ -52,31 +53,35 @@ def run(engine, prompts, kw, guided: bool) -> tuple[list[list[int]], float, floa
     return [o.token_ids for o in outs], sum(taus) / len(taus), speed
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``; None: ``sys.argv``). A bad option value ends it with one line
+    ``structured_tau.py: error: ...`` on stderr, exit status 2 (``SystemExit``)."""
+    ap = script_parser(__file__, __doc__)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    lines = (ASSETS / "prompts.jsonl").read_text().splitlines()[:args.prompts]
-    prompts = [json.loads(line)["prompt"] for line in lines]
-    target_only = DFlashEngine.from_pretrained(no_draft=True, dtype="float32")
-    for drafter in ("drafter", "drafter-dflash1"):
-        engine = DFlashEngine.from_pretrained(ASSETS / "target", ASSETS / drafter, dtype="float32")
-        engine.generate(prompts[0], max_new_tokens=16)  # (warm-up)
-        free_ids, free_tau, free_speed = run(engine, prompts, dict(max_new_tokens=args.max_new_tokens), True)
-        print(f"{drafter}: no constraint: tau {free_tau:.2f}, {free_speed:.0f} tok/s")
-        for name, spec in CONSTRAINTS.items():
-            kw = dict(max_new_tokens=args.max_new_tokens, structured_output=spec)
-            refs = [target_only.generate(p, **kw) for p in prompts]
-            ref = [o.token_ids for o in refs]
-            t_speed = statistics.median(o.stats.generated_tokens / o.stats.decode_time for o in refs)
-            g_ids, g_tau, g_speed = run(engine, prompts, kw, True)
-            u_ids, u_tau, u_speed = run(engine, prompts, kw, False)
-            print(f"{drafter}: {name}: guided drafts tau {g_tau:.2f}, {g_speed:.0f} tok/s; unguided tau {u_tau:.2f}, "
-                  f"{u_speed:.0f} tok/s; same tokens both ways: {g_ids == u_ids}; "
-                  f"== constrained target-only ({t_speed:.0f} tok/s): {g_ids == ref}")
+    args = ap.parse_args(argv)
+    with script_errors(ap, args):
+        check_counts(args, "prompts", "max_new_tokens")
+        torch.set_num_threads(check_threads(args.threads, "--threads"))
+        lines = (ASSETS / "prompts.jsonl").read_text().splitlines()[:args.prompts]
+        prompts = [json.loads(line)["prompt"] for line in lines]
+        target_only = DFlashEngine.from_pretrained(no_draft=True, dtype="float32")
+        for drafter in ("drafter", "drafter-dflash1"):
+            engine = DFlashEngine.from_pretrained(ASSETS / "target", ASSETS / drafter, dtype="float32")
+            engine.generate(prompts[0], max_new_tokens=16)  # (warm-up)
+            free_ids, free_tau, free_speed = run(engine, prompts, dict(max_new_tokens=args.max_new_tokens), True)
+            print(f"{drafter}: no constraint: tau {free_tau:.2f}, {free_speed:.0f} tok/s")
+            for name, spec in CONSTRAINTS.items():
+                kw = dict(max_new_tokens=args.max_new_tokens, structured_output=spec)
+                refs = [target_only.generate(p, **kw) for p in prompts]
+                ref = [o.token_ids for o in refs]
+                t_speed = statistics.median(o.stats.generated_tokens / o.stats.decode_time for o in refs)
+                g_ids, g_tau, g_speed = run(engine, prompts, kw, True)
+                u_ids, u_tau, u_speed = run(engine, prompts, kw, False)
+                print(f"{drafter}: {name}: guided drafts tau {g_tau:.2f}, {g_speed:.0f} tok/s; unguided tau {u_tau:.2f}, "
+                      f"{u_speed:.0f} tok/s; same tokens both ways: {g_ids == u_ids}; "
+                      f"== constrained target-only ({t_speed:.0f} tok/s): {g_ids == ref}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_torch.options import usable_cpus
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 CHECK = SCRIPTS / "gpu_check.sh"
@@ -194,6 +196,7 @@ def test_gpu_probe_refuses_what_it_cannot_run_before_the_gpu(args, error, monkey
     ("fp8_speed", ["--reps", "0"], "--reps must be at least 1, got 0"),
     ("fp8_speed", ["--tokens", "0"], "--tokens must be at least 1, got 0"),
     ("fp8_speed", ["--device", "bogus"], "--device must be cpu, cuda or cuda:N"),
+    ("fp8_speed", ["--threads", str((usable_cpus() or 1) + 1)], "--threads must be an integer from 1 to the CPUs"),
     ("mxfp4_speed", ["--hidden", "48"], "--hidden must be a positive multiple of 32, got 48"),
     ("mxfp4_speed", ["--reps", "0"], "--reps must be at least 1, got 0"),
     ("mxfp4_speed", ["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),

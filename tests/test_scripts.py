@@ -1,9 +1,10 @@
-"""The measurement scripts of ``scripts/`` that the README names, run in this process
-(``main(argv)``) on the shipped pair: a bad option value, a file that cannot be read or an
-output path that cannot be written is one line ``NAME.py: error: ...`` on stderr and exit
-status 2, as the ``dflash-torch`` command ends, before anything is measured (they were
-tracebacks: OptionError, ZeroDivisionError, FileNotFoundError, IsADirectoryError, or a
-``--num-prompts -1`` read as a Python slice)."""
+"""The measurement scripts of ``scripts/`` that the README names (and eval_default_pair.py,
+which its make_default_pair.sh runs), in this process (``main(argv)``) on the shipped pair:
+a bad option value, a file that cannot be read or an output path that cannot be written is
+one line ``NAME.py: error: ...`` on stderr and exit status 2, as the ``dflash-torch``
+command ends, before anything is measured (they were tracebacks: OptionError,
+ZeroDivisionError, IndexError, StatisticsError, FileNotFoundError, IsADirectoryError; or a
+``--num-prompts -1`` read as a Python slice, ``--threads`` beyond the CPUs taken)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,14 @@ BAD = [  # (script, arguments, the error line's text after "NAME.py: error: ")
     ("draft_policy", ["--threads", TOO_MANY], "--threads must be an integer from 1 to the CPUs"),
     ("draft_policy", ["--json", "{tmp}"], "--json {tmp} is a directory"),
     ("draft_policy", ["--dtype", "float16"], "--dtype float16 is not supported"),
+    ("prefill_stalls", ["--streams", "0"], "--streams must be an integer >= 1, got 0"),
+    ("prefix_reuse", ["--json", "{tmp}"], "--json {tmp} is a directory"),
+    ("prefix_reuse_batch", ["--conversations", "0"], "--conversations must be an integer >= 1, got 0"),
+    ("shared_prefill", ["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    ("logit_bias_tau", ["--prompts", "0"], "--prompts must be an integer >= 1, got 0"),
+    ("structured_tau", ["--threads", TOO_MANY], "--threads must be an integer from 1 to the CPUs"),
+    ("sink_attention_speed", ["--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
+    ("sliding_ring_memory", ["--contexts", "4096", "0"], "--contexts must be an integer >= 1, got 0"),
 ]
 
 
