@@ -19,8 +19,8 @@ attention under its training mask) for random context features and tokens:
     ENV/bin/python scripts/speculators_reference.py tests/data/speculators
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -101,5 +101,19 @@ def main(root: Path) -> None:
         print(out, json.loads((out / "config.json").read_text())["speculators_version"])
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """The command line (``argv``; None: ``sys.argv``): ``OUT_DIR``. A missing ``OUT_DIR``, or
+    an environment without the speculators library, is argparse's error (exit status 2).
+    (Plain argparse: the environment it runs in need not import dflash_torch.)"""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path, help="directory to write the fixtures in (tests/data/speculators)")
+    args = ap.parse_args(argv)
+    try:
+        import speculators  # noqa: F401
+    except ImportError as exc:
+        ap.error(f"needs vLLM's speculators library ({exc}); see this script's docstring for its environment")
+    main(args.out)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    cli()
