@@ -934,7 +934,10 @@ def import_error_message(exc: ImportError) -> str:
     if isinstance(missing, ModuleNotFoundError) and missing.name:
         module = missing.name.split(".")[0]
         package = _PYPI_NAMES.get(module, module)
-        return f"the Python package {package!r} is not installed, and dflash-torch needs it: pip install {package}"
+        install = f"pip install {package}" + (" (a CPU-only machine: pip install torch --index-url "
+                                               "https://download.pytorch.org/whl/cpu, not the CUDA build pip picks "
+                                               "by default on Linux)" if package == "torch" else "")
+        return f"the Python package {package!r} is not installed, and dflash-torch needs it: {install}"
     return f"a Python package dflash-torch needs cannot be imported ({first_line(exc)}); reinstall it"
 
 

@@ -464,6 +464,10 @@ def test_a_missing_dependency_is_one_line_naming_it_for_every_command():
     from dflash_torch.cli import import_error_message  # (a module whose PyPI name is another)
 
     assert import_error_message(ModuleNotFoundError("No module named 'yaml'", name="yaml")).endswith("pip install PyYAML")
+    # (torch: the CPU build's index, as a plain pip install torch on Linux fetches the CUDA build: trial-254)
+    assert import_error_message(ModuleNotFoundError("No module named 'torch'", name="torch")).endswith(
+        "pip install torch (a CPU-only machine: pip install torch --index-url https://download.pytorch.org/whl/cpu, "
+        "not the CUDA build pip picks by default on Linux)")
 
 
 def test_a_value_argparse_refuses_is_quoted_short(cli):
