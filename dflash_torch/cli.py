@@ -968,6 +968,49 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (BrokenPipeError, OutputError) as exc:
         return _output_failed(exc)
+    except Exception as exc:  # (the machine's memory ran out mid-run: one line, not torch's traceback)
+        message = out_of_memory_message(exc, args.option_flags)
+        if message is None:
+            raise
+        print(f"dflash-torch: error: {message}", file=sys.stderr)
+        return 1
+
+
+# options that ask for less memory where a command ran out of it, in the order a hint names them
+_MEMORY_OPTIONS = ("prefill_chunk", "max_new_tokens", "max_context", "max_batch_size", "prefix_slots", "batch",
+                   "seq_len", "self_distill_batch")
+
+
+def out_of_memory(exc: BaseException) -> str | None:
+    """The allocator's words where ``exc`` (or an error it was raised from, e.g. torch's
+    compiler wrapping a ``MemoryError``) is the machine's memory running out: a
+    ``MemoryError``, ``torch.OutOfMemoryError`` (a GPU's), or torch's CPU allocator's
+    ``RuntimeError`` ("DefaultCPUAllocator: can't allocate memory: ..."); None otherwise."""
+    import torch
+
+    seen = 0
+    while exc is not None and seen < 16:
+        text = str(exc).strip()
+        if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+                isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)):
+            text = text[text.find("DefaultCPUAllocator"):] if "DefaultCPUAllocator" in text else text
+            return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def out_of_memory_message(exc: BaseException, flags: dict[str, str]) -> str | None:
+    """The command line's one line for ``exc`` where it is the memory running out
+    (:func:`out_of_memory`; None otherwise): the allocator's words and the options of this
+    command (``flags``: dest -> flag) that ask for less (:data:`_MEMORY_OPTIONS`). The load
+    and start-up checks count the weights and caches; the activations of a forward pass (a
+    long prefill chunk's attention, say) and torch's compiler are not counted."""
+    reason = out_of_memory(exc)
+    if reason is None:
+        return None
+    less = [flags[k] for k in _MEMORY_OPTIONS if k in flags]
+    hint = f": free memory, or ask for less ({', '.join(less)})" if less else ": free memory"
+    return f"out of memory while running ({reason}){hint}"
 
 
 def _output_failed(exc: BrokenPipeError | OutputError) -> int:

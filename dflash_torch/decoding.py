@@ -571,7 +571,7 @@ class SpeculativeDecoder:
         if need(max_new_tokens) <= room:
             return
         most = most_that_fits(need, max_new_tokens, room)
-        ask = (f"ask for at most {most} new tokens (their caches fit in 90% of that)" if most else
+        ask = (f"ask for at most {most} new token{'s' * (most != 1)} (their caches fit in 90% of that)" if most else
                "the caches of one new token do not fit in 90% of that: give a shorter prompt")
         raise OptionError(f"the caches of the prompt ({n_tokens(n_prompt)}) + max_new_tokens ({max_new_tokens}) need "
                           f"{memory_text(need(max_new_tokens), True)} but {self.device.type} has "

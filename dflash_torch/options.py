@@ -265,7 +265,7 @@ def check_prompt_ids(prompt_ids: list[int], config, max_new_tokens: int, max_con
     if n_prompt + max_new_tokens > max_context:
         limit = context_limit(config)
         raise ContextOptionError(f"prompt ({n_tokens(n_prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context "
-                                 f"of {max_context} tokens; ask for at most {max_context - n_prompt} new tokens"
+                                 f"of {max_context} tokens; ask for at most {max_context - n_prompt} new token{'s' * (max_context - n_prompt != 1)}"
                                  + (f", or raise max_context (up to {limit})" if max_context < limit else ""),
                                  "max_new_tokens", "max_context")
     return n_prompt

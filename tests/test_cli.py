@@ -446,6 +446,38 @@ def test_generate_imports_neither_the_http_stack_nor_torch_dynamo(pair_args):
     assert out.stdout.strip() == "0 []", out.stdout
 
 
+def test_memory_running_out_mid_run_is_one_line_naming_what_asks_for_less(pair_args, capsys, monkeypatch):
+    """The machine's memory running out while a command runs (past the load and start-up
+    checks, which count weights and caches: a long prefill chunk's activations, torch's
+    compiler) is one line and status 1, naming the command's options that ask for less
+    (trial-255: a 67-line traceback ending in "DefaultCPUAllocator: can't allocate memory",
+    or torch's compiler wrapping a MemoryError in 120 lines)."""
+    from dflash_torch import DFlashEngine
+    from dflash_torch.cli import main, out_of_memory
+
+    import torch
+
+    def allocate(*args, **kwargs):  # (a real failure of torch's CPU allocator, where a forward pass would hit it)
+        torch.empty(2 ** 62, dtype=torch.uint8)
+        yield
+
+    monkeypatch.setattr(DFlashEngine, "stream", allocate)
+    assert main(["generate", *pair_args, "--threads", "1", PROMPT, "--max-new-tokens", "4"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("dflash-torch: error: out of memory while running (DefaultCPUAllocator: can't "
+                                        "allocate memory: you tried to allocate "), err
+    assert err.endswith("): free memory, or ask for less (--prefill-chunk, --max-new-tokens, --max-context)\n"), err
+    try:  # (wrapped, as torch's compiler raises it: found under the error it was raised from)
+        try:
+            raise MemoryError()
+        except MemoryError as exc:
+            raise RuntimeError("InternalTorchDynamoError: MemoryError") from exc
+    except RuntimeError as exc:
+        wrapped = exc
+    assert out_of_memory(wrapped) == "MemoryError"
+    assert out_of_memory(RuntimeError("shapes cannot be multiplied")) is None and out_of_memory(ValueError("x")) is None
+
+
 def test_a_missing_dependency_is_one_line_naming_it_for_every_command():
     """Without a package dflash-torch needs (here psutil, or tokenizers, as if uninstalled),
     every command is one line naming it and how to install it, exit 1: ``train`` vanished from

@@ -285,6 +285,8 @@ def test_a_default_max_new_tokens_is_cut_to_the_context_a_given_one_is_refused(e
         engine.generate(ids[:10], max_new_tokens=1015)  # (the target's whole context: nothing to raise)
     with pytest.raises(OptionError, match=r"^prompt \(1 token\) \+ max_new_tokens \(40\) exceeds"):  # (trial-141)
         small.generate(ids[:1], max_new_tokens=40)
+    with pytest.raises(OptionError, match=r"context of 40 tokens; ask for at most 1 new token, or raise"):  # (trial-255)
+        small.generate((ids + ids)[:39], max_new_tokens=2)
     with pytest.raises(OptionError, match=r"^min_tokens \(11\) exceeds the 10 tokens left in the context of 40 tokens "
                                           r"after the prompt \(30 tokens\)$"):
         small.generate(ids, min_tokens=11)
