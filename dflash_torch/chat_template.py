@@ -197,7 +197,8 @@ def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True) -> l
         answered = m.get("tool_call_id")
         if answered is not None and m.get("role") != "tool":
             raise DFlashError(f"chat message {i} has a tool_call_id, which only a tool message may hold")
-        if check_tool_call_ids and answered is not None and not anonymous and answered not in ids:  # (as the server refuses it)
+        if check_tool_call_ids and answered is not None and not anonymous and \
+                json.dumps(answered, sort_keys=True, default=repr) not in ids:  # (as the server refuses it)
             raise DFlashError(f"chat message {i}: tool_call_id {shown(answered[:80] if isinstance(answered, str) else answered)} is not the id of a tool call of an "
                               "earlier assistant message (a tool message answers one)")
         if refusal is not None and not isinstance(refusal, str):
@@ -225,8 +226,8 @@ def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True) -> l
         for c in calls:
             if c.get("id") is None:
                 anonymous = True
-            elif isinstance(c["id"], str):
-                ids.add(c["id"])
+            else:  # (an id of another type, e.g. 1, is answered by the same value: the template renders it so)
+                ids.add(json.dumps(c["id"], sort_keys=True, default=repr))
         out.append({**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _call_arguments(
             c["function"].get("arguments", {}), i, j)}} for j, c in enumerate(calls)]})
     return out

@@ -195,6 +195,13 @@ def test_a_model_type_transformers_does_not_know_says_which_defaults_it_takes(ca
     with caplog.at_level("WARNING", logger="dflash_torch"):
         d = DrafterConfig.from_dict(full)
     assert d.rms_norm_eps == 1e-5 and d.rope_theta == 5e5 and not caplog.records
+    # (a RoPE rule without a theta leaves it out too: trial-256; one inside the rule gives it)
+    for rope, said in (({"rope_type": "default"}, True), ({"rope_type": "default", "rope_theta": 5e5}, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dflash_torch"):
+            d = DrafterConfig.from_dict({**{k: v for k, v in full.items() if k != "rope_theta"}, "rope_scaling": rope})
+        assert d.rope_theta == (10000.0 if said else 5e5)
+        assert ("(rope_theta) take dflash-torch's defaults" in caplog.text) == said, caplog.text
 
 
 def test_an_engine_load_says_the_warning_once(tiny_pair, tmp_path, caplog):

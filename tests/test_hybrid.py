@@ -239,7 +239,7 @@ def test_a_layout_without_layer_types_that_the_weights_disagree_with_is_named(ch
             text.pop("full_attention_interval", None)
 
     target_dir, _ = checkpoints[family]
-    for interval, layers in ((2, "layers 1, 5 hold"), (None, None)):
+    for interval, layers in ((2, "layers 1, 5 hold"), (1, "layers 0, 1, 2, 4, 5 hold"), (None, None)):
         edited = edited_checkpoint(target_dir, tmp_path / f"{family}-{interval}",
                                    config=lambda cfg: drop_layer_types(cfg, interval))
         if layers is None:  # (the default interval, 4, lays out this checkpoint's layers: it loads)
@@ -249,9 +249,10 @@ def test_a_layout_without_layer_types_that_the_weights_disagree_with_is_named(ch
             TargetModel.from_pretrained(edited, torch.float32)
         message = str(err.value)
         assert "lacks weights: " in message and "\n" not in message, message
-        assert ("config.json gives no layer_types, so full_attention_interval 2 lays out the layers: full attention "
-                f"every 2 layers, linear attention between; {layers} weights of the other kind: give layer_types") \
-            in message, message
+        layout = "full attention in every layer" if interval == 1 else \
+            f"full attention every {interval} layers, linear attention between"
+        assert (f"config.json gives no layer_types, so full_attention_interval {interval} lays out the layers: "
+                f"{layout}; {layers} weights of the other kind: give layer_types") in message, message
 
 
 def test_wrapper_reads_no_vision_weights(checkpoints, monkeypatch):

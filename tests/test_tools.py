@@ -320,7 +320,8 @@ def test_a_tool_message_answers_a_call_by_its_id_or_is_taken_without_one():
     user = {"role": "user", "content": "q"}
     for history in ([user, call(id="c"), {"role": "tool", "tool_call_id": "c", "content": "r"}],
                     [user, call(id="c"), {"role": "tool", "name": "f", "content": "r"}],
-                    [user, call(), {"role": "tool", "tool_call_id": "anything", "content": "r"}]):
+                    [user, call(), {"role": "tool", "tool_call_id": "anything", "content": "r"}],
+                    [user, call(id=1), {"role": "tool", "tool_call_id": 1, "content": "r"}]):  # (trial-256: refused)
         assert [m["role"] for m in chat_messages(history)] == ["user", "assistant", "tool"]
     assert len(CONVERSATION) == len(chat_messages(CONVERSATION))
 

@@ -601,8 +601,9 @@ def derived_layout_note(cfg: dict, missing: list[str], unused: list[str]) -> str
     how = f"full_attention_interval {interval}" if interval is not None else "full_attention_interval's default (4)"
     every = interval if interval is not None else 4
     listed = ", ".join(map(str, both[:5])) + (" ..." if len(both) > 5 else "")
-    return (f" (config.json gives no layer_types, so {how} lays out the layers: full attention every {every} "
-            f"layers, linear attention between; layer"
+    layout = "full attention in every layer" if every == 1 else \
+        f"full attention every {every} layers, linear attention between"
+    return (f" (config.json gives no layer_types, so {how} lays out the layers: {layout}; layer"
             f"{'s' if len(both) > 1 else ''} {listed} hold{'' if len(both) > 1 else 's'} weights of the other kind: give "
             "layer_types as the checkpoint's layers are)")
 

@@ -293,7 +293,8 @@ def with_transformers_defaults(cfg: dict) -> dict:
     if config_class is None:
         left_out = [k for k in ("num_key_value_heads", "head_dim", "rms_norm_eps", "attention_bias", "hidden_act")
                     if cfg.get(k) is None]
-        if all(cfg.get(k) is None for k in ("rope_theta", "rope_scaling", "rope_parameters")):
+        ropes = [r for r in (cfg.get("rope_parameters"), cfg.get("rope_scaling")) if isinstance(r, dict)]
+        if cfg.get("rope_theta") is None and all(r.get("rope_theta") is None for r in ropes):
             left_out.append("rope_theta")
         if left_out:  # (no class to take them from: the DFlash reference's AutoConfig fails on such a file)
             kind = "no model_type" if model_type is None else f"model_type {model_type!r}, which transformers does not know"

@@ -377,9 +377,9 @@ class TargetModel(nn.Module):
         unused = sorted(name(k) for k in state.keys() - expected if not k.endswith("rotary_emb.inv_freq"))
         if missing:
             note = missing_note(model_dir, missing)
-            if not note and "linear_attention" in cfg.layer_types:  # (a hybrid laid out by full_attention_interval)
-                text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-                note = derived_layout_note(text, missing, unused)
+            text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+            if not note and ("linear_attention" in cfg.layer_types or text.get("full_attention_interval") is not None):
+                note = derived_layout_note(text, missing, unused)  # (a hybrid laid out by full_attention_interval)
             raise DFlashError(f"target checkpoint {model_dir} lacks weights: {', '.join(missing[:5])}"
                               f"{' ...' if len(missing) > 5 else ''}{note}")
         if unused:
