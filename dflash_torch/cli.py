@@ -299,21 +299,24 @@ def generation_config_values(values: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in values.items())
 
 
-def unused_generation_config_note(engine) -> str | None:
-    """``generate``'s note where it decodes greedily (no sampling flag given) but the target's
-    generation_config.json recommends other values (``engine.generation_defaults``): which ones,
-    and the flags that would use them; None where it recommends none (or its values are
-    refused: generate does not use them)."""
-    try:
-        recommended = engine.generation_defaults
-    except DFlashError:
-        return None
-    unused = {k: v for k, v in recommended.items() if k in GREEDY and v != GREEDY[k]}
+def unused_generation_config_note(recommended: dict, given: dict) -> str | None:
+    """``generate``'s note of the values the target's generation_config.json recommends
+    (``recommended``: ``engine.generation_defaults``) that it leaves unused (it takes sampling
+    values from its flags only): each one whose flag is not among ``given`` (flag dest ->
+    value, the sampling flags given), that differs from greedy decoding's (:data:`GREEDY`) and
+    that would change this decode (``top_k``, ``top_p`` and ``min_p`` only where it would
+    sample: at the given ``--temperature``, else the file's), with the flags that would use
+    them; None where none is left so."""
+    unused = {k: v for k, v in recommended.items() if k in GREEDY and k not in given and v != GREEDY[k]}
+    temperature = given.get("temperature", unused.get("temperature", 0.0))
+    if not temperature:  # (greedy either way: the truncations change nothing)
+        unused = {k: v for k, v in unused.items() if k not in ("top_k", "top_p", "min_p")}
     if not unused:
         return None
+    decoding = f"sampling at temperature {given['temperature']}" if given.get("temperature") else "greedy decoding"
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in unused.items())
-    return (f"note: greedy decoding; the target's generation_config.json sampling values "
-            f"({generation_config_values(unused)}) are not used: pass {flags} to use them")
+    return (f"note: {decoding}; the target's generation_config.json values ({generation_config_values(unused)}) are "
+            f"not used (generate takes sampling values from its flags only): pass {flags} to use them")
 
 
 # structured-output flags of ``generate``: flag -> StructuredOutput field
@@ -437,12 +440,16 @@ def _generate_here(args: argparse.Namespace) -> int:
         if value is not None and not args.json:
             raise DFlashError(f"{flag} needs --json (the log-probabilities are printed in its JSON object)")
     structured = structured_output(args)
-    given = [k for k in GREEDY if getattr(args, k) is not None]  # (sampling flags given: no note)
+    given = [k for k in GREEDY if getattr(args, k) is not None]  # (sampling flags given: not in the note)
     for k, v in GREEDY.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     engine = load_engine(args)
-    note = None if given else unused_generation_config_note(engine)
+    try:
+        recommended = engine.generation_defaults
+    except DFlashError:  # (a file refused: generate reads no sampling value from it)
+        recommended = {}
+    note = unused_generation_config_note(recommended, {k: getattr(args, k) for k in given})
     if note is not None:  # (stderr: --json's object on stdout stays whole)
         print(note, file=sys.stderr, flush=True)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

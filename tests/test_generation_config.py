@@ -88,27 +88,50 @@ def test_the_recommended_max_new_tokens_is_cut_to_the_context_as_the_server_cuts
 
 
 def test_generate_says_which_generation_config_values_it_leaves(cli, recommended_pair, tiny_pair):
-    """``dflash-torch generate`` takes the file's max_new_tokens but decodes greedily unless
-    sampling flags are given (its --help's defaults): it did so silently beside chat's note of
-    the values it samples with; now one stderr line names the values it leaves and the flags
-    that would use them (with --json too: stdout stays one JSON object), none where a sampling
-    flag is given, nor for a target whose file recommends none."""
+    """``dflash-torch generate`` takes the file's max_new_tokens but its sampling values from
+    its flags only (greedy by default, its --help's defaults): it did so silently beside chat's
+    note of the values it samples with; now one stderr line names the values it leaves that
+    would change the decode and the flags that would use them (with --json too: stdout stays
+    one JSON object), nor for a target whose file recommends none."""
     target, drafter = map(str, recommended_pair)
     greedy = DFlashEngine.from_pretrained(target, drafter).generate("def f(x):")
-    note = ("note: greedy decoding; the target's generation_config.json sampling values (temperature 0.7, top_k 5, "
-            "top_p 0.9, min_p 0.05, repetition_penalty 1.1) are not used: pass --temperature 0.7 --top-k 5 "
-            "--top-p 0.9 --min-p 0.05 --repetition-penalty 1.1 to use them")
+    note = ("note: greedy decoding; the target's generation_config.json values (temperature 0.7, top_k 5, top_p 0.9, "
+            "min_p 0.05, repetition_penalty 1.1) are not used (generate takes sampling values from its flags only): "
+            "pass --temperature 0.7 --top-k 5 --top-p 0.9 --min-p 0.05 --repetition-penalty 1.1 to use them")
     proc = cli("generate", "def f(x):", "--target", target, "--draft", drafter)
     assert proc.returncode == 0 and proc.stdout == greedy.text + "\n"
     assert proc.stderr.splitlines()[0] == note and len(proc.stderr.splitlines()) == 2, proc.stderr
-    proc = cli("generate", "def f(x):", "--target", target, "--draft", drafter, "--json")
-    assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == greedy.token_ids
-    assert proc.stderr.strip() == note
-    for flag in ("--temperature", "--top-k", "--repetition-penalty"):  # (any sampling flag: the user chose)
-        proc = cli("generate", "def f(x):", "--target", target, "--draft", drafter, "--json", flag, "1")
-        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    proc = cli("generate", "def f(x):", "--target", target, "--draft", drafter, "--json", "--temperature", "1")
+    assert proc.returncode == 0 and proc.stderr.strip() == (  # (trial-256: a sampling flag silenced the rest)
+        "note: sampling at temperature 1.0; the target's generation_config.json values (top_k 5, top_p 0.9, min_p 0.05, "
+        "repetition_penalty 1.1) are not used (generate takes sampling values from its flags only): pass --top-k 5 "
+        "--top-p 0.9 --min-p 0.05 --repetition-penalty 1.1 to use them"), proc.stderr
+    proc = cli("generate", "def f(x):", "--target", target, "--draft", drafter, "--json", "--temperature", "0.7",
+               "--top-k", "5", "--top-p", "0.9", "--min-p", "0.05", "--repetition-penalty", "1.1")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr  # (every value given: nothing left)
     proc = cli("generate", "def f(x):", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--json")
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_generates_note_names_only_values_that_would_change_the_decode():
+    """The values the note names (:func:`~dflash_torch.cli.unused_generation_config_note`):
+    the truncations (top_k, top_p, min_p) only where the decode would sample, at the given
+    --temperature or else the file's (trial-256: a file of temperature 0 and top_k 20 said
+    "pass --top-k 20", which changes nothing); a repetition penalty, which greedy decoding
+    follows too, always; none of a flag given."""
+    from dflash_torch.cli import unused_generation_config_note as note
+
+    assert note({"temperature": 0.0, "top_k": 20}, {}) is None
+    assert note({"top_k": 20, "top_p": 0.8}, {}) is None  # (no temperature: greedy)
+    assert note({"temperature": 0.7, "top_k": 20}, {"temperature": 0.0}) is None  # (greedy asked for)
+    assert note({"temperature": 0.7, "top_k": 20}, {"top_k": 3}) == (
+        "note: greedy decoding; the target's generation_config.json values (temperature 0.7) are not used (generate "
+        "takes sampling values from its flags only): pass --temperature 0.7 to use them")
+    assert note({"top_k": 20, "repetition_penalty": 1.05}, {}).startswith(
+        "note: greedy decoding; the target's generation_config.json values (repetition_penalty 1.05) are not used")
+    assert note({"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 9}, {"temperature": 1.0}) == (
+        "note: sampling at temperature 1.0; the target's generation_config.json values (top_p 0.95) are not used "
+        "(generate takes sampling values from its flags only): pass --top-p 0.95 to use them")
 
 
 BAD_RECOMMENDED = [  # (field, value, the one-line error)
