@@ -758,18 +758,31 @@ def script_errors(parser: _Parser, args: argparse.Namespace):
         parser.exit(2, f"{parser.name}: error: {error_message(exc, args.option_flags)}\n")
 
 
-def check_counts(args: argparse.Namespace, *dests: str) -> None:
+NEEDS_A_ROUND = "the first token comes from the prefill, so with fewer there is no decoding round to measure"
+""":func:`check_counts`' ``why`` for a script's count of new tokens that it measures decoding rounds of."""
+
+
+def check_counts(args: argparse.Namespace, *dests: str, minimum: int = 1, why: str | None = None) -> None:
     """Each option ``dests`` names (its ``dest`` in ``args``, parsed by a :class:`_Parser`) an
-    integer >= 1, or None (not given) (:func:`~dflash_torch.options.check_count`).
+    integer >= ``minimum``, or None (not given) (:func:`~dflash_torch.options.check_count`);
+    ``why``: what a smaller value would lack, said after the refusal.
 
     Raises:
-        OptionError: naming the option's flag (``--reps must be an integer >= 1, got 0``).
+        OptionError: naming the option's flag (``--reps must be an integer >= 1, got 0``;
+            ``--new-tokens must be an integer >= 2, got 1: WHY``).
     """
     from .options import check_count
 
     for dest in dests:
-        if getattr(args, dest) is not None:
-            check_count(getattr(args, dest), args.option_flags[dest])
+        if getattr(args, dest) is None:
+            continue
+        flag = args.option_flags[dest]
+        try:
+            check_count(getattr(args, dest), flag, minimum)
+        except OptionError as exc:
+            if why is None:
+                raise
+            raise OptionError(f"{exc}: {why}", flag) from None
 
 
 def check_out_file(path: str | None, flag: str) -> None:

@@ -150,11 +150,11 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_count(value, name: str) -> int:
-    """A count: an integer >= 1 (a NumPy integer too, returned as a Python int)."""
+def check_count(value, name: str, minimum: int = 1) -> int:
+    """A count: an integer >= ``minimum`` (a NumPy integer too, returned as a Python int)."""
     value = plain(value)
-    if not _is_int(value) or value < 1:
-        raise OptionError(f"{name} must be an integer >= 1, got {shown(value)}", name)
+    if not _is_int(value) or value < minimum:
+        raise OptionError(f"{name} must be an integer >= {minimum}, got {shown(value)}", name)
     return value
 
 

@@ -23,7 +23,7 @@ from batching_common import add_common_args, load_engine, shipped_prompts, write
 
 from dflash_torch import SamplingParams
 from dflash_torch.batch import BatchDecoder
-from dflash_torch.cli import check_counts, script_errors, script_parser
+from dflash_torch.cli import NEEDS_A_ROUND, check_counts, script_errors, script_parser
 
 MODES = ("draft", "auto", "target-only")
 
@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     add_common_args(ap, pair=True)
     args = ap.parse_args(argv)
     with script_errors(ap, args):
-        check_counts(args, "streams", "requests", "new_tokens")
+        check_counts(args, "streams", "requests")
+        check_counts(args, "new_tokens", minimum=2, why=NEEDS_A_ROUND)
         engine = load_engine(args)
     prompts = shipped_prompts(engine)
     results = {m: [] for m in MODES}

@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 
 from dflash_torch import DFlashEngine
-from dflash_torch.cli import check_counts, script_errors, script_parser
+from dflash_torch.cli import NEEDS_A_ROUND, check_counts, script_errors, script_parser
 from dflash_torch.engine import ASSETS
 from dflash_torch.options import check_threads
 from dflash_torch.sampling import LogitsProcessor
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=2, help="sampled runs per prompt (temperature 0.7)")
     args = ap.parse_args(argv)
     with script_errors(ap, args):
-        check_counts(args, "prompts", "max_new_tokens", "seeds")
+        check_counts(args, "prompts", "seeds")
+        check_counts(args, "max_new_tokens", minimum=2, why=NEEDS_A_ROUND)
         torch.set_num_threads(check_threads(args.threads, "--threads"))
         lines = (ASSETS / "prompts.jsonl").read_text().splitlines()[: args.prompts]
         prompts = [json.loads(line)["prompt"] for line in lines]

@@ -32,7 +32,7 @@ from batching_common import (
 
 from dflash_torch import SamplingParams
 from dflash_torch.batch import BatchDecoder
-from dflash_torch.cli import check_counts, script_errors, script_parser
+from dflash_torch.cli import NEEDS_A_ROUND, check_counts, script_errors, script_parser
 
 
 def run(batch: BatchDecoder, shorts: list[list[int]], long_ids: list[int], mode: str, short_new: int, long_new: int,
@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     add_common_args(ap)
     args = ap.parse_args(argv)
     with script_errors(ap, args):
-        check_counts(args, "streams", "short_new_tokens", "long_tokens", "long_new_tokens", "prefill_chunk",
-                     "prefill_budget")
+        check_counts(args, "streams", "long_tokens", "long_new_tokens", "prefill_chunk", "prefill_budget")
+        check_counts(args, "short_new_tokens", minimum=2, why=NEEDS_A_ROUND)
+        check_counts(args, "join_after", minimum=0)  # (0: the long prompt joins before the first round)
         engine = load_engine(args)
         shorts = shipped_prompts(engine)[:args.streams]
         long_ids = shipped_tokens(engine, args.long_tokens)

@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from dflash_torch import DFlashEngine
-from dflash_torch.cli import check_counts, script_errors, script_parser
+from dflash_torch.cli import NEEDS_A_ROUND, check_counts, script_errors, script_parser
 from dflash_torch.engine import ASSETS
 from dflash_torch.options import check_threads
 from dflash_torch.sampling import LogitsProcessor
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     with script_errors(ap, args):
-        check_counts(args, "prompts", "max_new_tokens")
+        check_counts(args, "prompts")
+        check_counts(args, "max_new_tokens", minimum=2, why=NEEDS_A_ROUND)
         torch.set_num_threads(check_threads(args.threads, "--threads"))
         lines = (ASSETS / "prompts.jsonl").read_text().splitlines()[:args.prompts]
         prompts = [json.loads(line)["prompt"] for line in lines]

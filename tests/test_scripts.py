@@ -50,6 +50,15 @@ BAD = [  # (script, arguments, the error line's text after "NAME.py: error: ")
     ("draft_policy", ["--json", "{tmp}"], "--json {tmp} is a directory"),
     ("draft_policy", ["--dtype", "float16"], "--dtype float16 is not supported"),
     ("prefill_stalls", ["--streams", "0"], "--streams must be an integer >= 1, got 0"),
+    ("prefill_stalls", ["--join-after", "-1"], "--join-after must be an integer >= 0, got -1"),  # (was a busy loop)
+    ("prefill_stalls", ["--short-new-tokens", "1"],  # (a ValueError: no round, no gap between rounds)
+     "--short-new-tokens must be an integer >= 2, got 1: the first token comes from the prefill"),
+    ("draft_policy", ["--new-tokens", "1"],  # (a ZeroDivisionError: no decode time)
+     "--new-tokens must be an integer >= 2, got 1: the first token comes from the prefill"),
+    ("logit_bias_tau", ["--max-new-tokens", "1"],  # (a StatisticsError: no tau)
+     "--max-new-tokens must be an integer >= 2, got 1: the first token comes from the prefill"),
+    ("structured_tau", ["--max-new-tokens", "1"],
+     "--max-new-tokens must be an integer >= 2, got 1: the first token comes from the prefill"),
     ("prefix_reuse", ["--json", "{tmp}"], "--json {tmp} is a directory"),
     ("prefix_reuse_batch", ["--conversations", "0"], "--conversations must be an integer >= 1, got 0"),
     ("shared_prefill", ["--temperature", "-1"], "--temperature must be a finite number >= 0"),
@@ -81,3 +90,4 @@ def test_draft_policy_says_every_target_only_round_has_no_drafts(monkeypatch, ca
     assert draft[0] == "0" and int(draft[1]) > 0, lines
     assert target_only[0] == target_only[1] and int(target_only[0]) > 0, lines
     assert "outputs identical across modes and reps: True" in out
+
