@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
         batch = BatchDecoder(engine.target, engine.drafter, max_batch_size=args.streams + 1, max_context=context,
                              prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget, reuse_prefix=False)
         with torch.inference_mode():
-            run(batch, shorts, long_ids[:300], "join", 16, 8, 1)  # warm-up
+            # warm-up (new tokens within those the context was sized for)
+            run(batch, shorts, long_ids[:300], "join", min(16, args.short_new_tokens), min(8, args.long_new_tokens), 1)
             results = {"add": [], "join": []}
             for rep in range(args.reps):
                 for mode in (("add", "join") if rep % 2 == 0 else ("join", "add")):

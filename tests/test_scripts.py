@@ -91,3 +91,12 @@ def test_draft_policy_says_every_target_only_round_has_no_drafts(monkeypatch, ca
     assert target_only[0] == target_only[1] and int(target_only[0]) > 0, lines
     assert "outputs identical across modes and reps: True" in out
 
+
+def test_prefill_stalls_warm_up_fits_few_new_tokens(monkeypatch, capsys):
+    """Its warm-up asked for 16 and 8 new tokens of a context sized for the run's: any run
+    with both counts under 15 was refused, naming 16 tokens it was not asked for."""
+    code, out, err = run_script("prefill_stalls", ["--threads", "1", "--streams", "1", "--short-new-tokens", "2",
+                                                   "--long-tokens", "64", "--long-new-tokens", "2", "--reps", "1"],
+                                monkeypatch, capsys)
+    assert code == 0, err
+    assert "outputs identical across modes and reps: True" in out
