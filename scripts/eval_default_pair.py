@@ -3,7 +3,9 @@
 (mean and histogram) and token-for-token identity with target-only decoding.
 
 Greedy, float32, ``--max-new-tokens`` (default 256) with ``ignore_eos=True`` so every
-prompt generates the same number of tokens. Writes a JSON report.
+prompt generates the same number of tokens. Writes a JSON report. A tau is null where no
+decoding round ran (``--max-new-tokens 1``: the one token comes from the prefill);
+``mean_tau_per_prompt`` is over the prompts that ran one.
 
     python scripts/eval_default_pair.py --out /tmp/eval.json
 """
@@ -75,8 +77,10 @@ def run(args) -> None:
     for i, rec in enumerate(prompts):
         out = spec.generate(rec["prompt"], max_new_tokens=args.max_new_tokens, ignore_eos=True)
         hist.update(out.stats.acceptance_lengths)
-        row = {"id": rec["id"], "module": rec["module"], "tau": round(out.stats.mean_acceptance_length, 3),
-               "rounds": len(out.stats.acceptance_lengths), "tokens": len(out.token_ids)}
+        rounds = len(out.stats.acceptance_lengths)  # (none with 1 new token: it comes from the prefill)
+        row = {"id": rec["id"], "module": rec["module"],
+               "tau": round(out.stats.mean_acceptance_length, 3) if rounds else None,
+               "rounds": rounds, "tokens": len(out.token_ids)}
         if base is not None:
             ref = base.generate(rec["prompt"], max_new_tokens=args.max_new_tokens, ignore_eos=True)
             same = ref.token_ids == out.token_ids
@@ -86,14 +90,15 @@ def run(args) -> None:
                              min(len(ref.token_ids), len(out.token_ids)))
                 mismatches.append({"id": rec["id"], "first_divergence": first})
         per_prompt.append(row)
-        print(f"[{i + 1}/{len(prompts)}] {rec['id']} tau {row['tau']:.2f}"
+        print(f"[{i + 1}/{len(prompts)}] {rec['id']} tau " + ("-" if row["tau"] is None else f"{row['tau']:.2f}")
               + (f" identical={row.get('identical')}" if base is not None else ""), file=sys.stderr, flush=True)
     rounds = sum(hist.values())
+    taus = [r["tau"] for r in per_prompt if r["tau"] is not None]  # (those that ran a round)
     report = {
         "target": args.target, "draft": args.draft, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "block_size": spec.block_size, "dtype": args.dtype, "greedy": True, "ignore_eos": True,
         "mean_tau": round(sum(k * v for k, v in hist.items()) / rounds, 3) if rounds else None,  # (1 token: none)
-        "mean_tau_per_prompt": round(sum(r["tau"] for r in per_prompt) / len(per_prompt), 3),
+        "mean_tau_per_prompt": round(sum(taus) / len(taus), 3) if taus else None,
         "histogram": {str(k): hist[k] for k in sorted(hist)},
         "identical": None if base is None else not mismatches, "mismatches": mismatches,
         "wall_s": round(time.time() - t0, 1), "per_prompt": per_prompt,

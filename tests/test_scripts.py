@@ -9,6 +9,7 @@ ZeroDivisionError, IndexError, StatisticsError, FileNotFoundError, IsADirectoryE
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -90,6 +91,18 @@ def test_draft_policy_says_every_target_only_round_has_no_drafts(monkeypatch, ca
     assert draft[0] == "0" and int(draft[1]) > 0, lines
     assert target_only[0] == target_only[1] and int(target_only[0]) > 0, lines
     assert "outputs identical across modes and reps: True" in out
+
+
+def test_eval_default_pair_has_no_tau_where_no_round_ran(tmp_path, monkeypatch, capsys):
+    """With one new token (the prefill's) no decoding round runs: each prompt's tau and
+    their mean are null, as mean_tau is (they were 0.0, below tau's least value 1)."""
+    report = tmp_path / "e.json"
+    code, _, err = run_script("eval_default_pair", ["--num-prompts", "2", "--max-new-tokens", "1", "--no-identity",
+                                                    "--out", str(report)], monkeypatch, capsys)
+    assert code == 0, err
+    got = json.loads(report.read_text())
+    assert [(r["tau"], r["rounds"], r["tokens"]) for r in got["per_prompt"]] == [(None, 0, 1)] * 2, got
+    assert got["mean_tau"] is None and got["mean_tau_per_prompt"] is None, got
 
 
 def test_prefill_stalls_warm_up_fits_few_new_tokens(monkeypatch, capsys):
