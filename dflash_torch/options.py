@@ -264,8 +264,9 @@ def check_prompt_ids(prompt_ids: list[int], config, max_new_tokens: int, max_con
                                  f"{max_context} tokens; shorten it{beyond}", "prompt")
     if n_prompt + max_new_tokens > max_context:
         limit = context_limit(config)
+        left = max_context - n_prompt
         raise ContextOptionError(f"prompt ({n_tokens(n_prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context "
-                                 f"of {max_context} tokens; ask for at most {max_context - n_prompt} new token{'s' * (max_context - n_prompt != 1)}"
+                                 f"of {max_context} tokens; ask for at most {left} new token{'s' * (left != 1)}"
                                  + (f", or raise max_context (up to {limit})" if max_context < limit else ""),
                                  "max_new_tokens", "max_context")
     return n_prompt
