@@ -25,6 +25,7 @@ def add_common_args(ap: argparse.ArgumentParser, pair: bool = False) -> None:
     if pair:
         ap.add_argument("--target", default=None, help="target checkpoint (default: the shipped one)")
         ap.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one)")
+        ap.flags["draft"] = "--drafter"  # (the engine's errors name its parameter, draft: named as this flag)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=3)

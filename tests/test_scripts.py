@@ -61,6 +61,8 @@ BAD = [  # (script, arguments, the error line's text after "NAME.py: error: ")
     ("structured_tau", ["--max-new-tokens", "1"],
      "--max-new-tokens must be an integer >= 2, got 1: the first token comes from the prefill"),
     ("prefix_reuse", ["--json", "{tmp}"], "--json {tmp} is a directory"),
+    ("prefix_reuse", ["--drafter", "{tmp}"], "--drafter: {tmp} has no config.json"),  # (named draft: the engine's)
+    ("draft_policy", ["--drafter", "{tmp}"], "--drafter: {tmp} has no config.json"),
     ("prefix_reuse_batch", ["--conversations", "0"], "--conversations must be an integer >= 1, got 0"),
     ("shared_prefill", ["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     ("logit_bias_tau", ["--prompts", "0"], "--prompts must be an integer >= 1, got 0"),
