@@ -17,7 +17,6 @@ alternating, and prints tokens/s, weight bytes and whether the tokens are the sa
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -30,6 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import make_hybrid_target, make_target  # noqa: E402  (the test suite's checkpoint builders)
 from dflash_torch import DFlashEngine  # noqa: E402
+from dflash_torch.cli import script_parser  # noqa: E402
 from dflash_torch.errors import OptionError  # noqa: E402
 from dflash_torch.options import check_threads  # noqa: E402
 from mxfp4_speed import check_args, compare, speed_args  # noqa: E402  (its options and timing of the two modes)
@@ -38,7 +38,7 @@ TOKENIZER = ROOT / "dflash_torch" / "assets" / "default" / "target"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_parser(__file__, __doc__)  # (the command line's parser: a usage error is one line)
     ap.add_argument("--family", default="qwen3", choices=["qwen3", "qwen3_moe", "qwen3_next"])
     speed_args(ap, "hidden width (a multiple of 128; of 256 for qwen3_next and for qwen3_moe's w4a16 / w8a16, "
                    "whose experts are half as wide, in groups of 128)")

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import make_gpt_oss_target  # noqa: E402  (the test suite's checkpoint builder)
 from dflash_torch import DFlashEngine  # noqa: E402
 from dflash_torch.checkpoint import weight_bytes  # noqa: E402
+from dflash_torch.cli import script_parser  # noqa: E402
 from dflash_torch.options import SUPPORTED_DTYPES  # noqa: E402
 
 TOKENIZER = ROOT / "dflash_torch" / "assets" / "default" / "target"
@@ -63,7 +64,7 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, width: int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_parser(__file__, __doc__)  # (the command line's parser: a usage error is one line)
     speed_args(ap, "hidden and expert width (a multiple of 32)")
     ap.add_argument("--experts", type=int, default=16, help="experts per layer, at least 4 (4 chosen per token)")
     args = ap.parse_args()
