@@ -686,7 +686,10 @@ class _Parser(argparse.ArgumentParser):
     def _print_message(self, message, file=None):
         """argparse's, but --help and --version text that stdout cannot take raise
         (:func:`write_stdout`: one line and status 1, not the text lost with status 0; argparse
-        drops the error)."""
+        drops the error); with stdout closed (``>&-``; argparse writes them to stderr then, status
+        0), :func:`check_stdout`'s one line, status 1, as generate's output."""
+        if message and file is None and sys.stdout is None:  # (help or version meant for stdout: closed)
+            check_stdout()
         if message and file is not None and file is sys.stdout:
             write_stdout(message)
         else:

@@ -656,6 +656,12 @@ def test_help_stdout_cannot_take_is_one_line_and_status_1(capsys, monkeypatch):
         rc = cli_main(["generate", "--help"])
         monkeypatch.undo()
     assert (rc, capsys.readouterr().err) == (0, "")
+    for args in (["bench", "--help"], ["--version"]):  # (closed, >&-: the text went to stderr, status 0: trial-256)
+        monkeypatch.setattr(sys, "stdout", None)
+        rc = cli_main(args)
+        monkeypatch.undo()
+        assert (rc, capsys.readouterr().err) == (1, "dflash-torch: error: stdout is closed: nowhere to write the "
+                                                    "output\n"), args
     with pytest.raises(SystemExit) as exc:  # (one stdout takes: the help, status 0)
         cli_main(["generate", "--help"])
     assert exc.value.code == 0 and "usage: dflash-torch generate" in capsys.readouterr().out
