@@ -235,8 +235,10 @@ def test_ctrl_c_stops_each_reply_after_an_interrupted_one(tiny_pair):
     err = b""
 
     def wait(what):
+        nonlocal err
         deadline = time.monotonic() + 120
         while not what():
+            err += proc.stderr.read() or b""  # (what chat said meanwhile: shown where the wait fails)
             assert time.monotonic() < deadline and proc.poll() is None, err
             time.sleep(0.02)
 
@@ -250,9 +252,7 @@ def test_ctrl_c_stops_each_reply_after_an_interrupted_one(tiny_pair):
             proc.send_signal(signal.SIGINT)
 
             def stopped():
-                nonlocal err
-                err += proc.stderr.read() or b""
-                return err.count(b"finish=interrupted") == turn
+                return err.count(b"finish=interrupted") == turn  # (wait reads stderr into err)
 
             wait(stopped)
             proc.stdout.read()  # (what the reply wrote meanwhile)
