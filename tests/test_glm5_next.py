@@ -22,6 +22,7 @@ sparse indexer + hyper-connections + clamped MoE) against transformers' own
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -345,6 +346,47 @@ def test_many_accepted_tokens_are_lossless(agree_pair):
 
 def test_compiled_rounds_are_lossless_and_do_not_recompile(agree_pair):
     check_compiled_rounds_are_lossless(*agree_pair)
+
+
+def test_dflash_format_drafter_reads_the_streams_by_target_hidden_size(agree_pair, tmp_path):
+    """A DFlash-format drafter (``DFlashDraftModel``) of the multi-stream features says their
+    width with ``target_hidden_size`` (top level or ``dflash_config``), as EAGLE-3 and
+    Speculators configs do: it runs as the same drafter in the Speculators format does (same
+    tokens, same acceptance lengths: target-only's). Without the key, the refusal names it."""
+    from dflash_torch import DFlashEngine
+
+    target, spec_dir = agree_pair
+    plain = Path(str(spec_dir) + "-dflash")  # (glm5_drafter's DFlash-format copy of the same weights)
+    cfg = json.loads((plain / "config.json").read_text())
+    text = json.loads((target / "config.json").read_text())["text_config"]
+    hidden, streams = text["hidden_size"], text["hc_mult"]
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["target_hidden_size"] == streams * hidden
+    reference = DFlashEngine.from_pretrained(target, spec_dir)
+    want = reference.generate([5, 17, 99, 3], max_new_tokens=40, ignore_eos=True)
+    assert sum(want.stats.acceptance_lengths) / len(want.stats.acceptance_lengths) > 1.5
+    for where in ("top", "dflash_config"):
+        moved = shutil.copytree(plain, tmp_path / where)
+        edited = dict(cfg)
+        if where == "dflash_config":
+            edited["dflash_config"] = {**cfg["dflash_config"], "target_hidden_size": edited.pop("target_hidden_size")}
+        (moved / "config.json").write_text(json.dumps(edited))
+        engine = DFlashEngine(reference.target, reference.tokenizer,
+                              DFlashEngine.from_pretrained(target, moved).drafter)
+        got = engine.generate([5, 17, 99, 3], max_new_tokens=40, ignore_eos=True)
+        assert got.token_ids == want.token_ids
+        assert got.stats.acceptance_lengths == want.stats.acceptance_lengths
+    for edited, message in (
+            ({k: v for k, v in cfg.items() if k != "target_hidden_size"},
+             rf"reads target features of {hidden} values a layer \(its hidden_size\), the target's layers give "
+             rf"{streams * hidden} \({streams} residual streams of {hidden}\); a drafter whose fc reads them says so "
+             rf"with target_hidden_size {streams * hidden}"),
+            ({**cfg, "dflash_config": {**cfg["dflash_config"], "target_hidden_size": hidden}},
+             rf"two target_hidden_size values: {streams * hidden} at the top level and {hidden} in dflash_config"),
+            ({**cfg, "target_hidden_size": 0}, "target_hidden_size must be an integer >= 1, got 0")):
+        bad = shutil.copytree(plain, tmp_path / "bad", dirs_exist_ok=True)
+        (bad / "config.json").write_text(json.dumps(edited))
+        with pytest.raises(DFlashError, match=message):
+            DFlashEngine.from_pretrained(target, bad)
 
 
 def _edit(key, value, text=True):

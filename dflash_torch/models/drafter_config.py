@@ -459,6 +459,26 @@ def given_target_layer_ids(cfg: dict, dflash: dict, assistant: bool = False) -> 
 MASK_TOKEN_FALLBACKS = ("dspark_noise_token_id", "pard_token", "ptd_token_id")
 
 
+def given_target_hidden_size(cfg: dict, dflash: dict) -> int | None:
+    """The width of one target layer's feature row that a DFlash or DFlash 2 drafter's ``fc``
+    reads, where its ``config.json`` gives one other than its ``hidden_size``:
+    ``target_hidden_size`` at the top level (the key EAGLE-3 and Speculators drafters, and
+    vLLM's loaders of them, read) or in ``dflash_config``; e.g. ``hc_mult * hidden_size``
+    for a target whose layers carry several residual streams (GLM-5.3-Flash, DeepSeek-V4).
+    None where neither gives one (``fc`` reads ``hidden_size`` values a layer).
+
+    Raises:
+        DFlashError: a value that is not an integer >= 1, or two that differ.
+    """
+    top = check_int(cfg, "target_hidden_size", "drafter")
+    inner = check_int({"dflash_config.target_hidden_size": dflash.get("target_hidden_size")},
+                      "dflash_config.target_hidden_size", "drafter")
+    if None not in (top, inner) and top != inner:
+        raise DFlashError(f"drafter config.json has two target_hidden_size values: {top} at the top level and "
+                          f"{inner} in dflash_config; make them equal")
+    return top if top is not None else inner
+
+
 def mask_token_keys(cfg: dict, dflash: dict) -> list[tuple[str, object]]:
     """The keys a DFlash-format drafter config may give its mask token id under, in the order
     vLLM reads them (``dflash_config.mask_token_id``, ``mask_token_id``, then
@@ -706,7 +726,9 @@ class DrafterConfig:
         ``logit_scale`` (default 1) multiplies the draft logits, as in vLLM. A DFlash drafter's
         ``input_embedding_scale``, ``output_multiplier`` and ``final_logit_softcapping``
         (``dflash_config``, else the top level) are read as the DFlash reference applies them
-        (:func:`draft_scaling`), as for DFlash 2.
+        (:func:`draft_scaling`), as for DFlash 2. ``target_hidden_size`` (top level or
+        ``dflash_config``: :func:`given_target_hidden_size`) gives the width of the target
+        feature rows ``fc`` reads where it is not ``hidden_size`` (several residual streams).
         """
         if "speculators_model_type" in cfg:
             from .speculators import read_config
@@ -752,6 +774,7 @@ class DrafterConfig:
             raise DFlashError(f"drafter config.json has two block sizes: block_size {cfg['block_size']!r} and "
                               f"dflash_config.block_size {dflash['block_size']!r}; make them equal")
         check_int({"block_size": block_size}, "block_size", "drafter", minimum=2)
+        target_hidden = given_target_hidden_size(cfg, dflash)
         taken = {}  # key -> the transformers config class whose default it took
         if not assistant:  # (the keys the file leaves out, as the DFlash reference reads them)
             given, cfg = cfg, with_transformers_defaults(one_rope_for_every_layer(cfg))
@@ -841,6 +864,7 @@ class DrafterConfig:
             qk_norm=bool_field({"dflash_config.use_qk_norm": dflash.get("use_qk_norm")}, "dflash_config.use_qk_norm",
                                "drafter", True),
             logit_scale=logit_scale,
+            target_hidden_size=target_hidden,
             **factors,
             transformers_defaults=taken,
         )
@@ -899,6 +923,8 @@ class DrafterConfig:
         cfg["dflash_config"].update(draft_scaling_dict(self))  # (a DFlash 2 config's: in dflash2.to_dict())
         if self.logit_scale != 1.0:
             cfg["logit_scale"] = self.logit_scale
+        if self.target_hidden_size is not None:
+            cfg["target_hidden_size"] = self.target_hidden_size
         if self.rope_scaling:
             cfg["rope_scaling"] = copy.deepcopy(self.rope_scaling)
         if self.max_position_embeddings is not None:
@@ -1077,8 +1103,13 @@ def validate_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
         raise DFlashError(f"incompatible pair: drafter hidden_size {drafter.hidden_size} != target hidden_size {target.hidden_size}")
     if drafter.feature_size != target.feature_size:
         given = "target_hidden_size" if drafter.target_hidden_size is not None else "its hidden_size"
+        wider = (drafter.target_hidden_size is None and drafter.speculators is None and drafter.laguna is None
+                 and target.feature_size != target.hidden_size)
         raise DFlashError(f"incompatible pair: the drafter reads target features of {drafter.feature_size} values a layer "
-                          f"({given}), the target's layers give {target.feature_size}")
+                          f"({given}), the target's layers give {target.feature_size}"
+                          + (f" ({target.feature_size // target.hidden_size} residual streams of {target.hidden_size}); "
+                             "a drafter whose fc reads them says so with target_hidden_size "
+                             f"{target.feature_size} in its config.json" if wider else ""))
     if drafter.num_target_layers is not None and drafter.num_target_layers != target.num_hidden_layers:
         raise DFlashError(
             f"incompatible pair: drafter num_target_layers {drafter.num_target_layers} != target num_hidden_layers {target.num_hidden_layers}"
