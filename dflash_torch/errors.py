@@ -9,6 +9,8 @@ line can name the flag the user typed (``--max-new-tokens``) rather than the Pyt
 argument (``max_new_tokens``).
 """
 
+import re
+
 
 class DFlashError(ValueError):
     """A user error with a one-line, human-readable message."""
@@ -26,6 +28,23 @@ class OptionError(DFlashError):
 
     def __reduce__(self):  # (pickled with its names: an error raised in a worker process comes back whole)
         return type(self), (str(self), *self.names), self.__dict__
+
+
+def name_pattern(name: str) -> str:
+    """The regular expression of the option ``name`` as a word of an :class:`OptionError`'s
+    message: not inside a path or a longer name (``out`` in ``out /tmp/out``: the first
+    only); ``name=True`` (a bool field set, in the Python API) is matched whole, as the
+    command line's flag without a value stands for it."""
+    return rf"(?<![\w./\\-]){re.escape(name)}(?:=True)?(?![\w/\\-])"
+
+
+def named(message: str, *names: str) -> OptionError:
+    """An :class:`OptionError` of ``message`` about the options ``names``, each listed as
+    often as the message names it (:func:`name_pattern`), so that the command line names
+    each occurrence by its flag (``lower batch or seq_len ... seq_len 64`` -> ``lower
+    --batch or --seq-len ... --seq-len 64``)."""
+    listed = [n for n in names for _ in range(max(1, len(re.findall(name_pattern(n), message))))]
+    return OptionError(message, *listed)
 
 
 class ContextLengthError(DFlashError):
