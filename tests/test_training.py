@@ -4,6 +4,7 @@ inference path, loss going down, export -> loader -> engine, deterministic resum
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import replace
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_torch import DFlashEngine, DFlashError
+from dflash_torch.errors import shown
 from dflash_torch.models.drafter import DFlashDrafter, InjectedContext
 from dflash_torch.models.target import TargetModel
 from dflash_torch.training.data import read_corpus, tokenize_conversation
@@ -160,6 +162,14 @@ def _jsonl(path: Path) -> Path:
         f.write(json.dumps({"messages": [{"role": "user", "content": "sort a list"},
                                          {"role": "assistant", "content": "def f(x):\n    return sorted(x)\n"}]}) + "\n")
     return path
+
+
+def _as_cli(err: DFlashError) -> str:
+    """``err``'s message as ``dflash-torch train`` says it (the fields an OptionError names, as flags)."""
+    from dflash_torch.cli import build_parser, error_message
+
+    flags = build_parser().parse_args(["train", "--target", "t", "--data", "d", "--out", "o"]).option_flags
+    return error_message(err, flags)
 
 
 def _cfg(tmp: Path, target: Path, data: Path, **kw) -> TrainConfig:
@@ -626,7 +636,7 @@ def test_conversations_without_a_reply_in_seq_len_are_left_out_and_whole_ones_wa
         f.write(json.dumps({"messages": [{"role": "user", "content": "word " * 200},
                                          {"role": "assistant", "content": "ok"}]}) + "\n")
     lines = []
-    Trainer(_cfg(tmp_path, target_dir, data, steps=1), log=lines.append).run()
+    Trainer(_cfg(tmp_path, target_dir, data, steps=1, warmup_steps=1), log=lines.append).run()
     assert any("1 conversation has no assistant reply within --seq-len 64 tokens; left out" in m for m in lines), lines
     assert not any("WARNING" in m for m in lines), lines
 
@@ -647,7 +657,10 @@ def test_too_little_chat_data_whose_replies_lie_past_seq_len_says_to_raise_it_al
         lines = []
         with pytest.raises(DFlashError) as err:
             prepare_data(cfg, Path(target_dir), _tok(target_dir), lines.append)
-        msg = str(err.value)
+        msg = str(err.value)  # (the fields named: trial-259; the command line names the flags)
+        assert "0 chat conversations (left out: 3 with no assistant reply within seq_len 16 tokens)" in msg, (run, msg)
+        assert "raise seq_len" in msg and "lower batch or seq_len" not in msg, (run, msg)
+        msg = _as_cli(err.value)
         assert "0 chat conversations (left out: 3 with no assistant reply within --seq-len 16 tokens)" in msg, (run, msg)
         assert "raise --seq-len" in msg and "lower --batch or --seq-len" not in msg, (run, msg)
         assert "data: 3 conversations have no assistant reply within --seq-len 16 tokens; left out" in lines, (run, lines)
@@ -1003,6 +1016,10 @@ def test_resume_continues_identically(tiny_pair, tmp_path):
     for k in a["drafter"]:
         assert torch.equal(a["drafter"][k], b["drafter"][k]), k
     assert [h["loss"] for h in a["history"]] == [h["loss"] for h in b["history"]]
+    # warm-up to lr over 2 steps, then the cosine from lr, counted from the warm-up's end (it was counted from step 0:
+    # the lr jumped down from 3e-3 to 1.65e-3 as the warm-up ended, trial-259), on resume too
+    lrs = [3e-3 / 2, 3e-3, 3e-3, 3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi / 2))]
+    assert [h["lr"] for h in a["history"]] == [h["lr"] for h in b["history"]] == pytest.approx(lrs)
     lines = []  # another recipe on resume: allowed, with a warning naming what changed (it was silent)
     half.steps, half.lr, half.gamma, half.autocast = 5, 1e-3, 2.0, False
     Trainer(half, log=lines.append).run()
@@ -1059,16 +1076,18 @@ def test_a_time_budget_spent_before_a_step_is_trained_is_warned(tiny_pair, tmp_p
     assert "WARNING: --time-budget-min 1e-09 was spent before a step was trained (it counts the evaluations too): " \
         "the drafter exported is untrained" in lines, lines
     assert (Path(cfg.out) / "model.safetensors").is_file()
-    cfg = replace(cfg, steps=2, time_budget_min=None)  # (2 steps, then a resume with a sliver of budget left)
+    # (2 steps, then a resume with a sliver of budget left; over the first run's drafter, as the command line's --overwrite)
+    cfg = replace(cfg, steps=2, time_budget_min=None, overwrite=True)
     Trainer(cfg, log=lambda m: None).run()
     elapsed = torch.load(Path(cfg.work_dir) / "checkpoint.pt", weights_only=True)["elapsed"]
     lines = []
-    cfg = replace(cfg, resume=True, steps=None, time_budget_min=(elapsed + 1e-6) / 60)
+    cfg = replace(cfg, resume=True, overwrite=False, steps=None, time_budget_min=(elapsed + 1e-6) / 60)
     assert Trainer(cfg, log=lines.append).run()["steps"] == 2
     assert any(m.startswith("WARNING: --time-budget-min ") and m.endswith(
         "the drafter exported is the checkpoint's of step 2, as it was") for m in lines), lines
     lines = []  # (a --steps run says nothing of it)
-    assert Trainer(replace(cfg, resume=False, steps=1, time_budget_min=None), log=lines.append).run()["steps"] == 1
+    assert Trainer(replace(cfg, resume=False, overwrite=True, steps=1, time_budget_min=None, warmup_steps=1),
+                   log=lines.append).run()["steps"] == 1
     assert not [m for m in lines if "WARNING" in m], lines
 
 
@@ -1101,9 +1120,9 @@ def test_a_ctrl_c_inside_the_optimizer_step_saves_a_whole_update(tiny_pair, tmp_
     monkeypatch.setattr(adam, "_single_tensor_adam", interrupted_midway)
     cut = _cfg(tmp_path / "b", target_dir, data, steps=4)
     lines = []
-    with pytest.raises(SystemExit) as exit_:
+    with pytest.raises(KeyboardInterrupt):  # (raised again once saved: it was SystemExit(130), trial-259)
         Trainer(cut, log=lines.append).run()
-    assert exit_.value.code == 130 and len(calls) == 2 and calls[1] > 1
+    assert len(calls) == 2 and calls[1] > 1
     assert "interrupted: checkpoint of step" in lines[-1], lines
     monkeypatch.setattr(adam, "_single_tensor_adam", original)
     cut.resume = True
@@ -1258,6 +1277,8 @@ REFUSED_TRAIN_OPTIONS = {
     "gamma-0": "--gamma must be a finite number > 0, got 0.0",
     "anchors-per-seq-0": "--anchors-per-seq must be >= 1, got 0",
     "threads-0": "--threads must be an integer from 1 to the CPUs this process may use",
+    # (trained with the source's top-k 8, and recorded 4: trial-259)
+    "init-from-dflash2-top-k": "--selector-top-k 4 cannot be combined with --init-from ",
 }
 
 
@@ -1275,6 +1296,9 @@ def test_train_refuses_unsafe_or_useless_options_before_training(tiny_pair, tmp_
         args += ["--init-from", str(drafter), "--num-layers", "2"]
     elif case == "init-from-dflash2-as-dflash":
         args += ["--init-from", str(save_drafter(tmp_path / "v2", dflash2_config(target)))]
+    elif case == "init-from-dflash2-top-k":
+        args += ["--init-from", str(save_drafter(tmp_path / "v2", dflash2_config(target))), "--arch", "dflash2",
+                 "--selector-top-k", "4"]
     elif case == "conv-group-size":
         args += ["--arch", "dflash2", "--conv-group-size", "24"]
     elif case == "top-k-above-vocab":
@@ -1362,6 +1386,42 @@ API_REFUSALS = {
                             "from it)"),
     "seq-len-within-block": ({"seq_len": 8}, "seq_len (8) must be longer than the block size (8)"),
     "min-lr-frac": ({"min_lr_frac": 2.0}, "min_lr_frac must be in [0, 1], got 2.0"),
+    # (trial-259: 1.0 / True ids trained into a config.json the engine refuses; "1,3" was a TypeError of '<=')
+    "layer-ids-float": ({"target_layer_ids": [1.0, 3.0]},
+                        "target_layer_ids must be a list of integers (target layer ids), got [1.0, 3.0]"),
+    "layer-ids-bool": ({"target_layer_ids": [True, 3]},
+                       "target_layer_ids must be a list of integers (target layer ids), got [True, 3]"),
+    "layer-ids-text": ({"target_layer_ids": "1,3"},
+                       "target_layer_ids must be a list of integers (target layer ids), got '1,3'"),
+    "mask-id-float": ({"mask_token_id": 1.0}, "mask_token_id must be an integer (a token id), got 1.0"),
+    "mask-id-bool": ({"mask_token_id": True}, "mask_token_id must be an integer (a token id), got True"),
+    "mask-id-text": ({"mask_token_id": "1"}, "mask_token_id must be an integer (a token id), got '1'"),
+    # (random.seed's ValueError, a TypeError, torch's "Overflow when unpacking long long", manual_seed's RuntimeError)
+    **{f"seed-{what}": ({"seed": seed}, "seed must be an integer from -2**63 to 2**64 - 1 (what torch.manual_seed "
+                                        f"takes), got {shown(seed)}")
+       for what, seed in (("text", "abc"), ("none", None), ("huge", 2**70), ("float", 1.5), ("bool", True))},
+    # (TypeErrors of posixpath / pathlib)
+    "target-none": ({"target": None},
+                    "target must be a checkpoint directory or Hugging Face id (a str or os.PathLike), got None"),
+    "out-none": ({"out": None}, "out must be a directory (a str or os.PathLike), got None"),
+    "out-int": ({"out": 123}, "out must be a directory (a str or os.PathLike), got 123"),
+    "work-dir-int": ({"work_dir": 123}, "work_dir must be a directory (a str or os.PathLike) or None, got 123"),
+    "init-from-int": ({"init_from": 123}, "init_from must be a checkpoint directory or Hugging Face id (a str or "
+                                          "os.PathLike) or None, got 123"),
+    # ("no" was true: autocast on, copying on, a resume)
+    "autocast-text": ({"autocast": "no"}, "autocast must be True or False, got 'no'"),
+    "init-from-target-text": ({"init_from_target": "yes"}, "init_from_target must be True or False, got 'yes'"),
+    "resume-text": ({"resume": "no"}, "resume must be True or False, got 'no'"),
+    "save-dtype-int": ({"save_dtype": 5}, "save_dtype must be a dtype name ('bfloat16', 'float32') or a torch.dtype, "
+                                          "got 5"),
+    "resume-and-overwrite": ({"resume": True, "overwrite": True}, "resume=True continues the checkpoint in the work "
+                             "dir and overwrite=True starts over: give one of them"),
+    # (silently ignored under arch "dflash"; a self-distill prompt cut to seq_len - 16, unsaid)
+    "dflash2-field-for-dflash": ({"selector_top_k": 0}, "selector_top_k is an option of DFlash 2 drafters (arch "
+                                                        "dflash2); this run trains a dflash drafter"),
+    "prefix-past-seq-len": ({"self_distill": 2, "prefix_min": 60, "prefix_max": 100},
+                            "prefix_min 60 is longer than a self-distill prompt may be at seq_len 64 (48 tokens, "
+                            "leaving 16 to the continuation): give at most 48, or a longer seq_len"),
 }
 
 
@@ -1380,6 +1440,122 @@ def test_the_python_api_refuses_what_the_command_line_does(tiny_pair, tmp_path, 
         Trainer(cfg, log=lambda m: None).run()
     assert str(err.value) == words and err.value.name in fields, err.value
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
+def test_the_python_api_refuses_the_directories_the_command_line_does(tiny_pair, tmp_path):
+    """(trial-259) Trainer.run checks out, work_dir and data as the train command does (the
+    checks are shared, check_run_dirs; its messages name the fields, the command line's the
+    flags): out the target's directory replaced the target's weights; a second run replaced
+    the first one's drafter and checkpoint; data naming out trained on the drafter's own files;
+    an out or work_dir that is a file was a pathlib error once the target had loaded; a failed
+    run left the directories it made behind."""
+    from dflash_torch.errors import OptionError
+
+    target, drafter = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    copy = tmp_path / "target"
+    shutil.copytree(target, copy)
+    files = {p.name: p.read_bytes() for p in copy.iterdir()}
+
+    def refused(words: str, **fields) -> OptionError:
+        cfg = replace(_cfg(tmp_path, copy, text, steps=1, warmup_steps=1, val_seqs=0), **fields)
+        with pytest.raises(OptionError) as err:
+            Trainer(cfg, log=lambda m: None).run()
+        assert str(err.value) == words, err.value
+        return err.value
+
+    err = refused(f"out {copy} is the target's directory; give the drafter its own directory", out=str(copy),
+                  work_dir=None)
+    assert _as_cli(err) == f"--out {copy} is the target's directory; give the drafter its own directory"
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == files
+    out = tmp_path / "out"
+    shutil.copytree(drafter, out)
+    names = ", ".join(sorted(p.name for p in out.iterdir()))
+    err = refused(f"out {out} already holds a drafter or other model ({names}): pass overwrite=True to replace it")
+    assert _as_cli(err) == f"--out {out} already holds a drafter or other model ({names}): pass --overwrite to replace it"
+    err = refused(f"data {out} is this run's out: the drafter's own files would be read as data; put the data in a "
+                  "directory of its own", data=[str(out)], overwrite=True)
+    assert _as_cli(err).startswith(f"--data {out} is this run's --out: ")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "checkpoint.pt").write_bytes(b"x")
+    err = refused(f"{work} holds a training checkpoint: pass resume=True to continue it or overwrite=True to start over",
+                  out=str(tmp_path / "new" / "out"))
+    assert _as_cli(err) == f"{work} holds a training checkpoint: pass --resume to continue it or --overwrite to start over"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    refused(f"out {afile} is a file; give a directory", out=str(afile))
+    refused(f"work_dir {afile} is a file; give a directory", work_dir=str(afile), out=str(tmp_path / "new" / "out"))
+    # refused once the target has loaded (a field named, not its flag): the directories it made are removed
+    err = refused("mask_token_id 99999 is outside the target vocabulary of 320", out=str(tmp_path / "new" / "out"),
+                  work_dir=str(tmp_path / "new" / "work"), mask_token_id=99999)
+    assert _as_cli(err) == "--mask-token-id 99999 is outside the target vocabulary of 320"
+    assert not (tmp_path / "new").exists()
+    err = refused("conv_group_size 24 does not divide the hidden size 64", out=str(tmp_path / "new" / "out"),
+                  work_dir=str(tmp_path / "new" / "work"), arch="dflash2", conv_group_size=24)
+    assert _as_cli(err) == "--conv-group-size 24 does not divide the hidden size 64"
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_python_api_overwrites_when_told_and_leaves_the_callers_threads(tiny_pair, tmp_path):
+    """overwrite=True (--overwrite) replaces a drafter in out; save_dtype given as a torch.dtype
+    is written as its name (it failed json.dumps after the whole run, training_log.json never
+    written); num_threads is the run's only (the caller's count stayed 1); a warm-up longer
+    than the run is warned (trial-259)."""
+    target, drafter = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    shutil.copytree(drafter, tmp_path / "out")
+    cfg = _cfg(tmp_path, target, text, steps=2, warmup_steps=5, val_seqs=0, num_threads=1, overwrite=True,
+               save_dtype=torch.float32)
+    assert cfg.save_dtype == "float32"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    lines = []
+    try:
+        info = Trainer(cfg, log=lines.append).run()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    log = json.loads((tmp_path / "out" / "training_log.json").read_text())
+    assert info["config"]["save_dtype"] == log["config"]["save_dtype"] == "float32" and log["steps"] == 2
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float32"
+    said = "WARNING: warmup_steps 5 is more than steps 2: the learning rate warms up for the whole run, reaching " \
+        "0.4 x lr at its last step, and never decays; give a smaller warmup_steps"
+    assert said in lines, lines
+    assert [h["lr"] for h in log["loss_history"]] == pytest.approx([3e-3 / 5, 2 * 3e-3 / 5])
+    lines = []  # (the command line names the flags)
+    Trainer(cfg, log=lines.append, flags={"warmup_steps": "--warmup-steps", "steps": "--steps", "lr": "--lr"}).say(
+        said, "warmup_steps", "steps", "lr")
+    assert lines == ["WARNING: --warmup-steps 5 is more than --steps 2: the learning rate warms up for the whole run, "
+                     "reaching 0.4 x --lr at its last step, and never decays; give a smaller --warmup-steps"]
+
+
+def test_init_from_refuses_sizes_other_than_its_drafters(tiny_pair, tmp_path):
+    """(trial-259) With init_from, num_layers=5 or block_size=8 trained the source's 3 layers and
+    B=16 unsaid, and training_log.json recorded 5 and 8 (the command line refuses those flags);
+    so did a DFlash 2 source's --selector-top-k 4 on the command line too."""
+    from dflash_torch.errors import OptionError
+
+    target, drafter = tiny_pair  # (a 2-layer, B = 16 drafter)
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    for key, value, theirs in (("num_layers", 5, 2), ("block_size", 8, 16)):
+        cfg = _cfg(tmp_path, target, text, steps=1, val_seqs=0, init_from=str(drafter), num_layers=2, block_size=16)
+        with pytest.raises(OptionError) as err:
+            Trainer(replace(cfg, **{key: value}), log=lambda m: None).run()
+        assert str(err.value) == (f"{key} {value} cannot be combined with init_from {drafter}, whose {key} is {theirs}: "
+                                  f"the drafter's shape comes from it (leave {key} at its default, or give {theirs})")
+        assert not (tmp_path / "out").exists()
+    v2 = save_drafter(tmp_path / "v2", dflash2_config(target))  # (top-k 8)
+    cfg = _cfg(tmp_path, target, text, steps=1, val_seqs=0, init_from=str(v2), num_layers=2, block_size=16,
+               arch="dflash2", selector_top_k=4)
+    with pytest.raises(OptionError) as err:
+        Trainer(cfg, log=lambda m: None).run()
+    assert _as_cli(err.value) == (f"--selector-top-k 4 cannot be combined with --init-from {v2}, whose --selector-top-k "
+                                  "is 8: the drafter's shape comes from it (leave --selector-top-k at its default, "
+                                  "or give 8)")
 
 
 def test_the_python_api_takes_one_data_path_as_a_list_of_it_and_paths_as_paths(tiny_pair, tmp_path):
@@ -1723,9 +1899,7 @@ def test_a_ctrl_c_in_the_last_evaluation_saves_a_checkpoint_that_resume_exports(
     args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--work-dir", str(work),
             "--steps", "2", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "2",
             "--block-size", "8", "--num-layers", "1", "--no-progress"]
-    with pytest.raises(SystemExit) as exit_:
-        cli_main(args)
-    assert exit_.value.code == 130
+    assert cli_main(args) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"interrupted: checkpoint of step 2 saved to {work / 'checkpoint.pt'}; continue with --resume", err
     assert not out.joinpath("config.json").exists()
@@ -1800,9 +1974,7 @@ def test_a_checkpoint_that_cannot_be_saved_mid_run_or_on_ctrl_c_still_exports_th
         return evaluate(self, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "evaluate", evaluating)
-    with pytest.raises(SystemExit) as exit_:
-        cli_main([*args, "--eval-every", "1"])
-    assert exit_.value.code == 130
+    assert cli_main([*args, "--eval-every", "1"]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"interrupted: the drafter of step 1 is saved in {out}, {unsaved}", err
     assert json.loads((out / "training_log.json").read_text())["steps"] == 1
@@ -1928,7 +2100,8 @@ def test_train_dflash2_from_a_dflash_drafter_round_trips(tiny_pair, tmp_path, ca
 
     target_dir, source_dir = tiny_pair  # a random B = 16, 2-layer DFlash drafter
     # the start: the source's backbone, identity convolutions, small random codebooks
-    cfg = _cfg(tmp_path, target_dir, tmp_path / "unused", arch="dflash2", init_from=str(source_dir), selector_rank=8)
+    cfg = _cfg(tmp_path, target_dir, tmp_path / "unused", arch="dflash2", init_from=str(source_dir), selector_rank=8,
+               num_layers=2, block_size=16)  # (the source's: others are refused, trial-259)
     target = TargetModel.from_pretrained(target_dir, torch.float32)
     source, dcfg = load_init_drafter(cfg, target.config)
     assert dcfg.dflash2.selector_rank == 8 and dcfg.block_size == 16 and dcfg.num_hidden_layers == 2
@@ -2241,13 +2414,18 @@ def test_too_little_data_is_refused_with_the_counts(tiny_pair, tmp_path):
     assert len(val_rows) == 1 and data.stream.numel() // 16 == windows - 1
     with pytest.raises(DFlashError) as err:
         _prepare(_cfg(tmp_path, target_dir, text, seq_len=16, batch=windows, val_seqs=4), tok, target_dir)
-    msg = str(err.value)
+    msg = str(err.value)  # (the fields named: trial-259; the command line names the flags)
+    assert f"{n} tokens of text ({windows} windows of seq_len 16) make {windows} sequences" in msg, msg
+    assert msg.endswith(f"batch {windows} needs {windows} and the eval split (val_seqs 4) 1 more: add data, or lower "
+                        "batch or seq_len, or pass val_seqs 0"), msg
+    msg = _as_cli(err.value)
     assert f"{n} tokens of text ({windows} windows of --seq-len 16) make {windows} sequences" in msg, msg
-    assert f"--batch {windows} needs {windows} and the eval split (--val-seqs 4) 1 more" in msg, msg
+    assert msg.endswith(f"--batch {windows} needs {windows} and the eval split (--val-seqs 4) 1 more: add data, or "
+                        "lower --batch or --seq-len, or pass --val-seqs 0"), msg
     _prepare(_cfg(tmp_path, target_dir, text, seq_len=16, batch=windows, val_seqs=0), tok, target_dir)  # no eval: fits
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("ab")
-    with pytest.raises(DFlashError, match=r"\b[23] tokens of text \(0 windows of --seq-len 64\) make 0 sequences"):
+    with pytest.raises(DFlashError, match=r"\b[23] tokens of text \(0 windows of seq_len 64\) make 0 sequences"):
         _prepare(_cfg(tmp_path, target_dir, tiny, val_seqs=0, batch=1), tok, target_dir)
 
 
@@ -2266,12 +2444,14 @@ def test_too_little_chat_data_and_a_capped_eval_split_say_what_helps(tiny_pair, 
     with pytest.raises(DFlashError) as err:
         _prepare(_cfg(tmp_path, target_dir, chat, val_seqs=0, batch=7, seq_len=32), tok, target_dir)
     msg = str(err.value)
-    assert "6 chat conversations make 6 sequences" in msg and "lower --batch or --seq-len" not in msg, msg
-    assert msg.endswith("add data (each conversation or self-distilled sequence is one sequence, whatever --seq-len; "
-                        "text makes one per --seq-len tokens), or lower --batch"), msg
+    assert "6 chat conversations make 6 sequences" in msg and "lower batch or seq_len" not in msg, msg
+    assert msg.endswith("add data (each conversation or self-distilled sequence is one sequence, whatever seq_len; "
+                        "text makes one per seq_len tokens), or lower batch"), msg
+    assert _as_cli(err.value).endswith("add data (each conversation or self-distilled sequence is one sequence, "
+                                       "whatever --seq-len; text makes one per --seq-len tokens), or lower --batch")
     text = tmp_path / "c.txt"  # (with text, a shorter --seq-len makes more windows)
     text.write_text("def f(x):\n    return x\n" * 20)
-    with pytest.raises(DFlashError, match=r"add data, or lower --batch or --seq-len$"):
+    with pytest.raises(DFlashError, match=r"add data, or lower batch or seq_len$"):
         _prepare(_cfg(tmp_path, target_dir, text, val_seqs=0, batch=99, seq_len=16), tok, target_dir)
     lines: list[str] = []
     cfg = _cfg(tmp_path, target_dir, chat, val_seqs=3, batch=2, seq_len=32)
@@ -2293,7 +2473,7 @@ def test_self_distill_that_finds_too_little_is_refused(tiny_pair, tmp_path):
         _prepare(cfg, tok, target_dir)
     # too little even if every requested sequence were made: refused before generating
     cfg = _cfg(tmp_path, target_dir, tiny, val_seqs=2, batch=4, self_distill=2, prefix_min=8, prefix_max=16)
-    with pytest.raises(DFlashError, match="make 2 sequences; one step of --batch 4 needs 4 and the eval split"):
+    with pytest.raises(DFlashError, match="make 2 sequences; one step of batch 4 needs 4 and the eval split"):
         _prepare(cfg, tok, target_dir)
 
 
@@ -2408,9 +2588,7 @@ def test_a_ctrl_c_while_the_data_is_prepared_is_said_and_leaves_no_empty_dirs(ti
     for out in (tmp_path / "new" / "out", kept):
         args = ["train", "--target", str(target), "--data", str(data), "--out", str(out), "--steps", "2", "--batch", "2",
                 "--seq-len", "64", "--block-size", "8", "--num-layers", "1", "--self-distill", "4", "--no-progress"]
-        with pytest.raises(SystemExit) as exit_:  # (as one during training)
-            cli_main(args)
-        assert exit_.value.code == 130
+        assert cli_main(args) == 130  # (as one during training)
         err = capsys.readouterr().err
         assert err.strip().splitlines()[-1] == "interrupted while preparing the data: no step was trained", err
         assert "Traceback" not in err
@@ -2603,8 +2781,9 @@ def test_default_target_layers_keep_the_reference_rule_where_it_fits():
     assert default_layer_ids(28, 2)[0] == [1, 25] and default_layer_ids(36, 3)[0] == [1, 17, 33]
     assert default_layer_ids(5, 2) == ([1, 2], None) and default_layer_ids(2, 1) == ([1], None)
     ids, note = default_layer_ids(5, 4)  # (with fewer drafter layers the rule's ids are distinct)
-    assert ids == [1, 1, 2, 2] and note.endswith("which repeat layers: choose 4 layers with --target-layer-ids "
-                                                 "(e.g. 0,1,2,4), or pass --num-layers 2"), note
+    # (the fields: the command line names the flags, test_default_target_layers_on_shallow_targets_say_what_to_pass)
+    assert ids == [1, 1, 2, 2] and note.endswith("which repeat layers: choose 4 layers with target_layer_ids "
+                                                 "(e.g. 0,1,2,4), or pass num_layers 2"), note
 
 
 SHALLOW_TARGET_CASES = {  # (target layers, extra flags): the exact line (a warning: trained all the same)
@@ -2645,7 +2824,8 @@ def test_default_target_layers_on_shallow_targets_say_what_to_pass(tmp_path, tok
     text.write_text("\n".join(corpus_texts(8_000)))
     out = tmp_path / "out"
     args = ["train", "--target", str(target), "--data", str(text), "--out", str(out), "--steps", "1", "--batch", "2",
-            "--seq-len", "32", "--block-size", "4", "--anchors-per-seq", "2", "--val-seqs", "0", "--no-progress", *flags]
+            "--seq-len", "32", "--block-size", "4", "--anchors-per-seq", "2", "--val-seqs", "0", "--warmup-steps", "1",
+            "--no-progress", *flags]
     code = cli_main(args)
     err = capsys.readouterr().err.splitlines()
     if "error" in line:
@@ -3177,7 +3357,7 @@ def _one_step_run(target, tmp_path) -> tuple[Path, list[str]]:
     work.mkdir()
     return work, ["train", "--target", str(target), "--data", str(text), "--out", str(tmp_path / "out"), "--work-dir",
                   str(work), "--steps", "1", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs",
-                  "0", "--block-size", "8", "--num-layers", "1", "--no-progress"]
+                  "0", "--warmup-steps", "1", "--block-size", "8", "--num-layers", "1", "--no-progress"]
 
 
 class _RunsCode:
@@ -3300,7 +3480,7 @@ def test_a_run_interrupted_and_resumed_logs_the_losses_of_an_uninterrupted_one(t
     monkeypatch.setattr(adam, "_single_tensor_adam", interrupted_in_step_2)
     cut = _cfg(tmp_path / "b", target_dir, data, steps=4, log_every=3)
     lines = []
-    with pytest.raises(SystemExit):
+    with pytest.raises(KeyboardInterrupt):
         Trainer(cut, log=lines.append).run()
     assert lines[-1].startswith("interrupted: checkpoint of step 2 saved"), lines
     monkeypatch.setattr(adam, "_single_tensor_adam", original)

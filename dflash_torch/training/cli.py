@@ -3,19 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import tempfile
-from pathlib import Path
 
-from ..checkpoint import resolve_model_dir
 from ..cli import add_chat_template_kwargs_arg, path_arg
-from ..errors import DFlashError
-from .trainer import ARCHS, CHECKPOINT, STALE_WEIGHTS, TrainConfig, Trainer, check_config, foreign_checkpoint
-
-# the drafter's shape: with --init-from it comes from the source drafter
-SHAPE_OPTIONS = {"num_layers": "--num-layers", "block_size": "--block-size", "target_layer_ids": "--target-layer-ids",
-                 "intermediate_size": "--intermediate-size", "mask_token_id": "--mask-token-id"}
+from .trainer import ARCHS, DFLASH2_FIELDS, TrainConfig, Trainer, check_config
 
 
 def _int_list(text: str) -> list[int]:
@@ -114,124 +104,33 @@ def register(sub) -> None:
     p.set_defaults(func=_train)
 
 
-DFLASH2_OPTIONS = ("selector_loss_weight", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-
-
-def _check(args: argparse.Namespace, cfg: TrainConfig) -> None:
-    """Refuse option values that cannot train anything, with one line: those :func:`check_config`
-    refuses of any :class:`TrainConfig` (shared with the Python API), and those only the command
-    line can tell, where the flags were given (a TrainConfig holds their defaults), or that are
-    about its directories."""
-    if args.init_from is not None:  # (check_config names the others: None where not given)
-        given = [flag for key, flag in SHAPE_OPTIONS.items() if key in ("num_layers", "block_size")
-                 and getattr(args, key) is not None]
-        if given:
-            raise DFlashError(f"{given[0]} cannot be combined with --init-from (the drafter's shape and weights come from it)")
-    if args.arch != "dflash2":  # (they were silently ignored)
-        for key in DFLASH2_OPTIONS:
-            if getattr(args, key) is not None:
-                raise DFlashError(f"--{key.replace('_', '-')} is an option of DFlash 2 drafters (--arch dflash2); "
-                                  f"this run trains a {args.arch} drafter")
-    check_config(cfg)
-    room = args.seq_len - 16  # (a self-distill prompt leaves 16 tokens of --seq-len at least to the continuation)
-    for name, value in {"--prefix-min": args.prefix_min, "--prefix-max": args.prefix_max}.items():
-        if args.self_distill and value is not None and value > room:  # (given: it was cut to that, unsaid)
-            raise DFlashError(f"{name} {value} is longer than a self-distill prompt may be at --seq-len {args.seq_len} "
-                              f"({room} tokens, leaving 16 to the continuation): give at most {room}, or a longer --seq-len")
-    if args.resume and args.overwrite:  # (it resumed, unsaid)
-        raise DFlashError("--resume continues the checkpoint in the work dir and --overwrite starts over: give one of them")
-    for name, path, given in (("--out", Path(args.out), True), ("--work-dir", cfg.work_path(), args.work_dir is not None)):
-        try:  # (one it may not list or enter was a PermissionError traceback from looking into it below)
-            if path.is_dir():
-                os.listdir(path)
-            elif given and path.exists():
-                raise DFlashError(f"{name} {path} is a file; give a directory")
-        except OSError as exc:
-            raise DFlashError(f"cannot use {name} {path} as a directory: {exc.strerror or exc}") from None
-    out = Path(args.out)
-    # (a cached id's snapshot too: the drafter was written through its links into the blobs; the work dir's
-    # checkpoint.pt and data caches were written into the target's directory, or a directory in it)
-    mine = {"--out": (args.out, out), "--work-dir": (args.work_dir or str(cfg.work_path()), cfg.work_path())}
-    cached_init = args.init_from is not None and not Path(args.init_from).is_dir()
-    for whose, name in (("the target's directory", args.target), (f"the directory of --init-from {args.init_from} in "
-                        "the Hugging Face cache", args.init_from if cached_init else None)):
-        try:
-            source = None if name is None else os.path.realpath(resolve_model_dir(name))
-        except DFlashError:  # (said where it loads)
-            source = None
-        # (a cached id's whole cache folder, models--ORG--NAME: its blobs, and what deleting the model deletes)
-        folder = Path(source).parents[1] if source is not None and Path(source).parent.name == "snapshots" and \
-            Path(source).parents[1].name.startswith("models--") else None
-        for flag, (shown, path) in mine.items():
-            real = os.path.realpath(path)  # (where mkdir makes it: a path not there yet too)
-            own = "the drafter its own directory" if flag == "--out" else \
-                "the data cache and checkpoint a directory of their own"
-            if source is not None and (real == source or real.startswith(os.path.join(source, ""))):
-                if real == source:
-                    raise DFlashError(f"{flag} {shown} is {whose}; give {own}")
-                raise DFlashError(f"{flag} {shown} is inside {whose}; give {own} outside it")
-            if folder is not None and (real == str(folder) or real.startswith(os.path.join(folder, ""))):
-                raise DFlashError(f"{flag} {shown} is inside the Hugging Face cache folder of {name} ({folder}); "
-                                  f"give {own} outside it")
-    work = cfg.work_path()
-    own = {os.path.realpath(work): "--work-dir", os.path.realpath(out): "--out"}
-    for given in args.data:  # (one below them is read without them: read_corpus leaves them out)
-        if os.path.realpath(given) in own:
-            raise DFlashError(f"--data {given} is this run's {own[os.path.realpath(given)]}: the drafter's own files "
-                              "would be read as data; put the data in a directory of its own")
-    if not (args.overwrite or args.resume):
-        if foreign_checkpoint(work / CHECKPOINT):  # (another tool's: not "a training checkpoint" to --resume)
-            raise DFlashError(f"{work / CHECKPOINT} is not a dflash-torch training checkpoint: give another "
-                              "--work-dir, or pass --overwrite to replace it")
-        if (work / CHECKPOINT).exists():
-            raise DFlashError(f"{work} holds a training checkpoint: pass --resume to continue it or --overwrite to start over")
-        found = sorted(f.name for f in out.iterdir() if f.name == "config.json" or STALE_WEIGHTS.fullmatch(f.name)) \
-            if out.is_dir() else []
-        if found:  # (it said "a checkpoint", as the work dir's checkpoint.pt to --resume: trial-175)
-            raise DFlashError(f"--out {args.out} already holds a drafter or other model ({', '.join(found[:3])}"
-                              f"{', ...' if len(found) > 3 else ''}): pass --overwrite to replace it")
-    for name, path in {"--out": Path(args.out), "--work-dir": cfg.work_path()}.items():
-        try:  # (made before the target loads: it failed with a traceback after; so did one it may not write)
-            path.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=path).close()
-        except OSError as exc:
-            raise DFlashError(f"cannot use {name} {path} as a directory: {exc.strerror or exc}") from None
+# the options whose flags default to None, "not given" (a TrainConfig holds their defaults): check_config refuses some
+# where given (a DFlash 2 option without --arch dflash2, --num-layers with --init-from, a long --prefix-max)
+GIVEN_OPTIONS = ("num_layers", "block_size", "prefix_min", "prefix_max", *DFLASH2_FIELDS)
 
 
 def _train(args: argparse.Namespace) -> int:
     d = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(
         target=args.target, data=args.data, out=args.out, work_dir=args.work_dir, arch=args.arch,
-        num_layers=d["num_layers"].default if args.num_layers is None else args.num_layers,
         init_from_target=args.init_from_target, init_from=args.init_from,
-        block_size=d["block_size"].default if args.block_size is None else args.block_size,
         target_layer_ids=args.target_layer_ids, intermediate_size=args.intermediate_size,
         mask_token_id=args.mask_token_id, steps=args.steps, time_budget_min=args.time_budget_min, batch=args.batch,
         seq_len=args.seq_len, anchors_per_seq=args.anchors_per_seq, lr=args.lr, warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed, resume=args.resume,
-        self_distill=args.self_distill, self_distill_batch=args.self_distill_batch,
-        prefix_min=d["prefix_min"].default if args.prefix_min is None else args.prefix_min,
-        prefix_max=d["prefix_max"].default if args.prefix_max is None else args.prefix_max, raw_fraction=args.raw_fraction, val_seqs=args.val_seqs, eval_every=args.eval_every,
+        overwrite=args.overwrite, self_distill=args.self_distill, self_distill_batch=args.self_distill_batch,
+        raw_fraction=args.raw_fraction, val_seqs=args.val_seqs, eval_every=args.eval_every,
         ckpt_every=args.ckpt_every, num_threads=args.num_threads, autocast=not args.no_autocast,
         save_dtype=args.save_dtype, progress=not args.no_progress, chat_template_kwargs=args.chat_template_kwargs,
-        **{k: d[k].default if getattr(args, k) is None else getattr(args, k) for k in DFLASH2_OPTIONS},
+        **{k: d[k].default if getattr(args, k) is None else getattr(args, k) for k in GIVEN_OPTIONS},
     )
-    from ..cli import missing_dirs, terminate_as_interrupt
+    from ..cli import terminate_as_interrupt
 
-    # the directories this run makes (_check makes them): a run that stops removes those still empty, deepest
-    # first (one refused for too little data removes its data cache first: prepare_data); never a file, which
-    # may be another run's written meanwhile into a directory this one made (a shared new parent or work dir)
-    made = sorted(set(missing_dirs(cfg.work_path())) | set(missing_dirs(Path(args.out))),
-                  key=lambda p: len(p.parts), reverse=True)
+    # (the refusals only the command line can tell: of the flags given, where a TrainConfig holds their defaults;
+    # Trainer.run checks the rest, and the directories, for the Python API too)
+    check_config(cfg, {k for k in GIVEN_OPTIONS if getattr(args, k) is not None})
     # (SIGTERM, what timeout, docker stop, systemd and Slurm send, saves a checkpoint as a Ctrl-C does, then exits 143:
     # it killed the run with nothing saved)
     with terminate_as_interrupt():
-        try:
-            _check(args, cfg)
-            Trainer(cfg).run()
-        except BaseException:
-            for path in made:  # (the deepest first)
-                with contextlib.suppress(OSError):
-                    path.rmdir()
-            raise
+        Trainer(cfg, flags=args.option_flags).run()
     return 0

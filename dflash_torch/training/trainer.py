@@ -24,8 +24,8 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, replace
+from contextlib import contextmanager, nullcontext, suppress
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -36,7 +36,7 @@ from ..chat_template import reserved_template_variables
 from .. import checkpoint
 from ..checkpoint import all_finite, checkpoint_dir, load_config, memory_text
 from ..cli import deferred_interrupt, interrupt_signals
-from ..errors import DFlashError, OptionError
+from ..errors import DFlashError, OptionError, named
 from ..models.config import TargetConfig
 from ..models.drafter_config import (DFlash2Settings, DrafterConfig, default_target_layer_ids, fill_mask_token_id,
                                      needs_mask_token_id, token_ids, unused_token_id, validate_pair)
@@ -66,11 +66,22 @@ RECIPE = ("data", "batch", "seq_len", "anchors_per_seq", "lr", "min_lr_frac", "w
 
 @dataclass
 class TrainConfig:
-    """Every setting of a training run (the CLI flags, one to one: ``gamma`` is ``--gamma``,
-    ``num_threads`` ``--threads``). ``data`` is a list of paths; one path (a ``str`` or
+    """Every setting of a training run. ``dflash-torch train``'s flags set them, a flag a
+    field (``gamma`` is ``--gamma``, ``num_threads`` ``--threads``, ``autocast=False``
+    ``--no-autocast``, ``progress=False`` ``--no-progress``), but for ``min_lr_frac`` and
+    ``log_every``, which have no flag. ``data`` is a list of paths; one path (a ``str`` or
     ``os.PathLike``) is taken as a list of it, and paths given as ``os.PathLike`` are kept as
-    ``str`` (as the checkpoint and ``training_log.json`` record them). The values are checked
-    by :func:`check_config` when :meth:`Trainer.run` starts."""
+    ``str`` (as the checkpoint and ``training_log.json`` record them); ``save_dtype`` given as
+    a ``torch.dtype`` is kept as its name (``torch.bfloat16`` -> ``"bfloat16"``). The values are
+    checked by :func:`check_config`, and the directories by :func:`check_run_dirs`, when
+    :meth:`Trainer.run` starts, before the target loads.
+
+    ``overwrite`` (``--overwrite``) lets a run replace a drafter already in ``out`` and a
+    checkpoint in the work dir (``work_dir``, default ``out/train_work``), which are refused
+    otherwise (``resume`` continues that checkpoint instead). With ``init_from``, the drafter's
+    shape is that drafter's: ``num_layers``, ``block_size`` (and for a DFlash 2 source its
+    convolution and selector sizes) are taken from it, and one set to another value than its
+    default and the source's is refused."""
 
     target: str
     data: list[str]
@@ -97,6 +108,7 @@ class TrainConfig:
     gamma: float | None = None
     seed: int = 0
     resume: bool = False
+    overwrite: bool = False
     self_distill: int = 0
     self_distill_batch: int = 32
     prefix_min: int = 32
@@ -125,6 +137,8 @@ class TrainConfig:
         for key in ("target", "out", "work_dir", "init_from"):  # (a Path failed the export's json.dumps after training)
             if isinstance(getattr(self, key), os.PathLike):
                 setattr(self, key, os.fspath(getattr(self, key)))
+        if isinstance(self.save_dtype, torch.dtype):  # (it failed the export's json.dumps after training: trial-259)
+            self.save_dtype = str(self.save_dtype).removeprefix("torch.")
 
     def work_path(self) -> Path:
         return Path(self.work_dir) if self.work_dir else Path(self.out) / "train_work"
@@ -143,7 +157,52 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_config(cfg: TrainConfig) -> None:
+# the fields only a DFlash 2 drafter uses (--arch dflash2)
+DFLASH2_FIELDS = ("selector_loss_weight", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DFLASH2_SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+BOOL_FIELDS = ("init_from_target", "resume", "overwrite", "autocast", "progress")
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+"""The seeds ``torch.manual_seed`` takes (inclusive)."""
+
+
+def given_fields(cfg: TrainConfig) -> set[str]:
+    """The fields of ``cfg`` set to another value than their defaults: those taken as given
+    where it is not known which were (:func:`check_config` of a Python :class:`TrainConfig`)."""
+    return {f.name for f in fields(cfg) if f.default is not MISSING and getattr(cfg, f.name) != f.default}
+
+
+def _check_types(cfg: TrainConfig) -> None:
+    """The type checks of :func:`check_config` (its counts and numbers check their own)."""
+    from ..errors import shown
+
+    for key in ("target", "out", "work_dir", "init_from"):  # (None, 123: a TypeError of posixpath after a while)
+        value = getattr(cfg, key)
+        if not (isinstance(value, str) or (value is None and key in ("work_dir", "init_from"))):
+            what = "a directory" if key in ("out", "work_dir") else "a checkpoint directory or Hugging Face id"
+            raise OptionError(f"{key} must be {what} (a str or os.PathLike){' or None' if key in ('work_dir', 'init_from') else ''}, "
+                              f"got {shown(value)}", key)
+    for key in BOOL_FIELDS:  # ("no" was true: autocast="no" trained with autocast on)
+        value = getattr(cfg, key)
+        if not isinstance(value, bool):
+            raise OptionError(f"{key} must be True or False, got {shown(value)}", key)
+    # (1.0 and True were taken, and written into a config.json the engine refuses; "1,3" was a TypeError)
+    ids = cfg.target_layer_ids
+    if ids is not None and not (isinstance(ids, (list, tuple)) and all(_is_int(i) for i in ids)):
+        raise OptionError(f"target_layer_ids must be a list of integers (target layer ids), got {shown(ids)}",
+                          "target_layer_ids")
+    if cfg.mask_token_id is not None and not _is_int(cfg.mask_token_id):
+        raise OptionError(f"mask_token_id must be an integer (a token id), got {shown(cfg.mask_token_id)}",
+                          "mask_token_id")
+    lo, hi = SEED_RANGE  # (a ValueError of random.seed, or torch's "Overflow when unpacking long long", after the target loaded)
+    if not (_is_int(cfg.seed) and lo <= cfg.seed <= hi):
+        raise OptionError(f"seed must be an integer from -2**63 to 2**64 - 1 (what torch.manual_seed takes), "
+                          f"got {shown(cfg.seed)}", "seed")
+    if not isinstance(cfg.save_dtype, (str, torch.dtype)):
+        raise OptionError(f"save_dtype must be a dtype name ('bfloat16', 'float32') or a torch.dtype, got "
+                          f"{shown(cfg.save_dtype)}", "save_dtype")
+
+
+def check_config(cfg: TrainConfig, given: set[str] | None = None) -> None:
     """Refuse settings of ``cfg`` that cannot train anything, before anything is read or
     loaded: the checks ``dflash-torch train`` makes of its flags and :meth:`Trainer.run` of a
     :class:`TrainConfig` alike (the Python API skipped them: ``gamma=0.0`` trained with the
@@ -151,21 +210,33 @@ def check_config(cfg: TrainConfig) -> None:
     AttributeError). Messages name the field (``gamma must be a finite number > 0, got
     0.0``), which the command line shows as its flag (``--gamma``).
 
+    ``given``: the fields the user set (the command line's flags given); by default those
+    that differ from their defaults (:func:`given_fields`). A given DFlash 2 field
+    (:data:`DFLASH2_FIELDS`) is refused without ``arch="dflash2"``, a given ``prefix_min`` or
+    ``prefix_max`` longer than ``seq_len - 16`` with ``self_distill`` (a default one is cut to
+    that), and with ``init_from`` a ``num_layers`` or ``block_size`` in ``given`` (the command
+    line's; a Python one is refused where it differs from the source's: :func:`load_init_drafter`).
+
+    Types: the paths (``target``, ``out``, and ``work_dir`` and ``init_from`` where given) must
+    be ``str`` (or ``os.PathLike``, kept as ``str``), the bool fields (:data:`BOOL_FIELDS`)
+    ``bool``, ``target_layer_ids`` a list of ``int`` and ``mask_token_id`` an ``int`` where
+    given, ``seed`` an ``int`` in :data:`SEED_RANGE`, ``save_dtype`` a name or ``torch.dtype``.
     Counts (``batch``, ``seq_len``, ``anchors_per_seq``, ``num_layers``, ``eval_every``,
     ``ckpt_every``, ``log_every``, ``self_distill_batch``, ``prefix_min``, ``prefix_max``,
     ``steps`` and ``intermediate_size`` where given, the DFlash 2 sizes) must be integers
     >= 1, ``block_size`` one >= 2; ``warmup_steps``, ``val_seqs`` and ``self_distill``
     integers >= 0; ``lr``, ``grad_clip``, and ``gamma`` and ``time_budget_min`` where given
     finite numbers > 0; ``weight_decay`` and ``selector_loss_weight`` finite numbers >= 0;
-    ``raw_fraction`` and ``min_lr_frac`` in [0, 1].
+    ``raw_fraction`` and ``min_lr_frac`` in [0, 1]. (Ints, not bools, and ints or floats where
+    numbers are asked for.)
 
     Raises:
         OptionError: the first setting that fails, naming it (and the others it is weighed
             against: ``prefix_min (10) must be <= prefix_max (5)``): also no ``steps`` nor
             ``time_budget_min``, no ``data`` path, an unknown ``arch`` or ``save_dtype``,
-            ``num_threads`` beyond the CPUs this process may use, ``init_from`` with a
-            shape setting or ``init_from_target``, or without ``init_from`` a ``seq_len`` not
-            longer than ``block_size``.
+            ``num_threads`` beyond the CPUs this process may use, ``resume`` with ``overwrite``,
+            ``init_from`` with a shape setting or ``init_from_target``, or without
+            ``init_from`` a ``seq_len`` not longer than ``block_size``.
     """
     from ..errors import shown
     from ..options import check_choice, check_threads, resolve_dtype
@@ -176,12 +247,21 @@ def check_config(cfg: TrainConfig) -> None:
                           f"{shown(data)}", "data")
     if not data:
         raise OptionError("data must name at least one path (a text or data file, a directory)", "data")
+    _check_types(cfg)
+    told = given is not None  # (the command line's: the flags given)
+    given = given_fields(cfg) if given is None else given
     check_choice(cfg.arch, ARCHS, "arch")
+    if cfg.arch != "dflash2":  # (they were silently ignored)
+        for key in DFLASH2_FIELDS:
+            if key in given:
+                raise OptionError(f"{key} is an option of DFlash 2 drafters (arch dflash2); this run trains a "
+                                  f"{cfg.arch} drafter", key, "arch")
     if cfg.init_from is not None:  # (the drafter's shape and weights come from it)
-        for key in ("init_from_target", "target_layer_ids", "intermediate_size", "mask_token_id"):
-            if getattr(cfg, key) not in (None, False):
-                raise OptionError(f"{key} cannot be combined with init_from (the drafter's shape and weights come "
-                                  "from it)", key, "init_from")
+        shape = [k for k in ("num_layers", "block_size") if told and k in given]  # (Python: load_init_drafter's)
+        for key in shape + [k for k in ("init_from_target", "target_layer_ids", "intermediate_size", "mask_token_id")
+                            if getattr(cfg, k) not in (None, False)]:
+            raise OptionError(f"{key} cannot be combined with init_from (the drafter's shape and weights come "
+                              "from it)", key, "init_from")
     counts = ["batch", "seq_len", "anchors_per_seq", "num_layers", "eval_every", "ckpt_every",
               "log_every", "self_distill_batch", "prefix_min", "prefix_max"]
     counts += [k for k in ("steps", "intermediate_size") if getattr(cfg, k) is not None]  # (0 read as "not given")
@@ -220,11 +300,96 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.prefix_min > cfg.prefix_max:
         raise OptionError(f"prefix_min ({cfg.prefix_min}) must be <= prefix_max ({cfg.prefix_max})",
                           "prefix_min", "prefix_max")
+    room = cfg.seq_len - 16  # (a self-distill prompt leaves 16 tokens of seq_len at least to the continuation)
+    for key in ("prefix_min", "prefix_max"):
+        value = getattr(cfg, key)
+        if cfg.self_distill and key in given and value > room:  # (given: it was cut to that, unsaid)
+            raise named(f"{key} {value} is longer than a self-distill prompt may be at seq_len {cfg.seq_len} "
+                        f"({room} tokens, leaving 16 to the continuation): give at most {room}, or a longer seq_len",
+                        key, "seq_len")
     if cfg.init_from is None and cfg.seq_len <= cfg.block_size:
         raise OptionError(f"seq_len ({cfg.seq_len}) must be longer than the block size ({cfg.block_size})", "seq_len")
     resolve_dtype(cfg.save_dtype, "save_dtype")
+    if cfg.resume and cfg.overwrite:  # (it resumed, unsaid)
+        raise OptionError("resume=True continues the checkpoint in the work dir and overwrite=True starts over: give "
+                          "one of them", "resume", "overwrite")
     if cfg.steps is None and cfg.time_budget_min is None:  # (last: a value given wrong is said first)
         raise OptionError("give steps, time_budget_min, or both", "steps", "time_budget_min")
+
+
+def check_run_dirs(cfg: TrainConfig) -> None:
+    """Refuse, in one line, directories a run of ``cfg`` (checked by :func:`check_config`)
+    must not write, then make ``out`` and the work dir (:meth:`TrainConfig.work_path`) and
+    check that this process may write there: before the target loads. :meth:`Trainer.run`
+    does this for the command line and the Python API alike (the Python API skipped it:
+    ``out`` the target's directory replaced the target's weights; trial-259). Messages name
+    the fields (``out ... is the target's directory``), which the command line shows as flags.
+
+    Raises:
+        OptionError: ``out`` or ``work_dir`` an existing file, a directory this process may
+            not list or write, or the directory of ``target`` (or, for a Hugging Face id, its
+            cache folder), of a cached ``init_from``, or inside one; a ``data`` path that is
+            ``out`` or the work dir; without ``resume`` or ``overwrite``, a work dir that
+            holds a ``checkpoint.pt`` or an ``out`` that holds a ``config.json`` or weight files.
+    """
+    out, work = Path(cfg.out), cfg.work_path()
+    for key, path, given in (("out", out, True), ("work_dir", work, cfg.work_dir is not None)):
+        try:  # (one it may not list or enter was a PermissionError traceback from looking into it below)
+            if path.is_dir():
+                os.listdir(path)
+            elif given and path.exists():  # (a NotADirectoryError once the target had loaded)
+                raise OptionError(f"{key} {path} is a file; give a directory", key)
+        except OSError as exc:
+            raise OptionError(f"cannot use {key} {path} as a directory: {exc.strerror or exc}", key) from None
+    # (a cached id's snapshot too: the drafter was written through its links into the blobs; the work dir's
+    # checkpoint.pt and data caches were written into the target's directory, or a directory in it)
+    mine = {"out": (cfg.out, out), "work_dir": (cfg.work_dir or str(work), work)}
+    cached_init = cfg.init_from is not None and not Path(cfg.init_from).is_dir()
+    for whose, name, names in (("the target's directory", cfg.target, ()),
+                               (f"the directory of init_from {cfg.init_from} in the Hugging Face cache",
+                                cfg.init_from if cached_init else None, ("init_from",))):
+        try:
+            source = None if name is None else os.path.realpath(checkpoint.resolve_model_dir(name))
+        except DFlashError:  # (said where it loads)
+            source = None
+        # (a cached id's whole cache folder, models--ORG--NAME: its blobs, and what deleting the model deletes)
+        folder = Path(source).parents[1] if source is not None and Path(source).parent.name == "snapshots" and \
+            Path(source).parents[1].name.startswith("models--") else None
+        for key, (shown, path) in mine.items():
+            real = os.path.realpath(path)  # (where mkdir makes it: a path not there yet too)
+            own = "the drafter its own directory" if key == "out" else \
+                "the data cache and checkpoint a directory of their own"
+            if source is not None and (real == source or real.startswith(os.path.join(source, ""))):
+                if real == source:
+                    raise OptionError(f"{key} {shown} is {whose}; give {own}", key, *names)
+                raise OptionError(f"{key} {shown} is inside {whose}; give {own} outside it", key, *names)
+            if folder is not None and (real == str(folder) or real.startswith(os.path.join(folder, ""))):
+                raise OptionError(f"{key} {shown} is inside the Hugging Face cache folder of {name} ({folder}); "
+                                  f"give {own} outside it", key)
+    own = {os.path.realpath(work): "work_dir", os.path.realpath(out): "out"}
+    for given in cfg.data:  # (one below them is read without them: read_corpus leaves them out)
+        if os.path.realpath(given) in own:  # (it trained on the drafter's config.json and log, then replaced them)
+            raise OptionError(f"data {given} is this run's {own[os.path.realpath(given)]}: the drafter's own files "
+                              "would be read as data; put the data in a directory of its own",
+                              "data", own[os.path.realpath(given)])
+    if not (cfg.overwrite or cfg.resume):  # (the Python API replaced them, unsaid: trial-259)
+        if foreign_checkpoint(work / CHECKPOINT):  # (another tool's: not "a training checkpoint" to resume)
+            raise OptionError(f"{work / CHECKPOINT} is not a dflash-torch training checkpoint: give another "
+                              "work_dir, or pass overwrite=True to replace it", "work_dir", "overwrite")
+        if (work / CHECKPOINT).exists():
+            raise OptionError(f"{work} holds a training checkpoint: pass resume=True to continue it or overwrite=True "
+                              "to start over", "resume", "overwrite")
+        found = sorted(f.name for f in out.iterdir() if f.name == "config.json" or STALE_WEIGHTS.fullmatch(f.name)) \
+            if out.is_dir() else []
+        if found:  # (it said "a checkpoint", as the work dir's checkpoint.pt to resume: trial-175)
+            raise OptionError(f"out {cfg.out} already holds a drafter or other model ({', '.join(found[:3])}"
+                              f"{', ...' if len(found) > 3 else ''}): pass overwrite=True to replace it", "out", "overwrite")
+    for key, path in (("out", out), ("work_dir", work)):
+        try:  # (made before the target loads: it failed with a traceback after; so did one it may not write)
+            path.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=path).close()
+        except OSError as exc:
+            raise OptionError(f"cannot use {key} {path} as a directory: {exc.strerror or exc}", key) from None
 
 
 def resolve_mask_token_id(tokenizer, vocab_size: int, override: int | None) -> tuple[int, str]:
@@ -237,11 +402,13 @@ def resolve_mask_token_id(tokenizer, vocab_size: int, override: int | None) -> t
     engine gives a drafter config without a mask token id, else the first gap).
 
     Raises:
-        DFlashError: none of these exists (pass ``--mask-token-id`` with an unused id).
+        OptionError: ``override`` outside the vocabulary, or none of these exists (pass
+            ``mask_token_id`` with an unused id), naming ``mask_token_id``.
     """
     if override is not None:
         if not 0 <= override < vocab_size:
-            raise DFlashError(f"--mask-token-id {override} is outside the target vocabulary of {vocab_size}")
+            raise OptionError(f"mask_token_id {override} is outside the target vocabulary of {vocab_size}",
+                              "mask_token_id")
         return override, "given"
     mid = getattr(tokenizer, "mask_token_id", None)
     if mid is not None and 0 <= mid < vocab_size:
@@ -252,31 +419,29 @@ def resolve_mask_token_id(tokenizer, vocab_size: int, override: int | None) -> t
     free = unused_token_id(tokenizer, vocab_size)  # (not len(tokenizer): a vocabulary with gaps has a token there)
     if free is not None:
         return free, "the first embedding row that is no token of the tokenizer"
-    raise DFlashError(
-        "the target tokenizer has no mask token and no unused embedding row; "
-        "pass --mask-token-id with a token id the data never uses"
-    )
+    raise OptionError("the target tokenizer has no mask token and no unused embedding row; "
+                      "pass mask_token_id with a token id the data never uses", "mask_token_id")
 
 
 def dflash2_settings(cfg: TrainConfig, hidden_size: int, vocab_size: int) -> DFlash2Settings | None:
     """The DFlash 2 modules of ``--arch dflash2`` (None for ``dflash``).
 
     Raises:
-        DFlashError: an unknown arch, or convolution / selector sizes that do not fit.
+        OptionError: an unknown arch, or convolution / selector sizes that do not fit, naming the field.
     """
     if cfg.arch not in ARCHS:
-        raise DFlashError(f"--arch must be one of {', '.join(ARCHS)}, got {cfg.arch!r}")
+        raise OptionError(f"arch must be one of {', '.join(ARCHS)}, got {cfg.arch!r}", "arch")
     if cfg.arch == "dflash":
         return None
-    sizes = {"--conv-kernel-size": cfg.conv_kernel_size, "--conv-group-size": cfg.conv_group_size,
-             "--selector-rank": cfg.selector_rank, "--selector-top-k": cfg.selector_top_k}
-    for name, value in sizes.items():
-        if value < 1:
-            raise DFlashError(f"{name} must be >= 1, got {value}")
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        if getattr(cfg, key) < 1:
+            raise OptionError(f"{key} must be >= 1, got {getattr(cfg, key)}", key)
     if hidden_size % cfg.conv_group_size:
-        raise DFlashError(f"--conv-group-size {cfg.conv_group_size} does not divide the hidden size {hidden_size}")
+        raise OptionError(f"conv_group_size {cfg.conv_group_size} does not divide the hidden size {hidden_size}",
+                          "conv_group_size")
     if cfg.selector_top_k > vocab_size:
-        raise DFlashError(f"--selector-top-k {cfg.selector_top_k} exceeds the vocabulary of {vocab_size}")
+        raise OptionError(f"selector_top_k {cfg.selector_top_k} exceeds the vocabulary of {vocab_size}",
+                          "selector_top_k")
     return DFlash2Settings(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
                            selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
 
@@ -292,13 +457,15 @@ def _usable(ids: list[int], L: int) -> bool:
 
 def default_layer_ids(L: int, n: int) -> tuple[list[int], str | None]:
     """The ``target_layer_ids`` of an ``n``-layer drafter trained for an ``L``-layer target
-    without ``--target-layer-ids``: the DFlash reference rule (:func:`default_target_layer_ids`),
+    without ``target_layer_ids``: the DFlash reference rule (:func:`default_target_layer_ids`),
     and a warning line where it repeats a layer or reads them out of order (below 4 target
-    layers, or more drafter layers than layers 1 .. L - 3).
+    layers, or more drafter layers than layers 1 .. L - 3), naming the fields
+    ``target_layer_ids`` and ``num_layers`` (:meth:`Trainer.say` names them as flags on the
+    command line).
 
     Raises:
-        DFlashError: the rule names layers outside the target's (below 3 target layers),
-            with a ``--num-layers`` whose ids fit, if any, and ``--target-layer-ids``.
+        OptionError: the rule names layers outside the target's (below 3 target layers),
+            with a ``num_layers`` whose ids fit, if any, and ``target_layer_ids``.
     """
     ids = default_target_layer_ids(L, n)
     if _usable(ids, L):
@@ -307,17 +474,18 @@ def default_layer_ids(L: int, n: int) -> tuple[list[int], str | None]:
     # the most drafter layers whose ids the rule picks usable (1 at least: it reads layer L // 2)
     fewer = next((m for m in range(n - 1, 0, -1) if _usable(default_target_layer_ids(L, m), L)), None)
     example = _ids_text([i * (L - 1) // (n - 1) for i in range(n)]) if 1 < n <= L else None
-    choose = f"choose {n} layers with --target-layer-ids" + (f" (e.g. {example})" if example else "")
+    choose = f"choose {n} layers with target_layer_ids" + (f" (e.g. {example})" if example else "")
     if any(not 0 <= i < L for i in ids):
-        raise DFlashError(f"the default target layers of a {n}-layer drafter are {ids} ({rule}), outside the target's "
-                          f"{L} layer{'s' if L > 1 else ''}: pass " + (f"--num-layers {fewer}, or " if fewer else "") + choose)
+        raise named(f"the default target layers of a {n}-layer drafter are {ids} ({rule}), outside the target's "
+                    f"{L} layer{'s' if L > 1 else ''}: pass " + (f"num_layers {fewer}, or " if fewer else "") + choose,
+                    "num_layers", "target_layer_ids")
     faults = []
     if len(set(ids)) < len(ids):
         faults.append("repeat layers")
     if any(a > b for a, b in zip(ids, ids[1:])):
         faults.append("are not in increasing order")
     return ids, (f"WARNING: the default target layers of a {n}-layer drafter for this {L}-layer target are {ids} "
-                 f"({rule}), which {' and '.join(faults)}: {choose}" + (f", or pass --num-layers {fewer}" if fewer else ""))
+                 f"({rule}), which {' and '.join(faults)}: {choose}" + (f", or pass num_layers {fewer}" if fewer else ""))
 
 
 def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_id: int, warn=None) -> DrafterConfig:
@@ -491,6 +659,8 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None
     the modules of ``--arch`` (a DFlash 2 source keeps its own convolution and selector sizes).
 
     Raises:
+        OptionError: ``num_layers`` or ``block_size`` (for a DFlash 2 source its
+            :data:`DFLASH2_SIZES` too) set to another value than its default and the source's.
         DFlashError: a checkpoint that does not load or does not fit the target, a
             DFlash 2 source with ``--arch dflash`` (its modules would be dropped), a
             Speculators-format or Laguna DFlash source, or one with its own embedding table
@@ -502,6 +672,16 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None
     if tokenizer is not None and needs_mask_token_id(raw):  # (its mask token, looked up as the engine does)
         raw, _ = fill_mask_token_id(raw, tokenizer, target_cfg.vocab_size)
     src_cfg = DrafterConfig.from_dict(raw)
+    # (a num_layers=5 or block_size=8 trained the source's 3 layers and B=16 unsaid, and training_log.json recorded 5
+    # and 8; so did --selector-top-k 4 for a DFlash 2 source's 16: trial-259)
+    theirs = {"num_layers": src_cfg.num_hidden_layers, "block_size": src_cfg.block_size}
+    if src_cfg.dflash2 is not None:
+        theirs.update({k: getattr(src_cfg.dflash2, k) for k in DFLASH2_SIZES})
+    for key, value in theirs.items():
+        if getattr(cfg, key) not in (value, TrainConfig.__dataclass_fields__[key].default):
+            raise named(f"{key} {getattr(cfg, key)} cannot be combined with init_from {cfg.init_from}, whose "
+                        f"{key} is {value}: the drafter's shape comes from it (leave {key} at its default, "
+                        f"or give {value})", key, "init_from")
     if src_cfg.speculators is not None:  # (its own embedding / LM head / attention rules: not this trainer's format)
         raise DFlashError(f"--init-from {cfg.init_from} is a Speculators-format drafter; dflash-torch trains "
                           "DFlash-format drafters (initialize from one of those, or train from scratch)")
@@ -583,7 +763,11 @@ def _mlp_width(target_cfg: TargetConfig) -> int:
 
 
 def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
-    """Linear warm-up over ``warmup_steps``, then cosine from ``lr`` to ``lr * min_lr_frac``."""
+    """The learning rate of step ``step`` (from 0): a linear warm-up over ``warmup_steps``
+    (``lr * (step + 1) / warmup_steps``), then a cosine from ``lr`` down to ``lr * min_lr_frac``
+    along ``progress``, the share of the decay done (0 at the end of the warm-up, 1 at the
+    end of the run; clamped to [0, 1]): the lr is ``lr`` at the warm-up's end, its peak, and
+    decays from there (the decay counted from step 0 made it jump down there)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     p = min(max(progress, 0.0), 1.0)
@@ -711,33 +895,35 @@ def check_data_size(cfg: TrainConfig, stream_tokens: int, n_chat: int, n_distill
     stream, a chat conversation and a self-distilled sequence count as one sequence each.
     ``no_turn`` and ``past_seq_len`` count the conversations left out (no assistant turn;
     no assistant reply within ``seq_len`` tokens): named in the error, and with the
-    latter it advises a longer ``--seq-len``, not a shorter one.
+    latter it advises a longer ``seq_len``, not a shorter one.
 
     Raises:
-        DFlashError: too little data, with the counts and what is needed.
+        OptionError: too little data, with the counts and what is needed (naming the fields
+            ``batch``, ``seq_len``, ``val_seqs``, which the command line names as flags).
     """
     windows = stream_tokens // cfg.seq_len
     have = windows + n_chat + n_distilled
     if have >= cfg.batch + (1 if cfg.val_seqs else 0):
         return
-    parts = [f"{stream_tokens} tokens of text ({windows} windows of --seq-len {cfg.seq_len})"]
+    parts = [f"{stream_tokens} tokens of text ({windows} windows of seq_len {cfg.seq_len})"]
     left = ([f"{no_turn} with no assistant turn"] if no_turn else []) + \
-        ([f"{past_seq_len} with no assistant reply within --seq-len {cfg.seq_len} tokens"] if past_seq_len else [])
+        ([f"{past_seq_len} with no assistant reply within seq_len {cfg.seq_len} tokens"] if past_seq_len else [])
     if n_chat or left:
         parts.append(f"{n_chat} chat conversations" + (f" (left out: {', '.join(left)})" if left else ""))
     if cfg.self_distill:
         parts.append(f"{n_distilled} self-distilled sequences")
-    val = f" and the eval split (--val-seqs {cfg.val_seqs}) 1 more" if cfg.val_seqs else ""
-    if past_seq_len:  # (a shorter --seq-len leaves out more of them)
-        fixes = ("add data, lower --batch, or raise --seq-len so that the conversations' replies fit in it"
-                 + (", or pass --val-seqs 0" if cfg.val_seqs else ""))
+    val = f" and the eval split (val_seqs {cfg.val_seqs}) 1 more" if cfg.val_seqs else ""
+    if past_seq_len:  # (a shorter seq_len leaves out more of them)
+        fixes = ("add data, lower batch, or raise seq_len so that the conversations' replies fit in it"
+                 + (", or pass val_seqs 0" if cfg.val_seqs else ""))
     elif stream_tokens:
-        fixes = "add data, or lower --batch or --seq-len" + (", or pass --val-seqs 0" if cfg.val_seqs else "")
-    else:  # (a conversation or a self-distilled sequence is one sequence whatever --seq-len: a shorter one adds none)
-        fixes = ("add data (each conversation or self-distilled sequence is one sequence, whatever --seq-len; text "
-                 "makes one per --seq-len tokens), or lower --batch" + (", or pass --val-seqs 0" if cfg.val_seqs else ""))
-    raise DFlashError(f"too little training data: {', '.join(parts)} make {have} sequences; "
-                      f"one step of --batch {cfg.batch} needs {cfg.batch}{val}: {fixes}")
+        fixes = "add data, or lower batch or seq_len" + (", or pass val_seqs 0" if cfg.val_seqs else "")
+    else:  # (a conversation or a self-distilled sequence is one sequence whatever seq_len: a shorter one adds none)
+        fixes = ("add data (each conversation or self-distilled sequence is one sequence, whatever seq_len; text "
+                 "makes one per seq_len tokens), or lower batch" + (", or pass val_seqs 0" if cfg.val_seqs else ""))
+    # (it named the flags in the Python API too: trial-259)
+    raise named(f"too little training data: {', '.join(parts)} make {have} sequences; "
+                f"one step of batch {cfg.batch} needs {cfg.batch}{val}: {fixes}", "batch", "seq_len", "val_seqs")
 
 
 def eval_kind(cfg: TrainConfig, stream: torch.Tensor, chat: list, distilled: list) -> tuple[str, dict[str, int]]:
@@ -968,9 +1154,20 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log,
 class Trainer:
     """One training run; :meth:`run` trains and exports, returning the training log dict."""
 
-    def __init__(self, cfg: TrainConfig, log=None):
+    def __init__(self, cfg: TrainConfig, log=None, flags: dict[str, str] | None = None):
+        """``log``: called with each line the run says (default: printed to stderr); ``flags``:
+        the command line's flag of each field (``{"num_layers": "--num-layers"}``), by which
+        lines that name fields name them (:meth:`say`; errors: the command line's own)."""
         self.cfg = cfg
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.flags = flags or {}
+
+    def say(self, line: str, *names: str) -> None:
+        """Log ``line``, which names the fields ``names``: as the command line's flags where
+        :attr:`flags` has them (as :func:`~dflash_torch.cli.error_message` names an error's)."""
+        from ..cli import error_message
+
+        self.log(error_message(named(line, *names), self.flags) if self.flags else line)
 
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.autocast else nullcontext()
@@ -1021,25 +1218,63 @@ class Trainer:
         return result
 
     def run(self) -> dict:
-        """Train and export (see the class); a Ctrl-C before training begins says so in a
-        line and exits 130, as one during training does once it has saved a checkpoint.
+        """Train and export: returns the training log dict (what ``out/training_log.json`` holds).
 
-        A checkpoint that cannot be saved (a --ckpt-every one, which stops training, the last
-        one, or a Ctrl-C's) leaves the drafter of its step exported to --out, then is said:
-        DFlashError, or after a Ctrl-C a line and exit 130 (143 for a SIGTERM) as usual."""
+        First the settings are checked (:func:`check_config`) and the directories
+        (:func:`check_run_dirs`, which makes ``out`` and the work dir), before the target loads;
+        a run that fails or is interrupted removes the directories it made that are still
+        empty. ``torch``'s thread count (``num_threads``) is restored when it ends; the global
+        ``random`` and ``torch`` generators are left seeded with ``seed`` (the drafter's
+        initialisation draws from them).
+
+        Ctrl-C (``KeyboardInterrupt``) before training begins says so in a line; during
+        training it saves a resumable checkpoint first (``resume=True`` continues it; a second
+        Ctrl-C while it is saved is ignored). Either way ``KeyboardInterrupt`` is raised again
+        (the command line exits 130). SIGTERM saving a checkpoint as Ctrl-C does is the command
+        line's (``dflash-torch train`` exits 143 then): in Python a SIGTERM ends the process as
+        its handler says, by default without saving (wrap the call in
+        :func:`dflash_torch.cli.terminate_as_interrupt` to have it raise ``KeyboardInterrupt``).
+
+        A checkpoint that cannot be saved (a ``ckpt_every`` one, which stops training, the last
+        one, or a Ctrl-C's) leaves the drafter of its step exported to ``out``, then is said:
+        DFlashError, or after a Ctrl-C a line and ``KeyboardInterrupt``.
+
+        Raises:
+            OptionError: a setting or directory refused (see :func:`check_config` and
+                :func:`check_run_dirs`), naming its field; also later ones (a ``mask_token_id``
+                outside the target's vocabulary, too little data for one step of ``batch``).
+            DFlashError: a target, drafter, data file or checkpoint that cannot be used,
+                training that diverged, files that cannot be written.
+            KeyboardInterrupt: Ctrl-C, once what was trained is saved.
+        """
+        from ..cli import missing_dirs
+
+        cfg = self.cfg
+        cfg.__post_init__()  # (fields set after it was made: a Path, a torch.dtype)
+        check_config(cfg)  # (the command line's checks, shared)
+        # the directories this run makes (check_run_dirs makes them): a run that stops removes those still empty, deepest
+        # first (one refused for too little data removes its data cache first: prepare_data); never a file, which
+        # may be another run's written meanwhile into a directory this one made (a shared new parent or work dir)
+        made = sorted(set(missing_dirs(cfg.work_path())) | set(missing_dirs(Path(cfg.out))),
+                      key=lambda p: len(p.parts), reverse=True)
+        threads = torch.get_num_threads()
         self._interrupt_note = "while preparing the data: no step was trained"  # (None once training begins)
         try:
+            check_run_dirs(cfg)
             return self._run()
-        except KeyboardInterrupt:
-            if self._interrupt_note is None:
-                raise
-            self.log(f"interrupted {self._interrupt_note}")
-            raise SystemExit(130) from None
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) and self._interrupt_note is not None:
+                self.log(f"interrupted {self._interrupt_note}")
+            for path in made:  # (the deepest first)
+                with suppress(OSError):
+                    path.rmdir()
+            raise
+        finally:  # (num_threads set it for the process: the caller's count stayed 1)
+            torch.set_num_threads(threads)
 
     def _run(self) -> dict:
         cfg = self.cfg
         t_start = time.time()
-        check_config(cfg)  # (the Python API's TrainConfig too: the command line's checks, shared)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
@@ -1170,9 +1405,13 @@ class Trainer:
         extra = f", DFlash 2 modules {dcfg.dflash2}" if dcfg.dflash2 else ""
         self.log(f"drafter: {dcfg.num_hidden_layers} layers, B={dcfg.block_size}, target_layer_ids={dcfg.target_layer_ids}, "
                  f"mask_token_id={dcfg.mask_token_id} ({how}), gamma={gamma:g}{extra}")
-        for note in notes:
-            self.log(note)
+        for note in notes:  # (the default target layers' warning)
+            self.say(note, "target_layer_ids", "num_layers")
         recorded = asdict(cfg)  # (the settings the checkpoint and training_log.json record)
+        if cfg.init_from:  # (the sizes it took from that drafter: it recorded the fields' defaults, trial-259)
+            recorded.update(num_layers=dcfg.num_hidden_layers, block_size=dcfg.block_size)
+            if dcfg.dflash2 is not None:
+                recorded.update({k: getattr(dcfg.dflash2, k) for k in DFLASH2_SIZES})
         if st is not None:  # (said before the data step too)
             step, elapsed_prev = st["step"], st["elapsed"]
             self.log(f"resume: step {step}, {elapsed_prev / 60:.1f} min trained")
@@ -1239,12 +1478,15 @@ class Trainer:
 
         cfg.work_path().mkdir(parents=True, exist_ok=True)
         step, elapsed_prev, history, evals = 0, 0.0, [], []
+        warm_elapsed = 0.0 if not cfg.warmup_steps else None  # (the time trained when the warm-up ended)
         loss_acc, n_acc = 0.0, 0  # (the sum and count of the losses behind the next loss_history row)
         if st is not None:
             drafter.load_state_dict(st["drafter"])
             opt.load_state_dict(st["optimizer"])
             step, elapsed_prev, history, evals = st["step"], st["elapsed"], st["history"], st["evals"]
             loss_acc, n_acc = st.get("loss_acc", 0.0), st.get("n_acc", 0)  # (a checkpoint saved before they were: 0)
+            # (a checkpoint saved before it was: its decay counted from 0, as it was)
+            warm_elapsed = st.get("warmup_elapsed", 0.0 if step >= cfg.warmup_steps else None)
             del st  # (its tensors now live in the drafter and the optimizer)
 
         budget = cfg.time_budget_min * 60 if cfg.time_budget_min is not None else None
@@ -1254,11 +1496,13 @@ class Trainer:
             return elapsed_prev + time.time() - t_train
 
         def progress() -> float:
+            """The share of the lr's decay done (:func:`lr_at`): counted from the end of the warm-up, in steps
+            (of steps) and in time (of time_budget_min), whichever is further."""
             p = 0.0
             if cfg.steps:
-                p = step / cfg.steps
-            if budget:
-                p = max(p, elapsed() / budget)
+                p = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+            if budget and warm_elapsed is not None:
+                p = max(p, (elapsed() - warm_elapsed) / max(budget - warm_elapsed, 1e-9))
             return p
 
         def check_finite() -> None:
@@ -1277,6 +1521,7 @@ class Trainer:
                             "target_dir": str(target_dir.resolve()),
                             "elapsed": elapsed(), "history": history, "evals": evals,
                             "loss_acc": loss_acc, "n_acc": n_acc,  # (the steps since the last loss_history row)
+                            "warmup_elapsed": warm_elapsed,
                             "drafter_config": dcfg.to_dict(), "train_config": recorded}, tmp)
                 _fsync(tmp)  # (a power cut after the rename would leave --resume an empty checkpoint)
                 os.replace(tmp, ckpt_path)
@@ -1338,6 +1583,10 @@ class Trainer:
                 row["selector_loss"] = None if out.selector_loss is None else round(out.selector_loss, 4)
             return row
 
+        if cfg.steps is not None and cfg.warmup_steps > cfg.steps > step:  # (steps=20 with the default 50: unsaid)
+            self.say(f"WARNING: warmup_steps {cfg.warmup_steps} is more than steps {cfg.steps}: the learning rate warms "
+                     f"up for the whole run, reaching {cfg.steps / cfg.warmup_steps:.2g} x lr at its last step, and "
+                     "never decays; give a smaller warmup_steps", "warmup_steps", "steps", "lr")
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not cfg.progress, dynamic_ncols=True)
@@ -1355,6 +1604,8 @@ class Trainer:
         saved_step = step if cfg.resume else None  # (the step of this run's checkpoint that ckpt_path holds: resumed)
         try:
             while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed() < budget):
+                if warm_elapsed is None and step >= cfg.warmup_steps:
+                    warm_elapsed = elapsed()
                 lr = lr_at(step, progress(), cfg)
                 for g in opt.param_groups:
                     g["lr"] = lr
@@ -1426,7 +1677,7 @@ class Trainer:
                 self.log(f"interrupted: the drafter of step {step} is saved in {out_dir}, but {unsaved_line(unsaved)}")
             else:
                 self.log(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with --resume")
-            raise SystemExit(130) from None
+            raise
         if step == first_step and budget is not None and elapsed_prev < budget and (cfg.steps is None or step < cfg.steps):
             # (it exported an untrained drafter with exit 0 unsaid, e.g. where the evaluation before training spent the
             # budget; a resume whose --steps is reached or budget already spent says so above)
