@@ -1442,6 +1442,19 @@ def test_the_python_api_refuses_what_the_command_line_does(tiny_pair, tmp_path, 
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
 
 
+def test_every_seed_torch_takes_makes_step_generators_and_the_others_the_same():
+    """A seed near torch.manual_seed's bound overflowed the step generator's seed after the target
+    had loaded (trial-259); the seeds that fitted keep their generators (a resume goes on alike)."""
+    from dflash_torch.training.data import step_generator
+    from dflash_torch.training.trainer import SEED_RANGE
+
+    for seed in SEED_RANGE:
+        step_generator(seed, 3, 1).initial_seed()
+    for seed in (0, 7, -5):
+        want = torch.Generator().manual_seed((seed * 1_000_003 + 3) * 7 + 1)
+        assert torch.equal(torch.rand(4, generator=step_generator(seed, 3, 1)), torch.rand(4, generator=want))
+
+
 def test_the_python_api_refuses_the_directories_the_command_line_does(tiny_pair, tmp_path):
     """(trial-259) Trainer.run checks out, work_dir and data as the train command does (the
     checks are shared, check_run_dirs; its messages name the fields, the command line's the

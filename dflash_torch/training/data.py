@@ -933,5 +933,7 @@ def collate(rows: list[tuple[torch.Tensor, torch.Tensor]], seq_len: int, pad_id:
 
 
 def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
-    """The random generator of one training step (a pure function of seed and step)."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 7 + stream)
+    """The random generator of one training step (a pure function of seed and step), for any
+    ``seed`` ``torch.manual_seed`` takes: its seed is taken modulo 2**64, which torch does of a
+    negative one too (the same generator), so that a large seed's product does not overflow it."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 7 + stream) % (1 << 64))
