@@ -393,7 +393,7 @@ def test_yarn_extends_the_context_to_original_times_factor_and_decodes_there_as_
         DFlashEngine.from_pretrained(path, no_draft=True, max_context=257)
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": "x"}) + "\n")
-    with pytest.raises(DFlashError, match=r"^--seq-len 257 exceeds the target's context of 256 tokens$"):
+    with pytest.raises(DFlashError, match=r"^seq_len 257 exceeds the target's context of 256 tokens$"):  # (the field)
         Trainer(TrainConfig(target=str(path), data=[str(data)], out=str(tmp_path / "o"), work_dir=str(tmp_path / "w"),
                             steps=1, seq_len=257, progress=False), log=lambda m: None).run()
     linear = dict(cfg, rope_scaling={"rope_type": "linear", "factor": 4.0})

@@ -1496,6 +1496,11 @@ def test_the_python_api_refuses_the_directories_the_command_line_does(tiny_pair,
     err = refused(f"{work} holds a training checkpoint: pass resume=True to continue it or overwrite=True to start over",
                   out=str(tmp_path / "new" / "out"))
     assert _as_cli(err) == f"{work} holds a training checkpoint: pass --resume to continue it or --overwrite to start over"
+    err = refused(f"resume=True: {work / 'checkpoint.pt'} is not a whole torch checkpoint file (truncated or damaged), "
+                  "so it cannot be read; leave out resume=True and pass overwrite=True to start over",
+                  out=str(tmp_path / "new" / "out"), resume=True)
+    assert _as_cli(err) == (f"--resume: {work / 'checkpoint.pt'} is not a whole torch checkpoint file (truncated or "
+                            "damaged), so it cannot be read; leave out --resume and pass --overwrite to start over")
     afile = tmp_path / "afile"
     afile.write_text("x")
     refused(f"out {afile} is a file; give a directory", out=str(afile))
@@ -1538,6 +1543,19 @@ def test_the_python_api_overwrites_when_told_and_leaves_the_callers_threads(tiny
         "0.4 x lr at its last step, and never decays; give a smaller warmup_steps"
     assert said in lines, lines
     assert [h["lr"] for h in log["loss_history"]] == pytest.approx([3e-3 / 5, 2 * 3e-3 / 5])
+    from dflash_torch.errors import OptionError
+
+    ckpt = Path(cfg.work_dir) / "checkpoint.pt"
+    with pytest.raises(OptionError) as err:  # (a resume's errors name the fields too: they named the flags)
+        Trainer(replace(cfg, resume=True, overwrite=False, num_layers=2), log=lambda m: None).run()
+    assert str(err.value) == (
+        f"resume=True: {ckpt} was trained with another drafter configuration: num_layers 2 here, 1 in the checkpoint; "
+        "target layers 1,1 here (the default of num_layers 2; target_layer_ids not given), 2 in the checkpoint (give "
+        "the checkpoint's values to continue it, or leave out resume=True and pass overwrite=True to start over)")
+    assert _as_cli(err.value) == (
+        f"--resume: {ckpt} was trained with another drafter configuration: --num-layers 2 here, 1 in the checkpoint; "
+        "target layers 1,1 here (the default of --num-layers 2; --target-layer-ids not given), 2 in the checkpoint "
+        "(give the checkpoint's values to continue it, or leave out --resume and pass --overwrite to start over)")
     lines = []  # (the command line names the flags)
     Trainer(cfg, log=lines.append, flags={"warmup_steps": "--warmup-steps", "steps": "--steps", "lr": "--lr"}).say(
         said, "warmup_steps", "steps", "lr")

@@ -541,24 +541,26 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
     return dcfg
 
 
-# the drafter config.json keys that training flags set, and the flag (the others come from the target)
-DRAFTER_FLAGS = {"architectures": "--arch", "num_hidden_layers": "--num-layers", "block_size": "--block-size",
-                 "target_layer_ids": "--target-layer-ids", "intermediate_size": "--intermediate-size",
-                 "mask_token_id": "--mask-token-id", "conv_kernel_size": "--conv-kernel-size",
-                 "conv_group_size": "--conv-group-size", "selector_rank": "--selector-rank",
-                 "selector_top_k": "--selector-top-k"}
+# the drafter config.json keys that TrainConfig fields (training flags) set, and the field (the others come from the
+# target)
+DRAFTER_FLAGS = {"architectures": "arch", "num_hidden_layers": "num_layers", "block_size": "block_size",
+                 "target_layer_ids": "target_layer_ids", "intermediate_size": "intermediate_size",
+                 "mask_token_id": "mask_token_id", "conv_kernel_size": "conv_kernel_size",
+                 "conv_group_size": "conv_group_size", "selector_rank": "selector_rank",
+                 "selector_top_k": "selector_top_k"}
 SHAPE_KEYS = ("num_hidden_layers", "block_size", "target_layer_ids", "intermediate_size", "mask_token_id")
 
 
 def drafter_config_differences(here: dict, there: dict, init_from: bool = False,
                                derived: dict[str, tuple[str, str]] | None = None) -> dict[str, str]:
     """What differs between two drafter ``config.json`` dicts (this run's and a checkpoint's):
-    ``{key: text}``, one entry a setting, in the flags' order, its text naming it by its flag
-    where a flag sets it (``--num-layers 2 here, 1 in the checkpoint``), else by its key (the
-    target's, or with ``init_from`` the ``--init-from`` drafter's, shape). ``derived`` maps
-    the keys whose flag this run was not given to ``(name, origin)``: their text names where
-    this run's value came from instead (``target layers 1,3 here (the default of --num-layers
-    2; --target-layer-ids not given), 3 in the checkpoint``). ``max_position_embeddings`` is
+    ``{key: text}``, one entry a setting, in the fields' order, its text naming it by its
+    :class:`TrainConfig` field where one sets it (``num_layers 2 here, 1 in the checkpoint``; the
+    command line names the flags: :func:`differences_names`), else by its key (the target's, or
+    with ``init_from`` the ``init_from`` drafter's, shape). ``derived`` maps the keys whose
+    field this run was not given to ``(name, origin)``: their text names where this run's
+    value came from instead (``target layers 1,3 here (the default of num_layers 2;
+    target_layer_ids not given), 3 in the checkpoint``). ``max_position_embeddings`` is
     compared only where both dicts have one (a drafter whose RoPE reads it has one; an
     ``--init-from`` run's drafter lacked it where its source did)."""
     def flat(d: dict) -> dict:
@@ -597,6 +599,18 @@ def drafter_config_differences(here: dict, there: dict, init_from: bool = False,
         else:
             out[key] = f"{key} {a.get(key)!r} here, {b.get(key)!r} in the checkpoint"
     return out
+
+
+def differences_names(differ: dict[str, str], init_from: bool, derived: dict[str, tuple[str, str]]) -> list[str]:
+    """The fields the texts of :func:`drafter_config_differences` (of the same ``init_from`` and
+    ``derived``) name, which the command line names as flags; not a key it names as the key (a
+    shape setting with ``init_from``: the drafter's ``block_size``, not the field)."""
+    origins = {"target_layer_ids": ["num_layers", "target_layer_ids"]}  # (the default of num_layers N; ... not given)
+    names = []
+    for key in differ:
+        if key in DRAFTER_FLAGS and not (init_from and key in SHAPE_KEYS):
+            names += origins.get(key, [key]) if key in derived else [DRAFTER_FLAGS[key]]
+    return names
 
 
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -1287,18 +1301,18 @@ class Trainer:
                 raise DFlashError(f"cannot read {file}: {exc.strerror or exc}") from None
         ckpt_path = cfg.work_path() / CHECKPOINT
         if cfg.resume and not ckpt_path.is_file():  # (it was found out after the data was prepared)
-            raise DFlashError(f"--resume: no checkpoint at {ckpt_path}")
+            raise OptionError(f"resume=True: no checkpoint at {ckpt_path}", "resume")
         target_dir = checkpoint_dir(cfg.target, "target")
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
         if cfg.seq_len > (limit := context_limit(target_cfg)):
-            raise DFlashError(f"--seq-len {cfg.seq_len} exceeds the target's context of {limit} tokens")
+            raise OptionError(f"seq_len {cfg.seq_len} exceeds the target's context of {limit} tokens", "seq_len")
         tokenizer = load_tokenizer(target_dir, target_cfg.vocab_size)
         if cfg.chat_template_kwargs is not None:  # (before the target loads)
             check_chat_template_kwargs(cfg.chat_template_kwargs, reserved_template_variables(tokenizer),
-                                       "--chat-template-kwargs")
+                                       "chat_template_kwargs")
             if not getattr(tokenizer, "chat_template", None):
-                raise DFlashError("--chat-template-kwargs apply to chat ('messages') data, which needs a target "
-                                  "tokenizer with a chat template; this one has none")
+                raise OptionError("chat_template_kwargs apply to chat ('messages') data, which needs a target "
+                                  "tokenizer with a chat template; this one has none", "chat_template_kwargs")
         try:  # (train holds the target in float32 on the CPU: check_fits refuses one that cannot fit, in one line)
             target = TargetModel.from_pretrained(target_dir, torch.float32, parsed=target_cfg)
         except DFlashError as exc:
@@ -1314,22 +1328,23 @@ class Trainer:
             try:  # (one this process may not read; mapping a damaged one fails with OSErrors too)
                 open(ckpt_path, "rb").close()
             except OSError as exc:
-                raise DFlashError(f"--resume: cannot read {ckpt_path}: {exc.strerror or exc}") from None
+                raise OptionError(f"resume=True: cannot read {ckpt_path}: {exc.strerror or exc}", "resume") from None
             try:  # (mapped: its tensors are read when the drafter and optimizer take them, after the data step)
                 st = torch.load(ckpt_path, weights_only=True, mmap=True)  # (a pickle of other objects could run code)
             except pickle.UnpicklingError:  # (weights_only's refusal of an object that is no tensor or plain value)
-                raise DFlashError(f"--resume: {ckpt_path} holds Python objects a dflash-torch training checkpoint does "
-                                  "not (only tensors and plain values), so it is not read (unpickling them could run "
-                                  "code); give the --work-dir of a dflash-torch train run, or leave out --resume and "
-                                  "pass --overwrite to replace it") from None
+                raise named(f"resume=True: {ckpt_path} holds Python objects a dflash-torch training checkpoint does "
+                            "not (only tensors and plain values), so it is not read (unpickling them could run "
+                            "code); give the work_dir of a dflash-torch train run, or leave out resume=True and "
+                            "pass overwrite=True to replace it", "resume", "work_dir", "overwrite") from None
             except Exception:  # (torch's words, cut short, were about zip archives or torch.save's mmap option: trial-175)
-                raise DFlashError(f"--resume: {ckpt_path} is not a whole torch checkpoint file (truncated or damaged), "
-                                  "so it cannot be read; leave out --resume and pass --overwrite to start over") from None
+                raise named(f"resume=True: {ckpt_path} is not a whole torch checkpoint file (truncated or damaged), "
+                            "so it cannot be read; leave out resume=True and pass overwrite=True to start over",
+                            "resume", "overwrite") from None
             missing = [k for k in CHECKPOINT_KEYS if k not in st] if isinstance(st, dict) else list(CHECKPOINT_KEYS)
             if missing:  # (another tool's checkpoint.pt: it was a KeyError traceback)
-                raise DFlashError(f"--resume: {ckpt_path} is not a dflash-torch training checkpoint (it holds no "
-                                  f"{', '.join(missing)}); give the --work-dir of a dflash-torch train run, or leave "
-                                  "out --resume and pass --overwrite to replace it")
+                raise named(f"resume=True: {ckpt_path} is not a dflash-torch training checkpoint (it holds no "
+                            f"{', '.join(missing)}); give the work_dir of a dflash-torch train run, or leave "
+                            "out resume=True and pass overwrite=True to replace it", "resume", "work_dir", "overwrite")
             was_init = (st.get("train_config") or {}).get("init_from")
         source, notes = None, []
         if cfg.init_from:
@@ -1363,20 +1378,23 @@ class Trainer:
         if cfg.resume:
             derived = {}  # (the settings whose flags were not given: named by where their values came from)
             if cfg.target_layer_ids is None:
-                derived["target_layer_ids"] = ("target layers", f"the default of --num-layers {cfg.num_layers}; "
-                                               "--target-layer-ids not given")
+                derived["target_layer_ids"] = ("target layers", f"the default of num_layers {cfg.num_layers}; "
+                                               "target_layer_ids not given")
             if cfg.intermediate_size is None:
-                derived["intermediate_size"] = ("MLP width", "the target's; --intermediate-size not given")
+                derived["intermediate_size"] = ("MLP width", "the target's; intermediate_size not given")
             if cfg.mask_token_id is None:
-                derived["mask_token_id"] = ("mask token id", f"{how}; --mask-token-id not given")
+                derived["mask_token_id"] = ("mask token id", f"{how}; mask_token_id not given")
             differ = drafter_config_differences(dcfg.to_dict(), st["drafter_config"], bool(cfg.init_from or was_init),
                                                 derived)
-            tail = "or leave out --resume and pass --overwrite to start over"
+            names = ["resume", "overwrite", "init_from", *differences_names(differ, bool(cfg.init_from or was_init),
+                                                                           derived)]
+            # (the fields, which the command line names as flags: they named the flags in Python too, trial-259)
+            tail = "or leave out resume=True and pass overwrite=True to start over"
             if differ and was_init and not cfg.init_from:  # (it named the defaults of flags not given: trial-175;
                 # the drafter's other settings came from that drafter too, e.g. its max_position_embeddings)
-                raise DFlashError(f"--resume: {ckpt_path} was trained with another drafter configuration: "
-                                  f"{'; '.join(differ.values())}: its run started with --init-from {was_init}, which "
-                                  f"set it; pass --init-from {was_init} again to continue it, {tail}")
+                raise named(f"resume=True: {ckpt_path} was trained with another drafter configuration: "
+                            f"{'; '.join(differ.values())}: its run started with init_from {was_init}, which "
+                            f"set it; pass init_from {was_init} again to continue it, {tail}", *names)
             from_target = [text for key, text in differ.items() if key not in DRAFTER_FLAGS]
             if from_target:  # (the target's sizes: no flag gives them, nor the settings left to follow the target)
                 left = {"target_layer_ids": cfg.target_layer_ids, "intermediate_size": cfg.intermediate_size,
@@ -1385,20 +1403,23 @@ class Trainer:
                     key in left and left[key] is None) and not ((cfg.init_from or was_init) and key in SHAPE_KEYS)]
                 was = st.get("target_dir")
                 also = f"; and other settings: {'; '.join(flags)}" if flags else ""
-                raise DFlashError(f"--resume: {ckpt_path} was trained for another target"
-                                  f"{f', {was}' if was else ''} ({'; '.join(from_target)}{also}): pass "
-                                  f"{f'--target {was}' if was else 'the --target it was trained for'}"
-                                  f"{' and the values of the checkpoint' if flags else ''} to continue it, {tail}")
+                # (--target: "target" is a word of the message too)
+                raise named(f"resume=True: {ckpt_path} was trained for another target"
+                            f"{f', {was}' if was else ''} ({'; '.join(from_target)}{also}): pass "
+                            f"{f'--target {was}' if was else 'the --target it was trained for'}"
+                            f"{' and the values of the checkpoint' if flags else ''} to continue it, {tail}",
+                            *names)
             if differ and cfg.init_from and not same_init_source(was_init, cfg.init_from):  # (its values came from
                 # a drafter the run did not start from: "give the checkpoint's values" named no flag that sets them)
-                how = (f"pass --init-from {was_init} instead" if was_init else
-                       "leave out --init-from and give the checkpoint's values")
-                raise DFlashError(f"--resume: {ckpt_path} was trained with another drafter configuration: "
-                                  f"{'; '.join(differ.values())}: here they are those of --init-from {cfg.init_from}, "
-                                  f"which its run did not start from ({how} to continue it, {tail})")
+                how = (f"pass init_from {was_init} instead" if was_init else
+                       "leave out init_from and give the checkpoint's values")
+                raise named(f"resume=True: {ckpt_path} was trained with another drafter configuration: "
+                            f"{'; '.join(differ.values())}: here they are those of init_from {cfg.init_from}, "
+                            f"which its run did not start from ({how} to continue it, {tail})", *names)
             if differ:
-                raise DFlashError(f"--resume: {ckpt_path} was trained with another drafter configuration: "
-                                  f"{'; '.join(differ.values())} (give the checkpoint's values to continue it, {tail})")
+                raise named(f"resume=True: {ckpt_path} was trained with another drafter configuration: "
+                            f"{'; '.join(differ.values())} (give the checkpoint's values to continue it, {tail})",
+                            *names)
         # (before the data is prepared: a drafter too big failed with an allocator's traceback once it was built)
         check_drafter_fits(dcfg, cfg)
         gamma = default_gamma(dcfg.block_size) if cfg.gamma is None else cfg.gamma
