@@ -160,7 +160,7 @@ def test_training_from_a_drafter_with_tables_of_its_own_is_refused_in_one_line(a
     table, _ = _target_tables(target)
     source = _with_tables(drafter, tmp_path / "own", embed=table)
     cfg = TrainConfig(target=str(target), data=[], out=str(tmp_path / "out"), init_from=str(source))
-    with pytest.raises(DFlashError, match=r"^--init-from .* ships its own embedding table / LM head; dflash-torch "
+    with pytest.raises(DFlashError, match=r"^init_from .* ships its own embedding table / LM head; dflash-torch "
                                           r"trains drafters that read the target's"):
         load_init_drafter(cfg, TargetModel.from_pretrained(target, torch.float32).config)
 

@@ -697,24 +697,26 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None
                         f"{key} is {value}: the drafter's shape comes from it (leave {key} at its default, "
                         f"or give {value})", key, "init_from")
     if src_cfg.speculators is not None:  # (its own embedding / LM head / attention rules: not this trainer's format)
-        raise DFlashError(f"--init-from {cfg.init_from} is a Speculators-format drafter; dflash-torch trains "
-                          "DFlash-format drafters (initialize from one of those, or train from scratch)")
+        raise OptionError(f"init_from {cfg.init_from} is a Speculators-format drafter; dflash-torch trains "
+                          "DFlash-format drafters (initialize from one of those, or train from scratch)", "init_from")
     if src_cfg.laguna is not None:  # (its aux norms, output gate and context input norm: not this trainer's format)
-        raise DFlashError(f"--init-from {cfg.init_from} is a Laguna DFlash drafter; dflash-torch trains "
-                          "DFlash-format drafters (initialize from one of those, or train from scratch)")
+        raise OptionError(f"init_from {cfg.init_from} is a Laguna DFlash drafter; dflash-torch trains "
+                          "DFlash-format drafters (initialize from one of those, or train from scratch)", "init_from")
     try:
         validate_pair(target_cfg, src_cfg)
     except DFlashError as exc:  # (it said only "incompatible pair: drafter hidden_size 256 != ...", no flag named)
-        raise DFlashError(f"--init-from {cfg.init_from} does not fit the target ({exc})") from None
+        raise OptionError(f"init_from {cfg.init_from} does not fit the target ({exc})", "init_from") from None
     if src_cfg.dflash2 is not None and cfg.arch != "dflash2":
-        raise DFlashError(f"--init-from {cfg.init_from} is a DFlash 2 drafter; train it with --arch dflash2")
+        raise OptionError(f"init_from {cfg.init_from} is a DFlash 2 drafter; train it with arch dflash2", "init_from",
+                          "arch")
     try:
         source = DFlashDrafter.from_pretrained(src_dir, torch.float32, config=raw, parsed=src_cfg)
     except DFlashError as exc:  # ("drafter weight layers.0.mlp.gate_proj.weight has shape ...": no flag named, trial-249)
-        raise DFlashError(f"--init-from {cfg.init_from}: {exc}") from None
+        raise OptionError(f"init_from {cfg.init_from}: {exc}", "init_from") from None
     if source.config.own_embedding or source.config.own_lm_head:  # (this trainer's drafters read the target's)
-        raise DFlashError(f"--init-from {cfg.init_from} ships its own embedding table / LM head; dflash-torch trains "
-                          "drafters that read the target's (initialize from one without, or train from scratch)")
+        raise OptionError(f"init_from {cfg.init_from} ships its own embedding table / LM head; dflash-torch trains "
+                          "drafters that read the target's (initialize from one without, or train from scratch)",
+                          "init_from")
     # (a source without max_position_embeddings takes the target's, as a fresh run's drafter does: its export lacked
     # it, and a resume then named it beside the settings that differ; where the source's RoPE reads it, it has one)
     dcfg = replace(src_cfg, vocab_size=target_cfg.vocab_size, num_target_layers=target_cfg.num_hidden_layers,
@@ -1066,10 +1068,10 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log, mask_toke
                                            template_kwargs=cfg.chat_template_kwargs)
         if not prompts:
             shortest = max(1, min(cfg.prefix_min, cfg.prefix_max, cfg.seq_len - 16) // 2)
-            chat_too = f", and no chat prompt is shorter than --seq-len - 16 = {cfg.seq_len - 16} tokens" if chat else ""
-            raise DFlashError(f"--self-distill {cfg.self_distill} found no prompt in the data: no text passage of "
-                              f"{shortest} tokens (half of --prefix-min) follows a line start{chat_too}; "
-                              "add data or lower --prefix-min")
+            chat_too = f", and no chat prompt is shorter than seq_len - 16 = {cfg.seq_len - 16} tokens" if chat else ""
+            raise named(f"self_distill {cfg.self_distill} found no prompt in the data: no text passage of "
+                        f"{shortest} tokens (half of prefix_min) follows a line start{chat_too}; "
+                        "add data or lower prefix_min", "self_distill", "prefix_min", "seq_len")
         if len(prompts) < cfg.self_distill:
             note(f"data: self-distill found only {len(prompts)} of {cfg.self_distill} prompts in the data")
             check_data_size(cfg, stream.numel(), len(chat), len(prompts), **left_out)
@@ -1374,7 +1376,7 @@ class Trainer:
                          + ", or leave the option out)")
             dcfg = make_drafter_config(target_cfg, cfg, mask_id, warn=notes.append)
         if cfg.seq_len <= dcfg.block_size:
-            raise DFlashError(f"--seq-len ({cfg.seq_len}) must be longer than the block size ({dcfg.block_size})")
+            raise OptionError(f"seq_len ({cfg.seq_len}) must be longer than the block size ({dcfg.block_size})", "seq_len")
         if cfg.resume:
             derived = {}  # (the settings whose flags were not given: named by where their values came from)
             if cfg.target_layer_ids is None:
@@ -1528,8 +1530,8 @@ class Trainer:
 
         def check_finite() -> None:
             if not all(all_finite(p.detach()) for p in drafter.parameters()):  # (an update, e.g. a huge --lr, made them so)
-                raise DFlashError(f"training diverged by step {step}: the drafter's weights hold NaN or infinite "
-                                  f"values; lower --lr (now {cfg.lr:g})")
+                raise OptionError(f"training diverged by step {step}: the drafter's weights hold NaN or infinite "
+                                  f"values; lower lr (now {cfg.lr:g})", "lr")
 
         def save_checkpoint() -> DFlashError | None:
             """Save the checkpoint of ``step`` (its weights checked first: DFlashError where they diverged);
@@ -1646,14 +1648,14 @@ class Trainer:
                 out.loss.backward()
                 gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
                 if not (math.isfinite(objective) and math.isfinite(gnorm)):  # before the update spreads it to the weights
-                    raise DFlashError(f"training diverged at step {step + 1} (loss {objective:.4g}, gradient norm {gnorm:.4g}); "
-                                      f"lower --lr (now {cfg.lr:g})")
+                    raise OptionError(f"training diverged at step {step + 1} (loss {objective:.4g}, gradient norm "
+                                      f"{gnorm:.4g}); lower lr (now {cfg.lr:g})", "lr")
                 with deferred_interrupt():  # (a Ctrl-C here would save a half-applied update)
                     try:
                         opt.step()
                     except RuntimeError as exc:  # (e.g. Adam's update overflowing a float at a huge --lr)
-                        raise DFlashError(f"training diverged at step {step + 1}: the optimizer step failed "
-                                          f"({' '.join(str(exc).split())[:120]}); lower --lr (now {cfg.lr:g})") from None
+                        raise named(f"training diverged at step {step + 1}: the optimizer step failed "
+                                    f"({' '.join(str(exc).split())[:120]}); lower lr (now {cfg.lr:g})", "lr") from None
                     step += 1
                     loss_acc += loss  # (with the step: a Ctrl-C after it saves them as it does the step)
                     n_acc += 1
