@@ -1248,8 +1248,9 @@ class Trainer:
         Ctrl-C while it is saved is ignored). Either way ``KeyboardInterrupt`` is raised again
         (the command line exits 130). SIGTERM saving a checkpoint as Ctrl-C does is the command
         line's (``dflash-torch train`` exits 143 then): in Python a SIGTERM ends the process as
-        its handler says, by default without saving (wrap the call in
-        :func:`dflash_torch.cli.terminate_as_interrupt` to have it raise ``KeyboardInterrupt``).
+        its handler says, by default at once, without saving (a call made in the main thread
+        inside :func:`dflash_torch.cli.terminate_as_interrupt` saves as on Ctrl-C, and the
+        block then ends in ``SystemExit(143)``).
 
         A checkpoint that cannot be saved (a ``ckpt_every`` one, which stops training, the last
         one, or a Ctrl-C's) leaves the drafter of its step exported to ``out``, then is said:
