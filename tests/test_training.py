@@ -700,7 +700,8 @@ def test_a_mask_token_the_data_holds_is_warned(tiny_pair, tmp_path):
     eos = AutoTokenizer.from_pretrained(str(target_dir)).eos_token_id
     lines = []
     Trainer(_cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=1, mask_token_id=eos), log=lines.append).run()
-    assert any(f"WARNING: --mask-token-id {eos} is the tokenizer's EOS token" in m for m in lines), lines
+    # (the field: the command line names the flag, test_resume_names_the_drafter_settings_that_differ_before_the_data_step)
+    assert any(f"WARNING: mask_token_id {eos} is the tokenizer's EOS token" in m for m in lines), lines
     # (trial-229: a plain token's id, e.g. a frequent word, was taken silently; the tokenizer's <|MASK|> is no warning)
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     word = tok.encode("x", add_special_tokens=False)[0]
@@ -708,8 +709,8 @@ def test_a_mask_token_the_data_holds_is_warned(tiny_pair, tmp_path):
         lines = []
         Trainer(_cfg(tmp_path / str(mask_id), target_dir, _jsonl(tmp_path / "d.jsonl"), steps=1, mask_token_id=mask_id),
                 log=lines.append).run()
-        said = [m for m in lines if m.startswith(f"WARNING: --mask-token-id {mask_id} ")]
-        assert said == ([f"WARNING: --mask-token-id {word} is the tokenizer's token "
+        said = [m for m in lines if m.startswith(f"WARNING: mask_token_id {mask_id} ")]
+        assert said == ([f"WARNING: mask_token_id {word} is the tokenizer's token "
                           f"{tok.convert_ids_to_tokens(word)!r}, which text is tokenized to; "
                          "the drafter cannot tell a masked slot from it (give an id no text maps to, or leave the option "
                          "out)"] if warned else []), lines
@@ -1123,7 +1124,7 @@ def test_a_ctrl_c_inside_the_optimizer_step_saves_a_whole_update(tiny_pair, tmp_
     with pytest.raises(KeyboardInterrupt):  # (raised again once saved: it was SystemExit(130), trial-259)
         Trainer(cut, log=lines.append).run()
     assert len(calls) == 2 and calls[1] > 1
-    assert "interrupted: checkpoint of step" in lines[-1], lines
+    assert "interrupted: checkpoint of step" in lines[-1] and lines[-1].endswith("; continue with resume=True"), lines
     monkeypatch.setattr(adam, "_single_tensor_adam", original)
     cut.resume = True
     Trainer(cut, log=lambda m: None).run()

@@ -1364,17 +1364,17 @@ class Trainer:
                 mask_id, how = kept, "the checkpoint's"
             used = {getattr(tokenizer, f"{k}_token_id", None): k for k in ("pad", "bos", "eos")}
             if how == "given" and mask_id in used:  # (the data holds it: a masked slot looks like that token)
-                self.log(f"WARNING: --mask-token-id {mask_id} is the tokenizer's {used[mask_id].upper()} token, which "
+                self.say(f"WARNING: mask_token_id {mask_id} is the tokenizer's {used[mask_id].upper()} token, which "
                          "the training data holds; the drafter cannot tell a masked slot from it (give an id the data "
-                         "never uses, or leave the option out)")
+                         "never uses, or leave the option out)", "mask_token_id")
             elif how == "given" and mask_id in token_ids(tokenizer) and mask_id not in tokenizer.all_special_ids \
                     and mask_id not in tokenizer.added_tokens_decoder:  # (trial-229: a plain word's id, taken silently)
                 free = unused_token_id(tokenizer, target_cfg.vocab_size)
-                self.log(f"WARNING: --mask-token-id {mask_id} is the tokenizer's token "
+                self.say(f"WARNING: mask_token_id {mask_id} is the tokenizer's token "
                          f"{tokenizer.convert_ids_to_tokens(mask_id)!r}, which text is tokenized to; the drafter cannot "
                          "tell a masked slot from it (give an id no text maps to"
                          + (f", e.g. {free}, the first embedding row that is no token" if free is not None else "")
-                         + ", or leave the option out)")
+                         + ", or leave the option out)", "mask_token_id")
             dcfg = make_drafter_config(target_cfg, cfg, mask_id, warn=notes.append)
         if cfg.seq_len <= dcfg.block_size:
             raise OptionError(f"seq_len ({cfg.seq_len}) must be longer than the block size ({dcfg.block_size})", "seq_len")
@@ -1700,7 +1700,7 @@ class Trainer:
             if unsaved is not None:
                 self.log(f"interrupted: the drafter of step {step} is saved in {out_dir}, but {unsaved_line(unsaved)}")
             else:
-                self.log(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with --resume")
+                self.say(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with resume=True", "resume")
             raise
         if step == first_step and budget is not None and elapsed_prev < budget and (cfg.steps is None or step < cfg.steps):
             # (it exported an untrained drafter with exit 0 unsaid, e.g. where the evaluation before training spent the
