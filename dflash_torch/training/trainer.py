@@ -35,7 +35,7 @@ from safetensors import SafetensorError
 from ..chat_template import reserved_template_variables
 from .. import checkpoint
 from ..checkpoint import all_finite, checkpoint_dir, load_config, memory_text
-from ..cli import deferred_interrupt, interrupt_signals
+from ..cli import deferred_interrupt, interrupt_signals, missing_dirs
 from ..errors import DFlashError, OptionError, named
 from ..models.config import TargetConfig
 from ..models.drafter_config import (DFlash2Settings, DrafterConfig, default_target_layer_ids, fill_mask_token_id,
@@ -1264,8 +1264,6 @@ class Trainer:
                 training that diverged, files that cannot be written.
             KeyboardInterrupt: Ctrl-C, once what was trained is saved.
         """
-        from ..cli import missing_dirs
-
         cfg = self.cfg
         cfg.__post_init__()  # (fields set after it was made: a Path, a torch.dtype)
         check_config(cfg)  # (the command line's checks, shared)
