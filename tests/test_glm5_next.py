@@ -389,6 +389,33 @@ def test_dflash_format_drafter_reads_the_streams_by_target_hidden_size(agree_pai
             DFlashEngine.from_pretrained(target, bad)
 
 
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_train_writes_a_drafter_of_the_streams_that_decodes_losslessly(checkpoints, tmp_path, arch):
+    """``train`` on a multi-stream target: the drafter's fc reads every stream (config.json's
+    ``target_hidden_size`` = ``hc_mult * hidden_size``; its head size, which the position-free
+    target's ``head_dim`` 0 does not give, ``hidden_size / num_attention_heads``), and it
+    decodes as target-only decoding does."""
+    from dflash_torch import DFlashEngine
+    from dflash_torch.training.trainer import Trainer, TrainConfig
+
+    target = checkpoints["safe-gate"]
+    text = json.loads((target / "config.json").read_text())["text_config"]
+    data = tmp_path / "d.txt"
+    data.write_text("def f(x):\n    return x + 1\n" * 40)
+    out = tmp_path / "drafter"
+    Trainer(TrainConfig(target=str(target), data=[str(data)], out=str(out), steps=2, batch=2, seq_len=64,
+                        anchors_per_seq=4, val_seqs=0, warmup_steps=1, progress=False, arch=arch),
+            log=lambda line: None).run()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["target_hidden_size"] == text["hc_mult"] * text["hidden_size"]
+    assert cfg["head_dim"] == text["hidden_size"] // text["num_attention_heads"]
+    spec = DFlashEngine.from_pretrained(target, out)
+    base = DFlashEngine(spec.target, spec.tokenizer)
+    assert spec.drafter.fc.weight.shape[1] == len(cfg["dflash_config"]["target_layer_ids"]) * cfg["target_hidden_size"]
+    assert spec.generate("def g(y):", max_new_tokens=20, ignore_eos=True).token_ids == \
+        base.generate("def g(y):", max_new_tokens=20, ignore_eos=True).token_ids
+
+
 def _edit(key, value, text=True):
     def edit(cfg):
         (cfg["text_config"] if text else cfg)[key] = value

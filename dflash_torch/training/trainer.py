@@ -492,7 +492,10 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
     """A drafter shaped like the target's layers (hidden size, heads, RoPE), ``num_layers`` deep,
     with the DFlash 2 modules for ``--arch dflash2`` (:func:`dflash2_settings`).
 
-    Its MLP width is ``--intermediate-size``, else the target's dense MLP width, else (a
+    Its ``fc`` reads each target layer's whole feature row (``target_hidden_size`` where the
+    target's layers carry several residual streams, e.g. GLM-5.3-Flash, DeepSeek-V4); its
+    head size is the target's ``head_dim``, else (a position-free target's 0)
+    ``hidden_size / num_attention_heads``. Its MLP width is ``--intermediate-size``, else the target's dense MLP width, else (a
     target whose every MLP is a mixture of experts) the width a token passes through:
     ``top_k * moe_intermediate_size + shared_expert_intermediate_size``. Its target layers
     are ``--target-layer-ids``, else :func:`default_layer_ids`, whose warning (if any) goes
@@ -502,14 +505,9 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
         OptionError: ``target_layer_ids`` empty or naming layers outside the target's,
             ``init_from_target`` with more ``num_layers`` than the target has, ``block_size``
             below 2 (named as fields; the command line names the flags).
-        DFlashError: a target this trainer cannot make a drafter for, or default target
-            layers outside the target's.
+        DFlashError: default target layers outside the target's.
     """
     L = target_cfg.num_hidden_layers
-    if target_cfg.feature_size != target_cfg.hidden_size:
-        raise DFlashError(f"training a drafter for a {target_cfg.model_type} target is not supported: its layers' "
-                          f"features are {target_cfg.feature_size} values wide (several residual streams), which "
-                          "the DFlash format this trainer writes cannot describe")
     if cfg.init_from_target and cfg.num_layers > L:
         raise OptionError(f"init_from_target copies the target's last num_layers layers: at most {L}, "
                           f"got {cfg.num_layers}", "init_from_target", "num_layers")
@@ -529,12 +527,14 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
     dcfg = DrafterConfig(
         hidden_size=target_cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
-        head_dim=target_cfg.head_dim, intermediate_size=cfg.intermediate_size or _mlp_width(target_cfg),
+        head_dim=target_cfg.head_dim or target_cfg.hidden_size // target_cfg.num_attention_heads, intermediate_size=cfg.intermediate_size or _mlp_width(target_cfg),
         rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta, rope_scaling=target_cfg.rope_scaling,
         attention_bias=False, block_size=cfg.block_size, mask_token_id=mask_token_id,
         target_layer_ids=list(layer_ids), num_target_layers=L, vocab_size=target_cfg.vocab_size,
         sliding_windows=[None] * cfg.num_layers, max_position_embeddings=target_cfg.max_position_embeddings,
         dflash2=dflash2_settings(cfg, target_cfg.hidden_size, target_cfg.vocab_size),
+        # (a target whose layers carry several residual streams: fc reads them all, target_hidden_size in config.json)
+        target_hidden_size=None if target_cfg.feature_size == target_cfg.hidden_size else target_cfg.feature_size,
     )
     if note and warn is not None:
         warn(note)
