@@ -346,7 +346,7 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
     files = weight_files(model_dir)
     source = _tensor_sources(model_dir, files)
     kinds = _tensor_dtypes(files) if fp8_block is not None or nvfp4 is not None else {}
-    state, dequantized = {}, 0
+    state, dequantized, packed_ints = {}, 0, 0
     for file in files:
         with _open(file) as f:
             for key in f.keys():
@@ -382,6 +382,7 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
                         state[name], state[name + packed_int.SCALE] = packed, scale
                     else:  # (a row that ends inside a word is dequantized even when the others stay packed)
                         state[name] = packed_int.dequantize_groups(packed, scale, *int_quant, cols, dtype)
+                    packed_ints += 1
                     continue
                 if fp8_block is not None and key.endswith(fp8.SCALE_SUFFIX):
                     if key.removesuffix(fp8.SCALE_SUFFIX) not in source:
@@ -446,6 +447,10 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.dev
     if fp8_block is not None and not dequantized:
         raise DFlashError(f"{model_dir}: config.json declares fine-grained FP8 weights (quant_method 'fp8') but the "
                           f"checkpoint holds none (float8_e4m3fn X.weight with X.weight{fp8.SCALE_SUFFIX})")
+    if int_quant is not None and not packed_ints:  # (transformers refuses such a checkpoint too)
+        raise DFlashError(f"{model_dir}: config.json declares compressed-tensors pack-quantized weights but the "
+                          f"checkpoint holds none (int32 X.weight{packed_int.PACKED} with X.weight{packed_int.SCALE} "
+                          f"and X.weight{packed_int.SHAPE})")
     if nvfp4 is not None and not dequantized:
         what = {"compressed-tensors": "compressed-tensors nvfp4-pack-quantized weights (X.weight_packed)",
                 "modelopt": "ModelOpt NVFP4 weights (uint8 X.weight with X.weight_scale_2)",

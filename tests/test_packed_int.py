@@ -386,6 +386,22 @@ def test_a_quantized_lm_head_is_dequantized_when_the_decoder_stays_packed(w4a16,
     assert torch.equal(_logits(packed), _logits(plain))
 
 
+def test_a_config_declaring_packed_weights_over_plain_ones_is_refused(w4a16, tmp_path):
+    """(trial-260: it ran the plain weights, unsaid; transformers refuses such a checkpoint)"""
+    def unpacked(w):
+        for key in [k for k in w if k.endswith("_packed")]:
+            name = key.removesuffix("_packed")
+            shape = w.pop(name + "_shape").tolist()
+            del w[name + "_scale"], w[key]
+            w[name] = torch.zeros(shape)
+
+    target = edited_checkpoint(w4a16[0], tmp_path / "plain", state=unpacked)
+    for mode in ("dequantize", "packed"):
+        with pytest.raises(DFlashError, match=r"config\.json declares compressed-tensors pack-quantized weights but the "
+                           r"checkpoint holds none \(int32 X\.weight_packed with X\.weight_scale and X\.weight_shape\)$"):
+            TargetModel.from_pretrained(target, torch.float32, int_weights=mode)
+
+
 def test_a_weight_stored_both_packed_and_not_is_refused(w4a16, tmp_path):
     target = edited_checkpoint(w4a16[0], tmp_path / "both", state=lambda w: w.__setitem__(P, torch.zeros(32, 64)))
     for mode in ("dequantize", "packed"):
