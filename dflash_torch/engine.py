@@ -684,10 +684,10 @@ class DFlashEngine:
         the dicts (DeepSeek V3's, V3.1's and R1's join the arguments to a string) gets them
         as JSON text: each call's as sent, a dict's as compact JSON (:func:`~dflash_torch.chat_template.render_chat`).
 
-        A text (or messages' contents) longer than :attr:`max_prompt_chars` characters
-        cannot fit the context and is refused before it is tokenized (unless
-        ``check_length`` is false: to count the tokens of any text, as the server's
-        ``/tokenize`` does).
+        A text (or messages' contents, or the messages as the chat template renders them,
+        with its markers and tools) longer than :attr:`max_prompt_chars` characters cannot
+        fit the context and is refused before it is tokenized (unless ``check_length`` is
+        false: to count the tokens of any text, as the server's ``/tokenize`` does).
 
         Args:
             chat: apply the tokenizer's chat template to a text prompt (messages always get it).
@@ -760,7 +760,10 @@ class DFlashEngine:
             template_kwargs = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
             if continue_final_message:
                 template_kwargs["continue_final_message"] = True
-            ids = self._encode(render_chat(self.tokenizer, messages, template_kwargs), add_special_tokens=False)
+            text = render_chat(self.tokenizer, messages, template_kwargs)
+            if check_length:  # (what the template adds: each message's markers, the tools, ...)
+                self._check_length(len(text), "the prompt (the messages as the chat template renders them)")
+            ids = self._encode(text, add_special_tokens=False)
             if tools is not None and self.warn_tools_left_out and not self._tools_checked:
                 self._tools_checked = True  # (first: the check renders the prompt again)
                 if self.tools_left_out(given, chat, chat_template_kwargs, tools, ids=ids, check_length=False,
@@ -817,9 +820,15 @@ class DFlashEngine:
         these names."""
         return reserved_template_variables(self.tokenizer)
 
-    def _check_length(self, chars: int) -> None:
+    def _check_length(self, chars: int, what: str = "the prompt") -> None:
+        """Refuse ``what``, a text of ``chars`` characters to be tokenized, when it is longer
+        than :attr:`max_prompt_chars` (more tokens than the context holds).
+
+        Raises:
+            ContextLengthError: as above (the server's 400 ``context_length_exceeded``).
+        """
         if chars > self.max_prompt_chars:
-            raise ContextLengthError(f"the prompt has {chars} characters: more than the context of {self.max_context} "
+            raise ContextLengthError(f"{what} has {chars} characters: more than the context of {self.max_context} "
                                      f"tokens can hold (at most {self.max_prompt_chars} characters with this tokenizer)")
 
     def _encode(self, text: str, **kwargs) -> list[int]:

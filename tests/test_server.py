@@ -824,6 +824,11 @@ def test_oversized_prompts_are_refused_before_tokenizing_and_others_are_served(s
     for r, param in ((r_big, "prompt"), (r_chat, "messages")):
         err = _assert_openai_error(r, 400)
         assert err["param"] == param and f"{len(big)} characters" in err["message"], err
+    # (thousands of empty messages: refused from their length as the chat template renders them, "# user: \n" each)
+    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 2000})
+    err = _assert_openai_error(r, 400)
+    assert err["param"] == "messages" and err["code"] == "context_length_exceeded", err
+    assert err["message"].startswith("the prompt (the messages as the chat template renders them) has 18013 "), err
     assert outcome["small"].usage.completion_tokens == 8
     # the bound is safe: a prompt just under it is tokenized, and refused by its token count
     limit = local_engine.max_prompt_chars
@@ -831,6 +836,98 @@ def test_oversized_prompts_are_refused_before_tokenizing_and_others_are_served(s
     r = server.post("/v1/completions", {"prompt": "x" * limit, "max_tokens": 4})
     err = _assert_openai_error(r, 400)
     assert "tokens" in err["message"] and "characters" not in err["message"], err
+
+
+def _asgi_call(app, path: str, body: bytes | None = None, *, method: str = "POST", chunks: list[bytes] | None = None):
+    """``app`` called as an ASGI server calls it (in a running event loop): ``method`` ``path``
+    with ``body`` (or its ``chunks``, the last sent and then nothing more: a client that stalls
+    mid-body); the messages the app sent."""
+    import asyncio
+
+    parts = chunks if chunks is not None else [body or b""]
+    messages = [{"type": "http.request", "body": c, "more_body": chunks is not None or i < len(parts) - 1}
+                for i, c in enumerate(parts)]
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()  # (the client sends nothing more, and stays)
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 50124),
+             "server": ("testserver", 80)}
+
+    async def call():
+        await app(scope, receive, send)
+        return sent
+
+    return call()
+
+
+def test_a_large_body_is_validated_beside_the_event_loop(local_engine, monkeypatch):
+    """A request's body is parsed and validated in a thread, not on the event loop: while a
+    chat request (of many messages, accepted) is being validated, /health is
+    answered (trial-258: validating 68k messages took the event loop 0.6 s, every stream
+    stalled meanwhile). Observed in order: validation waits, in its thread, until /health has
+    been answered (on the event loop, it would wait in vain and /health come after)."""
+    import asyncio
+
+    from dflash_torch.serving.app import create_app
+    from dflash_torch.serving.protocol import ChatCompletionRequest
+
+    validate = ChatCompletionRequest.model_validate.__func__
+    validating, health_answered, seen = threading.Event(), threading.Event(), []
+
+    def observed(cls, data, **kw):
+        validating.set()
+        seen.append(health_answered.wait(30))  # (False: /health was not answered meanwhile)
+        return validate(cls, data, **kw)
+
+    monkeypatch.setattr(ChatCompletionRequest, "model_validate", classmethod(observed))
+    app = create_app(local_engine, model_name="x")
+    body = json.dumps({"model": "x", "messages": [{"role": "user", "content": "a"}] * 100, "max_tokens": 1,
+                       "temperature": 0}).encode()
+    try:
+        async def main():
+            big = asyncio.ensure_future(_asgi_call(app, "/v1/chat/completions", body))
+            assert await asyncio.to_thread(validating.wait, 30)
+            health = await _asgi_call(app, "/health", method="GET")
+            health_answered.set()
+            return health, await big
+
+        health, sent = asyncio.run(main())
+    finally:
+        app.state.scheduler.close()
+    assert seen == [True]  # (validation was still in progress when /health was answered)
+    assert health[0]["status"] == 200 and sent[0]["status"] == 200, (health, sent)
+    assert json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["usage"]["completion_tokens"] == 1
+
+
+def test_many_empty_messages_are_refused_from_their_rendered_length_before_tokenizing(local_engine, monkeypatch):
+    """The length check before tokenizing counts the chat prompt as the template renders it
+    (each message's markers, the tools), not the messages' contents alone: thousands of empty
+    messages (0 characters of content) are refused before the tokenizer is called (trial-258:
+    68k of them were rendered to 612k characters and tokenized, 0.7 s, before the refusal); a
+    conversation whose rendering fits is tokenized."""
+    from dflash_torch.errors import ContextLengthError
+
+    calls = []
+    encode = local_engine.tokenizer.encode
+    monkeypatch.setattr(local_engine.tokenizer, "encode", lambda *a, **kw: calls.append(1) or encode(*a, **kw))
+    limit = local_engine.max_prompt_chars
+    empty = [{"role": "user", "content": ""}] * (limit // len("# user: \n") + 1)
+    with pytest.raises(ContextLengthError, match=r"^the prompt \(the messages as the chat template renders them\) "
+                                                 rf"has \d+ characters: more than the context of 1024 tokens can hold "
+                                                 rf"\(at most {limit} characters"):
+        local_engine.encode_prompt(empty)
+    assert calls == []
+    assert local_engine.encode_prompt(empty[:10]) and calls  # (under the limit: tokenized)
 
 
 def test_a_client_that_leaves_while_sending_its_body_is_no_error(server):

@@ -11,11 +11,12 @@ parsers, constraints, scheduler); its answer is a Response object or its stream 
 ``max_output_tokens``, ``input.3.content``, ...: :func:`_as_responses`); chat's own
 parameters sent to it are 400s (``unknown_parameter``, :meth:`.protocol.ResponsesRequest.chat_only`).
 
-Requests go through a scheduler (see :mod:`.scheduler`): once its prompts are tokenized
-and fit the context (tokenizing runs in a thread of its own, so it holds neither the
-engine nor the event loop), a request's choices (one per prompt of a list, times ``n``)
-wait in a bounded queue and run in the engine's slots. A prompt longer than the engine's
-``max_prompt_chars`` cannot fit and is refused before it is tokenized; a body larger than
+Requests go through a scheduler (see :mod:`.scheduler`): once its body is validated and
+its prompts are tokenized and fit the context (validating and tokenizing run in threads of
+the server's pool, so a large body holds neither the engine nor the event loop), a request's
+choices (one per prompt of a list, times ``n``) wait in a bounded queue and run in the
+engine's slots. A prompt (a chat's: its messages as the chat template renders them) longer
+than the engine's ``max_prompt_chars`` cannot fit and is refused before it is tokenized; a body larger than
 12 bytes per such character + 1 MiB is dropped as it arrives. A body sent with
 ``Content-Encoding`` gzip or deflate is decoded (its decoded size under the same limit; at
 most 64 gzip members).
@@ -70,6 +71,7 @@ import contextlib
 import functools
 import hmac
 import json
+import threading
 import time
 import uuid
 import zlib
@@ -706,10 +708,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     async def parse(request: Request, schema):
         """The request's body (decoded from its ``Content-Encoding``, all its header lines in
         order: :func:`decode_body`) validated by ``schema`` (a model class, or a function of the
-        decoded JSON object that returns the class to validate it with)."""
-        body = decode_body(await read_body(request), ", ".join(request.headers.getlist("content-encoding")))
+        decoded JSON object that returns the class to validate it with). Decoding and validating
+        run in a thread of the server's pool (:func:`to_thread`): a large body (tens of
+        thousands of messages, keys, ...) takes a second of them, which would stall every
+        other request and stream on the event loop."""
+        body = await read_body(request)
+        encoding = ", ".join(request.headers.getlist("content-encoding"))
         try:
-            return validate_body(body, schema, request.url.path)
+            path = request.url.path
+            return await to_thread(lambda: validate_body(decode_body(body, encoding), schema, path))
         except APIError:
             raise
         except RecursionError:  # the JSON parser, the Unicode check or pydantic went too deep
@@ -748,6 +755,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         return req
 
     warned: dict[str, None] = {}  # unknown fields logged, the least recently sent first (at most IGNORED_LOGGED)
+    warned_lock = threading.Lock()  # (requests are validated in the pool's threads, several at once)
 
     def warn_unknown(req, data: dict, path: str) -> None:
         """Log the fields of the request ``req`` (``data`` validated) that the server does not
@@ -759,6 +767,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         again), so that no client can flood the log or, by sending many names, stop a later
         misspelt field from being logged."""
         ignored, passed = unknown_fields(req, data)
+        with warned_lock:
+            log_unknown(ignored, passed, path)
+
+    def log_unknown(ignored: list[str], passed: list[str], path: str) -> None:
         for fields, what in ((ignored, "ignored the request field%s %s (not known to this server; each logged once)"),
                              (passed, "passed the request field%s %s to the chat template as sent (not known to "
                                       "this server; each logged once)")):
@@ -1064,8 +1076,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                                 f"this server holds ({room}: {_count(slots, 'slot')} ({scheduler.slots_why}) and "
                                 f"{_count(queue, 'waiting place') if queue else 'no waiting places'} (--max-queue"
                                 f"{'' if queue else ' 0'}))", param="n" if len(prompts) == 1 else "prompt")
-        template_kwargs = req.template_kwargs(default_template_kwargs) if chat else None
-        tools = req.engine_tools() if chat else None
+        template_kwargs, tools = None, None
+        if chat:  # (in a thread: thousands of tools take a while to copy)
+            template_kwargs, tools = await to_thread(lambda: (req.template_kwargs(default_template_kwargs),
+                                                              req.engine_tools()))
         requested = 1 if req.scores_only() else req.requested_max_tokens()  # (scores only: one token, dropped)
         prepared = await to_thread(prepare, prompts, chat, requested, default_max_tokens,
                                    template_kwargs, tools, req.prompt_options() if chat else None,
@@ -1394,14 +1408,16 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await parse(request, ChatCompletionRequest)
-        return await run(request, req, [req.engine_messages()], True, sampling_defaults.get("max_new_tokens"), "chat")
+        messages = await to_thread(req.engine_messages)  # (in a thread: tens of thousands of them take a while)
+        return await run(request, req, [messages], True, sampling_defaults.get("max_new_tokens"), "chat")
 
     @app.post("/v1/responses")
     async def responses(request: Request):
         req = await parse(request, ResponsesRequest)
         chat = req._chat
+        messages = await to_thread(chat.engine_messages)  # (in a thread, as a chat's)
         try:
-            return await run(request, chat, [chat.engine_messages()], True, sampling_defaults.get("max_new_tokens"),
+            return await run(request, chat, [messages], True, sampling_defaults.get("max_new_tokens"),
                              "responses", responses=req)
         except APIError as exc:
             raise _as_responses(exc, req) from None
@@ -1429,8 +1445,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         if chat and req.chat_template is not None:  # (as a chat completion refuses it)
             raise APIError(400, CHAT_TEMPLATE_REFUSED, param="chat_template", code="unsupported_parameter")
         if chat:
-            prompt, template_kwargs, tools = req.engine_messages(), req.template_kwargs(default_template_kwargs), \
-                req.engine_tools()
+            prompt, template_kwargs, tools = await to_thread(lambda: (  # (in a thread, as a chat's)
+                req.engine_messages(), req.template_kwargs(default_template_kwargs), req.engine_tools()))
             prompt_options = req.prompt_options()
         else:
             prompts = req.prompts()
