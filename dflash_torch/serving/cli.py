@@ -100,7 +100,8 @@ def register(sub) -> None:
                    help="on SIGTERM (or SIGHUP), stop taking requests at once (each new one, /health too, gets a 503 "
                         "server_shutting_down with Retry-After), let those running or queued finish, streams too, "
                         "for up to this long, then end the rest and exit, as a load balancer's rolling restart "
-                        "wants (default 0: end every request at once); Ctrl-C (SIGINT) always ends them at once")
+                        "wants (default 0: end every request at once); a second SIGTERM (or SIGHUP) during the "
+                        "drain, or Ctrl-C (SIGINT) at any time, ends them at once")
     p.add_argument("--allowed-origins", type=json_strings, default=["*"], metavar="JSON",
                    help="CORS: the origins whose browser scripts may call the server, a JSON list, e.g. "
                         "'[\"http://localhost:3000\"]' (default [\"*\"]: any)")
@@ -196,13 +197,18 @@ def _serve_on(args: argparse.Namespace, sockets: list, api_key: str | None) -> i
         signals: list[int]  # (those caught, raised again once the server ended: capture_signals)
         drain_until: float | None = None  # (time.monotonic() at which a drain SIGTERM / SIGHUP began ends)
         draining = False
+        drain_sig: int | None = None  # (the SIGTERM / SIGHUP that began it)
+        drain_cut: int | None = None  # (a second SIGTERM / SIGHUP during the drain: it ends at once)
 
         def handle_exit(self, sig, frame):
-            # (uvicorn's, but SIGTERM and SIGHUP with --drain-timeout start a drain: on_tick)
+            # (uvicorn's, but SIGTERM and SIGHUP with --drain-timeout start a drain: on_tick; another one
+            # during the drain ends it at once, as a second signal makes uvicorn exit at once)
             self.signals.append(sig)
             if sig != signal.SIGINT and args.drain_timeout and not self.should_exit:
                 if self.drain_until is None:
-                    self.drain_until = time.monotonic() + args.drain_timeout
+                    self.drain_sig, self.drain_until = sig, time.monotonic() + args.drain_timeout
+                elif self.drain_cut is None:  # (logged by on_tick: not in a signal handler)
+                    self.drain_cut, self.drain_until = sig, time.monotonic()
             elif self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True  # (a second Ctrl-C: uvicorn stops waiting for the connections)
             else:
@@ -237,14 +243,15 @@ def _serve_on(args: argparse.Namespace, sockets: list, api_key: str | None) -> i
                     left = app.state.drain()
                     drain_log.warning("%s: draining: new requests get a 503 server_shutting_down; %d in progress "
                                       "may finish for up to %g s (--drain-timeout)",
-                                      signal.Signals(self.signals[-1]).name, left, args.drain_timeout)
+                                      signal.Signals(self.drain_sig).name, left, args.drain_timeout)
                 left = app.state.requests_in_progress()
                 if not left:
                     drain_log.info("drained: every request taken has finished; shutting down")
                     self.should_exit = True
                 elif time.monotonic() >= self.drain_until:
-                    drain_log.warning("the drain took --drain-timeout %g s: ending the %d request%s still in "
-                                      "progress", args.drain_timeout, left, "s" if left > 1 else "")
+                    why = (f"the drain took --drain-timeout {args.drain_timeout:g} s" if self.drain_cut is None else
+                           f"{signal.Signals(self.drain_cut).name} during the drain (a second signal)")
+                    drain_log.warning("%s: ending the %d request%s still in progress", why, left, "s" if left > 1 else "")
                     self.should_exit = True
             return await super().on_tick(counter)
 
