@@ -564,6 +564,18 @@ def check_keepalive(value, name: str = "sse_keepalive") -> float:
     return float(value)
 
 
+def check_body_timeout(value, name: str = "body_timeout") -> float:
+    """Seconds a request's body may take to arrive whole, from its headers: a finite number
+    >= 0 (0: no limit), as a float.
+
+    Raises:
+        OptionError: any other value.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise OptionError(f"{name} must be a number of seconds >= 0 (0: no limit), got {shown(value)}", name)
+    return float(value)
+
+
 def check_chat_template_kwargs(value, reserved: Sequence[str] = (), name: str = "chat_template_kwargs") -> dict | None:
     """Extra variables for the tokenizer's chat template (e.g. ``{"enable_thinking": False}``
     for Qwen3 / Qwen3.5, ``{"reasoning_effort": "low"}`` for gpt-oss): None or a dict with

@@ -686,6 +686,8 @@ BAD_OPTIONS = [
     ("--drain-timeout", "-1", ("serve",), r"--drain-timeout must be a number of seconds >= 0 \(0: no drain\), got -1$"),
     ("--drain-timeout", "nan", ("serve",), "--drain-timeout must be a number of seconds >= 0 .*, got nan$"),
     ("--drain-timeout", "inf", ("serve",), "--drain-timeout must be a number of seconds >= 0 .*, got inf$"),
+    ("--body-timeout", "-1", ("serve",), r"--body-timeout must be a number of seconds >= 0 \(0: no limit\), got -1$"),
+    ("--body-timeout", "nan", ("serve",), "--body-timeout must be a number of seconds >= 0 .*, got nan$"),
     # (an empty name served the directory's name, a blank one served "  ")
     ("--model-name", "", ("serve",), "--model-name must not be empty"),
     ("--model-name", "  ", ("serve",), "--model-name must not be empty"),

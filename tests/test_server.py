@@ -930,6 +930,31 @@ def test_many_empty_messages_are_refused_from_their_rendered_length_before_token
     assert local_engine.encode_prompt(empty[:10]) and calls  # (under the limit: tokenized)
 
 
+def test_a_body_that_stalls_is_a_408_that_closes_the_connection(local_engine):
+    """A client that sends its headers and part of its body, then nothing, gets a 408
+    request_timeout (OpenAI's error JSON, Connection: close: the server closes the connection)
+    once body_timeout seconds have passed (trial-258: such requests held their connections
+    and a task each until the client left or the server shut down); body_timeout is checked."""
+    import asyncio
+
+    from dflash_torch.errors import DFlashError
+    from dflash_torch.serving.app import create_app
+
+    for bad in (-1, float("nan"), float("inf"), True, "60"):
+        with pytest.raises(DFlashError, match=r"^body_timeout must be a number of seconds >= 0 \(0: no limit\), got "):
+            create_app(local_engine, body_timeout=bad)
+    app = create_app(local_engine, model_name="x", body_timeout=0.2)
+    try:
+        sent = asyncio.run(_asgi_call(app, "/v1/completions", chunks=[b'{"model": "x", "prompt": "def'] * 2))
+    finally:
+        app.state.scheduler.close()
+    assert sent[0]["status"] == 408 and (b"connection", b"close") in sent[0]["headers"], sent
+    err = json.loads(sent[1]["body"])["error"]
+    assert err == {"message": "the request body did not arrive within 0.2 s of its headers (58 bytes came; "
+                              "--body-timeout)", "type": "invalid_request_error", "param": None,
+                   "code": "request_timeout"}, err
+
+
 def test_a_client_that_leaves_while_sending_its_body_is_no_error(server):
     """Half a body, then the connection closes: no 5xx, no traceback in the log."""
     def completions_requests() -> float:
@@ -1535,7 +1560,19 @@ def test_cors_flags_restrict_origins_methods_and_headers(tiny_pair, tmp_path):
 
     # (methods in any case: trial-101, '["post"]' failed every preflight, starlette comparing them as written)
     with _serve(tiny_pair, tmp_path, "--allowed-origins", '["http://app.example"]', "--allowed-methods", '["post"]',
-                "--allowed-headers", '["Authorization", "Content-Type"]', "--allow-credentials") as srv:
+                "--allowed-headers", '["Authorization", "Content-Type"]', "--allow-credentials",
+                "--body-timeout", "2") as srv:
+        # (and --body-timeout: a body that stalls is a 408 once its time has passed, and the connection closed)
+        port = int(srv.base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer %s\r\nContent-Length: 500\r\n\r\n{\"prompt\":" % API_KEY.encode())
+            reply = b""
+            while chunk := sock.recv(65536):  # (until the server closes the connection)
+                reply += chunk
+        head, _, payload = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ") and b"\r\nconnection: close" in head.lower(), reply
+        assert json.loads(payload)["error"]["code"] == "request_timeout", reply
         r = _preflight(srv.base, "http://app.example")
         assert r.status_code == 200, r.text
         assert r.headers["access-control-allow-origin"] == "http://app.example"

@@ -90,8 +90,8 @@ from starlette.requests import ClientDisconnect
 from ..batch import DEFAULT_MAX_BATCH_SIZE
 from ..engine import StreamChunk
 from ..errors import DFlashError, about_prompt
-from ..options import (check_api_key, check_chat_template_kwargs, check_flag, check_keepalive, check_min_tokens_default,
-                       check_model_name, check_strings)
+from ..options import (check_api_key, check_body_timeout, check_chat_template_kwargs, check_flag, check_keepalive,
+                       check_min_tokens_default, check_model_name, check_strings)
 from ..structured import StructuredOutput
 from .constraints import after_reasoning, special_token, think_tokens, with_whitespace
 from .logprobs import Scoring, chat_logprobs, completion_logprobs, joined_logprobs
@@ -468,7 +468,7 @@ async def with_keepalive(frames: AsyncIterator[str], interval: float) -> AsyncIt
 def create_app(engine, api_key: str | None = None, model_name: str | None = None, *, max_batch_size: int | None = None,
                max_queue: int = 64, chat_template_kwargs: dict | None = None,
                reasoning_parser: str = "auto", tool_call_parser: str = "auto",
-               generation_config: str = "auto", sse_keepalive: float = 15.0,
+               generation_config: str = "auto", sse_keepalive: float = 15.0, body_timeout: float = 60.0,
                allowed_origins: list[str] = ("*",), allowed_methods: list[str] = ("*",),
                allowed_headers: list[str] = ("*",), allow_credentials: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine``.
@@ -510,6 +510,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             (as vLLM's ``--generation-config vllm``).
         sse_keepalive: seconds (> 0) a stream may go without an event before the server
             sends an SSE comment line (``: keep-alive``), which clients skip; 0: never.
+        body_timeout: seconds a request's body may take to arrive whole, from when its
+            headers did (default 60; 0: no limit): a client that stalls mid-body gets a 408
+            ``request_timeout`` (OpenAI's error JSON, ``Connection: close``) and its connection
+            is closed, rather than holding it, and a drain, for as long as it likes.
         allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS, so that
             a browser's scripts may call the server (starlette's ``CORSMiddleware``, as vLLM's
             flags of those names): the origins, methods (in any case: ``post`` is ``POST``)
@@ -526,7 +530,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             not an integer >= 1, or > 1 for an engine of ``draft_mode="recompute"``;
             ``max_queue`` not an integer >= 0; a ``generation_config`` other than ``auto``
             or ``none``, or ``auto`` with a bad value in the target's ``generation_config.json``;
-            ``sse_keepalive`` not a finite number >= 0; the CORS lists not lists of strings or
+            ``sse_keepalive`` or ``body_timeout`` not a finite number >= 0; the CORS lists not lists of strings or
             ``allow_credentials`` not a bool; batch caches of ``max_batch_size`` x the
             engine's context that do not fit the device.
 
@@ -553,6 +557,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         raise DFlashError(f"{exc} (to leave the file's sampling unread and keep OpenAI's defaults: serve "
                           "--generation-config none, create_app(generation_config='none'))") from None
     keepalive = check_keepalive(sse_keepalive)
+    body_timeout = check_body_timeout(body_timeout)
     # (methods in capitals: starlette compares a preflight's method, which browsers send so, as written;
     # Retry-After exposed: a browser's script reads it on a 503)
     cors = dict(allow_origins=check_strings(allowed_origins, "allowed_origins"),
@@ -666,18 +671,31 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         """The body, unless it is larger than ``max_body``: then the rest is read and dropped
         (a client still sending would get a reset instead of the answer) and it is a 413; a
         body that declares (``Content-Length``) more than 8 x ``max_body`` is a 413 at once,
-        nothing read."""
+        nothing read; a body not whole ``body_timeout`` seconds after the handler began to
+        read it (its headers arrived) is a 408 that closes the connection."""
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > 8 * max_body:
             raise too_large(f"the request body ({int(declared)} bytes)")
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + body_timeout
+        stream = request.stream().__aiter__()
         try:
-            async for chunk in request.stream():
+            while True:
+                try:
+                    chunk = await (asyncio.wait_for(stream.__anext__(), max(deadline - loop.time(), 0))
+                                   if body_timeout else stream.__anext__())
+                except StopAsyncIteration:
+                    break
                 size += len(chunk)
                 if size <= max_body:
                     chunks.append(chunk)
         except ClientDisconnect:  # it left while sending: nobody to answer
             raise ClientGone() from None
+        except asyncio.TimeoutError:  # (it stalled: answered, if it still reads, and the connection closed)
+            raise APIError(408, f"the request body did not arrive within {body_timeout:g} s of its headers "
+                                f"({size} bytes came; --body-timeout)", code="request_timeout",
+                           headers={"Connection": "close"}) from None
         if size > max_body:
             raise too_large(f"the request body ({size} bytes)")
         return b"".join(chunks)

@@ -96,6 +96,11 @@ def register(sub) -> None:
                         "balancer or proxy that keeps idle connections open longer (AWS ALB: 60 s), set it above "
                         "the balancer's idle timeout, or it may send a request on a connection the server is "
                         "closing (a 502)")
+    p.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="answer a request whose body has not arrived whole this long after its headers with a 408 "
+                        "request_timeout and close its connection, so that a client that stalls mid-body holds no "
+                        "connection (nor a drain) for longer (default 60; 0: no limit; a client that stalls "
+                        "before its headers end is not timed out)")
     p.add_argument("--drain-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="on SIGTERM (or SIGHUP), stop taking requests at once (each new one, /health too, gets a 503 "
                         "server_shutting_down with Retry-After), let those running or queued finish, streams too, "
@@ -138,6 +143,8 @@ def _serve(args: argparse.Namespace) -> int:
     check_keepalive(args.sse_keepalive, "--sse-keepalive")
     if not 0 < args.timeout_keep_alive < float("inf"):
         raise DFlashError(f"--timeout-keep-alive must be a number of seconds > 0, got {args.timeout_keep_alive:g}")
+    if not 0 <= args.body_timeout < float("inf"):
+        raise DFlashError(f"--body-timeout must be a number of seconds >= 0 (0: no limit), got {args.body_timeout:g}")
     if not 0 <= args.drain_timeout < float("inf"):
         raise DFlashError(f"--drain-timeout must be a number of seconds >= 0 (0: no drain), got {args.drain_timeout:g}")
     if args.prefix_slots and (args.no_prefix_reuse or args.max_batch_size == 1 or args.draft_mode == "recompute"):
@@ -173,6 +180,7 @@ def _serve_on(args: argparse.Namespace, sockets: list, api_key: str | None) -> i
                      max_queue=args.max_queue, chat_template_kwargs=args.chat_template_kwargs,
                      reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                      generation_config=args.generation_config, sse_keepalive=args.sse_keepalive,
+                     body_timeout=args.body_timeout,
                      allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                      allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     scheduler = app.state.scheduler
