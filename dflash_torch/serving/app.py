@@ -23,7 +23,8 @@ most 64 gzip members).
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for any
 invalid or unsupported input (any body the JSON parser or the validation cannot take, or
 not valid data of its Content-Encoding, included), 401 for a missing or wrong API key, 404
-for an unknown model or route, 413 for a body over that limit (sent or decoded), 415 (with
+for an unknown model or route, 408 (``request_timeout``, the connection closed) for a body not
+whole ``body_timeout`` seconds after its headers, 413 for a body over that limit (sent or decoded), 415 (with
 ``Accept-Encoding``) for another Content-Encoding, 503 with ``Retry-After`` when the queue is
 full, 503 with ``Retry-After`` once the server shuts down or drains (a stream starts, its status and headers sent, once its
 prefill is done: an error found before is its status; a stream that fails after it started

@@ -210,7 +210,7 @@ def _serve_on(args: argparse.Namespace, sockets: list, api_key: str | None) -> i
 
         def handle_exit(self, sig, frame):
             # (uvicorn's, but SIGTERM and SIGHUP with --drain-timeout start a drain: on_tick; another one
-            # during the drain ends it at once, as a second signal makes uvicorn exit at once)
+            # during the drain ends it at once)
             self.signals.append(sig)
             if sig != signal.SIGINT and args.drain_timeout and not self.should_exit:
                 if self.drain_until is None:
