@@ -485,12 +485,12 @@ def test_checkpoint_names():
     assert deepseek_v4.our_name("model.layers.1.self_attn.q_a_proj.weight") == "model.layers.1.self_attn.q_a_proj.weight"
 
 
-def test_training_a_drafter_is_refused(checkpoint, tmp_path):
-    """The trainer writes DFlash-format drafters, whose features are hidden_size wide: a V4
-    target (streams of 3 x 32 values a layer) is refused in one line."""
+def test_a_trained_drafter_reads_every_stream(checkpoint, tmp_path):
+    """The trainer's drafter of a V4 target reads its layers' whole feature rows (streams of
+    3 x 32 values a layer: ``target_hidden_size`` 96 in the DFlash format, which it was
+    refused for before the format said it)."""
     from dflash_torch.training.trainer import TrainConfig, make_drafter_config
 
     cfg = TrainConfig(target=str(checkpoint[0]), data=[str(tmp_path / "data.jsonl")], out=str(tmp_path / "out"))
-    with pytest.raises(DFlashError, match="96 values wide") as e:
-        make_drafter_config(TargetConfig.from_dict({"model_type": "deepseek_v4", **TINY}), cfg, 1)
-    assert "\n" not in str(e.value)
+    dcfg = make_drafter_config(TargetConfig.from_dict({"model_type": "deepseek_v4", **TINY}), cfg, 1)
+    assert dcfg.target_hidden_size == dcfg.feature_size == 96 and dcfg.to_dict()["target_hidden_size"] == 96
