@@ -23,7 +23,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import CompileError, DFlashError, OptionError, OutputError, first_line, name_pattern
+from .errors import CompileError, DFlashError, OptionError, OutputError, first_line, name_spans
 from .hub import check_timeouts
 
 
@@ -929,8 +929,9 @@ def error_message(exc: DFlashError, flags: dict[str, str]) -> str:
     this command has (each Python name in ``exc.names``, spaces read as underscores, is an
     option's dest in ``flags``) names the flags instead, at each name's first occurrence
     (``top_p must be ...`` -> ``--top-p must be ...``) as a word of its own, not inside a path
-    or a longer name (``out /tmp/out`` -> ``--out /tmp/out``), a bool field's ``name=True``
-    too (``pass overwrite=True`` -> ``pass --overwrite``: :func:`~dflash_torch.errors.name_pattern`);
+    or a longer name (``out /tmp/out`` -> ``--out /tmp/out``) nor in quoted text (``data 'my out'``),
+    a bool field's ``name=True`` too (``pass overwrite=True`` -> ``pass --overwrite``:
+    :func:`~dflash_torch.errors.name_spans`);
     a name given twice in ``exc.names`` replaces its first two occurrences, and so on
     (:func:`~dflash_torch.errors.named`)."""
     message = str(exc)
@@ -938,7 +939,9 @@ def error_message(exc: DFlashError, flags: dict[str, str]) -> str:
         for name in exc.names:
             flag = flags.get(name.replace(" ", "_"))
             if flag is not None:
-                message = re.sub(name_pattern(name), lambda _: flag, message, count=1)
+                spans = name_spans(message, name)
+                if spans:
+                    message = message[:spans[0][0]] + flag + message[spans[0][1]:]
                 # ("structured_output regex is invalid" for --regex, "... json schema ..." / "... json ..." for --json-schema)
                 for word in (flag[2:], flag[2:].replace("-", " "), STRUCTURED_FLAGS.get(flag)):
                     if word and message.startswith(f"{flag} {word} "):

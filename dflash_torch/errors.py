@@ -33,9 +33,31 @@ class OptionError(DFlashError):
 def name_pattern(name: str) -> str:
     """The regular expression of the option ``name`` as a word of an :class:`OptionError`'s
     message: not inside a path or a longer name (``out`` in ``out /tmp/out``: the first
-    only); ``name=True`` (a bool field set, in the Python API) is matched whole, as the
-    command line's flag without a value stands for it."""
-    return rf"(?<![\w./\\-]){re.escape(name)}(?:=True)?(?![\w/\\-])"
+    only), not next to a quote (a path shown by :func:`quoted`: ``'my out'``) and not
+    followed by a dot and a word character (``resume.d``); ``name=True`` (a bool field set,
+    in the Python API) is matched whole, as the command line's flag without a value stands
+    for it."""
+    return rf"(?<![\w./\\'\"-]){re.escape(name)}(?:=True)?(?![\w/\\'\"-]|\.\w)"
+
+
+def quoted(path) -> str:
+    """``path`` (a str or os.PathLike) as a message shows it: in quotes, Python's ``repr`` of
+    its text (``'my out'``), so that its words are not read as option names
+    (:func:`name_pattern`) nor its spaces as the message's."""
+    return repr(str(path.__fspath__() if hasattr(path, "__fspath__") else path))
+
+
+# a quoted text of a message (a path shown by quoted, a value by shown): its words are not option names. Its
+# opening quote follows no word character (the apostrophe of "run's" opens none)
+_QUOTED = r"(?<!\w)'(?:[^'\\\n]|\\.)*'|(?<!\w)\"(?:[^\"\\\n]|\\.)*\""
+
+
+def name_spans(message: str, name: str) -> list[tuple[int, int]]:
+    """The (start, end) character spans of the option ``name`` in ``message``, each a word of
+    its own (:func:`name_pattern`) outside quoted text (``'my out'``, a path shown by
+    :func:`quoted`), in order."""
+    pattern = re.compile(rf"{_QUOTED}|(?P<name>{name_pattern(name)})")
+    return [m.span("name") for m in pattern.finditer(message) if m.group("name") is not None]
 
 
 def named(message: str, *names: str) -> OptionError:
@@ -43,7 +65,7 @@ def named(message: str, *names: str) -> OptionError:
     often as the message names it (:func:`name_pattern`), so that the command line names
     each occurrence by its flag (``lower batch or seq_len ... seq_len 64`` -> ``lower
     --batch or --seq-len ... --seq-len 64``)."""
-    listed = [n for n in names for _ in range(max(1, len(re.findall(name_pattern(n), message))))]
+    listed = [n for n in names for _ in range(max(1, len(name_spans(message, n))))]
     return OptionError(message, *listed)
 
 

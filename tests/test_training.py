@@ -1479,33 +1479,33 @@ def test_the_python_api_refuses_the_directories_the_command_line_does(tiny_pair,
         assert str(err.value) == words, err.value
         return err.value
 
-    err = refused(f"out {copy} is the target's directory; give the drafter its own directory", out=str(copy),
+    err = refused(f"out '{copy}' is the target's directory; give the drafter its own directory", out=str(copy),
                   work_dir=None)
-    assert _as_cli(err) == f"--out {copy} is the target's directory; give the drafter its own directory"
+    assert _as_cli(err) == f"--out '{copy}' is the target's directory; give the drafter its own directory"
     assert {p.name: p.read_bytes() for p in copy.iterdir()} == files
     out = tmp_path / "out"
     shutil.copytree(drafter, out)
     names = ", ".join(sorted(p.name for p in out.iterdir()))
-    err = refused(f"out {out} already holds a drafter or other model ({names}): pass overwrite=True to replace it")
-    assert _as_cli(err) == f"--out {out} already holds a drafter or other model ({names}): pass --overwrite to replace it"
-    err = refused(f"data {out} is this run's out: the drafter's own files would be read as data; put the data in a "
+    err = refused(f"out '{out}' already holds a drafter or other model ({names}): pass overwrite=True to replace it")
+    assert _as_cli(err) == f"--out '{out}' already holds a drafter or other model ({names}): pass --overwrite to replace it"
+    err = refused(f"data '{out}' is this run's out: the drafter's own files would be read as data; put the data in a "
                   "directory of its own", data=[str(out)], overwrite=True)
-    assert _as_cli(err).startswith(f"--data {out} is this run's --out: ")
+    assert _as_cli(err).startswith(f"--data '{out}' is this run's --out: ")
     work = tmp_path / "work"
     work.mkdir()
     (work / "checkpoint.pt").write_bytes(b"x")
-    err = refused(f"{work} holds a training checkpoint: pass resume=True to continue it or overwrite=True to start over",
+    err = refused(f"'{work}' holds a training checkpoint: pass resume=True to continue it or overwrite=True to start over",
                   out=str(tmp_path / "new" / "out"))
-    assert _as_cli(err) == f"{work} holds a training checkpoint: pass --resume to continue it or --overwrite to start over"
-    err = refused(f"resume=True: {work / 'checkpoint.pt'} is not a whole torch checkpoint file (truncated or damaged), "
+    assert _as_cli(err) == f"'{work}' holds a training checkpoint: pass --resume to continue it or --overwrite to start over"
+    err = refused(f"resume=True: '{work / 'checkpoint.pt'}' is not a whole torch checkpoint file (truncated or damaged), "
                   "so it cannot be read; leave out resume=True and pass overwrite=True to start over",
                   out=str(tmp_path / "new" / "out"), resume=True)
-    assert _as_cli(err) == (f"--resume: {work / 'checkpoint.pt'} is not a whole torch checkpoint file (truncated or "
+    assert _as_cli(err) == (f"--resume: '{work / 'checkpoint.pt'}' is not a whole torch checkpoint file (truncated or "
                             "damaged), so it cannot be read; leave out --resume and pass --overwrite to start over")
     afile = tmp_path / "afile"
     afile.write_text("x")
-    refused(f"out {afile} is a file; give a directory", out=str(afile))
-    refused(f"work_dir {afile} is a file; give a directory", work_dir=str(afile), out=str(tmp_path / "new" / "out"))
+    refused(f"out '{afile}' is a file; give a directory", out=str(afile))
+    refused(f"work_dir '{afile}' is a file; give a directory", work_dir=str(afile), out=str(tmp_path / "new" / "out"))
     # refused once the target has loaded (a field named, not its flag): the directories it made are removed
     err = refused("mask_token_id 99999 is outside the target vocabulary of 320", out=str(tmp_path / "new" / "out"),
                   work_dir=str(tmp_path / "new" / "work"), mask_token_id=99999)
@@ -1550,11 +1550,11 @@ def test_the_python_api_overwrites_when_told_and_leaves_the_callers_threads(tiny
     with pytest.raises(OptionError) as err:  # (a resume's errors name the fields too: they named the flags)
         Trainer(replace(cfg, resume=True, overwrite=False, num_layers=2), log=lambda m: None).run()
     assert str(err.value) == (
-        f"resume=True: {ckpt} was trained with another drafter configuration: num_layers 2 here, 1 in the checkpoint; "
+        f"resume=True: '{ckpt}' was trained with another drafter configuration: num_layers 2 here, 1 in the checkpoint; "
         "target layers 1,1 here (the default of num_layers 2; target_layer_ids not given), 2 in the checkpoint (give "
         "the checkpoint's values to continue it, or leave out resume=True and pass overwrite=True to start over)")
     assert _as_cli(err.value) == (
-        f"--resume: {ckpt} was trained with another drafter configuration: --num-layers 2 here, 1 in the checkpoint; "
+        f"--resume: '{ckpt}' was trained with another drafter configuration: --num-layers 2 here, 1 in the checkpoint; "
         "target layers 1,1 here (the default of --num-layers 2; --target-layer-ids not given), 2 in the checkpoint "
         "(give the checkpoint's values to continue it, or leave out --resume and pass --overwrite to start over)")
     lines = []  # (the command line names the flags)
@@ -1577,7 +1577,7 @@ def test_init_from_refuses_sizes_other_than_its_drafters(tiny_pair, tmp_path):
         cfg = _cfg(tmp_path, target, text, steps=1, val_seqs=0, init_from=str(drafter), num_layers=2, block_size=16)
         with pytest.raises(OptionError) as err:
             Trainer(replace(cfg, **{key: value}), log=lambda m: None).run()
-        assert str(err.value) == (f"{key} {value} cannot be combined with init_from {drafter}, whose {key} is {theirs}: "
+        assert str(err.value) == (f"{key} {value} cannot be combined with init_from '{drafter}', whose {key} is {theirs}: "
                                   f"the drafter's shape comes from it (leave {key} at its default, or give {theirs})")
         assert not (tmp_path / "out").exists()
     v2 = save_drafter(tmp_path / "v2", dflash2_config(target))  # (top-k 8)
@@ -1585,7 +1585,7 @@ def test_init_from_refuses_sizes_other_than_its_drafters(tiny_pair, tmp_path):
                arch="dflash2", selector_top_k=4)
     with pytest.raises(OptionError) as err:
         Trainer(cfg, log=lambda m: None).run()
-    assert _as_cli(err.value) == (f"--selector-top-k 4 cannot be combined with --init-from {v2}, whose --selector-top-k "
+    assert _as_cli(err.value) == (f"--selector-top-k 4 cannot be combined with --init-from '{v2}', whose --selector-top-k "
                                   "is 8: the drafter's shape comes from it (leave --selector-top-k at its default, "
                                   "or give 8)")
 
@@ -1696,7 +1696,7 @@ def test_overwrite_removes_the_replaced_checkpoints_weight_files_only(tiny_pair,
             "--seq-len", "64", "--val-seqs", "0", "--num-layers", "1", "--no-progress"]
     assert cli_main(args) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (  # (not "a checkpoint", the work dir's word: trial-175)
-        f"dflash-torch: error: --out {out} already holds a drafter or other model (model-00001-of-{len(shards):05d}"
+        f"dflash-torch: error: --out '{out}' already holds a drafter or other model (model-00001-of-{len(shards):05d}"
         f".safetensors, model-00002-of-{len(shards):05d}.safetensors, model-00003-of-{len(shards):05d}.safetensors, ...): "
         "pass --overwrite to replace it")
     assert cli_main(args + ["--overwrite"]) == 0
@@ -1729,11 +1729,11 @@ def test_train_refuses_an_out_that_is_a_cached_target_or_init_from(tiny_pair, tm
     args = ["train", "--target", "acme/t", "--data", str(text), "--steps", "1", "--batch", "2", "--seq-len", "64",
             "--val-seqs", "0", "--no-progress", "--overwrite"]
     cases = [(snapshots["t"], [], "the target's directory"), (tmp_path / "link", [], "the target's directory"),
-             (snapshots["d"], ["--init-from", "acme/d"], "the directory of --init-from acme/d in the Hugging Face cache")]
+             (snapshots["d"], ["--init-from", "acme/d"], "the directory of --init-from 'acme/d' in the Hugging Face cache")]
     for out, more, whose in cases:
         assert cli_main([*args, "--out", str(out), *more]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"dflash-torch: error: --out {out} is {whose}; give the drafter its own directory"], err
+        assert err == [f"dflash-torch: error: --out '{out}' is {whose}; give the drafter its own directory"], err
     # a --work-dir there is refused too: its checkpoint.pt and data caches were written into the target's directory
     for work, more, whose in [*cases, (target, [], "the target's directory")]:
         args_work = [*args, "--out", str(tmp_path / "out"), "--work-dir", str(work), *more]
@@ -1741,7 +1741,7 @@ def test_train_refuses_an_out_that_is_a_cached_target_or_init_from(tiny_pair, tm
             args_work[2] = str(target)
         assert cli_main(args_work) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"dflash-torch: error: --work-dir {work} is {whose}; give the data cache and checkpoint a "
+        assert err == [f"dflash-torch: error: --work-dir '{work}' is {whose}; give the data cache and checkpoint a "
                        "directory of their own"], err
         assert not (tmp_path / "out").exists()
     # elsewhere in the target's cache folder (its blobs; a new directory there): deleting the model deleted the drafter
@@ -1749,8 +1749,8 @@ def test_train_refuses_an_out_that_is_a_cached_target_or_init_from(tiny_pair, tm
     for out in (folder / "blobs", folder / "out"):
         assert cli_main([*args, "--out", str(out)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"dflash-torch: error: --out {out} is inside the Hugging Face cache folder of acme/t "
-                       f"({folder}); give the drafter its own directory outside it"], err
+        assert err == [f"dflash-torch: error: --out '{out}' is inside the Hugging Face cache folder of 'acme/t' "
+                       f"('{folder}'); give the drafter its own directory outside it"], err
     assert not (folder / "out").exists()
     assert not any(p.name.startswith(("checkpoint", "data-")) for p in Path(target).iterdir())
     assert {p: p.read_bytes() for p in hub.rglob("*") if p.is_file()} == cached
@@ -1779,7 +1779,7 @@ def test_train_refuses_an_out_or_work_dir_inside_the_target(tiny_pair, tmp_path,
         for flag, more in (("--out", []), ("--work-dir", ["--out", str(tmp_path / "out")])):
             assert cli_main([*args, *more, flag, str(inside)]) == 2, (flag, inside)
             err = capsys.readouterr().err.strip().splitlines()
-            assert err == [f"dflash-torch: error: {flag} {inside} is inside the target's directory; give {own[flag]} "
+            assert err == [f"dflash-torch: error: {flag} '{inside}' is inside the target's directory; give {own[flag]} "
                            "outside it"], err
             assert not (tmp_path / "out").exists() and not (tmp_path / "elsewhere").exists()
     assert sorted(p.relative_to(target) for p in target.rglob("*")) == before
@@ -1933,7 +1933,7 @@ def test_a_ctrl_c_in_the_last_evaluation_saves_a_checkpoint_that_resume_exports(
             "--block-size", "8", "--num-layers", "1", "--no-progress"]
     assert cli_main(args) == 130
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"interrupted: checkpoint of step 2 saved to {work / 'checkpoint.pt'}; continue with --resume", err
+    assert err[-1] == f"interrupted: checkpoint of step 2 saved to '{work / 'checkpoint.pt'}'; continue with --resume", err
     assert not out.joinpath("config.json").exists()
     assert cli_main([*args, "--resume"]) == 0
     assert "saved drafter to" in capsys.readouterr().err
@@ -2743,7 +2743,7 @@ def test_a_stopped_run_removes_no_file_another_run_wrote_into_a_directory_it_mad
         assert cli_main(args_own) == 2
         err = capsys.readouterr().err.strip().splitlines()
         name = "--out" if extra[1].endswith("own") else "--work-dir"
-        assert err == [f"dflash-torch: error: --data {tmp_path / 'own'} is this run's {name}: the drafter's own files "
+        assert err == [f"dflash-torch: error: --data '{tmp_path / 'own'}' is this run's {name}: the drafter's own files "
                        "would be read as data; put the data in a directory of its own"], err
 
 
@@ -2890,7 +2890,7 @@ def test_resume_names_the_drafter_settings_that_differ_before_the_data_step(tiny
     with monkeypatch.context() as m:
         m.setattr(trainer_mod, "prepare_data", no_data)
         assert cli_main(args + ["--resume", "--steps", "2"]) == 2
-        assert capsys.readouterr().err.splitlines() == [f"dflash-torch: error: --resume: no checkpoint at {ckpt}"]
+        assert capsys.readouterr().err.splitlines() == [f"dflash-torch: error: --resume: no checkpoint at '{ckpt}'"]
     assert cli_main(args + ["--steps", "1", "--num-layers", "1", "--block-size", "8"]) == 0
     capsys.readouterr()
     tail = " (give the checkpoint's values to continue it, or leave out --resume and pass --overwrite to start over)"
@@ -2898,13 +2898,13 @@ def test_resume_names_the_drafter_settings_that_differ_before_the_data_step(tiny
         m.setattr(trainer_mod, "prepare_data", no_data)
         assert cli_main(args + ["--resume", "--steps", "2"]) == 2
         assert capsys.readouterr().err.splitlines() == [
-            f"dflash-torch: error: --resume: {ckpt} was trained with another drafter configuration: --num-layers 2 "
+            f"dflash-torch: error: --resume: '{ckpt}' was trained with another drafter configuration: --num-layers 2 "
             "here, 1 in the checkpoint; --block-size 16 here, 8 in the checkpoint; target layers 1,1 here (the default "
             "of --num-layers 2; --target-layer-ids not given), 2 in the checkpoint" + tail]
         assert cli_main(args + ["--resume", "--steps", "2", "--num-layers", "1", "--block-size", "8", "--arch",
                                 "dflash2", "--intermediate-size", "96"]) == 2
         assert capsys.readouterr().err.splitlines() == [
-            f"dflash-torch: error: --resume: {ckpt} was trained with another drafter configuration: --arch dflash2 "
+            f"dflash-torch: error: --resume: '{ckpt}' was trained with another drafter configuration: --arch dflash2 "
             "here, dflash in the checkpoint; --intermediate-size 96 here, 128 in the checkpoint" + tail]
         # (trial-222: a flag not given was named as if it were: --target-layer-ids 1,1 here; --intermediate-size ...)
         assert cli_main(args + ["--resume", "--steps", "2", "--num-layers", "1", "--block-size", "8",
@@ -2912,7 +2912,7 @@ def test_resume_names_the_drafter_settings_that_differ_before_the_data_step(tiny
         assert capsys.readouterr().err.splitlines() == [
             "WARNING: --mask-token-id 2 is the tokenizer's token '!', which text is tokenized to; the drafter cannot tell "
             "a masked slot from it (give an id no text maps to, or leave the option out)",
-            f"dflash-torch: error: --resume: {ckpt} was trained with another drafter configuration: --target-layer-ids 1 "
+            f"dflash-torch: error: --resume: '{ckpt}' was trained with another drafter configuration: --target-layer-ids 1 "
             "here, 2 in the checkpoint; --intermediate-size 96 here, 128 in the checkpoint; --mask-token-id 2 here, 1 in "
             "the checkpoint" + tail]
     # the same settings: it goes on from the checkpoint
@@ -3063,7 +3063,7 @@ def test_train_refuses_unreadable_data_and_unwritable_work_dirs_in_one_line(tiny
     assert out[0][0] == 0, out[0]
     assert (tmp_path / "out0" / "model.safetensors").is_file()
     want = [f"dflash-torch: error: cannot read {path}: Permission denied\n" for _, _, path in cases[1:-1]]
-    want.append(f"dflash-torch: error: cannot use --work-dir {work} as a directory: Permission denied\n")
+    want.append(f"dflash-torch: error: cannot use --work-dir '{work}' as a directory: Permission denied\n")
     assert out[1:] == [[2, w] for w in want]
 
 
@@ -3094,7 +3094,7 @@ def test_train_refuses_an_out_or_work_dir_it_may_not_list_in_one_line(tiny_pair,
     finally:
         for d in dirs:
             d.chmod(0o755)
-    assert out == [[2, f"dflash-torch: error: cannot use {flag} {d} as a directory: Permission denied\n"]
+    assert out == [[2, f"dflash-torch: error: cannot use {flag} '{d}' as a directory: Permission denied\n"]
                    for (_, flag, _), d in zip(cases, dirs)]
     assert all(d.is_dir() and not any(d.iterdir()) for d in dirs)
 
@@ -3415,7 +3415,7 @@ def test_resume_does_not_unpickle_objects_a_checkpoint_does_not_hold(tiny_pair, 
                 "drafter_config": {"hook": _RunsCode(str(ran))}}, work / "checkpoint.pt")
     assert cli_main([*args, "--resume"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"dflash-torch: error: --resume: {work / 'checkpoint.pt'} holds Python objects a dflash-torch training "
+        f"dflash-torch: error: --resume: '{work / 'checkpoint.pt'}' holds Python objects a dflash-torch training "
         "checkpoint does not (only tensors and plain values), so it is not read (unpickling them could run code); give "
         "the --work-dir of a dflash-torch train run, or leave out --resume and pass --overwrite to replace it")
     assert not ran.exists()
@@ -3432,18 +3432,18 @@ def test_a_checkpoint_pt_of_another_tool_is_not_called_a_training_checkpoint(tin
     torch.save({"model": {"w": torch.zeros(2)}, "epoch": 3}, ckpt)
     assert cli_main(args) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"dflash-torch: error: {ckpt} is not a dflash-torch training checkpoint: give another --work-dir, or pass "
+        f"dflash-torch: error: '{ckpt}' is not a dflash-torch training checkpoint: give another --work-dir, or pass "
         "--overwrite to replace it"]
     assert cli_main([*args, "--resume"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"dflash-torch: error: --resume: {ckpt} is not a dflash-torch training checkpoint (it holds no drafter, "
+        f"dflash-torch: error: --resume: '{ckpt}' is not a dflash-torch training checkpoint (it holds no drafter, "
         "optimizer, step, elapsed, history, evals, drafter_config); give the --work-dir of a dflash-torch train run, "
         "or leave out --resume and pass --overwrite to replace it")
     assert cli_main([*args, "--overwrite"]) == 0, capsys.readouterr().err
     capsys.readouterr()
     assert cli_main(args) == 2  # (its own checkpoint now: as it was)
     assert capsys.readouterr().err.splitlines() == [
-        f"dflash-torch: error: {work} holds a training checkpoint: pass --resume to continue it or --overwrite to "
+        f"dflash-torch: error: '{work}' holds a training checkpoint: pass --resume to continue it or --overwrite to "
         "start over"]
 
 
@@ -3469,22 +3469,22 @@ def test_resume_with_another_target_names_the_target_not_flags_for_its_sizes(tin
     assert cli_main([*args, "--target", str(target), "--steps", "1", "--num-layers", "1"]) == 0
     capsys.readouterr()
     ckpt = work / "checkpoint.pt"
-    head = (f"dflash-torch: error: --resume: {ckpt} was trained for another target, {target.resolve()} (head_dim 8 "
+    head = (f"dflash-torch: error: --resume: '{ckpt}' was trained for another model, '{target.resolve()}' (head_dim 8 "
             "here, 16 in the checkpoint; hidden_size 32 here, 64 in the checkpoint; num_target_layers 6 here, 4 in the "
             "checkpoint")
     tail = "or leave out --resume and pass --overwrite to start over"
     assert cli_main([*args, "--target", str(other), "--steps", "2", "--num-layers", "1", "--resume"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"{head}): pass --target {target.resolve()} to continue it, {tail}")
+        f"{head}): pass --target '{target.resolve()}' to continue it, {tail}")
     assert cli_main([*args, "--target", str(other), "--steps", "2", "--num-layers", "2", "--resume"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"{head}; and other settings: --num-layers 2 here, 1 in the checkpoint): pass --target {target.resolve()} "
+        f"{head}; and other settings: --num-layers 2 here, 1 in the checkpoint): pass --target '{target.resolve()}' "
         f"and the values of the checkpoint to continue it, {tail}")
     sp_target, _ = sentencepiece_pair
     assert cli_main([*args, "--target", str(sp_target), "--steps", "2", "--num-layers", "1", "--resume"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"dflash-torch: error: --resume: {ckpt} was trained for another target, {target.resolve()} (vocab_size 700 "
-        f"here, 320 in the checkpoint): pass --target {target.resolve()} to continue it, {tail}")
+        f"dflash-torch: error: --resume: '{ckpt}' was trained for another model, '{target.resolve()}' (vocab_size 700 "
+        f"here, 320 in the checkpoint): pass --target '{target.resolve()}' to continue it, {tail}")
 
 
 def test_a_run_interrupted_and_resumed_logs_the_losses_of_an_uninterrupted_one(tiny_pair, tmp_path, monkeypatch):
@@ -3544,7 +3544,7 @@ def test_resume_of_a_damaged_checkpoint_says_so_in_one_whole_line(tiny_pair, tmp
         ckpt.write_text("not a checkpoint\n")
     assert cli_main([*args, "--resume"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"dflash-torch: error: --resume: {ckpt} is not a whole torch checkpoint file (truncated or damaged), so it "
+        f"dflash-torch: error: --resume: '{ckpt}' is not a whole torch checkpoint file (truncated or damaged), so it "
         "cannot be read; leave out --resume and pass --overwrite to start over")
 
 
@@ -3566,7 +3566,7 @@ def test_resuming_an_init_from_run_says_neither_a_reset_nor_flags_never_given(ti
     other = save_drafter(tmp_path / "d32", replace(drafter_config(target, num_layers=1), hidden_size=32))
     assert cli_main([*args[:-3], "--init-from", str(other), "--no-progress"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"dflash-torch: error: --init-from {other} does not fit the target (incompatible pair: drafter hidden_size 32 "
+        f"dflash-torch: error: --init-from '{other}' does not fit the target (incompatible pair: drafter hidden_size 32 "
         "!= target hidden_size 64)"]
     # (weights that do not fit the source's own config: "drafter weight ... has shape ..." named no flag, trial-249)
     edited = tmp_path / "d1024"
@@ -3576,7 +3576,7 @@ def test_resuming_an_init_from_run_says_neither_a_reset_nor_flags_never_given(ti
     (edited / "config.json").write_text(json.dumps(conf))
     assert cli_main([*args[:-3], "--init-from", str(edited), "--no-progress"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"dflash-torch: error: --init-from {edited}: drafter weight layers.0.mlp.gate_proj.weight has shape "
+        f"dflash-torch: error: --init-from '{edited}': drafter weight layers.0.mlp.gate_proj.weight has shape "
         f"({width}, 64), config implies (1024, 64)"]
     assert cli_main(args) == 0
     assert f"init: weights of {drafter}" in capsys.readouterr().err
@@ -3588,10 +3588,10 @@ def test_resuming_an_init_from_run_says_neither_a_reset_nor_flags_never_given(ti
     plain = [a for a in args if a not in ("--init-from", str(drafter))]
     assert cli_main([*plain, "--steps", "3", "--resume"]) == 2
     said = capsys.readouterr().err.strip().splitlines()[-1]
-    assert said.startswith(f"dflash-torch: error: --resume: {work / 'checkpoint.pt'} was trained with another drafter "
+    assert said.startswith(f"dflash-torch: error: --resume: '{work / 'checkpoint.pt'}' was trained with another drafter "
                            "configuration: num_hidden_layers 2 here, 1 in the checkpoint; block_size 16 here, 8 in the "
                            "checkpoint") and "--num-layers" not in said, said
-    assert said.endswith(f": its run started with --init-from {drafter}, which set it; pass --init-from {drafter} "
+    assert said.endswith(f": its run started with --init-from '{drafter}', which set it; pass --init-from '{drafter}' "
                          "again to continue it, or leave out --resume and pass --overwrite to start over"), said
     assert "max_position_embeddings" not in said, said  # (it was named, "1024 here, None in the checkpoint")
     # a checkpoint of such a run saved without it (before it was filled in) resumes with --init-from as before
@@ -3686,3 +3686,34 @@ def test_init_from_given_changed_or_left_out_on_resume_is_warned_and_never_recor
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         f"its run started with --init-from {o2}, which set it; pass --init-from {o2} again to continue it, or leave "
         "out --resume and pass --overwrite to start over")
+
+
+def test_the_command_line_names_no_flag_inside_a_path(tiny_pair, tmp_path, monkeypatch, capsys):
+    """Paths in train's messages are quoted, and a field's name inside quotes or before a dot and a
+    word (``resume.d``) is not replaced by its flag: "--data my --out is this run's out" for
+    --data 'my out' --out 'my out', "x --resume holds a training checkpoint: pass resume=True"
+    for --work-dir 'x resume', "saved to --resume.d/checkpoint.pt" (trial-263)."""
+    from dflash_torch.cli import error_message, main as cli_main
+    from dflash_torch.errors import named
+
+    target, _ = tiny_pair
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my out").mkdir()
+    (tmp_path / "c.txt").write_text("def f(x):\n    return x\n" * 50)
+    base = ["train", "--target", str(target), "--steps", "2", "--no-progress"]
+    tail = ": the drafter's own files would be read as data; put the data in a directory of its own"
+    for path in ("my out", "out"):
+        assert cli_main([*base, "--data", path, "--out", path]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"dflash-torch: error: --data '{path}' is this run's --out{tail}"]
+    (tmp_path / "x resume").mkdir()
+    (tmp_path / "x resume" / "checkpoint.pt").write_bytes(b"x")
+    assert cli_main([*base, "--data", "c.txt", "--out", "o", "--work-dir", "x resume"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "dflash-torch: error: 'x resume' holds a training checkpoint: pass --resume to continue it or --overwrite "
+        "to start over"]
+    # (the interrupt's line, said through Trainer.say as an error's message is)
+    for shown in ("'resume.d/checkpoint.pt'", "resume.d/checkpoint.pt"):
+        line = f"interrupted: checkpoint of step 202 saved to {shown}; continue with resume=True"
+        assert error_message(named(line, "resume"), {"resume": "--resume"}) == \
+            f"interrupted: checkpoint of step 202 saved to {shown}; continue with --resume"

@@ -36,7 +36,7 @@ from ..chat_template import reserved_template_variables
 from .. import checkpoint
 from ..checkpoint import all_finite, checkpoint_dir, load_config, memory_text
 from ..cli import deferred_interrupt, interrupt_signals, missing_dirs
-from ..errors import DFlashError, OptionError, named
+from ..errors import DFlashError, OptionError, named, quoted
 from ..models.config import TargetConfig
 from ..models.drafter_config import (DFlash2Settings, DrafterConfig, default_target_layer_ids, fill_mask_token_id,
                                      needs_mask_token_id, token_ids, unused_token_id, validate_pair)
@@ -338,15 +338,15 @@ def check_run_dirs(cfg: TrainConfig) -> None:
             if path.is_dir():
                 os.listdir(path)
             elif given and path.exists():  # (a NotADirectoryError once the target had loaded)
-                raise OptionError(f"{key} {path} is a file; give a directory", key)
+                raise OptionError(f"{key} {quoted(path)} is a file; give a directory", key)
         except OSError as exc:
-            raise OptionError(f"cannot use {key} {path} as a directory: {exc.strerror or exc}", key) from None
+            raise OptionError(f"cannot use {key} {quoted(path)} as a directory: {exc.strerror or exc}", key) from None
     # (a cached id's snapshot too: the drafter was written through its links into the blobs; the work dir's
     # checkpoint.pt and data caches were written into the target's directory, or a directory in it)
     mine = {"out": (cfg.out, out), "work_dir": (cfg.work_dir or str(work), work)}
     cached_init = cfg.init_from is not None and not Path(cfg.init_from).is_dir()
     for whose, name, names in (("the target's directory", cfg.target, ()),
-                               (f"the directory of init_from {cfg.init_from} in the Hugging Face cache",
+                               (f"the directory of init_from {quoted(cfg.init_from)} in the Hugging Face cache",
                                 cfg.init_from if cached_init else None, ("init_from",))):
         try:
             source = None if name is None else os.path.realpath(checkpoint.resolve_model_dir(name))
@@ -361,35 +361,35 @@ def check_run_dirs(cfg: TrainConfig) -> None:
                 "the data cache and checkpoint a directory of their own"
             if source is not None and (real == source or real.startswith(os.path.join(source, ""))):
                 if real == source:
-                    raise OptionError(f"{key} {shown} is {whose}; give {own}", key, *names)
-                raise OptionError(f"{key} {shown} is inside {whose}; give {own} outside it", key, *names)
+                    raise OptionError(f"{key} {quoted(shown)} is {whose}; give {own}", key, *names)
+                raise OptionError(f"{key} {quoted(shown)} is inside {whose}; give {own} outside it", key, *names)
             if folder is not None and (real == str(folder) or real.startswith(os.path.join(folder, ""))):
-                raise OptionError(f"{key} {shown} is inside the Hugging Face cache folder of {name} ({folder}); "
+                raise OptionError(f"{key} {quoted(shown)} is inside the Hugging Face cache folder of {quoted(name)} ({quoted(folder)}); "
                                   f"give {own} outside it", key)
     own = {os.path.realpath(work): "work_dir", os.path.realpath(out): "out"}
     for given in cfg.data:  # (one below them is read without them: read_corpus leaves them out)
         if os.path.realpath(given) in own:  # (it trained on the drafter's config.json and log, then replaced them)
-            raise OptionError(f"data {given} is this run's {own[os.path.realpath(given)]}: the drafter's own files "
+            raise OptionError(f"data {quoted(given)} is this run's {own[os.path.realpath(given)]}: the drafter's own files "
                               "would be read as data; put the data in a directory of its own",
                               "data", own[os.path.realpath(given)])
     if not (cfg.overwrite or cfg.resume):  # (the Python API replaced them, unsaid: trial-259)
         if foreign_checkpoint(work / CHECKPOINT):  # (another tool's: not "a training checkpoint" to resume)
-            raise OptionError(f"{work / CHECKPOINT} is not a dflash-torch training checkpoint: give another "
+            raise OptionError(f"{quoted(work / CHECKPOINT)} is not a dflash-torch training checkpoint: give another "
                               "work_dir, or pass overwrite=True to replace it", "work_dir", "overwrite")
         if (work / CHECKPOINT).exists():
-            raise OptionError(f"{work} holds a training checkpoint: pass resume=True to continue it or overwrite=True "
+            raise OptionError(f"{quoted(work)} holds a training checkpoint: pass resume=True to continue it or overwrite=True "
                               "to start over", "resume", "overwrite")
         found = sorted(f.name for f in out.iterdir() if f.name == "config.json" or STALE_WEIGHTS.fullmatch(f.name)) \
             if out.is_dir() else []
         if found:  # (it said "a checkpoint", as the work dir's checkpoint.pt to resume: trial-175)
-            raise OptionError(f"out {cfg.out} already holds a drafter or other model ({', '.join(found[:3])}"
+            raise OptionError(f"out {quoted(cfg.out)} already holds a drafter or other model ({', '.join(found[:3])}"
                               f"{', ...' if len(found) > 3 else ''}): pass overwrite=True to replace it", "out", "overwrite")
     for key, path in (("out", out), ("work_dir", work)):
         try:  # (made before the target loads: it failed with a traceback after; so did one it may not write)
             path.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=path).close()
         except OSError as exc:
-            raise OptionError(f"cannot use {key} {path} as a directory: {exc.strerror or exc}", key) from None
+            raise OptionError(f"cannot use {key} {quoted(path)} as a directory: {exc.strerror or exc}", key) from None
 
 
 def resolve_mask_token_id(tokenizer, vocab_size: int, override: int | None) -> tuple[int, str]:
@@ -693,28 +693,28 @@ def load_init_drafter(cfg: TrainConfig, target_cfg: TargetConfig, tokenizer=None
         theirs.update({k: getattr(src_cfg.dflash2, k) for k in DFLASH2_SIZES})
     for key, value in theirs.items():
         if getattr(cfg, key) not in (value, TrainConfig.__dataclass_fields__[key].default):
-            raise named(f"{key} {getattr(cfg, key)} cannot be combined with init_from {cfg.init_from}, whose "
+            raise named(f"{key} {getattr(cfg, key)} cannot be combined with init_from {quoted(cfg.init_from)}, whose "
                         f"{key} is {value}: the drafter's shape comes from it (leave {key} at its default, "
                         f"or give {value})", key, "init_from")
     if src_cfg.speculators is not None:  # (its own embedding / LM head / attention rules: not this trainer's format)
-        raise OptionError(f"init_from {cfg.init_from} is a Speculators-format drafter; dflash-torch trains "
+        raise OptionError(f"init_from {quoted(cfg.init_from)} is a Speculators-format drafter; dflash-torch trains "
                           "DFlash-format drafters (initialize from one of those, or train from scratch)", "init_from")
     if src_cfg.laguna is not None:  # (its aux norms, output gate and context input norm: not this trainer's format)
-        raise OptionError(f"init_from {cfg.init_from} is a Laguna DFlash drafter; dflash-torch trains "
+        raise OptionError(f"init_from {quoted(cfg.init_from)} is a Laguna DFlash drafter; dflash-torch trains "
                           "DFlash-format drafters (initialize from one of those, or train from scratch)", "init_from")
     try:
         validate_pair(target_cfg, src_cfg)
     except DFlashError as exc:  # (it said only "incompatible pair: drafter hidden_size 256 != ...", no flag named)
-        raise OptionError(f"init_from {cfg.init_from} does not fit the target ({exc})", "init_from") from None
+        raise OptionError(f"init_from {quoted(cfg.init_from)} does not fit the target ({exc})", "init_from") from None
     if src_cfg.dflash2 is not None and cfg.arch != "dflash2":
-        raise OptionError(f"init_from {cfg.init_from} is a DFlash 2 drafter; train it with arch dflash2", "init_from",
+        raise OptionError(f"init_from {quoted(cfg.init_from)} is a DFlash 2 drafter; train it with arch dflash2", "init_from",
                           "arch")
     try:
         source = DFlashDrafter.from_pretrained(src_dir, torch.float32, config=raw, parsed=src_cfg)
     except DFlashError as exc:  # ("drafter weight layers.0.mlp.gate_proj.weight has shape ...": no flag named, trial-249)
-        raise OptionError(f"init_from {cfg.init_from}: {exc}", "init_from") from None
+        raise OptionError(f"init_from {quoted(cfg.init_from)}: {exc}", "init_from") from None
     if source.config.own_embedding or source.config.own_lm_head:  # (this trainer's drafters read the target's)
-        raise OptionError(f"init_from {cfg.init_from} ships its own embedding table / LM head; dflash-torch trains "
+        raise OptionError(f"init_from {quoted(cfg.init_from)} ships its own embedding table / LM head; dflash-torch trains "
                           "drafters that read the target's (initialize from one without, or train from scratch)",
                           "init_from")
     # (a source without max_position_embeddings takes the target's, as a fresh run's drafter does: its export lacked
@@ -1302,7 +1302,7 @@ class Trainer:
                 raise DFlashError(f"cannot read {file}: {exc.strerror or exc}") from None
         ckpt_path = cfg.work_path() / CHECKPOINT
         if cfg.resume and not ckpt_path.is_file():  # (it was found out after the data was prepared)
-            raise OptionError(f"resume=True: no checkpoint at {ckpt_path}", "resume")
+            raise OptionError(f"resume=True: no checkpoint at {quoted(ckpt_path)}", "resume")
         target_dir = checkpoint_dir(cfg.target, "target")
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
         if cfg.seq_len > (limit := context_limit(target_cfg)):
@@ -1329,21 +1329,21 @@ class Trainer:
             try:  # (one this process may not read; mapping a damaged one fails with OSErrors too)
                 open(ckpt_path, "rb").close()
             except OSError as exc:
-                raise OptionError(f"resume=True: cannot read {ckpt_path}: {exc.strerror or exc}", "resume") from None
+                raise OptionError(f"resume=True: cannot read {quoted(ckpt_path)}: {exc.strerror or exc}", "resume") from None
             try:  # (mapped: its tensors are read when the drafter and optimizer take them, after the data step)
                 st = torch.load(ckpt_path, weights_only=True, mmap=True)  # (a pickle of other objects could run code)
             except pickle.UnpicklingError:  # (weights_only's refusal of an object that is no tensor or plain value)
-                raise named(f"resume=True: {ckpt_path} holds Python objects a dflash-torch training checkpoint does "
+                raise named(f"resume=True: {quoted(ckpt_path)} holds Python objects a dflash-torch training checkpoint does "
                             "not (only tensors and plain values), so it is not read (unpickling them could run "
                             "code); give the work_dir of a dflash-torch train run, or leave out resume=True and "
                             "pass overwrite=True to replace it", "resume", "work_dir", "overwrite") from None
             except Exception:  # (torch's words, cut short, were about zip archives or torch.save's mmap option: trial-175)
-                raise named(f"resume=True: {ckpt_path} is not a whole torch checkpoint file (truncated or damaged), "
+                raise named(f"resume=True: {quoted(ckpt_path)} is not a whole torch checkpoint file (truncated or damaged), "
                             "so it cannot be read; leave out resume=True and pass overwrite=True to start over",
                             "resume", "overwrite") from None
             missing = [k for k in CHECKPOINT_KEYS if k not in st] if isinstance(st, dict) else list(CHECKPOINT_KEYS)
             if missing:  # (another tool's checkpoint.pt: it was a KeyError traceback)
-                raise named(f"resume=True: {ckpt_path} is not a dflash-torch training checkpoint (it holds no "
+                raise named(f"resume=True: {quoted(ckpt_path)} is not a dflash-torch training checkpoint (it holds no "
                             f"{', '.join(missing)}); give the work_dir of a dflash-torch train run, or leave "
                             "out resume=True and pass overwrite=True to replace it", "resume", "work_dir", "overwrite")
             was_init = (st.get("train_config") or {}).get("init_from")
@@ -1393,9 +1393,9 @@ class Trainer:
             tail = "or leave out resume=True and pass overwrite=True to start over"
             if differ and was_init and not cfg.init_from:  # (it named the defaults of flags not given: trial-175;
                 # the drafter's other settings came from that drafter too, e.g. its max_position_embeddings)
-                raise named(f"resume=True: {ckpt_path} was trained with another drafter configuration: "
-                            f"{'; '.join(differ.values())}: its run started with init_from {was_init}, which "
-                            f"set it; pass init_from {was_init} again to continue it, {tail}", *names)
+                raise named(f"resume=True: {quoted(ckpt_path)} was trained with another drafter configuration: "
+                            f"{'; '.join(differ.values())}: its run started with init_from {quoted(was_init)}, which "
+                            f"set it; pass init_from {quoted(was_init)} again to continue it, {tail}", *names)
             from_target = [text for key, text in differ.items() if key not in DRAFTER_FLAGS]
             if from_target:  # (the target's sizes: no flag gives them, nor the settings left to follow the target)
                 left = {"target_layer_ids": cfg.target_layer_ids, "intermediate_size": cfg.intermediate_size,
@@ -1404,21 +1404,22 @@ class Trainer:
                     key in left and left[key] is None) and not ((cfg.init_from or was_init) and key in SHAPE_KEYS)]
                 was = st.get("target_dir")
                 also = f"; and other settings: {'; '.join(flags)}" if flags else ""
-                # (--target: "target" is a word of the message too)
-                raise named(f"resume=True: {ckpt_path} was trained for another target"
-                            f"{f', {was}' if was else ''} ({'; '.join(from_target)}{also}): pass "
-                            f"{f'--target {was}' if was else 'the --target it was trained for'}"
+                # (the field target is named once, where it is to be passed: "another model", not "another target";
+                # it said "pass --target" in Python too: trial-263)
+                raise named(f"resume=True: {quoted(ckpt_path)} was trained for another model"
+                            f"{f', {quoted(was)}' if was else ''} ({'; '.join(from_target)}{also}): pass "
+                            f"{f'target {quoted(was)}' if was else 'the target it was trained for'}"
                             f"{' and the values of the checkpoint' if flags else ''} to continue it, {tail}",
-                            *names)
+                            *names, "target")
             if differ and cfg.init_from and not same_init_source(was_init, cfg.init_from):  # (its values came from
                 # a drafter the run did not start from: "give the checkpoint's values" named no flag that sets them)
-                how = (f"pass init_from {was_init} instead" if was_init else
+                how = (f"pass init_from {quoted(was_init)} instead" if was_init else
                        "leave out init_from and give the checkpoint's values")
-                raise named(f"resume=True: {ckpt_path} was trained with another drafter configuration: "
-                            f"{'; '.join(differ.values())}: here they are those of init_from {cfg.init_from}, "
+                raise named(f"resume=True: {quoted(ckpt_path)} was trained with another drafter configuration: "
+                            f"{'; '.join(differ.values())}: here they are those of init_from {quoted(cfg.init_from)}, "
                             f"which its run did not start from ({how} to continue it, {tail})", *names)
             if differ:
-                raise named(f"resume=True: {ckpt_path} was trained with another drafter configuration: "
+                raise named(f"resume=True: {quoted(ckpt_path)} was trained with another drafter configuration: "
                             f"{'; '.join(differ.values())} (give the checkpoint's values to continue it, {tail})",
                             *names)
         # (before the data is prepared: a drafter too big failed with an allocator's traceback once it was built)
@@ -1698,7 +1699,7 @@ class Trainer:
             if unsaved is not None:
                 self.log(f"interrupted: the drafter of step {step} is saved in {out_dir}, but {unsaved_line(unsaved)}")
             else:
-                self.say(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; continue with resume=True", "resume")
+                self.say(f"interrupted: checkpoint of step {step} saved to {quoted(ckpt_path)}; continue with resume=True", "resume")
             raise
         if step == first_step and budget is not None and elapsed_prev < budget and (cfg.steps is None or step < cfg.steps):
             # (it exported an untrained drafter with exit 0 unsaid, e.g. where the evaluation before training spent the
