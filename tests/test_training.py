@@ -3713,7 +3713,7 @@ def test_the_command_line_names_no_flag_inside_a_path(tiny_pair, tmp_path, monke
         "dflash-torch: error: 'x resume' holds a training checkpoint: pass --resume to continue it or --overwrite "
         "to start over"]
     # (the interrupt's line, said through Trainer.say as an error's message is)
-    for shown in ("'resume.d/checkpoint.pt'", "resume.d/checkpoint.pt"):
-        line = f"interrupted: checkpoint of step 202 saved to {shown}; continue with resume=True"
+    for path in ("'resume.d/checkpoint.pt'", "resume.d/checkpoint.pt"):
+        line = f"interrupted: checkpoint of step 202 saved to {path}; continue with resume=True"
         assert error_message(named(line, "resume"), {"resume": "--resume"}) == \
-            f"interrupted: checkpoint of step 202 saved to {shown}; continue with --resume"
+            f"interrupted: checkpoint of step 202 saved to {path}; continue with --resume"
