@@ -583,3 +583,38 @@ def test_config_variants_read_as_transformers_reads_them(text, refused):
     assert ours.moe_layers == [t == "sparse" for t in theirs.mlp_layer_types]
     for key in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "linear_lower_bound"):
         assert getattr(ours, key) == getattr(theirs, key), key
+
+
+def test_self_distill_loads_the_multimodal_wrapper_and_continues_as_our_engine(checkpoints, tmp_path):
+    """``train --self-distill`` on a GLM-5.3-Flash target: transformers' AutoModelForCausalLM
+    does not map ``Glm5NextConfig`` (it was a ValueError traceback, trial-263), so the class its
+    config.json names is loaded; its greedy continuations of text prompts (two lengths: left
+    padding) equal our engine's target-only greedy output. A target transformers cannot load is
+    refused in one line naming self_distill (--self-distill on the command line)."""
+    from dflash_torch import DFlashEngine
+    from dflash_torch.cli import build_parser, error_message
+    from dflash_torch.errors import OptionError
+    from dflash_torch.tokenizer import load_tokenizer
+    from dflash_torch.training.distill import self_distill
+
+    target = checkpoints["safe-gate"]
+    tokenizer = load_tokenizer(target)
+    prompts = [tokenizer.encode("def f(x):\n    return")[:6], tokenizer.encode("hello world, this is")[:4]]
+    examples = self_distill(target, tokenizer, prompts, [False, False], 20, batch_size=2, progress=False)
+    engine = DFlashEngine(TargetModel.from_pretrained(target, torch.float32), tokenizer)
+    for p, ex in zip(prompts, examples):
+        assert ex.ids[:len(p)].tolist() == p and len(ex.ids) == 20
+        assert ex.ids[len(p):].tolist() == list(engine.generate(p, max_new_tokens=20 - len(p), ignore_eos=True).token_ids)
+    from dflash_torch.training.distill import load_distill_model
+
+    bare = tmp_path / "bare"  # (its config only: transformers finds no weights)
+    bare.mkdir()
+    shutil.copy(target / "config.json", bare / "config.json")
+    with pytest.raises(OptionError) as err:
+        load_distill_model(bare)
+    message = str(err.value)
+    assert message.startswith("self_distill runs the target with transformers, which cannot load it (") and \
+        message.endswith("); train without self_distill") and "\n" not in message, message
+    flags = build_parser().parse_args(["train", "--target", "t", "--data", "d", "--out", "o"]).option_flags
+    assert error_message(err.value, flags).startswith("--self-distill runs the target")
+    assert error_message(err.value, flags).endswith("train without --self-distill")

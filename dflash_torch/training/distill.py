@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import first_line, named
 from ..tokenizer import transformers_config
 from .data import Corpus, Example, chat_prompt
 
@@ -159,6 +160,39 @@ def _progress_bars(enabled: bool):
             hf_logging.enable_progress_bar()
 
 
+def load_distill_model(target_dir: Path, dtype: torch.dtype = torch.float32):
+    """The target in ``target_dir`` as transformers runs it (eval mode, ``dtype``), for
+    self-distillation: ``AutoModelForCausalLM``'s class for its config, or, for a config it
+    does not map (a multimodal wrapper such as GLM-5.3-Flash's ``glm5_next``: it failed with
+    transformers' "Unrecognized configuration class" traceback, trial-263), the class that
+    ``config.json``'s ``architectures`` names in transformers, else
+    ``AutoModelForImageTextToText``'s; it is given text only.
+
+    Raises:
+        OptionError: transformers cannot load it (its message's first line), naming ``self_distill``.
+    """
+    import transformers
+
+    try:
+        config = transformers_config(target_dir)  # (read by dflash-torch first: transformers' notices on it silenced)
+        try:
+            return transformers.AutoModelForCausalLM.from_pretrained(str(target_dir), config=config,
+                                                                     dtype=dtype).eval()
+        except ValueError as exc:  # (a config class AutoModelForCausalLM does not map)
+            if "Unrecognized configuration class" not in str(exc):
+                raise
+        named_class = next((getattr(transformers, name, None) for name in (getattr(config, "architectures", None) or [])
+                            if isinstance(name, str) and hasattr(getattr(transformers, name, None), "from_pretrained")),
+                           None)
+        loader = named_class or transformers.AutoModelForImageTextToText
+        return loader.from_pretrained(str(target_dir), config=config, dtype=dtype).eval()
+    except (ImportError, KeyboardInterrupt, MemoryError):
+        raise
+    except Exception as exc:  # (transformers' refusal, or a class it lacks: a traceback)
+        raise named(f"self_distill runs the target with transformers, which cannot load it ({first_line(exc)}); "
+                    "train without self_distill", "self_distill") from None
+
+
 def self_distill(target_dir: Path, tokenizer, prompts: list[list[int]], chat: list[bool], seq_len: int, *,
                  batch_size: int = 32, dtype: torch.dtype = torch.float32, progress: bool = True) -> list[Example]:
     """One self-distilled example per prompt (see :func:`distill_prompts`): prompt + the
@@ -166,15 +200,16 @@ def self_distill(target_dir: Path, tokenizer, prompts: list[list[int]], chat: li
 
     Text prompts are continued for the full length (EOS does not stop them: the
     continuation past it is still the target's greedy output); chat prompts
-    (``chat[i]``) stop at EOS.
-    """
-    from transformers import AutoModelForCausalLM
+    (``chat[i]``) stop at EOS. The target is run by transformers (:func:`load_distill_model`),
+    on text only.
 
+    Raises:
+        OptionError: a target transformers cannot load, naming ``self_distill``.
+    """
     if not prompts:
         return []
-    config = transformers_config(target_dir)  # (read by dflash-torch first: transformers' notices on it silenced)
     with _progress_bars(progress):  # (transformers draws one while it loads the weights)
-        model = AutoModelForCausalLM.from_pretrained(str(target_dir), config=config, dtype=dtype).eval()
+        model = load_distill_model(target_dir, dtype)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     stops = [({eos} if c and eos is not None else None) for c in chat]
