@@ -996,6 +996,30 @@ def test_training_reduces_loss_and_exports_loadable_drafter(tiny_pair, tmp_path)
     assert accepted_any
 
 
+def test_resuming_a_checkpoint_of_the_old_schedule_keeps_it(tiny_pair, tmp_path):
+    """A checkpoint saved before the lr's cosine was counted from the warm-up's end (no
+    lr_decay_from, no warmup_elapsed) keeps the schedule its run began with, the decay counted
+    from step 0: the lr jumped back up on resume (trial-263). A new checkpoint is marked."""
+    target_dir, _ = tiny_pair
+    data = _jsonl(tmp_path / "d.jsonl")
+    cfg = _cfg(tmp_path / "a", target_dir, data, steps=3)
+    Trainer(cfg, log=lambda m: None).run()
+    ckpt = Path(cfg.work_dir) / "checkpoint.pt"
+    st = torch.load(ckpt, weights_only=True)
+    marker = st.pop("lr_decay_from", None)
+    del st["warmup_elapsed"]
+    torch.save(st, ckpt)
+    cfg.steps, cfg.resume = 6, True
+    lines = []
+    Trainer(cfg, log=lines.append).run()
+    old = [3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi * s / 6)) for s in range(3, 6)]  # (the steps resumed)
+    log = json.loads((Path(cfg.out) / "training_log.json").read_text())
+    assert [h["lr"] for h in log["loss_history"]][3:] == pytest.approx(old)
+    assert any("decays the learning rate from step 0" in m for m in lines), lines
+    assert marker == "warmup"
+    assert torch.load(ckpt, weights_only=True)["lr_decay_from"] == "start"  # (and a later resume keeps it)
+
+
 def test_resume_continues_identically(tiny_pair, tmp_path):
     target_dir, _ = tiny_pair
     data = _jsonl(tmp_path / "d.jsonl")
@@ -3286,7 +3310,7 @@ def test_sigterm_saves_a_checkpoint_as_ctrl_c_does_and_resume_goes_on(tiny_pair,
         proc.kill()
     assert proc.returncode == 143, err
     last = err.strip().splitlines()[-1]
-    found = re.fullmatch(rf"interrupted: checkpoint of step (\d+) saved to {re.escape(str(work / 'checkpoint.pt'))}; "
+    found = re.fullmatch(rf"interrupted: checkpoint of step (\d+) saved to {re.escape(repr(str(work / 'checkpoint.pt')))}; "
                          "continue with --resume", last)
     assert found and "Traceback" not in err, err
     step = int(found.group(1))
@@ -3666,7 +3690,7 @@ def test_init_from_given_changed_or_left_out_on_resume_is_warned_and_never_recor
     other = save_drafter(tmp_path / "d2", drafter_config(target, num_layers=2, block_size=8))
     assert cli.main([*init, "--steps", "3", "--resume", "--init-from", str(other)]) == 2
     said = capsys.readouterr().err.strip().splitlines()[-1]
-    assert said.endswith(f"here they are those of --init-from {other}, which its run did not start from (leave out "
+    assert said.endswith(f"here they are those of --init-from '{other}', which its run did not start from (leave out "
                          "--init-from and give the checkpoint's values to continue it, or leave out --resume and pass "
                          "--overwrite to start over)"), said
     # a run that started from o2: another drafter is warned, the same one spelt otherwise is not, dropping it is

@@ -1502,14 +1502,21 @@ class Trainer:
         cfg.work_path().mkdir(parents=True, exist_ok=True)
         step, elapsed_prev, history, evals = 0, 0.0, [], []
         warm_elapsed = 0.0 if not cfg.warmup_steps else None  # (the time trained when the warm-up ended)
+        decay_from = "warmup"  # (where the lr's cosine decay counts from: "start", step 0, for an old checkpoint's run)
         loss_acc, n_acc = 0.0, 0  # (the sum and count of the losses behind the next loss_history row)
         if st is not None:
             drafter.load_state_dict(st["drafter"])
             opt.load_state_dict(st["optimizer"])
             step, elapsed_prev, history, evals = st["step"], st["elapsed"], st["history"], st["evals"]
             loss_acc, n_acc = st.get("loss_acc", 0.0), st.get("n_acc", 0)  # (a checkpoint saved before they were: 0)
-            # (a checkpoint saved before it was: its decay counted from 0, as it was)
-            warm_elapsed = st.get("warmup_elapsed", 0.0 if step >= cfg.warmup_steps else None)
+            # (a checkpoint saved before the decay was counted from the warm-up's end, which has no lr_decay_from nor
+            # warmup_elapsed: its run keeps the schedule it began with, its decay counted from step 0 in steps and in
+            # time; it went on with the new one, the lr jumping back up: trial-263)
+            decay_from = st.get("lr_decay_from") or ("warmup" if "warmup_elapsed" in st else "start")
+            warm_elapsed = 0.0 if decay_from == "start" else st.get("warmup_elapsed")
+            if decay_from == "start":
+                self.log("resume: the checkpoint's run decays the learning rate from step 0 (it was saved before the "
+                         "decay was counted from the end of the warm-up), and keeps doing so")
             del st  # (its tensors now live in the drafter and the optimizer)
 
         budget = cfg.time_budget_min * 60 if cfg.time_budget_min is not None else None
@@ -1519,11 +1526,13 @@ class Trainer:
             return elapsed_prev + time.time() - t_train
 
         def progress() -> float:
-            """The share of the lr's decay done (:func:`lr_at`): counted from the end of the warm-up, in steps
-            (of steps) and in time (of time_budget_min), whichever is further."""
+            """The share of the lr's decay done (:func:`lr_at`): counted from the end of the warm-up (from step 0
+            for the run of a checkpoint saved before that), in steps (of steps) and in time (of time_budget_min),
+            whichever is further."""
             p = 0.0
+            warmup = cfg.warmup_steps if decay_from == "warmup" else 0
             if cfg.steps:
-                p = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+                p = (step - warmup) / max(cfg.steps - warmup, 1)
             if budget and warm_elapsed is not None:
                 p = max(p, (elapsed() - warm_elapsed) / max(budget - warm_elapsed, 1e-9))
             return p
@@ -1544,7 +1553,7 @@ class Trainer:
                             "target_dir": str(target_dir.resolve()),
                             "elapsed": elapsed(), "history": history, "evals": evals,
                             "loss_acc": loss_acc, "n_acc": n_acc,  # (the steps since the last loss_history row)
-                            "warmup_elapsed": warm_elapsed,
+                            "warmup_elapsed": warm_elapsed, "lr_decay_from": decay_from,
                             "drafter_config": dcfg.to_dict(), "train_config": recorded}, tmp)
                 _fsync(tmp)  # (a power cut after the rename would leave --resume an empty checkpoint)
                 os.replace(tmp, ckpt_path)
