@@ -637,7 +637,7 @@ def test_conversations_without_a_reply_in_seq_len_are_left_out_and_whole_ones_wa
                                          {"role": "assistant", "content": "ok"}]}) + "\n")
     lines = []
     Trainer(_cfg(tmp_path, target_dir, data, steps=1, warmup_steps=1), log=lines.append).run()
-    assert any("1 conversation has no assistant reply within --seq-len 64 tokens; left out" in m for m in lines), lines
+    assert any("1 conversation has no assistant reply within seq_len 64 tokens; left out" in m for m in lines), lines
     assert not any("WARNING" in m for m in lines), lines
 
 
@@ -663,7 +663,7 @@ def test_too_little_chat_data_whose_replies_lie_past_seq_len_says_to_raise_it_al
         msg = _as_cli(err.value)
         assert "0 chat conversations (left out: 3 with no assistant reply within --seq-len 16 tokens)" in msg, (run, msg)
         assert "raise --seq-len" in msg and "lower --batch or --seq-len" not in msg, (run, msg)
-        assert "data: 3 conversations have no assistant reply within --seq-len 16 tokens; left out" in lines, (run, lines)
+        assert "data: 3 conversations have no assistant reply within seq_len 16 tokens; left out" in lines, (run, lines)
         assert not lines[0].startswith("data: loaded ") and not list(cfg.work_path().glob("data-*")), (run, lines)
 
 
@@ -806,7 +806,7 @@ def test_the_mask_tokens_text_in_the_data_is_tokenized_as_plain_text_and_said(ti
     assert mask_text_note(read_corpus([data]), "<|MASK|>", 1, False) == (
         f"data: WARNING: the text '<|MASK|>', the mask token's, occurs 7 times in the data (6 in {where} and 1 more in 1 "
         "other source); this tokenizer makes it the mask token id 1, so the drafter reads it as a masked slot and learns "
-        "to draft that id: take it out of the data, or pass --mask-token-id with an id no text maps to")
+        "to draft that id: take it out of the data, or pass mask_token_id with an id no text maps to")
 
 
 def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
@@ -2359,8 +2359,8 @@ def test_a_data_directory_holding_out_and_the_work_dir_leaves_them_out_and_says_
     second, _, info2 = prepare_data(cfg, Path(target_dir), tok, lines.append)
     assert info2["documents"] == info["documents"] == 1 and torch.equal(second.stream, first.stream)
     assert any("loaded" in line for line in lines), lines
-    said = [line for line in lines if "left out" in line]
-    assert len(said) == 2 and f"left out {data / 'drafter'} (this run's --out or --work-dir)" in said[0], lines
+    said = [line for line in lines if "did not read" in line]
+    assert len(said) == 2 and f"did not read '{data / 'drafter'}' (this run's out or work_dir)" in said[0], lines
     assert read_corpus([data], [data / "drafter", data / "work"]).excluded == [data / "drafter", data / "work"]
     # a data directory inside --out is read whole, and a file given itself is read wherever it lies
     assert len(read_corpus([data / "work"], [data]).documents) == 1
@@ -2515,8 +2515,8 @@ def test_too_little_chat_data_and_a_capped_eval_split_say_what_helps(tiny_pair, 
     _, val_rows, _ = prepare_data(cfg, Path(target_dir), tok, lines.append)
     said = [line for line in lines if "holding out" in line]
     assert len(val_rows) == 1 and said == [
-        "data: holding out 1 sequence for evaluation, not --val-seqs 3: they are taken from one kind of data only, "
-        "here the 6 chat conversations, at most a fifth of them, leaving at least --batch 2 sequences to train on"], lines
+        "data: holding out 1 sequence for evaluation, not val_seqs 3: they are taken from one kind of data only, "
+        "here the 6 chat conversations, at most a fifth of them, leaving at least batch 2 sequences to train on"], lines
 
 
 def test_self_distill_that_finds_too_little_is_refused(tiny_pair, tmp_path):
@@ -3708,7 +3708,7 @@ def test_init_from_given_changed_or_left_out_on_resume_is_warned_and_never_recor
     assert log["steps"] == 4 and log["config"]["init_from"] == str(o2) and log["config"]["init_from_target"] is False
     assert cli.main([*args, "--steps", "5", "--resume", "--intermediate-size", "96"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        f"its run started with --init-from {o2}, which set it; pass --init-from {o2} again to continue it, or leave "
+        f"its run started with --init-from '{o2}', which set it; pass --init-from '{o2}' again to continue it, or leave "
         "out --resume and pass --overwrite to start over")
 
 

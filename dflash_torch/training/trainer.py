@@ -1007,10 +1007,10 @@ def mask_text_note(corpus: Corpus, text: str, mask_token_id: int, as_text: bool)
                 f"as the mask token id {mask_token_id}, which stands for masked slots only")
     return (f"data: WARNING: the text {text!r}, the mask token's, occurs {seen}; this tokenizer makes it the mask token "
             f"id {mask_token_id}, so the drafter reads it as a masked slot and learns to draft that id: take it out of "
-            "the data, or pass --mask-token-id with an id no text maps to")
+            "the data, or pass mask_token_id with an id no text maps to")
 
 
-def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log, mask_token_id: int | None = None) -> dict:
+def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, say, mask_token_id: int | None = None) -> dict:
     """Read, tokenize and self-distill the data (the blob :func:`prepare_data` caches).
 
     The text of the mask token ``mask_token_id`` (an added token, e.g. ``<|MASK|>``) in the
@@ -1022,17 +1022,17 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log, mask_toke
     t0 = time.time()
     notes: list[str] = []
 
-    def note(line: str) -> None:
-        notes.append(line)
-        log(line)
+    def note(line: str, *names: str) -> None:  # (kept with the fields it names: said again as flags, or as fields)
+        notes.append([line, *names])
+        say(line, *names)
 
     corpus = read_corpus(cfg.data, cfg.own_dirs())
     tokenizer, mask_text = mask_as_text(tokenizer, mask_token_id)
     said = mask_text_note(corpus, mask_text, mask_token_id, isinstance(tokenizer, MaskAsText)) if mask_text else None
     if said:
-        note(said)
+        note(said, "mask_token_id")
     for d in corpus.excluded:
-        note(f"data: left out {d} (this run's --out or --work-dir) and everything below it")
+        note(f"data: did not read {quoted(d)} (this run's out or work_dir) nor anything below it", "out", "work_dir")
     if corpus.skipped:
         n = len(corpus.skipped)
         note(f"data: skipped {n} file{'s' * (n != 1)} that {'are' if n != 1 else 'is'} not UTF-8 text"
@@ -1043,9 +1043,10 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log, mask_toke
     no_turn = len(has_turn) - len(replied)
     if no_turn:  # (no token of theirs carries loss; they trained on all their tokens, unsaid)
         first = has_turn.index(False)
-        still = "; --self-distill still takes prompts from them" if cfg.self_distill else ""
+        still = "; self_distill still takes prompts from them" if cfg.self_distill else ""
         note(f"data: {no_turn} conversation{'s have' if no_turn > 1 else ' has'} no assistant turn, e.g. "
-             f"{corpus.source(first)}; left out (a conversation's loss lies on its assistant turns{still})")
+             f"{corpus.source(first)}; left out (a conversation's loss lies on its assistant turns{still})",
+             *(["self_distill"] if still else []))
     chat = [tokenize_conversation(tokenizer, corpus.conversations[i], cfg.seq_len, corpus.source(i),
                                   cfg.chat_template_kwargs) for i in replied]
     whole = [corpus.source(i) for i, e in zip(replied, chat) if e.whole]
@@ -1054,8 +1055,8 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log, mask_toke
              f"other messages' text in the chat template's rendering, e.g. {whole[0]}; the loss covers all their tokens")
     past = sum(not e.loss_mask.any() for e in chat)
     if past:
-        note(f"data: {past} conversation{'s have' if past > 1 else ' has'} no assistant reply within --seq-len "
-             f"{cfg.seq_len} tokens; left out")
+        note(f"data: {past} conversation{'s have' if past > 1 else ' has'} no assistant reply within seq_len "
+             f"{cfg.seq_len} tokens; left out", "seq_len")
         chat = [e for e in chat if e.loss_mask.any()]
     left_out = {"no_turn": no_turn, "past_seq_len": past}
     distilled: list[Example] = []
@@ -1078,7 +1079,7 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, log, mask_toke
         t1 = time.time()
         distilled = self_distill(target_dir, tokenizer, prompts, is_chat, cfg.seq_len,
                                  batch_size=cfg.self_distill_batch, progress=cfg.progress)
-        log(f"data: self-distilled {len(distilled)} sequences in {time.time() - t1:.0f}s")
+        say(f"data: self-distilled {len(distilled)} sequences in {time.time() - t1:.0f}s")
     return {"stream": stream, "chat": [(e.ids, e.loss_mask) for e in chat],
             "distilled": [(e.ids, e.loss_mask) for e in distilled], "notes": notes,
             "stats": {"documents": len(corpus.documents), "conversations": len(corpus.conversations),
@@ -1107,26 +1108,31 @@ def _load_data_cache(cache: Path, log) -> dict | None:
 
 
 def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log,
-                 mask_token_id: int | None = None) -> tuple[TrainingData, list, dict]:
+                 mask_token_id: int | None = None, say=None) -> tuple[TrainingData, list, dict]:
     """Tokenized (and self-distilled) data (the text of the drafter's mask token
     ``mask_token_id`` in it as plain text: :func:`_tokenize_data`), cached in the work dir under :func:`data_key`
     (a new cache replaces the work dir's older ones once the data passed :func:`check_data_size`,
     and one that cannot be read back, with a WARNING), and a validation set (:func:`split_eval`).
 
+    ``log`` is called with each line said; ``say``, where given, instead with a line that
+    names fields and the fields (``say(line, *names)``: :meth:`Trainer.say`, which names them
+    as the command line's flags).
+
     Raises:
         DFlashError: unreadable or malformed data (naming the file), or too little of it
             (:func:`check_data_size`; checked before self-distillation too).
     """
+    say = say or (lambda line, *names: log(line))
     work = cfg.work_path()
     cache = work / f"data-{data_key(cfg, target_dir, mask_token_id)}.pt"
     blob = _load_data_cache(cache, log) if cache.is_file() else None
     written = blob is None  # (this run writes the cache)
     if blob is not None:
         log(f"data: loaded {cache}")
-        for line in blob["notes"]:  # (what the run that made it said about the data)
-            log(line)
+        for line in blob["notes"]:  # (what the run that made it said about the data; a line alone in older caches)
+            say(*line) if isinstance(line, (list, tuple)) else log(line)
     else:
-        blob = _tokenize_data(cfg, target_dir, tokenizer, log, mask_token_id)
+        blob = _tokenize_data(cfg, target_dir, tokenizer, say, mask_token_id)
         work.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
         try:
@@ -1158,9 +1164,10 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log,
     if cfg.val_seqs and len(val_rows) < cfg.val_seqs:  # (split_eval's caps; it said so only in the log's stats)
         whole = {"distilled": f"the {counts[kind]} self-distilled sequences", "chat": f"the {counts[kind]} chat "
                  f"conversations", "text": f"the {counts[kind]} windows of the text"}[kind]
-        log(f"data: holding out {len(val_rows)} sequence{'' if len(val_rows) == 1 else 's'} for evaluation, not --val-seqs "
+        say(f"data: holding out {len(val_rows)} sequence{'' if len(val_rows) == 1 else 's'} for evaluation, not val_seqs "
             f"{cfg.val_seqs}: they are taken from one kind of data only, here {whole}, at most a "
-            f"{'tenth' if kind == 'text' else 'fifth'} of them, leaving at least --batch {cfg.batch} sequences to train on")
+            f"{'tenth' if kind == 'text' else 'fifth'} of them, leaving at least batch {cfg.batch} sequences to train on",
+            "val_seqs", "batch")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     data = TrainingData(stream, chat + distilled, cfg.seq_len, pad, cfg.raw_fraction)
     stats = dict(blob["stats"], val_sequences=len(val_rows), chat_and_distilled_examples=len(chat) + len(distilled))
@@ -1183,7 +1190,7 @@ class Trainer:
         :attr:`flags` has them (as :func:`~dflash_torch.cli.error_message` names an error's)."""
         from ..cli import error_message
 
-        self.log(error_message(named(line, *names), self.flags) if self.flags else line)
+        self.log(error_message(named(line, *names), self.flags) if self.flags and names else line)
 
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.autocast else nullcontext()
@@ -1476,7 +1483,8 @@ class Trainer:
                              "resumed run goes on from the checkpoint's; it changes nothing here")
                 recorded["init_from"] = before["init_from"]  # (the run's first value: never rewritten by a resume)
 
-        data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log, dcfg.mask_token_id)
+        data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log, dcfg.mask_token_id,
+                                                  say=self.say)
         self.log(f"data: {data_stats}")
         self._interrupt_note = f"before training began: no step was trained (the prepared data is kept in {cfg.work_path()})"
 
