@@ -164,12 +164,18 @@ def _jsonl(path: Path) -> Path:
     return path
 
 
+def _cli_flags() -> dict[str, str]:
+    """``dflash-torch train``'s flag of each field (``Trainer(flags=)``, as the command line gives it)."""
+    from dflash_torch.cli import build_parser
+
+    return build_parser().parse_args(["train", "--target", "t", "--data", "d", "--out", "o"]).option_flags
+
+
 def _as_cli(err: DFlashError) -> str:
     """``err``'s message as ``dflash-torch train`` says it (the fields an OptionError names, as flags)."""
-    from dflash_torch.cli import build_parser, error_message
+    from dflash_torch.cli import error_message
 
-    flags = build_parser().parse_args(["train", "--target", "t", "--data", "d", "--out", "o"]).option_flags
-    return error_message(err, flags)
+    return error_message(err, _cli_flags())
 
 
 def _cfg(tmp: Path, target: Path, data: Path, **kw) -> TrainConfig:
@@ -1049,10 +1055,10 @@ def test_resume_continues_identically(tiny_pair, tmp_path):
     half.steps, half.lr, half.gamma, half.autocast = 5, 1e-3, 2.0, False
     Trainer(half, log=lines.append).run()
     warned = [m for m in lines if "WARNING" in m]
-    # (a default value said so, as --gamma's was, for every option: trial-175)
-    assert len(warned) == 1 and "--lr the default, 0.001 (was 0.003)" in warned[0] and "--steps" not in warned[0], lines
-    # options named as typed, defaults as values (it said "--gamma 2.0 (was None), --autocast False (was True)")
-    assert "--gamma 2 (was the default, 3.5), --no-autocast given (was not)" in warned[0], warned
+    # (a default value said so, as --gamma's was, for every option: trial-175; the fields named in Python: trial-263)
+    assert len(warned) == 1 and "lr the default, 0.001 (was 0.003)" in warned[0] and "steps" not in warned[0], lines
+    # defaults as values (it said "--gamma 2.0 (was None), --autocast False (was True)")
+    assert "gamma 2 (was the default, 3.5), autocast False (was True)" in warned[0], warned
     half.gamma, half.autocast = None, True
     # another target of the same shape: warned too (it was silent); the same one spelt otherwise is not
     import shutil
@@ -1064,7 +1070,7 @@ def test_resume_continues_identically(tiny_pair, tmp_path):
     half.steps, half.target = 6, str(link)
     Trainer(half, log=lines.append).run()
     warned = [m for m in lines if "WARNING" in m]
-    assert len(warned) == 1 and f"--target {str(link)!r} (was {str(target_dir)!r})" in warned[0], lines
+    assert len(warned) == 1 and f"target {str(link)!r} (was {str(target_dir)!r})" in warned[0], lines
     lines = []
     half.steps, half.target = 7, str(other) + "/"
     Trainer(half, log=lines.append).run()
@@ -1082,12 +1088,16 @@ def test_resume_continues_identically(tiny_pair, tmp_path):
     half.steps, half.lr, half.batch = 3, 2e-3, 3
     info = Trainer(half, log=lines.append).run()
     assert info["steps"] == 7 and info["config"]["lr"] == 1e-3 and recorded() == kept
-    assert any("at step 7, --steps 3 is reached: no training" in m for m in lines), lines
+    assert any("at step 7, steps 3 is reached: no training" in m for m in lines), lines
     assert not [m for m in lines if "WARNING" in m], lines
+    lines = []  # (the command line names the flags: the Python API named them too, trial-263)
+    Trainer(half, log=lines.append, flags=_cli_flags()).run()
+    assert any(m.endswith("at step 7, --steps 3 is reached: no training; the drafter is exported as it is (give a "
+                          "larger --steps to train on)") for m in lines), lines
     lines = []  # and a --time-budget-min already spent (it said nothing)
     half.steps, half.time_budget_min = None, 1e-6
     assert Trainer(half, log=lines.append).run()["steps"] == 7
-    assert any("--time-budget-min 1e-06 is spent: no training" in m for m in lines), lines
+    assert any("time_budget_min 1e-06 is spent: no training" in m for m in lines), lines
     assert not [m for m in lines if "WARNING" in m] and recorded() == kept, lines
 
 
@@ -1098,7 +1108,7 @@ def test_a_time_budget_spent_before_a_step_is_trained_is_warned(tiny_pair, tmp_p
     cfg = _cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=None, time_budget_min=1e-9)
     lines = []
     assert Trainer(cfg, log=lines.append).run()["steps"] == 0
-    assert "WARNING: --time-budget-min 1e-09 was spent before a step was trained (it counts the evaluations too): " \
+    assert "WARNING: time_budget_min 1e-09 was spent before a step was trained (it counts the evaluations too): " \
         "the drafter exported is untrained" in lines, lines
     assert (Path(cfg.out) / "model.safetensors").is_file()
     # (2 steps, then a resume with a sliver of budget left; over the first run's drafter, as the command line's --overwrite)
@@ -1108,7 +1118,7 @@ def test_a_time_budget_spent_before_a_step_is_trained_is_warned(tiny_pair, tmp_p
     lines = []
     cfg = replace(cfg, resume=True, overwrite=False, steps=None, time_budget_min=(elapsed + 1e-6) / 60)
     assert Trainer(cfg, log=lines.append).run()["steps"] == 2
-    assert any(m.startswith("WARNING: --time-budget-min ") and m.endswith(
+    assert any(m.startswith("WARNING: time_budget_min ") and m.endswith(
         "the drafter exported is the checkpoint's of step 2, as it was") for m in lines), lines
     lines = []  # (a --steps run says nothing of it)
     assert Trainer(replace(cfg, resume=False, overwrite=True, steps=1, time_budget_min=None, warmup_steps=1),
@@ -1694,7 +1704,7 @@ def test_a_val_tau_of_none_says_why(tiny_pair, tmp_path, capsys):
     assert final["val_tau"] is None and "no held-out row holds a block of 8 tokens" in final["val_tau_note"], final
     assert any(m.startswith("eval step 0: val_loss") and "val_tau None (no held-out row holds" in m for m in lines), lines
     # the row ends at its last token here, not at --seq-len: the note says either (it named --seq-len alone, trial-94)
-    assert "before the row ends (at its last token or at --seq-len 64)" in final["val_tau_note"], final
+    assert "before the row ends (at its last token or at seq_len 64)" in final["val_tau_note"], final
     # slots no anchor of these short replies reaches are unmeasured: None, not an accuracy of 0.0 (trial-94)
     acc = final["val_slot_acc"]
     assert acc[-1] is None and all(a is None or 0.0 <= a <= 1.0 for a in acc), acc
@@ -1880,8 +1890,8 @@ def test_a_failed_or_interrupted_export_never_leaves_a_broken_drafter(tiny_pair,
     monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
     assert cli_main([*args, "--num-layers", "2", "--overwrite"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"dflash-torch: error: cannot export the drafter to {out}: No space left on device; the checkpoint "
-                       f"of step 1 is saved in {work / 'checkpoint.pt'}: run again with --resume to export it"), err
+    assert err[-1] == (f"dflash-torch: error: cannot export the drafter to '{out}': No space left on device; the checkpoint "
+                       f"of step 1 is saved in '{work / 'checkpoint.pt'}': run again with --resume to export it"), err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == old  # (no temporary file left either)
     assert DFlashEngine.from_pretrained(target, out).drafter.config.num_hidden_layers == 1
 
@@ -1893,8 +1903,8 @@ def test_a_failed_or_interrupted_export_never_leaves_a_broken_drafter(tiny_pair,
     monkeypatch.setattr(safetensors.torch, "save_file", disk_full_as_safetensors_says_it)
     assert cli_main([*args, "--num-layers", "2", "--overwrite"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"dflash-torch: error: cannot export the drafter to {out}: No space left on device; the checkpoint "
-                       f"of step 1 is saved in {work / 'checkpoint.pt'}: run again with --resume to export it"), err
+    assert err[-1] == (f"dflash-torch: error: cannot export the drafter to '{out}': No space left on device; the checkpoint "
+                       f"of step 1 is saved in '{work / 'checkpoint.pt'}': run again with --resume to export it"), err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == old
 
     def interrupted(state, path, metadata=None):  # (a real SIGINT, as the terminal sends it, while it writes)
@@ -1922,7 +1932,7 @@ def test_a_failed_or_interrupted_export_never_leaves_a_broken_drafter(tiny_pair,
     (out / "training_log.json").mkdir()
     assert cli_main([*args, "--num-layers", "2", "--overwrite"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"dflash-torch: error: the drafter is saved in {out}, but its training_log.json could not be written: "
+        f"dflash-torch: error: the drafter is saved in '{out}', but its training_log.json could not be written: "
         "Is a directory")
     assert DFlashEngine.from_pretrained(target, out).drafter.config.num_hidden_layers == 2
 
@@ -1982,9 +1992,9 @@ def test_a_final_checkpoint_that_cannot_be_saved_still_exports_the_drafter(tiny_
             "--block-size", "8", "--num-layers", "1", "--no-progress", "--overwrite"]
     assert cli_main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"dflash-torch: error: the drafter of step 2 is saved in {out}, but --resume cannot "
+    assert err[-1].startswith(f"dflash-torch: error: the drafter of step 2 is saved in '{out}', but --resume cannot "
                               f"continue this run: cannot save the training checkpoint of step 2 to "
-                              f"{work / 'checkpoint.pt'}: "), err
+                              f"'{work / 'checkpoint.pt'}': "), err
     if in_the_way == "checkpoint.tmp":
         assert err[-1].endswith(f": cannot write {work / 'checkpoint.tmp'}: Is a directory"), err
     assert json.loads((out / "training_log.json").read_text())["steps"] == 2
@@ -2011,10 +2021,10 @@ def test_a_checkpoint_that_cannot_be_saved_mid_run_or_on_ctrl_c_still_exports_th
             "--steps", "3", "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "2",
             "--block-size", "8", "--num-layers", "1", "--no-progress", "--overwrite"]
     unsaved = (f"but --resume cannot continue this run: cannot save the training checkpoint of step 1 to "
-               f"{work / 'checkpoint.pt'}: cannot write {work / 'checkpoint.tmp'}: Is a directory")
+               f"'{work / 'checkpoint.pt'}': cannot write {work / 'checkpoint.tmp'}: Is a directory")
     assert cli_main([*args, "--ckpt-every", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"dflash-torch: error: training stopped: the drafter of step 1 is saved in {out}, {unsaved}", err
+    assert err[-1] == f"dflash-torch: error: training stopped: the drafter of step 1 is saved in '{out}', {unsaved}", err
     assert json.loads((out / "training_log.json").read_text())["steps"] == 1
     DFlashEngine.from_pretrained(target, out)
     shutil.rmtree(out)
@@ -2032,7 +2042,7 @@ def test_a_checkpoint_that_cannot_be_saved_mid_run_or_on_ctrl_c_still_exports_th
     monkeypatch.setattr(Trainer, "evaluate", evaluating)
     assert cli_main([*args, "--eval-every", "1"]) == 130
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"interrupted: the drafter of step 1 is saved in {out}, {unsaved}", err
+    assert err[-1] == f"interrupted: the drafter of step 1 is saved in '{out}', {unsaved}", err
     assert json.loads((out / "training_log.json").read_text())["steps"] == 1
     DFlashEngine.from_pretrained(target, out)
 
@@ -3350,9 +3360,9 @@ def test_a_checkpoint_that_cannot_be_saved_after_an_earlier_one_says_resume_cont
     assert cli_main([*args, "--out", str(out)]) == 2
     ckpt = work / "checkpoint.pt"
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"dflash-torch: error: training stopped: the drafter of step 2 is saved in {out}, but cannot save "
-                       f"the training checkpoint of step 2 to {ckpt}: cannot write {work / 'checkpoint.tmp'}: Is a "
-                       f"directory; the checkpoint of step 1 stays in {ckpt}, and --resume continues from it"), err
+    assert err[-1] == (f"dflash-torch: error: training stopped: the drafter of step 2 is saved in '{out}', but cannot "
+                       f"save the training checkpoint of step 2 to '{ckpt}': cannot write {work / 'checkpoint.tmp'}: "
+                       f"Is a directory; the checkpoint of step 1 stays in '{ckpt}', and --resume continues from it"), err
     monkeypatch.setattr(Trainer, "evaluate", evaluate)
     (work / "checkpoint.tmp").rmdir()
     assert cli_main([*args, "--out", str(out), "--resume"]) == 0
@@ -3399,8 +3409,8 @@ def test_a_save_that_fails_on_a_full_disk_is_one_line_and_leaves_no_temporary_fi
     proc = run([*args, "--steps", "2", "--resume"], limit=4096)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (  # (--out is on the same full disk: the drafter is tried first)
-        f"dflash-torch: error: cannot export the drafter to {out}: File too large; and cannot save the training "
-        f"checkpoint of step 2 to {ckpt}: File too large; the checkpoint of step 1 stays in {ckpt}, and --resume "
+        f"dflash-torch: error: cannot export the drafter to '{out}': File too large; and cannot save the training "
+        f"checkpoint of step 2 to '{ckpt}': File too large; the checkpoint of step 1 stays in '{ckpt}', and --resume "
         "continues from it"), proc.stderr
     assert sorted(f.name for f in work.iterdir() if "checkpoint" in f.name) == ["checkpoint.pt"]
     assert ckpt.read_bytes() == saved
@@ -3677,7 +3687,7 @@ def test_init_from_given_changed_or_left_out_on_resume_is_warned_and_never_recor
         "nothing here"
     assert cli.main([*init, "--steps", "2", "--resume", "--init-from", str(o2)]) == 0
     err = capsys.readouterr().err
-    assert f"resume: WARNING: --init-from {o2} given (was not){warning}" in err, err
+    assert f"resume: WARNING: --init-from '{o2}' given (was not){warning}" in err, err
     assert "init: weights" not in err
     log = json.loads((tmp_path / "out" / "training_log.json").read_text())
     assert log["steps"] == 2 and log["config"]["init_from"] is None and log["config"]["init_from_target"] is True
@@ -3699,11 +3709,11 @@ def test_init_from_given_changed_or_left_out_on_resume_is_warned_and_never_recor
     assert cli.main([*init, "--init-from", str(o2)]) == 0
     capsys.readouterr()
     assert cli.main([*init, "--steps", "2", "--resume", "--init-from", str(o3)]) == 0
-    assert f"resume: WARNING: --init-from {o3} (was {o2}){warning}" in capsys.readouterr().err
+    assert f"resume: WARNING: --init-from '{o3}' (was '{o2}'){warning}" in capsys.readouterr().err
     assert cli.main([*init, "--steps", "3", "--resume", "--init-from", f"{o2}{os.sep}"]) == 0
     assert "WARNING" not in capsys.readouterr().err
     assert cli.main([*args, "--steps", "4", "--resume"]) == 0
-    assert f"resume: WARNING: --init-from left out (was {o2}){warning}" in capsys.readouterr().err
+    assert f"resume: WARNING: --init-from left out (was '{o2}'){warning}" in capsys.readouterr().err
     log = json.loads((tmp_path / "out" / "training_log.json").read_text())
     assert log["steps"] == 4 and log["config"]["init_from"] == str(o2) and log["config"]["init_from_target"] is False
     assert cli.main([*args, "--steps", "5", "--resume", "--intermediate-size", "96"]) == 2

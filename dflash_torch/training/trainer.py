@@ -875,12 +875,15 @@ def data_key(cfg: TrainConfig, target_dir: Path, mask_token_id: int | None = Non
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def recipe_change(key: str, now, was, block_size: int) -> str:
+def recipe_change(key: str, now, was, block_size: int, cli: bool = False) -> str:
     """A change of the recipe setting ``key`` (a :data:`RECIPE` field) from ``was`` to
-    ``now``, as the user types the option, a default value said so (as the CLI's defaults, the
-    :class:`TrainConfig` field defaults): ``--gamma 2 (was the default, 3.5)``, ``--lr the default,
-    0.001 (was 0.002)``, ``--no-autocast given (was not)``."""
-    if key == "autocast":  # (the option is --no-autocast)
+    ``now``, naming the field (which :meth:`Trainer.say` names as the command line's flag), a
+    default value said so (as the CLI's defaults, the :class:`TrainConfig` field defaults):
+    ``gamma 2 (was the default, 3.5)``, ``lr the default, 0.001 (was 0.002)``, ``autocast False
+    (was True)``; with ``cli``, autocast as its flag: ``--no-autocast given (was not)``."""
+    if key == "autocast":  # (the option is --no-autocast: not the field's name)
+        if not cli:
+            return f"autocast {now!r} (was {was!r})"
         return "--no-autocast given (was not)" if not now else "--no-autocast left out (was given)"
     if key == "min_lr_frac":  # (no option: a TrainConfig field)
         return f"min_lr_frac {now!r} (was {was!r})"
@@ -901,7 +904,7 @@ def recipe_change(key: str, now, was, block_size: int) -> str:
             return f"the default, {shown(v)}"
         return shown(v)
 
-    return f"--{key.replace('_', '-')} {value(now)} (was {value(was)})"
+    return f"{key} {value(now)} (was {value(was)})"
 
 
 def check_data_size(cfg: TrainConfig, stream_tokens: int, n_chat: int, n_distilled: int, *, no_turn: int = 0,
@@ -1235,7 +1238,7 @@ class Trainer:
             which = f"none of the first {walk_rows} held-out rows" if len(rows) > walk_rows else "no held-out row"
             result["val_tau_note"] = (f"{which} holds a block of {drafter.config.block_size} tokens from its first "
                                       "position with loss (a reply's start) on before the row ends (at its last "
-                                      f"token or at --seq-len {cfg.seq_len}): nothing to replay")
+                                      f"token or at seq_len {cfg.seq_len}): nothing to replay")
         if drafter.config.dflash2 is not None:  # weighted by the slots that count (None where none did)
             result["val_selector_loss"] = round(sel / sel_w, 4) if sel_w else None
         return result
@@ -1357,7 +1360,7 @@ class Trainer:
         source, notes = None, []
         if cfg.init_from:
             source, dcfg = load_init_drafter(cfg, target_cfg, tokenizer)
-            how = f"from --init-from {cfg.init_from}"
+            how = f"from init_from {quoted(cfg.init_from)}"
         else:
             try:
                 mask_id, how = resolve_mask_token_id(tokenizer, target_cfg.vocab_size, cfg.mask_token_id)
@@ -1433,8 +1436,9 @@ class Trainer:
         check_drafter_fits(dcfg, cfg)
         gamma = default_gamma(dcfg.block_size) if cfg.gamma is None else cfg.gamma
         extra = f", DFlash 2 modules {dcfg.dflash2}" if dcfg.dflash2 else ""
-        self.log(f"drafter: {dcfg.num_hidden_layers} layers, B={dcfg.block_size}, target_layer_ids={dcfg.target_layer_ids}, "
-                 f"mask_token_id={dcfg.mask_token_id} ({how}), gamma={gamma:g}{extra}")
+        self.say(f"drafter: {dcfg.num_hidden_layers} layers, B={dcfg.block_size}, target_layer_ids={dcfg.target_layer_ids}, "
+                 f"mask_token_id={dcfg.mask_token_id} ({how}), gamma={gamma:g}{extra}",
+                 *(["init_from"] if cfg.init_from else []))  # (how: "from init_from '...'")
         for note in notes:  # (the default target layers' warning)
             self.say(note, "target_layer_ids", "num_layers")
         recorded = asdict(cfg)  # (the settings the checkpoint and training_log.json record)
@@ -1446,41 +1450,44 @@ class Trainer:
             step, elapsed_prev = st["step"], st["elapsed"]
             self.log(f"resume: step {step}, {elapsed_prev / 60:.1f} min trained")
             before = st.get("train_config") or {}
-            changed = [recipe_change(k, getattr(cfg, k), before[k], dcfg.block_size) for k in RECIPE
+            changed = [recipe_change(k, getattr(cfg, k), before[k], dcfg.block_size, cli=bool(self.flags)) for k in RECIPE
                        if k in before and before[k] != getattr(cfg, k)]
+            changed_names = [k for k in RECIPE if k in before and before[k] != getattr(cfg, k) and k != "autocast"]
             if st.get("target_dir") not in (None, str(target_dir.resolve())):  # (another target, however it is spelt)
                 typed = before.get("target")  # (named as typed; resolved where the same words name another one)
                 now, was = (cfg.target, typed) if typed not in (None, cfg.target) else (str(target_dir.resolve()),
                                                                                        st["target_dir"])
-                changed.insert(0, f"--target {now!r} (was {was!r})")
+                changed.insert(0, f"target {now!r} (was {was!r})")
+                changed_names.insert(0, "target")
             reached = cfg.steps is not None and step >= cfg.steps
             spent = cfg.time_budget_min is not None and elapsed_prev >= cfg.time_budget_min * 60
             if reached:
-                self.log(f"resume: the checkpoint is at step {step}, --steps {cfg.steps} is reached: no training; "
-                         "the drafter is exported as it is (give a larger --steps to train on)")
+                self.say(f"resume: the checkpoint is at step {step}, steps {cfg.steps} is reached: no training; "
+                         "the drafter is exported as it is (give a larger steps to train on)", "steps")
             elif spent:
-                self.log(f"resume: the checkpoint has trained {elapsed_prev / 60:.1f} min, --time-budget-min "
-                         f"{cfg.time_budget_min:g} is spent: no training; the drafter is exported as it is")
+                self.say(f"resume: the checkpoint has trained {elapsed_prev / 60:.1f} min, time_budget_min "
+                         f"{cfg.time_budget_min:g} is spent: no training; the drafter is exported as it is",
+                         "time_budget_min")
             if reached or spent:  # (no step is trained: the recipe stays the one the drafter was trained with; it was
                 # rewritten with this run's, and warned as one "training goes on with": trial-175)
                 recorded.update({k: before[k] for k in (*RECIPE, "steps", "time_budget_min") if k in before})
             elif changed:  # (allowed, e.g. on purpose; but then not the run an uninterrupted one would be)
-                self.log(f"resume: WARNING: the recipe differs from the checkpoint's run: {', '.join(changed)}; "
-                         "training goes on with the new values")
+                self.say(f"resume: WARNING: the recipe differs from the checkpoint's run: {', '.join(changed)}; "
+                         "training goes on with the new values", *changed_names)
             was_target = before.get("init_from_target")
             if was_target is not None and was_target != cfg.init_from_target:  # (given or dropped: ignored, unsaid)
-                self.log("resume: WARNING: --init-from-target " + ("given (was not)" if cfg.init_from_target else
+                self.say("resume: WARNING: init_from_target " + ("given (was not)" if cfg.init_from_target else
                          "left out (was given)") + ": it sets the weights a run starts from, and a resumed run goes on "
-                         "from the checkpoint's; it changes nothing here")
+                         "from the checkpoint's; it changes nothing here", "init_from_target")
                 recorded["init_from_target"] = was_target  # (the record says how the drafter started)
             if "init_from" in before:  # (given, changed or dropped: it was ignored unsaid, and recorded as the run's
                 # start, a pair with init_from_target the flags refuse, which a later resume then named: trial-249)
                 if not same_init_source(before["init_from"], cfg.init_from):
                     was = before["init_from"]
-                    what = (f"{cfg.init_from} given (was not)" if was is None else f"left out (was {was})"
-                            if cfg.init_from is None else f"{cfg.init_from} (was {was})")
-                    self.log(f"resume: WARNING: --init-from {what}: it sets the weights a run starts from, and a "
-                             "resumed run goes on from the checkpoint's; it changes nothing here")
+                    what = (f"{quoted(cfg.init_from)} given (was not)" if was is None else f"left out (was {quoted(was)})"
+                            if cfg.init_from is None else f"{quoted(cfg.init_from)} (was {quoted(was)})")
+                    self.say(f"resume: WARNING: init_from {what}: it sets the weights a run starts from, and a "
+                             "resumed run goes on from the checkpoint's; it changes nothing here", "init_from")
                 recorded["init_from"] = before["init_from"]  # (the run's first value: never rewritten by a resume)
 
         data, val_rows, data_stats = prepare_data(cfg, target_dir, tokenizer, self.log, dcfg.mask_token_id,
@@ -1569,21 +1576,22 @@ class Trainer:
                 reason = write_error_reason(exc, tmp, ckpt_path)
                 if tmp.is_file():
                     tmp.unlink()
-                return DFlashError(f"cannot save the training checkpoint of step {step} to {ckpt_path}: {reason}")
+                return DFlashError(f"cannot save the training checkpoint of step {step} to {quoted(ckpt_path)}: {reason}")
             saved_step = step
             return None
 
         def kept_note() -> str:
             """After a checkpoint that could not be saved: "; the checkpoint of step N stays in ``ckpt_path``, and
-            --resume continues from it", where it holds this run's last one (saved, or resumed from), else ""."""
+            resume=True continues from it", where it holds this run's last one (saved, or resumed from), else ""
+            (said through :func:`named` with the field resume: --resume on the command line)."""
             if saved_step is None or not ckpt_path.is_file():
                 return ""
-            return f"; the checkpoint of step {saved_step} stays in {ckpt_path}, and --resume continues from it"
+            return f"; the checkpoint of step {saved_step} stays in {quoted(ckpt_path)}, and resume=True continues from it"
 
         def unsaved_line(unsaved: DFlashError) -> str:
-            """``unsaved`` (why the checkpoint of ``step`` could not be saved), with what --resume does then."""
+            """``unsaved`` (why the checkpoint of ``step`` could not be saved), with what resume=True does then."""
             note = kept_note()
-            return f"{unsaved}{note}" if note else f"--resume cannot continue this run: {unsaved}"
+            return f"{unsaved}{note}" if note else f"resume=True cannot continue this run: {unsaved}"
 
         def export(unsaved: DFlashError | None) -> tuple[Path, dict]:
             """Export the drafter of ``step`` to --out with its training_log.json: its directory and
@@ -1602,14 +1610,15 @@ class Trainer:
             try:
                 out_dir = export_drafter(drafter, dcfg, Path(cfg.out), cfg.save_dtype, self.log)
             except (OSError, SafetensorError) as exc:  # (a full disk: --out keeps what it held)
-                kept = f"the checkpoint of step {step} is saved in {ckpt_path}: run again with --resume to export it" \
-                    if unsaved is None else f"and {unsaved}{kept_note()}"
-                raise DFlashError(f"cannot export the drafter to {cfg.out}: {write_error_reason(exc)}; {kept}") from None
+                kept = f"the checkpoint of step {step} is saved in {quoted(ckpt_path)}: run again with resume=True to " \
+                    "export it" if unsaved is None else f"and {unsaved}{kept_note()}"
+                raise named(f"cannot export the drafter to {quoted(cfg.out)}: {write_error_reason(exc)}; {kept}",
+                            "resume") from None
             try:
                 _write_replacing(out_dir / "training_log.json", json.dumps(info, indent=2) + "\n")
             except OSError as exc:
-                raise DFlashError(f"the drafter is saved in {out_dir}, but its training_log.json could not be written: "
-                                  f"{exc.strerror or exc}" + (f"; and {unsaved}{kept_note()}" if unsaved else "")) from None
+                raise named(f"the drafter is saved in {quoted(out_dir)}, but its training_log.json could not be written: "
+                            f"{exc.strerror or exc}" + (f"; and {unsaved}{kept_note()}" if unsaved else ""), "resume") from None
             return out_dir, info
 
         def log_row(out, at: float | None = None) -> dict:
@@ -1636,7 +1645,7 @@ class Trainer:
             last_eval = {"step": 0, **self.evaluate(drafter, target, val_rows, gamma)}
             if last_eval.get("val_loss") is not None:
                 evals.append(last_eval)
-                self.log(_eval_line(last_eval))
+                self.say(_eval_line(last_eval), *(["seq_len"] if "val_tau_note" in last_eval else []))
         loss_ema = None
         first_step = step  # (one budget spent before this run trained a step is warned)
         self._interrupt_note = None
@@ -1683,7 +1692,7 @@ class Trainer:
                 if step % cfg.eval_every == 0 and val_rows:
                     last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
                     evals.append(last_eval)
-                    self.log(_eval_line(last_eval))
+                    self.say(_eval_line(last_eval), *(["seq_len"] if "val_tau_note" in last_eval else []))
                 if step % cfg.ckpt_every == 0:
                     unsaved = save_checkpoint()
                     if unsaved is not None:
@@ -1714,16 +1723,17 @@ class Trainer:
                 if unsaved is not None:  # (e.g. a full work dir: the drafter is exported instead; still exit 130)
                     out_dir, _ = export(unsaved)
             if unsaved is not None:
-                self.log(f"interrupted: the drafter of step {step} is saved in {out_dir}, but {unsaved_line(unsaved)}")
+                self.say(f"interrupted: the drafter of step {step} is saved in {quoted(out_dir)}, but "
+                         f"{unsaved_line(unsaved)}", "resume")
             else:
                 self.say(f"interrupted: checkpoint of step {step} saved to {quoted(ckpt_path)}; continue with resume=True", "resume")
             raise
         if step == first_step and budget is not None and elapsed_prev < budget and (cfg.steps is None or step < cfg.steps):
             # (it exported an untrained drafter with exit 0 unsaid, e.g. where the evaluation before training spent the
             # budget; a resume whose --steps is reached or budget already spent says so above)
-            self.log(f"WARNING: --time-budget-min {cfg.time_budget_min:g} was spent before a step was trained (it counts "
+            self.say(f"WARNING: time_budget_min {cfg.time_budget_min:g} was spent before a step was trained (it counts "
                      "the evaluations too): the drafter exported is " + (
-                         "untrained" if step == 0 else f"the checkpoint's of step {step}, as it was"))
+                         "untrained" if step == 0 else f"the checkpoint's of step {step}, as it was"), "time_budget_min")
         with ignored_interrupt():  # (a Ctrl-C now: the checkpoint, the drafter and its log are written whole)
             # (one that cannot be saved, e.g. a full work dir, leaves the drafter to export, then is said; one of a
             # --ckpt-every save that failed, which stopped training, is not tried again; diverged: nothing is exported)
@@ -1732,8 +1742,8 @@ class Trainer:
                 unsaved = save_checkpoint()
             out_dir, info = export(unsaved)
         if unsaved is not None:  # (the drafter is whole; only --resume, to train on, needs the checkpoint)
-            raise DFlashError(f"{'training stopped: ' if stopped else ''}the drafter of step {step} is saved in "
-                              f"{out_dir}, but {unsaved_line(unsaved)}")
+            raise named(f"{'training stopped: ' if stopped else ''}the drafter of step {step} is saved in "
+                        f"{quoted(out_dir)}, but {unsaved_line(unsaved)}", "resume")
         self.log(f"saved drafter to {out_dir} (step {step}, train loss {info['final_train_loss']}, "
                  f"eval {info['final_eval']}, {info['train_time_s'] / 60:.1f} min)")
         return info
