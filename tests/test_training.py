@@ -1217,7 +1217,7 @@ def test_init_from_target_reproduces_target_layer_context_kv(tiny_pair):
     drafter = DFlashDrafter(cfg)
     copied = copy_target_layers(drafter, target)
     assert copied == [(0, 2, None), (1, 3, None)]
-    assert init_from_target_note(copied) == "init: --init-from-target: drafter layers 0, 1 start as target layers 2, 3"
+    assert init_from_target_note(copied) == "init: init_from_target: drafter layers 0, 1 start as target layers 2, 3"
     ids = torch.randint(2, 320, (1, 12), generator=torch.Generator().manual_seed(0))
     feats = target_features(target, ids, torch.tensor([12]), cfg.target_layer_ids)[0]
     # the input of target layer 2 is the output of layer 1
@@ -1233,12 +1233,12 @@ def test_init_from_target_reproduces_target_layer_context_kv(tiny_pair):
 
 def test_init_from_target_says_which_layers_it_copied_and_warns_where_none():
     """(trial C: on a Gemma 4, gpt-oss or Qwen3.5 target it copied no layer, unsaid)"""
-    assert init_from_target_note([(0, 5, None)]) == "init: --init-from-target: drafter layer 0 starts as target layer 5"
+    assert init_from_target_note([(0, 5, None)]) == "init: init_from_target: drafter layer 0 starts as target layer 5"
     assert init_from_target_note([(0, 4, "gated attention"), (1, 5, None)]) == \
-        ("init: --init-from-target: drafter layer 1 starts as target layer 5; drafter layer 0 keeps its random "
+        ("init: init_from_target: drafter layer 1 starts as target layer 5; drafter layer 0 keeps its random "
          "initialisation (target layer 4: gated attention)")
     assert init_from_target_note([(0, 2, "no q/k norms"), (1, 3, "no q/k norms")]) == \
-        ("init: WARNING: --init-from-target copied no layer (target layers 2, 3: no q/k norms); drafter layers 0, 1 "
+        ("init: WARNING: init_from_target copied no layer (target layers 2, 3: no q/k norms); drafter layers 0, 1 "
          "keep their random initialisation")
 
 
@@ -1261,7 +1261,7 @@ def test_training_a_drafter_for_a_hybrid_moe_target(tmp_path, tokenizer_dir):
     cfg = _cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), init_from_target=True)
     lines = []
     Trainer(cfg, log=lines.append).run()
-    assert any(m.startswith("init: WARNING: --init-from-target copied no layer (target layer 5: ") and
+    assert any(m.startswith("init: WARNING: init_from_target copied no layer (target layer 5: ") and
                m.endswith("; drafter layer 0 keeps its random initialisation") for m in lines), lines
     conf = json.loads((Path(cfg.out) / "config.json").read_text())
     assert conf["intermediate_size"] == 2 * 32 + 48  # top_k * moe_intermediate_size + shared expert

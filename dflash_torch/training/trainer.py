@@ -743,7 +743,7 @@ def _layers_text(word: str, ids: list[int]) -> str:
 
 
 def init_from_target_note(copied: list[tuple[int, int, str | None]]) -> str:
-    """The line that says what ``--init-from-target`` copied (:func:`copy_target_layers`'s
+    """The line that says what ``init_from_target`` (``--init-from-target``) copied (:func:`copy_target_layers`'s
     result): which drafter layers start as which target layers, and why the others do not;
     a WARNING where none does."""
     kept = [i for i, _, why in copied if why is not None]
@@ -754,9 +754,9 @@ def init_from_target_note(copied: list[tuple[int, int, str | None]]) -> str:
     why = "; ".join(f"{_layers_text('target layer', layers)}: {w}" for w, layers in reasons.items())
     done = [(i, layer) for i, layer, w in copied if w is None]
     if not done:
-        return (f"init: WARNING: --init-from-target copied no layer ({why}); {_layers_text('drafter layer', kept)} "
+        return (f"init: WARNING: init_from_target copied no layer ({why}); {_layers_text('drafter layer', kept)} "
                 f"{_keep(kept)} random initialisation")
-    line = (f"init: --init-from-target: {_layers_text('drafter layer', [i for i, _ in done])} "
+    line = (f"init: init_from_target: {_layers_text('drafter layer', [i for i, _ in done])} "
             f"start{'s' if len(done) == 1 else ''} as {_layers_text('target layer', [layer for _, layer in done])}")
     if kept:
         line += f"; {_layers_text('drafter layer', kept)} {_keep(kept)} random initialisation ({why})"
@@ -1501,7 +1501,7 @@ class Trainer:
         if cfg.init_from_target:
             copied = copy_target_layers(drafter, target)
             if st is None:  # (a resumed run takes the checkpoint's weights instead)
-                self.log(init_from_target_note(copied))
+                self.say(init_from_target_note(copied), "init_from_target")
         if source is not None and st is None:  # (a resumed run takes the checkpoint's weights: it said "init: weights
             # of" the --init-from drafter after "resume: step N", as if they were reset to them: trial-175)
             fresh = copy_drafter(drafter, source)
