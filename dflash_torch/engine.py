@@ -54,6 +54,7 @@ DEFAULT_TARGET = ASSETS / "target"
 DEFAULT_DRAFTER = ASSETS / "drafter"
 log = logging.getLogger("dflash_torch")
 STALLED_STREAM_S = 10.0  # seconds a request from a thread that has read an open stream waits for it to be read on
+COLLECT_AFTER_S = 1.0  # seconds an open stream goes unread before a waiting request runs the garbage collector
 DEFAULT_MAX_NEW_TOKENS = 256  # a request that gives no max_new_tokens (and no generation_config.json's): this many,
 # cut to the context its prompt leaves
 _ENGINES: weakref.WeakSet = weakref.WeakSet()  # every engine of the process (for _after_fork)
@@ -327,9 +328,10 @@ class DFlashEngine:
         self._forked_busy = False  # (a forked child's copy of an engine that ran a request: _after_fork)
         _ENGINES.add(self)
         # the threads that have read the open stream (not their ids: a new thread may get a finished one's id),
-        # whether one reads it now and when its last read ended (time.monotonic(), seconds)
+        # whether one reads it now, when its last read ended (time.monotonic(), seconds) and whether a stream that
+        # has been read holds the engine (not generate's request)
         self._readers: weakref.WeakSet = weakref.WeakSet()
-        self._reading, self._read_at = False, 0.0
+        self._reading, self._read_at, self._stream_open = False, 0.0, False
         self.stop_token_ids = set(target.config.eos_token_ids)
         self._generation_defaults: dict | DFlashError = {}
         self._default_max_new_tokens = DEFAULT_MAX_NEW_TOKENS
@@ -1105,7 +1107,7 @@ class DFlashEngine:
                 try:
                     chunk = compute.run(next, chunks, None)
                 finally:
-                    self._reading, self._read_at = False, time.monotonic()
+                    self._reading, self._read_at, self._stream_open = False, time.monotonic(), True
                 if chunk is None:
                     return
                 if chunk.finish_reason is not None:
@@ -1141,7 +1143,7 @@ class DFlashEngine:
                 try:
                     compute.run(chunks.close)
                 finally:  # (even when a Ctrl-C interrupts the close)
-                    self._readers = weakref.WeakSet()
+                    self._readers, self._stream_open = weakref.WeakSet(), False
 
     def _unfitted(self, max_new_tokens: int | None, min_tokens) -> int:
         """``max_new_tokens`` to check a request's options with before its prompt is known:
@@ -1172,10 +1174,12 @@ class DFlashEngine:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """Hold the engine's lock, waiting while another request holds it (while an open stream
-        holds it and no thread has read it for ``STALLED_STREAM_S`` seconds, the garbage
-        collector runs every ``STALLED_STREAM_S`` seconds: a stream that only a reference cycle
-        keeps then closes; in a thread that has read the open stream, it runs once as soon as
-        no thread reads it, before any wait).
+        holds it and no thread has read it for ``COLLECT_AFTER_S`` seconds, the garbage
+        collector runs, once each time the stream stops, and then every ``STALLED_STREAM_S``
+        seconds: a stream that only a reference cycle keeps then closes; in a thread that has
+        read the open stream, it runs once as soon as no thread reads it, before any wait).
+        A thread that has not read it waits on, with one WARNING (logger ``dflash_torch``)
+        once the stream has not been read for ``STALLED_STREAM_S`` seconds after a collection.
 
         Raises:
             DFlashError: on the compute thread while another request holds the lock (an
@@ -1218,15 +1222,31 @@ class DFlashEngine:
                                       "an asyncio app that reads streams with run_in_executor needs an executor with "
                                       "more threads than engine calls at once")
             else:  # (another thread reads the stream, or holds the engine: wait for it)
-                collected = time.monotonic()
-                while not self.lock.acquire(timeout=0.5):
+                collected, collected_for, warned = time.monotonic(), None, False
+                while not self.lock.acquire(timeout=0.25):
+                    if self._reading:
+                        continue
                     now = time.monotonic()
-                    if not self._reading and min(now - self._read_at, now - collected) >= STALLED_STREAM_S:
-                        # a stream that only a reference cycle keeps (through an exception's traceback, say)
-                        # closes when the cycle is collected; in a program whose other threads all wait, nothing
-                        # else would run the collector: this wait never ended
+                    unread = now - self._read_at
+                    # (an open stream that has not moved for COLLECT_AFTER_S: once for each time it stopped)
+                    stopped = self._stream_open and unread >= min(COLLECT_AFTER_S, STALLED_STREAM_S)
+                    if (stopped and collected_for != self._read_at) or min(unread, now - collected) >= STALLED_STREAM_S:
+                        # a stream that only a reference cycle keeps (through an exception's traceback, say:
+                        # a web framework's abandoned response to a client that left) closes when the cycle is
+                        # collected; in a program whose other threads all wait, nothing else would run the
+                        # collector: this wait never ended (and with it only every STALLED_STREAM_S, each
+                        # client that left held the engine that long)
                         gc.collect()
-                        collected = now
+                        collected, collected_for = time.monotonic(), self._read_at
+                    if (not warned and self._stream_open and collected_for == self._read_at
+                            and time.monotonic() - self._read_at >= STALLED_STREAM_S):
+                        warned = True  # (a stream that a variable or a kept traceback holds: it waits for that)
+                        log.warning(f"dflash-torch: WARNING: a request waits for a stream of this engine that is "
+                                    f"still open and has not been read for {STALLED_STREAM_S:g} s; the engine serves "
+                                    "the next request once it is read to the end or close()d (a stream held by a "
+                                    "variable, or by an exception's traceback, e.g. of a cancelled asyncio task "
+                                    "that read it, stays open: `with contextlib.closing(engine.stream(...)) as "
+                                    "chunks:` closes it)")
         try:
             yield
         finally:

@@ -789,6 +789,68 @@ def test_a_stream_only_a_reference_cycle_keeps_frees_the_engine_for_a_waiting_th
     assert not t.is_alive() and out.get("ids") == alone, out
 
 
+def test_a_stream_a_cycle_keeps_frees_the_engine_for_a_waiting_thread_before_the_stall_limit(tiny_pair, monkeypatch):
+    """As above with the stall limit at 60 s: the waiting request runs the collector once the
+    stream has not moved for COLLECT_AFTER_S, not after the limit (with a web framework's
+    sync stream, each client that left mid-stream held the engine 10 s: trial-264)."""
+    import gc
+
+    from dflash_torch import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "STALLED_STREAM_S", 60.0)
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    alone = engine.generate("class A:", max_new_tokens=4).token_ids
+
+    class Task:
+        pass
+
+    out = {}
+    gc.disable()
+    try:
+        def reader():
+            task = Task()
+            task.me, task.stream = task, engine.stream(PROMPT, max_new_tokens=24, ignore_eos=True)
+            next(task.stream)
+
+        _in_thread(reader)
+        t = threading.Thread(target=lambda: out.update(ids=engine.generate("class A:", max_new_tokens=4).token_ids),
+                             daemon=True)  # (a deadlock must not hang the suite)
+        t.start()
+        t.join(30)
+    finally:
+        gc.enable()
+    assert not t.is_alive() and out.get("ids") == alone, out
+
+
+def test_a_request_waiting_for_a_stream_a_variable_holds_says_so_and_runs_once_it_is_closed(tiny_pair, monkeypatch,
+                                                                                           caplog):
+    """A stream read and then kept open by a variable (a cancelled asyncio task's traceback,
+    say): a request of another thread waits for it, with one WARNING saying what it waits
+    for and how to close it (it waited for ever, unsaid: trial-264), and runs once it is
+    closed."""
+    from dflash_torch import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "STALLED_STREAM_S", 0.3)
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    alone = engine.generate("class A:", max_new_tokens=4).token_ids
+    stream = engine.stream(PROMPT, max_new_tokens=24, ignore_eos=True)
+    next(stream)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(ids=engine.generate("class A:", max_new_tokens=4).token_ids),
+                         daemon=True)  # (a deadlock must not hang the suite)
+    with caplog.at_level("WARNING", logger="dflash_torch"):
+        t.start()
+        deadline = time.monotonic() + 30
+        while "still open and has not been read for 0.3 s" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert t.is_alive() and "ids" not in out  # (it waits: the stream holds the engine)
+        stream.close()
+        t.join(30)
+    assert not t.is_alive() and out.get("ids") == alone, out
+    warnings_ = [r.getMessage() for r in caplog.records if "still open" in r.getMessage()]
+    assert len(warnings_) == 1 and "contextlib.closing(engine.stream(...))" in warnings_[0], warnings_
+
+
 def test_a_stream_only_a_reference_cycle_keeps_frees_the_engine_for_the_thread_that_read_it(tiny_pair, monkeypatch):
     """A function that read a stream, raised and kept the exception in a local (exception ->
     traceback -> frame -> stream: a cycle): the next request of the same thread runs the
