@@ -12,7 +12,9 @@ So all of the engine's torch work (loading, warm-up, every decoding round) runs 
 thread per process, whichever thread calls the engine: :func:`run` hands a function to
 it and returns its result (a prompt is still tokenized in the calling thread).
 Code that mixes its own torch work with an engine's in one process should run it
-through :func:`run` too. That thread is a dedicated one, or, inside
+through :func:`run` too. ``torch.set_num_threads`` called in the main thread reaches the
+compute thread at the main thread's next call (:func:`set_num_threads` sets the compute
+thread's from any thread). That thread is a dedicated one, or, inside
 ``with this_thread():``, the calling thread itself: a program whose torch work all
 starts from one thread (``generate``, ``bench``) then runs it there, and Ctrl-C
 interrupts it as usual.
@@ -43,6 +45,7 @@ _claimed: threading.Thread | None = None  # the thread inside ``this_thread()``,
 _running: Future | None = None  # the call running on the dedicated thread
 _inline = threading.local()  # depth: the run() calls running inline in this (claimed) thread
 _interrupted: set[Future] = set()  # calls whose caller got Ctrl-C and waits for them to end
+_main_threads: int | None = None  # torch.get_num_threads() of the main thread at its last run() call
 
 
 def _loop() -> None:
@@ -145,6 +148,8 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
             return fn(*args, **kwargs)
         finally:
             _inline.depth -= 1
+    if current is threading.main_thread():
+        fn, args, kwargs = _with_main_threads(fn, args, kwargs)
     thread = _thread or _start()
     future: Future = Future()
     with _lock:  # (a task queued after _stop's sentinel would never run)
@@ -166,6 +171,28 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
         raise
     finally:
         del future  # a raised exception's traceback would keep the result alive
+
+
+def _with_main_threads(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple, dict]:
+    """``fn`` with its arguments, to be run on the compute thread for the main thread: where
+    the main thread's ``torch.get_num_threads()`` changed since its last call
+    (``torch.set_num_threads`` after the engine loaded, which sets it for the calling thread
+    only), preceded by the same change on the compute thread, so that the program's setting
+    holds for the engine's work as for its own (a new thread takes the setting made before it
+    started; :func:`set_num_threads` changes the compute thread's alone)."""
+    global _main_threads
+    n = torch.get_num_threads()
+    if n == _main_threads:
+        return fn, args, kwargs
+    first, _main_threads = _main_threads is None, n
+    if first and _thread is None:  # (the compute thread, started now, takes it)
+        return fn, args, kwargs
+
+    def after_setting(*a, **k):
+        torch.set_num_threads(n)
+        return fn(*a, **k)
+
+    return after_setting, args, kwargs
 
 
 def on_compute_thread() -> bool:

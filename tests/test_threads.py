@@ -1086,3 +1086,30 @@ def test_a_child_forked_while_a_request_runs_gets_an_error_for_that_engine(tiny_
         child.join()
     stream.close()
     assert len(engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True).token_ids) == 4  # the parent's goes on
+
+
+def test_torch_set_num_threads_in_the_main_thread_reaches_the_compute_thread(tiny_pair):
+    """torch.set_num_threads sets the calling thread's count only: called in the main thread
+    after the engine loaded, the engine's rounds ran with the compute thread's own (trial-264:
+    1.55 cores busy after set_num_threads(1)). It reaches the compute thread at the main
+    thread's next call; compute.set_num_threads still sets the compute thread's alone."""
+    import torch
+
+    from dflash_torch import compute
+
+    assert threading.current_thread() is threading.main_thread()
+    before = torch.get_num_threads()
+    engine = DFlashEngine.from_pretrained(*tiny_pair)
+    running = compute.run(torch.get_num_threads)
+    other = 1 if running != 1 else 2
+    try:
+        torch.set_num_threads(other)
+        seen = []
+        engine.generate(PROMPT, max_new_tokens=2, on_chunk=lambda chunk: seen.append(torch.get_num_threads()))
+        assert seen and set(seen) == {other}
+        compute.set_num_threads(running)  # (the compute thread's alone: the main thread's stays)
+        assert compute.run(torch.get_num_threads) == running and torch.get_num_threads() == other
+    finally:
+        torch.set_num_threads(before)
+        compute.run(torch.get_num_threads)  # (the main thread's count back: the compute thread's too)
+    assert compute.run(torch.get_num_threads) == before
