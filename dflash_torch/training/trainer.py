@@ -527,7 +527,8 @@ def make_drafter_config(target_cfg: TargetConfig, cfg: TrainConfig, mask_token_i
     dcfg = DrafterConfig(
         hidden_size=target_cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
-        head_dim=target_cfg.head_dim or target_cfg.hidden_size // target_cfg.num_attention_heads, intermediate_size=cfg.intermediate_size or _mlp_width(target_cfg),
+        head_dim=target_cfg.head_dim or target_cfg.hidden_size // target_cfg.num_attention_heads,
+        intermediate_size=cfg.intermediate_size or _mlp_width(target_cfg),
         rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta, rope_scaling=target_cfg.rope_scaling,
         attention_bias=False, block_size=cfg.block_size, mask_token_id=mask_token_id,
         target_layer_ids=list(layer_ids), num_target_layers=L, vocab_size=target_cfg.vocab_size,
@@ -1450,9 +1451,9 @@ class Trainer:
             step, elapsed_prev = st["step"], st["elapsed"]
             self.log(f"resume: step {step}, {elapsed_prev / 60:.1f} min trained")
             before = st.get("train_config") or {}
-            changed = [recipe_change(k, getattr(cfg, k), before[k], dcfg.block_size, cli=bool(self.flags)) for k in RECIPE
-                       if k in before and before[k] != getattr(cfg, k)]
-            changed_names = [k for k in RECIPE if k in before and before[k] != getattr(cfg, k) and k != "autocast"]
+            keys = [k for k in RECIPE if k in before and before[k] != getattr(cfg, k)]
+            changed = [recipe_change(k, getattr(cfg, k), before[k], dcfg.block_size, cli=bool(self.flags)) for k in keys]
+            changed_names = [k for k in keys if k != "autocast"]  # (recipe_change names autocast's flag itself)
             if st.get("target_dir") not in (None, str(target_dir.resolve())):  # (another target, however it is spelt)
                 typed = before.get("target")  # (named as typed; resolved where the same words name another one)
                 now, was = (cfg.target, typed) if typed not in (None, cfg.target) else (str(target_dir.resolve()),
