@@ -639,6 +639,20 @@ def test_a_target_given_as_the_drafter_names_every_drafter_format(tiny_pair):
         DFlashEngine.from_pretrained(tiny_pair[0], tiny_pair[0])
 
 
+@pytest.mark.parametrize("archs", [["DFlash3DraftModel"], ["Qwen3DFlashDraftModel", "Qwen3ForCausalLM"]])
+def test_a_dflash_architecture_not_known_is_refused(tiny_pair, tmp_path, archs):
+    """A drafter whose architectures name a DFlash class dflash-torch does not read (a later
+    format, another project's variant) was run as DFlash v1 because it has a dflash_config."""
+    drafter = shutil.copytree(tiny_pair[1], tmp_path / "d")
+    cfg = json.loads((drafter / "config.json").read_text())
+    assert cfg["dflash_config"]  # (what made it read as DFlash v1)
+    cfg["architectures"] = archs
+    (drafter / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match=r"^the drafter checkpoint is a DFlash model dflash-torch does not know "
+                                          + re.escape(f"(architectures={archs}); it reads ['DFlashDraftModel', ")):
+        DFlashEngine.from_pretrained(tiny_pair[0], drafter)
+
+
 def test_drafter_with_integer_weights_is_refused(tiny_pair, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file

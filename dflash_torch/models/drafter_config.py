@@ -210,6 +210,9 @@ LAGUNA_ARCHITECTURE = "DFlashLagunaForCausalLM"  # poolside's Laguna DFlash draf
 # a DFlash drafter whose config keeps block_size, mask_token_id and target_layer_ids at the
 # top level and whose context projection (fc, hidden_norm) is named encoder.fc, encoder.output_norm_enc
 ASSISTANT_ARCHITECTURES = ("MuseGlimmerAssistantModel",)
+# the DFlash drafter classes read (an architecture naming DFlash that is none of these is refused:
+# a later format may keep these weight names and read them differently)
+KNOWN_DFLASH_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", LAGUNA_ARCHITECTURE)
 ASSISTANT_WEIGHTS = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
 # what transformers' MuseGlimmerAssistantConfig takes when a key is absent (every layer a window of 2048)
 ASSISTANT_DEFAULTS = {"sliding_window": 2048, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072}
@@ -747,6 +750,12 @@ class DrafterConfig:
             if cfg.get("layer_types") is None:
                 cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"] if isinstance(
                     cfg.get("num_hidden_layers"), int) else None
+        unknown = [a for a in archs if "dflash" in a.lower() and a not in KNOWN_DFLASH_ARCHITECTURES]
+        if unknown and not any(a in KNOWN_DFLASH_ARCHITECTURES for a in archs):
+            raise DFlashError(
+                f"the drafter checkpoint is a DFlash model dflash-torch does not know (architectures={archs}); "
+                f"it reads {list(KNOWN_DFLASH_ARCHITECTURES)}, and running another as one of those could "
+                "draft from weights it reads differently")
         if "DFlash2DraftModel" not in archs and "DFlashDraftModel" not in archs and not dflash:
             raise DFlashError(
                 f"the drafter checkpoint is not a DFlash drafter (architectures={archs}); "
