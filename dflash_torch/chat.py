@@ -378,6 +378,8 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
     chunks = engine.stream(messages, **kwargs)
     try:
         for chunk in chunks:
+            if not tokens:  # the reply has begun: a Ctrl-C now stops it, however soon after the last one (until
+                interrupt_again()  # now the quick ones of that one's burst were ignored: at the prompt, it ended the chat)
             show(*(parser.feed(chunk.text) if parser is not None else ("", chunk.text)))
             tokens += len(chunk.token_ids)
             stats, finish = chunk.stats, chunk.finish_reason
@@ -397,8 +399,6 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
         return None
     finally:
         chunks.close()  # (frees the engine for the next turn)
-    if finish == "interrupted":  # (the chat goes on: the next Ctrl-C interrupts again)
-        interrupt_again()
     if parser is not None:
         show(*parser.finish())
     write_stdout("\n")

@@ -1150,8 +1150,10 @@ def _on_sigint(signum, frame) -> None:
 
 
 def interrupt_again() -> None:
-    """After a Ctrl-C that the command handled and goes on from (chat's interrupted reply): the
-    next Ctrl-C interrupts it again, as the first did (see :func:`entry`)."""
+    """After a Ctrl-C that the command handled and went on from, once it has moved on to new
+    work (chat: the next reply has begun to stream): the next Ctrl-C interrupts it again, as the
+    first did (see :func:`entry`). Until then the quick ones of the first one's burst stay
+    ignored (chat's prompt after an interrupted reply: a second press would end the chat)."""
     global _interrupts_raised
     if _interrupts_raised is not None:
         _interrupts_raised = 0

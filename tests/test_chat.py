@@ -265,6 +265,99 @@ def test_ctrl_c_stops_each_reply_after_an_interrupted_one(tiny_pair):
     assert len(re.findall(r"^\[[1-9][0-9]* tokens?, finish=interrupted\]$", err, re.M)) == 2, err
 
 
+class _Lines:
+    """chat's stdin in-process (a terminal where ``tty``): its lines, and at each line read a
+    hook (``on_read[i]``, for the i-th line; at the end of the input, the key ``None``)."""
+
+    def __init__(self, lines: list[str], on_read: dict, tty: bool):
+        self.lines, self.on_read, self.tty, self.encoding = list(lines), on_read, tty, "utf-8"
+        self.read = 0
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def reconfigure(self, **kwargs) -> None:
+        pass
+
+    def fileno(self) -> int:  # (none: input() reads through readline())
+        import io
+
+        raise io.UnsupportedOperation("fileno")
+
+    def readline(self) -> str:
+        hook = self.on_read.get(self.read if self.lines else None)
+        if hook is not None:
+            hook()
+        self.read += 1
+        return self.lines.pop(0) + "\n" if self.lines else ""
+
+
+@pytest.fixture
+def sigint_as_entry_sets_it(monkeypatch):
+    """SIGINT handled in this process as ``dflash-torch`` handles it (cli.entry: cli._on_sigint),
+    with no time limit on a burst (cli.INSIST_S: the burst's quick presses are those before
+    the command moves on, whatever the machine's speed); the handler there was, after."""
+    import signal
+
+    from dflash_torch import cli
+
+    monkeypatch.setattr(cli, "_interrupts_raised", 0)
+    monkeypatch.setattr(cli, "_last_raised", 0.0)
+    monkeypatch.setattr(cli, "INSIST_S", float("inf"))
+    previous = signal.signal(signal.SIGINT, cli._on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c() -> None:
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGINT)  # (a real SIGINT: its handler runs in this, the main, thread)
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_a_quick_second_ctrl_c_only_stops_the_reply(tiny_pair, engine, monkeypatch, capsys, sigint_as_entry_sets_it,
+                                                    tty):
+    """Two quick Ctrl-Cs during a reply (the second lands once the reply stopped: at the prompt,
+    or with piped input as the next line is read): the reply stops and the chat goes on, at a
+    terminal and with piped input (the second ended the chat, status 130: trial-267). A Ctrl-C
+    in the next reply stops it, however soon after; one at the prompt after a reply that was
+    not interrupted ends the chat (130). In-process, real SIGINTs sent at those points."""
+    import sys
+
+    from dflash_torch import chat, cli
+
+    stream = engine.stream
+    stops = {1, 2}  # the turns whose reply gets a Ctrl-C after its first chunk
+    turn = [0]
+
+    def interrupted_stream(*args, **kwargs):
+        turn[0] += 1
+        chunks = stream(*args, **kwargs)
+        try:
+            for chunk in chunks:
+                yield chunk
+                if turn[0] in stops:
+                    _ctrl_c()
+        finally:
+            chunks.close()
+
+    monkeypatch.setattr(engine, "stream", interrupted_stream)
+    monkeypatch.setattr(chat, "load_engine", lambda args: engine)
+    turns = ["def f(x):", "class A:", "import os", "never read"]
+    # (the second of each burst as lines 2 and 3 are read; then one at the prompt after turn 3, not interrupted)
+    monkeypatch.setattr(sys, "stdin", _Lines(turns, {1: _ctrl_c, 2: _ctrl_c, 3: _ctrl_c}, tty))
+    args = cli.build_parser().parse_args(["chat", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]),
+                                          "--dtype", "float32", "--system", SYSTEM, "--max-new-tokens", str(NEW)])
+    assert args.func(args) == 130
+    err = capsys.readouterr().err.replace(">>> ", "")  # (input()'s prompt, at a "terminal")
+    assert len(re.findall(r"^\[[1-9][0-9]* tokens?, finish=interrupted\]$", err, re.M)) == 2, err
+    assert len(stats_lines(err)) == 1 and sys.stdin.lines == ["never read"], err  # (turn 3 in full)
+
+
 def _chat_process(pair, max_new_tokens: int):
     """``dflash-torch chat`` on ``pair`` in a subprocess, its stdin, stdout and stderr piped
     (one token per round: a reply long enough to be interrupted while it streams)."""
