@@ -45,7 +45,7 @@ from .cli import (
     warm_up,
     write_stdout,
 )
-from .errors import DFlashError, OptionError
+from .errors import ContextLengthError, DFlashError, OptionError
 from .options import check_min_tokens_default, context_limit, n_tokens
 from .serving.reasoning import new_parser, resolve_parser
 
@@ -334,8 +334,9 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
            reasoning: str = "none") -> tuple[str, str] | None:
     """Stream one reply to stdout and its stats line to stderr -> ``(reasoning, answer)``
     (what was generated before a Ctrl-C too), or None when the engine refused the request (its
-    error naming the flags, ``flags``: :func:`~dflash_torch.cli.error_message`; a prompt
-    past the context led by "this conversation no longer fits" and followed by a hint to /reset,
+    error naming the flags, ``flags``: :func:`~dflash_torch.cli.error_message`; a prompt, or
+    the tokens the turn asks of it (``--max-new-tokens``, ``--min-tokens``), past the context
+    (a :class:`~dflash_torch.errors.ContextLengthError`) led by "this conversation no longer fits" and followed by a hint to /reset,
     not by the error's advice, where the conversation has past turns, ``history``, and the message
     alone would fit; and by one to start a chat with a larger ``--max-context`` where that would hold it).
 
@@ -386,7 +387,8 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
     except KeyboardInterrupt:
         finish = "interrupted"
     except DFlashError as exc:
-        full = "exceeds the context" in str(exc) or "leaves no room for a new token" in str(exc)
+        # (the prompt, or the tokens a turn asks of it: --max-new-tokens, --min-tokens, past the context)
+        full = isinstance(exc, ContextLengthError)
         if history and full and _fits_alone(engine, messages, kwargs):  # (the earlier turns fill it)
             # (the facts, without the error's advice, to shorten the prompt or raise --max-context: not for mid-chat)
             facts = error_message(exc, flags).split("; ")[0]

@@ -181,6 +181,18 @@ def test_a_conversation_that_outgrew_the_context_is_told_what_can_help(cli, tiny
             r"token in (the|the target's) context of 80 tokens; /reset starts a new conversation"
             + (rf"; a longer one needs a chat started with a larger --max-context \(up to {limit}\)" if limit > 80 else ""),
             errors[0]), errors
+    # a turn whose prompt fits, but not with the --min-tokens it asks (its default max_new_tokens, 40, is cut to the
+    # room left): the same form, not the bare error (trial-267)
+    (target / "config.json").write_text(json.dumps(config))
+    (target / "generation_config.json").write_text(json.dumps({"max_new_tokens": 40}))
+    proc = cli("chat", "--target", str(target), "--no-draft", "--dtype", "float32", "--ignore-eos", "--max-context",
+               "110", "--min-tokens", "40", stdin="import os\nimport sys\n")
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("dflash-torch: error: ")]
+    assert len(errors) == 1 and re.fullmatch(
+        r"dflash-torch: error: this conversation no longer fits: --min-tokens \(40\) exceeds the \d+ tokens left in the "
+        r"context of 110 tokens after the prompt \(\d+ tokens\); /reset starts a new conversation; a longer one needs a "
+        r"chat started with a larger --max-context \(up to 1024\)", errors[0]), errors
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused(cli, tiny_pair, tmp_path):
