@@ -302,13 +302,15 @@ class _Kept:
     the caches cannot go back. ``saved``: where the caches cannot go back (recurrent states,
     rings), copies of those tensors at position ``saved_at`` of the prompt (its end, or the
     ``checkpoint`` of :meth:`SpeculativeDecoder.rounds`), else None; ``logits``: the prompt's
-    (``prompt_len`` tokens) last logits ``[V]`` (the same prompt again reads nothing)."""
+    (``prompt_len`` tokens) last logits ``[V]`` (the same prompt again reads nothing), or None
+    where a prefill was left midway (``tokens``: the start of the prompt it had read, a chunk
+    at a time; the caches can go back there)."""
 
     tokens: list[int]
     prompt_len: int
     saved: list[torch.Tensor] | None
     saved_at: int
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     pending: tuple | None = None
 
 
@@ -485,6 +487,7 @@ class SpeculativeDecoder:
         # called between prefill chunks: True ends the prefill there (PrefillStopped; a server's request went away)
         self.stop_prefill: Callable[[], bool] | None = None
         self._kept: _Kept | None = None  # prefix reuse: None while a step writes the caches
+        self._prefilled = 0  # rows of the prompt of the run that prefills now that the caches hold (_prefill)
         self.feature_layers = drafter.feature_layers(target) if drafter is not None and block_size > 1 else None
         if self.feature_layers is None:
             self.context = None
@@ -687,10 +690,14 @@ class SpeculativeDecoder:
         alternatives; :func:`prompt_chunk_logprobs`), appended to it as the chunk is read
         (before the next chunk's forward: a CUDA graph's replay may reuse the logits' memory).
 
+        ``_prefilled``: the positions whose rows are written (target and drafter context), after
+        each chunk: where the prefill is left midway (an exception, Ctrl-C inside a chunk),
+        ``rounds`` keeps those rows for the next request where the caches can go back (else it
+        has dropped the kept prefix by then, and the next request prefills anew).
+
         Raises:
             KeyboardInterrupt: the caller of the compute thread's call got Ctrl-C
-                (:func:`~dflash_torch.compute.interrupted`), seen between chunks; ``rounds``
-                has dropped the kept prefix by then, so the next request prefills anew.
+                (:func:`~dflash_torch.compute.interrupted`), seen between chunks.
             PrefillStopped: :attr:`stop_prefill` said so, between chunks (the same)."""
         C = self.prefill_chunk
         for c0 in range(start, n_prompt, C):
@@ -717,6 +724,7 @@ class SpeculativeDecoder:
                 if self.context is not None:
                     self.context.inject(self.drafter, feats, c0 + self._arange_chunk[: c1 - c0])
             self.prefill_tokens += c1 - c0
+            self._prefilled = c1
         return last
 
     @torch.inference_mode()
@@ -800,7 +808,7 @@ class SpeculativeDecoder:
         if kept is None or not self.reuse_prefix:
             return 0, False
         rows = len(kept.tokens) - 1
-        if len(prompt) == kept.prompt_len and kept.tokens[: len(prompt)] == prompt:  # the same prompt again
+        if kept.logits is not None and len(prompt) == kept.prompt_len and kept.tokens[: len(prompt)] == prompt:  # the same prompt again
             if not self._whole_prefix_only or rows == len(prompt):
                 return len(prompt), False
             if kept.saved_at == len(prompt):
@@ -854,27 +862,35 @@ class SpeculativeDecoder:
         prompt = list(prompt_ids)
         t0 = time.perf_counter()
         reused, restore = self._reusable(kept, prompt) if prompt_logprobs is None else (0, False)
-        if reused:
-            self._resume(kept, capacity, reused, restore)
-        else:  # fixed shapes: the preallocated buffers stay; recurrent states are zeroed in place
-            self.target_cache.reset(capacity)
-            if self.context is not None and not static:
-                self.context.reset(capacity)
-        self.reused_prefill_tokens += reused
-        generator = params.generator(dev)
+        self._prefilled = 0
+        try:
+            if reused:
+                self._resume(kept, capacity, reused, restore)
+            else:  # fixed shapes: the preallocated buffers stay; recurrent states are zeroed in place
+                self.target_cache.reset(capacity)
+                if self.context is not None and not static:
+                    self.context.reset(capacity)
+            self._prefilled = reused
+            self.reused_prefill_tokens += reused
+            generator = params.generator(dev)
 
-        scored = None if prompt_logprobs is None else []
-        copies = self.takes_checkpoint  # (copies of what cannot go back: see _Kept)
-        saved, saved_at = None, n_prompt
-        if reused == n_prompt:  # the same prompt again
-            last_logits = kept.logits
-        else:
-            ids, start = torch.tensor(prompt, dtype=torch.long, device=dev), reused
-            if copies and checkpoint is not None and reused <= checkpoint < n_prompt:  # (the copies there)
-                if reused < checkpoint:
-                    self._prefill(ids, checkpoint, scored, prompt, prompt_logprobs or 0, start=reused)
-                saved, saved_at, start = [t.clone() for t in self._unwound()], checkpoint, checkpoint
-            last_logits = self._prefill(ids, n_prompt, scored, prompt, prompt_logprobs or 0, start=start)
+            scored = None if prompt_logprobs is None else []
+            copies = self.takes_checkpoint  # (copies of what cannot go back: see _Kept)
+            saved, saved_at = None, n_prompt
+            if reused == n_prompt:  # the same prompt again
+                last_logits = kept.logits
+            else:
+                ids, start = torch.tensor(prompt, dtype=torch.long, device=dev), reused
+                if copies and checkpoint is not None and reused <= checkpoint < n_prompt:  # (the copies there)
+                    if reused < checkpoint:
+                        self._prefill(ids, checkpoint, scored, prompt, prompt_logprobs or 0, start=reused)
+                    saved, saved_at, start = [t.clone() for t in self._unwound()], checkpoint, checkpoint
+                last_logits = self._prefill(ids, n_prompt, scored, prompt, prompt_logprobs or 0, start=start)
+        except BaseException:  # (a prefill left midway, e.g. by Ctrl-C: the rows it read serve the next request)
+            if self.reuse_prefix and not self._whole_prefix_only and self._prefilled > 0:
+                end = min(self._prefilled, n_prompt - 1) + 1  # (the rows of all its tokens but the last: see _Kept)
+                self._kept = _Kept(prompt[:end], n_prompt, None, n_prompt, None)
+            raise
         token, processor = first_token(last_logits, prompt_ids, params, generator)  # (None: nothing processes logits)
         first = int(token)
         logprobs = first_logprobs(last_logits, first, params)
