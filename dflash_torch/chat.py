@@ -144,9 +144,9 @@ def _chat_here(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": text[1:] if text.startswith("//") else text})
         reply = _reply(engine, messages, kwargs, args.option_flags, len(messages) > len(start) + 1, reasoning)
-        if reply is None:  # refused: the message is not part of the conversation
+        if isinstance(reply, str):  # refused, or stopped before its first token: the message is not part of it
             messages.pop()
-            failed = True
+            failed |= reply == "refused"
             continue
         thought, answer = reply
         messages.append({"role": "assistant", "content": answer,
@@ -312,6 +312,14 @@ def _utf8(line: str) -> str | None:
         return None
 
 
+def _isatty(stream) -> bool:
+    """Whether ``stream`` (stdout, stderr) is a terminal (False where it has none, or is closed)."""
+    try:
+        return stream is not None and stream.isatty()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _context_needed(engine, messages: list[dict], kwargs: dict) -> int | None:
     """The context a turn on ``messages`` needs (tokens): its prompt's, and ``--max-new-tokens``
     (without it: a token, or ``--min-tokens``); None where the chat template refuses them."""
@@ -331,9 +339,11 @@ def _fits_alone(engine, messages: list[dict], kwargs: dict) -> bool:
 
 
 def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], history: bool,
-           reasoning: str = "none") -> tuple[str, str] | None:
+           reasoning: str = "none") -> tuple[str, str] | str:
     """Stream one reply to stdout and its stats line to stderr -> ``(reasoning, answer)``
-    (what was generated before a Ctrl-C too), or None when the engine refused the request (its
+    (what was generated before a Ctrl-C too); ``"interrupted"`` where a Ctrl-C stopped the turn
+    before its first token (in the prefill of its prompt: said on stderr, and the turn is not
+    to be kept); ``"refused"`` when the engine refused the request (its
     error naming the flags, ``flags``: :func:`~dflash_torch.cli.error_message`; a prompt, or
     the tokens the turn asks of it (``--max-new-tokens``, ``--min-tokens``), past the context
     (a :class:`~dflash_torch.errors.ContextLengthError`) led by "this conversation no longer fits" and followed by a hint to /reset,
@@ -398,9 +408,15 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
                     f"{context_limit(engine.target.config)})" * longer, file=sys.stderr)
         else:
             print(f"dflash-torch: error: {error_message(exc, flags)}", file=sys.stderr)
-        return None
+        return "refused"
     finally:
         chunks.close()  # (frees the engine for the next turn)
+    if finish == "interrupted" and not tokens:  # (nothing generated: the turn goes, the earlier ones stay)
+        if _isatty(sys.stdout):
+            write_stdout("\n")  # (after the echoed "^C")
+        print("[interrupted before the reply began: this message is not kept in the conversation]", file=sys.stderr,
+              flush=True)
+        return "interrupted"
     if parser is not None:
         show(*parser.finish())
     write_stdout("\n")

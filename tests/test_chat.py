@@ -370,6 +370,60 @@ def test_a_quick_second_ctrl_c_only_stops_the_reply(tiny_pair, engine, monkeypat
     assert len(stats_lines(err)) == 1 and sys.stdin.lines == ["never read"], err  # (turn 3 in full)
 
 
+def test_a_turn_stopped_in_its_prefill_is_dropped_and_the_earlier_turns_rows_kept(tiny_pair, engine, monkeypatch,
+                                                                                  capsys, sigint_as_entry_sets_it):
+    """Ctrl-C while a long message's prompt is read (before the reply's first token): one line
+    says the message is not kept, and the chat goes on as if it had not been sent (it stayed,
+    with an empty reply, trial-267); the next turn reuses the rows the caches hold (the
+    earlier turns', and the start of the stopped prompt that matches), which it read again from
+    nothing. (The Ctrl-C lands inside a prefill chunk, after the target's forward: that chunk's
+    rows are not kept.)"""
+    import sys
+
+    from dflash_torch import chat, cli
+
+    turns = ["def f(x):", "x = 1; " * 30, "class A:"]
+    calls = [0]
+
+    def load(args):
+        loaded = cli.load_engine(args)
+        prefill = loaded.decoder._prefill_fn
+
+        def interrupted_prefill(*a, **kw):
+            out = prefill(*a, **kw)
+            calls[0] += 1
+            if sys.stdin.read == 2 and calls[0] == 3:  # (turn 2, its third chunk: past the rows turn 1 left)
+                _ctrl_c()
+            return out
+
+        monkeypatch.setattr(loaded.decoder, "_prefill_fn", interrupted_prefill)
+        return loaded
+
+    monkeypatch.setattr(chat, "load_engine", load)
+    monkeypatch.setattr(sys, "stdin", _Lines(turns, {1: lambda: calls.__setitem__(0, 0)}, False))
+    args = cli.build_parser().parse_args(["chat", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]),
+                                          "--dtype", "float32", "--system", SYSTEM, "--max-new-tokens", str(NEW),
+                                          "--prefill-chunk", "8"])
+    assert args.func(args) == 0  # (piped input: a stopped turn is no failure)
+    out, err = capsys.readouterr()
+    assert calls[0] >= 3, err
+    assert "[interrupted before the reply began: this message is not kept in the conversation]\n" in err, err
+    assert "finish=interrupted" not in err, err
+    expected = replies(engine, [[turns[0], turns[2]]])
+    assert out == "".join(r + "\n" for r in expected), err
+    lines = stats_lines(err)
+    from dflash_torch.cache import common_start
+
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": turns[0]}]
+    first = engine.encode_prompt(history, chat=True) + engine.generate(history, chat=True, max_new_tokens=NEW).token_ids
+    history.append({"role": "assistant", "content": expected[0]})
+    stopped, last = (engine.encode_prompt(history + [{"role": "user", "content": text}], chat=True)
+                     for text in turns[1:])
+    read = min(common_start(first, stopped), len(first) - 1) + 2 * 8  # (turn 2's rows: turn 1's, and 2 chunks)
+    assert len(lines) == 2 and int(lines[1].split(", ")[-1].split(" of ")[0]) == min(common_start(stopped, last),
+                                                                                      read), err
+
+
 def _chat_process(pair, max_new_tokens: int):
     """``dflash-torch chat`` on ``pair`` in a subprocess, its stdin, stdout and stderr piped
     (one token per round: a reply long enough to be interrupted while it streams)."""
