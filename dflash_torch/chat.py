@@ -120,7 +120,8 @@ def _chat_here(args: argparse.Namespace) -> int:
     while True:
         try:
             line = _input_at_terminal(">>> ") if redirected else input(">>> ") if interactive else _read_line()
-        except EOFError:
+        except EOFError:  # (Ctrl-D at a terminal: after the prompt, the shell's starts a line of its own)
+            print(end="\n" if interactive else "", file=sys.stderr)
             return int(failed and not interactive)
         except KeyboardInterrupt:
             print(file=sys.stderr)

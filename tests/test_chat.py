@@ -693,6 +693,8 @@ def test_piped_input_exits_1_after_a_line_that_failed(cli, tiny_pair, engine, mo
         out, err = capsys.readouterr()
         assert replies(engine, [["def f(x):"]])[0] + "\n" in out, (out, err)  # (the turn after it answered)
         assert ("unknown command '/what'" in err) == ("/what" in lines), err
+        # (at a terminal the end of the input, Ctrl-D, ends the prompt's line: the shell's prompt followed it)
+        assert err.endswith(">>> \n") == (tty and "/exit" not in lines), err
     assert "makes the exit status 1 once the rest of the input has been read" in " ".join(
         cli("chat", "--help").stdout.split())
 
