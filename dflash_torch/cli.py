@@ -429,7 +429,8 @@ def _generate_here(args: argparse.Namespace) -> int:
         prompt = None
     if prompt is None:
         if sys.stdin is None or (sys.stdin.isatty() and args.prompt != "-"):  # ("-" reads a terminal to Ctrl-D, as cat -)
-            raise DFlashError("no prompt: pass --prompt TEXT, a positional prompt, or pipe it on stdin")
+            raise DFlashError("no prompt: pass --prompt TEXT, a positional prompt, or pipe it on stdin"
+                              + "; to type it at the terminal: generate - (ended by Ctrl-D)" * (sys.stdin is not None))
         stdin = getattr(sys.stdin, "buffer", None)  # (bytes: the locale's error handler may be strict)
         prompt = utf8_text(stdin.read(), "the prompt on stdin") if stdin is not None else sys.stdin.read()
         if args.chat:  # (a message: the final line break that echo or an editor adds is not part of it, as in chat)
@@ -902,7 +903,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dflash-torch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
-    g.add_argument("prompt", nargs="?", default=None, help="prompt text (or --prompt; left out or -: read from stdin)")
+    g.add_argument("prompt", nargs="?", default=None, help="prompt text (or --prompt); -: read from stdin to its end (at a terminal: "
+                                                        "typed, ended by Ctrl-D); left out: read from stdin where it is "
+                                                        "not a terminal (a pipe, a file)")
     g.add_argument("--prompt", dest="prompt_text", default=None, help="prompt text (taken as it is, - too)")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     add_chat_template_kwargs_arg(g, "(with --chat)")

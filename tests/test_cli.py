@@ -717,9 +717,11 @@ def test_a_dash_prompt_reads_stdin(cli, tiny_pair):
     assert parse_single_json(proc.stdout)["stats"]["prompt_tokens"] == len(tok("-")["input_ids"])
 
 
-def test_a_dash_prompt_reads_a_terminal_to_its_end(tiny_pair):
+def test_a_dash_prompt_reads_a_terminal_to_its_end(tiny_pair, cli):
     """``generate -`` on a terminal reads what is typed up to Ctrl-D, as ``cat -`` does (it was
-    refused: 'no prompt'); a bare ``generate`` there is still refused."""
+    refused: 'no prompt'); a bare ``generate`` there is still refused, its message saying how
+    to type one, and --help says that a prompt left out is read from stdin only where it is not
+    a terminal (it said "left out or -: read from stdin", trial-267)."""
     import pty
 
     from transformers import AutoTokenizer
@@ -739,7 +741,12 @@ def test_a_dash_prompt_reads_a_terminal_to_its_end(tiny_pair):
         finally:
             os.close(master)
         if typed is None:
-            assert proc.returncode == 2 and "no prompt" in err, err
+            assert proc.returncode == 2 and err.endswith("dflash-torch: error: no prompt: pass --prompt TEXT, a "
+                                                         "positional prompt, or pipe it on stdin; to type it at the "
+                                                         "terminal: generate - (ended by Ctrl-D)\n"), err
         else:
             assert proc.returncode == 0, err
             assert parse_single_json(out)["stats"]["prompt_tokens"] == len(tok("import os\n")["input_ids"])
+    shown = " ".join(cli("generate", "--help").stdout.split())
+    assert ("-: read from stdin to its end (at a terminal: typed, ended by Ctrl-D); left out: read from stdin where "
+            "it is not a terminal (a pipe, a file)") in shown, shown
