@@ -4,9 +4,11 @@ Each line typed is a user message; the reply streams as it is decoded, then one 
 stats on stderr. The conversation goes through the tokenizer's chat template every turn,
 and the engine's prefix reuse (one sequence at a time: the last request's rows) reads
 only the part of each prompt that the last request's tokens do not start. Lines starting
-with ``/`` are commands: ``/reset`` (forget the conversation, keep ``--system``), ``/exit``
-(or end of input, Ctrl-D), ``/help``; ``//`` starts a message with ``/``. Ctrl-C stops a reply (what was
-generated is kept in the conversation); at the prompt it exits. A turn the engine refuses
+with ``/`` are commands: ``/reset`` (forget the conversation, keep ``--system``), ``/exit`` or
+``/quit`` (or end of input, Ctrl-D), ``/help`` or ``/?``; ``//`` starts a message with ``/``. Ctrl-C stops a
+reply (what was generated is kept in the conversation; a turn stopped before its first token, in
+its prefill, is dropped); at the prompt it exits (the quick presses of a burst that stopped a
+reply excepted). A turn the engine refuses
 (e.g. a conversation that outgrew ``--max-context``) prints its error and the conversation
 goes on without it; options that would refuse every turn are refused at start. With stdin
 not a terminal (piped input), a line that failed (a turn refused, an unknown command, a line
@@ -49,8 +51,8 @@ from .errors import ContextLengthError, DFlashError, OptionError
 from .options import check_min_tokens_default, context_limit, n_tokens
 from .serving.reasoning import new_parser, resolve_parser
 
-HELP = ("commands: /reset (forget the conversation), /exit (or Ctrl-D), /help (this list), // for a message starting "
-        "with /; Ctrl-C stops a reply")
+HELP = ("commands: /reset (forget the conversation), /exit or /quit (or Ctrl-D), /help or /? (this list), // for a "
+        "message starting with /; Ctrl-C stops a reply, and at the prompt exits")
 # the sampling flags that --generation-config auto fills from generation_config.json when not given, and
 # their values otherwise (greedy, 256 tokens; without --max-new-tokens each turn's is cut to the context its prompt leaves)
 RECOMMENDED = {**GREEDY, "max_new_tokens": 256}
@@ -412,15 +414,19 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
         return "refused"
     finally:
         chunks.close()  # (frees the engine for the next turn)
+    # (a Ctrl-C typed at the terminal echoes "^C" there; with stdout elsewhere, `chat > log`, its line is ended on stderr)
+    echoed = finish == "interrupted" and _isatty(sys.stderr) and not _isatty(sys.stdout)
     if finish == "interrupted" and not tokens:  # (nothing generated: the turn goes, the earlier ones stay)
         if _isatty(sys.stdout):
             write_stdout("\n")  # (after the echoed "^C")
-        print("[interrupted before the reply began: this message is not kept in the conversation]", file=sys.stderr,
-              flush=True)
+        print(("\n" if echoed else "") + "[interrupted before the reply began: this message is not kept in the "
+              "conversation]", file=sys.stderr, flush=True)
         return "interrupted"
     if parser is not None:
         show(*parser.finish())
     write_stdout("\n")
+    if echoed:
+        print(file=sys.stderr)
     if stats is not None:
         decode = (f"mean tau {stats.mean_acceptance_length:.2f}, decode {stats.decode_tokens_per_second:.1f} tok/s, "
                   if stats.acceptance_lengths else "no decoding round, ")

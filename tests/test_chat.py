@@ -43,7 +43,7 @@ def stats_lines(stderr: str) -> list[str]:
 
 def test_chat_replies_are_the_engines_and_reuse_the_last_turn(cli, tiny_pair, engine):
     target, drafter = tiny_pair
-    stdin = "def f(x):\nclass A:\n\n/reset\ndef f(x):\n/what\n/help\n/exit\nnever read\n"
+    stdin = "def f(x):\nclass A:\n\n/reset\ndef f(x):\n/what\n/help\n/?\n/quit\nnever read\n"
     proc = cli("chat", "--target", str(target), "--draft", str(drafter), "--dtype", "float32", "--system", SYSTEM,
                    "--max-new-tokens", str(NEW), stdin=stdin)
     assert proc.returncode == 1, proc.stderr  # (/what: piped input, a line failed)
@@ -56,7 +56,10 @@ def test_chat_replies_are_the_engines_and_reuse_the_last_turn(cli, tiny_pair, en
                                      chat=True))
     assert reused[0] == 0 and reused[1] >= first - 1, lines  # (turn 2 holds turn 1's prompt)
     assert "[conversation reset]" in proc.stderr and "unknown command '/what'" in proc.stderr
-    assert proc.stderr.count("/reset (forget the conversation)") == 2 and "unknown command '/help'" not in proc.stderr
+    assert proc.stderr.count("/reset (forget the conversation)") == 3 and "unknown command '/help'" not in proc.stderr
+    # (every command it takes listed, /quit and /? too, and what Ctrl-C does at the prompt, trial-267)
+    assert ("[commands: /reset (forget the conversation), /exit or /quit (or Ctrl-D), /help or /? (this list), // for "
+            "a message starting with /; Ctrl-C stops a reply, and at the prompt exits]\n") in proc.stderr
 
 
 def test_at_a_terminal_with_stdout_redirected_lines_are_read_whole_and_the_prompt_stays_out(tiny_pair, engine):
@@ -359,13 +362,17 @@ def test_a_quick_second_ctrl_c_only_stops_the_reply(tiny_pair, engine, monkeypat
 
     monkeypatch.setattr(engine, "stream", interrupted_stream)
     monkeypatch.setattr(chat, "load_engine", lambda args: engine)
+    if tty:  # (`chat > log` at a terminal: the terminal's echo of ^C ends its line before the stats line, trial-267)
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     turns = ["def f(x):", "class A:", "import os", "never read"]
     # (the second of each burst as lines 2 and 3 are read; then one at the prompt after turn 3, not interrupted)
     monkeypatch.setattr(sys, "stdin", _Lines(turns, {1: _ctrl_c, 2: _ctrl_c, 3: _ctrl_c}, tty))
     args = cli.build_parser().parse_args(["chat", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]),
                                           "--dtype", "float32", "--system", SYSTEM, "--max-new-tokens", str(NEW)])
     assert args.func(args) == 130
-    err = capsys.readouterr().err.replace(">>> ", "")  # (input()'s prompt, at a "terminal")
+    err = capsys.readouterr().err
+    assert len(re.findall(r"^>>> \n\[[1-9][0-9]* tokens?, finish=interrupted\]$", err, re.M)) == 2 * tty, err
+    err = err.replace(">>> ", "")  # (the prompt, on stderr at a "terminal" that cannot be opened)
     assert len(re.findall(r"^\[[1-9][0-9]* tokens?, finish=interrupted\]$", err, re.M)) == 2, err
     assert len(stats_lines(err)) == 1 and sys.stdin.lines == ["never read"], err  # (turn 3 in full)
 
