@@ -505,10 +505,13 @@ def test_bad_lines_and_options(tiny_pair, engine, tmp_path, monkeypatch, capsys)
     assert least > 6
     turn = f"no room for a turn: with a one-word message the prompt takes {least} tokens, and with --max-new-tokens"
     proc = subprocess.run([sys.executable, "-m", "dflash_torch.cli", "chat", *pair, "--max-new-tokens", str(NEW),
-                           "--system", SYSTEM], input=b"\xff\xfe bad\n//path\r\n", capture_output=True, timeout=240)
+                           "--system", SYSTEM], input=b"\xff\xfe bad\n\xe4\xbd\n//path\r\n", capture_output=True,
+                          timeout=240)
     err = proc.stderr.decode()
     assert proc.returncode == 1, err  # (the line not sent: piped input, the status is 1 after the rest was read)
     assert "dflash-torch: error: the line is not UTF-8 text (byte 0xff); it was not sent\n" in err
+    # (a character cut short at the line's end: refused alike, not taken for an empty line, trial-267)
+    assert "dflash-torch: error: the line is not UTF-8 text (byte 0xe4); it was not sent\n" in err
     conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "/path"}]
     assert proc.stdout.decode() == engine.generate(conversation, chat=True, max_new_tokens=NEW).text + "\n"
     for flags, line in ((["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
