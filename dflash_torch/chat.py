@@ -122,8 +122,9 @@ def _chat_here(args: argparse.Namespace) -> int:
     while True:
         try:
             line = _input_at_terminal(">>> ") if redirected else input(">>> ") if interactive else _read_line()
-        except EOFError:  # (Ctrl-D at a terminal: after the prompt, the shell's starts a line of its own)
-            print(end="\n" if interactive else "", file=sys.stderr)
+        except EOFError:
+            if interactive:  # (Ctrl-D: the shell's prompt starts a line of its own, not the prompt's)
+                print(file=sys.stderr)
             return int(failed and not interactive)
         except KeyboardInterrupt:
             print(file=sys.stderr)
@@ -394,8 +395,8 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
         for chunk in chunks:
             if not tokens:  # the reply has begun: a Ctrl-C now stops it, however soon after the last one (until
                 interrupt_again()  # now the quick ones of that one's burst were ignored: at the prompt, it ended the chat)
-            show(*(parser.feed(chunk.text) if parser is not None else ("", chunk.text)))
             tokens += len(chunk.token_ids)
+            show(*(parser.feed(chunk.text) if parser is not None else ("", chunk.text)))
             stats, finish = chunk.stats, chunk.finish_reason
     except KeyboardInterrupt:
         finish = "interrupted"

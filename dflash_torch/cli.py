@@ -903,9 +903,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dflash-torch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
-    g.add_argument("prompt", nargs="?", default=None, help="prompt text (or --prompt); -: read from stdin to its end (at a terminal: "
-                                                        "typed, ended by Ctrl-D); left out: read from stdin where it is "
-                                                        "not a terminal (a pipe, a file)")
+    g.add_argument("prompt", nargs="?", default=None,
+                   help="prompt text (or --prompt); -: read from stdin to its end (at a terminal: typed, ended by "
+                        "Ctrl-D); left out: read from stdin where it is not a terminal (a pipe, a file)")
     g.add_argument("--prompt", dest="prompt_text", default=None, help="prompt text (taken as it is, - too)")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     add_chat_template_kwargs_arg(g, "(with --chat)")
