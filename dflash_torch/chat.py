@@ -349,8 +349,9 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
     before its first token (in the prefill of its prompt: said on stderr, and the turn is not
     to be kept); ``"refused"`` when the engine refused the request (its
     error naming the flags, ``flags``: :func:`~dflash_torch.cli.error_message`; a prompt, or
-    the tokens the turn asks of it (``--max-new-tokens``, ``--min-tokens``), past the context
-    (a :class:`~dflash_torch.errors.ContextLengthError`) led by "this conversation no longer fits" and followed by a hint to /reset,
+    the tokens the turn asks of it (``--max-new-tokens``, ``--min-tokens``), past the context (a
+    :class:`~dflash_torch.errors.ContextLengthError`) led by "this conversation no longer fits"
+    and followed by a hint to /reset,
     not by the error's advice, where the conversation has past turns, ``history``, and the message
     alone would fit; and by one to start a chat with a larger ``--max-context`` where that would hold it).
 
@@ -393,8 +394,8 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
     chunks = engine.stream(messages, **kwargs)
     try:
         for chunk in chunks:
-            if not tokens:  # the reply has begun: a Ctrl-C now stops it, however soon after the last one (until
-                interrupt_again()  # now the quick ones of that one's burst were ignored: at the prompt, it ended the chat)
+            if not tokens:  # the reply has begun: a Ctrl-C now stops it, however soon after the last one (until now
+                interrupt_again()  # the quick ones of that one's burst were ignored: at the prompt, it ended the chat)
             tokens += len(chunk.token_ids)
             show(*(parser.feed(chunk.text) if parser is not None else ("", chunk.text)))
             stats, finish = chunk.stats, chunk.finish_reason
@@ -415,7 +416,7 @@ def _reply(engine, messages: list[dict], kwargs: dict, flags: dict[str, str], hi
         return "refused"
     finally:
         chunks.close()  # (frees the engine for the next turn)
-    # (a Ctrl-C typed at the terminal echoes "^C" there; with stdout elsewhere, `chat > log`, its line is ended on stderr)
+    # (a Ctrl-C typed at the terminal echoes "^C" there; with stdout elsewhere, `chat > log`, stderr ends its line)
     echoed = finish == "interrupted" and _isatty(sys.stderr) and not _isatty(sys.stdout)
     if finish == "interrupted" and not tokens:  # (nothing generated: the turn goes, the earlier ones stay)
         if _isatty(sys.stdout):

@@ -808,7 +808,8 @@ class SpeculativeDecoder:
         if kept is None or not self.reuse_prefix:
             return 0, False
         rows = len(kept.tokens) - 1
-        if kept.logits is not None and len(prompt) == kept.prompt_len and kept.tokens[: len(prompt)] == prompt:  # the same prompt again
+        same = kept.logits is not None and len(prompt) == kept.prompt_len  # (None: a prefill left midway, see _Kept)
+        if same and kept.tokens[: len(prompt)] == prompt:  # the same prompt again
             if not self._whole_prefix_only or rows == len(prompt):
                 return len(prompt), False
             if kept.saved_at == len(prompt):
