@@ -702,11 +702,18 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def warmup(self, context: int | None = None) -> int:
-        """Run a dummy round at every batch bucket and every length bucket up to ``context``
-        tokens (default: the whole cache), so that a compiled decoder builds those graphs now
-        rather than in a request. Only while no sequence is held (it writes into every slot).
-        An eager decoder (not fixed shapes) runs none: it has no shapes to prepare (each
-        length is one of its own), and one round per length would take minutes.
+        """Run a dummy round at every batch bucket and every length bucket that the rounds
+        of a sequence of up to ``context`` tokens (prompt + generated; default: the whole
+        cache) reach, so that a compiled decoder builds those graphs now rather than in a
+        request. A round reads a block past its start, so the last rounds of a 256-token
+        sequence reach the 512-key bucket (as :meth:`SpeculativeDecoder.warmup
+        <dflash_torch.decoding.SpeculativeDecoder.warmup>` counts them). Only while no
+        sequence is held (it writes into every slot). An eager decoder (not fixed shapes)
+        runs none: it has no shapes to prepare (each length is one of its own), and one
+        round per length would take minutes.
+
+        Args:
+            context: tokens, capped at the cache's capacity; None: the whole cache.
 
         Returns:
             the rounds run (0 for an eager decoder).
@@ -721,7 +728,10 @@ class BatchDecoder:
         self._retained.clear()
         cap, runs = self.target_kv.capacity, 0
         for B, sizes in self._round_buckets().items():
-            lengths = sorted({self.kv_bucket(n) for n in range(B, min(context or cap, cap) + 1)})
+            # a round of a sequence of up to `context` tokens starts at a position below it and
+            # reads a block past it: up to context - 1 + B keys (as SpeculativeDecoder.warmup's)
+            last = min((context or cap) - 1 + B, cap)
+            lengths = sorted({self.kv_bucket(n) for n in range(B, last + 1)})
             for rows in sizes:
                 for kv_len in lengths:
                     positions = (kv_len - B) + self._arange_block[:B].expand(rows, B)  # the last block that fits

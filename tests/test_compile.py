@@ -280,22 +280,32 @@ def test_engine_default_warmup_covers_short_sequences_past_the_first_bucket(agre
     reaches, the second bucket's too: a prefill chunk after a reused prefix (chunk padded to
     256 rows from the reuse offset: the 512-key bucket) and the last rounds of a 250-token
     sequence (a block past 256 keys). It built only the first bucket's, so a chat's second
-    turn compiled (1.2 s for the tiny pair, 10-30 s on a real model)."""
+    turn compiled (1.2 s for the tiny pair, 10-30 s on a real model).
+    warmup(batch=True), a server's, builds the same buckets for every batch size: those
+    250-token sequences, one and two at a time, build no graph either (it stopped at 256
+    keys, so a server's first requests of 250 tokens compiled: trial-268)."""
     from dflash_torch import DFlashEngine
 
     target, drafter = _load(agree_pair)
     spec = DFlashEngine.from_pretrained(agree_pair[0], no_draft=True)
     torch._dynamo.reset()
-    engine = DFlashEngine(target, spec.tokenizer, drafter, max_context=512, compile=True, compile_backend="eager")
+    engine = DFlashEngine(target, spec.tokenizer, drafter, max_context=512, compile=True, compile_backend="eager",
+                          max_batch_size=2)
     engine.warmup()
     frames = dynamo_utils.counters["frames"]["total"]
     first = engine.generate(list(range(2, 30)), max_new_tokens=20, ignore_eos=True)
     again = engine.generate(list(range(2, 30)) + first.token_ids + [5, 6, 7], max_new_tokens=20, ignore_eos=True)
     assert again.stats.cached_prompt_tokens > 0  # (a reused prefix: the prefill chunk starts past 0)
-    long = engine.generate([(7 * i) % 300 + 2 for i in range(200)], max_new_tokens=50, ignore_eos=True)
+    prompt = [(7 * i) % 300 + 2 for i in range(200)]
+    long = engine.generate(prompt, max_new_tokens=50, ignore_eos=True)
     assert dynamo_utils.counters["frames"]["total"] == frames, "a graph was built after warmup()"
-    assert long.token_ids == spec.generate([(7 * i) % 300 + 2 for i in range(200)], max_new_tokens=50,
-                                           ignore_eos=True).token_ids
+    assert long.token_ids == spec.generate(prompt, max_new_tokens=50, ignore_eos=True).token_ids
+    engine.warmup(batch=True)
+    frames = dynamo_utils.counters["frames"]["total"]
+    for k in (1, 2):  # batch buckets 1 and 2, their last rounds past 256 keys
+        outs = engine.generate_batch([prompt] * k, max_new_tokens=50, ignore_eos=True)
+        assert [o.token_ids for o in outs] == [long.token_ids] * k
+    assert dynamo_utils.counters["frames"]["total"] == frames, "a graph was built after warmup(batch=True)"
 
 
 def test_a_graph_torch_fails_to_build_is_one_line_not_a_traceback(tiny_pair, tmp_path):
