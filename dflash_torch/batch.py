@@ -409,6 +409,17 @@ class SlotRecurrentState:
             t[slot].copy_(c[slot])
 
 
+@dataclass(frozen=True)
+class RoundShape:
+    """The shape of a decoding round (:attr:`BatchDecoder.last_round`), what a compiled
+    round's graphs are built for: ``rows`` (the batch bucket) x ``block`` x ``keys``."""
+
+    sequences: int  # sequences that decoded in it
+    rows: int  # its rows: the batch bucket of ``sequences`` (fixed shapes), padding rows included
+    block: int  # its block size: ``block_size``, or 1 in a target-only round
+    keys: int  # the keys it attended over: the length bucket (fixed shapes)
+
+
 @dataclass
 class _Sequence:
     """One live sequence (its slot is its index in ``BatchDecoder._seqs``)."""
@@ -547,6 +558,8 @@ class BatchDecoder:
         target_only_rounds: rounds run without drafts (more than ``draft_max_batch_size``
             sequences decoded, or the ``"auto"`` policy chose so).
         policy: the :class:`~dflash_torch.draft_policy.DraftPolicy` of ``"auto"``, else None.
+        last_round: the :class:`RoundShape` of the last decoding round (None before the first):
+            what a round that built graphs (a compiled decoder past its warm-up) was built for.
 
     The caches (``max_batch_size + prefix_slots`` slots of ``max_context + max(2 B,
     prefill_chunk) + 1`` positions, target and drafter) are allocated here, once.
@@ -590,6 +603,7 @@ class BatchDecoder:
         self.prefill_tokens = 0
         self.reused_prefill_tokens = 0
         self.target_only_rounds = 0
+        self.last_round: RoundShape | None = None
         self.prefill_budget = prefill_chunk if prefill_budget is None else check_max_batch_size(prefill_budget,
                                                                                                "prefill_budget")
         self.device = target.model.embed_tokens.weight.device
@@ -1153,6 +1167,7 @@ class BatchDecoder:
         if head is not None and pad_starts:  # ... but slot n's past its partly read prompt (the next chunk overwrites it)
             pad_starts[0] = head.prefilled
         kv_len = self.kv_bucket(max([q.s for q in seqs] + pad_starts) + B)
+        self.last_round = RoundShape(n, rows, B, kv_len)
         for j in range(len(pad_starts)):  # ... and a retained prefix's slot past its rows, if that fits kv_len
             kept = self._retained.get(n + j)
             if kept is not None:

@@ -283,8 +283,18 @@ def test_engine_default_warmup_covers_short_sequences_past_the_first_bucket(agre
     turn compiled (1.2 s for the tiny pair, 10-30 s on a real model).
     warmup(batch=True), a server's, builds the same buckets for every batch size: those
     250-token sequences, one and two at a time, build no graph either (it stopped at 256
-    keys, so a server's first requests of 250 tokens compiled: trial-268)."""
+    keys, so a server's first requests of 250 tokens compiled: trial-268).
+    A server of that engine logs a request's round past those buckets, which builds
+    graphs while every stream waits, in one line (the round's shape, its seconds) and
+    counts it in /metrics; the same request again builds nothing (trial-268: invisible)."""
+    import logging
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+    from starlette.testclient import TestClient
+
     from dflash_torch import DFlashEngine
+    from dflash_torch.serving.app import create_app
 
     target, drafter = _load(agree_pair)
     spec = DFlashEngine.from_pretrained(agree_pair[0], no_draft=True)
@@ -306,6 +316,41 @@ def test_engine_default_warmup_covers_short_sequences_past_the_first_bucket(agre
         outs = engine.generate_batch([prompt] * k, max_new_tokens=50, ignore_eos=True)
         assert [o.token_ids for o in outs] == [long.token_ids] * k
     assert dynamo_utils.counters["frames"]["total"] == frames, "a graph was built after warmup(batch=True)"
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    def serve(slots: int) -> list[tuple[float, bool]]:
+        """Two requests of a 480-token prompt (its last rounds pass 512 keys: the 769-position
+        cache's bucket) to a server of ``slots`` slots -> /metrics' compiles after each."""
+        app, counted = create_app(engine, max_batch_size=slots), []
+        try:
+            client = TestClient(app)
+            for _ in range(2):
+                r = client.post("/v1/completions", json={"model": engine.name, "prompt": [(5 * i) % 300 + 2 for i in range(480)],
+                                                         "max_tokens": 30, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                m = {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples}
+                counted.append((m["dflash_serving_compiles_total"], m["dflash_serving_compile_seconds_total"] > 0))
+        finally:
+            app.state.scheduler.close()
+        return counted
+
+    lines, handler = [], Lines()
+    logging.getLogger("dflash_torch.serving").addHandler(handler)
+    try:
+        assert serve(2) == [(1, True), (1, True)]  # the batched backend
+        assert len(lines) == 1 and lines[0].startswith("compiled the graphs of a round of 1 sequence (1 row, 769 keys) "
+                                                       "while serving: "), lines
+        lines.clear()
+        assert serve(1) == [(1, True), (1, True)]  # the one-slot backend (the single-sequence decoder)
+    finally:
+        logging.getLogger("dflash_torch.serving").removeHandler(handler)
+    got = re.match(r"compiled the graphs of a round of the one sequence at (\d+) tokens of context \((\d+) keys\) "
+                   r"while serving: [\d.]+ s, every stream waiting", lines[0])
+    n = int(got[1])  # (its first round past 512 keys: the block of 16 from position n - 1 reaches past them)
+    assert len(lines) == 1 and 512 < n - 1 + 16 <= 512 + 16 and int(got[2]) == engine.decoder.kv_bucket(n - 1 + 16), lines
 
 
 def test_a_graph_torch_fails_to_build_is_one_line_not_a_traceback(tiny_pair, tmp_path):

@@ -1822,6 +1822,7 @@ def test_metrics(server):
     assert delta("dflash_request_latency_seconds_count", (("endpoint", "/v1/completions"),)) >= 1
     assert delta("dflash_time_to_first_token_seconds_count") >= 3
     assert m[("dflash_compiled_steps_run_eager", ())] == 0  # (exposed; an eager server compiles nothing)
+    assert m[("dflash_serving_compiles_total", ())] == m[("dflash_serving_compile_seconds_total", ())] == 0
 
 
 def test_serve_refuses_a_busy_port_before_loading_models(capsys):

@@ -43,6 +43,10 @@ dflash_threads                         gauge      live threads of the process (a
 dflash_event_loop_tasks                gauge      asyncio tasks of the server's event loop (a leak check)
 dflash_compiled_steps_run_eager        gauge      compiled steps that reached torch's recompile limit and
                                                   run eager since (``--compile``; anything but 0 is a defect)
+dflash_serving_compiles_total          counter    engine steps (a round, a prefill) that built graphs while serving
+                                                  (``--compile``: past the buckets the start-up warm-up built, see
+                                                  ``--warmup-context``; every stream waits meanwhile; each is logged)
+dflash_serving_compile_seconds_total   counter    seconds those steps took (their compiles, mostly)
 process_*                              (various)  the process's memory, CPU, open files (Linux)
 =====================================  =========  ==============================================
 
@@ -127,6 +131,11 @@ class ServerMetrics:
         self.run_eager = Gauge("dflash_compiled_steps_run_eager",
                                "Compiled steps that reached torch's recompile limit and run eager since", registry=r)
         self.run_eager.set_function(eager_fallbacks)
+        self.serving_compiles = Counter("dflash_serving_compiles", "Engine steps (a round, a prefill) that built "
+                                        "graphs while serving (--compile: past the buckets of the start-up warm-up)",
+                                        registry=r)
+        self.serving_compile_seconds = Counter("dflash_serving_compile_seconds", "Seconds the engine steps that built "
+                                               "graphs while serving took (every stream waited)", registry=r)
         ProcessCollector(registry=r)
         self._lock = threading.Lock()
         self._tau_sum = 0

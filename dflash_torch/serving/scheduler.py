@@ -16,6 +16,11 @@ holds the engine). Its sequences wait in one FIFO queue and run in a batch of at
   running sequence and the next chunk of the prompts being prefilled (``backend.step``), hand each sequence's committed chunk to its
   request's asyncio queue as the round commits it, and free the slot of every sequence
   that finished or whose request went away (``backend.remove``) before the next round.
+- An ``add`` or ``step`` that built graphs (a compiled engine: a round or prefill past
+  the buckets the start-up warm-up built; torch's count of traced frames grew) is logged in
+  one warning line when it ends (what it ran: a round's sequences, rows and keys; its
+  seconds, while every stream waited) and counted in ``dflash_serving_compiles_total`` and
+  ``dflash_serving_compile_seconds_total``.
 - A request that goes away (:meth:`Job.cancel`) leaves the waiting queue at once; its
   running sequences (prefilling ones too) stop after the current step (a step that only
   prefills ends after the current prefill chunk).
@@ -26,7 +31,8 @@ The scheduler drives the engine through a *backend*: ``max_batch_size`` (int, th
 ``prefill_tokens`` (int, prompt tokens the engine has read so far), ``reused_prefill_tokens``
 (int, prompt tokens it took from retained prefixes instead), ``target_only_rounds`` (int,
 rounds run without drafts above the engine's ``draft_max_batch_size`` or by its
-``"auto"`` policy) and three methods, all
+``"auto"`` policy), ``compiled_what(step)`` (str: what the last ``add`` (``step`` False) or
+``step`` ran, for the log line of one that built graphs) and three methods, all
 called on the compute thread:
 
 ``add(seq)``
@@ -67,6 +73,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .. import compute
+from ..decoding import compile_counts
 from ..engine import StreamChunk
 from ..errors import CompileError, ContextLengthError, DFlashError, OptionError
 from ..options import check_min_tokens_room, n_tokens
@@ -279,6 +286,16 @@ class SerialBackend:
         self.seq: Sequence | None = None
         self._chunks = None
         self._first: StreamChunk | None = None  # the prefill's chunk, returned by the next step
+        self._context = 0  # tokens of the sequence held (prompt + generated)
+        self._round_at = 0  # its tokens when the last step's round began
+
+    def compiled_what(self, step: bool) -> str:
+        """What the last :meth:`add` (its prefill) or :meth:`step` (a round) ran (see the module docstring)."""
+        if not step:
+            return f"the prefill of a {self._context}-token prompt"
+        n, decoder = self._round_at, self.engine.decoder
+        keys = decoder.kv_bucket(n - 1 + decoder.block_size) if decoder.static else n
+        return f"a round of the one sequence at {n} tokens of context ({keys} keys)"
 
     def add(self, seq: Sequence) -> None:
         """Prefill ``seq`` now; one whose request goes away meanwhile stops after the current
@@ -290,6 +307,7 @@ class SerialBackend:
         chunks = self.engine.stream(seq.prompt_ids, max_new_tokens=seq.max_new_tokens, **seq.kwargs)
         read, reused = decoder.prefill_tokens, decoder.reused_prefill_tokens
         decoder.stop_prefill = seq.job.cancelled.is_set
+        self._context = len(seq.prompt_ids)
         try:
             first = next(chunks)  # checks the request, then prefills
         except PrefillStopped:
@@ -311,11 +329,13 @@ class SerialBackend:
         if self._first is not None:
             chunk, self._first = self._first, None
         else:
+            self._round_at = self._context
             try:
                 chunk = next(self._chunks)
             except BaseException:
                 self.remove(seq)
                 raise
+        self._context += len(chunk.token_ids)
         if chunk.finish_reason is not None:
             self.remove(seq)
         return [(seq, chunk)]
@@ -370,6 +390,16 @@ class BatchedBackend:
     @property
     def target_only_rounds(self) -> int:
         return self.engine.batch_decoder().target_only_rounds
+
+    def compiled_what(self, step: bool) -> str:
+        """What the last :meth:`step` ran: its decoding round's shape (the batch decoder's
+        :attr:`~dflash_torch.batch.BatchDecoder.last_round`; an :meth:`add` runs nothing)."""
+        r = self.engine.batch_decoder().last_round
+        if not step or r is None:
+            return "a step"
+        kind = "a target-only round" if r.block == 1 < self.engine.block_size else "a round"
+        return (f"{kind} of {r.sequences} sequence{'s' if r.sequences > 1 else ''} "
+                f"({r.rows} row{'s' if r.rows > 1 else ''}, {r.keys} keys)")
 
     def step(self) -> list[tuple[Sequence, StreamChunk | DFlashError]]:
         """Each sequence's chunk of one batch round, or the error that ends that sequence alone
@@ -568,6 +598,7 @@ class Scheduler:
                     if not self._waiting:
                         return
                 continue
+            frames, t0 = compile_counts()[0], time.perf_counter()
             try:
                 results = self.backend.step()
             except Exception as exc:  # a failed round fails every sequence in it
@@ -577,6 +608,7 @@ class Scheduler:
                 continue
             finally:
                 self._count_backend()
+            self._count_compile(frames, t0, step=True)
             self._count_round(results)
             for seq, chunk in results:
                 if isinstance(chunk, DFlashError):  # (that sequence alone failed; the backend let it go)
@@ -603,12 +635,14 @@ class Scheduler:
                 seq = self._waiting.popleft()
                 self._running.append(seq)  # (counted as running while it prefills)
                 self._update_gauges()
+            frames, t0 = compile_counts()[0], time.perf_counter()
             try:
                 self.backend.add(seq)
             except Exception as exc:
                 self._fail(seq, exc)
                 self._leave(seq)
                 continue
+            self._count_compile(frames, t0, step=False)
             seq.job.put("start", len(seq.prompt_ids), seq.index)
             self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
 
@@ -620,6 +654,18 @@ class Scheduler:
         plain = self.backend.target_only_rounds
         self.metrics.target_only_rounds.inc(plain - self._target_only_rounds)
         self._target_only_rounds = plain
+
+    def _count_compile(self, frames: int, t0: float, step: bool) -> None:
+        """After a backend ``add`` or ``step`` (``step``) that succeeded, begun at ``t0`` with
+        ``frames`` traced: if it built graphs (a compiled engine past its warm-up's buckets), log it in
+        one line and count it (see the module docstring)."""
+        if compile_counts()[0] == frames:
+            return
+        took = time.perf_counter() - t0
+        self.metrics.serving_compiles.inc()
+        self.metrics.serving_compile_seconds.inc(took)
+        log.warning("compiled the graphs of %s while serving: %.1f s, every stream waiting (graphs past the start-up "
+                    "warm-up's: see --warmup-context)", self.backend.compiled_what(step), took)
 
     def _count_round(self, results: list) -> None:
         """The acceptance and batch-size metrics of one step's decoding round, as it commits:
