@@ -1205,6 +1205,14 @@ def test_chat_without_a_chat_template_names_the_argument_or_the_flag(tiny_pair, 
     assert cli_main(["generate", "hi", "--chat", "--target", str(target), "--no-draft", "--max-new-tokens", "2"]) == 2
     assert capsys.readouterr().err.strip() == ("dflash-torch: error: --chat cannot be used: this model's tokenizer "
                                                "has no chat template (send a text prompt)")
+    # bench: a {"messages"} line of the prompt file is named, not --chat, which was not given (trial-268)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "x = 1"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert cli_main(["bench", "--target", str(target), "--modes", "target-only", "--prompts", str(prompts),
+                     "--max-new-tokens", "2", "--sweep", "", "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == (f"dflash-torch: error: prompt 2 of {prompts} is a {{\"messages\": [...]}} "
+                                               "line, which needs a chat template, and this model's tokenizer has "
+                                               "none: give it as a {\"prompt\": text} line")
 
 
 @pytest.mark.parametrize("template, words", [

@@ -391,7 +391,12 @@ def _run(args: argparse.Namespace) -> int:
     # (variables no prompt may set: the flag's fault, named as the flag, not the first prompt's)
     check_chat_template_kwargs(args.chat_template_kwargs, engine.reserved_template_variables())
     prompt_ids = []
+    source = "<stdin>" if args.prompts == "-" else args.prompts or "the shipped prompt set"
     for i, prompt in enumerate(prompts):
+        if isinstance(prompt, list) and not getattr(engine.tokenizer, "chat_template", None):
+            # (the line's fault, not --chat's, which the engine's refusal names: trial-268)
+            raise DFlashError(f"prompt {i + 1} of {source} is a {{\"messages\": [...]}} line, which needs a chat "
+                              "template, and this model's tokenizer has none: give it as a {\"prompt\": text} line")
         try:  # (chat_template_kwargs apply to the chats only: --chat's, or {"messages"} prompts)
             chat = args.chat or isinstance(prompt, list)
             prompt_ids.append(engine.encode_prompt(prompt, args.chat, args.chat_template_kwargs if chat else None))
