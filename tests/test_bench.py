@@ -94,6 +94,7 @@ def test_sweep_and_round_vs_step_small_shape(tiny_pair):
                                       "MATH-500": None}
     table = _shapes_table([r]).splitlines()
     assert table[4].endswith("| - |") and any(line.startswith("PROJECTED '-': the paper's tau 6.49") for line in table)
+    assert r["floor_round_over_step"] > 1 and not any(line.startswith("Round/step by weights read '-'") for line in table)
     # the growth from the shortest length to the longest, whatever their order
     sweep = context_sweep(drafter, embed, [32, 8], block_size=4, repeats=1)
     assert sweep["ratio_longest_over_shortest"]["inject"] == sweep["inject"][0] / sweep["inject"][1]
@@ -126,6 +127,11 @@ def test_round_vs_step_hybrid_moe_full_and_layer_subset():
     rows = [line for line in table if line.startswith("| custom | qwen3_5_moe_text |")]
     assert len(rows) == 2 and "| all 8 |" in rows[0] and "| 4 of 8, SCALED |" in rows[1]
     assert any(line.startswith("SCALED rows") for line in table)
+    # (no floor for an MoE target, "-" in its column: the table says why; trial-268, it did not)
+    assert full["floor_round_over_step"] is part["floor_round_over_step"] is None
+    assert [r.split("|")[8] for r in rows] == [" - "] * 2
+    assert ("Round/step by weights read '-': a mixture-of-experts target, whose step reads the experts its token is "
+            "routed to, not weights known from the shape (bench.json: null).") in table
 
 
 def test_hybrid_round_commits_the_accepted_rows(monkeypatch):

@@ -119,6 +119,9 @@ def _shapes_table(shapes: list[dict]) -> str:
     if any(sh["scaled"] for sh in shapes):
         lines.append("SCALED rows: only whole periods of the layer pattern were built (the weights would not fit "
                      "comfortably in RAM); their per-layer time is scaled to the full depth (bench.json: 'measured').")
+    if any(sh["floor_round_over_step"] is None for sh in shapes):
+        lines.append("Round/step by weights read '-': a mixture-of-experts target, whose step reads the experts its "
+                     "token is routed to, not weights known from the shape (bench.json: null).")
     if any(sh["projected_speedup"][tau] is None for sh in shapes):
         lines.append(f"PROJECTED '-': the paper's tau {PUBLISHED_TAU[tau]} (measured with blocks of 16) exceeds B; "
                      "a round of B tokens accepts at most B.")
