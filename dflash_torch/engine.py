@@ -315,6 +315,7 @@ class DFlashEngine:
         self.prefix_slots = check_prefix_slots(prefix_slots, self.reuse_prefix)
         self._batch: BatchDecoder | None = None
         self._max_context_option = decoder_options.get("max_context")  # (None: the target's context, for the batch decoder too)
+        self._compile_backend = decoder_options.get("compile_backend", "inductor")  # (the batch decoder's too)
         check_models(target, drafter)
         if drafter is not None:  # (as from_pretrained checks the configs, before any round reads a wrong shape)
             validate_pair(target.config, drafter.config)
@@ -1355,7 +1356,7 @@ class DFlashEngine:
     def batch_decoder(self) -> BatchDecoder:
         """The engine's :class:`~dflash_torch.batch.BatchDecoder` (``max_batch_size`` slots,
         the engine's block size, ``max_context``, prefill chunk and fixed-shape / compile
-        setting), created on the first call; call it and drive it on the compute thread
+        settings, its ``compile_backend`` included), created on the first call; call it and drive it on the compute thread
         (:func:`dflash_torch.compute.run`). :meth:`generate_batch` decodes with it too, and
         refuses to while it holds sequences added here.
 
@@ -1370,7 +1371,8 @@ class DFlashEngine:
             self._batch = BatchDecoder(self.target, self.drafter, block_size=self.block_size,
                                        max_batch_size=self.max_batch_size, max_context=self._max_context_option,
                                        prefill_chunk=self.decoder.prefill_chunk, static=self.decoder.static,
-                                       compile=self.decoder.compiled, reuse_prefix=self.reuse_prefix,
+                                       compile=self.decoder.compiled, compile_backend=self._compile_backend,
+                                       reuse_prefix=self.reuse_prefix,
                                        draft_max_batch_size=self.draft_max_batch_size, prefix_slots=self.prefix_slots)
         return self._batch
 

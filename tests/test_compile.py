@@ -286,7 +286,8 @@ def test_engine_default_warmup_covers_short_sequences_past_the_first_bucket(agre
     keys, so a server's first requests of 250 tokens compiled: trial-268).
     A server of that engine logs a request's round past those buckets, which builds
     graphs while every stream waits, in one line (the round's shape, its seconds) and
-    counts it in /metrics; the same request again builds nothing (trial-268: invisible)."""
+    counts it in /metrics; the same request again builds nothing (trial-268: invisible).
+    The batch decoder compiles with the engine's compile_backend (it took inductor's)."""
     import logging
     import re
 
@@ -299,7 +300,13 @@ def test_engine_default_warmup_covers_short_sequences_past_the_first_bucket(agre
     target, drafter = _load(agree_pair)
     spec = DFlashEngine.from_pretrained(agree_pair[0], no_draft=True)
     torch._dynamo.reset()
-    engine = DFlashEngine(target, spec.tokenizer, drafter, max_context=512, compile=True, compile_backend="eager",
+    built = []  # graphs handed to the backend: torch.compile's "eager" one, counting them
+
+    def eager(gm, example_inputs):
+        built.append(gm)
+        return gm.forward
+
+    engine = DFlashEngine(target, spec.tokenizer, drafter, max_context=512, compile=True, compile_backend=eager,
                           max_batch_size=2)
     engine.warmup()
     frames = dynamo_utils.counters["frames"]["total"]
@@ -310,7 +317,9 @@ def test_engine_default_warmup_covers_short_sequences_past_the_first_bucket(agre
     long = engine.generate(prompt, max_new_tokens=50, ignore_eos=True)
     assert dynamo_utils.counters["frames"]["total"] == frames, "a graph was built after warmup()"
     assert long.token_ids == spec.generate(prompt, max_new_tokens=50, ignore_eos=True).token_ids
+    graphs = len(built)
     engine.warmup(batch=True)
+    assert len(built) > graphs  # (the batch decoder's graphs, by the engine's backend)
     frames = dynamo_utils.counters["frames"]["total"]
     for k in (1, 2):  # batch buckets 1 and 2, their last rounds past 256 keys
         outs = engine.generate_batch([prompt] * k, max_new_tokens=50, ignore_eos=True)
