@@ -237,6 +237,18 @@ def compile_counts() -> tuple[int, int]:
     return int(counters["frames"]["total"]), int(counters["inductor"]["cudagraph_skips"])
 
 
+def graphs_built() -> int:
+    """Graphs torch.compile has built so far in this process (TorchDynamo's count of the
+    graphs it compiled: each compile or recompile that made one, a re-trace that gave a graph
+    identical to one built before too; not a frame it traced without making a graph). 0
+    where ``torch._dynamo`` was never imported (nothing was compiled)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def prompt_chunk_logprobs(logits: torch.Tensor, prompt: list[int], c0: int, top: int) -> list[TokenLogprob | None]:
     """The prompt logprobs that a prefill chunk's logits give: row ``r`` of ``logits``
     (``[rows, V]``, the chunk's valid rows, at positions ``c0 + r``) scores prompt token

@@ -17,7 +17,7 @@ holds the engine). Its sequences wait in one FIFO queue and run in a batch of at
   request's asyncio queue as the round commits it, and free the slot of every sequence
   that finished or whose request went away (``backend.remove``) before the next round.
 - An ``add`` or ``step`` that built graphs (a compiled engine: a round or prefill past
-  the buckets the start-up warm-up built; torch's count of traced frames grew) is logged in
+  the buckets the start-up warm-up built; torch's count of the graphs it built grew) is logged in
   one warning line when it ends (what it ran: a round's sequences, rows and keys; its
   seconds, while every stream waited) and counted in ``dflash_serving_compiles_total`` and
   ``dflash_serving_compile_seconds_total``.
@@ -73,7 +73,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .. import compute
-from ..decoding import compile_counts
+from ..decoding import graphs_built
 from ..engine import StreamChunk
 from ..errors import CompileError, ContextLengthError, DFlashError, OptionError
 from ..options import check_min_tokens_room, n_tokens
@@ -598,7 +598,7 @@ class Scheduler:
                     if not self._waiting:
                         return
                 continue
-            frames, t0 = compile_counts()[0], time.perf_counter()
+            graphs, t0 = graphs_built(), time.perf_counter()
             try:
                 results = self.backend.step()
             except Exception as exc:  # a failed round fails every sequence in it
@@ -608,7 +608,7 @@ class Scheduler:
                 continue
             finally:
                 self._count_backend()
-            self._count_compile(frames, t0, step=True)
+            self._count_compile(graphs, t0, step=True)
             self._count_round(results)
             for seq, chunk in results:
                 if isinstance(chunk, DFlashError):  # (that sequence alone failed; the backend let it go)
@@ -635,14 +635,14 @@ class Scheduler:
                 seq = self._waiting.popleft()
                 self._running.append(seq)  # (counted as running while it prefills)
                 self._update_gauges()
-            frames, t0 = compile_counts()[0], time.perf_counter()
+            graphs, t0 = graphs_built(), time.perf_counter()
             try:
                 self.backend.add(seq)
             except Exception as exc:
                 self._fail(seq, exc)
                 self._leave(seq)
                 continue
-            self._count_compile(frames, t0, step=False)
+            self._count_compile(graphs, t0, step=False)
             seq.job.put("start", len(seq.prompt_ids), seq.index)
             self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
 
@@ -655,11 +655,12 @@ class Scheduler:
         self.metrics.target_only_rounds.inc(plain - self._target_only_rounds)
         self._target_only_rounds = plain
 
-    def _count_compile(self, frames: int, t0: float, step: bool) -> None:
+    def _count_compile(self, graphs: int, t0: float, step: bool) -> None:
         """After a backend ``add`` or ``step`` (``step``) that succeeded, begun at ``t0`` with
-        ``frames`` traced: if it built graphs (a compiled engine past its warm-up's buckets), log it in
-        one line and count it (see the module docstring)."""
-        if compile_counts()[0] == frames:
+        ``graphs`` built (:func:`~dflash_torch.decoding.graphs_built`): if it built graphs (a
+        compiled engine past its warm-up's buckets), log it in one line and count it (see the
+        module docstring)."""
+        if graphs_built() == graphs:
             return
         took = time.perf_counter() - t0
         self.metrics.serving_compiles.inc()
