@@ -48,7 +48,8 @@ def register(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a slot (default 64; 0: none, a request is taken only when "
                         "free slots hold all its choices); a request that does not fit gets 503 with Retry-After")
-    add_warmup_arg(p, "a request that goes past it compiles its bucket's graphs while every stream waits")
+    add_warmup_arg(p, "a request that goes past it compiles its bucket's graphs while every stream waits (logged in "
+                      "a WARNING line, counted in /metrics: dflash_serving_compiles_total)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="read every prompt whole (default: a prompt that starts with a finished sequence's "
                         "tokens, such as the next turn of a chat, reuses its rows and reads only the rest; one "
