@@ -81,7 +81,13 @@ write drops a retained prefix in its slot (a shared prefill's copies when the ba
 into it, :meth:`~BatchDecoder.warmup`). A fixed-shape round's padding row in such a slot
 runs past the retained length when that fits the round's length bucket, else the prefix
 is dropped (never a longer bucket, so no new graph). A sequence held past its budget (run
-as padding) and a joining sequence that leaves keep nothing.
+as padding) keeps nothing. A joining sequence that leaves while its prompt is partly read
+(a server's request that went away in its prefill) keeps the rows of the whole chunks read
+(and those it reused) in its slot as a retained prefix, without logits (a retry, or a prompt
+that extends them, reads only the rest; the same prompt reads its last token), where the
+caches can go back (not on a hybrid or sliding-window target, as
+:class:`~dflash_torch.decoding.SpeculativeDecoder`); one whose prefill others share hands
+it to the next of them instead.
 
 Prompt logprobs (``prompt_logprobs=k`` of :meth:`~BatchDecoder.add` / :meth:`~BatchDecoder.join`)
 come from the logits each prefill chunk computes anyway (its valid rows,
@@ -451,12 +457,14 @@ class _Sequence:
 @dataclass
 class _Retained:
     """A retained prefix (prompt-prefix reuse): its slot's rows of positions ``[0, len(ids))``
-    are valid for the token ids ``ids``."""
+    are valid for the token ids ``ids``. Those of a prefill left midway
+    (:meth:`BatchDecoder._retain_read`) have ``prompt_len == saved_at == len(ids)`` and no
+    ``prompt_logits`` (so they are never "the same prompt again")."""
 
     ids: list[int]
     used: int  # when it was made or last reused (BatchDecoder._tick): the least recent is dropped first
     prompt_len: int = 0  # tokens of the prompt the rows began with
-    prompt_logits: torch.Tensor | None = None  # [V] the target's logits at the end of that prompt
+    prompt_logits: torch.Tensor | None = None  # [V] the target's logits at the end of that prompt (None: never read)
     saved_at: int = 0  # hybrid / ring targets: the slot's checkpoint holds the state / rings at this position
 
 
@@ -919,7 +927,10 @@ class BatchDecoder:
     def remove(self, seq_id: Hashable) -> None:
         """Drop a sequence, decoding or joining; its slot is free at once (the last decoding
         slot's sequence moves into it, and a partly prefilled joiner into that one; a
-        joiner whose prefill others share hands it, and the part read, to the next of them).
+        joiner whose prefill others share hands it, and the part read, to the next of them;
+        with ``reuse_prefix``, a leaving sequence's rows, and a partly prefilled joiner's
+        whole chunks read on a target whose caches can go back, stay as a retained prefix:
+        see the module docstring).
 
         Raises:
             DFlashError: no such sequence; a call from another thread while the compute thread
@@ -1089,7 +1100,8 @@ class BatchDecoder:
     def _remove_joining(self, seq_id: Hashable) -> bool:
         """Drop a joining sequence, if ``seq_id`` is one -> whether it was. The first
         sequence sharing its prefill takes its place in the queue, with the part of the
-        prompt already read in its slot; without one, the slot's contents are dead (the
+        prompt already read in its slot; without one, the part read is kept there as a
+        retained prefix (:meth:`_retain_read`), or else the slot's contents are dead (the
         next joiner starts from scratch there)."""
         for j, q in enumerate(self._joining):
             if q.seq_id == seq_id:
@@ -1100,12 +1112,42 @@ class BatchDecoder:
                     self._joining[j] = heir
                 else:
                     del self._joining[j]
+                    if j == 0 and q.prefilled:  # (only the head is ever partly prefilled)
+                        self._retain_read(q)
                 return True
             for k, sharer in enumerate(q.sharers):
                 if sharer.seq_id == seq_id:
                     del q.sharers[k]
                     return True
         return False
+
+    def _retain_read(self, q: _Joining) -> None:
+        """Keep the part of ``q``'s prompt that its slot (``len(self._seqs)``, the first slot
+        no sequence uses) holds, ``q`` having left in its prefill (a server's request that
+        went away), as a retained prefix there: the rows of its ``q.prefilled`` first
+        positions (the whole chunks read, target K/V and drafter context both written, and
+        the rows it reused), so that a retried request, or any prompt that starts with
+        those tokens, reads only the rest. No logits come with them (the prompt's last one
+        was never read), so the same prompt again still reads its last token. With
+        ``reuse_prefix`` only, and only where the caches can go back (plain attention: a
+        hybrid target's recurrent state and a sliding-window layer's rings are known where
+        a prompt ended or was checkpointed only), as :class:`~dflash_torch.decoding.SpeculativeDecoder`
+        keeps a prefill left midway. Where a retained prefix already holds these tokens
+        (those the prompt reused), that one is kept (as used now) and nothing is added.
+        The slot is where the next joiner's prefill starts: :meth:`_take_prefix` then takes
+        these rows or moves them up as any retained prefix there; it holds no retained
+        prefix before (a prefill's chunk or its taking one drops that), so none is dropped."""
+        if not self.reuse_prefix or self._resumable_only:
+            return
+        ids = q.prompt[:q.prefilled]
+        self._tick += 1
+        held = next((r for r in self._retained.values() if r.ids[:len(ids)] == ids), None)
+        if held is not None:
+            held.used = self._tick
+            return
+        # (no prompt logits: never taken as "the same prompt again"; the prompt it began with is these
+        # rows, so a prompt that holds them all takes them as a retry's, see _take_prefix)
+        self._retained[len(self._seqs)] = _Retained(ids, self._tick, len(ids), None, len(ids))
 
     def _move(self, src: int, dst: int, end: int) -> None:
         """Copy slot ``src``'s positions ``[0, end)`` (and recurrent state) into slot ``dst``

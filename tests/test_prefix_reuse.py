@@ -657,3 +657,142 @@ def test_the_same_prompt_again_behind_a_chunk_over_the_prefill_budget(agree_mode
     assert both and read == C and read_off == C + len(p)
     same_runs(on, off)
 
+
+
+def target_alone(target, prompt, n: int) -> list[int]:
+    """The first ``n`` tokens of target-only greedy decoding of ``prompt`` alone (prefill chunks of ``C``)."""
+    from conftest import run_rounds
+    from dflash_torch.decoding import SpeculativeDecoder
+
+    return run_rounds(SpeculativeDecoder(target, None, prefill_chunk=C), prompt, n)[0]
+
+
+def leave_in_prefill(batch: BatchDecoder, out: dict, budgets: dict, prompt, chunks: int, sid="gone", **join) -> None:
+    """``prompt`` joins as ``sid`` and leaves after ``chunks`` steps, each reading one chunk
+    of it (:func:`one_chunk_steps`), as a server's request that went away in its prefill."""
+    budgets[sid] = 10
+    batch.join(sid, prompt, GREEDY, 10, **join)
+    for _ in range(chunks):
+        assert sid not in one_chunk_steps(batch, out, budgets)
+    batch.remove(sid)
+
+
+def one_chunk_steps(batch: BatchDecoder, out: dict, budgets: dict, until=None) -> dict:
+    """Steps that read at most one prefill chunk each (``stop`` says so after it), gathering
+    tokens in ``out`` and removing each sequence once it has its budget; one step, or
+    (``until``: a seq_id) until that sequence has left. -> the last step's rounds."""
+    for _ in range(300):
+        rounds = batch.step(stop=lambda: True)
+        for sid, rnd in rounds.items():
+            out.setdefault(sid, []).append(rnd)
+        for sid in batch.seq_ids:
+            if sum(len(r.tokens) for r in out.get(sid, [])) >= budgets[sid]:
+                batch.remove(sid)
+        if until is None or until not in batch:
+            return rounds
+    raise AssertionError(f"{until!r} did not finish")
+
+
+@pytest.mark.parametrize("mode", ["alone", "beside-streams-fixed-shapes"])
+def test_a_joiner_that_leaves_in_its_prefill_keeps_its_chunks_for_the_next_prompt(agree_models, mode):  # noqa: F811
+    """A prompt of 5 chunks joins and leaves after 2 (a request that went away in its
+    prefill): the 32 rows of those chunks stay as a retained prefix in its slot, without
+    logits; a prompt then prefilled there takes exactly the rows it shares with them, its
+    last token read: the same prompt again (a retry: 32), an extension (32, through add),
+    one that shares 20 tokens (20), one shorter than the rows (24 of its 25), the rows' own
+    tokens (31 of 32: not taken as "the same prompt again", whose logits were never read),
+    one that differs right after them (32); each decodes as target-only greedy decoding
+    alone. ``beside-streams-fixed-shapes``: three streams decode meanwhile in fixed-shape
+    rounds, whose padding row runs in the joiner's slot past the part read."""
+    target, drafter = agree_models
+    p = varied_prompts(target, 1, seed=53, length=4 * C + 5)[0]
+    cases = {"retry": (p, 2 * C), "extends": (p + MORE, 2 * C), "shares-part": (p[:20] + MORE, 20),
+             "shorter": (p[:25], 24), "its-rows": (p[:2 * C], 2 * C - 1), "differs-after-them": (p[:2 * C] + MORE, 2 * C)}
+    static = mode != "alone"
+    for name, (prompt, reused) in cases.items():
+        batch = BatchDecoder(target, drafter, max_batch_size=4, max_context=200, prefill_chunk=C, static=static)
+        out, budgets = {}, {}
+        for j in range(3 if static else 0):
+            budgets[("o", j)] = 150
+            batch.add(("o", j), [3 + j] + varied_prompts(target, 1, seed=60 + j, length=6)[0], GREEDY, 150)
+        slot = len(batch.seq_ids)
+        leave_in_prefill(batch, out, budgets, p, 2)
+        assert {i: r.ids for i, r in batch._retained.items()} == {slot: p[:2 * C]}, name
+        before = batch.prefill_tokens, batch.reused_prefill_tokens
+        budgets[name] = 12
+        if name == "extends":  # (its prefill now, alone)
+            out[name] = [batch.add(name, prompt, GREEDY, 12)]
+        else:
+            batch.join(name, prompt, GREEDY, 12)
+        one_chunk_steps(batch, out, budgets, until=name)
+        assert out[name][0].cached_tokens == reused, name
+        assert batch.reused_prefill_tokens - before[1] == reused, name
+        assert batch.prefill_tokens - before[0] == len(prompt) - reused, name
+        assert sum((r.tokens for r in out[name]), [])[:12] == target_alone(target, prompt, 12), name
+
+
+def test_a_shared_prefill_left_by_its_first_holder_goes_on_for_the_next(agree_models):  # noqa: F811
+    """Two sequences share a prompt's prefill; the first leaves after 2 of its 5 chunks: the
+    second takes over its place and the part read (nothing is retained, nothing read again),
+    and decodes as target-only greedy decoding alone."""
+    target, drafter = agree_models
+    p = varied_prompts(target, 1, seed=53, length=4 * C + 5)[0]
+    batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=200, prefill_chunk=C)
+    out, budgets = {}, {"gone": 10, "twin": 12}
+    batch.join("gone", p, GREEDY, 10)
+    batch.join("twin", p, GREEDY, 12)
+    for _ in range(2):
+        assert not one_chunk_steps(batch, out, budgets)
+    batch.remove("gone")
+    assert batch._retained == {} and batch.seq_ids == ["twin"]
+    one_chunk_steps(batch, out, budgets, until="twin")
+    assert batch.prefill_tokens == len(p) and batch.reused_prefill_tokens == 0 and out["twin"][0].cached_tokens == 0
+    assert sum((r.tokens for r in out["twin"]), [])[:12] == target_alone(target, p, 12)
+
+
+@pytest.mark.parametrize("models", ["qwen35_models", "ring_models"], ids=["qwen35-hybrid", "gpt-oss-rings"])
+def test_a_hybrid_or_ring_target_keeps_no_rows_of_a_joiner_that_leaves_in_its_prefill(request, models):
+    """A hybrid target's recurrent state and a sliding-window target's rings are kept where a
+    prompt ended or was checkpointed only: a joiner that leaves after 2 of its 5 chunks keeps
+    nothing (as SpeculativeDecoder on such targets), and the same prompt again is read whole
+    and decodes as target-only greedy decoding alone."""
+    target, drafter = request.getfixturevalue(models)
+    p = varied_prompts(target, 1, seed=53, length=4 * C + 5)[0]
+    batch = BatchDecoder(target, drafter, max_batch_size=2, max_context=200, prefill_chunk=C)
+    out, budgets = {}, {"again": 12}
+    leave_in_prefill(batch, out, budgets, p, 2)
+    assert batch._retained == {} and batch.prefill_tokens == 2 * C
+    batch.join("again", p, GREEDY, 12)
+    one_chunk_steps(batch, out, budgets, until="again")
+    assert batch.prefill_tokens == 2 * C + len(p) and batch.reused_prefill_tokens == 0
+    assert sum((r.tokens for r in out["again"]), [])[:12] == target_alone(target, p, 12)
+
+
+def test_a_joiner_that_leaves_in_its_prefill_keeps_the_rows_it_reused_too(agree_models):  # noqa: F811
+    """A finished sequence leaves the rows of a prompt sharing 40 tokens with ``p``. A joiner
+    of ``p`` that takes those 40 and leaves before reading a chunk adds no retained prefix
+    (that one holds them; no duplicate); one that takes them, reads a chunk and leaves keeps
+    all 56 rows, which the same prompt then reuses; each decodes as target-only greedy alone."""
+    target, drafter = agree_models
+    p = varied_prompts(target, 1, seed=53, length=4 * C + 5)[0]
+    batch = BatchDecoder(target, drafter, max_batch_size=3, max_context=200, prefill_chunk=C)
+    out, budgets = {}, {"a": 8, "x": 100, "again": 12, "later": 12}
+    batch.join("a", p[:40] + MORE, GREEDY, 8)
+    one_chunk_steps(batch, out, budgets, until="a")
+    assert [r.ids[:44] for r in batch._retained.values()] == [p[:40] + MORE]
+    batch.join("x", [3] + varied_prompts(target, 1, seed=61, length=C - 1)[0], GREEDY, 100)  # (one chunk)
+    budgets["gone"] = 10
+    batch.join("gone", p, GREEDY, 10)
+    before = batch.reused_prefill_tokens
+    assert set(one_chunk_steps(batch, out, budgets)) == {"x"}  # x's chunk; "gone" takes 40 rows, reads none
+    assert batch.reused_prefill_tokens - before == 40
+    batch.remove("gone")
+    assert [r.ids[:44] for r in batch._retained.values()] == [p[:40] + MORE]
+    leave_in_prefill(batch, out, budgets, p, 1)  # takes the 40 rows again, reads 16 more
+    assert sorted(len(r.ids) for r in batch._retained.values() if r.ids == p[:56]) == [56]
+    for sid in ("again", "later"):  # ("later": "again"'s rows, 69 + 11, reused)
+        before = batch.reused_prefill_tokens
+        batch.join(sid, p, GREEDY, 12)
+        one_chunk_steps(batch, out, budgets, until=sid)
+        assert batch.reused_prefill_tokens - before == (56 if sid == "again" else len(p)), sid
+        assert sum((r.tokens for r in out[sid]), [])[:12] == target_alone(target, p, 12), sid

@@ -717,7 +717,8 @@ def test_a_sequence_cancelled_while_its_prompt_is_prefilled_frees_its_slot(tiny_
     """The server's batched backend on a real engine: a prompt of three prefill chunks
     joins while a stream decodes; the stream gets a chunk every step while the prompt is
     read; the joiner, removed after two chunks (its client went away), frees its slot at
-    once; the slot then serves the same prompt, which answers as alone."""
+    once and leaves the rows of those chunks there (prefix reuse); the slot then serves the
+    same prompt (a retry), which reads only the rest and answers as alone."""
     import asyncio
 
     from dflash_torch import DFlashEngine, compute
@@ -747,11 +748,13 @@ def test_a_sequence_cancelled_while_its_prompt_is_prefilled_frees_its_slot(tiny_
     assert batch.free_slots == 0
     compute.run(backend.remove, leaving)
     assert batch.free_slots == 1 and batch.seq_ids == [running]
+    read, reused = backend.prefill_tokens, backend.reused_prefill_tokens
     compute.run(backend.add, again)
     for _ in range(100):
         if not step():
             break
     assert batch.free_slots == 2
+    assert backend.reused_prefill_tokens - reused == 2 * 256 and backend.prefill_tokens - read == 600 - 2 * 256
     assert tokens[again] == engine.generate(long_ids, max_new_tokens=12, ignore_eos=True).token_ids
     assert tokens[running] == engine.generate(running.prompt_ids, max_new_tokens=80, ignore_eos=True).token_ids
     loop.close()
@@ -761,7 +764,8 @@ def test_a_prompt_read_alone_stops_after_the_chunk_in_which_its_request_went_awa
     """The server's batched backend on a real engine: a prompt of three prefill chunks
     (256 tokens each) with no stream decoding is read whole by one step, unless its request
     went away: then the step ends after one chunk (the scheduler frees the slot after each
-    step). The same prompt then answers as alone."""
+    step), whose rows stay (prefix reuse). The same prompt then reads only the rest, and
+    answers as alone."""
     import asyncio
 
     from dflash_torch import DFlashEngine, compute
@@ -781,10 +785,11 @@ def test_a_prompt_read_alone_stops_after_the_chunk_in_which_its_request_went_awa
     assert compute.run(backend.step) == [] and backend.prefill_tokens - read == batch.prefill_chunk == 256
     compute.run(backend.remove, leaving)
     assert batch.free_slots == 2
-    read = backend.prefill_tokens
+    read, reused = backend.prefill_tokens, backend.reused_prefill_tokens
     compute.run(backend.add, staying)
     tokens = [chunk.token_ids for seq, chunk in compute.run(backend.step)]
-    assert len(tokens) == 1 and backend.prefill_tokens - read == 600  # one step: its prefill whole
+    assert len(tokens) == 1 and backend.prefill_tokens - read == 600 - 256  # one step: the rest of its prefill
+    assert backend.reused_prefill_tokens - reused == 256
     while batch.seq_ids:
         tokens += [chunk.token_ids for seq, chunk in compute.run(backend.step)]
     assert sum(tokens, []) == engine.generate(long_ids, max_new_tokens=12, ignore_eos=True).token_ids
