@@ -799,7 +799,8 @@ def test_a_prompt_read_alone_stops_after_the_chunk_in_which_its_request_went_awa
 def test_a_prompt_read_in_the_one_slot_stops_after_the_chunk_in_which_its_request_went_away(tiny_pair, local_engine):
     """The server's one-slot backend (``--max-batch-size 1``) on a real engine: a prompt of
     three prefill chunks whose request went away is read for one chunk only, and not held
-    (it was read whole); the same prompt then answers as alone."""
+    (it was read whole); that chunk's rows stay (prefix reuse), so the same prompt then reads
+    only the rest, and answers as alone."""
     import asyncio
 
     from dflash_torch import DFlashEngine, compute
@@ -816,7 +817,7 @@ def test_a_prompt_read_in_the_one_slot_stops_after_the_chunk_in_which_its_reques
     compute.run(backend.add, leaving)
     assert backend.seq is None and backend.prefill_tokens == engine.decoder.prefill_chunk == 256
     compute.run(backend.add, staying)
-    assert backend.prefill_tokens == 256 + 600
+    assert backend.prefill_tokens == 256 + 600 - 256 and backend.reused_prefill_tokens == 256
     tokens = []
     while backend.seq is not None:
         tokens += [chunk.token_ids for seq, chunk in compute.run(backend.step)]
