@@ -16,7 +16,7 @@ What it does
    special tokens ``<|endoftext|>`` (id 0; eos and pad) and ``<|MASK|>``
    (id 1).  No normalizer, no prefix space, no BOS/post-processor, so
    ``decode(encode(text)) == text`` for every text.  A minimal chat template
-   renders messages as ``# <role>: <content>`` lines.
+   renders messages as ``# <role>: <content>`` lines, a reply after a blank line.
 3. Model: ``transformers.Qwen3ForCausalLM`` from scratch (hidden 256,
    6 layers, 4 query / 2 kv heads of dim 64, MLP 768, tied embeddings),
    trained on random 512-token windows of the concatenated train split
@@ -75,9 +75,12 @@ EOS = "<|endoftext|>"
 MASK = "<|MASK|>"
 # Newlines are emitted as Jinja string expressions because transformers renders
 # templates with trim_blocks=True (a literal newline after a block tag is dropped).
+# A reply follows its message after a blank line, as the generation prompt opens it, so a past
+# turn renders as the tokens generated (the next turn's prompt reuses them: prefix reuse).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '# ' + message['role'] + ': ' + message['content'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{{ '\\n' + message['content'] + '\\n' }}"
+    "{% else %}{{ '# ' + message['role'] + ': ' + message['content'] + '\\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '\\n' }}{% endif %}"
 )
@@ -146,6 +149,8 @@ def check_tokenizer(tok, texts: list[str]) -> None:
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "# user: hi\n\n", repr(chat)
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x = 1"}]
+    assert tok.apply_chat_template(history, tokenize=False) == chat + "x = 1\n", "a past reply renders otherwise"
 
 
 def tokenize_files(tok, files: list[pathlib.Path]) -> torch.Tensor:

@@ -54,6 +54,23 @@ def test_default_pair_is_lossless_on_heldout_prompts():
             assert a.stats.block_size == 16 and len(a.stats.acceptance_lengths) >= 1
 
 
+def test_a_chat_turn_reuses_the_last_reply_with_the_shipped_template():
+    """The shipped chat template renders a past reply after a blank line, as its generation
+    prompt opened it, so the next turn's prompt starts with the tokens the last turn read and
+    generated and reuses their rows (its replies rendered "# assistant: ...": a second turn
+    reused 10 of 66 tokens); the turn equals target-only decoding of the same messages."""
+    engine, base = DFlashEngine.from_pretrained(), DFlashEngine.from_pretrained(no_draft=True, reuse_prefix=False)
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    first = engine.generate(messages, max_new_tokens=24)
+    assert engine.tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": first.text}],
+                                                tokenize=False) == "# user: def add(a, b):\n\n" + first.text + "\n"
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "class Stack:"}]
+    second = engine.generate(messages, max_new_tokens=24)
+    assert second.token_ids == base.generate(messages, max_new_tokens=24).token_ids
+    read = len(engine.encode_prompt(messages[:1])) + len(first.token_ids)  # (the last turn's prompt and reply)
+    assert second.stats.cached_prompt_tokens >= read - 2, (second.stats.cached_prompt_tokens, read)
+
+
 def test_quickstart_command_prints_code():
     proc = subprocess.run([sys.executable, "-m", "dflash_torch", "generate", "def fibonacci(n):", "--max-new-tokens", "32"],
                           capture_output=True, text=True, timeout=300)

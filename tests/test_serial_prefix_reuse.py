@@ -449,13 +449,25 @@ def test_history_end_of_token_id_prompts(agree_hybrid_pair, tiny_pair, tmp_path)
     assert second.token_ids == engine.generate(ids, max_new_tokens=12, history_end=None).token_ids
 
 
-def test_chat_turns_reuse_the_history_with_the_shipped_template_on_a_hybrid_target(tmp_path):
-    """A hybrid target with the shipped target's tokenizer and chat template: a message ends
-    with "\\n" and the reply opens with "\\n", one "\\n\\n" token in the prompt, and a message
-    that ends with a newline itself renders its end otherwise in the next turn ("\\n\\n" then
-    "\\n", "\\n", "#"): ``history_end`` is where the next turn's prompt still agrees, so turn 2
-    reuses the history, one sequence at a time and batched (trial-232 and trial-235: both read
-    their whole prompt again), with the tokens decoded without reuse."""
+# the shipped target's chat template before its replies rendered as generated: "# assistant: " then the reply
+REPLY_OTHERWISE = ("{% for message in messages %}{{ '# ' + message['role'] + ': ' + message['content'] + '\\n' }}"
+                   "{% endfor %}{% if add_generation_prompt %}{{ '\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("template", ["reply otherwise", "shipped"])
+def test_chat_turns_reuse_the_history_with_the_shipped_tokenizer_on_a_hybrid_target(tmp_path, template):
+    """A hybrid target with the shipped target's tokenizer. With a template whose generation
+    prompt is "\\n" but whose past replies render as "# assistant: ..." (the shipped one's
+    before): a message ends with "\\n" and the reply opens with "\\n", one "\\n\\n" token in
+    the prompt, and a message that ends with a newline itself renders its end otherwise in the
+    next turn ("\\n\\n" then "\\n", "\\n", "#"): ``history_end`` is where the next turn's prompt
+    still agrees, so turn 2 reuses the history, one sequence at a time and batched (trial-232
+    and trial-235: both read their whole prompt again). The shipped template, which renders a
+    past reply after a blank line as it was generated, has the same end where the message ends
+    without a newline (the "\\n\\n" token that closes the prompt does not start the next turn,
+    where the blank line merges with the reply's first characters); where it ends with one, the
+    next turn renders the whole prompt again (no history end: None), which turn 2 reuses whole.
+    Either way with the tokens decoded without reuse."""
     import shutil
 
     from conftest import make_hybrid_target
@@ -465,6 +477,8 @@ def test_chat_turns_reuse_the_history_with_the_shipped_template_on_a_hybrid_targ
     target = make_hybrid_target(tmp_path / "target", "qwen3_5_text", tokenizer=False, vocab_size=4096)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(DEFAULT_TARGET / name, target / name)
+    if template == "reply otherwise":
+        (target / "chat_template.jinja").write_text(REPLY_OTHERWISE)
     engines = [DFlashEngine.from_pretrained(target, no_draft=True, dtype="float32", max_batch_size=2,
                                             reuse_prefix=reuse) for reuse in (True, False)]
     for content in ("Tell me about lists.", "Tell me about lists.\n", "Tell me about lists. \n"):
@@ -482,4 +496,7 @@ def test_chat_turns_reuse_the_history_with_the_shipped_template_on_a_hybrid_targ
             assert (a1, a2) == (b1, b2) and none == 0
             ids = engines[0].encode_prompt(first)
             end = engines[0].history_end(first, ids)
-            assert end is not None and cached == end >= len(ids) - 2, (content, batched, cached, end, len(ids))
+            if end is None:  # (the next turn renders the whole prompt again: its end serves)
+                assert template == "shipped" and content.endswith("\n") and cached == len(ids), (content, cached)
+            else:
+                assert cached == end >= len(ids) - 2, (content, batched, cached, end, len(ids))
