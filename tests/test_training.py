@@ -2543,6 +2543,39 @@ def test_self_distill_that_finds_too_little_is_refused(tiny_pair, tmp_path):
         _prepare(cfg, tok, target_dir)
 
 
+def test_self_distill_draws_each_chat_prompt_once_and_never_holds_out_a_copy_of_a_training_row(tiny_pair, tmp_path):
+    """Chat prompts were drawn with replacement: greedy continuation repeated sequences, and the
+    held-out split copied training rows (a silently wrong validation metric: trial-272). Each
+    distinct prompt is drawn once (said in the data: line), and a conversation the data
+    repeats is never held out."""
+    from dflash_torch.training.trainer import prepare_data
+
+    target_dir, _ = tiny_pair
+    tok = _tok(target_dir)
+    convs = [{"messages": [{"role": "user", "content": f"Write a Python function that returns {i} plus x."},
+                           {"role": "assistant", "content": f"def add_{i}(x):\n    return x + {i}\n"}]} for i in range(8)]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    lines: list[str] = []
+    cfg = _cfg(tmp_path, target_dir, chat, val_seqs=2, batch=2, seq_len=96, self_distill=20, self_distill_batch=20)
+    data, val_rows, stats = prepare_data(cfg, Path(target_dir), tok, lines.append)
+    rows = [tuple(e.ids.tolist()) for e in data.examples]
+    distilled = rows[len(rows) - (stats["distilled_sequences"] - len(val_rows)):]
+    assert stats["distilled_sequences"] == stats["distilled_chat_prompts_distinct"] == 8, stats
+    assert len(set(distilled)) == len(distilled) and len(val_rows) == 1, (stats, len(val_rows))
+    assert not {tuple(ids.tolist()) for ids, _ in val_rows} & set(rows)
+    assert any(line.startswith("data: self-distill found only 8 of 20 prompts in the data (the conversations give 8 "
+                               "distinct chat prompts, each drawn once") for line in lines), lines
+    # a conversation the data holds twice stays to train on (both copies)
+    chat.write_text("".join(json.dumps(c) + "\n" for c in convs + convs[:2]))
+    lines.clear()
+    data, val_rows, stats = prepare_data(_cfg(tmp_path, target_dir, chat, val_seqs=2, batch=2, seq_len=96), Path(target_dir),
+                                         tok, lines.append)
+    rows = [tuple(e.ids.tolist()) for e in data.examples]
+    assert len(val_rows) == 2 and stats["val_copies_left_to_train"] == 4 and len(rows) == 8, stats
+    assert not {tuple(ids.tolist()) for ids, _ in val_rows} & set(rows)
+
+
 class RecordingTokenizer:
     """The real tokenizer, noting the longest text it is asked to tokenize in one go."""
 

@@ -33,13 +33,16 @@ def text_prompts(tokenizer, documents: list[str], n: int, prefix_min: int, prefi
     first character), and the prompt is kept where it has at least ``max(1, prefix_min // 2)``
     tokens and some non-blank text: a prompt has ``max(1, prefix_min // 2)`` tokens at least and
     about ``prefix_max`` at most (the cut text encoded again, with any special token the
-    tokenizer adds in front). Fewer than ``n`` come back where ``20 * n`` draws do not find them."""
+    tokenizer adds in front). The prompts differ from each other (a repeated prompt is drawn
+    again: its greedy continuation would repeat a sequence, trial-272). Fewer than ``n`` come
+    back where ``20 * n`` draws do not find them."""
     docs = [d for d in documents if d.strip()]
     if not docs or n <= 0:
         return []
     weights = [len(d) for d in docs]
     line_starts: dict[int, list[int]] = {}
     out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
     tries = 0
     while len(out) < n and tries < 20 * n:
         tries += 1
@@ -55,7 +58,8 @@ def text_prompts(tokenizer, documents: list[str], n: int, prefix_min: int, prefi
         if cut > 0:
             piece = piece[:cut + 1]
         prompt = tokenizer.encode(piece)
-        if len(prompt) >= max(1, prefix_min // 2) and piece.strip():
+        if len(prompt) >= max(1, prefix_min // 2) and piece.strip() and tuple(prompt) not in seen:
+            seen.add(tuple(prompt))
             out.append(prompt)
     return out
 
@@ -116,16 +120,24 @@ def greedy_continuations(model, prompts: list[list[int]], max_new: list[int], pa
 
 
 def distill_prompts(tokenizer, corpus: Corpus, n: int, seq_len: int, *, prefix_min: int = 32, prefix_max: int = 256,
-                    seed: int = 0, template_kwargs: dict | None = None) -> tuple[list[list[int]], list[bool]]:
+                    seed: int = 0, template_kwargs: dict | None = None,
+                    counts: dict | None = None) -> tuple[list[list[int]], list[bool]]:
     """Up to ``n`` prompts (token ids) for self-distillation and whether each is a chat prompt.
 
     Chat prompts (everything before a conversation's last assistant turn) are drawn in
-    proportion to the conversations' share of the corpus and kept when shorter than
-    ``seq_len - 16`` tokens (rendered with the extra chat template variables
-    ``template_kwargs``); text prompts are cut by :func:`text_prompts` from a length drawn
+    proportion to the conversations' share of the corpus, without replacement, and kept when
+    shorter than ``seq_len - 16`` tokens (rendered with the extra chat template variables
+    ``template_kwargs``) and unlike every prompt drawn before: a greedy continuation of a
+    repeated prompt would repeat its sequence (and copy training rows into the held-out split:
+    trial-272), so where more are asked than the conversations hold distinct prompts, each is
+    drawn once and text prompts, where there is text, make up the rest; text prompts are cut by :func:`text_prompts` from a length drawn
     from ``prefix_min..prefix_max`` tokens (at most ``seq_len - 16``), cut back to a line end:
     ``prefix_min // 2`` tokens at least. Fewer than ``n`` come back when the data is too short
     to cut them.
+
+    ``counts``, where given, is filled with ``chat_asked`` (the chat prompts wanted),
+    ``chat_distinct`` (those found) and ``chat_repeated`` (conversations passed over as their
+    prompt repeated an earlier one's).
     """
     rng = random.Random(seed)
     prefix_max = min(prefix_max, seq_len - 16)
@@ -135,11 +147,21 @@ def distill_prompts(tokenizer, corpus: Corpus, n: int, seq_len: int, *, prefix_m
         share = len(corpus.conversations) / (len(corpus.conversations) + len(corpus.documents))
         n_chat = round(n * share)
     prompts: list[list[int]] = []
-    for _ in range(n_chat):
-        k = rng.randrange(len(corpus.conversations))
+    seen: set[tuple[int, ...]] = set()
+    repeated = 0
+    order = list(range(len(corpus.conversations)))
+    rng.shuffle(order)  # (each conversation once)
+    for k in order:
+        if len(prompts) >= n_chat:
+            break
         p = chat_prompt(tokenizer, corpus.conversations[k], seq_len - 15, corpus.source(k), template_kwargs)
-        if 0 < len(p) <= seq_len - 16:
+        if tuple(p) in seen:
+            repeated += 1
+        elif 0 < len(p) <= seq_len - 16:
+            seen.add(tuple(p))
             prompts.append(p)
+    if counts is not None:
+        counts.update(chat_asked=n_chat, chat_distinct=len(prompts), chat_repeated=repeated)
     chat = [True] * len(prompts)
     texts = text_prompts(tokenizer, corpus.documents, n - len(prompts), prefix_min, prefix_max, rng)
     return prompts + texts, chat + [False] * len(texts)

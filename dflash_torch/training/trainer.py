@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
@@ -808,14 +809,15 @@ def ignored_interrupt():
             signal.signal(signum, handler)
 
 
-CACHE_FORMAT = 11  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
+CACHE_FORMAT = 12  # 3: chat loss masks from character spans; .json record files; 4: notes, conversations left out;
 # 5: no reply span inside the turns before it; messages as the engine takes them (parts, tool calls, names);
 # 6: replies found by their contents; 7: spans checked against the messages' contents (none on a user's text);
 # 8: each reply's closing marker in its span (a reply ending in a line end or ">"); an opening reply's span at its place;
 # gpt-oss's last reasoning in its reply's span; a call's empty content left unmarked; 9: also where the template
 # writes the marked conversation otherwise (Qwen3's line end before a call after a content); a </s> taken alone;
 # 10: a .json array's records named from 1 in the notes (as JSON Lines lines); 11: the mask token's text in the data
-# tokenized as plain text (MaskAsText), the mask id in the key
+# tokenized as plain text (MaskAsText), the mask id in the key; 12: self-distill prompts drawn without replacement,
+# distilled sequences that repeat another's tokens left out
 """Version of the tokenized-data cache; part of its key (bump when tokenization changes)."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -960,7 +962,9 @@ def split_eval(cfg: TrainConfig, stream: torch.Tensor, chat: list[Example], dist
     the stream's tail: the first kind with at least 5 sequences (the largest kind
     otherwise); at least one, at most a fifth of that kind (a tenth of the windows), and
     never so many that fewer than ``batch`` sequences are left to train on (see
-    :func:`check_data_size`).
+    :func:`check_data_size`). A chat or self-distilled sequence whose tokens another
+    sequence repeats is never held out (it stays to train on): a held-out row never copies a
+    training row (trial-272); fewer are held out where the others are all such copies.
 
     Returns:
         ``(stream, chat, distilled, val_rows)``: what is left to train on and the
@@ -975,8 +979,10 @@ def split_eval(cfg: TrainConfig, stream: torch.Tensor, chat: list[Example], dist
         rows = [(w, torch.ones(w.numel(), dtype=torch.bool)) for w in stream[cut:].split(cfg.seq_len)]
         return stream[:cut], chat, distilled, rows
     examples = distilled if kind == "distilled" else chat
-    rows = [(e.ids, e.loss_mask) for e in examples[len(examples) - k:]]
-    kept = examples[:len(examples) - k]
+    times = Counter(tuple(e.ids.tolist()) for e in chat + distilled)
+    held = [i for i in reversed(range(len(examples))) if times[tuple(examples[i].ids.tolist())] == 1][:k][::-1]
+    rows = [(examples[i].ids, examples[i].loss_mask) for i in held]
+    kept = [e for i, e in enumerate(examples) if i not in set(held)]
     return (stream, chat, kept, rows) if kind == "distilled" else (stream, kept, distilled, rows)
 
 
@@ -1064,13 +1070,15 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, say, mask_toke
         chat = [e for e in chat if e.loss_mask.any()]
     left_out = {"no_turn": no_turn, "past_seq_len": past}
     distilled: list[Example] = []
+    drawn: dict = {}
+    dropped = 0
     if cfg.self_distill > 0:
         from .distill import distill_prompts, self_distill
 
         check_data_size(cfg, stream.numel(), len(chat), cfg.self_distill, **left_out)  # before the costly part
         prompts, is_chat = distill_prompts(tokenizer, corpus, cfg.self_distill, cfg.seq_len, prefix_min=cfg.prefix_min,
                                            prefix_max=cfg.prefix_max, seed=cfg.seed,
-                                           template_kwargs=cfg.chat_template_kwargs)
+                                           template_kwargs=cfg.chat_template_kwargs, counts=drawn)
         if not prompts:
             shortest = max(1, min(cfg.prefix_min, cfg.prefix_max, cfg.seq_len - 16) // 2)
             chat_too = f", and no chat prompt is shorter than seq_len - 16 = {cfg.seq_len - 16} tokens" if chat else ""
@@ -1078,12 +1086,23 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, say, mask_toke
                         f"{shortest} tokens (half of prefix_min) follows a line start{chat_too}; "
                         "add data or lower prefix_min", "self_distill", "prefix_min", "seq_len")
         if len(prompts) < cfg.self_distill:
-            note(f"data: self-distill found only {len(prompts)} of {cfg.self_distill} prompts in the data")
+            few = drawn.get("chat_distinct", 0) < drawn.get("chat_asked", 0)
+            why = (f" (the conversations give {drawn['chat_distinct']} distinct chat prompts, each drawn once"
+                   + (f", {drawn['chat_repeated']} repeated ones left out" if drawn["chat_repeated"] else "")
+                   + ": a repeated prompt's greedy continuation would repeat its sequence)") if few else ""
+            note(f"data: self-distill found only {len(prompts)} of {cfg.self_distill} prompts in the data{why}")
             check_data_size(cfg, stream.numel(), len(chat), len(prompts), **left_out)
         t1 = time.time()
-        distilled = self_distill(target_dir, tokenizer, prompts, is_chat, cfg.seq_len,
-                                 batch_size=cfg.self_distill_batch, progress=cfg.progress)
-        say(f"data: self-distilled {len(distilled)} sequences in {time.time() - t1:.0f}s")
+        made = self_distill(target_dir, tokenizer, prompts, is_chat, cfg.seq_len,
+                            batch_size=cfg.self_distill_batch, progress=cfg.progress)
+        seen: set[tuple[int, ...]] = set()
+        for e in made:  # (distinct prompts may still be continued into the same tokens: one kept)
+            if tuple(e.ids.tolist()) not in seen:
+                seen.add(tuple(e.ids.tolist()))
+                distilled.append(e)
+        dropped = len(made) - len(distilled)
+        say(f"data: self-distilled {len(distilled)} sequences in {time.time() - t1:.0f}s"
+            + (f" ({dropped} more repeated another's tokens and were left out)" if dropped else ""))
     return {"stream": stream, "chat": [(e.ids, e.loss_mask) for e in chat],
             "distilled": [(e.ids, e.loss_mask) for e in distilled], "notes": notes,
             "stats": {"documents": len(corpus.documents), "conversations": len(corpus.conversations),
@@ -1091,6 +1110,8 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, say, mask_toke
                       "conversations_on_all_tokens": len(whole),
                       "skipped_files": len(corpus.skipped), "stream_tokens": int(stream.numel()),
                       "distilled_sequences": len(distilled),
+                      "distilled_chat_prompts_distinct": drawn.get("chat_distinct", 0),
+                      "distilled_duplicates_removed": dropped,
                       "distilled_tokens": sum(int(e.loss_mask.sum()) for e in distilled),
                       "prepare_time_s": round(time.time() - t0, 1)}}
 
@@ -1164,17 +1185,22 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log,
                 old.unlink()
                 log(f"data: removed {old} (made from other data or settings)")
     kind, counts = eval_kind(cfg, stream, chat, distilled)
+    times = Counter(tuple(e.ids.tolist()) for e in chat + distilled)
+    copies = 0 if kind == "text" or not cfg.val_seqs else \
+        sum(times[tuple(e.ids.tolist())] > 1 for e in (distilled if kind == "distilled" else chat))
     stream, chat, distilled, val_rows = split_eval(cfg, stream, chat, distilled)
     if cfg.val_seqs and len(val_rows) < cfg.val_seqs:  # (split_eval's caps; it said so only in the log's stats)
         whole = {"distilled": f"the {counts[kind]} self-distilled sequences", "chat": f"the {counts[kind]} chat "
                  f"conversations", "text": f"the {counts[kind]} windows of the text"}[kind]
         say(f"data: holding out {len(val_rows)} sequence{'' if len(val_rows) == 1 else 's'} for evaluation, not val_seqs "
             f"{cfg.val_seqs}: they are taken from one kind of data only, here {whole}, at most a "
-            f"{'tenth' if kind == 'text' else 'fifth'} of them, leaving at least batch {cfg.batch} sequences to train on",
+            f"{'tenth' if kind == 'text' else 'fifth'} of them, leaving at least batch {cfg.batch} sequences to train on"
+            + (f", and none of the {copies} whose tokens another sequence repeats (they train)" if copies else ""),
             "val_seqs", "batch")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     data = TrainingData(stream, chat + distilled, cfg.seq_len, pad, cfg.raw_fraction)
-    stats = dict(blob["stats"], val_sequences=len(val_rows), chat_and_distilled_examples=len(chat) + len(distilled))
+    stats = dict(blob["stats"], val_sequences=len(val_rows), val_copies_left_to_train=copies,
+                 chat_and_distilled_examples=len(chat) + len(distilled))
     return data, val_rows, stats
 
 
