@@ -3558,7 +3558,9 @@ def test_a_run_interrupted_and_resumed_logs_the_losses_of_an_uninterrupted_one(t
     """The running mean behind each loss_history row (the losses since the last row) was not
     in the checkpoint: after a Ctrl-C between two rows and --resume, the next row and the
     final_train_loss were the mean of the resumed steps only (trial-166), though the weights
-    were those of an uninterrupted run. It is saved and restored: the logs are the same."""
+    were those of an uninterrupted run. It is saved and restored: the logs are the same. The
+    step's scheduled evaluation, not logged before the Ctrl-C, runs first on resume (it was
+    lost for good: eval_history lacked it, trial-272)."""
     import os
     import signal
 
@@ -3566,7 +3568,7 @@ def test_a_run_interrupted_and_resumed_logs_the_losses_of_an_uninterrupted_one(t
 
     target_dir, _ = tiny_pair
     data = _jsonl(tmp_path / "d.jsonl")
-    full = _cfg(tmp_path / "a", target_dir, data, steps=4, log_every=3)
+    full = _cfg(tmp_path / "a", target_dir, data, steps=4, log_every=3, eval_every=2)
     whole = Trainer(full, log=lambda m: None).run()
     original, calls = adam._single_tensor_adam, []
 
@@ -3578,7 +3580,7 @@ def test_a_run_interrupted_and_resumed_logs_the_losses_of_an_uninterrupted_one(t
         return result
 
     monkeypatch.setattr(adam, "_single_tensor_adam", interrupted_in_step_2)
-    cut = _cfg(tmp_path / "b", target_dir, data, steps=4, log_every=3)
+    cut = _cfg(tmp_path / "b", target_dir, data, steps=4, log_every=3, eval_every=2)
     lines = []
     with pytest.raises(KeyboardInterrupt):
         Trainer(cut, log=lines.append).run()
@@ -3593,6 +3595,8 @@ def test_a_run_interrupted_and_resumed_logs_the_losses_of_an_uninterrupted_one(t
     assert [r["step"] for r in whole["loss_history"]] == [1, 3, 4]
     assert rows(resumed) == rows(whole)
     assert resumed["final_train_loss"] == whole["final_train_loss"]
+    assert [e["step"] for e in whole["eval_history"]] == [0, 2, 4]
+    assert resumed["eval_history"] == whole["eval_history"]
 
 
 @pytest.mark.parametrize("damage", ["truncated", "text"])

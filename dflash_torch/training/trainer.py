@@ -1673,6 +1673,12 @@ class Trainer:
             if last_eval.get("val_loss") is not None:
                 evals.append(last_eval)
                 self.say(_eval_line(last_eval), *(["seq_len"] if "val_tau_note" in last_eval else []))
+        elif val_rows and step % cfg.eval_every == 0 and evals[-1]["step"] != step:
+            # (a checkpoint saved before its step's evaluation was logged, e.g. on a Ctrl-C in it: that evaluation runs
+            # first, so eval_history is the uninterrupted run's; it was lost for good: trial-272)
+            last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
+            evals.append(last_eval)
+            self.say(_eval_line(last_eval), *(["seq_len"] if "val_tau_note" in last_eval else []))
         loss_ema = None
         first_step = step  # (one budget spent before this run trained a step is warned)
         self._interrupt_note = None
