@@ -157,7 +157,8 @@ def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True) -> l
 
     Raises:
         DFlashError: a message that is not a dict with a string ``role`` and a string
-            ``content`` (or a list of text parts; None allowed with ``tool_calls`` or a
+            ``content`` (named by its index, with what is wrong: "chat message 1 has no role")
+            (or a list of text parts; None allowed with ``tool_calls`` or a
             ``refusal``), a ``refusal`` that is not a string of an assistant message, ``tool_calls``
             (not empty) of a message other than an assistant's, a ``tool_call_id`` of one other than
             a tool message, or one that is not the ``id`` of a tool call of an earlier assistant
@@ -203,11 +204,17 @@ def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True) -> l
                               "earlier assistant message (a tool message answers one)")
         if refusal is not None and not isinstance(refusal, str):
             raise DFlashError(f"chat message {i}: refusal must be a string, got {type(refusal).__name__}")
-        content_ok = isinstance(m.get("content"), str) or ((_holds(calls) or refusal is not None)
-                                                          and m.get("content") is None)
-        if not isinstance(m.get("role"), str) or not content_ok:
-            raise DFlashError("chat messages must be a list of {'role': str, 'content': str} (content may be None "
-                              "with tool_calls or an assistant's refusal)")
+        content = m.get("content")
+        content_ok = isinstance(content, str) or ((_holds(calls) or refusal is not None) and content is None)
+        if not isinstance(m.get("role"), str) or not content_ok:  # (each fault named, as a content part's is: trial-272)
+            role = m.get("role")
+            what = ("has no role" if role is None else f"has a role of type {type(role).__name__}, not a string")  \
+                if not isinstance(role, str) else \
+                "has no content" if "content" not in m else \
+                "has a null content" if content is None else \
+                f"has a content of type {type(content).__name__}, not a string or a list of text parts"
+            raise DFlashError(f"chat message {i} {what}: each message is {{'role': str, 'content': str}} (content may "
+                              "be null or left out with tool_calls or an assistant's refusal)")
         if refusal is not None:  # (its text follows the content's, as the server reads it: see ChatMessage.text)
             m = {k: v for k, v in m.items() if k != "refusal"}
             m["content"] = "\n".join(t for t in (m.get("content"), refusal) if t)

@@ -184,7 +184,7 @@ def test_bench_chat_prompts_with_variables(switch_pair, tmp_path, capsys):
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
     capsys.readouterr()
     assert cli_main(base + ["--out", str(tmp_path / "bad")]) == 2
-    assert capsys.readouterr().err.startswith("dflash-torch: error: prompt 1: chat messages must be a list of ")
+    assert capsys.readouterr().err.startswith("dflash-torch: error: prompt 1: chat message 0 has a content of type int")
     prompts.write_text(json.dumps({"prompt": MESSAGES[0]["content"]}) + "\n")
     assert cli_main(base + ["--chat-template-kwargs", '{"enable_thinking": false}', "--out", str(tmp_path / "bad")]) == 2
     assert "--chat-template-kwargs apply to chat prompts only: add --chat" in capsys.readouterr().err

@@ -436,7 +436,8 @@ def test_the_same_tool_twice_is_taken_null_fields_and_all(local_engine):
        r"^tool call arguments must be a JSON object: message 0, call 0: holds NaN or infinity, which JSON has not$")
       for number in (float("nan"), float("inf"), float("-inf"))],
     ([{"role": "assistant", "tool_calls": [{"name": "f"}]}], {}, r"^chat messages need tool_calls as a list"),
-    ([{"role": "assistant", "content": None}], {}, r"^chat messages must be a list of"),
+    ([{"role": "assistant", "content": None}], {}, r"^chat message 0 has a null content: each message is"),
+    ([{"role": "user", "content": "hi"}, {"content": "hi"}], {}, r"^chat message 1 has no role: each message is"),
     # (a refusal: an assistant's text, as the server takes it; a 400 there otherwise)
     ([{"role": "user", "content": "hi", "refusal": "no"}], {},
      r"^chat message 0 has a refusal, which only an assistant message may hold$"),

@@ -675,7 +675,9 @@ def test_too_little_chat_data_whose_replies_lie_past_seq_len_says_to_raise_it_al
 
 def test_conversations_without_an_assistant_turn_are_left_out_and_said(tiny_pair, tmp_path):
     """A conversation's loss lies on its assistant turns: one with none has no loss and is
-    left out, in a line (trial C: it trained on all its tokens, the user's text, unsaid)."""
+    left out, in a line (trial C: it trained on all its tokens, the user's text, unsaid); so is
+    a record whose messages list is empty, counted in the data statistics (it was dropped
+    unsaid: trial-272)."""
     from dflash_torch.training.trainer import prepare_data
 
     target_dir, _ = tiny_pair
@@ -685,12 +687,14 @@ def test_conversations_without_an_assistant_turn_are_left_out_and_said(tiny_pair
     assert len(ex.ids) > 0 and not ex.loss_mask.any() and not ex.whole
     data = tmp_path / "chat.jsonl"
     reply = [{"role": "user", "content": "sort a list"}, {"role": "assistant", "content": "sorted(x)"}]
-    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (reply, user_only, user_only)))
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (reply, user_only, user_only, [])))
     cfg = _cfg(tmp_path, target_dir, data, val_seqs=0, batch=1)
     for run in ("tokenized", "from the cache"):
         lines = []
         train, _, stats = prepare_data(cfg, Path(target_dir), tok, lines.append)
         assert len(train.examples) == 1 and stats["conversations_without_assistant_turn"] == 2, (run, stats)
+        assert stats["conversations_empty"] == 1, (run, stats)
+        assert f"data: 1 record has an empty messages list, e.g. {data}:4; left out" in lines, (run, lines)
         assert f"data: 2 conversations have no assistant turn, e.g. {data}:2; left out (a conversation's loss lies on " \
                "its assistant turns)" in lines, (run, lines)
     cfg = _cfg(tmp_path / "b", target_dir, data, val_seqs=0, batch=2)
@@ -2240,7 +2244,8 @@ STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['user', 'assi
 @pytest.mark.parametrize("case", ["jsonl-not-utf8", "jsonl-in-dir-not-utf8", "text-not-utf8", "text-surrogate",
                                   "chat-surrogate", "chat-template-refuses", "text-and-messages", "chat-image-part",
                                   "chat-template-type-error", "chat-kwarg-shadows-function", "json-nested-deep",
-                                  "json-array-nested-deep", "message-not-an-object"])
+                                  "json-array-nested-deep", "message-not-an-object", "message-without-role",
+                                  "message-content-a-number", "message-null-content"])
 def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
     """A bad record or a template that cannot render one is refused in one line naming the
     file and line (a template's TypeError, a variable shadowing ``raise_exception`` and
@@ -2275,6 +2280,13 @@ def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
         "message-not-an-object": ("d.jsonl", 2, good + json.dumps({"messages": ["hello"]}).encode() + b"\n",
                                   "message 0 is not an object: each message must be {'role': str, 'content': str}"),
         "json-array-nested-deep": ("d.json", None, b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+        # (each message's fault named with its index, as a content part's is: all were one line, trial-272)
+        **{c: ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "user", "content": "hi"}, bad]}).encode() + b"\n",
+               f"chat message 1 {words}: each message is {{'role': str, 'content': str}}")
+           for c, bad, words in (("message-without-role", {"content": "hi"}, "has no role"),
+                                 ("message-content-a-number", {"role": "assistant", "content": 5},
+                                  "has a content of type int, not a string or a list of text parts"),
+                                 ("message-null-content", {"role": "assistant", "content": None}, "has a null content"))},
     }[case]
     path = tmp_path / name
     path.parent.mkdir(exist_ok=True)

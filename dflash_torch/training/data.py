@@ -66,7 +66,8 @@ class Corpus:
     ``document_sources[i]`` where document ``i`` does (its file, or ``path:line`` of its record);
     ``skipped`` lists the files of directories that were left out as not UTF-8 text;
     ``excluded`` the directories below a given directory that were left out as asked
-    (``exclude`` of :func:`read_corpus`).
+    (``exclude`` of :func:`read_corpus`); ``empty_conversations`` names the records whose
+    ``messages`` list is empty (``path:line``; left out, counted in the data statistics).
     """
 
     documents: list[str] = field(default_factory=list)
@@ -75,6 +76,7 @@ class Corpus:
     document_sources: list[str] = field(default_factory=list)
     skipped: list[Path] = field(default_factory=list)
     excluded: list[Path] = field(default_factory=list)
+    empty_conversations: list[str] = field(default_factory=list)
 
     def source(self, i: int) -> str:
         """Where conversation ``i`` comes from, for error messages."""
@@ -198,6 +200,8 @@ def _add_record(rec, where: str, corpus: Corpus) -> None:
         if msgs:  # (a reasoning_content is kept: templates such as Qwen3's render it)
             corpus.conversations.append(msgs)
             corpus.conversation_sources.append(where)
+        else:  # (counted and said: it was dropped unsaid, trial-272)
+            corpus.empty_conversations.append(where)
     else:
         raise DFlashError(f"{where}: expected an object with a 'text' string or a 'messages' list")
 

@@ -817,7 +817,7 @@ CACHE_FORMAT = 12  # 3: chat loss masks from character spans; .json record files
 # writes the marked conversation otherwise (Qwen3's line end before a call after a content); a </s> taken alone;
 # 10: a .json array's records named from 1 in the notes (as JSON Lines lines); 11: the mask token's text in the data
 # tokenized as plain text (MaskAsText), the mask id in the key; 12: self-distill prompts drawn without replacement,
-# distilled sequences that repeat another's tokens left out
+# distilled sequences that repeat another's tokens left out; records with an empty messages list counted and said
 """Version of the tokenized-data cache; part of its key (bump when tokenization changes)."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -1047,6 +1047,10 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, say, mask_toke
         n = len(corpus.skipped)
         note(f"data: skipped {n} file{'s' * (n != 1)} that {'are' if n != 1 else 'is'} not UTF-8 text"
              f"{', e.g.' if n != 1 else ':'} {corpus.skipped[0]}")
+    if corpus.empty_conversations:
+        n = len(corpus.empty_conversations)
+        note(f"data: {n} record{'s have' if n != 1 else ' has'} an empty messages list, e.g. "
+             f"{corpus.empty_conversations[0]}; left out")
     stream = tokenize_documents(tokenizer, corpus.documents)
     has_turn = [any(t["role"] == "assistant" for t in m) for m in corpus.conversations]
     replied = [i for i, h in enumerate(has_turn) if h]
@@ -1106,6 +1110,7 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, say, mask_toke
     return {"stream": stream, "chat": [(e.ids, e.loss_mask) for e in chat],
             "distilled": [(e.ids, e.loss_mask) for e in distilled], "notes": notes,
             "stats": {"documents": len(corpus.documents), "conversations": len(corpus.conversations),
+                      "conversations_empty": len(corpus.empty_conversations),
                       "conversations_without_assistant_turn": no_turn, "conversations_reply_past_seq_len": past,
                       "conversations_on_all_tokens": len(whole),
                       "skipped_files": len(corpus.skipped), "stream_tokens": int(stream.numel()),
