@@ -2588,6 +2588,32 @@ def test_self_distill_draws_each_chat_prompt_once_and_never_holds_out_a_copy_of_
     assert not {tuple(ids.tolist()) for ids, _ in val_rows} & set(rows)
 
 
+def test_other_settings_keep_an_older_data_cache_of_self_distilled_data_and_remove_cheap_ones(tiny_pair, tmp_path):
+    """A run with other data or settings removed the work dir's older data cache, self-distilled
+    sequences too (hours of generation lost to one try of another seed: trial-272): such a cache
+    is kept, in a line; one of tokenized data only is still removed."""
+    from dflash_torch.training.trainer import prepare_data
+
+    target_dir, _ = tiny_pair
+    tok = _tok(target_dir)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"add {i}"},
+                                                     {"role": "assistant", "content": f"x + {i}"}]}) + "\n"
+                            for i in range(4)))
+    work = tmp_path / "work"
+    _prepare(_cfg(tmp_path, target_dir, chat, val_seqs=0, batch=1, self_distill=2), tok, target_dir)
+    (distilled,) = work.glob("data-*.pt")
+    lines: list[str] = []
+    prepare_data(_cfg(tmp_path, target_dir, chat, val_seqs=0, batch=1, seed=8), Path(target_dir), tok, lines.append)
+    assert f"data: kept {distilled} (made from other data or settings, but it holds 2 self-distilled sequences, " \
+        "costly to make again: a run with its data and settings loads it; delete it to free its space)" in lines, lines
+    (cheap,) = set(work.glob("data-*.pt")) - {distilled}
+    lines.clear()
+    prepare_data(_cfg(tmp_path, target_dir, chat, val_seqs=0, batch=1, seed=9), Path(target_dir), tok, lines.append)
+    assert f"data: removed {cheap} (made from other data or settings)" in lines and distilled.is_file(), lines
+    assert len(list(work.glob("data-*"))) == 2
+
+
 class RecordingTokenizer:
     """The real tokenizer, noting the longest text it is asked to tokenize in one go."""
 

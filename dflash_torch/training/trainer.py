@@ -1137,12 +1137,25 @@ def _load_data_cache(cache: Path, log) -> dict | None:
     return blob
 
 
+def _distilled_in(cache: Path) -> int:
+    """The number of self-distilled sequences the data cache ``cache`` holds (its tensors mapped,
+    not read); 0 for one that cannot be read back, or a partial ``.tmp`` file."""
+    if cache.suffix != ".pt":
+        return 0
+    try:
+        blob = torch.load(cache, weights_only=True, mmap=True)
+        return len(blob["distilled"])
+    except Exception:  # (damaged, or not a data cache: nothing costly to keep)
+        return 0
+
+
 def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log,
                  mask_token_id: int | None = None, say=None) -> tuple[TrainingData, list, dict]:
     """Tokenized (and self-distilled) data (the text of the drafter's mask token
     ``mask_token_id`` in it as plain text: :func:`_tokenize_data`), cached in the work dir under :func:`data_key`
     (a new cache replaces the work dir's older ones once the data passed :func:`check_data_size`,
-    and one that cannot be read back, with a WARNING), and a validation set (:func:`split_eval`).
+    and one that cannot be read back, with a WARNING; an older one holding self-distilled
+    sequences, costly to make again, is kept, in a line), and a validation set (:func:`split_eval`).
 
     ``log`` is called with each line said; ``say``, where given, instead with a line that
     names fields and the fields (``say(line, *names)``: :meth:`Trainer.say`, which names them
@@ -1185,8 +1198,14 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log,
             cache.unlink(missing_ok=True)
         raise
     if written:  # (only now that this run trains on the new cache: a refused run keeps the older ones)
-        for old in work.glob("data-*"):
+        for old in sorted(work.glob("data-*")):
             if old != cache and re.fullmatch(r"data-[0-9a-f]{16}\.(pt|tmp)", old.name):
+                held = _distilled_in(old)
+                if held:  # (hours of generation, lost to one try of other settings: trial-272)
+                    log(f"data: kept {old} (made from other data or settings, but it holds {held} self-distilled "
+                        "sequences, costly to make again: a run with its data and settings loads it; delete it to free "
+                        "its space)")
+                    continue
                 old.unlink()
                 log(f"data: removed {old} (made from other data or settings)")
     kind, counts = eval_kind(cfg, stream, chat, distilled)
