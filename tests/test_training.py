@@ -1692,6 +1692,17 @@ def test_train_renders_the_chat_data_with_chat_template_kwargs(tiny_pair, tmp_pa
     assert all("<think>" not in tok.decode(ids.tolist()) for ids, _ in blob["chat"])
 
 
+def test_the_progress_bar_shows_the_logged_loss(tiny_pair, tmp_path, capsys):
+    """The bar's loss was a moving average of its own (0.95), lagging behind the loss the log
+    says on short runs (6.817 on the bar, 5.5254 in the log: trial-272): it is the last
+    loss_history row's, the run's final_train_loss at its end."""
+    target_dir, _ = tiny_pair
+    info = Trainer(_cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=3, val_seqs=0, progress=True),
+                   log=lambda m: None).run()
+    bar = [part for part in capsys.readouterr().err.split("\r") if part.startswith("train")][-1]
+    assert f"loss={info['final_train_loss']}," in bar and "3/3" in bar, bar
+
+
 def test_a_val_tau_of_none_says_why(tiny_pair, tmp_path, capsys):
     """Held-out rows whose replies are shorter than a block leave nothing to replay: val_tau
     is None, and the log and the eval line now say why (trial-91: no word); draft slots

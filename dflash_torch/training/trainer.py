@@ -1703,7 +1703,6 @@ class Trainer:
             last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
             evals.append(last_eval)
             self.say(_eval_line(last_eval), *(["seq_len"] if "val_tau_note" in last_eval else []))
-        loss_ema = None
         first_step = step  # (one budget spent before this run trained a step is warned)
         self._interrupt_note = None
         unsaved = None  # (why a checkpoint could not be saved: training stops, the drafter is exported, then it is said)
@@ -1745,7 +1744,6 @@ class Trainer:
                     if logging:
                         history.append(log_row(out))
                         loss_acc, n_acc = 0.0, 0
-                loss_ema = loss if loss_ema is None else 0.95 * loss_ema + 0.05 * loss
                 if step % cfg.eval_every == 0 and val_rows:
                     last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
                     evals.append(last_eval)
@@ -1754,7 +1752,9 @@ class Trainer:
                     unsaved = save_checkpoint()
                     if unsaved is not None:
                         break
-                post = {"loss": f"{loss_ema:.3f}", "lr": f"{lr:.1e}"}
+                # (the last loss_history row's loss, as the log says it: a moving average of its own lagged behind it,
+                # 6.817 on the bar at the end of a run whose log said 5.5254: trial-272)
+                post = {"loss": str(history[-1]["loss"]) if history else "-", "lr": f"{lr:.1e}"}
                 if last_eval.get("val_tau") is not None:
                     post["val_tau"] = f"{last_eval['val_tau']:.2f}"
                 if budget:
