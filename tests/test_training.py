@@ -1671,7 +1671,8 @@ def test_train_renders_the_chat_data_with_chat_template_kwargs(tiny_pair, tmp_pa
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target))
-    blob = torch.load(next((out / "train_work").glob("data-*.pt")), weights_only=False)
+    (first,) = (out / "train_work").glob("data-*.pt")
+    blob = torch.load(first, weights_only=False)
     for ids, mask in blob["chat"]:
         text, loss = tok.decode(ids.tolist()), tok.decode(ids[mask].tolist())
         assert text.startswith("# user: question") and "# assistant: <think>\n\n</think>\n\nanswer" in text, text
@@ -1688,7 +1689,9 @@ def test_train_renders_the_chat_data_with_chat_template_kwargs(tiny_pair, tmp_pa
     assert cli_main(args + ["--resume"]) == 0
     said = capsys.readouterr().err
     assert """--chat-template-kwargs '{"enable_thinking": true}' (was '{"enable_thinking": false}')""" in said, said
-    blob = torch.load(next((out / "train_work").glob("data-*.pt")), weights_only=False)
+    assert f"data: kept {first} (made from other data or settings, but it holds 2 self-distilled" in said, said
+    (again,) = set((out / "train_work").glob("data-*.pt")) - {first}  # (the self-distilled one kept)
+    blob = torch.load(again, weights_only=False)
     assert all("<think>" not in tok.decode(ids.tolist()) for ids, _ in blob["chat"])
 
 
