@@ -639,10 +639,12 @@ def test_a_target_given_as_the_drafter_names_every_drafter_format(tiny_pair):
         DFlashEngine.from_pretrained(tiny_pair[0], tiny_pair[0])
 
 
-@pytest.mark.parametrize("archs", [["DFlash3DraftModel"], ["Qwen3DFlashDraftModel", "Qwen3ForCausalLM"]])
+@pytest.mark.parametrize("archs", [["DFlash3DraftModel"], ["Qwen3DFlashDraftModel", "Qwen3ForCausalLM"],
+                                   ["DFlash2DraftModel", "DFlash3DraftModel"]])
 def test_a_dflash_architecture_not_known_is_refused(tiny_pair, tmp_path, archs):
     """A drafter whose architectures name a DFlash class dflash-torch does not read (a later
-    format, another project's variant) was run as DFlash v1 because it has a dflash_config."""
+    format, another project's variant) was run as DFlash v1 because it has a dflash_config, or
+    as the known class it is listed beside."""
     drafter = shutil.copytree(tiny_pair[1], tmp_path / "d")
     cfg = json.loads((drafter / "config.json").read_text())
     assert cfg["dflash_config"]  # (what made it read as DFlash v1)

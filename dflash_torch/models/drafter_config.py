@@ -750,8 +750,7 @@ class DrafterConfig:
             if cfg.get("layer_types") is None:
                 cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"] if isinstance(
                     cfg.get("num_hidden_layers"), int) else None
-        unknown = [a for a in archs if "dflash" in a.lower() and a not in KNOWN_DFLASH_ARCHITECTURES]
-        if unknown and not any(a in KNOWN_DFLASH_ARCHITECTURES for a in archs):
+        if any("dflash" in a.lower() and a not in KNOWN_DFLASH_ARCHITECTURES for a in archs):  # (beside a known one too)
             raise DFlashError(
                 f"the drafter checkpoint is a DFlash model dflash-torch does not know (architectures={archs}); "
                 f"it reads {list(KNOWN_DFLASH_ARCHITECTURES)}, and running another as one of those could "
