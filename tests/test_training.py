@@ -866,6 +866,32 @@ def test_json_record_files_are_read_as_records_in_any_case(tmp_path):
     assert corpus.conversations == [chat["messages"]] and corpus.documents == ["delta"]
 
 
+def test_chat_records_with_roles_training_does_not_take_are_refused(tmp_path):
+    """ShareGPT-style roles ("human" / "gpt") trained unsaid, every "gpt" reply left out of the
+    loss (only assistant turns get it: trial-275): a role outside the server's five is refused,
+    naming file:line, the message's index and its role, with the role meant for ShareGPT's."""
+    ok = [{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant")]
+    ok += [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        {"role": "assistant", "content": "done"}]
+    (tmp_path / "ok.jsonl").write_text(json.dumps({"messages": ok}) + "\n")
+    assert len(read_corpus([tmp_path / "ok.jsonl"]).conversations) == 1
+    sharegpt = {"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "def f(): pass"}]}
+    (tmp_path / "sg.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps(sharegpt) + "\n")
+    with pytest.raises(DFlashError, match=r"sg\.jsonl:2: message 0 has role 'human', which training does not take: "
+                                          r"roles are system, developer, user, assistant, tool .*'human' as 'user'"):
+        read_corpus([tmp_path / "sg.jsonl"])
+    sharegpt["messages"][0]["role"] = "user"
+    (tmp_path / "sg.json").write_text(json.dumps([sharegpt]))
+    with pytest.raises(DFlashError, match=r"sg\.json: record 1: message 1 has role 'gpt'.*'gpt' as 'assistant'"):
+        read_corpus([tmp_path / "sg.json"])
+    sharegpt["messages"][1]["role"] = "ipython"
+    (tmp_path / "ip.jsonl").write_text(json.dumps(sharegpt) + "\n")
+    with pytest.raises(DFlashError, match=r"ip\.jsonl:1: message 1 has role 'ipython'") as info:
+        read_corpus([tmp_path / "ip.jsonl"])
+    assert "ShareGPT" not in str(info.value)
+
+
 def test_train_help_says_what_a_directory_makes_of_a_json_file_that_is_not_records(tmp_path, capsys):
     """A .json file that is not records is refused given itself but read as a text document
     in a --data directory (as data.py says: a directory's files are read as they come, e.g.
@@ -2275,9 +2301,9 @@ def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
         "text-surrogate": ("d.jsonl", 2, good + b'{"text": "a \\ud800 b"}\n', "surrogate \\ud800"),
         "chat-surrogate": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "user", "content": "hi \udfff"}]}).encode()
                            + b"\n", "surrogate \\udfff"),
-        "chat-template-refuses": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "robot", "content": "hi"},
+        "chat-template-refuses": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "system", "content": "hi"},
                                                                                  {"role": "assistant", "content": "ok"}]})
-                                  .encode() + b"\n", "unknown role robot"),
+                                  .encode() + b"\n", "unknown role system"),
         "text-and-messages": ("d.jsonl", 2, good + json.dumps({"text": "a", "messages": []}).encode() + b"\n",
                               "either a 'text' string or a 'messages' list, not both"),
         "chat-image-part": ("d.jsonl", 2, good + json.dumps({"messages": [{"role": "user", "content": [
@@ -2287,7 +2313,7 @@ def test_bad_data_is_refused_naming_file_and_line(tiny_pair, tmp_path, case):
                 {"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}]}).encode() + b"\n",
             "the chat template cannot render these messages: can only concatenate str"),
         "chat-kwarg-shadows-function": ("d.jsonl", 2, good + json.dumps({"messages": [
-            {"role": "robot", "content": "hi"}, {"role": "assistant", "content": "ok"}]}).encode() + b"\n",
+            {"role": "system", "content": "hi"}, {"role": "assistant", "content": "ok"}]}).encode() + b"\n",
             "cannot render these messages: 'int' object is not callable"),
         "json-nested-deep": ("d.jsonl", 2, good + b'{"text": "hi", "meta": ' + b"[" * 100000 + b"]" * 100000 + b"}\n",
                              "nested too deeply"),

@@ -175,6 +175,29 @@ def _check_unicode(text: str, where: str) -> str:
     return text
 
 
+# The roles a training record's messages may take: the server's (an "ipython" or other role a
+# template may know is refused too: neither the loss mask nor the server treats it, trial-275).
+TRAIN_ROLES = ("system", "developer", "user", "assistant", "tool")
+_ROLE_HINTS = {"human": "user", "gpt": "assistant"}  # (ShareGPT's names)
+
+
+def _check_roles(messages: list[dict], where: str) -> None:
+    """Refuse a message whose role is not one of :data:`TRAIN_ROLES`: it trained unsaid, and
+    only ``assistant`` turns get loss, so a ShareGPT ``"gpt"`` reply was dropped from it.
+
+    Raises:
+        DFlashError: naming ``where`` (file:line), the message's index and its role, with the
+            role meant for ShareGPT's ``"human"`` / ``"gpt"``.
+    """
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in TRAIN_ROLES:
+            hint = _ROLE_HINTS.get(role.lower()) if isinstance(role, str) else None
+            raise DFlashError(f"{where}: message {i} has role {role!r}, which training does not take: roles are "
+                              + ", ".join(TRAIN_ROLES) + " (only assistant turns get loss)"
+                              + (f"; for ShareGPT-style data write {role!r} as {hint!r}" if hint else ""))
+
+
 def _add_record(rec, where: str, corpus: Corpus) -> None:
     if isinstance(rec, dict):  # (a null field is an absent one, as datasets' JSON writer leaves the other kind's)
         rec = {k: v for k, v in rec.items() if not (k in ("text", "messages") and v is None)}
@@ -192,6 +215,7 @@ def _add_record(rec, where: str, corpus: Corpus) -> None:
             msgs = chat_messages(rec["messages"], check_tool_call_ids=False)  # (a dataset's ids may not match)
         except DFlashError as exc:
             raise DFlashError(f"{where}: {exc}") from None
+        _check_roles(msgs, where)
         # (a null reasoning_content is an absent one, as the chat API takes it)
         msgs = [{k: v for k, v in m.items() if not (k == "reasoning_content" and v is None)} for m in msgs]
         if any("reasoning_content" in m and not isinstance(m["reasoning_content"], str) for m in msgs):
