@@ -2626,6 +2626,18 @@ def test_self_distill_draws_each_chat_prompt_once_and_never_holds_out_a_copy_of_
     rows = [tuple(e.ids.tolist()) for e in data.examples]
     assert len(val_rows) == 2 and stats["val_copies_left_to_train"] == 4 and len(rows) == 8, stats
     assert not {tuple(ids.tolist()) for ids, _ in val_rows} & set(rows)
+    # nor one whose tokens begin another's: a one-turn conversation that is the first turn of a
+    # two-turn one the data holds (all held-out rows were such prefixes of training rows: trial-275)
+    two = [{"messages": c["messages"] + [{"role": "user", "content": f"And times {i}?"},
+                                         {"role": "assistant", "content": f"def mul_{i}(x):\n    return x * {i}\n"}]}
+           for i, c in enumerate(convs[:6])]
+    chat.write_text("".join(json.dumps(c) + "\n" for c in two + convs[:6]))
+    lines.clear()
+    data, val_rows, stats = prepare_data(_cfg(tmp_path, target_dir, chat, val_seqs=2, batch=2, seq_len=96), Path(target_dir),
+                                         tok, lines.append)
+    rows = [tuple(e.ids.tolist()) for e in data.examples]
+    assert len(val_rows) == 2 and stats["val_copies_left_to_train"] == 6 and len(rows) == 10, stats
+    assert not any(r[:len(ids)] == tuple(ids.tolist()) for ids, _ in val_rows for r in rows)
 
 
 def test_other_settings_keep_an_older_data_cache_of_self_distilled_data_and_remove_cheap_ones(tiny_pair, tmp_path):

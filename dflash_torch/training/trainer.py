@@ -955,6 +955,20 @@ def eval_kind(cfg: TrainConfig, stream: torch.Tensor, chat: list, distilled: lis
     return next((k for k, c in counts.items() if c >= 5), max(counts, key=counts.get)), counts
 
 
+def covered_rows(examples: list[Example]) -> set[tuple[int, ...]]:
+    """The token sequences (tuples of ids) of ``examples`` that another example's tokens
+    repeat or begin with: equal to another's, or a prefix of it (a one-turn conversation
+    that is the first turn of a longer one in the same data: trial-275). Such a row, held
+    out, would be scored on tokens a training row trains on.
+
+    Sorted, a sequence is a prefix of another exactly when it is one of its lexicographic
+    successor's (the sequences starting with it follow it), so this costs a sort.
+    """
+    times = Counter(tuple(e.ids.tolist()) for e in examples)
+    rows = sorted(times)
+    return {r for r, nxt in zip(rows, rows[1:] + [()]) if times[r] > 1 or nxt[:len(r)] == r}
+
+
 def split_eval(cfg: TrainConfig, stream: torch.Tensor, chat: list[Example], distilled: list[Example]):
     """Set apart up to ``val_seqs`` sequences for the acceptance estimate.
 
@@ -963,8 +977,9 @@ def split_eval(cfg: TrainConfig, stream: torch.Tensor, chat: list[Example], dist
     otherwise); at least one, at most a fifth of that kind (a tenth of the windows), and
     never so many that fewer than ``batch`` sequences are left to train on (see
     :func:`check_data_size`). A chat or self-distilled sequence whose tokens another
-    sequence repeats is never held out (it stays to train on): a held-out row never copies a
-    training row (trial-272); fewer are held out where the others are all such copies.
+    sequence repeats, or begins with (a prefix of another's: :func:`covered_rows`), is never
+    held out (it stays to train on): a held-out row never copies a training row, nor the
+    start of one (trial-272, trial-275); fewer are held out where the others are all such.
 
     Returns:
         ``(stream, chat, distilled, val_rows)``: what is left to train on and the
@@ -979,8 +994,8 @@ def split_eval(cfg: TrainConfig, stream: torch.Tensor, chat: list[Example], dist
         rows = [(w, torch.ones(w.numel(), dtype=torch.bool)) for w in stream[cut:].split(cfg.seq_len)]
         return stream[:cut], chat, distilled, rows
     examples = distilled if kind == "distilled" else chat
-    times = Counter(tuple(e.ids.tolist()) for e in chat + distilled)
-    held = [i for i in reversed(range(len(examples))) if times[tuple(examples[i].ids.tolist())] == 1][:k][::-1]
+    covered = covered_rows(chat + distilled)
+    held = [i for i in reversed(range(len(examples))) if tuple(examples[i].ids.tolist()) not in covered][:k][::-1]
     rows = [(examples[i].ids, examples[i].loss_mask) for i in held]
     kept = [e for i, e in enumerate(examples) if i not in set(held)]
     return (stream, chat, kept, rows) if kind == "distilled" else (stream, kept, distilled, rows)
@@ -1209,9 +1224,8 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log,
                 old.unlink()
                 log(f"data: removed {old} (made from other data or settings)")
     kind, counts = eval_kind(cfg, stream, chat, distilled)
-    times = Counter(tuple(e.ids.tolist()) for e in chat + distilled)
-    copies = 0 if kind == "text" or not cfg.val_seqs else \
-        sum(times[tuple(e.ids.tolist())] > 1 for e in (distilled if kind == "distilled" else chat))
+    covered = covered_rows(chat + distilled) if kind != "text" and cfg.val_seqs else set()
+    copies = sum(tuple(e.ids.tolist()) in covered for e in (distilled if kind == "distilled" else chat))
     stream, chat, distilled, val_rows = split_eval(cfg, stream, chat, distilled)
     if cfg.val_seqs and len(val_rows) < cfg.val_seqs:  # (split_eval's caps; it said so only in the log's stats)
         whole = {"distilled": f"the {counts[kind]} self-distilled sequences", "chat": f"the {counts[kind]} chat "
@@ -1219,7 +1233,8 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log,
         say(f"data: holding out {len(val_rows)} sequence{'' if len(val_rows) == 1 else 's'} for evaluation, not val_seqs "
             f"{cfg.val_seqs}: they are taken from one kind of data only, here {whole}, at most a "
             f"{'tenth' if kind == 'text' else 'fifth'} of them, leaving at least batch {cfg.batch} sequences to train on"
-            + (f", and none of the {copies} whose tokens another sequence repeats (they train)" if copies else ""),
+            + (f", and none of the {copies} whose tokens another sequence repeats or begins with (they train)"
+               if copies else ""),
             "val_seqs", "batch")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     data = TrainingData(stream, chat + distilled, cfg.seq_len, pad, cfg.raw_fraction)
