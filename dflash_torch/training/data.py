@@ -11,8 +11,10 @@ Inputs (``--data``, any mix):
   ``{"messages": [{"role", "content"}, ...]}`` (a chat conversation, rendered with the
   target tokenizer's chat template), not both; messages as the engine's chat path takes
   them (:meth:`~dflash_torch.engine.DFlashEngine.encode_prompt`: a content string or list
-  of text parts, ``tool_calls`` with a None content, ``name``, ``tool_call_id``), and a
-  message's ``reasoning_content`` string is kept (a null one is absent);
+  of text parts, ``tool_calls`` with a None content, ``name``, ``tool_call_id``), each
+  role one of ``system``, ``developer``, ``user``, ``assistant``, ``tool`` (others, e.g.
+  ShareGPT's ``human`` / ``gpt``, are refused), and a message's ``reasoning_content``
+  string is kept (a null one is absent);
 * a ``.json`` file: a JSON array of such records, one record, or records one per line
   (as Hugging Face ``datasets``' JSON loader reads them).
 
