@@ -2618,12 +2618,15 @@ def test_self_distill_draws_each_chat_prompt_once_and_never_holds_out_a_copy_of_
     assert not {tuple(ids.tolist()) for ids, _ in val_rows} & set(rows)
     assert any(line.startswith("data: self-distill found only 8 of 20 prompts in the data (the conversations give 8 "
                                "distinct chat prompts, each drawn once") for line in lines), lines
+
+    def split(records):  # -> the training rows' token tuples, the held-out rows, the data statistics
+        chat.write_text("".join(json.dumps(c) + "\n" for c in records))
+        data, val_rows, stats = prepare_data(_cfg(tmp_path, target_dir, chat, val_seqs=2, batch=2, seq_len=96),
+                                             Path(target_dir), tok, lines.append)
+        return [tuple(e.ids.tolist()) for e in data.examples], val_rows, stats
+
     # a conversation the data holds twice stays to train on (both copies)
-    chat.write_text("".join(json.dumps(c) + "\n" for c in convs + convs[:2]))
-    lines.clear()
-    data, val_rows, stats = prepare_data(_cfg(tmp_path, target_dir, chat, val_seqs=2, batch=2, seq_len=96), Path(target_dir),
-                                         tok, lines.append)
-    rows = [tuple(e.ids.tolist()) for e in data.examples]
+    rows, val_rows, stats = split(convs + convs[:2])
     assert len(val_rows) == 2 and stats["val_copies_left_to_train"] == 4 and len(rows) == 8, stats
     assert not {tuple(ids.tolist()) for ids, _ in val_rows} & set(rows)
     # nor one whose tokens begin another's: a one-turn conversation that is the first turn of a
@@ -2631,11 +2634,7 @@ def test_self_distill_draws_each_chat_prompt_once_and_never_holds_out_a_copy_of_
     two = [{"messages": c["messages"] + [{"role": "user", "content": f"And times {i}?"},
                                          {"role": "assistant", "content": f"def mul_{i}(x):\n    return x * {i}\n"}]}
            for i, c in enumerate(convs[:6])]
-    chat.write_text("".join(json.dumps(c) + "\n" for c in two + convs[:6]))
-    lines.clear()
-    data, val_rows, stats = prepare_data(_cfg(tmp_path, target_dir, chat, val_seqs=2, batch=2, seq_len=96), Path(target_dir),
-                                         tok, lines.append)
-    rows = [tuple(e.ids.tolist()) for e in data.examples]
+    rows, val_rows, stats = split(two + convs[:6])
     assert len(val_rows) == 2 and stats["val_copies_left_to_train"] == 6 and len(rows) == 10, stats
     assert not any(r[:len(ids)] == tuple(ids.tolist()) for ids, _ in val_rows for r in rows)
 
