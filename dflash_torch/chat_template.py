@@ -147,6 +147,21 @@ def reserved_template_variables(tokenizer) -> list[str]:
     return [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)] + ["messages"]
 
 
+def _fault(m: dict) -> str:
+    """What is wrong with chat message ``m``, whose role is not a string or whose content is
+    not one it may have: "has no role", "has a null content", ..."""
+    role, content = m.get("role"), m.get("content")
+    if role is None:
+        return "has no role"
+    if not isinstance(role, str):
+        return f"has a role of type {type(role).__name__}, not a string"
+    if "content" not in m:
+        return "has no content"
+    if content is None:
+        return "has a null content"
+    return f"has a content of type {type(content).__name__}, not a string or a list of text parts"
+
+
 def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True) -> list[dict]:
     """Checked chat messages (see :meth:`~dflash_torch.engine.DFlashEngine.encode_prompt`), with each tool call's
     ``arguments`` JSON string parsed into a dict, a ``content`` None or absent (beside
@@ -207,14 +222,8 @@ def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True) -> l
         content = m.get("content")
         content_ok = isinstance(content, str) or ((_holds(calls) or refusal is not None) and content is None)
         if not isinstance(m.get("role"), str) or not content_ok:  # (each fault named, as a content part's is: trial-272)
-            role = m.get("role")
-            what = ("has no role" if role is None else f"has a role of type {type(role).__name__}, not a string")  \
-                if not isinstance(role, str) else \
-                "has no content" if "content" not in m else \
-                "has a null content" if content is None else \
-                f"has a content of type {type(content).__name__}, not a string or a list of text parts"
-            raise DFlashError(f"chat message {i} {what}: each message is {{'role': str, 'content': str}} (content may "
-                              "be null or left out with tool_calls or an assistant's refusal)")
+            raise DFlashError(f"chat message {i} {_fault(m)}: each message is {{'role': str, 'content': str}} (content "
+                              "may be null or left out with tool_calls or an assistant's refusal)")
         if refusal is not None:  # (its text follows the content's, as the server reads it: see ChatMessage.text)
             m = {k: v for k, v in m.items() if k != "refusal"}
             m["content"] = "\n".join(t for t in (m.get("content"), refusal) if t)

@@ -982,23 +982,26 @@ def split_eval(cfg: TrainConfig, stream: torch.Tensor, chat: list[Example], dist
     start of one (trial-272, trial-275); fewer are held out where the others are all such.
 
     Returns:
-        ``(stream, chat, distilled, val_rows)``: what is left to train on and the
-        held-out ``(ids, loss_mask)`` rows.
+        ``(stream, chat, distilled, val_rows, copies)``: what is left to train on, the
+        held-out ``(ids, loss_mask)`` rows, and how many sequences of the kind held out from
+        were not held out as copies (0 for windows of the text, which are not checked).
     """
     if not cfg.val_seqs:
-        return stream, chat, distilled, []
+        return stream, chat, distilled, [], 0
     kind, counts = eval_kind(cfg, stream, chat, distilled)
     k = min(cfg.val_seqs, max(1, counts[kind] // (10 if kind == "text" else 5)), sum(counts.values()) - cfg.batch)
     if kind == "text":
         cut = stream.numel() - k * cfg.seq_len
         rows = [(w, torch.ones(w.numel(), dtype=torch.bool)) for w in stream[cut:].split(cfg.seq_len)]
-        return stream[:cut], chat, distilled, rows
+        return stream[:cut], chat, distilled, rows, 0
     examples = distilled if kind == "distilled" else chat
     covered = covered_rows(chat + distilled)
-    held = [i for i in reversed(range(len(examples))) if tuple(examples[i].ids.tolist()) not in covered][:k][::-1]
-    rows = [(examples[i].ids, examples[i].loss_mask) for i in held]
-    kept = [e for i, e in enumerate(examples) if i not in set(held)]
-    return (stream, chat, kept, rows) if kind == "distilled" else (stream, kept, distilled, rows)
+    free = [i for i, e in enumerate(examples) if tuple(e.ids.tolist()) not in covered]
+    held = set(free[len(free) - min(k, len(free)):])  # (the last k that no other sequence covers)
+    rows = [(examples[i].ids, examples[i].loss_mask) for i in sorted(held)]
+    kept = [e for i, e in enumerate(examples) if i not in held]
+    copies = len(examples) - len(free)
+    return (stream, chat, kept, rows, copies) if kind == "distilled" else (stream, kept, distilled, rows, copies)
 
 
 def _strings(obj) -> Iterator[str]:
@@ -1116,8 +1119,9 @@ def _tokenize_data(cfg: TrainConfig, target_dir: Path, tokenizer, say, mask_toke
                             batch_size=cfg.self_distill_batch, progress=cfg.progress)
         seen: set[tuple[int, ...]] = set()
         for e in made:  # (distinct prompts may still be continued into the same tokens: one kept)
-            if tuple(e.ids.tolist()) not in seen:
-                seen.add(tuple(e.ids.tolist()))
+            ids = tuple(e.ids.tolist())
+            if ids not in seen:
+                seen.add(ids)
                 distilled.append(e)
         dropped = len(made) - len(distilled)
         say(f"data: self-distilled {len(distilled)} sequences in {time.time() - t1:.0f}s"
@@ -1224,9 +1228,7 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, tokenizer, log,
                 old.unlink()
                 log(f"data: removed {old} (made from other data or settings)")
     kind, counts = eval_kind(cfg, stream, chat, distilled)
-    covered = covered_rows(chat + distilled) if kind != "text" and cfg.val_seqs else set()
-    copies = sum(tuple(e.ids.tolist()) in covered for e in (distilled if kind == "distilled" else chat))
-    stream, chat, distilled, val_rows = split_eval(cfg, stream, chat, distilled)
+    stream, chat, distilled, val_rows, copies = split_eval(cfg, stream, chat, distilled)
     if cfg.val_seqs and len(val_rows) < cfg.val_seqs:  # (split_eval's caps; it said so only in the log's stats)
         whole = {"distilled": f"the {counts[kind]} self-distilled sequences", "chat": f"the {counts[kind]} chat "
                  f"conversations", "text": f"the {counts[kind]} windows of the text"}[kind]
@@ -1706,18 +1708,24 @@ class Trainer:
 
         bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not cfg.progress, dynamic_ncols=True)
         out = None  # (the last step's, once one is trained)
+
+        def evaluate_at(at: int, said: bool = True) -> dict:
+            """The evaluation of the drafter as of step ``at`` on the held-out rows, added to
+            ``evals`` and its line said (``said``) where it has a ``val_loss`` (none without rows)."""
+            result = {"step": at, **self.evaluate(drafter, target, val_rows, gamma)}
+            if result.get("val_loss") is not None:
+                evals.append(result)
+                if said:
+                    self.say(_eval_line(result), *(["seq_len"] if "val_tau_note" in result else []))
+            return result
+
         last_eval = evals[-1] if evals else {}
         if not evals:
-            last_eval = {"step": 0, **self.evaluate(drafter, target, val_rows, gamma)}
-            if last_eval.get("val_loss") is not None:
-                evals.append(last_eval)
-                self.say(_eval_line(last_eval), *(["seq_len"] if "val_tau_note" in last_eval else []))
+            last_eval = evaluate_at(0)
         elif val_rows and step % cfg.eval_every == 0 and evals[-1]["step"] != step:
             # (a checkpoint saved before its step's evaluation was logged, e.g. on a Ctrl-C in it: that evaluation runs
             # first, so eval_history is the uninterrupted run's; it was lost for good: trial-272)
-            last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
-            evals.append(last_eval)
-            self.say(_eval_line(last_eval), *(["seq_len"] if "val_tau_note" in last_eval else []))
+            last_eval = evaluate_at(step)
         first_step = step  # (one budget spent before this run trained a step is warned)
         self._interrupt_note = None
         unsaved = None  # (why a checkpoint could not be saved: training stops, the drafter is exported, then it is said)
@@ -1760,9 +1768,7 @@ class Trainer:
                         history.append(log_row(out))
                         loss_acc, n_acc = 0.0, 0
                 if step % cfg.eval_every == 0 and val_rows:
-                    last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
-                    evals.append(last_eval)
-                    self.say(_eval_line(last_eval), *(["seq_len"] if "val_tau_note" in last_eval else []))
+                    last_eval = evaluate_at(step)
                 if step % cfg.ckpt_every == 0:
                     unsaved = save_checkpoint()
                     if unsaved is not None:
@@ -1786,8 +1792,7 @@ class Trainer:
                 history.append(log_row(out, at))
                 loss_acc, n_acc = 0.0, 0
             if val_rows and (not evals or evals[-1]["step"] != step):
-                last_eval = {"step": step, **self.evaluate(drafter, target, val_rows, gamma)}
-                evals.append(last_eval)
+                last_eval = evaluate_at(step, said=False)
         except KeyboardInterrupt:  # Ctrl-C: keep what was trained
             bar.close()
             with ignored_interrupt():  # (a second Ctrl-C: the save goes on, whole)
