@@ -179,17 +179,72 @@ def _keywords(*takes: Callable) -> list[str]:
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name != "self"]
 
 
-def _check_arguments(method: str, kwargs: dict, *takes: Callable) -> None:
-    """Raises TypeError, as Python does for ``method``, for a keyword that none of ``takes``
-    accepts, naming the closest one they do (``max_tokens``: did you mean ``max_new_tokens``?)."""
+# Arguments of other libraries' generate / LLM calls (transformers, OpenAI, vLLM) that users bring, by the name of
+# this API's argument that does their work (the first of those names that the method takes: ``draft`` of
+# from_pretrained, ``drafter`` of the constructor) and a note that says how it differs; no name: a note alone, of
+# what a request (generate, stream, generate_batch) does instead. Looked up before the closest spelling
+# (:func:`_hint`), which took ``stop_strings`` for ``stop_token_ids`` and ``draft_model`` for ``draft_mode``.
+_SAMPLES = "for n samples of a prompt, pass it n times: generate_batch([prompt] * n, temperature=...) with temperature > 0, " \
+           "and seed a list of n seeds to make them reproducible"
+_UNPADDED = "not needed: each prompt is decoded as it is, without padding"
+_ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
+    **dict.fromkeys(("stop_strings", "stop_sequences"), (("stop",), "")),
+    "eos_token_id": (("stop_token_ids",), "its ids stop generation beside the model's EOS ids"),
+    "generator": (("seed",), "it takes an int, not a torch.Generator"),
+    "random_seed": (("seed",), ""),
+    "max_length": (("max_new_tokens",), "it counts the generated tokens only, not the prompt's"),
+    **dict.fromkeys(("max_tokens", "max_completion_tokens"), (("max_new_tokens",), "")),
+    "min_length": (("min_tokens",), "it counts the generated tokens only, not the prompt's"),
+    "min_new_tokens": (("min_tokens",), ""),
+    "do_sample": (("temperature",), "temperature > 0 samples; the default, 0, is greedy"),
+    **dict.fromkeys(("n", "num_return_sequences"), ((), _SAMPLES)),
+    **dict.fromkeys(("pad_token_id", "attention_mask"), ((), _UNPADDED)),
+    "streamer": ((), "generate's on_chunk takes a function, called with each StreamChunk; stream yields them"),
+    "top_logprobs": (("logprobs",), ""),
+    "response_format": (("structured_output",), ""),
+    "guided_json": (("structured_output",), "as {'json': schema}"),
+    "guided_regex": (("structured_output",), "as {'regex': pattern}"),
+    "guided_choice": (("structured_output",), "as {'choice': [...]}"),
+    "guided_grammar": (("structured_output",), "as {'grammar': lark_grammar}"),
+    **dict.fromkeys(("draft", "draft_model", "draft_dir", "draft_path", "drafter", "drafter_path", "draft_model_path",
+                     "speculative_model", "assistant_model"), (("draft", "drafter"), "")),
+    **dict.fromkeys(("model", "model_name", "model_path", "model_dir", "model_name_or_path",
+                     "pretrained_model_name_or_path", "target_model", "target_dir"), (("target",), "")),
+    "torch_dtype": (("dtype",), ""),
+    "device_map": (("device",), "one device: 'cpu', 'cuda' or 'cuda:N'"),
+    "max_model_len": (("max_context",), ""),
+    "max_num_seqs": (("max_batch_size",), ""),
+    "enable_prefix_caching": (("reuse_prefix",), ""),
+}
+
+
+def _hint(name: str, known: list[str]) -> str:
+    """What :func:`_check_arguments` adds to its message about the unknown keyword ``name``,
+    given the arguments ``known`` of the method: `` (did you mean 'x'?)`` with the one that
+    does its work (:data:`_ALIASES`: ``stop_strings`` -> ``stop``, with a note where they
+    differ), or for a request, what to do instead (``n``, ``pad_token_id``); for a name of
+    no other library, the closest spelling (a typo); ``""``: none (an alias of none of
+    ``known``: ``do_sample`` of ``from_pretrained``)."""
     import difflib
 
+    if name not in _ALIASES:
+        close = difflib.get_close_matches(name, known, n=1)
+        return f" (did you mean {close[0]!r}?)" if close else ""
+    names, note = _ALIASES[name]
+    if not names:  # (a note about a request)
+        return f" ({note})" if "prompt" in known or "prompts" in known else ""
+    close = next((n for n in names if n in known), None)
+    return "" if close is None else f" (did you mean {close!r}?{' ' + note if note else ''})"
+
+
+def _check_arguments(method: str, kwargs: dict, *takes: Callable) -> None:
+    """Raises TypeError, as Python does for ``method``, for a keyword that none of ``takes``
+    accepts, naming the one they do that does its work (:func:`_hint`: ``max_tokens``: did you
+    mean ``max_new_tokens``?)."""
     known = _keywords(*takes)
     for name in kwargs:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise TypeError(f"{method}() got an unexpected keyword argument {name!r}{hint}")
+            raise TypeError(f"{method}() got an unexpected keyword argument {name!r}{_hint(name, known)}")
 
 
 def is_shipped_target(target: str | Path | None) -> bool:

@@ -1704,6 +1704,58 @@ def test_a_misspelt_argument_or_a_callback_that_is_not_one_is_named(engine):
         engine.generate("x", max_new_tokens=2, on_chunk=5)
 
 
+def test_an_argument_of_another_librarys_generate_is_named_by_ours(engine):
+    """A name that transformers' generate, OpenAI or vLLM give an argument is hinted at by the
+    argument that does its work here, not by its closest spelling (trial-279: stop_strings
+    got 'stop_token_ids', generator 'temperature', pad_token_id 'stop_token_ids', draft_model
+    and draft_dir 'draft_mode'; max_length, do_sample, n got nothing); a typo still gets
+    the closest spelling. Every hint names an argument the method takes."""
+    import inspect
+
+    request = {"stop_strings": " (did you mean 'stop'?)",
+               "generator": " (did you mean 'seed'? it takes an int, not a torch.Generator)",
+               "max_length": " (did you mean 'max_new_tokens'? it counts the generated tokens only, not the prompt's)",
+               "do_sample": " (did you mean 'temperature'? temperature > 0 samples; the default, 0, is greedy)",
+               "pad_token_id": " (not needed: each prompt is decoded as it is, without padding)",
+               "n": " (for n samples of a prompt, pass it n times: generate_batch([prompt] * n, temperature=...) with "
+                    "temperature > 0, and seed a list of n seeds to make them reproducible)",
+               "tempreature": " (did you mean 'temperature'?)", "bogus": ""}
+    for method, call in (("generate", lambda **kw: engine.generate("x", **kw)),
+                         ("stream", lambda **kw: engine.stream("x", **kw)),
+                         ("generate_batch", lambda **kw: engine.generate_batch(["x", "y"], **kw))):
+        for name, hint in request.items():
+            with pytest.raises(TypeError) as err:
+                call(**{name: 1})
+            assert str(err.value) == f"DFlashEngine.{method}() got an unexpected keyword argument {name!r}{hint}"
+    loading = {"draft_model": " (did you mean 'draft'?)", "draft_dir": " (did you mean 'draft'?)",
+               "model_name_or_path": " (did you mean 'target'?)", "max_model_len": " (did you mean 'max_context'?)",
+               "do_sample": "", "n": ""}  # (a request's arguments: not hinted at by a loading one)
+    for name, hint in loading.items():  # (refused before anything is loaded)
+        with pytest.raises(TypeError) as err:
+            DFlashEngine.from_pretrained(**{name: "d"})
+        assert str(err.value) == f"DFlashEngine.from_pretrained() got an unexpected keyword argument {name!r}{hint}"
+    with pytest.raises(TypeError, match=r"^DFlashEngine\.__init__\(\) got an unexpected keyword argument 'draft_model' "
+                                        r"\(did you mean 'drafter'\?\)$"):
+        DFlashEngine(engine.target, engine.tokenizer, draft_model=engine.drafter)
+    from dflash_torch.decoding import SpeculativeDecoder
+    from dflash_torch.engine import _ALIASES
+
+    takes = {"generate": (DFlashEngine.stream, DFlashEngine.generate), "stream": (DFlashEngine.stream,),
+             "generate_batch": (DFlashEngine.generate_batch,), "from_pretrained": (DFlashEngine.from_pretrained,),
+             "__init__": (DFlashEngine.__init__, SpeculativeDecoder)}
+    calls = {"generate": lambda **kw: engine.generate("x", **kw), "stream": lambda **kw: engine.stream("x", **kw),
+             "generate_batch": lambda **kw: engine.generate_batch(["x", "y"], **kw),
+             "from_pretrained": DFlashEngine.from_pretrained,
+             "__init__": lambda **kw: DFlashEngine(engine.target, engine.tokenizer, **kw)}
+    for method, functions in takes.items():
+        known = {n for f in functions for n in inspect.signature(inspect.unwrap(f)).parameters}
+        for name in set(_ALIASES) - known:
+            with pytest.raises(TypeError) as err:
+                calls[method](**{name: 1})
+            said = re.findall(r"did you mean '(\w+)'", str(err.value)) + re.findall(r"(\w+)\(", str(err.value))[1:]
+            assert set(said) <= known | {"generate_batch"}, (method, name, str(err.value))
+
+
 def test_a_tokenizers_output_or_a_list_of_texts_as_the_prompt_gets_a_hint(engine):
     """A tokenizer's output (``tokenizer(text)``, a BatchEncoding) as the prompt names it and
     says to pass its ``["input_ids"]`` (its row, of ``return_tensors="pt"``); a list of
