@@ -162,6 +162,45 @@ def _fault(m: dict) -> str:
     return f"has a content of type {type(content).__name__}, not a string or a list of text parts"
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # (OpenAI's message roles)
+
+
+def _not_messages_hint(messages: list | tuple) -> str:
+    """What :func:`chat_messages`' error about a prompt list that is not all chat messages
+    adds (``; got ...``), by what the list holds: lists of ids, a tokenizer's batch (its row,
+    or its rows to ``generate_batch``); (role, content) pairs (dicts are the messages: how
+    to make them); lists of messages, conversations (``generate`` takes one,
+    ``generate_batch`` a list); strings, texts (``generate_batch`` takes several); ``""``
+    for anything else."""
+    kind = "tuple" if isinstance(messages, tuple) else "list"
+    n = len(messages)
+
+    def pair(m) -> bool:
+        return isinstance(m, (list, tuple)) and len(m) == 2 and all(isinstance(x, str) for x in m)
+
+    if n == 2 and all(isinstance(m, str) for m in messages) and messages[0] in CHAT_ROLES:  # (one message as a pair)
+        return (f"; got a {kind} of 2 strings, {messages[0]!r} and a text: a chat message is a dict, not a (role, "
+                f"content) pair; pass [{{'role': {messages[0]!r}, 'content': text}}]")
+    if n and all(isinstance(m, str) for m in messages):  # (several texts given as one prompt)
+        return f"; got a {kind} of {n} string{'s' if n != 1 else ''} (" + (
+            "one text prompt: pass the string itself)" if n == 1 else f"{n} text prompts: generate_batch takes them)")
+    others = [m for m in messages if not isinstance(m, dict)]
+    if all(map(pair, others)):  # ([("user", "hi"), ...], some messages dicts perhaps)
+        got = "a (role, content) pair" if len(others) == 1 else f"{len(others)} (role, content) pairs"
+        return f"; got {got}: each chat message is a dict, [{{'role': role, 'content': content}} for role, content in pairs]"
+    if not n or not all(isinstance(m, (list, tuple)) for m in messages):
+        return ""
+    if all(isinstance(x, dict) for m in messages for x in m) and any(messages):  # (conversations)
+        return (f"; got a {kind} of {n} list{'s' if n != 1 else ''} of chat messages: generate takes one conversation "
+                "(a list of message dicts), generate_batch a list of them")
+    if all(hasattr(x, "__index__") and not isinstance(x, (bool, str)) for m in messages for x in m):  # (a tokenizer's batch)
+        return (f"; got a {kind} of one list (a batch of one): pass its row, ids[0]" if n == 1
+                else f"; got a {kind} of {n} lists ({n} prompts: generate_batch takes them)")
+    if all(isinstance(x, str) for m in messages for x in m):
+        return f"; got a {kind} of lists of strings: each chat message is a dict {{'role': str, 'content': str}}"
+    return ""
+
+
 def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True) -> list[dict]:
     """Checked chat messages (see :meth:`~dflash_torch.engine.DFlashEngine.encode_prompt`), with each tool call's
     ``arguments`` JSON string parsed into a dict, a ``content`` None or absent (beside
@@ -171,7 +210,8 @@ def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True) -> l
     the server sends them (copies; the caller's are not changed).
 
     Raises:
-        DFlashError: a message that is not a dict with a string ``role`` and a string
+        DFlashError: a list that does not hold dicts (the message says what it holds instead:
+            :func:`_not_messages_hint`), a message that is not a dict with a string ``role`` and a string
             ``content`` (named by its index, with what is wrong: "chat message 1 has no role")
             (or a list of text parts; None allowed with ``tool_calls`` or a
             ``refusal``), a ``refusal`` that is not a string of an assistant message, ``tool_calls``
@@ -185,16 +225,8 @@ def chat_messages(messages: list | tuple, check_tool_call_ids: bool = True) -> l
             are not a JSON object (a dict or its JSON text; ``""`` and None are ``{}``).
     """
     if not all(isinstance(m, dict) for m in messages):
-        nested = bool(messages) and all(isinstance(m, (list, tuple)) for m in messages)  # (a tokenizer's batch)
-        kind = "tuple" if isinstance(messages, tuple) else "list"
-        n = len(messages)
-        hint = "" if not nested else f"; got a {kind} of one list (a batch of one): pass its row, ids[0]" \
-            if n == 1 else f"; got a {kind} of {n} lists ({n} prompts: generate_batch takes them)"
-        if messages and all(isinstance(m, str) for m in messages):  # (several texts given as one prompt)
-            hint = f"; got a {kind} of {n} string{'s' if n != 1 else ''} (" + (
-                "one text prompt: pass the string itself)" if n == 1 else f"{n} text prompts: generate_batch takes them)")
         raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, 'content': str})"
-                          + hint)
+                          + _not_messages_hint(messages))
     out = []
     ids: set = set()  # (the ids of earlier tool calls; a call without one lets any tool_call_id answer it)
     anonymous = False

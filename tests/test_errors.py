@@ -1788,6 +1788,29 @@ def test_a_tokenizers_output_or_a_list_of_texts_as_the_prompt_gets_a_hint(engine
         engine.generate(["a"], max_new_tokens=2)
     with pytest.raises(DFlashError, match=texts + r"a tuple of 2 strings \(2 text prompts: generate_batch takes them\)$"):
         engine.generate(("a", "b"), max_new_tokens=2)  # (it said "a list" of a tuple)
+    # chat messages as (role, content) pairs, or a list of conversations, are not a tokenizer's batch (trial-279: "got a
+    # list of one list (a batch of one): pass its row, ids[0]"; "a tuple of 2 strings (2 text prompts: generate_batch
+    # takes them)", which then ran "user" and "hi" as two prompts)
+    pairs = "each chat message is a dict, [{'role': role, 'content': content} for role, content in pairs]"
+    one = "a chat message is a dict, not a (role, content) pair; pass [{'role': 'user', 'content': text}]"
+    conversations = "generate takes one conversation (a list of message dicts), generate_batch a list of them"
+    message = {"role": "user", "content": "x"}
+    for prompt, hint in (([("user", "hi")], f"a (role, content) pair: {pairs}"),
+                         ([["a", "b"]], f"a (role, content) pair: {pairs}"),
+                         ([("system", "s"), message, ("user", "hi")], f"2 (role, content) pairs: {pairs}"),
+                         (("user", "hi"), f"a tuple of 2 strings, 'user' and a text: {one}"),
+                         (["user", "hi"], f"a list of 2 strings, 'user' and a text: {one}"),
+                         ([["a", "b", "c"]], "a list of lists of strings: each chat message is a dict {'role': str, "
+                                             "'content': str}"),
+                         ([[message]], f"a list of 1 list of chat messages: {conversations}"),
+                         ([[message], [message]], f"a list of 2 lists of chat messages: {conversations}")):
+        with pytest.raises(DFlashError, match=texts + re.escape(hint) + "$"):
+            engine.generate(prompt, max_new_tokens=2)
+    with pytest.raises(DFlashError, match=texts + re.escape(f"a tuple of 2 strings, 'user' and a text: {one}") + "$"):
+        engine.generate_batch([("user", "hi")], max_new_tokens=2)
+    with pytest.raises(DFlashError, match=texts + re.escape(f"a (role, content) pair: {pairs}") + "$"):
+        engine.generate_batch([[("user", "hi")]], max_new_tokens=2)
+    assert len(engine.generate_batch([[message], [message]], max_new_tokens=2)) == 2  # (as generate_batch takes them)
 
 
 def test_api_misuse_found_by_a_trial_gets_a_clear_error(engine):
