@@ -153,7 +153,7 @@ def check_draft_max_batch_size(value, *, drafter: bool = True, draft_mode: str =
     Raises:
         OptionError: anything else, or a limit where no batched round drafts.
     """
-    value = plain(value)
+    value = plain(value, "draft_max_batch_size")
     if value is None:
         return value
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -178,7 +178,7 @@ def check_prefix_slots(value, reuse_prefix: bool = True, draft_mode: str = "inje
     Raises:
         OptionError: any other value.
     """
-    value = plain(value)
+    value = plain(value, "prefix_slots")
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise OptionError(f"prefix_slots must be an integer >= 0, got {shown(value)}", "prefix_slots")
     if value and not reuse_prefix:
@@ -196,7 +196,7 @@ def check_max_batch_size(value, name: str = "max_batch_size") -> int:
     Raises:
         OptionError: anything else.
     """
-    value = plain(value)
+    value = plain(value, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise OptionError(f"{name} must be an integer >= 1, got {shown(value)}", name)
     return value
@@ -216,7 +216,7 @@ def check_engine_max_batch_size(value, *, drafter: bool = True, draft_mode: str 
         OptionError: not an integer >= 1, or > 1 with ``draft_mode="recompute"``.
     """
     serial = drafter and draft_mode == "recompute"
-    if plain(value) is None:
+    if plain(value, "max_batch_size") is None:
         return 1 if serial else DEFAULT_MAX_BATCH_SIZE
     value = check_max_batch_size(value)
     if value > 1 and serial:

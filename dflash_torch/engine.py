@@ -655,7 +655,7 @@ class DFlashEngine:
 
     @default_max_new_tokens.setter
     def default_max_new_tokens(self, value) -> None:
-        value = options.plain(value)
+        value = options.plain(value, "default_max_new_tokens")
         if isinstance(value, float) and value.is_integer():  # (as generation_config.json's value is read)
             value = int(value)
         self._default_max_new_tokens = options.check_max_new_tokens(value, "default_max_new_tokens")
@@ -905,9 +905,10 @@ class DFlashEngine:
 
         Raises:
             DFlashError: ids that are not such a sequence of integers (a bool is not a
-                token id), or an id outside the target's vocabulary ``[0, vocab_size)``.
+                token id), a meta or sparse tensor (no values to read), or an id outside the
+                target's vocabulary ``[0, vocab_size)``.
         """
-        token_ids = options.plain(token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids)
+        token_ids = options.plain(token_ids, "token_ids")
         if not isinstance(token_ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int)
                                                            for t in token_ids):
             raise DFlashError(f"token_ids must be a list of integer token ids, got {token_ids!r:.60}")
@@ -1180,8 +1181,9 @@ class DFlashEngine:
         give the request's chunks, to be pulled on the compute thread; frees the engine on exit.
         ``sampling``: the sampling and stop arguments of :meth:`stream` (see :meth:`request_params`).
         NumPy values are taken as the numbers they hold (:func:`~dflash_torch.options.plain`)."""
-        max_new_tokens, prompt_logprobs, history_end, sampling = options.plain(
-            (max_new_tokens, prompt_logprobs, history_end, sampling))
+        max_new_tokens, prompt_logprobs, history_end = (options.plain(value, name) for value, name in (
+            (max_new_tokens, "max_new_tokens"), (prompt_logprobs, "prompt_logprobs"), (history_end, "history_end")))
+        sampling = {name: options.plain(value, name) for name, value in sampling.items()}
         params, stopper = self.request_params(self._unfitted(max_new_tokens, sampling.get("min_tokens", 0)), **sampling)
         options.check_prompt_logprobs(prompt_logprobs)
         prompt_ids = self.encode_prompt(prompt, chat, chat_template_kwargs, tools)
@@ -1685,7 +1687,7 @@ def _per_prompt(value, n: int, name: str, nested: tuple[type, ...] = ()) -> list
         DFlashError: a per-prompt list whose length is not ``n``; with ``nested``, a list that
             mixes those types with lists (neither a shared list nor one item per prompt).
     """
-    value = options.plain(value)  # (a NumPy array of per-prompt values: a list)
+    value = options.plain(value, name)  # (a NumPy array of per-prompt values: a list)
     if not isinstance(value, (list, tuple)):
         return [value] * n
     if nested and (not value or any(isinstance(v, nested) and not isinstance(v, bool) for v in value)):

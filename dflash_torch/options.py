@@ -27,13 +27,34 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp
 MIN_CONTEXT = 2  # one prompt token and one generated token
 
 
-def plain(value):
+def readable(tensor: torch.Tensor, subject: str, name: str | None = None, holds: bool = False) -> torch.Tensor:
+    """``tensor``, whose values can be read (``.tolist()``, ``.item()``): not a meta tensor
+    (a shape and a dtype, no values) nor a sparse one (which they refuse: torch raised
+    "Cannot copy out of meta tensor" or "Cannot access data pointer ..." at the caller).
+    ``subject``: the words that name it in a message (``the prompt``); ``holds``: it is
+    an item of that value, not the value itself.
+
+    Raises:
+        OptionError: such a tensor, naming ``name`` (a :class:`DFlashError` without one)."""
+    what = "a meta tensor (a shape and a dtype, no values): make it on a real device (cpu, cuda)" if tensor.is_meta \
+        else f"a sparse tensor ({tensor.layout}): pass its .to_dense()" if tensor.layout != torch.strided \
+        and str(tensor.layout).startswith("torch.sparse") else None
+    if what is not None:
+        message = f"{subject} {'holds' if holds else 'is'} {what}"
+        raise OptionError(message, name) if name else DFlashError(message)
+    return tensor
+
+
+def plain(value, name: str | None = None, _item: bool = False):
     """``value`` with NumPy and torch scalars and arrays made Python values (``np.int64(4)``
     -> ``4``, ``np.float32(0.9)`` or ``torch.tensor(0.9)`` -> ``0.9``, ``np.True_`` ->
     ``True``, an array or tensor -> a list), in lists, tuples and dict keys and values too;
     anything else as it is. The engine's options are checked as Python values: NumPy's and
     torch's are the same numbers (a 0-dim tensor was "must be a finite number, got
-    tensor(0.5000)")."""
+    tensor(0.5000)"). ``name``: the option's, which an error names.
+
+    Raises:
+        OptionError: a tensor without values to read, meta or sparse (:func:`readable`)."""
     import numpy as np
 
     if isinstance(value, np.generic):
@@ -41,11 +62,12 @@ def plain(value):
     if isinstance(value, np.ndarray):
         return value.tolist()
     if isinstance(value, torch.Tensor):
+        readable(value, name or "the value", name, holds=_item)
         return value.item() if value.ndim == 0 else value.tolist()
     if isinstance(value, (list, tuple)):
-        return type(value)(plain(v) for v in value)
+        return type(value)(plain(v, name, True) for v in value)
     if isinstance(value, dict):
-        return {plain(k): plain(v) for k, v in value.items()}
+        return {plain(k, name, True): plain(v, name, True) for k, v in value.items()}
     return value
 
 
@@ -122,14 +144,21 @@ def as_prompt(prompt):
     Raises:
         DFlashError: a tensor or array that is not 1-D (the message says how to pass one
             row of a ``[1, N]`` batch, or the rows of an ``[N, L]`` one to
-            :meth:`DFlashEngine.generate_batch`), or not of integers.
+            :meth:`DFlashEngine.generate_batch`), or not of integers; a meta or sparse
+            tensor (or one such among the ids), whose values cannot be read (:func:`readable`).
     """
     import numpy as np
 
+    if isinstance(prompt, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in prompt):  # (0-dim ids)
+        for t in prompt:
+            if isinstance(t, torch.Tensor):
+                readable(t, "the prompt", "prompt", holds=True)
     if isinstance(prompt, (tuple, range)):
         return list(prompt)
     if isinstance(prompt, (torch.Tensor, np.ndarray)):
         kind = "tensor" if isinstance(prompt, torch.Tensor) else "array"
+        if kind == "tensor":
+            readable(prompt, "the prompt", "prompt")
         if prompt.ndim != 1:
             hint = ""
             if prompt.ndim == 2 and len(prompt) == 1:
@@ -152,7 +181,7 @@ def _is_int(value) -> bool:
 
 def check_count(value, name: str, minimum: int = 1) -> int:
     """A count: an integer >= ``minimum`` (a NumPy integer too, returned as a Python int)."""
-    value = plain(value)
+    value = plain(value, name)
     if not _is_int(value) or value < minimum:
         raise OptionError(f"{name} must be an integer >= {minimum}, got {shown(value)}", name)
     return value
@@ -171,7 +200,7 @@ def usable_cpus() -> int | None:
 def check_threads(value, name: str = "threads") -> int:
     """CPU threads for torch: an integer in [1, :func:`usable_cpus`] (threads beyond the
     CPUs this process may use only contend for them); >= 1 where that count is unknown."""
-    value = plain(value)
+    value = plain(value, name)
     cpus = usable_cpus()
     if cpus is None:
         return check_count(value, name)
@@ -219,7 +248,7 @@ def check_max_context(value, config, name: str = "max_context") -> int:
     and a generated token need 2; a NumPy integer too, returned as a Python int); returns
     the value, the target's context for None."""
     limit, source = target_context(config)
-    value = plain(value)
+    value = plain(value, name)
     if value is not None and (not _is_int(value) or not MIN_CONTEXT <= value <= limit):
         raise OptionError(f"{name} must be an integer in [{MIN_CONTEXT}, {limit}] (the target's "
                           f"context: {source}), got {shown(value)}", name)
@@ -315,7 +344,7 @@ def check_block_size(value, trained: int | None, name: str = "block size", conte
     Raises:
         OptionError: ``value`` out of range, or longer than ``context``.
         DFlashError: no ``value``, and ``trained`` longer than ``context`` (no option names it)."""
-    value = plain(value)
+    value = plain(value, name)
     if trained is None:
         if value not in (None, 1) or isinstance(value, bool):
             raise OptionError(f"{name} {value!r} needs a drafter (target-only decoding commits one token per step)",
@@ -436,7 +465,7 @@ def check_stop_token_ids(value: int | Sequence[int] | None, vocab_size: int, nam
     None means none."""
     if value is None:
         return []
-    value = plain(list(value) if isinstance(value, range) else value)
+    value = plain(list(value) if isinstance(value, range) else value, name)
     if _is_int(value):
         value = [value]
     if not isinstance(value, (list, tuple, set, frozenset)) or not all(_is_int(t) for t in value):

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -1678,6 +1679,39 @@ def test_numpy_scalars_are_the_numbers_they_hold(engine):
     assert [len(r.token_ids) for r in batch] == [3, 4]
     with pytest.raises(DFlashError, match=r"^temperature must be a finite number >= 0, got \[0\.5, 1\.0\]$"):
         engine.generate("x", temperature=torch.tensor([0.5, 1.0]))
+    # a meta or sparse tensor has no values to read: named, not torch's "Cannot copy out of meta tensor; no data!",
+    # "Tensor.item() cannot be called on meta tensors" or "Cannot access data pointer of Tensor ..." (trial-279)
+    meta = "a meta tensor (a shape and a dtype, no values): make it on a real device (cpu, cuda)"
+    with warnings.catch_warnings():  # (torch's "Sparse CSR tensor support is in beta state")
+        warnings.simplefilter("ignore")
+        csr = torch.tensor([[5, 7]]).to_sparse_csr()
+    prompt_cases = ((torch.tensor([5, 7], device="meta"), f"the prompt is {meta}"),
+                    (torch.tensor([[5, 7]], device="meta"), f"the prompt is {meta}"),
+                    ([torch.tensor(5), torch.tensor(7, device="meta")], f"the prompt holds {meta}"),
+                    (torch.tensor([5, 7]).to_sparse(), "the prompt is a sparse tensor (torch.sparse_coo): pass its .to_dense()"),
+                    (csr, "the prompt is a sparse tensor (torch.sparse_csr): pass its .to_dense()"))
+    for prompt, message in prompt_cases:
+        for call in (lambda: engine.generate(prompt, max_new_tokens=2), lambda: engine.generate_batch([prompt], max_new_tokens=2)):
+            with pytest.raises(OptionError, match=f"^{re.escape(message)}$"):
+                call()
+        with pytest.raises(OptionError, match=f"^prompt 1: {re.escape(message)}$"):
+            engine.generate_batch([[5, 7], prompt], max_new_tokens=2)
+    sparse = "a sparse tensor (torch.sparse_coo): pass its .to_dense()"
+    option_cases = (("stop_token_ids", torch.tensor([5], device="meta"), f"is {meta}"),
+                    ("max_new_tokens", torch.tensor(3, device="meta"), f"is {meta}"),
+                    ("temperature", torch.tensor(0.5, device="meta"), f"is {meta}"),
+                    ("stop_token_ids", [torch.tensor(5, device="meta")], f"holds {meta}"),
+                    ("logit_bias", {torch.tensor(5, device="meta"): 1.0}, f"holds {meta}"),
+                    ("stop_token_ids", torch.tensor([5]).to_sparse(), f"is {sparse}"))
+    for name, value, said in option_cases:
+        for call in (engine.generate, engine.stream, lambda p, **kw: engine.generate_batch([p, p], **kw)):
+            with pytest.raises(OptionError, match=f"^{re.escape(name + ' ' + said)}$") as err:
+                list(call("x", **{name: value}))
+            assert err.value.name == name
+    with pytest.raises(OptionError, match=f"^max_new_tokens is {re.escape(meta)}$"):
+        engine.generate_batch(["a", "b"], max_new_tokens=torch.tensor([3, 4], device="meta"))
+    with pytest.raises(OptionError, match=f"^token_ids is {re.escape(meta)}$"):
+        engine.decode(torch.tensor([5, 7], device="meta"))
 
 
 def test_a_misspelt_argument_or_a_callback_that_is_not_one_is_named(engine):
