@@ -6,6 +6,7 @@ and a real tiny model that writes a call."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 
@@ -901,6 +902,32 @@ def test_keepalive_frames_fill_silences_and_end_with_the_stream():
         return list(ended)
 
     assert asyncio.run(leave_after_a_frame()) == [True]
+
+    async def leave_as_it_ends():  # (cancelled, the client gone, just as the inner stream ended: trial-277)
+        errors = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context["message"]))
+        release = asyncio.Event()
+
+        async def last_frame():
+            yield "data: last\n\n"
+            await release.wait()
+
+        agen = with_keepalive(last_frame(), 10)
+        assert await agen.__anext__() == "data: last\n\n"
+        step = asyncio.ensure_future(agen.__anext__())
+        for _ in range(3):  # (the step waits for the inner stream's next frame)
+            await asyncio.sleep(0)
+        release.set()  # the inner stream ends (StopAsyncIteration) ...
+        step.cancel()  # ... as the step is cancelled, before it saw the end
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        await agen.aclose()
+        del agen, step
+        gc.collect()  # (an unread task exception is reported when the task is collected)
+        await asyncio.sleep(0)
+        return errors
+
+    assert asyncio.run(leave_as_it_ends()) == []  # (was ["Task exception was never retrieved"])
 
 
 def test_server_refuses_calls_whose_arguments_are_not_json_objects(server):

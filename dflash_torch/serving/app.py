@@ -462,6 +462,10 @@ async def with_keepalive(frames: AsyncIterator[str], interval: float) -> AsyncIt
             with contextlib.suppress(BaseException):
                 await pending
         else:
+            # (its outcome retrieved: a client that left just as the inner stream ended, at its finish
+            # chunk, left the StopAsyncIteration unread, asyncio's "Task exception was never retrieved")
+            if not pending.cancelled():
+                pending.exception()
             with contextlib.suppress(BaseException):
                 await it.aclose()
 
