@@ -113,6 +113,9 @@ def test_json_schema_and_json_object_are_lossless_streamed_and_not_with_n_and_lo
     assert isinstance(json.loads(obj), dict)
     assert _complete(spec, extra_body=json_object).choices[0].text == obj
     assert _complete(spec, extra_body={"structured_outputs": {"json_object": True}}).choices[0].text == obj
+    # a json_schema field beside type json_object is not read (trial-277: a 400, json_schema.schema missing)
+    stray = {"response_format": {"type": "json_object", "json_schema": {"name": "x"}}}
+    assert _complete(spec, extra_body=stray).choices[0].text == obj
     # type text: no constraint
     plain = _complete(spec, max_tokens=6, extra_body={"response_format": {"type": "text"}})
     assert plain.choices[0].text == _complete(alone, max_tokens=6).choices[0].text and plain.usage.completion_tokens == 6

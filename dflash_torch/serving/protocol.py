@@ -77,11 +77,21 @@ class JSONSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
-    object) or ``json_schema`` (``json_schema.schema``)."""
+    object) or ``json_schema`` (``json_schema.schema``); a ``json_schema`` field beside
+    another type is ignored, unread (as that type ignores it)."""
 
     model_config = ConfigDict(extra="ignore")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schema_of_its_type(cls, data):
+        """(trial-277: ``{"type": "json_object", "json_schema": {"name": "x"}}`` was a 400 about
+        the missing ``json_schema.schema``, a field json_object does not read)"""
+        if isinstance(data, dict) and data.get("type") in ("text", "json_object") and "json_schema" in data:
+            return {k: v for k, v in data.items() if k != "json_schema"}
+        return data
 
     @model_validator(mode="after")
     def _schema_given(self):
