@@ -211,13 +211,22 @@ def test_tool_choice_required_and_named_give_tool_calls_equal_to_target_only(ser
             assert conforms(calls[0][1], _schema_of(calls[0][0])), calls
             text = want.text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
             assert json.loads(text) == {"name": calls[0][0], "arguments": calls[0][1]}
-        streamed, finish = [], None
-        for chunk in _chat(spec, tools=TOOLS, tool_choice=tool_choice, stream=True, **extra):
+        streamed, finish, chunks = [], None, list(_chat(spec, tools=TOOLS, tool_choice=tool_choice, stream=True,
+                                                         **extra))
+        # the first chunk: the role, content null as the message's (trial-277: content "", no text could come)
+        first = chunks[0].choices[0].delta
+        assert first.role == "assistant" and first.content is None and "content" in first.model_fields_set, first
+        for chunk in chunks:
             for ch in chunk.choices:
-                assert not ch.delta.content
+                assert ch.delta.content is None
                 streamed += ch.delta.tool_calls or []
                 finish = ch.finish_reason or finish
         assert finish == "tool_calls" and _calls(streamed) == calls
+        # so the openai client's stream helper assembles the message as create() returns it
+        with spec.chat.completions.stream(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=400, tools=TOOLS,
+                                          tool_choice=tool_choice, **extra) as stream:
+            message = stream.get_final_completion().choices[0].message
+        assert message.content is None and _calls(message.tool_calls) == calls, message
     # required, parallel calls allowed: one call or more, each valid, until max_tokens at most
     r = _chat(spec, tools=TOOLS, tool_choice="required", max_tokens=120)
     calls = _calls(r.choices[0].message.tool_calls)

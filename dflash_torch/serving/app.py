@@ -1313,9 +1313,13 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
         cached = [0] * left  # (each choice's, set as it finishes)
         thoughts = [0] * left  # (each chat choice's reasoning tokens, set as it finishes)
         reasoning_parts: list[list[str]] = [[] for _ in range(left)]  # (each chat choice's reasoning so far)
-        if kind == "chat":
+        if kind == "chat":  # (the role first; content "", or null where tool_choice forces calls: no text can come)
+            forced = req.forces_tool_calls()
             for i in range(left):
-                yield frame([choice(i, "", role=True)])
+                first_piece = choice(i, None if forced else "", role=True)
+                if forced:
+                    first_piece["delta"]["content"] = None  # (as the message of a reply not streamed has it)
+                yield frame([first_piece])
         async for ev in answer_events(job, first):
             if ev.kind == "done":
                 left -= 1
