@@ -283,6 +283,66 @@ def test_tool_call_grammar_accepts_what_the_hermes_parser_reads(accepts):
                                                                    ("get_time", {})]
 
 
+ADD = {"type": "function", "function": {"name": "add", "strict": True, "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+def _unique_keys(pairs):
+    """``json.loads``' object_pairs_hook: an object that names a key twice is an error."""
+    keys = [k for k, _ in pairs]
+    assert len(keys) == len(set(keys)), keys
+    return dict(pairs)
+
+
+def test_strict_schemas_hold_objects_to_their_declared_keys(servers, accepts):
+    """``strict: true`` (a tool's ``function.strict``, ``response_format.json_schema.strict``):
+    every object schema that does not say ``additionalProperties`` takes only the keys it
+    declares, as OpenAI's strict mode reads it (trial-277: a forced strict call of add(a, b)
+    gave ``{"a": 1, "b": 1, "browser": "b"}`` and a strict json_schema
+    ``{"a": 0, "b": -1, "bb": -1, "bb": -1, ...}``: schema-valid, as an absent
+    additionalProperties allows any key, but not what strict means); without strict, as before."""
+    # the trial's requests: a forced strict call (hermes, qwen3_coder) and a strict json_schema (chat, Responses)
+    ask = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    for client in servers:
+        r = _chat(client, messages=ask, max_tokens=200, tools=[ADD],
+                  tool_choice={"type": "function", "function": {"name": "add"}}).choices[0]
+        assert r.finish_reason == "tool_calls" and [(n, set(a)) for n, a in _calls(r.message.tool_calls)] == \
+            [("add", {"a", "b"})], r
+    schema = ADD["function"]["parameters"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "add", "schema": schema, "strict": True}}
+    content = _chat(spec := servers[0], messages=ask, max_tokens=200, response_format=fmt).choices[0].message.content
+    assert set(json.loads(content, object_pairs_hook=_unique_keys)) == {"a", "b"}, content
+    text = spec.responses.create(model=MODEL, input=ask[0]["content"], temperature=0, max_output_tokens=200, text={
+        "format": {"type": "json_schema", "name": "add", "schema": schema, "strict": True}}).output_text
+    assert text == content
+    # the grammar: a strict tool's call holds no other key, nested objects neither
+    call = '<tool_call>\n{"name": "add", "arguments": %s}\n</tool_call>'
+    loose = {"type": "function", "function": {k: v for k, v in ADD["function"].items() if k != "strict"}}
+    extra = '{"a": 1, "b": 1, "browser": "b"}'
+    assert accepts(hermes_grammar([ADD], "add"), call % '{"a": 1, "b": 1}')
+    assert not accepts(hermes_grammar([ADD], "add"), call % extra) and accepts(hermes_grammar([loose], "add"), call % extra)
+    # nested objects too: $defs, items, anyOf branches, a root typed ["object", "null"]; an explicit
+    # additionalProperties kept; allOf's objects hold the keys declared across their branches
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    nested = {"type": ["object", "null"], "$defs": {"P": point}, "properties": {
+        "p": {"$ref": "#/$defs/P"}, "l": {"type": "array", "items": point}, "o": {"anyOf": [point, {"type": "null"}]},
+        "free": {"type": "object", "additionalProperties": True},
+        "both": {"allOf": [point, {"type": "object", "properties": {"y": {"type": "integer"}}}]}}}
+    strict = {"type": "function", "function": {"name": "add", "strict": True, "parameters": nested}}
+    for args, ok in [('{"p": {"x": 1}, "l": [{"x": 2}], "o": {"x": 3}, "free": {"w": 4}, "both": {"x": 5, "y": 6}}', True),
+                     ('{"p": {"x": 1, "w": 2}}', False), ('{"l": [{"x": 1, "w": 2}]}', False),
+                     ('{"o": {"w": 1}}', False), ('{"w": 1}', False), ('{"both": {"x": 1, "y": 2, "w": 3}}', False),
+                     ('{"both": {"x": "1"}}', False)]:
+        assert accepts(hermes_grammar([strict], "add"), call % args) is ok, args
+        assert accepts(hermes_grammar([{"type": "function", "function": {"name": "add", "parameters": nested}}], "add"),
+                       call % args) is (ok or '"1"' not in args), args  # (not strict: any extra key)
+    from dflash_torch.serving.constraints import strict_schema
+
+    assert strict_schema(point) == {**point, "additionalProperties": False} and "additionalProperties" not in point
+    assert strict_schema({"type": "object", "enum": [{"k": 1}], "additionalProperties": {"type": "integer"}}) == \
+        {"type": "object", "enum": [{"k": 1}], "additionalProperties": {"type": "integer"}}  # (values, explicit kept)
+
+
 def test_a_lone_surrogate_escape_in_a_models_call_comes_back_escaped(servers):
     """JSON may spell a lone UTF-16 surrogate (``"\\ud83d"``), which UTF-8 cannot encode: in a
     call the model writes (forced here by guided_choice), its arguments come back with the

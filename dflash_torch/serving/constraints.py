@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from ..errors import DFlashError
 from ..structured import JSON_DEFAULTS, StructuredOutput
 from .reasoning import THINK_CLOSE, THINK_OPEN
 
@@ -68,6 +69,84 @@ def text_or_token(text: str, token: int | None) -> str:
     """A Lark expression matching ``text`` written out, or, when ``token`` is given (its
     :func:`special_token`), that one token too."""
     return json.dumps(text) if token is None else f"({json.dumps(text)} | <[{int(token)}]>)"
+
+
+# keywords whose value is a schema, a list of schemas, or an object of schemas (by name)
+_ONE_SCHEMA = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
+               "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+
+
+def _says_object(schema: dict) -> bool:
+    """Whether ``schema`` describes an object: its ``type`` is (or lists) ``object``, or it names
+    no type and has ``properties``."""
+    kind = schema.get("type")
+    if kind is None:
+        return isinstance(schema.get("properties"), dict)
+    return kind == "object" or (isinstance(kind, list) and "object" in kind)
+
+
+def _declared(schema) -> list[str]:
+    """The property names ``schema`` (a dict, else none) declares in its ``properties``."""
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    return list(props) if isinstance(props, dict) else []
+
+
+def _strict(schema, is_object: bool = False, keys: tuple[str, ...] = ()):
+    """:func:`strict_schema` of ``schema``; ``keys``: names its object also takes (an ``allOf``
+    branch's: those its siblings declare)."""
+    if not isinstance(schema, dict):
+        return schema
+    out, shared = dict(schema), ()
+    branches = schema.get("allOf")
+    if isinstance(branches, list) and len(branches) > 1:
+        # (an allOf's objects are intersected: each takes the keys the others declare too, any value,
+        # so that the object holds exactly the keys declared across them, not only those all declare)
+        shared = tuple(dict.fromkeys(_declared(schema) + [k for b in branches for k in _declared(b)]))
+    for key in _ONE_SCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _strict(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_strict(s, keys=shared if key == "allOf" else ()) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _strict(s) for name, s in out[key].items()}
+    if is_object or _says_object(out):
+        return _closed(out, (*keys, *shared))
+    return out
+
+
+def _closed(schema: dict, keys=()) -> dict:
+    """``schema`` (an object's) with ``additionalProperties`` false where it does not say, and
+    each of ``keys`` it does not declare as a property of any value."""
+    if "additionalProperties" in schema:
+        return schema
+    props = dict(schema["properties"]) if isinstance(schema.get("properties"), dict) else {}
+    for key in keys:
+        props.setdefault(key, {})
+    return {**schema, "properties": props, "additionalProperties": False}
+
+
+def strict_schema(schema, is_object: bool = False):
+    """``schema`` (a JSON schema: a dict, or a bool, returned as is) as OpenAI's ``strict: true``
+    reads it: an object holds exactly the keys its schema declares. Every object schema in it
+    (:func:`_says_object`: the root, ``properties``' values, ``items``, ``$defs`` /
+    ``definitions``, ``anyOf`` / ``oneOf`` / ``allOf`` branches, ... at any depth) that does not
+    say ``additionalProperties`` gets ``additionalProperties: false`` (an explicit value, true or a
+    schema, is kept); an object of several ``allOf`` branches holds the keys they declare between
+    them (each branch and the object itself take the others' keys, any value: the branches'
+    own schemas still hold them). ``is_object``: the root is an object's schema even where it
+    does not say so (a tool's ``parameters``). ``enum``, ``const``, ``default`` and other values
+    are data, left as they are. A new schema; ``schema`` is not changed.
+
+    Raises:
+        DFlashError: the schema is nested too deeply to walk (Python's recursion limit)."""
+    try:
+        return _strict(schema, is_object)
+    except RecursionError:
+        raise DFlashError("the schema is nested too deeply to make strict") from None
 
 
 def _json_schema(spec: StructuredOutput) -> Mapping:

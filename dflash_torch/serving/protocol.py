@@ -34,8 +34,10 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Str
                       ValidationError, field_validator, model_validator)
 
 from ..chat_template import media_keys
+from ..errors import DFlashError
 from ..options import json_type, non_finite, strict_json, tool_name_error
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from .constraints import strict_schema
 
 MAX_STOP_STRINGS = 16
 MAX_N = 128  # OpenAI's own limit on n
@@ -59,7 +61,9 @@ class StreamOptions(BaseModel):
 class JSONSchemaFormat(BaseModel):
     """``response_format.json_schema``: OpenAI's ``name`` (required), ``description``,
     ``schema`` (required here: without one there is nothing to constrain to) and ``strict``
-    (accepted either way: the output always matches the schema)."""
+    (the output always matches the schema; ``strict: true`` also holds each object to the keys
+    its schema declares, as OpenAI's strict mode: :func:`~.constraints.strict_schema`, applied
+    to ``schema`` when the format is read)."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     name: StrictStr
@@ -73,6 +77,18 @@ class JSONSchemaFormat(BaseModel):
         if not SCHEMA_NAME.fullmatch(name):
             raise ValueError(f"must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -, got {name[:80]!r}")
         return name
+
+    @model_validator(mode="after")
+    def _strict_objects(self):
+        """``strict: true``: an object schema in ``schema`` that does not say ``additionalProperties``
+        takes no keys but those it declares (trial-277: ``{"a": 0, "b": -1, "bb": -1, "bb": -1}``
+        for ``properties`` a and b, valid JSON Schema, not what a strict schema means)."""
+        if self.strict:
+            try:
+                self.schema_ = strict_schema(self.schema_)
+            except DFlashError as exc:
+                raise ValueError(str(exc)) from None
+        return self
 
 
 class ResponseFormat(BaseModel):

@@ -87,7 +87,7 @@ from dataclasses import dataclass, field
 
 from ..errors import DFlashError
 from ..options import JSON_TYPES, check_choice
-from .constraints import reasoning_start, text_or_token
+from .constraints import reasoning_start, strict_schema, text_or_token
 from .reasoning import HarmonyParser, ReasoningParser, _held, new_parser
 
 PARSERS = ("auto", "none", "hermes", "qwen3_coder", "glm45", "glm47", "minimax_m2", "gemma4", "kimi_k2", "deepseek_v31",
@@ -866,15 +866,19 @@ def _arguments_schema(function: dict) -> dict | bool:
 
 
 def _called_functions(tools: list[dict], name: str | None) -> list[dict]:
-    """The functions of ``tools`` (OpenAI's shape) a forced reply may call: ``name`` only, or all.
+    """The functions of ``tools`` (OpenAI's shape) a forced reply may call: ``name`` only, or all;
+    a function with ``"strict": true`` with its ``parameters`` as OpenAI's strict mode reads
+    them: each object takes the keys its schema declares, no others
+    (:func:`.constraints.strict_schema`, the root an object's schema).
 
     Raises:
-        DFlashError: none."""
+        DFlashError: none; a strict function's ``parameters`` nested too deeply to read."""
     functions = [t.get("function") or {} for t in tools]
     functions = [f for f in functions if isinstance(f.get("name"), str) and (name is None or f["name"] == name)]
     if not functions:
         raise DFlashError(f"tools has no function {name!r} to call" if name is not None else "tools has no function")
-    return functions
+    return [{**f, "parameters": strict_schema(f["parameters"], is_object=True)}
+            if f.get("strict") is True and isinstance(f.get("parameters"), dict) else f for f in functions]
 
 
 def _calls_grammar(alternatives: list[str], rules: list[str], one: bool, reasoning: str | None,
