@@ -336,6 +336,11 @@ def test_strict_schemas_hold_objects_to_their_declared_keys(servers, accepts):
         assert accepts(hermes_grammar([strict], "add"), call % args) is ok, args
         assert accepts(hermes_grammar([{"type": "function", "function": {"name": "add", "parameters": nested}}], "add"),
                        call % args) is (ok or '"1"' not in args), args  # (not strict: any extra key)
+    # a root $ref (as zod-to-json-schema writes parameters): its definition is closed, the root left to it
+    zod = {"type": "function", "function": {"name": "add", "strict": True, "parameters": {
+        "$ref": "#/definitions/Add", "definitions": {"Add": ADD["function"]["parameters"]}}}}
+    assert accepts(hermes_grammar([zod], "add"), call % '{"a": 1, "b": 2}')
+    assert not accepts(hermes_grammar([zod], "add"), call % extra)
     from dflash_torch.serving.constraints import strict_schema
 
     assert strict_schema(point) == {**point, "additionalProperties": False} and "additionalProperties" not in point

@@ -113,6 +113,8 @@ def _strict(schema, is_object: bool = False, keys: tuple[str, ...] = ()):
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: _strict(s) for name, s in out[key].items()}
+    if "$ref" in out and not isinstance(out.get("properties"), dict):
+        return out  # (the definition it names declares the keys, and is closed where it is)
     if is_object or _says_object(out):
         return _closed(out, (*keys, *shared))
     return out
@@ -137,9 +139,12 @@ def strict_schema(schema, is_object: bool = False):
     say ``additionalProperties`` gets ``additionalProperties: false`` (an explicit value, true or a
     schema, is kept); an object of several ``allOf`` branches holds the keys they declare between
     them (each branch and the object itself take the others' keys, any value: the branches'
-    own schemas still hold them). ``is_object``: the root is an object's schema even where it
-    does not say so (a tool's ``parameters``). ``enum``, ``const``, ``default`` and other values
-    are data, left as they are. A new schema; ``schema`` is not changed.
+    own schemas still hold them; a branch that is a ``$ref`` adds no keys: its definition is
+    closed on its own). A schema that is a ``$ref`` without ``properties`` of its own is left
+    open: the definition it names is closed (a root ``$ref``, as zod-to-json-schema writes a
+    tool's ``parameters``). ``is_object``: the root is an object's schema even where it does not
+    say so (a tool's ``parameters``). ``enum``, ``const``, ``default`` and other values are
+    data, left as they are. A new schema; ``schema`` is not changed.
 
     Raises:
         DFlashError: the schema is nested too deeply to walk (Python's recursion limit)."""
