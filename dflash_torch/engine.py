@@ -179,14 +179,18 @@ def _keywords(*takes: Callable) -> list[str]:
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name != "self"]
 
 
-# Arguments of other libraries' generate / LLM calls (transformers, OpenAI, vLLM) that users bring, by the name of
-# this API's argument that does their work (the first of those names that the method takes: ``draft`` of
-# from_pretrained, ``drafter`` of the constructor) and a note that says how it differs; no name: a note alone, of
-# what a request (generate, stream, generate_batch) does instead. Looked up before the closest spelling
-# (:func:`_hint`), which took ``stop_strings`` for ``stop_token_ids`` and ``draft_model`` for ``draft_mode``.
+# Arguments of other libraries' generate / LLM calls (transformers, OpenAI, vLLM, TGI) that users bring, by the name
+# of this API's argument that does their work (the first of those names that the method takes: ``draft`` of
+# from_pretrained, ``drafter`` of the constructor; a request given one of from_pretrained's is told to load with it)
+# and a note that says how it differs; no name: a note alone, of what a request (generate, stream, generate_batch)
+# does instead. Looked up before the closest spelling (:func:`_hint`), which took ``stop_strings`` for
+# ``stop_token_ids`` and ``draft_model`` for ``draft_mode``. A name that does not do the same work here (vLLM's
+# allowed_token_ids, transformers' length_penalty) is left out: it gets no hint rather than a wrong one.
 _SAMPLES = "for n samples of a prompt, pass it n times: generate_batch([prompt] * n, temperature=...) with temperature > 0, " \
            "and seed a list of n seeds to make them reproducible"
 _UNPADDED = "not needed: each prompt is decoded as it is, without padding"
+_IDS = "token ids are a prompt as they are: a list of ints, or a 1-D tensor (a tokenizer's input_ids[0])"
+_BLOCK = "tokens per block: each round drafts block_size - 1 tokens"
 _ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
     **dict.fromkeys(("stop_strings", "stop_sequences"), (("stop",), "")),
     "eos_token_id": (("stop_token_ids",), "its ids stop generation beside the model's EOS ids"),
@@ -200,21 +204,27 @@ _ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
     **dict.fromkeys(("n", "num_return_sequences"), ((), _SAMPLES)),
     **dict.fromkeys(("pad_token_id", "attention_mask"), ((), _UNPADDED)),
     "streamer": ((), "generate's on_chunk takes a function, called with each StreamChunk; stream yields them"),
+    **dict.fromkeys(("input_ids", "inputs", "prompt_token_ids"), (("prompt", "prompts"), _IDS)),
+    "messages": (("prompt", "prompts"), "a conversation, a list of message dicts, is a prompt as it is"),
     "top_logprobs": (("logprobs",), ""),
-    "response_format": (("structured_output",), ""),
+    "top_n_tokens": (("logprobs",), "it takes the number of most likely tokens reported at each position"),
+    "response_format": (("structured_output",), "as {'json': response_format['json_schema']['schema']}, or "
+                                                "{'json_object': True} for type json_object"),
     "guided_json": (("structured_output",), "as {'json': schema}"),
     "guided_regex": (("structured_output",), "as {'regex': pattern}"),
     "guided_choice": (("structured_output",), "as {'choice': [...]}"),
     "guided_grammar": (("structured_output",), "as {'grammar': lark_grammar}"),
-    **dict.fromkeys(("draft", "draft_model", "draft_dir", "draft_path", "drafter", "drafter_path", "draft_model_path",
-                     "speculative_model", "assistant_model"), (("draft", "drafter"), "")),
+    **dict.fromkeys(("draft", "draft_model", "draft_dir", "draft_path", "drafter", "drafter_dir", "drafter_path",
+                     "draft_model_path", "speculative_model", "assistant_model"), (("draft", "drafter"), "")),
+    **dict.fromkeys(("target_only", "no_drafter"), (("no_draft",), "")),
     **dict.fromkeys(("model", "model_name", "model_path", "model_dir", "model_name_or_path",
                      "pretrained_model_name_or_path", "target_model", "target_dir"), (("target",), "")),
+    **dict.fromkeys(("num_speculative_tokens", "num_assistant_tokens", "gamma"), (("block_size",), _BLOCK)),
     "torch_dtype": (("dtype",), ""),
     "device_map": (("device",), "one device: 'cpu', 'cuda' or 'cuda:N'"),
-    "max_model_len": (("max_context",), ""),
+    **dict.fromkeys(("max_model_len", "max_seq_len"), (("max_context",), "")),
     "max_num_seqs": (("max_batch_size",), ""),
-    "enable_prefix_caching": (("reuse_prefix",), ""),
+    **dict.fromkeys(("enable_prefix_caching", "prefix_caching"), (("reuse_prefix",), "")),
 }
 
 
@@ -222,18 +232,26 @@ def _hint(name: str, known: list[str]) -> str:
     """What :func:`_check_arguments` adds to its message about the unknown keyword ``name``,
     given the arguments ``known`` of the method: `` (did you mean 'x'?)`` with the one that
     does its work (:data:`_ALIASES`: ``stop_strings`` -> ``stop``, with a note where they
-    differ), or for a request, what to do instead (``n``, ``pad_token_id``); for a name of
-    no other library, the closest spelling (a typo); ``""``: none (an alias of none of
+    differ), or for a request, what to do instead (``n``, ``pad_token_id``), or the argument
+    of :meth:`DFlashEngine.from_pretrained` that does its work (``assistant_model``: load
+    with ``draft``); for a name of no other library, a spelling close enough to be a typo
+    (difflib's ratio >= 0.8: ``tempreature``; a looser match named arguments of other
+    meanings, ``prefix_caching`` -> ``prefill_chunk``); ``""``: none (an alias of none of
     ``known``: ``do_sample`` of ``from_pretrained``)."""
     import difflib
 
     if name not in _ALIASES:
-        close = difflib.get_close_matches(name, known, n=1)
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
         return f" (did you mean {close[0]!r}?)" if close else ""
     names, note = _ALIASES[name]
+    request = "prompt" in known or "prompts" in known
     if not names:  # (a note about a request)
-        return f" ({note})" if "prompt" in known or "prompts" in known else ""
+        return f" ({note})" if request else ""
     close = next((n for n in names if n in known), None)
+    if close is None and request:  # (an argument of the engine, not of a request: loaded with)
+        loading = _keywords(DFlashEngine.from_pretrained)
+        close = next((n for n in names if n in loading), None)
+        return "" if close is None else f" (it is set when loading: DFlashEngine.from_pretrained({close}=...))"
     return "" if close is None else f" (did you mean {close!r}?{' ' + note if note else ''})"
 
 

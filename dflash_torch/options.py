@@ -495,7 +495,9 @@ def check_prompt_logprobs(value, name: str = "prompt_logprobs") -> int | None:
     from .sampling import MAX_LOGPROBS  # (sampling imports this module's neighbours; late to keep imports acyclic)
 
     if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-        raise OptionError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {shown(value)}", name)
+        raise OptionError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {shown(value)}"
+                          + (" (the number of most likely tokens reported at each prompt position; 0: the prompt "
+                             "token's log-probability alone)") * isinstance(value, bool), name)
     return value
 
 

@@ -32,6 +32,9 @@ from .structured import Grammar, GrammarState
 
 
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's limit of top_logprobs)
+# (what a bool logprobs, OpenAI's logprobs=True, is told: this one is the number of alternatives, top_logprobs)
+LOGPROBS_BOOL_HINT = (" (the number of most likely tokens reported beside each token, as OpenAI's top_logprobs; 0: "
+                      "the chosen token's log-probability alone, as OpenAI's logprobs=True without top_logprobs)")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range of a logit_bias value: [-100, 100]
 
 
@@ -135,7 +138,8 @@ class SamplingParams:
             raise OptionError(f"seed must be an integer in [-2**63, 2**64), got {shown(self.seed)}", "seed")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise OptionError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {shown(self.logprobs)}", "logprobs")
+            raise OptionError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {shown(self.logprobs)}"
+                              + LOGPROBS_BOOL_HINT * isinstance(self.logprobs, bool), "logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             x = _real(getattr(self, name))
             if x is None or not -2 <= x <= 2:

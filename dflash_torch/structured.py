@@ -188,7 +188,8 @@ class StructuredOutput:
         the keys ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``.
 
         Raises:
-            OptionError: anything else (unknown keys included), or keys given whose values
+            OptionError: anything else (unknown keys included; OpenAI's ``response_format``,
+                ``{"type": "json_schema", ...}``, says what to pass instead), or keys given whose values
                 ask for no constraint (``json_object`` False, another key None) and none else."""
         if value is None or isinstance(value, cls):
             return value
@@ -197,8 +198,10 @@ class StructuredOutput:
                               f"got {type(value).__name__}", "structured_output")
         unknown = sorted(str(k) for k in value if k not in KINDS)
         if unknown:
-            raise OptionError(f"structured_output has unknown keys {', '.join(unknown)} (known: {', '.join(KINDS)})",
-                              "structured_output")
+            openai = value.get("type") in ("json_schema", "json_object")  # (OpenAI's response_format, as it is)
+            raise OptionError(f"structured_output has unknown keys {', '.join(unknown)} (known: {', '.join(KINDS)})"
+                              + ("; for OpenAI's response_format pass {'json': response_format['json_schema']['schema']}, "
+                                 "or {'json_object': True} for type json_object" if openai else ""), "structured_output")
         if value and all(v is None or (k == "json_object" and v is False) for k, v in value.items()):
             # (keys given, each with a value that asks for nothing: named, not "got none")
             if value.get("json_object") is False:

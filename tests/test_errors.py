@@ -1742,10 +1742,16 @@ def test_an_argument_of_another_librarys_generate_is_named_by_ours(engine):
     """A name that transformers' generate, OpenAI or vLLM give an argument is hinted at by the
     argument that does its work here, not by its closest spelling (trial-279: stop_strings
     got 'stop_token_ids', generator 'temperature', pad_token_id 'stop_token_ids', draft_model
-    and draft_dir 'draft_mode'; max_length, do_sample, n got nothing); a typo still gets
-    the closest spelling. Every hint names an argument the method takes."""
+    and draft_dir 'draft_mode'; max_length, do_sample, n got nothing. trial-283: drafter_dir
+    got 'draft_mode', target_only 'target', prefix_caching 'prefill_chunk', prompt_token_ids
+    and allowed_token_ids (the opposite of a stop) 'stop_token_ids', length_penalty
+    'presence_penalty'; input_ids, messages, assistant_model, gamma got nothing); a typo
+    still gets the closest spelling, a name merely alike (a ratio under 0.8) none; an argument
+    of loading given to a request names from_pretrained's. Every hint names an argument the
+    method takes, or from_pretrained's where it says so."""
     import inspect
 
+    ids = "token ids are a prompt as they are: a list of ints, or a 1-D tensor (a tokenizer's input_ids[0])"
     request = {"stop_strings": " (did you mean 'stop'?)",
                "generator": " (did you mean 'seed'? it takes an int, not a torch.Generator)",
                "max_length": " (did you mean 'max_new_tokens'? it counts the generated tokens only, not the prompt's)",
@@ -1753,17 +1759,37 @@ def test_an_argument_of_another_librarys_generate_is_named_by_ours(engine):
                "pad_token_id": " (not needed: each prompt is decoded as it is, without padding)",
                "n": " (for n samples of a prompt, pass it n times: generate_batch([prompt] * n, temperature=...) with "
                     "temperature > 0, and seed a list of n seeds to make them reproducible)",
-               "tempreature": " (did you mean 'temperature'?)", "bogus": ""}
+               "prompt_token_ids": f" (did you mean {{prompt!r}}? {ids})", "input_ids": f" (did you mean {{prompt!r}}? {ids})",
+               "inputs": f" (did you mean {{prompt!r}}? {ids})",
+               "messages": " (did you mean {prompt!r}? a conversation, a list of message dicts, is a prompt as it is)",
+               "top_n_tokens": " (did you mean 'logprobs'? it takes the number of most likely tokens reported at each "
+                               "position)",
+               "response_format": " (did you mean 'structured_output'? as {{'json': response_format['json_schema']"
+                                  "['schema']}}, or {{'json_object': True}} for type json_object)",
+               "assistant_model": " (it is set when loading: DFlashEngine.from_pretrained(draft=...))",
+               "num_speculative_tokens": " (it is set when loading: DFlashEngine.from_pretrained(block_size=...))",
+               "max_seq_len": " (it is set when loading: DFlashEngine.from_pretrained(max_context=...))",
+               # (no hint rather than a wrong one: none here does their work)
+               "allowed_token_ids": "", "length_penalty": "", "prompt_lookup_num_tokens": "",
+               "spaces_between_special_tokens": "",
+               "tempreature": " (did you mean 'temperature'?)", "max_new_token": " (did you mean 'max_new_tokens'?)",
+               "bogus": ""}
     for method, call in (("generate", lambda **kw: engine.generate("x", **kw)),
                          ("stream", lambda **kw: engine.stream("x", **kw)),
                          ("generate_batch", lambda **kw: engine.generate_batch(["x", "y"], **kw))):
         for name, hint in request.items():
             with pytest.raises(TypeError) as err:
                 call(**{name: 1})
+            hint = hint.format(prompt="prompts" if method == "generate_batch" else "prompt")
             assert str(err.value) == f"DFlashEngine.{method}() got an unexpected keyword argument {name!r}{hint}"
+    block = " (did you mean 'block_size'? tokens per block: each round drafts block_size - 1 tokens)"
     loading = {"draft_model": " (did you mean 'draft'?)", "draft_dir": " (did you mean 'draft'?)",
+               "drafter_dir": " (did you mean 'draft'?)", "target_only": " (did you mean 'no_draft'?)",
+               "prefix_caching": " (did you mean 'reuse_prefix'?)", "num_speculative_tokens": block,
+               "gamma": block, "num_assistant_tokens": block, "max_seq_len": " (did you mean 'max_context'?)",
                "model_name_or_path": " (did you mean 'target'?)", "max_model_len": " (did you mean 'max_context'?)",
-               "do_sample": "", "n": ""}  # (a request's arguments: not hinted at by a loading one)
+               "blocksize": " (did you mean 'block_size'?)", "prefix_cache": "",
+               "do_sample": "", "n": "", "messages": ""}  # (a request's arguments: not hinted at by a loading one)
     for name, hint in loading.items():  # (refused before anything is loaded)
         with pytest.raises(TypeError) as err:
             DFlashEngine.from_pretrained(**{name: "d"})
@@ -1771,6 +1797,31 @@ def test_an_argument_of_another_librarys_generate_is_named_by_ours(engine):
     with pytest.raises(TypeError, match=r"^DFlashEngine\.__init__\(\) got an unexpected keyword argument 'draft_model' "
                                         r"\(did you mean 'drafter'\?\)$"):
         DFlashEngine(engine.target, engine.tokenizer, draft_model=engine.drafter)
+    for name, right in (("prefix_caching", "reuse_prefix"), ("max_seq_len", "max_context")):  # (not prefill_chunk)
+        with pytest.raises(TypeError, match=rf"^DFlashEngine\.__init__\(\) got an unexpected keyword argument "
+                                            rf"'{name}' \(did you mean '{right}'\?\)$"):
+            DFlashEngine(engine.target, engine.tokenizer, **{name: 1})
+    # OpenAI's forms of their values: response_format's dict as structured_output, logprobs=True (it said only
+    # "has unknown keys json_schema, type" and "must be an integer in [0, 20], got True")
+    with pytest.raises(OptionError, match=re.escape(
+            "structured_output has unknown keys json_schema, type (known: json, json_object, regex, choice, grammar); "
+            "for OpenAI's response_format pass {'json': response_format['json_schema']['schema']}, or {'json_object': "
+            "True} for type json_object") + "$"):
+        engine.generate("x", max_new_tokens=2, structured_output={"type": "json_schema",
+                                                                  "json_schema": {"name": "a", "schema": {}}})
+    with pytest.raises(OptionError, match=re.escape("structured_output has unknown keys bogus (known: json, json_object, "
+                                                    "regex, choice, grammar)") + "$"):
+        engine.generate("x", max_new_tokens=2, structured_output={"bogus": 1})
+    with pytest.raises(OptionError, match=re.escape(
+            "logprobs must be an integer in [0, 20], got True (the number of most likely tokens reported beside each "
+            "token, as OpenAI's top_logprobs; 0: the chosen token's log-probability alone, as OpenAI's logprobs=True "
+            "without top_logprobs)") + "$"):
+        engine.generate("x", max_new_tokens=2, logprobs=True)
+    with pytest.raises(OptionError, match=re.escape(
+            "prompt_logprobs must be an integer in [0, 20], got True (the number of most likely tokens reported at each "
+            "prompt position; 0: the prompt token's log-probability alone)") + "$"):
+        engine.generate("x", max_new_tokens=2, prompt_logprobs=True)
+    assert engine.generate("x", max_new_tokens=2, logprobs=0).logprobs[0].top == []  # (as the hint says)
     from dflash_torch.decoding import SpeculativeDecoder
     from dflash_torch.engine import _ALIASES
 
@@ -1781,13 +1832,17 @@ def test_an_argument_of_another_librarys_generate_is_named_by_ours(engine):
              "generate_batch": lambda **kw: engine.generate_batch(["x", "y"], **kw),
              "from_pretrained": DFlashEngine.from_pretrained,
              "__init__": lambda **kw: DFlashEngine(engine.target, engine.tokenizer, **kw)}
+    loading = set(inspect.signature(inspect.unwrap(DFlashEngine.from_pretrained)).parameters)
     for method, functions in takes.items():
         known = {n for f in functions for n in inspect.signature(inspect.unwrap(f)).parameters}
         for name in set(_ALIASES) - known:
             with pytest.raises(TypeError) as err:
                 calls[method](**{name: 1})
-            said = re.findall(r"did you mean '(\w+)'", str(err.value)) + re.findall(r"(\w+)\(", str(err.value))[1:]
-            assert set(said) <= known | {"generate_batch"}, (method, name, str(err.value))
+            text = str(err.value)
+            said = re.findall(r"did you mean '(\w+)'", text) + re.findall(r"(\w+)\((?!\w+=)", text)[1:]
+            assert set(said) <= known | {"generate_batch"}, (method, name, text)
+            for called, keyword in re.findall(r"(\w+)\((\w+)=\.\.\.\)", text):  # (from_pretrained(draft=...))
+                assert called == "from_pretrained" and keyword in loading and method != "from_pretrained", text
 
 
 def test_a_tokenizers_output_or_a_list_of_texts_as_the_prompt_gets_a_hint(engine):
