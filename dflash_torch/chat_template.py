@@ -167,8 +167,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # (OpenAI's m
 
 def _not_messages_hint(messages: list | tuple) -> str:
     """What :func:`chat_messages`' error about a prompt list that is not all chat messages
-    adds (``; got ...``), by what the list holds: lists of ids, a tokenizer's batch (its row,
-    or its rows to ``generate_batch``); (role, content) pairs (dicts are the messages: how
+    adds (``; got ...``), by what the list holds: lists (or 1-D tensors, arrays) of ids, a
+    tokenizer's batch (its row, or its rows to ``generate_batch``); (role, content) pairs (dicts are the messages: how
     to make them); lists of messages, conversations (``generate`` takes one,
     ``generate_batch`` a list); strings, texts (``generate_batch`` takes several); ``""``
     for anything else."""
@@ -188,14 +188,20 @@ def _not_messages_hint(messages: list | tuple) -> str:
     if all(map(pair, others)):  # ([("user", "hi"), ...], some messages dicts perhaps)
         got = "a (role, content) pair" if len(others) == 1 else f"{len(others)} (role, content) pairs"
         return f"; got {got}: each chat message is a dict, [{{'role': role, 'content': content}} for role, content in pairs]"
-    if not n or not all(isinstance(m, (list, tuple)) for m in messages):
+    lists = all(isinstance(m, (list, tuple)) for m in messages)
+    # (1-D tensors or arrays: the rows of one, list(input_ids) of a tokenizer's return_tensors="pt" / "np")
+    if not n or not (lists or all(getattr(m, "ndim", None) == 1 for m in messages)):
         return ""
-    if all(isinstance(x, dict) for m in messages for x in m) and any(messages):  # (conversations)
+    if lists and all(isinstance(x, dict) for m in messages for x in m) and any(messages):  # (conversations)
         return (f"; got a {kind} of {n} list{'s' if n != 1 else ''} of chat messages: generate takes one conversation "
                 "(a list of message dicts), generate_batch a list of them")
     if all(hasattr(x, "__index__") and not isinstance(x, (bool, str)) for m in messages for x in m):  # (a tokenizer's batch)
-        return (f"; got a {kind} of one list (a batch of one): pass its row, ids[0]" if n == 1
-                else f"; got a {kind} of {n} lists ({n} prompts: generate_batch takes them)")
+        row = "list" if lists else next((w for t, w in (("Tensor", "1-D tensor"), ("ndarray", "1-D array"))
+                                         if all(type(m).__name__ == t for m in messages)), "1-D sequence")
+        return (f"; got a {kind} of one {row} (a batch of one): pass its row, ids[0]" if n == 1
+                else f"; got a {kind} of {n} {row}s ({n} prompts: generate_batch takes them)")
+    if not lists:
+        return ""
     if all(isinstance(x, str) for m in messages for x in m):
         return f"; got a {kind} of lists of strings: each chat message is a dict {{'role': str, 'content': str}}"
     return ""

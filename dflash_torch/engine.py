@@ -34,7 +34,7 @@ import torch
 from . import compute, options
 from .batch import BatchDecoder, check_draft_max_batch_size, check_engine_max_batch_size, check_prefix_slots
 from .cache import common_start
-from .chat_template import chat_messages, render_chat, reserved_template_variables
+from .chat_template import CHAT_ROLES, _not_messages_hint, chat_messages, render_chat, reserved_template_variables
 from .checkpoint import available_memory, checkpoint_dir, load_config, memory_text, read_json_object
 from .decoding import Round, SpeculativeDecoder, check_models
 from .errors import ContextLengthError, DFlashError, OptionError, about_prompt, shown, unprintable
@@ -263,6 +263,16 @@ def _check_arguments(method: str, kwargs: dict, *takes: Callable) -> None:
     for name in kwargs:
         if name not in known:
             raise TypeError(f"{method}() got an unexpected keyword argument {name!r}{_hint(name, known)}")
+
+
+def _is_index(value) -> bool:
+    """Whether ``value`` is an integer as a token id: its ``__index__`` gives one (an int, a
+    NumPy integer, a 0-dim integer tensor; a float tensor or a tensor of several refuses)."""
+    try:
+        value.__index__()
+        return True
+    except (TypeError, AttributeError):
+        return False
 
 
 def is_shipped_target(target: str | Path | None) -> bool:
@@ -820,8 +830,15 @@ class DFlashEngine:
         if is_ids:
             try:
                 return [t.__index__() for t in prompt]
-            except TypeError:  # (a 0-dim float tensor has __index__ and refuses it)
-                raise DFlashError("prompt token ids must be integers") from None
+            except TypeError:  # (a 0-dim float tensor has __index__ and refuses it, as a tensor or array of ids does)
+                if all(getattr(t, "ndim", 0) == 1 for t in prompt):  # (rows: list(ids) of a tokenizer's batch)
+                    rows = given if isinstance(given, tuple) else prompt  # (a tuple as given: "a tuple of ...")
+                    raise DFlashError("a prompt list must hold token ids (ints) or chat messages ({'role': str, "
+                                      "'content': str})" + _not_messages_hint(rows)) from None
+                bad = next(t for t in prompt if not _is_index(t))
+                got = shown(bad) if not getattr(bad, "ndim", 0) else \
+                    f"{'a tensor' if isinstance(bad, torch.Tensor) else 'an array'} of shape {tuple(bad.shape)}"
+                raise DFlashError(f"prompt token ids must be integers, one id each, got {got}") from None
         if isinstance(prompt, list) or chat:
             # (a tuple as given: its error says "a tuple of 2 strings")
             messages = chat_messages((given if isinstance(given, tuple) else prompt) if isinstance(prompt, list)
@@ -1584,7 +1601,8 @@ class DFlashEngine:
                 decoding; with several prompts the message starts with the prompt's index,
                 ``prompt 3: ...``, unless the value is the same for all prompts), a per-prompt
                 list of the wrong length, or batch caches
-                that do not fit.
+                that do not fit; one prompt (token ids, chat messages) or one conversation as
+                (role, content) pairs given as the list of prompts (the message says how to pass it).
         """
         if not isinstance(prompts, (list, tuple)) or not prompts:
             given = "an empty one" if isinstance(prompts, (list, tuple)) else type(prompts).__name__
@@ -1597,6 +1615,12 @@ class DFlashEngine:
                 for p in prompts):  # (token ids: ints, NumPy / torch scalars; not arrays or tensors of ids)
             raise DFlashError("prompts is a list of prompts, and this looks like one prompt (token ids or chat "
                               "messages): pass [prompt]")
+        if len(prompts) > 1 and all(isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                                    and p[0] in CHAT_ROLES for p in prompts):  # (each prompt 0, 1: "pass [{'role': ...}]")
+            raise DFlashError(f"prompts is a list of prompts, and this looks like one conversation of {len(prompts)} "
+                              "(role, content) pairs: a chat message is a dict, and generate_batch takes a list of "
+                              "conversations, each a list of message dicts: pass "
+                              "[[{'role': role, 'content': content} for role, content in pairs]]")
         n = len(prompts)
         per = dict(max_new_tokens=_per_prompt(max_new_tokens, n, "max_new_tokens"),
                    temperature=_per_prompt(temperature, n, "temperature"), top_k=_per_prompt(top_k, n, "top_k"),

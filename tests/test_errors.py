@@ -1629,8 +1629,11 @@ def test_prompt_ids_may_be_numpy_integers_or_0_dim_tensors(engine):
 
     want = engine.generate([5, 7, 3], max_new_tokens=4).token_ids
     assert engine.generate([np.int64(5), np.int32(7), torch.tensor(3)], max_new_tokens=4).token_ids == want
-    with pytest.raises(DFlashError, match="prompt token ids must be integers"):
-        engine.generate([torch.tensor(3.0)], max_new_tokens=2)
+    for prompt, got in (([torch.tensor(3.0)], "tensor(3.)"),
+                        # (a tensor of several ids among ids: it said only "must be integers", of integers)
+                        ([5, torch.tensor([7, 3])], "a tensor of shape (2,)"), ([5, np.array([7, 3])], "an array of shape (2,)")):
+        with pytest.raises(DFlashError, match=re.escape(f"prompt token ids must be integers, one id each, got {got}") + "$"):
+            engine.generate(prompt, max_new_tokens=2)
 
 
 def test_prompts_as_tuples_ranges_and_1_d_tensors_or_arrays(engine):
@@ -1900,6 +1903,28 @@ def test_a_tokenizers_output_or_a_list_of_texts_as_the_prompt_gets_a_hint(engine
     with pytest.raises(DFlashError, match=texts + re.escape(f"a (role, content) pair: {pairs}") + "$"):
         engine.generate_batch([[("user", "hi")]], max_new_tokens=2)
     assert len(engine.generate_batch([[message], [message]], max_new_tokens=2)) == 2  # (as generate_batch takes them)
+    # one conversation of pairs as generate_batch's prompts (trial-283: prompt 0's hint, "pass [{'role': 'system',
+    # 'content': text}]", split it into one prompt a message)
+    for prompts in ([("system", "be brief"), ("user", "hi")], [["system", "be brief"], ["user", "hi"], ["assistant", "a"]]):
+        with pytest.raises(DFlashError, match=re.escape(
+                f"prompts is a list of prompts, and this looks like one conversation of {len(prompts)} (role, content) "
+                "pairs: a chat message is a dict, and generate_batch takes a list of conversations, each a list of "
+                "message dicts: pass [[{'role': role, 'content': content} for role, content in pairs]]") + "$"):
+            engine.generate_batch(prompts, max_new_tokens=2)
+    # the rows of a tokenizer's tensor or array as a list, list(input_ids), as one prompt: said as for lists of ids
+    # (trial-283: "prompt token ids must be integers", of integers)
+    rows = tok(["a", "bb"], return_tensors="np", padding=True)["input_ids"]
+    for prompt, hint in ((list(torch.tensor([[5, 6], [7, 8]])), "a list of 2 1-D tensors (2 prompts: generate_batch takes them)"),
+                         ([torch.tensor([5, 6, 7])], "a list of one 1-D tensor (a batch of one): pass its row, ids[0]"),
+                         (list(rows), "a list of 2 1-D arrays (2 prompts: generate_batch takes them)"),
+                         ((np.array([5, 6]),), "a tuple of one 1-D array (a batch of one): pass its row, ids[0]")):
+        with pytest.raises(DFlashError, match=texts + re.escape(hint) + "$"):
+            engine.generate(prompt, max_new_tokens=2)
+        with pytest.raises(DFlashError, match="^prompt 1: " + texts[1:] + re.escape(hint) + "$"):
+            engine.generate_batch(["x", prompt], max_new_tokens=2)
+    assert [r.token_ids for r in engine.generate_batch(list(torch.tensor([[5, 6], [7, 8]])), max_new_tokens=2,
+                                                       ignore_eos=True)] == \
+        [engine.generate(ids, max_new_tokens=2, ignore_eos=True).token_ids for ids in ([5, 6], [7, 8])]  # (as the hint says)
 
 
 def test_api_misuse_found_by_a_trial_gets_a_clear_error(engine):
