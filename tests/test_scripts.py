@@ -69,6 +69,10 @@ BAD = [  # (script, arguments, the error line's text after "NAME.py: error: ")
     ("structured_tau", ["--threads", TOO_MANY], "--threads must be an integer from 1 to the CPUs"),
     ("sink_attention_speed", ["--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
     ("sliding_ring_memory", ["--contexts", "4096", "0"], "--contexts must be an integer >= 1, got 0"),
+    ("long_prompt_tau", ["--extra", "0,x"], "--extra must be comma-separated integers, got '0,x'"),
+    ("long_prompt_tau", ["--extra", "-1"], "--extra counts must be >= 0, got '-1'"),
+    ("long_prompt_tau", ["--prompts", "64"], "--prompts must be below 64"),
+    ("long_prompt_tau", ["--extra", "4000"], "--extra 4000 makes prompts of up to"),  # (past the target's context)
 ]
 
 
