@@ -300,7 +300,10 @@ def test_strict_schemas_hold_objects_to_their_declared_keys(servers, accepts):
     declares, as OpenAI's strict mode reads it (trial-277: a forced strict call of add(a, b)
     gave ``{"a": 1, "b": 1, "browser": "b"}`` and a strict json_schema
     ``{"a": 0, "b": -1, "bb": -1, "bb": -1, ...}``: schema-valid, as an absent
-    additionalProperties allows any key, but not what strict means); without strict, as before."""
+    additionalProperties allows any key, but not what strict means); without strict, as before.
+    Where that would refuse keys another schema gives the object (an allOf's branches), the
+    object is left open (trial-283: such schemas were 400s; the many shapes:
+    :func:`test_strict_schema_closes_only_objects_whose_keys_are_their_own`)."""
     # the trial's requests: a forced strict call (hermes, qwen3_coder) and a strict json_schema (chat, Responses)
     ask = [{"role": "user", "content": "Write a function that adds two numbers."}]
     for client in servers:
@@ -321,8 +324,8 @@ def test_strict_schemas_hold_objects_to_their_declared_keys(servers, accepts):
     extra = '{"a": 1, "b": 1, "browser": "b"}'
     assert accepts(hermes_grammar([ADD], "add"), call % '{"a": 1, "b": 1}')
     assert not accepts(hermes_grammar([ADD], "add"), call % extra) and accepts(hermes_grammar([loose], "add"), call % extra)
-    # nested objects too: $defs, items, anyOf branches, a root typed ["object", "null"]; an explicit
-    # additionalProperties kept; allOf's objects hold the keys declared across their branches
+    # nested objects too: $defs, items, anyOf branches (a plain union), a root typed ["object", "null"]; an
+    # explicit additionalProperties kept; an allOf's branches left open (its object holds the keys of them all)
     point = {"type": "object", "properties": {"x": {"type": "integer"}}}
     nested = {"type": ["object", "null"], "$defs": {"P": point}, "properties": {
         "p": {"$ref": "#/$defs/P"}, "l": {"type": "array", "items": point}, "o": {"anyOf": [point, {"type": "null"}]},
@@ -331,7 +334,7 @@ def test_strict_schemas_hold_objects_to_their_declared_keys(servers, accepts):
     strict = {"type": "function", "function": {"name": "add", "strict": True, "parameters": nested}}
     for args, ok in [('{"p": {"x": 1}, "l": [{"x": 2}], "o": {"x": 3}, "free": {"w": 4}, "both": {"x": 5, "y": 6}}', True),
                      ('{"p": {"x": 1, "w": 2}}', False), ('{"l": [{"x": 1, "w": 2}]}', False),
-                     ('{"o": {"w": 1}}', False), ('{"w": 1}', False), ('{"both": {"x": 1, "y": 2, "w": 3}}', False),
+                     ('{"o": {"w": 1}}', False), ('{"w": 1}', False), ('{"both": {"x": 1, "y": 2, "w": 3}}', True),
                      ('{"both": {"x": "1"}}', False)]:
         assert accepts(hermes_grammar([strict], "add"), call % args) is ok, args
         assert accepts(hermes_grammar([{"type": "function", "function": {"name": "add", "parameters": nested}}], "add"),
@@ -341,11 +344,121 @@ def test_strict_schemas_hold_objects_to_their_declared_keys(servers, accepts):
         "$ref": "#/definitions/Add", "definitions": {"Add": ADD["function"]["parameters"]}}}}
     assert accepts(hermes_grammar([zod], "add"), call % '{"a": 1, "b": 2}')
     assert not accepts(hermes_grammar([zod], "add"), call % extra)
+    # an allOf extending a $ref'd base (trial-283: a 400, "required property 'id' is unsatisfiable"): the
+    # object holds the keys of both; a strict function whose parameters are a union of objects (was a 400)
+    extended = {"$defs": {"Base": BASE}, "allOf": [{"$ref": "#/$defs/Base"}, NAMED]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "named", "schema": extended, "strict": True}}
+    content = json.loads(_chat(spec, messages=ask, max_tokens=100, response_format=fmt, extra_body={
+        "guided_whitespace_pattern": ""}).choices[0].message.content)  # (no run of spaces to max_tokens)
+    assert isinstance(content.get("id"), int) and isinstance(content.get("name"), str), content
+    union = {"type": "function", "function": {"name": "add", "strict": True, "parameters": {"oneOf": [BASE, NAMED]}}}
+    r = _chat(spec, messages=ask, max_tokens=100, tools=[union], tool_choice="required", parallel_tool_calls=False).choices[0]
+    assert r.finish_reason == "tool_calls" and [set(a) for _, a in _calls(r.message.tool_calls)] in ([{"id"}], [{"name"}])
+
+
+BASE = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+NAMED = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+UNION = [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+         {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]
+POINT = {"type": "object", "properties": {"x": {"type": "integer"}}}
+# (schema, is_object, instances strict_schema's schema takes, instances it refuses): every schema here takes
+# each of its good instances without strict too (the rewrite narrows no schema beyond its declared keys)
+STRICT_CASES = [
+    # an allOf extending a $ref'd base, at the root, as a tool's parameters, nested (trial-283 (a))
+    ({"$defs": {"Base": BASE}, "allOf": [{"$ref": "#/$defs/Base"}, NAMED]}, False,
+     [{"id": 1, "name": "n"}, {"id": 1, "name": "n", "w": 2}], [{"id": 1}, {"name": "n"}]),
+    ({"$defs": {"Base": BASE}, "allOf": [{"$ref": "#/$defs/Base"}, NAMED]}, True, [{"id": 1, "name": "n"}], []),
+    ({"$defs": {"A": POINT}, "type": "object", "properties": {
+        "p": {"allOf": [{"$ref": "#/$defs/A"}, {"properties": {"y": {}}}]}, "q": {"$ref": "#/$defs/A"}}}, False,
+     [{"p": {"x": 1, "y": 2}}, {"q": {"x": 1}}], [{"w": 1}]),  # (q's A: open, as it is p's allOf branch)
+    # the object's own properties beside a single allOf branch (b)
+    ({**BASE, "allOf": [NAMED]}, False, [{"id": 1, "name": "n"}], [{"id": 1}]),
+    ({"type": "object", "$defs": {"P": POINT}, "properties": {"p": {"allOf": [{"$ref": "#/$defs/P"}], "title": "P"}}},
+     False, [{"p": {"x": 1}}], [{"p": {"x": 1, "w": 2}}]),  # (but an allOf wrapping one $ref alone: closed)
+    # anyOf / oneOf branches beside the parent's keys (c); a plain union's branches are closed
+    ({"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"], "anyOf": UNION}, False,
+     [{"kind": "k", "a": 1}, {"kind": "k", "b": 1}], [{"kind": "k"}]),
+    ({"type": "object", "anyOf": UNION}, False, [{"a": 1}, {"b": 1}], [{"a": 1, "c": 1}, {}]),
+    ({"anyOf": [BASE, NAMED]}, True, [{"id": 1}, {"name": "n"}], [{"id": 1, "w": 2}]),
+    ({"$defs": {"Base": BASE}, "allOf": [{"$ref": "#/$defs/Base"}, {"anyOf": UNION}]}, False,
+     [{"id": 1, "a": 2}], [{"a": 2}]),  # (a union inside an allOf branch: open too)
+    # $ref beside properties of its own (d), and a chain of $refs from an open position
+    ({"$defs": {"B": BASE}, "$ref": "#/$defs/B", "properties": {"name": {"type": "string"}}}, False,
+     [{"id": 1, "name": "n"}, {"id": 1, "w": 2}], [{"name": "n"}]),
+    ({"$defs": {"A": {"$ref": "#/$defs/B"}, "B": POINT}, "allOf": [{"$ref": "#/$defs/A"}, {"properties": {"y": {}}}],
+      "properties": {"z": {"$ref": "#/$defs/B"}}}, False, [{"x": 1, "y": 2}, {"z": {"x": 1, "w": 2}}], []),
+    # $ref targets outside $defs (OpenAPI's components) and escaped pointers are closed (e)
+    ({"components": {"schemas": {"X": POINT}}, "type": "object", "properties": {
+        "p": {"$ref": "#/components/schemas/X", "description": "a point"}}}, False,
+     [{"p": {"x": 1}}], [{"p": {"x": 1, "w": 2}}, {"w": 1}]),
+    ({"$defs": {"A/B c": POINT}, "$ref": "#/$defs/A~1B%20c"}, False, [{"x": 1}], [{"x": 1, "w": 2}]),
+    # an object schema without properties is free-form (f); so is one that requires an undeclared key
+    ({"type": "object", "required": ["a"]}, False, [{"a": 1}, {"a": 1, "b": 2}], [{}]),
+    ({"type": "object", "properties": {"meta": {"type": "object"}}}, False, [{"meta": {"k": 1}}], [{"w": 1}]),
+    ({"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, False, [{"a": 1, "b": 2}], [{"a": 1}]),
+    # kept: a root $ref (zod), patternProperties' keys, an additionalProperties schema, ["object", "null"],
+    # pydantic's Optional of a model, a recursive $ref to the root, empty properties, an anchor (left open)
+    ({"$ref": "#/definitions/Add", "definitions": {"Add": {**BASE, "properties": {"id": {}, "b": {}}}},
+      "$schema": "http://json-schema.org/draft-07/schema#"}, True, [{"id": 1, "b": 2}], [{"id": 1, "c": 3}]),
+    ({**POINT, "patternProperties": {"^x_": {"type": "integer"}}}, False, [{"x": 1, "x_1": 2}], [{"x": 1, "y": 2}]),
+    ({**POINT, "additionalProperties": {"type": "string"}}, False, [{"x": 1, "z": "s"}], [{"x": 1, "z": 2}]),
+    ({**POINT, "type": ["object", "null"]}, False, [{"x": 1}, None], [{"x": 1, "y": 2}]),
+    ({"type": "object", "$defs": {"M": POINT}, "properties": {
+        "m": {"anyOf": [{"$ref": "#/$defs/M"}, {"type": "null"}], "default": None}}}, False,
+     [{"m": {"x": 1}}, {"m": None}], [{"m": {"x": 1, "w": 2}}, {"w": 1}]),
+    ({"type": "object", "properties": {"v": {"type": "integer"}, "c": {"$ref": "#"}}}, False,
+     [{"v": 1, "c": {"v": 2}}], [{"c": {"w": 1}}]),
+    ({"type": "object", "properties": {}}, True, [{}], [{"a": 1}]),
+    ({"type": "array", "items": POINT}, False, [[{"x": 1}]], [[{"x": 1, "w": 1}]]),
+    ({"$defs": {"A": {**POINT, "$anchor": "a"}}, "allOf": [{"$ref": "#a"}, {"properties": {"y": {}}}]}, False,
+     [{"x": 1, "y": 2}], []),
+]
+
+
+def test_strict_schema_closes_only_objects_whose_keys_are_their_own(engine):
+    """:func:`strict_schema` adds ``additionalProperties: false`` only where that cannot refuse
+    keys another schema gives the same object (an allOf's branches, a $ref's definition beside
+    properties, a union's branches beside the parent's keys) nor make a schema unsatisfiable (an
+    object without properties, a required key not declared): trial-283, each a 400 or a schema that took
+    only ``{}``; llguidance's grammar of the rewritten schema (as a strict request's) is the oracle."""
+    from llguidance import LLMatcher
+
     from dflash_torch.serving.constraints import strict_schema
 
-    assert strict_schema(point) == {**point, "additionalProperties": False} and "additionalProperties" not in point
+    tokenizer = engine.grammars.tokenizer()
+
+    def takes(schema, value) -> bool:
+        m = LLMatcher(tokenizer, engine.grammars.compile({"json": schema}).grammar, log_level=0)
+        return all(m.consume_token(t) for t in engine.tokenizer.encode(json.dumps(value), add_special_tokens=False)) \
+            and m.is_accepting()
+
+    for schema, is_object, good, bad in STRICT_CASES:
+        before = json.dumps(schema)
+        strict = strict_schema(schema, is_object)
+        assert json.dumps(schema) == before  # (not changed)
+        for value in good:
+            assert takes(schema, value) and takes(strict, value), (schema, strict, value)
+        for value in bad:
+            assert not takes(strict, value), (schema, strict, value)
+    # where it closes: exactly the object schemas in their own position
+    assert strict_schema(POINT) == {**POINT, "additionalProperties": False} and "additionalProperties" not in POINT
     assert strict_schema({"type": "object", "enum": [{"k": 1}], "additionalProperties": {"type": "integer"}}) == \
         {"type": "object", "enum": [{"k": 1}], "additionalProperties": {"type": "integer"}}  # (values, explicit kept)
+    closed = {**POINT, "additionalProperties": False}
+    assert strict_schema({"anyOf": [POINT, {"type": "null"}], "title": "t"}) == \
+        {"anyOf": [closed, {"type": "null"}], "title": "t"}
+    assert strict_schema({"allOf": [POINT, POINT]}) == {"allOf": [POINT, POINT]}
+    assert strict_schema({"type": "object", "properties": {"meta": {"type": "object"}}}, True) == \
+        {"type": "object", "properties": {"meta": {"type": "object"}}, "additionalProperties": False}
+    assert strict_schema({"properties": {"p": {"$ref": "#/c/x"}}, "c": {"x": POINT}}) == \
+        {"properties": {"p": {"$ref": "#/c/x"}}, "c": {"x": closed}, "additionalProperties": False}
+    assert strict_schema({"properties": {"p": {"$ref": "#/c/x", "required": ["x"]}}, "c": {"x": POINT}}) == \
+        {"properties": {"p": {"$ref": "#/c/x", "required": ["x"]}}, "c": {"x": POINT}, "additionalProperties": False}
+    deep = {"type": "object", "properties": {}}
+    for _ in range(5000):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(DFlashError, match="nested too deeply"):
+        strict_schema(deep)
 
 
 def test_a_lone_surrogate_escape_in_a_models_call_comes_back_escaped(servers):

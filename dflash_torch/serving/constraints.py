@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from urllib.parse import unquote
 
 from ..errors import DFlashError
 from ..structured import JSON_DEFAULTS, StructuredOutput
@@ -71,11 +72,21 @@ def text_or_token(text: str, token: int | None) -> str:
     return json.dumps(text) if token is None else f"({json.dumps(text)} | <[{int(token)}]>)"
 
 
-# keywords whose value is a schema, a list of schemas, or an object of schemas (by name)
-_ONE_SCHEMA = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
-               "propertyNames", "unevaluatedItems", "unevaluatedProperties")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+# What strict_schema reads of an object schema. Keywords that allow or demand keys of the object
+# the schema is applied to: beside them, a branch's or a definition's "exactly my declared keys"
+# could refuse keys the others declare (or make the schema unsatisfiable), so neither is closed.
+_KEYED = frozenset({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties", "required",
+                    "dependentRequired", "dependentSchemas", "dependencies", "minProperties", "allOf", "anyOf",
+                    "oneOf", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef", "enum", "const"})
+# keywords that share the object with other schemas (or say what other keys it takes): not closed beside them
+_SHARING = ("additionalProperties", "unevaluatedProperties", "$ref", "$dynamicRef", "$recursiveRef", "allOf", "anyOf",
+            "oneOf", "if", "then", "else", "dependentSchemas", "dependencies")
+# subschemas of a new instance (a property's value, an item, ...): closed or not on their own
+_NEW_VALUE = ("additionalProperties", "additionalItems", "contains", "propertyNames", "unevaluatedItems",
+              "unevaluatedProperties", "items")
+_NEW_VALUE_LISTS = ("prefixItems", "items")
+_NEW_VALUE_MAPS = ("properties", "patternProperties")
+_DEFINITIONS = ("$defs", "definitions")
 
 
 def _says_object(schema: dict) -> bool:
@@ -87,69 +98,171 @@ def _says_object(schema: dict) -> bool:
     return kind == "object" or (isinstance(kind, list) and "object" in kind)
 
 
-def _declared(schema) -> list[str]:
-    """The property names ``schema`` (a dict, else none) declares in its ``properties``."""
-    props = schema.get("properties") if isinstance(schema, dict) else None
-    return list(props) if isinstance(props, dict) else []
+def _keyed(schema: dict, but: str) -> bool:
+    """Whether ``schema`` has a keyword (other than ``but``) that allows or demands keys."""
+    return any(key in schema for key in _KEYED if key != but)
 
 
-def _strict(schema, is_object: bool = False, keys: tuple[str, ...] = ()):
-    """:func:`strict_schema` of ``schema``; ``keys``: names its object also takes (an ``allOf``
-    branch's: those its siblings declare)."""
-    if not isinstance(schema, dict):
-        return schema
-    out, shared = dict(schema), ()
-    branches = schema.get("allOf")
-    if isinstance(branches, list) and len(branches) > 1:
-        # (an allOf's objects are intersected: each takes the keys the others declare too, any value,
-        # so that the object holds exactly the keys declared across them, not only those all declare)
-        shared = tuple(dict.fromkeys(_declared(schema) + [k for b in branches for k in _declared(b)]))
-    for key in _ONE_SCHEMA:
-        if isinstance(out.get(key), dict):
-            out[key] = _strict(out[key])
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_strict(s, keys=shared if key == "allOf" else ()) for s in out[key]]
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _strict(s) for name, s in out[key].items()}
-    if "$ref" in out and not isinstance(out.get("properties"), dict):
-        return out  # (the definition it names declares the keys, and is closed where it is)
-    if is_object or _says_object(out):
-        return _closed(out, (*keys, *shared))
-    return out
+def _closable(schema: dict, is_object: bool) -> bool:
+    """Whether ``schema``, in a position of its own, takes exactly its declared keys with
+    ``additionalProperties: false`` and nothing else: an object's schema (or ``is_object``) with a
+    ``properties`` dict, no keyword that shares the object (:data:`_SHARING`), and no key it
+    requires (``required``, ``dependentRequired``, ``minProperties``) beyond those declared."""
+    props = schema.get("properties")
+    if not isinstance(props, dict) or not (is_object or _says_object(schema)):
+        return False
+    if any(key in schema for key in _SHARING):
+        return False
+    required = schema.get("required", [])
+    dependent = schema.get("dependentRequired", {})
+    names = [*(required if isinstance(required, list) else []),
+             *(n for v in (dependent.values() if isinstance(dependent, dict) else ()) if isinstance(v, list) for n in v)]
+    least = schema.get("minProperties", 0)
+    return all(n in props for n in names) and not (isinstance(least, (int, float)) and least > len(props))
 
 
-def _closed(schema: dict, keys=()) -> dict:
-    """``schema`` (an object's) with ``additionalProperties`` false where it does not say, and
-    each of ``keys`` it does not declare as a property of any value."""
-    if "additionalProperties" in schema:
-        return schema
-    props = dict(schema["properties"]) if isinstance(schema.get("properties"), dict) else {}
-    for key in keys:
-        props.setdefault(key, {})
-    return {**schema, "properties": props, "additionalProperties": False}
+def _pointer(ref: str) -> tuple[str, ...] | None:
+    """The path of a local JSON pointer ``$ref`` (``#`` or ``#/a/b``, ``~1`` / ``~0`` and ``%XX``
+    escapes read), else None."""
+    if ref != "#" and not ref.startswith("#/"):
+        return None
+    return tuple(unquote(part).replace("~1", "/").replace("~0", "~") for part in ref[2:].split("/")) if ref != "#" else ()
+
+
+class _Walk:
+    """The object schemas of a schema document and whether each is in an open position (its
+    object may hold keys another schema declares), walked as :func:`strict_schema` reads them."""
+
+    def __init__(self, root):
+        self.root = root
+        self.open: dict[tuple, bool] = {}  # path -> open (a schema reached both ways is open)
+        self.nodes: dict[tuple, dict] = {}
+        self.lost = False  # a $ref in an open position whose target is not found
+        self.named: list[tuple[tuple, dict]] = []  # definitions and $ref targets, anchored / $id'd schemas
+
+    def target(self, ref: str):
+        """``(path, schema)`` of a local ``$ref``, else None."""
+        path = _pointer(ref)
+        if path is None:
+            return None
+        node, out = self.root, []
+        for part in path:
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+                out.append(part)
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+                out.append(int(part))
+            else:
+                return None
+        return (tuple(out), node) if isinstance(node, dict) else None
+
+    def visit(self, path: tuple, schema, open_: bool) -> None:
+        if not isinstance(schema, dict):
+            return
+        seen = self.open.get(path)
+        if seen is not None and (seen or not open_):
+            return  # (visited as open, or as closed again)
+        self.open[path], self.nodes[path] = open_, schema
+        if path and ("$id" in schema or "$anchor" in schema):
+            self.named.append((path, schema))
+            self.lost = self.lost or "$id" in schema  # (local $refs below it are read against it)
+        for key in _NEW_VALUE:
+            self.visit((*path, key), schema.get(key), False)
+        for key in _NEW_VALUE_LISTS:
+            for i, s in enumerate(schema.get(key) if isinstance(schema.get(key), list) else ()):
+                self.visit((*path, key, i), s, False)
+        for key in _NEW_VALUE_MAPS + _DEFINITIONS:
+            for name, s in (schema.get(key).items() if isinstance(schema.get(key), dict) else ()):
+                if key in _DEFINITIONS and isinstance(s, dict):
+                    self.named.append(((*path, key, name), s))
+                self.visit((*path, key, name), s, False)
+        # (subschemas applied to this same object: open; "if" and "not" are conditions, left as they are)
+        for key in ("then", "else"):
+            self.visit((*path, key), schema.get(key), True)
+        for key in ("dependentSchemas", "dependencies"):
+            for name, s in (schema.get(key).items() if isinstance(schema.get(key), dict) else ()):
+                self.visit((*path, key, name), s, True)
+        for key in ("allOf", "anyOf", "oneOf"):
+            # a branch is closed only where the object has no keys but the branch's: a plain union, or an
+            # allOf of one branch alone (a wrapper, as pydantic v1 writes a $ref with a description)
+            branches = schema.get(key) if isinstance(schema.get(key), list) else []
+            branch_open = open_ or _keyed(schema, key) or (key == "allOf" and len(branches) > 1)
+            for i, s in enumerate(branches):
+                self.visit((*path, key, i), s, branch_open)
+        ref = schema.get("$ref")
+        if isinstance(ref, str):
+            ref_open = open_ or _keyed(schema, "$ref")
+            found = self.target(ref)
+            if found is None:
+                self.lost = self.lost or ref_open
+            else:
+                self.named.append(found)
+                self.visit(*found, ref_open)
+
+
+def _with_closed(schema, path: tuple):
+    """``schema`` with ``additionalProperties: false`` added to the object schema at ``path``;
+    the containers on the way copied, ``schema`` itself not changed."""
+    if not path:
+        return {**schema, "additionalProperties": False}
+    head, rest = path[0], path[1:]
+    if isinstance(schema, list):
+        return [*schema[:head], _with_closed(schema[head], rest), *schema[head + 1:]]
+    return {**schema, head: _with_closed(schema[head], rest)}
 
 
 def strict_schema(schema, is_object: bool = False):
     """``schema`` (a JSON schema: a dict, or a bool, returned as is) as OpenAI's ``strict: true``
-    reads it: an object holds exactly the keys its schema declares. Every object schema in it
-    (:func:`_says_object`: the root, ``properties``' values, ``items``, ``$defs`` /
-    ``definitions``, ``anyOf`` / ``oneOf`` / ``allOf`` branches, ... at any depth) that does not
-    say ``additionalProperties`` gets ``additionalProperties: false`` (an explicit value, true or a
-    schema, is kept); an object of several ``allOf`` branches holds the keys they declare between
-    them (each branch and the object itself take the others' keys, any value: the branches'
-    own schemas still hold them; a branch that is a ``$ref`` adds no keys: its definition is
-    closed on its own). A schema that is a ``$ref`` without ``properties`` of its own is left
-    open: the definition it names is closed (a root ``$ref``, as zod-to-json-schema writes a
-    tool's ``parameters``). ``is_object``: the root is an object's schema even where it does not
-    say so (a tool's ``parameters``). ``enum``, ``const``, ``default`` and other values are
-    data, left as they are. A new schema; ``schema`` is not changed.
+    reads it: an object holds exactly the keys its schema declares. An object schema gets
+    ``additionalProperties: false`` when all of these hold, so that the rewrite never refuses
+    what "exactly the declared keys" allows nor makes a satisfiable schema unsatisfiable:
+
+    * it describes an object (its ``type`` is or lists ``object``, or it names no type and has
+      ``properties``; the root always where ``is_object``: a tool's ``parameters``) and has a
+      ``properties`` dict (an object schema without one is free-form: left open);
+    * it says none of ``additionalProperties`` (an explicit value, true or a schema, is kept),
+      ``unevaluatedProperties``, ``$ref``, ``allOf``, ``anyOf``, ``oneOf``, ``if`` / ``then`` /
+      ``else``, ``dependentSchemas``, ``dependencies`` (its object takes keys other schemas
+      declare), and requires no key (``required``, ``dependentRequired``, ``minProperties``)
+      beyond those it declares (``patternProperties``' keys are still allowed);
+    * it is not in an open position: a ``then`` / ``else`` / ``dependentSchemas`` /
+      ``dependencies`` subschema, a branch of an ``allOf`` of several, an ``anyOf`` / ``oneOf``
+      branch or the one branch of an ``allOf`` of a schema that is in an open position or has
+      another keyword that allows or demands keys (``properties``, ``required``,
+      ``patternProperties``, ``additionalProperties``, ``$ref``, ``allOf``, ``enum``, ...: a
+      plain union, as pydantic writes an ``Optional`` or a discriminated union, has its
+      branches closed, as has a lone ``allOf`` wrapper), nor the target of a ``$ref`` that is in
+      an open position or beside such a keyword (followed through chains of ``$ref``: a target
+      reached once from an open position is open everywhere).
+
+    The object schemas looked at: the root, the values of ``properties`` / ``patternProperties``
+    / ``additionalProperties``, ``items`` / ``prefixItems``, ``$defs`` / ``definitions``, the
+    branches above, and the targets of local ``$ref`` JSON pointers (``#`` and ``#/...``, with
+    ``~0`` / ``~1`` / ``%XX`` escapes) wherever they are (``#/components/schemas/X`` too), at
+    any depth; ``if`` and ``not`` are conditions, left as they are. Where a ``$ref`` in an open
+    position names nothing found so (an ``$anchor``, another document), or a schema below the
+    root has an ``$id`` (local pointers below it are read against it), every definition,
+    ``$ref`` target and schema with an ``$id`` or ``$anchor`` is left open. ``enum``,
+    ``const``, ``default`` and other values are data, left as they are. A new schema;
+    ``schema`` is not changed (the parts not rewritten are shared with it).
 
     Raises:
         DFlashError: the schema is nested too deeply to walk (Python's recursion limit)."""
+    if not isinstance(schema, dict):
+        return schema
     try:
-        return _strict(schema, is_object)
+        walk = _Walk(schema)
+        walk.visit((), schema, False)
+        i = 0
+        while walk.lost and i < len(walk.named):  # (the list grows as the open ones are walked again)
+            walk.visit(*walk.named[i], True)
+            i += 1
+        out = schema
+        for path, open_ in walk.open.items():
+            if not open_ and _closable(walk.nodes[path], is_object and not path):
+                out = _with_closed(out, path)
+        return out
     except RecursionError:
         raise DFlashError("the schema is nested too deeply to make strict") from None
 

@@ -80,9 +80,10 @@ class JSONSchemaFormat(BaseModel):
 
     @model_validator(mode="after")
     def _strict_objects(self):
-        """``strict: true``: an object schema in ``schema`` that does not say ``additionalProperties``
-        takes no keys but those it declares (trial-277: ``{"a": 0, "b": -1, "bb": -1, "bb": -1}``
-        for ``properties`` a and b, valid JSON Schema, not what a strict schema means)."""
+        """``strict: true``: an object schema in ``schema`` takes no keys but those it declares
+        where :func:`~.constraints.strict_schema` can hold it to them (trial-277: ``{"a": 0, "b": -1,
+        "bb": -1, "bb": -1}`` for ``properties`` a and b, valid JSON Schema, not what a strict
+        schema means)."""
         if self.strict:
             try:
                 self.schema_ = strict_schema(self.schema_)

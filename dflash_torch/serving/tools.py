@@ -868,8 +868,9 @@ def _arguments_schema(function: dict) -> dict | bool:
 def _called_functions(tools: list[dict], name: str | None) -> list[dict]:
     """The functions of ``tools`` (OpenAI's shape) a forced reply may call: ``name`` only, or all;
     a function with ``"strict": true`` with its ``parameters`` as OpenAI's strict mode reads
-    them: each object takes the keys its schema declares, no others
-    (:func:`.constraints.strict_schema`, the root an object's schema).
+    them: each object takes the keys its schema declares, no others, where that can hold
+    (:func:`.constraints.strict_schema`, the root an object's schema; a root union's branches
+    closed, the root itself not).
 
     Raises:
         DFlashError: none; a strict function's ``parameters`` nested too deeply to read."""
