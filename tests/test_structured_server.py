@@ -396,6 +396,7 @@ STRICT_CASES = [
     ({"type": "object", "required": ["a"]}, False, [{"a": 1}, {"a": 1, "b": 2}], [{}]),
     ({"type": "object", "properties": {"meta": {"type": "object"}}}, False, [{"meta": {"k": 1}}], [{"w": 1}]),
     ({"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, False, [{"a": 1, "b": 2}], [{"a": 1}]),
+    ({"type": "object", "properties": {"a": {}}, "enum": [{"a": 1, "b": 2}]}, False, [{"a": 1, "b": 2}], [{"a": 1}]),
     # kept: a root $ref (zod), patternProperties' keys, an additionalProperties schema, ["object", "null"],
     # pydantic's Optional of a model, a recursive $ref to the root, empty properties, an anchor (left open)
     ({"$ref": "#/definitions/Add", "definitions": {"Add": {**BASE, "properties": {"id": {}, "b": {}}}},

@@ -106,13 +106,14 @@ def _keyed(schema: dict, but: str) -> bool:
 def _closable(schema: dict, is_object: bool) -> bool:
     """Whether ``schema``, in a position of its own, takes exactly its declared keys with
     ``additionalProperties: false`` and nothing else: an object's schema (or ``is_object``) with a
-    ``properties`` dict, no keyword that shares the object (:data:`_SHARING`), and no key it
-    requires (``required``, ``dependentRequired``, ``minProperties``) beyond those declared."""
+    ``properties`` dict, no keyword that shares the object (:data:`_SHARING`), no ``enum``,
+    ``const`` or ``not``, and no key it requires (``required``, ``dependentRequired``,
+    ``minProperties``) beyond those declared."""
     props = schema.get("properties")
     if not isinstance(props, dict) or not (is_object or _says_object(schema)):
         return False
-    if any(key in schema for key in _SHARING):
-        return False
+    if any(key in schema for key in _SHARING) or any(key in schema for key in ("enum", "const", "not")):
+        return False  # (an enum's or a const's object may hold other keys; not: what it refuses may be all else)
     required = schema.get("required", [])
     dependent = schema.get("dependentRequired", {})
     names = [*(required if isinstance(required, list) else []),
@@ -224,8 +225,9 @@ def strict_schema(schema, is_object: bool = False):
     * it says none of ``additionalProperties`` (an explicit value, true or a schema, is kept),
       ``unevaluatedProperties``, ``$ref``, ``allOf``, ``anyOf``, ``oneOf``, ``if`` / ``then`` /
       ``else``, ``dependentSchemas``, ``dependencies`` (its object takes keys other schemas
-      declare), and requires no key (``required``, ``dependentRequired``, ``minProperties``)
-      beyond those it declares (``patternProperties``' keys are still allowed);
+      declare), nor ``enum``, ``const``, ``not``, and requires no key (``required``,
+      ``dependentRequired``, ``minProperties``) beyond those it declares
+      (``patternProperties``' keys are still allowed);
     * it is not in an open position: a ``then`` / ``else`` / ``dependentSchemas`` /
       ``dependencies`` subschema, a branch of an ``allOf`` of several, an ``anyOf`` / ``oneOf``
       branch or the one branch of an ``allOf`` of a schema that is in an open position or has
