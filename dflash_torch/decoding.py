@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import compute
 from .cache import allocated, cache_bytes, common_start, most_that_fits
 from .checkpoint import available_memory, memory_text
-from .errors import CompileError, DFlashError, OptionError, first_line
+from .errors import CompileError, ContextOptionError, DFlashError, OptionError, first_line
 from .models.drafter import DFlashDrafter, InjectedContext, RecomputedContext
 from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
@@ -566,28 +566,48 @@ class SpeculativeDecoder:
                               f"{memory_text(free, True)} free; {self._lower_it}"
                               + (f" (at most {most} fits in 90% of that)" if most else ""), "max_context")
 
-    def _check_room(self, n_prompt: int, max_new_tokens: int) -> None:
+    def _grown_bytes(self, context: int) -> int:
+        """Bytes of the growing caches (not fixed shapes) that a sequence of ``context`` tokens
+        (prompt + new tokens) makes them allocate: ``context + block_size + 1`` positions, rounded
+        up to 256."""
+        drafter = self.drafter if isinstance(self.context, InjectedContext) else None
+        return cache_bytes(self.target, drafter, 1, allocated(context + self.block_size + 1), self.max_rows, False,
+                           self.max_rows)
+
+    def _check_room(self, n_prompt: int, max_new_tokens: int, left: int | None = None) -> None:
         """Growing caches (not fixed shapes), before a request's first work: those of its
         ``n_prompt + max_new_tokens + block_size + 1`` positions (rounded up to 256, as they are
         allocated) must fit in 90% of the device's free memory, else :class:`OptionError`
         naming ``max_new_tokens`` and the most new tokens whose caches fit (the allocation
         would fail with torch's out-of-memory error, or the process be killed by the system).
-        The caches held now count as used (they are copied when they grow)."""
+        The caches held now count as used (they are copied when they grow).
+
+        ``left``: where ``max_new_tokens`` goes past the context, the new tokens the context
+        leaves (``max_context - n_prompt``): refused (a
+        :class:`~dflash_torch.errors.ContextOptionError`, naming the most that fit) only where
+        the caches of fewer than those fit, so that the advice names the lower of the two
+        limits; otherwise the caller refuses it for the context."""
+        asked = max_new_tokens if left is None else left
+        if self.static or allocated(n_prompt + asked + self.block_size + 1) <= self.target_cache.capacity:
+            return  # (fixed shapes, or caches that hold them already)
         free = available_memory(self.device)
         if free is None:
             return
-        drafter = self.drafter if isinstance(self.context, InjectedContext) else None
         room = 0.9 * free
 
         def need(new_tokens: int) -> int:
-            capacity = n_prompt + new_tokens + self.block_size + 1
-            return cache_bytes(self.target, drafter, 1, allocated(capacity), self.max_rows, False, self.max_rows)
+            return self._grown_bytes(n_prompt + new_tokens)
 
-        if need(max_new_tokens) <= room:
+        if need(asked) <= room:
             return
-        most = most_that_fits(need, max_new_tokens, room)
+        most = most_that_fits(need, asked, room)
         ask = (f"ask for at most {most} new token{'s' * (most != 1)} (their caches fit in 90% of that)" if most else
                "the caches of one new token do not fit in 90% of that: give a shorter prompt")
+        if left is not None:
+            raise ContextOptionError(f"prompt ({n_tokens(n_prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the "
+                                     f"context of {self.max_context} tokens, and the caches of the {left} new "
+                                     f"token{'s' * (left != 1)} it leaves need {memory_text(need(left), True)} but "
+                                     f"{self.device.type} has {memory_text(free, True)} free; {ask}", "max_new_tokens")
         raise OptionError(f"the caches of the prompt ({n_tokens(n_prompt)}) + max_new_tokens ({max_new_tokens}) need "
                           f"{memory_text(need(max_new_tokens), True)} but {self.device.type} has "
                           f"{memory_text(free, True)} free; {ask}", "max_new_tokens")
@@ -768,7 +788,12 @@ class SpeculativeDecoder:
                 min_tokens_ids) outside the vocabulary, ``params``' min_tokens with min_tokens_ids
                 that cover the whole vocabulary, ``params`` not a :class:`SamplingParams`,
                 ``max_new_tokens`` not an integer >= 1, a prompt plus ``max_new_tokens``
-                longer than the context, an invalid ``prompt_logprobs`` or ``checkpoint``; and, when the
+                longer than the context (where the free memory holds the caches of fewer new tokens
+                than the context leaves, the message names that lower figure: :meth:`_check_room`), an
+                invalid ``prompt_logprobs`` or ``checkpoint``; growing caches of the prompt +
+                ``max_new_tokens`` that do not fit in 90% of the free memory (an
+                :class:`~dflash_torch.errors.OptionError` naming ``max_new_tokens``, at the first
+                round); and, when the
                 generator is resumed, a later ``rounds()`` of this decoder having taken its
                 caches (one sequence at a time: use :class:`~dflash_torch.batch.BatchDecoder`
                 for several); a call, or a generator's first round, while another generator holds
@@ -784,7 +809,12 @@ class SpeculativeDecoder:
         if not isinstance(params, SamplingParams):
             raise DFlashError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_max_new_tokens(max_new_tokens)
-        n_prompt = check_prompt_ids(prompt_ids, self.target.config, max_new_tokens, self.max_context)
+        try:
+            n_prompt = check_prompt_ids(prompt_ids, self.target.config, max_new_tokens, self.max_context)
+        except ContextOptionError as exc:
+            if exc.names[0] == "max_new_tokens":  # (past the context: memory may hold fewer than it leaves)
+                self._check_room(len(prompt_ids), max_new_tokens, self.max_context - len(prompt_ids))
+            raise
         params.check_vocab(self.target.config.vocab_size)
         check_prompt_position(checkpoint, n_prompt, "checkpoint")
         if self._holder is not None:

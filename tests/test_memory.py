@@ -9,12 +9,23 @@ import torch
 
 import dflash_torch.checkpoint as checkpoint
 import dflash_torch.engine as engine_module
-from dflash_torch import DFlashEngine
+from dflash_torch import DFlashEngine, DFlashError
 from dflash_torch.checkpoint import cgroup_available
 from dflash_torch.models.packing import PackedLinear, packed_bytes, packing_supported
 from dflash_torch.models.target import TargetModel
 
 GB = 1 << 30
+HUGE = 2**40  # (a context whose caches fit no machine: nothing is allocated for it until a request grows them)
+
+
+@pytest.fixture(scope="module")
+def huge_context_target(tiny_pair, tmp_path_factory):
+    """The tiny pair's target with a context of ``HUGE`` tokens (its ``max_position_embeddings``,
+    as a long-context model's), whose caches for the whole context cannot fit in memory."""
+    from conftest import edited_checkpoint
+
+    return edited_checkpoint(tiny_pair[0], tmp_path_factory.mktemp("huge") / "target",
+                             config=lambda cfg: cfg.update(max_position_embeddings=HUGE))
 
 
 def _write(root, files):
@@ -185,6 +196,36 @@ def test_growing_caches_that_do_not_fit_a_request_are_refused_before_its_work(ti
                                           r"prompt$"):
         engine.generate(prompt + [5] * 600, max_new_tokens=4)
     assert engine.generate(prompt, max_new_tokens=4).stats.cached_prompt_tokens == len(prompt)
+
+
+def test_max_new_tokens_past_the_context_names_the_lower_of_the_context_and_memory_limits(tiny_pair,
+                                                                                        huge_context_target):
+    """A max_new_tokens past the context is refused with advice that the next request can
+    take: where the caches of fewer new tokens than the context leaves fit the free memory, the
+    one message names that lower figure (it named the context's, which the memory check then
+    refused with another: trial-282); where the context is the lower, its message is as before."""
+    from dflash_torch.errors import ContextOptionError
+
+    engine = DFlashEngine.from_pretrained(str(huge_context_target), str(tiny_pair[1]))
+    prompt = engine.encode_prompt("def f(x):")
+    left = HUGE - len(prompt)
+    with pytest.raises(ContextOptionError, match=rf"^prompt \({len(prompt)} tokens\) \+ max_new_tokens \({10**15}\) "
+                                                 rf"exceeds the context of {HUGE} tokens, and the caches of the {left} "
+                                                 r"new tokens it leaves need [0-9.]+ TiB but cpu has [0-9.]+ [KMG]iB "
+                                                 r"free; ask for at most (\d+) new tokens \(their caches fit in 90% of "
+                                                 r"that\)$") as err:
+        engine.generate(prompt, max_new_tokens=10**15)
+    assert err.value.names == ("max_new_tokens",)
+    most = int(err.value.args[0].rsplit("at most ", 1)[1].split()[0])
+    assert 0 < most < left
+    with pytest.raises(DFlashError, match=r"ask for at most \d+ new tokens \(their caches fit in 90% of that\)$"):
+        engine.generate(prompt, max_new_tokens=left)  # (within the context: the memory's refusal, as before)
+    assert engine.decoder.target_cache.capacity < 1024  # (nothing was allocated for them)
+    small = DFlashEngine.from_pretrained(*tiny_pair)  # (a context of 1024 tokens: the context is the lower limit)
+    with pytest.raises(ContextOptionError, match=rf"^prompt \({len(prompt)} tokens\) \+ max_new_tokens \({10**15}\) "
+                                                 rf"exceeds the context of 1024 tokens; ask for at most "
+                                                 rf"{1024 - len(prompt)} new tokens$"):
+        small.generate(prompt, max_new_tokens=10**15)
 
 
 def test_caches_of_the_default_context_that_do_not_fit_name_the_targets_context(tiny_pair, monkeypatch, cli):
