@@ -574,6 +574,30 @@ class SpeculativeDecoder:
         return cache_bytes(self.target, drafter, 1, allocated(context + self.block_size + 1), self.max_rows, False,
                            self.max_rows)
 
+    def check_context_fits(self) -> None:
+        """Growing caches (not fixed shapes, whose caches of ``max_context`` were checked when
+        the decoder was built): the caches of one sequence of ``max_context`` tokens, to which a
+        request's prompt + ``max_new_tokens`` may grow them, must fit in 90% of the device's free
+        memory, as the batch decoder's slots must. A server of one slot checks it at start, so
+        that requests that leave out ``max_tokens`` (the rest of the context) are not each
+        refused for memory instead.
+
+        Raises:
+            OptionError: naming ``max_context`` and the most that fits (in tokens), where
+                they do not fit.
+        """
+        if self.static:
+            return
+        free = available_memory(self.device)
+        need = self._grown_bytes(self.max_context)
+        if free is None or need <= 0.9 * free:
+            return
+        caches = context_caches(self.max_context, self._context_given, "one sequence, as a request may grow them")
+        most = most_that_fits(self._grown_bytes, self.max_context, 0.9 * free)
+        raise OptionError(f"the caches of {caches} need {memory_text(need, True)} but {self.device.type} has "
+                          f"{memory_text(free, True)} free; {self._lower_it}"
+                          + (f" (at most {most} fits in 90% of that)" if most else ""), "max_context")
+
     def _check_room(self, n_prompt: int, max_new_tokens: int, left: int | None = None) -> None:
         """Growing caches (not fixed shapes), before a request's first work: those of its
         ``n_prompt + max_new_tokens + block_size + 1`` positions (rounded up to 256, as they are

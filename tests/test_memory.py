@@ -267,6 +267,45 @@ def test_caches_of_the_default_context_that_do_not_fit_name_the_targets_context(
         in proc.stderr and proc.stderr.endswith("1.0 KiB free; lower it\n"), proc.stderr
 
 
+def test_a_server_of_one_slot_refuses_at_start_a_context_whose_caches_do_not_fit(tiny_pair, huge_context_target, cli):
+    """One sequence at a time (``--max-batch-size 1``, ``--draft-mode recompute``) the caches
+    grow to each request's prompt + max_tokens, and a request that leaves out max_tokens asks
+    for the rest of the context: a context whose caches for one sequence cannot fit is refused
+    when the server starts, naming the context and the most that fits, as the batched server's
+    slots are (it served, and refused every such request for memory, blaming a max_tokens the
+    client never sent: trial-282). A one-shot generate is not refused (its requests ask for
+    less)."""
+    import socket
+
+    from dflash_torch.serving.app import create_app
+
+    target_dir, drafter_dir = huge_context_target, tiny_pair[1]
+    engine = DFlashEngine.from_pretrained(str(target_dir), str(drafter_dir), max_batch_size=1)
+    with pytest.raises(DFlashError, match=rf"^the caches of the target's context, {HUGE} tokens \(the default "
+                                          r"max_context; one sequence, as a request may grow them\) need [0-9.]+ TiB "
+                                          r"but cpu has [0-9.]+ [KMG]iB free; give a lower one \(at most (\d+) fits "
+                                          r"in 90% of that\)$") as err:
+        create_app(engine, max_batch_size=1)
+    assert err.value.names == ("max_context",)
+    most = int(err.value.args[0].rsplit("at most ", 1)[1].split()[0])
+    assert len(engine.generate("def f(x):", max_new_tokens=4).token_ids) == 4
+    recompute = DFlashEngine(engine.target, engine.tokenizer, engine.drafter, draft_mode="recompute")
+    with pytest.raises(DFlashError, match=rf"^the caches of the target's context, {HUGE} tokens .*; give a lower one"):
+        create_app(recompute)
+    lower = DFlashEngine(engine.target, engine.tokenizer, engine.drafter, max_batch_size=1, max_context=most // 4)
+    create_app(lower, max_batch_size=1).state.scheduler.close()  # (a context that fits serves)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve = ("serve", "--target", str(target_dir), "--draft", str(drafter_dir), "--port", str(port))
+    proc = cli(*serve, "--max-batch-size", "1", "--max-context", str(10**12))
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        f"dflash-torch: error: the caches of --max-context {10**12} (one sequence, as a request may grow them) need "), \
+        proc.stderr
+    assert proc.stderr.endswith(" fits in 90% of that)\n") and "; lower it (at most " in proc.stderr, proc.stderr
+    assert "max_context" not in proc.stderr and "serving" not in proc.stdout and proc.stderr.count("\n") == 1
+
+
 def test_under_an_address_space_limit_the_largest_weight_file_counts_on_top_of_the_weights(tiny_pair, monkeypatch):
     """safetensors maps a weight file whole while it is read, so under ``ulimit -v`` weights
     that fit the limit failed to load ("unable to mmap N bytes"): the check counts the largest

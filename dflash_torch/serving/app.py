@@ -537,7 +537,8 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             or ``none``, or ``auto`` with a bad value in the target's ``generation_config.json``;
             ``sse_keepalive`` or ``body_timeout`` not a finite number >= 0; the CORS lists not lists of strings or
             ``allow_credentials`` not a bool; batch caches of ``max_batch_size`` x the
-            engine's context that do not fit the device.
+            engine's context that do not fit the device (one slot: the caches of one sequence
+            of the engine's context, to which a request may grow them).
 
     The engine's own WARNING about a chat template that leaves out tools is turned off
     (:attr:`DFlashEngine.warn_tools_left_out`): the server logs its own, once, at its first

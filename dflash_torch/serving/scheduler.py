@@ -273,11 +273,22 @@ class Job:
 
 
 class SerialBackend:
-    """One slot over :meth:`DFlashEngine.stream` (an engine that decodes one sequence at a time)."""
+    """One slot over :meth:`DFlashEngine.stream` (an engine that decodes one sequence at a time).
+
+    The caches of one sequence of the engine's context, to which a request may grow them,
+    must fit the device (:meth:`~dflash_torch.decoding.SpeculativeDecoder.check_context_fits`),
+    so that caches that cannot fit are refused when the server starts rather than in every
+    request that leaves out ``max_tokens``, as the batched backend's are.
+
+    Raises:
+        DFlashError: those caches do not fit the device (an
+            :class:`~dflash_torch.errors.OptionError` naming ``max_context``).
+    """
 
     max_batch_size = 1
 
     def __init__(self, engine, slots_why: str = "--max-batch-size"):
+        compute.run(engine.decoder.check_context_fits)
         self.engine = engine
         self.slots_why = slots_why  # (why one slot, for the server's messages)
         self.prefill_tokens = 0
@@ -439,7 +450,8 @@ def make_backend(engine, max_batch_size: int):
     Its ``slots_why`` says what set the number of slots, for the server's messages.
 
     Raises:
-        DFlashError: ``max_batch_size`` not an integer >= 1, or batch caches that do not fit.
+        DFlashError: ``max_batch_size`` not an integer >= 1, or caches that do not fit (the
+            batch caches; one slot: those of one sequence of the engine's context).
     """
     check_slots(max_batch_size, "max_batch_size")
     if max_batch_size == 1:
