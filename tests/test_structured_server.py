@@ -361,6 +361,20 @@ NAMED = {"type": "object", "properties": {"name": {"type": "string"}}, "required
 UNION = [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
          {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]
 POINT = {"type": "object", "properties": {"x": {"type": "integer"}}}
+
+
+def _obj(**properties):
+    """An object schema with these ``properties``."""
+    return {"type": "object", "properties": properties}
+
+
+def _inherit(base_config: dict, config: dict) -> dict:
+    """OpenAPI's inheritance: a subtype extending a $ref'd base, both declaring the object ``config``
+    (``base_config``, ``config``: their schemas of it); the base requires ``name`` and ``config``."""
+    return {"$defs": {"Base": {**_obj(name={"type": "string"}, config=base_config), "required": ["name", "config"]}},
+            "allOf": [{"$ref": "#/$defs/Base"}, _obj(config=config)]}
+
+
 # (schema, is_object, instances strict_schema's schema takes, instances it refuses): every schema here takes
 # each of its good instances without strict too (the rewrite narrows no schema beyond its declared keys)
 STRICT_CASES = [
@@ -413,6 +427,33 @@ STRICT_CASES = [
     ({"type": "array", "items": POINT}, False, [[{"x": 1}]], [[{"x": 1, "w": 1}]]),
     ({"$defs": {"A": {**POINT, "$anchor": "a"}}, "allOf": [{"$ref": "#a"}, {"properties": {"y": {}}}]}, False,
      [{"x": 1, "y": 2}], []),
+    # openness propagates down (trial-288 (a)): the objects inside a schema another schema describes too (an
+    # allOf branch, a $ref beside keys of its own, an anyOf branch beside the parent's) are left open, as the
+    # other schema may describe the same property or item: were closed each to its own keys, {}-only or a 400
+    (_inherit(_obj(retries={"type": "integer"}), _obj(timeout={"type": "number"})), False,
+     [{"name": "n", "config": {"retries": 1, "timeout": 2.5}}, {"name": "n", "config": {"retries": 1}}],
+     [{"name": "n"}]),
+    (_inherit({**_obj(retries={"type": "integer"}), "required": ["retries"]},
+              {**_obj(timeout={"type": "number"}), "required": ["timeout"]}), True,
+     [{"name": "n", "config": {"retries": 1, "timeout": 2.5}}], [{"name": "n", "config": {"retries": 1}}]),
+    ({"allOf": [_obj(p=_obj(x={})), _obj(p=_obj(y={}))]}, False, [{"p": {"x": 1, "y": 2}}, {"p": {"x": 1}}], []),
+    ({"$defs": {"B": _obj(p=_obj(x={}))}, "$ref": "#/$defs/B", "properties": {"p": _obj(y={})}}, False,
+     [{"p": {"x": 1, "y": 2}}], []),
+    ({"allOf": [{"type": "array", "items": _obj(x={})}, {"type": "array", "items": _obj(y={})}]}, False,
+     [[{"x": 1, "y": 2}], [{"x": 1}]], []),
+    ({"allOf": [{"type": "object", "additionalProperties": _obj(x={})},
+                {"type": "object", "additionalProperties": _obj(y={})}]}, False, [{"k": {"x": 1, "y": 2}}], []),
+    ({"type": "array", "items": _obj(x={}), "anyOf": [{"items": _obj(y={})}, {"maxItems": 1}]}, False,
+     [[{"x": 1, "y": 2}, {"x": 1, "y": 2}], [{"x": 1}]], []),
+    ({"$defs": {"C1": _obj(r={}), "C2": _obj(t={})},
+      "allOf": [_obj(c={"$ref": "#/$defs/C1"}), _obj(c={"$ref": "#/$defs/C2"})]}, False, [{"c": {"r": 1, "t": 2}}], []),
+    ({**_obj(p=_obj(x={})), "anyOf": [_obj(p=_obj(y={})), _obj(q={})]}, False,
+     [{"p": {"x": 1, "y": 2}}, {"p": {"x": 1}, "q": 1}], []),
+    # ... but a plain union's objects and those of an object in a position of its own stay closed
+    ({"anyOf": [_obj(p=_obj(x={})), {"type": "null"}]}, False, [{"p": {"x": 1}}, None],
+     [{"p": {"x": 1, "w": 2}}, {"w": 1}]),
+    ({"type": "object", "properties": {"s": {"allOf": [_obj(x={}), _obj(y={})]}, "t": _obj(u=_obj(v={}))}}, False,
+     [{"s": {"x": 1, "y": 2, "w": 3}, "t": {"u": {"v": 1}}}], [{"t": {"u": {"v": 1, "w": 2}}}, {"w": 1}]),
 ]
 
 

@@ -73,11 +73,18 @@ def text_or_token(text: str, token: int | None) -> str:
 
 
 # What strict_schema reads of an object schema. Keywords that allow or demand keys of the object
-# the schema is applied to: beside them, a branch's or a definition's "exactly my declared keys"
-# could refuse keys the others declare (or make the schema unsatisfiable), so neither is closed.
+# the schema is applied to (or describe its items): beside them, a branch's or a definition's "exactly
+# my declared keys" could refuse keys the others declare (or make the schema unsatisfiable), and its
+# objects inside could be closed to other keys than those the others give the same property or item,
+# so neither is closed.
 _KEYED = frozenset({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties", "required",
                     "dependentRequired", "dependentSchemas", "dependencies", "minProperties", "allOf", "anyOf",
-                    "oneOf", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef", "enum", "const"})
+                    "oneOf", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef", "enum", "const",
+                    "items", "prefixItems", "additionalItems", "contains", "unevaluatedItems"})
+# keywords whose subschemas describe the schema's own instance: beside them, the parts of that instance
+# (a property's value, an item) may be described by another schema too, so the schemas of them are open
+_SAME_VALUE = ("$ref", "$dynamicRef", "$recursiveRef", "allOf", "anyOf", "oneOf", "then", "else",
+               "dependentSchemas", "dependencies")
 # keywords that share the object with other schemas (or say what other keys it takes): not closed beside them
 _SHARING = ("additionalProperties", "unevaluatedProperties", "$ref", "$dynamicRef", "$recursiveRef", "allOf", "anyOf",
             "oneOf", "if", "then", "else", "dependentSchemas", "dependencies")
@@ -131,8 +138,9 @@ def _pointer(ref: str) -> tuple[str, ...] | None:
 
 
 class _Walk:
-    """The object schemas of a schema document and whether each is in an open position (its
-    object may hold keys another schema declares), walked as :func:`strict_schema` reads them."""
+    """The object schemas of a schema document and whether each is open (its object may hold
+    keys another schema declares: in an open position, or inside a schema whose instance another
+    schema may describe too), walked as :func:`strict_schema` reads them."""
 
     def __init__(self, root):
         self.root = root
@@ -168,16 +176,19 @@ class _Walk:
         if path and ("$id" in schema or "$anchor" in schema):
             self.named.append((path, schema))
             self.lost = self.lost or "$id" in schema  # (local $refs below it are read against it)
+        # the parts of this instance (its properties' values, items, ...): open where another schema may
+        # describe them too, as this one is open or has a keyword that applies another schema to it
+        parts_open = open_ or any(key in schema for key in _SAME_VALUE)
         for key in _NEW_VALUE:
-            self.visit((*path, key), schema.get(key), False)
+            self.visit((*path, key), schema.get(key), parts_open)
         for key in _NEW_VALUE_LISTS:
             for i, s in enumerate(schema.get(key) if isinstance(schema.get(key), list) else ()):
-                self.visit((*path, key, i), s, False)
+                self.visit((*path, key, i), s, parts_open)
         for key in _NEW_VALUE_MAPS + _DEFINITIONS:
             for name, s in (schema.get(key).items() if isinstance(schema.get(key), dict) else ()):
                 if key in _DEFINITIONS and isinstance(s, dict):
                     self.named.append(((*path, key, name), s))
-                self.visit((*path, key, name), s, False)
+                self.visit((*path, key, name), s, False if key in _DEFINITIONS else parts_open)
         # (subschemas applied to this same object: open; "if" and "not" are conditions, left as they are)
         for key in ("then", "else"):
             self.visit((*path, key), schema.get(key), True)
@@ -231,12 +242,20 @@ def strict_schema(schema, is_object: bool = False):
     * it is not in an open position: a ``then`` / ``else`` / ``dependentSchemas`` /
       ``dependencies`` subschema, a branch of an ``allOf`` of several, an ``anyOf`` / ``oneOf``
       branch or the one branch of an ``allOf`` of a schema that is in an open position or has
-      another keyword that allows or demands keys (``properties``, ``required``,
-      ``patternProperties``, ``additionalProperties``, ``$ref``, ``allOf``, ``enum``, ...: a
-      plain union, as pydantic writes an ``Optional`` or a discriminated union, has its
-      branches closed, as has a lone ``allOf`` wrapper), nor the target of a ``$ref`` that is in
-      an open position or beside such a keyword (followed through chains of ``$ref``: a target
-      reached once from an open position is open everywhere).
+      another keyword that allows or demands keys or describes items (``properties``,
+      ``required``, ``patternProperties``, ``additionalProperties``, ``$ref``, ``allOf``,
+      ``enum``, ``items``, ...: a plain union, as pydantic writes an ``Optional`` or a
+      discriminated union, has its branches closed, as has a lone ``allOf`` wrapper), nor the
+      target of a ``$ref`` that is in an open position or beside such a keyword (followed
+      through chains of ``$ref``: a target reached once from an open position is open
+      everywhere);
+    * it is not inside a schema whose instance another schema may describe too (openness
+      propagates down, as the other schema may describe the same property or item): not a
+      value of ``properties`` / ``patternProperties`` / ``additionalProperties``, nor
+      ``items`` / ``prefixItems`` / ``additionalItems`` / ``contains`` (nor a ``$ref`` target
+      reached from them), at any depth, of a schema in an open position or with ``$ref``,
+      ``allOf``, ``anyOf``, ``oneOf``, ``then`` / ``else``, ``dependentSchemas`` or
+      ``dependencies``.
 
     The object schemas looked at: the root, the values of ``properties`` / ``patternProperties``
     / ``additionalProperties``, ``items`` / ``prefixItems``, ``$defs`` / ``definitions``, the
