@@ -29,6 +29,7 @@ a token is named in the grammar by its id (``<[id]>``, :func:`think_tokens`); ``
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from urllib.parse import unquote
 
@@ -92,7 +93,6 @@ _SHARING = ("additionalProperties", "unevaluatedProperties", "$ref", "$dynamicRe
 _NEW_VALUE = ("additionalProperties", "additionalItems", "contains", "propertyNames", "unevaluatedItems",
               "unevaluatedProperties", "items")
 _NEW_VALUE_LISTS = ("prefixItems", "items")
-_NEW_VALUE_MAPS = ("properties", "patternProperties")
 _DEFINITIONS = ("$defs", "definitions")
 
 
@@ -127,6 +127,15 @@ def _closable(schema: dict, is_object: bool) -> bool:
              *(n for v in (dependent.values() if isinstance(dependent, dict) else ()) if isinstance(v, list) for n in v)]
     least = schema.get("minProperties", 0)
     return all(n in props for n in names) and not (isinstance(least, (int, float)) and least > len(props))
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Whether the ``patternProperties`` regex ``pattern`` (unanchored, as JSON Schema reads it)
+    matches the key ``name``; a regex Python cannot read matches every key."""
+    try:
+        return re.search(pattern, name) is not None
+    except (re.error, TypeError):
+        return True
 
 
 def _pointer(ref: str) -> tuple[str, ...] | None:
@@ -184,11 +193,18 @@ class _Walk:
         for key in _NEW_VALUE_LISTS:
             for i, s in enumerate(schema.get(key) if isinstance(schema.get(key), list) else ()):
                 self.visit((*path, key, i), s, parts_open)
-        for key in _NEW_VALUE_MAPS + _DEFINITIONS:
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
+        overlap = [(p, n) for p in patterns for n in props if _matches(p, n)]  # (a key both describe: both open)
+        for name, s in props.items():
+            self.visit((*path, "properties", name), s, parts_open or any(n == name for _, n in overlap))
+        for pattern, s in patterns.items():
+            self.visit((*path, "patternProperties", pattern), s, parts_open or any(p == pattern for p, _ in overlap))
+        for key in _DEFINITIONS:
             for name, s in (schema.get(key).items() if isinstance(schema.get(key), dict) else ()):
-                if key in _DEFINITIONS and isinstance(s, dict):
+                if isinstance(s, dict):
                     self.named.append(((*path, key, name), s))
-                self.visit((*path, key, name), s, False if key in _DEFINITIONS else parts_open)
+                self.visit((*path, key, name), s, False)
         # (subschemas applied to this same object: open; "if" and "not" are conditions, left as they are)
         for key in ("then", "else"):
             self.visit((*path, key), schema.get(key), True)
@@ -255,7 +271,9 @@ def strict_schema(schema, is_object: bool = False):
       ``items`` / ``prefixItems`` / ``additionalItems`` / ``contains`` (nor a ``$ref`` target
       reached from them), at any depth, of a schema in an open position or with ``$ref``,
       ``allOf``, ``anyOf``, ``oneOf``, ``then`` / ``else``, ``dependentSchemas`` or
-      ``dependencies``.
+      ``dependencies``; nor a ``properties`` value whose name a ``patternProperties`` regex of
+      the same schema matches (unanchored, read by Python's :func:`re.search`; a regex it cannot
+      read matches every name), nor that regex's schema.
 
     The object schemas looked at: the root, the values of ``properties`` / ``patternProperties``
     / ``additionalProperties``, ``items`` / ``prefixItems``, ``$defs`` / ``definitions``, the
