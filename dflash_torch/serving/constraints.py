@@ -29,7 +29,6 @@ a token is named in the grammar by its id (``<[id]>``, :func:`think_tokens`); ``
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from urllib.parse import unquote
 
@@ -129,15 +128,6 @@ def _closable(schema: dict, is_object: bool) -> bool:
     return all(n in props for n in names) and not (isinstance(least, (int, float)) and least > len(props))
 
 
-def _matches(pattern: str, name: str) -> bool:
-    """Whether the ``patternProperties`` regex ``pattern`` (unanchored, as JSON Schema reads it)
-    matches the key ``name``; a regex Python cannot read matches every key."""
-    try:
-        return re.search(pattern, name) is not None
-    except (re.error, TypeError):
-        return True
-
-
 def _pointer(ref: str) -> tuple[str, ...] | None:
     """The path of a local JSON pointer ``$ref`` (``#`` or ``#/a/b``, ``~1`` / ``~0`` and ``%XX``
     escapes read), else None."""
@@ -195,11 +185,13 @@ class _Walk:
                 self.visit((*path, key, i), s, parts_open)
         props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
         patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
-        overlap = [(p, n) for p in patterns for n in props if _matches(p, n)]  # (a key both describe: both open)
+        # (a key both may describe: both open; whether a regex matches a name is not tried, as a request's
+        # regex could take exponential time in Python's engine)
+        overlap = bool(props) and bool(patterns)
         for name, s in props.items():
-            self.visit((*path, "properties", name), s, parts_open or any(n == name for _, n in overlap))
+            self.visit((*path, "properties", name), s, parts_open or overlap)
         for pattern, s in patterns.items():
-            self.visit((*path, "patternProperties", pattern), s, parts_open or any(p == pattern for p, _ in overlap))
+            self.visit((*path, "patternProperties", pattern), s, parts_open or overlap)
         for key in _DEFINITIONS:
             for name, s in (schema.get(key).items() if isinstance(schema.get(key), dict) else ()):
                 if isinstance(s, dict):
@@ -271,9 +263,9 @@ def strict_schema(schema, is_object: bool = False):
       ``items`` / ``prefixItems`` / ``additionalItems`` / ``contains`` (nor a ``$ref`` target
       reached from them), at any depth, of a schema in an open position or with ``$ref``,
       ``allOf``, ``anyOf``, ``oneOf``, ``then`` / ``else``, ``dependentSchemas`` or
-      ``dependencies``; nor a ``properties`` value whose name a ``patternProperties`` regex of
-      the same schema matches (unanchored, read by Python's :func:`re.search`; a regex it cannot
-      read matches every name), nor that regex's schema.
+      ``dependencies``; nor a value of ``properties`` or of ``patternProperties`` in a schema
+      that has both (a regex may match a declared name: whether it does is not tried, as a
+      request's regex could take exponential time in Python's regex engine).
 
     The object schemas looked at: the root, the values of ``properties`` / ``patternProperties``
     / ``additionalProperties``, ``items`` / ``prefixItems``, ``$defs`` / ``definitions``, the
