@@ -1466,8 +1466,8 @@ def test_an_engine_refusal_names_the_requests_field(local_engine, monkeypatch):
     import dflash_torch.decoding as decoding
     from dflash_torch.serving.app import create_app
 
-    monkeypatch.setattr(decoding, "available_memory", lambda device: 1 << 10)
-    app = create_app(local_engine, max_batch_size=1)
+    app = create_app(local_engine, max_batch_size=1)  # (its start-up check of the context's caches passes)
+    monkeypatch.setattr(decoding, "available_memory", lambda device: 1 << 10)  # (then memory runs short)
     try:
         client = TestClient(app)
         for path, body, field in (
