@@ -37,6 +37,7 @@ from .cache import common_start
 from .chat_template import CHAT_ROLES, _not_messages_hint, chat_messages, render_chat, reserved_template_variables
 from .checkpoint import available_memory, checkpoint_dir, load_config, memory_text, read_json_object
 from .decoding import Round, SpeculativeDecoder, check_models
+from .hub import cached_name
 from .errors import ContextLengthError, DFlashError, OptionError, about_prompt, shown, unprintable
 from .models.config import TargetConfig, check_vocab_ids, eos_token_ids
 from .models.drafter_config import DrafterConfig, fill_mask_token_id, needs_mask_token_id, validate_pair
@@ -645,10 +646,15 @@ class DFlashEngine:
             else:
                 for m in models:
                     pack_linears(m)
-        # a local directory: its name ("." and "~/x" included: the directory's own, absolute, links kept as given);
+        # a local directory: its name ("." and "~/x" included: the directory's own, absolute, links kept as given),
+        # but a snapshot of the Hugging Face cache (models--ORG--NAME/snapshots/COMMIT) its id, ORG/NAME;
         # a Hugging Face id: as given, as vLLM names it, without an @REVISION (vLLM takes that apart, --revision)
         given = Path(os.path.expanduser(str(target)))
-        name = Path(os.path.abspath(given)).name if given.exists() else str(target).partition("@")[0]
+        if given.exists():
+            local = Path(os.path.abspath(given))
+            name = cached_name(local) or local.name
+        else:
+            name = str(target).partition("@")[0]
         engine = cls(model, tokenizer, drafter, name=name, **engine_options)
         engine.stop_token_ids.update(eos)
         engine._generation_defaults = recommended

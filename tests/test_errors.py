@@ -1505,7 +1505,9 @@ def test_a_tokenizer_file_that_is_a_directory_is_refused(tiny_pair, tokenizer_di
 
 def test_an_engine_from_a_hugging_face_id_is_named_by_it(tiny_pair, tmp_path, monkeypatch):
     """(The name ``serve`` gives the model by default: a cached id kept only its last part,
-    "tiny", and clients asking for "acme/tiny", as vLLM names it, got a 404.)"""
+    "tiny", and clients asking for "acme/tiny", as vLLM names it, got a 404.) The path of its
+    snapshot in the cache is named by the id too (trial-284 (d): it was named by the commit
+    hash, the snapshot directory's name)."""
     from huggingface_hub import constants
 
     target, _ = tiny_pair
@@ -1516,7 +1518,11 @@ def test_an_engine_from_a_hugging_face_id_is_named_by_it(tiny_pair, tmp_path, mo
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert DFlashEngine.from_pretrained("acme/tiny", no_draft=True).name == "acme/tiny"
-    assert DFlashEngine.from_pretrained(str(snapshot), no_draft=True).name == snapshot.name  # (a directory: its name)
+    assert DFlashEngine.from_pretrained(str(snapshot) + "/", no_draft=True).name == "acme/tiny"
+    monkeypatch.chdir(snapshot)
+    assert DFlashEngine.from_pretrained(".", no_draft=True).name == "acme/tiny"
+    other = shutil.copytree(target, tmp_path / "snapshots" / ("1" * 40))  # (not in a models--ORG--NAME folder)
+    assert DFlashEngine.from_pretrained(other, no_draft=True).name == other.name  # (a directory: its name)
 
 
 def test_an_engine_from_a_relative_or_home_path_is_named_by_its_directory(tiny_pair, tmp_path, monkeypatch):

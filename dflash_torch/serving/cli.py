@@ -41,7 +41,8 @@ def register(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $DFLASH_API_KEY, else no key)")
     p.add_argument("--model-name", default=None,
                    help="model id clients use (default: the target directory's name, or its Hugging Face id as given, "
-                        "without an @REVISION)")
+                        "without an @REVISION; a snapshot directory of the Hugging Face cache, "
+                        ".../models--ORG--NAME/snapshots/COMMIT: its id, ORG/NAME)")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="most sequences decoded together (default 8; --draft-mode recompute decodes one "
                         "sequence at a time: one slot, and refuses a larger value)")
