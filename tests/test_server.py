@@ -152,6 +152,9 @@ def test_serve_parser_defaults():
     assert args.block_size is None and args.draft_mode == "inject" and args.target is None
     args = build_parser().parse_args(["serve", "--api-key", "k", "--port", "9000", "--host", "0.0.0.0"])
     assert (args.api_key, args.port, args.host) == ("k", 9000, "0.0.0.0")
+    # --log-level in any case, as Python's logging levels are written (trial-284 (i): WARNING was refused)
+    assert [build_parser().parse_args(["serve", "--log-level", v]).log_level
+            for v in ("WARNING", "Debug", "error")] == ["warning", "debug", "error"]
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "5s"])

@@ -122,8 +122,8 @@ def register(sub) -> None:
                         "Preflight OPTIONS requests are answered without the API key")
     add_chat_template_kwargs_arg(p, "for every chat request (a request's own chat_template_kwargs and "
                                     "reasoning_effort override them)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn log level (default info)")
+    p.add_argument("--log-level", default="info", type=str.lower, choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn log level, in any case (default info)")
     p.set_defaults(func=_serve)
 
 
