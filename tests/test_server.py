@@ -1988,6 +1988,32 @@ def test_sigint_and_sighup_end_every_request_cleanly(tmp_path, sig, drain_timeou
         assert cut == ["WARNING:  SIGHUP during the drain (a second signal): ending the 2 requests still in progress"], text
 
 
+def test_a_signal_raised_again_that_does_not_end_the_process_exits_with_128_plus_its_number():
+    """Once the server has shut down, the SIGTERM or SIGHUP that ended it is raised again under
+    its handler of before, so that it is killed by it (status 143 / 129 in a shell). Where that
+    does not end the process (trial-284 (f): as a container's PID 1, whose signals of default
+    action the kernel ignores, it exited 0), it exits 128 + the signal's number: here, a handler
+    that returns and the signal ignored (what PID 1's default action amounts to)."""
+    import signal
+
+    from dflash_torch.serving.cli import end_by_signal
+
+    seen = []
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGTERM, lambda sig, frame: seen.append(sig))
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        with pytest.raises(SystemExit) as ended:
+            end_by_signal(signal.SIGTERM)
+        assert ended.value.code == 143 and seen == [signal.SIGTERM]
+        with pytest.raises(SystemExit) as ended:
+            end_by_signal(signal.SIGHUP)
+        assert ended.value.code == 129
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _ignore_sigint() -> None:  # (as a shell does for a command it starts in the background: `serve &`)
     import signal
 

@@ -227,9 +227,9 @@ def _serve_on(args: argparse.Namespace, sockets: list, api_key: str | None) -> i
         @contextlib.contextmanager
         def capture_signals(self):
             # (uvicorn's, with SIGHUP, which an ssh session that drops sends, as SIGTERM, unless it was
-            # ignored at start: nohup): once the server has ended, each signal caught is raised again,
-            # under the handler it replaced (killed by SIGTERM, status 143, as without the server;
-            # SIGINT: KeyboardInterrupt, status 130)
+            # ignored at start: nohup): once the server has ended, the last signal caught is raised
+            # again, under the handler it replaced (killed by SIGTERM, status 143, as without the
+            # server; SIGINT: KeyboardInterrupt, status 130; as PID 1: end_by_signal)
             self.signals = []
             if threading.current_thread() is not threading.main_thread():
                 yield
@@ -243,8 +243,8 @@ def _serve_on(args: argparse.Namespace, sockets: list, api_key: str | None) -> i
             finally:
                 for sig, handler in replaced.items():
                     signal.signal(sig, handler)
-            for sig in reversed(self.signals):
-                signal.raise_signal(sig)
+            if self.signals:
+                end_by_signal(self.signals[-1])
 
         async def on_tick(self, counter):
             if self.drain_until is not None and not self.should_exit:
@@ -289,6 +289,24 @@ def _serve_on(args: argparse.Namespace, sockets: list, api_key: str | None) -> i
     finally:
         _wait_for_engine(scheduler)
     return 0 if server.started else 1
+
+
+def end_by_signal(sig: int) -> None:
+    """End the process as the signal ``sig`` (that stopped the server) would: raise it again
+    under the handler now in place, its default action killing the process (status 128 +
+    ``sig`` in a shell), SIGINT's Python handler raising ``KeyboardInterrupt``. Where that
+    returns (the process is PID 1, a container's first process, whose signals of default
+    action the kernel ignores; the signal is ignored; a handler returned), raise
+    ``SystemExit(128 + sig)``, the status a shell would have shown.
+
+    Raises:
+        KeyboardInterrupt: raised by the handler of ``sig`` (SIGINT's).
+        SystemExit: ``128 + sig``, where raising ``sig`` did not end the process.
+    """
+    import signal
+
+    signal.raise_signal(sig)
+    raise SystemExit(128 + sig)
 
 
 def uvicorn_config(app, args: argparse.Namespace):
