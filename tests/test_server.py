@@ -1848,6 +1848,57 @@ def test_serve_refuses_a_busy_port_before_loading_models(capsys):
     assert served_url("::1", 8000) == "http://[::1]:8000/v1" and served_url("0.0.0.0", 80) == "http://0.0.0.0:80/v1"
 
 
+def test_serve_refuses_a_closed_stdout_before_loading_and_a_full_one_in_one_line(tiny_pair, capsys, monkeypatch):
+    """trial-284 (a): with stdout closed (``>&-``) the server loaded its models, then failed
+    with a traceback ('NoneType' object has no attribute 'isatty'); with stdout full
+    (``>/dev/full``), with one at its start line (OSError: No space left on device). Now as
+    generate: a closed stdout is refused before anything loads, a full one at the first write,
+    in one line, status 1."""
+    from dflash_torch.cli import main as cli_main
+
+    monkeypatch.setattr(sys, "stdout", None)
+    assert cli_main(["serve", "--port", str(_free_port()), "--target", "/nonexistent"]) == 1
+    assert capsys.readouterr().err.splitlines() == ["dflash-torch: error: stdout is closed: nowhere to write the output"]
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        status = cli_main(["serve", "--port", str(_free_port()), "--target", str(tiny_pair[0]), "--no-draft"])
+    assert status == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["dflash-torch: error: cannot write the output to stdout: No space left on device"], err
+
+
+def test_a_log_output_that_is_gone_is_said_once_then_dropped(capsys, monkeypatch):
+    """trial-284 (a): with stdout a pipe whose reader went away (``serve | head -n1``), every
+    access-log line wrote a "--- Logging error ---" traceback to stderr (289 lines for 3
+    requests), the server serving on. Now the first failed write says so in one line on stderr,
+    and the handler drops the later ones (uvicorn's handlers, as ``serve`` configures them)."""
+    import logging
+
+    from dflash_torch.cli import build_parser
+    from dflash_torch.serving.cli import uvicorn_config
+
+    async def app(scope, receive, send):  # (uvicorn.Config holds the app; it is not run here)
+        pass
+
+    args = build_parser().parse_args(["serve"])
+    read, write = os.pipe()
+    os.close(read)  # (the reader went away)
+    gone = open(write, "w")  # noqa: SIM115 (closed below)
+    try:
+        monkeypatch.setattr(sys, "stdout", gone)
+        uvicorn_config(app, args)  # (configures uvicorn's loggers: the access lines to stdout)
+        for _ in range(3):
+            logging.getLogger("uvicorn.access").info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5000", "GET", "/health",
+                                                     "1.1", 200)
+    finally:
+        monkeypatch.undo()
+        uvicorn_config(app, args)  # (uvicorn's loggers back on this process's stdout)
+        gone.close()
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["dflash-torch: cannot write the server's log lines to stdout (Broken pipe): they are dropped "
+                   "from now on"], err
+
+
 def _wait_until_up(proc: subprocess.Popen, base: str, log: Path, timeout_s: float = 180) -> None:
     deadline = time.time() + timeout_s
     while True:

@@ -128,9 +128,10 @@ def register(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ..cli import check_warmup_context
+    from ..cli import check_stdout, check_warmup_context
     from .scheduler import check_slots
 
+    check_stdout()  # (its start line and access log: a closed stdout is refused before the models load)
     if not 1 <= args.port <= 65535:
         raise DFlashError(f"--port must be in [1, 65535], got {args.port}")
     api_key = check_api_key(args.api_key, "--api-key (or $DFLASH_API_KEY)")
@@ -186,20 +187,11 @@ def _serve_on(args: argparse.Namespace, sockets: list, api_key: str | None) -> i
                      allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                      allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     scheduler = app.state.scheduler
-    print(f"dflash-torch: serving {app.state.model_id!r} on {served_url(args.host, args.port)} "
-          f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
-          f"slot{'s' if scheduler.max_batch_size > 1 else ''}"
-          + (f" + {args.prefix_slots} prefix slot{'s' if args.prefix_slots > 1 else ''}" if args.prefix_slots else "")
-          + f", queue {scheduler.max_queue}, "
-          f"reasoning parser {app.state.reasoning_parser}, tool call parser {app.state.tool_call_parser})", flush=True)
-    if app.state.sampling_defaults:
-        taken = dict(app.state.sampling_defaults)
-        cap = taken.pop("max_new_tokens", None)
-        print("dflash-torch: requests that omit them get the sampling values of the target's generation_config.json: "
-              + ", ".join(f"{k} {v}" for k, v in taken.items())
-              + ("" if cap is None else f"{'; ' if taken else ''}chat and Responses requests without max_tokens at most "
-                 f"{cap} tokens (its max_new_tokens)")
-              + " (--generation-config none: OpenAI's defaults)", flush=True)
+    try:  # (a start line that stdout cannot take: one line, status 1, as generate's output; BrokenPipeError: 0)
+        _start_lines(args, engine, app)
+    except BaseException:
+        _wait_for_engine(scheduler)
+        raise
 
     drain_log = logging.getLogger("dflash_torch.serving")
 
@@ -309,22 +301,97 @@ def end_by_signal(sig: int) -> None:
     raise SystemExit(128 + sig)
 
 
+def _start_lines(args: argparse.Namespace, engine, app) -> None:
+    """Write the server's start line (what it serves, where, how) to stdout, and the sampling
+    values the target's generation_config.json gives requests that omit them.
+
+    Raises:
+        BrokenPipeError: stdout's reader went away.
+        OutputError: stdout cannot take them (e.g. ``No space left on device``).
+    """
+    from ..cli import write_stdout
+
+    scheduler = app.state.scheduler
+    write_stdout(f"dflash-torch: serving {app.state.model_id!r} on {served_url(args.host, args.port)} "
+                 f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
+                 f"slot{'s' if scheduler.max_batch_size > 1 else ''}"
+                 + (f" + {args.prefix_slots} prefix slot{'s' if args.prefix_slots > 1 else ''}" if args.prefix_slots
+                    else "")
+                 + f", queue {scheduler.max_queue}, "
+                 f"reasoning parser {app.state.reasoning_parser}, tool call parser {app.state.tool_call_parser})\n")
+    if app.state.sampling_defaults:
+        taken = dict(app.state.sampling_defaults)
+        cap = taken.pop("max_new_tokens", None)
+        write_stdout("dflash-torch: requests that omit them get the sampling values of the target's "
+                     "generation_config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items())
+                     + ("" if cap is None else f"{'; ' if taken else ''}chat and Responses requests without "
+                        f"max_tokens at most {cap} tokens (its max_new_tokens)")
+                     + " (--generation-config none: OpenAI's defaults)\n")
+
+
 def uvicorn_config(app, args: argparse.Namespace):
     """The ``uvicorn.Config`` serving ``app`` as the parsed ``serve`` arguments ``args`` ask
-    (``--host``, ``--port``, ``--log-level``, ``--timeout-keep-alive``)."""
-    import uvicorn
+    (``--host``, ``--port``, ``--log-level``, ``--timeout-keep-alive``); uvicorn's log lines
+    (its own on stderr, the access lines on stdout) through :class:`LogHandler` s. Making it
+    configures uvicorn's loggers."""
+    import copy
 
+    import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
+
+    log_config = copy.deepcopy(LOGGING_CONFIG)
+    for handler in log_config["handlers"].values():
+        handler["class"] = f"{LogHandler.__module__}.{LogHandler.__qualname__}"
     return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                          timeout_keep_alive=args.timeout_keep_alive)
+                          timeout_keep_alive=args.timeout_keep_alive, log_config=log_config)
+
+
+class LogHandler(logging.StreamHandler):
+    """A ``logging.StreamHandler`` of the server's log lines whose stream, once a write to it
+    fails with an ``OSError`` (its reader went away: ``serve | head``; a full disk), is gone:
+    one line on stderr says so (``dflash-torch: cannot write the server's log lines to stdout
+    (Broken pipe): they are dropped from now on``), its file descriptor is pointed at /dev/null
+    (what its buffer holds would fail again at exit), and it writes no more lines; the server
+    serves on. (logging's own handler writes a "--- Logging error ---" traceback to stderr for
+    each line.) Another error is logging's: its traceback."""
+
+    gone = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.gone:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        from ..cli import _to_devnull
+
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):
+            super().handleError(record)
+            return
+        self.gone = True
+        stream = self.stream
+        where = "stdout" if stream is sys.stdout else "stderr" if stream is sys.stderr else \
+            str(getattr(stream, "name", "its stream")).strip("<>")
+        _to_devnull(stream.fileno)
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+        if stream is not sys.stderr:
+            try:
+                print(f"dflash-torch: cannot write the server's log lines to {where} ({exc.strerror or exc}): they "
+                      "are dropped from now on", file=sys.stderr, flush=True)
+            except (OSError, ValueError):
+                pass
 
 
 def log_handler() -> logging.Handler:
-    """The handler of the server's own log lines (stderr): in the format of uvicorn's
-    (``INFO:     message``: the level and its colon padded to 9 characters, coloured where
-    uvicorn colours its own), so that a parser of uvicorn's lines reads them too."""
+    """The handler of the server's own log lines (stderr, a :class:`LogHandler`): in the format
+    of uvicorn's (``INFO:     message``: the level and its colon padded to 9 characters,
+    coloured where uvicorn colours its own), so that a parser of uvicorn's lines reads them too."""
     from uvicorn.logging import DefaultFormatter
 
-    handler = logging.StreamHandler()
+    handler = LogHandler()
     handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
     return handler
 
