@@ -1867,6 +1867,45 @@ def test_serve_refuses_a_closed_stdout_before_loading_and_a_full_one_in_one_line
     assert err == ["dflash-torch: error: cannot write the output to stdout: No space left on device"], err
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_serve_says_what_it_loads_and_a_signal_while_loading_in_one_line(tiny_pair, capsys, monkeypatch, sig):
+    """trial-284 (i): nothing was written between the start and the start line while the
+    models loaded (a big model looked hung); and a SIGTERM, SIGHUP or SIGINT meanwhile ended
+    the server without a word. Now a line says what it loads, and one on stderr that a signal
+    stopped it while it started; then it ends as the signal would (here, under a handler that
+    returns, as for PID 1: 128 + its number; SIGINT: status 130)."""
+    import signal
+
+    import dflash_torch.cli as cli
+
+    def load_engine(args):  # (the signal as the models load)
+        os.kill(os.getpid(), getattr(signal, sig))
+        time.sleep(10)  # (interrupted by the signal's handler)
+        pytest.fail(f"{sig} did not stop the loading")
+
+    monkeypatch.setattr(cli, "load_engine", load_engine)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for s in previous:  # (the server's own handlers replace them while loading, then restore them)
+            signal.signal(s, lambda s, frame: None)
+        target = str(tiny_pair[0])
+        argv = ["serve", "--port", str(_free_port()), "--target", target, "--no-draft"]
+        if sig == "SIGINT":
+            assert cli.main(argv) == 130
+        else:
+            with pytest.raises(SystemExit) as ended:
+                cli.main(argv)
+            assert ended.value.code == 128 + getattr(signal, sig)
+        assert all(signal.getsignal(s) is not previous[s] for s in previous)  # (the test's handlers are back)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"dflash-torch: loading {target!r} (no drafter: --no-draft) ..."]
+    assert err.splitlines() == [f"dflash-torch: {sig} while the server was starting (loading its models): stopped "
+                                "before serving"], err
+
+
 def test_a_log_output_that_is_gone_is_said_once_then_dropped(capsys, monkeypatch):
     """trial-284 (a): with stdout a pipe whose reader went away (``serve | head -n1``), every
     access-log line wrote a "--- Logging error ---" traceback to stderr (289 lines for 3

@@ -4,6 +4,7 @@ API with uvicorn."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -174,11 +175,13 @@ def _serve_on(args: argparse.Namespace, sockets: list, api_key: str | None) -> i
 
     import uvicorn
 
-    from ..cli import load_engine, warm_up
+    from ..cli import load_engine, warm_up, write_stdout
     from .app import create_app
 
-    engine = load_engine(args)
-    warm_up(engine, args, batch=engine.max_batch_size > 1)
+    write_stdout(loading_line(args) + "\n")  # (a big model loads for minutes: not a silent wait)
+    with stopped_while_loading():
+        engine = load_engine(args)
+        warm_up(engine, args, batch=engine.max_batch_size > 1)
     app = create_app(engine, api_key=api_key, model_name=args.model_name, max_batch_size=args.max_batch_size,
                      max_queue=args.max_queue, chat_template_kwargs=args.chat_template_kwargs,
                      reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
@@ -299,6 +302,73 @@ def end_by_signal(sig: int) -> None:
 
     signal.raise_signal(sig)
     raise SystemExit(128 + sig)
+
+
+def loading_line(args: argparse.Namespace) -> str:
+    """The line ``serve`` writes to stdout as it begins to load the models of the parsed
+    arguments ``args``: ``dflash-torch: loading 'TARGET' + drafter 'DRAFTER' ...``."""
+    target = "the shipped target" if args.target is None else repr(args.target)
+    if args.no_draft:
+        what = f"{target} (no drafter: --no-draft)"
+    elif args.draft is not None:
+        what = f"{target} + drafter {args.draft!r}"
+    else:
+        what = "the shipped target + drafter" if args.target is None else target
+    return f"dflash-torch: loading {what} ..."
+
+
+class _Stopped(KeyboardInterrupt):
+    """A SIGTERM or SIGHUP (``sig``) that stops the server while it starts, as a Ctrl-C does."""
+
+    def __init__(self, sig: int):
+        super().__init__(sig)
+        self.sig = sig
+
+
+@contextlib.contextmanager
+def stopped_while_loading():
+    """Inside the block (the server loading its models, building its graphs), SIGTERM and
+    SIGHUP (unless ignored at start: nohup) raise ``KeyboardInterrupt`` as Ctrl-C does (the
+    first one; later ones are ignored until the block ends): one that stops the block, Ctrl-C
+    too, is said in one line on stderr (``dflash-torch: SIGTERM while the server was starting
+    (loading its models): stopped before serving``; they ended it without a word), then the
+    process ends as the signal would (:func:`end_by_signal`, once its handler of before the
+    block is back). Only in the main thread (where Python runs signal handlers); elsewhere the
+    block runs as is.
+
+    Raises:
+        KeyboardInterrupt: SIGINT (Ctrl-C) stopped the block (status 130).
+        SystemExit: ``128 + sig`` where SIGTERM or SIGHUP raised again did not end the process.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = [signal.SIGTERM] + ([signal.SIGHUP] if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else [])
+    raised: list[int] = []
+
+    def stop(sig, frame):
+        if not raised:
+            raised.append(sig)
+            raise _Stopped(sig)
+
+    previous = {sig: signal.signal(sig, stop) for sig in caught}
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        sig = exc.sig if isinstance(exc, _Stopped) else signal.SIGINT
+        print(f"dflash-torch: {signal.Signals(sig).name} while the server was starting (loading its models): "
+              "stopped before serving", file=sys.stderr, flush=True)
+        if sig != signal.SIGINT:
+            for caught_sig, handler in previous.items():
+                signal.signal(caught_sig, handler)
+            end_by_signal(sig)
+        raise
+    finally:
+        for caught_sig, handler in previous.items():
+            signal.signal(caught_sig, handler)
 
 
 def _start_lines(args: argparse.Namespace, engine, app) -> None:
