@@ -1906,6 +1906,31 @@ def test_serve_says_what_it_loads_and_a_signal_while_loading_in_one_line(tiny_pa
                                 "before serving"], err
 
 
+def test_a_start_line_whose_reader_went_away_is_said_once_and_the_server_goes_on(tiny_pair, capsys, monkeypatch):
+    """stdout's reader gone when the server writes its first line (``serve | head -n1``, head
+    gone after the loading line): stdout is a log of the server, which goes on (here, to where
+    a Ctrl-C as the models load stops it), saying so once, as for its access lines (it ended
+    quietly, as generate does when its output's reader went away)."""
+    import signal
+
+    import dflash_torch.cli as cli
+
+    def load_engine(args):  # (the server went on: stopped here)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10)  # (interrupted by the signal's handler)
+        pytest.fail("SIGINT did not stop the loading")
+
+    monkeypatch.setattr(cli, "load_engine", load_engine)
+    read, write = os.pipe()
+    os.close(read)  # (the reader went away)
+    with open(write, "w") as gone:
+        monkeypatch.setattr(sys, "stdout", gone)
+        assert cli.main(["serve", "--port", str(_free_port()), "--target", str(tiny_pair[0]), "--no-draft"]) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "dflash-torch: cannot write the server's log lines to stdout (Broken pipe): they are dropped from now on",
+        "dflash-torch: SIGINT while the server was starting (loading its models): stopped before serving"]
+
+
 def test_a_log_output_that_is_gone_is_said_once_then_dropped(capsys, monkeypatch):
     """trial-284 (a): with stdout a pipe whose reader went away (``serve | head -n1``), every
     access-log line wrote a "--- Logging error ---" traceback to stderr (289 lines for 3

@@ -175,10 +175,10 @@ def _serve_on(args: argparse.Namespace, sockets: list, api_key: str | None) -> i
 
     import uvicorn
 
-    from ..cli import load_engine, warm_up, write_stdout
+    from ..cli import load_engine, warm_up
     from .app import create_app
 
-    write_stdout(loading_line(args) + "\n")  # (a big model loads for minutes: not a silent wait)
+    write_log(loading_line(args) + "\n")  # (a big model loads for minutes: not a silent wait)
     with stopped_while_loading():
         engine = load_engine(args)
         warm_up(engine, args, batch=engine.max_batch_size > 1)
@@ -190,7 +190,7 @@ def _serve_on(args: argparse.Namespace, sockets: list, api_key: str | None) -> i
                      allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                      allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     scheduler = app.state.scheduler
-    try:  # (a start line that stdout cannot take: one line, status 1, as generate's output; BrokenPipeError: 0)
+    try:  # (a start line that stdout cannot take: one line, status 1, as generate's output)
         _start_lines(args, engine, app)
     except BaseException:
         _wait_for_engine(scheduler)
@@ -376,13 +376,10 @@ def _start_lines(args: argparse.Namespace, engine, app) -> None:
     values the target's generation_config.json gives requests that omit them.
 
     Raises:
-        BrokenPipeError: stdout's reader went away.
-        OutputError: stdout cannot take them (e.g. ``No space left on device``).
+        OutputError: stdout cannot take them (e.g. ``No space left on device``; see :func:`write_log`).
     """
-    from ..cli import write_stdout
-
     scheduler = app.state.scheduler
-    write_stdout(f"dflash-torch: serving {app.state.model_id!r} on {served_url(args.host, args.port)} "
+    write_log(f"dflash-torch: serving {app.state.model_id!r} on {served_url(args.host, args.port)} "
                  f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
                  f"slot{'s' if scheduler.max_batch_size > 1 else ''}"
                  + (f" + {args.prefix_slots} prefix slot{'s' if args.prefix_slots > 1 else ''}" if args.prefix_slots
@@ -392,11 +389,44 @@ def _start_lines(args: argparse.Namespace, engine, app) -> None:
     if app.state.sampling_defaults:
         taken = dict(app.state.sampling_defaults)
         cap = taken.pop("max_new_tokens", None)
-        write_stdout("dflash-torch: requests that omit them get the sampling values of the target's "
+        write_log("dflash-torch: requests that omit them get the sampling values of the target's "
                      "generation_config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items())
                      + ("" if cap is None else f"{'; ' if taken else ''}chat and Responses requests without "
                         f"max_tokens at most {cap} tokens (its max_new_tokens)")
                      + " (--generation-config none: OpenAI's defaults)\n")
+
+
+def write_log(text: str) -> None:
+    """Write ``text``, a line of the server's log on stdout (its start lines), and flush it.
+    A reader that went away (``serve | head -n1``) does not stop the server, whose log stdout
+    is: one line on stderr says its log lines are dropped from now on (:func:`log_gone`), and
+    stdout is pointed at /dev/null.
+
+    Raises:
+        OutputError: stdout cannot take it otherwise (e.g. ``No space left on device``): known
+            at start, it ends the command in one line, status 1, as generate's output.
+    """
+    from ..cli import _drop_stdout, write_stdout
+
+    try:
+        write_stdout(text)
+    except BrokenPipeError as exc:
+        _drop_stdout()
+        try:  # (what the buffer holds goes to /dev/null)
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        log_gone("stdout", exc)
+
+
+def log_gone(where: str, exc: OSError) -> None:
+    """Say on stderr, in one line, that the server's log lines to ``where`` (``stdout``) are
+    dropped from now on: a write there failed with ``exc``."""
+    try:
+        print(f"dflash-torch: cannot write the server's log lines to {where} ({exc.strerror or exc}): they are "
+              "dropped from now on", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def uvicorn_config(app, args: argparse.Namespace):
@@ -448,11 +478,7 @@ class LogHandler(logging.StreamHandler):
         except (OSError, ValueError):
             pass
         if stream is not sys.stderr:
-            try:
-                print(f"dflash-torch: cannot write the server's log lines to {where} ({exc.strerror or exc}): they "
-                      "are dropped from now on", file=sys.stderr, flush=True)
-            except (OSError, ValueError):
-                pass
+            log_gone(where, exc)
 
 
 def log_handler() -> logging.Handler:
