@@ -380,20 +380,20 @@ def _start_lines(args: argparse.Namespace, engine, app) -> None:
     """
     scheduler = app.state.scheduler
     write_log(f"dflash-torch: serving {app.state.model_id!r} on {served_url(args.host, args.port)} "
-                 f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
-                 f"slot{'s' if scheduler.max_batch_size > 1 else ''}"
-                 + (f" + {args.prefix_slots} prefix slot{'s' if args.prefix_slots > 1 else ''}" if args.prefix_slots
-                    else "")
-                 + f", queue {scheduler.max_queue}, "
-                 f"reasoning parser {app.state.reasoning_parser}, tool call parser {app.state.tool_call_parser})\n")
+              f"(block size {engine.block_size}, context {engine.max_context}, {scheduler.max_batch_size} "
+              f"slot{'s' if scheduler.max_batch_size > 1 else ''}"
+              + (f" + {args.prefix_slots} prefix slot{'s' if args.prefix_slots > 1 else ''}" if args.prefix_slots
+                 else "")
+              + f", queue {scheduler.max_queue}, "
+              f"reasoning parser {app.state.reasoning_parser}, tool call parser {app.state.tool_call_parser})\n")
     if app.state.sampling_defaults:
         taken = dict(app.state.sampling_defaults)
         cap = taken.pop("max_new_tokens", None)
         write_log("dflash-torch: requests that omit them get the sampling values of the target's "
-                     "generation_config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items())
-                     + ("" if cap is None else f"{'; ' if taken else ''}chat and Responses requests without "
-                        f"max_tokens at most {cap} tokens (its max_new_tokens)")
-                     + " (--generation-config none: OpenAI's defaults)\n")
+                  "generation_config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items())
+                  + ("" if cap is None else f"{'; ' if taken else ''}chat and Responses requests without "
+                     f"max_tokens at most {cap} tokens (its max_new_tokens)")
+                  + " (--generation-config none: OpenAI's defaults)\n")
 
 
 def write_log(text: str) -> None:
