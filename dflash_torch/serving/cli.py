@@ -1,5 +1,13 @@
 """``dflash-torch serve``: load a target + drafter pair and serve the OpenAI-compatible
-API with uvicorn."""
+API with uvicorn.
+
+stdout carries the server's log: a line as the models begin to load, the start line once it
+serves, uvicorn's access lines; stderr the rest of it. A closed stdout is refused before
+anything loads, and one that cannot take the first lines (a full disk) ends the command in one
+line, status 1, as generate's output; a log stream whose reader went away (``serve | head``)
+is said once on stderr and dropped, and the server serves on. SIGTERM / SIGHUP / Ctrl-C while
+the models load stop it with one line saying so; once it has served, it ends as the signal
+would (128 + its number where the signal does not end it, as for a container's PID 1)."""
 
 from __future__ import annotations
 
