@@ -5,9 +5,10 @@ stdout carries the server's log: a line as the models begin to load, the start l
 serves, uvicorn's access lines; stderr the rest of it. A closed stdout is refused before
 anything loads, and one that cannot take the first lines (a full disk) ends the command in one
 line, status 1, as generate's output; a log stream whose reader went away (``serve | head``)
-is said once on stderr and dropped, and the server serves on. SIGTERM / SIGHUP / Ctrl-C while
-the models load stop it with one line saying so; once it has served, it ends as the signal
-would (128 + its number where the signal does not end it, as for a container's PID 1)."""
+is said once on stderr and dropped, and the server serves on. SIGTERM / SIGHUP / Ctrl-C end
+it as the signal would (status 128 + its number; where the signal raised again does not end
+the process, as for a container's PID 1, it exits with that status), with a line on stderr
+where they came while the models loaded."""
 
 from __future__ import annotations
 
