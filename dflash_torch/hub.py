@@ -220,7 +220,9 @@ def download(name: str, cached: str | None = None) -> Path:
     """Download the Hugging Face Hub repo ``name`` (``ORG/NAME``, its ``main`` branch, or
     ``ORG/NAME@REVISION``, that branch, tag or commit hash) into the Hugging Face cache
     (``HF_HUB_CACHE``; huggingface_hub's progress bars on stderr; files already there are
-    kept, an interrupted one resumed) and return its snapshot directory. Only the files
+    kept; a file whose download was interrupted is fetched again from its start, not resumed:
+    huggingface_hub may leave its partial ``.incomplete`` file in the cache's ``blobs``) and
+    return its snapshot directory. Only the files
     loading reads are fetched (:data:`HUB_FILES` at the repo's top level: safetensors
     weights, JSON configs, tokenizer and chat template files), never PyTorch ``.bin``
     weights or subfolders. A private or gated repo needs a token (``hf auth login`` or
