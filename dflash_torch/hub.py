@@ -355,6 +355,37 @@ def cached_name(path: Path) -> str | None:
     return None
 
 
+def revision_of(model: str | os.PathLike) -> str | None:
+    """The commit hash (40 hex digits, a ``str``) of the Hugging Face Hub snapshot that ``model``
+    loads from, recorded beside the model's name (training_log.json, bench.json) since a branch
+    such as ``main`` moves: for a directory that is a snapshot in the Hugging Face cache
+    (``.../models--ORG--NAME/snapshots/COMMIT``, also through a link), its ``COMMIT``; for a Hub
+    id that is not a local directory, ``ORG/NAME@COMMIT``'s ``COMMIT``, else the commit the
+    cache's ``refs/REVISION`` (``refs/main`` without one) names, as loading read it; else None
+    (a local directory of its own, or an id the cache does not hold). Reads only the local
+    cache (no network); raises nothing (a part it may not read: None)."""
+    try:
+        path = Path(os.path.expanduser(str(model)))
+        if path.is_dir():
+            real = Path(os.path.realpath(path))
+            return real.name if cached_name(real) is not None and _is_commit(real.name) else None
+        repo, revision = split_revision(str(model))
+        if revision is not None and _is_commit(revision):
+            return revision
+        from huggingface_hub import constants
+
+        ref = Path(constants.HF_HUB_CACHE) / ("models--" + repo.replace("/", "--")) / "refs" / (revision or "main")
+        commit = ref.read_text().strip()
+        return commit if _is_commit(commit) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _is_commit(text: str) -> bool:
+    """Whether ``text`` is a full git commit hash (40 lowercase hex digits)."""
+    return len(text) == 40 and all(c in "0123456789abcdef" for c in text)
+
+
 def downloading() -> bool:
     """Whether a download that a Ctrl-C stopped waiting for still runs (its threads would hold
     up the interpreter's exit until it ends)."""

@@ -1116,3 +1116,25 @@ def test_bench_writes_its_files_whatever_stdout_cannot_take(tiny_pair, tmp_path,
     monkeypatch.undo()
     assert (rc, capsys.readouterr().err) == (1, "dflash-torch: error: stdout is closed: nowhere to write the output\n")
     assert not (tmp_path / "closed").exists()
+
+
+def test_bench_json_records_the_commit_of_a_hub_id(tiny_pair, tmp_path, capsys, monkeypatch):
+    """bench.json recorded a Hub id as given (``acme/t@main``), not the commit it loaded (main
+    moves): ``target_revision`` / ``draft_revision`` are the cached snapshots' commits, null for
+    a local directory (trial-284)."""
+    from huggingface_hub import constants
+    from test_errors import _cache_repo
+
+    from dflash_torch.cli import main as cli_main
+
+    target, drafter = tiny_pair
+    _cache_repo(tmp_path / "hub", "acme/t", target)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "o"
+    rc = cli_main(["bench", "--target", "acme/t@main", "--draft", str(drafter), "--modes", "target-only,inject",
+                   "--num-prompts", "1", "--max-new-tokens", "4", "--sweep", "", "--out", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((out / "bench.json").read_text())
+    assert (report["target"], report["target_revision"], report["draft"], report["draft_revision"]) == \
+        ("acme/t@main", "a" * 40, str(drafter), None)

@@ -1835,6 +1835,41 @@ def test_train_refuses_an_out_that_is_a_cached_target_or_init_from(tiny_pair, tm
     assert not any(p.name == "train_work" for p in hub.rglob("*"))
 
 
+def test_training_log_records_a_command_that_reruns_and_the_commit_of_a_hub_target(tiny_pair, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """training_log.json's ``command`` was ``" ".join(argv)``: an ``--out 'tr out ü'`` was recorded
+    unquoted, not a command that runs again; and a Hub id's log recorded only ``acme/t@main``, not
+    the commit main named then (main moves). The command is quoted as a shell reads it, and
+    ``target_revision`` is the cached snapshot's commit (null for a local directory) (trial-284)."""
+    import shlex
+    import sys
+
+    from huggingface_hub import constants
+    from test_errors import _cache_repo
+
+    from dflash_torch import hub
+    from dflash_torch.cli import main as cli_main
+
+    target, _ = tiny_pair
+    snapshot = _cache_repo(tmp_path / "hub", "acme/t", target) / "snapshots" / ("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    out = tmp_path / "tr out ü"
+    args = ["train", "--target", "acme/t@main", "--data", str(text), "--out", str(out), "--steps", "1", "--batch", "2",
+            "--seq-len", "64", "--val-seqs", "0", "--num-layers", "1", "--no-progress"]
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/dflash-torch", *args])
+    assert cli_main(args) == 0, capsys.readouterr().err
+    log = json.loads((out / "training_log.json").read_text())
+    assert shlex.split(log["command"]) == ["dflash-torch", *args]
+    assert log["target_revision"] == "a" * 40 and log["config"]["target"] == "acme/t@main"
+    # the snapshot's own path, or a link to it, is that commit too; a local directory of its own has none
+    (tmp_path / "link").symlink_to(snapshot)
+    assert [hub.revision_of(p) for p in ("acme/t", snapshot, tmp_path / "link", target, "acme/none", f"acme/x@{'b' * 40}")] \
+        == ["a" * 40, "a" * 40, "a" * 40, None, None, "b" * 40]
+
+
 def test_train_refuses_an_out_or_work_dir_inside_the_target(tiny_pair, tmp_path, capsys):
     """``--out`` or ``--work-dir`` in a directory inside the target's (there or not yet, also
     through a link to the target or a ``..``) was accepted: the drafter's files, or the data

@@ -288,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from ..cli import set_threads, warn_compile
     from ..engine import DEFAULT_DRAFTER, DEFAULT_TARGET, ASSETS, DFlashEngine, is_shipped_target
+    from ..hub import revision_of
     from .batching import batch_plot, batch_size_bench, batch_table, check_batch_fits
     from ..batch import check_draft_max_batch_size
     from .modes import ALL_MODES, divergences, load_prompts, run_modes
@@ -451,6 +452,9 @@ def _run(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
     report = {
         "target": str(args.target or DEFAULT_TARGET), "draft": None if engine.drafter is None else str(args.draft or DEFAULT_DRAFTER),
+        # (the commit of a Hub id's snapshot in the cache, ORG/NAME@main's too: main moves; null for a local directory)
+        "target_revision": revision_of(args.target or DEFAULT_TARGET),
+        "draft_revision": None if engine.drafter is None else revision_of(args.draft or DEFAULT_DRAFTER),
         "dtype": str(dtype).removeprefix("torch."), "device": args.device, "block_size": engine.block_size,
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "greedy": True, "ignore_eos": True,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),

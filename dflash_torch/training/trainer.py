@@ -18,6 +18,7 @@ import os
 import pickle
 import random
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -34,7 +35,7 @@ import torch
 from safetensors import SafetensorError
 
 from ..chat_template import reserved_template_variables
-from .. import checkpoint
+from .. import checkpoint, hub
 from ..checkpoint import all_finite, checkpoint_dir, load_config, memory_text
 from ..cli import deferred_interrupt, interrupt_signals, missing_dirs
 from ..errors import DFlashError, OptionError, named, quoted
@@ -1382,6 +1383,7 @@ class Trainer:
         if cfg.resume and not ckpt_path.is_file():  # (it was found out after the data was prepared)
             raise OptionError(f"resume=True: no checkpoint at {quoted(ckpt_path)}", "resume")
         target_dir = checkpoint_dir(cfg.target, "target")
+        target_revision = hub.revision_of(target_dir)
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
         if cfg.seq_len > (limit := context_limit(target_cfg)):
             raise OptionError(f"seq_len {cfg.seq_len} exceeds the target's context of {limit} tokens", "seq_len")
@@ -1666,7 +1668,10 @@ class Trainer:
             the log. ``unsaved``: why the checkpoint of this step could not be saved, if so (said too
             where the export fails: DFlashError)."""
             info = {
-                "command": "dflash-torch train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"] else None,
+                # (quoted as a shell reads it: an --out with a space was recorded unquoted, trial-284)
+                "command": shlex.join(["dflash-torch", *sys.argv[1:]]) if sys.argv[1:2] == ["train"] else None,
+                # (the commit of a Hub id's snapshot, ORG/NAME@main's too: main moves; null for a local directory)
+                "target_revision": target_revision,
                 "config": recorded, "drafter_config": exported_config(dcfg, cfg.save_dtype),
                 "mask_token_id_source": how, "gamma": gamma,
                 "params": n_params, "steps": step, "train_time_s": round(elapsed(), 1),
