@@ -36,7 +36,10 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
 
     Raises:
         DFlashError: if it is empty, neither a directory with ``config.json`` nor a repo id
-            (a ``config.json`` that is not a file: ``PATH/config.json is not a file``),
+            (a ``config.json`` that is not a file: ``PATH/config.json is not a file``; a Hub
+            page's URL, ``hf://ORG/NAME`` or ``ORG/NAME/``: naming the id it means,
+            :func:`dflash_torch.hub.meant_id`), a broken symbolic link (not passed over for the
+            Hub id of the same name),
             a repo id that is not cached and cannot be downloaded, or a revision the Hub does not
             have (see :mod:`dflash_torch.hub`),
             or a directory (or a part of a Hugging Face cache entry: its folder, refs/main,
@@ -60,16 +63,25 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
                 raise DFlashError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
             return path
         exists = path.exists()
+        link = None if exists or not path.is_symlink() else os.readlink(path)
     except OSError as exc:
         raise DFlashError(f"cannot read {path}: {exc.strerror}") from None
     if exists:
         raise DFlashError(f"{path} is a file; pass the checkpoint directory")
+    if link is not None:  # (./ORG/NAME a broken link: a local directory comes before an id, so not the Hub's model unsaid)
+        raise DFlashError(f"{path} is a broken symbolic link (to {link}); a local path comes before a Hugging Face id: "
+                          "fix or remove the link (or run from another directory to load the Hub's model)")
     name = str(name_or_path)
     if name.partition("@")[0].count("/") == 1 and not name.startswith((".", "/")):  # (refs/pr/3 of ORG/NAME@refs/pr/3)
         from .hub import snapshot
 
         return snapshot(name)
-    raise DFlashError(f"model directory {name!r} does not exist" + ("" if "/" in name else " (a Hugging Face id is ORG/NAME)"))
+    from .hub import meant_id
+
+    meant = meant_id(name)  # (a Hub page's URL, hf://ORG/NAME, ORG/NAME/, models--ORG--NAME: the id they mean)
+    hint = (f" (a Hugging Face id is written ORG/NAME: {meant})" if meant is not None
+            else "" if "/" in name else " (a Hugging Face id is ORG/NAME)")
+    raise DFlashError(f"model directory {name!r} does not exist{hint}")
 
 
 def checkpoint_dir(value, name: str) -> Path:

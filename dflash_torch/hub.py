@@ -236,7 +236,8 @@ def download(name: str, cached: str | None = None) -> Path:
     :func:`downloading`).
 
     Raises:
-        DFlashError: ``HF_HUB_OFFLINE`` is set (naming what ``cached`` lacks); the Hub cannot be reached
+        DFlashError: ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE`` alone) is set (naming that variable and
+            what ``cached`` lacks); the Hub cannot be reached
             (one that does not answer the repo's file list within ``HF_HUB_ETAG_TIMEOUT`` seconds, 10
             by default, too), or answers with an
             HTTP error; the repo does not exist or this user may not read it (private, gated);
@@ -252,7 +253,7 @@ def download(name: str, cached: str | None = None) -> Path:
         where = (f"is in the Hugging Face cache incomplete ({cached})"
                  if cached else f"is not a local directory ({path}) and is not in the Hugging Face cache" if path
                  else f"is not a local directory and its revision {revision!r} is not in the Hugging Face cache")
-        raise DFlashError(f"model {name!r} {where}; HF_HUB_OFFLINE is set, so it is not downloaded")
+        raise DFlashError(f"model {name!r} {where}; {offline_variable()} is set, so it is not downloaded")
     logging.getLogger("dflash_torch").warning(
         f"dflash-torch: downloading {name} from the Hugging Face Hub into {constants.HF_HUB_CACHE}")
     done: dict = {}
@@ -353,6 +354,52 @@ def cached_name(path: Path) -> str | None:
     if path.parent.name == "snapshots" and folder.startswith("models--"):
         return folder.removeprefix("models--").replace("--", "/")  # (an id holds no "--")
     return None
+
+
+def offline_variable() -> str:
+    """The environment variable that turns huggingface_hub's downloads off, as it reads them:
+    ``HF_HUB_OFFLINE`` where that is set (to anything but empty: it alone decides), else
+    ``TRANSFORMERS_OFFLINE`` where that is set; else ``HF_HUB_OFFLINE`` (set in Python, on
+    ``huggingface_hub.constants``)."""
+    if not os.environ.get("HF_HUB_OFFLINE") and os.environ.get("TRANSFORMERS_OFFLINE"):
+        return "TRANSFORMERS_OFFLINE"
+    return "HF_HUB_OFFLINE"
+
+
+_HUB_PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "https://www.huggingface.co/", "https://hf.co/",
+                 "http://hf.co/", "huggingface.co/", "hf.co/", "hf://models/", "hf://")
+
+
+def meant_id(name: str) -> str | None:
+    """The Hub id (``ORG/NAME``, or ``ORG/NAME@REVISION``) that ``name``, a model that is
+    neither a local directory nor an id, most likely means, else None: its Hub page's URL
+    (``https://huggingface.co/ORG/NAME``, ``.../tree/REVISION``, ``hf.co/...``), an ``hf://``
+    path, ``ORG/NAME/`` with a trailing slash, or the name of its Hugging Face cache folder
+    (``models--ORG--NAME``, also at the end of a path)."""
+    text, url = name.strip(), False
+    for prefix in _HUB_PREFIXES:
+        if text.lower().startswith(prefix):
+            text, url = text[len(prefix):], True
+            break
+    else:
+        folder = Path(text.rstrip("/")).name
+        if folder.startswith("models--") and folder.count("--") == 2:
+            text = folder.removeprefix("models--").replace("--", "/")
+        elif text.startswith(("/", ".", "~")):  # (a path: not an id)
+            return None
+    parts = [p for p in text.split("?")[0].split("#")[0].split("/") if p]
+    if len(parts) < 2 or (not url and len(parts) > 2) or parts[0] in ("datasets", "spaces"):
+        return None  # (a/b/c: a path; a dataset's or a Space's page: not a model)
+    repo = f"{parts[0]}/{parts[1]}"
+    revision = parts[3] if len(parts) >= 4 and parts[2] in ("tree", "blob", "resolve") else None
+    try:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        validate_repo_id(repo)
+    except HFValidationError:
+        return None
+    meant = repo if revision is None else f"{repo}@{revision}"
+    return None if meant == name else meant
 
 
 def revision_of(model: str | os.PathLike) -> str | None:

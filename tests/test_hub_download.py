@@ -505,3 +505,46 @@ def test_the_python_api_takes_a_revision_from_the_cache(tiny_pair, tmp_path, mon
         [main, main, v2, v2, v2]
     # (named as served, without the revision: clients that ask for acme/tiny go on working)
     assert DFlashEngine.from_pretrained(target="acme/tiny@v2", no_draft=True).name == "acme/tiny"
+
+
+def test_mistyped_hub_ids_name_the_id_and_a_broken_link_or_offline_variable_is_said(tiny_pair, tmp_path, monkeypatch):
+    """A Hub page's URL, an ``hf://`` path, ``ORG/NAME/`` with a trailing slash said only "model
+    directory '...' does not exist": they name the id they mean, as the cache folder's name
+    ``models--ORG--NAME`` does. A broken link at ``./ORG/NAME`` was passed over and the cached
+    model loaded unsaid: refused, a local path coming before an id. ``TRANSFORMERS_OFFLINE=1``
+    alone was said to be "HF_HUB_OFFLINE is set" (trial-284)."""
+    from huggingface_hub import constants
+
+    from dflash_torch.checkpoint import resolve_model_dir
+
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    main = shutil.copytree(tiny_pair[0], repo / "snapshots" / COMMIT)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    for given, meant in (("https://huggingface.co/acme/tiny", "acme/tiny"), ("hf://acme/tiny", "acme/tiny"),
+                         ("acme/tiny/", "acme/tiny"), ("models--acme--tiny", "acme/tiny"),
+                         ("https://huggingface.co/acme/tiny/tree/v2", "acme/tiny@v2")):
+        with pytest.raises(DFlashError) as caught:
+            resolve_model_dir(given)
+        assert str(caught.value) == f"model directory {given!r} does not exist (a Hugging Face id is written ORG/NAME: " \
+            f"{meant})", given
+    with pytest.raises(DFlashError, match=r"^model directory 'models/my-target/x' does not exist$"):  # (a path: no id)
+        resolve_model_dir("models/my-target/x")
+    (tmp_path / "acme").mkdir()
+    (tmp_path / "acme" / "tiny").symlink_to(tmp_path / "gone")
+    with pytest.raises(DFlashError) as caught:
+        resolve_model_dir("acme/tiny")
+    assert str(caught.value).startswith(f"acme/tiny is a broken symbolic link (to {tmp_path / 'gone'}); a local path "
+                                        "comes before a Hugging Face id"), caught.value
+    monkeypatch.chdir(tmp_path / "hub")
+    assert resolve_model_dir("acme/tiny") == main
+    for env, named in (({"TRANSFORMERS_OFFLINE": "1"}, "TRANSFORMERS_OFFLINE"),
+                       ({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}, "HF_HUB_OFFLINE")):
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        with pytest.raises(DFlashError, match=rf"; {named} is set, so it is not downloaded$"):
+            resolve_model_dir("acme/other")
