@@ -1118,10 +1118,11 @@ def test_bench_writes_its_files_whatever_stdout_cannot_take(tiny_pair, tmp_path,
     assert not (tmp_path / "closed").exists()
 
 
-def test_bench_json_records_the_commit_of_a_hub_id(tiny_pair, tmp_path, capsys, monkeypatch):
+def test_bench_json_records_the_commit_of_a_hub_id_and_draws_no_bar_in_a_file(tiny_pair, tmp_path, capsys, monkeypatch):
     """bench.json recorded a Hub id as given (``acme/t@main``), not the commit it loaded (main
     moves): ``target_revision`` / ``draft_revision`` are the cached snapshots' commits, null for
-    a local directory (trial-284)."""
+    a local directory. Its stderr not a terminal, no progress bar is drawn there (a log file
+    filled with the bar's \\r-separated redraws) (trial-284)."""
     from huggingface_hub import constants
     from test_errors import _cache_repo
 
@@ -1133,8 +1134,9 @@ def test_bench_json_records_the_commit_of_a_hub_id(tiny_pair, tmp_path, capsys, 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "o"
     rc = cli_main(["bench", "--target", "acme/t@main", "--draft", str(drafter), "--modes", "target-only,inject",
-                   "--num-prompts", "1", "--max-new-tokens", "4", "--sweep", "", "--out", str(out), "--no-progress"])
-    assert rc == 0, capsys.readouterr().err
+                   "--num-prompts", "1", "--max-new-tokens", "4", "--sweep", "", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0 and "\r" not in err and "decode" not in err, err
     report = json.loads((out / "bench.json").read_text())
     assert (report["target"], report["target_revision"], report["draft"], report["draft_revision"]) == \
         ("acme/t@main", "a" * 40, str(drafter), None)

@@ -1835,6 +1835,48 @@ def test_train_refuses_an_out_that_is_a_cached_target_or_init_from(tiny_pair, tm
     assert not any(p.name == "train_work" for p in hub.rglob("*"))
 
 
+def test_progress_bars_are_drawn_only_on_a_terminal_and_lines_keep_their_own_lines(tiny_pair, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """``train ... 2> log`` (stderr a file): the bar's \\r-separated redraws filled the log, and
+    eval lines were glued to it (``...[00:00<?, ?step/s]eval step 0: val_loss ...``); so did the
+    self-distill bar. Where stderr is not a terminal no bar is drawn; where it is, the run's
+    lines are written above the bar, each on its own line (trial-284)."""
+    import io
+    import sys
+
+    from dflash_torch.cli import main as cli_main
+    from dflash_torch.tokenizer import load_tokenizer
+    from dflash_torch.training.distill import self_distill
+
+    target, _ = tiny_pair
+    text = tmp_path / "c.txt"
+    text.write_text("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(60)))
+    args = ["train", "--target", str(target), "--data", str(text), "--steps", "2", "--batch", "2", "--seq-len", "64",
+            "--val-seqs", "2", "--eval-every", "1", "--num-layers", "1", "--block-size", "4"]
+    assert cli_main([*args, "--out", str(tmp_path / "file")]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "step/s" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("eval step")] == \
+        [line for line in err.splitlines() if "eval step" in line] != [], err
+
+    class Terminal(io.StringIO):  # (a stream that says it is a terminal: tqdm draws its bar there)
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert cli_main([*args, "--out", str(tmp_path / "tty")]) == 0
+    monkeypatch.undo()
+    drawn = terminal.getvalue()
+    assert "step/s" in drawn, drawn  # (the bar)
+    lines = [part for line in drawn.split("\n") for part in line.split("\r")]
+    evals = [line for line in lines if "eval step" in line]
+    assert len(evals) == 3 and all(line.startswith("eval step") for line in evals), drawn
+    capsys.readouterr()
+    examples = self_distill(target, load_tokenizer(target), [[1, 2, 3]], [False], 6, progress=True)
+    assert len(examples) == 1 and capsys.readouterr().err == ""  # (nor transformers' bar as it loads the weights)
+
+
 def test_training_log_records_a_command_that_reruns_and_the_commit_of_a_hub_target(tiny_pair, tmp_path, capsys,
                                                                                      monkeypatch):
     """training_log.json's ``command`` was ``" ".join(argv)``: an ``--out 'tr out ü'`` was recorded

@@ -194,7 +194,8 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
     ``warmup_prompts``: warm-up passes per mode (the longest prompt's prefill and the
     shortest prompt decoded to ``max_context``), after which a compiled mode has built
     the graphs of every length bucket up to ``max_context``. With 0, nothing is warmed
-    up: compiled modes compile while timed (and count it as recompiles).
+    up: compiled modes compile while timed (and count it as recompiles). ``progress``: a
+    progress bar of the prompts on stderr, where that is a terminal.
 
     Returns:
         per mode, in the order of ``specs``: its figures and the generated ids of each prompt.
@@ -227,7 +228,8 @@ def run_modes(specs: list[ModeSpec], target, drafter, prompt_ids: list[list[int]
                                   eager_fallbacks=eager_fallbacks() - fallbacks if spec.compile else None))
     outputs = [[] for _ in specs]
     rounds = [[] for _ in specs]
-    for ids in tqdm(prompt_ids, desc="decode", disable=not progress, leave=False):
+    # (None: no bar where stderr is not a terminal, a log file filled with its \r-separated redraws: trial-284)
+    for ids in tqdm(prompt_ids, desc="decode", disable=None if progress else True, leave=False):
         for i, (spec, decoder, res) in enumerate(zip(specs, decoders, results)):
             graphs, skips = compile_counts()
             fallbacks = eager_fallbacks()

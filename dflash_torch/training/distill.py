@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import random
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -71,7 +72,8 @@ def greedy_continuations(model, prompts: list[list[int]], max_new: list[int], pa
 
     Prompts are sorted by length and run ``batch_size`` at a time with left padding.
     ``stop_ids[i]`` (optional): cut continuation ``i`` after its first stop token.
-    EOS does not stop generation otherwise.
+    EOS does not stop generation otherwise. ``progress``: a progress bar on stderr, where
+    that is a terminal.
     """
     import inspect
 
@@ -81,7 +83,8 @@ def greedy_continuations(model, prompts: list[list[int]], max_new: list[int], pa
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
-    bar = tqdm(total=len(prompts), desc="self-distill", unit="seq", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(prompts), desc="self-distill", unit="seq", disable=None if progress else True,  # (None: not
+               dynamic_ncols=True)  # where stderr is not a terminal: a log file filled with its redraws, trial-284)
     for c in range(0, len(order), batch_size):
         chunk = order[c:c + batch_size]
         width = max(len(prompts[i]) for i in chunk)
@@ -167,6 +170,14 @@ def distill_prompts(tokenizer, corpus: Corpus, n: int, seq_len: int, *, prefix_m
     return prompts + texts, chat + [False] * len(texts)
 
 
+def _stderr_is_terminal() -> bool:
+    """Whether stderr is a terminal, where progress bars are drawn (a file or pipe is not)."""
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError, OSError):  # (a stream without isatty, or closed)
+        return False
+
+
 @contextlib.contextmanager
 def _progress_bars(enabled: bool):
     """transformers' progress bars on (as they were) or off within the block."""
@@ -223,14 +234,15 @@ def self_distill(target_dir: Path, tokenizer, prompts: list[list[int]], chat: li
     Text prompts are continued for the full length (EOS does not stop them: the
     continuation past it is still the target's greedy output); chat prompts
     (``chat[i]``) stop at EOS. The target is run by transformers (:func:`load_distill_model`),
-    on text only.
+    on text only. ``progress``: progress bars on stderr, where that is a terminal.
 
     Raises:
         OptionError: a target transformers cannot load, naming ``self_distill``.
     """
     if not prompts:
         return []
-    with _progress_bars(progress):  # (transformers draws one while it loads the weights)
+    # (transformers draws one while it loads the weights: where stderr is a terminal, as the others)
+    with _progress_bars(progress and _stderr_is_terminal()):
         model = load_distill_model(target_dir, dtype)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)

@@ -70,7 +70,8 @@ RECIPE = ("data", "batch", "seq_len", "anchors_per_seq", "lr", "min_lr_frac", "w
 class TrainConfig:
     """Every setting of a training run. ``dflash-torch train``'s flags set them, a flag a
     field (``gamma`` is ``--gamma``, ``num_threads`` ``--threads``, ``autocast=False``
-    ``--no-autocast``, ``progress=False`` ``--no-progress``), but for ``min_lr_frac`` and
+    ``--no-autocast``, ``progress=False`` ``--no-progress``: no progress bars; with True, they
+    are drawn on stderr where that is a terminal), but for ``min_lr_frac`` and
     ``log_every``, which have no flag. ``data`` is a list of paths; one path (a ``str`` or
     ``os.PathLike``) is taken as a list of it, and paths given as ``os.PathLike`` are kept as
     ``str`` (as the checkpoint and ``training_log.json`` record them); ``save_dtype`` given as
@@ -1254,7 +1255,7 @@ class Trainer:
         the command line's flag of each field (``{"num_layers": "--num-layers"}``), by which
         lines that name fields name them (:meth:`say`; errors: the command line's own)."""
         self.cfg = cfg
-        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.log = log or _say_line
         self.flags = flags or {}
 
     def say(self, line: str, *names: str) -> None:
@@ -1711,7 +1712,9 @@ class Trainer:
                      "never decays; give a smaller warmup_steps", "warmup_steps", "steps", "lr")
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not cfg.progress, dynamic_ncols=True)
+        # (no bar where stderr is not a terminal, disable=None: its \r-separated redraws filled a log file, trial-284)
+        bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=None if cfg.progress else True,
+                   dynamic_ncols=True)
         out = None  # (the last step's, once one is trained)
 
         def evaluate_at(at: int, said: bool = True) -> dict:
@@ -1833,6 +1836,16 @@ class Trainer:
 
 STALE_WEIGHTS = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
 """Names of the weight and index files a checkpoint in ``--out`` may hold besides ``model.safetensors``."""
+
+
+def _say_line(line: str) -> None:
+    """Write ``line`` to stderr on a line of its own (:class:`Trainer`'s default log): through
+    ``tqdm.write``, which clears the progress bar drawn there and draws it again below (an eval
+    line printed while it was drawn was glued to it: ``...[00:00<?, ?step/s]eval step 0: ...``)."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+    sys.stderr.flush()
 
 
 def _eval_line(e: dict) -> str:
