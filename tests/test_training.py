@@ -3,10 +3,12 @@ inference path, loss going down, export -> loader -> engine, deterministic resum
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -1721,14 +1723,24 @@ def test_train_renders_the_chat_data_with_chat_template_kwargs(tiny_pair, tmp_pa
     assert all("<think>" not in tok.decode(ids.tolist()) for ids, _ in blob["chat"])
 
 
-def test_the_progress_bar_shows_the_logged_loss(tiny_pair, tmp_path, capsys):
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal: tqdm draws its bars there (on no other stderr)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_shows_the_logged_loss(tiny_pair, tmp_path, monkeypatch):
     """The bar's loss was a moving average of its own (0.95), lagging behind the loss the log
     says on short runs (6.817 on the bar, 5.5254 in the log: trial-272): it is the last
     loss_history row's, the run's final_train_loss at its end."""
     target_dir, _ = tiny_pair
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
     info = Trainer(_cfg(tmp_path, target_dir, _jsonl(tmp_path / "d.jsonl"), steps=3, val_seqs=0, progress=True),
                    log=lambda m: None).run()
-    bar = [part for part in capsys.readouterr().err.split("\r") if part.startswith("train")][-1]
+    monkeypatch.undo()
+    bar = [part for part in terminal.getvalue().split("\r") if part.startswith("train")][-1]
     assert f"loss={info['final_train_loss']}," in bar and "3/3" in bar, bar
 
 
@@ -1841,9 +1853,6 @@ def test_progress_bars_are_drawn_only_on_a_terminal_and_lines_keep_their_own_lin
     eval lines were glued to it (``...[00:00<?, ?step/s]eval step 0: val_loss ...``); so did the
     self-distill bar. Where stderr is not a terminal no bar is drawn; where it is, the run's
     lines are written above the bar, each on its own line (trial-284)."""
-    import io
-    import sys
-
     from dflash_torch.cli import main as cli_main
     from dflash_torch.tokenizer import load_tokenizer
     from dflash_torch.training.distill import self_distill
@@ -1859,11 +1868,7 @@ def test_progress_bars_are_drawn_only_on_a_terminal_and_lines_keep_their_own_lin
     assert [line for line in err.splitlines() if line.startswith("eval step")] == \
         [line for line in err.splitlines() if "eval step" in line] != [], err
 
-    class Terminal(io.StringIO):  # (a stream that says it is a terminal: tqdm draws its bar there)
-        def isatty(self) -> bool:
-            return True
-
-    terminal = Terminal()
+    terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     assert cli_main([*args, "--out", str(tmp_path / "tty")]) == 0
     monkeypatch.undo()
@@ -1884,7 +1889,6 @@ def test_training_log_records_a_command_that_reruns_and_the_commit_of_a_hub_targ
     the commit main named then (main moves). The command is quoted as a shell reads it, and
     ``target_revision`` is the cached snapshot's commit (null for a local directory) (trial-284)."""
     import shlex
-    import sys
 
     from huggingface_hub import constants
     from test_errors import _cache_repo
@@ -3487,15 +3491,28 @@ def test_ctrl_c_again_while_train_saves_and_exits_ends_quietly(tiny_pair, tmp_pa
 def test_sigterm_saves_a_checkpoint_as_ctrl_c_does_and_resume_goes_on(tiny_pair, tmp_path, capsys):
     """SIGTERM (timeout, docker stop, systemd, Slurm) killed train with nothing saved: it saves the
     checkpoint of the steps trained, as a Ctrl-C does, and exits 143 (128 + SIGTERM); --resume goes on."""
+    import fcntl
     import os
+    import pty
     import re
     import select
     import signal
+    import struct
     import subprocess
     import sys
+    import termios
     import time
 
     from dflash_torch.cli import main as cli_main
+
+    def read(fd: int, wait: float) -> bytes:
+        """What the terminal ``fd`` has within ``wait`` seconds (b"" at its end: EIO once the child has exited)."""
+        if not select.select([fd], [], [], wait)[0]:
+            return b""
+        try:
+            return os.read(fd, 1 << 16) or b""
+        except OSError:
+            return b""
 
     target, _ = tiny_pair
     text = tmp_path / "c.txt"
@@ -3505,18 +3522,24 @@ def test_sigterm_saves_a_checkpoint_as_ctrl_c_does_and_resume_goes_on(tiny_pair,
             "--batch", "2", "--seq-len", "64", "--anchors-per-seq", "2", "--val-seqs", "0", "--block-size", "8",
             "--num-layers", "1"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    terminal, stderr = pty.openpty()  # (stderr a terminal: the progress bar is drawn only there)
+    fcntl.ioctl(stderr, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # (0 columns: a bar of nothing)
     proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", *args, "--steps", "1000000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+                            stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+    os.close(stderr)
     seen, deadline = b"", time.monotonic() + 240
     try:  # (until the progress bar shows a step trained)
         while not re.search(rb"train:[^\r\n]*\| *[1-9][0-9]*/", seen):
             assert proc.poll() is None and time.monotonic() < deadline, seen[-500:]
-            if select.select([proc.stderr], [], [], 0.2)[0]:
-                seen += os.read(proc.stderr.fileno(), 1 << 16)
+            seen += read(terminal, 0.2)
         proc.send_signal(signal.SIGTERM)
-        err = (seen + proc.communicate(timeout=120)[1]).decode()
+        proc.wait(timeout=120)
+        while more := read(terminal, 1):
+            seen += more
+        err = seen.decode()
     finally:
         proc.kill()
+        os.close(terminal)
     assert proc.returncode == 143, err
     last = err.strip().splitlines()[-1]
     found = re.fullmatch(rf"interrupted: checkpoint of step (\d+) saved to {re.escape(repr(str(work / 'checkpoint.pt')))}; "
