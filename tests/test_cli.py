@@ -313,19 +313,44 @@ def test_ctrl_c_while_decoding_exits_130_without_a_traceback(pair_args, tmp_path
         args = ["bench", *pair_args, "--num-prompts", "2", "--max-new-tokens", "600", "--modes", "target-only,inject",
                 "--sweep", "", "--out", str(tmp_path / "bench")]
         marker, pipe = "decode", "stderr"
+    def read(fd: int) -> bytes:
+        try:
+            return os.read(fd, 4096)
+        except OSError:  # (EIO: a terminal whose other end has closed)
+            return b""
+
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    terminal = stderr = None
+    if pipe == "stderr":  # (a terminal: the progress bar is drawn only there, with a window size, not 0 columns)
+        import fcntl
+        import pty
+        import struct
+        import termios
+
+        terminal, stderr = pty.openpty()
+        fcntl.ioctl(stderr, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)
+                            stderr=subprocess.PIPE if stderr is None else stderr, env=env)
+    if stderr is not None:
+        os.close(stderr)
     seen = b""
-    while True:
-        data = os.read(getattr(proc, pipe).fileno(), 4096)
-        assert data, (proc.wait(), seen)  # the command ended before it was interrupted
-        seen += data
-        if marker.encode() in seen and (marker or seen.strip()):
-            break
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    err = (seen if pipe == "stderr" else b"").decode() + err.decode()
+    try:
+        while True:
+            data = read(proc.stdout.fileno() if terminal is None else terminal)
+            assert data, (proc.wait(), seen)  # the command ended before it was interrupted
+            seen += data
+            if marker.encode() in seen and (marker or seen.strip()):
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        if terminal is not None:
+            while more := read(terminal):
+                seen += more
+        err = seen.decode() if terminal is not None else err.decode()
+    finally:
+        proc.kill()
+        if terminal is not None:
+            os.close(terminal)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "terminate called" not in err, err
     if command == "generate":  # (the text ends its line, and says it was cut: the shell's prompt came after it)
