@@ -1910,6 +1910,21 @@ def test_training_log_records_a_command_that_reruns_and_the_commit_of_a_hub_targ
     log = json.loads((out / "training_log.json").read_text())
     assert shlex.split(log["command"]) == ["dflash-torch", *args]
     assert log["target_revision"] == "a" * 40 and log["config"]["target"] == "acme/t@main"
+    assert log["init_from_revision"] is None  # (no init_from)
+    # a drafter to start from, taken by its Hub id: its commit too
+    drafter = tmp_path / "d"
+    drafter.mkdir()
+    for file in out.iterdir():
+        if file.is_file():  # (not its train_work folder)
+            shutil.copy(file, drafter)
+    _cache_repo(tmp_path / "hub", "acme/d", drafter)
+    again = tmp_path / "again"
+    args = ["train", "--target", "acme/t", "--init-from", "acme/d", "--data", str(text), "--out", str(again), "--steps",
+            "1", "--batch", "2", "--seq-len", "64", "--val-seqs", "0", "--no-progress"]
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/dflash-torch", *args])
+    assert cli_main(args) == 0, capsys.readouterr().err
+    log = json.loads((again / "training_log.json").read_text())
+    assert log["target_revision"] == log["init_from_revision"] == "a" * 40
     # the snapshot's own path, or a link to it, is that commit too; a local directory of its own has none
     (tmp_path / "link").symlink_to(snapshot)
     assert [hub.revision_of(p) for p in ("acme/t", snapshot, tmp_path / "link", target, "acme/none", f"acme/x@{'b' * 40}")] \

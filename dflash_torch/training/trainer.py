@@ -1385,6 +1385,7 @@ class Trainer:
             raise OptionError(f"resume=True: no checkpoint at {quoted(ckpt_path)}", "resume")
         target_dir = checkpoint_dir(cfg.target, "target")
         target_revision = hub.revision_of(target_dir)
+        init_from_revision = None if cfg.init_from is None else hub.revision_of(cfg.init_from)
         target_cfg = TargetConfig.from_dict(load_config(target_dir))
         if cfg.seq_len > (limit := context_limit(target_cfg)):
             raise OptionError(f"seq_len {cfg.seq_len} exceeds the target's context of {limit} tokens", "seq_len")
@@ -1672,7 +1673,7 @@ class Trainer:
                 # (quoted as a shell reads it: an --out with a space was recorded unquoted, trial-284)
                 "command": shlex.join(["dflash-torch", *sys.argv[1:]]) if sys.argv[1:2] == ["train"] else None,
                 # (the commit of a Hub id's snapshot, ORG/NAME@main's too: main moves; null for a local directory)
-                "target_revision": target_revision,
+                "target_revision": target_revision, "init_from_revision": init_from_revision,
                 "config": recorded, "drafter_config": exported_config(dcfg, cfg.save_dtype),
                 "mask_token_id_source": how, "gamma": gamma,
                 "params": n_params, "steps": step, "train_time_s": round(elapsed(), 1),
