@@ -517,7 +517,7 @@ class SpeculativeDecoder:
         self._mask_tail = torch.full((block_size - 1,), mask_id, dtype=torch.long, device=self.device)
         if self.static:  # preallocate once: buffer shapes never change afterwards
             capacity = self.max_context + self.max_rows + 1
-            self._check_fits(allocated(capacity))  # (as reset allocates)
+            self._check_fits()  # (the caches reset allocates)
             try:
                 self.target_cache.reset(capacity)
                 if self.context is not None:
@@ -549,22 +549,31 @@ class SpeculativeDecoder:
             self._verify_fn = compile_step(self._verify_step, **opts)
             self._commit_fn = compile_step(self._commit_step, **opts)
 
-    def _check_fits(self, capacity: int) -> None:
-        """Fixed shapes: the caches of ``capacity`` positions must fit in 90% of the device's
-        free memory (as the batch decoder's), else :class:`OptionError` naming ``max_context``."""
+    def _check_fits(self) -> None:
+        """Fixed shapes: the caches of ``max_context`` (``max_context + max_rows + 1`` positions,
+        as ``__init__`` allocates them) must fit in 90% of the device's free memory (as the batch
+        decoder's), else :class:`OptionError` naming ``max_context``."""
         drafter = self.drafter if isinstance(self.context, InjectedContext) else None
-        need = cache_bytes(self.target, drafter, 1, capacity, self.max_rows, False, self.max_rows)
-        free = available_memory(self.device)
-        if free is not None and need > 0.9 * free:
-            caches = context_caches(self.max_context, self._context_given, "fixed shapes: allocated at once")
-            def need_of(context: int) -> int:  # (the caches of a max_context, sized as __init__ sizes them)
-                rows = max(self.block_size, min(self.prefill_chunk, context))
-                return cache_bytes(self.target, drafter, 1, allocated(context + rows + 1), rows, False, rows)
 
-            most = most_that_fits(need_of, self.max_context, 0.9 * free)
-            raise OptionError(f"the caches of {caches} need {memory_text(need, True)} but {self.device.type} has "
-                              f"{memory_text(free, True)} free; {self._lower_it}"
-                              + (f" (at most {most} fits in 90% of that)" if most else ""), "max_context")
+        def need_of(context: int) -> int:  # (the caches of a max_context, sized as __init__ sizes them)
+            rows = max(self.block_size, min(self.prefill_chunk, context))
+            return cache_bytes(self.target, drafter, 1, allocated(context + rows + 1), rows, False, rows)
+
+        self._refuse_context(need_of, "fixed shapes: allocated at once")
+
+    def _refuse_context(self, need_of: Callable[[int], int], how: str) -> None:
+        """:class:`OptionError` naming ``max_context`` (and the most that fits, in tokens) where
+        ``need_of(max_context)``, the bytes of the caches of a context, does not fit in 90% of
+        the device's free memory; ``how``: how those caches are held, said in the message."""
+        free = available_memory(self.device)
+        need = need_of(self.max_context)
+        if free is None or need <= 0.9 * free:
+            return
+        caches = context_caches(self.max_context, self._context_given, how)
+        most = most_that_fits(need_of, self.max_context, 0.9 * free)
+        raise OptionError(f"the caches of {caches} need {memory_text(need, True)} but {self.device.type} has "
+                          f"{memory_text(free, True)} free; {self._lower_it}"
+                          + (f" (at most {most} fits in 90% of that)" if most else ""), "max_context")
 
     def _grown_bytes(self, context: int) -> int:
         """Bytes of the growing caches (not fixed shapes) that a sequence of ``context`` tokens
@@ -586,17 +595,8 @@ class SpeculativeDecoder:
             OptionError: naming ``max_context`` and the most that fits (in tokens), where
                 they do not fit.
         """
-        if self.static:
-            return
-        free = available_memory(self.device)
-        need = self._grown_bytes(self.max_context)
-        if free is None or need <= 0.9 * free:
-            return
-        caches = context_caches(self.max_context, self._context_given, "one sequence, as a request may grow them")
-        most = most_that_fits(self._grown_bytes, self.max_context, 0.9 * free)
-        raise OptionError(f"the caches of {caches} need {memory_text(need, True)} but {self.device.type} has "
-                          f"{memory_text(free, True)} free; {self._lower_it}"
-                          + (f" (at most {most} fits in 90% of that)" if most else ""), "max_context")
+        if not self.static:
+            self._refuse_context(self._grown_bytes, "one sequence, as a request may grow them")
 
     def _check_room(self, n_prompt: int, max_new_tokens: int, left: int | None = None) -> None:
         """Growing caches (not fixed shapes), before a request's first work: those of its
