@@ -86,8 +86,7 @@ _KEYED = frozenset({"properties", "patternProperties", "additionalProperties", "
 _SAME_VALUE = ("$ref", "$dynamicRef", "$recursiveRef", "allOf", "anyOf", "oneOf", "then", "else",
                "dependentSchemas", "dependencies")
 # keywords that share the object with other schemas (or say what other keys it takes): not closed beside them
-_SHARING = ("additionalProperties", "unevaluatedProperties", "$ref", "$dynamicRef", "$recursiveRef", "allOf", "anyOf",
-            "oneOf", "if", "then", "else", "dependentSchemas", "dependencies")
+_SHARING = (*_SAME_VALUE, "additionalProperties", "unevaluatedProperties", "if")
 # subschemas of a new instance (a property's value, an item, ...): closed or not on their own
 _NEW_VALUE = ("additionalProperties", "additionalItems", "contains", "propertyNames", "unevaluatedItems",
               "unevaluatedProperties", "items")
@@ -221,15 +220,17 @@ class _Walk:
                 self.visit(*found, ref_open)
 
 
-def _with_closed(schema, path: tuple):
-    """``schema`` with ``additionalProperties: false`` added to the object schema at ``path``;
-    the containers on the way copied, ``schema`` itself not changed."""
-    if not path:
-        return {**schema, "additionalProperties": False}
-    head, rest = path[0], path[1:]
-    if isinstance(schema, list):
-        return [*schema[:head], _with_closed(schema[head], rest), *schema[head + 1:]]
-    return {**schema, head: _with_closed(schema[head], rest)}
+def _with_closed(schema, closed: dict):
+    """``schema`` with ``additionalProperties: false`` added to the object schemas at the paths
+    of ``closed`` (a trie: a path's part -> the trie below it; the key None ends a path there);
+    each container on the way copied once, ``schema`` itself not changed."""
+    out = list(schema) if isinstance(schema, list) else dict(schema)
+    for part, below in closed.items():
+        if part is None:
+            out["additionalProperties"] = False
+        else:
+            out[part] = _with_closed(schema[part], below)
+    return out
 
 
 def strict_schema(schema, is_object: bool = False):
@@ -289,11 +290,14 @@ def strict_schema(schema, is_object: bool = False):
         while walk.lost and i < len(walk.named):  # (the list grows as the open ones are walked again)
             walk.visit(*walk.named[i], True)
             i += 1
-        out = schema
+        closed: dict = {}
         for path, open_ in walk.open.items():
             if not open_ and _closable(walk.nodes[path], is_object and not path):
-                out = _with_closed(out, path)
-        return out
+                below = closed
+                for part in path:
+                    below = below.setdefault(part, {})
+                below[None] = True
+        return _with_closed(schema, closed) if closed else schema
     except RecursionError:
         raise DFlashError("the schema is nested too deeply to make strict") from None
 
