@@ -149,9 +149,9 @@ def as_prompt(prompt):
     """
     import numpy as np
 
-    if isinstance(prompt, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in prompt):  # (0-dim ids)
+    if isinstance(prompt, (list, tuple)):
         for t in prompt:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor):  # (0-dim ids)
                 readable(t, "the prompt", "prompt", holds=True)
     if isinstance(prompt, (tuple, range)):
         return list(prompt)

@@ -2366,6 +2366,14 @@ def _tok(target_dir: Path):
     return load_tokenizer(target_dir)
 
 
+def _add_chats(path: Path, n: int) -> Path:
+    """``path``, a chat JSONL file of ``n`` short conversations ("add i" -> "x + i")."""
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"add {i}"},
+                                                     {"role": "assistant", "content": f"x + {i}"}]}) + "\n"
+                            for i in range(n)))
+    return path
+
+
 def _prepare(cfg: TrainConfig, tokenizer, target_dir: Path):
     from dflash_torch.training.trainer import prepare_data
 
@@ -2651,10 +2659,7 @@ def test_too_little_chat_data_and_a_capped_eval_split_say_what_helps(tiny_pair, 
 
     target_dir, _ = tiny_pair
     tok = _tok(target_dir)
-    chat = tmp_path / "chat.jsonl"
-    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"add {i}"},
-                                                     {"role": "assistant", "content": f"x + {i}"}]}) + "\n"
-                            for i in range(6)))
+    chat = _add_chats(tmp_path / "chat.jsonl", 6)
     with pytest.raises(DFlashError) as err:
         _prepare(_cfg(tmp_path, target_dir, chat, val_seqs=0, batch=7, seq_len=32), tok, target_dir)
     msg = str(err.value)
@@ -2743,10 +2748,7 @@ def test_other_settings_keep_an_older_data_cache_of_self_distilled_data_and_remo
 
     target_dir, _ = tiny_pair
     tok = _tok(target_dir)
-    chat = tmp_path / "chat.jsonl"
-    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"add {i}"},
-                                                     {"role": "assistant", "content": f"x + {i}"}]}) + "\n"
-                            for i in range(4)))
+    chat = _add_chats(tmp_path / "chat.jsonl", 4)
     work = tmp_path / "work"
     _prepare(_cfg(tmp_path, target_dir, chat, val_seqs=0, batch=1, self_distill=2), tok, target_dir)
     (distilled,) = work.glob("data-*.pt")

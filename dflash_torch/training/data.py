@@ -56,7 +56,7 @@ from typing import Iterator
 
 import torch
 
-from ..chat_template import chat_messages, render_chat
+from ..chat_template import CHAT_ROLES, chat_messages, render_chat
 from ..errors import DFlashError
 
 
@@ -179,7 +179,7 @@ def _check_unicode(text: str, where: str) -> str:
 
 # The roles a training record's messages may take: the server's (an "ipython" or other role a
 # template may know is refused too: neither the loss mask nor the server treats it, trial-275).
-TRAIN_ROLES = ("system", "developer", "user", "assistant", "tool")
+TRAIN_ROLES = CHAT_ROLES
 _ROLE_HINTS = {"human": "user", "gpt": "assistant"}  # (ShareGPT's names)
 
 
