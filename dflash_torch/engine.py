@@ -801,7 +801,8 @@ class DFlashEngine:
 
         Raises:
             DFlashError: ``chat`` not a bool or without a tokenizer chat template, messages
-                the chat template refuses (or a template that cannot be rendered), a
+                the chat template refuses (or a template that cannot be rendered), a message
+                of a role OpenAI's API has not that the template drops (:meth:`_check_roles_rendered`), a
                 malformed prompt or message (a tool call's ``arguments`` that is not a JSON
                 object), or one longer than ``max_prompt_chars``;
                 ``chat_template_kwargs`` not a dict of string keys, setting an argument of
@@ -860,6 +861,7 @@ class DFlashEngine:
             if continue_final_message:
                 template_kwargs["continue_final_message"] = True
             text = render_chat(self.tokenizer, messages, template_kwargs)
+            self._check_roles_rendered(messages, template_kwargs, text)
             if check_length:  # (what the template adds: each message's markers, the tools, ...)
                 self._check_length(len(text), "the prompt (the messages as the chat template renders them)")
             ids = self._encode(text, add_special_tokens=False)
@@ -877,6 +879,27 @@ class DFlashEngine:
         if check_length:
             self._check_length(len(prompt))
         return self._encode(prompt)
+
+    def _check_roles_rendered(self, messages: list[dict], template_kwargs: dict, text: str) -> None:
+        """Refuses a message of a role OpenAI's API has not (``function``, ``ipython``, ...)
+        that the chat template drops: the prompt it renders is the same without that message
+        (Qwen3's template renders only the roles it knows), so the model would never see it.
+        A template that renders such a role (Llama 3.1's ``ipython``) takes it. One render
+        more per such message; none for the usual roles (:data:`CHAT_ROLES`).
+
+        Raises:
+            DFlashError: naming the message's index and role."""
+        for i, m in enumerate(messages):
+            if m["role"] in CHAT_ROLES:
+                continue
+            try:
+                without = render_chat(self.tokenizer, messages[:i] + messages[i + 1:], template_kwargs)
+            except DFlashError:  # (the template needs it there: it reads it)
+                continue
+            if without == text:
+                raise DFlashError(f"chat message {i} has role {shown(m['role'][:40])}, which this model's chat template "
+                                  "does not render (the prompt is the same without the message, so the model would "
+                                  f"not see it); the roles are {', '.join(CHAT_ROLES)}")
 
     def tools_left_out(self, prompt: str | list[dict], chat: bool = False, chat_template_kwargs: dict | None = None,
                        tools: list[dict] | None = None, *, ids: list[int] | None = None, **prompt_options) -> bool:

@@ -547,6 +547,28 @@ def test_a_template_that_cannot_render_the_tools_names_them(local_engine, monkey
         assert not hasattr(err.value, "name")
 
 
+def test_a_role_the_chat_template_drops_is_refused(local_engine, monkeypatch):
+    """A message of a role OpenAI's API has not is refused where the template renders the
+    prompt the same without it (Qwen3's renders only the roles it knows: a ``function``
+    result was dropped unsaid, the model answering without it); a template that renders
+    any role takes it, and the usual roles are not checked (a system message the template
+    leaves out stays the template's choice)."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "function", "content": "RESULT"}]
+    assert "RESULT" in local_engine.tokenizer.decode(local_engine.encode_prompt(messages))  # (renders any role)
+    monkeypatch.setattr(local_engine.tokenizer, "chat_template",
+                        "{% for m in messages %}{% if m.role in ('user', 'assistant', 'tool') %}<{{ m.role }}>"
+                        "{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    with pytest.raises(DFlashError, match=r"^chat message 1 has role 'function', which this model's chat template "
+                                          r"does not render \(the prompt is the same without the message") as err:
+        local_engine.generate(messages, max_new_tokens=1)
+    assert "system, developer, user, assistant, tool" in str(err.value)
+    local_engine.encode_prompt([{"role": "system", "content": "s"}, *messages[:1]])  # (a usual role: the template's)
+    monkeypatch.setattr(local_engine.tokenizer, "chat_template",
+                        "{% for m in messages %}{% if m.role == 'user' %}<user>{% endif %}{{ m.content }}"
+                        "{% endfor %}<assistant>")
+    assert "RESULT" in local_engine.tokenizer.decode(local_engine.encode_prompt(messages))
+
+
 def test_tools_a_chat_template_leaves_out_are_warned_once_in_python(tiny_pair, caplog):
     """Tools given in Python to a chat template that renders the same prompt without them (one
     written without tools, as the shipped default target's) get one WARNING through the package
