@@ -23,6 +23,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+from .aliases import flag_hint
 from .errors import CompileError, DFlashError, OptionError, OutputError, first_line, name_spans
 from .hub import check_timeouts
 
@@ -712,13 +713,19 @@ class _Parser(argparse.ArgumentParser):
         if command is not None and name in self.flags.values():
             return f"; {name} is an option of dflash-torch itself: give it before the command (dflash-torch {name})"
         close = close_flags(unknown, [*flags.values(), *self.flags.values()])
+        # (another tool's name for a flag, vLLM's --max-model-len: ours, before any spelling; --draft-model was
+        # "--draft-mode?", --do-sample "--compile?")
+        alias = flag_hint(unknown, [*flags.values(), *self.flags.values()])
         owners = [c for c, p in self._commands().items() if c != command and name in p.flags.values()]
         if owners:  # (another command's flag, serve's --port given to generate: whose it is, and the flags it
             where = ", ".join(owners[:-1]) + " and " * (len(owners) > 1) + owners[-1]  # begins, not typos' ones)
             close = [f for f in close if f.startswith(name.lower())]
             return (f"; {name} is an option of {where}, not of {command}" if command is not None else
                     f"; {name} is an option of {where}: give it after the command (dflash-torch {owners[0]} {name} "
-                    "...)") + (f"; did you mean {' or '.join(close)}?" if close else "")
+                    "...)") + (f"; {alias}" if alias else "" if alias is not None
+                              else f"; did you mean {' or '.join(close)}?" if close else "")
+        if alias is not None:  # (another tool's name: ours, or none where this command has none; not a typo's)
+            return f"; {alias}" if alias else ""
         return f"; did you mean {' or '.join(close)}?" if close else ""
 
     def error(self, message: str):

@@ -34,6 +34,7 @@ import torch
 from . import compute, options
 from .batch import BatchDecoder, check_draft_max_batch_size, check_engine_max_batch_size, check_prefix_slots
 from .cache import common_start
+from .aliases import ALIASES
 from .chat_template import CHAT_ROLES, _not_messages_hint, chat_messages, render_chat, reserved_template_variables
 from .checkpoint import available_memory, checkpoint_dir, load_config, memory_text, read_json_object
 from .decoding import Round, SpeculativeDecoder, check_models
@@ -180,59 +181,10 @@ def _keywords(*takes: Callable) -> list[str]:
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name != "self"]
 
 
-# Arguments of other libraries' generate / LLM calls (transformers, OpenAI, vLLM, TGI) that users bring, by the name
-# of this API's argument that does their work (the first of those names that the method takes: ``draft`` of
-# from_pretrained, ``drafter`` of the constructor; a request given one of from_pretrained's is told to load with it)
-# and a note that says how it differs; no name: a note alone, of what a request (generate, stream, generate_batch)
-# does instead. Looked up before the closest spelling (:func:`_hint`), which took ``stop_strings`` for
-# ``stop_token_ids`` and ``draft_model`` for ``draft_mode``. A name that does not do the same work here (vLLM's
-# allowed_token_ids, transformers' length_penalty) is left out: it gets no hint rather than a wrong one.
-_SAMPLES = "for n samples of a prompt, pass it n times: generate_batch([prompt] * n, temperature=...) with temperature > 0, " \
-           "and seed a list of n seeds to make them reproducible"
-_UNPADDED = "not needed: each prompt is decoded as it is, without padding"
-_IDS = "token ids are a prompt as they are: a list of ints, or a 1-D tensor (a tokenizer's input_ids[0])"
-_BLOCK = "tokens per block: each round drafts block_size - 1 tokens"
-_ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
-    **dict.fromkeys(("stop_strings", "stop_sequences"), (("stop",), "")),
-    "eos_token_id": (("stop_token_ids",), "its ids stop generation beside the model's EOS ids"),
-    "generator": (("seed",), "it takes an int, not a torch.Generator"),
-    "random_seed": (("seed",), ""),
-    "max_length": (("max_new_tokens",), "it counts the generated tokens only, not the prompt's"),
-    **dict.fromkeys(("max_tokens", "max_completion_tokens"), (("max_new_tokens",), "")),
-    "min_length": (("min_tokens",), "it counts the generated tokens only, not the prompt's"),
-    "min_new_tokens": (("min_tokens",), ""),
-    "do_sample": (("temperature",), "temperature > 0 samples; the default, 0, is greedy"),
-    **dict.fromkeys(("n", "num_return_sequences"), ((), _SAMPLES)),
-    **dict.fromkeys(("pad_token_id", "attention_mask"), ((), _UNPADDED)),
-    "streamer": ((), "generate's on_chunk takes a function, called with each StreamChunk; stream yields them"),
-    **dict.fromkeys(("input_ids", "inputs", "prompt_token_ids"), (("prompt", "prompts"), _IDS)),
-    "messages": (("prompt", "prompts"), "a conversation, a list of message dicts, is a prompt as it is"),
-    "top_logprobs": (("logprobs",), ""),
-    "top_n_tokens": (("logprobs",), "it takes the number of most likely tokens reported at each position"),
-    "response_format": (("structured_output",), "as {'json': response_format['json_schema']['schema']}, or "
-                                                "{'json_object': True} for type json_object"),
-    "guided_json": (("structured_output",), "as {'json': schema}"),
-    "guided_regex": (("structured_output",), "as {'regex': pattern}"),
-    "guided_choice": (("structured_output",), "as {'choice': [...]}"),
-    "guided_grammar": (("structured_output",), "as {'grammar': lark_grammar}"),
-    **dict.fromkeys(("draft", "draft_model", "draft_dir", "draft_path", "drafter", "drafter_dir", "drafter_path",
-                     "draft_model_path", "speculative_model", "assistant_model"), (("draft", "drafter"), "")),
-    **dict.fromkeys(("target_only", "no_drafter"), (("no_draft",), "")),
-    **dict.fromkeys(("model", "model_name", "model_path", "model_dir", "model_name_or_path",
-                     "pretrained_model_name_or_path", "target_model", "target_dir"), (("target",), "")),
-    **dict.fromkeys(("num_speculative_tokens", "num_assistant_tokens", "gamma"), (("block_size",), _BLOCK)),
-    "torch_dtype": (("dtype",), ""),
-    "device_map": (("device",), "one device: 'cpu', 'cuda' or 'cuda:N'"),
-    **dict.fromkeys(("max_model_len", "max_seq_len"), (("max_context",), "")),
-    "max_num_seqs": (("max_batch_size",), ""),
-    **dict.fromkeys(("enable_prefix_caching", "prefix_caching"), (("reuse_prefix",), "")),
-}
-
-
 def _hint(name: str, known: list[str]) -> str:
     """What :func:`_check_arguments` adds to its message about the unknown keyword ``name``,
     given the arguments ``known`` of the method: `` (did you mean 'x'?)`` with the one that
-    does its work (:data:`_ALIASES`: ``stop_strings`` -> ``stop``, with a note where they
+    does its work (:data:`~dflash_torch.aliases.ALIASES`: ``stop_strings`` -> ``stop``, with a note where they
     differ), or for a request, what to do instead (``n``, ``pad_token_id``), or the argument
     of :meth:`DFlashEngine.from_pretrained` that does its work (``assistant_model``: load
     with ``draft``); for a name of no other library, a spelling close enough to be a typo
@@ -241,10 +193,10 @@ def _hint(name: str, known: list[str]) -> str:
     ``known``: ``do_sample`` of ``from_pretrained``)."""
     import difflib
 
-    if name not in _ALIASES:
+    if name not in ALIASES:
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
         return f" (did you mean {close[0]!r}?)" if close else ""
-    names, note = _ALIASES[name]
+    names, note = ALIASES[name]
     request = "prompt" in known or "prompts" in known
     if not names:  # (a note about a request)
         return f" ({note})" if request else ""

@@ -574,7 +574,28 @@ def test_long_flags_are_not_taken_abbreviated(capsys):
             (["--max-new-tokens", "5", "x"], "--max-new-tokens 5; --max-new-tokens is an option of generate, chat "
                                              "and bench: give it after the command (dflash-torch generate "
                                              "--max-new-tokens ...)"),
-            (["--steps", "3", "generate"], "--steps 3; --steps is an option of train, not of generate")):
+            (["--steps", "3", "generate"], "--steps 3; --steps is an option of train, not of generate"),
+            # (other tools' names for a flag: ours, from the table the Python API's hints use; --draft-model was
+            # "--draft-mode or --draft?", --do-sample "--compile?", --max-length none)
+            (["generate", "x", "--draft-model", "d"], "--draft-model d; did you mean --draft?"),
+            (["generate", "x", "--do-sample"], "--do-sample; did you mean --temperature? (a --temperature above 0 "
+                                               "samples; the default, 0, is greedy)"),
+            (["generate", "x", "--max-length", "5"], "--max-length 5; did you mean --max-new-tokens? (it counts the "
+                                                     "generated tokens only, not the prompt's)"),
+            (["chat", "--stop_strings", "x"], "--stop_strings x; did you mean --stop?"),
+            (["generate", "x", "--response-format", "j"], "--response-format j; did you mean --json-schema or "
+                                                          "--json-object?"),
+            (["serve", "--max-model-len", "64", "--model", "m"], "--max-model-len 64 --model m; did you mean "
+                                                                 "--max-context?"),
+            (["serve", "--enable-prefix-caching"], "--enable-prefix-caching; prefix reuse is on by default "
+                                                   "(--no-prefix-reuse turns it off)"),
+            (["bench", "--num-speculative-tokens", "8"], "--num-speculative-tokens 8; did you mean --block-size? "
+                                                         "(tokens per block: each round drafts the block size - 1 tokens)"),
+            (["generate", "x", "--gamma", "8"], "--gamma 8; --gamma is an option of train, not of generate; did you "
+                                                "mean --block-size? (tokens per block: each round drafts the block "
+                                                "size - 1 tokens)"),
+            (["generate", "x", "--n", "2"], "--n 2"),  # (no flag does its work: not --no-draft or --nvfp4)
+            (["train", "--target", "t", "--data", "d", "--out", "o", "--max-model-len", "9"], "--max-model-len 9")):
         with pytest.raises(SystemExit) as exit:
             cli_main(args)
         assert exit.value.code == 2 and capsys.readouterr().err == \
@@ -586,6 +607,22 @@ def test_long_flags_are_not_taken_abbreviated(capsys):
         assert exit.value.code == 2 and capsys.readouterr().err == ("dflash-torch: error: the following arguments are "
                                                                     f"required: command; unrecognized arguments: {hint} "
                                                                     "(see --help)\n"), args
+
+
+def test_other_tools_flag_names_point_to_flags_that_exist():
+    """Each flag the table of other tools' names points to is a flag of some command, each
+    CLI note belongs to a name of the table, and the names the Python API maps to its
+    arguments reach the flags of those arguments (``max_model_len`` -> ``--max-context``)."""
+    from dflash_torch.aliases import ALIASES, FLAG_NOTES, FLAGS, flag_hint
+    from dflash_torch.cli import build_parser
+
+    commands = build_parser()._commands()
+    every = {f for p in commands.values() for f in p.flags.values()}
+    assert {f for flags in FLAGS.values() for f in flags} <= every
+    assert set(FLAG_NOTES) <= set(ALIASES) | set(FLAGS)
+    named = {re.search(r"did you mean (--[\w-]+)", flag_hint("--" + n, every) or "") for n in ALIASES}
+    assert {"--max-new-tokens", "--max-context", "--block-size", "--draft", "--target", "--stop", "--seed",
+            "--max-batch-size", "--model-name", "--dtype", "--device"} <= {m[1] for m in named if m}
 
 
 def test_stop_help_says_how_to_pass_a_newline(capsys, monkeypatch):

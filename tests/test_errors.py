@@ -1834,7 +1834,7 @@ def test_an_argument_of_another_librarys_generate_is_named_by_ours(engine):
         engine.generate("x", max_new_tokens=2, prompt_logprobs=True)
     assert engine.generate("x", max_new_tokens=2, logprobs=0).logprobs[0].top == []  # (as the hint says)
     from dflash_torch.decoding import SpeculativeDecoder
-    from dflash_torch.engine import _ALIASES
+    from dflash_torch.aliases import ALIASES as _ALIASES
 
     takes = {"generate": (DFlashEngine.stream, DFlashEngine.generate), "stream": (DFlashEngine.stream,),
              "generate_batch": (DFlashEngine.generate_batch,), "from_pretrained": (DFlashEngine.from_pretrained,),
