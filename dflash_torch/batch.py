@@ -890,7 +890,7 @@ class BatchDecoder:
         logprobs = first_logprobs(last, first, params)
         t1 = time.perf_counter()
         return Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=start, logprobs=logprobs,
-                     prompt_logprobs=scored, error=processor.error if processor is not None else None)
+                     prompt_logprobs=scored, **Round.processed(processor))
 
     @_exclusive
     def join(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
@@ -1271,7 +1271,7 @@ class BatchDecoder:
             if q.processor is not None:
                 q.processor.commit(tokens)
             rounds[q.seq_id] = Round(tokens, a + 1, t1 - t0, t2 - t1, 0.0, logprobs=logprobs,
-                                     error=q.processor.error if q.processor is not None else None)
+                                     **Round.processed(q.processor))
         t3 = time.perf_counter()
         for r in rounds.values():
             r.total_time = t3 - t0
@@ -1329,7 +1329,7 @@ class BatchDecoder:
                 rounds[sharer.seq_id] = Round([first], None, 0.0, elapsed, elapsed, cached_tokens=q.reused,
                                               logprobs=first_logprobs(last, first, sharer.params),
                                               prompt_logprobs=None if q.scored is None else list(q.scored),
-                                              error=processor.error if processor is not None else None)
+                                              **Round.processed(processor))
         return rounds
 
     # --- the parts of a round ---

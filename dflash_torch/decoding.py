@@ -29,8 +29,8 @@ from .models.gated_deltanet import CHUNK
 from .models.target import TargetModel
 from .options import (check_block_size, check_count, check_flag, check_max_context, check_max_new_tokens,
                       check_prompt_logprobs, check_prompt_ids, check_prompt_position, context_limit, n_tokens)
-from .sampling import (SamplingParams, TokenLogprob, accept_greedy, accept_sampling, choose, first_logprobs,
-                       first_token, probabilities, token_logprobs)
+from .sampling import (LogitsProcessor, SamplingParams, TokenLogprob, accept_greedy, accept_sampling, choose,
+                       first_logprobs, first_token, probabilities, token_logprobs)
 
 DRAFT_MODES = ("inject", "recompute")
 
@@ -290,6 +290,11 @@ class Round:
             (:attr:`~dflash_torch.structured.GrammarState.failed`; the round's tokens end it
             with an EOS and should not be shown as a normal end). The caller reports it for
             this sequence alone.
+        complete_after: with a structured-output constraint that is complete after some of
+            the round's tokens and allows only an EOS there (all of them, or all but the EOS
+            that ends them): how many; else None
+            (:attr:`~dflash_torch.structured.GrammarState.complete_after`). An output cut there
+            by ``max_new_tokens`` has ended as the constraint ends it.
     """
 
     tokens: list[int]
@@ -301,6 +306,15 @@ class Round:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
+    complete_after: int | None = None
+
+    @staticmethod
+    def processed(processor: LogitsProcessor | None) -> dict:
+        """The fields a sequence's logits processor (None: none) sets after its commit:
+        ``error`` and ``complete_after``."""
+        if processor is None:
+            return {}
+        return {"error": processor.error, "complete_after": processor.complete_after}
 
 
 @dataclass
@@ -967,7 +981,7 @@ class SpeculativeDecoder:
         if self.reuse_prefix:  # (a copy: a view would hold the whole chunk's logits)
             self._kept = kept = _Kept(prompt + [first], n_prompt, saved, saved_at, last_logits.clone())
         yield Round([first], None, 0.0, t1 - t0, t1 - t0, cached_tokens=reused, logprobs=logprobs,
-                    prompt_logprobs=scored, error=processor.error if processor is not None else None)
+                    prompt_logprobs=scored, **Round.processed(processor))
         self._check_owner(run)
 
         s = n_prompt  # position of ``token``: committed, its features not yet known
@@ -1037,5 +1051,5 @@ class SpeculativeDecoder:
             committed += a + 1
             token = bonus
             yield Round(tokens, a + 1, t1 - t0, t2 - t1, t3 - t0, logprobs=logprobs,
-                        error=processor.error if processor is not None else None)
+                        **Round.processed(processor))
             self._check_owner(run)

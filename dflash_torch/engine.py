@@ -137,7 +137,8 @@ class GenerationResult:
             its space; see :mod:`dflash_torch.stopping`).
         token_ids: generated token ids, up to and including the stop token (or the token
             that completed a stop string); never past it.
-        finish_reason: ``"stop"`` (stop token or string) or ``"length"`` (max_new_tokens).
+        finish_reason: ``"stop"`` (stop token or string, or a structured output complete at
+            max_new_tokens where only the EOS could follow) or ``"length"`` (max_new_tokens).
         stats: :class:`GenerationStats`.
         logprobs: with ``logprobs=k`` (0 to 20), one :class:`~dflash_torch.sampling.TokenLogprob`
             per token of ``token_ids``: its natural-log probability under the target
@@ -1138,7 +1139,9 @@ class DFlashEngine:
                 target's tokens that would leave the constraint get -inf; speculative decoding
                 stays lossless for that constrained target, and the drafter proposes only
                 valid continuations. Not with ``ignore_eos`` or ``min_tokens`` (the constraint
-                decides where the output ends).
+                decides where the output ends). An output that reaches ``max_new_tokens`` where
+                the constraint is complete and allows only the EOS ends with ``finish_reason``
+                ``"stop"``, as if the EOS had followed (it is not in the token ids).
             logprobs: None (default) or k in [0, 20]: each chunk carries the target's
                 log-probability of each of its tokens and the k most likely tokens at
                 that position (``StreamChunk.logprobs``; see :class:`GenerationResult`).
@@ -1402,6 +1405,8 @@ class DFlashEngine:
         if rnd.error is not None:  # (this sequence only: e.g. its structured-output constraint cannot go on)
             raise DFlashError(f"structured output failed: {rnd.error}")
         text, kept, finish = stopper.feed(rnd.tokens)
+        if finish == "length" and rnd.complete_after == kept:  # (only the EOS could follow: the constraint ended it)
+            finish = "stop"
         if rnd.acceptance_length is None:
             stats.prefill_time = rnd.total_time
             stats.cached_prompt_tokens = rnd.cached_tokens

@@ -565,6 +565,13 @@ class LogitsProcessor:
         return self.grammar.failed if self.grammar is not None else None
 
     @property
+    def complete_after(self) -> int | None:
+        """How many of the last committed tokens lead to where the grammar is complete and
+        allows only an EOS (:attr:`~dflash_torch.structured.GrammarState.complete_after`),
+        else None (also without a grammar)."""
+        return self.grammar.complete_after if self.grammar is not None else None
+
+    @property
     def adjusts_drafts(self) -> bool:
         """Whether :meth:`choose_draft` proposes other drafts than the drafter alone would
         (a bias, min_tokens not reached yet, a grammar)."""

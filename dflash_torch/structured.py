@@ -531,6 +531,10 @@ class GrammarState:
         self.rows: dict[tuple[int, ...], torch.Tensor] = {}  # path prefix -> bit mask there (refusals cleared)
         self.ended = False  # the committed tokens end with an EOS
         self.failed: str | None = None  # why the constraint cannot go on (see the class docstring)
+        # how many of the last commit's tokens lead to where the constraint is complete and allows only
+        # an EOS (llguidance's matcher is stopped: e.g. a choice written whole that begins no other);
+        # None where it can go on (see commit)
+        self.complete_after: int | None = None
         self._last_error: str | None = None  # llguidance's reason for the last token it failed to consume
         self.dead: dict[tuple[int, ...], str] = {}  # path prefix -> why nothing can follow it (a dead end)
         # how many of the last verify block's drafts may be accepted (None: all): a draft after which
@@ -707,7 +711,9 @@ class GrammarState:
         """The round committed ``tokens`` (in order): the committed state moves past them and
         the next round starts with an empty path (the masks past them kept). Tokens
         after an EOS (where decoding stops) are not consumed; a token the constraint does not
-        allow there (none should be: every decision is made on masked logits) sets :attr:`failed`."""
+        allow there (none should be: every decision is made on masked logits) sets :attr:`failed`.
+        Sets :attr:`complete_after`: the number of ``tokens`` before their EOS (all where none)
+        when after them the constraint allows only an EOS, else None."""
         tokens = [int(t) for t in tokens]
         common = 0
         while common < min(len(tokens), len(self.path)) and tokens[common] == self.path[common]:
@@ -720,6 +726,9 @@ class GrammarState:
                 self.failed = self._last_error or f"committed token {t} is not allowed by the constraint"
         k, path = len(self.path), tuple(self.path)
         self.ended = self._ended()
+        # (a stopped matcher takes nothing but an EOS; the EOS that may end the path is not the matcher's)
+        stopped = self.failed is None and self.snaps[-1].is_stopped()
+        self.complete_after = (k - 1 if self.ended and k else k) if stopped else None
         self.rows = {key[k:]: row for key, row in self.rows.items() if key[:k] == path}
         self.dead = {key[k:]: why for key, why in self.dead.items() if key[:k] == path}
         self.snaps = [self.snaps[-1]]

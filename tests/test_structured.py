@@ -721,3 +721,37 @@ def test_logprobs_and_stream_with_a_constraint(engines):
     assert [lp.token_id for lp in out.logprobs] == out.token_ids
     raw = target_logits(e, [5, 9, 13]).log_softmax(-1)
     assert abs(out.logprobs[0].logprob - float(raw[out.token_ids[0]])) < 1e-4
+
+
+def test_max_new_tokens_where_the_constraint_can_only_end_finishes_with_stop(engines):
+    """An output that reaches ``max_new_tokens`` where its constraint is complete and allows
+    only the EOS (a fresh llguidance matcher after its tokens is stopped) has ended as the
+    constraint ends it: finish_reason ``stop``, not ``length`` (trial-292: a forced tool call
+    complete up to its closing marker came back cut), in every mode, streamed and in a batch,
+    as target-only; where the constraint could still go on (a choice that begins a longer
+    one, a regex), ``length``."""
+    oracle = oracle_tokenizer(engines["target"])
+    seen = set()
+    compact = {"json": dict(SCHEMA, **{"x-guidance": {"whitespace_flexible": False}})}  # (this model pads JSON)
+    for name, spec in [("choice", SPECS["choice"]), ("json", compact), ("forced", SPECS["forced"]),
+                       ("regex", SPECS["regex"])]:
+        for prompt in ([5, 9, 13], [100, 7]):
+            full = engines["target"].generate(prompt, max_new_tokens=64, structured_output=spec)
+            assert full.token_ids[-1] == EOS_ID and full.finish_reason == "stop", (name, prompt)  # (guard)
+            cut = len(full.token_ids) - 1  # (all but the EOS)
+            matcher = llguidance.LLMatcher(oracle, oracle_grammar(spec))
+            assert all(matcher.consume_token(t) for t in full.token_ids[:cut])
+            want = "stop" if matcher.is_stopped() else "length"
+            seen.add(want)
+            for mode in ("target", "inject", "recompute", "static", "dflash2"):
+                out = engines[mode].generate(prompt, max_new_tokens=cut, structured_output=spec)
+                assert (out.token_ids, out.text, out.finish_reason) == (full.token_ids[:cut], full.text, want), \
+                    (mode, name, prompt)
+            chunks = list(engines["inject"].stream(prompt, max_new_tokens=cut, structured_output=spec))
+            assert chunks[-1].finish_reason == want
+            batch = engines["static"].generate_batch([prompt, [3, 17]], max_new_tokens=cut, structured_output=spec)
+            assert batch[0].finish_reason == want and batch[0].token_ids == full.token_ids[:cut]
+            if cut > 1:  # one token short of it: cut
+                assert engines["inject"].generate(prompt, max_new_tokens=cut - 1,
+                                                  structured_output=spec).finish_reason == "length"
+    assert seen == {"stop", "length"}, seen

@@ -233,6 +233,55 @@ def test_tool_choice_required_and_named_give_tool_calls_equal_to_target_only(ser
     assert calls and all(conforms(args, _schema_of(name)) for name, args in calls)
 
 
+CALL_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _flat(tool_choice) -> dict | str:
+    """A chat ``tool_choice`` as the Responses API spells it."""
+    return tool_choice if isinstance(tool_choice, str) else {"type": "function", "name": tool_choice["function"]["name"]}
+
+
+def test_max_tokens_where_a_forced_call_or_a_choice_is_complete_is_no_cut(servers):
+    """``max_tokens`` reached where the constraint can only end (only the EOS may follow: a
+    named call complete up to its closing marker, a choice written whole) is the natural end:
+    finish_reason tool_calls / stop, Responses status completed (were length / incomplete,
+    the full call in tool_calls; trial-292), streamed and not, speculative as target-only; a
+    token short of it, length."""
+    _, alone = servers
+    for client in servers:  # (hermes; qwen3_coder without a drafter)
+        whole = _chat(client, tools=TOOLS, tool_choice=CALL_WEATHER)
+        n, calls = whole.usage.completion_tokens - 1, _calls(whole.choices[0].message.tool_calls)  # (n: all but the EOS)
+        r = _chat(client, tools=TOOLS, tool_choice=CALL_WEATHER, max_tokens=n)
+        assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "tool_calls", r
+        assert _calls(r.choices[0].message.tool_calls) == calls
+        streamed, finish = [], None
+        for chunk in _chat(client, tools=TOOLS, tool_choice=CALL_WEATHER, max_tokens=n, stream=True):
+            for ch in chunk.choices:
+                streamed += ch.delta.tool_calls or []
+                finish = ch.finish_reason or finish
+        assert finish == "tool_calls" and _calls(streamed) == calls
+        responses = {"model": MODEL, "input": MESSAGES, "temperature": 0, "max_output_tokens": n,
+                     "tools": [{"type": "function", **t["function"]} for t in TOOLS], "tool_choice": _flat(CALL_WEATHER)}
+        r = client.responses.create(**responses)
+        assert r.status == "completed" and [(o.name, json.loads(o.arguments)) for o in r.output] == calls, r
+        assert [e for e in client.responses.create(**responses, stream=True)][-1].type == "response.completed"
+        short = _chat(client, tools=TOOLS, tool_choice=CALL_WEATHER, max_tokens=n - 1).choices[0]
+        assert short.finish_reason == "length" and not short.message.tool_calls, short
+        assert client.responses.create(**{**responses, "max_output_tokens": n - 1}).status == "incomplete"
+    # a choice (none begins another): the same, speculative as target-only
+    want = _complete(alone, extra_body={"guided_choice": CHOICES})
+    n, text = want.usage.completion_tokens - 1, want.choices[0].text  # (all but the EOS)
+    assert want.choices[0].finish_reason == "stop" and text in CHOICES and n >= 1, want
+    for client in servers:
+        got = _complete(client, max_tokens=n, extra_body={"guided_choice": CHOICES}).choices[0]
+        assert (got.text, got.finish_reason) == (text, "stop"), got
+        streamed, finish, _ = _streamed_choices(_complete(client, max_tokens=n, stream=True,
+                                                          extra_body={"guided_choice": CHOICES}))
+        assert streamed == {0: text} and finish == {0: "stop"}
+        assert _complete(client, max_tokens=n - 1, extra_body={"guided_choice": CHOICES}).choices[0].finish_reason \
+            == ("length" if n > 1 else "stop")
+
+
 @pytest.fixture(scope="module")
 def engine():
     """The shipped target alone (its tokenizer for the grammars)."""
